@@ -1,0 +1,135 @@
+# rekv — top-level build. `make` builds every program into build/bin/, `make test` builds and runs
+# every test, `make CUDA=0` forces a CPU-only build, `make V=1` shows full commands.
+#
+# Layout: each module folder (common, loader, gpuworker, kvstore, coordinator) becomes a static
+# library of its .c files, except files named *_main.c, which are programs. proto/*.proto are
+# compiled by protoc-c into build/gen/proto. tests/test_*.c are Check suites, one program each.
+
+V ?= 0
+ifeq ($(V),0)
+Q := @
+say = @printf '  %-7s %s\n' $(1) $(2);
+else
+Q :=
+say =
+endif
+
+NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc))
+CUDA ?= $(if $(NVCC),1,0)
+
+BUILD ?= build
+export REKV_BUILD := $(BUILD)
+CC ?= cc
+PKGS := jansson libpcre2-8 libzmq liburing libprotobuf-c libsystemd openblas
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null)
+
+WARN := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-parameter
+CFLAGS ?= -O2 -g
+ALL_CFLAGS := -std=gnu11 $(WARN) $(CFLAGS) -I. -I$(BUILD)/gen $(PKG_CFLAGS) -MMD -MP -fPIC
+LDLIBS := $(PKG_LIBS) -llapacke -lpthread -lm
+
+MODULES := common proto loader kvstore gpuworker coordinator
+# link order: users before what they use
+LINK_ORDER := coordinator gpuworker kvstore loader proto common
+
+PROTOS := $(wildcard proto/*.proto)
+PROTO_C := $(patsubst proto/%.proto,$(BUILD)/gen/proto/%.pb-c.c,$(PROTOS))
+PROTO_H := $(PROTO_C:.c=.h)
+
+lib_srcs = $(filter-out %_main.c,$(wildcard $(1)/*.c))
+lib_objs = $(patsubst %.c,$(BUILD)/obj/%.o,$(call lib_srcs,$(1)))
+$(foreach m,common loader kvstore gpuworker coordinator,$(eval OBJS_$(m) := $(call lib_objs,$(m))))
+OBJS_proto := $(patsubst $(BUILD)/gen/%.c,$(BUILD)/obj/gen/%.o,$(PROTO_C))
+
+ifeq ($(CUDA),1)
+CU_SRCS := $(wildcard gpuworker/*.cu)
+CU_OBJS := $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CU_SRCS))
+CUDA_HOME := $(patsubst %/bin/nvcc,%,$(NVCC))
+NVCCFLAGS := -O2 -std=c++17 -I. -I$(BUILD)/gen -Xcompiler -fPIC,-Wall \
+             -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+OBJS_gpuworker += $(CU_OBJS)
+ALL_CFLAGS += -DREKV_CUDA=1 -I$(CUDA_HOME)/include
+LDLIBS += -L$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ -Wl,-rpath,$(CUDA_HOME)/lib64
+endif
+
+LIBS := $(foreach m,$(LINK_ORDER),$(BUILD)/lib/librekv_$(m).a)
+
+# programs: name -> main file
+PROGRAMS := rekv rekv-loader
+MAIN_rekv := coordinator/rekv_main.c
+MAIN_rekv-loader := loader/rekv_loader_main.c
+ifneq ($(wildcard kvstore/kvstore_main.c),)
+PROGRAMS += rekv-kvstore
+MAIN_rekv-kvstore := kvstore/kvstore_main.c
+endif
+BINS := $(addprefix $(BUILD)/bin/,$(PROGRAMS))
+
+TEST_SRCS := $(wildcard tests/test_*.c)
+TEST_BINS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRCS))
+TEST_SUPPORT := $(filter-out tests/test_% tests/fuzz_%,$(wildcard tests/*.c))
+TEST_SUPPORT_OBJS := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_SUPPORT))
+
+.PHONY: all test clean fuzz format
+all: $(BINS)
+
+$(BUILD)/gen/proto/%.pb-c.c $(BUILD)/gen/proto/%.pb-c.h: proto/%.proto
+	$(call say,PROTOC,$<)
+	$(Q)mkdir -p $(BUILD)/gen/proto && protoc-c --proto_path=. --c_out=$(BUILD)/gen $<
+
+# every object may include generated protobuf headers
+$(BUILD)/obj/%.o: %.c | $(PROTO_H)
+	$(call say,CC,$<)
+	$(Q)mkdir -p $(@D) && $(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c
+	$(call say,CC,$<)
+	$(Q)mkdir -p $(@D) && $(CC) $(filter-out -Werror,$(ALL_CFLAGS)) -c $< -o $@
+
+$(BUILD)/obj/%.cu.o: %.cu
+	$(call say,NVCC,$<)
+	$(Q)mkdir -p $(@D) && $(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+define lib_rule
+$(BUILD)/lib/librekv_$(1).a: $$(OBJS_$(1))
+	$$(call say,AR,$$@)
+	$$(Q)mkdir -p $$(@D) && rm -f $$@ && ar rcs $$@ $$^
+endef
+$(foreach m,$(MODULES),$(eval $(call lib_rule,$(m))))
+
+define prog_rule
+$(BUILD)/bin/$(1): $(BUILD)/obj/$(patsubst %.c,%.o,$(MAIN_$(1))) $(LIBS)
+	$$(call say,LD,$$@)
+	$$(Q)mkdir -p $$(@D) && $$(CC) -o $$@ $$< $(LIBS) $$(LDLIBS)
+endef
+$(foreach p,$(PROGRAMS),$(eval $(call prog_rule,$(p))))
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TEST_SUPPORT_OBJS) $(LIBS)
+	$(call say,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $< $(TEST_SUPPORT_OBJS) $(LIBS) $(CHECK_LIBS) $(LDLIBS)
+
+# Sanitizer build of the parsers, run over a corpus of mutated inputs (part of `make test`).
+ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+ASAN_SRCS := $(call lib_srcs,common) $(call lib_srcs,loader)
+ASAN_OBJS := $(patsubst %.c,$(BUILD)/asan/%.o,$(ASAN_SRCS) tests/fuzz_parsers.c)
+$(BUILD)/asan/%.o: %.c
+	$(call say,CC-ASAN,$<)
+	$(Q)mkdir -p $(@D) && $(CC) $(ALL_CFLAGS) -O1 $(ASAN_FLAGS) -c $< -o $@
+$(BUILD)/asan/fuzz_parsers: $(ASAN_OBJS)
+	$(call say,LD,$@)
+	$(Q)$(CC) $(ASAN_FLAGS) -o $@ $^ $(LDLIBS)
+
+fuzz: $(if $(wildcard tests/fuzz_parsers.c),$(BUILD)/asan/fuzz_parsers)
+	$(if $(wildcard tests/fuzz_parsers.c),$(Q)tests/run_fuzz.sh $(BUILD)/asan/fuzz_parsers)
+
+test: $(BINS) $(TEST_BINS) fuzz
+	$(Q)tests/run_tests.sh $(TEST_BINS)
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')
+
+clean:
+	rm -rf $(BUILD)
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

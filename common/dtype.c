@@ -1,0 +1,121 @@
+/* dtype.c — see dtype.h. */
+#include "common/dtype.h"
+
+#include <errno.h>
+#include <math.h>
+
+const char *rekv_dtype_name(rekv_dtype t)
+{
+    switch (t) {
+    case REKV_DTYPE_F32:
+        return "F32";
+    case REKV_DTYPE_F16:
+        return "F16";
+    case REKV_DTYPE_BF16:
+        return "BF16";
+    }
+    return "?";
+}
+
+int rekv_dtype_parse(const char *s, rekv_dtype *out)
+{
+    if (strcmp(s, "F32") == 0)
+        *out = REKV_DTYPE_F32;
+    else if (strcmp(s, "F16") == 0)
+        *out = REKV_DTYPE_F16;
+    else if (strcmp(s, "BF16") == 0)
+        *out = REKV_DTYPE_BF16;
+    else
+        return -EINVAL;
+    return 0;
+}
+
+float rekv_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while ((man & 0x400u) == 0);
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t rekv_f32_to_f16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return sign | 0x7e00u; /* NaN */
+    if (a >= 0x477ff000u)     /* rounds to >= 65520: inf */
+        return sign | 0x7c00u;
+    if (a < 0x38800000u) { /* below the smallest normal: subnormal or zero */
+        float af;
+        memcpy(&af, &a, 4);
+        /* 2^-24 is the subnormal step; nearbyint rounds half to even in the default mode */
+        return sign | (uint16_t)nearbyintf(af * 16777216.0f);
+    }
+    uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xfffu + mant_odd;
+    return sign | (uint16_t)(((a >> 13) - ((uint32_t)(127 - 15) << 10)) & 0x7fffu);
+}
+
+void rekv_to_f32(float *dst, const void *src, rekv_dtype t, size_t n)
+{
+    switch (t) {
+    case REKV_DTYPE_F32:
+        memcpy(dst, src, n * 4);
+        break;
+    case REKV_DTYPE_F16: {
+        const uint16_t *s = src;
+        for (size_t i = 0; i < n; i++)
+            dst[i] = rekv_f16_to_f32(s[i]);
+        break;
+    }
+    case REKV_DTYPE_BF16: {
+        const uint16_t *s = src;
+        for (size_t i = 0; i < n; i++)
+            dst[i] = rekv_bf16_to_f32(s[i]);
+        break;
+    }
+    }
+}
+
+void rekv_from_f32(void *dst, const float *src, rekv_dtype t, size_t n)
+{
+    switch (t) {
+    case REKV_DTYPE_F32:
+        memcpy(dst, src, n * 4);
+        break;
+    case REKV_DTYPE_F16: {
+        uint16_t *d = dst;
+        for (size_t i = 0; i < n; i++)
+            d[i] = rekv_f32_to_f16(src[i]);
+        break;
+    }
+    case REKV_DTYPE_BF16: {
+        uint16_t *d = dst;
+        for (size_t i = 0; i < n; i++)
+            d[i] = rekv_f32_to_bf16(src[i]);
+        break;
+    }
+    }
+}

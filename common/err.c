@@ -1,0 +1,25 @@
+/* err.c — see err.h. */
+#include "common/err.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+int rekv_errf(rekv_err *err, int code, const char *fmt, ...)
+{
+    if (err == NULL || err->code != 0)
+        return code;
+    err->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+void rekv_err_clear(rekv_err *err)
+{
+    if (err == NULL)
+        return;
+    err->code = 0;
+    err->msg[0] = '\0';
+}

@@ -1,0 +1,209 @@
+/* loader.h — the public interface of rekv's model loader.
+ *
+ * The loader reads a model from disk — a HuggingFace directory (config.json, *.safetensors,
+ * tokenizer files) of the OPT or Llama families, or a llama2.c legacy checkpoint — and presents it
+ * in one architecture-neutral form: a rekv_model_config and a rekv_weights table of tensors that
+ * point into the memory-mapped files, in the file's dtype. Backends convert to their compute dtype.
+ *
+ * Every function returns 0 or a negative errno and, on failure, fills the rekv_err with one line
+ * naming the file and what is wrong. Nothing here prints. */
+#ifndef REKV_LOADER_H
+#define REKV_LOADER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/err.h"
+
+/* ---------------------------------------------------------------- model configuration */
+
+typedef enum rekv_arch {
+    REKV_ARCH_OPT = 0,   /* OPTForCausalLM: LayerNorm, learned positions (+2 offset), ReLU FFN */
+    REKV_ARCH_LLAMA = 1, /* Llama/Mistral/Qwen2 and llama2.c: RMSNorm, RoPE, SwiGLU, GQA */
+} rekv_arch;
+
+typedef enum rekv_rope {
+    REKV_ROPE_NONE = 0,     /* OPT: learned absolute positions */
+    REKV_ROPE_HALF = 1,     /* HF Llama: rotate (x[j], x[j + head_dim/2]) */
+    REKV_ROPE_ADJACENT = 2, /* llama2.c: rotate (x[2j], x[2j+1]) */
+} rekv_rope;
+
+typedef enum rekv_act {
+    REKV_ACT_RELU = 0,
+    REKV_ACT_GELU = 1, /* exact erf GELU */
+    REKV_ACT_SILU = 2, /* with a gate: SwiGLU */
+} rekv_act;
+
+typedef struct rekv_model_config {
+    rekv_arch arch;
+    rekv_rope rope;
+    rekv_act act;
+    int n_layers;
+    int hidden;     /* model width d */
+    int n_heads;    /* query heads */
+    int n_kv_heads; /* key/value heads (== n_heads without GQA) */
+    int head_dim;   /* per head; n_heads * head_dim need not equal hidden (explicit head_dim) */
+    int ffn;        /* FFN inner width */
+    int vocab;
+    int max_pos;    /* context length the model supports */
+    int embed_dim;  /* OPT word_embed_proj_dim; == hidden when there is no project_in/out */
+    float norm_eps;
+    float rope_theta;
+    int pre_norm;     /* OPT do_layer_norm_before; always 1 for Llama */
+    int tied_head;    /* lm_head shares embed_tokens */
+    int qkv_bias;     /* q/k/v projections have biases (OPT, Qwen2) */
+    int o_bias;       /* output projection has a bias (OPT) */
+    int ffn_bias;     /* FFN projections have biases (OPT) */
+    int final_norm_bias; /* final and per-layer norms have biases (LayerNorm) */
+    int bos_id;       /* -1 when none */
+    int eos_id;       /* -1 when none */
+    int pad_id;       /* -1 when none */
+    int add_bos;      /* the tokenizer prepends bos_id to every prompt */
+    rekv_dtype dtype; /* dtype of the stored weights */
+} rekv_model_config;
+
+/* kv_dim = n_kv_heads * head_dim; q_dim = n_heads * head_dim. */
+static inline int rekv_config_kv_dim(const rekv_model_config *c) { return c->n_kv_heads * c->head_dim; }
+static inline int rekv_config_q_dim(const rekv_model_config *c) { return c->n_heads * c->head_dim; }
+
+/* Parses a HuggingFace config.json (OPT, Llama, Mistral, Qwen2), validating every field. */
+int rekv_config_load_hf(const char *config_json_path, rekv_model_config *out, rekv_err *err);
+
+/* ---------------------------------------------------------------- safetensors */
+
+#define REKV_MAX_DIMS 8
+
+typedef struct rekv_tensor {
+    const char *name;             /* owned by the file it came from */
+    rekv_dtype dtype;
+    int ndim;
+    int64_t shape[REKV_MAX_DIMS]; /* row-major; shape[ndim-1] varies fastest */
+    const void *data;             /* points into a read-only mmap */
+    size_t nbytes;
+} rekv_tensor;
+
+static inline int64_t rekv_tensor_numel(const rekv_tensor *t)
+{
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->shape[i];
+    return n;
+}
+
+/* A set of safetensors files: one model.safetensors or the shards named by
+ * model.safetensors.index.json. Opening validates every header strictly. */
+typedef struct rekv_safetensors rekv_safetensors;
+
+/* path: a .safetensors file, a model.safetensors.index.json, or a directory holding either. */
+int rekv_safetensors_open(const char *path, rekv_safetensors **out, rekv_err *err);
+void rekv_safetensors_close(rekv_safetensors *st);
+size_t rekv_safetensors_count(const rekv_safetensors *st);
+const rekv_tensor *rekv_safetensors_at(const rekv_safetensors *st, size_t i);
+/* NULL when there is no tensor of that name. */
+const rekv_tensor *rekv_safetensors_find(const rekv_safetensors *st, const char *name);
+
+/* Streaming writer: the caller declares every tensor first (the header is written then), and then
+ * writes each tensor's bytes in declaration order, in as many pieces as it likes, so that models
+ * larger than memory can be written. */
+typedef struct rekv_st_writer rekv_st_writer;
+int rekv_st_writer_open(const char *path, rekv_st_writer **out, rekv_err *err);
+int rekv_st_writer_declare(rekv_st_writer *w, const char *name, rekv_dtype dtype, int ndim,
+                           const int64_t *shape, rekv_err *err);
+int rekv_st_writer_write(rekv_st_writer *w, const void *data, size_t nbytes, rekv_err *err);
+/* Checks every declared byte was written, flushes, closes; frees w in all cases. */
+int rekv_st_writer_close(rekv_st_writer *w, rekv_err *err);
+
+/* ---------------------------------------------------------------- weights */
+
+/* The weights of one decoder layer; a NULL entry means the architecture has no such tensor.
+ * Shapes are as HuggingFace stores them: a linear layer's weight is [out][in]. */
+typedef struct rekv_layer_weights {
+    const rekv_tensor *attn_norm_w, *attn_norm_b; /* [hidden] */
+    const rekv_tensor *wq, *bq;                   /* [q_dim][hidden], [q_dim] */
+    const rekv_tensor *wk, *bk;                   /* [kv_dim][hidden], [kv_dim] */
+    const rekv_tensor *wv, *bv;                   /* [kv_dim][hidden], [kv_dim] */
+    const rekv_tensor *wo, *bo;                   /* [hidden][q_dim], [hidden] */
+    const rekv_tensor *ffn_norm_w, *ffn_norm_b;   /* [hidden] */
+    const rekv_tensor *w1, *b1; /* OPT fc1 / Llama gate_proj: [ffn][hidden], [ffn] */
+    const rekv_tensor *w2, *b2; /* OPT fc2 / Llama down_proj: [hidden][ffn], [hidden] */
+    const rekv_tensor *w3;      /* Llama up_proj: [ffn][hidden]; NULL for OPT */
+} rekv_layer_weights;
+
+typedef struct rekv_weights {
+    const rekv_tensor *embed_tokens;    /* [vocab][embed_dim] */
+    const rekv_tensor *embed_positions; /* OPT: [max_pos + 2][hidden]; NULL otherwise */
+    const rekv_tensor *project_in;      /* OPT: [hidden][embed_dim] when embed_dim != hidden */
+    const rekv_tensor *project_out;     /* OPT: [embed_dim][hidden] when embed_dim != hidden */
+    const rekv_tensor *final_norm_w, *final_norm_b; /* [hidden] */
+    const rekv_tensor *lm_head;         /* [vocab][embed_dim]; == embed_tokens when tied */
+    rekv_layer_weights *layers;         /* [n_layers] */
+} rekv_weights;
+
+/* ---------------------------------------------------------------- tokenizer */
+
+typedef struct rekv_tokenizer rekv_tokenizer;
+
+/* Loads the tokenizer that belongs to a model: for a HF directory, tokenizer.json when present,
+ * else vocab.json + merges.txt (byte-level BPE); for a llama2.c .bin, a tokenizer.bin beside it.
+ * Returns -ENOENT (with a message) when the model has no tokenizer. */
+int rekv_tokenizer_load_for_model(const char *model_path, rekv_tokenizer **out, rekv_err *err);
+/* Loads one tokenizer file set explicitly. */
+int rekv_tokenizer_load_bpe(const char *vocab_json, const char *merges_txt, rekv_tokenizer **out,
+                            rekv_err *err);
+int rekv_tokenizer_load_hf_json(const char *tokenizer_json, rekv_tokenizer **out, rekv_err *err);
+int rekv_tokenizer_load_llama2c(const char *tokenizer_bin, rekv_tokenizer **out, rekv_err *err);
+void rekv_tokenizer_free(rekv_tokenizer *tok);
+
+/* Encodes UTF-8 text (len bytes; need not be NUL-terminated) into ids; bos_id >= 0 prepends it.
+ * *ids is malloc'd; the caller frees it. Special-token strings in the text are matched as specials. */
+int rekv_tokenizer_encode(const rekv_tokenizer *tok, const char *text, size_t len, int bos_id,
+                          int32_t **ids, size_t *n_ids, rekv_err *err);
+/* Decodes ids into UTF-8 (malloc'd, NUL-terminated; *len excludes the NUL). Special tokens such
+ * as BOS/EOS are skipped. Bytes that are not valid UTF-8 are kept as they are. */
+int rekv_tokenizer_decode(const rekv_tokenizer *tok, const int32_t *ids, size_t n_ids, char **text,
+                          size_t *len, rekv_err *err);
+int rekv_tokenizer_vocab_size(const rekv_tokenizer *tok);
+/* The id of a token string (e.g. "</s>"), or -1. */
+int rekv_tokenizer_token_id(const rekv_tokenizer *tok, const char *piece);
+
+/* ---------------------------------------------------------------- a whole model */
+
+typedef struct rekv_model {
+    rekv_model_config config;
+    rekv_weights weights;
+    rekv_tokenizer *tokenizer; /* NULL when the model has none (stories260K) */
+    char *path;
+    /* private: what backs the tensors */
+    rekv_safetensors *st;      /* HF models */
+    void *map;                 /* llama2.c: the mmap'd checkpoint */
+    size_t map_len;
+    rekv_tensor *owned;        /* llama2.c: the tensor descriptors */
+    size_t n_owned;
+} rekv_model;
+
+/* path: a HF directory or a llama2.c .bin. Validates the config, every tensor's presence, dtype and
+ * shape, and loads the tokenizer when there is one. */
+int rekv_model_open(const char *path, rekv_model **out, rekv_err *err);
+void rekv_model_close(rekv_model *m);
+
+/* Opens a llama2.c legacy checkpoint (see shared/models/stories260K/FORMAT.md). */
+int rekv_model_open_llama2c(const char *bin_path, rekv_model **out, rekv_err *err);
+/* Opens a HF directory. */
+int rekv_model_open_hf(const char *dir, rekv_model **out, rekv_err *err);
+
+/* ---------------------------------------------------------------- synthetic models */
+
+typedef struct rekv_synth_spec {
+    rekv_arch arch;
+    int n_layers, hidden, n_heads, n_kv_heads, ffn, vocab, max_pos;
+    rekv_dtype dtype;
+    uint64_t seed;
+    int tied_head; /* default: OPT tied, Llama untied */
+} rekv_synth_spec;
+
+/* Writes a HF-format directory (config.json + model.safetensors) with deterministic weights scaled
+ * so activations stay in range, streaming tensors so that any size can be written. */
+int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *err);
+
+#endif
