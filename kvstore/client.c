@@ -1,0 +1,520 @@
+/* client.c — the kvstore client library (used by the gpuworker, the bench and the tests): receives
+ * the arena memfd over the fd socket, maps it, and makes synchronous protobuf requests over a
+ * ZeroMQ DEALER socket. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+#include "kvstore/kvstore.h"
+#include "proto/kvstore.pb-c.h"
+
+struct rekv_kvstore_client {
+    void *zctx, *zsock;        /* ZeroMQ context and DEALER socket */
+    int timeout_ms;            /* per request */
+    uint64_t next_id;          /* request ids */
+    int memfd;                 /* the arena */
+    void *arena;               /* its mapping */
+    size_t bytes;              /* mapping length */
+    rekv_kv_arena_header *hdr; /* == arena */
+    uint8_t *buf;              /* packing buffer */
+    size_t cap;
+};
+
+static int recv_memfd(const char *path, int timeout_ms, int *out, rekv_err *err)
+{
+    int rc = 0;
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return rekv_errf(err, -errno, "kvstore client: socket: %s", strerror(errno));
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof(sa.sun_path)) {
+        rc = rekv_errf(err, -ENAMETOOLONG, "kvstore client: %s is too long", path);
+        goto out;
+    }
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    if (connect(s, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        rc = rekv_errf(err, -errno, "kvstore client: connect %s: %s", path, strerror(errno));
+        goto out;
+    }
+    char byte;
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+                        .msg_controllen = sizeof(u.buf)};
+    ssize_t n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
+    if (n <= 0) {
+        rc = rekv_errf(err, n < 0 ? -errno : -EPROTO, "kvstore client: no arena from %s: %s", path,
+                       n < 0 ? strerror(errno) : "connection closed");
+        goto out;
+    }
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    if (cm == NULL || cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS ||
+        cm->cmsg_len != CMSG_LEN(sizeof(int))) {
+        rc = rekv_errf(err, -EPROTO, "kvstore client: %s sent no file descriptor", path);
+        goto out;
+    }
+    memcpy(out, CMSG_DATA(cm), sizeof(int));
+out:
+    close(s);
+    return rc;
+}
+
+int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int timeout_ms,
+                                rekv_kvstore_client **out, rekv_err *err)
+{
+    int rc = 0;
+    char path[4096];
+    *out = NULL;
+    if (timeout_ms <= 0)
+        timeout_ms = 30000;
+    if (fd_socket == NULL) {
+        if (strncmp(endpoint, "ipc://", 6) != 0)
+            return rekv_errf(err, -EINVAL, "kvstore client: %s is not ipc://; give the fd socket",
+                             endpoint);
+        snprintf(path, sizeof(path), "%s.fd", endpoint + 6);
+        fd_socket = path;
+    }
+    rekv_kvstore_client *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+    c->memfd = -1;
+    c->arena = MAP_FAILED;
+    c->timeout_ms = timeout_ms;
+    if ((rc = recv_memfd(fd_socket, timeout_ms, &c->memfd, err)) < 0)
+        goto fail;
+    struct stat st;
+    if (fstat(c->memfd, &st) < 0) {
+        rc = rekv_errf(err, -errno, "kvstore client: fstat arena: %s", strerror(errno));
+        goto fail;
+    }
+    c->bytes = (size_t)st.st_size;
+    c->arena = mmap(NULL, c->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->memfd, 0);
+    if (c->arena == MAP_FAILED) {
+        rc = rekv_errf(err, -errno, "kvstore client: mmap arena: %s", strerror(errno));
+        goto fail;
+    }
+    c->hdr = c->arena;
+    if ((rc = rekv_kv_arena_header_check(c->hdr, c->bytes, err)) < 0)
+        goto fail;
+    c->zctx = zmq_ctx_new();
+    c->zsock = c->zctx ? zmq_socket(c->zctx, ZMQ_DEALER) : NULL;
+    if (c->zsock == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "kvstore client: zmq socket: %s", zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    int zero = 0;
+    zmq_setsockopt(c->zsock, ZMQ_LINGER, &zero, sizeof(zero));
+    if (zmq_connect(c->zsock, endpoint) < 0) {
+        rc = rekv_errf(err, -zmq_errno(), "kvstore client: connect %s: %s", endpoint,
+                       zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    c->next_id = ((uint64_t)getpid() << 32);
+    *out = c;
+    return 0;
+fail:
+    rekv_kvstore_client_close(c);
+    return rc;
+}
+
+void rekv_kvstore_client_close(rekv_kvstore_client *c)
+{
+    if (c == NULL)
+        return;
+    if (c->zsock)
+        zmq_close(c->zsock);
+    if (c->zctx)
+        zmq_ctx_term(c->zctx);
+    if (c->arena != MAP_FAILED)
+        munmap(c->arena, c->bytes);
+    if (c->memfd >= 0)
+        close(c->memfd);
+    free(c->buf);
+    free(c);
+}
+
+void *rekv_kvstore_client_arena(const rekv_kvstore_client *c, size_t *bytes)
+{
+    if (bytes)
+        *bytes = c->bytes;
+    return c->arena;
+}
+
+const rekv_kv_arena_header *rekv_kvstore_client_header(const rekv_kvstore_client *c)
+{
+    return c->hdr;
+}
+
+void rekv_kvstore_client_geometry(const rekv_kvstore_client *c, rekv_kv_geometry *g)
+{
+    g->n_layers = c->hdr->n_layers;
+    g->n_kv_heads = c->hdr->n_kv_heads;
+    g->head_dim = c->hdr->head_dim;
+    g->hidden = c->hdr->hidden;
+    g->dtype = (rekv_dtype)c->hdr->dtype;
+    g->block_tokens = c->hdr->block_tokens;
+}
+
+/* Sends len bytes and waits for the reply frame whose Response id is `id` (id 0 accepts any). */
+static int call_raw(rekv_kvstore_client *c, const void *buf, size_t len, uint64_t id,
+                    Rekv__Kvstore__Response **resp, rekv_err *err)
+{
+    *resp = NULL;
+    if (zmq_send(c->zsock, buf, len, 0) < 0)
+        return rekv_errf(err, -zmq_errno(), "kvstore client: send: %s", zmq_strerror(zmq_errno()));
+    uint64_t deadline = rekv_now_ns() + (uint64_t)c->timeout_ms * 1000000ull;
+    for (;;) {
+        uint64_t now = rekv_now_ns();
+        if (now >= deadline)
+            return rekv_errf(err, -ETIMEDOUT, "kvstore client: no reply in %d ms", c->timeout_ms);
+        zmq_pollitem_t it = {.socket = c->zsock, .events = ZMQ_POLLIN};
+        int pr = zmq_poll(&it, 1, (long)((deadline - now) / 1000000ull) + 1);
+        if (pr < 0 && zmq_errno() != EINTR)
+            return rekv_errf(err, -zmq_errno(), "kvstore client: poll: %s",
+                             zmq_strerror(zmq_errno()));
+        if (pr <= 0)
+            continue;
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, c->zsock, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&m);
+            continue;
+        }
+        Rekv__Kvstore__Response *r =
+            rekv__kvstore__response__unpack(NULL, zmq_msg_size(&m), zmq_msg_data(&m));
+        zmq_msg_close(&m);
+        if (r == NULL)
+            return rekv_errf(err, -EPROTO, "kvstore client: malformed reply");
+        if (id != 0 && r->id != id && r->id != 0) {
+            rekv__kvstore__response__free_unpacked(r, NULL); /* a late reply to a timed-out call */
+            continue;
+        }
+        *resp = r;
+        return 0;
+    }
+}
+
+/* Sends req and returns the reply (caller frees) or -errno with the server's message. */
+static int call(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
+                Rekv__Kvstore__Response **resp, rekv_err *err)
+{
+    req->version = REKV_KVSTORE_PROTO_VERSION;
+    req->id = ++c->next_id;
+    size_t len = rekv__kvstore__request__get_packed_size(req);
+    if (len > c->cap) {
+        uint8_t *nb = realloc(c->buf, len);
+        if (nb == NULL)
+            return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+        c->buf = nb;
+        c->cap = len;
+    }
+    rekv__kvstore__request__pack(req, c->buf);
+    int rc = call_raw(c, c->buf, len, req->id, resp, err);
+    if (rc < 0)
+        return rc;
+    if ((*resp)->status != 0) {
+        rc = (*resp)->status < 0 ? (*resp)->status : -EPROTO;
+        rekv_errf(err, rc, "kvstore: %s", (*resp)->error ? (*resp)->error : "error");
+        rekv__kvstore__response__free_unpacked(*resp, NULL);
+        *resp = NULL;
+    }
+    return rc;
+}
+
+static int call_simple(rekv_kvstore_client *c, Rekv__Kvstore__Request *req, rekv_err *err)
+{
+    Rekv__Kvstore__Response *resp;
+    int rc = call(c, req, &resp, err);
+    if (rc == 0)
+        rekv__kvstore__response__free_unpacked(resp, NULL);
+    return rc;
+}
+
+int rekv_kvstore_client_raw(rekv_kvstore_client *c, const void *req, size_t len, int32_t *status,
+                            char *err_msg, size_t err_len, rekv_err *err)
+{
+    Rekv__Kvstore__Response *resp;
+    int rc = call_raw(c, req, len, 0, &resp, err);
+    if (rc < 0)
+        return rc;
+    *status = resp->status;
+    if (err_msg && err_len)
+        snprintf(err_msg, err_len, "%s", resp->error ? resp->error : "");
+    rekv__kvstore__response__free_unpacked(resp, NULL);
+    return 0;
+}
+
+int rekv_kvstore_seq_create(rekv_kvstore_client *c, uint64_t seq, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__CreateSeq m = REKV__KVSTORE__CREATE_SEQ__INIT;
+    m.seq = seq;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_CREATE_SEQ;
+    req.create_seq = &m;
+    return call_simple(c, &req, err);
+}
+
+int rekv_kvstore_seq_drop(rekv_kvstore_client *c, uint64_t seq, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__DropSeq m = REKV__KVSTORE__DROP_SEQ__INIT;
+    m.seq = seq;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_DROP_SEQ;
+    req.drop_seq = &m;
+    return call_simple(c, &req, err);
+}
+
+int rekv_kvstore_append(rekv_kvstore_client *c, uint64_t seq, uint64_t n_tokens,
+                        uint32_t kv_parts, uint32_t act_parts, uint64_t *n_tokens_after,
+                        rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Append m = REKV__KVSTORE__APPEND__INIT;
+    m.seq = seq;
+    m.n_tokens = n_tokens;
+    m.kv_parts = kv_parts;
+    m.act_parts = act_parts;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_APPEND;
+    req.append = &m;
+    Rekv__Kvstore__Response *resp;
+    int rc = call(c, &req, &resp, err);
+    if (rc < 0)
+        return rc;
+    if (resp->body_case != REKV__KVSTORE__RESPONSE__BODY_APPEND)
+        rc = rekv_errf(err, -EPROTO, "kvstore client: append reply without body");
+    else if (n_tokens_after)
+        *n_tokens_after = resp->append->n_tokens;
+    rekv__kvstore__response__free_unpacked(resp, NULL);
+    return rc;
+}
+
+int rekv_kvstore_table(rekv_kvstore_client *c, uint64_t seq, uint32_t layer,
+                       rekv_kv_table_entry **entries, size_t *n_blocks, uint64_t *n_tokens,
+                       rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__GetTable m = REKV__KVSTORE__GET_TABLE__INIT;
+    m.seq = seq;
+    m.layer = layer;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_GET_TABLE;
+    req.get_table = &m;
+    *entries = NULL;
+    *n_blocks = 0;
+    Rekv__Kvstore__Response *resp;
+    int rc = call(c, &req, &resp, err);
+    if (rc < 0)
+        return rc;
+    Rekv__Kvstore__TableReply *t = resp->table;
+    if (resp->body_case != REKV__KVSTORE__RESPONSE__BODY_TABLE || t->n_type != t->n_tier ||
+        t->n_type != t->n_phys) {
+        rc = rekv_errf(err, -EPROTO, "kvstore client: bad table reply");
+        goto out;
+    }
+    rekv_kv_table_entry *e = calloc(t->n_type ? t->n_type : 1, sizeof(*e));
+    if (e == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < t->n_type; i++) {
+        e[i].type = t->type[i];
+        e[i].tier = t->tier[i];
+        e[i].phys = t->phys[i];
+    }
+    *entries = e;
+    *n_blocks = t->n_type;
+    if (n_tokens)
+        *n_tokens = t->n_tokens;
+out:
+    rekv__kvstore__response__free_unpacked(resp, NULL);
+    return rc;
+}
+
+static int ranges_build(const rekv_kv_range *ranges, size_t n, Rekv__Kvstore__Range **arr,
+                        Rekv__Kvstore__Range ***ptrs)
+{
+    *arr = calloc(n ? n : 1, sizeof(**arr));
+    *ptrs = calloc(n ? n : 1, sizeof(**ptrs));
+    if (*arr == NULL || *ptrs == NULL) {
+        free(*arr);
+        free(*ptrs);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        Rekv__Kvstore__Range init = REKV__KVSTORE__RANGE__INIT;
+        (*arr)[i] = init;
+        (*arr)[i].seq = ranges[i].seq;
+        (*arr)[i].layer = ranges[i].layer;
+        (*arr)[i].token_begin = ranges[i].token_begin;
+        (*arr)[i].token_end = ranges[i].token_end;
+        (*ptrs)[i] = &(*arr)[i];
+    }
+    return 0;
+}
+
+int rekv_kvstore_plan(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                      int pin, rekv_kv_plan_block **blocks, size_t *n_blocks, size_t *cap,
+                      rekv_err *err)
+{
+    Rekv__Kvstore__Range *arr, **ptrs;
+    *n_blocks = 0;
+    if (ranges_build(ranges, n_ranges, &arr, &ptrs) < 0)
+        return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Plan m = REKV__KVSTORE__PLAN__INIT;
+    m.n_ranges = n_ranges;
+    m.ranges = ptrs;
+    m.pin = pin != 0;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_PLAN;
+    req.plan = &m;
+    Rekv__Kvstore__Response *resp;
+    int rc = call(c, &req, &resp, err);
+    free(arr);
+    free(ptrs);
+    if (rc < 0)
+        return rc;
+    Rekv__Kvstore__PlanReply *p = resp->plan;
+    size_t n = resp->body_case == REKV__KVSTORE__RESPONSE__BODY_PLAN ? p->n_block : 0;
+    if (resp->body_case != REKV__KVSTORE__RESPONSE__BODY_PLAN || p->n_type != n ||
+        p->n_offset != n || p->n_first != n || p->n_count != n || p->n_range_count != n_ranges) {
+        rc = rekv_errf(err, -EPROTO, "kvstore client: bad plan reply");
+        goto out;
+    }
+    if (n > *cap || *blocks == NULL) {
+        rekv_kv_plan_block *nb = realloc(*blocks, (n ? n : 1) * sizeof(*nb));
+        if (nb == NULL) {
+            rc = rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+            goto out;
+        }
+        *blocks = nb;
+        *cap = n ? n : 1;
+    }
+    size_t k = 0;
+    for (size_t r = 0; r < n_ranges; r++)
+        for (uint32_t j = 0; j < p->range_count[r] && k < n; j++, k++) {
+            rekv_kv_plan_block *b = &(*blocks)[k];
+            b->block = p->block[k];
+            b->offset = p->offset[k];
+            b->type = p->type[k];
+            b->range = (uint32_t)r;
+            b->first = p->first[k];
+            b->count = p->count[k];
+            if (b->offset + c->hdr->slot_bytes > c->bytes) {
+                rc = rekv_errf(err, -EPROTO, "kvstore client: plan offset outside the arena");
+                goto out;
+            }
+        }
+    if (k != n) {
+        rc = rekv_errf(err, -EPROTO, "kvstore client: plan range counts do not add up");
+        goto out;
+    }
+    *n_blocks = n;
+out:
+    rekv__kvstore__response__free_unpacked(resp, NULL);
+    return rc;
+}
+
+int rekv_kvstore_unpin(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                       rekv_err *err)
+{
+    Rekv__Kvstore__Range *arr, **ptrs;
+    if (ranges_build(ranges, n_ranges, &arr, &ptrs) < 0)
+        return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Unpin m = REKV__KVSTORE__UNPIN__INIT;
+    m.n_ranges = n_ranges;
+    m.ranges = ptrs;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_UNPIN;
+    req.unpin = &m;
+    int rc = call_simple(c, &req, err);
+    free(arr);
+    free(ptrs);
+    return rc;
+}
+
+int rekv_kvstore_free(rekv_kvstore_client *c, uint64_t seq, uint32_t layer_begin,
+                      uint32_t layer_end, uint64_t block_begin, uint64_t block_end, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Free m = REKV__KVSTORE__FREE__INIT;
+    m.seq = seq;
+    m.layer_begin = layer_begin;
+    m.layer_end = layer_end;
+    m.block_begin = block_begin;
+    m.block_end = block_end;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_FREE;
+    req.free = &m;
+    return call_simple(c, &req, err);
+}
+
+int rekv_kvstore_renew(rekv_kvstore_client *c, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Renew m = REKV__KVSTORE__RENEW__INIT;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_RENEW;
+    req.renew = &m;
+    return call_simple(c, &req, err);
+}
+
+int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__StatsRequest m = REKV__KVSTORE__STATS_REQUEST__INIT;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_STATS;
+    req.stats = &m;
+    Rekv__Kvstore__Response *resp;
+    int rc = call(c, &req, &resp, err);
+    if (rc < 0)
+        return rc;
+    if (resp->body_case != REKV__KVSTORE__RESPONSE__BODY_STATS) {
+        rc = rekv_errf(err, -EPROTO, "kvstore client: stats reply without body");
+        goto out;
+    }
+    Rekv__Kvstore__StatsReply *s = resp->stats;
+    memset(out, 0, sizeof(*out));
+    out->host_kv = s->host_kv;
+    out->host_act = s->host_act;
+    out->disk_kv = s->disk_kv;
+    out->disk_act = s->disk_act;
+    out->free_slots = s->free_slots;
+    out->total_slots = s->total_slots;
+    out->pinned_blocks = s->pinned_blocks;
+    out->bytes_spilled = s->bytes_spilled;
+    out->bytes_read_back = s->bytes_read_back;
+    out->pin_hits = s->pin_hits;
+    out->pin_misses = s->pin_misses;
+    out->spill_errors = s->spill_errors;
+    out->crc_errors = s->crc_errors;
+    out->sequences = s->sequences;
+    out->clients = s->clients;
+    out->leases_expired = s->leases_expired;
+    out->spills_in_flight = s->spills_in_flight;
+    out->reads_in_flight = s->reads_in_flight;
+    out->direct_io = s->direct_io;
+    out->registered_arena = s->registered_arena;
+    for (size_t i = 0; i < s->n_histograms && out->n_hists < 8; i++) {
+        rekv_kv_hist *h = &out->hists[out->n_hists++];
+        snprintf(h->name, sizeof(h->name), "%s", s->histograms[i]->name);
+        for (size_t b = 0; b < s->histograms[i]->n_buckets && b < REKV_KV_HIST_BUCKETS; b++)
+            h->buckets[b] = s->histograms[i]->buckets[b];
+        h->count = s->histograms[i]->count;
+        h->sum_ns = s->histograms[i]->sum_ns;
+    }
+out:
+    rekv__kvstore__response__free_unpacked(resp, NULL);
+    return rc;
+}

@@ -1,0 +1,104 @@
+/* kv_internal.h — private pieces of the kvstore module shared by its .c files: the u64 hash map,
+ * the arena (memfd) and the io_uring spill engine. Not part of the public interface. */
+#ifndef REKV_KVSTORE_INTERNAL_H
+#define REKV_KVSTORE_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+#include "kvstore/kvstore.h"
+
+/* ---------------------------------------------------------------- u64 -> u64 hash map */
+
+/* Open addressing, linear probing, backward-shift deletion. Key UINT64_MAX is reserved. */
+typedef struct kv_map {
+    uint64_t *keys; /* [cap]; UINT64_MAX marks an empty cell */
+    uint64_t *vals; /* [cap] */
+    size_t cap;     /* power of two, or 0 before the first insert */
+    size_t len;     /* live entries */
+} kv_map;
+
+void kv_map_init(kv_map *m);
+void kv_map_free(kv_map *m);
+/* Pointer to the value of key, or NULL. Valid until the next insert or delete. */
+uint64_t *kv_map_get(const kv_map *m, uint64_t key);
+/* Inserts or overwrites; returns 0 or -ENOMEM. */
+int kv_map_put(kv_map *m, uint64_t key, uint64_t val);
+/* Removes key; returns 1 when it was there, else 0. */
+int kv_map_del(kv_map *m, uint64_t key);
+/* Iteration: for (size_t i = 0; i < m->cap; i++) if (m->keys[i] != KV_MAP_EMPTY) ... */
+#define KV_MAP_EMPTY UINT64_MAX
+
+/* ---------------------------------------------------------------- arena */
+
+typedef struct kv_arena {
+    int fd;                      /* the memfd */
+    void *base;                  /* mapping of the whole arena */
+    size_t bytes;                /* mapping length */
+    rekv_kv_arena_header *hdr;   /* == base */
+    uint8_t *slots;              /* base + hdr->data_offset */
+    uint64_t n_slots, slot_bytes;
+    int huge;                    /* backed by hugetlb pages */
+} kv_arena;
+
+/* Creates and maps a memfd arena of host_bytes and writes its header. huge: try MFD_HUGETLB first;
+ * *notice (may be NULL) gets a line when huge pages were asked for but not available. */
+int kv_arena_create(kv_arena *a, uint64_t host_bytes, const rekv_kv_geometry *g, int huge,
+                    uint32_t lease_ms, char *notice, size_t notice_len, rekv_err *err);
+void kv_arena_destroy(kv_arena *a);
+
+/* ---------------------------------------------------------------- spill engine */
+
+typedef struct kv_spill kv_spill;
+
+typedef struct kv_spill_config {
+    const char *dir;       /* where the (unnamed) spill file lives */
+    uint64_t max_bytes;    /* file capacity; 0: unlimited */
+    uint8_t *slots;        /* host slot 0 */
+    uint64_t n_slots;      /* host slots */
+    uint64_t slot_bytes;   /* multiple of 4096; also the file slot size */
+    unsigned depth;        /* queue depth (in-flight operations), >= 32 */
+    int register_arena;    /* try registering the slots as io_uring fixed buffers */
+    void (*on_event)(void *ctx, rekv_kv_event level, const char *msg);
+    void *event_ctx;
+} kv_spill_config;
+
+/* One finished operation. */
+typedef struct kv_spill_done {
+    uint64_t tag;   /* as submitted */
+    int32_t res;    /* 0 or -errno (a short transfer is -EIO) */
+    int is_read;    /* 1 for a read-back */
+    uint32_t crc;   /* reads: CRC32C of the bytes now in the host slot */
+    uint64_t ns;    /* submit-to-completion time */
+} kv_spill_done;
+
+int kv_spill_open(const kv_spill_config *cfg, kv_spill **out, rekv_err *err);
+/* Waits for everything in flight, then closes the file and the ring. NULL is fine. */
+void kv_spill_close(kv_spill *sp);
+/* eventfd that becomes readable when completions are waiting. */
+int kv_spill_event_fd(const kv_spill *sp);
+int kv_spill_direct(const kv_spill *sp);
+int kv_spill_registered(const kv_spill *sp);
+unsigned kv_spill_in_flight(const kv_spill *sp);
+unsigned kv_spill_depth(const kv_spill *sp);
+
+/* File slots: alloc returns -ENOSPC when max_bytes is used up. A slot whose write failed is marked
+ * bad and never handed out again (it lies where the filesystem refused to grow the file). */
+int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot);
+void kv_spill_slot_free(kv_spill *sp, uint32_t fslot);
+void kv_spill_slot_bad(kv_spill *sp, uint32_t fslot);
+uint64_t kv_spill_slots_used(const kv_spill *sp);
+
+/* Queues a write of the first len bytes of host slot to file slot (the whole slot is written);
+ * *crc gets the CRC32C of those len bytes. -EAGAIN when depth operations are in flight. */
+int kv_spill_write(kv_spill *sp, uint64_t host_slot, uint32_t fslot, size_t len, uint64_t tag,
+                   uint32_t *crc);
+/* Queues a read of file slot into host slot; the completion carries the CRC32C of len bytes. */
+int kv_spill_read(kv_spill *sp, uint64_t host_slot, uint32_t fslot, size_t len, uint64_t tag);
+/* Submits what was queued. */
+int kv_spill_submit(kv_spill *sp);
+/* Collects up to max completions; wait = 1 blocks for at least one when any is in flight. */
+int kv_spill_reap(kv_spill *sp, kv_spill_done *out, int max, int wait);
+
+#endif

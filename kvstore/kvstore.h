@@ -1,0 +1,259 @@
+/* kvstore.h — the public interface of rekv's host-memory block store.
+ *
+ * The kvstore daemon (rekv-kvstore) owns one shared-memory arena holding fixed-size blocks of the
+ * KV cache and of activation checkpoints, per-sequence block tables, and a spill tier on NVMe
+ * written and read with io_uring. Clients (the gpuworker, tests, the bench) talk to it over a
+ * ZeroMQ ROUTER socket with protobuf-c messages (proto/kvstore.proto) and read and write block
+ * contents straight in the arena, which they map.
+ *
+ * Arena sharing: the arena is a memfd (nothing to clean up after any exit, crash included). ZeroMQ
+ * cannot pass file descriptors, so the daemon also listens on a UNIX stream socket (mode 0600) at
+ * the endpoint's path plus ".fd" (for ipc:// endpoints; otherwise set fd_socket explicitly) and
+ * sends the memfd with SCM_RIGHTS to every client that connects, then closes the connection.
+ *
+ * Contract for block contents: a client may read or write a block only while it holds a pin on it
+ * (Plan with pin = true). Unpinned blocks may be spilled and their host memory reused at any time.
+ * Pins are leased: every request renews the caller's lease; a client silent for longer than the
+ * lease (lease_ms) loses all its pins.
+ *
+ * Every library function returns 0 or a negative errno and, on failure, fills the rekv_err with
+ * one line. Nothing here prints or exits; the server reports notable events through an optional
+ * callback so that only the daemon's main decides what to log. */
+#ifndef REKV_KVSTORE_H
+#define REKV_KVSTORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/err.h"
+#include "loader/loader.h"
+
+/* ---------------------------------------------------------------- block geometry */
+
+#define REKV_KV_BLOCK_TOKENS 16
+#define REKV_KVSTORE_PROTO_VERSION 1u
+
+typedef enum rekv_kv_block_type {
+    REKV_KV_BLOCK_KV = 0,  /* K then V, each [kv_head][token][head_dim] */
+    REKV_KV_BLOCK_ACT = 1, /* the layer's input activation, [token][hidden] */
+} rekv_kv_block_type;
+
+typedef enum rekv_kv_tier {
+    REKV_KV_TIER_GPU = 0,  /* reserved for the gpuworker's own tables; the store never uses it */
+    REKV_KV_TIER_HOST = 1, /* resident in the arena; phys is the host slot */
+    REKV_KV_TIER_DISK = 2, /* spilled; phys is the spill-file slot */
+    REKV_KV_TIER_FREE = 3, /* freed by a Free request; no contents */
+} rekv_kv_tier;
+
+typedef struct rekv_kv_geometry {
+    uint32_t n_layers;     /* decoder layers */
+    uint32_t n_kv_heads;   /* key/value heads */
+    uint32_t head_dim;     /* elements per head */
+    uint32_t hidden;       /* model width (ACT block row length) */
+    rekv_dtype dtype;      /* cache dtype: REKV_DTYPE_F16 or REKV_DTYPE_F32 */
+    uint32_t block_tokens; /* always REKV_KV_BLOCK_TOKENS */
+} rekv_kv_geometry;
+
+/* Fills g from a model config; cache_dtype must be F16 or F32. Returns 0 or -EINVAL. */
+int rekv_kv_geometry_from_config(const rekv_model_config *cfg, rekv_dtype cache_dtype,
+                                 rekv_kv_geometry *g, rekv_err *err);
+/* Fills g from explicit sizes (validated like the above). */
+int rekv_kv_geometry_init(rekv_kv_geometry *g, uint32_t n_layers, uint32_t n_kv_heads,
+                          uint32_t head_dim, uint32_t hidden, rekv_dtype cache_dtype,
+                          rekv_err *err);
+/* Bytes of one KV block: 2 * n_kv_heads * block_tokens * head_dim * dtype size. */
+size_t rekv_kv_block_bytes(const rekv_kv_geometry *g);
+/* Bytes of one ACT block: block_tokens * hidden * dtype size. */
+size_t rekv_kv_act_block_bytes(const rekv_kv_geometry *g);
+/* Byte offset inside a KV block of K[kv_head][token][0] and V[kv_head][token][0]. */
+size_t rekv_kv_k_offset(const rekv_kv_geometry *g, uint32_t kv_head, uint32_t token);
+size_t rekv_kv_v_offset(const rekv_kv_geometry *g, uint32_t kv_head, uint32_t token);
+/* Byte offset inside an ACT block of row `token`. */
+size_t rekv_kv_act_offset(const rekv_kv_geometry *g, uint32_t token);
+
+/* ---------------------------------------------------------------- shared arena header */
+
+#define REKV_KV_ARENA_MAGIC 0x414b5652u /* "RVKA" little-endian */
+#define REKV_KV_ARENA_VERSION 1u
+
+/* The first bytes of the arena (offset 0). Written once by the daemon before any client maps the
+ * arena; read-only afterwards. Blocks live in slots: slot s starts at data_offset + s * slot_bytes. */
+typedef struct rekv_kv_arena_header {
+    uint32_t magic;           /* REKV_KV_ARENA_MAGIC */
+    uint32_t version;         /* REKV_KV_ARENA_VERSION */
+    uint64_t arena_bytes;     /* size of the whole mapping */
+    uint64_t data_offset;     /* offset of slot 0 (page aligned) */
+    uint64_t slot_bytes;      /* bytes per slot: max(KV, ACT block) rounded up to 4096 */
+    uint64_t n_slots;         /* slots in the arena */
+    uint64_t kv_block_bytes;  /* rekv_kv_block_bytes() */
+    uint64_t act_block_bytes; /* rekv_kv_act_block_bytes() */
+    uint32_t n_layers;        /* geometry, as rekv_kv_geometry */
+    uint32_t n_kv_heads;
+    uint32_t head_dim;
+    uint32_t hidden;
+    uint32_t dtype;           /* rekv_dtype */
+    uint32_t block_tokens;    /* REKV_KV_BLOCK_TOKENS */
+    uint32_t lease_ms;        /* pin lease; clients renew well within it */
+    uint32_t huge_pages;      /* 1 when the arena is backed by hugetlb pages */
+    uint8_t reserved[40];     /* zero; pads the header to 128 bytes */
+} rekv_kv_arena_header;
+_Static_assert(sizeof(rekv_kv_arena_header) == 128, "arena header is 128 bytes");
+
+/* Checks a mapped arena's header (magic, version, sizes against map_bytes). */
+int rekv_kv_arena_header_check(const rekv_kv_arena_header *h, size_t map_bytes, rekv_err *err);
+
+/* ---------------------------------------------------------------- CRC32C */
+
+/* CRC32C (Castagnoli), as iSCSI/ext4 use it: crc = rekv_crc32c(0, buf, n) for a whole buffer,
+ * chainable by passing the previous value. SSE4.2 when the CPU has it, a table otherwise. */
+uint32_t rekv_crc32c(uint32_t crc, const void *buf, size_t n);
+
+/* ---------------------------------------------------------------- server */
+
+typedef enum rekv_kv_event {
+    REKV_KV_EVENT_INFO = 0,
+    REKV_KV_EVENT_WARN = 1,
+    REKV_KV_EVENT_ERROR = 2,
+} rekv_kv_event;
+
+typedef struct rekv_kvstore_config {
+    const char *endpoint;  /* ZeroMQ endpoint to bind, e.g. "ipc:///run/rekv/kvstore" */
+    const char *fd_socket; /* UNIX socket path for the memfd; NULL: endpoint path + ".fd" */
+    uint64_t host_bytes;   /* arena size (header included) */
+    const char *spill_dir; /* NULL: $TMPDIR, else /var/tmp */
+    uint64_t spill_bytes;  /* spill-file capacity; 0: no limit other than the filesystem */
+    int no_spill;          /* 1: no spill tier at all (a full arena is out of memory) */
+    rekv_kv_geometry geometry;
+    int huge_pages;        /* try MFD_HUGETLB, fall back to normal pages (reported via events) */
+    uint32_t lease_ms;     /* pin lease; 0: 5000 */
+    uint32_t high_pct;     /* start spilling above this occupancy (percent of slots); 0: 90 */
+    uint32_t low_pct;      /* spill down to this occupancy; 0: 80 */
+    int no_register_arena; /* 1: never register the arena with io_uring (use bounce buffers) */
+    int signal_fd;         /* a signalfd the loop also polls; a signal on it stops the loop; -1 */
+    /* Called from the loop for notable events (fallbacks, spill failures, expired leases). */
+    void (*on_event)(void *ctx, rekv_kv_event level, const char *msg);
+    void *event_ctx;
+} rekv_kvstore_config;
+
+/* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1). */
+void rekv_kvstore_config_defaults(rekv_kvstore_config *cfg);
+
+typedef struct rekv_kvstore_server rekv_kvstore_server;
+
+/* Creates the arena, the spill file (O_TMPFILE, or unlinked right after open), the io_uring, and
+ * binds the ZeroMQ and fd sockets (removing stale socket files a crash left). */
+int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_server **out,
+                               rekv_err *err);
+/* Runs the event loop until rekv_kvstore_server_stop() or a signal on cfg->signal_fd. */
+int rekv_kvstore_server_run(rekv_kvstore_server *srv, rekv_err *err);
+/* Makes run() return soon; async-signal-safe (writes an eventfd). */
+void rekv_kvstore_server_stop(rekv_kvstore_server *srv);
+/* Waits for in-flight I/O, closes everything, removes the socket files. NULL is fine. */
+void rekv_kvstore_server_destroy(rekv_kvstore_server *srv);
+
+/* ---------------------------------------------------------------- client */
+
+typedef struct rekv_kvstore_client rekv_kvstore_client;
+
+/* Connects to the daemon, receives and maps the arena, and checks its header. fd_socket NULL:
+ * derived from the ipc endpoint. timeout_ms bounds every request (0: 30000). */
+int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int timeout_ms,
+                                rekv_kvstore_client **out, rekv_err *err);
+void rekv_kvstore_client_close(rekv_kvstore_client *c);
+
+/* The mapped arena (base address, bytes) and its header. Valid until close. */
+void *rekv_kvstore_client_arena(const rekv_kvstore_client *c, size_t *bytes);
+const rekv_kv_arena_header *rekv_kvstore_client_header(const rekv_kvstore_client *c);
+/* The geometry from the arena header. */
+void rekv_kvstore_client_geometry(const rekv_kvstore_client *c, rekv_kv_geometry *g);
+
+int rekv_kvstore_seq_create(rekv_kvstore_client *c, uint64_t seq, rekv_err *err);
+/* -EBUSY when another client holds pins on the sequence; the caller's own pins are released. */
+int rekv_kvstore_seq_drop(rekv_kvstore_client *c, uint64_t seq, rekv_err *err);
+/* Appends n_tokens to every layer; new blocks follow the kv_parts:act_parts pattern (0:0 = all
+ * KV). -ENOMEM (with the reason) when neither free slots nor spilling can make room. */
+int rekv_kvstore_append(rekv_kvstore_client *c, uint64_t seq, uint64_t n_tokens,
+                        uint32_t kv_parts, uint32_t act_parts, uint64_t *n_tokens_after,
+                        rekv_err *err);
+
+typedef struct rekv_kv_table_entry {
+    uint32_t type; /* rekv_kv_block_type */
+    uint32_t tier; /* rekv_kv_tier */
+    uint64_t phys; /* host slot or spill-file slot */
+} rekv_kv_table_entry;
+
+/* Block table of (seq, layer): *entries (malloc'd, caller frees) has *n_blocks entries. */
+int rekv_kvstore_table(rekv_kvstore_client *c, uint64_t seq, uint32_t layer,
+                       rekv_kv_table_entry **entries, size_t *n_blocks, uint64_t *n_tokens,
+                       rekv_err *err);
+
+typedef struct rekv_kv_range {
+    uint64_t seq;
+    uint32_t layer;
+    uint64_t token_begin, token_end; /* [begin, end) */
+} rekv_kv_range;
+
+typedef struct rekv_kv_plan_block {
+    uint64_t block;  /* logical block number in its (seq, layer) */
+    uint64_t offset; /* byte offset of the block in the arena */
+    uint32_t type;   /* rekv_kv_block_type */
+    uint32_t range;  /* index of the range it belongs to */
+    uint32_t first;  /* first token of the range inside the block */
+    uint32_t count;  /* tokens of the range inside the block */
+} rekv_kv_plan_block;
+
+/* One round trip for a whole decode step: every block covering the ranges, in order. With pin, the
+ * blocks are pinned for this client (read back from disk first when spilled). *blocks is malloc'd
+ * and grown as needed (*cap tracks its capacity), so a caller can reuse it across steps. */
+int rekv_kvstore_plan(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                      int pin, rekv_kv_plan_block **blocks, size_t *n_blocks, size_t *cap,
+                      rekv_err *err);
+/* Pins = plan with pin = 1; unpin releases one pin per block covering the ranges. */
+int rekv_kvstore_unpin(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                       rekv_err *err);
+/* Frees blocks [block_begin, block_end) of layers [layer_begin, layer_end). */
+int rekv_kvstore_free(rekv_kvstore_client *c, uint64_t seq, uint32_t layer_begin,
+                      uint32_t layer_end, uint64_t block_begin, uint64_t block_end, rekv_err *err);
+/* Renews this client's pin lease; call at least every lease_ms / 3 while holding pins idle. */
+int rekv_kvstore_renew(rekv_kvstore_client *c, rekv_err *err);
+
+#define REKV_KV_HIST_BUCKETS 40
+typedef struct rekv_kv_hist {
+    char name[32];                          /* e.g. "plan", "spill_write" */
+    uint64_t buckets[REKV_KV_HIST_BUCKETS]; /* [2^i, 2^(i+1)) nanoseconds */
+    uint64_t count, sum_ns;
+} rekv_kv_hist;
+
+typedef struct rekv_kv_stats {
+    uint64_t host_kv, host_act;     /* resident blocks by type */
+    uint64_t disk_kv, disk_act;     /* spilled blocks by type */
+    uint64_t free_slots, total_slots;
+    uint64_t pinned_blocks;         /* blocks with at least one pin */
+    uint64_t bytes_spilled, bytes_read_back;
+    uint64_t pin_hits, pin_misses;  /* pinned blocks found resident / read back */
+    uint64_t spill_errors, crc_errors;
+    uint64_t sequences, clients, leases_expired;
+    uint64_t spills_in_flight, reads_in_flight;
+    int direct_io, registered_arena;
+    size_t n_hists;
+    rekv_kv_hist hists[8];
+} rekv_kv_stats;
+
+int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err);
+
+/* Sends raw bytes as one request frame and waits for one reply frame (tests fuzz with it). On
+ * success *status and (when err_msg) the reply's error line are filled. */
+int rekv_kvstore_client_raw(rekv_kvstore_client *c, const void *req, size_t len, int32_t *status,
+                            char *err_msg, size_t err_len, rekv_err *err);
+
+/* ---------------------------------------------------------------- bench */
+
+/* `rekv bench kvstore [--json] [--blocks N] [--host-mib N] [--spill-dir DIR] [--no-fio]`:
+ * starts a private store (a forked child running the server library), then measures in one run
+ * (a) gather of N random blocks vs memcpy, (b) spill write / read-back at QD32 vs fio, (c) plan
+ * round trips for 1, 64, 4096 blocks. Prints one JSON object on stdout; returns a process exit
+ * code. */
+int rekv_kvstore_bench_main(int argc, char **argv);
+
+#endif

@@ -1,0 +1,778 @@
+/* test_kvstore.c — the kvstore daemon and its client library, end to end: the real rekv-kvstore
+ * process on real sockets in a temporary directory, real io_uring on real spill files. Covers
+ * CRC32C vectors, the block geometry, the API, forced spilling with every byte verified, thousands
+ * of random operations from several clients, a spill file that cannot grow (RLIMIT_FSIZE), a
+ * client killed with -9 while holding pins, malformed messages, and a clean SIGTERM. */
+#define _GNU_SOURCE
+#include <check.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "kvstore/kv_internal.h"
+#include "kvstore/kvstore.h"
+#include "proto/kvstore.pb-c.h"
+#include "tests/testutil.h"
+
+uint32_t rekv_crc32c_sw(uint32_t crc, const void *buf, size_t n);
+
+/* ------------------------------------------------------------------ daemon helpers */
+
+typedef struct kvd {
+    char *dir;        /* private temp dir */
+    char endpoint[4200];
+    char spill[4200]; /* spill dir */
+    pid_t pid;
+} kvd;
+
+/* Starts rekv-kvstore with the test geometry (2 layers, 2 kv heads, head dim 32, hidden 64, f16:
+ * KV block 4096 bytes, ACT block 2048) and `slots` host slots. fsize > 0 sets RLIMIT_FSIZE. */
+static void kvd_start(kvd *d, unsigned slots, const char *extra, rlim_t fsize)
+{
+    d->dir = tu_tmpdir();
+    snprintf(d->endpoint, sizeof(d->endpoint), "ipc://%s/kv.sock", d->dir);
+    snprintf(d->spill, sizeof(d->spill), "%s/spill", d->dir);
+    ck_assert_int_eq(mkdir(d->spill, 0700), 0);
+    int pfd[2];
+    ck_assert_int_eq(pipe(pfd), 0);
+    char host[64], ready[32];
+    snprintf(host, sizeof(host), "%u", 4096 + slots * 4096);
+    snprintf(ready, sizeof(ready), "%d", pfd[1]);
+    const char *args[40] = {tu_bin("rekv-kvstore"), "--endpoint", d->endpoint, "--host-bytes",
+                            host, "--spill-dir", d->spill, "--layers", "2", "--kv-heads", "2",
+                            "--head-dim", "32", "--hidden", "64", "--ready-fd", ready};
+    int na = 17;
+    char extra_buf[512];
+    if (extra) {
+        snprintf(extra_buf, sizeof(extra_buf), "%s", extra);
+        for (char *t = strtok(extra_buf, " "); t && na < 38; t = strtok(NULL, " "))
+            args[na++] = t;
+    }
+    args[na] = NULL;
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        if (fsize > 0) {
+            struct rlimit rl = {fsize, fsize};
+            setrlimit(RLIMIT_FSIZE, &rl);
+        }
+        signal(SIGXFSZ, SIG_IGN);
+        execv(args[0], (char **)args);
+        _exit(127);
+    }
+    close(pfd[1]);
+    struct pollfd p = {.fd = pfd[0], .events = POLLIN};
+    ck_assert_msg(poll(&p, 1, 10000) == 1, "rekv-kvstore did not become ready");
+    char buf[16] = {0};
+    ck_assert_int_eq(read(pfd[0], buf, sizeof(buf) - 1), 6);
+    ck_assert_str_eq(buf, "READY\n");
+    close(pfd[0]);
+    d->pid = pid;
+}
+
+/* SIGTERM, expect a clean exit, then check nothing is left behind. */
+static void kvd_stop(kvd *d)
+{
+    ck_assert_int_eq(kill(d->pid, SIGTERM), 0);
+    int st;
+    ck_assert_int_eq(waitpid(d->pid, &st, 0), d->pid);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "daemon exit status %d", st);
+    /* spill dir empty, no socket files left */
+    DIR *dir = opendir(d->spill);
+    ck_assert_ptr_nonnull(dir);
+    struct dirent *e;
+    int n = 0;
+    while ((e = readdir(dir)) != NULL)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, ".."))
+            n++;
+    closedir(dir);
+    ck_assert_int_eq(n, 0);
+    dir = opendir(d->dir);
+    n = 0;
+    while ((e = readdir(dir)) != NULL)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strcmp(e->d_name, "spill"))
+            n++;
+    closedir(dir);
+    ck_assert_msg(n == 0, "socket files left behind in %s", d->dir);
+    tu_rmrf(d->dir);
+    free(d->dir);
+}
+
+static rekv_kvstore_client *kvd_client(kvd *d)
+{
+    rekv_kvstore_client *c = NULL;
+    rekv_err err = {0};
+    int rc = rekv_kvstore_client_connect(d->endpoint, NULL, 20000, &c, &err);
+    ck_assert_msg(rc == 0, "connect: %s", err.msg);
+    return c;
+}
+
+/* Deterministic contents of block (seq, layer, block) at generation gen. */
+static void fill(uint8_t *p, size_t n, uint64_t seq, uint32_t layer, uint64_t block, uint32_t gen)
+{
+    uint64_t x = (seq * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)layer << 48) ^ (block << 20) ^ gen;
+    x |= 1;
+    for (size_t i = 0; i < n; i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        memcpy(p + i, &x, n - i < 8 ? n - i : 8);
+    }
+}
+
+static int check(const uint8_t *p, size_t n, uint64_t seq, uint32_t layer, uint64_t block,
+                 uint32_t gen)
+{
+    uint8_t *want = malloc(n);
+    fill(want, n, seq, layer, block, gen);
+    int ok = memcmp(p, want, n) == 0;
+    free(want);
+    return ok;
+}
+
+static size_t type_bytes(rekv_kvstore_client *c, uint32_t type)
+{
+    const rekv_kv_arena_header *h = rekv_kvstore_client_header(c);
+    return type == REKV_KV_BLOCK_KV ? h->kv_block_bytes : h->act_block_bytes;
+}
+
+/* ------------------------------------------------------------------ unit pieces */
+
+START_TEST(test_crc32c)
+{
+    const char *s = "123456789";
+    ck_assert_uint_eq(rekv_crc32c(0, s, 9), 0xE3069283u);
+    ck_assert_uint_eq(rekv_crc32c_sw(0, s, 9), 0xE3069283u);
+    uint8_t z[32] = {0}, ff[32], inc[32];
+    memset(ff, 0xff, sizeof(ff));
+    for (int i = 0; i < 32; i++)
+        inc[i] = (uint8_t)i;
+    /* RFC 3720 B.4 vectors */
+    ck_assert_uint_eq(rekv_crc32c(0, z, 32), 0x8A9136AAu);
+    ck_assert_uint_eq(rekv_crc32c(0, ff, 32), 0x62A8AB43u);
+    ck_assert_uint_eq(rekv_crc32c(0, inc, 32), 0x46DD794Eu);
+    ck_assert_uint_eq(rekv_crc32c_sw(0, inc, 32), 0x46DD794Eu);
+    /* chaining and odd lengths agree with the table path */
+    uint8_t buf[1000];
+    fill(buf, sizeof(buf), 1, 2, 3, 4);
+    for (size_t n = 0; n < sizeof(buf); n += 37) {
+        uint32_t a = rekv_crc32c(rekv_crc32c(0, buf, n / 2), buf + n / 2, n - n / 2);
+        ck_assert_uint_eq(a, rekv_crc32c_sw(0, buf, n));
+    }
+}
+END_TEST
+
+START_TEST(test_geometry_and_map)
+{
+    rekv_kv_geometry g;
+    rekv_model_config mc = {0};
+    mc.n_layers = 32;
+    mc.n_kv_heads = 8;
+    mc.head_dim = 128;
+    mc.hidden = 4096;
+    ck_assert_int_eq(rekv_kv_geometry_from_config(&mc, REKV_DTYPE_F16, &g, NULL), 0);
+    ck_assert_uint_eq(rekv_kv_block_bytes(&g), 2u * 8 * 16 * 128 * 2);
+    ck_assert_uint_eq(rekv_kv_act_block_bytes(&g), 16u * 4096 * 2);
+    ck_assert_uint_eq(rekv_kv_k_offset(&g, 1, 2), ((1u * 16 + 2) * 128) * 2);
+    ck_assert_uint_eq(rekv_kv_v_offset(&g, 0, 0), 8u * 16 * 128 * 2);
+    ck_assert_uint_eq(rekv_kv_act_offset(&g, 3), 3u * 4096 * 2);
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_kv_geometry_from_config(&mc, REKV_DTYPE_BF16, &g, &err), -EINVAL);
+    kv_map m;
+    kv_map_init(&m);
+    for (uint64_t i = 0; i < 5000; i++)
+        ck_assert_int_eq(kv_map_put(&m, i * 7919, i), 0);
+    for (uint64_t i = 0; i < 5000; i += 2)
+        ck_assert_int_eq(kv_map_del(&m, i * 7919), 1);
+    for (uint64_t i = 0; i < 5000; i++) {
+        uint64_t *v = kv_map_get(&m, i * 7919);
+        if (i % 2)
+            ck_assert(v && *v == i);
+        else
+            ck_assert_ptr_null(v);
+    }
+    ck_assert_uint_eq(m.len, 2500);
+    kv_map_free(&m);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ API */
+
+START_TEST(test_api_basics)
+{
+    kvd d;
+    kvd_start(&d, 64, NULL, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    rekv_kv_geometry g;
+    rekv_kvstore_client_geometry(c, &g);
+    ck_assert_uint_eq(g.n_layers, 2);
+    ck_assert_uint_eq(rekv_kvstore_client_header(c)->kv_block_bytes, 4096);
+    ck_assert_uint_eq(rekv_kvstore_client_header(c)->act_block_bytes, 2048);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 7, &err), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 7, &err), -EEXIST);
+    ck_assert_ptr_nonnull(strstr(err.msg, "exists"));
+    uint64_t nt;
+    ck_assert_int_eq(rekv_kvstore_append(c, 7, 40, 1, 1, &nt, NULL), 0); /* 3 blocks/layer */
+    ck_assert_uint_eq(nt, 40);
+    ck_assert_int_eq(rekv_kvstore_append(c, 7, 10, 1, 1, &nt, NULL), 0); /* 50: 4 blocks */
+    rekv_kv_table_entry *t;
+    size_t nb;
+    ck_assert_int_eq(rekv_kvstore_table(c, 7, 1, &t, &nb, &nt, NULL), 0);
+    ck_assert_uint_eq(nb, 4);
+    ck_assert_uint_eq(nt, 50);
+    for (size_t i = 0; i < nb; i++) {
+        ck_assert_uint_eq(t[i].type, i % 2 ? REKV_KV_BLOCK_ACT : REKV_KV_BLOCK_KV);
+        ck_assert_uint_eq(t[i].tier, REKV_KV_TIER_HOST);
+    }
+    free(t);
+    /* plan two ranges in one round trip */
+    rekv_kv_range r[2] = {{7, 0, 5, 37}, {7, 1, 48, 50}};
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    ck_assert_int_eq(rekv_kvstore_plan(c, r, 2, 1, &pb, &n, &cap, &err), 0);
+    ck_assert_uint_eq(n, 4);
+    ck_assert_uint_eq(pb[0].first, 5);
+    ck_assert_uint_eq(pb[0].count, 11);
+    ck_assert_uint_eq(pb[2].block, 2);
+    ck_assert_uint_eq(pb[2].count, 5);
+    ck_assert_uint_eq(pb[3].range, 1);
+    ck_assert_uint_eq(pb[3].block, 3);
+    ck_assert_uint_eq(pb[3].first, 0);
+    ck_assert_uint_eq(pb[3].count, 2);
+    size_t abytes;
+    uint8_t *arena = rekv_kvstore_client_arena(c, &abytes);
+    for (size_t i = 0; i < n; i++) {
+        ck_assert_uint_lt(pb[i].offset, abytes);
+        fill(arena + pb[i].offset, type_bytes(c, pb[i].type), 7, r[pb[i].range].layer,
+             pb[i].block, 1);
+    }
+    /* offsets are distinct */
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = i + 1; j < n; j++)
+            ck_assert_uint_ne(pb[i].offset, pb[j].offset);
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.pinned_blocks, 4);
+    ck_assert_uint_eq(st.host_kv + st.host_act, 8);
+    ck_assert_uint_eq(st.sequences, 1);
+    /* unpinning what is not pinned fails and changes nothing */
+    rekv_kv_range bad = {7, 1, 0, 16};
+    ck_assert_int_eq(rekv_kvstore_unpin(c, &bad, 1, NULL), -EINVAL);
+    ck_assert_int_eq(rekv_kvstore_unpin(c, r, 2, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.pinned_blocks, 0);
+    /* errors */
+    rekv_kv_range oob = {7, 0, 0, 51};
+    ck_assert_int_eq(rekv_kvstore_plan(c, &oob, 1, 0, &pb, &n, &cap, NULL), -EINVAL);
+    rekv_kv_range nolayer = {7, 2, 0, 1};
+    ck_assert_int_eq(rekv_kvstore_plan(c, &nolayer, 1, 0, &pb, &n, &cap, NULL), -EINVAL);
+    rekv_kv_range noseq = {8, 0, 0, 1};
+    ck_assert_int_eq(rekv_kvstore_plan(c, &noseq, 1, 0, &pb, &n, &cap, NULL), -ENOENT);
+    ck_assert_int_eq(rekv_kvstore_append(c, 7, 1u << 20, 0, 0, NULL, &err), -ENOMEM);
+    /* free the first block of layer 0: its range is gone, the rest stays */
+    ck_assert_int_eq(rekv_kvstore_free(c, 7, 0, 1, 0, 1, NULL), 0);
+    rekv_kv_range first = {7, 0, 0, 16};
+    ck_assert_int_eq(rekv_kvstore_plan(c, &first, 1, 0, &pb, &n, &cap, NULL), -ENOENT);
+    ck_assert_int_eq(rekv_kvstore_table(c, 7, 0, &t, &nb, NULL, NULL), 0);
+    ck_assert_uint_eq(t[0].tier, REKV_KV_TIER_FREE);
+    free(t);
+    rekv_kv_range rest = {7, 0, 16, 37};
+    ck_assert_int_eq(rekv_kvstore_plan(c, &rest, 1, 1, &pb, &n, &cap, NULL), 0);
+    ck_assert(check(arena + pb[0].offset, type_bytes(c, pb[0].type), 7, 0, 1, 1));
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 7, NULL), 0); /* own pins do not block a drop */
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.free_slots, st.total_slots);
+    ck_assert_uint_eq(st.pinned_blocks, 0);
+    free(pb);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ spilling */
+
+/* Writes every block of seq in [b0, b1) of all layers, pinning a few at a time. */
+static void write_blocks(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uint64_t b1,
+                         uint32_t gen)
+{
+    uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    rekv_err err = {0};
+    for (uint32_t l = 0; l < 2; l++)
+        for (uint64_t b = b0; b < b1; b += 4) {
+            uint64_t e = b + 4 < b1 ? b + 4 : b1;
+            rekv_kv_range r = {seq, l, b * 16, e * 16};
+            int rc = rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err);
+            ck_assert_msg(rc == 0, "pin: %s", err.msg);
+            for (size_t i = 0; i < n; i++)
+                fill(arena + pb[i].offset, type_bytes(c, pb[i].type), seq, l, pb[i].block, gen);
+            ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, NULL), 0);
+        }
+    free(pb);
+}
+
+static void verify_blocks(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uint64_t b1,
+                          uint32_t gen)
+{
+    uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    rekv_err err = {0};
+    for (uint32_t l = 0; l < 2; l++)
+        for (uint64_t b = b0; b < b1; b += 8) {
+            uint64_t e = b + 8 < b1 ? b + 8 : b1;
+            rekv_kv_range r = {seq, l, b * 16, e * 16};
+            int rc = rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err);
+            ck_assert_msg(rc == 0, "pin: %s", err.msg);
+            for (size_t i = 0; i < n; i++)
+                ck_assert_msg(check(arena + pb[i].offset, type_bytes(c, pb[i].type), seq, l,
+                                    pb[i].block, gen),
+                              "seq %llu layer %u block %llu corrupt", (unsigned long long)seq, l,
+                              (unsigned long long)pb[i].block);
+            ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, NULL), 0);
+        }
+    free(pb);
+}
+
+START_TEST(test_spill_readback)
+{
+    kvd d;
+    kvd_start(&d, 48, NULL, 0); /* 48 slots; we store 4 x 2 x 40 = 320 blocks */
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    for (uint64_t s = 1; s <= 4; s++) {
+        ck_assert_int_eq(rekv_kvstore_seq_create(c, s, NULL), 0);
+        for (int k = 0; k < 10; k++) {
+            int rc = rekv_kvstore_append(c, s, 64, s % 2 ? 3 : 0, s % 2 ? 1 : 0, NULL, &err);
+            ck_assert_msg(rc == 0, "append: %s", err.msg);
+            write_blocks(c, s, (uint64_t)k * 4, (uint64_t)k * 4 + 4, (uint32_t)s);
+        }
+    }
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_gt(st.disk_kv + st.disk_act, 200);
+    ck_assert_uint_gt(st.bytes_spilled, 0);
+    for (uint64_t s = 1; s <= 4; s++)
+        verify_blocks(c, s, 0, 40, (uint32_t)s);
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_gt(st.bytes_read_back, 0);
+    ck_assert_uint_gt(st.pin_misses, 0);
+    ck_assert_uint_eq(st.crc_errors, 0);
+    ck_assert_uint_eq(st.spill_errors, 0);
+    ck_assert_uint_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 320);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
+/* RLIMIT_FSIZE on the daemon limits every file it grows, the memfd arena included, so the limit
+ * is the arena's size: the spill file may then hold 33 slots and writes beyond fail with EFBIG.
+ * The append that needed room gets a clear -ENOMEM; nothing stored is lost. */
+START_TEST(test_spill_file_full)
+{
+    kvd d;
+    kvd_start(&d, 32, "--no-register-arena", 33 * 4096);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 1, NULL), 0);
+    uint64_t blocks = 0;
+    int rc = 0;
+    for (int k = 0; k < 60; k++) {
+        rekv_err_clear(&err);
+        rc = rekv_kvstore_append(c, 1, 32, 0, 0, NULL, &err); /* 2 blocks x 2 layers */
+        if (rc < 0)
+            break;
+        write_blocks(c, 1, blocks, blocks + 2, 9);
+        blocks += 2;
+    }
+    ck_assert_int_eq(rc, -ENOMEM);
+    ck_assert_msg(strstr(err.msg, "out of host memory") && strstr(err.msg, "File too large"),
+                  "error: %s", err.msg);
+    ck_assert_uint_ge(blocks, 32);
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_gt(st.spill_errors, 0);
+    ck_assert_uint_le(st.disk_kv, 33);
+    ck_assert_uint_gt(st.disk_kv, 0);
+    /* every stored byte is intact, the ones on disk included */
+    verify_blocks(c, 1, 0, blocks, 9);
+    /* dropping frees room: the store serves again */
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 2, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 2, 64, 0, 0, NULL, &err), 0);
+    write_blocks(c, 2, 0, 4, 3);
+    verify_blocks(c, 2, 0, 4, 3);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ random operations */
+
+typedef struct model_seq {
+    uint64_t id;
+    uint64_t n_tokens;
+    uint32_t *gen;   /* [2][cap] generation written per block, 0 = never written */
+    uint8_t *freed;  /* [2][cap] */
+    int *pinned_by;  /* [2][cap] client index holding a pin, -1 none */
+    size_t cap;
+    int live;
+} model_seq;
+
+START_TEST(test_random_ops)
+{
+    kvd d;
+    kvd_start(&d, 96, "--lease-ms 60000", 0);
+    enum { NC = 3, NS = 6, CAP = 64 };
+    rekv_kvstore_client *cl[NC];
+    for (int i = 0; i < NC; i++)
+        cl[i] = kvd_client(&d);
+    uint8_t *arena[NC];
+    for (int i = 0; i < NC; i++)
+        arena[i] = rekv_kvstore_client_arena(cl[i], NULL);
+    model_seq ms[NS];
+    memset(ms, 0, sizeof(ms));
+    for (int s = 0; s < NS; s++) {
+        ms[s].id = 100 + (uint64_t)s;
+        ms[s].gen = calloc(2 * CAP, sizeof(uint32_t));
+        ms[s].freed = calloc(2 * CAP, 1);
+        ms[s].pinned_by = malloc(2 * CAP * sizeof(int));
+        for (int i = 0; i < 2 * CAP; i++)
+            ms[s].pinned_by[i] = -1;
+    }
+    srand(12345);
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    rekv_err err = {0};
+    uint32_t gen = 1;
+    int verified = 0, ops = 3000;
+    for (int op = 0; op < ops; op++) {
+        int ci = rand() % NC, s = rand() % NS;
+        rekv_kvstore_client *c = cl[ci];
+        model_seq *m = &ms[s];
+        int kind = rand() % 10;
+        rekv_err_clear(&err);
+        if (!m->live) {
+            ck_assert_int_eq(rekv_kvstore_seq_create(c, m->id, &err), 0);
+            m->live = 1;
+            m->n_tokens = 0;
+            memset(m->gen, 0, 2 * CAP * sizeof(uint32_t));
+            memset(m->freed, 0, 2 * CAP);
+            continue;
+        }
+        uint64_t nb = (m->n_tokens + 15) / 16;
+        if (kind <= 2) { /* append */
+            uint64_t add = 1 + (uint64_t)(rand() % 40);
+            if ((m->n_tokens + add + 15) / 16 > CAP)
+                continue;
+            int rc = rekv_kvstore_append(c, m->id, add, 2, 1, NULL, &err);
+            ck_assert_msg(rc == 0 || rc == -ENOMEM, "append: %s", err.msg);
+            if (rc == 0)
+                m->n_tokens += add;
+        } else if (kind <= 6 && nb > 0) { /* pin a range, verify, maybe rewrite, unpin or keep */
+            uint32_t l = (uint32_t)(rand() % 2);
+            uint64_t b0 = (uint64_t)rand() % nb, b1 = b0 + 1 + (uint64_t)rand() % 6;
+            if (b1 > nb)
+                b1 = nb;
+            int skip = 0;
+            for (uint64_t b = b0; b < b1; b++)
+                if (m->freed[l * CAP + b] || (m->pinned_by[l * CAP + b] >= 0))
+                    skip = 1;
+            if (skip)
+                continue;
+            uint64_t t1 = b1 * 16 < m->n_tokens ? b1 * 16 : m->n_tokens;
+            rekv_kv_range r = {m->id, l, b0 * 16, t1};
+            int rc = rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err);
+            ck_assert_msg(rc == 0 || rc == -ENOMEM, "pin: %s", err.msg);
+            if (rc < 0)
+                continue;
+            ck_assert_uint_eq(n, b1 - b0);
+            int rewrite = rand() % 2;
+            for (size_t i = 0; i < n; i++) {
+                uint64_t b = pb[i].block;
+                uint32_t gg = m->gen[l * CAP + b];
+                size_t bytes = type_bytes(c, pb[i].type);
+                if (gg) {
+                    ck_assert_msg(check(arena[ci] + pb[i].offset, bytes, m->id, l, b, gg),
+                                  "op %d: seq %llu layer %u block %llu (gen %u) corrupt", op,
+                                  (unsigned long long)m->id, l, (unsigned long long)b, gg);
+                    verified++;
+                }
+                if (rewrite || !gg) {
+                    fill(arena[ci] + pb[i].offset, bytes, m->id, l, b, gen);
+                    m->gen[l * CAP + b] = gen++;
+                }
+            }
+            if (rand() % 4 == 0) {
+                for (uint64_t b = b0; b < b1; b++)
+                    m->pinned_by[l * CAP + b] = ci;
+            } else {
+                ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, &err), 0);
+            }
+        } else if (kind == 7) { /* release every pin this client keeps */
+            for (int t = 0; t < NS; t++)
+                for (uint32_t l = 0; l < 2; l++)
+                    for (uint64_t b = 0; b < CAP; b++)
+                        if (ms[t].live && ms[t].pinned_by[l * CAP + b] == ci) {
+                            rekv_kv_range r = {ms[t].id, l, b * 16,
+                                               (b + 1) * 16 < ms[t].n_tokens ? (b + 1) * 16
+                                                                             : ms[t].n_tokens};
+                            ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, &err), 0);
+                            ms[t].pinned_by[l * CAP + b] = -1;
+                        }
+        } else if (kind == 8 && nb > 0) { /* free one block */
+            uint32_t l = (uint32_t)(rand() % 2);
+            uint64_t b = (uint64_t)rand() % nb;
+            int other = m->pinned_by[l * CAP + b] >= 0 && m->pinned_by[l * CAP + b] != ci;
+            int rc = rekv_kvstore_free(c, m->id, l, l + 1, b, b + 1, &err);
+            ck_assert_int_eq(rc, other ? -EBUSY : 0);
+            if (rc == 0) {
+                m->freed[l * CAP + b] = 1;
+                m->pinned_by[l * CAP + b] = -1;
+            }
+        } else if (kind == 9 && rand() % 8 == 0) { /* drop */
+            int other = 0;
+            for (int i = 0; i < 2 * CAP; i++)
+                if (m->pinned_by[i] >= 0 && m->pinned_by[i] != ci)
+                    other = 1;
+            int rc = rekv_kvstore_seq_drop(c, m->id, &err);
+            ck_assert_int_eq(rc, other ? -EBUSY : 0);
+            if (rc == 0) {
+                m->live = 0;
+                for (int i = 0; i < 2 * CAP; i++)
+                    m->pinned_by[i] = -1;
+            }
+        }
+    }
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(cl[0], &st, NULL), 0);
+    ck_assert_uint_gt(st.bytes_spilled, 0);
+    ck_assert_uint_gt(st.bytes_read_back, 0);
+    ck_assert_uint_eq(st.crc_errors, 0);
+    ck_assert_int_gt(verified, 500);
+    /* finally every written block of every live sequence, once more */
+    for (int s = 0; s < NS; s++) {
+        model_seq *m = &ms[s];
+        if (!m->live)
+            continue;
+        for (uint32_t l = 0; l < 2; l++)
+            for (uint64_t b = 0; b < (m->n_tokens + 15) / 16; b++) {
+                if (m->freed[l * CAP + b] || !m->gen[l * CAP + b])
+                    continue;
+                uint64_t t1 = (b + 1) * 16 < m->n_tokens ? (b + 1) * 16 : m->n_tokens;
+                rekv_kv_range r = {m->id, l, b * 16, t1};
+                int rc = rekv_kvstore_plan(cl[0], &r, 1, 1, &pb, &n, &cap, &err);
+                ck_assert_msg(rc == 0, "final pin: %s", err.msg);
+                ck_assert(check(arena[0] + pb[0].offset, type_bytes(cl[0], pb[0].type), m->id, l,
+                                b, m->gen[l * CAP + b]));
+                ck_assert_int_eq(rekv_kvstore_unpin(cl[0], &r, 1, NULL), 0);
+            }
+    }
+    for (int s = 0; s < NS; s++) {
+        free(ms[s].gen);
+        free(ms[s].freed);
+        free(ms[s].pinned_by);
+    }
+    free(pb);
+    for (int i = 0; i < NC; i++)
+        rekv_kvstore_client_close(cl[i]);
+    kvd_stop(&d);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ kill -9 a client */
+
+START_TEST(test_killed_client_loses_pins)
+{
+    kvd d;
+    kvd_start(&d, 64, "--lease-ms 400", 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 5, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 5, 64, 0, 0, NULL, NULL), 0);
+    int pfd[2];
+    ck_assert_int_eq(pipe(pfd), 0);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        rekv_kvstore_client *cc = NULL;
+        if (rekv_kvstore_client_connect(d.endpoint, NULL, 5000, &cc, NULL) < 0)
+            _exit(1);
+        rekv_kv_range r = {5, 0, 0, 64};
+        rekv_kv_plan_block *pb = NULL;
+        size_t n, cap = 0;
+        if (rekv_kvstore_plan(cc, &r, 1, 1, &pb, &n, &cap, NULL) < 0)
+            _exit(1);
+        ssize_t w = write(pfd[1], "P", 1);
+        (void)w;
+        for (;;) { /* keep renewing until killed */
+            rekv_kvstore_renew(cc, NULL);
+            usleep(50000);
+        }
+    }
+    close(pfd[1]);
+    char ch;
+    ck_assert_int_eq(read(pfd[0], &ch, 1), 1);
+    close(pfd[0]);
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.pinned_blocks, 4);
+    rekv_err err = {0};
+    usleep(600000); /* longer than the lease: the child's renewals keep its pins */
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 5, &err), -EBUSY);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    uint64_t t0 = rekv_now_ns();
+    for (;;) {
+        ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+        if (st.pinned_blocks == 0)
+            break;
+        ck_assert_msg(rekv_now_ns() - t0 < 3000000000ull, "pins not released after the lease");
+        usleep(50000);
+    }
+    ck_assert_uint_ge(st.leases_expired, 1);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 5, &err), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 6, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 6, 32, 0, 0, NULL, NULL), 0);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ malformed messages */
+
+START_TEST(test_fuzz_messages)
+{
+    kvd d;
+    kvd_start(&d, 64, NULL, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 1, 100, 1, 1, NULL, NULL), 0);
+    /* a few valid requests to mutate */
+    uint8_t valid[4][256];
+    size_t vlen[4];
+    Rekv__Kvstore__Range rg = REKV__KVSTORE__RANGE__INIT, *rgp = &rg;
+    rg.seq = 1;
+    rg.layer = 1;
+    rg.token_begin = 3;
+    rg.token_end = 90;
+    Rekv__Kvstore__Plan pl = REKV__KVSTORE__PLAN__INIT;
+    pl.n_ranges = 1;
+    pl.ranges = &rgp;
+    Rekv__Kvstore__Append ap = REKV__KVSTORE__APPEND__INIT;
+    ap.seq = 1;
+    ap.n_tokens = 3;
+    Rekv__Kvstore__Free fr = REKV__KVSTORE__FREE__INIT;
+    fr.seq = 1;
+    fr.layer_end = 2;
+    fr.block_begin = 100;
+    fr.block_end = 200;
+    Rekv__Kvstore__GetTable gt = REKV__KVSTORE__GET_TABLE__INIT;
+    gt.seq = 1;
+    for (int i = 0; i < 4; i++) {
+        Rekv__Kvstore__Request rq = REKV__KVSTORE__REQUEST__INIT;
+        rq.version = REKV_KVSTORE_PROTO_VERSION;
+        rq.id = 1000 + (uint64_t)i;
+        if (i == 0) {
+            rq.body_case = REKV__KVSTORE__REQUEST__BODY_PLAN;
+            rq.plan = &pl;
+        } else if (i == 1) {
+            rq.body_case = REKV__KVSTORE__REQUEST__BODY_APPEND;
+            rq.append = &ap;
+        } else if (i == 2) {
+            rq.body_case = REKV__KVSTORE__REQUEST__BODY_FREE;
+            rq.free = &fr;
+        } else {
+            rq.body_case = REKV__KVSTORE__REQUEST__BODY_GET_TABLE;
+            rq.get_table = &gt;
+        }
+        vlen[i] = rekv__kvstore__request__pack(&rq, valid[i]);
+    }
+    srand(777);
+    int32_t status;
+    char msg[256];
+    int errors = 0;
+    uint8_t buf[300];
+    for (int it = 0; it < 3000; it++) {
+        int v = rand() % 4;
+        size_t len = vlen[v];
+        memcpy(buf, valid[v], len);
+        switch (it % 4) {
+        case 0: /* truncate */
+            len = (size_t)rand() % (len + 1);
+            break;
+        case 1: /* flip bytes */
+            for (int k = 0; k < 1 + rand() % 4; k++)
+                buf[rand() % len] ^= (uint8_t)(1 + rand() % 255);
+            break;
+        case 2: /* random garbage */
+            len = (size_t)rand() % sizeof(buf);
+            for (size_t k = 0; k < len; k++)
+                buf[k] = (uint8_t)rand();
+            break;
+        default: /* append junk */
+            for (int k = 0; k < 1 + rand() % 20 && len < sizeof(buf); k++)
+                buf[len++] = (uint8_t)rand();
+        }
+        rekv_err err = {0};
+        int rc = rekv_kvstore_client_raw(c, buf, len, &status, msg, sizeof(msg), &err);
+        ck_assert_msg(rc == 0, "iteration %d: no reply: %s", it, err.msg);
+        if (status != 0) {
+            ck_assert_int_lt(status, 0);
+            ck_assert_msg(msg[0] != '\0', "error reply without a message");
+            errors++;
+        }
+    }
+    ck_assert_int_gt(errors, 500);
+    /* wrong version, no body */
+    Rekv__Kvstore__Request rq = REKV__KVSTORE__REQUEST__INIT;
+    rq.version = 99;
+    size_t l = rekv__kvstore__request__pack(&rq, buf);
+    ck_assert_int_eq(rekv_kvstore_client_raw(c, buf, l, &status, msg, sizeof(msg), NULL), 0);
+    ck_assert_int_eq(status, -EPROTO);
+    rq.version = 1;
+    l = rekv__kvstore__request__pack(&rq, buf);
+    ck_assert_int_eq(rekv_kvstore_client_raw(c, buf, l, &status, msg, sizeof(msg), NULL), 0);
+    ck_assert_int_eq(status, -EBADMSG);
+    /* a peer sending multi-part junk gets an error, the store keeps serving */
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_ge(st.sequences, 0);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("kvstore");
+    TCase *tc = tcase_create("unit");
+    tcase_add_test(tc, test_crc32c);
+    tcase_add_test(tc, test_geometry_and_map);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("daemon");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, test_api_basics);
+    tcase_add_test(tc, test_spill_readback);
+    tcase_add_test(tc, test_spill_file_full);
+    tcase_add_test(tc, test_random_ops);
+    tcase_add_test(tc, test_killed_client_loses_pins);
+    tcase_add_test(tc, test_fuzz_messages);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void) { return tu_run_suite(suite()); }
