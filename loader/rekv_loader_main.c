@@ -1,3 +1,344 @@
-/* rekv_loader_main.c — the rekv-loader CLI. */
+/* rekv_loader_main.c — the rekv-loader CLI: writes synthetic models and inspects model files.
+ *
+ *   rekv-loader synth --arch opt|llama --layers N --hidden H --heads A [--kv-heads K] --ffn F
+ *                     --vocab V [--max-pos P] [--dtype f16|bf16|f32] [--seed S] [--tied|--untied]
+ *                     OUTDIR
+ *   rekv-loader inspect PATH   (a HF directory, a .safetensors file or index, a llama2.c .bin)
+ *
+ * Errors are one line on stderr and a non-zero exit. */
+#define _GNU_SOURCE
+#include "loader/loader.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
-int main(void) { fprintf(stderr, "rekv-loader: not built yet\n"); return 2; }
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char usage[] =
+    "usage: rekv-loader COMMAND ...\n"
+    "\n"
+    "commands:\n"
+    "  synth --arch opt|llama --layers N --hidden H --heads A [--kv-heads K] --ffn F --vocab V\n"
+    "        [--max-pos P] [--dtype f16|bf16|f32] [--seed S] [--tied|--untied] OUTDIR\n"
+    "      Writes a synthetic HuggingFace model (config.json + model.safetensors) with\n"
+    "      deterministic weights. Defaults: --kv-heads A, --max-pos 2048, --dtype f16, --seed 0,\n"
+    "      OPT tied and Llama untied output head.\n"
+    "  inspect PATH\n"
+    "      Prints the configuration and every tensor of a HuggingFace directory, a .safetensors\n"
+    "      file or index, or a llama2.c .bin checkpoint, with total bytes and parameter count.\n"
+    "  --help\n"
+    "      This text.\n";
+
+static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int fail(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "rekv-loader: ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 1;
+}
+
+static int parse_ll(const char *opt, const char *s, long long lo, long long hi, long long *out)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (s[0] == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi) {
+        fprintf(stderr, "rekv-loader: %s: \"%s\" is not an integer in [%lld, %lld]\n", opt, s, lo,
+                hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- synth */
+
+static int cmd_synth(int argc, char **argv)
+{
+    rekv_synth_spec s;
+    memset(&s, 0, sizeof(s));
+    s.arch = -1;
+    s.dtype = REKV_DTYPE_F16;
+    s.max_pos = 2048;
+    int tied = -1;
+    const char *outdir = NULL;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--tied") == 0) {
+            tied = 1;
+            continue;
+        }
+        if (strcmp(a, "--untied") == 0) {
+            tied = 0;
+            continue;
+        }
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            fputs(usage, stdout);
+            return 0;
+        }
+        if (strncmp(a, "--", 2) != 0) {
+            if (outdir != NULL)
+                return fail("synth: more than one output directory (%s and %s)", outdir, a);
+            outdir = a;
+            continue;
+        }
+        if (i + 1 >= argc)
+            return fail("synth: option %s needs a value", a);
+        const char *v = argv[++i];
+        long long x;
+        int *field = NULL;
+        if (strcmp(a, "--arch") == 0) {
+            if (strcmp(v, "opt") == 0)
+                s.arch = REKV_ARCH_OPT;
+            else if (strcmp(v, "llama") == 0)
+                s.arch = REKV_ARCH_LLAMA;
+            else
+                return fail("synth: --arch must be opt or llama, not \"%s\"", v);
+        } else if (strcmp(a, "--dtype") == 0) {
+            if (strcmp(v, "f16") == 0)
+                s.dtype = REKV_DTYPE_F16;
+            else if (strcmp(v, "bf16") == 0)
+                s.dtype = REKV_DTYPE_BF16;
+            else if (strcmp(v, "f32") == 0)
+                s.dtype = REKV_DTYPE_F32;
+            else
+                return fail("synth: --dtype must be f16, bf16 or f32, not \"%s\"", v);
+        } else if (strcmp(a, "--seed") == 0) {
+            char *end;
+            errno = 0;
+            unsigned long long seed = strtoull(v, &end, 0);
+            if (v[0] == '\0' || v[0] == '-' || *end != '\0' || errno != 0)
+                return fail("synth: --seed: \"%s\" is not an unsigned integer", v);
+            s.seed = seed;
+        } else if (strcmp(a, "--layers") == 0) {
+            field = &s.n_layers;
+        } else if (strcmp(a, "--hidden") == 0) {
+            field = &s.hidden;
+        } else if (strcmp(a, "--heads") == 0) {
+            field = &s.n_heads;
+        } else if (strcmp(a, "--kv-heads") == 0) {
+            field = &s.n_kv_heads;
+        } else if (strcmp(a, "--ffn") == 0) {
+            field = &s.ffn;
+        } else if (strcmp(a, "--vocab") == 0) {
+            field = &s.vocab;
+        } else if (strcmp(a, "--max-pos") == 0) {
+            field = &s.max_pos;
+        } else {
+            return fail("synth: unknown option %s (see rekv-loader --help)", a);
+        }
+        if (field != NULL) {
+            if (parse_ll(a, v, 1, 1 << 30, &x) < 0)
+                return 1;
+            *field = (int)x;
+        }
+    }
+    if ((int)s.arch < 0)
+        return fail("synth: --arch is required");
+    if (s.n_layers == 0 || s.hidden == 0 || s.n_heads == 0 || s.ffn == 0 || s.vocab == 0)
+        return fail("synth: --layers, --hidden, --heads, --ffn and --vocab are required");
+    if (outdir == NULL)
+        return fail("synth: no output directory given");
+    s.tied_head = tied >= 0 ? tied : s.arch == REKV_ARCH_OPT;
+    rekv_err err = {0};
+    if (rekv_synth_write(&s, outdir, &err) < 0)
+        return fail("%s", err.msg);
+    printf("wrote %s/config.json and %s/model.safetensors\n", outdir, outdir);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- inspect */
+
+static void print_shape(const rekv_tensor *t, char *buf, size_t cap)
+{
+    size_t n = (size_t)snprintf(buf, cap, "[");
+    for (int d = 0; d < t->ndim && n < cap; d++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%" PRId64, d ? ", " : "", t->shape[d]);
+    if (n < cap)
+        snprintf(buf + n, cap - n, "]");
+}
+
+static void print_config(const rekv_model_config *c)
+{
+    static const char *const arch[] = {"opt", "llama"};
+    static const char *const rope[] = {"none", "half", "adjacent"};
+    static const char *const act[] = {"relu", "gelu", "silu"};
+    printf("config:\n");
+    printf("  arch            %s\n", (unsigned)c->arch < 2 ? arch[c->arch] : "?");
+    printf("  layers          %d\n", c->n_layers);
+    printf("  hidden          %d\n", c->hidden);
+    printf("  heads           %d\n", c->n_heads);
+    printf("  kv_heads        %d\n", c->n_kv_heads);
+    printf("  head_dim        %d\n", c->head_dim);
+    printf("  ffn             %d\n", c->ffn);
+    printf("  vocab           %d\n", c->vocab);
+    printf("  max_pos         %d\n", c->max_pos);
+    printf("  embed_dim       %d\n", c->embed_dim);
+    printf("  norm_eps        %g\n", (double)c->norm_eps);
+    printf("  rope            %s (theta %g)\n", (unsigned)c->rope < 3 ? rope[c->rope] : "?",
+           (double)c->rope_theta);
+    printf("  activation      %s\n", (unsigned)c->act < 3 ? act[c->act] : "?");
+    printf("  pre_norm        %d\n", c->pre_norm);
+    printf("  final_norm      %d\n", c->final_norm);
+    printf("  tied_head       %d\n", c->tied_head);
+    printf("  biases          qkv %d, o %d, ffn %d, norm %d\n", c->qkv_bias, c->o_bias, c->ffn_bias,
+           c->norm_bias);
+    printf("  bos/eos/pad     %d/%d/%d (add_bos %d)\n", c->bos_id, c->eos_id, c->pad_id,
+           c->add_bos);
+    printf("  dtype           %s\n", rekv_dtype_name(c->dtype));
+}
+
+static int inspect_safetensors(const char *path)
+{
+    rekv_err err = {0};
+    rekv_safetensors *st;
+    if (rekv_safetensors_open(path, &st, &err) < 0)
+        return fail("%s", err.msg);
+    size_t n = rekv_safetensors_count(st);
+    uint64_t bytes = 0, params = 0;
+    printf("tensors: %zu\n", n);
+    for (size_t i = 0; i < n; i++) {
+        const rekv_tensor *t = rekv_safetensors_at(st, i);
+        char shape[256];
+        print_shape(t, shape, sizeof(shape));
+        printf("  %-60s %-4s %-20s %zu\n", t->name, rekv_dtype_name(t->dtype), shape, t->nbytes);
+        bytes += t->nbytes;
+        params += (uint64_t)rekv_tensor_numel(t);
+    }
+    printf("total bytes: %" PRIu64 "\n", bytes);
+    printf("parameters: %" PRIu64 " (%.2fM)\n", params, (double)params / 1e6);
+    rekv_safetensors_close(st);
+    return 0;
+}
+
+static int inspect_hf_dir(const char *dir)
+{
+    char cfg[4096];
+    snprintf(cfg, sizeof(cfg), "%s/config.json", dir);
+    printf("model: %s (HuggingFace directory)\n", dir);
+    if (access(cfg, F_OK) == 0) {
+        rekv_model_config c;
+        rekv_err err = {0};
+        if (rekv_config_load_hf(cfg, &c, &err) < 0)
+            return fail("%s", err.msg);
+        print_config(&c);
+    } else {
+        printf("config: none (no config.json)\n");
+    }
+    return inspect_safetensors(dir);
+}
+
+/* The llama2.c legacy checkpoint: 7 int32 of header, then fp32 arrays (FORMAT.md). */
+static int inspect_llama2c(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return fail("%s: cannot open: %s", path, strerror(errno));
+    int32_t h[7];
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || read(fd, h, sizeof(h)) != (ssize_t)sizeof(h)) {
+        close(fd);
+        return fail("%s: %s", path, "too short for a llama2.c header (28 bytes)");
+    }
+    close(fd);
+    int64_t dim = h[0], hid = h[1], L = h[2], nh = h[3], nkv = h[4], vocab = h[5], seq = h[6];
+    int shared = vocab > 0;
+    if (vocab < 0)
+        vocab = -vocab;
+    if (dim <= 0 || hid <= 0 || L <= 0 || nh <= 0 || nkv <= 0 || vocab <= 0 || seq <= 0 ||
+        dim % nh != 0 || nh % nkv != 0 || (dim / nh) % 2 != 0)
+        return fail("%s: %s", path, "implausible llama2.c header");
+    int64_t hs = dim / nh, kv = dim * nkv / nh;
+    struct {
+        const char *name;
+        int64_t n;
+    } arr[] = {
+        {"token_embedding", vocab * dim},
+        {"rms_att_weight", L * dim},
+        {"wq", L * dim * dim},
+        {"wk", L * kv * dim},
+        {"wv", L * kv * dim},
+        {"wo", L * dim * dim},
+        {"rms_ffn_weight", L * dim},
+        {"w1", L * hid * dim},
+        {"w2", L * dim * hid},
+        {"w3", L * hid * dim},
+        {"rms_final_weight", dim},
+        {"freq_cis_real", seq * hs / 2},
+        {"freq_cis_imag", seq * hs / 2},
+        {"classifier", shared ? 0 : vocab * dim},
+    };
+    printf("model: %s (llama2.c checkpoint)\n", path);
+    printf("header:\n  dim %" PRId64 "\n  hidden_dim %" PRId64 "\n  n_layers %" PRId64
+           "\n  n_heads %" PRId64 "\n  n_kv_heads %" PRId64 "\n  vocab_size %d (%s classifier)\n"
+           "  seq_len %" PRId64 "\n",
+           dim, hid, L, nh, nkv, h[5], shared ? "shared" : "separate", seq);
+    int64_t floats = 0, params = 0;
+    printf("arrays (fp32):\n");
+    for (size_t i = 0; i < sizeof(arr) / sizeof(arr[0]); i++) {
+        if (arr[i].n == 0)
+            continue;
+        printf("  %-18s %12" PRId64 " floats %14" PRId64 " bytes\n", arr[i].name, arr[i].n,
+               arr[i].n * 4);
+        floats += arr[i].n;
+        if (strncmp(arr[i].name, "freq_cis", 8) != 0)
+            params += arr[i].n;
+    }
+    int64_t want = 28 + floats * 4;
+    printf("total bytes: %" PRId64 " (file %lld)\n", want, (long long)sb.st_size);
+    printf("parameters: %" PRId64 " (%.2fM)\n", params, (double)params / 1e6);
+    if (want != (int64_t)sb.st_size) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "file is %lld bytes, the header implies %lld",
+                 (long long)sb.st_size, (long long)want);
+        return fail("%s: %s", path, msg);
+    }
+    return 0;
+}
+
+static int cmd_inspect(int argc, char **argv)
+{
+    if (argc != 1)
+        return fail("inspect: expected exactly one PATH");
+    const char *path = argv[0];
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return fail("%s: %s", path, strerror(errno));
+    if (S_ISDIR(sb.st_mode))
+        return inspect_hf_dir(path);
+    size_t n = strlen(path);
+    if ((n >= 12 && strcmp(path + n - 12, ".safetensors") == 0) ||
+        (n >= 5 && strcmp(path + n - 5, ".json") == 0)) {
+        printf("model: %s\n", path);
+        return inspect_safetensors(path);
+    }
+    return inspect_llama2c(path);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fputs(usage, stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
+        fputs(usage, stdout);
+        return 0;
+    }
+    if (strcmp(cmd, "synth") == 0)
+        return cmd_synth(argc - 2, argv + 2);
+    if (strcmp(cmd, "inspect") == 0)
+        return cmd_inspect(argc - 2, argv + 2);
+    return fail("unknown command \"%s\" (see rekv-loader --help)", cmd);
+}

@@ -1,0 +1,336 @@
+/* synth.c — synthetic HuggingFace-format models of any size, for tests and benchmarks.
+ *
+ * Weights are a pure function of (seed, tensor index, element index) through splitmix64, so any
+ * element can be recomputed on its own and a model of any size streams out in fixed-size chunks
+ * without ever being held in memory. Scales keep activations in range through many layers:
+ * linear weights are uniform in ±gain/sqrt(fan_in), norm weights are near 1, biases are small, and
+ * embeddings (and an untied lm_head) are roughly normal with std 2/sqrt(hidden) clamped to
+ * [0.02, 1], which puts the logits at a std of about 2 after the final norm. */
+#define _GNU_SOURCE
+#include "loader/loader.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define SYNTH_CHUNK_ELEMS (256u * 1024) /* 1 MiB of fp32 per chunk */
+#define SYNTH_GAIN 1.0f
+
+typedef enum synth_init {
+    SYNTH_LINEAR = 0, /* uniform ±gain/sqrt(fan_in) */
+    SYNTH_NORM_W = 1, /* 1 + uniform ±0.1 */
+    SYNTH_BIAS = 2,   /* uniform ±0.02 */
+    SYNTH_EMBED = 3,  /* approximately normal, std from the hidden size */
+} synth_init;
+
+typedef struct synth_tensor {
+    char name[128];
+    int ndim;
+    int64_t shape[2];
+    synth_init init;
+} synth_tensor;
+
+typedef struct synth_list {
+    synth_tensor *t;
+    size_t n, cap;
+} synth_list;
+
+static uint64_t splitmix64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* The key of tensor ti: element i's bits are splitmix64(key + i * golden), i.e. the i-th output of
+ * a splitmix64 stream seeded with key. */
+static uint64_t synth_tensor_key(uint64_t seed, uint64_t ti)
+{
+    return splitmix64(seed ^ splitmix64(ti * 0xd1b54a32d192ed03ull + 1));
+}
+
+static int list_add(synth_list *l, synth_init init, int ndim, int64_t d0, int64_t d1,
+                    const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static int list_add(synth_list *l, synth_init init, int ndim, int64_t d0, int64_t d1,
+                    const char *fmt, ...)
+{
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 64;
+        synth_tensor *nt = realloc(l->t, cap * sizeof(*nt));
+        if (nt == NULL)
+            return -ENOMEM;
+        l->t = nt;
+        l->cap = cap;
+    }
+    synth_tensor *t = &l->t[l->n++];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->name, sizeof(t->name), fmt, ap);
+    va_end(ap);
+    t->ndim = ndim;
+    t->shape[0] = d0;
+    t->shape[1] = d1;
+    t->init = init;
+    return 0;
+}
+
+static int build_opt(const rekv_synth_spec *s, synth_list *l)
+{
+    int64_t H = s->hidden, F = s->ffn, V = s->vocab, P = s->max_pos;
+    int rc = 0;
+    rc |= list_add(l, SYNTH_EMBED, 2, V, H, "model.decoder.embed_tokens.weight");
+    rc |= list_add(l, SYNTH_EMBED, 2, P + 2, H, "model.decoder.embed_positions.weight");
+    for (int i = 0; i < s->n_layers && rc == 0; i++) {
+        const char *p = "model.decoder.layers";
+        static const char *const proj[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
+        for (int j = 0; j < 4; j++) {
+            rc |= list_add(l, SYNTH_LINEAR, 2, H, H, "%s.%d.self_attn.%s.weight", p, i, proj[j]);
+            rc |= list_add(l, SYNTH_BIAS, 1, H, 0, "%s.%d.self_attn.%s.bias", p, i, proj[j]);
+        }
+        rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "%s.%d.self_attn_layer_norm.weight", p, i);
+        rc |= list_add(l, SYNTH_BIAS, 1, H, 0, "%s.%d.self_attn_layer_norm.bias", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, F, H, "%s.%d.fc1.weight", p, i);
+        rc |= list_add(l, SYNTH_BIAS, 1, F, 0, "%s.%d.fc1.bias", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, H, F, "%s.%d.fc2.weight", p, i);
+        rc |= list_add(l, SYNTH_BIAS, 1, H, 0, "%s.%d.fc2.bias", p, i);
+        rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "%s.%d.final_layer_norm.weight", p, i);
+        rc |= list_add(l, SYNTH_BIAS, 1, H, 0, "%s.%d.final_layer_norm.bias", p, i);
+    }
+    rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "model.decoder.final_layer_norm.weight");
+    rc |= list_add(l, SYNTH_BIAS, 1, H, 0, "model.decoder.final_layer_norm.bias");
+    if (!s->tied_head)
+        rc |= list_add(l, SYNTH_EMBED, 2, V, H, "lm_head.weight");
+    return rc ? -ENOMEM : 0;
+}
+
+static int build_llama(const rekv_synth_spec *s, synth_list *l)
+{
+    int64_t H = s->hidden, F = s->ffn, V = s->vocab;
+    int64_t hd = s->hidden / s->n_heads;
+    int64_t qd = s->n_heads * hd, kvd = s->n_kv_heads * hd;
+    int rc = 0;
+    rc |= list_add(l, SYNTH_EMBED, 2, V, H, "model.embed_tokens.weight");
+    for (int i = 0; i < s->n_layers && rc == 0; i++) {
+        const char *p = "model.layers";
+        rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "%s.%d.input_layernorm.weight", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, qd, H, "%s.%d.self_attn.q_proj.weight", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, kvd, H, "%s.%d.self_attn.k_proj.weight", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, kvd, H, "%s.%d.self_attn.v_proj.weight", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, H, qd, "%s.%d.self_attn.o_proj.weight", p, i);
+        rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "%s.%d.post_attention_layernorm.weight", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, F, H, "%s.%d.mlp.gate_proj.weight", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, F, H, "%s.%d.mlp.up_proj.weight", p, i);
+        rc |= list_add(l, SYNTH_LINEAR, 2, H, F, "%s.%d.mlp.down_proj.weight", p, i);
+    }
+    rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "model.norm.weight");
+    if (!s->tied_head)
+        rc |= list_add(l, SYNTH_EMBED, 2, V, H, "lm_head.weight");
+    return rc ? -ENOMEM : 0;
+}
+
+/* Fills out[0..n) with elements [first, first + n) of tensor t (index ti). */
+static void synth_fill(const rekv_synth_spec *s, const synth_tensor *t, uint64_t ti, uint64_t first,
+                       float *out, size_t n)
+{
+    uint64_t key = synth_tensor_key(s->seed, ti);
+    float amp;
+    switch (t->init) {
+    case SYNTH_LINEAR:
+        amp = SYNTH_GAIN / sqrtf((float)t->shape[1]);
+        break;
+    case SYNTH_NORM_W:
+        amp = 0.1f;
+        break;
+    case SYNTH_BIAS:
+        amp = 0.02f;
+        break;
+    case SYNTH_EMBED:
+    default: {
+        float std = 2.0f / sqrtf((float)s->hidden);
+        amp = std < 0.02f ? 0.02f : std > 1.0f ? 1.0f : std;
+        break;
+    }
+    }
+    const float u16 = 1.0f / 32768.0f;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t h = splitmix64(key + (first + i) * 0x9e3779b97f4a7c15ull);
+        float v;
+        if (t->init == SYNTH_EMBED) {
+            /* the sum of four uniforms in [-1, 1) has std 2/sqrt(3): close enough to normal */
+            float sum = 0;
+            for (int k = 0; k < 4; k++)
+                sum += (float)((int32_t)((h >> (16 * k)) & 0xffffu) - 32768) * u16;
+            v = sum * 0.8660254f * amp;
+        } else {
+            float u = (float)((int64_t)(h >> 40) - (1 << 23)) * (1.0f / (float)(1 << 23));
+            v = u * amp;
+            if (t->init == SYNTH_NORM_W)
+                v += 1.0f;
+        }
+        out[i] = v;
+    }
+}
+
+static int spec_check(const rekv_synth_spec *s, rekv_synth_spec *norm, const char *outdir,
+                      rekv_err *err)
+{
+    *norm = *s;
+    if (s->arch != REKV_ARCH_OPT && s->arch != REKV_ARCH_LLAMA)
+        return rekv_errf(err, -EINVAL, "%s: synth: unknown architecture %d", outdir, (int)s->arch);
+    if (s->n_layers < 1 || s->hidden < 1 || s->n_heads < 1 || s->ffn < 1 || s->max_pos < 1)
+        return rekv_errf(err, -EINVAL,
+                         "%s: synth: layers, hidden, heads, ffn and max_pos must all be positive",
+                         outdir);
+    if (s->vocab < 3)
+        return rekv_errf(err, -EINVAL, "%s: synth: vocab %d is below 3 (the special tokens)",
+                         outdir, s->vocab);
+    if (s->hidden % s->n_heads != 0)
+        return rekv_errf(err, -EINVAL, "%s: synth: hidden %d is not a multiple of heads %d", outdir,
+                         s->hidden, s->n_heads);
+    if (s->n_kv_heads == 0)
+        norm->n_kv_heads = s->n_heads;
+    if (norm->n_kv_heads < 1 || s->n_heads % norm->n_kv_heads != 0)
+        return rekv_errf(err, -EINVAL, "%s: synth: heads %d is not a multiple of kv-heads %d",
+                         outdir, s->n_heads, norm->n_kv_heads);
+    if (s->arch == REKV_ARCH_OPT && norm->n_kv_heads != s->n_heads)
+        return rekv_errf(err, -EINVAL,
+                         "%s: synth: OPT has no grouped-query attention (kv-heads "
+                         "must equal heads)",
+                         outdir);
+    if (s->dtype != REKV_DTYPE_F32 && s->dtype != REKV_DTYPE_F16 && s->dtype != REKV_DTYPE_BF16)
+        return rekv_errf(err, -EINVAL, "%s: synth: unknown dtype %d", outdir, (int)s->dtype);
+    /* tensor dims are products of ints: keep every one within int range */
+    int64_t m = (int64_t)s->hidden * s->ffn;
+    if ((int64_t)s->vocab * s->hidden > m)
+        m = (int64_t)s->vocab * s->hidden;
+    if ((int64_t)(s->max_pos + 2LL) * s->hidden > m)
+        m = (int64_t)(s->max_pos + 2LL) * s->hidden;
+    if (m > ((int64_t)1 << 40) || s->max_pos > INT32_MAX - 2)
+        return rekv_errf(err, -EINVAL, "%s: synth: tensor sizes are implausibly large", outdir);
+    return 0;
+}
+
+static const char *torch_dtype_name(rekv_dtype d)
+{
+    return d == REKV_DTYPE_F32 ? "float32" : d == REKV_DTYPE_F16 ? "float16" : "bfloat16";
+}
+
+static int write_config(const rekv_synth_spec *s, const char *path, rekv_err *err)
+{
+    json_t *c;
+    if (s->arch == REKV_ARCH_OPT) {
+        c = json_pack(
+            "{s:[s],s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:b,s:i,s:s,s:b,s:b,s:i,s:i,s:i,"
+            "s:f,s:f,s:f,s:f,s:f,s:b,s:b,s:s}",
+            "architectures", "OPTForCausalLM", "model_type", "opt", "vocab_size", s->vocab,
+            "hidden_size", s->hidden, "num_hidden_layers", s->n_layers, "ffn_dim", s->ffn,
+            "num_attention_heads", s->n_heads, "max_position_embeddings", s->max_pos,
+            "do_layer_norm_before", 1, "word_embed_proj_dim", s->hidden, "activation_function",
+            "relu", "enable_bias", 1, "layer_norm_elementwise_affine", 1, "bos_token_id", 2,
+            "eos_token_id", 2, "pad_token_id", 1, "dropout", 0.0, "attention_dropout", 0.0,
+            "activation_dropout", 0.0, "layerdrop", 0.0, "init_std", 0.02, "tie_word_embeddings",
+            s->tied_head ? 1 : 0, "use_cache", 1, "torch_dtype", torch_dtype_name(s->dtype));
+    } else {
+        c = json_pack("{s:[s],s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:f,s:f,s:s,s:b,s:b,s:b,s:i,"
+                      "s:i,s:b,s:s}",
+                      "architectures", "LlamaForCausalLM", "model_type", "llama", "vocab_size",
+                      s->vocab, "hidden_size", s->hidden, "intermediate_size", s->ffn,
+                      "num_hidden_layers", s->n_layers, "num_attention_heads", s->n_heads,
+                      "num_key_value_heads", s->n_kv_heads, "head_dim", s->hidden / s->n_heads,
+                      "max_position_embeddings", s->max_pos, "rms_norm_eps", 1e-5, "rope_theta",
+                      10000.0, "hidden_act", "silu", "tie_word_embeddings", s->tied_head ? 1 : 0,
+                      "attention_bias", 0, "mlp_bias", 0, "bos_token_id", 1, "eos_token_id", 2,
+                      "use_cache", 1, "torch_dtype", torch_dtype_name(s->dtype));
+    }
+    if (c == NULL)
+        return rekv_errf(err, -ENOMEM, "%s: out of memory", path);
+    char *tmp = NULL;
+    int rc = 0;
+    if (asprintf(&tmp, "%s.tmp", path) < 0) {
+        json_decref(c);
+        return rekv_errf(err, -ENOMEM, "%s: out of memory", path);
+    }
+    if (json_dump_file(c, tmp, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(15)) != 0)
+        rc = rekv_errf(err, -EIO, "%s: cannot write", tmp);
+    else if (rename(tmp, path) != 0)
+        rc = rekv_errf(err, -errno, "%s: cannot rename into place: %s", path, strerror(errno));
+    if (rc < 0)
+        remove(tmp);
+    free(tmp);
+    json_decref(c);
+    return rc;
+}
+
+int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *err)
+{
+    rekv_synth_spec s;
+    int rc = spec_check(spec, &s, outdir, err);
+    if (rc < 0)
+        return rc;
+    if (mkdir(outdir, 0755) != 0 && errno != EEXIST)
+        return rekv_errf(err, -errno, "%s: cannot create directory: %s", outdir, strerror(errno));
+
+    synth_list l = {0};
+    char *cfg_path = NULL, *st_path = NULL;
+    float *f32 = NULL;
+    void *conv = NULL;
+    rekv_st_writer *w = NULL;
+    if (asprintf(&cfg_path, "%s/config.json", outdir) < 0) {
+        cfg_path = NULL;
+        rc = rekv_errf(err, -ENOMEM, "%s: out of memory", outdir);
+        goto out;
+    }
+    if (asprintf(&st_path, "%s/model.safetensors", outdir) < 0) {
+        st_path = NULL;
+        rc = rekv_errf(err, -ENOMEM, "%s: out of memory", outdir);
+        goto out;
+    }
+    rc = s.arch == REKV_ARCH_OPT ? build_opt(&s, &l) : build_llama(&s, &l);
+    f32 = malloc(SYNTH_CHUNK_ELEMS * sizeof(float));
+    conv = malloc(SYNTH_CHUNK_ELEMS * rekv_dtype_size(s.dtype));
+    if (rc < 0 || f32 == NULL || conv == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "%s: out of memory", outdir);
+        goto out;
+    }
+    rc = rekv_st_writer_open(st_path, &w, err);
+    if (rc < 0)
+        goto out;
+    for (size_t i = 0; i < l.n; i++) {
+        rc = rekv_st_writer_declare(w, l.t[i].name, s.dtype, l.t[i].ndim, l.t[i].shape, err);
+        if (rc < 0)
+            goto out;
+    }
+    for (size_t i = 0; i < l.n; i++) {
+        const synth_tensor *t = &l.t[i];
+        uint64_t numel = (uint64_t)t->shape[0] * (uint64_t)(t->ndim == 2 ? t->shape[1] : 1);
+        for (uint64_t e = 0; e < numel; e += SYNTH_CHUNK_ELEMS) {
+            size_t n = numel - e < SYNTH_CHUNK_ELEMS ? (size_t)(numel - e) : SYNTH_CHUNK_ELEMS;
+            synth_fill(&s, t, i, e, f32, n);
+            rekv_from_f32(conv, f32, s.dtype, n);
+            rc = rekv_st_writer_write(w, conv, n * rekv_dtype_size(s.dtype), err);
+            if (rc < 0)
+                goto out;
+        }
+    }
+    rc = rekv_st_writer_close(w, err);
+    w = NULL;
+    if (rc < 0)
+        goto out;
+    /* config.json last: a directory with a config is a complete model */
+    rc = write_config(&s, cfg_path, err);
+out:
+    if (w != NULL)
+        rekv_st_writer_close(w, NULL); /* discards the partial file */
+    free(conv);
+    free(f32);
+    free(l.t);
+    free(st_path);
+    free(cfg_path);
+    return rc;
+}
