@@ -103,6 +103,10 @@ _Static_assert(sizeof(rekv_kv_arena_header) == 128, "arena header is 128 bytes")
 /* Checks a mapped arena's header (magic, version, sizes against map_bytes). */
 int rekv_kv_arena_header_check(const rekv_kv_arena_header *h, size_t map_bytes, rekv_err *err);
 
+/* Copies n blocks of `bytes` bytes from arena + offsets[i] to dst + i * bytes (non-temporal
+ * stores for large gathers). */
+void rekv_kv_gather(void *dst, const void *arena, const uint64_t *offsets, size_t n, size_t bytes);
+
 /* ---------------------------------------------------------------- CRC32C */
 
 /* CRC32C (Castagnoli), as iSCSI/ext4 use it: crc = rekv_crc32c(0, buf, n) for a whole buffer,

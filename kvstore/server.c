@@ -299,9 +299,22 @@ static int spill_one(rekv_kvstore_server *s, const char **why)
     if (kv_spill_in_flight(s->spill) >= kv_spill_depth(s->spill))
         return 0;
     uint32_t fslot;
-    if (kv_spill_slot_alloc(s->spill, &fslot) < 0) {
+    int arc = kv_spill_slot_alloc(s->spill, &fslot);
+    if (arc == -ENOSPC && kv_spill_slots_used(s->spill) > 0 && s->cfg.spill_bytes) {
         *why = "the spill file is full (--spill-bytes)";
-        return -ENOSPC;
+        return arc;
+    }
+    if (arc < 0) {
+        /* the filesystem refused to grow the spill file: same as a failed write */
+        s->spill_errors++;
+        if (s->spill_err == 0)
+            srv_event(s, REKV_KV_EVENT_ERROR,
+                      "spill file cannot grow: %s; blocks stay in memory, spilling paused",
+                      strerror(-arc));
+        s->spill_err = arc;
+        s->spill_err_ns = s->now;
+        *why = strerror(-arc);
+        return arc;
     }
     uint32_t id = s->lru_head;
     kv_block *b = &s->blocks[id];

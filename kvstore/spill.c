@@ -58,6 +58,8 @@ struct kv_spill {
     uint64_t fs_next;         /* next never-used file slot */
     uint64_t fs_max;          /* file slots allowed */
     uint64_t fs_bad;          /* slots lost to failed writes */
+    uint64_t fs_alloc;        /* file slots backed by fallocate'd space */
+    int no_falloc;            /* the filesystem has no fallocate: writes extend the file */
     kv_spill_done *sync_done; /* [depth] completions of synchronous fallback ops */
     unsigned n_sync_done;
 };
@@ -267,6 +269,34 @@ int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot)
     }
     if (sp->fs_next >= sp->fs_max)
         return -ENOSPC;
+    /* Space is reserved ahead in chunks: O_DIRECT writes inside i_size are truly asynchronous
+     * (extending ones are not on ext4), and a full disk or RLIMIT_FSIZE shows up here, before any
+     * block leaves memory. */
+    if (!sp->no_falloc && sp->fs_next >= sp->fs_alloc) {
+        uint64_t want = sp->fs_alloc < 16 ? 16 : sp->fs_alloc; /* double, from 16 slots */
+        if (want > (256ull << 20) / sp->cfg.slot_bytes)
+            want = (256ull << 20) / sp->cfg.slot_bytes;
+        if (want == 0)
+            want = 1;
+        if (sp->fs_alloc + want > sp->fs_max)
+            want = sp->fs_max - sp->fs_alloc;
+        int rc = 0;
+        for (;;) {
+            off_t off = (off_t)(sp->fs_alloc * sp->cfg.slot_bytes);
+            if (fallocate(sp->fd, 0, off, (off_t)(want * sp->cfg.slot_bytes)) == 0) {
+                sp->fs_alloc += want;
+                break;
+            }
+            rc = -errno;
+            if (rc == -EOPNOTSUPP || rc == -ENOSYS) {
+                sp->no_falloc = 1;
+                break;
+            }
+            if (want == 1)
+                return rc; /* -ENOSPC, -EFBIG, -EIO: not even one more slot */
+            want = 1;
+        }
+    }
     *fslot = (uint32_t)sp->fs_next++;
     return 0;
 }
