@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "common/clock.h"
 #include "kvstore/kv_internal.h"
@@ -748,6 +749,24 @@ START_TEST(test_fuzz_messages)
     ck_assert_int_eq(rekv_kvstore_client_raw(c, buf, l, &status, msg, sizeof(msg), NULL), 0);
     ck_assert_int_eq(status, -EBADMSG);
     /* a peer sending multi-part junk gets an error, the store keeps serving */
+    void *zc = zmq_ctx_new(), *zs = zmq_socket(zc, ZMQ_DEALER);
+    int zero = 0, tmo = 5000;
+    zmq_setsockopt(zs, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(zs, ZMQ_RCVTIMEO, &tmo, sizeof(tmo));
+    ck_assert_int_eq(zmq_connect(zs, d.endpoint), 0);
+    for (int parts = 2; parts <= 6; parts++) {
+        for (int k = 0; k < parts; k++)
+            zmq_send(zs, valid[0], vlen[0], k + 1 < parts ? ZMQ_SNDMORE : 0);
+        uint8_t rb[512];
+        int got = zmq_recv(zs, rb, sizeof(rb), 0);
+        ck_assert_int_gt(got, 0);
+        Rekv__Kvstore__Response *resp = rekv__kvstore__response__unpack(NULL, (size_t)got, rb);
+        ck_assert_ptr_nonnull(resp);
+        ck_assert_int_eq(resp->status, -EPROTO);
+        rekv__kvstore__response__free_unpacked(resp, NULL);
+    }
+    zmq_close(zs);
+    zmq_ctx_term(zc);
     rekv_kv_stats st;
     ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
     ck_assert_uint_ge(st.sequences, 0);
