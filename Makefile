@@ -72,6 +72,8 @@ TEST_SUPPORT := $(filter-out tests/test_% tests/fuzz_%,$(wildcard tests/*.c))
 TEST_SUPPORT_OBJS := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_SUPPORT))
 
 .PHONY: all test clean fuzz format
+# keep objects and generated headers that only feed other targets
+.SECONDARY:
 all: $(BINS)
 
 $(BUILD)/gen/proto/%.pb-c.c $(BUILD)/gen/proto/%.pb-c.h: proto/%.proto

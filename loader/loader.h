@@ -51,11 +51,12 @@ typedef struct rekv_model_config {
     float norm_eps;
     float rope_theta;
     int pre_norm;     /* OPT do_layer_norm_before; always 1 for Llama */
+    int final_norm;   /* a norm before the head (absent in post-norm OPT such as OPT-350m) */
     int tied_head;    /* lm_head shares embed_tokens */
     int qkv_bias;     /* q/k/v projections have biases (OPT, Qwen2) */
     int o_bias;       /* output projection has a bias (OPT) */
     int ffn_bias;     /* FFN projections have biases (OPT) */
-    int final_norm_bias; /* final and per-layer norms have biases (LayerNorm) */
+    int norm_bias;    /* norms are LayerNorm with a bias (OPT); RMSNorm without (Llama) */
     int bos_id;       /* -1 when none */
     int eos_id;       /* -1 when none */
     int pad_id;       /* -1 when none */
@@ -172,7 +173,6 @@ int rekv_tokenizer_token_id(const rekv_tokenizer *tok, const char *piece);
 typedef struct rekv_model {
     rekv_model_config config;
     rekv_weights weights;
-    rekv_tokenizer *tokenizer; /* NULL when the model has none (stories260K) */
     char *path;
     /* private: what backs the tensors */
     rekv_safetensors *st;      /* HF models */
@@ -182,8 +182,8 @@ typedef struct rekv_model {
     size_t n_owned;
 } rekv_model;
 
-/* path: a HF directory or a llama2.c .bin. Validates the config, every tensor's presence, dtype and
- * shape, and loads the tokenizer when there is one. */
+/* path: a HF directory or a llama2.c .bin. Validates the config and every tensor's presence, dtype
+ * and shape. The tokenizer is separate (rekv_tokenizer_load_for_model): the engine runs on ids. */
 int rekv_model_open(const char *path, rekv_model **out, rekv_err *err);
 void rekv_model_close(rekv_model *m);
 

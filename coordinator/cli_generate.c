@@ -1,0 +1,171 @@
+/* cli_generate.c — `rekv generate`: run a prompt through a model in this process and print the
+ * continuation, as text or as one JSON object. */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coordinator/cli.h"
+#include "gpuworker/gpuworker.h"
+#include "loader/loader.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: rekv generate --model PATH (--prompt TEXT | --prompt-ids 1,2,3)\n"
+            "                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+            "                     [--seed S] [--top-logits K] [--ignore-eos] [--json]\n"
+            "PATH is a HuggingFace model directory or a llama2.c .bin checkpoint.\n"
+            "--temperature 0 (the default) is greedy. Generation stops at the model's EOS unless\n"
+            "--ignore-eos is given.\n");
+}
+
+int cli_generate(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},       {"prompt", required_argument, 0, 'p'},
+        {"prompt-ids", required_argument, 0, 'i'},  {"max-new-tokens", required_argument, 0, 'n'},
+        {"temperature", required_argument, 0, 't'}, {"top-k", required_argument, 0, 'k'},
+        {"top-p", required_argument, 0, 'P'},       {"seed", required_argument, 0, 's'},
+        {"top-logits", required_argument, 0, 'L'},  {"json", no_argument, 0, 'j'},
+        {"ignore-eos", no_argument, 0, 'E'},        {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    const char *model_path = NULL, *prompt = NULL, *prompt_ids = NULL;
+    long max_new = 64, top_k = 0, top_logits = 0, seed = 0;
+    double temperature = 0, top_p = 1;
+    int json = 0, ignore_eos = 0, c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model_path = optarg; break;
+        case 'p': prompt = optarg; break;
+        case 'i': prompt_ids = optarg; break;
+        case 'n': if (cli_parse_int("max-new-tokens", optarg, 0, 1 << 24, &max_new)) return 2; break;
+        case 't': if (cli_parse_float("temperature", optarg, 0, 100, &temperature)) return 2; break;
+        case 'k': if (cli_parse_int("top-k", optarg, 0, 1 << 30, &top_k)) return 2; break;
+        case 'P': if (cli_parse_float("top-p", optarg, 0, 1, &top_p)) return 2; break;
+        case 's': if (cli_parse_int("seed", optarg, 0, INT64_MAX, &seed)) return 2; break;
+        case 'L': if (cli_parse_int("top-logits", optarg, 0, 1 << 20, &top_logits)) return 2; break;
+        case 'j': json = 1; break;
+        case 'E': ignore_eos = 1; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (model_path == NULL || (prompt == NULL) == (prompt_ids == NULL) || optind != argc) {
+        usage(stderr);
+        return 2;
+    }
+    int rc = 1;
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    rekv_tokenizer *tok = NULL;
+    rekv_engine *eng = NULL;
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    char *text = NULL;
+    rekv_gen_result res = {0};
+    if (rekv_model_open(model_path, &model, &err))
+        goto fail;
+    const rekv_model_config *cfg = &model->config;
+    int trc = rekv_tokenizer_load_for_model(model_path, &tok, &err);
+    if (trc && trc != -ENOENT)
+        goto fail;
+    rekv_err_clear(&err);
+    if (prompt) {
+        if (tok == NULL) {
+            fprintf(stderr, "rekv: %s has no tokenizer; give the prompt as --prompt-ids\n",
+                    model_path);
+            goto out;
+        }
+        if (rekv_tokenizer_encode(tok, prompt, strlen(prompt), cfg->add_bos ? cfg->bos_id : -1,
+                                  &ids, &n_ids, &err))
+            goto fail;
+    } else {
+        int n;
+        if (cli_parse_ids(prompt_ids, &ids, &n)) {
+            fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
+                    prompt_ids);
+            goto out;
+        }
+        n_ids = (size_t)n;
+    }
+    for (size_t i = 0; i < n_ids; i++)
+        if (ids[i] >= cfg->vocab) {
+            fprintf(stderr, "rekv: prompt token id %d is outside the vocabulary of %s (0..%d)\n",
+                    ids[i], model_path, cfg->vocab - 1);
+            goto out;
+        }
+    if (n_ids > (size_t)cfg->max_pos) {
+        fprintf(stderr,
+                "rekv: the prompt of %zu tokens is longer than the context of %s (%d tokens)\n",
+                n_ids, model_path, cfg->max_pos);
+        goto out;
+    }
+    if (rekv_engine_create(model, &eng, &err))
+        goto fail;
+    rekv_gen_params gp = {(int)max_new, (float)temperature, (int)top_k, (float)top_p,
+                          (uint64_t)seed, (int)top_logits, !ignore_eos};
+    if (rekv_generate(eng, ids, (int)n_ids, &gp, &res, &err))
+        goto fail;
+    size_t text_len = 0;
+    if (tok && rekv_tokenizer_decode(tok, res.ids, (size_t)res.n, &text, &text_len, &err))
+        goto fail;
+    if (json) {
+        json_t *o = json_object(), *pi = json_array(), *gi = json_array(), *tl = json_array();
+        for (size_t i = 0; i < n_ids; i++)
+            json_array_append_new(pi, json_integer(ids[i]));
+        for (int i = 0; i < res.n; i++) {
+            json_array_append_new(gi, json_integer(res.ids[i]));
+            json_t *step = json_array();
+            for (long j = 0; j < top_logits && res.top_ids; j++) {
+                size_t at = (size_t)i * (size_t)top_logits + (size_t)j;
+                json_array_append_new(step, json_pack("[I f]", (json_int_t)res.top_ids[at],
+                                                      (double)res.top_vals[at]));
+            }
+            json_array_append_new(tl, step);
+        }
+        json_object_set_new(o, "prompt_ids", pi);
+        json_object_set_new(o, "generated_ids", gi);
+        json_object_set_new(o, "text", text ? json_stringn(text, text_len) : json_null());
+        if (text && !json_is_string(json_object_get(o, "text")))
+            json_object_set_new(o, "text", json_null()); /* not valid UTF-8 */
+        if (tok == NULL)
+            json_object_set_new(o, "text_unavailable", json_string("the model has no tokenizer"));
+        json_object_set_new(o, "top_logits", tl);
+        json_object_set_new(
+            o, "stats",
+            json_pack("{s:s, s:s, s:i, s:i, s:f, s:f, s:f, s:f}", "backend", "cpu",
+                      "finish_reason", res.finish_reason, "prompt_tokens", (int)n_ids,
+                      "generated_tokens", res.n, "prefill_s", res.prefill_s, "decode_s",
+                      res.decode_s, "prefill_tokens_per_s",
+                      res.prefill_s > 0 ? (double)n_ids / res.prefill_s : 0.0,
+                      "decode_tokens_per_s",
+                      res.decode_s > 0 && res.n > 1 ? (double)(res.n - 1) / res.decode_s : 0.0));
+        char *s = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(9));
+        printf("%s\n", s);
+        free(s);
+        json_decref(o);
+    } else if (text) {
+        printf("%s%s\n", prompt ? prompt : "", text);
+    } else {
+        fprintf(stderr, "rekv: %s has no tokenizer; printing token ids\n", model_path);
+        for (int i = 0; i < res.n; i++)
+            printf("%s%d", i ? "," : "", res.ids[i]);
+        printf("\n");
+    }
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "rekv: %s\n", err.msg);
+out:
+    rekv_gen_result_free(&res);
+    free(text);
+    free(ids);
+    rekv_engine_free(eng);
+    rekv_tokenizer_free(tok);
+    rekv_model_close(model);
+    return rc;
+}

@@ -1,0 +1,114 @@
+/* cpu_gemm.c — a row-invariant fp32 GEMM for the projections whose results must not depend on
+ * which other rows share the call.
+ *
+ * The exact modes recompute keys and values from stored activations (KVPR's prefix, HybridServe's
+ * ACT blocks) and must reproduce, bit for bit, the K and V computed when the token was first seen —
+ * in a call with other rows. OpenBLAS does not promise that: it picks other kernels for one row,
+ * for small problems and for edge tiles, which sum in other orders (measured: 163 of 300 random
+ * shapes differ between a whole-matrix call and the same rows in chunks). Here every output
+ * element is one dot product in a fixed order — eight fused multiply-add lanes over k in steps of
+ * 8, the lanes summed pairwise in a fixed tree, then the k % 8 tail with fmaf — whatever the
+ * blocking, the row count or the instruction set. The AVX2 path and the portable path give the
+ * same bits. */
+#include "gpuworker/cpu_ops.h"
+
+#include <math.h>
+#include <stddef.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* The fixed lane-reduction tree shared by both paths. */
+static inline float reduce8(const float l[8])
+{
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+static float dot_portable(const float *a, const float *b, int k)
+{
+    float l[8] = {0};
+    int k8 = k & ~7;
+    for (int t = 0; t < k8; t += 8)
+        for (int j = 0; j < 8; j++)
+            l[j] = fmaf(a[t + j], b[t + j], l[j]);
+    float s = reduce8(l);
+    for (int t = k8; t < k; t++)
+        s = fmaf(a[t], b[t], s);
+    return s;
+}
+
+void cpu_gemm_rowinv_portable(float *y, const float *x, const float *w, int m, int n, int k)
+{
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++)
+            y[(size_t)i * n + j] = dot_portable(x + (size_t)i * k, w + (size_t)j * k, k);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static inline float finish_avx2(__m256 acc, const float *a,
+                                                                     const float *b, int k8, int k)
+{
+    float l[8];
+    _mm256_storeu_ps(l, acc);
+    float s = reduce8(l);
+    for (int t = k8; t < k; t++)
+        s = fmaf(a[t], b[t], s);
+    return s;
+}
+
+/* 4 rows of x against 3 rows of w per pass: 12 accumulators, each one element's dot product. */
+__attribute__((target("avx2,fma"))) static void gemm_avx2(float *y, const float *x, const float *w,
+                                                          int m, int n, int k)
+{
+    enum { MR = 4, NR = 3, MB = 64 };
+    int k8 = k & ~7;
+    for (int i0 = 0; i0 < m; i0 += MB) { /* a block of x rows stays in cache while w streams */
+        int i1 = i0 + MB < m ? i0 + MB : m;
+        for (int j = 0; j < n; j += NR) {
+            int nj = n - j < NR ? n - j : NR;
+            const float *w0 = w + (size_t)j * k;
+            const float *w1 = nj > 1 ? w0 + k : w0, *w2 = nj > 2 ? w0 + 2 * (size_t)k : w0;
+            for (int i = i0; i < i1; i += MR) {
+                int mi = i1 - i < MR ? i1 - i : MR;
+                const float *xr[MR];
+                for (int r = 0; r < MR; r++)
+                    xr[r] = x + (size_t)(i + (r < mi ? r : 0)) * k;
+                __m256 acc[MR][NR];
+                for (int r = 0; r < MR; r++)
+                    for (int c = 0; c < NR; c++)
+                        acc[r][c] = _mm256_setzero_ps();
+                for (int t = 0; t < k8; t += 8) {
+                    __m256 b0 = _mm256_loadu_ps(w0 + t), b1 = _mm256_loadu_ps(w1 + t);
+                    __m256 b2 = _mm256_loadu_ps(w2 + t);
+                    for (int r = 0; r < MR; r++) {
+                        __m256 a = _mm256_loadu_ps(xr[r] + t);
+                        acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+                        acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
+                    }
+                }
+                const float *wr[NR] = {w0, w1, w2};
+                for (int r = 0; r < mi; r++)
+                    for (int c = 0; c < nj; c++)
+                        y[(size_t)(i + r) * n + j + c] = finish_avx2(acc[r][c], xr[r], wr[c], k8, k);
+            }
+        }
+    }
+}
+#endif
+
+void cpu_gemm_rowinv(float *y, const float *x, const float *w, const float *bias, int m, int n,
+                     int k)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        gemm_avx2(y, x, w, m, n, k);
+    else
+#endif
+        cpu_gemm_rowinv_portable(y, x, w, m, n, k);
+    if (bias)
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++)
+                y[(size_t)i * n + j] += bias[j];
+}

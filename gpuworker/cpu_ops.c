@@ -1,0 +1,147 @@
+/* cpu_ops.c — see cpu_ops.h. Plain loops the compiler vectorises, and OpenBLAS for GEMM. */
+#include "gpuworker/cpu_ops.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+void cpu_linear(float *y, const float *x, const float *w, const float *bias, int m, int n, int k)
+{
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k, w, k, 0.0f, y, n);
+    if (bias)
+        for (int i = 0; i < m; i++) {
+            float *row = y + (size_t)i * n;
+            for (int j = 0; j < n; j++)
+                row[j] += bias[j];
+        }
+}
+
+void cpu_norm(float *out, const float *in, const float *w, const float *b, int m, int d, float eps)
+{
+    for (int i = 0; i < m; i++) {
+        const float *x = in + (size_t)i * d;
+        float *y = out + (size_t)i * d;
+        if (b) {
+            float mean = 0;
+            for (int j = 0; j < d; j++)
+                mean += x[j];
+            mean /= (float)d;
+            float var = 0;
+            for (int j = 0; j < d; j++)
+                var += (x[j] - mean) * (x[j] - mean);
+            var /= (float)d;
+            float inv = 1.0f / sqrtf(var + eps);
+            for (int j = 0; j < d; j++)
+                y[j] = (x[j] - mean) * inv * w[j] + b[j];
+        } else {
+            float ss = 0;
+            for (int j = 0; j < d; j++)
+                ss += x[j] * x[j];
+            float inv = 1.0f / sqrtf(ss / (float)d + eps);
+            for (int j = 0; j < d; j++)
+                y[j] = w[j] * (x[j] * inv);
+        }
+    }
+}
+
+void cpu_layernorm(float *x, const float *w, const float *b, int m, int d, float eps)
+{
+    cpu_norm(x, x, w, b, m, d, eps);
+}
+
+void cpu_rmsnorm(float *x, const float *w, int m, int d, float eps)
+{
+    cpu_norm(x, x, w, NULL, m, d, eps);
+}
+
+void cpu_rope_table(float *cos_t, float *sin_t, const int *pos, int m, int head_dim, float theta)
+{
+    int half = head_dim / 2;
+    for (int j = 0; j < half; j++) {
+        float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)head_dim);
+        for (int i = 0; i < m; i++) {
+            float a = (float)pos[i] * inv_freq;
+            cos_t[(size_t)i * half + j] = cosf(a);
+            sin_t[(size_t)i * half + j] = sinf(a);
+        }
+    }
+}
+
+void cpu_rope(float *x, const float *cos_t, const float *sin_t, int m, int n_heads, int head_dim,
+              rekv_rope style)
+{
+    int half = head_dim / 2;
+    for (int i = 0; i < m; i++) {
+        const float *c = cos_t + (size_t)i * half, *s = sin_t + (size_t)i * half;
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + ((size_t)i * n_heads + h) * head_dim;
+            for (int j = 0; j < half; j++) {
+                /* adjacent pairs (x[2j], x[2j+1]) or halves (x[j], x[j+half]) */
+                float *a = style == REKV_ROPE_ADJACENT ? &v[2 * j] : &v[j];
+                float *b = style == REKV_ROPE_ADJACENT ? &v[2 * j + 1] : &v[j + half];
+                float x0 = *a, x1 = *b;
+                *a = x0 * c[j] - x1 * s[j];
+                *b = x0 * s[j] + x1 * c[j];
+            }
+        }
+    }
+}
+
+void cpu_activation(float *a, const float *b, size_t n, rekv_act act)
+{
+    switch (act) {
+    case REKV_ACT_RELU:
+        for (size_t i = 0; i < n; i++)
+            a[i] = a[i] > 0 ? a[i] : 0;
+        break;
+    case REKV_ACT_GELU:
+        for (size_t i = 0; i < n; i++)
+            a[i] = 0.5f * a[i] * (1.0f + erff(a[i] * 0.70710678118654752f));
+        break;
+    case REKV_ACT_SILU:
+        for (size_t i = 0; i < n; i++) {
+            float s = a[i] / (1.0f + expf(-a[i]));
+            a[i] = b ? s * b[i] : s;
+        }
+        break;
+    }
+}
+
+void cpu_attention(float *out, const float *q, const float *k_cache, const float *v_cache, int m,
+                   int start, int n_heads, int n_kv, int hd, int cap, float *scores)
+{
+    float scale = 1.0f / sqrtf((float)hd);
+    int group = n_heads / n_kv;
+    for (int i = 0; i < m; i++) {
+        int n_ctx = start + i + 1; /* causal: positions 0..start+i */
+        for (int h = 0; h < n_heads; h++) {
+            const float *qh = q + ((size_t)i * n_heads + h) * hd;
+            const float *kh = k_cache + (size_t)(h / group) * cap * hd;
+            const float *vh = v_cache + (size_t)(h / group) * cap * hd;
+            float mx = -INFINITY;
+            for (int t = 0; t < n_ctx; t++) {
+                const float *kt = kh + (size_t)t * hd;
+                float d = 0;
+                for (int j = 0; j < hd; j++)
+                    d += qh[j] * kt[j];
+                scores[t] = d * scale;
+                if (scores[t] > mx)
+                    mx = scores[t];
+            }
+            float sum = 0;
+            for (int t = 0; t < n_ctx; t++) {
+                scores[t] = expf(scores[t] - mx);
+                sum += scores[t];
+            }
+            float inv = 1.0f / sum;
+            float *oh = out + ((size_t)i * n_heads + h) * hd;
+            memset(oh, 0, sizeof(float) * (size_t)hd);
+            for (int t = 0; t < n_ctx; t++) {
+                const float *vt = vh + (size_t)t * hd;
+                float p = scores[t] * inv;
+                for (int j = 0; j < hd; j++)
+                    oh[j] += p * vt[j];
+            }
+        }
+    }
+}

@@ -1,0 +1,40 @@
+/* cpu_ops.h — the cpu backend's kernels: the fp32 reference for every operation of the forward
+ * pass. Row-major throughout; a linear layer's weight W is [out][in] as HF stores it. */
+#ifndef REKV_GPUWORKER_CPU_OPS_H
+#define REKV_GPUWORKER_CPU_OPS_H
+
+#include "loader/loader.h"
+
+/* y[m][n] = x[m][k] · W[n][k]^T (+ bias[n] when not NULL), through OpenBLAS sgemm. */
+void cpu_linear(float *y, const float *x, const float *w, const float *bias, int m, int n, int k);
+
+/* The same product, but each output element is computed in a fixed order that does not depend on
+ * m or on which rows share the call, so recomputing some rows later gives the same bits. Used for
+ * the K and V projections, which the exact modes recompute from activations (cpu_gemm.c). */
+void cpu_gemm_rowinv(float *y, const float *x, const float *w, const float *bias, int m, int n,
+                     int k);
+/* The portable path of cpu_gemm_rowinv (no bias), for tests: it must give the same bits. */
+void cpu_gemm_rowinv_portable(float *y, const float *x, const float *w, int m, int n, int k);
+
+/* In place over m rows of width d: LayerNorm (bias != NULL) or RMSNorm (bias == NULL). */
+void cpu_layernorm(float *x, const float *w, const float *b, int m, int d, float eps);
+void cpu_rmsnorm(float *x, const float *w, int m, int d, float eps);
+/* out = in normalised (out may equal in) */
+void cpu_norm(float *out, const float *in, const float *w, const float *b, int m, int d, float eps);
+
+/* cos/sin tables for m rows at positions pos[m]: [m][head_dim/2] each. */
+void cpu_rope_table(float *cos_t, float *sin_t, const int *pos, int m, int head_dim, float theta);
+/* Rotates each of n_heads heads of m rows of x ([m][n_heads*head_dim]). */
+void cpu_rope(float *x, const float *cos_t, const float *sin_t, int m, int n_heads, int head_dim,
+              rekv_rope style);
+
+/* In place: relu / gelu (erf) / silu over n elements; gate variant: a[i] = silu(a[i]) * b[i]. */
+void cpu_activation(float *a, const float *b, size_t n, rekv_act act);
+
+/* Causal attention of one sequence: q [m][n_heads*hd] for new tokens at positions start..start+m-1,
+ * over the cache K,V laid out [n_kv][cap][hd] holding positions 0..start+m-1. out [m][n_heads*hd].
+ * scores: scratch of start+m floats. */
+void cpu_attention(float *out, const float *q, const float *k_cache, const float *v_cache, int m,
+                   int start, int n_heads, int n_kv, int hd, int cap, float *scores);
+
+#endif

@@ -1,0 +1,388 @@
+/* forward.c — the reference forward pass (cpu backend, fp32) for the OPT and Llama families.
+ *
+ * One call processes a batch of sequences with any number of new tokens each. Token rows of all
+ * sequences are stacked into one [T][hidden] matrix so every projection is a single GEMM; only
+ * attention runs per sequence, over that sequence's cache. */
+#include "gpuworker/gpuworker.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpuworker/cpu_ops.h"
+
+/* One decoder layer's weights in fp32; NULL where the architecture has none. Shapes as in
+ * rekv_layer_weights ([out][in] for linear layers). */
+typedef struct layer_f32 {
+    float *attn_norm_w, *attn_norm_b; /* [hidden] */
+    float *wq, *bq;                   /* [q_dim][hidden], [q_dim] */
+    float *wk, *bk;                   /* [kv_dim][hidden], [kv_dim] */
+    float *wv, *bv;                   /* [kv_dim][hidden], [kv_dim] */
+    float *wo, *bo;                   /* [hidden][q_dim], [hidden] */
+    float *ffn_norm_w, *ffn_norm_b;   /* [hidden] */
+    float *w1, *b1;                   /* [ffn][hidden], [ffn] */
+    float *w2, *b2;                   /* [hidden][ffn], [hidden] */
+    float *w3;                        /* [ffn][hidden] */
+} layer_f32;
+
+struct rekv_engine {
+    rekv_model_config c;
+    float *embed;        /* [vocab][embed_dim] */
+    float *pos_embed;    /* OPT: [max_pos + 2][hidden] */
+    float *project_in;   /* [hidden][embed_dim] or NULL */
+    float *project_out;  /* [embed_dim][hidden] or NULL */
+    float *final_norm_w, *final_norm_b; /* [hidden] */
+    float *lm_head;      /* [vocab][embed_dim]; aliases embed when tied */
+    layer_f32 *layers;   /* [n_layers] */
+    /* scratch, grown on demand to the largest batch seen (T token rows) */
+    size_t cap_rows;
+    float *x;      /* [T][hidden] residual stream */
+    float *h;      /* [T][max(hidden, embed_dim)] normalised input */
+    float *q;      /* [T][q_dim] */
+    float *k;      /* [T][kv_dim] */
+    float *v;      /* [T][kv_dim] */
+    float *att;    /* [T][q_dim] */
+    float *f1;     /* [T][ffn] */
+    float *f3;     /* [T][ffn] */
+    float *rope_cos, *rope_sin; /* [T][head_dim/2] */
+    int *pos;      /* [T] */
+    float *scores; /* [max_pos] */
+};
+
+struct rekv_seq {
+    rekv_engine *e;
+    int len;      /* tokens in the cache */
+    int cap;      /* capacity in tokens */
+    float *k, *v; /* [n_layers][n_kv][cap][head_dim] each */
+};
+
+static float *to_f32(const rekv_tensor *t, int *rc)
+{
+    if (t == NULL || *rc)
+        return NULL;
+    size_t n = (size_t)rekv_tensor_numel(t);
+    float *p = malloc(n * sizeof(float) + 1);
+    if (p == NULL) {
+        *rc = -ENOMEM;
+        return NULL;
+    }
+    rekv_to_f32(p, t->data, t->dtype, n);
+    return p;
+}
+
+void rekv_engine_free(rekv_engine *e)
+{
+    if (e == NULL)
+        return;
+    if (e->layers) {
+        for (int l = 0; l < e->c.n_layers; l++) {
+            float **f = (float **)&e->layers[l];
+            for (size_t i = 0; i < sizeof(layer_f32) / sizeof(float *); i++)
+                free(f[i]);
+        }
+        free(e->layers);
+    }
+    if (e->lm_head != e->embed)
+        free(e->lm_head);
+    free(e->embed);
+    free(e->pos_embed);
+    free(e->project_in);
+    free(e->project_out);
+    free(e->final_norm_w);
+    free(e->final_norm_b);
+    free(e->x);
+    free(e->h);
+    free(e->q);
+    free(e->k);
+    free(e->v);
+    free(e->att);
+    free(e->f1);
+    free(e->f3);
+    free(e->rope_cos);
+    free(e->rope_sin);
+    free(e->pos);
+    free(e->scores);
+    free(e);
+}
+
+int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
+{
+    rekv_engine *e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return rekv_errf(err, -ENOMEM, "engine: out of memory");
+    e->c = m->config;
+    const rekv_weights *w = &m->weights;
+    int rc = 0;
+    e->layers = calloc((size_t)e->c.n_layers, sizeof(layer_f32));
+    if (e->layers == NULL)
+        rc = -ENOMEM;
+    e->embed = to_f32(w->embed_tokens, &rc);
+    e->pos_embed = to_f32(w->embed_positions, &rc);
+    e->project_in = to_f32(w->project_in, &rc);
+    e->project_out = to_f32(w->project_out, &rc);
+    e->final_norm_w = to_f32(w->final_norm_w, &rc);
+    e->final_norm_b = to_f32(w->final_norm_b, &rc);
+    e->lm_head = w->lm_head == w->embed_tokens ? e->embed : to_f32(w->lm_head, &rc);
+    for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
+        const rekv_layer_weights *s = &w->layers[l];
+        layer_f32 *d = &e->layers[l];
+        d->attn_norm_w = to_f32(s->attn_norm_w, &rc);
+        d->attn_norm_b = to_f32(s->attn_norm_b, &rc);
+        d->wq = to_f32(s->wq, &rc);
+        d->bq = to_f32(s->bq, &rc);
+        d->wk = to_f32(s->wk, &rc);
+        d->bk = to_f32(s->bk, &rc);
+        d->wv = to_f32(s->wv, &rc);
+        d->bv = to_f32(s->bv, &rc);
+        d->wo = to_f32(s->wo, &rc);
+        d->bo = to_f32(s->bo, &rc);
+        d->ffn_norm_w = to_f32(s->ffn_norm_w, &rc);
+        d->ffn_norm_b = to_f32(s->ffn_norm_b, &rc);
+        d->w1 = to_f32(s->w1, &rc);
+        d->b1 = to_f32(s->b1, &rc);
+        d->w2 = to_f32(s->w2, &rc);
+        d->b2 = to_f32(s->b2, &rc);
+        d->w3 = to_f32(s->w3, &rc);
+    }
+    e->scores = malloc(sizeof(float) * (size_t)e->c.max_pos);
+    if (rc == 0 && e->scores == NULL)
+        rc = -ENOMEM;
+    if (rc) {
+        rekv_engine_free(e);
+        return rekv_errf(err, rc, "%s: out of memory converting weights to fp32", m->path);
+    }
+    *out = e;
+    return 0;
+}
+
+const rekv_model_config *rekv_engine_config(const rekv_engine *e) { return &e->c; }
+
+int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err)
+{
+    if (capacity <= 0 || capacity > e->c.max_pos)
+        return rekv_errf(err, -E2BIG, "sequence capacity %d is outside the model's context (1..%d)",
+                         capacity, e->c.max_pos);
+    rekv_seq *s = calloc(1, sizeof(*s));
+    size_t n = (size_t)e->c.n_layers * (size_t)rekv_config_kv_dim(&e->c) * (size_t)capacity;
+    if (s == NULL || (s->k = malloc(n * sizeof(float))) == NULL ||
+        (s->v = malloc(n * sizeof(float))) == NULL) {
+        rekv_seq_free(s);
+        return rekv_errf(err, -ENOMEM, "out of memory for a KV cache of %d tokens", capacity);
+    }
+    s->e = e;
+    s->cap = capacity;
+    *out = s;
+    return 0;
+}
+
+void rekv_seq_free(rekv_seq *s)
+{
+    if (s == NULL)
+        return;
+    free(s->k);
+    free(s->v);
+    free(s);
+}
+
+int rekv_seq_len(const rekv_seq *s) { return s->len; }
+
+void rekv_seq_truncate(rekv_seq *s, int len)
+{
+    if (len >= 0 && len < s->len)
+        s->len = len;
+}
+
+static int grow(float **p, size_t n)
+{
+    float *q = realloc(*p, n * sizeof(float));
+    if (q == NULL)
+        return -ENOMEM;
+    *p = q;
+    return 0;
+}
+
+static int reserve(rekv_engine *e, size_t T)
+{
+    if (T <= e->cap_rows)
+        return 0;
+    const rekv_model_config *c = &e->c;
+    size_t H = (size_t)(c->hidden > c->embed_dim ? c->hidden : c->embed_dim);
+    size_t Q = (size_t)rekv_config_q_dim(c), KV = (size_t)rekv_config_kv_dim(c);
+    int rc = grow(&e->x, T * H) | grow(&e->h, T * H) | grow(&e->q, T * Q) | grow(&e->k, T * KV) |
+             grow(&e->v, T * KV) | grow(&e->att, T * Q) | grow(&e->f1, T * (size_t)c->ffn) |
+             grow(&e->f3, T * (size_t)c->ffn) | grow(&e->rope_cos, T * (size_t)c->head_dim / 2) |
+             grow(&e->rope_sin, T * (size_t)c->head_dim / 2);
+    int *pos = realloc(e->pos, T * sizeof(int));
+    if (pos)
+        e->pos = pos;
+    if (rc || pos == NULL)
+        return -ENOMEM;
+    e->cap_rows = T;
+    return 0;
+}
+
+/* Copies the new tokens' K and V rows ([m][kv_dim]) into the cache at positions start.. */
+static void cache_store(rekv_seq *s, int layer, const float *k, const float *v, int m, int start)
+{
+    const rekv_model_config *c = &s->e->c;
+    int hd = c->head_dim, n_kv = c->n_kv_heads;
+    size_t layer_off = (size_t)layer * n_kv * s->cap * hd;
+    for (int i = 0; i < m; i++)
+        for (int g = 0; g < n_kv; g++) {
+            size_t dst = layer_off + ((size_t)g * s->cap + (size_t)(start + i)) * hd;
+            memcpy(s->k + dst, k + ((size_t)i * n_kv + g) * hd, sizeof(float) * (size_t)hd);
+            memcpy(s->v + dst, v + ((size_t)i * n_kv + g) * hd, sizeof(float) * (size_t)hd);
+        }
+}
+
+static void add_into(float *x, const float *y, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] += y[i];
+}
+
+static void attention_block(rekv_engine *e, const layer_f32 *L, int layer, rekv_batch_item *items,
+                            int n_items, int T)
+{
+    const rekv_model_config *c = &e->c;
+    int H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c);
+    cpu_linear(e->q, e->h, L->wq, L->bq, T, Q, H);
+    /* K and V are what the exact modes recompute from activations: row-invariant GEMM */
+    cpu_gemm_rowinv(e->k, e->h, L->wk, L->bk, T, KV, H);
+    cpu_gemm_rowinv(e->v, e->h, L->wv, L->bv, T, KV, H);
+    if (c->rope != REKV_ROPE_NONE) {
+        cpu_rope(e->q, e->rope_cos, e->rope_sin, T, c->n_heads, c->head_dim, c->rope);
+        cpu_rope(e->k, e->rope_cos, e->rope_sin, T, c->n_kv_heads, c->head_dim, c->rope);
+    }
+    int row = 0;
+    for (int b = 0; b < n_items; b++) {
+        rekv_seq *s = items[b].seq;
+        int m = items[b].n_tokens;
+        cache_store(s, layer, e->k + (size_t)row * KV, e->v + (size_t)row * KV, m, s->len);
+        size_t layer_off = (size_t)layer * c->n_kv_heads * s->cap * c->head_dim;
+        cpu_attention(e->att + (size_t)row * Q, e->q + (size_t)row * Q, s->k + layer_off,
+                      s->v + layer_off, m, s->len, c->n_heads, c->n_kv_heads, c->head_dim, s->cap,
+                      e->scores);
+        row += m;
+    }
+    cpu_linear(e->h, e->att, L->wo, L->bo, T, H, Q);
+}
+
+static void ffn_block(rekv_engine *e, const layer_f32 *L, int T)
+{
+    const rekv_model_config *c = &e->c;
+    int H = c->hidden, F = c->ffn;
+    cpu_linear(e->f1, e->h, L->w1, L->b1, T, F, H);
+    if (L->w3) {
+        cpu_linear(e->f3, e->h, L->w3, NULL, T, F, H);
+        cpu_activation(e->f1, e->f3, (size_t)T * F, c->act);
+    } else {
+        cpu_activation(e->f1, NULL, (size_t)T * F, c->act);
+    }
+    cpu_linear(e->h, e->f1, L->w2, L->b2, T, H, F);
+}
+
+int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err)
+{
+    const rekv_model_config *c = &e->c;
+    int H = c->hidden, E = c->embed_dim;
+    size_t T = 0;
+    if (n_items <= 0)
+        return rekv_errf(err, -EINVAL, "forward: empty batch");
+    for (int b = 0; b < n_items; b++) {
+        rekv_batch_item *it = &items[b];
+        if (it->seq == NULL || it->seq->e != e || it->n_tokens <= 0 || it->tokens == NULL ||
+            it->logits == NULL)
+            return rekv_errf(err, -EINVAL, "forward: batch item %d is malformed", b);
+        if ((int64_t)it->seq->len + it->n_tokens > it->seq->cap)
+            return rekv_errf(err, -E2BIG,
+                             "forward: %d tokens after %d cached is longer than the context (%d)",
+                             it->n_tokens, it->seq->len, it->seq->cap);
+        for (int i = 0; i < it->n_tokens; i++)
+            if (it->tokens[i] < 0 || it->tokens[i] >= c->vocab)
+                return rekv_errf(err, -EINVAL, "forward: token id %d is outside the vocabulary (0..%d)",
+                                 it->tokens[i], c->vocab - 1);
+        for (int j = 0; j < b; j++)
+            if (items[j].seq == it->seq)
+                return rekv_errf(err, -EINVAL, "forward: a sequence appears twice in one batch");
+        T += (size_t)it->n_tokens;
+    }
+    if (reserve(e, T))
+        return rekv_errf(err, -ENOMEM, "forward: out of memory for a batch of %zu tokens", T);
+
+    /* embeddings (and positions) of every new token */
+    size_t row = 0;
+    for (int b = 0; b < n_items; b++)
+        for (int i = 0; i < items[b].n_tokens; i++, row++) {
+            e->pos[row] = items[b].seq->len + i;
+            memcpy((e->project_in ? e->h : e->x) + row * E,
+                   e->embed + (size_t)items[b].tokens[i] * E, sizeof(float) * (size_t)E);
+        }
+    if (e->project_in)
+        cpu_linear(e->x, e->h, e->project_in, NULL, (int)T, H, E);
+    if (e->pos_embed)
+        for (row = 0; row < T; row++)
+            add_into(e->x + row * H, e->pos_embed + (size_t)(e->pos[row] + 2) * H, (size_t)H);
+    if (c->rope != REKV_ROPE_NONE)
+        cpu_rope_table(e->rope_cos, e->rope_sin, e->pos, (int)T, c->head_dim, c->rope_theta);
+
+    for (int l = 0; l < c->n_layers; l++) {
+        const layer_f32 *L = &e->layers[l];
+        size_t n = T * (size_t)H;
+        /* pre-norm: x += f(norm(x)); post-norm (OPT-350m): x = norm(x + f(x)) */
+        if (c->pre_norm)
+            cpu_norm(e->h, e->x, L->attn_norm_w, L->attn_norm_b, (int)T, H, c->norm_eps);
+        else
+            memcpy(e->h, e->x, n * sizeof(float));
+        attention_block(e, L, l, items, n_items, (int)T);
+        add_into(e->x, e->h, n);
+        if (!c->pre_norm)
+            cpu_norm(e->x, e->x, L->attn_norm_w, L->attn_norm_b, (int)T, H, c->norm_eps);
+        if (c->pre_norm)
+            cpu_norm(e->h, e->x, L->ffn_norm_w, L->ffn_norm_b, (int)T, H, c->norm_eps);
+        else
+            memcpy(e->h, e->x, n * sizeof(float));
+        ffn_block(e, L, (int)T);
+        add_into(e->x, e->h, n);
+        if (!c->pre_norm)
+            cpu_norm(e->x, e->x, L->ffn_norm_w, L->ffn_norm_b, (int)T, H, c->norm_eps);
+    }
+    for (int b = 0; b < n_items; b++)
+        items[b].seq->len += items[b].n_tokens;
+
+    /* head: gather the rows that need logits, normalise, project out, lm_head */
+    size_t n_out = 0;
+    row = 0;
+    for (int b = 0; b < n_items; b++) {
+        int m = items[b].n_tokens;
+        int first = items[b].all_logits ? 0 : m - 1;
+        memmove(e->x + n_out * H, e->x + (row + (size_t)first) * H,
+                sizeof(float) * (size_t)(m - first) * H);
+        n_out += (size_t)(m - first);
+        row += (size_t)m;
+    }
+    if (e->final_norm_w)
+        cpu_norm(e->x, e->x, e->final_norm_w, e->final_norm_b, (int)n_out, H, c->norm_eps);
+    const float *hin = e->x;
+    if (e->project_out) {
+        cpu_linear(e->h, e->x, e->project_out, NULL, (int)n_out, E, H);
+        hin = e->h;
+    }
+    size_t r = 0;
+    for (int b = 0; b < n_items; b++) {
+        int rows = items[b].all_logits ? items[b].n_tokens : 1;
+        cpu_linear(items[b].logits, hin + r * E, e->lm_head, NULL, rows, c->vocab, E);
+        r += (size_t)rows;
+    }
+    return 0;
+}
+
+double rekv_engine_flops(const rekv_engine *e, double n_tokens, double ctx_sum, double n_logits)
+{
+    const rekv_model_config *c = &e->c;
+    double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c), F = c->ffn;
+    double per_token = 2 * (H * Q + 2 * H * KV + Q * H) + 2 * H * F * (c->act == REKV_ACT_SILU ? 3 : 2);
+    double attn = 4 * ctx_sum * Q; /* QK^T and PV */
+    return c->n_layers * (n_tokens * per_token + attn) + 2 * n_logits * c->embed_dim * c->vocab;
+}

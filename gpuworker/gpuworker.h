@@ -1,0 +1,95 @@
+/* gpuworker.h — the public interface of rekv's engine: a model loaded for compute, sequences with
+ * their KV caches, batched forward passes, and sampling.
+ *
+ * The engine computes in fp32 on the cpu backend (the reference): weights are converted from the
+ * file's dtype once, at engine creation. A forward call takes a batch of sequences, each with any
+ * number of new tokens (a whole prompt for prefill, one token for decode), runs every projection
+ * of the whole batch as one GEMM, appends each sequence's keys and values to its cache, and returns
+ * logits. Functions return 0 or a negative errno and fill the rekv_err. */
+#ifndef REKV_GPUWORKER_H
+#define REKV_GPUWORKER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+#include "loader/loader.h"
+
+typedef struct rekv_engine rekv_engine;
+typedef struct rekv_seq rekv_seq;
+
+int rekv_engine_create(const rekv_model *model, rekv_engine **out, rekv_err *err);
+void rekv_engine_free(rekv_engine *e);
+const rekv_model_config *rekv_engine_config(const rekv_engine *e);
+
+/* A sequence whose cache holds up to `capacity` tokens (at most the model's context length). */
+int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err);
+void rekv_seq_free(rekv_seq *s);
+/* Tokens already in the cache (the position of the next token). */
+int rekv_seq_len(const rekv_seq *s);
+/* Forgets the last n tokens (n <= len), e.g. to rerun a suffix. */
+void rekv_seq_truncate(rekv_seq *s, int len);
+
+typedef struct rekv_batch_item {
+    rekv_seq *seq;
+    const int32_t *tokens; /* [n_tokens] new tokens, appended at positions len.. */
+    int n_tokens;          /* >= 1 */
+    int all_logits;        /* 1: logits for every new token; 0: only for the last one */
+    float *logits;         /* out: [n_tokens][vocab] or [vocab], fp32 */
+} rekv_batch_item;
+
+/* Runs one forward step over a batch of sequences (each sequence at most once per batch). Fails
+ * without touching any cache when a token id is out of range or a sequence would exceed its
+ * capacity (-E2BIG, "... longer than the context ..."). */
+int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err);
+
+/* Floating-point operations of one forward over `n_tokens` new tokens whose attention spans
+ * `ctx_sum` cached positions in total (sum over tokens of positions attended), logits for
+ * `n_logits` rows. Counts multiply-adds as 2 FLOPs; for benchmarks. */
+double rekv_engine_flops(const rekv_engine *e, double n_tokens, double ctx_sum, double n_logits);
+
+/* ---------------------------------------------------------------- sampling */
+
+typedef struct rekv_sampler {
+    float temperature; /* 0: greedy (argmax, lowest id on ties) */
+    int top_k;         /* 0: off */
+    float top_p;       /* 1: off */
+    uint64_t state;    /* RNG state; set by rekv_sampler_init */
+} rekv_sampler;
+
+void rekv_sampler_init(rekv_sampler *s, float temperature, int top_k, float top_p, uint64_t seed);
+/* Picks the next token from logits[vocab]. scratch holds 2*vocab floats' worth of memory. */
+int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scratch);
+/* The k largest logits as (id, logit) pairs, largest first, lower id first on ties. */
+void rekv_top_logits(const float *logits, int vocab, int k, int32_t *ids, float *vals);
+
+/* ---------------------------------------------------------------- generation */
+
+typedef struct rekv_gen_params {
+    int max_new_tokens;
+    float temperature; /* 0: greedy */
+    int top_k;         /* 0: off */
+    float top_p;       /* 1: off */
+    uint64_t seed;
+    int top_logits;  /* record the k largest logits before each generated token (0: none) */
+    int stop_at_eos; /* stop after generating the model's EOS (it is included in the output) */
+} rekv_gen_params;
+
+typedef struct rekv_gen_result {
+    int32_t *ids;      /* [n] generated ids (malloc'd) */
+    int n;
+    int32_t *top_ids;  /* [n][top_logits] (malloc'd) or NULL */
+    float *top_vals;   /* [n][top_logits] raw logits, or NULL */
+    double prefill_s;  /* wall time of the prompt's forward pass */
+    double decode_s;   /* wall time of the decode steps */
+    const char *finish_reason; /* "length", "eos" or "context" (the model's context is full) */
+} rekv_gen_result;
+
+/* Runs a prompt through the engine and generates up to max_new_tokens. A prompt longer than the
+ * context is -E2BIG with a message saying so. Frees nothing of the caller's; free the result with
+ * rekv_gen_result_free. */
+int rekv_generate(rekv_engine *e, const int32_t *prompt, int n_prompt, const rekv_gen_params *p,
+                  rekv_gen_result *out, rekv_err *err);
+void rekv_gen_result_free(rekv_gen_result *r);
+
+#endif

@@ -1,0 +1,113 @@
+/* sample.c — token selection: greedy, temperature, top-k and top-p (nucleus), with a seeded RNG so
+ * that the same seed gives the same tokens on every run and every backend. */
+#include "gpuworker/gpuworker.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* uniform in [0, 1) with 24 bits */
+static float rng_f32(uint64_t *state) { return (float)(splitmix64(state) >> 40) / 16777216.0f; }
+
+void rekv_sampler_init(rekv_sampler *s, float temperature, int top_k, float top_p, uint64_t seed)
+{
+    s->temperature = temperature;
+    s->top_k = top_k;
+    s->top_p = top_p;
+    s->state = seed;
+}
+
+static int argmax(const float *x, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+typedef struct cand {
+    float p;
+    int32_t id;
+} cand;
+
+static int cand_desc(const void *a, const void *b)
+{
+    const cand *x = a, *y = b;
+    if (x->p != y->p)
+        return x->p > y->p ? -1 : 1;
+    return x->id < y->id ? -1 : (x->id > y->id);
+}
+
+int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scratch)
+{
+    if (s->temperature <= 0.0f)
+        return argmax(logits, vocab);
+    cand *c = scratch;
+    float mx = logits[argmax(logits, vocab)];
+    for (int i = 0; i < vocab; i++) {
+        c[i].id = i;
+        c[i].p = (logits[i] - mx) / s->temperature;
+    }
+    /* sorted by logit, so top-k and top-p are prefixes */
+    qsort(c, (size_t)vocab, sizeof(cand), cand_desc);
+    int n = vocab;
+    if (s->top_k > 0 && s->top_k < n)
+        n = s->top_k;
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        c[i].p = expf(c[i].p);
+        sum += c[i].p;
+    }
+    if (s->top_p > 0.0f && s->top_p < 1.0f) {
+        double cum = 0;
+        int keep = n;
+        for (int i = 0; i < n; i++) {
+            cum += c[i].p / sum;
+            if (cum >= s->top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        n = keep;
+        sum = 0;
+        for (int i = 0; i < n; i++)
+            sum += c[i].p;
+    }
+    double r = (double)rng_f32(&s->state) * sum, acc = 0;
+    for (int i = 0; i < n; i++) {
+        acc += c[i].p;
+        if (r < acc)
+            return c[i].id;
+    }
+    return c[n - 1].id;
+}
+
+void rekv_top_logits(const float *logits, int vocab, int k, int32_t *ids, float *vals)
+{
+    if (k > vocab)
+        k = vocab;
+    if (k <= 0)
+        return;
+    int n = 0; /* insertion into a small sorted list: k is small */
+    for (int i = 0; i < vocab; i++) {
+        float v = logits[i];
+        if (n == k && !(v > vals[k - 1]))
+            continue;
+        int j = n < k ? n++ : k - 1;
+        while (j > 0 && v > vals[j - 1]) {
+            vals[j] = vals[j - 1];
+            ids[j] = ids[j - 1];
+            j--;
+        }
+        vals[j] = v;
+        ids[j] = i;
+    }
+}

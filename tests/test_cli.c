@@ -1,0 +1,208 @@
+/* test_cli.c — `rekv generate` as a user runs it: the JSON it prints, and one clear line and a
+ * non-zero exit (never a crash) for bad input. Runs the real programs from the build. */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "tests/testutil.h"
+
+static char g_cmd[16384];
+
+/* Runs `rekv ARGS` capturing stdout and stderr separately. Returns the exit code. */
+static int rekv(const char *args, char **out, char **errtxt)
+{
+    char errpath[] = "/tmp/rekv-cli-err.XXXXXX";
+    int fd = mkstemp(errpath);
+    ck_assert_int_ge(fd, 0);
+    snprintf(g_cmd, sizeof(g_cmd), "%s %s 2>%s", tu_bin("rekv"), args, errpath);
+    int rc = tu_run(g_cmd, out);
+    *errtxt = tu_read_file(errpath, NULL);
+    unlink(errpath);
+    return rc;
+}
+
+START_TEST(generate_json_stories)
+{
+    const char *m = tu_shared("models/stories260K/stories260K.bin");
+    if (m == NULL)
+        return;
+    char args[4096], *out, *err;
+    snprintf(args, sizeof(args),
+             "generate --model %s --prompt-ids 1,306,2 --max-new-tokens 5 --top-logits 3 --json", m);
+    int rc = rekv(args, &out, &err);
+    ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+    json_error_t jerr;
+    json_t *o = json_loads(out, 0, &jerr);
+    ck_assert_msg(o != NULL, "stdout is not one JSON object: %s", out);
+    ck_assert_int_eq(json_array_size(json_object_get(o, "prompt_ids")), 3);
+    ck_assert_int_eq(json_array_size(json_object_get(o, "generated_ids")), 5);
+    ck_assert(json_is_null(json_object_get(o, "text")));
+    json_t *tl = json_object_get(o, "top_logits");
+    ck_assert_int_eq(json_array_size(tl), 5);
+    json_t *first = json_array_get(json_array_get(tl, 0), 0);
+    /* the first top logit's id is the greedy pick */
+    ck_assert_int_eq(json_integer_value(json_array_get(first, 0)),
+                     json_integer_value(json_array_get(json_object_get(o, "generated_ids"), 0)));
+    ck_assert(json_is_object(json_object_get(o, "stats")));
+    json_decref(o);
+    free(out);
+    free(err);
+}
+END_TEST
+
+START_TEST(generate_text_opt)
+{
+    const char *m = tu_shared("models/opt-tiny-py");
+    if (m == NULL)
+        return;
+    char args[4096], *out, *err;
+    snprintf(args, sizeof(args),
+             "generate --model %s --prompt 'def main(' --max-new-tokens 8 --json", m);
+    int rc = rekv(args, &out, &err);
+    ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+    json_t *o = json_loads(out, 0, NULL);
+    ck_assert_ptr_nonnull(o);
+    ck_assert(json_is_string(json_object_get(o, "text")));
+    json_t *pi = json_object_get(o, "prompt_ids");
+    ck_assert_int_eq(json_integer_value(json_array_get(pi, 0)), 2); /* OPT's BOS */
+    json_decref(o);
+    free(out);
+    free(err);
+    /* sampling with a seed is reproducible */
+    char *a, *b;
+    snprintf(args, sizeof(args),
+             "generate --model %s --prompt-ids 2,100,200 --max-new-tokens 12 --temperature 0.9 "
+             "--top-p 0.95 --top-k 50 --seed 7 --json",
+             m);
+    ck_assert_int_eq(rekv(args, &a, &err), 0);
+    free(err);
+    ck_assert_int_eq(rekv(args, &b, &err), 0);
+    free(err);
+    json_t *ja = json_loads(a, 0, NULL), *jb = json_loads(b, 0, NULL);
+    ck_assert(json_equal(json_object_get(ja, "generated_ids"), json_object_get(jb, "generated_ids")));
+    json_decref(ja);
+    json_decref(jb);
+    free(a);
+    free(b);
+}
+END_TEST
+
+/* Copies a shared model directory into tmp so a test can break it. */
+static char *copy_model(const char *src)
+{
+    char *d = tu_tmpdir();
+    snprintf(g_cmd, sizeof(g_cmd), "cp -r '%s'/. '%s'/", src, d);
+    ck_assert_int_eq(system(g_cmd), 0);
+    return d;
+}
+
+/* One line on stderr naming `needle`, non-zero exit, nothing on stdout, no crash. */
+static void expect_clear_error(const char *args, const char *needle)
+{
+    char *out, *err;
+    int rc = rekv(args, &out, &err);
+    ck_assert_msg(rc == 1 || rc == 2, "exit %d (want 1 or 2) for: %s\nstderr: %s", rc, args, err);
+    ck_assert_msg(strstr(err, needle) != NULL, "stderr lacks \"%s\": %s", needle, err);
+    ck_assert_msg(strchr(err, '\n') == strrchr(err, '\n'), "more than one line: %s", err);
+    ck_assert_msg(out[0] == '\0', "stdout not empty: %s", out);
+    free(out);
+    free(err);
+}
+
+START_TEST(bad_input_clear_errors)
+{
+    const char *opt = tu_shared("models/opt-tiny-py");
+    if (opt == NULL)
+        return;
+    char optdir[4096];
+    snprintf(optdir, sizeof(optdir), "%s", opt);
+    const char *st = tu_shared("models/stories260K/stories260K.bin");
+    if (st == NULL)
+        return;
+    char stories[4096];
+    snprintf(stories, sizeof(stories), "%s", st);
+    char args[8192], path[4096];
+    char *d = tu_tmpdir();
+
+    /* truncated llama2.c checkpoint */
+    snprintf(path, sizeof(path), "%s/trunc.bin", d);
+    snprintf(g_cmd, sizeof(g_cmd), "head -c 100000 '%s' > '%s'", stories, path);
+    ck_assert_int_eq(system(g_cmd), 0);
+    snprintf(args, sizeof(args), "generate --model %s --prompt-ids 1", path);
+    expect_clear_error(args, "trunc.bin");
+
+    /* prompt longer than the context (512) */
+    char *ids = malloc(600 * 4 + 1), *p = ids;
+    for (int i = 0; i < 600; i++)
+        p += sprintf(p, "%s%d", i ? "," : "", 1 + i % 300);
+    snprintf(args, sizeof(args), "generate --model %s --prompt-ids %s", stories, ids);
+    expect_clear_error(args, "longer than the context");
+    free(ids);
+
+    /* token id outside the vocabulary */
+    snprintf(args, sizeof(args), "generate --model %s --prompt-ids 1,99999", stories);
+    expect_clear_error(args, "vocabulary");
+
+    /* text prompt for a model without a tokenizer */
+    snprintf(args, sizeof(args), "generate --model %s --prompt hello", stories);
+    expect_clear_error(args, "no tokenizer");
+
+    /* corrupted safetensors: a truncated file */
+    char *m1 = copy_model(optdir);
+    snprintf(g_cmd, sizeof(g_cmd), "truncate -s 1000000 '%s/model.safetensors'", m1);
+    ck_assert_int_eq(system(g_cmd), 0);
+    snprintf(args, sizeof(args), "generate --model %s --prompt-ids 2", m1);
+    expect_clear_error(args, "model.safetensors");
+    tu_rmrf(m1);
+    free(m1);
+
+    /* unknown architecture */
+    char *m2 = copy_model(optdir);
+    snprintf(g_cmd, sizeof(g_cmd), "sed -i 's/\"model_type\": \"opt\"/\"model_type\": \"gpt9\"/' '%s/config.json'", m2);
+    ck_assert_int_eq(system(g_cmd), 0);
+    snprintf(args, sizeof(args), "generate --model %s --prompt-ids 2", m2);
+    expect_clear_error(args, "gpt9");
+    tu_rmrf(m2);
+    free(m2);
+
+    /* a missing tensor: declare one more layer than the file has */
+    char *m3 = copy_model(optdir);
+    snprintf(g_cmd, sizeof(g_cmd), "sed -i 's/\"num_hidden_layers\": 6/\"num_hidden_layers\": 7/' '%s/config.json'", m3);
+    ck_assert_int_eq(system(g_cmd), 0);
+    snprintf(args, sizeof(args), "generate --model %s --prompt-ids 2", m3);
+    expect_clear_error(args, "layers.6");
+    tu_rmrf(m3);
+    free(m3);
+
+    /* a malformed tokenizer file */
+    char *m4 = copy_model(optdir);
+    snprintf(g_cmd, sizeof(g_cmd), "echo '{\"a\": ' > '%s/vocab.json'", m4);
+    ck_assert_int_eq(system(g_cmd), 0);
+    snprintf(args, sizeof(args), "generate --model %s --prompt hi", m4);
+    expect_clear_error(args, "vocab.json");
+    tu_rmrf(m4);
+    free(m4);
+
+    /* a missing model */
+    snprintf(args, sizeof(args), "generate --model %s/nope --prompt-ids 1", d);
+    expect_clear_error(args, "nope");
+    tu_rmrf(d);
+    free(d);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("cli");
+    TCase *tc = tcase_create("cli");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, generate_json_stories);
+    tcase_add_test(tc, generate_text_opt);
+    tcase_add_test(tc, bad_input_clear_errors);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void) { return tu_run_suite(suite()); }

@@ -1,0 +1,106 @@
+/* test_cpu_ops.c — the cpu backend's kernels: the row-invariant GEMM gives the same bits for a row
+ * whatever rows share the call and on either code path, and agrees with OpenBLAS; dtype
+ * conversions round correctly. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/dtype.h"
+#include "gpuworker/cpu_ops.h"
+#include "tests/testutil.h"
+
+static uint64_t g_rng = 88172645463325252ull;
+static float frand(void)
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (float)((g_rng >> 40) / 16777216.0) - 0.5f;
+}
+static int irand(int n) { return (int)((unsigned)((frand() + 0.5f) * 16777216.0f) % (unsigned)n); }
+
+START_TEST(gemm_rowinv_is_row_invariant)
+{
+    for (int trial = 0; trial < 120; trial++) {
+        int m = 1 + irand(150), n = 1 + irand(300), k = 1 + irand(700);
+        float *x = malloc(sizeof(float) * (size_t)m * k), *w = malloc(sizeof(float) * (size_t)n * k);
+        float *b = malloc(sizeof(float) * (size_t)n);
+        float *y = malloc(sizeof(float) * (size_t)m * n), *y1 = malloc(sizeof(float) * (size_t)m * n);
+        float *yp = malloc(sizeof(float) * (size_t)m * n), *yb = malloc(sizeof(float) * (size_t)m * n);
+        for (size_t i = 0; i < (size_t)m * k; i++)
+            x[i] = frand();
+        for (size_t i = 0; i < (size_t)n * k; i++)
+            w[i] = frand();
+        for (int i = 0; i < n; i++)
+            b[i] = frand();
+        cpu_gemm_rowinv(y, x, w, b, m, n, k);
+        /* the same rows in random chunks, including single rows */
+        for (int r0 = 0; r0 < m;) {
+            int c = 1 + irand(9);
+            if (r0 + c > m)
+                c = m - r0;
+            cpu_gemm_rowinv(y1, x + (size_t)r0 * k, w, b, c, n, k);
+            ck_assert_msg(memcmp(y1, y + (size_t)r0 * n, sizeof(float) * (size_t)c * n) == 0,
+                          "m=%d n=%d k=%d: rows %d..%d differ when computed apart", m, n, k, r0,
+                          r0 + c - 1);
+            r0 += c;
+        }
+        /* the portable path gives the same bits */
+        cpu_gemm_rowinv_portable(yp, x, w, m, n, k);
+        for (size_t i = 0; i < (size_t)m * n; i++)
+            yp[i] += b[i % (size_t)n];
+        ck_assert_msg(memcmp(yp, y, sizeof(float) * (size_t)m * n) == 0,
+                      "m=%d n=%d k=%d: portable and vector paths differ", m, n, k);
+        /* and it computes the product: close to OpenBLAS */
+        cpu_linear(yb, x, w, b, m, n, k);
+        for (size_t i = 0; i < (size_t)m * n; i++)
+            ck_assert_msg(fabsf(yb[i] - y[i]) <= 1e-5f * (1.0f + sqrtf((float)k)),
+                          "m=%d n=%d k=%d: %g vs OpenBLAS %g", m, n, k, y[i], yb[i]);
+        free(x), free(w), free(b), free(y), free(y1), free(yp), free(yb);
+    }
+}
+END_TEST
+
+START_TEST(dtype_conversions)
+{
+    /* f16: exact values, rounding to nearest even, subnormals, overflow, NaN */
+    ck_assert_float_eq(rekv_f16_to_f32(0x3c00), 1.0f);
+    ck_assert_float_eq(rekv_f16_to_f32(0xc000), -2.0f);
+    ck_assert_float_eq(rekv_f16_to_f32(0x0001), ldexpf(1, -24));
+    ck_assert_float_eq(rekv_f16_to_f32(0x7bff), 65504.0f);
+    ck_assert(isinf(rekv_f16_to_f32(0x7c00)));
+    ck_assert(isnan(rekv_f16_to_f32(0x7e00)));
+    for (uint32_t h = 0; h < 0x10000; h++) {
+        float f = rekv_f16_to_f32((uint16_t)h);
+        if (isnan(f))
+            continue;
+        ck_assert_msg(rekv_f32_to_f16(f) == h, "f16 %04x does not round-trip", h);
+    }
+    ck_assert_uint_eq(rekv_f32_to_f16(1.0f + ldexpf(1, -11)), 0x3c00);      /* tie to even */
+    ck_assert_uint_eq(rekv_f32_to_f16(1.0f + 3 * ldexpf(1, -11)), 0x3c02);  /* tie to even */
+    ck_assert_uint_eq(rekv_f32_to_f16(65520.0f), 0x7c00);                   /* overflow */
+    ck_assert_uint_eq(rekv_f32_to_f16(ldexpf(1, -25)), 0x0000);             /* tie to zero */
+    ck_assert_uint_eq(rekv_f32_to_f16(ldexpf(3, -26)), 0x0001);
+    /* bf16 */
+    ck_assert_float_eq(rekv_bf16_to_f32(0x3f80), 1.0f);
+    for (uint32_t h = 0; h < 0x10000; h++) {
+        float f = rekv_bf16_to_f32((uint16_t)h);
+        if (!isnan(f))
+            ck_assert_uint_eq(rekv_f32_to_bf16(f), h);
+    }
+    ck_assert_uint_eq(rekv_f32_to_bf16(1.0f + ldexpf(1, -8)), 0x3f80); /* tie to even */
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("cpu_ops");
+    TCase *tc = tcase_create("cpu_ops");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, gemm_rowinv_is_row_invariant);
+    tcase_add_test(tc, dtype_conversions);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void) { return tu_run_suite(suite()); }
