@@ -369,12 +369,22 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         cpu_linear(e->h, e->x, e->project_out, NULL, (int)n_out, E, H);
         hin = e->h;
     }
+    /* one GEMM for every row, so the head's weights are read once per step, not once per item */
+    if (n_items == 1) {
+        cpu_linear(items[0].logits, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+        return 0;
+    }
+    float *all = malloc(sizeof(float) * n_out * (size_t)c->vocab);
+    if (all == NULL)
+        return rekv_errf(err, -ENOMEM, "forward: out of memory for %zu rows of logits", n_out);
+    cpu_linear(all, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
     size_t r = 0;
     for (int b = 0; b < n_items; b++) {
-        int rows = items[b].all_logits ? items[b].n_tokens : 1;
-        cpu_linear(items[b].logits, hin + r * E, e->lm_head, NULL, rows, c->vocab, E);
-        r += (size_t)rows;
+        size_t rows = items[b].all_logits ? (size_t)items[b].n_tokens : 1;
+        memcpy(items[b].logits, all + r * c->vocab, sizeof(float) * rows * (size_t)c->vocab);
+        r += rows;
     }
+    free(all);
     return 0;
 }
 

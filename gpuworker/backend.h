@@ -1,0 +1,129 @@
+/* backend.h — the device abstraction the forward pass and the decode pipeline are written against.
+ *
+ * A backend is a table of function pointers (rekv_backend_iface) and its context, as in
+ * ggml-backend: device buffers, streams, events, asynchronous copies in each direction, and the
+ * kernels of the forward pass. Work enqueued on one stream runs in order; streams run concurrently;
+ * events order work across streams. Nothing enqueued blocks the caller, except the *_sync calls.
+ *
+ * Two backends implement it:
+ * - cpu (backend_cpu*.c): "device" memory is host memory; every stream is a worker thread with a
+ *   FIFO of tasks; kernels are the fp32 reference (cpu_ops.h) run as tasks on the stream they were
+ *   launched on. Optional link emulation throttles host<->device copies to a bandwidth and latency
+ *   so that the pipeline's overlap shows in wall-clock time without a GPU.
+ * - cuda (built when nvcc is present): cudaMalloc, CUDA streams and events, cuBLAS, CUDA kernels.
+ *
+ * Every copy is tagged with what it moves (weights, KV, activations), and the backend counts bytes
+ * per kind and direction exactly, and the time each stream was busy. A trace of every task (a span
+ * per task, a track per stream) can be written as Chrome trace JSON for Perfetto.
+ *
+ * Errors: functions that can fail return 0 or a negative errno and fill a rekv_err. Asynchronous
+ * work cannot report at enqueue time; a failure inside a task is kept by its stream and returned by
+ * the next rekv_stream_sync. */
+#ifndef REKV_GPUWORKER_BACKEND_H
+#define REKV_GPUWORKER_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+#include "loader/loader.h"
+
+typedef struct rekv_backend rekv_backend;
+typedef struct rekv_stream rekv_stream;
+typedef struct rekv_event rekv_event;
+
+/* What a copy moves; counters are kept per kind. */
+typedef enum rekv_xfer_kind {
+    REKV_XFER_WEIGHTS = 0,
+    REKV_XFER_KV = 1,
+    REKV_XFER_ACT = 2,
+    REKV_XFER_OTHER = 3, /* tokens, logits, small control data */
+    REKV_XFER_KINDS = 4,
+} rekv_xfer_kind;
+
+/* Link emulation (cpu backend): each direction is a link of its own, as PCIe is full duplex. A copy
+ * of n bytes occupies its direction's link for latency_us + n / (gbps * 1e9 / 8 bits) seconds.
+ * gbps <= 0: no throttling. */
+typedef struct rekv_link_config {
+    double gbps;       /* gigabits per second, each direction */
+    double latency_us; /* per copy operation (a gather of pieces counts once) */
+} rekv_link_config;
+
+/* One piece of a gathered or scattered copy. */
+typedef struct rekv_copy_piece {
+    void *dst;
+    const void *src;
+    size_t bytes;
+} rekv_copy_piece;
+
+/* Exact, machine-independent counters, plus busy time per stream role. */
+typedef struct rekv_backend_stats {
+    uint64_t h2d_bytes[REKV_XFER_KINDS]; /* host -> device, by kind */
+    uint64_t d2h_bytes[REKV_XFER_KINDS]; /* device -> host, by kind */
+    uint64_t h2d_copies, d2h_copies;     /* copy operations (a gather counts once) */
+    double compute_busy_s;               /* time streams spent running kernels */
+    double h2d_busy_s;                   /* time the host->device link was occupied */
+    double d2h_busy_s;                   /* time the device->host link was occupied */
+} rekv_backend_stats;
+
+/* A kernel run on the cpu backend as a task: fn(arg) runs on the stream's thread. */
+typedef void (*rekv_host_fn)(void *arg);
+
+/* The table every backend fills. Entries marked optional may be NULL; the wrappers below fall
+ * back (e.g. a gather becomes one copy per piece). */
+typedef struct rekv_backend_iface {
+    const char *name; /* "cpu", "cuda" */
+    void (*destroy)(rekv_backend *be);
+
+    /* device memory; alloc returns NULL when out of memory */
+    void *(*dev_alloc)(rekv_backend *be, size_t bytes);
+    void (*dev_free)(rekv_backend *be, void *p);
+
+    /* streams run their work in order; name labels the stream's trace track */
+    int (*stream_create)(rekv_backend *be, const char *name, rekv_stream **out, rekv_err *err);
+    void (*stream_destroy)(rekv_stream *s); /* waits for its work first */
+    int (*stream_sync)(rekv_stream *s, rekv_err *err);
+
+    int (*event_create)(rekv_backend *be, rekv_event **out, rekv_err *err);
+    void (*event_destroy)(rekv_event *ev);
+    /* ev completes when all work enqueued on s before this call has finished; re-recording an
+     * event replaces what it waits for, as cudaEventRecord does */
+    void (*event_record)(rekv_event *ev, rekv_stream *s);
+    /* work enqueued on s after this call starts only after ev (as last recorded) completes */
+    void (*stream_wait_event)(rekv_stream *s, rekv_event *ev);
+    void (*event_sync)(rekv_event *ev);
+
+    /* asynchronous copies; the pieces array is copied at enqueue, the memory it points to must
+     * stay valid until the work completes */
+    void (*copy_h2d)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind);
+    void (*copy_d2h)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind);
+    void (*copy_d2d)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n);
+
+    /* cpu backend: runs fn(copy of arg) on the stream; name labels the trace span. The cuda
+     * backend runs host functions with cudaLaunchHostFunc. */
+    void (*launch_host)(rekv_stream *s, const char *name, rekv_host_fn fn, const void *arg,
+                        size_t arg_bytes);
+
+    void (*stats)(rekv_backend *be, rekv_backend_stats *out);
+    void (*stats_reset)(rekv_backend *be);
+    /* trace: record spans from now on (clearing earlier ones) / write them as Chrome trace JSON */
+    void (*trace_start)(rekv_backend *be);
+    int (*trace_write)(rekv_backend *be, const char *path, rekv_err *err);
+} rekv_backend_iface;
+
+/* Every backend object starts with this. */
+struct rekv_backend {
+    const rekv_backend_iface *iface;
+    void *ctx;
+};
+
+/* Creates the cpu backend. link may be NULL (no throttling). */
+int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, rekv_err *err);
+
+static inline void rekv_backend_destroy(rekv_backend *be)
+{
+    if (be)
+        be->iface->destroy(be);
+}
+
+#endif
