@@ -1,0 +1,720 @@
+/* test_backend.c — the cpu backend's runtime: copies land in order with the right bytes and exact
+ * counters, events order work across streams (CUDA semantics for re-recording), link emulation
+ * takes the time a link of that bandwidth would and shares each direction between streams, copies
+ * overlap kernels, traces are valid Chrome trace JSON, and a bad copy is reported by stream_sync.
+ *
+ * Timing tests compare ratios with wide margins: this must never be flaky on a loaded 2-core
+ * machine. Ordering tests use gates (a kernel that blocks until the test opens it) rather than
+ * sleeps, so that they are deterministic. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "gpuworker/backend.h"
+#include "tests/testutil.h"
+
+#define MiB (1024u * 1024u)
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static uint64_t rnd(void)
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+
+static rekv_backend *make_backend(double gbps, double latency_us)
+{
+    rekv_backend *be = NULL;
+    rekv_err err = {0};
+    rekv_link_config link = {.gbps = gbps, .latency_us = latency_us};
+    ck_assert_msg(rekv_backend_cpu_create(&link, &be, &err) == 0, "%s", err.msg);
+    ck_assert_str_eq(be->iface->name, "cpu");
+    ck_assert(be->kernels != NULL);
+    return be;
+}
+
+static rekv_stream *make_stream(rekv_backend *be, const char *name)
+{
+    rekv_stream *s = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(be->iface->stream_create(be, name, &s, &err) == 0, "%s", err.msg);
+    return s;
+}
+
+static rekv_event *make_event(rekv_backend *be)
+{
+    rekv_event *ev = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(be->iface->event_create(be, &ev, &err) == 0, "%s", err.msg);
+    return ev;
+}
+
+static void sync_ok(rekv_backend *be, rekv_stream *s)
+{
+    rekv_err err = {0};
+    int rc = be->iface->stream_sync(s, &err);
+    ck_assert_msg(rc == 0, "stream_sync: %d %s", rc, err.msg);
+}
+
+static void copy1(rekv_backend *be, rekv_stream *s, int h2d, void *dst, const void *src,
+                  size_t bytes, rekv_xfer_kind kind)
+{
+    rekv_copy_piece p = {.dst = dst, .src = src, .bytes = bytes};
+    if (h2d)
+        be->iface->copy_h2d(s, &p, 1, kind);
+    else
+        be->iface->copy_d2h(s, &p, 1, kind);
+}
+
+static void sleep_ms(double ms)
+{
+    struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms * 1e6) % 1000000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+/* ---- host functions used as kernels ---- */
+
+/* A gate: kernels block on it until the test opens it, to hold a stream at a known point. */
+typedef struct gate {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int open;
+} gate;
+
+static void gate_init(gate *g)
+{
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    g->open = 0;
+}
+
+static void gate_open(gate *g)
+{
+    pthread_mutex_lock(&g->mu);
+    g->open = 1;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void gate_free(gate *g)
+{
+    pthread_cond_destroy(&g->cv);
+    pthread_mutex_destroy(&g->mu);
+}
+
+/* argument of the kernels below (copied by launch_host) */
+typedef struct kern_arg {
+    gate *g;          /* wait for it to open first, when not NULL */
+    double sleep_ms;  /* then sleep this long */
+    atomic_int *flag; /* then store value here, when not NULL */
+    int value;
+    atomic_int *watch; /* ... after reading this into *seen, when not NULL */
+    atomic_int *seen;
+} kern_arg;
+
+static void kern(void *p)
+{
+    kern_arg *a = p;
+    if (a->g) {
+        pthread_mutex_lock(&a->g->mu);
+        while (!a->g->open)
+            pthread_cond_wait(&a->g->cv, &a->g->mu);
+        pthread_mutex_unlock(&a->g->mu);
+    }
+    if (a->sleep_ms > 0)
+        sleep_ms(a->sleep_ms);
+    if (a->watch)
+        atomic_store(a->seen, atomic_load(a->watch));
+    if (a->flag)
+        atomic_store(a->flag, a->value);
+}
+
+static void launch(rekv_backend *be, rekv_stream *s, const char *name, kern_arg a)
+{
+    be->iface->launch_host(s, name, kern, &a, sizeof(a));
+}
+
+/* ---- copies ---- */
+
+START_TEST(copies_land_in_order_with_exact_counters)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *s = make_stream(be, "copy");
+    rekv_stream *s2 = make_stream(be, "copy2");
+    const size_t size = 4 * MiB;
+    uint8_t *host = malloc(size), *out = malloc(size), *want = malloc(size);
+    uint8_t *dev = be->iface->dev_alloc(be, size), *dev2 = be->iface->dev_alloc(be, size);
+    ck_assert(host && out && want && dev && dev2);
+    ck_assert_uint_eq((uintptr_t)dev % 64, 0);
+    for (size_t i = 0; i < size; i++)
+        host[i] = (uint8_t)rnd();
+    memset(dev, 0, size);
+    memset(want, 0, size);
+
+    uint64_t want_h2d[REKV_XFER_KINDS] = {0}, want_d2h[REKV_XFER_KINDS] = {0};
+    uint64_t want_h2d_n = 0, want_d2h_n = 0;
+    /* many gathers of random pieces with random kinds; later copies overwrite earlier ones where
+     * they overlap, so the result checks the order too */
+    for (int op = 0; op < 200; op++) {
+        rekv_copy_piece pieces[64];
+        size_t n = 1 + rnd() % 64;
+        rekv_xfer_kind kind = (rekv_xfer_kind)(rnd() % REKV_XFER_KINDS);
+        for (size_t i = 0; i < n; i++) {
+            size_t len = rnd() % 8192;
+            size_t so = rnd() % (size - len), d = rnd() % (size - len);
+            pieces[i] = (rekv_copy_piece){.dst = dev + d, .src = host + so, .bytes = len};
+            memcpy(want + d, host + so, len); /* pieces of one copy land in order too */
+            want_h2d[kind] += len;
+        }
+        be->iface->copy_h2d(s, pieces, n, kind);
+        want_h2d_n++;
+    }
+    sync_ok(be, s);
+    ck_assert_msg(memcmp(dev, want, size) == 0, "h2d gathers: device bytes differ");
+
+    /* d2d to a second buffer, then back in two d2h copies; d2d is not counted */
+    rekv_copy_piece d2d = {.dst = dev2, .src = dev, .bytes = size};
+    be->iface->copy_d2d(s, &d2d, 1);
+    rekv_copy_piece back[2] = {{.dst = out, .src = dev2, .bytes = size / 2},
+                               {.dst = out + size / 2, .src = dev2 + size / 2, .bytes = size / 2}};
+    be->iface->copy_d2h(s, back, 2, REKV_XFER_ACT);
+    want_d2h[REKV_XFER_ACT] += size;
+    want_d2h_n++;
+    copy1(be, s2, 0, out, dev, 100, REKV_XFER_OTHER); /* another stream counts in the same stats */
+    want_d2h[REKV_XFER_OTHER] += 100;
+    want_d2h_n++;
+    sync_ok(be, s);
+    sync_ok(be, s2);
+    ck_assert_msg(memcmp(out, want, size) == 0, "d2d + d2h: host bytes differ");
+
+    rekv_backend_stats st;
+    be->iface->stats(be, &st);
+    for (int k = 0; k < REKV_XFER_KINDS; k++) {
+        ck_assert_uint_eq(st.h2d_bytes[k], want_h2d[k]);
+        ck_assert_uint_eq(st.d2h_bytes[k], want_d2h[k]);
+    }
+    ck_assert_uint_eq(st.h2d_copies, want_h2d_n);
+    ck_assert_uint_eq(st.d2h_copies, want_d2h_n);
+    ck_assert(st.h2d_busy_s > 0 && st.d2h_busy_s > 0);
+    ck_assert(st.compute_busy_s == 0);
+
+    be->iface->stats_reset(be);
+    be->iface->stats(be, &st);
+    ck_assert_uint_eq(st.h2d_copies + st.d2h_copies, 0);
+    for (int k = 0; k < REKV_XFER_KINDS; k++)
+        ck_assert_uint_eq(st.h2d_bytes[k] + st.d2h_bytes[k], 0);
+    ck_assert(st.h2d_busy_s == 0 && st.d2h_busy_s == 0 && st.compute_busy_s == 0);
+
+    be->iface->stream_destroy(s2);
+    be->iface->stream_destroy(s);
+    be->iface->dev_free(be, dev);
+    be->iface->dev_free(be, dev2);
+    free(host), free(out), free(want);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+/* Tasks of each stream run in order while several streams and threads run at once. */
+typedef struct seq_arg {
+    int *log; /* [n] positions written in order */
+    int *len;
+    int value;
+} seq_arg;
+
+static void seq_kern(void *p)
+{
+    seq_arg *a = p;
+    a->log[(*a->len)++] = a->value;
+}
+
+START_TEST(streams_run_in_order_concurrently)
+{
+    enum { STREAMS = 4, TASKS = 2000 };
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *s[STREAMS];
+    static int log[STREAMS][TASKS];
+    int len[STREAMS] = {0};
+    char name[16];
+    for (int i = 0; i < STREAMS; i++) {
+        snprintf(name, sizeof(name), "s%d", i);
+        s[i] = make_stream(be, name);
+    }
+    for (int t = 0; t < TASKS; t++)
+        for (int i = 0; i < STREAMS; i++) {
+            seq_arg a = {.log = log[i], .len = &len[i], .value = t};
+            be->iface->launch_host(s[i], "seq", seq_kern, &a, sizeof(a));
+        }
+    for (int i = 0; i < STREAMS; i++) {
+        sync_ok(be, s[i]);
+        ck_assert_int_eq(len[i], TASKS);
+        for (int t = 0; t < TASKS; t++)
+            ck_assert_int_eq(log[i][t], t);
+    }
+    rekv_backend_stats st;
+    be->iface->stats(be, &st);
+    ck_assert(st.compute_busy_s > 0);
+    for (int i = 0; i < STREAMS; i++)
+        be->iface->stream_destroy(s[i]);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+START_TEST(stream_destroy_waits_for_its_work)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *s = make_stream(be, "s");
+    atomic_int flag = 0;
+    launch(be, s, "slow", (kern_arg){.sleep_ms = 20, .flag = &flag, .value = 1});
+    be->iface->stream_destroy(s);
+    ck_assert_int_eq(atomic_load(&flag), 1);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+/* ---- events ---- */
+
+START_TEST(event_orders_work_across_streams)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *a = make_stream(be, "a"), *b = make_stream(be, "b");
+    rekv_event *ev = make_event(be);
+    atomic_int flag = 0, seen = -1;
+
+    /* a slow kernel on a, then b waits for it and reads what it wrote */
+    launch(be, a, "produce", (kern_arg){.sleep_ms = 30, .flag = &flag, .value = 1});
+    be->iface->event_record(ev, a);
+    be->iface->stream_wait_event(b, ev);
+    launch(be, b, "consume", (kern_arg){.watch = &flag, .seen = &seen});
+    sync_ok(be, b);
+    ck_assert_int_eq(atomic_load(&seen), 1);
+    sync_ok(be, a);
+
+    be->iface->event_destroy(ev);
+    be->iface->stream_destroy(a);
+    be->iface->stream_destroy(b);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+START_TEST(event_rerecord_semantics)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *a = make_stream(be, "a"), *b = make_stream(be, "b"), *c = make_stream(be, "c");
+    rekv_event *ev = make_event(be);
+    atomic_int flag = 0, seen = -1, b_done = 0;
+    gate g;
+    gate_init(&g);
+
+    /* 1. a wait enqueued before a re-record waits for the record it saw: b waits on a's
+     *    (gated) work even though ev is then re-recorded on idle c */
+    launch(be, a, "gated", (kern_arg){.g = &g, .flag = &flag, .value = 1});
+    be->iface->event_record(ev, a);
+    be->iface->stream_wait_event(b, ev);
+    launch(be, b, "after-wait",
+           (kern_arg){.watch = &flag, .seen = &seen, .flag = &b_done, .value = 1});
+    be->iface->event_record(ev, c);
+    sync_ok(be, c);
+    be->iface->event_sync(ev); /* now waits for c's record only: returns with a still gated */
+    sleep_ms(20);
+    ck_assert_msg(atomic_load(&b_done) == 0, "b ran before the event it waited for completed");
+    gate_open(&g);
+    sync_ok(be, b);
+    ck_assert_int_eq(atomic_load(&seen), 1);
+
+    /* 2. a wait enqueued after a re-record waits for the new record only */
+    gate g2;
+    gate_init(&g2);
+    atomic_int flag2 = 0, seen2 = -1;
+    launch(be, a, "gated2", (kern_arg){.g = &g2, .flag = &flag2, .value = 1});
+    be->iface->event_record(ev, a);
+    be->iface->event_record(ev, c); /* replaces the record on a */
+    be->iface->stream_wait_event(b, ev);
+    launch(be, b, "reads", (kern_arg){.watch = &flag2, .seen = &seen2});
+    sync_ok(be, b); /* would hang if b waited for a */
+    ck_assert_int_eq(atomic_load(&seen2), 0);
+    gate_open(&g2);
+    sync_ok(be, a);
+
+    be->iface->event_destroy(ev);
+    be->iface->stream_destroy(a);
+    be->iface->stream_destroy(b);
+    be->iface->stream_destroy(c);
+    gate_free(&g);
+    gate_free(&g2);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+static void *open_later(void *p)
+{
+    sleep_ms(20);
+    gate_open(p);
+    return NULL;
+}
+
+START_TEST(event_sync_and_never_recorded)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *a = make_stream(be, "a"), *b = make_stream(be, "b");
+    rekv_event *ev = make_event(be), *never = make_event(be);
+    atomic_int flag = 0, seen = -1;
+    gate g;
+    gate_init(&g);
+
+    /* never recorded: neither event_sync nor a stream wait blocks */
+    be->iface->event_sync(never);
+    be->iface->stream_wait_event(b, never);
+    launch(be, b, "free", (kern_arg){.watch = &flag, .seen = &seen});
+    sync_ok(be, b);
+    ck_assert_int_eq(atomic_load(&seen), 0);
+
+    /* event_sync blocks the caller until the recorded work is done */
+    launch(be, a, "gated", (kern_arg){.g = &g, .flag = &flag, .value = 7});
+    be->iface->event_record(ev, a);
+    pthread_t th;
+    ck_assert_int_eq(pthread_create(&th, NULL, open_later, &g), 0);
+    uint64_t t0 = rekv_now_ns();
+    be->iface->event_sync(ev);
+    ck_assert_int_eq(atomic_load(&flag), 7);
+    ck_assert(rekv_now_ns() - t0 >= 15000000ull);
+    pthread_join(th, NULL);
+    /* a completed event stays complete */
+    be->iface->event_sync(ev);
+    be->iface->event_destroy(ev);
+    be->iface->event_destroy(never);
+    be->iface->stream_destroy(a);
+    be->iface->stream_destroy(b);
+    gate_free(&g);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+START_TEST(event_destroyed_while_awaited)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *a = make_stream(be, "a"), *b = make_stream(be, "b");
+    rekv_event *ev = make_event(be);
+    atomic_int flag = 0, seen = -1;
+    launch(be, a, "slow", (kern_arg){.sleep_ms = 20, .flag = &flag, .value = 1});
+    be->iface->event_record(ev, a);
+    be->iface->stream_wait_event(b, ev);
+    be->iface->event_destroy(ev); /* the enqueued record and wait still hold */
+    launch(be, b, "reads", (kern_arg){.watch = &flag, .seen = &seen});
+    sync_ok(be, b);
+    ck_assert_int_eq(atomic_load(&seen), 1);
+    be->iface->stream_destroy(a);
+    be->iface->stream_destroy(b);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+/* ---- link emulation ---- */
+
+/* Seconds to run one copy of `bytes` on each of the given streams/directions at once. */
+static double timed_copies(rekv_backend *be, rekv_stream **s, const int *h2d, int n, void **dst,
+                           void **src, size_t bytes)
+{
+    uint64_t t0 = rekv_now_ns();
+    for (int i = 0; i < n; i++)
+        copy1(be, s[i], h2d[i], dst[i], src[i], bytes, REKV_XFER_KV);
+    for (int i = 0; i < n; i++)
+        sync_ok(be, s[i]);
+    return (double)(rekv_now_ns() - t0) * 1e-9;
+}
+
+START_TEST(link_emulation_timing)
+{
+    const size_t bytes = 16 * MiB;
+    /* gbps 8 = 1 GB/s: 16 MiB takes 16.78 ms + 0.1 ms latency */
+    const double expect = 100e-6 + (double)bytes / 1e9;
+    rekv_backend *be = make_backend(8, 100);
+    rekv_stream *s[2] = {make_stream(be, "x"), make_stream(be, "y")};
+    uint8_t *h[2], *d[2];
+    for (int i = 0; i < 2; i++) {
+        h[i] = malloc(bytes);
+        d[i] = be->iface->dev_alloc(be, bytes);
+        ck_assert(h[i] && d[i]);
+        memset(h[i], i + 1, bytes);
+        memset(d[i], i + 3, bytes);
+    }
+    void *dst_h2d[2] = {d[0], d[1]}, *src_h2d[2] = {h[0], h[1]};
+    int both_h2d[2] = {1, 1}, duplex[2] = {1, 0};
+    void *dst_dup[2] = {d[0], h[1]}, *src_dup[2] = {h[0], d[1]};
+
+    /* Lower bounds are deterministic (the link sleeps until a copy is due); upper bounds are the
+     * noisy side, so each time is the best of three runs. */
+    timed_copies(be, s, both_h2d, 1, dst_h2d, src_h2d, bytes); /* warm the pages */
+    be->iface->stats_reset(be);
+    double one = timed_copies(be, s, both_h2d, 1, dst_h2d, src_h2d, bytes);
+    rekv_backend_stats st;
+    be->iface->stats(be, &st);
+    ck_assert_msg(one >= expect * 0.995, "copy took %.2f ms, link model says %.2f ms", one * 1e3,
+                  expect * 1e3);
+    ck_assert_msg(st.h2d_busy_s >= expect * 0.995 && st.h2d_busy_s <= one * 1.001,
+                  "h2d busy %.3f ms", st.h2d_busy_s * 1e3);
+    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], bytes);
+    ck_assert_uint_eq(st.h2d_copies, 1);
+    double two = 1e9, dup = 1e9;
+    for (int trial = 0; trial < 3; trial++) {
+        double t1 = timed_copies(be, s, both_h2d, 1, dst_h2d, src_h2d, bytes);
+        /* two streams copying h2d at once share the link: about twice as long */
+        double t2 = timed_copies(be, s, both_h2d, 2, dst_h2d, src_h2d, bytes);
+        /* h2d and d2h at once: full duplex, about as long as one */
+        double td = timed_copies(be, s, duplex, 2, dst_dup, src_dup, bytes);
+        ck_assert_msg(t1 >= expect * 0.995, "copy took %.2f ms", t1 * 1e3);
+        ck_assert_msg(t2 >= 2 * expect * 0.995, "two shared copies took %.2f ms, model %.2f ms",
+                      t2 * 1e3, 2 * expect * 1e3);
+        one = t1 < one ? t1 : one;
+        two = t2 < two ? t2 : two;
+        dup = td < dup ? td : dup;
+    }
+    fprintf(stderr,
+            "   link: 16 MiB h2d copy %.2f ms (model %.2f ms); two h2d at once %.2f ms "
+            "(%.2fx); h2d + d2h at once %.2f ms (%.2fx)\n",
+            one * 1e3, expect * 1e3, two * 1e3, two / one, dup * 1e3, dup / one);
+    ck_assert_msg(one < 3 * expect, "copy took %.2f ms, link model says %.2f ms", one * 1e3,
+                  expect * 1e3);
+    ck_assert_msg(two < 6 * expect, "two h2d copies took %.2f ms", two * 1e3);
+    /* sharing one link would take at least 2x the model, deterministically */
+    ck_assert_msg(dup < 1.9 * expect, "h2d + d2h took %.2f ms: the directions should not share",
+                  dup * 1e3);
+    ck_assert_msg(memcmp(d[0], h[0], bytes) == 0 && memcmp(h[1], d[1], bytes) == 0,
+                  "throttled copies moved the wrong bytes");
+
+    for (int i = 0; i < 2; i++) {
+        be->iface->stream_destroy(s[i]);
+        be->iface->dev_free(be, d[i]);
+        free(h[i]);
+    }
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+START_TEST(copy_overlaps_kernel)
+{
+    /* 1 GB/s: a 50 ms copy is 49.9 MB after the 0.1 ms latency */
+    const size_t bytes = 49900000;
+    rekv_backend *be = make_backend(8, 100);
+    rekv_stream *comp = make_stream(be, "compute"), *h2d = make_stream(be, "h2d");
+    uint8_t *h = malloc(bytes), *d = be->iface->dev_alloc(be, bytes);
+    ck_assert(h && d);
+    memset(h, 5, bytes);
+    memset(d, 0, bytes); /* fault the pages in now, not inside the measured copy */
+
+    /* the best of three runs: the bound below is the noisy side */
+    double t = 1e9;
+    rekv_backend_stats st;
+    for (int trial = 0; trial < 3 && t >= 0.085; trial++) {
+        be->iface->stats_reset(be);
+        uint64_t t0 = rekv_now_ns();
+        launch(be, comp, "kernel-50ms", (kern_arg){.sleep_ms = 50});
+        copy1(be, h2d, 1, d, h, bytes, REKV_XFER_WEIGHTS);
+        sync_ok(be, comp);
+        sync_ok(be, h2d);
+        double tt = (double)(rekv_now_ns() - t0) * 1e-9;
+        ck_assert_msg(tt >= 0.0499, "50 ms of work took %.2f ms", tt * 1e3);
+        t = tt < t ? tt : t;
+        be->iface->stats(be, &st);
+    }
+    fprintf(stderr,
+            "   overlap: 50 ms kernel + 50 ms copy took %.2f ms (compute busy %.2f, h2d "
+            "busy %.2f)\n",
+            t * 1e3, st.compute_busy_s * 1e3, st.h2d_busy_s * 1e3);
+    ck_assert_msg(t < 0.085, "kernel and copy did not overlap: %.2f ms", t * 1e3);
+    ck_assert(st.compute_busy_s >= 0.0499 && st.h2d_busy_s >= 0.0499);
+    be->iface->stream_destroy(comp);
+    be->iface->stream_destroy(h2d);
+    be->iface->dev_free(be, d);
+    free(h);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+/* ---- trace ---- */
+
+START_TEST(trace_is_chrome_json)
+{
+    rekv_backend *be = make_backend(0, 0);
+    const char *odd = "odd \"name\"\\\t";
+    rekv_stream *comp = make_stream(be, "compute"), *io = make_stream(be, odd);
+    rekv_stream *unused = make_stream(be, "before");
+    rekv_event *ev = make_event(be);
+    uint8_t *h = malloc(MiB), *d = be->iface->dev_alloc(be, MiB);
+    memset(h, 1, MiB);
+
+    launch(be, unused, "not-traced", (kern_arg){0});
+    sync_ok(be, unused);
+    be->iface->trace_start(be);
+    /* io blocks on a wait for compute's 20 ms kernel: a "wait" span */
+    launch(be, comp, "slow", (kern_arg){.sleep_ms = 20});
+    be->iface->event_record(ev, comp);
+    be->iface->stream_wait_event(io, ev);
+    copy1(be, io, 1, d, h, MiB, REKV_XFER_KV);
+    copy1(be, io, 0, h, d, 4096, REKV_XFER_ACT);
+    launch(be, comp, "attention \"q\"", (kern_arg){0});
+    be->iface->event_record(ev, comp);
+    be->iface->stream_wait_event(io, ev);
+    launch(be, io, "after-wait", (kern_arg){0});
+    sync_ok(be, comp);
+    sync_ok(be, io);
+
+    char *dir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/trace.json", dir);
+    rekv_err err = {0};
+    ck_assert_msg(be->iface->trace_write(be, path, &err) == 0, "%s", err.msg);
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    ck_assert_msg(root != NULL, "trace is not JSON: %s line %d", jerr.text, jerr.line);
+    ck_assert_str_eq(json_string_value(json_object_get(root, "displayTimeUnit")), "ms");
+    json_t *evs = json_object_get(root, "traceEvents");
+    ck_assert(json_is_array(evs));
+
+    json_int_t tid_comp = -1, tid_io = -1;
+    int n_comp = 0, n_io = 0, saw_h2d = 0, saw_d2h = 0, saw_wait = 0, saw_quote = 0;
+    size_t i;
+    json_t *e;
+    json_array_foreach(evs, i, e)
+    {
+        const char *ph = json_string_value(json_object_get(e, "ph"));
+        const char *name = json_string_value(json_object_get(e, "name"));
+        ck_assert(ph && name);
+        if (strcmp(ph, "M") == 0 && strcmp(name, "thread_name") == 0) {
+            const char *tn = json_string_value(json_object_get(json_object_get(e, "args"), "name"));
+            ck_assert(tn);
+            if (strcmp(tn, "compute") == 0)
+                tid_comp = json_integer_value(json_object_get(e, "tid"));
+            if (strcmp(tn, odd) == 0)
+                tid_io = json_integer_value(json_object_get(e, "tid"));
+        }
+    }
+    ck_assert_msg(tid_comp > 0 && tid_io > 0 && tid_comp != tid_io, "thread_name metadata");
+    json_array_foreach(evs, i, e)
+    {
+        const char *ph = json_string_value(json_object_get(e, "ph"));
+        if (strcmp(ph, "X") != 0)
+            continue;
+        const char *name = json_string_value(json_object_get(e, "name"));
+        json_int_t tid = json_integer_value(json_object_get(e, "tid"));
+        double ts = json_number_value(json_object_get(e, "ts"));
+        double dur = json_number_value(json_object_get(e, "dur"));
+        ck_assert_msg(ts >= 0 && dur >= 0, "span %s: ts %g dur %g", name, ts, dur);
+        ck_assert_msg(strcmp(name, "not-traced") != 0, "span from before trace_start");
+        n_comp += tid == tid_comp;
+        n_io += tid == tid_io;
+        saw_h2d |= tid == tid_io && strcmp(name, "h2d KV 1.0 MiB") == 0;
+        saw_d2h |= tid == tid_io && strcmp(name, "d2h ACT 4.0 KiB") == 0;
+        saw_wait |= tid == tid_io && strcmp(name, "wait") == 0 && dur >= 1;
+        saw_quote |= tid == tid_comp && strcmp(name, "attention \"q\"") == 0;
+    }
+    ck_assert_msg(n_comp == 2, "compute spans: %d", n_comp);
+    ck_assert_msg(n_io >= 3, "io spans: %d", n_io);
+    ck_assert(saw_h2d && saw_d2h && saw_quote);
+    ck_assert_msg(saw_wait, "no wait span on the io stream for the 20 ms kernel");
+    json_decref(root);
+
+    /* trace_start again clears the spans */
+    be->iface->trace_start(be);
+    ck_assert_msg(be->iface->trace_write(be, path, &err) == 0, "%s", err.msg);
+    root = json_load_file(path, 0, &jerr);
+    ck_assert(root != NULL);
+    int n_x = 0;
+    json_array_foreach(json_object_get(root, "traceEvents"), i, e) n_x +=
+        strcmp(json_string_value(json_object_get(e, "ph")), "X") == 0;
+    ck_assert_int_eq(n_x, 0);
+    json_decref(root);
+
+    /* an unwritable path is an error, not a crash */
+    rekv_err_clear(&err);
+    ck_assert_int_lt(be->iface->trace_write(be, "/nonexistent/dir/t.json", &err), 0);
+    ck_assert(strstr(err.msg, "/nonexistent/dir/t.json") != NULL);
+
+    tu_rmrf(dir);
+    free(dir);
+    be->iface->event_destroy(ev);
+    be->iface->stream_destroy(comp);
+    be->iface->stream_destroy(io);
+    be->iface->stream_destroy(unused);
+    be->iface->dev_free(be, d);
+    free(h);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+/* ---- errors ---- */
+
+START_TEST(bad_copy_is_reported_by_sync)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *s = make_stream(be, "kv-in");
+    uint8_t src[64], dst[64];
+    memset(src, 9, sizeof(src));
+    memset(dst, 0, sizeof(dst));
+    rekv_copy_piece bad[2] = {{.dst = dst, .src = src, .bytes = 8},
+                              {.dst = dst, .src = NULL, .bytes = 8}};
+    be->iface->copy_h2d(s, bad, 2, REKV_XFER_KV);
+    rekv_err err = {0};
+    ck_assert_int_eq(be->iface->stream_sync(s, &err), -EINVAL);
+    ck_assert_int_eq(err.code, -EINVAL);
+    ck_assert_msg(strstr(err.msg, "kv-in") && strstr(err.msg, "NULL"), "message: %s", err.msg);
+    ck_assert_msg(dst[0] == 0, "a rejected copy moved bytes");
+
+    /* the error is reported once, and the stream keeps working */
+    sync_ok(be, s);
+    copy1(be, s, 1, dst, src, sizeof(src), REKV_XFER_KV);
+    sync_ok(be, s);
+    ck_assert(memcmp(dst, src, sizeof(src)) == 0);
+
+    /* a NULL kernel and a NULL piece array too */
+    be->iface->launch_host(s, "nothing", NULL, NULL, 0);
+    rekv_err_clear(&err);
+    ck_assert_int_eq(be->iface->stream_sync(s, &err), -EINVAL);
+    ck_assert(strstr(err.msg, "nothing") != NULL);
+    be->iface->copy_d2h(s, NULL, 3, REKV_XFER_OTHER);
+    rekv_err_clear(&err);
+    ck_assert_int_eq(be->iface->stream_sync(s, &err), -EINVAL);
+
+    rekv_backend_stats st;
+    be->iface->stats(be, &st);
+    ck_assert_uint_eq(st.h2d_copies, 1);
+    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], sizeof(src));
+    be->iface->stream_destroy(s);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
+static Suite *backend_suite(void)
+{
+    Suite *s = suite_create("backend");
+    TCase *tc = tcase_create("cpu");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, copies_land_in_order_with_exact_counters);
+    tcase_add_test(tc, streams_run_in_order_concurrently);
+    tcase_add_test(tc, stream_destroy_waits_for_its_work);
+    tcase_add_test(tc, event_orders_work_across_streams);
+    tcase_add_test(tc, event_rerecord_semantics);
+    tcase_add_test(tc, event_sync_and_never_recorded);
+    tcase_add_test(tc, event_destroyed_while_awaited);
+    tcase_add_test(tc, link_emulation_timing);
+    tcase_add_test(tc, copy_overlaps_kernel);
+    tcase_add_test(tc, trace_is_chrome_json);
+    tcase_add_test(tc, bad_copy_is_reported_by_sync);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(backend_suite());
+}
