@@ -1,0 +1,525 @@
+/* planner.c — the cost model and optimisers of planner.h: KVPR's split (papers/000 Eq. 6–12),
+ * HybridServe's host allocation, request allocation rule and mini-batch packing (papers/003
+ * Algorithm 1, Eq. 2–7), and the per-step technique chooser. Pure functions; see planner.h for the
+ * decisions taken where the papers are vague. */
+#include "coordinator/planner.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+
+/* ---------------------------------------------------------------- profile */
+
+double rekv_linear_eval(const rekv_linear *m, double n)
+{
+    return n > 0 ? m->a + m->b * n : 0.0;
+}
+
+int rekv_plan_fit_linear(const double *xs, const double *ys, size_t n, double *a, double *b,
+                         rekv_err *err)
+{
+    if (!xs || !ys || !a || !b)
+        return rekv_errf(err, -EINVAL, "planner: fit_linear: NULL argument");
+    if (n < 2)
+        return rekv_errf(err, -EINVAL, "planner: fit_linear: %zu samples, need at least 2", n);
+    /* Centred sums: token counts in the thousands make sum(x^2) - n*mean^2 cancel badly. */
+    double mx = 0, my = 0;
+    for (size_t i = 0; i < n; i++) {
+        mx += xs[i];
+        my += ys[i];
+    }
+    mx /= (double)n;
+    my /= (double)n;
+    double sxx = 0, sxy = 0;
+    for (size_t i = 0; i < n; i++) {
+        double dx = xs[i] - mx;
+        sxx += dx * dx;
+        sxy += dx * (ys[i] - my);
+    }
+    if (!(sxx > 0))
+        return rekv_errf(err, -EINVAL, "planner: fit_linear: all %zu samples have the same x", n);
+    *b = sxy / sxx;
+    *a = my - *b * mx;
+    return 0;
+}
+
+static int check_profile(const rekv_cost_profile *prof, rekv_err *err)
+{
+    if (!prof)
+        return rekv_errf(err, -EINVAL, "planner: NULL profile");
+    if (!(prof->h2d_bw > 0) || !(prof->gemm_flops > 0) || !(prof->h2d_latency >= 0))
+        return rekv_errf(err, -EINVAL,
+                         "planner: profile needs h2d_bw > 0, gemm_flops > 0, h2d_latency >= 0");
+    return 0;
+}
+
+/* ---------------------------------------------------------------- KVPR */
+
+static int check_kvpr(const rekv_kvpr_params *p, rekv_err *err)
+{
+    if (!p)
+        return rekv_errf(err, -EINVAL, "planner: kvpr: NULL params");
+    if (p->s < 0 || p->b < 0 || p->hidden < 0 || p->kv_dim < 0 || !(p->elem_bytes > 0))
+        return rekv_errf(err, -EINVAL, "planner: kvpr: negative size or elem_bytes <= 0");
+    return 0;
+}
+
+void rekv_plan_kvpr_eval(const rekv_cost_profile *prof, const rekv_kvpr_params *p, int64_t l,
+                         rekv_kvpr_split *out)
+{
+    double b = (double)p->b, h = (double)p->hidden, kv = (double)p->kv_dim, pe = p->elem_bytes;
+    out->l = l;
+    out->bytes_x = b * (double)l * h * pe;                  /* Eq. 6 */
+    out->bytes_kv = 2.0 * b * (double)(p->s - l) * kv * pe; /* Eq. 7, K and V rows of kv_dim */
+    out->flops = 2.0 * b * (double)l * h * (2.0 * kv); /* Eq. 9: X[b*l, h] x W_KV[h, 2*kv_dim] */
+    out->t_recomp = out->flops / prof->gemm_flops;     /* Eq. 10 */
+    out->t_x = out->bytes_x / prof->h2d_bw + (out->bytes_x > 0 ? prof->h2d_latency : 0.0);
+    out->t_kv = out->bytes_kv / prof->h2d_bw + (out->bytes_kv > 0 ? prof->h2d_latency : 0.0);
+    out->t = out->t_x + fmax(out->t_recomp, out->t_kv); /* Eq. 11 */
+}
+
+/* Evaluates the candidates (any order, duplicates allowed) and keeps the smallest l whose t is
+ * within a relative 1e-12 of the minimum: t(l) can be exactly flat in l (GQA with hidden ==
+ * 2*kv_dim sends X as cheaply as the KV it replaces), and rounding must not pick an arbitrary
+ * point of a flat stretch. */
+static void kvpr_best(const rekv_cost_profile *prof, const rekv_kvpr_params *p, const int64_t *cand,
+                      int n, rekv_kvpr_split *out)
+{
+    rekv_kvpr_split c[8];
+    int m = 0;
+    double tmin = INFINITY;
+    for (int i = 0; i < n && m < 8; i++) {
+        if (cand[i] < 0 || cand[i] > p->s)
+            continue;
+        rekv_plan_kvpr_eval(prof, p, cand[i], &c[m]);
+        tmin = fmin(tmin, c[m].t);
+        m++;
+    }
+    int best = -1;
+    for (int i = 0; i < m; i++)
+        if (c[i].t <= tmin * (1 + 1e-12) && (best < 0 || c[i].l < c[best].l))
+            best = i;
+    *out = c[best];
+}
+
+/* The kink of Eq. 11 inside (0, s): t_recomp(l) = t_kv(l), i.e. alpha*l = beta*(s - l) + latency.
+ * Left of it the KV transfer dominates and t has slope gamma - beta (negative for MHA, where an
+ * X row is half a K+V row; >= 0 for GQA with hidden >= 2*kv_dim); right of it the recompute
+ * dominates and t rises with slope gamma + alpha. */
+static double kvpr_kink(const rekv_cost_profile *prof, const rekv_kvpr_params *p)
+{
+    double b = (double)p->b;
+    double alpha =
+        4.0 * b * (double)p->hidden * (double)p->kv_dim / prof->gemm_flops;   /* s per token */
+    double beta = 2.0 * b * (double)p->kv_dim * p->elem_bytes / prof->h2d_bw; /* s per token */
+    if (!(alpha + beta > 0))
+        return 0.0;
+    double ls = (beta * (double)p->s + prof->h2d_latency) / (alpha + beta);
+    return fmin(fmax(ls, 0.0), (double)p->s);
+}
+
+int rekv_plan_kvpr_solve(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
+                         rekv_kvpr_split *out, rekv_err *err)
+{
+    int rc = check_profile(prof, err);
+    if (rc == 0)
+        rc = check_kvpr(p, err);
+    if (rc)
+        return rc;
+    double ls = kvpr_kink(prof, p);
+    int64_t lo = p->s >= 2 ? 1 : 0, hi = p->s >= 2 ? p->s - 1 : p->s;
+    int64_t fl = (int64_t)floor(ls), cl = (int64_t)ceil(ls);
+    fl = fl < lo ? lo : fl > hi ? hi : fl;
+    cl = cl < lo ? lo : cl > hi ? hi : cl;
+    int64_t cand[6] = {0, lo, fl, cl, hi, p->s};
+    kvpr_best(prof, p, cand, 6, out);
+    return 0;
+}
+
+int rekv_plan_kvpr_solve_blocks(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
+                                int64_t block_tokens, rekv_kvpr_split *out, rekv_err *err)
+{
+    int rc = check_profile(prof, err);
+    if (rc == 0)
+        rc = check_kvpr(p, err);
+    if (rc)
+        return rc;
+    if (block_tokens < 1)
+        return rekv_errf(err, -EINVAL, "planner: kvpr: block_tokens %lld < 1",
+                         (long long)block_tokens);
+    int64_t B = block_tokens;
+    /* Interior lattice: multiples of B strictly between 0 and s. t is convex there, so its minimum
+     * over the lattice is at the lattice neighbours of the kink or at the lattice's ends. */
+    int64_t lo = B, hi = p->s > 0 ? (p->s - 1) / B * B : 0;
+    int64_t cand[6] = {0, p->s, 0, 0, 0, 0};
+    int n = 2;
+    if (lo <= hi) {
+        double ls = kvpr_kink(prof, p);
+        int64_t fl = (int64_t)floor(ls / (double)B) * B, cl = (int64_t)ceil(ls / (double)B) * B;
+        fl = fl < lo ? lo : fl > hi ? hi : fl;
+        cl = cl < lo ? lo : cl > hi ? hi : cl;
+        cand[n++] = lo;
+        cand[n++] = fl;
+        cand[n++] = cl;
+        cand[n++] = hi;
+    }
+    kvpr_best(prof, p, cand, n, out);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- HybridServe allocation */
+
+/* "find #blocks s.t. T(#blocks) = target" (Algorithm 1 lines 15 and 17): the continuous solution of
+ * the affine model, then the integer of {0, floor, ceil} (capped at max_blocks) with the smallest
+ * |T - target|, ties to the smaller count. */
+static int64_t hybrid_find_count(const rekv_linear *m, int bt, double target, int64_t max_blocks)
+{
+    if (!(target > 0) || max_blocks <= 0)
+        return 0;
+    double x = (target - m->a) / (m->b * bt);
+    x = fmin(fmax(x, 0.0), (double)max_blocks);
+    int64_t cand[3] = {0, (int64_t)floor(x), (int64_t)ceil(x)};
+    int64_t best = 0;
+    double best_d = INFINITY;
+    for (int i = 0; i < 3; i++) {
+        int64_t c = cand[i] > max_blocks ? max_blocks : cand[i];
+        double d = fabs(rekv_linear_eval(m, (double)c * bt) - target);
+        if (d < best_d || (d == best_d && c < best)) {
+            best = c;
+            best_d = d;
+        }
+    }
+    return best;
+}
+
+/* The small integers kv_parts:act_parts (each <= max_parts) nearest to kv:act, compared exactly as
+ * fractions of KV, ties to the smallest kv_parts + act_parts. */
+static void hybrid_small_ratio(int64_t kv, int64_t act, int max_parts, int *kv_parts,
+                               int *act_parts)
+{
+    *kv_parts = *act_parts = 0;
+    if (kv + act <= 0)
+        return;
+    __int128 T = (__int128)kv + act;
+    __int128 best_e = -1;
+    int best_s = 0;
+    for (int k = 0; k <= max_parts; k++) {
+        for (int a = 0; a <= max_parts; a++) {
+            int s = k + a;
+            if (s == 0)
+                continue;
+            /* |k/s - kv/T| = |k*T - kv*s| / (s*T); compare e/s across candidates by
+             * cross-multiplying. */
+            __int128 e = (__int128)k * T - (__int128)kv * s;
+            if (e < 0)
+                e = -e;
+            if (best_e < 0 || e * best_s < best_e * s || (e * best_s == best_e * s && s < best_s)) {
+                best_e = e;
+                best_s = s;
+                *kv_parts = k;
+                *act_parts = a;
+            }
+        }
+    }
+}
+
+int rekv_plan_hybrid_alloc(const rekv_cost_profile *prof, const rekv_hybrid_params *p,
+                           rekv_hybrid_alloc *out, rekv_err *err)
+{
+    if (!prof || !p || !out)
+        return rekv_errf(err, -EINVAL, "planner: hybrid: NULL argument");
+    if (!(prof->load_kv.b > 0) || !(prof->kv_gen.b > 0) || !(prof->t_load_w >= 0) ||
+        !isfinite(prof->load_kv.a) || !isfinite(prof->kv_gen.a))
+        return rekv_errf(err, -EINVAL,
+                         "planner: hybrid: time models need positive slopes, t_load_w >= 0");
+    if (p->n_layers < 1 || !(p->kv_block_bytes > 0) || !(p->act_block_bytes > 0) ||
+        p->act_gpu_blocks < 0 || p->block_tokens < 1 || p->max_parts < 0 ||
+        !(p->weight_bytes >= 0) || !(p->host_bytes >= 0))
+        return rekv_errf(err, -EINVAL, "planner: hybrid: bad parameters");
+    double cache = p->host_bytes - p->weight_bytes;
+    if (cache < 0)
+        return rekv_errf(err, -ENOSPC,
+                         "planner: hybrid: weights (%.0f bytes) exceed host memory (%.0f bytes)",
+                         p->weight_bytes, p->host_bytes);
+    int bt = p->block_tokens;
+    /* host bytes of one block in every layer: what one more per-layer block count costs */
+    double col_act = (double)p->n_layers * p->act_block_bytes;
+    double col_kv = (double)p->n_layers * p->kv_block_bytes;
+    *out = (rekv_hybrid_alloc){0};
+
+    /* Step 1, init_cache_alloc (lines 11–18), capped at what host memory holds. */
+    double t_budget =
+        prof->t_load_w - rekv_linear_eval(&prof->kv_gen, (double)p->act_gpu_blocks * bt);
+    if (t_budget >= 0)
+        out->act_init =
+            hybrid_find_count(&prof->kv_gen, bt, t_budget, (int64_t)floor(cache / col_act));
+    else
+        out->kv_init =
+            hybrid_find_count(&prof->load_kv, bt, -t_budget, (int64_t)floor(cache / col_kv));
+
+    /* Step 2, alloc_remain (lines 20–26): col_act*x + col_kv*y = M_remaining and
+     * a_gen + d*x = a_load + e*y (d, e per block), solved for y by substituting x. */
+    double m_rem = cache - col_act * (double)out->act_init - col_kv * (double)out->kv_init;
+    if (m_rem < 0)
+        m_rem = 0; /* cannot happen given the caps; guards rounding */
+    double d = prof->kv_gen.b * bt, e = prof->load_kv.b * bt;
+    double y =
+        (d * m_rem / col_act - (prof->load_kv.a - prof->kv_gen.a)) / (d * col_kv / col_act + e);
+    double y_max = floor(m_rem / col_kv);
+    y = fmin(fmax(y, 0.0), y_max);
+    double best_d = INFINITY;
+    for (int i = 0; i < 2; i++) {
+        double yc = i == 0 ? floor(y) : ceil(y);
+        if (yc > y_max)
+            continue;
+        double xc = floor((m_rem - col_kv * yc) / col_act);
+        if (xc < 0)
+            xc = 0;
+        double dd = fabs(rekv_linear_eval(&prof->kv_gen, xc * bt) -
+                         rekv_linear_eval(&prof->load_kv, yc * bt));
+        if (dd < best_d) { /* i == 0 first: ties keep fewer KV blocks */
+            best_d = dd;
+            out->act_remain = (int64_t)xc;
+            out->kv_remain = (int64_t)yc;
+        }
+    }
+
+    out->act_host = out->act_init + out->act_remain;
+    out->kv_host = out->kv_init + out->kv_remain;
+    int64_t tot = out->act_host + out->kv_host;
+    out->kv_fraction = tot > 0 ? (double)out->kv_host / (double)tot : 0.0;
+    hybrid_small_ratio(out->kv_host, out->act_host, p->max_parts ? p->max_parts : 8, &out->kv_parts,
+                       &out->act_parts);
+    out->bytes_used =
+        p->weight_bytes + col_act * (double)out->act_host + col_kv * (double)out->kv_host;
+    out->t_pcie =
+        prof->t_load_w + rekv_linear_eval(&prof->load_kv, (double)out->kv_host * bt); /* Eq. 2 */
+    out->t_compute = rekv_linear_eval(&prof->kv_gen,
+                                      (double)(out->act_host + p->act_gpu_blocks) * bt); /* Eq. 3 */
+    return 0;
+}
+
+rekv_block_type rekv_plan_hybrid_next_block(int64_t n_kv, int64_t n_act, int64_t kv_ratio,
+                                            int64_t act_ratio)
+{
+    __int128 T = (__int128)kv_ratio + act_ratio;
+    if (T <= 0)
+        return REKV_BLOCK_ACT;
+    /* KV iff t - n_kv > 1/2 with t = f*(n+1) = kv_ratio*(n+1)/T: the KV count after this block is
+     * then closer to its target if the block is KV. */
+    __int128 n1 = (__int128)n_kv + n_act + 1;
+    __int128 lhs = 2 * ((__int128)kv_ratio * n1 - (__int128)n_kv * T);
+    return lhs > T ? REKV_BLOCK_KV : REKV_BLOCK_ACT;
+}
+
+/* ---------------------------------------------------------------- mini-batch formation */
+
+double rekv_plan_mb_fb(const rekv_cost_profile *prof, int block_tokens, int64_t n_act, int64_t n_kv)
+{
+    double g =
+        rekv_linear_eval(&prof->kv_gen, (double)n_act * block_tokens); /* T_kv_gen(#ACT_mb) */
+    double l =
+        rekv_linear_eval(&prof->load_kv, (double)n_kv * block_tokens); /* T_load_kv(#KV_mb) */
+    if (g <= 0 && l <= 0)
+        return 1.0;
+    if (g <= 0 || l <= 0)
+        return INFINITY;
+    double bal = g / l;          /* Eq. 6 */
+    return fmax(bal, 1.0 / bal); /* Eq. 7 */
+}
+
+/* How much worse F_b gets by the move before -> after (negative: better); inf - inf counts as no
+ * change. */
+static double fb_delta(double before, double after)
+{
+    if (isinf(before) && isinf(after))
+        return 0.0;
+    return after - before;
+}
+
+int rekv_plan_mb_pack(const rekv_cost_profile *prof, int block_tokens, rekv_mb_policy policy,
+                      const rekv_mb_request *reqs, size_t n, int64_t kv_max, int64_t act_max,
+                      int *assign, size_t *n_batches, rekv_err *err)
+{
+    if (!prof || (n && (!reqs || !assign)) || !n_batches || block_tokens < 1 || kv_max < 0 ||
+        act_max < 0 || policy < REKV_MB_GREEDY_DELTA || policy > REKV_MB_FIRST_FIT)
+        return rekv_errf(err, -EINVAL, "planner: mb_pack: bad arguments");
+    for (size_t i = 0; i < n; i++)
+        if (reqs[i].n_kv < 0 || reqs[i].n_act < 0 || reqs[i].n_kv > kv_max ||
+            reqs[i].n_act > act_max)
+            return rekv_errf(
+                err, -EINVAL,
+                "planner: mb_pack: request %zu (%lld KV, %lld ACT blocks) exceeds a mini-batch "
+                "(%lld KV, %lld ACT)",
+                i, (long long)reqs[i].n_kv, (long long)reqs[i].n_act, (long long)kv_max,
+                (long long)act_max);
+    *n_batches = 0;
+    if (n == 0)
+        return 0;
+    int64_t *kv = calloc(n, sizeof *kv), *act = calloc(n, sizeof *act); /* per mini-batch totals */
+    if (!kv || !act) {
+        free(kv);
+        free(act);
+        return rekv_errf(err, -ENOMEM, "planner: mb_pack: out of memory for %zu requests", n);
+    }
+    size_t nb = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t pick = nb;
+        double best = INFINITY;
+        for (size_t j = 0; j < nb; j++) {
+            if (kv[j] + reqs[i].n_kv > kv_max || act[j] + reqs[i].n_act > act_max)
+                continue;
+            if (policy == REKV_MB_FIRST_FIT) {
+                pick = j;
+                break;
+            }
+            double after =
+                rekv_plan_mb_fb(prof, block_tokens, act[j] + reqs[i].n_act, kv[j] + reqs[i].n_kv);
+            double score =
+                policy == REKV_MB_GREEDY_MIN_AFTER
+                    ? after
+                    : fb_delta(rekv_plan_mb_fb(prof, block_tokens, act[j], kv[j]), after);
+            if (pick == nb || score < best) {
+                pick = j;
+                best = score;
+            }
+        }
+        if (pick == nb)
+            nb++; /* fits nowhere: open a new mini-batch */
+        kv[pick] += reqs[i].n_kv;
+        act[pick] += reqs[i].n_act;
+        assign[i] = (int)pick;
+    }
+    free(kv);
+    free(act);
+    *n_batches = nb;
+    return 0;
+}
+
+double rekv_plan_mb_mean_fb(const rekv_cost_profile *prof, int block_tokens,
+                            const rekv_mb_request *reqs, size_t n, const int *assign,
+                            size_t n_batches)
+{
+    if (n_batches == 0)
+        return 1.0;
+    double sum = 0;
+    /* O(n * n_batches) without scratch memory, so this cannot fail; planner sizes are small. */
+    for (size_t j = 0; j < n_batches; j++) {
+        int64_t kv = 0, act = 0;
+        for (size_t i = 0; i < n; i++)
+            if (assign[i] == (int)j) {
+                kv += reqs[i].n_kv;
+                act += reqs[i].n_act;
+            }
+        sum += rekv_plan_mb_fb(prof, block_tokens, act, kv);
+    }
+    return sum / (double)n_batches;
+}
+
+/* ---------------------------------------------------------------- chooser */
+
+/* Link time of one copy of `bytes` (nothing, not even latency, when empty). */
+static double link_time(const rekv_cost_profile *prof, double bytes)
+{
+    return bytes > 0 ? bytes / prof->h2d_bw + prof->h2d_latency : 0.0;
+}
+
+int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,
+                        rekv_technique tech, rekv_step_cost *out, rekv_err *err)
+{
+    int rc = check_profile(prof, err);
+    if (rc)
+        return rc;
+    if (!shape || !out)
+        return rekv_errf(err, -EINVAL, "planner: step_cost: NULL argument");
+    if ((rc = check_kvpr(&shape->kv, err)))
+        return rc;
+    if (!(shape->weight_bytes >= 0) || !(shape->fwd_flops >= 0) ||
+        !(shape->hybrid_kv_fraction >= 0) || !(shape->hybrid_kv_fraction <= 1) ||
+        shape->act_gpu_tokens < 0)
+        return rekv_errf(err, -EINVAL, "planner: step_cost: bad step shape");
+    const rekv_kvpr_params *p = &shape->kv;
+    double tokens = (double)p->b * (double)p->s;             /* context tokens of the batch */
+    double x_row = (double)p->hidden * p->elem_bytes;        /* bytes of one token's X */
+    double kv_row = 2.0 * (double)p->kv_dim * p->elem_bytes; /* bytes of one token's K and V */
+    double flops_tok = 4.0 * (double)p->hidden * (double)p->kv_dim; /* Eq. 9 per token */
+    double x_bytes = 0, kv_bytes = 0, recomp = 0;
+    *out = (rekv_step_cost){.kvpr_l = -1};
+
+    switch (tech) {
+    case REKV_TECH_KV:
+        kv_bytes = tokens * kv_row;
+        break;
+    case REKV_TECH_KVPR: {
+        rekv_kvpr_split sp;
+        if ((rc = rekv_plan_kvpr_solve(prof, p, &sp, err)))
+            return rc;
+        x_bytes = sp.bytes_x;
+        kv_bytes = sp.bytes_kv;
+        recomp = sp.flops;
+        out->kvpr_l = sp.l;
+        break;
+    }
+    case REKV_TECH_ACT:
+        x_bytes = tokens * x_row;
+        recomp = tokens * flops_tok;
+        break;
+    case REKV_TECH_HYBRID: {
+        double gpu = fmin((double)shape->act_gpu_tokens, tokens);
+        double host = tokens - gpu;
+        double kv_tok = round(shape->hybrid_kv_fraction * host);
+        x_bytes = (host - kv_tok) * x_row;
+        kv_bytes = kv_tok * kv_row;
+        recomp = (host - kv_tok + gpu) * flops_tok;
+        break;
+    }
+    default:
+        return rekv_errf(err, -EINVAL, "planner: step_cost: unknown technique %d", (int)tech);
+    }
+    out->bytes_h2d = shape->weight_bytes + x_bytes + kv_bytes;
+    out->recompute_flops = recomp;
+    out->t_pcie =
+        link_time(prof, shape->weight_bytes) + link_time(prof, x_bytes) + link_time(prof, kv_bytes);
+    out->t_compute = (shape->fwd_flops + recomp) / prof->gemm_flops;
+    out->t_step = fmax(out->t_pcie, out->t_compute);
+    return 0;
+}
+
+int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
+                     rekv_technique *best, rekv_step_cost *costs, rekv_err *err)
+{
+    if (!best)
+        return rekv_errf(err, -EINVAL, "planner: choose: NULL argument");
+    rekv_step_cost local[REKV_TECH_COUNT];
+    rekv_step_cost *c = costs ? costs : local;
+    for (int t = 0; t < REKV_TECH_COUNT; t++) {
+        int rc = rekv_plan_step_cost(prof, shape, (rekv_technique)t, &c[t], err);
+        if (rc)
+            return rc;
+    }
+    int b = 0;
+    for (int t = 1; t < REKV_TECH_COUNT; t++)
+        if (c[t].t_step < c[b].t_step)
+            b = t;
+    *best = (rekv_technique)b;
+    return 0;
+}
+
+void rekv_plan_shape_from_config(const rekv_model_config *cfg, int64_t b, int64_t s,
+                                 double cache_elem_bytes, int weights_offloaded,
+                                 rekv_step_shape *out)
+{
+    double h = cfg->hidden, q = rekv_config_q_dim(cfg), kv = rekv_config_kv_dim(cfg), f = cfg->ffn;
+    double ffn_mats = cfg->act == REKV_ACT_SILU ? 3.0 : 2.0; /* SwiGLU has gate, up, down */
+    double params =
+        h * q + 2.0 * h * kv + q * h + ffn_mats * h * f; /* biases and norms are noise */
+    *out = (rekv_step_shape){0};
+    out->kv = (rekv_kvpr_params){.s = s,
+                                 .b = b,
+                                 .hidden = cfg->hidden,
+                                 .kv_dim = rekv_config_kv_dim(cfg),
+                                 .elem_bytes = cache_elem_bytes};
+    out->weight_bytes = weights_offloaded ? params * (double)rekv_dtype_size(cfg->dtype) : 0.0;
+    /* one new token per sequence: 2 FLOP per weight, plus Q.K^T and P.V over s cached tokens */
+    out->fwd_flops = 2.0 * (double)b * params + 4.0 * (double)b * (double)s * q;
+}

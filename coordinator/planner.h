@@ -1,0 +1,267 @@
+/* planner.h — rekv's cost model and the optimisers built on it, as pure functions.
+ *
+ * Every technique rekv combines trades PCIe bytes for GPU work; this file prices both sides with
+ * one hardware profile (link bandwidth and latency, GEMM throughput, HybridServe's fitted linear
+ * models) and solves the papers' small optimisation problems on it:
+ *
+ *   - KVPR (papers/000, Sec. 3.2): the split point l of partial KV recomputation, Eq. 6–12,
+ *     generalised to GQA (the activation row and the KV row have different widths);
+ *   - HybridServe/CAPTURE (papers/003 and its long version 001): the host KV:ACT block allocation
+ *     (Algorithm 1), the per-request block allocation rule (003 Eq. 5 / 001 Eq. 11) and the dynamic
+ *     mini-batch formation by greedy bin packing on the balance metric F_b (003 Eq. 6–7);
+ *   - a chooser that prices one decode step under each technique as max(PCIe time, compute time)
+ *     and picks the cheapest — the seed of the coordinator's planner (DESIGN.md "one cost model").
+ *
+ * No I/O, no allocation except the bin packer's scratch, no globals: the gpuworker calls this with
+ * link and compute speeds it measured, the coordinator with the profiler's. Functions that can fail
+ * return 0 or a negative errno and fill the rekv_err; the others cannot fail on valid input.
+ *
+ * Units everywhere: seconds, bytes, FLOP, tokens, blocks (a block is 16 tokens of one sequence in
+ * one layer, DESIGN.md "Blocks"). */
+#ifndef REKV_COORDINATOR_PLANNER_H
+#define REKV_COORDINATOR_PLANNER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+#include "loader/loader.h"
+
+#define REKV_PLAN_BLOCK_TOKENS 16 /* tokens per KV/ACT block */
+
+/* ---------------------------------------------------------------- profile */
+
+/* y = a + b*x. HybridServe fits T_load_kv and T_kv_gen this way from samples (001 Sec. 4.3,
+ * "Sampling-based linear regression"; R^2 = 0.99 on their RTX 4090). */
+typedef struct rekv_linear {
+    double a; /* intercept, s (a fixed cost per call: launch, DMA setup) */
+    double b; /* slope, s per token */
+} rekv_linear;
+
+/* Evaluates a fitted time model at n tokens. n <= 0 gives 0, not the intercept: no work means no
+ * launch and no copy, so an empty side of the pipeline costs nothing (this is what makes F_b of a
+ * mini-batch with no ACT blocks infinite rather than finite and misleading). */
+double rekv_linear_eval(const rekv_linear *m, double n);
+
+/* What the hardware costs. Filled by the profiler (or the gpuworker from its own measurements). */
+typedef struct rekv_cost_profile {
+    double h2d_bw;       /* host->device link bandwidth, bytes/s (KVPR's v_com) */
+    double h2d_latency;  /* fixed cost of one host->device copy, s (0 gives the papers' models) */
+    double gemm_flops;   /* sustained GEMM throughput, FLOP/s (KVPR's v_gpu) */
+    rekv_linear load_kv; /* T_load_kv(n tokens): time to load n tokens' KV of one layer, s */
+    rekv_linear kv_gen;  /* T_kv_gen(n tokens): time to regenerate n tokens' KV from ACT, s */
+    double t_load_w;     /* T_load_w: time to load one decoder layer's weights, s (0 if resident) */
+} rekv_cost_profile;
+
+/* Least-squares fit of ys = a + b*xs over n >= 2 samples (centred sums, so large xs such as token
+ * counts do not cancel). Returns -EINVAL when n < 2, a pointer is NULL, or all xs are equal. */
+int rekv_plan_fit_linear(const double *xs, const double *ys, size_t n, double *a, double *b,
+                         rekv_err *err);
+
+/* ---------------------------------------------------------------- KVPR split (000 Eq. 6-12) */
+
+/* One layer's split problem. The paper's Eq. 6–9 assume MHA (KV row = 2h); here the activation
+ * row (hidden) and the K/V row (kv_dim each) are separate, so for GQA M_X = b*l*hidden*p,
+ * M_KV = 2*b*(s-l)*kv_dim*p and N = 2*b*l*hidden*(2*kv_dim) FLOP (= Eq. 9's 4*b*l*h^2 for MHA). */
+typedef struct rekv_kvpr_params {
+    int64_t s;         /* tokens in the context of each sequence (the prefix to fetch or rebuild) */
+    int64_t b;         /* sequences in the batch */
+    int64_t hidden;    /* h: activation row width, elements (the layer input X) */
+    int64_t kv_dim;    /* width of one K row (and of one V row), elements: n_kv_heads*head_dim */
+    double elem_bytes; /* p: bytes per element of X and K/V on the link (2 fp16, 4 fp32) */
+} rekv_kvpr_params;
+
+/* The price of one split. */
+typedef struct rekv_kvpr_split {
+    int64_t l;       /* tokens [0, l) come as activations and are recomputed; [l, s) come as KV */
+    double t;        /* Eq. 11 total time, s (plus one h2d_latency per non-empty copy) */
+    double t_x;      /* M_X / v_com (+ h2d_latency when M_X > 0), s */
+    double t_kv;     /* M_KV / v_com (+ h2d_latency when M_KV > 0), s */
+    double t_recomp; /* Eq. 10: N / v_gpu, s */
+    double bytes_x;  /* Eq. 6: M_X[0:l], bytes moved as activations */
+    double bytes_kv; /* Eq. 7: M_KV[l:s], bytes moved as K and V */
+    double flops;    /* Eq. 9 generalised: recompute FLOP */
+} rekv_kvpr_split;
+
+/* Evaluates Eq. 11 at split l (0 <= l <= s): t = t_x + max(t_recomp, t_kv). The recompute waits for
+ * all of X (it is one GEMM), so X's transfer time is not overlapped; the KV suffix streams during
+ * the recompute. Each copy that moves bytes also pays prof->h2d_latency (one gathered copy for X,
+ * one for the KV suffix); with h2d_latency = 0 this is exactly the paper's Eq. 11. */
+void rekv_plan_kvpr_eval(const rekv_cost_profile *prof, const rekv_kvpr_params *p, int64_t l,
+                         rekv_kvpr_split *out);
+
+/* Eq. 12: the integer l in [0, s] minimising t(l), in O(1); ties (to a relative 1e-12, so that
+ * rounding cannot pick an arbitrary point of a flat stretch) go to the smallest l. In (0, s) the
+ * time is convex piecewise linear in l with its kink where t_recomp(l) = t_kv(l) (the closed form
+ * l* below), so the minimum over the integers lies at floor(l*), ceil(l*), or an end of the
+ * interior (1, s-1); the endpoints 0 and s are separate candidates because the copy latencies jump
+ * there. When an activation row is not smaller than a K+V row (GQA with hidden >= 2*kv_dim),
+ * sending X never pays and the result is l = 0.
+ *
+ * Any token is a valid split for the engine: KV blocks are [kv_head][token][head_dim], so the
+ * suffix [l, s) is a strided gather, and the X prefix comes from ACT blocks or a token-granular
+ * activation store. Returns -EINVAL on a negative size, non-positive speeds or elem_bytes. */
+int rekv_plan_kvpr_solve(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
+                         rekv_kvpr_split *out, rekv_err *err);
+
+/* As rekv_plan_kvpr_solve, but l is restricted to multiples of block_tokens (>= 1) and s itself:
+ * for storage that keeps activations per whole block (HybridServe-style ACT blocks) and so can
+ * only send X for whole blocks. Ties as above. */
+int rekv_plan_kvpr_solve_blocks(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
+                                int64_t block_tokens, rekv_kvpr_split *out, rekv_err *err);
+
+/* ---------------------------------------------------------------- HybridServe host allocation */
+
+/* Inputs of Algorithm 1 (003/001 "Hybrid Cache Allocation Policy"). The time models and T_load_w
+ * come from the rekv_cost_profile. Counts are per layer, as the time models are (one layer's
+ * pipeline is what Eq. 2–4 balance); host memory holds n_layers copies of each per-layer block. */
+typedef struct rekv_hybrid_params {
+    double host_bytes;      /* M_Host: host memory for weights plus cache, bytes */
+    double weight_bytes;    /* S_weight: all layers' weights in host memory, bytes (0 if none) */
+    int n_layers;           /* decoder layers; a block in every layer costs n_layers * S bytes */
+    double kv_block_bytes;  /* S_KV: one KV block of one layer (K and V of 16 tokens), bytes */
+    double act_block_bytes; /* S_ACT: one ACT block of one layer (X of 16 tokens), bytes */
+    int64_t act_gpu_blocks; /* #ACT_GPU: ACT blocks of one layer held in the GPU ACT buffer */
+    int block_tokens;       /* tokens per block, to evaluate the per-token time models (16) */
+    int max_parts;          /* largest part of the pattern kv_parts:act_parts (0 means 8) */
+} rekv_hybrid_params;
+
+typedef struct rekv_hybrid_alloc {
+    int64_t act_init;   /* ACT_init: host ACT blocks per layer that fill T_load_w with recompute */
+    int64_t kv_init;    /* KV_init: host KV blocks per layer that fill the recompute with loads */
+    int64_t act_remain; /* ACT_remain: ACT blocks per layer in the memory left after init */
+    int64_t kv_remain;  /* KV_remain: KV blocks per layer in the memory left after init */
+    int64_t act_host;   /* #ACT_Host = ACT_init + ACT_remain, blocks per layer */
+    int64_t kv_host;    /* #KV_Host = KV_init + KV_remain, blocks per layer */
+    double kv_fraction; /* #KV_Host / (#KV_Host + #ACT_Host), dimensionless (0 when both 0) */
+    int kv_parts;       /* per-request pattern kv_parts:act_parts, small integers closest to the */
+    int act_parts;      /*   host ratio (each <= max_parts, smallest sum on ties) */
+    double bytes_used;  /* S_weight + n_layers*(S_ACT*#ACT + S_KV*#KV), bytes; <= M_Host */
+    double t_pcie;      /* Eq. 2: T_load_w + T_load_kv(#KV_Host), s */
+    double t_compute;   /* Eq. 3: T_kv_gen(#ACT_Host + #ACT_GPU), s */
+} rekv_hybrid_alloc;
+
+/* Algorithm 1, step by step:
+ *   init (lines 11–18): T_budget = T_load_w - T_kv_gen(#ACT_GPU); if >= 0, ACT_init is the count
+ *     whose T_kv_gen equals T_budget, else KV_init is the count whose T_load_kv equals -T_budget.
+ *   remain (lines 20–26): M_remaining = M_Host - S_weight - M_occupied is filled with #ACT, #KV
+ *     such that S_ACT*#ACT + S_KV*#KV = M_remaining and T_kv_gen(#ACT) = T_load_kv(#KV).
+ * Where the paper is vague, rekv chooses:
+ *   - "find # s.t. T = x" is solved on the continuous affine model, then the integer count is the
+ *     one of {0, floor, ceil} with the smallest |T(count) - x| (Eq. 4's objective), ties to the
+ *     smaller count.
+ *   - line 26 is taken literally, with the models' intercepts (it balances the additional blocks
+ *     against each other, not the totals); the continuous solution is clamped to the memory
+ *     budget, #KV is rounded to floor or ceil, #ACT takes whatever whole blocks the memory left
+ *     over holds (floor), and of the two the pair with the smaller |T_kv_gen - T_load_kv| wins,
+ *     ties to fewer KV blocks. Memory is therefore never exceeded.
+ *   - if the init blocks alone do not fit (M_remaining < 0) they are cut to what fits and nothing
+ *     remains; if the weights alone do not fit it is an error (-ENOSPC).
+ *   - S_ACT need not be S_KV/2 (GQA: it can be larger); the linear system is solved in general.
+ * Returns 0, -EINVAL on bad parameters or -ENOSPC. */
+int rekv_plan_hybrid_alloc(const rekv_cost_profile *prof, const rekv_hybrid_params *p,
+                           rekv_hybrid_alloc *out, rekv_err *err);
+
+typedef enum rekv_block_type {
+    REKV_BLOCK_KV = 0,  /* K and V of 16 tokens */
+    REKV_BLOCK_ACT = 1, /* the layer input activation X of 16 tokens */
+} rekv_block_type;
+
+/* The request block allocation rule (003 Eq. 5, 001 Eq. 11): a request holding n_kv KV blocks and
+ * n_act ACT blocks allocates next the type that leaves its KV count closest to the host ratio
+ * kv_ratio:act_ratio (host counts or the small pattern; any non-negative pair, not both 0), i.e.
+ * KV iff |n_kv + 1 - f*(n+1)| < |n_kv - f*(n+1)| with f = kv_ratio/(kv_ratio+act_ratio),
+ * n = n_kv + n_act. Exact ties go to ACT (fewer PCIe bytes). Computed in integers, so exact.
+ * The paper's example: ACT:KV = 3:1 with five ACT and two KV blocks -> ACT.
+ * Applied from an empty request, every prefix keeps |n_kv - f*n| <= 1/2. */
+rekv_block_type rekv_plan_hybrid_next_block(int64_t n_kv, int64_t n_act, int64_t kv_ratio,
+                                            int64_t act_ratio);
+
+/* ---------------------------------------------------------------- dynamic mini-batch formation */
+
+/* One request's blocks in the current step (per layer). */
+typedef struct rekv_mb_request {
+    int64_t n_kv;  /* KV blocks it loads from the host, blocks */
+    int64_t n_act; /* ACT blocks it regenerates KV from, blocks */
+} rekv_mb_request;
+
+/* Eq. 6–7 (001 Eq. 12–13): balance = T_kv_gen(#ACT_mb) / T_load_kv(#KV_mb) with the counts in
+ * blocks of block_tokens tokens, F_b = max(balance, 1/balance) >= 1. An empty mini-batch has
+ * F_b = 1; a mini-batch with work on only one side has F_b = +inf (the other pipeline idles). */
+double rekv_plan_mb_fb(const rekv_cost_profile *prof, int block_tokens, int64_t n_act,
+                       int64_t n_kv);
+
+typedef enum rekv_mb_policy {
+    /* Paper's greedy, as rekv reads it: each request, in arrival order, joins the open mini-batch
+     * where it fits whose F_b drops the most (F_b after - F_b before smallest; "whether adding the
+     * request reduces the imbalance compared to the current mini-batch state", 003 Sec. IV-C3);
+     * a new mini-batch opens only when it fits nowhere. Ties to the lowest index. */
+    REKV_MB_GREEDY_DELTA = 0,
+    /* The variant that joins the mini-batch with the lowest F_b after adding. On random request
+     * sets it is no better than first fit (it keeps perfecting one batch and strands the others),
+     * which is why it is not the default; kept for comparison. */
+    REKV_MB_GREEDY_MIN_AFTER = 1,
+    /* First fit in arrival order: the baseline the greedy is compared against. */
+    REKV_MB_FIRST_FIT = 2,
+} rekv_mb_policy;
+
+/* Packs n requests into mini-batches of at most kv_max KV blocks and act_max ACT blocks.
+ * assign[i] receives the mini-batch index of request i (0-based, dense); *n_batches the count.
+ * Returns -EINVAL when a request alone exceeds a capacity or an argument is bad, -ENOMEM. */
+int rekv_plan_mb_pack(const rekv_cost_profile *prof, int block_tokens, rekv_mb_policy policy,
+                      const rekv_mb_request *reqs, size_t n, int64_t kv_max, int64_t act_max,
+                      int *assign, size_t *n_batches, rekv_err *err);
+
+/* Mean F_b over the mini-batches of an assignment (unweighted; +inf if any is one-sided). */
+double rekv_plan_mb_mean_fb(const rekv_cost_profile *prof, int block_tokens,
+                            const rekv_mb_request *reqs, size_t n, const int *assign,
+                            size_t n_batches);
+
+/* ---------------------------------------------------------------- chooser */
+
+typedef enum rekv_technique {
+    REKV_TECH_KV = 0,     /* fetch every KV row of the context (offloading baseline) */
+    REKV_TECH_KVPR = 1,   /* KVPR split at the Eq. 12 optimum */
+    REKV_TECH_ACT = 2,    /* fetch activations of the whole context, recompute all K,V */
+    REKV_TECH_HYBRID = 3, /* a fixed KV:ACT mix (HybridServe's host ratio) + GPU-held ACT */
+    REKV_TECH_COUNT = 4,
+} rekv_technique;
+
+/* One layer of one decode step, the shape the chooser prices. */
+typedef struct rekv_step_shape {
+    rekv_kvpr_params kv;       /* b, s, hidden, kv_dim, elem_bytes of the cached context */
+    double weight_bytes;       /* this layer's weights that cross the link, bytes (0 if resident) */
+    double fwd_flops;          /* the layer's forward pass for the new tokens (projections, FFN,
+                                * attention over the context), FLOP — paid by every technique */
+    double hybrid_kv_fraction; /* host-held context tokens kept as KV, 0..1 (REKV_TECH_HYBRID) */
+    int64_t act_gpu_tokens;    /* context tokens of the batch whose ACT is already in GPU memory
+                                * (REKV_TECH_HYBRID; recomputed, never transferred) */
+} rekv_step_shape;
+
+typedef struct rekv_step_cost {
+    double t_pcie;    /* weights + X + KV over the link, with one latency per non-empty copy, s */
+    double t_compute; /* (fwd_flops + recompute FLOP) / gemm_flops, s */
+    double t_step;    /* max(t_pcie, t_compute), s: full overlap assumed, as 003 Eq. 2–4 do;
+                       * the KVPR split itself is chosen by Eq. 11, which does not overlap X */
+    double bytes_h2d; /* bytes over the link */
+    double recompute_flops; /* FLOP spent rebuilding K,V */
+    int64_t kvpr_l;         /* the split used (REKV_TECH_KVPR), tokens; -1 otherwise */
+} rekv_step_cost;
+
+/* Prices one technique. Returns -EINVAL on bad parameters. */
+int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,
+                        rekv_technique tech, rekv_step_cost *out, rekv_err *err);
+
+/* Prices every technique (costs[REKV_TECH_COUNT], may be NULL) and stores the fastest in *best
+ * (ties to the lower enum value: fewer moving parts). Returns -EINVAL on bad parameters. */
+int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
+                     rekv_technique *best, rekv_step_cost *costs, rekv_err *err);
+
+/* Fills a step shape for one layer of cfg: batch b, context s tokens, cache elements of
+ * cache_elem_bytes, one new token per sequence; weight_bytes is the layer's weights in cfg->dtype
+ * when weights_offloaded, else 0. The hybrid fields are left 0 for the caller. */
+void rekv_plan_shape_from_config(const rekv_model_config *cfg, int64_t b, int64_t s,
+                                 double cache_elem_bytes, int weights_offloaded,
+                                 rekv_step_shape *out);
+
+#endif

@@ -1,0 +1,677 @@
+/* test_planner.c — the planner's cost model and optimisers against brute force, hand-worked
+ * examples from the papers' algorithms, and invariants: KVPR's split (papers/000 Eq. 6–12),
+ * HybridServe's Algorithm 1, request block allocation rule and mini-batch packing (papers/003),
+ * the technique chooser, and the least-squares fit. */
+#include "coordinator/planner.h"
+#include "tests/testutil.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* splitmix64: deterministic across platforms, so a failing case can be replayed. */
+static uint64_t g_rng;
+static uint64_t rnd(void)
+{
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static double urand(void)
+{
+    return (double)(rnd() >> 11) / 9007199254740992.0;
+} /* [0, 1) */
+static int64_t irand(int64_t lo, int64_t hi)
+{
+    return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1));
+}
+static double logrand(double lo, double hi)
+{
+    return lo * pow(hi / lo, urand());
+}
+
+static int close_rel(double x, double y, double rel)
+{
+    return fabs(x - y) <= rel * fmax(fabs(x), fabs(y));
+}
+
+/* ---------------------------------------------------------------- fit_linear */
+
+START_TEST(test_fit_exact)
+{
+    double xs[50], ys[50], a, b;
+    for (int i = 0; i < 50; i++) {
+        xs[i] = 16.0 * (i + 1) + (i % 3); /* token counts, not evenly spaced */
+        ys[i] = 3.7e-5 + 2.1e-7 * xs[i];
+    }
+    ck_assert_int_eq(rekv_plan_fit_linear(xs, ys, 50, &a, &b, NULL), 0);
+    ck_assert_msg(close_rel(a, 3.7e-5, 1e-9), "a = %.17g", a);
+    ck_assert_msg(close_rel(b, 2.1e-7, 1e-9), "b = %.17g", b);
+
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_plan_fit_linear(xs, ys, 1, &a, &b, &err), -EINVAL);
+    double same[3] = {5, 5, 5};
+    rekv_err_clear(&err);
+    ck_assert_int_eq(rekv_plan_fit_linear(same, ys, 3, &a, &b, &err), -EINVAL);
+    ck_assert_int_eq(err.code, -EINVAL);
+}
+END_TEST
+
+START_TEST(test_fit_noisy)
+{
+    g_rng = 7;
+    enum { N = 400 };
+    double xs[N], ys[N], a, b;
+    const double a0 = 5e-5, b0 = 3e-7; /* T(n) for n up to 8192 tokens: 5e-5 .. 2.5e-3 s */
+    for (int i = 0; i < N; i++) {
+        xs[i] = (double)irand(16, 8192);
+        ys[i] = (a0 + b0 * xs[i]) * (1.0 + 0.02 * (urand() - 0.5)); /* +-1% multiplicative noise */
+    }
+    ck_assert_int_eq(rekv_plan_fit_linear(xs, ys, N, &a, &b, NULL), 0);
+    ck_assert_msg(fabs(b - b0) < 0.01 * b0, "b = %g", b);
+    ck_assert_msg(fabs(a - a0) < 0.2 * a0, "a = %g", a);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- KVPR */
+
+/* Eq. 6–11 written out independently of planner.c (same latency convention: a copy that moves
+ * bytes pays h2d_latency once). */
+static double eq11(const rekv_cost_profile *pr, const rekv_kvpr_params *p, int64_t l)
+{
+    double mx = (double)p->b * l * p->hidden * p->elem_bytes;
+    double mkv = 2.0 * p->b * (double)(p->s - l) * p->kv_dim * p->elem_bytes;
+    double n = 2.0 * p->b * l * p->hidden * 2.0 * p->kv_dim; /* 4*b*l*h^2 when kv_dim == h */
+    double tx = mx / pr->h2d_bw + (mx > 0 ? pr->h2d_latency : 0);
+    double tkv = mkv / pr->h2d_bw + (mkv > 0 ? pr->h2d_latency : 0);
+    double tr = n / pr->gemm_flops;
+    return tx + (tr > tkv ? tr : tkv);
+}
+
+static void random_kvpr(rekv_cost_profile *pr, rekv_kvpr_params *p, int gqa_only)
+{
+    static const int64_t hs[] = {64, 256, 1024, 2048, 4096, 5120, 7168, 9216};
+    *pr = (rekv_cost_profile){0};
+    pr->h2d_bw = logrand(1e9, 64e9);
+    pr->gemm_flops = logrand(1e11, 1e15);
+    pr->h2d_latency = (rnd() & 1) ? 0.0 : logrand(1e-7, 1e-3);
+    p->s = irand(0, 2500);
+    p->b = irand(1, 64);
+    p->hidden = hs[irand(0, 7)];
+    int64_t div =
+        gqa_only ? (int64_t)2 << irand(0, 3) : (int64_t)1 << irand(0, 3); /* MHA or GQA 2..8 */
+    p->kv_dim = p->hidden / div;
+    p->elem_bytes = (rnd() & 1) ? 2.0 : 4.0;
+}
+
+START_TEST(test_kvpr_brute_force)
+{
+    g_rng = 11;
+    int exact = 0, interior = 0;
+    const int cases = 3000;
+    for (int c = 0; c < cases; c++) {
+        rekv_cost_profile pr;
+        rekv_kvpr_params p;
+        random_kvpr(&pr, &p, 0);
+        rekv_kvpr_split sp;
+        ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
+        /* brute force: the minimum, then the smallest l within rounding (1e-12) of it */
+        double bt = INFINITY;
+        for (int64_t l = 0; l <= p.s; l++)
+            bt = fmin(bt, eq11(&pr, &p, l));
+        int64_t bl = 0;
+        while (eq11(&pr, &p, bl) > bt * (1 + 1e-12))
+            bl++;
+        ck_assert(sp.l >= 0 && sp.l <= p.s);
+        /* The returned t is Eq. 11 at the returned l, and it is the minimum; l is the brute-force
+         * argmin, smallest on ties (ties to 1e-12: a GQA layer with hidden == 2*kv_dim is flat). */
+        ck_assert_msg(close_rel(sp.t, eq11(&pr, &p, sp.l), 1e-12), "t %.17g vs %.17g", sp.t,
+                      eq11(&pr, &p, sp.l));
+        ck_assert_msg(sp.t <= bt * (1 + 1e-12), "case %d: l=%lld t=%.17g, brute l=%lld t=%.17g", c,
+                      (long long)sp.l, sp.t, (long long)bl, bt);
+        exact += sp.l == bl;
+        interior += sp.l > 0 && sp.l < p.s;
+        /* the byte and FLOP counts are Eq. 6, 7, 9 */
+        ck_assert(close_rel(sp.bytes_x, (double)p.b * sp.l * p.hidden * p.elem_bytes, 1e-15) ||
+                  sp.bytes_x == 0);
+        ck_assert(
+            close_rel(sp.bytes_kv, 2.0 * p.b * (p.s - sp.l) * p.kv_dim * p.elem_bytes, 1e-15) ||
+            sp.bytes_kv == 0);
+    }
+    ck_assert_msg(exact == cases, "only %d of %d exact", exact, cases);
+    ck_assert_msg(interior > cases / 10, "only %d interior optima: the sweep is too one-sided",
+                  interior);
+}
+END_TEST
+
+START_TEST(test_kvpr_gqa_zero)
+{
+    /* An X row (hidden elements) is not smaller than a K+V row (2*kv_dim): sending X can only cost
+     * more than sending the KV it replaces, so l = 0 whatever the GPU speed. */
+    g_rng = 12;
+    for (int c = 0; c < 2000; c++) {
+        rekv_cost_profile pr;
+        rekv_kvpr_params p;
+        random_kvpr(&pr, &p, 1);
+        pr.gemm_flops = logrand(1e12, 1e18); /* even an absurdly fast GPU */
+        rekv_kvpr_split sp;
+        ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
+        ck_assert_msg(sp.l == 0, "hidden %lld kv_dim %lld: l = %lld", (long long)p.hidden,
+                      (long long)p.kv_dim, (long long)sp.l);
+        ck_assert_int_eq(rekv_plan_kvpr_solve_blocks(&pr, &p, 16, &sp, NULL), 0);
+        ck_assert_int_eq(sp.l, 0);
+    }
+    /* Llama-3-8B-like layer: hidden 4096, 8 KV heads of 128. */
+    rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 400e12};
+    rekv_kvpr_params p = {.s = 4096, .b = 8, .hidden = 4096, .kv_dim = 1024, .elem_bytes = 2};
+    rekv_kvpr_split sp;
+    ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
+    ck_assert_int_eq(sp.l, 0);
+    ck_assert(sp.bytes_x == 0 && sp.bytes_kv == 2.0 * 8 * 4096 * 1024 * 2);
+}
+END_TEST
+
+START_TEST(test_kvpr_mha_closed_form)
+{
+    /* Hand-worked: MHA, h = 4096, p = 2, v_com = 16e9 B/s, v_gpu = 6.5536e13 FLOP/s, s = 1000, b
+     * = 4. Per token: recompute 4*b*h^2/v_gpu = 4*4*4096^2/6.5536e13 = 4.096e-6 s; KV transfer
+     * 2*b*h*p/v_com = 4.096e-6 s. Eq. 12's optimum is where they meet: 4.096e-6*l = 4.096e-6*(s-l),
+     * l = 500; t = M_X/v_com + t_recomp = 500*b*h*p/16e9 + 500*4.096e-6 = 1.024e-3 + 2.048e-3. */
+    rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 6.5536e13};
+    rekv_kvpr_params p = {.s = 1000, .b = 4, .hidden = 4096, .kv_dim = 4096, .elem_bytes = 2};
+    rekv_kvpr_split sp;
+    ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
+    ck_assert_int_eq(sp.l, 500);
+    ck_assert_msg(close_rel(sp.t, 1.024e-3 + 2.048e-3, 1e-12), "t = %.17g", sp.t);
+    ck_assert(close_rel(sp.t_recomp, sp.t_kv, 1e-12));
+
+    /* Random MHA profiles without latency: l is floor or ceil of the closed form
+     * l* = s * (2p/v_com) / (4h/v_gpu + 2p/v_com). */
+    g_rng = 13;
+    for (int c = 0; c < 3000; c++) {
+        rekv_cost_profile q;
+        rekv_kvpr_params k;
+        random_kvpr(&q, &k, 0);
+        q.h2d_latency = 0;
+        k.kv_dim = k.hidden;
+        double tr = 2.0 * k.elem_bytes / q.h2d_bw, rc = 4.0 * (double)k.hidden / q.gemm_flops;
+        double ls = (double)k.s * tr / (rc + tr);
+        ck_assert_int_eq(rekv_plan_kvpr_solve(&q, &k, &sp, NULL), 0);
+        ck_assert_msg(sp.l == (int64_t)floor(ls) || sp.l == (int64_t)ceil(ls),
+                      "l = %lld, l* = %.6f", (long long)sp.l, ls);
+    }
+}
+END_TEST
+
+START_TEST(test_kvpr_blocks)
+{
+    g_rng = 14;
+    for (int c = 0; c < 3000; c++) {
+        rekv_cost_profile pr;
+        rekv_kvpr_params p;
+        random_kvpr(&pr, &p, 0);
+        int64_t B = (rnd() & 3) ? 16 : irand(1, 64);
+        rekv_kvpr_split sp;
+        ck_assert_int_eq(rekv_plan_kvpr_solve_blocks(&pr, &p, B, &sp, NULL), 0);
+        ck_assert(sp.l == p.s || sp.l % B == 0);
+        /* brute force over the candidate set {0, B, 2B, ...} and s, ascending */
+        double bt = INFINITY;
+        for (int64_t l = 0;; l += B) {
+            bt = fmin(bt, eq11(&pr, &p, l < p.s ? l : p.s));
+            if (l >= p.s)
+                break;
+        }
+        int64_t bl = 0;
+        while (eq11(&pr, &p, bl < p.s ? bl : p.s) > bt * (1 + 1e-12))
+            bl += B;
+        bl = bl < p.s ? bl : p.s;
+        ck_assert_msg(sp.l == bl, "case %d: l=%lld brute %lld", c, (long long)sp.l, (long long)bl);
+        ck_assert(sp.t <= bt * (1 + 1e-12));
+        /* rounding to blocks can only cost time */
+        rekv_kvpr_split ex;
+        ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &ex, NULL), 0);
+        ck_assert(ex.t <= sp.t * (1 + 1e-12));
+    }
+}
+END_TEST
+
+START_TEST(test_kvpr_edges)
+{
+    rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 1e14, .h2d_latency = 1e-5};
+    rekv_kvpr_params p = {.s = 0, .b = 4, .hidden = 1024, .kv_dim = 1024, .elem_bytes = 2};
+    rekv_kvpr_split sp;
+    ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
+    ck_assert(sp.l == 0 && sp.t == 0);
+    p.s = 1;
+    ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
+    ck_assert(sp.t == fmin(eq11(&pr, &p, 0), eq11(&pr, &p, 1)));
+    rekv_err err = {0};
+    p.s = -1;
+    ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, &err), -EINVAL);
+    p.s = 10;
+    pr.h2d_bw = 0;
+    ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), -EINVAL);
+    pr.h2d_bw = 1e9;
+    ck_assert_int_eq(rekv_plan_kvpr_solve_blocks(&pr, &p, 0, &sp, NULL), -EINVAL);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- HybridServe Algorithm 1 */
+
+/* Shared by the hand-worked examples: 16-token blocks, one layer, S_KV = 2000 B, S_ACT = 1000 B,
+ * 100 kB of weights, #ACT_GPU = 50. Per block, T_kv_gen = c + 16e-6*n and T_load_kv = a + 32e-6*n
+ * (slopes 1e-6 and 2e-6 s per token): loading a KV block takes twice regenerating one. */
+static rekv_hybrid_params hand_params(double host)
+{
+    return (rekv_hybrid_params){.host_bytes = host,
+                                .weight_bytes = 100000,
+                                .n_layers = 1,
+                                .kv_block_bytes = 2000,
+                                .act_block_bytes = 1000,
+                                .act_gpu_blocks = 50,
+                                .block_tokens = 16,
+                                .max_parts = 8};
+}
+
+START_TEST(test_hybrid_hand_act_init)
+{
+    /* Example 1, T_budget >= 0. No intercepts. T_load_w = 1.6e-3 s.
+     *   line 13: T_budget = 1.6e-3 - T_kv_gen(50) = 1.6e-3 - 50*16e-6 = 0.8e-3 s >= 0
+     *   line 15: ACT_init = 0.8e-3 / 16e-6 = 50, KV_init = 0
+     *   line 22: M_occupied = 1000*50 = 50,000 B
+     *   line 23: M_remaining = 1,110,000 - 100,000 - 50,000 = 960,000 B
+     *   lines 24–26: 1000x + 2000y = 960,000 and 16e-6 x = 32e-6 y  =>  x = 2y, 4000y = 960,000,
+     *                y = 240, x = 480
+     *   #ACT_Host = 530, #KV_Host = 240; KV fraction 240/770 = 0.3117; nearest pattern with parts
+     *   <= 8 is 3:7 (0.3; 1:2 = 0.333, 2:5 = 0.286, 5:11 is out of range). */
+    rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 1e14, .t_load_w = 1.6e-3};
+    pr.kv_gen = (rekv_linear){0, 1e-6};
+    pr.load_kv = (rekv_linear){0, 2e-6};
+    rekv_hybrid_params p = hand_params(1110000);
+    rekv_hybrid_alloc a;
+    ck_assert_int_eq(rekv_plan_hybrid_alloc(&pr, &p, &a, NULL), 0);
+    ck_assert_int_eq(a.act_init, 50);
+    ck_assert_int_eq(a.kv_init, 0);
+    ck_assert_int_eq(a.act_remain, 480);
+    ck_assert_int_eq(a.kv_remain, 240);
+    ck_assert_int_eq(a.act_host, 530);
+    ck_assert_int_eq(a.kv_host, 240);
+    ck_assert_int_eq(a.kv_parts, 3);
+    ck_assert_int_eq(a.act_parts, 7);
+    ck_assert(close_rel(a.kv_fraction, 240.0 / 770.0, 1e-15));
+    ck_assert(a.bytes_used == 1110000);
+    /* Eq. 2–3: T_PCIe = 1.6e-3 + 240*32e-6 = 9.28e-3 = T_comp = (530+50)*16e-6: balanced. */
+    ck_assert(close_rel(a.t_pcie, 9.28e-3, 1e-12));
+    ck_assert(close_rel(a.t_compute, 9.28e-3, 1e-12));
+}
+END_TEST
+
+START_TEST(test_hybrid_hand_kv_init)
+{
+    /* Example 2, T_budget < 0. No intercepts. T_load_w = 0.32e-3 s.
+     *   line 13: T_budget = 0.32e-3 - 0.8e-3 = -0.48e-3 s
+     *   line 17: KV_init = 0.48e-3 / 32e-6 = 15
+     *   M_occupied = 2000*15 = 30,000; M_remaining = 1,090,000 - 100,000 - 30,000 = 960,000
+     *   remaining as in example 1: ACT 480, KV 240. #ACT_Host = 480, #KV_Host = 255. */
+    rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 1e14, .t_load_w = 0.32e-3};
+    pr.kv_gen = (rekv_linear){0, 1e-6};
+    pr.load_kv = (rekv_linear){0, 2e-6};
+    rekv_hybrid_params p = hand_params(1090000);
+    rekv_hybrid_alloc a;
+    ck_assert_int_eq(rekv_plan_hybrid_alloc(&pr, &p, &a, NULL), 0);
+    ck_assert_int_eq(a.act_init, 0);
+    ck_assert_int_eq(a.kv_init, 15);
+    ck_assert_int_eq(a.act_remain, 480);
+    ck_assert_int_eq(a.kv_remain, 240);
+    ck_assert_int_eq(a.act_host, 480);
+    ck_assert_int_eq(a.kv_host, 255);
+    ck_assert(a.bytes_used <= p.host_bytes);
+}
+END_TEST
+
+START_TEST(test_hybrid_hand_intercepts)
+{
+    /* Example 3, intercepts and rounding. T_kv_gen(n tok) = 100e-6 + 1e-6 n, T_load_kv(n tok) =
+     * 50e-6 + 2e-6 n; T_load_w = 1.9e-3.
+     *   line 13: T_budget = 1.9e-3 - (100e-6 + 800e-6) = 1.0e-3
+     *   line 15: 100e-6 + 16e-6 x = 1.0e-3  =>  x = 56.25; T(56) = 0.996e-3 (off 4e-6),
+     *            T(57) = 1.012e-3 (off 12e-6)  =>  ACT_init = 56
+     *   M_remaining = 1,156,000 - 100,000 - 56,000 = 1,000,000
+     *   line 26 (in us): 100 + 16x = 50 + 32y, with 1000x + 2000y = 1,000,000
+     *            =>  4000y = 1,003,125, y = 250.78125
+     *     y = 250: x = 500, T_kv_gen = 8100 us, T_load_kv = 8050 us, off 50 us
+     *     y = 251: x = 498, T_kv_gen = 8068 us, T_load_kv = 8082 us, off 14 us  <= chosen
+     *   #ACT_Host = 56 + 498 = 554, #KV_Host = 251. */
+    rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 1e14, .t_load_w = 1.9e-3};
+    pr.kv_gen = (rekv_linear){100e-6, 1e-6};
+    pr.load_kv = (rekv_linear){50e-6, 2e-6};
+    rekv_hybrid_params p = hand_params(1156000);
+    rekv_hybrid_alloc a;
+    ck_assert_int_eq(rekv_plan_hybrid_alloc(&pr, &p, &a, NULL), 0);
+    ck_assert_int_eq(a.act_init, 56);
+    ck_assert_int_eq(a.kv_init, 0);
+    ck_assert_int_eq(a.act_remain, 498);
+    ck_assert_int_eq(a.kv_remain, 251);
+    ck_assert_int_eq(a.act_host, 554);
+    ck_assert_int_eq(a.kv_host, 251);
+    ck_assert(a.bytes_used <= p.host_bytes);
+}
+END_TEST
+
+START_TEST(test_hybrid_capacity)
+{
+    /* Random profiles and memories: never more than host memory, never negative counts, and when
+     * memory is plentiful the two pipelines come out balanced (Eq. 4) to within a block's time. */
+    g_rng = 21;
+    for (int c = 0; c < 5000; c++) {
+        rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 1e14};
+        pr.t_load_w = (rnd() & 7) ? logrand(1e-5, 0.1) : 0.0;
+        pr.kv_gen = (rekv_linear){(rnd() & 1) ? logrand(1e-7, 1e-4) : 0.0, logrand(1e-9, 1e-5)};
+        pr.load_kv = (rekv_linear){(rnd() & 1) ? logrand(1e-7, 1e-4) : 0.0, logrand(1e-9, 1e-5)};
+        rekv_hybrid_params p = {.n_layers = (int)irand(1, 80),
+                                .kv_block_bytes = (double)irand(1, 1 << 20),
+                                .block_tokens = 16,
+                                .act_gpu_blocks = irand(0, 5000),
+                                .max_parts = (int)irand(0, 12)};
+        p.act_block_bytes = (rnd() & 1) ? p.kv_block_bytes / 2 : (double)irand(1, 1 << 20);
+        p.weight_bytes = (rnd() & 1) ? 0.0 : logrand(1e3, 1e11);
+        p.host_bytes = p.weight_bytes + ((rnd() & 7) ? logrand(1e3, 1e12) : 0.0);
+        rekv_hybrid_alloc a;
+        ck_assert_int_eq(rekv_plan_hybrid_alloc(&pr, &p, &a, NULL), 0);
+        ck_assert(a.act_init >= 0 && a.kv_init >= 0 && a.act_remain >= 0 && a.kv_remain >= 0);
+        ck_assert(a.act_init == 0 || a.kv_init == 0);
+        ck_assert_int_eq(a.act_host, a.act_init + a.act_remain);
+        ck_assert_int_eq(a.kv_host, a.kv_init + a.kv_remain);
+        double used = p.weight_bytes + p.n_layers * (p.act_block_bytes * (double)a.act_host +
+                                                     p.kv_block_bytes * (double)a.kv_host);
+        ck_assert_msg(used <= p.host_bytes, "case %d: %.0f > %.0f", c, used, p.host_bytes);
+        ck_assert(close_rel(a.bytes_used, used, 1e-12) || used == 0);
+        int mp = p.max_parts ? p.max_parts : 8;
+        ck_assert(a.kv_parts >= 0 && a.kv_parts <= mp && a.act_parts >= 0 && a.act_parts <= mp);
+        ck_assert(a.act_host + a.kv_host == 0 || a.kv_parts + a.act_parts > 0);
+        /* memory left unused is less than one ACT block column plus one KV block column */
+        if (a.act_init + a.kv_init < 1000000)
+            ck_assert(p.host_bytes - used <
+                      p.n_layers * (p.act_block_bytes + p.kv_block_bytes) + 1e-6 * p.host_bytes);
+    }
+    rekv_cost_profile pr = {
+        .h2d_bw = 16e9, .gemm_flops = 1e14, .kv_gen = {0, 1e-6}, .load_kv = {0, 2e-6}};
+    rekv_hybrid_params p = hand_params(50000); /* weights 100 kB > host 50 kB */
+    rekv_hybrid_alloc a;
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_plan_hybrid_alloc(&pr, &p, &a, &err), -ENOSPC);
+    ck_assert_int_eq(err.code, -ENOSPC);
+}
+END_TEST
+
+START_TEST(test_hybrid_next_block)
+{
+    /* 003 Sec. IV-C2: "if the ratio of #ACT_Host and #KV_Host is 3:1 when a request has five ACT
+     * blocks and two KV blocks, the next block allocated would be an ACT block". */
+    ck_assert_int_eq(rekv_plan_hybrid_next_block(2, 5, 1, 3), REKV_BLOCK_ACT);
+    /* at exactly 3:1 (6 ACT, 2 KV) the next is still ACT: 7:2 is closer to 3:1 than 6:3 */
+    ck_assert_int_eq(rekv_plan_hybrid_next_block(2, 6, 1, 3), REKV_BLOCK_ACT);
+    ck_assert_int_eq(rekv_plan_hybrid_next_block(2, 4, 1, 3), REKV_BLOCK_ACT);
+    ck_assert_int_eq(rekv_plan_hybrid_next_block(1, 5, 1, 3), REKV_BLOCK_KV);
+    ck_assert_int_eq(rekv_plan_hybrid_next_block(0, 0, 1, 0), REKV_BLOCK_KV);  /* all KV */
+    ck_assert_int_eq(rekv_plan_hybrid_next_block(7, 0, 0, 1), REKV_BLOCK_ACT); /* all ACT */
+    ck_assert_int_eq(rekv_plan_hybrid_next_block(0, 0, 1, 1), REKV_BLOCK_ACT); /* tie goes to ACT */
+    ck_assert_int_eq(rekv_plan_hybrid_next_block(0, 1, 1, 1), REKV_BLOCK_KV);
+
+    /* Long runs from an empty request, with host counts as the ratio: every prefix keeps its KV
+     * count within half a block of f*n, so within one block of the target at all times. */
+    g_rng = 31;
+    for (int c = 0; c < 300; c++) {
+        int64_t kr = irand(0, 1000), ar = irand(0, 1000);
+        if (kr + ar == 0)
+            ar = 1;
+        if (c < 20) { /* large host counts too */
+            kr = irand(0, (int64_t)1 << 40);
+            ar = irand(1, (int64_t)1 << 40);
+        }
+        double f = (double)kr / ((double)kr + (double)ar);
+        int64_t nk = 0, na = 0;
+        for (int i = 0; i < 5000; i++) {
+            if (rekv_plan_hybrid_next_block(nk, na, kr, ar) == REKV_BLOCK_KV)
+                nk++;
+            else
+                na++;
+            double dev = (double)nk - f * (double)(nk + na);
+            ck_assert_msg(fabs(dev) <= 0.5 + 1e-9,
+                          "ratio %lld:%lld after %d blocks: KV %lld (dev %.3f)", (long long)kr,
+                          (long long)ar, i + 1, (long long)nk, dev);
+        }
+    }
+    /* A 3:1 (ACT:KV) pattern repeats every 4 blocks with exactly one KV block. */
+    int64_t nk = 0, na = 0;
+    for (int i = 0; i < 400; i++) {
+        if (rekv_plan_hybrid_next_block(nk, na, 1, 3) == REKV_BLOCK_KV)
+            nk++;
+        else
+            na++;
+        if ((i + 1) % 4 == 0)
+            ck_assert(nk == (i + 1) / 4 && na == 3 * (i + 1) / 4);
+    }
+}
+END_TEST
+
+/* ---------------------------------------------------------------- mini-batch formation */
+
+static const rekv_cost_profile mb_prof = {
+    .h2d_bw = 16e9, .gemm_flops = 1e14, .kv_gen = {2e-6, 1e-6}, .load_kv = {3e-6, 2e-6}};
+
+static void check_packing(const rekv_mb_request *r, size_t n, int64_t kv_max, int64_t act_max,
+                          const int *assign, size_t nb)
+{
+    int64_t kv[256] = {0}, act[256] = {0};
+    int used[256] = {0};
+    ck_assert(nb <= n && nb <= 256);
+    for (size_t i = 0; i < n; i++) {
+        ck_assert(assign[i] >= 0 &&
+                  (size_t)assign[i] < nb); /* every request in exactly one batch */
+        kv[assign[i]] += r[i].n_kv;
+        act[assign[i]] += r[i].n_act;
+        used[assign[i]] = 1;
+    }
+    for (size_t j = 0; j < nb; j++) {
+        ck_assert(used[j]); /* dense: no empty batches */
+        ck_assert_msg(kv[j] <= kv_max && act[j] <= act_max, "batch %zu: %lld KV, %lld ACT", j,
+                      (long long)kv[j], (long long)act[j]);
+    }
+}
+
+START_TEST(test_mb_fb)
+{
+    /* Eq. 6–7 with 16-token blocks: T_kv_gen(4 blocks) = 2e-6 + 64e-6 = 66e-6,
+     * T_load_kv(2 blocks) = 3e-6 + 64e-6 = 67e-6, F_b = 67/66. */
+    ck_assert(close_rel(rekv_plan_mb_fb(&mb_prof, 16, 4, 2), 67.0 / 66.0, 1e-14));
+    ck_assert(close_rel(rekv_plan_mb_fb(&mb_prof, 16, 2, 4), (3.0 + 128.0) / (2.0 + 32.0), 1e-14));
+    ck_assert(rekv_plan_mb_fb(&mb_prof, 16, 0, 0) == 1.0);
+    ck_assert(isinf(rekv_plan_mb_fb(&mb_prof, 16, 3, 0)));
+    ck_assert(isinf(rekv_plan_mb_fb(&mb_prof, 16, 0, 3)));
+}
+END_TEST
+
+START_TEST(test_mb_constructed)
+{
+    /* Per-token slopes equal, no intercepts, 1-token blocks: F_b = max(ACT/KV, KV/ACT). Capacity
+     * 10/10. A (5 KV, 5 ACT) -> batch 0.   B (6, 1) does not fit batch 0 (11 KV) -> batch 1. C (1,
+     * 4): first fit puts it in batch 0 -> (6, 9) F 1.5, leaving batch 1 at (6, 1) F 6: mean 3.75.
+     *             greedy: batch 0 would go 1 -> 1.5 (+0.5), batch 1 6 -> 1.4 (-4.6): batch 1,
+     *             giving (5, 5) F 1 and (7, 5) F 1.4: mean 1.2. */
+    const rekv_cost_profile pr = {
+        .h2d_bw = 1e9, .gemm_flops = 1e12, .kv_gen = {0, 1}, .load_kv = {0, 1}};
+    const rekv_mb_request r[3] = {{5, 5}, {6, 1}, {1, 4}};
+    int ff[3], gd[3], gm[3];
+    size_t nff, ngd, ngm;
+    ck_assert_int_eq(rekv_plan_mb_pack(&pr, 1, REKV_MB_FIRST_FIT, r, 3, 10, 10, ff, &nff, NULL), 0);
+    ck_assert_int_eq(rekv_plan_mb_pack(&pr, 1, REKV_MB_GREEDY_DELTA, r, 3, 10, 10, gd, &ngd, NULL),
+                     0);
+    ck_assert_int_eq(
+        rekv_plan_mb_pack(&pr, 1, REKV_MB_GREEDY_MIN_AFTER, r, 3, 10, 10, gm, &ngm, NULL), 0);
+    ck_assert(nff == 2 && ngd == 2 && ngm == 2);
+    ck_assert(ff[0] == 0 && ff[1] == 1 && ff[2] == 0);
+    ck_assert(gd[0] == 0 && gd[1] == 1 && gd[2] == 1);
+    double mff = rekv_plan_mb_mean_fb(&pr, 1, r, 3, ff, nff),
+           mgd = rekv_plan_mb_mean_fb(&pr, 1, r, 3, gd, ngd);
+    ck_assert_msg(close_rel(mff, 3.75, 1e-14), "first fit %.17g", mff);
+    ck_assert_msg(close_rel(mgd, 1.2, 1e-14), "greedy %.17g", mgd);
+    ck_assert(mgd < mff);
+
+    /* errors: a request bigger than a batch; empty input */
+    const rekv_mb_request big[1] = {{11, 0}};
+    rekv_err err = {0};
+    ck_assert_int_eq(
+        rekv_plan_mb_pack(&pr, 1, REKV_MB_GREEDY_DELTA, big, 1, 10, 10, ff, &nff, &err), -EINVAL);
+    ck_assert_int_eq(
+        rekv_plan_mb_pack(&pr, 1, REKV_MB_GREEDY_DELTA, NULL, 0, 10, 10, NULL, &nff, NULL), 0);
+    ck_assert(nff == 0);
+}
+END_TEST
+
+START_TEST(test_mb_random)
+{
+    /* Three request mixes: independent, bimodal (KV-heavy and ACT-heavy requests), ACT-heavy.
+     * Every packing respects the capacities and assigns each request once; averaged over many
+     * sets, the greedy's mean F_b is no worse than first fit's. */
+    g_rng = 41;
+    enum { SETS = 400, MAXN = 80 };
+    rekv_mb_request r[MAXN];
+    int assign[MAXN];
+    for (int mix = 0; mix < 3; mix++) {
+        double sum_ff = 0, sum_gd = 0;
+        int better = 0, worse = 0;
+        for (int s = 0; s < SETS; s++) {
+            size_t n = (size_t)irand(5, MAXN);
+            for (size_t i = 0; i < n; i++) {
+                if (mix == 0)
+                    r[i] = (rekv_mb_request){irand(1, 20), irand(1, 20)};
+                else if (mix == 1)
+                    r[i] = (rnd() & 1) ? (rekv_mb_request){irand(1, 30), irand(1, 10)}
+                                       : (rekv_mb_request){irand(1, 10), irand(1, 30)};
+                else
+                    r[i] = (rekv_mb_request){irand(1, 8), irand(1, 40)};
+            }
+            int64_t kv_max = 100, act_max = 100;
+            size_t nb;
+            double m[3];
+            for (int pol = 0; pol < 3; pol++) {
+                ck_assert_int_eq(rekv_plan_mb_pack(&mb_prof, 16, (rekv_mb_policy)pol, r, n, kv_max,
+                                                   act_max, assign, &nb, NULL),
+                                 0);
+                check_packing(r, n, kv_max, act_max, assign, nb);
+                m[pol] = rekv_plan_mb_mean_fb(&mb_prof, 16, r, n, assign, nb);
+                ck_assert(isfinite(m[pol]) && m[pol] >= 1.0);
+            }
+            sum_gd += m[REKV_MB_GREEDY_DELTA];
+            sum_ff += m[REKV_MB_FIRST_FIT];
+            better += m[REKV_MB_GREEDY_DELTA] < m[REKV_MB_FIRST_FIT] - 1e-12;
+            worse += m[REKV_MB_GREEDY_DELTA] > m[REKV_MB_FIRST_FIT] + 1e-12;
+        }
+        ck_assert_msg(sum_gd <= sum_ff, "mix %d: greedy mean F_b %.4f > first fit %.4f", mix,
+                      sum_gd / SETS, sum_ff / SETS);
+        ck_assert_msg(better > worse, "mix %d: greedy better on %d sets, worse on %d", mix, better,
+                      worse);
+    }
+}
+END_TEST
+
+/* ---------------------------------------------------------------- chooser */
+
+START_TEST(test_choose)
+{
+    rekv_step_cost c[REKV_TECH_COUNT];
+    rekv_technique best;
+    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
+                             .act = REKV_ACT_RELU,
+                             .n_layers = 40,
+                             .hidden = 5120,
+                             .n_heads = 40,
+                             .n_kv_heads = 40,
+                             .head_dim = 128,
+                             .ffn = 20480,
+                             .dtype = REKV_DTYPE_F16};
+    rekv_model_config llama = {.arch = REKV_ARCH_LLAMA,
+                               .act = REKV_ACT_SILU,
+                               .n_layers = 32,
+                               .hidden = 4096,
+                               .n_heads = 32,
+                               .n_kv_heads = 8,
+                               .head_dim = 128,
+                               .ffn = 14336,
+                               .dtype = REKV_DTYPE_BF16};
+    rekv_step_shape sh;
+    /* Llama-3-8B-like layer: 2*4096*4096 + 2*4096*1024 + 3*4096*14336 = 218,103,808 params. */
+    rekv_plan_shape_from_config(&llama, 8, 1024, 2, 1, &sh);
+    ck_assert(sh.weight_bytes == 2.0 * 218103808.0);
+    ck_assert(sh.fwd_flops == 2.0 * 8 * 218103808.0 + 4.0 * 8 * 1024 * 4096);
+    ck_assert(sh.kv.kv_dim == 1024 && sh.kv.hidden == 4096);
+
+    /* GQA, weights resident, fast GPU: activations are bigger than KV, so plain KV wins. */
+    rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
+    rekv_plan_shape_from_config(&llama, 8, 1024, 2, 0, &sh);
+    ck_assert_int_eq(rekv_plan_choose(&pr, &sh, &best, c, NULL), 0);
+    ck_assert_int_eq(best, REKV_TECH_KV);
+    ck_assert_int_eq(c[REKV_TECH_KVPR].kvpr_l, 0);
+
+    /* OPT-13B-like MHA, big batch and context, weights resident, slow link: recompute pays, and
+     * KVPR (a mix) is at least as good as either pure technique on PCIe-bound steps. */
+    pr = (rekv_cost_profile){.h2d_bw = 16e9, .gemm_flops = 150e12};
+    rekv_plan_shape_from_config(&opt, 32, 2048, 2, 0, &sh);
+    ck_assert_int_eq(rekv_plan_choose(&pr, &sh, &best, c, NULL), 0);
+    ck_assert(best != REKV_TECH_KV);
+    ck_assert(c[REKV_TECH_KVPR].t_step <= c[REKV_TECH_KV].t_step);
+    ck_assert(c[REKV_TECH_KVPR].kvpr_l > 0 && c[REKV_TECH_KVPR].kvpr_l < 2048);
+    for (int t = 0; t < REKV_TECH_COUNT; t++) {
+        ck_assert(c[t].t_step == fmax(c[t].t_pcie, c[t].t_compute));
+        ck_assert(c[best].t_step <= c[t].t_step);
+    }
+    ck_assert(c[REKV_TECH_ACT].bytes_h2d * 2 ==
+              c[REKV_TECH_KV].bytes_h2d); /* MHA: X is half of K+V */
+
+    /* Hybrid at kv_fraction 1 with nothing on the GPU is plain KV; at 0 it is all ACT. */
+    sh.hybrid_kv_fraction = 1;
+    rekv_step_cost h;
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &h, NULL), 0);
+    ck_assert(h.bytes_h2d == c[REKV_TECH_KV].bytes_h2d && h.t_step == c[REKV_TECH_KV].t_step);
+    sh.hybrid_kv_fraction = 0;
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &h, NULL), 0);
+    ck_assert(h.bytes_h2d == c[REKV_TECH_ACT].bytes_h2d && h.t_step == c[REKV_TECH_ACT].t_step);
+    /* GPU-resident ACT costs recompute, not bytes */
+    sh.act_gpu_tokens = 32 * 1024;
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &h, NULL), 0);
+    ck_assert(h.bytes_h2d * 2 == c[REKV_TECH_ACT].bytes_h2d);
+    ck_assert(h.recompute_flops == c[REKV_TECH_ACT].recompute_flops);
+
+    rekv_err err = {0};
+    sh.hybrid_kv_fraction = 2;
+    ck_assert_int_eq(rekv_plan_choose(&pr, &sh, &best, NULL, &err), -EINVAL);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("planner");
+    TCase *tc = tcase_create("core");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_fit_exact);
+    tcase_add_test(tc, test_fit_noisy);
+    tcase_add_test(tc, test_kvpr_brute_force);
+    tcase_add_test(tc, test_kvpr_gqa_zero);
+    tcase_add_test(tc, test_kvpr_mha_closed_form);
+    tcase_add_test(tc, test_kvpr_blocks);
+    tcase_add_test(tc, test_kvpr_edges);
+    tcase_add_test(tc, test_hybrid_hand_act_init);
+    tcase_add_test(tc, test_hybrid_hand_kv_init);
+    tcase_add_test(tc, test_hybrid_hand_intercepts);
+    tcase_add_test(tc, test_hybrid_capacity);
+    tcase_add_test(tc, test_hybrid_next_block);
+    tcase_add_test(tc, test_mb_fb);
+    tcase_add_test(tc, test_mb_constructed);
+    tcase_add_test(tc, test_mb_random);
+    tcase_add_test(tc, test_choose);
+    suite_add_tcase(s, tc);
+    return tu_run_suite(s);
+}
