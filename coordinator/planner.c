@@ -299,19 +299,6 @@ int rekv_plan_hybrid_alloc(const rekv_cost_profile *prof, const rekv_hybrid_para
     return 0;
 }
 
-rekv_block_type rekv_plan_hybrid_next_block(int64_t n_kv, int64_t n_act, int64_t kv_ratio,
-                                            int64_t act_ratio)
-{
-    __int128 T = (__int128)kv_ratio + act_ratio;
-    if (T <= 0)
-        return REKV_BLOCK_ACT;
-    /* KV iff t - n_kv > 1/2 with t = f*(n+1) = kv_ratio*(n+1)/T: the KV count after this block is
-     * then closer to its target if the block is KV. */
-    __int128 n1 = (__int128)n_kv + n_act + 1;
-    __int128 lhs = 2 * ((__int128)kv_ratio * n1 - (__int128)n_kv * T);
-    return lhs > T ? REKV_BLOCK_KV : REKV_BLOCK_ACT;
-}
-
 /* ---------------------------------------------------------------- mini-batch formation */
 
 double rekv_plan_mb_fb(const rekv_cost_profile *prof, int block_tokens, int64_t n_act, int64_t n_kv)

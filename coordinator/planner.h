@@ -162,20 +162,8 @@ typedef struct rekv_hybrid_alloc {
 int rekv_plan_hybrid_alloc(const rekv_cost_profile *prof, const rekv_hybrid_params *p,
                            rekv_hybrid_alloc *out, rekv_err *err);
 
-typedef enum rekv_block_type {
-    REKV_BLOCK_KV = 0,  /* K and V of 16 tokens */
-    REKV_BLOCK_ACT = 1, /* the layer input activation X of 16 tokens */
-} rekv_block_type;
-
-/* The request block allocation rule (003 Eq. 5, 001 Eq. 11): a request holding n_kv KV blocks and
- * n_act ACT blocks allocates next the type that leaves its KV count closest to the host ratio
- * kv_ratio:act_ratio (host counts or the small pattern; any non-negative pair, not both 0), i.e.
- * KV iff |n_kv + 1 - f*(n+1)| < |n_kv - f*(n+1)| with f = kv_ratio/(kv_ratio+act_ratio),
- * n = n_kv + n_act. Exact ties go to ACT (fewer PCIe bytes). Computed in integers, so exact.
- * The paper's example: ACT:KV = 3:1 with five ACT and two KV blocks -> ACT.
- * Applied from an empty request, every prefix keeps |n_kv - f*n| <= 1/2. */
-rekv_block_type rekv_plan_hybrid_next_block(int64_t n_kv, int64_t n_act, int64_t kv_ratio,
-                                            int64_t act_ratio);
+/* The request block allocation rule (003 Eq. 5, 001 Eq. 11) lives with the store that applies it:
+ * rekv_kv_next_block_type() in kvstore/kvstore.h. */
 
 /* ---------------------------------------------------------------- dynamic mini-batch formation */
 

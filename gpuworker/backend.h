@@ -111,9 +111,12 @@ typedef struct rekv_backend_iface {
     int (*trace_write)(rekv_backend *be, const char *path, rekv_err *err);
 } rekv_backend_iface;
 
+struct rekv_kernel_iface; /* kernels.h */
+
 /* Every backend object starts with this. */
 struct rekv_backend {
     const rekv_backend_iface *iface;
+    const struct rekv_kernel_iface *kernels; /* the forward pass's kernels (kernels.h) */
     void *ctx;
 };
 

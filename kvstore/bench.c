@@ -162,49 +162,15 @@ out:
 
 static pid_t start_server(const bench_opts *o, const char *endpoint, rekv_err *err)
 {
-    int pfd[2];
-    if (pipe(pfd) < 0)
-        return rekv_errf(err, -errno, "bench: pipe: %s", strerror(errno));
-    pid_t pid = fork();
-    if (pid < 0)
-        return rekv_errf(err, -errno, "bench: fork: %s", strerror(errno));
-    if (pid == 0) {
-        close(pfd[0]);
-        sigset_t set;
-        sigemptyset(&set);
-        sigaddset(&set, SIGTERM);
-        sigprocmask(SIG_BLOCK, &set, NULL);
-        int sfd = signalfd(-1, &set, SFD_CLOEXEC);
-        rekv_kvstore_config cfg;
-        rekv_kvstore_config_defaults(&cfg);
-        cfg.endpoint = endpoint;
-        cfg.host_bytes = o->host_mib << 20;
-        cfg.spill_dir = o->dir;
-        cfg.geometry = o->g;
-        cfg.signal_fd = sfd;
-        rekv_kvstore_server *s = NULL;
-        rekv_err e = {0};
-        if (rekv_kvstore_server_create(&cfg, &s, &e) < 0) {
-            ssize_t w = write(pfd[1], e.msg, strlen(e.msg));
-            (void)w;
-            _exit(1);
-        }
-        ssize_t w = write(pfd[1], "", 1);
-        (void)w;
-        close(pfd[1]);
-        int rc = rekv_kvstore_server_run(s, &e);
-        rekv_kvstore_server_destroy(s);
-        _exit(rc < 0 ? 1 : 0);
-    }
-    close(pfd[1]);
-    char msg[1100] = {0};
-    ssize_t n = read(pfd[0], msg, sizeof(msg) - 1);
-    close(pfd[0]);
-    if (n != 1) {
-        waitpid(pid, NULL, 0);
-        return rekv_errf(err, -EIO, "bench: server did not start: %s", msg);
-    }
-    return pid;
+    rekv_kvstore_config cfg;
+    rekv_kvstore_config_defaults(&cfg);
+    cfg.endpoint = endpoint;
+    cfg.host_bytes = o->host_mib << 20;
+    cfg.spill_dir = o->dir;
+    cfg.geometry = o->g;
+    pid_t pid;
+    int rc = rekv_kvstore_spawn(&cfg, &pid, err);
+    return rc < 0 ? rc : pid;
 }
 
 /* ------------------------------------------------------------------ (a) gather, (c) plan */
@@ -341,8 +307,7 @@ out:
     free(pb);
     rekv_kvstore_client_close(c);
     if (pid > 0) {
-        kill(pid, SIGTERM);
-        waitpid(pid, NULL, 0);
+        rekv_kvstore_reap(pid);
     }
 out_dir:
     rmdir(dir);

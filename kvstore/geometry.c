@@ -58,3 +58,16 @@ size_t rekv_kv_act_offset(const rekv_kv_geometry *g, uint32_t token)
 {
     return (size_t)token * g->hidden * rekv_dtype_size(g->dtype);
 }
+
+rekv_kv_block_type rekv_kv_next_block_type(uint64_t n_kv, uint64_t n_act, uint32_t kv_parts,
+                                           uint32_t act_parts)
+{
+    __int128 T = (__int128)kv_parts + act_parts;
+    if (T == 0)
+        return REKV_KV_BLOCK_KV;
+    /* KV iff kv_parts*(n+1)/T - n_kv > 1/2: the KV count after this block is then closer to its
+     * target if the block is KV */
+    __int128 n1 = (__int128)n_kv + n_act + 1;
+    __int128 lhs = 2 * ((__int128)kv_parts * n1 - (__int128)n_kv * T);
+    return lhs > T ? REKV_KV_BLOCK_KV : REKV_KV_BLOCK_ACT;
+}

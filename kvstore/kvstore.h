@@ -55,6 +55,14 @@ typedef struct rekv_kv_geometry {
     uint32_t block_tokens; /* always REKV_KV_BLOCK_TOKENS */
 } rekv_kv_geometry;
 
+/* HybridServe's request block allocation rule (003 Eq. 5, 001 Eq. 11): a sequence holding n_kv
+ * KV blocks and n_act ACT blocks allocates next the type that leaves its KV count closest to
+ * kv_parts:act_parts, i.e. KV iff |n_kv + 1 - f(n+1)| < |n_kv - f(n+1)|, f = kv/(kv+act),
+ * n = n_kv + n_act; exact ties go to ACT (fewer PCIe bytes). 0:0 means all KV. Integer
+ * arithmetic, so exact. The paper's example: KV:ACT = 1:3 holding two KV and five ACT -> ACT. */
+rekv_kv_block_type rekv_kv_next_block_type(uint64_t n_kv, uint64_t n_act, uint32_t kv_parts,
+                                           uint32_t act_parts);
+
 /* Fills g from a model config; cache_dtype must be F16 or F32. Returns 0 or -EINVAL. */
 int rekv_kv_geometry_from_config(const rekv_model_config *cfg, rekv_dtype cache_dtype,
                                  rekv_kv_geometry *g, rekv_err *err);
@@ -155,6 +163,13 @@ int rekv_kvstore_server_run(rekv_kvstore_server *srv, rekv_err *err);
 void rekv_kvstore_server_stop(rekv_kvstore_server *srv);
 /* Waits for in-flight I/O, closes everything, removes the socket files. NULL is fine. */
 void rekv_kvstore_server_destroy(rekv_kvstore_server *srv);
+
+/* Starts a private store: a forked child running the server library with cfg (its signal_fd and
+ * on_event are replaced; the child stops on SIGTERM). Returns once it serves, with its pid. */
+#include <sys/types.h>
+int rekv_kvstore_spawn(const rekv_kvstore_config *cfg, pid_t *pid, rekv_err *err);
+/* Stops a spawned store (SIGTERM) and waits for it; 0 when it exited cleanly. */
+int rekv_kvstore_reap(pid_t pid);
 
 /* ---------------------------------------------------------------- client */
 

@@ -58,6 +58,7 @@ typedef struct kv_seq {
     uint64_t id;       /* caller-chosen id */
     uint64_t n_tokens; /* tokens appended */
     uint32_t n_blocks; /* logical blocks per layer */
+    uint32_t n_kv;     /* of those, allocated as KV blocks (freeing does not change it) */
     uint32_t cap;      /* capacity of each per-layer array */
     uint32_t **blocks; /* [n_layers][cap] block ids, NIL where freed */
 } kv_seq;
@@ -682,23 +683,32 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
             return fail(r, -ENOMEM, "out of memory for block records");
         }
     }
-    uint32_t period = m->kv_parts + m->act_parts;
+    /* block types by HybridServe's allocation rule, from the sequence's current counts; every
+     * layer gets the same types */
+    uint64_t n_kv = q->n_kv, n_act = q->n_blocks - q->n_kv;
     uint64_t k = 0;
-    for (uint32_t l = 0; l < L; l++)
+    for (uint32_t l = 0; l < L; l++) {
+        uint64_t kv_l = n_kv, act_l = n_act;
         for (uint64_t b = q->n_blocks; b < nb; b++) {
             uint32_t id = s->scratch[k++];
             kv_block *blk = &s->blocks[id];
             blk->seq = q->id;
             blk->layer = l;
             blk->lblock = (uint32_t)b;
-            blk->type = (period == 0 || (b % period) < m->kv_parts) ? REKV_KV_BLOCK_KV
-                                                                     : REKV_KV_BLOCK_ACT;
+            blk->type = rekv_kv_next_block_type(kv_l, act_l, m->kv_parts, m->act_parts);
+            if (blk->type == REKV_KV_BLOCK_KV)
+                kv_l++;
+            else
+                act_l++;
             blk->state = BS_HOST;
             blk->slot = s->free_slots[--s->n_free_slots];
             s->host_n[blk->type]++;
             q->blocks[l][b] = id;
             lru_update(s, id, 0);
         }
+        if (l == 0)
+            q->n_kv = (uint32_t)kv_l;
+    }
     q->n_blocks = (uint32_t)nb;
     q->n_tokens += m->n_tokens;
     r->append.n_tokens = q->n_tokens;

@@ -103,6 +103,9 @@ static int parse_opt(json_t *root, const char *path, rekv_model_config *c, rekv_
     c->final_norm = c->pre_norm && !remove_final;
     c->n_kv_heads = c->n_heads;
     c->head_dim = c->hidden / c->n_heads;
+    if (c->head_dim > 512)
+        return rekv_errf(err, -ENOTSUP, "%s: head dimension %d is above the supported 512", path,
+                         c->head_dim);
     c->o_bias = c->ffn_bias = c->qkv_bias;
     c->norm_bias = 1;
     c->norm_eps = 1e-5f;
@@ -146,7 +149,7 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
     if (c->hidden % c->n_heads != 0 && json_object_get(root, "head_dim") == NULL)
         return rekv_errf(err, -EINVAL, "%s: hidden_size %d is not a multiple of num_attention_heads %d",
                          path, c->hidden, c->n_heads);
-    if ((rc = get_int(root, path, "head_dim", c->hidden / c->n_heads, 2, 65536, &c->head_dim, err)))
+    if ((rc = get_int(root, path, "head_dim", c->hidden / c->n_heads, 2, 512, &c->head_dim, err)))
         return rc;
     if (c->head_dim % 2 != 0)
         return rekv_errf(err, -EINVAL, "%s: head_dim %d must be even for RoPE", path, c->head_dim);

@@ -80,7 +80,7 @@ int rekv_model_open_llama2c(const char *path, rekv_model **out, rekv_err *err)
     int shared = h[5] > 0;
     if (dim <= 0 || hidden_dim <= 0 || n_layers <= 0 || n_heads <= 0 || n_kv <= 0 || h[5] == 0 ||
         h[5] == INT32_MIN || seq_len <= 0 || dim % n_heads != 0 || n_heads % n_kv != 0 ||
-        (dim / n_heads) % 2 != 0 || dim > (1 << 20) || hidden_dim > (1 << 22) ||
+        (dim / n_heads) % 2 != 0 || dim / n_heads > 512 || dim > (1 << 20) || hidden_dim > (1 << 22) ||
         n_layers > 4096 || vocab > (1 << 22)) {
         rc = rekv_errf(err, -EINVAL,
                        "%s: invalid llama2.c header (dim %d, hidden_dim %d, layers %d, heads %d, "

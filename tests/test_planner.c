@@ -3,6 +3,7 @@
  * HybridServe's Algorithm 1, request block allocation rule and mini-batch packing (papers/003),
  * the technique chooser, and the least-squares fit. */
 #include "coordinator/planner.h"
+#include "kvstore/kvstore.h"
 #include "tests/testutil.h"
 
 #include <errno.h>
@@ -410,15 +411,15 @@ START_TEST(test_hybrid_next_block)
 {
     /* 003 Sec. IV-C2: "if the ratio of #ACT_Host and #KV_Host is 3:1 when a request has five ACT
      * blocks and two KV blocks, the next block allocated would be an ACT block". */
-    ck_assert_int_eq(rekv_plan_hybrid_next_block(2, 5, 1, 3), REKV_BLOCK_ACT);
+    ck_assert_int_eq(rekv_kv_next_block_type(2, 5, 1, 3), REKV_KV_BLOCK_ACT);
     /* at exactly 3:1 (6 ACT, 2 KV) the next is still ACT: 7:2 is closer to 3:1 than 6:3 */
-    ck_assert_int_eq(rekv_plan_hybrid_next_block(2, 6, 1, 3), REKV_BLOCK_ACT);
-    ck_assert_int_eq(rekv_plan_hybrid_next_block(2, 4, 1, 3), REKV_BLOCK_ACT);
-    ck_assert_int_eq(rekv_plan_hybrid_next_block(1, 5, 1, 3), REKV_BLOCK_KV);
-    ck_assert_int_eq(rekv_plan_hybrid_next_block(0, 0, 1, 0), REKV_BLOCK_KV);  /* all KV */
-    ck_assert_int_eq(rekv_plan_hybrid_next_block(7, 0, 0, 1), REKV_BLOCK_ACT); /* all ACT */
-    ck_assert_int_eq(rekv_plan_hybrid_next_block(0, 0, 1, 1), REKV_BLOCK_ACT); /* tie goes to ACT */
-    ck_assert_int_eq(rekv_plan_hybrid_next_block(0, 1, 1, 1), REKV_BLOCK_KV);
+    ck_assert_int_eq(rekv_kv_next_block_type(2, 6, 1, 3), REKV_KV_BLOCK_ACT);
+    ck_assert_int_eq(rekv_kv_next_block_type(2, 4, 1, 3), REKV_KV_BLOCK_ACT);
+    ck_assert_int_eq(rekv_kv_next_block_type(1, 5, 1, 3), REKV_KV_BLOCK_KV);
+    ck_assert_int_eq(rekv_kv_next_block_type(0, 0, 1, 0), REKV_KV_BLOCK_KV);  /* all KV */
+    ck_assert_int_eq(rekv_kv_next_block_type(7, 0, 0, 1), REKV_KV_BLOCK_ACT); /* all ACT */
+    ck_assert_int_eq(rekv_kv_next_block_type(0, 0, 1, 1), REKV_KV_BLOCK_ACT); /* tie goes to ACT */
+    ck_assert_int_eq(rekv_kv_next_block_type(0, 1, 1, 1), REKV_KV_BLOCK_KV);
 
     /* Long runs from an empty request, with host counts as the ratio: every prefix keeps its KV
      * count within half a block of f*n, so within one block of the target at all times. */
@@ -427,14 +428,14 @@ START_TEST(test_hybrid_next_block)
         int64_t kr = irand(0, 1000), ar = irand(0, 1000);
         if (kr + ar == 0)
             ar = 1;
-        if (c < 20) { /* large host counts too */
-            kr = irand(0, (int64_t)1 << 40);
-            ar = irand(1, (int64_t)1 << 40);
+        if (c < 20) { /* large host counts too (the store takes 32-bit parts) */
+            kr = irand(0, UINT32_MAX);
+            ar = irand(1, UINT32_MAX);
         }
         double f = (double)kr / ((double)kr + (double)ar);
         int64_t nk = 0, na = 0;
         for (int i = 0; i < 5000; i++) {
-            if (rekv_plan_hybrid_next_block(nk, na, kr, ar) == REKV_BLOCK_KV)
+            if (rekv_kv_next_block_type(nk, na, kr, ar) == REKV_KV_BLOCK_KV)
                 nk++;
             else
                 na++;
@@ -447,7 +448,7 @@ START_TEST(test_hybrid_next_block)
     /* A 3:1 (ACT:KV) pattern repeats every 4 blocks with exactly one KV block. */
     int64_t nk = 0, na = 0;
     for (int i = 0; i < 400; i++) {
-        if (rekv_plan_hybrid_next_block(nk, na, 1, 3) == REKV_BLOCK_KV)
+        if (rekv_kv_next_block_type(nk, na, 1, 3) == REKV_KV_BLOCK_KV)
             nk++;
         else
             na++;

@@ -1,0 +1,282 @@
+/* backend_cpu_kernels.c — the cpu backend's kernel table: each kernel packs its arguments and runs
+ * the fp32 reference of cpu_ops.h as a task on the stream it was launched on. */
+#include <string.h>
+
+#include "common/dtype.h"
+#include "gpuworker/cpu_ops.h"
+#include "gpuworker/kernels.h"
+
+/* The stream's backend iface is needed to launch; streams of the cpu backend all share it. */
+extern const rekv_backend_iface rekv_cpu_backend_iface;
+#define LAUNCH(s, name, fn, args) rekv_cpu_backend_iface.launch_host((s), (name), (fn), &(args), sizeof(args))
+
+typedef struct linear_args {
+    float *y;
+    const float *x, *w, *bias;
+    int m, n, k, rowinv;
+} linear_args;
+
+static void run_linear(void *p)
+{
+    linear_args *a = p;
+    if (a->rowinv)
+        cpu_gemm_rowinv(a->y, a->x, a->w, a->bias, a->m, a->n, a->k);
+    else
+        cpu_linear(a->y, a->x, a->w, a->bias, a->m, a->n, a->k);
+}
+
+static void k_linear(rekv_stream *s, float *y, const float *x, const float *w, const float *bias,
+                     int m, int n, int k, int rowinv)
+{
+    linear_args a = {y, x, w, bias, m, n, k, rowinv};
+    LAUNCH(s, rowinv ? "linear_rowinv" : "linear", run_linear, a);
+}
+
+typedef struct norm_args {
+    float *out;
+    const float *in, *w, *b;
+    int m, d;
+    float eps;
+} norm_args;
+
+static void run_norm(void *p)
+{
+    norm_args *a = p;
+    cpu_norm(a->out, a->in, a->w, a->b, a->m, a->d, a->eps);
+}
+
+static void k_norm(rekv_stream *s, float *out, const float *in, const float *w, const float *b,
+                   int m, int d, float eps)
+{
+    norm_args a = {out, in, w, b, m, d, eps};
+    LAUNCH(s, "norm", run_norm, a);
+}
+
+typedef struct rope_args {
+    float *x;
+    const int32_t *pos;
+    int m, n_heads, head_dim;
+    float theta;
+    rekv_rope style;
+} rope_args;
+
+static void run_rope(void *p)
+{
+    rope_args *a = p;
+    enum { CHUNK = 16 };
+    float c[CHUNK * 256], sn[CHUNK * 256]; /* head_dim <= 512: half <= 256 */
+    int pos[CHUNK];
+    size_t width = (size_t)a->n_heads * (size_t)a->head_dim;
+    for (int i0 = 0; i0 < a->m; i0 += CHUNK) {
+        int m = a->m - i0 < CHUNK ? a->m - i0 : CHUNK;
+        for (int i = 0; i < m; i++)
+            pos[i] = a->pos[i0 + i];
+        cpu_rope_table(c, sn, pos, m, a->head_dim, a->theta);
+        cpu_rope(a->x + (size_t)i0 * width, c, sn, m, a->n_heads, a->head_dim, a->style);
+    }
+}
+
+static void k_rope(rekv_stream *s, float *x, const int32_t *pos, int m, int n_heads, int head_dim,
+                   float theta, rekv_rope style)
+{
+    rope_args a = {x, pos, m, n_heads, head_dim, theta, style};
+    LAUNCH(s, "rope", run_rope, a);
+}
+
+typedef struct act_args {
+    float *a;
+    const float *b;
+    size_t n;
+    rekv_act act;
+} act_args;
+
+static void run_act(void *p)
+{
+    act_args *a = p;
+    cpu_activation(a->a, a->b, a->n, a->act);
+}
+
+static void k_activation(rekv_stream *s, float *x, const float *b, size_t n, rekv_act act)
+{
+    act_args a = {x, b, n, act};
+    LAUNCH(s, "activation", run_act, a);
+}
+
+typedef struct add_args {
+    float *x;
+    const float *y;
+    size_t n;
+} add_args;
+
+static void run_add(void *p)
+{
+    add_args *a = p;
+    for (size_t i = 0; i < a->n; i++)
+        a->x[i] += a->y[i];
+}
+
+static void k_add(rekv_stream *s, float *x, const float *y, size_t n)
+{
+    add_args a = {x, y, n};
+    LAUNCH(s, "add", run_add, a);
+}
+
+typedef struct embed_args {
+    float *x;
+    const float *table, *pos_table;
+    const int32_t *tokens, *pos;
+    int pos_offset, m, e;
+} embed_args;
+
+static void run_embed(void *p)
+{
+    embed_args *a = p;
+    for (int i = 0; i < a->m; i++) {
+        float *row = a->x + (size_t)i * a->e;
+        if (a->table)
+            memcpy(row, a->table + (size_t)a->tokens[i] * a->e, sizeof(float) * (size_t)a->e);
+        if (a->pos_table) {
+            const float *pr = a->pos_table + (size_t)(a->pos[i] + a->pos_offset) * a->e;
+            for (int j = 0; j < a->e; j++)
+                row[j] += pr[j];
+        }
+    }
+}
+
+static void k_embed(rekv_stream *s, float *x, const float *table, const int32_t *tokens,
+                    const float *pos_table, const int32_t *pos, int pos_offset, int m, int e)
+{
+    embed_args a = {x, table, pos_table, tokens, pos, pos_offset, m, e};
+    LAUNCH(s, "embed", run_embed, a);
+}
+
+typedef struct scatter_args {
+    const float *k, *v;
+    int rows;
+    const int32_t *row_seq, *row_pos;
+    const rekv_attn_seq *seqs;
+    int n_kv, hd;
+} scatter_args;
+
+static void run_scatter(void *p)
+{
+    scatter_args *a = p;
+    size_t hd = (size_t)a->hd;
+    for (int r = 0; r < a->rows; r++) {
+        const rekv_attn_seq *sq = &a->seqs[a->row_seq[r]];
+        for (int g = 0; g < a->n_kv; g++) {
+            size_t dst = ((size_t)g * (size_t)sq->cap + (size_t)a->row_pos[r]) * hd;
+            size_t src = ((size_t)r * (size_t)a->n_kv + (size_t)g) * hd;
+            memcpy(sq->k + dst, a->k + src, sizeof(float) * hd);
+            memcpy(sq->v + dst, a->v + src, sizeof(float) * hd);
+        }
+    }
+}
+
+static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int rows,
+                         const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
+                         int n_kv, int head_dim)
+{
+    scatter_args a = {k, v, rows, row_seq, row_pos, seqs, n_kv, head_dim};
+    LAUNCH(s, "kv_scatter", run_scatter, a);
+}
+
+typedef struct attn_args {
+    float *out;
+    const float *q;
+    const rekv_attn_seq *seqs;
+    int n_seqs, n_heads, n_kv, hd;
+    float *scores;
+} attn_args;
+
+static void run_attention(void *p)
+{
+    attn_args *a = p;
+    size_t qd = (size_t)a->n_heads * (size_t)a->hd;
+    for (int i = 0; i < a->n_seqs; i++) {
+        const rekv_attn_seq *sq = &a->seqs[i];
+        cpu_attention(a->out + (size_t)sq->row0 * qd, a->q + (size_t)sq->row0 * qd, sq->k, sq->v,
+                      sq->n, sq->start, a->n_heads, a->n_kv, a->hd, sq->cap, a->scores);
+    }
+}
+
+static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
+                        int n_seqs, int n_heads, int n_kv, int head_dim, float *scores)
+{
+    attn_args a = {out, q, seqs, n_seqs, n_heads, n_kv, head_dim, scores};
+    LAUNCH(s, "attention", run_attention, a);
+}
+
+typedef struct convert_args {
+    const rekv_convert_piece *pieces;
+    size_t n;
+    rekv_dtype dtype;
+} convert_args;
+
+static void run_convert(void *p)
+{
+    convert_args *a = p;
+    for (size_t i = 0; i < a->n; i++)
+        rekv_to_f32(a->pieces[i].dst, a->pieces[i].src, a->dtype, a->pieces[i].n);
+}
+
+static void k_convert(rekv_stream *s, const rekv_convert_piece *pieces, size_t n, rekv_dtype dtype)
+{
+    convert_args a = {pieces, n, dtype};
+    LAUNCH(s, "merge", run_convert, a);
+}
+
+typedef struct convert_out_args {
+    void *dst;
+    const float *src;
+    size_t n;
+    rekv_dtype dtype;
+} convert_out_args;
+
+static void run_convert_out(void *p)
+{
+    convert_out_args *a = p;
+    rekv_from_f32(a->dst, a->src, a->dtype, a->n);
+}
+
+static void k_convert_out(rekv_stream *s, void *dst, const float *src, size_t n, rekv_dtype dtype)
+{
+    convert_out_args a = {dst, src, n, dtype};
+    LAUNCH(s, "convert_out", run_convert_out, a);
+}
+
+typedef struct gather_args {
+    float *dst;
+    const float *src;
+    const int32_t *idx;
+    int n, w;
+} gather_args;
+
+static void run_gather(void *p)
+{
+    gather_args *a = p;
+    for (int i = 0; i < a->n; i++)
+        memmove(a->dst + (size_t)i * a->w, a->src + (size_t)a->idx[i] * a->w,
+                sizeof(float) * (size_t)a->w);
+}
+
+static void k_gather_rows(rekv_stream *s, float *dst, const float *src, const int32_t *idx, int n,
+                          int w)
+{
+    gather_args a = {dst, src, idx, n, w};
+    LAUNCH(s, "gather_rows", run_gather, a);
+}
+
+const rekv_kernel_iface rekv_cpu_kernels = {
+    .linear = k_linear,
+    .norm = k_norm,
+    .rope = k_rope,
+    .activation = k_activation,
+    .add = k_add,
+    .embed = k_embed,
+    .kv_scatter = k_kv_scatter,
+    .attention = k_attention,
+    .convert = k_convert,
+    .convert_out = k_convert_out,
+    .gather_rows = k_gather_rows,
+};

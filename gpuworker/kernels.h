@@ -1,0 +1,72 @@
+/* kernels.h — the forward pass's operations as a backend table: every kernel is enqueued on a
+ * stream and runs in stream order, on device pointers. The cpu backend runs the fp32 reference
+ * (cpu_ops.h) as tasks on its stream threads (backend_cpu_kernels.c); the cuda backend launches
+ * CUDA kernels. Activations are fp32 in device memory; weights are in the backend's weight format
+ * (fp32 on cpu). Arrays passed by pointer (positions, descriptors) are device memory and must stay
+ * valid until the kernel has run. */
+#ifndef REKV_GPUWORKER_KERNELS_H
+#define REKV_GPUWORKER_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpuworker/backend.h"
+
+/* One sequence's attention context for one layer: K and V buffers laid out [n_kv][cap][head_dim],
+ * holding positions 0..start+n-1 once the new rows are in; the sequence contributes n query rows,
+ * at positions start..start+n-1. */
+typedef struct rekv_attn_seq {
+    float *k, *v; /* [n_kv][cap][head_dim] */
+    int cap;      /* row stride, in tokens */
+    int start;    /* positions before the new rows */
+    int n;        /* new rows (queries) */
+    int row0;     /* index of the sequence's first row in the stacked q/out matrices */
+} rekv_attn_seq;
+
+/* A run of elements converted from a cache dtype into fp32: dst[i] = (float)src[i]. */
+typedef struct rekv_convert_piece {
+    float *dst;
+    const void *src;
+    uint32_t n; /* elements */
+} rekv_convert_piece;
+
+typedef struct rekv_kernel_iface {
+    /* y[m][n] = x[m][k] · w[n][k]^T (+ bias). rowinv: every element in a fixed order, whatever
+     * rows share the call (the K and V projections, which the exact modes recompute). */
+    void (*linear)(rekv_stream *s, float *y, const float *x, const float *w, const float *bias,
+                   int m, int n, int k, int rowinv);
+    /* out = LayerNorm (b != NULL) or RMSNorm of m rows of width d */
+    void (*norm)(rekv_stream *s, float *out, const float *in, const float *w, const float *b, int m,
+                 int d, float eps);
+    /* rotates m rows of n_heads heads at positions pos[m] (device); head_dim <= 512 */
+    void (*rope)(rekv_stream *s, float *x, const int32_t *pos, int m, int n_heads, int head_dim,
+                 float theta, rekv_rope style);
+    /* a = act(a) (* b for gated SiLU) over n elements */
+    void (*activation)(rekv_stream *s, float *a, const float *b, size_t n, rekv_act act);
+    /* x += y over n elements */
+    void (*add)(rekv_stream *s, float *x, const float *y, size_t n);
+    /* x[i] = table[tokens[i]] (width e) for m rows (skipped when table is NULL); then, when
+     * pos_table, x[i] += pos_table[pos[i] + pos_offset] (width e) — OPT's learned positions */
+    void (*embed)(rekv_stream *s, float *x, const float *table, const int32_t *tokens,
+                  const float *pos_table, const int32_t *pos, int pos_offset, int m, int e);
+    /* writes rows of K and V ([rows][n_kv*head_dim]) into sequences' buffers: row r goes to
+     * seqs[row_seq[r]] at position row_pos[r] */
+    void (*kv_scatter)(rekv_stream *s, const float *k, const float *v, int rows,
+                       const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
+                       int n_kv, int head_dim);
+    /* causal attention of every sequence's new rows over its buffer; q/out [rows][n_heads*hd];
+     * scores: device scratch of max(start + n) floats */
+    void (*attention)(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
+                      int n_seqs, int n_heads, int n_kv, int head_dim, float *scores);
+    /* converts pieces from dtype into fp32 */
+    void (*convert)(rekv_stream *s, const rekv_convert_piece *pieces, size_t n, rekv_dtype dtype);
+    /* dst = src converted from fp32 to dtype, n elements (for storing into the cache) */
+    void (*convert_out)(rekv_stream *s, void *dst, const float *src, size_t n, rekv_dtype dtype);
+    /* dst[i] = src[idx[i]] rows of width w */
+    void (*gather_rows)(rekv_stream *s, float *dst, const float *src, const int32_t *idx, int n,
+                        int w);
+} rekv_kernel_iface;
+
+extern const rekv_kernel_iface rekv_cpu_kernels;
+
+#endif

@@ -1,0 +1,102 @@
+/* pipeline.h — the decode pipeline: the forward pass on a backend, with the KV cache either
+ * resident on the device or kept in the kvstore's host arena and streamed in per layer, part of
+ * it replaced by recomputation from activations.
+ *
+ * Modes (DESIGN.md, "The decode pipeline"):
+ *   resident  all KV on the device — the reference;
+ *   offload   every context token's K and V move host->device each step (FlexGen-style baseline);
+ *   kvpr      the host keeps both K,V and the attention input X of every token; each step sends
+ *             X[0:l] and recomputes K,V = X·W_K, X·W_V on the device while KV[l:s] streams (KVPR);
+ *   act       every context block is stored as activations and recomputed (HybridServe's
+ *             activation cache);
+ *   hybrid    KV and ACT blocks per request in a kv:act ratio (HybridServe).
+ * Weights are resident on the device, or offloaded: each layer's weights move host->device, the
+ * next layer's prefetched during the current one, W_K and W_V first (KVPR's fine-grained pipeline).
+ *
+ * Exactness: every mode computes the same values as resident, bit for bit, in fp32. Recomputed
+ * K,V use the row-invariant GEMM that computed them in the first place; the activation stored is
+ * the attention input (the normalised layer input), so recomputation repeats exactly the original
+ * projection, bias and RoPE. A batch is split into the same GPU batches in every mode, so every
+ * other GEMM sees the same rows. */
+#ifndef REKV_GPUWORKER_PIPELINE_H
+#define REKV_GPUWORKER_PIPELINE_H
+
+#include <stdint.h>
+
+#include "gpuworker/backend.h"
+#include "gpuworker/gpuworker.h"
+#include "kvstore/kvstore.h"
+
+typedef enum rekv_mode {
+    REKV_MODE_RESIDENT = 0,
+    REKV_MODE_OFFLOAD = 1,
+    REKV_MODE_KVPR = 2,
+    REKV_MODE_ACT = 3,
+    REKV_MODE_HYBRID = 4,
+} rekv_mode;
+
+typedef enum rekv_schedule {
+    REKV_SCHED_ROW = 0,    /* each GPU batch through all layers (latency) */
+    REKV_SCHED_COLUMN = 1, /* each layer over all GPU batches (throughput; weights loaded once) */
+} rekv_schedule;
+
+const char *rekv_mode_name(rekv_mode m);
+int rekv_mode_parse(const char *s, rekv_mode *out);
+
+typedef struct rekv_pipeline_config {
+    rekv_mode mode;
+    int offload_weights;    /* weights stream host->device per layer */
+    rekv_schedule schedule;
+    int gpu_batches;        /* a step's batch is split into this many GPU batches (>= 1) */
+    int split;              /* kvpr: context tokens per sequence recomputed from activations, l
+                               (clamped to the context); the caller picks it (Eq. 11) */
+    int kv_parts, act_parts;/* hybrid: block pattern kv:act, e.g. 1:1 (the caller picks it) */
+    rekv_dtype cache_dtype; /* host cache dtype: F32 (exact) or F16 */
+} rekv_pipeline_config;
+
+void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);
+
+/* Per-layer counters of one step (or accumulated), exact. */
+typedef struct rekv_layer_counters {
+    uint64_t h2d_bytes[REKV_XFER_KINDS];
+    uint64_t d2h_bytes[REKV_XFER_KINDS];
+    uint64_t tokens_recomputed; /* context tokens whose K,V were recomputed from activations */
+    uint64_t tokens_fetched;    /* context tokens whose K,V moved host->device */
+} rekv_layer_counters;
+
+typedef struct rekv_pipeline rekv_pipeline;
+typedef struct rekv_pseq rekv_pseq;
+
+/* store: a connected kvstore client (not owned), required by every mode but resident. The
+ * engine provides the weights (not owned). */
+int rekv_pipeline_create(rekv_engine *engine, rekv_backend *be, rekv_kvstore_client *store,
+                         const rekv_pipeline_config *cfg, rekv_pipeline **out, rekv_err *err);
+void rekv_pipeline_free(rekv_pipeline *p);
+const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p);
+
+/* A sequence of up to `capacity` tokens; its cache lives where the mode says. */
+int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *err);
+void rekv_pseq_free(rekv_pseq *s);
+int rekv_pseq_len(const rekv_pseq *s);
+
+typedef struct rekv_pipe_item {
+    rekv_pseq *seq;
+    const int32_t *tokens; /* [n_tokens] new tokens */
+    int n_tokens;
+    float *logits;         /* out: [vocab], for the last new token */
+} rekv_pipe_item;
+
+/* One forward step over a batch (prefill: many tokens per sequence; decode: one). */
+int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rekv_err *err);
+
+/* Counters accumulated since creation or the last reset: per layer ([n_layers]) and in total. */
+const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_layer_counters *total);
+void rekv_pipeline_counters_reset(rekv_pipeline *p);
+
+/* Generates for a batch of prompts together (prefill as one step, then decode steps over the
+ * sequences still running), with the same sampling as rekv_generate. results[n] are filled. */
+int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, const int *n_prompts,
+                           int n, const rekv_gen_params *params, rekv_gen_result *results,
+                           rekv_err *err);
+
+#endif
