@@ -1,6 +1,7 @@
 /* cli_bench.c — `rekv bench`: benchmarks that print one JSON object. Times mean something as ratios
  * measured in the same run, so every benchmark measures its baseline alongside. */
 #include <cblas.h>
+#include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -8,7 +9,7 @@
 #include <string.h>
 
 #include "common/clock.h"
-#include "coordinator/cli.h"
+#include "coordinator/cli_session.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
 #include "loader/loader.h"
@@ -172,12 +173,245 @@ out:
     return rc;
 }
 
+/* One mode's decode run: prefill all prompts in one step, then gen_len - 1 greedy decode steps
+ * timed alone, with counters and busy times taken over the decode steps only. */
+typedef struct decode_result {
+    double decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
+    rekv_layer_counters counters;
+    int32_t *tokens; /* [gen_len][batch] */
+    rekv_pipeline_config cfg;
+} decode_result;
+
+static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode mode, int B, int S,
+                      int N, int32_t *const *prompts, decode_result *out, rekv_err *err)
+{
+    const rekv_model_config *c = rekv_engine_config(eng);
+    int V = c->vocab, rc;
+    out->cfg = po->cfg;
+    out->cfg.mode = mode;
+    if ((rc = cli_session_choose(c, &po->link, B, S, &out->cfg, err)))
+        return rc;
+    cli_session ses;
+    if ((rc = cli_session_open(&ses, eng, &po->link, &out->cfg, B, S + N, err)))
+        return rc;
+    rekv_pseq **seqs = calloc((size_t)B, sizeof(*seqs));
+    rekv_pipe_item *items = calloc((size_t)B, sizeof(*items));
+    float *logits = malloc(sizeof(float) * (size_t)B * (size_t)V);
+    out->tokens = malloc(sizeof(int32_t) * (size_t)B * (size_t)N);
+    if (!seqs || !items || !logits || !out->tokens) {
+        rc = rekv_errf(err, -ENOMEM, "out of memory");
+        goto out;
+    }
+    for (int b = 0; b < B && rc == 0; b++) {
+        rc = rekv_pseq_create(ses.p, S + N, &seqs[b], err);
+        items[b] = (rekv_pipe_item){seqs[b], prompts[b], S, logits + (size_t)b * V};
+    }
+    if (rc || (rc = rekv_pipeline_step(ses.p, items, B, err)))
+        goto out;
+    rekv_pipeline_counters_reset(ses.p);
+    ses.be->iface->stats_reset(ses.be);
+    if (po->trace)
+        ses.be->iface->trace_start(ses.be);
+    uint64_t t0 = rekv_now_ns();
+    for (int step = 0; step < N; step++) {
+        for (int b = 0; b < B; b++) {
+            const float *lg = logits + (size_t)b * V;
+            int best = 0;
+            for (int t = 1; t < V; t++)
+                if (lg[t] > lg[best])
+                    best = t;
+            out->tokens[(size_t)step * B + b] = best;
+            items[b] = (rekv_pipe_item){seqs[b], &out->tokens[(size_t)step * B + b], 1,
+                                        logits + (size_t)b * V};
+        }
+        if (step + 1 < N && (rc = rekv_pipeline_step(ses.p, items, B, err)))
+            goto out;
+    }
+    out->decode_s = (double)(rekv_now_ns() - t0) * 1e-9;
+    rekv_pipeline_counters(ses.p, &out->counters);
+    rekv_backend_stats bst;
+    ses.be->iface->stats(ses.be, &bst);
+    out->compute_busy_s = bst.compute_busy_s;
+    out->h2d_busy_s = bst.h2d_busy_s;
+    out->d2h_busy_s = bst.d2h_busy_s;
+    if (po->trace) {
+        char path[4200];
+        snprintf(path, sizeof(path), "%s.%s.json", po->trace, rekv_mode_name(mode));
+        rc = ses.be->iface->trace_write(ses.be, path, err);
+    }
+out:
+    if (seqs)
+        for (int b = 0; b < B; b++)
+            rekv_pseq_free(seqs[b]);
+    free(seqs);
+    free(items);
+    free(logits);
+    cli_session_close(&ses);
+    return rc;
+}
+
+static int bench_decode(int argc, char **argv)
+{
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"batch", required_argument, 0, 'b'},
+                                         {"prompt-len", required_argument, 0, 'p'},
+                                         {"gen-len", required_argument, 0, 'g'},
+                                         {"modes", required_argument, 0, 'M'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"help", no_argument, 0, 'h'},
+                                         CLI_PIPELINE_OPTIONS,
+                                         {0, 0, 0, 0}};
+    const char *model_path = NULL, *modes = "resident,offload,kvpr,act,hybrid";
+    long B = 8, S = 128, N = 8;
+    cli_pipeline_opts po;
+    cli_pipeline_opts_defaults(&po);
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int pr = cli_parse_pipeline_opt(c, optarg, &po);
+        if (pr < 0)
+            return 2;
+        if (pr > 0)
+            continue;
+        switch (c) {
+        case 'm': model_path = optarg; break;
+        case 'b': if (cli_parse_int("batch", optarg, 1, 4096, &B)) return 2; break;
+        case 'p': if (cli_parse_int("prompt-len", optarg, 1, 1 << 20, &S)) return 2; break;
+        case 'g': if (cli_parse_int("gen-len", optarg, 2, 1 << 20, &N)) return 2; break;
+        case 'M': modes = optarg; break;
+        case 'j': break; /* JSON is the only output */
+        case 'h':
+        default:
+            fprintf(c == 'h' ? stdout : stderr,
+                    "usage: rekv bench decode --model PATH [--batch B] [--prompt-len S]\n"
+                    "                         [--gen-len N] [--modes resident,offload,...]\n"
+                    "                         [pipeline options] [--json]\n"
+                    "Runs every mode on the same prompts in one process and prints decode\n"
+                    "tokens/s, its ratio to offload, host->device bytes per generated token\n"
+                    "and the busy fractions of compute and link. Pipeline options:\n"
+                    CLI_PIPELINE_USAGE "(--mode is ignored; --trace F writes F.<mode>.json)\n");
+            return c == 'h' ? 0 : 2;
+        }
+    }
+    if (model_path == NULL) {
+        fprintf(stderr, "rekv bench decode: --model is required\n");
+        return 2;
+    }
+    int rc = 1;
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    rekv_engine *eng = NULL;
+    int32_t **prompts = NULL;
+    decode_result res[5];
+    rekv_mode mlist[5];
+    int n_modes = 0;
+    memset(res, 0, sizeof(res));
+    char *mdup = strdup(modes), *save = NULL;
+    for (char *t = strtok_r(mdup, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (n_modes == 5 || rekv_mode_parse(t, &mlist[n_modes])) {
+            fprintf(stderr, "rekv bench decode: --modes: unknown or too many modes (\"%s\")\n", t);
+            free(mdup);
+            return 2;
+        }
+        n_modes++;
+    }
+    free(mdup);
+    if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err)) {
+        fprintf(stderr, "rekv: %s\n", err.msg);
+        goto out;
+    }
+    const rekv_model_config *cfg = &model->config;
+    if (S + N > cfg->max_pos) {
+        fprintf(stderr, "rekv bench decode: prompt-len + gen-len exceeds the context (%d)\n",
+                cfg->max_pos);
+        goto out;
+    }
+    prompts = calloc((size_t)B, sizeof(*prompts));
+    uint64_t x = 777;
+    for (long b = 0; b < B; b++) {
+        prompts[b] = malloc(sizeof(int32_t) * (size_t)S);
+        for (long i = 0; i < S; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            prompts[b][i] = (int32_t)((x >> 33) % (uint64_t)cfg->vocab);
+        }
+    }
+    for (int i = 0; i < n_modes; i++)
+        if (run_decode(eng, &po, mlist[i], (int)B, (int)S, (int)N, prompts, &res[i], &err)) {
+            fprintf(stderr, "rekv: %s: %s\n", rekv_mode_name(mlist[i]), err.msg);
+            goto out;
+        }
+    double offload_tps = 0;
+    int ref = -1;
+    for (int i = 0; i < n_modes; i++) {
+        if (mlist[i] == REKV_MODE_OFFLOAD)
+            offload_tps = (double)B * (N - 1) / res[i].decode_s;
+        if (mlist[i] == REKV_MODE_RESIDENT)
+            ref = i;
+    }
+    json_t *arr = json_array();
+    for (int i = 0; i < n_modes; i++) {
+        decode_result *r = &res[i];
+        double toks = (double)B * (N - 1), tps = toks / r->decode_s; /* tokens of decode steps */
+        uint64_t h2d = 0;
+        for (int k = 0; k < REKV_XFER_KINDS; k++)
+            h2d += r->counters.h2d_bytes[k];
+        json_t *o = json_pack(
+            "{s:s, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:I, s:I}", "mode",
+            rekv_mode_name(mlist[i]), "decode_s", r->decode_s, "decode_tokens_per_s", tps,
+            "h2d_bytes_per_token", (double)h2d / toks, "h2d_kv_bytes_per_token",
+            (double)r->counters.h2d_bytes[REKV_XFER_KV] / toks, "h2d_act_bytes_per_token",
+            (double)r->counters.h2d_bytes[REKV_XFER_ACT] / toks, "h2d_weight_bytes_per_token",
+            (double)r->counters.h2d_bytes[REKV_XFER_WEIGHTS] / toks, "compute_busy_frac",
+            r->compute_busy_s / r->decode_s, "link_busy_frac", r->h2d_busy_s / r->decode_s,
+            "tokens_recomputed", (json_int_t)r->counters.tokens_recomputed, "tokens_fetched",
+            (json_int_t)r->counters.tokens_fetched);
+        if (offload_tps > 0)
+            json_object_set_new(o, "ratio_vs_offload", json_real(tps / offload_tps));
+        if (mlist[i] == REKV_MODE_KVPR)
+            json_object_set_new(o, "split", json_integer(r->cfg.split));
+        if (mlist[i] == REKV_MODE_HYBRID)
+            json_object_set_new(o, "ratio", json_pack("[i, i]", r->cfg.kv_parts, r->cfg.act_parts));
+        if (ref >= 0)
+            json_object_set_new(o, "tokens_match_resident",
+                                json_boolean(memcmp(r->tokens, res[ref].tokens,
+                                                    sizeof(int32_t) * (size_t)B * N) == 0));
+        json_array_append_new(arr, o);
+    }
+    json_t *out = json_pack(
+        "{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:i, s:i, s:i, s:f, s:f, s:b, s:s, "
+        "s:i, s:s, s:o}",
+        "bench", "decode", "backend", "cpu", "model", "layers", cfg->n_layers, "hidden",
+        cfg->hidden, "heads", cfg->n_heads, "kv_heads", cfg->n_kv_heads, "ffn", cfg->ffn, "vocab",
+        cfg->vocab, "batch", (int)B, "prompt_len", (int)S, "gen_len", (int)N, "link_gbps",
+        po.link.gbps, "link_latency_us", po.link.latency_us, "offload_weights",
+        po.cfg.offload_weights, "schedule", po.cfg.schedule == REKV_SCHED_ROW ? "row" : "column",
+        "gpu_batches", po.cfg.gpu_batches, "cache_dtype", rekv_dtype_name(po.cfg.cache_dtype),
+        "modes", arr);
+    char *str = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
+    printf("%s\n", str);
+    free(str);
+    json_decref(out);
+    rc = 0;
+out:
+    for (int i = 0; i < n_modes; i++)
+        free(res[i].tokens);
+    if (prompts)
+        for (long b = 0; b < B; b++)
+            free(prompts[b]);
+    free(prompts);
+    rekv_engine_free(eng);
+    rekv_model_close(model);
+    return rc;
+}
+
 int cli_bench(int argc, char **argv)
 {
     if (argc >= 2 && strcmp(argv[1], "forward") == 0)
         return bench_forward(argc - 1, argv + 1);
+    if (argc >= 2 && strcmp(argv[1], "decode") == 0)
+        return bench_decode(argc - 1, argv + 1);
     if (argc >= 2 && strcmp(argv[1], "kvstore") == 0)
         return rekv_kvstore_bench_main(argc - 1, argv + 1);
-    fprintf(stderr, "usage: rekv bench forward|kvstore [options] --json\n");
+    fprintf(stderr, "usage: rekv bench forward|decode|kvstore [options] --json\n");
     return 2;
 }

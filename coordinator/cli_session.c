@@ -1,0 +1,252 @@
+/* cli_session.c — what `rekv generate` and `rekv bench decode` need to run the pipeline in this
+ * process: a backend, a private kvstore (a child process) for the offloaded modes, and the
+ * pipeline, with the KVPR split and the HybridServe ratio chosen from measured speeds when the
+ * user does not force them. */
+#include "coordinator/cli_session.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "coordinator/planner.h"
+#include "gpuworker/cpu_ops.h"
+
+/* Host->device bandwidth the pipeline will see: the emulated link's, or a measured memcpy. */
+static double link_bytes_per_s(const rekv_link_config *link)
+{
+    if (link->gbps > 0)
+        return link->gbps * 1e9 / 8;
+    size_t n = 64u << 20;
+    char *a = malloc(n), *b = malloc(n);
+    double bw = 10e9;
+    if (a && b) {
+        memset(a, 1, n);
+        memset(b, 0, n);
+        uint64_t t0 = rekv_now_ns();
+        memcpy(b, a, n);
+        memcpy(a, b, n);
+        double s = (double)(rekv_now_ns() - t0) * 1e-9;
+        if (s > 0)
+            bw = 2.0 * (double)n / s;
+    }
+    free(a);
+    free(b);
+    return bw;
+}
+
+/* FLOP/s of the recomputation GEMM (row-invariant) at the model's K projection shape. */
+static double recompute_flops(const rekv_model_config *c)
+{
+    int m = 64, n = rekv_config_kv_dim(c), k = c->hidden;
+    float *x = calloc((size_t)m * k, sizeof(float)), *w = calloc((size_t)n * k, sizeof(float));
+    float *y = calloc((size_t)m * n, sizeof(float));
+    double f = 1e10;
+    if (x && w && y) {
+        int reps = 0;
+        uint64_t t0 = rekv_now_ns(), t;
+        do {
+            cpu_gemm_rowinv(y, x, w, NULL, m, n, k);
+            reps++;
+            t = rekv_now_ns();
+        } while (t - t0 < 50000000ull);
+        f = 2.0 * m * n * k * reps / ((double)(t - t0) * 1e-9);
+    }
+    free(x);
+    free(w);
+    free(y);
+    return f;
+}
+
+int cli_session_choose(const rekv_model_config *c, const rekv_link_config *link, int batch,
+                       int ctx, rekv_pipeline_config *cfg, rekv_err *err)
+{
+    int need_split = cfg->mode == REKV_MODE_KVPR && cfg->split < 0;
+    int need_ratio = cfg->mode == REKV_MODE_HYBRID && cfg->kv_parts < 0;
+    if (!need_split && !need_ratio)
+        return 0;
+    double dsz = (double)rekv_dtype_size(cfg->cache_dtype);
+    rekv_cost_profile prof = {0};
+    prof.h2d_bw = link_bytes_per_s(link);
+    prof.h2d_latency = link->gbps > 0 ? link->latency_us * 1e-6 : 0;
+    prof.gemm_flops = recompute_flops(c);
+    double kv_tok = 2.0 * rekv_config_kv_dim(c) * dsz, act_tok = (double)c->hidden * dsz;
+    prof.load_kv = (rekv_linear){prof.h2d_latency, kv_tok / prof.h2d_bw};
+    /* T_kv_gen: the activation row crosses the link and the K,V GEMMs run */
+    prof.kv_gen = (rekv_linear){prof.h2d_latency,
+                                act_tok / prof.h2d_bw +
+                                    4.0 * c->hidden * rekv_config_kv_dim(c) / prof.gemm_flops};
+    int rc;
+    if (need_split) {
+        rekv_kvpr_params kp = {ctx, batch, c->hidden, rekv_config_kv_dim(c), dsz};
+        rekv_kvpr_split sp;
+        if ((rc = rekv_plan_kvpr_solve(&prof, &kp, &sp, err)))
+            return rc;
+        cfg->split = (int)sp.l;
+    }
+    if (need_ratio) {
+        double layer_w = 0;
+        if (cfg->offload_weights) {
+            double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c);
+            double F = c->ffn;
+            layer_w = 4.0 * (2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F);
+            prof.t_load_w = layer_w / prof.h2d_bw;
+        }
+        /* the host memory the batch's context takes as all-KV is what the ratio splits */
+        double blocks = (double)batch * ((ctx + 15) / 16);
+        rekv_hybrid_params hp = {0};
+        hp.kv_block_bytes = kv_tok * 16;
+        hp.act_block_bytes = act_tok * 16;
+        hp.n_layers = c->n_layers;
+        hp.weight_bytes = layer_w * c->n_layers;
+        hp.host_bytes = hp.weight_bytes + blocks * hp.kv_block_bytes * c->n_layers;
+        hp.block_tokens = 16;
+        rekv_hybrid_alloc ha;
+        if ((rc = rekv_plan_hybrid_alloc(&prof, &hp, &ha, err)))
+            return rc;
+        cfg->kv_parts = ha.kv_parts;
+        cfg->act_parts = ha.act_parts;
+        if (cfg->kv_parts + cfg->act_parts == 0)
+            cfg->kv_parts = 1;
+    }
+    return 0;
+}
+
+int cli_session_open(cli_session *s, rekv_engine *e, const rekv_link_config *link,
+                     const rekv_pipeline_config *cfg, int batch, int ctx, rekv_err *err)
+{
+    const rekv_model_config *c = rekv_engine_config(e);
+    memset(s, 0, sizeof(*s));
+    int rc = rekv_backend_cpu_create(link, &s->be, err);
+    if (rc)
+        return rc;
+    if (cfg->mode != REKV_MODE_RESIDENT) {
+        const char *tmp = getenv("TMPDIR");
+        snprintf(s->dir, sizeof(s->dir), "%s/rekv-local.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+        if (mkdtemp(s->dir) == NULL) {
+            rc = rekv_errf(err, -errno, "%s: %s", s->dir, strerror(errno));
+            s->dir[0] = '\0';
+            goto fail;
+        }
+        char ep[4200];
+        snprintf(ep, sizeof(ep), "ipc://%s/kv.sock", s->dir);
+        rekv_kvstore_config kc;
+        rekv_kvstore_config_defaults(&kc);
+        kc.endpoint = ep;
+        kc.spill_dir = s->dir;
+        if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
+            goto fail;
+        size_t kvb = rekv_kv_block_bytes(&kc.geometry), actb = rekv_kv_act_block_bytes(&kc.geometry);
+        size_t slot = ((kvb > actb ? kvb : actb) + 4095) & ~(size_t)4095;
+        uint64_t blocks = (uint64_t)batch * (uint64_t)((ctx + 15) / 16 + 1) * (uint64_t)c->n_layers *
+                          (cfg->mode == REKV_MODE_KVPR ? 2 : 1);
+        kc.host_bytes = blocks * slot + blocks * slot / 8 + (4u << 20);
+        if ((rc = rekv_kvstore_spawn(&kc, &s->store_pid, err)))
+            goto fail;
+        if ((rc = rekv_kvstore_client_connect(ep, NULL, 60000, &s->store, err)))
+            goto fail;
+    }
+    if ((rc = rekv_pipeline_create(e, s->be, s->store, cfg, &s->p, err)))
+        goto fail;
+    return 0;
+fail:
+    cli_session_close(s);
+    return rc;
+}
+
+void cli_session_close(cli_session *s)
+{
+    rekv_pipeline_free(s->p);
+    rekv_kvstore_client_close(s->store);
+    if (s->store_pid > 0)
+        rekv_kvstore_reap(s->store_pid);
+    rekv_backend_destroy(s->be);
+    if (s->dir[0])
+        rmdir(s->dir); /* the store removed its socket and spill files */
+    memset(s, 0, sizeof(*s));
+}
+
+int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
+{
+    long v;
+    double d;
+    switch (c) {
+    case CLI_OPT_MODE:
+        if (rekv_mode_parse(arg, &o->cfg.mode)) {
+            fprintf(stderr, "rekv: --mode: expected resident, offload, kvpr, act or hybrid\n");
+            return -1;
+        }
+        return 1;
+    case CLI_OPT_OFFLOAD_WEIGHTS:
+        o->cfg.offload_weights = 1;
+        return 1;
+    case CLI_OPT_GPU_BATCHES:
+        if (cli_parse_int("gpu-batches", arg, 1, 64, &v))
+            return -1;
+        o->cfg.gpu_batches = (int)v;
+        return 1;
+    case CLI_OPT_SCHEDULE:
+        if (strcmp(arg, "row") == 0)
+            o->cfg.schedule = REKV_SCHED_ROW;
+        else if (strcmp(arg, "column") == 0)
+            o->cfg.schedule = REKV_SCHED_COLUMN;
+        else {
+            fprintf(stderr, "rekv: --schedule: expected row or column\n");
+            return -1;
+        }
+        return 1;
+    case CLI_OPT_SPLIT:
+        if (cli_parse_int("split", arg, 0, 1 << 30, &v))
+            return -1;
+        o->cfg.split = (int)v;
+        return 1;
+    case CLI_OPT_RATIO: {
+        unsigned kv, act;
+        char tail;
+        if (sscanf(arg, "%u:%u%c", &kv, &act, &tail) != 2 || kv + act == 0 || kv > 1024 ||
+            act > 1024) {
+            fprintf(stderr, "rekv: --ratio: expected KV:ACT block counts like 2:1\n");
+            return -1;
+        }
+        o->cfg.kv_parts = (int)kv;
+        o->cfg.act_parts = (int)act;
+        return 1;
+    }
+    case CLI_OPT_CACHE_DTYPE:
+        if (strcmp(arg, "f16") == 0)
+            o->cfg.cache_dtype = REKV_DTYPE_F16;
+        else if (strcmp(arg, "f32") == 0)
+            o->cfg.cache_dtype = REKV_DTYPE_F32;
+        else {
+            fprintf(stderr, "rekv: --cache-dtype: expected f16 or f32\n");
+            return -1;
+        }
+        return 1;
+    case CLI_OPT_LINK_GBPS:
+        if (cli_parse_float("link-gbps", arg, 0, 1e6, &d))
+            return -1;
+        o->link.gbps = d;
+        return 1;
+    case CLI_OPT_LINK_LATENCY:
+        if (cli_parse_float("link-latency-us", arg, 0, 1e6, &d))
+            return -1;
+        o->link.latency_us = d;
+        return 1;
+    case CLI_OPT_TRACE:
+        o->trace = arg;
+        return 1;
+    }
+    return 0;
+}
+
+void cli_pipeline_opts_defaults(cli_pipeline_opts *o)
+{
+    memset(o, 0, sizeof(*o));
+    rekv_pipeline_config_defaults(&o->cfg);
+    o->cfg.split = -1;    /* from the cost model */
+    o->cfg.kv_parts = -1; /* from the cost model */
+    o->cfg.act_parts = -1;
+    o->link.latency_us = 10;
+}

@@ -1,0 +1,78 @@
+/* cli_session.h — running the pipeline inside the CLI: options shared by `rekv generate` and
+ * `rekv bench decode`, and a session (backend, private kvstore, pipeline). */
+#ifndef REKV_COORDINATOR_CLI_SESSION_H
+#define REKV_COORDINATOR_CLI_SESSION_H
+
+#include <getopt.h>
+#include <sys/types.h>
+
+#include "coordinator/cli.h"
+#include "gpuworker/pipeline.h"
+
+/* getopt_long values of the pipeline options */
+enum {
+    CLI_OPT_MODE = 1000,
+    CLI_OPT_OFFLOAD_WEIGHTS,
+    CLI_OPT_GPU_BATCHES,
+    CLI_OPT_SCHEDULE,
+    CLI_OPT_SPLIT,
+    CLI_OPT_RATIO,
+    CLI_OPT_CACHE_DTYPE,
+    CLI_OPT_LINK_GBPS,
+    CLI_OPT_LINK_LATENCY,
+    CLI_OPT_TRACE,
+};
+
+#define CLI_PIPELINE_OPTIONS                                                                       \
+    {"mode", required_argument, 0, CLI_OPT_MODE},                                                  \
+        {"offload-weights", no_argument, 0, CLI_OPT_OFFLOAD_WEIGHTS},                              \
+        {"gpu-batches", required_argument, 0, CLI_OPT_GPU_BATCHES},                                \
+        {"schedule", required_argument, 0, CLI_OPT_SCHEDULE},                                      \
+        {"split", required_argument, 0, CLI_OPT_SPLIT},                                            \
+        {"ratio", required_argument, 0, CLI_OPT_RATIO},                                            \
+        {"cache-dtype", required_argument, 0, CLI_OPT_CACHE_DTYPE},                                \
+        {"link-gbps", required_argument, 0, CLI_OPT_LINK_GBPS},                                    \
+        {"link-latency-us", required_argument, 0, CLI_OPT_LINK_LATENCY},                           \
+        {"trace", required_argument, 0, CLI_OPT_TRACE}
+
+#define CLI_PIPELINE_USAGE                                                                         \
+    "  --mode resident|offload|kvpr|act|hybrid   where the KV cache lives (default resident)\n"    \
+    "  --offload-weights     stream each layer's weights host->device\n"                           \
+    "  --gpu-batches N       split the batch into N GPU batches (default 1)\n"                     \
+    "  --schedule row|column row-by-row (latency) or column-by-column (throughput)\n"              \
+    "  --split L             kvpr: tokens recomputed from activations (default: KVPR Eq. 11)\n"    \
+    "  --ratio KV:ACT        hybrid: block pattern (default: HybridServe Algorithm 1)\n"           \
+    "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
+    "  --link-gbps G         emulate a host<->device link of G Gbit/s each way\n"                 \
+    "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
+    "  --trace FILE          write a Chrome trace (Perfetto) of the streams\n"
+
+typedef struct cli_pipeline_opts {
+    rekv_pipeline_config cfg; /* split / kv_parts < 0: chosen by cli_session_choose */
+    rekv_link_config link;
+    const char *trace;
+} cli_pipeline_opts;
+
+void cli_pipeline_opts_defaults(cli_pipeline_opts *o);
+/* Handles one getopt result: 1 consumed, 0 not a pipeline option, -1 bad value (printed). */
+int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o);
+
+/* Fills a kvpr split or hybrid ratio left unset (< 0) from measured speeds: KVPR's Eq. 11–12 and
+ * HybridServe's Algorithm 1 (coordinator/planner.h), for `batch` sequences of `ctx` tokens. */
+int cli_session_choose(const rekv_model_config *c, const rekv_link_config *link, int batch,
+                       int ctx, rekv_pipeline_config *cfg, rekv_err *err);
+
+typedef struct cli_session {
+    rekv_backend *be;
+    pid_t store_pid;             /* the private kvstore, 0 when resident */
+    rekv_kvstore_client *store;
+    rekv_pipeline *p;
+    char dir[4096];              /* private socket/spill directory */
+} cli_session;
+
+/* Sized for `batch` sequences of up to `ctx` tokens. */
+int cli_session_open(cli_session *s, rekv_engine *e, const rekv_link_config *link,
+                     const rekv_pipeline_config *cfg, int batch, int ctx, rekv_err *err);
+void cli_session_close(cli_session *s);
+
+#endif
