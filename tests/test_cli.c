@@ -193,6 +193,51 @@ START_TEST(bad_input_clear_errors)
 }
 END_TEST
 
+/* `rekv bench decode`: one JSON object comparing every mode on the same prompts; every mode's
+ * tokens equal resident's, and on an MHA model the recomputing modes move fewer bytes. */
+START_TEST(bench_decode_json)
+{
+    char *d = tu_tmpdir(), args[8192], *out, *err;
+    snprintf(args, sizeof(args), "%s synth --arch opt --layers 2 --hidden 64 --heads 4 --ffn 128 "
+             "--vocab 300 --max-pos 256 --dtype f16 --seed 5 %s/m >/dev/null", tu_bin("rekv-loader"), d);
+    ck_assert_int_eq(system(args), 0);
+    snprintf(args, sizeof(args), "bench decode --model %s/m --batch 3 --prompt-len 40 --gen-len 3 "
+             "--link-gbps 2 --offload-weights --schedule column --gpu-batches 2 --json", d);
+    int rc = rekv(args, &out, &err);
+    ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+    json_t *o = json_loads(out, 0, NULL);
+    ck_assert_msg(o != NULL, "not JSON: %s", out);
+    json_t *modes = json_object_get(o, "modes");
+    ck_assert_int_eq(json_array_size(modes), 5);
+    double offload_bytes = 0;
+    size_t i;
+    json_t *m;
+    json_array_foreach(modes, i, m)
+    {
+        ck_assert(json_is_true(json_object_get(m, "tokens_match_resident")));
+        ck_assert(json_number_value(json_object_get(m, "decode_tokens_per_s")) > 0);
+        ck_assert(json_is_number(json_object_get(m, "ratio_vs_offload")));
+        if (strcmp(json_string_value(json_object_get(m, "mode")), "offload") == 0)
+            offload_bytes = json_number_value(json_object_get(m, "h2d_kv_bytes_per_token"));
+    }
+    ck_assert(offload_bytes > 0);
+    json_array_foreach(modes, i, m)
+    {
+        const char *name = json_string_value(json_object_get(m, "mode"));
+        double cache = json_number_value(json_object_get(m, "h2d_kv_bytes_per_token")) +
+                       json_number_value(json_object_get(m, "h2d_act_bytes_per_token"));
+        if (strcmp(name, "kvpr") == 0 || strcmp(name, "hybrid") == 0 || strcmp(name, "act") == 0)
+            ck_assert_msg(cache <= offload_bytes, "%s moves %g cache bytes per token, offload %g",
+                          name, cache, offload_bytes);
+    }
+    json_decref(o);
+    free(out);
+    free(err);
+    tu_rmrf(d);
+    free(d);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("cli");
@@ -201,6 +246,7 @@ static Suite *suite(void)
     tcase_add_test(tc, generate_json_stories);
     tcase_add_test(tc, generate_text_opt);
     tcase_add_test(tc, bad_input_clear_errors);
+    tcase_add_test(tc, bench_decode_json);
     suite_add_tcase(s, tc);
     return s;
 }

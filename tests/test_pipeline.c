@@ -114,6 +114,66 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     rekv_pipeline_free(p);
 }
 
+/* The bytes one decode step should move, from the papers' formulas: offload moves every context
+ * token's K and V (2 * kv_dim * p per token per layer); KVPR moves X[0:l] and KV[l:s] (Eq. 6–7,
+ * with GQA's kv_dim in place of h in Eq. 7); act moves every context token's X; hybrid moves X for
+ * tokens in ACT blocks and K,V for tokens in KV blocks, the block types following HybridServe's
+ * allocation rule. New tokens go back the same way. Weights: one layer per load. */
+static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_config *c, int B,
+                              const int *ctx, rekv_layer_counters *e)
+{
+    memset(e, 0, sizeof(*e));
+    uint64_t L = (uint64_t)c->n_layers, p = 4, H = (uint64_t)c->hidden;
+    uint64_t KVr = 2 * (uint64_t)rekv_config_kv_dim(c) * p, Xr = H * p; /* row bytes */
+    for (int i = 0; i < B; i++) {
+        uint64_t s = (uint64_t)ctx[i], x_tok = 0, kv_tok = 0, new_kv = 0, new_x = 0;
+        switch (cfg->mode) {
+        case REKV_MODE_RESIDENT:
+            break;
+        case REKV_MODE_OFFLOAD:
+            kv_tok = s, new_kv = 1;
+            break;
+        case REKV_MODE_KVPR: {
+            uint64_t l = (uint64_t)cfg->split < s ? (uint64_t)cfg->split : s;
+            x_tok = l, kv_tok = s - l, new_kv = 1, new_x = 1;
+            break;
+        }
+        case REKV_MODE_ACT:
+            x_tok = s, new_x = 1;
+            break;
+        case REKV_MODE_HYBRID: {
+            uint64_t nk = 0, na = 0;
+            for (uint64_t b = 0; b * 16 <= s; b++) {
+                rekv_kv_block_type t =
+                    rekv_kv_next_block_type(nk, na, (uint32_t)cfg->kv_parts, (uint32_t)cfg->act_parts);
+                uint64_t lo = b * 16, hi = lo + 16 < s ? lo + 16 : s;
+                if (t == REKV_KV_BLOCK_KV)
+                    nk++, kv_tok += hi > lo ? hi - lo : 0, new_kv += (s >= lo && s < lo + 16);
+                else
+                    na++, x_tok += hi > lo ? hi - lo : 0, new_x += (s >= lo && s < lo + 16);
+            }
+            break;
+        }
+        }
+        e->h2d_bytes[REKV_XFER_KV] += L * kv_tok * KVr;
+        e->h2d_bytes[REKV_XFER_ACT] += L * x_tok * Xr;
+        e->d2h_bytes[REKV_XFER_KV] += L * new_kv * KVr;
+        e->d2h_bytes[REKV_XFER_ACT] += L * new_x * Xr;
+        e->tokens_recomputed += L * x_tok;
+        e->tokens_fetched += L * kv_tok;
+    }
+    if (cfg->offload_weights) {
+        uint64_t Q = (uint64_t)rekv_config_q_dim(c), KV = (uint64_t)rekv_config_kv_dim(c);
+        uint64_t F = (uint64_t)c->ffn, ob = c->o_bias, qb = c->qkv_bias, fb = c->ffn_bias;
+        uint64_t nb = c->norm_bias ? 2 : 1, gated = c->act == REKV_ACT_SILU;
+        uint64_t layer = 4 * (Q * H + 2 * KV * H + H * Q + (2 + gated) * H * F + qb * (Q + 2 * KV) +
+                              ob * H + fb * (F + H) + 2 * nb * H);
+        int G = cfg->gpu_batches < B ? cfg->gpu_batches : B;
+        e->h2d_bytes[REKV_XFER_WEIGHTS] =
+            L * layer * (uint64_t)(cfg->schedule == REKV_SCHED_COLUMN ? 1 : G);
+    }
+}
+
 static const char *cfg_name(const rekv_pipeline_config *c, char *buf, size_t n)
 {
     snprintf(buf, n, "%s%s %s gpu_batches=%d split=%d pattern=%d:%d", rekv_mode_name(c->mode),
@@ -167,6 +227,39 @@ static void check_modes(const char *model_path, const int *lens, int B, int step
                     run r;
                     do_run(&f, &cfg, B, lens, prompts, steps, &r);
                     char name[256];
+                    rekv_layer_counters want;
+                    expected_counters(&cfg, c, B, lens, &want);
+                    ck_assert_msg(memcmp(&want, &r.first_decode, sizeof(want)) == 0,
+                                  "%s, %s, B=%d: bytes moved by one decode step differ from the "
+                                  "formulas: h2d kv %llu (want %llu) act %llu (want %llu) weights "
+                                  "%llu (want %llu); d2h kv %llu (want %llu) act %llu (want %llu)",
+                                  model_path, cfg_name(&cfg, name, sizeof(name)), B,
+                                  (unsigned long long)r.first_decode.h2d_bytes[REKV_XFER_KV],
+                                  (unsigned long long)want.h2d_bytes[REKV_XFER_KV],
+                                  (unsigned long long)r.first_decode.h2d_bytes[REKV_XFER_ACT],
+                                  (unsigned long long)want.h2d_bytes[REKV_XFER_ACT],
+                                  (unsigned long long)r.first_decode.h2d_bytes[REKV_XFER_WEIGHTS],
+                                  (unsigned long long)want.h2d_bytes[REKV_XFER_WEIGHTS],
+                                  (unsigned long long)r.first_decode.d2h_bytes[REKV_XFER_KV],
+                                  (unsigned long long)want.d2h_bytes[REKV_XFER_KV],
+                                  (unsigned long long)r.first_decode.d2h_bytes[REKV_XFER_ACT],
+                                  (unsigned long long)want.d2h_bytes[REKV_XFER_ACT]);
+                    /* where an activation row is smaller than a K+V row (MHA), every technique
+                     * that sends activations moves strictly fewer bytes than offload */
+                    if (c->hidden < 2 * rekv_config_kv_dim(c) &&
+                        (cfg.mode == REKV_MODE_KVPR || cfg.mode == REKV_MODE_ACT ||
+                         cfg.mode == REKV_MODE_HYBRID)) {
+                        rekv_pipeline_config oc = cfg;
+                        oc.mode = REKV_MODE_OFFLOAD;
+                        rekv_layer_counters off;
+                        expected_counters(&oc, c, B, lens, &off);
+                        uint64_t a = r.first_decode.h2d_bytes[REKV_XFER_KV] +
+                                     r.first_decode.h2d_bytes[REKV_XFER_ACT];
+                        uint64_t o = off.h2d_bytes[REKV_XFER_KV] + off.h2d_bytes[REKV_XFER_ACT];
+                        ck_assert_msg(a < o, "%s: %llu cache bytes per step, offload %llu",
+                                      cfg_name(&cfg, name, sizeof(name)), (unsigned long long)a,
+                                      (unsigned long long)o);
+                    }
                     for (size_t i = 0; i < n_logits; i++)
                         if (memcmp(&r.logits[i], &ref.logits[i], sizeof(float)) != 0)
                             ck_abort_msg("%s, %s, B=%d: logit %zu (step %zu) is %.9g, resident "

@@ -1,0 +1,114 @@
+/* coordinator.h — rekv's coordinator: the control socket clients submit jobs to, the job queue,
+ * continuous batching over the gpuworkers, and the journal that makes accepted jobs survive a
+ * restart; and the client side of the control protocol (proto/control.proto).
+ *
+ * Sockets (ZeroMQ, one frame per message, protobuf-c):
+ *   control  ROUTER; clients (DEALER) send Request, get Response with the same id. ipc:// by
+ *            default, in $XDG_RUNTIME_DIR/rekv or /run/rekv, socket file mode 0600. tcp:// only when
+ *            configured; a non-loopback tcp address needs a CurveZMQ secret key.
+ *   workers  ROUTER; each gpuworker (DEALER) says Hello, then gets one Plan per step and answers
+ *            Progress (proto/worker.proto). A worker silent for worker_timeout_ms is dead: its jobs
+ *            are re-queued (or failed after max_attempts starts) and the coordinator carries on.
+ *
+ * Journal: <state_dir>/journal, append-only records [magic u32][len u32][crc32c u32][payload],
+ * payload a JournalRecord. An accepted job's record is fdatasync'd before the Submit is answered
+ * (one sync per batch of requests read together); a finished job's record is appended without a
+ * sync (losing it only runs the job again). On start the journal is replayed — unfinished jobs
+ * queue again, a torn last record is cut off — and rewritten compactly.
+ *
+ * Library code: functions return 0 or a negative errno and fill the rekv_err; the server reports
+ * notable events through a callback so that only the daemon's main logs. */
+#ifndef REKV_COORDINATOR_COORDINATOR_H
+#define REKV_COORDINATOR_COORDINATOR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/err.h"
+#include "proto/control.pb-c.h"
+
+#define REKV_CONTROL_PROTO_VERSION 1u
+#define REKV_WORKER_PROTO_VERSION 1u
+/* Largest request the control socket answers normally; larger ones get BAD_REQUEST. */
+#define REKV_CONTROL_MAX_REQUEST (1u << 20)
+
+/* The directory of the default sockets: $XDG_RUNTIME_DIR/rekv when set, else /run/rekv. */
+int rekv_runtime_dir(char *buf, size_t len, rekv_err *err);
+/* "ipc://<runtime dir>/control": where rekv-coordinator listens and the CLI looks by default. */
+int rekv_default_control_endpoint(char *buf, size_t len, rekv_err *err);
+
+/* ---------------------------------------------------------------- server */
+
+typedef enum rekv_co_event {
+    REKV_CO_EVENT_INFO = 0,
+    REKV_CO_EVENT_WARN = 1,
+    REKV_CO_EVENT_ERROR = 2,
+} rekv_co_event;
+
+typedef struct rekv_coordinator_config {
+    const char *control_endpoint; /* NULL: rekv_default_control_endpoint() */
+    const char *worker_endpoint;  /* NULL: "ipc://<dir of the control socket>/workers" */
+    const char *state_dir;        /* journal directory; NULL: no journal (jobs die with us) */
+    const char *model_path;       /* for the tokenizer (text prompts) and early checks; NULL */
+    const char *curve_secret;     /* Z85 CurveZMQ secret key for tcp://; NULL: none */
+    uint32_t queue_limit;         /* most jobs waiting to run; beyond: BUSY. 0: 256 */
+    uint32_t keep_finished;       /* finished jobs remembered for Status; 0: 1024 */
+    uint32_t worker_timeout_ms;   /* a worker silent this long is dead; 0: 30000 */
+    uint32_t max_attempts;        /* starts per job before it fails; 0: 3 */
+    uint32_t max_new_limit;       /* largest max_new_tokens accepted; 0: 1 << 20 */
+    int signal_fd;                /* a signalfd the loop polls; a signal on it stops the loop; -1 */
+    /* Called from the loop for notable events (workers joining and leaving, replays, errors). */
+    void (*on_event)(void *ctx, rekv_co_event level, const char *msg);
+    /* Called from the loop at least every 200 ms (e.g. sd_notify WATCHDOG=1). */
+    void (*on_tick)(void *ctx);
+    void *ctx;                    /* passed to on_event and on_tick */
+} rekv_coordinator_config;
+
+void rekv_coordinator_config_defaults(rekv_coordinator_config *cfg);
+
+typedef struct rekv_coordinator rekv_coordinator;
+
+/* Replays the journal, binds both sockets (removing stale ipc socket files, creating the socket
+ * directory mode 0700 when missing; socket files mode 0600). */
+int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator **out,
+                            rekv_err *err);
+/* Runs the event loop until rekv_coordinator_stop() or a signal on cfg->signal_fd. */
+int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err);
+/* Makes run() return soon; async-signal-safe. */
+void rekv_coordinator_stop(rekv_coordinator *co);
+/* Tells connected workers to drop their jobs, closes the sockets, removes the ipc socket files.
+ * Unfinished jobs stay in the journal. NULL is fine. */
+void rekv_coordinator_destroy(rekv_coordinator *co);
+/* The endpoints actually bound (with the defaults filled in). */
+const char *rekv_coordinator_control_endpoint(const rekv_coordinator *co);
+const char *rekv_coordinator_worker_endpoint(const rekv_coordinator *co);
+
+/* ---------------------------------------------------------------- client */
+
+typedef struct rekv_ctl rekv_ctl;
+
+/* Connects a DEALER to the control socket. NULL endpoint: the default. curve_server_key: the
+ * server's Z85 public key for a CurveZMQ tcp endpoint, else NULL. */
+int rekv_ctl_connect(const char *endpoint, const char *curve_server_key, rekv_ctl **out,
+                     rekv_err *err);
+void rekv_ctl_close(rekv_ctl *c);
+/* The ZeroMQ socket, for zmq_poll by callers that wait on several things. */
+void *rekv_ctl_socket(rekv_ctl *c);
+
+/* Sends a request; fills in version and, when 0, a fresh id (returned in *id when id != NULL). */
+int rekv_ctl_send(rekv_ctl *c, Rekv__Control__Request *req, uint64_t *id, rekv_err *err);
+/* Sends raw frames (tests send malformed ones): n frames of the given lengths. */
+int rekv_ctl_send_raw(rekv_ctl *c, const void *const *frames, const size_t *lens, size_t n,
+                      rekv_err *err);
+/* Receives one response; -ETIMEDOUT after timeout_ms (< 0: wait forever). Free it with
+ * rekv__control__response__free_unpacked(resp, NULL). */
+int rekv_ctl_recv(rekv_ctl *c, int timeout_ms, Rekv__Control__Response **resp, rekv_err *err);
+/* Sends and waits for the response with the same id (others arriving meanwhile are dropped). */
+int rekv_ctl_call(rekv_ctl *c, Rekv__Control__Request *req, int timeout_ms,
+                  Rekv__Control__Response **resp, rekv_err *err);
+
+/* Names for the enums, for the CLI and logs. */
+const char *rekv_ctl_state_name(Rekv__Control__JobState s);
+const char *rekv_ctl_code_name(Rekv__Control__Code c);
+
+#endif

@@ -1,0 +1,208 @@
+/* batcher.c — the job state machine of continuous batching (see batcher.h). The stop rules are
+ * those of rekv_generate (generate.c), replicated here per job so that a job's tokens do not
+ * depend on which other jobs shared its steps. */
+#include "gpuworker/batcher.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct bjob {
+    uint64_t id;         /* the caller's job id */
+    rekv_pseq *seq;      /* its cache */
+    int32_t *prompt;     /* [n_prompt] copied at join; freed after the prefill */
+    int n_prompt;
+    int prefilled;       /* 0 until the step that ran the prompt */
+    int n_gen;           /* tokens sampled so far */
+    int max_new;         /* max_new_tokens */
+    int stop_at_eos;     /* stop after EOS */
+    int32_t last;        /* the last sampled token: the next step's input */
+    rekv_sampler smp;    /* per job, seeded as rekv_generate seeds it */
+} bjob;
+
+struct rekv_batcher {
+    rekv_pipeline *p;          /* not owned */
+    const rekv_model_config *c; /* the pipeline's model (not owned) */
+    int max_batch;             /* capacity of jobs[] */
+    int n;                     /* jobs running */
+    bjob *jobs;                /* [max_batch], the batch in order */
+    rekv_pipe_item *items;     /* [max_batch] scratch for the step */
+    float *logits;             /* [max_batch][vocab] fp32 */
+    void *scratch;             /* 2 * vocab floats for the sampler */
+    rekv_batch_event *events;  /* [max_batch] the last step's outcomes */
+};
+
+int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch,
+                        rekv_batcher **out, rekv_err *err)
+{
+    if (max_batch < 1)
+        return rekv_errf(err, -EINVAL, "batcher: max_batch must be at least 1");
+    rekv_batcher *b = calloc(1, sizeof(*b));
+    if (b == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    b->p = p;
+    b->c = c;
+    b->max_batch = max_batch;
+    b->jobs = calloc((size_t)max_batch, sizeof(*b->jobs));
+    b->items = calloc((size_t)max_batch, sizeof(*b->items));
+    b->events = calloc((size_t)max_batch, sizeof(*b->events));
+    b->logits = malloc(sizeof(float) * (size_t)c->vocab * (size_t)max_batch);
+    b->scratch = malloc(sizeof(float) * 2 * (size_t)c->vocab);
+    if (!b->jobs || !b->items || !b->events || !b->logits || !b->scratch) {
+        rekv_batcher_free(b);
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    }
+    *out = b;
+    return 0;
+}
+
+static void job_free(bjob *j)
+{
+    rekv_pseq_free(j->seq);
+    free(j->prompt);
+    memset(j, 0, sizeof(*j));
+}
+
+void rekv_batcher_clear(rekv_batcher *b)
+{
+    for (int i = 0; i < b->n; i++)
+        job_free(&b->jobs[i]);
+    b->n = 0;
+}
+
+void rekv_batcher_free(rekv_batcher *b)
+{
+    if (b == NULL)
+        return;
+    if (b->jobs)
+        rekv_batcher_clear(b);
+    free(b->jobs);
+    free(b->items);
+    free(b->events);
+    free(b->logits);
+    free(b->scratch);
+    free(b);
+}
+
+int rekv_batcher_running(const rekv_batcher *b) { return b->n; }
+
+int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int n_prompt,
+                      const rekv_gen_params *gp, rekv_err *err)
+{
+    int rc;
+    const rekv_model_config *c = b->c;
+    if (b->n >= b->max_batch)
+        return rekv_errf(err, -ENOSPC, "the batch is full (%d jobs)", b->max_batch);
+    for (int i = 0; i < b->n; i++)
+        if (b->jobs[i].id == job)
+            return rekv_errf(err, -EINVAL, "job %llu is already running", (unsigned long long)job);
+    if (n_prompt <= 0)
+        return rekv_errf(err, -EINVAL, "the prompt is empty");
+    if (n_prompt > c->max_pos)
+        return rekv_errf(err, -E2BIG,
+                         "the prompt of %d tokens is longer than the model's context of %d tokens",
+                         n_prompt, c->max_pos);
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= c->vocab)
+            return rekv_errf(err, -EINVAL, "prompt token id %d is outside the vocabulary (0..%d)",
+                             prompt[i], c->vocab - 1);
+    if (gp->max_new_tokens < 0 || gp->temperature < 0 || gp->top_k < 0 || gp->top_p < 0 ||
+        gp->top_p > 1)
+        return rekv_errf(err, -EINVAL, "bad sampling parameters");
+    bjob *j = &b->jobs[b->n];
+    memset(j, 0, sizeof(*j));
+    j->id = job;
+    j->n_prompt = n_prompt;
+    j->max_new = gp->max_new_tokens;
+    j->stop_at_eos = gp->stop_at_eos;
+    j->last = -1;
+    rekv_sampler_init(&j->smp, gp->temperature, gp->top_k, gp->top_p, gp->seed);
+    j->prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
+    if (j->prompt == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    memcpy(j->prompt, prompt, sizeof(int32_t) * (size_t)n_prompt);
+    /* as rekv_generate: the last generated token is never fed back, so it needs no cache slot */
+    int64_t want = (int64_t)n_prompt + (j->max_new > 0 ? j->max_new - 1 : 0);
+    int cap = want < c->max_pos ? (int)want : c->max_pos;
+    if (j->max_new > 0 && (rc = rekv_pseq_create(b->p, cap, &j->seq, err))) {
+        free(j->prompt);
+        memset(j, 0, sizeof(*j));
+        return rc;
+    }
+    b->n++;
+    return 0;
+}
+
+int rekv_batcher_cancel(rekv_batcher *b, uint64_t job)
+{
+    for (int i = 0; i < b->n; i++) {
+        if (b->jobs[i].id != job)
+            continue;
+        job_free(&b->jobs[i]);
+        memmove(&b->jobs[i], &b->jobs[i + 1], sizeof(bjob) * (size_t)(b->n - i - 1));
+        b->n--;
+        return 0;
+    }
+    return -ENOENT;
+}
+
+int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_events,
+                      rekv_err *err)
+{
+    *events = b->events;
+    *n_events = 0;
+    if (b->n == 0)
+        return 0;
+    const rekv_model_config *c = b->c;
+    int V = c->vocab, n_items = 0;
+    /* item a of the step belongs to job slot[a]; jobs with max_new 0 never run (as rekv_generate) */
+    for (int i = 0; i < b->n; i++) {
+        bjob *j = &b->jobs[i];
+        if (j->max_new == 0)
+            continue;
+        b->items[n_items++] = j->prefilled
+                                  ? (rekv_pipe_item){j->seq, &j->last, 1, b->logits + (size_t)i * V}
+                                  : (rekv_pipe_item){j->seq, j->prompt, j->n_prompt,
+                                                     b->logits + (size_t)i * V};
+    }
+    int rc;
+    if (n_items > 0 && (rc = rekv_pipeline_step(b->p, b->items, n_items, err)))
+        return rc;
+    int kept = 0, ne = 0;
+    for (int i = 0; i < b->n; i++) {
+        bjob *j = &b->jobs[i];
+        rekv_batch_event *ev = &b->events[ne++];
+        *ev = (rekv_batch_event){j->id, -1, 0, NULL};
+        if (j->max_new == 0) {
+            ev->finished = 1;
+            ev->finish_reason = "length";
+        } else {
+            if (!j->prefilled) {
+                j->prefilled = 1;
+                free(j->prompt);
+                j->prompt = NULL;
+            }
+            int32_t tok = rekv_sample(&j->smp, b->logits + (size_t)i * V, V, b->scratch);
+            ev->token = tok;
+            j->last = tok;
+            j->n_gen++;
+            if (j->stop_at_eos && tok == c->eos_id)
+                ev->finish_reason = "eos";
+            else if (j->n_gen == j->max_new)
+                ev->finish_reason = "length";
+            else if (rekv_pseq_len(j->seq) >= c->max_pos)
+                ev->finish_reason = "context";
+            ev->finished = ev->finish_reason != NULL;
+        }
+        if (ev->finished) {
+            job_free(j);
+        } else {
+            if (kept != i)
+                b->jobs[kept] = *j;
+            kept++;
+        }
+    }
+    b->n = kept;
+    *n_events = ne;
+    return 0;
+}

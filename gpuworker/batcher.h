@@ -1,0 +1,55 @@
+/* batcher.h — continuous batching on one pipeline: jobs join and leave a running batch at step
+ * boundaries, and each job's tokens are exactly what rekv_generate would produce for it alone
+ * (the same sampler per job, the same stop rules, in the same order: EOS, then max_new_tokens,
+ * then the model's context).
+ *
+ * A step runs one rekv_pipeline_step over every running job: the jobs that joined since the last
+ * step contribute their whole prompt (prefill), the others their last sampled token (decode). The
+ * rekv-gpuworker daemon drives it from the coordinator's plans; tests drive it directly.
+ *
+ * Functions return 0 or a negative errno and fill the rekv_err; nothing here prints. */
+#ifndef REKV_GPUWORKER_BATCHER_H
+#define REKV_GPUWORKER_BATCHER_H
+
+#include <stdint.h>
+
+#include "gpuworker/pipeline.h"
+
+typedef struct rekv_batcher rekv_batcher;
+
+/* One job's outcome of a step. */
+typedef struct rekv_batch_event {
+    uint64_t job;              /* the caller's job id */
+    int32_t token;             /* the token sampled this step; -1 when none (max_new_tokens 0) */
+    int finished;              /* 1: the job left the batch */
+    const char *finish_reason; /* when finished: "length", "eos" or "context" (static string) */
+} rekv_batch_event;
+
+/* max_batch: most jobs running at once (>= 1). p and c (the config of the pipeline's model, e.g.
+ * rekv_engine_config of its engine) are not owned and must outlive the batcher. */
+int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch,
+                        rekv_batcher **out, rekv_err *err);
+/* Frees every running job's sequence, then the batcher. NULL is fine. */
+void rekv_batcher_free(rekv_batcher *b);
+
+/* Adds a job; it prefills at the next step. Only max_new_tokens, temperature, top_k, top_p, seed
+ * and stop_at_eos of gp are used. The prompt is copied. -EINVAL (empty prompt, token id outside
+ * the vocabulary, a job id already running, bad parameters), -E2BIG (prompt longer than the
+ * context), -ENOSPC (the batch is full), -ENOMEM; the message says which. */
+int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int n_prompt,
+                      const rekv_gen_params *gp, rekv_err *err);
+/* Drops a running job (its sequence is freed). Returns 0, or -ENOENT when it is not running. */
+int rekv_batcher_cancel(rekv_batcher *b, uint64_t job);
+/* Drops every job. */
+void rekv_batcher_clear(rekv_batcher *b);
+/* Jobs in the batch. */
+int rekv_batcher_running(const rekv_batcher *b);
+
+/* Runs one step. *events (owned by the batcher, valid until the next call) gets one entry per job
+ * that was in the batch, in batch order; finished jobs have left it. On a failed forward step the
+ * error is returned and every job is still in the batch, unchanged except that nothing was appended
+ * (the caller decides whether to fail them). */
+int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_events,
+                      rekv_err *err);
+
+#endif
