@@ -64,6 +64,14 @@ ifneq ($(wildcard kvstore/kvstore_main.c),)
 PROGRAMS += rekv-kvstore
 MAIN_rekv-kvstore := kvstore/kvstore_main.c
 endif
+ifneq ($(wildcard coordinator/coordinator_main.c),)
+PROGRAMS += rekv-coordinator
+MAIN_rekv-coordinator := coordinator/coordinator_main.c
+endif
+ifneq ($(wildcard gpuworker/worker_main.c),)
+PROGRAMS += rekv-gpuworker
+MAIN_rekv-gpuworker := gpuworker/worker_main.c
+endif
 BINS := $(addprefix $(BUILD)/bin/,$(PROGRAMS))
 
 TEST_SRCS := $(wildcard tests/test_*.c)

@@ -136,6 +136,9 @@ int cli_session_open(cli_session *s, rekv_engine *e, const rekv_link_config *lin
         rekv_kvstore_config_defaults(&kc);
         kc.endpoint = ep;
         kc.spill_dir = s->dir;
+        /* this process is the store's only client and holds its pins for a whole step, which can
+         * take minutes for a long prefill on the cpu backend; the store dies with it */
+        kc.lease_ms = 3600 * 1000;
         if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
             goto fail;
         size_t kvb = rekv_kv_block_bytes(&kc.geometry), actb = rekv_kv_act_block_bytes(&kc.geometry);
@@ -233,6 +236,11 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         if (cli_parse_float("link-latency-us", arg, 0, 1e6, &d))
             return -1;
         o->link.latency_us = d;
+        return 1;
+    case CLI_OPT_ACT_GPU:
+        if (cli_parse_int("act-gpu-blocks", arg, 0, 1 << 20, &v))
+            return -1;
+        o->cfg.act_gpu_blocks = (int)v;
         return 1;
     case CLI_OPT_TRACE:
         o->trace = arg;

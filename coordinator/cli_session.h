@@ -21,6 +21,7 @@ enum {
     CLI_OPT_LINK_GBPS,
     CLI_OPT_LINK_LATENCY,
     CLI_OPT_TRACE,
+    CLI_OPT_ACT_GPU,
 };
 
 #define CLI_PIPELINE_OPTIONS                                                                       \
@@ -33,7 +34,8 @@ enum {
         {"cache-dtype", required_argument, 0, CLI_OPT_CACHE_DTYPE},                                \
         {"link-gbps", required_argument, 0, CLI_OPT_LINK_GBPS},                                    \
         {"link-latency-us", required_argument, 0, CLI_OPT_LINK_LATENCY},                           \
-        {"trace", required_argument, 0, CLI_OPT_TRACE}
+        {"trace", required_argument, 0, CLI_OPT_TRACE},                                            \
+        {"act-gpu-blocks", required_argument, 0, CLI_OPT_ACT_GPU}
 
 #define CLI_PIPELINE_USAGE                                                                         \
     "  --mode resident|offload|kvpr|act|hybrid   where the KV cache lives (default resident)\n"    \
@@ -43,6 +45,7 @@ enum {
     "  --split L             kvpr: tokens recomputed from activations (default: KVPR Eq. 11)\n"    \
     "  --ratio KV:ACT        hybrid: block pattern (default: HybridServe Algorithm 1)\n"           \
     "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
+    "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"  \
     "  --link-gbps G         emulate a host<->device link of G Gbit/s each way\n"                 \
     "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
     "  --trace FILE          write a Chrome trace (Perfetto) of the streams\n"

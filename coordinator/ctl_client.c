@@ -61,7 +61,6 @@ int rekv_ctl_connect(const char *endpoint, const char *curve_server_key, rekv_ct
     zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof(linger));
     if (curve_server_key) {
         char pub[41], sec[41];
-        int one = 1;
         if (zmq_curve_keypair(pub, sec) != 0 ||
             zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, curve_server_key, 40) != 0 ||
             zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, pub, 40) != 0 ||
@@ -69,7 +68,6 @@ int rekv_ctl_connect(const char *endpoint, const char *curve_server_key, rekv_ct
             rc = rekv_errf(err, -EINVAL, "CurveZMQ setup failed: %s", zmq_strerror(errno));
             goto fail;
         }
-        (void)one;
     }
     if (zmq_connect(c->sock, endpoint) != 0) {
         rc = rekv_errf(err, -errno, "%s: connect: %s", endpoint, zmq_strerror(errno));

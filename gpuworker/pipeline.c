@@ -148,7 +148,9 @@ struct rekv_pipeline {
     uint8_t *arena;
     rekv_pipeline_config cfg;
     rekv_stream *s_compute, *s_h2d, *s_d2h;
-    rekv_event *ev_loaded[2], *ev_stage_free[2], *ev_out[2], *ev_out_free[2];
+    /* by unit parity: activations / KV rows loaded, staging merged, new rows staged, stored */
+    rekv_event *ev_act[2], *ev_loaded[2], *ev_stage_free[2], *ev_out[2], *ev_out_free[2];
+    /* by weight-buffer parity: W_K,W_V loaded, all loaded, buffer free again */
     rekv_event *ev_wkv[2], *ev_wall[2], *ev_wfree[2];
     layer_f32 *dev_layers;  /* resident weights: [n_layers] device copies; NULL when offloaded */
     layer_f32 wbuf[2];      /* offloaded weights: two device layer buffers */
@@ -170,7 +172,8 @@ struct rekv_pseq {
     rekv_pipeline *p;
     uint64_t id; /* kvstore sequence (kvpr: id holds K,V and id + 1 the activations) */
     int len, cap;
-    float *k, *v; /* resident: [n_layers][n_kv][cap][hd] device */
+    float *k, *v;    /* resident: [n_layers][n_kv][cap][hd] device */
+    uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
 };
 
 static const char *const mode_names[] = {"resident", "offload", "kvpr", "act", "hybrid"};
@@ -343,8 +346,8 @@ void rekv_pipeline_free(rekv_pipeline *p)
             p->bi->dev_free(p->be, ds[i]);
     if (p->d_head && !p->head_tied)
         p->bi->dev_free(p->be, p->d_head);
-    rekv_event **evs[] = {p->ev_loaded, p->ev_stage_free, p->ev_out, p->ev_out_free,
-                          p->ev_wkv,    p->ev_wall,       p->ev_wfree};
+    rekv_event **evs[] = {p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
+                          p->ev_out_free, p->ev_wkv, p->ev_wall, p->ev_wfree};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
             if (evs[i][j])
@@ -375,6 +378,8 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     if (cfg->mode == REKV_MODE_HYBRID && (cfg->kv_parts < 0 || cfg->act_parts < 0 ||
                                           cfg->kv_parts + cfg->act_parts == 0))
         return rekv_errf(err, -EINVAL, "pipeline: hybrid needs a kv:act pattern like 1:1");
+    if (cfg->act_gpu_blocks < 0)
+        return rekv_errf(err, -EINVAL, "pipeline: act_gpu_blocks must not be negative");
     if (be->kernels == NULL)
         return rekv_errf(err, -EINVAL, "pipeline: backend %s has no kernels", be->iface->name);
     rekv_pipeline *p = calloc(1, sizeof(*p));
@@ -413,8 +418,8 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         (rc = p->bi->stream_create(be, "h2d", &p->s_h2d, err)) ||
         (rc = p->bi->stream_create(be, "d2h", &p->s_d2h, err)))
         goto fail;
-    rekv_event **evs[] = {p->ev_loaded, p->ev_stage_free, p->ev_out, p->ev_out_free,
-                          p->ev_wkv,    p->ev_wall,       p->ev_wfree};
+    rekv_event **evs[] = {p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
+                          p->ev_out_free, p->ev_wkv, p->ev_wall, p->ev_wfree};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
             if ((rc = p->bi->event_create(be, &evs[i][j], err)))
@@ -489,6 +494,16 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
             goto fail;
         }
     } else {
+        if (p->cfg.act_gpu_blocks > 0 && p->cfg.mode != REKV_MODE_OFFLOAD) {
+            size_t n = (size_t)c->n_layers * (size_t)p->cfg.act_gpu_blocks * REKV_KV_BLOCK_TOKENS *
+                       (size_t)c->hidden * rekv_dtype_size(p->cfg.cache_dtype);
+            s->act_dev = p->bi->dev_alloc(p->be, n);
+            if (s->act_dev == NULL) {
+                rc = rekv_errf(err, -ENOMEM, "out of device memory for %d ACT blocks per layer",
+                               p->cfg.act_gpu_blocks);
+                goto fail;
+            }
+        }
         s->id = p->next_id;
         p->next_id += 2;
         if ((rc = rekv_kvstore_seq_create(p->store, s->id, err)))
@@ -506,6 +521,8 @@ fail:
         p->bi->dev_free(p->be, s->k);
     if (s->v)
         p->bi->dev_free(p->be, s->v);
+    if (s->act_dev)
+        p->bi->dev_free(p->be, s->act_dev);
     free(s);
     return rc;
 }
@@ -519,6 +536,8 @@ void rekv_pseq_free(rekv_pseq *s)
         p->bi->dev_free(p->be, s->k);
     if (s->v)
         p->bi->dev_free(p->be, s->v);
+    if (s->act_dev)
+        p->bi->dev_free(p->be, s->act_dev);
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
         if (p->cfg.mode == REKV_MODE_KVPR)
@@ -732,9 +751,26 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
     return d;
 }
 
+/* Counts a range's ACT blocks before block b, for b that only grow (ACT_GPU keeps a sequence's
+ * first N ACT blocks on the device). */
+typedef struct act_counter {
+    const range_ref *r;
+    size_t next;     /* blocks [0, next) counted */
+    uint64_t n_act;  /* ACT blocks among them */
+} act_counter;
+
+static uint64_t act_ordinal(const rekv_pipeline *p, act_counter *c, size_t b)
+{
+    for (; c->next < b && c->next < c->r->count; c->next++)
+        if (p->plan[c->r->first + c->next].type == REKV_KV_BLOCK_ACT)
+            c->n_act++;
+    return c->n_act;
+}
+
 /* Host-side lists of one unit's context loads and new-row stores. */
 typedef struct unit_io {
     piece_list h2d_kv, h2d_act, d2h_kv, d2h_act;
+    piece_list d2d_act; /* ACT_GPU: new activation rows into the device copy */
     conv_list conv_kv, conv_act;
     int32_t *act_seq, *act_pos; /* [n_act] recomputed rows: item within batch, position */
     int n_act;
@@ -770,6 +806,9 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
         rekv_pseq *s = st->items[item].seq;
         const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
         int ctx = s->len, l_split = kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : 0;
+        act_counter ac = {kvpr ? ar : kr, 0, 0};
+        uint64_t n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
+        size_t gpu_row_bytes = H * dsz, gpu_layer_rows = (size_t)n_gpu * REKV_KV_BLOCK_TOKENS;
         /* context: walk the blocks of the range [0, ctx) */
         for (int t0 = 0; t0 < ctx;) {
             int use_act = kvpr && t0 < l_split;
@@ -786,17 +825,26 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                 if (RESERVE(&io->h2d_act, 1) || RESERVE(&io->conv_act, 1))
                     return -ENOMEM;
                 size_t bytes = (size_t)n * H * dsz;
-                io->h2d_act.v[io->h2d_act.n++] = (rekv_copy_piece){
-                    act_stage + act_off, base + rekv_kv_act_offset(geo, (uint32_t)in_blk), bytes};
+                uint64_t ord = act_ordinal(p, &ac, (size_t)(t0 / REKV_KV_BLOCK_TOKENS));
+                const uint8_t *src;
+                if (ord < n_gpu) { /* ACT_GPU: already on the device */
+                    src = s->act_dev + ((size_t)layer * gpu_layer_rows +
+                                        (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
+                                           gpu_row_bytes;
+                } else {
+                    io->h2d_act.v[io->h2d_act.n++] = (rekv_copy_piece){
+                        act_stage + act_off, base + rekv_kv_act_offset(geo, (uint32_t)in_blk),
+                        bytes};
+                    src = act_stage + act_off;
+                    act_off += bytes;
+                    cnt->h2d_bytes[REKV_XFER_ACT] += bytes;
+                }
                 io->conv_act.v[io->conv_act.n++] = (rekv_convert_piece){
-                    (float *)p->act_f32.p + (size_t)io->n_act * H, act_stage + act_off,
-                    (uint32_t)((size_t)n * H)};
-                act_off += bytes;
+                    (float *)p->act_f32.p + (size_t)io->n_act * H, src, (uint32_t)((size_t)n * H)};
                 for (int i = 0; i < n; i++) {
                     io->act_seq[io->n_act] = j;
                     io->act_pos[io->n_act++] = t0 + i;
                 }
-                cnt->h2d_bytes[REKV_XFER_ACT] += bytes;
                 cnt->tokens_recomputed += (uint64_t)n;
             } else {
                 for (int h = 0; h < kvh; h++) {
@@ -850,10 +898,20 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                 if (RESERVE(&io->d2h_act, 1))
                     return -ENOMEM;
                 size_t bytes = H * dsz;
+                const uint8_t *row = out + (size_t)rows * 2 * KV * dsz + (size_t)r * H * dsz;
                 io->d2h_act.v[io->d2h_act.n++] = (rekv_copy_piece){
-                    p->arena + ab->offset + rekv_kv_act_offset(geo, (uint32_t)in_blk),
-                    out + (size_t)rows * 2 * KV * dsz + (size_t)r * H * dsz, bytes};
+                    p->arena + ab->offset + rekv_kv_act_offset(geo, (uint32_t)in_blk), row, bytes};
                 cnt->d2h_bytes[REKV_XFER_ACT] += bytes;
+                uint64_t ord = act_ordinal(p, &ac, (size_t)(t / REKV_KV_BLOCK_TOKENS));
+                if (ord < n_gpu) { /* ACT_GPU: the device copy too (the store stays complete) */
+                    if (RESERVE(&io->d2d_act, 1))
+                        return -ENOMEM;
+                    io->d2d_act.v[io->d2d_act.n++] = (rekv_copy_piece){
+                        s->act_dev + ((size_t)layer * gpu_layer_rows +
+                                      (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
+                                         gpu_row_bytes,
+                        row, bytes};
+                }
             }
         }
     }
@@ -865,7 +923,7 @@ static int unit_io_keep(step *st, unit_io *io)
 {
     int rc = 0;
     void *ptrs[] = {io->h2d_kv.v, io->h2d_act.v, io->d2h_kv.v, io->d2h_act.v, io->conv_kv.v,
-                    io->conv_act.v};
+                    io->conv_act.v, io->d2d_act.v};
     for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
         rc |= smem_adopt(&st->mem, ptrs[i]);
     return rc ? -ENOMEM : 0;
@@ -1043,33 +1101,19 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         else
             g = u / L, layer = u % L;
         int b = u & 1;
-        const layer_f32 *W;
-        int wb = 0;
-        if (p->cfg.offload_weights) {
-            /* column: one load per layer, shared by its GPU batches; row: one per unit */
-            int load = p->cfg.schedule == REKV_SCHED_COLUMN ? g == 0 : 1;
-            wb = (w_loads - (load ? 0 : 1)) & 1;
-            if (load) {
-                p->bi->stream_wait_event(sh, p->ev_wfree[wb]);
-                size_t bytes = copy_layer(p, sh, &p->e->layers[layer], &p->wbuf[wb], 0, N_KV_TENSORS);
-                p->bi->event_record(p->ev_wkv[wb], sh);
-                bytes += copy_layer(p, sh, &p->e->layers[layer], &p->wbuf[wb], N_KV_TENSORS,
-                                    N_LAYER_TENSORS);
-                p->bi->event_record(p->ev_wall[wb], sh);
-                p->counters[layer].h2d_bytes[REKV_XFER_WEIGHTS] += bytes;
-                w_loads++;
-            }
-            W = &p->wbuf[wb];
-        } else {
-            W = &p->dev_layers[layer];
-        }
+        /* weights: column schedule loads a layer once for all its GPU batches, row once per
+         * unit; two buffers alternate */
+        int load = p->cfg.offload_weights &&
+                   (p->cfg.schedule == REKV_SCHED_COLUMN ? g == 0 : 1);
+        int wb = (w_loads - (load ? 0 : 1)) & 1;
+        const layer_f32 *W = p->cfg.offload_weights ? &p->wbuf[wb] : &p->dev_layers[layer];
         rekv_attn_seq *d = unit_seqs(p, &st, g, layer, b);
+        unit_io io = {0};
         if (d == NULL) {
             rc = rekv_errf(err, -ENOMEM, "step: out of memory");
             goto drain;
         }
         if (!resident) {
-            unit_io io = {0};
             rc = unit_plan(p, &st, g, layer, b, d, &io);
             int krc = unit_io_keep(&st, &io);
             if (rc || krc) {
@@ -1078,18 +1122,37 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                                              : "out of memory");
                 goto drain;
             }
-            /* loads (h2d), once the compute of unit u-2 is done with this parity's staging */
+        }
+        /* h2d, in the order the compute needs it (KVPR's fine-grained pipeline): W_K and W_V,
+         * the activations to recompute from, the rest of the weights, then the KV rows — so the
+         * recomputation runs while the rest streams */
+        if (load) {
+            p->bi->stream_wait_event(sh, p->ev_wfree[wb]);
+            p->counters[layer].h2d_bytes[REKV_XFER_WEIGHTS] +=
+                copy_layer(p, sh, &p->e->layers[layer], &p->wbuf[wb], 0, N_KV_TENSORS);
+            p->bi->event_record(p->ev_wkv[wb], sh);
+        }
+        if (!resident) {
+            /* staging is free once the compute of unit u-2 has merged it */
             p->bi->stream_wait_event(sh, p->ev_stage_free[b]);
-            if (io.h2d_kv.n)
-                p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
             if (io.h2d_act.n)
                 p->bi->copy_h2d(sh, io.h2d_act.v, io.h2d_act.n, REKV_XFER_ACT);
+            p->bi->event_record(p->ev_act[b], sh);
+        }
+        if (load) {
+            p->counters[layer].h2d_bytes[REKV_XFER_WEIGHTS] +=
+                copy_layer(p, sh, &p->e->layers[layer], &p->wbuf[wb], N_KV_TENSORS,
+                           N_LAYER_TENSORS);
+            p->bi->event_record(p->ev_wall[wb], sh);
+            w_loads++;
+        }
+        if (!resident) {
+            if (io.h2d_kv.n)
+                p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
             p->bi->event_record(p->ev_loaded[b], sh);
-            /* merge and recompute (compute) */
-            p->bi->stream_wait_event(sc, p->ev_loaded[b]);
-            if (io.conv_kv.n)
-                k->convert(sc, io.conv_kv.v, io.conv_kv.n, p->cfg.cache_dtype);
+            /* compute: recompute K,V from activations, then merge the fetched KV rows */
             if (io.n_act) {
+                p->bi->stream_wait_event(sc, p->ev_act[b]);
                 k->convert(sc, io.conv_act.v, io.conv_act.n, p->cfg.cache_dtype);
                 if (p->cfg.offload_weights)
                     p->bi->stream_wait_event(sc, p->ev_wkv[wb]);
@@ -1103,21 +1166,24 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                 k->kv_scatter(sc, p->kr.p, p->vr.p, io.n_act, io.act_seq, io.act_pos, d,
                               c->n_kv_heads, c->head_dim);
             }
+            p->bi->stream_wait_event(sc, p->ev_loaded[b]);
+            if (io.conv_kv.n)
+                k->convert(sc, io.conv_kv.v, io.conv_kv.n, p->cfg.cache_dtype);
             p->bi->event_record(p->ev_stage_free[b], sc);
-            if (p->cfg.offload_weights)
-                p->bi->stream_wait_event(sc, p->ev_wall[wb]);
-            layer_compute(p, &st, g, layer, W, d, b, 1);
-            /* stores (d2h) */
+        }
+        if (p->cfg.offload_weights)
+            p->bi->stream_wait_event(sc, p->ev_wall[wb]);
+        layer_compute(p, &st, g, layer, W, d, b, !resident);
+        if (io.d2d_act.n) /* after the rows were staged by layer_compute, on the same stream */
+            p->bi->copy_d2d(sc, io.d2d_act.v, io.d2d_act.n);
+        if (!resident) {
+            /* d2h: the new rows, once converted into this parity's output staging */
             p->bi->stream_wait_event(sd, p->ev_out[b]);
             if (io.d2h_kv.n)
                 p->bi->copy_d2h(sd, io.d2h_kv.v, io.d2h_kv.n, REKV_XFER_KV);
             if (io.d2h_act.n)
                 p->bi->copy_d2h(sd, io.d2h_act.v, io.d2h_act.n, REKV_XFER_ACT);
             p->bi->event_record(p->ev_out_free[b], sd);
-        } else {
-            if (p->cfg.offload_weights)
-                p->bi->stream_wait_event(sc, p->ev_wall[wb]);
-            layer_compute(p, &st, g, layer, W, d, b, 0);
         }
         if (p->cfg.offload_weights)
             p->bi->event_record(p->ev_wfree[wb], sc);

@@ -52,6 +52,9 @@ typedef struct rekv_pipeline_config {
                                (clamped to the context); the caller picks it (Eq. 11) */
     int kv_parts, act_parts;/* hybrid: block pattern kv:act, e.g. 1:1 (the caller picks it) */
     rekv_dtype cache_dtype; /* host cache dtype: F32 (exact) or F16 */
+    int act_gpu_blocks;     /* ACT_GPU (HybridServe): each sequence's first N ACT blocks per
+                               layer are also kept on the device, so their activations never
+                               cross the link again (act, hybrid, kvpr); 0: none */
 } rekv_pipeline_config;
 
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@ int rekv_kvstore_spawn(const rekv_kvstore_config *cfg_in, pid_t *pid_out, rekv_e
     int pfd[2];
     if (pipe2(pfd, O_CLOEXEC) < 0)
         return rekv_errf(err, -errno, "kvstore: pipe: %s", strerror(errno));
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
         int e = errno;
@@ -26,6 +28,10 @@ int rekv_kvstore_spawn(const rekv_kvstore_config *cfg_in, pid_t *pid_out, rekv_e
     }
     if (pid == 0) {
         close(pfd[0]);
+        /* a private store lives no longer than the process that started it */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent)
+            _exit(1); /* the parent died before the prctl */
         sigset_t set;
         sigemptyset(&set);
         sigaddset(&set, SIGTERM);

@@ -127,6 +127,7 @@ static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_
     uint64_t KVr = 2 * (uint64_t)rekv_config_kv_dim(c) * p, Xr = H * p; /* row bytes */
     for (int i = 0; i < B; i++) {
         uint64_t s = (uint64_t)ctx[i], x_tok = 0, kv_tok = 0, new_kv = 0, new_x = 0;
+        uint64_t recomputed = 0;
         switch (cfg->mode) {
         case REKV_MODE_RESIDENT:
             break;
@@ -134,23 +135,33 @@ static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_
             kv_tok = s, new_kv = 1;
             break;
         case REKV_MODE_KVPR: {
+            /* ACT_GPU: the first N blocks' activations are on the device already */
             uint64_t l = (uint64_t)cfg->split < s ? (uint64_t)cfg->split : s;
-            x_tok = l, kv_tok = s - l, new_kv = 1, new_x = 1;
+            uint64_t gpu = (uint64_t)cfg->act_gpu_blocks * 16;
+            x_tok = l > gpu ? l - gpu : 0, kv_tok = s - l, new_kv = 1, new_x = 1;
+            recomputed = l;
             break;
         }
-        case REKV_MODE_ACT:
-            x_tok = s, new_x = 1;
+        case REKV_MODE_ACT: {
+            uint64_t gpu = (uint64_t)cfg->act_gpu_blocks * 16;
+            x_tok = s > gpu ? s - gpu : 0, new_x = 1;
+            recomputed = s;
             break;
+        }
         case REKV_MODE_HYBRID: {
             uint64_t nk = 0, na = 0;
             for (uint64_t b = 0; b * 16 <= s; b++) {
                 rekv_kv_block_type t =
                     rekv_kv_next_block_type(nk, na, (uint32_t)cfg->kv_parts, (uint32_t)cfg->act_parts);
                 uint64_t lo = b * 16, hi = lo + 16 < s ? lo + 16 : s;
-                if (t == REKV_KV_BLOCK_KV)
+                if (t == REKV_KV_BLOCK_KV) {
                     nk++, kv_tok += hi > lo ? hi - lo : 0, new_kv += (s >= lo && s < lo + 16);
-                else
-                    na++, x_tok += hi > lo ? hi - lo : 0, new_x += (s >= lo && s < lo + 16);
+                } else {
+                    recomputed += hi > lo ? hi - lo : 0;
+                    if (na >= (uint64_t)cfg->act_gpu_blocks) /* else ACT_GPU: on the device */
+                        x_tok += hi > lo ? hi - lo : 0;
+                    na++, new_x += (s >= lo && s < lo + 16);
+                }
             }
             break;
         }
@@ -159,7 +170,7 @@ static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_
         e->h2d_bytes[REKV_XFER_ACT] += L * x_tok * Xr;
         e->d2h_bytes[REKV_XFER_KV] += L * new_kv * KVr;
         e->d2h_bytes[REKV_XFER_ACT] += L * new_x * Xr;
-        e->tokens_recomputed += L * x_tok;
+        e->tokens_recomputed += L * recomputed;
         e->tokens_fetched += L * kv_tok;
     }
     if (cfg->offload_weights) {
@@ -176,10 +187,10 @@ static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_
 
 static const char *cfg_name(const rekv_pipeline_config *c, char *buf, size_t n)
 {
-    snprintf(buf, n, "%s%s %s gpu_batches=%d split=%d pattern=%d:%d", rekv_mode_name(c->mode),
-             c->offload_weights ? "+offload-weights" : "",
+    snprintf(buf, n, "%s%s %s gpu_batches=%d split=%d pattern=%d:%d act_gpu=%d",
+             rekv_mode_name(c->mode), c->offload_weights ? "+offload-weights" : "",
              c->schedule == REKV_SCHED_ROW ? "row" : "column", c->gpu_batches, c->split,
-             c->kv_parts, c->act_parts);
+             c->kv_parts, c->act_parts, c->act_gpu_blocks);
     return buf;
 }
 
@@ -209,11 +220,12 @@ static void check_modes(const char *model_path, const int *lens, int B, int step
         do_run(&f, &ref_cfg, B, lens, prompts, steps, &ref);
         struct {
             rekv_mode mode;
-            int split, kv, act;
-        } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1}, {REKV_MODE_OFFLOAD, 0, 1, 1},
-                     {REKV_MODE_KVPR, 7, 1, 1},     {REKV_MODE_KVPR, 1000000, 1, 1},
-                     {REKV_MODE_ACT, 0, 1, 1},      {REKV_MODE_HYBRID, 0, 1, 1},
-                     {REKV_MODE_HYBRID, 0, 3, 1}};
+            int split, kv, act, act_gpu;
+        } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1, 0}, {REKV_MODE_OFFLOAD, 0, 1, 1, 0},
+                     {REKV_MODE_KVPR, 7, 1, 1, 0},     {REKV_MODE_KVPR, 1000000, 1, 1, 1},
+                     {REKV_MODE_ACT, 0, 1, 1, 0},      {REKV_MODE_ACT, 0, 1, 1, 2},
+                     {REKV_MODE_HYBRID, 0, 1, 1, 0},   {REKV_MODE_HYBRID, 0, 3, 1, 1},
+                     {REKV_MODE_HYBRID, 0, 1, 2, 3}};
         for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++)
             for (int ow = 0; ow < 2; ow++)
                 for (int sched = 0; sched < 2; sched++) {
@@ -222,6 +234,7 @@ static void check_modes(const char *model_path, const int *lens, int B, int step
                     cfg.split = modes[mi].split;
                     cfg.kv_parts = modes[mi].kv;
                     cfg.act_parts = modes[mi].act;
+                    cfg.act_gpu_blocks = modes[mi].act_gpu;
                     cfg.offload_weights = ow;
                     cfg.schedule = sched ? REKV_SCHED_COLUMN : REKV_SCHED_ROW;
                     run r;

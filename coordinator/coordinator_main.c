@@ -1,0 +1,172 @@
+/* coordinator_main.c — rekv-coordinator: parses the command line, blocks SIGTERM/SIGINT into a
+ * signalfd, runs the coordinator loop, reports readiness (--ready-fd, sd_notify) and pets the
+ * systemd watchdog. Everything else is coordinator.c. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "coordinator/coordinator.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: rekv-coordinator [--control ENDPOINT] [--workers ENDPOINT] [--state-dir DIR]\n"
+            "         [--model PATH] [--queue N] [--keep-finished N] [--worker-timeout-ms N]\n"
+            "         [--max-attempts N] [--curve-secret-file FILE] [--ready-fd N]\n"
+            "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
+            "beside it, no journal unless --state-dir (or $STATE_DIRECTORY) is given, queue 256.\n"
+            "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
+            "--curve-secret-file (a Z85 CurveZMQ secret key).\n");
+}
+
+static void on_event(void *ctx, rekv_co_event lvl, const char *msg)
+{
+    (void)ctx;
+    rekv_log(lvl == REKV_CO_EVENT_ERROR  ? REKV_LOG_ERROR
+             : lvl == REKV_CO_EVENT_WARN ? REKV_LOG_WARN
+                                         : REKV_LOG_INFO,
+             "%s", msg);
+}
+
+/* systemd watchdog: pet it at a third of the interval it asked for */
+static uint64_t wd_usec, wd_last_ns;
+static void on_tick(void *ctx)
+{
+    (void)ctx;
+    if (wd_usec == 0)
+        return;
+    uint64_t now = rekv_now_ns();
+    if (now - wd_last_ns >= wd_usec * 1000ull / 3) {
+        sd_notify(0, "WATCHDOG=1");
+        wd_last_ns = now;
+    }
+}
+
+static int parse_u32(const char *s, uint32_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(s, &end, 10);
+    if (errno || end == s || *end || v > UINT32_MAX)
+        return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    rekv_log_init_from_env();
+    rekv_coordinator_config cfg;
+    rekv_coordinator_config_defaults(&cfg);
+    const char *curve_file = NULL;
+    uint32_t ready_fd = UINT32_MAX;
+    enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_TIMEOUT, O_ATTEMPTS,
+           O_CURVE, O_READY, O_HELP };
+    static const struct option opts[] = {
+        {"control", required_argument, 0, O_CONTROL},
+        {"workers", required_argument, 0, O_WORKERS},
+        {"state-dir", required_argument, 0, O_STATE},
+        {"model", required_argument, 0, O_MODEL},
+        {"queue", required_argument, 0, O_QUEUE},
+        {"keep-finished", required_argument, 0, O_KEEP},
+        {"worker-timeout-ms", required_argument, 0, O_TIMEOUT},
+        {"max-attempts", required_argument, 0, O_ATTEMPTS},
+        {"curve-secret-file", required_argument, 0, O_CURVE},
+        {"ready-fd", required_argument, 0, O_READY},
+        {"help", no_argument, 0, O_HELP},
+        {0, 0, 0, 0},
+    };
+    int o;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int bad = 0;
+        switch (o) {
+        case O_CONTROL: cfg.control_endpoint = optarg; break;
+        case O_WORKERS: cfg.worker_endpoint = optarg; break;
+        case O_STATE: cfg.state_dir = optarg; break;
+        case O_MODEL: cfg.model_path = optarg; break;
+        case O_QUEUE: bad = parse_u32(optarg, &cfg.queue_limit) || cfg.queue_limit == 0; break;
+        case O_KEEP: bad = parse_u32(optarg, &cfg.keep_finished) || cfg.keep_finished == 0; break;
+        case O_TIMEOUT: bad = parse_u32(optarg, &cfg.worker_timeout_ms); break;
+        case O_ATTEMPTS: bad = parse_u32(optarg, &cfg.max_attempts); break;
+        case O_CURVE: curve_file = optarg; break;
+        case O_READY: bad = parse_u32(optarg, &ready_fd); break;
+        case O_HELP: usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+        if (bad) {
+            fprintf(stderr, "rekv-coordinator: bad value '%s'\n", optarg);
+            return 2;
+        }
+    }
+    if (optind != argc) {
+        usage(stderr);
+        return 2;
+    }
+    /* systemd's StateDirectory= */
+    if (cfg.state_dir == NULL && getenv("STATE_DIRECTORY") && *getenv("STATE_DIRECTORY"))
+        cfg.state_dir = getenv("STATE_DIRECTORY");
+    char key[64] = {0};
+    if (curve_file) {
+        FILE *f = fopen(curve_file, "r");
+        if (f == NULL || fread(key, 1, 40, f) != 40) {
+            rekv_log(REKV_LOG_ERROR, "%s: cannot read a 40-character Z85 key", curve_file);
+            if (f)
+                fclose(f);
+            return 1;
+        }
+        fclose(f);
+        cfg.curve_secret = key;
+    }
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (sfd < 0) {
+        rekv_log(REKV_LOG_ERROR, "signalfd: %s", strerror(errno));
+        return 1;
+    }
+    cfg.signal_fd = sfd;
+    cfg.on_event = on_event;
+    cfg.on_tick = on_tick;
+    rekv_err err = {0};
+    rekv_coordinator *co = NULL;
+    if (rekv_coordinator_create(&cfg, &co, &err) < 0) {
+        rekv_log(REKV_LOG_ERROR, "%s", err.msg);
+        close(sfd);
+        return 1;
+    }
+    rekv_log(REKV_LOG_INFO, "serving %s (workers on %s), queue %u, journal %s",
+             rekv_coordinator_control_endpoint(co), rekv_coordinator_worker_endpoint(co),
+             cfg.queue_limit, cfg.state_dir ? cfg.state_dir : "off");
+    if (ready_fd != UINT32_MAX) {
+        ssize_t w = write((int)ready_fd, "READY\n", 6);
+        (void)w;
+        close((int)ready_fd);
+    }
+    if (getenv("NOTIFY_SOCKET")) {
+        sd_notify(0, "READY=1");
+        if (sd_watchdog_enabled(0, &wd_usec) <= 0)
+            wd_usec = 0;
+    }
+    int rc = rekv_coordinator_run(co, &err);
+    if (rc < 0)
+        rekv_log(REKV_LOG_ERROR, "%s", err.msg);
+    if (getenv("NOTIFY_SOCKET"))
+        sd_notify(0, "STOPPING=1");
+    rekv_coordinator_destroy(co);
+    close(sfd);
+    rekv_log(REKV_LOG_INFO, "stopped");
+    return rc < 0 ? 1 : 0;
+}

@@ -1,0 +1,427 @@
+/* worker_main.c — rekv-gpuworker: loads the model onto a backend, connects to the coordinator
+ * (DEALER) and, for the offloaded modes, to the kvstore, and runs the coordinator's plans one step
+ * at a time through a batcher (batcher.h), answering each with the tokens it produced. Heartbeats
+ * while idle; says Hello again whenever the coordinator does not know it. One zmq_poll loop. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "gpuworker/batcher.h"
+#include "gpuworker/pipeline.h"
+#include "kvstore/kvstore.h"
+#include "proto/worker.pb-c.h"
+
+#define WORKER_PROTO_VERSION 1u /* REKV_WORKER_PROTO_VERSION in coordinator.h */
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
+            "         [--backend auto|cpu] [--mode resident|offload|kvpr|act|hybrid]\n"
+            "         [--max-batch N] [--name NAME] [--heartbeat-ms N] [--ready-fd N]\n"
+            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
+            "mode resident, batch 64. Every mode but resident keeps the KV cache in the kvstore.\n");
+}
+
+typedef struct worker {
+    void *sock;               /* DEALER to the coordinator */
+    rekv_pipeline *pipe;
+    rekv_batcher *batch;
+    const rekv_model_config *mc;
+    const char *name, *mode, *model;
+    int max_batch;
+    uint64_t steps;
+    uint64_t last_sent_ns;    /* for heartbeats */
+} worker;
+
+static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
+{
+    m->version = WORKER_PROTO_VERSION;
+    size_t n = rekv__worker__worker_msg__get_packed_size(m);
+    uint8_t *buf = malloc(n ? n : 1);
+    if (buf == NULL)
+        return -ENOMEM;
+    rekv__worker__worker_msg__pack(m, buf);
+    int rc = zmq_send(w->sock, buf, n, 0) < 0 ? -errno : 0;
+    free(buf);
+    w->last_sent_ns = rekv_now_ns();
+    if (rc)
+        rekv_log(REKV_LOG_WARN, "send to the coordinator: %s", zmq_strerror(-rc));
+    return rc;
+}
+
+static void send_hello(worker *w)
+{
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.name = (char *)w->name;
+    h.backend = "cpu";
+    h.mode = (char *)w->mode;
+    h.max_batch = (uint32_t)w->max_batch;
+    h.vocab = (uint32_t)w->mc->vocab;
+    h.max_pos = (uint32_t)w->mc->max_pos;
+    h.eos_id = w->mc->eos_id;
+    h.model = (char *)w->model;
+    h.pid = (uint64_t)getpid();
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
+    m.hello = &h;
+    send_msg(w, &m);
+}
+
+/* One plan: drop the cancelled, add the joining, run a step, report. */
+static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
+{
+    for (size_t i = 0; i < plan->n_cancel; i++)
+        rekv_batcher_cancel(w->batch, plan->cancel[i]);
+    size_t cap = plan->n_join + (size_t)rekv_batcher_running(w->batch);
+    Rekv__Worker__JobProgress *jp = calloc(cap ? cap : 1, sizeof(*jp));
+    Rekv__Worker__JobProgress **pp = calloc(cap ? cap : 1, sizeof(*pp));
+    int32_t *toks = calloc(cap ? cap : 1, sizeof(int32_t));
+    rekv_err *errs = calloc(cap ? cap : 1, sizeof(rekv_err));
+    if (!jp || !pp || !toks || !errs) {
+        rekv_log(REKV_LOG_ERROR, "out of memory running a plan");
+        goto out;
+    }
+    size_t n = 0;
+    for (size_t i = 0; i < plan->n_join; i++) {
+        const Rekv__Worker__JobSpec *s = plan->join[i];
+        rekv_gen_params gp = {(int)s->max_new_tokens, s->temperature, (int)s->top_k,
+                              s->top_p > 0 ? s->top_p : 1.0f, s->seed, 0, s->stop_at_eos};
+        int rc = rekv_batcher_join(w->batch, s->job, s->prompt, (int)s->n_prompt, &gp, &errs[n]);
+        if (rc) {
+            rekv__worker__job_progress__init(&jp[n]);
+            jp[n].job = s->job;
+            jp[n].error = rc;
+            jp[n].error_msg = errs[n].msg;
+            pp[n] = &jp[n];
+            n++;
+        }
+    }
+    rekv_pipeline_counters_reset(w->pipe);
+    uint64_t t0 = rekv_now_ns();
+    const rekv_batch_event *ev = NULL;
+    int n_ev = 0;
+    rekv_err serr = {0};
+    int running = rekv_batcher_running(w->batch);
+    if (running > 0 && rekv_batcher_step(w->batch, &ev, &n_ev, &serr)) {
+        /* the step failed as a whole: every job in it fails with the reason */
+        rekv_log(REKV_LOG_ERROR, "step %llu: %s", (unsigned long long)plan->step, serr.msg);
+        rekv_batcher_clear(w->batch);
+        n_ev = 0;
+        running = 0;
+    }
+    double step_s = (double)(rekv_now_ns() - t0) * 1e-9;
+    if (serr.code) {
+        /* every job the coordinator thinks we run is gone; report each joined or running job */
+        for (size_t i = 0; i < plan->n_join; i++) {
+            int already = 0;
+            for (size_t k = 0; k < n; k++)
+                already |= jp[k].job == plan->join[i]->job;
+            if (!already && n < cap) {
+                rekv__worker__job_progress__init(&jp[n]);
+                jp[n].job = plan->join[i]->job;
+                jp[n].error = serr.code;
+                jp[n].error_msg = serr.msg;
+                pp[n] = &jp[n];
+                n++;
+            }
+        }
+    }
+    for (int i = 0; i < n_ev && n < cap; i++) {
+        rekv__worker__job_progress__init(&jp[n]);
+        jp[n].job = ev[i].job;
+        if (ev[i].token >= 0) {
+            toks[n] = ev[i].token;
+            jp[n].n_tokens = 1;
+            jp[n].tokens = &toks[n];
+        }
+        jp[n].finished = ev[i].finished;
+        jp[n].finish_reason = ev[i].finished ? (char *)ev[i].finish_reason : "";
+        pp[n] = &jp[n];
+        n++;
+    }
+    rekv_layer_counters tot;
+    rekv_pipeline_counters(w->pipe, &tot);
+    Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
+    c.h2d_weights = tot.h2d_bytes[REKV_XFER_WEIGHTS];
+    c.h2d_kv = tot.h2d_bytes[REKV_XFER_KV];
+    c.h2d_act = tot.h2d_bytes[REKV_XFER_ACT];
+    for (int k = 0; k < REKV_XFER_KINDS; k++)
+        c.d2h += tot.d2h_bytes[k];
+    c.tokens_recomputed = tot.tokens_recomputed;
+    c.tokens_fetched = tot.tokens_fetched;
+    Rekv__Worker__Progress pr = REKV__WORKER__PROGRESS__INIT;
+    pr.step = plan->step;
+    pr.n_jobs = n;
+    pr.jobs = pp;
+    pr.running = (uint32_t)rekv_batcher_running(w->batch);
+    pr.step_s = step_s;
+    pr.counters = &c;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
+    m.progress = &pr;
+    send_msg(w, &m);
+    w->steps++;
+out:
+    free(jp);
+    free(pp);
+    free(toks);
+    free(errs);
+}
+
+static int parse_u32(const char *s, uint32_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(s, &end, 10);
+    if (errno || end == s || *end || v > UINT32_MAX)
+        return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    rekv_log_init_from_env();
+    const char *model_path = NULL, *coord = NULL, *kv_ep = NULL, *backend = "auto",
+               *mode_s = "resident", *name = NULL;
+    uint32_t max_batch = 64, hb_ms = 500, ready_fd = UINT32_MAX;
+    enum { O_MODEL = 1000, O_COORD, O_KV, O_BACKEND, O_MODE, O_BATCH, O_NAME, O_HB, O_READY,
+           O_HELP };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, O_MODEL},
+        {"coordinator", required_argument, 0, O_COORD},
+        {"kvstore", required_argument, 0, O_KV},
+        {"backend", required_argument, 0, O_BACKEND},
+        {"mode", required_argument, 0, O_MODE},
+        {"max-batch", required_argument, 0, O_BATCH},
+        {"name", required_argument, 0, O_NAME},
+        {"heartbeat-ms", required_argument, 0, O_HB},
+        {"ready-fd", required_argument, 0, O_READY},
+        {"help", no_argument, 0, O_HELP},
+        {0, 0, 0, 0},
+    };
+    int o;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int bad = 0;
+        switch (o) {
+        case O_MODEL: model_path = optarg; break;
+        case O_COORD: coord = optarg; break;
+        case O_KV: kv_ep = optarg; break;
+        case O_BACKEND: backend = optarg; break;
+        case O_MODE: mode_s = optarg; break;
+        case O_BATCH: bad = parse_u32(optarg, &max_batch) || max_batch == 0 || max_batch > 4096; break;
+        case O_NAME: name = optarg; break;
+        case O_HB: bad = parse_u32(optarg, &hb_ms) || hb_ms == 0; break;
+        case O_READY: bad = parse_u32(optarg, &ready_fd); break;
+        case O_HELP: usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+        if (bad) {
+            fprintf(stderr, "rekv-gpuworker: bad value '%s'\n", optarg);
+            return 2;
+        }
+    }
+    if (model_path == NULL || optind != argc) {
+        usage(stderr);
+        return 2;
+    }
+    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0) {
+        fprintf(stderr, "rekv-gpuworker: --backend %s: this worker drives the cpu backend only "
+                        "(auto picks it)\n", backend);
+        return 2;
+    }
+    rekv_pipeline_config pc;
+    rekv_pipeline_config_defaults(&pc);
+    if (rekv_mode_parse(mode_s, &pc.mode)) {
+        fprintf(stderr, "rekv-gpuworker: --mode %s: unknown mode\n", mode_s);
+        return 2;
+    }
+    char def_ep[4200], def_name[64];
+    if (coord == NULL) {
+        const char *x = getenv("XDG_RUNTIME_DIR");
+        snprintf(def_ep, sizeof(def_ep), "ipc://%s/rekv/workers", x && *x ? x : "/run");
+        coord = def_ep;
+    }
+    if (name == NULL) {
+        char host[32] = "host";
+        gethostname(host, sizeof(host) - 1);
+        snprintf(def_name, sizeof(def_name), "%s-%d", host, (int)getpid());
+        name = def_name;
+    }
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (sfd < 0) {
+        rekv_log(REKV_LOG_ERROR, "signalfd: %s", strerror(errno));
+        return 1;
+    }
+    int rc = 1;
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    rekv_engine *eng = NULL;
+    rekv_backend *be = NULL;
+    rekv_kvstore_client *kv = NULL;
+    worker w = {0};
+    void *zctx = NULL;
+    w.name = name;
+    w.mode = rekv_mode_name(pc.mode);
+    w.model = model_path;
+    w.max_batch = (int)max_batch;
+    if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
+        goto fail;
+    w.mc = rekv_engine_config(eng);
+    if (kv_ep) {
+        if (rekv_kvstore_client_connect(kv_ep, NULL, 0, &kv, &err))
+            goto fail;
+        rekv_kv_geometry g;
+        rekv_kvstore_client_geometry(kv, &g);
+        pc.cache_dtype = g.dtype; /* the store's arena decides the cache dtype */
+    } else if (pc.mode != REKV_MODE_RESIDENT) {
+        rekv_log(REKV_LOG_ERROR, "--mode %s keeps the KV cache in the kvstore: give --kvstore",
+                 mode_s);
+        goto out;
+    }
+    if (rekv_backend_cpu_create(NULL, &be, &err) ||
+        rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
+        rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))
+        goto fail;
+    zctx = zmq_ctx_new();
+    w.sock = zctx ? zmq_socket(zctx, ZMQ_DEALER) : NULL;
+    int linger = 0, ivl = 100;
+    if (w.sock == NULL) {
+        rekv_log(REKV_LOG_ERROR, "zmq socket: %s", zmq_strerror(errno));
+        goto out;
+    }
+    zmq_setsockopt(w.sock, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(w.sock, ZMQ_RECONNECT_IVL, &ivl, sizeof(ivl));
+    if (zmq_connect(w.sock, coord) != 0) {
+        rekv_log(REKV_LOG_ERROR, "%s: connect: %s", coord, zmq_strerror(errno));
+        goto out;
+    }
+    send_hello(&w);
+    rekv_log(REKV_LOG_INFO, "%s: %s, %d layers, vocab %d, context %d; cpu backend, %s mode, batch "
+             "%u; coordinator %s%s%s", name, model_path, w.mc->n_layers, w.mc->vocab,
+             w.mc->max_pos, w.mode, max_batch, coord, kv_ep ? ", kvstore " : "",
+             kv_ep ? kv_ep : "");
+    if (ready_fd != UINT32_MAX) {
+        ssize_t wr = write((int)ready_fd, "READY\n", 6);
+        (void)wr;
+        close((int)ready_fd);
+    }
+    uint64_t wd_usec = 0, wd_last = 0;
+    if (getenv("NOTIFY_SOCKET")) {
+        sd_notify(0, "READY=1");
+        if (sd_watchdog_enabled(0, &wd_usec) <= 0)
+            wd_usec = 0;
+    }
+    uint64_t last_renew = rekv_now_ns();
+    for (;;) {
+        zmq_pollitem_t it[2] = {{w.sock, 0, ZMQ_POLLIN, 0}, {NULL, sfd, ZMQ_POLLIN, 0}};
+        int r = zmq_poll(it, 2, (long)hb_ms);
+        if (r < 0 && errno != EINTR) {
+            rekv_log(REKV_LOG_ERROR, "zmq_poll: %s", zmq_strerror(errno));
+            goto out;
+        }
+        if (r > 0 && (it[1].revents & ZMQ_POLLIN)) {
+            struct signalfd_siginfo si;
+            if (read(sfd, &si, sizeof(si)) > 0)
+                rekv_log(REKV_LOG_INFO, "signal %u: stopping", si.ssi_signo);
+            break;
+        }
+        int stop = 0;
+        while (!stop) {
+            zmq_msg_t msg;
+            zmq_msg_init(&msg);
+            if (zmq_msg_recv(&msg, w.sock, ZMQ_DONTWAIT) < 0) {
+                zmq_msg_close(&msg);
+                break;
+            }
+            Rekv__Worker__CoordMsg *m =
+                rekv__worker__coord_msg__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
+            zmq_msg_close(&msg);
+            if (m == NULL || m->version != WORKER_PROTO_VERSION) {
+                rekv_log(REKV_LOG_WARN, "a malformed message from the coordinator; ignored");
+                if (m)
+                    rekv__worker__coord_msg__free_unpacked(m, NULL);
+                continue;
+            }
+            switch (m->body_case) {
+            case REKV__WORKER__COORD_MSG__BODY_WELCOME:
+                rekv_log(REKV_LOG_INFO, "the coordinator accepted us (session %llu)",
+                         (unsigned long long)m->welcome->session);
+                break;
+            case REKV__WORKER__COORD_MSG__BODY_RESET:
+                if (rekv_batcher_running(w.batch))
+                    rekv_log(REKV_LOG_WARN, "the coordinator reset us: dropping %d jobs",
+                             rekv_batcher_running(w.batch));
+                rekv_batcher_clear(w.batch);
+                send_hello(&w);
+                break;
+            case REKV__WORKER__COORD_MSG__BODY_PLAN: run_plan(&w, m->plan); break;
+            case REKV__WORKER__COORD_MSG__BODY_SHUTDOWN: stop = 2; break;
+            default: break;
+            }
+            rekv__worker__coord_msg__free_unpacked(m, NULL);
+        }
+        if (stop == 2) {
+            rekv_log(REKV_LOG_INFO, "the coordinator asked us to stop");
+            break;
+        }
+        uint64_t now = rekv_now_ns();
+        if (now - w.last_sent_ns >= (uint64_t)hb_ms * 1000000ull) {
+            Rekv__Worker__Heartbeat hb = REKV__WORKER__HEARTBEAT__INIT;
+            hb.steps = w.steps;
+            Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+            m.body_case = REKV__WORKER__WORKER_MSG__BODY_HEARTBEAT;
+            m.heartbeat = &hb;
+            send_msg(&w, &m);
+        }
+        /* the kvstore drops idle clients' pins after its lease; stay known to it */
+        if (kv && now - last_renew >= 1000000000ull) {
+            rekv_err e2 = {0};
+            if (rekv_kvstore_renew(kv, &e2))
+                rekv_log(REKV_LOG_WARN, "kvstore: %s", e2.msg);
+            last_renew = now;
+        }
+        if (wd_usec && now - wd_last >= wd_usec * 1000ull / 3) {
+            sd_notify(0, "WATCHDOG=1");
+            wd_last = now;
+        }
+    }
+    rc = 0;
+    goto out;
+fail:
+    rekv_log(REKV_LOG_ERROR, "%s", err.msg);
+out:
+    if (getenv("NOTIFY_SOCKET"))
+        sd_notify(0, "STOPPING=1");
+    if (w.sock)
+        zmq_close(w.sock);
+    if (zctx)
+        zmq_ctx_term(zctx);
+    rekv_batcher_free(w.batch);
+    rekv_pipeline_free(w.pipe);
+    rekv_backend_destroy(be);
+    rekv_kvstore_client_close(kv);
+    rekv_engine_free(eng);
+    rekv_model_close(model);
+    close(sfd);
+    if (rc == 0)
+        rekv_log(REKV_LOG_INFO, "stopped");
+    return rc;
+}
