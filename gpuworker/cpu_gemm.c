@@ -13,6 +13,7 @@
 #include "gpuworker/cpu_ops.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 
 #if defined(__x86_64__)
@@ -59,7 +60,7 @@ __attribute__((target("avx2,fma"))) static inline float finish_avx2(__m256 acc, 
 
 /* 4 rows of x against 3 rows of w per pass: 12 accumulators, each one element's dot product. */
 __attribute__((target("avx2,fma"))) static void gemm_avx2(float *y, const float *x, const float *w,
-                                                          int m, int n, int k)
+                                                          int m, int n, int k, int ldy)
 {
     enum { MR = 4, NR = 3, MB = 64 };
     int k8 = k & ~7;
@@ -91,22 +92,50 @@ __attribute__((target("avx2,fma"))) static void gemm_avx2(float *y, const float 
                 const float *wr[NR] = {w0, w1, w2};
                 for (int r = 0; r < mi; r++)
                     for (int c = 0; c < nj; c++)
-                        y[(size_t)(i + r) * n + j + c] = finish_avx2(acc[r][c], xr[r], wr[c], k8, k);
+                        y[(size_t)(i + r) * ldy + j + c] = finish_avx2(acc[r][c], xr[r], wr[c], k8, k);
             }
         }
     }
 }
 #endif
 
+/* Columns [j0, j1) of y (row stride n): the same elements whatever the split, so splitting the
+ * columns across threads keeps the result bit-identical. */
+typedef struct gemm_part {
+    float *y;
+    const float *x, *w;
+    int m, n, k, j0, j1;
+} gemm_part;
+
+static void *gemm_part_run(void *arg)
+{
+    gemm_part *g = arg;
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        gemm_avx2(g->y + g->j0, g->x, g->w + (size_t)g->j0 * g->k, g->m, g->j1 - g->j0, g->k, g->n);
+        return NULL;
+    }
+#endif
+    for (int i = 0; i < g->m; i++)
+        for (int j = g->j0; j < g->j1; j++)
+            g->y[(size_t)i * g->n + j] =
+                dot_portable(g->x + (size_t)i * g->k, g->w + (size_t)j * g->k, g->k);
+    return NULL;
+}
+
 void cpu_gemm_rowinv(float *y, const float *x, const float *w, const float *bias, int m, int n,
                      int k)
 {
-#if defined(__x86_64__)
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        gemm_avx2(y, x, w, m, n, k);
-    else
-#endif
-        cpu_gemm_rowinv_portable(y, x, w, m, n, k);
+    /* large products use two threads, one per half of the output columns */
+    int split = (double)m * n * k > 4e6 && n >= 64;
+    gemm_part a = {y, x, w, m, n, k, 0, split ? n / 2 : n}, b = {y, x, w, m, n, k, n / 2, n};
+    pthread_t t;
+    int threaded = split && pthread_create(&t, NULL, gemm_part_run, &b) == 0;
+    if (split && !threaded)
+        a.j1 = n; /* no thread: do it all here */
+    gemm_part_run(&a);
+    if (threaded)
+        pthread_join(t, NULL);
     if (bias)
         for (int i = 0; i < m; i++)
             for (int j = 0; j < n; j++)
