@@ -1297,9 +1297,12 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
         if (r > 0 && (it[2].revents & ZMQ_POLLIN))
             return 0;
         if (r > 0 && n_it == 4 && (it[3].revents & ZMQ_POLLIN)) {
+            /* a signalfd or an eventfd written by a signal handler */
             struct signalfd_siginfo si;
-            if (read(co->cfg.signal_fd, &si, sizeof(si)) > 0)
+            if (read(co->cfg.signal_fd, &si, sizeof(si)) == (ssize_t)sizeof(si))
                 event(co, REKV_CO_EVENT_INFO, "signal %u: stopping", si.ssi_signo);
+            else
+                event(co, REKV_CO_EVENT_INFO, "signal: stopping");
             return 0;
         }
         if (r > 0 && (it[1].revents & ZMQ_POLLIN))

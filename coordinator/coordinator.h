@@ -56,7 +56,7 @@ typedef struct rekv_coordinator_config {
     uint32_t worker_timeout_ms;   /* a worker silent this long is dead; 0: 30000 */
     uint32_t max_attempts;        /* starts per job before it fails; 0: 3 */
     uint32_t max_new_limit;       /* largest max_new_tokens accepted; 0: 1 << 20 */
-    int signal_fd;                /* a signalfd the loop polls; a signal on it stops the loop; -1 */
+    int signal_fd;                /* a signalfd (or eventfd) the loop polls; readable stops it; -1 */
     /* Called from the loop for notable events (workers joining and leaving, replays, errors). */
     void (*on_event)(void *ctx, rekv_co_event level, const char *msg);
     /* Called from the loop at least every 200 ms (e.g. sd_notify WATCHDOG=1). */

@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/signalfd.h>
+#include <sys/eventfd.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
@@ -49,6 +49,16 @@ static void on_tick(void *ctx)
         sd_notify(0, "WATCHDOG=1");
         wd_last_ns = now;
     }
+}
+
+/* The stop eventfd the loop polls; written by the SIGTERM/SIGINT handler (async-signal-safe). */
+static int stop_fd = -1;
+static void on_stop_signal(int sig)
+{
+    uint64_t one = 1;
+    ssize_t w = write(stop_fd, &one, sizeof(one));
+    (void)w;
+    (void)sig;
 }
 
 static int parse_u32(const char *s, uint32_t *out)
@@ -126,17 +136,21 @@ int main(int argc, char **argv)
         fclose(f);
         cfg.curve_secret = key;
     }
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
-    sigprocmask(SIG_BLOCK, &set, NULL);
-    signal(SIGPIPE, SIG_IGN);
-    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    /* a handler, not a blocked mask plus signalfd: OpenBLAS starts its threads before main, with
+     * SIGTERM unblocked, and a process signal delivered to one of them would kill us outright */
+    int sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (sfd < 0) {
-        rekv_log(REKV_LOG_ERROR, "signalfd: %s", strerror(errno));
+        rekv_log(REKV_LOG_ERROR, "eventfd: %s", strerror(errno));
         return 1;
     }
+    stop_fd = sfd;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
     cfg.signal_fd = sfd;
     cfg.on_event = on_event;
     cfg.on_tick = on_tick;

@@ -3,9 +3,17 @@
  * (the same sampler per job, the same stop rules, in the same order: EOS, then max_new_tokens,
  * then the model's context).
  *
- * A step runs one rekv_pipeline_step over every running job: the jobs that joined since the last
- * step contribute their whole prompt (prefill), the others their last sampled token (decode). The
- * rekv-gpuworker daemon drives it from the coordinator's plans; tests drive it directly.
+ * In a step every running job advances by one token: the jobs that joined since the last step run
+ * their whole prompt (prefill), the others their last sampled token (decode). Two ways to run it:
+ *   exact  one rekv_pipeline_step per job: each job's logits are bit for bit those of
+ *          rekv_generate (`rekv generate --local`), whoever shares the step. The default.
+ *   fused  one rekv_pipeline_step over the whole batch: one GEMM per projection for all jobs
+ *          (the throughput of batching), but the Q/O/FFN/head GEMMs are not row-invariant
+ *          (OpenBLAS picks other kernels by row count), so logits differ from a job run alone in
+ *          the last bits (~1e-5 measured on stories260K) and a sampled token can differ where two
+ *          candidates nearly tie. Becomes exact once every projection uses the row-invariant
+ *          GEMM (cpu_gemm_rowinv) in forward.c and pipeline.c alike.
+ * The rekv-gpuworker daemon drives it from the coordinator's plans; tests drive it directly.
  *
  * Functions return 0 or a negative errno and fill the rekv_err; nothing here prints. */
 #ifndef REKV_GPUWORKER_BATCHER_H
@@ -25,9 +33,9 @@ typedef struct rekv_batch_event {
     const char *finish_reason; /* when finished: "length", "eos" or "context" (static string) */
 } rekv_batch_event;
 
-/* max_batch: most jobs running at once (>= 1). p and c (the config of the pipeline's model, e.g.
+/* max_batch: most jobs running at once (>= 1); fused: 1 for fused steps, 0 for exact ones. p and c (the config of the pipeline's model, e.g.
  * rekv_engine_config of its engine) are not owned and must outlive the batcher. */
-int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch,
+int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch, int fused,
                         rekv_batcher **out, rekv_err *err);
 /* Frees every running job's sequence, then the batcher. NULL is fine. */
 void rekv_batcher_free(rekv_batcher *b);
@@ -47,8 +55,8 @@ int rekv_batcher_running(const rekv_batcher *b);
 
 /* Runs one step. *events (owned by the batcher, valid until the next call) gets one entry per job
  * that was in the batch, in batch order; finished jobs have left it. On a failed forward step the
- * error is returned and every job is still in the batch, unchanged except that nothing was appended
- * (the caller decides whether to fail them). */
+ * error is returned and nothing is sampled; some jobs' caches may have advanced, so the caller
+ * fails them all (rekv_batcher_clear). */
 int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_events,
                       rekv_err *err);
 

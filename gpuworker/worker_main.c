@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/signalfd.h>
+#include <sys/eventfd.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -28,9 +28,12 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
             "         [--backend auto|cpu] [--mode resident|offload|kvpr|act|hybrid]\n"
-            "         [--max-batch N] [--name NAME] [--heartbeat-ms N] [--ready-fd N]\n"
+            "         [--max-batch N] [--batching exact|fused] [--name NAME] [--heartbeat-ms N]\n"
+            "         [--ready-fd N]\n"
             "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
-            "mode resident, batch 64. Every mode but resident keeps the KV cache in the kvstore.\n");
+            "mode resident, batch 64. Every mode but resident keeps the KV cache in the kvstore.\n"
+            "--batching exact (default) runs each job's part of a step on its own, so tokens equal\n"
+            "`rekv generate --local`; fused runs the batch as one (faster, last-bit differences).\n");
 }
 
 typedef struct worker {
@@ -97,6 +100,10 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         const Rekv__Worker__JobSpec *s = plan->join[i];
         rekv_gen_params gp = {(int)s->max_new_tokens, s->temperature, (int)s->top_k,
                               s->top_p > 0 ? s->top_p : 1.0f, s->seed, 0, s->stop_at_eos};
+        rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu joins: %zu prompt tokens, temperature %g, "
+                 "top-k %u, top-p %g, seed %llu, max %u, eos %d", (unsigned long long)plan->step,
+                 (unsigned long long)s->job, s->n_prompt, (double)s->temperature, s->top_k,
+                 (double)s->top_p, (unsigned long long)s->seed, s->max_new_tokens, s->stop_at_eos);
         int rc = rekv_batcher_join(w->batch, s->job, s->prompt, (int)s->n_prompt, &gp, &errs[n]);
         if (rc) {
             rekv__worker__job_progress__init(&jp[n]);
@@ -141,6 +148,9 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         rekv__worker__job_progress__init(&jp[n]);
         jp[n].job = ev[i].job;
         if (ev[i].token >= 0) {
+            rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu token %d%s%s",
+                     (unsigned long long)plan->step, (unsigned long long)ev[i].job, ev[i].token,
+                     ev[i].finished ? ", finished: " : "", ev[i].finished ? ev[i].finish_reason : "");
             toks[n] = ev[i].token;
             jp[n].n_tokens = 1;
             jp[n].tokens = &toks[n];
@@ -179,6 +189,16 @@ out:
     free(errs);
 }
 
+/* The stop eventfd the loop polls; written by the SIGTERM/SIGINT handler (async-signal-safe). */
+static int stop_fd = -1;
+static void on_stop_signal(int sig)
+{
+    uint64_t one = 1;
+    ssize_t w = write(stop_fd, &one, sizeof(one));
+    (void)w;
+    (void)sig;
+}
+
 static int parse_u32(const char *s, uint32_t *out)
 {
     char *end;
@@ -194,10 +214,10 @@ int main(int argc, char **argv)
 {
     rekv_log_init_from_env();
     const char *model_path = NULL, *coord = NULL, *kv_ep = NULL, *backend = "auto",
-               *mode_s = "resident", *name = NULL;
+               *mode_s = "resident", *name = NULL, *batching = "exact";
     uint32_t max_batch = 64, hb_ms = 500, ready_fd = UINT32_MAX;
     enum { O_MODEL = 1000, O_COORD, O_KV, O_BACKEND, O_MODE, O_BATCH, O_NAME, O_HB, O_READY,
-           O_HELP };
+           O_BATCHING, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL},
         {"coordinator", required_argument, 0, O_COORD},
@@ -205,6 +225,7 @@ int main(int argc, char **argv)
         {"backend", required_argument, 0, O_BACKEND},
         {"mode", required_argument, 0, O_MODE},
         {"max-batch", required_argument, 0, O_BATCH},
+        {"batching", required_argument, 0, O_BATCHING},
         {"name", required_argument, 0, O_NAME},
         {"heartbeat-ms", required_argument, 0, O_HB},
         {"ready-fd", required_argument, 0, O_READY},
@@ -222,6 +243,7 @@ int main(int argc, char **argv)
         case O_MODE: mode_s = optarg; break;
         case O_BATCH: bad = parse_u32(optarg, &max_batch) || max_batch == 0 || max_batch > 4096; break;
         case O_NAME: name = optarg; break;
+        case O_BATCHING: batching = optarg; bad = strcmp(batching, "exact") && strcmp(batching, "fused"); break;
         case O_HB: bad = parse_u32(optarg, &hb_ms) || hb_ms == 0; break;
         case O_READY: bad = parse_u32(optarg, &ready_fd); break;
         case O_HELP: usage(stdout); return 0;
@@ -259,17 +281,21 @@ int main(int argc, char **argv)
         snprintf(def_name, sizeof(def_name), "%s-%d", host, (int)getpid());
         name = def_name;
     }
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
-    sigprocmask(SIG_BLOCK, &set, NULL);
-    signal(SIGPIPE, SIG_IGN);
-    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    /* a handler, not a blocked mask plus signalfd: OpenBLAS starts its threads before main, with
+     * SIGTERM unblocked, and a process signal delivered to one of them would kill us outright */
+    int sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (sfd < 0) {
-        rekv_log(REKV_LOG_ERROR, "signalfd: %s", strerror(errno));
+        rekv_log(REKV_LOG_ERROR, "eventfd: %s", strerror(errno));
         return 1;
     }
+    stop_fd = sfd;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
     int rc = 1;
     rekv_err err = {0};
     rekv_model *model = NULL;
@@ -298,7 +324,8 @@ int main(int argc, char **argv)
     }
     if (rekv_backend_cpu_create(NULL, &be, &err) ||
         rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
-        rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))
+        rekv_batcher_create(w.pipe, w.mc, (int)max_batch, strcmp(batching, "fused") == 0,
+                            &w.batch, &err))
         goto fail;
     zctx = zmq_ctx_new();
     w.sock = zctx ? zmq_socket(zctx, ZMQ_DEALER) : NULL;
@@ -314,9 +341,9 @@ int main(int argc, char **argv)
         goto out;
     }
     send_hello(&w);
-    rekv_log(REKV_LOG_INFO, "%s: %s, %d layers, vocab %d, context %d; cpu backend, %s mode, batch "
-             "%u; coordinator %s%s%s", name, model_path, w.mc->n_layers, w.mc->vocab,
-             w.mc->max_pos, w.mode, max_batch, coord, kv_ep ? ", kvstore " : "",
+    rekv_log(REKV_LOG_INFO, "%s: %s, %d layers, vocab %d, context %d; cpu backend, %s mode, %s batch "
+             "of %u; coordinator %s%s%s", name, model_path, w.mc->n_layers, w.mc->vocab,
+             w.mc->max_pos, w.mode, batching, max_batch, coord, kv_ep ? ", kvstore " : "",
              kv_ep ? kv_ep : "");
     if (ready_fd != UINT32_MAX) {
         ssize_t wr = write((int)ready_fd, "READY\n", 6);
@@ -338,9 +365,7 @@ int main(int argc, char **argv)
             goto out;
         }
         if (r > 0 && (it[1].revents & ZMQ_POLLIN)) {
-            struct signalfd_siginfo si;
-            if (read(sfd, &si, sizeof(si)) > 0)
-                rekv_log(REKV_LOG_INFO, "signal %u: stopping", si.ssi_signo);
+            rekv_log(REKV_LOG_INFO, "signal: stopping");
             break;
         }
         int stop = 0;

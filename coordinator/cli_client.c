@@ -1,0 +1,404 @@
+/* cli_client.c — `rekv submit`, `rekv status`, `rekv cancel`, `rekv stats`: one request each to the
+ * coordinator's control socket (submit waits for the job by streaming its tokens, showing tokens/s
+ * on a terminal), answers printed as text or JSON. */
+#include "coordinator/cli_daemon.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "coordinator/cli.h"
+#include "coordinator/coordinator.h"
+
+#define CALL_TIMEOUT_MS 10000
+
+static json_t *status_json(const Rekv__Control__JobStatus *s)
+{
+    json_t *o = json_object(), *ids = json_array();
+    for (size_t i = 0; i < s->n_generated_ids; i++)
+        json_array_append_new(ids, json_integer(s->generated_ids[i]));
+    json_object_set_new(o, "job", json_integer((json_int_t)s->job));
+    json_object_set_new(o, "state", json_string(rekv_ctl_state_name(s->state)));
+    json_object_set_new(o, "generated_ids", ids);
+    json_object_set_new(o, "finish_reason", json_string(s->finish_reason ? s->finish_reason : ""));
+    if (s->error && *s->error)
+        json_object_set_new(o, "error", json_string(s->error));
+    if (s->text && *s->text) {
+        json_t *t = json_string(s->text);
+        json_object_set_new(o, "text", t ? t : json_null()); /* NULL: not valid UTF-8 */
+    }
+    json_object_set_new(o, "prompt_tokens", json_integer(s->prompt_tokens));
+    json_object_set_new(o, "attempts", json_integer(s->attempts));
+    json_object_set_new(o, "priority", json_integer(s->priority));
+    json_object_set_new(o, "queued_s", json_real(s->queued_s));
+    json_object_set_new(o, "run_s", json_real(s->run_s));
+    return o;
+}
+
+static void print_json(json_t *o)
+{
+    char *s = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(9));
+    printf("%s\n", s);
+    free(s);
+    json_decref(o);
+}
+
+/* Prints a non-OK response's reason; returns 1. */
+static int fail_response(const Rekv__Control__Response *r)
+{
+    fprintf(stderr, "rekv: %s: %s\n", rekv_ctl_code_name(r->code),
+            r->error && *r->error ? r->error : "(no detail)");
+    return 1;
+}
+
+static int connect_or_say(const char *ep, rekv_ctl **c)
+{
+    rekv_err err = {0};
+    if (rekv_ctl_connect(ep, NULL, c, &err)) {
+        fprintf(stderr, "rekv: %s\n", err.msg);
+        return 1;
+    }
+    return 0;
+}
+
+static int call_or_say(rekv_ctl *c, Rekv__Control__Request *rq, Rekv__Control__Response **r)
+{
+    rekv_err err = {0};
+    if (rekv_ctl_call(c, rq, CALL_TIMEOUT_MS, r, &err)) {
+        fprintf(stderr, "rekv: %s (is a coordinator running? start one with `rekv run`)\n",
+                err.msg);
+        return 1;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- submit */
+
+static void submit_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: rekv submit (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
+            "                   [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+            "                   [--priority P] [--ignore-eos] [--no-wait] [--json]\n"
+            "                   [--socket ENDPOINT]\n"
+            "Sampling as `rekv generate`. Waits for the job unless --no-wait (then prints its id).\n");
+}
+
+int cli_submit(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"prompt", required_argument, 0, 'p'},      {"prompt-ids", required_argument, 0, 'i'},
+        {"max-new-tokens", required_argument, 0, 'n'}, {"temperature", required_argument, 0, 't'},
+        {"top-k", required_argument, 0, 'k'},       {"top-p", required_argument, 0, 'P'},
+        {"seed", required_argument, 0, 's'},        {"priority", required_argument, 0, 'r'},
+        {"ignore-eos", no_argument, 0, 'E'},        {"no-wait", no_argument, 0, 'W'},
+        {"json", no_argument, 0, 'j'},              {"socket", required_argument, 0, 'S'},
+        {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
+    const char *prompt = NULL, *prompt_ids = NULL, *ep = NULL;
+    long max_new = 64, top_k = 0, seed = 0, prio = 0;
+    double temperature = 0, top_p = 1;
+    int json = 0, ignore_eos = 0, no_wait = 0, o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 'p': prompt = optarg; break;
+        case 'i': prompt_ids = optarg; break;
+        case 'n': if (cli_parse_int("max-new-tokens", optarg, 0, 1 << 24, &max_new)) return 2; break;
+        case 't': if (cli_parse_float("temperature", optarg, 0, 100, &temperature)) return 2; break;
+        case 'k': if (cli_parse_int("top-k", optarg, 0, 1 << 30, &top_k)) return 2; break;
+        case 'P': if (cli_parse_float("top-p", optarg, 0, 1, &top_p)) return 2; break;
+        case 's': if (cli_parse_int("seed", optarg, 0, INT64_MAX, &seed)) return 2; break;
+        case 'r': if (cli_parse_int("priority", optarg, -1000000, 1000000, &prio)) return 2; break;
+        case 'E': ignore_eos = 1; break;
+        case 'W': no_wait = 1; break;
+        case 'j': json = 1; break;
+        case 'S': ep = optarg; break;
+        case 'h': submit_usage(stdout); return 0;
+        default: submit_usage(stderr); return 2;
+        }
+    }
+    if ((prompt == NULL) == (prompt_ids == NULL) || optind != argc) {
+        submit_usage(stderr);
+        return 2;
+    }
+    int32_t *ids = NULL;
+    int n_ids = 0;
+    if (prompt_ids && cli_parse_ids(prompt_ids, &ids, &n_ids)) {
+        fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
+                prompt_ids);
+        return 2;
+    }
+    rekv_ctl *c = NULL;
+    int rc = 1;
+    Rekv__Control__Response *r = NULL;
+    if (connect_or_say(ep, &c))
+        goto out;
+    Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
+    smp.temperature = (float)temperature;
+    smp.top_k = (uint32_t)top_k;
+    smp.top_p = (float)top_p;
+    smp.seed = (uint64_t)seed;
+    Rekv__Control__Submit sub = REKV__CONTROL__SUBMIT__INIT;
+    sub.prompt_text = (char *)(prompt ? prompt : "");
+    sub.n_prompt_ids = (size_t)n_ids;
+    sub.prompt_ids = ids;
+    sub.sampling = &smp;
+    sub.max_new_tokens = (uint32_t)max_new;
+    sub.priority = (int32_t)prio;
+    sub.stop_at_eos = !ignore_eos;
+    sub.stream = !no_wait;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rq.submit = &sub;
+    if (call_or_say(c, &rq, &r))
+        goto out;
+    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
+        rc = fail_response(r);
+        goto out;
+    }
+    uint64_t job = r->submitted->job, req_id = r->id;
+    if (no_wait) {
+        if (json) {
+            json_t *oj = json_object();
+            json_object_set_new(oj, "job", json_integer((json_int_t)job));
+            json_object_set_new(oj, "queue_depth", json_integer(r->submitted->queue_depth));
+            print_json(oj);
+        } else {
+            printf("%llu\n", (unsigned long long)job);
+        }
+        rc = 0;
+        goto out;
+    }
+    /* follow the stream until the job is over; progress on a terminal */
+    int tty = isatty(2);
+    uint64_t t0 = rekv_now_ns(), n_tok = 0;
+    for (;;) {
+        rekv__control__response__free_unpacked(r, NULL);
+        r = NULL;
+        rekv_err err = {0};
+        if (rekv_ctl_recv(c, -1, &r, &err)) {
+            fprintf(stderr, "rekv: %s\n", err.msg);
+            goto out;
+        }
+        if (r->id != req_id || r->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
+            continue;
+        n_tok = r->event->offset + r->event->n_tokens;
+        if (tty) {
+            double dt = (double)(rekv_now_ns() - t0) * 1e-9;
+            fprintf(stderr, "\rjob %llu: %llu tokens, %.1f tokens/s ", (unsigned long long)job,
+                    (unsigned long long)n_tok, dt > 0 ? (double)n_tok / dt : 0.0);
+        }
+        if (r->event->done)
+            break;
+    }
+    if (tty)
+        fprintf(stderr, "\n");
+    Rekv__Control__StatusRequest sr = REKV__CONTROL__STATUS_REQUEST__INIT;
+    sr.job = job;
+    sr.with_text = 1;
+    Rekv__Control__Request rq2 = REKV__CONTROL__REQUEST__INIT;
+    rq2.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    rq2.status = &sr;
+    rekv__control__response__free_unpacked(r, NULL);
+    r = NULL;
+    if (call_or_say(c, &rq2, &r))
+        goto out;
+    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
+        rc = fail_response(r);
+        goto out;
+    }
+    const Rekv__Control__JobStatus *st = r->job;
+    if (json) {
+        print_json(status_json(st));
+    } else if (st->text && *st->text) {
+        printf("%s%s\n", prompt ? prompt : "", st->text);
+    } else {
+        for (size_t i = 0; i < st->n_generated_ids; i++)
+            printf("%s%d", i ? "," : "", st->generated_ids[i]);
+        printf("\n");
+    }
+    if (st->state == REKV__CONTROL__JOB_STATE__FAILED)
+        fprintf(stderr, "rekv: job %llu failed: %s\n", (unsigned long long)job, st->error);
+    rc = st->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;
+out:
+    if (r)
+        rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    free(ids);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- status, cancel */
+
+/* `rekv status [JOB]` and `rekv cancel JOB` share option parsing. */
+static int job_command(int argc, char **argv, int cancel)
+{
+    static const struct option opts[] = {{"socket", required_argument, 0, 'S'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *ep = NULL;
+    int json = 0, o;
+    optind = 1;
+    const char *use = cancel ? "usage: rekv cancel [--socket ENDPOINT] [--json] JOB\n"
+                             : "usage: rekv status [--socket ENDPOINT] [--json] [JOB]\n"
+                               "Without JOB: the coordinator's health.\n";
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 'S': ep = optarg; break;
+        case 'j': json = 1; break;
+        case 'h': fputs(use, stdout); return 0;
+        default: fputs(use, stderr); return 2;
+        }
+    }
+    long job = -1;
+    if (optind + 1 == argc) {
+        if (cli_parse_int("job", argv[optind], 1, INT64_MAX, &job))
+            return 2;
+    } else if (optind != argc || cancel) {
+        fputs(use, stderr);
+        return 2;
+    }
+    rekv_ctl *c = NULL;
+    Rekv__Control__Response *r = NULL;
+    int rc = 1;
+    if (connect_or_say(ep, &c))
+        return 1;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    Rekv__Control__StatusRequest sr = REKV__CONTROL__STATUS_REQUEST__INIT;
+    Rekv__Control__Cancel cr = REKV__CONTROL__CANCEL__INIT;
+    Rekv__Control__HealthRequest hr = REKV__CONTROL__HEALTH_REQUEST__INIT;
+    if (job < 0) {
+        rq.body_case = REKV__CONTROL__REQUEST__BODY_HEALTH;
+        rq.health = &hr;
+    } else if (cancel) {
+        cr.job = (uint64_t)job;
+        rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
+        rq.cancel = &cr;
+    } else {
+        sr.job = (uint64_t)job;
+        sr.with_text = 1;
+        rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+        rq.status = &sr;
+    }
+    if (call_or_say(c, &rq, &r))
+        goto out;
+    if (r->code != REKV__CONTROL__CODE__OK) {
+        rc = fail_response(r);
+        goto out;
+    }
+    if (r->body_case == REKV__CONTROL__RESPONSE__BODY_HEALTH) {
+        const Rekv__Control__Health *h = r->health;
+        if (json) {
+            json_t *oj = json_object();
+            json_object_set_new(oj, "serving", json_boolean(h->serving));
+            json_object_set_new(oj, "workers", json_integer(h->workers));
+            json_object_set_new(oj, "protocol_version", json_integer(h->protocol_version));
+            json_object_set_new(oj, "uptime_s", json_real(h->uptime_s));
+            json_object_set_new(oj, "model", json_string(h->model ? h->model : ""));
+            print_json(oj);
+        } else {
+            printf("serving, %u worker%s, up %.0f s, model %s\n", h->workers,
+                   h->workers == 1 ? "" : "s", h->uptime_s, h->model && *h->model ? h->model : "?");
+        }
+    } else if (r->body_case == REKV__CONTROL__RESPONSE__BODY_JOB) {
+        const Rekv__Control__JobStatus *s = r->job;
+        if (json) {
+            print_json(status_json(s));
+        } else {
+            printf("job %llu: %s%s%s%s, %zu tokens, %u attempt%s%s%s\n",
+                   (unsigned long long)s->job, rekv_ctl_state_name(s->state),
+                   *s->finish_reason ? " (" : "", s->finish_reason, *s->finish_reason ? ")" : "",
+                   s->n_generated_ids, s->attempts, s->attempts == 1 ? "" : "s",
+                   *s->error ? ": " : "", s->error);
+            if (s->text && *s->text)
+                printf("%s\n", s->text);
+        }
+    }
+    rc = 0;
+out:
+    if (r)
+        rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    return rc;
+}
+
+int cli_status(int argc, char **argv) { return job_command(argc, argv, 0); }
+int cli_cancel(int argc, char **argv) { return job_command(argc, argv, 1); }
+
+/* ---------------------------------------------------------------- stats */
+
+int cli_stats(int argc, char **argv)
+{
+    static const struct option opts[] = {{"socket", required_argument, 0, 'S'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *ep = NULL;
+    int o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 'S': ep = optarg; break;
+        case 'h': printf("usage: rekv stats [--socket ENDPOINT]   (prints one JSON object)\n"); return 0;
+        default: fprintf(stderr, "usage: rekv stats [--socket ENDPOINT]\n"); return 2;
+        }
+    }
+    if (optind != argc) {
+        fprintf(stderr, "usage: rekv stats [--socket ENDPOINT]\n");
+        return 2;
+    }
+    rekv_ctl *c = NULL;
+    Rekv__Control__Response *r = NULL;
+    int rc = 1;
+    if (connect_or_say(ep, &c))
+        return 1;
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    if (call_or_say(c, &rq, &r))
+        goto out;
+    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_STATS) {
+        rc = fail_response(r);
+        goto out;
+    }
+    const Rekv__Control__Stats *s = r->stats;
+    json_t *oj = json_pack(
+        "{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:I, s:f, s:f, s:i, s:f}",
+        "queued", (json_int_t)s->queued, "running", (json_int_t)s->running, "done",
+        (json_int_t)s->done, "cancelled", (json_int_t)s->cancelled, "failed",
+        (json_int_t)s->failed, "accepted", (json_int_t)s->accepted, "rejected_busy",
+        (json_int_t)s->rejected_busy, "bad_requests", (json_int_t)s->bad_requests, "requeued",
+        (json_int_t)s->requeued, "tokens", (json_int_t)s->tokens, "tokens_per_s", s->tokens_per_s,
+        "steps", (json_int_t)s->steps, "step_rtt_avg_s", s->step_rtt_avg_s, "worker_step_avg_s",
+        s->worker_step_avg_s, "queue_limit", (int)s->queue_limit, "uptime_s", s->uptime_s);
+    json_object_set_new(oj, "bytes",
+                        json_pack("{s:I, s:I, s:I, s:I}", "h2d_weights",
+                                  (json_int_t)s->h2d_bytes_weights, "h2d_kv",
+                                  (json_int_t)s->h2d_bytes_kv, "h2d_act",
+                                  (json_int_t)s->h2d_bytes_act, "d2h", (json_int_t)s->d2h_bytes));
+    json_object_set_new(oj, "tokens_recomputed", json_integer((json_int_t)s->tokens_recomputed));
+    json_object_set_new(oj, "tokens_fetched", json_integer((json_int_t)s->tokens_fetched));
+    json_t *ws = json_array();
+    for (size_t i = 0; i < s->n_workers; i++) {
+        const Rekv__Control__WorkerInfo *w = s->workers[i];
+        json_array_append_new(
+            ws, json_pack("{s:s, s:s, s:s, s:i, s:i, s:I, s:I, s:f}", "name", w->name, "backend",
+                          w->backend, "mode", w->mode, "running", (int)w->running, "max_batch",
+                          (int)w->max_batch, "steps", (json_int_t)w->steps, "tokens",
+                          (json_int_t)w->tokens, "idle_s", w->idle_s));
+    }
+    json_object_set_new(oj, "workers", ws);
+    print_json(oj);
+    rc = 0;
+out:
+    if (r)
+        rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    return rc;
+}

@@ -1,0 +1,313 @@
+/* cli_run.c — `rekv run`: starts rekv-kvstore, rekv-gpuworker and rekv-coordinator as children on
+ * private ipc sockets in one directory, waits until each says it is ready, then supervises them
+ * (a child that dies is started again; a dead kvstore takes the worker with it, since the worker's
+ * arena mapping is gone) until SIGINT/SIGTERM, and stops them in order: coordinator (no new work),
+ * worker, kvstore. */
+#define _GNU_SOURCE
+#include "coordinator/cli_daemon.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "coordinator/cli.h"
+#include "coordinator/coordinator.h"
+
+#define READY_TIMEOUT_MS 120000 /* loading a big model takes a while */
+#define STOP_TIMEOUT_MS 15000
+#define MAX_RESTARTS 5
+
+enum { KV = 0, WORKER = 1, COORD = 2, N_CHILD = 3 };
+static const char *const child_prog[N_CHILD] = {"rekv-kvstore", "rekv-gpuworker",
+                                                "rekv-coordinator"};
+
+typedef struct child {
+    pid_t pid;          /* 0 when not running */
+    int restarts;       /* times started again after dying */
+    char *argv[40];     /* program and arguments; "--ready-fd" "N" appended at start */
+    int argc;
+} child;
+
+static void run_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: rekv run --model PATH [--backend auto|cpu] [--dir DIR] [--mode MODE]\n"
+            "                [--host-bytes N] [--queue N] [--max-batch N] [--state-dir DIR]\n"
+            "                [--worker-timeout-ms N] [--bin-dir DIR] [--ready-fd N]\n"
+            "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
+            "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
+            "Ctrl-C. The journal lives in --state-dir (default DIR/state).\n");
+}
+
+/* Starts c with a ready pipe and waits for "READY\n"; 0, or -1 with a message printed. */
+static int child_start(child *c, int which)
+{
+    int pfd[2];
+    if (pipe2(pfd, O_CLOEXEC) < 0) {
+        fprintf(stderr, "rekv run: pipe: %s\n", strerror(errno));
+        return -1;
+    }
+    char fdnum[16];
+    snprintf(fdnum, sizeof(fdnum), "%d", pfd[1]);
+    c->argv[c->argc] = "--ready-fd";
+    c->argv[c->argc + 1] = fdnum;
+    c->argv[c->argc + 2] = NULL;
+    pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "rekv run: fork: %s\n", strerror(errno));
+        close(pfd[0]);
+        close(pfd[1]);
+        return -1;
+    }
+    if (pid == 0) {
+        /* the child: its own process group (Ctrl-C reaches only us, and we stop children in
+         * order), killed if we die, signals unblocked, the ready fd inherited */
+        setpgid(0, 0);
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        fcntl(pfd[1], F_SETFD, 0);
+        close(pfd[0]);
+        execv(c->argv[0], c->argv);
+        fprintf(stderr, "rekv run: %s: %s\n", c->argv[0], strerror(errno));
+        _exit(127);
+    }
+    close(pfd[1]);
+    c->pid = pid;
+    struct pollfd p = {pfd[0], POLLIN, 0};
+    char buf[8] = {0};
+    int r;
+    do
+        r = poll(&p, 1, READY_TIMEOUT_MS);
+    while (r < 0 && errno == EINTR);
+    ssize_t n = r > 0 ? read(pfd[0], buf, sizeof(buf) - 1) : 0;
+    close(pfd[0]);
+    if (n != 6 || strcmp(buf, "READY\n") != 0) {
+        fprintf(stderr, "rekv run: %s did not become ready%s\n", child_prog[which],
+                r == 0 ? " in time" : " (it exited; see its messages above)");
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        c->pid = 0;
+        return -1;
+    }
+    return 0;
+}
+
+/* SIGTERM, then SIGKILL after STOP_TIMEOUT_MS. Returns the exit status or -1. */
+static int child_stop(child *c)
+{
+    if (c->pid <= 0)
+        return 0;
+    kill(c->pid, SIGTERM);
+    uint64_t deadline = rekv_now_ns() + (uint64_t)STOP_TIMEOUT_MS * 1000000ull;
+    int st = 0;
+    for (;;) {
+        pid_t w = waitpid(c->pid, &st, WNOHANG);
+        if (w == c->pid)
+            break;
+        if (w < 0) {
+            st = -1;
+            break;
+        }
+        if (rekv_now_ns() > deadline) {
+            fprintf(stderr, "rekv run: %s did not stop; killing it\n", c->argv[0]);
+            kill(c->pid, SIGKILL);
+            waitpid(c->pid, &st, 0);
+            break;
+        }
+        usleep(10000);
+    }
+    c->pid = 0;
+    return st;
+}
+
+int cli_run(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},      {"backend", required_argument, 0, 'b'},
+        {"dir", required_argument, 0, 'd'},        {"mode", required_argument, 0, 'M'},
+        {"host-bytes", required_argument, 0, 'H'}, {"queue", required_argument, 0, 'q'},
+        {"max-batch", required_argument, 0, 'B'},  {"state-dir", required_argument, 0, 's'},
+        {"worker-timeout-ms", required_argument, 0, 'T'},
+        {"bin-dir", required_argument, 0, 'x'},    {"ready-fd", required_argument, 0, 'R'},
+        {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
+    const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "resident",
+               *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
+               *timeout = "30000", *bin_arg = NULL;
+    long ready_fd = -1, v;
+    int o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 'm': model = optarg; break;
+        case 'b': backend = optarg; break;
+        case 'd': dir_arg = optarg; break;
+        case 'M': mode = optarg; break;
+        case 'H': host_bytes = optarg; break;
+        case 'q': if (cli_parse_int("queue", optarg, 1, 1 << 24, &v)) return 2; queue = optarg; break;
+        case 'B': if (cli_parse_int("max-batch", optarg, 1, 4096, &v)) return 2; max_batch = optarg; break;
+        case 's': state_arg = optarg; break;
+        case 'T': if (cli_parse_int("worker-timeout-ms", optarg, 1, INT32_MAX, &v)) return 2; timeout = optarg; break;
+        case 'x': bin_arg = optarg; break;
+        case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
+        case 'h': run_usage(stdout); return 0;
+        default: run_usage(stderr); return 2;
+        }
+    }
+    if (model == NULL || optind != argc) {
+        run_usage(stderr);
+        return 2;
+    }
+    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0) {
+        fprintf(stderr, "rekv run: --backend %s: the gpuworker drives the cpu backend only in this "
+                        "build (auto picks it)\n", backend);
+        return 2;
+    }
+    char dir[2048], state[2200], bin[PATH_MAX], ep_ctl[2300], ep_wrk[2300], ep_kv[2300];
+    rekv_err err = {0};
+    if (dir_arg)
+        snprintf(dir, sizeof(dir), "%s", dir_arg);
+    else if (rekv_runtime_dir(dir, sizeof(dir), &err)) {
+        fprintf(stderr, "rekv run: %s\n", err.msg);
+        return 1;
+    }
+    if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
+        fprintf(stderr, "rekv run: %s: %s\n", dir, strerror(errno));
+        return 1;
+    }
+    snprintf(state, sizeof(state), "%s", state_arg ? state_arg : dir);
+    if (!state_arg)
+        strncat(state, "/state", sizeof(state) - strlen(state) - 1);
+    if (bin_arg) {
+        snprintf(bin, sizeof(bin), "%s", bin_arg);
+    } else {
+        /* the daemons sit beside the rekv binary */
+        ssize_t n = readlink("/proc/self/exe", bin, sizeof(bin) - 1);
+        if (n <= 0) {
+            fprintf(stderr, "rekv run: cannot find my own binary: %s\n", strerror(errno));
+            return 1;
+        }
+        bin[n] = '\0';
+        char *slash = strrchr(bin, '/');
+        *slash = '\0';
+    }
+    snprintf(ep_ctl, sizeof(ep_ctl), "ipc://%s/control", dir);
+    snprintf(ep_wrk, sizeof(ep_wrk), "ipc://%s/workers", dir);
+    snprintf(ep_kv, sizeof(ep_kv), "ipc://%s/kvstore", dir);
+    char progs[N_CHILD][PATH_MAX + 64];
+    child ch[N_CHILD];
+    memset(ch, 0, sizeof(ch));
+    for (int i = 0; i < N_CHILD; i++) {
+        snprintf(progs[i], sizeof(progs[i]), "%s/%s", bin, child_prog[i]);
+        ch[i].argv[ch[i].argc++] = progs[i];
+    }
+#define ARG(i, s) (ch[i].argv[ch[i].argc++] = (char *)(s))
+    ARG(KV, "--endpoint"); ARG(KV, ep_kv);
+    ARG(KV, "--host-bytes"); ARG(KV, host_bytes);
+    ARG(KV, "--model"); ARG(KV, model);
+    ARG(KV, "--cache-dtype"); ARG(KV, "f32");
+    ARG(WORKER, "--model"); ARG(WORKER, model);
+    ARG(WORKER, "--coordinator"); ARG(WORKER, ep_wrk);
+    ARG(WORKER, "--kvstore"); ARG(WORKER, ep_kv);
+    ARG(WORKER, "--mode"); ARG(WORKER, mode);
+    ARG(WORKER, "--max-batch"); ARG(WORKER, max_batch);
+    ARG(WORKER, "--backend"); ARG(WORKER, backend);
+    ARG(COORD, "--control"); ARG(COORD, ep_ctl);
+    ARG(COORD, "--workers"); ARG(COORD, ep_wrk);
+    ARG(COORD, "--state-dir"); ARG(COORD, state);
+    ARG(COORD, "--model"); ARG(COORD, model);
+    ARG(COORD, "--queue"); ARG(COORD, queue);
+    ARG(COORD, "--worker-timeout-ms"); ARG(COORD, timeout);
+#undef ARG
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    int sfd = signalfd(-1, &set, SFD_CLOEXEC);
+    if (sfd < 0) {
+        fprintf(stderr, "rekv run: signalfd: %s\n", strerror(errno));
+        return 1;
+    }
+    int rc = 1;
+    static const int order[N_CHILD] = {KV, COORD, WORKER};
+    for (int k = 0; k < N_CHILD; k++)
+        if (child_start(&ch[order[k]], order[k]))
+            goto stop;
+    fprintf(stderr, "rekv run: serving on %s (kvstore, gpuworker and coordinator in %s); Ctrl-C "
+                    "stops\n", ep_ctl, dir);
+    if (ready_fd >= 0) {
+        ssize_t w = write((int)ready_fd, "READY\n", 6);
+        (void)w;
+        close((int)ready_fd);
+    }
+    for (;;) {
+        struct signalfd_siginfo si;
+        ssize_t n = read(sfd, &si, sizeof(si));
+        if (n != sizeof(si)) {
+            if (n < 0 && errno == EINTR)
+                continue;
+            break;
+        }
+        if (si.ssi_signo != SIGCHLD) {
+            fprintf(stderr, "rekv run: stopping\n");
+            rc = 0;
+            break;
+        }
+        int st;
+        pid_t pid;
+        int failed = 0;
+        while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+            for (int i = 0; i < N_CHILD; i++) {
+                if (ch[i].pid != pid)
+                    continue;
+                ch[i].pid = 0;
+                fprintf(stderr, "rekv run: %s exited (%s %d)\n", child_prog[i],
+                        WIFSIGNALED(st) ? "signal" : "status",
+                        WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+                if (ch[i].restarts++ >= MAX_RESTARTS) {
+                    fprintf(stderr, "rekv run: %s died %d times; giving up\n", child_prog[i],
+                            MAX_RESTARTS + 1);
+                    failed = 1;
+                    break;
+                }
+                if (i == KV) /* the worker's arena mapping died with the store */
+                    child_stop(&ch[WORKER]);
+                if (child_start(&ch[i], i) ||
+                    (i == KV && ch[WORKER].pid == 0 && child_start(&ch[WORKER], WORKER)))
+                    failed = 1;
+            }
+        }
+        if (failed)
+            break;
+    }
+stop:
+    /* no new work first, then the worker, then the store it uses */
+    {
+        int bad = 0;
+        static const int stop_order[N_CHILD] = {COORD, WORKER, KV};
+        for (int k = 0; k < N_CHILD; k++) {
+            int st = child_stop(&ch[stop_order[k]]);
+            if (st != 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+                bad = 1;
+        }
+        if (bad && rc == 0)
+            fprintf(stderr, "rekv run: a daemon did not exit cleanly\n");
+    }
+    close(sfd);
+    return rc;
+}

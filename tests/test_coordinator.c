@@ -1,0 +1,700 @@
+/* test_coordinator.c — the multi-process path end to end, with real daemons and real sockets:
+ * `rekv run` (kvstore, gpuworker, coordinator) serving 64 concurrent jobs whose tokens equal
+ * rekv_generate's in this process; a worker killed with SIGKILL mid-run (jobs re-run, the
+ * coordinator stays up, a new worker finishes them identically); a coordinator killed and restarted
+ * (journaled jobs complete); malformed, oversized and multi-frame requests (error replies); a burst
+ * of submissions against a small queue (BUSY replies, every accepted job completes); and the
+ * batcher alone against rekv_generate. Model: stories260K. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "coordinator/cli_daemon.h"
+#include "coordinator/coordinator.h"
+#include "gpuworker/batcher.h"
+#include "gpuworker/gpuworker.h"
+#include "tests/testutil.h"
+
+#define MODEL_REL "models/stories260K/stories260K.bin"
+
+/* One job of the test mix and its expected output. */
+typedef struct tjob {
+    int32_t prompt[64];
+    int n_prompt;
+    rekv_gen_params gp;
+    rekv_gen_result ref; /* rekv_generate in this process */
+    uint64_t id;         /* the coordinator's job id */
+} tjob;
+
+/* A deterministic mix: prompt lengths 1..40, greedy and sampled, top-k, top-p, EOS on and off. */
+static void make_jobs(tjob *jobs, int n, int max_new_base, int vocab, uint64_t salt)
+{
+    uint64_t s = 0x9e3779b97f4a7c15ull ^ salt;
+    for (int i = 0; i < n; i++) {
+        tjob *j = &jobs[i];
+        memset(j, 0, sizeof(*j));
+        j->n_prompt = 1 + (i * 7) % 40;
+        for (int t = 0; t < j->n_prompt; t++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            j->prompt[t] = 1 + (int32_t)((s >> 33) % (uint64_t)(vocab - 1));
+        }
+        j->gp.max_new_tokens = max_new_base + (i * 13) % 24;
+        j->gp.temperature = i % 3 == 0 ? 0.0f : 0.9f;
+        j->gp.top_k = i % 4 == 1 ? 40 : 0;
+        j->gp.top_p = i % 5 == 2 ? 0.9f : 1.0f;
+        j->gp.seed = 1000 + (uint64_t)i + salt;
+        j->gp.stop_at_eos = i % 2;
+    }
+}
+
+static void reference(tjob *jobs, int n, const char *model)
+{
+    rekv_err err = {0};
+    rekv_model *m = NULL;
+    rekv_engine *e = NULL;
+    ck_assert_msg(rekv_model_open(model, &m, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(m, &e, &err) == 0, "%s", err.msg);
+    for (int i = 0; i < n; i++)
+        ck_assert_msg(rekv_generate(e, jobs[i].prompt, jobs[i].n_prompt, &jobs[i].gp, &jobs[i].ref,
+                                    &err) == 0,
+                      "%s", err.msg);
+    rekv_engine_free(e);
+    rekv_model_close(m);
+}
+
+static void free_jobs(tjob *jobs, int n)
+{
+    for (int i = 0; i < n; i++)
+        rekv_gen_result_free(&jobs[i].ref);
+}
+
+static Rekv__Control__Response *call(rekv_ctl *c, Rekv__Control__Request *rq)
+{
+    Rekv__Control__Response *r = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_ctl_call(c, rq, 20000, &r, &err) == 0, "%s", err.msg);
+    return r;
+}
+
+/* Submits without waiting for the reply (so that all jobs are in flight together). */
+static uint64_t submit_async(rekv_ctl *c, const tjob *j)
+{
+    Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
+    smp.temperature = j->gp.temperature;
+    smp.top_k = (uint32_t)j->gp.top_k;
+    smp.top_p = j->gp.top_p;
+    smp.seed = j->gp.seed;
+    Rekv__Control__Submit s = REKV__CONTROL__SUBMIT__INIT;
+    s.n_prompt_ids = (size_t)j->n_prompt;
+    s.prompt_ids = (int32_t *)j->prompt;
+    s.sampling = &smp;
+    s.max_new_tokens = (uint32_t)j->gp.max_new_tokens;
+    s.stop_at_eos = j->gp.stop_at_eos;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rq.submit = &s;
+    uint64_t id;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_ctl_send(c, &rq, &id, &err) == 0, "%s", err.msg);
+    return id;
+}
+
+/* Submits all jobs at once, then collects the replies; returns how many were accepted (BUSY ones
+ * get id 0). */
+static int submit_all(rekv_ctl *c, tjob *jobs, int n)
+{
+    uint64_t *rq = calloc((size_t)n, sizeof(uint64_t));
+    for (int i = 0; i < n; i++)
+        rq[i] = submit_async(c, &jobs[i]);
+    int got = 0, accepted = 0;
+    while (got < n) {
+        Rekv__Control__Response *r = NULL;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_ctl_recv(c, 20000, &r, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < n; i++) {
+            if (rq[i] != r->id)
+                continue;
+            if (r->code == REKV__CONTROL__CODE__OK) {
+                ck_assert_int_eq(r->body_case, REKV__CONTROL__RESPONSE__BODY_SUBMITTED);
+                jobs[i].id = r->submitted->job;
+                accepted++;
+            } else {
+                ck_assert_msg(r->code == REKV__CONTROL__CODE__BUSY, "submit %d: %s", i, r->error);
+                ck_assert_msg(strstr(r->error, "busy") != NULL, "%s", r->error);
+                jobs[i].id = 0;
+            }
+            got++;
+        }
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    free(rq);
+    return accepted;
+}
+
+static Rekv__Control__Response *status(rekv_ctl *c, uint64_t job)
+{
+    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
+    s.job = job;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    rq.status = &s;
+    return call(c, &rq);
+}
+
+/* Waits until every accepted job has ended, then checks each one's tokens against the reference.
+ * min_attempts: jobs whose attempts must be at least this (1 normally). */
+static void wait_and_check(rekv_ctl *c, tjob *jobs, int n, double timeout_s)
+{
+    uint64_t deadline = rekv_now_ns() + (uint64_t)(timeout_s * 1e9);
+    for (int i = 0; i < n; i++) {
+        if (jobs[i].id == 0)
+            continue;
+        for (;;) {
+            Rekv__Control__Response *r = status(c, jobs[i].id);
+            ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "status of job %llu: %s",
+                          (unsigned long long)jobs[i].id, r->error);
+            const Rekv__Control__JobStatus *s = r->job;
+            if (s->state == REKV__CONTROL__JOB_STATE__QUEUED ||
+                s->state == REKV__CONTROL__JOB_STATE__RUNNING) {
+                rekv__control__response__free_unpacked(r, NULL);
+                ck_assert_msg(rekv_now_ns() < deadline, "job %d did not finish in %.0f s", i,
+                              timeout_s);
+                usleep(20000);
+                continue;
+            }
+            ck_assert_msg(s->state == REKV__CONTROL__JOB_STATE__DONE, "job %d ended %s: %s", i,
+                          rekv_ctl_state_name(s->state), s->error);
+            ck_assert_msg((int)s->n_generated_ids == jobs[i].ref.n,
+                          "job %d: %zu tokens, rekv_generate made %d", i, s->n_generated_ids,
+                          jobs[i].ref.n);
+            int at = 0;
+            while (at < jobs[i].ref.n && s->generated_ids[at] == jobs[i].ref.ids[at])
+                at++;
+            ck_assert_msg(at == jobs[i].ref.n,
+                          "job %d (temperature %g, top-k %d, top-p %g): token %d is %d, "
+                          "rekv_generate made %d",
+                          i, jobs[i].gp.temperature, jobs[i].gp.top_k, jobs[i].gp.top_p, at,
+                          at < jobs[i].ref.n ? s->generated_ids[at] : -1,
+                          at < jobs[i].ref.n ? jobs[i].ref.ids[at] : -1);
+            ck_assert_str_eq(s->finish_reason, jobs[i].ref.finish_reason);
+            rekv__control__response__free_unpacked(r, NULL);
+            break;
+        }
+    }
+}
+
+/* Starts a program with --ready-fd and waits for READY. */
+static pid_t spawn(const char *const *args)
+{
+    int pfd[2];
+    ck_assert_int_eq(pipe(pfd), 0);
+    const char *argv[48];
+    int n = 0;
+    for (; args[n]; n++)
+        argv[n] = args[n];
+    char fd[16];
+    snprintf(fd, sizeof(fd), "%d", pfd[1]);
+    argv[n++] = "--ready-fd";
+    argv[n++] = fd;
+    argv[n] = NULL;
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        execv(argv[0], (char **)argv);
+        _exit(127);
+    }
+    close(pfd[1]);
+    struct pollfd p = {pfd[0], POLLIN, 0};
+    ck_assert_msg(poll(&p, 1, 60000) == 1, "%s did not become ready", argv[0]);
+    char buf[8] = {0};
+    ck_assert_msg(read(pfd[0], buf, 7) == 6, "%s exited before it was ready", argv[0]);
+    close(pfd[0]);
+    return pid;
+}
+
+static int stop(pid_t pid)
+{
+    kill(pid, SIGTERM);
+    int st;
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    return st;
+}
+
+static void kill9(pid_t pid)
+{
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+typedef struct env {
+    char *dir;
+    char ctl[4200], wrk[4200], state[4200];
+    char model[4096];
+} env;
+
+static int env_open(env *e)
+{
+    const char *m = tu_shared(MODEL_REL);
+    if (m == NULL)
+        return -1;
+    snprintf(e->model, sizeof(e->model), "%s", m);
+    e->dir = tu_tmpdir();
+    snprintf(e->ctl, sizeof(e->ctl), "ipc://%s/control", e->dir);
+    snprintf(e->wrk, sizeof(e->wrk), "ipc://%s/workers", e->dir);
+    snprintf(e->state, sizeof(e->state), "%s/state", e->dir);
+    return 0;
+}
+
+static pid_t start_coordinator(env *e, const char *queue, const char *timeout_ms)
+{
+    const char *args[] = {tu_bin("rekv-coordinator"), "--control", e->ctl, "--workers", e->wrk,
+                          "--state-dir", e->state, "--queue", queue, "--worker-timeout-ms",
+                          timeout_ms, NULL};
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", args[0]);
+    args[0] = prog;
+    return spawn(args);
+}
+
+static pid_t start_worker(env *e, const char *max_batch)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    const char *args[] = {prog, "--model", e->model, "--coordinator", e->wrk, "--max-batch",
+                          max_batch, "--heartbeat-ms", "100", NULL};
+    return spawn(args);
+}
+
+static rekv_ctl *ctl_open(const char *ep)
+{
+    rekv_ctl *c = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_ctl_connect(ep, NULL, &c, &err) == 0, "%s", err.msg);
+    return c;
+}
+
+static Rekv__Control__Response *health(rekv_ctl *c)
+{
+    Rekv__Control__HealthRequest h = REKV__CONTROL__HEALTH_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_HEALTH;
+    rq.health = &h;
+    return call(c, &rq);
+}
+
+/* Waits until the coordinator sees n workers. */
+static void wait_workers(rekv_ctl *c, uint32_t n)
+{
+    uint64_t deadline = rekv_now_ns() + 20000000000ull;
+    for (;;) {
+        Rekv__Control__Response *r = health(c);
+        uint32_t w = r->health ? r->health->workers : 0;
+        rekv__control__response__free_unpacked(r, NULL);
+        if (w == n)
+            return;
+        ck_assert_msg(rekv_now_ns() < deadline, "the coordinator sees %u workers, not %u", w, n);
+        usleep(20000);
+    }
+}
+
+/* ---------------------------------------------------------------- tests */
+
+/* The batcher alone: jobs joining at different steps give rekv_generate's tokens. */
+START_TEST(batcher_matches_generate)
+{
+    const char *m = tu_shared(MODEL_REL);
+    if (m == NULL)
+        return;
+    enum { N = 24 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 4, 512, 7);
+    reference(jobs, N, m);
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    rekv_engine *e = NULL;
+    rekv_backend *be = NULL;
+    rekv_pipeline *p = NULL;
+    rekv_batcher *b = NULL;
+    rekv_pipeline_config pc;
+    rekv_pipeline_config_defaults(&pc);
+    ck_assert_msg(rekv_model_open(m, &model, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(model, &e, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_backend_cpu_create(NULL, &be, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_pipeline_create(e, be, NULL, &pc, &p, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_batcher_create(p, rekv_engine_config(e), 8, 0, &b, &err) == 0, "%s", err.msg);
+    int32_t got[N][128];
+    int n_got[N] = {0}, done[N] = {0}, next = 0, finished = 0;
+    const char *reason[N] = {0};
+    while (finished < N) {
+        /* join one or two per step so that batches mix prefill and decode */
+        for (int k = 0; k < 8 && next < N && rekv_batcher_running(b) < 8; k++, next++)
+            ck_assert_msg(rekv_batcher_join(b, (uint64_t)next, jobs[next].prompt,
+                                            jobs[next].n_prompt, &jobs[next].gp, &err) == 0,
+                          "%s", err.msg);
+        const rekv_batch_event *ev;
+        int n_ev;
+        ck_assert_msg(rekv_batcher_step(b, &ev, &n_ev, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < n_ev; i++) {
+            int j = (int)ev[i].job;
+            if (ev[i].token >= 0)
+                got[j][n_got[j]++] = ev[i].token;
+            if (ev[i].finished) {
+                done[j] = 1;
+                reason[j] = ev[i].finish_reason;
+                finished++;
+            }
+        }
+    }
+    for (int j = 0; j < N; j++) {
+        ck_assert(done[j]);
+        ck_assert_msg(n_got[j] == jobs[j].ref.n, "job %d (prompt %d, temp %g, k %d, p %g, eos %d): %d tokens, not %d", j, jobs[j].n_prompt, jobs[j].gp.temperature, jobs[j].gp.top_k, jobs[j].gp.top_p, jobs[j].gp.stop_at_eos, n_got[j], jobs[j].ref.n);
+        ck_assert_msg(memcmp(got[j], jobs[j].ref.ids, sizeof(int32_t) * (size_t)n_got[j]) == 0,
+                      "job %d differs", j);
+        ck_assert_str_eq(reason[j], jobs[j].ref.finish_reason);
+    }
+    /* bad joins say why */
+    int32_t bad = 100000;
+    ck_assert_int_eq(rekv_batcher_join(b, 999, &bad, 1, &jobs[0].gp, &err), -EINVAL);
+    ck_assert_int_eq(rekv_batcher_join(b, 999, &bad, 0, &jobs[0].gp, &err), -EINVAL);
+    rekv_batcher_free(b);
+    rekv_pipeline_free(p);
+    rekv_backend_destroy(be);
+    rekv_engine_free(e);
+    rekv_model_close(model);
+    free_jobs(jobs, N);
+}
+END_TEST
+
+/* `rekv run` serves 64 concurrent jobs; outputs equal rekv_generate's. */
+START_TEST(run_64_jobs)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 64 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 8, 512, 1);
+    reference(jobs, N, e.model);
+    char bindir[4096];
+    snprintf(bindir, sizeof(bindir), "%s", tu_bin(""));
+    bindir[strlen(bindir) - 1] = '\0';
+    int pfd[2];
+    ck_assert_int_eq(pipe(pfd), 0);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        char fd[16];
+        snprintf(fd, sizeof(fd), "%d", pfd[1]);
+        char *argv[] = {"run", "--model", e.model, "--dir", e.dir, "--bin-dir", bindir,
+                        "--host-bytes", "16M", "--max-batch", "32", "--ready-fd", fd, NULL};
+        _exit(cli_run(13, argv));
+    }
+    close(pfd[1]);
+    struct pollfd p = {pfd[0], POLLIN, 0};
+    ck_assert_msg(poll(&p, 1, 60000) == 1, "rekv run did not become ready");
+    char buf[8] = {0};
+    ck_assert_msg(read(pfd[0], buf, 7) == 6, "rekv run exited before it was ready");
+    close(pfd[0]);
+    /* the control socket is private to us */
+    struct stat st;
+    ck_assert_int_eq(stat(e.ctl + 6, &st), 0);
+    ck_assert_int_eq(st.st_mode & 0777, 0600);
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    uint64_t t0 = rekv_now_ns();
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_and_check(c, jobs, N, 60);
+    double dt = (double)(rekv_now_ns() - t0) * 1e-9;
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    Rekv__Control__Response *r = call(c, &rq);
+    ck_assert_int_eq(r->stats->done, N);
+    ck_assert_int_eq(r->stats->n_workers, 1);
+    fprintf(stderr,
+            "   64 jobs, %llu tokens in %.2f s over %llu steps; per step: worker %.3f ms, plan + "
+            "progress round trip %.3f ms (control-plane cost %.3f ms)\n",
+            (unsigned long long)r->stats->tokens, dt, (unsigned long long)r->stats->steps,
+            r->stats->worker_step_avg_s * 1e3, r->stats->step_rtt_avg_s * 1e3,
+            (r->stats->step_rtt_avg_s - r->stats->worker_step_avg_s) * 1e3);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    /* Ctrl-C: everything stops cleanly and the sockets are gone */
+    kill(pid, SIGINT);
+    int status;
+    ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rekv run exit status %d", status);
+    ck_assert_int_ne(access(e.ctl + 6, F_OK), 0);
+    free_jobs(jobs, N);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
+
+/* Waits until some job of jobs[] has produced tokens; returns its index. */
+static int wait_some_tokens(rekv_ctl *c, tjob *jobs, int n)
+{
+    uint64_t deadline = rekv_now_ns() + 30000000000ull;
+    for (;;) {
+        for (int i = 0; i < n; i++) {
+            Rekv__Control__Response *r = status(c, jobs[i].id);
+            int has = r->job && r->job->state == REKV__CONTROL__JOB_STATE__RUNNING &&
+                      r->job->n_generated_ids > 0;
+            rekv__control__response__free_unpacked(r, NULL);
+            if (has)
+                return i;
+        }
+        ck_assert_msg(rekv_now_ns() < deadline, "no job produced tokens");
+        usleep(2000);
+    }
+}
+
+/* SIGKILL the worker mid-run: the coordinator stays up, notices (heartbeat), re-queues the jobs
+ * in flight, and a new worker runs them to the same tokens. */
+START_TEST(worker_killed)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 16 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 400, 512, 2);
+    for (int i = 0; i < N; i++)
+        jobs[i].gp.stop_at_eos = 0; /* long runs, so that the kill lands mid-run */
+    reference(jobs, N, e.model);
+    pid_t co = start_coordinator(&e, "256", "1000");
+    pid_t wk = start_worker(&e, "16");
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    int i = wait_some_tokens(c, jobs, N);
+    kill9(wk);
+    /* the coordinator answers throughout and drops the worker after the timeout */
+    wait_workers(c, 0);
+    Rekv__Control__Response *r = status(c, jobs[i].id);
+    ck_assert_msg(r->job->state == REKV__CONTROL__JOB_STATE__QUEUED, "job state %s after the "
+                  "worker died", rekv_ctl_state_name(r->job->state));
+    ck_assert_int_eq(r->job->attempts, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    wk = start_worker(&e, "16");
+    wait_and_check(c, jobs, N, 60);
+    r = status(c, jobs[i].id);
+    ck_assert_int_eq(r->job->attempts, 2);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(stop(wk), 0);
+    ck_assert_int_eq(stop(co), 0);
+    free_jobs(jobs, N);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
+/* SIGKILL the coordinator after it acknowledged jobs: a new one replays the journal, the worker
+ * reconnects, and every acknowledged job completes with the right tokens. */
+START_TEST(coordinator_restart)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 24 };
+    static tjob jobs[N + 1];
+    make_jobs(jobs, N + 1, 200, 512, 3);
+    reference(jobs, N + 1, e.model);
+    pid_t co = start_coordinator(&e, "256", "2000");
+    pid_t wk = start_worker(&e, "8");
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    kill9(co);
+    rekv_ctl_close(c);
+    co = start_coordinator(&e, "256", "2000");
+    c = ctl_open(e.ctl);
+    /* ids go on after the replayed ones */
+    ck_assert_int_eq(submit_all(c, jobs + N, 1), 1);
+    ck_assert_uint_gt(jobs[N].id, jobs[N - 1].id);
+    wait_and_check(c, jobs, N + 1, 60);
+    /* and once more: finished jobs are remembered across a clean restart */
+    ck_assert_int_eq(stop(co), 0);
+    rekv_ctl_close(c);
+    co = start_coordinator(&e, "256", "2000");
+    c = ctl_open(e.ctl);
+    wait_and_check(c, jobs, N + 1, 10);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(stop(wk), 0);
+    ck_assert_int_eq(stop(co), 0);
+    free_jobs(jobs, N + 1);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
+static void expect_error(rekv_ctl *c, Rekv__Control__Code code, const char *needle)
+{
+    Rekv__Control__Response *r = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_ctl_recv(c, 10000, &r, &err) == 0, "%s", err.msg);
+    ck_assert_msg(r->code == code, "code %d (%s), expected %d", r->code, r->error, code);
+    ck_assert_msg(strstr(r->error, needle) != NULL, "\"%s\" does not say \"%s\"", r->error,
+                  needle);
+    rekv__control__response__free_unpacked(r, NULL);
+}
+
+/* Malformed, oversized, multi-frame, wrong-version and invalid requests get error replies; the
+ * coordinator carries on. */
+START_TEST(malformed_requests)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    pid_t co = start_coordinator(&e, "256", "2000");
+    rekv_ctl *c = ctl_open(e.ctl);
+    rekv_err err = {0};
+    const char junk[] = "\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01 not protobuf";
+    const void *f1[] = {junk};
+    size_t l1[] = {sizeof(junk)};
+    ck_assert_int_eq(rekv_ctl_send_raw(c, f1, l1, 1, &err), 0);
+    expect_error(c, REKV__CONTROL__CODE__BAD_REQUEST, "not a rekv.control.Request");
+    const void *f2[] = {"a", "b", "c"};
+    size_t l2[] = {1, 1, 1};
+    ck_assert_int_eq(rekv_ctl_send_raw(c, f2, l2, 3, &err), 0);
+    expect_error(c, REKV__CONTROL__CODE__BAD_REQUEST, "exactly one frame");
+    size_t big = 2u << 20;
+    char *buf = calloc(1, big);
+    const void *f3[] = {buf};
+    ck_assert_int_eq(rekv_ctl_send_raw(c, f3, &big, 1, &err), 0);
+    expect_error(c, REKV__CONTROL__CODE__BAD_REQUEST, "larger than the limit");
+    free(buf);
+    ck_assert_int_eq(rekv_ctl_send_raw(c, f3, (size_t[]){0}, 1, &err), 0);
+    expect_error(c, REKV__CONTROL__CODE__BAD_REQUEST, "version 0"); /* empty: no version */
+    /* another protocol version */
+    Rekv__Control__HealthRequest h = REKV__CONTROL__HEALTH_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.version = 99;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_HEALTH;
+    rq.health = &h;
+    uint8_t pk[64];
+    size_t pn = rekv__control__request__pack(&rq, pk);
+    const void *f4[] = {pk};
+    ck_assert_int_eq(rekv_ctl_send_raw(c, f4, &pn, 1, &err), 0);
+    expect_error(c, REKV__CONTROL__CODE__BAD_REQUEST, "version 99");
+    /* invalid submits */
+    Rekv__Control__Submit s = REKV__CONTROL__SUBMIT__INIT;
+    Rekv__Control__Request rs = REKV__CONTROL__REQUEST__INIT;
+    rs.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rs.submit = &s;
+    Rekv__Control__Response *r = call(c, &rs);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__BAD_REQUEST);
+    rekv__control__response__free_unpacked(r, NULL);
+    s.prompt_text = "hello";
+    rs.id = 0;
+    r = call(c, &rs);
+    ck_assert_msg(r->code == REKV__CONTROL__CODE__BAD_REQUEST && strstr(r->error, "tokenizer"),
+                  "%s", r->error);
+    rekv__control__response__free_unpacked(r, NULL);
+    r = status(c, 123456);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__NOT_FOUND);
+    rekv__control__response__free_unpacked(r, NULL);
+    /* a frame above the transport limit cuts that connection, nothing more */
+    size_t huge = 20u << 20;
+    char *hb = calloc(1, huge);
+    const void *f5[] = {hb};
+    ck_assert_int_eq(rekv_ctl_send_raw(c, f5, &huge, 1, &err), 0);
+    free(hb);
+    rekv_ctl_close(c);
+    c = ctl_open(e.ctl);
+    r = health(c);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+    ck_assert(r->health->serving);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(stop(co), 0);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
+static long vm_hwm_kib(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    long v = -1;
+    while (f && fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmHWM: %ld", &v) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return v;
+}
+
+/* 10,000 submissions at once against a queue of 256: BUSY replies, bounded memory, and every
+ * accepted job completes with rekv_generate's tokens. */
+START_TEST(busy_queue)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 10000 };
+    tjob *jobs = calloc(N, sizeof(tjob));
+    make_jobs(jobs, N, 1, 512, 4);
+    for (int i = 0; i < N; i++)
+        jobs[i].gp.max_new_tokens = 1 + i % 4;
+    pid_t co = start_coordinator(&e, "256", "5000");
+    pid_t wk = start_worker(&e, "32");
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    int acc = submit_all(c, jobs, N);
+    fprintf(stderr, "   %d of %d submissions accepted, the rest answered busy; coordinator peak "
+            "RSS %ld KiB\n", acc, N, vm_hwm_kib(co));
+    ck_assert_int_ge(acc, 256);
+    ck_assert_int_lt(acc, N);
+    ck_assert_int_lt(vm_hwm_kib(co), 256 * 1024);
+    /* references only for the accepted ones */
+    tjob *a = calloc((size_t)acc, sizeof(tjob));
+    int k = 0;
+    for (int i = 0; i < N; i++)
+        if (jobs[i].id)
+            a[k++] = jobs[i];
+    reference(a, acc, e.model);
+    wait_and_check(c, a, acc, 90);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(stop(wk), 0);
+    ck_assert_int_eq(stop(co), 0);
+    free_jobs(a, acc);
+    free(a);
+    free(jobs);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("coordinator");
+    TCase *tc = tcase_create("coordinator");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, batcher_matches_generate);
+    tcase_add_test(tc, run_64_jobs);
+    tcase_add_test(tc, worker_killed);
+    tcase_add_test(tc, coordinator_restart);
+    tcase_add_test(tc, malformed_requests);
+    tcase_add_test(tc, busy_queue);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void) { return tu_run_suite(suite()); }
