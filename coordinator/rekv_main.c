@@ -4,13 +4,19 @@
 
 #include "common/log.h"
 #include "coordinator/cli.h"
+#include "coordinator/cli_daemon.h"
 
 static void usage(FILE *f)
 {
     fprintf(f, "usage: rekv <command> [options]\n"
                "commands:\n"
-               "  generate   run a prompt through a model and print the continuation\n"
-               "  bench      benchmarks (bench forward | bench kvstore), JSON output\n"
+               "  generate   run a prompt through a model in this process, print the continuation\n"
+               "  run        start kvstore, gpuworker and coordinator locally; serve until Ctrl-C\n"
+               "  submit     submit a job to the coordinator and stream its tokens\n"
+               "  status     a job's state, or the queue's\n"
+               "  cancel     cancel a job\n"
+               "  stats      the coordinator's counters\n"
+               "  bench      benchmarks (bench forward | decode | kvstore), JSON output\n"
                "Run `rekv <command> --help` for a command's options.\n");
 }
 
@@ -25,6 +31,17 @@ int main(int argc, char **argv)
         return cli_generate(argc - 1, argv + 1);
     if (strcmp(argv[1], "bench") == 0)
         return cli_bench(argc - 1, argv + 1);
+    static const struct {
+        const char *name;
+        int (*fn)(int, char **);
+    } daemon_cmds[] = {{"run", cli_run},
+                       {"submit", cli_submit},
+                       {"status", cli_status},
+                       {"cancel", cli_cancel},
+                       {"stats", cli_stats}};
+    for (size_t i = 0; i < sizeof(daemon_cmds) / sizeof(daemon_cmds[0]); i++)
+        if (strcmp(argv[1], daemon_cmds[i].name) == 0)
+            return daemon_cmds[i].fn(argc - 1, argv + 1);
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
         usage(stdout);
         return 0;

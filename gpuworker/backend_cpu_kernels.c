@@ -13,23 +13,20 @@ extern const rekv_backend_iface rekv_cpu_backend_iface;
 typedef struct linear_args {
     float *y;
     const float *x, *w, *bias;
-    int m, n, k, rowinv;
+    int m, n, k;
 } linear_args;
 
 static void run_linear(void *p)
 {
     linear_args *a = p;
-    if (a->rowinv)
-        cpu_gemm_rowinv(a->y, a->x, a->w, a->bias, a->m, a->n, a->k);
-    else
-        cpu_linear(a->y, a->x, a->w, a->bias, a->m, a->n, a->k);
+    cpu_gemm_rowinv(a->y, a->x, a->w, a->bias, a->m, a->n, a->k);
 }
 
 static void k_linear(rekv_stream *s, float *y, const float *x, const float *w, const float *bias,
-                     int m, int n, int k, int rowinv)
+                     int m, int n, int k)
 {
-    linear_args a = {y, x, w, bias, m, n, k, rowinv};
-    LAUNCH(s, rowinv ? "linear_rowinv" : "linear", run_linear, a);
+    linear_args a = {y, x, w, bias, m, n, k};
+    LAUNCH(s, "linear", run_linear, a);
 }
 
 typedef struct norm_args {

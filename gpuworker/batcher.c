@@ -24,7 +24,6 @@ struct rekv_batcher {
     rekv_pipeline *p;          /* not owned */
     const rekv_model_config *c; /* the pipeline's model (not owned) */
     int max_batch;             /* capacity of jobs[] */
-    int fused;                 /* 1: one pipeline step for the batch; 0: one per job (exact) */
     int n;                     /* jobs running */
     bjob *jobs;                /* [max_batch], the batch in order */
     rekv_pipe_item *items;     /* [max_batch] scratch for the step */
@@ -33,7 +32,7 @@ struct rekv_batcher {
     rekv_batch_event *events;  /* [max_batch] the last step's outcomes */
 };
 
-int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch, int fused,
+int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch,
                         rekv_batcher **out, rekv_err *err)
 {
     if (max_batch < 1)
@@ -44,7 +43,6 @@ int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_ba
     b->p = p;
     b->c = c;
     b->max_batch = max_batch;
-    b->fused = fused;
     b->jobs = calloc((size_t)max_batch, sizeof(*b->jobs));
     b->items = calloc((size_t)max_batch, sizeof(*b->items));
     b->events = calloc((size_t)max_batch, sizeof(*b->events));
@@ -168,16 +166,8 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
                                                      b->logits + (size_t)i * V};
     }
     int rc;
-    if (b->fused) {
-        if (n_items > 0 && (rc = rekv_pipeline_step(b->p, b->items, n_items, err)))
-            return rc;
-    } else {
-        /* jobs before a failing one have advanced their caches already: the failure is the
-         * whole step's, and the caller drops the batch (batcher.h) */
-        for (int a = 0; a < n_items; a++)
-            if ((rc = rekv_pipeline_step(b->p, &b->items[a], 1, err)))
-                return rc;
-    }
+    if (n_items > 0 && (rc = rekv_pipeline_step(b->p, b->items, n_items, err)))
+        return rc;
     int kept = 0, ne = 0;
     for (int i = 0; i < b->n; i++) {
         bjob *j = &b->jobs[i];

@@ -4,15 +4,10 @@
  * then the model's context).
  *
  * In a step every running job advances by one token: the jobs that joined since the last step run
- * their whole prompt (prefill), the others their last sampled token (decode). Two ways to run it:
- *   exact  one rekv_pipeline_step per job: each job's logits are bit for bit those of
- *          rekv_generate (`rekv generate --local`), whoever shares the step. The default.
- *   fused  one rekv_pipeline_step over the whole batch: one GEMM per projection for all jobs
- *          (the throughput of batching), but the Q/O/FFN/head GEMMs are not row-invariant
- *          (OpenBLAS picks other kernels by row count), so logits differ from a job run alone in
- *          the last bits (~1e-5 measured on stories260K) and a sampled token can differ where two
- *          candidates nearly tie. Becomes exact once every projection uses the row-invariant
- *          GEMM (cpu_gemm_rowinv) in forward.c and pipeline.c alike.
+ * their whole prompt (prefill), the others their last sampled token (decode), all in one
+ * rekv_pipeline_step — one GEMM per projection for the whole batch. The cpu backend's GEMM is
+ * row-invariant, so each job's logits are bit for bit those of rekv_generate (`rekv generate
+ * --local`), whoever shares the step.
  * The rekv-gpuworker daemon drives it from the coordinator's plans; tests drive it directly.
  *
  * Functions return 0 or a negative errno and fill the rekv_err; nothing here prints. */
@@ -33,9 +28,9 @@ typedef struct rekv_batch_event {
     const char *finish_reason; /* when finished: "length", "eos" or "context" (static string) */
 } rekv_batch_event;
 
-/* max_batch: most jobs running at once (>= 1); fused: 1 for fused steps, 0 for exact ones. p and c (the config of the pipeline's model, e.g.
+/* max_batch: most jobs running at once (>= 1). p and c (the config of the pipeline's model, e.g.
  * rekv_engine_config of its engine) are not owned and must outlive the batcher. */
-int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch, int fused,
+int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch,
                         rekv_batcher **out, rekv_err *err);
 /* Frees every running job's sequence, then the batcher. NULL is fine. */
 void rekv_batcher_free(rekv_batcher *b);

@@ -1,11 +1,14 @@
-/* cpu_gemm.c — a row-invariant fp32 GEMM for the projections whose results must not depend on
+/* cpu_gemm.c — the cpu backend's GEMM: fp32, row-invariant — a row's result does not depend on
  * which other rows share the call.
  *
  * The exact modes recompute keys and values from stored activations (KVPR's prefix, HybridServe's
  * ACT blocks) and must reproduce, bit for bit, the K and V computed when the token was first seen —
- * in a call with other rows. OpenBLAS does not promise that: it picks other kernels for one row,
- * for small problems and for edge tiles, which sum in other orders (measured: 163 of 300 random
- * shapes differ between a whole-matrix call and the same rows in chunks). Here every output
+ * in a call with other rows; and continuous batching must not change a sequence's tokens with the
+ * company it keeps. OpenBLAS does not promise that: it picks other kernels for one row, for small
+ * problems and for edge tiles, which sum in other orders (measured: 163 of 300 random shapes
+ * differ between a whole-matrix call and the same rows in chunks; padding to fixed row tiles does
+ * not cure it). So every projection uses this GEMM, and OpenBLAS stays as the yardstick that
+ * `rekv bench forward` measures it against. Here every output
  * element is one dot product in a fixed order — eight fused multiply-add lanes over k in steps of
  * 8, the lanes summed pairwise in a fixed tree, then the k % 8 tail with fmaf — whatever the
  * blocking, the row count or the instruction set. The AVX2 path and the portable path give the

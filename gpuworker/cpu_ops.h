@@ -5,12 +5,13 @@
 
 #include "loader/loader.h"
 
-/* y[m][n] = x[m][k] · W[n][k]^T (+ bias[n] when not NULL), through OpenBLAS sgemm. */
+/* y[m][n] = x[m][k] · W[n][k]^T (+ bias[n] when not NULL), through OpenBLAS sgemm: the speed
+ * yardstick for benchmarks and the accuracy check for tests. The engine uses cpu_gemm_rowinv. */
 void cpu_linear(float *y, const float *x, const float *w, const float *bias, int m, int n, int k);
 
 /* The same product, but each output element is computed in a fixed order that does not depend on
- * m or on which rows share the call, so recomputing some rows later gives the same bits. Used for
- * the K and V projections, which the exact modes recompute from activations (cpu_gemm.c). */
+ * m or on which rows share the call, so recomputing some rows later, or batching them otherwise,
+ * gives the same bits. Every projection of the engine uses it (cpu_gemm.c says why). */
 void cpu_gemm_rowinv(float *y, const float *x, const float *w, const float *bias, int m, int n,
                      int k);
 /* The portable path of cpu_gemm_rowinv (no bias), for tests: it must give the same bits. */

@@ -210,8 +210,7 @@ static void attention_block(rekv_engine *e, const layer_f32 *L, int layer, rekv_
 {
     const rekv_model_config *c = &e->c;
     int H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c);
-    cpu_linear(e->q, e->h, L->wq, L->bq, T, Q, H);
-    /* K and V are what the exact modes recompute from activations: row-invariant GEMM */
+    cpu_gemm_rowinv(e->q, e->h, L->wq, L->bq, T, Q, H);
     cpu_gemm_rowinv(e->k, e->h, L->wk, L->bk, T, KV, H);
     cpu_gemm_rowinv(e->v, e->h, L->wv, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
@@ -229,21 +228,21 @@ static void attention_block(rekv_engine *e, const layer_f32 *L, int layer, rekv_
                       e->scores);
         row += m;
     }
-    cpu_linear(e->h, e->att, L->wo, L->bo, T, H, Q);
+    cpu_gemm_rowinv(e->h, e->att, L->wo, L->bo, T, H, Q);
 }
 
 static void ffn_block(rekv_engine *e, const layer_f32 *L, int T)
 {
     const rekv_model_config *c = &e->c;
     int H = c->hidden, F = c->ffn;
-    cpu_linear(e->f1, e->h, L->w1, L->b1, T, F, H);
+    cpu_gemm_rowinv(e->f1, e->h, L->w1, L->b1, T, F, H);
     if (L->w3) {
-        cpu_linear(e->f3, e->h, L->w3, NULL, T, F, H);
+        cpu_gemm_rowinv(e->f3, e->h, L->w3, NULL, T, F, H);
         cpu_activation(e->f1, e->f3, (size_t)T * F, c->act);
     } else {
         cpu_activation(e->f1, NULL, (size_t)T * F, c->act);
     }
-    cpu_linear(e->h, e->f1, L->w2, L->b2, T, H, F);
+    cpu_gemm_rowinv(e->h, e->f1, L->w2, L->b2, T, H, F);
 }
 
 int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err)
@@ -283,7 +282,7 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
                    e->embed + (size_t)items[b].tokens[i] * E, sizeof(float) * (size_t)E);
         }
     if (e->project_in)
-        cpu_linear(e->x, e->h, e->project_in, NULL, (int)T, H, E);
+        cpu_gemm_rowinv(e->x, e->h, e->project_in, NULL, (int)T, H, E);
     if (e->pos_embed)
         for (row = 0; row < T; row++)
             add_into(e->x + row * H, e->pos_embed + (size_t)(e->pos[row] + 2) * H, (size_t)H);
@@ -329,18 +328,18 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         cpu_norm(e->x, e->x, e->final_norm_w, e->final_norm_b, (int)n_out, H, c->norm_eps);
     const float *hin = e->x;
     if (e->project_out) {
-        cpu_linear(e->h, e->x, e->project_out, NULL, (int)n_out, E, H);
+        cpu_gemm_rowinv(e->h, e->x, e->project_out, NULL, (int)n_out, E, H);
         hin = e->h;
     }
     /* one GEMM for every row, so the head's weights are read once per step, not once per item */
     if (n_items == 1) {
-        cpu_linear(items[0].logits, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+        cpu_gemm_rowinv(items[0].logits, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
         return 0;
     }
     float *all = malloc(sizeof(float) * n_out * (size_t)c->vocab);
     if (all == NULL)
         return rekv_errf(err, -ENOMEM, "forward: out of memory for %zu rows of logits", n_out);
-    cpu_linear(all, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+    cpu_gemm_rowinv(all, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
     size_t r = 0;
     for (int b = 0; b < n_items; b++) {
         size_t rows = items[b].all_logits ? (size_t)items[b].n_tokens : 1;

@@ -31,10 +31,11 @@ typedef struct rekv_convert_piece {
 } rekv_convert_piece;
 
 typedef struct rekv_kernel_iface {
-    /* y[m][n] = x[m][k] · w[n][k]^T (+ bias). rowinv: every element in a fixed order, whatever
-     * rows share the call (the K and V projections, which the exact modes recompute). */
+    /* y[m][n] = x[m][k] · w[n][k]^T (+ bias). On the cpu backend every element is computed in a
+     * fixed order whatever rows share the call (cpu_gemm.c), so results never depend on batching:
+     * recomputed K,V equal the originals and a sequence's tokens do not depend on its batch. */
     void (*linear)(rekv_stream *s, float *y, const float *x, const float *w, const float *bias,
-                   int m, int n, int k, int rowinv);
+                   int m, int n, int k);
     /* out = LayerNorm (b != NULL) or RMSNorm of m rows of width d */
     void (*norm)(rekv_stream *s, float *out, const float *in, const float *w, const float *b, int m,
                  int d, float eps);

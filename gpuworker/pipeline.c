@@ -15,6 +15,8 @@
 #include "gpuworker/pipeline.h"
 
 #include <errno.h>
+#include <sys/random.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -393,7 +395,12 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->k = be->kernels;
     p->store = store;
     p->cfg = *cfg;
-    p->next_id = 1;
+    /* kvstore sequence ids are the caller's to choose and the store may outlive this pipeline
+     * (a restarted worker, a second one): start at a random even base so that ids never meet */
+    uint64_t base = 0;
+    if (getrandom(&base, sizeof(base), 0) != (ssize_t)sizeof(base))
+        base = rekv_now_ns() ^ ((uint64_t)getpid() << 32);
+    p->next_id = (base & ~(uint64_t)1) | 2; /* even, never 0; kvpr uses id and id + 1 */
     p->counters = calloc((size_t)c->n_layers, sizeof(rekv_layer_counters));
     if (p->counters == NULL) {
         rc = rekv_errf(err, -ENOMEM, "pipeline: out of memory");
@@ -948,9 +955,9 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    k->linear(s, q, h, L->wq, L->bq, T, Q, H, 0);
-    k->linear(s, kk, h, L->wk, L->bk, T, KV, H, 1);
-    k->linear(s, vv, h, L->wv, L->bv, T, KV, H, 1);
+    k->linear(s, q, h, L->wq, L->bq, T, Q, H);
+    k->linear(s, kk, h, L->wk, L->bk, T, KV, H);
+    k->linear(s, vv, h, L->wv, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
         k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, c->rope_theta, c->rope);
         k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
@@ -967,7 +974,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     }
     k->kv_scatter(s, kk, vv, T, st->row_seq[g], st->pos[g], d, c->n_kv_heads, c->head_dim);
     k->attention(s, att, q, d, nb, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p);
-    k->linear(s, h, att, L->wo, L->bo, T, H, Q, 0);
+    k->linear(s, h, att, L->wo, L->bo, T, H, Q);
     k->add(s, x, h, n);
     if (!c->pre_norm)
         k->norm(s, x, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
@@ -977,14 +984,14 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    k->linear(s, f1, h, L->w1, L->b1, T, F, H, 0);
+    k->linear(s, f1, h, L->w1, L->b1, T, F, H);
     if (L->w3) {
-        k->linear(s, f3, h, L->w3, NULL, T, F, H, 0);
+        k->linear(s, f3, h, L->w3, NULL, T, F, H);
         k->activation(s, f1, f3, (size_t)T * (size_t)F, c->act);
     } else {
         k->activation(s, f1, NULL, (size_t)T * (size_t)F, c->act);
     }
-    k->linear(s, h, f1, L->w2, L->b2, T, H, F, 0);
+    k->linear(s, h, f1, L->w2, L->b2, T, H, F);
     k->add(s, x, h, n);
     if (!c->pre_norm)
         k->norm(s, x, x, L->ffn_norm_w, L->ffn_norm_b, T, H, c->norm_eps);
@@ -1085,7 +1092,7 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         int T = st.g_rows[g];
         if (p->d_proj_in) {
             k->embed(sc, gb->h.p, p->d_embed, st.tok[g], NULL, NULL, 0, T, E);
-            k->linear(sc, gb->x.p, gb->h.p, p->d_proj_in, NULL, T, H, E, 0);
+            k->linear(sc, gb->x.p, gb->h.p, p->d_proj_in, NULL, T, H, E);
             if (p->d_pos)
                 k->embed(sc, gb->x.p, NULL, st.tok[g], p->d_pos, st.pos[g], 2, T, H);
         } else {
@@ -1157,9 +1164,9 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                 if (p->cfg.offload_weights)
                     p->bi->stream_wait_event(sc, p->ev_wkv[wb]);
                 k->linear(sc, p->kr.p, p->act_f32.p, W->wk, W->bk, io.n_act,
-                          rekv_config_kv_dim(c), H, 1);
+                          rekv_config_kv_dim(c), H);
                 k->linear(sc, p->vr.p, p->act_f32.p, W->wv, W->bv, io.n_act,
-                          rekv_config_kv_dim(c), H, 1);
+                          rekv_config_kv_dim(c), H);
                 if (c->rope != REKV_ROPE_NONE)
                     k->rope(sc, p->kr.p, io.act_pos, io.n_act, c->n_kv_heads, c->head_dim,
                             c->rope_theta, c->rope);
@@ -1197,10 +1204,10 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         if (p->d_fnorm_w)
             k->norm(sc, rows, rows, p->d_fnorm_w, p->d_fnorm_b, nb, H, c->norm_eps);
         if (p->d_proj_out) {
-            k->linear(sc, gb->q.p, rows, p->d_proj_out, NULL, nb, E, H, 0);
+            k->linear(sc, gb->q.p, rows, p->d_proj_out, NULL, nb, E, H);
             rows = gb->q.p;
         }
-        k->linear(sc, gb->logits.p, rows, p->d_head, NULL, nb, c->vocab, E, 0);
+        k->linear(sc, gb->logits.p, rows, p->d_head, NULL, nb, c->vocab, E);
         rekv_copy_piece *pc = smem_alloc(&st.mem, sizeof(rekv_copy_piece) * (size_t)nb);
         if (pc == NULL) {
             rc = rekv_errf(err, -ENOMEM, "step: out of memory");

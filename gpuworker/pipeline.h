@@ -13,11 +13,11 @@
  * Weights are resident on the device, or offloaded: each layer's weights move host->device, the
  * next layer's prefetched during the current one, W_K and W_V first (KVPR's fine-grained pipeline).
  *
- * Exactness: every mode computes the same values as resident, bit for bit, in fp32. Recomputed
- * K,V use the row-invariant GEMM that computed them in the first place; the activation stored is
- * the attention input (the normalised layer input), so recomputation repeats exactly the original
- * projection, bias and RoPE. A batch is split into the same GPU batches in every mode, so every
- * other GEMM sees the same rows. */
+ * Exactness: every mode computes the same values as resident, bit for bit, in fp32 on the cpu
+ * backend. Its GEMM is row-invariant (cpu_gemm.c), so recomputed K,V equal the ones first
+ * computed, and neither the split into GPU batches nor the other sequences in a batch change a
+ * sequence's bits; the activation stored is the attention input (the normalised layer input), so
+ * recomputation repeats exactly the original projection, bias and RoPE. */
 #ifndef REKV_GPUWORKER_PIPELINE_H
 #define REKV_GPUWORKER_PIPELINE_H
 

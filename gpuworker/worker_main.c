@@ -28,12 +28,11 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
             "         [--backend auto|cpu] [--mode resident|offload|kvpr|act|hybrid]\n"
-            "         [--max-batch N] [--batching exact|fused] [--name NAME] [--heartbeat-ms N]\n"
+            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
             "         [--ready-fd N]\n"
             "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
             "mode resident, batch 64. Every mode but resident keeps the KV cache in the kvstore.\n"
-            "--batching exact (default) runs each job's part of a step on its own, so tokens equal\n"
-            "`rekv generate --local`; fused runs the batch as one (faster, last-bit differences).\n");
+            "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n");
 }
 
 typedef struct worker {
@@ -214,10 +213,10 @@ int main(int argc, char **argv)
 {
     rekv_log_init_from_env();
     const char *model_path = NULL, *coord = NULL, *kv_ep = NULL, *backend = "auto",
-               *mode_s = "resident", *name = NULL, *batching = "exact";
+               *mode_s = "resident", *name = NULL;
     uint32_t max_batch = 64, hb_ms = 500, ready_fd = UINT32_MAX;
     enum { O_MODEL = 1000, O_COORD, O_KV, O_BACKEND, O_MODE, O_BATCH, O_NAME, O_HB, O_READY,
-           O_BATCHING, O_HELP };
+           O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL},
         {"coordinator", required_argument, 0, O_COORD},
@@ -225,7 +224,6 @@ int main(int argc, char **argv)
         {"backend", required_argument, 0, O_BACKEND},
         {"mode", required_argument, 0, O_MODE},
         {"max-batch", required_argument, 0, O_BATCH},
-        {"batching", required_argument, 0, O_BATCHING},
         {"name", required_argument, 0, O_NAME},
         {"heartbeat-ms", required_argument, 0, O_HB},
         {"ready-fd", required_argument, 0, O_READY},
@@ -243,7 +241,6 @@ int main(int argc, char **argv)
         case O_MODE: mode_s = optarg; break;
         case O_BATCH: bad = parse_u32(optarg, &max_batch) || max_batch == 0 || max_batch > 4096; break;
         case O_NAME: name = optarg; break;
-        case O_BATCHING: batching = optarg; bad = strcmp(batching, "exact") && strcmp(batching, "fused"); break;
         case O_HB: bad = parse_u32(optarg, &hb_ms) || hb_ms == 0; break;
         case O_READY: bad = parse_u32(optarg, &ready_fd); break;
         case O_HELP: usage(stdout); return 0;
@@ -324,8 +321,7 @@ int main(int argc, char **argv)
     }
     if (rekv_backend_cpu_create(NULL, &be, &err) ||
         rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
-        rekv_batcher_create(w.pipe, w.mc, (int)max_batch, strcmp(batching, "fused") == 0,
-                            &w.batch, &err))
+        rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))
         goto fail;
     zctx = zmq_ctx_new();
     w.sock = zctx ? zmq_socket(zctx, ZMQ_DEALER) : NULL;
@@ -341,9 +337,9 @@ int main(int argc, char **argv)
         goto out;
     }
     send_hello(&w);
-    rekv_log(REKV_LOG_INFO, "%s: %s, %d layers, vocab %d, context %d; cpu backend, %s mode, %s batch "
+    rekv_log(REKV_LOG_INFO, "%s: %s, %d layers, vocab %d, context %d; cpu backend, %s mode, batch "
              "of %u; coordinator %s%s%s", name, model_path, w.mc->n_layers, w.mc->vocab,
-             w.mc->max_pos, w.mode, batching, max_batch, coord, kv_ep ? ", kvstore " : "",
+             w.mc->max_pos, w.mode, max_batch, coord, kv_ep ? ", kvstore " : "",
              kv_ep ? kv_ep : "");
     if (ready_fd != UINT32_MAX) {
         ssize_t wr = write((int)ready_fd, "READY\n", 6);

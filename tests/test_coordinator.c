@@ -331,7 +331,7 @@ START_TEST(batcher_matches_generate)
     ck_assert_msg(rekv_engine_create(model, &e, &err) == 0, "%s", err.msg);
     ck_assert_msg(rekv_backend_cpu_create(NULL, &be, &err) == 0, "%s", err.msg);
     ck_assert_msg(rekv_pipeline_create(e, be, NULL, &pc, &p, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_batcher_create(p, rekv_engine_config(e), 8, 0, &b, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_batcher_create(p, rekv_engine_config(e), 8, &b, &err) == 0, "%s", err.msg);
     int32_t got[N][128];
     int n_got[N] = {0}, done[N] = {0}, next = 0, finished = 0;
     const char *reason[N] = {0};
