@@ -8,6 +8,16 @@
 int cli_generate(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 
+struct rekv_gen_params;
+struct rekv_gen_result;
+struct rekv_err;
+/* `rekv generate` through the coordinator at socket (NULL: the default control socket, or a
+ * private `rekv run` started for the call when none serves model_path there). Fills res as
+ * rekv_generate does; queued_s / run_s from the job's status. */
+int cli_generate_remote(const char *model_path, const char *socket, const int32_t *ids, int n_ids,
+                        const struct rekv_gen_params *gp, struct rekv_gen_result *res,
+                        double *queued_s, double *run_s, struct rekv_err *err);
+
 /* Parses "1,2,3" into a malloc'd array; -EINVAL on anything else. */
 int cli_parse_ids(const char *s, int32_t **ids, int *n);
 /* Strict numeric option parsing; print "rekv: --name: ..." and return -1 on error. */

@@ -1,5 +1,7 @@
-/* cli_generate.c — `rekv generate`: run a prompt through a model in this process and print the
- * continuation, as text or as one JSON object. */
+/* cli_generate.c — `rekv generate`: run a prompt through a model and print the continuation, as
+ * text or as one JSON object. By default the job goes through the coordinator (the local trio is
+ * started for the call when none serves the model); --local, or any pipeline option, runs the
+ * pipeline in this process. Both print the same ids, text and top logits. */
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
@@ -17,10 +19,59 @@ static void usage(FILE *f)
             "usage: rekv generate --model PATH (--prompt TEXT | --prompt-ids 1,2,3)\n"
             "                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
             "                     [--seed S] [--top-logits K] [--ignore-eos] [--json]\n"
-            "                     [pipeline options]\n"
+            "                     [--socket ENDPOINT | --local [pipeline options]]\n"
             "PATH is a HuggingFace model directory or a llama2.c .bin checkpoint.\n"
             "--temperature 0 (the default) is greedy. Generation stops at the model's EOS unless\n"
-            "--ignore-eos is given. Pipeline options:\n" CLI_PIPELINE_USAGE);
+            "--ignore-eos is given. The job goes to the coordinator at --socket (default: the\n"
+            "local control socket, or a private `rekv run` started for this call); --local runs\n"
+            "it in this process, as any of these pipeline options does:\n" CLI_PIPELINE_USAGE);
+}
+
+/* The "stats" of an in-process run: what ran, how fast, and the exact counters per layer. */
+static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
+                           const rekv_model_config *cfg, const rekv_gen_result *res, int n_ids)
+{
+    rekv_layer_counters tot;
+    const rekv_layer_counters *lc = rekv_pipeline_counters(ses->p, &tot);
+    rekv_backend_stats bst;
+    ses->be->iface->stats(ses->be, &bst);
+    json_t *layers = json_array();
+    for (int l = 0; l < cfg->n_layers; l++)
+        json_array_append_new(
+            layers,
+            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "h2d_weights",
+                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
+                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_KV], "h2d_act",
+                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_ACT], "d2h_kv",
+                      (json_int_t)lc[l].d2h_bytes[REKV_XFER_KV], "d2h_act",
+                      (json_int_t)lc[l].d2h_bytes[REKV_XFER_ACT], "tokens_recomputed",
+                      (json_int_t)lc[l].tokens_recomputed, "tokens_fetched",
+                      (json_int_t)lc[l].tokens_fetched));
+    json_t *st = json_pack(
+        "{s:s, s:s, s:s, s:b, s:s, s:i, s:s, s:i, s:i, s:f, s:f, s:f, s:f}", "backend", "cpu",
+        "via", "local", "mode", rekv_mode_name(po->cfg.mode), "offload_weights",
+        po->cfg.offload_weights, "schedule", po->cfg.schedule == REKV_SCHED_ROW ? "row" : "column",
+        "gpu_batches", po->cfg.gpu_batches, "finish_reason", res->finish_reason, "prompt_tokens",
+        n_ids, "generated_tokens", res->n, "prefill_s", res->prefill_s, "decode_s", res->decode_s,
+        "prefill_tokens_per_s", res->prefill_s > 0 ? (double)n_ids / res->prefill_s : 0.0,
+        "decode_tokens_per_s",
+        res->decode_s > 0 && res->n > 1 ? (double)(res->n - 1) / res->decode_s : 0.0);
+    if (po->cfg.mode == REKV_MODE_KVPR)
+        json_object_set_new(st, "split", json_integer(po->cfg.split));
+    if (po->cfg.mode == REKV_MODE_HYBRID)
+        json_object_set_new(st, "ratio", json_pack("[i, i]", po->cfg.kv_parts, po->cfg.act_parts));
+    json_object_set_new(
+        st, "counters",
+        json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "h2d_weights",
+                  (json_int_t)tot.h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
+                  (json_int_t)tot.h2d_bytes[REKV_XFER_KV], "h2d_act",
+                  (json_int_t)tot.h2d_bytes[REKV_XFER_ACT], "d2h_kv",
+                  (json_int_t)tot.d2h_bytes[REKV_XFER_KV], "d2h_act",
+                  (json_int_t)tot.d2h_bytes[REKV_XFER_ACT], "d2h_logits",
+                  (json_int_t)bst.d2h_bytes[REKV_XFER_OTHER], "tokens_recomputed",
+                  (json_int_t)tot.tokens_recomputed, "tokens_fetched",
+                  (json_int_t)tot.tokens_fetched, "per_layer", layers));
+    return st;
 }
 
 int cli_generate(int argc, char **argv)
@@ -32,10 +83,12 @@ int cli_generate(int argc, char **argv)
         {"top-p", required_argument, 0, 'P'},       {"seed", required_argument, 0, 's'},
         {"top-logits", required_argument, 0, 'L'},  {"json", no_argument, 0, 'j'},
         {"ignore-eos", no_argument, 0, 'E'},        {"help", no_argument, 0, 'h'},
+        {"local", no_argument, 0, 'l'},             {"socket", required_argument, 0, 'S'},
         CLI_PIPELINE_OPTIONS,                       {0, 0, 0, 0}};
     cli_pipeline_opts po;
     cli_pipeline_opts_defaults(&po);
-    const char *model_path = NULL, *prompt = NULL, *prompt_ids = NULL;
+    const char *model_path = NULL, *prompt = NULL, *prompt_ids = NULL, *socket = NULL;
+    int local = 0;
     long max_new = 64, top_k = 0, top_logits = 0, seed = 0;
     double temperature = 0, top_p = 1;
     int json = 0, ignore_eos = 0, c;
@@ -44,8 +97,10 @@ int cli_generate(int argc, char **argv)
         int pr = cli_parse_pipeline_opt(c, optarg, &po);
         if (pr < 0)
             return 2;
-        if (pr > 0)
+        if (pr > 0) {
+            local = 1; /* pipeline options describe this process's pipeline */
             continue;
+        }
         switch (c) {
         case 'm': model_path = optarg; break;
         case 'p': prompt = optarg; break;
@@ -58,11 +113,14 @@ int cli_generate(int argc, char **argv)
         case 'L': if (cli_parse_int("top-logits", optarg, 0, 1 << 20, &top_logits)) return 2; break;
         case 'j': json = 1; break;
         case 'E': ignore_eos = 1; break;
+        case 'l': local = 1; break;
+        case 'S': socket = optarg; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
     }
-    if (model_path == NULL || (prompt == NULL) == (prompt_ids == NULL) || optind != argc) {
+    if (model_path == NULL || (prompt == NULL) == (prompt_ids == NULL) || optind != argc ||
+        (local && socket)) {
         usage(stderr);
         return 2;
     }
@@ -76,7 +134,7 @@ int cli_generate(int argc, char **argv)
     char *text = NULL;
     rekv_gen_result res = {0};
     cli_session ses = {0};
-    json_t *layers_json = NULL;
+    json_t *st = NULL; /* the "stats" of the JSON output */
     if (rekv_model_open(model_path, &model, &err))
         goto fail;
     const rekv_model_config *cfg = &model->config;
@@ -114,39 +172,36 @@ int cli_generate(int argc, char **argv)
                 n_ids, model_path, cfg->max_pos);
         goto out;
     }
-    if (rekv_engine_create(model, &eng, &err))
-        goto fail;
-    int64_t want = (int64_t)n_ids + (max_new > 0 ? max_new - 1 : 0);
-    int ctx = want < cfg->max_pos ? (int)want : cfg->max_pos;
-    if (cli_session_choose(cfg, &po.link, 1, (int)n_ids, &po.cfg, &err) ||
-        cli_session_open(&ses, eng, &po.link, &po.cfg, 1, ctx, &err))
-        goto fail;
-    if (po.trace)
-        ses.be->iface->trace_start(ses.be);
+    if (top_logits > cfg->vocab)
+        top_logits = cfg->vocab;
     rekv_gen_params gp = {(int)max_new, (float)temperature, (int)top_k, (float)top_p,
                           (uint64_t)seed, (int)top_logits, !ignore_eos};
-    const int32_t *pp = ids;
-    int np = (int)n_ids;
-    if (rekv_pipeline_generate(ses.p, &pp, &np, 1, &gp, &res, &err))
-        goto fail;
-    if (po.trace && ses.be->iface->trace_write(ses.be, po.trace, &err))
-        goto fail;
-    rekv_layer_counters tot;
-    const rekv_layer_counters *lc = rekv_pipeline_counters(ses.p, &tot);
-    layers_json = json_array();
-    for (int l = 0; l < cfg->n_layers; l++)
-        json_array_append_new(
-            layers_json,
-            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "h2d_weights",
-                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
-                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_KV], "h2d_act",
-                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_ACT], "d2h_kv",
-                      (json_int_t)lc[l].d2h_bytes[REKV_XFER_KV], "d2h_act",
-                      (json_int_t)lc[l].d2h_bytes[REKV_XFER_ACT], "tokens_recomputed",
-                      (json_int_t)lc[l].tokens_recomputed, "tokens_fetched",
-                      (json_int_t)lc[l].tokens_fetched));
-    rekv_backend_stats bst;
-    ses.be->iface->stats(ses.be, &bst);
+    if (!local) {
+        double queued_s = 0, run_s = 0;
+        if (cli_generate_remote(model_path, socket, ids, (int)n_ids, &gp, &res, &queued_s, &run_s,
+                                &err))
+            goto fail;
+        st = json_pack("{s:s, s:s, s:s, s:i, s:i, s:f, s:f}", "backend", "cpu", "via",
+                       "coordinator", "finish_reason", res.finish_reason, "prompt_tokens",
+                       (int)n_ids, "generated_tokens", res.n, "queued_s", queued_s, "run_s", run_s);
+    } else {
+        if (rekv_engine_create(model, &eng, &err))
+            goto fail;
+        int64_t want = (int64_t)n_ids + (max_new > 0 ? max_new - 1 : 0);
+        int ctx = want < cfg->max_pos ? (int)want : cfg->max_pos;
+        if (cli_session_choose(cfg, &po.link, 1, (int)n_ids, &po.cfg, &err) ||
+            cli_session_open(&ses, eng, &po.link, &po.cfg, 1, ctx, &err))
+            goto fail;
+        if (po.trace)
+            ses.be->iface->trace_start(ses.be);
+        const int32_t *pp = ids;
+        int np = (int)n_ids;
+        if (rekv_pipeline_generate(ses.p, &pp, &np, 1, &gp, &res, &err))
+            goto fail;
+        if (po.trace && ses.be->iface->trace_write(ses.be, po.trace, &err))
+            goto fail;
+        st = local_stats(&ses, &po, cfg, &res, (int)n_ids);
+    }
     size_t text_len = 0;
     if (tok && rekv_tokenizer_decode(tok, res.ids, (size_t)res.n, &text, &text_len, &err))
         goto fail;
@@ -172,32 +227,8 @@ int cli_generate(int argc, char **argv)
         if (tok == NULL)
             json_object_set_new(o, "text_unavailable", json_string("the model has no tokenizer"));
         json_object_set_new(o, "top_logits", tl);
-        json_t *st = json_pack(
-            "{s:s, s:s, s:b, s:s, s:i, s:s, s:i, s:i, s:f, s:f, s:f, s:f}", "backend", "cpu",
-            "mode", rekv_mode_name(po.cfg.mode), "offload_weights", po.cfg.offload_weights,
-            "schedule", po.cfg.schedule == REKV_SCHED_ROW ? "row" : "column", "gpu_batches",
-            po.cfg.gpu_batches, "finish_reason", res.finish_reason, "prompt_tokens", (int)n_ids,
-            "generated_tokens", res.n, "prefill_s", res.prefill_s, "decode_s", res.decode_s,
-            "prefill_tokens_per_s", res.prefill_s > 0 ? (double)n_ids / res.prefill_s : 0.0,
-            "decode_tokens_per_s",
-            res.decode_s > 0 && res.n > 1 ? (double)(res.n - 1) / res.decode_s : 0.0);
-        if (po.cfg.mode == REKV_MODE_KVPR)
-            json_object_set_new(st, "split", json_integer(po.cfg.split));
-        if (po.cfg.mode == REKV_MODE_HYBRID)
-            json_object_set_new(st, "ratio", json_pack("[i, i]", po.cfg.kv_parts,
-                                                       po.cfg.act_parts));
-        json_object_set_new(
-            st, "counters",
-            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:O}", "h2d_weights",
-                      (json_int_t)tot.h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
-                      (json_int_t)tot.h2d_bytes[REKV_XFER_KV], "h2d_act",
-                      (json_int_t)tot.h2d_bytes[REKV_XFER_ACT], "d2h_kv",
-                      (json_int_t)tot.d2h_bytes[REKV_XFER_KV], "d2h_act",
-                      (json_int_t)tot.d2h_bytes[REKV_XFER_ACT], "d2h_logits",
-                      (json_int_t)bst.d2h_bytes[REKV_XFER_OTHER], "tokens_recomputed",
-                      (json_int_t)tot.tokens_recomputed, "tokens_fetched",
-                      (json_int_t)tot.tokens_fetched, "per_layer", layers_json));
         json_object_set_new(o, "stats", st);
+        st = NULL;
         char *s = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(9));
         printf("%s\n", s);
         free(s);
@@ -216,7 +247,7 @@ fail:
     fprintf(stderr, "rekv: %s\n", err.msg);
 out:
     rekv_gen_result_free(&res);
-    json_decref(layers_json);
+    json_decref(st);
     cli_session_close(&ses);
     free(text);
     free(ids);

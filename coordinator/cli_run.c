@@ -136,6 +136,9 @@ static int child_stop(child *c)
 
 int cli_run(int argc, char **argv)
 {
+    /* progress lines are information: REKV_LOG=warn (as `rekv generate` sets) silences them */
+    const char *lv = getenv("REKV_LOG");
+    int chatty = !(lv && (strcmp(lv, "warn") == 0 || strcmp(lv, "error") == 0));
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},      {"backend", required_argument, 0, 'b'},
         {"dir", required_argument, 0, 'd'},        {"mode", required_argument, 0, 'M'},
@@ -248,7 +251,8 @@ int cli_run(int argc, char **argv)
     for (int k = 0; k < N_CHILD; k++)
         if (child_start(&ch[order[k]], order[k]))
             goto stop;
-    fprintf(stderr, "rekv run: serving on %s (kvstore, gpuworker and coordinator in %s); Ctrl-C "
+    if (chatty)
+        fprintf(stderr, "rekv run: serving on %s (kvstore, gpuworker and coordinator in %s); Ctrl-C "
                     "stops\n", ep_ctl, dir);
     if (ready_fd >= 0) {
         ssize_t w = write((int)ready_fd, "READY\n", 6);
@@ -264,7 +268,8 @@ int cli_run(int argc, char **argv)
             break;
         }
         if (si.ssi_signo != SIGCHLD) {
-            fprintf(stderr, "rekv run: stopping\n");
+            if (chatty)
+                fprintf(stderr, "rekv run: stopping\n");
             rc = 0;
             break;
         }

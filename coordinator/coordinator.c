@@ -55,6 +55,9 @@ typedef struct job {
     uint64_t order;         /* arrival order among equal priorities */
     int32_t *gen;           /* [n_gen] generated ids (capacity cap_gen) */
     uint32_t n_gen, cap_gen;
+    uint32_t top_logits;    /* k: the k largest logits before each generated token; 0 none */
+    int32_t *top_ids;       /* [n_gen][top_logits] (capacity cap_gen) */
+    float *top_vals;        /* [n_gen][top_logits] */
     uint32_t streamed;      /* tokens already sent to subscribers: a re-run resends none of them */
     char finish_reason[16]; /* "length", "eos", "context", "cancelled" */
     char *error;            /* FAILED: one line (malloc'd) */
@@ -197,6 +200,8 @@ static void job_free(rekv_coordinator *co, job *j)
         *pp = j->hnext;
     free(j->prompt);
     free(j->gen);
+    free(j->top_ids);
+    free(j->top_vals);
     free(j->error);
     free(j);
 }
@@ -268,6 +273,17 @@ static int gen_reserve(job *j, uint32_t n)
     if (g == NULL)
         return -ENOMEM;
     j->gen = g;
+    if (j->top_logits) {
+        size_t k = j->top_logits;
+        int32_t *ti = realloc(j->top_ids, sizeof(int32_t) * cap * k);
+        if (ti == NULL)
+            return -ENOMEM;
+        j->top_ids = ti;
+        float *tv = realloc(j->top_vals, sizeof(float) * cap * k);
+        if (tv == NULL)
+            return -ENOMEM;
+        j->top_vals = tv;
+    }
     j->cap_gen = cap;
     return 0;
 }
@@ -449,6 +465,12 @@ static void status_fill(const job *j, Rekv__Control__JobStatus *s)
     s->state = j->state;
     s->n_generated_ids = j->n_gen;
     s->generated_ids = j->gen;
+    s->top_logits = j->top_logits;
+    if (j->top_logits) {
+        s->n_top_ids = s->n_top_vals = (size_t)j->n_gen * j->top_logits;
+        s->top_ids = j->top_ids;
+        s->top_vals = j->top_vals;
+    }
     s->finish_reason = (char *)j->finish_reason;
     s->error = j->error ? j->error : "";
     s->prompt_tokens = j->n_prompt;
@@ -474,6 +496,7 @@ static void submit_fill(const job *j, Rekv__Control__Submit *s, Rekv__Control__S
     s->max_new_tokens = j->max_new;
     s->priority = j->priority;
     s->stop_at_eos = j->stop_at_eos;
+    s->top_logits = j->top_logits;
 }
 
 static int journal_accepted(rekv_coordinator *co, job *j, rekv_err *err)
@@ -531,6 +554,7 @@ static int replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         }
         j->max_new = s->max_new_tokens;
         j->stop_at_eos = s->stop_at_eos;
+        j->top_logits = s->top_logits;
         j->priority = s->priority;
         j->accepted_at = rec->accepted_at;
         co->accepted++;
@@ -543,9 +567,17 @@ static int replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         if (j == NULL && (j = job_new(co, rec->job)) == NULL)
             return -ENOMEM;
         queue_remove(co, j);
+        j->top_logits = s->top_logits;
+        if (s->n_top_ids != s->n_generated_ids * s->top_logits ||
+            s->n_top_vals != s->n_top_ids)
+            j->top_logits = 0; /* inconsistent record: keep the ids, drop the logits */
         if (gen_reserve(j, (uint32_t)s->n_generated_ids))
             return -ENOMEM;
         memcpy(j->gen, s->generated_ids, sizeof(int32_t) * s->n_generated_ids);
+        if (j->top_logits) {
+            memcpy(j->top_ids, s->top_ids, sizeof(int32_t) * s->n_top_ids);
+            memcpy(j->top_vals, s->top_vals, sizeof(float) * s->n_top_vals);
+        }
         j->n_gen = j->streamed = (uint32_t)s->n_generated_ids;
         j->n_prompt = s->prompt_tokens;
         j->attempts = s->attempts;
@@ -729,6 +761,7 @@ static void schedule(rekv_coordinator *co)
             s->seed = j->seed;
             s->max_new_tokens = j->max_new;
             s->stop_at_eos = j->stop_at_eos;
+            s->top_logits = j->top_logits;
             sp[n_join++] = s;
             j->state = REKV__CONTROL__JOB_STATE__RUNNING;
             j->worker = wi;
@@ -788,9 +821,17 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         if (k == w->n_run)
             continue; /* cancelled meanwhile */
         job *j = w->run[k];
+        size_t tk = j->top_logits;
+        int with_top = tk && jp->n_top_ids == jp->n_tokens * tk && jp->n_top_vals == jp->n_top_ids;
         for (size_t t = 0; t < jp->n_tokens && j->n_gen < j->max_new; t++) {
             if (gen_reserve(j, j->n_gen + 1))
                 break;
+            if (tk) { /* a worker that sent none leaves zeros rather than garbage */
+                for (size_t q = 0; q < tk; q++) {
+                    j->top_ids[(size_t)j->n_gen * tk + q] = with_top ? jp->top_ids[t * tk + q] : 0;
+                    j->top_vals[(size_t)j->n_gen * tk + q] = with_top ? jp->top_vals[t * tk + q] : 0;
+                }
+            }
             j->gen[j->n_gen++] = jp->tokens[t];
             w->tokens++;
             co->tokens++;
@@ -882,6 +923,11 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
                     "temperature must be in [0, 100] and top_p in (0, 1]");
         return;
     }
+    if (s->top_logits > 1024) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logits must be at most 1024");
+        return;
+    }
     if (s->max_new_tokens > co->cfg.max_new_limit) {
         reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
                     "max_new_tokens %u is above the limit of %u", s->max_new_tokens,
@@ -957,6 +1003,7 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
     j->seed = s->sampling ? s->sampling->seed : 0;
     j->max_new = s->max_new_tokens;
     j->stop_at_eos = s->stop_at_eos;
+    j->top_logits = s->top_logits;
     j->priority = s->priority;
     j->accepted_at = realtime_s();
     if (s->stream) {

@@ -16,6 +16,7 @@ typedef struct bjob {
     int n_gen;           /* tokens sampled so far */
     int max_new;         /* max_new_tokens */
     int stop_at_eos;     /* stop after EOS */
+    int top_logits;      /* report the k largest logits before each token; 0 none */
     int32_t last;        /* the last sampled token: the next step's input */
     rekv_sampler smp;    /* per job, seeded as rekv_generate seeds it */
 } bjob;
@@ -30,6 +31,9 @@ struct rekv_batcher {
     float *logits;             /* [max_batch][vocab] fp32 */
     void *scratch;             /* 2 * vocab floats for the sampler */
     rekv_batch_event *events;  /* [max_batch] the last step's outcomes */
+    int32_t *ev_top_ids;       /* the events' top logits, [sum of their k] (capacity ev_top_cap) */
+    float *ev_top_vals;
+    size_t ev_top_cap;
 };
 
 int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch,
@@ -81,6 +85,8 @@ void rekv_batcher_free(rekv_batcher *b)
     free(b->events);
     free(b->logits);
     free(b->scratch);
+    free(b->ev_top_ids);
+    free(b->ev_top_vals);
     free(b);
 }
 
@@ -109,12 +115,16 @@ int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int 
     if (gp->max_new_tokens < 0 || gp->temperature < 0 || gp->top_k < 0 || gp->top_p < 0 ||
         gp->top_p > 1)
         return rekv_errf(err, -EINVAL, "bad sampling parameters");
+    if (gp->top_logits < 0 || gp->top_logits > c->vocab)
+        return rekv_errf(err, -EINVAL, "top_logits %d is outside 0..%d (the vocabulary)",
+                         gp->top_logits, c->vocab);
     bjob *j = &b->jobs[b->n];
     memset(j, 0, sizeof(*j));
     j->id = job;
     j->n_prompt = n_prompt;
     j->max_new = gp->max_new_tokens;
     j->stop_at_eos = gp->stop_at_eos;
+    j->top_logits = gp->top_logits;
     j->last = -1;
     rekv_sampler_init(&j->smp, gp->temperature, gp->top_k, gp->top_p, gp->seed);
     j->prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
@@ -168,11 +178,27 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
     int rc;
     if (n_items > 0 && (rc = rekv_pipeline_step(b->p, b->items, n_items, err)))
         return rc;
+    /* room for every job's top logits of this step; the events point into it */
+    size_t need = 0;
+    for (int i = 0; i < b->n; i++)
+        need += (size_t)b->jobs[i].top_logits;
+    if (need > b->ev_top_cap) {
+        int32_t *ti = realloc(b->ev_top_ids, sizeof(int32_t) * need);
+        if (ti)
+            b->ev_top_ids = ti;
+        float *tv = ti ? realloc(b->ev_top_vals, sizeof(float) * need) : NULL;
+        if (tv)
+            b->ev_top_vals = tv;
+        if (ti == NULL || tv == NULL)
+            return rekv_errf(err, -ENOMEM, "out of memory");
+        b->ev_top_cap = need;
+    }
+    size_t top_at = 0;
     int kept = 0, ne = 0;
     for (int i = 0; i < b->n; i++) {
         bjob *j = &b->jobs[i];
         rekv_batch_event *ev = &b->events[ne++];
-        *ev = (rekv_batch_event){j->id, -1, 0, NULL};
+        *ev = (rekv_batch_event){j->id, -1, 0, NULL, NULL, NULL, 0};
         if (j->max_new == 0) {
             ev->finished = 1;
             ev->finish_reason = "length";
@@ -181,6 +207,14 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
                 j->prefilled = 1;
                 free(j->prompt);
                 j->prompt = NULL;
+            }
+            if (j->top_logits) { /* before sampling, as rekv_generate records them */
+                ev->top_ids = b->ev_top_ids + top_at;
+                ev->top_vals = b->ev_top_vals + top_at;
+                ev->n_top = j->top_logits;
+                rekv_top_logits(b->logits + (size_t)i * V, V, j->top_logits, b->ev_top_ids + top_at,
+                                b->ev_top_vals + top_at);
+                top_at += (size_t)j->top_logits;
             }
             int32_t tok = rekv_sample(&j->smp, b->logits + (size_t)i * V, V, b->scratch);
             ev->token = tok;

@@ -26,6 +26,9 @@ typedef struct rekv_batch_event {
     int32_t token;             /* the token sampled this step; -1 when none (max_new_tokens 0) */
     int finished;              /* 1: the job left the batch */
     const char *finish_reason; /* when finished: "length", "eos" or "context" (static string) */
+    const int32_t *top_ids;    /* [n_top] the largest logits before the token (ids), or NULL */
+    const float *top_vals;     /* [n_top] their raw values, largest first */
+    int n_top;                 /* the job's top_logits k (0: none) */
 } rekv_batch_event;
 
 /* max_batch: most jobs running at once (>= 1). p and c (the config of the pipeline's model, e.g.
@@ -35,8 +38,8 @@ int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_ba
 /* Frees every running job's sequence, then the batcher. NULL is fine. */
 void rekv_batcher_free(rekv_batcher *b);
 
-/* Adds a job; it prefills at the next step. Only max_new_tokens, temperature, top_k, top_p, seed
- * and stop_at_eos of gp are used. The prompt is copied. -EINVAL (empty prompt, token id outside
+/* Adds a job; it prefills at the next step. max_new_tokens, temperature, top_k, top_p, seed,
+ * stop_at_eos and top_logits (<= vocab) of gp are used. The prompt is copied. -EINVAL (empty prompt, token id outside
  * the vocabulary, a job id already running, bad parameters), -E2BIG (prompt longer than the
  * context), -ENOSPC (the batch is full), -ENOMEM; the message says which. */
 int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int n_prompt,

@@ -98,7 +98,8 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     for (size_t i = 0; i < plan->n_join; i++) {
         const Rekv__Worker__JobSpec *s = plan->join[i];
         rekv_gen_params gp = {(int)s->max_new_tokens, s->temperature, (int)s->top_k,
-                              s->top_p > 0 ? s->top_p : 1.0f, s->seed, 0, s->stop_at_eos};
+                              s->top_p > 0 ? s->top_p : 1.0f, s->seed, (int)s->top_logits,
+                              s->stop_at_eos};
         rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu joins: %zu prompt tokens, temperature %g, "
                  "top-k %u, top-p %g, seed %llu, max %u, eos %d", (unsigned long long)plan->step,
                  (unsigned long long)s->job, s->n_prompt, (double)s->temperature, s->top_k,
@@ -153,6 +154,11 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
             toks[n] = ev[i].token;
             jp[n].n_tokens = 1;
             jp[n].tokens = &toks[n];
+            if (ev[i].n_top > 0) { /* valid until the next batcher step, after the send */
+                jp[n].n_top_ids = jp[n].n_top_vals = (size_t)ev[i].n_top;
+                jp[n].top_ids = (int32_t *)ev[i].top_ids;
+                jp[n].top_vals = (float *)ev[i].top_vals;
+            }
         }
         jp[n].finished = ev[i].finished;
         jp[n].finish_reason = ev[i].finished ? (char *)ev[i].finish_reason : "";

@@ -89,6 +89,50 @@ START_TEST(generate_text_opt)
 }
 END_TEST
 
+/* Through the coordinator (the default: a private trio is started for the call) and in this
+ * process (--local), generate prints the same ids, text and top logits, greedy and sampled. */
+START_TEST(generate_via_coordinator_matches_local)
+{
+    const char *models[] = {"models/stories260K/stories260K.bin", "models/opt-tiny-py"};
+    for (int mi = 0; mi < 2; mi++) {
+        const char *m = tu_shared(models[mi]);
+        if (m == NULL)
+            return;
+        char path[4096];
+        snprintf(path, sizeof(path), "%s", m);
+        const char *sampling[] = {"", "--temperature 0.9 --top-k 40 --top-p 0.9 --seed 11"};
+        for (int si = 0; si < 2; si++) {
+            char args[8192], *a, *b, *err;
+            snprintf(args, sizeof(args),
+                     "generate --model %s --prompt-ids %s --max-new-tokens 10 --top-logits 4 "
+                     "--ignore-eos %s --json",
+                     path, mi == 0 ? "1,306,400,20" : "2,100,200,300", sampling[si]);
+            int rc = rekv(args, &a, &err);
+            ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+            free(err);
+            strcat(args, " --local");
+            rc = rekv(args, &b, &err);
+            ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+            free(err);
+            json_t *ja = json_loads(a, 0, NULL), *jb = json_loads(b, 0, NULL);
+            ck_assert_ptr_nonnull(ja);
+            ck_assert_ptr_nonnull(jb);
+            const char *keys[] = {"prompt_ids", "generated_ids", "text", "top_logits"};
+            for (int k = 0; k < 4; k++)
+                ck_assert_msg(json_equal(json_object_get(ja, keys[k]), json_object_get(jb, keys[k])),
+                              "%s (%s): \"%s\" differs between the coordinator and --local:\n%s\n%s",
+                              models[mi], sampling[si], keys[k], a, b);
+            ck_assert_str_eq(json_string_value(json_object_get(json_object_get(ja, "stats"), "via")),
+                             "coordinator");
+            json_decref(ja);
+            json_decref(jb);
+            free(a);
+            free(b);
+        }
+    }
+}
+END_TEST
+
 /* Copies a shared model directory into tmp so a test can break it. */
 static char *copy_model(const char *src)
 {
@@ -245,6 +289,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, generate_json_stories);
     tcase_add_test(tc, generate_text_opt);
+    tcase_add_test(tc, generate_via_coordinator_matches_local);
     tcase_add_test(tc, bad_input_clear_errors);
     tcase_add_test(tc, bench_decode_json);
     suite_add_tcase(s, tc);
