@@ -1,5 +1,5 @@
 /* coordinator_main.c — rekv-coordinator: parses the command line, blocks SIGTERM/SIGINT into a
- * signalfd, runs the coordinator loop, reports readiness (--ready-fd, sd_notify) and pets the
+ * stop eventfd (common/daemon.h), runs the coordinator loop, reports readiness (--ready-fd, sd_notify) and pets the
  * systemd watchdog. Everything else is coordinator.c. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -8,11 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
-#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
-#include "common/clock.h"
+#include "common/daemon.h"
 #include "common/log.h"
 #include "coordinator/coordinator.h"
 
@@ -37,39 +35,10 @@ static void on_event(void *ctx, rekv_co_event lvl, const char *msg)
              "%s", msg);
 }
 
-/* systemd watchdog: pet it at a third of the interval it asked for */
-static uint64_t wd_usec, wd_last_ns;
 static void on_tick(void *ctx)
 {
     (void)ctx;
-    if (wd_usec == 0)
-        return;
-    uint64_t now = rekv_now_ns();
-    if (now - wd_last_ns >= wd_usec * 1000ull / 3) {
-        sd_notify(0, "WATCHDOG=1");
-        wd_last_ns = now;
-    }
-}
-
-/* The stop eventfd the loop polls; written by the SIGTERM/SIGINT handler (async-signal-safe). */
-static int stop_fd = -1;
-static void on_stop_signal(int sig)
-{
-    uint64_t one = 1;
-    ssize_t w = write(stop_fd, &one, sizeof(one));
-    (void)w;
-    (void)sig;
-}
-
-static int parse_u32(const char *s, uint32_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long v = strtoul(s, &end, 10);
-    if (errno || end == s || *end || v > UINT32_MAX)
-        return -1;
-    *out = (uint32_t)v;
-    return 0;
+    rekv_daemon_watchdog();
 }
 
 int main(int argc, char **argv)
@@ -103,12 +72,12 @@ int main(int argc, char **argv)
         case O_WORKERS: cfg.worker_endpoint = optarg; break;
         case O_STATE: cfg.state_dir = optarg; break;
         case O_MODEL: cfg.model_path = optarg; break;
-        case O_QUEUE: bad = parse_u32(optarg, &cfg.queue_limit) || cfg.queue_limit == 0; break;
-        case O_KEEP: bad = parse_u32(optarg, &cfg.keep_finished) || cfg.keep_finished == 0; break;
-        case O_TIMEOUT: bad = parse_u32(optarg, &cfg.worker_timeout_ms); break;
-        case O_ATTEMPTS: bad = parse_u32(optarg, &cfg.max_attempts); break;
+        case O_QUEUE: bad = rekv_parse_u32(optarg, &cfg.queue_limit) || cfg.queue_limit == 0; break;
+        case O_KEEP: bad = rekv_parse_u32(optarg, &cfg.keep_finished) || cfg.keep_finished == 0; break;
+        case O_TIMEOUT: bad = rekv_parse_u32(optarg, &cfg.worker_timeout_ms); break;
+        case O_ATTEMPTS: bad = rekv_parse_u32(optarg, &cfg.max_attempts); break;
         case O_CURVE: curve_file = optarg; break;
-        case O_READY: bad = parse_u32(optarg, &ready_fd); break;
+        case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
         case O_HELP: usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -136,21 +105,11 @@ int main(int argc, char **argv)
         fclose(f);
         cfg.curve_secret = key;
     }
-    /* a handler, not a blocked mask plus signalfd: OpenBLAS starts its threads before main, with
-     * SIGTERM unblocked, and a process signal delivered to one of them would kill us outright */
-    int sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    int sfd = rekv_daemon_stop_fd();
     if (sfd < 0) {
-        rekv_log(REKV_LOG_ERROR, "eventfd: %s", strerror(errno));
+        rekv_log(REKV_LOG_ERROR, "stop eventfd: %s", strerror(-sfd));
         return 1;
     }
-    stop_fd = sfd;
-    struct sigaction sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sa_handler = on_stop_signal;
-    sa.sa_flags = SA_RESTART;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
     cfg.signal_fd = sfd;
     cfg.on_event = on_event;
     cfg.on_tick = on_tick;
@@ -164,21 +123,11 @@ int main(int argc, char **argv)
     rekv_log(REKV_LOG_INFO, "serving %s (workers on %s), queue %u, journal %s",
              rekv_coordinator_control_endpoint(co), rekv_coordinator_worker_endpoint(co),
              cfg.queue_limit, cfg.state_dir ? cfg.state_dir : "off");
-    if (ready_fd != UINT32_MAX) {
-        ssize_t w = write((int)ready_fd, "READY\n", 6);
-        (void)w;
-        close((int)ready_fd);
-    }
-    if (getenv("NOTIFY_SOCKET")) {
-        sd_notify(0, "READY=1");
-        if (sd_watchdog_enabled(0, &wd_usec) <= 0)
-            wd_usec = 0;
-    }
+    rekv_daemon_ready(ready_fd == UINT32_MAX ? -1 : (int)ready_fd);
     int rc = rekv_coordinator_run(co, &err);
     if (rc < 0)
         rekv_log(REKV_LOG_ERROR, "%s", err.msg);
-    if (getenv("NOTIFY_SOCKET"))
-        sd_notify(0, "STOPPING=1");
+    rekv_daemon_stopping();
     rekv_coordinator_destroy(co);
     close(sfd);
     rekv_log(REKV_LOG_INFO, "stopped");

@@ -9,12 +9,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
-#include <systemd/sd-daemon.h>
 #include <unistd.h>
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/daemon.h"
 #include "common/log.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
@@ -194,26 +193,6 @@ out:
     free(errs);
 }
 
-/* The stop eventfd the loop polls; written by the SIGTERM/SIGINT handler (async-signal-safe). */
-static int stop_fd = -1;
-static void on_stop_signal(int sig)
-{
-    uint64_t one = 1;
-    ssize_t w = write(stop_fd, &one, sizeof(one));
-    (void)w;
-    (void)sig;
-}
-
-static int parse_u32(const char *s, uint32_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long v = strtoul(s, &end, 10);
-    if (errno || end == s || *end || v > UINT32_MAX)
-        return -1;
-    *out = (uint32_t)v;
-    return 0;
-}
 
 int main(int argc, char **argv)
 {
@@ -245,10 +224,10 @@ int main(int argc, char **argv)
         case O_KV: kv_ep = optarg; break;
         case O_BACKEND: backend = optarg; break;
         case O_MODE: mode_s = optarg; break;
-        case O_BATCH: bad = parse_u32(optarg, &max_batch) || max_batch == 0 || max_batch > 4096; break;
+        case O_BATCH: bad = rekv_parse_u32(optarg, &max_batch) || max_batch == 0 || max_batch > 4096; break;
         case O_NAME: name = optarg; break;
-        case O_HB: bad = parse_u32(optarg, &hb_ms) || hb_ms == 0; break;
-        case O_READY: bad = parse_u32(optarg, &ready_fd); break;
+        case O_HB: bad = rekv_parse_u32(optarg, &hb_ms) || hb_ms == 0; break;
+        case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
         case O_HELP: usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -284,21 +263,11 @@ int main(int argc, char **argv)
         snprintf(def_name, sizeof(def_name), "%s-%d", host, (int)getpid());
         name = def_name;
     }
-    /* a handler, not a blocked mask plus signalfd: OpenBLAS starts its threads before main, with
-     * SIGTERM unblocked, and a process signal delivered to one of them would kill us outright */
-    int sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    int sfd = rekv_daemon_stop_fd();
     if (sfd < 0) {
-        rekv_log(REKV_LOG_ERROR, "eventfd: %s", strerror(errno));
+        rekv_log(REKV_LOG_ERROR, "stop eventfd: %s", strerror(-sfd));
         return 1;
     }
-    stop_fd = sfd;
-    struct sigaction sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sa_handler = on_stop_signal;
-    sa.sa_flags = SA_RESTART;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
     int rc = 1;
     rekv_err err = {0};
     rekv_model *model = NULL;
@@ -347,17 +316,7 @@ int main(int argc, char **argv)
              "of %u; coordinator %s%s%s", name, model_path, w.mc->n_layers, w.mc->vocab,
              w.mc->max_pos, w.mode, max_batch, coord, kv_ep ? ", kvstore " : "",
              kv_ep ? kv_ep : "");
-    if (ready_fd != UINT32_MAX) {
-        ssize_t wr = write((int)ready_fd, "READY\n", 6);
-        (void)wr;
-        close((int)ready_fd);
-    }
-    uint64_t wd_usec = 0, wd_last = 0;
-    if (getenv("NOTIFY_SOCKET")) {
-        sd_notify(0, "READY=1");
-        if (sd_watchdog_enabled(0, &wd_usec) <= 0)
-            wd_usec = 0;
-    }
+    rekv_daemon_ready(ready_fd == UINT32_MAX ? -1 : (int)ready_fd);
     uint64_t last_renew = rekv_now_ns();
     for (;;) {
         zmq_pollitem_t it[2] = {{w.sock, 0, ZMQ_POLLIN, 0}, {NULL, sfd, ZMQ_POLLIN, 0}};
@@ -425,18 +384,14 @@ int main(int argc, char **argv)
                 rekv_log(REKV_LOG_WARN, "kvstore: %s", e2.msg);
             last_renew = now;
         }
-        if (wd_usec && now - wd_last >= wd_usec * 1000ull / 3) {
-            sd_notify(0, "WATCHDOG=1");
-            wd_last = now;
-        }
+        rekv_daemon_watchdog();
     }
     rc = 0;
     goto out;
 fail:
     rekv_log(REKV_LOG_ERROR, "%s", err.msg);
 out:
-    if (getenv("NOTIFY_SOCKET"))
-        sd_notify(0, "STOPPING=1");
+    rekv_daemon_stopping();
     if (w.sock)
         zmq_close(w.sock);
     if (zctx)

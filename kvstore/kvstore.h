@@ -142,10 +142,12 @@ typedef struct rekv_kvstore_config {
     uint32_t high_pct;     /* start spilling above this occupancy (percent of slots); 0: 90 */
     uint32_t low_pct;      /* spill down to this occupancy; 0: 80 */
     int no_register_arena; /* 1: never register the arena with io_uring (use bounce buffers) */
-    int signal_fd;         /* a signalfd the loop also polls; a signal on it stops the loop; -1 */
+    int signal_fd;         /* a signalfd or eventfd the loop also polls; readable stops it; -1 */
     /* Called from the loop for notable events (fallbacks, spill failures, expired leases). */
     void (*on_event)(void *ctx, rekv_kv_event level, const char *msg);
-    void *event_ctx;
+    /* Called from the loop at least once a second (e.g. to pet systemd's watchdog); NULL. */
+    void (*on_tick)(void *ctx);
+    void *event_ctx;       /* passed to on_event and on_tick */
 } rekv_kvstore_config;
 
 /* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1). */

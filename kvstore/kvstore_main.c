@@ -1,5 +1,5 @@
 /* kvstore_main.c — rekv-kvstore, the host-memory block store daemon: parses the command line,
- * blocks SIGTERM/SIGINT into a signalfd, runs the server loop, and reports readiness (--ready-fd,
+ * stops on SIGTERM/SIGINT through common/daemon.h, runs the server loop, and reports readiness (--ready-fd,
  * sd_notify). Everything else is the kvstore library. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -8,10 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/signalfd.h>
-#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "common/daemon.h"
 #include "common/log.h"
 #include "kvstore/kvstore.h"
 #include "loader/loader.h"
@@ -56,6 +55,12 @@ static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
              : lvl == REKV_KV_EVENT_WARN ? REKV_LOG_WARN
                                          : REKV_LOG_INFO,
              "%s", msg);
+}
+
+static void on_tick(void *ctx)
+{
+    (void)ctx;
+    rekv_daemon_watchdog();
 }
 
 int main(int argc, char **argv)
@@ -153,21 +158,16 @@ int main(int argc, char **argv)
                                  "--hidden)", err.msg);
         return 2;
     }
-    /* signals arrive through the loop; a spill file over RLIMIT_FSIZE must be EFBIG, not death */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
-    sigprocmask(SIG_BLOCK, &set, NULL);
+    /* a spill file over RLIMIT_FSIZE must be EFBIG, not death */
     signal(SIGXFSZ, SIG_IGN);
-    signal(SIGPIPE, SIG_IGN);
-    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    int sfd = rekv_daemon_stop_fd();
     if (sfd < 0) {
-        rekv_log(REKV_LOG_ERROR, "signalfd: %s", strerror(errno));
+        rekv_log(REKV_LOG_ERROR, "stop eventfd: %s", strerror(-sfd));
         return 1;
     }
     cfg.signal_fd = sfd;
     cfg.on_event = on_event;
+    cfg.on_tick = on_tick;
     rekv_kvstore_server *srv = NULL;
     int rc = rekv_kvstore_server_create(&cfg, &srv, &err);
     if (rc < 0) {
@@ -180,18 +180,11 @@ int main(int argc, char **argv)
              cfg.endpoint, (unsigned long long)host_bytes, cfg.geometry.n_layers,
              cfg.geometry.n_kv_heads, cfg.geometry.head_dim, cfg.geometry.hidden,
              rekv_dtype_name(cfg.geometry.dtype));
-    if (ready_fd >= 0) {
-        ssize_t w = write(ready_fd, "READY\n", 6);
-        (void)w;
-        close(ready_fd);
-    }
-    if (getenv("NOTIFY_SOCKET"))
-        sd_notify(0, "READY=1");
+    rekv_daemon_ready(ready_fd);
     rc = rekv_kvstore_server_run(srv, &err);
     if (rc < 0)
         rekv_log(REKV_LOG_ERROR, "%s", err.msg);
-    if (getenv("NOTIFY_SOCKET"))
-        sd_notify(0, "STOPPING=1");
+    rekv_daemon_stopping();
     rekv_kvstore_server_destroy(srv);
     close(sfd);
     rekv_log(REKV_LOG_INFO, "stopped");

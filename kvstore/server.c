@@ -1460,6 +1460,10 @@ int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
         long timeout = s->next_lease_check > s->now
                            ? (long)((s->next_lease_check - s->now) / 1000000ull) + 1
                            : 0;
+        if (timeout > 1000)
+            timeout = 1000; /* on_tick at least once a second */
+        if (s->cfg.on_tick)
+            s->cfg.on_tick(s->cfg.event_ctx);
         int pr = zmq_poll(items, n, timeout);
         if (pr < 0) {
             if (zmq_errno() == EINTR)
@@ -1471,11 +1475,14 @@ int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
         if (items[i_stop].revents & ZMQ_POLLIN)
             s->stop = 1;
         if (i_sig >= 0 && (items[i_sig].revents & ZMQ_POLLIN)) {
-            struct signalfd_siginfo si;
-            if (read(s->cfg.signal_fd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+            struct signalfd_siginfo si; /* or an eventfd's 8-byte count */
+            ssize_t r = read(s->cfg.signal_fd, &si, sizeof(si));
+            if (r == (ssize_t)sizeof(si))
                 srv_event(s, REKV_KV_EVENT_INFO, "signal %u: shutting down", si.ssi_signo);
+            else if (r > 0)
+                srv_event(s, REKV_KV_EVENT_INFO, "stop requested: shutting down");
+            if (r > 0)
                 s->stop = 1;
-            }
         }
         if (i_io >= 0 && (items[i_io].revents & ZMQ_POLLIN))
             on_completions(s);
