@@ -1,7 +1,7 @@
 /* cli_session.c — what `rekv generate` and `rekv bench decode` need to run the pipeline in this
  * process: a backend, a private kvstore (a child process) for the offloaded modes, and the
- * pipeline, with the KVPR split and the HybridServe ratio chosen from measured speeds when the
- * user does not force them. */
+ * pipeline, with the KVPR split and the HybridServe ratio chosen from the machine's profile
+ * (gpuworker/profile.h, cached per machine, model and link) when the user does not force them. */
 #include "coordinator/cli_session.h"
 
 #include <errno.h>
@@ -10,55 +10,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common/clock.h"
+#include "coordinator/cli_profile.h"
 #include "coordinator/planner.h"
-#include "gpuworker/cpu_ops.h"
-
-/* Host->device bandwidth the pipeline will see: the emulated link's, or a measured memcpy. */
-static double link_bytes_per_s(const rekv_link_config *link)
-{
-    if (link->gbps > 0)
-        return link->gbps * 1e9 / 8;
-    size_t n = 64u << 20;
-    char *a = malloc(n), *b = malloc(n);
-    double bw = 10e9;
-    if (a && b) {
-        memset(a, 1, n);
-        memset(b, 0, n);
-        uint64_t t0 = rekv_now_ns();
-        memcpy(b, a, n);
-        memcpy(a, b, n);
-        double s = (double)(rekv_now_ns() - t0) * 1e-9;
-        if (s > 0)
-            bw = 2.0 * (double)n / s;
-    }
-    free(a);
-    free(b);
-    return bw;
-}
-
-/* FLOP/s of the recomputation GEMM (row-invariant) at the model's K projection shape. */
-static double recompute_flops(const rekv_model_config *c)
-{
-    int m = 64, n = rekv_config_kv_dim(c), k = c->hidden;
-    float *x = calloc((size_t)m * k, sizeof(float)), *w = calloc((size_t)n * k, sizeof(float));
-    float *y = calloc((size_t)m * n, sizeof(float));
-    double f = 1e10;
-    if (x && w && y) {
-        int reps = 0;
-        uint64_t t0 = rekv_now_ns(), t;
-        do {
-            cpu_gemm_rowinv(y, x, w, NULL, m, n, k);
-            reps++;
-            t = rekv_now_ns();
-        } while (t - t0 < 50000000ull);
-        f = 2.0 * m * n * k * reps / ((double)(t - t0) * 1e-9);
-    }
-    free(x);
-    free(w);
-    free(y);
-    return f;
-}
 
 int cli_session_choose(const rekv_model_config *c, const rekv_link_config *link, int batch,
                        int ctx, rekv_pipeline_config *cfg, rekv_err *err)
@@ -67,44 +20,21 @@ int cli_session_choose(const rekv_model_config *c, const rekv_link_config *link,
     int need_ratio = cfg->mode == REKV_MODE_HYBRID && cfg->kv_parts < 0;
     if (!need_split && !need_ratio)
         return 0;
-    double dsz = (double)rekv_dtype_size(cfg->cache_dtype);
-    rekv_cost_profile prof = {0};
-    prof.h2d_bw = link_bytes_per_s(link);
-    prof.h2d_latency = link->gbps > 0 ? link->latency_us * 1e-6 : 0;
-    prof.gemm_flops = recompute_flops(c);
-    double kv_tok = 2.0 * rekv_config_kv_dim(c) * dsz, act_tok = (double)c->hidden * dsz;
-    prof.load_kv = (rekv_linear){prof.h2d_latency, kv_tok / prof.h2d_bw};
-    /* T_kv_gen: the activation row crosses the link and the K,V GEMMs run */
-    prof.kv_gen = (rekv_linear){prof.h2d_latency,
-                                act_tok / prof.h2d_bw +
-                                    4.0 * c->hidden * rekv_config_kv_dim(c) / prof.gemm_flops};
-    int rc;
+    /* the profile of this machine, model and link: cached after its first measurement */
+    rekv_profile pf;
+    int rc = cli_profile_get(c, link, 0, &pf, NULL, err);
+    if (rc)
+        return rc;
     if (need_split) {
-        rekv_kvpr_params kp = {ctx, batch, c->hidden, rekv_config_kv_dim(c), dsz};
         rekv_kvpr_split sp;
-        if ((rc = rekv_plan_kvpr_solve(&prof, &kp, &sp, err)))
+        if ((rc = cli_plan_kvpr(&pf, c, cfg->cache_dtype, batch, ctx, &sp, err)))
             return rc;
         cfg->split = (int)sp.l;
     }
     if (need_ratio) {
-        double layer_w = 0;
-        if (cfg->offload_weights) {
-            double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c);
-            double F = c->ffn;
-            layer_w = 4.0 * (2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F);
-            prof.t_load_w = layer_w / prof.h2d_bw;
-        }
-        /* the host memory the batch's context takes as all-KV is what the ratio splits */
-        double blocks = (double)batch * ((ctx + 15) / 16);
-        rekv_hybrid_params hp = {0};
-        hp.kv_block_bytes = kv_tok * 16;
-        hp.act_block_bytes = act_tok * 16;
-        hp.n_layers = c->n_layers;
-        hp.weight_bytes = layer_w * c->n_layers;
-        hp.host_bytes = hp.weight_bytes + blocks * hp.kv_block_bytes * c->n_layers;
-        hp.block_tokens = 16;
         rekv_hybrid_alloc ha;
-        if ((rc = rekv_plan_hybrid_alloc(&prof, &hp, &ha, err)))
+        if ((rc = cli_plan_hybrid(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch, ctx, &ha,
+                                  err)))
             return rc;
         cfg->kv_parts = ha.kv_parts;
         cfg->act_parts = ha.act_parts;

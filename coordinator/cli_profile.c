@@ -1,0 +1,247 @@
+/* cli_profile.c — `rekv profile`: measures (or loads from the cache) the hardware profile of a
+ * model on the cpu backend, prints it with its fitted models, and shows what the planner would
+ * choose with it for a decode batch of 8 at a few context lengths; and the planner decisions the
+ * rest of the CLI takes from a profile (cli_profile.h). */
+#include "coordinator/cli_profile.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coordinator/cli.h"
+#include "gpuworker/backend.h"
+#include "loader/loader.h"
+
+int cli_profile_get(const rekv_model_config *c, const rekv_link_config *link, int force,
+                    rekv_profile *out, rekv_profile_origin *origin, rekv_err *err)
+{
+    rekv_backend *be = NULL;
+    int rc = rekv_backend_cpu_create(link, &be, err);
+    if (rc)
+        return rc;
+    rc = rekv_profile_load_or_measure(c, be, link, NULL, force, out, origin, err);
+    rekv_backend_destroy(be);
+    return rc;
+}
+
+int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
+                  int batch, int ctx, rekv_kvpr_split *out, rekv_err *err)
+{
+    rekv_cost_profile prof;
+    rekv_profile_to_cost(pf, cache_dtype, &prof);
+    rekv_kvpr_params kp = {ctx, batch, c->hidden, rekv_config_kv_dim(c),
+                           (double)rekv_dtype_size(cache_dtype)};
+    return rekv_plan_kvpr_solve(&prof, &kp, out, err);
+}
+
+int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
+                    int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out,
+                    rekv_err *err)
+{
+    rekv_cost_profile prof;
+    rekv_profile_to_cost(pf, cache_dtype, &prof);
+    if (!offload_weights)
+        prof.t_load_w = 0;
+    double dsz = (double)rekv_dtype_size(cache_dtype);
+    double layer_w = offload_weights ? pf->layer_weight_bytes : 0;
+    double blocks = (double)batch * ((ctx + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS);
+    rekv_hybrid_params hp = {0};
+    hp.kv_block_bytes = 2.0 * rekv_config_kv_dim(c) * dsz * REKV_PLAN_BLOCK_TOKENS;
+    hp.act_block_bytes = (double)c->hidden * dsz * REKV_PLAN_BLOCK_TOKENS;
+    hp.n_layers = c->n_layers;
+    hp.weight_bytes = layer_w * c->n_layers;
+    hp.host_bytes = hp.weight_bytes + blocks * hp.kv_block_bytes * c->n_layers;
+    hp.block_tokens = REKV_PLAN_BLOCK_TOKENS;
+    return rekv_plan_hybrid_alloc(&prof, &hp, out, err);
+}
+
+/* ---------------------------------------------------------------- rekv profile */
+
+static const char *const tech_names[REKV_TECH_COUNT] = {"kv", "kvpr", "act", "hybrid"};
+static const int plan_ctx[] = {128, 512, 2048};
+#define PLAN_BATCH 8
+
+/* What the planner picks for one context length (fp32 cache, resident weights). */
+typedef struct plan_row {
+    int ctx;
+    rekv_technique best;
+    rekv_step_cost costs[REKV_TECH_COUNT];
+    rekv_kvpr_split split;
+    rekv_hybrid_alloc hybrid;
+} plan_row;
+
+static int plan_for(const rekv_profile *pf, const rekv_model_config *c, int ctx, plan_row *r,
+                    rekv_err *err)
+{
+    int rc;
+    memset(r, 0, sizeof(*r));
+    r->ctx = ctx;
+    if ((rc = cli_plan_kvpr(pf, c, REKV_DTYPE_F32, PLAN_BATCH, ctx, &r->split, err)) ||
+        (rc = cli_plan_hybrid(pf, c, REKV_DTYPE_F32, 0, PLAN_BATCH, ctx, &r->hybrid, err)))
+        return rc;
+    rekv_cost_profile prof;
+    rekv_profile_to_cost(pf, REKV_DTYPE_F32, &prof);
+    prof.t_load_w = 0;
+    rekv_step_shape shape;
+    rekv_plan_shape_from_config(c, PLAN_BATCH, ctx, 4.0, 0, &shape);
+    shape.hybrid_kv_fraction = r->hybrid.kv_fraction;
+    return rekv_plan_choose(&prof, &shape, &r->best, r->costs, err);
+}
+
+static void print_linear(const char *name, const rekv_profile *p, const rekv_linear *m)
+{
+    printf("  %-10s %s  %9.1f us + %8.4f us/token   (n=%d: %.3f ms)\n", name,
+           m == &p->load_kv[REKV_PROFILE_F16] || m == &p->kv_gen[REKV_PROFILE_F16] ? "f16" : "f32",
+           m->a * 1e6, m->b * 1e6, p->fit_tokens_max,
+           rekv_linear_eval(m, p->fit_tokens_max) * 1e3);
+}
+
+static void print_table(const char *model_path, const rekv_model_config *c, const rekv_profile *p,
+                        const rekv_profile_origin *o, const plan_row *rows, int n_rows)
+{
+    printf("profile of %s on the %s backend, link ", model_path, p->backend);
+    if (p->link.gbps > 0)
+        printf("emulated at %g Gbit/s and %g us per copy\n", p->link.gbps, p->link.latency_us);
+    else
+        printf("not emulated\n");
+    if (o->loaded)
+        printf("  loaded from %s\n", o->path);
+    else
+        printf("  measured in %.2f s (%s); %s %s\n", p->measure_s, o->reason,
+               o->saved ? "saved to" : "cache", o->saved ? o->path : "not written");
+    printf("link\n");
+    printf("  host->device %10.3f GB/s, latency %8.1f us\n", p->h2d_bw * 1e-9,
+           p->h2d_latency * 1e6);
+    printf("  device->host %10.3f GB/s, latency %8.1f us\n", p->d2h_bw * 1e-9,
+           p->d2h_latency * 1e6);
+    printf("compute\n");
+    printf("  linear K/V  [%d x %d] x [%d x %d]^T  %8.2f GFLOP/s\n", p->gemm_rows, c->hidden,
+           rekv_config_kv_dim(c), c->hidden, p->gemm_kv_flops * 1e-9);
+    printf("  linear FFN  [%d x %d] x [%d x %d]^T  %8.2f GFLOP/s\n", p->gemm_rows, c->hidden,
+           c->ffn, c->hidden, p->gemm_ffn_flops * 1e-9);
+    printf("  attention   %d sequences x %d tokens      %8.2f GFLOP/s\n", p->attn_batch,
+           p->attn_ctx, p->attn_flops * 1e-9);
+    printf("one layer's weights: %.2f MiB, T_load_w %.3f ms\n",
+           p->layer_weight_bytes / (1024.0 * 1024.0), p->t_load_w * 1e3);
+    printf("fitted per-layer models (a + b*n)\n");
+    for (int d = 0; d < REKV_PROFILE_DTYPES; d++)
+        print_linear("T_load_kv", p, &p->load_kv[d]);
+    for (int d = 0; d < REKV_PROFILE_DTYPES; d++)
+        print_linear("T_kv_gen", p, &p->kv_gen[d]);
+    printf("planner, batch %d, fp32 cache, weights resident (per-layer step time, ms)\n",
+           PLAN_BATCH);
+    printf("  %6s %-7s %8s %8s %8s %8s %8s %7s\n", "ctx", "best", "kv", "kvpr", "act", "hybrid",
+           "split", "kv:act");
+    for (int i = 0; i < n_rows; i++) {
+        const plan_row *r = &rows[i];
+        printf("  %6d %-7s %8.3f %8.3f %8.3f %8.3f %8lld %4d:%d\n", r->ctx, tech_names[r->best],
+               r->costs[0].t_step * 1e3, r->costs[1].t_step * 1e3, r->costs[2].t_step * 1e3,
+               r->costs[3].t_step * 1e3, (long long)r->split.l, r->hybrid.kv_parts,
+               r->hybrid.act_parts);
+    }
+}
+
+static json_t *json_report(const char *model_path, const rekv_profile *p,
+                           const rekv_profile_origin *o, const plan_row *rows, int n_rows)
+{
+    json_t *plans = json_array();
+    for (int i = 0; i < n_rows; i++) {
+        const plan_row *r = &rows[i];
+        json_t *t = json_object();
+        for (int k = 0; k < REKV_TECH_COUNT; k++)
+            json_object_set_new(t, tech_names[k], json_real(r->costs[k].t_step));
+        json_array_append_new(
+            plans, json_pack("{s:i,s:i,s:s,s:o,s:I,s:f,s:i,s:i,s:f}", "batch", PLAN_BATCH, "ctx",
+                             r->ctx, "best", tech_names[r->best], "t_step_s", t, "kvpr_split",
+                             (json_int_t)r->split.l, "kvpr_t_s", r->split.t, "hybrid_kv_parts",
+                             r->hybrid.kv_parts, "hybrid_act_parts", r->hybrid.act_parts,
+                             "hybrid_kv_fraction", r->hybrid.kv_fraction));
+    }
+    return json_pack("{s:s,s:{s:s,s:b,s:b,s:s},s:o,s:o}", "model", model_path, "cache", "path",
+                     o->path, "loaded", o->loaded, "saved", o->saved, "reason", o->reason,
+                     "profile", rekv_profile_json(p), "planner", plans);
+}
+
+int cli_profile(int argc, char **argv)
+{
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"link-gbps", required_argument, 0, 'g'},
+                                         {"link-latency-us", required_argument, 0, 'l'},
+                                         {"reprofile", no_argument, 0, 'r'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *model_path = NULL;
+    rekv_link_config link = {0, 10};
+    int force = 0, as_json = 0, c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model_path = optarg; break;
+        case 'g': if (cli_parse_float("link-gbps", optarg, 0, 1e6, &link.gbps)) return 2; break;
+        case 'l':
+            if (cli_parse_float("link-latency-us", optarg, 0, 1e6, &link.latency_us))
+                return 2;
+            break;
+        case 'r': force = 1; break;
+        case 'j': as_json = 1; break;
+        case 'h':
+        default:
+            fprintf(c == 'h' ? stdout : stderr,
+                    "usage: rekv profile --model PATH [--link-gbps G] [--link-latency-us U]\n"
+                    "                    [--reprofile] [--json]\n"
+                    "Measures the link each way, GEMM and attention throughput at the model's\n"
+                    "shapes and the fitted T_load_kv(n) and T_kv_gen(n) on the cpu backend (with\n"
+                    "an emulated link of G Gbit/s and U us per copy when --link-gbps is given),\n"
+                    "caches the profile in $XDG_CACHE_HOME/rekv/profiles (or ~/.cache/...), and\n"
+                    "shows the planner's choices for a batch of %d at contexts 128, 512, 2048.\n"
+                    "  --reprofile   measure even when a valid cached profile exists\n"
+                    "  --json        print one JSON object\n",
+                    PLAN_BATCH);
+            return c == 'h' ? 0 : 2;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "rekv profile: unexpected argument \"%s\"\n", argv[optind]);
+        return 2;
+    }
+    if (model_path == NULL) {
+        fprintf(stderr, "rekv profile: --model is required\n");
+        return 2;
+    }
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    rekv_profile p;
+    rekv_profile_origin o;
+    plan_row rows[sizeof(plan_ctx) / sizeof(plan_ctx[0])];
+    int n_rows = (int)(sizeof(plan_ctx) / sizeof(plan_ctx[0])), ret = 1;
+    if (rekv_model_open(model_path, &model, &err) ||
+        cli_profile_get(&model->config, &link, force, &p, &o, &err))
+        goto fail;
+    for (int i = 0; i < n_rows; i++)
+        if (plan_for(&p, &model->config, plan_ctx[i], &rows[i], &err))
+            goto fail;
+    if (as_json) {
+        json_t *j = json_report(model_path, &p, &o, rows, n_rows);
+        char *s = j ? json_dumps(j, JSON_INDENT(2) | JSON_REAL_PRECISION(17)) : NULL;
+        json_decref(j);
+        if (!s) {
+            fprintf(stderr, "rekv profile: out of memory\n");
+            goto out;
+        }
+        printf("%s\n", s);
+        free(s);
+    } else {
+        print_table(model_path, &model->config, &p, &o, rows, n_rows);
+    }
+    ret = 0;
+    goto out;
+fail:
+    fprintf(stderr, "rekv profile: %s\n", err.msg);
+out:
+    rekv_model_close(model);
+    return ret;
+}

@@ -1,0 +1,29 @@
+/* cli_profile.h — `rekv profile`, and the planner decisions that the CLI derives from a profile
+ * (shared by `rekv profile`'s report and cli_session_choose, so both say the same). */
+#ifndef REKV_COORDINATOR_CLI_PROFILE_H
+#define REKV_COORDINATOR_CLI_PROFILE_H
+
+#include "coordinator/planner.h"
+#include "gpuworker/profile.h"
+
+/* rekv profile --model PATH [--link-gbps G] [--link-latency-us U] [--reprofile] [--json] */
+int cli_profile(int argc, char **argv);
+
+/* The profile of c on a cpu backend with `link` (NULL or gbps <= 0: none): from the cache in the
+ * default directory, or measured (always when force) and cached. */
+int cli_profile_get(const rekv_model_config *c, const rekv_link_config *link, int force,
+                    rekv_profile *out, rekv_profile_origin *origin, rekv_err *err);
+
+/* KVPR's split (Eq. 11-12) for `batch` sequences of `ctx` tokens with a host cache of
+ * cache_dtype. */
+int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
+                  int batch, int ctx, rekv_kvpr_split *out, rekv_err *err);
+
+/* HybridServe's Algorithm 1 over the host memory that the batch's context takes as all-KV (plus
+ * the weights when they are offloaded, which also sets T_load_w): the KV:ACT pattern in
+ * out->kv_parts:out->act_parts. */
+int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
+                    int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out,
+                    rekv_err *err);
+
+#endif

@@ -1,0 +1,842 @@
+/* profile.c — the profiler (profile.h): timed copies and kernels on a backend, least-squares fits
+ * of the planner's time models, and the on-disk cache of the result.
+ *
+ * Every timing enqueues the same operation `reps` times back to back on one stream and syncs once,
+ * so that the cost of waking the stream and syncing (tens of microseconds on the cpu backend) is
+ * spread over the reps instead of passing for link latency; the best of a few rounds is kept,
+ * which on a shared machine is the estimate least disturbed by other work. Sizes and token counts
+ * are chosen from a quick probe so that the largest sample is dominated by its per-byte (or
+ * per-token) cost, whatever the link's speed, and the whole run stays near a second. */
+#define _GNU_SOURCE
+#include "gpuworker/profile.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "gpuworker/kernels.h"
+
+#define PF_ROUNDS 5             /* timed rounds per sample; the fastest is kept */
+#define PF_ROUND_S 0.004        /* aim of one round's duration, s */
+#define PF_MAX_REPS 64          /* operations per round at most */
+#define PF_GEMM_ROWS 128        /* rows of the measured linears */
+#define PF_ATTN_BATCH 8         /* sequences of the measured attention */
+#define PF_ATTN_CTX 512         /* their context, tokens (less when the model's is shorter) */
+#define PF_FIT_SAMPLES 4        /* token counts / copy sizes per fitted model */
+#define PF_MAX_BYTES (64u << 20) /* largest buffer the measurement allocates, bytes */
+
+/* ---------------------------------------------------------------- timing */
+
+typedef void (*pf_enqueue_fn)(void *ctx, rekv_stream *s);
+
+/* Seconds one fn(ctx, s) takes: a warm-up run sizes the reps, then the fastest of PF_ROUNDS. */
+static int pf_time(rekv_backend *be, rekv_stream *s, pf_enqueue_fn fn, void *ctx, double *out,
+                   rekv_err *err)
+{
+    int rc;
+    uint64_t t0 = rekv_now_ns();
+    fn(ctx, s);
+    if ((rc = be->iface->stream_sync(s, err)))
+        return rc;
+    double one = (double)(rekv_now_ns() - t0) * 1e-9;
+    int reps = one > 0 ? (int)(PF_ROUND_S / one) : PF_MAX_REPS;
+    reps = reps < 1 ? 1 : reps > PF_MAX_REPS ? PF_MAX_REPS : reps;
+    double best = INFINITY;
+    for (int r = 0; r < PF_ROUNDS; r++) {
+        t0 = rekv_now_ns();
+        for (int i = 0; i < reps; i++)
+            fn(ctx, s);
+        if ((rc = be->iface->stream_sync(s, err)))
+            return rc;
+        double t = (double)(rekv_now_ns() - t0) * 1e-9 / reps;
+        if (t < best)
+            best = t;
+    }
+    *out = best;
+    return 0;
+}
+
+/* Fits t = a + b*x, a >= 0: a negative intercept (cache effects make small samples relatively
+ * fast) is replaced by a fit through the origin. b <= 0 means the samples carry no per-unit cost,
+ * which no real copy or kernel has: an error rather than a model the planner would misuse. */
+static int pf_fit(const double *xs, const double *ys, size_t n, const char *what, rekv_linear *out,
+                  rekv_err *err)
+{
+    double a, b;
+    int rc = rekv_plan_fit_linear(xs, ys, n, &a, &b, err);
+    if (rc)
+        return rc;
+    if (a < 0) {
+        double sxy = 0, sxx = 0;
+        for (size_t i = 0; i < n; i++) {
+            sxy += xs[i] * ys[i];
+            sxx += xs[i] * xs[i];
+        }
+        a = 0;
+        b = sxx > 0 ? sxy / sxx : 0;
+    }
+    if (!(b > 0) || !isfinite(b) || !isfinite(a))
+        return rekv_errf(err, -EIO, "profile: %s: the samples give no per-unit cost (slope %g)",
+                         what, b);
+    out->a = a;
+    out->b = b;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the measured operations */
+
+typedef struct pf_copy {
+    const rekv_backend_iface *bi;
+    void *dst;
+    const void *src;
+    size_t bytes;
+    int d2h; /* direction: 0 host->device, 1 device->host */
+} pf_copy;
+
+static void pf_copy_run(void *ctx, rekv_stream *s)
+{
+    pf_copy *c = ctx;
+    rekv_copy_piece pc = {c->dst, c->src, c->bytes};
+    if (c->d2h)
+        c->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
+    else
+        c->bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
+}
+
+typedef struct pf_linear {
+    const rekv_kernel_iface *k;
+    float *y;
+    const float *x, *w, *bias;
+    int m, n, kdim;
+} pf_linear;
+
+static void pf_linear_run(void *ctx, rekv_stream *s)
+{
+    pf_linear *l = ctx;
+    l->k->linear(s, l->y, l->x, l->w, l->bias, l->m, l->n, l->kdim);
+}
+
+typedef struct pf_attn {
+    const rekv_kernel_iface *k;
+    float *out;
+    const float *q;
+    const rekv_attn_seq *seqs; /* device */
+    int n_seqs, n_heads, n_kv, head_dim;
+    float *scores;
+} pf_attn;
+
+static void pf_attn_run(void *ctx, rekv_stream *s)
+{
+    pf_attn *a = ctx;
+    a->k->attention(s, a->out, a->q, a->seqs, a->n_seqs, a->n_heads, a->n_kv, a->head_dim,
+                    a->scores);
+}
+
+/* T_load_kv (gen = 0) or T_kv_gen (gen = 1) at n tokens, for one cache dtype. */
+typedef struct pf_kv {
+    const rekv_backend_iface *bi;
+    const rekv_kernel_iface *k;
+    const rekv_model_config *c;
+    int gen;
+    int n;
+    rekv_dtype dtype;
+    const void *host_k, *host_v;   /* host cache rows ([n][kv_dim] each), or host_x [n][hidden] */
+    const void *host_x;
+    void *stage_k, *stage_v;       /* device landing buffers in dtype (fp32: the final ones) */
+    void *stage_x;
+    float *dev_k, *dev_v;          /* fp32 K,V [n][kv_dim] */
+    float *dev_x;                  /* fp32 X [n][hidden] */
+    const rekv_convert_piece *conv;/* device: the convert pieces of this sample */
+    size_t n_conv;
+    const float *wk, *bk, *wv, *bv;/* device weights */
+    const int32_t *pos;            /* device positions [n] */
+} pf_kv;
+
+static void pf_kv_run(void *ctx, rekv_stream *s)
+{
+    pf_kv *t = ctx;
+    const rekv_model_config *c = t->c;
+    size_t es = rekv_dtype_size(t->dtype), kvd = (size_t)rekv_config_kv_dim(c);
+    if (!t->gen) {
+        rekv_copy_piece pc[2] = {{t->stage_k, t->host_k, (size_t)t->n * kvd * es},
+                                 {t->stage_v, t->host_v, (size_t)t->n * kvd * es}};
+        t->bi->copy_h2d(s, pc, 2, REKV_XFER_KV);
+        if (t->dtype != REKV_DTYPE_F32)
+            t->k->convert(s, t->conv, t->n_conv, t->dtype);
+        return;
+    }
+    rekv_copy_piece pc = {t->stage_x, t->host_x, (size_t)t->n * (size_t)c->hidden * es};
+    t->bi->copy_h2d(s, &pc, 1, REKV_XFER_ACT);
+    if (t->dtype != REKV_DTYPE_F32)
+        t->k->convert(s, t->conv, t->n_conv, t->dtype);
+    t->k->linear(s, t->dev_k, t->dev_x, t->wk, t->bk, t->n, (int)kvd, c->hidden);
+    t->k->linear(s, t->dev_v, t->dev_x, t->wv, t->bv, t->n, (int)kvd, c->hidden);
+    if (c->rope != REKV_ROPE_NONE)
+        t->k->rope(s, t->dev_k, t->pos, t->n, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
+}
+
+/* ---------------------------------------------------------------- buffers */
+
+/* Device buffers the measurement allocates, freed together. */
+#define PF_MAX_DEV 32
+typedef struct pf_mem {
+    rekv_backend *be;
+    void *dev[PF_MAX_DEV];
+    int n_dev;
+    void *host[PF_MAX_DEV];
+    int n_host;
+} pf_mem;
+
+static void *pf_dev(pf_mem *m, size_t bytes)
+{
+    if (m->n_dev == PF_MAX_DEV)
+        return NULL;
+    void *p = m->be->iface->dev_alloc(m->be, bytes ? bytes : 1);
+    if (p)
+        m->dev[m->n_dev++] = p;
+    return p;
+}
+
+/* Host memory filled with small deterministic values (touched, so no page faults are timed). */
+static void *pf_host(pf_mem *m, size_t bytes)
+{
+    if (m->n_host == PF_MAX_DEV)
+        return NULL;
+    float *p = malloc(bytes ? bytes : 1);
+    if (p) {
+        m->host[m->n_host++] = p;
+        for (size_t i = 0; i < bytes / sizeof(float); i++)
+            p[i] = (float)((int)(i * 2654435761u % 2001u) - 1000) * 1e-4f;
+    }
+    return p;
+}
+
+static void pf_mem_free(pf_mem *m)
+{
+    for (int i = 0; i < m->n_dev; i++)
+        m->be->iface->dev_free(m->be, m->dev[i]);
+    for (int i = 0; i < m->n_host; i++)
+        free(m->host[i]);
+    m->n_dev = m->n_host = 0;
+}
+
+/* A device buffer holding a copy of host bytes (untimed setup). */
+static void *pf_upload(pf_mem *m, rekv_stream *s, const void *src, size_t bytes, rekv_err *err)
+{
+    void *d = pf_dev(m, bytes);
+    if (!d) {
+        rekv_errf(err, -ENOMEM, "profile: out of device memory (%zu bytes)", bytes);
+        return NULL;
+    }
+    rekv_copy_piece pc = {d, src, bytes};
+    m->be->iface->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
+    if (m->be->iface->stream_sync(s, err))
+        return NULL;
+    return d;
+}
+
+/* ---------------------------------------------------------------- link */
+
+/* Fits one direction of the link: a probe sizes the samples, then PF_FIT_SAMPLES sizes from 64
+ * bytes (latency alone) to a size whose transfer takes several latencies and milliseconds. */
+static int pf_measure_link(rekv_backend *be, rekv_stream *s, void *host, void *dev, int d2h,
+                           double *bw, double *lat, rekv_err *err)
+{
+    pf_copy cp = {be->iface, d2h ? host : dev, d2h ? dev : host, 0, d2h};
+    double t_small, t_big;
+    const size_t small = 4096, big = 256u << 10;
+    int rc;
+    cp.bytes = small;
+    if ((rc = pf_time(be, s, pf_copy_run, &cp, &t_small, err)))
+        return rc;
+    cp.bytes = big;
+    if ((rc = pf_time(be, s, pf_copy_run, &cp, &t_big, err)))
+        return rc;
+    double bw0 = t_big > t_small ? (double)(big - small) / (t_big - t_small) : (double)big / t_big;
+    double lat0 = t_small - (double)small / bw0;
+    if (lat0 < 0)
+        lat0 = 0;
+    double want_s = 8 * lat0 > 0.002 ? 8 * lat0 : 0.002;
+    double smax = bw0 * want_s;
+    if (smax < (double)big)
+        smax = (double)big;
+    if (smax > (double)PF_MAX_BYTES)
+        smax = (double)PF_MAX_BYTES;
+    double xs[PF_FIT_SAMPLES], ys[PF_FIT_SAMPLES];
+    size_t sizes[PF_FIT_SAMPLES] = {64, (size_t)(smax / 16), (size_t)(smax / 4), (size_t)smax};
+    for (int i = 0; i < PF_FIT_SAMPLES; i++) {
+        cp.bytes = sizes[i];
+        if ((rc = pf_time(be, s, pf_copy_run, &cp, &ys[i], err)))
+            return rc;
+        xs[i] = (double)sizes[i];
+    }
+    rekv_linear fit;
+    if ((rc = pf_fit(xs, ys, PF_FIT_SAMPLES, d2h ? "device->host copies" : "host->device copies",
+                     &fit, err)))
+        return rc;
+    *bw = 1.0 / fit.b;
+    *lat = fit.a;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- measure */
+
+static double pf_layer_weight_floats(const rekv_model_config *c)
+{
+    double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c), F = c->ffn;
+    double m = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
+    double norms = (c->norm_bias ? 4 : 2) * H;
+    double bias = (c->qkv_bias ? Q + 2 * KV : 0) + (c->o_bias ? H : 0) +
+                  (c->ffn_bias ? F + H : 0);
+    return m + norms + bias;
+}
+
+/* Token counts for a fitted model whose cost is per_tok s per token plus lat: the largest makes
+ * the per-token part dominate (a few ms and 8 latencies), capped by memory. */
+static void pf_token_counts(double per_tok, double lat, double row_bytes, int *ns)
+{
+    double want_s = 8 * lat > 0.003 ? 8 * lat : 0.003;
+    double n = per_tok > 0 ? want_s / per_tok : 4096;
+    double cap = (double)PF_MAX_BYTES / row_bytes;
+    if (n > cap)
+        n = cap;
+    if (n > 8192)
+        n = 8192;
+    int nmax = ((int)n / 16) * 16;
+    if (nmax < 128)
+        nmax = 128;
+    for (int i = 0; i < PF_FIT_SAMPLES; i++) {
+        int v = (nmax >> (PF_FIT_SAMPLES - 1 - i)) / 16 * 16;
+        ns[i] = v < 16 ? 16 : v;
+    }
+}
+
+static int pf_check_config(const rekv_model_config *c, rekv_err *err)
+{
+    if (c->hidden <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 || c->head_dim <= 0 ||
+        c->ffn <= 0 || c->n_layers <= 0 || c->max_pos <= 1 || c->head_dim > 512)
+        return rekv_errf(err, -EINVAL, "profile: the model config has a non-positive size");
+    return 0;
+}
+
+int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rekv_link_config *link,
+                         rekv_profile *out, rekv_err *err)
+{
+    int rc;
+    if (!c || !be || !out)
+        return rekv_errf(err, -EINVAL, "profile: NULL argument");
+    if ((rc = pf_check_config(c, err)))
+        return rc;
+    if (!be->kernels)
+        return rekv_errf(err, -EINVAL, "profile: backend %s has no kernels", be->iface->name);
+    uint64_t t_start = rekv_now_ns();
+    const rekv_backend_iface *bi = be->iface;
+    const rekv_kernel_iface *k = be->kernels;
+    rekv_profile p;
+    memset(&p, 0, sizeof(p));
+    p.version = REKV_PROFILE_VERSION;
+    snprintf(p.backend, sizeof(p.backend), "%s", bi->name);
+    if (link && link->gbps > 0)
+        p.link = *link;
+
+    pf_mem m = {.be = be};
+    rekv_stream *s = NULL;
+    if ((rc = bi->stream_create(be, "profile", &s, err)))
+        return rc;
+    const int H = c->hidden, KV = rekv_config_kv_dim(c), Q = rekv_config_q_dim(c), F = c->ffn;
+
+    /* the link, each way */
+    void *hbuf = pf_host(&m, PF_MAX_BYTES), *dbuf = pf_dev(&m, PF_MAX_BYTES);
+    if (!hbuf || !dbuf) {
+        rc = rekv_errf(err, -ENOMEM, "profile: out of memory for %u-byte copy buffers",
+                       PF_MAX_BYTES);
+        goto out;
+    }
+    if ((rc = pf_measure_link(be, s, hbuf, dbuf, 0, &p.h2d_bw, &p.h2d_latency, err)) ||
+        (rc = pf_measure_link(be, s, hbuf, dbuf, 1, &p.d2h_bw, &p.d2h_latency, err)))
+        goto out;
+
+    /* GEMM at the K/V projection and FFN shapes */
+    p.gemm_rows = PF_GEMM_ROWS;
+    const int R = PF_GEMM_ROWS;
+    size_t wmax = (size_t)(KV > F ? KV : F) * H;
+    float *hw = pf_host(&m, wmax * sizeof(float)), *hx = pf_host(&m, (size_t)R * H * sizeof(float));
+    if (!hw || !hx) {
+        rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
+        goto out;
+    }
+    float *dw = pf_upload(&m, s, hw, wmax * sizeof(float), err);
+    float *db = dw ? pf_upload(&m, s, hw, (size_t)(KV > F ? KV : F) * sizeof(float), err) : NULL;
+    float *dx = db ? pf_upload(&m, s, hx, (size_t)R * H * sizeof(float), err) : NULL;
+    float *dy = dx ? pf_dev(&m, (size_t)R * (KV > F ? KV : F) * sizeof(float)) : NULL;
+    if (!dy) {
+        rc = rekv_errf(err, -ENOMEM, "profile: out of device memory");
+        goto out;
+    }
+    double t;
+    pf_linear lin = {k, dy, dx, dw, c->qkv_bias ? db : NULL, R, KV, H};
+    if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
+        goto out;
+    p.gemm_kv_flops = 2.0 * R * KV * H / t;
+    lin = (pf_linear){k, dy, dx, dw, c->ffn_bias ? db : NULL, R, F, H};
+    if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
+        goto out;
+    p.gemm_ffn_flops = 2.0 * R * F * H / t;
+
+    /* attention: a decode batch, one query per sequence over ctx cached positions */
+    {
+        int B = PF_ATTN_BATCH, S = c->max_pos - 1 < PF_ATTN_CTX ? c->max_pos - 1 : PF_ATTN_CTX;
+        int cap = S + 1;
+        size_t kvb = (size_t)c->n_kv_heads * cap * c->head_dim * sizeof(float);
+        float *hkv = pf_host(&m, kvb), *hq = pf_host(&m, (size_t)B * Q * sizeof(float));
+        if (!hkv || !hq) {
+            rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
+            goto out;
+        }
+        /* each sequence its own context, as in a real batch, unless that is too much memory */
+        int distinct = (double)kvb * B <= (double)PF_MAX_BYTES;
+        size_t seq_stride = distinct ? kvb / sizeof(float) : 0;
+        float *dk = pf_dev(&m, distinct ? kvb * B : kvb);
+        float *dv = dk ? pf_dev(&m, distinct ? kvb * B : kvb) : NULL;
+        for (int i = 0; dv && i < (distinct ? B : 1); i++) {
+            rekv_copy_piece pc[2] = {{dk + i * seq_stride, hkv, kvb}, {dv + i * seq_stride, hkv, kvb}};
+            bi->copy_h2d(s, pc, 2, REKV_XFER_OTHER);
+        }
+        if (dv && (rc = bi->stream_sync(s, err)))
+            goto out;
+        float *dq = dv ? pf_upload(&m, s, hq, (size_t)B * Q * sizeof(float), err) : NULL;
+        float *dout = dq ? pf_dev(&m, (size_t)B * Q * sizeof(float)) : NULL;
+        float *dsc = dout ? pf_dev(&m, (size_t)cap * c->n_heads * B * sizeof(float)) : NULL;
+        rekv_attn_seq seqs[PF_ATTN_BATCH];
+        for (int i = 0; i < B; i++)
+            seqs[i] = (rekv_attn_seq){dk + i * seq_stride, dv + i * seq_stride, cap, S, 1, i};
+        rekv_attn_seq *dseqs = dsc ? pf_upload(&m, s, seqs, sizeof(seqs), err) : NULL;
+        if (!dseqs) {
+            rc = err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
+            goto out;
+        }
+        pf_attn at = {k, dout, dq, dseqs, B, c->n_heads, c->n_kv_heads, c->head_dim, dsc};
+        if ((rc = pf_time(be, s, pf_attn_run, &at, &t, err)))
+            goto out;
+        p.attn_batch = B;
+        p.attn_ctx = S;
+        p.attn_flops = 4.0 * B * c->n_heads * c->head_dim * (double)(S + 1) / t;
+    }
+
+    /* one layer's weights over the link, from the fitted link model */
+    p.layer_weight_bytes = pf_layer_weight_floats(c) * sizeof(float);
+    p.t_load_w = p.h2d_latency + p.layer_weight_bytes / p.h2d_bw;
+
+    /* T_load_kv(n) and T_kv_gen(n), per cache dtype */
+    {
+        int nl[PF_FIT_SAMPLES], ng[PF_FIT_SAMPLES];
+        double kv_row = 2.0 * KV * sizeof(float), act_row = (double)H * sizeof(float);
+        pf_token_counts(kv_row / p.h2d_bw, p.h2d_latency, kv_row, nl);
+        pf_token_counts(act_row / p.h2d_bw + 4.0 * H * KV / p.gemm_kv_flops, p.h2d_latency,
+                        act_row + 2.0 * KV * sizeof(float), ng);
+        int nmax = nl[PF_FIT_SAMPLES - 1] > ng[PF_FIT_SAMPLES - 1] ? nl[PF_FIT_SAMPLES - 1]
+                                                                     : ng[PF_FIT_SAMPLES - 1];
+        p.fit_tokens_max = nmax;
+        size_t xrow = (size_t)(H > KV ? H : KV) * sizeof(float);
+        void *hk = pf_host(&m, (size_t)nmax * xrow), *hv = pf_host(&m, (size_t)nmax * xrow);
+        int32_t *hpos = pf_host(&m, (size_t)nmax * sizeof(int32_t));
+        void *sk = pf_dev(&m, (size_t)nmax * xrow), *sv = pf_dev(&m, (size_t)nmax * xrow);
+        float *fk = pf_dev(&m, (size_t)nmax * KV * sizeof(float));
+        float *fv = pf_dev(&m, (size_t)nmax * KV * sizeof(float));
+        float *fx = pf_dev(&m, (size_t)nmax * H * sizeof(float));
+        if (!hk || !hv || !hpos || !sk || !sv || !fk || !fv || !fx) {
+            rc = rekv_errf(err, -ENOMEM, "profile: out of memory for %d-token samples", nmax);
+            goto out;
+        }
+        for (int i = 0; i < nmax; i++)
+            hpos[i] = i % c->max_pos;
+        int32_t *dpos = pf_upload(&m, s, hpos, (size_t)nmax * sizeof(int32_t), err);
+        /* the convert pieces of every sample: [dtype-agnostic][load 2 | gen 1] */
+        rekv_convert_piece hconv[PF_FIT_SAMPLES * 3];
+        for (int i = 0; i < PF_FIT_SAMPLES; i++) {
+            hconv[3 * i] = (rekv_convert_piece){fk, sk, (uint32_t)((size_t)nl[i] * KV)};
+            hconv[3 * i + 1] = (rekv_convert_piece){fv, sv, (uint32_t)((size_t)nl[i] * KV)};
+            hconv[3 * i + 2] = (rekv_convert_piece){fx, sk, (uint32_t)((size_t)ng[i] * H)};
+        }
+        rekv_convert_piece *dconv = dpos ? pf_upload(&m, s, hconv, sizeof(hconv), err) : NULL;
+        if (!dconv) {
+            rc = err && err->code ? err->code : -ENOMEM;
+            goto out;
+        }
+        for (int d = 0; d < REKV_PROFILE_DTYPES; d++) {
+            rekv_dtype dt = d == REKV_PROFILE_F32 ? REKV_DTYPE_F32 : REKV_DTYPE_F16;
+            for (int gen = 0; gen < 2; gen++) {
+                double xs[PF_FIT_SAMPLES], ys[PF_FIT_SAMPLES];
+                for (int i = 0; i < PF_FIT_SAMPLES; i++) {
+                    int f32 = dt == REKV_DTYPE_F32;
+                    pf_kv job = {
+                        .bi = bi, .k = k, .c = c, .gen = gen, .n = gen ? ng[i] : nl[i], .dtype = dt,
+                        .host_k = hk, .host_v = hv, .host_x = hk,
+                        .stage_k = f32 ? (void *)fk : sk, .stage_v = f32 ? (void *)fv : sv,
+                        .stage_x = f32 ? (void *)fx : sk,
+                        .dev_k = fk, .dev_v = fv, .dev_x = fx,
+                        .conv = gen ? &dconv[3 * i + 2] : &dconv[3 * i], .n_conv = gen ? 1 : 2,
+                        .wk = dw, .bk = c->qkv_bias ? db : NULL,
+                        .wv = dw, .bv = c->qkv_bias ? db : NULL, .pos = dpos};
+                    if ((rc = pf_time(be, s, pf_kv_run, &job, &ys[i], err)))
+                        goto out;
+                    xs[i] = job.n;
+                }
+                if ((rc = pf_fit(xs, ys, PF_FIT_SAMPLES, gen ? "T_kv_gen" : "T_load_kv",
+                                 gen ? &p.kv_gen[d] : &p.load_kv[d], err)))
+                    goto out;
+            }
+        }
+    }
+    p.measure_s = (double)(rekv_now_ns() - t_start) * 1e-9;
+    *out = p;
+    rc = 0;
+out:
+    if (s)
+        bi->stream_destroy(s);
+    pf_mem_free(&m);
+    return rc;
+}
+
+void rekv_profile_to_cost(const rekv_profile *p, rekv_dtype cache_dtype, rekv_cost_profile *out)
+{
+    int d = cache_dtype == REKV_DTYPE_F32 ? REKV_PROFILE_F32 : REKV_PROFILE_F16;
+    memset(out, 0, sizeof(*out));
+    out->h2d_bw = p->h2d_bw;
+    out->h2d_latency = p->h2d_latency;
+    out->gemm_flops = p->gemm_kv_flops;
+    out->load_kv = p->load_kv[d];
+    out->kv_gen = p->kv_gen[d];
+    out->t_load_w = p->t_load_w;
+}
+
+/* ---------------------------------------------------------------- cache key and path */
+
+static void pf_cpu_model(char *buf, size_t cap)
+{
+    snprintf(buf, cap, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f)
+        return;
+    char line[512];
+    while (fgets(line, sizeof(line), f)) {
+        if (strncmp(line, "model name", 10) != 0)
+            continue;
+        char *v = strchr(line, ':');
+        if (!v)
+            continue;
+        v++;
+        while (*v == ' ' || *v == '\t')
+            v++;
+        v[strcspn(v, "\n")] = '\0';
+        snprintf(buf, cap, "%s", v);
+        break;
+    }
+    fclose(f);
+}
+
+int rekv_profile_key(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
+                     char *key, size_t key_cap, rekv_err *err)
+{
+    char host[256] = "unknown", cpu[256];
+    if (gethostname(host, sizeof(host) - 1) != 0)
+        snprintf(host, sizeof(host), "unknown");
+    host[sizeof(host) - 1] = '\0';
+    pf_cpu_model(cpu, sizeof(cpu));
+    double gbps = link && link->gbps > 0 ? link->gbps : 0;
+    double lat = gbps > 0 ? link->latency_us : 0; /* no emulation: the latency setting is moot */
+    int n = snprintf(key, key_cap,
+                     "rekv-profile v%d|host=%s|cpu=%s|arch=%d|layers=%d|hidden=%d|heads=%d|"
+                     "kv_heads=%d|head_dim=%d|ffn=%d|vocab=%d|act=%d|rope=%d|qkv_bias=%d|"
+                     "dtype=%s|backend=%s|link_gbps=%.17g|link_latency_us=%.17g",
+                     REKV_PROFILE_VERSION, host, cpu, (int)c->arch, c->n_layers, c->hidden,
+                     c->n_heads, c->n_kv_heads, c->head_dim, c->ffn, c->vocab, (int)c->act,
+                     (int)c->rope, c->qkv_bias, rekv_dtype_name(c->dtype), backend, gbps, lat);
+    if (n < 0 || (size_t)n >= key_cap)
+        return rekv_errf(err, -ENAMETOOLONG, "profile: cache key longer than %zu bytes", key_cap);
+    return 0;
+}
+
+static int pf_default_dir(char *buf, size_t cap, rekv_err *err)
+{
+    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    int n;
+    if (xdg && *xdg == '/')
+        n = snprintf(buf, cap, "%s/rekv/profiles", xdg);
+    else if (home && *home)
+        n = snprintf(buf, cap, "%s/.cache/rekv/profiles", home);
+    else
+        return rekv_errf(err, -ENOENT, "profile: neither XDG_CACHE_HOME nor HOME is set");
+    if (n < 0 || (size_t)n >= cap)
+        return rekv_errf(err, -ENAMETOOLONG, "profile: cache directory name too long");
+    return 0;
+}
+
+int rekv_profile_path(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
+                      const char *dir, char *path, size_t path_cap, rekv_err *err)
+{
+    char key[2048], ddir[4096];
+    int rc;
+    if ((rc = rekv_profile_key(c, backend, link, key, sizeof(key), err)))
+        return rc;
+    if (!dir) {
+        if ((rc = pf_default_dir(ddir, sizeof(ddir), err)))
+            return rc;
+        dir = ddir;
+    }
+    uint64_t h = 1469598103934665603ull; /* FNV-1a, 64 bit */
+    for (const unsigned char *p = (const unsigned char *)key; *p; p++)
+        h = (h ^ *p) * 1099511628211ull;
+    int n = snprintf(path, path_cap, "%s/%016llx.json", dir, (unsigned long long)h);
+    if (n < 0 || (size_t)n >= path_cap)
+        return rekv_errf(err, -ENAMETOOLONG, "profile: cache path too long under %s", dir);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- JSON */
+
+static json_t *pf_linear_json(const rekv_linear *l)
+{
+    return json_pack("{s:f,s:f}", "a_s", l->a, "b_s_per_token", l->b);
+}
+
+static const char *const pf_dtype_names[REKV_PROFILE_DTYPES] = {"f32", "f16"};
+
+/* The profile as a JSON object (without the key). */
+static json_t *pf_to_json(const rekv_profile *p)
+{
+    json_t *o = json_pack(
+        "{s:i,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:i,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:f}", "version",
+        p->version, "backend", p->backend, "link_gbps", p->link.gbps, "link_latency_us",
+        p->link.latency_us, "h2d_bw_bytes_per_s", p->h2d_bw, "h2d_latency_s", p->h2d_latency,
+        "d2h_bw_bytes_per_s", p->d2h_bw, "d2h_latency_s", p->d2h_latency, "gemm_rows",
+        p->gemm_rows, "gemm_kv_flops_per_s", p->gemm_kv_flops, "gemm_ffn_flops_per_s",
+        p->gemm_ffn_flops, "attn_batch", p->attn_batch, "attn_ctx", p->attn_ctx,
+        "attn_flops_per_s", p->attn_flops, "layer_weight_bytes", p->layer_weight_bytes,
+        "t_load_w_s", p->t_load_w, "fit_tokens_max", p->fit_tokens_max, "measure_s",
+        p->measure_s);
+    if (!o)
+        return NULL;
+    json_t *lk = json_object(), *kg = json_object();
+    for (int d = 0; d < REKV_PROFILE_DTYPES; d++) {
+        json_object_set_new(lk, pf_dtype_names[d], pf_linear_json(&p->load_kv[d]));
+        json_object_set_new(kg, pf_dtype_names[d], pf_linear_json(&p->kv_gen[d]));
+    }
+    json_object_set_new(o, "load_kv", lk);
+    json_object_set_new(o, "kv_gen", kg);
+    return o;
+}
+
+json_t *rekv_profile_json(const rekv_profile *p) { return pf_to_json(p); }
+
+int rekv_profile_save(const char *path, const char *key, const rekv_profile *p, rekv_err *err)
+{
+    int rc = 0;
+    char tmp[4200];
+    json_t *o = pf_to_json(p);
+    if (!o || json_object_set_new(o, "key", json_string(key ? key : "")))
+        return rekv_errf(err, -ENOMEM, "profile: out of memory building JSON");
+    /* create the directories */
+    char dir[4096];
+    snprintf(dir, sizeof(dir), "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash && slash != dir) {
+        *slash = '\0';
+        for (char *q = dir + 1; *q; q++) {
+            if (*q != '/')
+                continue;
+            *q = '\0';
+            if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+                rc = rekv_errf(err, -errno, "%s: %s", dir, strerror(errno));
+                goto out;
+            }
+            *q = '/';
+        }
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+            rc = rekv_errf(err, -errno, "%s: %s", dir, strerror(errno));
+            goto out;
+        }
+    }
+    snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path, (long)getpid());
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        rc = rekv_errf(err, -errno, "%s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    char *text = json_dumps(o, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(17));
+    size_t len = text ? strlen(text) : 0, off = 0;
+    while (text && off < len) {
+        ssize_t w = write(fd, text + off, len - off);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0) {
+            rc = rekv_errf(err, -errno, "%s: %s", tmp, strerror(errno));
+            break;
+        }
+        off += (size_t)w;
+    }
+    if (!text)
+        rc = rekv_errf(err, -ENOMEM, "profile: out of memory writing JSON");
+    free(text);
+    if (rc == 0 && (write(fd, "\n", 1) != 1 || fsync(fd) != 0))
+        rc = rekv_errf(err, -(errno ? errno : EIO), "%s: %s", tmp, strerror(errno));
+    if (close(fd) != 0 && rc == 0)
+        rc = rekv_errf(err, -errno, "%s: %s", tmp, strerror(errno));
+    if (rc == 0 && rename(tmp, path) != 0)
+        rc = rekv_errf(err, -errno, "%s: %s", path, strerror(errno));
+    if (rc)
+        unlink(tmp);
+out:
+    json_decref(o);
+    return rc;
+}
+
+/* A number field of o in [lo, hi], finite. */
+static int pf_get_num(const char *path, json_t *o, const char *name, double lo, double hi,
+                      double *out, rekv_err *err)
+{
+    json_t *v = json_object_get(o, name);
+    if (!json_is_number(v))
+        return rekv_errf(err, -EINVAL, "%s: \"%s\" is missing or not a number", path, name);
+    double d = json_number_value(v);
+    if (!isfinite(d) || d < lo || d > hi)
+        return rekv_errf(err, -EINVAL, "%s: \"%s\" = %g is out of range", path, name, d);
+    *out = d;
+    return 0;
+}
+
+static int pf_get_int(const char *path, json_t *o, const char *name, int lo, int hi, int *out,
+                      rekv_err *err)
+{
+    json_t *v = json_object_get(o, name);
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
+        return rekv_errf(err, -EINVAL, "%s: \"%s\" is missing, not an integer or out of range",
+                         path, name);
+    *out = (int)json_integer_value(v);
+    return 0;
+}
+
+static int pf_get_linear(const char *path, json_t *o, const char *group, const char *dt,
+                         rekv_linear *out, rekv_err *err)
+{
+    json_t *g = json_object_get(o, group);
+    json_t *l = json_is_object(g) ? json_object_get(g, dt) : NULL;
+    if (!json_is_object(l))
+        return rekv_errf(err, -EINVAL, "%s: \"%s.%s\" is missing or not an object", path, group,
+                         dt);
+    int rc;
+    if ((rc = pf_get_num(path, l, "a_s", 0, 1e6, &out->a, err)) ||
+        (rc = pf_get_num(path, l, "b_s_per_token", 1e-300, 1e6, &out->b, err)))
+        return rc;
+    if (!(out->b > 0))
+        return rekv_errf(err, -EINVAL, "%s: \"%s.%s.b_s_per_token\" is not positive", path, group,
+                         dt);
+    return 0;
+}
+
+int rekv_profile_load(const char *path, const char *key, rekv_profile *out, rekv_err *err)
+{
+    json_error_t je;
+    json_t *o = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    if (!o) {
+        if (access(path, F_OK) != 0)
+            return rekv_errf(err, -ENOENT, "%s: no such file", path);
+        return rekv_errf(err, -EINVAL, "%s: line %d: %s", path, je.line, je.text);
+    }
+    rekv_profile p;
+    memset(&p, 0, sizeof(p));
+    int rc = 0;
+    if (!json_is_object(o)) {
+        rc = rekv_errf(err, -EINVAL, "%s: not a JSON object", path);
+        goto out;
+    }
+    if ((rc = pf_get_int(path, o, "version", 0, 1 << 30, &p.version, err)))
+        goto out;
+    if (p.version != REKV_PROFILE_VERSION) {
+        rc = rekv_errf(err, -EINVAL, "%s: version %d, this rekv writes %d", path, p.version,
+                       REKV_PROFILE_VERSION);
+        goto out;
+    }
+    json_t *jk = json_object_get(o, "key"), *jb = json_object_get(o, "backend");
+    if (!json_is_string(jk) || (key && strcmp(json_string_value(jk), key) != 0)) {
+        rc = rekv_errf(err, -EINVAL, "%s: \"key\" is missing or names another machine, model, "
+                       "backend or link", path);
+        goto out;
+    }
+    if (!json_is_string(jb) || !*json_string_value(jb) ||
+        strlen(json_string_value(jb)) >= sizeof(p.backend)) {
+        rc = rekv_errf(err, -EINVAL, "%s: \"backend\" is missing or invalid", path);
+        goto out;
+    }
+    snprintf(p.backend, sizeof(p.backend), "%s", json_string_value(jb));
+    const double big = 1e30;
+    if ((rc = pf_get_num(path, o, "link_gbps", 0, 1e6, &p.link.gbps, err)) ||
+        (rc = pf_get_num(path, o, "link_latency_us", 0, 1e9, &p.link.latency_us, err)) ||
+        (rc = pf_get_num(path, o, "h2d_bw_bytes_per_s", 1, big, &p.h2d_bw, err)) ||
+        (rc = pf_get_num(path, o, "h2d_latency_s", 0, 1e3, &p.h2d_latency, err)) ||
+        (rc = pf_get_num(path, o, "d2h_bw_bytes_per_s", 1, big, &p.d2h_bw, err)) ||
+        (rc = pf_get_num(path, o, "d2h_latency_s", 0, 1e3, &p.d2h_latency, err)) ||
+        (rc = pf_get_int(path, o, "gemm_rows", 1, 1 << 30, &p.gemm_rows, err)) ||
+        (rc = pf_get_num(path, o, "gemm_kv_flops_per_s", 1, big, &p.gemm_kv_flops, err)) ||
+        (rc = pf_get_num(path, o, "gemm_ffn_flops_per_s", 1, big, &p.gemm_ffn_flops, err)) ||
+        (rc = pf_get_int(path, o, "attn_batch", 1, 1 << 30, &p.attn_batch, err)) ||
+        (rc = pf_get_int(path, o, "attn_ctx", 1, 1 << 30, &p.attn_ctx, err)) ||
+        (rc = pf_get_num(path, o, "attn_flops_per_s", 1, big, &p.attn_flops, err)) ||
+        (rc = pf_get_num(path, o, "layer_weight_bytes", 1, big, &p.layer_weight_bytes, err)) ||
+        (rc = pf_get_num(path, o, "t_load_w_s", 0, 1e6, &p.t_load_w, err)) ||
+        (rc = pf_get_int(path, o, "fit_tokens_max", 2, 1 << 30, &p.fit_tokens_max, err)) ||
+        (rc = pf_get_num(path, o, "measure_s", 0, 1e6, &p.measure_s, err)))
+        goto out;
+    for (int d = 0; d < REKV_PROFILE_DTYPES; d++)
+        if ((rc = pf_get_linear(path, o, "load_kv", pf_dtype_names[d], &p.load_kv[d], err)) ||
+            (rc = pf_get_linear(path, o, "kv_gen", pf_dtype_names[d], &p.kv_gen[d], err)))
+            goto out;
+    *out = p;
+out:
+    json_decref(o);
+    return rc;
+}
+
+int rekv_profile_load_or_measure(const rekv_model_config *c, rekv_backend *be,
+                                 const rekv_link_config *link, const char *dir, int force,
+                                 rekv_profile *out, rekv_profile_origin *origin, rekv_err *err)
+{
+    rekv_profile_origin o;
+    memset(&o, 0, sizeof(o));
+    char key[2048];
+    int rc;
+    if (!c || !be || !out)
+        return rekv_errf(err, -EINVAL, "profile: NULL argument");
+    if ((rc = rekv_profile_key(c, be->iface->name, link, key, sizeof(key), err)) ||
+        (rc = rekv_profile_path(c, be->iface->name, link, dir, o.path, sizeof(o.path), err)))
+        return rc;
+    if (force) {
+        snprintf(o.reason, sizeof(o.reason), "measuring was asked for");
+    } else {
+        rekv_err lerr = {0};
+        if (rekv_profile_load(o.path, key, out, &lerr) == 0) {
+            o.loaded = 1;
+            goto done;
+        }
+        snprintf(o.reason, sizeof(o.reason), "%s", lerr.msg);
+    }
+    if ((rc = rekv_profile_measure(c, be, link, out, err)))
+        return rc;
+    rekv_err serr = {0};
+    if (rekv_profile_save(o.path, key, out, &serr) == 0)
+        o.saved = 1;
+    else
+        snprintf(o.reason, sizeof(o.reason), "not saved: %s", serr.msg);
+done:
+    if (origin)
+        *origin = o;
+    return 0;
+}
