@@ -31,7 +31,7 @@ ALL_CFLAGS := -std=gnu11 $(WARN) $(CFLAGS) -I. -I$(BUILD)/gen $(PKG_CFLAGS) -MMD
 LDLIBS := $(PKG_LIBS) -llapacke -lpthread -lm
 
 MODULES := common proto loader kvstore gpuworker coordinator
-# link order: users before what they use
+# link order: users before what they use (linked as a group, so a lower library may call up)
 LINK_ORDER := coordinator gpuworker kvstore loader proto common
 
 PROTOS := $(wildcard proto/*.proto)
@@ -111,13 +111,13 @@ $(foreach m,$(MODULES),$(eval $(call lib_rule,$(m))))
 define prog_rule
 $(BUILD)/bin/$(1): $(BUILD)/obj/$(patsubst %.c,%.o,$(MAIN_$(1))) $(LIBS)
 	$$(call say,LD,$$@)
-	$$(Q)mkdir -p $$(@D) && $$(CC) -o $$@ $$< $(LIBS) $$(LDLIBS)
+	$$(Q)mkdir -p $$(@D) && $$(CC) -o $$@ $$< -Wl,--start-group $(LIBS) -Wl,--end-group $$(LDLIBS)
 endef
 $(foreach p,$(PROGRAMS),$(eval $(call prog_rule,$(p))))
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TEST_SUPPORT_OBJS) $(LIBS)
 	$(call say,LD,$@)
-	$(Q)mkdir -p $(@D) && $(CC) -o $@ $< $(TEST_SUPPORT_OBJS) $(LIBS) $(CHECK_LIBS) $(LDLIBS)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $< $(TEST_SUPPORT_OBJS) -Wl,--start-group $(LIBS) -Wl,--end-group $(CHECK_LIBS) $(LDLIBS)
 
 # Sanitizer build of the parsers, run over a corpus of mutated inputs (part of `make test`).
 ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer

@@ -5,6 +5,7 @@
 #include "common/log.h"
 #include "coordinator/cli.h"
 #include "coordinator/cli_daemon.h"
+#include "coordinator/cli_profile.h"
 
 static void usage(FILE *f)
 {
@@ -16,6 +17,7 @@ static void usage(FILE *f)
                "  status     a job's state, or the queue's\n"
                "  cancel     cancel a job\n"
                "  stats      the coordinator's counters\n"
+               "  profile    measure (or show the cached) link, GEMM and attention speeds\n"
                "  bench      benchmarks (bench forward | decode | kvstore), JSON output\n"
                "Run `rekv <command> --help` for a command's options.\n");
 }
@@ -38,7 +40,8 @@ int main(int argc, char **argv)
                        {"submit", cli_submit},
                        {"status", cli_status},
                        {"cancel", cli_cancel},
-                       {"stats", cli_stats}};
+                       {"stats", cli_stats},
+                       {"profile", cli_profile}};
     for (size_t i = 0; i < sizeof(daemon_cmds) / sizeof(daemon_cmds[0]); i++)
         if (strcmp(argv[1], daemon_cmds[i].name) == 0)
             return daemon_cmds[i].fn(argc - 1, argv + 1);
