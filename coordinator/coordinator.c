@@ -19,6 +19,7 @@
 
 #include "common/clock.h"
 #include "coordinator/journal.h"
+#include "coordinator/metrics.h"
 #include "loader/loader.h"
 #include "proto/worker.pb-c.h"
 
@@ -131,6 +132,7 @@ struct rekv_coordinator {
     uint64_t rate_ns[RATE_SLOTS];
     uint32_t rate_i;
     uint64_t start_ns;
+    rekv_metrics_server *metrics; /* the scrape port; NULL when not configured */
 };
 
 static void event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
@@ -1181,6 +1183,100 @@ static void do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     reply_add(co, from, &r, NULL);
 }
 
+/* The Prometheus exposition of what Stats reports (a rekv_metrics_render_fn). Families are
+ * named rekv_*; counters since the coordinator started end in _total. */
+static int metrics_render(void *ctx, rekv_metrics_buf *b)
+{
+    rekv_coordinator *co = ctx;
+    uint64_t now = rekv_now_ns();
+    static const char *const states[] = {"queued", "running", "done", "cancelled", "failed"};
+    const uint64_t by_state[] = {co->n_queue, co->n_running, co->n_done, co->n_cancelled,
+                                 co->n_failed};
+    rekv_metrics_family(b, "rekv_jobs", "gauge",
+                        "Jobs by state (done, cancelled, failed: since start).");
+    for (int i = 0; i < 5; i++)
+        rekv_metrics_sample_kv(b, "rekv_jobs", (double)by_state[i], "state", states[i], NULL);
+
+    /* one sample each, no labels */
+    const struct {
+        const char *name, *type, *help;
+        double v;
+    } one[] = {
+        {"rekv_queue_depth", "gauge", "Jobs waiting to run.", (double)co->n_queue},
+        {"rekv_queue_limit", "gauge", "Most jobs waiting; beyond it Submit gets BUSY.",
+         (double)co->cfg.queue_limit},
+        {"rekv_jobs_accepted_total", "counter", "Jobs accepted (replayed ones included).",
+         (double)co->accepted},
+        {"rekv_jobs_rejected_busy_total", "counter", "Submits answered BUSY.",
+         (double)co->rejected_busy},
+        {"rekv_bad_requests_total", "counter", "Requests answered BAD_REQUEST.",
+         (double)co->bad_requests},
+        {"rekv_jobs_requeued_total", "counter", "Jobs put back after their worker died.",
+         (double)co->requeued},
+        {"rekv_tokens_generated_total", "counter", "Generated tokens, all workers.",
+         (double)co->tokens},
+        {"rekv_tokens_per_second", "gauge", "Generated tokens per second over the last ~5 s.",
+         tokens_per_s(co)},
+        {"rekv_steps_total", "counter", "Plans executed, all workers.", (double)co->steps},
+        {"rekv_step_rtt_seconds_total", "counter", "Plan sent to Progress received, summed.",
+         co->rtt_sum},
+        {"rekv_worker_step_seconds_total", "counter", "The workers' own time per step, summed.",
+         co->wstep_sum},
+        {"rekv_uptime_seconds", "gauge", "Seconds since the coordinator started.",
+         (double)(now - co->start_ns) * 1e-9},
+    };
+    for (size_t i = 0; i < sizeof(one) / sizeof(*one); i++) {
+        rekv_metrics_family(b, one[i].name, one[i].type, one[i].help);
+        rekv_metrics_sample(b, one[i].name, NULL, one[i].v);
+    }
+
+    rekv_metrics_family(b, "rekv_bytes_total", "counter",
+                        "Bytes the workers moved, by direction and kind.");
+    rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"h2d\",kind=\"weights\"",
+                        (double)co->counters[0]);
+    rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"h2d\",kind=\"kv\"", (double)co->counters[1]);
+    rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"h2d\",kind=\"act\"",
+                        (double)co->counters[2]);
+    rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"d2h\",kind=\"all\"",
+                        (double)co->counters[3]);
+    rekv_metrics_family(b, "rekv_kv_tokens_total", "counter",
+                        "Cached tokens whose K,V were recomputed or fetched.");
+    rekv_metrics_sample(b, "rekv_kv_tokens_total", "how=\"recomputed\"", (double)co->counters[4]);
+    rekv_metrics_sample(b, "rekv_kv_tokens_total", "how=\"fetched\"", (double)co->counters[5]);
+
+    /* per worker; rekv_worker_info's mode label is the mode the worker runs (the planner's) */
+    static const struct {
+        const char *name, *type, *help;
+    } wf[] = {
+        {"rekv_worker_info", "gauge", "A connected worker (always 1), its backend and mode."},
+        {"rekv_worker_running", "gauge", "Jobs in the worker's batch."},
+        {"rekv_worker_max_batch", "gauge", "Largest batch the worker takes."},
+        {"rekv_worker_steps_total", "counter", "Steps the worker ran."},
+        {"rekv_worker_tokens_total", "counter", "Tokens the worker generated."},
+        {"rekv_worker_idle_seconds", "gauge", "Seconds since the worker's last message."},
+    };
+    for (size_t f = 0; f < sizeof(wf) / sizeof(*wf); f++) {
+        rekv_metrics_family(b, wf[f].name, wf[f].type, wf[f].help);
+        for (int i = 0; i < MAX_WORKERS; i++) {
+            const worker *w = &co->workers[i];
+            if (!w->active)
+                continue;
+            const double v[] = {1,
+                                w->n_run,
+                                w->max_batch,
+                                (double)w->steps,
+                                (double)w->tokens,
+                                (double)(now - w->last_seen_ns) * 1e-9};
+            if (f == 0)
+                rekv_metrics_sample_kv(b, wf[f].name, v[f], "worker", w->name, "backend",
+                                       w->backend, "mode", w->mode, NULL);
+            else
+                rekv_metrics_sample_kv(b, wf[f].name, v[f], "worker", w->name, NULL);
+        }
+    }
+    return b->err;
+}
+
 static void do_health(rekv_coordinator *co, const rid *from, uint64_t rq)
 {
     Rekv__Control__Health h = REKV__CONTROL__HEALTH__INIT;
@@ -1331,19 +1427,26 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
 {
     uint64_t last_rate = 0;
     for (;;) {
-        zmq_pollitem_t it[4] = {
+        zmq_pollitem_t it[4 + REKV_METRICS_MAX_FDS] = {
             {co->ctl, 0, ZMQ_POLLIN, 0},
             {co->wrk, 0, ZMQ_POLLIN, 0},
             {NULL, co->stop_fd, ZMQ_POLLIN, 0},
             {NULL, co->cfg.signal_fd, ZMQ_POLLIN, 0},
         };
         int n_it = co->cfg.signal_fd >= 0 ? 4 : 3;
+        /* the metrics server's fds go after the fixed items, which keep their indices */
+        int m_fds[REKV_METRICS_MAX_FDS], m_n = 0, m_at = n_it;
+        short m_ev[REKV_METRICS_MAX_FDS], m_rev[REKV_METRICS_MAX_FDS];
+        if (co->metrics)
+            m_n = rekv_metrics_server_fds(co->metrics, m_fds, m_ev, REKV_METRICS_MAX_FDS);
+        for (int k = 0; k < m_n; k++)
+            it[n_it++] = (zmq_pollitem_t){NULL, m_fds[k], m_ev[k], 0};
         int r = zmq_poll(it, n_it, 200);
         if (r < 0 && errno != EINTR)
             return rekv_errf(err, -errno, "zmq_poll: %s", zmq_strerror(errno));
         if (r > 0 && (it[2].revents & ZMQ_POLLIN))
             return 0;
-        if (r > 0 && n_it == 4 && (it[3].revents & ZMQ_POLLIN)) {
+        if (r > 0 && co->cfg.signal_fd >= 0 && (it[3].revents & ZMQ_POLLIN)) {
             /* a signalfd or an eventfd written by a signal handler */
             struct signalfd_siginfo si;
             if (read(co->cfg.signal_fd, &si, sizeof(si)) == (ssize_t)sizeof(si))
@@ -1364,6 +1467,11 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
             handle_control(co);
         check_workers(co);
         schedule(co);
+        if (co->metrics) { /* after schedule: a scrape sees this round's state */
+            for (int k = 0; k < m_n; k++)
+                m_rev[k] = r > 0 ? it[m_at + k].revents : 0;
+            rekv_metrics_server_handle(co->metrics, m_fds, m_rev, m_n, metrics_render, co);
+        }
         uint64_t now = rekv_now_ns();
         if (now - last_rate >= 1000000000ull) {
             last_rate = now;
@@ -1547,6 +1655,9 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         (rc = bind_router(co, &co->ctl, co->control_ep, co->control_path, 1, err)) ||
         (rc = bind_router(co, &co->wrk, co->worker_ep, co->worker_path, 1, err)))
         goto fail;
+    if (cfg->metrics_listen &&
+        (rc = rekv_metrics_server_create(cfg->metrics_listen, &co->metrics, err)))
+        goto fail;
     *out = co;
     return 0;
 fail:
@@ -1591,6 +1702,7 @@ void rekv_coordinator_destroy(rekv_coordinator *co)
     for (size_t b = 0; b < HASH_BUCKETS; b++)
         while (co->hash[b])
             job_free(co, co->hash[b]);
+    rekv_metrics_server_free(co->metrics);
     rekv_journal_close(co->journal);
     rekv_tokenizer_free(co->tok);
     if (co->stop_fd >= 0)

@@ -51,6 +51,8 @@ typedef struct rekv_coordinator_config {
     const char *state_dir;        /* journal directory; NULL: no journal (jobs die with us) */
     const char *model_path;       /* for the tokenizer (text prompts) and early checks; NULL */
     const char *curve_secret;     /* Z85 CurveZMQ secret key for tcp://; NULL: none */
+    const char *metrics_listen;   /* Prometheus scrape address ("127.0.0.1:9464", "[::1]:9464",
+                                   * ":9464"); NULL: no metrics port (coordinator/metrics.h) */
     uint32_t queue_limit;         /* most jobs waiting to run; beyond: BUSY. 0: 256 */
     uint32_t keep_finished;       /* finished jobs remembered for Status; 0: 1024 */
     uint32_t worker_timeout_ms;   /* a worker silent this long is dead; 0: 30000 */

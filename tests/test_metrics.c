@@ -14,6 +14,7 @@
 #include <math.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1001,6 +1002,44 @@ START_TEST(test_curl)
 }
 END_TEST
 
+/* The real rekv-coordinator with --metrics: its scrape port answers with the jobs families. */
+START_TEST(test_coordinator_metrics)
+{
+    char *dir = tu_tmpdir();
+    int port = 20000 + (int)(getpid() % 20000);
+    char cmd[8192];
+    snprintf(cmd, sizeof(cmd),
+             "REKV_LOG=error %s --control ipc://%s/control --workers ipc://%s/workers "
+             "--metrics 127.0.0.1:%d >/dev/null 2>&1 & echo $!",
+             tu_bin("rekv-coordinator"), dir, dir, port);
+    char *pid_s = NULL;
+    ck_assert_int_eq(tu_run(cmd, &pid_s), 0);
+    pid_t pid = (pid_t)atoi(pid_s);
+    free(pid_s);
+    ck_assert_int_gt(pid, 0);
+    resp r = {0};
+    for (int i = 0; i < 100; i++) { /* until it listens */
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        int ok = connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
+        close(fd);
+        if (ok)
+            break;
+        usleep(50000);
+    }
+    r = get(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    kill(pid, SIGTERM);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_msg(check_exposition(r.body, r.n_body), "bad exposition: %.*s", (int)r.n_body, r.body);
+    ck_assert_ptr_nonnull(memmem(r.body, r.n_body, "rekv_jobs{state=\"queued\"} 0", 27));
+    ck_assert_ptr_nonnull(memmem(r.body, r.n_body, "rekv_queue_limit 256", 20));
+    free(r.raw);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 static Suite *metrics_suite(void)
 {
     Suite *s = suite_create("metrics");
@@ -1023,6 +1062,7 @@ static Suite *metrics_suite(void)
     tcase_add_test(ts, test_slow_and_pipelined);
     tcase_add_test(ts, test_no_leaks);
     tcase_add_test(ts, test_curl);
+    tcase_add_test(ts, test_coordinator_metrics);
     suite_add_tcase(s, ts);
     return s;
 }
