@@ -45,7 +45,8 @@ static void run_usage(FILE *f)
     fprintf(f,
             "usage: rekv run --model PATH [--backend auto|cpu] [--dir DIR] [--mode MODE]\n"
             "                [--host-bytes N] [--queue N] [--max-batch N] [--state-dir DIR]\n"
-            "                [--worker-timeout-ms N] [--bin-dir DIR] [--ready-fd N]\n"
+            "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
+            "                [--ready-fd N]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state).\n");
@@ -146,10 +147,11 @@ int cli_run(int argc, char **argv)
         {"max-batch", required_argument, 0, 'B'},  {"state-dir", required_argument, 0, 's'},
         {"worker-timeout-ms", required_argument, 0, 'T'},
         {"bin-dir", required_argument, 0, 'x'},    {"ready-fd", required_argument, 0, 'R'},
-        {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
+        {"metrics", required_argument, 0, 'P'},    {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
     const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "resident",
                *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
-               *timeout = "30000", *bin_arg = NULL;
+               *timeout = "30000", *bin_arg = NULL, *metrics = NULL;
     long ready_fd = -1, v;
     int o;
     optind = 1;
@@ -165,6 +167,7 @@ int cli_run(int argc, char **argv)
         case 's': state_arg = optarg; break;
         case 'T': if (cli_parse_int("worker-timeout-ms", optarg, 1, INT32_MAX, &v)) return 2; timeout = optarg; break;
         case 'x': bin_arg = optarg; break;
+        case 'P': metrics = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
         default: run_usage(stderr); return 2;
@@ -234,6 +237,9 @@ int cli_run(int argc, char **argv)
     ARG(COORD, "--model"); ARG(COORD, model);
     ARG(COORD, "--queue"); ARG(COORD, queue);
     ARG(COORD, "--worker-timeout-ms"); ARG(COORD, timeout);
+    if (metrics) {
+        ARG(COORD, "--metrics"); ARG(COORD, metrics);
+    }
 #undef ARG
     sigset_t set;
     sigemptyset(&set);
