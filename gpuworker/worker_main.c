@@ -43,6 +43,8 @@ typedef struct worker {
     int max_batch;
     uint64_t steps;
     uint64_t last_sent_ns;    /* for heartbeats */
+    int awaiting_welcome;     /* a Hello is out: Resets and Plans before the Welcome are stale
+                               * (messages that crossed it) and are ignored */
 } worker;
 
 static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
@@ -77,6 +79,7 @@ static void send_hello(worker *w)
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
     m.hello = &h;
     send_msg(w, &m);
+    w->awaiting_welcome = 1;
 }
 
 /* One plan: drop the cancelled, add the joining, run a step, report. */
@@ -348,17 +351,23 @@ int main(int argc, char **argv)
             }
             switch (m->body_case) {
             case REKV__WORKER__COORD_MSG__BODY_WELCOME:
+                w.awaiting_welcome = 0;
                 rekv_log(REKV_LOG_INFO, "the coordinator accepted us (session %llu)",
                          (unsigned long long)m->welcome->session);
                 break;
             case REKV__WORKER__COORD_MSG__BODY_RESET:
+                if (w.awaiting_welcome)
+                    break; /* our Hello is on its way already: one answer per Hello */
                 if (rekv_batcher_running(w.batch))
                     rekv_log(REKV_LOG_WARN, "the coordinator reset us: dropping %d jobs",
                              rekv_batcher_running(w.batch));
                 rekv_batcher_clear(w.batch);
                 send_hello(&w);
                 break;
-            case REKV__WORKER__COORD_MSG__BODY_PLAN: run_plan(&w, m->plan); break;
+            case REKV__WORKER__COORD_MSG__BODY_PLAN:
+                if (!w.awaiting_welcome) /* a Plan for the session our Hello ended */
+                    run_plan(&w, m->plan);
+                break;
             case REKV__WORKER__COORD_MSG__BODY_SHUTDOWN: stop = 2; break;
             default: break;
             }
