@@ -204,7 +204,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     }
     for (int b = 0; b < B && rc == 0; b++) {
         rc = rekv_pseq_create(ses.p, S + N, &seqs[b], err);
-        items[b] = (rekv_pipe_item){seqs[b], prompts[b], S, logits + (size_t)b * V};
+        items[b] = (rekv_pipe_item){seqs[b], prompts[b], S, logits + (size_t)b * V, 0};
     }
     if (rc || (rc = rekv_pipeline_step(ses.p, items, B, err)))
         goto out;
@@ -222,7 +222,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
                     best = t;
             out->tokens[(size_t)step * B + b] = best;
             items[b] = (rekv_pipe_item){seqs[b], &out->tokens[(size_t)step * B + b], 1,
-                                        logits + (size_t)b * V};
+                                        logits + (size_t)b * V, 0};
         }
         if (step + 1 < N && (rc = rekv_pipeline_step(ses.p, items, B, err)))
             goto out;

@@ -171,9 +171,9 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
         if (j->max_new == 0)
             continue;
         b->items[n_items++] = j->prefilled
-                                  ? (rekv_pipe_item){j->seq, &j->last, 1, b->logits + (size_t)i * V}
+                                  ? (rekv_pipe_item){j->seq, &j->last, 1, b->logits + (size_t)i * V, 0}
                                   : (rekv_pipe_item){j->seq, j->prompt, j->n_prompt,
-                                                     b->logits + (size_t)i * V};
+                                                     b->logits + (size_t)i * V, 0};
     }
     int rc;
     if (n_items > 0 && (rc = rekv_pipeline_step(b->p, b->items, n_items, err)))

@@ -997,16 +997,47 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         k->norm(s, x, x, L->ffn_norm_w, L->ffn_norm_b, T, H, c->norm_eps);
 }
 
+static int item_batch_cmp(const void *a, const void *b)
+{
+    const rekv_pipe_item *x = a, *y = b;
+    return (x->gpu_batch > y->gpu_batch) - (x->gpu_batch < y->gpu_batch);
+}
+
 static int setup_batches(rekv_pipeline *p, step *st)
 {
-    int n = st->n_items, G = p->cfg.gpu_batches < n ? p->cfg.gpu_batches : n;
-    st->n_g = G;
+    int n = st->n_items, G;
     st->row0 = smem_alloc(&st->mem, sizeof(int) * (size_t)n);
     st->split = smem_alloc(&st->mem, sizeof(int) * (size_t)n);
     if (st->row0 == NULL || st->split == NULL)
         return -ENOMEM;
-    for (int g = 0; g <= G; g++)
-        st->g_begin[g] = (int)((int64_t)n * g / G);
+    if (st->items[0].gpu_batch > 0) {
+        /* the planner's mini-batches: group the items (a copy; logits pointers travel along) */
+        rekv_pipe_item *sorted = smem_alloc(&st->mem, sizeof(*sorted) * (size_t)n);
+        if (sorted == NULL)
+            return -ENOMEM;
+        memcpy(sorted, st->items, sizeof(*sorted) * (size_t)n);
+        /* insertion sort: stable, and batches are small */
+        for (int i = 1; i < n; i++)
+            for (int j = i; j > 0 && item_batch_cmp(&sorted[j - 1], &sorted[j]) > 0; j--) {
+                rekv_pipe_item t = sorted[j];
+                sorted[j] = sorted[j - 1];
+                sorted[j - 1] = t;
+            }
+        st->items = sorted;
+        G = 0;
+        for (int i = 0; i < n; i++)
+            if (i == 0 || sorted[i].gpu_batch != sorted[i - 1].gpu_batch) {
+                if (G == MAX_GPU_BATCHES)
+                    return -E2BIG;
+                st->g_begin[G++] = i;
+            }
+        st->g_begin[G] = n;
+    } else {
+        G = p->cfg.gpu_batches < n ? p->cfg.gpu_batches : n;
+        for (int g = 0; g <= G; g++)
+            st->g_begin[g] = (int)((int64_t)n * g / G);
+    }
+    st->n_g = G;
     for (int g = 0; g < G; g++) {
         int rows = 0;
         for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++) {
@@ -1056,7 +1087,26 @@ static int validate(rekv_pipeline *p, rekv_pipe_item *items, int n, rekv_err *er
         for (int j = 0; j < b; j++)
             if (items[j].seq == it->seq)
                 return rekv_errf(err, -EINVAL, "step: a sequence appears twice in one batch");
+        if (it->gpu_batch < 0 || (it->gpu_batch > 0) != (items[0].gpu_batch > 0))
+            return rekv_errf(err, -EINVAL, "step: every item or none must name its GPU batch");
     }
+    return 0;
+}
+
+int rekv_pipeline_set_step(rekv_pipeline *p, const rekv_step_params *sp, rekv_err *err)
+{
+    if (sp->split < 0 || sp->kv_parts < 0 || sp->act_parts < 0 ||
+        (p->cfg.mode == REKV_MODE_HYBRID && sp->kv_parts + sp->act_parts == 0) ||
+        sp->gpu_batches < 1 || sp->gpu_batches > MAX_GPU_BATCHES ||
+        (sp->schedule != REKV_SCHED_ROW && sp->schedule != REKV_SCHED_COLUMN))
+        return rekv_errf(err, -EINVAL, "pipeline: bad step parameters (split %d, pattern %d:%d, "
+                         "%d GPU batches)", sp->split, sp->kv_parts, sp->act_parts,
+                         sp->gpu_batches);
+    p->cfg.split = sp->split;
+    p->cfg.kv_parts = sp->kv_parts;
+    p->cfg.act_parts = sp->act_parts;
+    p->cfg.gpu_batches = sp->gpu_batches;
+    p->cfg.schedule = sp->schedule;
     return 0;
 }
 
@@ -1073,7 +1123,7 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     size_t n_ranges = 0;
     int pinned = 0;
     if ((rc = setup_batches(p, &st))) {
-        rekv_errf(err, rc, "step: out of memory");
+        rekv_errf(err, rc, rc == -E2BIG ? "step: more than 64 GPU batches" : "step: out of memory");
         goto out;
     }
     if (!resident) {
@@ -1287,7 +1337,7 @@ int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, cons
             rc = rekv_pseq_create(p, cap, &seqs[i], err);
         rekv_sampler_init(&smp[i], gp->temperature, gp->top_k, gp->top_p, gp->seed + (uint64_t)i);
         res[i].finish_reason = "length";
-        items[i] = (rekv_pipe_item){seqs[i], prompts[i], n_prompts[i], logits + (size_t)i * V};
+        items[i] = (rekv_pipe_item){seqs[i], prompts[i], n_prompts[i], logits + (size_t)i * V, 0};
         idx[i] = i;
     }
     if (rc || max_new == 0)
@@ -1322,7 +1372,7 @@ int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, cons
         for (int a = 0; a < running; a++) {
             int i = idx[a];
             items[a] = (rekv_pipe_item){seqs[i], &res[i].ids[res[i].n - 1], 1,
-                                        logits + (size_t)a * V};
+                                        logits + (size_t)a * V, 0};
         }
         if (running > 0 && (rc = rekv_pipeline_step(p, items, running, err)))
             goto out;

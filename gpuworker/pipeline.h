@@ -87,7 +87,21 @@ typedef struct rekv_pipe_item {
     const int32_t *tokens; /* [n_tokens] new tokens */
     int n_tokens;
     float *logits;         /* out: [vocab], for the last new token */
+    int gpu_batch;         /* 0: the step splits the batch into cfg.gpu_batches evenly; k >= 1 on
+                              every item: items with equal k form one GPU batch (a mini-batch of
+                              the planner's bin packing), in increasing k */
 } rekv_pipe_item;
+
+/* What the planner may change between steps; the mode, weight placement and cache dtype are fixed
+ * for a pipeline's life (they decide what the store holds). Any value gives the same tokens. */
+typedef struct rekv_step_params {
+    int split;              /* kvpr: context tokens recomputed from activations */
+    int kv_parts, act_parts;/* hybrid: pattern of the blocks allocated from now on */
+    int gpu_batches;        /* even split when items carry no gpu_batch */
+    rekv_schedule schedule;
+} rekv_step_params;
+
+int rekv_pipeline_set_step(rekv_pipeline *p, const rekv_step_params *sp, rekv_err *err);
 
 /* One forward step over a batch (prefill: many tokens per sequence; decode: one). */
 int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rekv_err *err);

@@ -72,6 +72,10 @@ static int32_t next_rand(int n)
     return (int32_t)((g_seed >> 33) % (uint64_t)n);
 }
 
+/* chaos: before every decode step the planner's knobs change at random — split, block pattern,
+ * GPU batch count and explicit mini-batches, schedule — which must not change a single bit. */
+static int g_chaos;
+
 static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int *lens,
                    int32_t *const *prompts, int steps, run *out)
 {
@@ -87,7 +91,7 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     out->logits = malloc(sizeof(float) * (size_t)(steps + 1) * B * V);
     for (int i = 0; i < B; i++) {
         ck_assert_msg(rekv_pseq_create(p, lens[i] + steps, &seqs[i], &err) == 0, "%s", err.msg);
-        items[i] = (rekv_pipe_item){seqs[i], prompts[i], lens[i], out->logits + (size_t)i * V};
+        items[i] = (rekv_pipe_item){seqs[i], prompts[i], lens[i], out->logits + (size_t)i * V, 0};
     }
     ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     for (int s = 1; s <= steps; s++) {
@@ -99,10 +103,18 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
                     best = t;
             next[i] = best;
             items[i] = (rekv_pipe_item){seqs[i], &next[i], 1,
-                                        out->logits + ((size_t)s * B + i) * V};
+                                        out->logits + ((size_t)s * B + i) * V, 0};
         }
         if (s == 1)
             rekv_pipeline_counters_reset(p);
+        if (g_chaos) {
+            rekv_step_params sp = {next_rand(40), 1 + next_rand(3), next_rand(3), 1 + next_rand(3),
+                                   next_rand(2) ? REKV_SCHED_COLUMN : REKV_SCHED_ROW};
+            ck_assert_msg(rekv_pipeline_set_step(p, &sp, &err) == 0, "%s", err.msg);
+            int explicit_batches = next_rand(2);
+            for (int i = 0; i < B; i++)
+                items[i].gpu_batch = explicit_batches ? 1 + next_rand(3) : 0;
+        }
         ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
         if (s == 1)
             rekv_pipeline_counters(p, &out->first_decode);
@@ -329,6 +341,50 @@ START_TEST(modes_synthetic)
 }
 END_TEST
 
+/* The planner's per-step knobs never change results: every mode under chaos equals resident. */
+START_TEST(step_params_change_nothing)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", p);
+    fixture f;
+    fixture_open(&f, path, REKV_DTYPE_F32);
+    int B = 5, lens[] = {3, 40, 17, 1, 33}, V = f.m->config.vocab, steps = 6;
+    int32_t *prompts[5];
+    for (int i = 0; i < B; i++) {
+        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
+        for (int t = 0; t < lens[i]; t++)
+            prompts[i][t] = next_rand(V);
+    }
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    run ref;
+    do_run(&f, &cfg, B, lens, prompts, steps, &ref);
+    rekv_mode modes[] = {REKV_MODE_RESIDENT, REKV_MODE_OFFLOAD, REKV_MODE_KVPR, REKV_MODE_ACT,
+                         REKV_MODE_HYBRID};
+    g_chaos = 1;
+    for (int m = 0; m < 5; m++)
+        for (int ow = 0; ow < 2; ow++) {
+            cfg.mode = modes[m];
+            cfg.offload_weights = ow;
+            run r;
+            do_run(&f, &cfg, B, lens, prompts, steps, &r);
+            ck_assert_msg(memcmp(r.logits, ref.logits,
+                                 sizeof(float) * (size_t)(steps + 1) * B * V) == 0,
+                          "%s%s: changing step parameters changed the logits",
+                          rekv_mode_name(cfg.mode), ow ? "+offload-weights" : "");
+            free(r.logits);
+        }
+    g_chaos = 0;
+    free(ref.logits);
+    for (int i = 0; i < B; i++)
+        free(prompts[i]);
+    fixture_close(&f);
+}
+END_TEST
+
 /* The resident pipeline is the reference forward pass, bit for bit. */
 START_TEST(resident_matches_forward)
 {
@@ -377,6 +433,7 @@ static Suite *suite(void)
     TCase *tc = tcase_create("pipeline");
     tcase_set_timeout(tc, 900);
     tcase_add_test(tc, resident_matches_forward);
+    tcase_add_test(tc, step_params_change_nothing);
     tcase_add_test(tc, modes_stories260k);
     tcase_add_test(tc, modes_synthetic);
     suite_add_tcase(s, tc);
