@@ -387,11 +387,18 @@ int cli_stats(int argc, char **argv)
     json_t *ws = json_array();
     for (size_t i = 0; i < s->n_workers; i++) {
         const Rekv__Control__WorkerInfo *w = s->workers[i];
-        json_array_append_new(
-            ws, json_pack("{s:s, s:s, s:s, s:i, s:i, s:I, s:I, s:f}", "name", w->name, "backend",
-                          w->backend, "mode", w->mode, "running", (int)w->running, "max_batch",
-                          (int)w->max_batch, "steps", (json_int_t)w->steps, "tokens",
-                          (json_int_t)w->tokens, "idle_s", w->idle_s));
+        json_t *wj = json_pack("{s:s, s:s, s:s, s:i, s:i, s:I, s:I, s:f}", "name", w->name,
+                               "backend", w->backend, "mode", w->mode, "running", (int)w->running,
+                               "max_batch", (int)w->max_batch, "steps", (json_int_t)w->steps,
+                               "tokens", (json_int_t)w->tokens, "idle_s", w->idle_s);
+        json_object_set_new(
+            wj, "plan",
+            json_pack("{s:i, s:[i, i], s:i, s:s, s:f, s:f, s:f}", "split", (int)w->plan_split,
+                      "kv_act", (int)w->plan_kv_parts, (int)w->plan_act_parts, "gpu_batches",
+                      (int)w->plan_gpu_batches, "schedule", w->plan_column ? "column" : "row",
+                      "predicted_step_s", w->plan_predicted_step_s, "pcie_scale",
+                      w->plan_pcie_scale, "compute_scale", w->plan_compute_scale));
+        json_array_append_new(ws, wj);
     }
     json_object_set_new(oj, "workers", ws);
     print_json(oj);

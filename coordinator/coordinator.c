@@ -18,6 +18,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "coordinator/co_plan.h"
 #include "coordinator/journal.h"
 #include "coordinator/metrics.h"
 #include "loader/loader.h"
@@ -89,6 +90,7 @@ typedef struct worker {
     uint64_t *cancel;     /* [max_batch] jobs to drop at its next Plan */
     uint32_t n_cancel;
     uint64_t steps, tokens;
+    co_plan_state plan;   /* the planner's state for this worker (co_plan.h) */
 } worker;
 
 typedef struct reply {
@@ -710,6 +712,7 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
     w->max_pos = h->max_pos;
     w->eos_id = h->eos_id;
     w->last_seen_ns = rekv_now_ns();
+    co_plan_init(&w->plan, h);
     Rekv__Worker__Welcome wel = REKV__WORKER__WELCOME__INIT;
     wel.session = co->session;
     Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
@@ -786,6 +789,19 @@ static void schedule(rekv_coordinator *co)
         plan.join = sp;
         plan.n_cancel = w->n_cancel;
         plan.cancel = w->cancel;
+        /* the planner prices the batch this step will run (jobs that just joined included) */
+        Rekv__Worker__StepParams params;
+        uint64_t *ids = calloc(w->max_batch, sizeof(uint64_t)), *mbj = calloc(w->max_batch, 8);
+        int64_t *ctx = calloc(w->max_batch, sizeof(int64_t));
+        uint32_t *mbi = calloc(w->max_batch, sizeof(uint32_t));
+        if (ids && mbj && ctx && mbi) {
+            for (uint32_t k = 0; k < w->n_run; k++) {
+                ids[k] = w->run[k]->id;
+                ctx[k] = (int64_t)w->run[k]->n_prompt + w->run[k]->n_gen;
+            }
+            if (co_plan_step(&w->plan, ids, ctx, (int)w->n_run, &params, mbj, mbi))
+                plan.params = &params;
+        }
         Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
         m.body_case = REKV__WORKER__COORD_MSG__BODY_PLAN;
         m.plan = &plan;
@@ -793,6 +809,10 @@ static void schedule(rekv_coordinator *co)
         w->n_cancel = 0;
         w->busy = 1;
         w->plan_sent_ns = rekv_now_ns();
+        free(ids);
+        free(mbj);
+        free(ctx);
+        free(mbi);
         free(specs);
         free(sp);
     }
@@ -814,6 +834,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         co->counters[3] += p->counters->d2h;
         co->counters[4] += p->counters->tokens_recomputed;
         co->counters[5] += p->counters->tokens_fetched;
+        co_plan_observe(&w->plan, p->counters->compute_busy_s, p->counters->h2d_busy_s);
     }
     for (size_t i = 0; i < p->n_jobs; i++) {
         const Rekv__Worker__JobProgress *jp = p->jobs[i];
@@ -1171,6 +1192,16 @@ static void do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
         wi[nw].steps = w->steps;
         wi[nw].tokens = w->tokens;
         wi[nw].idle_s = (double)(now - w->last_seen_ns) * 1e-9;
+        wi[nw].plan_split = w->plan.split;
+        wi[nw].plan_kv_parts = (uint32_t)w->plan.kv_parts;
+        wi[nw].plan_act_parts = (uint32_t)w->plan.act_parts;
+        wi[nw].plan_gpu_batches = (uint32_t)w->plan.gpu_batches;
+        wi[nw].plan_column = w->plan.column;
+        wi[nw].plan_predicted_step_s = w->plan.pred_step_s;
+        wi[nw].plan_pcie_scale = w->plan.pcie_scale;
+        wi[nw].plan_compute_scale = w->plan.compute_scale;
+        wi[nw].plan_steps = w->plan.steps;
+        wi[nw].plan_multi_batch_steps = w->plan.multi_batch_steps;
         wp[nw] = &wi[nw];
         nw++;
     }
@@ -1254,6 +1285,13 @@ static int metrics_render(void *ctx, rekv_metrics_buf *b)
         {"rekv_worker_steps_total", "counter", "Steps the worker ran."},
         {"rekv_worker_tokens_total", "counter", "Tokens the worker generated."},
         {"rekv_worker_idle_seconds", "gauge", "Seconds since the worker's last message."},
+        {"rekv_worker_plan_split", "gauge", "The planner's KVPR split (tokens) for the last step."},
+        {"rekv_worker_plan_gpu_batches", "gauge", "Mini-batches (GPU batches) of the last step."},
+        {"rekv_worker_plan_kv_parts", "gauge", "KV part of the hybrid block pattern."},
+        {"rekv_worker_plan_act_parts", "gauge", "ACT part of the hybrid block pattern."},
+        {"rekv_worker_plan_predicted_step_seconds", "gauge", "Predicted time of the last step."},
+        {"rekv_worker_plan_pcie_scale", "gauge", "Measured / predicted link time, smoothed."},
+        {"rekv_worker_plan_compute_scale", "gauge", "Measured / predicted compute time, smoothed."},
     };
     for (size_t f = 0; f < sizeof(wf) / sizeof(*wf); f++) {
         rekv_metrics_family(b, wf[f].name, wf[f].type, wf[f].help);
@@ -1266,7 +1304,14 @@ static int metrics_render(void *ctx, rekv_metrics_buf *b)
                                 w->max_batch,
                                 (double)w->steps,
                                 (double)w->tokens,
-                                (double)(now - w->last_seen_ns) * 1e-9};
+                                (double)(now - w->last_seen_ns) * 1e-9,
+                                w->plan.split,
+                                w->plan.gpu_batches,
+                                w->plan.kv_parts,
+                                w->plan.act_parts,
+                                w->plan.pred_step_s,
+                                w->plan.pcie_scale,
+                                w->plan.compute_scale};
             if (f == 0)
                 rekv_metrics_sample_kv(b, wf[f].name, v[f], "worker", w->name, "backend",
                                        w->backend, "mode", w->mode, NULL);

@@ -17,6 +17,7 @@ typedef struct bjob {
     int max_new;         /* max_new_tokens */
     int stop_at_eos;     /* stop after EOS */
     int top_logits;      /* report the k largest logits before each token; 0 none */
+    int mini_batch;      /* the planner's GPU batch + 1; 0: none assigned */
     int32_t last;        /* the last sampled token: the next step's input */
     rekv_sampler smp;    /* per job, seeded as rekv_generate seeds it */
 } bjob;
@@ -91,6 +92,17 @@ void rekv_batcher_free(rekv_batcher *b)
 }
 
 int rekv_batcher_running(const rekv_batcher *b) { return b->n; }
+
+void rekv_batcher_set_mini_batches(rekv_batcher *b, const uint64_t *jobs, const uint32_t *index,
+                                   size_t n)
+{
+    for (int i = 0; i < b->n; i++) {
+        b->jobs[i].mini_batch = 0;
+        for (size_t k = 0; k < n; k++)
+            if (jobs[k] == b->jobs[i].id)
+                b->jobs[i].mini_batch = (int)index[k] + 1;
+    }
+}
 
 int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int n_prompt,
                       const rekv_gen_params *gp, rekv_err *err)
@@ -175,6 +187,15 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
                                   : (rekv_pipe_item){j->seq, j->prompt, j->n_prompt,
                                                      b->logits + (size_t)i * V, 0};
     }
+    /* the planner's mini-batches apply only when every job in the step has one */
+    int all = n_items > 0;
+    for (int i = 0, a = 0; i < b->n; i++)
+        if (b->jobs[i].max_new != 0) {
+            all &= b->jobs[i].mini_batch > 0;
+            b->items[a++].gpu_batch = b->jobs[i].mini_batch;
+        }
+    for (int a = 0; a < n_items && !all; a++)
+        b->items[a].gpu_batch = 0;
     int rc;
     if (n_items > 0 && (rc = rekv_pipeline_step(b->p, b->items, n_items, err)))
         return rc;

@@ -48,6 +48,11 @@ int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int 
 int rekv_batcher_cancel(rekv_batcher *b, uint64_t job);
 /* Drops every job. */
 void rekv_batcher_clear(rekv_batcher *b);
+/* The planner's mini-batches for the next steps: job jobs[i] runs in GPU batch index[i] (0-based).
+ * A running job not named falls back, with every other job, to the pipeline's even split; n = 0
+ * clears the assignment. */
+void rekv_batcher_set_mini_batches(rekv_batcher *b, const uint64_t *jobs, const uint32_t *index,
+                                   size_t n);
 /* Jobs in the batch. */
 int rekv_batcher_running(const rekv_batcher *b);
 

@@ -14,6 +14,7 @@
 
 #include "common/clock.h"
 #include "common/daemon.h"
+#include "gpuworker/profile.h"
 #include "common/log.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
@@ -45,6 +46,10 @@ typedef struct worker {
     uint64_t last_sent_ns;    /* for heartbeats */
     int awaiting_welcome;     /* a Hello is out: Resets and Plans before the Welcome are stale
                                * (messages that crossed it) and are ignored */
+    rekv_backend *be;         /* for the busy times each Progress reports */
+    rekv_cost_profile cost;   /* measured at start (cached per machine/model), sent in Hello */
+    int offload_weights;
+    rekv_dtype cache_dtype;
 } worker;
 
 static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
@@ -75,6 +80,27 @@ static void send_hello(worker *w)
     h.eos_id = w->mc->eos_id;
     h.model = (char *)w->model;
     h.pid = (uint64_t)getpid();
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = w->cost.h2d_bw;
+    cp.h2d_latency = w->cost.h2d_latency;
+    cp.gemm_flops = w->cost.gemm_flops;
+    cp.load_kv_a = w->cost.load_kv.a;
+    cp.load_kv_b = w->cost.load_kv.b;
+    cp.kv_gen_a = w->cost.kv_gen.a;
+    cp.kv_gen_b = w->cost.kv_gen.b;
+    cp.t_load_w = w->cost.t_load_w;
+    h.profile = &cp;
+    h.hidden = (uint32_t)w->mc->hidden;
+    h.kv_dim = (uint32_t)rekv_config_kv_dim(w->mc);
+    h.n_layers = (uint32_t)w->mc->n_layers;
+    h.cache_elem_bytes = (uint32_t)rekv_dtype_size(w->cache_dtype);
+    h.offload_weights = w->offload_weights;
+    {
+        const rekv_model_config *c = w->mc;
+        uint64_t H = (uint64_t)c->hidden, Q = (uint64_t)rekv_config_q_dim(c);
+        uint64_t KV = (uint64_t)rekv_config_kv_dim(c), F = (uint64_t)c->ffn;
+        h.layer_params = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
+    }
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
     m.hello = &h;
@@ -87,6 +113,16 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
 {
     for (size_t i = 0; i < plan->n_cancel; i++)
         rekv_batcher_cancel(w->batch, plan->cancel[i]);
+    if (plan->params) { /* the planner's choices for this step (any of them gives the same tokens) */
+        const Rekv__Worker__StepParams *sp = plan->params;
+        rekv_step_params st = {sp->split, (int)sp->kv_parts, (int)sp->act_parts,
+                               sp->gpu_batches ? (int)sp->gpu_batches : 1,
+                               sp->column ? REKV_SCHED_COLUMN : REKV_SCHED_ROW};
+        rekv_err perr = {0};
+        if (rekv_pipeline_set_step(w->pipe, &st, &perr))
+            rekv_log(REKV_LOG_WARN, "step %llu: plan parameters refused: %s",
+                     (unsigned long long)plan->step, perr.msg);
+    }
     size_t cap = plan->n_join + (size_t)rekv_batcher_running(w->batch);
     Rekv__Worker__JobProgress *jp = calloc(cap ? cap : 1, sizeof(*jp));
     Rekv__Worker__JobProgress **pp = calloc(cap ? cap : 1, sizeof(*pp));
@@ -116,7 +152,14 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
             n++;
         }
     }
+    if (plan->params) {
+        size_t nm = plan->params->n_mb_job < plan->params->n_mb_index ? plan->params->n_mb_job
+                                                                       : plan->params->n_mb_index;
+        rekv_batcher_set_mini_batches(w->batch, plan->params->mb_job, plan->params->mb_index, nm);
+    }
     rekv_pipeline_counters_reset(w->pipe);
+    rekv_backend_stats bs0;
+    w->be->iface->stats(w->be, &bs0);
     uint64_t t0 = rekv_now_ns();
     const rekv_batch_event *ev = NULL;
     int n_ev = 0;
@@ -177,6 +220,10 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         c.d2h += tot.d2h_bytes[k];
     c.tokens_recomputed = tot.tokens_recomputed;
     c.tokens_fetched = tot.tokens_fetched;
+    rekv_backend_stats bs1;
+    w->be->iface->stats(w->be, &bs1);
+    c.compute_busy_s = bs1.compute_busy_s - bs0.compute_busy_s;
+    c.h2d_busy_s = bs1.h2d_busy_s - bs0.h2d_busy_s;
     Rekv__Worker__Progress pr = REKV__WORKER__PROGRESS__INIT;
     pr.step = plan->step;
     pr.n_jobs = n;
@@ -301,6 +348,19 @@ int main(int argc, char **argv)
         rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
         rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))
         goto fail;
+    w.be = be;
+    w.offload_weights = pc.offload_weights;
+    w.cache_dtype = pc.cache_dtype;
+    {
+        /* the planner prices this worker's steps with what it measures here (cached on disk) */
+        rekv_profile prof;
+        rekv_profile_origin origin;
+        if (rekv_profile_load_or_measure(w.mc, be, NULL, NULL, 0, &prof, &origin, &err))
+            goto fail;
+        rekv_profile_to_cost(&prof, pc.cache_dtype, &w.cost);
+        if (!pc.offload_weights)
+            w.cost.t_load_w = 0;
+    }
     zctx = zmq_ctx_new();
     w.sock = zctx ? zmq_socket(zctx, ZMQ_DEALER) : NULL;
     int linger = 0, ivl = 100;

@@ -8,6 +8,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -445,6 +446,80 @@ END_TEST
 
 
 /* Waits until some job of jobs[] has produced tokens; returns its index. */
+/* The planner in the loop: with the KV cache in the kvstore (kvpr and hybrid modes) the
+ * coordinator chooses every step's split, pattern and mini-batches from the worker's profile and
+ * adapts to its measured busy times — and the jobs' tokens stay exactly rekv_generate's. */
+START_TEST(planner_in_the_loop)
+{
+    const char *modes[] = {"kvpr", "hybrid"};
+    for (int mi = 0; mi < 2; mi++) {
+        env e;
+        if (env_open(&e))
+            return;
+        enum { N = 24 };
+        static tjob jobs[N];
+        make_jobs(jobs, N, 8, 512, 7 + (uint64_t)mi);
+        reference(jobs, N, e.model);
+        char bindir[4096];
+        snprintf(bindir, sizeof(bindir), "%s", tu_bin(""));
+        bindir[strlen(bindir) - 1] = '\0';
+        int pfd[2];
+        ck_assert_int_eq(pipe(pfd), 0);
+        pid_t pid = fork();
+        ck_assert_int_ge(pid, 0);
+        if (pid == 0) {
+            close(pfd[0]);
+            char fd[16];
+            snprintf(fd, sizeof(fd), "%d", pfd[1]);
+            char *argv[] = {"run", "--model", e.model, "--dir", e.dir, "--bin-dir", bindir,
+                            "--host-bytes", "64M", "--max-batch", "16", "--mode",
+                            (char *)modes[mi], "--ready-fd", fd, NULL};
+            _exit(cli_run(15, argv));
+        }
+        close(pfd[1]);
+        struct pollfd p = {pfd[0], POLLIN, 0};
+        ck_assert_msg(poll(&p, 1, 60000) == 1, "rekv run did not become ready");
+        char buf[8] = {0};
+        ck_assert_msg(read(pfd[0], buf, 7) == 6, "rekv run exited before it was ready");
+        close(pfd[0]);
+        rekv_ctl *c = ctl_open(e.ctl);
+        wait_workers(c, 1);
+        ck_assert_int_eq(submit_all(c, jobs, N), N);
+        wait_and_check(c, jobs, N, 120);
+        Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+        Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+        rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+        rq.stats = &sr;
+        Rekv__Control__Response *r = call(c, &rq);
+        ck_assert_int_eq(r->stats->n_workers, 1);
+        const Rekv__Control__WorkerInfo *w = r->stats->workers[0];
+        ck_assert_str_eq(w->mode, modes[mi]);
+        ck_assert_msg(w->plan_steps > 0, "%s: the planner chose nothing", modes[mi]);
+        ck_assert_msg(w->plan_multi_batch_steps > 0, "%s: never more than one mini-batch",
+                      modes[mi]);
+        ck_assert_msg(w->plan_predicted_step_s > 0 && w->plan_pcie_scale > 0 &&
+                          w->plan_compute_scale > 0 && isfinite(w->plan_compute_scale),
+                      "%s: prediction %g, scales %g %g", modes[mi], w->plan_predicted_step_s,
+                      w->plan_pcie_scale, w->plan_compute_scale);
+        fprintf(stderr,
+                "   %s: %llu steps planned, %llu as several mini-batches; last: split %d, "
+                "pattern %u:%u, %u GPU batches; scales link %.2f compute %.2f\n",
+                modes[mi], (unsigned long long)w->plan_steps,
+                (unsigned long long)w->plan_multi_batch_steps, w->plan_split, w->plan_kv_parts,
+                w->plan_act_parts, w->plan_gpu_batches, w->plan_pcie_scale, w->plan_compute_scale);
+        rekv__control__response__free_unpacked(r, NULL);
+        rekv_ctl_close(c);
+        kill(pid, SIGINT);
+        int status;
+        ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+        ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rekv run exit %d", status);
+        free_jobs(jobs, N);
+        tu_rmrf(e.dir);
+        free(e.dir);
+    }
+}
+END_TEST
+
 static int wait_some_tokens(rekv_ctl *c, tjob *jobs, int n)
 {
     uint64_t deadline = rekv_now_ns() + 30000000000ull;
@@ -689,6 +764,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, batcher_matches_generate);
     tcase_add_test(tc, run_64_jobs);
+    tcase_add_test(tc, planner_in_the_loop);
     tcase_add_test(tc, worker_killed);
     tcase_add_test(tc, coordinator_restart);
     tcase_add_test(tc, malformed_requests);

@@ -1,0 +1,178 @@
+/* co_plan.c — see co_plan.h. */
+#include "coordinator/co_plan.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpuworker/pipeline.h"
+
+#define SMOOTH 0.3 /* weight of the newest measurement in the scales */
+
+void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
+{
+    memset(ps, 0, sizeof(*ps));
+    ps->pcie_scale = ps->compute_scale = 1;
+    rekv_mode m;
+    if (h->profile == NULL || h->mode == NULL || rekv_mode_parse(h->mode, &m) || h->hidden == 0 ||
+        h->n_layers == 0 || h->cache_elem_bytes == 0)
+        return;
+    const Rekv__Worker__CostProfile *c = h->profile;
+    if (!(c->h2d_bw > 0) || !(c->gemm_flops > 0))
+        return;
+    ps->mode = (int)m;
+    ps->prof.h2d_bw = c->h2d_bw;
+    ps->prof.h2d_latency = c->h2d_latency;
+    ps->prof.gemm_flops = c->gemm_flops;
+    ps->prof.load_kv = (rekv_linear){c->load_kv_a, c->load_kv_b};
+    ps->prof.kv_gen = (rekv_linear){c->kv_gen_a, c->kv_gen_b};
+    ps->prof.t_load_w = c->t_load_w;
+    ps->hidden = h->hidden;
+    ps->kv_dim = h->kv_dim;
+    ps->n_layers = h->n_layers;
+    ps->elem_bytes = h->cache_elem_bytes;
+    ps->layer_params = h->layer_params;
+    ps->offload_weights = h->offload_weights;
+    ps->have_profile = 1;
+}
+
+/* The profile as the last steps measured it: link terms by pcie_scale, compute by compute_scale. */
+static rekv_cost_profile scaled(const co_plan_state *ps)
+{
+    rekv_cost_profile p = ps->prof;
+    p.h2d_bw /= ps->pcie_scale;
+    p.h2d_latency *= ps->pcie_scale;
+    p.load_kv.a *= ps->pcie_scale;
+    p.load_kv.b *= ps->pcie_scale;
+    p.t_load_w *= ps->pcie_scale;
+    p.gemm_flops /= ps->compute_scale;
+    p.kv_gen.a *= ps->compute_scale;
+    p.kv_gen.b *= ps->compute_scale;
+    return p;
+}
+
+int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, int n,
+                 Rekv__Worker__StepParams *out, uint64_t *mb_job, uint32_t *mb_index)
+{
+    if (!ps->have_profile || ps->mode == REKV_MODE_RESIDENT || n <= 0)
+        return 0;
+    rekv_cost_profile prof = scaled(ps);
+    int64_t sum = 0, blocks_sum = 0;
+    for (int i = 0; i < n; i++) {
+        sum += ctx[i];
+        blocks_sum += (ctx[i] + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS;
+    }
+    int64_t s = sum / n > 0 ? sum / n : 1;
+    double elem = ps->elem_bytes;
+    /* KVPR's split for the batch's mean context (Eq. 11-12) */
+    int split = 0;
+    rekv_kvpr_params kp = {s, n, ps->hidden, ps->kv_dim, elem};
+    rekv_kvpr_split ks;
+    if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &kp, &ks, NULL) == 0)
+        split = (int)ks.l;
+    /* HybridServe's host allocation for the memory this batch's context takes as all-KV */
+    int kv_parts = 1, act_parts = 1;
+    if (ps->mode == REKV_MODE_HYBRID) {
+        rekv_hybrid_params hp = {0};
+        hp.kv_block_bytes = 2.0 * ps->kv_dim * elem * REKV_PLAN_BLOCK_TOKENS;
+        hp.act_block_bytes = (double)ps->hidden * elem * REKV_PLAN_BLOCK_TOKENS;
+        hp.n_layers = (int)ps->n_layers;
+        hp.weight_bytes = prof.t_load_w * prof.h2d_bw * ps->n_layers;
+        hp.host_bytes = hp.weight_bytes + (double)blocks_sum * hp.kv_block_bytes * ps->n_layers;
+        hp.block_tokens = REKV_PLAN_BLOCK_TOKENS;
+        rekv_hybrid_alloc ha;
+        if (rekv_plan_hybrid_alloc(&prof, &hp, &ha, NULL) == 0 && ha.kv_parts + ha.act_parts > 0)
+            kv_parts = ha.kv_parts, act_parts = ha.act_parts;
+    }
+    /* mini-batches: each job's KV and ACT blocks this step, packed by F_b (003 Eq. 6-7) into
+     * GPU buffers of half the batch's blocks (so there is something to overlap) */
+    rekv_mb_request *req = calloc((size_t)n, sizeof(*req));
+    int *assign = calloc((size_t)n, sizeof(int));
+    size_t n_batches = 1;
+    int64_t kv_tot = 0, act_tot = 0, kv_big = 0, act_big = 0;
+    double f_kv = (double)kv_parts / (kv_parts + act_parts);
+    for (int i = 0; req && assign && i < n; i++) {
+        int64_t b = (ctx[i] + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS, a = 0;
+        if (ps->mode == REKV_MODE_ACT)
+            a = b;
+        else if (ps->mode == REKV_MODE_KVPR)
+            a = ((ctx[i] < split ? ctx[i] : split) + REKV_PLAN_BLOCK_TOKENS - 1) /
+                REKV_PLAN_BLOCK_TOKENS;
+        else if (ps->mode == REKV_MODE_HYBRID)
+            a = b - (int64_t)llround((double)b * f_kv);
+        req[i] = (rekv_mb_request){b - a, a};
+        kv_tot += b - a, act_tot += a;
+        kv_big = req[i].n_kv > kv_big ? req[i].n_kv : kv_big;
+        act_big = req[i].n_act > act_big ? req[i].n_act : act_big;
+    }
+    int packed = 0;
+    if (req && assign && n >= 2) {
+        int64_t kv_max = (kv_tot + 1) / 2 > kv_big ? (kv_tot + 1) / 2 : kv_big;
+        int64_t act_max = (act_tot + 1) / 2 > act_big ? (act_tot + 1) / 2 : act_big;
+        packed = rekv_plan_mb_pack(&prof, REKV_PLAN_BLOCK_TOKENS, REKV_MB_GREEDY_DELTA, req,
+                                   (size_t)n, kv_max > 0 ? kv_max : 1, act_max > 0 ? act_max : 1,
+                                   assign, &n_batches, NULL) == 0;
+    }
+    if (!packed || n_batches > 64)
+        n_batches = 1;
+    for (int i = 0; i < n && packed && n_batches > 1; i++) {
+        mb_job[i] = jobs[i];
+        mb_index[i] = (uint32_t)assign[i];
+    }
+    free(req);
+    free(assign);
+    /* the prediction this step will be measured against */
+    rekv_step_shape sh = {0};
+    sh.kv = kp;
+    sh.weight_bytes = ps->offload_weights ? prof.t_load_w * prof.h2d_bw : 0;
+    sh.fwd_flops = 2.0 * (double)ps->layer_params * n;
+    sh.hybrid_kv_fraction = f_kv;
+    rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
+                          : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT
+                          : ps->mode == REKV_MODE_HYBRID ? REKV_TECH_HYBRID
+                                                         : REKV_TECH_KV;
+    rekv_step_cost cost;
+    if (rekv_plan_step_cost(&prof, &sh, tech, &cost, NULL) == 0) {
+        ps->pred_pcie_s = cost.t_pcie * ps->n_layers;
+        ps->pred_compute_s = cost.t_compute * ps->n_layers;
+        ps->pred_step_s = cost.t_step * ps->n_layers;
+    } else {
+        ps->pred_pcie_s = ps->pred_compute_s = ps->pred_step_s = 0;
+    }
+    ps->split = split;
+    ps->kv_parts = kv_parts;
+    ps->act_parts = act_parts;
+    ps->gpu_batches = (int)n_batches;
+    ps->column = ps->offload_weights && n_batches > 1; /* weights once per layer for all batches */
+    ps->steps++;
+    ps->multi_batch_steps += n_batches > 1;
+    rekv__worker__step_params__init(out);
+    out->split = split;
+    out->kv_parts = (uint32_t)kv_parts;
+    out->act_parts = (uint32_t)act_parts;
+    out->gpu_batches = (uint32_t)n_batches;
+    out->column = ps->column;
+    if (n_batches > 1) {
+        out->n_mb_job = out->n_mb_index = (size_t)n;
+        out->mb_job = mb_job;
+        out->mb_index = mb_index;
+    }
+    return 1;
+}
+
+static double smooth(double scale, double measured, double predicted)
+{
+    if (!(predicted > 1e-6) || !(measured > 0))
+        return scale;
+    double r = measured / (predicted / scale); /* against the unscaled prediction */
+    r = r < 0.01 ? 0.01 : r > 100 ? 100 : r;
+    return (1 - SMOOTH) * scale + SMOOTH * r;
+}
+
+void co_plan_observe(co_plan_state *ps, double compute_busy_s, double h2d_busy_s)
+{
+    if (!ps->have_profile)
+        return;
+    ps->compute_scale = smooth(ps->compute_scale, compute_busy_s, ps->pred_compute_s);
+    ps->pcie_scale = smooth(ps->pcie_scale, h2d_busy_s, ps->pred_pcie_s);
+}

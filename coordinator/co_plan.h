@@ -1,0 +1,42 @@
+/* co_plan.h — the coordinator's planner in the loop: before each step of a worker it prices the
+ * running batch with the worker's measured profile (coordinator/planner.h) and chooses the KVPR
+ * split, the hybrid KV:ACT pattern, the mini-batches (F_b bin packing) and the schedule; after the
+ * step it compares the worker's measured busy times with its prediction and rescales the profile
+ * (link and compute separately), so the next choice adapts. Private to the coordinator. */
+#ifndef REKV_COORDINATOR_CO_PLAN_H
+#define REKV_COORDINATOR_CO_PLAN_H
+
+#include <stdint.h>
+
+#include "coordinator/planner.h"
+#include "proto/worker.pb-c.h"
+
+typedef struct co_plan_state {
+    int have_profile;         /* the worker sent a profile: plan its steps */
+    int mode;                 /* rekv_mode of the worker (its storage layout; fixed) */
+    rekv_cost_profile prof;   /* as measured by the worker */
+    uint32_t hidden, kv_dim, n_layers, elem_bytes;
+    uint64_t layer_params;    /* weights of one layer, elements */
+    int offload_weights;
+    double pcie_scale;        /* measured / predicted link time, smoothed; starts at 1 */
+    double compute_scale;     /* measured / predicted compute time, smoothed; starts at 1 */
+    double pred_pcie_s, pred_compute_s, pred_step_s; /* for the step in flight */
+    /* the last choices */
+    int split, kv_parts, act_parts, gpu_batches, column;
+    uint64_t steps;             /* steps planned */
+    uint64_t multi_batch_steps; /* of those, split into several mini-batches */
+} co_plan_state;
+
+/* Takes the worker's Hello: profile, shape, mode. */
+void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);
+
+/* Chooses the parameters of a step over n jobs (ids jobs[], contexts ctx[] in tokens). Fills out
+ * (with mb_job/mb_index as its storage, n entries each) and returns 1, or 0 when there is nothing
+ * to choose (no profile, resident mode, no jobs). */
+int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, int n,
+                 Rekv__Worker__StepParams *out, uint64_t *mb_job, uint32_t *mb_index);
+
+/* Feeds back a finished step's measured kernel and link busy times. */
+void co_plan_observe(co_plan_state *ps, double compute_busy_s, double h2d_busy_s);
+
+#endif
