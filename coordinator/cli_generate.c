@@ -60,6 +60,20 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
         json_object_set_new(st, "split", json_integer(po->cfg.split));
     if (po->cfg.mode == REKV_MODE_HYBRID)
         json_object_set_new(st, "ratio", json_pack("[i, i]", po->cfg.kv_parts, po->cfg.act_parts));
+    size_t n_steps;
+    const rekv_layer_counters *sc = rekv_pipeline_step_counters(ses->p, &n_steps);
+    json_t *steps = json_array();
+    for (size_t i = 0; i < n_steps; i++)
+        json_array_append_new(
+            steps,
+            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "h2d_weights",
+                      (json_int_t)sc[i].h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
+                      (json_int_t)sc[i].h2d_bytes[REKV_XFER_KV], "h2d_act",
+                      (json_int_t)sc[i].h2d_bytes[REKV_XFER_ACT], "d2h_kv",
+                      (json_int_t)sc[i].d2h_bytes[REKV_XFER_KV], "d2h_act",
+                      (json_int_t)sc[i].d2h_bytes[REKV_XFER_ACT], "tokens_recomputed",
+                      (json_int_t)sc[i].tokens_recomputed, "tokens_fetched",
+                      (json_int_t)sc[i].tokens_fetched));
     json_object_set_new(
         st, "counters",
         json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "h2d_weights",
@@ -71,6 +85,8 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
                   (json_int_t)bst.d2h_bytes[REKV_XFER_OTHER], "tokens_recomputed",
                   (json_int_t)tot.tokens_recomputed, "tokens_fetched",
                   (json_int_t)tot.tokens_fetched, "per_layer", layers));
+    /* step 0 is the prefill, then one entry per decode step */
+    json_object_set_new(json_object_get(st, "counters"), "per_step", steps);
     return st;
 }
 

@@ -181,6 +181,9 @@ int cli_generate_remote(const char *model_path, const char *socket, const int32_
     rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
     rq.status = &st;
     rq.id = 0;
+    /* a long run shows its progress on a terminal (stderr: stdout stays the result) */
+    int tty = isatty(STDERR_FILENO), shown = 0;
+    uint64_t t_start = rekv_now_ns(), t_shown = t_start;
     for (int wait_ms = 1;; wait_ms = wait_ms < 50 ? wait_ms * 2 : 50) {
         if ((rc = rekv_ctl_call(c, &rq, CALL_TIMEOUT_MS, &r, err)))
             goto out;
@@ -189,6 +192,14 @@ int cli_generate_remote(const char *model_path, const char *socket, const int32_
             goto out;
         }
         Rekv__Control__JobState s = r->job->state;
+        uint64_t now = rekv_now_ns();
+        if (tty && now - t_shown > 500000000ull && s != REKV__CONTROL__JOB_STATE__DONE) {
+            double el = (double)(now - t_start) * 1e-9;
+            fprintf(stderr, "\r  %s: %zu tokens, %.1f tokens/s   ", rekv_ctl_state_name(s),
+                    r->job->n_generated_ids, el > 0 ? (double)r->job->n_generated_ids / el : 0.0);
+            t_shown = now;
+            shown = 1;
+        }
         if (s == REKV__CONTROL__JOB_STATE__DONE)
             break;
         if (s == REKV__CONTROL__JOB_STATE__FAILED || s == REKV__CONTROL__JOB_STATE__CANCELLED) {
@@ -201,6 +212,8 @@ int cli_generate_remote(const char *model_path, const char *socket, const int32_
         usleep((useconds_t)wait_ms * 1000);
         rq.id = 0;
     }
+    if (shown)
+        fprintf(stderr, "\n");
     Rekv__Control__JobStatus *js = r->job;
     size_t n = js->n_generated_ids, k = (size_t)gp->top_logits;
     res->n = (int)n;

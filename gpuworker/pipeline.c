@@ -165,6 +165,9 @@ struct rekv_pipeline {
     dbuf kr, vr;            /* recomputed K, V rows [n][kv_dim] */
     dbuf scores;            /* attention scratch [max context] */
     rekv_layer_counters *counters; /* [n_layers] */
+    rekv_layer_counters *step_log; /* [n_steps] each step's totals since the last reset */
+    size_t n_steps, cap_steps;
+    rekv_layer_counters logged;    /* the totals at the end of the last logged step */
     uint64_t next_id;
     rekv_kv_plan_block *plan;
     size_t plan_n, plan_cap;
@@ -361,6 +364,7 @@ void rekv_pipeline_free(rekv_pipeline *p)
     if (p->s_d2h)
         p->bi->stream_destroy(p->s_d2h);
     free(p->counters);
+    free(p->step_log);
     free(p->plan);
     free(p);
 }
@@ -572,8 +576,16 @@ const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_l
     return p->counters;
 }
 
+const rekv_layer_counters *rekv_pipeline_step_counters(const rekv_pipeline *p, size_t *n_steps)
+{
+    *n_steps = p->n_steps;
+    return p->step_log;
+}
+
 void rekv_pipeline_counters_reset(rekv_pipeline *p)
 {
+    p->n_steps = 0;
+    memset(&p->logged, 0, sizeof(p->logged));
     memset(p->counters, 0, sizeof(rekv_layer_counters) * (size_t)p->c->n_layers);
 }
 
@@ -1277,9 +1289,25 @@ drain: {
     if (rc == 0)
         rc = r1 ? r1 : r2 ? r2 : r3;
 }
-    if (rc == 0)
+    if (rc == 0) {
         for (int i = 0; i < n_items; i++)
             items[i].seq->len += items[i].n_tokens;
+        /* this step's totals: the running totals minus those at the end of the last step */
+        rekv_layer_counters now, *log = p->step_log;
+        rekv_pipeline_counters(p, &now);
+        if (reserve_bytes((void **)&log, &p->cap_steps, p->n_steps + 1, sizeof(*log)) == 0) {
+            p->step_log = log;
+            rekv_layer_counters d = now;
+            for (int x = 0; x < REKV_XFER_KINDS; x++) {
+                d.h2d_bytes[x] -= p->logged.h2d_bytes[x];
+                d.d2h_bytes[x] -= p->logged.d2h_bytes[x];
+            }
+            d.tokens_recomputed -= p->logged.tokens_recomputed;
+            d.tokens_fetched -= p->logged.tokens_fetched;
+            log[p->n_steps++] = d;
+        }
+        p->logged = now;
+    }
 out:
     if (pinned) {
         rekv_err uerr = {0};

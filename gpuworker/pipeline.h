@@ -109,6 +109,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
 /* Counters accumulated since creation or the last reset: per layer ([n_layers]) and in total. */
 const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_layer_counters *total);
 void rekv_pipeline_counters_reset(rekv_pipeline *p);
+/* Each step's totals since the last reset, in order ([*n_steps], owned by the pipeline). */
+const rekv_layer_counters *rekv_pipeline_step_counters(const rekv_pipeline *p, size_t *n_steps);
 
 /* Generates for a batch of prompts together (prefill as one step, then decode steps over the
  * sequences still running), with the same sampling as rekv_generate. results[n] are filled. */

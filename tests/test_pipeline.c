@@ -116,8 +116,13 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
                 items[i].gpu_batch = explicit_batches ? 1 + next_rand(3) : 0;
         }
         ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
-        if (s == 1)
+        if (s == 1) {
             rekv_pipeline_counters(p, &out->first_decode);
+            size_t n_steps;
+            const rekv_layer_counters *sc = rekv_pipeline_step_counters(p, &n_steps);
+            ck_assert_uint_eq(n_steps, 1);
+            ck_assert(memcmp(sc, &out->first_decode, sizeof(*sc)) == 0);
+        }
     }
     for (int i = 0; i < B; i++)
         rekv_pseq_free(seqs[i]);
