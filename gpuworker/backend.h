@@ -78,6 +78,10 @@ typedef struct rekv_backend_iface {
     /* device memory; alloc returns NULL when out of memory */
     void *(*dev_alloc)(rekv_backend *be, size_t bytes);
     void (*dev_free)(rekv_backend *be, void *p);
+    /* optional: host memory kernels can read directly (per-step metadata: positions, descriptors,
+     * convert lists) — pinned and mapped on cuda. NULL: malloc/free (the cpu backend). */
+    void *(*host_alloc)(rekv_backend *be, size_t bytes);
+    void (*host_free)(rekv_backend *be, void *p);
 
     /* streams run their work in order; name labels the stream's trace track */
     int (*stream_create)(rekv_backend *be, const char *name, rekv_stream **out, rekv_err *err);

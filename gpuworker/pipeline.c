@@ -34,9 +34,72 @@ typedef struct dbuf {
     size_t cap;
 } dbuf;
 
-/* Host memory for one step's metadata, freed when the step ends. */
+/* Memory kernels read directly (positions, descriptors, convert lists): chunks of the backend's
+ * host_alloc memory (pinned and mapped on cuda; malloc on cpu), kept across steps and handed out
+ * again from the start of each step. */
+typedef struct meta_chunk {
+    uint8_t *p;
+    size_t cap, used;
+} meta_chunk;
+
+typedef struct meta_arena {
+    rekv_backend *be;
+    meta_chunk *chunks;
+    size_t n, cap;
+    size_t cur; /* the chunk being handed out */
+} meta_arena;
+
+enum { META_CHUNK = 1 << 20 };
+
+static void *meta_alloc(meta_arena *a, size_t bytes)
+{
+    bytes = (bytes + 63) & ~(size_t)63;
+    for (; a->cur < a->n; a->cur++) {
+        meta_chunk *c = &a->chunks[a->cur];
+        if (c->cap - c->used >= bytes) {
+            void *r = c->p + c->used;
+            c->used += bytes;
+            memset(r, 0, bytes);
+            return r;
+        }
+    }
+    if (reserve_bytes((void **)&a->chunks, &a->cap, a->n + 1, sizeof(meta_chunk)))
+        return NULL;
+    size_t cap = bytes > META_CHUNK ? bytes : META_CHUNK;
+    const rekv_backend_iface *bi = a->be->iface;
+    uint8_t *p = bi->host_alloc ? bi->host_alloc(a->be, cap) : malloc(cap);
+    if (p == NULL)
+        return NULL;
+    a->chunks[a->n++] = (meta_chunk){p, cap, bytes};
+    a->cur = a->n - 1;
+    memset(p, 0, bytes);
+    return p;
+}
+
+static void meta_reset(meta_arena *a)
+{
+    for (size_t i = 0; i < a->n; i++)
+        a->chunks[i].used = 0;
+    a->cur = 0;
+}
+
+static void meta_free(meta_arena *a)
+{
+    for (size_t i = 0; i < a->n; i++) {
+        if (a->be->iface->host_free)
+            a->be->iface->host_free(a->be, a->chunks[i].p);
+        else
+            free(a->chunks[i].p);
+    }
+    free(a->chunks);
+    memset(a, 0, sizeof(*a));
+}
+
+/* One step's memory: metadata from the arena, and host-only lists (copy pieces, which the backend
+ * copies at enqueue) adopted from malloc; all of it released when the step ends. */
 typedef struct step_mem {
-    void **blocks;
+    meta_arena *meta;
+    void **blocks; /* adopted malloc'd lists */
     size_t n, cap;
     int failed;
 } step_mem;
@@ -45,22 +108,9 @@ static void *smem_alloc(step_mem *m, size_t bytes)
 {
     if (m->failed)
         return NULL;
-    if (m->n == m->cap) {
-        size_t nc = m->cap ? m->cap * 2 : 64;
-        void **nb = realloc(m->blocks, nc * sizeof(void *));
-        if (nb == NULL) {
-            m->failed = 1;
-            return NULL;
-        }
-        m->blocks = nb;
-        m->cap = nc;
-    }
-    void *p = calloc(1, bytes ? bytes : 1);
-    if (p == NULL) {
+    void *p = meta_alloc(m->meta, bytes ? bytes : 1);
+    if (p == NULL)
         m->failed = 1;
-        return NULL;
-    }
-    m->blocks[m->n++] = p;
     return p;
 }
 
@@ -83,6 +133,8 @@ static void smem_free(step_mem *m)
     for (size_t i = 0; i < m->n; i++)
         free(m->blocks[i]);
     free(m->blocks);
+    if (m->meta)
+        meta_reset(m->meta);
     memset(m, 0, sizeof(*m));
 }
 
@@ -171,6 +223,7 @@ struct rekv_pipeline {
     uint64_t next_id;
     rekv_kv_plan_block *plan;
     size_t plan_n, plan_cap;
+    meta_arena meta;        /* per-step metadata kernels read (see meta_alloc) */
 };
 
 struct rekv_pseq {
@@ -365,6 +418,7 @@ void rekv_pipeline_free(rekv_pipeline *p)
         p->bi->stream_destroy(p->s_d2h);
     free(p->counters);
     free(p->step_log);
+    meta_free(&p->meta);
     free(p->plan);
     free(p);
 }
@@ -399,6 +453,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->k = be->kernels;
     p->store = store;
     p->cfg = *cfg;
+    p->meta.be = be;
     /* kvstore sequence ids are the caller's to choose and the store may outlive this pipeline
      * (a restarted worker, a second one): start at a random even base so that ids never meet */
     uint64_t base = 0;
@@ -937,12 +992,24 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
     return 0;
 }
 
+/* Moves a convert list, which kernels read, into the step's metadata memory. */
+static int keep_conv(step *st, conv_list *l)
+{
+    if (l->v == NULL)
+        return 0;
+    rekv_convert_piece *a = smem_alloc(&st->mem, sizeof(*a) * (l->n ? l->n : 1));
+    if (a)
+        memcpy(a, l->v, sizeof(*a) * l->n);
+    free(l->v);
+    l->v = a;
+    return a ? 0 : -ENOMEM;
+}
+
 /* Hands unit_io's lists to the step's memory: the streams read them until the step ends. */
 static int unit_io_keep(step *st, unit_io *io)
 {
-    int rc = 0;
-    void *ptrs[] = {io->h2d_kv.v, io->h2d_act.v, io->d2h_kv.v, io->d2h_act.v, io->conv_kv.v,
-                    io->conv_act.v, io->d2d_act.v};
+    int rc = keep_conv(st, &io->conv_kv) | keep_conv(st, &io->conv_act);
+    void *ptrs[] = {io->h2d_kv.v, io->h2d_act.v, io->d2h_kv.v, io->d2h_act.v, io->d2d_act.v};
     for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
         rc |= smem_adopt(&st->mem, ptrs[i]);
     return rc ? -ENOMEM : 0;
@@ -1130,7 +1197,7 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     const rekv_model_config *c = p->c;
     const rekv_kernel_iface *k = p->k;
     int resident = p->cfg.mode == REKV_MODE_RESIDENT, L = c->n_layers;
-    step st = {.items = items, .n_items = n_items};
+    step st = {.items = items, .n_items = n_items, .mem = {.meta = &p->meta}};
     rekv_kv_range *ranges = NULL;
     size_t n_ranges = 0;
     int pinned = 0;
