@@ -1,0 +1,846 @@
+/* test_cuda.c — the cuda backend against the cpu backend: every kernel on random inputs within a
+ * normalised error (|cuda - cpu| / (|cpu| + 1)); conversions bit for bit; copies, events, host
+ * functions, counters, busy times, the trace and error reporting; and the decode pipeline in every
+ * mode (resident, offload, kvpr, act, hybrid; weights resident or offloaded; both schedules; one
+ * or two GPU batches; fp32 and fp16 caches) on synthetic OPT and Llama models, whose logits must
+ * match the cpu backend's in the same configuration within 1e-3 and whose greedy tokens must be
+ * the cpu's (a step is fed the cpu's tokens,
+ * so one near-tie cannot derail the rest of a run; a near-tie is the only excuse for a different
+ * token). Skipped (exit 77) when the build has no CUDA or the machine has no CUDA device. */
+#include <stdio.h>
+
+#if !REKV_CUDA
+int main(void)
+{
+    printf("skip: built without CUDA (nvcc not found, or CUDA=0)\n");
+    return 77;
+}
+#else
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/dtype.h"
+#include "gpuworker/backend_cuda.h"
+#include "gpuworker/kernels.h"
+#include "gpuworker/pipeline.h"
+#include "tests/testutil.h"
+
+/* fp32 with a different summation order (cuBLAS, tree reductions, warp-split softmax) */
+#define KERNEL_TOL 1e-4
+#define LOGIT_TOL 1e-3
+
+static rekv_backend *g_cu, *g_cpu;
+static rekv_stream *g_scu, *g_scpu;
+
+static void backends_open(void)
+{
+    rekv_err err = {0};
+    ck_assert_msg(rekv_backend_cuda_create(0, &g_cu, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_backend_cpu_create(NULL, &g_cpu, &err) == 0, "%s", err.msg);
+    ck_assert_msg(g_cu->iface->stream_create(g_cu, "test", &g_scu, &err) == 0, "%s", err.msg);
+    ck_assert_msg(g_cpu->iface->stream_create(g_cpu, "test", &g_scpu, &err) == 0, "%s", err.msg);
+}
+
+static void backends_close(void)
+{
+    g_cu->iface->stream_destroy(g_scu);
+    g_cpu->iface->stream_destroy(g_scpu);
+    rekv_backend_destroy(g_cu);
+    rekv_backend_destroy(g_cpu);
+    g_cu = g_cpu = NULL;
+}
+
+static void sync_cu(void)
+{
+    rekv_err err = {0};
+    ck_assert_msg(g_cu->iface->stream_sync(g_scu, &err) == 0, "cuda: %s", err.msg);
+}
+
+static void sync_cpu(void)
+{
+    rekv_err err = {0};
+    ck_assert_msg(g_cpu->iface->stream_sync(g_scpu, &err) == 0, "cpu: %s", err.msg);
+}
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+
+static float frand(float scale)
+{
+    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return scale * (2.0f * (float)((g_rng >> 40) & 0xffffff) / (float)0x1000000 - 1.0f);
+}
+
+static int irand(int n)
+{
+    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (int)((g_rng >> 33) % (uint64_t)n);
+}
+
+static float *hrand(size_t n, float scale)
+{
+    float *x = malloc(sizeof(float) * (n ? n : 1));
+    ck_assert(x != NULL);
+    for (size_t i = 0; i < n; i++)
+        x[i] = frand(scale);
+    return x;
+}
+
+/* A device copy of n floats of host memory (NULL stays NULL). */
+static void *dev_from(const void *h, size_t bytes)
+{
+    if (h == NULL)
+        return NULL;
+    void *d = g_cu->iface->dev_alloc(g_cu, bytes);
+    ck_assert(d != NULL);
+    rekv_copy_piece pc = {d, h, bytes};
+    g_cu->iface->copy_h2d(g_scu, &pc, 1, REKV_XFER_OTHER);
+    sync_cu();
+    return d;
+}
+
+static void *dev_zero(size_t bytes)
+{
+    void *h = calloc(1, bytes ? bytes : 1);
+    void *d = dev_from(h, bytes);
+    free(h);
+    return d;
+}
+
+static void dev_free(void *d)
+{
+    if (d)
+        g_cu->iface->dev_free(g_cu, d);
+}
+
+/* Host copy of a device buffer (malloc'd). */
+static void *host_from(const void *d, size_t bytes)
+{
+    void *h = malloc(bytes ? bytes : 1);
+    ck_assert(h != NULL);
+    rekv_copy_piece pc = {h, d, bytes};
+    g_cu->iface->copy_d2h(g_scu, &pc, 1, REKV_XFER_OTHER);
+    sync_cu();
+    return h;
+}
+
+/* Memory cuda kernels read through its host pointer (metadata). */
+static void *meta(size_t bytes)
+{
+    void *p = g_cu->iface->host_alloc(g_cu, bytes ? bytes : 1);
+    ck_assert(p != NULL);
+    return p;
+}
+
+static void meta_free(void *p)
+{
+    g_cu->iface->host_free(g_cu, p);
+}
+
+static void expect_close(const char *what, const float *got, const float *want, size_t n,
+                         double tol)
+{
+    double worst = -1;
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)got[i] - (double)want[i]) / (fabs((double)want[i]) + 1.0);
+        if (!(e <= worst)) { /* NaN counts as worst */
+            worst = e;
+            at = i;
+            if (isnan(e))
+                break;
+        }
+    }
+    if (n > 0)
+        ck_assert_msg(worst <= tol,
+                      "%s: element %zu of %zu: cuda %.9g, cpu %.9g (normalised error %.3g > %.3g)",
+                      what, at, n, got[at], want[at], worst, tol);
+}
+
+/* Compares a device result with the cpu's host result. */
+static void expect_dev(const char *what, const float *d, const float *want, size_t n, double tol)
+{
+    float *h = host_from(d, sizeof(float) * n);
+    expect_close(what, h, want, n, tol);
+    free(h);
+}
+
+/* ------------------------------------------------------------------ kernels */
+
+START_TEST(kernel_linear)
+{
+    backends_open();
+    static const int shapes[][3] = {
+        {1, 1, 1}, {7, 33, 64}, {64, 300, 257}, {5, 1000, 128}, {130, 17, 9}};
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++)
+        for (int with_bias = 0; with_bias < 2; with_bias++) {
+            int m = shapes[si][0], n = shapes[si][1], k = shapes[si][2];
+            float *x = hrand((size_t)m * k, 1), *w = hrand((size_t)n * k, 1);
+            float *b = with_bias ? hrand((size_t)n, 1) : NULL;
+            float *y = malloc(sizeof(float) * (size_t)m * n);
+            rekv_cpu_kernels.linear(g_scpu, y, x, w, b, m, n, k);
+            sync_cpu();
+            float *dx = dev_from(x, sizeof(float) * (size_t)m * k);
+            float *dw = dev_from(w, sizeof(float) * (size_t)n * k);
+            float *db = dev_from(b, sizeof(float) * (size_t)n);
+            float *dy = dev_zero(sizeof(float) * (size_t)m * n);
+            g_cu->kernels->linear(g_scu, dy, dx, dw, db, m, n, k);
+            sync_cu();
+            char what[96];
+            snprintf(what, sizeof(what), "linear m %d n %d k %d%s", m, n, k,
+                     with_bias ? " + bias" : "");
+            expect_dev(what, dy, y, (size_t)m * n, KERNEL_TOL);
+            dev_free(dx), dev_free(dw), dev_free(db), dev_free(dy);
+            free(x), free(w), free(b), free(y);
+        }
+    backends_close();
+}
+END_TEST
+
+START_TEST(kernel_norm)
+{
+    backends_open();
+    static const int shapes[][2] = {{1, 1}, {3, 33}, {4, 1024}, {2, 5000}, {50, 64}};
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++)
+        for (int layer = 0; layer < 2; layer++)
+            for (int in_place = 0; in_place < 2; in_place++) {
+                int m = shapes[si][0], d = shapes[si][1];
+                size_t n = (size_t)m * d;
+                float *x = hrand(n, 3), *w = hrand((size_t)d, 1);
+                float *b = layer ? hrand((size_t)d, 1) : NULL;
+                for (size_t i = 0; i < n; i++)
+                    x[i] += 0.5f; /* a mean away from zero */
+                float *y = malloc(sizeof(float) * n);
+                rekv_cpu_kernels.norm(g_scpu, y, x, w, b, m, d, 1e-5f);
+                sync_cpu();
+                float *dx = dev_from(x, sizeof(float) * n), *dw = dev_from(w, sizeof(float) * d);
+                float *db = dev_from(b, sizeof(float) * (size_t)d);
+                float *dy = in_place ? dx : dev_zero(sizeof(float) * n);
+                g_cu->kernels->norm(g_scu, dy, dx, dw, db, m, d, 1e-5f);
+                sync_cu();
+                char what[96];
+                snprintf(what, sizeof(what), "%s m %d d %d%s", layer ? "layernorm" : "rmsnorm", m,
+                         d, in_place ? " in place" : "");
+                expect_dev(what, dy, y, n, KERNEL_TOL);
+                if (!in_place)
+                    dev_free(dy);
+                dev_free(dx), dev_free(dw), dev_free(db);
+                free(x), free(w), free(b), free(y);
+            }
+    backends_close();
+}
+END_TEST
+
+START_TEST(kernel_rope)
+{
+    backends_open();
+    static const int hds[] = {2, 64, 128, 512};
+    for (size_t hi = 0; hi < sizeof(hds) / sizeof(hds[0]); hi++)
+        for (int style = REKV_ROPE_HALF; style <= REKV_ROPE_ADJACENT; style++) {
+            int m = 9, heads = 3, hd = hds[hi];
+            size_t n = (size_t)m * heads * hd;
+            float *x = hrand(n, 2);
+            int32_t *pos = malloc(sizeof(int32_t) * m), *dpos = meta(sizeof(int32_t) * m);
+            for (int i = 0; i < m; i++)
+                pos[i] = dpos[i] = i < 2 ? i : irand(4096);
+            float *dx = dev_from(x, sizeof(float) * n);
+            rekv_cpu_kernels.rope(g_scpu, x, pos, m, heads, hd, 10000.0f, (rekv_rope)style);
+            sync_cpu();
+            g_cu->kernels->rope(g_scu, dx, dpos, m, heads, hd, 10000.0f, (rekv_rope)style);
+            sync_cu();
+            char what[96];
+            snprintf(what, sizeof(what), "rope %s head_dim %d",
+                     style == REKV_ROPE_HALF ? "half" : "adjacent", hd);
+            expect_dev(what, dx, x, n, KERNEL_TOL);
+            dev_free(dx);
+            meta_free(dpos);
+            free(pos), free(x);
+        }
+    backends_close();
+}
+END_TEST
+
+START_TEST(kernel_activation_add)
+{
+    backends_open();
+    size_t n = 100003;
+    struct {
+        rekv_act act;
+        int gated;
+        const char *name;
+    } cases[] = {{REKV_ACT_RELU, 0, "relu"},
+                 {REKV_ACT_GELU, 0, "gelu"},
+                 {REKV_ACT_SILU, 0, "silu"},
+                 {REKV_ACT_SILU, 1, "silu * gate"}};
+    for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+        float *a = hrand(n, 6), *g = cases[ci].gated ? hrand(n, 2) : NULL;
+        float *da = dev_from(a, sizeof(float) * n), *dg = dev_from(g, sizeof(float) * n);
+        rekv_cpu_kernels.activation(g_scpu, a, g, n, cases[ci].act);
+        sync_cpu();
+        g_cu->kernels->activation(g_scu, da, dg, n, cases[ci].act);
+        sync_cu();
+        expect_dev(cases[ci].name, da, a, n, KERNEL_TOL);
+        dev_free(da), dev_free(dg);
+        free(a), free(g);
+    }
+    float *x = hrand(n, 3), *y = hrand(n, 3);
+    float *dx = dev_from(x, sizeof(float) * n), *dy = dev_from(y, sizeof(float) * n);
+    rekv_cpu_kernels.add(g_scpu, x, y, n);
+    sync_cpu();
+    g_cu->kernels->add(g_scu, dx, dy, n);
+    sync_cu();
+    expect_dev("add", dx, x, n, 0);
+    dev_free(dx), dev_free(dy);
+    free(x), free(y);
+    backends_close();
+}
+END_TEST
+
+START_TEST(kernel_embed_gather)
+{
+    backends_open();
+    int V = 50, P = 60, e = 300, m = 7;
+    float *table = hrand((size_t)V * e, 1), *ptab = hrand((size_t)P * e, 1);
+    float *dtable = dev_from(table, sizeof(float) * V * e);
+    float *dptab = dev_from(ptab, sizeof(float) * P * e);
+    int32_t *tok = malloc(sizeof(int32_t) * m), *pos = malloc(sizeof(int32_t) * m);
+    int32_t *dtok = meta(sizeof(int32_t) * m), *dpos = meta(sizeof(int32_t) * m);
+    for (int i = 0; i < m; i++) {
+        tok[i] = dtok[i] = irand(V);
+        pos[i] = dpos[i] = irand(P - 2);
+    }
+    for (int variant = 0; variant < 3; variant++) { /* table; table + positions; positions */
+        float *x = hrand((size_t)m * e, 1);
+        float *dx = dev_from(x, sizeof(float) * m * e);
+        const float *t = variant < 2 ? table : NULL, *pt = variant > 0 ? ptab : NULL;
+        rekv_cpu_kernels.embed(g_scpu, x, t, tok, pt, pos, 2, m, e);
+        sync_cpu();
+        g_cu->kernels->embed(g_scu, dx, variant < 2 ? dtable : NULL, dtok,
+                             variant > 0 ? dptab : NULL, dpos, 2, m, e);
+        sync_cu();
+        char what[32];
+        snprintf(what, sizeof(what), "embed variant %d", variant);
+        expect_dev(what, dx, x, (size_t)m * e, 0);
+        dev_free(dx);
+        free(x);
+    }
+    /* gather_rows: rows of the table, in any order and repeated */
+    int n = 11;
+    int32_t *idx = malloc(sizeof(int32_t) * n), *didx = meta(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++)
+        idx[i] = didx[i] = irand(V);
+    float *g = malloc(sizeof(float) * n * e), *dg = dev_zero(sizeof(float) * n * e);
+    rekv_cpu_kernels.gather_rows(g_scpu, g, table, idx, n, e);
+    sync_cpu();
+    g_cu->kernels->gather_rows(g_scu, dg, dtable, didx, n, e);
+    sync_cu();
+    expect_dev("gather_rows", dg, g, (size_t)n * e, 0);
+    dev_free(dg), dev_free(dtable), dev_free(dptab);
+    meta_free(dtok), meta_free(dpos), meta_free(didx);
+    free(g), free(idx), free(tok), free(pos), free(table), free(ptab);
+    backends_close();
+}
+END_TEST
+
+/* kv_scatter then attention over sequences of mixed shapes: a prefill, a decode row deep into its
+ * context, a few rows after a long context, a single-token prompt; GQA and MHA; head dims that
+ * are and are not multiples of a warp. */
+START_TEST(kernel_scatter_attention)
+{
+    backends_open();
+    static const int cases[][3] = {{8, 2, 128}, {4, 4, 80}, {6, 3, 32}, {2, 1, 512}};
+    enum { NS = 4 };
+    static const int starts[NS] = {0, 100, 1000, 0}, ns[NS] = {40, 1, 3, 1};
+    for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+        int nh = cases[ci][0], nkv = cases[ci][1], hd = cases[ci][2];
+        size_t kvd = (size_t)nkv * hd, qd = (size_t)nh * hd;
+        rekv_attn_seq cpu_d[NS], *cu_d = meta(sizeof(rekv_attn_seq) * NS);
+        float *hk[NS], *hv[NS], *dk[NS], *dv[NS];
+        int rows = 0, max_ctx = 1;
+        for (int i = 0; i < NS; i++) {
+            int cap = starts[i] + ns[i] + 5;
+            size_t sz = kvd * (size_t)cap;
+            hk[i] = hrand(sz, 1);
+            hv[i] = hrand(sz, 1);
+            dk[i] = dev_from(hk[i], sizeof(float) * sz);
+            dv[i] = dev_from(hv[i], sizeof(float) * sz);
+            cpu_d[i] = (rekv_attn_seq){hk[i], hv[i], cap, starts[i], ns[i], rows};
+            cu_d[i] = (rekv_attn_seq){dk[i], dv[i], cap, starts[i], ns[i], rows};
+            rows += ns[i];
+            if (starts[i] + ns[i] > max_ctx)
+                max_ctx = starts[i] + ns[i];
+        }
+        int32_t *rs = malloc(sizeof(int32_t) * rows), *rp = malloc(sizeof(int32_t) * rows);
+        int32_t *drs = meta(sizeof(int32_t) * rows), *drp = meta(sizeof(int32_t) * rows);
+        for (int i = 0, r = 0; i < NS; i++)
+            for (int j = 0; j < ns[i]; j++, r++) {
+                rs[r] = drs[r] = i;
+                rp[r] = drp[r] = starts[i] + j;
+            }
+        float *k = hrand((size_t)rows * kvd, 1), *v = hrand((size_t)rows * kvd, 1);
+        float *q = hrand((size_t)rows * qd, 1), *out = malloc(sizeof(float) * rows * qd);
+        float *scores = malloc(sizeof(float) * max_ctx);
+        float *dkn = dev_from(k, sizeof(float) * rows * kvd);
+        float *dvn = dev_from(v, sizeof(float) * rows * kvd);
+        float *dq = dev_from(q, sizeof(float) * rows * qd);
+        float *dout = dev_zero(sizeof(float) * rows * qd);
+        rekv_cpu_kernels.kv_scatter(g_scpu, k, v, rows, rs, rp, cpu_d, nkv, hd);
+        rekv_cpu_kernels.attention(g_scpu, out, q, cpu_d, NS, nh, nkv, hd, scores);
+        sync_cpu();
+        g_cu->kernels->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, cu_d, nkv, hd);
+        g_cu->kernels->attention(g_scu, dout, dq, cu_d, NS, nh, nkv, hd, NULL);
+        sync_cu();
+        char what[96];
+        for (int i = 0; i < NS; i++) {
+            size_t sz = kvd * (size_t)cpu_d[i].cap;
+            snprintf(what, sizeof(what), "kv_scatter K, sequence %d, %d/%d heads, hd %d", i, nh,
+                     nkv, hd);
+            expect_dev(what, dk[i], hk[i], sz, 0);
+            snprintf(what, sizeof(what), "kv_scatter V, sequence %d, %d/%d heads, hd %d", i, nh,
+                     nkv, hd);
+            expect_dev(what, dv[i], hv[i], sz, 0);
+        }
+        snprintf(what, sizeof(what), "attention, %d/%d heads, hd %d", nh, nkv, hd);
+        expect_dev(what, dout, out, (size_t)rows * qd, KERNEL_TOL);
+        for (int i = 0; i < NS; i++) {
+            dev_free(dk[i]), dev_free(dv[i]);
+            free(hk[i]), free(hv[i]);
+        }
+        dev_free(dkn), dev_free(dvn), dev_free(dq), dev_free(dout);
+        meta_free(cu_d), meta_free(drs), meta_free(drp);
+        free(rs), free(rp), free(k), free(v), free(q), free(out), free(scores);
+    }
+    backends_close();
+}
+END_TEST
+
+/* convert (cache dtype -> fp32, over pieces) and convert_out (fp32 -> cache dtype): exact. */
+START_TEST(kernel_convert)
+{
+    backends_open();
+    static const rekv_dtype dts[] = {REKV_DTYPE_F32, REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    size_t n = 5000;
+    float *x = hrand(n, 4);
+    /* values that round, overflow, underflow or tie */
+    x[0] = 1e6f, x[1] = -1e6f, x[2] = 1e-8f, x[3] = 65520.0f, x[4] = 1.0009765625f, x[5] = 0;
+    x[6] = -0.0f, x[7] = 3.0e-5f, x[8] = INFINITY;
+    float *dx = dev_from(x, sizeof(float) * n);
+    for (size_t di = 0; di < 3; di++) {
+        rekv_dtype dt = dts[di];
+        size_t es = rekv_dtype_size(dt);
+        /* convert_out */
+        uint8_t *want = malloc(es * n);
+        rekv_from_f32(want, x, dt, n);
+        void *dout = dev_zero(es * n);
+        g_cu->kernels->convert_out(g_scu, dout, dx, n, dt);
+        sync_cu();
+        uint8_t *got = host_from(dout, es * n);
+        for (size_t i = 0; i < n; i++)
+            ck_assert_msg(memcmp(got + i * es, want + i * es, es) == 0,
+                          "convert_out %s: element %zu (%.9g) differs", rekv_dtype_name(dt), i,
+                          x[i]);
+        /* convert, in uneven pieces, from the device copy of the cache-dtype values */
+        float *back = malloc(sizeof(float) * n);
+        rekv_to_f32(back, want, dt, n);
+        float *dback = dev_zero(sizeof(float) * n);
+        enum { NP = 7 };
+        size_t cut[NP + 1] = {0, 1, 2, 100, 1000, 1001, 4000, n};
+        rekv_convert_piece *pc = meta(sizeof(rekv_convert_piece) * NP);
+        for (int p = 0; p < NP; p++) /* pieces in reverse order: order must not matter */
+            pc[NP - 1 - p] = (rekv_convert_piece){dback + cut[p], (uint8_t *)dout + cut[p] * es,
+                                                  (uint32_t)(cut[p + 1] - cut[p])};
+        g_cu->kernels->convert(g_scu, pc, NP, dt);
+        sync_cu();
+        float *gb = host_from(dback, sizeof(float) * n);
+        ck_assert_msg(memcmp(gb, back, sizeof(float) * n) == 0, "convert %s differs",
+                      rekv_dtype_name(dt));
+        meta_free(pc);
+        dev_free(dout), dev_free(dback);
+        free(want), free(got), free(back), free(gb);
+    }
+    dev_free(dx);
+    free(x);
+    backends_close();
+}
+END_TEST
+
+/* ------------------------------------------------------------------ runtime */
+
+typedef struct host_probe {
+    const uint32_t *buf; /* pinned, written by a d2h copy enqueued before the function */
+    size_t n;
+    uint64_t *sum_out;
+    int *calls;
+} host_probe;
+
+static void probe_fn(void *arg)
+{
+    host_probe *p = arg;
+    uint64_t s = 0;
+    for (size_t i = 0; i < p->n; i++)
+        s += p->buf[i];
+    *p->sum_out = s;
+    (*p->calls)++;
+}
+
+static void count_fn(void *arg)
+{
+    (*(int *)arg)++;
+}
+
+START_TEST(runtime_copies_events)
+{
+    backends_open();
+    rekv_err err = {0};
+    const rekv_backend_iface *bi = g_cu->iface;
+    rekv_stream *a, *b;
+    rekv_event *ev;
+    ck_assert_msg(bi->stream_create(g_cu, "a", &a, &err) == 0, "%s", err.msg);
+    ck_assert_msg(bi->stream_create(g_cu, "b", &b, &err) == 0, "%s", err.msg);
+    ck_assert_msg(bi->event_create(g_cu, &ev, &err) == 0, "%s", err.msg);
+
+    /* a never-recorded event is complete */
+    bi->stream_wait_event(b, ev);
+    bi->event_sync(ev);
+    ck_assert_int_eq(bi->stream_sync(b, &err), 0);
+
+    /* ordering across streams: b copies what a's h2d wrote, after a's event */
+    size_t n = 16u << 20; /* 64 MiB: long enough that b would overtake a without the wait */
+    uint32_t *src = bi->host_alloc(g_cu, n * 4), *dst = bi->host_alloc(g_cu, n * 4);
+    ck_assert(src != NULL && dst != NULL);
+    for (size_t i = 0; i < n; i++)
+        src[i] = (uint32_t)(i * 2654435761u);
+    memset(dst, 0, n * 4);
+    void *d1 = bi->dev_alloc(g_cu, n * 4), *d2 = bi->dev_alloc(g_cu, n * 4);
+    ck_assert(d1 != NULL && d2 != NULL);
+    bi->stats_reset(g_cu);
+    bi->trace_start(g_cu);
+    rekv_copy_piece up[3] = {{d1, src, 100},
+                             {(char *)d1 + 100, src + 25, 0},
+                             {(char *)d1 + 100, (const char *)src + 100, n * 4 - 100}};
+    bi->copy_h2d(a, up, 3, REKV_XFER_KV);
+    bi->event_record(ev, a);
+    bi->stream_wait_event(b, ev);
+    rekv_copy_piece mid = {d2, d1, n * 4};
+    bi->copy_d2d(b, &mid, 1);
+    rekv_copy_piece down = {dst, d2, n * 4};
+    bi->copy_d2h(b, &down, 1, REKV_XFER_ACT);
+    /* a host function after the d2h sees its data; one with arg_bytes 0 gets the pointer */
+    uint64_t sum = 0;
+    int calls = 0, plain = 0;
+    host_probe probe = {dst, n, &sum, &calls};
+    bi->launch_host(b, "probe", probe_fn, &probe, sizeof(probe));
+    bi->launch_host(b, "count", count_fn, &plain, 0);
+    g_cu->kernels->add(b, d2, d1, 1000); /* a kernel, for the compute busy time */
+    ck_assert_msg(bi->stream_sync(b, &err) == 0, "%s", err.msg);
+    ck_assert_msg(bi->stream_sync(a, &err) == 0, "%s", err.msg);
+    ck_assert(memcmp(src, dst, n * 4) == 0);
+    uint64_t want = 0;
+    for (size_t i = 0; i < n; i++)
+        want += src[i];
+    ck_assert_int_eq(calls, 1);
+    ck_assert_int_eq(plain, 1);
+    ck_assert(sum == want);
+
+    rekv_backend_stats st;
+    bi->stats(g_cu, &st);
+    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], n * 4);
+    ck_assert_uint_eq(st.d2h_bytes[REKV_XFER_ACT], n * 4);
+    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_WEIGHTS] + st.h2d_bytes[REKV_XFER_ACT] +
+                          st.h2d_bytes[REKV_XFER_OTHER],
+                      0);
+    ck_assert_uint_eq(st.h2d_copies, 1);
+    ck_assert_uint_eq(st.d2h_copies, 1);
+    ck_assert_msg(st.h2d_busy_s > 0 && st.d2h_busy_s > 0 && st.compute_busy_s > 0,
+                  "busy: h2d %g d2h %g compute %g", st.h2d_busy_s, st.d2h_busy_s,
+                  st.compute_busy_s);
+    /* 64 MiB over PCIe (Gen5 x16 peaks near 64 GB/s) takes more than 0.1 ms and less than 10 s */
+    ck_assert_msg(st.h2d_busy_s > 1e-4 && st.h2d_busy_s < 10, "h2d busy %g s", st.h2d_busy_s);
+
+    /* the trace: valid JSON, a span per copy, kernel and host function, on the right tracks */
+    char *dir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/trace.json", dir);
+    ck_assert_msg(bi->trace_write(g_cu, path, &err) == 0, "%s", err.msg);
+    json_error_t je;
+    json_t *root = json_load_file(path, 0, &je);
+    ck_assert_msg(root != NULL, "trace is not JSON: %s (line %d)", je.text, je.line);
+    json_t *evs = json_object_get(root, "traceEvents");
+    ck_assert(json_is_array(evs));
+    int spans = 0, h2d_spans = 0;
+    size_t i;
+    json_t *e;
+    json_array_foreach(evs, i, e)
+    {
+        const char *ph = json_string_value(json_object_get(e, "ph"));
+        if (ph && strcmp(ph, "X") == 0) {
+            spans++;
+            const char *nm = json_string_value(json_object_get(e, "name"));
+            if (nm && strncmp(nm, "h2d KV", 6) == 0)
+                h2d_spans++;
+            ck_assert(json_number_value(json_object_get(e, "ts")) >= 0);
+            ck_assert(json_number_value(json_object_get(e, "dur")) >= 0);
+        }
+    }
+    ck_assert_int_eq(h2d_spans, 1);
+    ck_assert_int_eq(spans, 6); /* h2d, d2d, d2h, probe, count, add */
+    json_decref(root);
+    tu_rmrf(dir);
+    free(dir);
+
+    /* errors: a bad enqueue is reported by the next sync, and only once */
+    rekv_copy_piece bad = {d1, NULL, 4};
+    bi->copy_h2d(a, &bad, 1, REKV_XFER_OTHER);
+    rekv_err e2 = {0};
+    ck_assert_int_eq(bi->stream_sync(a, &e2), -EINVAL);
+    ck_assert_msg(strstr(e2.msg, "NULL src") != NULL, "%s", e2.msg);
+    ck_assert_int_eq(bi->stream_sync(a, &err), 0);
+    g_cu->kernels->attention(a, d2, d1, NULL, 1, 3, 2, 64, NULL); /* 3 heads over 2 kv heads */
+    ck_assert_int_eq(bi->stream_sync(a, NULL), -EINVAL);
+
+    bi->dev_free(g_cu, d1);
+    bi->dev_free(g_cu, d2);
+    bi->host_free(g_cu, src);
+    bi->host_free(g_cu, dst);
+    bi->event_destroy(ev);
+    bi->stream_destroy(a);
+    bi->stream_destroy(b);
+    backends_close();
+}
+END_TEST
+
+/* ------------------------------------------------------------------ the pipeline */
+
+typedef struct fixture {
+    rekv_model *m;
+    rekv_engine *e;
+    pid_t store_pid;
+    rekv_kvstore_client *store;
+    char *dir;
+} fixture;
+
+static void fixture_open(fixture *f, const char *model_path, rekv_dtype cache)
+{
+    rekv_err err = {0};
+    memset(f, 0, sizeof(*f));
+    ck_assert_msg(rekv_model_open(model_path, &f->m, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(f->m, &f->e, &err) == 0, "%s", err.msg);
+    f->dir = tu_tmpdir();
+    char ep[4200];
+    snprintf(ep, sizeof(ep), "ipc://%s/kv.sock", f->dir);
+    rekv_kvstore_config cfg;
+    rekv_kvstore_config_defaults(&cfg);
+    cfg.endpoint = ep;
+    cfg.host_bytes = 256ull << 20;
+    cfg.spill_dir = f->dir;
+    ck_assert_msg(rekv_kv_geometry_from_config(&f->m->config, cache, &cfg.geometry, &err) == 0,
+                  "%s", err.msg);
+    ck_assert_msg(rekv_kvstore_spawn(&cfg, &f->store_pid, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_kvstore_client_connect(ep, NULL, 30000, &f->store, &err) == 0, "%s",
+                  err.msg);
+}
+
+static void fixture_close(fixture *f)
+{
+    rekv_kvstore_client_close(f->store);
+    ck_assert_int_eq(rekv_kvstore_reap(f->store_pid), 0);
+    rekv_engine_free(f->e);
+    rekv_model_close(f->m);
+    tu_rmrf(f->dir);
+    free(f->dir);
+}
+
+static int argmax(const float *x, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+/* Prefills B prompts, then decodes `steps` steps. tokens == NULL: greedy, and the chosen tokens
+ * are written to tokens_out [steps][B]; otherwise step s feeds tokens[s - 1][i]. Logits of every
+ * step go to logits [(steps + 1)][B][vocab]. */
+static void pipe_run(fixture *f, rekv_backend *be, const rekv_pipeline_config *cfg, int B,
+                     const int *lens, int32_t *const *prompts, int steps, const int32_t *tokens,
+                     int32_t *tokens_out, float *logits)
+{
+    rekv_err err = {0};
+    rekv_pipeline *p;
+    int V = f->m->config.vocab;
+    ck_assert_msg(rekv_pipeline_create(f->e, be, cfg->mode == REKV_MODE_RESIDENT ? NULL : f->store,
+                                       cfg, &p, &err) == 0,
+                  "%s", err.msg);
+    rekv_pseq **seqs = calloc((size_t)B, sizeof(*seqs));
+    rekv_pipe_item *items = calloc((size_t)B, sizeof(*items));
+    int32_t *next = calloc((size_t)B, sizeof(int32_t));
+    for (int i = 0; i < B; i++) {
+        ck_assert_msg(rekv_pseq_create(p, lens[i] + steps, &seqs[i], &err) == 0, "%s", err.msg);
+        items[i] = (rekv_pipe_item){seqs[i], prompts[i], lens[i], logits + (size_t)i * V, 0};
+    }
+    ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+    for (int s = 1; s <= steps; s++) {
+        for (int i = 0; i < B; i++) {
+            if (tokens)
+                next[i] = tokens[(size_t)(s - 1) * B + i];
+            else
+                next[i] = tokens_out[(size_t)(s - 1) * B + i] =
+                    argmax(logits + ((size_t)(s - 1) * B + i) * V, V);
+            items[i] = (rekv_pipe_item){seqs[i], &next[i], 1, logits + ((size_t)s * B + i) * V, 0};
+        }
+        ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+    }
+    for (int i = 0; i < B; i++)
+        rekv_pseq_free(seqs[i]);
+    free(seqs);
+    free(items);
+    free(next);
+    rekv_pipeline_free(p);
+}
+
+/* Every mode on cuda against the cpu backend's resident run, on one model. */
+static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, int B, int steps)
+{
+    fixture f;
+    fixture_open(&f, path, cache);
+    int V = f.m->config.vocab;
+    int32_t **prompts = calloc((size_t)B, sizeof(*prompts));
+    for (int i = 0; i < B; i++) {
+        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
+        for (int t = 0; t < lens[i]; t++)
+            prompts[i][t] = irand(V);
+    }
+    size_t nl = (size_t)(steps + 1) * B * V;
+    float *ref = malloc(sizeof(float) * nl), *got = malloc(sizeof(float) * nl);
+    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)steps * B);
+    rekv_pipeline_config base;
+    rekv_pipeline_config_defaults(&base);
+    base.cache_dtype = cache;
+    rekv_backend *cpu, *cu;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_backend_cpu_create(NULL, &cpu, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_backend_cuda_create(0, &cu, &err) == 0, "%s", err.msg);
+
+    struct {
+        rekv_mode mode;
+        int split, kv, act, act_gpu;
+    } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1, 0}, {REKV_MODE_OFFLOAD, 0, 1, 1, 0},
+                 {REKV_MODE_KVPR, 7, 1, 1, 0},     {REKV_MODE_KVPR, 1000000, 1, 1, 1},
+                 {REKV_MODE_ACT, 0, 1, 1, 0},      {REKV_MODE_ACT, 0, 1, 1, 2},
+                 {REKV_MODE_HYBRID, 0, 1, 1, 0},   {REKV_MODE_HYBRID, 0, 3, 1, 1},
+                 {REKV_MODE_HYBRID, 0, 1, 2, 3}};
+    for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++)
+        for (int ow = 0; ow < 2; ow++)
+            for (int sched = 0; sched < 2; sched++)
+                for (int G = 1; G <= 2 && G <= B; G++) {
+                    if (cache != REKV_DTYPE_F32 && modes[mi].mode == REKV_MODE_RESIDENT)
+                        continue; /* resident keeps fp32 K,V whatever the cache dtype */
+                    rekv_pipeline_config cfg = base;
+                    cfg.mode = modes[mi].mode;
+                    cfg.split = modes[mi].split;
+                    cfg.kv_parts = modes[mi].kv;
+                    cfg.act_parts = modes[mi].act;
+                    cfg.act_gpu_blocks = modes[mi].act_gpu;
+                    cfg.offload_weights = ow;
+                    cfg.schedule = sched ? REKV_SCHED_COLUMN : REKV_SCHED_ROW;
+                    cfg.gpu_batches = G;
+                    /* the reference: the same configuration on cpu (with an f16 cache, what is
+                     * rounded to f16 depends on the mode), greedy; cuda is fed its tokens */
+                    pipe_run(&f, cpu, &cfg, B, lens, prompts, steps, NULL, tokens, ref);
+                    pipe_run(&f, cu, &cfg, B, lens, prompts, steps, tokens, NULL, got);
+                    char name[512];
+                    snprintf(name, sizeof(name),
+                             "%s, %s cache, %s%s %s gpu_batches=%d split=%d pattern=%d:%d "
+                             "act_gpu=%d",
+                             path, rekv_dtype_name(cache), rekv_mode_name(cfg.mode),
+                             ow ? "+offload-weights" : "", sched ? "column" : "row", G, cfg.split,
+                             cfg.kv_parts, cfg.act_parts, cfg.act_gpu_blocks);
+                    expect_close(name, got, ref, nl, LOGIT_TOL);
+                    /* greedy tokens: the cpu's, unless its top two logits are a near-tie */
+                    for (int s = 0; s < steps; s++)
+                        for (int i = 0; i < B; i++) {
+                            const float *g = got + ((size_t)s * B + i) * V;
+                            const float *r = ref + ((size_t)s * B + i) * V;
+                            int want = tokens[(size_t)s * B + i], have = argmax(g, V);
+                            ck_assert_msg(have == want || fabsf(r[have] - r[want]) <=
+                                                              LOGIT_TOL * (fabsf(r[want]) + 1.0f),
+                                          "%s: step %d sequence %d: cuda picks token %d, cpu %d",
+                                          name, s, i, have, want);
+                        }
+                }
+    rekv_backend_destroy(cu);
+    rekv_backend_destroy(cpu);
+    free(ref), free(got), free(tokens);
+    for (int i = 0; i < B; i++)
+        free(prompts[i]);
+    free(prompts);
+    fixture_close(&f);
+}
+
+START_TEST(pipeline_modes)
+{
+    static const rekv_synth_spec specs[] = {
+        {REKV_ARCH_OPT, 2, 64, 4, 4, 128, 300, 1100, REKV_DTYPE_F16, 11, 1},
+        {REKV_ARCH_LLAMA, 3, 64, 8, 2, 160, 300, 1100, REKV_DTYPE_BF16, 12, 0},
+    };
+    char *dir = tu_tmpdir();
+    for (size_t i = 0; i < 2; i++) {
+        char path[4200];
+        snprintf(path, sizeof(path), "%s/m%zu", dir, i);
+        rekv_err err = {0};
+        ck_assert_msg(rekv_synth_write(&specs[i], path, &err) == 0, "%s", err.msg);
+        int lens4[] = {5, 33, 16, 70};
+        check_pipeline(path, REKV_DTYPE_F32, lens4, 4, 3);
+        int lens1[] = {600};
+        check_pipeline(path, REKV_DTYPE_F32, lens1, 1, 2);
+        check_pipeline(path, REKV_DTYPE_F16, lens4, 4, 2);
+    }
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("cuda");
+    TCase *tk = tcase_create("kernels");
+    tcase_set_timeout(tk, 300);
+    tcase_add_test(tk, kernel_linear);
+    tcase_add_test(tk, kernel_norm);
+    tcase_add_test(tk, kernel_rope);
+    tcase_add_test(tk, kernel_activation_add);
+    tcase_add_test(tk, kernel_embed_gather);
+    tcase_add_test(tk, kernel_scatter_attention);
+    tcase_add_test(tk, kernel_convert);
+    suite_add_tcase(s, tk);
+    TCase *tr = tcase_create("runtime");
+    tcase_set_timeout(tr, 300);
+    tcase_add_test(tr, runtime_copies_events);
+    suite_add_tcase(s, tr);
+    TCase *tp = tcase_create("pipeline");
+    tcase_set_timeout(tp, 900);
+    tcase_add_test(tp, pipeline_modes);
+    suite_add_tcase(s, tp);
+    return s;
+}
+
+int main(void)
+{
+    rekv_backend *be = NULL;
+    rekv_err err = {0};
+    int rc = rekv_backend_cuda_create(0, &be, &err);
+    if (rc == -ENODEV) {
+        printf("skip: no CUDA device (%s)\n", err.msg);
+        return 77;
+    }
+    if (rc != 0) {
+        fprintf(stderr, "test_cuda: %s\n", err.msg);
+        return 1;
+    }
+    rekv_backend_destroy(be);
+    return tu_run_suite(suite());
+}
+#endif
