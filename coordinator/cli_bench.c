@@ -180,6 +180,7 @@ typedef struct decode_result {
     rekv_layer_counters counters;
     int32_t *tokens; /* [gen_len][batch] */
     rekv_pipeline_config cfg;
+    char backend[16]; /* the backend it ran on */
 } decode_result;
 
 static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode mode, int B, int S,
@@ -192,8 +193,9 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     if ((rc = cli_session_choose(c, &po->link, B, S, &out->cfg, err)))
         return rc;
     cli_session ses;
-    if ((rc = cli_session_open(&ses, eng, &po->link, &out->cfg, B, S + N, err)))
+    if ((rc = cli_session_open(&ses, eng, po->backend, &po->link, &out->cfg, B, S + N, err)))
         return rc;
+    snprintf(out->backend, sizeof(out->backend), "%s", ses.be->iface->name);
     rekv_pseq **seqs = calloc((size_t)B, sizeof(*seqs));
     rekv_pipe_item *items = calloc((size_t)B, sizeof(*items));
     float *logits = malloc(sizeof(float) * (size_t)B * (size_t)V);
@@ -380,7 +382,7 @@ static int bench_decode(int argc, char **argv)
     json_t *out = json_pack(
         "{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:i, s:i, s:i, s:f, s:f, s:b, s:s, "
         "s:i, s:s, s:o}",
-        "bench", "decode", "backend", "cpu", "model", "layers", cfg->n_layers, "hidden",
+        "bench", "decode", "backend", res[0].backend, "model", "layers", cfg->n_layers, "hidden",
         cfg->hidden, "heads", cfg->n_heads, "kv_heads", cfg->n_kv_heads, "ffn", cfg->ffn, "vocab",
         cfg->vocab, "batch", (int)B, "prompt_len", (int)S, "gen_len", (int)N, "link_gbps",
         po.link.gbps, "link_latency_us", po.link.latency_us, "offload_weights",

@@ -48,7 +48,8 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
                       (json_int_t)lc[l].tokens_recomputed, "tokens_fetched",
                       (json_int_t)lc[l].tokens_fetched));
     json_t *st = json_pack(
-        "{s:s, s:s, s:s, s:b, s:s, s:i, s:s, s:i, s:i, s:f, s:f, s:f, s:f}", "backend", "cpu",
+        "{s:s, s:s, s:s, s:b, s:s, s:i, s:s, s:i, s:i, s:f, s:f, s:f, s:f}", "backend",
+        ses->be->iface->name,
         "via", "local", "mode", rekv_mode_name(po->cfg.mode), "offload_weights",
         po->cfg.offload_weights, "schedule", po->cfg.schedule == REKV_SCHED_ROW ? "row" : "column",
         "gpu_batches", po->cfg.gpu_batches, "finish_reason", res->finish_reason, "prompt_tokens",
@@ -197,7 +198,7 @@ int cli_generate(int argc, char **argv)
         if (cli_generate_remote(model_path, socket, ids, (int)n_ids, &gp, &res, &queued_s, &run_s,
                                 &err))
             goto fail;
-        st = json_pack("{s:s, s:s, s:s, s:i, s:i, s:f, s:f}", "backend", "cpu", "via",
+        st = json_pack("{s:s, s:s, s:i, s:i, s:f, s:f}", "via",
                        "coordinator", "finish_reason", res.finish_reason, "prompt_tokens",
                        (int)n_ids, "generated_tokens", res.n, "queued_s", queued_s, "run_s", run_s);
     } else {
@@ -206,7 +207,7 @@ int cli_generate(int argc, char **argv)
         int64_t want = (int64_t)n_ids + (max_new > 0 ? max_new - 1 : 0);
         int ctx = want < cfg->max_pos ? (int)want : cfg->max_pos;
         if (cli_session_choose(cfg, &po.link, 1, (int)n_ids, &po.cfg, &err) ||
-            cli_session_open(&ses, eng, &po.link, &po.cfg, 1, ctx, &err))
+            cli_session_open(&ses, eng, po.backend, &po.link, &po.cfg, 1, ctx, &err))
             goto fail;
         if (po.trace)
             ses.be->iface->trace_start(ses.be);

@@ -43,7 +43,7 @@ typedef struct child {
 static void run_usage(FILE *f)
 {
     fprintf(f,
-            "usage: rekv run --model PATH [--backend auto|cpu] [--dir DIR] [--mode MODE]\n"
+            "usage: rekv run --model PATH [--backend auto|cpu|cuda] [--dir DIR] [--mode MODE]\n"
             "                [--host-bytes N] [--queue N] [--max-batch N] [--state-dir DIR]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
             "                [--ready-fd N]\n"
@@ -177,9 +177,9 @@ int cli_run(int argc, char **argv)
         run_usage(stderr);
         return 2;
     }
-    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0) {
-        fprintf(stderr, "rekv run: --backend %s: the gpuworker drives the cpu backend only in this "
-                        "build (auto picks it)\n", backend);
+    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 &&
+        strcmp(backend, "cuda") != 0) {
+        fprintf(stderr, "rekv run: --backend %s: expected auto, cpu or cuda\n", backend);
         return 2;
     }
     char dir[2048], state[2200], bin[PATH_MAX], ep_ctl[2300], ep_wrk[2300], ep_kv[2300];

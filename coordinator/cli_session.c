@@ -44,14 +44,18 @@ int cli_session_choose(const rekv_model_config *c, const rekv_link_config *link,
     return 0;
 }
 
-int cli_session_open(cli_session *s, rekv_engine *e, const rekv_link_config *link,
-                     const rekv_pipeline_config *cfg, int batch, int ctx, rekv_err *err)
+int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
+                     const rekv_link_config *link, const rekv_pipeline_config *cfg, int batch,
+                     int ctx, rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(e);
     memset(s, 0, sizeof(*s));
-    int rc = rekv_backend_cpu_create(link, &s->be, err);
+    char note[1200];
+    int rc = rekv_backend_create(backend, link, &s->be, note, sizeof(note), err);
     if (rc)
         return rc;
+    if (strstr(note, "cpu backend") && strncmp(note, "built without", 13) != 0)
+        fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
     if (cfg->mode != REKV_MODE_RESIDENT) {
         const char *tmp = getenv("TMPDIR");
         snprintf(s->dir, sizeof(s->dir), "%s/rekv-local.XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -172,6 +176,13 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
             return -1;
         o->cfg.act_gpu_blocks = (int)v;
         return 1;
+    case CLI_OPT_BACKEND:
+        if (strcmp(arg, "auto") && strcmp(arg, "cpu") && strcmp(arg, "cuda")) {
+            fprintf(stderr, "rekv: --backend: expected auto, cpu or cuda\n");
+            return -1;
+        }
+        o->backend = arg;
+        return 1;
     case CLI_OPT_TRACE:
         o->trace = arg;
         return 1;
@@ -187,4 +198,5 @@ void cli_pipeline_opts_defaults(cli_pipeline_opts *o)
     o->cfg.kv_parts = -1; /* from the cost model */
     o->cfg.act_parts = -1;
     o->link.latency_us = 10;
+    o->backend = "auto";
 }

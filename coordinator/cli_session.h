@@ -22,6 +22,7 @@ enum {
     CLI_OPT_LINK_LATENCY,
     CLI_OPT_TRACE,
     CLI_OPT_ACT_GPU,
+    CLI_OPT_BACKEND,
 };
 
 #define CLI_PIPELINE_OPTIONS                                                                       \
@@ -35,7 +36,8 @@ enum {
         {"link-gbps", required_argument, 0, CLI_OPT_LINK_GBPS},                                    \
         {"link-latency-us", required_argument, 0, CLI_OPT_LINK_LATENCY},                           \
         {"trace", required_argument, 0, CLI_OPT_TRACE},                                            \
-        {"act-gpu-blocks", required_argument, 0, CLI_OPT_ACT_GPU}
+        {"act-gpu-blocks", required_argument, 0, CLI_OPT_ACT_GPU},                                 \
+        {"backend", required_argument, 0, CLI_OPT_BACKEND}
 
 #define CLI_PIPELINE_USAGE                                                                         \
     "  --mode resident|offload|kvpr|act|hybrid   where the KV cache lives (default resident)\n"    \
@@ -46,6 +48,7 @@ enum {
     "  --ratio KV:ACT        hybrid: block pattern (default: HybridServe Algorithm 1)\n"           \
     "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
     "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"  \
+    "  --backend auto|cpu|cuda  the device (auto: cuda when there is a GPU, else cpu)\n"        \
     "  --link-gbps G         emulate a host<->device link of G Gbit/s each way\n"                 \
     "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
     "  --trace FILE          write a Chrome trace (Perfetto) of the streams\n"
@@ -54,6 +57,7 @@ typedef struct cli_pipeline_opts {
     rekv_pipeline_config cfg; /* split / kv_parts < 0: chosen by cli_session_choose */
     rekv_link_config link;
     const char *trace;
+    const char *backend; /* "auto", "cpu", "cuda" */
 } cli_pipeline_opts;
 
 void cli_pipeline_opts_defaults(cli_pipeline_opts *o);
@@ -74,8 +78,9 @@ typedef struct cli_session {
 } cli_session;
 
 /* Sized for `batch` sequences of up to `ctx` tokens. */
-int cli_session_open(cli_session *s, rekv_engine *e, const rekv_link_config *link,
-                     const rekv_pipeline_config *cfg, int batch, int ctx, rekv_err *err);
+int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
+                     const rekv_link_config *link, const rekv_pipeline_config *cfg, int batch,
+                     int ctx, rekv_err *err);
 void cli_session_close(cli_session *s);
 
 #endif

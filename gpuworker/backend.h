@@ -113,7 +113,18 @@ typedef struct rekv_backend_iface {
     /* trace: record spans from now on (clearing earlier ones) / write them as Chrome trace JSON */
     void (*trace_start)(rekv_backend *be);
     int (*trace_write)(rekv_backend *be, const char *path, rekv_err *err);
+
+    /* optional: page-locks host memory the device copies from and to (the kvstore arena), so
+     * copies are DMA and overlap (cudaHostRegister). NULL: nothing to do (the cpu backend). */
+    int (*host_register)(rekv_backend *be, void *p, size_t bytes, rekv_err *err);
+    void (*host_unregister)(rekv_backend *be, void *p);
 } rekv_backend_iface;
+
+/* The backend a program asked for: "cpu", "cuda", or "auto" (cuda when built with it and a device
+ * exists, else cpu). The link emulation applies to the cpu backend only. *note (may be NULL)
+ * receives one line saying what was chosen and why, for the program to print. */
+int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
+                        char *note, size_t note_len, rekv_err *err);
 
 struct rekv_kernel_iface; /* kernels.h */
 

@@ -1208,6 +1208,26 @@ static const rekv_kernel_iface cuda_kernels = {
     k_gather_rows, /* gather_rows */
 };
 
+/* Page-locks the kvstore arena (or any host range) so that copies from it are DMA and async. */
+static int cu_host_register(rekv_backend *be, void *p, size_t bytes, rekv_err *err)
+{
+    (void)be;
+    cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return rekv_errf(err, -EIO, "cuda backend: cudaHostRegister of %zu bytes: %s", bytes,
+                         cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+static void cu_host_unregister(rekv_backend *be, void *p)
+{
+    (void)be;
+    if (cudaHostUnregister(p) != cudaSuccess)
+        cudaGetLastError();
+}
+
 static const rekv_backend_iface cuda_iface = {
     "cuda",               /* name */
     cu_destroy,           /* destroy */
@@ -1231,6 +1251,8 @@ static const rekv_backend_iface cuda_iface = {
     cu_stats_reset,       /* stats_reset */
     cu_trace_start,       /* trace_start */
     cu_trace_write,       /* trace_write */
+    cu_host_register,     /* host_register */
+    cu_host_unregister,   /* host_unregister */
 };
 
 extern "C" int rekv_backend_cuda_create(int device, rekv_backend **out, rekv_err *err)

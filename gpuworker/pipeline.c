@@ -224,6 +224,8 @@ struct rekv_pipeline {
     rekv_kv_plan_block *plan;
     size_t plan_n, plan_cap;
     meta_arena meta;        /* per-step metadata kernels read (see meta_alloc) */
+    int arena_registered;   /* the backend page-locked the arena (host_register) */
+    size_t arena_bytes;
 };
 
 struct rekv_pseq {
@@ -416,6 +418,8 @@ void rekv_pipeline_free(rekv_pipeline *p)
         p->bi->stream_destroy(p->s_h2d);
     if (p->s_d2h)
         p->bi->stream_destroy(p->s_d2h);
+    if (p->arena_registered && p->bi->host_unregister)
+        p->bi->host_unregister(p->be, p->arena);
     free(p->counters);
     free(p->step_log);
     meta_free(&p->meta);
@@ -468,6 +472,11 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     if (store) {
         size_t bytes;
         p->arena = rekv_kvstore_client_arena(store, &bytes);
+        p->arena_bytes = bytes;
+        /* copies straight from the shared arena: page-locked where the backend can (cuda) */
+        if (p->bi->host_register && p->bi->host_register(be, p->arena, bytes, err) == 0)
+            p->arena_registered = 1;
+        rekv_err_clear(err); /* unregistered only costs overlap, not correctness */
         rekv_kvstore_client_geometry(store, &p->geo);
         if (p->geo.n_layers != (uint32_t)c->n_layers || p->geo.n_kv_heads != (uint32_t)c->n_kv_heads ||
             p->geo.head_dim != (uint32_t)c->head_dim || p->geo.hidden != (uint32_t)c->hidden ||

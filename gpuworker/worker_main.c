@@ -27,7 +27,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
-            "         [--backend auto|cpu] [--mode resident|offload|kvpr|act|hybrid]\n"
+            "         [--backend auto|cpu|cuda] [--mode resident|offload|kvpr|act|hybrid]\n"
             "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
             "         [--ready-fd N]\n"
             "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
@@ -72,7 +72,7 @@ static void send_hello(worker *w)
 {
     Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
     h.name = (char *)w->name;
-    h.backend = "cpu";
+    h.backend = (char *)w->be->iface->name;
     h.mode = (char *)w->mode;
     h.max_batch = (uint32_t)w->max_batch;
     h.vocab = (uint32_t)w->mc->vocab;
@@ -290,9 +290,9 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0) {
-        fprintf(stderr, "rekv-gpuworker: --backend %s: this worker drives the cpu backend only "
-                        "(auto picks it)\n", backend);
+    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 &&
+        strcmp(backend, "cuda") != 0) {
+        fprintf(stderr, "rekv-gpuworker: --backend %s: expected auto, cpu or cuda\n", backend);
         return 2;
     }
     rekv_pipeline_config pc;
@@ -344,8 +344,12 @@ int main(int argc, char **argv)
                  mode_s);
         goto out;
     }
-    if (rekv_backend_cpu_create(NULL, &be, &err) ||
-        rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
+    char note[1200];
+    if (rekv_backend_create(backend, NULL, &be, note, sizeof(note), &err))
+        goto fail;
+    if (note[0])
+        rekv_log(REKV_LOG_INFO, "%s", note);
+    if (rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
         rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))
         goto fail;
     w.be = be;
@@ -375,9 +379,9 @@ int main(int argc, char **argv)
         goto out;
     }
     send_hello(&w);
-    rekv_log(REKV_LOG_INFO, "%s: %s, %d layers, vocab %d, context %d; cpu backend, %s mode, batch "
+    rekv_log(REKV_LOG_INFO, "%s: %s, %d layers, vocab %d, context %d; %s backend, %s mode, batch "
              "of %u; coordinator %s%s%s", name, model_path, w.mc->n_layers, w.mc->vocab,
-             w.mc->max_pos, w.mode, max_batch, coord, kv_ep ? ", kvstore " : "",
+             w.mc->max_pos, be->iface->name, w.mode, max_batch, coord, kv_ep ? ", kvstore " : "",
              kv_ep ? kv_ep : "");
     rekv_daemon_ready(ready_fd == UINT32_MAX ? -1 : (int)ready_fd);
     uint64_t last_renew = rekv_now_ns();

@@ -1,0 +1,43 @@
+/* backend.c — choosing a backend by name (see rekv_backend_create in backend.h). */
+#include "gpuworker/backend.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#if REKV_CUDA
+#include "gpuworker/backend_cuda.h"
+#endif
+
+int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
+                        char *note, size_t note_len, rekv_err *err)
+{
+    if (note && note_len)
+        note[0] = '\0';
+    if (which == NULL || strcmp(which, "auto") == 0) {
+#if REKV_CUDA
+        rekv_err cerr = {0};
+        if (rekv_backend_cuda_create(0, out, &cerr) == 0) {
+            if (note)
+                snprintf(note, note_len, "cuda backend on device 0");
+            return 0;
+        }
+        if (note)
+            snprintf(note, note_len, "no usable GPU (%s): running on the cpu backend", cerr.msg);
+#else
+        if (note)
+            snprintf(note, note_len, "built without CUDA: running on the cpu backend");
+#endif
+        return rekv_backend_cpu_create(link, out, err);
+    }
+    if (strcmp(which, "cpu") == 0)
+        return rekv_backend_cpu_create(link, out, err);
+    if (strcmp(which, "cuda") == 0) {
+#if REKV_CUDA
+        return rekv_backend_cuda_create(0, out, err);
+#else
+        return rekv_errf(err, -ENOTSUP, "this build of rekv has no cuda backend (nvcc was absent)");
+#endif
+    }
+    return rekv_errf(err, -EINVAL, "unknown backend \"%s\" (auto, cpu, cuda)", which);
+}
