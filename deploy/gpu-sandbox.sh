@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Building rekv on a machine that has CUDA but not Debian's -dev packages rekv links (the device
+# machine lent to some sessions: nvcc, cuBLAS and a GPU, no liburing/libzmq/protobuf-c/OpenBLAS/Check).
+#   deploy/gpu-sandbox.sh fetch    here (Debian, network to the mirror): apt-get download the .debs
+#                                  into debs/ (git-ignored); carry debs/ to the device machine
+#   deploy/gpu-sandbox.sh build    there: unpack debs/ into debs/root with dpkg -x (never into /) and
+#                                  run make with pkg-config, the compiler and the loader pointed at it;
+#                                  extra arguments go to make (e.g. `test`)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD/debs/root
+case "${1:-}" in
+fetch)
+    mkdir -p debs
+    # the library -dev packages of deploy/debian-packages.txt, what they depend on, and the runtime
+    # libraries those need in turn, less what every machine has (libc, libgcc, libstdc++, zlib, the
+    # toolchain): ~20 MB to carry
+    base='^(libc6|libc6-dev|libc-dev|libgcc-s1|libstdc\+\+6|zlib1g|libgcc-12-dev|gcc|g\+\+|cpp|pkg-config|pkgconf|mawk|linux-libc-dev|libcrypt1|libcrypt-dev|debconf|libgomp1|libgfortran5|libquadmath0|libzstd1|liblzma5|libselinux1|libpcre2-16-0|libpcre2-32-0|libpcre2-posix3)$'
+    deps_of() { apt-cache depends --no-recommends --no-suggests --no-conflicts --no-breaks \
+                --no-replaces --no-enhances "$@" | sed -n 's/^ *|\{0,1\}Depends: //p' | grep -v '^<'; }
+    pkgs=$(grep -E -- '-dev$|^check$|^protobuf-c-compiler$' deploy/debian-packages.txt)
+    lvl1=$(deps_of $pkgs | sort -u | grep -vE "$base")
+    lvl2=$(deps_of $(echo "$lvl1" | grep -v -- '-dev$') | sort -u | grep -vE "$base" | grep -v -- '-dev$')
+    deps=$(printf '%s\n' $pkgs $lvl1 $lvl2 | sort -u | grep -vE 'openblas.*(openmp|serial)')
+    (cd debs && apt-get download $deps)
+    ls debs/*.deb | wc -l
+    ;;
+build)
+    shift
+    mkdir -p "$root"
+    for d in debs/*.deb; do dpkg -x "$d" "$root"; done
+    arch=$(gcc -dumpmachine)
+    export PKG_CONFIG_SYSROOT_DIR=$root
+    export PKG_CONFIG_PATH=$root/usr/lib/$arch/pkgconfig:$root/usr/share/pkgconfig:$root/usr/lib/pkgconfig
+    export CPATH=$root/usr/include:$root/usr/include/$arch
+    export LIBRARY_PATH=$root/usr/lib/$arch:$root/lib/$arch
+    export LD_LIBRARY_PATH=$root/usr/lib/$arch:$root/lib/$arch:$root/usr/lib/$arch/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export PATH=$root/usr/bin:$PATH
+    export PATH=/usr/local/cuda/bin:$PATH
+    make "$@"
+    ;;
+*)
+    sed -n '2,10p' "$0"
+    exit 2
+    ;;
+esac
