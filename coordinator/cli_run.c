@@ -225,6 +225,9 @@ int cli_run(int argc, char **argv)
     ARG(KV, "--host-bytes"); ARG(KV, host_bytes);
     ARG(KV, "--model"); ARG(KV, model);
     ARG(KV, "--cache-dtype"); ARG(KV, "f32");
+    /* the worker is the store's only client and holds its pins for a whole step, which can take
+     * minutes on the cpu backend; a dead worker is noticed by the coordinator and restarted */
+    ARG(KV, "--lease-ms"); ARG(KV, "600000");
     ARG(WORKER, "--model"); ARG(WORKER, model);
     ARG(WORKER, "--coordinator"); ARG(WORKER, ep_wrk);
     ARG(WORKER, "--kvstore"); ARG(WORKER, ep_kv);
