@@ -5,10 +5,13 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -50,6 +53,7 @@ typedef struct worker {
     rekv_cost_profile cost;   /* measured at start (cached per machine/model), sent in Hello */
     int offload_weights;
     rekv_dtype cache_dtype;
+    uint32_t hb_ms;           /* heartbeat period, also while a step runs */
 } worker;
 
 static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
@@ -106,6 +110,64 @@ static void send_hello(worker *w)
     m.hello = &h;
     send_msg(w, &m);
     w->awaiting_welcome = 1;
+}
+
+/* A step on its own thread, so that the loop's thread keeps the coordinator informed (a long
+ * prefill on the cpu backend can outlast the coordinator's worker timeout). */
+typedef struct step_job {
+    rekv_batcher *batch;
+    const rekv_batch_event *ev;
+    int n_ev;
+    rekv_err err;
+    int rc;
+    int done_fd; /* eventfd written when the step is over */
+} step_job;
+
+static void *step_thread(void *arg)
+{
+    step_job *sj = arg;
+    sj->rc = rekv_batcher_step(sj->batch, &sj->ev, &sj->n_ev, &sj->err);
+    uint64_t one = 1;
+    ssize_t wr = write(sj->done_fd, &one, sizeof(one));
+    (void)wr;
+    return NULL;
+}
+
+static void send_heartbeat(worker *w)
+{
+    Rekv__Worker__Heartbeat hb = REKV__WORKER__HEARTBEAT__INIT;
+    hb.steps = w->steps;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_HEARTBEAT;
+    m.heartbeat = &hb;
+    send_msg(w, &m);
+}
+
+/* Runs one batcher step on a thread while this one heartbeats every hb_ms; messages from the
+ * coordinator wait in the socket until the step is over. Falls back to running it here. */
+static int step_with_heartbeats(worker *w, const rekv_batch_event **ev, int *n_ev, rekv_err *err)
+{
+    step_job sj = {w->batch, NULL, 0, {0}, 0, eventfd(0, EFD_CLOEXEC)};
+    pthread_t t;
+    if (sj.done_fd < 0 || pthread_create(&t, NULL, step_thread, &sj) != 0) {
+        if (sj.done_fd >= 0)
+            close(sj.done_fd);
+        return rekv_batcher_step(w->batch, ev, n_ev, err);
+    }
+    for (;;) {
+        struct pollfd pf = {sj.done_fd, POLLIN, 0};
+        if (poll(&pf, 1, (int)w->hb_ms) > 0)
+            break;
+        send_heartbeat(w);
+        rekv_daemon_watchdog();
+    }
+    pthread_join(t, NULL);
+    close(sj.done_fd);
+    *ev = sj.ev;
+    *n_ev = sj.n_ev;
+    if (sj.rc)
+        rekv_errf(err, sj.rc, "%s", sj.err.msg);
+    return sj.rc;
 }
 
 /* One plan: drop the cancelled, add the joining, run a step, report. */
@@ -165,7 +227,7 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     int n_ev = 0;
     rekv_err serr = {0};
     int running = rekv_batcher_running(w->batch);
-    if (running > 0 && rekv_batcher_step(w->batch, &ev, &n_ev, &serr)) {
+    if (running > 0 && step_with_heartbeats(w, &ev, &n_ev, &serr)) {
         /* the step failed as a whole: every job in it fails with the reason */
         rekv_log(REKV_LOG_ERROR, "step %llu: %s", (unsigned long long)plan->step, serr.msg);
         rekv_batcher_clear(w->batch);
@@ -330,6 +392,7 @@ int main(int argc, char **argv)
     w.mode = rekv_mode_name(pc.mode);
     w.model = model_path;
     w.max_batch = (int)max_batch;
+    w.hb_ms = hb_ms;
     if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
     w.mc = rekv_engine_config(eng);
@@ -442,14 +505,8 @@ int main(int argc, char **argv)
             break;
         }
         uint64_t now = rekv_now_ns();
-        if (now - w.last_sent_ns >= (uint64_t)hb_ms * 1000000ull) {
-            Rekv__Worker__Heartbeat hb = REKV__WORKER__HEARTBEAT__INIT;
-            hb.steps = w.steps;
-            Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
-            m.body_case = REKV__WORKER__WORKER_MSG__BODY_HEARTBEAT;
-            m.heartbeat = &hb;
-            send_msg(&w, &m);
-        }
+        if (now - w.last_sent_ns >= (uint64_t)hb_ms * 1000000ull)
+            send_heartbeat(&w);
         /* the kvstore drops idle clients' pins after its lease; stay known to it */
         if (kv && now - last_renew >= 1000000000ull) {
             rekv_err e2 = {0};

@@ -520,6 +520,53 @@ START_TEST(planner_in_the_loop)
 }
 END_TEST
 
+/* A step far longer than the coordinator's worker timeout (a big prefill on the cpu backend):
+ * the worker keeps heartbeating from its loop while the step runs on its own thread, so nobody
+ * takes it for dead, nothing is re-queued, and the tokens are rekv_generate's. */
+START_TEST(long_steps_keep_heartbeating)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    rekv_synth_spec spec = {REKV_ARCH_OPT, 8, 1024, 16, 16, 4096, 512, 256, REKV_DTYPE_F16, 3, 1};
+    snprintf(e.model, sizeof(e.model), "%s/big", e.dir);
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write(&spec, e.model, &err) == 0, "%s", err.msg);
+    enum { N = 16 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 1, 512, 3);
+    for (int i = 0; i < N; i++)
+        jobs[i].gp.max_new_tokens = 2;
+    reference(jobs, N, e.model);
+    pid_t co = start_coordinator(&e, "64", "250");
+    pid_t wk = start_worker(&e, "16");
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_and_check(c, jobs, N, 120);
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    Rekv__Control__Response *r = call(c, &rq);
+    ck_assert_msg(r->stats->requeued == 0, "%llu jobs re-queued: the worker was taken for dead",
+                  (unsigned long long)r->stats->requeued);
+    /* the longest step is at least the mean: above the timeout, or the test proves nothing */
+    ck_assert_msg(r->stats->worker_step_avg_s > 0.25,
+                  "steps took %.2f s on average, not longer than the 0.25 s worker timeout: make "
+                  "the model bigger", r->stats->worker_step_avg_s);
+    fprintf(stderr, "   %llu steps of %.2f s on average against a 0.25 s worker timeout\n",
+            (unsigned long long)r->stats->steps, r->stats->worker_step_avg_s);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(stop(wk), 0);
+    ck_assert_int_eq(stop(co), 0);
+    free_jobs(jobs, N);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
 static int wait_some_tokens(rekv_ctl *c, tjob *jobs, int n)
 {
     uint64_t deadline = rekv_now_ns() + 30000000000ull;
@@ -765,6 +812,7 @@ static Suite *suite(void)
     tcase_add_test(tc, batcher_matches_generate);
     tcase_add_test(tc, run_64_jobs);
     tcase_add_test(tc, planner_in_the_loop);
+    tcase_add_test(tc, long_steps_keep_heartbeating);
     tcase_add_test(tc, worker_killed);
     tcase_add_test(tc, coordinator_restart);
     tcase_add_test(tc, malformed_requests);
