@@ -1,4 +1,4 @@
-/* backend.c — choosing a backend by name (see rekv_backend_create in backend.h). */
+/* backend.c — what every backend shares: choosing one by name, and copy labels for traces. */
 #include "gpuworker/backend.h"
 
 #include <errno.h>
@@ -8,6 +8,25 @@
 #if REKV_CUDA
 #include "gpuworker/backend_cuda.h"
 #endif
+
+void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind, size_t bytes)
+{
+    static const char *const kinds[REKV_XFER_KINDS] = {"weights", "KV", "ACT", "other"};
+    char size[32];
+    if (bytes < 1024)
+        snprintf(size, sizeof(size), "%zu B", bytes);
+    else if (bytes < (1u << 20))
+        snprintf(size, sizeof(size), "%.1f KiB", (double)bytes / 1024.0);
+    else if (bytes < (1u << 30))
+        snprintf(size, sizeof(size), "%.1f MiB", (double)bytes / (1024.0 * 1024.0));
+    else
+        snprintf(size, sizeof(size), "%.2f GiB", (double)bytes / (1024.0 * 1024.0 * 1024.0));
+    if (strcmp(dir, "d2d") == 0)
+        snprintf(buf, cap, "d2d %s", size);
+    else
+        snprintf(buf, cap, "%s %s %s", dir, (unsigned)kind < REKV_XFER_KINDS ? kinds[kind] : "other",
+                 size);
+}
 
 int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
                         char *note, size_t note_len, rekv_err *err)

@@ -120,6 +120,10 @@ typedef struct rekv_backend_iface {
     void (*host_unregister)(rekv_backend *be, void *p);
 } rekv_backend_iface;
 
+/* The trace label of a copy, e.g. "h2d KV 1.0 MiB" or "d2d 64 B" (dir: "h2d", "d2h" or "d2d";
+ * the kind is left out for d2d). Shared by the backends so their traces read alike. */
+void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind, size_t bytes);
+
 /* The backend a program asked for: "cpu", "cuda", or "auto" (cuda when built with it and a device
  * exists, else cpu). The link emulation applies to the cpu backend only. *note (may be NULL)
  * receives one line saying what was chosen and why, for the program to print. */

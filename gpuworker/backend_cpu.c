@@ -164,32 +164,6 @@ static void stream_fail(rekv_stream *s, int code, const char *fmt, ...)
     pthread_mutex_unlock(&s->mu);
 }
 
-static const char *xfer_kind_name(rekv_xfer_kind k)
-{
-    switch (k) {
-    case REKV_XFER_WEIGHTS:
-        return "weights";
-    case REKV_XFER_KV:
-        return "KV";
-    case REKV_XFER_ACT:
-        return "ACT";
-    default:
-        return "other";
-    }
-}
-
-static void format_bytes(char *buf, size_t cap, size_t bytes)
-{
-    if (bytes < 1024)
-        snprintf(buf, cap, "%zu B", bytes);
-    else if (bytes < (1u << 20))
-        snprintf(buf, cap, "%.1f KiB", (double)bytes / 1024.0);
-    else if (bytes < (1u << 30))
-        snprintf(buf, cap, "%.1f MiB", (double)bytes / (1024.0 * 1024.0));
-    else
-        snprintf(buf, cap, "%.2f GiB", (double)bytes / (1024.0 * 1024.0 * 1024.0));
-}
-
 /* Records a span if tracing; spans that began before trace_start are clipped to it. */
 static void trace_span(cpu_backend *be, uint32_t tid, const char *label, uint64_t start_ns,
                        uint64_t end_ns)
@@ -270,13 +244,8 @@ static void run_copy(rekv_stream *s, cpu_task *t)
     }
     if (tracing(be)) {
         static const char *const dir_names[] = {"h2d", "d2h", "d2d"};
-        char size[32], label[64];
-        format_bytes(size, sizeof(size), t->u.copy.bytes);
-        if (dir == CPU_COPY_D2D)
-            snprintf(label, sizeof(label), "d2d %s", size);
-        else
-            snprintf(label, sizeof(label), "%s %s %s", dir_names[dir],
-                     xfer_kind_name(t->u.copy.kind), size);
+        char label[64];
+        rekv_copy_label(label, sizeof(label), dir_names[dir], t->u.copy.kind, t->u.copy.bytes);
         trace_span(be, s->tid, label, start, end);
     }
 }

@@ -477,32 +477,6 @@ static void cu_event_sync(rekv_event *ev)
 
 /* ------------------------------------------------------------------ copies */
 
-static const char *xfer_kind_name(rekv_xfer_kind k)
-{
-    switch (k) {
-    case REKV_XFER_WEIGHTS:
-        return "weights";
-    case REKV_XFER_KV:
-        return "KV";
-    case REKV_XFER_ACT:
-        return "ACT";
-    default:
-        return "other";
-    }
-}
-
-static void format_bytes(char *buf, size_t cap, size_t bytes)
-{
-    if (bytes < 1024)
-        snprintf(buf, cap, "%zu B", bytes);
-    else if (bytes < (1u << 20))
-        snprintf(buf, cap, "%.1f KiB", (double)bytes / 1024.0);
-    else if (bytes < (1u << 30))
-        snprintf(buf, cap, "%.1f MiB", (double)bytes / (1024.0 * 1024.0));
-    else
-        snprintf(buf, cap, "%.2f GiB", (double)bytes / (1024.0 * 1024.0 * 1024.0));
-}
-
 /* One cudaMemcpyAsync per piece; cudaMemcpyDefault lets UVA tell pinned, pageable and device
  * memory apart (the kvstore arena is pageable unless registered; pageable copies are correct but
  * synchronous with respect to the host). Counted exactly at enqueue. */
@@ -549,12 +523,8 @@ static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces,
         pthread_mutex_unlock(&be->mu);
     }
     use_device(be);
-    char size[32], label[64];
-    format_bytes(size, sizeof(size), bytes);
-    if (dir == CU_OP_D2D)
-        snprintf(label, sizeof(label), "d2d %s", size);
-    else
-        snprintf(label, sizeof(label), "%s %s %s", dir_names[dir], xfer_kind_name(kind), size);
+    char label[64];
+    rekv_copy_label(label, sizeof(label), dir_names[dir], kind, bytes);
     long op = op_begin(s, dir, label);
     for (size_t i = 0; i < n; i++) {
         if (pieces[i].bytes == 0)
