@@ -377,15 +377,10 @@ START_TEST(batcher_matches_generate)
 END_TEST
 
 /* `rekv run` serves 64 concurrent jobs; outputs equal rekv_generate's. */
-START_TEST(run_64_jobs)
+/* `rekv run` (cli_run in a child) on e's private sockets; returns once it is ready. mode NULL:
+ * the default. */
+static pid_t rekv_run_start(env *e, const char *host_bytes, const char *max_batch, const char *mode)
 {
-    env e;
-    if (env_open(&e))
-        return;
-    enum { N = 64 };
-    static tjob jobs[N];
-    make_jobs(jobs, N, 8, 512, 1);
-    reference(jobs, N, e.model);
     char bindir[4096];
     snprintf(bindir, sizeof(bindir), "%s", tu_bin(""));
     bindir[strlen(bindir) - 1] = '\0';
@@ -397,9 +392,16 @@ START_TEST(run_64_jobs)
         close(pfd[0]);
         char fd[16];
         snprintf(fd, sizeof(fd), "%d", pfd[1]);
-        char *argv[] = {"run", "--model", e.model, "--dir", e.dir, "--bin-dir", bindir,
-                        "--host-bytes", "16M", "--max-batch", "32", "--ready-fd", fd, NULL};
-        _exit(cli_run(13, argv));
+        char *argv[20] = {"run", "--model", e->model, "--dir", e->dir, "--bin-dir", bindir,
+                          "--host-bytes", (char *)host_bytes, "--max-batch", (char *)max_batch,
+                          "--ready-fd", fd};
+        int argc = 13;
+        if (mode) {
+            argv[argc++] = "--mode";
+            argv[argc++] = (char *)mode;
+        }
+        argv[argc] = NULL;
+        _exit(cli_run(argc, argv));
     }
     close(pfd[1]);
     struct pollfd p = {pfd[0], POLLIN, 0};
@@ -407,6 +409,38 @@ START_TEST(run_64_jobs)
     char buf[8] = {0};
     ck_assert_msg(read(pfd[0], buf, 7) == 6, "rekv run exited before it was ready");
     close(pfd[0]);
+    return pid;
+}
+
+/* Ctrl-C: everything stops cleanly. */
+static void rekv_run_stop(pid_t pid)
+{
+    kill(pid, SIGINT);
+    int status;
+    ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rekv run exit status %d", status);
+}
+
+/* The coordinator's Stats (free with rekv__control__response__free_unpacked). */
+static Rekv__Control__Response *stats(rekv_ctl *c)
+{
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    return call(c, &rq);
+}
+
+START_TEST(run_64_jobs)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 64 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 8, 512, 1);
+    reference(jobs, N, e.model);
+    pid_t pid = rekv_run_start(&e, "16M", "32", NULL);
     /* the control socket is private to us */
     struct stat st;
     ck_assert_int_eq(stat(e.ctl + 6, &st), 0);
@@ -417,11 +451,7 @@ START_TEST(run_64_jobs)
     ck_assert_int_eq(submit_all(c, jobs, N), N);
     wait_and_check(c, jobs, N, 60);
     double dt = (double)(rekv_now_ns() - t0) * 1e-9;
-    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
-    rq.stats = &sr;
-    Rekv__Control__Response *r = call(c, &rq);
+    Rekv__Control__Response *r = stats(c);
     ck_assert_int_eq(r->stats->done, N);
     ck_assert_int_eq(r->stats->n_workers, 1);
     fprintf(stderr,
@@ -433,10 +463,7 @@ START_TEST(run_64_jobs)
     rekv__control__response__free_unpacked(r, NULL);
     rekv_ctl_close(c);
     /* Ctrl-C: everything stops cleanly and the sockets are gone */
-    kill(pid, SIGINT);
-    int status;
-    ck_assert_int_eq(waitpid(pid, &status, 0), pid);
-    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rekv run exit status %d", status);
+    rekv_run_stop(pid);
     ck_assert_int_ne(access(e.ctl + 6, F_OK), 0);
     free_jobs(jobs, N);
     tu_rmrf(e.dir);
@@ -460,37 +487,12 @@ START_TEST(planner_in_the_loop)
         static tjob jobs[N];
         make_jobs(jobs, N, 8, 512, 7 + (uint64_t)mi);
         reference(jobs, N, e.model);
-        char bindir[4096];
-        snprintf(bindir, sizeof(bindir), "%s", tu_bin(""));
-        bindir[strlen(bindir) - 1] = '\0';
-        int pfd[2];
-        ck_assert_int_eq(pipe(pfd), 0);
-        pid_t pid = fork();
-        ck_assert_int_ge(pid, 0);
-        if (pid == 0) {
-            close(pfd[0]);
-            char fd[16];
-            snprintf(fd, sizeof(fd), "%d", pfd[1]);
-            char *argv[] = {"run", "--model", e.model, "--dir", e.dir, "--bin-dir", bindir,
-                            "--host-bytes", "64M", "--max-batch", "16", "--mode",
-                            (char *)modes[mi], "--ready-fd", fd, NULL};
-            _exit(cli_run(15, argv));
-        }
-        close(pfd[1]);
-        struct pollfd p = {pfd[0], POLLIN, 0};
-        ck_assert_msg(poll(&p, 1, 60000) == 1, "rekv run did not become ready");
-        char buf[8] = {0};
-        ck_assert_msg(read(pfd[0], buf, 7) == 6, "rekv run exited before it was ready");
-        close(pfd[0]);
+        pid_t pid = rekv_run_start(&e, "64M", "16", modes[mi]);
         rekv_ctl *c = ctl_open(e.ctl);
         wait_workers(c, 1);
         ck_assert_int_eq(submit_all(c, jobs, N), N);
         wait_and_check(c, jobs, N, 120);
-        Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
-        Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-        rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
-        rq.stats = &sr;
-        Rekv__Control__Response *r = call(c, &rq);
+        Rekv__Control__Response *r = stats(c);
         ck_assert_int_eq(r->stats->n_workers, 1);
         const Rekv__Control__WorkerInfo *w = r->stats->workers[0];
         ck_assert_str_eq(w->mode, modes[mi]);
@@ -509,10 +511,7 @@ START_TEST(planner_in_the_loop)
                 w->plan_act_parts, w->plan_gpu_batches, w->plan_pcie_scale, w->plan_compute_scale);
         rekv__control__response__free_unpacked(r, NULL);
         rekv_ctl_close(c);
-        kill(pid, SIGINT);
-        int status;
-        ck_assert_int_eq(waitpid(pid, &status, 0), pid);
-        ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rekv run exit %d", status);
+        rekv_run_stop(pid);
         free_jobs(jobs, N);
         tu_rmrf(e.dir);
         free(e.dir);
@@ -544,11 +543,7 @@ START_TEST(long_steps_keep_heartbeating)
     wait_workers(c, 1);
     ck_assert_int_eq(submit_all(c, jobs, N), N);
     wait_and_check(c, jobs, N, 120);
-    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
-    rq.stats = &sr;
-    Rekv__Control__Response *r = call(c, &rq);
+    Rekv__Control__Response *r = stats(c);
     ck_assert_msg(r->stats->requeued == 0, "%llu jobs re-queued: the worker was taken for dead",
                   (unsigned long long)r->stats->requeued);
     /* the longest step is at least the mean: above the timeout, or the test proves nothing */
