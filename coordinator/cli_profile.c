@@ -48,13 +48,9 @@ int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dty
     double dsz = (double)rekv_dtype_size(cache_dtype);
     double layer_w = offload_weights ? pf->layer_weight_bytes : 0;
     double blocks = (double)batch * ((ctx + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS);
-    rekv_hybrid_params hp = {0};
-    hp.kv_block_bytes = 2.0 * rekv_config_kv_dim(c) * dsz * REKV_PLAN_BLOCK_TOKENS;
-    hp.act_block_bytes = (double)c->hidden * dsz * REKV_PLAN_BLOCK_TOKENS;
-    hp.n_layers = c->n_layers;
-    hp.weight_bytes = layer_w * c->n_layers;
-    hp.host_bytes = hp.weight_bytes + blocks * hp.kv_block_bytes * c->n_layers;
-    hp.block_tokens = REKV_PLAN_BLOCK_TOKENS;
+    rekv_hybrid_params hp;
+    rekv_plan_hybrid_params_for_batch(&hp, c->hidden, rekv_config_kv_dim(c), c->n_layers, dsz,
+                                      layer_w, blocks);
     return rekv_plan_hybrid_alloc(&prof, &hp, out, err);
 }
 

@@ -73,13 +73,9 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     /* HybridServe's host allocation for the memory this batch's context takes as all-KV */
     int kv_parts = 1, act_parts = 1;
     if (ps->mode == REKV_MODE_HYBRID) {
-        rekv_hybrid_params hp = {0};
-        hp.kv_block_bytes = 2.0 * ps->kv_dim * elem * REKV_PLAN_BLOCK_TOKENS;
-        hp.act_block_bytes = (double)ps->hidden * elem * REKV_PLAN_BLOCK_TOKENS;
-        hp.n_layers = (int)ps->n_layers;
-        hp.weight_bytes = prof.t_load_w * prof.h2d_bw * ps->n_layers;
-        hp.host_bytes = hp.weight_bytes + (double)blocks_sum * hp.kv_block_bytes * ps->n_layers;
-        hp.block_tokens = REKV_PLAN_BLOCK_TOKENS;
+        rekv_hybrid_params hp;
+        rekv_plan_hybrid_params_for_batch(&hp, ps->hidden, ps->kv_dim, (int)ps->n_layers, elem,
+                                          prof.t_load_w * prof.h2d_bw, (double)blocks_sum);
         rekv_hybrid_alloc ha;
         if (rekv_plan_hybrid_alloc(&prof, &hp, &ha, NULL) == 0 && ha.kv_parts + ha.act_parts > 0)
             kv_parts = ha.kv_parts, act_parts = ha.act_parts;

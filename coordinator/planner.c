@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* ---------------------------------------------------------------- profile */
 
@@ -509,4 +510,17 @@ void rekv_plan_shape_from_config(const rekv_model_config *cfg, int64_t b, int64_
     out->weight_bytes = weights_offloaded ? params * (double)rekv_dtype_size(cfg->dtype) : 0.0;
     /* one new token per sequence: 2 FLOP per weight, plus Q.K^T and P.V over s cached tokens */
     out->fwd_flops = 2.0 * (double)b * params + 4.0 * (double)b * (double)s * q;
+}
+
+void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, int64_t kv_dim,
+                                       int n_layers, double elem_bytes, double layer_weight_bytes,
+                                       double blocks)
+{
+    memset(hp, 0, sizeof(*hp));
+    hp->kv_block_bytes = 2.0 * (double)kv_dim * elem_bytes * REKV_PLAN_BLOCK_TOKENS;
+    hp->act_block_bytes = (double)hidden * elem_bytes * REKV_PLAN_BLOCK_TOKENS;
+    hp->n_layers = n_layers;
+    hp->weight_bytes = layer_weight_bytes * n_layers;
+    hp->host_bytes = hp->weight_bytes + blocks * hp->kv_block_bytes * n_layers;
+    hp->block_tokens = REKV_PLAN_BLOCK_TOKENS;
 }

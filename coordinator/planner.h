@@ -162,6 +162,13 @@ typedef struct rekv_hybrid_alloc {
 int rekv_plan_hybrid_alloc(const rekv_cost_profile *prof, const rekv_hybrid_params *p,
                            rekv_hybrid_alloc *out, rekv_err *err);
 
+/* Algorithm 1's inputs for a batch whose context is `blocks` blocks (per layer) and whose host
+ * memory is what that context takes as all-KV, plus the weights when layer_weight_bytes > 0
+ * (offloaded): the case both the CLI and the coordinator plan for. */
+void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, int64_t kv_dim,
+                                       int n_layers, double elem_bytes, double layer_weight_bytes,
+                                       double blocks);
+
 /* The request block allocation rule (003 Eq. 5, 001 Eq. 11) lives with the store that applies it:
  * rekv_kv_next_block_type() in kvstore/kvstore.h. */
 
