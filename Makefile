@@ -15,7 +15,13 @@ say =
 endif
 
 NVCC ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc))
-CUDA ?= $(if $(NVCC),1,0)
+NVCC := $(NVCC)
+# The toolkit's root: $CUDA_HOME if set, else the one nvcc itself reports (nvcc on PATH may be a
+# wrapper script elsewhere), else /usr/local/cuda; the first that has the runtime headers wins.
+cuda_top = $(shell $(NVCC) --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$$ TOP=//p' | head -n1)
+CUDA_HOME := $(firstword $(foreach d,$(CUDA_HOME) $(if $(NVCC),$(abspath $(cuda_top))) /usr/local/cuda,\
+               $(if $(wildcard $(d)/include/cuda_runtime.h),$(d))))
+CUDA ?= $(if $(and $(NVCC),$(CUDA_HOME)),1,0)
 
 BUILD ?= build
 export REKV_BUILD := $(BUILD)
@@ -46,7 +52,6 @@ OBJS_proto := $(patsubst $(BUILD)/gen/%.c,$(BUILD)/obj/gen/%.o,$(PROTO_C))
 ifeq ($(CUDA),1)
 CU_SRCS := $(wildcard gpuworker/*.cu)
 CU_OBJS := $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CU_SRCS))
-CUDA_HOME := $(patsubst %/bin/nvcc,%,$(NVCC))
 NVCCFLAGS := -O2 -std=c++17 -I. -I$(BUILD)/gen -Xcompiler -fPIC,-Wall \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 OBJS_gpuworker += $(CU_OBJS)
