@@ -8,24 +8,28 @@
 
 /* The stream's backend iface is needed to launch; streams of the cpu backend all share it. */
 extern const rekv_backend_iface rekv_cpu_backend_iface;
-#define LAUNCH(s, name, fn, args) rekv_cpu_backend_iface.launch_host((s), (name), (fn), &(args), sizeof(args))
+#define LAUNCH(s, name, fn, args)                                                                  \
+    rekv_cpu_backend_iface.launch_host((s), (name), (fn), &(args), sizeof(args))
 
 typedef struct linear_args {
     float *y;
-    const float *x, *w, *bias;
+    const float *x;
+    const void *w;
+    rekv_dtype wt;
+    const float *bias;
     int m, n, k;
 } linear_args;
 
 static void run_linear(void *p)
 {
     linear_args *a = p;
-    cpu_gemm_rowinv(a->y, a->x, a->w, a->bias, a->m, a->n, a->k);
+    cpu_gemm_rowinv(a->y, a->x, a->w, a->wt, a->bias, a->m, a->n, a->k);
 }
 
-static void k_linear(rekv_stream *s, float *y, const float *x, const float *w, const float *bias,
-                     int m, int n, int k)
+static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
+                     const float *bias, int m, int n, int k)
 {
-    linear_args a = {y, x, w, bias, m, n, k};
+    linear_args a = {y, x, w, wt, bias, m, n, k};
     LAUNCH(s, "linear", run_linear, a);
 }
 
@@ -120,7 +124,9 @@ static void k_add(rekv_stream *s, float *x, const float *y, size_t n)
 
 typedef struct embed_args {
     float *x;
-    const float *table, *pos_table;
+    const void *table;
+    rekv_dtype tt;
+    const float *pos_table;
     const int32_t *tokens, *pos;
     int pos_offset, m, e;
 } embed_args;
@@ -128,10 +134,12 @@ typedef struct embed_args {
 static void run_embed(void *p)
 {
     embed_args *a = p;
+    size_t es = rekv_dtype_size(a->tt);
     for (int i = 0; i < a->m; i++) {
         float *row = a->x + (size_t)i * a->e;
         if (a->table)
-            memcpy(row, a->table + (size_t)a->tokens[i] * a->e, sizeof(float) * (size_t)a->e);
+            rekv_to_f32(row, (const char *)a->table + (size_t)a->tokens[i] * a->e * es, a->tt,
+                        (size_t)a->e);
         if (a->pos_table) {
             const float *pr = a->pos_table + (size_t)(a->pos[i] + a->pos_offset) * a->e;
             for (int j = 0; j < a->e; j++)
@@ -140,10 +148,11 @@ static void run_embed(void *p)
     }
 }
 
-static void k_embed(rekv_stream *s, float *x, const float *table, const int32_t *tokens,
-                    const float *pos_table, const int32_t *pos, int pos_offset, int m, int e)
+static void k_embed(rekv_stream *s, float *x, const void *table, rekv_dtype tt,
+                    const int32_t *tokens, const float *pos_table, const int32_t *pos,
+                    int pos_offset, int m, int e)
 {
-    embed_args a = {x, table, pos_table, tokens, pos, pos_offset, m, e};
+    embed_args a = {x, table, tt, pos_table, tokens, pos, pos_offset, m, e};
     LAUNCH(s, "embed", run_embed, a);
 }
 

@@ -18,9 +18,12 @@
  * one span per copy or kernel, on a track per stream, in GPU time relative to an event recorded at
  * trace_start; work enqueued before trace_start is not in it.
  *
- * Kernels (fp32 activations and weights, as the pipeline uploads them):
- * - linear: cublasSgemm (full fp32, no TF32) and a bias kernel. Not row-invariant like
- *   cpu_gemm.c, so bits may depend on batching; results agree within fp32 rounding.
+ * Kernels (fp32 activations; weight matrices in the model file's dtype, as the engine holds them):
+ * - linear: fp32 weights: cublasSgemm (full fp32, no TF32); f16/bf16 weights: x rounded to the
+ *   weights' dtype into a per-stream scratch, then cublasGemmEx with fp32 accumulation and output
+ *   (tensor cores). Then a bias kernel. Not row-invariant like cpu_gemm.c, so bits may depend on
+ *   batching; results agree with the cpu reference within fp32 rounding (fp32 weights) or the
+ *   16-bit rounding of x (16-bit weights).
  * - norm: one block per row, two-pass LayerNorm as cpu_norm does, reductions in shared memory.
  * - rope: angles as cpu_rope_table (the float exponent), with pow and cos/sin in double rounded to
  *   float, which matches glibc's correctly rounded powf/cosf/sinf almost always.
@@ -100,6 +103,8 @@ struct rekv_stream {
     uint32_t tid;        /* trace track */
     const char *name;    /* be->stream_names[tid - 1] */
     cu_pending *pend;    /* ops enqueued since the last resolution, in order */
+    void *xh;            /* linear with 16-bit weights: x rounded to the weights' dtype */
+    size_t xh_cap;       /* bytes (stream-ordered allocation, grown on demand) */
     size_t n_pend, cap_pend;
     int err_code; /* first failure since the last stream_sync, 0 when none */
     char err_msg[512];
@@ -421,6 +426,8 @@ static void cu_stream_destroy(rekv_stream *s)
     }
     pthread_mutex_unlock(&be->mu);
     free(s->pend);
+    if (s->xh != NULL)
+        cudaFree(s->xh); /* the stream is idle: synchronised above */
     cublasDestroy(s->blas);
     cudaStreamDestroy(s->cs);
     free(s); /* the name belongs to the backend */
@@ -769,8 +776,32 @@ __global__ static void bias_kernel(float *y, const float *bias, size_t total, in
         y[i] += bias[i % (size_t)n];
 }
 
-static void k_linear(rekv_stream *s, float *y, const float *x, const float *w, const float *bias,
-                     int m, int n, int k)
+__global__ static void convert_out_kernel(void *dst, const float *src, size_t n, int dtype);
+
+/* s->xh holds at least bytes (stream-ordered: the old buffer is freed after the work that uses
+ * it). 0, or -ENOMEM with the stream failed. */
+static int stream_scratch(rekv_stream *s, size_t bytes)
+{
+    if (bytes <= s->xh_cap)
+        return 0;
+    size_t want = bytes + bytes / 4;
+    void *p = NULL;
+    cudaError_t e = cudaMallocAsync(&p, want, s->cs);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        stream_fail(s, -ENOMEM, "cuda stream %s: out of device memory for %zu bytes of scratch: %s",
+                    s->name, want, cudaGetErrorString(e));
+        return -ENOMEM;
+    }
+    if (s->xh != NULL)
+        cudaFreeAsync(s->xh, s->cs);
+    s->xh = p;
+    s->xh_cap = want;
+    return 0;
+}
+
+static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
+                     const float *bias, int m, int n, int k)
 {
     if (m <= 0 || n <= 0)
         return;
@@ -779,11 +810,26 @@ static void k_linear(rekv_stream *s, float *y, const float *x, const float *w, c
     long op = op_begin(s, CU_OP_COMPUTE, "linear");
     /* cuBLAS is column-major: row-major y[m][n] is y^T (n x m, ld n) = op_T(w) · x, where w's
      * rows [n][k] are a k x n matrix (ld k), transposed to n x k, and x is k x m (ld k) */
-    cublasStatus_t st =
-        cublasSgemm(s->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, k, x, k, &zero, y, n);
+    cublasStatus_t st;
+    if (wt == REKV_DTYPE_F32) {
+        st = cublasSgemm(s->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, (const float *)w, k, x,
+                         k, &zero, y, n);
+    } else {
+        /* 16-bit weights: x rounded to the same dtype, products on tensor cores, fp32 sums */
+        size_t xe = (size_t)m * (size_t)k;
+        if (stream_scratch(s, xe * 2) != 0) {
+            op_end(s, op);
+            return;
+        }
+        convert_out_kernel<<<ew_blocks(xe), EW_THREADS, 0, s->cs>>>(s->xh, x, xe, (int)wt);
+        launch_check(s, "linear x");
+        cudaDataType dt = wt == REKV_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
+        st = cublasGemmEx(s->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, dt, k, s->xh, dt, k,
+                          &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }
     if (st != CUBLAS_STATUS_SUCCESS)
-        stream_fail(s, -EIO, "cuda stream %s: cublasSgemm (m %d, n %d, k %d): %s", s->name, m, n, k,
-                    cublasGetStatusString(st));
+        stream_fail(s, -EIO, "cuda stream %s: %s GEMM (m %d, n %d, k %d): %s", s->name,
+                    rekv_dtype_name(wt), m, n, k, cublasGetStatusString(st));
     else
         launch_check(s, "linear");
     if (bias != NULL && st == CUBLAS_STATUS_SUCCESS) {
@@ -910,7 +956,16 @@ static void k_add(rekv_stream *s, float *x, const float *y, size_t n)
     KLAUNCH(s, "add", add_kernel, ew_blocks(n), EW_THREADS, 0, x, y, n);
 }
 
-__global__ static void embed_kernel(float *x, const float *table, const int32_t *tokens,
+__device__ static float load_as_f32(const void *p, size_t i, int dtype)
+{
+    if (dtype == REKV_DTYPE_F16)
+        return __half2float(((const __half *)p)[i]);
+    if (dtype == REKV_DTYPE_BF16)
+        return __uint_as_float((uint32_t)((const uint16_t *)p)[i] << 16);
+    return ((const float *)p)[i];
+}
+
+__global__ static void embed_kernel(float *x, const void *table, int tdtype, const int32_t *tokens,
                                     const float *pos_table, const int32_t *pos, int pos_offset,
                                     int e)
 {
@@ -921,22 +976,22 @@ __global__ static void embed_kernel(float *x, const float *table, const int32_t 
     }
     __syncthreads();
     float *row = x + (size_t)blockIdx.x * e;
-    const float *tr = table ? table + (size_t)tok * e : NULL;
     const float *pr = pos_table ? pos_table + (size_t)ps * e : NULL;
     for (int j = threadIdx.x; j < e; j += blockDim.x) {
-        float v = tr ? tr[j] : row[j];
+        float v = table ? load_as_f32(table, (size_t)tok * e + j, tdtype) : row[j];
         if (pr)
             v += pr[j];
         row[j] = v;
     }
 }
 
-static void k_embed(rekv_stream *s, float *x, const float *table, const int32_t *tokens,
-                    const float *pos_table, const int32_t *pos, int pos_offset, int m, int e)
+static void k_embed(rekv_stream *s, float *x, const void *table, rekv_dtype tt,
+                    const int32_t *tokens, const float *pos_table, const int32_t *pos,
+                    int pos_offset, int m, int e)
 {
     if (m <= 0 || e <= 0 || (table == NULL && pos_table == NULL))
         return;
-    KLAUNCH(s, "embed", embed_kernel, m, ROW_THREADS, 0, x, table, tokens, pos_table, pos,
+    KLAUNCH(s, "embed", embed_kernel, m, ROW_THREADS, 0, x, table, (int)tt, tokens, pos_table, pos,
             pos_offset, e);
 }
 
@@ -1088,16 +1143,8 @@ __global__ static void convert_kernel(const rekv_convert_piece *pieces, int dtyp
     if (threadIdx.x == 0)
         pc = pieces[blockIdx.x];
     __syncthreads();
-    for (uint32_t i = threadIdx.x; i < pc.n; i += blockDim.x) {
-        float v;
-        if (dtype == REKV_DTYPE_F16)
-            v = __half2float(((const __half *)pc.src)[i]);
-        else if (dtype == REKV_DTYPE_BF16)
-            v = __uint_as_float((uint32_t)((const uint16_t *)pc.src)[i] << 16);
-        else
-            v = ((const float *)pc.src)[i];
-        pc.dst[i] = v;
-    }
+    for (uint32_t i = threadIdx.x; i < pc.n; i += blockDim.x)
+        pc.dst[i] = load_as_f32(pc.src, i, dtype);
 }
 
 static void k_convert(rekv_stream *s, const rekv_convert_piece *pieces, size_t n, rekv_dtype dtype)

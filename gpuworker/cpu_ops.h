@@ -11,9 +11,11 @@ void cpu_linear(float *y, const float *x, const float *w, const float *bias, int
 
 /* The same product, but each output element is computed in a fixed order that does not depend on
  * m or on which rows share the call, so recomputing some rows later, or batching them otherwise,
- * gives the same bits. Every projection of the engine uses it (cpu_gemm.c says why). */
-void cpu_gemm_rowinv(float *y, const float *x, const float *w, const float *bias, int m, int n,
-                     int k);
+ * gives the same bits. Every projection of the engine uses it (cpu_gemm.c says why). w is [n][k]
+ * in dtype wt (f32, f16 or bf16; 16-bit weights are widened to fp32 exactly, so the bits are
+ * those of the widened fp32 weights). */
+void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, const float *bias,
+                     int m, int n, int k);
 /* The portable path of cpu_gemm_rowinv (no bias), for tests: it must give the same bits. */
 void cpu_gemm_rowinv_portable(float *y, const float *x, const float *w, int m, int n, int k);
 

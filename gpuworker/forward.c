@@ -1,4 +1,4 @@
-/* forward.c — the reference forward pass (cpu backend, fp32) for the OPT and Llama families.
+/* forward.c — the reference forward pass (cpu, fp32 compute) for the OPT and Llama families.
  *
  * One call processes a batch of sequences with any number of new tokens each. Token rows of all
  * sequences are stacked into one [T][hidden] matrix so every projection is a single GEMM; only
@@ -34,14 +34,53 @@ static float *to_f32(const rekv_tensor *t, int *rc)
     return p;
 }
 
+/* A matrix in dtype wt: copied as it is when the file has it in wt, else through fp32 (wt is F32
+ * whenever the file's matrices differ in dtype, so nothing is rounded). */
+static void *to_wdtype(const rekv_tensor *t, rekv_dtype wt, int *rc)
+{
+    if (t == NULL || *rc)
+        return NULL;
+    size_t n = (size_t)rekv_tensor_numel(t);
+    void *p = malloc(n * rekv_dtype_size(wt) + 1);
+    if (p == NULL) {
+        *rc = -ENOMEM;
+        return NULL;
+    }
+    if (t->dtype == wt) {
+        memcpy(p, t->data, n * rekv_dtype_size(wt));
+    } else {
+        /* wt == F32 here */
+        rekv_to_f32(p, t->data, t->dtype, n);
+    }
+    return p;
+}
+
+/* The dtype the engine keeps its matrices in: the file's, when every matrix has the same one. */
+static rekv_dtype weight_dtype(const rekv_weights *w, int n_layers)
+{
+    const rekv_tensor *ts[] = {w->embed_tokens, w->project_in, w->project_out, w->lm_head};
+    rekv_dtype d = w->embed_tokens->dtype;
+    for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++)
+        if (ts[i] && ts[i]->dtype != d)
+            return REKV_DTYPE_F32;
+    for (int l = 0; l < n_layers; l++) {
+        const rekv_layer_weights *s = &w->layers[l];
+        const rekv_tensor *m[] = {s->wq, s->wk, s->wv, s->wo, s->w1, s->w2, s->w3};
+        for (size_t i = 0; i < sizeof(m) / sizeof(m[0]); i++)
+            if (m[i] && m[i]->dtype != d)
+                return REKV_DTYPE_F32;
+    }
+    return d;
+}
+
 void rekv_engine_free(rekv_engine *e)
 {
     if (e == NULL)
         return;
     if (e->layers) {
         for (int l = 0; l < e->c.n_layers; l++) {
-            float **f = (float **)&e->layers[l];
-            for (size_t i = 0; i < sizeof(layer_f32) / sizeof(float *); i++)
+            void **f = (void **)&e->layers[l];
+            for (size_t i = 0; i < sizeof(layer_w) / sizeof(void *); i++)
                 free(f[i]);
         }
         free(e->layers);
@@ -77,49 +116,58 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     e->c = m->config;
     const rekv_weights *w = &m->weights;
     int rc = 0;
-    e->layers = calloc((size_t)e->c.n_layers, sizeof(layer_f32));
+    e->layers = calloc((size_t)e->c.n_layers, sizeof(layer_w));
     if (e->layers == NULL)
         rc = -ENOMEM;
-    e->embed = to_f32(w->embed_tokens, &rc);
+    rekv_dtype wt = e->wdtype = weight_dtype(w, e->c.n_layers);
+    e->embed = to_wdtype(w->embed_tokens, wt, &rc);
     e->pos_embed = to_f32(w->embed_positions, &rc);
-    e->project_in = to_f32(w->project_in, &rc);
-    e->project_out = to_f32(w->project_out, &rc);
+    e->project_in = to_wdtype(w->project_in, wt, &rc);
+    e->project_out = to_wdtype(w->project_out, wt, &rc);
     e->final_norm_w = to_f32(w->final_norm_w, &rc);
     e->final_norm_b = to_f32(w->final_norm_b, &rc);
-    e->lm_head = w->lm_head == w->embed_tokens ? e->embed : to_f32(w->lm_head, &rc);
+    e->lm_head = w->lm_head == w->embed_tokens ? e->embed : to_wdtype(w->lm_head, wt, &rc);
     for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
         const rekv_layer_weights *s = &w->layers[l];
-        layer_f32 *d = &e->layers[l];
+        layer_w *d = &e->layers[l];
         d->attn_norm_w = to_f32(s->attn_norm_w, &rc);
         d->attn_norm_b = to_f32(s->attn_norm_b, &rc);
-        d->wq = to_f32(s->wq, &rc);
+        d->wq = to_wdtype(s->wq, wt, &rc);
         d->bq = to_f32(s->bq, &rc);
-        d->wk = to_f32(s->wk, &rc);
+        d->wk = to_wdtype(s->wk, wt, &rc);
         d->bk = to_f32(s->bk, &rc);
-        d->wv = to_f32(s->wv, &rc);
+        d->wv = to_wdtype(s->wv, wt, &rc);
         d->bv = to_f32(s->bv, &rc);
-        d->wo = to_f32(s->wo, &rc);
+        d->wo = to_wdtype(s->wo, wt, &rc);
         d->bo = to_f32(s->bo, &rc);
         d->ffn_norm_w = to_f32(s->ffn_norm_w, &rc);
         d->ffn_norm_b = to_f32(s->ffn_norm_b, &rc);
-        d->w1 = to_f32(s->w1, &rc);
+        d->w1 = to_wdtype(s->w1, wt, &rc);
         d->b1 = to_f32(s->b1, &rc);
-        d->w2 = to_f32(s->w2, &rc);
+        d->w2 = to_wdtype(s->w2, wt, &rc);
         d->b2 = to_f32(s->b2, &rc);
-        d->w3 = to_f32(s->w3, &rc);
+        d->w3 = to_wdtype(s->w3, wt, &rc);
     }
     e->scores = malloc(sizeof(float) * (size_t)e->c.max_pos);
     if (rc == 0 && e->scores == NULL)
         rc = -ENOMEM;
     if (rc) {
         rekv_engine_free(e);
-        return rekv_errf(err, rc, "%s: out of memory converting weights to fp32", m->path);
+        return rekv_errf(err, rc, "%s: out of memory for the weights", m->path);
     }
     *out = e;
     return 0;
 }
 
-const rekv_model_config *rekv_engine_config(const rekv_engine *e) { return &e->c; }
+const rekv_model_config *rekv_engine_config(const rekv_engine *e)
+{
+    return &e->c;
+}
+
+rekv_dtype rekv_engine_weight_dtype(const rekv_engine *e)
+{
+    return e->wdtype;
+}
 
 int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err)
 {
@@ -148,7 +196,10 @@ void rekv_seq_free(rekv_seq *s)
     free(s);
 }
 
-int rekv_seq_len(const rekv_seq *s) { return s->len; }
+int rekv_seq_len(const rekv_seq *s)
+{
+    return s->len;
+}
 
 void rekv_seq_truncate(rekv_seq *s, int len)
 {
@@ -205,14 +256,14 @@ static void add_into(float *x, const float *y, size_t n)
         x[i] += y[i];
 }
 
-static void attention_block(rekv_engine *e, const layer_f32 *L, int layer, rekv_batch_item *items,
+static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_batch_item *items,
                             int n_items, int T)
 {
     const rekv_model_config *c = &e->c;
     int H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c);
-    cpu_gemm_rowinv(e->q, e->h, L->wq, L->bq, T, Q, H);
-    cpu_gemm_rowinv(e->k, e->h, L->wk, L->bk, T, KV, H);
-    cpu_gemm_rowinv(e->v, e->h, L->wv, L->bv, T, KV, H);
+    cpu_gemm_rowinv(e->q, e->h, L->wq, e->wdtype, L->bq, T, Q, H);
+    cpu_gemm_rowinv(e->k, e->h, L->wk, e->wdtype, L->bk, T, KV, H);
+    cpu_gemm_rowinv(e->v, e->h, L->wv, e->wdtype, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
         cpu_rope(e->q, e->rope_cos, e->rope_sin, T, c->n_heads, c->head_dim, c->rope);
         cpu_rope(e->k, e->rope_cos, e->rope_sin, T, c->n_kv_heads, c->head_dim, c->rope);
@@ -228,21 +279,21 @@ static void attention_block(rekv_engine *e, const layer_f32 *L, int layer, rekv_
                       e->scores);
         row += m;
     }
-    cpu_gemm_rowinv(e->h, e->att, L->wo, L->bo, T, H, Q);
+    cpu_gemm_rowinv(e->h, e->att, L->wo, e->wdtype, L->bo, T, H, Q);
 }
 
-static void ffn_block(rekv_engine *e, const layer_f32 *L, int T)
+static void ffn_block(rekv_engine *e, const layer_w *L, int T)
 {
     const rekv_model_config *c = &e->c;
     int H = c->hidden, F = c->ffn;
-    cpu_gemm_rowinv(e->f1, e->h, L->w1, L->b1, T, F, H);
+    cpu_gemm_rowinv(e->f1, e->h, L->w1, e->wdtype, L->b1, T, F, H);
     if (L->w3) {
-        cpu_gemm_rowinv(e->f3, e->h, L->w3, NULL, T, F, H);
+        cpu_gemm_rowinv(e->f3, e->h, L->w3, e->wdtype, NULL, T, F, H);
         cpu_activation(e->f1, e->f3, (size_t)T * F, c->act);
     } else {
         cpu_activation(e->f1, NULL, (size_t)T * F, c->act);
     }
-    cpu_gemm_rowinv(e->h, e->f1, L->w2, L->b2, T, H, F);
+    cpu_gemm_rowinv(e->h, e->f1, L->w2, e->wdtype, L->b2, T, H, F);
 }
 
 int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err)
@@ -263,7 +314,8 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
                              it->n_tokens, it->seq->len, it->seq->cap);
         for (int i = 0; i < it->n_tokens; i++)
             if (it->tokens[i] < 0 || it->tokens[i] >= c->vocab)
-                return rekv_errf(err, -EINVAL, "forward: token id %d is outside the vocabulary (0..%d)",
+                return rekv_errf(err, -EINVAL,
+                                 "forward: token id %d is outside the vocabulary (0..%d)",
                                  it->tokens[i], c->vocab - 1);
         for (int j = 0; j < b; j++)
             if (items[j].seq == it->seq)
@@ -278,11 +330,13 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
     for (int b = 0; b < n_items; b++)
         for (int i = 0; i < items[b].n_tokens; i++, row++) {
             e->pos[row] = items[b].seq->len + i;
-            memcpy((e->project_in ? e->h : e->x) + row * E,
-                   e->embed + (size_t)items[b].tokens[i] * E, sizeof(float) * (size_t)E);
+            rekv_to_f32((e->project_in ? e->h : e->x) + row * E,
+                        (const char *)e->embed +
+                            (size_t)items[b].tokens[i] * E * rekv_dtype_size(e->wdtype),
+                        e->wdtype, (size_t)E);
         }
     if (e->project_in)
-        cpu_gemm_rowinv(e->x, e->h, e->project_in, NULL, (int)T, H, E);
+        cpu_gemm_rowinv(e->x, e->h, e->project_in, e->wdtype, NULL, (int)T, H, E);
     if (e->pos_embed)
         for (row = 0; row < T; row++)
             add_into(e->x + row * H, e->pos_embed + (size_t)(e->pos[row] + 2) * H, (size_t)H);
@@ -290,7 +344,7 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         cpu_rope_table(e->rope_cos, e->rope_sin, e->pos, (int)T, c->head_dim, c->rope_theta);
 
     for (int l = 0; l < c->n_layers; l++) {
-        const layer_f32 *L = &e->layers[l];
+        const layer_w *L = &e->layers[l];
         size_t n = T * (size_t)H;
         /* pre-norm: x += f(norm(x)); post-norm (OPT-350m): x = norm(x + f(x)) */
         if (c->pre_norm)
@@ -328,18 +382,18 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         cpu_norm(e->x, e->x, e->final_norm_w, e->final_norm_b, (int)n_out, H, c->norm_eps);
     const float *hin = e->x;
     if (e->project_out) {
-        cpu_gemm_rowinv(e->h, e->x, e->project_out, NULL, (int)n_out, E, H);
+        cpu_gemm_rowinv(e->h, e->x, e->project_out, e->wdtype, NULL, (int)n_out, E, H);
         hin = e->h;
     }
     /* one GEMM for every row, so the head's weights are read once per step, not once per item */
     if (n_items == 1) {
-        cpu_gemm_rowinv(items[0].logits, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+        cpu_gemm_rowinv(items[0].logits, hin, e->lm_head, e->wdtype, NULL, (int)n_out, c->vocab, E);
         return 0;
     }
     float *all = malloc(sizeof(float) * n_out * (size_t)c->vocab);
     if (all == NULL)
         return rekv_errf(err, -ENOMEM, "forward: out of memory for %zu rows of logits", n_out);
-    cpu_gemm_rowinv(all, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+    cpu_gemm_rowinv(all, hin, e->lm_head, e->wdtype, NULL, (int)n_out, c->vocab, E);
     size_t r = 0;
     for (int b = 0; b < n_items; b++) {
         size_t rows = items[b].all_logits ? (size_t)items[b].n_tokens : 1;
@@ -354,7 +408,8 @@ double rekv_engine_flops(const rekv_engine *e, double n_tokens, double ctx_sum, 
 {
     const rekv_model_config *c = &e->c;
     double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c), F = c->ffn;
-    double per_token = 2 * (H * Q + 2 * H * KV + Q * H) + 2 * H * F * (c->act == REKV_ACT_SILU ? 3 : 2);
+    double per_token =
+        2 * (H * Q + 2 * H * KV + Q * H) + 2 * H * F * (c->act == REKV_ACT_SILU ? 3 : 2);
     double attn = 4 * ctx_sum * Q; /* QK^T and PV */
     return c->n_layers * (n_tokens * per_token + attn) + 2 * n_logits * c->embed_dim * c->vocab;
 }

@@ -18,9 +18,15 @@
 typedef struct rekv_engine rekv_engine;
 typedef struct rekv_seq rekv_seq;
 
+/* Loads the model's weights for compute. Weight matrices stay in the file's dtype (f32, f16 or
+ * bf16; fp32 when the file mixes them), vectors become fp32; every product widens the weights
+ * exactly, so the results are those of the fp32 widening whichever dtype is kept. The model may
+ * be closed afterwards. */
 int rekv_engine_create(const rekv_model *model, rekv_engine **out, rekv_err *err);
 void rekv_engine_free(rekv_engine *e);
 const rekv_model_config *rekv_engine_config(const rekv_engine *e);
+/* The dtype the engine holds its weight matrices in (and moves them to a device in). */
+rekv_dtype rekv_engine_weight_dtype(const rekv_engine *e);
 
 /* A sequence whose cache holds up to `capacity` tokens (at most the model's context length). */
 int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err);

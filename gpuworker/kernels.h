@@ -1,9 +1,9 @@
 /* kernels.h — the forward pass's operations as a backend table: every kernel is enqueued on a
  * stream and runs in stream order, on device pointers. The cpu backend runs the fp32 reference
  * (cpu_ops.h) as tasks on its stream threads (backend_cpu_kernels.c); the cuda backend launches
- * CUDA kernels. Activations are fp32 in device memory; weights are in the backend's weight format
- * (fp32 on cpu). Arrays passed by pointer (positions, descriptors) are device memory and must stay
- * valid until the kernel has run. */
+ * CUDA kernels. Activations are fp32 in device memory; weight matrices are in the model file's
+ * dtype (f32, f16 or bf16), vectors (norms, biases) in fp32. Arrays passed by pointer
+ * (positions, descriptors) are device memory and must stay valid until the kernel has run. */
 #ifndef REKV_GPUWORKER_KERNELS_H
 #define REKV_GPUWORKER_KERNELS_H
 
@@ -31,11 +31,13 @@ typedef struct rekv_convert_piece {
 } rekv_convert_piece;
 
 typedef struct rekv_kernel_iface {
-    /* y[m][n] = x[m][k] · w[n][k]^T (+ bias). On the cpu backend every element is computed in a
-     * fixed order whatever rows share the call (cpu_gemm.c), so results never depend on batching:
-     * recomputed K,V equal the originals and a sequence's tokens do not depend on its batch. */
-    void (*linear)(rekv_stream *s, float *y, const float *x, const float *w, const float *bias,
-                   int m, int n, int k);
+    /* y[m][n] = x[m][k] · w[n][k]^T (+ bias), w in dtype wt (f32, f16 or bf16), accumulated in
+     * fp32. On the cpu backend every element is computed in a fixed order whatever rows share the
+     * call, and 16-bit weights are widened exactly (cpu_gemm.c), so results never depend on
+     * batching: recomputed K,V equal the originals and a sequence's tokens do not depend on its
+     * batch. The cuda backend rounds x to wt for 16-bit weights (tensor cores) and uses cuBLAS. */
+    void (*linear)(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
+                   const float *bias, int m, int n, int k);
     /* out = LayerNorm (b != NULL) or RMSNorm of m rows of width d */
     void (*norm)(rekv_stream *s, float *out, const float *in, const float *w, const float *b, int m,
                  int d, float eps);
@@ -46,9 +48,10 @@ typedef struct rekv_kernel_iface {
     void (*activation)(rekv_stream *s, float *a, const float *b, size_t n, rekv_act act);
     /* x += y over n elements */
     void (*add)(rekv_stream *s, float *x, const float *y, size_t n);
-    /* x[i] = table[tokens[i]] (width e) for m rows (skipped when table is NULL); then, when
-     * pos_table, x[i] += pos_table[pos[i] + pos_offset] (width e) — OPT's learned positions */
-    void (*embed)(rekv_stream *s, float *x, const float *table, const int32_t *tokens,
+    /* x[i] = table[tokens[i]] (width e, table in dtype tt, widened) for m rows (skipped when
+     * table is NULL); then, when pos_table, x[i] += pos_table[pos[i] + pos_offset] (width e, fp32)
+     * — OPT's learned positions */
+    void (*embed)(rekv_stream *s, float *x, const void *table, rekv_dtype tt, const int32_t *tokens,
                   const float *pos_table, const int32_t *pos, int pos_offset, int m, int e);
     /* writes rows of K and V ([rows][n_kv*head_dim]) into sequences' buffers: row r goes to
      * seqs[row_seq[r]] at position row_pos[r] */

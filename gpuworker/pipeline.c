@@ -206,25 +206,26 @@ struct rekv_pipeline {
     rekv_event *ev_act[2], *ev_loaded[2], *ev_stage_free[2], *ev_out[2], *ev_out_free[2];
     /* by weight-buffer parity: W_K,W_V loaded, all loaded, buffer free again */
     rekv_event *ev_wkv[2], *ev_wall[2], *ev_wfree[2];
-    layer_f32 *dev_layers;  /* resident weights: [n_layers] device copies; NULL when offloaded */
-    layer_f32 wbuf[2];      /* offloaded weights: two device layer buffers */
+    layer_w *dev_layers; /* resident weights: [n_layers] device copies; NULL when offloaded */
+    layer_w wbuf[2];     /* offloaded weights: two device layer buffers */
     void *wbuf_mem[2];
-    float *d_embed, *d_pos, *d_proj_in, *d_proj_out, *d_fnorm_w, *d_fnorm_b, *d_head;
+    void *d_embed, *d_proj_in, *d_proj_out, *d_head; /* matrices, in the engine's wdtype */
+    float *d_pos, *d_fnorm_w, *d_fnorm_b;
     int head_tied;
     gbatch gb[MAX_GPU_BATCHES];
     parity par[2];
-    dbuf act_f32;           /* recomputation input rows [n][hidden] fp32 */
-    dbuf kr, vr;            /* recomputed K, V rows [n][kv_dim] */
-    dbuf scores;            /* attention scratch [max context] */
+    dbuf act_f32;                  /* recomputation input rows [n][hidden] fp32 */
+    dbuf kr, vr;                   /* recomputed K, V rows [n][kv_dim] */
+    dbuf scores;                   /* attention scratch [max context] */
     rekv_layer_counters *counters; /* [n_layers] */
     rekv_layer_counters *step_log; /* [n_steps] each step's totals since the last reset */
     size_t n_steps, cap_steps;
-    rekv_layer_counters logged;    /* the totals at the end of the last logged step */
+    rekv_layer_counters logged; /* the totals at the end of the last logged step */
     uint64_t next_id;
     rekv_kv_plan_block *plan;
     size_t plan_n, plan_cap;
-    meta_arena meta;        /* per-step metadata kernels read (see meta_alloc) */
-    int arena_registered;   /* the backend page-locked the arena (host_register) */
+    meta_arena meta;      /* per-step metadata kernels read (see meta_alloc) */
+    int arena_registered; /* the backend page-locked the arena (host_register) */
     size_t arena_bytes;
 };
 
@@ -232,7 +233,7 @@ struct rekv_pseq {
     rekv_pipeline *p;
     uint64_t id; /* kvstore sequence (kvpr: id holds K,V and id + 1 the activations) */
     int len, cap;
-    float *k, *v;    /* resident: [n_layers][n_kv][cap][hd] device */
+    float *k, *v;     /* resident: [n_layers][n_kv][cap][hd] device */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
 };
 
@@ -265,7 +266,10 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
     cfg->cache_dtype = REKV_DTYPE_F32;
 }
 
-const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p) { return &p->cfg; }
+const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p)
+{
+    return &p->cfg;
+}
 
 static int dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes)
 {
@@ -294,69 +298,71 @@ static void dbuf_free(rekv_pipeline *p, dbuf *b)
  * before the rest arrives (KVPR §3.3). n_first: how many of them are the K/V group. */
 enum { N_LAYER_TENSORS = 17, N_KV_TENSORS = 4 };
 
-static void layer_tensors(const rekv_model_config *c, layer_f32 *L, float ***slots, size_t *elems)
+static void layer_tensors(const rekv_engine *e, layer_w *L, void ***slots, size_t *bytes)
 {
+    const rekv_model_config *c = &e->c;
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
     size_t KV = (size_t)rekv_config_kv_dim(c), F = (size_t)c->ffn;
-    float **s[N_LAYER_TENSORS] = {&L->wk, &L->bk, &L->wv, &L->bv, &L->wq, &L->bq,
-                                  &L->wo, &L->bo, &L->attn_norm_w, &L->attn_norm_b,
-                                  &L->ffn_norm_w, &L->ffn_norm_b, &L->w1, &L->b1,
-                                  &L->w3, &L->w2, &L->b2};
-    size_t n[N_LAYER_TENSORS] = {KV * H, KV, KV * H, KV, Q * H, Q, H * Q, H, H, H, H, H,
-                                 F * H, F, F * H, H * F, H};
+    size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float); /* matrices, vectors */
+    void **s[N_LAYER_TENSORS] = {
+        &L->wk, &L->bk, &L->wv,          &L->bv,          &L->wq,         &L->bq,
+        &L->wo, &L->bo, &L->attn_norm_w, &L->attn_norm_b, &L->ffn_norm_w, &L->ffn_norm_b,
+        &L->w1, &L->b1, &L->w3,          &L->w2,          &L->b2};
+    size_t n[N_LAYER_TENSORS] = {KV * H * w, KV * f, KV * H * w, KV * f,    Q * H * w, Q * f,
+                                 H * Q * w,  H * f,  H * f,      H * f,     H * f,     H * f,
+                                 F * H * w,  F * f,  F * H * w,  H * F * w, H * f};
     memcpy(slots, s, sizeof(s));
-    memcpy(elems, n, sizeof(n));
+    memcpy(bytes, n, sizeof(n));
 }
 
 /* Points dst's fields into mem laid out in load order, for the tensors src has. Returns bytes. */
-static size_t layer_layout(const rekv_model_config *c, const layer_f32 *src, layer_f32 *dst,
-                           char *mem)
+static size_t layer_layout(const rekv_engine *e, const layer_w *src, layer_w *dst, char *mem)
 {
-    float **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
+    void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
     size_t n[N_LAYER_TENSORS], off = 0;
-    layer_tensors(c, (layer_f32 *)src, ss, n);
-    layer_tensors(c, dst, ds, n);
+    layer_tensors(e, (layer_w *)src, ss, n);
+    layer_tensors(e, dst, ds, n);
     for (int i = 0; i < N_LAYER_TENSORS; i++) {
         if (*ss[i] == NULL) {
             *ds[i] = NULL;
             continue;
         }
-        *ds[i] = mem ? (float *)(mem + off) : NULL;
-        off += (n[i] * sizeof(float) + 63) & ~(size_t)63;
+        *ds[i] = mem ? mem + off : NULL;
+        off += (n[i] + 63) & ~(size_t)63;
     }
     return off;
 }
 
 /* Enqueues host->device copies of a layer's tensors [from, to) in load order. Returns bytes. */
-static size_t copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_f32 *src, layer_f32 *dst,
+static size_t copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer_w *dst,
                          int from, int to)
 {
-    float **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
+    void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
     size_t n[N_LAYER_TENSORS], bytes = 0;
     rekv_copy_piece pieces[N_LAYER_TENSORS];
     size_t np = 0;
-    layer_tensors(p->c, (layer_f32 *)src, ss, n);
-    layer_tensors(p->c, dst, ds, n);
+    layer_tensors(p->e, (layer_w *)src, ss, n);
+    layer_tensors(p->e, dst, ds, n);
     for (int i = from; i < to; i++)
         if (*ss[i]) {
-            pieces[np++] = (rekv_copy_piece){*ds[i], *ss[i], n[i] * sizeof(float)};
-            bytes += n[i] * sizeof(float);
+            pieces[np++] = (rekv_copy_piece){*ds[i], *ss[i], n[i]};
+            bytes += n[i];
         }
     if (np)
         p->bi->copy_h2d(s, pieces, np, REKV_XFER_WEIGHTS);
     return bytes;
 }
 
-static float *dev_copy(rekv_pipeline *p, const float *src, size_t elems, int *rc)
+static void *dev_copy(rekv_pipeline *p, const void *src, size_t bytes, int *rc)
 {
     if (src == NULL || *rc)
         return NULL;
-    float *d = p->bi->dev_alloc(p->be, elems * sizeof(float));
+    void *d = p->bi->dev_alloc(p->be, bytes);
     if (d == NULL) {
         *rc = -ENOMEM;
         return NULL;
     }
-    rekv_copy_piece pc = {d, src, elems * sizeof(float)};
+    rekv_copy_piece pc = {d, src, bytes};
     p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_WEIGHTS);
     return d;
 }
@@ -373,9 +379,9 @@ void rekv_pipeline_free(rekv_pipeline *p)
         p->bi->stream_sync(p->s_d2h, NULL);
     if (p->dev_layers) {
         for (int l = 0; l < p->c->n_layers; l++) {
-            float **ds[N_LAYER_TENSORS];
+            void **ds[N_LAYER_TENSORS];
             size_t n[N_LAYER_TENSORS];
-            layer_tensors(p->c, &p->dev_layers[l], ds, n);
+            layer_tensors(p->e, &p->dev_layers[l], ds, n);
             for (int i = 0; i < N_LAYER_TENSORS; i++)
                 if (*ds[i])
                     p->bi->dev_free(p->be, *ds[i]);
@@ -400,14 +406,14 @@ void rekv_pipeline_free(rekv_pipeline *p)
     dbuf_free(p, &p->kr);
     dbuf_free(p, &p->vr);
     dbuf_free(p, &p->scores);
-    float *ds[] = {p->d_embed, p->d_pos, p->d_proj_in, p->d_proj_out, p->d_fnorm_w, p->d_fnorm_b};
+    void *ds[] = {p->d_embed, p->d_pos, p->d_proj_in, p->d_proj_out, p->d_fnorm_w, p->d_fnorm_b};
     for (size_t i = 0; i < sizeof(ds) / sizeof(ds[0]); i++)
         if (ds[i])
             p->bi->dev_free(p->be, ds[i]);
     if (p->d_head && !p->head_tied)
         p->bi->dev_free(p->be, p->d_head);
-    rekv_event **evs[] = {p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
-                          p->ev_out_free, p->ev_wkv, p->ev_wall, p->ev_wfree};
+    rekv_event **evs[] = {p->ev_act,      p->ev_loaded, p->ev_stage_free, p->ev_out,
+                          p->ev_out_free, p->ev_wkv,    p->ev_wall,       p->ev_wfree};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
             if (evs[i][j])
@@ -432,15 +438,16 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
 {
     const rekv_model_config *c = rekv_engine_config(e);
     if (cfg->mode != REKV_MODE_RESIDENT && store == NULL)
-        return rekv_errf(err, -EINVAL, "pipeline: mode %s needs a kvstore", rekv_mode_name(cfg->mode));
+        return rekv_errf(err, -EINVAL, "pipeline: mode %s needs a kvstore",
+                         rekv_mode_name(cfg->mode));
     if (cfg->gpu_batches < 1 || cfg->gpu_batches > MAX_GPU_BATCHES)
         return rekv_errf(err, -EINVAL, "pipeline: gpu batches must be 1..%d", MAX_GPU_BATCHES);
     if (cfg->cache_dtype != REKV_DTYPE_F32 && cfg->cache_dtype != REKV_DTYPE_F16)
         return rekv_errf(err, -EINVAL, "pipeline: the cache dtype must be F32 or F16");
     if (cfg->mode == REKV_MODE_KVPR && cfg->split < 0)
         return rekv_errf(err, -EINVAL, "pipeline: kvpr needs a split >= 0");
-    if (cfg->mode == REKV_MODE_HYBRID && (cfg->kv_parts < 0 || cfg->act_parts < 0 ||
-                                          cfg->kv_parts + cfg->act_parts == 0))
+    if (cfg->mode == REKV_MODE_HYBRID &&
+        (cfg->kv_parts < 0 || cfg->act_parts < 0 || cfg->kv_parts + cfg->act_parts == 0))
         return rekv_errf(err, -EINVAL, "pipeline: hybrid needs a kv:act pattern like 1:1");
     if (cfg->act_gpu_blocks < 0)
         return rekv_errf(err, -EINVAL, "pipeline: act_gpu_blocks must not be negative");
@@ -478,14 +485,16 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
             p->arena_registered = 1;
         rekv_err_clear(err); /* unregistered only costs overlap, not correctness */
         rekv_kvstore_client_geometry(store, &p->geo);
-        if (p->geo.n_layers != (uint32_t)c->n_layers || p->geo.n_kv_heads != (uint32_t)c->n_kv_heads ||
+        if (p->geo.n_layers != (uint32_t)c->n_layers ||
+            p->geo.n_kv_heads != (uint32_t)c->n_kv_heads ||
             p->geo.head_dim != (uint32_t)c->head_dim || p->geo.hidden != (uint32_t)c->hidden ||
             p->geo.dtype != cfg->cache_dtype) {
-            rc = rekv_errf(err, -EINVAL,
-                           "pipeline: the kvstore's block geometry (%u layers, %u kv heads, head dim "
-                           "%u, hidden %u, %s) does not match the model and cache dtype",
-                           p->geo.n_layers, p->geo.n_kv_heads, p->geo.head_dim, p->geo.hidden,
-                           rekv_dtype_name(p->geo.dtype));
+            rc = rekv_errf(
+                err, -EINVAL,
+                "pipeline: the kvstore's block geometry (%u layers, %u kv heads, head dim "
+                "%u, hidden %u, %s) does not match the model and cache dtype",
+                p->geo.n_layers, p->geo.n_kv_heads, p->geo.head_dim, p->geo.hidden,
+                rekv_dtype_name(p->geo.dtype));
             goto fail;
         }
     }
@@ -493,40 +502,41 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         (rc = p->bi->stream_create(be, "h2d", &p->s_h2d, err)) ||
         (rc = p->bi->stream_create(be, "d2h", &p->s_d2h, err)))
         goto fail;
-    rekv_event **evs[] = {p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
-                          p->ev_out_free, p->ev_wkv, p->ev_wall, p->ev_wfree};
+    rekv_event **evs[] = {p->ev_act,      p->ev_loaded, p->ev_stage_free, p->ev_out,
+                          p->ev_out_free, p->ev_wkv,    p->ev_wall,       p->ev_wfree};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
             if ((rc = p->bi->event_create(be, &evs[i][j], err)))
                 goto fail;
     /* weights on the device: the model's non-layer tensors always; layers unless offloaded */
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
-    p->d_embed = dev_copy(p, e->embed, V * E, &rc);
-    p->d_pos = dev_copy(p, e->pos_embed, ((size_t)c->max_pos + 2) * H, &rc);
-    p->d_proj_in = dev_copy(p, e->project_in, H * E, &rc);
-    p->d_proj_out = dev_copy(p, e->project_out, E * H, &rc);
-    p->d_fnorm_w = dev_copy(p, e->final_norm_w, H, &rc);
-    p->d_fnorm_b = dev_copy(p, e->final_norm_b, H, &rc);
+    size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
+    p->d_embed = dev_copy(p, e->embed, V * E * w, &rc);
+    p->d_pos = dev_copy(p, e->pos_embed, ((size_t)c->max_pos + 2) * H * f, &rc);
+    p->d_proj_in = dev_copy(p, e->project_in, H * E * w, &rc);
+    p->d_proj_out = dev_copy(p, e->project_out, E * H * w, &rc);
+    p->d_fnorm_w = dev_copy(p, e->final_norm_w, H * f, &rc);
+    p->d_fnorm_b = dev_copy(p, e->final_norm_b, H * f, &rc);
     p->head_tied = e->lm_head == e->embed;
-    p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, V * E, &rc);
+    p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, V * E * w, &rc);
     if (rc == 0 && cfg->offload_weights) {
-        size_t bytes = layer_layout(c, &e->layers[0], &p->wbuf[0], NULL);
+        size_t bytes = layer_layout(e, &e->layers[0], &p->wbuf[0], NULL);
         for (int i = 0; i < 2 && rc == 0; i++) {
             p->wbuf_mem[i] = p->bi->dev_alloc(be, bytes);
             if (p->wbuf_mem[i] == NULL)
                 rc = -ENOMEM;
             else
-                layer_layout(c, &e->layers[0], &p->wbuf[i], p->wbuf_mem[i]);
+                layer_layout(e, &e->layers[0], &p->wbuf[i], p->wbuf_mem[i]);
         }
     } else if (rc == 0) {
-        p->dev_layers = calloc((size_t)c->n_layers, sizeof(layer_f32));
+        p->dev_layers = calloc((size_t)c->n_layers, sizeof(layer_w));
         if (p->dev_layers == NULL)
             rc = -ENOMEM;
         for (int l = 0; l < c->n_layers && rc == 0; l++) {
-            float **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
+            void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
             size_t n[N_LAYER_TENSORS];
-            layer_tensors(c, &e->layers[l], ss, n);
-            layer_tensors(c, &p->dev_layers[l], ds, n);
+            layer_tensors(e, &e->layers[l], ss, n);
+            layer_tensors(e, &p->dev_layers[l], ds, n);
             for (int i = 0; i < N_LAYER_TENSORS && rc == 0; i++)
                 *ds[i] = dev_copy(p, *ss[i], n[i], &rc);
         }
@@ -621,7 +631,10 @@ void rekv_pseq_free(rekv_pseq *s)
     free(s);
 }
 
-int rekv_pseq_len(const rekv_pseq *s) { return s->len; }
+int rekv_pseq_len(const rekv_pseq *s)
+{
+    return s->len;
+}
 
 const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_layer_counters *t)
 {
@@ -665,15 +678,15 @@ typedef struct range_ref {
 typedef struct step {
     rekv_pipe_item *items;
     int n_items;
-    int n_g;                     /* GPU batches */
+    int n_g;                          /* GPU batches */
     int g_begin[MAX_GPU_BATCHES + 1]; /* items of batch g: [g_begin[g], g_begin[g+1]) */
-    int g_rows[MAX_GPU_BATCHES]; /* new rows of batch g */
-    int *row0;                   /* [n_items] first row of the item within its batch */
+    int g_rows[MAX_GPU_BATCHES];      /* new rows of batch g */
+    int *row0;                        /* [n_items] first row of the item within its batch */
     int32_t *tok[MAX_GPU_BATCHES], *pos[MAX_GPU_BATCHES]; /* [rows] */
-    int32_t *row_seq[MAX_GPU_BATCHES]; /* [rows] item index within the batch */
-    int32_t *last[MAX_GPU_BATCHES];    /* [items of batch] index of each item's last row */
-    range_ref *kv_ref, *act_ref; /* [n_items][n_layers]; act_ref only for kvpr */
-    int *split;                  /* [n_items] context tokens recomputed (kvpr) */
+    int32_t *row_seq[MAX_GPU_BATCHES];                    /* [rows] item index within the batch */
+    int32_t *last[MAX_GPU_BATCHES]; /* [items of batch] index of each item's last row */
+    range_ref *kv_ref, *act_ref;    /* [n_items][n_layers]; act_ref only for kvpr */
+    int *split;                     /* [n_items] context tokens recomputed (kvpr) */
     step_mem mem;
 } step;
 
@@ -722,14 +735,14 @@ static int store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, siz
         if ((rc = rekv_kvstore_append(p->store, s->id, (uint64_t)st->items[it].n_tokens, kv, act,
                                       &after, err)))
             return rc;
-        if (kvpr && (rc = rekv_kvstore_append(p->store, s->id + 1,
-                                              (uint64_t)st->items[it].n_tokens, 0, 1, &after, err)))
+        if (kvpr && (rc = rekv_kvstore_append(p->store, s->id + 1, (uint64_t)st->items[it].n_tokens,
+                                              0, 1, &after, err)))
             return rc;
     }
     if ((rc = store_ranges(p, st, ranges, n_ranges)))
         return rekv_errf(err, rc, "pipeline: out of memory");
-    if ((rc = rekv_kvstore_plan(p->store, *ranges, *n_ranges, 1, &p->plan, &p->plan_n,
-                                &p->plan_cap, err)))
+    if ((rc = rekv_kvstore_plan(p->store, *ranges, *n_ranges, 1, &p->plan, &p->plan_n, &p->plan_cap,
+                                err)))
         return rc;
     /* index the plan by range */
     size_t per_item = (size_t)L * (kvpr ? 2 : 1);
@@ -750,7 +763,8 @@ static int store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, siz
             st->kv_ref[item * L + l] = ref;
         uint64_t end = (*ranges)[r].token_end;
         if (ref.count != (end + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS)
-            return rekv_errf(err, -EPROTO, "pipeline: the kvstore's plan for sequence %llu layer "
+            return rekv_errf(err, -EPROTO,
+                             "pipeline: the kvstore's plan for sequence %llu layer "
                              "%d has %zu blocks for %llu tokens",
                              (unsigned long long)(*ranges)[r].seq, l, ref.count,
                              (unsigned long long)end);
@@ -799,7 +813,8 @@ static int ensure_buffers(rekv_pipeline *p, step *st)
                   dbuf_ensure(p, &pr->out_stage, max_rows * (2 * KV + H) * dsz);
         }
         rc |= dbuf_ensure(p, &p->act_f32, max_ctx_g * H * f) |
-              dbuf_ensure(p, &p->kr, max_ctx_g * KV * f) | dbuf_ensure(p, &p->vr, max_ctx_g * KV * f);
+              dbuf_ensure(p, &p->kr, max_ctx_g * KV * f) |
+              dbuf_ensure(p, &p->vr, max_ctx_g * KV * f);
     }
     return rc ? -ENOMEM : 0;
 }
@@ -838,8 +853,8 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
  * first N ACT blocks on the device). */
 typedef struct act_counter {
     const range_ref *r;
-    size_t next;     /* blocks [0, next) counted */
-    uint64_t n_act;  /* ACT blocks among them */
+    size_t next;    /* blocks [0, next) counted */
+    uint64_t n_act; /* ACT blocks among them */
 } act_counter;
 
 static uint64_t act_ordinal(const rekv_pipeline *p, act_counter *c, size_t b)
@@ -915,9 +930,9 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                                         (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
                                            gpu_row_bytes;
                 } else {
-                    io->h2d_act.v[io->h2d_act.n++] = (rekv_copy_piece){
-                        act_stage + act_off, base + rekv_kv_act_offset(geo, (uint32_t)in_blk),
-                        bytes};
+                    io->h2d_act.v[io->h2d_act.n++] =
+                        (rekv_copy_piece){act_stage + act_off,
+                                          base + rekv_kv_act_offset(geo, (uint32_t)in_blk), bytes};
                     src = act_stage + act_off;
                     act_off += bytes;
                     cnt->h2d_bytes[REKV_XFER_ACT] += bytes;
@@ -936,14 +951,14 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                     size_t bytes = (size_t)n * (size_t)hd * dsz;
                     size_t dst = ((size_t)h * (size_t)d[j].cap + (size_t)t0) * (size_t)hd;
                     io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){
-                        kv_stage + kv_off, base + rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk),
-                        bytes};
+                        kv_stage + kv_off,
+                        base + rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk), bytes};
                     io->conv_kv.v[io->conv_kv.n++] = (rekv_convert_piece){
                         d[j].k + dst, kv_stage + kv_off, (uint32_t)((size_t)n * (size_t)hd)};
                     kv_off += bytes;
                     io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){
-                        kv_stage + kv_off, base + rekv_kv_v_offset(geo, (uint32_t)h, (uint32_t)in_blk),
-                        bytes};
+                        kv_stage + kv_off,
+                        base + rekv_kv_v_offset(geo, (uint32_t)h, (uint32_t)in_blk), bytes};
                     io->conv_kv.v[io->conv_kv.n++] = (rekv_convert_piece){
                         d[j].v + dst, kv_stage + kv_off, (uint32_t)((size_t)n * (size_t)hd)};
                     kv_off += bytes;
@@ -970,7 +985,8 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                     size_t src = ((size_t)r * KV + (size_t)h * (size_t)hd) * dsz;
                     uint8_t *base = p->arena + kb->offset;
                     io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
-                        base + rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk), out + src, bytes};
+                        base + rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk), out + src,
+                        bytes};
                     io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
                         base + rekv_kv_v_offset(geo, (uint32_t)h, (uint32_t)in_blk),
                         out + (size_t)rows * KV * dsz + src, bytes};
@@ -1025,7 +1041,7 @@ static int unit_io_keep(step *st, unit_io *io)
 }
 
 /* One layer for the rows of batch g (the same operations, in the same order, as forward.c). */
-static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const layer_f32 *L,
+static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const layer_w *L,
                           const rekv_attn_seq *d, int b, int store)
 {
     const rekv_model_config *c = p->c;
@@ -1043,9 +1059,9 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    k->linear(s, q, h, L->wq, L->bq, T, Q, H);
-    k->linear(s, kk, h, L->wk, L->bk, T, KV, H);
-    k->linear(s, vv, h, L->wv, L->bv, T, KV, H);
+    k->linear(s, q, h, L->wq, p->e->wdtype, L->bq, T, Q, H);
+    k->linear(s, kk, h, L->wk, p->e->wdtype, L->bk, T, KV, H);
+    k->linear(s, vv, h, L->wv, p->e->wdtype, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
         k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, c->rope_theta, c->rope);
         k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
@@ -1062,7 +1078,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     }
     k->kv_scatter(s, kk, vv, T, st->row_seq[g], st->pos[g], d, c->n_kv_heads, c->head_dim);
     k->attention(s, att, q, d, nb, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p);
-    k->linear(s, h, att, L->wo, L->bo, T, H, Q);
+    k->linear(s, h, att, L->wo, p->e->wdtype, L->bo, T, H, Q);
     k->add(s, x, h, n);
     if (!c->pre_norm)
         k->norm(s, x, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
@@ -1072,14 +1088,14 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    k->linear(s, f1, h, L->w1, L->b1, T, F, H);
+    k->linear(s, f1, h, L->w1, p->e->wdtype, L->b1, T, F, H);
     if (L->w3) {
-        k->linear(s, f3, h, L->w3, NULL, T, F, H);
+        k->linear(s, f3, h, L->w3, p->e->wdtype, NULL, T, F, H);
         k->activation(s, f1, f3, (size_t)T * (size_t)F, c->act);
     } else {
         k->activation(s, f1, NULL, (size_t)T * (size_t)F, c->act);
     }
-    k->linear(s, h, f1, L->w2, L->b2, T, H, F);
+    k->linear(s, h, f1, L->w2, p->e->wdtype, L->b2, T, H, F);
     k->add(s, x, h, n);
     if (!c->pre_norm)
         k->norm(s, x, x, L->ffn_norm_w, L->ffn_norm_b, T, H, c->norm_eps);
@@ -1170,7 +1186,8 @@ static int validate(rekv_pipeline *p, rekv_pipe_item *items, int n, rekv_err *er
                              it->n_tokens, it->seq->len, it->seq->cap);
         for (int i = 0; i < it->n_tokens; i++)
             if (it->tokens[i] < 0 || it->tokens[i] >= p->c->vocab)
-                return rekv_errf(err, -EINVAL, "step: token id %d is outside the vocabulary (0..%d)",
+                return rekv_errf(err, -EINVAL,
+                                 "step: token id %d is outside the vocabulary (0..%d)",
                                  it->tokens[i], p->c->vocab - 1);
         for (int j = 0; j < b; j++)
             if (items[j].seq == it->seq)
@@ -1187,9 +1204,10 @@ int rekv_pipeline_set_step(rekv_pipeline *p, const rekv_step_params *sp, rekv_er
         (p->cfg.mode == REKV_MODE_HYBRID && sp->kv_parts + sp->act_parts == 0) ||
         sp->gpu_batches < 1 || sp->gpu_batches > MAX_GPU_BATCHES ||
         (sp->schedule != REKV_SCHED_ROW && sp->schedule != REKV_SCHED_COLUMN))
-        return rekv_errf(err, -EINVAL, "pipeline: bad step parameters (split %d, pattern %d:%d, "
-                         "%d GPU batches)", sp->split, sp->kv_parts, sp->act_parts,
-                         sp->gpu_batches);
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: bad step parameters (split %d, pattern %d:%d, "
+                         "%d GPU batches)",
+                         sp->split, sp->kv_parts, sp->act_parts, sp->gpu_batches);
     p->cfg.split = sp->split;
     p->cfg.kv_parts = sp->kv_parts;
     p->cfg.act_parts = sp->act_parts;
@@ -1229,12 +1247,13 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         gbatch *gb = &p->gb[g];
         int T = st.g_rows[g];
         if (p->d_proj_in) {
-            k->embed(sc, gb->h.p, p->d_embed, st.tok[g], NULL, NULL, 0, T, E);
-            k->linear(sc, gb->x.p, gb->h.p, p->d_proj_in, NULL, T, H, E);
+            k->embed(sc, gb->h.p, p->d_embed, p->e->wdtype, st.tok[g], NULL, NULL, 0, T, E);
+            k->linear(sc, gb->x.p, gb->h.p, p->d_proj_in, p->e->wdtype, NULL, T, H, E);
             if (p->d_pos)
-                k->embed(sc, gb->x.p, NULL, st.tok[g], p->d_pos, st.pos[g], 2, T, H);
+                k->embed(sc, gb->x.p, NULL, p->e->wdtype, st.tok[g], p->d_pos, st.pos[g], 2, T, H);
         } else {
-            k->embed(sc, gb->x.p, p->d_embed, st.tok[g], p->d_pos, st.pos[g], 2, T, E);
+            k->embed(sc, gb->x.p, p->d_embed, p->e->wdtype, st.tok[g], p->d_pos, st.pos[g], 2, T,
+                     E);
         }
     }
     /* units in schedule order */
@@ -1248,10 +1267,9 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         int b = u & 1;
         /* weights: column schedule loads a layer once for all its GPU batches, row once per
          * unit; two buffers alternate */
-        int load = p->cfg.offload_weights &&
-                   (p->cfg.schedule == REKV_SCHED_COLUMN ? g == 0 : 1);
+        int load = p->cfg.offload_weights && (p->cfg.schedule == REKV_SCHED_COLUMN ? g == 0 : 1);
         int wb = (w_loads - (load ? 0 : 1)) & 1;
-        const layer_f32 *W = p->cfg.offload_weights ? &p->wbuf[wb] : &p->dev_layers[layer];
+        const layer_w *W = p->cfg.offload_weights ? &p->wbuf[wb] : &p->dev_layers[layer];
         rekv_attn_seq *d = unit_seqs(p, &st, g, layer, b);
         unit_io io = {0};
         if (d == NULL) {
@@ -1285,9 +1303,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             p->bi->event_record(p->ev_act[b], sh);
         }
         if (load) {
-            p->counters[layer].h2d_bytes[REKV_XFER_WEIGHTS] +=
-                copy_layer(p, sh, &p->e->layers[layer], &p->wbuf[wb], N_KV_TENSORS,
-                           N_LAYER_TENSORS);
+            p->counters[layer].h2d_bytes[REKV_XFER_WEIGHTS] += copy_layer(
+                p, sh, &p->e->layers[layer], &p->wbuf[wb], N_KV_TENSORS, N_LAYER_TENSORS);
             p->bi->event_record(p->ev_wall[wb], sh);
             w_loads++;
         }
@@ -1301,9 +1318,9 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                 k->convert(sc, io.conv_act.v, io.conv_act.n, p->cfg.cache_dtype);
                 if (p->cfg.offload_weights)
                     p->bi->stream_wait_event(sc, p->ev_wkv[wb]);
-                k->linear(sc, p->kr.p, p->act_f32.p, W->wk, W->bk, io.n_act,
+                k->linear(sc, p->kr.p, p->act_f32.p, W->wk, p->e->wdtype, W->bk, io.n_act,
                           rekv_config_kv_dim(c), H);
-                k->linear(sc, p->vr.p, p->act_f32.p, W->wv, W->bv, io.n_act,
+                k->linear(sc, p->vr.p, p->act_f32.p, W->wv, p->e->wdtype, W->bv, io.n_act,
                           rekv_config_kv_dim(c), H);
                 if (c->rope != REKV_ROPE_NONE)
                     k->rope(sc, p->kr.p, io.act_pos, io.n_act, c->n_kv_heads, c->head_dim,
@@ -1342,10 +1359,10 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         if (p->d_fnorm_w)
             k->norm(sc, rows, rows, p->d_fnorm_w, p->d_fnorm_b, nb, H, c->norm_eps);
         if (p->d_proj_out) {
-            k->linear(sc, gb->q.p, rows, p->d_proj_out, NULL, nb, E, H);
+            k->linear(sc, gb->q.p, rows, p->d_proj_out, p->e->wdtype, NULL, nb, E, H);
             rows = gb->q.p;
         }
-        k->linear(sc, gb->logits.p, rows, p->d_head, NULL, nb, c->vocab, E);
+        k->linear(sc, gb->logits.p, rows, p->d_head, p->e->wdtype, NULL, nb, c->vocab, E);
         rekv_copy_piece *pc = smem_alloc(&st.mem, sizeof(rekv_copy_piece) * (size_t)nb);
         if (pc == NULL) {
             rc = rekv_errf(err, -ENOMEM, "step: out of memory");
@@ -1357,7 +1374,7 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                                       sizeof(float) * (size_t)c->vocab};
         p->bi->copy_d2h(sc, pc, (size_t)nb, REKV_XFER_OTHER);
     }
-drain: {
+drain : {
     /* every enqueued task refers to step memory: wait for all of it, whatever happened */
     int r1 = p->bi->stream_sync(sh, rc ? NULL : err);
     int r2 = p->bi->stream_sync(sc, rc ? NULL : err);
@@ -1475,8 +1492,8 @@ int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, cons
         running = m;
         for (int a = 0; a < running; a++) {
             int i = idx[a];
-            items[a] = (rekv_pipe_item){seqs[i], &res[i].ids[res[i].n - 1], 1,
-                                        logits + (size_t)a * V, 0};
+            items[a] =
+                (rekv_pipe_item){seqs[i], &res[i].ids[res[i].n - 1], 1, logits + (size_t)a * V, 0};
         }
         if (running > 0 && (rc = rekv_pipeline_step(p, items, running, err)))
             goto out;

@@ -24,13 +24,13 @@
 #include "common/clock.h"
 #include "gpuworker/kernels.h"
 
-#define PF_ROUNDS 5             /* timed rounds per sample; the fastest is kept */
-#define PF_ROUND_S 0.004        /* aim of one round's duration, s */
-#define PF_MAX_REPS 64          /* operations per round at most */
-#define PF_GEMM_ROWS 128        /* rows of the measured linears */
-#define PF_ATTN_BATCH 8         /* sequences of the measured attention */
-#define PF_ATTN_CTX 512         /* their context, tokens (less when the model's is shorter) */
-#define PF_FIT_SAMPLES 4        /* token counts / copy sizes per fitted model */
+#define PF_ROUNDS 5              /* timed rounds per sample; the fastest is kept */
+#define PF_ROUND_S 0.004         /* aim of one round's duration, s */
+#define PF_MAX_REPS 64           /* operations per round at most */
+#define PF_GEMM_ROWS 128         /* rows of the measured linears */
+#define PF_ATTN_BATCH 8          /* sequences of the measured attention */
+#define PF_ATTN_CTX 512          /* their context, tokens (less when the model's is shorter) */
+#define PF_FIT_SAMPLES 4         /* token counts / copy sizes per fitted model */
 #define PF_MAX_BYTES (64u << 20) /* largest buffer the measurement allocates, bytes */
 
 /* ---------------------------------------------------------------- timing */
@@ -114,14 +114,17 @@ static void pf_copy_run(void *ctx, rekv_stream *s)
 typedef struct pf_linear {
     const rekv_kernel_iface *k;
     float *y;
-    const float *x, *w, *bias;
+    const float *x;
+    const void *w;
+    rekv_dtype wt;
+    const float *bias;
     int m, n, kdim;
 } pf_linear;
 
 static void pf_linear_run(void *ctx, rekv_stream *s)
 {
     pf_linear *l = ctx;
-    l->k->linear(s, l->y, l->x, l->w, l->bias, l->m, l->n, l->kdim);
+    l->k->linear(s, l->y, l->x, l->w, l->wt, l->bias, l->m, l->n, l->kdim);
 }
 
 typedef struct pf_attn {
@@ -148,16 +151,18 @@ typedef struct pf_kv {
     int gen;
     int n;
     rekv_dtype dtype;
-    const void *host_k, *host_v;   /* host cache rows ([n][kv_dim] each), or host_x [n][hidden] */
+    const void *host_k, *host_v; /* host cache rows ([n][kv_dim] each), or host_x [n][hidden] */
     const void *host_x;
-    void *stage_k, *stage_v;       /* device landing buffers in dtype (fp32: the final ones) */
+    void *stage_k, *stage_v; /* device landing buffers in dtype (fp32: the final ones) */
     void *stage_x;
-    float *dev_k, *dev_v;          /* fp32 K,V [n][kv_dim] */
-    float *dev_x;                  /* fp32 X [n][hidden] */
-    const rekv_convert_piece *conv;/* device: the convert pieces of this sample */
+    float *dev_k, *dev_v;           /* fp32 K,V [n][kv_dim] */
+    float *dev_x;                   /* fp32 X [n][hidden] */
+    const rekv_convert_piece *conv; /* device: the convert pieces of this sample */
     size_t n_conv;
-    const float *wk, *bk, *wv, *bv;/* device weights */
-    const int32_t *pos;            /* device positions [n] */
+    const void *wk, *wv; /* device weights in wt */
+    rekv_dtype wt;
+    const float *bk, *bv;
+    const int32_t *pos; /* device positions [n] */
 } pf_kv;
 
 static void pf_kv_run(void *ctx, rekv_stream *s)
@@ -177,8 +182,8 @@ static void pf_kv_run(void *ctx, rekv_stream *s)
     t->bi->copy_h2d(s, &pc, 1, REKV_XFER_ACT);
     if (t->dtype != REKV_DTYPE_F32)
         t->k->convert(s, t->conv, t->n_conv, t->dtype);
-    t->k->linear(s, t->dev_k, t->dev_x, t->wk, t->bk, t->n, (int)kvd, c->hidden);
-    t->k->linear(s, t->dev_v, t->dev_x, t->wv, t->bv, t->n, (int)kvd, c->hidden);
+    t->k->linear(s, t->dev_k, t->dev_x, t->wk, t->wt, t->bk, t->n, (int)kvd, c->hidden);
+    t->k->linear(s, t->dev_v, t->dev_x, t->wv, t->wt, t->bv, t->n, (int)kvd, c->hidden);
     if (c->rope != REKV_ROPE_NONE)
         t->k->rope(s, t->dev_k, t->pos, t->n, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
 }
@@ -289,14 +294,14 @@ static int pf_measure_link(rekv_backend *be, rekv_stream *s, void *host, void *d
 
 /* ---------------------------------------------------------------- measure */
 
-static double pf_layer_weight_floats(const rekv_model_config *c)
+/* One layer's weights as the engine holds them: matrices in the file's dtype, vectors in fp32. */
+static double pf_layer_weight_bytes(const rekv_model_config *c)
 {
     double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c), F = c->ffn;
     double m = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
     double norms = (c->norm_bias ? 4 : 2) * H;
-    double bias = (c->qkv_bias ? Q + 2 * KV : 0) + (c->o_bias ? H : 0) +
-                  (c->ffn_bias ? F + H : 0);
-    return m + norms + bias;
+    double bias = (c->qkv_bias ? Q + 2 * KV : 0) + (c->o_bias ? H : 0) + (c->ffn_bias ? F + H : 0);
+    return m * (double)rekv_dtype_size(c->dtype) + (norms + bias) * sizeof(float);
 }
 
 /* Token counts for a fitted model whose cost is per_tok s per token plus lat: the largest makes
@@ -373,7 +378,16 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
         goto out;
     }
-    float *dw = pf_upload(&m, s, hw, wmax * sizeof(float), err);
+    /* the weights in the dtype the engine holds them in (the file's) */
+    rekv_dtype wt = c->dtype;
+    void *hwt = wt == REKV_DTYPE_F32 ? (void *)hw : pf_host(&m, wmax * rekv_dtype_size(wt));
+    if (hwt == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
+        goto out;
+    }
+    if (hwt != hw)
+        rekv_from_f32(hwt, hw, wt, wmax);
+    void *dw = pf_upload(&m, s, hwt, wmax * rekv_dtype_size(wt), err);
     float *db = dw ? pf_upload(&m, s, hw, (size_t)(KV > F ? KV : F) * sizeof(float), err) : NULL;
     float *dx = db ? pf_upload(&m, s, hx, (size_t)R * H * sizeof(float), err) : NULL;
     float *dy = dx ? pf_dev(&m, (size_t)R * (KV > F ? KV : F) * sizeof(float)) : NULL;
@@ -382,11 +396,11 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         goto out;
     }
     double t;
-    pf_linear lin = {k, dy, dx, dw, c->qkv_bias ? db : NULL, R, KV, H};
+    pf_linear lin = {k, dy, dx, dw, wt, c->qkv_bias ? db : NULL, R, KV, H};
     if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
         goto out;
     p.gemm_kv_flops = 2.0 * R * KV * H / t;
-    lin = (pf_linear){k, dy, dx, dw, c->ffn_bias ? db : NULL, R, F, H};
+    lin = (pf_linear){k, dy, dx, dw, wt, c->ffn_bias ? db : NULL, R, F, H};
     if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
         goto out;
     p.gemm_ffn_flops = 2.0 * R * F * H / t;
@@ -407,7 +421,8 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         float *dk = pf_dev(&m, distinct ? kvb * B : kvb);
         float *dv = dk ? pf_dev(&m, distinct ? kvb * B : kvb) : NULL;
         for (int i = 0; dv && i < (distinct ? B : 1); i++) {
-            rekv_copy_piece pc[2] = {{dk + i * seq_stride, hkv, kvb}, {dv + i * seq_stride, hkv, kvb}};
+            rekv_copy_piece pc[2] = {{dk + i * seq_stride, hkv, kvb},
+                                     {dv + i * seq_stride, hkv, kvb}};
             bi->copy_h2d(s, pc, 2, REKV_XFER_OTHER);
         }
         if (dv && (rc = bi->stream_sync(s, err)))
@@ -432,7 +447,7 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
     }
 
     /* one layer's weights over the link, from the fitted link model */
-    p.layer_weight_bytes = pf_layer_weight_floats(c) * sizeof(float);
+    p.layer_weight_bytes = pf_layer_weight_bytes(c);
     p.t_load_w = p.h2d_latency + p.layer_weight_bytes / p.h2d_bw;
 
     /* T_load_kv(n) and T_kv_gen(n), per cache dtype */
@@ -443,7 +458,7 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         pf_token_counts(act_row / p.h2d_bw + 4.0 * H * KV / p.gemm_kv_flops, p.h2d_latency,
                         act_row + 2.0 * KV * sizeof(float), ng);
         int nmax = nl[PF_FIT_SAMPLES - 1] > ng[PF_FIT_SAMPLES - 1] ? nl[PF_FIT_SAMPLES - 1]
-                                                                     : ng[PF_FIT_SAMPLES - 1];
+                                                                   : ng[PF_FIT_SAMPLES - 1];
         p.fit_tokens_max = nmax;
         size_t xrow = (size_t)(H > KV ? H : KV) * sizeof(float);
         void *hk = pf_host(&m, (size_t)nmax * xrow), *hv = pf_host(&m, (size_t)nmax * xrow);
@@ -477,15 +492,29 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
                 double xs[PF_FIT_SAMPLES], ys[PF_FIT_SAMPLES];
                 for (int i = 0; i < PF_FIT_SAMPLES; i++) {
                     int f32 = dt == REKV_DTYPE_F32;
-                    pf_kv job = {
-                        .bi = bi, .k = k, .c = c, .gen = gen, .n = gen ? ng[i] : nl[i], .dtype = dt,
-                        .host_k = hk, .host_v = hv, .host_x = hk,
-                        .stage_k = f32 ? (void *)fk : sk, .stage_v = f32 ? (void *)fv : sv,
-                        .stage_x = f32 ? (void *)fx : sk,
-                        .dev_k = fk, .dev_v = fv, .dev_x = fx,
-                        .conv = gen ? &dconv[3 * i + 2] : &dconv[3 * i], .n_conv = gen ? 1 : 2,
-                        .wk = dw, .bk = c->qkv_bias ? db : NULL,
-                        .wv = dw, .bv = c->qkv_bias ? db : NULL, .pos = dpos};
+                    pf_kv job = {.bi = bi,
+                                 .k = k,
+                                 .c = c,
+                                 .gen = gen,
+                                 .n = gen ? ng[i] : nl[i],
+                                 .dtype = dt,
+                                 .host_k = hk,
+                                 .host_v = hv,
+                                 .host_x = hk,
+                                 .stage_k = f32 ? (void *)fk : sk,
+                                 .stage_v = f32 ? (void *)fv : sv,
+                                 .stage_x = f32 ? (void *)fx : sk,
+                                 .dev_k = fk,
+                                 .dev_v = fv,
+                                 .dev_x = fx,
+                                 .conv = gen ? &dconv[3 * i + 2] : &dconv[3 * i],
+                                 .n_conv = gen ? 1 : 2,
+                                 .wk = dw,
+                                 .wv = dw,
+                                 .wt = wt,
+                                 .bk = c->qkv_bias ? db : NULL,
+                                 .bv = c->qkv_bias ? db : NULL,
+                                 .pos = dpos};
                     if ((rc = pf_time(be, s, pf_kv_run, &job, &ys[i], err)))
                         goto out;
                     xs[i] = job.n;
@@ -617,12 +646,11 @@ static json_t *pf_to_json(const rekv_profile *p)
         "{s:i,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:i,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:f}", "version",
         p->version, "backend", p->backend, "link_gbps", p->link.gbps, "link_latency_us",
         p->link.latency_us, "h2d_bw_bytes_per_s", p->h2d_bw, "h2d_latency_s", p->h2d_latency,
-        "d2h_bw_bytes_per_s", p->d2h_bw, "d2h_latency_s", p->d2h_latency, "gemm_rows",
-        p->gemm_rows, "gemm_kv_flops_per_s", p->gemm_kv_flops, "gemm_ffn_flops_per_s",
-        p->gemm_ffn_flops, "attn_batch", p->attn_batch, "attn_ctx", p->attn_ctx,
-        "attn_flops_per_s", p->attn_flops, "layer_weight_bytes", p->layer_weight_bytes,
-        "t_load_w_s", p->t_load_w, "fit_tokens_max", p->fit_tokens_max, "measure_s",
-        p->measure_s);
+        "d2h_bw_bytes_per_s", p->d2h_bw, "d2h_latency_s", p->d2h_latency, "gemm_rows", p->gemm_rows,
+        "gemm_kv_flops_per_s", p->gemm_kv_flops, "gemm_ffn_flops_per_s", p->gemm_ffn_flops,
+        "attn_batch", p->attn_batch, "attn_ctx", p->attn_ctx, "attn_flops_per_s", p->attn_flops,
+        "layer_weight_bytes", p->layer_weight_bytes, "t_load_w_s", p->t_load_w, "fit_tokens_max",
+        p->fit_tokens_max, "measure_s", p->measure_s);
     if (!o)
         return NULL;
     json_t *lk = json_object(), *kg = json_object();
@@ -635,7 +663,10 @@ static json_t *pf_to_json(const rekv_profile *p)
     return o;
 }
 
-json_t *rekv_profile_json(const rekv_profile *p) { return pf_to_json(p); }
+json_t *rekv_profile_json(const rekv_profile *p)
+{
+    return pf_to_json(p);
+}
 
 int rekv_profile_save(const char *path, const char *key, const rekv_profile *p, rekv_err *err)
 {
@@ -767,8 +798,10 @@ int rekv_profile_load(const char *path, const char *key, rekv_profile *out, rekv
     }
     json_t *jk = json_object_get(o, "key"), *jb = json_object_get(o, "backend");
     if (!json_is_string(jk) || (key && strcmp(json_string_value(jk), key) != 0)) {
-        rc = rekv_errf(err, -EINVAL, "%s: \"key\" is missing or names another machine, model, "
-                       "backend or link", path);
+        rc = rekv_errf(err, -EINVAL,
+                       "%s: \"key\" is missing or names another machine, model, "
+                       "backend or link",
+                       path);
         goto out;
     }
     if (!json_is_string(jb) || !*json_string_value(jb) ||

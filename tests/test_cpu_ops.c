@@ -17,29 +17,35 @@ static float frand(void)
     g_rng ^= g_rng << 17;
     return (float)((g_rng >> 40) / 16777216.0) - 0.5f;
 }
-static int irand(int n) { return (int)((unsigned)((frand() + 0.5f) * 16777216.0f) % (unsigned)n); }
+static int irand(int n)
+{
+    return (int)((unsigned)((frand() + 0.5f) * 16777216.0f) % (unsigned)n);
+}
 
 START_TEST(gemm_rowinv_is_row_invariant)
 {
     for (int trial = 0; trial < 120; trial++) {
         int m = 1 + irand(150), n = 1 + irand(300), k = 1 + irand(700);
-        float *x = malloc(sizeof(float) * (size_t)m * k), *w = malloc(sizeof(float) * (size_t)n * k);
+        float *x = malloc(sizeof(float) * (size_t)m * k),
+              *w = malloc(sizeof(float) * (size_t)n * k);
         float *b = malloc(sizeof(float) * (size_t)n);
-        float *y = malloc(sizeof(float) * (size_t)m * n), *y1 = malloc(sizeof(float) * (size_t)m * n);
-        float *yp = malloc(sizeof(float) * (size_t)m * n), *yb = malloc(sizeof(float) * (size_t)m * n);
+        float *y = malloc(sizeof(float) * (size_t)m * n),
+              *y1 = malloc(sizeof(float) * (size_t)m * n);
+        float *yp = malloc(sizeof(float) * (size_t)m * n),
+              *yb = malloc(sizeof(float) * (size_t)m * n);
         for (size_t i = 0; i < (size_t)m * k; i++)
             x[i] = frand();
         for (size_t i = 0; i < (size_t)n * k; i++)
             w[i] = frand();
         for (int i = 0; i < n; i++)
             b[i] = frand();
-        cpu_gemm_rowinv(y, x, w, b, m, n, k);
+        cpu_gemm_rowinv(y, x, w, REKV_DTYPE_F32, b, m, n, k);
         /* the same rows in random chunks, including single rows */
         for (int r0 = 0; r0 < m;) {
             int c = 1 + irand(9);
             if (r0 + c > m)
                 c = m - r0;
-            cpu_gemm_rowinv(y1, x + (size_t)r0 * k, w, b, c, n, k);
+            cpu_gemm_rowinv(y1, x + (size_t)r0 * k, w, REKV_DTYPE_F32, b, c, n, k);
             ck_assert_msg(memcmp(y1, y + (size_t)r0 * n, sizeof(float) * (size_t)c * n) == 0,
                           "m=%d n=%d k=%d: rows %d..%d differ when computed apart", m, n, k, r0,
                           r0 + c - 1);
@@ -61,6 +67,40 @@ START_TEST(gemm_rowinv_is_row_invariant)
 }
 END_TEST
 
+/* 16-bit weights give the bits of their fp32 widening, over shapes that cross the widening
+ * panels, the two-thread split and the no-AVX tail, with and without bias. */
+START_TEST(gemm_rowinv_16bit_weights_equal_widened)
+{
+    static const rekv_dtype dts[] = {REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    for (int trial = 0; trial < 60; trial++) {
+        rekv_dtype dt = dts[trial % 2];
+        int m = 1 + irand(40), n = 1 + irand(trial < 50 ? 300 : 1200),
+            k = 1 + irand(trial < 50 ? 700 : 3000);
+        size_t nk = (size_t)n * k;
+        float *x = malloc(sizeof(float) * (size_t)m * k), *w = malloc(sizeof(float) * nk);
+        uint16_t *wh = malloc(sizeof(uint16_t) * nk);
+        float *b = malloc(sizeof(float) * (size_t)n);
+        float *y = malloc(sizeof(float) * (size_t)m * n),
+              *yw = malloc(sizeof(float) * (size_t)m * n);
+        for (size_t i = 0; i < (size_t)m * k; i++)
+            x[i] = frand();
+        for (size_t i = 0; i < nk; i++)
+            w[i] = frand();
+        rekv_from_f32(wh, w, dt, nk);
+        rekv_to_f32(w, wh, dt, nk); /* the widening of the 16-bit weights */
+        for (int i = 0; i < n; i++)
+            b[i] = frand();
+        const float *bias = trial % 3 ? b : NULL;
+        cpu_gemm_rowinv(y, x, wh, dt, bias, m, n, k);
+        cpu_gemm_rowinv(yw, x, w, REKV_DTYPE_F32, bias, m, n, k);
+        ck_assert_msg(memcmp(y, yw, sizeof(float) * (size_t)m * n) == 0,
+                      "%s weights m=%d n=%d k=%d: differ from their fp32 widening",
+                      rekv_dtype_name(dt), m, n, k);
+        free(x), free(w), free(wh), free(b), free(y), free(yw);
+    }
+}
+END_TEST
+
 START_TEST(dtype_conversions)
 {
     /* f16: exact values, rounding to nearest even, subnormals, overflow, NaN */
@@ -76,10 +116,10 @@ START_TEST(dtype_conversions)
             continue;
         ck_assert_msg(rekv_f32_to_f16(f) == h, "f16 %04x does not round-trip", h);
     }
-    ck_assert_uint_eq(rekv_f32_to_f16(1.0f + ldexpf(1, -11)), 0x3c00);      /* tie to even */
-    ck_assert_uint_eq(rekv_f32_to_f16(1.0f + 3 * ldexpf(1, -11)), 0x3c02);  /* tie to even */
-    ck_assert_uint_eq(rekv_f32_to_f16(65520.0f), 0x7c00);                   /* overflow */
-    ck_assert_uint_eq(rekv_f32_to_f16(ldexpf(1, -25)), 0x0000);             /* tie to zero */
+    ck_assert_uint_eq(rekv_f32_to_f16(1.0f + ldexpf(1, -11)), 0x3c00);     /* tie to even */
+    ck_assert_uint_eq(rekv_f32_to_f16(1.0f + 3 * ldexpf(1, -11)), 0x3c02); /* tie to even */
+    ck_assert_uint_eq(rekv_f32_to_f16(65520.0f), 0x7c00);                  /* overflow */
+    ck_assert_uint_eq(rekv_f32_to_f16(ldexpf(1, -25)), 0x0000);            /* tie to zero */
     ck_assert_uint_eq(rekv_f32_to_f16(ldexpf(3, -26)), 0x0001);
     /* bf16 */
     ck_assert_float_eq(rekv_bf16_to_f32(0x3f80), 1.0f);
@@ -98,9 +138,13 @@ static Suite *suite(void)
     TCase *tc = tcase_create("cpu_ops");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, gemm_rowinv_is_row_invariant);
+    tcase_add_test(tc, gemm_rowinv_16bit_weights_equal_widened);
     tcase_add_test(tc, dtype_conversions);
     suite_add_tcase(s, tc);
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}

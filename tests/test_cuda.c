@@ -32,6 +32,19 @@ int main(void)
 /* fp32 with a different summation order (cuBLAS, tree reductions, warp-split softmax) */
 #define KERNEL_TOL 1e-4
 #define LOGIT_TOL 1e-3
+/* with 16-bit weights the cuda GEMM also rounds its input rows to the weights' dtype (tensor
+ * cores), which the cpu reference does not: bf16 keeps 8 bits of mantissa, f16 11 */
+#define KERNEL_TOL_F16 2e-3
+#define KERNEL_TOL_BF16 1.5e-2
+#define LOGIT_TOL_F16 5e-3
+#define LOGIT_TOL_BF16 3e-2
+
+static double logit_tol(rekv_dtype weights)
+{
+    return weights == REKV_DTYPE_F32   ? LOGIT_TOL
+           : weights == REKV_DTYPE_F16 ? LOGIT_TOL_F16
+                                       : LOGIT_TOL_BF16;
+}
 
 static rekv_backend *g_cu, *g_cpu;
 static rekv_stream *g_scu, *g_scpu;
@@ -181,13 +194,13 @@ START_TEST(kernel_linear)
             float *x = hrand((size_t)m * k, 1), *w = hrand((size_t)n * k, 1);
             float *b = with_bias ? hrand((size_t)n, 1) : NULL;
             float *y = malloc(sizeof(float) * (size_t)m * n);
-            rekv_cpu_kernels.linear(g_scpu, y, x, w, b, m, n, k);
+            rekv_cpu_kernels.linear(g_scpu, y, x, w, REKV_DTYPE_F32, b, m, n, k);
             sync_cpu();
             float *dx = dev_from(x, sizeof(float) * (size_t)m * k);
             float *dw = dev_from(w, sizeof(float) * (size_t)n * k);
             float *db = dev_from(b, sizeof(float) * (size_t)n);
             float *dy = dev_zero(sizeof(float) * (size_t)m * n);
-            g_cu->kernels->linear(g_scu, dy, dx, dw, db, m, n, k);
+            g_cu->kernels->linear(g_scu, dy, dx, dw, REKV_DTYPE_F32, db, m, n, k);
             sync_cu();
             char what[96];
             snprintf(what, sizeof(what), "linear m %d n %d k %d%s", m, n, k,
@@ -195,6 +208,42 @@ START_TEST(kernel_linear)
             expect_dev(what, dy, y, (size_t)m * n, KERNEL_TOL);
             dev_free(dx), dev_free(dw), dev_free(db), dev_free(dy);
             free(x), free(w), free(b), free(y);
+        }
+    backends_close();
+}
+END_TEST
+
+/* 16-bit weights: the cpu widens them exactly, cuda runs cublasGemmEx on x rounded to them */
+START_TEST(kernel_linear_16bit)
+{
+    backends_open();
+    static const int shapes[][3] = {
+        {1, 1, 1}, {7, 33, 64}, {64, 300, 257}, {5, 1000, 128}, {130, 17, 9}};
+    static const rekv_dtype dts[] = {REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    for (size_t di = 0; di < 2; di++)
+        for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+            rekv_dtype dt = dts[di];
+            int m = shapes[si][0], n = shapes[si][1], k = shapes[si][2];
+            float *x = hrand((size_t)m * k, 1), *w = hrand((size_t)n * k, 1);
+            float *b = hrand((size_t)n, 1);
+            uint16_t *wh = malloc(sizeof(uint16_t) * (size_t)n * k);
+            rekv_from_f32(wh, w, dt, (size_t)n * k);
+            float *y = malloc(sizeof(float) * (size_t)m * n);
+            rekv_cpu_kernels.linear(g_scpu, y, x, wh, dt, b, m, n, k);
+            sync_cpu();
+            float *dx = dev_from(x, sizeof(float) * (size_t)m * k);
+            void *dw = dev_from(wh, sizeof(uint16_t) * (size_t)n * k);
+            float *db = dev_from(b, sizeof(float) * (size_t)n);
+            float *dy = dev_zero(sizeof(float) * (size_t)m * n);
+            g_cu->kernels->linear(g_scu, dy, dx, dw, dt, db, m, n, k);
+            sync_cu();
+            char what[96];
+            snprintf(what, sizeof(what), "linear %s weights m %d n %d k %d", rekv_dtype_name(dt), m,
+                     n, k);
+            expect_dev(what, dy, y, (size_t)m * n,
+                       dt == REKV_DTYPE_F16 ? KERNEL_TOL_F16 : KERNEL_TOL_BF16);
+            dev_free(dx), dev_free(dw), dev_free(db), dev_free(dy);
+            free(x), free(w), free(wh), free(b), free(y);
         }
     backends_close();
 }
@@ -312,21 +361,33 @@ START_TEST(kernel_embed_gather)
         tok[i] = dtok[i] = irand(V);
         pos[i] = dpos[i] = irand(P - 2);
     }
-    for (int variant = 0; variant < 3; variant++) { /* table; table + positions; positions */
-        float *x = hrand((size_t)m * e, 1);
-        float *dx = dev_from(x, sizeof(float) * m * e);
-        const float *t = variant < 2 ? table : NULL, *pt = variant > 0 ? ptab : NULL;
-        rekv_cpu_kernels.embed(g_scpu, x, t, tok, pt, pos, 2, m, e);
-        sync_cpu();
-        g_cu->kernels->embed(g_scu, dx, variant < 2 ? dtable : NULL, dtok,
-                             variant > 0 ? dptab : NULL, dpos, 2, m, e);
-        sync_cu();
-        char what[32];
-        snprintf(what, sizeof(what), "embed variant %d", variant);
-        expect_dev(what, dx, x, (size_t)m * e, 0);
-        dev_free(dx);
-        free(x);
-    }
+    /* the table in each weight dtype */
+    uint16_t *t16 = malloc(sizeof(uint16_t) * V * e), *tb16 = malloc(sizeof(uint16_t) * V * e);
+    rekv_from_f32(t16, table, REKV_DTYPE_F16, (size_t)V * e);
+    rekv_from_f32(tb16, table, REKV_DTYPE_BF16, (size_t)V * e);
+    void *dt16 = dev_from(t16, sizeof(uint16_t) * V * e),
+         *dtb16 = dev_from(tb16, sizeof(uint16_t) * V * e);
+    const void *tabs[] = {table, t16, tb16}, *dtabs[] = {dtable, dt16, dtb16};
+    static const rekv_dtype tdts[] = {REKV_DTYPE_F32, REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    for (int ti = 0; ti < 3; ti++)
+        for (int variant = 0; variant < 3; variant++) { /* table; table + positions; positions */
+            float *x = hrand((size_t)m * e, 1);
+            float *dx = dev_from(x, sizeof(float) * m * e);
+            const void *t = variant < 2 ? tabs[ti] : NULL;
+            const float *pt = variant > 0 ? ptab : NULL;
+            rekv_cpu_kernels.embed(g_scpu, x, t, tdts[ti], tok, pt, pos, 2, m, e);
+            sync_cpu();
+            g_cu->kernels->embed(g_scu, dx, variant < 2 ? dtabs[ti] : NULL, tdts[ti], dtok,
+                                 variant > 0 ? dptab : NULL, dpos, 2, m, e);
+            sync_cu();
+            char what[48];
+            snprintf(what, sizeof(what), "embed %s variant %d", rekv_dtype_name(tdts[ti]), variant);
+            expect_dev(what, dx, x, (size_t)m * e, 0);
+            dev_free(dx);
+            free(x);
+        }
+    dev_free(dt16), dev_free(dtb16);
+    free(t16), free(tb16);
     /* gather_rows: rows of the table, in any order and repeated */
     int n = 11;
     int32_t *idx = malloc(sizeof(int32_t) * n), *didx = meta(sizeof(int32_t) * n);
@@ -758,7 +819,8 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
                              path, rekv_dtype_name(cache), rekv_mode_name(cfg.mode),
                              ow ? "+offload-weights" : "", sched ? "column" : "row", G, cfg.split,
                              cfg.kv_parts, cfg.act_parts, cfg.act_gpu_blocks);
-                    expect_close(name, got, ref, nl, LOGIT_TOL);
+                    double tol = logit_tol(rekv_engine_weight_dtype(f.e));
+                    expect_close(name, got, ref, nl, tol);
                     /* greedy tokens: the cpu's, unless its top two logits are a near-tie */
                     for (int s = 0; s < steps; s++)
                         for (int i = 0; i < B; i++) {
@@ -766,7 +828,7 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
                             const float *r = ref + ((size_t)s * B + i) * V;
                             int want = tokens[(size_t)s * B + i], have = argmax(g, V);
                             ck_assert_msg(have == want || fabsf(r[have] - r[want]) <=
-                                                              LOGIT_TOL * (fabsf(r[want]) + 1.0f),
+                                                              tol * (fabsf(r[want]) + 1.0f),
                                           "%s: step %d sequence %d: cuda picks token %d, cpu %d",
                                           name, s, i, have, want);
                         }
@@ -809,6 +871,7 @@ static Suite *suite(void)
     TCase *tk = tcase_create("kernels");
     tcase_set_timeout(tk, 300);
     tcase_add_test(tk, kernel_linear);
+    tcase_add_test(tk, kernel_linear_16bit);
     tcase_add_test(tk, kernel_norm);
     tcase_add_test(tk, kernel_rope);
     tcase_add_test(tk, kernel_activation_add);

@@ -82,8 +82,9 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     rekv_err err = {0};
     rekv_pipeline *p;
     int V = f->m->config.vocab;
-    ck_assert_msg(rekv_pipeline_create(f->e, f->be, cfg->mode == REKV_MODE_RESIDENT ? NULL : f->store,
-                                       cfg, &p, &err) == 0,
+    ck_assert_msg(rekv_pipeline_create(f->e, f->be,
+                                       cfg->mode == REKV_MODE_RESIDENT ? NULL : f->store, cfg, &p,
+                                       &err) == 0,
                   "%s", err.msg);
     rekv_pseq **seqs = calloc((size_t)B, sizeof(*seqs));
     rekv_pipe_item *items = calloc((size_t)B, sizeof(*items));
@@ -102,8 +103,8 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
                 if (lg[t] > lg[best])
                     best = t;
             next[i] = best;
-            items[i] = (rekv_pipe_item){seqs[i], &next[i], 1,
-                                        out->logits + ((size_t)s * B + i) * V, 0};
+            items[i] =
+                (rekv_pipe_item){seqs[i], &next[i], 1, out->logits + ((size_t)s * B + i) * V, 0};
         }
         if (s == 1)
             rekv_pipeline_counters_reset(p);
@@ -169,8 +170,8 @@ static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_
         case REKV_MODE_HYBRID: {
             uint64_t nk = 0, na = 0;
             for (uint64_t b = 0; b * 16 <= s; b++) {
-                rekv_kv_block_type t =
-                    rekv_kv_next_block_type(nk, na, (uint32_t)cfg->kv_parts, (uint32_t)cfg->act_parts);
+                rekv_kv_block_type t = rekv_kv_next_block_type(nk, na, (uint32_t)cfg->kv_parts,
+                                                               (uint32_t)cfg->act_parts);
                 uint64_t lo = b * 16, hi = lo + 16 < s ? lo + 16 : s;
                 if (t == REKV_KV_BLOCK_KV) {
                     nk++, kv_tok += hi > lo ? hi - lo : 0, new_kv += (s >= lo && s < lo + 16);
@@ -195,8 +196,10 @@ static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_
         uint64_t Q = (uint64_t)rekv_config_q_dim(c), KV = (uint64_t)rekv_config_kv_dim(c);
         uint64_t F = (uint64_t)c->ffn, ob = c->o_bias, qb = c->qkv_bias, fb = c->ffn_bias;
         uint64_t nb = c->norm_bias ? 2 : 1, gated = c->act == REKV_ACT_SILU;
-        uint64_t layer = 4 * (Q * H + 2 * KV * H + H * Q + (2 + gated) * H * F + qb * (Q + 2 * KV) +
-                              ob * H + fb * (F + H) + 2 * nb * H);
+        /* matrices as the file holds them, vectors in fp32 */
+        uint64_t layer =
+            rekv_dtype_size(c->dtype) * (Q * H + 2 * KV * H + H * Q + (2 + gated) * H * F) +
+            4 * (qb * (Q + 2 * KV) + ob * H + fb * (F + H) + 2 * nb * H);
         int G = cfg->gpu_batches < B ? cfg->gpu_batches : B;
         e->h2d_bytes[REKV_XFER_WEIGHTS] =
             L * layer * (uint64_t)(cfg->schedule == REKV_SCHED_COLUMN ? 1 : G);
@@ -376,10 +379,10 @@ START_TEST(step_params_change_nothing)
             cfg.offload_weights = ow;
             run r;
             do_run(&f, &cfg, B, lens, prompts, steps, &r);
-            ck_assert_msg(memcmp(r.logits, ref.logits,
-                                 sizeof(float) * (size_t)(steps + 1) * B * V) == 0,
-                          "%s%s: changing step parameters changed the logits",
-                          rekv_mode_name(cfg.mode), ow ? "+offload-weights" : "");
+            ck_assert_msg(
+                memcmp(r.logits, ref.logits, sizeof(float) * (size_t)(steps + 1) * B * V) == 0,
+                "%s%s: changing step parameters changed the logits", rekv_mode_name(cfg.mode),
+                ow ? "+offload-weights" : "");
             free(r.logits);
         }
     g_chaos = 0;
@@ -445,4 +448,7 @@ static Suite *suite(void)
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}
