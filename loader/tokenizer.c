@@ -2,9 +2,10 @@
  * tokenizer family, encode/decode, and picking a model's tokenizer files.
  *
  * Encoding: special/added token strings are cut out of the text first; each remaining segment is
- * normalized (char BPE), split into words by the pre-tokenizer regex (byte-level), turned into
- * initial symbols, and merged. Merging keeps candidate pairs in a min-heap ordered by (priority,
- * position), so a word of n symbols costs O(n log n) rather than a rescan per merge. */
+ * normalized (tokenizer.json normalizers, both BPE kinds), split into words by the pre-tokenizer
+ * (regex for byte-level, Metaspace for char BPE), turned into initial symbols, and merged. Merging
+ * keeps candidate pairs in a min-heap ordered by (priority, position), so a word of n symbols costs
+ * O(n log n) rather than a rescan per merge. */
 #define _GNU_SOURCE
 #include "loader/tokenizer_internal.h"
 
@@ -14,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <utf8proc.h>
 
 /* ---------------------------------------------------------------- hashing */
 
@@ -751,9 +753,9 @@ static int split_regex(enc_ctx *c, const char *s, size_t n)
     return 0;
 }
 
-/* Byte-level segment: valid UTF-8 runs go through the regex; each invalid byte is its own word,
- * so any byte string encodes and decodes back unchanged. */
-static int encode_byte_segment(enc_ctx *c, const char *s, size_t n)
+/* Byte-level text after normalization: valid UTF-8 runs go through the regex; each invalid byte
+ * is its own word, so any byte string encodes (and decodes back unchanged, less normalization). */
+static int encode_byte_text(enc_ctx *c, const char *s, size_t n)
 {
     const rekv_tokenizer *tok = c->tok;
     int rc;
@@ -802,7 +804,8 @@ static char *str_rewrite(const char *pre, size_t pre_len, const char *src, size_
     if (out == NULL)
         return NULL;
     size_t pos = pre_len;
-    memcpy(out, pre, pre_len);
+    if (pre_len > 0)
+        memcpy(out, pre, pre_len);
     for (size_t i = 0; i < n;) {
         if (from_len > 0 && i + from_len <= n && memcmp(src + i, from, from_len) == 0) {
             memcpy(out + pos, to, to_len);
@@ -817,25 +820,143 @@ static char *str_rewrite(const char *pre, size_t pre_len, const char *src, size_
     return out;
 }
 
+static int bytes_reserve(char **b, size_t *cap, size_t need)
+{
+    if (need <= *cap)
+        return 0;
+    size_t c = *cap ? *cap : 64;
+    while (c < need)
+        c *= 2;
+    char *p = realloc(*b, c);
+    if (p == NULL)
+        return -ENOMEM;
+    *b = p;
+    *cap = c;
+    return 0;
+}
+
+/* src (n bytes) in a Unicode normal form, into a malloc'd *out (NUL-terminated, *out_len bytes).
+ * utf8proc normalizes each maximal run of valid UTF-8; a byte that starts no valid sequence is
+ * copied unchanged and ends the run, so a character is never composed across it. HF never sees
+ * such bytes (its input is a Rust String); this keeps the engine's rule that any byte string
+ * encodes. Returns 0, -ENOMEM, or -EOVERFLOW (a run too long for utf8proc). */
+static int str_unicode_normalize(const char *src, size_t n, tok_norm_kind kind, char **out,
+                                 size_t *out_len)
+{
+    utf8proc_option_t opt = UTF8PROC_STABLE;
+    opt |= kind == TOK_NORM_NFC || kind == TOK_NORM_NFKC ? UTF8PROC_COMPOSE : UTF8PROC_DECOMPOSE;
+    if (kind == TOK_NORM_NFKC || kind == TOK_NORM_NFKD)
+        opt |= UTF8PROC_COMPAT;
+    char *b = NULL;
+    size_t cap = 0, pos = 0;
+    int rc = bytes_reserve(&b, &cap, n + 1);
+    for (size_t i = 0; i < n && rc == 0;) {
+        const unsigned char *u = (const unsigned char *)src;
+        size_t j = i;
+        int cl;
+        while (j < n && (cl = tok_utf8_len(u + j, n - j)) > 0)
+            j += (size_t)cl;
+        if (j > i) {
+            utf8proc_uint8_t *nf = NULL;
+            utf8proc_ssize_t r = utf8proc_map(u + i, (utf8proc_ssize_t)(j - i), &nf, opt);
+            if (r < 0) /* INVALIDUTF8 cannot happen: the run was checked above */
+                rc = r == UTF8PROC_ERROR_NOMEM ? -ENOMEM : -EOVERFLOW;
+            else if ((rc = bytes_reserve(&b, &cap, pos + (size_t)r + 1)) == 0) {
+                memcpy(b + pos, nf, (size_t)r);
+                pos += (size_t)r;
+            }
+            free(nf);
+        }
+        if (rc == 0 && j < n) { /* the invalid byte, kept as it is */
+            if ((rc = bytes_reserve(&b, &cap, pos + 2)) == 0)
+                b[pos++] = src[j];
+            j++;
+        }
+        i = j;
+    }
+    if (rc != 0) {
+        free(b);
+        return rc;
+    }
+    b[pos] = '\0';
+    *out = b;
+    *out_len = pos;
+    return 0;
+}
+
+static int has_non_ascii(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)s[i] >= 0x80)
+            return 1;
+    return 0;
+}
+
+/* Applies the tokenizer's normalizer ops in order to a segment. *work is NULL when nothing
+ * changed the text, else the malloc'd result (*wn bytes); the caller frees it. */
+static int normalize_segment(enc_ctx *c, const char *s, size_t n, char **work, size_t *wn)
+{
+    const rekv_tokenizer *tok = c->tok;
+    *work = NULL;
+    *wn = n;
+    for (size_t k = 0; k < tok->n_norm; k++) {
+        const tok_norm_op *op = &tok->norm[k];
+        const char *src = *work ? *work : s;
+        char *next = NULL;
+        switch (op->kind) {
+        case TOK_NORM_PREPEND:
+            if (*wn == 0)
+                continue;
+            next = str_rewrite(op->to, op->to_len, src, *wn, NULL, 0, NULL, 0, wn);
+            break;
+        case TOK_NORM_REPLACE:
+            next = str_rewrite(NULL, 0, src, *wn, op->from, op->from_len, op->to, op->to_len, wn);
+            break;
+        case TOK_NORM_NFC:
+        case TOK_NORM_NFD:
+        case TOK_NORM_NFKC:
+        case TOK_NORM_NFKD: {
+            if (!has_non_ascii(src, *wn))
+                continue;
+            int rc = str_unicode_normalize(src, *wn, op->kind, &next, wn);
+            if (rc == -EOVERFLOW) {
+                free(*work);
+                *work = NULL;
+                return rekv_errf(c->err, rc, "tokenizer: text too long to normalize (%zu bytes)",
+                                 n);
+            }
+            break;
+        }
+        }
+        free(*work);
+        if ((*work = next) == NULL)
+            return rekv_errf(c->err, -ENOMEM, "tokenizer: out of memory");
+    }
+    return 0;
+}
+
+/* Byte-level segment: normalizer ops, then the pre-tokenizer and words. */
+static int encode_byte_segment(enc_ctx *c, const char *s, size_t n)
+{
+    char *work;
+    size_t wn;
+    int rc = normalize_segment(c, s, n, &work, &wn);
+    if (rc != 0)
+        return rc;
+    rc = encode_byte_text(c, work ? work : s, wn);
+    free(work);
+    return rc;
+}
+
 /* Char BPE segment: normalizer ops, Metaspace, then words. first: no special precedes it. */
 static int encode_char_segment(enc_ctx *c, const char *s, size_t n, int first)
 {
     const rekv_tokenizer *tok = c->tok;
-    char *work = NULL; /* the current text once it has been rewritten */
-    size_t wn = n;
-    int rc = 0;
-    for (size_t k = 0; k < tok->n_norm; k++) {
-        const tok_norm_op *op = &tok->norm[k];
-        if (op->prepend && wn == 0)
-            continue;
-        char *next = op->prepend ? str_rewrite(op->to, op->to_len, work ? work : s, wn, NULL, 0,
-                                               NULL, 0, &wn)
-                                 : str_rewrite(NULL, 0, work ? work : s, wn, op->from, op->from_len,
-                                               op->to, op->to_len, &wn);
-        free(work);
-        if ((work = next) == NULL)
-            goto oom;
-    }
+    char *work; /* the current text once it has been rewritten, else NULL */
+    size_t wn;
+    int rc = normalize_segment(c, s, n, &work, &wn);
+    if (rc != 0)
+        return rc;
     if (tok->ms_repl != NULL) {
         const char *src = work ? work : s;
         int prepend = tok->ms_prepend == 1 || (tok->ms_prepend == 2 && first);
@@ -847,7 +968,7 @@ static int encode_char_segment(enc_ctx *c, const char *s, size_t n, int first)
                                  tok->ms_repl, tok->ms_repl_len, &wn);
         free(work);
         if ((work = next) == NULL)
-            goto oom;
+            return rekv_errf(c->err, -ENOMEM, "tokenizer: out of memory");
     }
     const char *t = work ? work : s;
     if (tok->ms_repl != NULL && tok->ms_split) {
@@ -865,8 +986,6 @@ static int encode_char_segment(enc_ctx *c, const char *s, size_t n, int first)
     }
     free(work);
     return rc;
-oom:
-    return rekv_errf(c->err, -ENOMEM, "tokenizer: out of memory");
 }
 
 /* llama2.c (run.c): a dummy-prefix space for non-empty text, then one word for all of it. */

@@ -3,10 +3,16 @@
  * them), and tokenizer.json with model.type "BPE" in its byte-level form (ByteLevel pre-tokenizer,
  * optionally after a Split regex) or its SentencePiece form (▁ for spaces, byte fallback).
  *
- * Not supported (refused with -ENOTSUP naming the component): other model types, normalizers
- * other than Replace/Prepend/NFC (NFC is accepted and treated as identity: text is assumed to be
- * NFC already), pre-tokenizers other than ByteLevel/Split/Metaspace, continuing_subword_prefix
- * and end_of_word_suffix. Added tokens' lstrip/rstrip/single_word flags are ignored. */
+ * Normalizers: Replace (String pattern), Prepend, NFC, NFD, NFKC, NFKD, and Sequences of them,
+ * applied in the declared order to the text between added tokens, before the pre-tokenizer, in
+ * both forms (tokenizer.c). The Unicode forms come from utf8proc; they act on each run of valid
+ * UTF-8 and leave any other byte as it is (HF never sees such bytes: its input is a Rust String).
+ *
+ * Not supported (refused with -ENOTSUP naming the component): other model types, other
+ * normalizers (Lowercase, Strip, StripAccents, Precompiled, BertNormalizer, ...), pre-tokenizers
+ * other than ByteLevel/Split/Metaspace, continuing_subword_prefix and end_of_word_suffix. Added
+ * tokens are all matched in the text before normalization (as HF does for "normalized": false);
+ * their normalized/lstrip/rstrip/single_word flags are ignored. */
 #define _GNU_SOURCE
 #include "loader/tokenizer_internal.h"
 
@@ -294,7 +300,8 @@ static int set_str(char **dst, size_t *dst_len, const char *s)
     return 0;
 }
 
-static int add_norm(rekv_tokenizer *tok, int prepend, const char *from, const char *to)
+/* Appends a normalizer op; from and to may be NULL (Prepend has no from, Unicode forms neither). */
+static int add_norm(rekv_tokenizer *tok, tok_norm_kind kind, const char *from, const char *to)
 {
     tok_norm_op *n = realloc(tok->norm, (tok->n_norm + 1) * sizeof(*n));
     if (n == NULL)
@@ -302,14 +309,13 @@ static int add_norm(rekv_tokenizer *tok, int prepend, const char *from, const ch
     tok->norm = n;
     tok_norm_op *op = &n[tok->n_norm];
     memset(op, 0, sizeof(*op));
-    op->prepend = prepend;
-    op->from = strdup(from ? from : "");
-    op->to = strdup(to);
+    op->kind = kind;
     tok->n_norm++;
-    if (op->from == NULL || op->to == NULL)
+    if ((from != NULL && (op->from = strdup(from)) == NULL) ||
+        (to != NULL && (op->to = strdup(to)) == NULL))
         return -ENOMEM;
-    op->from_len = strlen(op->from);
-    op->to_len = strlen(op->to);
+    op->from_len = from ? strlen(from) : 0;
+    op->to_len = to ? strlen(to) : 0;
     return 0;
 }
 
@@ -319,9 +325,13 @@ static int parse_normalizer(rekv_tokenizer *tok, json_t *n, const char *path, re
         return 0;
     const char *t = type_of(n);
     if (strcmp(t, "Sequence") == 0) {
+        json_t *list = json_object_get(n, "normalizers");
+        if (!json_is_array(list))
+            return rekv_errf(err, -EINVAL, "%s: Sequence normalizer without a normalizers array",
+                             path);
         size_t i;
         json_t *v;
-        json_array_foreach(json_object_get(n, "normalizers"), i, v)
+        json_array_foreach(list, i, v)
         {
             int rc = parse_normalizer(tok, v, path, err);
             if (rc != 0)
@@ -329,13 +339,25 @@ static int parse_normalizer(rekv_tokenizer *tok, json_t *n, const char *path, re
         }
         return 0;
     }
-    if (strcmp(t, "NFC") == 0)
-        return 0; /* see the file comment */
+    static const struct {
+        const char *name;
+        tok_norm_kind kind;
+    } forms[] = {{"NFC", TOK_NORM_NFC},
+                 {"NFD", TOK_NORM_NFD},
+                 {"NFKC", TOK_NORM_NFKC},
+                 {"NFKD", TOK_NORM_NFKD}};
+    for (size_t i = 0; i < sizeof(forms) / sizeof(forms[0]); i++)
+        if (strcmp(t, forms[i].name) == 0)
+            return add_norm(tok, forms[i].kind, NULL, NULL)
+                       ? rekv_errf(err, -ENOMEM, "%s: out of memory", path)
+                       : 0;
     if (strcmp(t, "Prepend") == 0) {
         const char *p = json_string_value(json_object_get(n, "prepend"));
         if (p == NULL)
             return rekv_errf(err, -EINVAL, "%s: Prepend normalizer without a string", path);
-        return add_norm(tok, 1, NULL, p) ? rekv_errf(err, -ENOMEM, "%s: out of memory", path) : 0;
+        return add_norm(tok, TOK_NORM_PREPEND, NULL, p)
+                   ? rekv_errf(err, -ENOMEM, "%s: out of memory", path)
+                   : 0;
     }
     if (strcmp(t, "Replace") == 0) {
         const char *from = pattern_string(json_object_get(n, "pattern"));
@@ -345,7 +367,9 @@ static int parse_normalizer(rekv_tokenizer *tok, json_t *n, const char *path, re
                              "%s: only Replace normalizers with a non-empty String "
                              "pattern are supported",
                              path);
-        return add_norm(tok, 0, from, to) ? rekv_errf(err, -ENOMEM, "%s: out of memory", path) : 0;
+        return add_norm(tok, TOK_NORM_REPLACE, from, to)
+                   ? rekv_errf(err, -ENOMEM, "%s: out of memory", path)
+                   : 0;
     }
     return rekv_errf(err, -ENOTSUP, "%s: normalizer \"%s\" is not supported", path, t);
 }
@@ -620,13 +644,6 @@ int rekv_tokenizer_load_hf_json(const char *path, rekv_tokenizer **out, rekv_err
     tok->fuse_unk = json_is_true(json_object_get(model, "fuse_unk"));
     tok->ignore_merges = json_is_true(json_object_get(model, "ignore_merges"));
     if (byte_level) {
-        if (tok->n_norm > 0) {
-            rc = rekv_errf(err, -ENOTSUP,
-                           "%s: normalizers with a ByteLevel pre-tokenizer are not "
-                           "supported",
-                           path);
-            goto out;
-        }
         if (pre != NULL && !json_is_null(pre) && (rc = parse_byte_pretok(tok, pre, path, err)) != 0)
             goto out;
         tok_byte_level_init(tok);

@@ -40,9 +40,19 @@ typedef struct tok_piece {
     uint8_t kind; /* TOK_PIECE_* */
 } tok_piece;
 
+/* One step of a tokenizer.json normalizer; a Sequence becomes its steps in order. */
+typedef enum tok_norm_kind {
+    TOK_NORM_REPLACE = 0, /* replace every `from` with `to` */
+    TOK_NORM_PREPEND = 1, /* prepend `to` to non-empty text */
+    TOK_NORM_NFC = 2,     /* Unicode normal forms (utf8proc); from/to unused */
+    TOK_NORM_NFD = 3,
+    TOK_NORM_NFKC = 4,
+    TOK_NORM_NFKD = 5,
+} tok_norm_kind;
+
 typedef struct tok_norm_op {
-    int prepend; /* 1: prepend `to` to non-empty text; 0: replace every `from` with `to` */
-    char *from, *to;
+    tok_norm_kind kind;
+    char *from, *to; /* NULL where the kind does not use them */
     size_t from_len, to_len;
 } tok_norm_op;
 
@@ -78,9 +88,11 @@ struct rekv_tokenizer {
     int32_t byte_id[256];
     int16_t cp_byte[324]; /* byte-level decode: code point -> byte, -1 when not a byte char */
 
-    /* char BPE text processing */
-    tok_norm_op *norm; /* normalizer ops, in order */
+    /* normalizer ops, in order, applied to each segment between specials (both BPE kinds) */
+    tok_norm_op *norm;
     size_t n_norm;
+
+    /* char BPE text processing */
     char *ms_repl; /* Metaspace pre-tokenizer replacement ("▁"), NULL when none */
     size_t ms_repl_len;
     int ms_prepend;    /* 0 never, 1 always, 2 first segment only */

@@ -547,6 +547,17 @@ static void build_seeds(double scale)
     s = seed_add("hf-tokenizer-json", T_HF_JSON, K_JSON, "tokenizer.json", small);
     write_file(path_in(s->dir, "tokenizer.json"), tj.p, tj.n);
     seed_load(s);
+    /* the same with Unicode normalizers (identity on the encoder's round-trip texts) */
+    static const char null_norm[] = "\"normalizer\": null",
+                      nfc_norm[] = "\"normalizer\": {\"type\": \"Sequence\", \"normalizers\": "
+                                   "[{\"type\": \"NFKD\"}, {\"type\": \"NFC\"}]}";
+    const uint8_t *at = memmem(tj.p, tj.n, null_norm, strlen(null_norm));
+    if (at == NULL)
+        die("gen_bpe: no null normalizer");
+    buf_splice(&tj, (size_t)(at - tj.p), strlen(null_norm), nfc_norm, strlen(nfc_norm));
+    s = seed_add("hf-tokenizer-json-nfc", T_HF_JSON, K_JSON, "tokenizer.json", small);
+    write_file(path_in(s->dir, "tokenizer.json"), tj.p, tj.n);
+    seed_load(s);
     s = seed_add("tokbin", T_TOKBIN, K_BINARY, "tokenizer.bin", small);
     gen_tokbin(&b);
     write_file(path_in(s->dir, "tokenizer.bin"), b.p, b.n);

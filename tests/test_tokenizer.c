@@ -275,9 +275,10 @@ END_TEST
 /* ---------------------------------------------------------------- tokenizer.json */
 
 /* Writes opt-tiny-py's vocab + merges as a HF tokenizer.json. split: GPT-2 regex as a Split
- * pre-tokenizer in a Sequence, and merges as [a, b] pairs, rather than ByteLevel alone. */
+ * pre-tokenizer in a Sequence, and merges as [a, b] pairs, rather than ByteLevel alone.
+ * normalizer: the "normalizer" value (stolen), NULL for null. */
 static char *write_hf_json(const char *dir, const char *vocab_path, const char *merges_path,
-                           int split)
+                           int split, json_t *normalizer)
 {
     json_error_t je;
     json_t *vocab = json_load_file(vocab_path, 0, &je);
@@ -320,12 +321,13 @@ static char *write_hf_json(const char *dir, const char *vocab_path, const char *
         pre = json_pack("{s:s,s:[oo]}", "type", "Sequence", "pretokenizers", sp, bl);
     }
     json_t *root = json_pack(
-        "{s:s,s:n,s:n,s:o,s:n,s:o,s:n,s:{s:s,s:b,s:b,s:b},s:{s:s,s:n,s:n,s:s,s:s,s:b,s:b,s:o,s:o}}",
+        "{s:s,s:n,s:n,s:o,s:o,s:o,s:n,s:{s:s,s:b,s:b,s:b},s:{s:s,s:n,s:n,s:s,s:s,s:b,s:b,s:o,s:o}}",
         "version", "1.0", "truncation", "padding", "added_tokens", added, "normalizer",
-        "pre_tokenizer", pre, "post_processor", "decoder", "type", "ByteLevel", "add_prefix_space",
-        1, "trim_offsets", 1, "use_regex", 1, "model", "type", "BPE", "dropout", "unk_token",
-        "continuing_subword_prefix", "", "end_of_word_suffix", "", "fuse_unk", 0, "byte_fallback",
-        0, "vocab", vocab, "merges", merges);
+        normalizer ? normalizer : json_null(), "pre_tokenizer", pre, "post_processor", "decoder",
+        "type", "ByteLevel", "add_prefix_space", 1, "trim_offsets", 1, "use_regex", 1, "model",
+        "type", "BPE", "dropout", "unk_token", "continuing_subword_prefix", "",
+        "end_of_word_suffix", "", "fuse_unk", 0, "byte_fallback", 0, "vocab", vocab, "merges",
+        merges);
     ck_assert_ptr_nonnull(root);
     char *path = join(dir, "tokenizer.json");
     ck_assert_int_eq(json_dump_file(root, path, JSON_INDENT(1)), 0);
@@ -347,7 +349,7 @@ START_TEST(test_hf_json_byte_level)
     char *merges = xstrdup(p);
     for (int split = 0; split < 2; split++) {
         char *dir = tu_tmpdir();
-        char *path = write_hf_json(dir, vocab, merges, split);
+        char *path = write_hf_json(dir, vocab, merges, split, NULL);
         rekv_tokenizer *tok = NULL;
         rekv_err err = {0};
         /* the directory route must pick tokenizer.json */
@@ -446,6 +448,258 @@ START_TEST(test_hf_json_sentencepiece)
     tu_rmrf(dir);
     free(path);
     free(dir);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- Unicode normalizers */
+
+#define E_ACUTE "\xc3\xa9" /* U+00E9, é precomposed */
+#define ACUTE "\xcc\x81"   /* U+0301, combining acute accent */
+#define FI "\xef\xac\x81"  /* U+FB01, the fi ligature: compatibility-decomposes to "fi" */
+
+/* A char BPE tokenizer.json with no merges and no pre-tokenizer, so each character that is a piece
+ * encodes as itself: <unk> <s> </s>, 256 byte pieces (ids 3..258), then these. */
+static const char *const k_norm_pieces[] = {"e", E_ACUTE, ACUTE, "x", "f", "i", "'"};
+enum { P_E = 259, P_EACUTE, P_ACUTE, P_X, P_F, P_I, P_APOS };
+#define B(b) (3 + (b)) /* the byte-fallback piece of byte b */
+
+/* Loads that tokenizer with the given normalizer (stolen; NULL: none). */
+static rekv_tokenizer *load_norm_tok(json_t *normalizer)
+{
+    json_t *vocab = json_object();
+    const char *names[] = {"<unk>", "<s>", "</s>"};
+    json_t *added = json_array();
+    for (int i = 0; i < 3; i++) {
+        json_object_set_new(vocab, names[i], json_integer(i));
+        json_array_append_new(added, json_pack("{s:i,s:s,s:b,s:b}", "id", i, "content", names[i],
+                                               "normalized", 0, "special", 1));
+    }
+    for (int b = 0; b < 256; b++) {
+        char name[8];
+        snprintf(name, sizeof(name), "<0x%02X>", b);
+        json_object_set_new(vocab, name, json_integer(B(b)));
+    }
+    for (int i = 0; i < (int)(sizeof(k_norm_pieces) / sizeof(k_norm_pieces[0])); i++)
+        json_object_set_new(vocab, k_norm_pieces[i], json_integer(P_E + i));
+    json_t *root = json_pack(
+        "{s:o,s:o,s:n,s:{s:s,s:[{s:s},{s:s}]},s:{s:s,s:s,s:b,s:o,s:[]}}", "added_tokens", added,
+        "normalizer", normalizer ? normalizer : json_null(), "pre_tokenizer", "decoder", "type",
+        "Sequence", "decoders", "type", "ByteFallback", "type", "Fuse", "model", "type", "BPE",
+        "unk_token", "<unk>", "byte_fallback", 1, "vocab", vocab, "merges");
+    ck_assert_ptr_nonnull(root);
+    char *dir = tu_tmpdir();
+    char *path = join(dir, "tokenizer.json");
+    ck_assert_int_eq(json_dump_file(root, path, 0), 0);
+    json_decref(root);
+    rekv_tokenizer *tok = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_tokenizer_load_hf_json(path, &tok, &err) == 0, "%s", err.msg);
+    tu_rmrf(dir);
+    free(path);
+    free(dir);
+    return tok;
+}
+
+static json_t *norm_form(const char *type)
+{
+    return json_pack("{s:s}", "type", type);
+}
+
+static json_t *norm_replace(const char *from, const char *to)
+{
+    return json_pack("{s:s,s:{s:s},s:s}", "type", "Replace", "pattern", "String", from, "content",
+                     to);
+}
+
+static json_t *norm_seq2(json_t *a, json_t *b)
+{
+    return json_pack("{s:s,s:[oo]}", "type", "Sequence", "normalizers", a, b);
+}
+
+/* check_ids for text that may hold NUL bytes. */
+static void check_ids_len(const rekv_tokenizer *tok, const char *text, size_t len,
+                          const int32_t *want, size_t n_want)
+{
+    rekv_err err = {0};
+    int32_t *ids = NULL;
+    size_t n = 0;
+    ck_assert_msg(rekv_tokenizer_encode(tok, text, len, -1, &ids, &n, &err) == 0, "%s", err.msg);
+    ck_assert_msg(n == n_want, "%zu-byte text: %zu ids, want %zu", len, n, n_want);
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(ids[i] == want[i], "%zu-byte text: id %zu is %d, want %d", len, i, ids[i],
+                      want[i]);
+    free(ids);
+}
+
+START_TEST(test_hf_json_unicode_forms)
+{
+    const int32_t composed[] = {P_EACUTE}, decomposed[] = {P_E, P_ACUTE};
+    const int32_t fi[] = {P_F, P_I}, lig[] = {B(0xEF), B(0xAC), B(0x81)};
+    const int32_t fi_e_acute[] = {P_F, P_I, P_E, P_ACUTE};
+
+    /* no normalizer: the two spellings of é are different tokens */
+    rekv_tokenizer *tok = load_norm_tok(NULL);
+    check_ids(tok, "e" ACUTE, -1, decomposed, 2);
+    check_ids(tok, E_ACUTE, -1, composed, 1);
+    check_ids(tok, FI, -1, lig, 3);
+    rekv_tokenizer_free(tok);
+
+    /* NFC: both become the precomposed piece; decode gives the normalized text */
+    tok = load_norm_tok(norm_form("NFC"));
+    check_ids(tok, "e" ACUTE, -1, composed, 1);
+    check_ids(tok, E_ACUTE, -1, composed, 1);
+    check_ids(tok, FI, -1, lig, 3); /* a compatibility character: NFC keeps it */
+    const int32_t two[] = {P_EACUTE, P_X, P_EACUTE};
+    check_ids(tok, "e" ACUTE "x" E_ACUTE, -1, two, 3);
+    check_case(tok, E_ACUTE "x" FI, strlen(E_ACUTE "x" FI), -1, NULL, 1);
+    int32_t ids[] = {P_E, P_ACUTE};
+    char *s = decode(tok, ids, 2); /* decode does not normalize */
+    ck_assert_str_eq(s, "e" ACUTE);
+    free(s);
+    /* each segment between specials is normalized on its own, like HF's split on added tokens */
+    const int32_t sp[] = {P_EACUTE, 2, P_EACUTE};
+    check_ids(tok, "e" ACUTE "</s>e" ACUTE, -1, sp, 3);
+    const int32_t apart[] = {P_E, 2, P_ACUTE};
+    check_ids(tok, "e</s>" ACUTE, -1, apart, 3);
+    rekv_tokenizer_free(tok);
+
+    /* NFD: both become e + U+0301 */
+    tok = load_norm_tok(norm_form("NFD"));
+    check_ids(tok, "e" ACUTE, -1, decomposed, 2);
+    check_ids(tok, E_ACUTE, -1, decomposed, 2);
+    check_ids(tok, FI, -1, lig, 3);
+    rekv_tokenizer_free(tok);
+
+    /* NFKC: the ligature becomes "fi", é composes */
+    tok = load_norm_tok(norm_form("NFKC"));
+    check_ids(tok, FI, -1, fi, 2);
+    check_ids(tok, "e" ACUTE, -1, composed, 1);
+    rekv_tokenizer_free(tok);
+
+    /* NFKD: the ligature becomes "fi", é decomposes */
+    tok = load_norm_tok(norm_form("NFKD"));
+    check_ids(tok, FI E_ACUTE, -1, fi_e_acute, 4);
+    rekv_tokenizer_free(tok);
+}
+END_TEST
+
+START_TEST(test_hf_json_unicode_sequence)
+{
+    const int32_t composed[] = {P_EACUTE}, decomposed[] = {P_E, P_ACUTE}, x[] = {P_X};
+    const int32_t apos[] = {P_E, P_APOS};
+
+    /* Replace(' -> U+0301) then NFC: the accent the Replace makes is composed */
+    rekv_tokenizer *tok = load_norm_tok(norm_seq2(norm_replace("'", ACUTE), norm_form("NFC")));
+    check_ids(tok, "e'", -1, composed, 1);
+    rekv_tokenizer_free(tok);
+    /* NFC then Replace(' -> U+0301): it comes too late to be composed */
+    tok = load_norm_tok(norm_seq2(norm_form("NFC"), norm_replace("'", ACUTE)));
+    check_ids(tok, "e'", -1, decomposed, 2);
+    rekv_tokenizer_free(tok);
+
+    /* NFC then Replace(é -> x): the Replace sees the composed é */
+    tok = load_norm_tok(norm_seq2(norm_form("NFC"), norm_replace(E_ACUTE, "x")));
+    check_ids(tok, "e" ACUTE, -1, x, 1);
+    check_ids(tok, E_ACUTE, -1, x, 1);
+    rekv_tokenizer_free(tok);
+    /* Replace(é -> x) then NFC: the decomposed spelling slips past the Replace */
+    tok = load_norm_tok(norm_seq2(norm_replace(E_ACUTE, "x"), norm_form("NFC")));
+    check_ids(tok, "e" ACUTE, -1, composed, 1);
+    check_ids(tok, E_ACUTE, -1, x, 1);
+    rekv_tokenizer_free(tok);
+
+    /* NFD then Replace(U+0301 -> '): accents stripped to apostrophes, whatever the spelling */
+    tok = load_norm_tok(norm_seq2(norm_form("NFD"), norm_replace(ACUTE, "'")));
+    check_ids(tok, E_ACUTE, -1, apos, 2);
+    check_ids(tok, "e" ACUTE, -1, apos, 2);
+    rekv_tokenizer_free(tok);
+
+    /* nested Sequences flatten in order: [[NFD, Replace(U+0301 -> ')], NFC] */
+    tok = load_norm_tok(
+        norm_seq2(norm_seq2(norm_form("NFD"), norm_replace(ACUTE, "'")), norm_form("NFC")));
+    check_ids(tok, E_ACUTE, -1, apos, 2);
+    rekv_tokenizer_free(tok);
+}
+END_TEST
+
+/* Text that is not valid UTF-8: each valid run is normalized on its own and every other byte is
+ * kept as it is (so it reaches byte fallback); a character is never composed across such a byte. */
+START_TEST(test_hf_json_unicode_invalid_utf8)
+{
+    const char *const forms[] = {"NFC", "NFD", "NFKC", "NFKD"};
+    for (int f = 0; f < 4; f++) {
+        rekv_tokenizer *tok = load_norm_tok(norm_form(forms[f]));
+        int nfc = f == 0 || f == 2;
+        /* e, a stray 0xFF, then a combining accent that has nothing to compose with */
+        const int32_t ff[] = {P_E, B(0xFF), P_ACUTE};
+        check_ids(tok, "e\xff" ACUTE, -1, ff, 3);
+        /* both spellings of é, x, then a truncated 3-byte sequence */
+        const char trunc[] = "e" ACUTE E_ACUTE "x\xe2\x82";
+        if (nfc) {
+            const int32_t want[] = {P_EACUTE, P_EACUTE, P_X, B(0xE2), B(0x82)};
+            check_ids(tok, trunc, -1, want, 5);
+        } else {
+            const int32_t want[] = {P_E, P_ACUTE, P_E, P_ACUTE, P_X, B(0xE2), B(0x82)};
+            check_ids(tok, trunc, -1, want, 7);
+        }
+        /* a surrogate encoded in UTF-8 (invalid) between e and the accent */
+        const int32_t sur[] = {P_E, B(0xED), B(0xA0), B(0x80), P_ACUTE};
+        check_ids(tok, "e\xed\xa0\x80" ACUTE, -1, sur, 5);
+        /* NUL is a valid character (a starter): the accent after it stays separate */
+        const char nul[] = "e\0" ACUTE;
+        const int32_t nul_ids[] = {P_E, B(0), P_ACUTE};
+        check_ids_len(tok, nul, sizeof(nul) - 1, nul_ids, 3);
+        rekv_tokenizer_free(tok);
+    }
+}
+END_TEST
+
+/* The byte-level form: HF applies the normalizer before the ByteLevel pre-tokenizer. */
+START_TEST(test_hf_json_byte_level_nfc)
+{
+    const char *p = tu_shared("models/opt-tiny-py/vocab.json");
+    if (p == NULL)
+        return;
+    char *vocab = xstrdup(p);
+    p = tu_shared("models/opt-tiny-py/merges.txt");
+    if (p == NULL) {
+        free(vocab);
+        return;
+    }
+    char *merges = xstrdup(p);
+    /* naïve café!, with ï and é decomposed and precomposed */
+    const char *dec = "nai\xcc\x88ve cafe" ACUTE "!", *pre = "na\xc3\xafve caf" E_ACUTE "!";
+    for (int nfc = 0; nfc < 2; nfc++) {
+        char *dir = tu_tmpdir();
+        char *path = write_hf_json(dir, vocab, merges, 1, nfc ? norm_form("NFC") : NULL);
+        rekv_tokenizer *tok = NULL;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_tokenizer_load_hf_json(path, &tok, &err) == 0, "%s", err.msg);
+        check_reference(tok, "opt-tiny-py"); /* its texts are NFC already */
+        size_t nd, np;
+        int32_t *id_d = encode(tok, dec, -1, &nd), *id_p = encode(tok, pre, -1, &np);
+        int same = nd == np && memcmp(id_d, id_p, nd * sizeof(*id_d)) == 0;
+        char *back = decode(tok, id_d, nd);
+        if (nfc) {
+            ck_assert_msg(same, "NFC: the decomposed text encodes differently");
+            ck_assert_str_eq(back, pre);
+        } else {
+            ck_assert_msg(!same, "no normalizer: the two spellings encode the same");
+            ck_assert_str_eq(back, dec);
+        }
+        free(back);
+        free(id_d);
+        free(id_p);
+        /* every byte still encodes */
+        const char odd[] = "a\xff\xc3(b " ACUTE "\xe2\x82\xac\xed\xa0\x80 \t\n  x\x00y";
+        check_case(tok, odd, sizeof(odd) - 1, -1, NULL, 1);
+        rekv_tokenizer_free(tok);
+        tu_rmrf(dir);
+        free(path);
+        free(dir);
+    }
+    free(vocab);
+    free(merges);
 }
 END_TEST
 
@@ -573,6 +827,10 @@ START_TEST(test_malformed_bpe)
         "{\"type\": \"ByteLevel\"}}",
         "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": "
         "\"Lowercase\"}}",
+        "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": "
+        "\"Sequence\", \"normalizers\": [{\"type\": \"NFC\"}, {\"type\": \"NFKC_CF\"}]}}",
+        "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": "
+        "\"Sequence\", \"normalizers\": {\"type\": \"NFC\"}}}",
     };
     for (size_t i = 0; i < sizeof(bad_tj) / sizeof(bad_tj[0]); i++) {
         write_file(tj, bad_tj[i], strlen(bad_tj[i]));
@@ -606,6 +864,10 @@ static Suite *suite(void)
     tcase_add_test(tc, test_bpe_llama);
     tcase_add_test(tc, test_hf_json_byte_level);
     tcase_add_test(tc, test_hf_json_sentencepiece);
+    tcase_add_test(tc, test_hf_json_unicode_forms);
+    tcase_add_test(tc, test_hf_json_unicode_sequence);
+    tcase_add_test(tc, test_hf_json_unicode_invalid_utf8);
+    tcase_add_test(tc, test_hf_json_byte_level_nfc);
     tcase_add_test(tc, test_malformed_llama2c);
     tcase_add_test(tc, test_malformed_bpe);
     suite_add_tcase(s, tc);
