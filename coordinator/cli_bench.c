@@ -56,11 +56,22 @@ static int bench_forward(int argc, char **argv)
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
-        case 'm': model_path = optarg; break;
-        case 'b': batches = optarg; break;
-        case 'p': if (cli_parse_int("prompt-len", optarg, 1, 1 << 20, &prompt_len)) return 2; break;
-        case 'd': if (cli_parse_int("decode-steps", optarg, 1, 1 << 20, &steps)) return 2; break;
-        case 'j': break; /* JSON is the only output */
+        case 'm':
+            model_path = optarg;
+            break;
+        case 'b':
+            batches = optarg;
+            break;
+        case 'p':
+            if (cli_parse_int("prompt-len", optarg, 1, 1 << 20, &prompt_len))
+                return 2;
+            break;
+        case 'd':
+            if (cli_parse_int("decode-steps", optarg, 1, 1 << 20, &steps))
+                return 2;
+            break;
+        case 'j':
+            break; /* JSON is the only output */
         case 'h':
         default:
             fprintf(c == 'h' ? stdout : stderr,
@@ -142,18 +153,18 @@ static int bench_forward(int argc, char **argv)
         double ctx_pre = (double)B * S * (S + 1) / 2;
         double ctx_dec = (double)B * ((double)steps * S + (double)steps * (steps + 1) / 2);
         double pre_gf = rekv_engine_flops(eng, (double)B * S, ctx_pre, B) / pre_s * 1e-9;
-        double dec_gf = rekv_engine_flops(eng, (double)B * steps, ctx_dec, (double)B * steps) /
-                        dec_s * 1e-9;
+        double dec_gf =
+            rekv_engine_flops(eng, (double)B * steps, ctx_dec, (double)B * steps) / dec_s * 1e-9;
         /* sgemm at the layer's largest shape for these row counts */
         double sg_pre = sgemm_gflops(B * S, cfg->ffn, cfg->hidden, 0.2);
         double sg_dec = sgemm_gflops(B, cfg->ffn, cfg->hidden, 0.2);
         json_array_append_new(
-            runs, json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f}", "batch", B,
-                            "prefill_tokens_per_s", (double)B * S / pre_s, "decode_tokens_per_s",
-                            (double)B * steps / dec_s, "prefill_gflops", pre_gf, "decode_gflops",
-                            dec_gf, "sgemm_gflops_prefill_shape", sg_pre,
-                            "sgemm_gflops_decode_shape", sg_dec, "prefill_vs_sgemm",
-                            pre_gf / sg_pre, "decode_vs_sgemm", dec_gf / sg_dec));
+            runs,
+            json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f}", "batch", B,
+                      "prefill_tokens_per_s", (double)B * S / pre_s, "decode_tokens_per_s",
+                      (double)B * steps / dec_s, "prefill_gflops", pre_gf, "decode_gflops", dec_gf,
+                      "sgemm_gflops_prefill_shape", sg_pre, "sgemm_gflops_decode_shape", sg_dec,
+                      "prefill_vs_sgemm", pre_gf / sg_pre, "decode_vs_sgemm", dec_gf / sg_dec));
     }
     json_t *o = json_pack("{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:s}, s:i, s:i, s:f, s:O}", "bench",
                           "forward", "backend", "cpu", "model", "layers", cfg->n_layers, "hidden",
@@ -173,8 +184,83 @@ out:
     return rc;
 }
 
+/* Host->device bandwidth of plain copies of `bytes` from src into device memory, GB/s: one
+ * warm-up copy, then the best of 5 (each synchronised). */
+static int measure_h2d(rekv_backend *be, const void *src, size_t bytes, double *gbps, rekv_err *err)
+{
+    const rekv_backend_iface *bi = be->iface;
+    rekv_stream *s = NULL;
+    void *d = bi->dev_alloc(be, bytes);
+    int rc = d ? bi->stream_create(be, "bandwidth", &s, err)
+               : rekv_errf(err, -ENOMEM, "bench: out of device memory for %zu bytes", bytes);
+    double best = 0;
+    for (int i = 0; i < 6 && rc == 0; i++) {
+        rekv_copy_piece pc = {d, src, bytes};
+        uint64_t t0 = rekv_now_ns();
+        bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
+        if ((rc = bi->stream_sync(s, err)) == 0 && i > 0) {
+            double g = (double)bytes / ((double)(rekv_now_ns() - t0) * 1e-9) * 1e-9;
+            best = g > best ? g : best;
+        }
+    }
+    if (s)
+        bi->stream_destroy(s);
+    if (d)
+        bi->dev_free(be, d);
+    *gbps = best;
+    return rc;
+}
+
+/* The link's peak in this run, three ways: from the kvstore's arena as the pipeline copies from it
+ * (page-locked by the backend where it can: cudaHostRegister), from the backend's own pinned host
+ * memory (cudaHostAlloc), and from ordinary pageable memory. */
+typedef struct link_peak {
+    double arena_gbps, pinned_gbps, pageable_gbps;
+    size_t bytes;
+} link_peak;
+
+static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak *out, rekv_err *err)
+{
+    size_t ab = 0;
+    char *arena = rekv_kvstore_client_arena(store, &ab);
+    size_t max = ab > (2u << 20) ? ab - 4096 : 0;
+    if (max > (256u << 20))
+        max = 256u << 20;
+    if (max == 0)
+        return rekv_errf(err, -EINVAL, "bench: the kvstore's arena is too small to measure");
+    const rekv_backend_iface *bi = be->iface;
+    void *pinned = bi->host_alloc ? bi->host_alloc(be, max) : malloc(max);
+    char *pageable = malloc(max);
+    int rc = pinned && pageable ? 0 : rekv_errf(err, -ENOMEM, "bench: out of host memory");
+    if (rc == 0) {
+        memset(pinned, 1, max);
+        memset(pageable, 1, max);
+        /* copies of ~0.1 s at the probed rate (a slow emulated link needs small ones) */
+        double probe = 0;
+        rc = measure_h2d(be, pinned, 1u << 20, &probe, err);
+        double want = probe * 1e9 * 0.1;
+        out->bytes = want >= (double)max ? max : want < (1u << 20) ? 1u << 20 : (size_t)want;
+        out->bytes &= ~(size_t)4095;
+    }
+    if (rc == 0)
+        rc = measure_h2d(be, arena + 4096, out->bytes, &out->arena_gbps, err);
+    if (rc == 0)
+        rc = measure_h2d(be, pinned, out->bytes, &out->pinned_gbps, err);
+    if (rc == 0)
+        rc = measure_h2d(be, pageable, out->bytes, &out->pageable_gbps, err);
+    if (pinned) {
+        if (bi->host_free)
+            bi->host_free(be, pinned);
+        else
+            free(pinned);
+    }
+    free(pageable);
+    return rc;
+}
+
 /* One mode's decode run: prefill all prompts in one step, then gen_len - 1 greedy decode steps
- * timed alone, with counters and busy times taken over the decode steps only. */
+ * timed alone, with counters and busy times taken over the decode steps only. With link != NULL
+ * (a mode that uses the kvstore), the link's peak is measured afterwards in the same session. */
 typedef struct decode_result {
     double decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
     rekv_layer_counters counters;
@@ -184,7 +270,8 @@ typedef struct decode_result {
 } decode_result;
 
 static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode mode, int B, int S,
-                      int N, int32_t *const *prompts, decode_result *out, rekv_err *err)
+                      int N, int32_t *const *prompts, decode_result *out, link_peak *link,
+                      rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(eng);
     int V = c->vocab, rc;
@@ -241,6 +328,8 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         snprintf(path, sizeof(path), "%s.%s.json", po->trace, rekv_mode_name(mode));
         rc = ses.be->iface->trace_write(ses.be, path, err);
     }
+    if (rc == 0 && link && ses.store)
+        rc = measure_link(ses.be, ses.store, link, err);
 out:
     if (seqs)
         for (int b = 0; b < B; b++)
@@ -276,12 +365,26 @@ static int bench_decode(int argc, char **argv)
         if (pr > 0)
             continue;
         switch (c) {
-        case 'm': model_path = optarg; break;
-        case 'b': if (cli_parse_int("batch", optarg, 1, 4096, &B)) return 2; break;
-        case 'p': if (cli_parse_int("prompt-len", optarg, 1, 1 << 20, &S)) return 2; break;
-        case 'g': if (cli_parse_int("gen-len", optarg, 2, 1 << 20, &N)) return 2; break;
-        case 'M': modes = optarg; break;
-        case 'j': break; /* JSON is the only output */
+        case 'm':
+            model_path = optarg;
+            break;
+        case 'b':
+            if (cli_parse_int("batch", optarg, 1, 4096, &B))
+                return 2;
+            break;
+        case 'p':
+            if (cli_parse_int("prompt-len", optarg, 1, 1 << 20, &S))
+                return 2;
+            break;
+        case 'g':
+            if (cli_parse_int("gen-len", optarg, 2, 1 << 20, &N))
+                return 2;
+            break;
+        case 'M':
+            modes = optarg;
+            break;
+        case 'j':
+            break; /* JSON is the only output */
         case 'h':
         default:
             fprintf(c == 'h' ? stdout : stderr,
@@ -289,9 +392,11 @@ static int bench_decode(int argc, char **argv)
                     "                         [--gen-len N] [--modes resident,offload,...]\n"
                     "                         [pipeline options] [--json]\n"
                     "Runs every mode on the same prompts in one process and prints decode\n"
-                    "tokens/s, its ratio to offload, host->device bytes per generated token\n"
-                    "and the busy fractions of compute and link. Pipeline options:\n"
-                    CLI_PIPELINE_USAGE "(--mode is ignored; --trace F writes F.<mode>.json)\n");
+                    "tokens/s, its ratio to offload, host->device bytes per generated token,\n"
+                    "achieved host->device GB/s next to the link's peak measured in the same\n"
+                    "run (from pinned, kvstore-arena and pageable memory) and the busy\n"
+                    "fractions of compute and link. Pipeline options:\n" CLI_PIPELINE_USAGE
+                    "(--mode is ignored; --trace F writes F.<mode>.json)\n");
             return c == 'h' ? 0 : 2;
         }
     }
@@ -337,11 +442,17 @@ static int bench_decode(int argc, char **argv)
             prompts[b][i] = (int32_t)((x >> 33) % (uint64_t)cfg->vocab);
         }
     }
-    for (int i = 0; i < n_modes; i++)
-        if (run_decode(eng, &po, mlist[i], (int)B, (int)S, (int)N, prompts, &res[i], &err)) {
+    link_peak lp = {0};
+    int have_lp = 0;
+    for (int i = 0; i < n_modes; i++) {
+        int measure = !have_lp && mlist[i] != REKV_MODE_RESIDENT;
+        if (run_decode(eng, &po, mlist[i], (int)B, (int)S, (int)N, prompts, &res[i],
+                       measure ? &lp : NULL, &err)) {
             fprintf(stderr, "rekv: %s: %s\n", rekv_mode_name(mlist[i]), err.msg);
             goto out;
         }
+        have_lp |= measure;
+    }
     double offload_tps = 0;
     int ref = -1;
     for (int i = 0; i < n_modes; i++) {
@@ -367,6 +478,14 @@ static int bench_decode(int argc, char **argv)
             r->compute_busy_s / r->decode_s, "link_busy_frac", r->h2d_busy_s / r->decode_s,
             "tokens_recomputed", (json_int_t)r->counters.tokens_recomputed, "tokens_fetched",
             (json_int_t)r->counters.tokens_fetched);
+        /* host->device GB/s over the decode (all kinds), and while the link was busy */
+        json_object_set_new(o, "h2d_gbps", json_real((double)h2d / r->decode_s * 1e-9));
+        if (r->h2d_busy_s > 0)
+            json_object_set_new(o, "h2d_gbps_while_busy",
+                                json_real((double)h2d / r->h2d_busy_s * 1e-9));
+        if (have_lp && lp.pinned_gbps > 0)
+            json_object_set_new(o, "h2d_vs_pinned_peak",
+                                json_real((double)h2d / r->decode_s * 1e-9 / lp.pinned_gbps));
         if (offload_tps > 0)
             json_object_set_new(o, "ratio_vs_offload", json_real(tps / offload_tps));
         if (mlist[i] == REKV_MODE_KVPR)
@@ -389,6 +508,13 @@ static int bench_decode(int argc, char **argv)
         po.cfg.offload_weights, "schedule", po.cfg.schedule == REKV_SCHED_ROW ? "row" : "column",
         "gpu_batches", po.cfg.gpu_batches, "cache_dtype", rekv_dtype_name(po.cfg.cache_dtype),
         "modes", arr);
+    json_object_set_new(out, "weight_dtype",
+                        json_string(rekv_dtype_name(rekv_engine_weight_dtype(eng))));
+    if (have_lp)
+        json_object_set_new(out, "link_peak",
+                            json_pack("{s:I, s:f, s:f, s:f}", "copy_bytes", (json_int_t)lp.bytes,
+                                      "h2d_gbps_pinned", lp.pinned_gbps, "h2d_gbps_arena",
+                                      lp.arena_gbps, "h2d_gbps_pageable", lp.pageable_gbps));
     char *str = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", str);
     free(str);

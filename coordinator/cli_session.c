@@ -54,8 +54,11 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
     int rc = rekv_backend_create(backend, link, &s->be, note, sizeof(note), err);
     if (rc)
         return rc;
-    if (strstr(note, "cpu backend") && strncmp(note, "built without", 13) != 0)
+    static int said; /* once per process (bench opens a session per mode) */
+    if (!said && strstr(note, "cpu backend") && strncmp(note, "built without", 13) != 0) {
         fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
+        said = 1;
+    }
     if (cfg->mode != REKV_MODE_RESIDENT) {
         const char *tmp = getenv("TMPDIR");
         snprintf(s->dir, sizeof(s->dir), "%s/rekv-local.XXXXXX", tmp && *tmp ? tmp : "/tmp");

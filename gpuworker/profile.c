@@ -83,6 +83,11 @@ static int pf_fit(const double *xs, const double *ys, size_t n, const char *what
         a = 0;
         b = sxx > 0 ? sxy / sxx : 0;
     }
+    if (!(b > 0) && n > 0 && xs[n - 1] > 0) {
+        /* noise (a loaded machine) can flatten the fit: fall back to the largest sample's rate */
+        a = 0;
+        b = ys[n - 1] / xs[n - 1];
+    }
     if (!(b > 0) || !isfinite(b) || !isfinite(a))
         return rekv_errf(err, -EIO, "profile: %s: the samples give no per-unit cost (slope %g)",
                          what, b);
