@@ -35,7 +35,9 @@ struct rekv_engine {
     void *project_out; /* [embed_dim][hidden] or NULL, wdtype */
     float *final_norm_w, *final_norm_b; /* [hidden] */
     void *lm_head;                      /* [vocab][embed_dim], wdtype; aliases embed when tied */
-    layer_w *layers;                    /* [n_layers] */
+    layer_w *layers;  /* [n_layers], each layer's tensors packed in layer_mem[l] */
+    void **layer_mem; /* [n_layers] blocks of layer_bytes */
+    size_t layer_bytes;
     /* scratch, grown on demand to the largest batch seen (T token rows) */
     size_t cap_rows;
     float *x;                   /* [T][hidden] residual stream */

@@ -36,23 +36,75 @@ static float *to_f32(const rekv_tensor *t, int *rc)
 
 /* A matrix in dtype wt: copied as it is when the file has it in wt, else through fp32 (wt is F32
  * whenever the file's matrices differ in dtype, so nothing is rounded). */
+static void convert_into(void *dst, const rekv_tensor *t, rekv_dtype wt)
+{
+    size_t n = (size_t)rekv_tensor_numel(t);
+    if (t->dtype == wt)
+        memcpy(dst, t->data, n * rekv_dtype_size(wt));
+    else if (wt == REKV_DTYPE_F32)
+        rekv_to_f32(dst, t->data, t->dtype, n);
+    else { /* not reached: wt is the file's dtype or F32 */
+        float *tmp = malloc(n * sizeof(float));
+        if (tmp) {
+            rekv_to_f32(tmp, t->data, t->dtype, n);
+            rekv_from_f32(dst, tmp, wt, n);
+        }
+        free(tmp);
+    }
+}
+
 static void *to_wdtype(const rekv_tensor *t, rekv_dtype wt, int *rc)
 {
     if (t == NULL || *rc)
         return NULL;
-    size_t n = (size_t)rekv_tensor_numel(t);
-    void *p = malloc(n * rekv_dtype_size(wt) + 1);
+    void *p = malloc((size_t)rekv_tensor_numel(t) * rekv_dtype_size(wt) + 1);
     if (p == NULL) {
         *rc = -ENOMEM;
         return NULL;
     }
-    if (t->dtype == wt) {
-        memcpy(p, t->data, n * rekv_dtype_size(wt));
-    } else {
-        /* wt == F32 here */
-        rekv_to_f32(p, t->data, t->dtype, n);
-    }
+    convert_into(p, t, wt);
     return p;
+}
+
+/* A layer's tensors packed into one block (one host registration per layer when the weights are
+ * offloaded). With base NULL it only measures. */
+typedef struct wpack {
+    char *base;
+    size_t off;
+} wpack;
+
+static void *place(wpack *p, const rekv_tensor *t, rekv_dtype dt)
+{
+    if (t == NULL)
+        return NULL;
+    size_t bytes = (size_t)rekv_tensor_numel(t) * rekv_dtype_size(dt);
+    void *dst = p->base ? p->base + p->off : NULL;
+    p->off += (bytes + 63) & ~(size_t)63;
+    if (dst)
+        convert_into(dst, t, dt);
+    return dst;
+}
+
+static void load_layer(wpack *p, const rekv_layer_weights *s, layer_w *d, rekv_dtype wt)
+{
+    const rekv_dtype f = REKV_DTYPE_F32;
+    d->attn_norm_w = place(p, s->attn_norm_w, f);
+    d->attn_norm_b = place(p, s->attn_norm_b, f);
+    d->wq = place(p, s->wq, wt);
+    d->bq = place(p, s->bq, f);
+    d->wk = place(p, s->wk, wt);
+    d->bk = place(p, s->bk, f);
+    d->wv = place(p, s->wv, wt);
+    d->bv = place(p, s->bv, f);
+    d->wo = place(p, s->wo, wt);
+    d->bo = place(p, s->bo, f);
+    d->ffn_norm_w = place(p, s->ffn_norm_w, f);
+    d->ffn_norm_b = place(p, s->ffn_norm_b, f);
+    d->w1 = place(p, s->w1, wt);
+    d->b1 = place(p, s->b1, f);
+    d->w2 = place(p, s->w2, wt);
+    d->b2 = place(p, s->b2, f);
+    d->w3 = place(p, s->w3, wt);
 }
 
 /* The dtype the engine keeps its matrices in: the file's, when every matrix has the same one. */
@@ -77,14 +129,11 @@ void rekv_engine_free(rekv_engine *e)
 {
     if (e == NULL)
         return;
-    if (e->layers) {
-        for (int l = 0; l < e->c.n_layers; l++) {
-            void **f = (void **)&e->layers[l];
-            for (size_t i = 0; i < sizeof(layer_w) / sizeof(void *); i++)
-                free(f[i]);
-        }
-        free(e->layers);
-    }
+    if (e->layer_mem)
+        for (int l = 0; l < e->c.n_layers; l++)
+            free(e->layer_mem[l]);
+    free(e->layer_mem);
+    free(e->layers);
     if (e->lm_head != e->embed)
         free(e->lm_head);
     free(e->embed);
@@ -127,26 +176,20 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     e->final_norm_w = to_f32(w->final_norm_w, &rc);
     e->final_norm_b = to_f32(w->final_norm_b, &rc);
     e->lm_head = w->lm_head == w->embed_tokens ? e->embed : to_wdtype(w->lm_head, wt, &rc);
+    e->layer_mem = calloc((size_t)e->c.n_layers, sizeof(void *));
+    if (e->layer_mem == NULL)
+        rc = -ENOMEM;
     for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
-        const rekv_layer_weights *s = &w->layers[l];
-        layer_w *d = &e->layers[l];
-        d->attn_norm_w = to_f32(s->attn_norm_w, &rc);
-        d->attn_norm_b = to_f32(s->attn_norm_b, &rc);
-        d->wq = to_wdtype(s->wq, wt, &rc);
-        d->bq = to_f32(s->bq, &rc);
-        d->wk = to_wdtype(s->wk, wt, &rc);
-        d->bk = to_f32(s->bk, &rc);
-        d->wv = to_wdtype(s->wv, wt, &rc);
-        d->bv = to_f32(s->bv, &rc);
-        d->wo = to_wdtype(s->wo, wt, &rc);
-        d->bo = to_f32(s->bo, &rc);
-        d->ffn_norm_w = to_f32(s->ffn_norm_w, &rc);
-        d->ffn_norm_b = to_f32(s->ffn_norm_b, &rc);
-        d->w1 = to_wdtype(s->w1, wt, &rc);
-        d->b1 = to_f32(s->b1, &rc);
-        d->w2 = to_wdtype(s->w2, wt, &rc);
-        d->b2 = to_f32(s->b2, &rc);
-        d->w3 = to_wdtype(s->w3, wt, &rc);
+        wpack size = {NULL, 0};
+        load_layer(&size, &w->layers[l], &e->layers[l], wt);
+        wpack pk = {malloc(size.off + 1), 0};
+        if (pk.base == NULL) {
+            rc = -ENOMEM;
+            break;
+        }
+        e->layer_mem[l] = pk.base;
+        e->layer_bytes = size.off; /* the same for every layer */
+        load_layer(&pk, &w->layers[l], &e->layers[l], wt);
     }
     e->scores = malloc(sizeof(float) * (size_t)e->c.max_pos);
     if (rc == 0 && e->scores == NULL)

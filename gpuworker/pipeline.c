@@ -224,8 +224,9 @@ struct rekv_pipeline {
     uint64_t next_id;
     rekv_kv_plan_block *plan;
     size_t plan_n, plan_cap;
-    meta_arena meta;      /* per-step metadata kernels read (see meta_alloc) */
-    int arena_registered; /* the backend page-locked the arena (host_register) */
+    meta_arena meta;        /* per-step metadata kernels read (see meta_alloc) */
+    int arena_registered;   /* the backend page-locked the arena (host_register) */
+    int weights_registered; /* ... and the engine's layer blocks (offloaded weights) */
     size_t arena_bytes;
 };
 
@@ -426,6 +427,8 @@ void rekv_pipeline_free(rekv_pipeline *p)
         p->bi->stream_destroy(p->s_d2h);
     if (p->arena_registered && p->bi->host_unregister)
         p->bi->host_unregister(p->be, p->arena);
+    for (int l = 0; l < p->weights_registered; l++)
+        p->bi->host_unregister(p->be, p->e->layer_mem[l]);
     free(p->counters);
     free(p->step_log);
     meta_free(&p->meta);
@@ -519,6 +522,20 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->d_fnorm_b = dev_copy(p, e->final_norm_b, H * f, &rc);
     p->head_tied = e->lm_head == e->embed;
     p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, V * E * w, &rc);
+    if (rc == 0 && cfg->offload_weights && p->bi->host_register && p->bi->host_unregister) {
+        /* the layers stream from the engine's blocks every step: page-locked where the backend
+         * can, so the copies are DMA at the link's speed and overlap compute (best effort: a
+         * second pipeline on the same engine finds them registered already and copies anyway) */
+        int l = 0;
+        while (l < c->n_layers &&
+               p->bi->host_register(be, e->layer_mem[l], e->layer_bytes, err) == 0)
+            l++;
+        rekv_err_clear(err);
+        if (l < c->n_layers)
+            while (l > 0)
+                p->bi->host_unregister(be, e->layer_mem[--l]);
+        p->weights_registered = l;
+    }
     if (rc == 0 && cfg->offload_weights) {
         size_t bytes = layer_layout(e, &e->layers[0], &p->wbuf[0], NULL);
         for (int i = 0; i < 2 && rc == 0; i++) {
