@@ -6,6 +6,10 @@
 #   deploy/gpu-sandbox.sh build    there: unpack debs/ into debs/root with dpkg -x (never into /) and
 #                                  run make with pkg-config, the compiler and the loader pointed at it;
 #                                  extra arguments go to make (e.g. `test`)
+#   deploy/gpu-sandbox.sh bench DIR  there, after build: synthesises an OPT-6.7B-shaped fp16 model
+#                                  (~13 GB, in $TMPDIR) and runs issue 6's measurement with DIR's
+#                                  binaries: `rekv bench decode --backend cuda`, batch 64, prompt
+#                                  512, gen 32, fp16 KV in host memory, every mode; JSON on stdout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD/debs/root
@@ -39,8 +43,19 @@ build)
     export PATH=/usr/local/cuda/bin:$PATH
     make "$@"
     ;;
+bench)
+    bin=${2:?usage: gpu-sandbox.sh bench BUILD_DIR}/bin
+    arch=$(gcc -dumpmachine)
+    export LD_LIBRARY_PATH=$root/usr/lib/$arch:$root/lib/$arch:$root/usr/lib/$arch/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    model=${TMPDIR:-/tmp}/opt-6.7b-synth
+    [ -f "$model/model.safetensors" ] ||
+        "$bin/rekv-loader" synth --arch opt --layers 32 --hidden 4096 --heads 32 --ffn 16384 \
+            --vocab 50272 --max-pos 2048 --dtype f16 --seed 67 "$model" >&2
+    "$bin/rekv" bench decode --model "$model" --backend cuda --batch 64 --prompt-len 512 \
+        --gen-len 32 --cache-dtype f16 --json "${@:3}"
+    ;;
 *)
-    sed -n '2,10p' "$0"
+    sed -n '2,14p' "$0"
     exit 2
     ;;
 esac
