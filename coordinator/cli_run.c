@@ -1,7 +1,8 @@
 /* cli_run.c — `rekv run`: starts rekv-kvstore, rekv-gpuworker and rekv-coordinator as children on
  * private ipc sockets in one directory, waits until each says it is ready, then supervises them
- * (a child that dies is started again; a dead kvstore takes the worker with it, since the worker's
- * arena mapping is gone) until SIGINT/SIGTERM, and stops them in order: coordinator (no new work),
+ * (a child that dies is started again, a worker under the same name so that it frees the dead
+ * one's kvstore sequences; a dead kvstore takes the worker with it, since the worker's arena
+ * mapping is gone) until SIGINT/SIGTERM, and stops them in order: coordinator (no new work),
  * worker, kvstore. */
 #define _GNU_SOURCE
 #include "coordinator/cli_daemon.h"
@@ -225,9 +226,9 @@ int cli_run(int argc, char **argv)
     ARG(KV, "--host-bytes"); ARG(KV, host_bytes);
     ARG(KV, "--model"); ARG(KV, model);
     ARG(KV, "--cache-dtype"); ARG(KV, "f32");
-    /* the worker is the store's only client and holds its pins for a whole step, which can take
-     * minutes on the cpu backend; a dead worker is noticed by the coordinator and restarted */
-    ARG(KV, "--lease-ms"); ARG(KV, "600000");
+    /* the store's own lease (5 s): the worker renews it while a step runs; a worker we start
+     * again keeps its name, and so frees what the dead one left in the store at once */
+    ARG(WORKER, "--name"); ARG(WORKER, "gpuworker");
     ARG(WORKER, "--model"); ARG(WORKER, model);
     ARG(WORKER, "--coordinator"); ARG(WORKER, ep_wrk);
     ARG(WORKER, "--kvstore"); ARG(WORKER, ep_kv);

@@ -1,7 +1,9 @@
 /* worker_main.c — rekv-gpuworker: loads the model onto a backend, connects to the coordinator
  * (DEALER) and, for the offloaded modes, to the kvstore, and runs the coordinator's plans one step
  * at a time through a batcher (batcher.h), answering each with the tokens it produced. Heartbeats
- * while idle; says Hello again whenever the coordinator does not know it. One zmq_poll loop. */
+ * to the coordinator and renews its kvstore lease from one zmq_poll loop, also while a step runs
+ * on its own thread; says Hello again whenever the coordinator does not know it. Its kvstore
+ * sequences belong to its name: at start it drops what a dead worker of the same name left. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
@@ -34,7 +36,10 @@ static void usage(FILE *f)
             "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
             "         [--ready-fd N]\n"
             "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
-            "mode resident, batch 64. Every mode but resident keeps the KV cache in the kvstore.\n"
+            "mode resident, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
+            "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
+            "started with the name of a dead one frees what that one left there at once (else\n"
+            "the store frees it when the dead one's lease runs out).\n"
             "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n");
 }
 
@@ -54,6 +59,9 @@ typedef struct worker {
     int offload_weights;
     rekv_dtype cache_dtype;
     uint32_t hb_ms;           /* heartbeat period, also while a step runs */
+    rekv_kvstore_client *kv;  /* NULL in resident mode without --kvstore */
+    uint64_t renew_ns;        /* kvstore lease renewal period: a quarter of its lease */
+    uint64_t last_renew_ns;
 } worker;
 
 static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
@@ -133,6 +141,28 @@ static void *step_thread(void *arg)
     return NULL;
 }
 
+/* Renews the kvstore lease when due. From the loop's thread, also while the step thread uses the
+ * same client: that one's requests renew the lease themselves, so this never waits for them. */
+static void kv_renew_due(worker *w)
+{
+    uint64_t now = rekv_now_ns();
+    if (w->kv == NULL || now - w->last_renew_ns < w->renew_ns)
+        return;
+    rekv_err err = {0};
+    if (rekv_kvstore_renew_nowait(w->kv, &err))
+        rekv_log(REKV_LOG_WARN, "kvstore lease: %s", err.msg);
+    w->last_renew_ns = now;
+}
+
+/* How long the loop may sleep: until the next heartbeat or lease renewal is due (rounded up). */
+static long loop_timeout_ms(const worker *w)
+{
+    uint64_t now = rekv_now_ns(), due = w->last_sent_ns + (uint64_t)w->hb_ms * 1000000ull;
+    if (w->kv && w->last_renew_ns + w->renew_ns < due)
+        due = w->last_renew_ns + w->renew_ns;
+    return due > now ? (long)((due - now + 999999) / 1000000) : 0;
+}
+
 static void send_heartbeat(worker *w)
 {
     Rekv__Worker__Heartbeat hb = REKV__WORKER__HEARTBEAT__INIT;
@@ -143,8 +173,9 @@ static void send_heartbeat(worker *w)
     send_msg(w, &m);
 }
 
-/* Runs one batcher step on a thread while this one heartbeats every hb_ms; messages from the
- * coordinator wait in the socket until the step is over. Falls back to running it here. */
+/* Runs one batcher step on a thread while this one heartbeats every hb_ms and keeps the kvstore
+ * lease (the step's pins) alive; messages from the coordinator wait in the socket until the step
+ * is over. Falls back to running it here. */
 static int step_with_heartbeats(worker *w, const rekv_batch_event **ev, int *n_ev, rekv_err *err)
 {
     step_job sj = {w->batch, NULL, 0, {0}, 0, eventfd(0, EFD_CLOEXEC)};
@@ -156,9 +187,11 @@ static int step_with_heartbeats(worker *w, const rekv_batch_event **ev, int *n_e
     }
     for (;;) {
         struct pollfd pf = {sj.done_fd, POLLIN, 0};
-        if (poll(&pf, 1, (int)w->hb_ms) > 0)
+        if (poll(&pf, 1, (int)loop_timeout_ms(w)) > 0)
             break;
-        send_heartbeat(w);
+        if (rekv_now_ns() - w->last_sent_ns >= (uint64_t)w->hb_ms * 1000000ull)
+            send_heartbeat(w);
+        kv_renew_due(w);
         rekv_daemon_watchdog();
     }
     pthread_join(t, NULL);
@@ -402,6 +435,24 @@ int main(int argc, char **argv)
         rekv_kv_geometry g;
         rekv_kvstore_client_geometry(kv, &g);
         pc.cache_dtype = g.dtype; /* the store's arena decides the cache dtype */
+        /* our sequences are ours by name: what a dead worker of this name left goes now (one of
+         * another name loses its sequences when its lease runs out) */
+        uint64_t n_seqs = 0, n_blocks = 0;
+        if (rekv_kvstore_client_set_owner(kv, name, &err) ||
+            rekv_kvstore_drop_owner(kv, name, &n_seqs, &n_blocks, &err))
+            goto fail;
+        if (n_seqs)
+            rekv_log(REKV_LOG_WARN, "kvstore: dropped %llu sequences (%llu blocks) that a previous "
+                     "worker named %s left", (unsigned long long)n_seqs,
+                     (unsigned long long)n_blocks, name);
+        uint64_t lease_ms = rekv_kvstore_client_header(kv)->lease_ms;
+        w.renew_ns = lease_ms / 4 * 1000000ull;
+        if (w.renew_ns < 10000000ull)
+            w.renew_ns = 10000000ull;
+        if (w.renew_ns > 1000000000ull)
+            w.renew_ns = 1000000000ull;
+        w.kv = kv;
+        w.last_renew_ns = rekv_now_ns();
     } else if (pc.mode != REKV_MODE_RESIDENT) {
         rekv_log(REKV_LOG_ERROR, "--mode %s keeps the KV cache in the kvstore: give --kvstore",
                  mode_s);
@@ -447,10 +498,9 @@ int main(int argc, char **argv)
              w.mc->max_pos, be->iface->name, w.mode, max_batch, coord, kv_ep ? ", kvstore " : "",
              kv_ep ? kv_ep : "");
     rekv_daemon_ready(ready_fd == UINT32_MAX ? -1 : (int)ready_fd);
-    uint64_t last_renew = rekv_now_ns();
     for (;;) {
         zmq_pollitem_t it[2] = {{w.sock, 0, ZMQ_POLLIN, 0}, {NULL, sfd, ZMQ_POLLIN, 0}};
-        int r = zmq_poll(it, 2, (long)hb_ms);
+        int r = zmq_poll(it, 2, loop_timeout_ms(&w));
         if (r < 0 && errno != EINTR) {
             rekv_log(REKV_LOG_ERROR, "zmq_poll: %s", zmq_strerror(errno));
             goto out;
@@ -504,16 +554,11 @@ int main(int argc, char **argv)
             rekv_log(REKV_LOG_INFO, "the coordinator asked us to stop");
             break;
         }
-        uint64_t now = rekv_now_ns();
-        if (now - w.last_sent_ns >= (uint64_t)hb_ms * 1000000ull)
+        if (rekv_now_ns() - w.last_sent_ns >= (uint64_t)hb_ms * 1000000ull)
             send_heartbeat(&w);
-        /* the kvstore drops idle clients' pins after its lease; stay known to it */
-        if (kv && now - last_renew >= 1000000000ull) {
-            rekv_err e2 = {0};
-            if (rekv_kvstore_renew(kv, &e2))
-                rekv_log(REKV_LOG_WARN, "kvstore: %s", e2.msg);
-            last_renew = now;
-        }
+        /* the kvstore drops a silent client's pins, and a silent owner's sequences, after its
+         * lease; stay known to it */
+        kv_renew_due(&w);
         rekv_daemon_watchdog();
     }
     rc = 0;

@@ -1,9 +1,12 @@
 /* client.c — the kvstore client library (used by the gpuworker, the bench and the tests): receives
  * the arena memfd over the fd socket, maps it, and makes synchronous protobuf requests over a
- * ZeroMQ DEALER socket. */
+ * ZeroMQ DEALER socket. One mutex serialises the requests, so that a worker's loop can renew the
+ * lease (rekv_kvstore_renew_nowait) while its step thread uses the same connection: one lease,
+ * one set of pins, one socket. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +31,8 @@ struct rekv_kvstore_client {
     rekv_kv_arena_header *hdr; /* == arena */
     uint8_t *buf;              /* packing buffer */
     size_t cap;
+    char owner[REKV_KV_OWNER_MAX + 1]; /* sent with every request ("" for none); see kvstore.h */
+    pthread_mutex_t lock;      /* one request at a time: guards the socket, buf, next_id, owner */
 };
 
 static int recv_memfd(const char *path, int timeout_ms, int *out, rekv_err *err)
@@ -95,6 +100,7 @@ int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int
     c->memfd = -1;
     c->arena = MAP_FAILED;
     c->timeout_ms = timeout_ms;
+    pthread_mutex_init(&c->lock, NULL);
     if ((rc = recv_memfd(fd_socket, timeout_ms, &c->memfd, err)) < 0)
         goto fail;
     struct stat st;
@@ -145,6 +151,7 @@ void rekv_kvstore_client_close(rekv_kvstore_client *c)
     if (c->memfd >= 0)
         close(c->memfd);
     free(c->buf);
+    pthread_mutex_destroy(&c->lock);
     free(c);
 }
 
@@ -209,12 +216,14 @@ static int call_raw(rekv_kvstore_client *c, const void *buf, size_t len, uint64_
     }
 }
 
-/* Sends req and returns the reply (caller frees) or -errno with the server's message. */
-static int call(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
-                Rekv__Kvstore__Response **resp, rekv_err *err)
+/* Stamps req with the version, a fresh id and the owner, sends it and waits for its reply; with
+ * c->lock held. */
+static int call_locked(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
+                       Rekv__Kvstore__Response **resp, rekv_err *err)
 {
     req->version = REKV_KVSTORE_PROTO_VERSION;
     req->id = ++c->next_id;
+    req->owner = c->owner;
     size_t len = rekv__kvstore__request__get_packed_size(req);
     if (len > c->cap) {
         uint8_t *nb = realloc(c->buf, len);
@@ -224,7 +233,23 @@ static int call(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
         c->cap = len;
     }
     rekv__kvstore__request__pack(req, c->buf);
-    int rc = call_raw(c, c->buf, len, req->id, resp, err);
+    return call_raw(c, c->buf, len, req->id, resp, err);
+}
+
+/* Sends req and returns the reply (caller frees) or -errno with the server's message. nowait:
+ * -EBUSY at once when another thread's request is in flight. */
+static int call_ex(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
+                   Rekv__Kvstore__Response **resp, int nowait, rekv_err *err)
+{
+    *resp = NULL;
+    if (nowait) {
+        if (pthread_mutex_trylock(&c->lock) != 0)
+            return -EBUSY;
+    } else {
+        pthread_mutex_lock(&c->lock);
+    }
+    int rc = call_locked(c, req, resp, err);
+    pthread_mutex_unlock(&c->lock);
     if (rc < 0)
         return rc;
     if ((*resp)->status != 0) {
@@ -234,6 +259,12 @@ static int call(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
         *resp = NULL;
     }
     return rc;
+}
+
+static int call(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
+                Rekv__Kvstore__Response **resp, rekv_err *err)
+{
+    return call_ex(c, req, resp, 0, err);
 }
 
 static int call_simple(rekv_kvstore_client *c, Rekv__Kvstore__Request *req, rekv_err *err)
@@ -249,7 +280,9 @@ int rekv_kvstore_client_raw(rekv_kvstore_client *c, const void *req, size_t len,
                             char *err_msg, size_t err_len, rekv_err *err)
 {
     Rekv__Kvstore__Response *resp;
+    pthread_mutex_lock(&c->lock);
     int rc = call_raw(c, req, len, 0, &resp, err);
+    pthread_mutex_unlock(&c->lock);
     if (rc < 0)
         return rc;
     *status = resp->status;
@@ -461,13 +494,63 @@ int rekv_kvstore_free(rekv_kvstore_client *c, uint64_t seq, uint32_t layer_begin
     return call_simple(c, &req, err);
 }
 
-int rekv_kvstore_renew(rekv_kvstore_client *c, rekv_err *err)
+static int renew(rekv_kvstore_client *c, int nowait, rekv_err *err)
 {
     Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
     Rekv__Kvstore__Renew m = REKV__KVSTORE__RENEW__INIT;
     req.body_case = REKV__KVSTORE__REQUEST__BODY_RENEW;
     req.renew = &m;
-    return call_simple(c, &req, err);
+    Rekv__Kvstore__Response *resp;
+    int rc = call_ex(c, &req, &resp, nowait, err);
+    if (rc == 0)
+        rekv__kvstore__response__free_unpacked(resp, NULL);
+    return rc;
+}
+
+int rekv_kvstore_renew(rekv_kvstore_client *c, rekv_err *err) { return renew(c, 0, err); }
+
+int rekv_kvstore_renew_nowait(rekv_kvstore_client *c, rekv_err *err)
+{
+    int rc = renew(c, 1, err);
+    return rc == -EBUSY ? 0 : rc; /* the request in flight renews the lease itself */
+}
+
+int rekv_kvstore_client_set_owner(rekv_kvstore_client *c, const char *owner, rekv_err *err)
+{
+    if (owner == NULL)
+        owner = "";
+    if (strlen(owner) >= sizeof(c->owner))
+        return rekv_errf(err, -EINVAL,
+                         "kvstore client: owner name '%.40s...' is longer than %zu bytes", owner,
+                         sizeof(c->owner) - 1);
+    pthread_mutex_lock(&c->lock);
+    snprintf(c->owner, sizeof(c->owner), "%s", owner);
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}
+
+int rekv_kvstore_drop_owner(rekv_kvstore_client *c, const char *owner, uint64_t *n_seqs,
+                            uint64_t *n_blocks, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__DropOwner m = REKV__KVSTORE__DROP_OWNER__INIT;
+    m.owner = (char *)owner;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_DROP_OWNER;
+    req.drop_owner = &m;
+    Rekv__Kvstore__Response *resp;
+    int rc = call(c, &req, &resp, err);
+    if (rc < 0)
+        return rc;
+    if (resp->body_case != REKV__KVSTORE__RESPONSE__BODY_DROP_OWNER) {
+        rc = rekv_errf(err, -EPROTO, "kvstore client: drop-owner reply without body");
+    } else {
+        if (n_seqs)
+            *n_seqs = resp->drop_owner->sequences;
+        if (n_blocks)
+            *n_blocks = resp->drop_owner->blocks;
+    }
+    rekv__kvstore__response__free_unpacked(resp, NULL);
+    return rc;
 }
 
 int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err)
@@ -504,6 +587,7 @@ int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err
     out->leases_expired = s->leases_expired;
     out->spills_in_flight = s->spills_in_flight;
     out->reads_in_flight = s->reads_in_flight;
+    out->sequences_reclaimed = s->sequences_reclaimed;
     out->direct_io = s->direct_io;
     out->registered_arena = s->registered_arena;
     for (size_t i = 0; i < s->n_histograms && out->n_hists < 8; i++) {

@@ -14,7 +14,12 @@
  * Contract for block contents: a client may read or write a block only while it holds a pin on it
  * (Plan with pin = true). Unpinned blocks may be spilled and their host memory reused at any time.
  * Pins are leased: every request renews the caller's lease; a client silent for longer than the
- * lease (lease_ms) loses all its pins.
+ * lease (lease_ms) loses all its pins. A client may name an owner (rekv_kvstore_client_set_owner;
+ * the gpuworker uses its worker name): the sequences it creates belong to that owner, and once no
+ * connection of the owner has been heard from for a lease (the owner died) they are dropped as
+ * well, so a dead worker's blocks come back without restarting the store. A worker restarted under
+ * the same name drops them at once with rekv_kvstore_drop_owner before it creates any. Sequences
+ * of clients without an owner stay until dropped.
  *
  * Every library function returns 0 or a negative errno and, on failure, fills the rekv_err with
  * one line. Nothing here prints or exits; the server reports notable events through an optional
@@ -33,6 +38,7 @@
 
 #define REKV_KV_BLOCK_TOKENS 16
 #define REKV_KVSTORE_PROTO_VERSION 1u
+#define REKV_KV_OWNER_MAX 128 /* bytes of an owner name (rekv_kvstore_client_set_owner) */
 
 typedef enum rekv_kv_block_type {
     REKV_KV_BLOCK_KV = 0,  /* K then V, each [kv_head][token][head_dim] */
@@ -178,7 +184,8 @@ int rekv_kvstore_reap(pid_t pid);
 typedef struct rekv_kvstore_client rekv_kvstore_client;
 
 /* Connects to the daemon, receives and maps the arena, and checks its header. fd_socket NULL:
- * derived from the ipc endpoint. timeout_ms bounds every request (0: 30000). */
+ * derived from the ipc endpoint. timeout_ms bounds every request (0: 30000). Requests on one client
+ * may come from several threads: they are serialised (one socket, one lease, one set of pins). */
 int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int timeout_ms,
                                 rekv_kvstore_client **out, rekv_err *err);
 void rekv_kvstore_client_close(rekv_kvstore_client *c);
@@ -236,8 +243,25 @@ int rekv_kvstore_unpin(rekv_kvstore_client *c, const rekv_kv_range *ranges, size
 /* Frees blocks [block_begin, block_end) of layers [layer_begin, layer_end). */
 int rekv_kvstore_free(rekv_kvstore_client *c, uint64_t seq, uint32_t layer_begin,
                       uint32_t layer_end, uint64_t block_begin, uint64_t block_end, rekv_err *err);
-/* Renews this client's pin lease; call at least every lease_ms / 3 while holding pins idle. */
+/* Renews this client's pin lease; call at least every lease_ms / 3 (the arena header's lease_ms)
+ * while holding pins or owning sequences idle. */
 int rekv_kvstore_renew(rekv_kvstore_client *c, rekv_err *err);
+/* The same, for a thread that must not wait behind another thread's request on this client (a
+ * worker's loop while its step thread pins blocks): when one is in flight it returns 0 at once,
+ * since that request renews the lease itself (the store counts a parked request as a sign of
+ * life). */
+int rekv_kvstore_renew_nowait(rekv_kvstore_client *c, rekv_err *err);
+
+/* Sets the owner name sent with every later request ("" or NULL: none; at most
+ * REKV_KV_OWNER_MAX bytes, else -EINVAL). Sequences created afterwards belong to it (see the top
+ * of this file). */
+int rekv_kvstore_client_set_owner(rekv_kvstore_client *c, const char *owner, rekv_err *err);
+/* Drops every sequence of owner (non-empty), releasing the pins its connections hold on them (a
+ * dead predecessor's); waits while a parked request holds one of their blocks. -EBUSY (after
+ * dropping the rest) when a client of another owner pins one. Counts of what went, either may be
+ * NULL. */
+int rekv_kvstore_drop_owner(rekv_kvstore_client *c, const char *owner, uint64_t *n_seqs,
+                            uint64_t *n_blocks, rekv_err *err);
 
 #define REKV_KV_HIST_BUCKETS 40
 typedef struct rekv_kv_hist {
@@ -256,6 +280,7 @@ typedef struct rekv_kv_stats {
     uint64_t spill_errors, crc_errors;
     uint64_t sequences, clients, leases_expired;
     uint64_t spills_in_flight, reads_in_flight;
+    uint64_t sequences_reclaimed; /* dropped by DropOwner or because their owner's lease expired */
     int direct_io, registered_arena;
     size_t n_hists;
     rekv_kv_hist hists[8];

@@ -1,6 +1,13 @@
 /* server.c — the kvstore daemon's engine: block tables, slot allocation, LRU spilling, pin leases,
- * and the one event loop (zmq_poll over the ROUTER socket, the io_uring eventfd, the fd-passing
- * socket, a stop eventfd and an optional signalfd; no threads, no busy waiting).
+ * sequence owners, and the one event loop (zmq_poll over the ROUTER socket, the io_uring eventfd,
+ * the fd-passing socket, a stop eventfd and an optional signalfd; no threads, no busy waiting).
+ *
+ * Leases are per connection (ZeroMQ routing id): every request renews its sender's. A connection
+ * silent for a lease loses its pins. Requests may name an owner (a worker's name); a sequence
+ * belongs to the owner of the connection that created it, and once no connection of an owner is
+ * left (all silent for a lease: the owner died) its sequences are dropped too, so that a dead
+ * worker's blocks come back without a restart of the store. A worker restarted under the same
+ * name does not wait for that: it sends DropOwner with its name first.
  *
  * Requests that need I/O (a pin of spilled blocks, an append that needs room) are parked and run
  * again from the start whenever I/O completes; a parked request holds the blocks it found resident
@@ -30,6 +37,7 @@
 #define NIL UINT32_MAX
 #define MAX_PLAN_BLOCKS (1u << 22)
 #define MAX_IDENT 256
+#define MAX_OWNER REKV_KV_OWNER_MAX
 
 enum { BS_UNUSED = 0, BS_HOST, BS_SPILLING, BS_DISK, BS_LOADING };
 enum { H_PLAN = 0, H_PIN, H_APPEND, H_OTHER, H_SPILL_WRITE, H_SPILL_READ, H_COUNT };
@@ -61,6 +69,7 @@ typedef struct kv_seq {
     uint32_t n_kv;     /* of those, allocated as KV blocks (freeing does not change it) */
     uint32_t cap;      /* capacity of each per-layer array */
     uint32_t **blocks; /* [n_layers][cap] block ids, NIL where freed */
+    char *owner;       /* owner name of the connection that created it; NULL for none */
 } kv_seq;
 
 typedef struct kv_client {
@@ -68,6 +77,7 @@ typedef struct kv_client {
     size_t ident_len;
     uint64_t last_seen;       /* ns of the last request */
     kv_map pins;              /* block id -> pin count */
+    char owner[MAX_OWNER + 1]; /* the owner name its last request carried; "" for none */
     struct kv_client *next;
 } kv_client;
 
@@ -116,6 +126,8 @@ struct rekv_kvstore_server {
     uint64_t host_n[2], disk_n[2];
     uint64_t bytes_spilled, bytes_read_back, pin_hits, pin_misses;
     uint64_t spill_errors, crc_errors, leases_expired;
+    uint64_t sequences_reclaimed; /* dropped by DropOwner or with their owner's lease */
+    int orphans_left;          /* a dead owner's sequence was busy: sweep again at next check */
     rekv_kv_hist hist[H_COUNT];
 };
 
@@ -396,6 +408,7 @@ static void seq_free_mem(rekv_kvstore_server *s, kv_seq *q)
         for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
             free(q->blocks[l]);
     free(q->blocks);
+    free(q->owner);
     free(q);
 }
 
@@ -435,9 +448,165 @@ static uint64_t client_release_pins(rekv_kvstore_server *s, kv_client *c)
     return n;
 }
 
+/* ------------------------------------------------------------------ owners */
+
+static int owner_alive(const rekv_kvstore_server *s, const char *owner)
+{
+    for (const kv_client *c = s->clients; c; c = c->next)
+        if (strcmp(c->owner, owner) == 0)
+            return 1;
+    return 0;
+}
+
+/* Pins on block id that connections of owner hold. */
+static uint64_t owner_pins(const rekv_kvstore_server *s, const char *owner, uint32_t id)
+{
+    uint64_t n = 0;
+    for (const kv_client *c = s->clients; c; c = c->next)
+        if (strcmp(c->owner, owner) == 0) {
+            const uint64_t *v = kv_map_get(&c->pins, id);
+            n += v ? *v : 0;
+        }
+    return n;
+}
+
+/* The ids of owner's sequences in *ids (malloc'd; caller frees): dropping them changes the map, so
+ * callers collect first. */
+static int owner_seqs(const rekv_kvstore_server *s, const char *owner, uint64_t **ids, size_t *n)
+{
+    size_t cap = 0;
+    *ids = NULL;
+    *n = 0;
+    for (size_t i = 0; i < s->seqs.cap; i++) {
+        if (s->seqs.keys[i] == KV_MAP_EMPTY)
+            continue;
+        const kv_seq *q = (const kv_seq *)(uintptr_t)s->seqs.vals[i];
+        if (q->owner == NULL || strcmp(q->owner, owner) != 0)
+            continue;
+        if (grow((void **)ids, &cap, *n + 1, sizeof(uint64_t)) < 0) {
+            free(*ids);
+            *ids = NULL;
+            *n = 0;
+            return -ENOMEM;
+        }
+        (*ids)[(*n)++] = q->id;
+    }
+    return 0;
+}
+
+enum { OWNED_FREE = 0, OWNED_HELD, OWNED_PINNED };
+
+/* Whether owner may drop q now: OWNED_HELD when a parked request holds one of its blocks,
+ * OWNED_PINNED when a client of another owner pins one. */
+static int owned_seq_busy(const rekv_kvstore_server *s, const kv_seq *q, const char *owner)
+{
+    int pinned = 0;
+    for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
+        for (uint32_t b = 0; b < q->n_blocks; b++) {
+            uint32_t id = q->blocks[l][b];
+            if (id == NIL)
+                continue;
+            if (s->blocks[id].holds > 0)
+                return OWNED_HELD;
+            if (!pinned && s->blocks[id].pins > 0 && s->blocks[id].pins > owner_pins(s, owner, id))
+                pinned = 1;
+        }
+    return pinned ? OWNED_PINNED : OWNED_FREE;
+}
+
+/* Drops q (not busy, see above), releasing the pins that connections of owner hold on it; returns
+ * the blocks freed. */
+static uint64_t owned_seq_drop(rekv_kvstore_server *s, kv_seq *q, const char *owner)
+{
+    uint64_t n = 0;
+    for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
+        for (uint32_t b = 0; b < q->n_blocks; b++) {
+            uint32_t id = q->blocks[l][b];
+            if (id == NIL)
+                continue;
+            if (s->blocks[id].pins > 0)
+                for (kv_client *c = s->clients; c; c = c->next)
+                    if (strcmp(c->owner, owner) == 0)
+                        kv_map_del(&c->pins, id);
+            s->blocks[id].pins = 0;
+            block_free(s, id);
+            n++;
+        }
+    kv_map_del(&s->seqs, q->id);
+    seq_free_mem(s, q);
+    s->sequences_reclaimed++;
+    return n;
+}
+
+/* Drops the sequences of owners that no connection is left of: each connection of theirs was
+ * silent for a lease, so the owner died (or hung, and lost its pins already). A sequence still
+ * busy (pinned by another owner's client, held by a parked request) is tried again at the next
+ * lease check. */
+static void orphans_sweep(rekv_kvstore_server *s)
+{
+    char **owners = NULL; /* copies: the sequences holding the names go */
+    size_t n_owners = 0, cap = 0;
+    s->orphans_left = 0;
+    for (size_t i = 0; i < s->seqs.cap; i++) {
+        if (s->seqs.keys[i] == KV_MAP_EMPTY)
+            continue;
+        const kv_seq *q = (const kv_seq *)(uintptr_t)s->seqs.vals[i];
+        if (q->owner == NULL || owner_alive(s, q->owner))
+            continue;
+        size_t k = 0;
+        while (k < n_owners && strcmp(owners[k], q->owner) != 0)
+            k++;
+        if (k < n_owners)
+            continue;
+        char *dup = strdup(q->owner);
+        if (dup == NULL || grow((void **)&owners, &cap, n_owners + 1, sizeof(char *)) < 0) {
+            free(dup);
+            s->orphans_left = 1; /* out of memory: try again later */
+            break;
+        }
+        owners[n_owners++] = dup;
+    }
+    for (size_t k = 0; k < n_owners; k++) {
+        uint64_t *ids;
+        size_t n;
+        if (owner_seqs(s, owners[k], &ids, &n) < 0) {
+            s->orphans_left = 1;
+            continue;
+        }
+        uint64_t seqs = 0, blocks = 0, busy = 0;
+        for (size_t i = 0; i < n; i++) {
+            kv_seq *q = seq_get(s, ids[i]);
+            if (owned_seq_busy(s, q, owners[k]) != OWNED_FREE) {
+                busy++;
+                continue;
+            }
+            blocks += owned_seq_drop(s, q, owners[k]);
+            seqs++;
+        }
+        if (busy)
+            s->orphans_left = 1;
+        if (seqs) /* a retry that still finds all busy says nothing */
+            srv_event(s, REKV_KV_EVENT_WARN,
+                      "owner %s silent for %u ms (its lease): dropped its sequences (%llu, %llu "
+                      "blocks); %llu still in use, tried again later", owners[k], s->cfg.lease_ms,
+                      (unsigned long long)seqs, (unsigned long long)blocks,
+                      (unsigned long long)busy);
+        free(ids);
+        free(owners[k]);
+    }
+    free(owners);
+}
+
 static void leases_check(rekv_kvstore_server *s)
 {
     uint64_t lease = (uint64_t)s->cfg.lease_ms * 1000000ull;
+    /* a client whose request is parked (waiting for I/O) is not silent */
+    for (kv_pending *p = s->pending; p; p = p->next) {
+        kv_client *c = client_get(s, p->ident, p->ident_len, 0);
+        if (c)
+            c->last_seen = s->now;
+    }
+    int owned_gone = 0;
     kv_client **pp = &s->clients;
     while (*pp) {
         kv_client *c = *pp;
@@ -449,6 +618,7 @@ static void leases_check(rekv_kvstore_server *s)
                           "client lease expired after %u ms of silence: released %llu pins",
                           s->cfg.lease_ms, (unsigned long long)n);
             }
+            owned_gone |= c->owner[0] != '\0';
             *pp = c->next;
             kv_map_free(&c->pins);
             free(c);
@@ -456,6 +626,8 @@ static void leases_check(rekv_kvstore_server *s)
         }
         pp = &c->next;
     }
+    if (owned_gone || s->orphans_left)
+        orphans_sweep(s);
 }
 
 /* ------------------------------------------------------------------ request context */
@@ -466,6 +638,7 @@ typedef struct kv_reply {
     Rekv__Kvstore__TableReply table;
     Rekv__Kvstore__PlanReply plan;
     Rekv__Kvstore__StatsReply stats;
+    Rekv__Kvstore__DropOwnerReply drop_owner;
     Rekv__Kvstore__Histogram hists[H_COUNT];
     Rekv__Kvstore__Histogram *hist_ptrs[H_COUNT];
     char err[768];
@@ -568,7 +741,8 @@ static int resolve_ranges(rekv_kvstore_server *s, Rekv__Kvstore__Range **ranges,
 
 /* ------------------------------------------------------------------ handlers */
 
-static int h_create(rekv_kvstore_server *s, Rekv__Kvstore__CreateSeq *m, kv_reply *r)
+static int h_create(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__CreateSeq *m,
+                    kv_reply *r)
 {
     if (m->seq == KV_MAP_EMPTY)
         return fail(r, -EINVAL, "sequence id %llu is reserved", (unsigned long long)m->seq);
@@ -577,7 +751,10 @@ static int h_create(rekv_kvstore_server *s, Rekv__Kvstore__CreateSeq *m, kv_repl
     kv_seq *q = calloc(1, sizeof(*q));
     if (q)
         q->blocks = calloc(s->cfg.geometry.n_layers, sizeof(uint32_t *));
-    if (q == NULL || q->blocks == NULL || kv_map_put(&s->seqs, m->seq, (uintptr_t)q) < 0) {
+    if (q && c->owner[0])
+        q->owner = strdup(c->owner);
+    if (q == NULL || q->blocks == NULL || (c->owner[0] && q->owner == NULL) ||
+        kv_map_put(&s->seqs, m->seq, (uintptr_t)q) < 0) {
         seq_free_mem(s, q);
         return fail(r, -ENOMEM, "out of memory creating sequence");
     }
@@ -626,6 +803,49 @@ static int h_drop(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__DropSeq *
         return 0;
     kv_map_del(&s->seqs, m->seq);
     seq_free_mem(s, q);
+    return 0;
+}
+
+static int h_drop_owner(rekv_kvstore_server *s, Rekv__Kvstore__DropOwner *m, kv_reply *r)
+{
+    const char *owner = m->owner ? m->owner : "";
+    if (owner[0] == '\0' || strlen(owner) > MAX_OWNER)
+        return fail(r, -EINVAL, "drop owner: the owner name must have 1 to %d bytes", MAX_OWNER);
+    uint64_t *ids;
+    size_t n;
+    if (owner_seqs(s, owner, &ids, &n) < 0)
+        return fail(r, -ENOMEM, "out of memory");
+    /* a parked request holding one of the blocks goes first: it waits only for I/O in flight */
+    for (size_t i = 0; i < n; i++)
+        if (owned_seq_busy(s, seq_get(s, ids[i]), owner) == OWNED_HELD) {
+            free(ids);
+            return WAIT;
+        }
+    uint64_t seqs = 0, blocks = 0, busy = 0, busy_id = 0;
+    for (size_t i = 0; i < n; i++) {
+        kv_seq *q = seq_get(s, ids[i]);
+        if (owned_seq_busy(s, q, owner) != OWNED_FREE) {
+            if (busy++ == 0)
+                busy_id = ids[i];
+            continue;
+        }
+        blocks += owned_seq_drop(s, q, owner);
+        seqs++;
+    }
+    free(ids);
+    if (seqs)
+        srv_event(s, REKV_KV_EVENT_INFO,
+                  "owner %s: dropped its sequences on request (%llu, %llu blocks)", owner,
+                  (unsigned long long)seqs, (unsigned long long)blocks);
+    if (busy)
+        return fail(r, -EBUSY,
+                    "owner %s: dropped %llu sequences; %llu left because a client of another "
+                    "owner pins them (sequence %llu)", owner, (unsigned long long)seqs,
+                    (unsigned long long)busy, (unsigned long long)busy_id);
+    r->drop_owner.sequences = seqs;
+    r->drop_owner.blocks = blocks;
+    r->resp.body_case = REKV__KVSTORE__RESPONSE__BODY_DROP_OWNER;
+    r->resp.drop_owner = &r->drop_owner;
     return 0;
 }
 
@@ -929,6 +1149,7 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->registered_arena = s->spill ? kv_spill_registered(s->spill) : 0;
     st->spills_in_flight = s->spills_in_flight;
     st->reads_in_flight = s->reads_in_flight;
+    st->sequences_reclaimed = s->sequences_reclaimed;
     for (int i = 0; i < H_COUNT; i++) {
         Rekv__Kvstore__Histogram init = REKV__KVSTORE__HISTOGRAM__INIT;
         r->hists[i] = init;
@@ -958,9 +1179,15 @@ static int dispatch(rekv_kvstore_server *s, kv_pending *p, kv_reply *r, int *his
     if (q->version != REKV_KVSTORE_PROTO_VERSION)
         return fail(r, -EPROTO, "protocol version %u, this server speaks %u", q->version,
                     REKV_KVSTORE_PROTO_VERSION);
+    const char *owner = q->owner ? q->owner : "";
+    size_t owner_len = strlen(owner);
+    if (owner_len > MAX_OWNER)
+        return fail(r, -EINVAL, "owner name of %zu bytes: at most %d", owner_len, MAX_OWNER);
+    if (strcmp(c->owner, owner) != 0)
+        memcpy(c->owner, owner, owner_len + 1);
     switch (q->body_case) {
     case REKV__KVSTORE__REQUEST__BODY_CREATE_SEQ:
-        return h_create(s, q->create_seq, r);
+        return h_create(s, c, q->create_seq, r);
     case REKV__KVSTORE__REQUEST__BODY_DROP_SEQ:
         return h_drop(s, c, q->drop_seq, r);
     case REKV__KVSTORE__REQUEST__BODY_APPEND:
@@ -979,6 +1206,8 @@ static int dispatch(rekv_kvstore_server *s, kv_pending *p, kv_reply *r, int *his
         return 0;
     case REKV__KVSTORE__REQUEST__BODY_STATS:
         return h_stats(s, r);
+    case REKV__KVSTORE__REQUEST__BODY_DROP_OWNER:
+        return h_drop_owner(s, q->drop_owner, r);
     default:
         return fail(r, -EBADMSG, "request %llu has no body", (unsigned long long)q->id);
     }
@@ -1010,7 +1239,9 @@ static void reply_init(kv_reply *r, uint64_t id)
     Rekv__Kvstore__TableReply ti = REKV__KVSTORE__TABLE_REPLY__INIT;
     Rekv__Kvstore__PlanReply pi = REKV__KVSTORE__PLAN_REPLY__INIT;
     Rekv__Kvstore__StatsReply si = REKV__KVSTORE__STATS_REPLY__INIT;
+    Rekv__Kvstore__DropOwnerReply di = REKV__KVSTORE__DROP_OWNER_REPLY__INIT;
     r->resp = ri;
+    r->drop_owner = di;
     r->append = ai;
     r->table = ti;
     r->plan = pi;

@@ -4,7 +4,10 @@
  * coordinator stays up, a new worker finishes them identically); a coordinator killed and restarted
  * (journaled jobs complete); malformed, oversized and multi-frame requests (error replies); a burst
  * of submissions against a small queue (BUSY replies, every accepted job completes); and the
- * batcher alone against rekv_generate. Model: stories260K. */
+ * batcher alone against rekv_generate. With the KV cache in a real rekv-kvstore: steps longer than
+ * its lease keep their pins; a worker killed with SIGKILL leaves blocks behind, which a worker
+ * restarted under its name frees at once, and which the store frees itself after the lease when
+ * none is. Model: stories260K (a bigger synthetic one for long steps). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -23,6 +26,7 @@
 #include "coordinator/coordinator.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/gpuworker.h"
+#include "kvstore/kvstore.h"
 #include "tests/testutil.h"
 
 #define MODEL_REL "models/stories260K/stories260K.bin"
@@ -239,7 +243,7 @@ static void kill9(pid_t pid)
 
 typedef struct env {
     char *dir;
-    char ctl[4200], wrk[4200], state[4200];
+    char ctl[4200], wrk[4200], state[4200], kv[4200];
     char model[4096];
 } env;
 
@@ -253,6 +257,7 @@ static int env_open(env *e)
     snprintf(e->ctl, sizeof(e->ctl), "ipc://%s/control", e->dir);
     snprintf(e->wrk, sizeof(e->wrk), "ipc://%s/workers", e->dir);
     snprintf(e->state, sizeof(e->state), "%s/state", e->dir);
+    snprintf(e->kv, sizeof(e->kv), "ipc://%s/kvstore", e->dir);
     return 0;
 }
 
@@ -274,6 +279,46 @@ static pid_t start_worker(env *e, const char *max_batch)
     const char *args[] = {prog, "--model", e->model, "--coordinator", e->wrk, "--max-batch",
                           max_batch, "--heartbeat-ms", "100", NULL};
     return spawn(args);
+}
+
+/* rekv-kvstore on e->kv for e->model, fp32 cache (offload mode then equals rekv_generate). */
+static pid_t start_kvstore(env *e, const char *lease_ms, const char *host_bytes)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    const char *args[] = {prog, "--endpoint", e->kv, "--model", e->model, "--host-bytes",
+                          host_bytes, "--cache-dtype", "f32", "--spill-dir", e->dir, "--lease-ms",
+                          lease_ms, NULL};
+    return spawn(args);
+}
+
+/* A worker keeping its KV cache in e's kvstore (offload mode); name NULL: its default. */
+static pid_t start_kv_worker(env *e, const char *max_batch, const char *name)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    const char *args[18] = {prog, "--model", e->model, "--coordinator", e->wrk, "--max-batch",
+                            max_batch, "--heartbeat-ms", "100", "--kvstore", e->kv, "--mode",
+                            "offload", NULL};
+    if (name) {
+        args[13] = "--name";
+        args[14] = name;
+    }
+    return spawn(args);
+}
+
+static rekv_kvstore_client *kv_open(env *e)
+{
+    rekv_kvstore_client *k = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_kvstore_client_connect(e->kv, NULL, 20000, &k, &err) == 0, "%s", err.msg);
+    return k;
+}
+
+static void kv_stats(rekv_kvstore_client *k, rekv_kv_stats *st)
+{
+    rekv_err err = {0};
+    ck_assert_msg(rekv_kvstore_stats(k, st, &err) == 0, "%s", err.msg);
 }
 
 static rekv_ctl *ctl_open(const char *ep)
@@ -562,6 +607,58 @@ START_TEST(long_steps_keep_heartbeating)
 }
 END_TEST
 
+/* The same with the KV cache in a kvstore whose lease (0.25 s) is shorter than a step: the
+ * worker's loop renews it while the step thread holds the step's pins, so no pin is lost (the step
+ * would fail unpinning them), nothing is reclaimed, and the tokens are rekv_generate's. */
+START_TEST(long_steps_keep_kvstore_pins)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    rekv_synth_spec spec = {REKV_ARCH_OPT, 8, 1024, 16, 16, 4096, 512, 256, REKV_DTYPE_F16, 3, 1};
+    snprintf(e.model, sizeof(e.model), "%s/big", e.dir);
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write(&spec, e.model, &err) == 0, "%s", err.msg);
+    enum { N = 16 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 1, 512, 5);
+    for (int i = 0; i < N; i++)
+        jobs[i].gp.max_new_tokens = 2;
+    reference(jobs, N, e.model);
+    pid_t kv = start_kvstore(&e, "250", "128M");
+    rekv_kvstore_client *k = kv_open(&e);
+    pid_t co = start_coordinator(&e, "64", "5000");
+    pid_t wk = start_kv_worker(&e, "16", "w0");
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_and_check(c, jobs, N, 120);
+    Rekv__Control__Response *r = stats(c);
+    ck_assert_msg(r->stats->worker_step_avg_s > 0.25,
+                  "steps took %.2f s on average, not longer than the 0.25 s lease: make the model "
+                  "bigger", r->stats->worker_step_avg_s);
+    fprintf(stderr, "   %llu steps of %.2f s on average against a 0.25 s kvstore lease\n",
+            (unsigned long long)r->stats->steps, r->stats->worker_step_avg_s);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_kv_stats st;
+    kv_stats(k, &st);
+    ck_assert_msg(st.leases_expired == 0, "the worker lost its pins %llu times",
+                  (unsigned long long)st.leases_expired);
+    ck_assert_uint_eq(st.sequences_reclaimed, 0);
+    ck_assert_uint_eq(st.sequences, 0);
+    ck_assert_uint_eq(st.pinned_blocks, 0);
+    ck_assert_uint_eq(st.free_slots, st.total_slots);
+    rekv_ctl_close(c);
+    rekv_kvstore_client_close(k);
+    ck_assert_int_eq(stop(wk), 0);
+    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(stop(kv), 0);
+    free_jobs(jobs, N);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
 static int wait_some_tokens(rekv_ctl *c, tjob *jobs, int n)
 {
     uint64_t deadline = rekv_now_ns() + 30000000000ull;
@@ -615,6 +712,114 @@ START_TEST(worker_killed)
     ck_assert_int_eq(stop(wk), 0);
     ck_assert_int_eq(stop(co), 0);
     free_jobs(jobs, N);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
+/* SIGKILL a worker whose KV cache is in the kvstore: its sequences stay there (the lease is a
+ * minute, longer than this test), a worker started under the same name drops them before it
+ * serves, re-runs the jobs to the same tokens, and the store's block usage is back to what it was
+ * before any job. */
+START_TEST(worker_restart_frees_kvstore_blocks)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 16 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 400, 512, 6);
+    for (int i = 0; i < N; i++)
+        jobs[i].gp.stop_at_eos = 0; /* long runs, so that the kill lands mid-run */
+    reference(jobs, N, e.model);
+    pid_t kv = start_kvstore(&e, "60000", "64M");
+    rekv_kvstore_client *k = kv_open(&e);
+    rekv_kv_stats st0, st;
+    kv_stats(k, &st0);
+    pid_t co = start_coordinator(&e, "256", "1000");
+    pid_t wk = start_kv_worker(&e, "16", "w0");
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_some_tokens(c, jobs, N);
+    kill9(wk);
+    wait_workers(c, 0);
+    kv_stats(k, &st);
+    uint64_t left = st.sequences;
+    ck_assert_msg(left > 0 && st.free_slots < st0.free_slots,
+                  "the killed worker left nothing in the kvstore (%llu sequences, %llu of %llu "
+                  "slots free)", (unsigned long long)left, (unsigned long long)st.free_slots,
+                  (unsigned long long)st0.free_slots);
+    ck_assert_uint_eq(st.sequences_reclaimed, 0);
+    wk = start_kv_worker(&e, "16", "w0"); /* ready only once it dropped them */
+    kv_stats(k, &st);
+    ck_assert_uint_eq(st.sequences_reclaimed, left);
+    wait_and_check(c, jobs, N, 60);
+    kv_stats(k, &st);
+    ck_assert_uint_eq(st.sequences, 0);
+    ck_assert_uint_eq(st.pinned_blocks, 0);
+    ck_assert_uint_eq(st.free_slots, st0.free_slots);
+    fprintf(stderr, "   the restarted worker dropped the %llu sequences the killed one left\n",
+            (unsigned long long)left);
+    rekv_ctl_close(c);
+    rekv_kvstore_client_close(k);
+    ck_assert_int_eq(stop(wk), 0);
+    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(stop(kv), 0);
+    free_jobs(jobs, N);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
+/* SIGKILL a worker (default name, so no successor claims its sequences) with a 0.5 s kvstore
+ * lease: while it lives, its renewals keep everything; once dead, the store drops its sequences
+ * after the lease and its block usage is back to what it was. */
+START_TEST(dead_worker_blocks_return_after_lease)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 16 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 400, 512, 8);
+    for (int i = 0; i < N; i++)
+        jobs[i].gp.stop_at_eos = 0;
+    pid_t kv = start_kvstore(&e, "500", "64M");
+    rekv_kvstore_client *k = kv_open(&e);
+    rekv_kv_stats st0, st;
+    kv_stats(k, &st0);
+    pid_t co = start_coordinator(&e, "256", "1000");
+    pid_t wk = start_kv_worker(&e, "16", NULL);
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_some_tokens(c, jobs, N);
+    usleep(1200000); /* more than two leases of running */
+    kv_stats(k, &st);
+    ck_assert_msg(st.sequences > 0 && st.sequences_reclaimed == 0 && st.leases_expired == 0,
+                  "a live worker lost something: %llu sequences, %llu reclaimed, %llu leases "
+                  "expired", (unsigned long long)st.sequences,
+                  (unsigned long long)st.sequences_reclaimed,
+                  (unsigned long long)st.leases_expired);
+    kill9(wk);
+    uint64_t t0 = rekv_now_ns();
+    for (;;) {
+        kv_stats(k, &st);
+        if (st.sequences == 0 && st.free_slots == st0.free_slots)
+            break;
+        ck_assert_msg(rekv_now_ns() - t0 < 5000000000ull,
+                      "5 s after the kill: %llu sequences, %llu of %llu slots free",
+                      (unsigned long long)st.sequences, (unsigned long long)st.free_slots,
+                      (unsigned long long)st0.free_slots);
+        usleep(20000);
+    }
+    ck_assert_uint_gt(st.sequences_reclaimed, 0);
+    ck_assert_uint_eq(st.pinned_blocks, 0);
+    rekv_ctl_close(c);
+    rekv_kvstore_client_close(k);
+    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(stop(kv), 0);
     tu_rmrf(e.dir);
     free(e.dir);
 }
@@ -808,7 +1013,10 @@ static Suite *suite(void)
     tcase_add_test(tc, run_64_jobs);
     tcase_add_test(tc, planner_in_the_loop);
     tcase_add_test(tc, long_steps_keep_heartbeating);
+    tcase_add_test(tc, long_steps_keep_kvstore_pins);
     tcase_add_test(tc, worker_killed);
+    tcase_add_test(tc, worker_restart_frees_kvstore_blocks);
+    tcase_add_test(tc, dead_worker_blocks_return_after_lease);
     tcase_add_test(tc, coordinator_restart);
     tcase_add_test(tc, malformed_requests);
     tcase_add_test(tc, busy_queue);
