@@ -162,28 +162,29 @@ typedef struct scatter_args {
     const int32_t *row_seq, *row_pos;
     const rekv_attn_seq *seqs;
     int n_kv, hd;
+    rekv_dtype dt;
 } scatter_args;
 
 static void run_scatter(void *p)
 {
     scatter_args *a = p;
-    size_t hd = (size_t)a->hd;
+    size_t hd = (size_t)a->hd, es = rekv_dtype_size(a->dt);
     for (int r = 0; r < a->rows; r++) {
         const rekv_attn_seq *sq = &a->seqs[a->row_seq[r]];
         for (int g = 0; g < a->n_kv; g++) {
-            size_t dst = ((size_t)g * (size_t)sq->cap + (size_t)a->row_pos[r]) * hd;
+            size_t dst = ((size_t)g * (size_t)sq->cap + (size_t)a->row_pos[r]) * hd * es;
             size_t src = ((size_t)r * (size_t)a->n_kv + (size_t)g) * hd;
-            memcpy(sq->k + dst, a->k + src, sizeof(float) * hd);
-            memcpy(sq->v + dst, a->v + src, sizeof(float) * hd);
+            rekv_from_f32((char *)sq->k + dst, a->k + src, a->dt, hd);
+            rekv_from_f32((char *)sq->v + dst, a->v + src, a->dt, hd);
         }
     }
 }
 
 static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int rows,
                          const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
-                         int n_kv, int head_dim)
+                         int n_kv, int head_dim, rekv_dtype dt)
 {
-    scatter_args a = {k, v, rows, row_seq, row_pos, seqs, n_kv, head_dim};
+    scatter_args a = {k, v, rows, row_seq, row_pos, seqs, n_kv, head_dim, dt};
     LAUNCH(s, "kv_scatter", run_scatter, a);
 }
 
@@ -193,6 +194,7 @@ typedef struct attn_args {
     const rekv_attn_seq *seqs;
     int n_seqs, n_heads, n_kv, hd;
     float *scores;
+    rekv_dtype dt;
 } attn_args;
 
 static void run_attention(void *p)
@@ -202,14 +204,15 @@ static void run_attention(void *p)
     for (int i = 0; i < a->n_seqs; i++) {
         const rekv_attn_seq *sq = &a->seqs[i];
         cpu_attention(a->out + (size_t)sq->row0 * qd, a->q + (size_t)sq->row0 * qd, sq->k, sq->v,
-                      sq->n, sq->start, a->n_heads, a->n_kv, a->hd, sq->cap, a->scores);
+                      a->dt, sq->n, sq->start, a->n_heads, a->n_kv, a->hd, sq->cap, a->scores);
     }
 }
 
 static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
-                        int n_seqs, int n_heads, int n_kv, int head_dim, float *scores)
+                        int n_seqs, int n_heads, int n_kv, int head_dim, float *scores,
+                        rekv_dtype dt)
 {
-    attn_args a = {out, q, seqs, n_seqs, n_heads, n_kv, head_dim, scores};
+    attn_args a = {out, q, seqs, n_seqs, n_heads, n_kv, head_dim, scores, dt};
     LAUNCH(s, "attention", run_attention, a);
 }
 

@@ -753,6 +753,40 @@ static unsigned ew_blocks(size_t n)
         op_end((s), op_);                                                                          \
     } while (0)
 
+__device__ __forceinline__ static float load_as_f32(const void *p, size_t i, int dtype)
+{
+    if (dtype == REKV_DTYPE_F16)
+        return __half2float(((const __half *)p)[i]);
+    if (dtype == REKV_DTYPE_BF16)
+        return __uint_as_float((uint32_t)((const uint16_t *)p)[i] << 16);
+    return ((const float *)p)[i];
+}
+
+/* p[i] = f in dtype: f16 and bf16 round to nearest even (bf16 as rekv_f32_to_bf16, bit for bit) */
+__device__ __forceinline__ static void store_from_f32(void *p, size_t i, float f, int dtype)
+{
+    if (dtype == REKV_DTYPE_F16) {
+        ((__half *)p)[i] = __float2half_rn(f); /* nearest even, overflow to inf */
+    } else if (dtype == REKV_DTYPE_BF16) {
+        uint32_t u = __float_as_uint(f);
+        uint16_t r;
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            r = (uint16_t)((u >> 16) | 0x40);
+        else
+            r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        ((uint16_t *)p)[i] = r;
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+__global__ static void convert_out_kernel(void *dst, const float *src, size_t n, int dtype)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        store_from_f32(dst, i, src[i], dtype);
+}
+
 /* Sum over the block; every thread gets the result. red: blockDim.x / 32 floats of shared. */
 __device__ static float block_sum(float v, float *red)
 {
@@ -775,8 +809,6 @@ __global__ static void bias_kernel(float *y, const float *bias, size_t total, in
          i += (size_t)gridDim.x * blockDim.x)
         y[i] += bias[i % (size_t)n];
 }
-
-__global__ static void convert_out_kernel(void *dst, const float *src, size_t n, int dtype);
 
 /* s->xh holds at least bytes (stream-ordered: the old buffer is freed after the work that uses
  * it). 0, or -ENOMEM with the stream failed. */
@@ -956,15 +988,6 @@ static void k_add(rekv_stream *s, float *x, const float *y, size_t n)
     KLAUNCH(s, "add", add_kernel, ew_blocks(n), EW_THREADS, 0, x, y, n);
 }
 
-__device__ static float load_as_f32(const void *p, size_t i, int dtype)
-{
-    if (dtype == REKV_DTYPE_F16)
-        return __half2float(((const __half *)p)[i]);
-    if (dtype == REKV_DTYPE_BF16)
-        return __uint_as_float((uint32_t)((const uint16_t *)p)[i] << 16);
-    return ((const float *)p)[i];
-}
-
 __global__ static void embed_kernel(float *x, const void *table, int tdtype, const int32_t *tokens,
                                     const float *pos_table, const int32_t *pos, int pos_offset,
                                     int e)
@@ -995,12 +1018,13 @@ static void k_embed(rekv_stream *s, float *x, const void *table, rekv_dtype tt,
             pos_offset, e);
 }
 
-/* One block per row r: its K and V heads go to seqs[row_seq[r]] at position row_pos[r]. */
+/* One block per row r: its K and V heads go to seqs[row_seq[r]] at position row_pos[r], stored in
+ * the cache dtype. */
 __global__ static void scatter_kernel(const float *k, const float *v, const int32_t *row_seq,
                                       const int32_t *row_pos, const rekv_attn_seq *seqs, int n_kv,
-                                      int hd)
+                                      int hd, int dtype)
 {
-    __shared__ float *dk, *dv;
+    __shared__ void *dk, *dv;
     __shared__ int cap, p;
     if (threadIdx.x == 0) {
         const rekv_attn_seq *sq = &seqs[row_seq[blockIdx.x]];
@@ -1014,19 +1038,19 @@ __global__ static void scatter_kernel(const float *k, const float *v, const int3
     for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) {
         int g = i / hd, j = i % hd;
         size_t dst = ((size_t)g * (size_t)cap + (size_t)p) * (size_t)hd + (size_t)j;
-        dk[dst] = k[src0 + i];
-        dv[dst] = v[src0 + i];
+        store_from_f32(dk, dst, k[src0 + i], dtype);
+        store_from_f32(dv, dst, v[src0 + i], dtype);
     }
 }
 
 static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int rows,
                          const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
-                         int n_kv, int head_dim)
+                         int n_kv, int head_dim, rekv_dtype dt)
 {
     if (rows <= 0 || n_kv <= 0 || head_dim <= 0)
         return;
     KLAUNCH(s, "kv_scatter", scatter_kernel, rows, ROW_THREADS, 0, k, v, row_seq, row_pos, seqs,
-            n_kv, head_dim);
+            n_kv, head_dim, (int)dt);
 }
 
 /* Block (head h, sequence y, slice z) computes rows z, z + ATT_ROW_SLICES, ... of the sequence.
@@ -1034,6 +1058,7 @@ static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int row
  * dot product; each warp keeps a running max, sum and output (lane-strided over head_dim); the
  * block then merges the warps' partial softmaxes. Shared: q [hd], acc [ATT_WARPS][hd],
  * m and l [ATT_WARPS] each. */
+template <int DT>
 __global__ static void __launch_bounds__(ATT_WARPS * 32)
     attention_kernel(float *out, const float *q, const rekv_attn_seq *seqs, int n_heads, int n_kv,
                      int hd, float scale)
@@ -1046,8 +1071,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
     __syncthreads();
     int h = blockIdx.x, kvh = h / (n_heads / n_kv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float *kb = sq.k + (size_t)kvh * (size_t)sq.cap * (size_t)hd;
-    const float *vb = sq.v + (size_t)kvh * (size_t)sq.cap * (size_t)hd;
+    size_t hbase = (size_t)kvh * (size_t)sq.cap * (size_t)hd; /* the kv head, in elements */
     size_t qd = (size_t)n_heads * (size_t)hd;
     for (int i = blockIdx.z; i < sq.n; i += gridDim.z) {
         size_t r = (size_t)sq.row0 + (size_t)i;
@@ -1062,10 +1086,10 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         for (int c = 0; c < ATT_MAX_PER_LANE; c++)
             acc[c] = 0;
         for (int t = warp; t < n_ctx; t += ATT_WARPS) {
-            const float *kt = kb + (size_t)t * hd, *vt = vb + (size_t)t * hd;
+            size_t row = hbase + (size_t)t * hd;
             float d = 0;
             for (int j = lane; j < hd; j += 32)
-                d += qs[j] * kt[j];
+                d += qs[j] * load_as_f32(sq.k, row + j, DT);
             for (int o = 16; o > 0; o >>= 1)
                 d += __shfl_xor_sync(0xffffffffu, d, o);
             d *= scale;
@@ -1076,7 +1100,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
             for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
                 int j = c * 32 + lane;
                 if (j < hd)
-                    acc[c] = acc[c] * corr + p * vt[j];
+                    acc[c] = acc[c] * corr + p * load_as_f32(sq.v, row + j, DT);
             }
             m = m_new;
         }
@@ -1113,7 +1137,8 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
 }
 
 static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
-                        int n_seqs, int n_heads, int n_kv, int head_dim, float *scores)
+                        int n_seqs, int n_heads, int n_kv, int head_dim, float *scores,
+                        rekv_dtype dt)
 {
     if (n_seqs <= 0 || n_heads <= 0)
         return;
@@ -1132,8 +1157,15 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
     dim3 grid((unsigned)n_heads, (unsigned)n_seqs, ATT_ROW_SLICES);
     size_t shmem = sizeof(float) * ((size_t)head_dim * (1 + ATT_WARPS) + 2 * ATT_WARPS);
     float scale = 1.0f / sqrtf((float)head_dim);
-    KLAUNCH(s, "attention", attention_kernel, grid, ATT_WARPS * 32, shmem, out, q, seqs, n_heads,
-            n_kv, head_dim, scale);
+    if (dt == REKV_DTYPE_F16)
+        KLAUNCH(s, "attention", attention_kernel<REKV_DTYPE_F16>, grid, ATT_WARPS * 32, shmem, out,
+                q, seqs, n_heads, n_kv, head_dim, scale);
+    else if (dt == REKV_DTYPE_BF16)
+        KLAUNCH(s, "attention", attention_kernel<REKV_DTYPE_BF16>, grid, ATT_WARPS * 32, shmem, out,
+                q, seqs, n_heads, n_kv, head_dim, scale);
+    else
+        KLAUNCH(s, "attention", attention_kernel<REKV_DTYPE_F32>, grid, ATT_WARPS * 32, shmem, out,
+                q, seqs, n_heads, n_kv, head_dim, scale);
 }
 
 /* One block per piece (the piece read once, through shared memory), threads over its elements. */
@@ -1155,28 +1187,6 @@ static void k_convert(rekv_stream *s, const rekv_convert_piece *pieces, size_t n
     for (size_t off = 0; off < n; off += 1u << 30) {
         size_t c = n - off < (1u << 30) ? n - off : (1u << 30);
         KLAUNCH(s, "merge", convert_kernel, (unsigned)c, ROW_THREADS, 0, pieces + off, (int)dtype);
-    }
-}
-
-__global__ static void convert_out_kernel(void *dst, const float *src, size_t n, int dtype)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float f = src[i];
-        if (dtype == REKV_DTYPE_F16) {
-            ((__half *)dst)[i] = __float2half_rn(f); /* nearest even, overflow to inf */
-        } else if (dtype == REKV_DTYPE_BF16) {
-            /* rekv_f32_to_bf16, bit for bit */
-            uint32_t u = __float_as_uint(f);
-            uint16_t r;
-            if ((u & 0x7fffffffu) > 0x7f800000u)
-                r = (uint16_t)((u >> 16) | 0x40);
-            else
-                r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-            ((uint16_t *)dst)[i] = r;
-        } else {
-            ((float *)dst)[i] = f;
-        }
     }
 }
 

@@ -318,7 +318,7 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
         cache_store(s, layer, e->k + (size_t)row * KV, e->v + (size_t)row * KV, m, s->len);
         size_t layer_off = (size_t)layer * c->n_kv_heads * s->cap * c->head_dim;
         cpu_attention(e->att + (size_t)row * Q, e->q + (size_t)row * Q, s->k + layer_off,
-                      s->v + layer_off, m, s->len, c->n_heads, c->n_kv_heads, c->head_dim, s->cap,
+                      s->v + layer_off, REKV_DTYPE_F32, m, s->len, c->n_heads, c->n_kv_heads, c->head_dim, s->cap,
                       e->scores);
         row += m;
     }

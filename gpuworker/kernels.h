@@ -12,15 +12,16 @@
 
 #include "gpuworker/backend.h"
 
-/* One sequence's attention context for one layer: K and V buffers laid out [n_kv][cap][head_dim],
- * holding positions 0..start+n-1 once the new rows are in; the sequence contributes n query rows,
- * at positions start..start+n-1. */
+/* One sequence's attention context for one layer: K and V buffers laid out [n_kv][cap][head_dim]
+ * in the cache dtype (the dtype argument of kv_scatter and attention), holding positions
+ * 0..start+n-1 once the new rows are in; the sequence contributes n query rows, at positions
+ * start..start+n-1. */
 typedef struct rekv_attn_seq {
-    float *k, *v; /* [n_kv][cap][head_dim] */
-    int cap;      /* row stride, in tokens */
-    int start;    /* positions before the new rows */
-    int n;        /* new rows (queries) */
-    int row0;     /* index of the sequence's first row in the stacked q/out matrices */
+    void *k, *v; /* [n_kv][cap][head_dim], cache dtype */
+    int cap;     /* row stride, in tokens */
+    int start;   /* positions before the new rows */
+    int n;       /* new rows (queries) */
+    int row0;    /* index of the sequence's first row in the stacked q/out matrices */
 } rekv_attn_seq;
 
 /* A run of elements converted from a cache dtype into fp32: dst[i] = (float)src[i]. */
@@ -53,15 +54,16 @@ typedef struct rekv_kernel_iface {
      * — OPT's learned positions */
     void (*embed)(rekv_stream *s, float *x, const void *table, rekv_dtype tt, const int32_t *tokens,
                   const float *pos_table, const int32_t *pos, int pos_offset, int m, int e);
-    /* writes rows of K and V ([rows][n_kv*head_dim]) into sequences' buffers: row r goes to
-     * seqs[row_seq[r]] at position row_pos[r] */
+    /* writes fp32 rows of K and V ([rows][n_kv*head_dim]) into sequences' buffers in dtype dt
+     * (rounded to nearest even): row r goes to seqs[row_seq[r]] at position row_pos[r] */
     void (*kv_scatter)(rekv_stream *s, const float *k, const float *v, int rows,
                        const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
-                       int n_kv, int head_dim);
-    /* causal attention of every sequence's new rows over its buffer; q/out [rows][n_heads*hd];
-     * scores: device scratch of max(start + n) floats */
+                       int n_kv, int head_dim, rekv_dtype dt);
+    /* causal attention of every sequence's new rows over its buffer (dtype dt, widened exactly);
+     * q/out [rows][n_heads*hd] fp32; scores: device scratch of max(start + n) floats */
     void (*attention)(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
-                      int n_seqs, int n_heads, int n_kv, int head_dim, float *scores);
+                      int n_seqs, int n_heads, int n_kv, int head_dim, float *scores,
+                      rekv_dtype dt);
     /* converts pieces from dtype into fp32 */
     void (*convert)(rekv_stream *s, const rekv_convert_piece *pieces, size_t n, rekv_dtype dtype);
     /* dst = src converted from fp32 to dtype, n elements (for storing into the cache) */

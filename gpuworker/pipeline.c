@@ -2,12 +2,15 @@
  * and kernel tables, with the KV cache resident on the device or streamed from the kvstore arena.
  *
  * A step runs "units" — one layer of one GPU batch — in row or column order. Three streams:
- *   h2d      weight loads (W_K, W_V first) and the unit's context blocks, arena -> staging;
- *   compute  merge staging into the attention buffer, recompute K,V from activations, the layer;
+ *   h2d      weight loads (W_K, W_V first) and the unit's context blocks: KV rows from the arena
+ *            straight into the attention buffer, activation rows into staging;
+ *   compute  recompute K,V from activations into the attention buffer, the layer;
  *   d2h      the new tokens' K,V and activations, staging -> arena.
- * Staging, attention and output buffers are double-buffered by unit parity, weight buffers by load
- * parity; events order the streams, so loads of unit i+1 overlap the compute of unit i and the
- * stores of unit i-1 (KVPR's Algorithm 1; HybridServe's double-buffered flow).
+ * Attention buffers hold K,V in the cache dtype (fp16 halves device memory and the KV never needs
+ * converting; attention widens it), as do resident caches. Staging, attention and output buffers
+ * are double-buffered by unit parity, weight buffers by load parity; events order the streams, so
+ * loads of unit i+1 overlap the compute of unit i and the stores of unit i-1 (KVPR's Algorithm 1;
+ * HybridServe's double-buffered flow).
  *
  * Small per-step metadata (token ids, positions, attention descriptors, copy lists) lives in host
  * memory that kernels read directly: on the cpu backend that is device memory; the cuda backend
@@ -185,8 +188,8 @@ typedef struct gbatch {
 
 /* Buffers of one unit parity. */
 typedef struct parity {
-    dbuf attn_k, attn_v; /* attention buffers: per sequence [n_kv][ctx][hd], back to back */
-    dbuf kv_stage;       /* context K,V rows as stored (cache dtype) */
+    dbuf attn_k, attn_v; /* attention buffers: per sequence [n_kv][ctx][hd], back to back, in the
+                            cache dtype */
     dbuf act_stage;      /* context activation rows as stored */
     dbuf out_stage;      /* new rows to store: K [T][kv], V [T][kv], H [T][hidden] (cache dtype) */
 } parity;
@@ -204,6 +207,7 @@ struct rekv_pipeline {
     rekv_stream *s_compute, *s_h2d, *s_d2h;
     /* by unit parity: activations / KV rows loaded, staging merged, new rows staged, stored */
     rekv_event *ev_act[2], *ev_loaded[2], *ev_stage_free[2], *ev_out[2], *ev_out_free[2];
+    rekv_event *ev_attn_free[2]; /* the unit's attention has read the parity's buffers */
     /* by weight-buffer parity: W_K,W_V loaded, all loaded, buffer free again */
     rekv_event *ev_wkv[2], *ev_wall[2], *ev_wfree[2];
     layer_w *dev_layers; /* resident weights: [n_layers] device copies; NULL when offloaded */
@@ -234,7 +238,7 @@ struct rekv_pseq {
     rekv_pipeline *p;
     uint64_t id; /* kvstore sequence (kvpr: id holds K,V and id + 1 the activations) */
     int len, cap;
-    float *k, *v;     /* resident: [n_layers][n_kv][cap][hd] device */
+    uint8_t *k, *v;   /* resident: [n_layers][n_kv][cap][hd] device, cache dtype */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
 };
 
@@ -394,7 +398,6 @@ void rekv_pipeline_free(rekv_pipeline *p)
             p->bi->dev_free(p->be, p->wbuf_mem[i]);
         dbuf_free(p, &p->par[i].attn_k);
         dbuf_free(p, &p->par[i].attn_v);
-        dbuf_free(p, &p->par[i].kv_stage);
         dbuf_free(p, &p->par[i].act_stage);
         dbuf_free(p, &p->par[i].out_stage);
     }
@@ -413,8 +416,8 @@ void rekv_pipeline_free(rekv_pipeline *p)
             p->bi->dev_free(p->be, ds[i]);
     if (p->d_head && !p->head_tied)
         p->bi->dev_free(p->be, p->d_head);
-    rekv_event **evs[] = {p->ev_act,      p->ev_loaded, p->ev_stage_free, p->ev_out,
-                          p->ev_out_free, p->ev_wkv,    p->ev_wall,       p->ev_wfree};
+    rekv_event **evs[] = {p->ev_attn_free, p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
+                          p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
             if (evs[i][j])
@@ -505,8 +508,8 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         (rc = p->bi->stream_create(be, "h2d", &p->s_h2d, err)) ||
         (rc = p->bi->stream_create(be, "d2h", &p->s_d2h, err)))
         goto fail;
-    rekv_event **evs[] = {p->ev_act,      p->ev_loaded, p->ev_stage_free, p->ev_out,
-                          p->ev_out_free, p->ev_wkv,    p->ev_wall,       p->ev_wfree};
+    rekv_event **evs[] = {p->ev_attn_free, p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
+                          p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
             if ((rc = p->bi->event_create(be, &evs[i][j], err)))
@@ -588,8 +591,9 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
     int rc = 0;
     if (p->cfg.mode == REKV_MODE_RESIDENT) {
         size_t n = (size_t)c->n_layers * (size_t)rekv_config_kv_dim(c) * (size_t)capacity;
-        s->k = p->bi->dev_alloc(p->be, n * sizeof(float));
-        s->v = p->bi->dev_alloc(p->be, n * sizeof(float));
+        size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+        s->k = p->bi->dev_alloc(p->be, n * dsz);
+        s->v = p->bi->dev_alloc(p->be, n * dsz);
         if (s->k == NULL || s->v == NULL) {
             rc = rekv_errf(err, -ENOMEM, "out of device memory for a KV cache of %d tokens",
                            capacity);
@@ -823,9 +827,8 @@ static int ensure_buffers(rekv_pipeline *p, step *st)
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
         for (int b = 0; b < 2; b++) {
             parity *pr = &p->par[b];
-            rc |= dbuf_ensure(p, &pr->attn_k, max_ctx_g * KV * f) |
-                  dbuf_ensure(p, &pr->attn_v, max_ctx_g * KV * f) |
-                  dbuf_ensure(p, &pr->kv_stage, max_ctx_g * KV * 2 * dsz) |
+            rc |= dbuf_ensure(p, &pr->attn_k, max_ctx_g * KV * dsz) |
+                  dbuf_ensure(p, &pr->attn_v, max_ctx_g * KV * dsz) |
                   dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
                   dbuf_ensure(p, &pr->out_stage, max_rows * (2 * KV + H) * dsz);
         }
@@ -844,6 +847,7 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
     if (d == NULL)
         return NULL;
     size_t KV = (size_t)rekv_config_kv_dim(p->c), off = 0;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
     for (int j = 0; j < n; j++) {
         rekv_pipe_item *it = &st->items[st->g_begin[g] + j];
         rekv_pseq *s = it->seq;
@@ -851,16 +855,16 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
         d[j].n = it->n_tokens;
         d[j].row0 = st->row0[st->g_begin[g] + j];
         if (p->cfg.mode == REKV_MODE_RESIDENT) {
-            size_t lo = (size_t)layer * KV * (size_t)s->cap;
+            size_t lo = (size_t)layer * KV * (size_t)s->cap * dsz;
             d[j].k = s->k + lo;
             d[j].v = s->v + lo;
             d[j].cap = s->cap;
         } else {
             int ctx = s->len + it->n_tokens;
-            d[j].k = (float *)p->par[b].attn_k.p + off;
-            d[j].v = (float *)p->par[b].attn_v.p + off;
+            d[j].k = (uint8_t *)p->par[b].attn_k.p + off;
+            d[j].v = (uint8_t *)p->par[b].attn_v.p + off;
             d[j].cap = ctx;
-            off += (size_t)ctx * KV;
+            off += (size_t)ctx * KV * dsz;
         }
     }
     return d;
@@ -886,7 +890,7 @@ static uint64_t act_ordinal(const rekv_pipeline *p, act_counter *c, size_t b)
 typedef struct unit_io {
     piece_list h2d_kv, h2d_act, d2h_kv, d2h_act;
     piece_list d2d_act; /* ACT_GPU: new activation rows into the device copy */
-    conv_list conv_kv, conv_act;
+    conv_list conv_act;
     int32_t *act_seq, *act_pos; /* [n_act] recomputed rows: item within batch, position */
     int n_act;
 } unit_io;
@@ -901,9 +905,9 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
     int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
     size_t KV = (size_t)kvh * (size_t)hd;
-    uint8_t *kv_stage = p->par[b].kv_stage.p, *act_stage = p->par[b].act_stage.p;
+    uint8_t *act_stage = p->par[b].act_stage.p;
     uint8_t *out = p->par[b].out_stage.p;
-    size_t kv_off = 0, act_off = 0;
+    size_t act_off = 0;
     int nb = st->g_begin[g + 1] - st->g_begin[g], kvpr = p->cfg.mode == REKV_MODE_KVPR;
     int rows = st->g_rows[g], total_act = 0;
     for (int j = 0; j < nb; j++) {
@@ -963,22 +967,17 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                 cnt->tokens_recomputed += (uint64_t)n;
             } else {
                 for (int h = 0; h < kvh; h++) {
-                    if (RESERVE(&io->h2d_kv, 2) || RESERVE(&io->conv_kv, 2))
+                    if (RESERVE(&io->h2d_kv, 2))
                         return -ENOMEM;
+                    /* straight into the attention buffer: the same dtype, no conversion */
                     size_t bytes = (size_t)n * (size_t)hd * dsz;
-                    size_t dst = ((size_t)h * (size_t)d[j].cap + (size_t)t0) * (size_t)hd;
+                    size_t dst = ((size_t)h * (size_t)d[j].cap + (size_t)t0) * (size_t)hd * dsz;
                     io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){
-                        kv_stage + kv_off,
+                        (uint8_t *)d[j].k + dst,
                         base + rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk), bytes};
-                    io->conv_kv.v[io->conv_kv.n++] = (rekv_convert_piece){
-                        d[j].k + dst, kv_stage + kv_off, (uint32_t)((size_t)n * (size_t)hd)};
-                    kv_off += bytes;
                     io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){
-                        kv_stage + kv_off,
+                        (uint8_t *)d[j].v + dst,
                         base + rekv_kv_v_offset(geo, (uint32_t)h, (uint32_t)in_blk), bytes};
-                    io->conv_kv.v[io->conv_kv.n++] = (rekv_convert_piece){
-                        d[j].v + dst, kv_stage + kv_off, (uint32_t)((size_t)n * (size_t)hd)};
-                    kv_off += bytes;
                     cnt->h2d_bytes[REKV_XFER_KV] += 2 * bytes;
                 }
                 cnt->tokens_fetched += (uint64_t)n;
@@ -1050,7 +1049,7 @@ static int keep_conv(step *st, conv_list *l)
 /* Hands unit_io's lists to the step's memory: the streams read them until the step ends. */
 static int unit_io_keep(step *st, unit_io *io)
 {
-    int rc = keep_conv(st, &io->conv_kv) | keep_conv(st, &io->conv_act);
+    int rc = keep_conv(st, &io->conv_act);
     void *ptrs[] = {io->h2d_kv.v, io->h2d_act.v, io->d2h_kv.v, io->d2h_act.v, io->d2d_act.v};
     for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
         rc |= smem_adopt(&st->mem, ptrs[i]);
@@ -1093,8 +1092,11 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
                        p->cfg.cache_dtype);
         p->bi->event_record(p->ev_out[b], s);
     }
-    k->kv_scatter(s, kk, vv, T, st->row_seq[g], st->pos[g], d, c->n_kv_heads, c->head_dim);
-    k->attention(s, att, q, d, nb, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p);
+    rekv_dtype cdt = p->cfg.cache_dtype;
+    k->kv_scatter(s, kk, vv, T, st->row_seq[g], st->pos[g], d, c->n_kv_heads, c->head_dim, cdt);
+    k->attention(s, att, q, d, nb, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
+    if (store) /* the parity's attention buffers may take the next unit's rows */
+        p->bi->event_record(p->ev_attn_free[b], s);
     k->linear(s, h, att, L->wo, p->e->wdtype, L->bo, T, H, Q);
     k->add(s, x, h, n);
     if (!c->pre_norm)
@@ -1313,7 +1315,7 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             p->bi->event_record(p->ev_wkv[wb], sh);
         }
         if (!resident) {
-            /* staging is free once the compute of unit u-2 has merged it */
+            /* staging is free once the compute of unit u-2 has converted it */
             p->bi->stream_wait_event(sh, p->ev_stage_free[b]);
             if (io.h2d_act.n)
                 p->bi->copy_h2d(sh, io.h2d_act.v, io.h2d_act.n, REKV_XFER_ACT);
@@ -1326,10 +1328,12 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             w_loads++;
         }
         if (!resident) {
+            /* into the attention buffers, once the unit two back has read them */
+            p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
             if (io.h2d_kv.n)
                 p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
             p->bi->event_record(p->ev_loaded[b], sh);
-            /* compute: recompute K,V from activations, then merge the fetched KV rows */
+            /* compute: recompute K,V from activations into the attention buffers */
             if (io.n_act) {
                 p->bi->stream_wait_event(sc, p->ev_act[b]);
                 k->convert(sc, io.conv_act.v, io.conv_act.n, p->cfg.cache_dtype);
@@ -1343,12 +1347,10 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                     k->rope(sc, p->kr.p, io.act_pos, io.n_act, c->n_kv_heads, c->head_dim,
                             c->rope_theta, c->rope);
                 k->kv_scatter(sc, p->kr.p, p->vr.p, io.n_act, io.act_seq, io.act_pos, d,
-                              c->n_kv_heads, c->head_dim);
+                              c->n_kv_heads, c->head_dim, p->cfg.cache_dtype);
             }
-            p->bi->stream_wait_event(sc, p->ev_loaded[b]);
-            if (io.conv_kv.n)
-                k->convert(sc, io.conv_kv.v, io.conv_kv.n, p->cfg.cache_dtype);
             p->bi->event_record(p->ev_stage_free[b], sc);
+            p->bi->stream_wait_event(sc, p->ev_loaded[b]);
         }
         if (p->cfg.offload_weights)
             p->bi->stream_wait_event(sc, p->ev_wall[wb]);
