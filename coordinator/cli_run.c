@@ -25,6 +25,7 @@
 #include "common/clock.h"
 #include "coordinator/cli.h"
 #include "coordinator/coordinator.h"
+#include "gpuworker/backend.h"
 
 #define READY_TIMEOUT_MS 120000 /* loading a big model takes a while */
 #define STOP_TIMEOUT_MS 15000
@@ -45,12 +46,15 @@ static void run_usage(FILE *f)
 {
     fprintf(f,
             "usage: rekv run --model PATH [--backend auto|cpu|cuda] [--dir DIR] [--mode MODE]\n"
-            "                [--host-bytes N] [--queue N] [--max-batch N] [--state-dir DIR]\n"
+            "                [--host-bytes N] [--cache-dtype f16|f32] [--queue N]\n"
+            "                [--max-batch N] [--state-dir DIR]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
             "                [--ready-fd N]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
-            "Ctrl-C. The journal lives in --state-dir (default DIR/state).\n");
+            "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
+            "the worker picks, see rekv-gpuworker --help) or resident|offload|kvpr|act|hybrid.\n"
+            "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n");
 }
 
 /* Starts c with a ready pipe and waits for "READY\n"; 0, or -1 with a message printed. */
@@ -149,8 +153,9 @@ int cli_run(int argc, char **argv)
         {"worker-timeout-ms", required_argument, 0, 'T'},
         {"bin-dir", required_argument, 0, 'x'},    {"ready-fd", required_argument, 0, 'R'},
         {"metrics", required_argument, 0, 'P'},    {"help", no_argument, 0, 'h'},
+        {"cache-dtype", required_argument, 0, 'C'},
         {0, 0, 0, 0}};
-    const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "resident",
+    const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "auto", *cache = NULL,
                *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
                *timeout = "30000", *bin_arg = NULL, *metrics = NULL;
     long ready_fd = -1, v;
@@ -169,6 +174,7 @@ int cli_run(int argc, char **argv)
         case 'T': if (cli_parse_int("worker-timeout-ms", optarg, 1, INT32_MAX, &v)) return 2; timeout = optarg; break;
         case 'x': bin_arg = optarg; break;
         case 'P': metrics = optarg; break;
+        case 'C': cache = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
         default: run_usage(stderr); return 2;
@@ -183,8 +189,24 @@ int cli_run(int argc, char **argv)
         fprintf(stderr, "rekv run: --backend %s: expected auto, cpu or cuda\n", backend);
         return 2;
     }
+    if (cache && strcmp(cache, "f16") != 0 && strcmp(cache, "f32") != 0) {
+        fprintf(stderr, "rekv run: --cache-dtype %s: expected f16 or f32\n", cache);
+        return 2;
+    }
     char dir[2048], state[2200], bin[PATH_MAX], ep_ctl[2300], ep_wrk[2300], ep_kv[2300];
     rekv_err err = {0};
+    if (cache == NULL) {
+        /* the worker's backend decides: a GPU keeps fp16 (half the bytes), cpu fp32 (exact:
+         * tokens equal `rekv generate --local`) */
+        rekv_backend *probe = NULL;
+        char note[1200];
+        cache = "f32";
+        if (rekv_backend_create(backend, NULL, &probe, note, sizeof(note), &err) == 0 &&
+            strcmp(probe->iface->name, "cpu") != 0)
+            cache = "f16";
+        rekv_backend_destroy(probe);
+        rekv_err_clear(&err);
+    }
     if (dir_arg)
         snprintf(dir, sizeof(dir), "%s", dir_arg);
     else if (rekv_runtime_dir(dir, sizeof(dir), &err)) {
@@ -225,7 +247,7 @@ int cli_run(int argc, char **argv)
     ARG(KV, "--endpoint"); ARG(KV, ep_kv);
     ARG(KV, "--host-bytes"); ARG(KV, host_bytes);
     ARG(KV, "--model"); ARG(KV, model);
-    ARG(KV, "--cache-dtype"); ARG(KV, "f32");
+    ARG(KV, "--cache-dtype"); ARG(KV, cache);
     /* the store's own lease (5 s): the worker renews it while a step runs; a worker we start
      * again keeps its name, and so frees what the dead one left in the store at once */
     ARG(WORKER, "--name"); ARG(WORKER, "gpuworker");

@@ -524,3 +524,35 @@ void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, i
     hp->host_bytes = hp->weight_bytes + blocks * hp->kv_block_bytes * n_layers;
     hp->block_tokens = REKV_PLAN_BLOCK_TOKENS;
 }
+
+int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_model_config *cfg, int64_t b,
+                        int64_t s_max, double cache_elem_bytes, double device_kv_bytes,
+                        int weights_offloaded, rekv_mode_pick *out, rekv_err *err)
+{
+    if (!prof || !cfg || !out || b < 1 || s_max < 1 || !(cache_elem_bytes > 0))
+        return rekv_errf(err, -EINVAL, "planner: pick_mode: bad arguments");
+    memset(out, 0, sizeof(*out));
+    out->kv_bytes = 2.0 * (double)rekv_config_kv_dim(cfg) * cache_elem_bytes * (double)b *
+                    (double)s_max * cfg->n_layers;
+    if (device_kv_bytes < 0 || out->kv_bytes <= device_kv_bytes) {
+        out->resident = 1;
+        return 0;
+    }
+    rekv_step_shape shape;
+    rekv_plan_shape_from_config(cfg, b, s_max / 2 > 0 ? s_max / 2 : 1, cache_elem_bytes,
+                                weights_offloaded, &shape);
+    /* hybrid: link and compute times are linear in the KV share f; take the f where they meet */
+    rekv_step_cost act, kv;
+    int rc;
+    shape.hybrid_kv_fraction = 0;
+    if ((rc = rekv_plan_step_cost(prof, &shape, REKV_TECH_HYBRID, &act, err)))
+        return rc;
+    shape.hybrid_kv_fraction = 1;
+    if ((rc = rekv_plan_step_cost(prof, &shape, REKV_TECH_HYBRID, &kv, err)))
+        return rc;
+    double dp = kv.t_pcie - act.t_pcie, dc = kv.t_compute - act.t_compute;
+    double f = dp - dc != 0 ? (act.t_compute - act.t_pcie) / (dp - dc) : 0;
+    out->hybrid_kv_fraction = f = f < 0 ? 0 : f > 1 ? 1 : f;
+    shape.hybrid_kv_fraction = f;
+    return rekv_plan_choose(prof, &shape, &out->tech, out->costs, err);
+}

@@ -252,6 +252,25 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
 int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                      rekv_technique *best, rekv_step_cost *costs, rekv_err *err);
 
+/* What a worker runs as (its mode is fixed for its life: it decides what the kvstore holds). */
+typedef struct rekv_mode_pick {
+    int resident;              /* the whole KV cache fits in device memory: nothing moves */
+    rekv_technique tech;       /* otherwise the technique priced cheapest */
+    double hybrid_kv_fraction; /* the KV share at which hybrid's link and compute times meet */
+    double kv_bytes;           /* the KV cache of b sequences of s_max tokens, all layers */
+    rekv_step_cost costs[REKV_TECH_COUNT]; /* one layer of a decode step at s_max / 2 tokens */
+} rekv_mode_pick;
+
+/* Picks the mode for a worker serving up to b sequences of up to s_max tokens: resident when their
+ * whole KV cache (cache_elem_bytes per element, K and V, every layer) fits in device_kv_bytes (the
+ * device memory left for it; < 0: unknown, taken as enough), else the cheapest of KV fetching,
+ * KVPR, ACT and hybrid by rekv_plan_step_cost, priced at the mean context s_max / 2 (a sequence's
+ * context grows from its prompt to s_max), with hybrid at the KV share where its link and compute
+ * times meet. Ties go to the lower technique (fewer moving parts). */
+int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_model_config *cfg, int64_t b,
+                        int64_t s_max, double cache_elem_bytes, double device_kv_bytes,
+                        int weights_offloaded, rekv_mode_pick *out, rekv_err *err);
+
 /* Fills a step shape for one layer of cfg: batch b, context s tokens, cache elements of
  * cache_elem_bytes, one new token per sequence; weight_bytes is the layer's weights in cfg->dtype
  * when weights_offloaded, else 0. The hybrid fields are left 0 for the caller. */

@@ -118,6 +118,10 @@ typedef struct rekv_backend_iface {
      * copies are DMA and overlap (cudaHostRegister). NULL: nothing to do (the cpu backend). */
     int (*host_register)(rekv_backend *be, void *p, size_t bytes, rekv_err *err);
     void (*host_unregister)(rekv_backend *be, void *p);
+
+    /* optional: the device's free and total memory in bytes (cudaMemGetInfo). NULL: the device's
+     * memory is the host's (the cpu backend), with no separate limit. */
+    int (*mem_info)(rekv_backend *be, size_t *free_bytes, size_t *total_bytes, rekv_err *err);
 } rekv_backend_iface;
 
 /* The trace label of a copy, e.g. "h2d KV 1.0 MiB" or "d2d 64 B" (dir: "h2d", "d2h" or "d2d";

@@ -212,6 +212,21 @@ rekv_dtype rekv_engine_weight_dtype(const rekv_engine *e)
     return e->wdtype;
 }
 
+size_t rekv_engine_weight_bytes(const rekv_engine *e)
+{
+    const rekv_model_config *c = &e->c;
+    size_t w = rekv_dtype_size(e->wdtype), V = (size_t)c->vocab, E = (size_t)c->embed_dim;
+    size_t H = (size_t)c->hidden;
+    size_t b = e->layer_bytes * (size_t)c->n_layers + V * E * w;
+    if (e->lm_head != e->embed)
+        b += V * E * w;
+    if (e->project_in)
+        b += 2 * H * E * w; /* project_in and project_out */
+    if (e->pos_embed)
+        b += ((size_t)c->max_pos + 2) * H * sizeof(float);
+    return b + 2 * H * sizeof(float); /* the final norm */
+}
+
 int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err)
 {
     if (capacity <= 0 || capacity > e->c.max_pos)
@@ -318,8 +333,8 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
         cache_store(s, layer, e->k + (size_t)row * KV, e->v + (size_t)row * KV, m, s->len);
         size_t layer_off = (size_t)layer * c->n_kv_heads * s->cap * c->head_dim;
         cpu_attention(e->att + (size_t)row * Q, e->q + (size_t)row * Q, s->k + layer_off,
-                      s->v + layer_off, REKV_DTYPE_F32, m, s->len, c->n_heads, c->n_kv_heads, c->head_dim, s->cap,
-                      e->scores);
+                      s->v + layer_off, REKV_DTYPE_F32, m, s->len, c->n_heads, c->n_kv_heads,
+                      c->head_dim, s->cap, e->scores);
         row += m;
     }
     cpu_gemm_rowinv(e->h, e->att, L->wo, e->wdtype, L->bo, T, H, Q);

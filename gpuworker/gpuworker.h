@@ -27,6 +27,8 @@ void rekv_engine_free(rekv_engine *e);
 const rekv_model_config *rekv_engine_config(const rekv_engine *e);
 /* The dtype the engine holds its weight matrices in (and moves them to a device in). */
 rekv_dtype rekv_engine_weight_dtype(const rekv_engine *e);
+/* Bytes of all its weights as held (what a device holds when they are resident). */
+size_t rekv_engine_weight_bytes(const rekv_engine *e);
 
 /* A sequence whose cache holds up to `capacity` tokens (at most the model's context length). */
 int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err);

@@ -19,8 +19,9 @@
 
 #include "common/clock.h"
 #include "common/daemon.h"
-#include "gpuworker/profile.h"
 #include "common/log.h"
+#include "coordinator/planner.h"
+#include "gpuworker/profile.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
 #include "kvstore/kvstore.h"
@@ -32,35 +33,38 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
-            "         [--backend auto|cpu|cuda] [--mode resident|offload|kvpr|act|hybrid]\n"
+            "         [--backend auto|cpu|cuda] [--mode auto|resident|offload|kvpr|act|hybrid]\n"
             "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
             "         [--ready-fd N]\n"
             "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
-            "mode resident, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
+            "mode auto, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
             "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
             "started with the name of a dead one frees what that one left there at once (else\n"
             "the store frees it when the dead one's lease runs out).\n"
+            "auto: resident when the device holds the KV cache of a full batch of full contexts\n"
+            "(always on the cpu backend, or without a kvstore), else the technique the planner\n"
+            "prices cheapest with this machine's measured profile.\n"
             "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n");
 }
 
 typedef struct worker {
-    void *sock;               /* DEALER to the coordinator */
+    void *sock; /* DEALER to the coordinator */
     rekv_pipeline *pipe;
     rekv_batcher *batch;
     const rekv_model_config *mc;
     const char *name, *mode, *model;
     int max_batch;
     uint64_t steps;
-    uint64_t last_sent_ns;    /* for heartbeats */
-    int awaiting_welcome;     /* a Hello is out: Resets and Plans before the Welcome are stale
-                               * (messages that crossed it) and are ignored */
-    rekv_backend *be;         /* for the busy times each Progress reports */
-    rekv_cost_profile cost;   /* measured at start (cached per machine/model), sent in Hello */
+    uint64_t last_sent_ns;  /* for heartbeats */
+    int awaiting_welcome;   /* a Hello is out: Resets and Plans before the Welcome are stale
+                             * (messages that crossed it) and are ignored */
+    rekv_backend *be;       /* for the busy times each Progress reports */
+    rekv_cost_profile cost; /* measured at start (cached per machine/model), sent in Hello */
     int offload_weights;
     rekv_dtype cache_dtype;
-    uint32_t hb_ms;           /* heartbeat period, also while a step runs */
-    rekv_kvstore_client *kv;  /* NULL in resident mode without --kvstore */
-    uint64_t renew_ns;        /* kvstore lease renewal period: a quarter of its lease */
+    uint32_t hb_ms;          /* heartbeat period, also while a step runs */
+    rekv_kvstore_client *kv; /* NULL in resident mode without --kvstore */
+    uint64_t renew_ns;       /* kvstore lease renewal period: a quarter of its lease */
     uint64_t last_renew_ns;
 } worker;
 
@@ -208,7 +212,8 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
 {
     for (size_t i = 0; i < plan->n_cancel; i++)
         rekv_batcher_cancel(w->batch, plan->cancel[i]);
-    if (plan->params) { /* the planner's choices for this step (any of them gives the same tokens) */
+    if (plan->params) { /* the planner's choices for this step (any of them gives the same tokens)
+                         */
         const Rekv__Worker__StepParams *sp = plan->params;
         rekv_step_params st = {sp->split, (int)sp->kv_parts, (int)sp->act_parts,
                                sp->gpu_batches ? (int)sp->gpu_batches : 1,
@@ -230,13 +235,19 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     size_t n = 0;
     for (size_t i = 0; i < plan->n_join; i++) {
         const Rekv__Worker__JobSpec *s = plan->join[i];
-        rekv_gen_params gp = {(int)s->max_new_tokens, s->temperature, (int)s->top_k,
-                              s->top_p > 0 ? s->top_p : 1.0f, s->seed, (int)s->top_logits,
+        rekv_gen_params gp = {(int)s->max_new_tokens,
+                              s->temperature,
+                              (int)s->top_k,
+                              s->top_p > 0 ? s->top_p : 1.0f,
+                              s->seed,
+                              (int)s->top_logits,
                               s->stop_at_eos};
-        rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu joins: %zu prompt tokens, temperature %g, "
-                 "top-k %u, top-p %g, seed %llu, max %u, eos %d", (unsigned long long)plan->step,
-                 (unsigned long long)s->job, s->n_prompt, (double)s->temperature, s->top_k,
-                 (double)s->top_p, (unsigned long long)s->seed, s->max_new_tokens, s->stop_at_eos);
+        rekv_log(REKV_LOG_DEBUG,
+                 "step %llu: job %llu joins: %zu prompt tokens, temperature %g, "
+                 "top-k %u, top-p %g, seed %llu, max %u, eos %d",
+                 (unsigned long long)plan->step, (unsigned long long)s->job, s->n_prompt,
+                 (double)s->temperature, s->top_k, (double)s->top_p, (unsigned long long)s->seed,
+                 s->max_new_tokens, s->stop_at_eos);
         int rc = rekv_batcher_join(w->batch, s->job, s->prompt, (int)s->n_prompt, &gp, &errs[n]);
         if (rc) {
             rekv__worker__job_progress__init(&jp[n]);
@@ -249,7 +260,7 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     }
     if (plan->params) {
         size_t nm = plan->params->n_mb_job < plan->params->n_mb_index ? plan->params->n_mb_job
-                                                                       : plan->params->n_mb_index;
+                                                                      : plan->params->n_mb_index;
         rekv_batcher_set_mini_batches(w->batch, plan->params->mb_job, plan->params->mb_index, nm);
     }
     rekv_pipeline_counters_reset(w->pipe);
@@ -290,7 +301,8 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         if (ev[i].token >= 0) {
             rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu token %d%s%s",
                      (unsigned long long)plan->step, (unsigned long long)ev[i].job, ev[i].token,
-                     ev[i].finished ? ", finished: " : "", ev[i].finished ? ev[i].finish_reason : "");
+                     ev[i].finished ? ", finished: " : "",
+                     ev[i].finished ? ev[i].finish_reason : "");
             toks[n] = ev[i].token;
             jp[n].n_tokens = 1;
             jp[n].tokens = &toks[n];
@@ -338,15 +350,65 @@ out:
     free(errs);
 }
 
+/* --mode auto: what this worker runs as (rekv_plan_pick_mode), logged with its reasons. */
+static rekv_mode pick_mode(rekv_backend *be, const rekv_engine *eng, const rekv_cost_profile *cost,
+                           int max_batch, const rekv_pipeline_config *pc, int have_store)
+{
+    const rekv_model_config *mc = rekv_engine_config(eng);
+    if (!have_store) {
+        rekv_log(REKV_LOG_INFO, "mode auto: resident (no kvstore to keep the cache in)");
+        return REKV_MODE_RESIDENT;
+    }
+    double room = -1;
+    size_t fr = 0, tot = 0;
+    rekv_err e = {0};
+    if (be->iface->mem_info && be->iface->mem_info(be, &fr, &tot, &e) == 0) {
+        /* free memory less the weights and a tenth of the device for activations, workspaces */
+        room = (double)fr - 0.1 * (double)tot -
+               (pc->offload_weights ? 0.0 : (double)rekv_engine_weight_bytes(eng));
+        room = room < 0 ? 0 : room;
+    }
+    rekv_mode_pick mp;
+    if (rekv_plan_pick_mode(cost, mc, max_batch, mc->max_pos, rekv_dtype_size(pc->cache_dtype),
+                            room, pc->offload_weights, &mp, &e)) {
+        rekv_log(REKV_LOG_WARN, "mode auto: %s; running resident", e.msg);
+        return REKV_MODE_RESIDENT;
+    }
+    static const rekv_mode by_tech[REKV_TECH_COUNT] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR,
+                                                       REKV_MODE_ACT, REKV_MODE_HYBRID};
+    rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
+    if (room < 0)
+        rekv_log(REKV_LOG_INFO, "mode auto: %s (the %s backend's device memory is the host's)",
+                 rekv_mode_name(m), be->iface->name);
+    else
+        rekv_log(REKV_LOG_INFO,
+                 "mode auto: %s (the KV cache of %d sequences of %d tokens is "
+                 "%.2f GB, the device has room for %.2f GB; priced per layer and step: offload "
+                 "%.3g ms, kvpr %.3g ms, act %.3g ms, hybrid %.3g ms)",
+                 rekv_mode_name(m), max_batch, mc->max_pos, mp.kv_bytes * 1e-9, room * 1e-9,
+                 mp.costs[REKV_TECH_KV].t_step * 1e3, mp.costs[REKV_TECH_KVPR].t_step * 1e3,
+                 mp.costs[REKV_TECH_ACT].t_step * 1e3, mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
+    return m;
+}
 
 int main(int argc, char **argv)
 {
     rekv_log_init_from_env();
     const char *model_path = NULL, *coord = NULL, *kv_ep = NULL, *backend = "auto",
-               *mode_s = "resident", *name = NULL;
+               *mode_s = "auto", *name = NULL;
     uint32_t max_batch = 64, hb_ms = 500, ready_fd = UINT32_MAX;
-    enum { O_MODEL = 1000, O_COORD, O_KV, O_BACKEND, O_MODE, O_BATCH, O_NAME, O_HB, O_READY,
-           O_HELP };
+    enum {
+        O_MODEL = 1000,
+        O_COORD,
+        O_KV,
+        O_BACKEND,
+        O_MODE,
+        O_BATCH,
+        O_NAME,
+        O_HB,
+        O_READY,
+        O_HELP
+    };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL},
         {"coordinator", required_argument, 0, O_COORD},
@@ -364,17 +426,39 @@ int main(int argc, char **argv)
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         int bad = 0;
         switch (o) {
-        case O_MODEL: model_path = optarg; break;
-        case O_COORD: coord = optarg; break;
-        case O_KV: kv_ep = optarg; break;
-        case O_BACKEND: backend = optarg; break;
-        case O_MODE: mode_s = optarg; break;
-        case O_BATCH: bad = rekv_parse_u32(optarg, &max_batch) || max_batch == 0 || max_batch > 4096; break;
-        case O_NAME: name = optarg; break;
-        case O_HB: bad = rekv_parse_u32(optarg, &hb_ms) || hb_ms == 0; break;
-        case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
-        case O_HELP: usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        case O_MODEL:
+            model_path = optarg;
+            break;
+        case O_COORD:
+            coord = optarg;
+            break;
+        case O_KV:
+            kv_ep = optarg;
+            break;
+        case O_BACKEND:
+            backend = optarg;
+            break;
+        case O_MODE:
+            mode_s = optarg;
+            break;
+        case O_BATCH:
+            bad = rekv_parse_u32(optarg, &max_batch) || max_batch == 0 || max_batch > 4096;
+            break;
+        case O_NAME:
+            name = optarg;
+            break;
+        case O_HB:
+            bad = rekv_parse_u32(optarg, &hb_ms) || hb_ms == 0;
+            break;
+        case O_READY:
+            bad = rekv_parse_u32(optarg, &ready_fd);
+            break;
+        case O_HELP:
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
         }
         if (bad) {
             fprintf(stderr, "rekv-gpuworker: bad value '%s'\n", optarg);
@@ -392,7 +476,8 @@ int main(int argc, char **argv)
     }
     rekv_pipeline_config pc;
     rekv_pipeline_config_defaults(&pc);
-    if (rekv_mode_parse(mode_s, &pc.mode)) {
+    int auto_mode = strcmp(mode_s, "auto") == 0;
+    if (!auto_mode && rekv_mode_parse(mode_s, &pc.mode)) {
         fprintf(stderr, "rekv-gpuworker: --mode %s: unknown mode\n", mode_s);
         return 2;
     }
@@ -422,7 +507,6 @@ int main(int argc, char **argv)
     worker w = {0};
     void *zctx = NULL;
     w.name = name;
-    w.mode = rekv_mode_name(pc.mode);
     w.model = model_path;
     w.max_batch = (int)max_batch;
     w.hb_ms = hb_ms;
@@ -442,9 +526,10 @@ int main(int argc, char **argv)
             rekv_kvstore_drop_owner(kv, name, &n_seqs, &n_blocks, &err))
             goto fail;
         if (n_seqs)
-            rekv_log(REKV_LOG_WARN, "kvstore: dropped %llu sequences (%llu blocks) that a previous "
-                     "worker named %s left", (unsigned long long)n_seqs,
-                     (unsigned long long)n_blocks, name);
+            rekv_log(REKV_LOG_WARN,
+                     "kvstore: dropped %llu sequences (%llu blocks) that a previous "
+                     "worker named %s left",
+                     (unsigned long long)n_seqs, (unsigned long long)n_blocks, name);
         uint64_t lease_ms = rekv_kvstore_client_header(kv)->lease_ms;
         w.renew_ns = lease_ms / 4 * 1000000ull;
         if (w.renew_ns < 10000000ull)
@@ -453,7 +538,7 @@ int main(int argc, char **argv)
             w.renew_ns = 1000000000ull;
         w.kv = kv;
         w.last_renew_ns = rekv_now_ns();
-    } else if (pc.mode != REKV_MODE_RESIDENT) {
+    } else if (!auto_mode && pc.mode != REKV_MODE_RESIDENT) {
         rekv_log(REKV_LOG_ERROR, "--mode %s keeps the KV cache in the kvstore: give --kvstore",
                  mode_s);
         goto out;
@@ -463,12 +548,6 @@ int main(int argc, char **argv)
         goto fail;
     if (note[0])
         rekv_log(REKV_LOG_INFO, "%s", note);
-    if (rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
-        rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))
-        goto fail;
-    w.be = be;
-    w.offload_weights = pc.offload_weights;
-    w.cache_dtype = pc.cache_dtype;
     {
         /* the planner prices this worker's steps with what it measures here (cached on disk) */
         rekv_profile prof;
@@ -479,6 +558,15 @@ int main(int argc, char **argv)
         if (!pc.offload_weights)
             w.cost.t_load_w = 0;
     }
+    if (auto_mode)
+        pc.mode = pick_mode(be, eng, &w.cost, (int)max_batch, &pc, kv != NULL);
+    w.mode = rekv_mode_name(pc.mode);
+    if (rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
+        rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))
+        goto fail;
+    w.be = be;
+    w.offload_weights = pc.offload_weights;
+    w.cache_dtype = pc.cache_dtype;
     zctx = zmq_ctx_new();
     w.sock = zctx ? zmq_socket(zctx, ZMQ_DEALER) : NULL;
     int linger = 0, ivl = 100;
@@ -493,10 +581,11 @@ int main(int argc, char **argv)
         goto out;
     }
     send_hello(&w);
-    rekv_log(REKV_LOG_INFO, "%s: %s, %d layers, vocab %d, context %d; %s backend, %s mode, batch "
-             "of %u; coordinator %s%s%s", name, model_path, w.mc->n_layers, w.mc->vocab,
-             w.mc->max_pos, be->iface->name, w.mode, max_batch, coord, kv_ep ? ", kvstore " : "",
-             kv_ep ? kv_ep : "");
+    rekv_log(REKV_LOG_INFO,
+             "%s: %s, %d layers, vocab %d, context %d; %s backend, %s mode, batch "
+             "of %u; coordinator %s%s%s",
+             name, model_path, w.mc->n_layers, w.mc->vocab, w.mc->max_pos, be->iface->name, w.mode,
+             max_batch, coord, kv_ep ? ", kvstore " : "", kv_ep ? kv_ep : "");
     rekv_daemon_ready(ready_fd == UINT32_MAX ? -1 : (int)ready_fd);
     for (;;) {
         zmq_pollitem_t it[2] = {{w.sock, 0, ZMQ_POLLIN, 0}, {NULL, sfd, ZMQ_POLLIN, 0}};
@@ -545,8 +634,11 @@ int main(int argc, char **argv)
                 if (!w.awaiting_welcome) /* a Plan for the session our Hello ended */
                     run_plan(&w, m->plan);
                 break;
-            case REKV__WORKER__COORD_MSG__BODY_SHUTDOWN: stop = 2; break;
-            default: break;
+            case REKV__WORKER__COORD_MSG__BODY_SHUTDOWN:
+                stop = 2;
+                break;
+            default:
+                break;
             }
             rekv__worker__coord_msg__free_unpacked(m, NULL);
         }

@@ -652,6 +652,43 @@ START_TEST(test_choose)
 }
 END_TEST
 
+/* The worker's mode: resident when the cache fits the device, else the cheapest technique, with
+ * hybrid priced at the KV share where its link and compute times meet. */
+START_TEST(test_pick_mode)
+{
+    rekv_model_config opt = {.arch = REKV_ARCH_OPT, .act = REKV_ACT_RELU, .n_layers = 32,
+                             .hidden = 4096, .n_heads = 32, .n_kv_heads = 32, .head_dim = 128,
+                             .ffn = 16384, .dtype = REKV_DTYPE_F16};
+    rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
+    rekv_mode_pick m;
+    /* 64 sequences of 544 tokens, fp16: 2*4096*2*64*544*32 bytes = 18.25 GB */
+    double kv = 2.0 * 4096 * 2 * 64 * 544 * 32;
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 64, 544, 2, kv, 0, &m, NULL), 0);
+    ck_assert(m.resident && m.kv_bytes == kv);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 64, 544, 2, -1, 0, &m, NULL), 0);
+    ck_assert(m.resident); /* unknown device memory (the cpu backend): resident */
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 64, 544, 2, kv - 1, 0, &m, NULL), 0);
+    ck_assert(!m.resident);
+    /* MHA, fast GPU, PCIe-bound: recomputation pays, so not plain KV fetching */
+    ck_assert(m.tech != REKV_TECH_KV);
+    ck_assert(m.hybrid_kv_fraction >= 0 && m.hybrid_kv_fraction <= 1);
+    for (int t = 0; t < REKV_TECH_COUNT; t++)
+        ck_assert(m.costs[m.tech].t_step <= m.costs[t].t_step);
+    /* at the meeting point hybrid is balanced (unless clamped) */
+    const rekv_step_cost *h = &m.costs[REKV_TECH_HYBRID];
+    if (m.hybrid_kv_fraction > 0 && m.hybrid_kv_fraction < 1)
+        ck_assert(fabs(h->t_pcie - h->t_compute) <= 1e-6 * h->t_step);
+    /* a GPU so slow that every recomputation costs more than the link: KV fetching */
+    pr.gemm_flops = 1e9;
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 64, 544, 2, 0, 0, &m, NULL), 0);
+    ck_assert(!m.resident);
+    ck_assert_int_eq(m.tech, REKV_TECH_KV);
+    ck_assert(m.hybrid_kv_fraction == 1);
+    rekv_err e = {0};
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 0, 544, 2, 0, 0, &m, &e), -EINVAL);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("planner");
@@ -673,6 +710,7 @@ int main(void)
     tcase_add_test(tc, test_mb_constructed);
     tcase_add_test(tc, test_mb_random);
     tcase_add_test(tc, test_choose);
+    tcase_add_test(tc, test_pick_mode);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
