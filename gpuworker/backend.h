@@ -22,8 +22,10 @@
 #ifndef REKV_GPUWORKER_BACKEND_H
 #define REKV_GPUWORKER_BACKEND_H
 
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "common/err.h"
 #include "loader/loader.h"
@@ -65,6 +67,75 @@ typedef struct rekv_backend_stats {
     double h2d_busy_s;                   /* time the host->device link was occupied */
     double d2h_busy_s;                   /* time the device->host link was occupied */
 } rekv_backend_stats;
+
+/* A handle naming a device buffer or an event of one process, for another process on the same
+ * machine to import (CUDA IPC on cuda, memfd on cpu): 128 bytes of plain data, so it can travel in
+ * any message. The header is common to every backend; the payload is the exporting backend's
+ * own, and importers check the header before reading it, so a garbage, truncated or wrong-kind
+ * handle is refused with a message, never used. Layout (host byte order, same machine only):
+ *   cuda: payload = cudaIpcMemHandle_t or cudaIpcEventHandle_t (64 bytes each);
+ *   cpu:  payload = {int32 pid, int32 fd, uint64 nonce}: the exporter's memfd, opened through
+ *         /proc/PID/fd/FD, whose name carries the nonce, so a handle whose process has exited or
+ *         whose buffer was freed (the fd number reused) is refused, not mapped. */
+#define REKV_IPC_MAGIC 0x50494b52u /* "RKIP" as little-endian bytes */
+#define REKV_IPC_VERSION 1
+typedef enum rekv_ipc_kind {
+    REKV_IPC_MEM = 1,   /* a device buffer from dev_alloc_shared */
+    REKV_IPC_EVENT = 2, /* an event from event_create_shared */
+} rekv_ipc_kind;
+typedef struct rekv_ipc_handle {
+    uint32_t magic;       /* REKV_IPC_MAGIC */
+    uint16_t version;     /* REKV_IPC_VERSION */
+    uint16_t kind;        /* rekv_ipc_kind */
+    char backend[8];      /* the exporting backend's name, NUL-padded: "cpu", "cuda" */
+    uint64_t bytes;       /* REKV_IPC_MEM: the buffer's size; 0 for an event */
+    uint8_t reserved[40]; /* zero */
+    uint8_t payload[64];  /* the exporting backend's (above) */
+} rekv_ipc_handle;
+#ifdef __cplusplus
+static_assert(sizeof(rekv_ipc_handle) == 128, "an IPC handle is 128 bytes");
+#else
+_Static_assert(sizeof(rekv_ipc_handle) == 128, "an IPC handle is 128 bytes");
+#endif
+
+/* For backends: a handle with its header filled and a zero payload. */
+static inline void rekv_ipc_handle_init(rekv_ipc_handle *h, rekv_ipc_kind kind, const char *backend,
+                                        uint64_t bytes)
+{
+    memset(h, 0, sizeof(*h));
+    h->magic = REKV_IPC_MAGIC;
+    h->version = REKV_IPC_VERSION;
+    h->kind = (uint16_t)kind;
+    for (size_t i = 0; i + 1 < sizeof(h->backend) && backend[i]; i++)
+        h->backend[i] = backend[i];
+    h->bytes = bytes;
+}
+
+/* For backends, before reading a payload: 0, or -EINVAL with err saying what is wrong — not a
+ * handle (garbage), another version, another backend's, or the other kind. what names the call
+ * for the message, e.g. "cuda backend: dev_import". */
+static inline int rekv_ipc_handle_check(const rekv_ipc_handle *h, rekv_ipc_kind kind,
+                                        const char *backend, const char *what, rekv_err *err)
+{
+    static const char *const kinds[] = {"of unknown kind", "a buffer's", "an event's"};
+    char name[sizeof(h->backend) + 1] = {0};
+    if (h == NULL)
+        return rekv_errf(err, -EINVAL, "%s: NULL handle", what);
+    if (h->magic != REKV_IPC_MAGIC)
+        return rekv_errf(err, -EINVAL, "%s: not a rekv IPC handle (magic 0x%08x)", what,
+                         (unsigned)h->magic);
+    if (h->version != REKV_IPC_VERSION)
+        return rekv_errf(err, -EINVAL, "%s: IPC handle version %u (this build reads %d)", what,
+                         (unsigned)h->version, REKV_IPC_VERSION);
+    memcpy(name, h->backend, sizeof(h->backend));
+    if (strcmp(name, backend) != 0)
+        return rekv_errf(err, -EINVAL, "%s: the handle is the %s backend's", what, name);
+    if (h->kind != kind)
+        return rekv_errf(err, -EINVAL, "%s: the handle is %s, not %s", what,
+                         kinds[h->kind == REKV_IPC_MEM || h->kind == REKV_IPC_EVENT ? h->kind : 0],
+                         kinds[kind]);
+    return 0;
+}
 
 /* A kernel run on the cpu backend as a task: fn(arg) runs on the stream's thread. */
 typedef void (*rekv_host_fn)(void *arg);
@@ -119,6 +190,52 @@ typedef struct rekv_backend_iface {
     int (*host_register)(rekv_backend *be, void *p, size_t bytes, rekv_err *err);
     void (*host_unregister)(rekv_backend *be, void *p);
 
+    /* ---- optional: sharing with other processes (the push path: a transfer engine in another
+     * process writes into device receive buffers this process exports, and signals through an
+     * event this process's streams wait on). NULL: the backend cannot share. Handles are only
+     * meaningful on the same machine, to a backend of the same kind. ---- */
+
+    /* device memory another process can import; *out names it. Freed with dev_free as usual,
+     * which must come after every importer's dev_unimport (on cuda, freeing memory another
+     * process still maps is undefined). NULL on failure, with err filled. */
+    void *(*dev_alloc_shared)(rekv_backend *be, size_t bytes, rekv_ipc_handle *out, rekv_err *err);
+    /* maps a buffer another process exported: *dev is usable as device memory on this backend's
+     * streams, *bytes (may be NULL) is its size. Released with dev_unimport, never dev_free. On
+     * cuda the exporter must be another process (a CUDA restriction). */
+    int (*dev_import)(rekv_backend *be, const rekv_ipc_handle *h, void **dev, size_t *bytes,
+                      rekv_err *err);
+    /* once the work that uses it has finished, as dev_free */
+    void (*dev_unimport)(rekv_backend *be, void *dev);
+    /* an event that can be exported: as event_create otherwise (CUDA needs to know at creation,
+     * cudaEventInterprocess). Its completion state is shared, so a record in one process and a
+     * wait in another order work across them; the wait orders against the last record *as of the
+     * wait's call*, in any process, so the producer records and then tells the consumer. When
+     * records of one event are in flight on several streams at once, a wait may be released by a
+     * later record's completion (cpu: a completion counter) — export events one producer stream
+     * records at a time. A waiter on a record whose process dies before completing it waits for
+     * ever (as its stream_sync does). */
+    int (*event_create_shared)(rekv_backend *be, rekv_event **out, rekv_err *err);
+    /* names an event from event_create_shared (or one imported: the same handle back); -EINVAL
+     * for an event from event_create */
+    int (*event_export)(rekv_event *ev, rekv_ipc_handle *out, rekv_err *err);
+    /* opens an exported event: used with event_record, stream_wait_event, event_sync and
+     * event_destroy like any other */
+    int (*event_import)(rekv_backend *be, const rekv_ipc_handle *h, rekv_event **out,
+                        rekv_err *err);
+
+    /* ---- optional: GPU-side synchronisation on a flag in host memory the device can read
+     * (host_alloc memory, or memory registered with host_register, e.g. the kvstore arena, a
+     * memfd shared between processes). flag is 4-byte aligned. NULL: not supported. ---- */
+
+    /* work enqueued on s after this starts only once *flag >= value, compared as CUDA does,
+     * (int32_t)(*flag - value) >= 0, so a counter may wrap; never blocks the caller. The flag is
+     * re-read until it holds: any writer works (stream_write_flag, a CPU store, another process);
+     * on cpu a plain store without stream_write_flag is seen within a millisecond. */
+    void (*stream_wait_flag)(rekv_stream *s, const uint32_t *flag, uint32_t value);
+    /* once the work enqueued on s before this has finished, stores value to *flag (a release:
+     * what that work wrote is visible to whoever sees the value, in any process) */
+    void (*stream_write_flag)(rekv_stream *s, uint32_t *flag, uint32_t value);
+
     /* optional: the device's free and total memory in bytes (cudaMemGetInfo). NULL: the device's
      * memory is the host's (the cpu backend), with no separate limit. */
     int (*mem_info)(rekv_backend *be, size_t *free_bytes, size_t *total_bytes, rekv_err *err);
@@ -150,6 +267,19 @@ static inline void rekv_backend_destroy(rekv_backend *be)
 {
     if (be)
         be->iface->destroy(be);
+}
+
+/* Whether the backend can share buffers and events with other processes / wait on flags. */
+static inline int rekv_backend_has_ipc(const rekv_backend *be)
+{
+    const rekv_backend_iface *bi = be->iface;
+    return bi->dev_alloc_shared && bi->dev_import && bi->dev_unimport && bi->event_create_shared &&
+           bi->event_export && bi->event_import;
+}
+
+static inline int rekv_backend_has_flags(const rekv_backend *be)
+{
+    return be->iface->stream_wait_flag && be->iface->stream_write_flag;
 }
 
 #endif

@@ -31,8 +31,17 @@
  *   each keeps an online softmax, and the block merges them (flash-decoding's split, within a
  *   block). The `scores` scratch is not used.
  * - the rest: element- or row-parallel; one block per row where a row reads mapped metadata, read
- *   once per block through shared memory. */
+ *   once per block through shared memory.
+ *
+ * Sharing with other processes: shared buffers are cudaMalloc'd and named by cudaIpcGetMemHandle,
+ * imported with cudaIpcOpenMemHandle; shared events are created with cudaEventInterprocess and
+ * named by cudaIpcGetEventHandle. Flag waits and writes are the driver's stream memory operations
+ * (cuStreamWaitValue32 / cuStreamWriteValue32), looked up with cudaGetDriverEntryPoint* so that
+ * the program does not link libcuda (it must start on machines without a driver); where they
+ * are missing or refused, a one-thread kernel polls or stores the flag instead. A flag wait is
+ * timed and traced like a copy ("wait flag >= N") but is not compute time. */
 #include <cublas_v2.h>
+#include <cuda.h> /* the driver API's types and constants only: libcuda is not linked */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <errno.h>
@@ -57,7 +66,12 @@ extern "C" {
 
 /* ------------------------------------------------------------------ runtime structures */
 
-enum { CU_OP_COMPUTE = 0, CU_OP_H2D = 1, CU_OP_D2H = 2, CU_OP_D2D = 3 };
+/* what an op is, for busy times: waits are traced but count as nothing */
+enum { CU_OP_COMPUTE = 0, CU_OP_H2D = 1, CU_OP_D2H = 2, CU_OP_D2D = 3, CU_OP_WAIT = 4 };
+
+/* cuStreamWaitValue32 and cuStreamWriteValue32 (v2, CUDA >= 12.0: the same signature) */
+typedef CUresult(CUDAAPI *cu_value32_fn)(CUstream stream, CUdeviceptr addr, cuuint32_t value,
+                                         unsigned int flags);
 
 /* Trace spans kept at most; later ones are counted as dropped. */
 #define CU_TRACE_MAX_SPANS (1u << 20)
@@ -80,6 +94,9 @@ typedef struct cu_span {
 typedef struct cuda_backend {
     rekv_backend base; /* iface, kernels, ctx (points back here); first, so casts work */
     int device;
+    cu_value32_fn wait_value32;  /* the driver's stream memory operations; NULL where absent */
+    cu_value32_fn write_value32; /* (flag waits and writes then run as kernels) */
+    unsigned wait_flags;         /* CU_STREAM_WAIT_VALUE_GEQ, | FLUSH where the device can */
 
     pthread_mutex_t mu;       /* protects every field below */
     rekv_backend_stats stats; /* counters since creation or the last stats_reset */
@@ -113,6 +130,8 @@ struct rekv_stream {
 struct rekv_event {
     cuda_backend *be;
     cudaEvent_t ev;
+    int shared;             /* created by event_create_shared, or imported */
+    rekv_ipc_handle handle; /* shared: what event_export gives */
 };
 
 static cuda_backend *backend_of(rekv_backend *base)
@@ -482,6 +501,154 @@ static void cu_event_sync(rekv_event *ev)
     cudaEventSynchronize(ev->ev);
 }
 
+/* ---------------------------------------------------------------- sharing with other processes */
+
+static_assert(sizeof(cudaIpcMemHandle_t) <= sizeof(((rekv_ipc_handle *)0)->payload),
+              "cudaIpcMemHandle_t fits a handle's payload");
+static_assert(sizeof(cudaIpcEventHandle_t) <= sizeof(((rekv_ipc_handle *)0)->payload),
+              "cudaIpcEventHandle_t fits a handle's payload");
+
+/* A cudaMalloc allocation of its own (IPC names whole allocations), named by its IPC handle. */
+static void *cu_dev_alloc_shared(rekv_backend *base, size_t bytes, rekv_ipc_handle *out,
+                                 rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    cudaIpcMemHandle_t mh;
+    void *p = NULL;
+    cudaError_t e;
+
+    use_device(be);
+    if ((e = cudaMalloc(&p, bytes ? bytes : 1)) != cudaSuccess) {
+        cudaGetLastError();
+        rekv_errf(err, e == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,
+                  "cuda backend: cannot allocate %zu bytes of shared device memory: %s", bytes,
+                  cudaGetErrorString(e));
+        return NULL;
+    }
+    if ((e = cudaIpcGetMemHandle(&mh, p)) != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(p);
+        rekv_errf(err, -EIO, "cuda backend: cudaIpcGetMemHandle: %s", cudaGetErrorString(e));
+        return NULL;
+    }
+    rekv_ipc_handle_init(out, REKV_IPC_MEM, "cuda", bytes);
+    memcpy(out->payload, &mh, sizeof(mh));
+    return p;
+}
+
+static int cu_dev_import(rekv_backend *base, const rekv_ipc_handle *h, void **dev, size_t *bytes,
+                         rekv_err *err)
+{
+    cudaIpcMemHandle_t mh;
+    cudaError_t e;
+    int rc;
+
+    *dev = NULL;
+    if ((rc = rekv_ipc_handle_check(h, REKV_IPC_MEM, "cuda", "cuda backend: dev_import", err)) < 0)
+        return rc;
+    memcpy(&mh, h->payload, sizeof(mh));
+    use_device(backend_of(base));
+    if ((e = cudaIpcOpenMemHandle(dev, mh, cudaIpcMemLazyEnablePeerAccess)) != cudaSuccess) {
+        cudaGetLastError();
+        *dev = NULL;
+        return rekv_errf(err, -EIO,
+                         "cuda backend: dev_import: cudaIpcOpenMemHandle: %s (has the exporting "
+                         "process exited or freed the buffer? the exporter must be another "
+                         "process)",
+                         cudaGetErrorString(e));
+    }
+    if (bytes)
+        *bytes = (size_t)h->bytes;
+    return 0;
+}
+
+static void cu_dev_unimport(rekv_backend *base, void *dev)
+{
+    if (dev == NULL)
+        return;
+    use_device(backend_of(base));
+    if (cudaIpcCloseMemHandle(dev) != cudaSuccess)
+        cudaGetLastError();
+}
+
+static int cu_event_create_shared(rekv_backend *base, rekv_event **out, rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    cudaIpcEventHandle_t eh;
+    cudaError_t e;
+
+    *out = NULL;
+    use_device(be);
+    rekv_event *ev = (rekv_event *)calloc(1, sizeof(*ev));
+    if (ev == NULL)
+        return rekv_errf(err, -ENOMEM, "cuda backend: out of memory creating an event");
+    /* CUDA requires both flags of an event another process opens */
+    e = cudaEventCreateWithFlags(&ev->ev, cudaEventDisableTiming | cudaEventInterprocess);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        free(ev);
+        return rekv_errf(err, -EIO, "cuda backend: cannot create an interprocess event: %s",
+                         cudaGetErrorString(e));
+    }
+    if ((e = cudaIpcGetEventHandle(&eh, ev->ev)) != cudaSuccess) {
+        cudaGetLastError();
+        cudaEventDestroy(ev->ev);
+        free(ev);
+        return rekv_errf(err, -EIO, "cuda backend: cudaIpcGetEventHandle: %s",
+                         cudaGetErrorString(e));
+    }
+    ev->be = be;
+    ev->shared = 1;
+    rekv_ipc_handle_init(&ev->handle, REKV_IPC_EVENT, "cuda", 0);
+    memcpy(ev->handle.payload, &eh, sizeof(eh));
+    *out = ev;
+    return 0;
+}
+
+static int cu_event_export(rekv_event *ev, rekv_ipc_handle *out, rekv_err *err)
+{
+    if (!ev->shared)
+        return rekv_errf(err, -EINVAL,
+                         "cuda backend: event_export: the event was made by "
+                         "event_create; only event_create_shared's can be exported");
+    *out = ev->handle;
+    return 0;
+}
+
+/* The opened event behaves as one created with cudaEventDisableTiming: record, wait, sync and
+ * destroy work on it as on any other. */
+static int cu_event_import(rekv_backend *base, const rekv_ipc_handle *h, rekv_event **out,
+                           rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    cudaIpcEventHandle_t eh;
+    cudaError_t e;
+    int rc;
+
+    *out = NULL;
+    rc = rekv_ipc_handle_check(h, REKV_IPC_EVENT, "cuda", "cuda backend: event_import", err);
+    if (rc < 0)
+        return rc;
+    rekv_event *ev = (rekv_event *)calloc(1, sizeof(*ev));
+    if (ev == NULL)
+        return rekv_errf(err, -ENOMEM, "cuda backend: out of memory importing an event");
+    memcpy(&eh, h->payload, sizeof(eh));
+    use_device(be);
+    if ((e = cudaIpcOpenEventHandle(&ev->ev, eh)) != cudaSuccess) {
+        cudaGetLastError();
+        free(ev);
+        return rekv_errf(err, -EIO,
+                         "cuda backend: event_import: cudaIpcOpenEventHandle: %s (has the "
+                         "exporting process exited?)",
+                         cudaGetErrorString(e));
+    }
+    ev->be = be;
+    ev->shared = 1;
+    ev->handle = *h;
+    *out = ev;
+    return 0;
+}
+
 /* ------------------------------------------------------------------ copies */
 
 /* One cudaMemcpyAsync per piece; cudaMemcpyDefault lets UVA tell pinned, pageable and device
@@ -611,6 +778,104 @@ static void cu_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, co
     if (stream_check(s, cudaLaunchHostFunc(s->cs, host_trampoline, c), nm))
         free(c);
     op_end(s, op);
+}
+
+/* ------------------------------------------------------------------ flags in host memory */
+
+/* Fallbacks where the driver's stream memory operations are missing or refused: one thread that
+ * polls, or stores, the flag through the device's mapping of the host memory. */
+__global__ static void flag_wait_kernel(const volatile uint32_t *flag, uint32_t value)
+{
+    while ((int32_t)(*flag - value) < 0)
+        __nanosleep(2000);
+}
+
+__global__ static void flag_write_kernel(volatile uint32_t *flag, uint32_t value)
+{
+    __threadfence_system(); /* what the stream's earlier work wrote is visible first */
+    *flag = value;
+    __threadfence_system();
+}
+
+/* The device's address of a flag in mapped host memory; fails the stream when there is none. */
+static int flag_device_ptr(rekv_stream *s, const uint32_t *flag, const char *what, CUdeviceptr *out)
+{
+    void *d = NULL;
+    if (flag == NULL || ((uintptr_t)flag & 3u) != 0) {
+        stream_fail(s, -EINVAL, "cuda stream %s: %s: flag %p is %s", s->name, what,
+                    (const void *)flag, flag == NULL ? "NULL" : "not 4-byte aligned");
+        return -1;
+    }
+    cudaError_t e = cudaHostGetDevicePointer(&d, (void *)flag, 0);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        stream_fail(s, -EINVAL,
+                    "cuda stream %s: %s: flag %p is not in host memory the device can read "
+                    "(host_alloc it, or host_register what holds it): %s",
+                    s->name, what, (const void *)flag, cudaGetErrorString(e));
+        return -1;
+    }
+    *out = (CUdeviceptr)(uintptr_t)d;
+    return 0;
+}
+
+static void cu_stream_wait_flag(rekv_stream *s, const uint32_t *flag, uint32_t value)
+{
+    cuda_backend *be = s->be;
+    CUdeviceptr d;
+    char label[48];
+
+    use_device(be);
+    if (flag_device_ptr(s, flag, "wait for flag", &d) < 0)
+        return;
+    snprintf(label, sizeof(label), "wait flag >= %u", (unsigned)value);
+    long op = op_begin(s, CU_OP_WAIT, label);
+    if (be->wait_value32 == NULL ||
+        be->wait_value32(s->cs, d, value, be->wait_flags) != CUDA_SUCCESS) {
+        flag_wait_kernel<<<1, 1, 0, s->cs>>>((const volatile uint32_t *)(uintptr_t)d, value);
+        launch_check(s, "wait flag");
+    }
+    op_end(s, op);
+}
+
+static void cu_stream_write_flag(rekv_stream *s, uint32_t *flag, uint32_t value)
+{
+    cuda_backend *be = s->be;
+    CUdeviceptr d;
+
+    use_device(be);
+    if (flag_device_ptr(s, flag, "write flag", &d) < 0)
+        return;
+    /* the default flags fence the stream's earlier writes before the store */
+    if (be->write_value32 == NULL ||
+        be->write_value32(s->cs, d, value, CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+        flag_write_kernel<<<1, 1, 0, s->cs>>>((volatile uint32_t *)(uintptr_t)d, value);
+        launch_check(s, "write flag");
+    }
+}
+
+/* A driver function by name, without linking libcuda; NULL when the driver lacks it. */
+static void *driver_entry(const char *symbol)
+{
+    void *fn = NULL;
+#if CUDART_VERSION >= 12000
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    /* 12.0: the ABI (the _v2 functions) that cu_value32_fn describes */
+    cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &q);
+#else
+    cudaError_t e = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault, &q);
+#endif
+    int found = e == cudaSuccess && q == cudaDriverEntryPointSuccess;
+#else
+    cudaError_t e = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault);
+    int found = e == cudaSuccess;
+#endif
+    if (!found) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return fn;
 }
 
 /* ------------------------------------------------------------------ stats and trace */
@@ -1239,7 +1504,8 @@ static const rekv_kernel_iface cuda_kernels = {
 static int cu_host_register(rekv_backend *be, void *p, size_t bytes, rekv_err *err)
 {
     (void)be;
-    cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    /* mapped too, so that a flag in it can be waited on (cudaHostGetDevicePointer) */
+    cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
     if (e != cudaSuccess) {
         cudaGetLastError();
         return rekv_errf(err, -EIO, "cuda backend: cudaHostRegister of %zu bytes: %s", bytes,
@@ -1255,31 +1521,55 @@ static void cu_host_unregister(rekv_backend *be, void *p)
         cudaGetLastError();
 }
 
+static int cu_mem_info(rekv_backend *base, size_t *free_bytes, size_t *total_bytes,
+                       rekv_err *err)
+{
+    use_device(backend_of(base));
+    size_t f = 0, t = 0;
+    cudaError_t e = cudaMemGetInfo(&f, &t);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return rekv_errf(err, -EIO, "cuda backend: cudaMemGetInfo: %s", cudaGetErrorString(e));
+    }
+    *free_bytes = f;
+    *total_bytes = t;
+    return 0;
+}
+
 static const rekv_backend_iface cuda_iface = {
-    "cuda",               /* name */
-    cu_destroy,           /* destroy */
-    cu_dev_alloc,         /* dev_alloc */
-    cu_dev_free,          /* dev_free */
-    cu_host_alloc,        /* host_alloc */
-    cu_host_free,         /* host_free */
-    cu_stream_create,     /* stream_create */
-    cu_stream_destroy,    /* stream_destroy */
-    cu_stream_sync,       /* stream_sync */
-    cu_event_create,      /* event_create */
-    cu_event_destroy,     /* event_destroy */
-    cu_event_record,      /* event_record */
-    cu_stream_wait_event, /* stream_wait_event */
-    cu_event_sync,        /* event_sync */
-    cu_copy_h2d,          /* copy_h2d */
-    cu_copy_d2h,          /* copy_d2h */
-    cu_copy_d2d,          /* copy_d2d */
-    cu_launch_host,       /* launch_host */
-    cu_stats,             /* stats */
-    cu_stats_reset,       /* stats_reset */
-    cu_trace_start,       /* trace_start */
-    cu_trace_write,       /* trace_write */
-    cu_host_register,     /* host_register */
-    cu_host_unregister,   /* host_unregister */
+    "cuda",                 /* name */
+    cu_destroy,             /* destroy */
+    cu_dev_alloc,           /* dev_alloc */
+    cu_dev_free,            /* dev_free */
+    cu_host_alloc,          /* host_alloc */
+    cu_host_free,           /* host_free */
+    cu_stream_create,       /* stream_create */
+    cu_stream_destroy,      /* stream_destroy */
+    cu_stream_sync,         /* stream_sync */
+    cu_event_create,        /* event_create */
+    cu_event_destroy,       /* event_destroy */
+    cu_event_record,        /* event_record */
+    cu_stream_wait_event,   /* stream_wait_event */
+    cu_event_sync,          /* event_sync */
+    cu_copy_h2d,            /* copy_h2d */
+    cu_copy_d2h,            /* copy_d2h */
+    cu_copy_d2d,            /* copy_d2d */
+    cu_launch_host,         /* launch_host */
+    cu_stats,               /* stats */
+    cu_stats_reset,         /* stats_reset */
+    cu_trace_start,         /* trace_start */
+    cu_trace_write,         /* trace_write */
+    cu_host_register,       /* host_register */
+    cu_host_unregister,     /* host_unregister */
+    cu_dev_alloc_shared,    /* dev_alloc_shared */
+    cu_dev_import,          /* dev_import */
+    cu_dev_unimport,        /* dev_unimport */
+    cu_event_create_shared, /* event_create_shared */
+    cu_event_export,        /* event_export */
+    cu_event_import,        /* event_import */
+    cu_stream_wait_flag,    /* stream_wait_flag */
+    cu_stream_write_flag,   /* stream_write_flag */
+    cu_mem_info,            /* mem_info */
 };
 
 extern "C" int rekv_backend_cuda_create(int device, rekv_backend **out, rekv_err *err)
@@ -1312,6 +1602,14 @@ extern "C" int rekv_backend_cuda_create(int device, rekv_backend **out, rekv_err
     be->base.kernels = &cuda_kernels;
     be->base.ctx = be;
     be->device = device;
+    be->wait_value32 = (cu_value32_fn)driver_entry("cuStreamWaitValue32");
+    be->write_value32 = (cu_value32_fn)driver_entry("cuStreamWriteValue32");
+    be->wait_flags = CU_STREAM_WAIT_VALUE_GEQ;
+    int flush = 0;
+    if (cudaDeviceGetAttribute(&flush, cudaDevAttrCanFlushRemoteWrites, device) == cudaSuccess &&
+        flush)
+        be->wait_flags |= CU_STREAM_WAIT_VALUE_FLUSH; /* writes from a peer device land first */
+    cudaGetLastError();
     pthread_mutex_init(&be->mu, NULL);
     *out = &be->base;
     return 0;

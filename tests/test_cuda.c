@@ -22,11 +22,15 @@ int main(void)
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include "common/clock.h"
 #include "common/dtype.h"
 #include "gpuworker/backend_cuda.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/pipeline.h"
+#include "tests/ipc_peer.h"
 #include "tests/testutil.h"
 
 /* fp32 with a different summation order (cuBLAS, tree reductions, warp-split softmax) */
@@ -681,6 +685,182 @@ START_TEST(runtime_copies_events)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- sharing with another process */
+
+/* The peer of the IPC tests (tests/ipc_peer.h) is test_ipc run with exec: this process has used
+ * CUDA, so a plain fork of it could not use CUDA again. */
+static const char *ipc_peer_exe(void)
+{
+    static char path[4096];
+    const char *build = getenv("REKV_BUILD");
+    snprintf(path, sizeof(path), "%s/tests/test_ipc", build && *build ? build : "build");
+    return path;
+}
+
+static void ipc_expect_pattern(const uint8_t *p, size_t n, uint32_t seed)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != peer_pattern(seed, i))
+            ck_abort_msg("byte %zu of %zu: %u, want %u", i, n, p[i], peer_pattern(seed, i));
+}
+
+/* The push path on cuda, as test_ipc checks it on cpu: the peer writes into our exported buffer
+ * and records our exported event (our stream waits on it), then writes a flag in shared host
+ * memory our stream waits on from before the peer starts (the caller going on at once); we import
+ * the peer's buffer and event; bad handles are refused; a peer killed holding our buffer and event
+ * leaves them working. Waits are traced and are not compute time. */
+START_TEST(runtime_ipc_push)
+{
+    rekv_err err = {0};
+    rekv_backend *be;
+    rekv_stream *s;
+    ck_assert_msg(rekv_backend_cuda_create(0, &be, &err) == 0, "%s", err.msg);
+    const rekv_backend_iface *bi = be->iface;
+    ck_assert(rekv_backend_has_ipc(be) && rekv_backend_has_flags(be));
+    ck_assert_msg(bi->stream_create(be, "consumer", &s, &err) == 0, "%s", err.msg);
+    uint32_t *flag;
+    int flag_fd = peer_flag_create(&flag);
+    ck_assert_msg(bi->host_register(be, flag, PEER_FLAG_BYTES, &err) == 0, "%s", err.msg);
+    peer p;
+    peer_start(&p, ipc_peer_exe(), "cuda", flag_fd);
+
+    const size_t n = 8u << 20;
+    uint8_t *dst = (uint8_t *)bi->host_alloc(be, n); /* pinned: the d2h copies are asynchronous */
+    ck_assert(dst != NULL);
+    rekv_ipc_handle hb, he;
+    void *buf = bi->dev_alloc_shared(be, n, &hb, &err);
+    ck_assert_msg(buf != NULL, "%s", err.msg);
+    rekv_event *ev;
+    ck_assert_msg(bi->event_create_shared(be, &ev, &err) == 0, "%s", err.msg);
+    ck_assert_msg(bi->event_export(ev, &he, &err) == 0, "%s", err.msg);
+    rekv_copy_piece down = {dst, buf, n};
+
+    /* the event: the peer copies in after 150 ms of other work on its stream, and records */
+    bi->stats_reset(be);
+    bi->trace_start(be);
+    peer_msg m = {PEER_PUSH_EVENT, 21, 150, 0, n, hb, he, 0, ""};
+    peer_call(&p, &m);
+    uint64_t t0 = rekv_now_ns();
+    bi->stream_wait_event(s, ev);
+    bi->copy_d2h(s, &down, 1, REKV_XFER_KV);
+    uint64_t t1 = rekv_now_ns();
+    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    uint64_t t2 = rekv_now_ns();
+    ipc_expect_pattern(dst, n, 21);
+    ck_assert_msg(t1 - t0 < 20000000ull, "enqueueing took %.1f ms", (double)(t1 - t0) * 1e-6);
+    ck_assert_msg(t2 - t0 > 50000000ull, "the stream did not wait for the peer (%.1f ms)",
+                  (double)(t2 - t0) * 1e-6);
+    peer_recv(&p, &m);
+    ck_assert_msg(m.rc == 0, "peer: %s", m.msg);
+
+    /* the flag: our stream waits before the peer has started */
+    memset(dst, 0xa5, n);
+    __atomic_store_n(flag, 0, __ATOMIC_RELEASE);
+    t0 = rekv_now_ns();
+    bi->stream_wait_flag(s, flag, 1);
+    bi->copy_d2h(s, &down, 1, REKV_XFER_KV);
+    t1 = rekv_now_ns();
+    ck_assert_msg(t1 - t0 < 20000000ull, "enqueueing took %.1f ms", (double)(t1 - t0) * 1e-6);
+    usleep(60000);
+    ck_assert_msg(dst[0] == 0xa5 && dst[n - 1] == 0xa5, "the copy ran before the flag was set");
+    m = (peer_msg){PEER_PUSH_FLAG, 22, 0, 1, n, hb, he, 0, ""};
+    peer_call(&p, &m);
+    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    ipc_expect_pattern(dst, n, 22);
+
+    /* waits are not compute; the flag wait is a span of its own */
+    rekv_backend_stats st;
+    bi->stats(be, &st);
+    ck_assert_msg(st.compute_busy_s == 0.0, "compute busy %g s", st.compute_busy_s);
+    ck_assert_uint_eq(st.d2h_bytes[REKV_XFER_KV], 2 * n);
+    ck_assert_uint_eq(st.d2h_copies, 2);
+    char *dir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/trace.json", dir);
+    ck_assert_msg(bi->trace_write(be, path, &err) == 0, "%s", err.msg);
+    json_error_t je;
+    json_t *root = json_load_file(path, 0, &je);
+    ck_assert_msg(root != NULL, "trace is not JSON: %s", je.text);
+    int waits = 0;
+    size_t i;
+    json_t *e;
+    json_array_foreach(json_object_get(root, "traceEvents"), i, e)
+    {
+        const char *nm = json_string_value(json_object_get(e, "name"));
+        if (nm && strcmp(nm, "wait flag >= 1") == 0) {
+            waits++;
+            ck_assert_msg(json_number_value(json_object_get(e, "dur")) > 50000, "wait of %g us",
+                          json_number_value(json_object_get(e, "dur")));
+        }
+    }
+    ck_assert_int_eq(waits, 1);
+    json_decref(root);
+    tu_rmrf(dir);
+    free(dir);
+
+    /* the other way: the peer's buffer and event, imported here */
+    m = (peer_msg){PEER_EXPORT, 23, 0, 0, 100000, {}, {}, 0, ""};
+    peer_call(&p, &m);
+    void *imp = NULL;
+    size_t got = 0;
+    ck_assert_msg(bi->dev_import(be, &m.buf, &imp, &got, &err) == 0, "%s", err.msg);
+    ck_assert_uint_eq(got, 100000);
+    rekv_copy_piece back = {dst, imp, got};
+    bi->copy_d2h(s, &back, 1, REKV_XFER_OTHER);
+    rekv_event *iev;
+    ck_assert_msg(bi->event_import(be, &m.ev, &iev, &err) == 0, "%s", err.msg);
+    bi->event_record(iev, s);
+    bi->stream_wait_event(s, iev);
+    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    bi->event_sync(iev);
+    ipc_expect_pattern(dst, got, 23);
+    bi->event_destroy(iev);
+    bi->dev_unimport(be, imp);
+    peer_stop(&p);
+
+    /* bad handles */
+    rekv_ipc_handle bad;
+    for (i = 0; i < sizeof(bad); i++)
+        ((uint8_t *)&bad)[i] = (uint8_t)(i * 37 + 1);
+    rekv_err e1 = {0}, e2 = {0}, e3 = {0};
+    ck_assert_int_eq(bi->dev_import(be, &bad, &imp, &got, &e1), -EINVAL);
+    ck_assert_msg(strstr(e1.msg, "not a rekv IPC handle") != NULL, "%s", e1.msg);
+    ck_assert_int_eq(bi->dev_import(be, &he, &imp, &got, &e2), -EINVAL);
+    ck_assert_msg(strstr(e2.msg, "an event's, not a buffer's") != NULL, "%s", e2.msg);
+    bad = he;
+    memcpy(bad.backend, "cpu", 4);
+    ck_assert_int_eq(bi->event_import(be, &bad, &iev, &e3), -EINVAL);
+    ck_assert_msg(strstr(e3.msg, "the cpu backend's") != NULL, "%s", e3.msg);
+
+    /* a peer killed holding our buffer and event: both still work here */
+    peer_start(&p, ipc_peer_exe(), "cuda", flag_fd);
+    m = (peer_msg){PEER_HOLD, 0, 0, 0, n, hb, he, 0, ""};
+    peer_call(&p, &m);
+    peer_kill(&p);
+    uint8_t *src = (uint8_t *)bi->host_alloc(be, n);
+    ck_assert(src != NULL);
+    for (i = 0; i < n; i++)
+        src[i] = peer_pattern(24, i);
+    rekv_copy_piece up = {buf, src, n};
+    bi->copy_h2d(s, &up, 1, REKV_XFER_OTHER);
+    bi->event_record(ev, s);
+    bi->stream_wait_event(s, ev);
+    bi->copy_d2h(s, &down, 1, REKV_XFER_OTHER);
+    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    bi->event_sync(ev);
+    ipc_expect_pattern(dst, n, 24);
+
+    bi->host_free(be, src);
+    bi->host_free(be, dst);
+    bi->event_destroy(ev);
+    bi->dev_free(be, buf);
+    bi->host_unregister(be, flag);
+    munmap(flag, PEER_FLAG_BYTES);
+    close(flag_fd);
+    bi->stream_destroy(s);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ the pipeline */
 
 typedef struct fixture {
@@ -889,6 +1069,7 @@ static Suite *suite(void)
     TCase *tr = tcase_create("runtime");
     tcase_set_timeout(tr, 300);
     tcase_add_test(tr, runtime_copies_events);
+    tcase_add_test(tr, runtime_ipc_push);
     suite_add_tcase(s, tr);
     TCase *tp = tcase_create("pipeline");
     tcase_set_timeout(tp, 900);
@@ -899,18 +1080,33 @@ static Suite *suite(void)
 
 int main(void)
 {
-    rekv_backend *be = NULL;
-    rekv_err err = {0};
-    int rc = rekv_backend_cuda_create(0, &be, &err);
-    if (rc == -ENODEV) {
-        printf("skip: no CUDA device (%s)\n", err.msg);
-        return 77;
+    /* probe for a device in a child: CUDA cannot be used in a process forked after it started,
+     * and Check forks one child per test from this one */
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        rekv_backend *be = NULL;
+        rekv_err err = {0};
+        int rc = rekv_backend_cuda_create(0, &be, &err);
+        if (rc == -ENODEV) {
+            printf("skip: no CUDA device (%s)\n", err.msg);
+            fflush(stdout);
+            _exit(77);
+        }
+        if (rc != 0) {
+            fprintf(stderr, "test_cuda: %s\n", err.msg);
+            _exit(1);
+        }
+        rekv_backend_destroy(be);
+        _exit(0);
     }
-    if (rc != 0) {
-        fprintf(stderr, "test_cuda: %s\n", err.msg);
+    int st = 0;
+    if (pid < 0 || waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) {
+        fprintf(stderr, "test_cuda: the device probe failed\n");
         return 1;
     }
-    rekv_backend_destroy(be);
+    if (WEXITSTATUS(st) != 0)
+        return WEXITSTATUS(st);
     return tu_run_suite(suite());
 }
 #endif
