@@ -33,6 +33,7 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
     ps->elem_bytes = h->cache_elem_bytes;
     ps->layer_params = h->layer_params;
     ps->offload_weights = h->offload_weights;
+    ps->device_buffer_bytes = h->device_buffer_bytes;
     ps->have_profile = 1;
 }
 
@@ -49,6 +50,19 @@ static rekv_cost_profile scaled(const co_plan_state *ps)
     p.kv_gen.a *= ps->compute_scale;
     p.kv_gen.b *= ps->compute_scale;
     return p;
+}
+
+int64_t co_plan_block_capacity(const co_plan_state *ps)
+{
+    if (ps->device_buffer_bytes == 0 || ps->elem_bytes == 0)
+        return 0;
+    /* per context token of a GPU batch (pipeline.c): K and V and the activation row in the cache
+     * dtype, in both parities' buffers, plus the fp32 recomputation input and K,V */
+    double per_token = 2.0 * (2.0 * ps->kv_dim + ps->hidden) * ps->elem_bytes + 4.0 * ps->hidden +
+                       8.0 * ps->kv_dim;
+    int64_t blocks =
+        (int64_t)((double)ps->device_buffer_bytes / per_token) / REKV_PLAN_BLOCK_TOKENS;
+    return blocks > 0 ? blocks : 1;
 }
 
 int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, int n,
@@ -102,9 +116,14 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
         act_big = req[i].n_act > act_big ? req[i].n_act : act_big;
     }
     int packed = 0;
+    int64_t cap = co_plan_block_capacity(ps);
     if (req && assign && n >= 2) {
         int64_t kv_max = (kv_tot + 1) / 2 > kv_big ? (kv_tot + 1) / 2 : kv_big;
         int64_t act_max = (act_tot + 1) / 2 > act_big ? (act_tot + 1) / 2 : act_big;
+        if (cap > 0) { /* the device's room, but never below one job's blocks */
+            kv_max = kv_max < cap ? kv_max : cap > kv_big ? cap : kv_big;
+            act_max = act_max < cap ? act_max : cap > act_big ? cap : act_big;
+        }
         packed = rekv_plan_mb_pack(&prof, REKV_PLAN_BLOCK_TOKENS, REKV_MB_GREEDY_DELTA, req,
                                    (size_t)n, kv_max > 0 ? kv_max : 1, act_max > 0 ? act_max : 1,
                                    assign, &n_batches, NULL) == 0;

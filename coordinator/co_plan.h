@@ -12,14 +12,15 @@
 #include "proto/worker.pb-c.h"
 
 typedef struct co_plan_state {
-    int have_profile;         /* the worker sent a profile: plan its steps */
-    int mode;                 /* rekv_mode of the worker (its storage layout; fixed) */
-    rekv_cost_profile prof;   /* as measured by the worker */
+    int have_profile;       /* the worker sent a profile: plan its steps */
+    int mode;               /* rekv_mode of the worker (its storage layout; fixed) */
+    rekv_cost_profile prof; /* as measured by the worker */
     uint32_t hidden, kv_dim, n_layers, elem_bytes;
-    uint64_t layer_params;    /* weights of one layer, elements */
+    uint64_t layer_params; /* weights of one layer, elements */
     int offload_weights;
-    double pcie_scale;        /* measured / predicted link time, smoothed; starts at 1 */
-    double compute_scale;     /* measured / predicted compute time, smoothed; starts at 1 */
+    uint64_t device_buffer_bytes; /* the worker's room for a step's buffers; 0: no limit */
+    double pcie_scale;            /* measured / predicted link time, smoothed; starts at 1 */
+    double compute_scale;         /* measured / predicted compute time, smoothed; starts at 1 */
     double pred_pcie_s, pred_compute_s, pred_step_s; /* for the step in flight */
     /* the last choices */
     int split, kv_parts, act_parts, gpu_batches, column;
@@ -35,6 +36,10 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);
  * to choose (no profile, resident mode, no jobs). */
 int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, int n,
                  Rekv__Worker__StepParams *out, uint64_t *mb_job, uint32_t *mb_index);
+
+/* How many blocks (of one layer) a mini-batch's buffers may hold on the worker's device, from its
+ * device_buffer_bytes; 0: no limit known. */
+int64_t co_plan_block_capacity(const co_plan_state *ps);
 
 /* Feeds back a finished step's measured kernel and link busy times. */
 void co_plan_observe(co_plan_state *ps, double compute_busy_s, double h2d_busy_s);

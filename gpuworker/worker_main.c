@@ -61,6 +61,7 @@ typedef struct worker {
     rekv_backend *be;       /* for the busy times each Progress reports */
     rekv_cost_profile cost; /* measured at start (cached per machine/model), sent in Hello */
     int offload_weights;
+    uint64_t device_buffer_bytes; /* for the planner's mini-batches (Hello); 0: no limit */
     rekv_dtype cache_dtype;
     uint32_t hb_ms;          /* heartbeat period, also while a step runs */
     rekv_kvstore_client *kv; /* NULL in resident mode without --kvstore */
@@ -111,6 +112,7 @@ static void send_hello(worker *w)
     h.n_layers = (uint32_t)w->mc->n_layers;
     h.cache_elem_bytes = (uint32_t)rekv_dtype_size(w->cache_dtype);
     h.offload_weights = w->offload_weights;
+    h.device_buffer_bytes = w->device_buffer_bytes;
     {
         const rekv_model_config *c = w->mc;
         uint64_t H = (uint64_t)c->hidden, Q = (uint64_t)rekv_config_q_dim(c);
@@ -567,6 +569,13 @@ int main(int argc, char **argv)
     w.be = be;
     w.offload_weights = pc.offload_weights;
     w.cache_dtype = pc.cache_dtype;
+    {
+        /* what the weights (and resident caches) leave, less a tenth for activations */
+        size_t fr = 0, tot = 0;
+        rekv_err me = {0};
+        if (be->iface->mem_info && be->iface->mem_info(be, &fr, &tot, &me) == 0 && fr > tot / 10)
+            w.device_buffer_bytes = (uint64_t)(fr - tot / 10);
+    }
     zctx = zmq_ctx_new();
     w.sock = zctx ? zmq_socket(zctx, ZMQ_DEALER) : NULL;
     int linger = 0, ivl = 100;

@@ -2,6 +2,7 @@
  * examples from the papers' algorithms, and invariants: KVPR's split (papers/000 Eq. 6–12),
  * HybridServe's Algorithm 1, request block allocation rule and mini-batch packing (papers/003),
  * the technique chooser, and the least-squares fit. */
+#include "coordinator/co_plan.h"
 #include "coordinator/planner.h"
 #include "kvstore/kvstore.h"
 #include "tests/testutil.h"
@@ -656,9 +657,15 @@ END_TEST
  * hybrid priced at the KV share where its link and compute times meet. */
 START_TEST(test_pick_mode)
 {
-    rekv_model_config opt = {.arch = REKV_ARCH_OPT, .act = REKV_ACT_RELU, .n_layers = 32,
-                             .hidden = 4096, .n_heads = 32, .n_kv_heads = 32, .head_dim = 128,
-                             .ffn = 16384, .dtype = REKV_DTYPE_F16};
+    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
+                             .act = REKV_ACT_RELU,
+                             .n_layers = 32,
+                             .hidden = 4096,
+                             .n_heads = 32,
+                             .n_kv_heads = 32,
+                             .head_dim = 128,
+                             .ffn = 16384,
+                             .dtype = REKV_DTYPE_F16};
     rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
     rekv_mode_pick m;
     /* 64 sequences of 544 tokens, fp16: 2*4096*2*64*544*32 bytes = 18.25 GB */
@@ -689,6 +696,58 @@ START_TEST(test_pick_mode)
 }
 END_TEST
 
+/* The planner in the loop splits a batch into mini-batches that fit the worker's device room:
+ * with less room, more (and smaller) mini-batches, each within the capacity unless one job alone
+ * is bigger. */
+START_TEST(test_co_plan_device_room)
+{
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 16e9;
+    cp.gemm_flops = 50e12;
+    cp.load_kv_b = 2e-6;
+    cp.kv_gen_b = 1e-6;
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.mode = "act";
+    h.profile = &cp;
+    h.hidden = 1024;
+    h.kv_dim = 1024;
+    h.n_layers = 8;
+    h.cache_elem_bytes = 2;
+    h.layer_params = 12 * 1024 * 1024;
+    enum { N = 16 };
+    uint64_t jobs[N], mb_job[N];
+    uint32_t mb_index[N];
+    int64_t ctx[N];
+    for (int i = 0; i < N; i++) {
+        jobs[i] = (uint64_t)i + 1;
+        ctx[i] = 256 + 32 * i;
+    }
+    int batches[3];
+    uint64_t rooms[3] = {0, 64ull << 20, 24ull << 20};
+    for (int r = 0; r < 3; r++) {
+        h.device_buffer_bytes = rooms[r];
+        co_plan_state ps;
+        co_plan_init(&ps, &h);
+        int64_t cap = co_plan_block_capacity(&ps);
+        ck_assert(rooms[r] == 0 ? cap == 0 : cap > 0);
+        Rekv__Worker__StepParams sp;
+        ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, N, &sp, mb_job, mb_index), 1);
+        batches[r] = (int)sp.gpu_batches;
+        if (cap > 0 && sp.gpu_batches > 1) { /* each mini-batch's ACT blocks fit the room */
+            int64_t used[64] = {0};
+            for (int i = 0; i < N; i++)
+                used[mb_index[i]] += (ctx[i] + 15) / 16;
+            for (uint32_t b = 0; b < sp.gpu_batches; b++)
+                ck_assert_msg(used[b] <= cap, "mini-batch %u holds %lld blocks, room %lld", b,
+                              (long long)used[b], (long long)cap);
+        }
+    }
+    ck_assert_msg(batches[2] > batches[0], "24 MiB of room gives %d mini-batches, no limit %d",
+                  batches[2], batches[0]);
+    ck_assert(batches[1] >= batches[0] && batches[2] >= batches[1]);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("planner");
@@ -711,6 +770,7 @@ int main(void)
     tcase_add_test(tc, test_mb_random);
     tcase_add_test(tc, test_choose);
     tcase_add_test(tc, test_pick_mode);
+    tcase_add_test(tc, test_co_plan_device_room);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
