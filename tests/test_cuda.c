@@ -974,6 +974,14 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
     ck_assert_msg(rekv_backend_cpu_create(NULL, &cpu, &err) == 0, "%s", err.msg);
     ck_assert_msg(rekv_backend_cuda_create(0, &cu, &err) == 0, "%s", err.msg);
 
+    /* cuda resident under the cpu resident's tokens: with an fp32 cache every mode is fed those
+     * same tokens, and picks cuda resident's token unless that is a near-tie */
+    float *cures = NULL;
+    if (cache == REKV_DTYPE_F32) {
+        cures = malloc(sizeof(float) * nl);
+        pipe_run(&f, cpu, &base, B, lens, prompts, steps, NULL, tokens, ref);
+        pipe_run(&f, cu, &base, B, lens, prompts, steps, tokens, NULL, cures);
+    }
     struct {
         rekv_mode mode;
         int split, kv, act, act_gpu;
@@ -1018,11 +1026,20 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
                                                               tol * (fabsf(r[want]) + 1.0f),
                                           "%s: step %d sequence %d: cuda picks token %d, cpu %d",
                                           name, s, i, have, want);
+                            if (cures) { /* and cuda resident's */
+                                const float *c = cures + ((size_t)s * B + i) * V;
+                                int res = argmax(c, V);
+                                ck_assert_msg(have == res || fabsf(c[have] - c[res]) <=
+                                                                 tol * (fabsf(c[res]) + 1.0f),
+                                              "%s: step %d sequence %d: picks token %d, cuda "
+                                              "resident %d",
+                                              name, s, i, have, res);
+                            }
                         }
                 }
     rekv_backend_destroy(cu);
     rekv_backend_destroy(cpu);
-    free(ref), free(got), free(tokens);
+    free(ref), free(got), free(tokens), free(cures);
     for (int i = 0; i < B; i++)
         free(prompts[i]);
     free(prompts);
