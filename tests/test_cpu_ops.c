@@ -129,6 +129,26 @@ START_TEST(dtype_conversions)
             ck_assert_uint_eq(rekv_f32_to_bf16(f), h);
     }
     ck_assert_uint_eq(rekv_f32_to_bf16(1.0f + ldexpf(1, -8)), 0x3f80); /* tie to even */
+    /* the array conversions (vectorised where the cpu can) give the scalar bits for every value,
+     * NaN payloads included, at every alignment and tail length */
+    uint16_t *all = malloc(sizeof(uint16_t) * 0x10003);
+    float *a = malloc(sizeof(float) * 0x10003);
+    for (uint32_t h = 0; h < 0x10003; h++)
+        all[h] = (uint16_t)(h * 40503u); /* a permutation of 0..65535, then three more */
+    static const rekv_dtype dts[] = {REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    for (int d = 0; d < 2; d++)
+        for (size_t off = 0; off < 3; off++) {
+            size_t n = 0x10000 + off;
+            rekv_to_f32(a, all + off, dts[d], n);
+            for (size_t i = 0; i < n; i++) {
+                uint16_t h = all[off + i];
+                float want = dts[d] == REKV_DTYPE_F16 ? rekv_f16_to_f32(h) : rekv_bf16_to_f32(h);
+                ck_assert_msg(memcmp(&a[i], &want, 4) == 0, "%s %04x at %zu",
+                              rekv_dtype_name(dts[d]), h, i);
+            }
+        }
+    free(all);
+    free(a);
 }
 END_TEST
 
