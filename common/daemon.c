@@ -80,6 +80,32 @@ void rekv_daemon_stopping(void)
         sd_notify(0, "STOPPING=1");
 }
 
+int rekv_parse_size(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    if (*s < '0' || *s > '9')
+        return -1;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s)
+        return -1;
+    int shift = 0;
+    if (*end == 'K' || *end == 'k')
+        shift = 10;
+    else if (*end == 'M' || *end == 'm')
+        shift = 20;
+    else if (*end == 'G' || *end == 'g')
+        shift = 30;
+    else if (*end != '\0')
+        return -1;
+    if (shift && end[1] != '\0')
+        return -1;
+    if (shift && v > (UINT64_MAX >> shift))
+        return -1;
+    *out = (uint64_t)v << shift;
+    return 0;
+}
+
 int rekv_parse_u32(const char *s, uint32_t *out)
 {
     char *end;

@@ -25,5 +25,7 @@ void rekv_daemon_stopping(void);
 
 /* Strict decimal uint32 parsing; 0 or -1. */
 int rekv_parse_u32(const char *s, uint32_t *out);
+/* A byte count: decimal digits with an optional K, M or G (binary multiples); 0 or -1. */
+int rekv_parse_size(const char *s, uint64_t *out);
 
 #endif

@@ -277,7 +277,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     int V = c->vocab, rc;
     out->cfg = po->cfg;
     out->cfg.mode = mode;
-    if ((rc = cli_session_choose(c, &po->link, B, S, &out->cfg, err)))
+    if ((rc = cli_session_choose(c, po->backend, &po->link, B, S, &out->cfg, err)))
         return rc;
     cli_session ses;
     if ((rc = cli_session_open(&ses, eng, po->backend, &po->link, &out->cfg, B, S + N, err)))

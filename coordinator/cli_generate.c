@@ -37,25 +37,23 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
     ses->be->iface->stats(ses->be, &bst);
     json_t *layers = json_array();
     for (int l = 0; l < cfg->n_layers; l++)
-        json_array_append_new(
-            layers,
-            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "h2d_weights",
-                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
-                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_KV], "h2d_act",
-                      (json_int_t)lc[l].h2d_bytes[REKV_XFER_ACT], "d2h_kv",
-                      (json_int_t)lc[l].d2h_bytes[REKV_XFER_KV], "d2h_act",
-                      (json_int_t)lc[l].d2h_bytes[REKV_XFER_ACT], "tokens_recomputed",
-                      (json_int_t)lc[l].tokens_recomputed, "tokens_fetched",
-                      (json_int_t)lc[l].tokens_fetched));
+        json_array_append_new(layers,
+                              json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "h2d_weights",
+                                        (json_int_t)lc[l].h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
+                                        (json_int_t)lc[l].h2d_bytes[REKV_XFER_KV], "h2d_act",
+                                        (json_int_t)lc[l].h2d_bytes[REKV_XFER_ACT], "d2h_kv",
+                                        (json_int_t)lc[l].d2h_bytes[REKV_XFER_KV], "d2h_act",
+                                        (json_int_t)lc[l].d2h_bytes[REKV_XFER_ACT],
+                                        "tokens_recomputed", (json_int_t)lc[l].tokens_recomputed,
+                                        "tokens_fetched", (json_int_t)lc[l].tokens_fetched));
     json_t *st = json_pack(
         "{s:s, s:s, s:s, s:b, s:s, s:i, s:s, s:i, s:i, s:f, s:f, s:f, s:f}", "backend",
-        ses->be->iface->name,
-        "via", "local", "mode", rekv_mode_name(po->cfg.mode), "offload_weights",
-        po->cfg.offload_weights, "schedule", po->cfg.schedule == REKV_SCHED_ROW ? "row" : "column",
-        "gpu_batches", po->cfg.gpu_batches, "finish_reason", res->finish_reason, "prompt_tokens",
-        n_ids, "generated_tokens", res->n, "prefill_s", res->prefill_s, "decode_s", res->decode_s,
-        "prefill_tokens_per_s", res->prefill_s > 0 ? (double)n_ids / res->prefill_s : 0.0,
-        "decode_tokens_per_s",
+        ses->be->iface->name, "via", "local", "mode", rekv_mode_name(po->cfg.mode),
+        "offload_weights", po->cfg.offload_weights, "schedule",
+        po->cfg.schedule == REKV_SCHED_ROW ? "row" : "column", "gpu_batches", po->cfg.gpu_batches,
+        "finish_reason", res->finish_reason, "prompt_tokens", n_ids, "generated_tokens", res->n,
+        "prefill_s", res->prefill_s, "decode_s", res->decode_s, "prefill_tokens_per_s",
+        res->prefill_s > 0 ? (double)n_ids / res->prefill_s : 0.0, "decode_tokens_per_s",
         res->decode_s > 0 && res->n > 1 ? (double)(res->n - 1) / res->decode_s : 0.0);
     if (po->cfg.mode == REKV_MODE_KVPR)
         json_object_set_new(st, "split", json_integer(po->cfg.split));
@@ -65,27 +63,25 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
     const rekv_layer_counters *sc = rekv_pipeline_step_counters(ses->p, &n_steps);
     json_t *steps = json_array();
     for (size_t i = 0; i < n_steps; i++)
-        json_array_append_new(
-            steps,
-            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "h2d_weights",
-                      (json_int_t)sc[i].h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
-                      (json_int_t)sc[i].h2d_bytes[REKV_XFER_KV], "h2d_act",
-                      (json_int_t)sc[i].h2d_bytes[REKV_XFER_ACT], "d2h_kv",
-                      (json_int_t)sc[i].d2h_bytes[REKV_XFER_KV], "d2h_act",
-                      (json_int_t)sc[i].d2h_bytes[REKV_XFER_ACT], "tokens_recomputed",
-                      (json_int_t)sc[i].tokens_recomputed, "tokens_fetched",
-                      (json_int_t)sc[i].tokens_fetched));
-    json_object_set_new(
-        st, "counters",
-        json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "h2d_weights",
-                  (json_int_t)tot.h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
-                  (json_int_t)tot.h2d_bytes[REKV_XFER_KV], "h2d_act",
-                  (json_int_t)tot.h2d_bytes[REKV_XFER_ACT], "d2h_kv",
-                  (json_int_t)tot.d2h_bytes[REKV_XFER_KV], "d2h_act",
-                  (json_int_t)tot.d2h_bytes[REKV_XFER_ACT], "d2h_logits",
-                  (json_int_t)bst.d2h_bytes[REKV_XFER_OTHER], "tokens_recomputed",
-                  (json_int_t)tot.tokens_recomputed, "tokens_fetched",
-                  (json_int_t)tot.tokens_fetched, "per_layer", layers));
+        json_array_append_new(steps,
+                              json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "h2d_weights",
+                                        (json_int_t)sc[i].h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
+                                        (json_int_t)sc[i].h2d_bytes[REKV_XFER_KV], "h2d_act",
+                                        (json_int_t)sc[i].h2d_bytes[REKV_XFER_ACT], "d2h_kv",
+                                        (json_int_t)sc[i].d2h_bytes[REKV_XFER_KV], "d2h_act",
+                                        (json_int_t)sc[i].d2h_bytes[REKV_XFER_ACT],
+                                        "tokens_recomputed", (json_int_t)sc[i].tokens_recomputed,
+                                        "tokens_fetched", (json_int_t)sc[i].tokens_fetched));
+    json_object_set_new(st, "counters",
+                        json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "h2d_weights",
+                                  (json_int_t)tot.h2d_bytes[REKV_XFER_WEIGHTS], "h2d_kv",
+                                  (json_int_t)tot.h2d_bytes[REKV_XFER_KV], "h2d_act",
+                                  (json_int_t)tot.h2d_bytes[REKV_XFER_ACT], "d2h_kv",
+                                  (json_int_t)tot.d2h_bytes[REKV_XFER_KV], "d2h_act",
+                                  (json_int_t)tot.d2h_bytes[REKV_XFER_ACT], "d2h_logits",
+                                  (json_int_t)bst.d2h_bytes[REKV_XFER_OTHER], "tokens_recomputed",
+                                  (json_int_t)tot.tokens_recomputed, "tokens_fetched",
+                                  (json_int_t)tot.tokens_fetched, "per_layer", layers));
     /* step 0 is the prefill, then one entry per decode step */
     json_object_set_new(json_object_get(st, "counters"), "per_step", steps);
     return st;
@@ -93,15 +89,22 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
 
 int cli_generate(int argc, char **argv)
 {
-    static const struct option opts[] = {
-        {"model", required_argument, 0, 'm'},       {"prompt", required_argument, 0, 'p'},
-        {"prompt-ids", required_argument, 0, 'i'},  {"max-new-tokens", required_argument, 0, 'n'},
-        {"temperature", required_argument, 0, 't'}, {"top-k", required_argument, 0, 'k'},
-        {"top-p", required_argument, 0, 'P'},       {"seed", required_argument, 0, 's'},
-        {"top-logits", required_argument, 0, 'L'},  {"json", no_argument, 0, 'j'},
-        {"ignore-eos", no_argument, 0, 'E'},        {"help", no_argument, 0, 'h'},
-        {"local", no_argument, 0, 'l'},             {"socket", required_argument, 0, 'S'},
-        CLI_PIPELINE_OPTIONS,                       {0, 0, 0, 0}};
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"prompt", required_argument, 0, 'p'},
+                                         {"prompt-ids", required_argument, 0, 'i'},
+                                         {"max-new-tokens", required_argument, 0, 'n'},
+                                         {"temperature", required_argument, 0, 't'},
+                                         {"top-k", required_argument, 0, 'k'},
+                                         {"top-p", required_argument, 0, 'P'},
+                                         {"seed", required_argument, 0, 's'},
+                                         {"top-logits", required_argument, 0, 'L'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"ignore-eos", no_argument, 0, 'E'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {"local", no_argument, 0, 'l'},
+                                         {"socket", required_argument, 0, 'S'},
+                                         CLI_PIPELINE_OPTIONS,
+                                         {0, 0, 0, 0}};
     cli_pipeline_opts po;
     cli_pipeline_opts_defaults(&po);
     const char *model_path = NULL, *prompt = NULL, *prompt_ids = NULL, *socket = NULL;
@@ -119,21 +122,57 @@ int cli_generate(int argc, char **argv)
             continue;
         }
         switch (c) {
-        case 'm': model_path = optarg; break;
-        case 'p': prompt = optarg; break;
-        case 'i': prompt_ids = optarg; break;
-        case 'n': if (cli_parse_int("max-new-tokens", optarg, 0, 1 << 24, &max_new)) return 2; break;
-        case 't': if (cli_parse_float("temperature", optarg, 0, 100, &temperature)) return 2; break;
-        case 'k': if (cli_parse_int("top-k", optarg, 0, 1 << 30, &top_k)) return 2; break;
-        case 'P': if (cli_parse_float("top-p", optarg, 0, 1, &top_p)) return 2; break;
-        case 's': if (cli_parse_int("seed", optarg, 0, INT64_MAX, &seed)) return 2; break;
-        case 'L': if (cli_parse_int("top-logits", optarg, 0, 1 << 20, &top_logits)) return 2; break;
-        case 'j': json = 1; break;
-        case 'E': ignore_eos = 1; break;
-        case 'l': local = 1; break;
-        case 'S': socket = optarg; break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        case 'm':
+            model_path = optarg;
+            break;
+        case 'p':
+            prompt = optarg;
+            break;
+        case 'i':
+            prompt_ids = optarg;
+            break;
+        case 'n':
+            if (cli_parse_int("max-new-tokens", optarg, 0, 1 << 24, &max_new))
+                return 2;
+            break;
+        case 't':
+            if (cli_parse_float("temperature", optarg, 0, 100, &temperature))
+                return 2;
+            break;
+        case 'k':
+            if (cli_parse_int("top-k", optarg, 0, 1 << 30, &top_k))
+                return 2;
+            break;
+        case 'P':
+            if (cli_parse_float("top-p", optarg, 0, 1, &top_p))
+                return 2;
+            break;
+        case 's':
+            if (cli_parse_int("seed", optarg, 0, INT64_MAX, &seed))
+                return 2;
+            break;
+        case 'L':
+            if (cli_parse_int("top-logits", optarg, 0, 1 << 20, &top_logits))
+                return 2;
+            break;
+        case 'j':
+            json = 1;
+            break;
+        case 'E':
+            ignore_eos = 1;
+            break;
+        case 'l':
+            local = 1;
+            break;
+        case 'S':
+            socket = optarg;
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
         }
     }
     if (model_path == NULL || (prompt == NULL) == (prompt_ids == NULL) || optind != argc ||
@@ -191,22 +230,22 @@ int cli_generate(int argc, char **argv)
     }
     if (top_logits > cfg->vocab)
         top_logits = cfg->vocab;
-    rekv_gen_params gp = {(int)max_new, (float)temperature, (int)top_k, (float)top_p,
-                          (uint64_t)seed, (int)top_logits, !ignore_eos};
+    rekv_gen_params gp = {(int)max_new,   (float)temperature, (int)top_k, (float)top_p,
+                          (uint64_t)seed, (int)top_logits,    !ignore_eos};
     if (!local) {
         double queued_s = 0, run_s = 0;
         if (cli_generate_remote(model_path, socket, ids, (int)n_ids, &gp, &res, &queued_s, &run_s,
                                 &err))
             goto fail;
-        st = json_pack("{s:s, s:s, s:i, s:i, s:f, s:f}", "via",
-                       "coordinator", "finish_reason", res.finish_reason, "prompt_tokens",
-                       (int)n_ids, "generated_tokens", res.n, "queued_s", queued_s, "run_s", run_s);
+        st = json_pack("{s:s, s:s, s:i, s:i, s:f, s:f}", "via", "coordinator", "finish_reason",
+                       res.finish_reason, "prompt_tokens", (int)n_ids, "generated_tokens", res.n,
+                       "queued_s", queued_s, "run_s", run_s);
     } else {
         if (rekv_engine_create(model, &eng, &err))
             goto fail;
         int64_t want = (int64_t)n_ids + (max_new > 0 ? max_new - 1 : 0);
         int ctx = want < cfg->max_pos ? (int)want : cfg->max_pos;
-        if (cli_session_choose(cfg, &po.link, 1, (int)n_ids, &po.cfg, &err) ||
+        if (cli_session_choose(cfg, po.backend, &po.link, 1, (int)n_ids, &po.cfg, &err) ||
             cli_session_open(&ses, eng, po.backend, &po.link, &po.cfg, 1, ctx, &err))
             goto fail;
         if (po.trace)

@@ -15,14 +15,20 @@
 #include "gpuworker/backend.h"
 #include "loader/loader.h"
 
-int cli_profile_get(const rekv_model_config *c, const rekv_link_config *link, int force,
-                    rekv_profile *out, rekv_profile_origin *origin, rekv_err *err)
+int cli_profile_get(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
+                    int force, rekv_profile *out, rekv_profile_origin *origin, rekv_err *err)
 {
     rekv_backend *be = NULL;
-    int rc = rekv_backend_cpu_create(link, &be, err);
+    rekv_link_config l = {.gbps = 0, .latency_us = 10};
+    if (link) {
+        l = *link;
+        l.device_bytes = 0; /* the measurement's buffers need not fit an emulated device */
+    }
+    char note[1200];
+    int rc = rekv_backend_create(backend, &l, &be, note, sizeof(note), err);
     if (rc)
         return rc;
-    rc = rekv_profile_load_or_measure(c, be, link, NULL, force, out, origin, err);
+    rc = rekv_profile_load_or_measure(c, be, &l, NULL, force, out, origin, err);
     rekv_backend_destroy(be);
     return rc;
 }
@@ -38,8 +44,7 @@ int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype
 }
 
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
-                    int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out,
-                    rekv_err *err)
+                    int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out, rekv_err *err)
 {
     rekv_cost_profile prof;
     rekv_profile_to_cost(pf, cache_dtype, &prof);
@@ -91,8 +96,7 @@ static void print_linear(const char *name, const rekv_profile *p, const rekv_lin
 {
     printf("  %-10s %s  %9.1f us + %8.4f us/token   (n=%d: %.3f ms)\n", name,
            m == &p->load_kv[REKV_PROFILE_F16] || m == &p->kv_gen[REKV_PROFILE_F16] ? "f16" : "f32",
-           m->a * 1e6, m->b * 1e6, p->fit_tokens_max,
-           rekv_linear_eval(m, p->fit_tokens_max) * 1e3);
+           m->a * 1e6, m->b * 1e6, p->fit_tokens_max, rekv_linear_eval(m, p->fit_tokens_max) * 1e3);
 }
 
 static void print_table(const char *model_path, const rekv_model_config *c, const rekv_profile *p,
@@ -167,31 +171,49 @@ int cli_profile(int argc, char **argv)
                                          {"link-gbps", required_argument, 0, 'g'},
                                          {"link-latency-us", required_argument, 0, 'l'},
                                          {"reprofile", no_argument, 0, 'r'},
+                                         {"backend", required_argument, 0, 'b'},
                                          {"json", no_argument, 0, 'j'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    const char *model_path = NULL;
-    rekv_link_config link = {0, 10};
+    const char *model_path = NULL, *backend = "auto";
+    rekv_link_config link = {.gbps = 0, .latency_us = 10};
     int force = 0, as_json = 0, c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
-        case 'm': model_path = optarg; break;
-        case 'g': if (cli_parse_float("link-gbps", optarg, 0, 1e6, &link.gbps)) return 2; break;
+        case 'm':
+            model_path = optarg;
+            break;
+        case 'g':
+            if (cli_parse_float("link-gbps", optarg, 0, 1e6, &link.gbps))
+                return 2;
+            break;
         case 'l':
             if (cli_parse_float("link-latency-us", optarg, 0, 1e6, &link.latency_us))
                 return 2;
             break;
-        case 'r': force = 1; break;
-        case 'j': as_json = 1; break;
+        case 'r':
+            force = 1;
+            break;
+        case 'b':
+            if (strcmp(optarg, "auto") && strcmp(optarg, "cpu") && strcmp(optarg, "cuda")) {
+                fprintf(stderr, "rekv profile: --backend: expected auto, cpu or cuda\n");
+                return 2;
+            }
+            backend = optarg;
+            break;
+        case 'j':
+            as_json = 1;
+            break;
         case 'h':
         default:
             fprintf(c == 'h' ? stdout : stderr,
-                    "usage: rekv profile --model PATH [--link-gbps G] [--link-latency-us U]\n"
-                    "                    [--reprofile] [--json]\n"
+                    "usage: rekv profile --model PATH [--backend auto|cpu|cuda] [--link-gbps G]\n"
+                    "                    [--link-latency-us U] [--reprofile] [--json]\n"
                     "Measures the link each way, GEMM and attention throughput at the model's\n"
-                    "shapes and the fitted T_load_kv(n) and T_kv_gen(n) on the cpu backend (with\n"
-                    "an emulated link of G Gbit/s and U us per copy when --link-gbps is given),\n"
+                    "shapes and the fitted T_load_kv(n) and T_kv_gen(n) on the backend (the GPU\n"
+                    "when there is one; on cpu with an emulated link of G Gbit/s and U us per\n"
+                    "copy when --link-gbps is given),\n"
                     "caches the profile in $XDG_CACHE_HOME/rekv/profiles (or ~/.cache/...), and\n"
                     "shows the planner's choices for a batch of %d at contexts 128, 512, 2048.\n"
                     "  --reprofile   measure even when a valid cached profile exists\n"
@@ -215,7 +237,7 @@ int cli_profile(int argc, char **argv)
     plan_row rows[sizeof(plan_ctx) / sizeof(plan_ctx[0])];
     int n_rows = (int)(sizeof(plan_ctx) / sizeof(plan_ctx[0])), ret = 1;
     if (rekv_model_open(model_path, &model, &err) ||
-        cli_profile_get(&model->config, &link, force, &p, &o, &err))
+        cli_profile_get(&model->config, backend, &link, force, &p, &o, &err))
         goto fail;
     for (int i = 0; i < n_rows; i++)
         if (plan_for(&p, &model->config, plan_ctx[i], &rows[i], &err))

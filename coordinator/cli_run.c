@@ -54,7 +54,9 @@ static void run_usage(FILE *f)
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
             "the worker picks, see rekv-gpuworker --help) or resident|offload|kvpr|act|hybrid.\n"
-            "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n");
+            "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n"
+            "--link-gbps G, --link-latency-us U, --device-memory SIZE: the worker's cpu backend\n"
+            "behaves like a GPU of SIZE bytes behind a link of G Gbit/s (see rekv-gpuworker).\n");
 }
 
 /* Starts c with a ready pipe and waits for "READY\n"; 0, or -1 with a message printed. */
@@ -154,7 +156,11 @@ int cli_run(int argc, char **argv)
         {"bin-dir", required_argument, 0, 'x'},    {"ready-fd", required_argument, 0, 'R'},
         {"metrics", required_argument, 0, 'P'},    {"help", no_argument, 0, 'h'},
         {"cache-dtype", required_argument, 0, 'C'},
+        {"link-gbps", required_argument, 0, 'L'},
+        {"link-latency-us", required_argument, 0, 'U'},
+        {"device-memory", required_argument, 0, 'D'},
         {0, 0, 0, 0}};
+    const char *link_gbps = NULL, *link_lat = NULL, *devmem = NULL; /* the worker's emulation */
     const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "auto", *cache = NULL,
                *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
                *timeout = "30000", *bin_arg = NULL, *metrics = NULL;
@@ -175,6 +181,9 @@ int cli_run(int argc, char **argv)
         case 'x': bin_arg = optarg; break;
         case 'P': metrics = optarg; break;
         case 'C': cache = optarg; break;
+        case 'L': link_gbps = optarg; break;
+        case 'U': link_lat = optarg; break;
+        case 'D': devmem = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
         default: run_usage(stderr); return 2;
@@ -257,6 +266,15 @@ int cli_run(int argc, char **argv)
     ARG(WORKER, "--mode"); ARG(WORKER, mode);
     ARG(WORKER, "--max-batch"); ARG(WORKER, max_batch);
     ARG(WORKER, "--backend"); ARG(WORKER, backend);
+    if (link_gbps) {
+        ARG(WORKER, "--link-gbps"); ARG(WORKER, link_gbps);
+    }
+    if (link_lat) {
+        ARG(WORKER, "--link-latency-us"); ARG(WORKER, link_lat);
+    }
+    if (devmem) {
+        ARG(WORKER, "--device-memory"); ARG(WORKER, devmem);
+    }
     ARG(COORD, "--control"); ARG(COORD, ep_ctl);
     ARG(COORD, "--workers"); ARG(COORD, ep_wrk);
     ARG(COORD, "--state-dir"); ARG(COORD, state);

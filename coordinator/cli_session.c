@@ -10,11 +10,13 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/daemon.h"
 #include "coordinator/cli_profile.h"
 #include "coordinator/planner.h"
 
-int cli_session_choose(const rekv_model_config *c, const rekv_link_config *link, int batch,
-                       int ctx, rekv_pipeline_config *cfg, rekv_err *err)
+int cli_session_choose(const rekv_model_config *c, const char *backend,
+                       const rekv_link_config *link, int batch, int ctx, rekv_pipeline_config *cfg,
+                       rekv_err *err)
 {
     int need_split = cfg->mode == REKV_MODE_KVPR && cfg->split < 0;
     int need_ratio = cfg->mode == REKV_MODE_HYBRID && cfg->kv_parts < 0;
@@ -22,7 +24,7 @@ int cli_session_choose(const rekv_model_config *c, const rekv_link_config *link,
         return 0;
     /* the profile of this machine, model and link: cached after its first measurement */
     rekv_profile pf;
-    int rc = cli_profile_get(c, link, 0, &pf, NULL, err);
+    int rc = cli_profile_get(c, backend, link, 0, &pf, NULL, err);
     if (rc)
         return rc;
     if (need_split) {
@@ -78,10 +80,11 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
         kc.lease_ms = 3600 * 1000;
         if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
             goto fail;
-        size_t kvb = rekv_kv_block_bytes(&kc.geometry), actb = rekv_kv_act_block_bytes(&kc.geometry);
+        size_t kvb = rekv_kv_block_bytes(&kc.geometry),
+               actb = rekv_kv_act_block_bytes(&kc.geometry);
         size_t slot = ((kvb > actb ? kvb : actb) + 4095) & ~(size_t)4095;
-        uint64_t blocks = (uint64_t)batch * (uint64_t)((ctx + 15) / 16 + 1) * (uint64_t)c->n_layers *
-                          (cfg->mode == REKV_MODE_KVPR ? 2 : 1);
+        uint64_t blocks = (uint64_t)batch * (uint64_t)((ctx + 15) / 16 + 1) *
+                          (uint64_t)c->n_layers * (cfg->mode == REKV_MODE_KVPR ? 2 : 1);
         kc.host_bytes = blocks * slot + blocks * slot / 8 + (4u << 20);
         if ((rc = rekv_kvstore_spawn(&kc, &s->store_pid, err)))
             goto fail;
@@ -173,6 +176,12 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         if (cli_parse_float("link-latency-us", arg, 0, 1e6, &d))
             return -1;
         o->link.latency_us = d;
+        return 1;
+    case CLI_OPT_DEVICE_MEMORY:
+        if (rekv_parse_size(arg, &o->link.device_bytes)) {
+            fprintf(stderr, "rekv: --device-memory: expected bytes, e.g. 512M\n");
+            return -1;
+        }
         return 1;
     case CLI_OPT_ACT_GPU:
         if (cli_parse_int("act-gpu-blocks", arg, 0, 1 << 20, &v))

@@ -23,6 +23,7 @@ enum {
     CLI_OPT_TRACE,
     CLI_OPT_ACT_GPU,
     CLI_OPT_BACKEND,
+    CLI_OPT_DEVICE_MEMORY,
 };
 
 #define CLI_PIPELINE_OPTIONS                                                                       \
@@ -37,7 +38,10 @@ enum {
         {"link-latency-us", required_argument, 0, CLI_OPT_LINK_LATENCY},                           \
         {"trace", required_argument, 0, CLI_OPT_TRACE},                                            \
         {"act-gpu-blocks", required_argument, 0, CLI_OPT_ACT_GPU},                                 \
-        {"backend", required_argument, 0, CLI_OPT_BACKEND}
+        {"backend", required_argument, 0, CLI_OPT_BACKEND},                                        \
+    {                                                                                              \
+        "device-memory", required_argument, 0, CLI_OPT_DEVICE_MEMORY                               \
+    }
 
 #define CLI_PIPELINE_USAGE                                                                         \
     "  --mode resident|offload|kvpr|act|hybrid   where the KV cache lives (default resident)\n"    \
@@ -47,10 +51,11 @@ enum {
     "  --split L             kvpr: tokens recomputed from activations (default: KVPR Eq. 11)\n"    \
     "  --ratio KV:ACT        hybrid: block pattern (default: HybridServe Algorithm 1)\n"           \
     "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
-    "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"  \
-    "  --backend auto|cpu|cuda  the device (auto: cuda when there is a GPU, else cpu)\n"        \
-    "  --link-gbps G         emulate a host<->device link of G Gbit/s each way\n"                 \
+    "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"    \
+    "  --backend auto|cpu|cuda  the device (auto: cuda when there is a GPU, else cpu)\n"           \
+    "  --link-gbps G         emulate a host<->device link of G Gbit/s each way\n"                  \
     "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
+    "  --device-memory SIZE  emulate a device of SIZE bytes (e.g. 512M) on the cpu backend\n"      \
     "  --trace FILE          write a Chrome trace (Perfetto) of the streams\n"
 
 typedef struct cli_pipeline_opts {
@@ -66,15 +71,16 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o);
 
 /* Fills a kvpr split or hybrid ratio left unset (< 0) from measured speeds: KVPR's Eq. 11–12 and
  * HybridServe's Algorithm 1 (coordinator/planner.h), for `batch` sequences of `ctx` tokens. */
-int cli_session_choose(const rekv_model_config *c, const rekv_link_config *link, int batch,
-                       int ctx, rekv_pipeline_config *cfg, rekv_err *err);
+int cli_session_choose(const rekv_model_config *c, const char *backend,
+                       const rekv_link_config *link, int batch, int ctx, rekv_pipeline_config *cfg,
+                       rekv_err *err);
 
 typedef struct cli_session {
     rekv_backend *be;
-    pid_t store_pid;             /* the private kvstore, 0 when resident */
+    pid_t store_pid; /* the private kvstore, 0 when resident */
     rekv_kvstore_client *store;
     rekv_pipeline *p;
-    char dir[4096];              /* private socket/spill directory */
+    char dir[4096]; /* private socket/spill directory */
 } cli_session;
 
 /* Sized for `batch` sequences of up to `ctx` tokens. */

@@ -43,12 +43,14 @@ typedef enum rekv_xfer_kind {
     REKV_XFER_KINDS = 4,
 } rekv_xfer_kind;
 
-/* Link emulation (cpu backend): each direction is a link of its own, as PCIe is full duplex. A copy
- * of n bytes occupies its direction's link for latency_us + n / (gbps * 1e9 / 8 bits) seconds.
- * gbps <= 0: no throttling. */
+/* GPU emulation (cpu backend). Link: each direction is a link of its own, as PCIe is full duplex;
+ * a copy of n bytes occupies its direction's link for latency_us + n / (gbps * 1e9 / 8 bits)
+ * seconds; gbps <= 0: no throttling. Memory: dev_alloc fails beyond device_bytes in use, and
+ * mem_info reports them, as a GPU of that size would; 0: no limit (mem_info says -ENOTSUP). */
 typedef struct rekv_link_config {
-    double gbps;       /* gigabits per second, each direction */
-    double latency_us; /* per copy operation (a gather of pieces counts once) */
+    double gbps;           /* gigabits per second, each direction */
+    double latency_us;     /* per copy operation (a gather of pieces counts once) */
+    uint64_t device_bytes; /* emulated device memory; 0: unlimited */
 } rekv_link_config;
 
 /* One piece of a gathered or scattered copy. */

@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <malloc.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -119,9 +120,10 @@ typedef struct cpu_ipc_payload {
 } cpu_ipc_payload;
 
 typedef struct cpu_backend {
-    rekv_backend base;         /* iface and ctx (ctx points back here); first, so casts work */
-    rekv_link_config link;     /* emulated link; gbps <= 0 means no throttling */
-    cpu_link links[CPU_LINKS]; /* indexed by CPU_LINK_* */
+    rekv_backend base;             /* iface and ctx (ctx points back here); first, so casts work */
+    rekv_link_config link;         /* emulated link; gbps <= 0 means no throttling */
+    atomic_uint_fast64_t dev_used; /* bytes of dev_alloc memory (malloc_usable_size) */
+    cpu_link links[CPU_LINKS];     /* indexed by CPU_LINK_* */
 
     pthread_mutex_t ev_mu; /* protects every cpu_completion and rekv_event.latest */
     pthread_cond_t ev_cv;  /* broadcast whenever a completion becomes done */
@@ -631,13 +633,32 @@ static void cpu_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, c
     task_push(s, t);
 }
 
-static void *cpu_dev_alloc(rekv_backend *be, size_t bytes)
+static void *cpu_dev_alloc(rekv_backend *base, size_t bytes)
 {
+    cpu_backend *be = base->ctx;
     void *p = NULL;
     /* a zero-byte request still gets a unique pointer, as cudaMalloc's callers expect non-NULL */
     if (posix_memalign(&p, 64, bytes ? bytes : 1) != 0)
         return NULL;
+    uint64_t n = malloc_usable_size(p);
+    uint64_t used = atomic_fetch_add(&be->dev_used, n) + n;
+    if (be->link.device_bytes > 0 && used > be->link.device_bytes) { /* the emulated device */
+        atomic_fetch_sub(&be->dev_used, n);
+        free(p);
+        return NULL;
+    }
     return p;
+}
+
+static int cpu_mem_info(rekv_backend *base, size_t *free_bytes, size_t *total_bytes, rekv_err *err)
+{
+    cpu_backend *be = base->ctx;
+    uint64_t cap = be->link.device_bytes, used = atomic_load(&be->dev_used);
+    if (cap == 0)
+        return rekv_errf(err, -ENOTSUP, "cpu backend: device memory is the host's (no limit set)");
+    *free_bytes = used < cap ? (size_t)(cap - used) : 0;
+    *total_bytes = (size_t)cap;
+    return 0;
 }
 
 /* Takes p's entry off the list of shared buffers (only if imported, when imported_only); NULL
@@ -669,10 +690,12 @@ static void cpu_dev_free(rekv_backend *base, void *p)
 {
     cpu_backend *be = base->ctx;
     cpu_shared_buf *sb = p != NULL ? shared_take(be, p, false) : NULL;
-    if (sb != NULL)
+    if (sb != NULL) {
         shared_free(sb);
-    else
+    } else if (p != NULL) {
+        atomic_fetch_sub(&be->dev_used, (uint64_t)malloc_usable_size(p));
         free(p);
+    }
 }
 
 static int cpu_stream_create(rekv_backend *base, const char *name, rekv_stream **out, rekv_err *err)
@@ -1363,6 +1386,7 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
     .event_import = cpu_event_import,
     .stream_wait_flag = cpu_stream_wait_flag,
     .stream_write_flag = cpu_stream_write_flag,
+    .mem_info = cpu_mem_info,
 };
 
 int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, rekv_err *err)
@@ -1384,6 +1408,7 @@ int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, re
     pthread_mutex_init(&be->stats_mu, NULL);
     pthread_mutex_init(&be->trace_mu, NULL);
     atomic_init(&be->tracing, false);
+    atomic_init(&be->dev_used, 0);
     *out = &be->base;
     return 0;
 }

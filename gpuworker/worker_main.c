@@ -31,20 +31,23 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
-            "         [--backend auto|cpu|cuda] [--mode auto|resident|offload|kvpr|act|hybrid]\n"
-            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
-            "         [--ready-fd N]\n"
-            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
-            "mode auto, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
-            "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
-            "started with the name of a dead one frees what that one left there at once (else\n"
-            "the store frees it when the dead one's lease runs out).\n"
-            "auto: resident when the device holds the KV cache of a full batch of full contexts\n"
-            "(always on the cpu backend, or without a kvstore), else the technique the planner\n"
-            "prices cheapest with this machine's measured profile.\n"
-            "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n");
+    fprintf(
+        f, "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
+           "         [--backend auto|cpu|cuda] [--mode auto|resident|offload|kvpr|act|hybrid]\n"
+           "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
+           "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE]\n"
+           "         [--ready-fd N]\n"
+           "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
+           "mode auto, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
+           "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
+           "started with the name of a dead one frees what that one left there at once (else\n"
+           "the store frees it when the dead one's lease runs out).\n"
+           "auto: resident when the device holds the KV cache of a full batch of full contexts\n"
+           "(always on the cpu backend, or without a kvstore), else the technique the planner\n"
+           "prices cheapest with this machine's measured profile.\n"
+           "--link-gbps, --link-latency-us and --device-memory make the cpu backend behave like a\n"
+           "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
+           "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n");
 }
 
 typedef struct worker {
@@ -409,6 +412,9 @@ int main(int argc, char **argv)
         O_NAME,
         O_HB,
         O_READY,
+        O_LINK_GBPS,
+        O_LINK_LAT,
+        O_DEVMEM,
         O_HELP
     };
     static const struct option opts[] = {
@@ -421,13 +427,29 @@ int main(int argc, char **argv)
         {"name", required_argument, 0, O_NAME},
         {"heartbeat-ms", required_argument, 0, O_HB},
         {"ready-fd", required_argument, 0, O_READY},
+        {"link-gbps", required_argument, 0, O_LINK_GBPS},
+        {"link-latency-us", required_argument, 0, O_LINK_LAT},
+        {"device-memory", required_argument, 0, O_DEVMEM},
         {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
+    rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         int bad = 0;
+        char *end;
         switch (o) {
+        case O_LINK_GBPS:
+            link.gbps = strtod(optarg, &end);
+            bad = end == optarg || *end || !(link.gbps >= 0);
+            break;
+        case O_LINK_LAT:
+            link.latency_us = strtod(optarg, &end);
+            bad = end == optarg || *end || !(link.latency_us >= 0);
+            break;
+        case O_DEVMEM:
+            bad = rekv_parse_size(optarg, &link.device_bytes);
+            break;
         case O_MODEL:
             model_path = optarg;
             break;
@@ -546,15 +568,26 @@ int main(int argc, char **argv)
         goto out;
     }
     char note[1200];
-    if (rekv_backend_create(backend, NULL, &be, note, sizeof(note), &err))
+    if (rekv_backend_create(backend, &link, &be, note, sizeof(note), &err))
         goto fail;
     if (note[0])
         rekv_log(REKV_LOG_INFO, "%s", note);
     {
-        /* the planner prices this worker's steps with what it measures here (cached on disk) */
+        /* the planner prices this worker's steps with what it measures here (cached on disk);
+         * an emulated device's memory limit is not part of the measurement (the profile's
+         * buffers need not fit it) */
         rekv_profile prof;
         rekv_profile_origin origin;
-        if (rekv_profile_load_or_measure(w.mc, be, NULL, NULL, 0, &prof, &origin, &err))
+        rekv_backend *pbe = be;
+        rekv_link_config plink = link;
+        plink.device_bytes = 0;
+        if (link.device_bytes &&
+            rekv_backend_create(be->iface->name, &plink, &pbe, note, sizeof(note), &err))
+            goto fail;
+        int prc = rekv_profile_load_or_measure(w.mc, pbe, &plink, NULL, 0, &prof, &origin, &err);
+        if (pbe != be)
+            rekv_backend_destroy(pbe);
+        if (prc)
             goto fail;
         rekv_profile_to_cost(&prof, pc.cache_dtype, &w.cost);
         if (!pc.offload_weights)

@@ -1,6 +1,6 @@
 /* kvstore_main.c — rekv-kvstore, the host-memory block store daemon: parses the command line,
- * stops on SIGTERM/SIGINT through common/daemon.h, runs the server loop, and reports readiness (--ready-fd,
- * sd_notify). Everything else is the kvstore library. */
+ * stops on SIGTERM/SIGINT through common/daemon.h, runs the server loop, and reports readiness
+ * (--ready-fd, sd_notify). Everything else is the kvstore library. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
@@ -17,35 +17,12 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: rekv-kvstore --endpoint ipc:///path --host-bytes N [--spill-dir DIR]\n"
-            "         [--spill-bytes N] [--no-spill] [--model PATH | --layers N --kv-heads K\n"
-            "         --head-dim D --hidden H] [--cache-dtype f16|f32] [--huge-pages]\n"
-            "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
-            "         [--no-register-arena] [--ready-fd N]\n"
-            "Sizes take K, M, G suffixes (powers of two).\n");
-}
-
-static int parse_size(const char *s, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s)
-        return -1;
-    uint64_t mul = 1;
-    if (*end == 'K' || *end == 'k')
-        mul = 1ull << 10;
-    else if (*end == 'M' || *end == 'm')
-        mul = 1ull << 20;
-    else if (*end == 'G' || *end == 'g')
-        mul = 1ull << 30;
-    else if (*end != '\0')
-        return -1;
-    if (mul > 1 && end[1] != '\0')
-        return -1;
-    *out = (uint64_t)v * mul;
-    return 0;
+    fprintf(f, "usage: rekv-kvstore --endpoint ipc:///path --host-bytes N [--spill-dir DIR]\n"
+               "         [--spill-bytes N] [--no-spill] [--model PATH | --layers N --kv-heads K\n"
+               "         --head-dim D --hidden H] [--cache-dtype f16|f32] [--huge-pages]\n"
+               "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
+               "         [--no-register-arena] [--ready-fd N]\n"
+               "Sizes take K, M, G suffixes (powers of two).\n");
 }
 
 static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -72,9 +49,25 @@ int main(int argc, char **argv)
     uint64_t layers = 0, kv_heads = 0, head_dim = 0, hidden = 0, host_bytes = 0, v;
     int ready_fd = -1;
     enum {
-        O_ENDPOINT = 1000, O_HOST, O_SPILL_DIR, O_SPILL_BYTES, O_NO_SPILL, O_MODEL, O_LAYERS,
-        O_KV_HEADS, O_HEAD_DIM, O_HIDDEN, O_DTYPE, O_HUGE, O_LEASE, O_FD_SOCKET, O_HIGH, O_LOW,
-        O_NO_REG, O_READY, O_HELP
+        O_ENDPOINT = 1000,
+        O_HOST,
+        O_SPILL_DIR,
+        O_SPILL_BYTES,
+        O_NO_SPILL,
+        O_MODEL,
+        O_LAYERS,
+        O_KV_HEADS,
+        O_HEAD_DIM,
+        O_HIDDEN,
+        O_DTYPE,
+        O_HUGE,
+        O_LEASE,
+        O_FD_SOCKET,
+        O_HIGH,
+        O_LOW,
+        O_NO_REG,
+        O_READY,
+        O_HELP
     };
     static const struct option opts[] = {
         {"endpoint", required_argument, 0, O_ENDPOINT},
@@ -102,26 +95,70 @@ int main(int argc, char **argv)
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         int bad = 0;
         switch (o) {
-        case O_ENDPOINT: cfg.endpoint = optarg; break;
-        case O_HOST: bad = parse_size(optarg, &host_bytes); break;
-        case O_SPILL_DIR: cfg.spill_dir = optarg; break;
-        case O_SPILL_BYTES: bad = parse_size(optarg, &cfg.spill_bytes); break;
-        case O_NO_SPILL: cfg.no_spill = 1; break;
-        case O_MODEL: model = optarg; break;
-        case O_LAYERS: bad = parse_size(optarg, &layers); break;
-        case O_KV_HEADS: bad = parse_size(optarg, &kv_heads); break;
-        case O_HEAD_DIM: bad = parse_size(optarg, &head_dim); break;
-        case O_HIDDEN: bad = parse_size(optarg, &hidden); break;
-        case O_DTYPE: dtype = optarg; break;
-        case O_HUGE: cfg.huge_pages = 1; break;
-        case O_LEASE: bad = parse_size(optarg, &v); cfg.lease_ms = (uint32_t)v; break;
-        case O_FD_SOCKET: cfg.fd_socket = optarg; break;
-        case O_HIGH: bad = parse_size(optarg, &v); cfg.high_pct = (uint32_t)v; break;
-        case O_LOW: bad = parse_size(optarg, &v); cfg.low_pct = (uint32_t)v; break;
-        case O_NO_REG: cfg.no_register_arena = 1; break;
-        case O_READY: bad = parse_size(optarg, &v); ready_fd = (int)v; break;
-        case O_HELP: usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        case O_ENDPOINT:
+            cfg.endpoint = optarg;
+            break;
+        case O_HOST:
+            bad = rekv_parse_size(optarg, &host_bytes);
+            break;
+        case O_SPILL_DIR:
+            cfg.spill_dir = optarg;
+            break;
+        case O_SPILL_BYTES:
+            bad = rekv_parse_size(optarg, &cfg.spill_bytes);
+            break;
+        case O_NO_SPILL:
+            cfg.no_spill = 1;
+            break;
+        case O_MODEL:
+            model = optarg;
+            break;
+        case O_LAYERS:
+            bad = rekv_parse_size(optarg, &layers);
+            break;
+        case O_KV_HEADS:
+            bad = rekv_parse_size(optarg, &kv_heads);
+            break;
+        case O_HEAD_DIM:
+            bad = rekv_parse_size(optarg, &head_dim);
+            break;
+        case O_HIDDEN:
+            bad = rekv_parse_size(optarg, &hidden);
+            break;
+        case O_DTYPE:
+            dtype = optarg;
+            break;
+        case O_HUGE:
+            cfg.huge_pages = 1;
+            break;
+        case O_LEASE:
+            bad = rekv_parse_size(optarg, &v);
+            cfg.lease_ms = (uint32_t)v;
+            break;
+        case O_FD_SOCKET:
+            cfg.fd_socket = optarg;
+            break;
+        case O_HIGH:
+            bad = rekv_parse_size(optarg, &v);
+            cfg.high_pct = (uint32_t)v;
+            break;
+        case O_LOW:
+            bad = rekv_parse_size(optarg, &v);
+            cfg.low_pct = (uint32_t)v;
+            break;
+        case O_NO_REG:
+            cfg.no_register_arena = 1;
+            break;
+        case O_READY:
+            bad = rekv_parse_size(optarg, &v);
+            ready_fd = (int)v;
+            break;
+        case O_HELP:
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
         }
         if (bad) {
             fprintf(stderr, "rekv-kvstore: bad value '%s'\n", optarg);
@@ -154,8 +191,10 @@ int main(int argc, char **argv)
         rekv_model_close(m);
     } else if (rekv_kv_geometry_init(&cfg.geometry, (uint32_t)layers, (uint32_t)kv_heads,
                                      (uint32_t)head_dim, (uint32_t)hidden, cd, &err) < 0) {
-        rekv_log(REKV_LOG_ERROR, "%s (give --model or all of --layers --kv-heads --head-dim "
-                                 "--hidden)", err.msg);
+        rekv_log(REKV_LOG_ERROR,
+                 "%s (give --model or all of --layers --kv-heads --head-dim "
+                 "--hidden)",
+                 err.msg);
         return 2;
     }
     /* a spill file over RLIMIT_FSIZE must be EFBIG, not death */

@@ -654,6 +654,38 @@ END_TEST
 
 /* ---- errors ---- */
 
+/* The emulated device's memory: allocations beyond it fail, frees give it back, mem_info tells;
+ * without a limit mem_info says there is none. */
+START_TEST(device_memory_emulation)
+{
+    rekv_backend *be = make_backend(0, 0);
+    size_t fr = 0, tot = 0;
+    rekv_err err = {0};
+    ck_assert_int_eq(be->iface->mem_info(be, &fr, &tot, &err), -ENOTSUP);
+    rekv_backend_destroy(be);
+    rekv_link_config link = {.gbps = 0, .latency_us = 0, .device_bytes = 1 << 20};
+    ck_assert_int_eq(rekv_backend_cpu_create(&link, &be, &err), 0);
+    ck_assert_int_eq(be->iface->mem_info(be, &fr, &tot, &err), 0);
+    ck_assert_uint_eq(tot, 1 << 20);
+    ck_assert_uint_eq(fr, 1 << 20);
+    void *a = be->iface->dev_alloc(be, 600 << 10);
+    ck_assert(a != NULL);
+    ck_assert_int_eq(be->iface->mem_info(be, &fr, &tot, &err), 0);
+    ck_assert(fr <= (1 << 20) - (600 << 10) && fr > (1 << 20) - (700 << 10));
+    ck_assert(be->iface->dev_alloc(be, 600 << 10) == NULL); /* does not fit */
+    void *b = be->iface->dev_alloc(be, 100 << 10);          /* does */
+    ck_assert(b != NULL);
+    be->iface->dev_free(be, a);
+    void *c = be->iface->dev_alloc(be, 600 << 10); /* fits again */
+    ck_assert(c != NULL);
+    be->iface->dev_free(be, b);
+    be->iface->dev_free(be, c);
+    ck_assert_int_eq(be->iface->mem_info(be, &fr, &tot, &err), 0);
+    ck_assert_uint_eq(fr, 1 << 20);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
 START_TEST(bad_copy_is_reported_by_sync)
 {
     rekv_backend *be = make_backend(0, 0);
@@ -710,6 +742,7 @@ static Suite *backend_suite(void)
     tcase_add_test(tc, copy_overlaps_kernel);
     tcase_add_test(tc, trace_is_chrome_json);
     tcase_add_test(tc, bad_copy_is_reported_by_sync);
+    tcase_add_test(tc, device_memory_emulation);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -263,9 +263,18 @@ static int env_open(env *e)
 
 static pid_t start_coordinator(env *e, const char *queue, const char *timeout_ms)
 {
-    const char *args[] = {tu_bin("rekv-coordinator"), "--control", e->ctl, "--workers", e->wrk,
-                          "--state-dir", e->state, "--queue", queue, "--worker-timeout-ms",
-                          timeout_ms, NULL};
+    const char *args[] = {tu_bin("rekv-coordinator"),
+                          "--control",
+                          e->ctl,
+                          "--workers",
+                          e->wrk,
+                          "--state-dir",
+                          e->state,
+                          "--queue",
+                          queue,
+                          "--worker-timeout-ms",
+                          timeout_ms,
+                          NULL};
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", args[0]);
     args[0] = prog;
@@ -276,8 +285,8 @@ static pid_t start_worker(env *e, const char *max_batch)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
-    const char *args[] = {prog, "--model", e->model, "--coordinator", e->wrk, "--max-batch",
-                          max_batch, "--heartbeat-ms", "100", NULL};
+    const char *args[] = {prog,          "--model", e->model,         "--coordinator", e->wrk,
+                          "--max-batch", max_batch, "--heartbeat-ms", "100",           NULL};
     return spawn(args);
 }
 
@@ -286,9 +295,9 @@ static pid_t start_kvstore(env *e, const char *lease_ms, const char *host_bytes)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
-    const char *args[] = {prog, "--endpoint", e->kv, "--model", e->model, "--host-bytes",
-                          host_bytes, "--cache-dtype", "f32", "--spill-dir", e->dir, "--lease-ms",
-                          lease_ms, NULL};
+    const char *args[] = {prog,           "--endpoint", e->kv,           "--model", e->model,
+                          "--host-bytes", host_bytes,   "--cache-dtype", "f32",     "--spill-dir",
+                          e->dir,         "--lease-ms", lease_ms,        NULL};
     return spawn(args);
 }
 
@@ -297,8 +306,9 @@ static pid_t start_kv_worker(env *e, const char *max_batch, const char *name)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
-    const char *args[18] = {prog, "--model", e->model, "--coordinator", e->wrk, "--max-batch",
-                            max_batch, "--heartbeat-ms", "100", "--kvstore", e->kv, "--mode",
+    const char *args[18] = {prog,      "--model",     e->model,  "--coordinator",
+                            e->wrk,    "--max-batch", max_batch, "--heartbeat-ms",
+                            "100",     "--kvstore",   e->kv,     "--mode",
                             "offload", NULL};
     if (name) {
         args[13] = "--name";
@@ -403,7 +413,10 @@ START_TEST(batcher_matches_generate)
     }
     for (int j = 0; j < N; j++) {
         ck_assert(done[j]);
-        ck_assert_msg(n_got[j] == jobs[j].ref.n, "job %d (prompt %d, temp %g, k %d, p %g, eos %d): %d tokens, not %d", j, jobs[j].n_prompt, jobs[j].gp.temperature, jobs[j].gp.top_k, jobs[j].gp.top_p, jobs[j].gp.stop_at_eos, n_got[j], jobs[j].ref.n);
+        ck_assert_msg(n_got[j] == jobs[j].ref.n,
+                      "job %d (prompt %d, temp %g, k %d, p %g, eos %d): %d tokens, not %d", j,
+                      jobs[j].n_prompt, jobs[j].gp.temperature, jobs[j].gp.top_k, jobs[j].gp.top_p,
+                      jobs[j].gp.stop_at_eos, n_got[j], jobs[j].ref.n);
         ck_assert_msg(memcmp(got[j], jobs[j].ref.ids, sizeof(int32_t) * (size_t)n_got[j]) == 0,
                       "job %d differs", j);
         ck_assert_str_eq(reason[j], jobs[j].ref.finish_reason);
@@ -424,7 +437,17 @@ END_TEST
 /* `rekv run` serves 64 concurrent jobs; outputs equal rekv_generate's. */
 /* `rekv run` (cli_run in a child) on e's private sockets; returns once it is ready. mode NULL:
  * the default. */
+static pid_t rekv_run_start_args(env *e, const char *host_bytes, const char *max_batch,
+                                 const char *mode, const char *const *extra);
+
 static pid_t rekv_run_start(env *e, const char *host_bytes, const char *max_batch, const char *mode)
+{
+    return rekv_run_start_args(e, host_bytes, max_batch, mode, NULL);
+}
+
+/* rekv run with more arguments (extra: NULL-terminated, may be NULL). */
+static pid_t rekv_run_start_args(env *e, const char *host_bytes, const char *max_batch,
+                                 const char *mode, const char *const *extra)
 {
     char bindir[4096];
     snprintf(bindir, sizeof(bindir), "%s", tu_bin(""));
@@ -437,14 +460,26 @@ static pid_t rekv_run_start(env *e, const char *host_bytes, const char *max_batc
         close(pfd[0]);
         char fd[16];
         snprintf(fd, sizeof(fd), "%d", pfd[1]);
-        char *argv[20] = {"run", "--model", e->model, "--dir", e->dir, "--bin-dir", bindir,
-                          "--host-bytes", (char *)host_bytes, "--max-batch", (char *)max_batch,
-                          "--ready-fd", fd};
+        char *argv[32] = {"run",
+                          "--model",
+                          e->model,
+                          "--dir",
+                          e->dir,
+                          "--bin-dir",
+                          bindir,
+                          "--host-bytes",
+                          (char *)host_bytes,
+                          "--max-batch",
+                          (char *)max_batch,
+                          "--ready-fd",
+                          fd};
         int argc = 13;
         if (mode) {
             argv[argc++] = "--mode";
             argv[argc++] = (char *)mode;
         }
+        for (int i = 0; extra && extra[i] && argc < 31; i++)
+            argv[argc++] = (char *)extra[i];
         argv[argc] = NULL;
         _exit(cli_run(argc, argv));
     }
@@ -516,7 +551,6 @@ START_TEST(run_64_jobs)
 }
 END_TEST
 
-
 /* Waits until some job of jobs[] has produced tokens; returns its index. */
 /* The planner in the loop: with the KV cache in the kvstore (kvpr and hybrid modes) the
  * coordinator chooses every step's split, pattern and mini-batches from the worker's profile and
@@ -564,6 +598,43 @@ START_TEST(planner_in_the_loop)
 }
 END_TEST
 
+/* A cpu backend that behaves like a small GPU behind a slow link (rekv run --link-gbps,
+ * --device-memory): the worker's --mode auto finds that a full batch's KV cache does not fit the
+ * device and picks an offloading mode, the coordinator plans its steps with the device's room,
+ * and the jobs' tokens are still exactly rekv_generate's. */
+START_TEST(emulated_gpu_auto_mode)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 16 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 8, 512, 11);
+    reference(jobs, N, e.model);
+    const char *extra[] = {"--link-gbps", "1", "--device-memory", "3M", NULL};
+    pid_t pid = rekv_run_start_args(&e, "64M", "16", NULL, extra);
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_and_check(c, jobs, N, 120);
+    Rekv__Control__Response *r = stats(c);
+    ck_assert_int_eq(r->stats->n_workers, 1);
+    const Rekv__Control__WorkerInfo *w = r->stats->workers[0];
+    ck_assert_msg(strcmp(w->mode, "resident") != 0,
+                  "16 x 512 tokens of KV cannot fit a 3 MiB device, yet the worker runs resident");
+    ck_assert_msg(w->plan_steps > 0, "%s: the planner chose nothing", w->mode);
+    fprintf(stderr,
+            "   emulated 3 MiB device at 1 Gbit/s: the worker picked %s; %llu steps planned\n",
+            w->mode, (unsigned long long)w->plan_steps);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    rekv_run_stop(pid);
+    free_jobs(jobs, N);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
 /* A step far longer than the coordinator's worker timeout (a big prefill on the cpu backend):
  * the worker keeps heartbeating from its loop while the step runs on its own thread, so nobody
  * takes it for dead, nothing is re-queued, and the tokens are rekv_generate's. */
@@ -594,7 +665,8 @@ START_TEST(long_steps_keep_heartbeating)
     /* the longest step is at least the mean: above the timeout, or the test proves nothing */
     ck_assert_msg(r->stats->worker_step_avg_s > 0.25,
                   "steps took %.2f s on average, not longer than the 0.25 s worker timeout: make "
-                  "the model bigger", r->stats->worker_step_avg_s);
+                  "the model bigger",
+                  r->stats->worker_step_avg_s);
     fprintf(stderr, "   %llu steps of %.2f s on average against a 0.25 s worker timeout\n",
             (unsigned long long)r->stats->steps, r->stats->worker_step_avg_s);
     rekv__control__response__free_unpacked(r, NULL);
@@ -636,7 +708,8 @@ START_TEST(long_steps_keep_kvstore_pins)
     Rekv__Control__Response *r = stats(c);
     ck_assert_msg(r->stats->worker_step_avg_s > 0.25,
                   "steps took %.2f s on average, not longer than the 0.25 s lease: make the model "
-                  "bigger", r->stats->worker_step_avg_s);
+                  "bigger",
+                  r->stats->worker_step_avg_s);
     fprintf(stderr, "   %llu steps of %.2f s on average against a 0.25 s kvstore lease\n",
             (unsigned long long)r->stats->steps, r->stats->worker_step_avg_s);
     rekv__control__response__free_unpacked(r, NULL);
@@ -699,8 +772,10 @@ START_TEST(worker_killed)
     /* the coordinator answers throughout and drops the worker after the timeout */
     wait_workers(c, 0);
     Rekv__Control__Response *r = status(c, jobs[i].id);
-    ck_assert_msg(r->job->state == REKV__CONTROL__JOB_STATE__QUEUED, "job state %s after the "
-                  "worker died", rekv_ctl_state_name(r->job->state));
+    ck_assert_msg(r->job->state == REKV__CONTROL__JOB_STATE__QUEUED,
+                  "job state %s after the "
+                  "worker died",
+                  rekv_ctl_state_name(r->job->state));
     ck_assert_int_eq(r->job->attempts, 1);
     rekv__control__response__free_unpacked(r, NULL);
     wk = start_worker(&e, "16");
@@ -748,7 +823,8 @@ START_TEST(worker_restart_frees_kvstore_blocks)
     uint64_t left = st.sequences;
     ck_assert_msg(left > 0 && st.free_slots < st0.free_slots,
                   "the killed worker left nothing in the kvstore (%llu sequences, %llu of %llu "
-                  "slots free)", (unsigned long long)left, (unsigned long long)st.free_slots,
+                  "slots free)",
+                  (unsigned long long)left, (unsigned long long)st.free_slots,
                   (unsigned long long)st0.free_slots);
     ck_assert_uint_eq(st.sequences_reclaimed, 0);
     wk = start_kv_worker(&e, "16", "w0"); /* ready only once it dropped them */
@@ -799,8 +875,8 @@ START_TEST(dead_worker_blocks_return_after_lease)
     kv_stats(k, &st);
     ck_assert_msg(st.sequences > 0 && st.sequences_reclaimed == 0 && st.leases_expired == 0,
                   "a live worker lost something: %llu sequences, %llu reclaimed, %llu leases "
-                  "expired", (unsigned long long)st.sequences,
-                  (unsigned long long)st.sequences_reclaimed,
+                  "expired",
+                  (unsigned long long)st.sequences, (unsigned long long)st.sequences_reclaimed,
                   (unsigned long long)st.leases_expired);
     kill9(wk);
     uint64_t t0 = rekv_now_ns();
@@ -870,8 +946,7 @@ static void expect_error(rekv_ctl *c, Rekv__Control__Code code, const char *need
     rekv_err err = {0};
     ck_assert_msg(rekv_ctl_recv(c, 10000, &r, &err) == 0, "%s", err.msg);
     ck_assert_msg(r->code == code, "code %d (%s), expected %d", r->code, r->error, code);
-    ck_assert_msg(strstr(r->error, needle) != NULL, "\"%s\" does not say \"%s\"", r->error,
-                  needle);
+    ck_assert_msg(strstr(r->error, needle) != NULL, "\"%s\" does not say \"%s\"", r->error, needle);
     rekv__control__response__free_unpacked(r, NULL);
 }
 
@@ -980,8 +1055,10 @@ START_TEST(busy_queue)
     rekv_ctl *c = ctl_open(e.ctl);
     wait_workers(c, 1);
     int acc = submit_all(c, jobs, N);
-    fprintf(stderr, "   %d of %d submissions accepted, the rest answered busy; coordinator peak "
-            "RSS %ld KiB\n", acc, N, vm_hwm_kib(co));
+    fprintf(stderr,
+            "   %d of %d submissions accepted, the rest answered busy; coordinator peak "
+            "RSS %ld KiB\n",
+            acc, N, vm_hwm_kib(co));
     ck_assert_int_ge(acc, 256);
     ck_assert_int_lt(acc, N);
     ck_assert_int_lt(vm_hwm_kib(co), 256 * 1024);
@@ -1012,6 +1089,7 @@ static Suite *suite(void)
     tcase_add_test(tc, batcher_matches_generate);
     tcase_add_test(tc, run_64_jobs);
     tcase_add_test(tc, planner_in_the_loop);
+    tcase_add_test(tc, emulated_gpu_auto_mode);
     tcase_add_test(tc, long_steps_keep_heartbeating);
     tcase_add_test(tc, long_steps_keep_kvstore_pins);
     tcase_add_test(tc, worker_killed);
@@ -1024,4 +1102,7 @@ static Suite *suite(void)
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}

@@ -95,7 +95,7 @@ static int within(double got, double want, double rel)
 START_TEST(test_emulated_link)
 {
     rekv_model_config c = opt_config();
-    rekv_link_config link = {2.0, LINK_LAT_US};
+    rekv_link_config link = {.gbps = 2.0, .latency_us = LINK_LAT_US};
     rekv_profile p;
     measure(&c, &link, &p);
     double bw = 2e9 / 8;
@@ -168,7 +168,7 @@ START_TEST(test_cache)
     char sub[4200];
     snprintf(sub, sizeof(sub), "%s/a/b", dir); /* directories are created */
     rekv_model_config c = opt_config();
-    rekv_link_config link = {0, 10};
+    rekv_link_config link = {.gbps = 0, .latency_us = 10};
     rekv_err err = {0};
     rekv_backend *be = NULL;
     ck_assert(rekv_backend_cpu_create(&link, &be, &err) == 0);
@@ -243,14 +243,14 @@ START_TEST(test_cache)
     c2.n_kv_heads = 4;
     ck_assert(rekv_profile_path(&c2, "cpu", &link, sub, other, sizeof(other), &err) == 0);
     ck_assert_str_ne(other, path);
-    rekv_link_config l2 = {1.0, 10};
+    rekv_link_config l2 = {.gbps = 1.0, .latency_us = 10};
     ck_assert(rekv_profile_path(&c, "cpu", &l2, sub, other, sizeof(other), &err) == 0);
     ck_assert_str_ne(other, path);
     char other2[4096];
     l2.latency_us = 20;
     ck_assert(rekv_profile_path(&c, "cpu", &l2, sub, other2, sizeof(other2), &err) == 0);
     ck_assert_str_ne(other, other2);
-    l2 = (rekv_link_config){0, 99};
+    l2 = (rekv_link_config){.gbps = 0, .latency_us = 99};
     ck_assert(rekv_profile_path(&c, "cpu", &l2, sub, other, sizeof(other), &err) == 0);
     ck_assert_str_eq(other, path);
     ck_assert(rekv_profile_path(&c, "cuda", &link, sub, other, sizeof(other), &err) == 0);
