@@ -53,14 +53,8 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
     const rekv_model_config *c = rekv_engine_config(e);
     memset(s, 0, sizeof(*s));
     char note[1200];
-    int rc = rekv_backend_create(backend, link, &s->be, note, sizeof(note), err);
-    if (rc)
-        return rc;
-    static int said; /* once per process (bench opens a session per mode) */
-    if (!said && strstr(note, "cpu backend") && strncmp(note, "built without", 13) != 0) {
-        fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
-        said = 1;
-    }
+    int rc = 0;
+    /* the store first: a forked child must not inherit a CUDA context (push: it opens its own) */
     if (cfg->mode != REKV_MODE_RESIDENT) {
         const char *tmp = getenv("TMPDIR");
         snprintf(s->dir, sizeof(s->dir), "%s/rekv-local.XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -78,6 +72,9 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
         /* this process is the store's only client and holds its pins for a whole step, which can
          * take minutes for a long prefill on the cpu backend; the store dies with it */
         kc.lease_ms = 3600 * 1000;
+        /* --push: the store copies the KV rows into our device buffers with a backend of the
+         * same kind as ours ("auto" resolves alike in both processes) */
+        kc.push_backend = cfg->push ? backend : NULL;
         if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
             goto fail;
         size_t kvb = rekv_kv_block_bytes(&kc.geometry),
@@ -91,7 +88,16 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
         if ((rc = rekv_kvstore_client_connect(ep, NULL, 60000, &s->store, err)))
             goto fail;
     }
-    if ((rc = rekv_pipeline_create(e, s->be, s->store, cfg, &s->p, err)))
+    if ((rc = rekv_backend_create(backend, link, &s->be, note, sizeof(note), err)))
+        goto fail;
+    static int said; /* once per process (bench opens a session per mode) */
+    if (!said && strstr(note, "cpu backend") && strncmp(note, "built without", 13) != 0) {
+        fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
+        said = 1;
+    }
+    rekv_pipeline_config pc = *cfg;
+    pc.push = cfg->push && cfg->mode != REKV_MODE_RESIDENT; /* --push: the modes that stream KV */
+    if ((rc = rekv_pipeline_create(e, s->be, s->store, &pc, &s->p, err)))
         goto fail;
     return 0;
 fail:
@@ -197,6 +203,9 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         return 1;
     case CLI_OPT_TRACE:
         o->trace = arg;
+        return 1;
+    case CLI_OPT_PUSH:
+        o->cfg.push = 1;
         return 1;
     }
     return 0;

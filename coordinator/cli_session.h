@@ -24,6 +24,7 @@ enum {
     CLI_OPT_ACT_GPU,
     CLI_OPT_BACKEND,
     CLI_OPT_DEVICE_MEMORY,
+    CLI_OPT_PUSH,
 };
 
 #define CLI_PIPELINE_OPTIONS                                                                       \
@@ -39,6 +40,7 @@ enum {
         {"trace", required_argument, 0, CLI_OPT_TRACE},                                            \
         {"act-gpu-blocks", required_argument, 0, CLI_OPT_ACT_GPU},                                 \
         {"backend", required_argument, 0, CLI_OPT_BACKEND},                                        \
+        {"push", no_argument, 0, CLI_OPT_PUSH},                                                    \
     {                                                                                              \
         "device-memory", required_argument, 0, CLI_OPT_DEVICE_MEMORY                               \
     }
@@ -56,6 +58,7 @@ enum {
     "  --link-gbps G         emulate a host<->device link of G Gbit/s each way\n"                  \
     "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
     "  --device-memory SIZE  emulate a device of SIZE bytes (e.g. 512M) on the cpu backend\n"      \
+    "  --push                the kvstore writes the KV rows into the device's buffers (IPC)\n"     \
     "  --trace FILE          write a Chrome trace (Perfetto) of the streams\n"
 
 typedef struct cli_pipeline_opts {

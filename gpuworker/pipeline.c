@@ -12,6 +12,16 @@
  * loads of unit i+1 overlap the compute of unit i and the stores of unit i-1 (KVPR's Algorithm 1;
  * HybridServe's double-buffered flow).
  *
+ * Push (cfg.push): the KV rows do not come by the worker's own copies; the kvstore process writes
+ * them (DESIGN.md, "Processes"). The parities' attention buffers are allocated shared
+ * (dev_alloc_shared) and ev_attn_free[b] and ev_pushed[b] are shared events; per unit the step
+ * thread sends the store one Push request — the buffers' handles, "wait for ev_attn_free[b]",
+ * the pieces (arena offset -> buffer, offset), "then record ev_pushed[b]" — and once the store
+ * has enqueued them (its reply), the compute stream waits on ev_pushed[b] GPU-side where it would
+ * have waited on ev_loaded[b]. Activation rows still come by pull. The CPU never waits on GPU
+ * work: the round trip only covers the enqueueing. A regrown attention buffer is released by the
+ * store before it is freed. Counters are the same as pull's: the same bytes cross the link.
+ *
  * Small per-step metadata (token ids, positions, attention descriptors, copy lists) lives in host
  * memory that kernels read directly: on the cpu backend that is device memory; the cuda backend
  * maps it (cudaHostAlloc mapped). */
@@ -232,6 +242,11 @@ struct rekv_pipeline {
     int arena_registered;   /* the backend page-locked the arena (host_register) */
     int weights_registered; /* ... and the engine's layer blocks (offloaded weights) */
     size_t arena_bytes;
+    /* push: handles of the shared attention buffers and events; the store pushes KV rows */
+    rekv_ipc_handle h_attn_k[2], h_attn_v[2], h_attn_free[2], h_pushed[2];
+    rekv_event *ev_pushed[2]; /* the store's copies into the parity's buffers are done */
+    rekv_kv_push_piece *push_pieces;
+    size_t push_cap;
 };
 
 struct rekv_pseq {
@@ -297,6 +312,44 @@ static void dbuf_free(rekv_pipeline *p, dbuf *b)
         p->bi->dev_free(p->be, b->p);
     b->p = NULL;
     b->cap = 0;
+}
+
+/* push: the store drops its imports of these handles (before the buffers are freed) */
+static int push_release(rekv_pipeline *p, const rekv_ipc_handle *const *h, size_t n, rekv_err *err)
+{
+    const void *hs[8];
+    size_t k = 0;
+    for (size_t i = 0; i < n && k < 8; i++)
+        if (h[i]->magic == REKV_IPC_MAGIC)
+            hs[k++] = h[i];
+    return k ? rekv_kvstore_release(p->store, hs, k, err) : 0;
+}
+
+/* dbuf_ensure for a buffer the store imports (push): grown by a new shared buffer; the store drops
+ * its import of the old one before it is freed. */
+static int dbuf_ensure_shared(rekv_pipeline *p, dbuf *b, rekv_ipc_handle *h, size_t bytes,
+                              rekv_err *err)
+{
+    if (bytes <= b->cap)
+        return 0;
+    size_t want = bytes + bytes / 4;
+    rekv_ipc_handle nh;
+    void *n = p->bi->dev_alloc_shared(p->be, want, &nh, err);
+    if (n == NULL)
+        return -ENOMEM;
+    if (b->p) {
+        const rekv_ipc_handle *old[] = {h};
+        int rc = push_release(p, old, 1, err);
+        if (rc) {
+            p->bi->dev_free(p->be, n);
+            return rc;
+        }
+        p->bi->dev_free(p->be, b->p);
+    }
+    b->p = n;
+    b->cap = want;
+    *h = nh;
+    return 0;
 }
 
 /* A layer's tensors in load order — W_K and W_V (with biases) first, so recomputation can start
@@ -393,6 +446,12 @@ void rekv_pipeline_free(rekv_pipeline *p)
         }
         free(p->dev_layers);
     }
+    if (p->cfg.push && p->store) { /* the store lets go of our buffers and events first */
+        const rekv_ipc_handle *hs[] = {&p->h_attn_k[0], &p->h_attn_k[1],    &p->h_attn_v[0],
+                                       &p->h_attn_v[1], &p->h_attn_free[0], &p->h_attn_free[1],
+                                       &p->h_pushed[0], &p->h_pushed[1]};
+        push_release(p, hs, 8, NULL);
+    }
     for (int i = 0; i < 2; i++) {
         if (p->wbuf_mem[i])
             p->bi->dev_free(p->be, p->wbuf_mem[i]);
@@ -417,11 +476,12 @@ void rekv_pipeline_free(rekv_pipeline *p)
     if (p->d_head && !p->head_tied)
         p->bi->dev_free(p->be, p->d_head);
     rekv_event **evs[] = {p->ev_attn_free, p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
-                          p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree};
+                          p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree,      p->ev_pushed};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
             if (evs[i][j])
                 p->bi->event_destroy(evs[i][j]);
+    free(p->push_pieces);
     if (p->s_compute)
         p->bi->stream_destroy(p->s_compute);
     if (p->s_h2d)
@@ -459,6 +519,23 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         return rekv_errf(err, -EINVAL, "pipeline: act_gpu_blocks must not be negative");
     if (be->kernels == NULL)
         return rekv_errf(err, -EINVAL, "pipeline: backend %s has no kernels", be->iface->name);
+    if (cfg->push && cfg->mode == REKV_MODE_RESIDENT)
+        return rekv_errf(err, -EINVAL, "pipeline: push needs a mode that streams the KV cache");
+    if (cfg->push && !rekv_backend_has_ipc(be))
+        return rekv_errf(err, -ENOTSUP, "pipeline: push: backend %s cannot share buffers",
+                         be->iface->name);
+    if (cfg->push) { /* a cheap request: can the store push, and with our kind of handles? */
+        char name[16] = "";
+        rekv_err perr = {0};
+        int prc = rekv_kvstore_push(store, NULL, 0, NULL, NULL, NULL, 0, name, sizeof(name), &perr);
+        if (prc)
+            return rekv_errf(err, prc, "pipeline: push: %s", perr.msg);
+        if (strcmp(name, be->iface->name) != 0)
+            return rekv_errf(err, -ENOTSUP,
+                             "pipeline: push: the kvstore pushes with the %s backend, this worker "
+                             "runs %s",
+                             name, be->iface->name);
+    }
     rekv_pipeline *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
@@ -512,8 +589,14 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
                           p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
-            if ((rc = p->bi->event_create(be, &evs[i][j], err)))
+            if ((rc = (cfg->push && i == 0 ? p->bi->event_create_shared
+                                           : p->bi->event_create)(be, &evs[i][j], err)))
                 goto fail;
+    for (int j = 0; j < 2 && cfg->push; j++) /* the store waits on ev_attn_free, records pushed */
+        if ((rc = p->bi->event_create_shared(be, &p->ev_pushed[j], err)) ||
+            (rc = p->bi->event_export(p->ev_attn_free[j], &p->h_attn_free[j], err)) ||
+            (rc = p->bi->event_export(p->ev_pushed[j], &p->h_pushed[j], err)))
+            goto fail;
     /* weights on the device: the model's non-layer tensors always; layers unless offloaded */
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
     size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
@@ -794,7 +877,7 @@ static int store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, siz
 }
 
 /* Sizes every buffer for this step; called while the streams are idle. */
-static int ensure_buffers(rekv_pipeline *p, step *st)
+static int ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     size_t W = (size_t)(c->hidden > c->embed_dim ? c->hidden : c->embed_dim);
@@ -827,16 +910,30 @@ static int ensure_buffers(rekv_pipeline *p, step *st)
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
         for (int b = 0; b < 2; b++) {
             parity *pr = &p->par[b];
-            rc |= dbuf_ensure(p, &pr->attn_k, max_ctx_g * KV * dsz) |
-                  dbuf_ensure(p, &pr->attn_v, max_ctx_g * KV * dsz) |
-                  dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
+            if (p->cfg.push) { /* shared with the store, which writes the KV rows */
+                rekv_err e = {0};
+                int src =
+                    dbuf_ensure_shared(p, &pr->attn_k, &p->h_attn_k[b], max_ctx_g * KV * dsz, &e);
+                if (src == 0)
+                    src = dbuf_ensure_shared(p, &pr->attn_v, &p->h_attn_v[b], max_ctx_g * KV * dsz,
+                                             &e);
+                if (src)
+                    return rekv_errf(err, src, "step: push attention buffers: %s", e.msg);
+            } else {
+                rc |= dbuf_ensure(p, &pr->attn_k, max_ctx_g * KV * dsz) |
+                      dbuf_ensure(p, &pr->attn_v, max_ctx_g * KV * dsz);
+            }
+            rc |= dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
                   dbuf_ensure(p, &pr->out_stage, max_rows * (2 * KV + H) * dsz);
         }
         rc |= dbuf_ensure(p, &p->act_f32, max_ctx_g * H * f) |
               dbuf_ensure(p, &p->kr, max_ctx_g * KV * f) |
               dbuf_ensure(p, &p->vr, max_ctx_g * KV * f);
     }
-    return rc ? -ENOMEM : 0;
+    if (rc)
+        return rekv_errf(err, -ENOMEM, "step: out of device memory for a batch of %d sequences",
+                         st->n_items);
+    return 0;
 }
 
 /* The attention descriptors of batch g for one unit: resident caches or the parity's buffer. */
@@ -1235,6 +1332,35 @@ int rekv_pipeline_set_step(rekv_pipeline *p, const rekv_step_params *sp, rekv_er
     return 0;
 }
 
+/* push: has the store write the unit's KV rows (io->h2d_kv, as pull would copy them) into parity
+ * b's attention buffers once ev_attn_free[b] allows, then record ev_pushed[b]; returns once the
+ * store has enqueued that. */
+static int push_unit(rekv_pipeline *p, int b, const unit_io *io, rekv_err *err)
+{
+    if (reserve_bytes((void **)&p->push_pieces, &p->push_cap, io->h2d_kv.n,
+                      sizeof(rekv_kv_push_piece)))
+        return rekv_errf(err, -ENOMEM, "step: out of memory");
+    const uint8_t *k = p->par[b].attn_k.p, *v = p->par[b].attn_v.p;
+    for (size_t i = 0; i < io->h2d_kv.n; i++) {
+        const rekv_copy_piece *c = &io->h2d_kv.v[i];
+        const uint8_t *dst = c->dst;
+        int in_k = dst >= k && dst < k + p->par[b].attn_k.cap;
+        p->push_pieces[i] = (rekv_kv_push_piece){
+            .src = (uint64_t)((const uint8_t *)c->src - p->arena),
+            .dst = (uint64_t)(dst - (in_k ? k : v)),
+            .bytes = c->bytes,
+            .buffer = in_k ? 0 : 1,
+        };
+    }
+    const void *bufs[] = {&p->h_attn_k[b], &p->h_attn_v[b]};
+    rekv_err e = {0};
+    int rc = rekv_kvstore_push(p->store, bufs, 2, &p->h_attn_free[b], &p->h_pushed[b],
+                               p->push_pieces, io->h2d_kv.n, NULL, 0, &e);
+    if (rc)
+        return rekv_errf(err, rc, "step: push: %s", e.msg);
+    return 0;
+}
+
 int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rekv_err *err)
 {
     int rc;
@@ -1256,10 +1382,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             goto out;
         pinned = 1;
     }
-    if ((rc = ensure_buffers(p, &st))) {
-        rekv_errf(err, rc, "step: out of device memory for a batch of %d sequences", n_items);
+    if ((rc = ensure_buffers(p, &st, err)))
         goto out;
-    }
     rekv_stream *sc = p->s_compute, *sh = p->s_h2d, *sd = p->s_d2h;
     int E = c->embed_dim, H = c->hidden;
     for (int g = 0; g < st.n_g; g++) {
@@ -1328,11 +1452,17 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             w_loads++;
         }
         if (!resident) {
-            /* into the attention buffers, once the unit two back has read them */
-            p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
-            if (io.h2d_kv.n)
-                p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
-            p->bi->event_record(p->ev_loaded[b], sh);
+            /* into the attention buffers, once the unit two back has read them: by our own
+             * copies (pull), or by the store's (push: it waits for ev_attn_free[b] itself) */
+            if (p->cfg.push) {
+                if (io.h2d_kv.n && (rc = push_unit(p, b, &io, err)))
+                    goto drain;
+            } else {
+                p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
+                if (io.h2d_kv.n)
+                    p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
+                p->bi->event_record(p->ev_loaded[b], sh);
+            }
             /* compute: recompute K,V from activations into the attention buffers */
             if (io.n_act) {
                 p->bi->stream_wait_event(sc, p->ev_act[b]);
@@ -1350,7 +1480,10 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                               c->n_kv_heads, c->head_dim, p->cfg.cache_dtype);
             }
             p->bi->event_record(p->ev_stage_free[b], sc);
-            p->bi->stream_wait_event(sc, p->ev_loaded[b]);
+            if (!p->cfg.push)
+                p->bi->stream_wait_event(sc, p->ev_loaded[b]);
+            else if (io.h2d_kv.n)
+                p->bi->stream_wait_event(sc, p->ev_pushed[b]);
         }
         if (p->cfg.offload_weights)
             p->bi->stream_wait_event(sc, p->ev_wall[wb]);

@@ -55,6 +55,10 @@ typedef struct rekv_pipeline_config {
     int act_gpu_blocks;     /* ACT_GPU (HybridServe): each sequence's first N ACT blocks per
                                layer are also kept on the device, so their activations never
                                cross the link again (act, hybrid, kvpr); 0: none */
+    int push;               /* the kvstore writes the KV rows into the device's attention buffers
+                               (CUDA IPC / memfd) instead of the worker copying them from the
+                               arena (pull); needs a store with a push backend of this backend's
+                               kind, and a mode other than resident. 0: pull */
 } rekv_pipeline_config;
 
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);

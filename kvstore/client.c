@@ -553,6 +553,86 @@ int rekv_kvstore_drop_owner(rekv_kvstore_client *c, const char *owner, uint64_t 
     return rc;
 }
 
+static ProtobufCBinaryData handle_bytes(const void *h)
+{
+    return (ProtobufCBinaryData){h ? REKV_KV_IPC_HANDLE_BYTES : 0, (uint8_t *)h};
+}
+
+int rekv_kvstore_push(rekv_kvstore_client *c, const void *const *buffers, size_t n_buffers,
+                      const void *wait_event, const void *done_event,
+                      const rekv_kv_push_piece *pieces, size_t n_pieces, char *backend, size_t cap,
+                      rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Push m = REKV__KVSTORE__PUSH__INIT;
+    ProtobufCBinaryData *bufs = calloc(n_buffers ? n_buffers : 1, sizeof(*bufs));
+    uint64_t *src = malloc(sizeof(uint64_t) * (n_pieces ? n_pieces : 1));
+    uint64_t *dst = malloc(sizeof(uint64_t) * (n_pieces ? n_pieces : 1));
+    uint64_t *bytes = malloc(sizeof(uint64_t) * (n_pieces ? n_pieces : 1));
+    uint32_t *which = malloc(sizeof(uint32_t) * (n_pieces ? n_pieces : 1));
+    int rc = 0;
+    if (bufs == NULL || src == NULL || dst == NULL || bytes == NULL || which == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n_buffers; i++)
+        bufs[i] = handle_bytes(buffers[i]);
+    for (size_t i = 0; i < n_pieces; i++) {
+        src[i] = pieces[i].src;
+        dst[i] = pieces[i].dst;
+        bytes[i] = pieces[i].bytes;
+        which[i] = pieces[i].buffer;
+    }
+    m.n_buffers = n_buffers;
+    m.buffers = bufs;
+    m.wait_event = handle_bytes(wait_event);
+    m.done_event = handle_bytes(done_event);
+    m.n_src = m.n_dst = m.n_bytes = m.n_buffer = n_pieces;
+    m.src = src;
+    m.dst = dst;
+    m.bytes = bytes;
+    m.buffer = which;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_PUSH;
+    req.push = &m;
+    Rekv__Kvstore__Response *resp;
+    if ((rc = call(c, &req, &resp, err)) < 0)
+        goto out;
+    if (backend && cap) {
+        const char *name =
+            resp->body_case == REKV__KVSTORE__RESPONSE__BODY_PUSH && resp->push->backend
+                ? resp->push->backend
+                : "";
+        snprintf(backend, cap, "%s", name);
+    }
+    rekv__kvstore__response__free_unpacked(resp, NULL);
+out:
+    free(bufs);
+    free(src);
+    free(dst);
+    free(bytes);
+    free(which);
+    return rc;
+}
+
+int rekv_kvstore_release(rekv_kvstore_client *c, const void *const *handles, size_t n,
+                         rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Release m = REKV__KVSTORE__RELEASE__INIT;
+    ProtobufCBinaryData *hs = calloc(n ? n : 1, sizeof(*hs));
+    if (hs == NULL)
+        return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+    for (size_t i = 0; i < n; i++)
+        hs[i] = handle_bytes(handles[i]);
+    m.n_handles = n;
+    m.handles = hs;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_RELEASE;
+    req.release = &m;
+    int rc = call_simple(c, &req, err);
+    free(hs);
+    return rc;
+}
+
 int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err)
 {
     Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;

@@ -21,6 +21,18 @@
  * the same name drops them at once with rekv_kvstore_drop_owner before it creates any. Sequences
  * of clients without an owner stay until dropped.
  *
+ * Push (optional; rekv_kvstore_config.push_backend): a store started with a backend can copy
+ * blocks into a client's device receive buffers itself, so that the client's GPU need not pull
+ * them across (DESIGN.md, "Processes"). The client exports the buffers and two events with the
+ * backend's IPC entries (gpuworker/backend.h: dev_alloc_shared, event_create_shared) and sends
+ * their 128-byte handles with the pieces (rekv_kvstore_push); the store imports them once per
+ * connection (cached by handle bytes), enqueues the copies arena -> buffer on its own stream after
+ * a GPU-side wait on the first event, records the second event, and replies — the client then
+ * makes its stream wait on that event; nobody waits on the CPU for the copies. Every piece is
+ * checked against the arena and the imported buffer's size. Imports are dropped on
+ * rekv_kvstore_release (a client releases a buffer before freeing it), when the connection's
+ * lease expires, and when the store stops. Pieces should lie in blocks the client has pinned.
+ *
  * Every library function returns 0 or a negative errno and, on failure, fills the rekv_err with
  * one line. Nothing here prints or exits; the server reports notable events through an optional
  * callback so that only the daemon's main decides what to log. */
@@ -154,6 +166,9 @@ typedef struct rekv_kvstore_config {
     /* Called from the loop at least once a second (e.g. to pet systemd's watchdog); NULL. */
     void (*on_tick)(void *ctx);
     void *event_ctx;       /* passed to on_event and on_tick */
+    /* Push support: the backend the store copies into clients' device buffers with ("cpu",
+     * "cuda", "auto": cuda when there is a device); NULL or "": none (Push answers -ENOTSUP). */
+    const char *push_backend;
 } rekv_kvstore_config;
 
 /* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1). */
@@ -262,6 +277,34 @@ int rekv_kvstore_client_set_owner(rekv_kvstore_client *c, const char *owner, rek
  * NULL. */
 int rekv_kvstore_drop_owner(rekv_kvstore_client *c, const char *owner, uint64_t *n_seqs,
                             uint64_t *n_blocks, rekv_err *err);
+
+/* ---- push (see the top of this file) ---- */
+
+#define REKV_KV_IPC_HANDLE_BYTES 128 /* sizeof(rekv_ipc_handle), gpuworker/backend.h */
+
+/* One piece of a push: bytes from arena offset src into buffers[buffer] at offset dst. */
+typedef struct rekv_kv_push_piece {
+    uint64_t src;
+    uint64_t dst;
+    uint64_t bytes;
+    uint32_t buffer;
+} rekv_kv_push_piece;
+
+/* Has the store enqueue the pieces on its push stream, after a GPU-side wait on wait_event (NULL:
+ * none) and followed by a record of done_event (NULL: none); returns once they are enqueued.
+ * buffers[n_buffers] and the events point at REKV_KV_IPC_HANDLE_BYTES-byte IPC handles. With no
+ * buffers, events or pieces it only asks whether the store can push: *backend (may be NULL, cap
+ * bytes) receives the store's push backend name ("cpu", "cuda"), whose handles it imports.
+ * -ENOTSUP when the store has no push backend; -EINVAL with the reason for a bad handle or a
+ * piece outside the arena or its buffer (nothing is enqueued then). */
+int rekv_kvstore_push(rekv_kvstore_client *c, const void *const *buffers, size_t n_buffers,
+                      const void *wait_event, const void *done_event,
+                      const rekv_kv_push_piece *pieces, size_t n_pieces, char *backend, size_t cap,
+                      rekv_err *err);
+/* Drops the store's imports of these handles (n == 0: all of this connection's) once the work
+ * using them has finished; call before freeing an exported buffer. Unknown handles are fine. */
+int rekv_kvstore_release(rekv_kvstore_client *c, const void *const *handles, size_t n,
+                         rekv_err *err);
 
 #define REKV_KV_HIST_BUCKETS 40
 typedef struct rekv_kv_hist {

@@ -21,7 +21,7 @@ static void usage(FILE *f)
                "         [--spill-bytes N] [--no-spill] [--model PATH | --layers N --kv-heads K\n"
                "         --head-dim D --hidden H] [--cache-dtype f16|f32] [--huge-pages]\n"
                "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
-               "         [--no-register-arena] [--ready-fd N]\n"
+               "         [--no-register-arena] [--ready-fd N] [--push-backend cpu|cuda|auto]\n"
                "Sizes take K, M, G suffixes (powers of two).\n");
 }
 
@@ -67,6 +67,7 @@ int main(int argc, char **argv)
         O_LOW,
         O_NO_REG,
         O_READY,
+        O_PUSH,
         O_HELP
     };
     static const struct option opts[] = {
@@ -88,6 +89,7 @@ int main(int argc, char **argv)
         {"low-pct", required_argument, 0, O_LOW},
         {"no-register-arena", no_argument, 0, O_NO_REG},
         {"ready-fd", required_argument, 0, O_READY},
+        {"push-backend", required_argument, 0, O_PUSH},
         {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -97,6 +99,10 @@ int main(int argc, char **argv)
         switch (o) {
         case O_ENDPOINT:
             cfg.endpoint = optarg;
+            break;
+        case O_PUSH:
+            cfg.push_backend = optarg;
+            bad = strcmp(optarg, "cpu") && strcmp(optarg, "cuda") && strcmp(optarg, "auto");
             break;
         case O_HOST:
             bad = rekv_parse_size(optarg, &host_bytes);

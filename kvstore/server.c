@@ -12,7 +12,14 @@
  * Requests that need I/O (a pin of spilled blocks, an append that needs room) are parked and run
  * again from the start whenever I/O completes; a parked request holds the blocks it found resident
  * so that its own progress is never spilled away. A request waits only while I/O it depends on is
- * in flight; otherwise it fails with -ENOMEM and a reason, so nothing waits forever. */
+ * in flight; otherwise it fails with -ENOMEM and a reason, so nothing waits forever.
+ *
+ * Push (cfg.push_backend): the server holds a backend (its arena registered with it where the
+ * backend can) and one stream. A Push imports the client's buffers and events once (kept per
+ * connection, keyed by the handle's bytes), checks every piece, and enqueues wait, copies and
+ * record on that stream; the reply leaves once they are enqueued. Imports are dropped, after the
+ * stream has drained, on Release, when the connection's lease expires (ZeroMQ does not report a
+ * disconnect; a silent connection is a gone one), and on destroy. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -31,6 +38,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "gpuworker/backend.h"
 #include "kvstore/kv_internal.h"
 #include "proto/kvstore.pb-c.h"
 
@@ -72,12 +80,26 @@ typedef struct kv_seq {
     char *owner;       /* owner name of the connection that created it; NULL for none */
 } kv_seq;
 
+/* A buffer or event a client exported and the push path imported. */
+typedef struct kv_import {
+    uint8_t handle[REKV_KV_IPC_HANDLE_BYTES]; /* as the client sent it */
+    void *dev;                                /* a buffer: the mapping, its size */
+    size_t bytes;
+    rekv_event *ev; /* an event */
+    struct kv_import *next;
+} kv_import;
+
+#define MAX_IMPORTS 64 /* per connection; beyond it the connection's imports are dropped */
+#define MAX_PUSH_BUFFERS 16
+
 typedef struct kv_client {
     uint8_t ident[MAX_IDENT]; /* ZeroMQ routing id */
     size_t ident_len;
     uint64_t last_seen;       /* ns of the last request */
     kv_map pins;              /* block id -> pin count */
     char owner[MAX_OWNER + 1]; /* the owner name its last request carried; "" for none */
+    kv_import *imports;        /* the push path's imports for it */
+    size_t n_imports;
     struct kv_client *next;
 } kv_client;
 
@@ -129,6 +151,9 @@ struct rekv_kvstore_server {
     uint64_t sequences_reclaimed; /* dropped by DropOwner or with their owner's lease */
     int orphans_left;          /* a dead owner's sequence was busy: sweep again at next check */
     rekv_kv_hist hist[H_COUNT];
+    rekv_backend *pbe;    /* push backend, or NULL */
+    rekv_stream *pstream; /* its stream: every push's wait, copies and record */
+    int push_registered;  /* the arena is registered with it (host_register) */
 };
 
 /* ------------------------------------------------------------------ small helpers */
@@ -597,6 +622,45 @@ static void orphans_sweep(rekv_kvstore_server *s)
     free(owners);
 }
 
+/* ------------------------------------------------------------------ push imports */
+
+/* Drops c's imports whose handle is one of handles[n] (handles NULL: all of them), once the push
+ * stream has finished the work that uses them. */
+static void client_drop_imports(rekv_kvstore_server *s, kv_client *c, ProtobufCBinaryData *handles,
+                                size_t n)
+{
+    if (c->imports == NULL)
+        return;
+    s->pbe->iface->stream_sync(s->pstream, NULL);
+    kv_import **pp = &c->imports;
+    while (*pp) {
+        kv_import *im = *pp;
+        int drop = handles == NULL;
+        for (size_t i = 0; i < n && !drop; i++)
+            drop = handles[i].len == sizeof(im->handle) &&
+                   memcmp(handles[i].data, im->handle, sizeof(im->handle)) == 0;
+        if (!drop) {
+            pp = &im->next;
+            continue;
+        }
+        *pp = im->next;
+        if (im->ev)
+            s->pbe->iface->event_destroy(im->ev);
+        else
+            s->pbe->iface->dev_unimport(s->pbe, im->dev);
+        free(im);
+        c->n_imports--;
+    }
+}
+
+static void client_free(rekv_kvstore_server *s, kv_client *c)
+{
+    if (s->pbe)
+        client_drop_imports(s, c, NULL, 0);
+    kv_map_free(&c->pins);
+    free(c);
+}
+
 static void leases_check(rekv_kvstore_server *s)
 {
     uint64_t lease = (uint64_t)s->cfg.lease_ms * 1000000ull;
@@ -620,8 +684,7 @@ static void leases_check(rekv_kvstore_server *s)
             }
             owned_gone |= c->owner[0] != '\0';
             *pp = c->next;
-            kv_map_free(&c->pins);
-            free(c);
+            client_free(s, c);
             continue;
         }
         pp = &c->next;
@@ -639,6 +702,7 @@ typedef struct kv_reply {
     Rekv__Kvstore__PlanReply plan;
     Rekv__Kvstore__StatsReply stats;
     Rekv__Kvstore__DropOwnerReply drop_owner;
+    Rekv__Kvstore__PushReply push;
     Rekv__Kvstore__Histogram hists[H_COUNT];
     Rekv__Kvstore__Histogram *hist_ptrs[H_COUNT];
     char err[768];
@@ -1167,6 +1231,107 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     return 0;
 }
 
+/* c's import of handle h (a buffer, or an event when is_event), importing it on first use. */
+static int import_get(rekv_kvstore_server *s, kv_client *c, const ProtobufCBinaryData *h,
+                      int is_event, kv_import **out, kv_reply *r, const char *what)
+{
+    if (h->len != REKV_KV_IPC_HANDLE_BYTES)
+        return fail(r, -EINVAL, "push: %s handle of %zu bytes, not %d", what, h->len,
+                    REKV_KV_IPC_HANDLE_BYTES);
+    for (kv_import *im = c->imports; im; im = im->next)
+        if (memcmp(im->handle, h->data, sizeof(im->handle)) == 0 && (im->ev != NULL) == is_event) {
+            *out = im;
+            return 0;
+        }
+    kv_import *im = calloc(1, sizeof(*im));
+    if (im == NULL)
+        return fail(r, -ENOMEM, "push: out of memory");
+    rekv_ipc_handle hd;
+    memcpy(&hd, h->data, sizeof(hd));
+    memcpy(im->handle, h->data, sizeof(im->handle));
+    rekv_err e = {0};
+    const rekv_backend_iface *bi = s->pbe->iface;
+    int rc = is_event ? bi->event_import(s->pbe, &hd, &im->ev, &e)
+                      : bi->dev_import(s->pbe, &hd, &im->dev, &im->bytes, &e);
+    if (rc < 0) {
+        free(im);
+        return fail(r, rc, "push: %s: %s", what, e.msg[0] ? e.msg : "import failed");
+    }
+    im->next = c->imports;
+    c->imports = im;
+    c->n_imports++;
+    *out = im;
+    return 0;
+}
+
+static int h_push(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Push *m, kv_reply *r)
+{
+    if (s->pbe == NULL)
+        return fail(r, -ENOTSUP, "this kvstore has no push backend (start it with --push-backend)");
+    size_t n = m->n_src;
+    if (m->n_dst != n || m->n_bytes != n || m->n_buffer != n)
+        return fail(r, -EINVAL, "push: piece arrays of different lengths (%zu, %zu, %zu, %zu)",
+                    m->n_src, m->n_buffer, m->n_dst, m->n_bytes);
+    if (m->n_buffers > MAX_PUSH_BUFFERS)
+        return fail(r, -EINVAL, "push: %zu buffers, at most %d", m->n_buffers, MAX_PUSH_BUFFERS);
+    r->push.backend = (char *)s->pbe->iface->name;
+    r->resp.body_case = REKV__KVSTORE__RESPONSE__BODY_PUSH;
+    r->resp.push = &r->push;
+    if (n == 0 && m->n_buffers == 0 && m->wait_event.len == 0 && m->done_event.len == 0)
+        return 0; /* a probe */
+    if (c->n_imports + m->n_buffers + 2 > MAX_IMPORTS)
+        client_drop_imports(s, c, NULL, 0);
+    kv_import *bufs[MAX_PUSH_BUFFERS], *wait = NULL, *done = NULL;
+    for (size_t i = 0; i < m->n_buffers; i++) {
+        bufs[i] = NULL;
+        if (import_get(s, c, &m->buffers[i], 0, &bufs[i], r, "buffer") || bufs[i] == NULL)
+            return 0;
+    }
+    if (m->wait_event.len && (import_get(s, c, &m->wait_event, 1, &wait, r, "wait event") || !wait))
+        return 0;
+    if (m->done_event.len && (import_get(s, c, &m->done_event, 1, &done, r, "done event") || !done))
+        return 0;
+    rekv_copy_piece *pc = reply_alloc(r, n, sizeof(*pc));
+    if (pc == NULL)
+        return fail(r, -ENOMEM, "push: out of memory for %zu pieces", n);
+    uint64_t lo = s->arena.hdr->data_offset, hi = s->arena.bytes;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t src = m->src[i], dst = m->dst[i], bytes = m->bytes[i];
+        if (m->buffer[i] >= m->n_buffers)
+            return fail(r, -EINVAL, "push: piece %zu names buffer %u of %zu", i, m->buffer[i],
+                        m->n_buffers);
+        if (src < lo || src > hi || bytes > hi - src)
+            return fail(
+                r, -EINVAL,
+                "push: piece %zu reads [%llu, +%llu) outside the arena's blocks [%llu, %llu)", i,
+                (unsigned long long)src, (unsigned long long)bytes, (unsigned long long)lo,
+                (unsigned long long)hi);
+        kv_import *b = bufs[m->buffer[i]];
+        if (dst > b->bytes || bytes > b->bytes - dst)
+            return fail(r, -EINVAL,
+                        "push: piece %zu writes [%llu, +%llu) outside buffer %u of %zu bytes", i,
+                        (unsigned long long)dst, (unsigned long long)bytes, m->buffer[i], b->bytes);
+        pc[i] = (rekv_copy_piece){(uint8_t *)b->dev + dst, (uint8_t *)s->arena.base + src,
+                                  (size_t)bytes};
+    }
+    const rekv_backend_iface *bi = s->pbe->iface;
+    if (wait)
+        bi->stream_wait_event(s->pstream, wait->ev);
+    if (n)
+        bi->copy_h2d(s->pstream, pc, n, REKV_XFER_KV);
+    if (done)
+        bi->event_record(done->ev, s->pstream);
+    return 0;
+}
+
+static int h_release(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Release *m, kv_reply *r)
+{
+    if (s->pbe == NULL)
+        return fail(r, -ENOTSUP, "this kvstore has no push backend (start it with --push-backend)");
+    client_drop_imports(s, c, m->n_handles ? m->handles : NULL, m->n_handles);
+    return 0;
+}
+
 /* Runs one request; WAIT when parked, else the reply is in r. */
 static int dispatch(rekv_kvstore_server *s, kv_pending *p, kv_reply *r, int *hist)
 {
@@ -1208,6 +1373,10 @@ static int dispatch(rekv_kvstore_server *s, kv_pending *p, kv_reply *r, int *his
         return h_stats(s, r);
     case REKV__KVSTORE__REQUEST__BODY_DROP_OWNER:
         return h_drop_owner(s, q->drop_owner, r);
+    case REKV__KVSTORE__REQUEST__BODY_PUSH:
+        return h_push(s, c, q->push, r);
+    case REKV__KVSTORE__REQUEST__BODY_RELEASE:
+        return h_release(s, c, q->release, r);
     default:
         return fail(r, -EBADMSG, "request %llu has no body", (unsigned long long)q->id);
     }
@@ -1240,7 +1409,9 @@ static void reply_init(kv_reply *r, uint64_t id)
     Rekv__Kvstore__PlanReply pi = REKV__KVSTORE__PLAN_REPLY__INIT;
     Rekv__Kvstore__StatsReply si = REKV__KVSTORE__STATS_REPLY__INIT;
     Rekv__Kvstore__DropOwnerReply di = REKV__KVSTORE__DROP_OWNER_REPLY__INIT;
+    Rekv__Kvstore__PushReply pu = REKV__KVSTORE__PUSH_REPLY__INIT;
     r->resp = ri;
+    r->push = pu;
     r->drop_owner = di;
     r->append = ai;
     r->table = ti;
@@ -1579,6 +1750,29 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
         goto fail;
     if (notice[0])
         srv_event(s, REKV_KV_EVENT_WARN, "%s", notice);
+    /* push backend */
+    if (cfg->push_backend && cfg->push_backend[0]) {
+        char note[256] = "";
+        if ((rc = rekv_backend_create(cfg->push_backend, NULL, &s->pbe, note, sizeof(note), err)))
+            goto fail;
+        if (!rekv_backend_has_ipc(s->pbe)) {
+            rc =
+                rekv_errf(err, -ENOTSUP, "kvstore: the %s backend cannot import buffers to push to",
+                          s->pbe->iface->name);
+            goto fail;
+        }
+        if ((rc = s->pbe->iface->stream_create(s->pbe, "push", &s->pstream, err)))
+            goto fail;
+        if (s->pbe->iface->host_register && s->pbe->iface->host_unregister) {
+            rekv_err e = {0};
+            if (s->pbe->iface->host_register(s->pbe, s->arena.base, s->arena.bytes, &e) == 0)
+                s->push_registered = 1;
+            else
+                srv_event(s, REKV_KV_EVENT_WARN, "push: arena not page-locked: %s", e.msg);
+        }
+        srv_event(s, REKV_KV_EVENT_INFO, "push backend: %s%s%s", s->pbe->iface->name,
+                  note[0] ? " — " : "", note);
+    }
     s->free_slots = malloc(s->arena.n_slots * sizeof(uint32_t));
     if (s->free_slots == NULL) {
         rc = rekv_errf(err, -ENOMEM, "kvstore: out of memory for the slot list");
@@ -1774,6 +1968,15 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
         unlink(s->ipc_path);
     if (s->stop_fd >= 0)
         close(s->stop_fd);
+    if (s->pbe) { /* imports unmapped, then the stream and the backend, before the arena goes */
+        for (kv_client *c = s->clients; c; c = c->next)
+            client_drop_imports(s, c, NULL, 0);
+        if (s->pstream)
+            s->pbe->iface->stream_destroy(s->pstream);
+        if (s->push_registered)
+            s->pbe->iface->host_unregister(s->pbe, s->arena.base);
+        rekv_backend_destroy(s->pbe);
+    }
     if (s->arena.base != NULL)
         kv_arena_destroy(&s->arena);
     for (size_t i = 0; i < s->seqs.cap; i++)

@@ -4,7 +4,9 @@
  * synthetic OPT and Llama models, with the KV cache in a real kvstore process; and with any split
  * into GPU batches, since the cpu backend's GEMM is row-invariant. The resident pipeline in turn
  * matches the reference forward pass bit for bit. Bytes moved per step equal the papers'
- * formulas. */
+ * formulas. Push (the kvstore process writes the KV rows into the worker's shared attention
+ * buffers, cpu backend IPC) gives the same bits and the same counters as pull; a store without a
+ * push backend is refused at pipeline creation. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -24,6 +26,9 @@ typedef struct fixture {
     char *dir;
 } fixture;
 
+/* the push backend fixture_open starts its store with ("cpu"; NULL: a store that cannot push) */
+static const char *g_store_push = "cpu";
+
 static void fixture_open(fixture *f, const char *model_path, rekv_dtype cache)
 {
     rekv_err err = {0};
@@ -39,6 +44,7 @@ static void fixture_open(fixture *f, const char *model_path, rekv_dtype cache)
     cfg.endpoint = ep;
     cfg.host_bytes = 256ull << 20;
     cfg.spill_dir = f->dir;
+    cfg.push_backend = g_store_push;
     ck_assert_msg(rekv_kv_geometry_from_config(&f->m->config, cache, &cfg.geometry, &err) == 0,
                   "%s", err.msg);
     ck_assert_msg(rekv_kvstore_spawn(&cfg, &f->store_pid, &err) == 0, "%s", err.msg);
@@ -125,6 +131,16 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
             ck_assert(memcmp(sc, &out->first_decode, sizeof(*sc)) == 0);
         }
     }
+    if (cfg->mode != REKV_MODE_RESIDENT) { /* push: the KV rows came by the store's copies */
+        rekv_backend_stats bs;
+        rekv_layer_counters tot;
+        f->be->iface->stats(f->be, &bs);
+        rekv_pipeline_counters(p, &tot);
+        if (cfg->push)
+            ck_assert_uint_eq(bs.h2d_bytes[REKV_XFER_KV], 0);
+        else
+            ck_assert_uint_ge(bs.h2d_bytes[REKV_XFER_KV], tot.h2d_bytes[REKV_XFER_KV]);
+    }
     for (int i = 0; i < B; i++)
         rekv_pseq_free(seqs[i]);
     free(seqs);
@@ -209,10 +225,10 @@ static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_
 
 static const char *cfg_name(const rekv_pipeline_config *c, char *buf, size_t n)
 {
-    snprintf(buf, n, "%s%s %s gpu_batches=%d split=%d pattern=%d:%d act_gpu=%d",
+    snprintf(buf, n, "%s%s%s %s gpu_batches=%d split=%d pattern=%d:%d act_gpu=%d",
              rekv_mode_name(c->mode), c->offload_weights ? "+offload-weights" : "",
-             c->schedule == REKV_SCHED_ROW ? "row" : "column", c->gpu_batches, c->split,
-             c->kv_parts, c->act_parts, c->act_gpu_blocks);
+             c->push ? "+push" : "", c->schedule == REKV_SCHED_ROW ? "row" : "column",
+             c->gpu_batches, c->split, c->kv_parts, c->act_parts, c->act_gpu_blocks);
     return buf;
 }
 
@@ -254,16 +270,21 @@ static void check_modes(const char *model_path, rekv_dtype cache, const int *len
                      {REKV_MODE_ACT, 0, 1, 1, 0},      {REKV_MODE_ACT, 0, 1, 1, 2},
                      {REKV_MODE_HYBRID, 0, 1, 1, 0},   {REKV_MODE_HYBRID, 0, 3, 1, 1},
                      {REKV_MODE_HYBRID, 0, 1, 2, 3}};
+        /* ow 2: weights resident, KV rows pushed by the store (push only changes who copies the
+         * KV rows, so once over the weight placements is enough) */
         for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++)
-            for (int ow = 0; ow < 2; ow++)
+            for (int ow = 0; ow < 3; ow++)
                 for (int sched = 0; sched < 2; sched++) {
+                    if (ow == 2 && modes[mi].mode == REKV_MODE_RESIDENT)
+                        continue;
                     rekv_pipeline_config cfg = base;
+                    cfg.push = ow == 2;
                     cfg.mode = modes[mi].mode;
                     cfg.split = modes[mi].split;
                     cfg.kv_parts = modes[mi].kv;
                     cfg.act_parts = modes[mi].act;
                     cfg.act_gpu_blocks = modes[mi].act_gpu;
-                    cfg.offload_weights = ow;
+                    cfg.offload_weights = ow == 1;
                     cfg.schedule = sched ? REKV_SCHED_COLUMN : REKV_SCHED_ROW;
                     run r;
                     do_run(&f, &cfg, B, lens, prompts, steps, &r);
@@ -390,15 +411,20 @@ START_TEST(step_params_change_nothing)
                          REKV_MODE_HYBRID};
     g_chaos = 1;
     for (int m = 0; m < 5; m++)
-        for (int ow = 0; ow < 2; ow++) {
+        for (int ow = 0; ow < 3; ow++) { /* ow 2: weights resident, KV rows pushed */
+            if (ow == 2 && modes[m] == REKV_MODE_RESIDENT)
+                continue;
             cfg.mode = modes[m];
-            cfg.offload_weights = ow;
+            cfg.offload_weights = ow == 1;
+            cfg.push = ow == 2;
             run r;
             do_run(&f, &cfg, B, lens, prompts, steps, &r);
             ck_assert_msg(
                 memcmp(r.logits, ref.logits, sizeof(float) * (size_t)(steps + 1) * B * V) == 0,
                 "%s%s: changing step parameters changed the logits", rekv_mode_name(cfg.mode),
-                ow ? "+offload-weights" : "");
+                ow == 1   ? "+offload-weights"
+                : ow == 2 ? "+push"
+                          : "");
             free(r.logits);
         }
     g_chaos = 0;
@@ -451,6 +477,41 @@ START_TEST(resident_matches_forward)
 }
 END_TEST
 
+/* A store without a push backend: a push pipeline is refused at creation, saying why; push makes
+ * no sense in resident mode. */
+START_TEST(push_needs_a_store_that_pushes)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", p);
+    fixture f;
+    g_store_push = NULL;
+    fixture_open(&f, path, REKV_DTYPE_F32);
+    g_store_push = "cpu";
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_OFFLOAD;
+    cfg.push = 1;
+    rekv_pipeline *pl = NULL;
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err), -ENOTSUP);
+    ck_assert_ptr_null(pl);
+    ck_assert_msg(strstr(err.msg, "no push backend") != NULL, "%s", err.msg);
+    cfg.mode = REKV_MODE_RESIDENT;
+    rekv_err_clear(&err);
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, NULL, &cfg, &pl, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "push") != NULL, "%s", err.msg);
+    /* the store still serves pull */
+    cfg.mode = REKV_MODE_OFFLOAD;
+    cfg.push = 0;
+    ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err) == 0, "%s", err.msg);
+    rekv_pipeline_free(pl);
+    fixture_close(&f);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("pipeline");
@@ -460,6 +521,7 @@ static Suite *suite(void)
     tcase_add_test(tc, step_params_change_nothing);
     tcase_add_test(tc, modes_stories260k);
     tcase_add_test(tc, modes_synthetic);
+    tcase_add_test(tc, push_needs_a_store_that_pushes);
     suite_add_tcase(s, tc);
     return s;
 }
