@@ -100,7 +100,8 @@ typedef struct cpu_ipc_page {
     uint64_t recorded;  /* generations handed out by event_record, in any process */
     uint64_t completed; /* the highest generation whose work has finished; only grows */
     uint32_t seq;       /* bumped after completed grows: the futex word waiters sleep on */
-    uint32_t pad;
+    int32_t recorder;   /* the process of the latest event_record: a waiter whose generation is
+                           not complete when that process has died gives up (-EPIPE) */
 } cpu_ipc_page;
 
 /* This process's mapping of a shared event's page; shared by the event and the record and wait
@@ -247,16 +248,22 @@ static bool flag_holds(uint32_t v, uint32_t value)
     return (int32_t)(v - value) >= 0;
 }
 
-/* Blocks until a shared event's completed reaches gen. */
-static void ipc_page_wait(cpu_ipc_page *pg, uint64_t gen)
+/* Blocks until a shared event's completed reaches gen: 0, or -EPIPE when the process that
+ * recorded it died first (its work will never finish; checked every 20 ms). */
+static int ipc_page_wait(cpu_ipc_page *pg, uint64_t gen)
 {
+    const struct timespec tick = {0, 20 * 1000 * 1000};
     for (;;) {
         /* seq before completed: a completion after these loads changes seq, so the futex wait
          * returns at once instead of missing the wake */
         uint32_t seq = __atomic_load_n(&pg->seq, __ATOMIC_ACQUIRE);
         if (__atomic_load_n(&pg->completed, __ATOMIC_ACQUIRE) >= gen)
-            return;
-        futex_wait_word(&pg->seq, seq, NULL);
+            return 0;
+        futex_wait_word(&pg->seq, seq, &tick);
+        pid_t rec = __atomic_load_n(&pg->recorder, __ATOMIC_ACQUIRE);
+        if (rec > 0 && rec != getpid() && kill(rec, 0) < 0 && errno == ESRCH &&
+            __atomic_load_n(&pg->completed, __ATOMIC_ACQUIRE) < gen)
+            return -EPIPE;
     }
 }
 
@@ -427,7 +434,12 @@ static void run_ipc_record(rekv_stream *s, cpu_task *t)
 static void run_ipc_wait(rekv_stream *s, cpu_task *t)
 {
     uint64_t start = rekv_now_ns();
-    ipc_page_wait(t->u.ipc.map->page, t->u.ipc.gen);
+    int32_t rec = __atomic_load_n(&t->u.ipc.map->page->recorder, __ATOMIC_ACQUIRE);
+    if (ipc_page_wait(t->u.ipc.map->page, t->u.ipc.gen) != 0)
+        stream_fail(s, -EPIPE,
+                    "cpu stream %s: a shared event's recording process (pid %d) died before the "
+                    "recorded work finished",
+                    s->name, (int)rec);
     ipc_map_unref(t->u.ipc.map);
     uint64_t end = rekv_now_ns();
     if (end - start > CPU_WAIT_SPAN_MIN_NS)
@@ -829,6 +841,7 @@ static void ipc_event_record(rekv_event *ev, rekv_stream *s)
         return;
     atomic_fetch_add(&ev->ipc->refs, 1);
     t->u.ipc.map = ev->ipc;
+    __atomic_store_n(&ev->ipc->page->recorder, (int32_t)getpid(), __ATOMIC_RELEASE);
     t->u.ipc.gen = __atomic_add_fetch(&ev->ipc->page->recorded, 1, __ATOMIC_SEQ_CST);
     task_push(s, t);
 }
@@ -907,7 +920,7 @@ static void cpu_event_sync(rekv_event *ev)
     cpu_backend *be = ev->be;
     if (ev->ipc != NULL) {
         cpu_ipc_page *pg = ev->ipc->page;
-        ipc_page_wait(pg, __atomic_load_n(&pg->recorded, __ATOMIC_SEQ_CST));
+        (void)ipc_page_wait(pg, __atomic_load_n(&pg->recorded, __ATOMIC_SEQ_CST));
         return;
     }
     pthread_mutex_lock(&be->ev_mu);

@@ -360,6 +360,42 @@ START_TEST(push_with_event)
 }
 END_TEST
 
+/* The recording process dies before its recorded work finishes: our stream, waiting on the
+ * event, gives up with a clear error instead of waiting for ever (a dead worker must not hang the
+ * store, nor a dead store the worker). */
+START_TEST(dead_recorder_fails_the_wait)
+{
+    const size_t n = 1 * MiB;
+    uint32_t *flag;
+    int flag_fd = peer_flag_create(&flag);
+    peer p;
+    peer_start(&p, "/proc/self/exe", "cpu", flag_fd);
+    open_backend();
+    rekv_err err = {0};
+    peer_msg m = {.op = PEER_PUSH_EVENT, .seed = 9, .delay_ms = 60000, .bytes = n};
+    void *buf = g_bi->dev_alloc_shared(g_be, n, &m.buf, &err);
+    ck_assert_msg(buf != NULL, "%s", err.msg);
+    rekv_event *ev;
+    ck_assert_msg(g_bi->event_create_shared(g_be, &ev, &err) == 0, "%s", err.msg);
+    ck_assert_msg(g_bi->event_export(ev, &m.ev, &err) == 0, "%s", err.msg);
+    peer_call(&p, &m); /* recorded, behind a minute of work */
+    g_bi->stream_wait_event(g_s, ev);
+    uint64_t t0 = rekv_now_ns();
+    peer_kill(&p);
+    rekv_err se = {0};
+    ck_assert_int_eq(g_bi->stream_sync(g_s, &se), -EPIPE);
+    double ms = (double)(rekv_now_ns() - t0) * 1e-6;
+    ck_assert_msg(strstr(se.msg, "died") != NULL, "%s", se.msg);
+    ck_assert_msg(ms < 2000, "the wait took %.0f ms to notice", ms);
+    sync_ok(g_s); /* the stream goes on */
+    g_bi->event_destroy(ev);
+    g_bi->dev_free(g_be, buf);
+    close_backend();
+    munmap(flag, PEER_FLAG_BYTES);
+    close(flag_fd);
+}
+END_TEST
+
 /* Our stream waits on a flag before the peer has even started: the caller goes on at once, the
  * stream holds until the peer's copy is in and its stream writes the flag. */
 START_TEST(push_with_flag)
@@ -758,6 +794,7 @@ static Suite *suite(void)
     TCase *tc = tcase_create("cpu");
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, push_with_event);
+    tcase_add_test(tc, dead_recorder_fails_the_wait);
     tcase_add_test(tc, push_with_flag);
     tcase_add_test(tc, import_from_peer);
     tcase_add_test(tc, shared_event_between_streams);
