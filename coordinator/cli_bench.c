@@ -508,6 +508,7 @@ static int bench_decode(int argc, char **argv)
         po.cfg.offload_weights, "schedule", po.cfg.schedule == REKV_SCHED_ROW ? "row" : "column",
         "gpu_batches", po.cfg.gpu_batches, "cache_dtype", rekv_dtype_name(po.cfg.cache_dtype),
         "modes", arr);
+    json_object_set_new(out, "push", json_boolean(po.cfg.push));
     json_object_set_new(out, "weight_dtype",
                         json_string(rekv_dtype_name(rekv_engine_weight_dtype(eng))));
     if (have_lp)
