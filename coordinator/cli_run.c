@@ -56,7 +56,8 @@ static void run_usage(FILE *f)
             "the worker picks, see rekv-gpuworker --help) or resident|offload|kvpr|act|hybrid.\n"
             "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n"
             "--link-gbps G, --link-latency-us U, --device-memory SIZE: the worker's cpu backend\n"
-            "behaves like a GPU of SIZE bytes behind a link of G Gbit/s (see rekv-gpuworker).\n");
+            "behaves like a GPU of SIZE bytes behind a link of G Gbit/s (see rekv-gpuworker).\n"
+            "--push: the kvstore writes the KV rows into the worker's buffers (the push path).\n");
 }
 
 /* Starts c with a ready pipe and waits for "READY\n"; 0, or -1 with a message printed. */
@@ -159,8 +160,10 @@ int cli_run(int argc, char **argv)
         {"link-gbps", required_argument, 0, 'L'},
         {"link-latency-us", required_argument, 0, 'U'},
         {"device-memory", required_argument, 0, 'D'},
+        {"push", no_argument, 0, 'p'},
         {0, 0, 0, 0}};
     const char *link_gbps = NULL, *link_lat = NULL, *devmem = NULL; /* the worker's emulation */
+    int push = 0;
     const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "auto", *cache = NULL,
                *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
                *timeout = "30000", *bin_arg = NULL, *metrics = NULL;
@@ -184,6 +187,7 @@ int cli_run(int argc, char **argv)
         case 'L': link_gbps = optarg; break;
         case 'U': link_lat = optarg; break;
         case 'D': devmem = optarg; break;
+        case 'p': push = 1; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
         default: run_usage(stderr); return 2;
@@ -257,6 +261,10 @@ int cli_run(int argc, char **argv)
     ARG(KV, "--host-bytes"); ARG(KV, host_bytes);
     ARG(KV, "--model"); ARG(KV, model);
     ARG(KV, "--cache-dtype"); ARG(KV, cache);
+    if (push) { /* the store writes KV rows into the worker's buffers, on the worker's backend */
+        ARG(KV, "--push-backend"); ARG(KV, backend);
+        ARG(WORKER, "--push");
+    }
     /* the store's own lease (5 s): the worker renews it while a step runs; a worker we start
      * again keeps its name, and so frees what the dead one left in the store at once */
     ARG(WORKER, "--name"); ARG(WORKER, "gpuworker");

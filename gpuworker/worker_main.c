@@ -35,7 +35,7 @@ static void usage(FILE *f)
         f, "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
            "         [--backend auto|cpu|cuda] [--mode auto|resident|offload|kvpr|act|hybrid]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
-           "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE]\n"
+           "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
            "         [--ready-fd N]\n"
            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
            "mode auto, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
@@ -47,6 +47,8 @@ static void usage(FILE *f)
            "prices cheapest with this machine's measured profile.\n"
            "--link-gbps, --link-latency-us and --device-memory make the cpu backend behave like a\n"
            "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
+           "--push: the kvstore (started with --push-backend) writes the KV rows into this\n"
+           "worker's buffers instead of the worker copying them (modes other than resident).\n"
            "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n");
 }
 
@@ -415,6 +417,7 @@ int main(int argc, char **argv)
         O_LINK_GBPS,
         O_LINK_LAT,
         O_DEVMEM,
+        O_PUSH,
         O_HELP
     };
     static const struct option opts[] = {
@@ -430,10 +433,12 @@ int main(int argc, char **argv)
         {"link-gbps", required_argument, 0, O_LINK_GBPS},
         {"link-latency-us", required_argument, 0, O_LINK_LAT},
         {"device-memory", required_argument, 0, O_DEVMEM},
+        {"push", no_argument, 0, O_PUSH},
         {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
     rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
+    int push = 0;
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         int bad = 0;
@@ -446,6 +451,9 @@ int main(int argc, char **argv)
         case O_LINK_LAT:
             link.latency_us = strtod(optarg, &end);
             bad = end == optarg || *end || !(link.latency_us >= 0);
+            break;
+        case O_PUSH:
+            push = 1;
             break;
         case O_DEVMEM:
             bad = rekv_parse_size(optarg, &link.device_bytes);
@@ -595,6 +603,8 @@ int main(int argc, char **argv)
     }
     if (auto_mode)
         pc.mode = pick_mode(be, eng, &w.cost, (int)max_batch, &pc, kv != NULL);
+    /* the kvstore writes the KV rows into our buffers (it must run --push-backend) */
+    pc.push = push && pc.mode != REKV_MODE_RESIDENT;
     w.mode = rekv_mode_name(pc.mode);
     if (rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
         rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))

@@ -635,6 +635,42 @@ START_TEST(emulated_gpu_auto_mode)
 }
 END_TEST
 
+/* The push path between the real daemons: rekv run --push starts the kvstore with a push backend
+ * and the worker in push mode, so the store process writes every KV row into the worker's
+ * exported buffers; the jobs' tokens are exactly rekv_generate's. */
+START_TEST(push_between_processes)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 12 };
+    static tjob jobs[N];
+    make_jobs(jobs, N, 8, 512, 13);
+    reference(jobs, N, e.model);
+    const char *extra[] = {"--push", "--backend", "cpu", NULL};
+    pid_t pid = rekv_run_start_args(&e, "64M", "8", "kvpr", extra);
+    rekv_kvstore_client *k = kv_open(&e);
+    char name[16] = "";
+    rekv_err err = {0};
+    ck_assert_msg(rekv_kvstore_push(k, NULL, 0, NULL, NULL, NULL, 0, name, sizeof(name), &err) == 0,
+                  "the store cannot push: %s", err.msg);
+    ck_assert_str_eq(name, "cpu");
+    rekv_kvstore_client_close(k);
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_and_check(c, jobs, N, 120);
+    Rekv__Control__Response *r = stats(c);
+    ck_assert_str_eq(r->stats->workers[0]->mode, "kvpr");
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    rekv_run_stop(pid);
+    free_jobs(jobs, N);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
 /* A step far longer than the coordinator's worker timeout (a big prefill on the cpu backend):
  * the worker keeps heartbeating from its loop while the step runs on its own thread, so nobody
  * takes it for dead, nothing is re-queued, and the tokens are rekv_generate's. */
@@ -1090,6 +1126,7 @@ static Suite *suite(void)
     tcase_add_test(tc, run_64_jobs);
     tcase_add_test(tc, planner_in_the_loop);
     tcase_add_test(tc, emulated_gpu_auto_mode);
+    tcase_add_test(tc, push_between_processes);
     tcase_add_test(tc, long_steps_keep_heartbeating);
     tcase_add_test(tc, long_steps_keep_kvstore_pins);
     tcase_add_test(tc, worker_killed);
