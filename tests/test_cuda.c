@@ -885,6 +885,7 @@ static void fixture_open(fixture *f, const char *model_path, rekv_dtype cache)
     cfg.endpoint = ep;
     cfg.host_bytes = 256ull << 20;
     cfg.spill_dir = f->dir;
+    cfg.push_backend = "cuda"; /* the store can push (it starts CUDA in its own process) */
     ck_assert_msg(rekv_kv_geometry_from_config(&f->m->config, cache, &cfg.geometry, &err) == 0,
                   "%s", err.msg);
     ck_assert_msg(rekv_kvstore_spawn(&cfg, &f->store_pid, &err) == 0, "%s", err.msg);
@@ -1016,6 +1017,17 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
                              cfg.kv_parts, cfg.act_parts, cfg.act_gpu_blocks);
                     double tol = logit_tol(rekv_engine_weight_dtype(f.e));
                     expect_close(name, got, ref, nl, tol);
+                    if (cfg.mode != REKV_MODE_RESIDENT) {
+                        /* the push path: the store process writes the KV rows through CUDA IPC */
+                        rekv_pipeline_config pcfg = cfg;
+                        pcfg.push = 1;
+                        float *pushed = malloc(sizeof(float) * nl);
+                        pipe_run(&f, cu, &pcfg, B, lens, prompts, steps, tokens, NULL, pushed);
+                        char pname[600];
+                        snprintf(pname, sizeof(pname), "%s, push", name);
+                        expect_close(pname, pushed, ref, nl, tol);
+                        free(pushed);
+                    }
                     /* greedy tokens: the cpu's, unless its top two logits are a near-tie */
                     for (int s = 0; s < steps; s++)
                         for (int i = 0; i < B; i++) {

@@ -512,6 +512,43 @@ START_TEST(push_needs_a_store_that_pushes)
 }
 END_TEST
 
+/* A store whose push backend is not cpu ("auto": the GPU's when there is one) is the exec'd
+ * rekv-kvstore program, not a forked library child (CUDA cannot be used in a child forked after
+ * the parent started it): it pushes the same bytes, so the logits equal pull's. */
+START_TEST(push_store_is_the_program)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", p);
+    fixture f;
+    g_store_push = "auto";
+    fixture_open(&f, path, REKV_DTYPE_F32);
+    g_store_push = "cpu";
+    int lens[] = {37, 5};
+    int32_t *prompts[2];
+    for (int i = 0; i < 2; i++) {
+        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
+        for (int t = 0; t < lens[i]; t++)
+            prompts[i][t] = next_rand(f.m->config.vocab);
+    }
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_HYBRID;
+    run pull, push;
+    do_run(&f, &cfg, 2, lens, prompts, 3, &pull);
+    cfg.push = 1;
+    do_run(&f, &cfg, 2, lens, prompts, 3, &push);
+    size_t n = (size_t)4 * 2 * f.m->config.vocab;
+    ck_assert_msg(memcmp(pull.logits, push.logits, n * sizeof(float)) == 0,
+                  "push through the exec'd store differs from pull");
+    free(pull.logits), free(push.logits);
+    free(prompts[0]), free(prompts[1]);
+    fixture_close(&f);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("pipeline");
@@ -522,6 +559,7 @@ static Suite *suite(void)
     tcase_add_test(tc, modes_stories260k);
     tcase_add_test(tc, modes_synthetic);
     tcase_add_test(tc, push_needs_a_store_that_pushes);
+    tcase_add_test(tc, push_store_is_the_program);
     suite_add_tcase(s, tc);
     return s;
 }
