@@ -208,6 +208,8 @@ int cli_run(int argc, char **argv)
     }
     char dir[2048], state[2200], bin[PATH_MAX], ep_ctl[2300], ep_wrk[2300], ep_kv[2300];
     rekv_err err = {0};
+    if (cache == NULL && (link_gbps || devmem))
+        cache = "f32"; /* an emulated GPU is the cpu backend: exact */
     if (cache == NULL) {
         /* the worker's backend decides: a GPU keeps fp16 (half the bytes), cpu fp32 (exact:
          * tokens equal `rekv generate --local`) */
@@ -262,7 +264,8 @@ int cli_run(int argc, char **argv)
     ARG(KV, "--model"); ARG(KV, model);
     ARG(KV, "--cache-dtype"); ARG(KV, cache);
     if (push) { /* the store writes KV rows into the worker's buffers, on the worker's backend */
-        ARG(KV, "--push-backend"); ARG(KV, backend);
+        /* the worker's kind: an emulated GPU is the cpu backend */
+        ARG(KV, "--push-backend"); ARG(KV, link_gbps || devmem ? "cpu" : backend);
         ARG(WORKER, "--push");
     }
     /* the store's own lease (5 s): the worker renews it while a step runs; a worker we start

@@ -54,7 +54,15 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
     memset(s, 0, sizeof(*s));
     char note[1200];
     int rc = 0;
-    /* the store first: a forked child must not inherit a CUDA context (push: it opens its own) */
+    if ((rc = rekv_backend_create(backend, link, &s->be, note, sizeof(note), err)))
+        goto fail;
+    static int said; /* once per process (bench opens a session per mode) */
+    if (!said && strstr(note, "cpu backend") && strncmp(note, "built without", 13) != 0) {
+        fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
+        said = 1;
+    }
+    /* the store: a forked child that never uses CUDA, or (push with a GPU backend) the exec'd
+     * rekv-kvstore program, which opens CUDA for itself */
     if (cfg->mode != REKV_MODE_RESIDENT) {
         const char *tmp = getenv("TMPDIR");
         snprintf(s->dir, sizeof(s->dir), "%s/rekv-local.XXXXXX", tmp && *tmp ? tmp : "/tmp");
@@ -73,8 +81,8 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
          * take minutes for a long prefill on the cpu backend; the store dies with it */
         kc.lease_ms = 3600 * 1000;
         /* --push: the store copies the KV rows into our device buffers with a backend of the
-         * same kind as ours ("auto" resolves alike in both processes) */
-        kc.push_backend = cfg->push ? backend : NULL;
+         * kind ours is */
+        kc.push_backend = cfg->push ? s->be->iface->name : NULL;
         if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
             goto fail;
         size_t kvb = rekv_kv_block_bytes(&kc.geometry),
@@ -87,13 +95,6 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
             goto fail;
         if ((rc = rekv_kvstore_client_connect(ep, NULL, 60000, &s->store, err)))
             goto fail;
-    }
-    if ((rc = rekv_backend_create(backend, link, &s->be, note, sizeof(note), err)))
-        goto fail;
-    static int said; /* once per process (bench opens a session per mode) */
-    if (!said && strstr(note, "cpu backend") && strncmp(note, "built without", 13) != 0) {
-        fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
-        said = 1;
     }
     rekv_pipeline_config pc = *cfg;
     pc.push = cfg->push && cfg->mode != REKV_MODE_RESIDENT; /* --push: the modes that stream KV */

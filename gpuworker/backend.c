@@ -33,7 +33,14 @@ int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_ba
 {
     if (note && note_len)
         note[0] = '\0';
+    int emulate = link && (link->gbps > 0 || link->device_bytes > 0);
     if (which == NULL || strcmp(which, "auto") == 0) {
+        if (emulate) { /* a GPU's link or memory to emulate: that is the cpu backend's job */
+            if (note)
+                snprintf(note, note_len, "link or device-memory emulation asked: running on the "
+                                         "cpu backend");
+            return rekv_backend_cpu_create(link, out, err);
+        }
 #if REKV_CUDA
         rekv_err cerr = {0};
         if (rekv_backend_cuda_create(0, out, &cerr) == 0) {
@@ -52,6 +59,10 @@ int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_ba
     if (strcmp(which, "cpu") == 0)
         return rekv_backend_cpu_create(link, out, err);
     if (strcmp(which, "cuda") == 0) {
+        if (emulate)
+            return rekv_errf(err, -EINVAL, "link and device-memory emulation are the cpu "
+                                           "backend's: drop --link-gbps/--device-memory, or use "
+                                           "--backend cpu");
 #if REKV_CUDA
         return rekv_backend_cuda_create(0, out, err);
 #else

@@ -248,7 +248,8 @@ typedef struct rekv_backend_iface {
 void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind, size_t bytes);
 
 /* The backend a program asked for: "cpu", "cuda", or "auto" (cuda when built with it and a device
- * exists, else cpu). The link emulation applies to the cpu backend only. *note (may be NULL)
+ * exists, else cpu; cpu whenever link or memory emulation is asked for). Emulation is the cpu
+ * backend's only: "cuda" with it is -EINVAL. *note (may be NULL)
  * receives one line saying what was chosen and why, for the program to print. */
 int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
                         char *note, size_t note_len, rekv_err *err);
