@@ -387,16 +387,17 @@ static int bench_decode(int argc, char **argv)
             break; /* JSON is the only output */
         case 'h':
         default:
-            fprintf(c == 'h' ? stdout : stderr,
-                    "usage: rekv bench decode --model PATH [--batch B] [--prompt-len S]\n"
-                    "                         [--gen-len N] [--modes resident,offload,...]\n"
-                    "                         [pipeline options] [--json]\n"
-                    "Runs every mode on the same prompts in one process and prints decode\n"
-                    "tokens/s, its ratio to offload, host->device bytes per generated token,\n"
-                    "achieved host->device GB/s next to the link's peak measured in the same\n"
-                    "run (from pinned, kvstore-arena and pageable memory) and the busy\n"
-                    "fractions of compute and link. Pipeline options:\n" CLI_PIPELINE_USAGE
-                    "(--mode is ignored; --trace F writes F.<mode>.json)\n");
+            fprintf(
+                c == 'h' ? stdout : stderr,
+                "usage: rekv bench decode --model PATH [--batch B] [--prompt-len S]\n"
+                "                         [--gen-len N] [--modes resident,offload,kvpr+push,...]\n"
+                "                         [pipeline options] [--json]\n"
+                "Runs every mode on the same prompts in one process and prints decode\n"
+                "tokens/s, its ratio to offload, host->device bytes per generated token,\n"
+                "achieved host->device GB/s next to the link's peak measured in the same\n"
+                "run (from pinned, kvstore-arena and pageable memory) and the busy\n"
+                "fractions of compute and link. Pipeline options:\n" CLI_PIPELINE_USAGE
+                "(--mode is ignored; --trace F writes F.<mode>.json)\n");
             return c == 'h' ? 0 : 2;
         }
     }
@@ -409,17 +410,28 @@ static int bench_decode(int argc, char **argv)
     rekv_model *model = NULL;
     rekv_engine *eng = NULL;
     int32_t **prompts = NULL;
-    decode_result res[5];
-    rekv_mode mlist[5];
+    enum { MAX_RUNS = 10 };
+    decode_result res[MAX_RUNS];
+    rekv_mode mlist[MAX_RUNS];
+    int mpush[MAX_RUNS]; /* "MODE+push": this run pushes (--push: every streaming run does) */
     int n_modes = 0;
     memset(res, 0, sizeof(res));
     char *mdup = strdup(modes), *save = NULL;
     for (char *t = strtok_r(mdup, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        if (n_modes == 5 || rekv_mode_parse(t, &mlist[n_modes])) {
-            fprintf(stderr, "rekv bench decode: --modes: unknown or too many modes (\"%s\")\n", t);
+        char *plus = strchr(t, '+');
+        int push = plus != NULL && strcmp(plus, "+push") == 0;
+        if (push)
+            *plus = '\0';
+        if (n_modes == MAX_RUNS || (plus && !push) || rekv_mode_parse(t, &mlist[n_modes]) ||
+            (push && mlist[n_modes] == REKV_MODE_RESIDENT)) {
+            fprintf(stderr,
+                    "rekv bench decode: --modes: unknown or too many runs (\"%s%s\"; MODE or "
+                    "MODE+push, at most %d, resident never pushes)\n",
+                    t, push ? "+push" : "", MAX_RUNS);
             free(mdup);
             return 2;
         }
+        mpush[n_modes] = push || (po.cfg.push && mlist[n_modes] != REKV_MODE_RESIDENT);
         n_modes++;
     }
     free(mdup);
@@ -446,9 +458,12 @@ static int bench_decode(int argc, char **argv)
     int have_lp = 0;
     for (int i = 0; i < n_modes; i++) {
         int measure = !have_lp && mlist[i] != REKV_MODE_RESIDENT;
-        if (run_decode(eng, &po, mlist[i], (int)B, (int)S, (int)N, prompts, &res[i],
+        cli_pipeline_opts run = po;
+        run.cfg.push = mpush[i];
+        if (run_decode(eng, &run, mlist[i], (int)B, (int)S, (int)N, prompts, &res[i],
                        measure ? &lp : NULL, &err)) {
-            fprintf(stderr, "rekv: %s: %s\n", rekv_mode_name(mlist[i]), err.msg);
+            fprintf(stderr, "rekv: %s%s: %s\n", rekv_mode_name(mlist[i]), mpush[i] ? "+push" : "",
+                    err.msg);
             goto out;
         }
         have_lp |= measure;
@@ -456,8 +471,8 @@ static int bench_decode(int argc, char **argv)
     double offload_tps = 0;
     int ref = -1;
     for (int i = 0; i < n_modes; i++) {
-        if (mlist[i] == REKV_MODE_OFFLOAD)
-            offload_tps = (double)B * (N - 1) / res[i].decode_s;
+        if (mlist[i] == REKV_MODE_OFFLOAD && (offload_tps == 0 || !mpush[i]))
+            offload_tps = (double)B * (N - 1) / res[i].decode_s; /* pull's when both ran */
         if (mlist[i] == REKV_MODE_RESIDENT)
             ref = i;
     }
@@ -478,6 +493,7 @@ static int bench_decode(int argc, char **argv)
             r->compute_busy_s / r->decode_s, "link_busy_frac", r->h2d_busy_s / r->decode_s,
             "tokens_recomputed", (json_int_t)r->counters.tokens_recomputed, "tokens_fetched",
             (json_int_t)r->counters.tokens_fetched);
+        json_object_set_new(o, "push", json_boolean(mpush[i]));
         /* host->device GB/s over the decode (all kinds), and while the link was busy */
         json_object_set_new(o, "h2d_gbps", json_real((double)h2d / r->decode_s * 1e-9));
         if (r->h2d_busy_s > 0)

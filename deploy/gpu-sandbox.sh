@@ -9,7 +9,8 @@
 #   deploy/gpu-sandbox.sh bench DIR  there, after build: synthesises an OPT-6.7B-shaped fp16 model
 #                                  (~13 GB, in $TMPDIR) and runs issue 6's measurement with DIR's
 #                                  binaries: `rekv bench decode --backend cuda`, batch 64, prompt
-#                                  512, gen 32, fp16 KV in host memory, every mode; JSON on stdout
+#                                  512, gen 32, fp16 KV in host memory, every mode (offload and
+#                                  kvpr by pull and by push); JSON on stdout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD/debs/root
@@ -52,7 +53,8 @@ bench)
         "$bin/rekv-loader" synth --arch opt --layers 32 --hidden 4096 --heads 32 --ffn 16384 \
             --vocab 50272 --max-pos 2048 --dtype f16 --seed 67 "$model" >&2
     "$bin/rekv" bench decode --model "$model" --backend cuda --batch 64 --prompt-len 512 \
-        --gen-len 32 --cache-dtype f16 --json "${@:3}"
+        --gen-len 32 --cache-dtype f16 --json \
+        --modes resident,offload,offload+push,kvpr,kvpr+push,act,hybrid "${@:3}"
     ;;
 *)
     sed -n '2,14p' "$0"
