@@ -57,7 +57,7 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
     if ((rc = rekv_backend_create(backend, link, &s->be, note, sizeof(note), err)))
         goto fail;
     static int said; /* once per process (bench opens a session per mode) */
-    if (!said && strstr(note, "cpu backend") && strncmp(note, "built without", 13) != 0) {
+    if (!said && strncmp(note, "no usable GPU", 13) == 0) {
         fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
         said = 1;
     }

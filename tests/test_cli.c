@@ -30,7 +30,8 @@ START_TEST(generate_json_stories)
         return;
     char args[4096], *out, *err;
     snprintf(args, sizeof(args),
-             "generate --model %s --prompt-ids 1,306,2 --max-new-tokens 5 --top-logits 3 --json", m);
+             "generate --model %s --prompt-ids 1,306,2 --max-new-tokens 5 --top-logits 3 --json",
+             m);
     int rc = rekv(args, &out, &err);
     ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
     json_error_t jerr;
@@ -81,7 +82,8 @@ START_TEST(generate_text_opt)
     ck_assert_int_eq(rekv(args, &b, &err), 0);
     free(err);
     json_t *ja = json_loads(a, 0, NULL), *jb = json_loads(b, 0, NULL);
-    ck_assert(json_equal(json_object_get(ja, "generated_ids"), json_object_get(jb, "generated_ids")));
+    ck_assert(
+        json_equal(json_object_get(ja, "generated_ids"), json_object_get(jb, "generated_ids")));
     json_decref(ja);
     json_decref(jb);
     free(a);
@@ -119,11 +121,13 @@ START_TEST(generate_via_coordinator_matches_local)
             ck_assert_ptr_nonnull(jb);
             const char *keys[] = {"prompt_ids", "generated_ids", "text", "top_logits"};
             for (int k = 0; k < 4; k++)
-                ck_assert_msg(json_equal(json_object_get(ja, keys[k]), json_object_get(jb, keys[k])),
-                              "%s (%s): \"%s\" differs between the coordinator and --local:\n%s\n%s",
-                              models[mi], sampling[si], keys[k], a, b);
-            ck_assert_str_eq(json_string_value(json_object_get(json_object_get(ja, "stats"), "via")),
-                             "coordinator");
+                ck_assert_msg(
+                    json_equal(json_object_get(ja, keys[k]), json_object_get(jb, keys[k])),
+                    "%s (%s): \"%s\" differs between the coordinator and --local:\n%s\n%s",
+                    models[mi], sampling[si], keys[k], a, b);
+            ck_assert_str_eq(
+                json_string_value(json_object_get(json_object_get(ja, "stats"), "via")),
+                "coordinator");
             json_decref(ja);
             json_decref(jb);
             free(a);
@@ -193,6 +197,18 @@ START_TEST(bad_input_clear_errors)
     snprintf(args, sizeof(args), "generate --model %s --prompt hello", stories);
     expect_clear_error(args, "no tokenizer");
 
+    /* emulation: a bad size, and a device too small for the weights */
+    snprintf(args, sizeof(args), "generate --model %s --prompt-ids 1 --device-memory 12Q", stories);
+    expect_clear_error(args, "--device-memory");
+    snprintf(args, sizeof(args), "generate --model %s --prompt-ids 1 --local --device-memory 64K",
+             stories);
+    expect_clear_error(args, "out of device memory");
+    snprintf(args, sizeof(args),
+             "generate --model %s --prompt-ids 1 --backend cuda "
+             "--link-gbps 1",
+             stories);
+    expect_clear_error(args, "emulation");
+
     /* corrupted safetensors: a truncated file */
     char *m1 = copy_model(optdir);
     snprintf(g_cmd, sizeof(g_cmd), "truncate -s 1000000 '%s/model.safetensors'", m1);
@@ -204,7 +220,8 @@ START_TEST(bad_input_clear_errors)
 
     /* unknown architecture */
     char *m2 = copy_model(optdir);
-    snprintf(g_cmd, sizeof(g_cmd), "sed -i 's/\"model_type\": \"opt\"/\"model_type\": \"gpt9\"/' '%s/config.json'", m2);
+    snprintf(g_cmd, sizeof(g_cmd),
+             "sed -i 's/\"model_type\": \"opt\"/\"model_type\": \"gpt9\"/' '%s/config.json'", m2);
     ck_assert_int_eq(system(g_cmd), 0);
     snprintf(args, sizeof(args), "generate --model %s --prompt-ids 2", m2);
     expect_clear_error(args, "gpt9");
@@ -213,7 +230,8 @@ START_TEST(bad_input_clear_errors)
 
     /* a missing tensor: declare one more layer than the file has */
     char *m3 = copy_model(optdir);
-    snprintf(g_cmd, sizeof(g_cmd), "sed -i 's/\"num_hidden_layers\": 6/\"num_hidden_layers\": 7/' '%s/config.json'", m3);
+    snprintf(g_cmd, sizeof(g_cmd),
+             "sed -i 's/\"num_hidden_layers\": 6/\"num_hidden_layers\": 7/' '%s/config.json'", m3);
     ck_assert_int_eq(system(g_cmd), 0);
     snprintf(args, sizeof(args), "generate --model %s --prompt-ids 2", m3);
     expect_clear_error(args, "layers.6");
@@ -242,11 +260,15 @@ END_TEST
 START_TEST(bench_decode_json)
 {
     char *d = tu_tmpdir(), args[8192], *out, *err;
-    snprintf(args, sizeof(args), "%s synth --arch opt --layers 2 --hidden 64 --heads 4 --ffn 128 "
-             "--vocab 300 --max-pos 256 --dtype f16 --seed 5 %s/m >/dev/null", tu_bin("rekv-loader"), d);
+    snprintf(args, sizeof(args),
+             "%s synth --arch opt --layers 2 --hidden 64 --heads 4 --ffn 128 "
+             "--vocab 300 --max-pos 256 --dtype f16 --seed 5 %s/m >/dev/null",
+             tu_bin("rekv-loader"), d);
     ck_assert_int_eq(system(args), 0);
-    snprintf(args, sizeof(args), "bench decode --model %s/m --batch 3 --prompt-len 40 --gen-len 3 "
-             "--link-gbps 2 --offload-weights --schedule column --gpu-batches 2 --json", d);
+    snprintf(args, sizeof(args),
+             "bench decode --model %s/m --batch 3 --prompt-len 40 --gen-len 3 "
+             "--link-gbps 2 --offload-weights --schedule column --gpu-batches 2 --json",
+             d);
     int rc = rekv(args, &out, &err);
     ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
     json_t *o = json_loads(out, 0, NULL);
@@ -295,8 +317,10 @@ START_TEST(bench_decode_json)
     free(out);
     free(err);
     /* pull and push side by side in one run: the same tokens, each run says which it was */
-    snprintf(args, sizeof(args), "bench decode --model %s/m --batch 2 --prompt-len 24 --gen-len 3 "
-             "--modes resident,offload,offload+push,hybrid+push --json", d);
+    snprintf(args, sizeof(args),
+             "bench decode --model %s/m --batch 2 --prompt-len 24 --gen-len 3 "
+             "--modes resident,offload,offload+push,hybrid+push --json",
+             d);
     rc = rekv(args, &out, &err);
     ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
     o = json_loads(out, 0, NULL);
@@ -331,4 +355,7 @@ static Suite *suite(void)
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}
