@@ -24,8 +24,36 @@ void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind
     if (strcmp(dir, "d2d") == 0)
         snprintf(buf, cap, "d2d %s", size);
     else
-        snprintf(buf, cap, "%s %s %s", dir, (unsigned)kind < REKV_XFER_KINDS ? kinds[kind] : "other",
-                 size);
+        snprintf(buf, cap, "%s %s %s", dir,
+                 (unsigned)kind < REKV_XFER_KINDS ? kinds[kind] : "other", size);
+}
+
+int rekv_copy_check(const char *dir, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind,
+                    size_t *bytes, char *why, size_t why_len)
+{
+    size_t total = 0;
+    if (n > 0 && pieces == NULL) {
+        snprintf(why, why_len, "%s copy of %zu pieces with a NULL piece array", dir, n);
+        return -EINVAL;
+    }
+    if ((unsigned)kind >= REKV_XFER_KINDS) {
+        snprintf(why, why_len, "%s copy with unknown transfer kind %d", dir, (int)kind);
+        return -EINVAL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (pieces[i].bytes > 0 && (pieces[i].dst == NULL || pieces[i].src == NULL)) {
+            snprintf(why, why_len, "%s copy, piece %zu of %zu: NULL %s for %zu bytes", dir, i, n,
+                     pieces[i].dst == NULL ? "dst" : "src", pieces[i].bytes);
+            return -EINVAL;
+        }
+        if (total + pieces[i].bytes < total) {
+            snprintf(why, why_len, "%s copy: total size overflows", dir);
+            return -EINVAL;
+        }
+        total += pieces[i].bytes;
+    }
+    *bytes = total;
+    return 0;
 }
 
 int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
@@ -37,8 +65,9 @@ int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_ba
     if (which == NULL || strcmp(which, "auto") == 0) {
         if (emulate) { /* a GPU's link or memory to emulate: that is the cpu backend's job */
             if (note)
-                snprintf(note, note_len, "link or device-memory emulation asked: running on the "
-                                         "cpu backend");
+                snprintf(note, note_len,
+                         "link or device-memory emulation asked: running on the "
+                         "cpu backend");
             return rekv_backend_cpu_create(link, out, err);
         }
 #if REKV_CUDA
@@ -60,9 +89,10 @@ int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_ba
         return rekv_backend_cpu_create(link, out, err);
     if (strcmp(which, "cuda") == 0) {
         if (emulate)
-            return rekv_errf(err, -EINVAL, "link and device-memory emulation are the cpu "
-                                           "backend's: drop --link-gbps/--device-memory, or use "
-                                           "--backend cpu");
+            return rekv_errf(err, -EINVAL,
+                             "link and device-memory emulation are the cpu "
+                             "backend's: drop --link-gbps/--device-memory, or use "
+                             "--backend cpu");
 #if REKV_CUDA
         return rekv_backend_cuda_create(0, out, err);
 #else

@@ -243,6 +243,12 @@ typedef struct rekv_backend_iface {
     int (*mem_info)(rekv_backend *be, size_t *free_bytes, size_t *total_bytes, rekv_err *err);
 } rekv_backend_iface;
 
+/* Checks a copy before a backend enqueues it (dir: "h2d", "d2h" or "d2d"): 0 with *bytes the
+ * total, or -EINVAL with why (one line, to follow "stream NAME: ") for a NULL piece array, an
+ * unknown kind, a NULL address of a non-empty piece, or a total that overflows. */
+int rekv_copy_check(const char *dir, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind,
+                    size_t *bytes, char *why, size_t why_len);
+
 /* The trace label of a copy, e.g. "h2d KV 1.0 MiB" or "d2d 64 B" (dir: "h2d", "d2h" or "d2d";
  * the kind is left out for d2d). Shared by the backends so their traces read alike. */
 void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind, size_t bytes);

@@ -659,30 +659,10 @@ static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces,
 {
     static const char *const dir_names[] = {"", "h2d", "d2h", "d2d"};
     size_t bytes = 0;
-
-    if (n > 0 && pieces == NULL) {
-        stream_fail(s, -EINVAL, "stream %s: %s copy of %zu pieces with a NULL piece array", s->name,
-                    dir_names[dir], n);
+    char why[160];
+    if (rekv_copy_check(dir_names[dir], pieces, n, kind, &bytes, why, sizeof(why)) < 0) {
+        stream_fail(s, -EINVAL, "stream %s: %s", s->name, why);
         return;
-    }
-    if ((unsigned)kind >= REKV_XFER_KINDS) {
-        stream_fail(s, -EINVAL, "stream %s: %s copy with unknown transfer kind %d", s->name,
-                    dir_names[dir], (int)kind);
-        return;
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (pieces[i].bytes > 0 && (pieces[i].dst == NULL || pieces[i].src == NULL)) {
-            stream_fail(s, -EINVAL, "stream %s: %s copy, piece %zu of %zu: NULL %s for %zu bytes",
-                        s->name, dir_names[dir], i, n, pieces[i].dst == NULL ? "dst" : "src",
-                        pieces[i].bytes);
-            return;
-        }
-        if (bytes + pieces[i].bytes < bytes) {
-            stream_fail(s, -EINVAL, "stream %s: %s copy: total size overflows", s->name,
-                        dir_names[dir]);
-            return;
-        }
-        bytes += pieces[i].bytes;
     }
     cuda_backend *be = s->be;
     if (dir != CU_OP_D2D) {
