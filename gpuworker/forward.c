@@ -20,37 +20,16 @@ struct rekv_seq {
     float *k, *v; /* [n_layers][n_kv][cap][head_dim] each */
 };
 
-static float *to_f32(const rekv_tensor *t, int *rc)
-{
-    if (t == NULL || *rc)
-        return NULL;
-    size_t n = (size_t)rekv_tensor_numel(t);
-    float *p = malloc(n * sizeof(float) + 1);
-    if (p == NULL) {
-        *rc = -ENOMEM;
-        return NULL;
-    }
-    rekv_to_f32(p, t->data, t->dtype, n);
-    return p;
-}
-
-/* A matrix in dtype wt: copied as it is when the file has it in wt, else through fp32 (wt is F32
- * whenever the file's matrices differ in dtype, so nothing is rounded). */
+/* A tensor in dtype wt: copied as it is when the file has it in wt, else widened to fp32 — the
+ * only other wt: vectors are always F32, and matrices are in wt unless weight_dtype() chose F32
+ * because the file mixes dtypes, so nothing is ever rounded. */
 static void convert_into(void *dst, const rekv_tensor *t, rekv_dtype wt)
 {
     size_t n = (size_t)rekv_tensor_numel(t);
     if (t->dtype == wt)
         memcpy(dst, t->data, n * rekv_dtype_size(wt));
-    else if (wt == REKV_DTYPE_F32)
+    else
         rekv_to_f32(dst, t->data, t->dtype, n);
-    else { /* not reached: wt is the file's dtype or F32 */
-        float *tmp = malloc(n * sizeof(float));
-        if (tmp) {
-            rekv_to_f32(tmp, t->data, t->dtype, n);
-            rekv_from_f32(dst, tmp, wt, n);
-        }
-        free(tmp);
-    }
 }
 
 static void *to_wdtype(const rekv_tensor *t, rekv_dtype wt, int *rc)
@@ -170,11 +149,11 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
         rc = -ENOMEM;
     rekv_dtype wt = e->wdtype = weight_dtype(w, e->c.n_layers);
     e->embed = to_wdtype(w->embed_tokens, wt, &rc);
-    e->pos_embed = to_f32(w->embed_positions, &rc);
+    e->pos_embed = to_wdtype(w->embed_positions, REKV_DTYPE_F32, &rc);
     e->project_in = to_wdtype(w->project_in, wt, &rc);
     e->project_out = to_wdtype(w->project_out, wt, &rc);
-    e->final_norm_w = to_f32(w->final_norm_w, &rc);
-    e->final_norm_b = to_f32(w->final_norm_b, &rc);
+    e->final_norm_w = to_wdtype(w->final_norm_w, REKV_DTYPE_F32, &rc);
+    e->final_norm_b = to_wdtype(w->final_norm_b, REKV_DTYPE_F32, &rc);
     e->lm_head = w->lm_head == w->embed_tokens ? e->embed : to_wdtype(w->lm_head, wt, &rc);
     e->layer_mem = calloc((size_t)e->c.n_layers, sizeof(void *));
     if (e->layer_mem == NULL)
