@@ -7,6 +7,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -357,6 +358,18 @@ out:
     free(errs);
 }
 
+/* The device memory free for this worker's buffers: what is free less a tenth of the device for
+ * activations and workspaces; -1 when the backend's memory is the host's (no mem_info). */
+static double device_room(rekv_backend *be)
+{
+    size_t fr = 0, tot = 0;
+    rekv_err e = {0};
+    if (!be->iface->mem_info || be->iface->mem_info(be, &fr, &tot, &e) != 0)
+        return -1;
+    double room = (double)fr - 0.1 * (double)tot;
+    return room < 0 ? 0 : room;
+}
+
 /* --mode auto: what this worker runs as (rekv_plan_pick_mode), logged with its reasons. */
 static rekv_mode pick_mode(rekv_backend *be, const rekv_engine *eng, const rekv_cost_profile *cost,
                            int max_batch, const rekv_pipeline_config *pc, int have_store)
@@ -366,15 +379,10 @@ static rekv_mode pick_mode(rekv_backend *be, const rekv_engine *eng, const rekv_
         rekv_log(REKV_LOG_INFO, "mode auto: resident (no kvstore to keep the cache in)");
         return REKV_MODE_RESIDENT;
     }
-    double room = -1;
-    size_t fr = 0, tot = 0;
     rekv_err e = {0};
-    if (be->iface->mem_info && be->iface->mem_info(be, &fr, &tot, &e) == 0) {
-        /* free memory less the weights and a tenth of the device for activations, workspaces */
-        room = (double)fr - 0.1 * (double)tot -
-               (pc->offload_weights ? 0.0 : (double)rekv_engine_weight_bytes(eng));
-        room = room < 0 ? 0 : room;
-    }
+    double room = device_room(be); /* the weights are not on the device yet */
+    if (room > 0 && !pc->offload_weights)
+        room = fmax(0, room - (double)rekv_engine_weight_bytes(eng));
     rekv_mode_pick mp;
     if (rekv_plan_pick_mode(cost, mc, max_batch, mc->max_pos, rekv_dtype_size(pc->cache_dtype),
                             room, pc->offload_weights, &mp, &e)) {
@@ -613,11 +621,9 @@ int main(int argc, char **argv)
     w.offload_weights = pc.offload_weights;
     w.cache_dtype = pc.cache_dtype;
     {
-        /* what the weights (and resident caches) leave, less a tenth for activations */
-        size_t fr = 0, tot = 0;
-        rekv_err me = {0};
-        if (be->iface->mem_info && be->iface->mem_info(be, &fr, &tot, &me) == 0 && fr > tot / 10)
-            w.device_buffer_bytes = (uint64_t)(fr - tot / 10);
+        /* what the weights (now on the device) leave */
+        double room = device_room(be);
+        w.device_buffer_bytes = room > 0 ? (uint64_t)room : 0;
     }
     zctx = zmq_ctx_new();
     w.sock = zctx ? zmq_socket(zctx, ZMQ_DEALER) : NULL;
