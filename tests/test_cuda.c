@@ -31,6 +31,7 @@ int main(void)
 #include "gpuworker/kernels.h"
 #include "gpuworker/pipeline.h"
 #include "tests/ipc_peer.h"
+#include "tests/fixture.h"
 #include "tests/testutil.h"
 
 /* fp32 with a different summation order (cuBLAS, tree reductions, warp-split softmax) */
@@ -863,45 +864,7 @@ END_TEST
 
 /* ------------------------------------------------------------------ the pipeline */
 
-typedef struct fixture {
-    rekv_model *m;
-    rekv_engine *e;
-    pid_t store_pid;
-    rekv_kvstore_client *store;
-    char *dir;
-} fixture;
-
-static void fixture_open(fixture *f, const char *model_path, rekv_dtype cache)
-{
-    rekv_err err = {0};
-    memset(f, 0, sizeof(*f));
-    ck_assert_msg(rekv_model_open(model_path, &f->m, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_engine_create(f->m, &f->e, &err) == 0, "%s", err.msg);
-    f->dir = tu_tmpdir();
-    char ep[4200];
-    snprintf(ep, sizeof(ep), "ipc://%s/kv.sock", f->dir);
-    rekv_kvstore_config cfg;
-    rekv_kvstore_config_defaults(&cfg);
-    cfg.endpoint = ep;
-    cfg.host_bytes = 256ull << 20;
-    cfg.spill_dir = f->dir;
-    cfg.push_backend = "cuda"; /* the store can push (it starts CUDA in its own process) */
-    ck_assert_msg(rekv_kv_geometry_from_config(&f->m->config, cache, &cfg.geometry, &err) == 0,
-                  "%s", err.msg);
-    ck_assert_msg(rekv_kvstore_spawn(&cfg, &f->store_pid, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_kvstore_client_connect(ep, NULL, 30000, &f->store, &err) == 0, "%s",
-                  err.msg);
-}
-
-static void fixture_close(fixture *f)
-{
-    rekv_kvstore_client_close(f->store);
-    ck_assert_int_eq(rekv_kvstore_reap(f->store_pid), 0);
-    rekv_engine_free(f->e);
-    rekv_model_close(f->m);
-    tu_rmrf(f->dir);
-    free(f->dir);
-}
+typedef tu_fixture fixture;
 
 static int argmax(const float *x, int n)
 {
@@ -956,7 +919,7 @@ static void pipe_run(fixture *f, rekv_backend *be, const rekv_pipeline_config *c
 static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, int B, int steps)
 {
     fixture f;
-    fixture_open(&f, path, cache);
+    tu_fixture_open(&f, path, cache, "cuda");
     int V = f.m->config.vocab;
     int32_t **prompts = calloc((size_t)B, sizeof(*prompts));
     for (int i = 0; i < B; i++) {
@@ -1055,7 +1018,7 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
     for (int i = 0; i < B; i++)
         free(prompts[i]);
     free(prompts);
-    fixture_close(&f);
+    tu_fixture_close(&f);
 }
 
 START_TEST(pipeline_modes)

@@ -15,53 +15,10 @@
 #include <unistd.h>
 
 #include "gpuworker/pipeline.h"
+#include "tests/fixture.h"
 #include "tests/testutil.h"
 
-typedef struct fixture {
-    rekv_model *m;
-    rekv_engine *e;
-    rekv_backend *be;
-    pid_t store_pid;
-    rekv_kvstore_client *store;
-    char *dir;
-} fixture;
-
-/* the push backend fixture_open starts its store with ("cpu"; NULL: a store that cannot push) */
-static const char *g_store_push = "cpu";
-
-static void fixture_open(fixture *f, const char *model_path, rekv_dtype cache)
-{
-    rekv_err err = {0};
-    memset(f, 0, sizeof(*f));
-    ck_assert_msg(rekv_model_open(model_path, &f->m, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_engine_create(f->m, &f->e, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_backend_cpu_create(NULL, &f->be, &err) == 0, "%s", err.msg);
-    f->dir = tu_tmpdir();
-    char ep[4200];
-    snprintf(ep, sizeof(ep), "ipc://%s/kv.sock", f->dir);
-    rekv_kvstore_config cfg;
-    rekv_kvstore_config_defaults(&cfg);
-    cfg.endpoint = ep;
-    cfg.host_bytes = 256ull << 20;
-    cfg.spill_dir = f->dir;
-    cfg.push_backend = g_store_push;
-    ck_assert_msg(rekv_kv_geometry_from_config(&f->m->config, cache, &cfg.geometry, &err) == 0,
-                  "%s", err.msg);
-    ck_assert_msg(rekv_kvstore_spawn(&cfg, &f->store_pid, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_kvstore_client_connect(ep, NULL, 30000, &f->store, &err) == 0, "%s",
-                  err.msg);
-}
-
-static void fixture_close(fixture *f)
-{
-    rekv_kvstore_client_close(f->store);
-    ck_assert_int_eq(rekv_kvstore_reap(f->store_pid), 0);
-    rekv_backend_destroy(f->be);
-    rekv_engine_free(f->e);
-    rekv_model_close(f->m);
-    tu_rmrf(f->dir);
-    free(f->dir);
-}
+typedef tu_fixture fixture;
 
 /* A run: prefill B prompts, then `steps` greedy decode steps; every step's logits recorded. */
 typedef struct run {
@@ -239,7 +196,7 @@ static const char *cfg_name(const rekv_pipeline_config *c, char *buf, size_t n)
 static void check_modes(const char *model_path, rekv_dtype cache, const int *lens, int B, int steps)
 {
     fixture f;
-    fixture_open(&f, model_path, cache);
+    tu_fixture_open(&f, model_path, cache, "cpu");
     const rekv_model_config *c = &f.m->config;
     int V = c->vocab;
     int32_t **prompts = calloc((size_t)B, sizeof(*prompts));
@@ -345,7 +302,7 @@ static void check_modes(const char *model_path, rekv_dtype cache, const int *len
     for (int i = 0; i < B; i++)
         free(prompts[i]);
     free(prompts);
-    fixture_close(&f);
+    tu_fixture_close(&f);
 }
 
 START_TEST(modes_stories260k)
@@ -395,7 +352,7 @@ START_TEST(step_params_change_nothing)
     char path[4096];
     snprintf(path, sizeof(path), "%s", p);
     fixture f;
-    fixture_open(&f, path, REKV_DTYPE_F32);
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     int B = 5, lens[] = {3, 40, 17, 1, 33}, V = f.m->config.vocab, steps = 6;
     int32_t *prompts[5];
     for (int i = 0; i < B; i++) {
@@ -431,7 +388,7 @@ START_TEST(step_params_change_nothing)
     free(ref.logits);
     for (int i = 0; i < B; i++)
         free(prompts[i]);
-    fixture_close(&f);
+    tu_fixture_close(&f);
 }
 END_TEST
 
@@ -444,7 +401,7 @@ START_TEST(resident_matches_forward)
     char path[4096];
     snprintf(path, sizeof(path), "%s", p);
     fixture f;
-    fixture_open(&f, path, REKV_DTYPE_F32);
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     int V = f.m->config.vocab, len = 50;
     int32_t *prompt = malloc(sizeof(int32_t) * len);
     for (int i = 0; i < len; i++)
@@ -473,7 +430,7 @@ START_TEST(resident_matches_forward)
     free(lg);
     free(prompt);
     free(r.logits);
-    fixture_close(&f);
+    tu_fixture_close(&f);
 }
 END_TEST
 
@@ -487,9 +444,7 @@ START_TEST(push_needs_a_store_that_pushes)
     char path[4096];
     snprintf(path, sizeof(path), "%s", p);
     fixture f;
-    g_store_push = NULL;
-    fixture_open(&f, path, REKV_DTYPE_F32);
-    g_store_push = "cpu";
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL); /* a store that cannot push */
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
     cfg.mode = REKV_MODE_OFFLOAD;
@@ -508,7 +463,7 @@ START_TEST(push_needs_a_store_that_pushes)
     cfg.push = 0;
     ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err) == 0, "%s", err.msg);
     rekv_pipeline_free(pl);
-    fixture_close(&f);
+    tu_fixture_close(&f);
 }
 END_TEST
 
@@ -523,9 +478,7 @@ START_TEST(push_store_is_the_program)
     char path[4096];
     snprintf(path, sizeof(path), "%s", p);
     fixture f;
-    g_store_push = "auto";
-    fixture_open(&f, path, REKV_DTYPE_F32);
-    g_store_push = "cpu";
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, "auto");
     int lens[] = {37, 5};
     int32_t *prompts[2];
     for (int i = 0; i < 2; i++) {
@@ -545,7 +498,7 @@ START_TEST(push_store_is_the_program)
                   "push through the exec'd store differs from pull");
     free(pull.logits), free(push.logits);
     free(prompts[0]), free(prompts[1]);
-    fixture_close(&f);
+    tu_fixture_close(&f);
 }
 END_TEST
 
