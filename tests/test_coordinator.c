@@ -261,6 +261,26 @@ static int env_open(env *e)
     return 0;
 }
 
+static void env_close(env *e)
+{
+    tu_rmrf(e->dir);
+    free(e->dir);
+}
+
+/* A model whose steps take longer than a 0.25 s timeout or lease on this machine (e->model), and
+ * n jobs of two new tokens each with their reference tokens. */
+static void slow_model_jobs(env *e, tjob *jobs, int n, uint64_t salt)
+{
+    rekv_synth_spec spec = {REKV_ARCH_OPT, 8, 1024, 16, 16, 4096, 512, 256, REKV_DTYPE_F16, 3, 1};
+    snprintf(e->model, sizeof(e->model), "%s/big", e->dir);
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write(&spec, e->model, &err) == 0, "%s", err.msg);
+    make_jobs(jobs, n, 1, 512, salt);
+    for (int i = 0; i < n; i++)
+        jobs[i].gp.max_new_tokens = 2;
+    reference(jobs, n, e->model);
+}
+
 static pid_t start_coordinator(env *e, const char *queue, const char *timeout_ms)
 {
     const char *args[] = {tu_bin("rekv-coordinator"),
@@ -546,8 +566,7 @@ START_TEST(run_64_jobs)
     rekv_run_stop(pid);
     ck_assert_int_ne(access(e.ctl + 6, F_OK), 0);
     free_jobs(jobs, N);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -592,8 +611,7 @@ START_TEST(planner_in_the_loop)
         rekv_ctl_close(c);
         rekv_run_stop(pid);
         free_jobs(jobs, N);
-        tu_rmrf(e.dir);
-        free(e.dir);
+        env_close(&e);
     }
 }
 END_TEST
@@ -630,8 +648,7 @@ START_TEST(emulated_gpu_auto_mode)
     rekv_ctl_close(c);
     rekv_run_stop(pid);
     free_jobs(jobs, N);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -666,8 +683,7 @@ START_TEST(push_between_processes)
     rekv_ctl_close(c);
     rekv_run_stop(pid);
     free_jobs(jobs, N);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -679,16 +695,9 @@ START_TEST(long_steps_keep_heartbeating)
     env e;
     if (env_open(&e))
         return;
-    rekv_synth_spec spec = {REKV_ARCH_OPT, 8, 1024, 16, 16, 4096, 512, 256, REKV_DTYPE_F16, 3, 1};
-    snprintf(e.model, sizeof(e.model), "%s/big", e.dir);
-    rekv_err err = {0};
-    ck_assert_msg(rekv_synth_write(&spec, e.model, &err) == 0, "%s", err.msg);
     enum { N = 16 };
     static tjob jobs[N];
-    make_jobs(jobs, N, 1, 512, 3);
-    for (int i = 0; i < N; i++)
-        jobs[i].gp.max_new_tokens = 2;
-    reference(jobs, N, e.model);
+    slow_model_jobs(&e, jobs, N, 3);
     pid_t co = start_coordinator(&e, "64", "250");
     pid_t wk = start_worker(&e, "16");
     rekv_ctl *c = ctl_open(e.ctl);
@@ -710,8 +719,7 @@ START_TEST(long_steps_keep_heartbeating)
     ck_assert_int_eq(stop(wk), 0);
     ck_assert_int_eq(stop(co), 0);
     free_jobs(jobs, N);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -723,16 +731,9 @@ START_TEST(long_steps_keep_kvstore_pins)
     env e;
     if (env_open(&e))
         return;
-    rekv_synth_spec spec = {REKV_ARCH_OPT, 8, 1024, 16, 16, 4096, 512, 256, REKV_DTYPE_F16, 3, 1};
-    snprintf(e.model, sizeof(e.model), "%s/big", e.dir);
-    rekv_err err = {0};
-    ck_assert_msg(rekv_synth_write(&spec, e.model, &err) == 0, "%s", err.msg);
     enum { N = 16 };
     static tjob jobs[N];
-    make_jobs(jobs, N, 1, 512, 5);
-    for (int i = 0; i < N; i++)
-        jobs[i].gp.max_new_tokens = 2;
-    reference(jobs, N, e.model);
+    slow_model_jobs(&e, jobs, N, 5);
     pid_t kv = start_kvstore(&e, "250", "128M");
     rekv_kvstore_client *k = kv_open(&e);
     pid_t co = start_coordinator(&e, "64", "5000");
@@ -763,8 +764,7 @@ START_TEST(long_steps_keep_kvstore_pins)
     ck_assert_int_eq(stop(co), 0);
     ck_assert_int_eq(stop(kv), 0);
     free_jobs(jobs, N);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -823,8 +823,7 @@ START_TEST(worker_killed)
     ck_assert_int_eq(stop(wk), 0);
     ck_assert_int_eq(stop(co), 0);
     free_jobs(jobs, N);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -879,8 +878,7 @@ START_TEST(worker_restart_frees_kvstore_blocks)
     ck_assert_int_eq(stop(co), 0);
     ck_assert_int_eq(stop(kv), 0);
     free_jobs(jobs, N);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -932,8 +930,7 @@ START_TEST(dead_worker_blocks_return_after_lease)
     rekv_kvstore_client_close(k);
     ck_assert_int_eq(stop(co), 0);
     ck_assert_int_eq(stop(kv), 0);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -971,8 +968,7 @@ START_TEST(coordinator_restart)
     ck_assert_int_eq(stop(wk), 0);
     ck_assert_int_eq(stop(co), 0);
     free_jobs(jobs, N + 1);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -1055,8 +1051,7 @@ START_TEST(malformed_requests)
     rekv__control__response__free_unpacked(r, NULL);
     rekv_ctl_close(c);
     ck_assert_int_eq(stop(co), 0);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
@@ -1112,8 +1107,7 @@ START_TEST(busy_queue)
     free_jobs(a, acc);
     free(a);
     free(jobs);
-    tu_rmrf(e.dir);
-    free(e.dir);
+    env_close(&e);
 }
 END_TEST
 
