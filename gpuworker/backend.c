@@ -28,6 +28,79 @@ void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind
                  (unsigned)kind < REKV_XFER_KINDS ? kinds[kind] : "other", size);
 }
 
+static void json_write_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        switch (*p) {
+        case '"':
+        case '\\':
+            fprintf(f, "\\%c", *p);
+            break;
+        case '\n':
+            fputs("\\n", f);
+            break;
+        case '\r':
+            fputs("\\r", f);
+            break;
+        case '\t':
+            fputs("\\t", f);
+            break;
+        default:
+            if (*p < 0x20)
+                fprintf(f, "\\u%04x", *p);
+            else
+                fputc(*p, f);
+        }
+    }
+    fputc('"', f);
+}
+
+void rekv_trace_begin(FILE *f, const char *backend, const char *extra, size_t n_spans,
+                      uint64_t dropped_spans, char *const *stream_names, size_t n_streams)
+{
+    fprintf(f, "{\"displayTimeUnit\": \"ms\",\n \"otherData\": {\"backend\": \"%s\", %s", backend,
+            extra);
+    fprintf(f, "\"spans\": %zu, \"dropped_spans\": %llu, \"truncated\": %s},\n", n_spans,
+            (unsigned long long)dropped_spans, dropped_spans ? "true" : "false");
+    fputs(" \"traceEvents\": [\n", f);
+    fprintf(f,
+            "  {\"ph\": \"M\", \"pid\": 1, \"tid\": 0, \"name\": \"process_name\", "
+            "\"args\": {\"name\": \"rekv %s backend\"}}",
+            backend);
+    for (size_t i = 0; i < n_streams; i++) {
+        fprintf(f,
+                ",\n  {\"ph\": \"M\", \"pid\": 1, \"tid\": %zu, \"name\": \"thread_name\", "
+                "\"args\": {\"name\": ",
+                i + 1);
+        json_write_string(f, stream_names[i]);
+        fprintf(f,
+                "}},\n  {\"ph\": \"M\", \"pid\": 1, \"tid\": %zu, "
+                "\"name\": \"thread_sort_index\", \"args\": {\"sort_index\": %zu}}",
+                i + 1, i + 1);
+    }
+}
+
+void rekv_trace_span(FILE *f, uint32_t tid, double ts_us, double dur_us, const char *label)
+{
+    fprintf(f,
+            ",\n  {\"ph\": \"X\", \"pid\": 1, \"tid\": %u, \"ts\": %.3f, \"dur\": %.3f, \"name\": ",
+            tid, ts_us, dur_us);
+    json_write_string(f, label);
+    fputc('}', f);
+}
+
+int rekv_trace_end(FILE *f, const char *path, rekv_err *err)
+{
+    int rc = 0;
+    fputs("\n ]}\n", f);
+    if (ferror(f))
+        rc = rekv_errf(err, -EIO, "%s: error writing trace", path);
+    if (fclose(f) != 0 && rc == 0)
+        rc = rekv_errf(err, -errno, "%s: error writing trace: %s", path, strerror(errno));
+    return rc;
+}
+
 int rekv_copy_check(const char *dir, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind,
                     size_t *bytes, char *why, size_t why_len)
 {

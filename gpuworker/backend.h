@@ -24,6 +24,7 @@
 
 #include <errno.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -248,6 +249,16 @@ typedef struct rekv_backend_iface {
  * unknown kind, a NULL address of a non-empty piece, or a total that overflows. */
 int rekv_copy_check(const char *dir, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind,
                     size_t *bytes, char *why, size_t why_len);
+
+/* A Chrome trace (JSON, for Perfetto) as the backends write it: rekv_trace_begin writes the
+ * header — otherData with the backend's name, `extra` members (e.g. "\"device\": 0, ", or ""),
+ * the span counts — and a track per stream (tid i + 1 for stream_names[i]); then one
+ * rekv_trace_span per span (microseconds); rekv_trace_end closes the file and reports any write
+ * error. */
+void rekv_trace_begin(FILE *f, const char *backend, const char *extra, size_t n_spans,
+                      uint64_t dropped_spans, char *const *stream_names, size_t n_streams);
+void rekv_trace_span(FILE *f, uint32_t tid, double ts_us, double dur_us, const char *label);
+int rekv_trace_end(FILE *f, const char *path, rekv_err *err);
 
 /* The trace label of a copy, e.g. "h2d KV 1.0 MiB" or "d2d 64 B" (dir: "h2d", "d2h" or "d2d";
  * the kind is left out for d2d). Shared by the backends so their traces read alike. */

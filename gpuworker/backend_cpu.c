@@ -1246,83 +1246,23 @@ static void cpu_trace_start(rekv_backend *base)
 }
 
 /* Writes s as a JSON string, quotes included. */
-static void json_write_string(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        switch (*p) {
-        case '"':
-            fputs("\\\"", f);
-            break;
-        case '\\':
-            fputs("\\\\", f);
-            break;
-        case '\n':
-            fputs("\\n", f);
-            break;
-        case '\r':
-            fputs("\\r", f);
-            break;
-        case '\t':
-            fputs("\\t", f);
-            break;
-        default:
-            if (*p < 0x20)
-                fprintf(f, "\\u%04x", *p);
-            else
-                fputc(*p, f);
-        }
-    }
-    fputc('"', f);
-}
-
 /* Holds the trace lock while writing: stream threads that finish a task meanwhile wait for it,
  * which only matters if one writes a trace in the middle of a measured run. */
 static int cpu_trace_write(rekv_backend *base, const char *path, rekv_err *err)
 {
     cpu_backend *be = base->ctx;
-    int rc = 0;
     FILE *f = fopen(path, "w");
     if (f == NULL)
         return rekv_errf(err, -errno, "%s: cannot create trace file: %s", path, strerror(errno));
-
     pthread_mutex_lock(&be->trace_mu);
-    fputs("{\"displayTimeUnit\": \"ms\",\n \"otherData\": {\"backend\": \"cpu\", ", f);
-    fprintf(f, "\"spans\": %zu, \"dropped_spans\": %llu, \"truncated\": %s},\n", be->n_spans,
-            (unsigned long long)be->dropped_spans, be->dropped_spans ? "true" : "false");
-    fputs(" \"traceEvents\": [\n", f);
-    fputs("  {\"ph\": \"M\", \"pid\": 1, \"tid\": 0, \"name\": \"process_name\", "
-          "\"args\": {\"name\": \"rekv cpu backend\"}}",
-          f);
-    for (size_t i = 0; i < be->n_streams; i++) {
-        fprintf(f,
-                ",\n  {\"ph\": \"M\", \"pid\": 1, \"tid\": %zu, \"name\": \"thread_name\", "
-                "\"args\": {\"name\": ",
-                i + 1);
-        json_write_string(f, be->stream_names[i]);
-        fprintf(f,
-                "}},\n  {\"ph\": \"M\", \"pid\": 1, \"tid\": %zu, "
-                "\"name\": \"thread_sort_index\", \"args\": {\"sort_index\": %zu}}",
-                i + 1, i + 1);
-    }
+    rekv_trace_begin(f, "cpu", "", be->n_spans, be->dropped_spans, be->stream_names, be->n_streams);
     for (size_t i = 0; i < be->n_spans; i++) {
         const cpu_span *sp = &be->spans[i];
-        fprintf(f,
-                ",\n  {\"ph\": \"X\", \"pid\": 1, \"tid\": %u, \"ts\": %.3f, \"dur\": %.3f, "
-                "\"name\": ",
-                sp->tid, (double)(sp->start_ns - be->trace_t0_ns) * 1e-3,
-                (double)(sp->end_ns - sp->start_ns) * 1e-3);
-        json_write_string(f, sp->label);
-        fputc('}', f);
+        rekv_trace_span(f, sp->tid, (double)(sp->start_ns - be->trace_t0_ns) * 1e-3,
+                        (double)(sp->end_ns - sp->start_ns) * 1e-3, sp->label);
     }
-    fputs("\n ]}\n", f);
     pthread_mutex_unlock(&be->trace_mu);
-
-    if (ferror(f))
-        rc = rekv_errf(err, -EIO, "%s: error writing trace", path);
-    if (fclose(f) != 0 && rc == 0)
-        rc = rekv_errf(err, -errno, "%s: error writing trace: %s", path, strerror(errno));
-    return rc;
+    return rekv_trace_end(f, path, err);
 }
 
 static void cpu_destroy(rekv_backend *base)

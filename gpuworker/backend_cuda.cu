@@ -895,66 +895,24 @@ static void cu_trace_start(rekv_backend *base)
     pthread_mutex_unlock(&be->mu);
 }
 
-static void json_write_string(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        if (*p == '"' || *p == '\\')
-            fprintf(f, "\\%c", *p);
-        else if (*p < 0x20)
-            fprintf(f, "\\u%04x", *p);
-        else
-            fputc(*p, f);
-    }
-    fputc('"', f);
-}
-
 /* Spans of ops whose streams have not been synchronised since are not in the file yet. */
 static int cu_trace_write(rekv_backend *base, const char *path, rekv_err *err)
 {
     cuda_backend *be = backend_of(base);
-    int rc = 0;
     FILE *f = fopen(path, "w");
     if (f == NULL)
         return rekv_errf(err, -errno, "%s: cannot create trace file: %s", path, strerror(errno));
-
+    char extra[64];
+    snprintf(extra, sizeof(extra), "\"device\": %d, \"clock\": \"gpu events\", ", be->device);
     pthread_mutex_lock(&be->mu);
-    fputs("{\"displayTimeUnit\": \"ms\",\n \"otherData\": {\"backend\": \"cuda\", ", f);
-    fprintf(f, "\"device\": %d, \"clock\": \"gpu events\", ", be->device);
-    fprintf(f, "\"spans\": %zu, \"dropped_spans\": %llu, \"truncated\": %s},\n", be->n_spans,
-            (unsigned long long)be->dropped_spans, be->dropped_spans ? "true" : "false");
-    fputs(" \"traceEvents\": [\n", f);
-    fputs("  {\"ph\": \"M\", \"pid\": 1, \"tid\": 0, \"name\": \"process_name\", "
-          "\"args\": {\"name\": \"rekv cuda backend\"}}",
-          f);
-    for (size_t i = 0; i < be->n_streams; i++) {
-        fprintf(f,
-                ",\n  {\"ph\": \"M\", \"pid\": 1, \"tid\": %zu, \"name\": \"thread_name\", "
-                "\"args\": {\"name\": ",
-                i + 1);
-        json_write_string(f, be->stream_names[i]);
-        fprintf(f,
-                "}},\n  {\"ph\": \"M\", \"pid\": 1, \"tid\": %zu, "
-                "\"name\": \"thread_sort_index\", \"args\": {\"sort_index\": %zu}}",
-                i + 1, i + 1);
-    }
+    rekv_trace_begin(f, "cuda", extra, be->n_spans, be->dropped_spans, be->stream_names,
+                     be->n_streams);
     for (size_t i = 0; i < be->n_spans; i++) {
         const cu_span *sp = &be->spans[i];
-        fprintf(f,
-                ",\n  {\"ph\": \"X\", \"pid\": 1, \"tid\": %u, \"ts\": %.3f, \"dur\": %.3f, "
-                "\"name\": ",
-                sp->tid, sp->start_ms * 1e3, sp->dur_ms * 1e3);
-        json_write_string(f, sp->label);
-        fputc('}', f);
+        rekv_trace_span(f, sp->tid, sp->start_ms * 1e3, sp->dur_ms * 1e3, sp->label);
     }
-    fputs("\n ]}\n", f);
     pthread_mutex_unlock(&be->mu);
-
-    if (ferror(f))
-        rc = rekv_errf(err, -EIO, "%s: error writing trace", path);
-    if (fclose(f) != 0 && rc == 0)
-        rc = rekv_errf(err, -errno, "%s: error writing trace: %s", path, strerror(errno));
-    return rc;
+    return rekv_trace_end(f, path, err);
 }
 
 static void cu_destroy(rekv_backend *base)
