@@ -114,16 +114,9 @@ int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int 
     for (int i = 0; i < b->n; i++)
         if (b->jobs[i].id == job)
             return rekv_errf(err, -EINVAL, "job %llu is already running", (unsigned long long)job);
-    if (n_prompt <= 0)
-        return rekv_errf(err, -EINVAL, "the prompt is empty");
-    if (n_prompt > c->max_pos)
-        return rekv_errf(err, -E2BIG,
-                         "the prompt of %d tokens is longer than the model's context of %d tokens",
-                         n_prompt, c->max_pos);
-    for (int i = 0; i < n_prompt; i++)
-        if (prompt[i] < 0 || prompt[i] >= c->vocab)
-            return rekv_errf(err, -EINVAL, "prompt token id %d is outside the vocabulary (0..%d)",
-                             prompt[i], c->vocab - 1);
+    int prc = rekv_prompt_check(c, prompt, n_prompt, err);
+    if (prc)
+        return prc;
     if (gp->max_new_tokens < 0 || gp->temperature < 0 || gp->top_k < 0 || gp->top_p < 0 ||
         gp->top_p > 1)
         return rekv_errf(err, -EINVAL, "bad sampling parameters");

@@ -15,17 +15,29 @@ void rekv_gen_result_free(rekv_gen_result *r)
     memset(r, 0, sizeof(*r));
 }
 
+int rekv_prompt_check(const rekv_model_config *c, const int32_t *prompt, int n, rekv_err *err)
+{
+    if (n <= 0)
+        return rekv_errf(err, -EINVAL, "the prompt is empty");
+    if (n > c->max_pos)
+        return rekv_errf(err, -E2BIG,
+                         "the prompt of %d tokens is longer than the model's context of %d tokens",
+                         n, c->max_pos);
+    for (int i = 0; i < n; i++)
+        if (prompt[i] < 0 || prompt[i] >= c->vocab)
+            return rekv_errf(err, -EINVAL, "prompt token id %d is outside the vocabulary (0..%d)",
+                             prompt[i], c->vocab - 1);
+    return 0;
+}
+
 int rekv_generate(rekv_engine *e, const int32_t *prompt, int n_prompt, const rekv_gen_params *p,
                   rekv_gen_result *out, rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(e);
     memset(out, 0, sizeof(*out));
-    if (n_prompt <= 0)
-        return rekv_errf(err, -EINVAL, "the prompt is empty");
-    if (n_prompt > c->max_pos)
-        return rekv_errf(err, -E2BIG,
-                         "the prompt of %d tokens is longer than the model's context of %d tokens",
-                         n_prompt, c->max_pos);
+    int prc = rekv_prompt_check(c, prompt, n_prompt, err);
+    if (prc)
+        return prc;
     if (p->max_new_tokens < 0 || p->top_logits < 0)
         return rekv_errf(err, -EINVAL, "max_new_tokens and top_logits must not be negative");
     int rc = 0;

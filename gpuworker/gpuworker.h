@@ -93,6 +93,10 @@ typedef struct rekv_gen_result {
     const char *finish_reason; /* "length", "eos" or "context" (the model's context is full) */
 } rekv_gen_result;
 
+/* Checks a prompt against the model: not empty, within its context, every id in its vocabulary.
+ * 0, or -EINVAL / -E2BIG with the reason. */
+int rekv_prompt_check(const rekv_model_config *c, const int32_t *prompt, int n, rekv_err *err);
+
 /* Runs a prompt through the engine and generates up to max_new_tokens. A prompt longer than the
  * context is -E2BIG with a message saying so. Frees nothing of the caller's; free the result with
  * rekv_gen_result_free. */

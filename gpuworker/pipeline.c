@@ -1577,15 +1577,9 @@ int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, cons
     memset(res, 0, sizeof(*res) * (size_t)n);
     if (max_new < 0 || gp->top_logits < 0)
         return rekv_errf(err, -EINVAL, "max_new_tokens and top_logits must not be negative");
-    for (int i = 0; i < n; i++) {
-        if (n_prompts[i] <= 0)
-            return rekv_errf(err, -EINVAL, "prompt %d is empty", i);
-        if (n_prompts[i] > c->max_pos)
-            return rekv_errf(err, -E2BIG,
-                             "the prompt of %d tokens is longer than the model's context of %d "
-                             "tokens",
-                             n_prompts[i], c->max_pos);
-    }
+    for (int i = 0; i < n; i++)
+        if ((rc = rekv_prompt_check(c, prompts[i], n_prompts[i], err)))
+            return rc;
     rekv_pseq **seqs = calloc((size_t)n, sizeof(*seqs));
     rekv_sampler *smp = calloc((size_t)n, sizeof(*smp));
     rekv_pipe_item *items = calloc((size_t)n, sizeof(*items));
