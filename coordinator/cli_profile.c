@@ -15,24 +15,6 @@
 #include "gpuworker/backend.h"
 #include "loader/loader.h"
 
-int cli_profile_get(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
-                    int force, rekv_profile *out, rekv_profile_origin *origin, rekv_err *err)
-{
-    rekv_backend *be = NULL;
-    rekv_link_config l = {.gbps = 0, .latency_us = 10};
-    if (link) {
-        l = *link;
-        l.device_bytes = 0; /* the measurement's buffers need not fit an emulated device */
-    }
-    char note[1200];
-    int rc = rekv_backend_create(backend, &l, &be, note, sizeof(note), err);
-    if (rc)
-        return rc;
-    rc = rekv_profile_load_or_measure(c, be, &l, NULL, force, out, origin, err);
-    rekv_backend_destroy(be);
-    return rc;
-}
-
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
                   int batch, int ctx, rekv_kvpr_split *out, rekv_err *err)
 {
@@ -237,7 +219,7 @@ int cli_profile(int argc, char **argv)
     plan_row rows[sizeof(plan_ctx) / sizeof(plan_ctx[0])];
     int n_rows = (int)(sizeof(plan_ctx) / sizeof(plan_ctx[0])), ret = 1;
     if (rekv_model_open(model_path, &model, &err) ||
-        cli_profile_get(&model->config, backend, &link, force, &p, &o, &err))
+        rekv_profile_get(&model->config, backend, &link, NULL, force, &p, &o, &err))
         goto fail;
     for (int i = 0; i < n_rows; i++)
         if (plan_for(&p, &model->config, plan_ctx[i], &rows[i], &err))

@@ -9,12 +9,6 @@
 /* rekv profile --model PATH [--link-gbps G] [--link-latency-us U] [--reprofile] [--json] */
 int cli_profile(int argc, char **argv);
 
-/* The profile of c on `backend` ("auto", "cpu", "cuda"; the cpu backend with `link`'s emulation,
- * NULL or gbps <= 0: none, its memory limit left out): from the cache in the default directory,
- * or measured (always when force) and cached. */
-int cli_profile_get(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
-                    int force, rekv_profile *out, rekv_profile_origin *origin, rekv_err *err);
-
 /* KVPR's split (Eq. 11-12) for `batch` sequences of `ctx` tokens with a host cache of
  * cache_dtype. */
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,

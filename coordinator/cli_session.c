@@ -24,7 +24,7 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
         return 0;
     /* the profile of this machine, model and link: cached after its first measurement */
     rekv_profile pf;
-    int rc = cli_profile_get(c, backend, link, 0, &pf, NULL, err);
+    int rc = rekv_profile_get(c, backend, link, NULL, 0, &pf, NULL, err);
     if (rc)
         return rc;
     if (need_split) {

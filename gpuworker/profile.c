@@ -878,3 +878,25 @@ done:
         *origin = o;
     return 0;
 }
+
+int rekv_profile_get(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
+                     const char *dir, int force, rekv_profile *out, rekv_profile_origin *origin,
+                     rekv_err *err)
+{
+    rekv_link_config l = {.gbps = 0, .latency_us = 10};
+    if (link)
+        l = *link;
+    /* emulation of any kind means the cpu backend (as rekv_backend_create decides), then the
+     * memory limit goes */
+    if ((backend == NULL || strcmp(backend, "auto") == 0) && (l.gbps > 0 || l.device_bytes > 0))
+        backend = "cpu";
+    l.device_bytes = 0;
+    rekv_backend *be = NULL;
+    char note[1200];
+    int rc = rekv_backend_create(backend, &l, &be, note, sizeof(note), err);
+    if (rc)
+        return rc;
+    rc = rekv_profile_load_or_measure(c, be, &l, dir, force, out, origin, err);
+    rekv_backend_destroy(be);
+    return rc;
+}

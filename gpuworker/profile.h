@@ -112,4 +112,11 @@ int rekv_profile_load_or_measure(const rekv_model_config *c, rekv_backend *be,
                                  const rekv_link_config *link, const char *dir, int force,
                                  rekv_profile *out, rekv_profile_origin *origin, rekv_err *err);
 
+/* The same on a backend of its own, of the kind rekv_backend_create(backend, link) gives ("auto",
+ * "cpu", "cuda"; link may be NULL), made without link's memory limit: the measurement's buffers
+ * need not fit an emulated device. */
+int rekv_profile_get(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
+                     const char *dir, int force, rekv_profile *out, rekv_profile_origin *origin,
+                     rekv_err *err);
+
 #endif

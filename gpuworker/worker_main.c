@@ -589,21 +589,10 @@ int main(int argc, char **argv)
     if (note[0])
         rekv_log(REKV_LOG_INFO, "%s", note);
     {
-        /* the planner prices this worker's steps with what it measures here (cached on disk);
-         * an emulated device's memory limit is not part of the measurement (the profile's
-         * buffers need not fit it) */
+        /* the planner prices this worker's steps with what it measures here (cached on disk) */
         rekv_profile prof;
         rekv_profile_origin origin;
-        rekv_backend *pbe = be;
-        rekv_link_config plink = link;
-        plink.device_bytes = 0;
-        if (link.device_bytes &&
-            rekv_backend_create(be->iface->name, &plink, &pbe, note, sizeof(note), &err))
-            goto fail;
-        int prc = rekv_profile_load_or_measure(w.mc, pbe, &plink, NULL, 0, &prof, &origin, &err);
-        if (pbe != be)
-            rekv_backend_destroy(pbe);
-        if (prc)
+        if (rekv_profile_get(w.mc, be->iface->name, &link, NULL, 0, &prof, &origin, &err))
             goto fail;
         rekv_profile_to_cost(&prof, pc.cache_dtype, &w.cost);
         if (!pc.offload_weights)
