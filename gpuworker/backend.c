@@ -129,12 +129,17 @@ int rekv_copy_check(const char *dir, const rekv_copy_piece *pieces, size_t n, re
     return 0;
 }
 
+int rekv_link_emulates(const rekv_link_config *link)
+{
+    return link && (link->gbps > 0 || link->device_bytes > 0);
+}
+
 int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
                         char *note, size_t note_len, rekv_err *err)
 {
     if (note && note_len)
         note[0] = '\0';
-    int emulate = link && (link->gbps > 0 || link->device_bytes > 0);
+    int emulate = rekv_link_emulates(link);
     if (which == NULL || strcmp(which, "auto") == 0) {
         if (emulate) { /* a GPU's link or memory to emulate: that is the cpu backend's job */
             if (note)

@@ -264,6 +264,10 @@ int rekv_trace_end(FILE *f, const char *path, rekv_err *err);
  * the kind is left out for d2d). Shared by the backends so their traces read alike. */
 void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind, size_t bytes);
 
+/* Whether link asks for any emulation (a link speed or a device memory limit): that is the cpu
+ * backend's job, and "auto" then means cpu. */
+int rekv_link_emulates(const rekv_link_config *link);
+
 /* The backend a program asked for: "cpu", "cuda", or "auto" (cuda when built with it and a device
  * exists, else cpu; cpu whenever link or memory emulation is asked for). Emulation is the cpu
  * backend's only: "cuda" with it is -EINVAL. *note (may be NULL)

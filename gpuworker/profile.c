@@ -888,7 +888,7 @@ int rekv_profile_get(const rekv_model_config *c, const char *backend, const rekv
         l = *link;
     /* emulation of any kind means the cpu backend (as rekv_backend_create decides), then the
      * memory limit goes */
-    if ((backend == NULL || strcmp(backend, "auto") == 0) && (l.gbps > 0 || l.device_bytes > 0))
+    if ((backend == NULL || strcmp(backend, "auto") == 0) && rekv_link_emulates(&l))
         backend = "cpu";
     l.device_bytes = 0;
     rekv_backend *be = NULL;
