@@ -1179,17 +1179,16 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, c->rope_theta, c->rope);
         k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
     }
+    rekv_dtype cdt = p->cfg.cache_dtype;
     if (store) { /* the new rows leave for the arena: K, V and the attention input */
         uint8_t *out = p->par[b].out_stage.p;
-        size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), rows = (size_t)T;
+        size_t dsz = rekv_dtype_size(cdt), rows = (size_t)T;
         p->bi->stream_wait_event(s, p->ev_out_free[b]);
-        k->convert_out(s, out, kk, rows * (size_t)KV, p->cfg.cache_dtype);
-        k->convert_out(s, out + rows * (size_t)KV * dsz, vv, rows * (size_t)KV, p->cfg.cache_dtype);
-        k->convert_out(s, out + rows * 2 * (size_t)KV * dsz, h, rows * (size_t)H,
-                       p->cfg.cache_dtype);
+        k->convert_out(s, out, kk, rows * (size_t)KV, cdt);
+        k->convert_out(s, out + rows * (size_t)KV * dsz, vv, rows * (size_t)KV, cdt);
+        k->convert_out(s, out + rows * 2 * (size_t)KV * dsz, h, rows * (size_t)H, cdt);
         p->bi->event_record(p->ev_out[b], s);
     }
-    rekv_dtype cdt = p->cfg.cache_dtype;
     k->kv_scatter(s, kk, vv, T, st->row_seq[g], st->pos[g], d, c->n_kv_heads, c->head_dim, cdt);
     k->attention(s, att, q, d, nb, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the parity's attention buffers may take the next unit's rows */
