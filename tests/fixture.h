@@ -1,13 +1,19 @@
 /* fixture.h — a model loaded for compute with a private kvstore beside it: what the pipeline
- * tests (test_pipeline on cpu, test_cuda on cuda) run every mode against. */
+ * tests (test_pipeline on cpu, test_cuda on cuda) run every mode against. Header-only, like
+ * ipc_peer.h: a .c file beside the tests would be linked into every test and pull the backends (and
+ * the CUDA libraries) into tests that measure their own memory. */
 #ifndef REKV_TESTS_FIXTURE_H
 #define REKV_TESTS_FIXTURE_H
 
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/types.h>
 
 #include "gpuworker/gpuworker.h"
 #include "gpuworker/pipeline.h"
 #include "kvstore/kvstore.h"
+#include "tests/testutil.h"
 
 typedef struct tu_fixture {
     rekv_model *m;
@@ -21,9 +27,40 @@ typedef struct tu_fixture {
 /* Opens model_path, creates its engine and a cpu backend, and spawns a private kvstore (256 MiB,
  * cache dtype `cache`, push backend push_backend: NULL for a store that cannot push) in a fresh
  * temporary directory, connected. Fails the test on any error. */
-void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_dtype cache,
-                     const char *push_backend);
+static void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_dtype cache,
+                            const char *push_backend)
+{
+    rekv_err err = {0};
+    memset(f, 0, sizeof(*f));
+    ck_assert_msg(rekv_model_open(model_path, &f->m, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(f->m, &f->e, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_backend_cpu_create(NULL, &f->be, &err) == 0, "%s", err.msg);
+    f->dir = tu_tmpdir();
+    char ep[4200];
+    snprintf(ep, sizeof(ep), "ipc://%s/kv.sock", f->dir);
+    rekv_kvstore_config cfg;
+    rekv_kvstore_config_defaults(&cfg);
+    cfg.endpoint = ep;
+    cfg.host_bytes = 256ull << 20;
+    cfg.spill_dir = f->dir;
+    cfg.push_backend = push_backend;
+    ck_assert_msg(rekv_kv_geometry_from_config(&f->m->config, cache, &cfg.geometry, &err) == 0,
+                  "%s", err.msg);
+    ck_assert_msg(rekv_kvstore_spawn(&cfg, &f->store_pid, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_kvstore_client_connect(ep, NULL, 30000, &f->store, &err) == 0, "%s",
+                  err.msg);
+}
+
 /* Stops the store (which must exit cleanly) and frees everything. */
-void tu_fixture_close(tu_fixture *f);
+static void tu_fixture_close(tu_fixture *f)
+{
+    rekv_kvstore_client_close(f->store);
+    ck_assert_int_eq(rekv_kvstore_reap(f->store_pid), 0);
+    rekv_backend_destroy(f->be);
+    rekv_engine_free(f->e);
+    rekv_model_close(f->m);
+    tu_rmrf(f->dir);
+    free(f->dir);
+}
 
 #endif
