@@ -6,6 +6,8 @@
 #   deploy/gpu-sandbox.sh build    there: unpack debs/ into debs/root with dpkg -x (never into /) and
 #                                  run make with pkg-config, the compiler and the loader pointed at it;
 #                                  extra arguments go to make (e.g. `test`)
+#   deploy/gpu-sandbox.sh exec CMD...  there, after build: runs CMD with the loader pointed at debs/root
+#                                  (a test program, `tests/run_tests.sh DIR/tests/test_*`, ...)
 #   deploy/gpu-sandbox.sh bench DIR  there, after build: synthesises an OPT-6.7B-shaped fp16 model
 #                                  (~13 GB, in $TMPDIR) and runs issue 6's measurement with DIR's
 #                                  binaries: `rekv bench decode --backend cuda`, batch 64, prompt
@@ -14,6 +16,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD/debs/root
+arch=$(gcc -dumpmachine)
+libs() {
+    export LD_LIBRARY_PATH=$root/usr/lib/$arch:$root/lib/$arch:$root/usr/lib/$arch/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
 case "${1:-}" in
 fetch)
     mkdir -p debs
@@ -34,20 +40,23 @@ build)
     shift
     mkdir -p "$root"
     for d in debs/*.deb; do dpkg -x "$d" "$root"; done
-    arch=$(gcc -dumpmachine)
     export PKG_CONFIG_SYSROOT_DIR=$root
     export PKG_CONFIG_PATH=$root/usr/lib/$arch/pkgconfig:$root/usr/share/pkgconfig:$root/usr/lib/pkgconfig
     export CPATH=$root/usr/include:$root/usr/include/$arch
     export LIBRARY_PATH=$root/usr/lib/$arch:$root/lib/$arch
-    export LD_LIBRARY_PATH=$root/usr/lib/$arch:$root/lib/$arch:$root/usr/lib/$arch/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    libs
     export PATH=$root/usr/bin:$PATH
     export PATH=/usr/local/cuda/bin:$PATH
     make "$@"
     ;;
+exec)
+    shift
+    libs
+    exec "$@"
+    ;;
 bench)
     bin=${2:?usage: gpu-sandbox.sh bench BUILD_DIR}/bin
-    arch=$(gcc -dumpmachine)
-    export LD_LIBRARY_PATH=$root/usr/lib/$arch:$root/lib/$arch:$root/usr/lib/$arch/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    libs
     model=${TMPDIR:-/tmp}/opt-6.7b-synth
     [ -f "$model/model.safetensors" ] ||
         "$bin/rekv-loader" synth --arch opt --layers 32 --hidden 4096 --heads 32 --ffn 16384 \
@@ -57,7 +66,7 @@ bench)
         --modes resident,offload,offload+push,kvpr,kvpr+push,act,hybrid "${@:3}"
     ;;
 *)
-    sed -n '2,14p' "$0"
+    sed -n '2,/^set /{/^#/p}' "$0"
     exit 2
     ;;
 esac

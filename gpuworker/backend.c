@@ -101,6 +101,40 @@ int rekv_trace_end(FILE *f, const char *path, rekv_err *err)
     return rc;
 }
 
+size_t rekv_copy_coalesce(const rekv_copy_piece *pieces, size_t n, rekv_copy_run *runs)
+{
+    size_t nr = 0;
+    rekv_copy_run *r = NULL;
+    for (size_t i = 0; i < n; i++) {
+        const rekv_copy_piece *c = &pieces[i];
+        if (c->bytes == 0)
+            continue;
+        if (r != NULL) {
+            uintptr_t d = (uintptr_t)c->dst, s = (uintptr_t)c->src;
+            uintptr_t rd = (uintptr_t)r->dst + (r->height - 1) * r->dpitch;
+            uintptr_t rs = (uintptr_t)r->src + (r->height - 1) * r->spitch;
+            if (r->height == 1 && d == rd + r->width && s == rs + r->width) {
+                r->width += c->bytes; /* continues the row */
+                r->count = i + 1 - r->first;
+                continue;
+            }
+            if (c->bytes == r->width && d > rd && s > rs && d - rd >= r->width &&
+                s - rs >= r->width && d - rd < ((uintptr_t)1 << 31) &&
+                s - rs < ((uintptr_t)1 << 31) &&
+                (r->height == 1 || (d - rd == r->dpitch && s - rs == r->spitch))) {
+                r->dpitch = d - rd; /* the next row */
+                r->spitch = s - rs;
+                r->height++;
+                r->count = i + 1 - r->first;
+                continue;
+            }
+        }
+        r = &runs[nr++];
+        *r = (rekv_copy_run){c->dst, c->src, c->bytes, 1, c->bytes, c->bytes, i, 1};
+    }
+    return nr;
+}
+
 int rekv_copy_check(const char *dir, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind,
                     size_t *bytes, char *why, size_t why_len)
 {

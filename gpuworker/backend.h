@@ -250,6 +250,23 @@ typedef struct rekv_backend_iface {
 int rekv_copy_check(const char *dir, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind,
                     size_t *bytes, char *why, size_t why_len);
 
+/* A strided copy: height rows of width bytes, row i from src + i * spitch to dst + i * dpitch;
+ * it does what pieces[first .. first + count) do. */
+typedef struct rekv_copy_run {
+    void *dst;
+    const void *src;
+    size_t width, height, dpitch, spitch;
+    size_t first, count;
+} rekv_copy_run;
+
+/* Coalesces pieces, in order, into as few runs as a DMA engine needs: a piece that continues the
+ * run's single row on both sides extends it, and equal-size pieces at one constant stride on each
+ * side (each stride >= the size, < 2^31) stack as rows of one run (cudaMemcpy2DAsync). Empty
+ * pieces are skipped. runs holds n entries; returns how many were written. Addresses alone decide:
+ * pieces in two allocations that happen to touch merge too, so a backend whose copies must stay
+ * inside one allocation falls back to a run's pieces when the merged copy is refused. */
+size_t rekv_copy_coalesce(const rekv_copy_piece *pieces, size_t n, rekv_copy_run *runs);
+
 /* A Chrome trace (JSON, for Perfetto) as the backends write it: rekv_trace_begin writes the
  * header — otherData with the backend's name, `extra` members (e.g. "\"device\": 0, ", or ""),
  * the span counts — and a track per stream (tid i + 1 for stream_names[i]); then one

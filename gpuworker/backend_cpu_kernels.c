@@ -169,13 +169,14 @@ static void run_scatter(void *p)
 {
     scatter_args *a = p;
     size_t hd = (size_t)a->hd, es = rekv_dtype_size(a->dt);
+    size_t vs = rekv_kv_v_shift(a->n_kv, a->hd) * es;
     for (int r = 0; r < a->rows; r++) {
-        const rekv_attn_seq *sq = &a->seqs[a->row_seq[r]];
+        char *kv = a->seqs[a->row_seq[r]].kv;
         for (int g = 0; g < a->n_kv; g++) {
-            size_t dst = ((size_t)g * (size_t)sq->cap + (size_t)a->row_pos[r]) * hd * es;
+            size_t dst = rekv_kv_row(a->n_kv, a->hd, g, a->row_pos[r]) * es;
             size_t src = ((size_t)r * (size_t)a->n_kv + (size_t)g) * hd;
-            rekv_from_f32((char *)sq->k + dst, a->k + src, a->dt, hd);
-            rekv_from_f32((char *)sq->v + dst, a->v + src, a->dt, hd);
+            rekv_from_f32(kv + dst, a->k + src, a->dt, hd);
+            rekv_from_f32(kv + dst + vs, a->v + src, a->dt, hd);
         }
     }
 }
@@ -203,8 +204,8 @@ static void run_attention(void *p)
     size_t qd = (size_t)a->n_heads * (size_t)a->hd;
     for (int i = 0; i < a->n_seqs; i++) {
         const rekv_attn_seq *sq = &a->seqs[i];
-        cpu_attention(a->out + (size_t)sq->row0 * qd, a->q + (size_t)sq->row0 * qd, sq->k, sq->v,
-                      a->dt, sq->n, sq->start, a->n_heads, a->n_kv, a->hd, sq->cap, a->scores);
+        cpu_attention(a->out + (size_t)sq->row0 * qd, a->q + (size_t)sq->row0 * qd, sq->kv, a->dt,
+                      sq->n, sq->start, a->n_heads, a->n_kv, a->hd, a->scores);
     }
 }
 

@@ -679,17 +679,35 @@ static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces,
     use_device(be);
     char label[64];
     rekv_copy_label(label, sizeof(label), dir_names[dir], kind, bytes);
+    /* as few DMA operations as the pieces allow: each costs microseconds whatever its size */
+    rekv_copy_run one[16], *runs = n <= 16 ? one : (rekv_copy_run *)malloc(n * sizeof(*runs));
+    if (runs == NULL) {
+        stream_fail(s, -ENOMEM, "stream %s: out of memory for a copy of %zu pieces", s->name, n);
+        return;
+    }
+    size_t nr = rekv_copy_coalesce(pieces, n, runs);
     long op = op_begin(s, dir, label);
-    for (size_t i = 0; i < n; i++) {
-        if (pieces[i].bytes == 0)
-            continue;
-        if (stream_check(s,
-                         cudaMemcpyAsync(pieces[i].dst, pieces[i].src, pieces[i].bytes,
-                                         cudaMemcpyDefault, s->cs),
-                         dir_names[dir]))
+    for (size_t i = 0; i < nr; i++) {
+        const rekv_copy_run *r = &runs[i];
+        cudaError_t rc = r->height == 1
+                             ? cudaMemcpyAsync(r->dst, r->src, r->width, cudaMemcpyDefault, s->cs)
+                             : cudaMemcpy2DAsync(r->dst, r->dpitch, r->src, r->spitch, r->width,
+                                                 r->height, cudaMemcpyDefault, s->cs);
+        if (rc == cudaErrorInvalidValue && r->count > 1) {
+            /* merged across two allocations that touch: copy its pieces one by one */
+            (void)cudaGetLastError();
+            rc = cudaSuccess;
+            for (size_t j = r->first; j < r->first + r->count && rc == cudaSuccess; j++)
+                if (pieces[j].bytes)
+                    rc = cudaMemcpyAsync(pieces[j].dst, pieces[j].src, pieces[j].bytes,
+                                         cudaMemcpyDefault, s->cs);
+        }
+        if (stream_check(s, rc, dir_names[dir]))
             break;
     }
     op_end(s, op);
+    if (runs != one)
+        free(runs);
 }
 
 static void cu_copy_h2d(rekv_stream *s, const rekv_copy_piece *pieces, size_t n,
@@ -1227,22 +1245,19 @@ __global__ static void scatter_kernel(const float *k, const float *v, const int3
                                       const int32_t *row_pos, const rekv_attn_seq *seqs, int n_kv,
                                       int hd, int dtype)
 {
-    __shared__ void *dk, *dv;
-    __shared__ int cap, p;
+    __shared__ void *kv;
+    __shared__ int p;
     if (threadIdx.x == 0) {
-        const rekv_attn_seq *sq = &seqs[row_seq[blockIdx.x]];
-        dk = sq->k;
-        dv = sq->v;
-        cap = sq->cap;
+        kv = seqs[row_seq[blockIdx.x]].kv;
         p = row_pos[blockIdx.x];
     }
     __syncthreads();
-    size_t src0 = (size_t)blockIdx.x * (size_t)n_kv * (size_t)hd;
+    size_t src0 = (size_t)blockIdx.x * (size_t)n_kv * (size_t)hd, vs = rekv_kv_v_shift(n_kv, hd);
     for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) {
         int g = i / hd, j = i % hd;
-        size_t dst = ((size_t)g * (size_t)cap + (size_t)p) * (size_t)hd + (size_t)j;
-        store_from_f32(dk, dst, k[src0 + i], dtype);
-        store_from_f32(dv, dst, v[src0 + i], dtype);
+        size_t dst = rekv_kv_row(n_kv, hd, g, p) + (size_t)j;
+        store_from_f32(kv, dst, k[src0 + i], dtype);
+        store_from_f32(kv, dst + vs, v[src0 + i], dtype);
     }
 }
 
@@ -1274,7 +1289,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
     __syncthreads();
     int h = blockIdx.x, kvh = h / (n_heads / n_kv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    size_t hbase = (size_t)kvh * (size_t)sq.cap * (size_t)hd; /* the kv head, in elements */
+    size_t vs = rekv_kv_v_shift(n_kv, hd);
     size_t qd = (size_t)n_heads * (size_t)hd;
     for (int i = blockIdx.z; i < sq.n; i += gridDim.z) {
         size_t r = (size_t)sq.row0 + (size_t)i;
@@ -1289,10 +1304,10 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         for (int c = 0; c < ATT_MAX_PER_LANE; c++)
             acc[c] = 0;
         for (int t = warp; t < n_ctx; t += ATT_WARPS) {
-            size_t row = hbase + (size_t)t * hd;
+            size_t row = rekv_kv_row(n_kv, hd, kvh, t);
             float d = 0;
             for (int j = lane; j < hd; j += 32)
-                d += qs[j] * load_as_f32(sq.k, row + j, DT);
+                d += qs[j] * load_as_f32(sq.kv, row + j, DT);
             for (int o = 16; o > 0; o >>= 1)
                 d += __shfl_xor_sync(0xffffffffu, d, o);
             d *= scale;
@@ -1303,7 +1318,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
             for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
                 int j = c * 32 + lane;
                 if (j < hd)
-                    acc[c] = acc[c] * corr + p * load_as_f32(sq.v, row + j, DT);
+                    acc[c] = acc[c] * corr + p * load_as_f32(sq.kv, vs + row + j, DT);
             }
             m = m_new;
         }
@@ -1459,8 +1474,7 @@ static void cu_host_unregister(rekv_backend *be, void *p)
         cudaGetLastError();
 }
 
-static int cu_mem_info(rekv_backend *base, size_t *free_bytes, size_t *total_bytes,
-                       rekv_err *err)
+static int cu_mem_info(rekv_backend *base, size_t *free_bytes, size_t *total_bytes, rekv_err *err)
 {
     use_device(backend_of(base));
     size_t f = 0, t = 0;

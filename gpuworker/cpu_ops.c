@@ -107,34 +107,31 @@ void cpu_activation(float *a, const float *b, size_t n, rekv_act act)
     }
 }
 
-/* Row t of a [cap][hd] head in dtype dt as fp32: the row itself, or widened into buf. */
-static inline const float *cache_row(const void *head, size_t t, int hd, rekv_dtype dt, float *buf)
+/* The row at element index i of a cache in dtype dt as fp32: the row itself, or widened into buf.
+ */
+static inline const float *cache_row(const void *kv, size_t i, int hd, rekv_dtype dt, float *buf)
 {
-    size_t es = rekv_dtype_size(dt);
-    const void *r = (const char *)head + t * (size_t)hd * es;
+    const void *r = (const char *)kv + i * rekv_dtype_size(dt);
     if (dt == REKV_DTYPE_F32)
         return r;
     rekv_to_f32(buf, r, dt, (size_t)hd);
     return buf;
 }
 
-void cpu_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
-                   rekv_dtype dt, int m, int start, int n_heads, int n_kv, int hd, int cap,
-                   float *scores)
+void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, int m, int start,
+                   int n_heads, int n_kv, int hd, float *scores)
 {
     float scale = 1.0f / sqrtf((float)hd);
     int group = n_heads / n_kv;
-    size_t es = rekv_dtype_size(dt);
+    size_t vs = rekv_kv_v_shift(n_kv, hd);
     float buf[hd > 0 ? hd : 1]; /* a widened row */
     for (int i = 0; i < m; i++) {
         int n_ctx = start + i + 1; /* causal: positions 0..start+i */
         for (int h = 0; h < n_heads; h++) {
             const float *qh = q + ((size_t)i * n_heads + h) * hd;
-            const char *kh = (const char *)k_cache + (size_t)(h / group) * cap * hd * es;
-            const char *vh = (const char *)v_cache + (size_t)(h / group) * cap * hd * es;
             float mx = -INFINITY;
             for (int t = 0; t < n_ctx; t++) {
-                const float *kt = cache_row(kh, (size_t)t, hd, dt, buf);
+                const float *kt = cache_row(kv, rekv_kv_row(n_kv, hd, h / group, t), hd, dt, buf);
                 float d = 0;
                 for (int j = 0; j < hd; j++)
                     d += qh[j] * kt[j];
@@ -151,7 +148,8 @@ void cpu_attention(float *out, const float *q, const void *k_cache, const void *
             float *oh = out + ((size_t)i * n_heads + h) * hd;
             memset(oh, 0, sizeof(float) * (size_t)hd);
             for (int t = 0; t < n_ctx; t++) {
-                const float *vt = cache_row(vh, (size_t)t, hd, dt, buf);
+                const float *vt =
+                    cache_row(kv, rekv_kv_row(n_kv, hd, h / group, t) + vs, hd, dt, buf);
                 float p = scores[t] * inv;
                 for (int j = 0; j < hd; j++)
                     oh[j] += p * vt[j];

@@ -3,6 +3,7 @@
 #ifndef REKV_GPUWORKER_CPU_OPS_H
 #define REKV_GPUWORKER_CPU_OPS_H
 
+#include "gpuworker/kvlayout.h"
 #include "loader/loader.h"
 
 /* y[m][n] = x[m][k] · W[n][k]^T (+ bias[n] when not NULL), through OpenBLAS sgemm: the speed
@@ -35,10 +36,9 @@ void cpu_rope(float *x, const float *cos_t, const float *sin_t, int m, int n_hea
 void cpu_activation(float *a, const float *b, size_t n, rekv_act act);
 
 /* Causal attention of one sequence: q [m][n_heads*hd] for new tokens at positions start..start+m-1,
- * over the cache K,V laid out [n_kv][cap][hd] in dtype dt (16-bit rows are widened exactly) holding
- * positions 0..start+m-1. out [m][n_heads*hd]. scores: scratch of start+m floats. */
-void cpu_attention(float *out, const float *q, const void *k_cache, const void *v_cache,
-                   rekv_dtype dt, int m, int start, int n_heads, int n_kv, int hd, int cap,
-                   float *scores);
+ * over the cache kv (kvlayout.h) in dtype dt (16-bit rows are widened exactly) holding positions
+ * 0..start+m-1. out [m][n_heads*hd]. scores: scratch of start+m floats. */
+void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, int m, int start,
+                   int n_heads, int n_kv, int hd, float *scores);
 
 #endif

@@ -15,9 +15,9 @@
 
 struct rekv_seq {
     rekv_engine *e;
-    int len;      /* tokens in the cache */
-    int cap;      /* capacity in tokens */
-    float *k, *v; /* [n_layers][n_kv][cap][head_dim] each */
+    int len;   /* tokens in the cache */
+    int cap;   /* capacity in tokens */
+    float *kv; /* [n_layers] caches of cap positions (kvlayout.h) */
 };
 
 /* A tensor in dtype wt: copied as it is when the file has it in wt, else widened to fp32 — the
@@ -212,9 +212,9 @@ int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err)
         return rekv_errf(err, -E2BIG, "sequence capacity %d is outside the model's context (1..%d)",
                          capacity, e->c.max_pos);
     rekv_seq *s = calloc(1, sizeof(*s));
-    size_t n = (size_t)e->c.n_layers * (size_t)rekv_config_kv_dim(&e->c) * (size_t)capacity;
-    if (s == NULL || (s->k = malloc(n * sizeof(float))) == NULL ||
-        (s->v = malloc(n * sizeof(float))) == NULL) {
+    size_t n =
+        (size_t)e->c.n_layers * rekv_kv_buffer_elems(e->c.n_kv_heads, e->c.head_dim, capacity);
+    if (s == NULL || (s->kv = malloc(n * sizeof(float))) == NULL) {
         rekv_seq_free(s);
         return rekv_errf(err, -ENOMEM, "out of memory for a KV cache of %d tokens", capacity);
     }
@@ -228,8 +228,7 @@ void rekv_seq_free(rekv_seq *s)
 {
     if (s == NULL)
         return;
-    free(s->k);
-    free(s->v);
+    free(s->kv);
     free(s);
 }
 
@@ -273,17 +272,25 @@ static int reserve(rekv_engine *e, size_t T)
     return 0;
 }
 
+/* The layer's cache (kvlayout.h). */
+static float *layer_cache(rekv_seq *s, int layer)
+{
+    const rekv_model_config *c = &s->e->c;
+    return s->kv + (size_t)layer * rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->cap);
+}
+
 /* Copies the new tokens' K and V rows ([m][kv_dim]) into the cache at positions start.. */
 static void cache_store(rekv_seq *s, int layer, const float *k, const float *v, int m, int start)
 {
     const rekv_model_config *c = &s->e->c;
     int hd = c->head_dim, n_kv = c->n_kv_heads;
-    size_t layer_off = (size_t)layer * n_kv * s->cap * hd;
+    float *kv = layer_cache(s, layer);
+    size_t vs = rekv_kv_v_shift(n_kv, hd);
     for (int i = 0; i < m; i++)
         for (int g = 0; g < n_kv; g++) {
-            size_t dst = layer_off + ((size_t)g * s->cap + (size_t)(start + i)) * hd;
-            memcpy(s->k + dst, k + ((size_t)i * n_kv + g) * hd, sizeof(float) * (size_t)hd);
-            memcpy(s->v + dst, v + ((size_t)i * n_kv + g) * hd, sizeof(float) * (size_t)hd);
+            size_t dst = rekv_kv_row(n_kv, hd, g, start + i);
+            memcpy(kv + dst, k + ((size_t)i * n_kv + g) * hd, sizeof(float) * (size_t)hd);
+            memcpy(kv + dst + vs, v + ((size_t)i * n_kv + g) * hd, sizeof(float) * (size_t)hd);
         }
 }
 
@@ -310,10 +317,8 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
         rekv_seq *s = items[b].seq;
         int m = items[b].n_tokens;
         cache_store(s, layer, e->k + (size_t)row * KV, e->v + (size_t)row * KV, m, s->len);
-        size_t layer_off = (size_t)layer * c->n_kv_heads * s->cap * c->head_dim;
-        cpu_attention(e->att + (size_t)row * Q, e->q + (size_t)row * Q, s->k + layer_off,
-                      s->v + layer_off, REKV_DTYPE_F32, m, s->len, c->n_heads, c->n_kv_heads,
-                      c->head_dim, s->cap, e->scores);
+        cpu_attention(e->att + (size_t)row * Q, e->q + (size_t)row * Q, layer_cache(s, layer),
+                      REKV_DTYPE_F32, m, s->len, c->n_heads, c->n_kv_heads, c->head_dim, e->scores);
         row += m;
     }
     cpu_gemm_rowinv(e->h, e->att, L->wo, e->wdtype, L->bo, T, H, Q);

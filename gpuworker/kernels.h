@@ -11,17 +11,17 @@
 #include <stdint.h>
 
 #include "gpuworker/backend.h"
+#include "gpuworker/kvlayout.h"
 
-/* One sequence's attention context for one layer: K and V buffers laid out [n_kv][cap][head_dim]
- * in the cache dtype (the dtype argument of kv_scatter and attention), holding positions
- * 0..start+n-1 once the new rows are in; the sequence contributes n query rows, at positions
+/* One sequence's attention context for one layer: a KV buffer laid out as kvlayout.h says, in the
+ * cache dtype (the dtype argument of kv_scatter and attention), holding positions 0..start+n-1
+ * once the new rows are in; the sequence contributes n query rows, at positions
  * start..start+n-1. */
 typedef struct rekv_attn_seq {
-    void *k, *v; /* [n_kv][cap][head_dim], cache dtype */
-    int cap;     /* row stride, in tokens */
-    int start;   /* positions before the new rows */
-    int n;       /* new rows (queries) */
-    int row0;    /* index of the sequence's first row in the stacked q/out matrices */
+    void *kv;  /* blocks of K then V rows (kvlayout.h), cache dtype */
+    int start; /* positions before the new rows */
+    int n;     /* new rows (queries) */
+    int row0;  /* index of the sequence's first row in the stacked q/out matrices */
 } rekv_attn_seq;
 
 /* A run of elements converted from a cache dtype into fp32: dst[i] = (float)src[i]. */

@@ -198,10 +198,10 @@ typedef struct gbatch {
 
 /* Buffers of one unit parity. */
 typedef struct parity {
-    dbuf attn_k, attn_v; /* attention buffers: per sequence [n_kv][ctx][hd], back to back, in the
-                            cache dtype */
-    dbuf act_stage;      /* context activation rows as stored */
-    dbuf out_stage;      /* new rows to store: K [T][kv], V [T][kv], H [T][hidden] (cache dtype) */
+    dbuf attn_kv;   /* attention buffers: per sequence its context's blocks (kvlayout.h), back
+                       to back, in the cache dtype */
+    dbuf act_stage; /* context activation rows as stored */
+    dbuf out_stage; /* new rows to store: K [T][kv], V [T][kv], H [T][hidden] (cache dtype) */
 } parity;
 
 struct rekv_pipeline {
@@ -243,7 +243,7 @@ struct rekv_pipeline {
     int weights_registered; /* ... and the engine's layer blocks (offloaded weights) */
     size_t arena_bytes;
     /* push: handles of the shared attention buffers and events; the store pushes KV rows */
-    rekv_ipc_handle h_attn_k[2], h_attn_v[2], h_attn_free[2], h_pushed[2];
+    rekv_ipc_handle h_attn_kv[2], h_attn_free[2], h_pushed[2];
     rekv_event *ev_pushed[2]; /* the store's copies into the parity's buffers are done */
     rekv_kv_push_piece *push_pieces;
     size_t push_cap;
@@ -253,9 +253,12 @@ struct rekv_pseq {
     rekv_pipeline *p;
     uint64_t id; /* kvstore sequence (kvpr: id holds K,V and id + 1 the activations) */
     int len, cap;
-    uint8_t *k, *v;   /* resident: [n_layers][n_kv][cap][hd] device, cache dtype */
+    uint8_t *kv;      /* resident: [n_layers] caches of cap positions (kvlayout.h), cache dtype */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
 };
+
+/* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
+_Static_assert(REKV_KV_BLOCK_TOKENS == REKV_KV_ROWS_PER_BLOCK, "one block size");
 
 static const char *const mode_names[] = {"resident", "offload", "kvpr", "act", "hybrid"};
 
@@ -447,16 +450,14 @@ void rekv_pipeline_free(rekv_pipeline *p)
         free(p->dev_layers);
     }
     if (p->cfg.push && p->store) { /* the store lets go of our buffers and events first */
-        const rekv_ipc_handle *hs[] = {&p->h_attn_k[0], &p->h_attn_k[1],    &p->h_attn_v[0],
-                                       &p->h_attn_v[1], &p->h_attn_free[0], &p->h_attn_free[1],
-                                       &p->h_pushed[0], &p->h_pushed[1]};
-        push_release(p, hs, 8, NULL);
+        const rekv_ipc_handle *hs[] = {&p->h_attn_kv[0],   &p->h_attn_kv[1], &p->h_attn_free[0],
+                                       &p->h_attn_free[1], &p->h_pushed[0],  &p->h_pushed[1]};
+        push_release(p, hs, 6, NULL);
     }
     for (int i = 0; i < 2; i++) {
         if (p->wbuf_mem[i])
             p->bi->dev_free(p->be, p->wbuf_mem[i]);
-        dbuf_free(p, &p->par[i].attn_k);
-        dbuf_free(p, &p->par[i].attn_v);
+        dbuf_free(p, &p->par[i].attn_kv);
         dbuf_free(p, &p->par[i].act_stage);
         dbuf_free(p, &p->par[i].out_stage);
     }
@@ -673,11 +674,9 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
     s->cap = capacity;
     int rc = 0;
     if (p->cfg.mode == REKV_MODE_RESIDENT) {
-        size_t n = (size_t)c->n_layers * (size_t)rekv_config_kv_dim(c) * (size_t)capacity;
-        size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
-        s->k = p->bi->dev_alloc(p->be, n * dsz);
-        s->v = p->bi->dev_alloc(p->be, n * dsz);
-        if (s->k == NULL || s->v == NULL) {
+        size_t n = (size_t)c->n_layers * rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, capacity);
+        s->kv = p->bi->dev_alloc(p->be, n * rekv_dtype_size(p->cfg.cache_dtype));
+        if (s->kv == NULL) {
             rc = rekv_errf(err, -ENOMEM, "out of device memory for a KV cache of %d tokens",
                            capacity);
             goto fail;
@@ -706,10 +705,8 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
     *out = s;
     return 0;
 fail:
-    if (s->k)
-        p->bi->dev_free(p->be, s->k);
-    if (s->v)
-        p->bi->dev_free(p->be, s->v);
+    if (s->kv)
+        p->bi->dev_free(p->be, s->kv);
     if (s->act_dev)
         p->bi->dev_free(p->be, s->act_dev);
     free(s);
@@ -721,10 +718,8 @@ void rekv_pseq_free(rekv_pseq *s)
     if (s == NULL)
         return;
     rekv_pipeline *p = s->p;
-    if (s->k)
-        p->bi->dev_free(p->be, s->k);
-    if (s->v)
-        p->bi->dev_free(p->be, s->v);
+    if (s->kv)
+        p->bi->dev_free(p->be, s->kv);
     if (s->act_dev)
         p->bi->dev_free(p->be, s->act_dev);
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
@@ -884,19 +879,22 @@ static int ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
     size_t Q = (size_t)rekv_config_q_dim(c), KV = (size_t)rekv_config_kv_dim(c);
     size_t F = (size_t)c->ffn, H = (size_t)c->hidden, f = sizeof(float);
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
-    size_t max_ctx_g = 0, max_rows = 0, max_ctx = 1;
+    size_t max_ctx_g = 0, max_kv_g = 0, max_rows = 0, max_ctx = 1;
     int rc = 0;
     for (int g = 0; g < st->n_g; g++) {
         size_t T = (size_t)st->g_rows[g], ns = (size_t)(st->g_begin[g + 1] - st->g_begin[g]);
-        size_t ctx = 0;
+        size_t ctx = 0, kv_elems = 0;
         for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++) {
             size_t tot = (size_t)st->items[i].seq->len + (size_t)st->items[i].n_tokens;
             ctx += tot;
+            kv_elems += rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, (int)tot);
             if (tot > max_ctx)
                 max_ctx = tot;
         }
         if (ctx > max_ctx_g)
             max_ctx_g = ctx;
+        if (kv_elems > max_kv_g)
+            max_kv_g = kv_elems;
         if (T > max_rows)
             max_rows = T;
         gbatch *b = &p->gb[g];
@@ -912,16 +910,11 @@ static int ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
             parity *pr = &p->par[b];
             if (p->cfg.push) { /* shared with the store, which writes the KV rows */
                 rekv_err e = {0};
-                int src =
-                    dbuf_ensure_shared(p, &pr->attn_k, &p->h_attn_k[b], max_ctx_g * KV * dsz, &e);
-                if (src == 0)
-                    src = dbuf_ensure_shared(p, &pr->attn_v, &p->h_attn_v[b], max_ctx_g * KV * dsz,
-                                             &e);
+                int src = dbuf_ensure_shared(p, &pr->attn_kv, &p->h_attn_kv[b], max_kv_g * dsz, &e);
                 if (src)
                     return rekv_errf(err, src, "step: push attention buffers: %s", e.msg);
             } else {
-                rc |= dbuf_ensure(p, &pr->attn_k, max_ctx_g * KV * dsz) |
-                      dbuf_ensure(p, &pr->attn_v, max_ctx_g * KV * dsz);
+                rc |= dbuf_ensure(p, &pr->attn_kv, max_kv_g * dsz);
             }
             rc |= dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
                   dbuf_ensure(p, &pr->out_stage, max_rows * (2 * KV + H) * dsz);
@@ -943,8 +936,8 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
     rekv_attn_seq *d = smem_alloc(&st->mem, sizeof(*d) * (size_t)n);
     if (d == NULL)
         return NULL;
-    size_t KV = (size_t)rekv_config_kv_dim(p->c), off = 0;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    const rekv_model_config *c = p->c;
+    size_t off = 0, dsz = rekv_dtype_size(p->cfg.cache_dtype);
     for (int j = 0; j < n; j++) {
         rekv_pipe_item *it = &st->items[st->g_begin[g] + j];
         rekv_pseq *s = it->seq;
@@ -952,16 +945,11 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
         d[j].n = it->n_tokens;
         d[j].row0 = st->row0[st->g_begin[g] + j];
         if (p->cfg.mode == REKV_MODE_RESIDENT) {
-            size_t lo = (size_t)layer * KV * (size_t)s->cap * dsz;
-            d[j].k = s->k + lo;
-            d[j].v = s->v + lo;
-            d[j].cap = s->cap;
+            d[j].kv = s->kv + (size_t)layer *
+                                  rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->cap) * dsz;
         } else {
-            int ctx = s->len + it->n_tokens;
-            d[j].k = (uint8_t *)p->par[b].attn_k.p + off;
-            d[j].v = (uint8_t *)p->par[b].attn_v.p + off;
-            d[j].cap = ctx;
-            off += (size_t)ctx * KV * dsz;
+            d[j].kv = (uint8_t *)p->par[b].attn_kv.p + off;
+            off += rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->len + it->n_tokens) * dsz;
         }
     }
     return d;
@@ -1002,6 +990,7 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
     int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
     size_t KV = (size_t)kvh * (size_t)hd;
+    size_t block_head_bytes = REKV_KV_BLOCK_TOKENS * (size_t)hd * dsz; /* one head's rows */
     uint8_t *act_stage = p->par[b].act_stage.p;
     uint8_t *out = p->par[b].out_stage.p;
     size_t act_off = 0;
@@ -1063,20 +1052,23 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                 }
                 cnt->tokens_recomputed += (uint64_t)n;
             } else {
-                for (int h = 0; h < kvh; h++) {
-                    if (RESERVE(&io->h2d_kv, 2))
-                        return -ENOMEM;
-                    /* straight into the attention buffer: the same dtype, no conversion */
-                    size_t bytes = (size_t)n * (size_t)hd * dsz;
-                    size_t dst = ((size_t)h * (size_t)d[j].cap + (size_t)t0) * (size_t)hd * dsz;
-                    io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){
-                        (uint8_t *)d[j].k + dst,
-                        base + rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk), bytes};
-                    io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){
-                        (uint8_t *)d[j].v + dst,
-                        base + rekv_kv_v_offset(geo, (uint32_t)h, (uint32_t)in_blk), bytes};
-                    cnt->h2d_bytes[REKV_XFER_KV] += 2 * bytes;
-                }
+                /* straight into the attention buffer, which has the block's layout and dtype: a
+                 * whole block is one piece (adjacent ones merge), a part of one a piece per head
+                 * and K/V at one stride (one strided copy) */
+                uint8_t *dst = (uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t0 - in_blk) * dsz;
+                const uint8_t *src = base;
+                size_t row0 = (size_t)in_blk * (size_t)hd * dsz;
+                size_t bytes = (size_t)n * (size_t)hd * dsz, head = block_head_bytes;
+                int np = n == REKV_KV_BLOCK_TOKENS ? 1 : 2 * kvh;
+                if (RESERVE(&io->h2d_kv, (size_t)np))
+                    return -ENOMEM;
+                if (np == 1)
+                    io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){dst, src, 2 * kvh * head};
+                else
+                    for (int h = 0; h < np; h++)
+                        io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){
+                            dst + (size_t)h * head + row0, src + (size_t)h * head + row0, bytes};
+                cnt->h2d_bytes[REKV_XFER_KV] += 2 * (size_t)kvh * bytes;
                 cnt->tokens_fetched += (uint64_t)n;
             }
             t0 += n;
@@ -1090,21 +1082,20 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                 return -EPROTO;
             if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
                 ab = kb, kb = NULL;
-            if (kb) {
-                for (int h = 0; h < kvh; h++) {
-                    if (RESERVE(&io->d2h_kv, 2))
-                        return -ENOMEM;
-                    size_t bytes = (size_t)hd * dsz;
-                    size_t src = ((size_t)r * KV + (size_t)h * (size_t)hd) * dsz;
-                    uint8_t *base = p->arena + kb->offset;
-                    io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
-                        base + rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk), out + src,
-                        bytes};
-                    io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
-                        base + rekv_kv_v_offset(geo, (uint32_t)h, (uint32_t)in_blk),
-                        out + (size_t)rows * KV * dsz + src, bytes};
-                    cnt->d2h_bytes[REKV_XFER_KV] += 2 * bytes;
-                }
+            if (kb) { /* the K heads, then the V heads: a strided copy each */
+                if (RESERVE(&io->d2h_kv, 2 * (size_t)kvh))
+                    return -ENOMEM;
+                size_t bytes = (size_t)hd * dsz;
+                uint8_t *base = p->arena + kb->offset;
+                for (int kv = 0; kv < 2; kv++)
+                    for (int h = 0; h < kvh; h++) {
+                        size_t src = ((size_t)(kv * rows + r) * KV + (size_t)h * (size_t)hd) * dsz;
+                        size_t dst = kv ? rekv_kv_v_offset(geo, (uint32_t)h, (uint32_t)in_blk)
+                                        : rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk);
+                        io->d2h_kv.v[io->d2h_kv.n++] =
+                            (rekv_copy_piece){base + dst, out + src, bytes};
+                    }
+                cnt->d2h_bytes[REKV_XFER_KV] += 2 * (size_t)kvh * bytes;
             }
             if (ab) {
                 if (RESERVE(&io->d2h_act, 1))
@@ -1339,21 +1330,19 @@ static int push_unit(rekv_pipeline *p, int b, const unit_io *io, rekv_err *err)
     if (reserve_bytes((void **)&p->push_pieces, &p->push_cap, io->h2d_kv.n,
                       sizeof(rekv_kv_push_piece)))
         return rekv_errf(err, -ENOMEM, "step: out of memory");
-    const uint8_t *k = p->par[b].attn_k.p, *v = p->par[b].attn_v.p;
+    const uint8_t *kv = p->par[b].attn_kv.p;
     for (size_t i = 0; i < io->h2d_kv.n; i++) {
         const rekv_copy_piece *c = &io->h2d_kv.v[i];
-        const uint8_t *dst = c->dst;
-        int in_k = dst >= k && dst < k + p->par[b].attn_k.cap;
         p->push_pieces[i] = (rekv_kv_push_piece){
             .src = (uint64_t)((const uint8_t *)c->src - p->arena),
-            .dst = (uint64_t)(dst - (in_k ? k : v)),
+            .dst = (uint64_t)((const uint8_t *)c->dst - kv),
             .bytes = c->bytes,
-            .buffer = in_k ? 0 : 1,
+            .buffer = 0,
         };
     }
-    const void *bufs[] = {&p->h_attn_k[b], &p->h_attn_v[b]};
+    const void *bufs[] = {&p->h_attn_kv[b]};
     rekv_err e = {0};
-    int rc = rekv_kvstore_push(p->store, bufs, 2, &p->h_attn_free[b], &p->h_pushed[b],
+    int rc = rekv_kvstore_push(p->store, bufs, 1, &p->h_attn_free[b], &p->h_pushed[b],
                                p->push_pieces, io->h2d_kv.n, NULL, 0, &e);
     if (rc)
         return rekv_errf(err, rc, "step: push: %s", e.msg);

@@ -414,7 +414,7 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
     {
         int B = PF_ATTN_BATCH, S = c->max_pos - 1 < PF_ATTN_CTX ? c->max_pos - 1 : PF_ATTN_CTX;
         int cap = S + 1;
-        size_t kvb = (size_t)c->n_kv_heads * cap * c->head_dim * sizeof(float);
+        size_t kvb = rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, cap) * sizeof(float);
         float *hkv = pf_host(&m, kvb), *hq = pf_host(&m, (size_t)B * Q * sizeof(float));
         if (!hkv || !hq) {
             rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
@@ -423,21 +423,19 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         /* each sequence its own context, as in a real batch, unless that is too much memory */
         int distinct = (double)kvb * B <= (double)PF_MAX_BYTES;
         size_t seq_stride = distinct ? kvb / sizeof(float) : 0;
-        float *dk = pf_dev(&m, distinct ? kvb * B : kvb);
-        float *dv = dk ? pf_dev(&m, distinct ? kvb * B : kvb) : NULL;
-        for (int i = 0; dv && i < (distinct ? B : 1); i++) {
-            rekv_copy_piece pc[2] = {{dk + i * seq_stride, hkv, kvb},
-                                     {dv + i * seq_stride, hkv, kvb}};
-            bi->copy_h2d(s, pc, 2, REKV_XFER_OTHER);
+        float *dkv = pf_dev(&m, distinct ? kvb * B : kvb);
+        for (int i = 0; dkv && i < (distinct ? B : 1); i++) {
+            rekv_copy_piece pc = {dkv + i * seq_stride, hkv, kvb};
+            bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
         }
-        if (dv && (rc = bi->stream_sync(s, err)))
+        if (dkv && (rc = bi->stream_sync(s, err)))
             goto out;
-        float *dq = dv ? pf_upload(&m, s, hq, (size_t)B * Q * sizeof(float), err) : NULL;
+        float *dq = dkv ? pf_upload(&m, s, hq, (size_t)B * Q * sizeof(float), err) : NULL;
         float *dout = dq ? pf_dev(&m, (size_t)B * Q * sizeof(float)) : NULL;
         float *dsc = dout ? pf_dev(&m, (size_t)cap * c->n_heads * B * sizeof(float)) : NULL;
         rekv_attn_seq seqs[PF_ATTN_BATCH];
         for (int i = 0; i < B; i++)
-            seqs[i] = (rekv_attn_seq){dk + i * seq_stride, dv + i * seq_stride, cap, S, 1, i};
+            seqs[i] = (rekv_attn_seq){dkv + i * seq_stride, S, 1, i};
         rekv_attn_seq *dseqs = dsc ? pf_upload(&m, s, seqs, sizeof(seqs), err) : NULL;
         if (!dseqs) {
             rc = err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");

@@ -726,6 +726,102 @@ START_TEST(bad_copy_is_reported_by_sync)
 }
 END_TEST
 
+/* Applies runs row by row, as a DMA engine would. */
+static void apply_runs(const rekv_copy_run *r, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        for (size_t y = 0; y < r[i].height; y++)
+            memcpy((char *)r[i].dst + y * r[i].dpitch, (const char *)r[i].src + y * r[i].spitch,
+                   r[i].width);
+}
+
+/* rekv_copy_coalesce: the shapes the pipeline makes become one run each (adjacent whole blocks,
+ * a part of a block's heads, a new row's heads), and over random lists of such shapes, split and
+ * mixed with odd pieces, the runs copy exactly what the pieces copy. */
+START_TEST(copy_coalesce)
+{
+    enum { N = 1 << 16 };
+    static char src[N], dst[N], want[N];
+    for (size_t i = 0; i < N; i++)
+        src[i] = (char)rnd();
+    rekv_copy_piece p[256];
+    rekv_copy_run r[256];
+    /* three adjacent blocks: one row */
+    for (int i = 0; i < 3; i++)
+        p[i] = (rekv_copy_piece){dst + 100 + i * 512, src + 7 + i * 512, 512};
+    ck_assert_uint_eq(rekv_copy_coalesce(p, 3, r), 1);
+    ck_assert(r[0].width == 1536 && r[0].height == 1 && r[0].dst == dst + 100);
+    ck_assert(r[0].first == 0 && r[0].count == 3);
+    /* 2 x 4 heads, rows 5..9 of 16 (head stride 16 * 32 bytes on both sides), an empty piece
+     * between: one strided run */
+    int np = 0;
+    for (int h = 0; h < 8; h++) {
+        p[np++] = (rekv_copy_piece){dst + h * 512 + 5 * 32, src + 4096 + h * 512 + 5 * 32, 4 * 32};
+        if (h == 3)
+            p[np++] = (rekv_copy_piece){dst, src, 0};
+    }
+    ck_assert_uint_eq(rekv_copy_coalesce(p, (size_t)np, r), 1);
+    ck_assert(r[0].height == 8 && r[0].width == 128 && r[0].dpitch == 512 && r[0].spitch == 512);
+    /* a new row's 4 heads: contiguous source, strided destination */
+    for (int h = 0; h < 4; h++)
+        p[h] = (rekv_copy_piece){dst + 8192 + h * 512, src + 64 * h, 64};
+    ck_assert_uint_eq(rekv_copy_coalesce(p, 4, r), 1);
+    ck_assert(r[0].height == 4 && r[0].dpitch == 512 && r[0].spitch == 64);
+    /* overlapping rows (stride below the width) and a changed stride start new runs (greedy:
+     * [0], [1 2], [3 4]) */
+    p[0] = (rekv_copy_piece){dst, src, 100};
+    p[1] = (rekv_copy_piece){dst + 50, src + 200, 100};
+    p[2] = (rekv_copy_piece){dst + 1000, src + 1000, 100};
+    p[3] = (rekv_copy_piece){dst + 2000, src + 2000, 100};
+    p[4] = (rekv_copy_piece){dst + 3500, src + 3000, 100};
+    ck_assert_uint_eq(rekv_copy_coalesce(p, 5, r), 3);
+    ck_assert(r[1].first == 1 && r[1].count == 2 && r[2].first == 3 && r[2].count == 2);
+    for (int round = 0; round < 300; round++) {
+        /* disjoint destinations: shapes placed one after another in dst */
+        size_t at = 0;
+        np = 0;
+        while (np < 200) {
+            size_t w = 1 + rnd() % 200, rows = 1 + rnd() % 8;
+            size_t dp = w + rnd() % 3 * (rnd() % 64), sp = w + rnd() % 64;
+            if (rnd() % 4 == 0) /* contiguous, split anywhere */
+                dp = sp = w;
+            if (at + rows * dp + w >= N || (rows - 1) * sp + w >= N)
+                break;
+            size_t s0 = rnd() % (N - (rows - 1) * sp - w);
+            for (size_t y = 0; y < rows && np < 200; y++)
+                p[np++] = (rekv_copy_piece){dst + at + y * dp, src + s0 + y * sp,
+                                            rnd() % 16 == 0 ? 0 : w};
+            at += rows * dp + rnd() % 2 * (rnd() % 100);
+        }
+        memset(dst, 0, N);
+        for (int i = 0; i < np; i++)
+            if (p[i].bytes)
+                memcpy(p[i].dst, p[i].src, p[i].bytes);
+        memcpy(want, dst, N);
+        memset(dst, 0, N);
+        size_t nr = rekv_copy_coalesce(p, (size_t)np, r);
+        ck_assert_uint_le(nr, (size_t)np);
+        apply_runs(r, nr);
+        ck_assert_msg(memcmp(dst, want, N) == 0, "round %d: %zu runs copy otherwise than %d pieces",
+                      round, nr, np);
+        /* each run covers the pieces after the last run's (but empty ones), and copies what
+         * they do */
+        for (size_t i = 0, next = 0; i < nr; i++) {
+            ck_assert_uint_ge(r[i].first, next);
+            for (; next < r[i].first; next++)
+                ck_assert_uint_eq(p[next].bytes, 0);
+            next = r[i].first + r[i].count;
+            memset(dst, 0, N);
+            memset(want, 0, N);
+            for (size_t j = r[i].first; j < next; j++)
+                memcpy(want + ((char *)p[j].dst - dst), p[j].src, p[j].bytes);
+            apply_runs(&r[i], 1);
+            ck_assert_msg(memcmp(dst, want, N) == 0, "round %d run %zu", round, i);
+        }
+    }
+}
+END_TEST
+
 static Suite *backend_suite(void)
 {
     Suite *s = suite_create("backend");
@@ -743,6 +839,7 @@ static Suite *backend_suite(void)
     tcase_add_test(tc, trace_is_chrome_json);
     tcase_add_test(tc, bad_copy_is_reported_by_sync);
     tcase_add_test(tc, device_memory_emulation);
+    tcase_add_test(tc, copy_coalesce);
     suite_add_tcase(s, tc);
     return s;
 }
