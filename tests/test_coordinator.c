@@ -301,12 +301,14 @@ static pid_t start_coordinator(env *e, const char *queue, const char *timeout_ms
     return spawn(args);
 }
 
+/* Workers run the cpu backend: jobs are checked against rekv_generate bit for bit, and on a GPU
+ * machine "auto" would be cuda. */
 static pid_t start_worker(env *e, const char *max_batch)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
-    const char *args[] = {prog,          "--model", e->model,         "--coordinator", e->wrk,
-                          "--max-batch", max_batch, "--heartbeat-ms", "100",           NULL};
+    const char *args[] = {prog,  "--model",     e->model,  "--coordinator",  e->wrk, "--backend",
+                          "cpu", "--max-batch", max_batch, "--heartbeat-ms", "100",  NULL};
     return spawn(args);
 }
 
@@ -329,10 +331,10 @@ static pid_t start_kv_worker(env *e, const char *max_batch, const char *name)
     const char *args[18] = {prog,      "--model",     e->model,  "--coordinator",
                             e->wrk,    "--max-batch", max_batch, "--heartbeat-ms",
                             "100",     "--kvstore",   e->kv,     "--mode",
-                            "offload", NULL};
+                            "offload", "--backend",   "cpu",     NULL};
     if (name) {
-        args[13] = "--name";
-        args[14] = name;
+        args[15] = "--name";
+        args[16] = name;
     }
     return spawn(args);
 }
@@ -465,7 +467,8 @@ static pid_t rekv_run_start(env *e, const char *host_bytes, const char *max_batc
     return rekv_run_start_args(e, host_bytes, max_batch, mode, NULL);
 }
 
-/* rekv run with more arguments (extra: NULL-terminated, may be NULL). */
+/* rekv run with more arguments (extra: NULL-terminated, may be NULL), on the cpu backend (see
+ * start_worker). */
 static pid_t rekv_run_start_args(env *e, const char *host_bytes, const char *max_batch,
                                  const char *mode, const char *const *extra)
 {
@@ -492,8 +495,10 @@ static pid_t rekv_run_start_args(env *e, const char *host_bytes, const char *max
                           "--max-batch",
                           (char *)max_batch,
                           "--ready-fd",
-                          fd};
-        int argc = 13;
+                          fd,
+                          "--backend",
+                          "cpu"};
+        int argc = 15;
         if (mode) {
             argv[argc++] = "--mode";
             argv[argc++] = (char *)mode;
@@ -664,7 +669,7 @@ START_TEST(push_between_processes)
     static tjob jobs[N];
     make_jobs(jobs, N, 8, 512, 13);
     reference(jobs, N, e.model);
-    const char *extra[] = {"--push", "--backend", "cpu", NULL};
+    const char *extra[] = {"--push", NULL};
     pid_t pid = rekv_run_start_args(&e, "64M", "8", "kvpr", extra);
     rekv_kvstore_client *k = kv_open(&e);
     char name[16] = "";
