@@ -210,9 +210,10 @@ static void run_attention(void *p)
 }
 
 static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
-                        int n_seqs, int n_heads, int n_kv, int head_dim, float *scores,
+                        int n_seqs, int rows, int n_heads, int n_kv, int head_dim, float *scores,
                         rekv_dtype dt)
 {
+    (void)rows;
     attn_args a = {out, q, seqs, n_seqs, n_heads, n_kv, head_dim, scores, dt};
     LAUNCH(s, "attention", run_attention, a);
 }

@@ -94,6 +94,7 @@ typedef struct cu_span {
 typedef struct cuda_backend {
     rekv_backend base; /* iface, kernels, ctx (points back here); first, so casts work */
     int device;
+    int sms;                     /* multiprocessors (how many blocks fill the device) */
     cu_value32_fn wait_value32;  /* the driver's stream memory operations; NULL where absent */
     cu_value32_fn write_value32; /* (flag waits and writes then run as kernels) */
     unsigned wait_flags;         /* CU_STREAM_WAIT_VALUE_GEQ, | FLUSH where the device can */
@@ -955,6 +956,8 @@ static void cu_destroy(rekv_backend *base)
 /* ------------------------------------------------------------------ kernels */
 
 enum { EW_THREADS = 256, ROW_THREADS = 256, ATT_WARPS = 8, ATT_ROW_SLICES = 16 };
+/* split attention: at most this many chunks of a context, each at least this many positions */
+enum { ATT_MAX_SPLITS = 32, ATT_MIN_CHUNK = 64 };
 /* head_dim <= 512 (kernels.h): an attention lane holds up to 16 elements of its output */
 enum { ATT_MAX_PER_LANE = 16 };
 
@@ -1271,11 +1274,87 @@ static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int row
             n_kv, head_dim, (int)dt);
 }
 
-/* Block (head h, sequence y, slice z) computes rows z, z + ATT_ROW_SLICES, ... of the sequence.
- * Per row: warp w takes context positions w, w + ATT_WARPS, ...; a position's score is a warp
- * dot product; each warp keeps a running max, sum and output (lane-strided over head_dim); the
- * block then merges the warps' partial softmaxes. Shared: q [hd], acc [ATT_WARPS][hd],
- * m and l [ATT_WARPS] each. */
+/* Attention is a block per (head h, sequence y, z). Per query row, warp w takes context
+ * positions w, w + ATT_WARPS, ... of the block's range; a position's score is a warp dot product;
+ * each warp keeps a running max, sum and output (lane-strided over head_dim), and the block then
+ * merges its warps' partial softmaxes (attn_merge). Plain (attention_kernel): z is a slice of the
+ * rows — rows z, z + ATT_ROW_SLICES, ... — each over its whole context. Split, flash-decoding
+ * style (attention_split_kernel, for decode batches too small to fill the device): every sequence
+ * has one row and z is a chunk of its context; each block writes its unnormalised partial
+ * (max, sum, output) and attention_combine_kernel merges the chunks. Shared: q [hd],
+ * acc [ATT_WARPS][hd], m and l [ATT_WARPS] each. */
+
+/* The warp's pass over positions t0 + warp, t0 + warp + ATT_WARPS, ... < t1 of kv head kvh. */
+template <int DT>
+__device__ static void attn_warp_pass(const float *qs, const void *kv, int n_kv, int hd, int kvh,
+                                      int t0, int t1, float scale, float &m, float &l, float *acc)
+{
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    size_t vs = rekv_kv_v_shift(n_kv, hd);
+    m = -INFINITY;
+    l = 0;
+#pragma unroll
+    for (int c = 0; c < ATT_MAX_PER_LANE; c++)
+        acc[c] = 0;
+    for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
+        size_t row = rekv_kv_row(n_kv, hd, kvh, t);
+        float d = 0;
+        for (int j = lane; j < hd; j += 32)
+            d += qs[j] * load_as_f32(kv, row + j, DT);
+        for (int o = 16; o > 0; o >>= 1)
+            d += __shfl_xor_sync(0xffffffffu, d, o);
+        d *= scale;
+        float m_new = fmaxf(m, d);
+        float corr = expf(m - m_new), p = expf(d - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
+            int j = c * 32 + lane;
+            if (j < hd)
+                acc[c] = acc[c] * corr + p * load_as_f32(kv, vs + row + j, DT);
+        }
+        m = m_new;
+    }
+}
+
+/* Merges the block's warps (warp 0 saw position t0, so the max is finite; a warp that saw nothing
+ * has m = -inf and weighs exp(-inf) = 0): o[j] = the merged output, divided by the merged sum
+ * when normalise, else left with *mx and *sum for a later merge. */
+__device__ static void attn_merge(float *accs, float *ms, float *ls, int hd, float m, float l,
+                                  const float *acc, float *o, int normalise, float *mx_out,
+                                  float *sum_out)
+{
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
+        int j = c * 32 + lane;
+        if (j < hd)
+            accs[warp * hd + j] = acc[c];
+    }
+    if (lane == 0) {
+        ms[warp] = m;
+        ls[warp] = l;
+    }
+    __syncthreads();
+    float mx = ms[0];
+    for (int w = 1; w < ATT_WARPS; w++)
+        mx = fmaxf(mx, ms[w]);
+    float sum = 0, wt[ATT_WARPS];
+    for (int w = 0; w < ATT_WARPS; w++) {
+        wt[w] = expf(ms[w] - mx);
+        sum += ls[w] * wt[w];
+    }
+    float inv = normalise ? 1.0f / sum : 1.0f;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        float v = 0;
+        for (int w = 0; w < ATT_WARPS; w++)
+            v += accs[w * hd + j] * wt[w];
+        o[j] = v * inv;
+    }
+    *mx_out = mx;
+    *sum_out = sum;
+}
+
 template <int DT>
 __global__ static void __launch_bounds__(ATT_WARPS * 32)
     attention_kernel(float *out, const float *q, const rekv_attn_seq *seqs, int n_heads, int n_kv,
@@ -1288,76 +1367,110 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         sq = seqs[blockIdx.y]; /* mapped host memory: read once per block */
     __syncthreads();
     int h = blockIdx.x, kvh = h / (n_heads / n_kv);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    size_t vs = rekv_kv_v_shift(n_kv, hd);
     size_t qd = (size_t)n_heads * (size_t)hd;
     for (int i = blockIdx.z; i < sq.n; i += gridDim.z) {
         size_t r = (size_t)sq.row0 + (size_t)i;
-        int n_ctx = sq.start + i + 1; /* causal */
         const float *qh = q + r * qd + (size_t)h * hd;
         __syncthreads(); /* the previous row's merge has read the shared arrays */
         for (int j = threadIdx.x; j < hd; j += blockDim.x)
             qs[j] = qh[j];
         __syncthreads();
-        float m = -INFINITY, l = 0, acc[ATT_MAX_PER_LANE];
-#pragma unroll
-        for (int c = 0; c < ATT_MAX_PER_LANE; c++)
-            acc[c] = 0;
-        for (int t = warp; t < n_ctx; t += ATT_WARPS) {
-            size_t row = rekv_kv_row(n_kv, hd, kvh, t);
-            float d = 0;
-            for (int j = lane; j < hd; j += 32)
-                d += qs[j] * load_as_f32(sq.kv, row + j, DT);
-            for (int o = 16; o > 0; o >>= 1)
-                d += __shfl_xor_sync(0xffffffffu, d, o);
-            d *= scale;
-            float m_new = fmaxf(m, d);
-            float corr = expf(m - m_new), p = expf(d - m_new);
-            l = l * corr + p;
-#pragma unroll
-            for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
-                int j = c * 32 + lane;
-                if (j < hd)
-                    acc[c] = acc[c] * corr + p * load_as_f32(sq.kv, vs + row + j, DT);
-            }
-            m = m_new;
-        }
-#pragma unroll
-        for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
-            int j = c * 32 + lane;
-            if (j < hd)
-                accs[warp * hd + j] = acc[c];
-        }
-        if (lane == 0) {
-            ms[warp] = m;
-            ls[warp] = l;
-        }
-        __syncthreads();
-        /* warp 0 always saw position 0, so the overall max is finite; warps that saw nothing
-         * have m = -inf and weigh exp(-inf) = 0 */
-        float mx = ms[0];
-        for (int w = 1; w < ATT_WARPS; w++)
-            mx = fmaxf(mx, ms[w]);
-        float sum = 0, wt[ATT_WARPS];
-        for (int w = 0; w < ATT_WARPS; w++) {
-            wt[w] = expf(ms[w] - mx);
-            sum += ls[w] * wt[w];
-        }
-        float inv = 1.0f / sum;
-        float *oh = out + r * qd + (size_t)h * hd;
-        for (int j = threadIdx.x; j < hd; j += blockDim.x) {
-            float o = 0;
-            for (int w = 0; w < ATT_WARPS; w++)
-                o += accs[w * hd + j] * wt[w];
-            oh[j] = o * inv;
-        }
+        float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
+        attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, kvh, 0, sq.start + i + 1, scale, m, l, acc);
+        attn_merge(accs, ms, ls, hd, m, l, acc, out + r * qd + (size_t)h * hd, 1, &mx, &sum);
     }
 }
 
+/* A partial of (row r, head h, chunk z): max, sum, then hd outputs. */
+__device__ __forceinline__ static float *attn_partial(float *part, size_t r, int h, int z,
+                                                      int n_heads, int splits, int hd)
+{
+    return part + ((r * (size_t)n_heads + (size_t)h) * (size_t)splits + (size_t)z) * (hd + 2);
+}
+
+template <int DT>
+__global__ static void __launch_bounds__(ATT_WARPS * 32)
+    attention_split_kernel(float *part, const float *q, const rekv_attn_seq *seqs, int n_heads,
+                           int n_kv, int hd, float scale)
+{
+    extern __shared__ float sh[];
+    float *qs = sh, *accs = sh + hd, *ms = accs + ATT_WARPS * hd, *ls = ms + ATT_WARPS;
+    __shared__ rekv_attn_seq sq;
+    if (threadIdx.x == 0)
+        sq = seqs[blockIdx.y];
+    __syncthreads();
+    int h = blockIdx.x, kvh = h / (n_heads / n_kv), z = blockIdx.z, splits = gridDim.z;
+    int n_ctx = sq.start + 1; /* the sequence's one row */
+    int chunk = (n_ctx + splits - 1) / splits;
+    if (chunk < ATT_MIN_CHUNK)
+        chunk = ATT_MIN_CHUNK;
+    int t0 = z * chunk, t1 = min(n_ctx, t0 + chunk);
+    size_t r = (size_t)sq.row0;
+    float *pp = attn_partial(part, r, h, z, n_heads, splits, hd);
+    if (t0 >= t1) { /* past the context: an empty partial */
+        for (int j = threadIdx.x; j < hd; j += blockDim.x)
+            pp[2 + j] = 0;
+        if (threadIdx.x == 0) {
+            pp[0] = -INFINITY;
+            pp[1] = 0;
+        }
+        return;
+    }
+    const float *qh = q + r * (size_t)n_heads * hd + (size_t)h * hd;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x)
+        qs[j] = qh[j];
+    __syncthreads();
+    float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
+    attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, kvh, t0, t1, scale, m, l, acc);
+    attn_merge(accs, ms, ls, hd, m, l, acc, pp + 2, 0, &mx, &sum);
+    if (threadIdx.x == 0) {
+        pp[0] = mx;
+        pp[1] = sum;
+    }
+}
+
+/* Block (row r, head h): merges the chunks' partials (chunk 0 is never empty: a finite max). */
+__global__ static void attention_combine_kernel(float *out, const float *part, int n_heads,
+                                                int splits, int hd)
+{
+    size_t r = blockIdx.x;
+    int h = blockIdx.y;
+    const float *p0 = attn_partial((float *)part, r, h, 0, n_heads, splits, hd);
+    size_t stride = (size_t)hd + 2;
+    float mx = p0[0];
+    for (int z = 1; z < splits; z++)
+        mx = fmaxf(mx, p0[z * stride]);
+    float sum = 0;
+    for (int z = 0; z < splits; z++)
+        sum += p0[z * stride + 1] * expf(p0[z * stride] - mx);
+    float inv = 1.0f / sum;
+    float *o = out + (r * (size_t)n_heads + (size_t)h) * hd;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        float v = 0;
+        for (int z = 0; z < splits; z++)
+            v += p0[z * stride + 2 + j] * expf(p0[z * stride] - mx);
+        o[j] = v * inv;
+    }
+}
+
+#define ATT_LAUNCH(s, dt, kernel, grid, shmem, ...)                                                \
+    do {                                                                                           \
+        if ((dt) == REKV_DTYPE_F16)                                                                \
+            KLAUNCH(s, "attention", kernel<REKV_DTYPE_F16>, grid, ATT_WARPS * 32, shmem,           \
+                    __VA_ARGS__);                                                                  \
+        else if ((dt) == REKV_DTYPE_BF16)                                                          \
+            KLAUNCH(s, "attention", kernel<REKV_DTYPE_BF16>, grid, ATT_WARPS * 32, shmem,          \
+                    __VA_ARGS__);                                                                  \
+        else                                                                                       \
+            KLAUNCH(s, "attention", kernel<REKV_DTYPE_F32>, grid, ATT_WARPS * 32, shmem,           \
+                    __VA_ARGS__);                                                                  \
+    } while (0)
+
 static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
-                        int n_seqs, int n_heads, int n_kv, int head_dim, float *scores,
+                        int n_seqs, int rows, int n_heads, int n_kv, int head_dim, float *scores,
                         rekv_dtype dt)
 {
+    (void)scores;
     if (n_seqs <= 0 || n_heads <= 0)
         return;
     if (head_dim <= 0 || head_dim > 32 * ATT_MAX_PER_LANE || n_kv <= 0 || n_heads % n_kv != 0) {
@@ -1372,18 +1485,31 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
                     s->name, n_seqs);
         return;
     }
-    dim3 grid((unsigned)n_heads, (unsigned)n_seqs, ATT_ROW_SLICES);
     size_t shmem = sizeof(float) * ((size_t)head_dim * (1 + ATT_WARPS) + 2 * ATT_WARPS);
     float scale = 1.0f / sqrtf((float)head_dim);
-    if (dt == REKV_DTYPE_F16)
-        KLAUNCH(s, "attention", attention_kernel<REKV_DTYPE_F16>, grid, ATT_WARPS * 32, shmem, out,
-                q, seqs, n_heads, n_kv, head_dim, scale);
-    else if (dt == REKV_DTYPE_BF16)
-        KLAUNCH(s, "attention", attention_kernel<REKV_DTYPE_BF16>, grid, ATT_WARPS * 32, shmem, out,
-                q, seqs, n_heads, n_kv, head_dim, scale);
-    else
-        KLAUNCH(s, "attention", attention_kernel<REKV_DTYPE_F32>, grid, ATT_WARPS * 32, shmem, out,
-                q, seqs, n_heads, n_kv, head_dim, scale);
+    /* a decode batch (one row per sequence) of fewer blocks than fill the device twice: split
+     * each context into chunks (at least ATT_MIN_CHUNK positions each, decided per sequence) */
+    int blocks = n_heads * n_seqs, fill = 2 * s->be->sms;
+    if (rows == n_seqs && blocks < fill) {
+        int splits = (fill + blocks - 1) / blocks;
+        if (splits > ATT_MAX_SPLITS)
+            splits = ATT_MAX_SPLITS;
+        size_t bytes = sizeof(float) * (size_t)rows * (size_t)n_heads * (size_t)splits *
+                       ((size_t)head_dim + 2);
+        float *part = NULL;
+        use_device(s->be);
+        if (stream_check(s, cudaMallocAsync((void **)&part, bytes, s->cs), "attention scratch"))
+            return;
+        dim3 grid((unsigned)n_heads, (unsigned)n_seqs, (unsigned)splits);
+        ATT_LAUNCH(s, dt, attention_split_kernel, grid, shmem, part, q, seqs, n_heads, n_kv,
+                   head_dim, scale);
+        KLAUNCH(s, "attention", attention_combine_kernel, dim3((unsigned)rows, (unsigned)n_heads),
+                128, 0, out, part, n_heads, splits, head_dim);
+        stream_check(s, cudaFreeAsync(part, s->cs), "attention scratch");
+        return;
+    }
+    dim3 grid((unsigned)n_heads, (unsigned)n_seqs, ATT_ROW_SLICES);
+    ATT_LAUNCH(s, dt, attention_kernel, grid, shmem, out, q, seqs, n_heads, n_kv, head_dim, scale);
 }
 
 /* One block per piece (the piece read once, through shared memory), threads over its elements. */
@@ -1554,6 +1680,9 @@ extern "C" int rekv_backend_cuda_create(int device, rekv_backend **out, rekv_err
     be->base.kernels = &cuda_kernels;
     be->base.ctx = be;
     be->device = device;
+    if (cudaDeviceGetAttribute(&be->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        be->sms <= 0)
+        be->sms = 1;
     be->wait_value32 = (cu_value32_fn)driver_entry("cuStreamWaitValue32");
     be->write_value32 = (cu_value32_fn)driver_entry("cuStreamWriteValue32");
     be->wait_flags = CU_STREAM_WAIT_VALUE_GEQ;

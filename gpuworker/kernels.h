@@ -60,9 +60,11 @@ typedef struct rekv_kernel_iface {
                        const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
                        int n_kv, int head_dim, rekv_dtype dt);
     /* causal attention of every sequence's new rows over its buffer (dtype dt, widened exactly);
-     * q/out [rows][n_heads*hd] fp32; scores: device scratch of max(start + n) floats */
+     * q/out [rows][n_heads*hd] fp32, rows the sum of the sequences' n; scores: device scratch of
+     * max(start + n) floats. The cuda backend splits the contexts of a small decode batch over
+     * the device (flash-decoding) */
     void (*attention)(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
-                      int n_seqs, int n_heads, int n_kv, int head_dim, float *scores,
+                      int n_seqs, int rows, int n_heads, int n_kv, int head_dim, float *scores,
                       rekv_dtype dt);
     /* converts pieces from dtype into fp32 */
     void (*convert)(rekv_stream *s, const rekv_convert_piece *pieces, size_t n, rekv_dtype dtype);

@@ -5,7 +5,8 @@
  *   h2d      weight loads (W_K, W_V first) and the unit's context blocks: KV rows from the arena
  *            straight into the attention buffer, activation rows into staging;
  *   compute  recompute K,V from activations into the attention buffer, the layer;
- *   d2h      the new tokens' K,V and activations, staging -> arena.
+ *   d2h      the new tokens' K,V (from the attention buffer, where kv_scatter put them in the
+ *            blocks' layout) and activations (from staging) -> arena.
  * Attention buffers hold K,V in the cache dtype (fp16 halves device memory and the KV never needs
  * converting; attention widens it), as do resident caches. Staging, attention and output buffers
  * are double-buffered by unit parity, weight buffers by load parity; events order the streams, so
@@ -201,7 +202,7 @@ typedef struct parity {
     dbuf attn_kv;   /* attention buffers: per sequence its context's blocks (kvlayout.h), back
                        to back, in the cache dtype */
     dbuf act_stage; /* context activation rows as stored */
-    dbuf out_stage; /* new rows to store: K [T][kv], V [T][kv], H [T][hidden] (cache dtype) */
+    dbuf out_stage; /* the new rows' attention input to store, [T][hidden] (cache dtype) */
 } parity;
 
 struct rekv_pipeline {
@@ -917,7 +918,7 @@ static int ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
                 rc |= dbuf_ensure(p, &pr->attn_kv, max_kv_g * dsz);
             }
             rc |= dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
-                  dbuf_ensure(p, &pr->out_stage, max_rows * (2 * KV + H) * dsz);
+                  dbuf_ensure(p, &pr->out_stage, max_rows * H * dsz);
         }
         rc |= dbuf_ensure(p, &p->act_f32, max_ctx_g * H * f) |
               dbuf_ensure(p, &p->kr, max_ctx_g * KV * f) |
@@ -989,13 +990,12 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
     const rekv_kv_geometry *geo = &p->geo;
     int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
-    size_t KV = (size_t)kvh * (size_t)hd;
     size_t block_head_bytes = REKV_KV_BLOCK_TOKENS * (size_t)hd * dsz; /* one head's rows */
     uint8_t *act_stage = p->par[b].act_stage.p;
     uint8_t *out = p->par[b].out_stage.p;
     size_t act_off = 0;
     int nb = st->g_begin[g + 1] - st->g_begin[g], kvpr = p->cfg.mode == REKV_MODE_KVPR;
-    int rows = st->g_rows[g], total_act = 0;
+    int total_act = 0;
     for (int j = 0; j < nb; j++) {
         int item = st->g_begin[g] + j;
         int ctx = st->items[item].seq->len;
@@ -1073,37 +1073,46 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
             }
             t0 += n;
         }
-        /* new rows: K,V into KV blocks, the attention input into ACT blocks (kvpr: both) */
-        for (int i = 0; i < st->items[item].n_tokens; i++) {
+        /* new rows, a block's worth at a time: K,V from the attention buffer (where kv_scatter
+         * put them, in the block's layout) into KV blocks, the attention input from the output
+         * staging into ACT blocks (kvpr: both) */
+        for (int i = 0; i < st->items[item].n_tokens;) {
             int t = s->len + i, r = st->row0[item] + i, in_blk = t % REKV_KV_BLOCK_TOKENS;
+            int n = REKV_KV_BLOCK_TOKENS - in_blk;
+            if (n > st->items[item].n_tokens - i)
+                n = st->items[item].n_tokens - i;
+            i += n;
             const rekv_kv_plan_block *kb = block_at(p, kr, t);
             const rekv_kv_plan_block *ab = kvpr ? block_at(p, ar, t) : NULL;
             if (kb == NULL || (kvpr && ab == NULL))
                 return -EPROTO;
             if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
                 ab = kb, kb = NULL;
-            if (kb) { /* the K heads, then the V heads: a strided copy each */
-                if (RESERVE(&io->d2h_kv, 2 * (size_t)kvh))
+            if (kb) { /* as the fetch: a whole block in one piece, else a piece per head */
+                uint8_t *dst = p->arena + kb->offset;
+                const uint8_t *src =
+                    (const uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
+                size_t row0 = (size_t)in_blk * (size_t)hd * dsz;
+                size_t bytes = (size_t)n * (size_t)hd * dsz, head = block_head_bytes;
+                int np = n == REKV_KV_BLOCK_TOKENS ? 1 : 2 * kvh;
+                if (RESERVE(&io->d2h_kv, (size_t)np))
                     return -ENOMEM;
-                size_t bytes = (size_t)hd * dsz;
-                uint8_t *base = p->arena + kb->offset;
-                for (int kv = 0; kv < 2; kv++)
-                    for (int h = 0; h < kvh; h++) {
-                        size_t src = ((size_t)(kv * rows + r) * KV + (size_t)h * (size_t)hd) * dsz;
-                        size_t dst = kv ? rekv_kv_v_offset(geo, (uint32_t)h, (uint32_t)in_blk)
-                                        : rekv_kv_k_offset(geo, (uint32_t)h, (uint32_t)in_blk);
-                        io->d2h_kv.v[io->d2h_kv.n++] =
-                            (rekv_copy_piece){base + dst, out + src, bytes};
-                    }
+                if (np == 1)
+                    io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){dst, src, 2 * kvh * head};
+                else
+                    for (int h = 0; h < np; h++)
+                        io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
+                            dst + (size_t)h * head + row0, src + (size_t)h * head + row0, bytes};
                 cnt->d2h_bytes[REKV_XFER_KV] += 2 * (size_t)kvh * bytes;
             }
             if (ab) {
                 if (RESERVE(&io->d2h_act, 1))
                     return -ENOMEM;
-                size_t bytes = H * dsz;
-                const uint8_t *row = out + (size_t)rows * 2 * KV * dsz + (size_t)r * H * dsz;
+                size_t bytes = (size_t)n * H * dsz;
+                const uint8_t *rows_h = out + (size_t)r * H * dsz;
                 io->d2h_act.v[io->d2h_act.n++] = (rekv_copy_piece){
-                    p->arena + ab->offset + rekv_kv_act_offset(geo, (uint32_t)in_blk), row, bytes};
+                    p->arena + ab->offset + rekv_kv_act_offset(geo, (uint32_t)in_blk), rows_h,
+                    bytes};
                 cnt->d2h_bytes[REKV_XFER_ACT] += bytes;
                 uint64_t ord = act_ordinal(p, &ac, (size_t)(t / REKV_KV_BLOCK_TOKENS));
                 if (ord < n_gpu) { /* ACT_GPU: the device copy too (the store stays complete) */
@@ -1113,7 +1122,7 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                         s->act_dev + ((size_t)layer * gpu_layer_rows +
                                       (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
                                          gpu_row_bytes,
-                        row, bytes};
+                        rows_h, bytes};
                 }
             }
         }
@@ -1171,19 +1180,15 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
     }
     rekv_dtype cdt = p->cfg.cache_dtype;
-    if (store) { /* the new rows leave for the arena: K, V and the attention input */
-        uint8_t *out = p->par[b].out_stage.p;
-        size_t dsz = rekv_dtype_size(cdt), rows = (size_t)T;
+    if (store) { /* the attention input leaves for the arena (K, V leave from the attention
+                    buffer, once scattered into it) */
         p->bi->stream_wait_event(s, p->ev_out_free[b]);
-        k->convert_out(s, out, kk, rows * (size_t)KV, cdt);
-        k->convert_out(s, out + rows * (size_t)KV * dsz, vv, rows * (size_t)KV, cdt);
-        k->convert_out(s, out + rows * 2 * (size_t)KV * dsz, h, rows * (size_t)H, cdt);
-        p->bi->event_record(p->ev_out[b], s);
+        k->convert_out(s, p->par[b].out_stage.p, h, (size_t)T * (size_t)H, cdt);
     }
     k->kv_scatter(s, kk, vv, T, st->row_seq[g], st->pos[g], d, c->n_kv_heads, c->head_dim, cdt);
-    k->attention(s, att, q, d, nb, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
-    if (store) /* the parity's attention buffers may take the next unit's rows */
-        p->bi->event_record(p->ev_attn_free[b], s);
+    k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
+    if (store) /* the new rows are ready to leave, and attention has read the buffers */
+        p->bi->event_record(p->ev_out[b], s);
     k->linear(s, h, att, L->wo, p->e->wdtype, L->bo, T, H, Q);
     k->add(s, x, h, n);
     if (!c->pre_norm)
@@ -1451,7 +1456,9 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                     p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
                 p->bi->event_record(p->ev_loaded[b], sh);
             }
-            /* compute: recompute K,V from activations into the attention buffers */
+            /* compute: recompute K,V from activations into the attention buffers, once the
+             * stores of the unit two back have read them (they may hold another batch's rows) */
+            p->bi->stream_wait_event(sc, p->ev_attn_free[b]);
             if (io.n_act) {
                 p->bi->stream_wait_event(sc, p->ev_act[b]);
                 k->convert(sc, io.conv_act.v, io.conv_act.n, p->cfg.cache_dtype);
@@ -1479,13 +1486,15 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         if (io.d2d_act.n) /* after the rows were staged by layer_compute, on the same stream */
             p->bi->copy_d2d(sc, io.d2d_act.v, io.d2d_act.n);
         if (!resident) {
-            /* d2h: the new rows, once converted into this parity's output staging */
+            /* d2h: the new rows, from this parity's attention buffer and output staging; then
+             * the buffers may take the next unit's rows */
             p->bi->stream_wait_event(sd, p->ev_out[b]);
             if (io.d2h_kv.n)
                 p->bi->copy_d2h(sd, io.d2h_kv.v, io.d2h_kv.n, REKV_XFER_KV);
             if (io.d2h_act.n)
                 p->bi->copy_d2h(sd, io.d2h_act.v, io.d2h_act.n, REKV_XFER_ACT);
             p->bi->event_record(p->ev_out_free[b], sd);
+            p->bi->event_record(p->ev_attn_free[b], sd);
         }
         if (p->cfg.offload_weights)
             p->bi->event_record(p->ev_wfree[wb], sc);

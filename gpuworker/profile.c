@@ -144,8 +144,8 @@ typedef struct pf_attn {
 static void pf_attn_run(void *ctx, rekv_stream *s)
 {
     pf_attn *a = ctx;
-    a->k->attention(s, a->out, a->q, a->seqs, a->n_seqs, a->n_heads, a->n_kv, a->head_dim,
-                    a->scores, REKV_DTYPE_F32);
+    a->k->attention(s, a->out, a->q, a->seqs, a->n_seqs, a->n_seqs, a->n_heads, a->n_kv,
+                    a->head_dim, a->scores, REKV_DTYPE_F32);
 }
 
 /* T_load_kv (gen = 0) or T_kv_gen (gen = 1) at n tokens, for one cache dtype. */

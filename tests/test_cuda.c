@@ -413,79 +413,85 @@ START_TEST(kernel_embed_gather)
 END_TEST
 
 /* kv_scatter then attention over sequences of mixed shapes: a prefill, a decode row deep into its
- * context, a few rows after a long context, a single-token prompt; GQA and MHA; head dims that
- * are and are not multiples of a warp; caches in every cache dtype (the scattered rows are rounded
- * to it alike: equal bits). */
+ * context, a few rows after a long context, a single-token prompt (the plain kernel); and a decode
+ * batch, one row each over short and long contexts (split over the context, flash-decoding: too
+ * few blocks to fill the device); GQA and MHA; head dims that are and are not multiples of a warp;
+ * caches in every cache dtype (the scattered rows are rounded to it alike: equal bits). */
 START_TEST(kernel_scatter_attention)
 {
     backends_open();
     static const int cases[][3] = {{8, 2, 128}, {4, 4, 80}, {6, 3, 32}, {2, 1, 512}};
     static const rekv_dtype dts[] = {REKV_DTYPE_F32, REKV_DTYPE_F16, REKV_DTYPE_BF16};
     enum { NS = 4 };
-    static const int starts[NS] = {0, 100, 1000, 0}, ns[NS] = {40, 1, 3, 1};
-    for (size_t di = 0; di < 3; di++)
-        for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
-            rekv_dtype dt = dts[di];
-            size_t es = rekv_dtype_size(dt);
-            int nh = cases[ci][0], nkv = cases[ci][1], hd = cases[ci][2];
-            size_t kvd = (size_t)nkv * hd, qd = (size_t)nh * hd;
-            rekv_attn_seq cpu_d[NS], *cu_d = meta(sizeof(rekv_attn_seq) * NS);
-            void *hkv[NS], *dkv[NS];
-            size_t sz[NS];
-            int rows = 0, max_ctx = 1;
-            for (int i = 0; i < NS; i++) {
-                sz[i] = rekv_kv_buffer_elems(nkv, hd, starts[i] + ns[i] + 5);
-                float *f = hrand(sz[i], 1);
-                hkv[i] = malloc(sz[i] * es);
-                rekv_from_f32(hkv[i], f, dt, sz[i]);
-                free(f);
-                dkv[i] = dev_from(hkv[i], sz[i] * es);
-                cpu_d[i] = (rekv_attn_seq){hkv[i], starts[i], ns[i], rows};
-                cu_d[i] = (rekv_attn_seq){dkv[i], starts[i], ns[i], rows};
-                rows += ns[i];
-                if (starts[i] + ns[i] > max_ctx)
-                    max_ctx = starts[i] + ns[i];
-            }
-            int32_t *rs = malloc(sizeof(int32_t) * rows), *rp = malloc(sizeof(int32_t) * rows);
-            int32_t *drs = meta(sizeof(int32_t) * rows), *drp = meta(sizeof(int32_t) * rows);
-            for (int i = 0, r = 0; i < NS; i++)
-                for (int j = 0; j < ns[i]; j++, r++) {
-                    rs[r] = drs[r] = i;
-                    rp[r] = drp[r] = starts[i] + j;
+    static const int all_starts[2][NS] = {{0, 100, 1000, 0}, {0, 63, 1000, 4000}};
+    static const int all_ns[2][NS] = {{40, 1, 3, 1}, {1, 1, 1, 1}};
+    for (int set = 0; set < 2; set++)
+        for (size_t di = 0; di < 3; di++)
+            for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+                const int *starts = all_starts[set], *ns = all_ns[set];
+                rekv_dtype dt = dts[di];
+                size_t es = rekv_dtype_size(dt);
+                int nh = cases[ci][0], nkv = cases[ci][1], hd = cases[ci][2];
+                size_t kvd = (size_t)nkv * hd, qd = (size_t)nh * hd;
+                rekv_attn_seq cpu_d[NS], *cu_d = meta(sizeof(rekv_attn_seq) * NS);
+                void *hkv[NS], *dkv[NS];
+                size_t sz[NS];
+                int rows = 0, max_ctx = 1;
+                for (int i = 0; i < NS; i++) {
+                    sz[i] = rekv_kv_buffer_elems(nkv, hd, starts[i] + ns[i] + 5);
+                    float *f = hrand(sz[i], 1);
+                    hkv[i] = malloc(sz[i] * es);
+                    rekv_from_f32(hkv[i], f, dt, sz[i]);
+                    free(f);
+                    dkv[i] = dev_from(hkv[i], sz[i] * es);
+                    cpu_d[i] = (rekv_attn_seq){hkv[i], starts[i], ns[i], rows};
+                    cu_d[i] = (rekv_attn_seq){dkv[i], starts[i], ns[i], rows};
+                    rows += ns[i];
+                    if (starts[i] + ns[i] > max_ctx)
+                        max_ctx = starts[i] + ns[i];
                 }
-            float *k = hrand((size_t)rows * kvd, 1), *v = hrand((size_t)rows * kvd, 1);
-            float *q = hrand((size_t)rows * qd, 1), *out = malloc(sizeof(float) * rows * qd);
-            float *scores = malloc(sizeof(float) * max_ctx);
-            float *dkn = dev_from(k, sizeof(float) * rows * kvd);
-            float *dvn = dev_from(v, sizeof(float) * rows * kvd);
-            float *dq = dev_from(q, sizeof(float) * rows * qd);
-            float *dout = dev_zero(sizeof(float) * rows * qd);
-            rekv_cpu_kernels.kv_scatter(g_scpu, k, v, rows, rs, rp, cpu_d, nkv, hd, dt);
-            rekv_cpu_kernels.attention(g_scpu, out, q, cpu_d, NS, nh, nkv, hd, scores, dt);
-            sync_cpu();
-            g_cu->kernels->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, cu_d, nkv, hd, dt);
-            g_cu->kernels->attention(g_scu, dout, dq, cu_d, NS, nh, nkv, hd, NULL, dt);
-            sync_cu();
-            char what[128];
-            for (int i = 0; i < NS; i++) {
-                size_t bytes = sz[i] * es;
-                void *g = host_from(dkv[i], bytes);
-                ck_assert_msg(memcmp(g, hkv[i], bytes) == 0,
-                              "kv_scatter %s, sequence %d, %d/%d heads, hd %d: cache bits differ",
-                              rekv_dtype_name(dt), i, nh, nkv, hd);
-                free(g);
+                int32_t *rs = malloc(sizeof(int32_t) * rows), *rp = malloc(sizeof(int32_t) * rows);
+                int32_t *drs = meta(sizeof(int32_t) * rows), *drp = meta(sizeof(int32_t) * rows);
+                for (int i = 0, r = 0; i < NS; i++)
+                    for (int j = 0; j < ns[i]; j++, r++) {
+                        rs[r] = drs[r] = i;
+                        rp[r] = drp[r] = starts[i] + j;
+                    }
+                float *k = hrand((size_t)rows * kvd, 1), *v = hrand((size_t)rows * kvd, 1);
+                float *q = hrand((size_t)rows * qd, 1), *out = malloc(sizeof(float) * rows * qd);
+                float *scores = malloc(sizeof(float) * max_ctx);
+                float *dkn = dev_from(k, sizeof(float) * rows * kvd);
+                float *dvn = dev_from(v, sizeof(float) * rows * kvd);
+                float *dq = dev_from(q, sizeof(float) * rows * qd);
+                float *dout = dev_zero(sizeof(float) * rows * qd);
+                rekv_cpu_kernels.kv_scatter(g_scpu, k, v, rows, rs, rp, cpu_d, nkv, hd, dt);
+                rekv_cpu_kernels.attention(g_scpu, out, q, cpu_d, NS, rows, nh, nkv, hd, scores,
+                                           dt);
+                sync_cpu();
+                g_cu->kernels->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, cu_d, nkv, hd, dt);
+                g_cu->kernels->attention(g_scu, dout, dq, cu_d, NS, rows, nh, nkv, hd, NULL, dt);
+                sync_cu();
+                char what[128];
+                for (int i = 0; i < NS; i++) {
+                    size_t bytes = sz[i] * es;
+                    void *g = host_from(dkv[i], bytes);
+                    ck_assert_msg(
+                        memcmp(g, hkv[i], bytes) == 0,
+                        "kv_scatter %s, sequence %d, %d/%d heads, hd %d: cache bits differ",
+                        rekv_dtype_name(dt), i, nh, nkv, hd);
+                    free(g);
+                }
+                snprintf(what, sizeof(what), "attention (%s) %s cache, %d/%d heads, hd %d",
+                         set ? "decode, split" : "mixed", rekv_dtype_name(dt), nh, nkv, hd);
+                expect_dev(what, dout, out, (size_t)rows * qd, KERNEL_TOL);
+                for (int i = 0; i < NS; i++) {
+                    dev_free(dkv[i]);
+                    free(hkv[i]);
+                }
+                dev_free(dkn), dev_free(dvn), dev_free(dq), dev_free(dout);
+                meta_free(cu_d), meta_free(drs), meta_free(drp);
+                free(rs), free(rp), free(k), free(v), free(q), free(out), free(scores);
             }
-            snprintf(what, sizeof(what), "attention %s cache, %d/%d heads, hd %d",
-                     rekv_dtype_name(dt), nh, nkv, hd);
-            expect_dev(what, dout, out, (size_t)rows * qd, KERNEL_TOL);
-            for (int i = 0; i < NS; i++) {
-                dev_free(dkv[i]);
-                free(hkv[i]);
-            }
-            dev_free(dkn), dev_free(dvn), dev_free(dq), dev_free(dout);
-            meta_free(cu_d), meta_free(drs), meta_free(drp);
-            free(rs), free(rp), free(k), free(v), free(q), free(out), free(scores);
-        }
     backends_close();
 }
 END_TEST
@@ -670,7 +676,7 @@ START_TEST(runtime_copies_events)
     ck_assert_int_eq(bi->stream_sync(a, &e2), -EINVAL);
     ck_assert_msg(strstr(e2.msg, "NULL src") != NULL, "%s", e2.msg);
     ck_assert_int_eq(bi->stream_sync(a, &err), 0);
-    g_cu->kernels->attention(a, d2, d1, NULL, 1, 3, 2, 64, NULL, REKV_DTYPE_F32); /* 3 over 2 */
+    g_cu->kernels->attention(a, d2, d1, NULL, 1, 1, 3, 2, 64, NULL, REKV_DTYPE_F32); /* 3 over 2 */
     ck_assert_int_eq(bi->stream_sync(a, NULL), -EINVAL);
 
     bi->dev_free(g_cu, d1);
