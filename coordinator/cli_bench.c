@@ -258,11 +258,12 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
     return rc;
 }
 
-/* One mode's decode run: prefill all prompts in one step, then gen_len - 1 greedy decode steps
- * timed alone, with counters and busy times taken over the decode steps only. With link != NULL
- * (a mode that uses the kvstore), the link's peak is measured afterwards in the same session. */
+/* One mode's decode run: prefill all prompts in one step (timed: prefill_s), then gen_len - 1
+ * greedy decode steps timed alone, with counters and busy times taken over the decode steps only.
+ * With link != NULL (a mode that uses the kvstore), the link's peak is measured afterwards in the
+ * same session. */
 typedef struct decode_result {
-    double decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
+    double prefill_s, decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
     rekv_layer_counters counters;
     int32_t *tokens; /* [gen_len][batch] */
     rekv_pipeline_config cfg;
@@ -295,8 +296,10 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         rc = rekv_pseq_create(ses.p, S + N, &seqs[b], err);
         items[b] = (rekv_pipe_item){seqs[b], prompts[b], S, logits + (size_t)b * V, 0};
     }
+    uint64_t t_pre = rekv_now_ns();
     if (rc || (rc = rekv_pipeline_step(ses.p, items, B, err)))
         goto out;
+    out->prefill_s = (double)(rekv_now_ns() - t_pre) * 1e-9;
     rekv_pipeline_counters_reset(ses.p);
     ses.be->iface->stats_reset(ses.be);
     if (po->trace)
@@ -392,11 +395,11 @@ static int bench_decode(int argc, char **argv)
                 "usage: rekv bench decode --model PATH [--batch B] [--prompt-len S]\n"
                 "                         [--gen-len N] [--modes resident,offload,kvpr+push,...]\n"
                 "                         [pipeline options] [--json]\n"
-                "Runs every mode on the same prompts in one process and prints decode\n"
-                "tokens/s, its ratio to offload, host->device bytes per generated token,\n"
-                "achieved host->device GB/s next to the link's peak measured in the same\n"
-                "run (from pinned, kvstore-arena and pageable memory) and the busy\n"
-                "fractions of compute and link. Pipeline options:\n" CLI_PIPELINE_USAGE
+                "Runs every mode on the same prompts in one process and prints its prefill\n"
+                "time, decode tokens/s, its ratio to offload, host->device bytes per\n"
+                "generated token, achieved host->device GB/s next to the link's peak\n"
+                "measured in the same run (from pinned, kvstore-arena and pageable memory)\n"
+                "and the busy fractions of compute and link. Pipeline options:\n" CLI_PIPELINE_USAGE
                 "(--mode is ignored; --trace F writes F.<mode>.json)\n");
             return c == 'h' ? 0 : 2;
         }
@@ -494,6 +497,8 @@ static int bench_decode(int argc, char **argv)
             "tokens_recomputed", (json_int_t)r->counters.tokens_recomputed, "tokens_fetched",
             (json_int_t)r->counters.tokens_fetched);
         json_object_set_new(o, "push", json_boolean(mpush[i]));
+        json_object_set_new(o, "prefill_s", json_real(r->prefill_s));
+        json_object_set_new(o, "prefill_tokens_per_s", json_real((double)B * S / r->prefill_s));
         /* host->device GB/s over the decode (all kinds), and while the link was busy (not for
          * push: the store's copies of KV rows do not show in the worker's link busy time) */
         json_object_set_new(o, "h2d_gbps", json_real((double)h2d / r->decode_s * 1e-9));

@@ -295,6 +295,7 @@ START_TEST(bench_decode_json)
     {
         ck_assert(json_is_true(json_object_get(m, "tokens_match_resident")));
         ck_assert(json_number_value(json_object_get(m, "decode_tokens_per_s")) > 0);
+        ck_assert(json_number_value(json_object_get(m, "prefill_s")) > 0);
         ck_assert(json_is_number(json_object_get(m, "ratio_vs_offload")));
         if (strcmp(json_string_value(json_object_get(m, "mode")), "offload") == 0)
             offload_bytes = json_number_value(json_object_get(m, "h2d_kv_bytes_per_token"));
