@@ -32,7 +32,7 @@
 #include "loader/loader.h"
 
 /* Bumped whenever the fields or the way they are measured change: older files are re-measured. */
-#define REKV_PROFILE_VERSION 2
+#define REKV_PROFILE_VERSION 3
 
 /* Index of the per-cache-dtype models. */
 enum { REKV_PROFILE_F32 = 0, REKV_PROFILE_F16 = 1, REKV_PROFILE_DTYPES = 2 };
