@@ -981,6 +981,27 @@ typedef struct unit_io {
     int n_act;
 } unit_io;
 
+/* Appends the copy of rows [in_blk, in_blk + n) of one KV block between two buffers in the block
+ * layout (kvlayout.h; the arena's blocks, the device's attention buffers): a whole block is one
+ * piece (adjacent ones merge), a part of one a piece per head of K and V, all at one stride (one
+ * strided copy). Returns the bytes, 0 when out of memory. */
+static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
+                              int kvh, int hd, size_t dsz)
+{
+    size_t head = REKV_KV_BLOCK_TOKENS * (size_t)hd * dsz; /* one head's rows */
+    size_t row0 = (size_t)in_blk * (size_t)hd * dsz, bytes = (size_t)n * (size_t)hd * dsz;
+    int np = n == REKV_KV_BLOCK_TOKENS ? 1 : 2 * kvh;
+    if (RESERVE(l, (size_t)np))
+        return 0;
+    if (np == 1)
+        l->v[l->n++] = (rekv_copy_piece){dst, src, 2 * (size_t)kvh * head};
+    else
+        for (int h = 0; h < np; h++)
+            l->v[l->n++] = (rekv_copy_piece){dst + (size_t)h * head + row0,
+                                             src + (size_t)h * head + row0, bytes};
+    return 2 * (size_t)kvh * bytes;
+}
+
 /* Builds the loads of unit (layer, g): every context token's K,V rows (KV) or activation row
  * (ACT), from the arena into the parity's staging buffers, and the merge into the attention
  * buffer; and the stores of the new rows into the arena. */
@@ -990,7 +1011,6 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
     const rekv_kv_geometry *geo = &p->geo;
     int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
-    size_t block_head_bytes = REKV_KV_BLOCK_TOKENS * (size_t)hd * dsz; /* one head's rows */
     uint8_t *act_stage = p->par[b].act_stage.p;
     uint8_t *out = p->par[b].out_stage.p;
     size_t act_off = 0;
@@ -1052,23 +1072,12 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                 }
                 cnt->tokens_recomputed += (uint64_t)n;
             } else {
-                /* straight into the attention buffer, which has the block's layout and dtype: a
-                 * whole block is one piece (adjacent ones merge), a part of one a piece per head
-                 * and K/V at one stride (one strided copy) */
+                /* straight into the attention buffer: the block's layout and dtype */
                 uint8_t *dst = (uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t0 - in_blk) * dsz;
-                const uint8_t *src = base;
-                size_t row0 = (size_t)in_blk * (size_t)hd * dsz;
-                size_t bytes = (size_t)n * (size_t)hd * dsz, head = block_head_bytes;
-                int np = n == REKV_KV_BLOCK_TOKENS ? 1 : 2 * kvh;
-                if (RESERVE(&io->h2d_kv, (size_t)np))
+                size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
+                if (bytes == 0)
                     return -ENOMEM;
-                if (np == 1)
-                    io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){dst, src, 2 * kvh * head};
-                else
-                    for (int h = 0; h < np; h++)
-                        io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){
-                            dst + (size_t)h * head + row0, src + (size_t)h * head + row0, bytes};
-                cnt->h2d_bytes[REKV_XFER_KV] += 2 * (size_t)kvh * bytes;
+                cnt->h2d_bytes[REKV_XFER_KV] += bytes;
                 cnt->tokens_fetched += (uint64_t)n;
             }
             t0 += n;
@@ -1088,22 +1097,14 @@ static int unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const 
                 return -EPROTO;
             if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
                 ab = kb, kb = NULL;
-            if (kb) { /* as the fetch: a whole block in one piece, else a piece per head */
-                uint8_t *dst = p->arena + kb->offset;
+            if (kb) {
                 const uint8_t *src =
                     (const uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
-                size_t row0 = (size_t)in_blk * (size_t)hd * dsz;
-                size_t bytes = (size_t)n * (size_t)hd * dsz, head = block_head_bytes;
-                int np = n == REKV_KV_BLOCK_TOKENS ? 1 : 2 * kvh;
-                if (RESERVE(&io->d2h_kv, (size_t)np))
+                size_t bytes = block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n,
+                                               kvh, hd, dsz);
+                if (bytes == 0)
                     return -ENOMEM;
-                if (np == 1)
-                    io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){dst, src, 2 * kvh * head};
-                else
-                    for (int h = 0; h < np; h++)
-                        io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
-                            dst + (size_t)h * head + row0, src + (size_t)h * head + row0, bytes};
-                cnt->d2h_bytes[REKV_XFER_KV] += 2 * (size_t)kvh * bytes;
+                cnt->d2h_bytes[REKV_XFER_KV] += bytes;
             }
             if (ab) {
                 if (RESERVE(&io->d2h_act, 1))

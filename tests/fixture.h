@@ -15,6 +15,20 @@
 #include "kvstore/kvstore.h"
 #include "tests/testutil.h"
 
+/* For a test that needs a program's "auto" backend to be cpu: where it is a GPU, prints
+ * "skip: NAME: ... (WHY)" and returns 1. */
+static inline int tu_skip_where_auto_is_gpu(const char *name, const char *why)
+{
+    rekv_backend *be = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_backend_create("auto", NULL, &be, NULL, 0, &err) == 0, "%s", err.msg);
+    int gpu = strcmp(be->iface->name, "cpu") != 0;
+    rekv_backend_destroy(be);
+    if (gpu)
+        printf("   skip: %s: \"auto\" is this machine's GPU (%s)\n", name, why);
+    return gpu;
+}
+
 typedef struct tu_fixture {
     rekv_model *m;
     rekv_engine *e;
@@ -27,8 +41,8 @@ typedef struct tu_fixture {
 /* Opens model_path, creates its engine and a cpu backend, and spawns a private kvstore (256 MiB,
  * cache dtype `cache`, push backend push_backend: NULL for a store that cannot push) in a fresh
  * temporary directory, connected. Fails the test on any error. */
-static void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_dtype cache,
-                            const char *push_backend)
+static inline void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_dtype cache,
+                                   const char *push_backend)
 {
     rekv_err err = {0};
     memset(f, 0, sizeof(*f));
@@ -52,7 +66,7 @@ static void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_dtype ca
 }
 
 /* Stops the store (which must exit cleanly) and frees everything. */
-static void tu_fixture_close(tu_fixture *f)
+static inline void tu_fixture_close(tu_fixture *f)
 {
     rekv_kvstore_client_close(f->store);
     ck_assert_int_eq(rekv_kvstore_reap(f->store_pid), 0);

@@ -6,7 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "gpuworker/backend.h"
+#include "tests/fixture.h"
 #include "tests/testutil.h"
 
 static char g_cmd[16384];
@@ -98,16 +98,9 @@ END_TEST
  * agree only within rounding (test_cuda checks the cuda pipeline against the cpu's). */
 START_TEST(generate_via_coordinator_matches_local)
 {
-    rekv_backend *be = NULL;
-    rekv_err e = {0};
-    ck_assert_msg(rekv_backend_create("auto", NULL, &be, NULL, 0, &e) == 0, "%s", e.msg);
-    int gpu = strcmp(be->iface->name, "cpu") != 0;
-    rekv_backend_destroy(be);
-    if (gpu) {
-        printf("   skip: generate_via_coordinator_matches_local: \"auto\" is this machine's "
-               "GPU\n");
+    if (tu_skip_where_auto_is_gpu("generate_via_coordinator_matches_local",
+                                  "the trio's cache is fp16, the local run's fp32"))
         return;
-    }
     const char *models[] = {"models/stories260K/stories260K.bin", "models/opt-tiny-py"};
     for (int mi = 0; mi < 2; mi++) {
         const char *m = tu_shared(models[mi]);

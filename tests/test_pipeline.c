@@ -476,16 +476,9 @@ START_TEST(push_store_is_the_program)
     const char *p = tu_shared("models/stories260K/stories260K.bin");
     if (p == NULL)
         return;
-    rekv_backend *be = NULL;
-    rekv_err err = {0};
-    ck_assert_msg(rekv_backend_create("auto", NULL, &be, NULL, 0, &err) == 0, "%s", err.msg);
-    int gpu = strcmp(be->iface->name, "cpu") != 0;
-    rekv_backend_destroy(be);
-    if (gpu) {
-        printf("   skip: push_store_is_the_program: \"auto\" is this machine's GPU (test_cuda "
-               "pushes through the program)\n");
+    if (tu_skip_where_auto_is_gpu("push_store_is_the_program",
+                                  "test_cuda pushes through the program"))
         return;
-    }
     char path[4096];
     snprintf(path, sizeof(path), "%s", p);
     fixture f;
