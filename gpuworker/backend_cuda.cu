@@ -1683,6 +1683,14 @@ extern "C" int rekv_backend_cuda_create(int device, rekv_backend **out, rekv_err
     if (cudaDeviceGetAttribute(&be->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
         be->sms <= 0)
         be->sms = 1;
+    /* the split attention's scratch comes from the stream-ordered pool: keep what it frees
+     * instead of returning it at every synchronisation (best effort) */
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+        uint64_t keep = UINT64_MAX;
+        (void)cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    }
+    (void)cudaGetLastError();
     be->wait_value32 = (cu_value32_fn)driver_entry("cuStreamWaitValue32");
     be->write_value32 = (cu_value32_fn)driver_entry("cuStreamWriteValue32");
     be->wait_flags = CU_STREAM_WAIT_VALUE_GEQ;
