@@ -31,7 +31,8 @@
  * makes its stream wait on that event; nobody waits on the CPU for the copies. Every piece is
  * checked against the arena and the imported buffer's size. Imports are dropped on
  * rekv_kvstore_release (a client releases a buffer before freeing it), when the connection's
- * lease expires, and when the store stops. Pieces should lie in blocks the client has pinned.
+ * lease expires, and when the store stops. Each piece must lie inside one block the connection
+ * pins (-EPERM otherwise): an unpinned block may be spilled and its slot reused mid-copy.
  *
  * Every library function returns 0 or a negative errno and, on failure, fills the rekv_err with
  * one line. Nothing here prints or exits; the server reports notable events through an optional

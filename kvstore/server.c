@@ -53,20 +53,20 @@ static const char *const hist_names[H_COUNT] = {"plan",  "pin",         "append"
                                                 "other", "spill_write", "spill_read"};
 
 typedef struct kv_block {
-    uint64_t seq;      /* owning sequence */
-    uint32_t layer;    /* layer */
-    uint32_t lblock;   /* logical block number */
-    uint8_t type;      /* rekv_kv_block_type */
-    uint8_t state;     /* BS_* */
-    uint8_t touched;   /* used while its spill was in flight: keep the host copy */
-    uint8_t doomed;    /* freed while I/O was in flight: release on completion */
-    uint8_t in_lru;    /* on the LRU list (resident, unpinned, unheld) */
-    int32_t load_err;  /* sticky read-back failure (-EIO on CRC mismatch), 0 when none */
-    uint32_t slot;     /* host slot (HOST, SPILLING, LOADING) */
-    uint32_t fslot;    /* spill-file slot (SPILLING, DISK, LOADING) */
-    uint32_t crc;      /* CRC32C of the spilled bytes */
-    uint32_t pins;     /* pins held by clients */
-    uint32_t holds;    /* holds of parked requests */
+    uint64_t seq;        /* owning sequence */
+    uint32_t layer;      /* layer */
+    uint32_t lblock;     /* logical block number */
+    uint8_t type;        /* rekv_kv_block_type */
+    uint8_t state;       /* BS_* */
+    uint8_t touched;     /* used while its spill was in flight: keep the host copy */
+    uint8_t doomed;      /* freed while I/O was in flight: release on completion */
+    uint8_t in_lru;      /* on the LRU list (resident, unpinned, unheld) */
+    int32_t load_err;    /* sticky read-back failure (-EIO on CRC mismatch), 0 when none */
+    uint32_t slot;       /* host slot (HOST, SPILLING, LOADING) */
+    uint32_t fslot;      /* spill-file slot (SPILLING, DISK, LOADING) */
+    uint32_t crc;        /* CRC32C of the spilled bytes */
+    uint32_t pins;       /* pins held by clients */
+    uint32_t holds;      /* holds of parked requests */
     uint32_t prev, next; /* LRU links (block ids) */
 } kv_block;
 
@@ -95,8 +95,8 @@ typedef struct kv_import {
 typedef struct kv_client {
     uint8_t ident[MAX_IDENT]; /* ZeroMQ routing id */
     size_t ident_len;
-    uint64_t last_seen;       /* ns of the last request */
-    kv_map pins;              /* block id -> pin count */
+    uint64_t last_seen;        /* ns of the last request */
+    kv_map pins;               /* block id -> pin count */
     char owner[MAX_OWNER + 1]; /* the owner name its last request carried; "" for none */
     kv_import *imports;        /* the push path's imports for it */
     size_t n_imports;
@@ -104,52 +104,53 @@ typedef struct kv_client {
 } kv_client;
 
 typedef struct kv_pending {
-    uint8_t ident[MAX_IDENT];     /* who asked */
+    uint8_t ident[MAX_IDENT]; /* who asked */
     size_t ident_len;
-    int delim;                    /* the peer sent an empty delimiter frame (REQ) */
-    Rekv__Kvstore__Request *req;  /* unpacked request */
-    uint64_t t0;                  /* receive time, ns */
-    uint32_t *holds;              /* block ids held for it */
+    int delim;                   /* the peer sent an empty delimiter frame (REQ) */
+    Rekv__Kvstore__Request *req; /* unpacked request */
+    uint64_t t0;                 /* receive time, ns */
+    uint32_t *holds;             /* block ids held for it */
     size_t n_holds, cap_holds;
-    uint64_t misses;              /* blocks it had to read back */
+    uint64_t misses; /* blocks it had to read back */
     struct kv_pending *next;
 } kv_pending;
 
 struct rekv_kvstore_server {
-    rekv_kvstore_config cfg;   /* copy; strings below are owned copies */
-    char *endpoint;            /* ZeroMQ endpoint */
-    char *ipc_path;            /* filesystem path of an ipc:// endpoint, or NULL */
-    char *fd_path;             /* fd-passing socket path */
+    rekv_kvstore_config cfg; /* copy; strings below are owned copies */
+    char *endpoint;          /* ZeroMQ endpoint */
+    char *ipc_path;          /* filesystem path of an ipc:// endpoint, or NULL */
+    char *fd_path;           /* fd-passing socket path */
     char *spill_dir;
     kv_arena arena;
-    kv_spill *spill;           /* NULL with no_spill */
-    void *zctx, *zsock;        /* ZeroMQ context and ROUTER socket */
-    int fd_listen;             /* UNIX socket handing out the memfd */
-    int stop_fd;               /* eventfd written by server_stop */
-    int stop;                  /* loop exit flag */
-    kv_block *blocks;          /* [n_block_ids] */
+    kv_spill *spill;    /* NULL with no_spill */
+    void *zctx, *zsock; /* ZeroMQ context and ROUTER socket */
+    int fd_listen;      /* UNIX socket handing out the memfd */
+    int stop_fd;        /* eventfd written by server_stop */
+    int stop;           /* loop exit flag */
+    kv_block *blocks;   /* [n_block_ids] */
     uint32_t n_block_ids, cap_block_ids;
-    uint32_t *free_ids;        /* recycled block ids */
+    uint32_t *free_ids; /* recycled block ids */
     uint32_t n_free_ids, cap_free_ids;
-    uint32_t *free_slots;      /* [n_slots] stack of free host slots */
+    uint32_t *free_slots; /* [n_slots] stack of free host slots */
+    uint32_t *slot_block; /* [n_slots] the block last given each slot (push checks pins) */
     uint32_t n_free_slots;
     uint32_t lru_head, lru_tail; /* least / most recently used */
     uint64_t lru_len;
-    kv_map seqs;               /* seq id -> kv_seq * */
+    kv_map seqs; /* seq id -> kv_seq * */
     kv_client *clients;
     kv_pending *pending, *pending_tail;
     uint32_t spills_in_flight, reads_in_flight;
-    int spill_err;             /* last spill write failure; spilling paused while set */
-    uint64_t spill_err_ns;     /* when it happened */
-    uint64_t now;              /* ns, refreshed per loop iteration */
+    int spill_err;         /* last spill write failure; spilling paused while set */
+    uint64_t spill_err_ns; /* when it happened */
+    uint64_t now;          /* ns, refreshed per loop iteration */
     uint64_t next_lease_check;
-    uint32_t *scratch;         /* resolved block ids of the current request */
+    uint32_t *scratch; /* resolved block ids of the current request */
     size_t cap_scratch;
     uint64_t host_n[2], disk_n[2];
     uint64_t bytes_spilled, bytes_read_back, pin_hits, pin_misses;
     uint64_t spill_errors, crc_errors, leases_expired;
     uint64_t sequences_reclaimed; /* dropped by DropOwner or with their owner's lease */
-    int orphans_left;          /* a dead owner's sequence was busy: sweep again at next check */
+    int orphans_left;             /* a dead owner's sequence was busy: sweep again at next check */
     rekv_kv_hist hist[H_COUNT];
     rekv_backend *pbe;    /* push backend, or NULL */
     rekv_stream *pstream; /* its stream: every push's wait, copies and record */
@@ -277,7 +278,10 @@ static void block_release_id(rekv_kvstore_server *s, uint32_t id)
     s->free_ids[s->n_free_ids++] = id;
 }
 
-static void slot_put(rekv_kvstore_server *s, uint32_t slot) { s->free_slots[s->n_free_slots++] = slot; }
+static void slot_put(rekv_kvstore_server *s, uint32_t slot)
+{
+    s->free_slots[s->n_free_slots++] = slot;
+}
 
 static void fslot_put(rekv_kvstore_server *s, uint32_t fslot)
 {
@@ -613,9 +617,9 @@ static void orphans_sweep(rekv_kvstore_server *s)
         if (seqs) /* a retry that still finds all busy says nothing */
             srv_event(s, REKV_KV_EVENT_WARN,
                       "owner %s silent for %u ms (its lease): dropped its sequences (%llu, %llu "
-                      "blocks); %llu still in use, tried again later", owners[k], s->cfg.lease_ms,
-                      (unsigned long long)seqs, (unsigned long long)blocks,
-                      (unsigned long long)busy);
+                      "blocks); %llu still in use, tried again later",
+                      owners[k], s->cfg.lease_ms, (unsigned long long)seqs,
+                      (unsigned long long)blocks, (unsigned long long)busy);
         free(ids);
         free(owners[k]);
     }
@@ -769,8 +773,7 @@ static int resolve_ranges(rekv_kvstore_server *s, Rekv__Kvstore__Range **ranges,
         Rekv__Kvstore__Range *rg = ranges[i];
         kv_seq *q = seq_get(s, rg->seq);
         if (q == NULL)
-            return fail(r, -ENOENT, "range %zu: no sequence %llu", i,
-                        (unsigned long long)rg->seq),
+            return fail(r, -ENOENT, "range %zu: no sequence %llu", i, (unsigned long long)rg->seq),
                    -ENOENT;
         if (rg->layer >= s->cfg.geometry.n_layers)
             return fail(r, -EINVAL, "range %zu: layer %u out of range (%u layers)", i, rg->layer,
@@ -786,8 +789,7 @@ static int resolve_ranges(rekv_kvstore_server *s, Rekv__Kvstore__Range **ranges,
         uint64_t b0 = rg->token_begin / REKV_KV_BLOCK_TOKENS;
         uint64_t b1 = (rg->token_end - 1) / REKV_KV_BLOCK_TOKENS + 1;
         if (total + (b1 - b0) > MAX_PLAN_BLOCKS)
-            return fail(r, -EINVAL, "request covers more than %u blocks", MAX_PLAN_BLOCKS),
-                   -EINVAL;
+            return fail(r, -EINVAL, "request covers more than %u blocks", MAX_PLAN_BLOCKS), -EINVAL;
         if (grow((void **)&s->scratch, &s->cap_scratch, total + (b1 - b0), sizeof(uint32_t)) < 0)
             return fail(r, -ENOMEM, "out of memory"), -ENOMEM;
         for (uint64_t b = b0; b < b1; b++) {
@@ -805,8 +807,7 @@ static int resolve_ranges(rekv_kvstore_server *s, Rekv__Kvstore__Range **ranges,
 
 /* ------------------------------------------------------------------ handlers */
 
-static int h_create(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__CreateSeq *m,
-                    kv_reply *r)
+static int h_create(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__CreateSeq *m, kv_reply *r)
 {
     if (m->seq == KV_MAP_EMPTY)
         return fail(r, -EINVAL, "sequence id %llu is reserved", (unsigned long long)m->seq);
@@ -826,7 +827,8 @@ static int h_create(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__CreateS
     return 0;
 }
 
-/* Frees blocks [b0, b1) of layers [l0, l1); refuses (-EBUSY) when someone else pins or holds one. */
+/* Frees blocks [b0, b1) of layers [l0, l1); refuses (-EBUSY) when someone else pins or holds one.
+ */
 static int free_blocks(rekv_kvstore_server *s, kv_client *c, kv_seq *q, uint32_t l0, uint32_t l1,
                        uint64_t b0, uint64_t b1, kv_reply *r)
 {
@@ -904,8 +906,9 @@ static int h_drop_owner(rekv_kvstore_server *s, Rekv__Kvstore__DropOwner *m, kv_
     if (busy)
         return fail(r, -EBUSY,
                     "owner %s: dropped %llu sequences; %llu left because a client of another "
-                    "owner pins them (sequence %llu)", owner, (unsigned long long)seqs,
-                    (unsigned long long)busy, (unsigned long long)busy_id);
+                    "owner pins them (sequence %llu)",
+                    owner, (unsigned long long)seqs, (unsigned long long)busy,
+                    (unsigned long long)busy_id);
     r->drop_owner.sequences = seqs;
     r->drop_owner.blocks = blocks;
     r->resp.body_case = REKV__KVSTORE__RESPONSE__BODY_DROP_OWNER;
@@ -931,7 +934,8 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
     if (q == NULL)
         return fail(r, -ENOENT, "no sequence %llu", (unsigned long long)m->seq);
     if (m->n_tokens > (1ull << 31) || q->n_tokens + m->n_tokens > (1ull << 31))
-        return fail(r, -EINVAL, "append of %llu tokens is too long", (unsigned long long)m->n_tokens);
+        return fail(r, -EINVAL, "append of %llu tokens is too long",
+                    (unsigned long long)m->n_tokens);
     if (m->kv_parts > 1024 || m->act_parts > 1024)
         return fail(r, -EINVAL, "KV:ACT pattern %u:%u out of range", m->kv_parts, m->act_parts);
     uint32_t L = s->cfg.geometry.n_layers;
@@ -986,6 +990,7 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
                 act_l++;
             blk->state = BS_HOST;
             blk->slot = s->free_slots[--s->n_free_slots];
+            s->slot_block[blk->slot] = id;
             s->host_n[blk->type]++;
             q->blocks[l][b] = id;
             lru_update(s, id, 0);
@@ -1052,8 +1057,7 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
         uint32_t id = s->scratch[i];
         kv_block *b = &s->blocks[id];
         if (b->state == BS_DISK && b->load_err)
-            return fail(r, b->load_err,
-                        "sequence %llu layer %u block %u: read-back failed: %s", 
+            return fail(r, b->load_err, "sequence %llu layer %u block %u: read-back failed: %s",
                         (unsigned long long)b->seq, b->layer, b->lblock,
                         b->load_err == -EBADMSG ? "CRC32C mismatch" : strerror(-b->load_err));
         if (b->state == BS_DISK && s->spill != NULL) {
@@ -1062,6 +1066,7 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
                 if (kv_spill_read(s->spill, slot, b->fslot, blk_bytes(s, b), id) == 0) {
                     s->n_free_slots--;
                     b->slot = slot;
+                    s->slot_block[slot] = id;
                     b->state = BS_LOADING;
                     s->reads_in_flight++;
                     p->misses++;
@@ -1169,7 +1174,8 @@ static int h_unpin(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Unpin *m
         kv_block *b = &s->blocks[s->scratch[done]];
         for (size_t i = 0; i < done; i++)
             (*kv_map_get(&c->pins, s->scratch[i]))++;
-        return fail(r, -EINVAL, "unpin: sequence %llu layer %u block %u is not pinned by this client",
+        return fail(r, -EINVAL,
+                    "unpin: sequence %llu layer %u block %u is not pinned by this client",
                     (unsigned long long)b->seq, b->layer, b->lblock);
     }
     for (size_t i = 0; i < n; i++) {
@@ -1311,6 +1317,18 @@ static int h_push(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Push *m, 
             return fail(r, -EINVAL,
                         "push: piece %zu writes [%llu, +%llu) outside buffer %u of %zu bytes", i,
                         (unsigned long long)dst, (unsigned long long)bytes, m->buffer[i], b->bytes);
+        /* within one block this connection pins: anything else may be spilled and its slot
+         * given to another sequence while the copy runs */
+        uint64_t rel = src - lo, slot = rel / s->arena.slot_bytes;
+        uint32_t id = slot < s->arena.n_slots ? s->slot_block[slot] : 0;
+        if (bytes > 0 &&
+            (slot >= s->arena.n_slots || rel % s->arena.slot_bytes + bytes > s->arena.slot_bytes ||
+             id >= s->n_block_ids || s->blocks[id].state != BS_HOST || s->blocks[id].slot != slot ||
+             kv_map_get(&c->pins, id) == NULL))
+            return fail(r, -EPERM,
+                        "push: piece %zu reads [%llu, +%llu), not inside one block this connection "
+                        "has pinned",
+                        i, (unsigned long long)src, (unsigned long long)bytes);
         pc[i] = (rekv_copy_piece){(uint8_t *)b->dev + dst, (uint8_t *)s->arena.base + src,
                                   (size_t)bytes};
     }
@@ -1567,7 +1585,9 @@ static void serve_fd_socket(rekv_kvstore_server *s)
             struct cmsghdr align;
         } u;
         memset(&u, 0, sizeof(u));
-        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+        struct msghdr mh = {.msg_iov = &iov,
+                            .msg_iovlen = 1,
+                            .msg_control = u.buf,
                             .msg_controllen = sizeof(u.buf)};
         struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
         cm->cmsg_level = SOL_SOCKET;
@@ -1774,7 +1794,8 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
                   note[0] ? " — " : "", note);
     }
     s->free_slots = malloc(s->arena.n_slots * sizeof(uint32_t));
-    if (s->free_slots == NULL) {
+    s->slot_block = calloc(s->arena.n_slots ? s->arena.n_slots : 1, sizeof(uint32_t));
+    if (s->free_slots == NULL || s->slot_block == NULL) {
         rc = rekv_errf(err, -ENOMEM, "kvstore: out of memory for the slot list");
         goto fail;
     }
@@ -1893,8 +1914,7 @@ int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
         if (pr < 0) {
             if (zmq_errno() == EINTR)
                 continue;
-            return rekv_errf(err, -zmq_errno(), "kvstore: zmq_poll: %s",
-                             zmq_strerror(zmq_errno()));
+            return rekv_errf(err, -zmq_errno(), "kvstore: zmq_poll: %s", zmq_strerror(zmq_errno()));
         }
         s->now = rekv_now_ns();
         if (items[i_stop].revents & ZMQ_POLLIN)
@@ -1992,6 +2012,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
     free(s->blocks);
     free(s->free_ids);
     free(s->free_slots);
+    free(s->slot_block);
     free(s->scratch);
     free(s->endpoint);
     free(s->ipc_path);

@@ -37,7 +37,7 @@ uint32_t rekv_crc32c_sw(uint32_t crc, const void *buf, size_t n);
 /* ------------------------------------------------------------------ daemon helpers */
 
 typedef struct kvd {
-    char *dir;        /* private temp dir */
+    char *dir; /* private temp dir */
     char endpoint[4200];
     char spill[4200]; /* spill dir */
     pid_t pid;
@@ -56,9 +56,23 @@ static void kvd_start(kvd *d, unsigned slots, const char *extra, rlim_t fsize)
     char host[64], ready[32];
     snprintf(host, sizeof(host), "%u", 4096 + slots * 4096);
     snprintf(ready, sizeof(ready), "%d", pfd[1]);
-    const char *args[40] = {tu_bin("rekv-kvstore"), "--endpoint", d->endpoint, "--host-bytes",
-                            host, "--spill-dir", d->spill, "--layers", "2", "--kv-heads", "2",
-                            "--head-dim", "32", "--hidden", "64", "--ready-fd", ready};
+    const char *args[40] = {tu_bin("rekv-kvstore"),
+                            "--endpoint",
+                            d->endpoint,
+                            "--host-bytes",
+                            host,
+                            "--spill-dir",
+                            d->spill,
+                            "--layers",
+                            "2",
+                            "--kv-heads",
+                            "2",
+                            "--head-dim",
+                            "32",
+                            "--hidden",
+                            "64",
+                            "--ready-fd",
+                            ready};
     int na = 17;
     char extra_buf[512];
     if (extra) {
@@ -241,7 +255,8 @@ START_TEST(test_api_basics)
     ck_assert_uint_eq(nb, 4);
     ck_assert_uint_eq(nt, 50);
     for (size_t i = 0; i < nb; i++) {
-        ck_assert_uint_eq(t[i].type, i % 2 ? REKV_KV_BLOCK_KV : REKV_KV_BLOCK_ACT); /* 1:1, ties ACT */
+        ck_assert_uint_eq(t[i].type,
+                          i % 2 ? REKV_KV_BLOCK_KV : REKV_KV_BLOCK_ACT); /* 1:1, ties ACT */
         ck_assert_uint_eq(t[i].tier, REKV_KV_TIER_HOST);
     }
     free(t);
@@ -263,8 +278,8 @@ START_TEST(test_api_basics)
     uint8_t *arena = rekv_kvstore_client_arena(c, &abytes);
     for (size_t i = 0; i < n; i++) {
         ck_assert_uint_lt(pb[i].offset, abytes);
-        fill(arena + pb[i].offset, type_bytes(c, pb[i].type), 7, r[pb[i].range].layer,
-             pb[i].block, 1);
+        fill(arena + pb[i].offset, type_bytes(c, pb[i].type), 7, r[pb[i].range].layer, pb[i].block,
+             1);
     }
     /* offsets are distinct */
     for (size_t i = 0; i < n; i++)
@@ -433,9 +448,9 @@ END_TEST
 typedef struct model_seq {
     uint64_t id;
     uint64_t n_tokens;
-    uint32_t *gen;   /* [2][cap] generation written per block, 0 = never written */
-    uint8_t *freed;  /* [2][cap] */
-    int *pinned_by;  /* [2][cap] client index holding a pin, -1 none */
+    uint32_t *gen;  /* [2][cap] generation written per block, 0 = never written */
+    uint8_t *freed; /* [2][cap] */
+    int *pinned_by; /* [2][cap] client index holding a pin, -1 none */
     size_t cap;
     int live;
 } model_seq;
@@ -584,8 +599,8 @@ START_TEST(test_random_ops)
                 rekv_kv_range r = {m->id, l, b * 16, t1};
                 int rc = rekv_kvstore_plan(cl[0], &r, 1, 1, &pb, &n, &cap, &err);
                 ck_assert_msg(rc == 0, "final pin: %s", err.msg);
-                ck_assert(check(arena[0] + pb[0].offset, type_bytes(cl[0], pb[0].type), m->id, l,
-                                b, m->gen[l * CAP + b]));
+                ck_assert(check(arena[0] + pb[0].offset, type_bytes(cl[0], pb[0].type), m->id, l, b,
+                                m->gen[l * CAP + b]));
                 ck_assert_int_eq(rekv_kvstore_unpin(cl[0], &r, 1, NULL), 0);
             }
     }
@@ -664,8 +679,8 @@ END_TEST
 
 typedef struct step_sim {
     rekv_kvstore_client *c;
-    int failures;       /* requests that failed */
-    volatile int done;  /* set by the step thread when it is over */
+    int failures;      /* requests that failed */
+    volatile int done; /* set by the step thread when it is over */
 } step_sim;
 
 /* A gpuworker step: pins, computes (sleeps) past the lease, then pins and unpins many times (so
@@ -1102,6 +1117,25 @@ START_TEST(test_push)
     expect_push_error(c, bufs, 1, &bad, 1, -EINVAL, "outside buffer 0");
     bad = (rekv_kv_push_piece){h->data_offset, 0, 16, 1};
     expect_push_error(c, bufs, 1, &bad, 1, -EINVAL, "names buffer 1");
+    /* only from blocks this connection pins, one block a piece: not another sequence's block
+     * (planned, not pinned), not across the end of a pinned one, not the pinned ones once unpinned
+     */
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 4, &err), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 4, 16, 0, 0, NULL, &err), 0);
+    rekv_kv_range r4 = {4, 0, 0, 16};
+    rekv_kv_plan_block *pb4 = NULL;
+    size_t n4, cap4 = 0;
+    ck_assert_int_eq(rekv_kvstore_plan(c, &r4, 1, 0, &pb4, &n4, &cap4, &err), 0);
+    ck_assert_uint_eq(n4, 1);
+    bad = (rekv_kv_push_piece){pb4[0].offset, 0, 64, 0};
+    expect_push_error(c, bufs, 1, &bad, 1, -EPERM, "has pinned");
+    bad = (rekv_kv_push_piece){pb[1].offset + h->slot_bytes - 32, 0, 64, 0};
+    expect_push_error(c, bufs, 1, &bad, 1, -EPERM, "has pinned");
+    ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, &err), 0);
+    bad = (rekv_kv_push_piece){pb[1].offset, 100, 64, 0};
+    expect_push_error(c, bufs, 1, &bad, 1, -EPERM, "has pinned");
+    ck_assert_int_eq(rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err), 0);
+    free(pb4);
     /* garbage handles: a buffer's, an event's, one of the wrong kind */
     uint8_t junk[REKV_KV_IPC_HANDLE_BYTES];
     for (size_t i = 0; i < sizeof(junk); i++)
@@ -1193,4 +1227,7 @@ static Suite *suite(void)
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}
