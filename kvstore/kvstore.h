@@ -297,7 +297,8 @@ typedef struct rekv_kv_push_piece {
  * buffers, events or pieces it only asks whether the store can push: *backend (may be NULL, cap
  * bytes) receives the store's push backend name ("cpu", "cuda"), whose handles it imports.
  * -ENOTSUP when the store has no push backend; -EINVAL with the reason for a bad handle or a
- * piece outside the arena or its buffer (nothing is enqueued then). */
+ * piece outside the arena or its buffer, -EPERM for a piece not inside one block this connection
+ * pins (nothing is enqueued then). */
 int rekv_kvstore_push(rekv_kvstore_client *c, const void *const *buffers, size_t n_buffers,
                       const void *wait_event, const void *done_event,
                       const rekv_kv_push_piece *pieces, size_t n_pieces, char *backend, size_t cap,
