@@ -267,6 +267,12 @@ int cli_run(int argc, char **argv)
         /* the worker's kind: an emulated GPU is the cpu backend */
         ARG(KV, "--push-backend"); ARG(KV, link_gbps || devmem ? "cpu" : backend);
         ARG(WORKER, "--push");
+        if (link_gbps) { /* and copies over a link like the worker's */
+            ARG(KV, "--push-link-gbps"); ARG(KV, link_gbps);
+        }
+        if (link_gbps && link_lat) {
+            ARG(KV, "--push-link-latency-us"); ARG(KV, link_lat);
+        }
     }
     /* the store's own lease (5 s): the worker renews it while a step runs; a worker we start
      * again keeps its name, and so frees what the dead one left in the store at once */

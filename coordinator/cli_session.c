@@ -83,6 +83,10 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
         /* --push: the store copies the KV rows into our device buffers with a backend of the
          * kind ours is */
         kc.push_backend = cfg->push ? s->be->iface->name : NULL;
+        if (cfg->push && link && link->gbps > 0) { /* over a link like ours */
+            kc.push_link_gbps = link->gbps;
+            kc.push_link_latency_us = link->latency_us;
+        }
         if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
             goto fail;
         size_t kvb = rekv_kv_block_bytes(&kc.geometry),

@@ -170,9 +170,14 @@ typedef struct rekv_kvstore_config {
     /* Push support: the backend the store copies into clients' device buffers with ("cpu",
      * "cuda", "auto": cuda when there is a device); NULL or "": none (Push answers -ENOTSUP). */
     const char *push_backend;
+    /* With the cpu push backend: the link it emulates (Gbit/s each way and microseconds per copy,
+     * as the worker's --link-gbps), so that pushed rows take the time the link would; 0: none.
+     * The store's link is its own: a mode that also pulls (ACT rows) gets two links' worth. */
+    double push_link_gbps, push_link_latency_us;
 } rekv_kvstore_config;
 
-/* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1). */
+/* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1, push link latency
+ * 10 us). */
 void rekv_kvstore_config_defaults(rekv_kvstore_config *cfg);
 
 typedef struct rekv_kvstore_server rekv_kvstore_server;

@@ -22,7 +22,9 @@ static void usage(FILE *f)
                "         --head-dim D --hidden H] [--cache-dtype f16|f32] [--huge-pages]\n"
                "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
                "         [--no-register-arena] [--ready-fd N] [--push-backend cpu|cuda|auto]\n"
-               "Sizes take K, M, G suffixes (powers of two).\n");
+               "         [--push-link-gbps G] [--push-link-latency-us U]\n"
+               "Sizes take K, M, G suffixes (powers of two). --push-link-gbps makes the cpu push\n"
+               "backend's copies take the time a link of G Gbit/s (and U us per copy) would.\n");
 }
 
 static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -68,6 +70,8 @@ int main(int argc, char **argv)
         O_NO_REG,
         O_READY,
         O_PUSH,
+        O_PUSH_GBPS,
+        O_PUSH_LAT,
         O_HELP
     };
     static const struct option opts[] = {
@@ -90,6 +94,8 @@ int main(int argc, char **argv)
         {"no-register-arena", no_argument, 0, O_NO_REG},
         {"ready-fd", required_argument, 0, O_READY},
         {"push-backend", required_argument, 0, O_PUSH},
+        {"push-link-gbps", required_argument, 0, O_PUSH_GBPS},
+        {"push-link-latency-us", required_argument, 0, O_PUSH_LAT},
         {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
@@ -104,6 +110,14 @@ int main(int argc, char **argv)
             cfg.push_backend = optarg;
             bad = strcmp(optarg, "cpu") && strcmp(optarg, "cuda") && strcmp(optarg, "auto");
             break;
+        case O_PUSH_GBPS:
+        case O_PUSH_LAT: {
+            char *end;
+            double x = strtod(optarg, &end);
+            bad = end == optarg || *end || !(x >= 0);
+            *(o == O_PUSH_GBPS ? &cfg.push_link_gbps : &cfg.push_link_latency_us) = x;
+            break;
+        }
         case O_HOST:
             bad = rekv_parse_size(optarg, &host_bytes);
             break;

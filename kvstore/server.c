@@ -1701,6 +1701,7 @@ void rekv_kvstore_config_defaults(rekv_kvstore_config *cfg)
     cfg->high_pct = 90;
     cfg->low_pct = 80;
     cfg->signal_fd = -1;
+    cfg->push_link_latency_us = 10; /* as the worker's emulated link */
 }
 
 static void spill_event_cb(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -1773,7 +1774,9 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
     /* push backend */
     if (cfg->push_backend && cfg->push_backend[0]) {
         char note[256] = "";
-        if ((rc = rekv_backend_create(cfg->push_backend, NULL, &s->pbe, note, sizeof(note), err)))
+        rekv_link_config link = {cfg->push_link_gbps, cfg->push_link_latency_us, 0};
+        if ((rc = rekv_backend_create(cfg->push_backend, link.gbps > 0 ? &link : NULL, &s->pbe,
+                                      note, sizeof(note), err)))
             goto fail;
         if (!rekv_backend_has_ipc(s->pbe)) {
             rc =

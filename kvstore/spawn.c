@@ -52,7 +52,7 @@ static void exec_daemon(const rekv_kvstore_config *cfg, int ready_fd)
     int fd = dup(ready_fd); /* without O_CLOEXEC: the program writes READY on it */
     const rekv_kv_geometry *g = &cfg->geometry;
     char num[10][32];
-    const char *argv[40];
+    const char *argv[48];
     int a = 0;
     argv[a++] = prog;
 #define NUM(i, v) (snprintf(num[i], sizeof(num[i]), "%llu", (unsigned long long)(v)), num[i])
@@ -84,6 +84,13 @@ static void exec_daemon(const rekv_kvstore_config *cfg, int ready_fd)
     if (cfg->no_register_arena)
         argv[a++] = "--no-register-arena";
     argv[a++] = "--push-backend", argv[a++] = cfg->push_backend;
+    char gbps[32], lat[32];
+    if (cfg->push_link_gbps > 0) {
+        snprintf(gbps, sizeof(gbps), "%.17g", cfg->push_link_gbps);
+        snprintf(lat, sizeof(lat), "%.17g", cfg->push_link_latency_us);
+        argv[a++] = "--push-link-gbps", argv[a++] = gbps;
+        argv[a++] = "--push-link-latency-us", argv[a++] = lat;
+    }
     argv[a] = NULL;
     setenv("REKV_LOG", "warn", 0); /* a private store is quiet unless asked */
     sigset_t all;

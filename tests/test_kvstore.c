@@ -1204,6 +1204,56 @@ START_TEST(test_push)
 }
 END_TEST
 
+/* --push-link-gbps: the cpu push backend's copies take at least what the emulated link needs
+ * (a lower bound, so never flaky): two blocks at 0.01 Gbit/s, milliseconds where an
+ * unthrottled push takes a fraction of one. */
+START_TEST(test_push_link)
+{
+    kvd d;
+    kvd_start(&d, 64, "--push-backend cpu --push-link-gbps 0.01 --push-link-latency-us 0", 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 3, &err), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 3, 32, 0, 0, NULL, &err), 0);
+    rekv_kv_range r = {3, 0, 0, 32};
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    ck_assert_int_eq(rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err), 0);
+    ck_assert_uint_eq(n, 2);
+    rekv_backend *be;
+    ck_assert_int_eq(rekv_backend_cpu_create(NULL, &be, &err), 0);
+    const rekv_backend_iface *bi = be->iface;
+    rekv_stream *s;
+    ck_assert_int_eq(bi->stream_create(be, "test", &s, &err), 0);
+    rekv_ipc_handle hb, hd;
+    const rekv_kv_arena_header *h = rekv_kvstore_client_header(c);
+    size_t piece = h->kv_block_bytes < 32768 ? h->kv_block_bytes : 32768;
+    uint8_t *buf = bi->dev_alloc_shared(be, 2 * piece, &hb, &err);
+    ck_assert_msg(buf != NULL, "%s", err.msg);
+    rekv_event *ed;
+    ck_assert_int_eq(bi->event_create_shared(be, &ed, &err), 0);
+    ck_assert_int_eq(bi->event_export(ed, &hd, &err), 0);
+    const void *bufs[] = {&hb};
+    rekv_kv_push_piece pc[2] = {{pb[0].offset, 0, piece, 0}, {pb[1].offset, piece, piece, 0}};
+    uint64_t t0 = rekv_now_ns();
+    ck_assert_msg(rekv_kvstore_push(c, bufs, 1, NULL, &hd, pc, 2, NULL, 0, &err) == 0, "%s",
+                  err.msg);
+    bi->stream_wait_event(s, ed);
+    ck_assert_int_eq(bi->stream_sync(s, &err), 0);
+    double took = (double)(rekv_now_ns() - t0) * 1e-9, link = 2.0 * (double)piece * 8 / 0.01e9;
+    ck_assert_msg(took >= link,
+                  "%zu bytes pushed in %.4f s, faster than the emulated link's %.4f s", 2 * piece,
+                  took, link);
+    bi->event_destroy(ed);
+    bi->dev_free(be, buf);
+    bi->stream_destroy(s);
+    rekv_backend_destroy(be);
+    free(pb);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("kvstore");
@@ -1223,6 +1273,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_owner_lease_expiry);
     tcase_add_test(tc, test_fuzz_messages);
     tcase_add_test(tc, test_push);
+    tcase_add_test(tc, test_push_link);
     suite_add_tcase(s, tc);
     return s;
 }
