@@ -1793,7 +1793,11 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
             else
                 srv_event(s, REKV_KV_EVENT_WARN, "push: arena not page-locked: %s", e.msg);
         }
-        srv_event(s, REKV_KV_EVENT_INFO, "push backend: %s%s%s", s->pbe->iface->name,
+        char over[96] = "";
+        if (link.gbps > 0)
+            snprintf(over, sizeof(over), " over an emulated link of %g Gbit/s, %g us per copy",
+                     link.gbps, link.latency_us);
+        srv_event(s, REKV_KV_EVENT_INFO, "push backend: %s%s%s%s", s->pbe->iface->name, over,
                   note[0] ? " — " : "", note);
     }
     s->free_slots = malloc(s->arena.n_slots * sizeof(uint32_t));
