@@ -16,13 +16,16 @@
 #include "loader/loader.h"
 
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
-                  int batch, int ctx, rekv_kvpr_split *out, rekv_err *err)
+                  int offload_weights, int batch, int ctx, rekv_kvpr_split *out, rekv_err *err)
 {
     rekv_cost_profile prof;
     rekv_profile_to_cost(pf, cache_dtype, &prof);
-    rekv_kvpr_params kp = {ctx, batch, c->hidden, rekv_config_kv_dim(c),
-                           (double)rekv_dtype_size(cache_dtype)};
-    return rekv_plan_kvpr_solve(&prof, &kp, out, err);
+    rekv_step_shape sh;
+    rekv_plan_shape_from_config(c, batch, ctx, (double)rekv_dtype_size(cache_dtype),
+                                offload_weights, &sh);
+    sh.kv.fwd_flops = sh.fwd_flops;
+    sh.kv.weight_bytes = sh.weight_bytes;
+    return rekv_plan_kvpr_solve(&prof, &sh.kv, out, err);
 }
 
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
@@ -62,7 +65,7 @@ static int plan_for(const rekv_profile *pf, const rekv_model_config *c, int ctx,
     int rc;
     memset(r, 0, sizeof(*r));
     r->ctx = ctx;
-    if ((rc = cli_plan_kvpr(pf, c, REKV_DTYPE_F32, PLAN_BATCH, ctx, &r->split, err)) ||
+    if ((rc = cli_plan_kvpr(pf, c, REKV_DTYPE_F32, 0, PLAN_BATCH, ctx, &r->split, err)) ||
         (rc = cli_plan_hybrid(pf, c, REKV_DTYPE_F32, 0, PLAN_BATCH, ctx, &r->hybrid, err)))
         return rc;
     rekv_cost_profile prof;

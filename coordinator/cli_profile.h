@@ -9,16 +9,15 @@
 /* rekv profile --model PATH [--link-gbps G] [--link-latency-us U] [--reprofile] [--json] */
 int cli_profile(int argc, char **argv);
 
-/* KVPR's split (Eq. 11-12) for `batch` sequences of `ctx` tokens with a host cache of
- * cache_dtype. */
+/* KVPR's split (rekv_plan_kvpr_solve) for a decode step of `batch` sequences of `ctx` tokens with
+ * a host cache of cache_dtype, the layer's weights offloaded or not. */
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
-                  int batch, int ctx, rekv_kvpr_split *out, rekv_err *err);
+                  int offload_weights, int batch, int ctx, rekv_kvpr_split *out, rekv_err *err);
 
 /* HybridServe's Algorithm 1 over the host memory that the batch's context takes as all-KV (plus
  * the weights when they are offloaded, which also sets T_load_w): the KV:ACT pattern in
  * out->kv_parts:out->act_parts. */
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
-                    int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out,
-                    rekv_err *err);
+                    int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out, rekv_err *err);
 
 #endif

@@ -29,7 +29,8 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
         return rc;
     if (need_split) {
         rekv_kvpr_split sp;
-        if ((rc = cli_plan_kvpr(&pf, c, cfg->cache_dtype, batch, ctx, &sp, err)))
+        if ((rc = cli_plan_kvpr(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch, ctx, &sp,
+                                err)))
             return rc;
         cfg->split = (int)sp.l;
     }

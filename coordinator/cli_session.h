@@ -50,7 +50,7 @@ enum {
     "  --offload-weights     stream each layer's weights host->device\n"                           \
     "  --gpu-batches N       split the batch into N GPU batches (default 1)\n"                     \
     "  --schedule row|column row-by-row (latency) or column-by-column (throughput)\n"              \
-    "  --split L             kvpr: tokens recomputed from activations (default: KVPR Eq. 11)\n"    \
+    "  --split L             kvpr: tokens recomputed from activations (default: the planner's)\n"  \
     "  --ratio KV:ACT        hybrid: block pattern (default: HybridServe Algorithm 1)\n"           \
     "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
     "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"    \
@@ -72,8 +72,9 @@ void cli_pipeline_opts_defaults(cli_pipeline_opts *o);
 /* Handles one getopt result: 1 consumed, 0 not a pipeline option, -1 bad value (printed). */
 int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o);
 
-/* Fills a kvpr split or hybrid ratio left unset (< 0) from measured speeds: KVPR's Eq. 11–12 and
- * HybridServe's Algorithm 1 (coordinator/planner.h), for `batch` sequences of `ctx` tokens. */
+/* Fills a kvpr split or hybrid ratio left unset (< 0) from measured speeds: KVPR's Eq. 12 with
+ * rekv's pipelined time and HybridServe's Algorithm 1 (coordinator/planner.h), for `batch`
+ * sequences of `ctx` tokens. */
 int cli_session_choose(const rekv_model_config *c, const char *backend,
                        const rekv_link_config *link, int batch, int ctx, rekv_pipeline_config *cfg,
                        rekv_err *err);

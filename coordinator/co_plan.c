@@ -78,9 +78,11 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     }
     int64_t s = sum / n > 0 ? sum / n : 1;
     double elem = ps->elem_bytes;
-    /* KVPR's split for the batch's mean context (Eq. 11-12) */
+    /* KVPR's split for the batch's mean context (rekv_plan_kvpr_solve) */
     int split = 0;
-    rekv_kvpr_params kp = {s, n, ps->hidden, ps->kv_dim, elem};
+    double weight_bytes = ps->offload_weights ? prof.t_load_w * prof.h2d_bw : 0;
+    double fwd_flops = 2.0 * (double)ps->layer_params * n;
+    rekv_kvpr_params kp = {s, n, ps->hidden, ps->kv_dim, elem, fwd_flops, weight_bytes};
     rekv_kvpr_split ks;
     if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &kp, &ks, NULL) == 0)
         split = (int)ks.l;
@@ -139,8 +141,8 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     /* the prediction this step will be measured against */
     rekv_step_shape sh = {0};
     sh.kv = kp;
-    sh.weight_bytes = ps->offload_weights ? prof.t_load_w * prof.h2d_bw : 0;
-    sh.fwd_flops = 2.0 * (double)ps->layer_params * n;
+    sh.weight_bytes = weight_bytes;
+    sh.fwd_flops = fwd_flops;
     sh.hybrid_kv_fraction = f_kv;
     rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
                           : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT

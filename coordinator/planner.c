@@ -54,13 +54,20 @@ static int check_profile(const rekv_cost_profile *prof, rekv_err *err)
     return 0;
 }
 
+/* One copy of bytes over the link: nothing when there is nothing to move. */
+static double link_time(const rekv_cost_profile *prof, double bytes)
+{
+    return bytes > 0 ? bytes / prof->h2d_bw + prof->h2d_latency : 0.0;
+}
+
 /* ---------------------------------------------------------------- KVPR */
 
 static int check_kvpr(const rekv_kvpr_params *p, rekv_err *err)
 {
     if (!p)
         return rekv_errf(err, -EINVAL, "planner: kvpr: NULL params");
-    if (p->s < 0 || p->b < 0 || p->hidden < 0 || p->kv_dim < 0 || !(p->elem_bytes > 0))
+    if (p->s < 0 || p->b < 0 || p->hidden < 0 || p->kv_dim < 0 || !(p->elem_bytes > 0) ||
+        !(p->fwd_flops >= 0) || !(p->weight_bytes >= 0))
         return rekv_errf(err, -EINVAL, "planner: kvpr: negative size or elem_bytes <= 0");
     return 0;
 }
@@ -74,9 +81,11 @@ void rekv_plan_kvpr_eval(const rekv_cost_profile *prof, const rekv_kvpr_params *
     out->bytes_kv = 2.0 * b * (double)(p->s - l) * kv * pe; /* Eq. 7, K and V rows of kv_dim */
     out->flops = 2.0 * b * (double)l * h * (2.0 * kv); /* Eq. 9: X[b*l, h] x W_KV[h, 2*kv_dim] */
     out->t_recomp = out->flops / prof->gemm_flops;     /* Eq. 10 */
-    out->t_x = out->bytes_x / prof->h2d_bw + (out->bytes_x > 0 ? prof->h2d_latency : 0.0);
-    out->t_kv = out->bytes_kv / prof->h2d_bw + (out->bytes_kv > 0 ? prof->h2d_latency : 0.0);
-    out->t = out->t_x + fmax(out->t_recomp, out->t_kv); /* Eq. 11 */
+    out->t_x = link_time(prof, out->bytes_x);
+    out->t_kv = link_time(prof, out->bytes_kv);
+    out->t_link = link_time(prof, p->weight_bytes) + out->t_x + out->t_kv;
+    out->t_compute = p->fwd_flops / prof->gemm_flops + out->t_recomp;
+    out->t = fmax(out->t_link, out->t_compute); /* rekv's pipeline, not Eq. 11 (planner.h) */
 }
 
 /* Evaluates the candidates (any order, duplicates allowed) and keeps the smallest l whose t is
@@ -103,19 +112,23 @@ static void kvpr_best(const rekv_cost_profile *prof, const rekv_kvpr_params *p, 
     *out = c[best];
 }
 
-/* The kink of Eq. 11 inside (0, s): t_recomp(l) = t_kv(l), i.e. alpha*l = beta*(s - l) + latency.
- * Left of it the KV transfer dominates and t has slope gamma - beta (negative for MHA, where an
- * X row is half a K+V row; >= 0 for GQA with hidden >= 2*kv_dim); right of it the recompute
- * dominates and t rises with slope gamma + alpha. */
+/* Inside (0, s) both copies and the weights' pay their latency, and t_link(l) = c_link +
+ * (gamma - beta)*l, t_compute(l) = c_fwd + alpha*l (per token: alpha recompute, beta a K+V row,
+ * gamma an X row on the link). Where the link time falls (beta > gamma: MHA, where an X row is half
+ * a K+V row) t is smallest where the two cross; otherwise at l = 0. */
 static double kvpr_kink(const rekv_cost_profile *prof, const rekv_kvpr_params *p)
 {
     double b = (double)p->b;
     double alpha =
         4.0 * b * (double)p->hidden * (double)p->kv_dim / prof->gemm_flops;   /* s per token */
     double beta = 2.0 * b * (double)p->kv_dim * p->elem_bytes / prof->h2d_bw; /* s per token */
-    if (!(alpha + beta > 0))
+    double gamma = b * (double)p->hidden * p->elem_bytes / prof->h2d_bw;      /* s per token */
+    double c_link =
+        link_time(prof, p->weight_bytes) + 2.0 * prof->h2d_latency + beta * (double)p->s;
+    double c_fwd = p->fwd_flops / prof->gemm_flops;
+    if (!(alpha + beta - gamma > 0))
         return 0.0;
-    double ls = (beta * (double)p->s + prof->h2d_latency) / (alpha + beta);
+    double ls = (c_link - c_fwd) / (alpha + beta - gamma);
     return fmin(fmax(ls, 0.0), (double)p->s);
 }
 
@@ -407,11 +420,6 @@ double rekv_plan_mb_mean_fb(const rekv_cost_profile *prof, int block_tokens,
 /* ---------------------------------------------------------------- chooser */
 
 /* Link time of one copy of `bytes` (nothing, not even latency, when empty). */
-static double link_time(const rekv_cost_profile *prof, double bytes)
-{
-    return bytes > 0 ? bytes / prof->h2d_bw + prof->h2d_latency : 0.0;
-}
-
 int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                         rekv_technique tech, rekv_step_cost *out, rekv_err *err)
 {
@@ -438,9 +446,12 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     case REKV_TECH_KV:
         kv_bytes = tokens * kv_row;
         break;
-    case REKV_TECH_KVPR: {
+    case REKV_TECH_KVPR: { /* the split that is best for this very step */
+        rekv_kvpr_params kp = *p;
+        kp.fwd_flops = shape->fwd_flops;
+        kp.weight_bytes = shape->weight_bytes;
         rekv_kvpr_split sp;
-        if ((rc = rekv_plan_kvpr_solve(prof, p, &sp, err)))
+        if ((rc = rekv_plan_kvpr_solve(prof, &kp, &sp, err)))
             return rc;
         x_bytes = sp.bytes_x;
         kv_bytes = sp.bytes_kv;
@@ -485,11 +496,15 @@ int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape
         if (rc)
             return rc;
     }
-    int b = 0;
-    for (int t = 1; t < REKV_TECH_COUNT; t++)
-        if (c[t].t_step < c[b].t_step)
-            b = t;
-    *best = (rekv_technique)b;
+    /* ties to fewer moving parts: KV alone, ACT alone (KVPR at l = s moves what ACT does but
+     * stores both), KVPR, hybrid */
+    static const rekv_technique pref[REKV_TECH_COUNT] = {REKV_TECH_KV, REKV_TECH_ACT,
+                                                         REKV_TECH_KVPR, REKV_TECH_HYBRID};
+    rekv_technique b = pref[0];
+    for (int i = 1; i < REKV_TECH_COUNT; i++)
+        if (c[pref[i]].t_step < c[b].t_step)
+            b = pref[i];
+    *best = b;
     return 0;
 }
 

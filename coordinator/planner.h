@@ -62,41 +62,52 @@ int rekv_plan_fit_linear(const double *xs, const double *ys, size_t n, double *a
 
 /* One layer's split problem. The paper's Eq. 6–9 assume MHA (KV row = 2h); here the activation
  * row (hidden) and the K/V row (kv_dim each) are separate, so for GQA M_X = b*l*hidden*p,
- * M_KV = 2*b*(s-l)*kv_dim*p and N = 2*b*l*hidden*(2*kv_dim) FLOP (= Eq. 9's 4*b*l*h^2 for MHA). */
+ * M_KV = 2*b*(s-l)*kv_dim*p and N = 2*b*l*hidden*(2*kv_dim) FLOP (= Eq. 9's 4*b*l*h^2 for MHA).
+ * fwd_flops and weight_bytes are the layer's work that every split pays (0 when unknown). */
 typedef struct rekv_kvpr_params {
     int64_t s;         /* tokens in the context of each sequence (the prefix to fetch or rebuild) */
     int64_t b;         /* sequences in the batch */
     int64_t hidden;    /* h: activation row width, elements (the layer input X) */
     int64_t kv_dim;    /* width of one K row (and of one V row), elements: n_kv_heads*head_dim */
     double elem_bytes; /* p: bytes per element of X and K/V on the link (2 fp16, 4 fp32) */
+    double fwd_flops;  /* the layer's forward pass for the new tokens, FLOP (rekv_step_shape) */
+    double weight_bytes; /* the layer's weights that cross the link, bytes (0 if resident) */
 } rekv_kvpr_params;
 
 /* The price of one split. */
 typedef struct rekv_kvpr_split {
-    int64_t l;       /* tokens [0, l) come as activations and are recomputed; [l, s) come as KV */
-    double t;        /* Eq. 11 total time, s (plus one h2d_latency per non-empty copy) */
-    double t_x;      /* M_X / v_com (+ h2d_latency when M_X > 0), s */
-    double t_kv;     /* M_KV / v_com (+ h2d_latency when M_KV > 0), s */
-    double t_recomp; /* Eq. 10: N / v_gpu, s */
-    double bytes_x;  /* Eq. 6: M_X[0:l], bytes moved as activations */
-    double bytes_kv; /* Eq. 7: M_KV[l:s], bytes moved as K and V */
-    double flops;    /* Eq. 9 generalised: recompute FLOP */
+    int64_t l;        /* tokens [0, l) come as activations and are recomputed; [l, s) come as KV */
+    double t;         /* the layer's time in rekv's pipeline: max(t_link, t_compute), s */
+    double t_link;    /* weights + t_x + t_kv: everything the layer moves over the link, s */
+    double t_compute; /* fwd_flops / v_gpu + t_recomp, s */
+    double t_x;       /* M_X / v_com (+ h2d_latency when M_X > 0), s */
+    double t_kv;      /* M_KV / v_com (+ h2d_latency when M_KV > 0), s */
+    double t_recomp;  /* Eq. 10: N / v_gpu, s */
+    double bytes_x;   /* Eq. 6: M_X[0:l], bytes moved as activations */
+    double bytes_kv;  /* Eq. 7: M_KV[l:s], bytes moved as K and V */
+    double flops;     /* Eq. 9 generalised: recompute FLOP */
 } rekv_kvpr_split;
 
-/* Evaluates Eq. 11 at split l (0 <= l <= s): t = t_x + max(t_recomp, t_kv). The recompute waits for
- * all of X (it is one GEMM), so X's transfer time is not overlapped; the KV suffix streams during
- * the recompute. Each copy that moves bytes also pays prof->h2d_latency (one gathered copy for X,
- * one for the KV suffix); with h2d_latency = 0 this is exactly the paper's Eq. 11. */
+/* Prices split l (0 <= l <= s) as rekv's pipeline runs it: t = max(t_link, t_compute). The paper's
+ * Eq. 11, t = t_x + max(t_recomp, t_kv), models one layer alone — X must arrive before its GEMM,
+ * so X's transfer is not overlapped. rekv runs layers (units) on separate copy and compute streams
+ * with double buffers: X of the next unit streams while this one recomputes, so in steady state a
+ * layer costs the larger of its link time and its compute time (DESIGN.md: "minimises max(PCIe
+ * time, compute time)"; HybridServe's Eq. 2–4 model it so too). Measured: on an H100 (OPT-6.7B
+ * shape, batch 64, ~527 tokens) Eq. 11's l = 342 ran at 199 tok/s, l = 460 at 212 and all-recompute
+ * at 235; the cpu emulation showed the same order. Each copy that moves bytes pays
+ * prof->h2d_latency (weights, X, the KV suffix). */
 void rekv_plan_kvpr_eval(const rekv_cost_profile *prof, const rekv_kvpr_params *p, int64_t l,
                          rekv_kvpr_split *out);
 
-/* Eq. 12: the integer l in [0, s] minimising t(l), in O(1); ties (to a relative 1e-12, so that
- * rounding cannot pick an arbitrary point of a flat stretch) go to the smallest l. In (0, s) the
- * time is convex piecewise linear in l with its kink where t_recomp(l) = t_kv(l) (the closed form
- * l* below), so the minimum over the integers lies at floor(l*), ceil(l*), or an end of the
- * interior (1, s-1); the endpoints 0 and s are separate candidates because the copy latencies jump
- * there. When an activation row is not smaller than a K+V row (GQA with hidden >= 2*kv_dim),
- * sending X never pays and the result is l = 0.
+/* Eq. 12 with that time: the integer l in [0, s] minimising t(l), in O(1); ties (to a relative
+ * 1e-12, so that rounding cannot pick an arbitrary point of a flat stretch) go to the smallest l.
+ * In (0, s) t is the maximum of two linear functions of l — the link time falls by b*(2*kv_dim -
+ * hidden)*p/v_com per token moved to X, the compute time rises by its recompute — so the minimum
+ * over the integers lies at floor(l*), ceil(l*) of their crossing l*, or an end of the interior
+ * (1, s-1); the endpoints 0 and s are separate candidates because the copy latencies jump there.
+ * When an activation row is not smaller than a K+V row (GQA with hidden >= 2*kv_dim), sending X
+ * never pays and the result is l = 0.
  *
  * Any token is a valid split for the engine: KV blocks are [kv_head][token][head_dim], so the
  * suffix [l, s) is a strided gather, and the X prefix comes from ACT blocks or a token-granular
@@ -236,8 +247,8 @@ typedef struct rekv_step_shape {
 typedef struct rekv_step_cost {
     double t_pcie;    /* weights + X + KV over the link, with one latency per non-empty copy, s */
     double t_compute; /* (fwd_flops + recompute FLOP) / gemm_flops, s */
-    double t_step;    /* max(t_pcie, t_compute), s: full overlap assumed, as 003 Eq. 2–4 do;
-                       * the KVPR split itself is chosen by Eq. 11, which does not overlap X */
+    double t_step;    /* max(t_pcie, t_compute), s: full overlap assumed, as 003 Eq. 2–4 do
+                       * (and as the KVPR split is chosen, see rekv_plan_kvpr_eval) */
     double bytes_h2d; /* bytes over the link */
     double recompute_flops; /* FLOP spent rebuilding K,V */
     int64_t kvpr_l;         /* the split used (REKV_TECH_KVPR), tokens; -1 otherwise */
@@ -248,7 +259,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
                         rekv_technique tech, rekv_step_cost *out, rekv_err *err);
 
 /* Prices every technique (costs[REKV_TECH_COUNT], may be NULL) and stores the fastest in *best
- * (ties to the lower enum value: fewer moving parts). Returns -EINVAL on bad parameters. */
+ * (ties to fewer moving parts: KV, ACT, KVPR, hybrid). Returns -EINVAL on bad parameters. */
 int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                      rekv_technique *best, rekv_step_cost *costs, rekv_err *err);
 

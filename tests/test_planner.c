@@ -79,17 +79,19 @@ END_TEST
 
 /* ---------------------------------------------------------------- KVPR */
 
-/* Eq. 6–11 written out independently of planner.c (same latency convention: a copy that moves
- * bytes pays h2d_latency once). */
-static double eq11(const rekv_cost_profile *pr, const rekv_kvpr_params *p, int64_t l)
+/* A split's time in rekv's pipeline (planner.h), from Eq. 6–10 written out independently of
+ * planner.c: the larger of everything the layer moves over the link and everything it computes;
+ * a copy that moves bytes pays h2d_latency once. */
+static double t_split(const rekv_cost_profile *pr, const rekv_kvpr_params *p, int64_t l)
 {
     double mx = (double)p->b * l * p->hidden * p->elem_bytes;
     double mkv = 2.0 * p->b * (double)(p->s - l) * p->kv_dim * p->elem_bytes;
     double n = 2.0 * p->b * l * p->hidden * 2.0 * p->kv_dim; /* 4*b*l*h^2 when kv_dim == h */
     double tx = mx / pr->h2d_bw + (mx > 0 ? pr->h2d_latency : 0);
     double tkv = mkv / pr->h2d_bw + (mkv > 0 ? pr->h2d_latency : 0);
-    double tr = n / pr->gemm_flops;
-    return tx + (tr > tkv ? tr : tkv);
+    double tw = p->weight_bytes / pr->h2d_bw + (p->weight_bytes > 0 ? pr->h2d_latency : 0);
+    double link = tw + tx + tkv, comp = (p->fwd_flops + n) / pr->gemm_flops;
+    return link > comp ? link : comp;
 }
 
 static void random_kvpr(rekv_cost_profile *pr, rekv_kvpr_params *p, int gqa_only)
@@ -106,6 +108,10 @@ static void random_kvpr(rekv_cost_profile *pr, rekv_kvpr_params *p, int gqa_only
         gqa_only ? (int64_t)2 << irand(0, 3) : (int64_t)1 << irand(0, 3); /* MHA or GQA 2..8 */
     p->kv_dim = p->hidden / div;
     p->elem_bytes = (rnd() & 1) ? 2.0 : 4.0;
+    /* the layer's own work: none, or a forward pass of a few hidden^2 per sequence (and weights
+     * on the link) */
+    p->fwd_flops = (rnd() & 1) ? 0.0 : logrand(1.0, 30.0) * 2.0 * p->b * p->hidden * p->hidden;
+    p->weight_bytes = (rnd() & 3) ? 0.0 : 12.0 * p->hidden * p->hidden * 2.0;
 }
 
 START_TEST(test_kvpr_brute_force)
@@ -122,15 +128,15 @@ START_TEST(test_kvpr_brute_force)
         /* brute force: the minimum, then the smallest l within rounding (1e-12) of it */
         double bt = INFINITY;
         for (int64_t l = 0; l <= p.s; l++)
-            bt = fmin(bt, eq11(&pr, &p, l));
+            bt = fmin(bt, t_split(&pr, &p, l));
         int64_t bl = 0;
-        while (eq11(&pr, &p, bl) > bt * (1 + 1e-12))
+        while (t_split(&pr, &p, bl) > bt * (1 + 1e-12))
             bl++;
         ck_assert(sp.l >= 0 && sp.l <= p.s);
-        /* The returned t is Eq. 11 at the returned l, and it is the minimum; l is the brute-force
+        /* The returned t is t_split at the returned l, and it is the minimum; l is the brute-force
          * argmin, smallest on ties (ties to 1e-12: a GQA layer with hidden == 2*kv_dim is flat). */
-        ck_assert_msg(close_rel(sp.t, eq11(&pr, &p, sp.l), 1e-12), "t %.17g vs %.17g", sp.t,
-                      eq11(&pr, &p, sp.l));
+        ck_assert_msg(close_rel(sp.t, t_split(&pr, &p, sp.l), 1e-12), "t %.17g vs %.17g", sp.t,
+                      t_split(&pr, &p, sp.l));
         ck_assert_msg(sp.t <= bt * (1 + 1e-12), "case %d: l=%lld t=%.17g, brute l=%lld t=%.17g", c,
                       (long long)sp.l, sp.t, (long long)bl, bt);
         exact += sp.l == bl;
@@ -178,19 +184,22 @@ END_TEST
 START_TEST(test_kvpr_mha_closed_form)
 {
     /* Hand-worked: MHA, h = 4096, p = 2, v_com = 16e9 B/s, v_gpu = 6.5536e13 FLOP/s, s = 1000, b
-     * = 4. Per token: recompute 4*b*h^2/v_gpu = 4*4*4096^2/6.5536e13 = 4.096e-6 s; KV transfer
-     * 2*b*h*p/v_com = 4.096e-6 s. Eq. 12's optimum is where they meet: 4.096e-6*l = 4.096e-6*(s-l),
-     * l = 500; t = M_X/v_com + t_recomp = 500*b*h*p/16e9 + 500*4.096e-6 = 1.024e-3 + 2.048e-3. */
+     * = 4. Per token: recompute 4*b*h^2/v_gpu = 4*4*4096^2/6.5536e13 = 4.096e-6 s; a K+V row
+     * 2*b*h*p/v_com = 4.096e-6 s; an X row half that. Link 2.048e-6*(2s - l), compute 4.096e-6*l:
+     * they meet at l = 2s/3 = 666.7, where both 666 and 667 take 2.732032e-3 s (Eq. 11 would have
+     * said l = 500, where this pipeline takes 3.072e-3). */
     rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 6.5536e13};
     rekv_kvpr_params p = {.s = 1000, .b = 4, .hidden = 4096, .kv_dim = 4096, .elem_bytes = 2};
     rekv_kvpr_split sp;
     ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
-    ck_assert_int_eq(sp.l, 500);
-    ck_assert_msg(close_rel(sp.t, 1.024e-3 + 2.048e-3, 1e-12), "t = %.17g", sp.t);
-    ck_assert(close_rel(sp.t_recomp, sp.t_kv, 1e-12));
+    ck_assert_int_eq(sp.l, 666);
+    ck_assert_msg(close_rel(sp.t, 2.732032e-3, 1e-12), "t = %.17g", sp.t);
+    ck_assert(close_rel(sp.t_link, sp.t_x + sp.t_kv, 1e-15) && sp.t_compute == sp.t_recomp);
+    rekv_plan_kvpr_eval(&pr, &p, 500, &sp);
+    ck_assert_msg(close_rel(sp.t, 3.072e-3, 1e-12), "t(500) = %.17g", sp.t);
 
-    /* Random MHA profiles without latency: l is floor or ceil of the closed form
-     * l* = s * (2p/v_com) / (4h/v_gpu + 2p/v_com). */
+    /* Random MHA profiles without latency, forward pass or weights: l is floor or ceil of the
+     * crossing l* = s * (2p/v_com) / (4h/v_gpu + p/v_com), or s when that lies beyond it. */
     g_rng = 13;
     for (int c = 0; c < 3000; c++) {
         rekv_cost_profile q;
@@ -198,9 +207,12 @@ START_TEST(test_kvpr_mha_closed_form)
         random_kvpr(&q, &k, 0);
         q.h2d_latency = 0;
         k.kv_dim = k.hidden;
+        k.fwd_flops = k.weight_bytes = 0;
         double tr = 2.0 * k.elem_bytes / q.h2d_bw, rc = 4.0 * (double)k.hidden / q.gemm_flops;
-        double ls = (double)k.s * tr / (rc + tr);
+        double ls = (double)k.s * tr / (rc + tr / 2);
         ck_assert_int_eq(rekv_plan_kvpr_solve(&q, &k, &sp, NULL), 0);
+        if (ls > (double)k.s) /* they never meet: recomputing everything is cheapest */
+            ls = (double)k.s;
         ck_assert_msg(sp.l == (int64_t)floor(ls) || sp.l == (int64_t)ceil(ls),
                       "l = %lld, l* = %.6f", (long long)sp.l, ls);
     }
@@ -221,12 +233,12 @@ START_TEST(test_kvpr_blocks)
         /* brute force over the candidate set {0, B, 2B, ...} and s, ascending */
         double bt = INFINITY;
         for (int64_t l = 0;; l += B) {
-            bt = fmin(bt, eq11(&pr, &p, l < p.s ? l : p.s));
+            bt = fmin(bt, t_split(&pr, &p, l < p.s ? l : p.s));
             if (l >= p.s)
                 break;
         }
         int64_t bl = 0;
-        while (eq11(&pr, &p, bl < p.s ? bl : p.s) > bt * (1 + 1e-12))
+        while (t_split(&pr, &p, bl < p.s ? bl : p.s) > bt * (1 + 1e-12))
             bl += B;
         bl = bl < p.s ? bl : p.s;
         ck_assert_msg(sp.l == bl, "case %d: l=%lld brute %lld", c, (long long)sp.l, (long long)bl);
@@ -248,7 +260,7 @@ START_TEST(test_kvpr_edges)
     ck_assert(sp.l == 0 && sp.t == 0);
     p.s = 1;
     ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
-    ck_assert(sp.t == fmin(eq11(&pr, &p, 0), eq11(&pr, &p, 1)));
+    ck_assert(sp.t == fmin(t_split(&pr, &p, 0), t_split(&pr, &p, 1)));
     rekv_err err = {0};
     p.s = -1;
     ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, &err), -EINVAL);
