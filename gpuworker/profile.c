@@ -27,7 +27,9 @@
 #define PF_ROUNDS 5              /* timed rounds per sample; the fastest is kept */
 #define PF_ROUND_S 0.004         /* aim of one round's duration, s */
 #define PF_MAX_REPS 64           /* operations per round at most */
-#define PF_GEMM_ROWS 128         /* rows of the measured linears */
+#define PF_GEMM_ROWS 128         /* rows of the measured FFN linear (a decode step's) */
+#define PF_KV_GEMM_MAX_ROWS 8192 /* most rows of the measured K/V linear */
+#define PF_KV_GEMM_S 0.001       /* the K/V linear grows its rows until it takes this long */
 #define PF_ATTN_BATCH 8          /* sequences of the measured attention */
 #define PF_ATTN_CTX 512          /* their context, tokens (less when the model's is shorter) */
 #define PF_FIT_SAMPLES 4         /* token counts / copy sizes per fitted model */
@@ -381,11 +383,19 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         (rc = pf_measure_link(be, s, hbuf, dbuf, 1, &p.d2h_bw, &p.d2h_latency, err)))
         goto out;
 
-    /* GEMM at the K/V projection and FFN shapes */
+    /* GEMM at the FFN shape over PF_GEMM_ROWS rows (a decode step's forward pass), and at the K/V
+     * projection shape over as many rows as take PF_KV_GEMM_S: recomputation runs over batch x
+     * context rows, where a GPU runs several times faster than over 128 (101 vs ~600 TFLOP/s on
+     * an H100), and the planner prices recomputation with this rate */
     p.gemm_rows = PF_GEMM_ROWS;
     const int R = PF_GEMM_ROWS;
     size_t wmax = (size_t)(KV > F ? KV : F) * H;
-    float *hw = pf_host(&m, wmax * sizeof(float)), *hx = pf_host(&m, (size_t)R * H * sizeof(float));
+    size_t rmax = PF_MAX_BYTES / (sizeof(float) * (size_t)(H > KV ? H : KV));
+    int RK = (int)(rmax < PF_KV_GEMM_MAX_ROWS ? rmax : PF_KV_GEMM_MAX_ROWS);
+    if (RK < R)
+        RK = R;
+    float *hw = pf_host(&m, wmax * sizeof(float)),
+          *hx = pf_host(&m, (size_t)RK * H * sizeof(float));
     if (!hw || !hx) {
         rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
         goto out;
@@ -401,17 +411,24 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         rekv_from_f32(hwt, hw, wt, wmax);
     void *dw = pf_upload(&m, s, hwt, wmax * rekv_dtype_size(wt), err);
     float *db = dw ? pf_upload(&m, s, hw, (size_t)(KV > F ? KV : F) * sizeof(float), err) : NULL;
-    float *dx = db ? pf_upload(&m, s, hx, (size_t)R * H * sizeof(float), err) : NULL;
-    float *dy = dx ? pf_dev(&m, (size_t)R * (KV > F ? KV : F) * sizeof(float)) : NULL;
+    float *dx = db ? pf_upload(&m, s, hx, (size_t)RK * H * sizeof(float), err) : NULL;
+    size_t ymax = (size_t)R * F > (size_t)RK * KV ? (size_t)R * F : (size_t)RK * KV;
+    float *dy = dx ? pf_dev(&m, ymax * sizeof(float)) : NULL;
     if (!dy) {
         rc = rekv_errf(err, -ENOMEM, "profile: out of device memory");
         goto out;
     }
     double t;
     pf_linear lin = {k, dy, dx, dw, wt, c->qkv_bias ? db : NULL, R, KV, H};
-    if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
-        goto out;
-    p.gemm_kv_flops = 2.0 * R * KV * H / t;
+    for (;;) {
+        if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
+            goto out;
+        if (t >= PF_KV_GEMM_S || 2 * lin.m > RK)
+            break;
+        lin.m *= 2;
+    }
+    p.gemm_kv_rows = lin.m;
+    p.gemm_kv_flops = 2.0 * lin.m * KV * H / t;
     lin = (pf_linear){k, dy, dx, dw, wt, c->ffn_bias ? db : NULL, R, F, H};
     if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
         goto out;
@@ -650,14 +667,14 @@ static const char *const pf_dtype_names[REKV_PROFILE_DTYPES] = {"f32", "f16"};
 static json_t *pf_to_json(const rekv_profile *p)
 {
     json_t *o = json_pack(
-        "{s:i,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:i,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:f}", "version",
+        "{s:i,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:i,s:i,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:f}", "version",
         p->version, "backend", p->backend, "link_gbps", p->link.gbps, "link_latency_us",
         p->link.latency_us, "h2d_bw_bytes_per_s", p->h2d_bw, "h2d_latency_s", p->h2d_latency,
         "d2h_bw_bytes_per_s", p->d2h_bw, "d2h_latency_s", p->d2h_latency, "gemm_rows", p->gemm_rows,
-        "gemm_kv_flops_per_s", p->gemm_kv_flops, "gemm_ffn_flops_per_s", p->gemm_ffn_flops,
-        "attn_batch", p->attn_batch, "attn_ctx", p->attn_ctx, "attn_flops_per_s", p->attn_flops,
-        "layer_weight_bytes", p->layer_weight_bytes, "t_load_w_s", p->t_load_w, "fit_tokens_max",
-        p->fit_tokens_max, "measure_s", p->measure_s);
+        "gemm_kv_rows", p->gemm_kv_rows, "gemm_kv_flops_per_s", p->gemm_kv_flops,
+        "gemm_ffn_flops_per_s", p->gemm_ffn_flops, "attn_batch", p->attn_batch, "attn_ctx",
+        p->attn_ctx, "attn_flops_per_s", p->attn_flops, "layer_weight_bytes", p->layer_weight_bytes,
+        "t_load_w_s", p->t_load_w, "fit_tokens_max", p->fit_tokens_max, "measure_s", p->measure_s);
     if (!o)
         return NULL;
     json_t *lk = json_object(), *kg = json_object();
@@ -825,6 +842,7 @@ int rekv_profile_load(const char *path, const char *key, rekv_profile *out, rekv
         (rc = pf_get_num(path, o, "d2h_bw_bytes_per_s", 1, big, &p.d2h_bw, err)) ||
         (rc = pf_get_num(path, o, "d2h_latency_s", 0, 1e3, &p.d2h_latency, err)) ||
         (rc = pf_get_int(path, o, "gemm_rows", 1, 1 << 30, &p.gemm_rows, err)) ||
+        (rc = pf_get_int(path, o, "gemm_kv_rows", 1, 1 << 30, &p.gemm_kv_rows, err)) ||
         (rc = pf_get_num(path, o, "gemm_kv_flops_per_s", 1, big, &p.gemm_kv_flops, err)) ||
         (rc = pf_get_num(path, o, "gemm_ffn_flops_per_s", 1, big, &p.gemm_ffn_flops, err)) ||
         (rc = pf_get_int(path, o, "attn_batch", 1, 1 << 30, &p.attn_batch, err)) ||

@@ -47,8 +47,9 @@ typedef struct rekv_profile {
     double d2h_bw;      /* device->host bandwidth, bytes/s */
     double d2h_latency; /* fixed cost of one device->host copy, s (>= 0) */
 
-    int gemm_rows;         /* rows (tokens) of the measured linears */
-    double gemm_kv_flops;  /* `linear` [gemm_rows][hidden] x [kv_dim][hidden]^T, FLOP/s */
+    int gemm_rows;         /* rows (tokens) of the measured FFN linear */
+    int gemm_kv_rows;      /* rows of the measured K/V linear: grown until it takes ~1 ms */
+    double gemm_kv_flops;  /* `linear` [gemm_kv_rows][hidden] x [kv_dim][hidden]^T, FLOP/s */
     double gemm_ffn_flops; /* `linear` [gemm_rows][hidden] x [ffn][hidden]^T, FLOP/s */
     int attn_batch;        /* sequences of the measured attention, one query each */
     int attn_ctx;          /* context tokens each of them attends to */
@@ -61,8 +62,8 @@ typedef struct rekv_profile {
     rekv_linear load_kv[REKV_PROFILE_DTYPES]; /* T_load_kv(n): n tokens' K,V rows h2d (+convert) */
     rekv_linear kv_gen[REKV_PROFILE_DTYPES];  /* T_kv_gen(n): n activation rows h2d (+convert),
                                                  K and V linears, RoPE of K */
-    int fit_tokens_max; /* largest n sampled for the two models, tokens */
-    double measure_s;   /* wall time the measurement took, s */
+    int fit_tokens_max;                       /* largest n sampled for the two models, tokens */
+    double measure_s;                         /* wall time the measurement took, s */
 } rekv_profile;
 
 /* Measures c's shapes on be (its streams must be free for the duration). link: the link
@@ -98,11 +99,11 @@ int rekv_profile_load(const char *path, const char *key, rekv_profile *out, rekv
 
 /* What rekv_profile_load_or_measure did. */
 typedef struct rekv_profile_origin {
-    int loaded;         /* 1: read from the cache; 0: measured */
-    int saved;          /* measured and written to the cache */
-    char path[4096];    /* the cache file */
-    char reason[1100];  /* why it was measured (absent, invalid: ..., forced), or why saving
-                           failed; empty when loaded */
+    int loaded;        /* 1: read from the cache; 0: measured */
+    int saved;         /* measured and written to the cache */
+    char path[4096];   /* the cache file */
+    char reason[1100]; /* why it was measured (absent, invalid: ..., forced), or why saving
+                          failed; empty when loaded */
 } rekv_profile_origin;
 
 /* Loads the cached profile of (c, be, link) from dir (NULL: default) when present and valid and
