@@ -150,37 +150,6 @@ int rekv_plan_kvpr_solve(const rekv_cost_profile *prof, const rekv_kvpr_params *
     return 0;
 }
 
-int rekv_plan_kvpr_solve_blocks(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
-                                int64_t block_tokens, rekv_kvpr_split *out, rekv_err *err)
-{
-    int rc = check_profile(prof, err);
-    if (rc == 0)
-        rc = check_kvpr(p, err);
-    if (rc)
-        return rc;
-    if (block_tokens < 1)
-        return rekv_errf(err, -EINVAL, "planner: kvpr: block_tokens %lld < 1",
-                         (long long)block_tokens);
-    int64_t B = block_tokens;
-    /* Interior lattice: multiples of B strictly between 0 and s. t is convex there, so its minimum
-     * over the lattice is at the lattice neighbours of the kink or at the lattice's ends. */
-    int64_t lo = B, hi = p->s > 0 ? (p->s - 1) / B * B : 0;
-    int64_t cand[6] = {0, p->s, 0, 0, 0, 0};
-    int n = 2;
-    if (lo <= hi) {
-        double ls = kvpr_kink(prof, p);
-        int64_t fl = (int64_t)floor(ls / (double)B) * B, cl = (int64_t)ceil(ls / (double)B) * B;
-        fl = fl < lo ? lo : fl > hi ? hi : fl;
-        cl = cl < lo ? lo : cl > hi ? hi : cl;
-        cand[n++] = lo;
-        cand[n++] = fl;
-        cand[n++] = cl;
-        cand[n++] = hi;
-    }
-    kvpr_best(prof, p, cand, n, out);
-    return 0;
-}
-
 /* ---------------------------------------------------------------- HybridServe allocation */
 
 /* "find #blocks s.t. T(#blocks) = target" (Algorithm 1 lines 15 and 17): the continuous solution of

@@ -115,12 +115,6 @@ void rekv_plan_kvpr_eval(const rekv_cost_profile *prof, const rekv_kvpr_params *
 int rekv_plan_kvpr_solve(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
                          rekv_kvpr_split *out, rekv_err *err);
 
-/* As rekv_plan_kvpr_solve, but l is restricted to multiples of block_tokens (>= 1) and s itself:
- * for storage that keeps activations per whole block (HybridServe-style ACT blocks) and so can
- * only send X for whole blocks. Ties as above. */
-int rekv_plan_kvpr_solve_blocks(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
-                                int64_t block_tokens, rekv_kvpr_split *out, rekv_err *err);
-
 /* ---------------------------------------------------------------- HybridServe host allocation */
 
 /* Inputs of Algorithm 1 (003/001 "Hybrid Cache Allocation Policy"). The time models and T_load_w

@@ -168,8 +168,6 @@ START_TEST(test_kvpr_gqa_zero)
         ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), 0);
         ck_assert_msg(sp.l == 0, "hidden %lld kv_dim %lld: l = %lld", (long long)p.hidden,
                       (long long)p.kv_dim, (long long)sp.l);
-        ck_assert_int_eq(rekv_plan_kvpr_solve_blocks(&pr, &p, 16, &sp, NULL), 0);
-        ck_assert_int_eq(sp.l, 0);
     }
     /* Llama-3-8B-like layer: hidden 4096, 8 KV heads of 128. */
     rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 400e12};
@@ -219,38 +217,6 @@ START_TEST(test_kvpr_mha_closed_form)
 }
 END_TEST
 
-START_TEST(test_kvpr_blocks)
-{
-    g_rng = 14;
-    for (int c = 0; c < 3000; c++) {
-        rekv_cost_profile pr;
-        rekv_kvpr_params p;
-        random_kvpr(&pr, &p, 0);
-        int64_t B = (rnd() & 3) ? 16 : irand(1, 64);
-        rekv_kvpr_split sp;
-        ck_assert_int_eq(rekv_plan_kvpr_solve_blocks(&pr, &p, B, &sp, NULL), 0);
-        ck_assert(sp.l == p.s || sp.l % B == 0);
-        /* brute force over the candidate set {0, B, 2B, ...} and s, ascending */
-        double bt = INFINITY;
-        for (int64_t l = 0;; l += B) {
-            bt = fmin(bt, t_split(&pr, &p, l < p.s ? l : p.s));
-            if (l >= p.s)
-                break;
-        }
-        int64_t bl = 0;
-        while (t_split(&pr, &p, bl < p.s ? bl : p.s) > bt * (1 + 1e-12))
-            bl += B;
-        bl = bl < p.s ? bl : p.s;
-        ck_assert_msg(sp.l == bl, "case %d: l=%lld brute %lld", c, (long long)sp.l, (long long)bl);
-        ck_assert(sp.t <= bt * (1 + 1e-12));
-        /* rounding to blocks can only cost time */
-        rekv_kvpr_split ex;
-        ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &ex, NULL), 0);
-        ck_assert(ex.t <= sp.t * (1 + 1e-12));
-    }
-}
-END_TEST
-
 START_TEST(test_kvpr_edges)
 {
     rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 1e14, .h2d_latency = 1e-5};
@@ -268,7 +234,6 @@ START_TEST(test_kvpr_edges)
     pr.h2d_bw = 0;
     ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &sp, NULL), -EINVAL);
     pr.h2d_bw = 1e9;
-    ck_assert_int_eq(rekv_plan_kvpr_solve_blocks(&pr, &p, 0, &sp, NULL), -EINVAL);
 }
 END_TEST
 
@@ -770,7 +735,6 @@ int main(void)
     tcase_add_test(tc, test_kvpr_brute_force);
     tcase_add_test(tc, test_kvpr_gqa_zero);
     tcase_add_test(tc, test_kvpr_mha_closed_form);
-    tcase_add_test(tc, test_kvpr_blocks);
     tcase_add_test(tc, test_kvpr_edges);
     tcase_add_test(tc, test_hybrid_hand_act_init);
     tcase_add_test(tc, test_hybrid_hand_kv_init);
