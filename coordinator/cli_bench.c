@@ -2,6 +2,7 @@
  * measured in the same run, so every benchmark measures its baseline alongside. */
 #include <cblas.h>
 #include <errno.h>
+#include <stdint.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -390,17 +391,19 @@ static int bench_decode(int argc, char **argv)
             break; /* JSON is the only output */
         case 'h':
         default:
-            fprintf(
-                c == 'h' ? stdout : stderr,
-                "usage: rekv bench decode --model PATH [--batch B] [--prompt-len S]\n"
-                "                         [--gen-len N] [--modes resident,offload,kvpr+push,...]\n"
-                "                         [pipeline options] [--json]\n"
-                "Runs every mode on the same prompts in one process and prints its prefill\n"
-                "time, decode tokens/s, its ratio to offload, host->device bytes per\n"
-                "generated token, achieved host->device GB/s next to the link's peak\n"
-                "measured in the same run (from pinned, kvstore-arena and pageable memory)\n"
-                "and the busy fractions of compute and link. Pipeline options:\n" CLI_PIPELINE_USAGE
-                "(--mode is ignored; --trace F writes F.<mode>.json)\n");
+            fprintf(c == 'h' ? stdout : stderr,
+                    "usage: rekv bench decode --model PATH [--batch B] [--prompt-len S]\n"
+                    "                         [--gen-len N] [--modes "
+                    "resident,offload,kvpr+push,kvpr@300,...]\n"
+                    "                         [pipeline options] [--json]\n"
+                    "Runs every mode on the same prompts in one process and prints its prefill\n"
+                    "time, decode tokens/s, its ratio to offload, host->device bytes per\n"
+                    "generated token, achieved host->device GB/s next to the link's peak\n"
+                    "measured in the same run (from pinned, kvstore-arena and pageable memory)\n"
+                    "and the busy fractions of compute and link. kvpr@L runs kvpr with split L\n"
+                    "(e.g. --modes kvpr,kvpr@300,kvpr@450 against the planner's). Pipeline "
+                    "options:\n" CLI_PIPELINE_USAGE
+                    "(--mode is ignored; --trace F writes F.<mode>.json)\n");
             return c == 'h' ? 0 : 2;
         }
     }
@@ -413,28 +416,39 @@ static int bench_decode(int argc, char **argv)
     rekv_model *model = NULL;
     rekv_engine *eng = NULL;
     int32_t **prompts = NULL;
-    enum { MAX_RUNS = 10 };
+    enum { MAX_RUNS = 16 };
     decode_result res[MAX_RUNS];
     rekv_mode mlist[MAX_RUNS];
-    int mpush[MAX_RUNS]; /* "MODE+push": this run pushes (--push: every streaming run does) */
+    int mpush[MAX_RUNS];  /* "MODE+push": this run pushes (--push: every streaming run does) */
+    int msplit[MAX_RUNS]; /* "kvpr@L": this run's split; -1: --split's, or the planner's */
     int n_modes = 0;
     memset(res, 0, sizeof(res));
     char *mdup = strdup(modes), *save = NULL;
     for (char *t = strtok_r(mdup, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-        char *plus = strchr(t, '+');
-        int push = plus != NULL && strcmp(plus, "+push") == 0;
-        if (push)
+        char run_name[96];
+        snprintf(run_name, sizeof(run_name), "%s", t);
+        char *plus = strchr(t, '+'), *at = strchr(t, '@'), *end = NULL;
+        int push = plus != NULL && strcmp(plus, "+push") == 0, bad = plus && !push;
+        if (plus)
             *plus = '\0';
-        if (n_modes == MAX_RUNS || (plus && !push) || rekv_mode_parse(t, &mlist[n_modes]) ||
-            (push && mlist[n_modes] == REKV_MODE_RESIDENT)) {
+        long split = -1;
+        if (at) {
+            *at = '\0';
+            split = strtol(at + 1, &end, 10);
+            bad |= end == at + 1 || *end || split < 0 || split > INT32_MAX;
+        }
+        if (n_modes == MAX_RUNS || bad || rekv_mode_parse(t, &mlist[n_modes]) ||
+            (push && mlist[n_modes] == REKV_MODE_RESIDENT) ||
+            (at && mlist[n_modes] != REKV_MODE_KVPR)) {
             fprintf(stderr,
-                    "rekv bench decode: --modes: unknown or too many runs (\"%s%s\"; MODE or "
-                    "MODE+push, at most %d, resident never pushes)\n",
-                    t, push ? "+push" : "", MAX_RUNS);
+                    "rekv bench decode: --modes: unknown or too many runs (\"%s\"; MODE, "
+                    "kvpr@SPLIT, each optionally +push, at most %d; resident never pushes)\n",
+                    run_name, MAX_RUNS);
             free(mdup);
             return 2;
         }
         mpush[n_modes] = push || (po.cfg.push && mlist[n_modes] != REKV_MODE_RESIDENT);
+        msplit[n_modes] = (int)split;
         n_modes++;
     }
     free(mdup);
@@ -463,6 +477,8 @@ static int bench_decode(int argc, char **argv)
         int measure = !have_lp && mlist[i] != REKV_MODE_RESIDENT;
         cli_pipeline_opts run = po;
         run.cfg.push = mpush[i];
+        if (msplit[i] >= 0)
+            run.cfg.split = msplit[i];
         if (run_decode(eng, &run, mlist[i], (int)B, (int)S, (int)N, prompts, &res[i],
                        measure ? &lp : NULL, &err)) {
             fprintf(stderr, "rekv: %s%s: %s\n", rekv_mode_name(mlist[i]), mpush[i] ? "+push" : "",

@@ -323,24 +323,33 @@ START_TEST(bench_decode_json)
     json_decref(o);
     free(out);
     free(err);
-    /* pull and push side by side in one run: the same tokens, each run says which it was */
+    /* pull and push side by side in one run, and kvpr at splits of our choosing: the same tokens,
+     * each run says which it was */
     snprintf(args, sizeof(args),
              "bench decode --model %s/m --batch 2 --prompt-len 24 --gen-len 3 "
-             "--modes resident,offload,offload+push,hybrid+push --json",
+             "--modes resident,offload,offload+push,hybrid+push,kvpr@5,kvpr@24+push --json",
              d);
     rc = rekv(args, &out, &err);
     ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
     o = json_loads(out, 0, NULL);
     ck_assert_msg(o != NULL, "not JSON: %s", out);
     modes = json_object_get(o, "modes");
-    ck_assert_int_eq(json_array_size(modes), 4);
-    static const int pushed[] = {0, 0, 1, 1};
+    ck_assert_int_eq(json_array_size(modes), 6);
+    static const int pushed[] = {0, 0, 1, 1, 0, 1}, split[] = {-1, -1, -1, -1, 5, 24};
     json_array_foreach(modes, i, m)
     {
         ck_assert(json_is_true(json_object_get(m, "tokens_match_resident")));
         ck_assert_int_eq(json_is_true(json_object_get(m, "push")), pushed[i]);
+        json_t *sp = json_object_get(m, "split");
+        ck_assert_int_eq(sp ? json_integer_value(sp) : -1, split[i]);
     }
     json_decref(o);
+    free(out);
+    free(err);
+    /* a split only for kvpr, and a number */
+    snprintf(args, sizeof(args), "bench decode --model %s/m --modes act@3 --json", d);
+    ck_assert_int_eq(rekv(args, &out, &err), 2);
+    ck_assert_msg(strstr(err, "act@3") != NULL, "%s", err);
     free(out);
     free(err);
     tu_rmrf(d);
