@@ -308,12 +308,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     uint64_t t0 = rekv_now_ns();
     for (int step = 0; step < N; step++) {
         for (int b = 0; b < B; b++) {
-            const float *lg = logits + (size_t)b * V;
-            int best = 0;
-            for (int t = 1; t < V; t++)
-                if (lg[t] > lg[best])
-                    best = t;
-            out->tokens[(size_t)step * B + b] = best;
+            out->tokens[(size_t)step * B + b] = rekv_argmax(logits + (size_t)b * V, V);
             items[b] = (rekv_pipe_item){seqs[b], &out->tokens[(size_t)step * B + b], 1,
                                         logits + (size_t)b * V, 0};
         }

@@ -66,6 +66,8 @@ typedef struct rekv_sampler {
 } rekv_sampler;
 
 void rekv_sampler_init(rekv_sampler *s, float temperature, int top_k, float top_p, uint64_t seed);
+/* The greedy choice: the index of the largest of x[0..n-1], the lowest on ties. */
+int rekv_argmax(const float *x, int n);
 /* Picks the next token from logits[vocab]. scratch holds 2*vocab floats' worth of memory. */
 int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scratch);
 /* The k largest logits as (id, logit) pairs, largest first, lower id first on ties. */
@@ -84,12 +86,12 @@ typedef struct rekv_gen_params {
 } rekv_gen_params;
 
 typedef struct rekv_gen_result {
-    int32_t *ids;      /* [n] generated ids (malloc'd) */
+    int32_t *ids; /* [n] generated ids (malloc'd) */
     int n;
-    int32_t *top_ids;  /* [n][top_logits] (malloc'd) or NULL */
-    float *top_vals;   /* [n][top_logits] raw logits, or NULL */
-    double prefill_s;  /* wall time of the prompt's forward pass */
-    double decode_s;   /* wall time of the decode steps */
+    int32_t *top_ids;          /* [n][top_logits] (malloc'd) or NULL */
+    float *top_vals;           /* [n][top_logits] raw logits, or NULL */
+    double prefill_s;          /* wall time of the prompt's forward pass */
+    double decode_s;           /* wall time of the decode steps */
     const char *finish_reason; /* "length", "eos" or "context" (the model's context is full) */
 } rekv_gen_result;
 

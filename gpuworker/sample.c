@@ -14,7 +14,10 @@ static uint64_t splitmix64(uint64_t *x)
 }
 
 /* uniform in [0, 1) with 24 bits */
-static float rng_f32(uint64_t *state) { return (float)(splitmix64(state) >> 40) / 16777216.0f; }
+static float rng_f32(uint64_t *state)
+{
+    return (float)(splitmix64(state) >> 40) / 16777216.0f;
+}
 
 void rekv_sampler_init(rekv_sampler *s, float temperature, int top_k, float top_p, uint64_t seed)
 {
@@ -24,7 +27,7 @@ void rekv_sampler_init(rekv_sampler *s, float temperature, int top_k, float top_
     s->state = seed;
 }
 
-static int argmax(const float *x, int n)
+int rekv_argmax(const float *x, int n)
 {
     int best = 0;
     for (int i = 1; i < n; i++)
@@ -49,9 +52,9 @@ static int cand_desc(const void *a, const void *b)
 int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scratch)
 {
     if (s->temperature <= 0.0f)
-        return argmax(logits, vocab);
+        return rekv_argmax(logits, vocab);
     cand *c = scratch;
-    float mx = logits[argmax(logits, vocab)];
+    float mx = logits[rekv_argmax(logits, vocab)];
     for (int i = 0; i < vocab; i++) {
         c[i].id = i;
         c[i].p = (logits[i] - mx) / s->temperature;

@@ -870,15 +870,6 @@ END_TEST
 
 typedef tu_fixture fixture;
 
-static int argmax(const float *x, int n)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return best;
-}
-
 /* Prefills B prompts, then decodes `steps` steps. tokens == NULL: greedy, and the chosen tokens
  * are written to tokens_out [steps][B]; otherwise step s feeds tokens[s - 1][i]. Logits of every
  * step go to logits [(steps + 1)][B][vocab]. */
@@ -906,7 +897,7 @@ static void pipe_run(fixture *f, rekv_backend *be, const rekv_pipeline_config *c
                 next[i] = tokens[(size_t)(s - 1) * B + i];
             else
                 next[i] = tokens_out[(size_t)(s - 1) * B + i] =
-                    argmax(logits + ((size_t)(s - 1) * B + i) * V, V);
+                    rekv_argmax(logits + ((size_t)(s - 1) * B + i) * V, V);
             items[i] = (rekv_pipe_item){seqs[i], &next[i], 1, logits + ((size_t)s * B + i) * V, 0};
         }
         ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
@@ -1000,14 +991,14 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
                         for (int i = 0; i < B; i++) {
                             const float *g = got + ((size_t)s * B + i) * V;
                             const float *r = ref + ((size_t)s * B + i) * V;
-                            int want = tokens[(size_t)s * B + i], have = argmax(g, V);
+                            int want = tokens[(size_t)s * B + i], have = rekv_argmax(g, V);
                             ck_assert_msg(have == want || fabsf(r[have] - r[want]) <=
                                                               tol * (fabsf(r[want]) + 1.0f),
                                           "%s: step %d sequence %d: cuda picks token %d, cpu %d",
                                           name, s, i, have, want);
                             if (cures) { /* and cuda resident's */
                                 const float *c = cures + ((size_t)s * B + i) * V;
-                                int res = argmax(c, V);
+                                int res = rekv_argmax(c, V);
                                 ck_assert_msg(have == res || fabsf(c[have] - c[res]) <=
                                                                  tol * (fabsf(c[res]) + 1.0f),
                                               "%s: step %d sequence %d: picks token %d, cuda "

@@ -60,12 +60,7 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     for (int s = 1; s <= steps; s++) {
         for (int i = 0; i < B; i++) {
-            const float *lg = out->logits + ((size_t)(s - 1) * B + i) * V;
-            int best = 0;
-            for (int t = 1; t < V; t++)
-                if (lg[t] > lg[best])
-                    best = t;
-            next[i] = best;
+            next[i] = rekv_argmax(out->logits + ((size_t)(s - 1) * B + i) * V, V);
             items[i] =
                 (rekv_pipe_item){seqs[i], &next[i], 1, out->logits + ((size_t)s * B + i) * V, 0};
         }
@@ -419,11 +414,7 @@ START_TEST(resident_matches_forward)
         ck_assert_msg(rekv_engine_forward(f.e, &it, 1, &err) == 0, "%s", err.msg);
         ck_assert_msg(memcmp(lg, r.logits + (size_t)step * V, sizeof(float) * V) == 0,
                       "step %d: pipeline and forward.c differ", step);
-        int best = 0;
-        for (int t = 1; t < V; t++)
-            if (lg[t] > lg[best])
-                best = t;
-        prompt[0] = best;
+        prompt[0] = rekv_argmax(lg, V);
         it = (rekv_batch_item){s, prompt, 1, 0, lg};
     }
     rekv_seq_free(s);
