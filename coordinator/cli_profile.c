@@ -23,8 +23,6 @@ int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype
     rekv_step_shape sh;
     rekv_plan_shape_from_config(c, batch, ctx, (double)rekv_dtype_size(cache_dtype),
                                 offload_weights, &sh);
-    sh.kv.fwd_flops = sh.fwd_flops;
-    sh.kv.weight_bytes = sh.weight_bytes;
     return rekv_plan_kvpr_solve(&prof, &sh.kv, out, err);
 }
 

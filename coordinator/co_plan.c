@@ -141,8 +141,6 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     /* the prediction this step will be measured against */
     rekv_step_shape sh = {0};
     sh.kv = kp;
-    sh.weight_bytes = weight_bytes;
-    sh.fwd_flops = fwd_flops;
     sh.hybrid_kv_fraction = f_kv;
     rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
                           : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT

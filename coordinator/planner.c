@@ -399,8 +399,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         return rekv_errf(err, -EINVAL, "planner: step_cost: NULL argument");
     if ((rc = check_kvpr(&shape->kv, err)))
         return rc;
-    if (!(shape->weight_bytes >= 0) || !(shape->fwd_flops >= 0) ||
-        !(shape->hybrid_kv_fraction >= 0) || !(shape->hybrid_kv_fraction <= 1) ||
+    if (!(shape->hybrid_kv_fraction >= 0) || !(shape->hybrid_kv_fraction <= 1) ||
         shape->act_gpu_tokens < 0)
         return rekv_errf(err, -EINVAL, "planner: step_cost: bad step shape");
     const rekv_kvpr_params *p = &shape->kv;
@@ -416,11 +415,8 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         kv_bytes = tokens * kv_row;
         break;
     case REKV_TECH_KVPR: { /* the split that is best for this very step */
-        rekv_kvpr_params kp = *p;
-        kp.fwd_flops = shape->fwd_flops;
-        kp.weight_bytes = shape->weight_bytes;
         rekv_kvpr_split sp;
-        if ((rc = rekv_plan_kvpr_solve(prof, &kp, &sp, err)))
+        if ((rc = rekv_plan_kvpr_solve(prof, p, &sp, err)))
             return rc;
         x_bytes = sp.bytes_x;
         kv_bytes = sp.bytes_kv;
@@ -444,11 +440,11 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     default:
         return rekv_errf(err, -EINVAL, "planner: step_cost: unknown technique %d", (int)tech);
     }
-    out->bytes_h2d = shape->weight_bytes + x_bytes + kv_bytes;
+    out->bytes_h2d = p->weight_bytes + x_bytes + kv_bytes;
     out->recompute_flops = recomp;
     out->t_pcie =
-        link_time(prof, shape->weight_bytes) + link_time(prof, x_bytes) + link_time(prof, kv_bytes);
-    out->t_compute = (shape->fwd_flops + recomp) / prof->gemm_flops;
+        link_time(prof, p->weight_bytes) + link_time(prof, x_bytes) + link_time(prof, kv_bytes);
+    out->t_compute = (p->fwd_flops + recomp) / prof->gemm_flops;
     out->t_step = fmax(out->t_pcie, out->t_compute);
     return 0;
 }
@@ -491,9 +487,9 @@ void rekv_plan_shape_from_config(const rekv_model_config *cfg, int64_t b, int64_
                                  .hidden = cfg->hidden,
                                  .kv_dim = rekv_config_kv_dim(cfg),
                                  .elem_bytes = cache_elem_bytes};
-    out->weight_bytes = weights_offloaded ? params * (double)rekv_dtype_size(cfg->dtype) : 0.0;
+    out->kv.weight_bytes = weights_offloaded ? params * (double)rekv_dtype_size(cfg->dtype) : 0.0;
     /* one new token per sequence: 2 FLOP per weight, plus Q.K^T and P.V over s cached tokens */
-    out->fwd_flops = 2.0 * (double)b * params + 4.0 * (double)b * (double)s * q;
+    out->kv.fwd_flops = 2.0 * (double)b * params + 4.0 * (double)b * (double)s * q;
 }
 
 void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, int64_t kv_dim,

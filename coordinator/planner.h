@@ -229,10 +229,10 @@ typedef enum rekv_technique {
 
 /* One layer of one decode step, the shape the chooser prices. */
 typedef struct rekv_step_shape {
-    rekv_kvpr_params kv;       /* b, s, hidden, kv_dim, elem_bytes of the cached context */
-    double weight_bytes;       /* this layer's weights that cross the link, bytes (0 if resident) */
-    double fwd_flops;          /* the layer's forward pass for the new tokens (projections, FFN,
-                                * attention over the context), FLOP — paid by every technique */
+    rekv_kvpr_params kv;       /* the cached context (b, s, hidden, kv_dim, elem_bytes) and what
+                                * every technique pays: kv.weight_bytes over the link (0 if
+                                * resident), kv.fwd_flops for the new tokens' forward pass
+                                * (projections, FFN, attention over the context) */
     double hybrid_kv_fraction; /* host-held context tokens kept as KV, 0..1 (REKV_TECH_HYBRID) */
     int64_t act_gpu_tokens;    /* context tokens of the batch whose ACT is already in GPU memory
                                 * (REKV_TECH_HYBRID; recomputed, never transferred) */
@@ -277,8 +277,8 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_model_config *
                         int weights_offloaded, rekv_mode_pick *out, rekv_err *err);
 
 /* Fills a step shape for one layer of cfg: batch b, context s tokens, cache elements of
- * cache_elem_bytes, one new token per sequence; weight_bytes is the layer's weights in cfg->dtype
- * when weights_offloaded, else 0. The hybrid fields are left 0 for the caller. */
+ * cache_elem_bytes, one new token per sequence; kv.weight_bytes is the layer's weights in
+ * cfg->dtype when weights_offloaded, else 0. The hybrid fields are left 0 for the caller. */
 void rekv_plan_shape_from_config(const rekv_model_config *cfg, int64_t b, int64_t s,
                                  double cache_elem_bytes, int weights_offloaded,
                                  rekv_step_shape *out);

@@ -584,8 +584,8 @@ START_TEST(test_choose)
     rekv_step_shape sh;
     /* Llama-3-8B-like layer: 2*4096*4096 + 2*4096*1024 + 3*4096*14336 = 218,103,808 params. */
     rekv_plan_shape_from_config(&llama, 8, 1024, 2, 1, &sh);
-    ck_assert(sh.weight_bytes == 2.0 * 218103808.0);
-    ck_assert(sh.fwd_flops == 2.0 * 8 * 218103808.0 + 4.0 * 8 * 1024 * 4096);
+    ck_assert(sh.kv.weight_bytes == 2.0 * 218103808.0);
+    ck_assert(sh.kv.fwd_flops == 2.0 * 8 * 218103808.0 + 4.0 * 8 * 1024 * 4096);
     ck_assert(sh.kv.kv_dim == 1024 && sh.kv.hidden == 4096);
 
     /* GQA, weights resident, fast GPU: activations are bigger than KV, so plain KV wins. */
