@@ -229,8 +229,7 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
         max = 256u << 20;
     if (max == 0)
         return rekv_errf(err, -EINVAL, "bench: the kvstore's arena is too small to measure");
-    const rekv_backend_iface *bi = be->iface;
-    void *pinned = bi->host_alloc ? bi->host_alloc(be, max) : malloc(max);
+    void *pinned = rekv_host_alloc(be, max);
     char *pageable = malloc(max);
     int rc = pinned && pageable ? 0 : rekv_errf(err, -ENOMEM, "bench: out of host memory");
     if (rc == 0) {
@@ -249,12 +248,7 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
         rc = measure_h2d(be, pinned, out->bytes, &out->pinned_gbps, err);
     if (rc == 0)
         rc = measure_h2d(be, pageable, out->bytes, &out->pageable_gbps, err);
-    if (pinned) {
-        if (bi->host_free)
-            bi->host_free(be, pinned);
-        else
-            free(pinned);
-    }
+    rekv_host_free(be, pinned);
     free(pageable);
     return rc;
 }

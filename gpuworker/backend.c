@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if REKV_CUDA
@@ -99,6 +100,21 @@ int rekv_trace_end(FILE *f, const char *path, rekv_err *err)
     if (fclose(f) != 0 && rc == 0)
         rc = rekv_errf(err, -errno, "%s: error writing trace: %s", path, strerror(errno));
     return rc;
+}
+
+void *rekv_host_alloc(rekv_backend *be, size_t bytes)
+{
+    return be->iface->host_alloc ? be->iface->host_alloc(be, bytes) : malloc(bytes);
+}
+
+void rekv_host_free(rekv_backend *be, void *p)
+{
+    if (p == NULL)
+        return;
+    if (be->iface->host_free)
+        be->iface->host_free(be, p);
+    else
+        free(p);
 }
 
 size_t rekv_copy_coalesce(const rekv_copy_piece *pieces, size_t n, rekv_copy_run *runs)

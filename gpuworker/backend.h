@@ -281,6 +281,11 @@ int rekv_trace_end(FILE *f, const char *path, rekv_err *err);
  * the kind is left out for d2d). Shared by the backends so their traces read alike. */
 void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind, size_t bytes);
 
+/* Host memory through the backend's host_alloc where it has one (pinned and mapped on cuda), else
+ * malloc; freed with rekv_host_free (NULL is a no-op). */
+void *rekv_host_alloc(rekv_backend *be, size_t bytes);
+void rekv_host_free(rekv_backend *be, void *p);
+
 /* Whether link asks for any emulation (a link speed or a device memory limit): that is the cpu
  * backend's job, and "auto" then means cpu. */
 int rekv_link_emulates(const rekv_link_config *link);

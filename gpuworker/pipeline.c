@@ -80,8 +80,7 @@ static void *meta_alloc(meta_arena *a, size_t bytes)
     if (reserve_bytes((void **)&a->chunks, &a->cap, a->n + 1, sizeof(meta_chunk)))
         return NULL;
     size_t cap = bytes > META_CHUNK ? bytes : META_CHUNK;
-    const rekv_backend_iface *bi = a->be->iface;
-    uint8_t *p = bi->host_alloc ? bi->host_alloc(a->be, cap) : malloc(cap);
+    uint8_t *p = rekv_host_alloc(a->be, cap);
     if (p == NULL)
         return NULL;
     a->chunks[a->n++] = (meta_chunk){p, cap, bytes};
@@ -99,12 +98,8 @@ static void meta_reset(meta_arena *a)
 
 static void meta_free(meta_arena *a)
 {
-    for (size_t i = 0; i < a->n; i++) {
-        if (a->be->iface->host_free)
-            a->be->iface->host_free(a->be, a->chunks[i].p);
-        else
-            free(a->chunks[i].p);
-    }
+    for (size_t i = 0; i < a->n; i++)
+        rekv_host_free(a->be, a->chunks[i].p);
     free(a->chunks);
     memset(a, 0, sizeof(*a));
 }

@@ -223,9 +223,7 @@ static void *pf_host(pf_mem *m, size_t bytes)
 {
     if (m->n_host == PF_MAX_DEV)
         return NULL;
-    const rekv_backend_iface *bi = m->be->iface;
-    float *p =
-        bi->host_alloc ? bi->host_alloc(m->be, bytes ? bytes : 1) : malloc(bytes ? bytes : 1);
+    float *p = rekv_host_alloc(m->be, bytes ? bytes : 1);
     if (p) {
         m->host[m->n_host++] = p;
         for (size_t i = 0; i < bytes / sizeof(float); i++)
@@ -238,12 +236,8 @@ static void pf_mem_free(pf_mem *m)
 {
     for (int i = 0; i < m->n_dev; i++)
         m->be->iface->dev_free(m->be, m->dev[i]);
-    for (int i = 0; i < m->n_host; i++) {
-        if (m->be->iface->host_free)
-            m->be->iface->host_free(m->be, m->host[i]);
-        else
-            free(m->host[i]);
-    }
+    for (int i = 0; i < m->n_host; i++)
+        rekv_host_free(m->be, m->host[i]);
     m->n_dev = m->n_host = 0;
 }
 
