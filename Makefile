@@ -1,9 +1,12 @@
 # rekv — top-level build. `make` builds every program into build/bin/, `make test` builds and runs
 # every test, `make CUDA=0` forces a CPU-only build, `make V=1` shows full commands.
 #
-# Layout: each module folder (common, loader, gpuworker, kvstore, coordinator) becomes a static
-# library of its .c files, except files named *_main.c, which are programs. proto/*.proto are
-# compiled by protoc-c into build/gen/proto. tests/test_*.c are Check suites, one program each.
+# Layout: each room (a module folder: common, loader, gpuworker/device, kvstore, gpuworker,
+# coordinator, coordinator/cli) becomes a static library of its .c (and, with CUDA, .cu) files, except files named
+# *_main.c, which are programs. Each program links only the rooms it may use (DEVELOPERS.md
+# "Rooms"), so an arrow drawn the wrong way fails at link time as well as in tests/check_rooms.sh.
+# proto/*.proto are compiled by protoc-c into build/gen/proto. tests/test_*.c are Check suites,
+# one program each.
 
 V ?= 0
 ifeq ($(V),0)
@@ -36,9 +39,15 @@ CFLAGS ?= -O2 -g
 ALL_CFLAGS := -std=gnu11 $(WARN) $(CFLAGS) -I. -I$(BUILD)/gen $(PKG_CFLAGS) -MMD -MP -fPIC
 LDLIBS := $(PKG_LIBS) -llapacke -lpthread -lm
 
-MODULES := common proto loader kvstore gpuworker coordinator
-# link order: users before what they use (linked as a group, so a lower library may call up)
-LINK_ORDER := coordinator gpuworker kvstore loader proto common
+# room -> folder; the library of room R is $(BUILD)/lib/librekv_R.a
+MODULES := common proto loader device kvstore gpuworker coordinator cli
+DIR_common := common
+DIR_loader := loader
+DIR_device := gpuworker/device
+DIR_kvstore := kvstore
+DIR_gpuworker := gpuworker
+DIR_coordinator := coordinator
+DIR_cli := coordinator/cli
 
 PROTOS := $(wildcard proto/*.proto)
 PROTO_C := $(patsubst proto/%.proto,$(BUILD)/gen/proto/%.pb-c.c,$(PROTOS))
@@ -46,24 +55,33 @@ PROTO_H := $(PROTO_C:.c=.h)
 
 lib_srcs = $(filter-out %_main.c,$(wildcard $(1)/*.c))
 lib_objs = $(patsubst %.c,$(BUILD)/obj/%.o,$(call lib_srcs,$(1)))
-$(foreach m,common loader kvstore gpuworker coordinator,$(eval OBJS_$(m) := $(call lib_objs,$(m))))
+$(foreach m,$(filter-out proto,$(MODULES)),$(eval OBJS_$(m) := $(call lib_objs,$(DIR_$(m)))))
 OBJS_proto := $(patsubst $(BUILD)/gen/%.c,$(BUILD)/obj/gen/%.o,$(PROTO_C))
 
 ifeq ($(CUDA),1)
-CU_SRCS := $(wildcard gpuworker/*.cu)
-CU_OBJS := $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CU_SRCS))
 NVCCFLAGS := -O2 -std=c++17 -I. -I$(BUILD)/gen -Xcompiler -fPIC,-Wall \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
-OBJS_gpuworker += $(CU_OBJS)
+# the runtime (device) needs cudart; the engine's kernels (gpuworker) cuBLAS too
+OBJS_device += $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(wildcard gpuworker/device/*.cu))
+OBJS_gpuworker += $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(wildcard gpuworker/*.cu))
 ALL_CFLAGS += -DREKV_CUDA=1 -I$(CUDA_HOME)/include
-LDLIBS += -L$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ -Wl,-rpath,$(CUDA_HOME)/lib64
+CUDA_LDLIBS_device := -L$(CUDA_HOME)/lib64 -lcudart -lstdc++ -Wl,-rpath,$(CUDA_HOME)/lib64
+CUDA_LDLIBS_gpuworker := -lcublas
 endif
 
-LIBS := $(foreach m,$(LINK_ORDER),$(BUILD)/lib/librekv_$(m).a)
+# What each program links, users before what they use (linked as a group).
+ROOMS_rekv := cli coordinator gpuworker kvstore device loader proto common
+ROOMS_rekv-loader := loader common
+ROOMS_rekv-kvstore := kvstore device loader proto common
+ROOMS_rekv-coordinator := coordinator loader proto common
+ROOMS_rekv-gpuworker := gpuworker kvstore device loader proto common
+ROOMS_tests := cli coordinator gpuworker kvstore device loader proto common
+room_libs = $(foreach m,$(ROOMS_$(1)),$(BUILD)/lib/librekv_$(m).a)
+room_ldlibs = $(foreach m,gpuworker device,$(if $(filter $(m),$(ROOMS_$(1))),$(CUDA_LDLIBS_$(m)))) $(LDLIBS)
 
 # programs: name -> main file
 PROGRAMS := rekv rekv-loader
-MAIN_rekv := coordinator/rekv_main.c
+MAIN_rekv := coordinator/cli/rekv_main.c
 MAIN_rekv-loader := loader/rekv_loader_main.c
 ifneq ($(wildcard kvstore/kvstore_main.c),)
 PROGRAMS += rekv-kvstore
@@ -114,15 +132,15 @@ endef
 $(foreach m,$(MODULES),$(eval $(call lib_rule,$(m))))
 
 define prog_rule
-$(BUILD)/bin/$(1): $(BUILD)/obj/$(patsubst %.c,%.o,$(MAIN_$(1))) $(LIBS)
+$(BUILD)/bin/$(1): $(BUILD)/obj/$(patsubst %.c,%.o,$(MAIN_$(1))) $(call room_libs,$(1))
 	$$(call say,LD,$$@)
-	$$(Q)mkdir -p $$(@D) && $$(CC) -o $$@ $$< -Wl,--start-group $(LIBS) -Wl,--end-group $$(LDLIBS)
+	$$(Q)mkdir -p $$(@D) && $$(CC) -o $$@ $$< -Wl,--start-group $(call room_libs,$(1)) -Wl,--end-group $(call room_ldlibs,$(1))
 endef
 $(foreach p,$(PROGRAMS),$(eval $(call prog_rule,$(p))))
 
-$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TEST_SUPPORT_OBJS) $(LIBS)
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TEST_SUPPORT_OBJS) $(call room_libs,tests)
 	$(call say,LD,$@)
-	$(Q)mkdir -p $(@D) && $(CC) -o $@ $< $(TEST_SUPPORT_OBJS) -Wl,--start-group $(LIBS) -Wl,--end-group $(CHECK_LIBS) $(LDLIBS)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $< $(TEST_SUPPORT_OBJS) -Wl,--start-group $(call room_libs,tests) -Wl,--end-group $(CHECK_LIBS) $(call room_ldlibs,tests)
 
 # Sanitizer build of the parsers, run over a corpus of mutated inputs (part of `make test`).
 ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
@@ -138,7 +156,9 @@ $(BUILD)/asan/fuzz_parsers: $(ASAN_OBJS)
 fuzz: $(if $(wildcard tests/fuzz_parsers.c),$(BUILD)/asan/fuzz_parsers)
 	$(if $(wildcard tests/fuzz_parsers.c),$(Q)tests/run_fuzz.sh $(BUILD)/asan/fuzz_parsers)
 
+# the rooms' arrows first (tests/check_rooms.sh), and that the check catches a crossing
 test: $(BINS) $(TEST_BINS) fuzz
+	$(Q)tests/check_rooms.sh && tests/check_rooms.sh --self-test
 	$(Q)tests/run_tests.sh $(TEST_BINS)
 
 format:

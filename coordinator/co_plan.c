@@ -1,32 +1,80 @@
 /* co_plan.c — see co_plan.h. */
 #include "coordinator/co_plan.h"
 
+#include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpuworker/pipeline.h"
-
 #define SMOOTH 0.3 /* weight of the newest measurement in the scales */
+
+/* The profile a Hello carries: 0, or -EINVAL when it has none or one the planner cannot use. */
+static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
+{
+    const Rekv__Worker__CostProfile *c = h->profile;
+    if (c == NULL || !(c->h2d_bw > 0) || !(c->gemm_flops > 0))
+        return -EINVAL;
+    out->h2d_bw = c->h2d_bw;
+    out->h2d_latency = c->h2d_latency;
+    out->gemm_flops = c->gemm_flops;
+    out->load_kv = (rekv_linear){c->load_kv_a, c->load_kv_b};
+    out->kv_gen = (rekv_linear){c->kv_gen_a, c->kv_gen_b};
+    out->t_load_w = c->t_load_w;
+    return 0;
+}
+
+rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reason_len)
+{
+    if (!h->kvstore) {
+        snprintf(reason, reason_len, "resident: no kvstore to keep the cache in");
+        return REKV_MODE_RESIDENT;
+    }
+    rekv_cost_profile prof;
+    rekv_plan_model pm = {.hidden = h->hidden,
+                          .q_dim = h->q_dim,
+                          .kv_dim = h->kv_dim,
+                          .n_layers = (int)h->n_layers,
+                          .layer_params = (double)h->layer_params,
+                          .weight_elem_bytes = h->weight_elem_bytes};
+    rekv_mode_pick mp;
+    rekv_err e = {0};
+    if (hello_profile(h, &prof)) {
+        snprintf(reason, reason_len, "resident: the worker sent no usable profile");
+        return REKV_MODE_RESIDENT;
+    }
+    if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, h->cache_elem_bytes,
+                            h->device_kv_room, h->offload_weights, &mp, &e)) {
+        snprintf(reason, reason_len, "resident: %s", e.msg);
+        return REKV_MODE_RESIDENT;
+    }
+    static const rekv_mode by_tech[REKV_TECH_COUNT] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR,
+                                                       REKV_MODE_ACT, REKV_MODE_HYBRID};
+    rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
+    if (h->device_kv_room < 0)
+        snprintf(reason, reason_len, "%s: the %s backend's device memory is the host's",
+                 rekv_mode_name(m), h->backend ? h->backend : "worker's");
+    else
+        snprintf(reason, reason_len,
+                 "%s: the KV cache of %u sequences of %u tokens is %.2f GB, the device has room "
+                 "for %.2f GB; priced per layer and step: offload %.3g ms, kvpr %.3g ms, act "
+                 "%.3g ms, hybrid %.3g ms",
+                 rekv_mode_name(m), h->max_batch, h->max_pos, mp.kv_bytes * 1e-9,
+                 h->device_kv_room * 1e-9, mp.costs[REKV_TECH_KV].t_step * 1e3,
+                 mp.costs[REKV_TECH_KVPR].t_step * 1e3, mp.costs[REKV_TECH_ACT].t_step * 1e3,
+                 mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
+    return m;
+}
 
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
 {
     memset(ps, 0, sizeof(*ps));
     ps->pcie_scale = ps->compute_scale = 1;
     rekv_mode m;
-    if (h->profile == NULL || h->mode == NULL || rekv_mode_parse(h->mode, &m) || h->hidden == 0 ||
-        h->n_layers == 0 || h->cache_elem_bytes == 0)
-        return;
-    const Rekv__Worker__CostProfile *c = h->profile;
-    if (!(c->h2d_bw > 0) || !(c->gemm_flops > 0))
+    if (h->mode == NULL || rekv_mode_parse(h->mode, &m) || h->hidden == 0 || h->n_layers == 0 ||
+        h->cache_elem_bytes == 0 || hello_profile(h, &ps->prof))
         return;
     ps->mode = (int)m;
-    ps->prof.h2d_bw = c->h2d_bw;
-    ps->prof.h2d_latency = c->h2d_latency;
-    ps->prof.gemm_flops = c->gemm_flops;
-    ps->prof.load_kv = (rekv_linear){c->load_kv_a, c->load_kv_b};
-    ps->prof.kv_gen = (rekv_linear){c->kv_gen_a, c->kv_gen_b};
-    ps->prof.t_load_w = c->t_load_w;
     ps->hidden = h->hidden;
     ps->kv_dim = h->kv_dim;
     ps->n_layers = h->n_layers;

@@ -6,8 +6,10 @@
 #ifndef REKV_COORDINATOR_CO_PLAN_H
 #define REKV_COORDINATOR_CO_PLAN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
+#include "common/mode.h"
 #include "coordinator/planner.h"
 #include "proto/worker.pb-c.h"
 
@@ -27,6 +29,11 @@ typedef struct co_plan_state {
     uint64_t steps;             /* steps planned */
     uint64_t multi_batch_steps; /* of those, split into several mini-batches */
 } co_plan_state;
+
+/* The mode for a worker that said Hello with mode "auto" (rekv_plan_pick_mode over what it reports:
+ * its profile, the model's shape, its batch and context, its device's room for the KV cache);
+ * reason receives one line saying why. */
+rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reason_len);
 
 /* Takes the worker's Hello: profile, shape, mode. */
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);

@@ -680,11 +680,34 @@ static void worker_drop(rekv_coordinator *co, worker *w, const char *why)
     memset(w, 0, sizeof(*w));
 }
 
+/* A worker started with --mode auto asks for its mode: the planner decides (co_plan_assign) and
+ * the worker, once its pipeline is built, says Hello again with it. */
+static void worker_assign(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
+{
+    char why[512];
+    rekv_mode m = co_plan_assign(h, why, sizeof(why));
+    Rekv__Worker__Assign a = REKV__WORKER__ASSIGN__INIT;
+    a.mode = (char *)rekv_mode_name(m);
+    a.reason = why;
+    Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_ASSIGN;
+    cm.assign = &a;
+    worker tmp = {0};
+    tmp.id = *id;
+    snprintf(tmp.name, sizeof(tmp.name), "%s", h->name ? h->name : "?");
+    send_worker(co, &tmp, &cm);
+    event(co, REKV_CO_EVENT_INFO, "worker %s: mode auto: %s", tmp.name, why);
+}
+
 static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
 {
     worker *w = worker_find(co, id);
     if (w) /* it reset itself: whatever it ran is gone */
         worker_drop(co, w, "said Hello again");
+    if (h->mode && strcmp(h->mode, "auto") == 0) {
+        worker_assign(co, id, h);
+        return;
+    }
     for (int i = 0; i < MAX_WORKERS && w == NULL; i++)
         if (!co->workers[i].active)
             w = &co->workers[i];

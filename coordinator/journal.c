@@ -11,7 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "kvstore/kvstore.h" /* rekv_crc32c */
+#include "common/crc32c.h"
 
 /* A record larger than this is corruption, not a job (prompts are bounded far below it). */
 #define MAX_RECORD (64u << 20)

@@ -11,39 +11,6 @@
 
 /* ---------------------------------------------------------------- profile */
 
-double rekv_linear_eval(const rekv_linear *m, double n)
-{
-    return n > 0 ? m->a + m->b * n : 0.0;
-}
-
-int rekv_plan_fit_linear(const double *xs, const double *ys, size_t n, double *a, double *b,
-                         rekv_err *err)
-{
-    if (!xs || !ys || !a || !b)
-        return rekv_errf(err, -EINVAL, "planner: fit_linear: NULL argument");
-    if (n < 2)
-        return rekv_errf(err, -EINVAL, "planner: fit_linear: %zu samples, need at least 2", n);
-    /* Centred sums: token counts in the thousands make sum(x^2) - n*mean^2 cancel badly. */
-    double mx = 0, my = 0;
-    for (size_t i = 0; i < n; i++) {
-        mx += xs[i];
-        my += ys[i];
-    }
-    mx /= (double)n;
-    my /= (double)n;
-    double sxx = 0, sxy = 0;
-    for (size_t i = 0; i < n; i++) {
-        double dx = xs[i] - mx;
-        sxx += dx * dx;
-        sxy += dx * (ys[i] - my);
-    }
-    if (!(sxx > 0))
-        return rekv_errf(err, -EINVAL, "planner: fit_linear: all %zu samples have the same x", n);
-    *b = sxy / sxx;
-    *a = my - *b * mx;
-    return 0;
-}
-
 static int check_profile(const rekv_cost_profile *prof, rekv_err *err)
 {
     if (!prof)
@@ -473,21 +440,28 @@ int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape
     return 0;
 }
 
-void rekv_plan_shape_from_config(const rekv_model_config *cfg, int64_t b, int64_t s,
-                                 double cache_elem_bytes, int weights_offloaded,
-                                 rekv_step_shape *out)
+void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *out)
 {
     double h = cfg->hidden, q = rekv_config_q_dim(cfg), kv = rekv_config_kv_dim(cfg), f = cfg->ffn;
     double ffn_mats = cfg->act == REKV_ACT_SILU ? 3.0 : 2.0; /* SwiGLU has gate, up, down */
-    double params =
-        h * q + 2.0 * h * kv + q * h + ffn_mats * h * f; /* biases and norms are noise */
+    *out = (rekv_plan_model){
+        .hidden = cfg->hidden,
+        .q_dim = rekv_config_q_dim(cfg),
+        .kv_dim = rekv_config_kv_dim(cfg),
+        .n_layers = cfg->n_layers,
+        .layer_params = h * q + 2.0 * h * kv + q * h + ffn_mats * h * f,
+        .weight_elem_bytes = (double)rekv_dtype_size(cfg->dtype),
+    };
+}
+
+void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cache_elem_bytes,
+                     int weights_offloaded, rekv_step_shape *out)
+{
+    double q = (double)m->q_dim, params = m->layer_params;
     *out = (rekv_step_shape){0};
-    out->kv = (rekv_kvpr_params){.s = s,
-                                 .b = b,
-                                 .hidden = cfg->hidden,
-                                 .kv_dim = rekv_config_kv_dim(cfg),
-                                 .elem_bytes = cache_elem_bytes};
-    out->kv.weight_bytes = weights_offloaded ? params * (double)rekv_dtype_size(cfg->dtype) : 0.0;
+    out->kv = (rekv_kvpr_params){
+        .s = s, .b = b, .hidden = m->hidden, .kv_dim = m->kv_dim, .elem_bytes = cache_elem_bytes};
+    out->kv.weight_bytes = weights_offloaded ? params * m->weight_elem_bytes : 0.0;
     /* one new token per sequence: 2 FLOP per weight, plus Q.K^T and P.V over s cached tokens */
     out->kv.fwd_flops = 2.0 * (double)b * params + 4.0 * (double)b * (double)s * q;
 }
@@ -505,22 +479,22 @@ void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, i
     hp->block_tokens = REKV_PLAN_BLOCK_TOKENS;
 }
 
-int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_model_config *cfg, int64_t b,
+int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m, int64_t b,
                         int64_t s_max, double cache_elem_bytes, double device_kv_bytes,
                         int weights_offloaded, rekv_mode_pick *out, rekv_err *err)
 {
-    if (!prof || !cfg || !out || b < 1 || s_max < 1 || !(cache_elem_bytes > 0))
+    if (!prof || !m || !out || b < 1 || s_max < 1 || !(cache_elem_bytes > 0))
         return rekv_errf(err, -EINVAL, "planner: pick_mode: bad arguments");
     memset(out, 0, sizeof(*out));
-    out->kv_bytes = 2.0 * (double)rekv_config_kv_dim(cfg) * cache_elem_bytes * (double)b *
-                    (double)s_max * cfg->n_layers;
+    out->kv_bytes =
+        2.0 * (double)m->kv_dim * cache_elem_bytes * (double)b * (double)s_max * m->n_layers;
     if (device_kv_bytes < 0 || out->kv_bytes <= device_kv_bytes) {
         out->resident = 1;
         return 0;
     }
     rekv_step_shape shape;
-    rekv_plan_shape_from_config(cfg, b, s_max / 2 > 0 ? s_max / 2 : 1, cache_elem_bytes,
-                                weights_offloaded, &shape);
+    rekv_plan_shape(m, b, s_max / 2 > 0 ? s_max / 2 : 1, cache_elem_bytes, weights_offloaded,
+                    &shape);
     /* hybrid: link and compute times are linear in the KV share f; take the f where they meet */
     rekv_step_cost act, kv;
     int rc;

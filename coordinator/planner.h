@@ -12,9 +12,10 @@
  *   - a chooser that prices one decode step under each technique as max(PCIe time, compute time)
  *     and picks the cheapest — the seed of the coordinator's planner (DESIGN.md "one cost model").
  *
- * No I/O, no allocation except the bin packer's scratch, no globals: the gpuworker calls this with
- * link and compute speeds it measured, the coordinator with the profiler's. Functions that can fail
- * return 0 or a negative errno and fill the rekv_err; the others cannot fail on valid input.
+ * No I/O, no allocation except the bin packer's scratch, no globals: the coordinator calls this
+ * with the profile each worker measured and sent (common/cost.h), the CLI with its own. Functions
+ * that can fail return 0 or a negative errno and fill the rekv_err; the others cannot fail on
+ * valid input.
  *
  * Units everywhere: seconds, bytes, FLOP, tokens, blocks (a block is 16 tokens of one sequence in
  * one layer, DESIGN.md "Blocks"). */
@@ -24,39 +25,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/cost.h"
 #include "common/err.h"
 #include "loader/loader.h"
 
 #define REKV_PLAN_BLOCK_TOKENS 16 /* tokens per KV/ACT block */
-
-/* ---------------------------------------------------------------- profile */
-
-/* y = a + b*x. HybridServe fits T_load_kv and T_kv_gen this way from samples (001 Sec. 4.3,
- * "Sampling-based linear regression"; R^2 = 0.99 on their RTX 4090). */
-typedef struct rekv_linear {
-    double a; /* intercept, s (a fixed cost per call: launch, DMA setup) */
-    double b; /* slope, s per token */
-} rekv_linear;
-
-/* Evaluates a fitted time model at n tokens. n <= 0 gives 0, not the intercept: no work means no
- * launch and no copy, so an empty side of the pipeline costs nothing (this is what makes F_b of a
- * mini-batch with no ACT blocks infinite rather than finite and misleading). */
-double rekv_linear_eval(const rekv_linear *m, double n);
-
-/* What the hardware costs. Filled by the profiler (or the gpuworker from its own measurements). */
-typedef struct rekv_cost_profile {
-    double h2d_bw;       /* host->device link bandwidth, bytes/s (KVPR's v_com) */
-    double h2d_latency;  /* fixed cost of one host->device copy, s (0 gives the papers' models) */
-    double gemm_flops;   /* sustained GEMM throughput, FLOP/s (KVPR's v_gpu) */
-    rekv_linear load_kv; /* T_load_kv(n tokens): time to load n tokens' KV of one layer, s */
-    rekv_linear kv_gen;  /* T_kv_gen(n tokens): time to regenerate n tokens' KV from ACT, s */
-    double t_load_w;     /* T_load_w: time to load one decoder layer's weights, s (0 if resident) */
-} rekv_cost_profile;
-
-/* Least-squares fit of ys = a + b*xs over n >= 2 samples (centred sums, so large xs such as token
- * counts do not cancel). Returns -EINVAL when n < 2, a pointer is NULL, or all xs are equal. */
-int rekv_plan_fit_linear(const double *xs, const double *ys, size_t n, double *a, double *b,
-                         rekv_err *err);
 
 /* ---------------------------------------------------------------- KVPR split (000 Eq. 6-12) */
 
@@ -266,21 +239,31 @@ typedef struct rekv_mode_pick {
     rekv_step_cost costs[REKV_TECH_COUNT]; /* one layer of a decode step at s_max / 2 tokens */
 } rekv_mode_pick;
 
+/* A model as the cost model sees it: one decoder layer's widths and weights, and the depth — what a
+ * worker's Hello reports, or rekv_plan_model_from_config computes from a config. */
+typedef struct rekv_plan_model {
+    int64_t hidden, q_dim, kv_dim; /* elements: activation row, query row, one K (or V) row */
+    int n_layers;
+    double layer_params;      /* weight elements of one decoder layer (biases and norms left out) */
+    double weight_elem_bytes; /* bytes per weight element as the worker holds them */
+} rekv_plan_model;
+
+void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *out);
+
 /* Picks the mode for a worker serving up to b sequences of up to s_max tokens: resident when their
  * whole KV cache (cache_elem_bytes per element, K and V, every layer) fits in device_kv_bytes (the
  * device memory left for it; < 0: unknown, taken as enough), else the cheapest of KV fetching,
  * KVPR, ACT and hybrid by rekv_plan_step_cost, priced at the mean context s_max / 2 (a sequence's
  * context grows from its prompt to s_max), with hybrid at the KV share where its link and compute
  * times meet. Ties go to the lower technique (fewer moving parts). */
-int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_model_config *cfg, int64_t b,
+int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m, int64_t b,
                         int64_t s_max, double cache_elem_bytes, double device_kv_bytes,
                         int weights_offloaded, rekv_mode_pick *out, rekv_err *err);
 
-/* Fills a step shape for one layer of cfg: batch b, context s tokens, cache elements of
- * cache_elem_bytes, one new token per sequence; kv.weight_bytes is the layer's weights in
- * cfg->dtype when weights_offloaded, else 0. The hybrid fields are left 0 for the caller. */
-void rekv_plan_shape_from_config(const rekv_model_config *cfg, int64_t b, int64_t s,
-                                 double cache_elem_bytes, int weights_offloaded,
-                                 rekv_step_shape *out);
+/* Fills a step shape for one layer of m: batch b, context s tokens, cache elements of
+ * cache_elem_bytes, one new token per sequence; kv.weight_bytes is the layer's weights when
+ * weights_offloaded, else 0. The hybrid fields are left 0 for the caller. */
+void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cache_elem_bytes,
+                     int weights_offloaded, rekv_step_shape *out);
 
 #endif

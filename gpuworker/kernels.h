@@ -1,17 +1,20 @@
-/* kernels.h — the forward pass's operations as a backend table: every kernel is enqueued on a
- * stream and runs in stream order, on device pointers. The cpu backend runs the fp32 reference
- * (cpu_ops.h) as tasks on its stream threads (backend_cpu_kernels.c); the cuda backend launches
- * CUDA kernels. Activations are fp32 in device memory; weight matrices are in the model file's
- * dtype (f32, f16 or bf16), vectors (norms, biases) in fp32. Arrays passed by pointer
- * (positions, descriptors) are device memory and must stay valid until the kernel has run. */
+/* kernels.h — the forward pass's operations as a table per backend: every kernel is enqueued on
+ * a stream of the device runtime (device/backend.h) and runs in stream order, on device pointers.
+ * On the cpu backend they are the fp32 reference (cpu_ops.h) run as tasks on its stream threads
+ * (kernels_cpu.c); on cuda, cuBLAS and CUDA kernels (kernels_cuda.cu). Activations are fp32 in
+ * device memory; weight matrices are in the model file's dtype (f32, f16 or bf16), vectors (norms,
+ * biases) in fp32. Arrays passed by pointer (positions, descriptors) are device memory and must
+ * stay valid until the kernel has run. */
 #ifndef REKV_GPUWORKER_KERNELS_H
 #define REKV_GPUWORKER_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "gpuworker/backend.h"
+#include "common/dtype.h"
+#include "gpuworker/device/backend.h"
 #include "gpuworker/kvlayout.h"
+#include "loader/loader.h"
 
 /* One sequence's attention context for one layer: a KV buffer laid out as kvlayout.h says, in the
  * cache dtype (the dtype argument of kv_scatter and attention), holding positions 0..start+n-1
@@ -76,5 +79,12 @@ typedef struct rekv_kernel_iface {
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;
+#if REKV_CUDA
+extern const rekv_kernel_iface rekv_cuda_kernels;
+#endif
+
+/* The kernels that run on be's streams (by its runtime's name: cpu, cuda); NULL for a backend
+ * with none. */
+const rekv_kernel_iface *rekv_kernels_of(const rekv_backend *be);
 
 #endif

@@ -256,23 +256,6 @@ struct rekv_pseq {
 /* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
 _Static_assert(REKV_KV_BLOCK_TOKENS == REKV_KV_ROWS_PER_BLOCK, "one block size");
 
-static const char *const mode_names[] = {"resident", "offload", "kvpr", "act", "hybrid"};
-
-const char *rekv_mode_name(rekv_mode m)
-{
-    return (unsigned)m < 5 ? mode_names[m] : "?";
-}
-
-int rekv_mode_parse(const char *s, rekv_mode *out)
-{
-    for (int i = 0; i < 5; i++)
-        if (strcmp(s, mode_names[i]) == 0) {
-            *out = (rekv_mode)i;
-            return 0;
-        }
-    return -EINVAL;
-}
-
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
 {
     memset(cfg, 0, sizeof(*cfg));
@@ -514,7 +497,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         return rekv_errf(err, -EINVAL, "pipeline: hybrid needs a kv:act pattern like 1:1");
     if (cfg->act_gpu_blocks < 0)
         return rekv_errf(err, -EINVAL, "pipeline: act_gpu_blocks must not be negative");
-    if (be->kernels == NULL)
+    if (rekv_kernels_of(be) == NULL)
         return rekv_errf(err, -EINVAL, "pipeline: backend %s has no kernels", be->iface->name);
     if (cfg->push && cfg->mode == REKV_MODE_RESIDENT)
         return rekv_errf(err, -EINVAL, "pipeline: push needs a mode that streams the KV cache");
@@ -541,7 +524,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->c = c;
     p->be = be;
     p->bi = be->iface;
-    p->k = be->kernels;
+    p->k = rekv_kernels_of(be);
     p->store = store;
     p->cfg = *cfg;
     p->meta.be = be;

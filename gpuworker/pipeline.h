@@ -23,25 +23,15 @@
 
 #include <stdint.h>
 
-#include "gpuworker/backend.h"
+#include "common/mode.h"
+#include "gpuworker/device/backend.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
-
-typedef enum rekv_mode {
-    REKV_MODE_RESIDENT = 0,
-    REKV_MODE_OFFLOAD = 1,
-    REKV_MODE_KVPR = 2,
-    REKV_MODE_ACT = 3,
-    REKV_MODE_HYBRID = 4,
-} rekv_mode;
 
 typedef enum rekv_schedule {
     REKV_SCHED_ROW = 0,    /* each GPU batch through all layers (latency) */
     REKV_SCHED_COLUMN = 1, /* each layer over all GPU batches (throughput; weights loaded once) */
 } rekv_schedule;
-
-const char *rekv_mode_name(rekv_mode m);
-int rekv_mode_parse(const char *s, rekv_mode *out);
 
 typedef struct rekv_pipeline_config {
     rekv_mode mode;

@@ -73,7 +73,7 @@ static int pf_fit(const double *xs, const double *ys, size_t n, const char *what
                   rekv_err *err)
 {
     double a, b;
-    int rc = rekv_plan_fit_linear(xs, ys, n, &a, &b, err);
+    int rc = rekv_linear_fit(xs, ys, n, &a, &b, err);
     if (rc)
         return rc;
     if (a < 0) {
@@ -348,11 +348,11 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         return rekv_errf(err, -EINVAL, "profile: NULL argument");
     if ((rc = pf_check_config(c, err)))
         return rc;
-    if (!be->kernels)
+    if (!rekv_kernels_of(be))
         return rekv_errf(err, -EINVAL, "profile: backend %s has no kernels", be->iface->name);
     uint64_t t_start = rekv_now_ns();
     const rekv_backend_iface *bi = be->iface;
-    const rekv_kernel_iface *k = be->kernels;
+    const rekv_kernel_iface *k = rekv_kernels_of(be);
     rekv_profile p;
     memset(&p, 0, sizeof(p));
     p.version = REKV_PROFILE_VERSION;

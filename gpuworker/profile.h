@@ -1,4 +1,4 @@
-/* profile.h — the profiler: measures what the planner's cost model needs (coordinator/planner.h,
+/* profile.h — the profiler: measures what the planner's cost model needs (common/cost.h,
  * DESIGN.md "Planner: one cost model") on a backend, and caches the result on disk.
  *
  * Everything is measured through the backend's own streams, copies and kernels, so the cpu
@@ -27,8 +27,8 @@
 #include <stddef.h>
 
 #include "common/err.h"
-#include "coordinator/planner.h"
-#include "gpuworker/backend.h"
+#include "common/cost.h"
+#include "gpuworker/device/backend.h"
 #include "loader/loader.h"
 
 /* Bumped whenever the fields or the way they are measured change: older files are re-measured. */

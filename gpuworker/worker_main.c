@@ -3,7 +3,10 @@
  * at a time through a batcher (batcher.h), answering each with the tokens it produced. Heartbeats
  * to the coordinator and renews its kvstore lease from one zmq_poll loop, also while a step runs
  * on its own thread; says Hello again whenever the coordinator does not know it. Its kvstore
- * sequences belong to its name: at start it drops what a dead worker of the same name left. */
+ * sequences belong to its name: at start it drops what a dead worker of the same name left.
+ * With --mode auto the worker measures and reports, and the coordinator decides: the first Hello
+ * says "auto" with the profile and the device's room, the coordinator answers Assign, and only then
+ * does the worker build its pipeline (worker.proto). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
@@ -20,8 +23,8 @@
 
 #include "common/clock.h"
 #include "common/daemon.h"
+#include "common/cost.h"
 #include "common/log.h"
-#include "coordinator/planner.h"
 #include "gpuworker/profile.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
@@ -43,9 +46,10 @@ static void usage(FILE *f)
            "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
            "started with the name of a dead one frees what that one left there at once (else\n"
            "the store frees it when the dead one's lease runs out).\n"
-           "auto: resident when the device holds the KV cache of a full batch of full contexts\n"
-           "(always on the cpu backend, or without a kvstore), else the technique the planner\n"
-           "prices cheapest with this machine's measured profile.\n"
+           "auto: the coordinator chooses, from what this worker measures and reports: resident\n"
+           "when the device holds the KV cache of a full batch of full contexts (always on the\n"
+           "cpu backend, or without a kvstore), else the technique its planner prices cheapest\n"
+           "with this machine's measured profile.\n"
            "--link-gbps, --link-latency-us and --device-memory make the cpu backend behave like a\n"
            "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
            "--push: the kvstore (started with --push-backend) writes the KV rows into this\n"
@@ -54,11 +58,14 @@ static void usage(FILE *f)
 }
 
 typedef struct worker {
-    void *sock; /* DEALER to the coordinator */
-    rekv_pipeline *pipe;
+    void *sock;          /* DEALER to the coordinator */
+    rekv_pipeline *pipe; /* NULL until the mode is known (--mode auto: the coordinator's Assign) */
     rekv_batcher *batch;
+    rekv_engine *eng;
+    rekv_pipeline_config pc; /* the pipeline to build (pc.mode once known) */
+    int push;                /* --push */
     const rekv_model_config *mc;
-    const char *name, *mode, *model;
+    const char *name, *mode, *model; /* mode: "auto" until the pipeline is built */
     int max_batch;
     uint64_t steps;
     uint64_t last_sent_ns;  /* for heartbeats */
@@ -67,6 +74,7 @@ typedef struct worker {
     rekv_backend *be;       /* for the busy times each Progress reports */
     rekv_cost_profile cost; /* measured at start (cached per machine/model), sent in Hello */
     int offload_weights;
+    double device_kv_room;        /* for the mode choice (Hello); < 0: no device limit */
     uint64_t device_buffer_bytes; /* for the planner's mini-batches (Hello); 0: no limit */
     rekv_dtype cache_dtype;
     uint32_t hb_ms;          /* heartbeat period, also while a step runs */
@@ -124,7 +132,11 @@ static void send_hello(worker *w)
         uint64_t H = (uint64_t)c->hidden, Q = (uint64_t)rekv_config_q_dim(c);
         uint64_t KV = (uint64_t)rekv_config_kv_dim(c), F = (uint64_t)c->ffn;
         h.layer_params = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
+        h.q_dim = (uint32_t)Q;
+        h.weight_elem_bytes = (uint32_t)rekv_dtype_size(c->dtype);
     }
+    h.device_kv_room = w->device_kv_room;
+    h.kvstore = w->kv != NULL;
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
     m.hello = &h;
@@ -370,40 +382,42 @@ static double device_room(rekv_backend *be)
     return room < 0 ? 0 : room;
 }
 
-/* --mode auto: what this worker runs as (rekv_plan_pick_mode), logged with its reasons. */
-static rekv_mode pick_mode(rekv_backend *be, const rekv_engine *eng, const rekv_cost_profile *cost,
-                           int max_batch, const rekv_pipeline_config *pc, int have_store)
+/* Builds the pipeline and the batcher in w->pc.mode (the weights go onto the device here), and
+ * measures the room they leave for a step's buffers. */
+static int start_pipeline(worker *w, rekv_err *err)
 {
-    const rekv_model_config *mc = rekv_engine_config(eng);
-    if (!have_store) {
-        rekv_log(REKV_LOG_INFO, "mode auto: resident (no kvstore to keep the cache in)");
-        return REKV_MODE_RESIDENT;
-    }
-    rekv_err e = {0};
-    double room = device_room(be); /* the weights are not on the device yet */
-    if (room > 0 && !pc->offload_weights)
-        room = fmax(0, room - (double)rekv_engine_weight_bytes(eng));
-    rekv_mode_pick mp;
-    if (rekv_plan_pick_mode(cost, mc, max_batch, mc->max_pos, rekv_dtype_size(pc->cache_dtype),
-                            room, pc->offload_weights, &mp, &e)) {
-        rekv_log(REKV_LOG_WARN, "mode auto: %s; running resident", e.msg);
-        return REKV_MODE_RESIDENT;
-    }
-    static const rekv_mode by_tech[REKV_TECH_COUNT] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR,
-                                                       REKV_MODE_ACT, REKV_MODE_HYBRID};
-    rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
-    if (room < 0)
-        rekv_log(REKV_LOG_INFO, "mode auto: %s (the %s backend's device memory is the host's)",
-                 rekv_mode_name(m), be->iface->name);
-    else
-        rekv_log(REKV_LOG_INFO,
-                 "mode auto: %s (the KV cache of %d sequences of %d tokens is "
-                 "%.2f GB, the device has room for %.2f GB; priced per layer and step: offload "
-                 "%.3g ms, kvpr %.3g ms, act %.3g ms, hybrid %.3g ms)",
-                 rekv_mode_name(m), max_batch, mc->max_pos, mp.kv_bytes * 1e-9, room * 1e-9,
-                 mp.costs[REKV_TECH_KV].t_step * 1e3, mp.costs[REKV_TECH_KVPR].t_step * 1e3,
-                 mp.costs[REKV_TECH_ACT].t_step * 1e3, mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
-    return m;
+    /* the kvstore writes the KV rows into our buffers (it must run --push-backend) */
+    w->pc.push = w->push && w->pc.mode != REKV_MODE_RESIDENT;
+    w->mode = rekv_mode_name(w->pc.mode);
+    int rc;
+    if ((rc = rekv_pipeline_create(w->eng, w->be, w->kv, &w->pc, &w->pipe, err)) ||
+        (rc = rekv_batcher_create(w->pipe, w->mc, w->max_batch, &w->batch, err)))
+        return rc;
+    double room = device_room(w->be); /* what the weights (now on the device) leave */
+    w->device_buffer_bytes = room > 0 ? (uint64_t)room : 0;
+    return 0;
+}
+
+/* The coordinator chose our mode (we said Hello with "auto"): build the pipeline in it and say
+ * Hello again with it. 0, or a negative errno with err filled when the worker cannot run so. */
+static int take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
+{
+    rekv_mode m;
+    if (a->mode == NULL || rekv_mode_parse(a->mode, &m))
+        return rekv_errf(err, -EPROTO, "the coordinator assigned an unknown mode \"%s\"",
+                         a->mode ? a->mode : "");
+    if (m != REKV_MODE_RESIDENT && w->kv == NULL)
+        return rekv_errf(err, -EPROTO,
+                         "the coordinator assigned mode %s, which needs a kvstore, and this "
+                         "worker has none",
+                         a->mode);
+    rekv_log(REKV_LOG_INFO, "mode auto: the coordinator chose %s (%s)", a->mode,
+             a->reason && *a->reason ? a->reason : "no reason given");
+    w->pc.mode = m;
+    int rc = start_pipeline(w, err);
+    if (rc == 0)
+        send_hello(w);
+    return rc;
 }
 
 int main(int argc, char **argv)
@@ -514,10 +528,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "rekv-gpuworker: --backend %s: expected auto, cpu or cuda\n", backend);
         return 2;
     }
-    rekv_pipeline_config pc;
-    rekv_pipeline_config_defaults(&pc);
+    worker w = {0};
+    rekv_pipeline_config *pc = &w.pc;
+    rekv_pipeline_config_defaults(pc);
     int auto_mode = strcmp(mode_s, "auto") == 0;
-    if (!auto_mode && rekv_mode_parse(mode_s, &pc.mode)) {
+    if (!auto_mode && rekv_mode_parse(mode_s, &pc->mode)) {
         fprintf(stderr, "rekv-gpuworker: --mode %s: unknown mode\n", mode_s);
         return 2;
     }
@@ -544,21 +559,23 @@ int main(int argc, char **argv)
     rekv_engine *eng = NULL;
     rekv_backend *be = NULL;
     rekv_kvstore_client *kv = NULL;
-    worker w = {0};
     void *zctx = NULL;
     w.name = name;
     w.model = model_path;
     w.max_batch = (int)max_batch;
     w.hb_ms = hb_ms;
+    w.push = push;
+    w.mode = "auto";
     if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
+    w.eng = eng;
     w.mc = rekv_engine_config(eng);
     if (kv_ep) {
         if (rekv_kvstore_client_connect(kv_ep, NULL, 0, &kv, &err))
             goto fail;
         rekv_kv_geometry g;
         rekv_kvstore_client_geometry(kv, &g);
-        pc.cache_dtype = g.dtype; /* the store's arena decides the cache dtype */
+        pc->cache_dtype = g.dtype; /* the store's arena decides the cache dtype */
         /* our sequences are ours by name: what a dead worker of this name left goes now (one of
          * another name loses its sequences when its lease runs out) */
         uint64_t n_seqs = 0, n_blocks = 0;
@@ -578,7 +595,7 @@ int main(int argc, char **argv)
             w.renew_ns = 1000000000ull;
         w.kv = kv;
         w.last_renew_ns = rekv_now_ns();
-    } else if (!auto_mode && pc.mode != REKV_MODE_RESIDENT) {
+    } else if (!auto_mode && pc->mode != REKV_MODE_RESIDENT) {
         rekv_log(REKV_LOG_ERROR, "--mode %s keeps the KV cache in the kvstore: give --kvstore",
                  mode_s);
         goto out;
@@ -588,32 +605,26 @@ int main(int argc, char **argv)
         goto fail;
     if (note[0])
         rekv_log(REKV_LOG_INFO, "%s", note);
+    w.be = be;
     {
         /* the planner prices this worker's steps with what it measures here (cached on disk) */
         rekv_profile prof;
         rekv_profile_origin origin;
         if (rekv_profile_get(w.mc, be->iface->name, &link, NULL, 0, &prof, &origin, &err))
             goto fail;
-        rekv_profile_to_cost(&prof, pc.cache_dtype, &w.cost);
-        if (!pc.offload_weights)
+        rekv_profile_to_cost(&prof, pc->cache_dtype, &w.cost);
+        if (!pc->offload_weights)
             w.cost.t_load_w = 0;
     }
-    if (auto_mode)
-        pc.mode = pick_mode(be, eng, &w.cost, (int)max_batch, &pc, kv != NULL);
-    /* the kvstore writes the KV rows into our buffers (it must run --push-backend) */
-    pc.push = push && pc.mode != REKV_MODE_RESIDENT;
-    w.mode = rekv_mode_name(pc.mode);
-    if (rekv_pipeline_create(eng, be, kv, &pc, &w.pipe, &err) ||
-        rekv_batcher_create(w.pipe, w.mc, (int)max_batch, &w.batch, &err))
+    w.offload_weights = pc->offload_weights;
+    w.cache_dtype = pc->cache_dtype;
+    /* the device's room for the KV cache, for the coordinator's mode choice: what is free less
+     * the weights when they will live on the device (they are not there yet) */
+    w.device_kv_room = device_room(be);
+    if (w.device_kv_room > 0 && !pc->offload_weights)
+        w.device_kv_room = fmax(0, w.device_kv_room - (double)rekv_engine_weight_bytes(eng));
+    if (!auto_mode && start_pipeline(&w, &err))
         goto fail;
-    w.be = be;
-    w.offload_weights = pc.offload_weights;
-    w.cache_dtype = pc.cache_dtype;
-    {
-        /* what the weights (now on the device) leave */
-        double room = device_room(be);
-        w.device_buffer_bytes = room > 0 ? (uint64_t)room : 0;
-    }
     zctx = zmq_ctx_new();
     w.sock = zctx ? zmq_socket(zctx, ZMQ_DEALER) : NULL;
     int linger = 0, ivl = 100;
@@ -629,10 +640,11 @@ int main(int argc, char **argv)
     }
     send_hello(&w);
     rekv_log(REKV_LOG_INFO,
-             "%s: %s, %d layers, vocab %d, context %d; %s backend, %s mode, batch "
+             "%s: %s, %d layers, vocab %d, context %d; %s backend, %s mode%s, batch "
              "of %u; coordinator %s%s%s",
              name, model_path, w.mc->n_layers, w.mc->vocab, w.mc->max_pos, be->iface->name, w.mode,
-             max_batch, coord, kv_ep ? ", kvstore " : "", kv_ep ? kv_ep : "");
+             w.pipe ? "" : " (the coordinator chooses)", max_batch, coord,
+             kv_ep ? ", kvstore " : "", kv_ep ? kv_ep : "");
     rekv_daemon_ready(ready_fd == UINT32_MAX ? -1 : (int)ready_fd);
     for (;;) {
         zmq_pollitem_t it[2] = {{w.sock, 0, ZMQ_POLLIN, 0}, {NULL, sfd, ZMQ_POLLIN, 0}};
@@ -663,6 +675,15 @@ int main(int argc, char **argv)
                 continue;
             }
             switch (m->body_case) {
+            case REKV__WORKER__COORD_MSG__BODY_ASSIGN:
+                if (w.pipe != NULL || !w.awaiting_welcome)
+                    break; /* an answer to an earlier Hello: our mode is set */
+                w.awaiting_welcome = 0;
+                if (take_assign(&w, m->assign, &err)) {
+                    rekv__worker__coord_msg__free_unpacked(m, NULL);
+                    goto fail;
+                }
+                break;
             case REKV__WORKER__COORD_MSG__BODY_WELCOME:
                 w.awaiting_welcome = 0;
                 rekv_log(REKV_LOG_INFO, "the coordinator accepted us (session %llu)",
@@ -671,14 +692,17 @@ int main(int argc, char **argv)
             case REKV__WORKER__COORD_MSG__BODY_RESET:
                 if (w.awaiting_welcome)
                     break; /* our Hello is on its way already: one answer per Hello */
-                if (rekv_batcher_running(w.batch))
-                    rekv_log(REKV_LOG_WARN, "the coordinator reset us: dropping %d jobs",
-                             rekv_batcher_running(w.batch));
-                rekv_batcher_clear(w.batch);
+                if (w.batch) {
+                    if (rekv_batcher_running(w.batch))
+                        rekv_log(REKV_LOG_WARN, "the coordinator reset us: dropping %d jobs",
+                                 rekv_batcher_running(w.batch));
+                    rekv_batcher_clear(w.batch);
+                }
                 send_hello(&w);
                 break;
             case REKV__WORKER__COORD_MSG__BODY_PLAN:
-                if (!w.awaiting_welcome) /* a Plan for the session our Hello ended */
+                /* not a Plan for the session our Hello ended, nor one before we have a mode */
+                if (!w.awaiting_welcome && w.pipe != NULL)
                     run_plan(&w, m->plan);
                 break;
             case REKV__WORKER__COORD_MSG__BODY_SHUTDOWN:

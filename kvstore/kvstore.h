@@ -24,10 +24,11 @@
  * Push (optional; rekv_kvstore_config.push_backend): a store started with a backend can copy
  * blocks into a client's device receive buffers itself, so that the client's GPU need not pull
  * them across (DESIGN.md, "Processes"). The client exports the buffers and two events with the
- * backend's IPC entries (gpuworker/backend.h: dev_alloc_shared, event_create_shared) and sends
- * their 128-byte handles with the pieces (rekv_kvstore_push); the store imports them once per
- * connection (cached by handle bytes), enqueues the copies arena -> buffer on its own stream after
- * a GPU-side wait on the first event, records the second event, and replies — the client then
+ * device runtime's IPC entries (gpuworker/device/backend.h: dev_alloc_shared,
+ * event_create_shared) and sends their 128-byte handles with the pieces (rekv_kvstore_push);
+ * the store imports them once per connection (cached by handle bytes), enqueues the copies arena
+ * -> buffer on its own stream after a GPU-side wait on the first event, records the second event,
+ * and replies — the client then
  * makes its stream wait on that event; nobody waits on the CPU for the copies. Every piece is
  * checked against the arena and the imported buffer's size. Imports are dropped on
  * rekv_kvstore_release (a client releases a buffer before freeing it), when the connection's
@@ -133,12 +134,6 @@ int rekv_kv_arena_header_check(const rekv_kv_arena_header *h, size_t map_bytes, 
 /* Copies n blocks of `bytes` bytes from arena + offsets[i] to dst + i * bytes (non-temporal
  * stores for large gathers). */
 void rekv_kv_gather(void *dst, const void *arena, const uint64_t *offsets, size_t n, size_t bytes);
-
-/* ---------------------------------------------------------------- CRC32C */
-
-/* CRC32C (Castagnoli), as iSCSI/ext4 use it: crc = rekv_crc32c(0, buf, n) for a whole buffer,
- * chainable by passing the previous value. SSE4.2 when the CPU has it, a table otherwise. */
-uint32_t rekv_crc32c(uint32_t crc, const void *buf, size_t n);
 
 /* ---------------------------------------------------------------- server */
 
@@ -286,7 +281,7 @@ int rekv_kvstore_drop_owner(rekv_kvstore_client *c, const char *owner, uint64_t 
 
 /* ---- push (see the top of this file) ---- */
 
-#define REKV_KV_IPC_HANDLE_BYTES 128 /* sizeof(rekv_ipc_handle), gpuworker/backend.h */
+#define REKV_KV_IPC_HANDLE_BYTES 128 /* sizeof(rekv_ipc_handle), gpuworker/device/backend.h */
 
 /* One piece of a push: bytes from arena offset src into buffers[buffer] at offset dst. */
 typedef struct rekv_kv_push_piece {

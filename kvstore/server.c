@@ -38,7 +38,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
-#include "gpuworker/backend.h"
+#include "gpuworker/device/backend.h"
 #include "kvstore/kv_internal.h"
 #include "proto/kvstore.pb-c.h"
 

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/crc32c.h"
 #include "kvstore/kv_internal.h"
 
 #define KV_CHUNK_MAX (1ull << 30) /* io_uring caps one registered buffer at 1 GiB */

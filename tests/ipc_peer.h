@@ -21,7 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "gpuworker/backend.h"
+#include "gpuworker/device/backend.h"
 
 #define PEER_FLAG_BYTES 4096u
 

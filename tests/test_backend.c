@@ -19,7 +19,8 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "gpuworker/backend.h"
+#include "gpuworker/device/backend.h"
+#include "gpuworker/kernels.h"
 #include "tests/testutil.h"
 
 #define MiB (1024u * 1024u)
@@ -40,7 +41,7 @@ static rekv_backend *make_backend(double gbps, double latency_us)
     rekv_link_config link = {.gbps = gbps, .latency_us = latency_us};
     ck_assert_msg(rekv_backend_cpu_create(&link, &be, &err) == 0, "%s", err.msg);
     ck_assert_str_eq(be->iface->name, "cpu");
-    ck_assert(be->kernels != NULL);
+    ck_assert(rekv_kernels_of(be) != NULL);
     return be;
 }
 

@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "coordinator/cli_daemon.h"
+#include "coordinator/cli/cli_daemon.h"
 #include "coordinator/coordinator.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/gpuworker.h"

@@ -27,7 +27,7 @@ int main(void)
 
 #include "common/clock.h"
 #include "common/dtype.h"
-#include "gpuworker/backend_cuda.h"
+#include "gpuworker/device/backend_cuda.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/pipeline.h"
 #include "tests/ipc_peer.h"
@@ -207,7 +207,7 @@ START_TEST(kernel_linear)
             float *dw = dev_from(w, sizeof(float) * (size_t)n * k);
             float *db = dev_from(b, sizeof(float) * (size_t)n);
             float *dy = dev_zero(sizeof(float) * (size_t)m * n);
-            g_cu->kernels->linear(g_scu, dy, dx, dw, REKV_DTYPE_F32, db, m, n, k);
+            rekv_kernels_of(g_cu)->linear(g_scu, dy, dx, dw, REKV_DTYPE_F32, db, m, n, k);
             sync_cu();
             char what[96];
             snprintf(what, sizeof(what), "linear m %d n %d k %d%s", m, n, k,
@@ -242,7 +242,7 @@ START_TEST(kernel_linear_16bit)
             void *dw = dev_from(wh, sizeof(uint16_t) * (size_t)n * k);
             float *db = dev_from(b, sizeof(float) * (size_t)n);
             float *dy = dev_zero(sizeof(float) * (size_t)m * n);
-            g_cu->kernels->linear(g_scu, dy, dx, dw, dt, db, m, n, k);
+            rekv_kernels_of(g_cu)->linear(g_scu, dy, dx, dw, dt, db, m, n, k);
             sync_cu();
             char what[96];
             snprintf(what, sizeof(what), "linear %s weights m %d n %d k %d", rekv_dtype_name(dt), m,
@@ -274,7 +274,7 @@ START_TEST(kernel_norm)
                 float *dx = dev_from(x, sizeof(float) * n), *dw = dev_from(w, sizeof(float) * d);
                 float *db = dev_from(b, sizeof(float) * (size_t)d);
                 float *dy = in_place ? dx : dev_zero(sizeof(float) * n);
-                g_cu->kernels->norm(g_scu, dy, dx, dw, db, m, d, 1e-5f);
+                rekv_kernels_of(g_cu)->norm(g_scu, dy, dx, dw, db, m, d, 1e-5f);
                 sync_cu();
                 char what[96];
                 snprintf(what, sizeof(what), "%s m %d d %d%s", layer ? "layernorm" : "rmsnorm", m,
@@ -304,7 +304,7 @@ START_TEST(kernel_rope)
             float *dx = dev_from(x, sizeof(float) * n);
             rekv_cpu_kernels.rope(g_scpu, x, pos, m, heads, hd, 10000.0f, (rekv_rope)style);
             sync_cpu();
-            g_cu->kernels->rope(g_scu, dx, dpos, m, heads, hd, 10000.0f, (rekv_rope)style);
+            rekv_kernels_of(g_cu)->rope(g_scu, dx, dpos, m, heads, hd, 10000.0f, (rekv_rope)style);
             sync_cu();
             char what[96];
             snprintf(what, sizeof(what), "rope %s head_dim %d",
@@ -335,7 +335,7 @@ START_TEST(kernel_activation_add)
         float *da = dev_from(a, sizeof(float) * n), *dg = dev_from(g, sizeof(float) * n);
         rekv_cpu_kernels.activation(g_scpu, a, g, n, cases[ci].act);
         sync_cpu();
-        g_cu->kernels->activation(g_scu, da, dg, n, cases[ci].act);
+        rekv_kernels_of(g_cu)->activation(g_scu, da, dg, n, cases[ci].act);
         sync_cu();
         expect_dev(cases[ci].name, da, a, n, KERNEL_TOL);
         dev_free(da), dev_free(dg);
@@ -345,7 +345,7 @@ START_TEST(kernel_activation_add)
     float *dx = dev_from(x, sizeof(float) * n), *dy = dev_from(y, sizeof(float) * n);
     rekv_cpu_kernels.add(g_scpu, x, y, n);
     sync_cpu();
-    g_cu->kernels->add(g_scu, dx, dy, n);
+    rekv_kernels_of(g_cu)->add(g_scu, dx, dy, n);
     sync_cu();
     expect_dev("add", dx, x, n, 0);
     dev_free(dx), dev_free(dy);
@@ -383,8 +383,8 @@ START_TEST(kernel_embed_gather)
             const float *pt = variant > 0 ? ptab : NULL;
             rekv_cpu_kernels.embed(g_scpu, x, t, tdts[ti], tok, pt, pos, 2, m, e);
             sync_cpu();
-            g_cu->kernels->embed(g_scu, dx, variant < 2 ? dtabs[ti] : NULL, tdts[ti], dtok,
-                                 variant > 0 ? dptab : NULL, dpos, 2, m, e);
+            rekv_kernels_of(g_cu)->embed(g_scu, dx, variant < 2 ? dtabs[ti] : NULL, tdts[ti], dtok,
+                                         variant > 0 ? dptab : NULL, dpos, 2, m, e);
             sync_cu();
             char what[48];
             snprintf(what, sizeof(what), "embed %s variant %d", rekv_dtype_name(tdts[ti]), variant);
@@ -402,7 +402,7 @@ START_TEST(kernel_embed_gather)
     float *g = malloc(sizeof(float) * n * e), *dg = dev_zero(sizeof(float) * n * e);
     rekv_cpu_kernels.gather_rows(g_scpu, g, table, idx, n, e);
     sync_cpu();
-    g_cu->kernels->gather_rows(g_scu, dg, dtable, didx, n, e);
+    rekv_kernels_of(g_cu)->gather_rows(g_scu, dg, dtable, didx, n, e);
     sync_cu();
     expect_dev("gather_rows", dg, g, (size_t)n * e, 0);
     dev_free(dg), dev_free(dtable), dev_free(dptab);
@@ -468,8 +468,10 @@ START_TEST(kernel_scatter_attention)
                 rekv_cpu_kernels.attention(g_scpu, out, q, cpu_d, NS, rows, nh, nkv, hd, scores,
                                            dt);
                 sync_cpu();
-                g_cu->kernels->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, cu_d, nkv, hd, dt);
-                g_cu->kernels->attention(g_scu, dout, dq, cu_d, NS, rows, nh, nkv, hd, NULL, dt);
+                rekv_kernels_of(g_cu)->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, cu_d, nkv, hd,
+                                                  dt);
+                rekv_kernels_of(g_cu)->attention(g_scu, dout, dq, cu_d, NS, rows, nh, nkv, hd, NULL,
+                                                 dt);
                 sync_cu();
                 char what[128];
                 for (int i = 0; i < NS; i++) {
@@ -514,7 +516,7 @@ START_TEST(kernel_convert)
         uint8_t *want = malloc(es * n);
         rekv_from_f32(want, x, dt, n);
         void *dout = dev_zero(es * n);
-        g_cu->kernels->convert_out(g_scu, dout, dx, n, dt);
+        rekv_kernels_of(g_cu)->convert_out(g_scu, dout, dx, n, dt);
         sync_cu();
         uint8_t *got = host_from(dout, es * n);
         for (size_t i = 0; i < n; i++)
@@ -531,7 +533,7 @@ START_TEST(kernel_convert)
         for (int p = 0; p < NP; p++) /* pieces in reverse order: order must not matter */
             pc[NP - 1 - p] = (rekv_convert_piece){dback + cut[p], (uint8_t *)dout + cut[p] * es,
                                                   (uint32_t)(cut[p + 1] - cut[p])};
-        g_cu->kernels->convert(g_scu, pc, NP, dt);
+        rekv_kernels_of(g_cu)->convert(g_scu, pc, NP, dt);
         sync_cu();
         float *gb = host_from(dback, sizeof(float) * n);
         ck_assert_msg(memcmp(gb, back, sizeof(float) * n) == 0, "convert %s differs",
@@ -613,7 +615,7 @@ START_TEST(runtime_copies_events)
     host_probe probe = {dst, n, &sum, &calls};
     bi->launch_host(b, "probe", probe_fn, &probe, sizeof(probe));
     bi->launch_host(b, "count", count_fn, &plain, 0);
-    g_cu->kernels->add(b, d2, d1, 1000); /* a kernel, for the compute busy time */
+    rekv_kernels_of(g_cu)->add(b, d2, d1, 1000); /* a kernel, for the compute busy time */
     ck_assert_msg(bi->stream_sync(b, &err) == 0, "%s", err.msg);
     ck_assert_msg(bi->stream_sync(a, &err) == 0, "%s", err.msg);
     ck_assert(memcmp(src, dst, n * 4) == 0);
@@ -676,7 +678,8 @@ START_TEST(runtime_copies_events)
     ck_assert_int_eq(bi->stream_sync(a, &e2), -EINVAL);
     ck_assert_msg(strstr(e2.msg, "NULL src") != NULL, "%s", e2.msg);
     ck_assert_int_eq(bi->stream_sync(a, &err), 0);
-    g_cu->kernels->attention(a, d2, d1, NULL, 1, 1, 3, 2, 64, NULL, REKV_DTYPE_F32); /* 3 over 2 */
+    rekv_kernels_of(g_cu)->attention(a, d2, d1, NULL, 1, 1, 3, 2, 64, NULL,
+                                     REKV_DTYPE_F32); /* 3 over 2 */
     ck_assert_int_eq(bi->stream_sync(a, NULL), -EINVAL);
 
     bi->dev_free(g_cu, d1);

@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "gpuworker/backend.h"
+#include "gpuworker/device/backend.h"
 #include "tests/ipc_peer.h"
 #include "tests/testutil.h"
 

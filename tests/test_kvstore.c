@@ -26,7 +26,8 @@
 #include <zmq.h>
 
 #include "common/clock.h"
-#include "gpuworker/backend.h"
+#include "common/crc32c.h"
+#include "gpuworker/device/backend.h"
 #include "kvstore/kv_internal.h"
 #include "kvstore/kvstore.h"
 #include "proto/kvstore.pb-c.h"

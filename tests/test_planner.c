@@ -41,6 +41,15 @@ static int close_rel(double x, double y, double rel)
 
 /* ---------------------------------------------------------------- fit_linear */
 
+/* A step shape for one layer of a config (rekv_plan_model_from_config, rekv_plan_shape). */
+static void shape_from_config(const rekv_model_config *cfg, int64_t b, int64_t s, double elem,
+                              int weights_offloaded, rekv_step_shape *out)
+{
+    rekv_plan_model m;
+    rekv_plan_model_from_config(cfg, &m);
+    rekv_plan_shape(&m, b, s, elem, weights_offloaded, out);
+}
+
 START_TEST(test_fit_exact)
 {
     double xs[50], ys[50], a, b;
@@ -48,15 +57,15 @@ START_TEST(test_fit_exact)
         xs[i] = 16.0 * (i + 1) + (i % 3); /* token counts, not evenly spaced */
         ys[i] = 3.7e-5 + 2.1e-7 * xs[i];
     }
-    ck_assert_int_eq(rekv_plan_fit_linear(xs, ys, 50, &a, &b, NULL), 0);
+    ck_assert_int_eq(rekv_linear_fit(xs, ys, 50, &a, &b, NULL), 0);
     ck_assert_msg(close_rel(a, 3.7e-5, 1e-9), "a = %.17g", a);
     ck_assert_msg(close_rel(b, 2.1e-7, 1e-9), "b = %.17g", b);
 
     rekv_err err = {0};
-    ck_assert_int_eq(rekv_plan_fit_linear(xs, ys, 1, &a, &b, &err), -EINVAL);
+    ck_assert_int_eq(rekv_linear_fit(xs, ys, 1, &a, &b, &err), -EINVAL);
     double same[3] = {5, 5, 5};
     rekv_err_clear(&err);
-    ck_assert_int_eq(rekv_plan_fit_linear(same, ys, 3, &a, &b, &err), -EINVAL);
+    ck_assert_int_eq(rekv_linear_fit(same, ys, 3, &a, &b, &err), -EINVAL);
     ck_assert_int_eq(err.code, -EINVAL);
 }
 END_TEST
@@ -71,7 +80,7 @@ START_TEST(test_fit_noisy)
         xs[i] = (double)irand(16, 8192);
         ys[i] = (a0 + b0 * xs[i]) * (1.0 + 0.02 * (urand() - 0.5)); /* +-1% multiplicative noise */
     }
-    ck_assert_int_eq(rekv_plan_fit_linear(xs, ys, N, &a, &b, NULL), 0);
+    ck_assert_int_eq(rekv_linear_fit(xs, ys, N, &a, &b, NULL), 0);
     ck_assert_msg(fabs(b - b0) < 0.01 * b0, "b = %g", b);
     ck_assert_msg(fabs(a - a0) < 0.2 * a0, "a = %g", a);
 }
@@ -583,14 +592,14 @@ START_TEST(test_choose)
                                .dtype = REKV_DTYPE_BF16};
     rekv_step_shape sh;
     /* Llama-3-8B-like layer: 2*4096*4096 + 2*4096*1024 + 3*4096*14336 = 218,103,808 params. */
-    rekv_plan_shape_from_config(&llama, 8, 1024, 2, 1, &sh);
+    shape_from_config(&llama, 8, 1024, 2, 1, &sh);
     ck_assert(sh.kv.weight_bytes == 2.0 * 218103808.0);
     ck_assert(sh.kv.fwd_flops == 2.0 * 8 * 218103808.0 + 4.0 * 8 * 1024 * 4096);
     ck_assert(sh.kv.kv_dim == 1024 && sh.kv.hidden == 4096);
 
     /* GQA, weights resident, fast GPU: activations are bigger than KV, so plain KV wins. */
     rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
-    rekv_plan_shape_from_config(&llama, 8, 1024, 2, 0, &sh);
+    shape_from_config(&llama, 8, 1024, 2, 0, &sh);
     ck_assert_int_eq(rekv_plan_choose(&pr, &sh, &best, c, NULL), 0);
     ck_assert_int_eq(best, REKV_TECH_KV);
     ck_assert_int_eq(c[REKV_TECH_KVPR].kvpr_l, 0);
@@ -598,7 +607,7 @@ START_TEST(test_choose)
     /* OPT-13B-like MHA, big batch and context, weights resident, slow link: recompute pays, and
      * KVPR (a mix) is at least as good as either pure technique on PCIe-bound steps. */
     pr = (rekv_cost_profile){.h2d_bw = 16e9, .gemm_flops = 150e12};
-    rekv_plan_shape_from_config(&opt, 32, 2048, 2, 0, &sh);
+    shape_from_config(&opt, 32, 2048, 2, 0, &sh);
     ck_assert_int_eq(rekv_plan_choose(&pr, &sh, &best, c, NULL), 0);
     ck_assert(best != REKV_TECH_KV);
     ck_assert(c[REKV_TECH_KVPR].t_step <= c[REKV_TECH_KV].t_step);
@@ -643,15 +652,17 @@ START_TEST(test_pick_mode)
                              .head_dim = 128,
                              .ffn = 16384,
                              .dtype = REKV_DTYPE_F16};
+    rekv_plan_model optm;
+    rekv_plan_model_from_config(&opt, &optm);
     rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
     rekv_mode_pick m;
     /* 64 sequences of 544 tokens, fp16: 2*4096*2*64*544*32 bytes = 18.25 GB */
     double kv = 2.0 * 4096 * 2 * 64 * 544 * 32;
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 64, 544, 2, kv, 0, &m, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, kv, 0, &m, NULL), 0);
     ck_assert(m.resident && m.kv_bytes == kv);
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 64, 544, 2, -1, 0, &m, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, -1, 0, &m, NULL), 0);
     ck_assert(m.resident); /* unknown device memory (the cpu backend): resident */
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 64, 544, 2, kv - 1, 0, &m, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, kv - 1, 0, &m, NULL), 0);
     ck_assert(!m.resident);
     /* MHA, fast GPU, PCIe-bound: recomputation pays, so not plain KV fetching */
     ck_assert(m.tech != REKV_TECH_KV);
@@ -664,12 +675,12 @@ START_TEST(test_pick_mode)
         ck_assert(fabs(h->t_pcie - h->t_compute) <= 1e-6 * h->t_step);
     /* a GPU so slow that every recomputation costs more than the link: KV fetching */
     pr.gemm_flops = 1e9;
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 64, 544, 2, 0, 0, &m, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, 0, 0, &m, NULL), 0);
     ck_assert(!m.resident);
     ck_assert_int_eq(m.tech, REKV_TECH_KV);
     ck_assert(m.hybrid_kv_fraction == 1);
     rekv_err e = {0};
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &opt, 0, 544, 2, 0, 0, &m, &e), -EINVAL);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 0, 544, 2, 0, 0, &m, &e), -EINVAL);
 }
 END_TEST
 

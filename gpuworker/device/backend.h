@@ -1,16 +1,19 @@
-/* backend.h — the device abstraction the forward pass and the decode pipeline are written against.
+/* backend.h — the device runtime: what the engine (gpuworker/) and the kvstore's push path run on.
  *
- * A backend is a table of function pointers (rekv_backend_iface) and its context, as in
- * ggml-backend: device buffers, streams, events, asynchronous copies in each direction, and the
- * kernels of the forward pass. Work enqueued on one stream runs in order; streams run concurrently;
- * events order work across streams. Nothing enqueued blocks the caller, except the *_sync calls.
+ * The device room (gpuworker/device/) uses nothing above common/. A backend is a table of function
+ * pointers (rekv_backend_iface) and its context, as in ggml-backend: device buffers, streams,
+ * events, asynchronous copies in each direction and their coalescing, link and memory emulation,
+ * buffers and events shared with other processes, and stream waits on flags. Work enqueued on one
+ * stream runs in order; streams run concurrently; events order work across streams. Nothing
+ * enqueued blocks the caller, except the *_sync calls. The compute side — GEMM and the forward
+ * pass's kernels — is the engine's (gpuworker/kernels.h), launched on these streams.
  *
  * Two backends implement it:
- * - cpu (backend_cpu*.c): "device" memory is host memory; every stream is a worker thread with a
- *   FIFO of tasks; kernels are the fp32 reference (cpu_ops.h) run as tasks on the stream they were
- *   launched on. Optional link emulation throttles host<->device copies to a bandwidth and latency
- *   so that the pipeline's overlap shows in wall-clock time without a GPU.
- * - cuda (built when nvcc is present): cudaMalloc, CUDA streams and events, cuBLAS, CUDA kernels.
+ * - cpu (backend_cpu.c): "device" memory is host memory; every stream is a worker thread with a
+ *   FIFO of tasks (launch_host runs a function on it: the cpu kernels are such tasks). Optional
+ *   link emulation throttles host<->device copies to a bandwidth and latency so that the
+ *   pipeline's overlap shows in wall-clock time without a GPU.
+ * - cuda (built when nvcc is present): cudaMalloc, CUDA streams and events, CUDA IPC.
  *
  * Every copy is tagged with what it moves (weights, KV, activations), and the backend counts bytes
  * per kind and direction exactly, and the time each stream was busy. A trace of every task (a span
@@ -19,8 +22,8 @@
  * Errors: functions that can fail return 0 or a negative errno and fill a rekv_err. Asynchronous
  * work cannot report at enqueue time; a failure inside a task is kept by its stream and returned by
  * the next rekv_stream_sync. */
-#ifndef REKV_GPUWORKER_BACKEND_H
-#define REKV_GPUWORKER_BACKEND_H
+#ifndef REKV_GPUWORKER_DEVICE_BACKEND_H
+#define REKV_GPUWORKER_DEVICE_BACKEND_H
 
 #include <errno.h>
 #include <stddef.h>
@@ -29,7 +32,6 @@
 #include <string.h>
 
 #include "common/err.h"
-#include "loader/loader.h"
 
 typedef struct rekv_backend rekv_backend;
 typedef struct rekv_stream rekv_stream;
@@ -297,17 +299,17 @@ int rekv_link_emulates(const rekv_link_config *link);
 int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
                         char *note, size_t note_len, rekv_err *err);
 
-struct rekv_kernel_iface; /* kernels.h */
-
 /* Every backend object starts with this. */
 struct rekv_backend {
     const rekv_backend_iface *iface;
-    const struct rekv_kernel_iface *kernels; /* the forward pass's kernels (kernels.h) */
     void *ctx;
 };
 
 /* Creates the cpu backend. link may be NULL (no throttling). */
 int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, rekv_err *err);
+/* The cpu backend's table: every cpu stream shares it, so the cpu kernels launch their tasks
+ * through its launch_host with only the stream in hand. */
+extern const rekv_backend_iface rekv_cpu_backend_iface;
 
 static inline void rekv_backend_destroy(rekv_backend *be)
 {

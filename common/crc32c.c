@@ -1,9 +1,9 @@
-/* crc32c.c — CRC32C (Castagnoli, reflected polynomial 0x82F63B78) for spilled blocks: the SSE4.2
- * crc32 instruction when the CPU has it, a slicing-by-8 table otherwise. */
+/* crc32c.c — CRC32C (Castagnoli, reflected polynomial 0x82F63B78) for spilled blocks and journal
+ * records: the SSE4.2 crc32 instruction when the CPU has it, a slicing-by-8 table otherwise. */
 #include <stdint.h>
 #include <string.h>
 
-#include "kvstore/kvstore.h"
+#include "common/crc32c.h"
 
 static uint32_t g_table[8][256];
 static int g_mode; /* 0: not initialised, 1: table, 2: sse4.2 */
@@ -47,7 +47,7 @@ static uint32_t crc32c_table(uint32_t c, const uint8_t *p, size_t n)
 #if defined(__x86_64__)
 /* One stream of 8-byte steps: several GB/s, well above what the spill tier moves. */
 __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(uint32_t c, const uint8_t *p,
-                                                                size_t n)
+                                                               size_t n)
 {
     uint64_t c64 = c;
     while (n >= 8) {

@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "coordinator/cli.h"
+#include "coordinator/cli/cli.h"
 #include "coordinator/coordinator.h"
 #include "gpuworker/gpuworker.h"
 
@@ -74,8 +74,8 @@ static int start_trio(const char *model_path, const char *dir, pid_t *pid, rekv_
         snprintf(fd, sizeof(fd), "%d", pfd[1]);
         fcntl(pfd[1], F_SETFD, 0);
         setenv("REKV_LOG", "warn", 0);
-        char *argv[] = {"rekv", "run", "--model", (char *)model_path, "--dir", (char *)dir,
-                        "--ready-fd", fd, NULL};
+        char *argv[] = {"rekv",       "run", "--model", (char *)model_path, "--dir", (char *)dir,
+                        "--ready-fd", fd,    NULL};
         execv("/proc/self/exe", argv);
         _exit(127);
     }
@@ -187,7 +187,8 @@ int cli_generate_remote(const char *model_path, const char *socket, const int32_
     for (int wait_ms = 1;; wait_ms = wait_ms < 50 ? wait_ms * 2 : 50) {
         if ((rc = rekv_ctl_call(c, &rq, CALL_TIMEOUT_MS, &r, err)))
             goto out;
-        if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
+        if (r->code != REKV__CONTROL__CODE__OK ||
+            r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
             rc = rekv_errf(err, -EIO, "job %llu: %s", (unsigned long long)job, r->error);
             goto out;
         }

@@ -1,7 +1,7 @@
 /* cli_client.c — `rekv submit`, `rekv status`, `rekv cancel`, `rekv stats`: one request each to the
  * coordinator's control socket (submit waits for the job by streaming its tokens, showing tokens/s
  * on a terminal), answers printed as text or JSON. */
-#include "coordinator/cli_daemon.h"
+#include "coordinator/cli/cli_daemon.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "coordinator/cli.h"
+#include "coordinator/cli/cli.h"
 #include "coordinator/coordinator.h"
 
 #define CALL_TIMEOUT_MS 10000

@@ -1,4 +1,4 @@
-/* backend_cpu_kernels.c — the cpu backend's kernel table: each kernel packs its arguments and runs
+/* kernels_cpu.c — the cpu backend's kernel table: each kernel packs its arguments and runs
  * the fp32 reference of cpu_ops.h as a task on the stream it was launched on. */
 #include <string.h>
 
@@ -7,7 +7,6 @@
 #include "gpuworker/kernels.h"
 
 /* The stream's backend iface is needed to launch; streams of the cpu backend all share it. */
-extern const rekv_backend_iface rekv_cpu_backend_iface;
 #define LAUNCH(s, name, fn, args)                                                                  \
     rekv_cpu_backend_iface.launch_host((s), (name), (fn), &(args), sizeof(args))
 

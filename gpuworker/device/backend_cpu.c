@@ -16,7 +16,7 @@
  * on shared events and on flags sleep on a futex in the shared page (not a private one, so a wake
  * reaches other processes). */
 #define _GNU_SOURCE
-#include "gpuworker/backend.h"
+#include "gpuworker/device/backend.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -41,7 +41,6 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "gpuworker/kernels.h"
 
 /* Trace spans kept at most; later ones are counted as dropped and the JSON says so. Each span is
  * under 80 bytes, so a full trace stays under 80 MiB. */
@@ -1287,9 +1286,6 @@ static void cpu_destroy(rekv_backend *base)
     free(be);
 }
 
-/* Not static: backend_cpu_kernels.c launches its kernels through it (every cpu stream shares this
- * table, so a kernel needs only the stream). */
-const rekv_backend_iface rekv_cpu_backend_iface;
 const rekv_backend_iface rekv_cpu_backend_iface = {
     .name = "cpu",
     .destroy = cpu_destroy,
@@ -1329,7 +1325,6 @@ int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, re
     if (be == NULL)
         return rekv_errf(err, -ENOMEM, "cpu backend: out of memory");
     be->base.iface = &rekv_cpu_backend_iface;
-    be->base.kernels = &rekv_cpu_kernels;
     be->base.ctx = be;
     if (link)
         be->link = *link;

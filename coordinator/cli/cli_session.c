@@ -2,7 +2,7 @@
  * process: a backend, a private kvstore (a child process) for the offloaded modes, and the
  * pipeline, with the KVPR split and the HybridServe ratio chosen from the machine's profile
  * (gpuworker/profile.h, cached per machine, model and link) when the user does not force them. */
-#include "coordinator/cli_session.h"
+#include "coordinator/cli/cli_session.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "common/daemon.h"
-#include "coordinator/cli_profile.h"
+#include "coordinator/cli/cli_profile.h"
 #include "coordinator/planner.h"
 
 int cli_session_choose(const rekv_model_config *c, const char *backend,

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coordinator/cli_session.h"
+#include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
 #include "loader/loader.h"
 

@@ -1,5 +1,5 @@
 /* cli_util.c — argument parsing shared by the rekv subcommands. */
-#include "coordinator/cli.h"
+#include "coordinator/cli/cli.h"
 
 #include <errno.h>
 #include <math.h>

@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "common/clock.h"
-#include "coordinator/cli_session.h"
+#include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
 #include "loader/loader.h"

@@ -1,5 +1,5 @@
 /* backend.c — what every backend shares: choosing one by name, and copy labels for traces. */
-#include "gpuworker/backend.h"
+#include "gpuworker/device/backend.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -7,7 +7,7 @@
 #include <string.h>
 
 #if REKV_CUDA
-#include "gpuworker/backend_cuda.h"
+#include "gpuworker/device/backend_cuda.h"
 #endif
 
 void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind, size_t bytes)

@@ -2,7 +2,7 @@
  * model on the cpu backend, prints it with its fitted models, and shows what the planner would
  * choose with it for a decode batch of 8 at a few context lengths; and the planner decisions the
  * rest of the CLI takes from a profile (cli_profile.h). */
-#include "coordinator/cli_profile.h"
+#include "coordinator/cli/cli_profile.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coordinator/cli.h"
-#include "gpuworker/backend.h"
+#include "coordinator/cli/cli.h"
+#include "gpuworker/device/backend.h"
 #include "loader/loader.h"
 
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
@@ -20,9 +20,10 @@ int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype
 {
     rekv_cost_profile prof;
     rekv_profile_to_cost(pf, cache_dtype, &prof);
+    rekv_plan_model pm;
+    rekv_plan_model_from_config(c, &pm);
     rekv_step_shape sh;
-    rekv_plan_shape_from_config(c, batch, ctx, (double)rekv_dtype_size(cache_dtype),
-                                offload_weights, &sh);
+    rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cache_dtype), offload_weights, &sh);
     return rekv_plan_kvpr_solve(&prof, &sh.kv, out, err);
 }
 
@@ -69,8 +70,10 @@ static int plan_for(const rekv_profile *pf, const rekv_model_config *c, int ctx,
     rekv_cost_profile prof;
     rekv_profile_to_cost(pf, REKV_DTYPE_F32, &prof);
     prof.t_load_w = 0;
+    rekv_plan_model pm;
+    rekv_plan_model_from_config(c, &pm);
     rekv_step_shape shape;
-    rekv_plan_shape_from_config(c, PLAN_BATCH, ctx, 4.0, 0, &shape);
+    rekv_plan_shape(&pm, PLAN_BATCH, ctx, 4.0, 0, &shape);
     shape.hybrid_kv_fraction = r->hybrid.kv_fraction;
     return rekv_plan_choose(&prof, &shape, &r->best, r->costs, err);
 }

@@ -6,7 +6,7 @@
 #include <getopt.h>
 #include <sys/types.h>
 
-#include "coordinator/cli.h"
+#include "coordinator/cli/cli.h"
 #include "gpuworker/pipeline.h"
 
 /* getopt_long values of the pipeline options */

@@ -5,7 +5,7 @@
  * mapping is gone) until SIGINT/SIGTERM, and stops them in order: coordinator (no new work),
  * worker, kvstore. */
 #define _GNU_SOURCE
-#include "coordinator/cli_daemon.h"
+#include "coordinator/cli/cli_daemon.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -23,9 +23,9 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "coordinator/cli.h"
+#include "coordinator/cli/cli.h"
 #include "coordinator/coordinator.h"
-#include "gpuworker/backend.h"
+#include "gpuworker/device/backend.h"
 
 #define READY_TIMEOUT_MS 120000 /* loading a big model takes a while */
 #define STOP_TIMEOUT_MS 15000

@@ -3,9 +3,9 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "coordinator/cli.h"
-#include "coordinator/cli_daemon.h"
-#include "coordinator/cli_profile.h"
+#include "coordinator/cli/cli.h"
+#include "coordinator/cli/cli_daemon.h"
+#include "coordinator/cli/cli_profile.h"
 
 static void usage(FILE *f)
 {
@@ -36,12 +36,8 @@ int main(int argc, char **argv)
     static const struct {
         const char *name;
         int (*fn)(int, char **);
-    } daemon_cmds[] = {{"run", cli_run},
-                       {"submit", cli_submit},
-                       {"status", cli_status},
-                       {"cancel", cli_cancel},
-                       {"stats", cli_stats},
-                       {"profile", cli_profile}};
+    } daemon_cmds[] = {{"run", cli_run},       {"submit", cli_submit}, {"status", cli_status},
+                       {"cancel", cli_cancel}, {"stats", cli_stats},   {"profile", cli_profile}};
     for (size_t i = 0; i < sizeof(daemon_cmds) / sizeof(daemon_cmds[0]); i++)
         if (strcmp(argv[1], daemon_cmds[i].name) == 0)
             return daemon_cmds[i].fn(argc - 1, argv + 1);

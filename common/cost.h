@@ -1,0 +1,42 @@
+/* cost.h — the vocabulary of rekv's cost model that the worker and the coordinator share: what the
+ * hardware costs (rekv_cost_profile) and HybridServe's fitted linear time models. The worker's
+ * profiler measures and fits these (gpuworker/profile.c) and sends them in its Hello; the
+ * coordinator's planner (coordinator/planner.h) prices and decides with them. Pure data and math:
+ * nothing here decides anything.
+ *
+ * Units: seconds, bytes, FLOP, tokens. */
+#ifndef REKV_COMMON_COST_H
+#define REKV_COMMON_COST_H
+
+#include <stddef.h>
+
+#include "common/err.h"
+
+/* y = a + b*x. HybridServe fits T_load_kv and T_kv_gen this way from samples (001 Sec. 4.3,
+ * "Sampling-based linear regression"; R^2 = 0.99 on their RTX 4090). */
+typedef struct rekv_linear {
+    double a; /* intercept, s (a fixed cost per call: launch, DMA setup) */
+    double b; /* slope, s per token */
+} rekv_linear;
+
+/* Evaluates a fitted time model at n tokens. n <= 0 gives 0, not the intercept: no work means no
+ * launch and no copy, so an empty side of the pipeline costs nothing (this is what makes F_b of a
+ * mini-batch with no ACT blocks infinite rather than finite and misleading). */
+double rekv_linear_eval(const rekv_linear *m, double n);
+
+/* Least-squares fit of ys = a + b*xs over n >= 2 samples (centred sums, so large xs such as token
+ * counts do not cancel). Returns -EINVAL when n < 2, a pointer is NULL, or all xs are equal. */
+int rekv_linear_fit(const double *xs, const double *ys, size_t n, double *a, double *b,
+                    rekv_err *err);
+
+/* What the hardware costs. Filled by the worker's profiler from its own measurements. */
+typedef struct rekv_cost_profile {
+    double h2d_bw;       /* host->device link bandwidth, bytes/s (KVPR's v_com) */
+    double h2d_latency;  /* fixed cost of one host->device copy, s (0 gives the papers' models) */
+    double gemm_flops;   /* sustained GEMM throughput, FLOP/s (KVPR's v_gpu) */
+    rekv_linear load_kv; /* T_load_kv(n tokens): time to load n tokens' KV of one layer, s */
+    rekv_linear kv_gen;  /* T_kv_gen(n tokens): time to regenerate n tokens' KV from ACT, s */
+    double t_load_w;     /* T_load_w: time to load one decoder layer's weights, s (0 if resident) */
+} rekv_cost_profile;
+
+#endif

@@ -1,0 +1,960 @@
+/* backend_cuda.cu — the cuda backend's runtime (backend.h) on an NVIDIA GPU; its kernels are the
+ * engine's (gpuworker/kernels_cuda.cu), which share this file's structures (cuda_internal.h).
+ *
+ * Runtime: device memory from cudaMalloc; host memory for per-step metadata from cudaHostAlloc
+ * (pinned, mapped and portable), which kernels read through its host pointer (UVA); every
+ * rekv_stream is a non-blocking CUDA stream; events are cudaEvent_t without timing. Nothing runs
+ * on the default stream, and every launch is checked with cudaGetLastError.
+ *
+ * Errors: an enqueue that fails (a bad argument, a failed launch, a cuBLAS error) is kept by its
+ * stream, first failure wins, and returned by the next stream_sync, with any error the CUDA
+ * runtime reports there, as -EIO and the CUDA error string — the same contract as the cpu backend.
+ *
+ * Stats and trace: byte and copy counters are exact and counted at enqueue. Busy times are
+ * measured on the GPU: every copy and kernel is bracketed by a pair of timing events (from a
+ * pool), resolved when its stream is synchronised; compute_busy_s sums kernel durations, h2d and
+ * d2h busy sum copy durations (device-to-device copies are traced, not counted, as on cpu). So
+ * busy times cover work up to each stream's last stream_sync. The trace is the same measurement:
+ * one span per copy or kernel, on a track per stream, in GPU time relative to an event recorded at
+ * trace_start; work enqueued before trace_start is not in it.
+ *
+ * Sharing with other processes: shared buffers are cudaMalloc'd and named by cudaIpcGetMemHandle,
+ * imported with cudaIpcOpenMemHandle; shared events are created with cudaEventInterprocess and
+ * named by cudaIpcGetEventHandle. Flag waits and writes are the driver's stream memory operations
+ * (cuStreamWaitValue32 / cuStreamWriteValue32), looked up with cudaGetDriverEntryPoint* so that
+ * the program does not link libcuda (it must start on machines without a driver); where they
+ * are missing or refused, a one-thread kernel polls or stores the flag instead. A flag wait is
+ * timed and traced like a copy ("wait flag >= N") but is not compute time. */
+#include "gpuworker/device/cuda_internal.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Trace spans kept at most; later ones are counted as dropped. */
+#define CU_TRACE_MAX_SPANS (1u << 20)
+
+struct rekv_event {
+    cuda_backend *be;
+    cudaEvent_t ev;
+    int shared;             /* created by event_create_shared, or imported */
+    rekv_ipc_handle handle; /* shared: what event_export gives */
+};
+
+static cuda_backend *backend_of(rekv_backend *base)
+{
+    return (cuda_backend *)base->ctx;
+}
+
+void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
+{
+    if (s->err_code != 0)
+        return;
+    s->err_code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->err_msg, sizeof(s->err_msg), fmt, ap);
+    va_end(ap);
+}
+
+int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess)
+        return 0;
+    cuda_stream_fail(s, -EIO, "cuda stream %s: %s: %s", s->name, what, cudaGetErrorString(e));
+    return 1;
+}
+
+void cuda_launch_check(rekv_stream *s, const char *kernel)
+{
+    cuda_stream_check(s, cudaGetLastError(), kernel);
+}
+
+/* ------------------------------------------------------------------ timing events */
+
+static cudaEvent_t pool_get(cuda_backend *be)
+{
+    cudaEvent_t e = NULL;
+    pthread_mutex_lock(&be->mu);
+    if (be->n_pool > 0)
+        e = be->pool[--be->n_pool];
+    pthread_mutex_unlock(&be->mu);
+    if (e == NULL && cudaEventCreate(&e) != cudaSuccess) {
+        cudaGetLastError();
+        e = NULL;
+    }
+    return e;
+}
+
+/* Called with be->mu held. */
+static void pool_put_locked(cuda_backend *be, cudaEvent_t e)
+{
+    if (e == NULL)
+        return;
+    if (be->n_pool == be->cap_pool) {
+        size_t cap = be->cap_pool ? be->cap_pool * 2 : 256;
+        cudaEvent_t *np = (cudaEvent_t *)realloc(be->pool, cap * sizeof(*np));
+        if (np == NULL) {
+            cudaEventDestroy(e);
+            return;
+        }
+        be->pool = np;
+        be->cap_pool = cap;
+    }
+    be->pool[be->n_pool++] = e;
+}
+
+long cuda_op_begin(rekv_stream *s, int what, const char *label)
+{
+    cuda_backend *be = s->be;
+    if (s->n_pend == s->cap_pend) {
+        size_t cap = s->cap_pend ? s->cap_pend * 2 : 256;
+        cu_pending *np = (cu_pending *)realloc(s->pend, cap * sizeof(*np));
+        if (np == NULL)
+            return -1;
+        s->pend = np;
+        s->cap_pend = cap;
+    }
+    cudaEvent_t a = pool_get(be), b = pool_get(be);
+    if (a == NULL || b == NULL || cudaEventRecord(a, s->cs) != cudaSuccess) {
+        cudaGetLastError();
+        pthread_mutex_lock(&be->mu);
+        pool_put_locked(be, a);
+        pool_put_locked(be, b);
+        pthread_mutex_unlock(&be->mu);
+        return -1;
+    }
+    cu_pending *p = &s->pend[s->n_pend];
+    p->a = a;
+    p->b = b;
+    p->what = what;
+    pthread_mutex_lock(&be->mu);
+    p->traced = be->tracing;
+    pthread_mutex_unlock(&be->mu);
+    snprintf(p->label, sizeof(p->label), "%s", label);
+    return (long)s->n_pend++;
+}
+
+void cuda_op_end(rekv_stream *s, long i)
+{
+    if (i < 0)
+        return;
+    if (cudaEventRecord(s->pend[i].b, s->cs) != cudaSuccess) {
+        /* unresolvable: give the events back and forget the op */
+        cudaGetLastError();
+        cuda_backend *be = s->be;
+        pthread_mutex_lock(&be->mu);
+        pool_put_locked(be, s->pend[i].a);
+        pool_put_locked(be, s->pend[i].b);
+        pthread_mutex_unlock(&be->mu);
+        s->n_pend--; /* i is the last one: nothing was enqueued after it */
+    }
+}
+
+/* After the stream has synchronised: adds the ops' durations to the stats and their spans to the
+ * trace, and returns their events to the pool. */
+static void stream_resolve(rekv_stream *s)
+{
+    cuda_backend *be = s->be;
+    pthread_mutex_lock(&be->mu);
+    for (size_t i = 0; i < s->n_pend; i++) {
+        cu_pending *p = &s->pend[i];
+        float ms = 0, t0 = 0;
+        if (cudaEventElapsedTime(&ms, p->a, p->b) == cudaSuccess && ms >= 0) {
+            double sec = (double)ms * 1e-3;
+            if (p->what == CU_OP_COMPUTE)
+                be->stats.compute_busy_s += sec;
+            else if (p->what == CU_OP_H2D)
+                be->stats.h2d_busy_s += sec;
+            else if (p->what == CU_OP_D2H)
+                be->stats.d2h_busy_s += sec;
+            if (p->traced && be->tracing && be->trace_ref != NULL &&
+                cudaEventElapsedTime(&t0, be->trace_ref, p->a) == cudaSuccess) {
+                if (be->n_spans == CU_TRACE_MAX_SPANS) {
+                    be->dropped_spans++;
+                } else {
+                    if (be->n_spans == be->cap_spans) {
+                        size_t cap = be->cap_spans ? be->cap_spans * 2 : 4096;
+                        cu_span *ns = (cu_span *)realloc(be->spans, cap * sizeof(*ns));
+                        if (ns != NULL) {
+                            be->spans = ns;
+                            be->cap_spans = cap;
+                        }
+                    }
+                    if (be->n_spans < be->cap_spans) {
+                        cu_span *sp = &be->spans[be->n_spans++];
+                        sp->start_ms = t0 < 0 ? 0 : t0;
+                        sp->dur_ms = ms;
+                        sp->tid = s->tid;
+                        memcpy(sp->label, p->label, sizeof(sp->label));
+                    } else {
+                        be->dropped_spans++;
+                    }
+                }
+            }
+        }
+        cudaGetLastError(); /* a failed query must not surface as a later launch's error */
+        pool_put_locked(be, p->a);
+        pool_put_locked(be, p->b);
+    }
+    s->n_pend = 0;
+    pthread_mutex_unlock(&be->mu);
+}
+
+/* ------------------------------------------------------------------ memory */
+
+static void *cu_dev_alloc(rekv_backend *base, size_t bytes)
+{
+    cuda_backend *be = backend_of(base);
+    void *p = NULL;
+    cuda_use_device(be);
+    /* a zero-byte request still gets a unique pointer, as on the cpu backend */
+    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+        cudaGetLastError(); /* out of memory is not sticky; do not let it fail a later launch */
+        return NULL;
+    }
+    return p;
+}
+
+static void cu_dev_free(rekv_backend *base, void *p)
+{
+    if (p == NULL)
+        return;
+    cuda_use_device(backend_of(base));
+    cudaFree(p); /* implicitly waits for the device: callers free only idle buffers anyway */
+}
+
+static void *cu_host_alloc(rekv_backend *base, size_t bytes)
+{
+    void *p = NULL;
+    cuda_use_device(backend_of(base));
+    if (cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocMapped | cudaHostAllocPortable) !=
+        cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void cu_host_free(rekv_backend *base, void *p)
+{
+    if (p != NULL)
+        cudaFreeHost(p);
+}
+
+/* ------------------------------------------------------------------ streams and events */
+
+static int cu_stream_create(rekv_backend *base, const char *name, rekv_stream **out, rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    const char *nm0 = name ? name : "stream";
+    rekv_stream *s = NULL;
+    char *nm = NULL;
+    cudaError_t ce;
+    int rc = 0;
+
+    *out = NULL;
+    cuda_use_device(be);
+    s = (rekv_stream *)calloc(1, sizeof(*s));
+    nm = strdup(nm0);
+    if (s == NULL || nm == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "cuda backend: out of memory creating stream %s", nm0);
+        goto out_free;
+    }
+    s->be = be;
+    if ((ce = cudaStreamCreateWithFlags(&s->cs, cudaStreamNonBlocking)) != cudaSuccess) {
+        rc = rekv_errf(err, -EIO, "cuda backend: cannot create stream %s: %s", nm0,
+                       cudaGetErrorString(ce));
+        goto out_free;
+    }
+
+    pthread_mutex_lock(&be->mu);
+    if (be->n_streams == be->cap_streams) {
+        size_t cap = be->cap_streams ? be->cap_streams * 2 : 16;
+        char **nn = (char **)realloc(be->stream_names, cap * sizeof(*nn));
+        if (nn == NULL) {
+            pthread_mutex_unlock(&be->mu);
+            rc = rekv_errf(err, -ENOMEM, "cuda backend: out of memory creating stream %s", nm0);
+            goto out_stream;
+        }
+        be->stream_names = nn;
+        be->cap_streams = cap;
+    }
+    be->stream_names[be->n_streams++] = nm;
+    s->tid = (uint32_t)be->n_streams;
+    s->name = nm;
+    pthread_mutex_unlock(&be->mu);
+    *out = s;
+    return 0;
+
+out_stream:
+    cudaStreamDestroy(s->cs);
+out_free:
+    free(nm);
+    free(s);
+    return rc;
+}
+
+static int cu_stream_sync(rekv_stream *s, rekv_err *err)
+{
+    cuda_use_device(s->be);
+    cudaError_t e = cudaStreamSynchronize(s->cs);
+    if (e == cudaSuccess)
+        e = cudaGetLastError();
+    cuda_stream_check(s, e, "synchronize");
+    stream_resolve(s); /* ops whose events cannot be read (after a fault) are dropped */
+    int rc = 0;
+    if (s->err_code != 0) {
+        rc = rekv_errf(err, s->err_code, "%s", s->err_msg);
+        s->err_code = 0;
+        s->err_msg[0] = '\0';
+    }
+    return rc;
+}
+
+static void cu_stream_destroy(rekv_stream *s)
+{
+    if (s == NULL)
+        return;
+    cu_stream_sync(s, NULL);
+    cuda_backend *be = s->be;
+    pthread_mutex_lock(&be->mu);
+    for (size_t i = 0; i < s->n_pend; i++) { /* left when the sync failed */
+        pool_put_locked(be, s->pend[i].a);
+        pool_put_locked(be, s->pend[i].b);
+    }
+    pthread_mutex_unlock(&be->mu);
+    free(s->pend);
+    if (s->kstate_free != NULL)
+        s->kstate_free(s->kstate); /* the stream is idle: synchronised above */
+    cudaStreamDestroy(s->cs);
+    free(s); /* the name belongs to the backend */
+}
+
+static int cu_event_create(rekv_backend *base, rekv_event **out, rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    *out = NULL;
+    cuda_use_device(be);
+    rekv_event *ev = (rekv_event *)calloc(1, sizeof(*ev));
+    if (ev == NULL)
+        return rekv_errf(err, -ENOMEM, "cuda backend: out of memory creating an event");
+    cudaError_t e = cudaEventCreateWithFlags(&ev->ev, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+        free(ev);
+        return rekv_errf(err, -EIO, "cuda backend: cannot create an event: %s",
+                         cudaGetErrorString(e));
+    }
+    ev->be = be;
+    *out = ev;
+    return 0;
+}
+
+static void cu_event_destroy(rekv_event *ev)
+{
+    if (ev == NULL)
+        return;
+    /* CUDA keeps an event alive until enqueued work that uses it has run */
+    cudaEventDestroy(ev->ev);
+    free(ev);
+}
+
+static void cu_event_record(rekv_event *ev, rekv_stream *s)
+{
+    cuda_use_device(s->be);
+    cuda_stream_check(s, cudaEventRecord(ev->ev, s->cs), "event record");
+}
+
+static void cu_stream_wait_event(rekv_stream *s, rekv_event *ev)
+{
+    cuda_use_device(s->be);
+    /* an event never recorded is complete, as on the cpu backend */
+    cuda_stream_check(s, cudaStreamWaitEvent(s->cs, ev->ev, 0), "wait for event");
+}
+
+static void cu_event_sync(rekv_event *ev)
+{
+    /* void by contract: a failure here is a device fault, which is sticky and surfaces at the
+     * next stream_sync */
+    cuda_use_device(ev->be);
+    cudaEventSynchronize(ev->ev);
+}
+
+/* ---------------------------------------------------------------- sharing with other processes */
+
+static_assert(sizeof(cudaIpcMemHandle_t) <= sizeof(((rekv_ipc_handle *)0)->payload),
+              "cudaIpcMemHandle_t fits a handle's payload");
+static_assert(sizeof(cudaIpcEventHandle_t) <= sizeof(((rekv_ipc_handle *)0)->payload),
+              "cudaIpcEventHandle_t fits a handle's payload");
+
+/* A cudaMalloc allocation of its own (IPC names whole allocations), named by its IPC handle. */
+static void *cu_dev_alloc_shared(rekv_backend *base, size_t bytes, rekv_ipc_handle *out,
+                                 rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    cudaIpcMemHandle_t mh;
+    void *p = NULL;
+    cudaError_t e;
+
+    cuda_use_device(be);
+    if ((e = cudaMalloc(&p, bytes ? bytes : 1)) != cudaSuccess) {
+        cudaGetLastError();
+        rekv_errf(err, e == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,
+                  "cuda backend: cannot allocate %zu bytes of shared device memory: %s", bytes,
+                  cudaGetErrorString(e));
+        return NULL;
+    }
+    if ((e = cudaIpcGetMemHandle(&mh, p)) != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(p);
+        rekv_errf(err, -EIO, "cuda backend: cudaIpcGetMemHandle: %s", cudaGetErrorString(e));
+        return NULL;
+    }
+    rekv_ipc_handle_init(out, REKV_IPC_MEM, "cuda", bytes);
+    memcpy(out->payload, &mh, sizeof(mh));
+    return p;
+}
+
+static int cu_dev_import(rekv_backend *base, const rekv_ipc_handle *h, void **dev, size_t *bytes,
+                         rekv_err *err)
+{
+    cudaIpcMemHandle_t mh;
+    cudaError_t e;
+    int rc;
+
+    *dev = NULL;
+    if ((rc = rekv_ipc_handle_check(h, REKV_IPC_MEM, "cuda", "cuda backend: dev_import", err)) < 0)
+        return rc;
+    memcpy(&mh, h->payload, sizeof(mh));
+    cuda_use_device(backend_of(base));
+    if ((e = cudaIpcOpenMemHandle(dev, mh, cudaIpcMemLazyEnablePeerAccess)) != cudaSuccess) {
+        cudaGetLastError();
+        *dev = NULL;
+        return rekv_errf(err, -EIO,
+                         "cuda backend: dev_import: cudaIpcOpenMemHandle: %s (has the exporting "
+                         "process exited or freed the buffer? the exporter must be another "
+                         "process)",
+                         cudaGetErrorString(e));
+    }
+    if (bytes)
+        *bytes = (size_t)h->bytes;
+    return 0;
+}
+
+static void cu_dev_unimport(rekv_backend *base, void *dev)
+{
+    if (dev == NULL)
+        return;
+    cuda_use_device(backend_of(base));
+    if (cudaIpcCloseMemHandle(dev) != cudaSuccess)
+        cudaGetLastError();
+}
+
+static int cu_event_create_shared(rekv_backend *base, rekv_event **out, rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    cudaIpcEventHandle_t eh;
+    cudaError_t e;
+
+    *out = NULL;
+    cuda_use_device(be);
+    rekv_event *ev = (rekv_event *)calloc(1, sizeof(*ev));
+    if (ev == NULL)
+        return rekv_errf(err, -ENOMEM, "cuda backend: out of memory creating an event");
+    /* CUDA requires both flags of an event another process opens */
+    e = cudaEventCreateWithFlags(&ev->ev, cudaEventDisableTiming | cudaEventInterprocess);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        free(ev);
+        return rekv_errf(err, -EIO, "cuda backend: cannot create an interprocess event: %s",
+                         cudaGetErrorString(e));
+    }
+    if ((e = cudaIpcGetEventHandle(&eh, ev->ev)) != cudaSuccess) {
+        cudaGetLastError();
+        cudaEventDestroy(ev->ev);
+        free(ev);
+        return rekv_errf(err, -EIO, "cuda backend: cudaIpcGetEventHandle: %s",
+                         cudaGetErrorString(e));
+    }
+    ev->be = be;
+    ev->shared = 1;
+    rekv_ipc_handle_init(&ev->handle, REKV_IPC_EVENT, "cuda", 0);
+    memcpy(ev->handle.payload, &eh, sizeof(eh));
+    *out = ev;
+    return 0;
+}
+
+static int cu_event_export(rekv_event *ev, rekv_ipc_handle *out, rekv_err *err)
+{
+    if (!ev->shared)
+        return rekv_errf(err, -EINVAL,
+                         "cuda backend: event_export: the event was made by "
+                         "event_create; only event_create_shared's can be exported");
+    *out = ev->handle;
+    return 0;
+}
+
+/* The opened event behaves as one created with cudaEventDisableTiming: record, wait, sync and
+ * destroy work on it as on any other. */
+static int cu_event_import(rekv_backend *base, const rekv_ipc_handle *h, rekv_event **out,
+                           rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    cudaIpcEventHandle_t eh;
+    cudaError_t e;
+    int rc;
+
+    *out = NULL;
+    rc = rekv_ipc_handle_check(h, REKV_IPC_EVENT, "cuda", "cuda backend: event_import", err);
+    if (rc < 0)
+        return rc;
+    rekv_event *ev = (rekv_event *)calloc(1, sizeof(*ev));
+    if (ev == NULL)
+        return rekv_errf(err, -ENOMEM, "cuda backend: out of memory importing an event");
+    memcpy(&eh, h->payload, sizeof(eh));
+    cuda_use_device(be);
+    if ((e = cudaIpcOpenEventHandle(&ev->ev, eh)) != cudaSuccess) {
+        cudaGetLastError();
+        free(ev);
+        return rekv_errf(err, -EIO,
+                         "cuda backend: event_import: cudaIpcOpenEventHandle: %s (has the "
+                         "exporting process exited?)",
+                         cudaGetErrorString(e));
+    }
+    ev->be = be;
+    ev->shared = 1;
+    ev->handle = *h;
+    *out = ev;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ copies */
+
+/* One cudaMemcpyAsync per piece; cudaMemcpyDefault lets UVA tell pinned, pageable and device
+ * memory apart (the kvstore arena is pageable unless registered; pageable copies are correct but
+ * synchronous with respect to the host). Counted exactly at enqueue. */
+static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces, size_t n,
+                         rekv_xfer_kind kind)
+{
+    static const char *const dir_names[] = {"", "h2d", "d2h", "d2d"};
+    size_t bytes = 0;
+    char why[160];
+    if (rekv_copy_check(dir_names[dir], pieces, n, kind, &bytes, why, sizeof(why)) < 0) {
+        cuda_stream_fail(s, -EINVAL, "stream %s: %s", s->name, why);
+        return;
+    }
+    cuda_backend *be = s->be;
+    if (dir != CU_OP_D2D) {
+        pthread_mutex_lock(&be->mu);
+        if (dir == CU_OP_H2D) {
+            be->stats.h2d_bytes[kind] += bytes;
+            be->stats.h2d_copies++;
+        } else {
+            be->stats.d2h_bytes[kind] += bytes;
+            be->stats.d2h_copies++;
+        }
+        pthread_mutex_unlock(&be->mu);
+    }
+    cuda_use_device(be);
+    char label[64];
+    rekv_copy_label(label, sizeof(label), dir_names[dir], kind, bytes);
+    /* as few DMA operations as the pieces allow: each costs microseconds whatever its size */
+    rekv_copy_run one[16], *runs = n <= 16 ? one : (rekv_copy_run *)malloc(n * sizeof(*runs));
+    if (runs == NULL) {
+        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a copy of %zu pieces", s->name,
+                         n);
+        return;
+    }
+    size_t nr = rekv_copy_coalesce(pieces, n, runs);
+    long op = cuda_op_begin(s, dir, label);
+    for (size_t i = 0; i < nr; i++) {
+        const rekv_copy_run *r = &runs[i];
+        cudaError_t rc = r->height == 1
+                             ? cudaMemcpyAsync(r->dst, r->src, r->width, cudaMemcpyDefault, s->cs)
+                             : cudaMemcpy2DAsync(r->dst, r->dpitch, r->src, r->spitch, r->width,
+                                                 r->height, cudaMemcpyDefault, s->cs);
+        if (rc == cudaErrorInvalidValue && r->count > 1) {
+            /* merged across two allocations that touch: copy its pieces one by one */
+            (void)cudaGetLastError();
+            rc = cudaSuccess;
+            for (size_t j = r->first; j < r->first + r->count && rc == cudaSuccess; j++)
+                if (pieces[j].bytes)
+                    rc = cudaMemcpyAsync(pieces[j].dst, pieces[j].src, pieces[j].bytes,
+                                         cudaMemcpyDefault, s->cs);
+        }
+        if (cuda_stream_check(s, rc, dir_names[dir]))
+            break;
+    }
+    cuda_op_end(s, op);
+    if (runs != one)
+        free(runs);
+}
+
+static void cu_copy_h2d(rekv_stream *s, const rekv_copy_piece *pieces, size_t n,
+                        rekv_xfer_kind kind)
+{
+    copy_enqueue(s, CU_OP_H2D, pieces, n, kind);
+}
+
+static void cu_copy_d2h(rekv_stream *s, const rekv_copy_piece *pieces, size_t n,
+                        rekv_xfer_kind kind)
+{
+    copy_enqueue(s, CU_OP_D2H, pieces, n, kind);
+}
+
+static void cu_copy_d2d(rekv_stream *s, const rekv_copy_piece *pieces, size_t n)
+{
+    copy_enqueue(s, CU_OP_D2D, pieces, n, REKV_XFER_OTHER);
+}
+
+/* ------------------------------------------------------------------ host functions */
+
+typedef struct host_call {
+    rekv_host_fn fn;
+    void *arg; /* the copy below, or the caller's pointer when arg_bytes was 0 */
+    int owned; /* free this call (and its copy) after running */
+    max_align_t payload[];
+} host_call;
+
+static void CUDART_CB host_trampoline(void *p)
+{
+    host_call *c = (host_call *)p;
+    c->fn(c->arg);
+    free(c);
+}
+
+/* fn runs on a CUDA runtime thread once the stream reaches it; it must not call CUDA. A copy of
+ * arg is kept on the heap until then; arg_bytes == 0 passes arg itself, as on cpu. */
+static void cu_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, const void *arg,
+                           size_t arg_bytes)
+{
+    const char *nm = name ? name : "host";
+    if (fn == NULL) {
+        cuda_stream_fail(s, -EINVAL, "stream %s: launch of host function %s with a NULL function",
+                         s->name, nm);
+        return;
+    }
+    if (arg_bytes > 0 && arg == NULL) {
+        cuda_stream_fail(s, -EINVAL, "stream %s: host function %s: NULL argument of %zu bytes",
+                         s->name, nm, arg_bytes);
+        return;
+    }
+    host_call *c = (host_call *)malloc(sizeof(*c) + arg_bytes);
+    if (c == NULL) {
+        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory launching host function %s", s->name,
+                         nm);
+        return;
+    }
+    c->fn = fn;
+    if (arg_bytes > 0) {
+        memcpy(c->payload, arg, arg_bytes);
+        c->arg = c->payload;
+    } else {
+        c->arg = (void *)arg;
+    }
+    cuda_use_device(s->be);
+    long op = cuda_op_begin(s, CU_OP_COMPUTE, nm);
+    if (cuda_stream_check(s, cudaLaunchHostFunc(s->cs, host_trampoline, c), nm))
+        free(c);
+    cuda_op_end(s, op);
+}
+
+/* ------------------------------------------------------------------ flags in host memory */
+
+/* Fallbacks where the driver's stream memory operations are missing or refused: one thread that
+ * polls, or stores, the flag through the device's mapping of the host memory. */
+__global__ static void flag_wait_kernel(const volatile uint32_t *flag, uint32_t value)
+{
+    while ((int32_t)(*flag - value) < 0)
+        __nanosleep(2000);
+}
+
+__global__ static void flag_write_kernel(volatile uint32_t *flag, uint32_t value)
+{
+    __threadfence_system(); /* what the stream's earlier work wrote is visible first */
+    *flag = value;
+    __threadfence_system();
+}
+
+/* The device's address of a flag in mapped host memory; fails the stream when there is none. */
+static int flag_device_ptr(rekv_stream *s, const uint32_t *flag, const char *what, CUdeviceptr *out)
+{
+    void *d = NULL;
+    if (flag == NULL || ((uintptr_t)flag & 3u) != 0) {
+        cuda_stream_fail(s, -EINVAL, "cuda stream %s: %s: flag %p is %s", s->name, what,
+                         (const void *)flag, flag == NULL ? "NULL" : "not 4-byte aligned");
+        return -1;
+    }
+    cudaError_t e = cudaHostGetDevicePointer(&d, (void *)flag, 0);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        cuda_stream_fail(s, -EINVAL,
+                         "cuda stream %s: %s: flag %p is not in host memory the device can read "
+                         "(host_alloc it, or host_register what holds it): %s",
+                         s->name, what, (const void *)flag, cudaGetErrorString(e));
+        return -1;
+    }
+    *out = (CUdeviceptr)(uintptr_t)d;
+    return 0;
+}
+
+static void cu_stream_wait_flag(rekv_stream *s, const uint32_t *flag, uint32_t value)
+{
+    cuda_backend *be = s->be;
+    CUdeviceptr d;
+    char label[48];
+
+    cuda_use_device(be);
+    if (flag_device_ptr(s, flag, "wait for flag", &d) < 0)
+        return;
+    snprintf(label, sizeof(label), "wait flag >= %u", (unsigned)value);
+    long op = cuda_op_begin(s, CU_OP_WAIT, label);
+    if (be->wait_value32 == NULL ||
+        be->wait_value32(s->cs, d, value, be->wait_flags) != CUDA_SUCCESS) {
+        flag_wait_kernel<<<1, 1, 0, s->cs>>>((const volatile uint32_t *)(uintptr_t)d, value);
+        cuda_launch_check(s, "wait flag");
+    }
+    cuda_op_end(s, op);
+}
+
+static void cu_stream_write_flag(rekv_stream *s, uint32_t *flag, uint32_t value)
+{
+    cuda_backend *be = s->be;
+    CUdeviceptr d;
+
+    cuda_use_device(be);
+    if (flag_device_ptr(s, flag, "write flag", &d) < 0)
+        return;
+    /* the default flags fence the stream's earlier writes before the store */
+    if (be->write_value32 == NULL ||
+        be->write_value32(s->cs, d, value, CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+        flag_write_kernel<<<1, 1, 0, s->cs>>>((volatile uint32_t *)(uintptr_t)d, value);
+        cuda_launch_check(s, "write flag");
+    }
+}
+
+/* A driver function by name, without linking libcuda; NULL when the driver lacks it. */
+static void *driver_entry(const char *symbol)
+{
+    void *fn = NULL;
+#if CUDART_VERSION >= 12000
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    /* 12.0: the ABI (the _v2 functions) that cu_value32_fn describes */
+    cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &q);
+#else
+    cudaError_t e = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault, &q);
+#endif
+    int found = e == cudaSuccess && q == cudaDriverEntryPointSuccess;
+#else
+    cudaError_t e = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault);
+    int found = e == cudaSuccess;
+#endif
+    if (!found) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return fn;
+}
+
+/* ------------------------------------------------------------------ stats and trace */
+
+static void cu_stats(rekv_backend *base, rekv_backend_stats *out)
+{
+    cuda_backend *be = backend_of(base);
+    pthread_mutex_lock(&be->mu);
+    *out = be->stats;
+    pthread_mutex_unlock(&be->mu);
+}
+
+static void cu_stats_reset(rekv_backend *base)
+{
+    cuda_backend *be = backend_of(base);
+    pthread_mutex_lock(&be->mu);
+    memset(&be->stats, 0, sizeof(be->stats));
+    pthread_mutex_unlock(&be->mu);
+}
+
+static void cu_trace_start(rekv_backend *base)
+{
+    cuda_backend *be = backend_of(base);
+    cuda_use_device(be);
+    pthread_mutex_lock(&be->mu);
+    be->n_spans = 0;
+    be->dropped_spans = 0;
+    be->tracing = 0;
+    if (be->trace_ref == NULL && cudaEventCreate(&be->trace_ref) != cudaSuccess)
+        be->trace_ref = NULL;
+    /* the trace stream is idle: the reference completes at once, and waiting for it makes every
+     * later span's offset from it readable */
+    if (be->trace_ref != NULL && cudaEventRecord(be->trace_ref, be->trace_stream) == cudaSuccess &&
+        cudaEventSynchronize(be->trace_ref) == cudaSuccess)
+        be->tracing = 1;
+    cudaGetLastError();
+    pthread_mutex_unlock(&be->mu);
+}
+
+/* Spans of ops whose streams have not been synchronised since are not in the file yet. */
+static int cu_trace_write(rekv_backend *base, const char *path, rekv_err *err)
+{
+    cuda_backend *be = backend_of(base);
+    FILE *f = fopen(path, "w");
+    if (f == NULL)
+        return rekv_errf(err, -errno, "%s: cannot create trace file: %s", path, strerror(errno));
+    char extra[64];
+    snprintf(extra, sizeof(extra), "\"device\": %d, \"clock\": \"gpu events\", ", be->device);
+    pthread_mutex_lock(&be->mu);
+    rekv_trace_begin(f, "cuda", extra, be->n_spans, be->dropped_spans, be->stream_names,
+                     be->n_streams);
+    for (size_t i = 0; i < be->n_spans; i++) {
+        const cu_span *sp = &be->spans[i];
+        rekv_trace_span(f, sp->tid, sp->start_ms * 1e3, sp->dur_ms * 1e3, sp->label);
+    }
+    pthread_mutex_unlock(&be->mu);
+    return rekv_trace_end(f, path, err);
+}
+
+static void cu_destroy(rekv_backend *base)
+{
+    cuda_backend *be = backend_of(base);
+    cuda_use_device(be);
+    for (size_t i = 0; i < be->n_pool; i++)
+        cudaEventDestroy(be->pool[i]);
+    free(be->pool);
+    if (be->trace_ref != NULL)
+        cudaEventDestroy(be->trace_ref);
+    if (be->trace_stream != NULL)
+        cudaStreamDestroy(be->trace_stream);
+    for (size_t i = 0; i < be->n_streams; i++)
+        free(be->stream_names[i]);
+    free(be->stream_names);
+    free(be->spans);
+    pthread_mutex_destroy(&be->mu);
+    free(be);
+}
+
+/* Page-locks the kvstore arena (or any host range) so that copies from it are DMA and async. */
+static int cu_host_register(rekv_backend *be, void *p, size_t bytes, rekv_err *err)
+{
+    (void)be;
+    /* mapped too, so that a flag in it can be waited on (cudaHostGetDevicePointer) */
+    cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return rekv_errf(err, -EIO, "cuda backend: cudaHostRegister of %zu bytes: %s", bytes,
+                         cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+static void cu_host_unregister(rekv_backend *be, void *p)
+{
+    (void)be;
+    if (cudaHostUnregister(p) != cudaSuccess)
+        cudaGetLastError();
+}
+
+static int cu_mem_info(rekv_backend *base, size_t *free_bytes, size_t *total_bytes, rekv_err *err)
+{
+    cuda_use_device(backend_of(base));
+    size_t f = 0, t = 0;
+    cudaError_t e = cudaMemGetInfo(&f, &t);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return rekv_errf(err, -EIO, "cuda backend: cudaMemGetInfo: %s", cudaGetErrorString(e));
+    }
+    *free_bytes = f;
+    *total_bytes = t;
+    return 0;
+}
+
+static const rekv_backend_iface cuda_iface = {
+    "cuda",                 /* name */
+    cu_destroy,             /* destroy */
+    cu_dev_alloc,           /* dev_alloc */
+    cu_dev_free,            /* dev_free */
+    cu_host_alloc,          /* host_alloc */
+    cu_host_free,           /* host_free */
+    cu_stream_create,       /* stream_create */
+    cu_stream_destroy,      /* stream_destroy */
+    cu_stream_sync,         /* stream_sync */
+    cu_event_create,        /* event_create */
+    cu_event_destroy,       /* event_destroy */
+    cu_event_record,        /* event_record */
+    cu_stream_wait_event,   /* stream_wait_event */
+    cu_event_sync,          /* event_sync */
+    cu_copy_h2d,            /* copy_h2d */
+    cu_copy_d2h,            /* copy_d2h */
+    cu_copy_d2d,            /* copy_d2d */
+    cu_launch_host,         /* launch_host */
+    cu_stats,               /* stats */
+    cu_stats_reset,         /* stats_reset */
+    cu_trace_start,         /* trace_start */
+    cu_trace_write,         /* trace_write */
+    cu_host_register,       /* host_register */
+    cu_host_unregister,     /* host_unregister */
+    cu_dev_alloc_shared,    /* dev_alloc_shared */
+    cu_dev_import,          /* dev_import */
+    cu_dev_unimport,        /* dev_unimport */
+    cu_event_create_shared, /* event_create_shared */
+    cu_event_export,        /* event_export */
+    cu_event_import,        /* event_import */
+    cu_stream_wait_flag,    /* stream_wait_flag */
+    cu_stream_write_flag,   /* stream_write_flag */
+    cu_mem_info,            /* mem_info */
+};
+
+extern "C" int rekv_backend_cuda_create(int device, rekv_backend **out, rekv_err *err)
+{
+    int count = 0;
+    cudaError_t e;
+    *out = NULL;
+    if ((e = cudaGetDeviceCount(&count)) != cudaSuccess) {
+        cudaGetLastError();
+        return rekv_errf(err, -ENODEV, "cuda backend: no CUDA device (cudaGetDeviceCount: %s)",
+                         cudaGetErrorString(e));
+    }
+    if (count == 0)
+        return rekv_errf(err, -ENODEV, "cuda backend: no CUDA device");
+    if (device < 0 || device >= count)
+        return rekv_errf(err, -ENODEV, "cuda backend: no CUDA device %d (this machine has %d)",
+                         device, count);
+    if ((e = cudaSetDevice(device)) != cudaSuccess)
+        return rekv_errf(err, -EIO, "cuda backend: cannot use device %d: %s", device,
+                         cudaGetErrorString(e));
+    cuda_backend *be = (cuda_backend *)calloc(1, sizeof(*be));
+    if (be == NULL)
+        return rekv_errf(err, -ENOMEM, "cuda backend: out of memory");
+    if ((e = cudaStreamCreateWithFlags(&be->trace_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        free(be);
+        return rekv_errf(err, -EIO, "cuda backend: cannot create a stream on device %d: %s", device,
+                         cudaGetErrorString(e));
+    }
+    be->base.iface = &cuda_iface;
+    be->base.ctx = be;
+    be->device = device;
+    if (cudaDeviceGetAttribute(&be->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        be->sms <= 0)
+        be->sms = 1;
+    /* the split attention's scratch comes from the stream-ordered pool: keep what it frees
+     * instead of returning it at every synchronisation (best effort) */
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+        uint64_t keep = UINT64_MAX;
+        (void)cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    }
+    (void)cudaGetLastError();
+    be->wait_value32 = (cu_value32_fn)driver_entry("cuStreamWaitValue32");
+    be->write_value32 = (cu_value32_fn)driver_entry("cuStreamWriteValue32");
+    be->wait_flags = CU_STREAM_WAIT_VALUE_GEQ;
+    int flush = 0;
+    if (cudaDeviceGetAttribute(&flush, cudaDevAttrCanFlushRemoteWrites, device) == cudaSuccess &&
+        flush)
+        be->wait_flags |= CU_STREAM_WAIT_VALUE_FLUSH; /* writes from a peer device land first */
+    cudaGetLastError();
+    pthread_mutex_init(&be->mu, NULL);
+    *out = &be->base;
+    return 0;
+}

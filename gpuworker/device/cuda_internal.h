@@ -1,0 +1,105 @@
+/* cuda_internal.h — the cuda backend's runtime structures, shared by the runtime
+ * (device/backend_cuda.cu) and the engine's CUDA kernels (gpuworker/kernels_cuda.cu), which launch
+ * on a rekv_stream's CUDA stream, time their launches with the runtime's events and fail the stream
+ * as the runtime does. Nothing else includes it: the device room's public face is backend.h.
+ *
+ * A stream carries one slot for the kernels' own per-stream state (kstate: kernels_cuda.cu keeps a
+ * cuBLAS handle bound to the stream and the GEMM's input scratch there), created by the kernels
+ * on first use and freed through kstate_free when the stream is destroyed, after it is idle — so
+ * the runtime never links cuBLAS and the kvstore's push path, which uses only the runtime, does not
+ * either. */
+#ifndef REKV_GPUWORKER_DEVICE_CUDA_INTERNAL_H
+#define REKV_GPUWORKER_DEVICE_CUDA_INTERNAL_H
+
+#include <cuda.h> /* the driver API's types and constants only: libcuda is not linked */
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stdint.h>
+
+/* nvcc does not get the C files' -DREKV_CUDA=1; a .cu file is the CUDA build by definition */
+#ifndef REKV_CUDA
+#define REKV_CUDA 1
+#endif
+
+extern "C" {
+#include "gpuworker/device/backend_cuda.h"
+}
+
+/* what an op is, for busy times: waits are traced but count as nothing */
+enum { CU_OP_COMPUTE = 0, CU_OP_H2D = 1, CU_OP_D2H = 2, CU_OP_D2D = 3, CU_OP_WAIT = 4 };
+
+/* cuStreamWaitValue32 and cuStreamWriteValue32 (v2, CUDA >= 12.0: the same signature) */
+typedef CUresult(CUDAAPI *cu_value32_fn)(CUstream stream, CUdeviceptr addr, cuuint32_t value,
+                                         unsigned int flags);
+
+/* One op awaiting resolution: its timing events, what it was, and its label. */
+typedef struct cu_pending {
+    cudaEvent_t a, b; /* recorded just before and just after the op on its stream */
+    int what;         /* CU_OP_* */
+    int traced;       /* enqueued while tracing: becomes a span */
+    char label[52];
+} cu_pending;
+
+/* A resolved span of the trace, in ms from the trace's reference event. */
+typedef struct cu_span {
+    double start_ms, dur_ms;
+    uint32_t tid; /* index in stream_names + 1 */
+    char label[52];
+} cu_span;
+
+typedef struct cuda_backend {
+    rekv_backend base; /* iface, ctx (points back here); first, so casts work */
+    int device;
+    int sms;                     /* multiprocessors (how many blocks fill the device) */
+    cu_value32_fn wait_value32;  /* the driver's stream memory operations; NULL where absent */
+    cu_value32_fn write_value32; /* (flag waits and writes then run as kernels) */
+    unsigned wait_flags;         /* CU_STREAM_WAIT_VALUE_GEQ, | FLUSH where the device can */
+
+    pthread_mutex_t mu;       /* protects every field below */
+    rekv_backend_stats stats; /* counters since creation or the last stats_reset */
+    cudaEvent_t *pool;        /* free timing events */
+    size_t n_pool, cap_pool;
+
+    int tracing;               /* trace_start was called */
+    cudaStream_t trace_stream; /* records the reference event */
+    cudaEvent_t trace_ref;     /* GPU time 0 of the trace; NULL until the first trace_start */
+    cu_span *spans;
+    size_t n_spans, cap_spans;
+    uint64_t dropped_spans;
+    char **stream_names; /* every stream ever created; trace tracks outlive streams */
+    size_t n_streams, cap_streams;
+} cuda_backend;
+
+struct rekv_stream {
+    cuda_backend *be;
+    cudaStream_t cs;
+    uint32_t tid;     /* trace track */
+    const char *name; /* be->stream_names[tid - 1] */
+    cu_pending *pend; /* ops enqueued since the last resolution, in order */
+    size_t n_pend, cap_pend;
+    void *kstate;                      /* the kernels' state for this stream; NULL until set */
+    void (*kstate_free)(void *kstate); /* frees it, called once the stream is idle */
+    int err_code;                      /* first failure since the last stream_sync, 0 when none */
+    char err_msg[512];
+};
+
+/* Makes the backend's device current on the calling thread (a no-op when it already is). */
+static inline void cuda_use_device(const cuda_backend *be)
+{
+    cudaSetDevice(be->device);
+}
+
+/* Keeps the first failure of a stream until its next stream_sync. */
+void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Keeps a CUDA error as the stream's failure; returns 1 when there was one. */
+int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what);
+/* Checks a kernel launch. */
+void cuda_launch_check(rekv_stream *s, const char *kernel);
+/* Starts timing an op on s (CU_OP_*): records its start event. Returns the pending index or -1
+ * (the op then goes untimed: timing is best effort, the op itself is not affected). */
+long cuda_op_begin(rekv_stream *s, int what, const char *label);
+/* Ends the op cuda_op_begin started (i < 0: nothing). */
+void cuda_op_end(rekv_stream *s, long i);
+
+#endif

@@ -1,0 +1,717 @@
+/* kernels_cuda.cu — the forward pass's kernels (kernels.h) on an NVIDIA GPU, launched on the cuda
+ * backend's streams (device/backend_cuda.cu; its structures in device/cuda_internal.h): every
+ * launch is on the rekv_stream's CUDA stream, timed and traced by the runtime's events, checked
+ * with cudaGetLastError, and a failure is kept by the stream until its next stream_sync, as the
+ * runtime's own work is.
+ *
+ * The kernels (fp32 activations; weight matrices in the model file's dtype, as the engine holds
+ * them):
+ * - linear: fp32 weights: cublasSgemm (full fp32, no TF32); f16/bf16 weights: x rounded to the
+ *   weights' dtype into a per-stream scratch, then cublasGemmEx with fp32 accumulation and output
+ *   (tensor cores). Then a bias kernel. Not row-invariant like cpu_gemm.c, so bits may depend on
+ *   batching; results agree with the cpu reference within fp32 rounding (fp32 weights) or the
+ *   16-bit rounding of x (16-bit weights).
+ * - norm: one block per row, two-pass LayerNorm as cpu_norm does, reductions in shared memory.
+ * - rope: angles as cpu_rope_table (the float exponent), with pow and cos/sin in double rounded to
+ *   float, which matches glibc's correctly rounded powf/cosf/sinf almost always.
+ * - attention: one block per (head, sequence, row slice); the block's warps split the context,
+ *   each keeps an online softmax, and the block merges them (flash-decoding's split, within a
+ *   block). The `scores` scratch is not used.
+ * - the rest: element- or row-parallel; one block per row where a row reads mapped metadata, read
+ *   once per block through shared memory.
+ *
+ * cuBLAS lives here, not in the runtime: each stream gets its handle on its first GEMM (kstate),
+ * freed by the runtime with the stream. */
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "gpuworker/device/cuda_internal.h"
+
+extern "C" {
+#include "common/dtype.h"
+#include "gpuworker/kernels.h"
+}
+
+enum { EW_THREADS = 256, ROW_THREADS = 256, ATT_WARPS = 8, ATT_ROW_SLICES = 16 };
+/* split attention: at most this many chunks of a context, each at least this many positions */
+enum { ATT_MAX_SPLITS = 32, ATT_MIN_CHUNK = 64 };
+/* head_dim <= 512 (kernels.h): an attention lane holds up to 16 elements of its output */
+enum { ATT_MAX_PER_LANE = 16 };
+
+static unsigned ew_blocks(size_t n)
+{
+    size_t b = (n + EW_THREADS - 1) / EW_THREADS;
+    return (unsigned)(b > 65536 ? 65536 : b ? b : 1);
+}
+
+/* A kernel op: timed and traced, launch checked. */
+#define KLAUNCH(s, name, kernel, grid, block, shmem, ...)                                          \
+    do {                                                                                           \
+        cuda_use_device((s)->be);                                                                  \
+        long op_ = cuda_op_begin((s), CU_OP_COMPUTE, (name));                                      \
+        kernel<<<(grid), (block), (shmem), (s)->cs>>>(__VA_ARGS__);                                \
+        cuda_launch_check((s), (name));                                                            \
+        cuda_op_end((s), op_);                                                                     \
+    } while (0)
+
+__device__ __forceinline__ static float load_as_f32(const void *p, size_t i, int dtype)
+{
+    if (dtype == REKV_DTYPE_F16)
+        return __half2float(((const __half *)p)[i]);
+    if (dtype == REKV_DTYPE_BF16)
+        return __uint_as_float((uint32_t)((const uint16_t *)p)[i] << 16);
+    return ((const float *)p)[i];
+}
+
+/* p[i] = f in dtype: f16 and bf16 round to nearest even (bf16 as rekv_f32_to_bf16, bit for bit) */
+__device__ __forceinline__ static void store_from_f32(void *p, size_t i, float f, int dtype)
+{
+    if (dtype == REKV_DTYPE_F16) {
+        ((__half *)p)[i] = __float2half_rn(f); /* nearest even, overflow to inf */
+    } else if (dtype == REKV_DTYPE_BF16) {
+        uint32_t u = __float_as_uint(f);
+        uint16_t r;
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            r = (uint16_t)((u >> 16) | 0x40);
+        else
+            r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        ((uint16_t *)p)[i] = r;
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+__global__ static void convert_out_kernel(void *dst, const float *src, size_t n, int dtype)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        store_from_f32(dst, i, src[i], dtype);
+}
+
+/* Sum over the block; every thread gets the result. red: blockDim.x / 32 floats of shared. */
+__device__ static float block_sum(float v, float *red)
+{
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads(); /* red may still be read from a previous call */
+    if (lane == 0)
+        red[warp] = v;
+    __syncthreads();
+    float t = 0;
+    for (int i = 0; i < nw; i++)
+        t += red[i];
+    return t;
+}
+
+__global__ static void bias_kernel(float *y, const float *bias, size_t total, int n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] += bias[i % (size_t)n];
+}
+
+/* The kernels' state of one stream: a cuBLAS handle of its own (a handle's workspace must not be
+ * shared by concurrent streams) bound to the stream, and linear's input scratch. */
+typedef struct cu_kstate {
+    cublasHandle_t blas; /* bound to the stream; full fp32 products (no TF32) */
+    void *xh;            /* linear with 16-bit weights: x rounded to the weights' dtype */
+    size_t xh_cap;       /* bytes (stream-ordered allocation, grown on demand) */
+} cu_kstate;
+
+/* Called by the runtime when the stream is destroyed, once it is idle. */
+static void kstate_free(void *p)
+{
+    cu_kstate *k = (cu_kstate *)p;
+    if (k->xh != NULL)
+        cudaFree(k->xh);
+    cublasDestroy(k->blas);
+    free(k);
+}
+
+/* The stream's kernel state, created on its first GEMM; NULL with the stream failed when it cannot
+ * be. */
+static cu_kstate *kstate(rekv_stream *s)
+{
+    if (s->kstate != NULL)
+        return (cu_kstate *)s->kstate;
+    cu_kstate *k = (cu_kstate *)calloc(1, sizeof(*k));
+    if (k == NULL) {
+        cuda_stream_fail(s, -ENOMEM, "cuda stream %s: out of memory for the kernels' state",
+                         s->name);
+        return NULL;
+    }
+    cublasStatus_t bs = cublasCreate(&k->blas);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        cuda_stream_fail(s, bs == CUBLAS_STATUS_ALLOC_FAILED ? -ENOMEM : -EIO,
+                         "cuda stream %s: cannot create a cuBLAS handle: %s", s->name,
+                         cublasGetStatusString(bs));
+        free(k);
+        return NULL;
+    }
+    /* full fp32 products (no TF32), as the cpu reference computes them */
+    if (cublasSetStream(k->blas, s->cs) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetMathMode(k->blas, CUBLAS_DEFAULT_MATH) != CUBLAS_STATUS_SUCCESS) {
+        cuda_stream_fail(s, -EIO, "cuda stream %s: cannot bind cuBLAS to the stream", s->name);
+        cublasDestroy(k->blas);
+        free(k);
+        return NULL;
+    }
+    s->kstate = k;
+    s->kstate_free = kstate_free;
+    return k;
+}
+
+/* k->xh holds at least bytes (stream-ordered: the old buffer is freed after the work that uses
+ * it). 0, or -ENOMEM with the stream failed. */
+static int stream_scratch(rekv_stream *s, cu_kstate *k, size_t bytes)
+{
+    if (bytes <= k->xh_cap)
+        return 0;
+    size_t want = bytes + bytes / 4;
+    void *p = NULL;
+    cudaError_t e = cudaMallocAsync(&p, want, s->cs);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        cuda_stream_fail(s, -ENOMEM,
+                         "cuda stream %s: out of device memory for %zu bytes of scratch: %s",
+                         s->name, want, cudaGetErrorString(e));
+        return -ENOMEM;
+    }
+    if (k->xh != NULL)
+        cudaFreeAsync(k->xh, s->cs);
+    k->xh = p;
+    k->xh_cap = want;
+    return 0;
+}
+
+static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
+                     const float *bias, int m, int n, int k)
+{
+    if (m <= 0 || n <= 0)
+        return;
+    cuda_use_device(s->be);
+    cu_kstate *ks = kstate(s);
+    if (ks == NULL)
+        return;
+    const float one = 1.0f, zero = 0.0f;
+    long op = cuda_op_begin(s, CU_OP_COMPUTE, "linear");
+    /* cuBLAS is column-major: row-major y[m][n] is y^T (n x m, ld n) = op_T(w) · x, where w's
+     * rows [n][k] are a k x n matrix (ld k), transposed to n x k, and x is k x m (ld k) */
+    cublasStatus_t st;
+    if (wt == REKV_DTYPE_F32) {
+        st = cublasSgemm(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, (const float *)w, k, x,
+                         k, &zero, y, n);
+    } else {
+        /* 16-bit weights: x rounded to the same dtype, products on tensor cores, fp32 sums */
+        size_t xe = (size_t)m * (size_t)k;
+        if (stream_scratch(s, ks, xe * 2) != 0) {
+            cuda_op_end(s, op);
+            return;
+        }
+        convert_out_kernel<<<ew_blocks(xe), EW_THREADS, 0, s->cs>>>(ks->xh, x, xe, (int)wt);
+        cuda_launch_check(s, "linear x");
+        cudaDataType dt = wt == REKV_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
+        st = cublasGemmEx(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, dt, k, ks->xh, dt,
+                          k, &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }
+    if (st != CUBLAS_STATUS_SUCCESS)
+        cuda_stream_fail(s, -EIO, "cuda stream %s: %s GEMM (m %d, n %d, k %d): %s", s->name,
+                         rekv_dtype_name(wt), m, n, k, cublasGetStatusString(st));
+    else
+        cuda_launch_check(s, "linear");
+    if (bias != NULL && st == CUBLAS_STATUS_SUCCESS) {
+        size_t total = (size_t)m * (size_t)n;
+        bias_kernel<<<ew_blocks(total), EW_THREADS, 0, s->cs>>>(y, bias, total, n);
+        cuda_launch_check(s, "linear bias");
+    }
+    cuda_op_end(s, op);
+}
+
+__global__ static void norm_kernel(float *out, const float *in, const float *w, const float *b,
+                                   int d, float eps)
+{
+    __shared__ float red[ROW_THREADS / 32];
+    const float *x = in + (size_t)blockIdx.x * d;
+    float *y = out + (size_t)blockIdx.x * d;
+    if (b != NULL) {
+        float sum = 0;
+        for (int j = threadIdx.x; j < d; j += blockDim.x)
+            sum += x[j];
+        float mean = block_sum(sum, red) / (float)d;
+        float var = 0;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
+            float c = x[j] - mean;
+            var += c * c;
+        }
+        var = block_sum(var, red) / (float)d;
+        float inv = 1.0f / sqrtf(var + eps);
+        /* each thread writes only what it read, after both reductions: out may equal in */
+        for (int j = threadIdx.x; j < d; j += blockDim.x)
+            y[j] = (x[j] - mean) * inv * w[j] + b[j];
+    } else {
+        float ss = 0;
+        for (int j = threadIdx.x; j < d; j += blockDim.x)
+            ss += x[j] * x[j];
+        float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)d + eps);
+        for (int j = threadIdx.x; j < d; j += blockDim.x)
+            y[j] = w[j] * (x[j] * inv);
+    }
+}
+
+static void k_norm(rekv_stream *s, float *out, const float *in, const float *w, const float *b,
+                   int m, int d, float eps)
+{
+    if (m <= 0 || d <= 0)
+        return;
+    KLAUNCH(s, "norm", norm_kernel, m, ROW_THREADS, 0, out, in, w, b, d, eps);
+}
+
+/* One block per row; threads over (head, pair). */
+__global__ static void rope_kernel(float *x, const int32_t *pos, int n_heads, int head_dim,
+                                   float theta, int adjacent)
+{
+    __shared__ float p;
+    if (threadIdx.x == 0)
+        p = (float)pos[blockIdx.x]; /* mapped host memory: read once per block */
+    __syncthreads();
+    int half = head_dim / 2;
+    float *row = x + (size_t)blockIdx.x * (size_t)n_heads * (size_t)head_dim;
+    for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
+        int h = i / half, j = i % half;
+        /* as cpu_rope_table, with pow/cos/sin in double rounded to float so that the angles and
+         * their cos/sin are those of glibc's correctly rounded float functions */
+        float e = (float)(2 * j) / (float)head_dim;
+        float inv_freq = 1.0f / (float)pow((double)theta, (double)e);
+        float a = p * inv_freq;
+        float c = (float)cos((double)a), sn = (float)sin((double)a);
+        float *v = row + (size_t)h * head_dim;
+        float *pa = adjacent ? &v[2 * j] : &v[j];
+        float *pb = adjacent ? &v[2 * j + 1] : &v[j + half];
+        float x0 = *pa, x1 = *pb;
+        *pa = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        *pb = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+    }
+}
+
+static void k_rope(rekv_stream *s, float *x, const int32_t *pos, int m, int n_heads, int head_dim,
+                   float theta, rekv_rope style)
+{
+    if (m <= 0 || n_heads <= 0 || head_dim < 2 || style == REKV_ROPE_NONE)
+        return;
+    if (head_dim > 512) {
+        cuda_stream_fail(s, -EINVAL, "cuda stream %s: rope with head_dim %d > 512", s->name,
+                         head_dim);
+        return;
+    }
+    KLAUNCH(s, "rope", rope_kernel, m, ROW_THREADS, 0, x, pos, n_heads, head_dim, theta,
+            style == REKV_ROPE_ADJACENT);
+}
+
+__global__ static void act_kernel(float *a, const float *b, size_t n, int act)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float v = a[i];
+        if (act == REKV_ACT_RELU) {
+            a[i] = v > 0 ? v : 0;
+        } else if (act == REKV_ACT_GELU) {
+            a[i] = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+        } else {
+            float sv = v / (1.0f + expf(-v));
+            a[i] = b ? sv * b[i] : sv;
+        }
+    }
+}
+
+static void k_activation(rekv_stream *s, float *x, const float *b, size_t n, rekv_act act)
+{
+    if (n == 0)
+        return;
+    KLAUNCH(s, "activation", act_kernel, ew_blocks(n), EW_THREADS, 0, x, b, n, (int)act);
+}
+
+__global__ static void add_kernel(float *x, const float *y, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        x[i] += y[i];
+}
+
+static void k_add(rekv_stream *s, float *x, const float *y, size_t n)
+{
+    if (n == 0)
+        return;
+    KLAUNCH(s, "add", add_kernel, ew_blocks(n), EW_THREADS, 0, x, y, n);
+}
+
+__global__ static void embed_kernel(float *x, const void *table, int tdtype, const int32_t *tokens,
+                                    const float *pos_table, const int32_t *pos, int pos_offset,
+                                    int e)
+{
+    __shared__ int tok, ps;
+    if (threadIdx.x == 0) {
+        tok = table ? tokens[blockIdx.x] : 0;
+        ps = pos_table ? pos[blockIdx.x] + pos_offset : 0;
+    }
+    __syncthreads();
+    float *row = x + (size_t)blockIdx.x * e;
+    const float *pr = pos_table ? pos_table + (size_t)ps * e : NULL;
+    for (int j = threadIdx.x; j < e; j += blockDim.x) {
+        float v = table ? load_as_f32(table, (size_t)tok * e + j, tdtype) : row[j];
+        if (pr)
+            v += pr[j];
+        row[j] = v;
+    }
+}
+
+static void k_embed(rekv_stream *s, float *x, const void *table, rekv_dtype tt,
+                    const int32_t *tokens, const float *pos_table, const int32_t *pos,
+                    int pos_offset, int m, int e)
+{
+    if (m <= 0 || e <= 0 || (table == NULL && pos_table == NULL))
+        return;
+    KLAUNCH(s, "embed", embed_kernel, m, ROW_THREADS, 0, x, table, (int)tt, tokens, pos_table, pos,
+            pos_offset, e);
+}
+
+/* One block per row r: its K and V heads go to seqs[row_seq[r]] at position row_pos[r], stored in
+ * the cache dtype. */
+__global__ static void scatter_kernel(const float *k, const float *v, const int32_t *row_seq,
+                                      const int32_t *row_pos, const rekv_attn_seq *seqs, int n_kv,
+                                      int hd, int dtype)
+{
+    __shared__ void *kv;
+    __shared__ int p;
+    if (threadIdx.x == 0) {
+        kv = seqs[row_seq[blockIdx.x]].kv;
+        p = row_pos[blockIdx.x];
+    }
+    __syncthreads();
+    size_t src0 = (size_t)blockIdx.x * (size_t)n_kv * (size_t)hd, vs = rekv_kv_v_shift(n_kv, hd);
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) {
+        int g = i / hd, j = i % hd;
+        size_t dst = rekv_kv_row(n_kv, hd, g, p) + (size_t)j;
+        store_from_f32(kv, dst, k[src0 + i], dtype);
+        store_from_f32(kv, dst + vs, v[src0 + i], dtype);
+    }
+}
+
+static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int rows,
+                         const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
+                         int n_kv, int head_dim, rekv_dtype dt)
+{
+    if (rows <= 0 || n_kv <= 0 || head_dim <= 0)
+        return;
+    KLAUNCH(s, "kv_scatter", scatter_kernel, rows, ROW_THREADS, 0, k, v, row_seq, row_pos, seqs,
+            n_kv, head_dim, (int)dt);
+}
+
+/* Attention is a block per (head h, sequence y, z). Per query row, warp w takes context
+ * positions w, w + ATT_WARPS, ... of the block's range; a position's score is a warp dot product;
+ * each warp keeps a running max, sum and output (lane-strided over head_dim), and the block then
+ * merges its warps' partial softmaxes (attn_merge). Plain (attention_kernel): z is a slice of the
+ * rows — rows z, z + ATT_ROW_SLICES, ... — each over its whole context. Split, flash-decoding
+ * style (attention_split_kernel, for decode batches too small to fill the device): every sequence
+ * has one row and z is a chunk of its context; each block writes its unnormalised partial
+ * (max, sum, output) and attention_combine_kernel merges the chunks. Shared: q [hd],
+ * acc [ATT_WARPS][hd], m and l [ATT_WARPS] each. */
+
+/* The warp's pass over positions t0 + warp, t0 + warp + ATT_WARPS, ... < t1 of kv head kvh. */
+template <int DT>
+__device__ static void attn_warp_pass(const float *qs, const void *kv, int n_kv, int hd, int kvh,
+                                      int t0, int t1, float scale, float &m, float &l, float *acc)
+{
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    size_t vs = rekv_kv_v_shift(n_kv, hd);
+    m = -INFINITY;
+    l = 0;
+#pragma unroll
+    for (int c = 0; c < ATT_MAX_PER_LANE; c++)
+        acc[c] = 0;
+    for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
+        size_t row = rekv_kv_row(n_kv, hd, kvh, t);
+        float d = 0;
+        for (int j = lane; j < hd; j += 32)
+            d += qs[j] * load_as_f32(kv, row + j, DT);
+        for (int o = 16; o > 0; o >>= 1)
+            d += __shfl_xor_sync(0xffffffffu, d, o);
+        d *= scale;
+        float m_new = fmaxf(m, d);
+        float corr = expf(m - m_new), p = expf(d - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
+            int j = c * 32 + lane;
+            if (j < hd)
+                acc[c] = acc[c] * corr + p * load_as_f32(kv, vs + row + j, DT);
+        }
+        m = m_new;
+    }
+}
+
+/* Merges the block's warps (warp 0 saw position t0, so the max is finite; a warp that saw nothing
+ * has m = -inf and weighs exp(-inf) = 0): o[j] = the merged output, divided by the merged sum
+ * when normalise, else left with *mx and *sum for a later merge. */
+__device__ static void attn_merge(float *accs, float *ms, float *ls, int hd, float m, float l,
+                                  const float *acc, float *o, int normalise, float *mx_out,
+                                  float *sum_out)
+{
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
+        int j = c * 32 + lane;
+        if (j < hd)
+            accs[warp * hd + j] = acc[c];
+    }
+    if (lane == 0) {
+        ms[warp] = m;
+        ls[warp] = l;
+    }
+    __syncthreads();
+    float mx = ms[0];
+    for (int w = 1; w < ATT_WARPS; w++)
+        mx = fmaxf(mx, ms[w]);
+    float sum = 0, wt[ATT_WARPS];
+    for (int w = 0; w < ATT_WARPS; w++) {
+        wt[w] = expf(ms[w] - mx);
+        sum += ls[w] * wt[w];
+    }
+    float inv = normalise ? 1.0f / sum : 1.0f;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        float v = 0;
+        for (int w = 0; w < ATT_WARPS; w++)
+            v += accs[w * hd + j] * wt[w];
+        o[j] = v * inv;
+    }
+    *mx_out = mx;
+    *sum_out = sum;
+}
+
+template <int DT>
+__global__ static void __launch_bounds__(ATT_WARPS * 32)
+    attention_kernel(float *out, const float *q, const rekv_attn_seq *seqs, int n_heads, int n_kv,
+                     int hd, float scale)
+{
+    extern __shared__ float sh[];
+    float *qs = sh, *accs = sh + hd, *ms = accs + ATT_WARPS * hd, *ls = ms + ATT_WARPS;
+    __shared__ rekv_attn_seq sq;
+    if (threadIdx.x == 0)
+        sq = seqs[blockIdx.y]; /* mapped host memory: read once per block */
+    __syncthreads();
+    int h = blockIdx.x, kvh = h / (n_heads / n_kv);
+    size_t qd = (size_t)n_heads * (size_t)hd;
+    for (int i = blockIdx.z; i < sq.n; i += gridDim.z) {
+        size_t r = (size_t)sq.row0 + (size_t)i;
+        const float *qh = q + r * qd + (size_t)h * hd;
+        __syncthreads(); /* the previous row's merge has read the shared arrays */
+        for (int j = threadIdx.x; j < hd; j += blockDim.x)
+            qs[j] = qh[j];
+        __syncthreads();
+        float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
+        attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, kvh, 0, sq.start + i + 1, scale, m, l, acc);
+        attn_merge(accs, ms, ls, hd, m, l, acc, out + r * qd + (size_t)h * hd, 1, &mx, &sum);
+    }
+}
+
+/* A partial of (row r, head h, chunk z): max, sum, then hd outputs. */
+__device__ __forceinline__ static float *attn_partial(float *part, size_t r, int h, int z,
+                                                      int n_heads, int splits, int hd)
+{
+    return part + ((r * (size_t)n_heads + (size_t)h) * (size_t)splits + (size_t)z) * (hd + 2);
+}
+
+template <int DT>
+__global__ static void __launch_bounds__(ATT_WARPS * 32)
+    attention_split_kernel(float *part, const float *q, const rekv_attn_seq *seqs, int n_heads,
+                           int n_kv, int hd, float scale)
+{
+    extern __shared__ float sh[];
+    float *qs = sh, *accs = sh + hd, *ms = accs + ATT_WARPS * hd, *ls = ms + ATT_WARPS;
+    __shared__ rekv_attn_seq sq;
+    if (threadIdx.x == 0)
+        sq = seqs[blockIdx.y];
+    __syncthreads();
+    int h = blockIdx.x, kvh = h / (n_heads / n_kv), z = blockIdx.z, splits = gridDim.z;
+    int n_ctx = sq.start + 1; /* the sequence's one row */
+    int chunk = (n_ctx + splits - 1) / splits;
+    if (chunk < ATT_MIN_CHUNK)
+        chunk = ATT_MIN_CHUNK;
+    int t0 = z * chunk, t1 = min(n_ctx, t0 + chunk);
+    size_t r = (size_t)sq.row0;
+    float *pp = attn_partial(part, r, h, z, n_heads, splits, hd);
+    if (t0 >= t1) { /* past the context: an empty partial */
+        for (int j = threadIdx.x; j < hd; j += blockDim.x)
+            pp[2 + j] = 0;
+        if (threadIdx.x == 0) {
+            pp[0] = -INFINITY;
+            pp[1] = 0;
+        }
+        return;
+    }
+    const float *qh = q + r * (size_t)n_heads * hd + (size_t)h * hd;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x)
+        qs[j] = qh[j];
+    __syncthreads();
+    float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
+    attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, kvh, t0, t1, scale, m, l, acc);
+    attn_merge(accs, ms, ls, hd, m, l, acc, pp + 2, 0, &mx, &sum);
+    if (threadIdx.x == 0) {
+        pp[0] = mx;
+        pp[1] = sum;
+    }
+}
+
+/* Block (row r, head h): merges the chunks' partials (chunk 0 is never empty: a finite max). */
+__global__ static void attention_combine_kernel(float *out, const float *part, int n_heads,
+                                                int splits, int hd)
+{
+    size_t r = blockIdx.x;
+    int h = blockIdx.y;
+    const float *p0 = attn_partial((float *)part, r, h, 0, n_heads, splits, hd);
+    size_t stride = (size_t)hd + 2;
+    float mx = p0[0];
+    for (int z = 1; z < splits; z++)
+        mx = fmaxf(mx, p0[z * stride]);
+    float sum = 0;
+    for (int z = 0; z < splits; z++)
+        sum += p0[z * stride + 1] * expf(p0[z * stride] - mx);
+    float inv = 1.0f / sum;
+    float *o = out + (r * (size_t)n_heads + (size_t)h) * hd;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) {
+        float v = 0;
+        for (int z = 0; z < splits; z++)
+            v += p0[z * stride + 2 + j] * expf(p0[z * stride] - mx);
+        o[j] = v * inv;
+    }
+}
+
+#define ATT_LAUNCH(s, dt, kernel, grid, shmem, ...)                                                \
+    do {                                                                                           \
+        if ((dt) == REKV_DTYPE_F16)                                                                \
+            KLAUNCH(s, "attention", kernel<REKV_DTYPE_F16>, grid, ATT_WARPS * 32, shmem,           \
+                    __VA_ARGS__);                                                                  \
+        else if ((dt) == REKV_DTYPE_BF16)                                                          \
+            KLAUNCH(s, "attention", kernel<REKV_DTYPE_BF16>, grid, ATT_WARPS * 32, shmem,          \
+                    __VA_ARGS__);                                                                  \
+        else                                                                                       \
+            KLAUNCH(s, "attention", kernel<REKV_DTYPE_F32>, grid, ATT_WARPS * 32, shmem,           \
+                    __VA_ARGS__);                                                                  \
+    } while (0)
+
+static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
+                        int n_seqs, int rows, int n_heads, int n_kv, int head_dim, float *scores,
+                        rekv_dtype dt)
+{
+    (void)scores;
+    if (n_seqs <= 0 || n_heads <= 0)
+        return;
+    if (head_dim <= 0 || head_dim > 32 * ATT_MAX_PER_LANE || n_kv <= 0 || n_heads % n_kv != 0) {
+        cuda_stream_fail(s, -EINVAL,
+                         "cuda stream %s: attention with head_dim %d (1..%d), %d heads, "
+                         "%d kv heads",
+                         s->name, head_dim, 32 * ATT_MAX_PER_LANE, n_heads, n_kv);
+        return;
+    }
+    if (n_seqs > 65535) {
+        cuda_stream_fail(s, -EINVAL, "cuda stream %s: attention over %d sequences (at most 65535)",
+                         s->name, n_seqs);
+        return;
+    }
+    size_t shmem = sizeof(float) * ((size_t)head_dim * (1 + ATT_WARPS) + 2 * ATT_WARPS);
+    float scale = 1.0f / sqrtf((float)head_dim);
+    /* a decode batch (one row per sequence) of fewer blocks than fill the device twice: split
+     * each context into chunks (at least ATT_MIN_CHUNK positions each, decided per sequence) */
+    int blocks = n_heads * n_seqs, fill = 2 * s->be->sms;
+    if (rows == n_seqs && blocks < fill) {
+        int splits = (fill + blocks - 1) / blocks;
+        if (splits > ATT_MAX_SPLITS)
+            splits = ATT_MAX_SPLITS;
+        size_t bytes = sizeof(float) * (size_t)rows * (size_t)n_heads * (size_t)splits *
+                       ((size_t)head_dim + 2);
+        float *part = NULL;
+        cuda_use_device(s->be);
+        if (cuda_stream_check(s, cudaMallocAsync((void **)&part, bytes, s->cs),
+                              "attention scratch"))
+            return;
+        dim3 grid((unsigned)n_heads, (unsigned)n_seqs, (unsigned)splits);
+        ATT_LAUNCH(s, dt, attention_split_kernel, grid, shmem, part, q, seqs, n_heads, n_kv,
+                   head_dim, scale);
+        KLAUNCH(s, "attention", attention_combine_kernel, dim3((unsigned)rows, (unsigned)n_heads),
+                128, 0, out, part, n_heads, splits, head_dim);
+        cuda_stream_check(s, cudaFreeAsync(part, s->cs), "attention scratch");
+        return;
+    }
+    dim3 grid((unsigned)n_heads, (unsigned)n_seqs, ATT_ROW_SLICES);
+    ATT_LAUNCH(s, dt, attention_kernel, grid, shmem, out, q, seqs, n_heads, n_kv, head_dim, scale);
+}
+
+/* One block per piece (the piece read once, through shared memory), threads over its elements. */
+__global__ static void convert_kernel(const rekv_convert_piece *pieces, int dtype)
+{
+    __shared__ rekv_convert_piece pc;
+    if (threadIdx.x == 0)
+        pc = pieces[blockIdx.x];
+    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < pc.n; i += blockDim.x)
+        pc.dst[i] = load_as_f32(pc.src, i, dtype);
+}
+
+static void k_convert(rekv_stream *s, const rekv_convert_piece *pieces, size_t n, rekv_dtype dtype)
+{
+    if (n == 0)
+        return;
+    /* grid.x may be up to 2^31 - 1; launch in chunks anyway so that the index stays an int */
+    for (size_t off = 0; off < n; off += 1u << 30) {
+        size_t c = n - off < (1u << 30) ? n - off : (1u << 30);
+        KLAUNCH(s, "merge", convert_kernel, (unsigned)c, ROW_THREADS, 0, pieces + off, (int)dtype);
+    }
+}
+
+static void k_convert_out(rekv_stream *s, void *dst, const float *src, size_t n, rekv_dtype dtype)
+{
+    if (n == 0)
+        return;
+    KLAUNCH(s, "convert_out", convert_out_kernel, ew_blocks(n), EW_THREADS, 0, dst, src, n,
+            (int)dtype);
+}
+
+/* dst and src must not overlap (the cpu backend's memmove allows it; nothing relies on it). */
+__global__ static void gather_kernel(float *dst, const float *src, const int32_t *idx, int w)
+{
+    __shared__ int r;
+    if (threadIdx.x == 0)
+        r = idx[blockIdx.x];
+    __syncthreads();
+    const float *sr = src + (size_t)r * w;
+    float *dr = dst + (size_t)blockIdx.x * w;
+    for (int j = threadIdx.x; j < w; j += blockDim.x)
+        dr[j] = sr[j];
+}
+
+static void k_gather_rows(rekv_stream *s, float *dst, const float *src, const int32_t *idx, int n,
+                          int w)
+{
+    if (n <= 0 || w <= 0)
+        return;
+    KLAUNCH(s, "gather_rows", gather_kernel, n, ROW_THREADS, 0, dst, src, idx, w);
+}
+
+/* ------------------------------------------------------------------ the table */
+
+extern "C" const rekv_kernel_iface rekv_cuda_kernels = {
+    k_linear,      /* linear */
+    k_norm,        /* norm */
+    k_rope,        /* rope */
+    k_activation,  /* activation */
+    k_add,         /* add */
+    k_embed,       /* embed */
+    k_kv_scatter,  /* kv_scatter */
+    k_attention,   /* attention */
+    k_convert,     /* convert */
+    k_convert_out, /* convert_out */
+    k_gather_rows, /* gather_rows */
+};
