@@ -1,0 +1,337 @@
+/* blocks.c — the kvstore server's blocks and where they live: block ids, host slots in the arena,
+ * the LRU list of blocks that may be spilled, spilling to and reading back from the spill tier
+ * (spill.c's io_uring engine), and the sequences' per-layer block tables.
+ *
+ * A block goes HOST -> SPILLING -> DISK when it reaches the LRU end and room is needed (an append,
+ * a read-back) or the arena is above the high watermark, and DISK -> LOADING -> HOST when a Plan
+ * asks for it (handlers.c starts the read). A block used while its spill is in flight keeps its
+ * host copy; one freed while its I/O is in flight is released when the I/O completes. A failed
+ * write keeps the block in memory and pauses spilling for a second; a failed read, or one whose
+ * CRC32C does not match, leaves the block on disk with a sticky error. Each batch of completions
+ * runs the parked requests again. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvstore/server_internal.h"
+
+size_t srv_blk_bytes(const rekv_kvstore_server *s, const kv_block *b)
+{
+    return b->type == REKV_KV_BLOCK_KV ? s->arena.hdr->kv_block_bytes
+                                       : s->arena.hdr->act_block_bytes;
+}
+
+/* ------------------------------------------------------------------ LRU and block ids */
+
+static void lru_remove(rekv_kvstore_server *s, uint32_t id)
+{
+    kv_block *b = &s->blocks[id];
+    if (!b->in_lru)
+        return;
+    if (b->prev != NIL)
+        s->blocks[b->prev].next = b->next;
+    else
+        s->lru_head = b->next;
+    if (b->next != NIL)
+        s->blocks[b->next].prev = b->prev;
+    else
+        s->lru_tail = b->prev;
+    b->in_lru = 0;
+    b->prev = b->next = NIL;
+    s->lru_len--;
+}
+
+static void lru_push_tail(rekv_kvstore_server *s, uint32_t id)
+{
+    kv_block *b = &s->blocks[id];
+    b->prev = s->lru_tail;
+    b->next = NIL;
+    if (s->lru_tail != NIL)
+        s->blocks[s->lru_tail].next = id;
+    else
+        s->lru_head = id;
+    s->lru_tail = id;
+    b->in_lru = 1;
+    s->lru_len++;
+}
+
+/* Puts a block where it belongs: on the LRU list (most recent end) iff it can be spilled. */
+void srv_lru_update(rekv_kvstore_server *s, uint32_t id, int touch)
+{
+    kv_block *b = &s->blocks[id];
+    int want = b->state == BS_HOST && b->pins == 0 && b->holds == 0 && !b->doomed;
+    if (b->in_lru && (!want || touch))
+        lru_remove(s, id);
+    if (want && !b->in_lru)
+        lru_push_tail(s, id);
+}
+
+int srv_block_new(rekv_kvstore_server *s, uint32_t *out)
+{
+    uint32_t id;
+    if (s->n_free_ids > 0) {
+        id = s->free_ids[--s->n_free_ids];
+    } else {
+        size_t cap = s->cap_block_ids;
+        if (s->n_block_ids == NIL - 1 ||
+            srv_grow((void **)&s->blocks, &cap, (size_t)s->n_block_ids + 1, sizeof(kv_block)) < 0)
+            return -ENOMEM;
+        s->cap_block_ids = (uint32_t)cap;
+        id = s->n_block_ids++;
+    }
+    memset(&s->blocks[id], 0, sizeof(kv_block));
+    s->blocks[id].prev = s->blocks[id].next = NIL;
+    *out = id;
+    return 0;
+}
+
+void srv_block_release_id(rekv_kvstore_server *s, uint32_t id)
+{
+    s->blocks[id].state = BS_UNUSED;
+    size_t cap = s->cap_free_ids;
+    if (srv_grow((void **)&s->free_ids, &cap, (size_t)s->n_free_ids + 1, sizeof(uint32_t)) < 0)
+        return; /* the id is lost to reuse; harmless */
+    s->cap_free_ids = (uint32_t)cap;
+    s->free_ids[s->n_free_ids++] = id;
+}
+
+static void slot_put(rekv_kvstore_server *s, uint32_t slot)
+{
+    s->free_slots[s->n_free_slots++] = slot;
+}
+
+static void fslot_put(rekv_kvstore_server *s, uint32_t fslot)
+{
+    kv_spill_slot_free(s->spill, fslot);
+    s->spill_err = 0; /* room on disk again: spilling may resume */
+}
+
+/* Frees a block now, or when its I/O completes. */
+void srv_block_free(rekv_kvstore_server *s, uint32_t id)
+{
+    kv_block *b = &s->blocks[id];
+    lru_remove(s, id);
+    switch (b->state) {
+    case BS_HOST:
+        s->host_n[b->type]--;
+        slot_put(s, b->slot);
+        srv_block_release_id(s, id);
+        break;
+    case BS_DISK:
+        s->disk_n[b->type]--;
+        fslot_put(s, b->fslot);
+        srv_block_release_id(s, id);
+        break;
+    case BS_SPILLING:
+        s->host_n[b->type]--;
+        b->doomed = 1;
+        break;
+    case BS_LOADING:
+        s->disk_n[b->type]--;
+        b->doomed = 1;
+        break;
+    default:
+        break;
+    }
+}
+
+/* ------------------------------------------------------------------ spilling */
+
+/* Starts spilling the least recently used block. 1 started, 0 nothing to spill, <0 cannot. */
+static int spill_one(rekv_kvstore_server *s, const char **why)
+{
+    if (s->spill == NULL) {
+        *why = "the arena is full and there is no spill tier";
+        return -ENOMEM;
+    }
+    if (s->spill_err != 0) {
+        if (s->now - s->spill_err_ns < 1000000000ull) {
+            *why = strerror(-s->spill_err);
+            return s->spill_err;
+        }
+        s->spill_err = 0; /* retry once a second */
+    }
+    if (s->lru_head == NIL) {
+        *why = "every resident block is pinned or in use";
+        return 0;
+    }
+    if (kv_spill_in_flight(s->spill) >= kv_spill_depth(s->spill))
+        return 0;
+    uint32_t fslot;
+    int arc = kv_spill_slot_alloc(s->spill, &fslot);
+    if (arc == -ENOSPC && kv_spill_slots_used(s->spill) > 0 && s->cfg.spill_bytes) {
+        *why = "the spill file is full (--spill-bytes)";
+        return arc;
+    }
+    if (arc < 0) {
+        /* the filesystem refused to grow the spill file: same as a failed write */
+        s->spill_errors++;
+        if (s->spill_err == 0)
+            srv_event(s, REKV_KV_EVENT_ERROR,
+                      "spill file cannot grow: %s; blocks stay in memory, spilling paused",
+                      strerror(-arc));
+        s->spill_err = arc;
+        s->spill_err_ns = s->now;
+        *why = strerror(-arc);
+        return arc;
+    }
+    uint32_t id = s->lru_head;
+    kv_block *b = &s->blocks[id];
+    uint32_t crc = 0;
+    int rc = kv_spill_write(s->spill, b->slot, fslot, srv_blk_bytes(s, b), id, &crc);
+    if (rc < 0) {
+        kv_spill_slot_free(s->spill, fslot);
+        return 0;
+    }
+    lru_remove(s, id);
+    b->state = BS_SPILLING;
+    b->fslot = fslot;
+    b->crc = crc;
+    b->touched = 0;
+    s->spills_in_flight++;
+    return 1;
+}
+
+/* Makes sure `need` free slots exist or are coming. 0: there now; 1: wait for spills; <0 with
+ * *why: impossible. */
+int srv_ensure_room(rekv_kvstore_server *s, uint64_t need, char *why, size_t why_len)
+{
+    if (s->n_free_slots >= need)
+        return 0;
+    if (need > s->arena.n_slots) {
+        snprintf(why, why_len, "needs %llu blocks at once, the arena holds %llu",
+                 (unsigned long long)need, (unsigned long long)s->arena.n_slots);
+        return -ENOMEM;
+    }
+    uint64_t coming = s->n_free_slots + s->spills_in_flight;
+    const char *reason = "every resident block is pinned or in use";
+    int err = 0;
+    while (coming < need) {
+        int rc = spill_one(s, &reason);
+        if (rc <= 0) {
+            err = rc;
+            break;
+        }
+        coming++;
+    }
+    if (s->spills_in_flight > 0)
+        return 1;
+    snprintf(why, why_len, "out of host memory: %llu free blocks, %llu needed; cannot spill: %s",
+             (unsigned long long)s->n_free_slots, (unsigned long long)need, reason);
+    (void)err;
+    return -ENOMEM;
+}
+
+/* Background spilling between the watermarks. */
+void srv_spill_watermark(rekv_kvstore_server *s)
+{
+    if (s->spill == NULL || s->arena.n_slots == 0)
+        return;
+    uint64_t n = s->arena.n_slots;
+    uint64_t used = n - s->n_free_slots;
+    if (used * 100 <= n * s->cfg.high_pct)
+        return;
+    const char *why;
+    while ((used - s->spills_in_flight) * 100 > n * s->cfg.low_pct) {
+        if (spill_one(s, &why) <= 0)
+            break;
+    }
+}
+
+/* ------------------------------------------------------------------ sequences */
+
+kv_seq *srv_seq_get(rekv_kvstore_server *s, uint64_t id)
+{
+    uint64_t *v = kv_map_get(&s->seqs, id);
+    return v ? (kv_seq *)(uintptr_t)*v : NULL;
+}
+
+void srv_seq_free_mem(rekv_kvstore_server *s, kv_seq *q)
+{
+    if (q == NULL)
+        return;
+    if (q->blocks)
+        for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
+            free(q->blocks[l]);
+    free(q->blocks);
+    free(q->owner);
+    free(q);
+}
+
+/* ------------------------------------------------------------------ I/O completions */
+
+void srv_on_completions(rekv_kvstore_server *s)
+{
+    kv_spill_done d[64];
+    int n;
+    int any = 0;
+    while ((n = kv_spill_reap(s->spill, d, 64, 0)) > 0) {
+        any = 1;
+        for (int i = 0; i < n; i++) {
+            uint32_t id = (uint32_t)d[i].tag;
+            kv_block *b = &s->blocks[id];
+            size_t bytes = srv_blk_bytes(s, b);
+            if (!d[i].is_read) {
+                s->spills_in_flight--;
+                srv_hist_add(&s->hist[H_SPILL_WRITE], d[i].ns);
+                if (b->doomed) {
+                    slot_put(s, b->slot);
+                    if (d[i].res == 0)
+                        fslot_put(s, b->fslot);
+                    else
+                        kv_spill_slot_bad(s->spill, b->fslot);
+                    srv_block_release_id(s, id);
+                } else if (d[i].res < 0) {
+                    kv_spill_slot_bad(s->spill, b->fslot);
+                    b->state = BS_HOST;
+                    s->spill_errors++;
+                    if (s->spill_err == 0)
+                        srv_event(s, REKV_KV_EVENT_ERROR,
+                                  "spill write failed: %s; block kept in memory, spilling paused",
+                                  strerror(-d[i].res));
+                    s->spill_err = d[i].res;
+                    s->spill_err_ns = s->now;
+                    srv_lru_update(s, id, 1);
+                } else if (b->touched || b->pins || b->holds) {
+                    fslot_put(s, b->fslot);
+                    b->state = BS_HOST;
+                    srv_lru_update(s, id, 1);
+                } else {
+                    b->state = BS_DISK;
+                    slot_put(s, b->slot);
+                    s->host_n[b->type]--;
+                    s->disk_n[b->type]++;
+                    s->bytes_spilled += bytes;
+                }
+            } else {
+                s->reads_in_flight--;
+                srv_hist_add(&s->hist[H_SPILL_READ], d[i].ns);
+                if (b->doomed) {
+                    slot_put(s, b->slot);
+                    fslot_put(s, b->fslot);
+                    srv_block_release_id(s, id);
+                } else if (d[i].res < 0 || d[i].crc != b->crc) {
+                    slot_put(s, b->slot);
+                    b->state = BS_DISK;
+                    b->load_err = d[i].res < 0 ? d[i].res : -EBADMSG;
+                    if (d[i].res == 0)
+                        s->crc_errors++;
+                    srv_event(s, REKV_KV_EVENT_ERROR,
+                              "read-back of sequence %llu layer %u block %u failed: %s",
+                              (unsigned long long)b->seq, b->layer, b->lblock,
+                              d[i].res < 0 ? strerror(-d[i].res) : "CRC32C mismatch");
+                } else {
+                    fslot_put(s, b->fslot);
+                    b->state = BS_HOST;
+                    s->disk_n[b->type]--;
+                    s->host_n[b->type]++;
+                    s->bytes_read_back += bytes;
+                    srv_lru_update(s, id, 1);
+                }
+            }
+        }
+    }
+    if (any)
+        srv_run_pending(s);
+}

@@ -1,0 +1,205 @@
+/* server_internal.h — the kvstore server's state and the functions its files share: server.c
+ * (create, destroy, the event loop), blocks.c (blocks, slots, LRU spilling and read-back),
+ * leases.c (connections, pin leases, owners), handlers.c (the requests) and push.c (the push
+ * path). Not part of the public interface. */
+#ifndef REKV_KVSTORE_SERVER_INTERNAL_H
+#define REKV_KVSTORE_SERVER_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstore/kv_internal.h"
+#include "proto/kvstore.pb-c.h"
+
+/* The push backend's handles (gpuworker/device/backend.h); only push.c looks inside them. */
+typedef struct rekv_backend rekv_backend;
+typedef struct rekv_stream rekv_stream;
+typedef struct rekv_event rekv_event;
+
+#define NIL UINT32_MAX
+#define MAX_IDENT 256
+#define MAX_OWNER REKV_KV_OWNER_MAX
+
+enum { BS_UNUSED = 0, BS_HOST, BS_SPILLING, BS_DISK, BS_LOADING };
+enum { H_PLAN = 0, H_PIN, H_APPEND, H_OTHER, H_SPILL_WRITE, H_SPILL_READ, H_COUNT };
+
+typedef struct kv_block {
+    uint64_t seq;        /* owning sequence */
+    uint32_t layer;      /* layer */
+    uint32_t lblock;     /* logical block number */
+    uint8_t type;        /* rekv_kv_block_type */
+    uint8_t state;       /* BS_* */
+    uint8_t touched;     /* used while its spill was in flight: keep the host copy */
+    uint8_t doomed;      /* freed while I/O was in flight: release on completion */
+    uint8_t in_lru;      /* on the LRU list (resident, unpinned, unheld) */
+    int32_t load_err;    /* sticky read-back failure (-EIO on CRC mismatch), 0 when none */
+    uint32_t slot;       /* host slot (HOST, SPILLING, LOADING) */
+    uint32_t fslot;      /* spill-file slot (SPILLING, DISK, LOADING) */
+    uint32_t crc;        /* CRC32C of the spilled bytes */
+    uint32_t pins;       /* pins held by clients */
+    uint32_t holds;      /* holds of parked requests */
+    uint32_t prev, next; /* LRU links (block ids) */
+} kv_block;
+
+typedef struct kv_seq {
+    uint64_t id;       /* caller-chosen id */
+    uint64_t n_tokens; /* tokens appended */
+    uint32_t n_blocks; /* logical blocks per layer */
+    uint32_t n_kv;     /* of those, allocated as KV blocks (freeing does not change it) */
+    uint32_t cap;      /* capacity of each per-layer array */
+    uint32_t **blocks; /* [n_layers][cap] block ids, NIL where freed */
+    char *owner;       /* owner name of the connection that created it; NULL for none */
+} kv_seq;
+
+/* A buffer or event a client exported and the push path imported. */
+typedef struct kv_import {
+    uint8_t handle[REKV_KV_IPC_HANDLE_BYTES]; /* as the client sent it */
+    void *dev;                                /* a buffer: the mapping, its size */
+    size_t bytes;
+    rekv_event *ev; /* an event */
+    struct kv_import *next;
+} kv_import;
+
+typedef struct kv_client {
+    uint8_t ident[MAX_IDENT]; /* ZeroMQ routing id */
+    size_t ident_len;
+    uint64_t last_seen;        /* ns of the last request */
+    kv_map pins;               /* block id -> pin count */
+    char owner[MAX_OWNER + 1]; /* the owner name its last request carried; "" for none */
+    kv_import *imports;        /* the push path's imports for it */
+    size_t n_imports;
+    struct kv_client *next;
+} kv_client;
+
+typedef struct kv_pending {
+    uint8_t ident[MAX_IDENT]; /* who asked */
+    size_t ident_len;
+    int delim;                   /* the peer sent an empty delimiter frame (REQ) */
+    Rekv__Kvstore__Request *req; /* unpacked request */
+    uint64_t t0;                 /* receive time, ns */
+    uint32_t *holds;             /* block ids held for it */
+    size_t n_holds, cap_holds;
+    uint64_t misses; /* blocks it had to read back */
+    struct kv_pending *next;
+} kv_pending;
+
+struct rekv_kvstore_server {
+    rekv_kvstore_config cfg; /* copy; strings below are owned copies */
+    char *endpoint;          /* ZeroMQ endpoint */
+    char *ipc_path;          /* filesystem path of an ipc:// endpoint, or NULL */
+    char *fd_path;           /* fd-passing socket path */
+    char *spill_dir;
+    kv_arena arena;
+    kv_spill *spill;    /* NULL with no_spill */
+    void *zctx, *zsock; /* ZeroMQ context and ROUTER socket */
+    int fd_listen;      /* UNIX socket handing out the memfd */
+    int stop_fd;        /* eventfd written by server_stop */
+    int stop;           /* loop exit flag */
+    kv_block *blocks;   /* [n_block_ids] */
+    uint32_t n_block_ids, cap_block_ids;
+    uint32_t *free_ids; /* recycled block ids */
+    uint32_t n_free_ids, cap_free_ids;
+    uint32_t *free_slots; /* [n_slots] stack of free host slots */
+    uint32_t *slot_block; /* [n_slots] the block last given each slot (push checks pins) */
+    uint32_t n_free_slots;
+    uint32_t lru_head, lru_tail; /* least / most recently used */
+    uint64_t lru_len;
+    kv_map seqs; /* seq id -> kv_seq * */
+    kv_client *clients;
+    kv_pending *pending, *pending_tail;
+    uint32_t spills_in_flight, reads_in_flight;
+    int spill_err;         /* last spill write failure; spilling paused while set */
+    uint64_t spill_err_ns; /* when it happened */
+    uint64_t now;          /* ns, refreshed per loop iteration */
+    uint64_t next_lease_check;
+    uint32_t *scratch; /* resolved block ids of the current request */
+    size_t cap_scratch;
+    uint64_t host_n[2], disk_n[2];
+    uint64_t bytes_spilled, bytes_read_back, pin_hits, pin_misses;
+    uint64_t spill_errors, crc_errors, leases_expired;
+    uint64_t sequences_reclaimed; /* dropped by DropOwner or with their owner's lease */
+    int orphans_left;             /* a dead owner's sequence was busy: sweep again at next check */
+    rekv_kv_hist hist[H_COUNT];
+    rekv_backend *pbe;    /* push backend, or NULL */
+    rekv_stream *pstream; /* its stream: every push's wait, copies and record */
+    int push_registered;  /* the arena is registered with it (host_register) */
+};
+
+/* What stops an owner from dropping one of its sequences (srv_owned_seq_busy). */
+enum { OWNED_FREE = 0, OWNED_HELD, OWNED_PINNED };
+
+/* ------------------------------------------------------------------ request context */
+
+typedef struct kv_reply {
+    Rekv__Kvstore__Response resp;
+    Rekv__Kvstore__AppendReply append;
+    Rekv__Kvstore__TableReply table;
+    Rekv__Kvstore__PlanReply plan;
+    Rekv__Kvstore__StatsReply stats;
+    Rekv__Kvstore__DropOwnerReply drop_owner;
+    Rekv__Kvstore__PushReply push;
+    Rekv__Kvstore__Histogram hists[H_COUNT];
+    Rekv__Kvstore__Histogram *hist_ptrs[H_COUNT];
+    char err[768];
+    void *allocs[8]; /* arrays to free after packing */
+    int n_allocs;
+} kv_reply;
+
+/* ------------------------------------------------------------------ server.c */
+
+extern const char *const srv_hist_names[H_COUNT];
+/* Reports one line through cfg.on_event, when set. */
+void srv_event(rekv_kvstore_server *s, rekv_kv_event lvl, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void srv_hist_add(rekv_kv_hist *h, uint64_t ns);
+/* Grows *p (of *cap elements of elem bytes) to hold need, doubling; 0 or -ENOMEM. */
+int srv_grow(void **p, size_t *cap, size_t need, size_t elem);
+
+/* ------------------------------------------------------------------ blocks.c */
+
+size_t srv_blk_bytes(const rekv_kvstore_server *s, const kv_block *b);
+void srv_lru_update(rekv_kvstore_server *s, uint32_t id, int touch);
+int srv_block_new(rekv_kvstore_server *s, uint32_t *out);
+void srv_block_release_id(rekv_kvstore_server *s, uint32_t id);
+void srv_block_free(rekv_kvstore_server *s, uint32_t id);
+int srv_ensure_room(rekv_kvstore_server *s, uint64_t need, char *why, size_t why_len);
+void srv_spill_watermark(rekv_kvstore_server *s);
+kv_seq *srv_seq_get(rekv_kvstore_server *s, uint64_t id);
+void srv_seq_free_mem(rekv_kvstore_server *s, kv_seq *q);
+/* Handles the spill tier's finished I/O, then reruns the parked requests. */
+void srv_on_completions(rekv_kvstore_server *s);
+
+/* ------------------------------------------------------------------ leases.c */
+
+kv_client *srv_client_get(rekv_kvstore_server *s, const uint8_t *ident, size_t len, int create);
+int srv_owner_seqs(const rekv_kvstore_server *s, const char *owner, uint64_t **ids, size_t *n);
+int srv_owned_seq_busy(const rekv_kvstore_server *s, const kv_seq *q, const char *owner);
+uint64_t srv_owned_seq_drop(rekv_kvstore_server *s, kv_seq *q, const char *owner);
+/* Expires silent connections' pins and drops the sequences of owners none of whose connections
+ * is left. */
+void srv_leases_check(rekv_kvstore_server *s);
+
+/* ------------------------------------------------------------------ handlers.c */
+
+void *srv_reply_alloc(kv_reply *r, size_t n, size_t elem);
+/* Fills r with an error reply (status code, message); returns 0, the handlers' "answered". */
+int srv_fail(kv_reply *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void srv_reply_init(kv_reply *r, uint64_t id);
+void srv_send_reply(rekv_kvstore_server *s, const uint8_t *ident, size_t ident_len, int delim,
+                    Rekv__Kvstore__Response *resp);
+void srv_pending_free(kv_pending *p);
+/* Runs the parked requests again, in arrival order; those that finish are answered and freed. */
+void srv_run_pending(rekv_kvstore_server *s);
+/* Receives one request from the ROUTER socket and runs it, or parks it. */
+void srv_handle_message(rekv_kvstore_server *s);
+
+/* ------------------------------------------------------------------ push.c */
+
+int srv_push_open(rekv_kvstore_server *s, const rekv_kvstore_config *cfg, rekv_err *err);
+void srv_push_close(rekv_kvstore_server *s);
+void srv_client_drop_imports(rekv_kvstore_server *s, kv_client *c, ProtobufCBinaryData *handles,
+                             size_t n);
+int srv_h_push(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Push *m, kv_reply *r);
+int srv_h_release(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Release *m, kv_reply *r);
+
+#endif
