@@ -1,0 +1,461 @@
+/* co_control.c — the control protocol (proto/control.proto): a round of requests read from the
+ * control socket, Submit (checks, tokenizing, admission against the queue limit), Status, Cancel,
+ * Stream and Health; replies wait until the round's accepted jobs are journaled with one sync, then
+ * go out. Also the stream subscriptions: a job's new tokens, and its end, go to its subscribers.
+ * Stats is answered in co_stats.c. */
+#include "coordinator/co_internal.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+
+/* ---------------------------------------------------------------- sending */
+
+static int pack_response(const Rekv__Control__Response *r, uint8_t **buf, size_t *len)
+{
+    *len = rekv__control__response__get_packed_size(r);
+    *buf = malloc(*len ? *len : 1);
+    if (*buf == NULL)
+        return -ENOMEM;
+    rekv__control__response__pack(r, *buf);
+    return 0;
+}
+
+/* Queues a reply for the end of this round (after the journal sync). */
+void co_reply_add(rekv_coordinator *co, const rid *to, Rekv__Control__Response *r, job *acc)
+{
+    r->version = REKV_CONTROL_PROTO_VERSION;
+    reply *rp = &co->replies[co->n_replies];
+    if (pack_response(r, &rp->buf, &rp->len))
+        return; /* out of memory: the client times out */
+    rp->to = *to;
+    rp->req_id = r->id;
+    rp->accepted = acc;
+    co->n_replies++;
+}
+
+static void reply_error(rekv_coordinator *co, const rid *to, uint64_t id, Rekv__Control__Code code,
+                        const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static void reply_error(rekv_coordinator *co, const rid *to, uint64_t id, Rekv__Control__Code code,
+                        const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.id = id;
+    r.code = code;
+    r.error = msg;
+    if (code == REKV__CONTROL__CODE__BAD_REQUEST)
+        co->bad_requests++;
+    co_reply_add(co, to, &r, NULL);
+}
+
+/* Streams tokens [streamed, n_gen) (and the end, when the job is over) to its subscribers. */
+void co_stream_flush(rekv_coordinator *co, job *j)
+{
+    if (j->n_subs == 0) {
+        if (j->n_gen > j->streamed)
+            j->streamed = j->n_gen;
+        return;
+    }
+    int over = j->state != REKV__CONTROL__JOB_STATE__QUEUED &&
+               j->state != REKV__CONTROL__JOB_STATE__RUNNING;
+    if (j->n_gen <= j->streamed && !over)
+        return;
+    Rekv__Control__StreamEvent ev = REKV__CONTROL__STREAM_EVENT__INIT;
+    ev.job = j->id;
+    ev.offset = j->streamed;
+    ev.n_tokens = j->n_gen > j->streamed ? j->n_gen - j->streamed : 0;
+    ev.tokens = j->gen + j->streamed;
+    ev.done = over;
+    ev.state = j->state;
+    ev.finish_reason = j->finish_reason;
+    ev.error = j->error ? j->error : "";
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.version = REKV_CONTROL_PROTO_VERSION;
+    r.body_case = REKV__CONTROL__RESPONSE__BODY_EVENT;
+    r.event = &ev;
+    for (int i = 0; i < j->n_subs;) {
+        r.id = j->subs[i].id;
+        uint8_t *buf;
+        size_t len;
+        int rc = pack_response(&r, &buf, &len);
+        if (rc == 0) {
+            rc = co_send_to(co->ctl, &j->subs[i].to, buf, len);
+            free(buf);
+        }
+        if (rc) { /* gone or not reading: drop the subscription */
+            j->subs[i] = j->subs[--j->n_subs];
+            continue;
+        }
+        i++;
+    }
+    j->streamed = j->n_gen > j->streamed ? j->n_gen : j->streamed;
+    if (over)
+        j->n_subs = 0;
+}
+
+/* ---------------------------------------------------------------- control requests */
+
+static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
+                      const Rekv__Control__Submit *s)
+{
+    int has_text = s->prompt_text && *s->prompt_text;
+    if (has_text == (s->n_prompt_ids > 0)) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "give the prompt as text or as token ids, exactly one of the two");
+        return;
+    }
+    float temp = s->sampling ? s->sampling->temperature : 0;
+    float top_p = s->sampling && s->sampling->top_p > 0 ? s->sampling->top_p : 1;
+    if (!(temp >= 0 && temp <= 100) || !(top_p > 0 && top_p <= 1)) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "temperature must be in [0, 100] and top_p in (0, 1]");
+        return;
+    }
+    if (s->top_logits > 1024) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logits must be at most 1024");
+        return;
+    }
+    if (s->max_new_tokens > co->cfg.max_new_limit) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "max_new_tokens %u is above the limit of %u", s->max_new_tokens,
+                    co->cfg.max_new_limit);
+        return;
+    }
+    if (co->n_queue >= co->cfg.queue_limit) {
+        co->rejected_busy++;
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BUSY,
+                    "busy: %u jobs are waiting (the limit); nothing was accepted, retry later",
+                    co->n_queue);
+        return;
+    }
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (has_text) {
+        if (co->tok == NULL) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                        "the coordinator has no tokenizer (start it with --model); give token "
+                        "ids");
+            return;
+        }
+        rekv_err err = {0};
+        int bos = co->have_model && co->mcfg.add_bos ? co->mcfg.bos_id : -1;
+        if (rekv_tokenizer_encode(co->tok, s->prompt_text, strlen(s->prompt_text), bos, &ids, &n,
+                                  &err)) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST, "%s", err.msg);
+            return;
+        }
+    } else {
+        n = s->n_prompt_ids;
+        ids = malloc(sizeof(int32_t) * n);
+        if (ids == NULL) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__INTERNAL, "out of memory");
+            return;
+        }
+        memcpy(ids, s->prompt_ids, sizeof(int32_t) * n);
+    }
+    if (n == 0) {
+        free(ids);
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST, "the prompt is empty");
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || (co->have_model && ids[i] >= co->mcfg.vocab)) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                        "prompt token id %d is outside the vocabulary%s", ids[i],
+                        co->have_model ? "" : " (negative)");
+            free(ids);
+            return;
+        }
+    }
+    if (co->have_model && n > (size_t)co->mcfg.max_pos) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "the prompt of %zu tokens is longer than the model's context of %d tokens", n,
+                    co->mcfg.max_pos);
+        free(ids);
+        return;
+    }
+    job *j = co_job_new(co, co->next_id);
+    if (j == NULL || co_queue_push(co, j)) {
+        if (j)
+            co_job_free(co, j);
+        free(ids);
+        reply_error(co, from, rq, REKV__CONTROL__CODE__INTERNAL, "out of memory");
+        return;
+    }
+    j->prompt = ids;
+    j->n_prompt = (uint32_t)n;
+    j->temperature = temp;
+    j->top_k = s->sampling ? s->sampling->top_k : 0;
+    j->top_p = top_p;
+    j->seed = s->sampling ? s->sampling->seed : 0;
+    j->max_new = s->max_new_tokens;
+    j->stop_at_eos = s->stop_at_eos;
+    j->top_logits = s->top_logits;
+    j->priority = s->priority;
+    j->accepted_at = co_realtime_s();
+    if (s->stream) {
+        j->subs[0].to = *from;
+        j->subs[0].id = rq;
+        j->n_subs = 1;
+    }
+    rekv_err err = {0};
+    if (co_journal_accepted(co, j, &err)) {
+        co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
+        co_queue_remove(co, j);
+        co_job_free(co, j);
+        reply_error(co, from, rq, REKV__CONTROL__CODE__INTERNAL, "journal: %s", err.msg);
+        return;
+    }
+    co->accepted++;
+    Rekv__Control__SubmitReply sr = REKV__CONTROL__SUBMIT_REPLY__INIT;
+    sr.job = j->id;
+    sr.prompt_tokens = (uint32_t)n;
+    sr.queue_depth = co->n_queue;
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.id = rq;
+    r.body_case = REKV__CONTROL__RESPONSE__BODY_SUBMITTED;
+    r.submitted = &sr;
+    co_reply_add(co, from, &r, j);
+}
+
+static void do_status(rekv_coordinator *co, const rid *from, uint64_t rq,
+                      const Rekv__Control__StatusRequest *s)
+{
+    job *j = co_job_find(co, s->job);
+    if (j == NULL) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
+                    (unsigned long long)s->job);
+        return;
+    }
+    Rekv__Control__JobStatus st;
+    co_status_fill(j, &st);
+    char *text = NULL;
+    size_t tl;
+    if (s->with_text && co->tok && j->n_gen &&
+        rekv_tokenizer_decode(co->tok, j->gen, j->n_gen, &text, &tl, NULL) == 0)
+        st.text = text;
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.id = rq;
+    r.body_case = REKV__CONTROL__RESPONSE__BODY_JOB;
+    r.job = &st;
+    co_reply_add(co, from, &r, NULL);
+    free(text);
+}
+
+static void do_cancel(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id)
+{
+    job *j = co_job_find(co, id);
+    if (j == NULL) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
+                    (unsigned long long)id);
+        return;
+    }
+    if (j->state == REKV__CONTROL__JOB_STATE__RUNNING && j->worker >= 0) {
+        worker *w = &co->workers[j->worker];
+        for (uint32_t k = 0; k < w->n_run; k++)
+            if (w->run[k] == j) {
+                w->run[k] = w->run[--w->n_run];
+                break;
+            }
+        w->cancel[w->n_cancel++] = j->id; /* n_cancel + n_run <= max_batch */
+    }
+    if (j->state == REKV__CONTROL__JOB_STATE__QUEUED ||
+        j->state == REKV__CONTROL__JOB_STATE__RUNNING)
+        co_job_end(co, j, REKV__CONTROL__JOB_STATE__CANCELLED, "cancelled", NULL);
+    Rekv__Control__JobStatus st;
+    co_status_fill(j, &st);
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.id = rq;
+    r.body_case = REKV__CONTROL__RESPONSE__BODY_JOB;
+    r.job = &st;
+    co_reply_add(co, from, &r, NULL);
+}
+
+static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id)
+{
+    job *j = co_job_find(co, id);
+    if (j == NULL) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
+                    (unsigned long long)id);
+        return;
+    }
+    /* the first event carries every token so far, sent at once; later ones come per step */
+    Rekv__Control__StreamEvent ev = REKV__CONTROL__STREAM_EVENT__INIT;
+    ev.job = j->id;
+    ev.n_tokens = j->n_gen;
+    ev.tokens = j->gen;
+    ev.state = j->state;
+    ev.done = j->state != REKV__CONTROL__JOB_STATE__QUEUED &&
+              j->state != REKV__CONTROL__JOB_STATE__RUNNING;
+    ev.finish_reason = j->finish_reason;
+    ev.error = j->error ? j->error : "";
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.id = rq;
+    r.body_case = REKV__CONTROL__RESPONSE__BODY_EVENT;
+    r.event = &ev;
+    co_reply_add(co, from, &r, NULL);
+    if (!ev.done) {
+        if (j->n_subs == MAX_SUBS)
+            j->subs[0] = j->subs[--j->n_subs]; /* bounded: the oldest subscriber loses out */
+        /* later events start where the job is now; a re-run after a worker death resends
+         * nothing the subscriber has */
+        if (j->streamed < j->n_gen)
+            j->streamed = j->n_gen;
+        j->subs[j->n_subs].to = *from;
+        j->subs[j->n_subs].id = rq;
+        j->n_subs++;
+    }
+}
+
+static void do_health(rekv_coordinator *co, const rid *from, uint64_t rq)
+{
+    Rekv__Control__Health h = REKV__CONTROL__HEALTH__INIT;
+    h.serving = 1;
+    for (int i = 0; i < MAX_WORKERS; i++)
+        h.workers += co->workers[i].active ? 1u : 0u;
+    h.protocol_version = REKV_CONTROL_PROTO_VERSION;
+    h.uptime_s = (double)(rekv_now_ns() - co->start_ns) * 1e-9;
+    h.model = co->model_name;
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.id = rq;
+    r.body_case = REKV__CONTROL__RESPONSE__BODY_HEALTH;
+    r.health = &h;
+    co_reply_add(co, from, &r, NULL);
+}
+
+/* Reads one control message; returns 0 when there was none. */
+static int read_control(rekv_coordinator *co)
+{
+    zmq_msg_t id, body;
+    zmq_msg_init(&id);
+    if (zmq_msg_recv(&id, co->ctl, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&id);
+        return 0;
+    }
+    rid from;
+    from.n = zmq_msg_size(&id) <= MAX_RID ? zmq_msg_size(&id) : MAX_RID;
+    memcpy(from.b, zmq_msg_data(&id), from.n);
+    int more = zmq_msg_more(&id);
+    zmq_msg_close(&id);
+    size_t frames = 0, size = 0;
+    zmq_msg_init(&body);
+    Rekv__Control__Request *req = NULL;
+    while (more) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, co->ctl, 0) < 0) {
+            zmq_msg_close(&m);
+            break;
+        }
+        more = zmq_msg_more(&m);
+        frames++;
+        size = zmq_msg_size(&m);
+        if (frames == 1) {
+            zmq_msg_close(&body);
+            body = m;
+        } else {
+            zmq_msg_close(&m);
+        }
+    }
+    if (frames != 1) {
+        reply_error(co, &from, 0, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "a request is exactly one frame (got %zu)", frames);
+        goto out;
+    }
+    if (size > REKV_CONTROL_MAX_REQUEST) {
+        reply_error(co, &from, 0, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "the request of %zu bytes is larger than the limit of %u bytes", size,
+                    REKV_CONTROL_MAX_REQUEST);
+        goto out;
+    }
+    req = rekv__control__request__unpack(NULL, size, zmq_msg_data(&body));
+    if (req == NULL) {
+        reply_error(co, &from, 0, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "the request is not a rekv.control.Request message");
+        goto out;
+    }
+    if (req->version != REKV_CONTROL_PROTO_VERSION) {
+        reply_error(co, &from, req->id, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "protocol version %u is not supported (this coordinator speaks %u)",
+                    req->version, REKV_CONTROL_PROTO_VERSION);
+        goto out;
+    }
+    switch (req->body_case) {
+    case REKV__CONTROL__REQUEST__BODY_SUBMIT:
+        do_submit(co, &from, req->id, req->submit);
+        break;
+    case REKV__CONTROL__REQUEST__BODY_STATUS:
+        do_status(co, &from, req->id, req->status);
+        break;
+    case REKV__CONTROL__REQUEST__BODY_CANCEL:
+        do_cancel(co, &from, req->id, req->cancel->job);
+        break;
+    case REKV__CONTROL__REQUEST__BODY_STREAM:
+        do_stream(co, &from, req->id, req->stream->job);
+        break;
+    case REKV__CONTROL__REQUEST__BODY_STATS:
+        co_do_stats(co, &from, req->id);
+        break;
+    case REKV__CONTROL__REQUEST__BODY_HEALTH:
+        do_health(co, &from, req->id);
+        break;
+    default:
+        reply_error(co, &from, req->id, REKV__CONTROL__CODE__BAD_REQUEST, "the request is empty");
+    }
+out:
+    if (req)
+        rekv__control__request__free_unpacked(req, NULL);
+    zmq_msg_close(&body);
+    return 1;
+}
+
+/* Reads a round of requests, makes the accepted ones durable with one sync, then answers. */
+void co_handle_control(rekv_coordinator *co)
+{
+    co->n_replies = 0;
+    size_t n = 0;
+    while (n < READ_BATCH && read_control(co))
+        n++;
+    int synced_ok = 1;
+    rekv_err err = {0};
+    for (size_t i = 0; i < co->n_replies; i++)
+        if (co->replies[i].accepted) {
+            if (co->journal && rekv_journal_sync(co->journal, &err)) {
+                co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
+                synced_ok = 0;
+            }
+            break;
+        }
+    for (size_t i = 0; i < co->n_replies; i++) {
+        reply *rp = &co->replies[i];
+        if (rp->accepted && !synced_ok) {
+            /* not durable, so not accepted: take it back and say so */
+            job *j = rp->accepted;
+            co_queue_remove(co, j);
+            co_job_free(co, j);
+            co->accepted--;
+            free(rp->buf);
+            Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+            r.id = rp->req_id;
+            r.version = REKV_CONTROL_PROTO_VERSION;
+            r.code = REKV__CONTROL__CODE__INTERNAL;
+            r.error = err.msg;
+            if (pack_response(&r, &rp->buf, &rp->len))
+                continue;
+        }
+        co_send_to(co->ctl, &rp->to, rp->buf, rp->len);
+        free(rp->buf);
+    }
+    co->n_replies = 0;
+}

@@ -1,0 +1,185 @@
+/* co_internal.h — the coordinator server's state, shared by its pieces: the rekv_coordinator
+ * struct with its jobs, workers and pending replies, and the functions one piece calls in another.
+ * coordinator.c creates it and runs the loop; co_jobs.c holds the job table and the journal,
+ * co_workers.c the worker protocol, co_control.c the control protocol, co_stats.c Stats and the
+ * metrics. Private to the coordinator (the public API is coordinator.h). */
+#ifndef REKV_COORDINATOR_CO_INTERNAL_H
+#define REKV_COORDINATOR_CO_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "coordinator/co_plan.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/journal.h"
+#include "coordinator/metrics.h"
+#include "loader/loader.h"
+#include "proto/worker.pb-c.h"
+
+#define MAX_WORKERS 16
+#define MAX_SUBS 4     /* stream subscribers per job */
+#define MAX_RID 256    /* ZeroMQ routing ids are at most 255 bytes */
+#define READ_BATCH 512 /* control requests read (and journaled with one sync) per round */
+#define HASH_BUCKETS 4096
+#define RATE_SLOTS 8 /* one-second samples of the token counter for tokens/s */
+
+typedef struct rid {
+    uint8_t b[MAX_RID]; /* routing id bytes */
+    size_t n;           /* length */
+} rid;
+
+typedef struct sub {
+    rid to;      /* the client's routing id */
+    uint64_t id; /* the request id its events carry */
+} sub;
+
+typedef struct job {
+    uint64_t id;
+    Rekv__Control__JobState state;
+    int32_t *prompt; /* [n_prompt] token ids; NULL for jobs replayed finished */
+    uint32_t n_prompt;
+    float temperature; /* sampling, as submitted */
+    uint32_t top_k;
+    float top_p;
+    uint64_t seed;
+    uint32_t max_new; /* max_new_tokens */
+    int stop_at_eos;
+    int32_t priority; /* higher first */
+    uint64_t order;   /* arrival order among equal priorities */
+    int32_t *gen;     /* [n_gen] generated ids (capacity cap_gen) */
+    uint32_t n_gen, cap_gen;
+    uint32_t top_logits;    /* k: the k largest logits before each generated token; 0 none */
+    int32_t *top_ids;       /* [n_gen][top_logits] (capacity cap_gen) */
+    float *top_vals;        /* [n_gen][top_logits] */
+    uint32_t streamed;      /* tokens already sent to subscribers: a re-run resends none of them */
+    char finish_reason[16]; /* "length", "eos", "context", "cancelled" */
+    char *error;            /* FAILED: one line (malloc'd) */
+    uint32_t attempts;      /* starts on a worker */
+    int worker;             /* index in workers[] while RUNNING, else -1 */
+    double accepted_at;     /* CLOCK_REALTIME s */
+    uint64_t start_ns;      /* last start (monotonic) */
+    uint64_t end_ns;        /* end (monotonic); 0 while unfinished */
+    double queued_s;        /* acceptance to first start; < 0 until started */
+    sub subs[MAX_SUBS];
+    int n_subs;
+    int queued_pos;    /* index in the queue while QUEUED, else -1 */
+    struct job *hnext; /* hash chain */
+} job;
+
+typedef struct worker {
+    int active; /* slot in use */
+    rid id;     /* routing id on the worker socket */
+    char name[64], backend[16], mode[16];
+    uint32_t max_batch, vocab, max_pos;
+    int32_t eos_id;
+    uint64_t last_seen_ns; /* last message of any kind */
+    int busy;              /* a Plan is out, its Progress not yet back */
+    uint64_t step;         /* number of the Plan out (or the last one) */
+    uint64_t plan_sent_ns;
+    job **run; /* [max_batch] jobs in its batch */
+    uint32_t n_run;
+    uint64_t *cancel; /* [max_batch] jobs to drop at its next Plan */
+    uint32_t n_cancel;
+    uint64_t steps, tokens;
+    co_plan_state plan; /* the planner's state for this worker (co_plan.h) */
+} worker;
+
+typedef struct reply {
+    rid to;       /* routing id */
+    uint8_t *buf; /* packed Response */
+    size_t len;
+    uint64_t req_id; /* the request's id */
+    job *accepted;   /* a Submit waiting for the journal sync, else NULL */
+} reply;
+
+struct rekv_coordinator {
+    rekv_coordinator_config cfg;
+    char control_ep[4200], worker_ep[4200];
+    char control_path[4200], worker_path[4200]; /* ipc socket files, "" otherwise */
+    void *zctx, *ctl, *wrk;
+    int stop_fd;            /* eventfd: rekv_coordinator_stop */
+    rekv_journal *journal;  /* NULL without a state_dir */
+    rekv_tokenizer *tok;    /* text prompts, with_text; NULL without one */
+    rekv_model_config mcfg; /* valid when have_model */
+    int have_model;
+    char model_name[256];
+
+    job *hash[HASH_BUCKETS];
+    job **queue; /* QUEUED jobs, unordered (picked by priority, then order) */
+    uint32_t n_queue, cap_queue;
+    job **finished; /* ring of finished jobs kept for Status, oldest first */
+    uint32_t fin_head, n_fin;
+    uint64_t next_id, next_order;
+    worker workers[MAX_WORKERS];
+    uint64_t session;
+
+    reply *replies; /* this round's replies [READ_BATCH] */
+    size_t n_replies;
+
+    /* counters */
+    uint64_t n_running, n_done, n_cancelled, n_failed, accepted, rejected_busy, bad_requests,
+        requeued, tokens, steps;
+    double rtt_sum, wstep_sum;
+    uint64_t counters[6]; /* h2d weights, kv, act, d2h, recomputed, fetched */
+    uint64_t rate_tokens[RATE_SLOTS];
+    uint64_t rate_ns[RATE_SLOTS];
+    uint32_t rate_i;
+    uint64_t start_ns;
+    rekv_metrics_server *metrics; /* the scrape port; NULL when not configured */
+};
+
+/* ---------------------------------------------------------------- coordinator.c */
+
+/* Reports a notable event through cfg.on_event (a no-op without one). */
+void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* CLOCK_REALTIME in seconds (when a job was accepted). */
+double co_realtime_s(void);
+/* Sends one message to a peer of a ROUTER socket without blocking; 0 or -errno. */
+int co_send_to(void *sock, const rid *to, const void *buf, size_t len);
+
+/* ---------------------------------------------------------------- co_jobs.c */
+
+job *co_job_find(rekv_coordinator *co, uint64_t id);
+job *co_job_new(rekv_coordinator *co, uint64_t id);
+void co_job_free(rekv_coordinator *co, job *j);
+/* Queues a job (QUEUED); 0 or -ENOMEM. */
+int co_queue_push(rekv_coordinator *co, job *j);
+void co_queue_remove(rekv_coordinator *co, job *j);
+job *co_queue_pop(rekv_coordinator *co);
+/* Room for n generated tokens (and their top logits); 0 or -ENOMEM. */
+int co_gen_reserve(job *j, uint32_t n);
+void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const char *reason,
+                const char *error);
+void co_job_requeue(rekv_coordinator *co, job *j, const char *why);
+/* A job's JobStatus, pointing into the job (valid while it lives). */
+void co_status_fill(const job *j, Rekv__Control__JobStatus *s);
+/* Appends an accepted job's record (not synced); 0 without a journal. */
+int co_journal_accepted(rekv_coordinator *co, job *j, rekv_err *err);
+/* The rekv_journal_fn of the replay on start (ctx: the coordinator). */
+int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec);
+int co_journal_compact(rekv_coordinator *co, rekv_err *err);
+
+/* ---------------------------------------------------------------- co_workers.c */
+
+void co_send_worker(rekv_coordinator *co, worker *w, Rekv__Worker__CoordMsg *m);
+/* Reads one message from the worker socket and acts on it. */
+void co_handle_worker_msg(rekv_coordinator *co);
+void co_schedule(rekv_coordinator *co);
+/* Drops the workers silent for worker_timeout_ms, re-queueing their jobs. */
+void co_check_workers(rekv_coordinator *co);
+
+/* ---------------------------------------------------------------- co_control.c */
+
+void co_reply_add(rekv_coordinator *co, const rid *to, Rekv__Control__Response *r, job *acc);
+void co_stream_flush(rekv_coordinator *co, job *j);
+void co_handle_control(rekv_coordinator *co);
+
+/* ---------------------------------------------------------------- co_stats.c */
+
+/* Answers a Stats request. */
+void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq);
+/* The rekv_metrics_render_fn of the metrics port (ctx: the coordinator). */
+int co_metrics_render(void *ctx, rekv_metrics_buf *b);
+
+#endif

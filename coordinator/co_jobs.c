@@ -1,0 +1,382 @@
+/* co_jobs.c — the coordinator's job table: jobs by id, the queue of waiting jobs (picked by
+ * priority, then arrival), the ring of finished jobs kept for Status, a job's end, and its
+ * re-queueing when its worker dies; and the journal that makes accepted jobs survive a restart
+ * (a record on acceptance and on end, the replay on start, the compact rewrite). */
+#include "coordinator/co_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+
+/* ---------------------------------------------------------------- jobs */
+
+job *co_job_find(rekv_coordinator *co, uint64_t id)
+{
+    for (job *j = co->hash[id % HASH_BUCKETS]; j; j = j->hnext)
+        if (j->id == id)
+            return j;
+    return NULL;
+}
+
+job *co_job_new(rekv_coordinator *co, uint64_t id)
+{
+    job *j = calloc(1, sizeof(*j));
+    if (j == NULL)
+        return NULL;
+    j->id = id;
+    j->worker = -1;
+    j->queued_pos = -1;
+    j->queued_s = -1;
+    j->hnext = co->hash[id % HASH_BUCKETS];
+    co->hash[id % HASH_BUCKETS] = j;
+    if (id >= co->next_id)
+        co->next_id = id + 1;
+    return j;
+}
+
+void co_job_free(rekv_coordinator *co, job *j)
+{
+    job **pp = &co->hash[j->id % HASH_BUCKETS];
+    while (*pp && *pp != j)
+        pp = &(*pp)->hnext;
+    if (*pp)
+        *pp = j->hnext;
+    free(j->prompt);
+    free(j->gen);
+    free(j->top_ids);
+    free(j->top_vals);
+    free(j->error);
+    free(j);
+}
+
+int co_queue_push(rekv_coordinator *co, job *j)
+{
+    if (co->n_queue == co->cap_queue) {
+        uint32_t cap = co->cap_queue ? co->cap_queue * 2 : 64;
+        job **q = realloc(co->queue, sizeof(job *) * cap);
+        if (q == NULL)
+            return -ENOMEM;
+        co->queue = q;
+        co->cap_queue = cap;
+    }
+    j->state = REKV__CONTROL__JOB_STATE__QUEUED;
+    j->queued_pos = (int)co->n_queue;
+    j->order = co->next_order++;
+    co->queue[co->n_queue++] = j;
+    return 0;
+}
+
+void co_queue_remove(rekv_coordinator *co, job *j)
+{
+    if (j->queued_pos < 0)
+        return;
+    uint32_t i = (uint32_t)j->queued_pos;
+    co->queue[i] = co->queue[--co->n_queue];
+    co->queue[i]->queued_pos = (int)i;
+    j->queued_pos = -1;
+}
+
+/* The next job to run: highest priority, then earliest. */
+job *co_queue_pop(rekv_coordinator *co)
+{
+    job *best = NULL;
+    for (uint32_t i = 0; i < co->n_queue; i++) {
+        job *j = co->queue[i];
+        if (best == NULL || j->priority > best->priority ||
+            (j->priority == best->priority && j->order < best->order))
+            best = j;
+    }
+    if (best)
+        co_queue_remove(co, best);
+    return best;
+}
+
+/* Remembers a finished job for Status, forgetting the oldest beyond keep_finished. */
+static void finished_push(rekv_coordinator *co, job *j)
+{
+    uint32_t cap = co->cfg.keep_finished;
+    if (co->n_fin == cap) {
+        job *old = co->finished[co->fin_head];
+        co->fin_head = (co->fin_head + 1) % cap;
+        co->n_fin--;
+        co_job_free(co, old);
+    }
+    co->finished[(co->fin_head + co->n_fin) % cap] = j;
+    co->n_fin++;
+}
+
+int co_gen_reserve(job *j, uint32_t n)
+{
+    if (n <= j->cap_gen)
+        return 0;
+    uint32_t cap = j->cap_gen ? j->cap_gen : 16;
+    while (cap < n)
+        cap *= 2;
+    int32_t *g = realloc(j->gen, sizeof(int32_t) * cap);
+    if (g == NULL)
+        return -ENOMEM;
+    j->gen = g;
+    if (j->top_logits) {
+        size_t k = j->top_logits;
+        int32_t *ti = realloc(j->top_ids, sizeof(int32_t) * cap * k);
+        if (ti == NULL)
+            return -ENOMEM;
+        j->top_ids = ti;
+        float *tv = realloc(j->top_vals, sizeof(float) * cap * k);
+        if (tv == NULL)
+            return -ENOMEM;
+        j->top_vals = tv;
+    }
+    j->cap_gen = cap;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- job life */
+
+static void journal_finished(rekv_coordinator *co, job *j);
+
+/* Ends a job (DONE, CANCELLED or FAILED): journal, subscribers, the finished ring. */
+void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const char *reason,
+                const char *error)
+{
+    if (j->state == REKV__CONTROL__JOB_STATE__RUNNING)
+        co->n_running--;
+    co_queue_remove(co, j);
+    j->state = st;
+    j->worker = -1;
+    j->end_ns = rekv_now_ns();
+    snprintf(j->finish_reason, sizeof(j->finish_reason), "%s", reason ? reason : "");
+    if (error) {
+        free(j->error);
+        j->error = strdup(error);
+    }
+    if (st == REKV__CONTROL__JOB_STATE__DONE)
+        co->n_done++;
+    else if (st == REKV__CONTROL__JOB_STATE__CANCELLED)
+        co->n_cancelled++;
+    else
+        co->n_failed++;
+    journal_finished(co, j);
+    co_stream_flush(co, j);
+    /* the prompt is no longer needed; only the result is kept */
+    free(j->prompt);
+    j->prompt = NULL;
+    finished_push(co, j);
+}
+
+/* Puts a running job back in the queue after its worker died, or fails it after max_attempts. */
+void co_job_requeue(rekv_coordinator *co, job *j, const char *why)
+{
+    if (j->attempts >= co->cfg.max_attempts) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s; gave up after %u attempts", why, j->attempts);
+        co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
+        return;
+    }
+    co->n_running--;
+    j->worker = -1;
+    /* sampling is seeded, so the re-run produces the same tokens; subscribers got the first
+     * `streamed` of them already and will only see the rest */
+    j->n_gen = 0;
+    co->requeued++;
+    if (co_queue_push(co, j)) {
+        j->state = REKV__CONTROL__JOB_STATE__FAILED; /* not running any more: counted as failed */
+        co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "",
+                   "out of memory re-queueing the job");
+    }
+}
+
+/* ---------------------------------------------------------------- journal */
+
+void co_status_fill(const job *j, Rekv__Control__JobStatus *s)
+{
+    rekv__control__job_status__init(s);
+    s->job = j->id;
+    s->state = j->state;
+    s->n_generated_ids = j->n_gen;
+    s->generated_ids = j->gen;
+    s->top_logits = j->top_logits;
+    if (j->top_logits) {
+        s->n_top_ids = s->n_top_vals = (size_t)j->n_gen * j->top_logits;
+        s->top_ids = j->top_ids;
+        s->top_vals = j->top_vals;
+    }
+    s->finish_reason = (char *)j->finish_reason;
+    s->error = j->error ? j->error : "";
+    s->prompt_tokens = j->n_prompt;
+    s->attempts = j->attempts;
+    s->priority = j->priority;
+    uint64_t now = rekv_now_ns();
+    s->queued_s = j->queued_s >= 0 ? j->queued_s : 0;
+    if (j->start_ns)
+        s->run_s = (double)((j->end_ns ? j->end_ns : now) - j->start_ns) * 1e-9;
+}
+
+static void submit_fill(const job *j, Rekv__Control__Submit *s, Rekv__Control__Sampling *smp)
+{
+    rekv__control__submit__init(s);
+    rekv__control__sampling__init(smp);
+    smp->temperature = j->temperature;
+    smp->top_k = j->top_k;
+    smp->top_p = j->top_p;
+    smp->seed = j->seed;
+    s->sampling = smp;
+    s->n_prompt_ids = j->n_prompt;
+    s->prompt_ids = j->prompt;
+    s->max_new_tokens = j->max_new;
+    s->priority = j->priority;
+    s->stop_at_eos = j->stop_at_eos;
+    s->top_logits = j->top_logits;
+}
+
+int co_journal_accepted(rekv_coordinator *co, job *j, rekv_err *err)
+{
+    if (co->journal == NULL)
+        return 0;
+    Rekv__Control__Submit s;
+    Rekv__Control__Sampling smp;
+    submit_fill(j, &s, &smp);
+    Rekv__Control__JournalRecord rec = REKV__CONTROL__JOURNAL_RECORD__INIT;
+    rec.job = j->id;
+    rec.body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_ACCEPTED;
+    rec.accepted = &s;
+    rec.accepted_at = j->accepted_at;
+    return rekv_journal_append(co->journal, &rec, err);
+}
+
+static void journal_finished(rekv_coordinator *co, job *j)
+{
+    if (co->journal == NULL)
+        return;
+    Rekv__Control__JobStatus s;
+    co_status_fill(j, &s);
+    Rekv__Control__JournalRecord rec = REKV__CONTROL__JOURNAL_RECORD__INIT;
+    rec.job = j->id;
+    rec.body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED;
+    rec.finished = &s;
+    rec.accepted_at = j->accepted_at;
+    rekv_err err = {0};
+    if (rekv_journal_append(co->journal, &rec, &err))
+        co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
+}
+
+/* Replay: an accepted job queues again; a finished record ends it. */
+int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
+{
+    rekv_coordinator *co = ctx;
+    job *j = co_job_find(co, rec->job);
+    if (rec->body_case == REKV__CONTROL__JOURNAL_RECORD__BODY_ACCEPTED && rec->accepted) {
+        if (j)
+            return 0; /* duplicate record (a rewrite raced a crash): the first one wins */
+        const Rekv__Control__Submit *s = rec->accepted;
+        if ((j = co_job_new(co, rec->job)) == NULL)
+            return -ENOMEM;
+        j->n_prompt = (uint32_t)s->n_prompt_ids;
+        j->prompt = malloc(sizeof(int32_t) * (s->n_prompt_ids ? s->n_prompt_ids : 1));
+        if (j->prompt == NULL)
+            return -ENOMEM;
+        memcpy(j->prompt, s->prompt_ids, sizeof(int32_t) * s->n_prompt_ids);
+        if (s->sampling) {
+            j->temperature = s->sampling->temperature;
+            j->top_k = s->sampling->top_k;
+            j->top_p = s->sampling->top_p;
+            j->seed = s->sampling->seed;
+        }
+        j->max_new = s->max_new_tokens;
+        j->stop_at_eos = s->stop_at_eos;
+        j->top_logits = s->top_logits;
+        j->priority = s->priority;
+        j->accepted_at = rec->accepted_at;
+        co->accepted++;
+        return co_queue_push(co, j);
+    }
+    if (rec->body_case == REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED && rec->finished) {
+        const Rekv__Control__JobStatus *s = rec->finished;
+        if (j && j->end_ns)
+            return 0; /* already finished: a duplicate record */
+        if (j == NULL && (j = co_job_new(co, rec->job)) == NULL)
+            return -ENOMEM;
+        co_queue_remove(co, j);
+        j->top_logits = s->top_logits;
+        if (s->n_top_ids != s->n_generated_ids * s->top_logits || s->n_top_vals != s->n_top_ids)
+            j->top_logits = 0; /* inconsistent record: keep the ids, drop the logits */
+        if (co_gen_reserve(j, (uint32_t)s->n_generated_ids))
+            return -ENOMEM;
+        memcpy(j->gen, s->generated_ids, sizeof(int32_t) * s->n_generated_ids);
+        if (j->top_logits) {
+            memcpy(j->top_ids, s->top_ids, sizeof(int32_t) * s->n_top_ids);
+            memcpy(j->top_vals, s->top_vals, sizeof(float) * s->n_top_vals);
+        }
+        j->n_gen = j->streamed = (uint32_t)s->n_generated_ids;
+        j->n_prompt = s->prompt_tokens;
+        j->attempts = s->attempts;
+        j->priority = s->priority;
+        j->queued_s = s->queued_s;
+        j->accepted_at = rec->accepted_at;
+        j->state = s->state;
+        snprintf(j->finish_reason, sizeof(j->finish_reason), "%s",
+                 s->finish_reason ? s->finish_reason : "");
+        if (s->error && *s->error)
+            j->error = strdup(s->error);
+        free(j->prompt);
+        j->prompt = NULL;
+        j->end_ns = rekv_now_ns();
+        if (j->state == REKV__CONTROL__JOB_STATE__DONE)
+            co->n_done++;
+        else if (j->state == REKV__CONTROL__JOB_STATE__CANCELLED)
+            co->n_cancelled++;
+        else
+            co->n_failed++;
+        finished_push(co, j);
+    }
+    return 0;
+}
+
+/* Rewrites the journal with what a replay needs: unfinished jobs, then the remembered finished. */
+int co_journal_compact(rekv_coordinator *co, rekv_err *err)
+{
+    size_t n = co->n_queue + co->n_running + co->n_fin, k = 0;
+    Rekv__Control__JournalRecord *recs = calloc(n ? n : 1, sizeof(*recs));
+    Rekv__Control__JournalRecord **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
+    Rekv__Control__Submit *subs = calloc(n ? n : 1, sizeof(*subs));
+    Rekv__Control__Sampling *smps = calloc(n ? n : 1, sizeof(*smps));
+    Rekv__Control__JobStatus *sts = calloc(n ? n : 1, sizeof(*sts));
+    int rc = 0;
+    if (!recs || !ptrs || !subs || !smps || !sts) {
+        rc = rekv_errf(err, -ENOMEM, "out of memory compacting the journal");
+        goto out;
+    }
+    /* unfinished jobs in id order would be nicer; hash order is fine: replay keys on ids */
+    for (size_t b = 0; b < HASH_BUCKETS; b++)
+        for (job *j = co->hash[b]; j; j = j->hnext) {
+            if (k == n)
+                break;
+            rekv__control__journal_record__init(&recs[k]);
+            recs[k].job = j->id;
+            recs[k].accepted_at = j->accepted_at;
+            if (j->state == REKV__CONTROL__JOB_STATE__QUEUED ||
+                j->state == REKV__CONTROL__JOB_STATE__RUNNING) {
+                submit_fill(j, &subs[k], &smps[k]);
+                recs[k].body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_ACCEPTED;
+                recs[k].accepted = &subs[k];
+            } else {
+                co_status_fill(j, &sts[k]);
+                recs[k].body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED;
+                recs[k].finished = &sts[k];
+            }
+            ptrs[k] = &recs[k];
+            k++;
+        }
+    rc = rekv_journal_rewrite(co->journal, (const Rekv__Control__JournalRecord *const *)ptrs, k,
+                              err);
+out:
+    free(recs);
+    free(ptrs);
+    free(subs);
+    free(smps);
+    free(sts);
+    return rc;
+}

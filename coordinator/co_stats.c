@@ -1,0 +1,184 @@
+/* co_stats.c — what the coordinator reports about itself: the Stats reply (job counts, tokens/s,
+ * bytes moved, each worker with its planner's last choices) and the Prometheus exposition of the
+ * same numbers for the metrics port (coordinator/metrics.h). A new counter goes in both, here. */
+#include "coordinator/co_internal.h"
+
+#include "common/clock.h"
+
+static double tokens_per_s(rekv_coordinator *co)
+{
+    uint32_t oldest = (co->rate_i + 1) % RATE_SLOTS, newest = co->rate_i;
+    if (co->rate_ns[oldest] == 0 || co->rate_ns[newest] <= co->rate_ns[oldest])
+        return 0;
+    return (double)(co->rate_tokens[newest] - co->rate_tokens[oldest]) /
+           ((double)(co->rate_ns[newest] - co->rate_ns[oldest]) * 1e-9);
+}
+
+void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
+{
+    Rekv__Control__Stats s = REKV__CONTROL__STATS__INIT;
+    s.queued = co->n_queue;
+    s.running = co->n_running;
+    s.done = co->n_done;
+    s.cancelled = co->n_cancelled;
+    s.failed = co->n_failed;
+    s.accepted = co->accepted;
+    s.rejected_busy = co->rejected_busy;
+    s.bad_requests = co->bad_requests;
+    s.requeued = co->requeued;
+    s.tokens = co->tokens;
+    s.tokens_per_s = tokens_per_s(co);
+    s.steps = co->steps;
+    s.step_rtt_avg_s = co->steps ? co->rtt_sum / (double)co->steps : 0;
+    s.worker_step_avg_s = co->steps ? co->wstep_sum / (double)co->steps : 0;
+    s.queue_limit = co->cfg.queue_limit;
+    s.uptime_s = (double)(rekv_now_ns() - co->start_ns) * 1e-9;
+    s.h2d_bytes_weights = co->counters[0];
+    s.h2d_bytes_kv = co->counters[1];
+    s.h2d_bytes_act = co->counters[2];
+    s.d2h_bytes = co->counters[3];
+    s.tokens_recomputed = co->counters[4];
+    s.tokens_fetched = co->counters[5];
+    Rekv__Control__WorkerInfo wi[MAX_WORKERS], *wp[MAX_WORKERS];
+    size_t nw = 0;
+    uint64_t now = rekv_now_ns();
+    for (int i = 0; i < MAX_WORKERS; i++) {
+        worker *w = &co->workers[i];
+        if (!w->active)
+            continue;
+        rekv__control__worker_info__init(&wi[nw]);
+        wi[nw].name = w->name;
+        wi[nw].backend = w->backend;
+        wi[nw].mode = w->mode;
+        wi[nw].running = w->n_run;
+        wi[nw].max_batch = w->max_batch;
+        wi[nw].steps = w->steps;
+        wi[nw].tokens = w->tokens;
+        wi[nw].idle_s = (double)(now - w->last_seen_ns) * 1e-9;
+        wi[nw].plan_split = w->plan.split;
+        wi[nw].plan_kv_parts = (uint32_t)w->plan.kv_parts;
+        wi[nw].plan_act_parts = (uint32_t)w->plan.act_parts;
+        wi[nw].plan_gpu_batches = (uint32_t)w->plan.gpu_batches;
+        wi[nw].plan_column = w->plan.column;
+        wi[nw].plan_predicted_step_s = w->plan.pred_step_s;
+        wi[nw].plan_pcie_scale = w->plan.pcie_scale;
+        wi[nw].plan_compute_scale = w->plan.compute_scale;
+        wi[nw].plan_steps = w->plan.steps;
+        wi[nw].plan_multi_batch_steps = w->plan.multi_batch_steps;
+        wp[nw] = &wi[nw];
+        nw++;
+    }
+    s.n_workers = nw;
+    s.workers = wp;
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.id = rq;
+    r.body_case = REKV__CONTROL__RESPONSE__BODY_STATS;
+    r.stats = &s;
+    co_reply_add(co, from, &r, NULL);
+}
+
+/* The Prometheus exposition of what Stats reports (a rekv_metrics_render_fn). Families are
+ * named rekv_*; counters since the coordinator started end in _total. */
+int co_metrics_render(void *ctx, rekv_metrics_buf *b)
+{
+    rekv_coordinator *co = ctx;
+    uint64_t now = rekv_now_ns();
+    static const char *const states[] = {"queued", "running", "done", "cancelled", "failed"};
+    const uint64_t by_state[] = {co->n_queue, co->n_running, co->n_done, co->n_cancelled,
+                                 co->n_failed};
+    rekv_metrics_family(b, "rekv_jobs", "gauge",
+                        "Jobs by state (done, cancelled, failed: since start).");
+    for (int i = 0; i < 5; i++)
+        rekv_metrics_sample_kv(b, "rekv_jobs", (double)by_state[i], "state", states[i], NULL);
+
+    /* one sample each, no labels */
+    const struct {
+        const char *name, *type, *help;
+        double v;
+    } one[] = {
+        {"rekv_queue_depth", "gauge", "Jobs waiting to run.", (double)co->n_queue},
+        {"rekv_queue_limit", "gauge", "Most jobs waiting; beyond it Submit gets BUSY.",
+         (double)co->cfg.queue_limit},
+        {"rekv_jobs_accepted_total", "counter", "Jobs accepted (replayed ones included).",
+         (double)co->accepted},
+        {"rekv_jobs_rejected_busy_total", "counter", "Submits answered BUSY.",
+         (double)co->rejected_busy},
+        {"rekv_bad_requests_total", "counter", "Requests answered BAD_REQUEST.",
+         (double)co->bad_requests},
+        {"rekv_jobs_requeued_total", "counter", "Jobs put back after their worker died.",
+         (double)co->requeued},
+        {"rekv_tokens_generated_total", "counter", "Generated tokens, all workers.",
+         (double)co->tokens},
+        {"rekv_tokens_per_second", "gauge", "Generated tokens per second over the last ~5 s.",
+         tokens_per_s(co)},
+        {"rekv_steps_total", "counter", "Plans executed, all workers.", (double)co->steps},
+        {"rekv_step_rtt_seconds_total", "counter", "Plan sent to Progress received, summed.",
+         co->rtt_sum},
+        {"rekv_worker_step_seconds_total", "counter", "The workers' own time per step, summed.",
+         co->wstep_sum},
+        {"rekv_uptime_seconds", "gauge", "Seconds since the coordinator started.",
+         (double)(now - co->start_ns) * 1e-9},
+    };
+    for (size_t i = 0; i < sizeof(one) / sizeof(*one); i++) {
+        rekv_metrics_family(b, one[i].name, one[i].type, one[i].help);
+        rekv_metrics_sample(b, one[i].name, NULL, one[i].v);
+    }
+
+    rekv_metrics_family(b, "rekv_bytes_total", "counter",
+                        "Bytes the workers moved, by direction and kind.");
+    rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"h2d\",kind=\"weights\"",
+                        (double)co->counters[0]);
+    rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"h2d\",kind=\"kv\"", (double)co->counters[1]);
+    rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"h2d\",kind=\"act\"", (double)co->counters[2]);
+    rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"d2h\",kind=\"all\"", (double)co->counters[3]);
+    rekv_metrics_family(b, "rekv_kv_tokens_total", "counter",
+                        "Cached tokens whose K,V were recomputed or fetched.");
+    rekv_metrics_sample(b, "rekv_kv_tokens_total", "how=\"recomputed\"", (double)co->counters[4]);
+    rekv_metrics_sample(b, "rekv_kv_tokens_total", "how=\"fetched\"", (double)co->counters[5]);
+
+    /* per worker; rekv_worker_info's mode label is the mode the worker runs (the planner's) */
+    static const struct {
+        const char *name, *type, *help;
+    } wf[] = {
+        {"rekv_worker_info", "gauge", "A connected worker (always 1), its backend and mode."},
+        {"rekv_worker_running", "gauge", "Jobs in the worker's batch."},
+        {"rekv_worker_max_batch", "gauge", "Largest batch the worker takes."},
+        {"rekv_worker_steps_total", "counter", "Steps the worker ran."},
+        {"rekv_worker_tokens_total", "counter", "Tokens the worker generated."},
+        {"rekv_worker_idle_seconds", "gauge", "Seconds since the worker's last message."},
+        {"rekv_worker_plan_split", "gauge", "The planner's KVPR split (tokens) for the last step."},
+        {"rekv_worker_plan_gpu_batches", "gauge", "Mini-batches (GPU batches) of the last step."},
+        {"rekv_worker_plan_kv_parts", "gauge", "KV part of the hybrid block pattern."},
+        {"rekv_worker_plan_act_parts", "gauge", "ACT part of the hybrid block pattern."},
+        {"rekv_worker_plan_predicted_step_seconds", "gauge", "Predicted time of the last step."},
+        {"rekv_worker_plan_pcie_scale", "gauge", "Measured / predicted link time, smoothed."},
+        {"rekv_worker_plan_compute_scale", "gauge", "Measured / predicted compute time, smoothed."},
+    };
+    for (size_t f = 0; f < sizeof(wf) / sizeof(*wf); f++) {
+        rekv_metrics_family(b, wf[f].name, wf[f].type, wf[f].help);
+        for (int i = 0; i < MAX_WORKERS; i++) {
+            const worker *w = &co->workers[i];
+            if (!w->active)
+                continue;
+            const double v[] = {1,
+                                w->n_run,
+                                w->max_batch,
+                                (double)w->steps,
+                                (double)w->tokens,
+                                (double)(now - w->last_seen_ns) * 1e-9,
+                                w->plan.split,
+                                w->plan.gpu_batches,
+                                w->plan.kv_parts,
+                                w->plan.act_parts,
+                                w->plan.pred_step_s,
+                                w->plan.pcie_scale,
+                                w->plan.compute_scale};
+            if (f == 0)
+                rekv_metrics_sample_kv(b, wf[f].name, v[f], "worker", w->name, "backend",
+                                       w->backend, "mode", w->mode, NULL);
+            else
+                rekv_metrics_sample_kv(b, wf[f].name, v[f], "worker", w->name, NULL);
+        }
+    }
+    return b->err;
+}

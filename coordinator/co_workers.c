@@ -1,0 +1,343 @@
+/* co_workers.c — the worker protocol (proto/worker.proto) and continuous batching: a worker's Hello
+ * (answered by Welcome, or for mode "auto" by Assign: the worker's mode), one Plan per step to
+ * every idle worker with work (jobs join from the queue at step boundaries, cancels go out,
+ * co_plan.c picks the step's parameters), its Progress (tokens into the jobs, finished jobs out),
+ * Reset for a worker we do not know, and the timeout that takes a silent worker as dead and
+ * re-queues its jobs. */
+#include "coordinator/co_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+
+/* ---------------------------------------------------------------- workers */
+
+void co_send_worker(rekv_coordinator *co, worker *w, Rekv__Worker__CoordMsg *m)
+{
+    m->version = REKV_WORKER_PROTO_VERSION;
+    size_t n = rekv__worker__coord_msg__get_packed_size(m);
+    uint8_t *buf = malloc(n ? n : 1);
+    if (buf == NULL)
+        return;
+    rekv__worker__coord_msg__pack(m, buf);
+    int rc = co_send_to(co->wrk, &w->id, buf, n);
+    if (rc)
+        co_event(co, REKV_CO_EVENT_WARN, "send to worker %s: %s", w->name, zmq_strerror(-rc));
+    free(buf);
+}
+
+static worker *worker_find(rekv_coordinator *co, const rid *id)
+{
+    for (int i = 0; i < MAX_WORKERS; i++) {
+        worker *w = &co->workers[i];
+        if (w->active && w->id.n == id->n && memcmp(w->id.b, id->b, id->n) == 0)
+            return w;
+    }
+    return NULL;
+}
+
+static void worker_drop(rekv_coordinator *co, worker *w, const char *why)
+{
+    char msg[256];
+    snprintf(msg, sizeof(msg), "worker %s %s", w->name, why);
+    for (uint32_t i = 0; i < w->n_run; i++)
+        co_job_requeue(co, w->run[i], msg);
+    if (w->n_run)
+        co_event(co, REKV_CO_EVENT_WARN, "%s: %u jobs in flight re-queued", msg, w->n_run);
+    else
+        co_event(co, REKV_CO_EVENT_INFO, "%s", msg);
+    free(w->run);
+    free(w->cancel);
+    memset(w, 0, sizeof(*w));
+}
+
+/* A worker started with --mode auto asks for its mode: the planner decides (co_plan_assign) and
+ * the worker, once its pipeline is built, says Hello again with it. */
+static void worker_assign(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
+{
+    char why[512];
+    rekv_mode m = co_plan_assign(h, why, sizeof(why));
+    Rekv__Worker__Assign a = REKV__WORKER__ASSIGN__INIT;
+    a.mode = (char *)rekv_mode_name(m);
+    a.reason = why;
+    Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_ASSIGN;
+    cm.assign = &a;
+    worker tmp = {0};
+    tmp.id = *id;
+    snprintf(tmp.name, sizeof(tmp.name), "%s", h->name ? h->name : "?");
+    co_send_worker(co, &tmp, &cm);
+    co_event(co, REKV_CO_EVENT_INFO, "worker %s: mode auto: %s", tmp.name, why);
+}
+
+static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
+{
+    worker *w = worker_find(co, id);
+    if (w) /* it reset itself: whatever it ran is gone */
+        worker_drop(co, w, "said Hello again");
+    if (h->mode && strcmp(h->mode, "auto") == 0) {
+        worker_assign(co, id, h);
+        return;
+    }
+    for (int i = 0; i < MAX_WORKERS && w == NULL; i++)
+        if (!co->workers[i].active)
+            w = &co->workers[i];
+    if (w == NULL) {
+        co_event(co, REKV_CO_EVENT_WARN, "worker %s refused: already %d workers", h->name,
+                 MAX_WORKERS);
+        return;
+    }
+    uint32_t mb = h->max_batch ? h->max_batch : 1;
+    w->run = calloc(mb, sizeof(job *));
+    w->cancel = calloc(mb, sizeof(uint64_t));
+    if (!w->run || !w->cancel) {
+        free(w->run);
+        free(w->cancel);
+        memset(w, 0, sizeof(*w));
+        return;
+    }
+    w->active = 1;
+    w->id = *id;
+    snprintf(w->name, sizeof(w->name), "%s", h->name ? h->name : "?");
+    snprintf(w->backend, sizeof(w->backend), "%s", h->backend ? h->backend : "?");
+    snprintf(w->mode, sizeof(w->mode), "%s", h->mode ? h->mode : "?");
+    w->max_batch = mb;
+    w->vocab = h->vocab;
+    w->max_pos = h->max_pos;
+    w->eos_id = h->eos_id;
+    w->last_seen_ns = rekv_now_ns();
+    co_plan_init(&w->plan, h);
+    Rekv__Worker__Welcome wel = REKV__WORKER__WELCOME__INIT;
+    wel.session = co->session;
+    Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
+    m.body_case = REKV__WORKER__COORD_MSG__BODY_WELCOME;
+    m.welcome = &wel;
+    co_send_worker(co, w, &m);
+    co_event(co, REKV_CO_EVENT_INFO,
+             "worker %s joined (pid %llu, %s backend, %s mode, batch %u, %s)", w->name,
+             (unsigned long long)h->pid, w->backend, w->mode, w->max_batch,
+             h->model ? h->model : "?");
+}
+
+/* Sends the next Plan to every idle worker that has work: joins from the queue, cancels. */
+void co_schedule(rekv_coordinator *co)
+{
+    for (int wi = 0; wi < MAX_WORKERS; wi++) {
+        worker *w = &co->workers[wi];
+        if (!w->active || w->busy)
+            continue;
+        uint32_t room = w->max_batch - w->n_run;
+        if (w->n_run == 0 && w->n_cancel == 0 && (co->n_queue == 0 || room == 0))
+            continue;
+        Rekv__Worker__JobSpec *specs = calloc(room ? room : 1, sizeof(*specs));
+        Rekv__Worker__JobSpec **sp = calloc(room ? room : 1, sizeof(*sp));
+        if (!specs || !sp) {
+            free(specs);
+            free(sp);
+            return;
+        }
+        uint32_t n_join = 0;
+        while (n_join < room) {
+            job *j = co_queue_pop(co);
+            if (j == NULL)
+                break;
+            /* a prompt the worker's model cannot take fails here, with the reason */
+            if (w->max_pos && j->n_prompt > w->max_pos) {
+                char msg[256];
+                snprintf(msg, sizeof(msg),
+                         "the prompt of %u tokens is longer than the model's context of %u tokens",
+                         j->n_prompt, w->max_pos);
+                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
+                continue;
+            }
+            Rekv__Worker__JobSpec *s = &specs[n_join];
+            rekv__worker__job_spec__init(s);
+            s->job = j->id;
+            s->n_prompt = j->n_prompt;
+            s->prompt = j->prompt;
+            s->temperature = j->temperature;
+            s->top_k = j->top_k;
+            s->top_p = j->top_p;
+            s->seed = j->seed;
+            s->max_new_tokens = j->max_new;
+            s->stop_at_eos = j->stop_at_eos;
+            s->top_logits = j->top_logits;
+            sp[n_join++] = s;
+            j->state = REKV__CONTROL__JOB_STATE__RUNNING;
+            j->worker = wi;
+            j->attempts++;
+            j->n_gen = 0;
+            j->start_ns = rekv_now_ns();
+            if (j->queued_s < 0)
+                j->queued_s = co_realtime_s() - j->accepted_at;
+            co->n_running++;
+            w->run[w->n_run++] = j;
+        }
+        if (w->n_run == 0 && w->n_cancel == 0) {
+            free(specs);
+            free(sp);
+            continue;
+        }
+        Rekv__Worker__Plan plan = REKV__WORKER__PLAN__INIT;
+        plan.step = ++w->step;
+        plan.n_join = n_join;
+        plan.join = sp;
+        plan.n_cancel = w->n_cancel;
+        plan.cancel = w->cancel;
+        /* the planner prices the batch this step will run (jobs that just joined included) */
+        Rekv__Worker__StepParams params;
+        uint64_t *ids = calloc(w->max_batch, sizeof(uint64_t)), *mbj = calloc(w->max_batch, 8);
+        int64_t *ctx = calloc(w->max_batch, sizeof(int64_t));
+        uint32_t *mbi = calloc(w->max_batch, sizeof(uint32_t));
+        if (ids && mbj && ctx && mbi) {
+            for (uint32_t k = 0; k < w->n_run; k++) {
+                ids[k] = w->run[k]->id;
+                ctx[k] = (int64_t)w->run[k]->n_prompt + w->run[k]->n_gen;
+            }
+            if (co_plan_step(&w->plan, ids, ctx, (int)w->n_run, &params, mbj, mbi))
+                plan.params = &params;
+        }
+        Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
+        m.body_case = REKV__WORKER__COORD_MSG__BODY_PLAN;
+        m.plan = &plan;
+        co_send_worker(co, w, &m);
+        w->n_cancel = 0;
+        w->busy = 1;
+        w->plan_sent_ns = rekv_now_ns();
+        free(ids);
+        free(mbj);
+        free(ctx);
+        free(mbi);
+        free(specs);
+        free(sp);
+    }
+}
+
+static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker__Progress *p)
+{
+    if (!w->busy || p->step != w->step)
+        return; /* stale: from before a reset */
+    w->busy = 0;
+    w->steps++;
+    co->steps++;
+    co->rtt_sum += (double)(rekv_now_ns() - w->plan_sent_ns) * 1e-9;
+    co->wstep_sum += p->step_s;
+    if (p->counters) {
+        co->counters[0] += p->counters->h2d_weights;
+        co->counters[1] += p->counters->h2d_kv;
+        co->counters[2] += p->counters->h2d_act;
+        co->counters[3] += p->counters->d2h;
+        co->counters[4] += p->counters->tokens_recomputed;
+        co->counters[5] += p->counters->tokens_fetched;
+        co_plan_observe(&w->plan, p->counters->compute_busy_s, p->counters->h2d_busy_s);
+    }
+    for (size_t i = 0; i < p->n_jobs; i++) {
+        const Rekv__Worker__JobProgress *jp = p->jobs[i];
+        uint32_t k;
+        for (k = 0; k < w->n_run && w->run[k]->id != jp->job; k++)
+            ;
+        if (k == w->n_run)
+            continue; /* cancelled meanwhile */
+        job *j = w->run[k];
+        size_t tk = j->top_logits;
+        int with_top = tk && jp->n_top_ids == jp->n_tokens * tk && jp->n_top_vals == jp->n_top_ids;
+        for (size_t t = 0; t < jp->n_tokens && j->n_gen < j->max_new; t++) {
+            if (co_gen_reserve(j, j->n_gen + 1))
+                break;
+            if (tk) { /* a worker that sent none leaves zeros rather than garbage */
+                for (size_t q = 0; q < tk; q++) {
+                    j->top_ids[(size_t)j->n_gen * tk + q] = with_top ? jp->top_ids[t * tk + q] : 0;
+                    j->top_vals[(size_t)j->n_gen * tk + q] =
+                        with_top ? jp->top_vals[t * tk + q] : 0;
+                }
+            }
+            j->gen[j->n_gen++] = jp->tokens[t];
+            w->tokens++;
+            co->tokens++;
+        }
+        int end = jp->finished || jp->error;
+        if (end) {
+            w->run[k] = w->run[--w->n_run];
+            if (jp->error)
+                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "",
+                           jp->error_msg && *jp->error_msg ? jp->error_msg : "the worker failed");
+            else
+                co_job_end(co, j, REKV__CONTROL__JOB_STATE__DONE, jp->finish_reason, NULL);
+        } else {
+            co_stream_flush(co, j);
+        }
+    }
+}
+
+void co_handle_worker_msg(rekv_coordinator *co)
+{
+    zmq_msg_t f[3];
+    int nf = 0, more = 1;
+    while (more) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, co->wrk, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&m);
+            break;
+        }
+        more = zmq_msg_more(&m);
+        if (nf < 3)
+            f[nf++] = m;
+        else
+            zmq_msg_close(&m);
+    }
+    if (nf != 2 || zmq_msg_size(&f[0]) > MAX_RID)
+        goto out;
+    rid id;
+    id.n = zmq_msg_size(&f[0]);
+    memcpy(id.b, zmq_msg_data(&f[0]), id.n);
+    Rekv__Worker__WorkerMsg *m =
+        rekv__worker__worker_msg__unpack(NULL, zmq_msg_size(&f[1]), zmq_msg_data(&f[1]));
+    if (m == NULL || m->version != REKV_WORKER_PROTO_VERSION) {
+        co_event(co, REKV_CO_EVENT_WARN,
+                 "worker socket: a malformed message or another protocol "
+                 "version; ignored");
+        if (m)
+            rekv__worker__worker_msg__free_unpacked(m, NULL);
+        goto out;
+    }
+    worker *w = worker_find(co, &id);
+    if (w)
+        w->last_seen_ns = rekv_now_ns();
+    if (m->body_case == REKV__WORKER__WORKER_MSG__BODY_HELLO && m->hello) {
+        worker_hello(co, &id, m->hello);
+    } else if (w == NULL) {
+        /* we restarted (or dropped it as dead): it must start over */
+        Rekv__Worker__Reset rs = REKV__WORKER__RESET__INIT;
+        Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
+        cm.body_case = REKV__WORKER__COORD_MSG__BODY_RESET;
+        cm.reset = &rs;
+        worker tmp = {0};
+        tmp.id = id;
+        snprintf(tmp.name, sizeof(tmp.name), "(unknown)");
+        co_send_worker(co, &tmp, &cm);
+    } else if (m->body_case == REKV__WORKER__WORKER_MSG__BODY_PROGRESS && m->progress) {
+        worker_progress(co, w, m->progress);
+    }
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+out:
+    for (int i = 0; i < nf; i++)
+        zmq_msg_close(&f[i]);
+}
+
+void co_check_workers(rekv_coordinator *co)
+{
+    uint64_t now = rekv_now_ns(), limit = (uint64_t)co->cfg.worker_timeout_ms * 1000000ull;
+    for (int i = 0; i < MAX_WORKERS; i++) {
+        worker *w = &co->workers[i];
+        if (w->active && now - w->last_seen_ns > limit) {
+            char why[128];
+            snprintf(why, sizeof(why), "is silent for %u ms: taken as dead",
+                     co->cfg.worker_timeout_ms);
+            worker_drop(co, w, why);
+        }
+    }
+}
