@@ -27,7 +27,7 @@ static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
 rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reason_len)
 {
     if (!h->kvstore) {
-        snprintf(reason, reason_len, "resident: no kvstore to keep the cache in");
+        snprintf(reason, reason_len, "no kvstore to keep the cache in");
         return REKV_MODE_RESIDENT;
     }
     rekv_cost_profile prof;
@@ -40,29 +40,28 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
     rekv_mode_pick mp;
     rekv_err e = {0};
     if (hello_profile(h, &prof)) {
-        snprintf(reason, reason_len, "resident: the worker sent no usable profile");
+        snprintf(reason, reason_len, "the worker sent no usable profile");
         return REKV_MODE_RESIDENT;
     }
     if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, h->cache_elem_bytes,
                             h->device_kv_room, h->offload_weights, &mp, &e)) {
-        snprintf(reason, reason_len, "resident: %s", e.msg);
+        snprintf(reason, reason_len, "%s", e.msg);
         return REKV_MODE_RESIDENT;
     }
     static const rekv_mode by_tech[REKV_TECH_COUNT] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR,
                                                        REKV_MODE_ACT, REKV_MODE_HYBRID};
     rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
     if (h->device_kv_room < 0)
-        snprintf(reason, reason_len, "%s: the %s backend's device memory is the host's",
-                 rekv_mode_name(m), h->backend ? h->backend : "worker's");
+        snprintf(reason, reason_len, "the %s backend's device memory is the host's",
+                 h->backend ? h->backend : "worker's");
     else
         snprintf(reason, reason_len,
-                 "%s: the KV cache of %u sequences of %u tokens is %.2f GB, the device has room "
+                 "the KV cache of %u sequences of %u tokens is %.2f GB, the device has room "
                  "for %.2f GB; priced per layer and step: offload %.3g ms, kvpr %.3g ms, act "
                  "%.3g ms, hybrid %.3g ms",
-                 rekv_mode_name(m), h->max_batch, h->max_pos, mp.kv_bytes * 1e-9,
-                 h->device_kv_room * 1e-9, mp.costs[REKV_TECH_KV].t_step * 1e3,
-                 mp.costs[REKV_TECH_KVPR].t_step * 1e3, mp.costs[REKV_TECH_ACT].t_step * 1e3,
-                 mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
+                 h->max_batch, h->max_pos, mp.kv_bytes * 1e-9, h->device_kv_room * 1e-9,
+                 mp.costs[REKV_TECH_KV].t_step * 1e3, mp.costs[REKV_TECH_KVPR].t_step * 1e3,
+                 mp.costs[REKV_TECH_ACT].t_step * 1e3, mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
     return m;
 }
 

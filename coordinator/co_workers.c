@@ -70,7 +70,7 @@ static void worker_assign(rekv_coordinator *co, const rid *id, const Rekv__Worke
     tmp.id = *id;
     snprintf(tmp.name, sizeof(tmp.name), "%s", h->name ? h->name : "?");
     co_send_worker(co, &tmp, &cm);
-    co_event(co, REKV_CO_EVENT_INFO, "worker %s: mode auto: %s", tmp.name, why);
+    co_event(co, REKV_CO_EVENT_INFO, "worker %s: mode auto: %s (%s)", tmp.name, a.mode, why);
 }
 
 static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)

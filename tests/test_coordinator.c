@@ -7,7 +7,9 @@
  * batcher alone against rekv_generate. With the KV cache in a real rekv-kvstore: steps longer than
  * its lease keep their pins; a worker killed with SIGKILL leaves blocks behind, which a worker
  * restarted under its name frees at once, and which the store frees itself after the lease when
- * none is. Model: stories260K (a bigger synthetic one for long steps). */
+ * none is. A worker that says Hello with mode "auto" gets its mode from the coordinator (Assign)
+ * and is not served until it says Hello again with it. Model: stories260K (a bigger synthetic one
+ * for long steps). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -20,13 +22,17 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "common/clock.h"
+#include "common/mode.h"
 #include "coordinator/cli/cli_daemon.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/planner.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
+#include "proto/worker.pb-c.h"
 #include "tests/testutil.h"
 
 #define MODEL_REL "models/stories260K/stories260K.bin"
@@ -657,6 +663,110 @@ START_TEST(emulated_gpu_auto_mode)
 }
 END_TEST
 
+/* Sends a Hello on a worker's DEALER socket and returns the coordinator's answer (NULL after 10 s). */
+static Rekv__Worker__CoordMsg *hello_answer(void *sock, Rekv__Worker__Hello *h)
+{
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.version = REKV_WORKER_PROTO_VERSION;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
+    m.hello = h;
+    uint8_t buf[1024];
+    size_t n = rekv__worker__worker_msg__get_packed_size(&m);
+    ck_assert(n <= sizeof(buf));
+    rekv__worker__worker_msg__pack(&m, buf);
+    ck_assert_int_eq(zmq_send(sock, buf, n, 0), (int)n);
+    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, 10000) != 1)
+        return NULL;
+    int got = zmq_recv(sock, buf, sizeof(buf), 0);
+    ck_assert(got > 0 && (size_t)got <= sizeof(buf));
+    return rekv__worker__coord_msg__unpack(NULL, (size_t)got, buf);
+}
+
+/* The mode is the coordinator's decision: a worker (here a bare DEALER socket speaking
+ * worker.proto) that says Hello with mode "auto" is answered Assign with the mode
+ * rekv_plan_pick_mode gives for what it reports — resident without a kvstore or when the KV cache
+ * fits its device, else the cheapest technique — and is not a worker yet; a Hello with that mode
+ * is answered Welcome and makes it one. */
+START_TEST(coordinator_assigns_worker_mode)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    pid_t co = start_coordinator(&e, "64", "10000");
+    rekv_ctl *c = ctl_open(e.ctl);
+    void *zctx = zmq_ctx_new();
+    void *sock = zmq_socket(zctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_connect(sock, e.wrk), 0);
+
+    /* an OPT-6.7B-like worker: 64 sequences of 544 tokens, fp16 cache, fast GPU, PCIe-bound */
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 25e9;
+    cp.h2d_latency = 5e-6;
+    cp.gemm_flops = 300e12;
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.name = "bare";
+    h.backend = "cuda";
+    h.mode = "auto";
+    h.max_batch = 64;
+    h.vocab = 512;
+    h.max_pos = 544;
+    h.profile = &cp;
+    h.hidden = h.q_dim = h.kv_dim = 4096;
+    h.n_layers = 32;
+    h.cache_elem_bytes = 2;
+    h.weight_elem_bytes = 2;
+    h.layer_params = 2ull * 4096 * 4096 * 2 + 2ull * 4096 * 16384;
+    double kv = 2.0 * 4096 * 2 * 64 * 544 * 32; /* the whole batch's KV cache, bytes */
+    rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
+    rekv_cost_profile prof = {.h2d_bw = 25e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
+    rekv_mode_pick pick;
+    ck_assert_int_eq(rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, kv - 1, 0, &pick, NULL), 0);
+    ck_assert(!pick.resident);
+    static const char *const by_tech[REKV_TECH_COUNT] = {"offload", "kvpr", "act", "hybrid"};
+    struct {
+        int kvstore;
+        double room;
+        const char *want;
+    } cases[] = {
+        {0, kv - 1, "resident"},         /* no kvstore: nowhere else to keep the cache */
+        {1, kv, "resident"},             /* it fits the device */
+        {1, -1, "resident"},             /* the device's memory is the host's */
+        {1, kv - 1, by_tech[pick.tech]}, /* it does not: the planner's cheapest technique */
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        h.kvstore = cases[i].kvstore;
+        h.device_kv_room = cases[i].room;
+        Rekv__Worker__CoordMsg *m = hello_answer(sock, &h);
+        ck_assert_msg(m != NULL, "no answer to Hello auto");
+        ck_assert_msg(m->body_case == REKV__WORKER__COORD_MSG__BODY_ASSIGN,
+                      "Hello auto answered with body %d, not Assign", (int)m->body_case);
+        ck_assert_str_eq(m->assign->mode, cases[i].want);
+        ck_assert(m->assign->reason && m->assign->reason[0]);
+        rekv__worker__coord_msg__free_unpacked(m, NULL);
+    }
+    ck_assert_str_ne(by_tech[pick.tech], "offload"); /* MHA behind PCIe: recomputation pays */
+    wait_workers(c, 0); /* asking for a mode does not make a worker */
+
+    h.mode = (char *)by_tech[pick.tech];
+    Rekv__Worker__CoordMsg *m = hello_answer(sock, &h);
+    ck_assert(m != NULL && m->body_case == REKV__WORKER__COORD_MSG__BODY_WELCOME);
+    rekv__worker__coord_msg__free_unpacked(m, NULL);
+    wait_workers(c, 1);
+    Rekv__Control__Response *r = stats(c);
+    ck_assert_str_eq(r->stats->workers[0]->mode, by_tech[pick.tech]);
+    rekv__control__response__free_unpacked(r, NULL);
+
+    zmq_close(sock);
+    zmq_ctx_term(zctx);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(stop(co), 0);
+    env_close(&e);
+}
+END_TEST
+
 /* The push path between the real daemons: rekv run --push starts the kvstore with a push backend
  * and the worker in push mode, so the store process writes every KV row into the worker's
  * exported buffers; the jobs' tokens are exactly rekv_generate's. */
@@ -1125,6 +1235,7 @@ static Suite *suite(void)
     tcase_add_test(tc, run_64_jobs);
     tcase_add_test(tc, planner_in_the_loop);
     tcase_add_test(tc, emulated_gpu_auto_mode);
+    tcase_add_test(tc, coordinator_assigns_worker_mode);
     tcase_add_test(tc, push_between_processes);
     tcase_add_test(tc, long_steps_keep_heartbeating);
     tcase_add_test(tc, long_steps_keep_kvstore_pins);
