@@ -10,7 +10,7 @@
 /* One decoder layer's weights; NULL where the architecture has none. Shapes as in
  * rekv_layer_weights ([out][in] for linear layers). The matrices (wq, wk, wv, wo, w1, w2, w3) are
  * in the engine's weight dtype (rekv_engine.wdtype), the vectors (norms, biases) in fp32. Every
- * field is a void * so that code can walk a layer's tensors as an array (see pipeline.c). */
+ * field is a void * so that code can walk a layer's tensors as an array (see pipeline_create.c). */
 typedef struct layer_w {
     void *attn_norm_w, *attn_norm_b; /* [hidden] */
     void *wq, *bq;                   /* [q_dim][hidden], [q_dim] */

@@ -663,7 +663,7 @@ START_TEST(emulated_gpu_auto_mode)
 }
 END_TEST
 
-/* Sends a Hello on a worker's DEALER socket and returns the coordinator's answer (NULL after 10 s). */
+/* Sends a Hello on a worker's DEALER socket; returns the coordinator's answer (NULL after 10 s). */
 static Rekv__Worker__CoordMsg *hello_answer(void *sock, Rekv__Worker__Hello *h)
 {
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;

@@ -1,0 +1,208 @@
+/* pipeline_buffers.c — the decode pipeline's memory: the metadata arena (host memory that kernels
+ * read directly: positions, attention descriptors, convert lists), one step's memory (the arena's
+ * chunks and the host-only copy lists, all released when the step ends), and the grow-only device
+ * buffers that pl_ensure_buffers sizes for each step while the streams are idle — the attention
+ * buffers shared with the kvstore under push, which writes the KV rows into them. */
+#include "gpuworker/pipeline_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { META_CHUNK = 1 << 20 };
+
+static void *meta_alloc(meta_arena *a, size_t bytes)
+{
+    bytes = (bytes + 63) & ~(size_t)63;
+    for (; a->cur < a->n; a->cur++) {
+        meta_chunk *c = &a->chunks[a->cur];
+        if (c->cap - c->used >= bytes) {
+            void *r = c->p + c->used;
+            c->used += bytes;
+            memset(r, 0, bytes);
+            return r;
+        }
+    }
+    if (pl_reserve_bytes((void **)&a->chunks, &a->cap, a->n + 1, sizeof(meta_chunk)))
+        return NULL;
+    size_t cap = bytes > META_CHUNK ? bytes : META_CHUNK;
+    uint8_t *p = rekv_host_alloc(a->be, cap);
+    if (p == NULL)
+        return NULL;
+    a->chunks[a->n++] = (meta_chunk){p, cap, bytes};
+    a->cur = a->n - 1;
+    memset(p, 0, bytes);
+    return p;
+}
+
+static void meta_reset(meta_arena *a)
+{
+    for (size_t i = 0; i < a->n; i++)
+        a->chunks[i].used = 0;
+    a->cur = 0;
+}
+
+void pl_meta_free(meta_arena *a)
+{
+    for (size_t i = 0; i < a->n; i++)
+        rekv_host_free(a->be, a->chunks[i].p);
+    free(a->chunks);
+    memset(a, 0, sizeof(*a));
+}
+
+void *pl_smem_alloc(step_mem *m, size_t bytes)
+{
+    if (m->failed)
+        return NULL;
+    void *p = meta_alloc(m->meta, bytes ? bytes : 1);
+    if (p == NULL)
+        m->failed = 1;
+    return p;
+}
+
+/* Makes ptr (malloc'd) part of the step's memory. */
+int pl_smem_adopt(step_mem *m, void *ptr)
+{
+    if (ptr == NULL)
+        return 0;
+    if (pl_reserve_bytes((void **)&m->blocks, &m->cap, m->n + 1, sizeof(void *))) {
+        free(ptr);
+        m->failed = 1;
+        return -ENOMEM;
+    }
+    m->blocks[m->n++] = ptr;
+    return 0;
+}
+
+void pl_smem_free(step_mem *m)
+{
+    for (size_t i = 0; i < m->n; i++)
+        free(m->blocks[i]);
+    free(m->blocks);
+    if (m->meta)
+        meta_reset(m->meta);
+    memset(m, 0, sizeof(*m));
+}
+
+int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return 0;
+    size_t nc = *cap ? *cap : 256;
+    while (nc < need)
+        nc *= 2;
+    void *nv = realloc(*v, nc * elem);
+    if (nv == NULL)
+        return -ENOMEM;
+    *v = nv;
+    *cap = nc;
+    return 0;
+}
+
+static int dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes)
+{
+    if (bytes <= b->cap)
+        return 0;
+    size_t want = bytes + bytes / 4;
+    void *n = p->bi->dev_alloc(p->be, want);
+    if (n == NULL)
+        return -ENOMEM;
+    if (b->p)
+        p->bi->dev_free(p->be, b->p);
+    b->p = n;
+    b->cap = want;
+    return 0;
+}
+
+void pl_dbuf_free(rekv_pipeline *p, dbuf *b)
+{
+    if (b->p)
+        p->bi->dev_free(p->be, b->p);
+    b->p = NULL;
+    b->cap = 0;
+}
+
+/* dbuf_ensure for a buffer the store imports (push): grown by a new shared buffer; the store drops
+ * its import of the old one before it is freed. */
+static int dbuf_ensure_shared(rekv_pipeline *p, dbuf *b, rekv_ipc_handle *h, size_t bytes,
+                              rekv_err *err)
+{
+    if (bytes <= b->cap)
+        return 0;
+    size_t want = bytes + bytes / 4;
+    rekv_ipc_handle nh;
+    void *n = p->bi->dev_alloc_shared(p->be, want, &nh, err);
+    if (n == NULL)
+        return -ENOMEM;
+    if (b->p) {
+        const rekv_ipc_handle *old[] = {h};
+        int rc = pl_push_release(p, old, 1, err);
+        if (rc) {
+            p->bi->dev_free(p->be, n);
+            return rc;
+        }
+        p->bi->dev_free(p->be, b->p);
+    }
+    b->p = n;
+    b->cap = want;
+    *h = nh;
+    return 0;
+}
+
+/* Sizes every buffer for this step; called while the streams are idle. */
+int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    size_t W = (size_t)(c->hidden > c->embed_dim ? c->hidden : c->embed_dim);
+    size_t Q = (size_t)rekv_config_q_dim(c), KV = (size_t)rekv_config_kv_dim(c);
+    size_t F = (size_t)c->ffn, H = (size_t)c->hidden, f = sizeof(float);
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    size_t max_ctx_g = 0, max_kv_g = 0, max_rows = 0, max_ctx = 1;
+    int rc = 0;
+    for (int g = 0; g < st->n_g; g++) {
+        size_t T = (size_t)st->g_rows[g], ns = (size_t)(st->g_begin[g + 1] - st->g_begin[g]);
+        size_t ctx = 0, kv_elems = 0;
+        for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++) {
+            size_t tot = (size_t)st->items[i].seq->len + (size_t)st->items[i].n_tokens;
+            ctx += tot;
+            kv_elems += rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, (int)tot);
+            if (tot > max_ctx)
+                max_ctx = tot;
+        }
+        if (ctx > max_ctx_g)
+            max_ctx_g = ctx;
+        if (kv_elems > max_kv_g)
+            max_kv_g = kv_elems;
+        if (T > max_rows)
+            max_rows = T;
+        gbatch *b = &p->gb[g];
+        rc |= dbuf_ensure(p, &b->x, T * W * f) | dbuf_ensure(p, &b->h, T * W * f) |
+              dbuf_ensure(p, &b->q, T * Q * f) | dbuf_ensure(p, &b->k, T * KV * f) |
+              dbuf_ensure(p, &b->v, T * KV * f) | dbuf_ensure(p, &b->att, T * Q * f) |
+              dbuf_ensure(p, &b->f1, T * F * f) | dbuf_ensure(p, &b->f3, T * F * f) |
+              dbuf_ensure(p, &b->logits, ns * (size_t)c->vocab * f);
+    }
+    rc |= dbuf_ensure(p, &p->scores, max_ctx * f);
+    if (p->cfg.mode != REKV_MODE_RESIDENT) {
+        for (int b = 0; b < 2; b++) {
+            parity *pr = &p->par[b];
+            if (p->cfg.push) { /* shared with the store, which writes the KV rows */
+                rekv_err e = {0};
+                int src = dbuf_ensure_shared(p, &pr->attn_kv, &p->h_attn_kv[b], max_kv_g * dsz, &e);
+                if (src)
+                    return rekv_errf(err, src, "step: push attention buffers: %s", e.msg);
+            } else {
+                rc |= dbuf_ensure(p, &pr->attn_kv, max_kv_g * dsz);
+            }
+            rc |= dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
+                  dbuf_ensure(p, &pr->out_stage, max_rows * H * dsz);
+        }
+        rc |= dbuf_ensure(p, &p->act_f32, max_ctx_g * H * f) |
+              dbuf_ensure(p, &p->kr, max_ctx_g * KV * f) |
+              dbuf_ensure(p, &p->vr, max_ctx_g * KV * f);
+    }
+    if (rc)
+        return rekv_errf(err, -ENOMEM, "step: out of device memory for a batch of %d sequences",
+                         st->n_items);
+    return 0;
+}

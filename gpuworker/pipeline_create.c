@@ -1,0 +1,391 @@
+/* pipeline_create.c — what a pipeline and a sequence own, and the weights' place on the device:
+ * rekv_pipeline_create/free (the kvstore's arena and geometry, streams, events, the model's
+ * tensors on the device: each layer resident, or, with weights offloaded, two device buffers in
+ * load order that each step refills by pl_copy_layer) and rekv_pseq_create/free (a resident KV
+ * cache, ACT_GPU's device copy, the kvstore sequences). */
+#include "gpuworker/pipeline_internal.h"
+
+#include <errno.h>
+#include <sys/random.h>
+#include <unistd.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+
+/* A layer's tensor slots and sizes, in load order (N_LAYER_TENSORS, pipeline_internal.h). */
+static void layer_tensors(const rekv_engine *e, layer_w *L, void ***slots, size_t *bytes)
+{
+    const rekv_model_config *c = &e->c;
+    size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
+    size_t KV = (size_t)rekv_config_kv_dim(c), F = (size_t)c->ffn;
+    size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float); /* matrices, vectors */
+    void **s[N_LAYER_TENSORS] = {
+        &L->wk, &L->bk, &L->wv,          &L->bv,          &L->wq,         &L->bq,
+        &L->wo, &L->bo, &L->attn_norm_w, &L->attn_norm_b, &L->ffn_norm_w, &L->ffn_norm_b,
+        &L->w1, &L->b1, &L->w3,          &L->w2,          &L->b2};
+    size_t n[N_LAYER_TENSORS] = {KV * H * w, KV * f, KV * H * w, KV * f,    Q * H * w, Q * f,
+                                 H * Q * w,  H * f,  H * f,      H * f,     H * f,     H * f,
+                                 F * H * w,  F * f,  F * H * w,  H * F * w, H * f};
+    memcpy(slots, s, sizeof(s));
+    memcpy(bytes, n, sizeof(n));
+}
+
+/* Points dst's fields into mem laid out in load order, for the tensors src has. Returns bytes. */
+static size_t layer_layout(const rekv_engine *e, const layer_w *src, layer_w *dst, char *mem)
+{
+    void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
+    size_t n[N_LAYER_TENSORS], off = 0;
+    layer_tensors(e, (layer_w *)src, ss, n);
+    layer_tensors(e, dst, ds, n);
+    for (int i = 0; i < N_LAYER_TENSORS; i++) {
+        if (*ss[i] == NULL) {
+            *ds[i] = NULL;
+            continue;
+        }
+        *ds[i] = mem ? mem + off : NULL;
+        off += (n[i] + 63) & ~(size_t)63;
+    }
+    return off;
+}
+
+/* Enqueues host->device copies of a layer's tensors [from, to) in load order. Returns bytes. */
+size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer_w *dst, int from,
+                     int to)
+{
+    void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
+    size_t n[N_LAYER_TENSORS], bytes = 0;
+    rekv_copy_piece pieces[N_LAYER_TENSORS];
+    size_t np = 0;
+    layer_tensors(p->e, (layer_w *)src, ss, n);
+    layer_tensors(p->e, dst, ds, n);
+    for (int i = from; i < to; i++)
+        if (*ss[i]) {
+            pieces[np++] = (rekv_copy_piece){*ds[i], *ss[i], n[i]};
+            bytes += n[i];
+        }
+    if (np)
+        p->bi->copy_h2d(s, pieces, np, REKV_XFER_WEIGHTS);
+    return bytes;
+}
+
+static void *dev_copy(rekv_pipeline *p, const void *src, size_t bytes, int *rc)
+{
+    if (src == NULL || *rc)
+        return NULL;
+    void *d = p->bi->dev_alloc(p->be, bytes);
+    if (d == NULL) {
+        *rc = -ENOMEM;
+        return NULL;
+    }
+    rekv_copy_piece pc = {d, src, bytes};
+    p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_WEIGHTS);
+    return d;
+}
+
+void rekv_pipeline_free(rekv_pipeline *p)
+{
+    if (p == NULL)
+        return;
+    if (p->s_h2d)
+        p->bi->stream_sync(p->s_h2d, NULL);
+    if (p->s_compute)
+        p->bi->stream_sync(p->s_compute, NULL);
+    if (p->s_d2h)
+        p->bi->stream_sync(p->s_d2h, NULL);
+    if (p->dev_layers) {
+        for (int l = 0; l < p->c->n_layers; l++) {
+            void **ds[N_LAYER_TENSORS];
+            size_t n[N_LAYER_TENSORS];
+            layer_tensors(p->e, &p->dev_layers[l], ds, n);
+            for (int i = 0; i < N_LAYER_TENSORS; i++)
+                if (*ds[i])
+                    p->bi->dev_free(p->be, *ds[i]);
+        }
+        free(p->dev_layers);
+    }
+    if (p->cfg.push && p->store) { /* the store lets go of our buffers and events first */
+        const rekv_ipc_handle *hs[] = {&p->h_attn_kv[0],   &p->h_attn_kv[1], &p->h_attn_free[0],
+                                       &p->h_attn_free[1], &p->h_pushed[0],  &p->h_pushed[1]};
+        pl_push_release(p, hs, 6, NULL);
+    }
+    for (int i = 0; i < 2; i++) {
+        if (p->wbuf_mem[i])
+            p->bi->dev_free(p->be, p->wbuf_mem[i]);
+        pl_dbuf_free(p, &p->par[i].attn_kv);
+        pl_dbuf_free(p, &p->par[i].act_stage);
+        pl_dbuf_free(p, &p->par[i].out_stage);
+    }
+    for (int g = 0; g < MAX_GPU_BATCHES; g++) {
+        dbuf *b = (dbuf *)&p->gb[g];
+        for (size_t i = 0; i < sizeof(gbatch) / sizeof(dbuf); i++)
+            pl_dbuf_free(p, &b[i]);
+    }
+    pl_dbuf_free(p, &p->act_f32);
+    pl_dbuf_free(p, &p->kr);
+    pl_dbuf_free(p, &p->vr);
+    pl_dbuf_free(p, &p->scores);
+    void *ds[] = {p->d_embed, p->d_pos, p->d_proj_in, p->d_proj_out, p->d_fnorm_w, p->d_fnorm_b};
+    for (size_t i = 0; i < sizeof(ds) / sizeof(ds[0]); i++)
+        if (ds[i])
+            p->bi->dev_free(p->be, ds[i]);
+    if (p->d_head && !p->head_tied)
+        p->bi->dev_free(p->be, p->d_head);
+    rekv_event **evs[] = {p->ev_attn_free, p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
+                          p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree,      p->ev_pushed};
+    for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
+        for (int j = 0; j < 2; j++)
+            if (evs[i][j])
+                p->bi->event_destroy(evs[i][j]);
+    free(p->push_pieces);
+    if (p->s_compute)
+        p->bi->stream_destroy(p->s_compute);
+    if (p->s_h2d)
+        p->bi->stream_destroy(p->s_h2d);
+    if (p->s_d2h)
+        p->bi->stream_destroy(p->s_d2h);
+    if (p->arena_registered && p->bi->host_unregister)
+        p->bi->host_unregister(p->be, p->arena);
+    for (int l = 0; l < p->weights_registered; l++)
+        p->bi->host_unregister(p->be, p->e->layer_mem[l]);
+    free(p->counters);
+    free(p->step_log);
+    pl_meta_free(&p->meta);
+    free(p->plan);
+    free(p);
+}
+
+int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *store,
+                         const rekv_pipeline_config *cfg, rekv_pipeline **out, rekv_err *err)
+{
+    const rekv_model_config *c = rekv_engine_config(e);
+    if (cfg->mode != REKV_MODE_RESIDENT && store == NULL)
+        return rekv_errf(err, -EINVAL, "pipeline: mode %s needs a kvstore",
+                         rekv_mode_name(cfg->mode));
+    if (cfg->gpu_batches < 1 || cfg->gpu_batches > MAX_GPU_BATCHES)
+        return rekv_errf(err, -EINVAL, "pipeline: gpu batches must be 1..%d", MAX_GPU_BATCHES);
+    if (cfg->cache_dtype != REKV_DTYPE_F32 && cfg->cache_dtype != REKV_DTYPE_F16)
+        return rekv_errf(err, -EINVAL, "pipeline: the cache dtype must be F32 or F16");
+    if (cfg->mode == REKV_MODE_KVPR && cfg->split < 0)
+        return rekv_errf(err, -EINVAL, "pipeline: kvpr needs a split >= 0");
+    if (cfg->mode == REKV_MODE_HYBRID &&
+        (cfg->kv_parts < 0 || cfg->act_parts < 0 || cfg->kv_parts + cfg->act_parts == 0))
+        return rekv_errf(err, -EINVAL, "pipeline: hybrid needs a kv:act pattern like 1:1");
+    if (cfg->act_gpu_blocks < 0)
+        return rekv_errf(err, -EINVAL, "pipeline: act_gpu_blocks must not be negative");
+    if (rekv_kernels_of(be) == NULL)
+        return rekv_errf(err, -EINVAL, "pipeline: backend %s has no kernels", be->iface->name);
+    if (cfg->push && cfg->mode == REKV_MODE_RESIDENT)
+        return rekv_errf(err, -EINVAL, "pipeline: push needs a mode that streams the KV cache");
+    if (cfg->push && !rekv_backend_has_ipc(be))
+        return rekv_errf(err, -ENOTSUP, "pipeline: push: backend %s cannot share buffers",
+                         be->iface->name);
+    if (cfg->push) { /* a cheap request: can the store push, and with our kind of handles? */
+        char name[16] = "";
+        rekv_err perr = {0};
+        int prc = rekv_kvstore_push(store, NULL, 0, NULL, NULL, NULL, 0, name, sizeof(name), &perr);
+        if (prc)
+            return rekv_errf(err, prc, "pipeline: push: %s", perr.msg);
+        if (strcmp(name, be->iface->name) != 0)
+            return rekv_errf(err, -ENOTSUP,
+                             "pipeline: push: the kvstore pushes with the %s backend, this worker "
+                             "runs %s",
+                             name, be->iface->name);
+    }
+    rekv_pipeline *p = calloc(1, sizeof(*p));
+    if (p == NULL)
+        return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
+    int rc = 0;
+    p->e = e;
+    p->c = c;
+    p->be = be;
+    p->bi = be->iface;
+    p->k = rekv_kernels_of(be);
+    p->store = store;
+    p->cfg = *cfg;
+    p->meta.be = be;
+    /* kvstore sequence ids are the caller's to choose and the store may outlive this pipeline
+     * (a restarted worker, a second one): start at a random even base so that ids never meet */
+    uint64_t base = 0;
+    if (getrandom(&base, sizeof(base), 0) != (ssize_t)sizeof(base))
+        base = rekv_now_ns() ^ ((uint64_t)getpid() << 32);
+    p->next_id = (base & ~(uint64_t)1) | 2; /* even, never 0; kvpr uses id and id + 1 */
+    p->counters = calloc((size_t)c->n_layers, sizeof(rekv_layer_counters));
+    if (p->counters == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "pipeline: out of memory");
+        goto fail;
+    }
+    if (store) {
+        size_t bytes;
+        p->arena = rekv_kvstore_client_arena(store, &bytes);
+        p->arena_bytes = bytes;
+        /* copies straight from the shared arena: page-locked where the backend can (cuda) */
+        if (p->bi->host_register && p->bi->host_register(be, p->arena, bytes, err) == 0)
+            p->arena_registered = 1;
+        rekv_err_clear(err); /* unregistered only costs overlap, not correctness */
+        rekv_kvstore_client_geometry(store, &p->geo);
+        if (p->geo.n_layers != (uint32_t)c->n_layers ||
+            p->geo.n_kv_heads != (uint32_t)c->n_kv_heads ||
+            p->geo.head_dim != (uint32_t)c->head_dim || p->geo.hidden != (uint32_t)c->hidden ||
+            p->geo.dtype != cfg->cache_dtype) {
+            rc = rekv_errf(
+                err, -EINVAL,
+                "pipeline: the kvstore's block geometry (%u layers, %u kv heads, head dim "
+                "%u, hidden %u, %s) does not match the model and cache dtype",
+                p->geo.n_layers, p->geo.n_kv_heads, p->geo.head_dim, p->geo.hidden,
+                rekv_dtype_name(p->geo.dtype));
+            goto fail;
+        }
+    }
+    if ((rc = p->bi->stream_create(be, "compute", &p->s_compute, err)) ||
+        (rc = p->bi->stream_create(be, "h2d", &p->s_h2d, err)) ||
+        (rc = p->bi->stream_create(be, "d2h", &p->s_d2h, err)))
+        goto fail;
+    rekv_event **evs[] = {p->ev_attn_free, p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
+                          p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree};
+    for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
+        for (int j = 0; j < 2; j++)
+            if ((rc = (cfg->push && i == 0 ? p->bi->event_create_shared
+                                           : p->bi->event_create)(be, &evs[i][j], err)))
+                goto fail;
+    for (int j = 0; j < 2 && cfg->push; j++) /* the store waits on ev_attn_free, records pushed */
+        if ((rc = p->bi->event_create_shared(be, &p->ev_pushed[j], err)) ||
+            (rc = p->bi->event_export(p->ev_attn_free[j], &p->h_attn_free[j], err)) ||
+            (rc = p->bi->event_export(p->ev_pushed[j], &p->h_pushed[j], err)))
+            goto fail;
+    /* weights on the device: the model's non-layer tensors always; layers unless offloaded */
+    size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
+    size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
+    p->d_embed = dev_copy(p, e->embed, V * E * w, &rc);
+    p->d_pos = dev_copy(p, e->pos_embed, ((size_t)c->max_pos + 2) * H * f, &rc);
+    p->d_proj_in = dev_copy(p, e->project_in, H * E * w, &rc);
+    p->d_proj_out = dev_copy(p, e->project_out, E * H * w, &rc);
+    p->d_fnorm_w = dev_copy(p, e->final_norm_w, H * f, &rc);
+    p->d_fnorm_b = dev_copy(p, e->final_norm_b, H * f, &rc);
+    p->head_tied = e->lm_head == e->embed;
+    p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, V * E * w, &rc);
+    if (rc == 0 && cfg->offload_weights && p->bi->host_register && p->bi->host_unregister) {
+        /* the layers stream from the engine's blocks every step: page-locked where the backend
+         * can, so the copies are DMA at the link's speed and overlap compute (best effort: a
+         * second pipeline on the same engine finds them registered already and copies anyway) */
+        int l = 0;
+        while (l < c->n_layers &&
+               p->bi->host_register(be, e->layer_mem[l], e->layer_bytes, err) == 0)
+            l++;
+        rekv_err_clear(err);
+        if (l < c->n_layers)
+            while (l > 0)
+                p->bi->host_unregister(be, e->layer_mem[--l]);
+        p->weights_registered = l;
+    }
+    if (rc == 0 && cfg->offload_weights) {
+        size_t bytes = layer_layout(e, &e->layers[0], &p->wbuf[0], NULL);
+        for (int i = 0; i < 2 && rc == 0; i++) {
+            p->wbuf_mem[i] = p->bi->dev_alloc(be, bytes);
+            if (p->wbuf_mem[i] == NULL)
+                rc = -ENOMEM;
+            else
+                layer_layout(e, &e->layers[0], &p->wbuf[i], p->wbuf_mem[i]);
+        }
+    } else if (rc == 0) {
+        p->dev_layers = calloc((size_t)c->n_layers, sizeof(layer_w));
+        if (p->dev_layers == NULL)
+            rc = -ENOMEM;
+        for (int l = 0; l < c->n_layers && rc == 0; l++) {
+            void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
+            size_t n[N_LAYER_TENSORS];
+            layer_tensors(e, &e->layers[l], ss, n);
+            layer_tensors(e, &p->dev_layers[l], ds, n);
+            for (int i = 0; i < N_LAYER_TENSORS && rc == 0; i++)
+                *ds[i] = dev_copy(p, *ss[i], n[i], &rc);
+        }
+    }
+    if (rc) {
+        rekv_errf(err, rc, "pipeline: out of device memory for the weights");
+        goto fail;
+    }
+    if ((rc = p->bi->stream_sync(p->s_h2d, err)))
+        goto fail;
+    p->bi->stats_reset(be); /* the one-time weight upload is not part of any step */
+    *out = p;
+    return 0;
+fail:
+    rekv_pipeline_free(p);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ sequences */
+
+int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    if (capacity <= 0 || capacity > c->max_pos)
+        return rekv_errf(err, -E2BIG, "sequence capacity %d is outside the model's context (1..%d)",
+                         capacity, c->max_pos);
+    rekv_pseq *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    s->p = p;
+    s->cap = capacity;
+    int rc = 0;
+    if (p->cfg.mode == REKV_MODE_RESIDENT) {
+        size_t n = (size_t)c->n_layers * rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, capacity);
+        s->kv = p->bi->dev_alloc(p->be, n * rekv_dtype_size(p->cfg.cache_dtype));
+        if (s->kv == NULL) {
+            rc = rekv_errf(err, -ENOMEM, "out of device memory for a KV cache of %d tokens",
+                           capacity);
+            goto fail;
+        }
+    } else {
+        if (p->cfg.act_gpu_blocks > 0 && p->cfg.mode != REKV_MODE_OFFLOAD) {
+            size_t n = (size_t)c->n_layers * (size_t)p->cfg.act_gpu_blocks * REKV_KV_BLOCK_TOKENS *
+                       (size_t)c->hidden * rekv_dtype_size(p->cfg.cache_dtype);
+            s->act_dev = p->bi->dev_alloc(p->be, n);
+            if (s->act_dev == NULL) {
+                rc = rekv_errf(err, -ENOMEM, "out of device memory for %d ACT blocks per layer",
+                               p->cfg.act_gpu_blocks);
+                goto fail;
+            }
+        }
+        s->id = p->next_id;
+        p->next_id += 2;
+        if ((rc = rekv_kvstore_seq_create(p->store, s->id, err)))
+            goto fail;
+        if (p->cfg.mode == REKV_MODE_KVPR &&
+            (rc = rekv_kvstore_seq_create(p->store, s->id + 1, err))) {
+            rekv_kvstore_seq_drop(p->store, s->id, NULL);
+            goto fail;
+        }
+    }
+    *out = s;
+    return 0;
+fail:
+    if (s->kv)
+        p->bi->dev_free(p->be, s->kv);
+    if (s->act_dev)
+        p->bi->dev_free(p->be, s->act_dev);
+    free(s);
+    return rc;
+}
+
+void rekv_pseq_free(rekv_pseq *s)
+{
+    if (s == NULL)
+        return;
+    rekv_pipeline *p = s->p;
+    if (s->kv)
+        p->bi->dev_free(p->be, s->kv);
+    if (s->act_dev)
+        p->bi->dev_free(p->be, s->act_dev);
+    if (p->cfg.mode != REKV_MODE_RESIDENT) {
+        rekv_kvstore_seq_drop(p->store, s->id, NULL);
+        if (p->cfg.mode == REKV_MODE_KVPR)
+            rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);
+    }
+    free(s);
+}
+
+int rekv_pseq_len(const rekv_pseq *s)
+{
+    return s->len;
+}

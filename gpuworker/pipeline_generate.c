@@ -1,0 +1,105 @@
+/* pipeline_generate.c — generation over the pipeline (rekv_pipeline_generate): a batch of prompts
+ * prefilled in one step, then decode steps over the sequences still running, sampled as
+ * rekv_generate samples (generate.c). */
+#include "gpuworker/pipeline_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+
+int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, const int *n_prompts,
+                           int n, const rekv_gen_params *gp, rekv_gen_result *res, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    int rc = 0, V = c->vocab, k = gp->top_logits < V ? gp->top_logits : V;
+    int max_new = gp->max_new_tokens;
+    memset(res, 0, sizeof(*res) * (size_t)n);
+    if (max_new < 0 || gp->top_logits < 0)
+        return rekv_errf(err, -EINVAL, "max_new_tokens and top_logits must not be negative");
+    for (int i = 0; i < n; i++)
+        if ((rc = rekv_prompt_check(c, prompts[i], n_prompts[i], err)))
+            return rc;
+    rekv_pseq **seqs = calloc((size_t)n, sizeof(*seqs));
+    rekv_sampler *smp = calloc((size_t)n, sizeof(*smp));
+    rekv_pipe_item *items = calloc((size_t)n, sizeof(*items));
+    int *idx = calloc((size_t)n, sizeof(int));
+    float *logits = malloc(sizeof(float) * (size_t)V * (size_t)n);
+    void *scratch = malloc(sizeof(float) * 2 * (size_t)V);
+    if (!seqs || !smp || !items || !idx || !logits || !scratch) {
+        rc = rekv_errf(err, -ENOMEM, "out of memory");
+        goto out;
+    }
+    for (int i = 0; i < n && rc == 0; i++) {
+        int64_t want = (int64_t)n_prompts[i] + (max_new > 0 ? max_new - 1 : 0);
+        int cap = want < c->max_pos ? (int)want : c->max_pos;
+        res[i].ids = malloc(sizeof(int32_t) * (size_t)(max_new + 1));
+        if (k > 0) {
+            res[i].top_ids = malloc(sizeof(int32_t) * (size_t)k * (size_t)(max_new + 1));
+            res[i].top_vals = malloc(sizeof(float) * (size_t)k * (size_t)(max_new + 1));
+        }
+        if (!res[i].ids || (k > 0 && (!res[i].top_ids || !res[i].top_vals)))
+            rc = rekv_errf(err, -ENOMEM, "out of memory");
+        else
+            rc = rekv_pseq_create(p, cap, &seqs[i], err);
+        rekv_sampler_init(&smp[i], gp->temperature, gp->top_k, gp->top_p, gp->seed + (uint64_t)i);
+        res[i].finish_reason = "length";
+        items[i] = (rekv_pipe_item){seqs[i], prompts[i], n_prompts[i], logits + (size_t)i * V, 0};
+        idx[i] = i;
+    }
+    if (rc || max_new == 0)
+        goto out;
+    uint64_t t0 = rekv_now_ns();
+    if ((rc = rekv_pipeline_step(p, items, n, err)))
+        goto out;
+    uint64_t t1 = rekv_now_ns();
+    for (int i = 0; i < n; i++)
+        res[i].prefill_s = (double)(t1 - t0) * 1e-9;
+    int running = n;
+    while (running > 0) {
+        int m = 0;
+        for (int a = 0; a < running; a++) {
+            int i = idx[a];
+            rekv_gen_result *r = &res[i];
+            const float *lg = logits + (size_t)a * V;
+            if (k > 0)
+                rekv_top_logits(lg, V, k, r->top_ids + (size_t)r->n * k,
+                                r->top_vals + (size_t)r->n * k);
+            int32_t tok = rekv_sample(&smp[i], lg, V, scratch);
+            r->ids[r->n++] = tok;
+            if (gp->stop_at_eos && tok == c->eos_id)
+                r->finish_reason = "eos";
+            else if (r->n < max_new && rekv_pseq_len(seqs[i]) >= c->max_pos)
+                r->finish_reason = "context";
+            else if (r->n < max_new)
+                idx[m++] = i; /* still running */
+        }
+        /* logits rows follow the running order; rebuild the items compactly */
+        running = m;
+        for (int a = 0; a < running; a++) {
+            int i = idx[a];
+            items[a] =
+                (rekv_pipe_item){seqs[i], &res[i].ids[res[i].n - 1], 1, logits + (size_t)a * V, 0};
+        }
+        if (running > 0 && (rc = rekv_pipeline_step(p, items, running, err)))
+            goto out;
+    }
+    double dec = (double)(rekv_now_ns() - t1) * 1e-9;
+    for (int i = 0; i < n; i++)
+        res[i].decode_s = dec;
+out:
+    if (seqs)
+        for (int i = 0; i < n; i++)
+            rekv_pseq_free(seqs[i]);
+    if (rc)
+        for (int i = 0; i < n; i++)
+            rekv_gen_result_free(&res[i]);
+    free(seqs);
+    free(smp);
+    free(items);
+    free(idx);
+    free(logits);
+    free(scratch);
+    return rc;
+}

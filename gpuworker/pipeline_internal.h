@@ -1,0 +1,202 @@
+/* pipeline_internal.h — the decode pipeline's structs (the pipeline, its sequences, one step and
+ * its memory) and the functions its files call across; each function is documented where it is
+ * defined. Private to gpuworker. The files: pipeline.c (the step; its opening comment is the data
+ * flow), pipeline_create.c, pipeline_buffers.c, pipeline_kvstore.c, pipeline_generate.c. */
+#ifndef REKV_GPUWORKER_PIPELINE_INTERNAL_H
+#define REKV_GPUWORKER_PIPELINE_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpuworker/engine_internal.h"
+#include "gpuworker/kernels.h"
+#include "gpuworker/pipeline.h"
+
+/* ------------------------------------------------------------------ small helpers */
+
+/* A grow-only device buffer (reallocated only between steps, after the streams are idle). */
+typedef struct dbuf {
+    void *p;
+    size_t cap;
+} dbuf;
+
+/* Memory kernels read directly (positions, descriptors, convert lists): chunks of the backend's
+ * host_alloc memory (pinned and mapped on cuda; malloc on cpu), kept across steps and handed out
+ * again from the start of each step. */
+typedef struct meta_chunk {
+    uint8_t *p;
+    size_t cap, used;
+} meta_chunk;
+
+typedef struct meta_arena {
+    rekv_backend *be;
+    meta_chunk *chunks;
+    size_t n, cap;
+    size_t cur; /* the chunk being handed out */
+} meta_arena;
+
+/* One step's memory: metadata from the arena, and host-only lists (copy pieces, which the backend
+ * copies at enqueue) adopted from malloc; all of it released when the step ends. */
+typedef struct step_mem {
+    meta_arena *meta;
+    void **blocks; /* adopted malloc'd lists */
+    size_t n, cap;
+    int failed;
+} step_mem;
+
+/* A growable array of copy pieces (host side, kept until the step ends). */
+typedef struct piece_list {
+    rekv_copy_piece *v;
+    size_t n, cap;
+} piece_list;
+
+typedef struct conv_list {
+    rekv_convert_piece *v;
+    size_t n, cap;
+} conv_list;
+
+/* Makes room for `more` entries; 0 or -ENOMEM. */
+#define RESERVE(list, more)                                                                        \
+    pl_reserve_bytes((void **)&(list)->v, &(list)->cap, (list)->n + (more), sizeof(*(list)->v))
+
+/* ------------------------------------------------------------------ the pipeline */
+
+enum { MAX_GPU_BATCHES = 64 };
+
+/* Buffers of one GPU batch, alive for a whole step. Sizes in rows T of the batch. */
+typedef struct gbatch {
+    dbuf x;      /* [T][max(hidden, embed)] residual stream */
+    dbuf h;      /* [T][max(hidden, embed)] attention / FFN input */
+    dbuf q;      /* [T][q_dim] */
+    dbuf k, v;   /* [T][kv_dim] new rows */
+    dbuf att;    /* [T][q_dim] */
+    dbuf f1, f3; /* [T][ffn] */
+    dbuf logits; /* [n_seqs][vocab] */
+} gbatch;
+
+/* Buffers of one unit parity. */
+typedef struct parity {
+    dbuf attn_kv;   /* attention buffers: per sequence its context's blocks (kvlayout.h), back
+                       to back, in the cache dtype */
+    dbuf act_stage; /* context activation rows as stored */
+    dbuf out_stage; /* the new rows' attention input to store, [T][hidden] (cache dtype) */
+} parity;
+
+struct rekv_pipeline {
+    rekv_engine *e;
+    const rekv_model_config *c;
+    rekv_backend *be;
+    const rekv_backend_iface *bi;
+    const rekv_kernel_iface *k;
+    rekv_kvstore_client *store;
+    rekv_kv_geometry geo;
+    uint8_t *arena;
+    rekv_pipeline_config cfg;
+    rekv_stream *s_compute, *s_h2d, *s_d2h;
+    /* by unit parity: activations / KV rows loaded, staging merged, new rows staged, stored */
+    rekv_event *ev_act[2], *ev_loaded[2], *ev_stage_free[2], *ev_out[2], *ev_out_free[2];
+    rekv_event *ev_attn_free[2]; /* the unit's attention has read the parity's buffers */
+    /* by weight-buffer parity: W_K,W_V loaded, all loaded, buffer free again */
+    rekv_event *ev_wkv[2], *ev_wall[2], *ev_wfree[2];
+    layer_w *dev_layers; /* resident weights: [n_layers] device copies; NULL when offloaded */
+    layer_w wbuf[2];     /* offloaded weights: two device layer buffers */
+    void *wbuf_mem[2];
+    void *d_embed, *d_proj_in, *d_proj_out, *d_head; /* matrices, in the engine's wdtype */
+    float *d_pos, *d_fnorm_w, *d_fnorm_b;
+    int head_tied;
+    gbatch gb[MAX_GPU_BATCHES];
+    parity par[2];
+    dbuf act_f32;                  /* recomputation input rows [n][hidden] fp32 */
+    dbuf kr, vr;                   /* recomputed K, V rows [n][kv_dim] */
+    dbuf scores;                   /* attention scratch [max context] */
+    rekv_layer_counters *counters; /* [n_layers] */
+    rekv_layer_counters *step_log; /* [n_steps] each step's totals since the last reset */
+    size_t n_steps, cap_steps;
+    rekv_layer_counters logged; /* the totals at the end of the last logged step */
+    uint64_t next_id;
+    rekv_kv_plan_block *plan;
+    size_t plan_n, plan_cap;
+    meta_arena meta;        /* per-step metadata kernels read (see meta_alloc) */
+    int arena_registered;   /* the backend page-locked the arena (host_register) */
+    int weights_registered; /* ... and the engine's layer blocks (offloaded weights) */
+    size_t arena_bytes;
+    /* push: handles of the shared attention buffers and events; the store pushes KV rows */
+    rekv_ipc_handle h_attn_kv[2], h_attn_free[2], h_pushed[2];
+    rekv_event *ev_pushed[2]; /* the store's copies into the parity's buffers are done */
+    rekv_kv_push_piece *push_pieces;
+    size_t push_cap;
+};
+
+struct rekv_pseq {
+    rekv_pipeline *p;
+    uint64_t id; /* kvstore sequence (kvpr: id holds K,V and id + 1 the activations) */
+    int len, cap;
+    uint8_t *kv;      /* resident: [n_layers] caches of cap positions (kvlayout.h), cache dtype */
+    uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
+};
+
+/* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
+_Static_assert(REKV_KV_BLOCK_TOKENS == REKV_KV_ROWS_PER_BLOCK, "one block size");
+
+/* A layer's tensors in load order — W_K and W_V (with biases) first, so recomputation can start
+ * before the rest arrives (KVPR §3.3). n_first: how many of them are the K/V group. */
+enum { N_LAYER_TENSORS = 17, N_KV_TENSORS = 4 };
+
+/* ------------------------------------------------------------------ one step */
+
+/* What the kvstore plan says about one (item, layer): where its blocks are. The plan's blocks of
+ * a range [0, end) come in order, so block b of the range is blocks[first + b]. */
+typedef struct range_ref {
+    size_t first; /* index into the plan of the range's block 0 */
+    size_t count;
+} range_ref;
+
+typedef struct step {
+    rekv_pipe_item *items;
+    int n_items;
+    int n_g;                          /* GPU batches */
+    int g_begin[MAX_GPU_BATCHES + 1]; /* items of batch g: [g_begin[g], g_begin[g+1]) */
+    int g_rows[MAX_GPU_BATCHES];      /* new rows of batch g */
+    int *row0;                        /* [n_items] first row of the item within its batch */
+    int32_t *tok[MAX_GPU_BATCHES], *pos[MAX_GPU_BATCHES]; /* [rows] */
+    int32_t *row_seq[MAX_GPU_BATCHES];                    /* [rows] item index within the batch */
+    int32_t *last[MAX_GPU_BATCHES]; /* [items of batch] index of each item's last row */
+    range_ref *kv_ref, *act_ref;    /* [n_items][n_layers]; act_ref only for kvpr */
+    int *split;                     /* [n_items] context tokens recomputed (kvpr) */
+    step_mem mem;
+} step;
+
+/* Host-side lists of one unit's context loads and new-row stores. */
+typedef struct unit_io {
+    piece_list h2d_kv, h2d_act, d2h_kv, d2h_act;
+    piece_list d2d_act; /* ACT_GPU: new activation rows into the device copy */
+    conv_list conv_act;
+    int32_t *act_seq, *act_pos; /* [n_act] recomputed rows: item within batch, position */
+    int n_act;
+} unit_io;
+
+/* ------------------------------------------------------------------ across the files */
+
+/* pipeline_buffers.c */
+int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem);
+void pl_meta_free(meta_arena *a);
+void *pl_smem_alloc(step_mem *m, size_t bytes);
+int pl_smem_adopt(step_mem *m, void *ptr);
+void pl_smem_free(step_mem *m);
+void pl_dbuf_free(rekv_pipeline *p, dbuf *b);
+int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err);
+
+/* pipeline_create.c */
+size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer_w *dst, int from,
+                     int to);
+
+/* pipeline_kvstore.c */
+int pl_store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, size_t *n_ranges,
+                     rekv_err *err);
+int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const rekv_attn_seq *d,
+                 unit_io *io);
+int pl_unit_io_keep(step *st, unit_io *io);
+int pl_push_release(rekv_pipeline *p, const rekv_ipc_handle *const *h, size_t n, rekv_err *err);
+int pl_push_unit(rekv_pipeline *p, int b, const unit_io *io, rekv_err *err);
+
+#endif

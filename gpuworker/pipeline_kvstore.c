@@ -1,0 +1,319 @@
+/* pipeline_kvstore.c — the pipeline's side of the kvstore: a step's one plan round trip (append the
+ * new tokens, pin every block the step reads or writes, index the plan by (item, layer)); each
+ * unit's copy lists from the plan — context KV rows from the arena straight into the attention
+ * buffer, activation rows into staging (or from ACT_GPU's device copy), the new rows back into the
+ * arena; and push, where the store makes those KV copies itself (pipeline.c's opening). */
+#include "gpuworker/pipeline_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const rekv_kv_plan_block *block_at(rekv_pipeline *p, const range_ref *r, int token)
+{
+    size_t b = (size_t)token / REKV_KV_BLOCK_TOKENS;
+    return b < r->count ? &p->plan[r->first + b] : NULL;
+}
+
+static int store_ranges(rekv_pipeline *p, step *st, rekv_kv_range **out, size_t *n_out)
+{
+    int L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR;
+    size_t n = (size_t)st->n_items * (size_t)L * (kvpr ? 2 : 1);
+    rekv_kv_range *r = pl_smem_alloc(&st->mem, n * sizeof(*r));
+    if (r == NULL)
+        return -ENOMEM;
+    size_t i = 0;
+    for (int it = 0; it < st->n_items; it++) {
+        rekv_pseq *s = st->items[it].seq;
+        uint64_t end = (uint64_t)s->len + (uint64_t)st->items[it].n_tokens;
+        for (int l = 0; l < L; l++) {
+            r[i++] = (rekv_kv_range){s->id, (uint32_t)l, 0, end};
+            if (kvpr)
+                r[i++] = (rekv_kv_range){s->id + 1, (uint32_t)l, 0, end};
+        }
+    }
+    *out = r;
+    *n_out = n;
+    return 0;
+}
+
+/* Appends the step's new tokens to the store, then one plan round trip pins every block of every
+ * (sequence, layer) the step reads or writes. */
+int pl_store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, size_t *n_ranges,
+                     rekv_err *err)
+{
+    int rc, L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR;
+    uint32_t kv = 1, act = 0; /* offload: all KV */
+    if (p->cfg.mode == REKV_MODE_ACT)
+        kv = 0, act = 1;
+    else if (p->cfg.mode == REKV_MODE_HYBRID)
+        kv = (uint32_t)p->cfg.kv_parts, act = (uint32_t)p->cfg.act_parts;
+    for (int it = 0; it < st->n_items; it++) {
+        rekv_pseq *s = st->items[it].seq;
+        uint64_t after;
+        if ((rc = rekv_kvstore_append(p->store, s->id, (uint64_t)st->items[it].n_tokens, kv, act,
+                                      &after, err)))
+            return rc;
+        if (kvpr && (rc = rekv_kvstore_append(p->store, s->id + 1, (uint64_t)st->items[it].n_tokens,
+                                              0, 1, &after, err)))
+            return rc;
+    }
+    if ((rc = store_ranges(p, st, ranges, n_ranges)))
+        return rekv_errf(err, rc, "pipeline: out of memory");
+    if ((rc = rekv_kvstore_plan(p->store, *ranges, *n_ranges, 1, &p->plan, &p->plan_n, &p->plan_cap,
+                                err)))
+        return rc;
+    /* index the plan by range */
+    size_t per_item = (size_t)L * (kvpr ? 2 : 1);
+    st->kv_ref = pl_smem_alloc(&st->mem, sizeof(range_ref) * (size_t)st->n_items * (size_t)L);
+    st->act_ref = pl_smem_alloc(&st->mem, sizeof(range_ref) * (size_t)st->n_items * (size_t)L);
+    if (st->kv_ref == NULL || st->act_ref == NULL)
+        return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
+    size_t bi = 0;
+    for (size_t r = 0; r < *n_ranges; r++) {
+        size_t first = bi;
+        while (bi < p->plan_n && p->plan[bi].range == r)
+            bi++;
+        int item = (int)(r / per_item), l = (int)((r % per_item) / (kvpr ? 2 : 1));
+        range_ref ref = {first, bi - first};
+        if (kvpr && r % 2 == 1)
+            st->act_ref[item * L + l] = ref;
+        else
+            st->kv_ref[item * L + l] = ref;
+        uint64_t end = (*ranges)[r].token_end;
+        if (ref.count != (end + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS)
+            return rekv_errf(err, -EPROTO,
+                             "pipeline: the kvstore's plan for sequence %llu layer "
+                             "%d has %zu blocks for %llu tokens",
+                             (unsigned long long)(*ranges)[r].seq, l, ref.count,
+                             (unsigned long long)end);
+    }
+    return 0;
+}
+
+/* Counts a range's ACT blocks before block b, for b that only grow (ACT_GPU keeps a sequence's
+ * first N ACT blocks on the device). */
+typedef struct act_counter {
+    const range_ref *r;
+    size_t next;    /* blocks [0, next) counted */
+    uint64_t n_act; /* ACT blocks among them */
+} act_counter;
+
+static uint64_t act_ordinal(const rekv_pipeline *p, act_counter *c, size_t b)
+{
+    for (; c->next < b && c->next < c->r->count; c->next++)
+        if (p->plan[c->r->first + c->next].type == REKV_KV_BLOCK_ACT)
+            c->n_act++;
+    return c->n_act;
+}
+
+/* Appends the copy of rows [in_blk, in_blk + n) of one KV block between two buffers in the block
+ * layout (kvlayout.h; the arena's blocks, the device's attention buffers): a whole block is one
+ * piece (adjacent ones merge), a part of one a piece per head of K and V, all at one stride (one
+ * strided copy). Returns the bytes, 0 when out of memory. */
+static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
+                              int kvh, int hd, size_t dsz)
+{
+    size_t head = REKV_KV_BLOCK_TOKENS * (size_t)hd * dsz; /* one head's rows */
+    size_t row0 = (size_t)in_blk * (size_t)hd * dsz, bytes = (size_t)n * (size_t)hd * dsz;
+    int np = n == REKV_KV_BLOCK_TOKENS ? 1 : 2 * kvh;
+    if (RESERVE(l, (size_t)np))
+        return 0;
+    if (np == 1)
+        l->v[l->n++] = (rekv_copy_piece){dst, src, 2 * (size_t)kvh * head};
+    else
+        for (int h = 0; h < np; h++)
+            l->v[l->n++] = (rekv_copy_piece){dst + (size_t)h * head + row0,
+                                             src + (size_t)h * head + row0, bytes};
+    return 2 * (size_t)kvh * bytes;
+}
+
+/* Builds the loads of unit (layer, g): every context token's K,V rows (KV) or activation row
+ * (ACT), from the arena into the parity's staging buffers, and the merge into the attention
+ * buffer; and the stores of the new rows into the arena. */
+int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const rekv_attn_seq *d,
+                 unit_io *io)
+{
+    const rekv_kv_geometry *geo = &p->geo;
+    int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
+    uint8_t *act_stage = p->par[b].act_stage.p;
+    uint8_t *out = p->par[b].out_stage.p;
+    size_t act_off = 0;
+    int nb = st->g_begin[g + 1] - st->g_begin[g], kvpr = p->cfg.mode == REKV_MODE_KVPR;
+    int total_act = 0;
+    for (int j = 0; j < nb; j++) {
+        int item = st->g_begin[g] + j;
+        int ctx = st->items[item].seq->len;
+        total_act += kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : ctx;
+    }
+    io->act_seq = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)(total_act + 1));
+    io->act_pos = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)(total_act + 1));
+    if (io->act_seq == NULL || io->act_pos == NULL)
+        return -ENOMEM;
+    rekv_layer_counters *cnt = &p->counters[layer];
+    for (int j = 0; j < nb; j++) {
+        int item = st->g_begin[g] + j;
+        rekv_pseq *s = st->items[item].seq;
+        const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
+        int ctx = s->len, l_split = kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : 0;
+        act_counter ac = {kvpr ? ar : kr, 0, 0};
+        uint64_t n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
+        size_t gpu_row_bytes = H * dsz, gpu_layer_rows = (size_t)n_gpu * REKV_KV_BLOCK_TOKENS;
+        /* context: walk the blocks of the range [0, ctx) */
+        for (int t0 = 0; t0 < ctx;) {
+            int use_act = kvpr && t0 < l_split;
+            const rekv_kv_plan_block *blk = block_at(p, use_act ? ar : kr, t0);
+            if (blk == NULL)
+                return -EPROTO;
+            int in_blk = t0 % REKV_KV_BLOCK_TOKENS;
+            int n = REKV_KV_BLOCK_TOKENS - in_blk;
+            int lim = use_act ? l_split : ctx;
+            if (t0 + n > lim)
+                n = lim - t0;
+            const uint8_t *base = p->arena + blk->offset;
+            if (blk->type == REKV_KV_BLOCK_ACT) {
+                if (RESERVE(&io->h2d_act, 1) || RESERVE(&io->conv_act, 1))
+                    return -ENOMEM;
+                size_t bytes = (size_t)n * H * dsz;
+                uint64_t ord = act_ordinal(p, &ac, (size_t)(t0 / REKV_KV_BLOCK_TOKENS));
+                const uint8_t *src;
+                if (ord < n_gpu) { /* ACT_GPU: already on the device */
+                    src = s->act_dev + ((size_t)layer * gpu_layer_rows +
+                                        (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
+                                           gpu_row_bytes;
+                } else {
+                    io->h2d_act.v[io->h2d_act.n++] =
+                        (rekv_copy_piece){act_stage + act_off,
+                                          base + rekv_kv_act_offset(geo, (uint32_t)in_blk), bytes};
+                    src = act_stage + act_off;
+                    act_off += bytes;
+                    cnt->h2d_bytes[REKV_XFER_ACT] += bytes;
+                }
+                io->conv_act.v[io->conv_act.n++] = (rekv_convert_piece){
+                    (float *)p->act_f32.p + (size_t)io->n_act * H, src, (uint32_t)((size_t)n * H)};
+                for (int i = 0; i < n; i++) {
+                    io->act_seq[io->n_act] = j;
+                    io->act_pos[io->n_act++] = t0 + i;
+                }
+                cnt->tokens_recomputed += (uint64_t)n;
+            } else {
+                /* straight into the attention buffer: the block's layout and dtype */
+                uint8_t *dst = (uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t0 - in_blk) * dsz;
+                size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
+                if (bytes == 0)
+                    return -ENOMEM;
+                cnt->h2d_bytes[REKV_XFER_KV] += bytes;
+                cnt->tokens_fetched += (uint64_t)n;
+            }
+            t0 += n;
+        }
+        /* new rows, a block's worth at a time: K,V from the attention buffer (where kv_scatter
+         * put them, in the block's layout) into KV blocks, the attention input from the output
+         * staging into ACT blocks (kvpr: both) */
+        for (int i = 0; i < st->items[item].n_tokens;) {
+            int t = s->len + i, r = st->row0[item] + i, in_blk = t % REKV_KV_BLOCK_TOKENS;
+            int n = REKV_KV_BLOCK_TOKENS - in_blk;
+            if (n > st->items[item].n_tokens - i)
+                n = st->items[item].n_tokens - i;
+            i += n;
+            const rekv_kv_plan_block *kb = block_at(p, kr, t);
+            const rekv_kv_plan_block *ab = kvpr ? block_at(p, ar, t) : NULL;
+            if (kb == NULL || (kvpr && ab == NULL))
+                return -EPROTO;
+            if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
+                ab = kb, kb = NULL;
+            if (kb) {
+                const uint8_t *src =
+                    (const uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
+                size_t bytes = block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n,
+                                               kvh, hd, dsz);
+                if (bytes == 0)
+                    return -ENOMEM;
+                cnt->d2h_bytes[REKV_XFER_KV] += bytes;
+            }
+            if (ab) {
+                if (RESERVE(&io->d2h_act, 1))
+                    return -ENOMEM;
+                size_t bytes = (size_t)n * H * dsz;
+                const uint8_t *rows_h = out + (size_t)r * H * dsz;
+                io->d2h_act.v[io->d2h_act.n++] = (rekv_copy_piece){
+                    p->arena + ab->offset + rekv_kv_act_offset(geo, (uint32_t)in_blk), rows_h,
+                    bytes};
+                cnt->d2h_bytes[REKV_XFER_ACT] += bytes;
+                uint64_t ord = act_ordinal(p, &ac, (size_t)(t / REKV_KV_BLOCK_TOKENS));
+                if (ord < n_gpu) { /* ACT_GPU: the device copy too (the store stays complete) */
+                    if (RESERVE(&io->d2d_act, 1))
+                        return -ENOMEM;
+                    io->d2d_act.v[io->d2d_act.n++] = (rekv_copy_piece){
+                        s->act_dev + ((size_t)layer * gpu_layer_rows +
+                                      (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
+                                         gpu_row_bytes,
+                        rows_h, bytes};
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Moves a convert list, which kernels read, into the step's metadata memory. */
+static int keep_conv(step *st, conv_list *l)
+{
+    if (l->v == NULL)
+        return 0;
+    rekv_convert_piece *a = pl_smem_alloc(&st->mem, sizeof(*a) * (l->n ? l->n : 1));
+    if (a)
+        memcpy(a, l->v, sizeof(*a) * l->n);
+    free(l->v);
+    l->v = a;
+    return a ? 0 : -ENOMEM;
+}
+
+/* Hands unit_io's lists to the step's memory: the streams read them until the step ends. */
+int pl_unit_io_keep(step *st, unit_io *io)
+{
+    int rc = keep_conv(st, &io->conv_act);
+    void *ptrs[] = {io->h2d_kv.v, io->h2d_act.v, io->d2h_kv.v, io->d2h_act.v, io->d2d_act.v};
+    for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
+        rc |= pl_smem_adopt(&st->mem, ptrs[i]);
+    return rc ? -ENOMEM : 0;
+}
+
+/* push: the store drops its imports of these handles (before the buffers are freed) */
+int pl_push_release(rekv_pipeline *p, const rekv_ipc_handle *const *h, size_t n, rekv_err *err)
+{
+    const void *hs[8];
+    size_t k = 0;
+    for (size_t i = 0; i < n && k < 8; i++)
+        if (h[i]->magic == REKV_IPC_MAGIC)
+            hs[k++] = h[i];
+    return k ? rekv_kvstore_release(p->store, hs, k, err) : 0;
+}
+
+/* push: has the store write the unit's KV rows (io->h2d_kv, as pull would copy them) into parity
+ * b's attention buffers once ev_attn_free[b] allows, then record ev_pushed[b]; returns once the
+ * store has enqueued that. */
+int pl_push_unit(rekv_pipeline *p, int b, const unit_io *io, rekv_err *err)
+{
+    if (pl_reserve_bytes((void **)&p->push_pieces, &p->push_cap, io->h2d_kv.n,
+                         sizeof(rekv_kv_push_piece)))
+        return rekv_errf(err, -ENOMEM, "step: out of memory");
+    const uint8_t *kv = p->par[b].attn_kv.p;
+    for (size_t i = 0; i < io->h2d_kv.n; i++) {
+        const rekv_copy_piece *c = &io->h2d_kv.v[i];
+        p->push_pieces[i] = (rekv_kv_push_piece){
+            .src = (uint64_t)((const uint8_t *)c->src - p->arena),
+            .dst = (uint64_t)((const uint8_t *)c->dst - kv),
+            .bytes = c->bytes,
+            .buffer = 0,
+        };
+    }
+    const void *bufs[] = {&p->h_attn_kv[b]};
+    rekv_err e = {0};
+    int rc = rekv_kvstore_push(p->store, bufs, 1, &p->h_attn_free[b], &p->h_pushed[b],
+                               p->push_pieces, io->h2d_kv.n, NULL, 0, &e);
+    if (rc)
+        return rekv_errf(err, rc, "step: push: %s", e.msg);
+    return 0;
+}
