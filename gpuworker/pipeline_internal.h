@@ -116,7 +116,7 @@ struct rekv_pipeline {
     uint64_t next_id;
     rekv_kv_plan_block *plan;
     size_t plan_n, plan_cap;
-    meta_arena meta;        /* per-step metadata kernels read (see meta_alloc) */
+    meta_arena meta;        /* per-step metadata kernels read (pipeline_buffers.c) */
     int arena_registered;   /* the backend page-locked the arena (host_register) */
     int weights_registered; /* ... and the engine's layer blocks (offloaded weights) */
     size_t arena_bytes;
@@ -139,7 +139,7 @@ struct rekv_pseq {
 _Static_assert(REKV_KV_BLOCK_TOKENS == REKV_KV_ROWS_PER_BLOCK, "one block size");
 
 /* A layer's tensors in load order — W_K and W_V (with biases) first, so recomputation can start
- * before the rest arrives (KVPR §3.3). n_first: how many of them are the K/V group. */
+ * before the rest arrives (KVPR §3.3). N_KV_TENSORS: how many of them are the K/V group. */
 enum { N_LAYER_TENSORS = 17, N_KV_TENSORS = 4 };
 
 /* ------------------------------------------------------------------ one step */

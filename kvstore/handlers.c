@@ -68,7 +68,7 @@ static int pending_hold(rekv_kvstore_server *s, kv_pending *p, uint32_t id)
     return 0;
 }
 
-/* Resolves ranges into s->scratch (block ids, in order); counts per range into *counts. */
+/* Resolves ranges into s->scratch (block ids, in order); *n_out: how many. */
 static int resolve_ranges(rekv_kvstore_server *s, Rekv__Kvstore__Range **ranges, size_t n,
                           size_t *n_out, kv_reply *r)
 {

@@ -32,7 +32,7 @@ typedef struct kv_block {
     uint8_t touched;     /* used while its spill was in flight: keep the host copy */
     uint8_t doomed;      /* freed while I/O was in flight: release on completion */
     uint8_t in_lru;      /* on the LRU list (resident, unpinned, unheld) */
-    int32_t load_err;    /* sticky read-back failure (-EIO on CRC mismatch), 0 when none */
+    int32_t load_err;    /* sticky read-back failure, 0 when none: -EBADMSG (CRC), else errno */
     uint32_t slot;       /* host slot (HOST, SPILLING, LOADING) */
     uint32_t fslot;      /* spill-file slot (SPILLING, DISK, LOADING) */
     uint32_t crc;        /* CRC32C of the spilled bytes */
