@@ -7,6 +7,8 @@
 
 int cli_generate(int argc, char **argv);
 int cli_bench(int argc, char **argv);
+/* `rekv eval`: teacher-forced NLL of a text in a mode (cli_eval.c) */
+int cli_eval(int argc, char **argv);
 
 struct rekv_gen_params;
 struct rekv_gen_result;

@@ -19,6 +19,7 @@ static void usage(FILE *f)
                "  stats      the coordinator's counters\n"
                "  profile    measure (or show the cached) link, GEMM and attention speeds\n"
                "  bench      benchmarks (bench forward | decode | kvstore), JSON output\n"
+               "  eval       teacher-forced NLL of a text in a mode, bytes moved, agreement\n"
                "Run `rekv <command> --help` for a command's options.\n");
 }
 
@@ -33,6 +34,8 @@ int main(int argc, char **argv)
         return cli_generate(argc - 1, argv + 1);
     if (strcmp(argv[1], "bench") == 0)
         return cli_bench(argc - 1, argv + 1);
+    if (strcmp(argv[1], "eval") == 0)
+        return cli_eval(argc - 1, argv + 1);
     static const struct {
         const char *name;
         int (*fn)(int, char **);

@@ -1,0 +1,368 @@
+/* cli_eval.c — `rekv eval`: the fidelity of a mode, measured the way the papers measure it:
+ * teacher-forced negative log-likelihood of a text under the model running in that mode, with the
+ * bytes the mode moved and, with --compare resident, how often its greedy choice agrees with the
+ * all-resident pipeline's and by how much its logits differ.
+ *
+ * Decode-style, so that the mode's fetch path is the one measured: a window's first --prefill
+ * tokens go in as one prefill step, then every further token is a decode step of its own, and the
+ * logits of a decode step at position p score token p + 1 (../shared/eval/README.md: mean over
+ * p = prefill .. n-2 of -log softmax(logits_p)[ids[p+1]]). A text longer than the window (the
+ * model's context, or --window) is scored in windows: the next window starts --prefill + 1 tokens
+ * before the previous one ended, so its prefill is context already scored and its first decode
+ * step scores the first token the previous window could not; every token after the first
+ * prefill + 1 is scored exactly once. Each window is a fresh sequence.
+ *
+ * kv_bytes_offload and tokens_considered are what `offload` moves for the same decode steps: every
+ * context token's K and V, every layer. */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "coordinator/cli/cli_session.h"
+#include "gpuworker/gpuworker.h"
+#include "loader/loader.h"
+
+static void usage(FILE *f)
+{
+    fprintf(
+        f, "usage: rekv eval --model PATH (--text FILE | --ids FILE) [--prefill N] [--window N]\n"
+           "                 [--compare resident] [--json] [pipeline options]\n"
+           "Teacher-forced NLL of the text under the model in the given mode: the first --prefill\n"
+           "tokens (default 32) of each window are a prefill step, every later token a decode\n"
+           "step whose logits score the next token. --ids FILE: a JSON array of token ids (for\n"
+           "models without a tokenizer). --window N: windows of N tokens (default: the model's\n"
+           "context). --compare resident: also run the all-resident pipeline in step and report\n"
+           "the agreement of the greedy choices and the largest logit difference.\n"
+           "Pipeline options:\n" CLI_PIPELINE_USAGE);
+}
+
+/* Reads a JSON array of token ids. */
+static int read_ids(const char *path, int32_t **ids, size_t *n, rekv_err *err)
+{
+    json_error_t je;
+    json_t *a = json_load_file(path, 0, &je);
+    if (a == NULL)
+        return rekv_errf(err, -EINVAL, "%s: %s (line %d)", path, je.text, je.line);
+    int rc = 0;
+    if (!json_is_array(a)) {
+        rc = rekv_errf(err, -EINVAL, "%s: expected a JSON array of token ids", path);
+        goto out;
+    }
+    *n = json_array_size(a);
+    *ids = malloc((*n ? *n : 1) * sizeof(int32_t));
+    if (*ids == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "%s: out of memory", path);
+        goto out;
+    }
+    for (size_t i = 0; i < *n; i++) {
+        json_t *v = json_array_get(a, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX) {
+            rc = rekv_errf(err, -EINVAL, "%s: element %zu is not a token id", path, i);
+            free(*ids);
+            *ids = NULL;
+            goto out;
+        }
+        (*ids)[i] = (int32_t)json_integer_value(v);
+    }
+out:
+    json_decref(a);
+    return rc;
+}
+
+/* -log softmax(logits)[target], in double. */
+static double nll_of(const float *logits, int vocab, int target)
+{
+    double mx = logits[0];
+    for (int i = 1; i < vocab; i++)
+        mx = logits[i] > mx ? logits[i] : mx;
+    double s = 0;
+    for (int i = 0; i < vocab; i++)
+        s += exp((double)logits[i] - mx);
+    return mx + log(s) - (double)logits[target];
+}
+
+/* One pipeline evaluated in step: its sequence and the logits of its last step. */
+typedef struct eval_run {
+    cli_session ses;
+    rekv_pseq *seq;
+    float *logits; /* [vocab] */
+} eval_run;
+
+static int run_step(eval_run *r, const int32_t *tokens, int n, rekv_err *err)
+{
+    rekv_pipe_item it = {r->seq, tokens, n, r->logits, 0};
+    return rekv_pipeline_step(r->ses.p, &it, 1, err);
+}
+
+int cli_eval(int argc, char **argv)
+{
+    enum { O_MODEL = 1, O_TEXT, O_IDS, O_PREFILL, O_WINDOW, O_COMPARE, O_JSON, O_HELP };
+    static const struct option opts[] = {{"model", required_argument, 0, O_MODEL},
+                                         {"text", required_argument, 0, O_TEXT},
+                                         {"ids", required_argument, 0, O_IDS},
+                                         {"prefill", required_argument, 0, O_PREFILL},
+                                         {"window", required_argument, 0, O_WINDOW},
+                                         {"compare", required_argument, 0, O_COMPARE},
+                                         {"json", no_argument, 0, O_JSON},
+                                         {"help", no_argument, 0, O_HELP},
+                                         CLI_PIPELINE_OPTIONS,
+                                         {0, 0, 0, 0}};
+    cli_pipeline_opts po;
+    cli_pipeline_opts_defaults(&po);
+    const char *model_path = NULL, *text_path = NULL, *ids_path = NULL;
+    long prefill = 32, window = 0;
+    int json = 0, compare = 0, c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        int pr = cli_parse_pipeline_opt(c, optarg, &po);
+        if (pr < 0)
+            return 2;
+        if (pr > 0)
+            continue;
+        switch (c) {
+        case O_MODEL:
+            model_path = optarg;
+            break;
+        case O_TEXT:
+            text_path = optarg;
+            break;
+        case O_IDS:
+            ids_path = optarg;
+            break;
+        case O_PREFILL:
+            if (cli_parse_int("prefill", optarg, 1, 1 << 20, &prefill))
+                return 2;
+            break;
+        case O_WINDOW:
+            if (cli_parse_int("window", optarg, 3, 1 << 24, &window))
+                return 2;
+            break;
+        case O_COMPARE:
+            if (strcmp(optarg, "resident") != 0) {
+                fprintf(stderr, "rekv eval: --compare %s: only resident can be compared with\n",
+                        optarg);
+                return 2;
+            }
+            compare = 1;
+            break;
+        case O_JSON:
+            json = 1;
+            break;
+        case O_HELP:
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (model_path == NULL || (text_path == NULL) == (ids_path == NULL) || optind != argc) {
+        usage(stderr);
+        return 2;
+    }
+    int rc = 1;
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    rekv_tokenizer *tok = NULL;
+    rekv_engine *eng = NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    char *text = NULL;
+    eval_run runs[2];
+    memset(runs, 0, sizeof(runs));
+    int n_runs = compare ? 2 : 1;
+    if (rekv_model_open(model_path, &model, &err))
+        goto fail;
+    const rekv_model_config *cfg = &model->config;
+    if (ids_path) {
+        if (read_ids(ids_path, &ids, &n, &err))
+            goto fail;
+    } else {
+        int trc = rekv_tokenizer_load_for_model(model_path, &tok, &err);
+        if (trc == -ENOENT) {
+            fprintf(stderr, "rekv eval: %s has no tokenizer; give the text as --ids\n", model_path);
+            goto out;
+        }
+        if (trc)
+            goto fail;
+        size_t len = 0;
+        FILE *f = fopen(text_path, "rb");
+        if (f == NULL) {
+            fprintf(stderr, "rekv eval: %s: %s\n", text_path, strerror(errno));
+            goto out;
+        }
+        text = malloc(1 << 20);
+        size_t cap = 1 << 20, got;
+        while (text && (got = fread(text + len, 1, cap - len, f)) > 0) {
+            len += got;
+            if (len == cap) {
+                char *nt = realloc(text, cap *= 2);
+                if (nt == NULL)
+                    free(text);
+                text = nt;
+            }
+        }
+        fclose(f);
+        if (text == NULL) {
+            fprintf(stderr, "rekv eval: %s: out of memory\n", text_path);
+            goto out;
+        }
+        if (rekv_tokenizer_encode(tok, text, len, cfg->add_bos ? cfg->bos_id : -1, &ids, &n, &err))
+            goto fail;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= cfg->vocab) {
+            fprintf(stderr, "rekv eval: token id %d (at %zu) is outside the vocabulary (0..%d)\n",
+                    ids[i], i, cfg->vocab - 1);
+            goto out;
+        }
+    long w = window > 0 && window < cfg->max_pos ? window : cfg->max_pos;
+    if (w < prefill + 2) {
+        fprintf(stderr,
+                "rekv eval: a window of %ld tokens leaves nothing to score after a prefill "
+                "of %ld (give --window >= prefill + 2)\n",
+                w, prefill);
+        goto out;
+    }
+    if (n < (size_t)prefill + 2) {
+        fprintf(stderr, "rekv eval: %zu tokens leave nothing to score after a prefill of %ld\n", n,
+                prefill);
+        goto out;
+    }
+    if (rekv_engine_create(model, &eng, &err))
+        goto fail;
+    if (cli_session_choose(cfg, po.backend, &po.link, 1, (int)w, &po.cfg, &err))
+        goto fail;
+    for (int r = 0; r < n_runs; r++) {
+        rekv_pipeline_config pc = po.cfg;
+        if (r == 1) { /* the reference: everything resident, same cache dtype and backend */
+            rekv_pipeline_config_defaults(&pc);
+            pc.cache_dtype = po.cfg.cache_dtype;
+        }
+        runs[r].logits = malloc((size_t)cfg->vocab * sizeof(float));
+        if (runs[r].logits == NULL) {
+            rekv_errf(&err, -ENOMEM, "out of memory");
+            goto fail;
+        }
+        if (cli_session_open(&runs[r].ses, eng, po.backend, &po.link, &pc, 1, (int)w, &err))
+            goto fail;
+    }
+    const rekv_pipeline_config *pc = rekv_pipeline_get_config(runs[0].ses.p);
+    uint64_t kv_row = 2ull * (uint64_t)rekv_config_kv_dim(cfg) * rekv_dtype_size(pc->cache_dtype);
+    double nll_sum = 0, max_err = 0;
+    uint64_t scored = 0, agree = 0, windows = 0, kv_offload = 0, considered = 0;
+    uint64_t t0 = rekv_now_ns(), last_report = t0;
+    for (size_t s = 0;;) {
+        windows++;
+        size_t e = s + (size_t)w < n ? s + (size_t)w : n; /* this window: ids[s .. e) */
+        for (int r = 0; r < n_runs; r++)
+            if (rekv_pseq_create(runs[r].ses.p, (int)(e - s), &runs[r].seq, &err))
+                goto fail;
+        for (int r = 0; r < n_runs; r++)
+            if (run_step(&runs[r], ids + s, (int)prefill, &err))
+                goto fail;
+        for (size_t p = s + (size_t)prefill; p + 1 < e; p++) {
+            for (int r = 0; r < n_runs; r++)
+                if (run_step(&runs[r], ids + p, 1, &err))
+                    goto fail;
+            nll_sum += nll_of(runs[0].logits, cfg->vocab, ids[p + 1]);
+            scored++;
+            uint64_t ctx = p - s; /* context tokens before this step's */
+            kv_offload += ctx * kv_row * (uint64_t)cfg->n_layers;
+            considered += ctx * (uint64_t)cfg->n_layers;
+            if (compare) {
+                agree += rekv_argmax(runs[0].logits, cfg->vocab) ==
+                         rekv_argmax(runs[1].logits, cfg->vocab);
+                for (int i = 0; i < cfg->vocab; i++) {
+                    double d = fabs((double)runs[0].logits[i] - (double)runs[1].logits[i]);
+                    max_err = d > max_err ? d : max_err;
+                }
+            }
+            uint64_t now = rekv_now_ns();
+            if (now - last_report > 2000000000ull) {
+                fprintf(stderr, "rekv eval: %llu of %zu tokens scored, nll %.4f so far\n",
+                        (unsigned long long)scored, n - (size_t)prefill - 1,
+                        nll_sum / (double)scored);
+                last_report = now;
+            }
+        }
+        for (int r = 0; r < n_runs; r++) {
+            rekv_pseq_free(runs[r].seq);
+            runs[r].seq = NULL;
+        }
+        if (e >= n)
+            break;
+        s = e - (size_t)prefill - 1;
+    }
+    double secs = (double)(rekv_now_ns() - t0) * 1e-9;
+    rekv_layer_counters tot;
+    rekv_pipeline_counters(runs[0].ses.p, &tot);
+    double nll = nll_sum / (double)scored;
+    if (json) {
+        json_t *o = json_pack(
+            "{s:s, s:s, s:s, s:I, s:f, s:f, s:i, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}",
+            "model", model_path, "mode", rekv_mode_name(pc->mode), "backend",
+            runs[0].ses.be->iface->name, "tokens", (json_int_t)scored, "nll", nll, "ppl", exp(nll),
+            "prefill", (int)prefill, "window", (int)w, "windows", (json_int_t)windows,
+            "h2d_kv_bytes", (json_int_t)tot.h2d_bytes[REKV_XFER_KV], "h2d_act_bytes",
+            (json_int_t)tot.h2d_bytes[REKV_XFER_ACT], "kv_bytes_offload", (json_int_t)kv_offload,
+            "tokens_fetched", (json_int_t)tot.tokens_fetched, "tokens_considered",
+            (json_int_t)considered, "tokens_recomputed", (json_int_t)tot.tokens_recomputed,
+            "seconds", secs);
+        if (o == NULL) {
+            rekv_errf(&err, -ENOMEM, "out of memory");
+            goto fail;
+        }
+        if (pc->mode == REKV_MODE_KVPR)
+            json_object_set_new(o, "split", json_integer(pc->split));
+        if (pc->mode == REKV_MODE_HYBRID)
+            json_object_set_new(o, "ratio", json_pack("[i, i]", pc->kv_parts, pc->act_parts));
+        if (compare) {
+            json_object_set_new(o, "agreement", json_real((double)agree / (double)scored));
+            json_object_set_new(o, "max_logit_error", json_real(max_err));
+        }
+        char *s = json_dumps(o, JSON_REAL_PRECISION(17));
+        json_decref(o);
+        if (s == NULL) {
+            rekv_errf(&err, -ENOMEM, "out of memory");
+            goto fail;
+        }
+        printf("%s\n", s);
+        free(s);
+    } else {
+        printf("%s: %llu tokens scored in %llu windows, nll %.6f nats/token, ppl %.4f (%s mode, "
+               "%.1f s)\n",
+               model_path, (unsigned long long)scored, (unsigned long long)windows, nll, exp(nll),
+               rekv_mode_name(pc->mode), secs);
+        printf("KV host->device %llu bytes (offload would move %llu), ACT %llu bytes; tokens "
+               "fetched %llu of %llu considered, %llu recomputed\n",
+               (unsigned long long)tot.h2d_bytes[REKV_XFER_KV], (unsigned long long)kv_offload,
+               (unsigned long long)tot.h2d_bytes[REKV_XFER_ACT],
+               (unsigned long long)tot.tokens_fetched, (unsigned long long)considered,
+               (unsigned long long)tot.tokens_recomputed);
+        if (compare)
+            printf("against resident: greedy agreement %.4f, largest logit difference %.3g\n",
+                   (double)agree / (double)scored, max_err);
+    }
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "rekv eval: %s\n", err.msg);
+out:
+    for (int r = 0; r < 2; r++) {
+        rekv_pseq_free(runs[r].seq);
+        cli_session_close(&runs[r].ses);
+        free(runs[r].logits);
+    }
+    rekv_engine_free(eng);
+    free(ids);
+    free(text);
+    rekv_tokenizer_free(tok);
+    rekv_model_close(model);
+    return rc;
+}

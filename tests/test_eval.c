@@ -1,0 +1,242 @@
+/* test_eval.c — `rekv eval` as a user runs it, on the held-out stories260K samples of
+ * ../shared/eval: the resident pipeline reproduces the NLL an independent float64 forward pass
+ * computed (the definition there: prefill 32, only decode-step predictions count); every exact
+ * mode gives resident's NLL bit for bit on the cpu backend in fp32, with full agreement and no
+ * logit error against resident in step; offload moves exactly the bytes eval says offload moves;
+ * windows score every token once; bad input is one clear error. Runs the real `rekv` program. */
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "tests/testutil.h"
+
+#define MODEL_REL "models/stories260K/stories260K.bin"
+#define SAMPLES_REL "eval/stories260K.samples.json"
+
+static char g_cmd[16384];
+
+/* The model's path into m (tu_shared's storage is reused); 0 when the test data is missing. */
+static int model_path(char *m)
+{
+    const char *p = tu_shared(MODEL_REL);
+    if (p == NULL)
+        return 0;
+    snprintf(m, 4096, "%s", p);
+    return tu_shared(SAMPLES_REL) != NULL;
+}
+
+/* Runs `rekv eval ARGS --json`; returns the parsed object (the test fails on a non-zero exit). */
+static json_t *eval_json(const char *args)
+{
+    char *out = NULL;
+    snprintf(g_cmd, sizeof(g_cmd), "%s eval %s --json 2>/dev/null", tu_bin("rekv"), args);
+    int rc = tu_run(g_cmd, &out);
+    ck_assert_msg(rc == 0, "exit %d: %s", rc, g_cmd);
+    json_error_t je;
+    json_t *o = json_loads(out, 0, &je);
+    ck_assert_msg(o != NULL, "not one JSON object: %s", out);
+    free(out);
+    return o;
+}
+
+static double num(const json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    ck_assert_msg(json_is_number(v), "no number \"%s\"", k);
+    return json_number_value(v);
+}
+
+/* Writes sample i's ids as a JSON array into dir; returns the file's path and its NLL. */
+static char *sample_file(const char *dir, size_t i, double *nll, size_t *n_ids)
+{
+    json_error_t je;
+    json_t *all = json_load_file(tu_shared(SAMPLES_REL), 0, &je);
+    ck_assert_msg(all != NULL, "%s: %s", SAMPLES_REL, je.text);
+    ck_assert_int_eq(json_integer_value(json_object_get(all, "prefill")), 32);
+    json_t *s = json_array_get(json_object_get(all, "samples"), i);
+    ck_assert(s != NULL);
+    *nll = json_number_value(json_object_get(s, "nll"));
+    *n_ids = json_array_size(json_object_get(s, "ids"));
+    char *path = malloc(4200);
+    snprintf(path, 4200, "%s/sample%zu.json", dir, i);
+    ck_assert_int_eq(json_dump_file(json_object_get(s, "ids"), path, 0), 0);
+    json_decref(all);
+    return path;
+}
+
+START_TEST(resident_reproduces_reference_nll)
+{
+    char m[4096];
+    if (!model_path(m))
+        return;
+    char *dir = tu_tmpdir(), args[8400];
+    for (size_t i = 0; i < 3; i++) {
+        double want;
+        size_t n;
+        char *ids = sample_file(dir, i, &want, &n);
+        snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu", m, ids);
+        json_t *o = eval_json(args);
+        ck_assert_str_eq(json_string_value(json_object_get(o, "mode")), "resident");
+        ck_assert_int_eq((long)num(o, "tokens"), (long)n - 32 - 1);
+        double got = num(o, "nll");
+        ck_assert_msg(fabs(got - want) <= 1e-5 * want, "sample %zu: nll %.7f, reference %.7f", i,
+                      got, want);
+        ck_assert(fabs(num(o, "ppl") - exp(got)) <= 1e-9 * exp(got));
+        json_decref(o);
+        free(ids);
+    }
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+START_TEST(exact_modes_equal_resident)
+{
+    char m[4096];
+    if (!model_path(m))
+        return;
+    char *dir = tu_tmpdir(), args[8400];
+    double ref;
+    size_t n;
+    char *ids = sample_file(dir, 1, &ref, &n);
+    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu", m, ids);
+    json_t *res = eval_json(args);
+    double nll = num(res, "nll");
+    /* the same NLL bit for bit; kvpr and hybrid with recomputation in the mix */
+    static const char *const modes[] = {"offload", "kvpr --split 100", "act", "hybrid --ratio 1:1"};
+    for (size_t k = 0; k < sizeof(modes) / sizeof(modes[0]); k++) {
+        snprintf(args, sizeof(args),
+                 "--model %s --ids %s --backend cpu --cache-dtype f32 --compare resident --mode %s",
+                 m, ids, modes[k]);
+        json_t *o = eval_json(args);
+        ck_assert_msg(num(o, "nll") == nll, "%s: nll %.17g, resident %.17g", modes[k],
+                      num(o, "nll"), nll);
+        ck_assert_msg(num(o, "agreement") == 1.0, "%s: agreement %g", modes[k],
+                      num(o, "agreement"));
+        ck_assert_msg(num(o, "max_logit_error") == 0.0, "%s: max logit error %g", modes[k],
+                      num(o, "max_logit_error"));
+        ck_assert(num(o, "tokens_considered") == num(res, "tokens_considered"));
+        ck_assert(num(o, "kv_bytes_offload") == num(res, "kv_bytes_offload"));
+        if (k == 0) { /* offload moves every context token's K,V: what eval prices it at */
+            ck_assert(num(o, "h2d_kv_bytes") == num(o, "kv_bytes_offload"));
+            ck_assert(num(o, "tokens_fetched") == num(o, "tokens_considered"));
+            ck_assert(num(o, "h2d_act_bytes") == 0);
+        } else { /* the others recompute part of it from activations */
+            ck_assert(num(o, "tokens_recomputed") > 0);
+            ck_assert(num(o, "h2d_act_bytes") > 0);
+            ck_assert(num(o, "h2d_kv_bytes") < num(o, "kv_bytes_offload"));
+        }
+        json_decref(o);
+    }
+    json_decref(res);
+    free(ids);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+/* Windows of 200 over 501 tokens: three windows, and still every token after the first 33 scored
+ * once; less context than the whole text makes the NLL no better. */
+START_TEST(windows_score_every_token_once)
+{
+    char m[4096];
+    if (!model_path(m))
+        return;
+    char *dir = tu_tmpdir(), args[8400];
+    double ref;
+    size_t n;
+    char *ids = sample_file(dir, 0, &ref, &n);
+    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu --window 200", m, ids);
+    json_t *o = eval_json(args);
+    ck_assert_int_eq((long)num(o, "tokens"), (long)n - 33);
+    ck_assert_int_eq((long)num(o, "windows"), 3);
+    ck_assert_int_eq((long)num(o, "window"), 200);
+    ck_assert(isfinite(num(o, "nll")) && num(o, "nll") > 0);
+    ck_assert_msg(fabs(num(o, "nll") - ref) > 1e-6, "windowed nll equals the full-context one");
+    json_decref(o);
+    free(ids);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+/* One line on stderr naming `needle`, a non-zero exit, nothing on stdout. */
+static void expect_clear_error(const char *args, const char *needle)
+{
+    char errpath[] = "/tmp/rekv-eval-err.XXXXXX";
+    int fd = mkstemp(errpath);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    char *out = NULL;
+    snprintf(g_cmd, sizeof(g_cmd), "%s eval %s 2>%s", tu_bin("rekv"), args, errpath);
+    int rc = tu_run(g_cmd, &out);
+    char *err = tu_read_file(errpath, NULL);
+    unlink(errpath);
+    ck_assert_msg(rc == 1 || rc == 2, "exit %d for: %s\nstderr: %s", rc, args, err);
+    ck_assert_msg(strstr(err, needle) != NULL, "stderr lacks \"%s\": %s", needle, err);
+    ck_assert_msg(strchr(err, '\n') == strrchr(err, '\n'), "more than one line: %s", err);
+    ck_assert_msg(out[0] == '\0', "stdout not empty: %s", out);
+    free(out);
+    free(err);
+}
+
+START_TEST(bad_input_clear_errors)
+{
+    char m[4096];
+    if (!model_path(m))
+        return;
+    char *dir = tu_tmpdir(), path[4200], args[8400];
+    struct {
+        const char *content, *needle;
+    } cases[] = {
+        {"{\"ids\": [1, 2]}", "expected a JSON array of token ids"},
+        {"[1, 2, \"x\"]", "element 2 is not a token id"},
+        {"[1, 2, -3]", "element 2 is not a token id"},
+        {"[1, 2, 99999]", "outside the vocabulary"},
+        {"[1, 2, 3]", "leave nothing to score"},
+        {"[1, 2", "sample.json"},
+    };
+    snprintf(path, sizeof(path), "%s/sample.json", dir);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        FILE *f = fopen(path, "w");
+        ck_assert(f != NULL);
+        fputs(cases[i].content, f);
+        fclose(f);
+        snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu", m, path);
+        expect_clear_error(args, cases[i].needle);
+    }
+    FILE *f = fopen(path, "w");
+    ck_assert(f != NULL);
+    fputs("[1, 2, 3]", f);
+    fclose(f);
+    snprintf(args, sizeof(args), "--model %s --ids %s --window 20 --prefill 32", m, path);
+    expect_clear_error(args, "--window >= prefill + 2");
+    snprintf(args, sizeof(args), "--model %s --text %s", m, path);
+    expect_clear_error(args, "has no tokenizer");
+    snprintf(args, sizeof(args), "--model %s --ids %s --compare offload", m, path);
+    expect_clear_error(args, "only resident can be compared");
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("eval");
+    TCase *tc = tcase_create("eval");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, resident_reproduces_reference_nll);
+    tcase_add_test(tc, exact_modes_equal_resident);
+    tcase_add_test(tc, windows_score_every_token_once);
+    tcase_add_test(tc, bad_input_clear_errors);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(suite());
+}
