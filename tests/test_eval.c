@@ -139,7 +139,7 @@ START_TEST(exact_modes_equal_resident)
 END_TEST
 
 /* Windows of 200 over 501 tokens: three windows, and still every token after the first 33 scored
- * once; less context than the whole text makes the NLL no better. */
+ * once; with less context than the whole text the NLL is not the full-context one. */
 START_TEST(windows_score_every_token_once)
 {
     char m[4096];

@@ -74,6 +74,38 @@ out:
     return rc;
 }
 
+/* Reads a whole file into *text (malloc'd), its size in *len. */
+static int read_text(const char *path, char **text, size_t *len, rekv_err *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return rekv_errf(err, -errno, "%s: %s", path, strerror(errno));
+    int rc = 0;
+    char *b = NULL;
+    size_t n = 0, cap = 0, got;
+    do {
+        if (n == cap) {
+            char *nb = realloc(b, cap = cap ? 2 * cap : 1 << 16);
+            if (nb == NULL) {
+                rc = rekv_errf(err, -ENOMEM, "%s: out of memory", path);
+                break;
+            }
+            b = nb;
+        }
+        n += got = fread(b + n, 1, cap - n, f);
+    } while (got > 0);
+    if (rc == 0 && ferror(f))
+        rc = rekv_errf(err, -EIO, "%s: read error", path);
+    fclose(f);
+    if (rc) {
+        free(b);
+        return rc;
+    }
+    *text = b;
+    *len = n;
+    return 0;
+}
+
 /* -log softmax(logits)[target], in double. */
 static double nll_of(const float *logits, int vocab, int target)
 {
@@ -191,27 +223,8 @@ int cli_eval(int argc, char **argv)
         if (trc)
             goto fail;
         size_t len = 0;
-        FILE *f = fopen(text_path, "rb");
-        if (f == NULL) {
-            fprintf(stderr, "rekv eval: %s: %s\n", text_path, strerror(errno));
-            goto out;
-        }
-        text = malloc(1 << 20);
-        size_t cap = 1 << 20, got;
-        while (text && (got = fread(text + len, 1, cap - len, f)) > 0) {
-            len += got;
-            if (len == cap) {
-                char *nt = realloc(text, cap *= 2);
-                if (nt == NULL)
-                    free(text);
-                text = nt;
-            }
-        }
-        fclose(f);
-        if (text == NULL) {
-            fprintf(stderr, "rekv eval: %s: out of memory\n", text_path);
-            goto out;
-        }
+        if (read_text(text_path, &text, &len, &err))
+            goto fail;
         if (rekv_tokenizer_encode(tok, text, len, cfg->add_bos ? cfg->bos_id : -1, &ids, &n, &err))
             goto fail;
     }
