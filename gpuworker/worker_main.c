@@ -68,18 +68,16 @@ typedef struct worker {
     const char *name, *mode, *model; /* mode: "auto" until the pipeline is built */
     int max_batch;
     uint64_t steps;
-    uint64_t last_sent_ns;  /* for heartbeats */
-    int awaiting_welcome;   /* a Hello is out: Resets and Plans before the Welcome are stale
-                             * (messages that crossed it) and are ignored */
-    rekv_backend *be;       /* for the busy times each Progress reports */
-    rekv_cost_profile cost; /* measured at start (cached per machine/model), sent in Hello */
-    int offload_weights;
+    uint64_t last_sent_ns;        /* for heartbeats */
+    int awaiting_welcome;         /* a Hello is out: Resets and Plans before the Welcome are stale
+                                   * (messages that crossed it) and are ignored */
+    rekv_backend *be;             /* for the busy times each Progress reports */
+    rekv_cost_profile cost;       /* measured at start (cached per machine/model), sent in Hello */
     double device_kv_room;        /* for the mode choice (Hello); < 0: no device limit */
     uint64_t device_buffer_bytes; /* for the planner's mini-batches (Hello); 0: no limit */
-    rekv_dtype cache_dtype;
-    uint32_t hb_ms;          /* heartbeat period, also while a step runs */
-    rekv_kvstore_client *kv; /* NULL in resident mode without --kvstore */
-    uint64_t renew_ns;       /* kvstore lease renewal period: a quarter of its lease */
+    uint32_t hb_ms;               /* heartbeat period, also while a step runs */
+    rekv_kvstore_client *kv;      /* NULL in resident mode without --kvstore */
+    uint64_t renew_ns;            /* kvstore lease renewal period: a quarter of its lease */
     uint64_t last_renew_ns;
 } worker;
 
@@ -124,8 +122,8 @@ static void send_hello(worker *w)
     h.hidden = (uint32_t)w->mc->hidden;
     h.kv_dim = (uint32_t)rekv_config_kv_dim(w->mc);
     h.n_layers = (uint32_t)w->mc->n_layers;
-    h.cache_elem_bytes = (uint32_t)rekv_dtype_size(w->cache_dtype);
-    h.offload_weights = w->offload_weights;
+    h.cache_elem_bytes = (uint32_t)rekv_dtype_size(w->pc.cache_dtype);
+    h.offload_weights = w->pc.offload_weights;
     h.device_buffer_bytes = w->device_buffer_bytes;
     {
         const rekv_model_config *c = w->mc;
@@ -616,8 +614,6 @@ int main(int argc, char **argv)
         if (!pc->offload_weights)
             w.cost.t_load_w = 0;
     }
-    w.offload_weights = pc->offload_weights;
-    w.cache_dtype = pc->cache_dtype;
     /* the device's room for the KV cache, for the coordinator's mode choice: what is free less
      * the weights when they will live on the device (they are not there yet) */
     w.device_kv_room = device_room(be);
