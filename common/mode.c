@@ -4,7 +4,7 @@
 #include <errno.h>
 #include <string.h>
 
-static const char *const mode_names[] = {"resident", "offload", "kvpr", "act", "hybrid"};
+static const char *const mode_names[] = {"resident", "offload", "kvpr", "act", "hybrid", "infinigen"};
 enum { N_MODES = sizeof(mode_names) / sizeof(mode_names[0]) };
 
 const char *rekv_mode_name(rekv_mode m)
@@ -20,4 +20,9 @@ int rekv_mode_parse(const char *s, rekv_mode *out)
             return 0;
         }
     return -EINVAL;
+}
+
+int rekv_mode_approximate(rekv_mode m)
+{
+    return m == REKV_MODE_INFINIGEN;
 }

@@ -11,9 +11,14 @@ typedef enum rekv_mode {
     REKV_MODE_KVPR = 2,     /* a prefix recomputed from activations, the rest fetched (KVPR) */
     REKV_MODE_ACT = 3,      /* activations only, every K,V recomputed */
     REKV_MODE_HYBRID = 4,   /* KV and ACT blocks in a KV:ACT pattern (HybridServe) */
+    REKV_MODE_INFINIGEN = 5,/* approximate: only the KV rows a speculation one layer ahead selects
+                               cross the link (InfiniGen) */
 } rekv_mode;
 
-/* "resident", "offload", "kvpr", "act", "hybrid"; "?" for anything else. */
+/* Whether a mode's tokens may differ from resident's (opt-in: --approximate). */
+int rekv_mode_approximate(rekv_mode m);
+
+/* "resident", "offload", "kvpr", "act", "hybrid", "infinigen"; "?" for anything else. */
 const char *rekv_mode_name(rekv_mode m);
 /* 0 with *out set, or -EINVAL for a name that is not a mode. */
 int rekv_mode_parse(const char *s, rekv_mode *out);

@@ -51,6 +51,9 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
     cfg->kv_parts = 1;
     cfg->act_parts = 1;
     cfg->cache_dtype = REKV_DTYPE_F32;
+    cfg->alpha = 4.0f;
+    cfg->max_fraction = 0.2f;
+    cfg->select = REKV_SELECT_SPECULATE;
 }
 
 const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p)

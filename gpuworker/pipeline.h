@@ -9,7 +9,12 @@
  *             X[0:l] and recomputes K,V = X·W_K, X·W_V on the device while KV[l:s] streams (KVPR);
  *   act       every context block is stored as activations and recomputed (HybridServe's
  *             activation cache);
- *   hybrid    KV and ACT blocks per request in a kv:act ratio (HybridServe).
+ *   hybrid    KV and ACT blocks per request in a kv:act ratio (HybridServe);
+ *   infinigen approximate (InfiniGen): the KV lives in the store as for offload, and at layer i-1
+ *             a speculation — the partial query of layer i from layer i-1's attention input,
+ *             against a partial key cache kept on the device — selects per KV head the tokens
+ *             whose speculated score is within alpha of the best; only their rows cross the link,
+ *             while layer i-1 computes. Layer 0 and prefill steps fetch everything.
  * Weights are resident on the device, or offloaded: each layer's weights move host->device, the
  * next layer's prefetched during the current one, W_K and W_V first (KVPR's fine-grained pipeline).
  *
@@ -33,6 +38,17 @@ typedef enum rekv_schedule {
     REKV_SCHED_COLUMN = 1, /* each layer over all GPU batches (throughput; weights loaded once) */
 } rekv_schedule;
 
+/* infinigen: which context tokens a decode step fetches per (sequence, layer > 0, KV head) */
+typedef enum rekv_select {
+    REKV_SELECT_SPECULATE = 0, /* InfiniGen: speculated score > max - alpha, the count averaged
+                                  over the KV heads, capped at max_fraction of the context */
+    REKV_SELECT_RANDOM = 1,    /* as many tokens as SPECULATE would take, chosen at random (a
+                                  baseline for rekv eval, never for serving) */
+    REKV_SELECT_ALL = 2,       /* every token (the exact limit: resident's tokens bit for bit) */
+} rekv_select;
+
+struct rekv_skew;
+
 typedef struct rekv_pipeline_config {
     rekv_mode mode;
     int offload_weights;    /* weights stream host->device per layer */
@@ -50,6 +66,14 @@ typedef struct rekv_pipeline_config {
                                (CUDA IPC / memfd) instead of the worker copying them from the
                                arena (pull); needs a store with a push backend of this backend's
                                kind, and a mode other than resident. 0: pull */
+    /* infinigen */
+    const struct rekv_skew *skew; /* the model's skew (gpuworker/skew.h; not owned, kept for the
+                                     pipeline's life); required by infinigen */
+    float alpha;                  /* speculated-score margin (default 4: the paper's for OPT) */
+    float max_fraction;           /* most tokens fetched per (sequence, layer), as a fraction of
+                                     its context (default 0.2, the paper's) */
+    rekv_select select;
+    uint64_t select_seed;         /* REKV_SELECT_RANDOM's */
 } rekv_pipeline_config;
 
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);
@@ -59,7 +83,10 @@ typedef struct rekv_layer_counters {
     uint64_t h2d_bytes[REKV_XFER_KINDS];
     uint64_t d2h_bytes[REKV_XFER_KINDS];
     uint64_t tokens_recomputed; /* context tokens whose K,V were recomputed from activations */
-    uint64_t tokens_fetched;    /* context tokens whose K,V moved host->device */
+    uint64_t tokens_fetched;    /* context tokens whose K,V moved host->device (infinigen: slots
+                                   per KV head, i.e. fetched rows / n_kv_heads) */
+    uint64_t tokens_considered; /* context tokens a step could have fetched (infinigen: of the
+                                   layers and steps that select; other modes: 0) */
 } rekv_layer_counters;
 
 typedef struct rekv_pipeline rekv_pipeline;

@@ -1,0 +1,62 @@
+/* skew.h — InfiniGen's skewing (OSDI'24 §4.2–4.3), the offline half of `--mode infinigen`.
+ *
+ * For every layer and KV head g, an orthogonal hd x hd matrix A (the right singular vectors of the
+ * group's query matrix: the post-RoPE, post-bias query rows of the q heads that share g, stacked,
+ * from a calibration forward pass) and the rk columns of A along which the skewed query and key
+ * are largest (column sums of |Q·A| + |K·A|, top rk). Since A is orthogonal, (Q·A)(K·A)^T = Q·K^T;
+ * the speculation uses only the selected columns: q·A[:, cols] · (k·A[:, cols])^T approximates
+ * q·k^T.
+ *
+ * rekv does not rewrite the model's weights: A is applied at run time after RoPE (Llama family),
+ * and for models without RoPE (OPT) it is folded into a partial query weight W_Q·A[:, cols] at
+ * pipeline creation — so the model on disk, its resident run and the exact modes are untouched,
+ * and the skew is a small file beside the model in the cache (DEVELOPERS.md, "InfiniGen").
+ *
+ * The file: "REKVSKEW" magic, version, the shape, the model fingerprint it was made for, A, the
+ * columns, and a CRC32C over all of it; a file for another model, or a damaged one, is refused. */
+#ifndef REKV_GPUWORKER_SKEW_H
+#define REKV_GPUWORKER_SKEW_H
+
+#include <stdint.h>
+
+#include "common/err.h"
+#include "gpuworker/gpuworker.h"
+
+typedef struct rekv_skew {
+    int n_layers, n_kv_heads, head_dim;
+    int rk;               /* partial columns per KV head (ceil(ratio * head_dim), >= 1) */
+    uint64_t fingerprint; /* of the model's W_Q, W_K and shape (rekv_skew_fingerprint) */
+    float *a;             /* [n_layers][n_kv_heads][head_dim][head_dim]: A, row-major (A[d][c]) */
+    int32_t *cols;        /* [n_layers][n_kv_heads][rk]: the selected columns of A, largest first */
+} rekv_skew;
+
+/* The partial ratio InfiniGen uses (§5: 0.3). */
+#define REKV_SKEW_DEFAULT_RATIO 0.3
+
+/* A CRC-based fingerprint of the engine's model: its shape and every layer's W_Q, b_Q, W_K, b_K. */
+uint64_t rekv_skew_fingerprint(const rekv_engine *e);
+
+/* Calibrates on the given token ids (one forward pass over them; n >= 2): fills *out (free with
+ * rekv_skew_free). ratio in (0, 1]. */
+int rekv_skew_calibrate(rekv_engine *e, const int32_t *ids, int n, double ratio, rekv_skew *out,
+                        rekv_err *err);
+
+/* Writes / reads the file. Load checks the magic, version, CRC, and that the skew fits e's model
+ * (shape and fingerprint); every mismatch is a clear error. */
+int rekv_skew_save(const rekv_skew *s, const char *path, rekv_err *err);
+int rekv_skew_load(const char *path, const rekv_engine *e, rekv_skew *out, rekv_err *err);
+void rekv_skew_free(rekv_skew *s);
+
+/* The skew of e's model at this ratio: from the cache ($XDG_CACHE_HOME/rekv, else
+ * $HOME/.cache/rekv; file named by fingerprint and ratio) when there, else calibrated on a sample
+ * the model generates itself (REKV_SKEW_SAMPLE_TOKENS tokens from BOS at temperature 1 with a
+ * fixed seed — never the text being evaluated) and saved there (a cache that cannot be written
+ * is not an error). *from_cache says which. */
+#define REKV_SKEW_SAMPLE_TOKENS 256
+int rekv_skew_prepare(rekv_engine *e, double ratio, rekv_skew *out, int *from_cache,
+                      rekv_err *err);
+
+/* A[:, cols] of (layer, g): [head_dim][rk], into dst. */
+void rekv_skew_partial(const rekv_skew *s, int layer, int g, float *dst);
+
+#endif
