@@ -312,6 +312,8 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
         cpu_rope(e->q, e->rope_cos, e->rope_sin, T, c->n_heads, c->head_dim, c->rope);
         cpu_rope(e->k, e->rope_cos, e->rope_sin, T, c->n_kv_heads, c->head_dim, c->rope);
     }
+    if (e->tap)
+        e->tap(e->tap_ctx, layer, e->q, e->k, T);
     int row = 0;
     for (int b = 0; b < n_items; b++) {
         rekv_seq *s = items[b].seq;

@@ -17,6 +17,7 @@
 #ifndef REKV_GPUWORKER_SKEW_H
 #define REKV_GPUWORKER_SKEW_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "common/err.h"
@@ -53,10 +54,23 @@ void rekv_skew_free(rekv_skew *s);
  * fixed seed — never the text being evaluated) and saved there (a cache that cannot be written
  * is not an error). *from_cache says which. */
 #define REKV_SKEW_SAMPLE_TOKENS 256
-int rekv_skew_prepare(rekv_engine *e, double ratio, rekv_skew *out, int *from_cache,
-                      rekv_err *err);
+int rekv_skew_prepare(rekv_engine *e, double ratio, rekv_skew *out, int *from_cache, rekv_err *err);
 
 /* A[:, cols] of (layer, g): [head_dim][rk], into dst. */
 void rekv_skew_partial(const rekv_skew *s, int layer, int g, float *dst);
+
+/* Additions for `rekv skew` (the CLI cannot reach the engine's calibration tap):
+ *
+ * rekv_skew_cache_path: the file rekv_skew_prepare reads and writes for e's model at this ratio.
+ * rekv_skew_sample: the sample rekv_skew_prepare calibrates on (BOS, then the generated tokens;
+ * ids malloc'd, n of them).
+ * rekv_skew_concentration: one forward pass over ids; per layer ([n_layers] each), the fraction of
+ * the query's squared norm that the rk selected columns of Q·A capture (skewed), and the same for
+ * the rk columns the same rule picks with A = identity (plain), each averaged over the layer's KV
+ * heads — what skewing buys the speculation. */
+int rekv_skew_cache_path(const rekv_engine *e, double ratio, char *path, size_t cap, rekv_err *err);
+int rekv_skew_sample(rekv_engine *e, int32_t **ids, int *n, rekv_err *err);
+int rekv_skew_concentration(rekv_engine *e, const rekv_skew *s, const int32_t *ids, int n,
+                            double *skewed, double *plain, rekv_err *err);
 
 #endif
