@@ -9,6 +9,8 @@ int cli_generate(int argc, char **argv);
 int cli_bench(int argc, char **argv);
 /* `rekv eval`: teacher-forced NLL of a text in a mode (cli_eval.c) */
 int cli_eval(int argc, char **argv);
+/* `rekv skew`: calibrate (or show the cached) InfiniGen skewing matrices (cli_skew.c) */
+int cli_skew(int argc, char **argv);
 
 struct rekv_gen_params;
 struct rekv_gen_result;
@@ -25,5 +27,10 @@ int cli_parse_ids(const char *s, int32_t **ids, int *n);
 /* Strict numeric option parsing; print "rekv: --name: ..." and return -1 on error. */
 int cli_parse_int(const char *name, const char *s, long lo, long hi, long *out);
 int cli_parse_float(const char *name, const char *s, double lo, double hi, double *out);
+/* Reads a JSON array of token ids (--ids FILE) into a malloc'd array. */
+int cli_read_ids(const char *path, int32_t **ids, size_t *n, struct rekv_err *err);
+/* Reads a whole file (--text FILE) into *text (malloc'd, not NUL-terminated), its size in *len;
+ * a read error (a directory, an I/O failure) is an error, not a short text. */
+int cli_read_text(const char *path, char **text, size_t *len, struct rekv_err *err);
 
 #endif

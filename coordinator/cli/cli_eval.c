@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "coordinator/cli/cli.h"
 #include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
 #include "loader/loader.h"
@@ -39,71 +40,6 @@ static void usage(FILE *f)
            "context). --compare resident: also run the all-resident pipeline in step and report\n"
            "the agreement of the greedy choices and the largest logit difference.\n"
            "Pipeline options:\n" CLI_PIPELINE_USAGE);
-}
-
-/* Reads a JSON array of token ids. */
-static int read_ids(const char *path, int32_t **ids, size_t *n, rekv_err *err)
-{
-    json_error_t je;
-    json_t *a = json_load_file(path, 0, &je);
-    if (a == NULL)
-        return rekv_errf(err, -EINVAL, "%s: %s (line %d)", path, je.text, je.line);
-    int rc = 0;
-    if (!json_is_array(a)) {
-        rc = rekv_errf(err, -EINVAL, "%s: expected a JSON array of token ids", path);
-        goto out;
-    }
-    *n = json_array_size(a);
-    *ids = malloc((*n ? *n : 1) * sizeof(int32_t));
-    if (*ids == NULL) {
-        rc = rekv_errf(err, -ENOMEM, "%s: out of memory", path);
-        goto out;
-    }
-    for (size_t i = 0; i < *n; i++) {
-        json_t *v = json_array_get(a, i);
-        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX) {
-            rc = rekv_errf(err, -EINVAL, "%s: element %zu is not a token id", path, i);
-            free(*ids);
-            *ids = NULL;
-            goto out;
-        }
-        (*ids)[i] = (int32_t)json_integer_value(v);
-    }
-out:
-    json_decref(a);
-    return rc;
-}
-
-/* Reads a whole file into *text (malloc'd), its size in *len. */
-static int read_text(const char *path, char **text, size_t *len, rekv_err *err)
-{
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return rekv_errf(err, -errno, "%s: %s", path, strerror(errno));
-    int rc = 0;
-    char *b = NULL;
-    size_t n = 0, cap = 0, got;
-    do {
-        if (n == cap) {
-            char *nb = realloc(b, cap = cap ? 2 * cap : 1 << 16);
-            if (nb == NULL) {
-                rc = rekv_errf(err, -ENOMEM, "%s: out of memory", path);
-                break;
-            }
-            b = nb;
-        }
-        n += got = fread(b + n, 1, cap - n, f);
-    } while (got > 0);
-    if (rc == 0 && ferror(f))
-        rc = rekv_errf(err, -EIO, "%s: read error", path);
-    fclose(f);
-    if (rc) {
-        free(b);
-        return rc;
-    }
-    *text = b;
-    *len = n;
-    return 0;
 }
 
 /* -log softmax(logits)[target], in double. */
@@ -212,7 +148,7 @@ int cli_eval(int argc, char **argv)
         goto fail;
     const rekv_model_config *cfg = &model->config;
     if (ids_path) {
-        if (read_ids(ids_path, &ids, &n, &err))
+        if (cli_read_ids(ids_path, &ids, &n, &err))
             goto fail;
     } else {
         int trc = rekv_tokenizer_load_for_model(model_path, &tok, &err);
@@ -223,7 +159,7 @@ int cli_eval(int argc, char **argv)
         if (trc)
             goto fail;
         size_t len = 0;
-        if (read_text(text_path, &text, &len, &err))
+        if (cli_read_text(text_path, &text, &len, &err))
             goto fail;
         if (rekv_tokenizer_encode(tok, text, len, cfg->add_bos ? cfg->bos_id : -1, &ids, &n, &err))
             goto fail;

@@ -1,10 +1,14 @@
-/* cli_util.c — argument parsing shared by the rekv subcommands. */
+/* cli_util.c — argument parsing and input files shared by the rekv subcommands. */
 #include "coordinator/cli/cli.h"
 
 #include <errno.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "common/err.h"
 
 int cli_parse_ids(const char *s, int32_t **ids, int *n)
 {
@@ -70,5 +74,68 @@ int cli_parse_float(const char *name, const char *s, double lo, double hi, doubl
         return -1;
     }
     *out = x;
+    return 0;
+}
+
+int cli_read_ids(const char *path, int32_t **ids, size_t *n, rekv_err *err)
+{
+    json_error_t je;
+    json_t *a = json_load_file(path, 0, &je);
+    if (a == NULL)
+        return rekv_errf(err, -EINVAL, "%s: %s (line %d)", path, je.text, je.line);
+    int rc = 0;
+    if (!json_is_array(a)) {
+        rc = rekv_errf(err, -EINVAL, "%s: expected a JSON array of token ids", path);
+        goto out;
+    }
+    *n = json_array_size(a);
+    *ids = malloc((*n ? *n : 1) * sizeof(int32_t));
+    if (*ids == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "%s: out of memory", path);
+        goto out;
+    }
+    for (size_t i = 0; i < *n; i++) {
+        json_t *v = json_array_get(a, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX) {
+            rc = rekv_errf(err, -EINVAL, "%s: element %zu is not a token id", path, i);
+            free(*ids);
+            *ids = NULL;
+            goto out;
+        }
+        (*ids)[i] = (int32_t)json_integer_value(v);
+    }
+out:
+    json_decref(a);
+    return rc;
+}
+
+int cli_read_text(const char *path, char **text, size_t *len, rekv_err *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return rekv_errf(err, -errno, "%s: %s", path, strerror(errno));
+    int rc = 0;
+    char *b = NULL;
+    size_t n = 0, cap = 0, got;
+    do {
+        if (n == cap) {
+            char *nb = realloc(b, cap = cap ? 2 * cap : 1 << 16);
+            if (nb == NULL) {
+                rc = rekv_errf(err, -ENOMEM, "%s: out of memory", path);
+                break;
+            }
+            b = nb;
+        }
+        n += got = fread(b + n, 1, cap - n, f);
+    } while (got > 0);
+    if (rc == 0 && ferror(f))
+        rc = rekv_errf(err, -EIO, "%s: read error", path);
+    fclose(f);
+    if (rc) {
+        free(b);
+        return rc;
+    }
+    *text = b;
+    *len = n;
     return 0;
 }

@@ -20,6 +20,7 @@ static void usage(FILE *f)
                "  profile    measure (or show the cached) link, GEMM and attention speeds\n"
                "  bench      benchmarks (bench forward | decode | kvstore), JSON output\n"
                "  eval       teacher-forced NLL of a text in a mode, bytes moved, agreement\n"
+               "  skew       make (or show the cached) InfiniGen skewing matrices of a model\n"
                "Run `rekv <command> --help` for a command's options.\n");
 }
 
@@ -36,6 +37,8 @@ int main(int argc, char **argv)
         return cli_bench(argc - 1, argv + 1);
     if (strcmp(argv[1], "eval") == 0)
         return cli_eval(argc - 1, argv + 1);
+    if (strcmp(argv[1], "skew") == 0)
+        return cli_skew(argc - 1, argv + 1);
     static const struct {
         const char *name;
         int (*fn)(int, char **);
