@@ -44,7 +44,7 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
         return REKV_MODE_RESIDENT;
     }
     if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, h->cache_elem_bytes,
-                            h->device_kv_room, h->offload_weights, &mp, &e)) {
+                            h->device_kv_room, h->offload_weights, NULL, &mp, &e)) {
         snprintf(reason, reason_len, "%s", e.msg);
         return REKV_MODE_RESIDENT;
     }

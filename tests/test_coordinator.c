@@ -723,7 +723,7 @@ START_TEST(coordinator_assigns_worker_mode)
     rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
     rekv_cost_profile prof = {.h2d_bw = 25e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
     rekv_mode_pick pick;
-    ck_assert_int_eq(rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, kv - 1, 0, &pick, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, kv - 1, 0, NULL, &pick, NULL), 0);
     ck_assert(!pick.resident);
     static const char *const by_tech[REKV_TECH_COUNT] = {"offload", "kvpr", "act", "hybrid"};
     struct {
