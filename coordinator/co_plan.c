@@ -43,25 +43,35 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
         snprintf(reason, reason_len, "the worker sent no usable profile");
         return REKV_MODE_RESIDENT;
     }
+    /* approximate modes only when the user allowed them; f is the prior: a worker asking for
+     * its mode has run no step yet (its measured fraction, co_plan_state, comes later) */
+    rekv_plan_approx ap = {0};
     if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, h->cache_elem_bytes,
-                            h->device_kv_room, h->offload_weights, NULL, &mp, &e)) {
+                            h->device_kv_room, h->offload_weights, h->approximate ? &ap : NULL, &mp,
+                            &e)) {
         snprintf(reason, reason_len, "%s", e.msg);
         return REKV_MODE_RESIDENT;
     }
-    static const rekv_mode by_tech[REKV_TECH_COUNT] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR,
-                                                       REKV_MODE_ACT, REKV_MODE_HYBRID};
+    static const rekv_mode by_tech[REKV_TECH_INFINIGEN + 1] = {
+        REKV_MODE_OFFLOAD, REKV_MODE_KVPR, REKV_MODE_ACT, REKV_MODE_HYBRID, REKV_MODE_INFINIGEN};
     rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
-    if (h->device_kv_room < 0)
+    if (h->device_kv_room < 0) {
         snprintf(reason, reason_len, "the %s backend's device memory is the host's",
                  h->backend ? h->backend : "worker's");
-    else
-        snprintf(reason, reason_len,
-                 "the KV cache of %u sequences of %u tokens is %.2f GB, the device has room "
-                 "for %.2f GB; priced per layer and step: offload %.3g ms, kvpr %.3g ms, act "
-                 "%.3g ms, hybrid %.3g ms",
-                 h->max_batch, h->max_pos, mp.kv_bytes * 1e-9, h->device_kv_room * 1e-9,
-                 mp.costs[REKV_TECH_KV].t_step * 1e3, mp.costs[REKV_TECH_KVPR].t_step * 1e3,
-                 mp.costs[REKV_TECH_ACT].t_step * 1e3, mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
+        return m;
+    }
+    int n = snprintf(reason, reason_len,
+                     "the KV cache of %u sequences of %u tokens is %.2f GB, the device has room "
+                     "for %.2f GB; priced per layer and step: offload %.3g ms, kvpr %.3g ms, act "
+                     "%.3g ms, hybrid %.3g ms",
+                     h->max_batch, h->max_pos, mp.kv_bytes * 1e-9, h->device_kv_room * 1e-9,
+                     mp.costs[REKV_TECH_KV].t_step * 1e3, mp.costs[REKV_TECH_KVPR].t_step * 1e3,
+                     mp.costs[REKV_TECH_ACT].t_step * 1e3, mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
+    if (mp.approximate && n >= 0 && (size_t)n < reason_len)
+        snprintf(reason + n, reason_len - (size_t)n,
+                 ", infinigen (approximate) %.3g ms at f %.2f%s",
+                 mp.costs[REKV_TECH_INFINIGEN].t_step * 1e3, mp.infinigen_fraction,
+                 mp.infinigen_fits ? "" : ", but its partial keys do not fit the device");
     return m;
 }
 

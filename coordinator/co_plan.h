@@ -31,8 +31,9 @@ typedef struct co_plan_state {
 } co_plan_state;
 
 /* The mode for a worker that said Hello with mode "auto" (rekv_plan_pick_mode over what it reports:
- * its profile, the model's shape, its batch and context, its device's room for the KV cache);
- * reason receives one line saying why. */
+ * its profile, the model's shape, its batch and context, its device's room for the KV cache, and
+ * whether it allows an approximate mode: infinigen, at the prior f); reason receives one line
+ * saying why, with infinigen's price when it was allowed. */
 rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reason_len);
 
 /* Takes the worker's Hello: profile, shape, mode. */

@@ -37,7 +37,8 @@ static void usage(FILE *f)
 {
     fprintf(
         f, "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
-           "         [--backend auto|cpu|cuda] [--mode auto|resident|offload|kvpr|act|hybrid]\n"
+           "         [--backend auto|cpu|cuda]\n"
+           "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
            "         [--ready-fd N]\n"
@@ -50,6 +51,9 @@ static void usage(FILE *f)
            "when the device holds the KV cache of a full batch of full contexts (always on the\n"
            "cpu backend, or without a kvstore), else the technique its planner prices cheapest\n"
            "with this machine's measured profile.\n"
+           "--approximate: let the coordinator choose an approximate mode (infinigen) for --mode\n"
+           "auto: it does when its planner prices it strictly cheaper than every exact mode.\n"
+           "infinigen's tokens may differ from resident's; --mode infinigen needs no flag.\n"
            "--link-gbps, --link-latency-us and --device-memory make the cpu backend behave like a\n"
            "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
            "--push: the kvstore (started with --push-backend) writes the KV rows into this\n"
@@ -64,6 +68,7 @@ typedef struct worker {
     rekv_engine *eng;
     rekv_pipeline_config pc; /* the pipeline to build (pc.mode once known) */
     int push;                /* --push */
+    int approximate;         /* --approximate: the coordinator may assign an approximate mode */
     const rekv_model_config *mc;
     const char *name, *mode, *model; /* mode: "auto" until the pipeline is built */
     int max_batch;
@@ -135,6 +140,7 @@ static void send_hello(worker *w)
     }
     h.device_kv_room = w->device_kv_room;
     h.kvstore = w->kv != NULL;
+    h.approximate = w->approximate;
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
     m.hello = &h;
@@ -409,6 +415,11 @@ static int take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
                          "the coordinator assigned mode %s, which needs a kvstore, and this "
                          "worker has none",
                          a->mode);
+    if (rekv_mode_approximate(m) && !w->approximate)
+        return rekv_errf(err, -EPROTO,
+                         "the coordinator assigned the approximate mode %s, and this worker was "
+                         "not started with --approximate",
+                         a->mode);
     rekv_log(REKV_LOG_INFO, "mode auto: the coordinator chose %s (%s)", a->mode,
              a->reason && *a->reason ? a->reason : "no reason given");
     w->pc.mode = m;
@@ -438,6 +449,7 @@ int main(int argc, char **argv)
         O_LINK_LAT,
         O_DEVMEM,
         O_PUSH,
+        O_APPROX,
         O_HELP
     };
     static const struct option opts[] = {
@@ -454,11 +466,12 @@ int main(int argc, char **argv)
         {"link-latency-us", required_argument, 0, O_LINK_LAT},
         {"device-memory", required_argument, 0, O_DEVMEM},
         {"push", no_argument, 0, O_PUSH},
+        {"approximate", no_argument, 0, O_APPROX},
         {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
     rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
-    int push = 0;
+    int push = 0, approximate = 0;
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         int bad = 0;
@@ -474,6 +487,9 @@ int main(int argc, char **argv)
             break;
         case O_PUSH:
             push = 1;
+            break;
+        case O_APPROX:
+            approximate = 1;
             break;
         case O_DEVMEM:
             bad = rekv_parse_size(optarg, &link.device_bytes);
@@ -563,6 +579,7 @@ int main(int argc, char **argv)
     w.max_batch = (int)max_batch;
     w.hb_ms = hb_ms;
     w.push = push;
+    w.approximate = approximate;
     w.mode = "auto";
     if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
