@@ -86,6 +86,7 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
     ps->mode = (int)m;
     ps->hidden = h->hidden;
     ps->kv_dim = h->kv_dim;
+    ps->q_dim = h->q_dim;
     ps->n_layers = h->n_layers;
     ps->elem_bytes = h->cache_elem_bytes;
     ps->layer_params = h->layer_params;
@@ -199,10 +200,15 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     rekv_step_shape sh = {0};
     sh.kv = kp;
     sh.hybrid_kv_fraction = f_kv;
-    rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
-                          : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT
-                          : ps->mode == REKV_MODE_HYBRID ? REKV_TECH_HYBRID
-                                                         : REKV_TECH_KV;
+    double f_sel = co_plan_selected_fraction(ps);
+    sh.infinigen_fraction = f_sel > 0 ? f_sel : REKV_PLAN_INFINIGEN_PRIOR;
+    sh.n_layers = (int)ps->n_layers;
+    sh.q_dim = ps->q_dim;
+    rekv_technique tech = ps->mode == REKV_MODE_KVPR        ? REKV_TECH_KVPR
+                          : ps->mode == REKV_MODE_ACT       ? REKV_TECH_ACT
+                          : ps->mode == REKV_MODE_HYBRID    ? REKV_TECH_HYBRID
+                          : ps->mode == REKV_MODE_INFINIGEN ? REKV_TECH_INFINIGEN
+                                                            : REKV_TECH_KV;
     rekv_step_cost cost;
     if (rekv_plan_step_cost(&prof, &sh, tech, &cost, NULL) == 0) {
         ps->pred_pcie_s = cost.t_pcie * ps->n_layers;
@@ -241,10 +247,18 @@ static double smooth(double scale, double measured, double predicted)
     return (1 - SMOOTH) * scale + SMOOTH * r;
 }
 
-void co_plan_observe(co_plan_state *ps, double compute_busy_s, double h2d_busy_s)
+void co_plan_observe(co_plan_state *ps, const Rekv__Worker__Counters *c)
 {
+    ps->tokens_considered += c->tokens_considered;
+    ps->tokens_selected += c->tokens_selected;
     if (!ps->have_profile)
         return;
-    ps->compute_scale = smooth(ps->compute_scale, compute_busy_s, ps->pred_compute_s);
-    ps->pcie_scale = smooth(ps->pcie_scale, h2d_busy_s, ps->pred_pcie_s);
+    ps->compute_scale = smooth(ps->compute_scale, c->compute_busy_s, ps->pred_compute_s);
+    ps->pcie_scale = smooth(ps->pcie_scale, c->h2d_busy_s, ps->pred_pcie_s);
+}
+
+double co_plan_selected_fraction(const co_plan_state *ps)
+{
+    return ps->tokens_considered ? (double)ps->tokens_selected / (double)ps->tokens_considered
+                                 : 0.0;
 }

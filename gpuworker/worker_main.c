@@ -342,7 +342,7 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         n++;
     }
     rekv_layer_counters tot;
-    rekv_pipeline_counters(w->pipe, &tot);
+    const rekv_layer_counters *per = rekv_pipeline_counters(w->pipe, &tot);
     Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
     c.h2d_weights = tot.h2d_bytes[REKV_XFER_WEIGHTS];
     c.h2d_kv = tot.h2d_bytes[REKV_XFER_KV];
@@ -351,6 +351,12 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         c.d2h += tot.d2h_bytes[k];
     c.tokens_recomputed = tot.tokens_recomputed;
     c.tokens_fetched = tot.tokens_fetched;
+    /* infinigen's selected fraction: what the selecting layers fetched of what they could have
+     * (layer 0 and prefill fetch everything and consider nothing) */
+    c.tokens_considered = tot.tokens_considered;
+    for (int l = 0; per && l < w->mc->n_layers; l++)
+        if (per[l].tokens_considered)
+            c.tokens_selected += per[l].tokens_fetched;
     rekv_backend_stats bs1;
     w->be->iface->stats(w->be, &bs1);
     c.compute_busy_s = bs1.compute_busy_s - bs0.compute_busy_s;

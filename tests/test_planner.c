@@ -794,6 +794,46 @@ START_TEST(test_pick_infinigen)
 }
 END_TEST
 
+/* An infinigen worker (Hello mode "infinigen"): the coordinator keeps the fraction its selecting
+ * layers fetched (Counters.tokens_selected / tokens_considered, summed over its steps) and prices
+ * the next step's prediction at it, the prior 0.2 before any measurement. */
+START_TEST(test_co_plan_selected_fraction)
+{
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 2e9;
+    cp.gemm_flops = 300e12;
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.mode = "infinigen";
+    h.profile = &cp;
+    h.hidden = h.kv_dim = h.q_dim = 1024;
+    h.n_layers = 8;
+    h.cache_elem_bytes = 2;
+    h.layer_params = 12 * 1024 * 1024;
+    co_plan_state ps;
+    co_plan_init(&ps, &h);
+    ck_assert(ps.have_profile && ps.mode == REKV_MODE_INFINIGEN);
+    ck_assert(co_plan_selected_fraction(&ps) == 0);
+    uint64_t jobs[2] = {1, 2}, mb_job[2];
+    uint32_t mb_index[2];
+    int64_t ctx[2] = {1024, 1024};
+    Rekv__Worker__StepParams sp;
+    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, 2, &sp, mb_job, mb_index), 1);
+    /* the prior: layer 0 all of the context's KV, the other 7 layers 0.2 of it */
+    double kv_step = 2 * 1024.0 * 2 * 2 * 1024 * 8; /* offload's KV bytes of the step */
+    double pcie_prior = ps.pred_pcie_s;
+    ck_assert(close_rel(pcie_prior, kv_step * (1 + 7 * 0.2) / 8 / 2e9, 1e-9));
+    Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
+    c.tokens_considered = 20000; /* two steps: 5% selected, then 15% */
+    c.tokens_selected = c.tokens_considered / 20;
+    co_plan_observe(&ps, &c);
+    c.tokens_selected = c.tokens_considered * 3 / 20;
+    co_plan_observe(&ps, &c);
+    ck_assert(close_rel(co_plan_selected_fraction(&ps), 0.1, 1e-12));
+    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, 2, &sp, mb_job, mb_index), 1);
+    ck_assert(close_rel(ps.pred_pcie_s, kv_step * (1 + 7 * 0.1) / 8 / 2e9, 1e-9));
+}
+END_TEST
+
 /* The planner in the loop splits a batch into mini-batches that fit the worker's device room:
  * with less room, more (and smaller) mini-batches, each within the capacity unless one job alone
  * is bigger. */
@@ -869,6 +909,7 @@ int main(void)
     tcase_add_test(tc, test_pick_mode);
     tcase_add_test(tc, test_pick_infinigen);
     tcase_add_test(tc, test_co_plan_device_room);
+    tcase_add_test(tc, test_co_plan_selected_fraction);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
