@@ -4,7 +4,8 @@
 #include <errno.h>
 #include <string.h>
 
-static const char *const mode_names[] = {"resident", "offload", "kvpr", "act", "hybrid", "infinigen"};
+static const char *const mode_names[] = {"resident", "offload", "kvpr",
+                                         "act",      "hybrid",  "infinigen"};
 enum { N_MODES = sizeof(mode_names) / sizeof(mode_names[0]) };
 
 const char *rekv_mode_name(rekv_mode m)

@@ -6,13 +6,13 @@
 #define REKV_COMMON_MODE_H
 
 typedef enum rekv_mode {
-    REKV_MODE_RESIDENT = 0, /* the KV cache on the device */
-    REKV_MODE_OFFLOAD = 1,  /* the KV cache in the kvstore, fetched whole each step */
-    REKV_MODE_KVPR = 2,     /* a prefix recomputed from activations, the rest fetched (KVPR) */
-    REKV_MODE_ACT = 3,      /* activations only, every K,V recomputed */
-    REKV_MODE_HYBRID = 4,   /* KV and ACT blocks in a KV:ACT pattern (HybridServe) */
-    REKV_MODE_INFINIGEN = 5,/* approximate: only the KV rows a speculation one layer ahead selects
-                               cross the link (InfiniGen) */
+    REKV_MODE_RESIDENT = 0,  /* the KV cache on the device */
+    REKV_MODE_OFFLOAD = 1,   /* the KV cache in the kvstore, fetched whole each step */
+    REKV_MODE_KVPR = 2,      /* a prefix recomputed from activations, the rest fetched (KVPR) */
+    REKV_MODE_ACT = 3,       /* activations only, every K,V recomputed */
+    REKV_MODE_HYBRID = 4,    /* KV and ACT blocks in a KV:ACT pattern (HybridServe) */
+    REKV_MODE_INFINIGEN = 5, /* approximate: only the KV rows a speculation one layer ahead selects
+                                cross the link (InfiniGen) */
 } rekv_mode;
 
 /* Whether a mode's tokens may differ from resident's (opt-in: --approximate). */

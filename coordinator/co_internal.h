@@ -120,7 +120,8 @@ struct rekv_coordinator {
     uint64_t n_running, n_done, n_cancelled, n_failed, accepted, rejected_busy, bad_requests,
         requeued, tokens, steps;
     double rtt_sum, wstep_sum;
-    uint64_t counters[6]; /* h2d weights, kv, act, d2h, recomputed, fetched */
+    uint64_t counters[8]; /* h2d weights, kv, act, d2h, recomputed, fetched; infinigen's
+                           * considered and selected (Counters) */
     uint64_t rate_tokens[RATE_SLOTS];
     uint64_t rate_ns[RATE_SLOTS];
     uint32_t rate_i;

@@ -43,25 +43,35 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
         snprintf(reason, reason_len, "the worker sent no usable profile");
         return REKV_MODE_RESIDENT;
     }
+    /* approximate modes only when the user allowed them; f is the prior: a worker asking for
+     * its mode has run no step yet (its measured fraction, co_plan_state, comes later) */
+    rekv_plan_approx ap = {0};
     if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, h->cache_elem_bytes,
-                            h->device_kv_room, h->offload_weights, &mp, &e)) {
+                            h->device_kv_room, h->offload_weights, h->approximate ? &ap : NULL, &mp,
+                            &e)) {
         snprintf(reason, reason_len, "%s", e.msg);
         return REKV_MODE_RESIDENT;
     }
-    static const rekv_mode by_tech[REKV_TECH_COUNT] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR,
-                                                       REKV_MODE_ACT, REKV_MODE_HYBRID};
+    static const rekv_mode by_tech[REKV_TECH_INFINIGEN + 1] = {
+        REKV_MODE_OFFLOAD, REKV_MODE_KVPR, REKV_MODE_ACT, REKV_MODE_HYBRID, REKV_MODE_INFINIGEN};
     rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
-    if (h->device_kv_room < 0)
+    if (h->device_kv_room < 0) {
         snprintf(reason, reason_len, "the %s backend's device memory is the host's",
                  h->backend ? h->backend : "worker's");
-    else
-        snprintf(reason, reason_len,
-                 "the KV cache of %u sequences of %u tokens is %.2f GB, the device has room "
-                 "for %.2f GB; priced per layer and step: offload %.3g ms, kvpr %.3g ms, act "
-                 "%.3g ms, hybrid %.3g ms",
-                 h->max_batch, h->max_pos, mp.kv_bytes * 1e-9, h->device_kv_room * 1e-9,
-                 mp.costs[REKV_TECH_KV].t_step * 1e3, mp.costs[REKV_TECH_KVPR].t_step * 1e3,
-                 mp.costs[REKV_TECH_ACT].t_step * 1e3, mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
+        return m;
+    }
+    int n = snprintf(reason, reason_len,
+                     "the KV cache of %u sequences of %u tokens is %.2f GB, the device has room "
+                     "for %.2f GB; priced per layer and step: offload %.3g ms, kvpr %.3g ms, act "
+                     "%.3g ms, hybrid %.3g ms",
+                     h->max_batch, h->max_pos, mp.kv_bytes * 1e-9, h->device_kv_room * 1e-9,
+                     mp.costs[REKV_TECH_KV].t_step * 1e3, mp.costs[REKV_TECH_KVPR].t_step * 1e3,
+                     mp.costs[REKV_TECH_ACT].t_step * 1e3, mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
+    if (mp.approximate && n >= 0 && (size_t)n < reason_len)
+        snprintf(reason + n, reason_len - (size_t)n,
+                 ", infinigen (approximate) %.3g ms at f %.2f%s",
+                 mp.costs[REKV_TECH_INFINIGEN].t_step * 1e3, mp.infinigen_fraction,
+                 mp.infinigen_fits ? "" : ", but its partial keys do not fit the device");
     return m;
 }
 
@@ -76,6 +86,7 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
     ps->mode = (int)m;
     ps->hidden = h->hidden;
     ps->kv_dim = h->kv_dim;
+    ps->q_dim = h->q_dim;
     ps->n_layers = h->n_layers;
     ps->elem_bytes = h->cache_elem_bytes;
     ps->layer_params = h->layer_params;
@@ -189,10 +200,15 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     rekv_step_shape sh = {0};
     sh.kv = kp;
     sh.hybrid_kv_fraction = f_kv;
-    rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
-                          : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT
-                          : ps->mode == REKV_MODE_HYBRID ? REKV_TECH_HYBRID
-                                                         : REKV_TECH_KV;
+    double f_sel = co_plan_selected_fraction(ps);
+    sh.infinigen_fraction = f_sel > 0 ? f_sel : REKV_PLAN_INFINIGEN_PRIOR;
+    sh.n_layers = (int)ps->n_layers;
+    sh.q_dim = ps->q_dim;
+    rekv_technique tech = ps->mode == REKV_MODE_KVPR        ? REKV_TECH_KVPR
+                          : ps->mode == REKV_MODE_ACT       ? REKV_TECH_ACT
+                          : ps->mode == REKV_MODE_HYBRID    ? REKV_TECH_HYBRID
+                          : ps->mode == REKV_MODE_INFINIGEN ? REKV_TECH_INFINIGEN
+                                                            : REKV_TECH_KV;
     rekv_step_cost cost;
     if (rekv_plan_step_cost(&prof, &sh, tech, &cost, NULL) == 0) {
         ps->pred_pcie_s = cost.t_pcie * ps->n_layers;
@@ -231,10 +247,18 @@ static double smooth(double scale, double measured, double predicted)
     return (1 - SMOOTH) * scale + SMOOTH * r;
 }
 
-void co_plan_observe(co_plan_state *ps, double compute_busy_s, double h2d_busy_s)
+void co_plan_observe(co_plan_state *ps, const Rekv__Worker__Counters *c)
 {
+    ps->tokens_considered += c->tokens_considered;
+    ps->tokens_selected += c->tokens_selected;
     if (!ps->have_profile)
         return;
-    ps->compute_scale = smooth(ps->compute_scale, compute_busy_s, ps->pred_compute_s);
-    ps->pcie_scale = smooth(ps->pcie_scale, h2d_busy_s, ps->pred_pcie_s);
+    ps->compute_scale = smooth(ps->compute_scale, c->compute_busy_s, ps->pred_compute_s);
+    ps->pcie_scale = smooth(ps->pcie_scale, c->h2d_busy_s, ps->pred_pcie_s);
+}
+
+double co_plan_selected_fraction(const co_plan_state *ps)
+{
+    return ps->tokens_considered ? (double)ps->tokens_selected / (double)ps->tokens_considered
+                                 : 0.0;
 }

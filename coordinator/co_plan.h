@@ -17,7 +17,7 @@ typedef struct co_plan_state {
     int have_profile;       /* the worker sent a profile: plan its steps */
     int mode;               /* rekv_mode of the worker (its storage layout; fixed) */
     rekv_cost_profile prof; /* as measured by the worker */
-    uint32_t hidden, kv_dim, n_layers, elem_bytes;
+    uint32_t hidden, kv_dim, q_dim, n_layers, elem_bytes;
     uint64_t layer_params; /* weights of one layer, elements */
     int offload_weights;
     uint64_t device_buffer_bytes; /* the worker's room for a step's buffers; 0: no limit */
@@ -28,11 +28,14 @@ typedef struct co_plan_state {
     int split, kv_parts, act_parts, gpu_batches, column;
     uint64_t steps;             /* steps planned */
     uint64_t multi_batch_steps; /* of those, split into several mini-batches */
+    /* infinigen: tokens its selecting layers could have fetched, and fetched, over its steps */
+    uint64_t tokens_considered, tokens_selected;
 } co_plan_state;
 
 /* The mode for a worker that said Hello with mode "auto" (rekv_plan_pick_mode over what it reports:
- * its profile, the model's shape, its batch and context, its device's room for the KV cache);
- * reason receives one line saying why. */
+ * its profile, the model's shape, its batch and context, its device's room for the KV cache, and
+ * whether it allows an approximate mode: infinigen, at the prior f); reason receives one line
+ * saying why, with infinigen's price when it was allowed. */
 rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reason_len);
 
 /* Takes the worker's Hello: profile, shape, mode. */
@@ -48,7 +51,13 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
  * device_buffer_bytes; 0: no limit known. */
 int64_t co_plan_block_capacity(const co_plan_state *ps);
 
-/* Feeds back a finished step's measured kernel and link busy times. */
-void co_plan_observe(co_plan_state *ps, double compute_busy_s, double h2d_busy_s);
+/* Feeds back a finished step's counters: its measured kernel and link busy times, and infinigen's
+ * selection. */
+void co_plan_observe(co_plan_state *ps, const Rekv__Worker__Counters *c);
+
+/* infinigen's selected fraction f measured so far (tokens_selected / tokens_considered), which
+ * its step predictions are priced at; 0 before any. A worker's mode is fixed once assigned (its
+ * Assign comes before its first step), so f does not re-decide the mode. */
+double co_plan_selected_fraction(const co_plan_state *ps);
 
 #endif

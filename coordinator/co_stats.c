@@ -39,6 +39,8 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     s.d2h_bytes = co->counters[3];
     s.tokens_recomputed = co->counters[4];
     s.tokens_fetched = co->counters[5];
+    s.tokens_considered = co->counters[6];
+    s.tokens_selected = co->counters[7];
     Rekv__Control__WorkerInfo wi[MAX_WORKERS], *wp[MAX_WORKERS];
     size_t nw = 0;
     uint64_t now = rekv_now_ns();
@@ -65,6 +67,7 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
         wi[nw].plan_compute_scale = w->plan.compute_scale;
         wi[nw].plan_steps = w->plan.steps;
         wi[nw].plan_multi_batch_steps = w->plan.multi_batch_steps;
+        wi[nw].plan_selected_fraction = co_plan_selected_fraction(&w->plan);
         wp[nw] = &wi[nw];
         nw++;
     }
@@ -135,6 +138,12 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
                         "Cached tokens whose K,V were recomputed or fetched.");
     rekv_metrics_sample(b, "rekv_kv_tokens_total", "how=\"recomputed\"", (double)co->counters[4]);
     rekv_metrics_sample(b, "rekv_kv_tokens_total", "how=\"fetched\"", (double)co->counters[5]);
+    rekv_metrics_family(b, "rekv_kv_tokens_selecting_total", "counter",
+                        "infinigen: cached tokens its selecting layers could fetch, and fetched.");
+    rekv_metrics_sample(b, "rekv_kv_tokens_selecting_total", "how=\"considered\"",
+                        (double)co->counters[6]);
+    rekv_metrics_sample(b, "rekv_kv_tokens_selecting_total", "how=\"selected\"",
+                        (double)co->counters[7]);
 
     /* per worker; rekv_worker_info's mode label is the mode the worker runs (the planner's) */
     static const struct {
@@ -153,6 +162,8 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
         {"rekv_worker_plan_predicted_step_seconds", "gauge", "Predicted time of the last step."},
         {"rekv_worker_plan_pcie_scale", "gauge", "Measured / predicted link time, smoothed."},
         {"rekv_worker_plan_compute_scale", "gauge", "Measured / predicted compute time, smoothed."},
+        {"rekv_worker_plan_selected_fraction", "gauge",
+         "infinigen: selected / considered tokens so far (0: none)."},
     };
     for (size_t f = 0; f < sizeof(wf) / sizeof(*wf); f++) {
         rekv_metrics_family(b, wf[f].name, wf[f].type, wf[f].help);
@@ -172,7 +183,8 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
                                 w->plan.act_parts,
                                 w->plan.pred_step_s,
                                 w->plan.pcie_scale,
-                                w->plan.compute_scale};
+                                w->plan.compute_scale,
+                                co_plan_selected_fraction(&w->plan)};
             if (f == 0)
                 rekv_metrics_sample_kv(b, wf[f].name, v[f], "worker", w->name, "backend",
                                        w->backend, "mode", w->mode, NULL);

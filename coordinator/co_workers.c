@@ -232,7 +232,9 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         co->counters[3] += p->counters->d2h;
         co->counters[4] += p->counters->tokens_recomputed;
         co->counters[5] += p->counters->tokens_fetched;
-        co_plan_observe(&w->plan, p->counters->compute_busy_s, p->counters->h2d_busy_s);
+        co->counters[6] += p->counters->tokens_considered;
+        co->counters[7] += p->counters->tokens_selected;
+        co_plan_observe(&w->plan, p->counters);
     }
     for (size_t i = 0; i < p->n_jobs; i++) {
         const Rekv__Worker__JobProgress *jp = p->jobs[i];

@@ -374,7 +374,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     double x_row = (double)p->hidden * p->elem_bytes;        /* bytes of one token's X */
     double kv_row = 2.0 * (double)p->kv_dim * p->elem_bytes; /* bytes of one token's K and V */
     double flops_tok = 4.0 * (double)p->hidden * (double)p->kv_dim; /* Eq. 9 per token */
-    double x_bytes = 0, kv_bytes = 0, recomp = 0;
+    double x_bytes = 0, kv_bytes = 0, recomp = 0, spec = 0;
     *out = (rekv_step_cost){.kvpr_l = -1};
 
     switch (tech) {
@@ -404,14 +404,24 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         recomp = (host - kv_tok + gpu) * flops_tok;
         break;
     }
+    case REKV_TECH_INFINIGEN: { /* the mean layer: layer 0 fetches all, the others f (planner.h) */
+        double f = shape->infinigen_fraction, n = shape->n_layers;
+        if (!(f >= 0) || !(f <= 1) || shape->n_layers < 1 || shape->q_dim < 0)
+            return rekv_errf(err, -EINVAL, "planner: step_cost: bad infinigen shape");
+        double rq = REKV_PLAN_INFINIGEN_PARTIAL * (double)shape->q_dim; /* partial query width */
+        kv_bytes = tokens * kv_row * (1 + (n - 1) * f) / n;
+        spec = (n - 1) / n * 2.0 * rq * ((double)p->b * (double)p->hidden + tokens);
+        break;
+    }
     default:
         return rekv_errf(err, -EINVAL, "planner: step_cost: unknown technique %d", (int)tech);
     }
     out->bytes_h2d = p->weight_bytes + x_bytes + kv_bytes;
     out->recompute_flops = recomp;
+    out->speculate_flops = spec;
     out->t_pcie =
         link_time(prof, p->weight_bytes) + link_time(prof, x_bytes) + link_time(prof, kv_bytes);
-    out->t_compute = (p->fwd_flops + recomp) / prof->gemm_flops;
+    out->t_compute = (p->fwd_flops + recomp + spec) / prof->gemm_flops;
     out->t_step = fmax(out->t_pcie, out->t_compute);
     return 0;
 }
@@ -462,6 +472,9 @@ void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cach
     out->kv = (rekv_kvpr_params){
         .s = s, .b = b, .hidden = m->hidden, .kv_dim = m->kv_dim, .elem_bytes = cache_elem_bytes};
     out->kv.weight_bytes = weights_offloaded ? params * m->weight_elem_bytes : 0.0;
+    out->infinigen_fraction = REKV_PLAN_INFINIGEN_PRIOR;
+    out->n_layers = m->n_layers;
+    out->q_dim = m->q_dim;
     /* one new token per sequence: 2 FLOP per weight, plus Q.K^T and P.V over s cached tokens */
     out->kv.fwd_flops = 2.0 * (double)b * params + 4.0 * (double)b * (double)s * q;
 }
@@ -481,7 +494,8 @@ void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, i
 
 int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m, int64_t b,
                         int64_t s_max, double cache_elem_bytes, double device_kv_bytes,
-                        int weights_offloaded, rekv_mode_pick *out, rekv_err *err)
+                        int weights_offloaded, const rekv_plan_approx *approx, rekv_mode_pick *out,
+                        rekv_err *err)
 {
     if (!prof || !m || !out || b < 1 || s_max < 1 || !(cache_elem_bytes > 0))
         return rekv_errf(err, -EINVAL, "planner: pick_mode: bad arguments");
@@ -508,5 +522,19 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     double f = dp - dc != 0 ? (act.t_compute - act.t_pcie) / (dp - dc) : 0;
     out->hybrid_kv_fraction = f = f < 0 ? 0 : f > 1 ? 1 : f;
     shape.hybrid_kv_fraction = f;
-    return rekv_plan_choose(prof, &shape, &out->tech, out->costs, err);
+    if ((rc = rekv_plan_choose(prof, &shape, &out->tech, out->costs, err)) || !approx)
+        return rc;
+    /* approximate modes allowed: infinigen, at the measured f (else the prior), must be strictly
+     * cheaper than the best exact technique, and its partial keys must fit on the device */
+    double fi = approx->infinigen_fraction;
+    shape.infinigen_fraction = !(fi > 0) ? REKV_PLAN_INFINIGEN_PRIOR : fi > 1 ? 1 : fi;
+    rekv_step_cost *ig = &out->costs[REKV_TECH_INFINIGEN];
+    if ((rc = rekv_plan_step_cost(prof, &shape, REKV_TECH_INFINIGEN, ig, err)))
+        return rc;
+    out->approximate = 1;
+    out->infinigen_fraction = shape.infinigen_fraction;
+    out->infinigen_fits = REKV_PLAN_INFINIGEN_PARTIAL * out->kv_bytes / 2 <= device_kv_bytes;
+    if (out->infinigen_fits && ig->t_step < out->costs[out->tech].t_step)
+        out->tech = REKV_TECH_INFINIGEN;
+    return 0;
 }

@@ -10,7 +10,9 @@
  *     (Algorithm 1), the per-request block allocation rule (003 Eq. 5 / 001 Eq. 11) and the dynamic
  *     mini-batch formation by greedy bin packing on the balance metric F_b (003 Eq. 6–7);
  *   - a chooser that prices one decode step under each technique as max(PCIe time, compute time)
- *     and picks the cheapest — the seed of the coordinator's planner (DESIGN.md "one cost model").
+ *     and picks the cheapest — the seed of the coordinator's planner (DESIGN.md "one cost model");
+ *   - InfiniGen (approximate, opt-in): the same step with only a fraction of the context's KV
+ *     fetched past layer 0, plus its speculation's FLOP (rekv_plan_step_cost, rekv_plan_pick_mode).
  *
  * No I/O, no allocation except the bin packer's scratch, no globals: the coordinator calls this
  * with the profile each worker measured and sent (common/cost.h), the CLI with its own. Functions
@@ -197,8 +199,19 @@ typedef enum rekv_technique {
     REKV_TECH_KVPR = 1,   /* KVPR split at the Eq. 12 optimum */
     REKV_TECH_ACT = 2,    /* fetch activations of the whole context, recompute all K,V */
     REKV_TECH_HYBRID = 3, /* a fixed KV:ACT mix (HybridServe's host ratio) + GPU-held ACT */
-    REKV_TECH_COUNT = 4,
+    REKV_TECH_COUNT = 4,  /* the exact techniques above: the ones rekv_plan_choose compares */
+    /* approximate (tokens may differ from resident's, common/mode.h): priced by
+     * rekv_plan_step_cost, chosen only by rekv_plan_pick_mode and only when the user allows it */
+    REKV_TECH_INFINIGEN = REKV_TECH_COUNT, /* layer 0's KV and a fraction f of every other
+                                            * layer's, selected by a speculation (InfiniGen) */
 } rekv_technique;
+
+/* InfiniGen's partial width: rk = 0.3 * head_dim columns of each head's query and key take part in
+ * the speculation (its §5; gpuworker/skew.h REKV_SKEW_DEFAULT_RATIO). */
+#define REKV_PLAN_INFINIGEN_PARTIAL 0.3
+/* f before any measurement: the pipeline's cap on the selected fraction (cfg.max_fraction's
+ * default), i.e. the worst case; the fraction selected is typically lower. */
+#define REKV_PLAN_INFINIGEN_PRIOR 0.2
 
 /* One layer of one decode step, the shape the chooser prices. */
 typedef struct rekv_step_shape {
@@ -209,24 +222,40 @@ typedef struct rekv_step_shape {
     double hybrid_kv_fraction; /* host-held context tokens kept as KV, 0..1 (REKV_TECH_HYBRID) */
     int64_t act_gpu_tokens;    /* context tokens of the batch whose ACT is already in GPU memory
                                 * (REKV_TECH_HYBRID; recomputed, never transferred) */
+    /* REKV_TECH_INFINIGEN (rekv_plan_shape fills them; the exact techniques ignore them) */
+    double infinigen_fraction; /* f: context tokens a selecting layer fetches, 0..1 */
+    int n_layers;              /* layers of the step (>= 1): layer 0 fetches the whole context */
+    int64_t q_dim;             /* query row width, elements (the partial query's width) */
 } rekv_step_shape;
 
 typedef struct rekv_step_cost {
     double t_pcie;    /* weights + X + KV over the link, with one latency per non-empty copy, s */
-    double t_compute; /* (fwd_flops + recompute FLOP) / gemm_flops, s */
+    double t_compute; /* (fwd_flops + recompute + speculation FLOP) / gemm_flops, s */
     double t_step;    /* max(t_pcie, t_compute), s: full overlap assumed, as 003 Eq. 2–4 do
                        * (and as the KVPR split is chosen, see rekv_plan_kvpr_eval) */
     double bytes_h2d; /* bytes over the link */
     double recompute_flops; /* FLOP spent rebuilding K,V */
+    double speculate_flops; /* FLOP of InfiniGen's speculation (REKV_TECH_INFINIGEN), else 0 */
     int64_t kvpr_l;         /* the split used (REKV_TECH_KVPR), tokens; -1 otherwise */
 } rekv_step_cost;
 
-/* Prices one technique. Returns -EINVAL on bad parameters. */
+/* Prices one technique. Returns -EINVAL on bad parameters.
+ *
+ * REKV_TECH_INFINIGEN is priced as the mean layer of a decode step, so that it compares with the
+ * others' one layer: of the step's n_layers layers, layer 0 fetches the whole context's KV (as
+ * REKV_TECH_KV does) and each of the other n_layers - 1 fetches the fraction f of it, so the KV
+ * bytes are KV's times (1 + (n_layers - 1) f) / n_layers. Those layers also pay the speculation,
+ * priced like the rest of the forward pass at gemm_flops: the partial query, a GEMV of the
+ * attention input onto rk = 0.3 head_dim columns of every query head (2 b hidden 0.3 q_dim FLOP),
+ * and its scores against the partial keys of the context (2 b s 0.3 q_dim FLOP). Left out, as
+ * small or unknown: the partial key of the new token, the selection over the scores, and that the
+ * selected rows are many small copies (one link latency per layer is charged, as for the others;
+ * the coordinator's measured link scale corrects the step predictions, not the mode choice). */
 int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                         rekv_technique tech, rekv_step_cost *out, rekv_err *err);
 
-/* Prices every technique (costs[REKV_TECH_COUNT], may be NULL) and stores the fastest in *best
- * (ties to fewer moving parts: KV, ACT, KVPR, hybrid). Returns -EINVAL on bad parameters. */
+/* Prices every exact technique (costs[REKV_TECH_COUNT], may be NULL) and stores the fastest in
+ * *best (ties to fewer moving parts: KV, ACT, KVPR, hybrid). Returns -EINVAL on bad parameters. */
 int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                      rekv_technique *best, rekv_step_cost *costs, rekv_err *err);
 
@@ -236,8 +265,20 @@ typedef struct rekv_mode_pick {
     rekv_technique tech;       /* otherwise the technique priced cheapest */
     double hybrid_kv_fraction; /* the KV share at which hybrid's link and compute times meet */
     double kv_bytes;           /* the KV cache of b sequences of s_max tokens, all layers */
-    rekv_step_cost costs[REKV_TECH_COUNT]; /* one layer of a decode step at s_max / 2 tokens */
+    /* one layer of a decode step at s_max / 2 tokens: the exact techniques, then
+     * [REKV_TECH_INFINIGEN] when approximate modes were allowed (else zero) */
+    rekv_step_cost costs[REKV_TECH_INFINIGEN + 1];
+    int approximate;           /* approximate modes were allowed, and infinigen priced */
+    double infinigen_fraction; /* the f it was priced at */
+    int infinigen_fits;        /* its partial key cache fits the device (else never chosen) */
 } rekv_mode_pick;
+
+/* What the user allows beyond the exact techniques (`--approximate`). */
+typedef struct rekv_plan_approx {
+    double infinigen_fraction; /* f measured on this worker's decode steps (tokens the selecting
+                                * layers fetched / their context); <= 0 or NaN: none yet, the
+                                * prior REKV_PLAN_INFINIGEN_PRIOR. Clamped to 1. */
+} rekv_plan_approx;
 
 /* A model as the cost model sees it: one decoder layer's widths and weights, and the depth — what a
  * worker's Hello reports, or rekv_plan_model_from_config computes from a config. */
@@ -255,14 +296,20 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
  * device memory left for it; < 0: unknown, taken as enough), else the cheapest of KV fetching,
  * KVPR, ACT and hybrid by rekv_plan_step_cost, priced at the mean context s_max / 2 (a sequence's
  * context grows from its prompt to s_max), with hybrid at the KV share where its link and compute
- * times meet. Ties go to the lower technique (fewer moving parts). */
+ * times meet. Ties go to the lower technique (fewer moving parts).
+ *
+ * approx NULL: exact techniques only. Otherwise infinigen is priced too (at approx's f) and
+ * chosen only when it is strictly cheaper than every exact technique and its partial key cache
+ * (0.3 of every layer's K, in the cache dtype) fits device_kv_bytes. */
 int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m, int64_t b,
                         int64_t s_max, double cache_elem_bytes, double device_kv_bytes,
-                        int weights_offloaded, rekv_mode_pick *out, rekv_err *err);
+                        int weights_offloaded, const rekv_plan_approx *approx, rekv_mode_pick *out,
+                        rekv_err *err);
 
 /* Fills a step shape for one layer of m: batch b, context s tokens, cache elements of
  * cache_elem_bytes, one new token per sequence; kv.weight_bytes is the layer's weights when
- * weights_offloaded, else 0. The hybrid fields are left 0 for the caller. */
+ * weights_offloaded, else 0. The hybrid fields are left 0 for the caller; infinigen's are m's
+ * depth and query width, and f = REKV_PLAN_INFINIGEN_PRIOR. */
 void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cache_elem_bytes,
                      int weights_offloaded, rekv_step_shape *out);
 

@@ -157,3 +157,42 @@ void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, in
         }
     }
 }
+
+void cpu_head_proj(float *out, float *const *out_rows, const float *in, const float *a, int rows,
+                   int n_heads, int group, int hd, int rk)
+{
+    for (int r = 0; r < rows; r++) {
+        float *o = out_rows ? out_rows[r] : out + (size_t)r * (size_t)n_heads * (size_t)rk;
+        for (int h = 0; h < n_heads; h++) {
+            const float *x = in + ((size_t)r * (size_t)n_heads + (size_t)h) * (size_t)hd;
+            const float *ah = a + (size_t)(h / group) * (size_t)hd * (size_t)rk;
+            for (int c = 0; c < rk; c++) {
+                float acc = 0;
+                for (int d = 0; d < hd; d++)
+                    acc += x[d] * ah[(size_t)d * (size_t)rk + (size_t)c];
+                o[(size_t)h * (size_t)rk + (size_t)c] = acc;
+            }
+        }
+    }
+}
+
+void cpu_spec_scores(float *out, const float *q, const rekv_spec_seq *seqs, int n, int n_heads,
+                     int group, int rk, float scale)
+{
+    int n_kv = n_heads / group;
+    for (int j = 0; j < n; j++) {
+        const rekv_spec_seq *sq = &seqs[j];
+        for (int h = 0; h < n_heads; h++) {
+            const float *qh = q + ((size_t)sq->row * (size_t)n_heads + (size_t)h) * (size_t)rk;
+            float *o = out + sq->out + (size_t)h * (size_t)sq->len;
+            for (int t = 0; t < sq->len; t++) {
+                const float *k =
+                    sq->pk + ((size_t)t * (size_t)n_kv + (size_t)(h / group)) * (size_t)rk;
+                float acc = 0;
+                for (int c = 0; c < rk; c++)
+                    acc += qh[c] * k[c];
+                o[t] = scale * acc;
+            }
+        }
+    }
+}

@@ -3,6 +3,7 @@
 #ifndef REKV_GPUWORKER_CPU_OPS_H
 #define REKV_GPUWORKER_CPU_OPS_H
 
+#include "gpuworker/kernels.h"
 #include "gpuworker/kvlayout.h"
 #include "loader/loader.h"
 
@@ -40,5 +41,11 @@ void cpu_activation(float *a, const float *b, size_t n, rekv_act act);
  * 0..start+m-1. out [m][n_heads*hd]. scores: scratch of start+m floats. */
 void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, int m, int start,
                    int n_heads, int n_kv, int hd, float *scores);
+
+/* infinigen (kernels.h head_proj, spec_scores): the reference loops */
+void cpu_head_proj(float *out, float *const *out_rows, const float *in, const float *a, int rows,
+                   int n_heads, int group, int hd, int rk);
+void cpu_spec_scores(float *out, const float *q, const rekv_spec_seq *seqs, int n, int n_heads,
+                     int group, int rk, float scale);
 
 #endif

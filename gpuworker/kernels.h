@@ -34,6 +34,15 @@ typedef struct rekv_convert_piece {
     uint32_t n; /* elements */
 } rekv_convert_piece;
 
+/* One sequence of an infinigen speculation (spec_scores): its partial keys and where its query
+ * row and scores are. */
+typedef struct rekv_spec_seq {
+    const float *pk; /* [len][n_kv][rk] fp32: the skewed keys' selected columns (device) */
+    int len;         /* context tokens scored */
+    int row;         /* its query row in q */
+    size_t out;      /* its scores: out + this, [n_heads][len] */
+} rekv_spec_seq;
+
 typedef struct rekv_kernel_iface {
     /* y[m][n] = x[m][k] · w[n][k]^T (+ bias), w in dtype wt (f32, f16 or bf16), accumulated in
      * fp32. On the cpu backend every element is computed in a fixed order whatever rows share the
@@ -76,6 +85,17 @@ typedef struct rekv_kernel_iface {
     /* dst[i] = src[idx[i]] rows of width w */
     void (*gather_rows)(rekv_stream *s, float *dst, const float *src, const int32_t *idx, int n,
                         int w);
+    /* infinigen's skew (gpuworker/skew.h): per row r and head h, the rk columns
+     * out[r][h][c] = sum_d in[r][h * hd + d] * a[h / group][d][c] (a: [n_heads / group][hd][rk]
+     * fp32, i.e. A[:, cols] per KV head). Row r goes to out_rows[r] when out_rows is not NULL (a
+     * device array of device pointers), else to out + r * n_heads * rk. */
+    void (*head_proj)(rekv_stream *s, float *out, float *const *out_rows, const float *in,
+                      const float *a, int rows, int n_heads, int group, int hd, int rk);
+    /* infinigen's speculated attention scores: for seqs[j] and head h, over t < len,
+     * out[seqs[j].out + h * len + t] = scale * sum_c q[row][h][c] * pk[t][h / group][c]
+     * (q: [rows][n_heads][rk]) */
+    void (*spec_scores)(rekv_stream *s, float *out, const float *q, const rekv_spec_seq *seqs,
+                        int n, int n_heads, int group, int rk, float scale);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

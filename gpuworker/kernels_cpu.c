@@ -277,6 +277,47 @@ static void k_gather_rows(rekv_stream *s, float *dst, const float *src, const in
     LAUNCH(s, "gather_rows", run_gather, a);
 }
 
+typedef struct head_proj_args {
+    float *out;
+    float *const *out_rows;
+    const float *in, *a;
+    int rows, n_heads, group, hd, rk;
+} head_proj_args;
+
+static void run_head_proj(void *p)
+{
+    head_proj_args *a = p;
+    cpu_head_proj(a->out, a->out_rows, a->in, a->a, a->rows, a->n_heads, a->group, a->hd, a->rk);
+}
+
+static void k_head_proj(rekv_stream *s, float *out, float *const *out_rows, const float *in,
+                        const float *a, int rows, int n_heads, int group, int hd, int rk)
+{
+    head_proj_args x = {out, out_rows, in, a, rows, n_heads, group, hd, rk};
+    LAUNCH(s, "head_proj", run_head_proj, x);
+}
+
+typedef struct spec_args {
+    float *out;
+    const float *q;
+    const rekv_spec_seq *seqs;
+    int n, n_heads, group, rk;
+    float scale;
+} spec_args;
+
+static void run_spec(void *p)
+{
+    spec_args *a = p;
+    cpu_spec_scores(a->out, a->q, a->seqs, a->n, a->n_heads, a->group, a->rk, a->scale);
+}
+
+static void k_spec_scores(rekv_stream *s, float *out, const float *q, const rekv_spec_seq *seqs,
+                          int n, int n_heads, int group, int rk, float scale)
+{
+    spec_args a = {out, q, seqs, n, n_heads, group, rk, scale};
+    LAUNCH(s, "spec_scores", run_spec, a);
+}
+
 const rekv_kernel_iface rekv_cpu_kernels = {
     .linear = k_linear,
     .norm = k_norm,
@@ -289,4 +330,6 @@ const rekv_kernel_iface rekv_cpu_kernels = {
     .convert = k_convert,
     .convert_out = k_convert_out,
     .gather_rows = k_gather_rows,
+    .head_proj = k_head_proj,
+    .spec_scores = k_spec_scores,
 };

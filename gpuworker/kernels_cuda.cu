@@ -700,6 +700,63 @@ static void k_gather_rows(rekv_stream *s, float *dst, const float *src, const in
     KLAUNCH(s, "gather_rows", gather_kernel, n, ROW_THREADS, 0, dst, src, idx, w);
 }
 
+/* ------------------------------------------------------------------ infinigen */
+
+/* one block per (row, head), a thread per column */
+__global__ static void head_proj_kernel(float *out, float *const *out_rows, const float *in,
+                                        const float *a, int n_heads, int group, int hd, int rk)
+{
+    int r = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    float *o = out_rows ? out_rows[r] : out + (size_t)r * n_heads * rk;
+    const float *x = in + ((size_t)r * n_heads + h) * hd;
+    const float *ah = a + (size_t)(h / group) * hd * rk;
+    for (int c = threadIdx.x; c < rk; c += blockDim.x) {
+        float acc = 0;
+        for (int d = 0; d < hd; d++)
+            acc += x[d] * ah[(size_t)d * rk + c];
+        o[(size_t)h * rk + c] = acc;
+    }
+}
+
+static void k_head_proj(rekv_stream *s, float *out, float *const *out_rows, const float *in,
+                        const float *a, int rows, int n_heads, int group, int hd, int rk)
+{
+    if (rows <= 0)
+        return;
+    int threads = rk < 32 ? 32 : rk > 256 ? 256 : rk;
+    KLAUNCH(s, "head_proj", head_proj_kernel, rows * n_heads, threads, 0, out, out_rows, in, a,
+            n_heads, group, hd, rk);
+}
+
+/* one block per (sequence, head); the partial query in shared memory, a thread per token */
+__global__ static void spec_kernel(float *out, const float *q, const rekv_spec_seq *seqs,
+                                   int n_heads, int group, int rk, float scale)
+{
+    extern __shared__ float qs[];
+    const rekv_spec_seq *sq = &seqs[blockIdx.x / n_heads];
+    int h = blockIdx.x % n_heads, n_kv = n_heads / group;
+    for (int c = threadIdx.x; c < rk; c += blockDim.x)
+        qs[c] = q[((size_t)sq->row * n_heads + h) * rk + c];
+    __syncthreads();
+    float *o = out + sq->out + (size_t)h * sq->len;
+    for (int t = threadIdx.x; t < sq->len; t += blockDim.x) {
+        const float *k = sq->pk + ((size_t)t * n_kv + h / group) * rk;
+        float acc = 0;
+        for (int c = 0; c < rk; c++)
+            acc += qs[c] * k[c];
+        o[t] = scale * acc;
+    }
+}
+
+static void k_spec_scores(rekv_stream *s, float *out, const float *q, const rekv_spec_seq *seqs,
+                          int n, int n_heads, int group, int rk, float scale)
+{
+    if (n <= 0)
+        return;
+    KLAUNCH(s, "spec_scores", spec_kernel, n * n_heads, ROW_THREADS, sizeof(float) * rk, out, q,
+            seqs, n_heads, group, rk, scale);
+}
+
 /* ------------------------------------------------------------------ the table */
 
 extern "C" const rekv_kernel_iface rekv_cuda_kernels = {
@@ -714,4 +771,6 @@ extern "C" const rekv_kernel_iface rekv_cuda_kernels = {
     k_convert,     /* convert */
     k_convert_out, /* convert_out */
     k_gather_rows, /* gather_rows */
+    k_head_proj,   /* head_proj */
+    k_spec_scores, /* spec_scores */
 };

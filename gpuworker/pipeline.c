@@ -54,6 +54,7 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
     cfg->alpha = 4.0f;
     cfg->max_fraction = 0.2f;
     cfg->select = REKV_SELECT_SPECULATE;
+    cfg->lookahead = 1;
 }
 
 const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p)
@@ -120,8 +121,24 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
 }
 
 /* One layer for the rows of batch g (the same operations, in the same order, as forward.c). */
+/* The attention input of batch g's rows into gb->h. */
+static void attn_input(rekv_pipeline *p, step *st, int g, const layer_w *L)
+{
+    const rekv_model_config *c = p->c;
+    gbatch *gb = &p->gb[g];
+    int T = st->g_rows[g], H = c->hidden;
+    if (c->pre_norm) {
+        p->k->norm(p->s_compute, gb->h.p, gb->x.p, L->attn_norm_w, L->attn_norm_b, T, H,
+                   c->norm_eps);
+    } else {
+        rekv_copy_piece pc = {gb->h.p, gb->x.p, (size_t)T * (size_t)H * sizeof(float)};
+        p->bi->copy_d2d(p->s_compute, &pc, 1);
+    }
+}
+
+/* io: where kv_scatter puts the new rows (kv_pos) and their partial keys (pk_rows). */
 static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const layer_w *L,
-                          const rekv_attn_seq *d, int b, int store)
+                          const rekv_attn_seq *d, int b, int store, const unit_io *io)
 {
     const rekv_model_config *c = p->c;
     const rekv_kernel_iface *k = p->k;
@@ -132,12 +149,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     float *x = gb->x.p, *h = gb->h.p, *q = gb->q.p, *kk = gb->k.p, *vv = gb->v.p;
     float *att = gb->att.p, *f1 = gb->f1.p, *f3 = gb->f3.p;
     size_t n = (size_t)T * (size_t)H;
-    if (c->pre_norm) {
-        k->norm(s, h, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
-    } else {
-        rekv_copy_piece pc = {h, x, n * sizeof(float)};
-        p->bi->copy_d2d(s, &pc, 1);
-    }
+    attn_input(p, st, g, L);
     k->linear(s, q, h, L->wq, p->e->wdtype, L->bq, T, Q, H);
     k->linear(s, kk, h, L->wk, p->e->wdtype, L->bk, T, KV, H);
     k->linear(s, vv, h, L->wv, p->e->wdtype, L->bv, T, KV, H);
@@ -151,7 +163,11 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         p->bi->stream_wait_event(s, p->ev_out_free[b]);
         k->convert_out(s, p->par[b].out_stage.p, h, (size_t)T * (size_t)H, cdt);
     }
-    k->kv_scatter(s, kk, vv, T, st->row_seq[g], st->pos[g], d, c->n_kv_heads, c->head_dim, cdt);
+    if (io->pk_rows)
+        k->head_proj(s, NULL, io->pk_rows, kk, p->ig.layers[layer].a, T, c->n_kv_heads, 1,
+                     c->head_dim, p->ig.rk);
+    k->kv_scatter(s, kk, vv, T, st->row_seq[g], io->kv_pos ? io->kv_pos : st->pos[g], d,
+                  c->n_kv_heads, c->head_dim, cdt);
     k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the new rows are ready to leave, and attention has read the buffers */
         p->bi->event_record(p->ev_out[b], s);
@@ -316,6 +332,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     }
     if ((rc = pl_ensure_buffers(p, &st, err)))
         goto out;
+    if (p->cfg.mode == REKV_MODE_INFINIGEN && (rc = pl_ig_prepare(p, &st, err)))
+        goto out;
     rekv_stream *sc = p->s_compute, *sh = p->s_h2d, *sd = p->s_d2h;
     int E = c->embed_dim, H = c->hidden;
     for (int g = 0; g < st.n_g; g++) {
@@ -349,6 +367,12 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         unit_io io = {0};
         if (d == NULL) {
             rc = rekv_errf(err, -ENOMEM, "step: out of memory");
+            goto drain;
+        }
+        /* infinigen without lookahead: the speculation for this layer, from its own input */
+        if (p->cfg.lookahead == 0 && layer > 0 && pl_ig_speculates(p, &st, g, layer - 1) &&
+            (rc = pl_ig_speculate(p, &st, g, layer))) {
+            rekv_errf(err, rc, "step: out of memory");
             goto drain;
         }
         if (!resident) {
@@ -395,6 +419,13 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                     p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
                 p->bi->event_record(p->ev_loaded[b], sh);
             }
+            /* infinigen: the speculation for the next layer, from this layer's input, before
+             * this unit's KV or weights are waited for */
+            if (p->cfg.lookahead == 1 && pl_ig_speculates(p, &st, g, layer) &&
+                (rc = pl_ig_speculate(p, &st, g, layer + 1))) {
+                rekv_errf(err, rc, "step: out of memory");
+                goto drain;
+            }
             /* compute: recompute K,V from activations into the attention buffers, once the
              * stores of the unit two back have read them (they may hold another batch's rows) */
             p->bi->stream_wait_event(sc, p->ev_attn_free[b]);
@@ -421,7 +452,7 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         }
         if (p->cfg.offload_weights)
             p->bi->stream_wait_event(sc, p->ev_wall[wb]);
-        layer_compute(p, &st, g, layer, W, d, b, !resident);
+        layer_compute(p, &st, g, layer, W, d, b, !resident, &io);
         if (io.d2d_act.n) /* after the rows were staged by layer_compute, on the same stream */
             p->bi->copy_d2d(sc, io.d2d_act.v, io.d2d_act.n);
         if (!resident) {

@@ -51,21 +51,21 @@ struct rekv_skew;
 
 typedef struct rekv_pipeline_config {
     rekv_mode mode;
-    int offload_weights;    /* weights stream host->device per layer */
+    int offload_weights; /* weights stream host->device per layer */
     rekv_schedule schedule;
-    int gpu_batches;        /* a step's batch is split into this many GPU batches (>= 1) */
-    int split;              /* kvpr: context tokens per sequence recomputed from activations, l
-                               (clamped to the context); the caller picks it
-                               (rekv_plan_kvpr_solve) */
-    int kv_parts, act_parts;/* hybrid: block pattern kv:act, e.g. 1:1 (the caller picks it) */
-    rekv_dtype cache_dtype; /* host cache dtype: F32 (exact) or F16 */
-    int act_gpu_blocks;     /* ACT_GPU (HybridServe): each sequence's first N ACT blocks per
-                               layer are also kept on the device, so their activations never
-                               cross the link again (act, hybrid, kvpr); 0: none */
-    int push;               /* the kvstore writes the KV rows into the device's attention buffers
-                               (CUDA IPC / memfd) instead of the worker copying them from the
-                               arena (pull); needs a store with a push backend of this backend's
-                               kind, and a mode other than resident. 0: pull */
+    int gpu_batches;         /* a step's batch is split into this many GPU batches (>= 1) */
+    int split;               /* kvpr: context tokens per sequence recomputed from activations, l
+                                (clamped to the context); the caller picks it
+                                (rekv_plan_kvpr_solve) */
+    int kv_parts, act_parts; /* hybrid: block pattern kv:act, e.g. 1:1 (the caller picks it) */
+    rekv_dtype cache_dtype;  /* host cache dtype: F32 (exact) or F16 */
+    int act_gpu_blocks;      /* ACT_GPU (HybridServe): each sequence's first N ACT blocks per
+                                layer are also kept on the device, so their activations never
+                                cross the link again (act, hybrid, kvpr); 0: none */
+    int push;                /* the kvstore writes the KV rows into the device's attention buffers
+                                (CUDA IPC / memfd) instead of the worker copying them from the
+                                arena (pull); needs a store with a push backend of this backend's
+                                kind, and a mode other than resident. 0: pull */
     /* infinigen */
     const struct rekv_skew *skew; /* the model's skew (gpuworker/skew.h; not owned, kept for the
                                      pipeline's life); required by infinigen */
@@ -73,7 +73,12 @@ typedef struct rekv_pipeline_config {
     float max_fraction;           /* most tokens fetched per (sequence, layer), as a fraction of
                                      its context (default 0.2, the paper's) */
     rekv_select select;
-    uint64_t select_seed;         /* REKV_SELECT_RANDOM's */
+    uint64_t select_seed; /* REKV_SELECT_RANDOM's */
+    int lookahead;        /* 1 (InfiniGen): layer i's speculation runs at layer i-1 from
+                             its input, so layer i's fetch overlaps layer i-1's compute;
+                             0: from layer i's own input — a better guess on models whose
+                             layers change the residual stream much (stories260K), the
+                             fetch then overlapping only other GPU batches' compute */
 } rekv_pipeline_config;
 
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);
@@ -108,18 +113,18 @@ typedef struct rekv_pipe_item {
     rekv_pseq *seq;
     const int32_t *tokens; /* [n_tokens] new tokens */
     int n_tokens;
-    float *logits;         /* out: [vocab], for the last new token */
-    int gpu_batch;         /* 0: the step splits the batch into cfg.gpu_batches evenly; k >= 1 on
-                              every item: items with equal k form one GPU batch (a mini-batch of
-                              the planner's bin packing), in increasing k */
+    float *logits; /* out: [vocab], for the last new token */
+    int gpu_batch; /* 0: the step splits the batch into cfg.gpu_batches evenly; k >= 1 on
+                      every item: items with equal k form one GPU batch (a mini-batch of
+                      the planner's bin packing), in increasing k */
 } rekv_pipe_item;
 
 /* What the planner may change between steps; the mode, weight placement and cache dtype are fixed
  * for a pipeline's life (they decide what the store holds). Any value gives the same tokens. */
 typedef struct rekv_step_params {
-    int split;              /* kvpr: context tokens recomputed from activations */
-    int kv_parts, act_parts;/* hybrid: pattern of the blocks allocated from now on */
-    int gpu_batches;        /* even split when items carry no gpu_batch */
+    int split;               /* kvpr: context tokens recomputed from activations */
+    int kv_parts, act_parts; /* hybrid: pattern of the blocks allocated from now on */
+    int gpu_batches;         /* even split when items carry no gpu_batch */
     rekv_schedule schedule;
 } rekv_step_params;
 
@@ -129,10 +134,18 @@ int rekv_pipeline_set_step(rekv_pipeline *p, const rekv_step_params *sp, rekv_er
 int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rekv_err *err);
 
 /* Counters accumulated since creation or the last reset: per layer ([n_layers]) and in total. */
-const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_layer_counters *total);
+const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p,
+                                                  rekv_layer_counters *total);
 void rekv_pipeline_counters_reset(rekv_pipeline *p);
 /* Each step's totals since the last reset, in order ([*n_steps], owned by the pipeline). */
 const rekv_layer_counters *rekv_pipeline_step_counters(const rekv_pipeline *p, size_t *n_steps);
+
+/* infinigen's selection for one (sequence, layer) from its speculated scores [n_heads][len]
+ * (pipeline_infinigen.c): fills sel[g * len + j], j < m, with KV head g's tokens (positions
+ * ascending) and returns m, the same for every KV head. key seeds REKV_SELECT_RANDOM. scratch:
+ * (n_kv + 1) * len floats. */
+int rekv_ig_select(const float *scores, int n_heads, int n_kv, int len, float alpha,
+                   float max_fraction, rekv_select how, uint64_t key, int32_t *sel, float *scratch);
 
 /* Generates for a batch of prompts together (prefill as one step, then decode steps over the
  * sequences still running), with the same sampling as rekv_generate. results[n] are filled. */

@@ -99,7 +99,7 @@ int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem)
     return 0;
 }
 
-static int dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes)
+int pl_dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes)
 {
     if (bytes <= b->cap)
         return 0;
@@ -176,13 +176,13 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
         if (T > max_rows)
             max_rows = T;
         gbatch *b = &p->gb[g];
-        rc |= dbuf_ensure(p, &b->x, T * W * f) | dbuf_ensure(p, &b->h, T * W * f) |
-              dbuf_ensure(p, &b->q, T * Q * f) | dbuf_ensure(p, &b->k, T * KV * f) |
-              dbuf_ensure(p, &b->v, T * KV * f) | dbuf_ensure(p, &b->att, T * Q * f) |
-              dbuf_ensure(p, &b->f1, T * F * f) | dbuf_ensure(p, &b->f3, T * F * f) |
-              dbuf_ensure(p, &b->logits, ns * (size_t)c->vocab * f);
+        rc |= pl_dbuf_ensure(p, &b->x, T * W * f) | pl_dbuf_ensure(p, &b->h, T * W * f) |
+              pl_dbuf_ensure(p, &b->q, T * Q * f) | pl_dbuf_ensure(p, &b->k, T * KV * f) |
+              pl_dbuf_ensure(p, &b->v, T * KV * f) | pl_dbuf_ensure(p, &b->att, T * Q * f) |
+              pl_dbuf_ensure(p, &b->f1, T * F * f) | pl_dbuf_ensure(p, &b->f3, T * F * f) |
+              pl_dbuf_ensure(p, &b->logits, ns * (size_t)c->vocab * f);
     }
-    rc |= dbuf_ensure(p, &p->scores, max_ctx * f);
+    rc |= pl_dbuf_ensure(p, &p->scores, max_ctx * f);
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
         for (int b = 0; b < 2; b++) {
             parity *pr = &p->par[b];
@@ -192,14 +192,14 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
                 if (src)
                     return rekv_errf(err, src, "step: push attention buffers: %s", e.msg);
             } else {
-                rc |= dbuf_ensure(p, &pr->attn_kv, max_kv_g * dsz);
+                rc |= pl_dbuf_ensure(p, &pr->attn_kv, max_kv_g * dsz);
             }
-            rc |= dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
-                  dbuf_ensure(p, &pr->out_stage, max_rows * H * dsz);
+            rc |= pl_dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
+                  pl_dbuf_ensure(p, &pr->out_stage, max_rows * H * dsz);
         }
-        rc |= dbuf_ensure(p, &p->act_f32, max_ctx_g * H * f) |
-              dbuf_ensure(p, &p->kr, max_ctx_g * KV * f) |
-              dbuf_ensure(p, &p->vr, max_ctx_g * KV * f);
+        rc |= pl_dbuf_ensure(p, &p->act_f32, max_ctx_g * H * f) |
+              pl_dbuf_ensure(p, &p->kr, max_ctx_g * KV * f) |
+              pl_dbuf_ensure(p, &p->vr, max_ctx_g * KV * f);
     }
     if (rc)
         return rekv_errf(err, -ENOMEM, "step: out of device memory for a batch of %d sequences",

@@ -148,6 +148,7 @@ void rekv_pipeline_free(rekv_pipeline *p)
         p->bi->host_unregister(p->be, p->arena);
     for (int l = 0; l < p->weights_registered; l++)
         p->bi->host_unregister(p->be, p->e->layer_mem[l]);
+    pl_ig_free(p);
     free(p->counters);
     free(p->step_log);
     pl_meta_free(&p->meta);
@@ -304,6 +305,8 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         rekv_errf(err, rc, "pipeline: out of device memory for the weights");
         goto fail;
     }
+    if (cfg->mode == REKV_MODE_INFINIGEN && (rc = pl_ig_create(p, err)))
+        goto fail;
     if ((rc = p->bi->stream_sync(p->s_h2d, err)))
         goto fail;
     p->bi->stats_reset(be); /* the one-time weight upload is not part of any step */
@@ -347,6 +350,14 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
                 goto fail;
             }
         }
+        if (p->cfg.mode == REKV_MODE_INFINIGEN) {
+            s->pk = p->bi->dev_alloc(p->be, pl_ig_pk_floats(p, capacity) * sizeof(float));
+            if (s->pk == NULL) {
+                rc = rekv_errf(err, -ENOMEM,
+                               "out of device memory for the partial keys of %d tokens", capacity);
+                goto fail;
+            }
+        }
         s->id = p->next_id;
         p->next_id += 2;
         if ((rc = rekv_kvstore_seq_create(p->store, s->id, err)))
@@ -364,6 +375,8 @@ fail:
         p->bi->dev_free(p->be, s->kv);
     if (s->act_dev)
         p->bi->dev_free(p->be, s->act_dev);
+    if (s->pk)
+        p->bi->dev_free(p->be, s->pk);
     free(s);
     return rc;
 }
@@ -377,6 +390,8 @@ void rekv_pseq_free(rekv_pseq *s)
         p->bi->dev_free(p->be, s->kv);
     if (s->act_dev)
         p->bi->dev_free(p->be, s->act_dev);
+    if (s->pk)
+        p->bi->dev_free(p->be, s->pk);
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
         if (p->cfg.mode == REKV_MODE_KVPR)

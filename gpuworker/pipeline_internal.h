@@ -82,6 +82,30 @@ typedef struct parity {
     dbuf out_stage; /* the new rows' attention input to store, [T][hidden] (cache dtype) */
 } parity;
 
+/* infinigen (pipeline_infinigen.c): one layer's speculation weights, on the device */
+typedef struct ig_layer {
+    float *a;   /* [n_kv][head_dim][rk] A[:, cols] of the skew */
+    void *wp;   /* the partial query's weight: no RoPE, W_Q·A[:, cols] folded, [n_heads * rk]
+                   [hidden] fp32; RoPE, W_Q itself, [q_dim][hidden] in the engine's wdtype */
+    float *bp;  /* its bias ([n_heads * rk] or [q_dim] fp32) or NULL */
+    int own_wp; /* wp, bp are the pipeline's (else dev_layers' W_Q, b_Q) */
+    float *norm_w, *norm_b; /* the layer's attention norm ([hidden] fp32; b may be NULL) */
+} ig_layer;
+
+typedef struct ig_state {
+    ig_layer *layers; /* [n_layers]; layer 0 is never speculated (only its norm is kept) */
+    int rk;           /* partial columns per KV head */
+    dbuf hn;          /* [T][hidden] the speculation's input (an attention input) */
+    dbuf q;           /* [T][q_dim] the full speculative query (RoPE models) */
+    dbuf qp;          /* [T][n_heads][rk] the partial query */
+    dbuf scores;      /* every sparse item's speculated scores, [n_heads][len] at ig_off */
+    float *host;      /* their host copy (rekv_host_alloc), host_cap floats */
+    size_t host_cap;
+    rekv_event *ev[MAX_GPU_BATCHES]; /* batch g's scores have reached the host */
+    float *scratch;                  /* rekv_ig_select's, [(n_kv + 1) * len] */
+    size_t scratch_cap;              /* floats */
+} ig_state;
+
 struct rekv_pipeline {
     rekv_engine *e;
     const rekv_model_config *c;
@@ -125,6 +149,7 @@ struct rekv_pipeline {
     rekv_event *ev_pushed[2]; /* the store's copies into the parity's buffers are done */
     rekv_kv_push_piece *push_pieces;
     size_t push_cap;
+    ig_state ig; /* infinigen */
 };
 
 struct rekv_pseq {
@@ -133,6 +158,7 @@ struct rekv_pseq {
     int len, cap;
     uint8_t *kv;      /* resident: [n_layers] caches of cap positions (kvlayout.h), cache dtype */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
+    float *pk;        /* infinigen: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
 };
 
 /* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
@@ -163,6 +189,8 @@ typedef struct step {
     int32_t *last[MAX_GPU_BATCHES]; /* [items of batch] index of each item's last row */
     range_ref *kv_ref, *act_ref;    /* [n_items][n_layers]; act_ref only for kvpr */
     int *split;                     /* [n_items] context tokens recomputed (kvpr) */
+    size_t *ig_off;                 /* infinigen: [n_items] offset of the item's speculated
+                                       scores, SIZE_MAX when it fetches densely */
     step_mem mem;
 } step;
 
@@ -173,6 +201,10 @@ typedef struct unit_io {
     conv_list conv_act;
     int32_t *act_seq, *act_pos; /* [n_act] recomputed rows: item within batch, position */
     int n_act;
+    int32_t *kv_pos; /* infinigen: [rows] where kv_scatter puts each new row (its slot), or NULL:
+                        at its position */
+    float **pk_rows; /* infinigen: [rows] where each new row's partial key goes, or NULL */
+    int spec_synced; /* infinigen: the batch's speculated scores are on the host */
 } unit_io;
 
 /* ------------------------------------------------------------------ across the files */
@@ -185,6 +217,7 @@ int pl_smem_adopt(step_mem *m, void *ptr);
 void pl_smem_free(step_mem *m);
 void pl_dbuf_free(rekv_pipeline *p, dbuf *b);
 int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err);
+int pl_dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes);
 
 /* pipeline_create.c */
 size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer_w *dst, int from,
@@ -193,10 +226,22 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
 /* pipeline_kvstore.c */
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, size_t *n_ranges,
                      rekv_err *err);
-int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const rekv_attn_seq *d,
+int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,
                  unit_io *io);
 int pl_unit_io_keep(step *st, unit_io *io);
 int pl_push_release(rekv_pipeline *p, const rekv_ipc_handle *const *h, size_t n, rekv_err *err);
 int pl_push_unit(rekv_pipeline *p, int b, const unit_io *io, rekv_err *err);
+
+/* pipeline_infinigen.c */
+int pl_ig_create(rekv_pipeline *p, rekv_err *err);
+void pl_ig_free(rekv_pipeline *p);
+size_t pl_ig_pk_floats(const rekv_pipeline *p, int cap);
+int pl_ig_sparse(const rekv_pipeline *p, const step *st, int i);
+int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err);
+int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
+int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
+float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
+int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
+                    rekv_attn_seq *d, unit_io *io);
 
 #endif

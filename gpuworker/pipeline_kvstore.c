@@ -131,9 +131,18 @@ static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, i
 /* Builds the loads of unit (layer, g): every context token's K,V rows (KV) or activation row
  * (ACT), from the arena into the parity's staging buffers, and the merge into the attention
  * buffer; and the stores of the new rows into the arena. */
-int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const rekv_attn_seq *d,
-                 unit_io *io)
+int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d, unit_io *io)
 {
+    int ig = p->cfg.mode == REKV_MODE_INFINIGEN, rc = 0;
+    if (ig) { /* new rows go where the selection leaves room; their partial keys are kept */
+        io->kv_pos = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)st->g_rows[g]);
+        if (io->kv_pos == NULL)
+            return -ENOMEM;
+        memcpy(io->kv_pos, st->pos[g], sizeof(int32_t) * (size_t)st->g_rows[g]);
+        io->pk_rows = pl_ig_pk_rows(p, st, g, layer, &rc);
+        if (rc)
+            return rc;
+    }
     const rekv_kv_geometry *geo = &p->geo;
     int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
@@ -156,6 +165,13 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, const rekv
         int item = st->g_begin[g] + j;
         rekv_pseq *s = st->items[item].seq;
         const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
+        if (ig && layer > 0 && pl_ig_sparse(p, st, item)) {
+            if ((rc = pl_ig_item_plan(p, st, item, layer, kr, &d[j], io)))
+                return rc;
+            continue;
+        }
+        if (ig)
+            cnt->tokens_considered += (uint64_t)s->len;
         int ctx = s->len, l_split = kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : 0;
         act_counter ac = {kvpr ? ar : kr, 0, 0};
         uint64_t n_gpu = (uint64_t)p->cfg.act_gpu_blocks;

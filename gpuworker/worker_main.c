@@ -28,6 +28,7 @@
 #include "gpuworker/profile.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
+#include "gpuworker/skew.h"
 #include "kvstore/kvstore.h"
 #include "proto/worker.pb-c.h"
 
@@ -37,7 +38,8 @@ static void usage(FILE *f)
 {
     fprintf(
         f, "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
-           "         [--backend auto|cpu|cuda] [--mode auto|resident|offload|kvpr|act|hybrid]\n"
+           "         [--backend auto|cpu|cuda]\n"
+           "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
            "         [--ready-fd N]\n"
@@ -50,6 +52,9 @@ static void usage(FILE *f)
            "when the device holds the KV cache of a full batch of full contexts (always on the\n"
            "cpu backend, or without a kvstore), else the technique its planner prices cheapest\n"
            "with this machine's measured profile.\n"
+           "--approximate: let the coordinator choose an approximate mode (infinigen) for --mode\n"
+           "auto: it does when its planner prices it strictly cheaper than every exact mode.\n"
+           "infinigen's tokens may differ from resident's; --mode infinigen needs no flag.\n"
            "--link-gbps, --link-latency-us and --device-memory make the cpu backend behave like a\n"
            "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
            "--push: the kvstore (started with --push-backend) writes the KV rows into this\n"
@@ -63,7 +68,9 @@ typedef struct worker {
     rekv_batcher *batch;
     rekv_engine *eng;
     rekv_pipeline_config pc; /* the pipeline to build (pc.mode once known) */
+    rekv_skew skew;          /* infinigen: the model's (rekv_skew_prepare; cached) */
     int push;                /* --push */
+    int approximate;         /* --approximate: the coordinator may assign an approximate mode */
     const rekv_model_config *mc;
     const char *name, *mode, *model; /* mode: "auto" until the pipeline is built */
     int max_batch;
@@ -135,6 +142,7 @@ static void send_hello(worker *w)
     }
     h.device_kv_room = w->device_kv_room;
     h.kvstore = w->kv != NULL;
+    h.approximate = w->approximate;
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
     m.hello = &h;
@@ -336,7 +344,7 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         n++;
     }
     rekv_layer_counters tot;
-    rekv_pipeline_counters(w->pipe, &tot);
+    const rekv_layer_counters *per = rekv_pipeline_counters(w->pipe, &tot);
     Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
     c.h2d_weights = tot.h2d_bytes[REKV_XFER_WEIGHTS];
     c.h2d_kv = tot.h2d_bytes[REKV_XFER_KV];
@@ -345,6 +353,12 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         c.d2h += tot.d2h_bytes[k];
     c.tokens_recomputed = tot.tokens_recomputed;
     c.tokens_fetched = tot.tokens_fetched;
+    /* infinigen's selected fraction: what the selecting layers fetched of what they could have
+     * (layer 0 and prefill fetch everything and consider nothing) */
+    c.tokens_considered = tot.tokens_considered;
+    for (int l = 0; per && l < w->mc->n_layers; l++)
+        if (per[l].tokens_considered)
+            c.tokens_selected += per[l].tokens_fetched;
     rekv_backend_stats bs1;
     w->be->iface->stats(w->be, &bs1);
     c.compute_busy_s = bs1.compute_busy_s - bs0.compute_busy_s;
@@ -388,6 +402,14 @@ static int start_pipeline(worker *w, rekv_err *err)
     w->pc.push = w->push && w->pc.mode != REKV_MODE_RESIDENT;
     w->mode = rekv_mode_name(w->pc.mode);
     int rc;
+    if (w->pc.mode == REKV_MODE_INFINIGEN && w->pc.skew == NULL) {
+        int cached = 0;
+        if ((rc = rekv_skew_prepare(w->eng, REKV_SKEW_DEFAULT_RATIO, &w->skew, &cached, err)))
+            return rc;
+        rekv_log(REKV_LOG_INFO, "infinigen: the model's skew %s",
+                 cached ? "from the cache" : "made and cached");
+        w->pc.skew = &w->skew;
+    }
     if ((rc = rekv_pipeline_create(w->eng, w->be, w->kv, &w->pc, &w->pipe, err)) ||
         (rc = rekv_batcher_create(w->pipe, w->mc, w->max_batch, &w->batch, err)))
         return rc;
@@ -408,6 +430,11 @@ static int take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
         return rekv_errf(err, -EPROTO,
                          "the coordinator assigned mode %s, which needs a kvstore, and this "
                          "worker has none",
+                         a->mode);
+    if (rekv_mode_approximate(m) && !w->approximate)
+        return rekv_errf(err, -EPROTO,
+                         "the coordinator assigned the approximate mode %s, and this worker was "
+                         "not started with --approximate",
                          a->mode);
     rekv_log(REKV_LOG_INFO, "mode auto: the coordinator chose %s (%s)", a->mode,
              a->reason && *a->reason ? a->reason : "no reason given");
@@ -438,6 +465,7 @@ int main(int argc, char **argv)
         O_LINK_LAT,
         O_DEVMEM,
         O_PUSH,
+        O_APPROX,
         O_HELP
     };
     static const struct option opts[] = {
@@ -454,11 +482,12 @@ int main(int argc, char **argv)
         {"link-latency-us", required_argument, 0, O_LINK_LAT},
         {"device-memory", required_argument, 0, O_DEVMEM},
         {"push", no_argument, 0, O_PUSH},
+        {"approximate", no_argument, 0, O_APPROX},
         {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0},
     };
     rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
-    int push = 0;
+    int push = 0, approximate = 0;
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         int bad = 0;
@@ -474,6 +503,9 @@ int main(int argc, char **argv)
             break;
         case O_PUSH:
             push = 1;
+            break;
+        case O_APPROX:
+            approximate = 1;
             break;
         case O_DEVMEM:
             bad = rekv_parse_size(optarg, &link.device_bytes);
@@ -563,6 +595,7 @@ int main(int argc, char **argv)
     w.max_batch = (int)max_batch;
     w.hb_ms = hb_ms;
     w.push = push;
+    w.approximate = approximate;
     w.mode = "auto";
     if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
@@ -732,6 +765,7 @@ out:
         zmq_ctx_term(zctx);
     rekv_batcher_free(w.batch);
     rekv_pipeline_free(w.pipe);
+    rekv_skew_free(&w.skew);
     rekv_backend_destroy(be);
     rekv_kvstore_client_close(kv);
     rekv_engine_free(eng);

@@ -723,7 +723,7 @@ START_TEST(coordinator_assigns_worker_mode)
     rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
     rekv_cost_profile prof = {.h2d_bw = 25e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
     rekv_mode_pick pick;
-    ck_assert_int_eq(rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, kv - 1, 0, &pick, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, kv - 1, 0, NULL, &pick, NULL), 0);
     ck_assert(!pick.resident);
     static const char *const by_tech[REKV_TECH_COUNT] = {"offload", "kvpr", "act", "hybrid"};
     struct {
@@ -757,6 +757,80 @@ START_TEST(coordinator_assigns_worker_mode)
     wait_workers(c, 1);
     Rekv__Control__Response *r = stats(c);
     ck_assert_str_eq(r->stats->workers[0]->mode, by_tech[pick.tech]);
+    rekv__control__response__free_unpacked(r, NULL);
+
+    zmq_close(sock);
+    zmq_ctx_term(zctx);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(stop(co), 0);
+    env_close(&e);
+}
+END_TEST
+
+/* An approximate mode is opt-in: the same worker behind a slow link, asking for its mode, is
+ * assigned infinigen when its Hello says approximate and an exact mode (the one the planner picks
+ * without approximation) when it does not; a Hello with mode "infinigen" makes it a worker that
+ * runs so. */
+START_TEST(coordinator_assigns_infinigen_only_when_allowed)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    pid_t co = start_coordinator(&e, "64", "10000");
+    rekv_ctl *c = ctl_open(e.ctl);
+    void *zctx = zmq_ctx_new();
+    void *sock = zmq_socket(zctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_connect(sock, e.wrk), 0);
+
+    /* OPT-6.7B-like, 64 sequences of 544 tokens, fp16 cache, behind a 2 GB/s link */
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 2e9;
+    cp.h2d_latency = 5e-6;
+    cp.gemm_flops = 300e12;
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.name = "bare";
+    h.backend = "cuda";
+    h.mode = "auto";
+    h.max_batch = 64;
+    h.vocab = 512;
+    h.max_pos = 544;
+    h.profile = &cp;
+    h.hidden = h.q_dim = h.kv_dim = 4096;
+    h.n_layers = 32;
+    h.cache_elem_bytes = 2;
+    h.weight_elem_bytes = 2;
+    h.layer_params = 2ull * 4096 * 4096 * 2 + 2ull * 4096 * 16384;
+    h.kvstore = 1;
+    h.device_kv_room = 2.0 * 4096 * 2 * 64 * 544 * 32 - 1; /* the cache does not fit */
+    rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
+    rekv_cost_profile prof = {.h2d_bw = 2e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
+    rekv_mode_pick exact;
+    ck_assert_int_eq(
+        rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, h.device_kv_room, 0, NULL, &exact, NULL), 0);
+    static const char *const by_tech[REKV_TECH_COUNT] = {"offload", "kvpr", "act", "hybrid"};
+    ck_assert(!exact.resident && exact.tech < REKV_TECH_COUNT);
+    for (int approximate = 0; approximate <= 1; approximate++) {
+        h.approximate = approximate;
+        Rekv__Worker__CoordMsg *m = hello_answer(sock, &h);
+        ck_assert_msg(m != NULL && m->body_case == REKV__WORKER__COORD_MSG__BODY_ASSIGN,
+                      "Hello auto not answered with Assign");
+        ck_assert_str_eq(m->assign->mode, approximate ? "infinigen" : by_tech[exact.tech]);
+        ck_assert_msg((strstr(m->assign->reason, "infinigen") != NULL) == approximate,
+                      "the reason names infinigen's price exactly when it was allowed: %s",
+                      m->assign->reason);
+        rekv__worker__coord_msg__free_unpacked(m, NULL);
+    }
+    wait_workers(c, 0);
+
+    h.mode = "infinigen"; /* the worker built its pipeline so and says Hello again */
+    Rekv__Worker__CoordMsg *m = hello_answer(sock, &h);
+    ck_assert(m != NULL && m->body_case == REKV__WORKER__COORD_MSG__BODY_WELCOME);
+    rekv__worker__coord_msg__free_unpacked(m, NULL);
+    wait_workers(c, 1);
+    Rekv__Control__Response *r = stats(c);
+    ck_assert_str_eq(r->stats->workers[0]->mode, "infinigen");
     rekv__control__response__free_unpacked(r, NULL);
 
     zmq_close(sock);
@@ -1236,6 +1310,7 @@ static Suite *suite(void)
     tcase_add_test(tc, planner_in_the_loop);
     tcase_add_test(tc, emulated_gpu_auto_mode);
     tcase_add_test(tc, coordinator_assigns_worker_mode);
+    tcase_add_test(tc, coordinator_assigns_infinigen_only_when_allowed);
     tcase_add_test(tc, push_between_processes);
     tcase_add_test(tc, long_steps_keep_heartbeating);
     tcase_add_test(tc, long_steps_keep_kvstore_pins);

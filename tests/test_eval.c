@@ -138,6 +138,53 @@ START_TEST(exact_modes_equal_resident)
 }
 END_TEST
 
+/* infinigen in eval: selecting every token is resident bit for bit; the speculation moves at most
+ * layer 0's KV and the cap's share of the others', and scores better than a random selection of
+ * the same size (stories260K is trained: its attention matters). The skew is made once, into a
+ * private cache. */
+START_TEST(infinigen_in_eval)
+{
+    char m[4096];
+    if (!model_path(m))
+        return;
+    char *dir = tu_tmpdir(), args[8400];
+    setenv("XDG_CACHE_HOME", dir, 1);
+    double ref;
+    size_t n;
+    char *ids = sample_file(dir, 0, &ref, &n);
+    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu", m, ids);
+    json_t *res = eval_json(args);
+    snprintf(args, sizeof(args),
+             "--model %s --ids %s --backend cpu --mode infinigen --select all --compare resident",
+             m, ids);
+    json_t *all = eval_json(args);
+    ck_assert(num(all, "nll") == num(res, "nll"));
+    ck_assert(num(all, "agreement") == 1.0 && num(all, "max_logit_error") == 0.0);
+    ck_assert(num(all, "h2d_kv_bytes") == num(all, "kv_bytes_offload"));
+    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu --mode infinigen", m, ids);
+    json_t *sp = eval_json(args);
+    snprintf(args, sizeof(args),
+             "--model %s --ids %s --backend cpu --mode infinigen --select random", m, ids);
+    json_t *rnd = eval_json(args);
+    double off = num(sp, "kv_bytes_offload"), L = 5;
+    ck_assert_msg(num(sp, "h2d_kv_bytes") <= off * (1 + (L - 1) * 0.2) / L,
+                  "infinigen moved %g of offload's %g", num(sp, "h2d_kv_bytes"), off);
+    ck_assert(num(sp, "alpha") == 4 && num(sp, "fetch_cap") > 0.19 && num(sp, "lookahead") == 1);
+    json_t *fr = json_object_get(sp, "layer_fetched_fraction");
+    ck_assert_int_eq((int)json_array_size(fr), 5);
+    ck_assert(json_number_value(json_array_get(fr, 0)) == 1.0); /* layer 0: everything */
+    for (int l = 1; l < 5; l++)
+        ck_assert(json_number_value(json_array_get(fr, (size_t)l)) <= 0.2);
+    ck_assert_msg(num(sp, "nll") < num(rnd, "nll"), "speculated %g, random %g", num(sp, "nll"),
+                  num(rnd, "nll"));
+    json_decref(res), json_decref(all), json_decref(sp), json_decref(rnd);
+    unsetenv("XDG_CACHE_HOME");
+    free(ids);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* Windows of 200 over 501 tokens: three windows, and still every token after the first 33 scored
  * once; with less context than the whole text the NLL is not the full-context one. */
 START_TEST(windows_score_every_token_once)
@@ -232,6 +279,7 @@ static Suite *suite(void)
     tcase_add_test(tc, exact_modes_equal_resident);
     tcase_add_test(tc, windows_score_every_token_once);
     tcase_add_test(tc, bad_input_clear_errors);
+    tcase_add_test(tc, infinigen_in_eval);
     suite_add_tcase(s, tc);
     return s;
 }

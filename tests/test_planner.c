@@ -658,11 +658,11 @@ START_TEST(test_pick_mode)
     rekv_mode_pick m;
     /* 64 sequences of 544 tokens, fp16: 2*4096*2*64*544*32 bytes = 18.25 GB */
     double kv = 2.0 * 4096 * 2 * 64 * 544 * 32;
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, kv, 0, &m, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, kv, 0, NULL, &m, NULL), 0);
     ck_assert(m.resident && m.kv_bytes == kv);
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, -1, 0, &m, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, -1, 0, NULL, &m, NULL), 0);
     ck_assert(m.resident); /* unknown device memory (the cpu backend): resident */
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, kv - 1, 0, &m, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, kv - 1, 0, NULL, &m, NULL), 0);
     ck_assert(!m.resident);
     /* MHA, fast GPU, PCIe-bound: recomputation pays, so not plain KV fetching */
     ck_assert(m.tech != REKV_TECH_KV);
@@ -675,12 +675,162 @@ START_TEST(test_pick_mode)
         ck_assert(fabs(h->t_pcie - h->t_compute) <= 1e-6 * h->t_step);
     /* a GPU so slow that every recomputation costs more than the link: KV fetching */
     pr.gemm_flops = 1e9;
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, 0, 0, &m, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, 0, 0, NULL, &m, NULL), 0);
     ck_assert(!m.resident);
     ck_assert_int_eq(m.tech, REKV_TECH_KV);
     ck_assert(m.hybrid_kv_fraction == 1);
     rekv_err e = {0};
-    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 0, 544, 2, 0, 0, &m, &e), -EINVAL);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 0, 544, 2, 0, 0, NULL, &m, &e), -EINVAL);
+}
+END_TEST
+
+/* InfiniGen is approximate: rekv_plan_pick_mode prices it only when allowed, and picks it only
+ * when it is strictly cheaper than every exact technique — on a slow link at a small fraction f,
+ * never when it is not allowed, never at f = 1 (the same bytes as KV, plus the speculation), and
+ * not at f = 0.9 on a step whose compute is close to its link time (the speculation tips it). */
+START_TEST(test_pick_infinigen)
+{
+    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
+                             .act = REKV_ACT_RELU,
+                             .n_layers = 32,
+                             .hidden = 4096,
+                             .n_heads = 32,
+                             .n_kv_heads = 32,
+                             .head_dim = 128,
+                             .ffn = 16384,
+                             .dtype = REKV_DTYPE_F16};
+    rekv_plan_model optm;
+    rekv_plan_model_from_config(&opt, &optm);
+    double kv = 2.0 * 4096 * 2 * 64 * 544 * 32; /* 64 sequences of 544 tokens, fp16 */
+    rekv_cost_profile slow = {.h2d_bw = 2e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
+    rekv_mode_pick ex, ap;
+    rekv_plan_approx prior = {0}, f1 = {1.0}, f01 = {0.1};
+
+    /* slow link, prior f = 0.2: allowed, infinigen; not allowed, the same exact pick as ever */
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, kv - 1, 0, NULL, &ex, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, kv - 1, 0, &prior, &ap, NULL),
+                     0);
+    ck_assert(!ex.resident && !ap.resident && !ex.approximate && ap.approximate);
+    ck_assert(ex.tech < REKV_TECH_COUNT);
+    ck_assert_int_eq(ap.tech, REKV_TECH_INFINIGEN);
+    ck_assert(ap.infinigen_fits && ap.infinigen_fraction == REKV_PLAN_INFINIGEN_PRIOR);
+    for (int t = 0; t < REKV_TECH_COUNT; t++) /* the exact prices do not change */
+        ck_assert(ex.costs[t].t_step == ap.costs[t].t_step);
+    ck_assert(ex.costs[REKV_TECH_INFINIGEN].t_step == 0);
+    rekv_step_cost ig = ap.costs[REKV_TECH_INFINIGEN];
+    ck_assert(ig.t_step < ap.costs[ex.tech].t_step);
+    /* the price: layer 0 all of KV's bytes, the other 31 layers f of them; the speculation */
+    ck_assert(
+        close_rel(ig.bytes_h2d, ap.costs[REKV_TECH_KV].bytes_h2d * (1 + 31 * 0.2) / 32, 1e-12));
+    double spec = 31.0 / 32 * 2 * (0.3 * 4096) * (64.0 * 4096 + 64.0 * 272);
+    ck_assert(close_rel(ig.speculate_flops, spec, 1e-12));
+    ck_assert(close_rel(ig.t_compute * slow.gemm_flops,
+                        ap.costs[REKV_TECH_KV].t_compute * slow.gemm_flops + spec, 1e-12));
+    /* a smaller measured f is cheaper still */
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, kv - 1, 0, &f01, &ap, NULL), 0);
+    ck_assert_int_eq(ap.tech, REKV_TECH_INFINIGEN);
+    ck_assert(ap.costs[REKV_TECH_INFINIGEN].t_step < ig.t_step);
+
+    /* f = 1 moves what KV does and computes more: never strictly cheaper */
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, kv - 1, 0, &f1, &ap, NULL), 0);
+    ck_assert_int_eq(ap.tech, ex.tech);
+    ck_assert(ap.costs[REKV_TECH_INFINIGEN].bytes_h2d == ap.costs[REKV_TECH_KV].bytes_h2d);
+
+    /* a tie is not enough: GQA with a fast GPU, where plain KV fetching is the best exact
+     * technique and the speculation hides under the link time, at f = 1 */
+    rekv_model_config llama = {.arch = REKV_ARCH_LLAMA,
+                               .act = REKV_ACT_SILU,
+                               .n_layers = 32,
+                               .hidden = 4096,
+                               .n_heads = 32,
+                               .n_kv_heads = 8,
+                               .head_dim = 128,
+                               .ffn = 14336,
+                               .dtype = REKV_DTYPE_BF16};
+    rekv_plan_model llm;
+    rekv_plan_model_from_config(&llama, &llm);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &llm, 64, 544, 2, 1e9, 0, &f1, &ap, NULL), 0);
+    ck_assert(ap.costs[REKV_TECH_INFINIGEN].t_step == ap.costs[REKV_TECH_KV].t_step);
+    ck_assert_int_eq(ap.tech, REKV_TECH_KV);
+
+    /* the partial keys (0.3 of K, all layers) must fit the device's room */
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, 0.1 * kv, 0, &f01, &ap, NULL),
+                     0);
+    ck_assert(!ap.infinigen_fits && ap.tech != REKV_TECH_INFINIGEN);
+
+    /* f = 0.9 where a KV step's compute is 0.99 of its link time: fewer bytes, but the
+     * speculation makes compute the longer side, longer than the best exact step */
+    rekv_step_shape sh;
+    rekv_step_cost c;
+    rekv_plan_shape(&optm, 64, 272, 2, 0, &sh);
+    ck_assert_int_eq(rekv_plan_step_cost(&slow, &sh, REKV_TECH_KV, &c, NULL), 0);
+    rekv_cost_profile tight = slow;
+    tight.gemm_flops = sh.kv.fwd_flops / (0.99 * c.t_pcie);
+    rekv_plan_approx f09 = {0.9};
+    ck_assert_int_eq(rekv_plan_pick_mode(&tight, &optm, 64, 544, 2, kv - 1, 0, &f09, &ap, NULL), 0);
+    ck_assert(ap.tech != REKV_TECH_INFINIGEN);
+    ig = ap.costs[REKV_TECH_INFINIGEN];
+    double best = ap.costs[ap.tech].t_step;
+    double no_spec = fmax(ig.t_pcie, sh.kv.fwd_flops / tight.gemm_flops);
+    ck_assert_msg(no_spec < best, "without the speculation infinigen (%g) would win (%g)", no_spec,
+                  best);
+    ck_assert(ig.t_step > best);
+
+    /* not allowed: never, whatever the link */
+    for (double bw = 1e8; bw <= 1e12; bw *= 10) {
+        rekv_cost_profile p = slow;
+        p.h2d_bw = bw;
+        ck_assert_int_eq(rekv_plan_pick_mode(&p, &optm, 64, 544, 2, kv - 1, 0, NULL, &ex, NULL), 0);
+        ck_assert(ex.tech < REKV_TECH_COUNT && !ex.approximate);
+    }
+
+    /* bad infinigen shapes are refused */
+    rekv_err e = {0};
+    sh.infinigen_fraction = 1.5;
+    ck_assert_int_eq(rekv_plan_step_cost(&slow, &sh, REKV_TECH_INFINIGEN, &c, &e), -EINVAL);
+    sh.infinigen_fraction = 0.2;
+    sh.n_layers = 0;
+    ck_assert_int_eq(rekv_plan_step_cost(&slow, &sh, REKV_TECH_INFINIGEN, &c, &e), -EINVAL);
+}
+END_TEST
+
+/* An infinigen worker (Hello mode "infinigen"): the coordinator keeps the fraction its selecting
+ * layers fetched (Counters.tokens_selected / tokens_considered, summed over its steps) and prices
+ * the next step's prediction at it, the prior 0.2 before any measurement. */
+START_TEST(test_co_plan_selected_fraction)
+{
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 2e9;
+    cp.gemm_flops = 300e12;
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.mode = "infinigen";
+    h.profile = &cp;
+    h.hidden = h.kv_dim = h.q_dim = 1024;
+    h.n_layers = 8;
+    h.cache_elem_bytes = 2;
+    h.layer_params = 12 * 1024 * 1024;
+    co_plan_state ps;
+    co_plan_init(&ps, &h);
+    ck_assert(ps.have_profile && ps.mode == REKV_MODE_INFINIGEN);
+    ck_assert(co_plan_selected_fraction(&ps) == 0);
+    uint64_t jobs[2] = {1, 2}, mb_job[2];
+    uint32_t mb_index[2];
+    int64_t ctx[2] = {1024, 1024};
+    Rekv__Worker__StepParams sp;
+    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, 2, &sp, mb_job, mb_index), 1);
+    /* the prior: layer 0 all of the context's KV, the other 7 layers 0.2 of it */
+    double kv_step = 2 * 1024.0 * 2 * 2 * 1024 * 8; /* offload's KV bytes of the step */
+    double pcie_prior = ps.pred_pcie_s;
+    ck_assert(close_rel(pcie_prior, kv_step * (1 + 7 * 0.2) / 8 / 2e9, 1e-9));
+    Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
+    c.tokens_considered = 20000; /* two steps: 5% selected, then 15% */
+    c.tokens_selected = c.tokens_considered / 20;
+    co_plan_observe(&ps, &c);
+    c.tokens_selected = c.tokens_considered * 3 / 20;
+    co_plan_observe(&ps, &c);
+    ck_assert(close_rel(co_plan_selected_fraction(&ps), 0.1, 1e-12));
+    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, 2, &sp, mb_job, mb_index), 1);
+    ck_assert(close_rel(ps.pred_pcie_s, kv_step * (1 + 7 * 0.1) / 8 / 2e9, 1e-9));
 }
 END_TEST
 
@@ -757,7 +907,9 @@ int main(void)
     tcase_add_test(tc, test_mb_random);
     tcase_add_test(tc, test_choose);
     tcase_add_test(tc, test_pick_mode);
+    tcase_add_test(tc, test_pick_infinigen);
     tcase_add_test(tc, test_co_plan_device_room);
+    tcase_add_test(tc, test_co_plan_selected_fraction);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }

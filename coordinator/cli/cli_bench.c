@@ -276,7 +276,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     if ((rc = cli_session_choose(c, po->backend, &po->link, B, S, &out->cfg, err)))
         return rc;
     cli_session ses;
-    if ((rc = cli_session_open(&ses, eng, po->backend, &po->link, &out->cfg, B, S + N, err)))
+    if ((rc = cli_session_open(&ses, eng, po, &out->cfg, B, S + N, err)))
         return rc;
     snprintf(out->backend, sizeof(out->backend), "%s", ses.be->iface->name);
     rekv_pseq **seqs = calloc((size_t)B, sizeof(*seqs));

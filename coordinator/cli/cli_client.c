@@ -384,6 +384,8 @@ int cli_stats(int argc, char **argv)
                                   (json_int_t)s->h2d_bytes_act, "d2h", (json_int_t)s->d2h_bytes));
     json_object_set_new(oj, "tokens_recomputed", json_integer((json_int_t)s->tokens_recomputed));
     json_object_set_new(oj, "tokens_fetched", json_integer((json_int_t)s->tokens_fetched));
+    json_object_set_new(oj, "tokens_considered", json_integer((json_int_t)s->tokens_considered));
+    json_object_set_new(oj, "tokens_selected", json_integer((json_int_t)s->tokens_selected));
     json_t *ws = json_array();
     for (size_t i = 0; i < s->n_workers; i++) {
         const Rekv__Control__WorkerInfo *w = s->workers[i];
@@ -393,11 +395,12 @@ int cli_stats(int argc, char **argv)
                                "tokens", (json_int_t)w->tokens, "idle_s", w->idle_s);
         json_object_set_new(
             wj, "plan",
-            json_pack("{s:i, s:[i, i], s:i, s:s, s:f, s:f, s:f}", "split", (int)w->plan_split,
+            json_pack("{s:i, s:[i, i], s:i, s:s, s:f, s:f, s:f, s:f}", "split", (int)w->plan_split,
                       "kv_act", (int)w->plan_kv_parts, (int)w->plan_act_parts, "gpu_batches",
                       (int)w->plan_gpu_batches, "schedule", w->plan_column ? "column" : "row",
                       "predicted_step_s", w->plan_predicted_step_s, "pcie_scale",
-                      w->plan_pcie_scale, "compute_scale", w->plan_compute_scale));
+                      w->plan_pcie_scale, "compute_scale", w->plan_compute_scale,
+                      "selected_fraction", w->plan_selected_fraction));
         json_array_append_new(ws, wj);
     }
     json_object_set_new(oj, "workers", ws);

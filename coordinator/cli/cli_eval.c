@@ -198,7 +198,7 @@ int cli_eval(int argc, char **argv)
             rekv_errf(&err, -ENOMEM, "out of memory");
             goto fail;
         }
-        if (cli_session_open(&runs[r].ses, eng, po.backend, &po.link, &pc, 1, (int)w, &err))
+        if (cli_session_open(&runs[r].ses, eng, &po, &pc, 1, (int)w, &err))
             goto fail;
     }
     const rekv_pipeline_config *pc = rekv_pipeline_get_config(runs[0].ses.p);
@@ -271,6 +271,23 @@ int cli_eval(int argc, char **argv)
             json_object_set_new(o, "split", json_integer(pc->split));
         if (pc->mode == REKV_MODE_HYBRID)
             json_object_set_new(o, "ratio", json_pack("[i, i]", pc->kv_parts, pc->act_parts));
+        if (pc->mode == REKV_MODE_INFINIGEN) {
+            static const char *const sel[] = {"speculate", "random", "all"};
+            json_t *fr = json_array();
+            const rekv_layer_counters *lc = rekv_pipeline_counters(runs[0].ses.p, NULL);
+            for (int l = 0; fr && l < cfg->n_layers; l++)
+                json_array_append_new(fr, json_real(lc[l].tokens_considered
+                                                        ? (double)lc[l].tokens_fetched /
+                                                              (double)lc[l].tokens_considered
+                                                        : 0.0));
+            json_object_set_new(o, "alpha", isinf(pc->alpha) ? json_null() : json_real(pc->alpha));
+            json_object_set_new(o, "fetch_cap", json_real(pc->max_fraction));
+            json_object_set_new(o, "select", json_string(sel[pc->select]));
+            json_object_set_new(o, "lookahead", json_integer(pc->lookahead));
+            json_object_set_new(o, "partial_columns",
+                                json_pack("[i, i]", pc->skew->rk, pc->skew->head_dim));
+            json_object_set_new(o, "layer_fetched_fraction", fr);
+        }
         if (compare) {
             json_object_set_new(o, "agreement", json_real((double)agree / (double)scored));
             json_object_set_new(o, "max_logit_error", json_real(max_err));

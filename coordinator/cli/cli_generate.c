@@ -246,7 +246,7 @@ int cli_generate(int argc, char **argv)
         int64_t want = (int64_t)n_ids + (max_new > 0 ? max_new - 1 : 0);
         int ctx = want < cfg->max_pos ? (int)want : cfg->max_pos;
         if (cli_session_choose(cfg, po.backend, &po.link, 1, (int)n_ids, &po.cfg, &err) ||
-            cli_session_open(&ses, eng, po.backend, &po.link, &po.cfg, 1, ctx, &err))
+            cli_session_open(&ses, eng, &po, &po.cfg, 1, ctx, &err))
             goto fail;
         if (po.trace)
             ses.be->iface->trace_start(ses.be);

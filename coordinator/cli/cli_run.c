@@ -47,13 +47,15 @@ static void run_usage(FILE *f)
     fprintf(f,
             "usage: rekv run --model PATH [--backend auto|cpu|cuda] [--dir DIR] [--mode MODE]\n"
             "                [--host-bytes N] [--cache-dtype f16|f32] [--queue N]\n"
-            "                [--max-batch N] [--state-dir DIR]\n"
+            "                [--max-batch N] [--state-dir DIR] [--approximate]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
             "                [--ready-fd N]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
-            "the worker picks, see rekv-gpuworker --help) or resident|offload|kvpr|act|hybrid.\n"
+            "the worker picks, see rekv-gpuworker --help) or resident|offload|kvpr|act|hybrid|\n"
+            "infinigen. --approximate: let the coordinator choose an approximate mode (infinigen)\n"
+            "for --mode auto; its tokens may differ from resident's.\n"
             "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n"
             "--link-gbps G, --link-latency-us U, --device-memory SIZE: the worker's cpu backend\n"
             "behaves like a GPU of SIZE bytes behind a link of G Gbit/s (see rekv-gpuworker).\n"
@@ -161,9 +163,10 @@ int cli_run(int argc, char **argv)
         {"link-latency-us", required_argument, 0, 'U'},
         {"device-memory", required_argument, 0, 'D'},
         {"push", no_argument, 0, 'p'},
+        {"approximate", no_argument, 0, 'A'},
         {0, 0, 0, 0}};
     const char *link_gbps = NULL, *link_lat = NULL, *devmem = NULL; /* the worker's emulation */
-    int push = 0;
+    int push = 0, approximate = 0;
     const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "auto", *cache = NULL,
                *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
                *timeout = "30000", *bin_arg = NULL, *metrics = NULL;
@@ -188,6 +191,7 @@ int cli_run(int argc, char **argv)
         case 'U': link_lat = optarg; break;
         case 'D': devmem = optarg; break;
         case 'p': push = 1; break;
+        case 'A': approximate = 1; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
         default: run_usage(stderr); return 2;
@@ -283,6 +287,8 @@ int cli_run(int argc, char **argv)
     ARG(WORKER, "--mode"); ARG(WORKER, mode);
     ARG(WORKER, "--max-batch"); ARG(WORKER, max_batch);
     ARG(WORKER, "--backend"); ARG(WORKER, backend);
+    if (approximate)
+        ARG(WORKER, "--approximate");
     if (link_gbps) {
         ARG(WORKER, "--link-gbps"); ARG(WORKER, link_gbps);
     }

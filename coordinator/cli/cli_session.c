@@ -5,11 +5,13 @@
 #include "coordinator/cli/cli_session.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/daemon.h"
 #include "coordinator/cli/cli_profile.h"
 #include "coordinator/planner.h"
@@ -47,10 +49,11 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
     return 0;
 }
 
-int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
-                     const rekv_link_config *link, const rekv_pipeline_config *cfg, int batch,
-                     int ctx, rekv_err *err)
+int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po,
+                     const rekv_pipeline_config *cfg, int batch, int ctx, rekv_err *err)
 {
+    const char *backend = po->backend;
+    const rekv_link_config *link = &po->link;
     const rekv_model_config *c = rekv_engine_config(e);
     memset(s, 0, sizeof(*s));
     char note[1200];
@@ -103,6 +106,23 @@ int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
     }
     rekv_pipeline_config pc = *cfg;
     pc.push = cfg->push && cfg->mode != REKV_MODE_RESIDENT; /* --push: the modes that stream KV */
+    if (pc.mode == REKV_MODE_INFINIGEN && pc.skew == NULL) {
+        if (po->skew) {
+            rc = rekv_skew_load(po->skew, e, &s->skew, err);
+        } else {
+            int cached = 0;
+            uint64_t t0 = rekv_now_ns();
+            rc = rekv_skew_prepare(e, po->partial_ratio, &s->skew, &cached, err);
+            if (rc == 0 && !cached)
+                fprintf(stderr,
+                        "rekv: infinigen: skewed the model on a sample it generated "
+                        "(%.1f s; cached for next time)\n",
+                        (double)(rekv_now_ns() - t0) * 1e-9);
+        }
+        if (rc)
+            goto fail;
+        pc.skew = &s->skew;
+    }
     if ((rc = rekv_pipeline_create(e, s->be, s->store, &pc, &s->p, err)))
         goto fail;
     return 0;
@@ -114,6 +134,7 @@ fail:
 void cli_session_close(cli_session *s)
 {
     rekv_pipeline_free(s->p);
+    rekv_skew_free(&s->skew);
     rekv_kvstore_client_close(s->store);
     if (s->store_pid > 0)
         rekv_kvstore_reap(s->store_pid);
@@ -130,7 +151,8 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
     switch (c) {
     case CLI_OPT_MODE:
         if (rekv_mode_parse(arg, &o->cfg.mode)) {
-            fprintf(stderr, "rekv: --mode: expected resident, offload, kvpr, act or hybrid\n");
+            fprintf(stderr,
+                    "rekv: --mode: expected resident, offload, kvpr, act, hybrid or infinigen\n");
             return -1;
         }
         return 1;
@@ -213,6 +235,45 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
     case CLI_OPT_PUSH:
         o->cfg.push = 1;
         return 1;
+    case CLI_OPT_ALPHA:
+        if (strcmp(arg, "inf") == 0) {
+            o->cfg.alpha = INFINITY;
+            return 1;
+        }
+        if (cli_parse_float("alpha", arg, 1e-6, 1e6, &d))
+            return -1;
+        o->cfg.alpha = (float)d;
+        return 1;
+    case CLI_OPT_FETCH_CAP:
+        if (cli_parse_float("fetch-cap", arg, 1e-6, 1, &d))
+            return -1;
+        o->cfg.max_fraction = (float)d;
+        return 1;
+    case CLI_OPT_PARTIAL_RATIO:
+        if (cli_parse_float("partial-ratio", arg, 1e-6, 1, &d))
+            return -1;
+        o->partial_ratio = d;
+        return 1;
+    case CLI_OPT_SKEW:
+        o->skew = arg;
+        return 1;
+    case CLI_OPT_LOOKAHEAD:
+        if (cli_parse_int("lookahead", arg, 0, 1, &v))
+            return -1;
+        o->cfg.lookahead = (int)v;
+        return 1;
+    case CLI_OPT_SELECT:
+        if (strcmp(arg, "speculate") == 0)
+            o->cfg.select = REKV_SELECT_SPECULATE;
+        else if (strcmp(arg, "random") == 0)
+            o->cfg.select = REKV_SELECT_RANDOM;
+        else if (strcmp(arg, "all") == 0)
+            o->cfg.select = REKV_SELECT_ALL;
+        else {
+            fprintf(stderr, "rekv: --select: expected speculate, random or all\n");
+            return -1;
+        }
+        return 1;
     }
     return 0;
 }
@@ -226,4 +287,5 @@ void cli_pipeline_opts_defaults(cli_pipeline_opts *o)
     o->cfg.act_parts = -1;
     o->link.latency_us = 10;
     o->backend = "auto";
+    o->partial_ratio = REKV_SKEW_DEFAULT_RATIO;
 }

@@ -8,6 +8,7 @@
 
 #include "coordinator/cli/cli.h"
 #include "gpuworker/pipeline.h"
+#include "gpuworker/skew.h"
 
 /* getopt_long values of the pipeline options */
 enum {
@@ -25,6 +26,12 @@ enum {
     CLI_OPT_BACKEND,
     CLI_OPT_DEVICE_MEMORY,
     CLI_OPT_PUSH,
+    CLI_OPT_ALPHA,
+    CLI_OPT_FETCH_CAP,
+    CLI_OPT_SELECT,
+    CLI_OPT_PARTIAL_RATIO,
+    CLI_OPT_SKEW,
+    CLI_OPT_LOOKAHEAD,
 };
 
 #define CLI_PIPELINE_OPTIONS                                                                       \
@@ -40,13 +47,19 @@ enum {
         {"trace", required_argument, 0, CLI_OPT_TRACE},                                            \
         {"act-gpu-blocks", required_argument, 0, CLI_OPT_ACT_GPU},                                 \
         {"backend", required_argument, 0, CLI_OPT_BACKEND},                                        \
-        {"push", no_argument, 0, CLI_OPT_PUSH},                                                    \
+        {"push", no_argument, 0, CLI_OPT_PUSH}, {"alpha", required_argument, 0, CLI_OPT_ALPHA},    \
+        {"fetch-cap", required_argument, 0, CLI_OPT_FETCH_CAP},                                    \
+        {"select", required_argument, 0, CLI_OPT_SELECT},                                          \
+        {"partial-ratio", required_argument, 0, CLI_OPT_PARTIAL_RATIO},                            \
+        {"skew", required_argument, 0, CLI_OPT_SKEW},                                              \
+        {"lookahead", required_argument, 0, CLI_OPT_LOOKAHEAD},                                    \
     {                                                                                              \
         "device-memory", required_argument, 0, CLI_OPT_DEVICE_MEMORY                               \
     }
 
 #define CLI_PIPELINE_USAGE                                                                         \
-    "  --mode resident|offload|kvpr|act|hybrid   where the KV cache lives (default resident)\n"    \
+    "  --mode resident|offload|kvpr|act|hybrid|infinigen   where the KV cache lives and what\n"    \
+    "                        moves (default resident; infinigen is approximate)\n"                 \
     "  --offload-weights     stream each layer's weights host->device\n"                           \
     "  --gpu-batches N       split the batch into N GPU batches (default 1)\n"                     \
     "  --schedule row|column row-by-row (latency) or column-by-column (throughput)\n"              \
@@ -59,13 +72,25 @@ enum {
     "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
     "  --device-memory SIZE  emulate a device of SIZE bytes (e.g. 512M) on the cpu backend\n"      \
     "  --push                the kvstore writes the KV rows into the device's buffers (IPC)\n"     \
-    "  --trace FILE          write a Chrome trace (Perfetto) of the streams\n"
+    "  --trace FILE          write a Chrome trace (Perfetto) of the streams\n"                     \
+    "  --alpha A             infinigen: fetch the tokens whose speculated score is within A of\n"  \
+    "                        the best (default 4)\n"                                               \
+    "  --fetch-cap F         infinigen: at most this fraction of the context per layer (0.2)\n"    \
+    "  --select speculate|random|all  infinigen: which tokens (random: as many, at random, to\n"   \
+    "                        compare; all: every token, resident's results)\n"                     \
+    "  --partial-ratio R     infinigen: skewed columns the speculation uses (default 0.3)\n"       \
+    "  --lookahead 1|0       infinigen: speculate at the layer before (1, InfiniGen: the fetch\n"  \
+    "                        overlaps it) or from the layer's own input (0: a better guess)\n"     \
+    "  --skew FILE           infinigen: the skew `rekv skew` wrote (default: made once from a\n"   \
+    "                        sample the model generates, cached in $XDG_CACHE_HOME/rekv)\n"
 
 typedef struct cli_pipeline_opts {
     rekv_pipeline_config cfg; /* split / kv_parts < 0: chosen by cli_session_choose */
     rekv_link_config link;
     const char *trace;
-    const char *backend; /* "auto", "cpu", "cuda" */
+    const char *backend;  /* "auto", "cpu", "cuda" */
+    const char *skew;     /* infinigen: --skew FILE, or NULL: rekv_skew_prepare's */
+    double partial_ratio; /* infinigen: for rekv_skew_prepare */
 } cli_pipeline_opts;
 
 void cli_pipeline_opts_defaults(cli_pipeline_opts *o);
@@ -81,16 +106,18 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
 
 typedef struct cli_session {
     rekv_backend *be;
+    rekv_skew skew;  /* infinigen: the model's (when the config brought none) */
     pid_t store_pid; /* the private kvstore, 0 when resident */
     rekv_kvstore_client *store;
     rekv_pipeline *p;
     char dir[4096]; /* private socket/spill directory */
 } cli_session;
 
-/* Sized for `batch` sequences of up to `ctx` tokens. */
-int cli_session_open(cli_session *s, rekv_engine *e, const char *backend,
-                     const rekv_link_config *link, const rekv_pipeline_config *cfg, int batch,
-                     int ctx, rekv_err *err);
+/* Sized for `batch` sequences of up to `ctx` tokens, on po's backend and link, with pipeline
+ * config cfg (po->cfg or a variant of it). infinigen without a skew in cfg: the session loads
+ * po->skew, or prepares the model's (cached; says so on stderr). */
+int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po,
+                     const rekv_pipeline_config *cfg, int batch, int ctx, rekv_err *err);
 void cli_session_close(cli_session *s);
 
 #endif

@@ -1,0 +1,525 @@
+/* pipeline_infinigen.c — the infinigen mode of the pipeline (InfiniGen, OSDI'24 §4.3): speculate on
+ * layer i's attention at layer i-1 and fetch only the KV rows it selects.
+ *
+ * Data flow of a decode step. Every new K row also leaves, through the skew's A[:, cols] of its
+ * layer (head_proj), as a partial key into the sequence's partial key cache on the device
+ * ([n_layers][cap][n_kv][rk] fp32). At unit (layer i-1, batch g) the compute stream first makes
+ * the attention input, then — before it waits for layer i-1's own KV — the partial query of layer
+ * i from it (a partial weight W_Q·A[:, cols] for models without RoPE; for RoPE models the full
+ * query of layer i, rotated, then A[:, cols]), scores it against layer i's partial keys
+ * (spec_scores), copies the scores to the host and records ev[g]. When the step thread plans unit
+ * (layer i, g) it waits for ev[g] — by then the compute stream has the rest of layer i-1 queued,
+ * so the device stays busy — selects per KV head the tokens to fetch (ig_select) and enqueues only
+ * their rows: the fetch of layer i overlaps layer i-1's attention and FFN.
+ *
+ * The selected rows are packed: the sequence's attention buffer holds, in slot j of KV head g,
+ * the j-th selected token of head g (tokens ascending), and the new row goes in slot m. Keys carry
+ * their RoPE already, so attention over slots is attention over the selected tokens; with every
+ * token selected the slots are the positions and the bits are resident's. The new row still
+ * leaves for the arena at its true position. Layer 0 and prefill steps fetch everything.
+ *
+ * Selection (§4.3): per KV head, a token's score is the largest over the head's query group; the
+ * tokens scoring above the head's best minus alpha are counted, the count is averaged over the
+ * KV heads (every head fetches as many) and capped at max_fraction of the context; each head takes
+ * its top m (lowest position first on ties). REKV_SELECT_RANDOM takes as many at random,
+ * REKV_SELECT_ALL all of them. */
+#include <cblas.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/dtype.h"
+#include "gpuworker/pipeline_internal.h"
+#include "gpuworker/skew.h"
+
+/* ------------------------------------------------------------------ create / free */
+
+int pl_ig_create(rekv_pipeline *p, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    const rekv_skew *sk = p->cfg.skew;
+    if (sk == NULL)
+        return rekv_errf(err, -EINVAL, "pipeline: infinigen needs the model's skew");
+    if (sk->n_layers != c->n_layers || sk->n_kv_heads != c->n_kv_heads ||
+        sk->head_dim != c->head_dim || sk->rk < 1 || sk->rk > c->head_dim)
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: the skew (%d layers, %d KV heads, head dim %d) is not this "
+                         "model's (%d, %d, %d)",
+                         sk->n_layers, sk->n_kv_heads, sk->head_dim, c->n_layers, c->n_kv_heads,
+                         c->head_dim);
+    if (!(p->cfg.alpha > 0) || !(p->cfg.max_fraction > 0 && p->cfg.max_fraction <= 1) ||
+        (unsigned)p->cfg.select > REKV_SELECT_ALL || (unsigned)p->cfg.lookahead > 1)
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: infinigen needs alpha > 0, a fetch cap in (0, 1] and a "
+                         "lookahead of 0 or 1 (alpha %g, cap %g)",
+                         (double)p->cfg.alpha, (double)p->cfg.max_fraction);
+    int L = c->n_layers, nkv = c->n_kv_heads, hd = c->head_dim, rk = sk->rk, nh = c->n_heads;
+    int group = nh / nkv, Q = rekv_config_q_dim(c), H = c->hidden;
+    p->ig.rk = rk;
+    p->ig.layers = calloc((size_t)L, sizeof(ig_layer));
+    float *ac = malloc(sizeof(float) * (size_t)nkv * (size_t)hd * (size_t)rk);
+    float *wq = NULL, *wp = NULL, *bp = NULL;
+    size_t wdsz = rekv_dtype_size(p->e->wdtype);
+    int rc = 0;
+    if (p->ig.layers == NULL || ac == NULL)
+        goto nomem;
+    if (c->rope == REKV_ROPE_NONE) {
+        wq = malloc(sizeof(float) * (size_t)Q * (size_t)H);
+        wp = malloc(sizeof(float) * (size_t)nh * (size_t)rk * (size_t)H);
+        bp = malloc(sizeof(float) * (size_t)nh * (size_t)rk);
+        if (wq == NULL || wp == NULL || bp == NULL)
+            goto nomem;
+    }
+    for (int l = 0; l < L; l++) {
+        ig_layer *il = &p->ig.layers[l];
+        const layer_w *src = &p->e->layers[l];
+        size_t nb = sizeof(float) * (size_t)H;
+        if (c->pre_norm) { /* every layer's attention norm, the speculation's input */
+            il->norm_w = p->bi->dev_alloc(p->be, nb);
+            il->norm_b = src->attn_norm_b ? p->bi->dev_alloc(p->be, nb) : NULL;
+            if (il->norm_w == NULL || (src->attn_norm_b && il->norm_b == NULL))
+                goto nomem;
+            rekv_copy_piece pn[2] = {{il->norm_w, src->attn_norm_w, nb},
+                                     {il->norm_b, src->attn_norm_b, nb}};
+            p->bi->copy_h2d(p->s_h2d, pn, src->attn_norm_b ? 2 : 1, REKV_XFER_WEIGHTS);
+        }
+        if (l == 0) /* never speculated */
+            continue;
+        for (int g = 0; g < nkv; g++)
+            rekv_skew_partial(sk, l, g, ac + (size_t)g * (size_t)hd * (size_t)rk);
+        size_t abytes = sizeof(float) * (size_t)nkv * (size_t)hd * (size_t)rk;
+        if ((il->a = p->bi->dev_alloc(p->be, abytes)) == NULL)
+            goto nomem;
+        rekv_copy_piece pc = {il->a, ac, abytes};
+        p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_WEIGHTS);
+        if (c->rope == REKV_ROPE_NONE) {
+            /* fold A[:, cols] into W_Q: Wp[h][c][:] = sum_d A[d][c] W_Q[h * hd + d][:] (and the
+             * bias), so the partial query is one small GEMM of the attention input */
+            rekv_to_f32(wq, src->wq, p->e->wdtype, (size_t)Q * (size_t)H);
+            for (int h = 0; h < nh; h++) {
+                const float *a = ac + (size_t)(h / group) * (size_t)hd * (size_t)rk;
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, rk, H, hd, 1.0f, a, rk,
+                            wq + (size_t)h * (size_t)hd * (size_t)H, H, 0.0f,
+                            wp + (size_t)h * (size_t)rk * (size_t)H, H);
+                for (int cc = 0; cc < rk; cc++) {
+                    double acc = 0;
+                    for (int d = 0; src->bq && d < hd; d++)
+                        acc += (double)a[(size_t)d * (size_t)rk + (size_t)cc] *
+                               ((const float *)src->bq)[(size_t)h * (size_t)hd + (size_t)d];
+                    bp[(size_t)h * (size_t)rk + (size_t)cc] = (float)acc;
+                }
+            }
+            size_t wb = sizeof(float) * (size_t)nh * (size_t)rk * (size_t)H;
+            size_t bb = sizeof(float) * (size_t)nh * (size_t)rk;
+            il->wp = p->bi->dev_alloc(p->be, wb);
+            il->bp = p->bi->dev_alloc(p->be, bb);
+            il->own_wp = 1;
+            if (il->wp == NULL || il->bp == NULL)
+                goto nomem;
+            rekv_copy_piece pw[2] = {{il->wp, wp, wb}, {il->bp, bp, bb}};
+            p->bi->copy_h2d(p->s_h2d, pw, 2, REKV_XFER_WEIGHTS);
+            /* the host copies are reused for the next layer: wait for this one's */
+            if ((rc = p->bi->stream_sync(p->s_h2d, err)))
+                goto out;
+        } else if (p->dev_layers) { /* RoPE: the full W_Q of layer l, already on the device */
+            il->wp = p->dev_layers[l].wq;
+            il->bp = p->dev_layers[l].bq;
+        } else { /* RoPE, weights offloaded: a resident copy of every W_Q */
+            size_t wb = (size_t)Q * (size_t)H * wdsz;
+            il->wp = p->bi->dev_alloc(p->be, wb);
+            il->own_wp = 1;
+            if (il->wp == NULL)
+                goto nomem;
+            rekv_copy_piece pw = {il->wp, src->wq, wb};
+            p->bi->copy_h2d(p->s_h2d, &pw, 1, REKV_XFER_WEIGHTS);
+            if (src->bq) {
+                if ((il->bp = p->bi->dev_alloc(p->be, sizeof(float) * (size_t)Q)) == NULL)
+                    goto nomem;
+                rekv_copy_piece pb = {il->bp, src->bq, sizeof(float) * (size_t)Q};
+                p->bi->copy_h2d(p->s_h2d, &pb, 1, REKV_XFER_WEIGHTS);
+            }
+        }
+        if ((rc = p->bi->stream_sync(p->s_h2d, err))) /* ac is reused */
+            goto out;
+    }
+    goto out;
+nomem:
+    rc = rekv_errf(err, -ENOMEM, "pipeline: out of memory for infinigen's partial weights");
+out:
+    free(ac);
+    free(wq);
+    free(wp);
+    free(bp);
+    return rc;
+}
+
+void pl_ig_free(rekv_pipeline *p)
+{
+    if (p->ig.layers) {
+        for (int l = 0; l < p->c->n_layers; l++) {
+            ig_layer *il = &p->ig.layers[l];
+            if (il->a)
+                p->bi->dev_free(p->be, il->a);
+            if (il->own_wp && il->wp)
+                p->bi->dev_free(p->be, il->wp);
+            if (il->own_wp && il->bp)
+                p->bi->dev_free(p->be, il->bp);
+            if (il->norm_w)
+                p->bi->dev_free(p->be, il->norm_w);
+            if (il->norm_b)
+                p->bi->dev_free(p->be, il->norm_b);
+        }
+        free(p->ig.layers);
+    }
+    pl_dbuf_free(p, &p->ig.hn);
+    pl_dbuf_free(p, &p->ig.q);
+    pl_dbuf_free(p, &p->ig.qp);
+    pl_dbuf_free(p, &p->ig.scores);
+    if (p->ig.host)
+        rekv_host_free(p->be, p->ig.host);
+    for (int g = 0; g < MAX_GPU_BATCHES; g++)
+        if (p->ig.ev[g])
+            p->bi->event_destroy(p->ig.ev[g]);
+    free(p->ig.scratch);
+    memset(&p->ig, 0, sizeof(p->ig));
+}
+
+/* partial keys of a sequence: [n_layers][cap][n_kv][rk] */
+size_t pl_ig_pk_floats(const rekv_pipeline *p, int cap)
+{
+    return (size_t)p->c->n_layers * (size_t)cap * (size_t)p->c->n_kv_heads * (size_t)p->ig.rk;
+}
+
+static float *pk_at(const rekv_pipeline *p, const rekv_pseq *s, int layer, int pos)
+{
+    size_t w = (size_t)p->c->n_kv_heads * (size_t)p->ig.rk;
+    return s->pk + ((size_t)layer * (size_t)s->cap + (size_t)pos) * w;
+}
+
+/* ------------------------------------------------------------------ a step */
+
+/* Whether item i fetches sparsely at layers > 0: a decode row over a context. */
+int pl_ig_sparse(const rekv_pipeline *p, const step *st, int i)
+{
+    return p->cfg.mode == REKV_MODE_INFINIGEN && st->items[i].n_tokens == 1 &&
+           st->items[i].seq->len > 0;
+}
+
+/* The step's speculation memory: each sparse item's scores at st->ig_off[i]. */
+int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    int nh = c->n_heads, rk = p->ig.rk;
+    st->ig_off = pl_smem_alloc(&st->mem, sizeof(size_t) * (size_t)st->n_items);
+    if (st->ig_off == NULL)
+        return rekv_errf(err, -ENOMEM, "step: out of memory");
+    size_t total = 0, max_rows = 0, max_len = 1;
+    for (int i = 0; i < st->n_items; i++) {
+        st->ig_off[i] = SIZE_MAX;
+        if (pl_ig_sparse(p, st, i)) {
+            st->ig_off[i] = total;
+            total += (size_t)nh * (size_t)st->items[i].seq->len;
+            if ((size_t)st->items[i].seq->len > max_len)
+                max_len = (size_t)st->items[i].seq->len;
+        }
+    }
+    for (int g = 0; g < st->n_g; g++)
+        if ((size_t)st->g_rows[g] > max_rows)
+            max_rows = (size_t)st->g_rows[g];
+    int rc = pl_dbuf_ensure(p, &p->ig.qp, max_rows * (size_t)nh * (size_t)rk * sizeof(float)) |
+             pl_dbuf_ensure(p, &p->ig.hn, max_rows * (size_t)c->hidden * sizeof(float)) |
+             pl_dbuf_ensure(p, &p->ig.scores, (total ? total : 1) * sizeof(float));
+    if (c->rope != REKV_ROPE_NONE)
+        rc |= pl_dbuf_ensure(p, &p->ig.q, max_rows * (size_t)rekv_config_q_dim(c) * sizeof(float));
+    if (rc)
+        return rekv_errf(err, -ENOMEM, "step: out of device memory for infinigen's speculation");
+    if (total > p->ig.host_cap) {
+        if (p->ig.host)
+            rekv_host_free(p->be, p->ig.host);
+        p->ig.host_cap = total + total / 4;
+        p->ig.host = rekv_host_alloc(p->be, p->ig.host_cap * sizeof(float));
+        if (p->ig.host == NULL) {
+            p->ig.host_cap = 0;
+            return rekv_errf(err, -ENOMEM, "step: out of host memory for infinigen's scores");
+        }
+    }
+    size_t need = max_len * (size_t)(c->n_kv_heads + 1);
+    if (need > p->ig.scratch_cap) {
+        float *sc = realloc(p->ig.scratch, need * sizeof(float));
+        if (sc == NULL)
+            return rekv_errf(err, -ENOMEM, "step: out of memory");
+        p->ig.scratch = sc;
+        p->ig.scratch_cap = need;
+    }
+    for (int g = 0; g < st->n_g; g++)
+        if (p->ig.ev[g] == NULL) {
+            int erc = p->bi->event_create(p->be, &p->ig.ev[g], err);
+            if (erc)
+                return erc;
+        }
+    return 0;
+}
+
+/* Whether unit (layer, g) speculates for layer + 1. */
+int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer)
+{
+    if (p->cfg.mode != REKV_MODE_INFINIGEN || layer + 1 >= p->c->n_layers)
+        return 0;
+    for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++)
+        if (st->ig_off[i] != SIZE_MAX)
+            return 1;
+    return 0;
+}
+
+/* On the compute stream, with batch g's residual stream in gb->x at the input of layer - lookahead:
+ * the speculated scores of layer `layer` for the batch's sparse items, copied to the host; records
+ * ig.ev[g]. The query's input is that layer's attention input (InfiniGen §3.3: consecutive layers'
+ * attention inputs are alike; with lookahead 0 it is layer `layer`'s own). */
+int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
+{
+    const rekv_model_config *c = p->c;
+    const rekv_kernel_iface *k = p->k;
+    rekv_stream *s = p->s_compute;
+    const ig_layer *il = &p->ig.layers[layer];
+    int T = st->g_rows[g], nh = c->n_heads, hd = c->head_dim, rk = p->ig.rk;
+    int group = nh / c->n_kv_heads, H = c->hidden;
+    const float *h = p->gb[g].x.p;
+    float *qp = p->ig.qp.p;
+    if (c->pre_norm) {
+        const ig_layer *nl = &p->ig.layers[layer - p->cfg.lookahead];
+        k->norm(s, p->ig.hn.p, h, nl->norm_w, nl->norm_b, T, H, c->norm_eps);
+        h = p->ig.hn.p;
+    }
+    if (c->rope == REKV_ROPE_NONE) {
+        k->linear(s, qp, h, il->wp, REKV_DTYPE_F32, il->bp, T, nh * rk, H);
+    } else {
+        float *q = p->ig.q.p;
+        k->linear(s, q, h, il->wp, p->e->wdtype, il->bp, T, rekv_config_q_dim(c), H);
+        k->rope(s, q, st->pos[g], T, nh, hd, c->rope_theta, c->rope);
+        k->head_proj(s, qp, NULL, q, il->a, T, nh, group, hd, rk);
+    }
+    int nb = st->g_begin[g + 1] - st->g_begin[g], n = 0;
+    rekv_spec_seq *sq = pl_smem_alloc(&st->mem, sizeof(*sq) * (size_t)nb);
+    if (sq == NULL)
+        return -ENOMEM;
+    size_t lo = SIZE_MAX, hi = 0;
+    for (int j = 0; j < nb; j++) {
+        int i = st->g_begin[g] + j;
+        if (st->ig_off[i] == SIZE_MAX)
+            continue;
+        rekv_pseq *sqn = st->items[i].seq;
+        sq[n++] = (rekv_spec_seq){pk_at(p, sqn, layer, 0), sqn->len, st->last[g][j], st->ig_off[i]};
+        if (st->ig_off[i] < lo)
+            lo = st->ig_off[i];
+        size_t end = st->ig_off[i] + (size_t)nh * (size_t)sqn->len;
+        if (end > hi)
+            hi = end;
+    }
+    k->spec_scores(s, p->ig.scores.p, qp, sq, n, nh, group, rk, 1.0f / sqrtf((float)hd));
+    rekv_copy_piece pc = {p->ig.host + lo, (float *)p->ig.scores.p + lo, (hi - lo) * sizeof(float)};
+    p->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
+    p->bi->event_record(p->ig.ev[g], s);
+    return 0;
+}
+
+/* Where the partial keys of unit (layer, g)'s new rows go: [rows] device pointers, in step
+ * memory; NULL when the layer keeps none (layer 0, other modes) or out of memory (*rc). */
+float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc)
+{
+    if (p->cfg.mode != REKV_MODE_INFINIGEN || layer == 0)
+        return NULL;
+    int T = st->g_rows[g];
+    float **rows = pl_smem_alloc(&st->mem, sizeof(float *) * (size_t)T);
+    if (rows == NULL) {
+        *rc = -ENOMEM;
+        return NULL;
+    }
+    for (int r = 0; r < T; r++)
+        rows[r] = pk_at(p, st->items[st->g_begin[g] + st->row_seq[g][r]].seq, layer, st->pos[g][r]);
+    return rows;
+}
+
+/* ------------------------------------------------------------------ selection */
+
+static uint64_t splitmix(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* The k-th largest (k >= 1) of v[0..n-1], reordering v (quickselect). */
+static float kth_largest(float *v, int n, int k)
+{
+    int lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        float pivot = v[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > pivot)
+                i++;
+            while (v[j] < pivot)
+                j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            return v[want];
+    }
+    return v[want];
+}
+
+int rekv_ig_select(const float *scores, int n_heads, int nkv, int len, float alpha,
+                   float max_fraction, rekv_select how, uint64_t key, int32_t *sel, float *scratch)
+{
+    int group = n_heads / nkv;
+    if (how == REKV_SELECT_ALL) {
+        for (int g = 0; g < nkv; g++)
+            for (int t = 0; t < len; t++)
+                sel[(size_t)g * (size_t)len + (size_t)t] = t;
+        return len;
+    }
+    float *comb = scratch, *tmp = scratch + (size_t)nkv * (size_t)len;
+    double counted = 0;
+    for (int g = 0; g < nkv; g++) {
+        float *cg = comb + (size_t)g * (size_t)len, best = -INFINITY;
+        for (int t = 0; t < len; t++) {
+            float v = -INFINITY;
+            for (int h = g * group; h < (g + 1) * group; h++) {
+                float x = scores[(size_t)h * (size_t)len + (size_t)t];
+                v = x > v ? x : v;
+            }
+            cg[t] = v;
+            best = v > best ? v : best;
+        }
+        float thr = best - alpha;
+        int cnt = 0;
+        for (int t = 0; t < len; t++)
+            cnt += cg[t] > thr;
+        counted += cnt ? cnt : 1;
+    }
+    int m = (int)lround(counted / nkv);
+    int cap = (int)((double)max_fraction * len);
+    if (m > cap)
+        m = cap;
+    if (m < 1)
+        m = 1;
+    if (m > len)
+        m = len;
+    for (int g = 0; g < nkv; g++) {
+        int32_t *sg = sel + (size_t)g * (size_t)len;
+        const float *cg = comb + (size_t)g * (size_t)len;
+        int n = 0;
+        if (how == REKV_SELECT_RANDOM) {
+            /* Floyd's sample of m distinct positions, marked in tmp, read in order */
+            uint64_t x = key ^ ((uint64_t)g * 0x2545f4914f6cdd1dull);
+            memset(tmp, 0, sizeof(float) * (size_t)len);
+            for (int j = len - m; j < len; j++) {
+                int t = (int)(splitmix(&x) % (uint64_t)(j + 1));
+                tmp[tmp[t] != 0 ? j : t] = 1;
+            }
+            for (int t = 0; t < len; t++)
+                if (tmp[t] != 0)
+                    sg[n++] = t;
+            continue;
+        }
+        memcpy(tmp, cg, sizeof(float) * (size_t)len);
+        float kth = kth_largest(tmp, len, m);
+        int above = 0;
+        for (int t = 0; t < len; t++)
+            above += cg[t] > kth;
+        int ties = m - above; /* of the tokens equal to the m-th score, the first ones */
+        for (int t = 0; t < len; t++)
+            if (cg[t] > kth || (cg[t] == kth && ties-- > 0))
+                sg[n++] = t;
+    }
+    return m;
+}
+
+/* ------------------------------------------------------------------ one item's copies */
+
+/* Unit (layer > 0) of sparse item `item` (index j in its batch): waits for the batch's scores
+ * (once per unit), selects, appends the selected rows' copies into slots 0..m-1 of the item's
+ * attention buffer and the new row's copy from slot m to the arena; sets d->start = m and the new
+ * row's slot in io->kv_pos. */
+int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
+                    rekv_attn_seq *d, unit_io *io)
+{
+    const rekv_model_config *c = p->c;
+    int kvh = c->n_kv_heads, hd = c->head_dim, g = 0;
+    for (; g < st->n_g && item >= st->g_begin[g + 1]; g++)
+        ;
+    if (!io->spec_synced) {
+        p->bi->event_sync(p->ig.ev[g]);
+        io->spec_synced = 1;
+    }
+    rekv_pseq *s = st->items[item].seq;
+    int len = s->len;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
+    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
+    int32_t *sel = malloc(sizeof(int32_t) * (size_t)kvh * (size_t)len);
+    if (sel == NULL)
+        return -ENOMEM;
+    uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
+                   ((uint64_t)layer << 32) ^ (uint64_t)len;
+    int m = rekv_ig_select(p->ig.host + st->ig_off[item], c->n_heads, kvh, len, p->cfg.alpha,
+                           p->cfg.max_fraction, p->cfg.select, key, sel, p->ig.scratch);
+    int rc = 0;
+    if (RESERVE(&io->h2d_kv, 2 * (size_t)kvh * (size_t)m) ||
+        RESERVE(&io->d2h_kv, 2 * (size_t)kvh)) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    uint8_t *buf = d->kv;
+    for (int half = 0; half < 2; half++) /* K rows, then V rows: runs stay adjacent */
+        for (int hh = 0; hh < kvh; hh++)
+            for (int j = 0; j < m; j++) {
+                int t = sel[(size_t)hh * (size_t)len + (size_t)j];
+                const rekv_kv_plan_block *blk =
+                    (size_t)t / REKV_KV_BLOCK_TOKENS < kr->count
+                        ? &p->plan[kr->first + (size_t)t / REKV_KV_BLOCK_TOKENS]
+                        : NULL;
+                if (blk == NULL) {
+                    rc = -EPROTO;
+                    goto out;
+                }
+                size_t so = rekv_kv_row(kvh, hd, hh, t % REKV_KV_BLOCK_TOKENS) * dsz;
+                size_t doff = rekv_kv_row(kvh, hd, hh, j) * dsz;
+                io->h2d_kv.v[io->h2d_kv.n++] =
+                    (rekv_copy_piece){buf + doff + (half ? vs : 0),
+                                      p->arena + blk->offset + so + (half ? vs : 0), row};
+            }
+    /* the new row: slot m -> its true position in the arena */
+    const rekv_kv_plan_block *kb = (size_t)len / REKV_KV_BLOCK_TOKENS < kr->count
+                                       ? &p->plan[kr->first + (size_t)len / REKV_KV_BLOCK_TOKENS]
+                                       : NULL;
+    if (kb == NULL) {
+        rc = -EPROTO;
+        goto out;
+    }
+    for (int half = 0; half < 2; half++)
+        for (int hh = 0; hh < kvh; hh++)
+            io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
+                p->arena + kb->offset + rekv_kv_row(kvh, hd, hh, len % REKV_KV_BLOCK_TOKENS) * dsz +
+                    (half ? vs : 0),
+                buf + rekv_kv_row(kvh, hd, hh, m) * dsz + (half ? vs : 0), row};
+    d->start = m;
+    io->kv_pos[d->row0] = m;
+    rekv_layer_counters *cnt = &p->counters[layer];
+    cnt->h2d_bytes[REKV_XFER_KV] += (uint64_t)m * 2 * (uint64_t)kvh * row;
+    cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)kvh * row;
+    cnt->tokens_fetched += (uint64_t)m;
+    cnt->tokens_considered += (uint64_t)len;
+out:
+    free(sel);
+    return rc;
+}

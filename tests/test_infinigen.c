@@ -1,0 +1,427 @@
+/* test_infinigen.c — the infinigen mode (gpuworker/pipeline_infinigen.c) with the KV cache in a
+ * real kvstore process, on the cpu backend:
+ *   - the exact limit: selecting every token (REKV_SELECT_ALL, or alpha = inf with no cap) gives
+ *     resident's logits bit for bit, over prefill and decode steps, batches of mixed lengths,
+ *     GPU batches, both schedules, weights offloaded, pull and push — so packing the selected
+ *     rows, the new row's slot and its way back to the arena are right;
+ *   - the selection equals a brute-force one (sort every token) on random scores of many shapes;
+ *     random selection takes as many tokens, distinct and ascending, reproducibly;
+ *   - what moves: layer 0 and prefill fetch everything; other layers fetch m rows per KV head with
+ *     m within the cap, the bytes exactly m rows' worth; the new rows still reach the arena.
+ * How good the speculation is belongs to `rekv eval` (README, "InfiniGen"). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpuworker/pipeline.h"
+#include "gpuworker/skew.h"
+#include "tests/fixture.h"
+#include "tests/testutil.h"
+
+typedef tu_fixture fixture;
+
+/* The model's skew, calibrated on a short sample the model generates (gpuworker/skew.h). */
+static void make_skew(fixture *f, rekv_skew *sk)
+{
+    rekv_err err = {0};
+    const rekv_model_config *c = &f->m->config;
+    int n = c->max_pos < 96 ? c->max_pos : 96;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+    uint64_t x = 7;
+    for (int i = 0; i < n; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((x >> 33) % (uint64_t)c->vocab);
+    }
+    ck_assert_msg(rekv_skew_calibrate(f->e, ids, n, REKV_SKEW_DEFAULT_RATIO, sk, &err) == 0, "%s",
+                  err.msg);
+    free(ids);
+}
+
+typedef struct run {
+    float *logits;               /* [steps + 1][B][vocab] */
+    rekv_layer_counters *layers; /* [n_layers] of the decode steps */
+    rekv_layer_counters prefill; /* the prefill step's totals */
+} run;
+
+static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int *lens,
+                   int32_t *const *prompts, int steps, run *out)
+{
+    rekv_err err = {0};
+    rekv_pipeline *p;
+    int V = f->m->config.vocab, L = f->m->config.n_layers;
+    ck_assert_msg(rekv_pipeline_create(f->e, f->be,
+                                       cfg->mode == REKV_MODE_RESIDENT ? NULL : f->store, cfg, &p,
+                                       &err) == 0,
+                  "%s", err.msg);
+    rekv_pseq **seqs = calloc((size_t)B, sizeof(*seqs));
+    rekv_pipe_item *items = calloc((size_t)B, sizeof(*items));
+    int32_t *next = calloc((size_t)B, sizeof(int32_t));
+    out->logits = malloc(sizeof(float) * (size_t)(steps + 1) * (size_t)B * (size_t)V);
+    out->layers = calloc((size_t)L, sizeof(rekv_layer_counters));
+    for (int i = 0; i < B; i++) {
+        ck_assert_msg(rekv_pseq_create(p, lens[i] + steps, &seqs[i], &err) == 0, "%s", err.msg);
+        items[i] = (rekv_pipe_item){seqs[i], prompts[i], lens[i], out->logits + (size_t)i * V, 0};
+    }
+    ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+    rekv_pipeline_counters(p, &out->prefill);
+    rekv_pipeline_counters_reset(p);
+    for (int s = 1; s <= steps; s++) {
+        for (int i = 0; i < B; i++) {
+            next[i] = rekv_argmax(out->logits + ((size_t)(s - 1) * B + i) * V, V);
+            items[i] =
+                (rekv_pipe_item){seqs[i], &next[i], 1, out->logits + ((size_t)s * B + i) * V, 0};
+        }
+        ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+    }
+    memcpy(out->layers, rekv_pipeline_counters(p, NULL), sizeof(rekv_layer_counters) * (size_t)L);
+    for (int i = 0; i < B; i++)
+        rekv_pseq_free(seqs[i]);
+    rekv_pipeline_free(p);
+    free(seqs);
+    free(items);
+    free(next);
+}
+
+static void run_free(run *r)
+{
+    free(r->logits);
+    free(r->layers);
+}
+
+static int32_t **make_prompts(const fixture *f, int B, const int *lens)
+{
+    int32_t **pr = calloc((size_t)B, sizeof(*pr));
+    uint64_t x = 3;
+    for (int b = 0; b < B; b++) {
+        pr[b] = malloc(sizeof(int32_t) * (size_t)lens[b]);
+        for (int i = 0; i < lens[b]; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            pr[b][i] = (int32_t)((x >> 33) % (uint64_t)f->m->config.vocab);
+        }
+    }
+    return pr;
+}
+
+/* every way of selecting all tokens, on every pipeline shape, equals resident bit for bit */
+static void check_exact_limit(const char *model, rekv_dtype cache, const int *lens, int B,
+                              int steps)
+{
+    fixture f;
+    tu_fixture_open(&f, model, cache, "cpu");
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    int32_t **prompts = make_prompts(&f, B, lens);
+    size_t V = (size_t)f.m->config.vocab, n = (size_t)(steps + 1) * (size_t)B * V;
+    rekv_pipeline_config ref_cfg;
+    rekv_pipeline_config_defaults(&ref_cfg);
+    ref_cfg.cache_dtype = cache;
+    run ref;
+    do_run(&f, &ref_cfg, B, lens, prompts, steps, &ref);
+    struct {
+        rekv_select sel;
+        float alpha, cap;
+        int offload_w, gpu_batches, push;
+        rekv_schedule sched;
+        int lookahead;
+    } v[] = {
+        {REKV_SELECT_ALL, 4, 0.2f, 0, 1, 0, REKV_SCHED_ROW, 1},
+        {REKV_SELECT_SPECULATE, INFINITY, 1, 0, 2, 0, REKV_SCHED_COLUMN, 1},
+        {REKV_SELECT_ALL, 4, 0.2f, 1, 2, 0, REKV_SCHED_ROW, 0},
+        {REKV_SELECT_ALL, 4, 0.2f, 1, 3, 1, REKV_SCHED_COLUMN, 1},
+        {REKV_SELECT_SPECULATE, INFINITY, 1, 0, 1, 1, REKV_SCHED_ROW, 0},
+    };
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
+        rekv_pipeline_config cfg;
+        rekv_pipeline_config_defaults(&cfg);
+        cfg.mode = REKV_MODE_INFINIGEN;
+        cfg.cache_dtype = cache;
+        cfg.skew = &sk;
+        cfg.select = v[i].sel;
+        cfg.alpha = v[i].alpha;
+        cfg.max_fraction = v[i].cap;
+        cfg.offload_weights = v[i].offload_w;
+        cfg.gpu_batches = v[i].gpu_batches;
+        cfg.schedule = v[i].sched;
+        cfg.push = v[i].push;
+        cfg.lookahead = v[i].lookahead;
+        run r;
+        do_run(&f, &cfg, B, lens, prompts, steps, &r);
+        for (size_t k = 0; k < n; k++)
+            if (memcmp(&r.logits[k], &ref.logits[k], sizeof(float)) != 0)
+                ck_abort_msg("%s variant %zu: logit %zu is %.9g, resident's %.9g", model, i, k,
+                             (double)r.logits[k], (double)ref.logits[k]);
+        /* everything crossed the link, every layer */
+        for (int l = 0; l < f.m->config.n_layers; l++) {
+            ck_assert_uint_eq(r.layers[l].tokens_fetched, r.layers[l].tokens_considered);
+            ck_assert_uint_gt(r.layers[l].tokens_fetched, 0);
+        }
+        run_free(&r);
+    }
+    run_free(&ref);
+    for (int b = 0; b < B; b++)
+        free(prompts[b]);
+    free(prompts);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+
+START_TEST(exact_limit_stories260k)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", p);
+    int lens[] = {17, 1, 40};
+    check_exact_limit(path, REKV_DTYPE_F32, lens, 3, 4);
+}
+END_TEST
+
+START_TEST(exact_limit_synthetic)
+{
+    static const rekv_synth_spec specs[] = {
+        {REKV_ARCH_OPT, 2, 64, 4, 4, 128, 300, 1100, REKV_DTYPE_F16, 11, 1},
+        {REKV_ARCH_LLAMA, 3, 64, 8, 2, 160, 300, 1100, REKV_DTYPE_BF16, 12, 0},
+    };
+    char *dir = tu_tmpdir();
+    for (size_t i = 0; i < 2; i++) {
+        char path[4200];
+        snprintf(path, sizeof(path), "%s/m%zu", dir, i);
+        rekv_err err = {0};
+        ck_assert_msg(rekv_synth_write(&specs[i], path, &err) == 0, "%s", err.msg);
+        int lens[] = {5, 33, 70};
+        check_exact_limit(path, REKV_DTYPE_F16, lens, 3, 3);
+    }
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ selection */
+
+typedef struct scored {
+    float v;
+    int t;
+} scored;
+
+static int by_score(const void *a, const void *b)
+{
+    const scored *x = a, *y = b;
+    if (x->v != y->v)
+        return x->v < y->v ? 1 : -1;
+    return x->t - y->t;
+}
+
+static int by_pos(const void *a, const void *b)
+{
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+/* InfiniGen's rule, the slow way: per KV head the group's best score per token; count those above
+ * the best minus alpha; average the counts, cap; sort every token, take the first m */
+static int brute_select(const float *s, int nh, int nkv, int len, float alpha, float cap,
+                        int32_t *sel)
+{
+    int group = nh / nkv;
+    scored *all = malloc(sizeof(scored) * (size_t)nkv * (size_t)len);
+    double counted = 0;
+    for (int g = 0; g < nkv; g++) {
+        float best = -INFINITY;
+        for (int t = 0; t < len; t++) {
+            float v = -INFINITY;
+            for (int h = g * group; h < (g + 1) * group; h++)
+                v = fmaxf(v, s[(size_t)h * len + t]);
+            all[(size_t)g * len + t] = (scored){v, t};
+            best = fmaxf(best, v);
+        }
+        int c = 0;
+        for (int t = 0; t < len; t++)
+            c += all[(size_t)g * len + t].v > best - alpha;
+        counted += c;
+    }
+    int m = (int)lround(counted / nkv), mx = (int)((double)cap * len);
+    m = m > mx ? mx : m;
+    m = m < 1 ? 1 : m;
+    for (int g = 0; g < nkv; g++) {
+        qsort(all + (size_t)g * len, (size_t)len, sizeof(scored), by_score);
+        for (int j = 0; j < m; j++)
+            sel[(size_t)g * len + j] = all[(size_t)g * len + j].t;
+        qsort(sel + (size_t)g * len, (size_t)m, sizeof(int32_t), by_pos);
+    }
+    free(all);
+    return m;
+}
+
+START_TEST(selection_matches_brute_force)
+{
+    uint64_t x = 11;
+    for (int trial = 0; trial < 400; trial++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        int nkv = 1 + (int)((x >> 40) % 4), group = 1 + (int)((x >> 50) % 3);
+        int nh = nkv * group, len = 1 + (int)((x >> 20) % 300);
+        float alpha = 0.5f + (float)((x >> 10) % 60) / 10.0f;
+        float cap = trial % 3 == 0 ? 1.0f : 0.05f + (float)((x >> 30) % 50) / 100.0f;
+        float *s = malloc(sizeof(float) * (size_t)nh * (size_t)len);
+        for (int i = 0; i < nh * len; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            /* coarse values, so that ties happen */
+            s[i] = (float)((int)((x >> 33) % 64) - 32) / 4.0f;
+        }
+        int32_t *a = malloc(sizeof(int32_t) * (size_t)nkv * (size_t)len);
+        int32_t *b = malloc(sizeof(int32_t) * (size_t)nkv * (size_t)len);
+        float *scratch = malloc(sizeof(float) * (size_t)(nkv + 1) * (size_t)len);
+        int ma = rekv_ig_select(s, nh, nkv, len, alpha, cap, REKV_SELECT_SPECULATE, 0, a, scratch);
+        int mb = brute_select(s, nh, nkv, len, alpha, cap, b);
+        ck_assert_msg(ma == mb, "trial %d: m %d, brute force %d", trial, ma, mb);
+        for (int g = 0; g < nkv; g++)
+            for (int j = 0; j < ma; j++)
+                ck_assert_msg(a[(size_t)g * len + j] == b[(size_t)g * len + j],
+                              "trial %d head %d slot %d: token %d, brute force %d", trial, g, j,
+                              a[(size_t)g * len + j], b[(size_t)g * len + j]);
+        /* random: as many, distinct, ascending, reproducible, and not the speculation's */
+        int32_t *r1 = malloc(sizeof(int32_t) * (size_t)nkv * (size_t)len);
+        int32_t *r2 = malloc(sizeof(int32_t) * (size_t)nkv * (size_t)len);
+        int m1 = rekv_ig_select(s, nh, nkv, len, alpha, cap, REKV_SELECT_RANDOM, 99, r1, scratch);
+        int m2 = rekv_ig_select(s, nh, nkv, len, alpha, cap, REKV_SELECT_RANDOM, 99, r2, scratch);
+        ck_assert_int_eq(m1, ma);
+        ck_assert_int_eq(m2, ma);
+        for (int g = 0; g < nkv; g++)
+            for (int j = 0; j < m1; j++) {
+                ck_assert_int_eq(r1[(size_t)g * len + j], r2[(size_t)g * len + j]);
+                ck_assert(r1[(size_t)g * len + j] >= 0 && r1[(size_t)g * len + j] < len);
+                if (j > 0)
+                    ck_assert(r1[(size_t)g * len + j] > r1[(size_t)g * len + j - 1]);
+            }
+        free(r1), free(r2), free(a), free(b), free(s), free(scratch);
+    }
+}
+END_TEST
+
+/* ------------------------------------------------------------------ what moves */
+
+START_TEST(speculation_moves_less)
+{
+    const char *mp = tu_shared("models/stories260K/stories260K.bin");
+    if (mp == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", mp);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
+    const rekv_model_config *c = &f.m->config;
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    int lens[] = {150, 90};
+    int32_t **prompts = make_prompts(&f, 2, lens);
+    int steps = 6;
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    run ref, r;
+    do_run(&f, &cfg, 2, lens, prompts, steps, &ref);
+    cfg.mode = REKV_MODE_INFINIGEN;
+    cfg.skew = &sk;
+    cfg.max_fraction = 0.25f;
+    for (int la = 0; la < 2; la++) {
+        cfg.lookahead = la;
+        do_run(&f, &cfg, 2, lens, prompts, steps, &r);
+        size_t row = (size_t)c->head_dim * sizeof(float) * 2 * (size_t)c->n_kv_heads;
+        /* prefill: nothing to fetch, partial keys made for every row */
+        ck_assert_uint_eq(r.prefill.tokens_fetched, 0);
+        /* decode: the context is lens + steps before; layer 0 fetches everything */
+        uint64_t ctx = 0;
+        for (int s = 0; s < steps; s++)
+            ctx += (uint64_t)(lens[0] + s) + (uint64_t)(lens[1] + s);
+        ck_assert_uint_eq(r.layers[0].tokens_considered, ctx);
+        ck_assert_uint_eq(r.layers[0].tokens_fetched, ctx);
+        uint64_t fetched = 0;
+        for (int l = 1; l < c->n_layers; l++) {
+            ck_assert_uint_eq(r.layers[l].tokens_considered, ctx);
+            ck_assert_uint_ge(r.layers[l].tokens_fetched, (uint64_t)(2 * steps));
+            /* each step at most a quarter of each sequence's context */
+            uint64_t cap = 0;
+            for (int s = 0; s < steps; s++)
+                cap += (uint64_t)((lens[0] + s) / 4) + (uint64_t)((lens[1] + s) / 4);
+            ck_assert_uint_le(r.layers[l].tokens_fetched, cap);
+            ck_assert_uint_eq(r.layers[l].h2d_bytes[REKV_XFER_KV],
+                              r.layers[l].tokens_fetched * row);
+            /* the new rows still reach the arena: one row per sequence and step */
+            ck_assert_uint_eq(r.layers[l].d2h_bytes[REKV_XFER_KV], (uint64_t)(2 * steps) * row);
+            fetched += r.layers[l].tokens_fetched;
+        }
+        ck_assert_uint_lt(fetched, ctx * (uint64_t)(c->n_layers - 1));
+        /* a sparse step's results do not depend on how the step runs: pull or push, GPU
+         * batches, schedule, weights offloaded — the same bits */
+        rekv_pipeline_config v = cfg;
+        v.push = 1;
+        v.gpu_batches = 2;
+        v.schedule = REKV_SCHED_COLUMN;
+        v.offload_weights = 1;
+        run r2;
+        do_run(&f, &v, 2, lens, prompts, steps, &r2);
+        size_t n = (size_t)(steps + 1) * 2 * (size_t)c->vocab;
+        ck_assert_msg(memcmp(r.logits, r2.logits, n * sizeof(float)) == 0,
+                      "lookahead %d: the same selection gave other logits when run otherwise", la);
+        ck_assert(memcmp(r.logits, ref.logits, n * sizeof(float)) != 0); /* it was sparse */
+        run_free(&r2);
+        run_free(&r);
+    }
+    run_free(&ref);
+    free(prompts[0]), free(prompts[1]), free(prompts);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
+/* bad configurations are refused with a clear error */
+START_TEST(bad_config_refused)
+{
+    const char *mp = tu_shared("models/stories260K/stories260K.bin");
+    if (mp == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", mp);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_INFINIGEN;
+    rekv_pipeline *p = NULL;
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "skew") != NULL, "%s", err.msg);
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    cfg.skew = &sk;
+    cfg.max_fraction = 0;
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "cap") != NULL, "%s", err.msg);
+    cfg.max_fraction = 0.2f;
+    sk.head_dim++;
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "not this model's") != NULL, "%s", err.msg);
+    sk.head_dim--;
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("infinigen");
+    TCase *tc = tcase_create("infinigen");
+    tcase_set_timeout(tc, 900);
+    tcase_add_test(tc, selection_matches_brute_force);
+    tcase_add_test(tc, bad_config_refused);
+    tcase_add_test(tc, speculation_moves_less);
+    tcase_add_test(tc, exact_limit_stories260k);
+    tcase_add_test(tc, exact_limit_synthetic);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(suite());
+}
