@@ -224,9 +224,8 @@ static void tap_layer(void *ctx, int layer, const float *q, const float *k, int 
             rekv_errf(&t->err, -EINVAL, "skew: the tap saw %d rows, expected %d", rows, t->rows);
         return;
     }
-    if (t->skewed) {
+    if (t->skewed)
         t->skewed[layer] = t->plain[layer] = 0;
-    }
     for (int g = 0; g < G; g++) {
         size_t ag = ((size_t)layer * G + g) * (size_t)hd * hd;
         int32_t *sel = s->cols + ((size_t)layer * G + g) * (size_t)rk;

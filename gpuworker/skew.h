@@ -34,16 +34,24 @@ typedef struct rekv_skew {
 /* The partial ratio InfiniGen uses (§5: 0.3). */
 #define REKV_SKEW_DEFAULT_RATIO 0.3
 
-/* A CRC-based fingerprint of the engine's model: its shape and every layer's W_Q, b_Q, W_K, b_K. */
+/* A CRC-based fingerprint of the engine's model: its shape and every layer's W_Q, b_Q, W_K, b_K.
+ * Over the shape (n_layers, hidden, n_heads, n_kv_heads, head_dim, rope kind, weight dtype), the
+ * rope theta, and each of those tensors as the engine holds it (matrices in its weight dtype,
+ * biases fp32, a presence byte first, so a missing bias differs from a zero one): the high 32 bits
+ * are CRC32C, the low 32 bits a multiplicative hash of the same bytes (a second CRC with another
+ * seed would differ from the first by a constant, adding nothing). */
 uint64_t rekv_skew_fingerprint(const rekv_engine *e);
 
 /* Calibrates on the given token ids (one forward pass over them; n >= 2): fills *out (free with
- * rekv_skew_free). ratio in (0, 1]. */
+ * rekv_skew_free). ratio in (0, 1]. rk = ceil(ratio * head_dim), computed with 1e-9 of slack so
+ * that 0.3 * 10 is 3. -EINVAL for a ratio outside (0, 1] or n < 2, -E2BIG for n past the context,
+ * -EDOM when an SVD does not converge (non-finite activations). */
 int rekv_skew_calibrate(rekv_engine *e, const int32_t *ids, int n, double ratio, rekv_skew *out,
                         rekv_err *err);
 
 /* Writes / reads the file. Load checks the magic, version, CRC, and that the skew fits e's model
- * (shape and fingerprint); every mismatch is a clear error. */
+ * (shape and fingerprint); every mismatch is a clear error. Save writes a temporary file beside
+ * path, fsyncs it and renames it into place, creating path's directory when missing. */
 int rekv_skew_save(const rekv_skew *s, const char *path, rekv_err *err);
 int rekv_skew_load(const char *path, const rekv_engine *e, rekv_skew *out, rekv_err *err);
 void rekv_skew_free(rekv_skew *s);
@@ -52,7 +60,11 @@ void rekv_skew_free(rekv_skew *s);
  * $HOME/.cache/rekv; file named by fingerprint and ratio) when there, else calibrated on a sample
  * the model generates itself (REKV_SKEW_SAMPLE_TOKENS tokens from BOS at temperature 1 with a
  * fixed seed — never the text being evaluated) and saved there (a cache that cannot be written
- * is not an error). *from_cache says which. */
+ * is not an error). *from_cache says which.
+ * The file is skew-<fingerprint, 16 hex digits>-r<round(ratio * 1000)>.bin; one that does not load
+ * (damaged, another model) or holds another rk is calibrated again and overwritten. The sample
+ * starts from the model's bos_id, or token 1 (llama2.c's BOS) when it names none; top_k 0, top_p 1,
+ * seed 0x5eed, at most context - 1 new tokens, EOS not a stop. */
 #define REKV_SKEW_SAMPLE_TOKENS 256
 int rekv_skew_prepare(rekv_engine *e, double ratio, rekv_skew *out, int *from_cache, rekv_err *err);
 
@@ -66,8 +78,8 @@ void rekv_skew_partial(const rekv_skew *s, int layer, int g, float *dst);
  * ids malloc'd, n of them).
  * rekv_skew_concentration: one forward pass over ids; per layer ([n_layers] each), the fraction of
  * the query's squared norm that the rk selected columns of Q·A capture (skewed), and the same for
- * the rk columns the same rule picks with A = identity (plain), each averaged over the layer's KV
- * heads — what skewing buys the speculation. */
+ * the rk columns the same rule picks on these rows with A = identity (plain), each averaged over
+ * the layer's KV heads — what skewing buys the speculation. */
 int rekv_skew_cache_path(const rekv_engine *e, double ratio, char *path, size_t cap, rekv_err *err);
 int rekv_skew_sample(rekv_engine *e, int32_t **ids, int *n, rekv_err *err);
 int rekv_skew_concentration(rekv_engine *e, const rekv_skew *s, const int32_t *ids, int n,
