@@ -484,10 +484,7 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
         for (int hh = 0; hh < kvh; hh++)
             for (int j = 0; j < m; j++) {
                 int t = sel[(size_t)hh * (size_t)len + (size_t)j];
-                const rekv_kv_plan_block *blk =
-                    (size_t)t / REKV_KV_BLOCK_TOKENS < kr->count
-                        ? &p->plan[kr->first + (size_t)t / REKV_KV_BLOCK_TOKENS]
-                        : NULL;
+                const rekv_kv_plan_block *blk = pl_block_at(p, kr, t);
                 if (blk == NULL) {
                     rc = -EPROTO;
                     goto out;
@@ -499,9 +496,7 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
                                       p->arena + blk->offset + so + (half ? vs : 0), row};
             }
     /* the new row: slot m -> its true position in the arena */
-    const rekv_kv_plan_block *kb = (size_t)len / REKV_KV_BLOCK_TOKENS < kr->count
-                                       ? &p->plan[kr->first + (size_t)len / REKV_KV_BLOCK_TOKENS]
-                                       : NULL;
+    const rekv_kv_plan_block *kb = pl_block_at(p, kr, len);
     if (kb == NULL) {
         rc = -EPROTO;
         goto out;

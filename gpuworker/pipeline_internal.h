@@ -224,6 +224,7 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
                      int to);
 
 /* pipeline_kvstore.c */
+const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r, int token);
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, size_t *n_ranges,
                      rekv_err *err);
 int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,

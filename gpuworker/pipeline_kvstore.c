@@ -9,7 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const rekv_kv_plan_block *block_at(rekv_pipeline *p, const range_ref *r, int token)
+/* The plan's block holding `token` of range r, or NULL past its end. */
+const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r, int token)
 {
     size_t b = (size_t)token / REKV_KV_BLOCK_TOKENS;
     return b < r->count ? &p->plan[r->first + b] : NULL;
@@ -179,7 +180,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         /* context: walk the blocks of the range [0, ctx) */
         for (int t0 = 0; t0 < ctx;) {
             int use_act = kvpr && t0 < l_split;
-            const rekv_kv_plan_block *blk = block_at(p, use_act ? ar : kr, t0);
+            const rekv_kv_plan_block *blk = pl_block_at(p, use_act ? ar : kr, t0);
             if (blk == NULL)
                 return -EPROTO;
             int in_blk = t0 % REKV_KV_BLOCK_TOKENS;
@@ -233,8 +234,8 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
             if (n > st->items[item].n_tokens - i)
                 n = st->items[item].n_tokens - i;
             i += n;
-            const rekv_kv_plan_block *kb = block_at(p, kr, t);
-            const rekv_kv_plan_block *ab = kvpr ? block_at(p, ar, t) : NULL;
+            const rekv_kv_plan_block *kb = pl_block_at(p, kr, t);
+            const rekv_kv_plan_block *ab = kvpr ? pl_block_at(p, ar, t) : NULL;
             if (kb == NULL || (kvpr && ab == NULL))
                 return -EPROTO;
             if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
