@@ -388,26 +388,34 @@ int rekv_ig_select(const float *scores, int n_heads, int nkv, int len, float alp
                 sel[(size_t)g * (size_t)len + (size_t)t] = t;
         return len;
     }
+    /* KV head g ranks its tokens by the attention its query group would give them: the sum
+     * over the group of each head's softmax of the speculated scores. (The best raw score over
+     * the group lets the head with the widest score range choose for both: on stories260K with
+     * exact scores that costs +8% NLL at 20% kept, the probability sum +2%.) The count is the
+     * paper's: per query head the tokens within alpha of its best, averaged over heads. */
     float *comb = scratch, *tmp = scratch + (size_t)nkv * (size_t)len;
     double counted = 0;
     for (int g = 0; g < nkv; g++) {
-        float *cg = comb + (size_t)g * (size_t)len, best = -INFINITY;
-        for (int t = 0; t < len; t++) {
-            float v = -INFINITY;
-            for (int h = g * group; h < (g + 1) * group; h++) {
-                float x = scores[(size_t)h * (size_t)len + (size_t)t];
-                v = x > v ? x : v;
+        float *cg = comb + (size_t)g * (size_t)len;
+        memset(cg, 0, sizeof(float) * (size_t)len);
+        for (int h = g * group; h < (g + 1) * group; h++) {
+            const float *sh = scores + (size_t)h * (size_t)len;
+            float best = -INFINITY;
+            for (int t = 0; t < len; t++)
+                best = sh[t] > best ? sh[t] : best;
+            float thr = best - alpha;
+            double sum = 0;
+            int cnt = 0;
+            for (int t = 0; t < len; t++) {
+                cnt += sh[t] > thr;
+                sum += exp((double)(sh[t] - best));
             }
-            cg[t] = v;
-            best = v > best ? v : best;
+            counted += cnt ? cnt : 1;
+            for (int t = 0; t < len; t++)
+                cg[t] += (float)(exp((double)(sh[t] - best)) / sum);
         }
-        float thr = best - alpha;
-        int cnt = 0;
-        for (int t = 0; t < len; t++)
-            cnt += cg[t] > thr;
-        counted += cnt ? cnt : 1;
     }
-    int m = (int)lround(counted / nkv);
+    int m = (int)lround(counted / n_heads);
     int cap = (int)((double)max_fraction * len);
     if (m > cap)
         m = cap;

@@ -219,29 +219,35 @@ static int by_pos(const void *a, const void *b)
     return *(const int32_t *)a - *(const int32_t *)b;
 }
 
-/* InfiniGen's rule, the slow way: per KV head the group's best score per token; count those above
- * the best minus alpha; average the counts, cap; sort every token, take the first m */
+/* The selection rule, the slow way: per KV head each token's score is the group's summed softmax
+ * of the speculated scores (summed per head in token order, as the rule does, so the floats agree);
+ * the count is the per-query-head count within alpha of its best, averaged over query heads, then
+ * capped; sort every token, take the first m */
 static int brute_select(const float *s, int nh, int nkv, int len, float alpha, float cap,
                         int32_t *sel)
 {
     int group = nh / nkv;
     scored *all = malloc(sizeof(scored) * (size_t)nkv * (size_t)len);
     double counted = 0;
-    for (int g = 0; g < nkv; g++) {
-        float best = -INFINITY;
-        for (int t = 0; t < len; t++) {
-            float v = -INFINITY;
-            for (int h = g * group; h < (g + 1) * group; h++)
-                v = fmaxf(v, s[(size_t)h * len + t]);
-            all[(size_t)g * len + t] = (scored){v, t};
-            best = fmaxf(best, v);
-        }
-        int c = 0;
+    for (int g = 0; g < nkv; g++)
         for (int t = 0; t < len; t++)
-            c += all[(size_t)g * len + t].v > best - alpha;
+            all[(size_t)g * len + t] = (scored){0, t};
+    for (int h = 0; h < nh; h++) {
+        const float *sh = s + (size_t)h * len;
+        float best = -INFINITY;
+        for (int t = 0; t < len; t++)
+            best = fmaxf(best, sh[t]);
+        double sum = 0;
+        int c = 0;
+        for (int t = 0; t < len; t++) {
+            sum += exp((double)(sh[t] - best));
+            c += sh[t] > best - alpha;
+        }
         counted += c;
+        for (int t = 0; t < len; t++)
+            all[(size_t)(h / group) * len + t].v += (float)(exp((double)(sh[t] - best)) / sum);
     }
-    int m = (int)lround(counted / nkv), mx = (int)((double)cap * len);
+    int m = (int)lround(counted / nh), mx = (int)((double)cap * len);
     m = m > mx ? mx : m;
     m = m < 1 ? 1 : m;
     for (int g = 0; g < nkv; g++) {
