@@ -120,23 +120,8 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
     return d;
 }
 
-/* One layer for the rows of batch g (the same operations, in the same order, as forward.c). */
-/* The attention input of batch g's rows into gb->h. */
-static void attn_input(rekv_pipeline *p, step *st, int g, const layer_w *L)
-{
-    const rekv_model_config *c = p->c;
-    gbatch *gb = &p->gb[g];
-    int T = st->g_rows[g], H = c->hidden;
-    if (c->pre_norm) {
-        p->k->norm(p->s_compute, gb->h.p, gb->x.p, L->attn_norm_w, L->attn_norm_b, T, H,
-                   c->norm_eps);
-    } else {
-        rekv_copy_piece pc = {gb->h.p, gb->x.p, (size_t)T * (size_t)H * sizeof(float)};
-        p->bi->copy_d2d(p->s_compute, &pc, 1);
-    }
-}
-
-/* io: where kv_scatter puts the new rows (kv_pos) and their partial keys (pk_rows). */
+/* One layer for the rows of batch g (the same operations, in the same order, as forward.c).
+ * io: where kv_scatter puts the new rows (kv_pos) and their partial keys (pk_rows). */
 static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const layer_w *L,
                           const rekv_attn_seq *d, int b, int store, const unit_io *io)
 {
@@ -149,7 +134,12 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     float *x = gb->x.p, *h = gb->h.p, *q = gb->q.p, *kk = gb->k.p, *vv = gb->v.p;
     float *att = gb->att.p, *f1 = gb->f1.p, *f3 = gb->f3.p;
     size_t n = (size_t)T * (size_t)H;
-    attn_input(p, st, g, L);
+    if (c->pre_norm) {
+        k->norm(s, h, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
+    } else {
+        rekv_copy_piece pc = {h, x, n * sizeof(float)};
+        p->bi->copy_d2d(s, &pc, 1);
+    }
     k->linear(s, q, h, L->wq, p->e->wdtype, L->bq, T, Q, H);
     k->linear(s, kk, h, L->wk, p->e->wdtype, L->bk, T, KV, H);
     k->linear(s, vv, h, L->wv, p->e->wdtype, L->bv, T, KV, H);

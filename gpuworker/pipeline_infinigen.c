@@ -182,6 +182,7 @@ void pl_ig_free(rekv_pipeline *p)
         if (p->ig.ev[g])
             p->bi->event_destroy(p->ig.ev[g]);
     free(p->ig.scratch);
+    free(p->ig.sel);
     memset(&p->ig, 0, sizeof(p->ig));
 }
 
@@ -247,9 +248,13 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     size_t need = max_len * (size_t)(c->n_kv_heads + 1);
     if (need > p->ig.scratch_cap) {
         float *sc = realloc(p->ig.scratch, need * sizeof(float));
-        if (sc == NULL)
+        if (sc != NULL)
+            p->ig.scratch = sc;
+        int32_t *sel = realloc(p->ig.sel, max_len * (size_t)c->n_kv_heads * sizeof(int32_t));
+        if (sel != NULL)
+            p->ig.sel = sel;
+        if (sc == NULL || sel == NULL)
             return rekv_errf(err, -ENOMEM, "step: out of memory");
-        p->ig.scratch = sc;
         p->ig.scratch_cap = need;
     }
     for (int g = 0; g < st->n_g; g++)
@@ -474,9 +479,7 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
     int len = s->len;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
     size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
-    int32_t *sel = malloc(sizeof(int32_t) * (size_t)kvh * (size_t)len);
-    if (sel == NULL)
-        return -ENOMEM;
+    int32_t *sel = p->ig.sel;
     uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
                    ((uint64_t)layer << 32) ^ (uint64_t)len;
     int m = rekv_ig_select(p->ig.host + st->ig_off[item], c->n_heads, kvh, len, p->cfg.alpha,
@@ -523,6 +526,5 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
     cnt->tokens_fetched += (uint64_t)m;
     cnt->tokens_considered += (uint64_t)len;
 out:
-    free(sel);
     return rc;
 }

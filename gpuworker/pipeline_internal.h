@@ -104,6 +104,7 @@ typedef struct ig_state {
     rekv_event *ev[MAX_GPU_BATCHES]; /* batch g's scores have reached the host */
     float *scratch;                  /* rekv_ig_select's, [(n_kv + 1) * len] */
     size_t scratch_cap;              /* floats */
+    int32_t *sel;                    /* its selection, [n_kv * len] (len as scratch's) */
 } ig_state;
 
 struct rekv_pipeline {
