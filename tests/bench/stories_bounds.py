@@ -11,13 +11,20 @@ note; reproduces its oracle_top20_nll); group_max: one set per KV head, the best
 its query group; group_prob: one set per KV head, the group's summed softmax (rekv's rule);
 spec_*: group_prob on speculated scores as rekv --mode infinigen makes them, with the skew of
 another sample: lookahead 1 (layer i-1's input) or 0 (the layer's own), 30% or all columns.
-It also prints the mean cosine between consecutive layers' attention inputs (InfiniGen's premise)."""
+It also prints the mean cosine between consecutive layers' attention inputs (InfiniGen's premise).
+
+--clo: CLO's head-wise similarity cache instead (issue 13): per (layer > 0, KV head) a query label
+and a cached top-k (exact retrieval on a miss), a hit when the least cosine over the group's
+queries to the label is >= tau; attention over the cached tokens, 4 sink and 64 recent ones. Prints
+the mean cosine of adjacent decode queries per layer (CLO's premise), then NLL, hit ratio and the
+link bytes relative to offload's (layer 0 resident, sink and recent on the device) per tau."""
 import argparse, json
 import numpy as np
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--frac", type=float, default=0.2)
 ap.add_argument("--shared", default="../shared")
+ap.add_argument("--clo", action="store_true")
 args = ap.parse_args()
 
 f = open(args.shared + "/models/stories260K/stories260K.bin", "rb")
@@ -134,11 +141,64 @@ def calibrate(ids):
                            full_matrices=False)[2].T for g in range(KVH)] for l in range(L)]
 
 
+def clo(ids, tau, kfrac, sink=4, recent=64, prefill=32):
+    n = len(ids)
+    pos = np.arange(n)
+    x = emb[ids]
+    hits = heads = fetched = offload = 0
+    for l in range(L):
+        q, k, v = qkv(x, l, pos)
+        out = np.zeros((n, H, hs))
+        for g in range(KVH):
+            exact = np.stack([q[:, g * G + j] @ k[:, g].T for j in range(G)]) / np.sqrt(hs)
+            mask = np.tril(np.ones((n, n), bool))
+            label = cached = None
+            for p in range(prefill, n) if l > 0 else ():
+                qs = q[p, g * G:(g + 1) * G]
+                hit = label is not None and np.min(np.sum(qs * label, 1) / np.linalg.norm(qs, axis=1) /
+                                                   np.linalg.norm(label, axis=1)) >= tau
+                heads, hits, offload = heads + 1, hits + hit, offload + p + 1
+                if not hit:
+                    m = max(1, int(np.ceil(kfrac * (p + 1))))
+                    cached = top(softmax_rows(exact[:, p, :p + 1]).sum(0), m)
+                    label, fetched = qs.copy(), fetched + m
+                keep = np.zeros(p + 1, bool)
+                keep[:len(cached)] = cached
+                keep[:sink] = True
+                keep[max(0, p - recent + 1):] = True
+                mask[p, :p + 1] = keep
+            for j in range(G):
+                out[:, g * G + j] = softmax_rows(np.where(mask, exact[j], -np.inf)) @ v[:, g]
+        x = x + out.reshape(n, dim) @ wo[l].T
+        h = rms(x, rf[l])
+        a = h @ w1[l].T
+        x = x + (a / (1 + np.exp(-a)) * (h @ w3[l].T)) @ w2[l].T
+    lp = np.log(softmax_rows(rms(x, rfin) @ cls.T))
+    nll = -np.mean([lp[p, ids[p + 1]] for p in range(prefill, n - 1)])
+    return nll, hits / heads, fetched / offload * (L - 1) / L
+
+
 d = json.load(open(args.shared + "/eval/stories260K.samples.json"))
 samples = [np.array(s["ids"] if isinstance(s["ids"], list) else json.loads(s["ids"])) for s in d["samples"]]
 rules = [("oracle_row", {}), ("group_max", {}), ("group_prob", {}),
          ("spec la1 30%", dict(ratio=0.3, look=1)), ("spec la0 30%", dict(ratio=0.3, look=0)),
          ("spec la1 all", dict(ratio=1.0, look=1))]
+if args.clo:
+    for i, ids in enumerate(samples):
+        full = forward(ids)
+        pos = np.arange(len(ids))
+        taps = []
+        forward(ids, taps=taps)
+        cos = []
+        for l in range(L):
+            q = qkv(taps[l], l, pos)[0][32:]
+            cos.append(np.mean(np.sum(q[1:] * q[:-1], 2) / np.linalg.norm(q[1:], axis=2) / np.linalg.norm(q[:-1], axis=2)))
+        print("sample %d: full %.4f; adjacent decode queries' cos per layer %s" % (i, full, " ".join("%.2f" % c for c in cos)))
+        for kfrac in (0.1, 0.2):
+            for tau in (0.3, 0.5, 0.7, 0.9, 1.01):
+                r, hit, b = clo(ids, tau, kfrac)
+                print("  top %.0f%% tau %.2f: %.4f (%+.1f%%) hits %.2f bytes %.3f" % (100 * kfrac, tau, r, 100 * (r / full - 1), hit, b))
+    raise SystemExit(0)
 print("budget %.0f%% of the context per row, layers 1..%d; NLL (relative to full)" % (100 * args.frac, L - 1))
 for i, ids in enumerate(samples):
     full = forward(ids)
