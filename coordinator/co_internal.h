@@ -19,7 +19,8 @@
 #define MAX_WORKERS 16
 #define MAX_SUBS 4     /* stream subscribers per job */
 #define MAX_RID 256    /* ZeroMQ routing ids are at most 255 bytes */
-#define READ_BATCH 512 /* control requests read (and journaled with one sync) per round */
+#define READ_BATCH 512 /* control requests read (and journaled with one sync) per round; each
+                        * gets at most two replies (a repeated streaming Submit) */
 #define HASH_BUCKETS 4096
 #define RATE_SLOTS 8 /* one-second samples of the token counter for tokens/s */
 
@@ -64,6 +65,11 @@ typedef struct job {
     int n_subs;
     int queued_pos;    /* index in the queue while QUEUED, else -1 */
     struct job *hnext; /* hash chain */
+    char *key;         /* Submit.client_key (malloc'd), NULL when none */
+    struct job *knext; /* key hash chain */
+    int unsynced;      /* accepted this round, its record not yet synced */
+    int end_pending;   /* ended, its finished record not yet synced: not reported yet */
+    struct job *pnext; /* list of jobs with end_pending, in the order they ended */
 } job;
 
 typedef struct worker {
@@ -90,6 +96,7 @@ typedef struct reply {
     size_t len;
     uint64_t req_id; /* the request's id */
     job *accepted;   /* a Submit waiting for the journal sync, else NULL */
+    int dup;         /* accepted is another request's job (a repeated client key) */
 } reply;
 
 struct rekv_coordinator {
@@ -105,6 +112,9 @@ struct rekv_coordinator {
     char model_name[256];
 
     job *hash[HASH_BUCKETS];
+    job *khash[HASH_BUCKETS]; /* jobs with a client key, by the key's hash */
+    job *pend_head;           /* ended jobs waiting for the journal sync (job.pnext) */
+    job **pend_tail;
     job **queue; /* QUEUED jobs, unordered (picked by priority, then order) */
     uint32_t n_queue, cap_queue;
     job **finished; /* ring of finished jobs kept for Status, oldest first */
@@ -127,6 +137,7 @@ struct rekv_coordinator {
     uint32_t rate_i;
     uint64_t start_ns;
     rekv_metrics_server *metrics; /* the scrape port; NULL when not configured */
+    int lock_fd[3]; /* flock'd: <control socket>.lock, <worker socket>.lock, <state_dir>/lock */
 };
 
 /* ---------------------------------------------------------------- coordinator.c */
@@ -143,6 +154,10 @@ int co_send_to(void *sock, const rid *to, const void *buf, size_t len);
 
 job *co_job_find(rekv_coordinator *co, uint64_t id);
 job *co_job_new(rekv_coordinator *co, uint64_t id);
+/* The job remembered under a client key, or NULL. */
+job *co_job_by_key(rekv_coordinator *co, const char *key);
+/* Gives j the key (copied) and files it under it; 0 or -ENOMEM. */
+int co_job_set_key(rekv_coordinator *co, job *j, const char *key);
 void co_job_free(rekv_coordinator *co, job *j);
 /* Queues a job (QUEUED); 0 or -ENOMEM. */
 int co_queue_push(rekv_coordinator *co, job *j);
@@ -150,8 +165,16 @@ void co_queue_remove(rekv_coordinator *co, job *j);
 job *co_queue_pop(rekv_coordinator *co);
 /* Room for n generated tokens (and their top logits); 0 or -ENOMEM. */
 int co_gen_reserve(job *j, uint32_t n);
+/* Ends a job: its finished record is appended, and it is reported (subscribers, the finished
+ * ring) only by the next co_jobs_sync, after the record is durable. */
 void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const char *reason,
                 const char *error);
+/* Makes the records appended so far durable (one fdatasync) and then reports the jobs that
+ * ended since the last call. Returns 0, or the sync's negative errno (the jobs are reported
+ * anyway: the error is logged, and a restart may run them again). */
+int co_jobs_sync(rekv_coordinator *co, rekv_err *err);
+/* Reports the ended jobs (streams, finished ring) without a sync: the caller synced. */
+void co_jobs_report_ended(rekv_coordinator *co);
 void co_job_requeue(rekv_coordinator *co, job *j, const char *why);
 /* A job's JobStatus, pointing into the job (valid while it lives). */
 void co_status_fill(const job *j, Rekv__Control__JobStatus *s);
