@@ -174,9 +174,18 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
                     "temperature must be in [0, 100] and top_p in (0, 1]");
         return;
     }
-    if (s->top_logits > 1024) {
+    /* a job's top logits live in memory until it is forgotten and in its journal record */
+    if (s->top_logits > REKV_TOP_LOGITS_MAX) {
         reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "top_logits must be at most 1024");
+                    "top_logits %u is above the limit of %u", s->top_logits, REKV_TOP_LOGITS_MAX);
+        return;
+    }
+    if ((uint64_t)s->top_logits * s->max_new_tokens > REKV_TOP_LOGITS_MAX_ENTRIES) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logits x max_new_tokens = %llu is above the limit of %u (ask for fewer "
+                    "top logits or fewer tokens)",
+                    (unsigned long long)s->top_logits * s->max_new_tokens,
+                    REKV_TOP_LOGITS_MAX_ENTRIES);
         return;
     }
     if (s->max_new_tokens > co->cfg.max_new_limit) {
@@ -289,13 +298,29 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
     co_reply_add(co, from, &r, j);
 }
 
+/* NOT_FOUND for a job we do not have: ids below the next one were handed out and the job has
+ * ended and been forgotten (only the last --keep-finished jobs, --keep-finished-bytes of results,
+ * are kept), or (rarely) its Submit failed after the id was taken. */
+static void not_found(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id)
+{
+    if (id >= 1 && id < co->next_id)
+        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND,
+                    "job %llu is no longer remembered: it ended and was forgotten (the "
+                    "coordinator keeps the last %u finished jobs and at most %llu bytes of their "
+                    "results: --keep-finished, --keep-finished-bytes)",
+                    (unsigned long long)id, co->cfg.keep_finished,
+                    (unsigned long long)co->cfg.keep_finished_bytes);
+    else
+        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
+                    (unsigned long long)id);
+}
+
 static void do_status(rekv_coordinator *co, const rid *from, uint64_t rq,
                       const Rekv__Control__StatusRequest *s)
 {
     job *j = co_job_find(co, s->job);
     if (j == NULL) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
-                    (unsigned long long)s->job);
+        not_found(co, from, rq, s->job);
         return;
     }
     Rekv__Control__JobStatus st;
@@ -317,8 +342,7 @@ static void do_cancel(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
 {
     job *j = co_job_find(co, id);
     if (j == NULL) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
-                    (unsigned long long)id);
+        not_found(co, from, rq, id);
         return;
     }
     if (j->state == REKV__CONTROL__JOB_STATE__RUNNING && j->worker >= 0) {
@@ -346,8 +370,7 @@ static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
 {
     job *j = co_job_find(co, id);
     if (j == NULL) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
-                    (unsigned long long)id);
+        not_found(co, from, rq, id);
         return;
     }
     /* the first event carries every token so far, sent at once; later ones come per step */

@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/ratelimit.h"
 #include "coordinator/co_plan.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/journal.h"
@@ -23,6 +24,17 @@
                         * gets at most two replies (a repeated streaming Submit) */
 #define HASH_BUCKETS 4096
 #define RATE_SLOTS 8 /* one-second samples of the token counter for tokens/s */
+
+/* Log lines a peer can cause once per message: each call site logs at most once a second
+ * (co_event_rl), saying how many it held back. */
+typedef enum co_rl_site {
+    CO_RL_WORKER_MALFORMED, /* a message on the worker socket we cannot read */
+    CO_RL_WORKER_SEND,      /* a send to a worker failed */
+    CO_RL_WORKER_REFUSED,   /* a Hello refused */
+    CO_RL_WORKER_HELLO,     /* a Hello's max_batch capped */
+    CO_RL_WORKER_REPLY,     /* a Progress with tokens outside the vocabulary */
+    CO_RL_COUNT
+} co_rl_site;
 
 typedef struct rid {
     uint8_t b[MAX_RID]; /* routing id bytes */
@@ -119,6 +131,7 @@ struct rekv_coordinator {
     uint32_t n_queue, cap_queue;
     job **finished; /* ring of finished jobs kept for Status, oldest first */
     uint32_t fin_head, n_fin;
+    uint64_t fin_bytes; /* their results' bytes (co_job_result_bytes), at most keep_finished_bytes */
     uint64_t next_id, next_order;
     worker workers[MAX_WORKERS];
     uint64_t session;
@@ -129,6 +142,10 @@ struct rekv_coordinator {
     /* counters */
     uint64_t n_running, n_done, n_cancelled, n_failed, accepted, rejected_busy, bad_requests,
         requeued, tokens, steps;
+    uint64_t evicted;            /* finished jobs forgotten (keep_finished, keep_finished_bytes) */
+    uint64_t worker_malformed;   /* worker-socket messages we could not read */
+    uint64_t worker_rejected;    /* job results refused (tokens outside the vocabulary) */
+    rekv_ratelimit rl[CO_RL_COUNT];
     double rtt_sum, wstep_sum;
     uint64_t counters[8]; /* h2d weights, kv, act, d2h, recomputed, fetched; infinigen's
                            * considered and selected (Counters) */
@@ -145,6 +162,10 @@ struct rekv_coordinator {
 /* Reports a notable event through cfg.on_event (a no-op without one). */
 void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* co_event at most once a second for this call site, with "(N similar messages suppressed)"
+ * when lines were held back since the last one. */
+void co_event_rl(rekv_coordinator *co, co_rl_site site, rekv_co_event lvl, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 /* CLOCK_REALTIME in seconds (when a job was accepted). */
 double co_realtime_s(void);
 /* Sends one message to a peer of a ROUTER socket without blocking; 0 or -errno. */

@@ -131,18 +131,32 @@ job *co_queue_pop(rekv_coordinator *co)
     return best;
 }
 
-/* Remembers a finished job for Status, forgetting the oldest beyond keep_finished. */
+/* What a finished job's result holds in memory: its ids and top logits (capacity). */
+static uint64_t result_bytes(const job *j)
+{
+    return (uint64_t)j->cap_gen * (sizeof(int32_t) + (uint64_t)j->top_logits * 8) + sizeof(job) +
+           (j->error ? strlen(j->error) : 0) + (j->key ? strlen(j->key) : 0);
+}
+
+/* Remembers a finished job for Status, forgetting the oldest beyond keep_finished jobs or
+ * keep_finished_bytes of results (the newest is kept whatever its size). A forgotten job's Status
+ * says so (co_control.c), and its client key names no job any more. */
 static void finished_push(rekv_coordinator *co, job *j)
 {
     uint32_t cap = co->cfg.keep_finished;
-    if (co->n_fin == cap) {
+    uint64_t add = result_bytes(j);
+    while (co->n_fin > 0 &&
+           (co->n_fin == cap || co->fin_bytes + add > co->cfg.keep_finished_bytes)) {
         job *old = co->finished[co->fin_head];
         co->fin_head = (co->fin_head + 1) % cap;
         co->n_fin--;
+        co->fin_bytes -= result_bytes(old);
+        co->evicted++;
         co_job_free(co, old);
     }
     co->finished[(co->fin_head + co->n_fin) % cap] = j;
     co->n_fin++;
+    co->fin_bytes += add;
 }
 
 int co_gen_reserve(job *j, uint32_t n)

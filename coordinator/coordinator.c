@@ -25,7 +25,8 @@
 #include "common/clock.h"
 #include "coordinator/co_internal.h"
 
-#define COMPACT_RECORDS 8192 /* rewrite the journal after this many appends */
+#define COMPACT_RECORDS 8192       /* rewrite the journal after this many appends */
+#define COMPACT_BYTES (64ull << 20) /* or these many bytes beyond twice the finished jobs' */
 
 void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
 {
@@ -39,11 +40,28 @@ void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
     co->cfg.on_event(co->cfg.ctx, lvl, msg);
 }
 
+void co_event_rl(rekv_coordinator *co, co_rl_site site, rekv_co_event lvl, const char *fmt, ...)
+{
+    uint64_t held = 0;
+    if (!rekv_ratelimit_allow(&co->rl[site], rekv_now_ns(), REKV_RATELIMIT_INTERVAL_NS, &held))
+        return;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    if (held)
+        co_event(co, lvl, "%s (%llu similar messages suppressed)", msg, (unsigned long long)held);
+    else
+        co_event(co, lvl, "%s", msg);
+}
+
 void rekv_coordinator_config_defaults(rekv_coordinator_config *cfg)
 {
     memset(cfg, 0, sizeof(*cfg));
     cfg->queue_limit = 256;
     cfg->keep_finished = 1024;
+    cfg->keep_finished_bytes = 64ull << 20;
     cfg->worker_timeout_ms = 30000;
     cfg->max_attempts = 3;
     cfg->max_new_limit = 1u << 20;
@@ -140,7 +158,11 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
             co->rate_tokens[co->rate_i] = co->tokens;
             co->rate_ns[co->rate_i] = now;
         }
-        if (co->journal && rekv_journal_records(co->journal) > COMPACT_RECORDS) {
+        /* by records, and by bytes: finished records carry results, and the journal holds no
+         * more than the remembered ones after a rewrite */
+        if (co->journal && (rekv_journal_records(co->journal) > COMPACT_RECORDS ||
+                            rekv_journal_bytes(co->journal) >
+                                COMPACT_BYTES + 2 * co->cfg.keep_finished_bytes)) {
             rekv_err e2 = {0};
             if (co_journal_compact(co, &e2))
                 co_event(co, REKV_CO_EVENT_ERROR, "%s", e2.msg);
@@ -299,6 +321,8 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         co->cfg.queue_limit = 256;
     if (co->cfg.keep_finished == 0)
         co->cfg.keep_finished = 1024;
+    if (co->cfg.keep_finished_bytes == 0)
+        co->cfg.keep_finished_bytes = 64ull << 20;
     if (co->cfg.worker_timeout_ms == 0)
         co->cfg.worker_timeout_ms = 30000;
     if (co->cfg.max_attempts == 0)

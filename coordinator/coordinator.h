@@ -40,6 +40,12 @@
 
 #define REKV_CONTROL_PROTO_VERSION 1u
 #define REKV_WORKER_PROTO_VERSION 1u
+/* Most jobs the coordinator runs on one worker at once; a Hello saying more is capped to it. */
+#define REKV_WORKER_MAX_BATCH 4096u
+/* Largest Submit.top_logits, and largest top_logits x max_new_tokens (a job's top logits, which
+ * the coordinator keeps in memory and journals): larger Submits get BAD_REQUEST. */
+#define REKV_TOP_LOGITS_MAX 64u
+#define REKV_TOP_LOGITS_MAX_ENTRIES (1u << 20)
 /* Longest Submit.client_key. */
 #define REKV_CLIENT_KEY_MAX 128
 /* Largest request the control socket answers normally; larger ones get BAD_REQUEST. */
@@ -68,6 +74,8 @@ typedef struct rekv_coordinator_config {
                                    * ":9464"); NULL: no metrics port (coordinator/metrics.h) */
     uint32_t queue_limit;         /* most jobs waiting to run; beyond: BUSY. 0: 256 */
     uint32_t keep_finished;       /* finished jobs remembered for Status; 0: 1024 */
+    uint64_t keep_finished_bytes; /* at most this many bytes of their results (ids, top logits);
+                                   * the oldest are forgotten first. 0: 64 MiB */
     uint32_t worker_timeout_ms;   /* a worker silent this long is dead; 0: 30000 */
     uint32_t max_attempts;        /* starts per job before it fails; 0: 3 */
     uint32_t max_new_limit;       /* largest max_new_tokens accepted; 0: 1 << 20 */
