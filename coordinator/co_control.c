@@ -36,6 +36,7 @@ void co_reply_add(rekv_coordinator *co, const rid *to, Rekv__Control__Response *
     rp->to = *to;
     rp->req_id = r->id;
     rp->accepted = acc;
+    rp->dup = 0;
     co->n_replies++;
 }
 
@@ -105,9 +106,61 @@ void co_stream_flush(rekv_coordinator *co, job *j)
 
 /* ---------------------------------------------------------------- control requests */
 
+static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id);
+
+/* A client key: 1..REKV_CLIENT_KEY_MAX printable ASCII characters without spaces. */
+static int key_valid(const char *k)
+{
+    size_t n = 0;
+    for (; k[n]; n++)
+        if (n >= REKV_CLIENT_KEY_MAX || (uint8_t)k[n] <= 0x20 || (uint8_t)k[n] >= 0x7f)
+            return 0;
+    return n > 0;
+}
+
+/* A Submit whose key names a job we remember: the reply names that job, and a streaming client
+ * is subscribed to it (an event with every token so far, then the rest). */
+static void submit_duplicate(rekv_coordinator *co, const rid *from, uint64_t rq,
+                             const Rekv__Control__Submit *s, job *j)
+{
+    Rekv__Control__SubmitReply sr = REKV__CONTROL__SUBMIT_REPLY__INIT;
+    sr.job = j->id;
+    sr.prompt_tokens = j->n_prompt;
+    sr.queue_depth = co->n_queue;
+    sr.duplicate = 1;
+    Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
+    r.id = rq;
+    r.body_case = REKV__CONTROL__RESPONSE__BODY_SUBMITTED;
+    r.submitted = &sr;
+    /* a job accepted this round is not accepted until its record is synced: this reply waits
+     * for the same sync and fails with it */
+    size_t at = co->n_replies;
+    co_reply_add(co, from, &r, j->unsynced ? j : NULL);
+    if (co->n_replies > at)
+        co->replies[at].dup = 1;
+    if (s->stream)
+        do_stream(co, from, rq, j->id);
+}
+
 static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
                       const Rekv__Control__Submit *s)
 {
+    const char *key = s->client_key && *s->client_key ? s->client_key : NULL;
+    if (key && !key_valid(key)) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "client_key must be 1 to %d printable ASCII characters without spaces",
+                    REKV_CLIENT_KEY_MAX);
+        return;
+    }
+    if (key) {
+        /* before every other check: a retry of an accepted job is answered even when the queue
+         * is full now */
+        job *dup = co_job_by_key(co, key);
+        if (dup) {
+            submit_duplicate(co, from, rq, s, dup);
+            return;
+        }
+    }
     int has_text = s->prompt_text && *s->prompt_text;
     if (has_text == (s->n_prompt_ids > 0)) {
         reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
@@ -121,9 +174,18 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
                     "temperature must be in [0, 100] and top_p in (0, 1]");
         return;
     }
-    if (s->top_logits > 1024) {
+    /* a job's top logits live in memory until it is forgotten and in its journal record */
+    if (s->top_logits > REKV_TOP_LOGITS_MAX) {
         reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "top_logits must be at most 1024");
+                    "top_logits %u is above the limit of %u", s->top_logits, REKV_TOP_LOGITS_MAX);
+        return;
+    }
+    if ((uint64_t)s->top_logits * s->max_new_tokens > REKV_TOP_LOGITS_MAX_ENTRIES) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logits x max_new_tokens = %llu is above the limit of %u (ask for fewer "
+                    "top logits or fewer tokens)",
+                    (unsigned long long)s->top_logits * s->max_new_tokens,
+                    REKV_TOP_LOGITS_MAX_ENTRIES);
         return;
     }
     if (s->max_new_tokens > co->cfg.max_new_limit) {
@@ -210,6 +272,12 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
         j->n_subs = 1;
     }
     rekv_err err = {0};
+    if (key && co_job_set_key(co, j, key)) {
+        co_queue_remove(co, j);
+        co_job_free(co, j);
+        reply_error(co, from, rq, REKV__CONTROL__CODE__INTERNAL, "out of memory");
+        return;
+    }
     if (co_journal_accepted(co, j, &err)) {
         co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
         co_queue_remove(co, j);
@@ -218,6 +286,7 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
         return;
     }
     co->accepted++;
+    j->unsynced = 1;
     Rekv__Control__SubmitReply sr = REKV__CONTROL__SUBMIT_REPLY__INIT;
     sr.job = j->id;
     sr.prompt_tokens = (uint32_t)n;
@@ -229,13 +298,29 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
     co_reply_add(co, from, &r, j);
 }
 
+/* NOT_FOUND for a job we do not have: ids below the next one were handed out and the job has
+ * ended and been forgotten (only the last --keep-finished jobs, --keep-finished-bytes of results,
+ * are kept), or (rarely) its Submit failed after the id was taken. */
+static void not_found(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id)
+{
+    if (id >= 1 && id < co->next_id)
+        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND,
+                    "job %llu is no longer remembered: it ended and was forgotten (the "
+                    "coordinator keeps the last %u finished jobs and at most %llu bytes of their "
+                    "results: --keep-finished, --keep-finished-bytes)",
+                    (unsigned long long)id, co->cfg.keep_finished,
+                    (unsigned long long)co->cfg.keep_finished_bytes);
+    else
+        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
+                    (unsigned long long)id);
+}
+
 static void do_status(rekv_coordinator *co, const rid *from, uint64_t rq,
                       const Rekv__Control__StatusRequest *s)
 {
     job *j = co_job_find(co, s->job);
     if (j == NULL) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
-                    (unsigned long long)s->job);
+        not_found(co, from, rq, s->job);
         return;
     }
     Rekv__Control__JobStatus st;
@@ -257,8 +342,7 @@ static void do_cancel(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
 {
     job *j = co_job_find(co, id);
     if (j == NULL) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
-                    (unsigned long long)id);
+        not_found(co, from, rq, id);
         return;
     }
     if (j->state == REKV__CONTROL__JOB_STATE__RUNNING && j->worker >= 0) {
@@ -286,8 +370,7 @@ static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
 {
     job *j = co_job_find(co, id);
     if (j == NULL) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__NOT_FOUND, "no job %llu",
-                    (unsigned long long)id);
+        not_found(co, from, rq, id);
         return;
     }
     /* the first event carries every token so far, sent at once; later ones come per step */
@@ -420,31 +503,27 @@ out:
     return 1;
 }
 
-/* Reads a round of requests, makes the accepted ones durable with one sync, then answers. */
+/* Reads a round of requests, makes the accepted jobs (and every job ended so far) durable with
+ * one sync, answers, then reports the ended jobs to their subscribers. */
 void co_handle_control(rekv_coordinator *co)
 {
     co->n_replies = 0;
     size_t n = 0;
     while (n < READ_BATCH && read_control(co))
         n++;
-    int synced_ok = 1;
+    int synced_ok = 1, need = co->pend_head != NULL;
     rekv_err err = {0};
-    for (size_t i = 0; i < co->n_replies; i++)
-        if (co->replies[i].accepted) {
-            if (co->journal && rekv_journal_sync(co->journal, &err)) {
-                co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
-                synced_ok = 0;
-            }
-            break;
-        }
+    for (size_t i = 0; i < co->n_replies && !need; i++)
+        need = co->replies[i].accepted != NULL;
+    if (need && co->journal && rekv_journal_sync(co->journal, &err)) {
+        co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
+        synced_ok = 0;
+    }
     for (size_t i = 0; i < co->n_replies; i++) {
         reply *rp = &co->replies[i];
         if (rp->accepted && !synced_ok) {
-            /* not durable, so not accepted: take it back and say so */
-            job *j = rp->accepted;
-            co_queue_remove(co, j);
-            co_job_free(co, j);
-            co->accepted--;
+            /* not durable, so not accepted: take it back (below) and say so */
+            co->accepted -= rp->dup ? 0 : 1;
             free(rp->buf);
             Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
             r.id = rp->req_id;
@@ -457,5 +536,17 @@ void co_handle_control(rekv_coordinator *co)
         co_send_to(co->ctl, &rp->to, rp->buf, rp->len);
         free(rp->buf);
     }
+    for (size_t i = 0; i < co->n_replies; i++) {
+        job *j = co->replies[i].accepted;
+        if (j == NULL || co->replies[i].dup)
+            continue;
+        j->unsynced = 0;
+        /* a job cancelled in the round it came in has ended and is reported as such */
+        if (!synced_ok && !j->end_pending) {
+            co_queue_remove(co, j);
+            co_job_free(co, j);
+        }
+    }
     co->n_replies = 0;
+    co_jobs_report_ended(co);
 }

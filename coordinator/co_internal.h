@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/ratelimit.h"
 #include "coordinator/co_plan.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/journal.h"
@@ -19,9 +20,21 @@
 #define MAX_WORKERS 16
 #define MAX_SUBS 4     /* stream subscribers per job */
 #define MAX_RID 256    /* ZeroMQ routing ids are at most 255 bytes */
-#define READ_BATCH 512 /* control requests read (and journaled with one sync) per round */
+#define READ_BATCH 512 /* control requests read (and journaled with one sync) per round; each
+                        * gets at most two replies (a repeated streaming Submit) */
 #define HASH_BUCKETS 4096
 #define RATE_SLOTS 8 /* one-second samples of the token counter for tokens/s */
+
+/* Log lines a peer can cause once per message: each call site logs at most once a second
+ * (co_event_rl), saying how many it held back. */
+typedef enum co_rl_site {
+    CO_RL_WORKER_MALFORMED, /* a message on the worker socket we cannot read */
+    CO_RL_WORKER_SEND,      /* a send to a worker failed */
+    CO_RL_WORKER_REFUSED,   /* a Hello refused */
+    CO_RL_WORKER_HELLO,     /* a Hello's max_batch capped */
+    CO_RL_WORKER_REPLY,     /* a Progress with tokens outside the vocabulary */
+    CO_RL_COUNT
+} co_rl_site;
 
 typedef struct rid {
     uint8_t b[MAX_RID]; /* routing id bytes */
@@ -64,6 +77,11 @@ typedef struct job {
     int n_subs;
     int queued_pos;    /* index in the queue while QUEUED, else -1 */
     struct job *hnext; /* hash chain */
+    char *key;         /* Submit.client_key (malloc'd), NULL when none */
+    struct job *knext; /* key hash chain */
+    int unsynced;      /* accepted this round, its record not yet synced */
+    int end_pending;   /* ended, its finished record not yet synced: not reported yet */
+    struct job *pnext; /* list of jobs with end_pending, in the order they ended */
 } job;
 
 typedef struct worker {
@@ -90,6 +108,7 @@ typedef struct reply {
     size_t len;
     uint64_t req_id; /* the request's id */
     job *accepted;   /* a Submit waiting for the journal sync, else NULL */
+    int dup;         /* accepted is another request's job (a repeated client key) */
 } reply;
 
 struct rekv_coordinator {
@@ -105,10 +124,14 @@ struct rekv_coordinator {
     char model_name[256];
 
     job *hash[HASH_BUCKETS];
+    job *khash[HASH_BUCKETS]; /* jobs with a client key, by the key's hash */
+    job *pend_head;           /* ended jobs waiting for the journal sync (job.pnext) */
+    job **pend_tail;
     job **queue; /* QUEUED jobs, unordered (picked by priority, then order) */
     uint32_t n_queue, cap_queue;
     job **finished; /* ring of finished jobs kept for Status, oldest first */
     uint32_t fin_head, n_fin;
+    uint64_t fin_bytes; /* their results' bytes (co_job_result_bytes), at most keep_finished_bytes */
     uint64_t next_id, next_order;
     worker workers[MAX_WORKERS];
     uint64_t session;
@@ -119,6 +142,10 @@ struct rekv_coordinator {
     /* counters */
     uint64_t n_running, n_done, n_cancelled, n_failed, accepted, rejected_busy, bad_requests,
         requeued, tokens, steps;
+    uint64_t evicted;            /* finished jobs forgotten (keep_finished, keep_finished_bytes) */
+    uint64_t worker_malformed;   /* worker-socket messages we could not read */
+    uint64_t worker_rejected;    /* job results refused (tokens outside the vocabulary) */
+    rekv_ratelimit rl[CO_RL_COUNT];
     double rtt_sum, wstep_sum;
     uint64_t counters[8]; /* h2d weights, kv, act, d2h, recomputed, fetched; infinigen's
                            * considered and selected (Counters) */
@@ -127,6 +154,7 @@ struct rekv_coordinator {
     uint32_t rate_i;
     uint64_t start_ns;
     rekv_metrics_server *metrics; /* the scrape port; NULL when not configured */
+    int lock_fd[3]; /* flock'd: <control socket>.lock, <worker socket>.lock, <state_dir>/lock */
 };
 
 /* ---------------------------------------------------------------- coordinator.c */
@@ -134,6 +162,10 @@ struct rekv_coordinator {
 /* Reports a notable event through cfg.on_event (a no-op without one). */
 void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* co_event at most once a second for this call site, with "(N similar messages suppressed)"
+ * when lines were held back since the last one. */
+void co_event_rl(rekv_coordinator *co, co_rl_site site, rekv_co_event lvl, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 /* CLOCK_REALTIME in seconds (when a job was accepted). */
 double co_realtime_s(void);
 /* Sends one message to a peer of a ROUTER socket without blocking; 0 or -errno. */
@@ -143,6 +175,10 @@ int co_send_to(void *sock, const rid *to, const void *buf, size_t len);
 
 job *co_job_find(rekv_coordinator *co, uint64_t id);
 job *co_job_new(rekv_coordinator *co, uint64_t id);
+/* The job remembered under a client key, or NULL. */
+job *co_job_by_key(rekv_coordinator *co, const char *key);
+/* Gives j the key (copied) and files it under it; 0 or -ENOMEM. */
+int co_job_set_key(rekv_coordinator *co, job *j, const char *key);
 void co_job_free(rekv_coordinator *co, job *j);
 /* Queues a job (QUEUED); 0 or -ENOMEM. */
 int co_queue_push(rekv_coordinator *co, job *j);
@@ -150,8 +186,16 @@ void co_queue_remove(rekv_coordinator *co, job *j);
 job *co_queue_pop(rekv_coordinator *co);
 /* Room for n generated tokens (and their top logits); 0 or -ENOMEM. */
 int co_gen_reserve(job *j, uint32_t n);
+/* Ends a job: its finished record is appended, and it is reported (subscribers, the finished
+ * ring) only by the next co_jobs_sync, after the record is durable. */
 void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const char *reason,
                 const char *error);
+/* Makes the records appended so far durable (one fdatasync) and then reports the jobs that
+ * ended since the last call. Returns 0, or the sync's negative errno (the jobs are reported
+ * anyway: the error is logged, and a restart may run them again). */
+int co_jobs_sync(rekv_coordinator *co, rekv_err *err);
+/* Reports the ended jobs (streams, finished ring) without a sync: the caller synced. */
+void co_jobs_report_ended(rekv_coordinator *co);
 void co_job_requeue(rekv_coordinator *co, job *j, const char *why);
 /* A job's JobStatus, pointing into the job (valid while it lives). */
 void co_status_fill(const job *j, Rekv__Control__JobStatus *s);

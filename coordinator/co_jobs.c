@@ -1,7 +1,9 @@
-/* co_jobs.c — the coordinator's job table: jobs by id, the queue of waiting jobs (picked by
- * priority, then arrival), the ring of finished jobs kept for Status, a job's end, and its
- * re-queueing when its worker dies; and the journal that makes accepted jobs survive a restart
- * (a record on acceptance and on end, the replay on start, the compact rewrite). */
+/* co_jobs.c — the coordinator's job table: jobs by id and by client key, the queue of waiting
+ * jobs (picked by priority, then arrival), the ring of finished jobs kept for Status, a job's end,
+ * and its re-queueing when its worker dies; and the journal that makes jobs run once across
+ * restarts: a record on acceptance (synced before the Submit is answered) and on end (synced
+ * before the end is reported to anyone: co_job_end only queues the job for co_jobs_sync), the
+ * replay on start, the compact rewrite. */
 #include "coordinator/co_internal.h"
 
 #include <errno.h>
@@ -19,6 +21,33 @@ job *co_job_find(rekv_coordinator *co, uint64_t id)
         if (j->id == id)
             return j;
     return NULL;
+}
+
+/* FNV-1a */
+static uint32_t key_hash(const char *k)
+{
+    uint32_t h = 2166136261u;
+    for (; *k; k++)
+        h = (h ^ (uint8_t)*k) * 16777619u;
+    return h % HASH_BUCKETS;
+}
+
+job *co_job_by_key(rekv_coordinator *co, const char *key)
+{
+    for (job *j = co->khash[key_hash(key)]; j; j = j->knext)
+        if (strcmp(j->key, key) == 0)
+            return j;
+    return NULL;
+}
+
+int co_job_set_key(rekv_coordinator *co, job *j, const char *key)
+{
+    if ((j->key = strdup(key)) == NULL)
+        return -ENOMEM;
+    uint32_t b = key_hash(key);
+    j->knext = co->khash[b];
+    co->khash[b] = j;
+    return 0;
 }
 
 job *co_job_new(rekv_coordinator *co, uint64_t id)
@@ -44,6 +73,14 @@ void co_job_free(rekv_coordinator *co, job *j)
         pp = &(*pp)->hnext;
     if (*pp)
         *pp = j->hnext;
+    if (j->key) {
+        pp = &co->khash[key_hash(j->key)];
+        while (*pp && *pp != j)
+            pp = &(*pp)->knext;
+        if (*pp)
+            *pp = j->knext;
+        free(j->key);
+    }
     free(j->prompt);
     free(j->gen);
     free(j->top_ids);
@@ -94,18 +131,32 @@ job *co_queue_pop(rekv_coordinator *co)
     return best;
 }
 
-/* Remembers a finished job for Status, forgetting the oldest beyond keep_finished. */
+/* What a finished job's result holds in memory: its ids and top logits (capacity). */
+static uint64_t result_bytes(const job *j)
+{
+    return (uint64_t)j->cap_gen * (sizeof(int32_t) + (uint64_t)j->top_logits * 8) + sizeof(job) +
+           (j->error ? strlen(j->error) : 0) + (j->key ? strlen(j->key) : 0);
+}
+
+/* Remembers a finished job for Status, forgetting the oldest beyond keep_finished jobs or
+ * keep_finished_bytes of results (the newest is kept whatever its size). A forgotten job's Status
+ * says so (co_control.c), and its client key names no job any more. */
 static void finished_push(rekv_coordinator *co, job *j)
 {
     uint32_t cap = co->cfg.keep_finished;
-    if (co->n_fin == cap) {
+    uint64_t add = result_bytes(j);
+    while (co->n_fin > 0 &&
+           (co->n_fin == cap || co->fin_bytes + add > co->cfg.keep_finished_bytes)) {
         job *old = co->finished[co->fin_head];
         co->fin_head = (co->fin_head + 1) % cap;
         co->n_fin--;
+        co->fin_bytes -= result_bytes(old);
+        co->evicted++;
         co_job_free(co, old);
     }
     co->finished[(co->fin_head + co->n_fin) % cap] = j;
     co->n_fin++;
+    co->fin_bytes += add;
 }
 
 int co_gen_reserve(job *j, uint32_t n)
@@ -138,7 +189,8 @@ int co_gen_reserve(job *j, uint32_t n)
 
 static void journal_finished(rekv_coordinator *co, job *j);
 
-/* Ends a job (DONE, CANCELLED or FAILED): journal, subscribers, the finished ring. */
+/* Ends a job (DONE, CANCELLED or FAILED): its finished record is appended now; subscribers and
+ * the finished ring learn of it in co_jobs_sync, once the record is durable. */
 void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const char *reason,
                 const char *error)
 {
@@ -160,11 +212,41 @@ void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const 
     else
         co->n_failed++;
     journal_finished(co, j);
-    co_stream_flush(co, j);
     /* the prompt is no longer needed; only the result is kept */
     free(j->prompt);
     j->prompt = NULL;
-    finished_push(co, j);
+    if (!j->end_pending) {
+        j->end_pending = 1;
+        j->pnext = NULL;
+        if (co->pend_head == NULL)
+            co->pend_tail = &co->pend_head;
+        *co->pend_tail = j;
+        co->pend_tail = &j->pnext;
+    }
+}
+
+void co_jobs_report_ended(rekv_coordinator *co)
+{
+    job *j = co->pend_head;
+    co->pend_head = NULL;
+    co->pend_tail = &co->pend_head;
+    while (j) {
+        job *next = j->pnext;
+        j->end_pending = 0;
+        j->pnext = NULL;
+        co_stream_flush(co, j);
+        finished_push(co, j);
+        j = next;
+    }
+}
+
+int co_jobs_sync(rekv_coordinator *co, rekv_err *err)
+{
+    int rc = 0;
+    if (co->pend_head && co->journal)
+        rc = rekv_journal_sync(co->journal, err);
+    co_jobs_report_ended(co);
+    return rc;
 }
 
 /* Puts a running job back in the queue after its worker died, or fails it after max_attempts. */
@@ -244,6 +326,7 @@ int co_journal_accepted(rekv_coordinator *co, job *j, rekv_err *err)
     rec.body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_ACCEPTED;
     rec.accepted = &s;
     rec.accepted_at = j->accepted_at;
+    rec.client_key = j->key ? j->key : "";
     return rekv_journal_append(co->journal, &rec, err);
 }
 
@@ -258,6 +341,7 @@ static void journal_finished(rekv_coordinator *co, job *j)
     rec.body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED;
     rec.finished = &s;
     rec.accepted_at = j->accepted_at;
+    rec.client_key = j->key ? j->key : "";
     rekv_err err = {0};
     if (rekv_journal_append(co->journal, &rec, &err))
         co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
@@ -267,6 +351,10 @@ static void journal_finished(rekv_coordinator *co, job *j)
 int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
 {
     rekv_coordinator *co = ctx;
+    if (rec->next_id > co->next_id)
+        co->next_id = rec->next_id;
+    if (rec->body_case == REKV__CONTROL__JOURNAL_RECORD__BODY__NOT_SET)
+        return 0;
     job *j = co_job_find(co, rec->job);
     if (rec->body_case == REKV__CONTROL__JOURNAL_RECORD__BODY_ACCEPTED && rec->accepted) {
         if (j)
@@ -291,6 +379,9 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         j->priority = s->priority;
         j->accepted_at = rec->accepted_at;
         co->accepted++;
+        if (rec->client_key && *rec->client_key && co_job_by_key(co, rec->client_key) == NULL &&
+            co_job_set_key(co, j, rec->client_key))
+            return -ENOMEM;
         return co_queue_push(co, j);
     }
     if (rec->body_case == REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED && rec->finished) {
@@ -298,6 +389,9 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         if (j && j->end_ns)
             return 0; /* already finished: a duplicate record */
         if (j == NULL && (j = co_job_new(co, rec->job)) == NULL)
+            return -ENOMEM;
+        if (j->key == NULL && rec->client_key && *rec->client_key &&
+            co_job_by_key(co, rec->client_key) == NULL && co_job_set_key(co, j, rec->client_key))
             return -ENOMEM;
         co_queue_remove(co, j);
         j->top_logits = s->top_logits;
@@ -335,28 +429,35 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
     return 0;
 }
 
-/* Rewrites the journal with what a replay needs: unfinished jobs, then the remembered finished. */
+/* Rewrites the journal with what a replay needs: the next job id, then every job the
+ * coordinator remembers (unfinished ones as accepted records, the others as finished ones). */
 int co_journal_compact(rekv_coordinator *co, rekv_err *err)
 {
-    size_t n = co->n_queue + co->n_running + co->n_fin, k = 0;
-    Rekv__Control__JournalRecord *recs = calloc(n ? n : 1, sizeof(*recs));
-    Rekv__Control__JournalRecord **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
-    Rekv__Control__Submit *subs = calloc(n ? n : 1, sizeof(*subs));
-    Rekv__Control__Sampling *smps = calloc(n ? n : 1, sizeof(*smps));
-    Rekv__Control__JobStatus *sts = calloc(n ? n : 1, sizeof(*sts));
+    size_t n = 1, k = 0;
+    for (size_t b = 0; b < HASH_BUCKETS; b++)
+        for (job *j = co->hash[b]; j; j = j->hnext)
+            n++;
+    Rekv__Control__JournalRecord *recs = calloc(n, sizeof(*recs));
+    Rekv__Control__JournalRecord **ptrs = calloc(n, sizeof(*ptrs));
+    Rekv__Control__Submit *subs = calloc(n, sizeof(*subs));
+    Rekv__Control__Sampling *smps = calloc(n, sizeof(*smps));
+    Rekv__Control__JobStatus *sts = calloc(n, sizeof(*sts));
     int rc = 0;
     if (!recs || !ptrs || !subs || !smps || !sts) {
         rc = rekv_errf(err, -ENOMEM, "out of memory compacting the journal");
         goto out;
     }
+    /* ids of forgotten jobs (evicted from the finished ring) are never handed out again */
+    rekv__control__journal_record__init(&recs[0]);
+    recs[0].next_id = co->next_id;
+    ptrs[k++] = &recs[0];
     /* unfinished jobs in id order would be nicer; hash order is fine: replay keys on ids */
     for (size_t b = 0; b < HASH_BUCKETS; b++)
-        for (job *j = co->hash[b]; j; j = j->hnext) {
-            if (k == n)
-                break;
+        for (job *j = co->hash[b]; j && k < n; j = j->hnext) {
             rekv__control__journal_record__init(&recs[k]);
             recs[k].job = j->id;
             recs[k].accepted_at = j->accepted_at;
+            recs[k].client_key = j->key ? j->key : "";
             if (j->state == REKV__CONTROL__JOB_STATE__QUEUED ||
                 j->state == REKV__CONTROL__JOB_STATE__RUNNING) {
                 submit_fill(j, &subs[k], &smps[k]);

@@ -24,6 +24,9 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     s.failed = co->n_failed;
     s.accepted = co->accepted;
     s.rejected_busy = co->rejected_busy;
+    s.finished_forgotten = co->evicted;
+    s.worker_messages_malformed = co->worker_malformed;
+    s.worker_results_rejected = co->worker_rejected;
     s.bad_requests = co->bad_requests;
     s.requeued = co->requeued;
     s.tokens = co->tokens;
@@ -110,6 +113,13 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
          (double)co->bad_requests},
         {"rekv_jobs_requeued_total", "counter", "Jobs put back after their worker died.",
          (double)co->requeued},
+        {"rekv_jobs_forgotten_total", "counter",
+         "Finished jobs forgotten (--keep-finished, --keep-finished-bytes).", (double)co->evicted},
+        {"rekv_worker_messages_malformed_total", "counter",
+         "Messages on the worker socket that could not be read.", (double)co->worker_malformed},
+        {"rekv_worker_results_rejected_total", "counter",
+         "Job results refused from workers (token ids outside the vocabulary).",
+         (double)co->worker_rejected},
         {"rekv_tokens_generated_total", "counter", "Generated tokens, all workers.",
          (double)co->tokens},
         {"rekv_tokens_per_second", "gauge", "Generated tokens per second over the last ~5 s.",

@@ -25,7 +25,8 @@ void co_send_worker(rekv_coordinator *co, worker *w, Rekv__Worker__CoordMsg *m)
     rekv__worker__coord_msg__pack(m, buf);
     int rc = co_send_to(co->wrk, &w->id, buf, n);
     if (rc)
-        co_event(co, REKV_CO_EVENT_WARN, "send to worker %s: %s", w->name, zmq_strerror(-rc));
+        co_event_rl(co, CO_RL_WORKER_SEND, REKV_CO_EVENT_WARN, "send to worker %s: %s", w->name,
+                    zmq_strerror(-rc));
     free(buf);
 }
 
@@ -73,11 +74,35 @@ static void worker_assign(rekv_coordinator *co, const rid *id, const Rekv__Worke
     co_event(co, REKV_CO_EVENT_INFO, "worker %s: mode auto: %s (%s)", tmp.name, a.mode, why);
 }
 
+/* Tells a worker whose Hello we refuse to stop (it could never be served), and says why. */
+static void worker_refuse(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h,
+                          const char *why)
+{
+    Rekv__Worker__Shutdown sd = REKV__WORKER__SHUTDOWN__INIT;
+    Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_SHUTDOWN;
+    cm.shutdown = &sd;
+    worker tmp = {0};
+    tmp.id = *id;
+    snprintf(tmp.name, sizeof(tmp.name), "%s", h->name ? h->name : "?");
+    co_send_worker(co, &tmp, &cm);
+    co_event_rl(co, CO_RL_WORKER_REFUSED, REKV_CO_EVENT_WARN, "worker %s refused: %s", tmp.name,
+                why);
+}
+
 static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
 {
     worker *w = worker_find(co, id);
     if (w) /* it reset itself: whatever it ran is gone */
         worker_drop(co, w, "said Hello again");
+    /* the vocabulary bounds every token id the worker returns: it must be the model's */
+    char why[256];
+    if (h->vocab == 0 || (co->have_model && h->vocab != (uint32_t)co->mcfg.vocab)) {
+        snprintf(why, sizeof(why), "its vocabulary of %u tokens is not the model's (%d)", h->vocab,
+                 co->have_model ? co->mcfg.vocab : -1);
+        worker_refuse(co, id, h, why);
+        return;
+    }
     if (h->mode && strcmp(h->mode, "auto") == 0) {
         worker_assign(co, id, h);
         return;
@@ -86,11 +111,19 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
         if (!co->workers[i].active)
             w = &co->workers[i];
     if (w == NULL) {
-        co_event(co, REKV_CO_EVENT_WARN, "worker %s refused: already %d workers", h->name,
-                 MAX_WORKERS);
+        snprintf(why, sizeof(why), "already %d workers", MAX_WORKERS);
+        worker_refuse(co, id, h, why);
         return;
     }
+    /* the batch is the worker's promise of room; the coordinator's tables for it are sized by it,
+     * so a larger claim is capped (a worker with room for more runs fewer: always valid) */
     uint32_t mb = h->max_batch ? h->max_batch : 1;
+    if (mb > REKV_WORKER_MAX_BATCH) {
+        co_event_rl(co, CO_RL_WORKER_HELLO, REKV_CO_EVENT_WARN,
+                    "worker %s says max_batch %u; it gets at most %u jobs at once", h->name,
+                    mb, REKV_WORKER_MAX_BATCH);
+        mb = REKV_WORKER_MAX_BATCH;
+    }
     w->run = calloc(mb, sizeof(job *));
     w->cancel = calloc(mb, sizeof(uint64_t));
     if (!w->run || !w->cancel) {
@@ -216,6 +249,17 @@ void co_schedule(rekv_coordinator *co)
     }
 }
 
+/* 1 when every id is in [0, vocab); else 0 with the first one outside in *bad. */
+static int ids_valid(const int32_t *ids, size_t n, uint32_t vocab, int32_t *bad)
+{
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (uint32_t)ids[i] >= vocab) {
+            *bad = ids[i];
+            return 0;
+        }
+    return 1;
+}
+
 static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker__Progress *p)
 {
     if (!w->busy || p->step != w->step)
@@ -246,6 +290,22 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         job *j = w->run[k];
         size_t tk = j->top_logits;
         int with_top = tk && jp->n_top_ids == jp->n_tokens * tk && jp->n_top_vals == jp->n_top_ids;
+        /* every id must be in the vocabulary, or none of the step's output is taken: the job is
+         * dropped on that worker and re-queued (failed after max_attempts), never given garbage */
+        int32_t bad;
+        if (!ids_valid(jp->tokens, jp->n_tokens, w->vocab, &bad) ||
+            (with_top && !ids_valid(jp->top_ids, jp->n_top_ids, w->vocab, &bad))) {
+            char why[256];
+            snprintf(why, sizeof(why), "worker %s returned token id %d, outside the vocabulary "
+                     "of %u", w->name, bad, w->vocab);
+            co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
+                        (unsigned long long)j->id, why);
+            co->worker_rejected++;
+            w->run[k] = w->run[--w->n_run];
+            w->cancel[w->n_cancel++] = j->id; /* n_cancel + n_run <= max_batch */
+            co_job_requeue(co, j, why);
+            continue;
+        }
         for (size_t t = 0; t < jp->n_tokens && j->n_gen < j->max_new; t++) {
             if (co_gen_reserve(j, j->n_gen + 1))
                 break;
@@ -263,9 +323,11 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         int end = jp->finished || jp->error;
         if (end) {
             w->run[k] = w->run[--w->n_run];
+            char msg[256]; /* a worker's reason, bounded: it is kept and journaled */
+            snprintf(msg, sizeof(msg), "%s",
+                     jp->error_msg && *jp->error_msg ? jp->error_msg : "the worker failed");
             if (jp->error)
-                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "",
-                           jp->error_msg && *jp->error_msg ? jp->error_msg : "the worker failed");
+                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
             else
                 co_job_end(co, j, REKV__CONTROL__JOB_STATE__DONE, jp->finish_reason, NULL);
         } else {
@@ -291,17 +353,23 @@ void co_handle_worker_msg(rekv_coordinator *co)
         else
             zmq_msg_close(&m);
     }
-    if (nf != 2 || zmq_msg_size(&f[0]) > MAX_RID)
+    if (nf == 0)
+        return; /* nothing to read */
+    if (nf != 2 || zmq_msg_size(&f[0]) > MAX_RID) {
+        co->worker_malformed++;
+        co_event_rl(co, CO_RL_WORKER_MALFORMED, REKV_CO_EVENT_WARN,
+                    "worker socket: a malformed message or another protocol version; ignored");
         goto out;
+    }
     rid id;
     id.n = zmq_msg_size(&f[0]);
     memcpy(id.b, zmq_msg_data(&f[0]), id.n);
     Rekv__Worker__WorkerMsg *m =
         rekv__worker__worker_msg__unpack(NULL, zmq_msg_size(&f[1]), zmq_msg_data(&f[1]));
     if (m == NULL || m->version != REKV_WORKER_PROTO_VERSION) {
-        co_event(co, REKV_CO_EVENT_WARN,
-                 "worker socket: a malformed message or another protocol "
-                 "version; ignored");
+        co->worker_malformed++;
+        co_event_rl(co, CO_RL_WORKER_MALFORMED, REKV_CO_EVENT_WARN,
+                    "worker socket: a malformed message or another protocol version; ignored");
         if (m)
             rekv__worker__worker_msg__free_unpacked(m, NULL);
         goto out;

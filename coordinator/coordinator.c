@@ -13,7 +13,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/eventfd.h>
+#include <sys/file.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -23,7 +25,8 @@
 #include "common/clock.h"
 #include "coordinator/co_internal.h"
 
-#define COMPACT_RECORDS 8192 /* rewrite the journal after this many appends */
+#define COMPACT_RECORDS 8192       /* rewrite the journal after this many appends */
+#define COMPACT_BYTES (64ull << 20) /* or these many bytes beyond twice the finished jobs' */
 
 void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
 {
@@ -37,11 +40,28 @@ void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
     co->cfg.on_event(co->cfg.ctx, lvl, msg);
 }
 
+void co_event_rl(rekv_coordinator *co, co_rl_site site, rekv_co_event lvl, const char *fmt, ...)
+{
+    uint64_t held = 0;
+    if (!rekv_ratelimit_allow(&co->rl[site], rekv_now_ns(), REKV_RATELIMIT_INTERVAL_NS, &held))
+        return;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    if (held)
+        co_event(co, lvl, "%s (%llu similar messages suppressed)", msg, (unsigned long long)held);
+    else
+        co_event(co, lvl, "%s", msg);
+}
+
 void rekv_coordinator_config_defaults(rekv_coordinator_config *cfg)
 {
     memset(cfg, 0, sizeof(*cfg));
     cfg->queue_limit = 256;
     cfg->keep_finished = 1024;
+    cfg->keep_finished_bytes = 64ull << 20;
     cfg->worker_timeout_ms = 30000;
     cfg->max_attempts = 3;
     cfg->max_new_limit = 1u << 20;
@@ -69,6 +89,14 @@ int co_send_to(void *sock, const rid *to, const void *buf, size_t len)
 }
 
 /* ---------------------------------------------------------------- loop */
+
+static void sync_ended(rekv_coordinator *co)
+{
+    rekv_err e = {0};
+    if (co_jobs_sync(co, &e))
+        co_event(co, REKV_CO_EVENT_ERROR, "%s (finished jobs reported anyway; a restart may run "
+                 "them again)", e.msg);
+}
 
 int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
 {
@@ -110,10 +138,14 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
                 if (zmq_getsockopt(co->wrk, ZMQ_EVENTS, &ev, &sz) || !(ev & ZMQ_POLLIN))
                     break;
             }
+        /* jobs that ended are reported only once their records are synced: after the workers'
+         * messages, inside the control round (before its replies), and after scheduling */
+        sync_ended(co);
         if (r > 0 && (it[0].revents & ZMQ_POLLIN))
             co_handle_control(co);
         co_check_workers(co);
         co_schedule(co);
+        sync_ended(co);
         if (co->metrics) { /* after co_schedule: a scrape sees this round's state */
             for (int k = 0; k < m_n; k++)
                 m_rev[k] = r > 0 ? it[m_at + k].revents : 0;
@@ -126,7 +158,11 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
             co->rate_tokens[co->rate_i] = co->tokens;
             co->rate_ns[co->rate_i] = now;
         }
-        if (co->journal && rekv_journal_records(co->journal) > COMPACT_RECORDS) {
+        /* by records, and by bytes: finished records carry results, and the journal holds no
+         * more than the remembered ones after a rewrite */
+        if (co->journal && (rekv_journal_records(co->journal) > COMPACT_RECORDS ||
+                            rekv_journal_bytes(co->journal) >
+                                COMPACT_BYTES + 2 * co->cfg.keep_finished_bytes)) {
             rekv_err e2 = {0};
             if (co_journal_compact(co, &e2))
                 co_event(co, REKV_CO_EVENT_ERROR, "%s", e2.msg);
@@ -164,6 +200,69 @@ static int ipc_prepare(const char *ep, char *path, size_t len, rekv_err *err)
     struct stat st;
     if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
         unlink(path);
+    return 0;
+}
+
+/* Takes an exclusive flock on path (created mode 0600, never removed: removing a lock file races
+ * with its next taker) and writes our pid into it; -EBUSY naming the holder when another process
+ * has it. */
+static int lock_take(const char *path, const char *what, int *fd_out, rekv_err *err)
+{
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return rekv_errf(err, -errno, "%s: open: %s", path, strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
+        int e = errno;
+        char pid[32] = {0};
+        ssize_t n = pread(fd, pid, sizeof(pid) - 1, 0);
+        close(fd);
+        if (n > 0 && pid[n - 1] == '\n')
+            pid[n - 1] = '\0';
+        if (e == EWOULDBLOCK)
+            return rekv_errf(err, -EBUSY,
+                             "another rekv-coordinator (pid %s) is using %s: %s is locked",
+                             n > 0 ? pid : "?", what, path);
+        return rekv_errf(err, -e, "%s: flock: %s", path, strerror(e));
+    }
+    char pid[32];
+    int len = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
+    if (ftruncate(fd, 0) < 0 || pwrite(fd, pid, (size_t)len, 0) != len) {
+        /* the lock holds without the pid; only the second one's message is poorer */
+    }
+    *fd_out = fd;
+    return 0;
+}
+
+/* One coordinator per control socket, worker socket and journal: the socket files' locks sit
+ * beside them (<socket>.lock), the journal's in its directory (<state_dir>/lock). Taken before
+ * the journal is replayed and before a stale socket file is removed, so a second coordinator
+ * touches neither. */
+static int lock_paths(rekv_coordinator *co, rekv_err *err)
+{
+    const char *eps[2] = {co->control_ep, co->worker_ep};
+    char path[4300];
+    int rc;
+    for (int i = 0; i < 2; i++) {
+        if (strncmp(eps[i], "ipc://", 6) != 0 || (i == 1 && strcmp(eps[0], eps[1]) == 0))
+            continue;
+        snprintf(path, sizeof(path), "%s", eps[i] + 6);
+        char *slash = strrchr(path, '/');
+        if (slash && slash != path) {
+            *slash = '\0';
+            if (mkdir(path, 0700) < 0 && errno != EEXIST)
+                return rekv_errf(err, -errno, "%s: mkdir: %s", path, strerror(errno));
+        }
+        snprintf(path, sizeof(path), "%s.lock", eps[i] + 6);
+        if ((rc = lock_take(path, eps[i], &co->lock_fd[i], err)))
+            return rc;
+    }
+    if (co->cfg.state_dir) {
+        if (mkdir(co->cfg.state_dir, 0700) < 0 && errno != EEXIST)
+            return rekv_errf(err, -errno, "%s: mkdir: %s", co->cfg.state_dir, strerror(errno));
+        snprintf(path, sizeof(path), "%s/lock", co->cfg.state_dir);
+        if ((rc = lock_take(path, "the journal", &co->lock_fd[2], err)))
+            return rc;
+    }
     return 0;
 }
 
@@ -222,6 +321,8 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         co->cfg.queue_limit = 256;
     if (co->cfg.keep_finished == 0)
         co->cfg.keep_finished = 1024;
+    if (co->cfg.keep_finished_bytes == 0)
+        co->cfg.keep_finished_bytes = 64ull << 20;
     if (co->cfg.worker_timeout_ms == 0)
         co->cfg.worker_timeout_ms = 30000;
     if (co->cfg.max_attempts == 0)
@@ -229,12 +330,14 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
     if (co->cfg.max_new_limit == 0)
         co->cfg.max_new_limit = 1u << 20;
     co->stop_fd = -1;
+    co->lock_fd[0] = co->lock_fd[1] = co->lock_fd[2] = -1;
+    co->pend_tail = &co->pend_head;
     co->start_ns = rekv_now_ns();
     co->session = co->start_ns;
     co->next_id = 1;
     int rc;
     co->finished = calloc(co->cfg.keep_finished, sizeof(job *));
-    co->replies = calloc(READ_BATCH + 1, sizeof(reply));
+    co->replies = calloc(2 * READ_BATCH + 1, sizeof(reply));
     co->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (!co->finished || !co->replies || co->stop_fd < 0) {
         rc = rekv_errf(err, -ENOMEM, "out of memory");
@@ -255,7 +358,7 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         goto fail;
     }
     if ((rc = tcp_check(co->control_ep, cfg->curve_secret, err)) ||
-        (rc = tcp_check(co->worker_ep, cfg->curve_secret, err)))
+        (rc = tcp_check(co->worker_ep, cfg->curve_secret, err)) || (rc = lock_paths(co, err)))
         goto fail;
     if (cfg->model_path) {
         rekv_model *m = NULL;
@@ -323,6 +426,10 @@ void rekv_coordinator_destroy(rekv_coordinator *co)
 {
     if (co == NULL)
         return;
+    /* a clean stop makes the last ends durable too (their reports go nowhere now) */
+    rekv_err e = {0};
+    if (co->journal && co_jobs_sync(co, &e))
+        co_event(co, REKV_CO_EVENT_ERROR, "%s", e.msg);
     if (co->wrk) {
         /* workers drop their batches rather than finish jobs nobody will collect */
         for (int i = 0; i < MAX_WORKERS; i++) {
@@ -361,5 +468,8 @@ void rekv_coordinator_destroy(rekv_coordinator *co)
     free(co->queue);
     free(co->finished);
     free(co->replies);
+    for (int i = 0; i < 3; i++)
+        if (co->lock_fd[i] >= 0)
+            close(co->lock_fd[i]);
     free(co);
 }

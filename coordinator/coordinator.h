@@ -12,9 +12,20 @@
  *
  * Journal: <state_dir>/journal, append-only records [magic u32][len u32][crc32c u32][payload],
  * payload a JournalRecord. An accepted job's record is fdatasync'd before the Submit is answered
- * (one sync per batch of requests read together); a finished job's record is appended without a
- * sync (losing it only runs the job again). On start the journal is replayed — unfinished jobs
- * queue again, a torn last record is cut off — and rewritten compactly.
+ * (one sync per batch of requests read together); a finished job's record is fdatasync'd before
+ * the end is reported to anyone (Status, streams, Cancel's reply: one sync per loop round), so a
+ * job reported finished is never run again. On start the journal is replayed — unfinished jobs
+ * queue again, finished ones are remembered with their tokens, a torn or corrupt tail (the first
+ * record whose frame or CRC32C is wrong, and all after it) is cut off — and rewritten compactly,
+ * beginning with the next job id so that ids are never handed out twice.
+ *
+ * Exactly once: a Submit may carry a client key; a key the coordinator knows (its job queued,
+ * running or among the remembered finished jobs; journaled with it) is answered with that job
+ * instead of a new one, so a client that retries after a lost reply or a restart gets one job.
+ *
+ * One coordinator per path: <control socket>.lock, <worker socket>.lock (ipc://) and
+ * <state_dir>/lock are flock'd before the journal is read or a stale socket file removed; a
+ * second coordinator fails with -EBUSY naming the first one's pid. The lock files stay.
  *
  * Library code: functions return 0 or a negative errno and fill the rekv_err; the server reports
  * notable events through a callback so that only the daemon's main logs. */
@@ -29,6 +40,14 @@
 
 #define REKV_CONTROL_PROTO_VERSION 1u
 #define REKV_WORKER_PROTO_VERSION 1u
+/* Most jobs the coordinator runs on one worker at once; a Hello saying more is capped to it. */
+#define REKV_WORKER_MAX_BATCH 4096u
+/* Largest Submit.top_logits, and largest top_logits x max_new_tokens (a job's top logits, which
+ * the coordinator keeps in memory and journals): larger Submits get BAD_REQUEST. */
+#define REKV_TOP_LOGITS_MAX 64u
+#define REKV_TOP_LOGITS_MAX_ENTRIES (1u << 20)
+/* Longest Submit.client_key. */
+#define REKV_CLIENT_KEY_MAX 128
 /* Largest request the control socket answers normally; larger ones get BAD_REQUEST. */
 #define REKV_CONTROL_MAX_REQUEST (1u << 20)
 
@@ -55,6 +74,8 @@ typedef struct rekv_coordinator_config {
                                    * ":9464"); NULL: no metrics port (coordinator/metrics.h) */
     uint32_t queue_limit;         /* most jobs waiting to run; beyond: BUSY. 0: 256 */
     uint32_t keep_finished;       /* finished jobs remembered for Status; 0: 1024 */
+    uint64_t keep_finished_bytes; /* at most this many bytes of their results (ids, top logits);
+                                   * the oldest are forgotten first. 0: 64 MiB */
     uint32_t worker_timeout_ms;   /* a worker silent this long is dead; 0: 30000 */
     uint32_t max_attempts;        /* starts per job before it fails; 0: 3 */
     uint32_t max_new_limit;       /* largest max_new_tokens accepted; 0: 1 << 20 */

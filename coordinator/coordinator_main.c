@@ -18,11 +18,15 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: rekv-coordinator [--control ENDPOINT] [--workers ENDPOINT] [--state-dir DIR]\n"
-            "         [--model PATH] [--queue N] [--keep-finished N] [--worker-timeout-ms N]\n"
+            "         [--model PATH] [--queue N] [--keep-finished N] [--keep-finished-bytes N]\n"
+            "         [--worker-timeout-ms N]\n"
             "         [--max-attempts N] [--curve-secret-file FILE] [--ready-fd N]\n"
             "         [--metrics HOST:PORT]\n"
             "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
             "beside it, no journal unless --state-dir (or $STATE_DIRECTORY) is given, queue 256.\n"
+            "Finished jobs are remembered for Status (and their client keys honoured) up to\n"
+            "--keep-finished jobs (1024) and --keep-finished-bytes of results (64 MiB), oldest\n"
+            "forgotten first.\n"
             "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
             "--curve-secret-file (a Z85 CurveZMQ secret key).\n");
 }
@@ -49,8 +53,8 @@ int main(int argc, char **argv)
     rekv_coordinator_config_defaults(&cfg);
     const char *curve_file = NULL;
     uint32_t ready_fd = UINT32_MAX;
-    enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_TIMEOUT, O_ATTEMPTS,
-           O_CURVE, O_READY, O_METRICS, O_HELP };
+    enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_KEEP_BYTES, O_TIMEOUT,
+           O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_HELP };
     static const struct option opts[] = {
         {"control", required_argument, 0, O_CONTROL},
         {"workers", required_argument, 0, O_WORKERS},
@@ -58,6 +62,7 @@ int main(int argc, char **argv)
         {"model", required_argument, 0, O_MODEL},
         {"queue", required_argument, 0, O_QUEUE},
         {"keep-finished", required_argument, 0, O_KEEP},
+        {"keep-finished-bytes", required_argument, 0, O_KEEP_BYTES},
         {"worker-timeout-ms", required_argument, 0, O_TIMEOUT},
         {"max-attempts", required_argument, 0, O_ATTEMPTS},
         {"curve-secret-file", required_argument, 0, O_CURVE},
@@ -76,6 +81,14 @@ int main(int argc, char **argv)
         case O_MODEL: cfg.model_path = optarg; break;
         case O_QUEUE: bad = rekv_parse_u32(optarg, &cfg.queue_limit) || cfg.queue_limit == 0; break;
         case O_KEEP: bad = rekv_parse_u32(optarg, &cfg.keep_finished) || cfg.keep_finished == 0; break;
+        case O_KEEP_BYTES: {
+            char *end;
+            errno = 0;
+            unsigned long long v = strtoull(optarg, &end, 10);
+            bad = errno || end == optarg || *end || v == 0 || *optarg == '-';
+            cfg.keep_finished_bytes = v;
+            break;
+        }
         case O_TIMEOUT: bad = rekv_parse_u32(optarg, &cfg.worker_timeout_ms); break;
         case O_ATTEMPTS: bad = rekv_parse_u32(optarg, &cfg.max_attempts); break;
         case O_CURVE: curve_file = optarg; break;

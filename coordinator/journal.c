@@ -21,6 +21,7 @@ struct rekv_journal {
     int dir_fd;       /* its directory, for fsync after a rename */
     char path[4096];  /* <dir>/journal */
     uint64_t records; /* appended since open or the last rewrite */
+    uint64_t bytes;   /* their bytes */
 };
 
 static int write_all(int fd, const void *buf, size_t n)
@@ -159,6 +160,7 @@ int rekv_journal_append(rekv_journal *j, const Rekv__Control__JournalRecord *rec
     if (rc)
         return rekv_errf(err, rc, "%s: write: %s", j->path, strerror(-rc));
     j->records++;
+    j->bytes += len;
     return 0;
 }
 
@@ -200,7 +202,9 @@ int rekv_journal_rewrite(rekv_journal *j, const Rekv__Control__JournalRecord *co
     close(j->fd);
     j->fd = fd;
     j->records = 0;
+    j->bytes = 0;
     return 0;
 }
 
 uint64_t rekv_journal_records(const rekv_journal *j) { return j->records; }
+uint64_t rekv_journal_bytes(const rekv_journal *j) { return j->bytes; }

@@ -29,7 +29,8 @@ int rekv_journal_sync(rekv_journal *j, rekv_err *err);
  * and appends to the new file from then on. */
 int rekv_journal_rewrite(rekv_journal *j, const Rekv__Control__JournalRecord *const *recs, size_t n,
                          rekv_err *err);
-/* Records appended since open or the last rewrite. */
+/* Records appended since open or the last rewrite, and their bytes. */
 uint64_t rekv_journal_records(const rekv_journal *j);
+uint64_t rekv_journal_bytes(const rekv_journal *j);
 
 #endif

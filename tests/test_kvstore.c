@@ -1,7 +1,9 @@
 /* test_kvstore.c — the kvstore daemon and its client library, end to end: the real rekv-kvstore
  * process on real sockets in a temporary directory, real io_uring on real spill files. Covers
- * CRC32C vectors, the block geometry, the API, forced spilling with every byte verified, thousands
- * of random operations from several clients, a spill file that cannot grow (RLIMIT_FSIZE), a
+ * CRC32C vectors, the block geometry, the API, forced spilling with every byte verified, a byte
+ * flipped in the spill file (that block's read-back fails with a CRC error, the rest is intact),
+ * thousands of random operations from several clients, a spill file that cannot grow
+ * (RLIMIT_FSIZE), a
  * client killed with -9 while holding pins, one client used from two threads (a pin held past the
  * lease while the other thread renews), sequence owners (DropOwner, an owner's sequences dropped
  * with its lease), malformed messages, and a clean SIGTERM. Push (--push-backend cpu): copies
@@ -397,6 +399,128 @@ START_TEST(test_spill_readback)
     ck_assert_uint_eq(st.crc_errors, 0);
     ck_assert_uint_eq(st.spill_errors, 0);
     ck_assert_uint_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 320);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
+/* The spill file of the daemon d (unnamed: found through /proc), opened read-write. */
+static int spill_file_fd(kvd *d)
+{
+    char dir[64], link[4300], want[4300];
+    snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)d->pid);
+    snprintf(want, sizeof(want), "%s/", d->spill);
+    DIR *dd = opendir(dir);
+    ck_assert_ptr_nonnull(dd);
+    struct dirent *e;
+    int fd = -1;
+    while (fd < 0 && (e = readdir(dd)) != NULL) {
+        char path[400];
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        ssize_t n = readlink(path, link, sizeof(link) - 1);
+        if (n <= 0)
+            continue;
+        link[n] = '\0';
+        if (strncmp(link, want, strlen(want)) == 0)
+            fd = open(path, O_RDWR);
+    }
+    closedir(dd);
+    ck_assert_msg(fd >= 0, "no spill file among the daemon's open files");
+    return fd;
+}
+
+/* One flipped byte in the spill file, in a block of sequence 1: reading that block back fails
+ * with a CRC32C error (again on a second try: the block is lost, never handed out), every other
+ * block of sequence 1 and every block of sequences 2-4 comes back intact, and the store counts
+ * one CRC error. Which file slot holds which block is found by content (sequence 1 is written
+ * first, spilled once and never read back before the flip, so each of its blocks has one copy). */
+START_TEST(test_spill_corrupt_readback)
+{
+    kvd d;
+    kvd_start(&d, 48, NULL, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 1, 64, 0, 0, NULL, &err), 0);
+    write_blocks(c, 1, 0, 4, 1);
+    for (uint64_t s = 2; s <= 4; s++) {
+        ck_assert_int_eq(rekv_kvstore_seq_create(c, s, NULL), 0);
+        for (int k = 0; k < 10; k++) {
+            int rc = rekv_kvstore_append(c, s, 64, 0, 0, NULL, &err);
+            ck_assert_msg(rc == 0, "append: %s", err.msg);
+            write_blocks(c, s, (uint64_t)k * 4, (uint64_t)k * 4 + 4, (uint32_t)s);
+        }
+    }
+    size_t slot = rekv_kvstore_client_header(c)->slot_bytes;
+    size_t kvb = type_bytes(c, REKV_KV_BLOCK_KV);
+    int fd = spill_file_fd(&d);
+    /* find a file slot holding a block of sequence 1 */
+    uint8_t *buf = malloc(slot), *want = malloc(kvb);
+    int64_t at = -1;
+    uint32_t bad_layer = 0;
+    uint64_t bad_block = 0;
+    uint64_t deadline = rekv_now_ns() + 20000000000ull;
+    while (at < 0) {
+        struct stat st;
+        ck_assert_int_eq(fstat(fd, &st), 0);
+        for (int64_t f = 0; at < 0 && (f + 1) * (int64_t)slot <= st.st_size; f++) {
+            if (pread(fd, buf, slot, f * (off_t)slot) != (ssize_t)slot)
+                continue;
+            for (uint32_t l = 0; l < 2 && at < 0; l++)
+                for (uint64_t b = 0; b < 4 && at < 0; b++) {
+                    fill(want, kvb, 1, l, b, 1);
+                    if (memcmp(buf, want, kvb) == 0) {
+                        at = f;
+                        bad_layer = l;
+                        bad_block = b;
+                    }
+                }
+        }
+        ck_assert_msg(at >= 0 || rekv_now_ns() < deadline, "no block of sequence 1 was spilled");
+        if (at < 0)
+            usleep(10000);
+    }
+    uint8_t byte;
+    off_t off = (off_t)at * (off_t)slot + 100;
+    ck_assert_int_eq(pread(fd, &byte, 1, off), 1);
+    byte ^= 0xff;
+    ck_assert_int_eq(pwrite(fd, &byte, 1, off), 1);
+    ck_assert_int_eq(fdatasync(fd), 0);
+    close(fd);
+    free(buf);
+    free(want);
+
+    /* sequence 1, block by block */
+    uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t l = 0; l < 2; l++)
+            for (uint64_t b = 0; b < 4; b++) {
+                rekv_kv_range r = {1, l, b * 16, (b + 1) * 16};
+                rekv_err_clear(&err);
+                int rc = rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err);
+                if (l == bad_layer && b == bad_block) {
+                    ck_assert_msg(rc < 0, "the corrupt block was handed out");
+                    ck_assert_msg(strstr(err.msg, "CRC32C mismatch") &&
+                                      strstr(err.msg, "sequence 1"),
+                                  "error: %s", err.msg);
+                    continue;
+                }
+                ck_assert_msg(rc == 0, "layer %u block %llu: %s", l, (unsigned long long)b,
+                              err.msg);
+                ck_assert_uint_eq(n, 1);
+                ck_assert_msg(check(arena + pb[0].offset, kvb, 1, l, b, 1),
+                              "seq 1 layer %u block %llu corrupt", l, (unsigned long long)b);
+                ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, NULL), 0);
+            }
+    free(pb);
+    for (uint64_t s = 2; s <= 4; s++)
+        verify_blocks(c, s, 0, 40, (uint32_t)s);
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.crc_errors, 1);
+    ck_assert_uint_eq(st.spill_errors, 0);
     rekv_kvstore_client_close(c);
     kvd_stop(&d);
 }
@@ -1266,6 +1390,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_api_basics);
     tcase_add_test(tc, test_spill_readback);
+    tcase_add_test(tc, test_spill_corrupt_readback);
     tcase_add_test(tc, test_spill_file_full);
     tcase_add_test(tc, test_random_ops);
     tcase_add_test(tc, test_killed_client_loses_pins);

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include "common/clock.h"
@@ -78,6 +79,45 @@ static int call_or_say(rekv_ctl *c, Rekv__Control__Request *rq, Rekv__Control__R
 }
 
 /* ---------------------------------------------------------------- submit */
+
+#define SUBMIT_TRIES 4            /* one Submit and up to three retries with its key */
+#define STREAM_SILENCE_MS 30000   /* no event this long: ask again (same key) */
+
+/* def, or $REKV_TIMEOUT_MS when set (tests make a restart's silence short) */
+static int timeout_ms(int def)
+{
+    const char *env = getenv("REKV_TIMEOUT_MS");
+    long t;
+    if (env && *env && cli_parse_int("REKV_TIMEOUT_MS", env, 1, 3600000, &t) == 0)
+        return (int)t;
+    return def;
+}
+
+int cli_submit_call(rekv_ctl *c, Rekv__Control__Request *rq, char *key, int call_ms, int tries,
+                    Rekv__Control__Response **r, rekv_err *err)
+{
+    call_ms = timeout_ms(call_ms);
+    if (rq->submit->client_key == NULL || *rq->submit->client_key == '\0') {
+        uint8_t rnd[16];
+        if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd))
+            return rekv_errf(err, -EIO, "getrandom: %s", strerror(errno));
+        for (int i = 0; i < 16; i++)
+            snprintf(key + 2 * i, 3, "%02x", rnd[i]);
+        rq->submit->client_key = key;
+    }
+    int rc = 0;
+    for (int i = 0; i < tries; i++) {
+        if (i)
+            fprintf(stderr, "rekv: %s; sending the job again (key %s: it runs once)\n", err->msg,
+                    rq->submit->client_key);
+        rq->id = 0; /* a late reply to an earlier attempt is dropped; the retry's names the job */
+        rekv_err_clear(err);
+        rc = rekv_ctl_call(c, rq, call_ms, r, err);
+        if (rc != -ETIMEDOUT)
+            break;
+    }
+    return rc;
+}
 
 static void submit_usage(FILE *f)
 {
@@ -155,8 +195,13 @@ int cli_submit(int argc, char **argv)
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
     rq.submit = &sub;
-    if (call_or_say(c, &rq, &r))
+    char key[REKV_CLIENT_KEY_MAX + 1];
+    rekv_err err = {0};
+    if (cli_submit_call(c, &rq, key, CALL_TIMEOUT_MS, SUBMIT_TRIES, &r, &err)) {
+        fprintf(stderr, "rekv: %s (is a coordinator running? start one with `rekv run`)\n",
+                err.msg);
         goto out;
+    }
     if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
         rc = fail_response(r);
         goto out;
@@ -180,8 +225,22 @@ int cli_submit(int argc, char **argv)
     for (;;) {
         rekv__control__response__free_unpacked(r, NULL);
         r = NULL;
-        rekv_err err = {0};
-        if (rekv_ctl_recv(c, -1, &r, &err)) {
+        int rc2 = rekv_ctl_recv(c, timeout_ms(STREAM_SILENCE_MS), &r, &err);
+        if (rc2 == -ETIMEDOUT) {
+            /* silence: the coordinator may have restarted and lost the subscription; the same
+             * key subscribes again to the same job (and tells us what happened meanwhile) */
+            rc2 = cli_submit_call(c, &rq, key, CALL_TIMEOUT_MS, SUBMIT_TRIES, &r, &err);
+            if (rc2 == 0 && r->code != REKV__CONTROL__CODE__OK) {
+                rc = fail_response(r);
+                goto out;
+            }
+            if (rc2 == 0) {
+                if (r->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED)
+                    req_id = r->id;
+                continue;
+            }
+        }
+        if (rc2) {
             fprintf(stderr, "rekv: %s\n", err.msg);
             goto out;
         }

@@ -18,6 +18,7 @@
 
 #include "common/clock.h"
 #include "coordinator/cli/cli.h"
+#include "coordinator/cli/cli_daemon.h"
 #include "coordinator/coordinator.h"
 #include "gpuworker/gpuworker.h"
 
@@ -159,9 +160,11 @@ int cli_generate_remote(const char *model_path, const char *socket, const int32_
     sb.top_logits = (uint32_t)gp->top_logits;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
     rq.submit = &sb;
-    /* a busy queue is a reason to wait, not to fail */
+    /* a busy queue is a reason to wait, not to fail; a lost reply is sent again under the same
+     * key (a BUSY answer accepted nothing, so the key stays free for the next try) */
+    char key[REKV_CLIENT_KEY_MAX + 1];
     for (;;) {
-        if ((rc = rekv_ctl_call(c, &rq, CALL_TIMEOUT_MS, &r, err)))
+        if ((rc = cli_submit_call(c, &rq, key, CALL_TIMEOUT_MS, 4, &r, err)))
             goto out;
         if (r->code != REKV__CONTROL__CODE__BUSY)
             break;

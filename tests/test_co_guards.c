@@ -1,0 +1,607 @@
+/* test_co_guards.c — what the coordinator refuses or bounds, with the real rekv-coordinator on
+ * real ZeroMQ sockets and the test speaking worker.proto itself on a DEALER (a worker that says
+ * and returns what a broken or hostile one would): a Hello with max_batch 2^32-1 is capped to
+ * REKV_WORKER_MAX_BATCH, one with no vocabulary is told to shut down; token ids outside the
+ * vocabulary fail the step (the job is re-queued and run again, or failed after --max-attempts,
+ * never given the ids); top_logits above 64, or top_logits x max_new_tokens above 2^20, is a bad
+ * request; finished jobs are forgotten oldest first beyond --keep-finished jobs or
+ * --keep-finished-bytes of results, and Status says so; a flood of malformed worker messages
+ * logs at most a line a second, and the lines' "suppressed" counts add up to the messages. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+#include "common/ratelimit.h"
+#include "coordinator/coordinator.h"
+#include "proto/worker.pb-c.h"
+#include "tests/testutil.h"
+
+/* ---------------------------------------------------------------- the coordinator */
+
+typedef struct env {
+    char *dir;
+    char ctl[4200], wrk[4200], state[4200], log[4200];
+    pid_t co;
+} env;
+
+/* Starts rekv-coordinator in a fresh directory with extra arguments (NULL-terminated). */
+static void env_start(env *e, const char *const *extra)
+{
+    e->dir = tu_tmpdir();
+    snprintf(e->ctl, sizeof(e->ctl), "ipc://%s/control", e->dir);
+    snprintf(e->wrk, sizeof(e->wrk), "ipc://%s/workers", e->dir);
+    snprintf(e->state, sizeof(e->state), "%s/state", e->dir);
+    snprintf(e->log, sizeof(e->log), "%s/coordinator.log", e->dir);
+    int pfd[2];
+    ck_assert_int_eq(pipe(pfd), 0);
+    char prog[4096], fd[16];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
+    snprintf(fd, sizeof(fd), "%d", pfd[1]);
+    const char *argv[40] = {prog,   "--control", e->ctl,       "--workers", e->wrk,
+                            "--state-dir", e->state, "--ready-fd", fd};
+    int n = 9;
+    for (int i = 0; extra && extra[i] && n < 38; i++)
+        argv[n++] = extra[i];
+    argv[n] = NULL;
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        int lf = open(e->log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (lf >= 0)
+            dup2(lf, 2);
+        execv(argv[0], (char **)argv);
+        _exit(127);
+    }
+    close(pfd[1]);
+    struct pollfd p = {pfd[0], POLLIN, 0};
+    ck_assert_msg(poll(&p, 1, 60000) == 1, "rekv-coordinator did not become ready");
+    char buf[8] = {0};
+    ck_assert_msg(read(pfd[0], buf, 7) == 6, "rekv-coordinator exited at start");
+    close(pfd[0]);
+    e->co = pid;
+}
+
+static void env_stop(env *e)
+{
+    kill(e->co, SIGTERM);
+    int st;
+    ck_assert_int_eq(waitpid(e->co, &st, 0), e->co);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "coordinator status %d", st);
+    tu_rmrf(e->dir);
+    free(e->dir);
+}
+
+static rekv_ctl *ctl_open(const char *ep)
+{
+    rekv_ctl *c = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_ctl_connect(ep, NULL, &c, &err) == 0, "%s", err.msg);
+    return c;
+}
+
+static Rekv__Control__Response *call(rekv_ctl *c, Rekv__Control__Request *rq)
+{
+    Rekv__Control__Response *r = NULL;
+    rekv_err err = {0};
+    rq->id = 0;
+    ck_assert_msg(rekv_ctl_call(c, rq, 20000, &r, &err) == 0, "%s", err.msg);
+    return r;
+}
+
+static Rekv__Control__Response *submit(rekv_ctl *c, uint32_t max_new, uint32_t top_logits)
+{
+    static int32_t prompt[] = {1, 2, 3};
+    Rekv__Control__Submit s = REKV__CONTROL__SUBMIT__INIT;
+    s.n_prompt_ids = 3;
+    s.prompt_ids = prompt;
+    s.max_new_tokens = max_new;
+    s.top_logits = top_logits;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rq.submit = &s;
+    return call(c, &rq);
+}
+
+static uint64_t submit_ok(rekv_ctl *c, uint32_t max_new, uint32_t top_logits)
+{
+    Rekv__Control__Response *r = submit(c, max_new, top_logits);
+    ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "submit: %s", r->error);
+    uint64_t id = r->submitted->job;
+    rekv__control__response__free_unpacked(r, NULL);
+    return id;
+}
+
+static Rekv__Control__Response *status(rekv_ctl *c, uint64_t job)
+{
+    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
+    s.job = job;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    rq.status = &s;
+    return call(c, &rq);
+}
+
+static Rekv__Control__Response *stats(rekv_ctl *c)
+{
+    Rekv__Control__StatsRequest s = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &s;
+    return call(c, &rq);
+}
+
+/* Waits until job has ended; returns its status. */
+static Rekv__Control__Response *wait_end(rekv_ctl *c, uint64_t job)
+{
+    uint64_t deadline = rekv_now_ns() + 30000000000ull;
+    for (;;) {
+        Rekv__Control__Response *r = status(c, job);
+        ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "status: %s", r->error);
+        if (r->job->state != REKV__CONTROL__JOB_STATE__QUEUED &&
+            r->job->state != REKV__CONTROL__JOB_STATE__RUNNING)
+            return r;
+        rekv__control__response__free_unpacked(r, NULL);
+        ck_assert_msg(rekv_now_ns() < deadline, "job %llu did not end", (unsigned long long)job);
+        usleep(10000);
+    }
+}
+
+/* ---------------------------------------------------------------- a worker, by hand */
+
+typedef struct fake {
+    void *zctx, *sock;
+} fake;
+
+static void fake_open(fake *f, const char *ep)
+{
+    f->zctx = zmq_ctx_new();
+    f->sock = zmq_socket(f->zctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(f->sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_connect(f->sock, ep), 0);
+}
+
+static void fake_close(fake *f)
+{
+    zmq_close(f->sock);
+    zmq_ctx_term(f->zctx);
+}
+
+static void fake_send(fake *f, Rekv__Worker__WorkerMsg *m)
+{
+    m->version = REKV_WORKER_PROTO_VERSION;
+    size_t n = rekv__worker__worker_msg__get_packed_size(m);
+    uint8_t *buf = malloc(n ? n : 1);
+    rekv__worker__worker_msg__pack(m, buf);
+    ck_assert_int_eq(zmq_send(f->sock, buf, n, 0), (int)n);
+    free(buf);
+}
+
+/* The coordinator's next message (NULL after 20 s). */
+static Rekv__Worker__CoordMsg *fake_recv(fake *f)
+{
+    zmq_pollitem_t it = {f->sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, 20000) != 1)
+        return NULL;
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    ck_assert_int_ge(zmq_msg_recv(&m, f->sock, 0), 0);
+    Rekv__Worker__CoordMsg *cm =
+        rekv__worker__coord_msg__unpack(NULL, zmq_msg_size(&m), zmq_msg_data(&m));
+    zmq_msg_close(&m);
+    ck_assert_ptr_nonnull(cm);
+    return cm;
+}
+
+static Rekv__Worker__CoordMsg *fake_hello(fake *f, uint32_t max_batch, uint32_t vocab)
+{
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.name = "by-hand";
+    h.backend = "cpu";
+    h.mode = "resident";
+    h.max_batch = max_batch;
+    h.vocab = vocab;
+    h.max_pos = 512;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
+    m.hello = &h;
+    fake_send(f, &m);
+    Rekv__Worker__CoordMsg *cm = fake_recv(f);
+    ck_assert_msg(cm != NULL, "no answer to Hello");
+    return cm;
+}
+
+/* The next Plan (NULL when none comes). */
+static Rekv__Worker__CoordMsg *fake_plan(fake *f)
+{
+    for (;;) {
+        Rekv__Worker__CoordMsg *cm = fake_recv(f);
+        if (cm == NULL || cm->body_case == REKV__WORKER__COORD_MSG__BODY_PLAN)
+            return cm;
+        rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    }
+}
+
+/* Answers step with one job's tokens (and k top logits per token, ids 0..k-1, when k > 0). */
+static void fake_progress(fake *f, uint64_t step, uint64_t job, const int32_t *tokens, size_t n,
+                          int finished, uint32_t k)
+{
+    Rekv__Worker__JobProgress jp = REKV__WORKER__JOB_PROGRESS__INIT;
+    jp.job = job;
+    jp.n_tokens = n;
+    jp.tokens = (int32_t *)tokens;
+    jp.finished = finished;
+    jp.finish_reason = finished ? "length" : "";
+    int32_t *ti = NULL;
+    float *tv = NULL;
+    if (k) {
+        ti = calloc(n * k, sizeof(int32_t));
+        tv = calloc(n * k, sizeof(float));
+        for (size_t i = 0; i < n * k; i++) {
+            ti[i] = (int32_t)(i % k);
+            tv[i] = (float)(k - i % k);
+        }
+        jp.n_top_ids = jp.n_top_vals = n * k;
+        jp.top_ids = ti;
+        jp.top_vals = tv;
+    }
+    Rekv__Worker__JobProgress *jps[] = {&jp};
+    Rekv__Worker__Progress p = REKV__WORKER__PROGRESS__INIT;
+    p.step = step;
+    p.n_jobs = 1;
+    p.jobs = jps;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
+    m.progress = &p;
+    fake_send(f, &m);
+    free(ti);
+    free(tv);
+}
+
+/* ---------------------------------------------------------------- Hello */
+
+/* max_batch 2^32-1 is capped (no 32 GiB table; the coordinator serves the worker); a Hello
+ * without a vocabulary is answered Shutdown and makes no worker. */
+START_TEST(hello_validated)
+{
+    env e;
+    env_start(&e, NULL);
+    rekv_ctl *c = ctl_open(e.ctl);
+    fake bad;
+    fake_open(&bad, e.wrk);
+    Rekv__Worker__CoordMsg *cm = fake_hello(&bad, 8, 0);
+    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_SHUTDOWN);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    fake_close(&bad);
+
+    fake f;
+    fake_open(&f, e.wrk);
+    cm = fake_hello(&f, UINT32_MAX, 512);
+    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    Rekv__Control__Response *r = stats(c);
+    ck_assert_uint_eq(r->stats->n_workers, 1);
+    ck_assert_uint_eq(r->stats->workers[0]->max_batch, REKV_WORKER_MAX_BATCH);
+    rekv__control__response__free_unpacked(r, NULL);
+    /* and it is served */
+    uint64_t j = submit_ok(c, 1, 0);
+    cm = fake_plan(&f);
+    ck_assert_ptr_nonnull(cm);
+    ck_assert_uint_eq(cm->plan->n_join, 1);
+    ck_assert_uint_eq(cm->plan->join[0]->job, j);
+    int32_t t[] = {42};
+    fake_progress(&f, cm->plan->step, j, t, 1, 1, 0);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    r = wait_end(c, j);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
+    rekv__control__response__free_unpacked(r, NULL);
+    fake_close(&f);
+    rekv_ctl_close(c);
+    char *log = tu_read_file(e.log, NULL);
+    ck_assert_msg(log && strstr(log, "says max_batch 4294967295; it gets at most 4096"), "%s", log);
+    ck_assert_msg(strstr(log, "refused: its vocabulary of 0 tokens"), "%s", log);
+    free(log);
+    env_stop(&e);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- results */
+
+/* Token ids outside the vocabulary (512): the step's output is refused, the job is dropped on
+ * the worker (the next Plan cancels it) and re-queued; run again with good ids it is DONE with
+ * those and nothing else. With every attempt bad it FAILS with the reason and no ids. */
+START_TEST(out_of_vocab_tokens_refused)
+{
+    env e;
+    const char *extra[] = {"--max-attempts", "2", NULL};
+    env_start(&e, extra);
+    rekv_ctl *c = ctl_open(e.ctl);
+    fake f;
+    fake_open(&f, e.wrk);
+    Rekv__Worker__CoordMsg *cm = fake_hello(&f, 4, 512);
+    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+
+    uint64_t j = submit_ok(c, 4, 0);
+    cm = fake_plan(&f);
+    ck_assert_uint_eq(cm->plan->n_join, 1);
+    int32_t bad[] = {512};
+    fake_progress(&f, cm->plan->step, j, bad, 1, 0, 0);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    cm = fake_plan(&f); /* dropped here, and joins again */
+    ck_assert_ptr_nonnull(cm);
+    ck_assert_uint_eq(cm->plan->n_cancel, 1);
+    ck_assert_uint_eq(cm->plan->cancel[0], j);
+    ck_assert_uint_eq(cm->plan->n_join, 1);
+    ck_assert_uint_eq(cm->plan->join[0]->job, j);
+    int32_t good[] = {7, 8};
+    fake_progress(&f, cm->plan->step, j, good, 2, 1, 0);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    Rekv__Control__Response *r = wait_end(c, j);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
+    ck_assert_uint_eq(r->job->attempts, 2);
+    ck_assert_uint_eq(r->job->n_generated_ids, 2);
+    ck_assert_int_eq(r->job->generated_ids[0], 7);
+    ck_assert_int_eq(r->job->generated_ids[1], 8);
+    rekv__control__response__free_unpacked(r, NULL);
+
+    /* every attempt bad (a negative id, then one among good ones): failed, no ids */
+    uint64_t k = submit_ok(c, 4, 0);
+    cm = fake_plan(&f);
+    int32_t neg[] = {-1};
+    fake_progress(&f, cm->plan->step, k, neg, 1, 0, 0);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    cm = fake_plan(&f);
+    ck_assert_uint_eq(cm->plan->n_join, 1);
+    int32_t mixed[] = {3, 100000, 4};
+    fake_progress(&f, cm->plan->step, k, mixed, 3, 1, 0);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    r = wait_end(c, k);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__FAILED);
+    ck_assert_msg(strstr(r->job->error, "token id 100000, outside the vocabulary of 512"), "%s",
+                  r->job->error);
+    ck_assert_uint_eq(r->job->n_generated_ids, 0);
+    rekv__control__response__free_unpacked(r, NULL);
+    r = stats(c);
+    ck_assert_uint_eq(r->stats->worker_results_rejected, 3);
+    ck_assert_uint_eq(r->stats->done, 1);
+    ck_assert_uint_eq(r->stats->failed, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    fake_close(&f);
+    rekv_ctl_close(c);
+    env_stop(&e);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- caps */
+
+START_TEST(top_logits_capped)
+{
+    env e;
+    env_start(&e, NULL);
+    rekv_ctl *c = ctl_open(e.ctl);
+    Rekv__Control__Response *r = submit(c, 8, REKV_TOP_LOGITS_MAX + 1);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__BAD_REQUEST);
+    ck_assert_msg(strstr(r->error, "top_logits 65 is above the limit of 64"), "%s", r->error);
+    rekv__control__response__free_unpacked(r, NULL);
+    uint32_t most = REKV_TOP_LOGITS_MAX_ENTRIES / REKV_TOP_LOGITS_MAX;
+    r = submit(c, most + 1, REKV_TOP_LOGITS_MAX);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__BAD_REQUEST);
+    ck_assert_msg(strstr(r->error, "top_logits x max_new_tokens"), "%s", r->error);
+    rekv__control__response__free_unpacked(r, NULL);
+    submit_ok(c, most, REKV_TOP_LOGITS_MAX);
+    submit_ok(c, 8, REKV_TOP_LOGITS_MAX);
+    rekv_ctl_close(c);
+    env_stop(&e);
+}
+END_TEST
+
+/* Beyond --keep-finished jobs the oldest finished job is forgotten: its Status says so, the
+ * others answer. */
+START_TEST(finished_jobs_capped_by_count)
+{
+    env e;
+    const char *extra[] = {"--keep-finished", "2", NULL};
+    env_start(&e, extra);
+    rekv_ctl *c = ctl_open(e.ctl);
+    uint64_t id[3];
+    for (int i = 0; i < 3; i++) {
+        id[i] = submit_ok(c, 4, 0);
+        Rekv__Control__Cancel cn = REKV__CONTROL__CANCEL__INIT;
+        cn.job = id[i];
+        Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+        rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
+        rq.cancel = &cn;
+        Rekv__Control__Response *r = call(c, &rq);
+        ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    Rekv__Control__Response *r = status(c, id[0]);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__NOT_FOUND);
+    ck_assert_msg(strstr(r->error, "no longer remembered") && strstr(r->error, "last 2 finished"),
+                  "%s", r->error);
+    rekv__control__response__free_unpacked(r, NULL);
+    for (int i = 1; i < 3; i++) {
+        r = status(c, id[i]);
+        ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+        ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__CANCELLED);
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    r = status(c, id[2] + 1000);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__NOT_FOUND);
+    ck_assert_msg(strstr(r->error, "no job"), "%s", r->error);
+    rekv__control__response__free_unpacked(r, NULL);
+    r = stats(c);
+    ck_assert_uint_eq(r->stats->finished_forgotten, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    env_stop(&e);
+}
+END_TEST
+
+/* Results with 64 top logits per token (16 tokens: ~8 KiB each in memory) under a 24 KiB cap:
+ * two are remembered, the third finished job makes the coordinator forget the first. */
+START_TEST(finished_jobs_capped_by_bytes)
+{
+    env e;
+    const char *extra[] = {"--keep-finished-bytes", "24576", NULL};
+    env_start(&e, extra);
+    rekv_ctl *c = ctl_open(e.ctl);
+    fake f;
+    fake_open(&f, e.wrk);
+    Rekv__Worker__CoordMsg *cm = fake_hello(&f, 1, 512);
+    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    int32_t toks[16];
+    for (int i = 0; i < 16; i++)
+        toks[i] = 100 + i;
+    uint64_t id[3];
+    for (int i = 0; i < 3; i++) {
+        id[i] = submit_ok(c, 16, 64);
+        cm = fake_plan(&f);
+        ck_assert_ptr_nonnull(cm);
+        ck_assert_uint_eq(cm->plan->join[0]->top_logits, 64);
+        fake_progress(&f, cm->plan->step, id[i], toks, 16, 1, 64);
+        rekv__worker__coord_msg__free_unpacked(cm, NULL);
+        Rekv__Control__Response *r = wait_end(c, id[i]);
+        ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
+        ck_assert_uint_eq(r->job->n_top_ids, 16 * 64);
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    Rekv__Control__Response *r = status(c, id[0]);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__NOT_FOUND);
+    ck_assert_msg(strstr(r->error, "no longer remembered"), "%s", r->error);
+    rekv__control__response__free_unpacked(r, NULL);
+    for (int i = 1; i < 3; i++) {
+        r = status(c, id[i]);
+        ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+        ck_assert_uint_eq(r->job->n_generated_ids, 16);
+        ck_assert_uint_eq(r->job->n_top_ids, 16 * 64);
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    r = stats(c);
+    ck_assert_uint_eq(r->stats->finished_forgotten, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    fake_close(&f);
+    rekv_ctl_close(c);
+    env_stop(&e);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- log flood */
+
+START_TEST(ratelimit_helper)
+{
+    rekv_ratelimit rl = REKV_RATELIMIT_INIT;
+    uint64_t held = 99, s = 1000000000ull;
+    ck_assert_int_eq(rekv_ratelimit_allow(&rl, 5 * s, s, &held), 1); /* the first one */
+    ck_assert_uint_eq(held, 0);
+    for (int i = 0; i < 10; i++)
+        ck_assert_int_eq(rekv_ratelimit_allow(&rl, 5 * s + (uint64_t)i * (s / 20), s, &held), 0);
+    ck_assert_int_eq(rekv_ratelimit_allow(&rl, 6 * s - 1, s, &held), 0);
+    ck_assert_int_eq(rekv_ratelimit_allow(&rl, 6 * s, s, &held), 1);
+    ck_assert_uint_eq(held, 11);
+    ck_assert_int_eq(rekv_ratelimit_allow(&rl, 9 * s, s, &held), 1);
+    ck_assert_uint_eq(held, 0);
+}
+END_TEST
+
+/* Counts the log's lines about malformed worker messages and the messages they say they held
+ * back. */
+static void count_lines(const char *log, uint64_t *lines, uint64_t *held)
+{
+    *lines = *held = 0;
+    char *t = tu_read_file(log, NULL);
+    for (char *l = t ? strtok(t, "\n") : NULL; l; l = strtok(NULL, "\n")) {
+        if (!strstr(l, "worker socket: a malformed message"))
+            continue;
+        (*lines)++;
+        const char *p = strstr(l, "(");
+        unsigned long long n;
+        if (p && sscanf(p, "(%llu similar messages suppressed)", &n) == 1)
+            *held += n;
+    }
+    free(t);
+}
+
+static uint64_t malformed_seen(rekv_ctl *c)
+{
+    Rekv__Control__Response *r = stats(c);
+    uint64_t n = r->stats->worker_messages_malformed;
+    rekv__control__response__free_unpacked(r, NULL);
+    return n;
+}
+
+/* 2000 malformed worker messages: every one is counted, a few lines are logged, and the lines
+ * plus the counts of suppressed ones they carry add up to the messages. (Messages keep coming,
+ * one at a time, until a line carrying a count appears: the last held-back ones are told by the
+ * next line let through.) */
+START_TEST(worker_warnings_rate_limited)
+{
+    env e;
+    env_start(&e, NULL);
+    rekv_ctl *c = ctl_open(e.ctl);
+    fake f;
+    fake_open(&f, e.wrk);
+    enum { N = 2000 };
+    static const char junk[] = "\xff\xff\xff not worker.proto";
+    for (int i = 0; i < N; i++)
+        ck_assert_int_eq(zmq_send(f.sock, junk, sizeof(junk) - 1, 0), (int)sizeof(junk) - 1);
+    uint64_t sent = N, deadline = rekv_now_ns() + 60000000000ull;
+    while (malformed_seen(c) < sent) {
+        ck_assert_msg(rekv_now_ns() < deadline, "the coordinator did not read them");
+        usleep(10000);
+    }
+    uint64_t lines, held;
+    count_lines(e.log, &lines, &held);
+    ck_assert_uint_ge(lines, 1);
+    ck_assert_uint_lt(lines, N / 4);
+    while (lines + held < sent) {
+        ck_assert_msg(rekv_now_ns() < deadline, "%llu lines, %llu held back, %llu sent",
+                      (unsigned long long)lines, (unsigned long long)held,
+                      (unsigned long long)sent);
+        ck_assert_int_eq(zmq_send(f.sock, junk, sizeof(junk) - 1, 0), (int)sizeof(junk) - 1);
+        sent++;
+        while (malformed_seen(c) < sent)
+            usleep(5000);
+        count_lines(e.log, &lines, &held);
+        usleep(100000);
+    }
+    ck_assert_uint_eq(lines + held, sent);
+    ck_assert_uint_ge(held, N - N / 4);
+    fake_close(&f);
+    rekv_ctl_close(c);
+    env_stop(&e);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("co_guards");
+    TCase *tc = tcase_create("co_guards");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, ratelimit_helper);
+    tcase_add_test(tc, hello_validated);
+    tcase_add_test(tc, out_of_vocab_tokens_refused);
+    tcase_add_test(tc, top_logits_capped);
+    tcase_add_test(tc, finished_jobs_capped_by_count);
+    tcase_add_test(tc, finished_jobs_capped_by_bytes);
+    tcase_add_test(tc, worker_warnings_rate_limited);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(suite());
+}
