@@ -32,7 +32,9 @@ static void convert_into(void *dst, const rekv_tensor *t, rekv_dtype wt)
         rekv_to_f32(dst, t->data, t->dtype, n);
 }
 
-static void *to_wdtype(const rekv_tensor *t, rekv_dtype wt, int *rc)
+/* t converted into a malloc'd copy; t's pages of m's file mapping then leave memory (one copy
+ * of the weights in the process, not two). */
+static void *to_wdtype(const rekv_model *m, const rekv_tensor *t, rekv_dtype wt, int *rc)
 {
     if (t == NULL || *rc)
         return NULL;
@@ -42,14 +44,16 @@ static void *to_wdtype(const rekv_tensor *t, rekv_dtype wt, int *rc)
         return NULL;
     }
     convert_into(p, t, wt);
+    rekv_model_release(m, t);
     return p;
 }
 
 /* A layer's tensors packed into one block (one host registration per layer when the weights are
- * offloaded). With base NULL it only measures. */
+ * offloaded). With base NULL it only measures; packing releases each tensor's file pages (m). */
 typedef struct wpack {
     char *base;
     size_t off;
+    const rekv_model *m;
 } wpack;
 
 static void *place(wpack *p, const rekv_tensor *t, rekv_dtype dt)
@@ -59,8 +63,10 @@ static void *place(wpack *p, const rekv_tensor *t, rekv_dtype dt)
     size_t bytes = (size_t)rekv_tensor_numel(t) * rekv_dtype_size(dt);
     void *dst = p->base ? p->base + p->off : NULL;
     p->off += (bytes + 63) & ~(size_t)63;
-    if (dst)
+    if (dst) {
         convert_into(dst, t, dt);
+        rekv_model_release(p->m, t);
+    }
     return dst;
 }
 
@@ -148,20 +154,20 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     if (e->layers == NULL)
         rc = -ENOMEM;
     rekv_dtype wt = e->wdtype = weight_dtype(w, e->c.n_layers);
-    e->embed = to_wdtype(w->embed_tokens, wt, &rc);
-    e->pos_embed = to_wdtype(w->embed_positions, REKV_DTYPE_F32, &rc);
-    e->project_in = to_wdtype(w->project_in, wt, &rc);
-    e->project_out = to_wdtype(w->project_out, wt, &rc);
-    e->final_norm_w = to_wdtype(w->final_norm_w, REKV_DTYPE_F32, &rc);
-    e->final_norm_b = to_wdtype(w->final_norm_b, REKV_DTYPE_F32, &rc);
-    e->lm_head = w->lm_head == w->embed_tokens ? e->embed : to_wdtype(w->lm_head, wt, &rc);
+    e->embed = to_wdtype(m, w->embed_tokens, wt, &rc);
+    e->pos_embed = to_wdtype(m, w->embed_positions, REKV_DTYPE_F32, &rc);
+    e->project_in = to_wdtype(m, w->project_in, wt, &rc);
+    e->project_out = to_wdtype(m, w->project_out, wt, &rc);
+    e->final_norm_w = to_wdtype(m, w->final_norm_w, REKV_DTYPE_F32, &rc);
+    e->final_norm_b = to_wdtype(m, w->final_norm_b, REKV_DTYPE_F32, &rc);
+    e->lm_head = w->lm_head == w->embed_tokens ? e->embed : to_wdtype(m, w->lm_head, wt, &rc);
     e->layer_mem = calloc((size_t)e->c.n_layers, sizeof(void *));
     if (e->layer_mem == NULL)
         rc = -ENOMEM;
     for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
-        wpack size = {NULL, 0};
+        wpack size = {NULL, 0, NULL};
         load_layer(&size, &w->layers[l], &e->layers[l], wt);
-        wpack pk = {malloc(size.off + 1), 0};
+        wpack pk = {malloc(size.off + 1), 0, m};
         if (pk.base == NULL) {
             rc = -ENOMEM;
             break;

@@ -69,10 +69,22 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
     return bytes;
 }
 
+/* The weights src on the device: adopted in place where the device's memory is the host's (the
+ * engine keeps src and never writes it), else a copy. */
 static void *dev_copy(rekv_pipeline *p, const void *src, size_t bytes, int *rc)
 {
     if (src == NULL || *rc)
         return NULL;
+    if (p->bi->dev_adopt != NULL) {
+        void *d = p->bi->dev_adopt(p->be, src, bytes);
+        if (d == NULL) {
+            *rc = -ENOMEM;
+            return NULL;
+        }
+        p->adopted[p->n_adopted].p = d;
+        p->adopted[p->n_adopted++].bytes = bytes;
+        return d;
+    }
     void *d = p->bi->dev_alloc(p->be, bytes);
     if (d == NULL) {
         *rc = -ENOMEM;
@@ -99,11 +111,14 @@ void rekv_pipeline_free(rekv_pipeline *p)
             size_t n[N_LAYER_TENSORS];
             layer_tensors(p->e, &p->dev_layers[l], ds, n);
             for (int i = 0; i < N_LAYER_TENSORS; i++)
-                if (*ds[i])
+                if (*ds[i] && p->adopted == NULL)
                     p->bi->dev_free(p->be, *ds[i]);
         }
         free(p->dev_layers);
     }
+    for (int i = 0; i < p->n_adopted; i++)
+        p->bi->dev_unadopt(p->be, p->adopted[i].p, p->adopted[i].bytes);
+    free(p->adopted);
     if (p->cfg.push && p->store) { /* the store lets go of our buffers and events first */
         const rekv_ipc_handle *hs[] = {&p->h_attn_kv[0],   &p->h_attn_kv[1], &p->h_attn_free[0],
                                        &p->h_attn_free[1], &p->h_pushed[0],  &p->h_pushed[1]};
@@ -126,10 +141,10 @@ void rekv_pipeline_free(rekv_pipeline *p)
     pl_dbuf_free(p, &p->vr);
     pl_dbuf_free(p, &p->scores);
     void *ds[] = {p->d_embed, p->d_pos, p->d_proj_in, p->d_proj_out, p->d_fnorm_w, p->d_fnorm_b};
-    for (size_t i = 0; i < sizeof(ds) / sizeof(ds[0]); i++)
+    for (size_t i = 0; i < sizeof(ds) / sizeof(ds[0]) && p->adopted == NULL; i++)
         if (ds[i])
             p->bi->dev_free(p->be, ds[i]);
-    if (p->d_head && !p->head_tied)
+    if (p->d_head && !p->head_tied && p->adopted == NULL)
         p->bi->dev_free(p->be, p->d_head);
     rekv_event **evs[] = {p->ev_attn_free, p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
                           p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree,      p->ev_pushed};
@@ -257,6 +272,9 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     /* weights on the device: the model's non-layer tensors always; layers unless offloaded */
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
     size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
+    if (p->bi->dev_adopt != NULL &&
+        (p->adopted = calloc(7 + (size_t)c->n_layers * N_LAYER_TENSORS, sizeof(*p->adopted))) == NULL)
+        rc = -ENOMEM;
     p->d_embed = dev_copy(p, e->embed, V * E * w, &rc);
     p->d_pos = dev_copy(p, e->pos_embed, ((size_t)c->max_pos + 2) * H * f, &rc);
     p->d_proj_in = dev_copy(p, e->project_in, H * E * w, &rc);

@@ -144,6 +144,13 @@ struct rekv_pipeline {
     meta_arena meta;        /* per-step metadata kernels read (pipeline_buffers.c) */
     int arena_registered;   /* the backend page-locked the arena (host_register) */
     int weights_registered; /* ... and the engine's layer blocks (offloaded weights) */
+    /* resident weights on a device whose memory is the host's: the engine's own copies adopted
+     * (bi->dev_adopt), not copied; what to give back */
+    struct {
+        void *p;
+        size_t bytes;
+    } *adopted;
+    int n_adopted;
     size_t arena_bytes;
     /* push: handles of the shared attention buffers and events; the store pushes KV rows */
     rekv_ipc_handle h_attn_kv[2], h_attn_free[2], h_pushed[2];

@@ -96,6 +96,10 @@ static inline int64_t rekv_tensor_numel(const rekv_tensor *t)
  * model.safetensors.index.json. Opening validates every header strictly. */
 typedef struct rekv_safetensors rekv_safetensors;
 
+/* The mapping of the set's files that holds [p, p + bytes): its start and length; 0 when none. */
+int rekv_safetensors_mapping(const rekv_safetensors *st, const void *p, size_t bytes,
+                             const void **map, size_t *len);
+
 /* path: a .safetensors file, a model.safetensors.index.json, or a directory holding either. */
 int rekv_safetensors_open(const char *path, rekv_safetensors **out, rekv_err *err);
 void rekv_safetensors_close(rekv_safetensors *st);
@@ -186,6 +190,12 @@ typedef struct rekv_model {
  * and shape. The tokenizer is separate (rekv_tokenizer_load_for_model): the engine runs on ids. */
 int rekv_model_open(const char *path, rekv_model **out, rekv_err *err);
 void rekv_model_close(rekv_model *m);
+
+/* The caller has what it needs of t (a copy, converted or packed): t's pages of the model's
+ * read-only file mapping leave this process's memory (madvise MADV_DONTNEED; whole pages, so
+ * a neighbour's edge too). Nothing is lost: a later read of any tensor faults its pages back in
+ * from the file. A tensor outside the model's mappings is left alone. */
+void rekv_model_release(const rekv_model *m, const rekv_tensor *t);
 
 /* Opens a llama2.c legacy checkpoint (see shared/models/stories260K/FORMAT.md). */
 int rekv_model_open_llama2c(const char *bin_path, rekv_model **out, rekv_err *err);

@@ -9,6 +9,27 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+void rekv_model_release(const rekv_model *m, const rekv_tensor *t)
+{
+    if (m == NULL || t == NULL || t->data == NULL || t->nbytes == 0)
+        return;
+    const void *map = m->map;
+    size_t len = m->map_len;
+    const char *c = t->data;
+    int inside = map != NULL && c >= (const char *)map && t->nbytes <= len &&
+                 (size_t)(c - (const char *)map) <= len - t->nbytes;
+    if (!inside && !rekv_safetensors_mapping(m->st, t->data, t->nbytes, &map, &len))
+        return; /* not the model's mapping (heap memory must never be MADV_DONTNEED'd) */
+    uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)c & ~(pg - 1), hi = ((uintptr_t)c + t->nbytes + pg - 1) & ~(pg - 1);
+    uintptr_t end = (uintptr_t)map + len; /* the mapping's last page may be partial */
+    end = (end + pg - 1) & ~(pg - 1);
+    if (hi > end)
+        hi = end;
+    (void)madvise((void *)lo, hi - lo, MADV_DONTNEED); /* advice: a failure only costs memory */
+}
 
 void rekv_model_close(rekv_model *m)
 {

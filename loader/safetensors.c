@@ -38,6 +38,21 @@ struct rekv_safetensors {
 
 /* ---------------------------------------------------------------- helpers */
 
+int rekv_safetensors_mapping(const rekv_safetensors *st, const void *p, size_t bytes,
+                             const void **map, size_t *len)
+{
+    const char *c = p;
+    for (size_t i = 0; st != NULL && i < st->n_files; i++) {
+        const char *b = st->files[i].map;
+        if (b != NULL && c >= b && bytes <= st->files[i].len && (size_t)(c - b) <= st->files[i].len - bytes) {
+            *map = b;
+            *len = st->files[i].len;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static int path_join(char **out, const char *dir, const char *name)
 {
     size_t dl = strlen(dir);

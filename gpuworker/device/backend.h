@@ -244,6 +244,14 @@ typedef struct rekv_backend_iface {
     /* optional: the device's free and total memory in bytes (cudaMemGetInfo). NULL: the device's
      * memory is the host's (the cpu backend), with no separate limit. */
     int (*mem_info)(rekv_backend *be, size_t *free_bytes, size_t *total_bytes, rekv_err *err);
+
+    /* optional, for a device whose memory is the host's (the cpu backend): host memory p of
+     * bytes, which the caller keeps and does not write while it is adopted, made usable as
+     * device memory without a copy; counted against the device's memory as dev_alloc's is (NULL
+     * when that is full). Given back with dev_unadopt (bytes as adopted), never dev_free. NULL
+     * on a device with its own memory (cuda): copy into dev_alloc'd memory instead. */
+    void *(*dev_adopt)(rekv_backend *be, const void *p, size_t bytes);
+    void (*dev_unadopt)(rekv_backend *be, void *dev, size_t bytes);
 } rekv_backend_iface;
 
 /* Checks a copy before a backend enqueues it (dir: "h2d", "d2h" or "d2d"): 0 with *bytes the

@@ -641,6 +641,24 @@ static void *cpu_dev_alloc(rekv_backend *base, size_t bytes)
     return p;
 }
 
+static void *cpu_dev_adopt(rekv_backend *base, const void *p, size_t bytes)
+{
+    cpu_backend *be = base->ctx;
+    uint64_t used = atomic_fetch_add(&be->dev_used, bytes) + bytes;
+    if (p == NULL || (be->link.device_bytes > 0 && used > be->link.device_bytes)) {
+        atomic_fetch_sub(&be->dev_used, bytes);
+        return NULL;
+    }
+    return (void *)p;
+}
+
+static void cpu_dev_unadopt(rekv_backend *base, void *dev, size_t bytes)
+{
+    cpu_backend *be = base->ctx;
+    if (dev != NULL)
+        atomic_fetch_sub(&be->dev_used, bytes);
+}
+
 static int cpu_mem_info(rekv_backend *base, size_t *free_bytes, size_t *total_bytes, rekv_err *err)
 {
     cpu_backend *be = base->ctx;
@@ -1316,6 +1334,8 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
     .stream_wait_flag = cpu_stream_wait_flag,
     .stream_write_flag = cpu_stream_write_flag,
     .mem_info = cpu_mem_info,
+    .dev_adopt = cpu_dev_adopt,
+    .dev_unadopt = cpu_dev_unadopt,
 };
 
 int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, rekv_err *err)
