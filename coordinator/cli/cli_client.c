@@ -1,6 +1,6 @@
 /* cli_client.c — `rekv submit`, `rekv status`, `rekv cancel`, `rekv stats`: one request each to the
- * coordinator's control socket (submit waits for the job by streaming its tokens, showing tokens/s
- * on a terminal), answers printed as text or JSON. */
+ * coordinator's control socket (submit waits for the job by streaming its tokens: their text goes
+ * to stdout as each step produces it, tokens/s to a terminal), answers printed as text or JSON. */
 #include "coordinator/cli/cli_daemon.h"
 
 #include <errno.h>
@@ -86,7 +86,9 @@ static void submit_usage(FILE *f)
             "                   [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
             "                   [--priority P] [--ignore-eos] [--no-wait] [--json]\n"
             "                   [--socket ENDPOINT]\n"
-            "Sampling as `rekv generate`. Waits for the job unless --no-wait (then prints its id).\n");
+            "Sampling as `rekv generate`. Waits for the job unless --no-wait (then prints its id),\n"
+            "printing its text as the tokens come (token ids when the coordinator has no\n"
+            "tokenizer); --json prints one object when the job is over.\n");
 }
 
 int cli_submit(int argc, char **argv)
@@ -174,9 +176,15 @@ int cli_submit(int argc, char **argv)
         rc = 0;
         goto out;
     }
-    /* follow the stream until the job is over; progress on a terminal */
-    int tty = isatty(2);
+    /* follow the stream until the job is over: without --json its text (or, from a coordinator
+     * without a tokenizer, its ids) goes to stdout as it comes; tokens/s on a terminal that is not
+     * also showing the text */
+    int tty = isatty(2) && (json || !isatty(1)), started = 0;
     uint64_t t0 = rekv_now_ns(), n_tok = 0;
+    if (!json && prompt) {
+        fputs(prompt, stdout);
+        fflush(stdout);
+    }
     for (;;) {
         rekv__control__response__free_unpacked(r, NULL);
         r = NULL;
@@ -187,17 +195,37 @@ int cli_submit(int argc, char **argv)
         }
         if (r->id != req_id || r->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
             continue;
-        n_tok = r->event->offset + r->event->n_tokens;
+        const Rekv__Control__StreamEvent *ev = r->event;
+        n_tok = ev->offset + ev->n_tokens;
+        if (!json) {
+            if (ev->has_text)
+                fwrite(ev->text.data, 1, ev->text.len, stdout);
+            else
+                for (size_t i = 0; i < ev->n_tokens; i++, started = 1)
+                    printf("%s%d", started ? "," : "", ev->tokens[i]);
+            fflush(stdout);
+        }
         if (tty) {
             double dt = (double)(rekv_now_ns() - t0) * 1e-9;
             fprintf(stderr, "\rjob %llu: %llu tokens, %.1f tokens/s ", (unsigned long long)job,
                     (unsigned long long)n_tok, dt > 0 ? (double)n_tok / dt : 0.0);
         }
-        if (r->event->done)
+        if (ev->done)
             break;
     }
     if (tty)
         fprintf(stderr, "\n");
+    if (!json) {
+        const Rekv__Control__StreamEvent *ev = r->event;
+        printf("\n");
+        if (ev->state == REKV__CONTROL__JOB_STATE__FAILED)
+            fprintf(stderr, "rekv: job %llu failed: %s\n", (unsigned long long)job, ev->error);
+        else if (ev->state != REKV__CONTROL__JOB_STATE__DONE)
+            fprintf(stderr, "rekv: job %llu %s\n", (unsigned long long)job,
+                    rekv_ctl_state_name(ev->state));
+        rc = ev->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;
+        goto out;
+    }
     Rekv__Control__StatusRequest sr = REKV__CONTROL__STATUS_REQUEST__INIT;
     sr.job = job;
     sr.with_text = 1;
@@ -213,15 +241,7 @@ int cli_submit(int argc, char **argv)
         goto out;
     }
     const Rekv__Control__JobStatus *st = r->job;
-    if (json) {
-        print_json(status_json(st));
-    } else if (st->text && *st->text) {
-        printf("%s%s\n", prompt ? prompt : "", st->text);
-    } else {
-        for (size_t i = 0; i < st->n_generated_ids; i++)
-            printf("%s%d", i ? "," : "", st->generated_ids[i]);
-        printf("\n");
-    }
+    print_json(status_json(st));
     if (st->state == REKV__CONTROL__JOB_STATE__FAILED)
         fprintf(stderr, "rekv: job %llu failed: %s\n", (unsigned long long)job, st->error);
     rc = st->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;

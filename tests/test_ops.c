@@ -1,0 +1,282 @@
+/* test_ops.c — the programs as an operator meets them (issue 17): `rekv submit` prints a job's
+ * text as the coordinator streams it, not when the job ends (a real coordinator, with the test as
+ * its worker speaking worker.proto so that the job provably has not ended when the first text
+ * arrives). Runs the real programs from the build. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+#include "coordinator/coordinator.h"
+#include "loader/loader.h"
+#include "proto/worker.pb-c.h"
+#include "tests/testutil.h"
+
+#define OPT_REL "models/opt-tiny-py"
+
+/* ---------------------------------------------------------------- helpers */
+
+/* Starts argv (NULL-terminated) with stdout on a pipe (*out_fd) and stderr on the file errpath;
+ * with ready, appends --ready-fd and waits (60 s at most) until the program says READY. */
+static pid_t start(const char *const *args, int *out_fd, const char *errpath, int ready)
+{
+    int pfd[2] = {-1, -1}, ofd[2] = {-1, -1};
+    if (ready)
+        ck_assert_int_eq(pipe(pfd), 0);
+    if (out_fd)
+        ck_assert_int_eq(pipe(ofd), 0);
+    const char *argv[64];
+    int n = 0;
+    for (; args[n]; n++)
+        argv[n] = args[n];
+    char fd[16];
+    if (ready) {
+        snprintf(fd, sizeof(fd), "%d", pfd[1]);
+        argv[n++] = "--ready-fd";
+        argv[n++] = fd;
+    }
+    argv[n] = NULL;
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        if (out_fd) {
+            dup2(ofd[1], 1);
+            close(ofd[0]);
+            close(ofd[1]);
+        }
+        if (errpath) {
+            int e = open(errpath, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+            if (e >= 0)
+                dup2(e, 2);
+        }
+        if (ready)
+            close(pfd[0]);
+        execv(argv[0], (char **)argv);
+        _exit(127);
+    }
+    if (out_fd) {
+        close(ofd[1]);
+        *out_fd = ofd[0];
+    }
+    if (ready) {
+        close(pfd[1]);
+        struct pollfd p = {pfd[0], POLLIN, 0};
+        ck_assert_msg(poll(&p, 1, 60000) == 1, "%s did not become ready", argv[0]);
+        char buf[8] = {0};
+        ck_assert_msg(read(pfd[0], buf, 7) == 6, "%s exited before it was ready", argv[0]);
+        close(pfd[0]);
+    }
+    return pid;
+}
+
+static int stop(pid_t pid)
+{
+    kill(pid, SIGTERM);
+    int st;
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    return st;
+}
+
+/* Reads from fd into buf (of *n bytes so far, cap bytes) until it holds `want` bytes or the fd is
+ * closed; fails the test after 60 s (a hang, not a measurement). */
+static void read_until(int fd, char *buf, size_t *n, size_t cap, size_t want)
+{
+    uint64_t deadline = rekv_now_ns() + 60000000000ull;
+    while (*n < want) {
+        struct pollfd p = {fd, POLLIN, 0};
+        uint64_t now = rekv_now_ns();
+        ck_assert_msg(now < deadline, "no output after 60 s (have \"%.*s\")", (int)*n, buf);
+        int r = poll(&p, 1, (int)((deadline - now) / 1000000ull) + 1);
+        if (r <= 0)
+            continue;
+        ssize_t got = read(fd, buf + *n, cap - *n - 1);
+        ck_assert_msg(got >= 0, "read: %s", strerror(errno));
+        if (got == 0)
+            break;
+        *n += (size_t)got;
+    }
+    buf[*n] = '\0';
+}
+
+/* One message to or from the test's worker socket. */
+static void worker_send(void *sock, Rekv__Worker__WorkerMsg *m)
+{
+    m->version = REKV_WORKER_PROTO_VERSION;
+    uint8_t buf[4096];
+    size_t n = rekv__worker__worker_msg__get_packed_size(m);
+    ck_assert(n <= sizeof(buf));
+    rekv__worker__worker_msg__pack(m, buf);
+    ck_assert_int_eq(zmq_send(sock, buf, n, 0), (int)n);
+}
+
+static Rekv__Worker__CoordMsg *worker_recv(void *sock)
+{
+    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+    ck_assert_msg(zmq_poll(&it, 1, 60000) == 1, "the coordinator sent the worker nothing in 60 s");
+    uint8_t buf[65536];
+    int got = zmq_recv(sock, buf, sizeof(buf), 0);
+    ck_assert(got > 0 && (size_t)got <= sizeof(buf));
+    Rekv__Worker__CoordMsg *m = rekv__worker__coord_msg__unpack(NULL, (size_t)got, buf);
+    ck_assert_ptr_nonnull(m);
+    return m;
+}
+
+/* Answers step `step` of the plan with one token of job `job`. */
+static void worker_progress(void *sock, uint64_t step, uint64_t job, int32_t tok, int finished)
+{
+    Rekv__Worker__JobProgress jp = REKV__WORKER__JOB_PROGRESS__INIT;
+    jp.job = job;
+    jp.n_tokens = 1;
+    jp.tokens = &tok;
+    jp.finished = finished;
+    jp.finish_reason = finished ? "length" : "";
+    Rekv__Worker__JobProgress *jps[1] = {&jp};
+    Rekv__Worker__Progress p = REKV__WORKER__PROGRESS__INIT;
+    p.step = step;
+    p.n_jobs = 1;
+    p.jobs = jps;
+    p.running = finished ? 0 : 1;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
+    m.progress = &p;
+    worker_send(sock, &m);
+}
+
+/* ---------------------------------------------------------------- submit streams */
+
+/* `rekv submit` against a coordinator (with --model: a tokenizer, text; without: token ids) whose
+ * worker is this test: the worker answers the first step with one token and holds the second, and
+ * the text of that token must reach submit's stdout while the job is still running (the worker has
+ * not finished it, so this is order, not timing); then the second step ends the job and submit
+ * exits 0 having printed the rest. */
+static void submit_streams(const char *model, int with_tokenizer)
+{
+    char *dir = tu_tmpdir(), ctl[4200], wrk[4200], errpath[4200];
+    snprintf(ctl, sizeof(ctl), "ipc://%s/control", dir);
+    snprintf(wrk, sizeof(wrk), "ipc://%s/workers", dir);
+    snprintf(errpath, sizeof(errpath), "%s/submit.err", dir);
+    char co_prog[4096], cli_prog[4096];
+    snprintf(co_prog, sizeof(co_prog), "%s", tu_bin("rekv-coordinator"));
+    snprintf(cli_prog, sizeof(cli_prog), "%s", tu_bin("rekv"));
+    const char *co_args[] = {co_prog, "--control", ctl,  "--workers", wrk, "--worker-timeout-ms",
+                             "600000", "--model",   model, NULL};
+    if (!with_tokenizer)
+        co_args[7] = NULL;
+    pid_t co = start(co_args, NULL, NULL, 1);
+
+    /* the test is the worker */
+    void *zctx = zmq_ctx_new(), *sock = zmq_socket(zctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_connect(sock, wrk), 0);
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.name = "test";
+    h.backend = "cpu";
+    h.mode = "resident";
+    h.max_batch = 4;
+    h.vocab = 4096;
+    h.max_pos = 1024;
+    h.eos_id = 2;
+    Rekv__Worker__WorkerMsg hm = REKV__WORKER__WORKER_MSG__INIT;
+    hm.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
+    hm.hello = &h;
+    worker_send(sock, &hm);
+    Rekv__Worker__CoordMsg *m = worker_recv(sock);
+    ck_assert_int_eq(m->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
+    rekv__worker__coord_msg__free_unpacked(m, NULL);
+
+    /* the texts the two tokens make: the first alone, then both */
+    const int32_t toks[2] = {268, 314};
+    char *first = NULL, *all = NULL;
+    size_t n_first = 0, n_all = 0;
+    if (with_tokenizer) {
+        rekv_tokenizer *tok = NULL;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_tokenizer_load_for_model(model, &tok, &err) == 0, "%s", err.msg);
+        ck_assert(rekv_tokenizer_decode(tok, toks, 1, &first, &n_first, &err) == 0);
+        ck_assert(rekv_tokenizer_decode(tok, toks, 2, &all, &n_all, &err) == 0);
+        rekv_tokenizer_free(tok);
+        ck_assert_msg(n_first > 0 && n_all > n_first, "pick tokens with text");
+    } else {
+        first = strdup("268");
+        all = strdup("268,314");
+        n_first = 3;
+        n_all = 7;
+    }
+
+    const char *sub_args[] = {cli_prog,   "submit",   "--socket=", "--prompt-ids", "2,100,200",
+                              "--max-new-tokens", "2", NULL};
+    char sock_opt[4300];
+    snprintf(sock_opt, sizeof(sock_opt), "--socket=%s", ctl);
+    sub_args[2] = sock_opt;
+    int out_fd;
+    pid_t sub = start(sub_args, &out_fd, errpath, 0);
+
+    m = worker_recv(sock);
+    ck_assert_int_eq(m->body_case, REKV__WORKER__COORD_MSG__BODY_PLAN);
+    ck_assert_int_eq(m->plan->n_join, 1);
+    uint64_t job = m->plan->join[0]->job, step = m->plan->step;
+    rekv__worker__coord_msg__free_unpacked(m, NULL);
+    worker_progress(sock, step, job, toks[0], 0);
+
+    char out[4096];
+    size_t n = 0;
+    read_until(out_fd, out, &n, sizeof(out), n_first);
+    ck_assert_msg(n == n_first && memcmp(out, first, n_first) == 0,
+                  "submit printed \"%s\" after the first step, not \"%s\"", out, first);
+    ck_assert_msg(waitpid(sub, NULL, WNOHANG) == 0, "submit exited before the job ended");
+
+    m = worker_recv(sock); /* the next step's plan */
+    ck_assert_int_eq(m->body_case, REKV__WORKER__COORD_MSG__BODY_PLAN);
+    step = m->plan->step;
+    rekv__worker__coord_msg__free_unpacked(m, NULL);
+    worker_progress(sock, step, job, toks[1], 1);
+    read_until(out_fd, out, &n, sizeof(out), sizeof(out) - 1); /* to EOF */
+    int st;
+    ck_assert_int_eq(waitpid(sub, &st, 0), sub);
+    char *errtxt = tu_read_file(errpath, NULL);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "submit failed: %s", errtxt);
+    ck_assert_msg(n == n_all + 1 && memcmp(out, all, n_all) == 0 && out[n_all] == '\n',
+                  "submit printed \"%s\", not \"%s\\n\"", out, all);
+    free(errtxt);
+    close(out_fd);
+    free(first);
+    free(all);
+    zmq_close(sock);
+    zmq_ctx_term(zctx);
+    ck_assert_int_eq(stop(co), 0);
+    tu_rmrf(dir);
+    free(dir);
+}
+
+START_TEST(submit_streams_text)
+{
+    const char *m = tu_shared(OPT_REL);
+    if (m == NULL)
+        return;
+    char model[4096];
+    snprintf(model, sizeof(model), "%s", m);
+    submit_streams(model, 1);
+    submit_streams(model, 0);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("ops");
+    TCase *tc = tcase_create("ops");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, submit_streams_text);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void) { return tu_run_suite(suite()); }
