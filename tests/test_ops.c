@@ -1,7 +1,8 @@
 /* test_ops.c — the programs as an operator meets them (issue 17): `rekv submit` prints a job's
  * text as the coordinator streams it, not when the job ends (a real coordinator, with the test as
  * its worker speaking worker.proto so that the job provably has not ended when the first text
- * arrives). Runs the real programs from the build. */
+ * arrives); the client fails at once, naming the endpoint, where no coordinator can be. Runs the
+ * real programs from the build. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -10,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -269,12 +272,60 @@ START_TEST(submit_streams_text)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- fast failure */
+
+/* Runs `rekv ARGS` with XDG_RUNTIME_DIR=xdg; its exit code, stderr in *err. */
+static int rekv_env(const char *xdg, const char *args, char **err)
+{
+    char *d = tu_tmpdir(), cmd[16384], errpath[4200];
+    snprintf(errpath, sizeof(errpath), "%s/err", d);
+    snprintf(cmd, sizeof(cmd), "XDG_RUNTIME_DIR='%s' %s %s >/dev/null 2>'%s'", xdg, tu_bin("rekv"),
+             args, errpath);
+    int rc = tu_run(cmd, NULL);
+    *err = tu_read_file(errpath, NULL);
+    tu_rmrf(d);
+    free(d);
+    return rc;
+}
+
+/* No socket file, or a socket nobody listens on: every client command says so at once (the
+ * message, not a timeout, is what shows it did not wait for a reply), exit 1. */
+START_TEST(client_fails_fast_without_coordinator)
+{
+    char *xdg = tu_tmpdir(), stale[4200], args[8192], *err;
+    const char *cmds[] = {"submit --prompt-ids 1,2", "status", "status 3", "cancel 3", "stats"};
+    for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
+        int rc = rekv_env(xdg, cmds[i], &err);
+        ck_assert_msg(rc == 1, "rekv %s: exit %d: %s", cmds[i], rc, err);
+        ck_assert_msg(strstr(err, "does not exist") && strstr(err, xdg),
+                      "rekv %s does not say the default socket is missing: %s", cmds[i], err);
+        free(err);
+    }
+    /* a socket left behind by a coordinator that died */
+    snprintf(stale, sizeof(stale), "%s/stale", xdg);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    ck_assert(strlen(stale) < sizeof(sa.sun_path));
+    memcpy(sa.sun_path, stale, strlen(stale) + 1);
+    ck_assert_int_eq(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    close(fd);
+    snprintf(args, sizeof(args), "submit --socket ipc://%s --prompt-ids 1", stale);
+    int rc = rekv_env(xdg, args, &err);
+    ck_assert_msg(rc == 1 && strstr(err, "nothing listens") && strstr(err, stale),
+                  "exit %d: %s", rc, err);
+    free(err);
+    tu_rmrf(xdg);
+    free(xdg);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("ops");
     TCase *tc = tcase_create("ops");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, submit_streams_text);
+    tcase_add_test(tc, client_fails_fast_without_coordinator);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -22,6 +22,12 @@ int cli_generate_remote(const char *model_path, const char *socket, const int32_
                         const struct rekv_gen_params *gp, struct rekv_gen_result *res,
                         double *queued_s, double *run_s, struct rekv_err *err);
 
+/* Whether a coordinator can answer at control endpoint ep (NULL: the default one) without
+ * waiting for a reply: for an ipc:// path, that the socket exists and something listens on it.
+ * 0 (also for other transports, where ZeroMQ finds out), or a negative errno with one line in err
+ * naming the endpoint (-ENOENT: no socket, -ECONNREFUSED: a socket nobody listens on). */
+int cli_ctl_reachable(const char *ep, struct rekv_err *err);
+
 /* Parses "1,2,3" into a malloc'd array; -EINVAL on anything else. */
 int cli_parse_ids(const char *s, int32_t **ids, int *n);
 /* Strict numeric option parsing; print "rekv: --name: ..." and return -1 on error. */

@@ -56,10 +56,11 @@ static int fail_response(const Rekv__Control__Response *r)
     return 1;
 }
 
+/* Connects, failing at once (not after the call's timeout) where no coordinator can be. */
 static int connect_or_say(const char *ep, rekv_ctl **c)
 {
     rekv_err err = {0};
-    if (rekv_ctl_connect(ep, NULL, c, &err)) {
+    if (cli_ctl_reachable(ep, &err) || rekv_ctl_connect(ep, NULL, c, &err)) {
         fprintf(stderr, "rekv: %s\n", err.msg);
         return 1;
     }
