@@ -1,9 +1,11 @@
 /* test_ops.c — the programs as an operator meets them (issue 17): `rekv submit` prints a job's
  * text as the coordinator streams it, not when the job ends (a real coordinator, with the test as
  * its worker speaking worker.proto so that the job provably has not ended when the first text
- * arrives); the client fails at once, naming the endpoint, where no coordinator can be. Runs the
- * real programs from the build. */
+ * arrives); the client fails at once, naming the endpoint, where no coordinator can be;
+ * `rekv generate`, interrupted while its private daemons start or serve, exits by the signal and
+ * leaves no temporary directory. Runs the real programs from the build. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -169,7 +171,7 @@ static void submit_streams(const char *model, int with_tokenizer)
     char co_prog[4096], cli_prog[4096];
     snprintf(co_prog, sizeof(co_prog), "%s", tu_bin("rekv-coordinator"));
     snprintf(cli_prog, sizeof(cli_prog), "%s", tu_bin("rekv"));
-    const char *co_args[] = {co_prog, "--control", ctl,  "--workers", wrk, "--worker-timeout-ms",
+    const char *co_args[] = {co_prog,  "--control", ctl,   "--workers", wrk, "--worker-timeout-ms",
                              "600000", "--model",   model, NULL};
     if (!with_tokenizer)
         co_args[7] = NULL;
@@ -215,8 +217,8 @@ static void submit_streams(const char *model, int with_tokenizer)
         n_all = 7;
     }
 
-    const char *sub_args[] = {cli_prog,   "submit",   "--socket=", "--prompt-ids", "2,100,200",
-                              "--max-new-tokens", "2", NULL};
+    const char *sub_args[] = {cli_prog,    "submit",           "--socket=", "--prompt-ids",
+                              "2,100,200", "--max-new-tokens", "2",         NULL};
     char sock_opt[4300];
     snprintf(sock_opt, sizeof(sock_opt), "--socket=%s", ctl);
     sub_args[2] = sock_opt;
@@ -311,11 +313,96 @@ START_TEST(client_fails_fast_without_coordinator)
     close(fd);
     snprintf(args, sizeof(args), "submit --socket ipc://%s --prompt-ids 1", stale);
     int rc = rekv_env(xdg, args, &err);
-    ck_assert_msg(rc == 1 && strstr(err, "nothing listens") && strstr(err, stale),
-                  "exit %d: %s", rc, err);
+    ck_assert_msg(rc == 1 && strstr(err, "nothing listens") && strstr(err, stale), "exit %d: %s",
+                  rc, err);
     free(err);
     tu_rmrf(xdg);
     free(xdg);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- generate interrupted */
+
+/* The name of the first rekv-run.* entry in dir (static), or NULL. */
+static const char *run_dir_in(const char *dir)
+{
+    static char name[4096];
+    DIR *d = opendir(dir);
+    ck_assert_ptr_nonnull(d);
+    struct dirent *e;
+    const char *found = NULL;
+    while ((e = readdir(d)) != NULL)
+        if (strncmp(e->d_name, "rekv-run.", 9) == 0) {
+            snprintf(name, sizeof(name), "%s", e->d_name);
+            found = name;
+        }
+    closedir(d);
+    return found;
+}
+
+/* `rekv generate` (its default path: a private `rekv run` in a rekv-run.* directory under $TMPDIR)
+ * interrupted by sig once `stage` exists — the directory (0: as early as it can be seen) or the
+ * trio's control socket in it (1: serving, the job submitted or about to be) — exits by that
+ * signal's status and leaves nothing in $TMPDIR. */
+static void generate_interrupted(const char *model, int sig, int stage)
+{
+    char *tmp = tu_tmpdir(), *xdg = tu_tmpdir(), errpath[4200];
+    snprintf(errpath, sizeof(errpath), "%s/generate.err", xdg);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        setenv("TMPDIR", tmp, 1);
+        setenv("XDG_RUNTIME_DIR", xdg, 1); /* no coordinator serves there */
+        int e = open(errpath, O_WRONLY | O_CREAT | O_TRUNC, 0600),
+            nul = open("/dev/null", O_WRONLY);
+        dup2(e, 2);
+        dup2(nul, 1);
+        execl(tu_bin("rekv"), "rekv", "generate", "--model", model, "--prompt", "def main(",
+              "--max-new-tokens", "1000", "--ignore-eos", (char *)NULL);
+        _exit(127);
+    }
+    uint64_t deadline = rekv_now_ns() + 60000000000ull;
+    for (;;) {
+        const char *run = run_dir_in(tmp);
+        char sock[8400];
+        if (run)
+            snprintf(sock, sizeof(sock), "%s/%s/control", tmp, run);
+        if (run && (stage == 0 || access(sock, F_OK) == 0))
+            break;
+        ck_assert_msg(waitpid(pid, NULL, WNOHANG) == 0, "rekv generate ended before stage %d",
+                      stage);
+        ck_assert_msg(rekv_now_ns() < deadline, "no rekv-run.* directory (stage %d) in 60 s",
+                      stage);
+        usleep(2000);
+    }
+    kill(pid, sig);
+    int st;
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    char *err = tu_read_file(errpath, NULL);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 128 + sig,
+                  "%s at stage %d: status 0x%x (want exit %d): %s", sigabbrev_np(sig), stage, st,
+                  128 + sig, err);
+    const char *left = run_dir_in(tmp);
+    ck_assert_msg(left == NULL, "%s at stage %d left %s/%s behind", sigabbrev_np(sig), stage, tmp,
+                  left);
+    free(err);
+    tu_rmrf(tmp);
+    tu_rmrf(xdg);
+    free(tmp);
+    free(xdg);
+}
+
+START_TEST(generate_interrupted_leaves_nothing)
+{
+    const char *m = tu_shared(OPT_REL);
+    if (m == NULL)
+        return;
+    char model[4096];
+    snprintf(model, sizeof(model), "%s", m);
+    generate_interrupted(model, SIGTERM, 0);
+    generate_interrupted(model, SIGINT, 0);
+    generate_interrupted(model, SIGINT, 1);
+    generate_interrupted(model, SIGTERM, 1);
 }
 END_TEST
 
@@ -326,8 +413,12 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, submit_streams_text);
     tcase_add_test(tc, client_fails_fast_without_coordinator);
+    tcase_add_test(tc, generate_interrupted_leaves_nothing);
     suite_add_tcase(s, tc);
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}

@@ -62,8 +62,12 @@ static void run_usage(FILE *f)
             "--push: the kvstore writes the KV rows into the worker's buffers (the push path).\n");
 }
 
-/* Starts c with a ready pipe and waits for "READY\n"; 0, or -1 with a message printed. */
-static int child_start(child *c, int which)
+static int child_stop(child *c);
+
+/* Starts c with a ready pipe and waits for "READY\n"; 0, -1 with a message printed, or 1 when
+ * stop_fd (a signalfd of SIGINT and SIGTERM, left unread) became readable first: the child is
+ * stopped again. */
+static int child_start(child *c, int which, int stop_fd)
 {
     int pfd[2];
     if (pipe2(pfd, O_CLOEXEC) < 0) {
@@ -98,12 +102,17 @@ static int child_start(child *c, int which)
     }
     close(pfd[1]);
     c->pid = pid;
-    struct pollfd p = {pfd[0], POLLIN, 0};
+    struct pollfd p[2] = {{pfd[0], POLLIN, 0}, {stop_fd, POLLIN, 0}};
     char buf[8] = {0};
     int r;
     do
-        r = poll(&p, 1, READY_TIMEOUT_MS);
+        r = poll(p, 2, READY_TIMEOUT_MS);
     while (r < 0 && errno == EINTR);
+    if (r > 0 && (p[1].revents & POLLIN)) { /* asked to stop while it starts */
+        close(pfd[0]);
+        child_stop(c);
+        return 1;
+    }
     ssize_t n = r > 0 ? read(pfd[0], buf, sizeof(buf) - 1) : 0;
     close(pfd[0]);
     if (n != 6 || strcmp(buf, "READY\n") != 0) {
@@ -315,15 +324,22 @@ int cli_run(int argc, char **argv)
     sigaddset(&set, SIGCHLD);
     sigprocmask(SIG_BLOCK, &set, NULL);
     int sfd = signalfd(-1, &set, SFD_CLOEXEC);
-    if (sfd < 0) {
+    /* SIGINT/SIGTERM alone, polled (not read) while a child starts: stop without waiting for it */
+    sigdelset(&set, SIGCHLD);
+    int stop_fd = sfd >= 0 ? signalfd(-1, &set, SFD_CLOEXEC) : -1;
+    if (sfd < 0 || stop_fd < 0) {
         fprintf(stderr, "rekv run: signalfd: %s\n", strerror(errno));
+        if (sfd >= 0)
+            close(sfd);
         return 1;
     }
-    int rc = 1;
+    int rc = 1, started;
     static const int order[N_CHILD] = {KV, COORD, WORKER};
     for (int k = 0; k < N_CHILD; k++)
-        if (child_start(&ch[order[k]], order[k]))
+        if ((started = child_start(&ch[order[k]], order[k], stop_fd))) {
+            rc = started > 0 ? 0 : 1;
             goto stop;
+        }
     if (chatty)
         fprintf(stderr, "rekv run: serving on %s (kvstore, gpuworker and coordinator in %s); Ctrl-C "
                     "stops\n", ep_ctl, dir);
@@ -365,8 +381,12 @@ int cli_run(int argc, char **argv)
                 }
                 if (i == KV) /* the worker's arena mapping died with the store */
                     child_stop(&ch[WORKER]);
-                if (child_start(&ch[i], i) ||
-                    (i == KV && ch[WORKER].pid == 0 && child_start(&ch[WORKER], WORKER)))
+                int s1 = child_start(&ch[i], i, stop_fd);
+                if (s1 == 0 && i == KV && ch[WORKER].pid == 0)
+                    s1 = child_start(&ch[WORKER], WORKER, stop_fd);
+                if (s1 > 0) /* asked to stop meanwhile */
+                    rc = 0;
+                if (s1)
                     failed = 1;
             }
         }
@@ -386,6 +406,7 @@ stop:
         if (bad && rc == 0)
             fprintf(stderr, "rekv run: a daemon did not exit cleanly\n");
     }
+    close(stop_fd);
     close(sfd);
     return rc;
 }

@@ -159,8 +159,9 @@ int cli_ctl_reachable(const char *ep, rekv_err *err)
     const char *path = ep + 6;
     struct stat sb;
     if (stat(path, &sb) != 0)
-        return rekv_errf(err, -errno, "no coordinator at %s: %s (start one with `rekv run`, or "
-                                      "give --socket)",
+        return rekv_errf(err, -errno,
+                         "no coordinator at %s: %s (start one with `rekv run`, or "
+                         "give --socket)",
                          ep, errno == ENOENT ? "the socket does not exist" : strerror(errno));
     if (!S_ISSOCK(sb.st_mode))
         return rekv_errf(err, -ENOTSOCK, "%s: %s is not a socket", ep, path);
@@ -174,8 +175,9 @@ int cli_ctl_reachable(const char *ep, rekv_err *err)
     rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 ? 0 : -errno;
     close(fd);
     if (rc == -ECONNREFUSED)
-        return rekv_errf(err, rc, "no coordinator at %s: nothing listens on the socket (left "
-                                  "behind by one that stopped?)",
+        return rekv_errf(err, rc,
+                         "no coordinator at %s: nothing listens on the socket (left "
+                         "behind by one that stopped?)",
                          ep);
     return 0; /* listening, or busy (EAGAIN: its backlog is full): ZeroMQ will get through */
 }
