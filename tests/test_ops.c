@@ -3,7 +3,8 @@
  * its worker speaking worker.proto so that the job provably has not ended when the first text
  * arrives); the client fails at once, naming the endpoint, where no coordinator can be;
  * `rekv generate`, interrupted while its private daemons start or serve, exits by the signal and
- * leaves no temporary directory. Runs the real programs from the build. */
+ * leaves no temporary directory; `--trace F` over several runs writes a trace per run. Runs the
+ * real programs from the build. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -406,6 +407,40 @@ START_TEST(generate_interrupted_leaves_nothing)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- traces */
+
+/* `rekv bench decode --trace F` with several runs writes one Chrome trace per run, F with the
+ * run's name before its extension (a repeated run numbered), and with one run F itself. */
+START_TEST(bench_trace_per_run)
+{
+    char *d = tu_tmpdir(), cmd[16384], path[4200], loader[4096], rekv[4096];
+    snprintf(loader, sizeof(loader), "%s", tu_bin("rekv-loader")); /* tu_bin's is static */
+    snprintf(rekv, sizeof(rekv), "%s", tu_bin("rekv"));
+    snprintf(cmd, sizeof(cmd),
+             "%s synth --arch opt --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 256 "
+             "--max-pos 128 --dtype f32 %s/m >/dev/null && "
+             "%s bench decode --model %s/m --backend cpu --batch 1 --prompt-len 16 --gen-len 2 "
+             "--modes resident,offload,kvpr@2,offload --trace %s/t.json >/dev/null 2>&1 && "
+             "%s bench decode --model %s/m --backend cpu --batch 1 --prompt-len 16 --gen-len 2 "
+             "--modes kvpr --trace=%s/one >/dev/null 2>&1",
+             loader, d, rekv, d, d, rekv, d, d);
+    ck_assert_int_eq(tu_run(cmd, NULL), 0);
+    const char *want[] = {"t.resident.json", "t.offload.json", "t.kvpr@2.json", "t.offload-2.json",
+                          "one"};
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
+        snprintf(path, sizeof(path), "%s/%s", d, want[i]);
+        char *text = tu_read_file(path, NULL);
+        ck_assert_msg(text != NULL, "no trace %s", path);
+        ck_assert_msg(strstr(text, "\"traceEvents\"") != NULL, "%s is not a Chrome trace", path);
+        free(text);
+    }
+    snprintf(path, sizeof(path), "%s/t.json", d);
+    ck_assert_msg(access(path, F_OK) != 0, "several runs wrote %s too", path);
+    tu_rmrf(d);
+    free(d);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("ops");
@@ -414,6 +449,7 @@ static Suite *suite(void)
     tcase_add_test(tc, submit_streams_text);
     tcase_add_test(tc, client_fails_fast_without_coordinator);
     tcase_add_test(tc, generate_interrupted_leaves_nothing);
+    tcase_add_test(tc, bench_trace_per_run);
     suite_add_tcase(s, tc);
     return s;
 }

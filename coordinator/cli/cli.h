@@ -46,6 +46,11 @@ int cli_remote_end(cli_remote *rm);
  * naming the endpoint (-ENOENT: no socket, -ECONNREFUSED: a socket nobody listens on). */
 int cli_ctl_reachable(const char *ep, struct rekv_err *err);
 
+/* The trace file of one of several runs given --trace F: F with ".RUN" inserted before the
+ * extension of its file name, or appended when it has none (t.json -> t.kvpr.json, t -> t.kvpr);
+ * 0 or -ENAMETOOLONG. */
+int cli_trace_path(const char *trace, const char *run, char *out, size_t len);
+
 /* Parses "1,2,3" into a malloc'd array; -EINVAL on anything else. */
 int cli_parse_ids(const char *s, int32_t **ids, int *n);
 /* Strict numeric option parsing; print "rekv: --name: ..." and return -1 on error. */

@@ -181,3 +181,13 @@ int cli_ctl_reachable(const char *ep, rekv_err *err)
                          ep);
     return 0; /* listening, or busy (EAGAIN: its backlog is full): ZeroMQ will get through */
 }
+
+int cli_trace_path(const char *trace, const char *run, char *out, size_t len)
+{
+    const char *slash = strrchr(trace, '/'), *base = slash ? slash + 1 : trace;
+    const char *dot = strrchr(base, '.');
+    if (dot == NULL || dot == base) /* no extension (a leading dot names a hidden file) */
+        dot = base + strlen(base);
+    int n = snprintf(out, len, "%.*s.%s%s", (int)(dot - trace), trace, run, dot);
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
