@@ -107,6 +107,16 @@ TEST_SUPPORT_OBJS := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_SUPPORT))
 .SECONDARY:
 all: $(BINS)
 
+# The version: common/version.h's release, and from a git checkout `git describe` of the tree,
+# passed to common/version.c alone; a stamp rewritten only when the describe changes rebuilds it.
+GIT_DESCRIBE := $(if $(wildcard .git),$(shell git describe --always --dirty 2>/dev/null))
+$(BUILD)/gen/git-describe: FORCE
+	$(Q)mkdir -p $(@D) && (echo '$(GIT_DESCRIBE)' | cmp -s - $@ || echo '$(GIT_DESCRIBE)' > $@)
+$(BUILD)/obj/common/version.o: $(BUILD)/gen/git-describe
+$(BUILD)/obj/common/version.o: ALL_CFLAGS += $(if $(GIT_DESCRIBE),-DREKV_GIT_DESCRIBE='"$(GIT_DESCRIBE)"')
+.PHONY: FORCE
+FORCE:
+
 $(BUILD)/gen/proto/%.pb-c.c $(BUILD)/gen/proto/%.pb-c.h: proto/%.proto
 	$(call say,PROTOC,$<)
 	$(Q)mkdir -p $(BUILD)/gen/proto && protoc-c --proto_path=. --c_out=$(BUILD)/gen $<

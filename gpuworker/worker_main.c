@@ -25,6 +25,7 @@
 #include "common/daemon.h"
 #include "common/cost.h"
 #include "common/log.h"
+#include "common/version.h"
 #include "gpuworker/profile.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
@@ -42,7 +43,7 @@ static void usage(FILE *f)
            "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
-           "         [--ready-fd N]\n"
+           "         [--ready-fd N] [--help] [--version]\n"
            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
            "mode auto, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
            "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
@@ -466,7 +467,8 @@ int main(int argc, char **argv)
         O_DEVMEM,
         O_PUSH,
         O_APPROX,
-        O_HELP
+        O_HELP,
+        O_VERSION
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL},
@@ -484,6 +486,7 @@ int main(int argc, char **argv)
         {"push", no_argument, 0, O_PUSH},
         {"approximate", no_argument, 0, O_APPROX},
         {"help", no_argument, 0, O_HELP},
+        {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
     };
     rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
@@ -539,6 +542,9 @@ int main(int argc, char **argv)
             break;
         case O_HELP:
             usage(stdout);
+            return 0;
+        case O_VERSION:
+            printf("rekv-gpuworker %s\n", rekv_version());
             return 0;
         default:
             usage(stderr);

@@ -20,6 +20,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/version.h"
+
 static const char usage[] =
     "usage: rekv-loader COMMAND ...\n"
     "\n"
@@ -33,7 +35,9 @@ static const char usage[] =
     "      Prints the configuration and every tensor of a HuggingFace directory, a .safetensors\n"
     "      file or index, or a llama2.c .bin checkpoint, with total bytes and parameter count.\n"
     "  --help\n"
-    "      This text.\n";
+    "      This text.\n"
+    "  --version\n"
+    "      The version.\n";
 
 static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static int fail(const char *fmt, ...)
@@ -334,6 +338,10 @@ int main(int argc, char **argv)
     const char *cmd = argv[1];
     if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
         fputs(usage, stdout);
+        return 0;
+    }
+    if (strcmp(cmd, "--version") == 0) {
+        printf("rekv-loader %s\n", rekv_version());
         return 0;
     }
     if (strcmp(cmd, "synth") == 0)

@@ -3,8 +3,8 @@
  * its worker speaking worker.proto so that the job provably has not ended when the first text
  * arrives); the client fails at once, naming the endpoint, where no coordinator can be;
  * `rekv generate`, interrupted while its private daemons start or serve, exits by the signal and
- * leaves no temporary directory; `--trace F` over several runs writes a trace per run. Runs the
- * real programs from the build. */
+ * leaves no temporary directory; `--trace F` over several runs writes a trace per run; every
+ * program prints one version. Runs the real programs from the build. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -21,6 +21,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/version.h"
 #include "coordinator/coordinator.h"
 #include "loader/loader.h"
 #include "proto/worker.pb-c.h"
@@ -441,6 +442,27 @@ START_TEST(bench_trace_per_run)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- version */
+
+/* Every program prints the same version, common/version.c's, for --version, and exits 0. */
+START_TEST(version_everywhere)
+{
+    const char *progs[] = {"rekv", "rekv-kvstore", "rekv-gpuworker", "rekv-coordinator",
+                           "rekv-loader"};
+    for (size_t i = 0; i < sizeof(progs) / sizeof(progs[0]); i++) {
+        char cmd[8192], want[512], *out = NULL;
+        snprintf(cmd, sizeof(cmd), "%s --version 2>&1", tu_bin(progs[i]));
+        int rc = tu_run(cmd, &out);
+        snprintf(want, sizeof(want), "%s %s\n", progs[i], rekv_version());
+        ck_assert_msg(rc == 0 && strcmp(out, want) == 0,
+                      "%s --version: exit %d, \"%s\" (want \"%s\")", progs[i], rc, out, want);
+        free(out);
+    }
+    ck_assert_msg(strncmp(rekv_version(), REKV_VERSION, strlen(REKV_VERSION)) == 0, "%s",
+                  rekv_version());
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("ops");
@@ -450,6 +472,7 @@ static Suite *suite(void)
     tcase_add_test(tc, client_fails_fast_without_coordinator);
     tcase_add_test(tc, generate_interrupted_leaves_nothing);
     tcase_add_test(tc, bench_trace_per_run);
+    tcase_add_test(tc, version_everywhere);
     suite_add_tcase(s, tc);
     return s;
 }
