@@ -4,7 +4,8 @@
  * arrives); the client fails at once, naming the endpoint, where no coordinator can be;
  * `rekv generate`, interrupted while its private daemons start or serve, exits by the signal and
  * leaves no temporary directory; `--trace F` over several runs writes a trace per run; every
- * program prints one version. Runs the real programs from the build. */
+ * program prints one version, takes --opt=VALUE, and exits 2 on a usage error. Runs the real
+ * programs from the build. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -463,6 +464,110 @@ START_TEST(version_everywhere)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- command lines */
+
+/* Every program and subcommand parses with getopt_long: --opt=VALUE works like --opt VALUE, a
+ * usage error (unknown option or command, a missing or bad value) exits 2 with a message on
+ * stderr, and --help exits 0 with the usage on stdout. */
+START_TEST(command_lines)
+{
+    static const char *const usage_errors[] = {
+        "rekv --bogus",
+        "rekv frob",
+        "rekv generate --bogus",
+        "rekv generate --model=/nonexistent --prompt-ids=a,b",
+        "rekv run --bogus",
+        "rekv run --model=/nonexistent --mode=bogus",
+        "rekv run --model=/nonexistent --host-bytes=12Q",
+        "rekv run --model=/nonexistent --link-gbps=fast",
+        "rekv submit --bogus",
+        "rekv submit --prompt-ids=1 --max-new-tokens=-1",
+        "rekv status abc",
+        "rekv cancel",
+        "rekv stats extra",
+        "rekv profile --bogus",
+        "rekv bench",
+        "rekv bench decode --bogus",
+        "rekv bench forward --bogus",
+        "rekv bench kvstore --blocks=0",
+        "rekv eval --bogus",
+        "rekv skew --bogus",
+        "rekv-kvstore --bogus",
+        "rekv-kvstore --endpoint=ipc:///nonexistent/kv --host-bytes=12Q",
+        "rekv-gpuworker --model=/nonexistent --max-batch=0",
+        "rekv-coordinator --queue=abc",
+        "rekv-loader",
+        "rekv-loader frob",
+        "rekv-loader synth --bogus",
+        "rekv-loader synth --arch",
+        "rekv-loader synth --arch=opt --layers=x",
+        "rekv-loader synth --arch=gpt",
+        "rekv-loader synth --arch=opt --layers=1 --hidden=8 --heads=2 --ffn=8 --vocab=16",
+        "rekv-loader inspect",
+        "rekv-loader inspect --bogus x",
+    };
+    static const char *const helps[] = {
+        "rekv --help",
+        "rekv generate --help",
+        "rekv run --help",
+        "rekv submit --help",
+        "rekv status --help",
+        "rekv cancel --help",
+        "rekv stats --help",
+        "rekv profile --help",
+        "rekv bench --help",
+        "rekv bench decode --help",
+        "rekv bench forward --help",
+        "rekv bench kvstore --help",
+        "rekv eval --help",
+        "rekv skew --help",
+        "rekv-kvstore --help",
+        "rekv-gpuworker --help",
+        "rekv-coordinator --help",
+        "rekv-loader --help",
+        "rekv-loader synth --help",
+        "rekv-loader inspect --help",
+    };
+    char *d = tu_tmpdir(), cmd[16384], prog[4096], *out;
+    for (int pass = 0; pass < 2; pass++) {
+        const char *const *list = pass ? helps : usage_errors;
+        size_t n = pass ? sizeof(helps) / sizeof(helps[0])
+                        : sizeof(usage_errors) / sizeof(usage_errors[0]);
+        for (size_t i = 0; i < n; i++) {
+            const char *sp = strchr(list[i], ' ');
+            if (sp == NULL)
+                sp = list[i] + strlen(list[i]);
+            snprintf(prog, sizeof(prog), "%.*s", (int)(sp - list[i]), list[i]);
+            snprintf(cmd, sizeof(cmd), "XDG_RUNTIME_DIR='%s' %s%s 2>'%s/err'", d, tu_bin(prog), sp,
+                     d);
+            int rc = tu_run(cmd, &out);
+            snprintf(cmd, sizeof(cmd), "%s/err", d);
+            char *err = tu_read_file(cmd, NULL);
+            if (pass == 0)
+                ck_assert_msg(rc == 2 && err && *err && !*out,
+                              "`%s`: exit %d (want 2), stderr \"%s\", stdout \"%s\"", list[i], rc,
+                              err, out);
+            else
+                ck_assert_msg(rc == 0 && strstr(out, "usage") && err && !*err,
+                              "`%s`: exit %d (want 0), stdout \"%s\", stderr \"%s\"", list[i], rc,
+                              out, err);
+            free(err);
+            free(out);
+        }
+    }
+    /* --opt=VALUE, and an option after the operand (getopt_long permutes) */
+    snprintf(cmd, sizeof(cmd),
+             "%s synth --arch=opt --layers=1 --hidden=8 --heads=2 %s/m --ffn=8 --vocab=16 "
+             "--max-pos=16 --dtype=f32 --seed=3 >/dev/null",
+             tu_bin("rekv-loader"), d);
+    ck_assert_int_eq(tu_run(cmd, NULL), 0);
+    snprintf(cmd, sizeof(cmd), "%s/m/config.json", d);
+    ck_assert_msg(access(cmd, F_OK) == 0, "synth with --opt=VALUE wrote no %s", cmd);
+    tu_rmrf(d);
+    free(d);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("ops");
@@ -473,6 +578,7 @@ static Suite *suite(void)
     tcase_add_test(tc, generate_interrupted_leaves_nothing);
     tcase_add_test(tc, bench_trace_per_run);
     tcase_add_test(tc, version_everywhere);
+    tcase_add_test(tc, command_lines);
     suite_add_tcase(s, tc);
     return s;
 }

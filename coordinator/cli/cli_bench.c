@@ -584,6 +584,9 @@ int cli_bench(int argc, char **argv)
         return bench_decode(argc - 1, argv + 1);
     if (argc >= 2 && strcmp(argv[1], "kvstore") == 0)
         return rekv_kvstore_bench_main(argc - 1, argv + 1);
-    fprintf(stderr, "usage: rekv bench forward|decode|kvstore [options] --json\n");
-    return 2;
+    int help = argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0);
+    fprintf(help ? stdout : stderr,
+            "usage: rekv bench forward|decode|kvstore [options] --json\n"
+            "Run `rekv bench BENCH --help` for a benchmark's options.\n");
+    return help ? 0 : 2;
 }

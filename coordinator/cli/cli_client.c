@@ -87,9 +87,9 @@ static void submit_usage(FILE *f)
             "                   [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
             "                   [--priority P] [--ignore-eos] [--no-wait] [--json]\n"
             "                   [--socket ENDPOINT]\n"
-            "Sampling as `rekv generate`. Waits for the job unless --no-wait (then prints its id),\n"
-            "printing its text as the tokens come (token ids when the coordinator has no\n"
-            "tokenizer); --json prints one object when the job is over.\n");
+            "Sampling as `rekv generate`. Waits for the job, printing its text as the tokens\n"
+            "come (token ids when the coordinator has no tokenizer), unless --no-wait (then\n"
+            "prints its id); --json prints one object when the job is over.\n");
 }
 
 int cli_submit(int argc, char **argv)

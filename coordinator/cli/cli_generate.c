@@ -194,6 +194,15 @@ int cli_generate(int argc, char **argv)
     cli_remote remote;
     int remote_used = 0; /* remote is set up: cli_remote_end it */
     json_t *st = NULL;   /* the "stats" of the JSON output */
+    if (prompt_ids) { /* a usage error before any work */
+        int n;
+        if (cli_parse_ids(prompt_ids, &ids, &n)) {
+            fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
+                    prompt_ids);
+            return 2;
+        }
+        n_ids = (size_t)n;
+    }
     if (rekv_model_open(model_path, &model, &err))
         goto fail;
     const rekv_model_config *cfg = &model->config;
@@ -210,14 +219,6 @@ int cli_generate(int argc, char **argv)
         if (rekv_tokenizer_encode(tok, prompt, strlen(prompt), cfg->add_bos ? cfg->bos_id : -1,
                                   &ids, &n_ids, &err))
             goto fail;
-    } else {
-        int n;
-        if (cli_parse_ids(prompt_ids, &ids, &n)) {
-            fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
-                    prompt_ids);
-            goto out;
-        }
-        n_ids = (size_t)n;
     }
     for (size_t i = 0; i < n_ids; i++)
         if (ids[i] >= cfg->vocab) {

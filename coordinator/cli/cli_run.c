@@ -23,6 +23,8 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/daemon.h"
+#include "common/mode.h"
 #include "coordinator/cli/cli.h"
 #include "coordinator/coordinator.h"
 #include "gpuworker/device/backend.h"
@@ -219,6 +221,27 @@ int cli_run(int argc, char **argv)
         fprintf(stderr, "rekv run: --cache-dtype %s: expected f16 or f32\n", cache);
         return 2;
     }
+    /* what the daemons would refuse, refused here as a usage error (not as a daemon that did
+     * not start) */
+    rekv_mode mode_v;
+    uint64_t size_v;
+    double d_v;
+    if (strcmp(mode, "auto") != 0 && rekv_mode_parse(mode, &mode_v)) {
+        fprintf(stderr, "rekv run: --mode %s: expected auto, resident, offload, kvpr, act, hybrid "
+                        "or infinigen\n", mode);
+        return 2;
+    }
+    if (rekv_parse_size(host_bytes, &size_v) || size_v == 0) {
+        fprintf(stderr, "rekv run: --host-bytes %s: expected bytes, e.g. 64G\n", host_bytes);
+        return 2;
+    }
+    if (devmem && rekv_parse_size(devmem, &size_v)) {
+        fprintf(stderr, "rekv run: --device-memory %s: expected bytes, e.g. 512M\n", devmem);
+        return 2;
+    }
+    if ((link_gbps && cli_parse_float("link-gbps", link_gbps, 0, 1e6, &d_v)) ||
+        (link_lat && cli_parse_float("link-latency-us", link_lat, 0, 1e6, &d_v)))
+        return 2;
     char dir[2048], state[2200], bin[PATH_MAX], ep_ctl[2300], ep_wrk[2300], ep_kv[2300];
     rekv_err err = {0};
     if (cache == NULL && (link_gbps || devmem))
