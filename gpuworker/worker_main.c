@@ -34,6 +34,7 @@
 #include "proto/worker.pb-c.h"
 
 #define WORKER_PROTO_VERSION 1u /* REKV_WORKER_PROTO_VERSION in coordinator.h */
+#define KV_WAIT_MS 30000ull     /* how long a worker started beside its kvstore waits for it */
 
 static void usage(FILE *f)
 {
@@ -608,7 +609,22 @@ int main(int argc, char **argv)
     w.eng = eng;
     w.mc = rekv_engine_config(eng);
     if (kv_ep) {
-        if (rekv_kvstore_client_connect(kv_ep, NULL, 0, &kv, &err))
+        /* started beside the store (`rekv run` starts the daemons at once): wait for its socket
+         * while there is none or nobody listens yet, up to KV_WAIT_MS, stopping on a signal */
+        uint64_t until = rekv_now_ns() + KV_WAIT_MS * 1000000ull;
+        int crc;
+        while ((crc = rekv_kvstore_client_connect(kv_ep, NULL, 0, &kv, &err)) == -ENOENT ||
+               crc == -ECONNREFUSED) {
+            struct pollfd sp = {sfd, POLLIN, 0};
+            if (rekv_now_ns() > until)
+                break;
+            if (poll(&sp, 1, 20) > 0) { /* asked to stop */
+                rc = 0;
+                goto out;
+            }
+            rekv_err_clear(&err);
+        }
+        if (crc)
             goto fail;
         rekv_kv_geometry g;
         rekv_kvstore_client_geometry(kv, &g);

@@ -306,6 +306,15 @@ START_TEST(client_fails_fast_without_coordinator)
                       "rekv %s does not say the default socket is missing: %s", cmds[i], err);
         free(err);
     }
+    /* generate through a coordinator at a socket that is not there: no probe, the same message */
+    const char *m = tu_shared(OPT_REL);
+    if (m) {
+        snprintf(args, sizeof(args), "generate --model %s --prompt-ids 2 --socket ipc://%s/none", m,
+                 xdg);
+        int rc = rekv_env(xdg, args, &err);
+        ck_assert_msg(rc == 1 && strstr(err, "does not exist"), "exit %d: %s", rc, err);
+        free(err);
+    }
     /* a socket left behind by a coordinator that died */
     snprintf(stale, sizeof(stale), "%s/stale", xdg);
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);

@@ -194,7 +194,7 @@ int cli_generate(int argc, char **argv)
     cli_remote remote;
     int remote_used = 0; /* remote is set up: cli_remote_end it */
     json_t *st = NULL;   /* the "stats" of the JSON output */
-    if (prompt_ids) { /* a usage error before any work */
+    if (prompt_ids) {    /* a usage error before any work */
         int n;
         if (cli_parse_ids(prompt_ids, &ids, &n)) {
             fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",

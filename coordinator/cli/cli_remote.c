@@ -26,6 +26,7 @@
 
 #include "common/clock.h"
 #include "coordinator/cli/cli.h"
+#include "coordinator/cli/cli_daemon.h"
 #include "coordinator/coordinator.h"
 #include "gpuworker/gpuworker.h"
 
@@ -145,16 +146,16 @@ int cli_remote_end(cli_remote *rm)
     return sig;
 }
 
-/* Starts `rekv run --model PATH --dir DIR` and waits until it is ready; 0 or -errno (-EINTR when
- * interrupted; rm->pid is then set for cli_remote_end to stop). */
+/* Starts `rekv run --model PATH --dir DIR` (cli_run in a child) and waits until it is ready; 0 or
+ * -errno (-EINTR when interrupted; rm->pid is then set for cli_remote_end to stop). */
 static int start_trio(cli_remote *rm, const char *model_path, rekv_err *err)
 {
     int pfd[2];
     if (pipe2(pfd, O_CLOEXEC) < 0)
         return rekv_errf(err, -errno, "pipe: %s", strerror(errno));
     pid_t parent = getpid();
-    /* the child must not run our handler: SIGINT/SIGTERM stay blocked (pending) across the fork
-     * and exec, which `rekv run` reads from its signalfd */
+    /* the child must not run our handler: SIGINT/SIGTERM stay blocked (pending) across the fork,
+     * for `rekv run`'s signalfd */
     sigset_t stop, old;
     sigemptyset(&stop);
     sigaddset(&stop, SIGINT);
@@ -176,12 +177,16 @@ static int start_trio(cli_remote *rm, const char *model_path, rekv_err *err)
             _exit(1);
         char fd[16];
         snprintf(fd, sizeof(fd), "%d", pfd[1]);
-        fcntl(pfd[1], F_SETFD, 0);
+        close(pfd[0]);
+        close(rm->sig_fd[0]);
+        close(rm->sig_fd[1]);
         setenv("REKV_LOG", "warn", 0);
-        char *argv[] = {"rekv",       "run", "--model", (char *)model_path, "--dir", rm->dir,
-                        "--ready-fd", fd,    NULL};
-        execv("/proc/self/exe", argv);
-        _exit(127);
+        /* one job: a batch of one (the worker sizes its device buffers for its batch) */
+        char *argv[] = {"run",         "--model", (char *)model_path, "--dir", rm->dir,
+                        "--max-batch", "1",       "--ready-fd",       fd,      NULL};
+        /* `rekv run` in this forked child rather than exec'd: this binary's libraries (CUDA's
+         * among them) are loaded already, which saves the second of loading them again */
+        _exit(cli_run(9, argv));
     }
     sigprocmask(SIG_SETMASK, &old, NULL);
     close(pfd[1]);
@@ -203,15 +208,12 @@ static int start_trio(cli_remote *rm, const char *model_path, rekv_err *err)
     return 0;
 }
 
-/* rekv_ctl_call that gives up when the call is interrupted. */
-static int call(const cli_remote *rm, rekv_ctl *c, Rekv__Control__Request *rq,
-                Rekv__Control__Response **r, rekv_err *err)
+/* Waits up to timeout_ms for the response to request id (other ids are dropped); gives up when
+ * the call is interrupted. */
+static int wait_reply(const cli_remote *rm, rekv_ctl *c, uint64_t id, int timeout_ms,
+                      Rekv__Control__Response **r, rekv_err *err)
 {
-    uint64_t id;
-    int rc = rekv_ctl_send(c, rq, &id, err);
-    if (rc)
-        return rc;
-    uint64_t deadline = rekv_now_ns() + (uint64_t)CALL_TIMEOUT_MS * 1000000ull;
+    uint64_t deadline = rekv_now_ns() + (uint64_t)timeout_ms * 1000000ull;
     for (;;) {
         struct pollfd sp = sig_pollfd(rm);
         zmq_pollitem_t it[2] = {{rekv_ctl_socket(c), 0, ZMQ_POLLIN, 0},
@@ -219,7 +221,7 @@ static int call(const cli_remote *rm, rekv_ctl *c, Rekv__Control__Request *rq,
         uint64_t now = rekv_now_ns();
         if (now >= deadline)
             return rekv_errf(err, -ETIMEDOUT, "no reply from the coordinator within %d ms",
-                             CALL_TIMEOUT_MS);
+                             timeout_ms);
         int n = zmq_poll(it, 2, (long)((deadline - now) / 1000000ull) + 1);
         if (g_signal)
             return interrupted(err);
@@ -227,13 +229,23 @@ static int call(const cli_remote *rm, rekv_ctl *c, Rekv__Control__Request *rq,
             return rekv_errf(err, -errno, "control poll: %s", zmq_strerror(errno));
         if (n <= 0 || !(it[0].revents & ZMQ_POLLIN))
             continue;
-        if ((rc = rekv_ctl_recv(c, 0, r, err)))
+        int rc = rekv_ctl_recv(c, 0, r, err);
+        if (rc)
             return rc;
         if ((*r)->id == id)
             return 0;
         rekv__control__response__free_unpacked(*r, NULL);
         *r = NULL;
     }
+}
+
+/* rekv_ctl_call that gives up when the call is interrupted. */
+static int call(const cli_remote *rm, rekv_ctl *c, Rekv__Control__Request *rq,
+                Rekv__Control__Response **r, rekv_err *err)
+{
+    uint64_t id;
+    int rc = rekv_ctl_send(c, rq, &id, err);
+    return rc ? rc : wait_reply(rm, c, id, CALL_TIMEOUT_MS, r, err);
 }
 
 /* Sleeps ms, or less when the call is interrupted; 0 or -EINTR. */
@@ -261,7 +273,12 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
         snprintf(ep, sizeof(ep), "%s", socket);
     else if ((rc = rekv_default_control_endpoint(ep, sizeof(ep), err)))
         return rc;
-    int up = health(ep, model, sizeof(model), 1000) == 0;
+    /* a socket that does not exist, or that nobody listens on, is no coordinator: no probe */
+    rekv_err probe = {0};
+    int reachable = cli_ctl_reachable(ep, &probe) == 0;
+    if (!reachable && socket)
+        return rekv_errf(err, probe.code, "%s", probe.msg);
+    int up = reachable && health(ep, model, sizeof(model), 1000) == 0;
     if (up && !same_file(model, model_path)) {
         if (socket)
             return rekv_errf(err, -EINVAL,
@@ -298,6 +315,7 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
     sb.max_new_tokens = (uint32_t)gp->max_new_tokens;
     sb.stop_at_eos = gp->stop_at_eos;
     sb.top_logits = (uint32_t)gp->top_logits;
+    sb.stream = 1; /* its events tell when the job is over */
     rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
     rq.submit = &sb;
     /* a busy queue is a reason to wait, not to fail */
@@ -316,46 +334,66 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
         rc = rekv_errf(err, -EINVAL, "the coordinator refused the job: %s", r->error);
         goto out;
     }
-    uint64_t job = r->submitted->job;
-    rekv__control__response__free_unpacked(r, NULL);
-    r = NULL;
+    uint64_t job = r->submitted->job, sub_id = rq.id;
     Rekv__Control__StatusRequest st = REKV__CONTROL__STATUS_REQUEST__INIT;
     st.job = job;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
-    rq.status = &st;
-    rq.id = 0;
-    /* a long run shows its progress on a terminal (stderr: stdout stays the result) */
+    Rekv__Control__Request srq = REKV__CONTROL__REQUEST__INIT;
+    srq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    srq.status = &st;
+    /* the job's events say when it is over, the moment it is; a long run shows its progress on a
+     * terminal (stderr: stdout stays the result) */
     int tty = isatty(STDERR_FILENO), shown = 0;
     uint64_t t_start = rekv_now_ns(), t_shown = t_start;
-    for (int wait_ms = 1;; wait_ms = wait_ms < 50 ? wait_ms * 2 : 50) {
-        if ((rc = call(rm, c, &rq, &r, err)))
-            goto out;
-        if (r->code != REKV__CONTROL__CODE__OK ||
-            r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
-            rc = rekv_errf(err, -EIO, "job %llu: %s", (unsigned long long)job, r->error);
-            goto out;
+    for (;;) {
+        rekv__control__response__free_unpacked(r, NULL);
+        r = NULL;
+        rc = wait_reply(rm, c, sub_id, CALL_TIMEOUT_MS, &r, err);
+        if (rc == -ETIMEDOUT) { /* a long step, or a coordinator gone: ask */
+            rekv_err_clear(err);
+            srq.id = 0;
+            if ((rc = call(rm, c, &srq, &r, err)))
+                goto out;
+            if (r->code != REKV__CONTROL__CODE__OK ||
+                r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
+                rc = rekv_errf(err, -EIO, "job %llu: %s", (unsigned long long)job, r->error);
+                goto out;
+            }
+            if (r->job->state == REKV__CONTROL__JOB_STATE__QUEUED ||
+                r->job->state == REKV__CONTROL__JOB_STATE__RUNNING)
+                continue;
+            break;
         }
-        Rekv__Control__JobState s = r->job->state;
-        uint64_t now = rekv_now_ns();
-        if (tty && now - t_shown > 500000000ull && s != REKV__CONTROL__JOB_STATE__DONE) {
+        if (rc)
+            goto out;
+        if (r->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
+            continue;
+        uint64_t now = rekv_now_ns(), n_tok = r->event->offset + r->event->n_tokens;
+        if (tty && now - t_shown > 500000000ull && !r->event->done) {
             double el = (double)(now - t_start) * 1e-9;
-            fprintf(stderr, "\r  %s: %zu tokens, %.1f tokens/s   ", rekv_ctl_state_name(s),
-                    r->job->n_generated_ids, el > 0 ? (double)r->job->n_generated_ids / el : 0.0);
+            fprintf(stderr, "\r  %s: %llu tokens, %.1f tokens/s   ",
+                    rekv_ctl_state_name(r->event->state), (unsigned long long)n_tok,
+                    el > 0 ? (double)n_tok / el : 0.0);
             t_shown = now;
             shown = 1;
         }
-        if (s == REKV__CONTROL__JOB_STATE__DONE)
+        if (r->event->done)
             break;
-        if (s == REKV__CONTROL__JOB_STATE__FAILED || s == REKV__CONTROL__JOB_STATE__CANCELLED) {
-            rc = rekv_errf(err, -EIO, "job %llu %s: %s", (unsigned long long)job,
-                           rekv_ctl_state_name(s), *r->job->error ? r->job->error : "no reason");
-            goto out;
-        }
-        rekv__control__response__free_unpacked(r, NULL);
-        r = NULL;
-        if ((rc = nap(rm, wait_ms, err)))
-            goto out;
-        rq.id = 0;
+    }
+    /* everything about the finished job (ids, top logits, times) */
+    rekv__control__response__free_unpacked(r, NULL);
+    r = NULL;
+    srq.id = 0;
+    if ((rc = call(rm, c, &srq, &r, err)))
+        goto out;
+    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
+        rc = rekv_errf(err, -EIO, "job %llu: %s", (unsigned long long)job, r->error);
+        goto out;
+    }
+    Rekv__Control__JobState js_state = r->job->state;
+    if (js_state != REKV__CONTROL__JOB_STATE__DONE) {
+        rc = rekv_errf(err, -EIO, "job %llu %s: %s", (unsigned long long)job,
+                       rekv_ctl_state_name(js_state), *r->job->error ? r->job->error : "no reason");
+        goto out;
     }
     if (shown)
         fprintf(stderr, "\n");
