@@ -201,6 +201,17 @@ static void submit_streams(const char *model, int with_tokenizer)
     ck_assert_int_eq(m->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
     rekv__worker__coord_msg__free_unpacked(m, NULL);
 
+    /* the health probes of deploy/docker-compose.yml: one worker, not two */
+    if (with_tokenizer) {
+        char probe[8400];
+        snprintf(probe, sizeof(probe), "%s status --socket=%s --min-workers=1 >/dev/null 2>&1",
+                 cli_prog, ctl);
+        ck_assert_msg(tu_run(probe, NULL) == 0, "%s", probe);
+        snprintf(probe, sizeof(probe), "%s status --socket=%s --min-workers=2 >/dev/null 2>&1",
+                 cli_prog, ctl);
+        ck_assert_msg(tu_run(probe, NULL) == 1, "%s", probe);
+    }
+
     /* the texts the two tokens make: the first alone, then both */
     const int32_t toks[2] = {268, 314};
     char *first = NULL, *all = NULL;
@@ -577,6 +588,32 @@ START_TEST(command_lines)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- kvstore probe */
+
+/* `rekv status --kvstore ENDPOINT` (the compose healthcheck of the store): 0 when a store answers
+ * there, 1 with a message naming the endpoint when none does. */
+START_TEST(status_kvstore_probe)
+{
+    char *d = tu_tmpdir(), ep[4200], prog[4096], cmd[8800], *out = NULL;
+    snprintf(ep, sizeof(ep), "ipc://%s/kv", d);
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    const char *args[] = {prog, "--endpoint", ep,  "--host-bytes", "16M", "--layers",
+                          "1",  "--kv-heads", "1", "--head-dim",   "16",  "--hidden",
+                          "16", "--no-spill", NULL};
+    pid_t kv = start(args, NULL, NULL, 1);
+    snprintf(cmd, sizeof(cmd), "%s status --kvstore=%s 2>&1", tu_bin("rekv"), ep);
+    int rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 0 && strstr(out, "kvstore serving"), "exit %d: %s", rc, out);
+    free(out);
+    ck_assert_int_eq(stop(kv), 0);
+    rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 1 && strstr(out, ep), "a stopped store: exit %d: %s", rc, out);
+    free(out);
+    tu_rmrf(d);
+    free(d);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("ops");
@@ -588,6 +625,7 @@ static Suite *suite(void)
     tcase_add_test(tc, bench_trace_per_run);
     tcase_add_test(tc, version_everywhere);
     tcase_add_test(tc, command_lines);
+    tcase_add_test(tc, status_kvstore_probe);
     suite_add_tcase(s, tc);
     return s;
 }

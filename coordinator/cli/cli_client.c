@@ -14,6 +14,7 @@
 #include "common/clock.h"
 #include "coordinator/cli/cli.h"
 #include "coordinator/coordinator.h"
+#include "kvstore/kvstore.h"
 
 #define CALL_TIMEOUT_MS 10000
 
@@ -256,26 +257,78 @@ out:
 
 /* ---------------------------------------------------------------- status, cancel */
 
+/* `rekv status --kvstore ENDPOINT`: the store answers a Stats request (a health probe). */
+static int kvstore_status(const char *ep, int json)
+{
+    rekv_err err = {0};
+    rekv_kvstore_client *kc = NULL;
+    rekv_kv_stats st;
+    if (rekv_kvstore_client_connect(ep, NULL, CALL_TIMEOUT_MS, &kc, &err) ||
+        rekv_kvstore_stats(kc, &st, &err)) {
+        fprintf(stderr, "rekv: kvstore at %s: %s\n", ep, err.msg);
+        rekv_kvstore_client_close(kc);
+        return 1;
+    }
+    rekv_kvstore_client_close(kc);
+    if (json) {
+        json_t *oj = json_pack("{s:s, s:I, s:I, s:I, s:I}", "kvstore", ep, "clients",
+                               (json_int_t)st.clients, "sequences", (json_int_t)st.sequences,
+                               "free_slots", (json_int_t)st.free_slots, "total_slots",
+                               (json_int_t)st.total_slots);
+        print_json(oj);
+    } else {
+        printf("kvstore serving, %llu clients, %llu sequences, %llu of %llu slots free\n",
+               (unsigned long long)st.clients, (unsigned long long)st.sequences,
+               (unsigned long long)st.free_slots, (unsigned long long)st.total_slots);
+    }
+    return 0;
+}
+
 /* `rekv status [JOB]` and `rekv cancel JOB` share option parsing. */
 static int job_command(int argc, char **argv, int cancel)
 {
     static const struct option opts[] = {{"socket", required_argument, 0, 'S'},
                                          {"json", no_argument, 0, 'j'},
+                                         {"min-workers", required_argument, 0, 'w'},
+                                         {"kvstore", required_argument, 0, 'K'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    const char *ep = NULL;
+    const char *ep = NULL, *kv_ep = NULL;
+    long min_workers = 0;
     int json = 0, o;
     optind = 1;
-    const char *use = cancel ? "usage: rekv cancel [--socket ENDPOINT] [--json] JOB\n"
-                             : "usage: rekv status [--socket ENDPOINT] [--json] [JOB]\n"
-                               "Without JOB: the coordinator's health.\n";
+    const char *use =
+        cancel ? "usage: rekv cancel [--socket ENDPOINT] [--json] JOB\n"
+               : "usage: rekv status [--socket ENDPOINT] [--json] [--min-workers N] [JOB]\n"
+                 "       rekv status --kvstore ENDPOINT [--json]\n"
+                 "Without JOB: the coordinator's health; exit 1 when it does not answer, or\n"
+                 "serves fewer than --min-workers workers. --kvstore: whether the kvstore at\n"
+                 "ENDPOINT answers. Both serve as health probes (deploy/docker-compose.yml).\n";
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 'S': ep = optarg; break;
         case 'j': json = 1; break;
+        case 'w':
+            if (cancel || cli_parse_int("min-workers", optarg, 0, 1 << 20, &min_workers))
+                return 2;
+            break;
+        case 'K':
+            if (cancel) {
+                fputs(use, stderr);
+                return 2;
+            }
+            kv_ep = optarg;
+            break;
         case 'h': fputs(use, stdout); return 0;
         default: fputs(use, stderr); return 2;
         }
+    }
+    if (kv_ep) {
+        if (optind != argc || ep || min_workers) {
+            fputs(use, stderr);
+            return 2;
+        }
+        return kvstore_status(kv_ep, json);
     }
     long job = -1;
     if (optind + 1 == argc) {
@@ -326,6 +379,11 @@ static int job_command(int argc, char **argv, int cancel)
         } else {
             printf("serving, %u worker%s, up %.0f s, model %s\n", h->workers,
                    h->workers == 1 ? "" : "s", h->uptime_s, h->model && *h->model ? h->model : "?");
+        }
+        if (h->workers < (uint32_t)min_workers) {
+            fprintf(stderr, "rekv: %u worker%s, fewer than %ld\n", h->workers,
+                    h->workers == 1 ? "" : "s", min_workers);
+            goto out;
         }
     } else if (r->body_case == REKV__CONTROL__RESPONSE__BODY_JOB) {
         const Rekv__Control__JobStatus *s = r->job;
