@@ -102,7 +102,7 @@ TEST_BINS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRCS))
 TEST_SUPPORT := $(filter-out tests/test_% tests/fuzz_%,$(wildcard tests/*.c))
 TEST_SUPPORT_OBJS := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_SUPPORT))
 
-.PHONY: all test clean fuzz format
+.PHONY: all test clean fuzz format install
 # keep objects and generated headers that only feed other targets
 .SECONDARY:
 all: $(BINS)
@@ -170,6 +170,27 @@ fuzz: $(if $(wildcard tests/fuzz_parsers.c),$(BUILD)/asan/fuzz_parsers)
 test: $(BINS) $(TEST_BINS) fuzz
 	$(Q)tests/check_rooms.sh && tests/check_rooms.sh --self-test
 	$(Q)tests/run_tests.sh $(TEST_BINS)
+
+# Installs the programs, the systemd units (ExecStart pointed at BINDIR), the rekv system user
+# (sysusers.d) and the environment file's example; DESTDIR stages it (packaging, tests).
+PREFIX ?= /usr/local
+BINDIR ?= $(PREFIX)/bin
+SYSCONFDIR ?= /etc
+UNITDIR ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+UNITS := $(wildcard deploy/systemd/*.service)
+install: $(BINS)
+	$(Q)install -d '$(DESTDIR)$(BINDIR)' '$(DESTDIR)$(UNITDIR)' '$(DESTDIR)$(SYSUSERSDIR)' \
+		'$(DESTDIR)$(SYSCONFDIR)/rekv'
+	$(Q)install -m 0755 $(BINS) '$(DESTDIR)$(BINDIR)/'
+	$(Q)for u in $(UNITS); do \
+		sed 's|/usr/bin/|$(BINDIR)/|g' $$u > '$(DESTDIR)$(UNITDIR)'/$$(basename $$u).tmp && \
+		chmod 0644 '$(DESTDIR)$(UNITDIR)'/$$(basename $$u).tmp && \
+		mv '$(DESTDIR)$(UNITDIR)'/$$(basename $$u).tmp '$(DESTDIR)$(UNITDIR)'/$$(basename $$u) \
+		|| exit 1; done
+	$(Q)install -m 0644 deploy/sysusers.d/rekv.conf '$(DESTDIR)$(SYSUSERSDIR)/rekv.conf'
+	$(Q)install -m 0644 deploy/rekv.env '$(DESTDIR)$(SYSCONFDIR)/rekv/rekv.env.example'
+	$(call say,INSTALL,$(DESTDIR)$(PREFIX))
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')
