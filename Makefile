@@ -102,10 +102,20 @@ TEST_BINS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRCS))
 TEST_SUPPORT := $(filter-out tests/test_% tests/fuzz_%,$(wildcard tests/*.c))
 TEST_SUPPORT_OBJS := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_SUPPORT))
 
-.PHONY: all test clean fuzz format
+.PHONY: all test clean fuzz format install
 # keep objects and generated headers that only feed other targets
 .SECONDARY:
 all: $(BINS)
+
+# The version: common/version.h's release, and from a git checkout `git describe` of the tree,
+# passed to common/version.c alone; a stamp rewritten only when the describe changes rebuilds it.
+GIT_DESCRIBE := $(if $(wildcard .git),$(shell git describe --always --dirty 2>/dev/null))
+$(BUILD)/gen/git-describe: FORCE
+	$(Q)mkdir -p $(@D) && (echo '$(GIT_DESCRIBE)' | cmp -s - $@ || echo '$(GIT_DESCRIBE)' > $@)
+$(BUILD)/obj/common/version.o: $(BUILD)/gen/git-describe
+$(BUILD)/obj/common/version.o: ALL_CFLAGS += $(if $(GIT_DESCRIBE),-DREKV_GIT_DESCRIBE='"$(GIT_DESCRIBE)"')
+.PHONY: FORCE
+FORCE:
 
 $(BUILD)/gen/proto/%.pb-c.c $(BUILD)/gen/proto/%.pb-c.h: proto/%.proto
 	$(call say,PROTOC,$<)
@@ -160,6 +170,27 @@ fuzz: $(if $(wildcard tests/fuzz_parsers.c),$(BUILD)/asan/fuzz_parsers)
 test: $(BINS) $(TEST_BINS) fuzz
 	$(Q)tests/check_rooms.sh && tests/check_rooms.sh --self-test
 	$(Q)tests/run_tests.sh $(TEST_BINS)
+
+# Installs the programs, the systemd units (ExecStart pointed at BINDIR), the rekv system user
+# (sysusers.d) and the environment file's example; DESTDIR stages it (packaging, tests).
+PREFIX ?= /usr/local
+BINDIR ?= $(PREFIX)/bin
+SYSCONFDIR ?= /etc
+UNITDIR ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+UNITS := $(wildcard deploy/systemd/*.service)
+install: $(BINS)
+	$(Q)install -d '$(DESTDIR)$(BINDIR)' '$(DESTDIR)$(UNITDIR)' '$(DESTDIR)$(SYSUSERSDIR)' \
+		'$(DESTDIR)$(SYSCONFDIR)/rekv'
+	$(Q)install -m 0755 $(BINS) '$(DESTDIR)$(BINDIR)/'
+	$(Q)for u in $(UNITS); do \
+		sed 's|/usr/bin/|$(BINDIR)/|g' $$u > '$(DESTDIR)$(UNITDIR)'/$$(basename $$u).tmp && \
+		chmod 0644 '$(DESTDIR)$(UNITDIR)'/$$(basename $$u).tmp && \
+		mv '$(DESTDIR)$(UNITDIR)'/$$(basename $$u).tmp '$(DESTDIR)$(UNITDIR)'/$$(basename $$u) \
+		|| exit 1; done
+	$(Q)install -m 0644 deploy/sysusers.d/rekv.conf '$(DESTDIR)$(SYSUSERSDIR)/rekv.conf'
+	$(Q)install -m 0644 deploy/rekv.env '$(DESTDIR)$(SYSCONFDIR)/rekv/rekv.env.example'
+	$(call say,INSTALL,$(DESTDIR)$(PREFIX))
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')

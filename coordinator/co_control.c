@@ -59,6 +59,43 @@ static void reply_error(rekv_coordinator *co, const rid *to, uint64_t id, Rekv__
     co_reply_add(co, to, &r, NULL);
 }
 
+/* Tokens of context before `from` that stream_text decodes with the new ones. */
+#define STREAM_TEXT_CONTEXT 4
+
+/* The bytes that tokens [from, to) of j add to the decoded text of its generated ids, for a
+ * StreamEvent: malloc'd in ev->text (has_text set), or nothing without a tokenizer or when the ids
+ * do not decode. The tokenizer decodes piece by piece except that the whole text loses up to a few
+ * leading spaces (and a piece after BOS its space), so what [from, to) adds is decode(gen[a, to))
+ * less decode(gen[a, from)) for a few tokens of context a..from: the same as decoding every
+ * generated id each step, without the cost growing with the job's length. When the context decodes
+ * to nothing, the strip could reach the new pieces, so it decodes from the start instead. */
+static void stream_text(const rekv_coordinator *co, const job *j, uint32_t from, uint32_t to,
+                        Rekv__Control__StreamEvent *ev)
+{
+    if (co->tok == NULL || to < from)
+        return;
+    uint32_t a = from > STREAM_TEXT_CONTEXT ? from - STREAM_TEXT_CONTEXT : 0;
+    char *pre = NULL, *all = NULL;
+    size_t n_pre = 0, n_all = 0;
+    for (;;) {
+        if (a < from && rekv_tokenizer_decode(co->tok, j->gen + a, from - a, &pre, &n_pre, NULL))
+            return;
+        free(pre);
+        pre = NULL;
+        if (a == 0 || n_pre > 0)
+            break;
+        a = 0;
+    }
+    if (rekv_tokenizer_decode(co->tok, j->gen + a, to - a, &all, &n_all, NULL))
+        return;
+    if (n_pre > n_all) /* cannot happen: the context's text is a prefix of the whole */
+        n_pre = n_all;
+    memmove(all, all + n_pre, n_all - n_pre);
+    ev->text.data = (uint8_t *)all;
+    ev->text.len = n_all - n_pre;
+    ev->has_text = 1;
+}
+
 /* Streams tokens [streamed, n_gen) (and the end, when the job is over) to its subscribers. */
 void co_stream_flush(rekv_coordinator *co, job *j)
 {
@@ -80,6 +117,7 @@ void co_stream_flush(rekv_coordinator *co, job *j)
     ev.state = j->state;
     ev.finish_reason = j->finish_reason;
     ev.error = j->error ? j->error : "";
+    stream_text(co, j, j->streamed, j->n_gen > j->streamed ? j->n_gen : j->streamed, &ev);
     Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
     r.version = REKV_CONTROL_PROTO_VERSION;
     r.body_case = REKV__CONTROL__RESPONSE__BODY_EVENT;
@@ -99,6 +137,7 @@ void co_stream_flush(rekv_coordinator *co, job *j)
         }
         i++;
     }
+    free(ev.text.data);
     j->streamed = j->n_gen > j->streamed ? j->n_gen : j->streamed;
     if (over)
         j->n_subs = 0;
@@ -383,11 +422,13 @@ static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
               j->state != REKV__CONTROL__JOB_STATE__RUNNING;
     ev.finish_reason = j->finish_reason;
     ev.error = j->error ? j->error : "";
+    stream_text(co, j, 0, j->n_gen, &ev);
     Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
     r.id = rq;
     r.body_case = REKV__CONTROL__RESPONSE__BODY_EVENT;
     r.event = &ev;
     co_reply_add(co, from, &r, NULL);
+    free(ev.text.data);
     if (!ev.done) {
         if (j->n_subs == MAX_SUBS)
             j->subs[0] = j->subs[--j->n_subs]; /* bounded: the oldest subscriber loses out */

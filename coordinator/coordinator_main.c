@@ -12,6 +12,7 @@
 
 #include "common/daemon.h"
 #include "common/log.h"
+#include "common/version.h"
 #include "coordinator/coordinator.h"
 
 static void usage(FILE *f)
@@ -21,7 +22,7 @@ static void usage(FILE *f)
             "         [--model PATH] [--queue N] [--keep-finished N] [--keep-finished-bytes N]\n"
             "         [--worker-timeout-ms N]\n"
             "         [--max-attempts N] [--curve-secret-file FILE] [--ready-fd N]\n"
-            "         [--metrics HOST:PORT]\n"
+            "         [--metrics HOST:PORT] [--help] [--version]\n"
             "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
             "beside it, no journal unless --state-dir (or $STATE_DIRECTORY) is given, queue 256.\n"
             "Finished jobs are remembered for Status (and their client keys honoured) up to\n"
@@ -54,7 +55,7 @@ int main(int argc, char **argv)
     const char *curve_file = NULL;
     uint32_t ready_fd = UINT32_MAX;
     enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_KEEP_BYTES, O_TIMEOUT,
-           O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_HELP };
+           O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_HELP, O_VERSION };
     static const struct option opts[] = {
         {"control", required_argument, 0, O_CONTROL},
         {"workers", required_argument, 0, O_WORKERS},
@@ -69,6 +70,7 @@ int main(int argc, char **argv)
         {"ready-fd", required_argument, 0, O_READY},
         {"metrics", required_argument, 0, O_METRICS},
         {"help", no_argument, 0, O_HELP},
+        {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
     };
     int o;
@@ -95,6 +97,7 @@ int main(int argc, char **argv)
         case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
         case O_METRICS: cfg.metrics_listen = optarg; break;
         case O_HELP: usage(stdout); return 0;
+        case O_VERSION: printf("rekv-coordinator %s\n", rekv_version()); return 0;
         default: usage(stderr); return 2;
         }
         if (bad) {

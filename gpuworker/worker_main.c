@@ -25,6 +25,7 @@
 #include "common/daemon.h"
 #include "common/cost.h"
 #include "common/log.h"
+#include "common/version.h"
 #include "gpuworker/profile.h"
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
@@ -33,6 +34,7 @@
 #include "proto/worker.pb-c.h"
 
 #define WORKER_PROTO_VERSION 1u /* REKV_WORKER_PROTO_VERSION in coordinator.h */
+#define KV_WAIT_MS 30000ull     /* how long a worker started beside its kvstore waits for it */
 
 static void usage(FILE *f)
 {
@@ -42,7 +44,7 @@ static void usage(FILE *f)
            "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
-           "         [--ready-fd N]\n"
+           "         [--ready-fd N] [--help] [--version]\n"
            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
            "mode auto, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
            "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
@@ -466,7 +468,8 @@ int main(int argc, char **argv)
         O_DEVMEM,
         O_PUSH,
         O_APPROX,
-        O_HELP
+        O_HELP,
+        O_VERSION
     };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL},
@@ -484,6 +487,7 @@ int main(int argc, char **argv)
         {"push", no_argument, 0, O_PUSH},
         {"approximate", no_argument, 0, O_APPROX},
         {"help", no_argument, 0, O_HELP},
+        {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
     };
     rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
@@ -539,6 +543,9 @@ int main(int argc, char **argv)
             break;
         case O_HELP:
             usage(stdout);
+            return 0;
+        case O_VERSION:
+            printf("rekv-gpuworker %s\n", rekv_version());
             return 0;
         default:
             usage(stderr);
@@ -602,7 +609,22 @@ int main(int argc, char **argv)
     w.eng = eng;
     w.mc = rekv_engine_config(eng);
     if (kv_ep) {
-        if (rekv_kvstore_client_connect(kv_ep, NULL, 0, &kv, &err))
+        /* started beside the store (`rekv run` starts the daemons at once): wait for its socket
+         * while there is none or nobody listens yet, up to KV_WAIT_MS, stopping on a signal */
+        uint64_t until = rekv_now_ns() + KV_WAIT_MS * 1000000ull;
+        int crc;
+        while ((crc = rekv_kvstore_client_connect(kv_ep, NULL, 0, &kv, &err)) == -ENOENT ||
+               crc == -ECONNREFUSED) {
+            struct pollfd sp = {sfd, POLLIN, 0};
+            if (rekv_now_ns() > until)
+                break;
+            if (poll(&sp, 1, 20) > 0) { /* asked to stop */
+                rc = 0;
+                goto out;
+            }
+            rekv_err_clear(&err);
+        }
+        if (crc)
             goto fail;
         rekv_kv_geometry g;
         rekv_kvstore_client_geometry(kv, &g);

@@ -336,8 +336,10 @@ int rekv_kvstore_bench_main(int argc, char **argv)
         {"json", no_argument, 0, 'j'},         {"blocks", required_argument, 0, 'b'},
         {"spill-blocks", required_argument, 0, 's'}, {"host-mib", required_argument, 0, 'm'},
         {"spill-dir", required_argument, 0, 'd'},    {"no-fio", no_argument, 0, 'F'},
-        {"plan-iters", required_argument, 0, 'p'},   {0, 0, 0, 0},
+        {"plan-iters", required_argument, 0, 'p'},   {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0},
     };
+    int help = 0;
     int c;
     uint64_t v;
     optind = 1;
@@ -350,9 +352,12 @@ int rekv_kvstore_bench_main(int argc, char **argv)
         case 's': if (parse_u(optarg, &v) < 0 || v == 0) goto usage; o.spill_blocks = (uint32_t)v; break;
         case 'm': if (parse_u(optarg, &v) < 0 || v < 64) goto usage; o.host_mib = v; break;
         case 'p': if (parse_u(optarg, &v) < 0 || v < 20) goto usage; o.plan_iters = (uint32_t)v; break;
+        case 'h': help = 1; goto usage;
         default: goto usage;
         }
     }
+    if (optind != argc)
+        goto usage;
     /* the 4096-block plan needs 4096 KV blocks resident below the spill watermark */
     uint64_t need_mib = (4096ull * rekv_kv_block_bytes(&o.g) * 100 / 85 >> 20) + 2;
     if (o.host_mib < need_mib)
@@ -382,7 +387,8 @@ int rekv_kvstore_bench_main(int argc, char **argv)
     json_decref(out);
     return 0;
 usage:
-    fprintf(stderr, "usage: rekv bench kvstore [--json] [--blocks N] [--spill-blocks N] "
-                    "[--host-mib N] [--spill-dir DIR] [--no-fio] [--plan-iters N]\n");
-    return 2;
+    fprintf(help ? stdout : stderr,
+            "usage: rekv bench kvstore [--json] [--blocks N] [--spill-blocks N] "
+            "[--host-mib N] [--spill-dir DIR] [--no-fio] [--plan-iters N]\n");
+    return help ? 0 : 2;
 }

@@ -12,6 +12,7 @@
 
 #include "common/daemon.h"
 #include "common/log.h"
+#include "common/version.h"
 #include "kvstore/kvstore.h"
 #include "loader/loader.h"
 
@@ -22,7 +23,7 @@ static void usage(FILE *f)
                "         --head-dim D --hidden H] [--cache-dtype f16|f32] [--huge-pages]\n"
                "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
                "         [--no-register-arena] [--ready-fd N] [--push-backend cpu|cuda|auto]\n"
-               "         [--push-link-gbps G] [--push-link-latency-us U]\n"
+               "         [--push-link-gbps G] [--push-link-latency-us U] [--help] [--version]\n"
                "Sizes take K, M, G suffixes (powers of two). --push-link-gbps makes the cpu push\n"
                "backend's copies take the time a link of G Gbit/s (and U us per copy) would.\n");
 }
@@ -72,7 +73,8 @@ int main(int argc, char **argv)
         O_PUSH,
         O_PUSH_GBPS,
         O_PUSH_LAT,
-        O_HELP
+        O_HELP,
+        O_VERSION
     };
     static const struct option opts[] = {
         {"endpoint", required_argument, 0, O_ENDPOINT},
@@ -97,6 +99,7 @@ int main(int argc, char **argv)
         {"push-link-gbps", required_argument, 0, O_PUSH_GBPS},
         {"push-link-latency-us", required_argument, 0, O_PUSH_LAT},
         {"help", no_argument, 0, O_HELP},
+        {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
     };
     int o;
@@ -175,6 +178,9 @@ int main(int argc, char **argv)
             break;
         case O_HELP:
             usage(stdout);
+            return 0;
+        case O_VERSION:
+            printf("rekv-kvstore %s\n", rekv_version());
             return 0;
         default:
             usage(stderr);

@@ -5,12 +5,14 @@
  *                     OUTDIR
  *   rekv-loader inspect PATH   (a HF directory, a .safetensors file or index, a llama2.c .bin)
  *
- * Errors are one line on stderr and a non-zero exit. */
+ * Options are getopt_long's (--opt VALUE or --opt=VALUE). Errors are one line on stderr: exit 2 for
+ * a usage error (unknown option, missing or bad value), 1 when the work itself fails. */
 #define _GNU_SOURCE
 #include "loader/loader.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <getopt.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -19,6 +21,8 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "common/version.h"
 
 static const char usage[] =
     "usage: rekv-loader COMMAND ...\n"
@@ -33,8 +37,11 @@ static const char usage[] =
     "      Prints the configuration and every tensor of a HuggingFace directory, a .safetensors\n"
     "      file or index, or a llama2.c .bin checkpoint, with total bytes and parameter count.\n"
     "  --help\n"
-    "      This text.\n";
+    "      This text.\n"
+    "  --version\n"
+    "      The version.\n";
 
+/* A runtime failure: one line, exit 1. */
 static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static int fail(const char *fmt, ...)
 {
@@ -47,13 +54,26 @@ static int fail(const char *fmt, ...)
     return 1;
 }
 
+/* A usage error (a missing or bad option): one line, exit 2. */
+static int bad_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int bad_usage(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "rekv-loader: ");
+    vfprintf(stderr, fmt, ap);
+    fputs(" (see rekv-loader --help)\n", stderr);
+    va_end(ap);
+    return 2;
+}
+
 static int parse_ll(const char *opt, const char *s, long long lo, long long hi, long long *out)
 {
     char *end;
     errno = 0;
     long long v = strtoll(s, &end, 10);
     if (s[0] == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi) {
-        fprintf(stderr, "rekv-loader: %s: \"%s\" is not an integer in [%lld, %lld]\n", opt, s, lo,
+        fprintf(stderr, "rekv-loader: --%s: \"%s\" is not an integer in [%lld, %lld]\n", opt, s, lo,
                 hi);
         return -1;
     }
@@ -71,40 +91,62 @@ static int cmd_synth(int argc, char **argv)
     s.dtype = REKV_DTYPE_F16;
     s.max_pos = 2048;
     int tied = -1;
-    const char *outdir = NULL;
-    for (int i = 0; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--tied") == 0) {
+    enum {
+        O_ARCH = 1000,
+        O_DTYPE,
+        O_SEED,
+        O_LAYERS,
+        O_HIDDEN,
+        O_HEADS,
+        O_KV_HEADS,
+        O_FFN,
+        O_VOCAB,
+        O_MAX_POS,
+        O_TIED,
+        O_UNTIED,
+        O_HELP
+    };
+    static const struct option opts[] = {{"arch", required_argument, 0, O_ARCH},
+                                         {"dtype", required_argument, 0, O_DTYPE},
+                                         {"seed", required_argument, 0, O_SEED},
+                                         {"layers", required_argument, 0, O_LAYERS},
+                                         {"hidden", required_argument, 0, O_HIDDEN},
+                                         {"heads", required_argument, 0, O_HEADS},
+                                         {"kv-heads", required_argument, 0, O_KV_HEADS},
+                                         {"ffn", required_argument, 0, O_FFN},
+                                         {"vocab", required_argument, 0, O_VOCAB},
+                                         {"max-pos", required_argument, 0, O_MAX_POS},
+                                         {"tied", no_argument, 0, O_TIED},
+                                         {"untied", no_argument, 0, O_UNTIED},
+                                         {"help", no_argument, 0, O_HELP},
+                                         {0, 0, 0, 0}};
+    int o;
+    optind = 1;
+    opterr = 0; /* our own one-line message */
+    while ((o = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        const char *v = optarg;
+        int *field = NULL;
+        long long x;
+        switch (o) {
+        case O_TIED:
             tied = 1;
-            continue;
-        }
-        if (strcmp(a, "--untied") == 0) {
+            break;
+        case O_UNTIED:
             tied = 0;
-            continue;
-        }
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            break;
+        case 'h':
+        case O_HELP:
             fputs(usage, stdout);
             return 0;
-        }
-        if (strncmp(a, "--", 2) != 0) {
-            if (outdir != NULL)
-                return fail("synth: more than one output directory (%s and %s)", outdir, a);
-            outdir = a;
-            continue;
-        }
-        if (i + 1 >= argc)
-            return fail("synth: option %s needs a value", a);
-        const char *v = argv[++i];
-        long long x;
-        int *field = NULL;
-        if (strcmp(a, "--arch") == 0) {
+        case O_ARCH:
             if (strcmp(v, "opt") == 0)
                 s.arch = REKV_ARCH_OPT;
             else if (strcmp(v, "llama") == 0)
                 s.arch = REKV_ARCH_LLAMA;
             else
-                return fail("synth: --arch must be opt or llama, not \"%s\"", v);
-        } else if (strcmp(a, "--dtype") == 0) {
+                return bad_usage("synth: --arch must be opt or llama, not \"%s\"", v);
+            break;
+        case O_DTYPE:
             if (strcmp(v, "f16") == 0)
                 s.dtype = REKV_DTYPE_F16;
             else if (strcmp(v, "bf16") == 0)
@@ -112,43 +154,63 @@ static int cmd_synth(int argc, char **argv)
             else if (strcmp(v, "f32") == 0)
                 s.dtype = REKV_DTYPE_F32;
             else
-                return fail("synth: --dtype must be f16, bf16 or f32, not \"%s\"", v);
-        } else if (strcmp(a, "--seed") == 0) {
+                return bad_usage("synth: --dtype must be f16, bf16 or f32, not \"%s\"", v);
+            break;
+        case O_SEED: {
             char *end;
             errno = 0;
             unsigned long long seed = strtoull(v, &end, 0);
             if (v[0] == '\0' || v[0] == '-' || *end != '\0' || errno != 0)
-                return fail("synth: --seed: \"%s\" is not an unsigned integer", v);
+                return bad_usage("synth: --seed: \"%s\" is not an unsigned integer", v);
             s.seed = seed;
-        } else if (strcmp(a, "--layers") == 0) {
+            break;
+        }
+        case O_LAYERS:
             field = &s.n_layers;
-        } else if (strcmp(a, "--hidden") == 0) {
+            break;
+        case O_HIDDEN:
             field = &s.hidden;
-        } else if (strcmp(a, "--heads") == 0) {
+            break;
+        case O_HEADS:
             field = &s.n_heads;
-        } else if (strcmp(a, "--kv-heads") == 0) {
+            break;
+        case O_KV_HEADS:
             field = &s.n_kv_heads;
-        } else if (strcmp(a, "--ffn") == 0) {
+            break;
+        case O_FFN:
             field = &s.ffn;
-        } else if (strcmp(a, "--vocab") == 0) {
+            break;
+        case O_VOCAB:
             field = &s.vocab;
-        } else if (strcmp(a, "--max-pos") == 0) {
+            break;
+        case O_MAX_POS:
             field = &s.max_pos;
-        } else {
-            return fail("synth: unknown option %s (see rekv-loader --help)", a);
+            break;
+        case ':':
+            return bad_usage("synth: option %s needs a value", argv[optind - 1]);
+        default:
+            return bad_usage("synth: unknown option %s", argv[optind - 1]);
         }
         if (field != NULL) {
-            if (parse_ll(a, v, 1, 1 << 30, &x) < 0)
-                return 1;
+            const char *name = "";
+            for (const struct option *q = opts; q->name; q++)
+                if (q->val == o)
+                    name = q->name;
+            if (parse_ll(name, v, 1, 1 << 30, &x) < 0)
+                return 2;
             *field = (int)x;
         }
     }
+    if (optind + 1 < argc)
+        return bad_usage("synth: more than one output directory (%s and %s)", argv[optind],
+                         argv[optind + 1]);
+    const char *outdir = optind < argc ? argv[optind] : NULL;
     if ((int)s.arch < 0)
-        return fail("synth: --arch is required");
+        return bad_usage("synth: --arch is required");
     if (s.n_layers == 0 || s.hidden == 0 || s.n_heads == 0 || s.ffn == 0 || s.vocab == 0)
-        return fail("synth: --layers, --hidden, --heads, --ffn and --vocab are required");
+        return bad_usage("synth: --layers, --hidden, --heads, --ffn and --vocab are required");
     if (outdir == NULL)
-        return fail("synth: no output directory given");
+        return bad_usage("synth: no output directory given");
     s.tied_head = tied >= 0 ? tied : s.arch == REKV_ARCH_OPT;
     rekv_err err = {0};
     if (rekv_synth_write(&s, outdir, &err) < 0)
@@ -308,9 +370,20 @@ static int inspect_llama2c(const char *path)
 
 static int cmd_inspect(int argc, char **argv)
 {
-    if (argc != 1)
-        return fail("inspect: expected exactly one PATH");
-    const char *path = argv[0];
+    static const struct option opts[] = {{"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
+    int o;
+    optind = 1;
+    opterr = 0;
+    while ((o = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        if (o == 'h') {
+            fputs(usage, stdout);
+            return 0;
+        }
+        return bad_usage("inspect: unknown option %s", argv[optind - 1]);
+    }
+    if (argc - optind != 1)
+        return bad_usage("inspect: expected exactly one PATH");
+    const char *path = argv[optind];
     struct stat sb;
     if (stat(path, &sb) != 0)
         return fail("%s: %s", path, strerror(errno));
@@ -336,9 +409,13 @@ int main(int argc, char **argv)
         fputs(usage, stdout);
         return 0;
     }
+    if (strcmp(cmd, "--version") == 0) {
+        printf("rekv-loader %s\n", rekv_version());
+        return 0;
+    }
     if (strcmp(cmd, "synth") == 0)
-        return cmd_synth(argc - 2, argv + 2);
+        return cmd_synth(argc - 1, argv + 1);
     if (strcmp(cmd, "inspect") == 0)
-        return cmd_inspect(argc - 2, argv + 2);
-    return fail("unknown command \"%s\" (see rekv-loader --help)", cmd);
+        return cmd_inspect(argc - 1, argv + 1);
+    return bad_usage("unknown command \"%s\"", cmd);
 }

@@ -1,11 +1,17 @@
 /* test_deploy.c — the deploy/ files are accepted by their tools: `systemd-analyze verify` on the
  * three units (ExecStart pointed at the freshly built binaries, since verify checks that they
- * exist), and `docker compose config` on the compose file. Each part is skipped, with a message,
- * where its tool is missing or cannot run here. */
+ * exist), and `docker compose config` on the compose file; each unit's exposure by
+ * `systemd-analyze security --offline=yes` is at most 4 and it runs as the rekv user with its
+ * state directories; `make install DESTDIR=... PREFIX=...` installs the programs, the units
+ * pointed at them, the sysusers.d user and the environment file's example; the compose file gives
+ * every service a `rekv status` healthcheck, and .dockerignore keeps build outputs out of the
+ * image's context. A part whose tool is missing or cannot run here is skipped with a message
+ * saying so; what can be checked from the files alone always is. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "tests/testutil.h"
@@ -85,15 +91,170 @@ START_TEST(compose_config)
 }
 END_TEST
 
+/* Each unit: the rekv user, no capabilities, the hardening the score rests on, its state
+ * directories (the kvstore's spill directory, the coordinator's journal), the worker's GPU device
+ * ACL; and, where systemd-analyze can score offline, an exposure of at most 4. */
+START_TEST(systemd_units_hardened)
+{
+    static const char *const common[] = {"User=rekv",
+                                         "CapabilityBoundingSet=\n",
+                                         "NoNewPrivileges=yes",
+                                         "ProtectSystem=strict",
+                                         "ProtectHome=yes",
+                                         "PrivateTmp=yes",
+                                         "RestrictAddressFamilies=",
+                                         "SystemCallFilter=@system-service",
+                                         "LimitMEMLOCK=infinity"};
+    static const char *const own[3][3] = {
+        {"StateDirectory=rekv/spill", "--spill-dir ${REKV_SPILL_DIR}", "PrivateNetwork=yes"},
+        {"DevicePolicy=closed", "DeviceAllow=char-nvidia-frontend rw",
+         "DeviceAllow=char-nvidia-uvm rw"},
+        {"StateDirectory=rekv/journal", "IPAddressAllow=localhost", "MemoryDenyWriteExecute=yes"}};
+    for (size_t i = 0; i < 3; i++) {
+        char src[256];
+        snprintf(src, sizeof(src), "deploy/systemd/%s.service", units[i]);
+        char *text = tu_read_file(src, NULL);
+        ck_assert_msg(text != NULL, "%s is missing", src);
+        for (size_t k = 0; k < sizeof(common) / sizeof(common[0]); k++)
+            if (k + 1 < sizeof(common) / sizeof(common[0]) || i != 2)
+                ck_assert_msg(strstr(text, common[k]), "%s lacks %s", src, common[k]);
+        for (size_t k = 0; k < 3; k++)
+            ck_assert_msg(strstr(text, own[i][k]), "%s lacks %s", src, own[i][k]);
+        ck_assert_msg(strstr(text, "REKV_SPILL_DIR=/var/lib/rekv/spill") || i != 0,
+                      "%s: the spill directory is not its StateDirectory", src);
+        free(text);
+    }
+    if (tu_run("command -v systemd-analyze >/dev/null 2>&1", NULL) != 0) {
+        fprintf(stderr, "   skip: the exposure scores: systemd-analyze is not installed\n");
+        return;
+    }
+    for (size_t i = 0; i < 3; i++) {
+        char cmd[512], *out = NULL, want[128];
+        snprintf(cmd, sizeof(cmd),
+                 "systemd-analyze security --offline=yes deploy/systemd/%s.service 2>&1", units[i]);
+        int rc = tu_run(cmd, &out);
+        snprintf(want, sizeof(want), "Overall exposure level for %s.service: ", units[i]);
+        const char *at = strstr(out, want);
+        if (at == NULL && strstr(out, "offline")) { /* systemd < 250: no --offline */
+            fprintf(stderr, "   skip: this systemd-analyze cannot score a unit file offline: %s\n",
+                    out);
+            free(out);
+            return;
+        }
+        ck_assert_msg(at != NULL, "systemd-analyze security (exit %d) gave no score:\n%s", rc, out);
+        double score = strtod(at + strlen(want), NULL);
+        ck_assert_msg(score <= 4.0, "%s.service: exposure %.1f > 4:\n%s", units[i], score, out);
+        fprintf(stderr, "   %s.service: exposure %.1f\n", units[i], score);
+        free(out);
+    }
+}
+END_TEST
+
+/* `make install` into a staging DESTDIR with a PREFIX: every program, runnable; the units with
+ * ExecStart in PREFIX/bin; the rekv user; the environment file's example. */
+START_TEST(make_install)
+{
+    if (tu_run("command -v make >/dev/null 2>&1", NULL) != 0) {
+        fprintf(stderr, "   skip: make is not installed\n");
+        return;
+    }
+    char *d = tu_tmpdir(), cmd[8192], path[4600], *out = NULL;
+    const char *build = getenv("REKV_BUILD");
+    /* the build is up to date (this test's programs are it); nothing but the install runs. The
+     * outer make's jobserver is not ours. */
+    snprintf(cmd, sizeof(cmd),
+             "env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s install BUILD='%s' DESTDIR='%s' "
+             "PREFIX=/opt/rekv SYSCONFDIR=/etc 2>&1",
+             build && *build ? build : "build", d);
+    int rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 0, "make install failed:\n%s", out);
+    free(out);
+    const char *progs[] = {"rekv", "rekv-kvstore", "rekv-gpuworker", "rekv-coordinator",
+                           "rekv-loader"};
+    for (size_t i = 0; i < 5; i++) {
+        snprintf(path, sizeof(path), "%s/opt/rekv/bin/%s", d, progs[i]);
+        ck_assert_msg(access(path, X_OK) == 0, "make install did not install %s", path);
+    }
+    snprintf(cmd, sizeof(cmd), "'%s/opt/rekv/bin/rekv' --version", d);
+    ck_assert_msg(tu_run(cmd, NULL) == 0, "the installed rekv does not run");
+    for (size_t i = 0; i < 3; i++) {
+        snprintf(path, sizeof(path), "%s/opt/rekv/lib/systemd/system/%s.service", d, units[i]);
+        char *text = tu_read_file(path, NULL), want[256];
+        ck_assert_msg(text != NULL, "make install did not install %s", path);
+        snprintf(want, sizeof(want), "ExecStart=/opt/rekv/bin/%s ", units[i]);
+        ck_assert_msg(strstr(text, want) && !strstr(text, "/usr/bin/"),
+                      "%s: ExecStart does not point at PREFIX/bin", path);
+        free(text);
+    }
+    const char *files[] = {"opt/rekv/lib/sysusers.d/rekv.conf", "etc/rekv/rekv.env.example"};
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(path, sizeof(path), "%s/%s", d, files[i]);
+        ck_assert_msg(access(path, R_OK) == 0, "make install did not install %s", path);
+    }
+    tu_rmrf(d);
+    free(d);
+}
+END_TEST
+
+/* The block of compose service `name` (its lines up to the next line indented as little). */
+static char *service_block(const char *text, const char *name)
+{
+    char key[64];
+    snprintf(key, sizeof(key), "\n  %s:\n", name);
+    const char *a = strstr(text, key);
+    if (a == NULL)
+        return NULL;
+    a += strlen(key);
+    const char *b = a;
+    while ((b = strchr(b, '\n')) != NULL && (b[1] == ' ' && b[2] == ' ' && b[3] == ' '))
+        b++;
+    size_t n = b ? (size_t)(b - a) : strlen(a);
+    return strndup(a, n);
+}
+
+/* Every compose service has a healthcheck that runs `rekv status` (the store's with --kvstore,
+ * the worker's with --min-workers), and .dockerignore keeps the build outputs out. */
+START_TEST(compose_healthchecks)
+{
+    char *text = tu_read_file("deploy/docker-compose.yml", NULL);
+    ck_assert_ptr_nonnull(text);
+    const char *svc[] = {"kvstore", "coordinator", "gpuworker"};
+    const char *probe[] = {"\"--kvstore\"", "\"--socket\"", "\"--min-workers\""};
+    for (size_t i = 0; i < 3; i++) {
+        char *b = service_block(text, svc[i]);
+        ck_assert_msg(b != NULL, "compose has no service %s", svc[i]);
+        const char *hc = strstr(b, "healthcheck:");
+        ck_assert_msg(hc && strstr(hc, "\"status\"") && strstr(hc, probe[i]),
+                      "service %s has no `rekv status %s` healthcheck:\n%s", svc[i], probe[i], b);
+        if (i > 0)
+            ck_assert_msg(strstr(b, "condition: service_healthy"),
+                          "service %s does not wait for a healthy dependency", svc[i]);
+        free(b);
+    }
+    free(text);
+    char *ign = tu_read_file(".dockerignore", NULL);
+    ck_assert_msg(ign != NULL, ".dockerignore is missing");
+    ck_assert_msg(strstr(ign, "\nbuild/\n") && strstr(ign, ".git/"),
+                  ".dockerignore does not exclude build/ and .git/");
+    free(ign);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("deploy");
     TCase *tc = tcase_create("deploy");
-    tcase_set_timeout(tc, 60);
+    tcase_set_timeout(tc, 120);
     tcase_add_test(tc, systemd_units_verify);
     tcase_add_test(tc, compose_config);
+    tcase_add_test(tc, systemd_units_hardened);
+    tcase_add_test(tc, make_install);
+    tcase_add_test(tc, compose_healthchecks);
     suite_add_tcase(s, tc);
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}

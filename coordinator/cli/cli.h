@@ -2,8 +2,10 @@
 #ifndef REKV_COORDINATOR_CLI_H
 #define REKV_COORDINATOR_CLI_H
 
-#include <stdint.h>
+#include <signal.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
 
 int cli_generate(int argc, char **argv);
 int cli_bench(int argc, char **argv);
@@ -15,12 +17,39 @@ int cli_skew(int argc, char **argv);
 struct rekv_gen_params;
 struct rekv_gen_result;
 struct rekv_err;
+/* What `rekv generate` through a coordinator set up for the call: the private `rekv run` started
+ * when none serves the model, its temporary directory, and SIGINT/SIGTERM handling that makes an
+ * interrupted call give up and clean up. */
+typedef struct cli_remote {
+    pid_t pid;                      /* the private `rekv run`, 0 when none */
+    char dir[4096];                 /* its temporary directory, "" when none */
+    int sig_fd[2];                  /* pipe the signal handler writes to */
+    int installed;                  /* the handlers are ours: old_action to restore */
+    struct sigaction old_action[2]; /* SIGINT's and SIGTERM's before */
+} cli_remote;
 /* `rekv generate` through the coordinator at socket (NULL: the default control socket, or a
  * private `rekv run` started for the call when none serves model_path there). Fills res as
- * rekv_generate does; queued_s / run_s from the job's status. */
-int cli_generate_remote(const char *model_path, const char *socket, const int32_t *ids, int n_ids,
-                        const struct rekv_gen_params *gp, struct rekv_gen_result *res,
-                        double *queued_s, double *run_s, struct rekv_err *err);
+ * rekv_generate does; queued_s / run_s from the job's status. -EINTR when SIGINT or SIGTERM came.
+ * Whatever it returns, call cli_remote_end(rm) afterwards (after printing the result: the private
+ * trio's teardown need not delay it). */
+int cli_generate_remote(cli_remote *rm, const char *model_path, const char *socket,
+                        const int32_t *ids, int n_ids, const struct rekv_gen_params *gp,
+                        struct rekv_gen_result *res, double *queued_s, double *run_s,
+                        struct rekv_err *err);
+/* Stops the private trio, removes its directory and restores the signal handling; returns the
+ * signal that interrupted the call (0: none). */
+int cli_remote_end(cli_remote *rm);
+
+/* Whether a coordinator can answer at control endpoint ep (NULL: the default one) without
+ * waiting for a reply: for an ipc:// path, that the socket exists and something listens on it.
+ * 0 (also for other transports, where ZeroMQ finds out), or a negative errno with one line in err
+ * naming the endpoint (-ENOENT: no socket, -ECONNREFUSED: a socket nobody listens on). */
+int cli_ctl_reachable(const char *ep, struct rekv_err *err);
+
+/* The trace file of one of several runs given --trace F: F with ".RUN" inserted before the
+ * extension of its file name, or appended when it has none (t.json -> t.kvpr.json, t -> t.kvpr);
+ * 0 or -ENAMETOOLONG. */
+int cli_trace_path(const char *trace, const char *run, char *out, size_t len);
 
 /* Parses "1,2,3" into a malloc'd array; -EINVAL on anything else. */
 int cli_parse_ids(const char *s, int32_t **ids, int *n);

@@ -316,11 +316,8 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     out->compute_busy_s = bst.compute_busy_s;
     out->h2d_busy_s = bst.h2d_busy_s;
     out->d2h_busy_s = bst.d2h_busy_s;
-    if (po->trace) {
-        char path[4200];
-        snprintf(path, sizeof(path), "%s.%s.json", po->trace, rekv_mode_name(mode));
-        rc = ses.be->iface->trace_write(ses.be, path, err);
-    }
+    if (po->trace) /* this run's own file (bench_decode names it) */
+        rc = ses.be->iface->trace_write(ses.be, po->trace, err);
     if (rc == 0 && link && ses.store)
         rc = measure_link(ses.be, ses.store, link, err);
 out:
@@ -392,7 +389,9 @@ static int bench_decode(int argc, char **argv)
                     "and the busy fractions of compute and link. kvpr@L runs kvpr with split L\n"
                     "(e.g. --modes kvpr,kvpr@300,kvpr@450 against the planner's). Pipeline "
                     "options:\n" CLI_PIPELINE_USAGE
-                    "(--mode is ignored; --trace F writes F.<mode>.json)\n");
+                    "(--mode is ignored. --trace F with several runs writes one trace per run,\n"
+                    "F with the run's name before its extension: --trace t.json --modes\n"
+                    "offload,kvpr@300 writes t.offload.json and t.kvpr@300.json)\n");
             return c == 'h' ? 0 : 2;
         }
     }
@@ -410,6 +409,7 @@ static int bench_decode(int argc, char **argv)
     rekv_mode mlist[MAX_RUNS];
     int mpush[MAX_RUNS];  /* "MODE+push": this run pushes (--push: every streaming run does) */
     int msplit[MAX_RUNS]; /* "kvpr@L": this run's split; -1: --split's, or the planner's */
+    char mname[MAX_RUNS][112]; /* the run as given ("kvpr@300"), "-2"... added when repeated */
     int n_modes = 0;
     memset(res, 0, sizeof(res));
     char *mdup = strdup(modes), *save = NULL;
@@ -438,6 +438,14 @@ static int bench_decode(int argc, char **argv)
         }
         mpush[n_modes] = push || (po.cfg.push && mlist[n_modes] != REKV_MODE_RESIDENT);
         msplit[n_modes] = (int)split;
+        int seen = 1;
+        for (int k = 0; k < n_modes; k++)
+            seen += strncmp(mname[k], run_name, strlen(run_name)) == 0 &&
+                    (mname[k][strlen(run_name)] == '\0' || mname[k][strlen(run_name)] == '-');
+        if (seen > 1)
+            snprintf(mname[n_modes], sizeof(mname[n_modes]), "%s-%d", run_name, seen);
+        else
+            snprintf(mname[n_modes], sizeof(mname[n_modes]), "%s", run_name);
         n_modes++;
     }
     free(mdup);
@@ -465,6 +473,14 @@ static int bench_decode(int argc, char **argv)
     for (int i = 0; i < n_modes; i++) {
         int measure = !have_lp && mlist[i] != REKV_MODE_RESIDENT;
         cli_pipeline_opts run = po;
+        char trace[4400];
+        if (po.trace && n_modes > 1) {
+            if (cli_trace_path(po.trace, mname[i], trace, sizeof(trace))) {
+                fprintf(stderr, "rekv bench decode: --trace %s: path too long\n", po.trace);
+                goto out;
+            }
+            run.trace = trace;
+        }
         run.cfg.push = mpush[i];
         if (msplit[i] >= 0)
             run.cfg.split = msplit[i];
@@ -568,6 +584,9 @@ int cli_bench(int argc, char **argv)
         return bench_decode(argc - 1, argv + 1);
     if (argc >= 2 && strcmp(argv[1], "kvstore") == 0)
         return rekv_kvstore_bench_main(argc - 1, argv + 1);
-    fprintf(stderr, "usage: rekv bench forward|decode|kvstore [options] --json\n");
-    return 2;
+    int help = argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0);
+    fprintf(help ? stdout : stderr,
+            "usage: rekv bench forward|decode|kvstore [options] --json\n"
+            "Run `rekv bench BENCH --help` for a benchmark's options.\n");
+    return help ? 0 : 2;
 }

@@ -1,6 +1,6 @@
 /* cli_client.c — `rekv submit`, `rekv status`, `rekv cancel`, `rekv stats`: one request each to the
- * coordinator's control socket (submit waits for the job by streaming its tokens, showing tokens/s
- * on a terminal), answers printed as text or JSON. */
+ * coordinator's control socket (submit waits for the job by streaming its tokens: their text goes
+ * to stdout as each step produces it, tokens/s to a terminal), answers printed as text or JSON. */
 #include "coordinator/cli/cli_daemon.h"
 
 #include <errno.h>
@@ -15,6 +15,7 @@
 #include "common/clock.h"
 #include "coordinator/cli/cli.h"
 #include "coordinator/coordinator.h"
+#include "kvstore/kvstore.h"
 
 #define CALL_TIMEOUT_MS 10000
 
@@ -57,10 +58,11 @@ static int fail_response(const Rekv__Control__Response *r)
     return 1;
 }
 
+/* Connects, failing at once (not after the call's timeout) where no coordinator can be. */
 static int connect_or_say(const char *ep, rekv_ctl **c)
 {
     rekv_err err = {0};
-    if (rekv_ctl_connect(ep, NULL, c, &err)) {
+    if (cli_ctl_reachable(ep, &err) || rekv_ctl_connect(ep, NULL, c, &err)) {
         fprintf(stderr, "rekv: %s\n", err.msg);
         return 1;
     }
@@ -126,7 +128,9 @@ static void submit_usage(FILE *f)
             "                   [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
             "                   [--priority P] [--ignore-eos] [--no-wait] [--json]\n"
             "                   [--socket ENDPOINT]\n"
-            "Sampling as `rekv generate`. Waits for the job unless --no-wait (then prints its id).\n");
+            "Sampling as `rekv generate`. Waits for the job, printing its text as the tokens\n"
+            "come (token ids when the coordinator has no tokenizer), unless --no-wait (then\n"
+            "prints its id); --json prints one object when the job is over.\n");
 }
 
 int cli_submit(int argc, char **argv)
@@ -219,9 +223,15 @@ int cli_submit(int argc, char **argv)
         rc = 0;
         goto out;
     }
-    /* follow the stream until the job is over; progress on a terminal */
-    int tty = isatty(2);
+    /* follow the stream until the job is over: without --json its text (or, from a coordinator
+     * without a tokenizer, its ids) goes to stdout as it comes; tokens/s on a terminal that is not
+     * also showing the text */
+    int tty = isatty(2) && (json || !isatty(1)), started = 0;
     uint64_t t0 = rekv_now_ns(), n_tok = 0;
+    if (!json && prompt) {
+        fputs(prompt, stdout);
+        fflush(stdout);
+    }
     for (;;) {
         rekv__control__response__free_unpacked(r, NULL);
         r = NULL;
@@ -246,17 +256,37 @@ int cli_submit(int argc, char **argv)
         }
         if (r->id != req_id || r->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
             continue;
-        n_tok = r->event->offset + r->event->n_tokens;
+        const Rekv__Control__StreamEvent *ev = r->event;
+        n_tok = ev->offset + ev->n_tokens;
+        if (!json) {
+            if (ev->has_text)
+                fwrite(ev->text.data, 1, ev->text.len, stdout);
+            else
+                for (size_t i = 0; i < ev->n_tokens; i++, started = 1)
+                    printf("%s%d", started ? "," : "", ev->tokens[i]);
+            fflush(stdout);
+        }
         if (tty) {
             double dt = (double)(rekv_now_ns() - t0) * 1e-9;
             fprintf(stderr, "\rjob %llu: %llu tokens, %.1f tokens/s ", (unsigned long long)job,
                     (unsigned long long)n_tok, dt > 0 ? (double)n_tok / dt : 0.0);
         }
-        if (r->event->done)
+        if (ev->done)
             break;
     }
     if (tty)
         fprintf(stderr, "\n");
+    if (!json) {
+        const Rekv__Control__StreamEvent *ev = r->event;
+        printf("\n");
+        if (ev->state == REKV__CONTROL__JOB_STATE__FAILED)
+            fprintf(stderr, "rekv: job %llu failed: %s\n", (unsigned long long)job, ev->error);
+        else if (ev->state != REKV__CONTROL__JOB_STATE__DONE)
+            fprintf(stderr, "rekv: job %llu %s\n", (unsigned long long)job,
+                    rekv_ctl_state_name(ev->state));
+        rc = ev->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;
+        goto out;
+    }
     Rekv__Control__StatusRequest sr = REKV__CONTROL__STATUS_REQUEST__INIT;
     sr.job = job;
     sr.with_text = 1;
@@ -272,15 +302,7 @@ int cli_submit(int argc, char **argv)
         goto out;
     }
     const Rekv__Control__JobStatus *st = r->job;
-    if (json) {
-        print_json(status_json(st));
-    } else if (st->text && *st->text) {
-        printf("%s%s\n", prompt ? prompt : "", st->text);
-    } else {
-        for (size_t i = 0; i < st->n_generated_ids; i++)
-            printf("%s%d", i ? "," : "", st->generated_ids[i]);
-        printf("\n");
-    }
+    print_json(status_json(st));
     if (st->state == REKV__CONTROL__JOB_STATE__FAILED)
         fprintf(stderr, "rekv: job %llu failed: %s\n", (unsigned long long)job, st->error);
     rc = st->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;
@@ -294,26 +316,78 @@ out:
 
 /* ---------------------------------------------------------------- status, cancel */
 
+/* `rekv status --kvstore ENDPOINT`: the store answers a Stats request (a health probe). */
+static int kvstore_status(const char *ep, int json)
+{
+    rekv_err err = {0};
+    rekv_kvstore_client *kc = NULL;
+    rekv_kv_stats st;
+    if (rekv_kvstore_client_connect(ep, NULL, CALL_TIMEOUT_MS, &kc, &err) ||
+        rekv_kvstore_stats(kc, &st, &err)) {
+        fprintf(stderr, "rekv: kvstore at %s: %s\n", ep, err.msg);
+        rekv_kvstore_client_close(kc);
+        return 1;
+    }
+    rekv_kvstore_client_close(kc);
+    if (json) {
+        json_t *oj = json_pack("{s:s, s:I, s:I, s:I, s:I}", "kvstore", ep, "clients",
+                               (json_int_t)st.clients, "sequences", (json_int_t)st.sequences,
+                               "free_slots", (json_int_t)st.free_slots, "total_slots",
+                               (json_int_t)st.total_slots);
+        print_json(oj);
+    } else {
+        printf("kvstore serving, %llu clients, %llu sequences, %llu of %llu slots free\n",
+               (unsigned long long)st.clients, (unsigned long long)st.sequences,
+               (unsigned long long)st.free_slots, (unsigned long long)st.total_slots);
+    }
+    return 0;
+}
+
 /* `rekv status [JOB]` and `rekv cancel JOB` share option parsing. */
 static int job_command(int argc, char **argv, int cancel)
 {
     static const struct option opts[] = {{"socket", required_argument, 0, 'S'},
                                          {"json", no_argument, 0, 'j'},
+                                         {"min-workers", required_argument, 0, 'w'},
+                                         {"kvstore", required_argument, 0, 'K'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    const char *ep = NULL;
+    const char *ep = NULL, *kv_ep = NULL;
+    long min_workers = 0;
     int json = 0, o;
     optind = 1;
-    const char *use = cancel ? "usage: rekv cancel [--socket ENDPOINT] [--json] JOB\n"
-                             : "usage: rekv status [--socket ENDPOINT] [--json] [JOB]\n"
-                               "Without JOB: the coordinator's health.\n";
+    const char *use =
+        cancel ? "usage: rekv cancel [--socket ENDPOINT] [--json] JOB\n"
+               : "usage: rekv status [--socket ENDPOINT] [--json] [--min-workers N] [JOB]\n"
+                 "       rekv status --kvstore ENDPOINT [--json]\n"
+                 "Without JOB: the coordinator's health; exit 1 when it does not answer, or\n"
+                 "serves fewer than --min-workers workers. --kvstore: whether the kvstore at\n"
+                 "ENDPOINT answers. Both serve as health probes (deploy/docker-compose.yml).\n";
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 'S': ep = optarg; break;
         case 'j': json = 1; break;
+        case 'w':
+            if (cancel || cli_parse_int("min-workers", optarg, 0, 1 << 20, &min_workers))
+                return 2;
+            break;
+        case 'K':
+            if (cancel) {
+                fputs(use, stderr);
+                return 2;
+            }
+            kv_ep = optarg;
+            break;
         case 'h': fputs(use, stdout); return 0;
         default: fputs(use, stderr); return 2;
         }
+    }
+    if (kv_ep) {
+        if (optind != argc || ep || min_workers) {
+            fputs(use, stderr);
+            return 2;
+        }
+        return kvstore_status(kv_ep, json);
     }
     long job = -1;
     if (optind + 1 == argc) {
@@ -364,6 +438,11 @@ static int job_command(int argc, char **argv, int cancel)
         } else {
             printf("serving, %u worker%s, up %.0f s, model %s\n", h->workers,
                    h->workers == 1 ? "" : "s", h->uptime_s, h->model && *h->model ? h->model : "?");
+        }
+        if (h->workers < (uint32_t)min_workers) {
+            fprintf(stderr, "rekv: %u worker%s, fewer than %ld\n", h->workers,
+                    h->workers == 1 ? "" : "s", min_workers);
+            goto out;
         }
     } else if (r->body_case == REKV__CONTROL__RESPONSE__BODY_JOB) {
         const Rekv__Control__JobStatus *s = r->job;

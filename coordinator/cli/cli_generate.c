@@ -2,6 +2,7 @@
  * text or as one JSON object. By default the job goes through the coordinator (the local trio is
  * started for the call when none serves the model); --local, or any pipeline option, runs the
  * pipeline in this process. Both print the same ids, text and top logits. */
+#define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
@@ -190,7 +191,18 @@ int cli_generate(int argc, char **argv)
     char *text = NULL;
     rekv_gen_result res = {0};
     cli_session ses = {0};
-    json_t *st = NULL; /* the "stats" of the JSON output */
+    cli_remote remote;
+    int remote_used = 0; /* remote is set up: cli_remote_end it */
+    json_t *st = NULL;   /* the "stats" of the JSON output */
+    if (prompt_ids) {    /* a usage error before any work */
+        int n;
+        if (cli_parse_ids(prompt_ids, &ids, &n)) {
+            fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
+                    prompt_ids);
+            return 2;
+        }
+        n_ids = (size_t)n;
+    }
     if (rekv_model_open(model_path, &model, &err))
         goto fail;
     const rekv_model_config *cfg = &model->config;
@@ -207,14 +219,6 @@ int cli_generate(int argc, char **argv)
         if (rekv_tokenizer_encode(tok, prompt, strlen(prompt), cfg->add_bos ? cfg->bos_id : -1,
                                   &ids, &n_ids, &err))
             goto fail;
-    } else {
-        int n;
-        if (cli_parse_ids(prompt_ids, &ids, &n)) {
-            fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
-                    prompt_ids);
-            goto out;
-        }
-        n_ids = (size_t)n;
     }
     for (size_t i = 0; i < n_ids; i++)
         if (ids[i] >= cfg->vocab) {
@@ -234,8 +238,9 @@ int cli_generate(int argc, char **argv)
                           (uint64_t)seed, (int)top_logits,    !ignore_eos};
     if (!local) {
         double queued_s = 0, run_s = 0;
-        if (cli_generate_remote(model_path, socket, ids, (int)n_ids, &gp, &res, &queued_s, &run_s,
-                                &err))
+        remote_used = 1;
+        if (cli_generate_remote(&remote, model_path, socket, ids, (int)n_ids, &gp, &res, &queued_s,
+                                &run_s, &err))
             goto fail;
         st = json_pack("{s:s, s:s, s:i, s:i, s:f, s:f}", "via", "coordinator", "finish_reason",
                        res.finish_reason, "prompt_tokens", (int)n_ids, "generated_tokens", res.n,
@@ -297,11 +302,21 @@ int cli_generate(int argc, char **argv)
             printf("%s%d", i ? "," : "", res.ids[i]);
         printf("\n");
     }
+    fflush(stdout);
     rc = 0;
     goto out;
 fail:
-    fprintf(stderr, "rekv: %s\n", err.msg);
+    if (err.code != -EINTR) /* interrupted: said below */
+        fprintf(stderr, "rekv: %s\n", err.msg);
 out:
+    if (remote_used) { /* the private trio stops after the result is out */
+        int sig = cli_remote_end(&remote);
+        if (sig) {
+            fprintf(stderr, "rekv: interrupted by SIG%s; stopped what this call started\n",
+                    sigabbrev_np(sig));
+            rc = 128 + sig;
+        }
+    }
     rekv_gen_result_free(&res);
     json_decref(st);
     cli_session_close(&ses);

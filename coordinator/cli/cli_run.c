@@ -1,9 +1,9 @@
 /* cli_run.c — `rekv run`: starts rekv-kvstore, rekv-gpuworker and rekv-coordinator as children on
- * private ipc sockets in one directory, waits until each says it is ready, then supervises them
- * (a child that dies is started again, a worker under the same name so that it frees the dead
- * one's kvstore sequences; a dead kvstore takes the worker with it, since the worker's arena
- * mapping is gone) until SIGINT/SIGTERM, and stops them in order: coordinator (no new work),
- * worker, kvstore. */
+ * private ipc sockets in one directory, all three at once (the worker waits for the store's
+ * socket), waits until each says it is ready, then supervises them (a child that dies is started
+ * again, a worker under the same name so that it frees the dead one's kvstore sequences; a dead
+ * kvstore takes the worker with it, since the worker's arena mapping is gone) until
+ * SIGINT/SIGTERM, and stops them in order: coordinator (no new work), worker, kvstore. */
 #define _GNU_SOURCE
 #include "coordinator/cli/cli_daemon.h"
 
@@ -23,6 +23,8 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/daemon.h"
+#include "common/mode.h"
 #include "coordinator/cli/cli.h"
 #include "coordinator/coordinator.h"
 #include "gpuworker/device/backend.h"
@@ -62,8 +64,8 @@ static void run_usage(FILE *f)
             "--push: the kvstore writes the KV rows into the worker's buffers (the push path).\n");
 }
 
-/* Starts c with a ready pipe and waits for "READY\n"; 0, or -1 with a message printed. */
-static int child_start(child *c, int which)
+/* Starts c with a ready pipe (its read end in *ready); 0, or -1 with a message printed. */
+static int child_spawn(child *c, int *ready)
 {
     int pfd[2];
     if (pipe2(pfd, O_CLOEXEC) < 0) {
@@ -84,9 +86,12 @@ static int child_start(child *c, int which)
     }
     if (pid == 0) {
         /* the child: its own process group (Ctrl-C reaches only us, and we stop children in
-         * order), killed if we die, signals unblocked, the ready fd inherited */
+         * order), killed if we die, signals unblocked and at their defaults, the ready fd
+         * inherited */
         setpgid(0, 0);
         prctl(PR_SET_PDEATHSIG, SIGTERM);
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
@@ -98,23 +103,63 @@ static int child_start(child *c, int which)
     }
     close(pfd[1]);
     c->pid = pid;
-    struct pollfd p = {pfd[0], POLLIN, 0};
-    char buf[8] = {0};
-    int r;
-    do
-        r = poll(&p, 1, READY_TIMEOUT_MS);
-    while (r < 0 && errno == EINTR);
-    ssize_t n = r > 0 ? read(pfd[0], buf, sizeof(buf) - 1) : 0;
-    close(pfd[0]);
-    if (n != 6 || strcmp(buf, "READY\n") != 0) {
-        fprintf(stderr, "rekv run: %s did not become ready%s\n", child_prog[which],
-                r == 0 ? " in time" : " (it exited; see its messages above)");
-        kill(pid, SIGKILL);
-        waitpid(pid, NULL, 0);
-        c->pid = 0;
-        return -1;
-    }
+    *ready = pfd[0];
     return 0;
+}
+
+/* Starts the children ch[which[0..n)] at once and waits until each says "READY\n"; 0, -1 with a
+ * message printed (those started are left running for the caller to stop), or 1 when stop_fd (a
+ * signalfd of SIGINT and SIGTERM, left unread) became readable first. The worker may start with
+ * the store: it waits for the store's socket (worker_main.c). */
+static int children_start(child *ch, const int *which, int n, int stop_fd)
+{
+    struct pollfd p[N_CHILD + 1];
+    int rc = 0, left = 0;
+    for (int k = 0; k < n; k++) {
+        p[k] = (struct pollfd){-1, POLLIN, 0};
+        if (child_spawn(&ch[which[k]], &p[k].fd)) {
+            rc = -1;
+            break;
+        }
+        left++;
+    }
+    p[n] = (struct pollfd){stop_fd, POLLIN, 0};
+    uint64_t deadline = rekv_now_ns() + (uint64_t)READY_TIMEOUT_MS * 1000000ull;
+    while (rc == 0 && left > 0) {
+        uint64_t now = rekv_now_ns();
+        int r = now < deadline ? poll(p, (nfds_t)n + 1, (int)((deadline - now) / 1000000ull) + 1)
+                               : 0;
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r > 0 && (p[n].revents & POLLIN)) { /* asked to stop while they start */
+            rc = 1;
+            break;
+        }
+        for (int k = 0; k < n && rc == 0; k++) {
+            if (p[k].fd < 0 || (r > 0 && !(p[k].revents & (POLLIN | POLLHUP))))
+                continue;
+            char buf[8] = {0};
+            ssize_t got = r > 0 ? read(p[k].fd, buf, sizeof(buf) - 1) : 0;
+            if (got != 6 || strcmp(buf, "READY\n") != 0) {
+                fprintf(stderr, "rekv run: %s did not become ready%s\n", child_prog[which[k]],
+                        r == 0 ? " in time" : " (it exited; see its messages above)");
+                rc = -1;
+                break;
+            }
+            close(p[k].fd);
+            p[k].fd = -1;
+            left--;
+        }
+    }
+    for (int k = 0; k < n; k++)
+        if (p[k].fd >= 0)
+            close(p[k].fd);
+    return rc;
+}
+
+static int child_start(child *ch, int which, int stop_fd)
+{
+    return children_start(ch, &which, 1, stop_fd);
 }
 
 /* SIGTERM, then SIGKILL after STOP_TIMEOUT_MS. Returns the exit status or -1. */
@@ -139,7 +184,7 @@ static int child_stop(child *c)
             waitpid(c->pid, &st, 0);
             break;
         }
-        usleep(10000);
+        usleep(1000); /* a daemon stops in tens of milliseconds: notice it soon */
     }
     c->pid = 0;
     return st;
@@ -210,6 +255,27 @@ int cli_run(int argc, char **argv)
         fprintf(stderr, "rekv run: --cache-dtype %s: expected f16 or f32\n", cache);
         return 2;
     }
+    /* what the daemons would refuse, refused here as a usage error (not as a daemon that did
+     * not start) */
+    rekv_mode mode_v;
+    uint64_t size_v;
+    double d_v;
+    if (strcmp(mode, "auto") != 0 && rekv_mode_parse(mode, &mode_v)) {
+        fprintf(stderr, "rekv run: --mode %s: expected auto, resident, offload, kvpr, act, hybrid "
+                        "or infinigen\n", mode);
+        return 2;
+    }
+    if (rekv_parse_size(host_bytes, &size_v) || size_v == 0) {
+        fprintf(stderr, "rekv run: --host-bytes %s: expected bytes, e.g. 64G\n", host_bytes);
+        return 2;
+    }
+    if (devmem && rekv_parse_size(devmem, &size_v)) {
+        fprintf(stderr, "rekv run: --device-memory %s: expected bytes, e.g. 512M\n", devmem);
+        return 2;
+    }
+    if ((link_gbps && cli_parse_float("link-gbps", link_gbps, 0, 1e6, &d_v)) ||
+        (link_lat && cli_parse_float("link-latency-us", link_lat, 0, 1e6, &d_v)))
+        return 2;
     char dir[2048], state[2200], bin[PATH_MAX], ep_ctl[2300], ep_wrk[2300], ep_kv[2300];
     rekv_err err = {0};
     if (cache == NULL && (link_gbps || devmem))
@@ -315,15 +381,22 @@ int cli_run(int argc, char **argv)
     sigaddset(&set, SIGCHLD);
     sigprocmask(SIG_BLOCK, &set, NULL);
     int sfd = signalfd(-1, &set, SFD_CLOEXEC);
-    if (sfd < 0) {
+    /* SIGINT/SIGTERM alone, polled (not read) while a child starts: stop without waiting for it */
+    sigdelset(&set, SIGCHLD);
+    int stop_fd = sfd >= 0 ? signalfd(-1, &set, SFD_CLOEXEC) : -1;
+    if (sfd < 0 || stop_fd < 0) {
         fprintf(stderr, "rekv run: signalfd: %s\n", strerror(errno));
+        if (sfd >= 0)
+            close(sfd);
         return 1;
     }
     int rc = 1;
-    static const int order[N_CHILD] = {KV, COORD, WORKER};
-    for (int k = 0; k < N_CHILD; k++)
-        if (child_start(&ch[order[k]], order[k]))
-            goto stop;
+    static const int all[N_CHILD] = {KV, COORD, WORKER};
+    int started = children_start(ch, all, N_CHILD, stop_fd);
+    if (started) {
+        rc = started > 0 ? 0 : 1;
+        goto stop;
+    }
     if (chatty)
         fprintf(stderr, "rekv run: serving on %s (kvstore, gpuworker and coordinator in %s); Ctrl-C "
                     "stops\n", ep_ctl, dir);
@@ -365,8 +438,12 @@ int cli_run(int argc, char **argv)
                 }
                 if (i == KV) /* the worker's arena mapping died with the store */
                     child_stop(&ch[WORKER]);
-                if (child_start(&ch[i], i) ||
-                    (i == KV && ch[WORKER].pid == 0 && child_start(&ch[WORKER], WORKER)))
+                int s1 = child_start(ch, i, stop_fd);
+                if (s1 == 0 && i == KV && ch[WORKER].pid == 0)
+                    s1 = child_start(ch, WORKER, stop_fd);
+                if (s1 > 0) /* asked to stop meanwhile */
+                    rc = 0;
+                if (s1)
                     failed = 1;
             }
         }
@@ -386,6 +463,7 @@ stop:
         if (bad && rc == 0)
             fprintf(stderr, "rekv run: a daemon did not exit cleanly\n");
     }
+    close(stop_fd);
     close(sfd);
     return rc;
 }

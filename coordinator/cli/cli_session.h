@@ -72,7 +72,8 @@ enum {
     "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
     "  --device-memory SIZE  emulate a device of SIZE bytes (e.g. 512M) on the cpu backend\n"      \
     "  --push                the kvstore writes the KV rows into the device's buffers (IPC)\n"     \
-    "  --trace FILE          write a Chrome trace (Perfetto) of the streams\n"                     \
+    "  --trace FILE          write a Chrome trace (Perfetto) of the streams (several runs:\n"      \
+    "                        one per run, FILE with the run's name before its extension)\n"        \
     "  --alpha A             infinigen: fetch the tokens whose speculated score is within A of\n"  \
     "                        the best (default 4)\n"                                               \
     "  --fetch-cap F         infinigen: at most this fraction of the context per layer (0.2)\n"    \

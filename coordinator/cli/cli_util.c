@@ -7,8 +7,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include "common/err.h"
+#include "coordinator/coordinator.h"
 
 int cli_parse_ids(const char *s, int32_t **ids, int *n)
 {
@@ -138,4 +143,51 @@ int cli_read_text(const char *path, char **text, size_t *len, rekv_err *err)
     *text = b;
     *len = n;
     return 0;
+}
+
+int cli_ctl_reachable(const char *ep, rekv_err *err)
+{
+    char def[4200];
+    int rc;
+    if (ep == NULL) {
+        if ((rc = rekv_default_control_endpoint(def, sizeof(def), err)))
+            return rc;
+        ep = def;
+    }
+    if (strncmp(ep, "ipc://", 6) != 0 || ep[6] == '@') /* abstract or not ipc: ZeroMQ tells */
+        return 0;
+    const char *path = ep + 6;
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return rekv_errf(err, -errno,
+                         "no coordinator at %s: %s (start one with `rekv run`, or "
+                         "give --socket)",
+                         ep, errno == ENOENT ? "the socket does not exist" : strerror(errno));
+    if (!S_ISSOCK(sb.st_mode))
+        return rekv_errf(err, -ENOTSOCK, "%s: %s is not a socket", ep, path);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof(sa.sun_path))
+        return 0; /* ZeroMQ would refuse it with its own message */
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return 0;
+    rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 ? 0 : -errno;
+    close(fd);
+    if (rc == -ECONNREFUSED)
+        return rekv_errf(err, rc,
+                         "no coordinator at %s: nothing listens on the socket (left "
+                         "behind by one that stopped?)",
+                         ep);
+    return 0; /* listening, or busy (EAGAIN: its backlog is full): ZeroMQ will get through */
+}
+
+int cli_trace_path(const char *trace, const char *run, char *out, size_t len)
+{
+    const char *slash = strrchr(trace, '/'), *base = slash ? slash + 1 : trace;
+    const char *dot = strrchr(base, '.');
+    if (dot == NULL || dot == base) /* no extension (a leading dot names a hidden file) */
+        dot = base + strlen(base);
+    int n = snprintf(out, len, "%.*s.%s%s", (int)(dot - trace), trace, run, dot);
+    return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
 }

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/version.h"
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/cli_daemon.h"
 #include "coordinator/cli/cli_profile.h"
@@ -21,7 +22,8 @@ static void usage(FILE *f)
                "  bench      benchmarks (bench forward | decode | kvstore), JSON output\n"
                "  eval       teacher-forced NLL of a text in a mode, bytes moved, agreement\n"
                "  skew       make (or show the cached) InfiniGen skewing matrices of a model\n"
-               "Run `rekv <command> --help` for a command's options.\n");
+               "Run `rekv <command> --help` for a command's options; `rekv --version` prints the\n"
+               "version.\n");
 }
 
 int main(int argc, char **argv)
@@ -49,6 +51,10 @@ int main(int argc, char **argv)
             return daemon_cmds[i].fn(argc - 1, argv + 1);
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
         usage(stdout);
+        return 0;
+    }
+    if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
+        printf("rekv %s\n", rekv_version());
         return 0;
     }
     fprintf(stderr, "rekv: unknown command \"%s\"\n", argv[1]);
