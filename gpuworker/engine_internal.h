@@ -53,9 +53,9 @@ struct rekv_engine {
     float *scores;              /* [max_pos] */
     /* A calibration tap (skew.c), NULL by default: when set, attention_block calls it once per
      * layer per forward step, after the projections' biases and RoPE, with the step's rows of
-     * every batch item stacked in item order: q [rows][q_dim] and k [rows][kv_dim], fp32 (the
-     * engine's scratch, valid only during the call). It must not call back into the engine. */
-    void (*tap)(void *ctx, int layer, const float *q, const float *k, int rows);
+     * every batch item stacked in item order: q [rows][q_dim], k and v [rows][kv_dim], fp32
+     * (the engine's scratch, valid only during the call). It must not call back into the engine. */
+    void (*tap)(void *ctx, int layer, const float *q, const float *k, const float *v, int rows);
     void *tap_ctx;
 };
 

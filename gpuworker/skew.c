@@ -211,8 +211,10 @@ static double tap_fraction(const skew_tap *t, const int32_t *cols, int rk, int h
     return all > 0 ? sel / all : 1.0;
 }
 
-static void tap_layer(void *ctx, int layer, const float *q, const float *k, int rows)
+static void tap_layer(void *ctx, int layer, const float *q, const float *k, const float *v,
+                      int rows)
 {
+    (void)v;
     skew_tap *t = ctx;
     const rekv_model_config *c = t->c;
     rekv_skew *s = t->s;
@@ -464,34 +466,10 @@ static int write_all(int fd, const void *p, size_t n)
     return 0;
 }
 
-int rekv_skew_save(const rekv_skew *s, const char *path, rekv_err *err)
+int rekv_cache_write(const char *path, const void *buf, size_t size, rekv_err *err)
 {
-    size_t na = skew_a_elems(s), nc = skew_cols_elems(s);
-    size_t size = sizeof(skew_header) + na * sizeof(float) + nc * sizeof(int32_t) + 4;
-    char *buf = malloc(size), tmp[4200];
-    if (buf == NULL)
-        return rekv_errf(err, -ENOMEM, "%s: out of memory for %zu bytes", path, size);
-    skew_header h = {0};
-    memcpy(h.magic, SKEW_MAGIC, 8);
-    h.version = SKEW_VERSION;
-    h.n_layers = s->n_layers;
-    h.n_kv_heads = s->n_kv_heads;
-    h.head_dim = s->head_dim;
-    h.rk = s->rk;
-    h.fingerprint = s->fingerprint;
-    h.header_crc = rekv_crc32c(0, &h, sizeof(h));
-    char *p = buf;
-    memcpy(p, &h, sizeof(h));
-    p += sizeof(h);
-    memcpy(p, s->a, na * sizeof(float));
-    p += na * sizeof(float);
-    memcpy(p, s->cols, nc * sizeof(int32_t));
-    p += nc * sizeof(int32_t);
-    uint32_t crc = rekv_crc32c(0, buf, size - 4);
-    memcpy(p, &crc, 4);
-
     int rc = 0, fd = -1;
-    char dir[4096];
+    char dir[4096], tmp[4200];
     snprintf(dir, sizeof(dir), "%s", path);
     char *slash = strrchr(dir, '/');
     if (slash && slash != dir) {
@@ -539,6 +517,36 @@ out_unlink:
         close(fd);
     unlink(tmp);
 out:
+    return rc;
+}
+
+int rekv_skew_save(const rekv_skew *s, const char *path, rekv_err *err)
+{
+    size_t na = skew_a_elems(s), nc = skew_cols_elems(s);
+    size_t size = sizeof(skew_header) + na * sizeof(float) + nc * sizeof(int32_t) + 4;
+    char *buf = malloc(size);
+    if (buf == NULL)
+        return rekv_errf(err, -ENOMEM, "%s: out of memory for %zu bytes", path, size);
+    skew_header h = {0};
+    memcpy(h.magic, SKEW_MAGIC, 8);
+    h.version = SKEW_VERSION;
+    h.n_layers = s->n_layers;
+    h.n_kv_heads = s->n_kv_heads;
+    h.head_dim = s->head_dim;
+    h.rk = s->rk;
+    h.fingerprint = s->fingerprint;
+    h.header_crc = rekv_crc32c(0, &h, sizeof(h));
+    char *p = buf;
+    memcpy(p, &h, sizeof(h));
+    p += sizeof(h);
+    memcpy(p, s->a, na * sizeof(float));
+    p += na * sizeof(float);
+    memcpy(p, s->cols, nc * sizeof(int32_t));
+    p += nc * sizeof(int32_t);
+    uint32_t crc = rekv_crc32c(0, buf, size - 4);
+    memcpy(p, &crc, 4);
+
+    int rc = rekv_cache_write(path, buf, size, err);
     free(buf);
     return rc;
 }
@@ -689,23 +697,30 @@ fail:
 
 /* ---------------------------------------------------------------- the cache */
 
+int rekv_cache_dir(char *dir, size_t cap, rekv_err *err)
+{
+    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    int n;
+    if (xdg && *xdg == '/')
+        n = snprintf(dir, cap, "%s/rekv", xdg);
+    else if (home && *home)
+        n = snprintf(dir, cap, "%s/.cache/rekv", home);
+    else
+        return rekv_errf(err, -ENOENT, "cache: neither XDG_CACHE_HOME nor HOME is set");
+    if (n < 0 || (size_t)n >= cap)
+        return rekv_errf(err, -ENAMETOOLONG, "cache: directory name too long");
+    return 0;
+}
+
 int rekv_skew_cache_path(const rekv_engine *e, double ratio, char *path, size_t cap, rekv_err *err)
 {
     int rc;
     if ((rc = skew_check_ratio(ratio, err)))
         return rc;
-    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
     char dir[4096];
-    int n;
-    if (xdg && *xdg == '/')
-        n = snprintf(dir, sizeof(dir), "%s/rekv", xdg);
-    else if (home && *home)
-        n = snprintf(dir, sizeof(dir), "%s/.cache/rekv", home);
-    else
-        return rekv_errf(err, -ENOENT, "skew: neither XDG_CACHE_HOME nor HOME is set");
-    if (n < 0 || (size_t)n >= sizeof(dir))
-        return rekv_errf(err, -ENAMETOOLONG, "skew: cache directory name too long");
-    n = snprintf(path, cap, "%s/skew-%016llx-r%ld.bin", dir,
+    if ((rc = rekv_cache_dir(dir, sizeof(dir), err)))
+        return rc;
+    int n = snprintf(path, cap, "%s/skew-%016llx-r%ld.bin", dir,
                  (unsigned long long)rekv_skew_fingerprint(e), lround(ratio * 1000));
     if (n < 0 || (size_t)n >= cap)
         return rekv_errf(err, -ENAMETOOLONG, "skew: cache path too long under %s", dir);

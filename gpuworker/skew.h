@@ -66,6 +66,12 @@ void rekv_skew_free(rekv_skew *s);
  * starts from the model's bos_id, or token 1 (llama2.c's BOS) when it names none; top_k 0, top_p 1,
  * seed 0x5eed, at most context - 1 new tokens, EOS not a stop. */
 #define REKV_SKEW_SAMPLE_TOKENS 256
+/* The directory of rekv's caches: $XDG_CACHE_HOME/rekv (an absolute XDG_CACHE_HOME), else
+ * $HOME/.cache/rekv; -ENOENT when neither is set. */
+int rekv_cache_dir(char *dir, size_t cap, rekv_err *err);
+/* Writes size bytes of buf to path whole or not at all: a temporary file beside it, fsynced and
+ * renamed into place (the directory made when missing, then synced). */
+int rekv_cache_write(const char *path, const void *buf, size_t size, rekv_err *err);
 int rekv_skew_prepare(rekv_engine *e, double ratio, rekv_skew *out, int *from_cache, rekv_err *err);
 
 /* A[:, cols] of (layer, g): [head_dim][rk], into dst. */

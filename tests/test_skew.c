@@ -80,8 +80,9 @@ typedef struct rows {
     float *k; /* [n_layers][rows][kv_dim] */
 } rows;
 
-static void tap_copy(void *ctx, int layer, const float *q, const float *k, int n)
+static void tap_copy(void *ctx, int layer, const float *q, const float *k, const float *v, int n)
 {
+    (void)v;
     rows *r = ctx;
     ck_assert_int_eq(n, r->rows);
     memcpy(r->q + (size_t)layer * n * r->q_dim, q, sizeof(float) * (size_t)n * r->q_dim);

@@ -13,6 +13,8 @@ int cli_bench(int argc, char **argv);
 int cli_eval(int argc, char **argv);
 /* `rekv skew`: calibrate (or show the cached) InfiniGen skewing matrices (cli_skew.c) */
 int cli_skew(int argc, char **argv);
+/* `rekv heads`: profile (or show the cached) CLO head profile (cli_heads.c) */
+int cli_heads(int argc, char **argv);
 
 struct rekv_gen_params;
 struct rekv_gen_result;
@@ -61,5 +63,12 @@ int cli_read_ids(const char *path, int32_t **ids, size_t *n, struct rekv_err *er
 /* Reads a whole file (--text FILE) into *text (malloc'd, not NUL-terminated), its size in *len;
  * a read error (a directory, an I/O failure) is an error, not a short text. */
 int cli_read_text(const char *path, char **text, size_t *len, struct rekv_err *err);
+/* A calibration text for model_path: --ids FILE, or --text FILE through the model's tokenizer
+ * (-ENOENT with "give the text as --ids" when it has none), cut to the context (a note on stderr
+ * unless quiet). *ids malloc'd. */
+struct rekv_model_config;
+int cli_calibration_ids(const char *model_path, const struct rekv_model_config *cfg,
+                        const char *text_path, const char *ids_path, int quiet, int32_t **ids,
+                        int *n, struct rekv_err *err);
 
 #endif

@@ -139,39 +139,17 @@ int cli_skew(int argc, char **argv)
     int rc = 1, from_cache = 0, n_ids = 0;
     rekv_err err = {0};
     rekv_model *model = NULL;
-    rekv_tokenizer *tok = NULL;
     rekv_engine *eng = NULL;
     rekv_skew skew = {0};
     int32_t *ids = NULL;
-    char *text = NULL, cache_path[4300];
+    char cache_path[4300];
     double *skewed = NULL, *plain = NULL;
     if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
     const rekv_model_config *cfg = &model->config;
-    size_t n = 0;
-    if (ids_path) {
-        if (cli_read_ids(ids_path, &ids, &n, &err))
+    if (ids_path || text_path) {
+        if (cli_calibration_ids(model_path, cfg, text_path, ids_path, json, &ids, &n_ids, &err))
             goto fail;
-    } else if (text_path) {
-        int trc = rekv_tokenizer_load_for_model(model_path, &tok, &err);
-        if (trc == -ENOENT) {
-            fprintf(stderr, "rekv skew: %s has no tokenizer; give the text as --ids\n", model_path);
-            goto out;
-        }
-        size_t len = 0;
-        if (trc || cli_read_text(text_path, &text, &len, &err) ||
-            rekv_tokenizer_encode(tok, text, len, cfg->add_bos ? cfg->bos_id : -1, &ids, &n, &err))
-            goto fail;
-    }
-    if (ids) {
-        if (n > (size_t)cfg->max_pos) {
-            if (!json)
-                fprintf(stderr,
-                        "rekv skew: calibrating on the first %d of %zu tokens (the context)\n",
-                        cfg->max_pos, n);
-            n = (size_t)cfg->max_pos;
-        }
-        n_ids = (int)n;
         if (rekv_skew_calibrate(eng, ids, n_ids, ratio, &skew, &err))
             goto fail;
     } else {
@@ -214,8 +192,6 @@ out:
     free(plain);
     rekv_skew_free(&skew);
     free(ids);
-    free(text);
-    rekv_tokenizer_free(tok);
     rekv_engine_free(eng);
     rekv_model_close(model);
     return rc;

@@ -14,6 +14,7 @@
 
 #include "common/err.h"
 #include "coordinator/coordinator.h"
+#include "loader/loader.h"
 
 int cli_parse_ids(const char *s, int32_t **ids, int *n)
 {
@@ -190,4 +191,38 @@ int cli_trace_path(const char *trace, const char *run, char *out, size_t len)
         dot = base + strlen(base);
     int n = snprintf(out, len, "%.*s.%s%s", (int)(dot - trace), trace, run, dot);
     return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+int cli_calibration_ids(const char *model_path, const rekv_model_config *cfg,
+                        const char *text_path, const char *ids_path, int quiet, int32_t **ids,
+                        int *n, rekv_err *err)
+{
+    size_t len = 0, m = 0;
+    int rc;
+    *ids = NULL;
+    if (ids_path) {
+        if ((rc = cli_read_ids(ids_path, ids, &m, err)))
+            return rc;
+    } else {
+        rekv_tokenizer *tok = NULL;
+        char *text = NULL;
+        rc = rekv_tokenizer_load_for_model(model_path, &tok, err);
+        if (rc == -ENOENT)
+            return rekv_errf(err, rc, "%s has no tokenizer; give the text as --ids", model_path);
+        if (rc == 0 && (rc = cli_read_text(text_path, &text, &len, err)) == 0)
+            rc = rekv_tokenizer_encode(tok, text, len, cfg->add_bos ? cfg->bos_id : -1, ids, &m,
+                                       err);
+        free(text);
+        rekv_tokenizer_free(tok);
+        if (rc)
+            return rc;
+    }
+    if (m > (size_t)cfg->max_pos) {
+        if (!quiet)
+            fprintf(stderr, "rekv: calibrating on the first %d of %zu tokens (the context)\n",
+                    cfg->max_pos, m);
+        m = (size_t)cfg->max_pos;
+    }
+    *n = (int)m;
+    return 0;
 }

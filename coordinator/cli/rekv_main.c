@@ -22,6 +22,7 @@ static void usage(FILE *f)
                "  bench      benchmarks (bench forward | decode | kvstore), JSON output\n"
                "  eval       teacher-forced NLL of a text in a mode, bytes moved, agreement\n"
                "  skew       make (or show the cached) InfiniGen skewing matrices of a model\n"
+               "  heads      make (or show the cached) CLO head profile of a model\n"
                "Run `rekv <command> --help` for a command's options; `rekv --version` prints the\n"
                "version.\n");
 }
@@ -41,6 +42,8 @@ int main(int argc, char **argv)
         return cli_eval(argc - 1, argv + 1);
     if (strcmp(argv[1], "skew") == 0)
         return cli_skew(argc - 1, argv + 1);
+    if (strcmp(argv[1], "heads") == 0)
+        return cli_heads(argc - 1, argv + 1);
     static const struct {
         const char *name;
         int (*fn)(int, char **);

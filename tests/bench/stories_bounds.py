@@ -17,7 +17,12 @@ It also prints the mean cosine between consecutive layers' attention inputs (Inf
 and a cached top-k (exact retrieval on a miss), a hit when the least cosine over the group's
 queries to the label is >= tau; attention over the cached tokens, 4 sink and 64 recent ones. Prints
 the mean cosine of adjacent decode queries per layer (CLO's premise), then NLL, hit ratio and the
-link bytes relative to offload's (layer 0 resident, sink and recent on the device) per tau."""
+link bytes relative to offload's (layer 0 resident, sink and recent on the device) per tau.
+
+--heads: CLO's head profile as rekv heads computes it (gpuworker/heads.h), on sample 0: per layer
+the mean cosine of adjacent decode queries and each head's importance (the attention output's
+relative squared error with only 4 sink + 64 recent tokens, over the model's largest) — the
+reference values of tests/test_heads.c."""
 import argparse, json
 import numpy as np
 
@@ -25,6 +30,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--frac", type=float, default=0.2)
 ap.add_argument("--shared", default="../shared")
 ap.add_argument("--clo", action="store_true")
+ap.add_argument("--heads", action="store_true")
 args = ap.parse_args()
 
 f = open(args.shared + "/models/stories260K/stories260K.bin", "rb")
@@ -183,6 +189,33 @@ samples = [np.array(s["ids"] if isinstance(s["ids"], list) else json.loads(s["id
 rules = [("oracle_row", {}), ("group_max", {}), ("group_prob", {}),
          ("spec la1 30%", dict(ratio=0.3, look=1)), ("spec la0 30%", dict(ratio=0.3, look=0)),
          ("spec la1 all", dict(ratio=1.0, look=1))]
+if args.heads:
+    ids = samples[0]
+    n = len(ids)
+    pos = np.arange(n)
+    taps = []
+    forward(ids, taps=taps)
+    imp = np.zeros((L, H))
+    for l in range(L):
+        q, k, v = qkv(taps[l], l, pos)
+        qd = q[32:]
+        cos = np.sum(qd[1:] * qd[:-1], 2) / np.linalg.norm(qd[1:], axis=2) / np.linalg.norm(qd[:-1], axis=2)
+        print("layer %d adjacent cos %.6f per head %s" % (l, cos.mean(), " ".join("%.4f" % c for c in cos.mean(0))))
+        for h in range(H):
+            sc = q[:, h] @ k[:, h // G].T / np.sqrt(hs)
+            e = e0 = 0
+            for p in range(max(32, 68), n):
+                keep = np.zeros(p + 1, bool)
+                keep[:4] = True
+                keep[p - 63:] = True
+                of = softmax_rows(sc[p, :p + 1]) @ v[:p + 1, h // G]
+                os_ = softmax_rows(np.where(keep, sc[p, :p + 1], -np.inf)) @ v[:p + 1, h // G]
+                e, e0 = e + np.sum((of - os_) ** 2), e0 + np.sum(of ** 2)
+            imp[l, h] = e / e0
+    imp /= imp.max()
+    for l in range(L):
+        print("layer %d importance %s" % (l, " ".join("%.4f" % x for x in imp[l])))
+    raise SystemExit(0)
 if args.clo:
     for i, ids in enumerate(samples):
         full = forward(ids)
