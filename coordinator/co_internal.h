@@ -81,6 +81,7 @@ typedef struct job {
     struct job *knext; /* key hash chain */
     int unsynced;      /* accepted this round, its record not yet synced */
     int end_pending;   /* ended, its finished record not yet synced: not reported yet */
+    uint64_t mark;     /* the Progress that last named it (co->progress_mark) */
     struct job *pnext; /* list of jobs with end_pending, in the order they ended */
 } job;
 
@@ -98,6 +99,7 @@ typedef struct worker {
     uint32_t n_run;
     uint64_t *cancel; /* [max_batch] jobs to drop at its next Plan */
     uint32_t n_cancel;
+    char unavailable[256]; /* non-empty: it cannot run steps now, and why (WorkerMsg); no Plans */
     uint64_t steps, tokens;
     co_plan_state plan; /* the planner's state for this worker (co_plan.h) */
 } worker;
@@ -145,6 +147,8 @@ struct rekv_coordinator {
     uint64_t evicted;            /* finished jobs forgotten (keep_finished, keep_finished_bytes) */
     uint64_t worker_malformed;   /* worker-socket messages we could not read */
     uint64_t worker_rejected;    /* job results refused (tokens outside the vocabulary) */
+    uint64_t progress_mark;      /* numbers the Progress messages (job.mark) */
+    uint64_t steps_failed;       /* steps a worker reported failed as a whole, or never finished */
     rekv_ratelimit rl[CO_RL_COUNT];
     double rtt_sum, wstep_sum;
     uint64_t counters[8]; /* h2d weights, kv, act, d2h, recomputed, fetched; infinigen's

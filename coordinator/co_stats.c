@@ -27,6 +27,7 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     s.finished_forgotten = co->evicted;
     s.worker_messages_malformed = co->worker_malformed;
     s.worker_results_rejected = co->worker_rejected;
+    s.steps_failed = co->steps_failed;
     s.bad_requests = co->bad_requests;
     s.requeued = co->requeued;
     s.tokens = co->tokens;
@@ -60,6 +61,7 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
         wi[nw].steps = w->steps;
         wi[nw].tokens = w->tokens;
         wi[nw].idle_s = (double)(now - w->last_seen_ns) * 1e-9;
+        wi[nw].unavailable = (char *)w->unavailable;
         wi[nw].plan_split = w->plan.split;
         wi[nw].plan_kv_parts = (uint32_t)w->plan.kv_parts;
         wi[nw].plan_act_parts = (uint32_t)w->plan.act_parts;
@@ -111,8 +113,12 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
          (double)co->rejected_busy},
         {"rekv_bad_requests_total", "counter", "Requests answered BAD_REQUEST.",
          (double)co->bad_requests},
-        {"rekv_jobs_requeued_total", "counter", "Jobs put back after their worker died.",
+        {"rekv_jobs_requeued_total", "counter",
+         "Jobs put back after their worker died, hung, lost them or failed their step.",
          (double)co->requeued},
+        {"rekv_steps_failed_total", "counter",
+         "Steps that failed as a whole or were never answered (--step-timeout-ms).",
+         (double)co->steps_failed},
         {"rekv_jobs_forgotten_total", "counter",
          "Finished jobs forgotten (--keep-finished, --keep-finished-bytes).", (double)co->evicted},
         {"rekv_worker_messages_malformed_total", "counter",

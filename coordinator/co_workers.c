@@ -2,8 +2,11 @@
  * (answered by Welcome, or for mode "auto" by Assign: the worker's mode), one Plan per step to
  * every idle worker with work (jobs join from the queue at step boundaries, cancels go out,
  * co_plan.c picks the step's parameters), its Progress (tokens into the jobs, finished jobs out),
- * Reset for a worker we do not know, and the timeout that takes a silent worker as dead and
- * re-queues its jobs. */
+ * Reset for a worker we do not know, and the timeouts that take a silent worker as dead, or one
+ * whose step does not come back as hung, and re-queue its jobs. Failures: a Progress's jobs marked
+ * retry are re-queued, other errors fail the job; a job of the step the Progress does not name is
+ * re-queued (the worker lost it); a worker that says it is unavailable gets no Plan, and its
+ * running jobs go back to the queue; a Hello under the name of an active worker replaces it. */
 #include "coordinator/co_internal.h"
 
 #include <stdio.h>
@@ -90,7 +93,8 @@ static void worker_refuse(rekv_coordinator *co, const rid *id, const Rekv__Worke
                 why);
 }
 
-static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
+static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h,
+                         const char *unavailable)
 {
     worker *w = worker_find(co, id);
     if (w) /* it reset itself: whatever it ran is gone */
@@ -102,6 +106,16 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
                  co->have_model ? co->mcfg.vocab : -1);
         worker_refuse(co, id, h, why);
         return;
+    }
+    /* a worker restarted under its name (it dropped what its predecessor left in the kvstore)
+     * takes over at once: the one we knew by that name is dead or out of date */
+    for (int i = 0; i < MAX_WORKERS && h->name && *h->name; i++) {
+        worker *o = &co->workers[i];
+        if (o->active && strcmp(o->name, h->name) == 0) {
+            snprintf(why, sizeof(why), "is replaced by a new worker of its name (pid %llu)",
+                     (unsigned long long)h->pid);
+            worker_drop(co, o, why);
+        }
     }
     if (h->mode && strcmp(h->mode, "auto") == 0) {
         worker_assign(co, id, h);
@@ -142,6 +156,7 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
     w->max_pos = h->max_pos;
     w->eos_id = h->eos_id;
     w->last_seen_ns = rekv_now_ns();
+    snprintf(w->unavailable, sizeof(w->unavailable), "%s", unavailable ? unavailable : "");
     co_plan_init(&w->plan, h);
     Rekv__Worker__Welcome wel = REKV__WORKER__WELCOME__INIT;
     wel.session = co->session;
@@ -160,7 +175,7 @@ void co_schedule(rekv_coordinator *co)
 {
     for (int wi = 0; wi < MAX_WORKERS; wi++) {
         worker *w = &co->workers[wi];
-        if (!w->active || w->busy)
+        if (!w->active || w->busy || w->unavailable[0])
             continue;
         uint32_t room = w->max_batch - w->n_run;
         if (w->n_run == 0 && w->n_cancel == 0 && (co->n_queue == 0 || room == 0))
@@ -260,10 +275,21 @@ static int ids_valid(const int32_t *ids, size_t n, uint32_t vocab, int32_t *bad)
     return 1;
 }
 
+/* Takes job k off w's batch (the worker is told to drop it at the next Plan) and re-queues it. */
+static void worker_requeue_at(rekv_coordinator *co, worker *w, uint32_t k, const char *why)
+{
+    job *j = w->run[k];
+    w->run[k] = w->run[--w->n_run];
+    w->cancel[w->n_cancel++] = j->id; /* n_cancel + n_run <= max_batch */
+    co_job_requeue(co, j, why);
+}
+
 static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker__Progress *p)
 {
     if (!w->busy || p->step != w->step)
         return; /* stale: from before a reset */
+    uint64_t mark = ++co->progress_mark;
+    int failed_step = 0;
     w->busy = 0;
     w->steps++;
     co->steps++;
@@ -288,6 +314,17 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         if (k == w->n_run)
             continue; /* cancelled meanwhile */
         job *j = w->run[k];
+        j->mark = mark;
+        if (jp->error && jp->retry) {
+            /* its step failed for a reason that passes: the worker dropped it; run it again */
+            char why[320];
+            snprintf(why, sizeof(why), "worker %s: %s", w->name,
+                     jp->error_msg && *jp->error_msg ? jp->error_msg : "the step failed");
+            w->run[k] = w->run[--w->n_run];
+            co_job_requeue(co, j, why);
+            failed_step = 1;
+            continue;
+        }
         size_t tk = j->top_logits;
         int with_top = tk && jp->n_top_ids == jp->n_tokens * tk && jp->n_top_vals == jp->n_top_ids;
         /* every id must be in the vocabulary, or none of the step's output is taken: the job is
@@ -301,9 +338,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
                         (unsigned long long)j->id, why);
             co->worker_rejected++;
-            w->run[k] = w->run[--w->n_run];
-            w->cancel[w->n_cancel++] = j->id; /* n_cancel + n_run <= max_batch */
-            co_job_requeue(co, j, why);
+            worker_requeue_at(co, w, k, why);
             continue;
         }
         for (size_t t = 0; t < jp->n_tokens && j->n_gen < j->max_new; t++) {
@@ -326,13 +361,53 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             char msg[256]; /* a worker's reason, bounded: it is kept and journaled */
             snprintf(msg, sizeof(msg), "%s",
                      jp->error_msg && *jp->error_msg ? jp->error_msg : "the worker failed");
-            if (jp->error)
+            if (jp->error) {
                 co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
+                failed_step = 1;
+            }
             else
                 co_job_end(co, j, REKV__CONTROL__JOB_STATE__DONE, jp->finish_reason, NULL);
         } else {
             co_stream_flush(co, j);
         }
+    }
+    /* every job of the step gets a word in its Progress (worker.proto); one without is lost on
+     * the worker (a step that failed and did not say so): it runs again, never stays RUNNING */
+    for (uint32_t k = 0; k < w->n_run;) {
+        if (w->run[k]->mark == mark) {
+            k++;
+            continue;
+        }
+        char why[200];
+        snprintf(why, sizeof(why), "worker %s did not report it in step %llu", w->name,
+                 (unsigned long long)p->step);
+        co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
+                    (unsigned long long)w->run[k]->id, why);
+        worker_requeue_at(co, w, k, why);
+        failed_step = 1;
+    }
+    if (failed_step)
+        co->steps_failed++;
+}
+
+/* What a known worker's message says of its availability (WorkerMsg.unavailable). One that
+ * cannot run steps gets no Plan; the jobs in its batch go back to the queue unless a Plan is out
+ * (its Progress reports them). */
+static void worker_availability(rekv_coordinator *co, worker *w, const char *unavailable)
+{
+    const char *u = unavailable ? unavailable : "";
+    if (strcmp(u, w->unavailable) == 0)
+        return;
+    if (*u)
+        co_event(co, REKV_CO_EVENT_WARN, "worker %s is unavailable: %s", w->name, u);
+    else
+        co_event(co, REKV_CO_EVENT_INFO, "worker %s is available again", w->name);
+    snprintf(w->unavailable, sizeof(w->unavailable), "%s", u);
+    if (*u && !w->busy) {
+        char why[320];
+        snprintf(why, sizeof(why), "worker %s is unavailable: %s", w->name, u);
+        while (w->n_run > 0)
+            worker_requeue_at(co, w, 0, why);
     }
 }
 
@@ -378,7 +453,7 @@ void co_handle_worker_msg(rekv_coordinator *co)
     if (w)
         w->last_seen_ns = rekv_now_ns();
     if (m->body_case == REKV__WORKER__WORKER_MSG__BODY_HELLO && m->hello) {
-        worker_hello(co, &id, m->hello);
+        worker_hello(co, &id, m->hello, m->unavailable);
     } else if (w == NULL) {
         /* we restarted (or dropped it as dead): it must start over */
         Rekv__Worker__Reset rs = REKV__WORKER__RESET__INIT;
@@ -389,8 +464,10 @@ void co_handle_worker_msg(rekv_coordinator *co)
         tmp.id = id;
         snprintf(tmp.name, sizeof(tmp.name), "(unknown)");
         co_send_worker(co, &tmp, &cm);
-    } else if (m->body_case == REKV__WORKER__WORKER_MSG__BODY_PROGRESS && m->progress) {
-        worker_progress(co, w, m->progress);
+    } else {
+        if (m->body_case == REKV__WORKER__WORKER_MSG__BODY_PROGRESS && m->progress)
+            worker_progress(co, w, m->progress);
+        worker_availability(co, w, m->unavailable);
     }
     rekv__worker__worker_msg__free_unpacked(m, NULL);
 out:
@@ -401,12 +478,20 @@ out:
 void co_check_workers(rekv_coordinator *co)
 {
     uint64_t now = rekv_now_ns(), limit = (uint64_t)co->cfg.worker_timeout_ms * 1000000ull;
+    uint64_t step_limit = (uint64_t)co->cfg.step_timeout_ms * 1000000ull;
     for (int i = 0; i < MAX_WORKERS; i++) {
         worker *w = &co->workers[i];
+        char why[128];
         if (w->active && now - w->last_seen_ns > limit) {
-            char why[128];
             snprintf(why, sizeof(why), "is silent for %u ms: taken as dead",
                      co->cfg.worker_timeout_ms);
+            worker_drop(co, w, why);
+        } else if (w->active && w->busy && now - w->plan_sent_ns > step_limit) {
+            /* heartbeats or not, a step this late is hung: its jobs run again elsewhere (or
+             * here, once the worker is back: its next message is answered Reset) */
+            snprintf(why, sizeof(why), "has not finished step %llu in %u ms: taken as hung",
+                     (unsigned long long)w->step, co->cfg.step_timeout_ms);
+            co->steps_failed++;
             worker_drop(co, w, why);
         }
     }

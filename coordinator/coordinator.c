@@ -63,6 +63,7 @@ void rekv_coordinator_config_defaults(rekv_coordinator_config *cfg)
     cfg->keep_finished = 1024;
     cfg->keep_finished_bytes = 64ull << 20;
     cfg->worker_timeout_ms = 30000;
+    cfg->step_timeout_ms = 300000;
     cfg->max_attempts = 3;
     cfg->max_new_limit = 1u << 20;
     cfg->signal_fd = -1;
@@ -325,6 +326,8 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         co->cfg.keep_finished_bytes = 64ull << 20;
     if (co->cfg.worker_timeout_ms == 0)
         co->cfg.worker_timeout_ms = 30000;
+    if (co->cfg.step_timeout_ms == 0)
+        co->cfg.step_timeout_ms = 300000;
     if (co->cfg.max_attempts == 0)
         co->cfg.max_attempts = 3;
     if (co->cfg.max_new_limit == 0)

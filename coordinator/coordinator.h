@@ -7,8 +7,13 @@
  *            default, in $XDG_RUNTIME_DIR/rekv or /run/rekv, socket file mode 0600. tcp:// only when
  *            configured; a non-loopback tcp address needs a CurveZMQ secret key.
  *   workers  ROUTER; each gpuworker (DEALER) says Hello, then gets one Plan per step and answers
- *            Progress (proto/worker.proto). A worker silent for worker_timeout_ms is dead: its jobs
- *            are re-queued (or failed after max_attempts starts) and the coordinator carries on.
+ *            Progress (proto/worker.proto). A worker silent for worker_timeout_ms is dead, and one
+ *            whose step is not answered within step_timeout_ms is hung: its jobs are re-queued (or
+ *            failed after max_attempts starts) and the coordinator carries on. A Hello naming an
+ *            active worker (another connection) replaces it at once: its jobs are re-queued. A
+ *            step the worker reports failed re-queues the jobs it marks retry and fails the
+ *            others; a job a Progress leaves out is re-queued (never left RUNNING); a worker that
+ *            says it is unavailable gets no Plan until it says otherwise.
  *
  * Journal: <state_dir>/journal, append-only records [magic u32][len u32][crc32c u32][payload],
  * payload a JournalRecord. An accepted job's record is fdatasync'd before the Submit is answered
@@ -77,6 +82,9 @@ typedef struct rekv_coordinator_config {
     uint64_t keep_finished_bytes; /* at most this many bytes of their results (ids, top logits);
                                    * the oldest are forgotten first. 0: 64 MiB */
     uint32_t worker_timeout_ms;   /* a worker silent this long is dead; 0: 30000 */
+    uint32_t step_timeout_ms;     /* a step not answered this long after its Plan is hung: the
+                                   * worker is dropped as if dead (its jobs re-queued) and must
+                                   * say Hello again; 0: 300000 */
     uint32_t max_attempts;        /* starts per job before it fails; 0: 3 */
     uint32_t max_new_limit;       /* largest max_new_tokens accepted; 0: 1 << 20 */
     int signal_fd;                /* a signalfd (or eventfd) the loop polls; readable stops it; -1 */

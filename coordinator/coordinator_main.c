@@ -20,7 +20,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: rekv-coordinator [--control ENDPOINT] [--workers ENDPOINT] [--state-dir DIR]\n"
             "         [--model PATH] [--queue N] [--keep-finished N] [--keep-finished-bytes N]\n"
-            "         [--worker-timeout-ms N]\n"
+            "         [--worker-timeout-ms N] [--step-timeout-ms N]\n"
             "         [--max-attempts N] [--curve-secret-file FILE] [--ready-fd N]\n"
             "         [--metrics HOST:PORT] [--help] [--version]\n"
             "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
@@ -28,6 +28,9 @@ static void usage(FILE *f)
             "Finished jobs are remembered for Status (and their client keys honoured) up to\n"
             "--keep-finished jobs (1024) and --keep-finished-bytes of results (64 MiB), oldest\n"
             "forgotten first.\n"
+            "A worker silent for --worker-timeout-ms (30000) is taken as dead, one whose step is\n"
+            "not answered within --step-timeout-ms (300000) as hung: its jobs run again (failed\n"
+            "after --max-attempts starts, 3) and it must say Hello again.\n"
             "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
             "--curve-secret-file (a Z85 CurveZMQ secret key).\n");
 }
@@ -55,7 +58,7 @@ int main(int argc, char **argv)
     const char *curve_file = NULL;
     uint32_t ready_fd = UINT32_MAX;
     enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_KEEP_BYTES, O_TIMEOUT,
-           O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_HELP, O_VERSION };
+           O_STEP_TIMEOUT, O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_HELP, O_VERSION };
     static const struct option opts[] = {
         {"control", required_argument, 0, O_CONTROL},
         {"workers", required_argument, 0, O_WORKERS},
@@ -65,6 +68,7 @@ int main(int argc, char **argv)
         {"keep-finished", required_argument, 0, O_KEEP},
         {"keep-finished-bytes", required_argument, 0, O_KEEP_BYTES},
         {"worker-timeout-ms", required_argument, 0, O_TIMEOUT},
+        {"step-timeout-ms", required_argument, 0, O_STEP_TIMEOUT},
         {"max-attempts", required_argument, 0, O_ATTEMPTS},
         {"curve-secret-file", required_argument, 0, O_CURVE},
         {"ready-fd", required_argument, 0, O_READY},
@@ -92,6 +96,9 @@ int main(int argc, char **argv)
             break;
         }
         case O_TIMEOUT: bad = rekv_parse_u32(optarg, &cfg.worker_timeout_ms); break;
+        case O_STEP_TIMEOUT:
+            bad = rekv_parse_u32(optarg, &cfg.step_timeout_ms) || cfg.step_timeout_ms == 0;
+            break;
         case O_ATTEMPTS: bad = rekv_parse_u32(optarg, &cfg.max_attempts); break;
         case O_CURVE: curve_file = optarg; break;
         case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;

@@ -93,6 +93,13 @@ void rekv_batcher_free(rekv_batcher *b)
 
 int rekv_batcher_running(const rekv_batcher *b) { return b->n; }
 
+int rekv_batcher_job_ids(const rekv_batcher *b, uint64_t *ids, int cap)
+{
+    for (int i = 0; i < b->n && i < cap; i++)
+        ids[i] = b->jobs[i].id;
+    return b->n;
+}
+
 void rekv_batcher_set_mini_batches(rekv_batcher *b, const uint64_t *jobs, const uint32_t *index,
                                    size_t n)
 {

@@ -55,6 +55,9 @@ void rekv_batcher_set_mini_batches(rekv_batcher *b, const uint64_t *jobs, const 
                                    size_t n);
 /* Jobs in the batch. */
 int rekv_batcher_running(const rekv_batcher *b);
+/* The ids of the jobs in the batch, in batch order, into ids[cap]; returns how many there are
+ * (more than cap: only cap were written). */
+int rekv_batcher_job_ids(const rekv_batcher *b, uint64_t *ids, int cap);
 
 /* Runs one step. *events (owned by the batcher, valid until the next call) gets one entry per job
  * that was in the batch, in batch order; finished jobs have left it. On a failed forward step the

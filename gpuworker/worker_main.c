@@ -6,7 +6,17 @@
  * sequences belong to its name: at start it drops what a dead worker of the same name left.
  * With --mode auto the worker measures and reports, and the coordinator decides: the first Hello
  * says "auto" with the profile and the device's room, the coordinator answers Assign, and only then
- * does the worker build its pipeline (worker.proto). */
+ * does the worker build its pipeline (worker.proto).
+ *
+ * Failures: a step that fails as a whole reports every job that was in it, each to be run again
+ * (retry: the kvstore went away or had no room, the worker is stopping) or failed with the reason
+ * (anything else, a CRC mismatch on read-back included). The kvstore client notices the store's
+ * end at once (a socket monitor) or a request's timeout (--kvstore-timeout-ms); the worker then
+ * drops its pipeline (its arena is the dead store's), says it is unavailable on every message
+ * (the coordinator sends it no Plan; a Plan already on its way is answered with every joining job
+ * to be run again), reconnects every half second and, once the store answers, rebuilds the
+ * pipeline and says it is available. SIGTERM during a step aborts the step's kvstore requests, so
+ * the worker stops within a step's compute time whatever the store does. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
@@ -44,12 +54,15 @@ static void usage(FILE *f)
            "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
-           "         [--ready-fd N] [--help] [--version]\n"
+           "         [--kvstore-timeout-ms N] [--ready-fd N] [--help] [--version]\n"
            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
            "mode auto, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
            "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
            "started with the name of a dead one frees what that one left there at once (else\n"
-           "the store frees it when the dead one's lease runs out).\n"
+           "the store frees it when the dead one's lease runs out). A store that stops is noticed\n"
+           "at once, one that does not answer after --kvstore-timeout-ms (30000); the worker then\n"
+           "fails its step (the jobs run again), is unavailable to the coordinator and reconnects\n"
+           "every half second until the store is back.\n"
            "auto: the coordinator chooses, from what this worker measures and reports: resident\n"
            "when the device holds the KV cache of a full batch of full contexts (always on the\n"
            "cpu backend, or without a kvstore), else the technique its planner prices cheapest\n"
@@ -85,14 +98,24 @@ typedef struct worker {
     double device_kv_room;        /* for the mode choice (Hello); < 0: no device limit */
     uint64_t device_buffer_bytes; /* for the planner's mini-batches (Hello); 0: no limit */
     uint32_t hb_ms;               /* heartbeat period, also while a step runs */
-    rekv_kvstore_client *kv;      /* NULL in resident mode without --kvstore */
+    rekv_kvstore_client *kv;      /* NULL in resident mode without --kvstore, and while lost */
     uint64_t renew_ns;            /* kvstore lease renewal period: a quarter of its lease */
     uint64_t last_renew_ns;
+    const char *kv_ep;            /* --kvstore */
+    int kv_timeout_ms;            /* --kvstore-timeout-ms: the bound on one store request */
+    int kv_lost;                  /* the store went away: no client, no pipeline, reconnecting */
+    int rebuild;                  /* a pipeline was built before the loss: build it again */
+    uint64_t next_reconnect_ns;
+    int reconnect_tries;          /* since the loss (the first failure is logged, not each) */
+    char unavailable[256];        /* sent with every message while non-empty (worker.proto) */
+    int stop_fd;                  /* SIGTERM/SIGINT (common/daemon.h) */
+    int stopping;                 /* a stop arrived during a step: its kvstore requests aborted */
 } worker;
 
 static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
 {
     m->version = WORKER_PROTO_VERSION;
+    m->unavailable = w->unavailable;
     size_t n = rekv__worker__worker_msg__get_packed_size(m);
     uint8_t *buf = malloc(n ? n : 1);
     if (buf == NULL)
@@ -192,6 +215,8 @@ static long loop_timeout_ms(const worker *w)
     uint64_t now = rekv_now_ns(), due = w->last_sent_ns + (uint64_t)w->hb_ms * 1000000ull;
     if (w->kv && w->last_renew_ns + w->renew_ns < due)
         due = w->last_renew_ns + w->renew_ns;
+    if (w->kv_lost && w->next_reconnect_ns < due)
+        due = w->next_reconnect_ns;
     return due > now ? (long)((due - now + 999999) / 1000000) : 0;
 }
 
@@ -218,9 +243,19 @@ static int step_with_heartbeats(worker *w, const rekv_batch_event **ev, int *n_e
         return rekv_batcher_step(w->batch, ev, n_ev, err);
     }
     for (;;) {
-        struct pollfd pf = {sj.done_fd, POLLIN, 0};
-        if (poll(&pf, 1, (int)loop_timeout_ms(w)) > 0)
-            break;
+        struct pollfd pf[2] = {{sj.done_fd, POLLIN, 0}, {w->stop_fd, POLLIN, 0}};
+        int np = w->stopping ? 1 : 2; /* the stop fd stays readable: the loop stops after */
+        if (poll(pf, np, (int)loop_timeout_ms(w)) > 0) {
+            if (pf[0].revents & POLLIN)
+                break;
+            if (np == 2 && (pf[1].revents & POLLIN)) {
+                /* stopping: the step's compute ends by itself, its kvstore waits are cut short */
+                w->stopping = 1;
+                rekv_log(REKV_LOG_INFO, "signal: stopping after this step");
+                if (w->kv)
+                    rekv_kvstore_client_abort(w->kv);
+            }
+        }
         if (rekv_now_ns() - w->last_sent_ns >= (uint64_t)w->hb_ms * 1000000ull)
             send_heartbeat(w);
         kv_renew_due(w);
@@ -233,6 +268,123 @@ static int step_with_heartbeats(worker *w, const rekv_batch_event **ev, int *n_e
     if (sj.rc)
         rekv_errf(err, sj.rc, "%s", sj.err.msg);
     return sj.rc;
+}
+
+/* Whether a failed step's (or join's) jobs run again: they do when the failure passes — the
+ * kvstore is gone (its client says so, or a request timed out: *lost is set), it had no room
+ * (-ENOMEM, -ENOSPC: other jobs end and free it), or we are stopping. Anything else (a CRC
+ * mismatch or I/O error on read-back, a device error, a bad request) fails them with the reason:
+ * running them again would meet it again. */
+static int step_error_retry(worker *w, int code, int *lost)
+{
+    *lost = 0;
+    if (w->stopping || code == -ECANCELED)
+        return 1;
+    if (w->kv && (rekv_kvstore_client_lost(w->kv) || code == -ETIMEDOUT || code == -EPIPE)) {
+        *lost = 1;
+        return 1;
+    }
+    return code == -ENOMEM || code == -ENOSPC;
+}
+
+/* The kvstore is gone: the pipeline goes with its client (its arena is the dead store's); the
+ * loop reconnects (kv_reconnect). w->unavailable says so to the coordinator. */
+static void kv_lose(worker *w)
+{
+    rekv_log(REKV_LOG_WARN, "kvstore %s: lost; unavailable until it is back", w->kv_ep);
+    if (w->unavailable[0] == '\0')
+        snprintf(w->unavailable, sizeof(w->unavailable),
+                 "its kvstore at %s is gone; reconnecting", w->kv_ep);
+    w->rebuild = w->pipe != NULL;
+    if (w->batch)
+        rekv_batcher_clear(w->batch); /* the client fails at once: nothing waits */
+    rekv_batcher_free(w->batch);
+    rekv_pipeline_free(w->pipe);
+    w->batch = NULL;
+    w->pipe = NULL;
+    rekv_kvstore_client_close(w->kv);
+    w->kv = NULL;
+    w->kv_lost = 1;
+    w->reconnect_tries = 0;
+    w->next_reconnect_ns = rekv_now_ns();
+    send_heartbeat(w);
+}
+
+static int start_pipeline(worker *w, rekv_err *err);
+
+/* Connects to the store again (every half second while it is not there), drops what a worker of
+ * our name left in it, rebuilds the pipeline and says we are available. */
+static void kv_reconnect(worker *w)
+{
+    if (!w->kv_lost || rekv_now_ns() < w->next_reconnect_ns)
+        return;
+    w->next_reconnect_ns = rekv_now_ns() + 500000000ull;
+    rekv_err err = {0};
+    rekv_kvstore_client *kv = NULL;
+    uint64_t n_seqs = 0, n_blocks = 0;
+    /* a short bound on the connect itself: this loop heartbeats and watches for SIGTERM */
+    if (rekv_kvstore_client_connect(w->kv_ep, NULL, 1000, &kv, &err) == 0) {
+        rekv_kvstore_client_set_timeout(kv, w->kv_timeout_ms);
+        rekv_kv_geometry g;
+        rekv_kvstore_client_geometry(kv, &g);
+        if (g.dtype != w->pc.cache_dtype)
+            rekv_errf(&err, -EINVAL, "kvstore %s: its cache dtype is now %s, not %s", w->kv_ep,
+                      rekv_dtype_name(g.dtype), rekv_dtype_name(w->pc.cache_dtype));
+        else if (rekv_kvstore_client_set_owner(kv, w->name, &err) == 0 &&
+                 rekv_kvstore_drop_owner(kv, w->name, &n_seqs, &n_blocks, &err) == 0) {
+            w->kv = kv;
+            w->kv_lost = 0;
+            w->last_renew_ns = rekv_now_ns();
+            if (!w->rebuild || start_pipeline(w, &err) == 0) {
+                rekv_log(REKV_LOG_INFO, "kvstore %s: connected again%s", w->kv_ep,
+                         n_seqs ? " (dropped what we left there)" : "");
+                w->unavailable[0] = '\0';
+                send_heartbeat(w);
+                return;
+            }
+            rekv_batcher_free(w->batch);
+            rekv_pipeline_free(w->pipe);
+            w->batch = NULL;
+            w->pipe = NULL;
+            w->kv = NULL;
+            w->kv_lost = 1;
+        }
+        rekv_kvstore_client_close(kv);
+    }
+    if (w->reconnect_tries++ == 0)
+        rekv_log(REKV_LOG_WARN, "kvstore %s: not back yet: %s", w->kv_ep, err.msg);
+}
+
+/* A Plan while we cannot run steps (crossed our word that we are unavailable): every joining job
+ * runs again; there are no running ones (they were reported with the failed step). */
+static void refuse_plan(worker *w, const Rekv__Worker__Plan *plan)
+{
+    size_t nj = plan->n_join;
+    Rekv__Worker__JobProgress *jp = calloc(nj ? nj : 1, sizeof(*jp));
+    Rekv__Worker__JobProgress **pp = calloc(nj ? nj : 1, sizeof(*pp));
+    if (jp == NULL || pp == NULL) {
+        rekv_log(REKV_LOG_ERROR, "out of memory refusing a plan");
+        goto out;
+    }
+    for (size_t i = 0; i < nj; i++) {
+        rekv__worker__job_progress__init(&jp[i]);
+        jp[i].job = plan->join[i]->job;
+        jp[i].error = -EAGAIN;
+        jp[i].error_msg = w->unavailable;
+        jp[i].retry = 1;
+        pp[i] = &jp[i];
+    }
+    Rekv__Worker__Progress pr = REKV__WORKER__PROGRESS__INIT;
+    pr.step = plan->step;
+    pr.n_jobs = nj;
+    pr.jobs = pp;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
+    m.progress = &pr;
+    send_msg(w, &m);
+out:
+    free(jp);
+    free(pp);
 }
 
 /* One plan: drop the cancelled, add the joining, run a step, report. */
@@ -261,6 +413,7 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         goto out;
     }
     size_t n = 0;
+    int lost = 0; /* the kvstore is gone (the client says so, or a request timed out) */
     for (size_t i = 0; i < plan->n_join; i++) {
         const Rekv__Worker__JobSpec *s = plan->join[i];
         rekv_gen_params gp = {(int)s->max_new_tokens,
@@ -278,10 +431,13 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
                  s->max_new_tokens, s->stop_at_eos);
         int rc = rekv_batcher_join(w->batch, s->job, s->prompt, (int)s->n_prompt, &gp, &errs[n]);
         if (rc) {
+            int join_lost = 0; /* a join makes the job's kvstore sequence */
             rekv__worker__job_progress__init(&jp[n]);
             jp[n].job = s->job;
             jp[n].error = rc;
             jp[n].error_msg = errs[n].msg;
+            jp[n].retry = step_error_retry(w, rc, &join_lost);
+            lost |= join_lost;
             pp[n] = &jp[n];
             n++;
         }
@@ -300,29 +456,31 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     rekv_err serr = {0};
     int running = rekv_batcher_running(w->batch);
     if (running > 0 && step_with_heartbeats(w, &ev, &n_ev, &serr)) {
-        /* the step failed as a whole: every job in it fails with the reason */
-        rekv_log(REKV_LOG_ERROR, "step %llu: %s", (unsigned long long)plan->step, serr.msg);
+        /* the step failed as a whole: every job in it is reported, to run again or failed */
+        int retry = step_error_retry(w, serr.code, &lost);
+        rekv_log(retry ? REKV_LOG_WARN : REKV_LOG_ERROR, "step %llu failed (%s): %s",
+                 (unsigned long long)plan->step,
+                 retry ? "its jobs run again" : "its jobs fail", serr.msg);
+        uint64_t *ids = calloc((size_t)running, sizeof(uint64_t));
+        int n_ids = ids ? rekv_batcher_job_ids(w->batch, ids, running) : 0;
+        for (int i = 0; i < n_ids && i < running && n < cap; i++) {
+            rekv__worker__job_progress__init(&jp[n]);
+            jp[n].job = ids[i];
+            jp[n].error = serr.code;
+            jp[n].error_msg = serr.msg;
+            jp[n].retry = retry;
+            pp[n] = &jp[n];
+            n++;
+        }
+        free(ids);
         rekv_batcher_clear(w->batch);
         n_ev = 0;
         running = 0;
     }
     double step_s = (double)(rekv_now_ns() - t0) * 1e-9;
-    if (serr.code) {
-        /* every job the coordinator thinks we run is gone; report each joined or running job */
-        for (size_t i = 0; i < plan->n_join; i++) {
-            int already = 0;
-            for (size_t k = 0; k < n; k++)
-                already |= jp[k].job == plan->join[i]->job;
-            if (!already && n < cap) {
-                rekv__worker__job_progress__init(&jp[n]);
-                jp[n].job = plan->join[i]->job;
-                jp[n].error = serr.code;
-                jp[n].error_msg = serr.msg;
-                pp[n] = &jp[n];
-                n++;
-            }
-        }
-    }
+    if (lost && !w->stopping) /* said in this Progress: no Plan comes until we are back */
+        snprintf(w->unavailable, sizeof(w->unavailable),
+                 "its kvstore at %s is gone; reconnecting", w->kv_ep);
     for (int i = 0; i < n_ev && n < cap; i++) {
         rekv__worker__job_progress__init(&jp[n]);
         jp[n].job = ev[i].job;
@@ -377,6 +535,8 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     m.progress = &pr;
     send_msg(w, &m);
     w->steps++;
+    if (lost && !w->stopping)
+        kv_lose(w);
 out:
     free(jp);
     free(pp);
@@ -452,7 +612,7 @@ int main(int argc, char **argv)
     rekv_log_init_from_env();
     const char *model_path = NULL, *coord = NULL, *kv_ep = NULL, *backend = "auto",
                *mode_s = "auto", *name = NULL;
-    uint32_t max_batch = 64, hb_ms = 500, ready_fd = UINT32_MAX;
+    uint32_t max_batch = 64, hb_ms = 500, ready_fd = UINT32_MAX, kv_timeout_ms = 30000;
     enum {
         O_MODEL = 1000,
         O_COORD,
@@ -468,6 +628,7 @@ int main(int argc, char **argv)
         O_DEVMEM,
         O_PUSH,
         O_APPROX,
+        O_KV_TIMEOUT,
         O_HELP,
         O_VERSION
     };
@@ -486,6 +647,7 @@ int main(int argc, char **argv)
         {"device-memory", required_argument, 0, O_DEVMEM},
         {"push", no_argument, 0, O_PUSH},
         {"approximate", no_argument, 0, O_APPROX},
+        {"kvstore-timeout-ms", required_argument, 0, O_KV_TIMEOUT},
         {"help", no_argument, 0, O_HELP},
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
@@ -540,6 +702,10 @@ int main(int argc, char **argv)
             break;
         case O_READY:
             bad = rekv_parse_u32(optarg, &ready_fd);
+            break;
+        case O_KV_TIMEOUT:
+            bad = rekv_parse_u32(optarg, &kv_timeout_ms) || kv_timeout_ms == 0 ||
+                  kv_timeout_ms > 3600000;
             break;
         case O_HELP:
             usage(stdout);
@@ -604,6 +770,9 @@ int main(int argc, char **argv)
     w.push = push;
     w.approximate = approximate;
     w.mode = "auto";
+    w.kv_ep = kv_ep;
+    w.kv_timeout_ms = (int)kv_timeout_ms;
+    w.stop_fd = sfd;
     if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
     w.eng = eng;
@@ -613,7 +782,8 @@ int main(int argc, char **argv)
          * while there is none or nobody listens yet, up to KV_WAIT_MS, stopping on a signal */
         uint64_t until = rekv_now_ns() + KV_WAIT_MS * 1000000ull;
         int crc;
-        while ((crc = rekv_kvstore_client_connect(kv_ep, NULL, 0, &kv, &err)) == -ENOENT ||
+        while ((crc = rekv_kvstore_client_connect(kv_ep, NULL, (int)kv_timeout_ms, &kv, &err)) ==
+                   -ENOENT ||
                crc == -ECONNREFUSED) {
             struct pollfd sp = {sfd, POLLIN, 0};
             if (rekv_now_ns() > until)
@@ -646,7 +816,8 @@ int main(int argc, char **argv)
             w.renew_ns = 10000000ull;
         if (w.renew_ns > 1000000000ull)
             w.renew_ns = 1000000000ull;
-        w.kv = kv;
+        w.kv = kv; /* w.kv from here on: the loop may replace it (kv_reconnect) */
+        kv = NULL;
         w.last_renew_ns = rekv_now_ns();
     } else if (!auto_mode && pc->mode != REKV_MODE_RESIDENT) {
         rekv_log(REKV_LOG_ERROR, "--mode %s keeps the KV cache in the kvstore: give --kvstore",
@@ -755,6 +926,8 @@ int main(int argc, char **argv)
                 /* not a Plan for the session our Hello ended, nor one before we have a mode */
                 if (!w.awaiting_welcome && w.pipe != NULL)
                     run_plan(&w, m->plan);
+                else if (!w.awaiting_welcome && w.kv_lost)
+                    refuse_plan(&w, m->plan);
                 break;
             case REKV__WORKER__COORD_MSG__BODY_SHUTDOWN:
                 stop = 2;
@@ -773,6 +946,9 @@ int main(int argc, char **argv)
         /* the kvstore drops a silent client's pins, and a silent owner's sequences, after its
          * lease; stay known to it */
         kv_renew_due(&w);
+        if (w.kv && rekv_kvstore_client_lost(w.kv))
+            kv_lose(&w);
+        kv_reconnect(&w);
         rekv_daemon_watchdog();
     }
     rc = 0;
@@ -789,7 +965,8 @@ out:
     rekv_pipeline_free(w.pipe);
     rekv_skew_free(&w.skew);
     rekv_backend_destroy(be);
-    rekv_kvstore_client_close(kv);
+    rekv_kvstore_client_close(w.kv); /* NULL while lost */
+    rekv_kvstore_client_close(kv);   /* a start that failed before handing it to w */
     rekv_engine_free(eng);
     rekv_model_close(model);
     close(sfd);

@@ -2,7 +2,14 @@
  * the arena memfd over the fd socket, maps it, and makes synchronous protobuf requests over a
  * ZeroMQ DEALER socket. One mutex serialises the requests, so that a worker's loop can renew the
  * lease (rekv_kvstore_renew_nowait) while its step thread uses the same connection: one lease,
- * one set of pins, one socket. */
+ * one set of pins, one socket.
+ *
+ * A lost store: a ZeroMQ socket monitor (a PAIR on inproc) reports the connection's end; the
+ * first DISCONNECTED marks the client lost for good (the arena it maps is the dead store's, and
+ * ZeroMQ's silent reconnect would carry our requests to a new store that knows nothing of our
+ * sequences), and every request then fails at once with -EPIPE. A request waiting for its reply
+ * polls the monitor and an abort eventfd beside the socket, so it ends as soon as the store dies
+ * or another thread calls rekv_kvstore_client_abort. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -10,6 +17,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdatomic.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -32,7 +41,12 @@ struct rekv_kvstore_client {
     uint8_t *buf;              /* packing buffer */
     size_t cap;
     char owner[REKV_KV_OWNER_MAX + 1]; /* sent with every request ("" for none); see kvstore.h */
-    pthread_mutex_t lock;      /* one request at a time: guards the socket, buf, next_id, owner */
+    pthread_mutex_t lock;      /* one request at a time: guards the socket, buf, next_id, owner,
+                                * the monitor */
+    void *zmon;                /* PAIR receiving the DEALER's monitor events (DISCONNECTED) */
+    int abort_fd;              /* eventfd: rekv_kvstore_client_abort */
+    atomic_int lost;           /* 0, or the negative errno every request now fails with */
+    char endpoint[256];        /* for messages */
 };
 
 static int recv_memfd(const char *path, int timeout_ms, int *out, rekv_err *err)
@@ -98,9 +112,16 @@ int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int
     if (c == NULL)
         return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
     c->memfd = -1;
+    c->abort_fd = -1;
     c->arena = MAP_FAILED;
     c->timeout_ms = timeout_ms;
+    snprintf(c->endpoint, sizeof(c->endpoint), "%s", endpoint);
     pthread_mutex_init(&c->lock, NULL);
+    c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (c->abort_fd < 0) {
+        rc = rekv_errf(err, -errno, "kvstore client: eventfd: %s", strerror(errno));
+        goto fail;
+    }
     if ((rc = recv_memfd(fd_socket, timeout_ms, &c->memfd, err)) < 0)
         goto fail;
     struct stat st;
@@ -125,6 +146,16 @@ int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int
     }
     int zero = 0;
     zmq_setsockopt(c->zsock, ZMQ_LINGER, &zero, sizeof(zero));
+    /* the monitor first, so that no end of the connection goes unseen */
+    char mon[64];
+    snprintf(mon, sizeof(mon), "inproc://rekv-kvstore-monitor-%p", (void *)c);
+    if (zmq_socket_monitor(c->zsock, mon, ZMQ_EVENT_DISCONNECTED) < 0 ||
+        (c->zmon = zmq_socket(c->zctx, ZMQ_PAIR)) == NULL || zmq_connect(c->zmon, mon) < 0) {
+        rc = rekv_errf(err, -zmq_errno(), "kvstore client: socket monitor: %s",
+                       zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    zmq_setsockopt(c->zmon, ZMQ_LINGER, &zero, sizeof(zero));
     if (zmq_connect(c->zsock, endpoint) < 0) {
         rc = rekv_errf(err, -zmq_errno(), "kvstore client: connect %s: %s", endpoint,
                        zmq_strerror(zmq_errno()));
@@ -142,14 +173,20 @@ void rekv_kvstore_client_close(rekv_kvstore_client *c)
 {
     if (c == NULL)
         return;
-    if (c->zsock)
+    if (c->zsock) {
+        zmq_socket_monitor(c->zsock, NULL, 0);
         zmq_close(c->zsock);
+    }
+    if (c->zmon)
+        zmq_close(c->zmon);
     if (c->zctx)
         zmq_ctx_term(c->zctx);
     if (c->arena != MAP_FAILED)
         munmap(c->arena, c->bytes);
     if (c->memfd >= 0)
         close(c->memfd);
+    if (c->abort_fd >= 0)
+        close(c->abort_fd);
     free(c->buf);
     pthread_mutex_destroy(&c->lock);
     free(c);
@@ -177,24 +214,79 @@ void rekv_kvstore_client_geometry(const rekv_kvstore_client *c, rekv_kv_geometry
     g->block_tokens = c->hdr->block_tokens;
 }
 
-/* Sends len bytes and waits for the reply frame whose Response id is `id` (id 0 accepts any). */
+/* Reads the monitor's pending events; a DISCONNECTED marks the client lost. With c->lock held. */
+static void monitor_drain(rekv_kvstore_client *c)
+{
+    for (;;) {
+        zmq_msg_t ev, addr;
+        zmq_msg_init(&ev);
+        if (zmq_msg_recv(&ev, c->zmon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&ev);
+            return;
+        }
+        uint16_t id = 0;
+        if (zmq_msg_size(&ev) >= 2)
+            memcpy(&id, zmq_msg_data(&ev), 2);
+        int more = zmq_msg_more(&ev);
+        zmq_msg_close(&ev);
+        if (more) { /* the endpoint's frame */
+            zmq_msg_init(&addr);
+            zmq_msg_recv(&addr, c->zmon, 0);
+            zmq_msg_close(&addr);
+        }
+        if (id == ZMQ_EVENT_DISCONNECTED) {
+            int zero = 0;
+            atomic_compare_exchange_strong(&c->lost, &zero, -EPIPE);
+        }
+    }
+}
+
+/* The error of a lost or aborted client, or 0. */
+static int lost_err(rekv_kvstore_client *c, rekv_err *err)
+{
+    int lost = atomic_load(&c->lost);
+    if (lost == -ECANCELED)
+        return rekv_errf(err, lost, "kvstore client: aborted");
+    if (lost)
+        return rekv_errf(err, lost,
+                         "kvstore client: the connection to the kvstore at %s ended (the store "
+                         "stopped or restarted): reconnect",
+                         c->endpoint);
+    return 0;
+}
+
+/* Sends len bytes and waits for the reply frame whose Response id is `id` (id 0 accepts any);
+ * -EPIPE as soon as the store's connection ends, -ECANCELED when aborted. With c->lock held. */
 static int call_raw(rekv_kvstore_client *c, const void *buf, size_t len, uint64_t id,
                     Rekv__Kvstore__Response **resp, rekv_err *err)
 {
     *resp = NULL;
+    int rc;
+    monitor_drain(c);
+    if ((rc = lost_err(c, err)))
+        return rc;
     if (zmq_send(c->zsock, buf, len, 0) < 0)
         return rekv_errf(err, -zmq_errno(), "kvstore client: send: %s", zmq_strerror(zmq_errno()));
     uint64_t deadline = rekv_now_ns() + (uint64_t)c->timeout_ms * 1000000ull;
     for (;;) {
         uint64_t now = rekv_now_ns();
         if (now >= deadline)
-            return rekv_errf(err, -ETIMEDOUT, "kvstore client: no reply in %d ms", c->timeout_ms);
-        zmq_pollitem_t it = {.socket = c->zsock, .events = ZMQ_POLLIN};
-        int pr = zmq_poll(&it, 1, (long)((deadline - now) / 1000000ull) + 1);
+            return rekv_errf(err, -ETIMEDOUT, "kvstore client: no reply from %s in %d ms",
+                             c->endpoint, c->timeout_ms);
+        zmq_pollitem_t it[3] = {{.socket = c->zsock, .events = ZMQ_POLLIN},
+                                {.socket = c->zmon, .events = ZMQ_POLLIN},
+                                {.socket = NULL, .fd = c->abort_fd, .events = ZMQ_POLLIN}};
+        int pr = zmq_poll(it, 3, (long)((deadline - now) / 1000000ull) + 1);
         if (pr < 0 && zmq_errno() != EINTR)
             return rekv_errf(err, -zmq_errno(), "kvstore client: poll: %s",
                              zmq_strerror(zmq_errno()));
         if (pr <= 0)
+            continue;
+        if (it[1].revents & ZMQ_POLLIN)
+            monitor_drain(c);
+        if ((rc = lost_err(c, err)))
+            return rc;
+        if (!(it[0].revents & ZMQ_POLLIN))
             continue;
         zmq_msg_t m;
         zmq_msg_init(&m);
@@ -214,6 +306,31 @@ static int call_raw(rekv_kvstore_client *c, const void *buf, size_t len, uint64_
         *resp = r;
         return 0;
     }
+}
+
+int rekv_kvstore_client_lost(rekv_kvstore_client *c)
+{
+    if (atomic_load(&c->lost) == 0 && pthread_mutex_trylock(&c->lock) == 0) {
+        monitor_drain(c);
+        pthread_mutex_unlock(&c->lock);
+    }
+    return atomic_load(&c->lost);
+}
+
+void rekv_kvstore_client_abort(rekv_kvstore_client *c)
+{
+    int zero = 0;
+    atomic_compare_exchange_strong(&c->lost, &zero, -ECANCELED);
+    uint64_t one = 1;
+    ssize_t w = write(c->abort_fd, &one, sizeof(one));
+    (void)w;
+}
+
+void rekv_kvstore_client_set_timeout(rekv_kvstore_client *c, int timeout_ms)
+{
+    pthread_mutex_lock(&c->lock);
+    c->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
+    pthread_mutex_unlock(&c->lock);
 }
 
 /* Stamps req with the version, a fresh id and the owner, sends it and waits for its reply; with

@@ -205,6 +205,16 @@ typedef struct rekv_kvstore_client rekv_kvstore_client;
 int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int timeout_ms,
                                 rekv_kvstore_client **out, rekv_err *err);
 void rekv_kvstore_client_close(rekv_kvstore_client *c);
+/* 0 while the connection is good; else the negative errno every request now fails with at once:
+ * -EPIPE once the store's connection ended (it died or restarted: a restarted store has a new
+ * arena and none of our sequences, so the client never reconnects by itself — connect a new
+ * one), -ECANCELED after rekv_kvstore_client_abort. Any thread; never waits. */
+int rekv_kvstore_client_lost(rekv_kvstore_client *c);
+/* Makes the request in flight on another thread, and every later one, fail at once with
+ * -ECANCELED (a worker stopping while its step waits on a store that does not answer). */
+void rekv_kvstore_client_abort(rekv_kvstore_client *c);
+/* The bound on each later request (0: 30000 ms). */
+void rekv_kvstore_client_set_timeout(rekv_kvstore_client *c, int timeout_ms);
 
 /* The mapped arena (base address, bytes) and its header. Valid until close. */
 void *rekv_kvstore_client_arena(const rekv_kvstore_client *c, size_t *bytes);

@@ -1123,8 +1123,9 @@ START_TEST(dead_worker_blocks_return_after_lease)
 }
 END_TEST
 
-/* SIGKILL the coordinator after it acknowledged jobs: a new one replays the journal, the worker
- * reconnects, and every acknowledged job completes with the right tokens. */
+/* SIGKILL the coordinator mid-run, once jobs have produced tokens: a new one replays the journal,
+ * the worker is reset and says Hello again, and every acknowledged job completes exactly once —
+ * with the right tokens, and the new coordinator counts each job accepted once and done once. */
 START_TEST(coordinator_restart)
 {
     env e;
@@ -1139,6 +1140,7 @@ START_TEST(coordinator_restart)
     rekv_ctl *c = ctl_open(e.ctl);
     wait_workers(c, 1);
     ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_some_tokens(c, jobs, N); /* mid-run */
     kill9(co);
     rekv_ctl_close(c);
     co = start_coordinator(&e, "256", "2000");
@@ -1147,6 +1149,11 @@ START_TEST(coordinator_restart)
     ck_assert_int_eq(submit_all(c, jobs + N, 1), 1);
     ck_assert_uint_gt(jobs[N].id, jobs[N - 1].id);
     wait_and_check(c, jobs, N + 1, 60);
+    Rekv__Control__Response *st = stats(c);
+    ck_assert_uint_eq(st->stats->accepted, N + 1);
+    ck_assert_uint_eq(st->stats->done + st->stats->failed, N + 1);
+    ck_assert_uint_eq(st->stats->failed, 0);
+    rekv__control__response__free_unpacked(st, NULL);
     /* and once more: finished jobs are remembered across a clean restart */
     ck_assert_int_eq(stop(co), 0);
     rekv_ctl_close(c);

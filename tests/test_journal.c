@@ -59,49 +59,6 @@ static void env_close(env *e)
     free(e->dir);
 }
 
-/* Starts a program with --ready-fd, its stderr appended to errlog (NULL: inherited), and waits
- * for READY; returns its pid, or -1 when it exited first (its status in *status). */
-static pid_t spawn_log(const char *const *args, const char *errlog, int *status)
-{
-    int pfd[2];
-    ck_assert_int_eq(pipe(pfd), 0);
-    const char *argv[48];
-    int n = 0;
-    for (; args[n]; n++)
-        argv[n] = args[n];
-    char fd[16];
-    snprintf(fd, sizeof(fd), "%d", pfd[1]);
-    argv[n++] = "--ready-fd";
-    argv[n++] = fd;
-    argv[n] = NULL;
-    pid_t pid = fork();
-    ck_assert_int_ge(pid, 0);
-    if (pid == 0) {
-        close(pfd[0]);
-        if (errlog) {
-            int lf = open(errlog, O_WRONLY | O_CREAT | O_APPEND, 0600);
-            if (lf >= 0)
-                dup2(lf, 2);
-        }
-        execv(argv[0], (char **)argv);
-        _exit(127);
-    }
-    close(pfd[1]);
-    struct pollfd p = {pfd[0], POLLIN, 0};
-    ck_assert_msg(poll(&p, 1, 60000) == 1, "%s did not become ready", argv[0]);
-    char buf[8] = {0};
-    ssize_t got = read(pfd[0], buf, 7);
-    close(pfd[0]);
-    if (got != 6) {
-        int st;
-        ck_assert_int_eq(waitpid(pid, &st, 0), pid);
-        if (status)
-            *status = st;
-        return -1;
-    }
-    return pid;
-}
-
 static pid_t start_coordinator_args(env *e, const char *keep, int *status)
 {
     char prog[4096];
@@ -109,7 +66,7 @@ static pid_t start_coordinator_args(env *e, const char *keep, int *status)
     const char *args[] = {prog,         "--control", e->ctl,  "--workers", e->wrk,
                           "--state-dir", e->state,   "--queue", "64",      "--worker-timeout-ms",
                           "30000",      "--keep-finished", keep, NULL};
-    return spawn_log(args, e->log, status);
+    return tu_spawn(args, e->log, status);
 }
 
 static pid_t start_coordinator(env *e)
@@ -125,43 +82,12 @@ static pid_t start_worker(env *e)
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
     const char *args[] = {prog,  "--model",     e->model, "--coordinator",  e->wrk, "--backend",
                           "cpu", "--max-batch", "4",      "--heartbeat-ms", "100",  NULL};
-    pid_t p = spawn_log(args, NULL, NULL);
+    pid_t p = tu_spawn(args, NULL, NULL);
     ck_assert_msg(p > 0, "rekv-gpuworker exited at start");
     return p;
 }
 
-static int stop(pid_t pid)
-{
-    kill(pid, SIGTERM);
-    int st;
-    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
-    return st;
-}
-
-static void kill9(pid_t pid)
-{
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-}
-
 /* ---------------------------------------------------------------- the control protocol */
-
-static rekv_ctl *ctl_open(const char *ep)
-{
-    rekv_ctl *c = NULL;
-    rekv_err err = {0};
-    ck_assert_msg(rekv_ctl_connect(ep, NULL, &c, &err) == 0, "%s", err.msg);
-    return c;
-}
-
-static Rekv__Control__Response *call(rekv_ctl *c, Rekv__Control__Request *rq)
-{
-    Rekv__Control__Response *r = NULL;
-    rekv_err err = {0};
-    rq->id = 0;
-    ck_assert_msg(rekv_ctl_call(c, rq, 20000, &r, &err) == 0, "%s", err.msg);
-    return r;
-}
 
 /* Submits prompt [1, 2, 3] for max_new greedy tokens under key (NULL: none); returns the
  * response (the caller checks and frees it). */
@@ -176,7 +102,7 @@ static Rekv__Control__Response *submit(rekv_ctl *c, const char *key, uint32_t ma
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
     rq.submit = &s;
-    return call(c, &rq);
+    return tu_ctl_call(c, &rq);
 }
 
 /* Submits and expects acceptance; returns the job id, *dup whether it was a repeat. */
@@ -192,27 +118,6 @@ static uint64_t submit_ok(rekv_ctl *c, const char *key, uint32_t max_new, int *d
     return id;
 }
 
-static Rekv__Control__Response *status(rekv_ctl *c, uint64_t job)
-{
-    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
-    s.job = job;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
-    rq.status = &s;
-    return call(c, &rq);
-}
-
-static Rekv__Control__Response *stats(rekv_ctl *c)
-{
-    Rekv__Control__StatsRequest s = REKV__CONTROL__STATS_REQUEST__INIT;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
-    rq.stats = &s;
-    Rekv__Control__Response *r = call(c, &rq);
-    ck_assert_int_eq(r->body_case, REKV__CONTROL__RESPONSE__BODY_STATS);
-    return r;
-}
-
 static void cancel(rekv_ctl *c, uint64_t job)
 {
     Rekv__Control__Cancel s = REKV__CONTROL__CANCEL__INIT;
@@ -220,28 +125,10 @@ static void cancel(rekv_ctl *c, uint64_t job)
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
     rq.cancel = &s;
-    Rekv__Control__Response *r = call(c, &rq);
+    Rekv__Control__Response *r = tu_ctl_call(c, &rq);
     ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "cancel: %s", r->error);
     ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__CANCELLED);
     rekv__control__response__free_unpacked(r, NULL);
-}
-
-static void wait_workers(rekv_ctl *c, uint32_t n)
-{
-    uint64_t deadline = rekv_now_ns() + 30000000000ull;
-    for (;;) {
-        Rekv__Control__HealthRequest h = REKV__CONTROL__HEALTH_REQUEST__INIT;
-        Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-        rq.body_case = REKV__CONTROL__REQUEST__BODY_HEALTH;
-        rq.health = &h;
-        Rekv__Control__Response *r = call(c, &rq);
-        uint32_t w = r->health ? r->health->workers : 0;
-        rekv__control__response__free_unpacked(r, NULL);
-        if (w == n)
-            return;
-        ck_assert_msg(rekv_now_ns() < deadline, "the coordinator sees %u workers, not %u", w, n);
-        usleep(20000);
-    }
 }
 
 /* Waits until job ends; returns its final status (DONE expected). */
@@ -249,7 +136,7 @@ static Rekv__Control__Response *wait_done(rekv_ctl *c, uint64_t job)
 {
     uint64_t deadline = rekv_now_ns() + 60000000000ull;
     for (;;) {
-        Rekv__Control__Response *r = status(c, job);
+        Rekv__Control__Response *r = tu_ctl_status(c, job);
         ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "status: %s", r->error);
         if (r->job->state != REKV__CONTROL__JOB_STATE__QUEUED &&
             r->job->state != REKV__CONTROL__JOB_STATE__RUNNING) {
@@ -294,7 +181,7 @@ START_TEST(same_key_same_job)
     int st = 0;
     pid_t co = start_coordinator_args(&e, "1", &st);
     ck_assert_int_gt(co, 0);
-    rekv_ctl *c = ctl_open(e.ctl);
+    rekv_ctl *c = tu_ctl_open(e.ctl);
     int dup = -1;
     uint64_t a = submit_ok(c, "key-a", 8, &dup);
     ck_assert_int_eq(dup, 0);
@@ -305,7 +192,7 @@ START_TEST(same_key_same_job)
     ck_assert_uint_ne(a, b);
     uint64_t n1 = submit_ok(c, NULL, 8, NULL), n2 = submit_ok(c, NULL, 8, NULL);
     ck_assert_uint_ne(n1, n2);
-    Rekv__Control__Response *r = stats(c);
+    Rekv__Control__Response *r = tu_ctl_stats(c);
     ck_assert_uint_eq(r->stats->accepted, 4);
     ck_assert_uint_eq(r->stats->queued, 4);
     rekv__control__response__free_unpacked(r, NULL);
@@ -325,18 +212,18 @@ START_TEST(same_key_same_job)
     ck_assert_int_eq(dup, 0);
 
     /* kill -9: the keys are in the journal */
-    kill9(co);
+    tu_kill9(co);
     rekv_ctl_close(c);
     co = start_coordinator_args(&e, "1", &st);
     ck_assert_int_gt(co, 0);
-    c = ctl_open(e.ctl);
+    c = tu_ctl_open(e.ctl);
     ck_assert_uint_eq(submit_ok(c, "key-a", 8, &dup), a);
     ck_assert_int_eq(dup, 1);
     ck_assert_uint_eq(submit_ok(c, "key-b", 8, &dup), b);
     ck_assert_int_eq(dup, 1);
     ck_assert_uint_eq(submit_ok(c, longkey, 8, &dup), l);
     ck_assert_int_eq(dup, 1);
-    r = stats(c);
+    r = tu_ctl_stats(c);
     ck_assert_uint_eq(r->stats->accepted, 5); /* the replayed ones; repeats are not new jobs */
     rekv__control__response__free_unpacked(r, NULL);
 
@@ -344,17 +231,17 @@ START_TEST(same_key_same_job)
      * highest id is forgotten, yet the next job after a restart gets a new id */
     cancel(c, l);
     cancel(c, n2);
-    kill9(co);
+    tu_kill9(co);
     rekv_ctl_close(c);
     co = start_coordinator_args(&e, "1", &st);
     ck_assert_int_gt(co, 0);
-    c = ctl_open(e.ctl);
+    c = tu_ctl_open(e.ctl);
     uint64_t next = submit_ok(c, "key-c", 8, &dup);
     ck_assert_uint_gt(next, l);
     ck_assert_uint_eq(submit_ok(c, "key-a", 8, &dup), a); /* still queued, still known */
     ck_assert_int_eq(dup, 1);
     rekv_ctl_close(c);
-    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
     env_close(&e);
 }
 END_TEST
@@ -369,9 +256,9 @@ START_TEST(repeat_answered_when_busy)
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
     const char *args[] = {prog, "--control", e.ctl, "--workers", e.wrk, "--state-dir", e.state,
                           "--queue", "1", NULL};
-    pid_t co = spawn_log(args, e.log, NULL);
+    pid_t co = tu_spawn(args, e.log, NULL);
     ck_assert_int_gt(co, 0);
-    rekv_ctl *c = ctl_open(e.ctl);
+    rekv_ctl *c = tu_ctl_open(e.ctl);
     int dup;
     uint64_t a = submit_ok(c, "only", 4, &dup);
     Rekv__Control__Response *r = submit(c, "another", 4);
@@ -380,7 +267,7 @@ START_TEST(repeat_answered_when_busy)
     ck_assert_uint_eq(submit_ok(c, "only", 4, &dup), a);
     ck_assert_int_eq(dup, 1);
     rekv_ctl_close(c);
-    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
     env_close(&e);
 }
 END_TEST
@@ -402,24 +289,24 @@ START_TEST(finished_job_not_run_again)
     reference(e.model, MAX_NEW_B, &ref_b);
     pid_t co = start_coordinator(&e);
     pid_t wk = start_worker(&e);
-    rekv_ctl *c = ctl_open(e.ctl);
-    wait_workers(c, 1);
+    rekv_ctl *c = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
     uint64_t a = submit_ok(c, "finished-once", MAX_NEW, NULL);
     Rekv__Control__Response *r = wait_done(c, a);
     ck_assert_int_eq((int)r->job->n_generated_ids, ref.n);
     ck_assert_int_eq(memcmp(r->job->generated_ids, ref.ids, sizeof(int32_t) * (size_t)ref.n), 0);
     ck_assert_uint_eq(r->job->attempts, 1);
     rekv__control__response__free_unpacked(r, NULL);
-    r = stats(c);
+    r = tu_ctl_stats(c);
     ck_assert_uint_eq(r->stats->tokens, (uint64_t)ref.n);
     rekv__control__response__free_unpacked(r, NULL);
 
-    kill9(co);
+    tu_kill9(co);
     rekv_ctl_close(c);
     co = start_coordinator(&e);
-    c = ctl_open(e.ctl);
-    wait_workers(c, 1); /* the worker was reset and said Hello again: it could run the job */
-    r = status(c, a);
+    c = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1); /* the worker was reset and said Hello again: it could run the job */
+    r = tu_ctl_status(c, a);
     ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
     ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
     ck_assert_int_eq((int)r->job->n_generated_ids, ref.n);
@@ -429,7 +316,7 @@ START_TEST(finished_job_not_run_again)
     int dup = 0;
     ck_assert_uint_eq(submit_ok(c, "finished-once", MAX_NEW, &dup), a);
     ck_assert_int_eq(dup, 1);
-    r = stats(c);
+    r = tu_ctl_stats(c);
     ck_assert_uint_eq(r->stats->done, 1);
     ck_assert_uint_eq(r->stats->queued + r->stats->running, 0);
     ck_assert_uint_eq(r->stats->tokens, 0);
@@ -443,13 +330,13 @@ START_TEST(finished_job_not_run_again)
     r = wait_done(c, b);
     ck_assert_int_eq((int)r->job->n_generated_ids, ref_b.n);
     rekv__control__response__free_unpacked(r, NULL);
-    r = stats(c);
+    r = tu_ctl_stats(c);
     ck_assert_uint_eq(r->stats->tokens, (uint64_t)ref_b.n);
     ck_assert_uint_eq(r->stats->done, 2);
     rekv__control__response__free_unpacked(r, NULL);
     rekv_ctl_close(c);
-    ck_assert_int_eq(stop(wk), 0);
-    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
     rekv_gen_result_free(&ref);
     rekv_gen_result_free(&ref_b);
     env_close(&e);
@@ -457,14 +344,6 @@ START_TEST(finished_job_not_run_again)
 END_TEST
 
 /* ---------------------------------------------------------------- one coordinator per path */
-
-static int log_has(const env *e, const char *needle)
-{
-    char *t = tu_read_file(e->log, NULL);
-    int has = t && strstr(t, needle) != NULL;
-    free(t);
-    return has;
-}
 
 /* A second coordinator on the same control socket, or on the same journal, exits 1 at once with
  * a clear error naming the first one's pid; the first keeps serving on its socket. */
@@ -474,38 +353,38 @@ START_TEST(second_coordinator_refused)
     if (env_open(&e))
         return;
     pid_t co = start_coordinator(&e);
-    rekv_ctl *c = ctl_open(e.ctl);
+    rekv_ctl *c = tu_ctl_open(e.ctl);
     uint64_t a = submit_ok(c, "first", 4, NULL);
     int st = 0;
     ck_assert_int_eq(start_coordinator_args(&e, "1024", &st), -1);
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %d", st);
     char want[4400];
     snprintf(want, sizeof(want), "another rekv-coordinator (pid %d) is using %s", (int)co, e.ctl);
-    ck_assert_msg(log_has(&e, want), "the log does not say \"%s\"", want);
+    ck_assert_msg(tu_file_has(e.log, want), "the log does not say \"%s\"", want);
     /* the same journal under another socket */
     char prog[4096], ctl2[4300], wrk2[4300];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
     snprintf(ctl2, sizeof(ctl2), "ipc://%s/control2", e.dir);
     snprintf(wrk2, sizeof(wrk2), "ipc://%s/workers2", e.dir);
     const char *args[] = {prog, "--control", ctl2, "--workers", wrk2, "--state-dir", e.state, NULL};
-    ck_assert_int_eq(spawn_log(args, e.log, &st), -1);
+    ck_assert_int_eq(tu_spawn(args, e.log, &st), -1);
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %d", st);
     snprintf(want, sizeof(want), "another rekv-coordinator (pid %d) is using the journal", (int)co);
-    ck_assert_msg(log_has(&e, want), "the log does not say \"%s\"", want);
+    ck_assert_msg(tu_file_has(e.log, want), "the log does not say \"%s\"", want);
     /* the first one still serves on its socket file (the second removed nothing) */
     rekv_ctl_close(c);
-    c = ctl_open(e.ctl);
+    c = tu_ctl_open(e.ctl);
     int dup = 0;
     ck_assert_uint_eq(submit_ok(c, "first", 4, &dup), a);
     ck_assert_int_eq(dup, 1);
     rekv_ctl_close(c);
-    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
     /* once it is gone the path is free again, stale lock file and all */
     co = start_coordinator(&e);
-    c = ctl_open(e.ctl);
+    c = tu_ctl_open(e.ctl);
     ck_assert_uint_eq(submit_ok(c, "first", 4, &dup), a);
     rekv_ctl_close(c);
-    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
     env_close(&e);
 }
 END_TEST
@@ -577,8 +456,8 @@ START_TEST(cli_retry_makes_one_job)
     reference(e.model, MAX_NEW, &ref);
     pid_t co = start_coordinator(&e);
     pid_t wk = start_worker(&e);
-    rekv_ctl *c = ctl_open(e.ctl);
-    wait_workers(c, 1);
+    rekv_ctl *c = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
     char out[4300], errf[4300];
     snprintf(out, sizeof(out), "%s/out", e.dir);
     snprintf(errf, sizeof(errf), "%s/err", e.dir);
@@ -592,14 +471,14 @@ START_TEST(cli_retry_makes_one_job)
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "rekv submit: status %d: %s", st, t);
     free(t);
     check_cli_out(out, &ref);
-    Rekv__Control__Response *r = stats(c);
+    Rekv__Control__Response *r = tu_ctl_stats(c);
     ck_assert_uint_eq(r->stats->accepted, 1);
     ck_assert_uint_eq(r->stats->done, 1);
     ck_assert_uint_eq(r->stats->tokens, MAX_NEW);
     rekv__control__response__free_unpacked(r, NULL);
     rekv_ctl_close(c);
-    ck_assert_int_eq(stop(wk), 0);
-    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
     rekv_gen_result_free(&ref);
     env_close(&e);
 }
@@ -618,8 +497,8 @@ START_TEST(cli_follows_job_across_restart)
     reference(e.model, MAX_NEW, &ref);
     pid_t co = start_coordinator(&e);
     pid_t wk = start_worker(&e);
-    rekv_ctl *c = ctl_open(e.ctl);
-    wait_workers(c, 1);
+    rekv_ctl *c = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
     char out[4300], errf[4300];
     snprintf(out, sizeof(out), "%s/out", e.dir);
     snprintf(errf, sizeof(errf), "%s/err", e.dir);
@@ -627,7 +506,7 @@ START_TEST(cli_follows_job_across_restart)
     /* wait until the job is accepted (whether it ran some steps or all is up to the machine) */
     uint64_t deadline = rekv_now_ns() + 60000000000ull;
     for (;;) {
-        Rekv__Control__Response *r = stats(c);
+        Rekv__Control__Response *r = tu_ctl_stats(c);
         uint64_t acc = r->stats->accepted;
         rekv__control__response__free_unpacked(r, NULL);
         if (acc == 1)
@@ -635,7 +514,7 @@ START_TEST(cli_follows_job_across_restart)
         ck_assert_msg(rekv_now_ns() < deadline, "rekv submit's job never came");
         usleep(5000);
     }
-    kill9(co);
+    tu_kill9(co);
     rekv_ctl_close(c);
     co = start_coordinator(&e);
     int st;
@@ -644,14 +523,14 @@ START_TEST(cli_follows_job_across_restart)
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "rekv submit: status %d: %s", st, t);
     free(t);
     check_cli_out(out, &ref);
-    c = ctl_open(e.ctl);
-    Rekv__Control__Response *r = stats(c);
+    c = tu_ctl_open(e.ctl);
+    Rekv__Control__Response *r = tu_ctl_stats(c);
     ck_assert_uint_eq(r->stats->accepted, 1);
     ck_assert_uint_eq(r->stats->done, 1);
     rekv__control__response__free_unpacked(r, NULL);
     rekv_ctl_close(c);
-    ck_assert_int_eq(stop(wk), 0);
-    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
     rekv_gen_result_free(&ref);
     env_close(&e);
 }
@@ -811,10 +690,10 @@ START_TEST(coordinator_replays_good_prefix)
     if (env_open(&e))
         return;
     pid_t co = start_coordinator(&e);
-    rekv_ctl *c = ctl_open(e.ctl);
+    rekv_ctl *c = tu_ctl_open(e.ctl);
     uint64_t a = submit_ok(c, "prefix-a", 4, NULL), b = submit_ok(c, "prefix-b", 4, NULL);
     rekv_ctl_close(c);
-    kill9(co);
+    tu_kill9(co);
     char path[4300];
     snprintf(path, sizeof(path), "%s/journal", e.state);
     static const char garbage[] = "RVJ1\x10\x00\x00\x00 half a record, then the crash";
@@ -825,20 +704,20 @@ START_TEST(coordinator_replays_good_prefix)
     co = start_coordinator(&e);
     char want[128];
     snprintf(want, sizeof(want), "cut off a torn tail of %zu bytes", sizeof(garbage) - 1);
-    ck_assert_msg(log_has(&e, want), "the log does not say \"%s\"", want);
-    c = ctl_open(e.ctl);
+    ck_assert_msg(tu_file_has(e.log, want), "the log does not say \"%s\"", want);
+    c = tu_ctl_open(e.ctl);
     int dup = 0;
     ck_assert_uint_eq(submit_ok(c, "prefix-a", 4, &dup), a);
     ck_assert_int_eq(dup, 1);
     ck_assert_uint_eq(submit_ok(c, "prefix-b", 4, &dup), b);
     ck_assert_int_eq(dup, 1);
-    Rekv__Control__Response *r = status(c, b);
+    Rekv__Control__Response *r = tu_ctl_status(c, b);
     ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__QUEUED);
     rekv__control__response__free_unpacked(r, NULL);
     ck_assert_uint_gt(submit_ok(c, "prefix-c", 4, &dup), b);
     ck_assert_int_eq(dup, 0);
     rekv_ctl_close(c);
-    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
     env_close(&e);
 }
 END_TEST

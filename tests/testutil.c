@@ -2,11 +2,16 @@
 #define _GNU_SOURCE
 #include "tests/testutil.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "common/clock.h"
 
 const char *tu_shared(const char *rel)
 {
@@ -111,4 +116,123 @@ int tu_run(const char *cmd, char **out)
     else
         free(buf);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+pid_t tu_spawn(const char *const *args, const char *errlog, int *status)
+{
+    int pfd[2];
+    ck_assert_int_eq(pipe(pfd), 0);
+    const char *argv[48];
+    int n = 0;
+    for (; args[n] && n < 40; n++)
+        argv[n] = args[n];
+    char fd[16];
+    snprintf(fd, sizeof(fd), "%d", pfd[1]);
+    argv[n++] = "--ready-fd";
+    argv[n++] = fd;
+    argv[n] = NULL;
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        if (errlog) {
+            int lf = open(errlog, O_WRONLY | O_CREAT | O_APPEND, 0600);
+            if (lf >= 0)
+                dup2(lf, 2);
+        }
+        execv(argv[0], (char **)argv);
+        _exit(127);
+    }
+    close(pfd[1]);
+    struct pollfd p = {pfd[0], POLLIN, 0};
+    ck_assert_msg(poll(&p, 1, 60000) == 1, "%s did not become ready", argv[0]);
+    char buf[8] = {0};
+    ssize_t got = read(pfd[0], buf, 7);
+    close(pfd[0]);
+    if (got != 6) {
+        int st;
+        ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+        if (status)
+            *status = st;
+        return -1;
+    }
+    return pid;
+}
+
+int tu_stop(pid_t pid)
+{
+    kill(pid, SIGTERM);
+    int st;
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    return st;
+}
+
+void tu_kill9(pid_t pid)
+{
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+int tu_file_has(const char *path, const char *needle)
+{
+    char *t = tu_read_file(path, NULL);
+    int has = t && strstr(t, needle) != NULL;
+    free(t);
+    return has;
+}
+
+rekv_ctl *tu_ctl_open(const char *endpoint)
+{
+    rekv_ctl *c = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_ctl_connect(endpoint, NULL, &c, &err) == 0, "%s", err.msg);
+    return c;
+}
+
+Rekv__Control__Response *tu_ctl_call(rekv_ctl *c, Rekv__Control__Request *rq)
+{
+    Rekv__Control__Response *r = NULL;
+    rekv_err err = {0};
+    rq->id = 0;
+    ck_assert_msg(rekv_ctl_call(c, rq, 20000, &r, &err) == 0, "%s", err.msg);
+    return r;
+}
+
+Rekv__Control__Response *tu_ctl_status(rekv_ctl *c, uint64_t job)
+{
+    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
+    s.job = job;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    rq.status = &s;
+    return tu_ctl_call(c, &rq);
+}
+
+Rekv__Control__Response *tu_ctl_stats(rekv_ctl *c)
+{
+    Rekv__Control__StatsRequest s = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &s;
+    Rekv__Control__Response *r = tu_ctl_call(c, &rq);
+    ck_assert_int_eq(r->body_case, REKV__CONTROL__RESPONSE__BODY_STATS);
+    return r;
+}
+
+void tu_ctl_wait_workers(rekv_ctl *c, uint32_t n)
+{
+    uint64_t deadline = rekv_now_ns() + 30000000000ull;
+    for (;;) {
+        Rekv__Control__HealthRequest h = REKV__CONTROL__HEALTH_REQUEST__INIT;
+        Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+        rq.body_case = REKV__CONTROL__REQUEST__BODY_HEALTH;
+        rq.health = &h;
+        Rekv__Control__Response *r = tu_ctl_call(c, &rq);
+        uint32_t w = r->health ? r->health->workers : 0;
+        rekv__control__response__free_unpacked(r, NULL);
+        if (w == n)
+            return;
+        ck_assert_msg(rekv_now_ns() < deadline, "the coordinator sees %u workers, not %u", w, n);
+        usleep(20000);
+    }
 }

@@ -25,4 +25,31 @@ const char *tu_bin(const char *name);
 /* Runs a shell command and captures stdout (malloc'd). Returns the exit status (or -1). */
 int tu_run(const char *cmd, char **out);
 
+/* ---- daemons: the real processes, started as their users start them ---- */
+
+#include <sys/types.h>
+
+/* Starts a program (args NULL-terminated, at most 40) with --ready-fd, its stderr appended to
+ * errlog (NULL: inherited), and waits up to 60 s for READY; returns its pid, or -1 when it exited
+ * first (its wait status in *status when status != NULL). */
+pid_t tu_spawn(const char *const *args, const char *errlog, int *status);
+/* SIGTERM and wait; returns the wait status. */
+int tu_stop(pid_t pid);
+/* SIGKILL and reap. */
+void tu_kill9(pid_t pid);
+/* 1 when the file holds needle. */
+int tu_file_has(const char *path, const char *needle);
+
+/* ---- the coordinator's control socket ---- */
+
+#include "coordinator/coordinator.h"
+
+rekv_ctl *tu_ctl_open(const char *endpoint);
+/* A request (a fresh id) and its response, within 20 s; the caller frees the response. */
+Rekv__Control__Response *tu_ctl_call(rekv_ctl *c, Rekv__Control__Request *rq);
+Rekv__Control__Response *tu_ctl_status(rekv_ctl *c, uint64_t job);
+Rekv__Control__Response *tu_ctl_stats(rekv_ctl *c);
+/* Waits (up to 30 s) until Health says n workers. */
+void tu_ctl_wait_workers(rekv_ctl *c, uint32_t n);
+
 #endif

@@ -1,0 +1,490 @@
+/* test_faults.c — whole-step failures, with the real rekv-kvstore, rekv-gpuworker and
+ * rekv-coordinator on real sockets and a client that streams every job (Submit.stream) and checks
+ * that each accepted job ends exactly once — one final event, DONE — with rekv_generate's tokens:
+ * the kvstore killed with SIGKILL mid-run and restarted (the worker fails its step, says it is
+ * unavailable, reconnects and serves again; the coordinator re-queues the step's jobs), then
+ * killed again and not restarted (the worker still stops on SIGTERM); the worker killed mid-run
+ * and a new one started under its name (it takes over at once, long before the worker timeout);
+ * the worker stopped with SIGSTOP mid-step (the coordinator's step deadline re-queues its jobs,
+ * and once continued the worker is reset and finishes them). Outcomes, counts and the order of
+ * log lines are asserted; waits are only failure timeouts. Model: stories260K. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "coordinator/coordinator.h"
+#include "gpuworker/gpuworker.h"
+#include "tests/testutil.h"
+
+#define MODEL_REL "models/stories260K/stories260K.bin"
+#define N_JOBS 8
+#define MAX_NEW 160
+
+typedef struct env {
+    char *dir;
+    char ctl[4200], wrk[4200], state[4200], kv[4200];
+    char co_log[4200], wk_log[4200], kv_log[4200];
+    char model[4096];
+} env;
+
+static int env_open(env *e)
+{
+    const char *m = tu_shared(MODEL_REL);
+    if (m == NULL)
+        return -1;
+    snprintf(e->model, sizeof(e->model), "%s", m);
+    e->dir = tu_tmpdir();
+    snprintf(e->ctl, sizeof(e->ctl), "ipc://%s/control", e->dir);
+    snprintf(e->wrk, sizeof(e->wrk), "ipc://%s/workers", e->dir);
+    snprintf(e->state, sizeof(e->state), "%s/state", e->dir);
+    snprintf(e->kv, sizeof(e->kv), "ipc://%s/kvstore", e->dir);
+    snprintf(e->co_log, sizeof(e->co_log), "%s/coordinator.log", e->dir);
+    snprintf(e->wk_log, sizeof(e->wk_log), "%s/worker.log", e->dir);
+    snprintf(e->kv_log, sizeof(e->kv_log), "%s/kvstore.log", e->dir);
+    return 0;
+}
+
+static void env_close(env *e)
+{
+    tu_rmrf(e->dir);
+    free(e->dir);
+}
+
+/* The coordinator; extra: NULL-terminated options. */
+static pid_t start_coordinator(env *e, const char *const *extra)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
+    const char *args[32] = {prog,          "--control", e->ctl,   "--workers", e->wrk,
+                            "--state-dir", e->state,    "--queue", "64"};
+    int n = 9;
+    for (int i = 0; extra && extra[i] && n < 30; i++)
+        args[n++] = extra[i];
+    args[n] = NULL;
+    pid_t p = tu_spawn(args, e->co_log, NULL);
+    ck_assert_msg(p > 0, "rekv-coordinator exited at start");
+    return p;
+}
+
+static pid_t start_kvstore(env *e)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    const char *args[] = {prog,           "--endpoint", e->kv,           "--model", e->model,
+                          "--host-bytes", "64M",        "--cache-dtype", "f32",     "--spill-dir",
+                          e->dir,         NULL};
+    pid_t p = tu_spawn(args, e->kv_log, NULL);
+    ck_assert_msg(p > 0, "rekv-kvstore exited at start");
+    return p;
+}
+
+/* A worker named w0 on the cpu backend (tokens bit for bit rekv_generate's): offload mode with
+ * the KV cache in e's kvstore, or resident without one. */
+static pid_t start_worker(env *e, int with_kvstore)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    const char *args[22] = {prog,     "--model",  e->model, "--coordinator", e->wrk,
+                            "--name", "w0",       "--backend", "cpu",        "--max-batch",
+                            "8",      "--heartbeat-ms", "100", "--mode",
+                            with_kvstore ? "offload" : "resident"};
+    if (with_kvstore) { /* a request timeout of ten minutes: the store's end must be seen */
+        args[15] = "--kvstore";
+        args[16] = e->kv;
+        args[17] = "--kvstore-timeout-ms";
+        args[18] = "600000";
+    }
+    pid_t p = tu_spawn(args, e->wk_log, NULL);
+    ck_assert_msg(p > 0, "rekv-gpuworker exited at start");
+    return p;
+}
+
+/* ---------------------------------------------------------------- jobs and their client */
+
+typedef struct fjob {
+    int32_t prompt[16];
+    int n_prompt;
+    rekv_gen_params gp;
+    rekv_gen_result ref; /* rekv_generate in this process */
+    char key[32];
+    uint64_t id;
+    int32_t got[MAX_NEW]; /* tokens streamed so far, by offset */
+    uint32_t n_got;
+    int ends;             /* final events (done) seen */
+} fjob;
+
+static void make_jobs(fjob *jobs, const char *model)
+{
+    rekv_err err = {0};
+    rekv_model *m = NULL;
+    rekv_engine *en = NULL;
+    ck_assert_msg(rekv_model_open(model, &m, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(m, &en, &err) == 0, "%s", err.msg);
+    for (int i = 0; i < N_JOBS; i++) {
+        fjob *j = &jobs[i];
+        memset(j, 0, sizeof(*j));
+        j->n_prompt = 1 + i;
+        for (int t = 0; t < j->n_prompt; t++)
+            j->prompt[t] = 1 + (int32_t)((i * 37 + t * 11) % 500);
+        j->gp.max_new_tokens = MAX_NEW - 4 * i;
+        j->gp.temperature = i % 2 ? 0.8f : 0.0f;
+        j->gp.top_p = 1.0f;
+        j->gp.seed = 77 + (uint64_t)i;
+        snprintf(j->key, sizeof(j->key), "fault-job-%d", i);
+        ck_assert_msg(rekv_generate(en, j->prompt, j->n_prompt, &j->gp, &j->ref, &err) == 0, "%s",
+                      err.msg);
+    }
+    rekv_engine_free(en);
+    rekv_model_close(m);
+}
+
+static void free_jobs(fjob *jobs)
+{
+    for (int i = 0; i < N_JOBS; i++)
+        rekv_gen_result_free(&jobs[i].ref);
+}
+
+static void take_event(fjob *jobs, const Rekv__Control__StreamEvent *ev);
+
+/* Submits every job streamed, under its key, and waits for the replies (taking in the stream
+ * events that come meanwhile). */
+static void submit_all(rekv_ctl *c, fjob *jobs)
+{
+    uint64_t rq[N_JOBS];
+    for (int i = 0; i < N_JOBS; i++) {
+        fjob *j = &jobs[i];
+        Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
+        smp.temperature = j->gp.temperature;
+        smp.top_p = j->gp.top_p;
+        smp.seed = j->gp.seed;
+        Rekv__Control__Submit s = REKV__CONTROL__SUBMIT__INIT;
+        s.n_prompt_ids = (size_t)j->n_prompt;
+        s.prompt_ids = j->prompt;
+        s.sampling = &smp;
+        s.max_new_tokens = (uint32_t)j->gp.max_new_tokens;
+        s.stream = 1;
+        s.client_key = j->key;
+        Rekv__Control__Request r = REKV__CONTROL__REQUEST__INIT;
+        r.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+        r.submit = &s;
+        rekv_err err = {0};
+        rq[i] = 0;
+        ck_assert_msg(rekv_ctl_send(c, &r, &rq[i], &err) == 0, "%s", err.msg);
+    }
+    for (int got = 0; got < N_JOBS;) {
+        Rekv__Control__Response *r = NULL;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_ctl_recv(c, 20000, &r, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < N_JOBS; i++) {
+            if (rq[i] != r->id)
+                continue;
+            if (r->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
+                ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "submit: %s", r->error);
+                ck_assert(jobs[i].id == 0 || jobs[i].id == r->submitted->job);
+                jobs[i].id = r->submitted->job;
+                got++;
+            } else if (r->body_case == REKV__CONTROL__RESPONSE__BODY_EVENT) {
+                /* tokens of a job whose reply came, before the other replies */
+                ck_assert(jobs[i].id == r->event->job);
+                take_event(jobs, r->event);
+            }
+        }
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+}
+
+/* Takes in one stream event: its tokens must agree with what came before (a re-run resends none,
+ * a re-subscription resends the same ones), and a final event must be the only one. */
+static void take_event(fjob *jobs, const Rekv__Control__StreamEvent *ev)
+{
+    fjob *j = NULL;
+    for (int i = 0; i < N_JOBS; i++)
+        if (jobs[i].id == ev->job)
+            j = &jobs[i];
+    ck_assert_msg(j != NULL, "an event for job %llu, which is not ours",
+                  (unsigned long long)ev->job);
+    ck_assert_msg(ev->offset <= j->n_got, "job %llu: tokens from %u, we have %u",
+                  (unsigned long long)ev->job, ev->offset, j->n_got);
+    for (size_t t = 0; t < ev->n_tokens; t++) {
+        uint32_t at = ev->offset + (uint32_t)t;
+        ck_assert_msg(at < MAX_NEW, "job %llu: more than %d tokens", (unsigned long long)ev->job,
+                      MAX_NEW);
+        if (at < j->n_got)
+            ck_assert_msg(j->got[at] == ev->tokens[t], "job %llu: token %u streamed twice, "
+                          "as %d and as %d", (unsigned long long)ev->job, at, j->got[at],
+                          ev->tokens[t]);
+        else
+            j->got[j->n_got++] = ev->tokens[t];
+    }
+    if (ev->done) {
+        j->ends++;
+        ck_assert_msg(j->ends == 1, "job %llu ended twice", (unsigned long long)ev->job);
+        ck_assert_msg(ev->state == REKV__CONTROL__JOB_STATE__DONE, "job %llu ended %s: %s",
+                      (unsigned long long)ev->job, rekv_ctl_state_name(ev->state), ev->error);
+    }
+}
+
+/* Reads stream events until `tokens` tokens have come in all (0: until every job ended), within
+ * 120 s. */
+static void follow(rekv_ctl *c, fjob *jobs, uint32_t tokens)
+{
+    uint64_t deadline = rekv_now_ns() + 120000000000ull;
+    for (;;) {
+        uint32_t have = 0;
+        int ended = 0;
+        for (int i = 0; i < N_JOBS; i++) {
+            have += jobs[i].n_got;
+            ended += jobs[i].ends;
+        }
+        if (tokens ? have >= tokens : ended == N_JOBS)
+            return;
+        ck_assert_msg(rekv_now_ns() < deadline, "%d of %d jobs ended, %u tokens streamed", ended,
+                      N_JOBS, have);
+        Rekv__Control__Response *r = NULL;
+        rekv_err err = {0};
+        int rc = rekv_ctl_recv(c, 1000, &r, &err);
+        if (rc == -ETIMEDOUT)
+            continue;
+        ck_assert_msg(rc == 0, "%s", err.msg);
+        if (r->body_case == REKV__CONTROL__RESPONSE__BODY_EVENT)
+            take_event(jobs, r->event);
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+}
+
+/* Every job streamed exactly rekv_generate's tokens and ended once, DONE; the coordinator holds
+ * exactly these jobs, each DONE with those tokens. */
+static void check_exactly_once(rekv_ctl *c, fjob *jobs)
+{
+    for (int i = 0; i < N_JOBS; i++) {
+        fjob *j = &jobs[i];
+        ck_assert_int_eq(j->ends, 1);
+        ck_assert_msg((int)j->n_got == j->ref.n, "job %d: %u tokens streamed, rekv_generate "
+                      "made %d", i, j->n_got, j->ref.n);
+        ck_assert_msg(memcmp(j->got, j->ref.ids, sizeof(int32_t) * (size_t)j->ref.n) == 0,
+                      "job %d: the streamed tokens are not rekv_generate's", i);
+        Rekv__Control__Response *r = tu_ctl_status(c, j->id);
+        ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
+        ck_assert_int_eq((int)r->job->n_generated_ids, j->ref.n);
+        ck_assert_int_eq(memcmp(r->job->generated_ids, j->ref.ids,
+                                sizeof(int32_t) * (size_t)j->ref.n), 0);
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    Rekv__Control__Response *r = tu_ctl_stats(c);
+    ck_assert_uint_eq(r->stats->accepted, N_JOBS);
+    ck_assert_uint_eq(r->stats->done, N_JOBS);
+    ck_assert_uint_eq(r->stats->failed, 0);
+    ck_assert_uint_eq(r->stats->queued + r->stats->running, 0);
+    rekv__control__response__free_unpacked(r, NULL);
+}
+
+/* Waits (up to 60 s) until the file holds needle. */
+static void wait_log(const char *path, const char *needle)
+{
+    uint64_t deadline = rekv_now_ns() + 60000000000ull;
+    while (!tu_file_has(path, needle)) {
+        ck_assert_msg(rekv_now_ns() < deadline, "%s never said \"%s\"", path, needle);
+        usleep(20000);
+    }
+}
+
+/* The offset of needle in the file (-1: absent): for the order of log lines. */
+static long log_at(const char *path, const char *needle)
+{
+    char *t = tu_read_file(path, NULL);
+    const char *p = t ? strstr(t, needle) : NULL;
+    long at = p ? (long)(p - t) : -1;
+    free(t);
+    return at;
+}
+
+static void stats_at_least(rekv_ctl *c, uint64_t requeued, uint64_t steps_failed)
+{
+    Rekv__Control__Response *r = tu_ctl_stats(c);
+    ck_assert_msg(r->stats->requeued >= requeued && r->stats->steps_failed >= steps_failed,
+                  "%llu jobs re-queued, %llu steps failed", (unsigned long long)r->stats->requeued,
+                  (unsigned long long)r->stats->steps_failed);
+    rekv__control__response__free_unpacked(r, NULL);
+}
+
+/* ---------------------------------------------------------------- the kvstore */
+
+/* SIGKILL the kvstore mid-run: the worker's step fails (the store's connection ended), the
+ * worker says it is unavailable, the coordinator re-queues the step's jobs; a new store comes up
+ * on the same endpoint, the worker connects again, rebuilds its pipeline, says it is available,
+ * and every job ends once with its clean tokens — the worker process never restarted. The
+ * worker timeout is a minute: silence is not how anything here is noticed. Then the store is
+ * killed again with the worker idle: the worker notices, and still stops at once on SIGTERM. */
+START_TEST(kvstore_killed)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    static fjob jobs[N_JOBS];
+    make_jobs(jobs, e.model);
+    pid_t kv = start_kvstore(&e);
+    const char *co_args[] = {"--worker-timeout-ms", "60000", NULL};
+    pid_t co = start_coordinator(&e, co_args);
+    pid_t wk = start_worker(&e, 1);
+    /* s streams (rekv_ctl_call on it would drop the events that come meanwhile), c asks */
+    rekv_ctl *c = tu_ctl_open(e.ctl), *s = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
+    submit_all(s, jobs);
+    follow(s, jobs, 2 * N_JOBS); /* mid-run */
+    tu_kill9(kv);
+    wait_log(e.co_log, "worker w0 is unavailable: its kvstore at");
+    kv = start_kvstore(&e);
+    follow(s, jobs, 0);
+    check_exactly_once(c, jobs);
+    stats_at_least(c, 1, 1);
+    /* in this order: the step failed, the store was lost, the worker came back */
+    long failed = log_at(e.wk_log, "failed (its jobs run again)");
+    long lost = log_at(e.wk_log, "lost; unavailable until it is back");
+    long back = log_at(e.wk_log, "connected again");
+    ck_assert_msg(lost >= 0 && back > lost, "worker log: lost at %ld, back at %ld", lost, back);
+    ck_assert_msg(failed < 0 || failed < lost, "worker log: step failed at %ld, lost at %ld",
+                  failed, lost);
+    long unav = log_at(e.co_log, "worker w0 is unavailable");
+    long avail = log_at(e.co_log, "worker w0 is available again");
+    ck_assert_msg(unav >= 0 && avail > unav, "coordinator log: unavailable at %ld, available at %ld",
+                  unav, avail);
+    ck_assert_int_eq(waitpid(wk, NULL, WNOHANG), 0); /* the same worker all along */
+
+    /* the store dies under an idle worker, for good: the worker notices and stops on SIGTERM */
+    int n_unav = 0;
+    for (long at = 0;;) {
+        char *t = tu_read_file(e.co_log, NULL);
+        const char *p = t ? strstr(t + at, "worker w0 is unavailable") : NULL;
+        if (p == NULL) {
+            free(t);
+            break;
+        }
+        at = (long)(p - t) + 1;
+        n_unav++;
+        free(t);
+    }
+    tu_kill9(kv);
+    uint64_t deadline = rekv_now_ns() + 60000000000ull;
+    for (;;) { /* a second "unavailable" line */
+        int n = 0;
+        char *t = tu_read_file(e.co_log, NULL);
+        for (const char *p = t; p && (p = strstr(p, "worker w0 is unavailable")); p++)
+            n++;
+        free(t);
+        if (n > n_unav)
+            break;
+        ck_assert_msg(rekv_now_ns() < deadline, "the idle worker never noticed the store's end");
+        usleep(20000);
+    }
+    int st = tu_stop(wk);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker status %d", st);
+    rekv_ctl_close(c);
+    rekv_ctl_close(s);
+    ck_assert_int_eq(tu_stop(co), 0);
+    free_jobs(jobs);
+    env_close(&e);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- the worker */
+
+/* SIGKILL the worker mid-run and start a new one under its name: the coordinator drops the old
+ * one as soon as the new one says Hello (the worker timeout is ten minutes) and its jobs run
+ * again on the new one, each ending once with its clean tokens. */
+START_TEST(worker_killed_successor_takes_over)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    static fjob jobs[N_JOBS];
+    make_jobs(jobs, e.model);
+    pid_t kv = start_kvstore(&e);
+    const char *co_args[] = {"--worker-timeout-ms", "600000", NULL};
+    pid_t co = start_coordinator(&e, co_args);
+    pid_t wk = start_worker(&e, 1);
+    /* s streams (rekv_ctl_call on it would drop the events that come meanwhile), c asks */
+    rekv_ctl *c = tu_ctl_open(e.ctl), *s = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
+    submit_all(s, jobs);
+    follow(s, jobs, 2 * N_JOBS);
+    tu_kill9(wk);
+    wk = start_worker(&e, 1);
+    follow(s, jobs, 0);
+    check_exactly_once(c, jobs);
+    stats_at_least(c, 1, 0);
+    ck_assert_msg(tu_file_has(e.co_log, "worker w0 is replaced by a new worker of its name"),
+                  "the coordinator log does not say the old w0 was replaced");
+    Rekv__Control__Response *r = tu_ctl_stats(c);
+    ck_assert_uint_eq(r->stats->n_workers, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    rekv_ctl_close(s);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
+    ck_assert_int_eq(tu_stop(kv), 0);
+    free_jobs(jobs);
+    env_close(&e);
+}
+END_TEST
+
+/* SIGSTOP the worker mid-run: its step never comes back; the coordinator's step deadline
+ * (--step-timeout-ms 1500; the worker timeout is ten minutes) drops it and re-queues its jobs.
+ * SIGCONT: the worker's late Progress is answered Reset, it says Hello again and runs the jobs,
+ * each ending once with its clean tokens. */
+START_TEST(worker_stopped_step_deadline)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    static fjob jobs[N_JOBS];
+    make_jobs(jobs, e.model);
+    const char *co_args[] = {"--worker-timeout-ms", "600000", "--step-timeout-ms", "1500", NULL};
+    pid_t co = start_coordinator(&e, co_args);
+    pid_t wk = start_worker(&e, 0);
+    /* s streams (rekv_ctl_call on it would drop the events that come meanwhile), c asks */
+    rekv_ctl *c = tu_ctl_open(e.ctl), *s = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
+    submit_all(s, jobs);
+    follow(s, jobs, 2 * N_JOBS);
+    kill(wk, SIGSTOP);
+    wait_log(e.co_log, "worker w0 has not finished step");
+    tu_ctl_wait_workers(c, 0);
+    Rekv__Control__Response *r = tu_ctl_stats(c);
+    ck_assert_uint_eq(r->stats->running, 0); /* nothing left RUNNING on the hung worker */
+    ck_assert_uint_ge(r->stats->requeued, 1);
+    ck_assert_uint_ge(r->stats->steps_failed, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    kill(wk, SIGCONT);
+    follow(s, jobs, 0);
+    check_exactly_once(c, jobs);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    rekv_ctl_close(c);
+    rekv_ctl_close(s);
+    ck_assert_int_eq(tu_stop(co), 0);
+    free_jobs(jobs);
+    env_close(&e);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("faults");
+    TCase *tc = tcase_create("faults");
+    tcase_set_timeout(tc, 240);
+    tcase_add_test(tc, kvstore_killed);
+    tcase_add_test(tc, worker_killed_successor_takes_over);
+    tcase_add_test(tc, worker_stopped_step_deadline);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(suite());
+}
