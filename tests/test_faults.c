@@ -10,6 +10,7 @@
  * log lines are asserted; waits are only failure timeouts. Model: stories260K. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <jansson.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -460,6 +461,17 @@ START_TEST(worker_stopped_step_deadline)
     ck_assert_uint_ge(r->stats->requeued, 1);
     ck_assert_uint_ge(r->stats->steps_failed, 1);
     rekv__control__response__free_unpacked(r, NULL);
+    /* and `rekv stats` says so */
+    char cmd[8192], *out = NULL;
+    snprintf(cmd, sizeof(cmd), "%s stats --socket '%s'", tu_bin("rekv"), e.ctl);
+    ck_assert_int_eq(tu_run(cmd, &out), 0);
+    json_error_t je;
+    json_t *st = json_loads(out, 0, &je);
+    ck_assert_msg(st != NULL, "rekv stats: %s: %s", je.text, out);
+    ck_assert_int_ge(json_integer_value(json_object_get(st, "steps_failed")), 1);
+    ck_assert_ptr_nonnull(json_object_get(st, "worker_results_rejected"));
+    json_decref(st);
+    free(out);
     kill(wk, SIGCONT);
     follow(s, jobs, 0);
     check_exactly_once(c, jobs);

@@ -524,6 +524,12 @@ int cli_stats(int argc, char **argv)
     json_object_set_new(oj, "tokens_fetched", json_integer((json_int_t)s->tokens_fetched));
     json_object_set_new(oj, "tokens_considered", json_integer((json_int_t)s->tokens_considered));
     json_object_set_new(oj, "tokens_selected", json_integer((json_int_t)s->tokens_selected));
+    json_object_set_new(oj, "steps_failed", json_integer((json_int_t)s->steps_failed));
+    json_object_set_new(oj, "finished_forgotten", json_integer((json_int_t)s->finished_forgotten));
+    json_object_set_new(oj, "worker_messages_malformed",
+                        json_integer((json_int_t)s->worker_messages_malformed));
+    json_object_set_new(oj, "worker_results_rejected",
+                        json_integer((json_int_t)s->worker_results_rejected));
     json_t *ws = json_array();
     for (size_t i = 0; i < s->n_workers; i++) {
         const Rekv__Control__WorkerInfo *w = s->workers[i];
@@ -539,6 +545,8 @@ int cli_stats(int argc, char **argv)
                       "predicted_step_s", w->plan_predicted_step_s, "pcie_scale",
                       w->plan_pcie_scale, "compute_scale", w->plan_compute_scale,
                       "selected_fraction", w->plan_selected_fraction));
+        if (w->unavailable && *w->unavailable) /* why it takes no steps now */
+            json_object_set_new(wj, "unavailable", json_string(w->unavailable));
         json_array_append_new(ws, wj);
     }
     json_object_set_new(oj, "workers", ws);
