@@ -281,8 +281,10 @@ static int tcp_check(const char *ep, const char *curve, rekv_err *err)
     return 0;
 }
 
+/* A ROUTER bound to ep; CurveZMQ on tcp:// endpoints when a secret key is given (an ipc socket
+ * is a file its permissions guard, and local peers hold no keys: never CURVE'd). */
 static int bind_router(rekv_coordinator *co, void **sock, const char *ep, const char *path,
-                       int curve, rekv_err *err)
+                       rekv_err *err)
 {
     *sock = zmq_socket(co->zctx, ZMQ_ROUTER);
     if (*sock == NULL)
@@ -294,7 +296,7 @@ static int bind_router(rekv_coordinator *co, void **sock, const char *ep, const 
     zmq_setsockopt(*sock, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_setsockopt(*sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(*sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
-    if (curve && co->cfg.curve_secret) {
+    if (co->cfg.curve_secret && strncmp(ep, "tcp://", 6) == 0) {
         if (zmq_setsockopt(*sock, ZMQ_CURVE_SERVER, &one, sizeof(one)) ||
             zmq_setsockopt(*sock, ZMQ_CURVE_SECRETKEY, co->cfg.curve_secret, 40))
             return rekv_errf(err, -EINVAL, "CurveZMQ secret key rejected: %s", zmq_strerror(errno));
@@ -403,8 +405,8 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
     }
     if ((rc = ipc_prepare(co->control_ep, co->control_path, sizeof(co->control_path), err)) ||
         (rc = ipc_prepare(co->worker_ep, co->worker_path, sizeof(co->worker_path), err)) ||
-        (rc = bind_router(co, &co->ctl, co->control_ep, co->control_path, 1, err)) ||
-        (rc = bind_router(co, &co->wrk, co->worker_ep, co->worker_path, 1, err)))
+        (rc = bind_router(co, &co->ctl, co->control_ep, co->control_path, err)) ||
+        (rc = bind_router(co, &co->wrk, co->worker_ep, co->worker_path, err)))
         goto fail;
     if (cfg->metrics_listen &&
         (rc = rekv_metrics_server_create(cfg->metrics_listen, &co->metrics, err)))

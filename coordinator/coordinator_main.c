@@ -32,7 +32,8 @@ static void usage(FILE *f)
             "not answered within --step-timeout-ms (300000) as hung: its jobs run again (failed\n"
             "after --max-attempts starts, 3) and it must say Hello again.\n"
             "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
-            "--curve-secret-file (a Z85 CurveZMQ secret key).\n");
+            "--curve-secret-file (a Z85 CurveZMQ secret key), which guards tcp:// endpoints\n"
+            "only: ipc:// sockets (files, mode 0600) serve local clients and workers as before.\n");
 }
 
 static void on_event(void *ctx, rekv_co_event lvl, const char *msg)

@@ -585,6 +585,48 @@ START_TEST(worker_warnings_rate_limited)
 }
 END_TEST
 
+/* --curve-secret-file guards tcp:// endpoints only: on ipc:// sockets (a file, mode 0600) a local
+ * client and a local worker, which hold no keys, are served as without it. */
+START_TEST(curve_leaves_ipc_alone)
+{
+    char pub[41], sec[41];
+    if (zmq_curve_keypair(pub, sec) != 0) {
+        fprintf(stderr, "   skip: this libzmq has no CURVE (%s)\n", zmq_strerror(errno));
+        return;
+    }
+    const char *model = tu_shared("models/stories260K/stories260K.bin");
+    if (model == NULL)
+        return;
+    char *dir = tu_tmpdir(), key[4200], ctl[4200], wrk[4200], log[4200];
+    snprintf(key, sizeof(key), "%s/secret", dir);
+    snprintf(ctl, sizeof(ctl), "ipc://%s/control", dir);
+    snprintf(wrk, sizeof(wrk), "ipc://%s/workers", dir);
+    snprintf(log, sizeof(log), "%s/log", dir);
+    FILE *f = fopen(key, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs(sec, f);
+    fclose(f);
+    const char *co_args[] = {tu_bin("rekv-coordinator"), "--control", ctl, "--workers", wrk,
+                             "--curve-secret-file", key, NULL};
+    pid_t co = tu_spawn(co_args, log, NULL);
+    ck_assert_int_gt(co, 0);
+    const char *wk_args[] = {tu_bin("rekv-gpuworker"), "--model", model, "--coordinator", wrk,
+                             "--backend", "cpu", "--name", "w0", NULL};
+    pid_t wk = tu_spawn(wk_args, log, NULL);
+    ck_assert_int_gt(wk, 0);
+    rekv_ctl *c = tu_ctl_open(ctl);
+    tu_ctl_wait_workers(c, 1); /* the worker joined over ipc, and a plain client asks */
+    Rekv__Control__Response *r = tu_ctl_stats(c);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("co_guards");
@@ -597,6 +639,7 @@ static Suite *suite(void)
     tcase_add_test(tc, finished_jobs_capped_by_count);
     tcase_add_test(tc, finished_jobs_capped_by_bytes);
     tcase_add_test(tc, worker_warnings_rate_limited);
+    tcase_add_test(tc, curve_leaves_ipc_alone);
     suite_add_tcase(s, tc);
     return s;
 }
