@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "common/daemon.h"
 #include "common/log.h"
@@ -131,6 +132,13 @@ int main(int argc, char **argv)
         }
         fclose(f);
         cfg.curve_secret = key;
+        char pub[41];
+        if (zmq_curve_public(pub, key) != 0) {
+            rekv_log(REKV_LOG_ERROR, "%s: not a Z85 CurveZMQ secret key", curve_file);
+            return 1;
+        }
+        rekv_log(REKV_LOG_INFO, "CurveZMQ on tcp:// endpoints: clients need REKV_CURVE_SERVER_KEY=%s",
+                 pub);
     }
     int sfd = rekv_daemon_stop_fd();
     if (sfd < 0) {

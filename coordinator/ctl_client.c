@@ -8,6 +8,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/curve.h"
 
 struct rekv_ctl {
     void *zctx;       /* private ZeroMQ context */
@@ -59,16 +60,8 @@ int rekv_ctl_connect(const char *endpoint, const char *curve_server_key, rekv_ct
     }
     int linger = 0;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof(linger));
-    if (curve_server_key) {
-        char pub[41], sec[41];
-        if (zmq_curve_keypair(pub, sec) != 0 ||
-            zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, curve_server_key, 40) != 0 ||
-            zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, pub, 40) != 0 ||
-            zmq_setsockopt(c->sock, ZMQ_CURVE_SECRETKEY, sec, 40) != 0) {
-            rc = rekv_errf(err, -EINVAL, "CurveZMQ setup failed: %s", zmq_strerror(errno));
-            goto fail;
-        }
-    }
+    if (curve_server_key && (rc = rekv_curve_client(c->sock, curve_server_key, err)))
+        goto fail;
     if (zmq_connect(c->sock, endpoint) != 0) {
         rc = rekv_errf(err, -errno, "%s: connect: %s", endpoint, zmq_strerror(errno));
         goto fail;

@@ -32,6 +32,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/curve.h"
 #include "common/daemon.h"
 #include "common/cost.h"
 #include "common/log.h"
@@ -856,6 +857,12 @@ int main(int argc, char **argv)
     }
     zmq_setsockopt(w.sock, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_setsockopt(w.sock, ZMQ_RECONNECT_IVL, &ivl, sizeof(ivl));
+    const char *ckey = NULL;
+    if (rekv_curve_server_key(coord, &ckey, &err) ||
+        (ckey && rekv_curve_client(w.sock, ckey, &err))) {
+        rekv_log(REKV_LOG_ERROR, "%s: %s", coord, err.msg);
+        goto out;
+    }
     if (zmq_connect(w.sock, coord) != 0) {
         rekv_log(REKV_LOG_ERROR, "%s: connect: %s", coord, zmq_strerror(errno));
         goto out;

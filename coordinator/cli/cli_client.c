@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/curve.h"
 #include "coordinator/cli/cli.h"
 #include "coordinator/coordinator.h"
 #include "kvstore/kvstore.h"
@@ -62,7 +63,9 @@ static int fail_response(const Rekv__Control__Response *r)
 static int connect_or_say(const char *ep, rekv_ctl **c)
 {
     rekv_err err = {0};
-    if (cli_ctl_reachable(ep, &err) || rekv_ctl_connect(ep, NULL, c, &err)) {
+    const char *key = NULL;
+    if (cli_ctl_reachable(ep, &err) || rekv_curve_server_key(ep, &key, &err) ||
+        rekv_ctl_connect(ep, key, c, &err)) {
         fprintf(stderr, "rekv: %s\n", err.msg);
         return 1;
     }
