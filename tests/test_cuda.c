@@ -499,6 +499,65 @@ START_TEST(kernel_scatter_attention)
 END_TEST
 
 /* convert (cache dtype -> fp32, over pieces) and convert_out (fp32 -> cache dtype): exact. */
+/* infinigen's kernels: head_proj (to one buffer, and row by row through a device array of
+ * pointers) and spec_scores over sequences of different lengths, against the cpu's */
+START_TEST(kernel_infinigen)
+{
+    backends_open();
+    const int rows = 5, nh = 8, group = 2, hd = 64, rk = 20, nkv = nh / group;
+    size_t n_in = (size_t)rows * nh * hd, n_a = (size_t)nkv * hd * rk, n_out = (size_t)rows * nh * rk;
+    float *in = hrand(n_in, 2), *a = hrand(n_a, 1), *out = calloc(n_out, sizeof(float));
+    float *din = dev_from(in, sizeof(float) * n_in), *da = dev_from(a, sizeof(float) * n_a);
+    float *dout = dev_zero(sizeof(float) * n_out), *drows = dev_zero(sizeof(float) * n_out);
+    rekv_cpu_kernels.head_proj(g_scpu, out, NULL, in, a, rows, nh, group, hd, rk);
+    sync_cpu();
+    rekv_kernels_of(g_cu)->head_proj(g_scu, dout, NULL, din, da, rows, nh, group, hd, rk);
+    sync_cu();
+    expect_dev("head_proj", dout, out, n_out, KERNEL_TOL);
+    /* row r to slot rows-1-r, through out_rows */
+    float **orow = meta(sizeof(float *) * rows), *want = malloc(sizeof(float) * n_out);
+    for (int r = 0; r < rows; r++) {
+        orow[r] = drows + (size_t)(rows - 1 - r) * nh * rk;
+        memcpy(want + (size_t)(rows - 1 - r) * nh * rk, out + (size_t)r * nh * rk,
+               sizeof(float) * nh * rk);
+    }
+    rekv_kernels_of(g_cu)->head_proj(g_scu, NULL, orow, din, da, rows, nh, group, hd, rk);
+    sync_cu();
+    expect_dev("head_proj out_rows", drows, want, n_out, KERNEL_TOL);
+
+    /* spec_scores: three sequences (lengths 1, 37, 300) reading rows 4, 0, 2 of q */
+    const int lens[3] = {1, 37, 300}, qrow[3] = {4, 0, 2};
+    float *q = hrand(n_out, 1), *dq = dev_from(q, sizeof(float) * n_out);
+    rekv_spec_seq hs[3], *ds = meta(sizeof(rekv_spec_seq) * 3);
+    float *pk[3], *dpk[3];
+    size_t total = 0;
+    for (int j = 0; j < 3; j++) {
+        size_t np = (size_t)lens[j] * nkv * rk;
+        pk[j] = hrand(np, 1);
+        dpk[j] = dev_from(pk[j], sizeof(float) * np);
+        hs[j] = (rekv_spec_seq){pk[j], lens[j], qrow[j], total};
+        ds[j] = (rekv_spec_seq){dpk[j], lens[j], qrow[j], total};
+        total += (size_t)nh * lens[j];
+    }
+    float *sc = calloc(total, sizeof(float)), *dsc = dev_zero(sizeof(float) * total);
+    float scale = 1.0f / sqrtf((float)hd);
+    rekv_cpu_kernels.spec_scores(g_scpu, sc, q, hs, 3, nh, group, rk, scale);
+    sync_cpu();
+    rekv_kernels_of(g_cu)->spec_scores(g_scu, dsc, dq, ds, 3, nh, group, rk, scale);
+    sync_cu();
+    expect_dev("spec_scores", dsc, sc, total, KERNEL_TOL);
+    for (int j = 0; j < 3; j++) {
+        dev_free(dpk[j]);
+        free(pk[j]);
+    }
+    meta_free(ds);
+    meta_free(orow);
+    dev_free(din), dev_free(da), dev_free(dout), dev_free(drows), dev_free(dq), dev_free(dsc);
+    free(in), free(a), free(out), free(want), free(q), free(sc);
+    backends_close();
+}
+END_TEST
+
 START_TEST(kernel_convert)
 {
     backends_open();
@@ -1055,6 +1114,7 @@ static Suite *suite(void)
     tcase_add_test(tk, kernel_embed_gather);
     tcase_add_test(tk, kernel_scatter_attention);
     tcase_add_test(tk, kernel_convert);
+    tcase_add_test(tk, kernel_infinigen);
     suite_add_tcase(s, tk);
     TCase *tr = tcase_create("runtime");
     tcase_set_timeout(tr, 300);
