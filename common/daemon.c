@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
@@ -43,6 +44,13 @@ int rekv_daemon_stop_fd(void)
         return -e;
     }
     signal(SIGPIPE, SIG_IGN);
+    /* every client, worker and store connection is a file descriptor: the soft limit (often
+     * 1024) goes up to the hard one, which the units raise (LimitNOFILE=) */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        (void)setrlimit(RLIMIT_NOFILE, &rl); /* best effort: a daemon still runs at the lower */
+    }
     return fd;
 }
 

@@ -9,7 +9,8 @@
 /* An eventfd that becomes readable on SIGTERM or SIGINT, through a handler rather than a blocked
  * mask plus signalfd: libraries such as OpenBLAS start threads before main with the signals
  * unblocked, and a process signal delivered to one of them would kill the daemon outright. Also
- * ignores SIGPIPE (a dead peer is an error return, not death). Returns the fd or -errno. */
+ * ignores SIGPIPE (a dead peer is an error return, not death) and raises the open-file soft limit
+ * to the hard one (connections are descriptors). Returns the fd or -errno. */
 int rekv_daemon_stop_fd(void);
 
 /* Reports readiness: "READY\n" on ready_fd (then closed) when >= 0, and READY=1 to systemd when

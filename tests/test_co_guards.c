@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -698,6 +699,44 @@ START_TEST(curve_on_tcp)
 }
 END_TEST
 
+/* A daemon lifts its open-file soft limit to the hard one (every connection is a descriptor):
+ * started with a soft limit of 256, the coordinator runs with the hard limit. */
+START_TEST(daemon_raises_nofile)
+{
+    struct rlimit old, low;
+    ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+    if (old.rlim_max <= 256) {
+        fprintf(stderr, "   skip: the hard open-file limit is %llu, nothing to raise to\n",
+                (unsigned long long)old.rlim_max);
+        return;
+    }
+    low = old;
+    low.rlim_cur = 256;
+    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+    char *dir = tu_tmpdir(), ctl[4200], wrk[4200], path[64], line[256];
+    snprintf(ctl, sizeof(ctl), "ipc://%s/control", dir);
+    snprintf(wrk, sizeof(wrk), "ipc://%s/workers", dir);
+    const char *args[] = {tu_bin("rekv-coordinator"), "--control", ctl, "--workers", wrk, NULL};
+    pid_t co = tu_spawn(args, NULL, NULL);
+    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+    ck_assert_int_gt(co, 0);
+    snprintf(path, sizeof(path), "/proc/%d/limits", (int)co);
+    FILE *f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    unsigned long long soft = 0, hard = 0;
+    int found = 0;
+    while (fgets(line, sizeof(line), f))
+        if (strncmp(line, "Max open files", 14) == 0)
+            found = sscanf(line + 14, "%llu %llu", &soft, &hard) == 2;
+    fclose(f);
+    ck_assert_msg(found, "no open-file limit in %s", path);
+    ck_assert_msg(soft == hard && soft > 256, "the coordinator runs with %llu of %llu", soft, hard);
+    ck_assert_int_eq(tu_stop(co), 0);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("co_guards");
@@ -712,6 +751,7 @@ static Suite *suite(void)
     tcase_add_test(tc, worker_warnings_rate_limited);
     tcase_add_test(tc, curve_leaves_ipc_alone);
     tcase_add_test(tc, curve_on_tcp);
+    tcase_add_test(tc, daemon_raises_nofile);
     suite_add_tcase(s, tc);
     return s;
 }
