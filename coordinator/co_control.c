@@ -96,7 +96,25 @@ static void stream_text(const rekv_coordinator *co, const job *j, uint32_t from,
     ev->has_text = 1;
 }
 
-/* Streams tokens [streamed, n_gen) (and the end, when the job is over) to its subscribers. */
+/* The event of tokens [from, n_gen) of j (and its end, when over); ev->text malloc'd. */
+static void stream_event(const rekv_coordinator *co, const job *j, uint32_t from, int over,
+                         Rekv__Control__StreamEvent *ev)
+{
+    rekv__control__stream_event__init(ev);
+    ev->job = j->id;
+    ev->offset = from;
+    ev->n_tokens = j->n_gen > from ? j->n_gen - from : 0;
+    ev->tokens = j->gen + from;
+    ev->done = over;
+    ev->state = j->state;
+    ev->finish_reason = (char *)j->finish_reason;
+    ev->error = j->error ? j->error : "";
+    stream_text(co, j, from, j->n_gen > from ? j->n_gen : from, ev);
+}
+
+/* Streams tokens [streamed, n_gen) (and the end, when the job is over) to its subscribers; one
+ * that has shown more (sub.from: it subscribed again after a restart) gets only what is new to
+ * it. */
 void co_stream_flush(rekv_coordinator *co, job *j)
 {
     if (j->n_subs == 0) {
@@ -108,27 +126,30 @@ void co_stream_flush(rekv_coordinator *co, job *j)
                j->state != REKV__CONTROL__JOB_STATE__RUNNING;
     if (j->n_gen <= j->streamed && !over)
         return;
-    Rekv__Control__StreamEvent ev = REKV__CONTROL__STREAM_EVENT__INIT;
-    ev.job = j->id;
-    ev.offset = j->streamed;
-    ev.n_tokens = j->n_gen > j->streamed ? j->n_gen - j->streamed : 0;
-    ev.tokens = j->gen + j->streamed;
-    ev.done = over;
-    ev.state = j->state;
-    ev.finish_reason = j->finish_reason;
-    ev.error = j->error ? j->error : "";
-    stream_text(co, j, j->streamed, j->n_gen > j->streamed ? j->n_gen : j->streamed, &ev);
+    Rekv__Control__StreamEvent ev, own;
+    stream_event(co, j, j->streamed, over, &ev);
     Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
     r.version = REKV_CONTROL_PROTO_VERSION;
     r.body_case = REKV__CONTROL__RESPONSE__BODY_EVENT;
-    r.event = &ev;
     for (int i = 0; i < j->n_subs;) {
-        r.id = j->subs[i].id;
+        sub *sb = &j->subs[i];
+        r.event = &ev;
+        own.text.data = NULL;
+        if (sb->from > j->streamed) { /* it has some of these already */
+            if (sb->from >= j->n_gen && !over) {
+                i++;
+                continue;
+            }
+            stream_event(co, j, sb->from < j->n_gen ? sb->from : j->n_gen, over, &own);
+            r.event = &own;
+        }
+        r.id = sb->id;
         uint8_t *buf;
         size_t len;
         int rc = pack_response(&r, &buf, &len);
+        free(own.text.data);
         if (rc == 0) {
-            rc = co_send_to(co->ctl, &j->subs[i].to, buf, len);
+            rc = co_send_to(co->ctl, &sb->to, buf, len);
             free(buf);
         }
         if (rc) { /* gone or not reading: drop the subscription */
@@ -145,7 +166,8 @@ void co_stream_flush(rekv_coordinator *co, job *j)
 
 /* ---------------------------------------------------------------- control requests */
 
-static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id);
+static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id,
+                      uint32_t from_tok);
 
 /* A client key: 1..REKV_CLIENT_KEY_MAX printable ASCII characters without spaces. */
 static int key_valid(const char *k)
@@ -178,7 +200,7 @@ static void submit_duplicate(rekv_coordinator *co, const rid *from, uint64_t rq,
     if (co->n_replies > at)
         co->replies[at].dup = 1;
     if (s->stream)
-        do_stream(co, from, rq, j->id);
+        do_stream(co, from, rq, j->id, s->stream_from);
 }
 
 static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
@@ -306,8 +328,7 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
     j->priority = s->priority;
     j->accepted_at = co_realtime_s();
     if (s->stream) {
-        j->subs[0].to = *from;
-        j->subs[0].id = rq;
+        j->subs[0] = (sub){*from, rq, 0};
         j->n_subs = 1;
     }
     rekv_err err = {0};
@@ -405,39 +426,34 @@ static void do_cancel(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
     co_reply_add(co, from, &r, NULL);
 }
 
-static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id)
+/* Subscribes a client to job id: a first event with the tokens it needs so far (from from_tok
+ * on), sent at once, then the rest as they come. */
+static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64_t id,
+                      uint32_t from_tok)
 {
     job *j = co_job_find(co, id);
     if (j == NULL) {
         not_found(co, from, rq, id);
         return;
     }
-    /* the first event carries every token so far, sent at once; later ones come per step */
-    Rekv__Control__StreamEvent ev = REKV__CONTROL__STREAM_EVENT__INIT;
-    ev.job = j->id;
-    ev.n_tokens = j->n_gen;
-    ev.tokens = j->gen;
-    ev.state = j->state;
-    ev.done = j->state != REKV__CONTROL__JOB_STATE__QUEUED &&
-              j->state != REKV__CONTROL__JOB_STATE__RUNNING;
-    ev.finish_reason = j->finish_reason;
-    ev.error = j->error ? j->error : "";
-    stream_text(co, j, 0, j->n_gen, &ev);
+    int over = j->state != REKV__CONTROL__JOB_STATE__QUEUED &&
+               j->state != REKV__CONTROL__JOB_STATE__RUNNING;
+    Rekv__Control__StreamEvent ev;
+    stream_event(co, j, from_tok < j->n_gen ? from_tok : j->n_gen, over, &ev);
     Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
     r.id = rq;
     r.body_case = REKV__CONTROL__RESPONSE__BODY_EVENT;
     r.event = &ev;
     co_reply_add(co, from, &r, NULL);
     free(ev.text.data);
-    if (!ev.done) {
+    if (!over) {
         if (j->n_subs == MAX_SUBS)
             j->subs[0] = j->subs[--j->n_subs]; /* bounded: the oldest subscriber loses out */
         /* later events start where the job is now; a re-run after a worker death resends
          * nothing the subscriber has */
         if (j->streamed < j->n_gen)
             j->streamed = j->n_gen;
-        j->subs[j->n_subs].to = *from;
-        j->subs[j->n_subs].id = rq;
+        j->subs[j->n_subs] = (sub){*from, rq, from_tok};
         j->n_subs++;
     }
 }
@@ -526,7 +542,7 @@ static int read_control(rekv_coordinator *co)
         do_cancel(co, &from, req->id, req->cancel->job);
         break;
     case REKV__CONTROL__REQUEST__BODY_STREAM:
-        do_stream(co, &from, req->id, req->stream->job);
+        do_stream(co, &from, req->id, req->stream->job, 0);
         break;
     case REKV__CONTROL__REQUEST__BODY_STATS:
         co_do_stats(co, &from, req->id);

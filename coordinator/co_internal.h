@@ -42,8 +42,9 @@ typedef struct rid {
 } rid;
 
 typedef struct sub {
-    rid to;      /* the client's routing id */
-    uint64_t id; /* the request id its events carry */
+    rid to;        /* the client's routing id */
+    uint64_t id;   /* the request id its events carry */
+    uint32_t from; /* the first token it still needs (Submit.stream_from) */
 } sub;
 
 typedef struct job {

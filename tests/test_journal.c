@@ -514,6 +514,19 @@ START_TEST(cli_follows_job_across_restart)
         ck_assert_msg(rekv_now_ns() < deadline, "rekv submit's job never came");
         usleep(5000);
     }
+    /* and until submit has shown some tokens (unless it is already done): after the restart it
+     * must not show them again */
+    for (;;) {
+        size_t len = 0;
+        char *shown = tu_read_file(out, &len);
+        free(shown);
+        siginfo_t si = {0}; /* exited? (not reaped: the status is read below) */
+        if (len > 0 || (waitid(P_PID, (id_t)cli, &si, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+                        si.si_pid == cli))
+            break;
+        ck_assert_msg(rekv_now_ns() < deadline, "rekv submit showed nothing");
+        usleep(1000);
+    }
     tu_kill9(co);
     rekv_ctl_close(c);
     co = start_coordinator(&e);

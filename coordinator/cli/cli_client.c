@@ -241,7 +241,8 @@ int cli_submit(int argc, char **argv)
         int rc2 = rekv_ctl_recv(c, timeout_ms(STREAM_SILENCE_MS), &r, &err);
         if (rc2 == -ETIMEDOUT) {
             /* silence: the coordinator may have restarted and lost the subscription; the same
-             * key subscribes again to the same job (and tells us what happened meanwhile) */
+             * key subscribes again to the same job, from the first token not shown yet */
+            rq.submit->stream_from = (uint32_t)n_tok;
             rc2 = cli_submit_call(c, &rq, key, CALL_TIMEOUT_MS, SUBMIT_TRIES, &r, &err);
             if (rc2 == 0 && r->code != REKV__CONTROL__CODE__OK) {
                 rc = fail_response(r);
@@ -260,15 +261,20 @@ int cli_submit(int argc, char **argv)
         if (r->id != req_id || r->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
             continue;
         const Rekv__Control__StreamEvent *ev = r->event;
-        n_tok = ev->offset + ev->n_tokens;
-        if (!json) {
-            if (ev->has_text)
+        uint64_t end = (uint64_t)ev->offset + ev->n_tokens;
+        if (end <= n_tok && !ev->done)
+            continue; /* shown already */
+        if (!json && end > n_tok) {
+            /* the coordinator sends from the first token not shown (stream_from); text that
+             * starts before it could not be cut, and is not expected */
+            if (ev->has_text && ev->offset >= n_tok)
                 fwrite(ev->text.data, 1, ev->text.len, stdout);
-            else
-                for (size_t i = 0; i < ev->n_tokens; i++, started = 1)
-                    printf("%s%d", started ? "," : "", ev->tokens[i]);
+            else if (!ev->has_text)
+                for (uint64_t i = ev->offset > n_tok ? ev->offset : n_tok; i < end; i++, started = 1)
+                    printf("%s%d", started ? "," : "", ev->tokens[i - ev->offset]);
             fflush(stdout);
         }
+        n_tok = end > n_tok ? end : n_tok;
         if (tty) {
             double dt = (double)(rekv_now_ns() - t0) * 1e-9;
             fprintf(stderr, "\rjob %llu: %llu tokens, %.1f tokens/s ", (unsigned long long)job,
