@@ -111,7 +111,7 @@ static void rig_start(rig *r)
     ck_assert_int_eq(mkdir(spill, 0700), 0);
     const char *kv_args[] = {r->kv_bin, "--endpoint",  r->kv,      "--model", r->model,
                              "--host-bytes", "16M", "--spill-dir", spill, "--cache-dtype",
-                             "f32",     NULL};
+                             "f32",     "--metrics",   r->p_kv,    NULL};
     r->kv_pid = start_ready(kv_args, r->log);
     r->port_co = ms_free_port();
     snprintf(r->p_co, sizeof(r->p_co), "127.0.0.1:%d", r->port_co);
@@ -178,7 +178,22 @@ static void check_coordinator(const char *m)
     ck_assert_double_eq(val(m, "rekv_queue_limit"), 256);
 }
 
-START_TEST(test_coordinator_metrics)
+/* The kvstore's, after the same jobs: the worker connected, its requests timed, its pins hit. */
+static void check_kvstore(const char *m)
+{
+    ck_assert_double_eq(val(m, "rekv_kvstore_clients"), 1);
+    ck_assert_double_gt(val(m, "rekv_kvstore_arena_size_bytes"), 0);
+    ck_assert_double_le(val(m, "rekv_kvstore_arena_used_bytes"),
+                        val(m, "rekv_kvstore_arena_size_bytes"));
+    ck_assert_double_gt(val(m, "rekv_kvstore_request_seconds_count{kind=\"pin\"}"), 0);
+    ck_assert_double_gt(val(m, "rekv_kvstore_request_seconds_count{kind=\"append\"}"), 0);
+    ck_assert_double_gt(val(m, "rekv_kvstore_pins_total{result=\"hit\"}"), 0);
+    /* 16 MiB hold these jobs: nothing spilled, nothing lost */
+    ck_assert_double_eq(val(m, "rekv_kvstore_spill_writes_total"), 0);
+    ck_assert_double_eq(val(m, "rekv_kvstore_crc_errors_total"), 0);
+}
+
+START_TEST(test_daemons_metrics)
 {
     rig r;
     rig_start(&r);
@@ -189,8 +204,12 @@ START_TEST(test_coordinator_metrics)
     char *m = ms_scrape(r.port_co);
     check_coordinator(m);
     ms_promtool(m);
+    char *k = ms_scrape(r.port_kv);
+    check_kvstore(k);
+    ms_promtool(k);
     free(m0);
     free(m);
+    free(k);
     rig_stop(&r);
 }
 END_TEST
@@ -231,7 +250,7 @@ static Suite *daemon_metrics_suite(void)
     Suite *s = suite_create("daemon_metrics");
     TCase *tc = tcase_create("daemons");
     tcase_set_timeout(tc, 240);
-    tcase_add_test(tc, test_coordinator_metrics);
+    tcase_add_test(tc, test_daemons_metrics);
     tcase_add_test(tc, test_metrics_public_flag);
     suite_add_tcase(s, tc);
     return s;
