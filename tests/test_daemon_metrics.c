@@ -124,7 +124,7 @@ static void rig_start(rig *r)
                             r->workers,    "--kvstore", r->kv,    "--backend",
                             "cpu",         "--mode",    "offload", "--max-batch",
                             "4",           "--device-memory", "64M", "--name",
-                            "w0",          NULL};
+                            "w0",          "--metrics", r->p_w,   NULL};
     r->w_pid = start_ready(w_args, r->log);
 }
 
@@ -193,13 +193,53 @@ static void check_kvstore(const char *m)
     ck_assert_double_eq(val(m, "rekv_kvstore_crc_errors_total"), 0);
 }
 
+/* The gpuworker's, against the coordinator's: the same steps (each timed once), the tokens, the
+ * bytes its reports carried, and the emulated device's memory (--device-memory 64M). */
+static void check_worker(const char *w, const char *co)
+{
+    ck_assert_ptr_nonnull(
+        strstr(w, "rekv_gpuworker_info{worker=\"w0\",backend=\"cpu\",mode=\"offload\"} 1\n"));
+    double steps = val(co, "rekv_steps_total");
+    ck_assert_double_eq(val(w, "rekv_gpuworker_steps_total"), steps);
+    ck_assert_double_eq(val(w, "rekv_gpuworker_step_seconds_count"), steps);
+    ck_assert_double_eq(val(w, "rekv_gpuworker_step_seconds_bucket{le=\"+Inf\"}"), steps);
+    ck_assert_double_eq(val(w, "rekv_gpuworker_steps_failed_total"), 0);
+    ck_assert_double_eq(val(w, "rekv_gpuworker_tokens_generated_total"), N_JOBS * N_TOKENS);
+    ck_assert_double_eq(val(w, "rekv_gpuworker_running_jobs"), 0);
+    /* offload: the KV cache comes from the store, every byte also reported to the coordinator */
+    double kv = val(w, "rekv_gpuworker_transfer_bytes_total{dir=\"h2d\",kind=\"kv\"}");
+    ck_assert_double_gt(kv, 0);
+    ck_assert_double_eq(kv, val(co, "rekv_bytes_total{dir=\"h2d\",kind=\"kv\"}"));
+    ck_assert_double_eq(val(w, "rekv_gpuworker_transfer_bytes_total{dir=\"h2d\",kind=\"act\"}"),
+                        val(co, "rekv_bytes_total{dir=\"h2d\",kind=\"act\"}"));
+    ck_assert_double_eq(
+        val(w, "rekv_gpuworker_transfer_bytes_total{dir=\"h2d\",kind=\"weights\"}"),
+        val(co, "rekv_bytes_total{dir=\"h2d\",kind=\"weights\"}"));
+    double d2h = 0;
+    static const char *const kinds[] = {"weights", "kv", "act", "other"};
+    for (int k = 0; k < 4; k++) {
+        char series[128];
+        snprintf(series, sizeof(series),
+                 "rekv_gpuworker_transfer_bytes_total{dir=\"d2h\",kind=\"%s\"}", kinds[k]);
+        d2h += val(w, series);
+    }
+    ck_assert_double_gt(d2h, 0);
+    ck_assert_double_eq(d2h, val(co, "rekv_bytes_total{dir=\"d2h\",kind=\"all\"}"));
+    ck_assert_double_eq(val(w, "rekv_gpuworker_device_memory_size_bytes"), 64 << 20);
+    double used = val(w, "rekv_gpuworker_device_memory_used_bytes");
+    ck_assert_double_gt(used, 0);
+    ck_assert_double_le(used, 64 << 20);
+}
+
 START_TEST(test_daemons_metrics)
 {
     rig r;
     rig_start(&r);
-    char *m0 = ms_scrape(r.port_co);
+    char *m0 = ms_scrape(r.port_co), *w0 = ms_scrape(r.port_w);
     ck_assert_double_eq(val(m0, "rekv_jobs_submitted_total"), 0);
     ck_assert_double_eq(val(m0, "rekv_time_to_first_token_seconds_count"), 0);
+    ck_assert_double_eq(val(w0, "rekv_gpuworker_steps_total"), 0);
+    ck_assert_double_eq(val(w0, "rekv_gpuworker_step_seconds_count"), 0);
     run_jobs(&r);
     char *m = ms_scrape(r.port_co);
     check_coordinator(m);
@@ -207,9 +247,14 @@ START_TEST(test_daemons_metrics)
     char *k = ms_scrape(r.port_kv);
     check_kvstore(k);
     ms_promtool(k);
+    char *w = ms_scrape(r.port_w);
+    check_worker(w, m);
+    ms_promtool(w);
     free(m0);
+    free(w0);
     free(m);
     free(k);
+    free(w);
     rig_stop(&r);
 }
 END_TEST
