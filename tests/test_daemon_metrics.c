@@ -231,6 +231,25 @@ static void check_worker(const char *w, const char *co)
     ck_assert_double_le(used, 64 << 20);
 }
 
+/* Every family in a daemon's output is named in README.md's metrics table (as `name`). */
+static void check_readme_lists(const char *m)
+{
+    char *readme = tu_read_file("README.md", NULL);
+    ck_assert_ptr_nonnull(readme);
+    for (const char *p = strstr(m, "# TYPE "); p; p = strstr(p + 1, "# TYPE ")) {
+        char name[128], quoted[140];
+        ck_assert_int_eq(sscanf(p + 7, "%127s", name), 1);
+        snprintf(quoted, sizeof(quoted), "`%s`", name);
+        char *q = strstr(readme, quoted);
+        if (q == NULL) { /* or with its labels: `name{...}` */
+            snprintf(quoted, sizeof(quoted), "`%s{", name);
+            q = strstr(readme, quoted);
+        }
+        ck_assert_msg(q != NULL, "README.md does not list the family %s", name);
+    }
+    free(readme);
+}
+
 START_TEST(test_daemons_metrics)
 {
     rig r;
@@ -250,6 +269,9 @@ START_TEST(test_daemons_metrics)
     char *w = ms_scrape(r.port_w);
     check_worker(w, m);
     ms_promtool(w);
+    check_readme_lists(m);
+    check_readme_lists(k);
+    check_readme_lists(w);
     free(m0);
     free(w0);
     free(m);
