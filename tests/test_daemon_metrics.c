@@ -312,6 +312,38 @@ START_TEST(test_metrics_public_flag)
 }
 END_TEST
 
+/* `rekv run --metrics :PORT` starts its coordinator with --metrics-public when given it (and
+ * fails naming it when not); the port serves. */
+START_TEST(test_rekv_run_metrics_public)
+{
+    char *dir = tu_tmpdir(), cmd[16800], model[4200], rekv[4200], d[4200], addr[64], log[4200];
+    snprintf(model, sizeof(model), "%s/m", dir);
+    snprintf(cmd, sizeof(cmd),
+             "%s synth --arch llama --layers 1 --hidden 32 --heads 2 --ffn 64 --vocab 64 "
+             "--max-pos 64 --dtype f32 %s >/dev/null",
+             tu_bin("rekv-loader"), model);
+    ck_assert_int_eq(tu_run(cmd, NULL), 0);
+    snprintf(rekv, sizeof(rekv), "%s", tu_bin("rekv"));
+    snprintf(d, sizeof(d), "%s/run", dir);
+    snprintf(log, sizeof(log), "%s/log", dir);
+    int port = ms_free_port();
+    snprintf(addr, sizeof(addr), ":%d", port);
+    snprintf(cmd, sizeof(cmd),
+             "timeout 60 %s run --model %s --backend cpu --dir %s --metrics %s >/dev/null 2>&1",
+             rekv, model, d, addr);
+    ck_assert_int_ne(tu_run(cmd, NULL), 0); /* refused: not loopback, not asked for */
+    const char *args[] = {rekv, "run",       "--model", model,   "--backend",       "cpu",
+                          "--dir", d,        "--metrics", addr,  "--metrics-public", NULL};
+    pid_t pid = start_ready(args, log);
+    char *m = ms_scrape(port);
+    ck_assert_double_eq(val(m, "rekv_jobs{state=\"running\"}"), 0);
+    free(m);
+    stop(pid);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 static Suite *daemon_metrics_suite(void)
 {
     Suite *s = suite_create("daemon_metrics");
@@ -319,6 +351,7 @@ static Suite *daemon_metrics_suite(void)
     tcase_set_timeout(tc, 240);
     tcase_add_test(tc, test_daemons_metrics);
     tcase_add_test(tc, test_metrics_public_flag);
+    tcase_add_test(tc, test_rekv_run_metrics_public);
     suite_add_tcase(s, tc);
     return s;
 }
