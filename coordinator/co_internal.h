@@ -13,7 +13,7 @@
 #include "coordinator/co_plan.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/journal.h"
-#include "coordinator/metrics.h"
+#include "common/metrics.h"
 #include "loader/loader.h"
 #include "proto/worker.pb-c.h"
 
@@ -74,6 +74,9 @@ typedef struct job {
     uint64_t start_ns;      /* last start (monotonic) */
     uint64_t end_ns;        /* end (monotonic); 0 while unfinished */
     double queued_s;        /* acceptance to first start; < 0 until started */
+    uint32_t timed;         /* tokens whose latency went into the TTFT/inter-token histograms:
+                             * a re-run's tokens below it were seen before and are not timed */
+    uint64_t last_token_ns; /* when the last timed token came (monotonic); 0: none yet */
     sub subs[MAX_SUBS];
     int n_subs;
     int queued_pos;    /* index in the queue while QUEUED, else -1 */
@@ -152,6 +155,12 @@ struct rekv_coordinator {
     uint64_t steps_failed;       /* steps a worker reported failed as a whole, or never finished */
     rekv_ratelimit rl[CO_RL_COUNT];
     double rtt_sum, wstep_sum;
+    /* the metrics port's histograms, in seconds (rekv_metrics_latency_bounds) */
+    rekv_metrics_hist h_ttft;       /* acceptance to the job's first token */
+    rekv_metrics_hist h_itl;        /* between a job's consecutive tokens */
+    rekv_metrics_hist h_queue;      /* acceptance to the job's first start on a worker */
+    rekv_metrics_hist h_step;       /* a step as the worker timed it (Progress.step_s) */
+    rekv_metrics_hist h_step_rtt;   /* Plan sent to its Progress received */
     uint64_t counters[8]; /* h2d weights, kv, act, d2h, recomputed, fetched; infinigen's
                            * considered and selected (Counters) */
     uint64_t rate_tokens[RATE_SLOTS];

@@ -1,6 +1,6 @@
 /* co_stats.c — what the coordinator reports about itself: the Stats reply (job counts, tokens/s,
  * bytes moved, each worker with its planner's last choices) and the Prometheus exposition of the
- * same numbers for the metrics port (coordinator/metrics.h). A new counter goes in both, here. */
+ * same numbers for the metrics port (common/metrics.h). A new counter goes in both, here. */
 #include "coordinator/co_internal.h"
 
 #include "common/clock.h"
@@ -86,29 +86,31 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
 }
 
 /* The Prometheus exposition of what Stats reports (a rekv_metrics_render_fn). Families are
- * named rekv_*; counters since the coordinator started end in _total. */
+ * named rekv_*; what accumulates is a counter (_total) and rates are left to rate(): no tokens/s
+ * here (Stats keeps its own for `rekv stats`); what is true now is a gauge; latencies are
+ * histograms in seconds. README's "Metrics" section lists every family. */
 int co_metrics_render(void *ctx, rekv_metrics_buf *b)
 {
     rekv_coordinator *co = ctx;
     uint64_t now = rekv_now_ns();
-    static const char *const states[] = {"queued", "running", "done", "cancelled", "failed"};
-    const uint64_t by_state[] = {co->n_queue, co->n_running, co->n_done, co->n_cancelled,
-                                 co->n_failed};
-    rekv_metrics_family(b, "rekv_jobs", "gauge",
-                        "Jobs by state (done, cancelled, failed: since start).");
-    for (int i = 0; i < 5; i++)
-        rekv_metrics_sample_kv(b, "rekv_jobs", (double)by_state[i], "state", states[i], NULL);
+    rekv_metrics_family(b, "rekv_jobs", "gauge", "Jobs now, by state (queued, running).");
+    rekv_metrics_sample(b, "rekv_jobs", "state=\"queued\"", (double)co->n_queue);
+    rekv_metrics_sample(b, "rekv_jobs", "state=\"running\"", (double)co->n_running);
 
     /* one sample each, no labels */
     const struct {
         const char *name, *type, *help;
         double v;
     } one[] = {
-        {"rekv_queue_depth", "gauge", "Jobs waiting to run.", (double)co->n_queue},
         {"rekv_queue_limit", "gauge", "Most jobs waiting; beyond it Submit gets BUSY.",
          (double)co->cfg.queue_limit},
-        {"rekv_jobs_accepted_total", "counter", "Jobs accepted (replayed ones included).",
-         (double)co->accepted},
+        {"rekv_jobs_submitted_total", "counter",
+         "Jobs accepted (a journal's replayed ones included).", (double)co->accepted},
+        {"rekv_jobs_finished_total", "counter", "Jobs that ended done (eos, length, context).",
+         (double)co->n_done},
+        {"rekv_jobs_failed_total", "counter", "Jobs that ended failed.", (double)co->n_failed},
+        {"rekv_jobs_cancelled_total", "counter", "Jobs that ended cancelled.",
+         (double)co->n_cancelled},
         {"rekv_jobs_rejected_busy_total", "counter", "Submits answered BUSY.",
          (double)co->rejected_busy},
         {"rekv_bad_requests_total", "counter", "Requests answered BAD_REQUEST.",
@@ -126,21 +128,36 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
         {"rekv_worker_results_rejected_total", "counter",
          "Job results refused from workers (token ids outside the vocabulary).",
          (double)co->worker_rejected},
-        {"rekv_tokens_generated_total", "counter", "Generated tokens, all workers.",
-         (double)co->tokens},
-        {"rekv_tokens_per_second", "gauge", "Generated tokens per second over the last ~5 s.",
-         tokens_per_s(co)},
+        {"rekv_tokens_generated_total", "counter",
+         "Generated tokens, all workers (rate() of it is tokens/s).", (double)co->tokens},
         {"rekv_steps_total", "counter", "Plans executed, all workers.", (double)co->steps},
-        {"rekv_step_rtt_seconds_total", "counter", "Plan sent to Progress received, summed.",
-         co->rtt_sum},
-        {"rekv_worker_step_seconds_total", "counter", "The workers' own time per step, summed.",
-         co->wstep_sum},
         {"rekv_uptime_seconds", "gauge", "Seconds since the coordinator started.",
          (double)(now - co->start_ns) * 1e-9},
     };
     for (size_t i = 0; i < sizeof(one) / sizeof(*one); i++) {
         rekv_metrics_family(b, one[i].name, one[i].type, one[i].help);
         rekv_metrics_sample(b, one[i].name, NULL, one[i].v);
+    }
+
+    const struct {
+        const char *name, *help;
+        const rekv_metrics_hist *h;
+    } hist[] = {
+        {"rekv_time_to_first_token_seconds",
+         "A job's acceptance to its first generated token (re-runs not counted again).",
+         &co->h_ttft},
+        {"rekv_inter_token_latency_seconds",
+         "Between a job's consecutive generated tokens (tokens of one step after the first: 0).",
+         &co->h_itl},
+        {"rekv_queue_wait_seconds", "A job's acceptance to its first start on a worker.",
+         &co->h_queue},
+        {"rekv_step_seconds", "A step as its worker timed it.", &co->h_step},
+        {"rekv_step_round_trip_seconds", "A step's Plan sent to its Progress received.",
+         &co->h_step_rtt},
+    };
+    for (size_t i = 0; i < sizeof(hist) / sizeof(*hist); i++) {
+        rekv_metrics_family(b, hist[i].name, "histogram", hist[i].help);
+        rekv_metrics_histogram(b, hist[i].name, NULL, hist[i].h);
     }
 
     rekv_metrics_family(b, "rekv_bytes_total", "counter",

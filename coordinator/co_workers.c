@@ -219,8 +219,10 @@ void co_schedule(rekv_coordinator *co)
             j->attempts++;
             j->n_gen = 0;
             j->start_ns = rekv_now_ns();
-            if (j->queued_s < 0)
+            if (j->queued_s < 0) {
                 j->queued_s = co_realtime_s() - j->accepted_at;
+                rekv_metrics_hist_observe(&co->h_queue, j->queued_s > 0 ? j->queued_s : 0);
+            }
             co->n_running++;
             w->run[w->n_run++] = j;
         }
@@ -293,8 +295,12 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
     w->busy = 0;
     w->steps++;
     co->steps++;
-    co->rtt_sum += (double)(rekv_now_ns() - w->plan_sent_ns) * 1e-9;
+    uint64_t now = rekv_now_ns();
+    double rtt = (double)(now - w->plan_sent_ns) * 1e-9;
+    co->rtt_sum += rtt;
     co->wstep_sum += p->step_s;
+    rekv_metrics_hist_observe(&co->h_step_rtt, rtt);
+    rekv_metrics_hist_observe(&co->h_step, p->step_s);
     if (p->counters) {
         co->counters[0] += p->counters->h2d_weights;
         co->counters[1] += p->counters->h2d_kv;
@@ -350,6 +356,17 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
                     j->top_vals[(size_t)j->n_gen * tk + q] =
                         with_top ? jp->top_vals[t * tk + q] : 0;
                 }
+            }
+            if (j->n_gen >= j->timed) { /* a token clients have not had before: time it */
+                if (j->timed == 0) {
+                    double ttft = co_realtime_s() - j->accepted_at;
+                    rekv_metrics_hist_observe(&co->h_ttft, ttft > 0 ? ttft : 0);
+                } else {
+                    /* the first of a Progress's tokens takes the whole gap, the others 0 */
+                    rekv_metrics_hist_observe(&co->h_itl, (double)(now - j->last_token_ns) * 1e-9);
+                }
+                j->timed = j->n_gen + 1;
+                j->last_token_ns = now;
             }
             j->gen[j->n_gen++] = jp->tokens[t];
             w->tokens++;

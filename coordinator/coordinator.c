@@ -408,8 +408,14 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         (rc = bind_router(co, &co->ctl, co->control_ep, co->control_path, err)) ||
         (rc = bind_router(co, &co->wrk, co->worker_ep, co->worker_path, err)))
         goto fail;
+    rekv_metrics_hist *hists[] = {&co->h_ttft, &co->h_itl, &co->h_queue, &co->h_step,
+                                  &co->h_step_rtt};
+    for (size_t i = 0; i < sizeof(hists) / sizeof(*hists); i++)
+        rekv_metrics_hist_init(hists[i], rekv_metrics_latency_bounds,
+                               rekv_metrics_latency_n_bounds);
+    rekv_metrics_server_opts mo = {.allow_remote = cfg->metrics_public};
     if (cfg->metrics_listen &&
-        (rc = rekv_metrics_server_create(cfg->metrics_listen, &co->metrics, err)))
+        (rc = rekv_metrics_server_create_opts(cfg->metrics_listen, &mo, &co->metrics, err)))
         goto fail;
     *out = co;
     return 0;

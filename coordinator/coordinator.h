@@ -76,7 +76,9 @@ typedef struct rekv_coordinator_config {
     const char *model_path;       /* for the tokenizer (text prompts) and early checks; NULL */
     const char *curve_secret;     /* Z85 CurveZMQ secret key for tcp://; NULL: none */
     const char *metrics_listen;   /* Prometheus scrape address ("127.0.0.1:9464", "[::1]:9464",
-                                   * ":9464"); NULL: no metrics port (coordinator/metrics.h) */
+                                   * ":9464"); NULL: no metrics port (common/metrics.h) */
+    int metrics_public;           /* 1: metrics_listen may be a non-loopback address (refused
+                                   * with -EPERM otherwise: scrapes have no authentication) */
     uint32_t queue_limit;         /* most jobs waiting to run; beyond: BUSY. 0: 256 */
     uint32_t keep_finished;       /* finished jobs remembered for Status; 0: 1024 */
     uint64_t keep_finished_bytes; /* at most this many bytes of their results (ids, top logits);

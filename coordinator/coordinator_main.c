@@ -23,7 +23,7 @@ static void usage(FILE *f)
             "         [--model PATH] [--queue N] [--keep-finished N] [--keep-finished-bytes N]\n"
             "         [--worker-timeout-ms N] [--step-timeout-ms N]\n"
             "         [--max-attempts N] [--curve-secret-file FILE] [--ready-fd N]\n"
-            "         [--metrics HOST:PORT] [--help] [--version]\n"
+            "         [--metrics HOST:PORT [--metrics-public]] [--help] [--version]\n"
             "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
             "beside it, no journal unless --state-dir (or $STATE_DIRECTORY) is given, queue 256.\n"
             "Finished jobs are remembered for Status (and their client keys honoured) up to\n"
@@ -34,7 +34,10 @@ static void usage(FILE *f)
             "after --max-attempts starts, 3) and it must say Hello again.\n"
             "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
             "--curve-secret-file (a Z85 CurveZMQ secret key), which guards tcp:// endpoints\n"
-            "only: ipc:// sockets (files, mode 0600) serve local clients and workers as before.\n");
+            "only: ipc:// sockets (files, mode 0600) serve local clients and workers as before.\n"
+            "--metrics serves Prometheus scrapes (GET /metrics) on a loopback address; another\n"
+            "address (or :PORT, every interface) needs --metrics-public: scrapes are not\n"
+            "authenticated.\n");
 }
 
 static void on_event(void *ctx, rekv_co_event lvl, const char *msg)
@@ -60,7 +63,8 @@ int main(int argc, char **argv)
     const char *curve_file = NULL;
     uint32_t ready_fd = UINT32_MAX;
     enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_KEEP_BYTES, O_TIMEOUT,
-           O_STEP_TIMEOUT, O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_HELP, O_VERSION };
+           O_STEP_TIMEOUT, O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_METRICS_PUBLIC, O_HELP,
+           O_VERSION };
     static const struct option opts[] = {
         {"control", required_argument, 0, O_CONTROL},
         {"workers", required_argument, 0, O_WORKERS},
@@ -75,6 +79,7 @@ int main(int argc, char **argv)
         {"curve-secret-file", required_argument, 0, O_CURVE},
         {"ready-fd", required_argument, 0, O_READY},
         {"metrics", required_argument, 0, O_METRICS},
+        {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
         {"help", no_argument, 0, O_HELP},
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
@@ -105,6 +110,7 @@ int main(int argc, char **argv)
         case O_CURVE: curve_file = optarg; break;
         case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
         case O_METRICS: cfg.metrics_listen = optarg; break;
+        case O_METRICS_PUBLIC: cfg.metrics_public = 1; break;
         case O_HELP: usage(stdout); return 0;
         case O_VERSION: printf("rekv-coordinator %s\n", rekv_version()); return 0;
         default: usage(stderr); return 2;

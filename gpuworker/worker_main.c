@@ -41,6 +41,7 @@
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
 #include "gpuworker/skew.h"
+#include "gpuworker/worker_metrics.h"
 #include "kvstore/kvstore.h"
 #include "proto/worker.pb-c.h"
 
@@ -55,7 +56,8 @@ static void usage(FILE *f)
            "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
-           "         [--kvstore-timeout-ms N] [--ready-fd N] [--help] [--version]\n"
+           "         [--kvstore-timeout-ms N] [--metrics HOST:PORT [--metrics-public]]\n"
+           "         [--ready-fd N] [--help] [--version]\n"
            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
            "mode auto, batch 64, name HOST-PID. Every mode but resident keeps the KV cache\n"
            "in the kvstore, under the worker's name (unique among the store's workers): a worker\n"
@@ -75,7 +77,10 @@ static void usage(FILE *f)
            "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
            "--push: the kvstore (started with --push-backend) writes the KV rows into this\n"
            "worker's buffers instead of the worker copying them (modes other than resident).\n"
-           "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n");
+           "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n"
+           "--metrics serves Prometheus scrapes (GET /metrics) on a loopback address, also while\n"
+           "a step runs; another address (or :PORT) needs --metrics-public: scrapes are not\n"
+           "authenticated.\n");
 }
 
 typedef struct worker {
@@ -111,7 +116,30 @@ typedef struct worker {
     char unavailable[256];        /* sent with every message while non-empty (worker.proto) */
     int stop_fd;                  /* SIGTERM/SIGINT (common/daemon.h) */
     int stopping;                 /* a stop arrived during a step: its kvstore requests aborted */
+    rekv_metrics_server *metrics; /* the scrape port; NULL without --metrics */
+    rekv_worker_metrics wm;       /* what it serves */
 } worker;
+
+/* The scrape port's fds after the n items of it (raw fds); returns how many were added. */
+static int metrics_items(const worker *w, zmq_pollitem_t *it, int n, int *fds)
+{
+    short ev[REKV_METRICS_MAX_FDS];
+    int m = w->metrics ? rekv_metrics_server_fds(w->metrics, fds, ev, REKV_METRICS_MAX_FDS) : 0;
+    for (int k = 0; k < m; k++)
+        it[n + k] = (zmq_pollitem_t){NULL, fds[k], ev[k], 0};
+    return m;
+}
+
+/* Answers scrapes after a poll whose items from index n on are the m the port asked for. */
+static void metrics_serve(worker *w, const zmq_pollitem_t *it, int n, const int *fds, int m)
+{
+    if (w->metrics == NULL)
+        return;
+    short rev[REKV_METRICS_MAX_FDS];
+    for (int k = 0; k < m; k++)
+        rev[k] = it[n + k].revents;
+    rekv_metrics_server_handle(w->metrics, fds, rev, m, rekv_worker_metrics_render, &w->wm);
+}
 
 static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
 {
@@ -244,18 +272,20 @@ static int step_with_heartbeats(worker *w, const rekv_batch_event **ev, int *n_e
         return rekv_batcher_step(w->batch, ev, n_ev, err);
     }
     for (;;) {
-        struct pollfd pf[2] = {{sj.done_fd, POLLIN, 0}, {w->stop_fd, POLLIN, 0}};
-        int np = w->stopping ? 1 : 2; /* the stop fd stays readable: the loop stops after */
-        if (poll(pf, np, (int)loop_timeout_ms(w)) > 0) {
-            if (pf[0].revents & POLLIN)
-                break;
-            if (np == 2 && (pf[1].revents & POLLIN)) {
-                /* stopping: the step's compute ends by itself, its kvstore waits are cut short */
-                w->stopping = 1;
-                rekv_log(REKV_LOG_INFO, "signal: stopping after this step");
-                if (w->kv)
-                    rekv_kvstore_client_abort(w->kv);
-            }
+        int n0 = w->stopping ? 1 : 2; /* the stop fd stays readable: the loop stops after */
+        zmq_pollitem_t it[2 + REKV_METRICS_MAX_FDS] = {{NULL, sj.done_fd, ZMQ_POLLIN, 0},
+                                                       {NULL, w->stop_fd, ZMQ_POLLIN, 0}};
+        int m_fds[REKV_METRICS_MAX_FDS], m_n = metrics_items(w, it, n0, m_fds);
+        int r = zmq_poll(it, n0 + m_n, loop_timeout_ms(w));
+        metrics_serve(w, it, n0, m_fds, r > 0 ? m_n : 0); /* scrapes while the step runs */
+        if (r > 0 && (it[0].revents & ZMQ_POLLIN))
+            break;
+        if (r > 0 && n0 == 2 && (it[1].revents & ZMQ_POLLIN)) {
+            /* stopping: the step's compute ends by itself, its kvstore waits are cut short */
+            w->stopping = 1;
+            rekv_log(REKV_LOG_INFO, "signal: stopping after this step");
+            if (w->kv)
+                rekv_kvstore_client_abort(w->kv);
         }
         if (rekv_now_ns() - w->last_sent_ns >= (uint64_t)w->hb_ms * 1000000ull)
             send_heartbeat(w);
@@ -455,7 +485,7 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     const rekv_batch_event *ev = NULL;
     int n_ev = 0;
     rekv_err serr = {0};
-    int running = rekv_batcher_running(w->batch);
+    int running = rekv_batcher_running(w->batch), ran = running > 0;
     if (running > 0 && step_with_heartbeats(w, &ev, &n_ev, &serr)) {
         /* the step failed as a whole: every job in it is reported, to run again or failed */
         int retry = step_error_retry(w, serr.code, &lost);
@@ -506,6 +536,13 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     }
     rekv_layer_counters tot;
     const rekv_layer_counters *per = rekv_pipeline_counters(w->pipe, &tot);
+    if (ran) {
+        uint64_t n_tok = 0;
+        for (int i = 0; i < n_ev; i++)
+            n_tok += ev[i].token >= 0;
+        rekv_worker_metrics_step(&w->wm, step_s, &tot, n_tok, serr.code != 0,
+                                 rekv_batcher_running(w->batch));
+    }
     Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
     c.h2d_weights = tot.h2d_bytes[REKV_XFER_WEIGHTS];
     c.h2d_kv = tot.h2d_bytes[REKV_XFER_KV];
@@ -630,6 +667,8 @@ int main(int argc, char **argv)
         O_PUSH,
         O_APPROX,
         O_KV_TIMEOUT,
+        O_METRICS,
+        O_METRICS_PUBLIC,
         O_HELP,
         O_VERSION
     };
@@ -649,12 +688,15 @@ int main(int argc, char **argv)
         {"push", no_argument, 0, O_PUSH},
         {"approximate", no_argument, 0, O_APPROX},
         {"kvstore-timeout-ms", required_argument, 0, O_KV_TIMEOUT},
+        {"metrics", required_argument, 0, O_METRICS},
+        {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
         {"help", no_argument, 0, O_HELP},
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
     };
     rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
-    int push = 0, approximate = 0;
+    int push = 0, approximate = 0, metrics_public = 0;
+    const char *metrics_listen = NULL;
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         int bad = 0;
@@ -673,6 +715,12 @@ int main(int argc, char **argv)
             break;
         case O_APPROX:
             approximate = 1;
+            break;
+        case O_METRICS:
+            metrics_listen = optarg;
+            break;
+        case O_METRICS_PUBLIC:
+            metrics_public = 1;
             break;
         case O_DEVMEM:
             bad = rekv_parse_size(optarg, &link.device_bytes);
@@ -831,6 +879,13 @@ int main(int argc, char **argv)
     if (note[0])
         rekv_log(REKV_LOG_INFO, "%s", note);
     w.be = be;
+    rekv_worker_metrics_init(&w.wm, be, name, &w.mode);
+    if (metrics_listen) {
+        rekv_metrics_server_opts mo = {.allow_remote = metrics_public};
+        if (rekv_metrics_server_create_opts(metrics_listen, &mo, &w.metrics, &err))
+            goto fail;
+        rekv_log(REKV_LOG_INFO, "metrics on %s (GET /metrics)", metrics_listen);
+    }
     {
         /* the planner prices this worker's steps with what it measures here (cached on disk) */
         rekv_profile prof;
@@ -876,12 +931,15 @@ int main(int argc, char **argv)
              kv_ep ? ", kvstore " : "", kv_ep ? kv_ep : "");
     rekv_daemon_ready(ready_fd == UINT32_MAX ? -1 : (int)ready_fd);
     for (;;) {
-        zmq_pollitem_t it[2] = {{w.sock, 0, ZMQ_POLLIN, 0}, {NULL, sfd, ZMQ_POLLIN, 0}};
-        int r = zmq_poll(it, 2, loop_timeout_ms(&w));
+        zmq_pollitem_t it[2 + REKV_METRICS_MAX_FDS] = {{w.sock, 0, ZMQ_POLLIN, 0},
+                                                       {NULL, sfd, ZMQ_POLLIN, 0}};
+        int m_fds[REKV_METRICS_MAX_FDS], m_n = metrics_items(&w, it, 2, m_fds);
+        int r = zmq_poll(it, 2 + m_n, loop_timeout_ms(&w));
         if (r < 0 && errno != EINTR) {
             rekv_log(REKV_LOG_ERROR, "zmq_poll: %s", zmq_strerror(errno));
             goto out;
         }
+        metrics_serve(&w, it, 2, m_fds, r > 0 ? m_n : 0);
         if (r > 0 && (it[1].revents & ZMQ_POLLIN)) {
             rekv_log(REKV_LOG_INFO, "signal: stopping");
             break;
@@ -964,6 +1022,7 @@ fail:
     rekv_log(REKV_LOG_ERROR, "%s", err.msg);
 out:
     rekv_daemon_stopping();
+    rekv_metrics_server_free(w.metrics);
     if (w.sock)
         zmq_close(w.sock);
     if (zctx)

@@ -169,6 +169,10 @@ typedef struct rekv_kvstore_config {
      * as the worker's --link-gbps), so that pushed rows take the time the link would; 0: none.
      * The store's link is its own: a mode that also pulls (ACT rows) gets two links' worth. */
     double push_link_gbps, push_link_latency_us;
+    /* Prometheus scrapes (GET /metrics, common/metrics.h) on "HOST:PORT", served from the loop;
+     * NULL: none. A non-loopback address needs metrics_public (else -EPERM). */
+    const char *metrics_listen;
+    int metrics_public;
 } rekv_kvstore_config;
 
 /* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1, push link latency

@@ -23,9 +23,13 @@ static void usage(FILE *f)
                "         --head-dim D --hidden H] [--cache-dtype f16|f32] [--huge-pages]\n"
                "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
                "         [--no-register-arena] [--ready-fd N] [--push-backend cpu|cuda|auto]\n"
-               "         [--push-link-gbps G] [--push-link-latency-us U] [--help] [--version]\n"
+               "         [--push-link-gbps G] [--push-link-latency-us U]\n"
+               "         [--metrics HOST:PORT [--metrics-public]] [--help] [--version]\n"
                "Sizes take K, M, G suffixes (powers of two). --push-link-gbps makes the cpu push\n"
-               "backend's copies take the time a link of G Gbit/s (and U us per copy) would.\n");
+               "backend's copies take the time a link of G Gbit/s (and U us per copy) would.\n"
+               "--metrics serves Prometheus scrapes (GET /metrics) on a loopback address; another\n"
+               "address (or :PORT, every interface) needs --metrics-public: scrapes are not\n"
+               "authenticated.\n");
 }
 
 static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -73,6 +77,8 @@ int main(int argc, char **argv)
         O_PUSH,
         O_PUSH_GBPS,
         O_PUSH_LAT,
+        O_METRICS,
+        O_METRICS_PUBLIC,
         O_HELP,
         O_VERSION
     };
@@ -98,6 +104,8 @@ int main(int argc, char **argv)
         {"push-backend", required_argument, 0, O_PUSH},
         {"push-link-gbps", required_argument, 0, O_PUSH_GBPS},
         {"push-link-latency-us", required_argument, 0, O_PUSH_LAT},
+        {"metrics", required_argument, 0, O_METRICS},
+        {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
         {"help", no_argument, 0, O_HELP},
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
@@ -121,6 +129,12 @@ int main(int argc, char **argv)
             *(o == O_PUSH_GBPS ? &cfg.push_link_gbps : &cfg.push_link_latency_us) = x;
             break;
         }
+        case O_METRICS:
+            cfg.metrics_listen = optarg;
+            break;
+        case O_METRICS_PUBLIC:
+            cfg.metrics_public = 1;
+            break;
         case O_HOST:
             bad = rekv_parse_size(optarg, &host_bytes);
             break;
@@ -245,6 +259,8 @@ int main(int argc, char **argv)
              cfg.endpoint, (unsigned long long)host_bytes, cfg.geometry.n_layers,
              cfg.geometry.n_kv_heads, cfg.geometry.head_dim, cfg.geometry.hidden,
              rekv_dtype_name(cfg.geometry.dtype));
+    if (cfg.metrics_listen)
+        rekv_log(REKV_LOG_INFO, "metrics on %s (GET /metrics)", cfg.metrics_listen);
     rekv_daemon_ready(ready_fd);
     rc = rekv_kvstore_server_run(srv, &err);
     if (rc < 0)

@@ -280,6 +280,11 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
     }
     if (s->ipc_path)
         chmod(s->ipc_path, 0600);
+    if (cfg->metrics_listen) {
+        rekv_metrics_server_opts mo = {.allow_remote = cfg->metrics_public};
+        if ((rc = rekv_metrics_server_create_opts(cfg->metrics_listen, &mo, &s->metrics, err)))
+            goto fail;
+    }
     *out = s;
     return 0;
 fail:
@@ -289,7 +294,7 @@ fail:
 
 int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
 {
-    zmq_pollitem_t items[5];
+    zmq_pollitem_t items[5 + REKV_METRICS_MAX_FDS];
     int n = 0;
     int i_z = n;
     items[n++] = (zmq_pollitem_t){.socket = s->zsock, .events = ZMQ_POLLIN};
@@ -322,7 +327,14 @@ int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
             timeout = 1000; /* on_tick at least once a second */
         if (s->cfg.on_tick)
             s->cfg.on_tick(s->cfg.event_ctx);
-        int pr = zmq_poll(items, n, timeout);
+        /* the metrics server's fds go after the fixed items, which keep their indices */
+        int m_fds[REKV_METRICS_MAX_FDS], m_n = 0;
+        short m_ev[REKV_METRICS_MAX_FDS], m_rev[REKV_METRICS_MAX_FDS];
+        if (s->metrics)
+            m_n = rekv_metrics_server_fds(s->metrics, m_fds, m_ev, REKV_METRICS_MAX_FDS);
+        for (int k = 0; k < m_n; k++)
+            items[n + k] = (zmq_pollitem_t){.fd = m_fds[k], .events = m_ev[k]};
+        int pr = zmq_poll(items, n + m_n, timeout);
         if (pr < 0) {
             if (zmq_errno() == EINTR)
                 continue;
@@ -362,6 +374,11 @@ int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
                 srv_run_pending(s); /* a paused spill tier may have resumed */
         }
         srv_spill_watermark(s);
+        if (s->metrics) { /* last: a scrape sees this turn's state */
+            for (int k = 0; k < m_n; k++)
+                m_rev[k] = items[n + k].revents;
+            rekv_metrics_server_handle(s->metrics, m_fds, m_rev, m_n, srv_metrics_render, s);
+        }
     }
     return 0;
 }
@@ -387,6 +404,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
         srv_send_reply(s, p->ident, p->ident_len, p->delim, &r.resp);
         srv_pending_free(p);
     }
+    rekv_metrics_server_free(s->metrics);
     kv_spill_close(s->spill); /* waits for in-flight I/O before the arena goes */
     if (s->zsock)
         zmq_close(s->zsock);

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/metrics.h"
 #include "kvstore/kv_internal.h"
 #include "proto/kvstore.pb-c.h"
 
@@ -123,6 +124,7 @@ struct rekv_kvstore_server {
     rekv_backend *pbe;    /* push backend, or NULL */
     rekv_stream *pstream; /* its stream: every push's wait, copies and record */
     int push_registered;  /* the arena is registered with it (host_register) */
+    rekv_metrics_server *metrics; /* the scrape port (server_metrics.c); NULL when none */
 };
 
 /* What stops an owner from dropping one of its sequences (srv_owned_seq_busy). */
@@ -148,6 +150,11 @@ typedef struct kv_reply {
 /* ------------------------------------------------------------------ server.c */
 
 extern const char *const srv_hist_names[H_COUNT];
+
+/* ------------------------------------------------------------------ server_metrics.c */
+
+/* The rekv_metrics_render_fn of the scrape port (ctx: the server). */
+int srv_metrics_render(void *ctx, rekv_metrics_buf *b);
 /* Reports one line through cfg.on_event, when set. */
 void srv_event(rekv_kvstore_server *s, rekv_kv_event lvl, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -105,11 +105,16 @@ START_TEST(systemd_units_hardened)
                                          "RestrictAddressFamilies=",
                                          "SystemCallFilter=@system-service",
                                          "LimitMEMLOCK=infinity"};
-    static const char *const own[3][3] = {
-        {"StateDirectory=rekv/spill", "--spill-dir ${REKV_SPILL_DIR}", "PrivateNetwork=yes"},
+    /* each serves its metrics on loopback: TCP to localhost only (no private network: the host's
+     * Prometheus must reach it) */
+    static const char *const own[3][5] = {
+        {"StateDirectory=rekv/spill", "--spill-dir ${REKV_SPILL_DIR}", "IPAddressAllow=localhost",
+         "IPAddressDeny=any", "--metrics ${REKV_KVSTORE_METRICS}"},
         {"DevicePolicy=closed", "DeviceAllow=char-nvidia-frontend rw",
-         "DeviceAllow=char-nvidia-uvm rw"},
-        {"StateDirectory=rekv/journal", "IPAddressAllow=localhost", "MemoryDenyWriteExecute=yes"}};
+         "DeviceAllow=char-nvidia-uvm rw", "IPAddressAllow=localhost",
+         "--metrics ${REKV_GPUWORKER_METRICS}"},
+        {"StateDirectory=rekv/journal", "IPAddressAllow=localhost", "MemoryDenyWriteExecute=yes",
+         "IPAddressDeny=any", "--metrics ${REKV_METRICS}"}};
     for (size_t i = 0; i < 3; i++) {
         char src[256];
         snprintf(src, sizeof(src), "deploy/systemd/%s.service", units[i]);
@@ -118,7 +123,7 @@ START_TEST(systemd_units_hardened)
         for (size_t k = 0; k < sizeof(common) / sizeof(common[0]); k++)
             if (k + 1 < sizeof(common) / sizeof(common[0]) || i != 2)
                 ck_assert_msg(strstr(text, common[k]), "%s lacks %s", src, common[k]);
-        for (size_t k = 0; k < 3; k++)
+        for (size_t k = 0; k < 5; k++)
             ck_assert_msg(strstr(text, own[i][k]), "%s lacks %s", src, own[i][k]);
         ck_assert_msg(strstr(text, "REKV_SPILL_DIR=/var/lib/rekv/spill") || i != 0,
                       "%s: the spill directory is not its StateDirectory", src);

@@ -33,6 +33,7 @@
 #include "kvstore/kv_internal.h"
 #include "kvstore/kvstore.h"
 #include "proto/kvstore.pb-c.h"
+#include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
 
 uint32_t rekv_crc32c_sw(uint32_t crc, const void *buf, size_t n);
@@ -373,10 +374,86 @@ static void verify_blocks(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uin
     free(pb);
 }
 
+/* The store's metrics port against its Stats reply: the same bytes and blocks, the spill I/O
+ * histograms' counts as the spill write and read counters, and a clean promtool check. */
+/* The numbers a scrape and a Stats reply share; background spilling may still change them. */
+static void shared_numbers(const rekv_kv_stats *st, uint64_t out[14])
+{
+    const uint64_t v[14] = {st->host_kv,         st->host_act,        st->disk_kv,
+                            st->disk_act,        st->free_slots,      st->bytes_spilled,
+                            st->bytes_read_back, st->pin_misses,      st->crc_errors,
+                            st->spill_errors,    st->spills_in_flight, st->reads_in_flight,
+                            st->hists[4].count,  st->hists[5].count};
+    memcpy(out, v, sizeof(v));
+}
+
+static void check_metrics_match_stats(int port, rekv_kvstore_client *c)
+{
+    /* a scrape between two equal Stats replies with no spill I/O in flight: the store was still
+     * (nothing else talks to it), so the scrape saw what they say */
+    rekv_kv_stats st, st2;
+    char *m = NULL;
+    uint64_t a[14], b[14];
+    for (int tries = 0;; tries++) {
+        ck_assert_msg(tries < 3000, "the store never settled");
+        ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+        if (st.spills_in_flight || st.reads_in_flight) {
+            usleep(10000);
+            continue;
+        }
+        m = ms_scrape(port);
+        ck_assert_int_eq(rekv_kvstore_stats(c, &st2, NULL), 0);
+        shared_numbers(&st, a);
+        shared_numbers(&st2, b);
+        if (memcmp(a, b, sizeof(a)) == 0)
+            break;
+        free(m);
+        usleep(10000);
+    }
+    uint64_t slot = rekv_kvstore_client_header(c)->slot_bytes;
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_arena_size_bytes"),
+                        (double)(st.total_slots * slot));
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_arena_used_bytes"),
+                        (double)((st.total_slots - st.free_slots) * slot));
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_used_bytes"),
+                        (double)((st.disk_kv + st.disk_act) * slot));
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_blocks{tier=\"disk\",type=\"kv\"}"),
+                        (double)st.disk_kv);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_blocks{tier=\"host\",type=\"act\"}"),
+                        (double)st.host_act);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_written_bytes_total"),
+                        (double)st.bytes_spilled);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_read_bytes_total"),
+                        (double)st.bytes_read_back);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_crc_errors_total"), (double)st.crc_errors);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_errors_total"), (double)st.spill_errors);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_pins_total{result=\"miss\"}"),
+                        (double)st.pin_misses);
+    uint64_t writes = 0, reads = 0;
+    for (int i = 0; i < 8; i++) {
+        if (strcmp(st.hists[i].name, "spill_write") == 0)
+            writes = st.hists[i].count;
+        if (strcmp(st.hists[i].name, "spill_read") == 0)
+            reads = st.hists[i].count;
+    }
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_writes_total"), (double)writes);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_reads_total"), (double)reads);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_io_seconds_count{op=\"write\"}"),
+                        (double)writes);
+    ck_assert_double_eq(
+        ms_value(m, "rekv_kvstore_spill_io_seconds_bucket{op=\"read\",le=\"+Inf\"}"),
+        (double)reads);
+    ms_promtool(m);
+    free(m);
+}
+
 START_TEST(test_spill_readback)
 {
     kvd d;
-    kvd_start(&d, 48, NULL, 0); /* 48 slots; we store 4 x 2 x 40 = 320 blocks */
+    int port = ms_free_port();
+    char extra[64];
+    snprintf(extra, sizeof(extra), "--metrics 127.0.0.1:%d", port);
+    kvd_start(&d, 48, extra, 0); /* 48 slots; we store 4 x 2 x 40 = 320 blocks */
     rekv_kvstore_client *c = kvd_client(&d);
     rekv_err err = {0};
     for (uint64_t s = 1; s <= 4; s++) {
@@ -399,6 +476,15 @@ START_TEST(test_spill_readback)
     ck_assert_uint_eq(st.crc_errors, 0);
     ck_assert_uint_eq(st.spill_errors, 0);
     ck_assert_uint_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 320);
+    /* the metrics port says the same; every block spilled and read back counts */
+    check_metrics_match_stats(port, c);
+    char *m = ms_scrape(port);
+    ck_assert_double_ge(ms_value(m, "rekv_kvstore_spill_writes_total"), 200);
+    ck_assert_double_gt(ms_value(m, "rekv_kvstore_spill_reads_total"), 0);
+    ck_assert_double_gt(ms_value(m, "rekv_kvstore_spill_read_bytes_total"), 0);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_crc_errors_total"), 0);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_clients"), 1);
+    free(m);
     rekv_kvstore_client_close(c);
     kvd_stop(&d);
 }
@@ -437,7 +523,10 @@ static int spill_file_fd(kvd *d)
 START_TEST(test_spill_corrupt_readback)
 {
     kvd d;
-    kvd_start(&d, 48, NULL, 0);
+    int port = ms_free_port();
+    char extra[64];
+    snprintf(extra, sizeof(extra), "--metrics 127.0.0.1:%d", port);
+    kvd_start(&d, 48, extra, 0);
     rekv_kvstore_client *c = kvd_client(&d);
     rekv_err err = {0};
     ck_assert_int_eq(rekv_kvstore_seq_create(c, 1, NULL), 0);
@@ -521,6 +610,11 @@ START_TEST(test_spill_corrupt_readback)
     ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
     ck_assert_uint_eq(st.crc_errors, 1);
     ck_assert_uint_eq(st.spill_errors, 0);
+    /* the metrics port counts the one CRC error (the block is lost: asked twice, read once) */
+    check_metrics_match_stats(port, c);
+    char *m = ms_scrape(port);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_crc_errors_total"), 1);
+    free(m);
     rekv_kvstore_client_close(c);
     kvd_stop(&d);
 }

@@ -5,7 +5,8 @@
  * 100 concurrent connections against a bound of 32, garbage and mutated requests, slow and silent
  * clients, requests followed by junk, and no fd leaks over many scrapes. */
 #define _GNU_SOURCE
-#include "coordinator/metrics.h"
+#include "common/metrics.h"
+#include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
 
 #include <arpa/inet.h>
@@ -107,7 +108,7 @@ START_TEST(test_buf_errors)
     rekv_metrics_buf b = {0};
     ck_assert_int_eq(rekv_metrics_sample(&b, "m", NULL, 1), -EINVAL); /* no family yet */
     rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "m", "histogram", "h"), -EINVAL);
+    ck_assert_int_eq(rekv_metrics_family(&b, "m", "summary", "h"), -EINVAL);
     rekv_metrics_buf_free(&b);
     ck_assert_int_eq(rekv_metrics_family(&b, "m", NULL, "h"), -EINVAL);
     rekv_metrics_buf_free(&b);
@@ -125,6 +126,62 @@ START_TEST(test_buf_errors)
     ck_assert_int_eq(rekv_metrics_sample_kv(&b, "a", 1, "k", (const char *)NULL, "x", NULL),
                      -EINVAL);
     rekv_metrics_buf_free(&b);
+}
+END_TEST
+
+/* A histogram: cumulative buckets with le (bounds as the shortest decimal, then +Inf), _sum and
+ * _count, labels before le; an observation on a bound counts in that bound's bucket; misuse is
+ * -EINVAL. */
+START_TEST(test_histogram)
+{
+    static const double bounds[] = {0.001, 0.5, 2};
+    rekv_metrics_hist h;
+    ck_assert_int_eq(rekv_metrics_hist_init(&h, bounds, 3), 0);
+    rekv_metrics_hist_observe(&h, 0.0005);
+    rekv_metrics_hist_observe(&h, 0.5); /* le: on the bound is in */
+    rekv_metrics_hist_observe(&h, 0.25);
+    rekv_metrics_hist_observe(&h, 7);
+    rekv_metrics_hist_observe(&h, NAN); /* ignored */
+    rekv_metrics_buf b = {0};
+    ck_assert_int_eq(rekv_metrics_family(&b, "t_seconds", "histogram", "T."), 0);
+    ck_assert_int_eq(rekv_metrics_histogram(&b, "t_seconds", NULL, &h), 0);
+    ck_assert_int_eq(rekv_metrics_histogram(&b, "t_seconds", "op=\"r\"", &h), 0);
+    const char *want = "# HELP t_seconds T.\n"
+                       "# TYPE t_seconds histogram\n"
+                       "t_seconds_bucket{le=\"0.001\"} 1\n"
+                       "t_seconds_bucket{le=\"0.5\"} 3\n"
+                       "t_seconds_bucket{le=\"2\"} 3\n"
+                       "t_seconds_bucket{le=\"+Inf\"} 4\n"
+                       "t_seconds_sum 7.7505\n"
+                       "t_seconds_count 4\n"
+                       "t_seconds_bucket{op=\"r\",le=\"0.001\"} 1\n"
+                       "t_seconds_bucket{op=\"r\",le=\"0.5\"} 3\n"
+                       "t_seconds_bucket{op=\"r\",le=\"2\"} 3\n"
+                       "t_seconds_bucket{op=\"r\",le=\"+Inf\"} 4\n"
+                       "t_seconds_sum{op=\"r\"} 7.7505\n"
+                       "t_seconds_count{op=\"r\"} 4\n";
+    ck_assert_str_eq(b.data, want);
+    ck_assert_int_eq(ms_check_exposition(b.data, b.len), 12);
+    /* a plain sample in a histogram family, a histogram in a gauge family, le among the labels */
+    ck_assert_int_eq(rekv_metrics_sample(&b, "t_seconds", NULL, 1), -EINVAL);
+    rekv_metrics_buf_free(&b);
+    ck_assert_int_eq(rekv_metrics_family(&b, "g", "gauge", "G."), 0);
+    ck_assert_int_eq(rekv_metrics_histogram(&b, "g", NULL, &h), -EINVAL);
+    rekv_metrics_buf_free(&b);
+    ck_assert_int_eq(rekv_metrics_family(&b, "t", "histogram", "T."), 0);
+    ck_assert_int_eq(rekv_metrics_histogram(&b, "t", "le=\"1\"", &h), -EINVAL);
+    rekv_metrics_buf_free(&b);
+    ck_assert_int_eq(rekv_metrics_family(&b, "t", "histogram", "T."), 0);
+    ck_assert_int_eq(rekv_metrics_histogram(&b, "t", "a=\"x\",le=\"1\"", &h), -EINVAL);
+    rekv_metrics_buf_free(&b);
+    ck_assert_int_eq(rekv_metrics_family(&b, "t", "histogram", "T."), 0);
+    ck_assert_int_eq(rekv_metrics_family(&b, "t", "gauge", "T."), -EINVAL); /* retyped */
+    rekv_metrics_buf_free(&b);
+    static const double unordered[] = {1, 1};
+    ck_assert_int_eq(rekv_metrics_hist_init(&h, unordered, 2), -EINVAL);
+    ck_assert_int_eq(rekv_metrics_hist_init(&h, bounds, 0), -EINVAL);
+    ck_assert_int_eq(rekv_metrics_hist_init(&h, rekv_metrics_latency_bounds,
+                                            rekv_metrics_latency_n_bounds), 0);
 }
 END_TEST
 
@@ -211,7 +268,7 @@ static void *srv_main(void *arg)
 static void srv_start_at(srv *t, const char *listen, int timeout_ms)
 {
     memset(t, 0, sizeof(*t));
-    rekv_metrics_server_opts o = {.max_conns = 0, .timeout_ms = timeout_ms};
+    rekv_metrics_server_opts o = {.max_conns = 0, .timeout_ms = timeout_ms, .allow_remote = 1};
     rekv_err err = {0};
     int rc = rekv_metrics_server_create_opts(listen, &o, &t->s, &err);
     ck_assert_msg(rc == 0, "create %s: %s", listen, err.msg);
@@ -369,101 +426,13 @@ static resp get(int port, const char *req)
     return exchange(port, req, strlen(req), 0);
 }
 
-/* Checks a text exposition: every sample's family has HELP and TYPE lines before it, each
- * family's samples are together, names are valid, label sets are well-formed, values parse as
- * doubles. Returns the number of samples. */
-static int check_exposition(const char *body, size_t n)
-{
-    char help[64][128], type[64][128], done[64][128];
-    int n_help = 0, n_type = 0, n_done = 0, samples = 0;
-    char cur[128] = "";
-    ck_assert_msg(n == 0 || body[n - 1] == '\n', "exposition does not end with a newline");
-    const char *p = body, *end = body + n;
-    while (p < end) {
-        const char *nl = memchr(p, '\n', (size_t)(end - p));
-        ck_assert_ptr_nonnull(nl);
-        char line[4096];
-        ck_assert_int_lt(nl - p, (long)sizeof(line));
-        memcpy(line, p, (size_t)(nl - p));
-        line[nl - p] = '\0';
-        p = nl + 1;
-        char name[128];
-        if (strncmp(line, "# HELP ", 7) == 0 || strncmp(line, "# TYPE ", 7) == 0) {
-            ck_assert_int_eq(sscanf(line + 7, "%127s", name), 1);
-            ck_assert_msg(rekv_metrics_name_valid(name), "bad name in %s", line);
-            int is_help = line[2] == 'H';
-            char(*set)[128] = is_help ? help : type;
-            int *cnt = is_help ? &n_help : &n_type;
-            for (int i = 0; i < *cnt; i++)
-                ck_assert_msg(strcmp(set[i], name) != 0, "second %s line for %s",
-                              is_help ? "HELP" : "TYPE", name);
-            ck_assert_int_lt(*cnt, 64);
-            snprintf(set[(*cnt)++], 128, "%s", name);
-            if (!is_help) {
-                const char *t = line + 7 + strlen(name) + 1;
-                ck_assert_msg(!strcmp(t, "counter") || !strcmp(t, "gauge") || !strcmp(t, "untyped"),
-                              "type %s", t);
-            }
-            continue;
-        }
-        ck_assert_msg(line[0] != '#' && line[0] != '\0', "unexpected line '%s'", line);
-        size_t nn = strcspn(line, "{ ");
-        ck_assert_int_lt(nn, sizeof(name));
-        memcpy(name, line, nn);
-        name[nn] = '\0';
-        ck_assert_msg(rekv_metrics_name_valid(name), "bad sample name in '%s'", line);
-        const char *q = line + nn;
-        if (*q == '{') {
-            q++;
-            while (*q != '}') { /* name="value", */
-                size_t ln = strcspn(q, "=");
-                ck_assert_msg(ln > 0 && q[ln] == '=' && q[ln + 1] == '"', "labels in '%s'", line);
-                q += ln + 2;
-                while (*q != '"') {
-                    ck_assert_msg(*q != '\0', "unterminated label value in '%s'", line);
-                    if (*q == '\\') {
-                        ck_assert_msg(q[1] == '\\' || q[1] == '"' || q[1] == 'n',
-                                      "bad escape in '%s'", line);
-                        q++;
-                    }
-                    q++;
-                }
-                q++;
-                if (*q == ',')
-                    q++;
-            }
-            q++;
-        }
-        ck_assert_msg(*q == ' ', "no value in '%s'", line);
-        q++;
-        char *e;
-        strtod(q, &e);
-        ck_assert_msg(e != q && *e == '\0', "value '%s' in '%s'", q, line);
-        int has_help = 0, has_type = 0;
-        for (int i = 0; i < n_help; i++)
-            has_help |= !strcmp(help[i], name);
-        for (int i = 0; i < n_type; i++)
-            has_type |= !strcmp(type[i], name);
-        ck_assert_msg(has_help && has_type, "sample of %s before its HELP/TYPE", name);
-        if (strcmp(cur, name) != 0) {
-            for (int i = 0; i < n_done; i++)
-                ck_assert_msg(strcmp(done[i], name) != 0, "samples of %s not together", name);
-            if (cur[0])
-                snprintf(done[n_done++], 128, "%s", cur);
-            snprintf(cur, sizeof(cur), "%s", name);
-        }
-        samples++;
-    }
-    return samples;
-}
-
 static void check_metrics_answer(const resp *r)
 {
     ck_assert_int_eq(r->status, 200);
     ck_assert_str_eq(r->ctype, "text/plain; version=0.0.4; charset=utf-8");
     ck_assert_int_eq(r->clen, (long)r->n_body);
     ck_assert(r->conn_close);
-    ck_assert_int_eq(check_exposition(r->body, r->n_body), 5);
+    ck_assert_int_eq(ms_check_exposition(r->body, r->n_body), 5);
     ck_assert_ptr_nonnull(strstr(r->body, "rekv_jobs{state=\"queued\"} 3\n"));
     ck_assert_ptr_nonnull(strstr(r->body, "rekv_tokens_per_second 41.25\n"));
     ck_assert_ptr_nonnull(
@@ -502,8 +471,9 @@ START_TEST(test_listen_addresses)
     rekv_metrics_server_opts o = {.max_conns = 33};
     ck_assert_int_eq(rekv_metrics_server_create_opts("127.0.0.1:0", &o, &s, &err), -EINVAL);
 
-    /* all interfaces, and a port in use */
-    ck_assert_int_eq(rekv_metrics_server_create(":0", &s, &err), 0);
+    /* all interfaces (asked for), and a port in use */
+    rekv_metrics_server_opts any = {.allow_remote = 1};
+    ck_assert_int_eq(rekv_metrics_server_create_opts(":0", &any, &s, &err), 0);
     int port = rekv_metrics_server_port(s);
     char addr[64];
     snprintf(addr, sizeof(addr), "127.0.0.1:%d", port);
@@ -517,6 +487,34 @@ START_TEST(test_listen_addresses)
     rekv_err_clear(&err);
     ck_assert_int_eq(rekv_metrics_server_create("localhost:0", &s, &err), 0);
     rekv_metrics_server_free(s);
+}
+END_TEST
+
+/* Loopback only unless asked: every interface and a host's own non-loopback address are refused
+ * with -EPERM (naming --metrics-public), nothing left listening; loopback names and addresses
+ * are fine. */
+START_TEST(test_loopback_only)
+{
+    rekv_metrics_server *s = NULL;
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_metrics_server_create(":0", &s, &err), -EPERM);
+    ck_assert_ptr_null(s);
+    ck_assert_msg(strstr(err.msg, "--metrics-public") != NULL, "%s", err.msg);
+    rekv_metrics_server_opts local = {.allow_remote = 0};
+    rekv_err_clear(&err);
+    ck_assert_int_eq(rekv_metrics_server_create_opts("0.0.0.0:0", &local, &s, &err), -EPERM);
+    const char *ok[] = {"127.0.0.1:0", "127.3.4.5:0", "localhost:0"};
+    for (size_t i = 0; i < sizeof(ok) / sizeof(*ok); i++) {
+        rekv_err_clear(&err);
+        ck_assert_msg(rekv_metrics_server_create(ok[i], &s, &err) == 0, "%s: %s", ok[i], err.msg);
+        rekv_metrics_server_free(s);
+    }
+    if (rekv_metrics_server_create("[::1]:0", &s, NULL) == 0)
+        rekv_metrics_server_free(s);
+    rekv_err_clear(&err);
+    int rc = rekv_metrics_server_create("[::]:0", &s, &err); /* refused, or no IPv6 here */
+    ck_assert_msg(rc == -EPERM || rc == -EADDRNOTAVAIL || rc == -EAFNOSUPPORT, "[::]: %s",
+                  err.msg);
 }
 END_TEST
 
@@ -828,7 +826,7 @@ START_TEST(test_garbage)
         ck_assert_msg(ok, "iteration %d: status %d", it, r.status);
         ck_assert(!r.timed_out);
         if (r.status == 200)
-            ck_assert_int_eq(check_exposition(r.body, r.n_body), 5);
+            ck_assert_int_eq(ms_check_exposition(r.body, r.n_body), 5);
         free(r.raw);
     }
     resp r = get(t.port, valid);
@@ -996,47 +994,9 @@ START_TEST(test_curl)
     snprintf(cmd, sizeof(cmd), "curl -sS --max-time 5 'http://[::1]:%d/metrics'", t.port);
     out = NULL;
     ck_assert_int_eq(tu_run(cmd, &out), 0);
-    ck_assert_int_eq(check_exposition(out, strlen(out)), 5);
+    ck_assert_int_eq(ms_check_exposition(out, strlen(out)), 5);
     free(out);
     srv_stop(&t);
-}
-END_TEST
-
-/* The real rekv-coordinator with --metrics: its scrape port answers with the jobs families. */
-START_TEST(test_coordinator_metrics)
-{
-    char *dir = tu_tmpdir();
-    int port = 20000 + (int)(getpid() % 20000);
-    char cmd[8192];
-    snprintf(cmd, sizeof(cmd),
-             "REKV_LOG=error %s --control ipc://%s/control --workers ipc://%s/workers "
-             "--metrics 127.0.0.1:%d >/dev/null 2>&1 & echo $!",
-             tu_bin("rekv-coordinator"), dir, dir, port);
-    char *pid_s = NULL;
-    ck_assert_int_eq(tu_run(cmd, &pid_s), 0);
-    pid_t pid = (pid_t)atoi(pid_s);
-    free(pid_s);
-    ck_assert_int_gt(pid, 0);
-    resp r = {0};
-    for (int i = 0; i < 100; i++) { /* until it listens */
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        int ok = connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
-        close(fd);
-        if (ok)
-            break;
-        usleep(50000);
-    }
-    r = get(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
-    kill(pid, SIGTERM);
-    ck_assert_int_eq(r.status, 200);
-    ck_assert_msg(check_exposition(r.body, r.n_body), "bad exposition: %.*s", (int)r.n_body, r.body);
-    ck_assert_ptr_nonnull(memmem(r.body, r.n_body, "rekv_jobs{state=\"queued\"} 0", 27));
-    ck_assert_ptr_nonnull(memmem(r.body, r.n_body, "rekv_queue_limit 256", 20));
-    free(r.raw);
-    tu_rmrf(dir);
-    free(dir);
 }
 END_TEST
 
@@ -1047,10 +1007,12 @@ static Suite *metrics_suite(void)
     tcase_add_test(tb, test_buf_format);
     tcase_add_test(tb, test_buf_errors);
     tcase_add_test(tb, test_buf_grows);
+    tcase_add_test(tb, test_histogram);
     suite_add_tcase(s, tb);
     TCase *ts = tcase_create("server");
     tcase_set_timeout(ts, 60);
     tcase_add_test(ts, test_listen_addresses);
+    tcase_add_test(ts, test_loopback_only);
     tcase_add_test(ts, test_all_interfaces_serves_v4);
     tcase_add_test(ts, test_get_metrics);
     tcase_add_test(ts, test_error_answers);
@@ -1062,7 +1024,6 @@ static Suite *metrics_suite(void)
     tcase_add_test(ts, test_slow_and_pipelined);
     tcase_add_test(ts, test_no_leaks);
     tcase_add_test(ts, test_curl);
-    tcase_add_test(ts, test_coordinator_metrics);
     suite_add_tcase(s, ts);
     return s;
 }

@@ -51,7 +51,7 @@ static void run_usage(FILE *f)
             "                [--host-bytes N] [--cache-dtype f16|f32] [--queue N]\n"
             "                [--max-batch N] [--state-dir DIR] [--approximate]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
-            "                [--ready-fd N]\n"
+            "                [--metrics-public] [--ready-fd N]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
@@ -61,7 +61,8 @@ static void run_usage(FILE *f)
             "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n"
             "--link-gbps G, --link-latency-us U, --device-memory SIZE: the worker's cpu backend\n"
             "behaves like a GPU of SIZE bytes behind a link of G Gbit/s (see rekv-gpuworker).\n"
-            "--push: the kvstore writes the KV rows into the worker's buffers (the push path).\n");
+            "--push: the kvstore writes the KV rows into the worker's buffers (the push path).\n"
+            "--metrics: the coordinator's Prometheus port, loopback only unless --metrics-public.\n");
 }
 
 /* Starts c with a ready pipe (its read end in *ready); 0, or -1 with a message printed. */
@@ -209,9 +210,10 @@ int cli_run(int argc, char **argv)
         {"device-memory", required_argument, 0, 'D'},
         {"push", no_argument, 0, 'p'},
         {"approximate", no_argument, 0, 'A'},
+        {"metrics-public", no_argument, 0, 'Q'},
         {0, 0, 0, 0}};
     const char *link_gbps = NULL, *link_lat = NULL, *devmem = NULL; /* the worker's emulation */
-    int push = 0, approximate = 0;
+    int push = 0, approximate = 0, metrics_public = 0;
     const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "auto", *cache = NULL,
                *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
                *timeout = "30000", *bin_arg = NULL, *metrics = NULL;
@@ -237,6 +239,7 @@ int cli_run(int argc, char **argv)
         case 'D': devmem = optarg; break;
         case 'p': push = 1; break;
         case 'A': approximate = 1; break;
+        case 'Q': metrics_public = 1; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
         default: run_usage(stderr); return 2;
@@ -372,6 +375,8 @@ int cli_run(int argc, char **argv)
     ARG(COORD, "--worker-timeout-ms"); ARG(COORD, timeout);
     if (metrics) {
         ARG(COORD, "--metrics"); ARG(COORD, metrics);
+        if (metrics_public)
+            ARG(COORD, "--metrics-public");
     }
 #undef ARG
     sigset_t set;

@@ -1,6 +1,12 @@
-/* metrics.h — Prometheus metrics for rekv's daemons: a builder for the text exposition format
- * (version 0.0.4) and a tiny HTTP/1.1 server that answers scrapes from inside a single-threaded
+/* metrics.h — Prometheus metrics for rekv's daemons (coordinator, kvstore, gpuworker): a builder
+ * for the text exposition format (version 0.0.4) with counters, gauges and fixed-bucket
+ * histograms, and a tiny HTTP/1.1 server that answers scrapes from inside a single-threaded
  * zmq_poll loop.
+ *
+ * Conventions every daemon follows: cumulative numbers are counters (_total) and rates are left to
+ * PromQL's rate(); what is true now is a gauge; latencies are histograms in seconds over
+ * rekv_metrics_latency_bounds. The server listens on loopback only unless its opts allow another
+ * address (the daemons' --metrics-public), since it has no authentication.
  *
  * The server never blocks and never owns a thread: the loop asks it for the file descriptors to
  * poll (rekv_metrics_server_fds), adds them to its zmq_pollitem_t array as raw fds, and hands the
@@ -15,8 +21,8 @@
  * carries them — not poll(2)'s, whose values differ.
  *
  * Library code: functions return 0 or a negative errno and fill the rekv_err; nothing prints. */
-#ifndef REKV_COORDINATOR_METRICS_H
-#define REKV_COORDINATOR_METRICS_H
+#ifndef REKV_COMMON_METRICS_H
+#define REKV_COMMON_METRICS_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -37,6 +43,7 @@ typedef struct rekv_metrics_buf {
     size_t cap;          /* bytes allocated at data */
     int err;             /* the first failure (negative errno), 0 while none */
     char **families;     /* [n_families] names of the families declared, in order (malloc'd) */
+    int cur_histogram;   /* the current family is a histogram */
     size_t n_families;   /* families declared; the last one is the current family */
     size_t cap_families; /* slots allocated at families */
 } rekv_metrics_buf;
@@ -46,9 +53,10 @@ void rekv_metrics_buf_init(rekv_metrics_buf *b);
 void rekv_metrics_buf_free(rekv_metrics_buf *b);
 
 /* Starts the family `name` (matching [a-zA-Z_:][a-zA-Z0-9_:]*): writes its "# HELP" (help escaped:
- * backslash, newline) and "# TYPE" lines and makes it the current family. type: "counter", "gauge"
- * or "untyped". Declaring the current family again writes nothing and returns 0; declaring an
- * earlier family again is -EINVAL (the format wants each family's lines together). */
+ * backslash, newline) and "# TYPE" lines and makes it the current family. type: "counter", "gauge",
+ * "histogram" or "untyped". Declaring the current family again writes nothing and returns 0;
+ * declaring an earlier family again is -EINVAL (the format wants each family's lines together).
+ * A histogram family's samples are written by rekv_metrics_histogram only. */
 int rekv_metrics_family(rekv_metrics_buf *b, const char *name, const char *type, const char *help);
 
 /* Appends one sample of the current family: `name{labels} value`. name must be the current
@@ -63,6 +71,38 @@ int rekv_metrics_sample(rekv_metrics_buf *b, const char *name, const char *label
  * name; the values are escaped here (backslash, double quote, newline), so any string will do. */
 int rekv_metrics_sample_kv(rekv_metrics_buf *b, const char *name, double value, ...)
     __attribute__((sentinel));
+
+/* ---------------------------------------------------------------- histograms */
+
+/* Most finite bucket bounds a histogram has (the +Inf bucket comes on top). */
+#define REKV_METRICS_MAX_BOUNDS 24
+
+/* Latency bounds in seconds shared by every rekv histogram: 0.5 ms .. 100 s in 1-2.5-5 steps. */
+extern const double rekv_metrics_latency_bounds[];
+extern const uint32_t rekv_metrics_latency_n_bounds;
+
+/* Observations in fixed buckets, kept by the daemon that observes and rendered on a scrape. Not
+ * thread-safe: one thread observes and renders (each daemon's loop). */
+typedef struct rekv_metrics_hist {
+    const double *bounds; /* [n_bounds] finite upper bounds (le), strictly increasing; not owned */
+    uint32_t n_bounds;    /* 1..REKV_METRICS_MAX_BOUNDS */
+    uint64_t counts[REKV_METRICS_MAX_BOUNDS + 1]; /* [n_bounds + 1] observations per bucket, not
+                                                   * cumulative; the last is above every bound */
+    uint64_t count;                               /* observations */
+    double sum;                                   /* their sum */
+} rekv_metrics_hist;
+
+/* Empties h and gives it the bounds (kept by pointer: static storage). -EINVAL when n_bounds is 0
+ * or above REKV_METRICS_MAX_BOUNDS, or the bounds do not increase strictly. */
+int rekv_metrics_hist_init(rekv_metrics_hist *h, const double *bounds, uint32_t n_bounds);
+/* Counts v in the first bucket whose bound is >= v (Prometheus' le); NaN is ignored. */
+void rekv_metrics_hist_observe(rekv_metrics_hist *h, double v);
+
+/* Writes h as samples of the current family, which must be a histogram named `name` (-EINVAL
+ * otherwise): name_bucket{labels,le="B"} with cumulative counts for each bound and "+Inf", then
+ * name_sum and name_count. labels as for rekv_metrics_sample (NULL or "" for none; "le" is taken). */
+int rekv_metrics_histogram(rekv_metrics_buf *b, const char *name, const char *labels,
+                           const rekv_metrics_hist *h);
 
 /* 1 when s is a valid metric name, else 0. */
 int rekv_metrics_name_valid(const char *s);
@@ -81,9 +121,11 @@ int rekv_metrics_name_valid(const char *s);
 typedef int (*rekv_metrics_render_fn)(void *ctx, rekv_metrics_buf *buf);
 
 typedef struct rekv_metrics_server_opts {
-    int max_conns;  /* open connections at most, 1..REKV_METRICS_MAX_CONNS; 0: the maximum */
-    int timeout_ms; /* time a connection has to send its request, and then to take the answer;
-                     * 0: 5000 */
+    int max_conns;    /* open connections at most, 1..REKV_METRICS_MAX_CONNS; 0: the maximum */
+    int timeout_ms;   /* time a connection has to send its request, and then to take the answer;
+                       * 0: 5000 */
+    int allow_remote; /* 1: any address; 0: only a loopback one (127.0.0.0/8, ::1), since anyone
+                       * who reaches the port reads the metrics */
 } rekv_metrics_server_opts;
 
 typedef struct rekv_metrics_server rekv_metrics_server;
@@ -91,9 +133,11 @@ typedef struct rekv_metrics_server rekv_metrics_server;
 /* Listens on `listen`: "HOST:PORT" with a numeric IPv4 address or a host name, "[IPV6]:PORT", or
  * ":PORT" for every interface (IPv6 and IPv4 when the host has IPv6, else IPv4); a host name binds
  * the first of its addresses that will. PORT 0 picks a free port (see rekv_metrics_server_port).
- * -EINVAL for a malformed address or an unknown host, else bind's errno. */
+ * -EINVAL for a malformed address or an unknown host; -EPERM when the address bound is not a
+ * loopback one and opts do not allow_remote (":PORT" is every interface, so never loopback);
+ * else bind's errno. */
 int rekv_metrics_server_create(const char *listen, rekv_metrics_server **out, rekv_err *err);
-/* The same with limits; opts may be NULL (the defaults). */
+/* The same with limits; opts may be NULL (the defaults: loopback only). */
 int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_server_opts *opts,
                                     rekv_metrics_server **out, rekv_err *err);
 /* Closes the listening socket and every connection. NULL is fine. */

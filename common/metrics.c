@@ -5,7 +5,7 @@
  * side and read what the client still sends until it closes, so that closing does not reset the
  * connection under an answer the client has not read yet — a "lingering close"). */
 #define _GNU_SOURCE
-#include "coordinator/metrics.h"
+#include "common/metrics.h"
 
 #include <errno.h>
 #include <math.h>
@@ -162,11 +162,14 @@ int rekv_metrics_family(rekv_metrics_buf *b, const char *name, const char *type,
     if (b->err)
         return b->err;
     if (!rekv_metrics_name_valid(name) || type == NULL ||
-        (strcmp(type, "counter") && strcmp(type, "gauge") && strcmp(type, "untyped")))
+        (strcmp(type, "counter") && strcmp(type, "gauge") && strcmp(type, "histogram") &&
+         strcmp(type, "untyped")))
         return buf_fail(b, -EINVAL);
+    int histogram = strcmp(type, "histogram") == 0;
     for (size_t i = 0; i < b->n_families; i++)
         if (strcmp(b->families[i], name) == 0)
-            return i + 1 == b->n_families ? 0 : buf_fail(b, -EINVAL);
+            return i + 1 == b->n_families && histogram == b->cur_histogram ? 0
+                                                                            : buf_fail(b, -EINVAL);
     if (b->n_families == b->cap_families) {
         size_t cap = b->cap_families ? b->cap_families * 2 : 32;
         char **f = realloc(b->families, cap * sizeof(*f));
@@ -179,6 +182,7 @@ int rekv_metrics_family(rekv_metrics_buf *b, const char *name, const char *type,
     if (copy == NULL)
         return buf_fail(b, -ENOMEM);
     b->families[b->n_families++] = copy;
+    b->cur_histogram = histogram;
     buf_puts(b, "# HELP ");
     buf_puts(b, name);
     buf_puts(b, " ");
@@ -214,7 +218,8 @@ static int sample_begin(rekv_metrics_buf *b, const char *name)
 {
     if (b->err)
         return b->err;
-    if (b->n_families == 0 || name == NULL || strcmp(b->families[b->n_families - 1], name) != 0)
+    if (b->n_families == 0 || name == NULL || b->cur_histogram ||
+        strcmp(b->families[b->n_families - 1], name) != 0)
         return buf_fail(b, -EINVAL);
     return 0;
 }
@@ -273,6 +278,87 @@ int rekv_metrics_sample_kv(rekv_metrics_buf *b, const char *name, double value, 
     if (!first)
         buf_puts(b, "}");
     return sample_end(b, value);
+}
+
+/* ---------------------------------------------------------------- histograms */
+
+const double rekv_metrics_latency_bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                              0.05,   0.1,   0.25,   0.5,   1,    2.5,
+                                              5,      10,    25,     50,    100};
+const uint32_t rekv_metrics_latency_n_bounds =
+    sizeof(rekv_metrics_latency_bounds) / sizeof(rekv_metrics_latency_bounds[0]);
+
+int rekv_metrics_hist_init(rekv_metrics_hist *h, const double *bounds, uint32_t n_bounds)
+{
+    memset(h, 0, sizeof(*h));
+    if (bounds == NULL || n_bounds == 0 || n_bounds > REKV_METRICS_MAX_BOUNDS)
+        return -EINVAL;
+    for (uint32_t i = 0; i < n_bounds; i++)
+        if (!isfinite(bounds[i]) || (i > 0 && !(bounds[i] > bounds[i - 1])))
+            return -EINVAL;
+    h->bounds = bounds;
+    h->n_bounds = n_bounds;
+    return 0;
+}
+
+void rekv_metrics_hist_observe(rekv_metrics_hist *h, double v)
+{
+    if (isnan(v) || h->n_bounds == 0)
+        return;
+    uint32_t i = 0;
+    while (i < h->n_bounds && v > h->bounds[i])
+        i++;
+    h->counts[i]++;
+    h->count++;
+    h->sum += v;
+}
+
+/* One line "name suffix{labels,le="le"} value", labels already checked. */
+static void hist_line(rekv_metrics_buf *b, const char *name, const char *suffix, const char *labels,
+                      const char *le, double value)
+{
+    buf_puts(b, name);
+    buf_puts(b, suffix);
+    int any = labels && *labels;
+    if (any || le) {
+        buf_puts(b, "{");
+        if (any)
+            buf_puts(b, labels);
+        if (le) {
+            buf_puts(b, any ? ",le=\"" : "le=\"");
+            buf_puts(b, le);
+            buf_puts(b, "\"");
+        }
+        buf_puts(b, "}");
+    }
+    sample_end(b, value);
+}
+
+int rekv_metrics_histogram(rekv_metrics_buf *b, const char *name, const char *labels,
+                           const rekv_metrics_hist *h)
+{
+    if (b->err)
+        return b->err;
+    if (b->n_families == 0 || name == NULL || !b->cur_histogram ||
+        strcmp(b->families[b->n_families - 1], name) != 0 || h->n_bounds == 0)
+        return buf_fail(b, -EINVAL);
+    if (labels && *labels) {
+        /* "le" is the bucket's label: a set naming it too would be two le labels */
+        if (!labels_valid(labels) || strncmp(labels, "le=", 3) == 0 || strstr(labels, ",le=\""))
+            return buf_fail(b, -EINVAL);
+    }
+    uint64_t cum = 0;
+    char le[64];
+    for (uint32_t i = 0; i < h->n_bounds; i++) {
+        cum += h->counts[i];
+        format_value(le, sizeof(le), h->bounds[i]);
+        hist_line(b, name, "_bucket", labels, le, (double)cum);
+    }
+    cum += h->counts[h->n_bounds];
+    hist_line(b, name, "_bucket", labels, "+Inf", (double)cum);
+    hist_line(b, name, "_sum", labels, NULL, h->sum);
+    hist_line(b, name, "_count", labels, NULL, (double)h->count);
+    return b->err;
 }
 
 /* ---------------------------------------------------------------- HTTP server */
@@ -369,6 +455,18 @@ static int listen_on(const struct addrinfo *ai, int dual)
     return fd;
 }
 
+/* 127.0.0.0/8, ::1, or ::ffff:127.0.0.0/104. */
+static int addr_loopback(const struct sockaddr_storage *ss)
+{
+    if (ss->ss_family == AF_INET)
+        return (ntohl(((const struct sockaddr_in *)ss)->sin_addr.s_addr) >> 24) == 127;
+    if (ss->ss_family == AF_INET6) {
+        const struct in6_addr *a = &((const struct sockaddr_in6 *)ss)->sin6_addr;
+        return IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127);
+    }
+    return 0;
+}
+
 int rekv_metrics_server_create(const char *listen, rekv_metrics_server **out, rekv_err *err)
 {
     return rekv_metrics_server_create_opts(listen, NULL, out, err);
@@ -434,6 +532,13 @@ int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_serve
         int e = -errno;
         close(fd);
         return rekv_errf(err, e, "metrics: getsockname: %s", strerror(-e));
+    }
+    if (!(opts && opts->allow_remote) && !addr_loopback(&ss)) {
+        close(fd);
+        return rekv_errf(err, -EPERM,
+                         "metrics: %s is not a loopback address, and serving metrics off this "
+                         "host must be asked for (--metrics-public; scrapes are not authenticated)",
+                         host[0] ? host : listen);
     }
     rekv_metrics_server *s = calloc(1, sizeof(*s));
     if (s == NULL) {
