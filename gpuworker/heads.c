@@ -30,16 +30,12 @@ static double dot(const float *a, const float *b, int n)
     return s;
 }
 
-/* softmax of q·k_t / sqrt(hd) over the positions t <= p that keep(t) allows, into pr[0..p] */
-static void row_softmax(const float *q, const float *k, size_t kstride, int hd, int p, int stream,
-                        double *pr)
+/* pr[0..p] = softmax over t <= p of pr[t] in place; -INFINITY entries (left out) get 0 */
+static void row_softmax(int p, double *pr)
 {
-    double mx = -INFINITY, sum = 0, scale = 1.0 / sqrt((double)hd);
-    for (int t = 0; t <= p; t++) {
-        int keep = !stream || t < REKV_HEADS_SINK || t > p - REKV_HEADS_RECENT;
-        pr[t] = keep ? dot(q, k + (size_t)t * kstride, hd) * scale : -INFINITY;
+    double mx = -INFINITY, sum = 0;
+    for (int t = 0; t <= p; t++)
         mx = pr[t] > mx ? pr[t] : mx;
-    }
     for (int t = 0; t <= p; t++)
         sum += pr[t] = pr[t] == -INFINITY ? 0 : exp(pr[t] - mx);
     for (int t = 0; t <= p; t++)
@@ -64,8 +60,15 @@ static void tap_layer(void *ctx, int layer, const float *q, const float *k, cons
             }
             if (p + 1 <= REKV_HEADS_SINK + REKV_HEADS_RECENT)
                 continue; /* streaming sees everything: no loss */
-            row_softmax(qp, kh, KV, hd, p, 0, t->p_full);
-            row_softmax(qp, kh, KV, hd, p, 1, t->p_str);
+            /* the row's scores once; streaming keeps the sink and the recent window of them */
+            double scale = 1.0 / sqrt((double)hd);
+            for (int s = 0; s <= p; s++) {
+                t->p_full[s] = dot(qp, kh + (size_t)s * KV, hd) * scale;
+                int keep = s < REKV_HEADS_SINK || s > p - REKV_HEADS_RECENT;
+                t->p_str[s] = keep ? t->p_full[s] : -INFINITY;
+            }
+            row_softmax(p, t->p_full);
+            row_softmax(p, t->p_str);
             for (int d = 0; d < hd; d++) {
                 double of = 0, os = 0;
                 for (int s = 0; s <= p; s++) {
