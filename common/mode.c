@@ -4,8 +4,8 @@
 #include <errno.h>
 #include <string.h>
 
-static const char *const mode_names[] = {"resident", "offload", "kvpr",
-                                         "act",      "hybrid",  "infinigen"};
+static const char *const mode_names[] = {"resident", "offload",   "kvpr", "act",
+                                         "hybrid",   "infinigen", "clo"};
 enum { N_MODES = sizeof(mode_names) / sizeof(mode_names[0]) };
 
 const char *rekv_mode_name(rekv_mode m)
@@ -25,5 +25,5 @@ int rekv_mode_parse(const char *s, rekv_mode *out)
 
 int rekv_mode_approximate(rekv_mode m)
 {
-    return m == REKV_MODE_INFINIGEN;
+    return m == REKV_MODE_INFINIGEN || m == REKV_MODE_CLO;
 }

@@ -13,12 +13,14 @@ typedef enum rekv_mode {
     REKV_MODE_HYBRID = 4,    /* KV and ACT blocks in a KV:ACT pattern (HybridServe) */
     REKV_MODE_INFINIGEN = 5, /* approximate: only the KV rows a speculation one layer ahead selects
                                 cross the link (InfiniGen) */
+    REKV_MODE_CLO = 6,       /* approximate: per KV head a cached top-k on the device, reused while
+                                the query stays close to the one it was chosen for (CLO) */
 } rekv_mode;
 
 /* Whether a mode's tokens may differ from resident's (opt-in: --approximate). */
 int rekv_mode_approximate(rekv_mode m);
 
-/* "resident", "offload", "kvpr", "act", "hybrid", "infinigen"; "?" for anything else. */
+/* "resident", "offload", "kvpr", "act", "hybrid", "infinigen", "clo"; "?" for anything else. */
 const char *rekv_mode_name(rekv_mode m);
 /* 0 with *out set, or -EINVAL for a name that is not a mode. */
 int rekv_mode_parse(const char *s, rekv_mode *out);

@@ -119,7 +119,7 @@ static inline const float *cache_row(const void *kv, size_t i, int hd, rekv_dtyp
 }
 
 void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, int m, int start,
-                   int n_heads, int n_kv, int hd, float *scores)
+                   int n_heads, int n_kv, int hd, const int32_t *skip, float *scores)
 {
     float scale = 1.0f / sqrtf((float)hd);
     int group = n_heads / n_kv;
@@ -129,8 +129,9 @@ void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, in
         int n_ctx = start + i + 1; /* causal: positions 0..start+i */
         for (int h = 0; h < n_heads; h++) {
             const float *qh = q + ((size_t)i * n_heads + h) * hd;
+            int t0 = skip ? skip[h / group] : 0;
             float mx = -INFINITY;
-            for (int t = 0; t < n_ctx; t++) {
+            for (int t = t0; t < n_ctx; t++) {
                 const float *kt = cache_row(kv, rekv_kv_row(n_kv, hd, h / group, t), hd, dt, buf);
                 float d = 0;
                 for (int j = 0; j < hd; j++)
@@ -140,14 +141,14 @@ void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, in
                     mx = scores[t];
             }
             float sum = 0;
-            for (int t = 0; t < n_ctx; t++) {
+            for (int t = t0; t < n_ctx; t++) {
                 scores[t] = expf(scores[t] - mx);
                 sum += scores[t];
             }
             float inv = 1.0f / sum;
             float *oh = out + ((size_t)i * n_heads + h) * hd;
             memset(oh, 0, sizeof(float) * (size_t)hd);
-            for (int t = 0; t < n_ctx; t++) {
+            for (int t = t0; t < n_ctx; t++) {
                 const float *vt =
                     cache_row(kv, rekv_kv_row(n_kv, hd, h / group, t) + vs, hd, dt, buf);
                 float p = scores[t] * inv;

@@ -38,9 +38,10 @@ void cpu_activation(float *a, const float *b, size_t n, rekv_act act);
 
 /* Causal attention of one sequence: q [m][n_heads*hd] for new tokens at positions start..start+m-1,
  * over the cache kv (kvlayout.h) in dtype dt (16-bit rows are widened exactly) holding positions
- * 0..start+m-1. out [m][n_heads*hd]. scores: scratch of start+m floats. */
+ * 0..start+m-1. out [m][n_heads*hd]. scores: scratch of start+m floats. skip: NULL, or [n_kv]
+ * slots of each KV head left out (kernels.h rekv_attn_seq). */
 void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, int m, int start,
-                   int n_heads, int n_kv, int hd, float *scores);
+                   int n_heads, int n_kv, int hd, const int32_t *skip, float *scores);
 
 /* infinigen (kernels.h head_proj, spec_scores): the reference loops */
 void cpu_head_proj(float *out, float *const *out_rows, const float *in, const float *a, int rows,

@@ -326,7 +326,8 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
         int m = items[b].n_tokens;
         cache_store(s, layer, e->k + (size_t)row * KV, e->v + (size_t)row * KV, m, s->len);
         cpu_attention(e->att + (size_t)row * Q, e->q + (size_t)row * Q, layer_cache(s, layer),
-                      REKV_DTYPE_F32, m, s->len, c->n_heads, c->n_kv_heads, c->head_dim, e->scores);
+                      REKV_DTYPE_F32, m, s->len, c->n_heads, c->n_kv_heads, c->head_dim, NULL,
+                      e->scores);
         row += m;
     }
     cpu_gemm_rowinv(e->h, e->att, L->wo, e->wdtype, L->bo, T, H, Q);

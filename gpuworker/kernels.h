@@ -19,12 +19,15 @@
 /* One sequence's attention context for one layer: a KV buffer laid out as kvlayout.h says, in the
  * cache dtype (the dtype argument of kv_scatter and attention), holding positions 0..start+n-1
  * once the new rows are in; the sequence contributes n query rows, at positions
- * start..start+n-1. */
+ * start..start+n-1. skip (clo: each KV head its own cached context) leaves the first skip[g] slots
+ * of KV head g out of its query heads' attention. */
 typedef struct rekv_attn_seq {
-    void *kv;  /* blocks of K then V rows (kvlayout.h), cache dtype */
-    int start; /* positions before the new rows */
-    int n;     /* new rows (queries) */
-    int row0;  /* index of the sequence's first row in the stacked q/out matrices */
+    void *kv;            /* blocks of K then V rows (kvlayout.h), cache dtype */
+    int start;           /* positions before the new rows */
+    int n;               /* new rows (queries) */
+    int row0;            /* index of the sequence's first row in the stacked q/out matrices */
+    const int32_t *skip; /* [n_kv] slots not attended, from slot 0, per KV head (memory the
+                            device reads, like this struct); NULL: none */
 } rekv_attn_seq;
 
 /* A run of elements converted from a cache dtype into fp32: dst[i] = (float)src[i]. */

@@ -204,7 +204,7 @@ static void run_attention(void *p)
     for (int i = 0; i < a->n_seqs; i++) {
         const rekv_attn_seq *sq = &a->seqs[i];
         cpu_attention(a->out + (size_t)sq->row0 * qd, a->q + (size_t)sq->row0 * qd, sq->kv, a->dt,
-                      sq->n, sq->start, a->n_heads, a->n_kv, a->hd, a->scores);
+                      sq->n, sq->start, a->n_heads, a->n_kv, a->hd, sq->skip, a->scores);
     }
 }
 

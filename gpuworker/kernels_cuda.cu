@@ -512,7 +512,8 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
             qs[j] = qh[j];
         __syncthreads();
         float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
-        attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, kvh, 0, sq.start + i + 1, scale, m, l, acc);
+        attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, kvh, sq.skip ? sq.skip[kvh] : 0, sq.start + i + 1,
+                           scale, m, l, acc);
         attn_merge(accs, ms, ls, hd, m, l, acc, out + r * qd + (size_t)h * hd, 1, &mx, &sum);
     }
 }
@@ -536,11 +537,12 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         sq = seqs[blockIdx.y];
     __syncthreads();
     int h = blockIdx.x, kvh = h / (n_heads / n_kv), z = blockIdx.z, splits = gridDim.z;
-    int n_ctx = sq.start + 1; /* the sequence's one row */
-    int chunk = (n_ctx + splits - 1) / splits;
+    int base = sq.skip ? sq.skip[kvh] : 0;
+    int n_ctx = sq.start + 1; /* the sequence's one row; slots base..start attended */
+    int chunk = (n_ctx - base + splits - 1) / splits;
     if (chunk < ATT_MIN_CHUNK)
         chunk = ATT_MIN_CHUNK;
-    int t0 = z * chunk, t1 = min(n_ctx, t0 + chunk);
+    int t0 = base + z * chunk, t1 = min(n_ctx, t0 + chunk);
     size_t r = (size_t)sq.row0;
     float *pp = attn_partial(part, r, h, z, n_heads, splits, hd);
     if (t0 >= t1) { /* past the context: an empty partial */

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "gpuworker/engine_internal.h"
+#include "gpuworker/heads.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/pipeline_internal.h"
 
@@ -55,6 +56,8 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
     cfg->max_fraction = 0.2f;
     cfg->select = REKV_SELECT_SPECULATE;
     cfg->lookahead = 1;
+    cfg->eta = (float)REKV_HEADS_ETA;
+    cfg->power = (float)REKV_HEADS_POWER;
 }
 
 const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p)
@@ -74,6 +77,9 @@ const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_l
             }
             t->tokens_recomputed += c->tokens_recomputed;
             t->tokens_fetched += c->tokens_fetched;
+            t->tokens_considered += c->tokens_considered;
+            t->head_hits += c->head_hits;
+            t->head_misses += c->head_misses;
         }
     }
     return p->counters;
@@ -109,6 +115,7 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
         d[j].start = s->len;
         d[j].n = it->n_tokens;
         d[j].row0 = st->row0[st->g_begin[g] + j];
+        d[j].skip = NULL;
         if (p->cfg.mode == REKV_MODE_RESIDENT) {
             d[j].kv = s->kv + (size_t)layer *
                                   rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->cap) * dsz;
@@ -322,7 +329,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     }
     if ((rc = pl_ensure_buffers(p, &st, err)))
         goto out;
-    if (p->cfg.mode == REKV_MODE_INFINIGEN && (rc = pl_ig_prepare(p, &st, err)))
+    if ((p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) &&
+        (rc = pl_ig_prepare(p, &st, err)))
         goto out;
     rekv_stream *sc = p->s_compute, *sh = p->s_h2d, *sd = p->s_d2h;
     int E = c->embed_dim, H = c->hidden;
@@ -506,6 +514,9 @@ drain : {
             }
             d.tokens_recomputed -= p->logged.tokens_recomputed;
             d.tokens_fetched -= p->logged.tokens_fetched;
+            d.tokens_considered -= p->logged.tokens_considered;
+            d.head_hits -= p->logged.head_hits;
+            d.head_misses -= p->logged.head_misses;
             log[p->n_steps++] = d;
         }
         p->logged = now;

@@ -15,6 +15,12 @@
  *             against a partial key cache kept on the device — selects per KV head the tokens
  *             whose speculated score is within alpha of the best; only their rows cross the link,
  *             while layer i-1 computes. Layer 0 and prefill steps fetch everything.
+ *   clo       approximate (CLO): per sequence, layer and KV head a top-k of its context kept on the
+ *             device with the query it was chosen for; a step whose queries stay close to it
+ *             (cosine >= the head's threshold, from the head profile) reuses it and moves
+ *             nothing, a miss fetches a new top-k chosen by infinigen's speculation. The attention
+ *             sink and the recent window stay on the device, and layer 0's whole cache
+ *             (pipeline_clo.c).
  * Weights are resident on the device, or offloaded: each layer's weights move host->device, the
  * next layer's prefetched during the current one, W_K and W_V first (KVPR's fine-grained pipeline).
  *
@@ -48,6 +54,7 @@ typedef enum rekv_select {
 } rekv_select;
 
 struct rekv_skew;
+struct rekv_heads;
 
 typedef struct rekv_pipeline_config {
     rekv_mode mode;
@@ -68,10 +75,11 @@ typedef struct rekv_pipeline_config {
                                 kind, and a mode other than resident. 0: pull */
     /* infinigen */
     const struct rekv_skew *skew; /* the model's skew (gpuworker/skew.h; not owned, kept for the
-                                     pipeline's life); required by infinigen */
+                                     pipeline's life); required by infinigen and clo */
     float alpha;                  /* speculated-score margin (default 4: the paper's for OPT) */
     float max_fraction;           /* most tokens fetched per (sequence, layer), as a fraction of
-                                     its context (default 0.2, the paper's) */
+                                     its context (default 0.2, the paper's); clo: the top-k
+                                     fetched on a miss, besides sink and recent window */
     rekv_select select;
     uint64_t select_seed; /* REKV_SELECT_RANDOM's */
     int lookahead;        /* 1 (InfiniGen): layer i's speculation runs at layer i-1 from
@@ -79,6 +87,11 @@ typedef struct rekv_pipeline_config {
                              0: from layer i's own input — a better guess on models whose
                              layers change the residual stream much (stories260K), the
                              fetch then overlapping only other GPU batches' compute */
+    /* clo */
+    const struct rekv_heads *heads; /* the model's head profile (gpuworker/heads.h; not owned,
+                                       kept for the pipeline's life); required by clo */
+    float eta, power; /* the reuse thresholds' Eq. 7 bound and Eq. 8 exponent (REKV_HEADS_ETA,
+                         REKV_HEADS_POWER) */
 } rekv_pipeline_config;
 
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);
@@ -90,8 +103,10 @@ typedef struct rekv_layer_counters {
     uint64_t tokens_recomputed; /* context tokens whose K,V were recomputed from activations */
     uint64_t tokens_fetched;    /* context tokens whose K,V moved host->device (infinigen: slots
                                    per KV head, i.e. fetched rows / n_kv_heads) */
-    uint64_t tokens_considered; /* context tokens a step could have fetched (infinigen: of the
-                                   layers and steps that select; other modes: 0) */
+    uint64_t tokens_considered; /* context tokens a step could have fetched (infinigen, clo: of
+                                   the layers and steps that select; other modes: 0) */
+    uint64_t head_hits;         /* clo: (sequence, KV head) steps that reused their top-k */
+    uint64_t head_misses;       /* ... and that fetched a new one */
 } rekv_layer_counters;
 
 typedef struct rekv_pipeline rekv_pipeline;

@@ -168,6 +168,8 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
             kv_elems += rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, (int)tot);
             if (tot > max_ctx)
                 max_ctx = tot;
+            if ((size_t)st->items[i].seq->clo_slots > max_ctx) /* clo: its head caches */
+                max_ctx = (size_t)st->items[i].seq->clo_slots;
         }
         if (ctx > max_ctx_g)
             max_ctx_g = ctx;

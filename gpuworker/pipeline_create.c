@@ -164,6 +164,7 @@ void rekv_pipeline_free(rekv_pipeline *p)
     for (int l = 0; l < p->weights_registered; l++)
         p->bi->host_unregister(p->be, p->e->layer_mem[l]);
     pl_ig_free(p);
+    pl_clo_free(p);
     free(p->counters);
     free(p->step_log);
     pl_meta_free(&p->meta);
@@ -272,8 +273,8 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     /* weights on the device: the model's non-layer tensors always; layers unless offloaded */
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
     size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
-    if (p->bi->dev_adopt != NULL &&
-        (p->adopted = calloc(7 + (size_t)c->n_layers * N_LAYER_TENSORS, sizeof(*p->adopted))) == NULL)
+    if (p->bi->dev_adopt != NULL && (p->adopted = calloc(7 + (size_t)c->n_layers * N_LAYER_TENSORS,
+                                                         sizeof(*p->adopted))) == NULL)
         rc = -ENOMEM;
     p->d_embed = dev_copy(p, e->embed, V * E * w, &rc);
     p->d_pos = dev_copy(p, e->pos_embed, ((size_t)c->max_pos + 2) * H * f, &rc);
@@ -323,7 +324,10 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         rekv_errf(err, rc, "pipeline: out of device memory for the weights");
         goto fail;
     }
-    if (cfg->mode == REKV_MODE_INFINIGEN && (rc = pl_ig_create(p, err)))
+    if ((cfg->mode == REKV_MODE_INFINIGEN || cfg->mode == REKV_MODE_CLO) &&
+        (rc = pl_ig_create(p, err)))
+        goto fail;
+    if (cfg->mode == REKV_MODE_CLO && (rc = pl_clo_create(p, err)))
         goto fail;
     if ((rc = p->bi->stream_sync(p->s_h2d, err)))
         goto fail;
@@ -368,7 +372,9 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
                 goto fail;
             }
         }
-        if (p->cfg.mode == REKV_MODE_INFINIGEN) {
+        if (p->cfg.mode == REKV_MODE_CLO && (rc = pl_clo_seq_alloc(p, s, err)))
+            goto fail;
+        if (p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) {
             s->pk = p->bi->dev_alloc(p->be, pl_ig_pk_floats(p, capacity) * sizeof(float));
             if (s->pk == NULL) {
                 rc = rekv_errf(err, -ENOMEM,
@@ -395,6 +401,7 @@ fail:
         p->bi->dev_free(p->be, s->act_dev);
     if (s->pk)
         p->bi->dev_free(p->be, s->pk);
+    pl_clo_seq_free(p, s);
     free(s);
     return rc;
 }
@@ -410,6 +417,7 @@ void rekv_pseq_free(rekv_pseq *s)
         p->bi->dev_free(p->be, s->act_dev);
     if (s->pk)
         p->bi->dev_free(p->be, s->pk);
+    pl_clo_seq_free(p, s);
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
         if (p->cfg.mode == REKV_MODE_KVPR)

@@ -57,6 +57,8 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
     int L = c->n_layers, nkv = c->n_kv_heads, hd = c->head_dim, rk = sk->rk, nh = c->n_heads;
     int group = nh / nkv, Q = rekv_config_q_dim(c), H = c->hidden;
     p->ig.rk = rk;
+    /* clo compares whole queries, so it needs W_Q itself, not the folded partial weight */
+    p->ig.fold = c->rope == REKV_ROPE_NONE && p->cfg.mode == REKV_MODE_INFINIGEN;
     p->ig.layers = calloc((size_t)L, sizeof(ig_layer));
     float *ac = malloc(sizeof(float) * (size_t)nkv * (size_t)hd * (size_t)rk);
     float *wq = NULL, *wp = NULL, *bp = NULL;
@@ -64,7 +66,7 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
     int rc = 0;
     if (p->ig.layers == NULL || ac == NULL)
         goto nomem;
-    if (c->rope == REKV_ROPE_NONE) {
+    if (p->ig.fold) {
         wq = malloc(sizeof(float) * (size_t)Q * (size_t)H);
         wp = malloc(sizeof(float) * (size_t)nh * (size_t)rk * (size_t)H);
         bp = malloc(sizeof(float) * (size_t)nh * (size_t)rk);
@@ -93,7 +95,7 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
             goto nomem;
         rekv_copy_piece pc = {il->a, ac, abytes};
         p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_WEIGHTS);
-        if (c->rope == REKV_ROPE_NONE) {
+        if (p->ig.fold) {
             /* fold A[:, cols] into W_Q: Wp[h][c][:] = sum_d A[d][c] W_Q[h * hd + d][:] (and the
              * bias), so the partial query is one small GEMM of the attention input */
             rekv_to_f32(wq, src->wq, p->e->wdtype, (size_t)Q * (size_t)H);
@@ -122,10 +124,10 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
             /* the host copies are reused for the next layer: wait for this one's */
             if ((rc = p->bi->stream_sync(p->s_h2d, err)))
                 goto out;
-        } else if (p->dev_layers) { /* RoPE: the full W_Q of layer l, already on the device */
+        } else if (p->dev_layers) { /* the full W_Q of layer l, already on the device */
             il->wp = p->dev_layers[l].wq;
             il->bp = p->dev_layers[l].bq;
-        } else { /* RoPE, weights offloaded: a resident copy of every W_Q */
+        } else { /* weights offloaded: a resident copy of every W_Q */
             size_t wb = (size_t)Q * (size_t)H * wdsz;
             il->wp = p->bi->dev_alloc(p->be, wb);
             il->own_wp = 1;
@@ -178,6 +180,8 @@ void pl_ig_free(rekv_pipeline *p)
     pl_dbuf_free(p, &p->ig.scores);
     if (p->ig.host)
         rekv_host_free(p->be, p->ig.host);
+    if (p->ig.qhost)
+        rekv_host_free(p->be, p->ig.qhost);
     for (int g = 0; g < MAX_GPU_BATCHES; g++)
         if (p->ig.ev[g])
             p->bi->event_destroy(p->ig.ev[g]);
@@ -203,6 +207,8 @@ static float *pk_at(const rekv_pipeline *p, const rekv_pseq *s, int layer, int p
 /* Whether item i fetches sparsely at layers > 0: a decode row over a context. */
 int pl_ig_sparse(const rekv_pipeline *p, const step *st, int i)
 {
+    if (p->cfg.mode == REKV_MODE_CLO)
+        return pl_clo_sparse(p, st, i);
     return p->cfg.mode == REKV_MODE_INFINIGEN && st->items[i].n_tokens == 1 &&
            st->items[i].seq->len > 0;
 }
@@ -231,7 +237,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     int rc = pl_dbuf_ensure(p, &p->ig.qp, max_rows * (size_t)nh * (size_t)rk * sizeof(float)) |
              pl_dbuf_ensure(p, &p->ig.hn, max_rows * (size_t)c->hidden * sizeof(float)) |
              pl_dbuf_ensure(p, &p->ig.scores, (total ? total : 1) * sizeof(float));
-    if (c->rope != REKV_ROPE_NONE)
+    if (!p->ig.fold)
         rc |= pl_dbuf_ensure(p, &p->ig.q, max_rows * (size_t)rekv_config_q_dim(c) * sizeof(float));
     if (rc)
         return rekv_errf(err, -ENOMEM, "step: out of device memory for infinigen's speculation");
@@ -243,6 +249,18 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
         if (p->ig.host == NULL) {
             p->ig.host_cap = 0;
             return rekv_errf(err, -ENOMEM, "step: out of host memory for infinigen's scores");
+        }
+    }
+    size_t qneed =
+        p->cfg.mode == REKV_MODE_CLO ? (size_t)st->n_items * (size_t)rekv_config_q_dim(c) : 0;
+    if (qneed > p->ig.qhost_cap) {
+        if (p->ig.qhost)
+            rekv_host_free(p->be, p->ig.qhost);
+        p->ig.qhost_cap = qneed + qneed / 4;
+        p->ig.qhost = rekv_host_alloc(p->be, p->ig.qhost_cap * sizeof(float));
+        if (p->ig.qhost == NULL) {
+            p->ig.qhost_cap = 0;
+            return rekv_errf(err, -ENOMEM, "step: out of host memory for clo's queries");
         }
     }
     size_t need = max_len * (size_t)(c->n_kv_heads + 1);
@@ -269,7 +287,8 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
 /* Whether unit (layer, g) speculates for layer + 1. */
 int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer)
 {
-    if (p->cfg.mode != REKV_MODE_INFINIGEN || layer + 1 >= p->c->n_layers)
+    if ((p->cfg.mode != REKV_MODE_INFINIGEN && p->cfg.mode != REKV_MODE_CLO) ||
+        layer + 1 >= p->c->n_layers)
         return 0;
     for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++)
         if (st->ig_off[i] != SIZE_MAX)
@@ -296,12 +315,13 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
         k->norm(s, p->ig.hn.p, h, nl->norm_w, nl->norm_b, T, H, c->norm_eps);
         h = p->ig.hn.p;
     }
-    if (c->rope == REKV_ROPE_NONE) {
+    float *q = p->ig.q.p;
+    if (p->ig.fold) {
         k->linear(s, qp, h, il->wp, REKV_DTYPE_F32, il->bp, T, nh * rk, H);
     } else {
-        float *q = p->ig.q.p;
         k->linear(s, q, h, il->wp, p->e->wdtype, il->bp, T, rekv_config_q_dim(c), H);
-        k->rope(s, q, st->pos[g], T, nh, hd, c->rope_theta, c->rope);
+        if (c->rope != REKV_ROPE_NONE)
+            k->rope(s, q, st->pos[g], T, nh, hd, c->rope_theta, c->rope);
         k->head_proj(s, qp, NULL, q, il->a, T, nh, group, hd, rk);
     }
     int nb = st->g_begin[g + 1] - st->g_begin[g], n = 0;
@@ -324,6 +344,17 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
     k->spec_scores(s, p->ig.scores.p, qp, sq, n, nh, group, rk, 1.0f / sqrtf((float)hd));
     rekv_copy_piece pc = {p->ig.host + lo, (float *)p->ig.scores.p + lo, (hi - lo) * sizeof(float)};
     p->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
+    if (p->cfg.mode == REKV_MODE_CLO) { /* and the queries, for the similarity test */
+        size_t Qd = (size_t)rekv_config_q_dim(c);
+        for (int j = 0; j < nb; j++) {
+            int i = st->g_begin[g] + j;
+            if (st->ig_off[i] == SIZE_MAX)
+                continue;
+            rekv_copy_piece pq = {p->ig.qhost + (size_t)i * Qd, q + (size_t)st->last[g][j] * Qd,
+                                  Qd * sizeof(float)};
+            p->bi->copy_d2h(s, &pq, 1, REKV_XFER_OTHER);
+        }
+    }
     p->bi->event_record(p->ig.ev[g], s);
     return 0;
 }
@@ -332,7 +363,7 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
  * memory; NULL when the layer keeps none (layer 0, other modes) or out of memory (*rc). */
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc)
 {
-    if (p->cfg.mode != REKV_MODE_INFINIGEN || layer == 0)
+    if ((p->cfg.mode != REKV_MODE_INFINIGEN && p->cfg.mode != REKV_MODE_CLO) || layer == 0)
         return NULL;
     int T = st->g_rows[g];
     float **rows = pl_smem_alloc(&st->mem, sizeof(float *) * (size_t)T);
@@ -401,23 +432,16 @@ int rekv_ig_select(const float *scores, int n_heads, int nkv, int len, float alp
     float *comb = scratch, *tmp = scratch + (size_t)nkv * (size_t)len;
     double counted = 0;
     for (int g = 0; g < nkv; g++) {
-        float *cg = comb + (size_t)g * (size_t)len;
-        memset(cg, 0, sizeof(float) * (size_t)len);
+        pl_ig_group_probs(scores, group, g, len, comb + (size_t)g * (size_t)len);
         for (int h = g * group; h < (g + 1) * group; h++) {
             const float *sh = scores + (size_t)h * (size_t)len;
             float best = -INFINITY;
             for (int t = 0; t < len; t++)
                 best = sh[t] > best ? sh[t] : best;
-            float thr = best - alpha;
-            double sum = 0;
             int cnt = 0;
-            for (int t = 0; t < len; t++) {
-                cnt += sh[t] > thr;
-                sum += exp((double)(sh[t] - best));
-            }
-            counted += cnt ? cnt : 1;
             for (int t = 0; t < len; t++)
-                cg[t] += (float)(exp((double)(sh[t] - best)) / sum);
+                cnt += sh[t] > best - alpha;
+            counted += cnt ? cnt : 1;
         }
     }
     int m = (int)lround(counted / n_heads);
@@ -445,20 +469,54 @@ int rekv_ig_select(const float *scores, int n_heads, int nkv, int len, float alp
                     sg[n++] = t;
             continue;
         }
-        memcpy(tmp, cg, sizeof(float) * (size_t)len);
-        float kth = kth_largest(tmp, len, m);
-        int above = 0;
-        for (int t = 0; t < len; t++)
-            above += cg[t] > kth;
-        int ties = m - above; /* of the tokens equal to the m-th score, the first ones */
-        for (int t = 0; t < len; t++)
-            if (cg[t] > kth || (cg[t] == kth && ties-- > 0))
-                sg[n++] = t;
+        pl_ig_top(cg, len, m, tmp, sg);
     }
     return m;
 }
 
+float *pl_ig_group_probs(const float *scores, int group, int g, int len, float *out)
+{
+    memset(out, 0, sizeof(float) * (size_t)len);
+    for (int h = g * group; h < (g + 1) * group; h++) {
+        const float *sh = scores + (size_t)h * (size_t)len;
+        float best = -INFINITY;
+        for (int t = 0; t < len; t++)
+            best = sh[t] > best ? sh[t] : best;
+        double sum = 0;
+        for (int t = 0; t < len; t++)
+            sum += exp((double)(sh[t] - best));
+        for (int t = 0; t < len; t++)
+            out[t] += (float)(exp((double)(sh[t] - best)) / sum);
+    }
+    return out;
+}
+
+void pl_ig_top(const float *v, int len, int m, float *tmp, int32_t *out)
+{
+    memcpy(tmp, v, sizeof(float) * (size_t)len);
+    float kth = kth_largest(tmp, len, m);
+    int above = 0, n = 0;
+    for (int t = 0; t < len; t++)
+        above += v[t] > kth;
+    int ties = m - above; /* of the tokens equal to the m-th score, the first ones */
+    for (int t = 0; t < len; t++)
+        if (v[t] > kth || (v[t] == kth && ties-- > 0))
+            out[n++] = t;
+}
+
 /* ------------------------------------------------------------------ one item's copies */
+
+/* Waits (once per unit) until the scores of item's GPU batch are on the host. */
+void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io)
+{
+    int g = 0;
+    for (; g < st->n_g && item >= st->g_begin[g + 1]; g++)
+        ;
+    if (!io->spec_synced) {
+        p->bi->event_sync(p->ig.ev[g]);
+        io->spec_synced = 1;
+    }
+}
 
 /* Unit (layer > 0) of sparse item `item` (index j in its batch): waits for the batch's scores
  * (once per unit), selects, appends the selected rows' copies into slots 0..m-1 of the item's
@@ -468,13 +526,8 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
                     rekv_attn_seq *d, unit_io *io)
 {
     const rekv_model_config *c = p->c;
-    int kvh = c->n_kv_heads, hd = c->head_dim, g = 0;
-    for (; g < st->n_g && item >= st->g_begin[g + 1]; g++)
-        ;
-    if (!io->spec_synced) {
-        p->bi->event_sync(p->ig.ev[g]);
-        io->spec_synced = 1;
-    }
+    int kvh = c->n_kv_heads, hd = c->head_dim;
+    pl_ig_wait(p, st, item, io);
     rekv_pseq *s = st->items[item].seq;
     int len = s->len;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;

@@ -101,6 +101,9 @@ typedef struct ig_state {
     dbuf scores;      /* every sparse item's speculated scores, [n_heads][len] at ig_off */
     float *host;      /* their host copy (rekv_host_alloc), host_cap floats */
     size_t host_cap;
+    int fold;         /* the partial query weight is W_Q·A[:, cols] (infinigen without RoPE) */
+    float *qhost;     /* clo: each sparse item's speculated query, [n_items][q_dim] (host) */
+    size_t qhost_cap; /* floats */
     rekv_event *ev[MAX_GPU_BATCHES]; /* batch g's scores have reached the host */
     float *scratch;                  /* rekv_ig_select's, [(n_kv + 1) * len] */
     size_t scratch_cap;              /* floats */
@@ -149,7 +152,7 @@ struct rekv_pipeline {
     struct {
         void *p;
         size_t bytes;
-    } *adopted;
+    } * adopted;
     int n_adopted;
     size_t arena_bytes;
     /* push: handles of the shared attention buffers and events; the store pushes KV rows */
@@ -157,7 +160,13 @@ struct rekv_pipeline {
     rekv_event *ev_pushed[2]; /* the store's copies into the parity's buffers are done */
     rekv_kv_push_piece *push_pieces;
     size_t push_cap;
-    ig_state ig; /* infinigen */
+    ig_state ig;     /* infinigen, and clo's speculation */
+    struct {         /* clo (pipeline_clo.c) */
+        double *tau; /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9) */
+        double *imp; /* [n_layers][n_heads] query head importance (Eq. 10's weights) */
+        int topk;    /* slots of a head's top-k region: ceil(max_fraction * capacity) (per
+                        sequence: set at pseq create; this is the largest) */
+    } clo;
 };
 
 struct rekv_pseq {
@@ -166,7 +175,17 @@ struct rekv_pseq {
     int len, cap;
     uint8_t *kv;      /* resident: [n_layers] caches of cap positions (kvlayout.h), cache dtype */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
-    float *pk;        /* infinigen: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
+    float *pk;        /* infinigen, clo: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
+    /* clo (pipeline_clo.c): layer 0's whole cache and, per layer > 0, a head cache of
+     * clo_slots positions (kvlayout.h) on the device; on the host each query head's label and
+     * each KV head's cached top-k count (-1: not built) */
+    uint8_t *clo0; /* layer 0: cap positions, valid below clo0_len (-1: not filled) */
+    int clo0_len;
+    uint8_t *hc;   /* [n_layers - 1][clo_slots positions] */
+    int clo_k;     /* top-k region slots: ceil(max_fraction * cap) */
+    int clo_slots; /* clo_k + sink + recent + 1 */
+    float *label;  /* [n_layers][n_heads][head_dim] */
+    int32_t *klen; /* [n_layers][n_kv] */
 };
 
 /* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
@@ -252,5 +271,18 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
 int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
                     rekv_attn_seq *d, unit_io *io);
+void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io);
+float *pl_ig_group_probs(const float *scores, int group, int g, int len, float *out);
+void pl_ig_top(const float *v, int len, int m, float *tmp, int32_t *out);
+
+/* pipeline_clo.c */
+int pl_clo_create(rekv_pipeline *p, rekv_err *err);
+void pl_clo_free(rekv_pipeline *p);
+int pl_clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
+void pl_clo_seq_free(rekv_pipeline *p, rekv_pseq *s);
+int pl_clo_sparse(const rekv_pipeline *p, const step *st, int i);
+void pl_clo_forget(rekv_pseq *s, int layer);
+int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
+                     rekv_attn_seq *d, unit_io *io);
 
 #endif

@@ -134,7 +134,8 @@ static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, i
  * buffer; and the stores of the new rows into the arena. */
 int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d, unit_io *io)
 {
-    int ig = p->cfg.mode == REKV_MODE_INFINIGEN, rc = 0;
+    int clo = p->cfg.mode == REKV_MODE_CLO;
+    int ig = p->cfg.mode == REKV_MODE_INFINIGEN || clo, rc = 0;
     if (ig) { /* new rows go where the selection leaves room; their partial keys are kept */
         io->kv_pos = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)st->g_rows[g]);
         if (io->kv_pos == NULL)
@@ -166,6 +167,14 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         int item = st->g_begin[g] + j;
         rekv_pseq *s = st->items[item].seq;
         const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
+        if (clo && (layer > 0 ? pl_clo_sparse(p, st, item)
+                              : st->items[item].n_tokens == 1 && s->len > 0)) {
+            if ((rc = pl_clo_item_plan(p, st, item, layer, kr, &d[j], io)))
+                return rc;
+            continue;
+        }
+        if (clo)
+            pl_clo_forget(s, layer);
         if (ig && layer > 0 && pl_ig_sparse(p, st, item)) {
             if ((rc = pl_ig_item_plan(p, st, item, layer, kr, &d[j], io)))
                 return rc;

@@ -453,7 +453,7 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         float *dsc = dout ? pf_dev(&m, (size_t)cap * c->n_heads * B * sizeof(float)) : NULL;
         rekv_attn_seq seqs[PF_ATTN_BATCH];
         for (int i = 0; i < B; i++)
-            seqs[i] = (rekv_attn_seq){dkv + i * seq_stride, S, 1, i};
+            seqs[i] = (rekv_attn_seq){dkv + i * seq_stride, S, 1, i, NULL};
         rekv_attn_seq *dseqs = dsc ? pf_upload(&m, s, seqs, sizeof(seqs), err) : NULL;
         if (!dseqs) {
             rc = err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");

@@ -39,6 +39,7 @@
 #include "common/version.h"
 #include "gpuworker/profile.h"
 #include "gpuworker/batcher.h"
+#include "gpuworker/heads.h"
 #include "gpuworker/pipeline.h"
 #include "gpuworker/skew.h"
 #include "gpuworker/worker_metrics.h"
@@ -89,7 +90,8 @@ typedef struct worker {
     rekv_batcher *batch;
     rekv_engine *eng;
     rekv_pipeline_config pc; /* the pipeline to build (pc.mode once known) */
-    rekv_skew skew;          /* infinigen: the model's (rekv_skew_prepare; cached) */
+    rekv_skew skew;          /* infinigen, clo: the model's (rekv_skew_prepare; cached) */
+    rekv_heads heads;        /* clo: the model's head profile (rekv_heads_prepare; cached) */
     int push;                /* --push */
     int approximate;         /* --approximate: the coordinator may assign an approximate mode */
     const rekv_model_config *mc;
@@ -107,10 +109,10 @@ typedef struct worker {
     rekv_kvstore_client *kv;      /* NULL in resident mode without --kvstore, and while lost */
     uint64_t renew_ns;            /* kvstore lease renewal period: a quarter of its lease */
     uint64_t last_renew_ns;
-    const char *kv_ep;            /* --kvstore */
-    int kv_timeout_ms;            /* --kvstore-timeout-ms: the bound on one store request */
-    int kv_lost;                  /* the store went away: no client, no pipeline, reconnecting */
-    int rebuild;                  /* a pipeline was built before the loss: build it again */
+    const char *kv_ep; /* --kvstore */
+    int kv_timeout_ms; /* --kvstore-timeout-ms: the bound on one store request */
+    int kv_lost;       /* the store went away: no client, no pipeline, reconnecting */
+    int rebuild;       /* a pipeline was built before the loss: build it again */
     uint64_t next_reconnect_ns;
     int reconnect_tries;          /* since the loss (the first failure is logged, not each) */
     char unavailable[256];        /* sent with every message while non-empty (worker.proto) */
@@ -324,8 +326,8 @@ static void kv_lose(worker *w)
 {
     rekv_log(REKV_LOG_WARN, "kvstore %s: lost; unavailable until it is back", w->kv_ep);
     if (w->unavailable[0] == '\0')
-        snprintf(w->unavailable, sizeof(w->unavailable),
-                 "its kvstore at %s is gone; reconnecting", w->kv_ep);
+        snprintf(w->unavailable, sizeof(w->unavailable), "its kvstore at %s is gone; reconnecting",
+                 w->kv_ep);
     w->rebuild = w->pipe != NULL;
     if (w->batch)
         rekv_batcher_clear(w->batch); /* the client fails at once: nothing waits */
@@ -490,8 +492,8 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         /* the step failed as a whole: every job in it is reported, to run again or failed */
         int retry = step_error_retry(w, serr.code, &lost);
         rekv_log(retry ? REKV_LOG_WARN : REKV_LOG_ERROR, "step %llu failed (%s): %s",
-                 (unsigned long long)plan->step,
-                 retry ? "its jobs run again" : "its jobs fail", serr.msg);
+                 (unsigned long long)plan->step, retry ? "its jobs run again" : "its jobs fail",
+                 serr.msg);
         uint64_t *ids = calloc((size_t)running, sizeof(uint64_t));
         int n_ids = ids ? rekv_batcher_job_ids(w->batch, ids, running) : 0;
         for (int i = 0; i < n_ids && i < running && n < cap; i++) {
@@ -510,8 +512,8 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     }
     double step_s = (double)(rekv_now_ns() - t0) * 1e-9;
     if (lost && !w->stopping) /* said in this Progress: no Plan comes until we are back */
-        snprintf(w->unavailable, sizeof(w->unavailable),
-                 "its kvstore at %s is gone; reconnecting", w->kv_ep);
+        snprintf(w->unavailable, sizeof(w->unavailable), "its kvstore at %s is gone; reconnecting",
+                 w->kv_ep);
     for (int i = 0; i < n_ev && n < cap; i++) {
         rekv__worker__job_progress__init(&jp[n]);
         jp[n].job = ev[i].job;
@@ -602,13 +604,21 @@ static int start_pipeline(worker *w, rekv_err *err)
     w->pc.push = w->push && w->pc.mode != REKV_MODE_RESIDENT;
     w->mode = rekv_mode_name(w->pc.mode);
     int rc;
-    if (w->pc.mode == REKV_MODE_INFINIGEN && w->pc.skew == NULL) {
+    if ((w->pc.mode == REKV_MODE_INFINIGEN || w->pc.mode == REKV_MODE_CLO) && w->pc.skew == NULL) {
         int cached = 0;
         if ((rc = rekv_skew_prepare(w->eng, REKV_SKEW_DEFAULT_RATIO, &w->skew, &cached, err)))
             return rc;
-        rekv_log(REKV_LOG_INFO, "infinigen: the model's skew %s",
+        rekv_log(REKV_LOG_INFO, "%s: the model's skew %s", w->mode,
                  cached ? "from the cache" : "made and cached");
         w->pc.skew = &w->skew;
+    }
+    if (w->pc.mode == REKV_MODE_CLO && w->pc.heads == NULL) {
+        int cached = 0;
+        if ((rc = rekv_heads_prepare(w->eng, &w->heads, &cached, err)))
+            return rc;
+        rekv_log(REKV_LOG_INFO, "clo: the model's head profile %s",
+                 cached ? "from the cache" : "made and cached");
+        w->pc.heads = &w->heads;
     }
     if ((rc = rekv_pipeline_create(w->eng, w->be, w->kv, &w->pc, &w->pipe, err)) ||
         (rc = rekv_batcher_create(w->pipe, w->mc, w->max_batch, &w->batch, err)))
@@ -1030,6 +1040,7 @@ out:
     rekv_batcher_free(w.batch);
     rekv_pipeline_free(w.pipe);
     rekv_skew_free(&w.skew);
+    rekv_heads_free(&w.heads);
     rekv_backend_destroy(be);
     rekv_kvstore_client_close(w.kv); /* NULL while lost */
     rekv_kvstore_client_close(kv);   /* a start that failed before handing it to w */

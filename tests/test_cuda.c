@@ -416,7 +416,8 @@ END_TEST
  * context, a few rows after a long context, a single-token prompt (the plain kernel); and a decode
  * batch, one row each over short and long contexts (split over the context, flash-decoding: too
  * few blocks to fill the device); GQA and MHA; head dims that are and are not multiples of a warp;
- * caches in every cache dtype (the scattered rows are rounded to it alike: equal bits). */
+ * caches in every cache dtype (the scattered rows are rounded to it alike: equal bits); decode rows
+ * whose KV heads skip their first slots (clo's per-head contexts, both kernels). */
 START_TEST(kernel_scatter_attention)
 {
     backends_open();
@@ -444,8 +445,14 @@ START_TEST(kernel_scatter_attention)
                     rekv_from_f32(hkv[i], f, dt, sz[i]);
                     free(f);
                     dkv[i] = dev_from(hkv[i], sz[i] * es);
-                    cpu_d[i] = (rekv_attn_seq){hkv[i], starts[i], ns[i], rows};
-                    cu_d[i] = (rekv_attn_seq){dkv[i], starts[i], ns[i], rows};
+                    cpu_d[i] = (rekv_attn_seq){hkv[i], starts[i], ns[i], rows, NULL};
+                    cu_d[i] = (rekv_attn_seq){dkv[i], starts[i], ns[i], rows, NULL};
+                    if (ns[i] == 1 && i % 2 == 1) { /* clo: each KV head skips its first slots */
+                        int32_t *skip = meta(sizeof(int32_t) * (size_t)nkv);
+                        for (int g = 0; g < nkv; g++)
+                            skip[g] = (g * 37 + i) % (starts[i] / 2 + 1);
+                        cpu_d[i].skip = cu_d[i].skip = skip;
+                    }
                     rows += ns[i];
                     if (starts[i] + ns[i] > max_ctx)
                         max_ctx = starts[i] + ns[i];
@@ -505,7 +512,8 @@ START_TEST(kernel_infinigen)
 {
     backends_open();
     const int rows = 5, nh = 8, group = 2, hd = 64, rk = 20, nkv = nh / group;
-    size_t n_in = (size_t)rows * nh * hd, n_a = (size_t)nkv * hd * rk, n_out = (size_t)rows * nh * rk;
+    size_t n_in = (size_t)rows * nh * hd, n_a = (size_t)nkv * hd * rk,
+           n_out = (size_t)rows * nh * rk;
     float *in = hrand(n_in, 2), *a = hrand(n_a, 1), *out = calloc(n_out, sizeof(float));
     float *din = dev_from(in, sizeof(float) * n_in), *da = dev_from(a, sizeof(float) * n_a);
     float *dout = dev_zero(sizeof(float) * n_out), *drows = dev_zero(sizeof(float) * n_out);

@@ -185,6 +185,45 @@ START_TEST(infinigen_in_eval)
 }
 END_TEST
 
+/* clo in eval: its counters and bytes are reported; every head missing with a whole-context
+ * top-k is resident's NLL up to summation order; the default moves under a fifth of offload's
+ * bytes. The skew and head profile are made once, into a private cache. */
+START_TEST(clo_in_eval)
+{
+    char m[4096];
+    if (!model_path(m))
+        return;
+    char *dir = tu_tmpdir(), args[8400];
+    setenv("XDG_CACHE_HOME", dir, 1);
+    double ref;
+    size_t n;
+    char *ids = sample_file(dir, 0, &ref, &n);
+    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu", m, ids);
+    json_t *res = eval_json(args);
+    snprintf(args, sizeof(args),
+             "--model %s --ids %s --backend cpu --mode clo --fetch-cap 1 --eta 1 --power 1e-6", m,
+             ids);
+    json_t *all = eval_json(args);
+    ck_assert_msg(fabs(num(all, "nll") - num(res, "nll")) < 1e-4, "clo, all: %.9g, resident %.9g",
+                  num(all, "nll"), num(res, "nll"));
+    ck_assert(num(all, "head_hits") == 0 && num(all, "head_misses") > 0);
+    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu --mode clo", m, ids);
+    json_t *d = eval_json(args);
+    ck_assert(num(d, "head_hits") > 0 && num(d, "head_misses") > 0);
+    ck_assert(num(d, "hit_ratio") ==
+              num(d, "head_hits") / (num(d, "head_hits") + num(d, "head_misses")));
+    ck_assert_msg(num(d, "h2d_kv_bytes") < 0.2 * num(d, "kv_bytes_offload"),
+                  "clo moved %g of offload's %g", num(d, "h2d_kv_bytes"),
+                  num(d, "kv_bytes_offload"));
+    ck_assert(num(d, "eta") > 0.94 && num(d, "eta") < 0.96 && num(d, "power") == 2);
+    json_decref(res), json_decref(all), json_decref(d);
+    unsetenv("XDG_CACHE_HOME");
+    free(ids);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* Windows of 200 over 501 tokens: three windows, and still every token after the first 33 scored
  * once; with less context than the whole text the NLL is not the full-context one. */
 START_TEST(windows_score_every_token_once)
@@ -280,6 +319,7 @@ static Suite *suite(void)
     tcase_add_test(tc, windows_score_every_token_once);
     tcase_add_test(tc, bad_input_clear_errors);
     tcase_add_test(tc, infinigen_in_eval);
+    tcase_add_test(tc, clo_in_eval);
     suite_add_tcase(s, tc);
     return s;
 }

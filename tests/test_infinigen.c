@@ -1,5 +1,5 @@
-/* test_infinigen.c — the infinigen mode (gpuworker/pipeline_infinigen.c) with the KV cache in a
- * real kvstore process, on the cpu backend:
+/* test_infinigen.c — the infinigen and clo modes (gpuworker/pipeline_infinigen.c,
+ * pipeline_clo.c) with the KV cache in a real kvstore process, on the cpu backend:
  *   - the exact limit: selecting every token (REKV_SELECT_ALL, or alpha = inf with no cap) gives
  *     resident's logits bit for bit, over prefill and decode steps, batches of mixed lengths,
  *     GPU batches, both schedules, weights offloaded, pull and push — so packing the selected
@@ -7,14 +7,20 @@
  *   - the selection equals a brute-force one (sort every token) on random scores of many shapes;
  *     random selection takes as many tokens, distinct and ascending, reproducibly;
  *   - what moves: layer 0 and prefill fetch everything; other layers fetch m rows per KV head with
- *     m within the cap, the bytes exactly m rows' worth; the new rows still reach the arena.
- * How good the speculation is belongs to `rekv eval` (README, "InfiniGen"). */
+ *     m within the cap, the bytes exactly m rows' worth; the new rows still reach the arena;
+ *   - clo: with every head missing every step and a top-k of the whole context, the head caches
+ *     (sink, ring, top-k region, per-head skip) give resident's logits up to summation order
+ *     (the cached tokens are attended in another order); with every head hitting, a sequence's
+ *     layers > 0 fetch once (sink, window, top-k) and never again, layer 0 once after the
+ *     prefill, and the counters say so exactly.
+ * How good the speculation is belongs to `rekv eval` (README, "InfiniGen", "CLO"). */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpuworker/heads.h"
 #include "gpuworker/pipeline.h"
 #include "gpuworker/skew.h"
 #include "tests/fixture.h"
@@ -413,6 +419,185 @@ START_TEST(bad_config_refused)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ clo */
+
+/* A head profile with every head's importance imp (the thresholds follow: 1 with eta 1 -> tau 1,
+ * every head misses; 0 -> tau -1, every head hits once its cache is built). */
+static void make_heads(const fixture *f, double imp, rekv_heads *h)
+{
+    const rekv_model_config *c = &f->m->config;
+    memset(h, 0, sizeof(*h));
+    h->n_layers = c->n_layers;
+    h->n_heads = c->n_heads;
+    h->n_kv_heads = c->n_kv_heads;
+    size_t n = (size_t)c->n_layers * (size_t)c->n_heads;
+    h->importance = malloc(sizeof(double) * n);
+    h->adjacent_cos = malloc(sizeof(double) * n);
+    for (size_t i = 0; i < n; i++) {
+        h->importance[i] = imp;
+        h->adjacent_cos[i] = 0.5;
+    }
+}
+
+static const char *stories(char *path, size_t cap)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return NULL;
+    snprintf(path, cap, "%s", p);
+    return path;
+}
+
+/* every head misses every step and its top-k is the whole middle of the context: the same
+ * attention as resident's over the same rows, in another order */
+START_TEST(clo_full_cache_matches_resident)
+{
+    char path[4096];
+    if (stories(path, sizeof(path)) == NULL)
+        return;
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    rekv_heads hp;
+    make_heads(&f, 1.0, &hp);
+    int lens[] = {90, 40, 75}, B = 3, steps = 8; /* 40: dense until past sink + window */
+    int32_t **prompts = make_prompts(&f, B, lens);
+    size_t V = (size_t)f.m->config.vocab, n = (size_t)(steps + 1) * (size_t)B * V;
+    rekv_pipeline_config ref_cfg;
+    rekv_pipeline_config_defaults(&ref_cfg);
+    run ref;
+    do_run(&f, &ref_cfg, B, lens, prompts, steps, &ref);
+    struct {
+        int offload_w, gpu_batches, lookahead;
+        rekv_schedule sched;
+    } v[] = {{0, 1, 1, REKV_SCHED_ROW}, {1, 2, 0, REKV_SCHED_COLUMN}, {0, 3, 1, REKV_SCHED_ROW}};
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
+        rekv_pipeline_config cfg;
+        rekv_pipeline_config_defaults(&cfg);
+        cfg.mode = REKV_MODE_CLO;
+        cfg.skew = &sk;
+        cfg.heads = &hp;
+        cfg.eta = 1;
+        cfg.max_fraction = 1;
+        cfg.offload_weights = v[i].offload_w;
+        cfg.gpu_batches = v[i].gpu_batches;
+        cfg.lookahead = v[i].lookahead;
+        cfg.schedule = v[i].sched;
+        run r;
+        do_run(&f, &cfg, B, lens, prompts, steps, &r);
+        double worst = 0;
+        for (size_t k = 0; k < n; k++) {
+            double d = fabs((double)r.logits[k] - (double)ref.logits[k]) /
+                       (1.0 + fabs((double)ref.logits[k]));
+            worst = d > worst ? d : worst;
+        }
+        ck_assert_msg(worst < 1e-5, "variant %zu: logits differ from resident's by %g", i, worst);
+        uint64_t hits = 0, misses = 0;
+        for (int l = 0; l < f.m->config.n_layers; l++) {
+            hits += r.layers[l].head_hits;
+            misses += r.layers[l].head_misses;
+        }
+        /* sequences 0 and 2 are sparse every decode step; 1 is never (40 + 8 <= 68) */
+        ck_assert_uint_eq(hits, 0);
+        ck_assert_uint_eq(misses, 2ull * (uint64_t)steps * (uint64_t)(f.m->config.n_layers - 1) *
+                                      (uint64_t)f.m->config.n_kv_heads);
+        run_free(&r);
+    }
+    run_free(&ref);
+    for (int b = 0; b < B; b++)
+        free(prompts[b]);
+    free(prompts);
+    rekv_heads_free(&hp);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
+/* every head hits once its cache is built: after the first decode step nothing is fetched */
+START_TEST(clo_hits_move_nothing)
+{
+    char path[4096];
+    if (stories(path, sizeof(path)) == NULL)
+        return;
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    const rekv_model_config *c = &f.m->config;
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    rekv_heads hp;
+    make_heads(&f, 0.0, &hp);
+    int lens[] = {100, 150}, B = 2, steps = 6;
+    int32_t **prompts = make_prompts(&f, B, lens);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_CLO;
+    cfg.skew = &sk;
+    cfg.heads = &hp;
+    cfg.max_fraction = 0.1f;
+    run r;
+    do_run(&f, &cfg, B, lens, prompts, steps, &r);
+    uint64_t row = (uint64_t)c->head_dim * sizeof(float), kvh = (uint64_t)c->n_kv_heads;
+    uint64_t l0 = 0, rest = 0;
+    for (int b = 0; b < B; b++) {
+        l0 += (uint64_t)lens[b] * kvh * 2 * row; /* layer 0: the context once */
+        int cap = lens[b] + steps, k = (int)lround(0.1 * lens[b]), kmax = (int)ceil(0.1 * cap);
+        k = k > kmax ? kmax : k;
+        /* per layer > 0: the sink, the window and the top-k of each KV head, once */
+        rest += (uint64_t)(REKV_HEADS_SINK + REKV_HEADS_RECENT + k) * kvh * 2 * row;
+    }
+    ck_assert_uint_eq(r.layers[0].h2d_bytes[REKV_XFER_KV], l0);
+    for (int l = 1; l < c->n_layers; l++) {
+        ck_assert_uint_eq(r.layers[l].h2d_bytes[REKV_XFER_KV], rest);
+        ck_assert_uint_eq(r.layers[l].head_misses, (uint64_t)B * kvh);
+        ck_assert_uint_eq(r.layers[l].head_hits, (uint64_t)B * kvh * (uint64_t)(steps - 1));
+        /* every new row still reaches the arena */
+        ck_assert_uint_eq(r.layers[l].d2h_bytes[REKV_XFER_KV],
+                          (uint64_t)B * (uint64_t)steps * kvh * 2 * row);
+    }
+    run_free(&r);
+    for (int b = 0; b < B; b++)
+        free(prompts[b]);
+    free(prompts);
+    rekv_heads_free(&hp);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
+/* clo without a head profile, with one of another model, or with push: clear errors */
+START_TEST(clo_bad_config_refused)
+{
+    char path[4096];
+    if (stories(path, sizeof(path)) == NULL)
+        return;
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    rekv_heads hp;
+    make_heads(&f, 0.5, &hp);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_CLO;
+    cfg.skew = &sk;
+    rekv_pipeline *p = NULL;
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "head profile") != NULL, "%s", err.msg);
+    cfg.heads = &hp;
+    hp.n_kv_heads++;
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "not this model's") != NULL, "%s", err.msg);
+    hp.n_kv_heads--;
+    cfg.push = 1;
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -ENOTSUP);
+    rekv_heads_free(&hp);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("infinigen");
@@ -423,6 +608,9 @@ static Suite *suite(void)
     tcase_add_test(tc, speculation_moves_less);
     tcase_add_test(tc, exact_limit_stories260k);
     tcase_add_test(tc, exact_limit_synthetic);
+    tcase_add_test(tc, clo_full_cache_matches_resident);
+    tcase_add_test(tc, clo_hits_move_nothing);
+    tcase_add_test(tc, clo_bad_config_refused);
     suite_add_tcase(s, tc);
     return s;
 }

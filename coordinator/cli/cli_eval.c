@@ -271,7 +271,7 @@ int cli_eval(int argc, char **argv)
             json_object_set_new(o, "split", json_integer(pc->split));
         if (pc->mode == REKV_MODE_HYBRID)
             json_object_set_new(o, "ratio", json_pack("[i, i]", pc->kv_parts, pc->act_parts));
-        if (pc->mode == REKV_MODE_INFINIGEN) {
+        if (pc->mode == REKV_MODE_INFINIGEN || pc->mode == REKV_MODE_CLO) {
             static const char *const sel[] = {"speculate", "random", "all"};
             json_t *fr = json_array();
             const rekv_layer_counters *lc = rekv_pipeline_counters(runs[0].ses.p, NULL);
@@ -287,6 +287,14 @@ int cli_eval(int argc, char **argv)
             json_object_set_new(o, "partial_columns",
                                 json_pack("[i, i]", pc->skew->rk, pc->skew->head_dim));
             json_object_set_new(o, "layer_fetched_fraction", fr);
+        }
+        if (pc->mode == REKV_MODE_CLO) {
+            uint64_t hm = tot.head_hits + tot.head_misses;
+            json_object_set_new(o, "eta", json_real(pc->eta));
+            json_object_set_new(o, "power", json_real(pc->power));
+            json_object_set_new(o, "head_hits", json_integer((json_int_t)tot.head_hits));
+            json_object_set_new(o, "head_misses", json_integer((json_int_t)tot.head_misses));
+            json_object_set_new(o, "hit_ratio", json_real(hm ? (double)tot.head_hits / hm : 0.0));
         }
         if (compare) {
             json_object_set_new(o, "agreement", json_real((double)agree / (double)scored));

@@ -106,7 +106,7 @@ int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po
     }
     rekv_pipeline_config pc = *cfg;
     pc.push = cfg->push && cfg->mode != REKV_MODE_RESIDENT; /* --push: the modes that stream KV */
-    if (pc.mode == REKV_MODE_INFINIGEN && pc.skew == NULL) {
+    if ((pc.mode == REKV_MODE_INFINIGEN || pc.mode == REKV_MODE_CLO) && pc.skew == NULL) {
         if (po->skew) {
             rc = rekv_skew_load(po->skew, e, &s->skew, err);
         } else {
@@ -115,13 +115,25 @@ int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po
             rc = rekv_skew_prepare(e, po->partial_ratio, &s->skew, &cached, err);
             if (rc == 0 && !cached)
                 fprintf(stderr,
-                        "rekv: infinigen: skewed the model on a sample it generated "
+                        "rekv: %s: skewed the model on a sample it generated "
                         "(%.1f s; cached for next time)\n",
-                        (double)(rekv_now_ns() - t0) * 1e-9);
+                        rekv_mode_name(pc.mode), (double)(rekv_now_ns() - t0) * 1e-9);
         }
         if (rc)
             goto fail;
         pc.skew = &s->skew;
+    }
+    if (pc.mode == REKV_MODE_CLO && pc.heads == NULL) {
+        int cached = 0;
+        uint64_t t0 = rekv_now_ns();
+        if ((rc = rekv_heads_prepare(e, &s->heads, &cached, err)))
+            goto fail;
+        if (!cached)
+            fprintf(stderr,
+                    "rekv: clo: profiled the model's heads on a sample it generated "
+                    "(%.1f s; cached for next time)\n",
+                    (double)(rekv_now_ns() - t0) * 1e-9);
+        pc.heads = &s->heads;
     }
     if ((rc = rekv_pipeline_create(e, s->be, s->store, &pc, &s->p, err)))
         goto fail;
@@ -135,6 +147,7 @@ void cli_session_close(cli_session *s)
 {
     rekv_pipeline_free(s->p);
     rekv_skew_free(&s->skew);
+    rekv_heads_free(&s->heads);
     rekv_kvstore_client_close(s->store);
     if (s->store_pid > 0)
         rekv_kvstore_reap(s->store_pid);
@@ -152,7 +165,8 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
     case CLI_OPT_MODE:
         if (rekv_mode_parse(arg, &o->cfg.mode)) {
             fprintf(stderr,
-                    "rekv: --mode: expected resident, offload, kvpr, act, hybrid or infinigen\n");
+                    "rekv: --mode: expected resident, offload, kvpr, act, hybrid, infinigen or "
+                    "clo\n");
             return -1;
         }
         return 1;
@@ -261,6 +275,16 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         if (cli_parse_int("lookahead", arg, 0, 1, &v))
             return -1;
         o->cfg.lookahead = (int)v;
+        return 1;
+    case CLI_OPT_ETA:
+        if (cli_parse_float("eta", arg, -0.999999, 1, &d))
+            return -1;
+        o->cfg.eta = (float)d;
+        return 1;
+    case CLI_OPT_POWER:
+        if (cli_parse_float("power", arg, 1e-6, 1e3, &d))
+            return -1;
+        o->cfg.power = (float)d;
         return 1;
     case CLI_OPT_SELECT:
         if (strcmp(arg, "speculate") == 0)

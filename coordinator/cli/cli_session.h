@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include "coordinator/cli/cli.h"
+#include "gpuworker/heads.h"
 #include "gpuworker/pipeline.h"
 #include "gpuworker/skew.h"
 
@@ -32,6 +33,8 @@ enum {
     CLI_OPT_PARTIAL_RATIO,
     CLI_OPT_SKEW,
     CLI_OPT_LOOKAHEAD,
+    CLI_OPT_ETA,
+    CLI_OPT_POWER,
 };
 
 #define CLI_PIPELINE_OPTIONS                                                                       \
@@ -53,13 +56,15 @@ enum {
         {"partial-ratio", required_argument, 0, CLI_OPT_PARTIAL_RATIO},                            \
         {"skew", required_argument, 0, CLI_OPT_SKEW},                                              \
         {"lookahead", required_argument, 0, CLI_OPT_LOOKAHEAD},                                    \
+        {"eta", required_argument, 0, CLI_OPT_ETA},                                                \
+        {"power", required_argument, 0, CLI_OPT_POWER},                                            \
     {                                                                                              \
         "device-memory", required_argument, 0, CLI_OPT_DEVICE_MEMORY                               \
     }
 
 #define CLI_PIPELINE_USAGE                                                                         \
-    "  --mode resident|offload|kvpr|act|hybrid|infinigen   where the KV cache lives and what\n"    \
-    "                        moves (default resident; infinigen is approximate)\n"                 \
+    "  --mode resident|offload|kvpr|act|hybrid|infinigen|clo   where the KV cache lives and\n"     \
+    "                        what moves (default resident; infinigen and clo are approximate)\n"   \
     "  --offload-weights     stream each layer's weights host->device\n"                           \
     "  --gpu-batches N       split the batch into N GPU batches (default 1)\n"                     \
     "  --schedule row|column row-by-row (latency) or column-by-column (throughput)\n"              \
@@ -76,14 +81,18 @@ enum {
     "                        one per run, FILE with the run's name before its extension)\n"        \
     "  --alpha A             infinigen: fetch the tokens whose speculated score is within A of\n"  \
     "                        the best (default 4)\n"                                               \
-    "  --fetch-cap F         infinigen: at most this fraction of the context per layer (0.2)\n"    \
+    "  --fetch-cap F         infinigen: at most this fraction of the context per layer; clo:\n"    \
+    "                        the top-k a miss fetches, besides sink and recent window (0.2)\n"     \
     "  --select speculate|random|all  infinigen: which tokens (random: as many, at random, to\n"   \
     "                        compare; all: every token, resident's results)\n"                     \
     "  --partial-ratio R     infinigen: skewed columns the speculation uses (default 0.3)\n"       \
     "  --lookahead 1|0       infinigen: speculate at the layer before (1, InfiniGen: the fetch\n"  \
     "                        overlaps it) or from the layer's own input (0: a better guess)\n"     \
-    "  --skew FILE           infinigen: the skew `rekv skew` wrote (default: made once from a\n"   \
-    "                        sample the model generates, cached in $XDG_CACHE_HOME/rekv)\n"
+    "  --skew FILE           infinigen, clo: the skew `rekv skew` wrote (default: made once "      \
+    "from\n"                                                                                       \
+    "                        a sample the model generates, cached in $XDG_CACHE_HOME/rekv)\n"      \
+    "  --eta E               clo: the most important head's reuse threshold (default 0.95)\n"      \
+    "  --power P             clo: thresholds from importance^P (default 2; CLO Eq. 7-9)\n"
 
 typedef struct cli_pipeline_opts {
     rekv_pipeline_config cfg; /* split / kv_parts < 0: chosen by cli_session_choose */
@@ -107,8 +116,9 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
 
 typedef struct cli_session {
     rekv_backend *be;
-    rekv_skew skew;  /* infinigen: the model's (when the config brought none) */
-    pid_t store_pid; /* the private kvstore, 0 when resident */
+    rekv_skew skew;   /* infinigen, clo: the model's (when the config brought none) */
+    rekv_heads heads; /* clo: the model's head profile (when the config brought none) */
+    pid_t store_pid;  /* the private kvstore, 0 when resident */
     rekv_kvstore_client *store;
     rekv_pipeline *p;
     char dir[4096]; /* private socket/spill directory */

@@ -1,0 +1,293 @@
+/* pipeline_clo.c — the clo mode of the pipeline (CLO §3: a head-wise approximate cache keyed by
+ * query similarity), built on infinigen's speculation (pipeline_infinigen.c) for its misses.
+ *
+ * Per sequence, on the device:
+ *   - layer 0's whole cache (clo0): it cannot be speculated, so it stays, as the paper keeps it in
+ *     HBM; filled from the arena once after a prefill, then only its new rows are written;
+ *   - per layer > 0 a head cache of clo_slots positions in the KV layout (kvlayout.h):
+ *       [0, K)               top-k region: KV head g's cached tokens in [K - k_g, K)
+ *       [K, K + 4)           the attention sink, tokens 0..3
+ *       [K + 4, K + 4 + 65)  a ring of the 64 recent tokens and the new one (t at K + 4 + t % 65)
+ *     The attention kernel reads it in place: start = clo_slots - 1 and skip[g] = K - k_g (the
+ *     slots of head g before its top-k are left out), so a hit moves nothing and a miss writes
+ *     the fetched rows straight into their slots (the paper's "no redundant copy").
+ * On the host: each query head's label (the query its KV head's top-k was chosen for) and each KV
+ * head's k_g.
+ *
+ * A decode step, per (sequence, layer > 0, KV head g): the similarity of each query head of the
+ * group to its label (cosine of the query the speculation computed — infinigen's, so with
+ * lookahead 1 it is layer i's query from layer i-1's input), aggregated by Eq. 10 with the
+ * profile's importances; a hit when it is at least the head's tau (Eq. 7-9 from the group's largest
+ * importance). A miss ranks the tokens between the sink and the ring by the group's summed softmax
+ * of the speculated scores (as infinigen does), fetches the top k = max_fraction·len of them
+ * into the top-k region, and makes the current queries the labels. The first sparse step of a
+ * (sequence, layer) — and the first after a prefill — fills the sink and the ring and misses on
+ * every head. A sequence is sparse once its context is longer than sink + recent window; before
+ * that every layer > 0 fetches everything, as offload does.
+ *
+ * The speculated scores are computed every step for every head (the miss cannot wait for them);
+ * the paper computes them on a miss only. Not built yet (issue 13): persistent heads beyond layer
+ * 0 (Eq. 12-13), the device-side gather from the registered arena and the GPU-side wait. */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/dtype.h"
+#include "gpuworker/heads.h"
+#include "gpuworker/pipeline_internal.h"
+
+enum { RING = REKV_HEADS_RECENT + 1 };
+
+int pl_clo_create(rekv_pipeline *p, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    const rekv_heads *hp = p->cfg.heads;
+    if (hp == NULL)
+        return rekv_errf(err, -EINVAL, "pipeline: clo needs the model's head profile");
+    if (hp->n_layers != c->n_layers || hp->n_heads != c->n_heads || hp->n_kv_heads != c->n_kv_heads)
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: the head profile (%d layers, %d heads, %d KV heads) is not "
+                         "this model's (%d, %d, %d)",
+                         hp->n_layers, hp->n_heads, hp->n_kv_heads, c->n_layers, c->n_heads,
+                         c->n_kv_heads);
+    if (!(p->cfg.eta > -1 && p->cfg.eta <= 1) || !(p->cfg.power > 0))
+        return rekv_errf(err, -EINVAL, "pipeline: clo needs eta in (-1, 1] and a power > 0");
+    if (p->cfg.push)
+        return rekv_errf(err, -ENOTSUP, "pipeline: clo fetches by pull only");
+    int L = c->n_layers, nh = c->n_heads, nkv = c->n_kv_heads, group = nh / nkv;
+    p->clo.tau = malloc(sizeof(double) * (size_t)L * (size_t)nkv);
+    p->clo.imp = malloc(sizeof(double) * (size_t)L * (size_t)nh);
+    if (p->clo.tau == NULL || p->clo.imp == NULL)
+        return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
+    memcpy(p->clo.imp, hp->importance, sizeof(double) * (size_t)L * (size_t)nh);
+    for (int l = 0; l < L; l++)
+        for (int g = 0; g < nkv; g++) {
+            double imax = 0;
+            for (int h = g * group; h < (g + 1) * group; h++)
+                imax = fmax(imax, hp->importance[(size_t)l * (size_t)nh + (size_t)h]);
+            p->clo.tau[(size_t)l * (size_t)nkv + (size_t)g] =
+                rekv_heads_tau(imax, p->cfg.eta, p->cfg.power);
+        }
+    return 0;
+}
+
+void pl_clo_free(rekv_pipeline *p)
+{
+    free(p->clo.tau);
+    free(p->clo.imp);
+    memset(&p->clo, 0, sizeof(p->clo));
+}
+
+int pl_clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    int L = c->n_layers, nkv = c->n_kv_heads, hd = c->head_dim;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    s->clo_k = (int)ceil((double)p->cfg.max_fraction * s->cap);
+    if (s->clo_k < 1)
+        s->clo_k = 1;
+    s->clo_slots = s->clo_k + REKV_HEADS_SINK + RING;
+    s->clo0_len = -1;
+    s->clo0 = p->bi->dev_alloc(p->be, rekv_kv_buffer_elems(nkv, hd, s->cap) * dsz);
+    if (L > 1)
+        s->hc = p->bi->dev_alloc(p->be, (size_t)(L - 1) *
+                                            rekv_kv_buffer_elems(nkv, hd, s->clo_slots) * dsz);
+    s->label = calloc((size_t)L * (size_t)c->n_heads * (size_t)hd, sizeof(float));
+    s->klen = malloc(sizeof(int32_t) * (size_t)L * (size_t)nkv);
+    if (s->clo0 == NULL || (L > 1 && s->hc == NULL) || s->label == NULL || s->klen == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory for the clo caches of %d tokens", s->cap);
+    for (int l = 0; l < L; l++)
+        pl_clo_forget(s, l);
+    return 0;
+}
+
+void pl_clo_seq_free(rekv_pipeline *p, rekv_pseq *s)
+{
+    if (s->clo0)
+        p->bi->dev_free(p->be, s->clo0);
+    if (s->hc)
+        p->bi->dev_free(p->be, s->hc);
+    free(s->label);
+    free(s->klen);
+}
+
+/* Whether item i uses the head caches at layers > 0: a decode row past sink + recent window. */
+int pl_clo_sparse(const rekv_pipeline *p, const step *st, int i)
+{
+    return p->cfg.mode == REKV_MODE_CLO && st->items[i].n_tokens == 1 &&
+           st->items[i].seq->len > REKV_HEADS_SINK + REKV_HEADS_RECENT;
+}
+
+/* The caches of (s, layer) no longer hold what they say (a step went the dense way). */
+void pl_clo_forget(rekv_pseq *s, int layer)
+{
+    if (s->klen == NULL)
+        return;
+    if (layer == 0)
+        s->clo0_len = -1;
+    else
+        for (int g = 0; g < s->p->c->n_kv_heads; g++)
+            s->klen[(size_t)layer * (size_t)s->p->c->n_kv_heads + (size_t)g] = -1;
+}
+
+/* Appends the copy of token t's K and V rows of KV head h from the arena to slot j of buf. */
+static int row_copy(rekv_pipeline *p, const range_ref *kr, uint8_t *buf, int h, int t, int j,
+                    unit_io *io)
+{
+    const rekv_model_config *c = p->c;
+    int kvh = c->n_kv_heads, hd = c->head_dim;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
+    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
+    const rekv_kv_plan_block *blk = pl_block_at(p, kr, t);
+    if (blk == NULL)
+        return -EPROTO;
+    if (RESERVE(&io->h2d_kv, 2))
+        return -ENOMEM;
+    const uint8_t *src =
+        p->arena + blk->offset + rekv_kv_row(kvh, hd, h, t % REKV_KV_BLOCK_TOKENS) * dsz;
+    uint8_t *dst = buf + rekv_kv_row(kvh, hd, h, j) * dsz;
+    io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){dst, src, row};
+    io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){dst + vs, src + vs, row};
+    return 0;
+}
+
+/* The new row of (item, layer), at slot `slot` of buf, leaves for its position in the arena. */
+static int new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *buf, int len,
+                         int slot, unit_io *io)
+{
+    const rekv_model_config *c = p->c;
+    int kvh = c->n_kv_heads, hd = c->head_dim;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
+    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
+    const rekv_kv_plan_block *kb = pl_block_at(p, kr, len);
+    if (kb == NULL)
+        return -EPROTO;
+    if (RESERVE(&io->d2h_kv, 2 * (size_t)kvh))
+        return -ENOMEM;
+    for (int half = 0; half < 2; half++)
+        for (int h = 0; h < kvh; h++)
+            io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
+                p->arena + kb->offset + rekv_kv_row(kvh, hd, h, len % REKV_KV_BLOCK_TOKENS) * dsz +
+                    (half ? vs : 0),
+                (uint8_t *)buf + rekv_kv_row(kvh, hd, h, slot) * dsz + (half ? vs : 0), row};
+    return 0;
+}
+
+static double cosine(const float *a, const float *b, int n)
+{
+    double ab = 0, aa = 0, bb = 0;
+    for (int i = 0; i < n; i++) {
+        ab += (double)a[i] * b[i];
+        aa += (double)a[i] * a[i];
+        bb += (double)b[i] * b[i];
+    }
+    return aa > 0 && bb > 0 ? ab / sqrt(aa * bb) : 0;
+}
+
+/* Layer 0 of a decode item: its device cache, filled once, then only appended to. */
+static int layer0_plan(rekv_pipeline *p, rekv_pseq *s, const range_ref *kr, rekv_attn_seq *d,
+                       unit_io *io)
+{
+    int kvh = p->c->n_kv_heads, rc = 0;
+    size_t row = (size_t)p->c->head_dim * rekv_dtype_size(p->cfg.cache_dtype);
+    rekv_layer_counters *cnt = &p->counters[0];
+    if (s->clo0_len != s->len) {
+        for (int t = 0; t < s->len; t++)
+            for (int h = 0; h < kvh; h++)
+                if ((rc = row_copy(p, kr, s->clo0, h, t, t, io)))
+                    return rc;
+        cnt->h2d_bytes[REKV_XFER_KV] += (uint64_t)s->len * 2 * (uint64_t)kvh * row;
+        cnt->tokens_fetched += (uint64_t)s->len;
+    }
+    if ((rc = new_row_store(p, kr, s->clo0, s->len, s->len, io)))
+        return rc;
+    cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)kvh * row;
+    d->kv = s->clo0; /* start, the new row's slot: its position */
+    s->clo0_len = s->len + 1;
+    return 0;
+}
+
+int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
+                     rekv_attn_seq *d, unit_io *io)
+{
+    const rekv_model_config *c = p->c;
+    rekv_pseq *s = st->items[item].seq;
+    if (layer == 0)
+        return layer0_plan(p, s, kr, d, io);
+    int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
+    int len = s->len, K = s->clo_k, S = s->clo_slots, ring0 = K + REKV_HEADS_SINK, rc = 0;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
+    uint8_t *buf = s->hc + (size_t)(layer - 1) * rekv_kv_buffer_elems(nkv, hd, S) * dsz;
+    int32_t *klen = s->klen + (size_t)layer * (size_t)nkv;
+    float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
+    const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
+    const float *scores = p->ig.host + st->ig_off[item];
+    int32_t *skip = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
+    if (skip == NULL)
+        return -ENOMEM;
+    pl_ig_wait(p, st, item, io);
+    uint64_t rows = 0;
+    if (klen[0] < 0) { /* the sink and the ring, once */
+        for (int h = 0; h < nkv; h++) {
+            for (int t = 0; t < REKV_HEADS_SINK; t++)
+                if ((rc = row_copy(p, kr, buf, h, t, K + t, io)))
+                    return rc;
+            for (int t = len - REKV_HEADS_RECENT; t < len; t++)
+                if ((rc = row_copy(p, kr, buf, h, t, ring0 + t % RING, io)))
+                    return rc;
+        }
+        rows += (uint64_t)nkv * (REKV_HEADS_SINK + REKV_HEADS_RECENT);
+    }
+    rekv_layer_counters *cnt = &p->counters[layer];
+    int middle = len - REKV_HEADS_SINK - REKV_HEADS_RECENT; /* tokens [sink, len - recent) */
+    for (int g = 0; g < nkv; g++) {
+        int hit = 0;
+        if (klen[g] >= 0) {
+            double sim[group];
+            for (int j = 0; j < group; j++) {
+                size_t off = (size_t)(g * group + j) * (size_t)hd;
+                sim[j] = cosine(q + off, label + off, hd);
+            }
+            double agg = rekv_heads_aggregate(
+                p->clo.imp + (size_t)layer * (size_t)nh + (size_t)g * (size_t)group, sim, group);
+            hit = agg >= p->clo.tau[(size_t)layer * (size_t)nkv + (size_t)g];
+        }
+        if (hit) {
+            cnt->head_hits++;
+        } else {
+            cnt->head_misses++;
+            int k = (int)lround((double)p->cfg.max_fraction * len);
+            if (k > K)
+                k = K;
+            if (k > middle)
+                k = middle;
+            if (k < 1)
+                k = 1;
+            float *comb = pl_ig_group_probs(scores, group, g, len, p->ig.scratch);
+            int32_t *sel = p->ig.sel;
+            pl_ig_top(comb + REKV_HEADS_SINK, middle, k, p->ig.scratch + len, sel);
+            for (int j = 0; j < k; j++)
+                if ((rc = row_copy(p, kr, buf, g, REKV_HEADS_SINK + sel[j], K - k + j, io)))
+                    return rc;
+            memcpy(label + (size_t)g * (size_t)group * (size_t)hd,
+                   q + (size_t)g * (size_t)group * (size_t)hd,
+                   sizeof(float) * (size_t)group * (size_t)hd);
+            klen[g] = k;
+            rows += (uint64_t)k;
+        }
+        skip[g] = K - klen[g];
+    }
+    int slot = ring0 + len % RING;
+    if ((rc = new_row_store(p, kr, buf, len, slot, io)))
+        return rc;
+    d->kv = buf;
+    d->start = S - 1;
+    d->skip = skip;
+    io->kv_pos[d->row0] = slot;
+    cnt->h2d_bytes[REKV_XFER_KV] += rows * 2 * row;
+    cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)nkv * row;
+    cnt->tokens_fetched += rows / (uint64_t)nkv;
+    cnt->tokens_considered += (uint64_t)len;
+    return 0;
+}
