@@ -18,10 +18,11 @@
 #include "proto/worker.pb-c.h"
 
 #define MAX_WORKERS 16
-#define MAX_SUBS 4     /* stream subscribers per job */
-#define MAX_RID 256    /* ZeroMQ routing ids are at most 255 bytes */
-#define READ_BATCH 512 /* control requests read (and journaled with one sync) per round; each
-                        * gets at most two replies (a repeated streaming Submit) */
+#define MAX_SUBS 4  /* stream subscribers per job */
+#define MAX_RID 256 /* ZeroMQ routing ids are at most 255 bytes */
+#define READ_BATCH                                                                                 \
+    512 /* control requests read (and journaled with one sync) per round; each                     \
+         * gets at most two replies (a repeated streaming Submit) */
 #define HASH_BUCKETS 4096
 #define RATE_SLOTS 8 /* one-second samples of the token counter for tokens/s */
 
@@ -127,7 +128,7 @@ struct rekv_coordinator {
     rekv_tokenizer *tok;    /* text prompts, with_text; NULL without one */
     rekv_model_config mcfg; /* valid when have_model */
     int have_model;
-    char model_name[256];
+    char model_name[4096]; /* the model's absolute path (Health.model), when --model */
 
     job *hash[HASH_BUCKETS];
     job *khash[HASH_BUCKETS]; /* jobs with a client key, by the key's hash */
@@ -137,7 +138,8 @@ struct rekv_coordinator {
     uint32_t n_queue, cap_queue;
     job **finished; /* ring of finished jobs kept for Status, oldest first */
     uint32_t fin_head, n_fin;
-    uint64_t fin_bytes; /* their results' bytes (co_job_result_bytes), at most keep_finished_bytes */
+    uint64_t
+        fin_bytes; /* their results' bytes (co_job_result_bytes), at most keep_finished_bytes */
     uint64_t next_id, next_order;
     worker workers[MAX_WORKERS];
     uint64_t session;
@@ -148,21 +150,21 @@ struct rekv_coordinator {
     /* counters */
     uint64_t n_running, n_done, n_cancelled, n_failed, accepted, rejected_busy, bad_requests,
         requeued, tokens, steps;
-    uint64_t evicted;            /* finished jobs forgotten (keep_finished, keep_finished_bytes) */
-    uint64_t worker_malformed;   /* worker-socket messages we could not read */
-    uint64_t worker_rejected;    /* job results refused (tokens outside the vocabulary) */
-    uint64_t progress_mark;      /* numbers the Progress messages (job.mark) */
-    uint64_t steps_failed;       /* steps a worker reported failed as a whole, or never finished */
+    uint64_t evicted;          /* finished jobs forgotten (keep_finished, keep_finished_bytes) */
+    uint64_t worker_malformed; /* worker-socket messages we could not read */
+    uint64_t worker_rejected;  /* job results refused (tokens outside the vocabulary) */
+    uint64_t progress_mark;    /* numbers the Progress messages (job.mark) */
+    uint64_t steps_failed;     /* steps a worker reported failed as a whole, or never finished */
     rekv_ratelimit rl[CO_RL_COUNT];
     double rtt_sum, wstep_sum;
     /* the metrics port's histograms, in seconds (rekv_metrics_latency_bounds) */
-    rekv_metrics_hist h_ttft;       /* acceptance to the job's first token */
-    rekv_metrics_hist h_itl;        /* between a job's consecutive tokens */
-    rekv_metrics_hist h_queue;      /* acceptance to the job's first start on a worker */
-    rekv_metrics_hist h_step;       /* a step as the worker timed it (Progress.step_s) */
-    rekv_metrics_hist h_step_rtt;   /* Plan sent to its Progress received */
-    uint64_t counters[8]; /* h2d weights, kv, act, d2h, recomputed, fetched; infinigen's
-                           * considered and selected (Counters) */
+    rekv_metrics_hist h_ttft;     /* acceptance to the job's first token */
+    rekv_metrics_hist h_itl;      /* between a job's consecutive tokens */
+    rekv_metrics_hist h_queue;    /* acceptance to the job's first start on a worker */
+    rekv_metrics_hist h_step;     /* a step as the worker timed it (Progress.step_s) */
+    rekv_metrics_hist h_step_rtt; /* Plan sent to its Progress received */
+    uint64_t counters[8];         /* h2d weights, kv, act, d2h, recomputed, fetched; infinigen's
+                                   * considered and selected (Counters) */
     uint64_t rate_tokens[RATE_SLOTS];
     uint64_t rate_ns[RATE_SLOTS];
     uint32_t rate_i;

@@ -204,11 +204,13 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     sh.infinigen_fraction = f_sel > 0 ? f_sel : REKV_PLAN_INFINIGEN_PRIOR;
     sh.n_layers = (int)ps->n_layers;
     sh.q_dim = ps->q_dim;
-    rekv_technique tech = ps->mode == REKV_MODE_KVPR        ? REKV_TECH_KVPR
-                          : ps->mode == REKV_MODE_ACT       ? REKV_TECH_ACT
-                          : ps->mode == REKV_MODE_HYBRID    ? REKV_TECH_HYBRID
-                          : ps->mode == REKV_MODE_INFINIGEN ? REKV_TECH_INFINIGEN
-                                                            : REKV_TECH_KV;
+    /* clo is priced as infinigen is, with the fraction its misses fetched (hits fetch none) */
+    rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
+                          : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT
+                          : ps->mode == REKV_MODE_HYBRID ? REKV_TECH_HYBRID
+                          : ps->mode == REKV_MODE_INFINIGEN || ps->mode == REKV_MODE_CLO
+                              ? REKV_TECH_INFINIGEN
+                              : REKV_TECH_KV;
     rekv_step_cost cost;
     if (rekv_plan_step_cost(&prof, &sh, tech, &cost, NULL) == 0) {
         ps->pred_pcie_s = cost.t_pcie * ps->n_layers;

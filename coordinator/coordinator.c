@@ -25,7 +25,7 @@
 #include "common/clock.h"
 #include "coordinator/co_internal.h"
 
-#define COMPACT_RECORDS 8192       /* rewrite the journal after this many appends */
+#define COMPACT_RECORDS 8192        /* rewrite the journal after this many appends */
 #define COMPACT_BYTES (64ull << 20) /* or these many bytes beyond twice the finished jobs' */
 
 void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
@@ -95,8 +95,10 @@ static void sync_ended(rekv_coordinator *co)
 {
     rekv_err e = {0};
     if (co_jobs_sync(co, &e))
-        co_event(co, REKV_CO_EVENT_ERROR, "%s (finished jobs reported anyway; a restart may run "
-                 "them again)", e.msg);
+        co_event(co, REKV_CO_EVENT_ERROR,
+                 "%s (finished jobs reported anyway; a restart may run "
+                 "them again)",
+                 e.msg);
 }
 
 int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
@@ -161,9 +163,9 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
         }
         /* by records, and by bytes: finished records carry results, and the journal holds no
          * more than the remembered ones after a rewrite */
-        if (co->journal && (rekv_journal_records(co->journal) > COMPACT_RECORDS ||
-                            rekv_journal_bytes(co->journal) >
-                                COMPACT_BYTES + 2 * co->cfg.keep_finished_bytes)) {
+        if (co->journal &&
+            (rekv_journal_records(co->journal) > COMPACT_RECORDS ||
+             rekv_journal_bytes(co->journal) > COMPACT_BYTES + 2 * co->cfg.keep_finished_bytes)) {
             rekv_err e2 = {0};
             if (co_journal_compact(co, &e2))
                 co_event(co, REKV_CO_EVENT_ERROR, "%s", e2.msg);
@@ -380,9 +382,11 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
             co_event(co, REKV_CO_EVENT_INFO, "%s has no tokenizer: prompts must be token ids",
                      cfg->model_path);
         }
-        const char *base = strrchr(cfg->model_path, '/');
-        snprintf(co->model_name, sizeof(co->model_name), "%s",
-                 base && base[1] ? base + 1 : cfg->model_path);
+        /* absolute, so a client can tell whether this is the model it means (was: the base
+         * name, which no client in another directory could match) */
+        char *abs = realpath(cfg->model_path, NULL);
+        snprintf(co->model_name, sizeof(co->model_name), "%s", abs ? abs : cfg->model_path);
+        free(abs);
     }
     if (cfg->state_dir) {
         uint64_t dropped = 0;

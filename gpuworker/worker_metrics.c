@@ -28,6 +28,8 @@ void rekv_worker_metrics_step(rekv_worker_metrics *m, double step_s, const rekv_
         }
         m->tokens_recomputed += c->tokens_recomputed;
         m->tokens_fetched += c->tokens_fetched;
+        m->head_hits += c->head_hits;
+        m->head_misses += c->head_misses;
     }
     m->tokens += tokens;
     m->running = running;
@@ -38,9 +40,9 @@ int rekv_worker_metrics_render(void *ctx, rekv_metrics_buf *b)
     rekv_worker_metrics *m = ctx;
     rekv_metrics_family(b, "rekv_gpuworker_info", "gauge",
                         "This worker (always 1): its name, backend and mode.");
-    rekv_metrics_sample_kv(b, "rekv_gpuworker_info", 1, "worker", m->name ? m->name : "",
-                           "backend", m->be ? m->be->iface->name : "",
-                           "mode", m->mode && *m->mode ? *m->mode : "", NULL);
+    rekv_metrics_sample_kv(b, "rekv_gpuworker_info", 1, "worker", m->name ? m->name : "", "backend",
+                           m->be ? m->be->iface->name : "", "mode",
+                           m->mode && *m->mode ? *m->mode : "", NULL);
     const struct {
         const char *name, *type, *help;
         double v;
@@ -76,6 +78,13 @@ int rekv_worker_metrics_render(void *ctx, rekv_metrics_buf *b)
                         (double)m->tokens_recomputed);
     rekv_metrics_sample(b, "rekv_gpuworker_kv_tokens_total", "how=\"fetched\"",
                         (double)m->tokens_fetched);
+    rekv_metrics_family(b, "rekv_gpuworker_head_cache_total", "counter",
+                        "clo: (sequence, layer, KV head) decode steps that reused their cached "
+                        "top-k (hit) or fetched a new one (miss).");
+    rekv_metrics_sample(b, "rekv_gpuworker_head_cache_total", "result=\"hit\"",
+                        (double)m->head_hits);
+    rekv_metrics_sample(b, "rekv_gpuworker_head_cache_total", "result=\"miss\"",
+                        (double)m->head_misses);
 
     /* the device's memory, when the backend knows it (a GPU; the cpu backend with a limit) */
     size_t fr = 0, tot = 0;

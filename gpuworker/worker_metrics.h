@@ -13,17 +13,18 @@
 #include "gpuworker/pipeline.h"
 
 typedef struct rekv_worker_metrics {
-    rekv_backend *be;          /* for mem_info at each scrape (not owned) */
-    const char *name;          /* the worker's name (not owned) */
-    const char *const *mode;   /* the worker's mode ("auto" until assigned), read at each scrape */
-    rekv_metrics_hist step;    /* seconds per step that ran jobs, failed ones included */
-    uint64_t steps;            /* steps that ran jobs */
-    uint64_t steps_failed;     /* of those, steps that failed as a whole */
+    rekv_backend *be;        /* for mem_info at each scrape (not owned) */
+    const char *name;        /* the worker's name (not owned) */
+    const char *const *mode; /* the worker's mode ("auto" until assigned), read at each scrape */
+    rekv_metrics_hist step;  /* seconds per step that ran jobs, failed ones included */
+    uint64_t steps;          /* steps that ran jobs */
+    uint64_t steps_failed;   /* of those, steps that failed as a whole */
     uint64_t h2d[REKV_XFER_KINDS], d2h[REKV_XFER_KINDS]; /* bytes, by rekv_xfer_kind */
-    uint64_t tokens;           /* tokens generated */
+    uint64_t tokens;                                     /* tokens generated */
+    uint64_t head_hits, head_misses; /* clo: (sequence, KV head) steps that reused / fetched */
     uint64_t tokens_recomputed, tokens_fetched; /* cached tokens whose K,V were recomputed,
                                                  * fetched (rekv_layer_counters) */
-    int running;               /* jobs in the batch after the last step */
+    int running;                                /* jobs in the batch after the last step */
 } rekv_worker_metrics;
 
 /* Zeroes m and keeps the pointers (not owned; they must outlive m). */

@@ -143,6 +143,54 @@ START_TEST(generate_via_coordinator_matches_local)
 }
 END_TEST
 
+/* clo served: a `rekv run --mode clo` worker (skew and head profile made on first use, cached)
+ * gives the tokens of a run in this process, well past the point where the head caches start (68
+ * tokens): the cache's decisions depend on the sequence alone, not on its batch. */
+START_TEST(clo_served_matches_local)
+{
+    if (tu_skip_where_auto_is_gpu("clo_served_matches_local",
+                                  "the trio's cache is fp16, the local run's fp32"))
+        return;
+    const char *m = tu_shared("models/stories260K/stories260K.bin");
+    if (m == NULL)
+        return;
+    char model[4096], prog[4096];
+    snprintf(model, sizeof(model), "%s", m);
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv"));
+    char *dir = tu_tmpdir(), args[8192], *a, *b, *err;
+    setenv("XDG_CACHE_HOME", dir, 1);
+    const char *run[] = {prog,     "run", "--model",   model, "--dir", dir,
+                         "--mode", "clo", "--backend", "cpu", NULL};
+    pid_t pid = tu_spawn(run, NULL, NULL);
+    ck_assert_msg(pid > 0, "rekv run --mode clo did not start");
+    const char *common = "--prompt-ids 1,306,400,20 --max-new-tokens 120 --ignore-eos --json";
+    snprintf(args, sizeof(args), "generate --model %s --socket ipc://%s/control %s", model, dir,
+             common);
+    int rc = rekv(args, &a, &err);
+    ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+    free(err);
+    snprintf(args, sizeof(args), "generate --model %s --local --mode clo %s", model, common);
+    rc = rekv(args, &b, &err);
+    ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+    free(err);
+    json_t *ja = json_loads(a, 0, NULL), *jb = json_loads(b, 0, NULL);
+    ck_assert_ptr_nonnull(ja);
+    ck_assert_ptr_nonnull(jb);
+    ck_assert_int_eq((int)json_array_size(json_object_get(ja, "generated_ids")), 120);
+    ck_assert_msg(
+        json_equal(json_object_get(ja, "generated_ids"), json_object_get(jb, "generated_ids")),
+        "clo: the served tokens differ from --local's:\n%s\n%s", a, b);
+    json_decref(ja);
+    json_decref(jb);
+    free(a);
+    free(b);
+    ck_assert_int_eq(tu_stop(pid), 0);
+    unsetenv("XDG_CACHE_HOME");
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* Copies a shared model directory into tmp so a test can break it. */
 static char *copy_model(const char *src)
 {
@@ -365,6 +413,7 @@ static Suite *suite(void)
     tcase_add_test(tc, generate_json_stories);
     tcase_add_test(tc, generate_text_opt);
     tcase_add_test(tc, generate_via_coordinator_matches_local);
+    tcase_add_test(tc, clo_served_matches_local);
     tcase_add_test(tc, bad_input_clear_errors);
     tcase_add_test(tc, bench_decode_json);
     suite_add_tcase(s, tc);

@@ -413,8 +413,8 @@ static int bench_decode(int argc, char **argv)
     enum { MAX_RUNS = 16 };
     decode_result res[MAX_RUNS];
     rekv_mode mlist[MAX_RUNS];
-    int mpush[MAX_RUNS];  /* "MODE+push": this run pushes (--push: every streaming run does) */
-    int msplit[MAX_RUNS]; /* "kvpr@L": this run's split; -1: --split's, or the planner's */
+    int mpush[MAX_RUNS];       /* "MODE+push": this run pushes (--push: every streaming run does) */
+    int msplit[MAX_RUNS];      /* "kvpr@L": this run's split; -1: --split's, or the planner's */
     char mname[MAX_RUNS][112]; /* the run as given ("kvpr@300"), "-2"... added when repeated */
     int n_modes = 0;
     memset(res, 0, sizeof(res));
@@ -541,6 +541,12 @@ static int bench_decode(int argc, char **argv)
             json_object_set_new(o, "split", json_integer(r->cfg.split));
         if (mlist[i] == REKV_MODE_HYBRID)
             json_object_set_new(o, "ratio", json_pack("[i, i]", r->cfg.kv_parts, r->cfg.act_parts));
+        if (mlist[i] == REKV_MODE_CLO) {
+            uint64_t hits = r->counters.head_hits, hm = hits + r->counters.head_misses;
+            json_object_set_new(o, "head_hits", json_integer((json_int_t)hits));
+            json_object_set_new(o, "head_misses", json_integer((json_int_t)(hm - hits)));
+            json_object_set_new(o, "hit_ratio", json_real(hm ? (double)hits / (double)hm : 0.0));
+        }
         if (ref >= 0)
             json_object_set_new(o, "tokens_match_resident",
                                 json_boolean(memcmp(r->tokens, res[ref].tokens,
@@ -591,8 +597,7 @@ int cli_bench(int argc, char **argv)
     if (argc >= 2 && strcmp(argv[1], "kvstore") == 0)
         return rekv_kvstore_bench_main(argc - 1, argv + 1);
     int help = argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0);
-    fprintf(help ? stdout : stderr,
-            "usage: rekv bench forward|decode|kvstore [options] --json\n"
-            "Run `rekv bench BENCH --help` for a benchmark's options.\n");
+    fprintf(help ? stdout : stderr, "usage: rekv bench forward|decode|kvstore [options] --json\n"
+                                    "Run `rekv bench BENCH --help` for a benchmark's options.\n");
     return help ? 0 : 2;
 }
