@@ -97,8 +97,12 @@ int rekv_heads_profile(rekv_engine *e, const int32_t *ids, int n, rekv_heads *ou
             return rekv_errf(err, -EINVAL, "heads: token %d at %d is outside the vocabulary (%d)",
                              ids[i], i, c->vocab);
     size_t nh = (size_t)c->n_layers * (size_t)c->n_heads;
-    heads_tap t = {c, n, calloc(nh, sizeof(double)), calloc(nh, sizeof(double)),
-                   calloc(nh, sizeof(double)), malloc(sizeof(double) * (size_t)n),
+    heads_tap t = {c,
+                   n,
+                   calloc(nh, sizeof(double)),
+                   calloc(nh, sizeof(double)),
+                   calloc(nh, sizeof(double)),
+                   malloc(sizeof(double) * (size_t)n),
                    malloc(sizeof(double) * (size_t)n)};
     float *logits = malloc(sizeof(float) * (size_t)c->vocab);
     out->importance = calloc(nh, sizeof(double));
@@ -195,6 +199,28 @@ double rekv_heads_difficulty(const rekv_heads *h, int layer, int g, double eta, 
     return rekv_heads_tau(top, eta, p) - (rekv_heads_aggregate(imp, cs, group) - epsilon);
 }
 
+int rekv_heads_persistent(const rekv_heads *h, int layer, double eta, double p, double epsilon,
+                          double n_p, uint8_t *persist)
+{
+    int nkv = h->n_kv_heads, n_d = 0;
+    double d[nkv > 0 ? nkv : 1];
+    for (int g = 0; g < nkv; g++) {
+        d[g] = rekv_heads_difficulty(h, layer, g, eta, p, epsilon);
+        n_d += d[g] > 0;
+        persist[g] = 0;
+    }
+    double want = (double)n_d - n_p;
+    int n = want > 0 ? (int)ceil(want) : 0;
+    for (int k = 0; k < n; k++) { /* the hardest first; ties: the lower head */
+        int best = -1;
+        for (int g = 0; g < nkv; g++)
+            if (!persist[g] && d[g] > 0 && (best < 0 || d[g] > d[best]))
+                best = g;
+        persist[best] = 1;
+    }
+    return n;
+}
+
 /* ---------------------------------------------------------------- the file */
 
 static json_t *matrix(const double *v, int rows, int cols)
@@ -213,13 +239,12 @@ int rekv_heads_save(const rekv_heads *h, const char *path, rekv_err *err)
 {
     char fp[17];
     snprintf(fp, sizeof(fp), "%016llx", (unsigned long long)h->fingerprint);
-    json_t *o = json_pack("{s:i, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:o, s:o}", "version",
-                          HEADS_VERSION, "fingerprint", fp, "layers", h->n_layers, "heads",
-                          h->n_heads, "kv_heads", h->n_kv_heads, "sample_tokens", h->sample_tokens,
-                          "from", REKV_HEADS_FROM, "sink", REKV_HEADS_SINK, "recent",
-                          REKV_HEADS_RECENT, "importance",
-                          matrix(h->importance, h->n_layers, h->n_heads), "adjacent_cos",
-                          matrix(h->adjacent_cos, h->n_layers, h->n_heads));
+    json_t *o = json_pack(
+        "{s:i, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:o, s:o}", "version", HEADS_VERSION,
+        "fingerprint", fp, "layers", h->n_layers, "heads", h->n_heads, "kv_heads", h->n_kv_heads,
+        "sample_tokens", h->sample_tokens, "from", REKV_HEADS_FROM, "sink", REKV_HEADS_SINK,
+        "recent", REKV_HEADS_RECENT, "importance", matrix(h->importance, h->n_layers, h->n_heads),
+        "adjacent_cos", matrix(h->adjacent_cos, h->n_layers, h->n_heads));
     char *s = o ? json_dumps(o, JSON_INDENT(1) | JSON_REAL_PRECISION(9)) : NULL;
     json_decref(o);
     if (s == NULL)
@@ -271,8 +296,8 @@ int rekv_heads_load(const char *path, const rekv_engine *e, rekv_heads *out, rek
         out->n_kv_heads != c->n_kv_heads) {
         rc = rekv_errf(err, -EINVAL,
                        "%s: a profile of %d layers x %d heads (%d KV), the model has %d x %d (%d)",
-                       path, out->n_layers, out->n_heads, out->n_kv_heads, c->n_layers,
-                       c->n_heads, c->n_kv_heads);
+                       path, out->n_layers, out->n_heads, out->n_kv_heads, c->n_layers, c->n_heads,
+                       c->n_kv_heads);
         goto out;
     }
     char want[17];

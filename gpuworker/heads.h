@@ -27,19 +27,19 @@
 #include "common/err.h"
 #include "gpuworker/gpuworker.h"
 
-#define REKV_HEADS_FROM 32    /* positions before this are a prompt, not decode steps */
-#define REKV_HEADS_SINK 4     /* CLO's attention sink ... */
-#define REKV_HEADS_RECENT 64  /* ... and recent window, always attended */
-#define REKV_HEADS_ETA 0.95   /* Eq. 7's upper bound on the threshold (the most important head) */
-#define REKV_HEADS_POWER 2.0  /* Eq. 8's p: lambda = importance^p (the paper: 2 or 3) */
+#define REKV_HEADS_FROM 32      /* positions before this are a prompt, not decode steps */
+#define REKV_HEADS_SINK 4       /* CLO's attention sink ... */
+#define REKV_HEADS_RECENT 64    /* ... and recent window, always attended */
+#define REKV_HEADS_ETA 0.95     /* Eq. 7's upper bound on the threshold (the most important head) */
+#define REKV_HEADS_POWER 2.0    /* Eq. 8's p: lambda = importance^p (the paper: 2 or 3) */
 #define REKV_HEADS_EPSILON 0.05 /* Eq. 11's error margin */
 
 typedef struct rekv_heads {
     int n_layers, n_heads, n_kv_heads;
-    uint64_t fingerprint;  /* rekv_skew_fingerprint of the model profiled */
-    int sample_tokens;     /* the calibration sample's length */
-    double *importance;    /* [n_layers][n_heads] */
-    double *adjacent_cos;  /* [n_layers][n_heads] */
+    uint64_t fingerprint; /* rekv_skew_fingerprint of the model profiled */
+    int sample_tokens;    /* the calibration sample's length */
+    double *importance;   /* [n_layers][n_heads] */
+    double *adjacent_cos; /* [n_layers][n_heads] */
 } rekv_heads;
 
 /* One forward pass over ids (n >= 2; -E2BIG past the context). Fills *out (rekv_heads_free). */
@@ -58,6 +58,12 @@ double rekv_heads_aggregate(const double *importance, const double *sim, int m);
  * importance, s_hat the group's adjacent_cos aggregated by Eq. 10. D > 0: hard to reuse. */
 double rekv_heads_difficulty(const rekv_heads *h, int layer, int g, double eta, double p,
                              double epsilon);
+
+/* Eq. 12-13 for layer l (>= 1): of the KV heads whose difficulty D (eta, p, epsilon) is > 0,
+ * the max(N_d - n_p, 0) hardest are marked persist[g] = 1 (the others 0): n_p, Eq. 12's N_p, is
+ * how many heads' misses a layer's compute hides behind the link. Returns how many it marked. */
+int rekv_heads_persistent(const rekv_heads *h, int layer, double eta, double p, double epsilon,
+                          double n_p, uint8_t *persist);
 
 /* The JSON file. Load checks the shape and that it was made for e's model (fingerprint). Save
  * writes a temporary file beside path and renames it into place (making the directory). */

@@ -35,6 +35,7 @@
 #include "gpuworker/pipeline.h"
 
 #include <errno.h>
+#include <math.h>
 #include <string.h>
 
 #include "gpuworker/engine_internal.h"
@@ -58,6 +59,7 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
     cfg->lookahead = 1;
     cfg->eta = (float)REKV_HEADS_ETA;
     cfg->power = (float)REKV_HEADS_POWER;
+    cfg->persist_np = INFINITY;
 }
 
 const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p)
@@ -413,6 +415,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                     goto drain;
             } else {
                 p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
+                if (io.d2d_kv.n) /* clo: before this unit's new row takes the slot */
+                    p->bi->copy_d2d(sh, io.d2d_kv.v, io.d2d_kv.n);
                 if (io.h2d_kv.n)
                     p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
                 p->bi->event_record(p->ev_loaded[b], sh);

@@ -90,8 +90,11 @@ typedef struct rekv_pipeline_config {
     /* clo */
     const struct rekv_heads *heads; /* the model's head profile (gpuworker/heads.h; not owned,
                                        kept for the pipeline's life); required by clo */
-    float eta, power; /* the reuse thresholds' Eq. 7 bound and Eq. 8 exponent (REKV_HEADS_ETA,
-                         REKV_HEADS_POWER) */
+    float eta, power;  /* the reuse thresholds' Eq. 7 bound and Eq. 8 exponent (REKV_HEADS_ETA,
+                          REKV_HEADS_POWER) */
+    double persist_np; /* Eq. 12's N_p: per layer, the heads whose misses the link can serve;
+                          the hardest heads beyond them (difficulty D > 0, Eq. 11-13) keep
+                          their whole KV on the device. INFINITY (default): none */
 } rekv_pipeline_config;
 
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);

@@ -25,9 +25,16 @@
  * every head. A sequence is sparse once its context is longer than sink + recent window; before
  * that every layer > 0 fetches everything, as offload does.
  *
+ * Persistent heads (§3.3, Eq. 11-13 with N_p from the caller, cfg.persist_np): the hardest KV heads
+ * of a layer keep the whole middle of the context in their top-k region (the layer's region is
+ * then cap - sink - recent slots): fetched once, then the token leaving the recent window each
+ * step is copied device to device from its ring slot (d2d_kv, on the h2d stream before the
+ * unit's loads, i.e. before the new row overwrites it), so such a head attends the whole context
+ * and moves nothing; its steps count neither as hits nor misses.
+ *
  * The speculated scores are computed every step for every head (the miss cannot wait for them);
- * the paper computes them on a miss only. Not built yet (issue 13): persistent heads beyond layer
- * 0 (Eq. 12-13), the device-side gather from the registered arena and the GPU-side wait. */
+ * the paper computes them on a miss only. Not built yet (issue 13): N_p from the measured link
+ * and compute, the device-side gather from the registered arena and the GPU-side wait. */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -51,17 +58,19 @@ int pl_clo_create(rekv_pipeline *p, rekv_err *err)
                          "this model's (%d, %d, %d)",
                          hp->n_layers, hp->n_heads, hp->n_kv_heads, c->n_layers, c->n_heads,
                          c->n_kv_heads);
-    if (!(p->cfg.eta > -1 && p->cfg.eta <= 1) || !(p->cfg.power > 0))
-        return rekv_errf(err, -EINVAL, "pipeline: clo needs eta in (-1, 1] and a power > 0");
+    if (!(p->cfg.eta > -1 && p->cfg.eta <= 1) || !(p->cfg.power > 0) || !(p->cfg.persist_np >= 0))
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: clo needs eta in (-1, 1], a power > 0 and N_p >= 0");
     if (p->cfg.push)
         return rekv_errf(err, -ENOTSUP, "pipeline: clo fetches by pull only");
     int L = c->n_layers, nh = c->n_heads, nkv = c->n_kv_heads, group = nh / nkv;
     p->clo.tau = malloc(sizeof(double) * (size_t)L * (size_t)nkv);
     p->clo.imp = malloc(sizeof(double) * (size_t)L * (size_t)nh);
-    if (p->clo.tau == NULL || p->clo.imp == NULL)
+    p->clo.persist = calloc((size_t)L * (size_t)nkv, 1);
+    if (p->clo.tau == NULL || p->clo.imp == NULL || p->clo.persist == NULL)
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
     memcpy(p->clo.imp, hp->importance, sizeof(double) * (size_t)L * (size_t)nh);
-    for (int l = 0; l < L; l++)
+    for (int l = 0; l < L; l++) {
         for (int g = 0; g < nkv; g++) {
             double imax = 0;
             for (int h = g * group; h < (g + 1) * group; h++)
@@ -69,6 +78,10 @@ int pl_clo_create(rekv_pipeline *p, rekv_err *err)
             p->clo.tau[(size_t)l * (size_t)nkv + (size_t)g] =
                 rekv_heads_tau(imax, p->cfg.eta, p->cfg.power);
         }
+        if (l > 0) /* layer 0 stays on the device whole anyway */
+            rekv_heads_persistent(hp, l, p->cfg.eta, p->cfg.power, REKV_HEADS_EPSILON,
+                                  p->cfg.persist_np, p->clo.persist + (size_t)l * (size_t)nkv);
+    }
     return 0;
 }
 
@@ -76,26 +89,45 @@ void pl_clo_free(rekv_pipeline *p)
 {
     free(p->clo.tau);
     free(p->clo.imp);
+    free(p->clo.persist);
     memset(&p->clo, 0, sizeof(p->clo));
+}
+
+static int layer_persists(const rekv_pipeline *p, int layer)
+{
+    for (int g = 0; g < p->c->n_kv_heads; g++)
+        if (p->clo.persist[(size_t)layer * (size_t)p->c->n_kv_heads + (size_t)g])
+            return 1;
+    return 0;
 }
 
 int pl_clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     int L = c->n_layers, nkv = c->n_kv_heads, hd = c->head_dim;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
-    s->clo_k = (int)ceil((double)p->cfg.max_fraction * s->cap);
-    if (s->clo_k < 1)
-        s->clo_k = 1;
-    s->clo_slots = s->clo_k + REKV_HEADS_SINK + RING;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), total = 0;
+    int k = (int)ceil((double)p->cfg.max_fraction * s->cap),
+        whole = s->cap - REKV_HEADS_SINK - REKV_HEADS_RECENT;
+    s->hc_off = calloc((size_t)L, sizeof(size_t));
+    s->hc_k = calloc((size_t)L, sizeof(int));
+    if (s->hc_off == NULL || s->hc_k == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    for (int l = 1; l < L; l++) {
+        s->hc_k[l] = k < 1 ? 1 : k;
+        if (layer_persists(p, l) && whole > s->hc_k[l])
+            s->hc_k[l] = whole;
+        int slots = s->hc_k[l] + REKV_HEADS_SINK + RING;
+        s->clo_slots = slots > s->clo_slots ? slots : s->clo_slots;
+        s->hc_off[l] = total;
+        total += rekv_kv_buffer_elems(nkv, hd, slots) * dsz;
+    }
     s->clo0_len = -1;
     s->clo0 = p->bi->dev_alloc(p->be, rekv_kv_buffer_elems(nkv, hd, s->cap) * dsz);
-    if (L > 1)
-        s->hc = p->bi->dev_alloc(p->be, (size_t)(L - 1) *
-                                            rekv_kv_buffer_elems(nkv, hd, s->clo_slots) * dsz);
+    if (total)
+        s->hc = p->bi->dev_alloc(p->be, total);
     s->label = calloc((size_t)L * (size_t)c->n_heads * (size_t)hd, sizeof(float));
     s->klen = malloc(sizeof(int32_t) * (size_t)L * (size_t)nkv);
-    if (s->clo0 == NULL || (L > 1 && s->hc == NULL) || s->label == NULL || s->klen == NULL)
+    if (s->clo0 == NULL || (total && s->hc == NULL) || s->label == NULL || s->klen == NULL)
         return rekv_errf(err, -ENOMEM, "out of memory for the clo caches of %d tokens", s->cap);
     for (int l = 0; l < L; l++)
         pl_clo_forget(s, l);
@@ -108,6 +140,8 @@ void pl_clo_seq_free(rekv_pipeline *p, rekv_pseq *s)
         p->bi->dev_free(p->be, s->clo0);
     if (s->hc)
         p->bi->dev_free(p->be, s->hc);
+    free(s->hc_off);
+    free(s->hc_k);
     free(s->label);
     free(s->klen);
 }
@@ -216,10 +250,12 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const rang
     if (layer == 0)
         return layer0_plan(p, s, kr, d, io);
     int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
-    int len = s->len, K = s->clo_k, S = s->clo_slots, ring0 = K + REKV_HEADS_SINK, rc = 0;
+    int len = s->len, K = s->hc_k[layer], ring0 = K + REKV_HEADS_SINK, S = ring0 + RING, rc = 0;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
-    uint8_t *buf = s->hc + (size_t)(layer - 1) * rekv_kv_buffer_elems(nkv, hd, S) * dsz;
+    size_t vs = rekv_kv_v_shift(nkv, hd) * dsz;
+    uint8_t *buf = s->hc + s->hc_off[layer];
     int32_t *klen = s->klen + (size_t)layer * (size_t)nkv;
+    const uint8_t *persist = p->clo.persist + (size_t)layer * (size_t)nkv;
     float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
     const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
     const float *scores = p->ig.host + st->ig_off[item];
@@ -228,7 +264,8 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const rang
         return -ENOMEM;
     pl_ig_wait(p, st, item, io);
     uint64_t rows = 0;
-    if (klen[0] < 0) { /* the sink and the ring, once */
+    int fresh = klen[0] < 0;
+    if (fresh) { /* the sink and the ring, once */
         for (int h = 0; h < nkv; h++) {
             for (int t = 0; t < REKV_HEADS_SINK; t++)
                 if ((rc = row_copy(p, kr, buf, h, t, K + t, io)))
@@ -241,7 +278,28 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const rang
     }
     rekv_layer_counters *cnt = &p->counters[layer];
     int middle = len - REKV_HEADS_SINK - REKV_HEADS_RECENT; /* tokens [sink, len - recent) */
+    int slot = ring0 + len % RING; /* the new row's, where the token leaving the window was */
     for (int g = 0; g < nkv; g++) {
+        if (persist[g]) { /* the whole middle: fetched once, then grown on the device */
+            if (fresh) {
+                for (int t = 0; t < middle; t++)
+                    if ((rc = row_copy(p, kr, buf, g, REKV_HEADS_SINK + t, K - middle + t, io)))
+                        return rc;
+                rows += (uint64_t)middle;
+            } else {
+                /* the token leaving the window (len - 1 - recent) joins the region, copied from
+                 * its ring slot before this unit's new row takes it */
+                if (RESERVE(&io->d2d_kv, 2))
+                    return -ENOMEM;
+                const uint8_t *src = buf + rekv_kv_row(nkv, hd, g, slot) * dsz;
+                uint8_t *dst = buf + rekv_kv_row(nkv, hd, g, K - middle) * dsz;
+                io->d2d_kv.v[io->d2d_kv.n++] = (rekv_copy_piece){dst, src, row};
+                io->d2d_kv.v[io->d2d_kv.n++] = (rekv_copy_piece){dst + vs, src + vs, row};
+            }
+            klen[g] = middle;
+            skip[g] = K - middle;
+            continue;
+        }
         int hit = 0;
         if (klen[g] >= 0) {
             double sim[group];
@@ -278,7 +336,6 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const rang
         }
         skip[g] = K - klen[g];
     }
-    int slot = ring0 + len % RING;
     if ((rc = new_row_store(p, kr, buf, len, slot, io)))
         return rc;
     d->kv = buf;

@@ -160,12 +160,11 @@ struct rekv_pipeline {
     rekv_event *ev_pushed[2]; /* the store's copies into the parity's buffers are done */
     rekv_kv_push_piece *push_pieces;
     size_t push_cap;
-    ig_state ig;     /* infinigen, and clo's speculation */
-    struct {         /* clo (pipeline_clo.c) */
-        double *tau; /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9) */
-        double *imp; /* [n_layers][n_heads] query head importance (Eq. 10's weights) */
-        int topk;    /* slots of a head's top-k region: ceil(max_fraction * capacity) (per
-                        sequence: set at pseq create; this is the largest) */
+    ig_state ig;          /* infinigen, and clo's speculation */
+    struct {              /* clo (pipeline_clo.c) */
+        double *tau;      /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9) */
+        double *imp;      /* [n_layers][n_heads] query head importance (Eq. 10's weights) */
+        uint8_t *persist; /* [n_layers][n_kv] the KV head keeps its whole KV (Eq. 13) */
     } clo;
 };
 
@@ -176,16 +175,19 @@ struct rekv_pseq {
     uint8_t *kv;      /* resident: [n_layers] caches of cap positions (kvlayout.h), cache dtype */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
     float *pk;        /* infinigen, clo: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
-    /* clo (pipeline_clo.c): layer 0's whole cache and, per layer > 0, a head cache of
-     * clo_slots positions (kvlayout.h) on the device; on the host each query head's label and
-     * each KV head's cached top-k count (-1: not built) */
+    /* clo (pipeline_clo.c): layer 0's whole cache and, per layer > 0, a head cache
+     * (kvlayout.h) on the device; on the host each query head's label and each KV head's cached
+     * top-k count (-1: not built) */
     uint8_t *clo0; /* layer 0: cap positions, valid below clo0_len (-1: not filled) */
     int clo0_len;
-    uint8_t *hc;   /* [n_layers - 1][clo_slots positions] */
-    int clo_k;     /* top-k region slots: ceil(max_fraction * cap) */
-    int clo_slots; /* clo_k + sink + recent + 1 */
-    float *label;  /* [n_layers][n_heads][head_dim] */
-    int32_t *klen; /* [n_layers][n_kv] */
+    uint8_t *hc;    /* layers > 0's head caches, back to back */
+    size_t *hc_off; /* [n_layers] layer l's at hc + hc_off[l] bytes */
+    int *hc_k;      /* [n_layers] its top-k region's slots: ceil(max_fraction * cap), or the
+                       whole middle of the context (cap - sink - recent) in a layer with a
+                       persistent head */
+    int clo_slots;  /* the largest head cache's positions (hc_k + sink + recent + 1) */
+    float *label;   /* [n_layers][n_heads][head_dim] */
+    int32_t *klen;  /* [n_layers][n_kv] */
 };
 
 /* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
@@ -225,6 +227,8 @@ typedef struct step {
 typedef struct unit_io {
     piece_list h2d_kv, h2d_act, d2h_kv, d2h_act;
     piece_list d2d_act; /* ACT_GPU: new activation rows into the device copy */
+    piece_list d2d_kv;  /* clo: rows leaving the recent window into a persistent head's region,
+                           on the h2d stream before the unit's loads */
     conv_list conv_act;
     int32_t *act_seq, *act_pos; /* [n_act] recomputed rows: item within batch, position */
     int n_act;

@@ -300,7 +300,8 @@ static int keep_conv(step *st, conv_list *l)
 int pl_unit_io_keep(step *st, unit_io *io)
 {
     int rc = keep_conv(st, &io->conv_act);
-    void *ptrs[] = {io->h2d_kv.v, io->h2d_act.v, io->d2h_kv.v, io->d2h_act.v, io->d2d_act.v};
+    void *ptrs[] = {io->h2d_kv.v,  io->h2d_act.v, io->d2h_kv.v,
+                    io->d2h_act.v, io->d2d_act.v, io->d2d_kv.v};
     for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
         rc |= pl_smem_adopt(&st->mem, ptrs[i]);
     return rc ? -ENOMEM : 0;

@@ -64,8 +64,7 @@ static int32_t *eval_ids(int *n)
 /* float64 numpy (tests/bench/stories_bounds.py --heads) on eval sample 0: per layer the mean
  * adjacent-query cosine, and layer 3's importances */
 static const double want_cos[5] = {0.312040, 0.247651, 0.283811, 0.269468, 0.233825};
-static const double want_imp3[8] = {0.8834, 1.0000, 0.9114, 0.9777,
-                                    0.9658, 0.7126, 0.8099, 0.7785};
+static const double want_imp3[8] = {0.8834, 1.0000, 0.9114, 0.9777, 0.9658, 0.7126, 0.8099, 0.7785};
 
 START_TEST(profile_matches_float64)
 {
@@ -91,8 +90,8 @@ START_TEST(profile_matches_float64)
             mx = imp > mx ? imp : mx;
             m += h.adjacent_cos[l * 8 + j] / 8;
         }
-        ck_assert_msg(fabs(m - want_cos[l]) < 1e-4, "layer %d: adjacent cos %.6f, float64 %.6f",
-                      l, m, want_cos[l]);
+        ck_assert_msg(fabs(m - want_cos[l]) < 1e-4, "layer %d: adjacent cos %.6f, float64 %.6f", l,
+                      m, want_cos[l]);
     }
     ck_assert(mx == 1.0); /* the most sensitive head is the unit */
     for (int j = 0; j < 8; j++)
@@ -148,6 +147,18 @@ START_TEST(equations)
     ck_assert(fabs(d0 - (0.9 - (agg - 0.05))) < 1e-12);
     /* a group of unimportant heads always reuses: tau -1, never hard */
     ck_assert(rekv_heads_difficulty(&h, 0, 1, 0.9, 2, 0.05) < 0);
+    /* Eq. 12-13: of 4 KV heads with D = 0.3, -0.5, 0.6, 0.1 (N_d 3), N_p 1.5 persists
+     * ceil(3 - 1.5) = 2, the hardest (2, then 0); N_p >= N_d none; N_p 0 the three */
+    double qi[4] = {1, 0, 1, 1},
+           qc[4] = {0.9 - 0.3 + 0.05, 0.5, 0.9 - 0.6 + 0.05, 0.9 - 0.1 + 0.05};
+    rekv_heads h4 = {1, 4, 4, 0, 0, qi, qc};
+    uint8_t per[4];
+    ck_assert_int_eq(rekv_heads_persistent(&h4, 0, 0.9, 2, 0.05, 1.5, per), 2);
+    ck_assert(per[0] == 1 && per[1] == 0 && per[2] == 1 && per[3] == 0);
+    ck_assert_int_eq(rekv_heads_persistent(&h4, 0, 0.9, 2, 0.05, 3, per), 0);
+    ck_assert(per[0] + per[1] + per[2] + per[3] == 0);
+    ck_assert_int_eq(rekv_heads_persistent(&h4, 0, 0.9, 2, 0.05, 0, per), 3);
+    ck_assert(per[0] == 1 && per[1] == 0 && per[2] == 1 && per[3] == 1);
 }
 END_TEST
 
@@ -240,13 +251,12 @@ START_TEST(prepare_caches_and_cli)
     ck_assert(json_is_true(json_object_get(o, "from_cache")));
     json_t *l3 = json_array_get(json_object_get(o, "layers"), 3);
     ck_assert_int_eq(json_array_size(json_object_get(l3, "kv_difficulty")), 4);
-    double imp = json_real_value(json_object_get(
-        json_array_get(json_object_get(l3, "heads"), 1), "importance"));
+    double imp = json_real_value(
+        json_object_get(json_array_get(json_object_get(l3, "heads"), 1), "importance"));
     ck_assert(fabs(imp - a.importance[3 * 8 + 1]) < 1e-6);
     json_decref(o);
     free(out);
-    snprintf(cmd, sizeof(cmd), "%s heads --model '%s' --eta 2 2>/dev/null", tu_bin("rekv"),
-             L.path);
+    snprintf(cmd, sizeof(cmd), "%s heads --model '%s' --eta 2 2>/dev/null", tu_bin("rekv"), L.path);
     ck_assert_int_eq(tu_run(cmd, &out), 2); /* eta outside [-1, 1] */
     free(out);
     rekv_heads_free(&a);

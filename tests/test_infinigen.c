@@ -8,10 +8,11 @@
  *     random selection takes as many tokens, distinct and ascending, reproducibly;
  *   - what moves: layer 0 and prefill fetch everything; other layers fetch m rows per KV head with
  *     m within the cap, the bytes exactly m rows' worth; the new rows still reach the arena;
- *   - clo: with every head missing every step and a top-k of the whole context, the head caches
- *     (sink, ring, top-k region, per-head skip) give resident's logits up to summation order
- *     (the cached tokens are attended in another order); with every head hitting, a sequence's
- *     layers > 0 fetch once (sink, window, top-k) and never again, layer 0 once after the
+ *   - clo: with every head missing every step and a top-k of the whole context, or persistent
+ *     (some or all heads of a layer: the whole context fetched once, then grown on the device),
+ *     the head caches (sink, ring, top-k region, per-head skip) give resident's logits up to
+ *     summation order (the cached tokens are attended in another order); with every head hitting, a
+ * sequence's layers > 0 fetch once (sink, window, top-k) and never again, layer 0 once after the
  *     prefill, and the counters say so exactly.
  * How good the speculation is belongs to `rekv eval` (README, "InfiniGen", "CLO"). */
 #include <errno.h>
@@ -468,10 +469,17 @@ START_TEST(clo_full_cache_matches_resident)
     rekv_pipeline_config_defaults(&ref_cfg);
     run ref;
     do_run(&f, &ref_cfg, B, lens, prompts, steps, &ref);
+    /* persist_np: every head's difficulty is 1 - (0.5 - 0.05) > 0, so N_p 2 makes the two lower
+     * KV heads of each layer persistent (whole context on the device), 0 all of them */
     struct {
         int offload_w, gpu_batches, lookahead;
         rekv_schedule sched;
-    } v[] = {{0, 1, 1, REKV_SCHED_ROW}, {1, 2, 0, REKV_SCHED_COLUMN}, {0, 3, 1, REKV_SCHED_ROW}};
+        double persist_np;
+    } v[] = {{0, 1, 1, REKV_SCHED_ROW, INFINITY},
+             {1, 2, 0, REKV_SCHED_COLUMN, INFINITY},
+             {0, 3, 1, REKV_SCHED_ROW, INFINITY},
+             {0, 2, 1, REKV_SCHED_ROW, 2},
+             {1, 1, 0, REKV_SCHED_COLUMN, 0}};
     for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
         rekv_pipeline_config cfg;
         rekv_pipeline_config_defaults(&cfg);
@@ -484,6 +492,7 @@ START_TEST(clo_full_cache_matches_resident)
         cfg.gpu_batches = v[i].gpu_batches;
         cfg.lookahead = v[i].lookahead;
         cfg.schedule = v[i].sched;
+        cfg.persist_np = v[i].persist_np;
         run r;
         do_run(&f, &cfg, B, lens, prompts, steps, &r);
         double worst = 0;
@@ -498,10 +507,21 @@ START_TEST(clo_full_cache_matches_resident)
             hits += r.layers[l].head_hits;
             misses += r.layers[l].head_misses;
         }
-        /* sequences 0 and 2 are sparse every decode step; 1 is never (40 + 8 <= 68) */
+        /* sequences 0 and 2 are sparse every decode step; 1 is never (40 + 8 <= 68); persistent
+         * heads neither hit nor miss */
+        uint64_t kvh = (uint64_t)f.m->config.n_kv_heads;
+        uint64_t lossy = isinf(v[i].persist_np) ? kvh : (uint64_t)v[i].persist_np;
         ck_assert_uint_eq(hits, 0);
-        ck_assert_uint_eq(misses, 2ull * (uint64_t)steps * (uint64_t)(f.m->config.n_layers - 1) *
-                                      (uint64_t)f.m->config.n_kv_heads);
+        ck_assert_uint_eq(misses,
+                          2ull * (uint64_t)steps * (uint64_t)(f.m->config.n_layers - 1) * lossy);
+        /* every head persistent: each layer's context crossed once (sequence 1, dense, all of
+         * it every step) */
+        uint64_t once = (uint64_t)(lens[0] + lens[2]) + (uint64_t)(steps * lens[1]) +
+                        (uint64_t)(steps * (steps - 1) / 2);
+        if (v[i].persist_np == 0)
+            for (int l = 1; l < f.m->config.n_layers; l++)
+                ck_assert_uint_eq(r.layers[l].h2d_bytes[REKV_XFER_KV],
+                                  once * kvh * 2 * (uint64_t)f.m->config.head_dim * sizeof(float));
         run_free(&r);
     }
     run_free(&ref);

@@ -292,6 +292,8 @@ int cli_eval(int argc, char **argv)
             uint64_t hm = tot.head_hits + tot.head_misses;
             json_object_set_new(o, "eta", json_real(pc->eta));
             json_object_set_new(o, "power", json_real(pc->power));
+            json_object_set_new(o, "persist_np",
+                                isinf(pc->persist_np) ? json_null() : json_real(pc->persist_np));
             json_object_set_new(o, "head_hits", json_integer((json_int_t)tot.head_hits));
             json_object_set_new(o, "head_misses", json_integer((json_int_t)tot.head_misses));
             json_object_set_new(o, "hit_ratio", json_real(hm ? (double)tot.head_hits / hm : 0.0));

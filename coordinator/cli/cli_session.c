@@ -286,6 +286,11 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
             return -1;
         o->cfg.power = (float)d;
         return 1;
+    case CLI_OPT_PERSIST_NP:
+        if (cli_parse_float("persist-np", arg, 0, 1e9, &d))
+            return -1;
+        o->cfg.persist_np = d;
+        return 1;
     case CLI_OPT_SELECT:
         if (strcmp(arg, "speculate") == 0)
             o->cfg.select = REKV_SELECT_SPECULATE;

@@ -35,6 +35,7 @@ enum {
     CLI_OPT_LOOKAHEAD,
     CLI_OPT_ETA,
     CLI_OPT_POWER,
+    CLI_OPT_PERSIST_NP,
 };
 
 #define CLI_PIPELINE_OPTIONS                                                                       \
@@ -58,6 +59,7 @@ enum {
         {"lookahead", required_argument, 0, CLI_OPT_LOOKAHEAD},                                    \
         {"eta", required_argument, 0, CLI_OPT_ETA},                                                \
         {"power", required_argument, 0, CLI_OPT_POWER},                                            \
+        {"persist-np", required_argument, 0, CLI_OPT_PERSIST_NP},                                  \
     {                                                                                              \
         "device-memory", required_argument, 0, CLI_OPT_DEVICE_MEMORY                               \
     }
@@ -92,7 +94,10 @@ enum {
     "from\n"                                                                                       \
     "                        a sample the model generates, cached in $XDG_CACHE_HOME/rekv)\n"      \
     "  --eta E               clo: the most important head's reuse threshold (default 0.95)\n"      \
-    "  --power P             clo: thresholds from importance^P (default 2; CLO Eq. 7-9)\n"
+    "  --power P             clo: thresholds from importance^P (default 2; CLO Eq. 7-9)\n"         \
+    "  --persist-np N        clo: N_p of Eq. 12, the heads per layer whose misses the link\n"      \
+    "                        serves; harder heads keep their whole KV on the device (default:\n"   \
+    "                        none)\n"
 
 typedef struct cli_pipeline_opts {
     rekv_pipeline_config cfg; /* split / kv_parts < 0: chosen by cli_session_choose */
