@@ -81,6 +81,7 @@ typedef struct job {
     sub subs[MAX_SUBS];
     int n_subs;
     int queued_pos;    /* index in the queue while QUEUED, else -1 */
+    char waiting[200]; /* QUEUED: why admission holds it back (JobStatus.waiting); "" otherwise */
     struct job *hnext; /* hash chain */
     char *key;         /* Submit.client_key (malloc'd), NULL when none */
     struct job *knext; /* key hash chain */
@@ -155,6 +156,8 @@ struct rekv_coordinator {
     uint64_t worker_rejected;  /* job results refused (tokens outside the vocabulary) */
     uint64_t progress_mark;    /* numbers the Progress messages (job.mark) */
     uint64_t steps_failed;     /* steps a worker reported failed as a whole, or never finished */
+    uint64_t held_for_room;    /* jobs admission held back for kvstore room (once each) */
+    uint64_t too_large;        /* jobs failed: their KV is larger than the whole store */
     rekv_ratelimit rl[CO_RL_COUNT];
     double rtt_sum, wstep_sum;
     /* the metrics port's histograms, in seconds (rekv_metrics_latency_bounds) */
@@ -200,6 +203,8 @@ void co_job_free(rekv_coordinator *co, job *j);
 int co_queue_push(rekv_coordinator *co, job *j);
 void co_queue_remove(rekv_coordinator *co, job *j);
 job *co_queue_pop(rekv_coordinator *co);
+/* The job co_queue_pop would return, left in the queue; NULL when it is empty. */
+job *co_queue_peek(rekv_coordinator *co);
 /* Room for n generated tokens (and their top logits); 0 or -ENOMEM. */
 int co_gen_reserve(job *j, uint32_t n);
 /* Ends a job: its finished record is appended, and it is reported (subscribers, the finished

@@ -117,7 +117,7 @@ void co_queue_remove(rekv_coordinator *co, job *j)
 }
 
 /* The next job to run: highest priority, then earliest. */
-job *co_queue_pop(rekv_coordinator *co)
+job *co_queue_peek(rekv_coordinator *co)
 {
     job *best = NULL;
     for (uint32_t i = 0; i < co->n_queue; i++) {
@@ -126,6 +126,12 @@ job *co_queue_pop(rekv_coordinator *co)
             (j->priority == best->priority && j->order < best->order))
             best = j;
     }
+    return best;
+}
+
+job *co_queue_pop(rekv_coordinator *co)
+{
+    job *best = co_queue_peek(co);
     if (best)
         co_queue_remove(co, best);
     return best;
@@ -291,6 +297,7 @@ void co_status_fill(const job *j, Rekv__Control__JobStatus *s)
     s->prompt_tokens = j->n_prompt;
     s->attempts = j->attempts;
     s->priority = j->priority;
+    s->waiting = j->state == REKV__CONTROL__JOB_STATE__QUEUED ? (char *)j->waiting : "";
     uint64_t now = rekv_now_ns();
     s->queued_s = j->queued_s >= 0 ? j->queued_s : 0;
     if (j->start_ns)

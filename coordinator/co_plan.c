@@ -95,6 +95,35 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
     ps->have_profile = 1;
 }
 
+void co_plan_store(co_plan_state *ps, const Rekv__Worker__StoreRoom *room)
+{
+    ps->store_instance = room ? room->instance : 0;
+    ps->store_host_bytes = room ? room->host_bytes : 0;
+    ps->store_kv_bytes = room ? room->kv_block_bytes : 0;
+    ps->store_act_bytes = room ? room->act_block_bytes : 0;
+}
+
+uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens)
+{
+    if (ps->store_host_bytes == 0 || ps->mode == REKV_MODE_RESIDENT)
+        return 0;
+    uint64_t nb = (tokens + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS, n_kv = nb,
+             n_act = 0;
+    if (ps->mode == REKV_MODE_ACT) {
+        n_kv = 0, n_act = nb;
+    } else if (ps->mode == REKV_MODE_KVPR) {
+        n_act = nb;
+    } else if (ps->mode == REKV_MODE_HYBRID) {
+        int planned = ps->kv_parts + ps->act_parts > 0; /* else no step yet: 1:1 */
+        uint64_t kv = (uint64_t)(planned ? ps->kv_parts : 1);
+        uint64_t act = (uint64_t)(planned ? ps->act_parts : 1);
+        n_kv = (nb * kv + kv + act - 1) / (kv + act);
+        n_kv = n_kv < nb ? n_kv : nb;
+        n_act = nb - n_kv;
+    }
+    return (uint64_t)ps->n_layers * (n_kv * ps->store_kv_bytes + n_act * ps->store_act_bytes);
+}
+
 /* The profile as the last steps measured it: link terms by pcie_scale, compute by compute_scale. */
 static rekv_cost_profile scaled(const co_plan_state *ps)
 {
@@ -144,12 +173,18 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     rekv_kvpr_split ks;
     if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &kp, &ks, NULL) == 0)
         split = (int)ks.l;
-    /* HybridServe's host allocation for the memory this batch's context takes as all-KV */
+    /* HybridServe's host allocation (Algorithm 1) for the kvstore's arena as the worker reports
+     * it; a worker that did not say: the memory this batch's context takes as all-KV */
     int kv_parts = 1, act_parts = 1;
     if (ps->mode == REKV_MODE_HYBRID) {
         rekv_hybrid_params hp;
         rekv_plan_hybrid_params_for_batch(&hp, ps->hidden, ps->kv_dim, (int)ps->n_layers, elem,
                                           prof.t_load_w * prof.h2d_bw, (double)blocks_sum);
+        if (ps->store_host_bytes > 0) { /* the store's real budget, each block at its cost */
+            hp.host_bytes = hp.weight_bytes + (double)ps->store_host_bytes;
+            hp.kv_block_bytes = (double)ps->store_kv_bytes;
+            hp.act_block_bytes = (double)ps->store_act_bytes;
+        }
         rekv_hybrid_alloc ha;
         if (rekv_plan_hybrid_alloc(&prof, &hp, &ha, NULL) == 0 && ha.kv_parts + ha.act_parts > 0)
             kv_parts = ha.kv_parts, act_parts = ha.act_parts;

@@ -30,7 +30,19 @@ typedef struct co_plan_state {
     uint64_t multi_batch_steps; /* of those, split into several mini-batches */
     /* infinigen: tokens its selecting layers could have fetched, and fetched, over its steps */
     uint64_t tokens_considered, tokens_selected;
+    /* the worker's kvstore (WorkerMsg.store): 0 bytes when it has none or did not say */
+    uint64_t store_instance, store_host_bytes, store_kv_bytes, store_act_bytes;
 } co_plan_state;
+
+/* Takes the worker's word on its kvstore (NULL: it has none now). */
+void co_plan_store(co_plan_state *ps, const Rekv__Worker__StoreRoom *room);
+
+/* The kvstore host memory a job of `tokens` tokens (prompt + max_new_tokens) takes at its full
+ * length on this worker, bytes: per 16-token block of every layer, the blocks its mode stores —
+ * KV (offload, infinigen), ACT (act), both (kvpr: its KV and its activations), the planned
+ * KV:ACT pattern (hybrid, KV blocks rounded up) — at the store's per-block cost. 0 when the
+ * worker keeps no cache in a store (resident) or did not say its store's sizes. */
+uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens);
 
 /* The mode for a worker that said Hello with mode "auto" (rekv_plan_pick_mode over what it reports:
  * its profile, the model's shape, its batch and context, its device's room for the KV cache, and

@@ -28,6 +28,8 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     s.worker_messages_malformed = co->worker_malformed;
     s.worker_results_rejected = co->worker_rejected;
     s.steps_failed = co->steps_failed;
+    s.jobs_held_for_room = co->held_for_room;
+    s.jobs_too_large = co->too_large;
     s.bad_requests = co->bad_requests;
     s.requeued = co->requeued;
     s.tokens = co->tokens;

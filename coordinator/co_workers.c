@@ -170,6 +170,28 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
              h->model ? h->model : "?");
 }
 
+/* Tokens a job's KV reaches on w: prompt and every new token, within the model's context. */
+static uint64_t job_tokens(const worker *w, const job *j)
+{
+    uint64_t t = (uint64_t)j->n_prompt + j->max_new;
+    return w->max_pos && t > w->max_pos ? w->max_pos : t;
+}
+
+/* The kvstore bytes the running jobs of every worker on w's store (the same instance) will take
+ * at their full length: what admission keeps for them. */
+static uint64_t store_promised(rekv_coordinator *co, const worker *w)
+{
+    uint64_t sum = 0;
+    for (int i = 0; i < MAX_WORKERS; i++) {
+        const worker *v = &co->workers[i];
+        if (!v->active || v->plan.store_instance != w->plan.store_instance)
+            continue;
+        for (uint32_t k = 0; k < v->n_run; k++)
+            sum += co_plan_job_store_bytes(&v->plan, job_tokens(v, v->run[k]));
+    }
+    return sum;
+}
+
 /* Sends the next Plan to every idle worker that has work: joins from the queue, cancels. */
 void co_schedule(rekv_coordinator *co)
 {
@@ -188,8 +210,9 @@ void co_schedule(rekv_coordinator *co)
             return;
         }
         uint32_t n_join = 0;
+        uint64_t promised = store_promised(co, w);
         while (n_join < room) {
-            job *j = co_queue_pop(co);
+            job *j = co_queue_peek(co);
             if (j == NULL)
                 break;
             /* a prompt the worker's model cannot take fails here, with the reason */
@@ -201,6 +224,33 @@ void co_schedule(rekv_coordinator *co)
                 co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
                 continue;
             }
+            /* admission: the job's KV at its full length must fit the store beside what the
+             * running jobs will grow into; else it waits (first in line: nothing passes it) */
+            uint64_t need = co_plan_job_store_bytes(&w->plan, job_tokens(w, j));
+            uint64_t cap = w->plan.store_host_bytes;
+            if (need > cap) {
+                char msg[256];
+                snprintf(msg, sizeof(msg),
+                         "its KV cache of %llu tokens takes %.2f MiB of kvstore host memory; the "
+                         "store has %.2f MiB in all",
+                         (unsigned long long)job_tokens(w, j), need / 1048576.0,
+                         cap / 1048576.0);
+                co->too_large++;
+                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
+                continue;
+            }
+            if (need > 0 && promised + need > cap) {
+                if (j->waiting[0] == '\0')
+                    co->held_for_room++;
+                snprintf(j->waiting, sizeof(j->waiting),
+                         "waiting for kvstore room: needs %.2f MiB, running jobs hold %.2f of "
+                         "%.2f MiB",
+                         need / 1048576.0, promised / 1048576.0, cap / 1048576.0);
+                break;
+            }
+            promised += need;
+            co_queue_remove(co, j);
+            j->waiting[0] = '\0';
             Rekv__Worker__JobSpec *s = &specs[n_join];
             rekv__worker__job_spec__init(s);
             s->job = j->id;
@@ -486,6 +536,8 @@ void co_handle_worker_msg(rekv_coordinator *co)
             worker_progress(co, w, m->progress);
         worker_availability(co, w, m->unavailable);
     }
+    if ((w = worker_find(co, &id)) != NULL) /* its kvstore's room, for admission */
+        co_plan_store(&w->plan, m->store);
     rekv__worker__worker_msg__free_unpacked(m, NULL);
 out:
     for (int i = 0; i < nf; i++)

@@ -116,6 +116,8 @@ typedef struct worker {
     uint64_t next_reconnect_ns;
     int reconnect_tries;          /* since the loss (the first failure is logged, not each) */
     char unavailable[256];        /* sent with every message while non-empty (worker.proto) */
+    Rekv__Worker__StoreRoom room; /* the kvstore's room (its Stats at connect), sent with every
+                                   * message while w->kv is set; host_bytes 0: not known */
     int stop_fd;                  /* SIGTERM/SIGINT (common/daemon.h) */
     int stopping;                 /* a stop arrived during a step: its kvstore requests aborted */
     rekv_metrics_server *metrics; /* the scrape port; NULL without --metrics */
@@ -143,10 +145,30 @@ static void metrics_serve(worker *w, const zmq_pollitem_t *it, int n, const int 
     rekv_metrics_server_handle(w->metrics, fds, rev, m, rekv_worker_metrics_render, &w->wm);
 }
 
+/* Takes the store's room from its Stats reply: the coordinator's admission prices jobs with it. */
+static void kv_room_fetch(worker *w)
+{
+    rekv_kv_stats st;
+    rekv_err err = {0};
+    rekv__worker__store_room__init(&w->room);
+    if (w->kv == NULL || rekv_kvstore_stats(w->kv, &st, &err)) {
+        if (w->kv)
+            rekv_log(REKV_LOG_WARN, "kvstore stats: %s; the coordinator admits jobs blind",
+                     err.msg);
+        return;
+    }
+    w->room.instance = st.instance;
+    w->room.host_bytes = st.host_bytes;
+    w->room.kv_block_bytes = st.kv_slot_bytes;
+    w->room.act_block_bytes = st.act_slot_bytes;
+    w->room.spill_bytes = st.spill_bytes;
+}
+
 static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
 {
     m->version = WORKER_PROTO_VERSION;
     m->unavailable = w->unavailable;
+    m->store = w->kv && w->room.host_bytes ? &w->room : NULL;
     size_t n = rekv__worker__worker_msg__get_packed_size(m);
     uint8_t *buf = malloc(n ? n : 1);
     if (buf == NULL)
@@ -368,6 +390,7 @@ static void kv_reconnect(worker *w)
             w->kv = kv;
             w->kv_lost = 0;
             w->last_renew_ns = rekv_now_ns();
+            kv_room_fetch(w); /* a restarted store may be another size */
             if (!w->rebuild || start_pipeline(w, &err) == 0) {
                 rekv_log(REKV_LOG_INFO, "kvstore %s: connected again%s", w->kv_ep,
                          n_seqs ? " (dropped what we left there)" : "");
@@ -878,6 +901,7 @@ int main(int argc, char **argv)
         w.kv = kv; /* w.kv from here on: the loop may replace it (kv_reconnect) */
         kv = NULL;
         w.last_renew_ns = rekv_now_ns();
+        kv_room_fetch(&w);
     } else if (!auto_mode && pc->mode != REKV_MODE_RESIDENT) {
         rekv_log(REKV_LOG_ERROR, "--mode %s keeps the KV cache in the kvstore: give --kvstore",
                  mode_s);

@@ -1,5 +1,5 @@
 /* arena.c — the shared host arena: a sealed-size memfd, mapped shared, with a header at offset 0
- * and fixed-size slots after it. A memfd has no name in any filesystem, so no exit path (crash
+ * and slots after it (two classes, kvstore/slots.c). A memfd has no name in any filesystem, so no exit path (crash
  * included) can leave it behind; clients get it over SCM_RIGHTS. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -30,6 +30,8 @@ int rekv_kv_arena_header_check(const rekv_kv_arena_header *h, size_t map_bytes, 
         h->data_offset % KV_PAGE != 0 || h->data_offset > map_bytes ||
         h->n_slots > (map_bytes - h->data_offset) / h->slot_bytes ||
         h->kv_block_bytes > h->slot_bytes || h->act_block_bytes > h->slot_bytes ||
+        h->small_slot_bytes == 0 || h->small_slot_bytes > h->slot_bytes ||
+        h->small_slot_bytes % KV_PAGE != 0 ||
         h->block_tokens != REKV_KV_BLOCK_TOKENS)
         return rekv_errf(err, -EPROTO, "kvstore arena: inconsistent header");
     return 0;
@@ -46,6 +48,10 @@ int kv_arena_create(kv_arena *a, uint64_t host_bytes, const rekv_kv_geometry *g,
         notice[0] = '\0';
     uint64_t kvb = rekv_kv_block_bytes(g), actb = rekv_kv_act_block_bytes(g);
     uint64_t slot = round_up(kvb > actb ? kvb : actb, KV_PAGE);
+    uint64_t small = round_up(kvb < actb ? kvb : actb, KV_PAGE);
+    uint64_t per_big = slot / small > 64 ? 64 : slot / small; /* as kv_slots_init */
+    if (per_big == 1)
+        small = slot;
     uint64_t bytes = host_bytes;
     int fd = -1;
     if (huge) {
@@ -105,8 +111,8 @@ int kv_arena_create(kv_arena *a, uint64_t host_bytes, const rekv_kv_geometry *g,
     a->slots = (uint8_t *)a->base + data_off;
     a->slot_bytes = slot;
     a->n_slots = (bytes - data_off) / slot;
-    if (a->n_slots > UINT32_MAX - 1)
-        a->n_slots = UINT32_MAX - 1;
+    if (a->n_slots * per_big > UINT32_MAX - 1) /* slot numbers are 32-bit */
+        a->n_slots = (UINT32_MAX - 1) / per_big;
     rekv_kv_arena_header *h = a->hdr;
     memset(h, 0, sizeof(*h));
     h->magic = REKV_KV_ARENA_MAGIC;
@@ -114,6 +120,7 @@ int kv_arena_create(kv_arena *a, uint64_t host_bytes, const rekv_kv_geometry *g,
     h->arena_bytes = bytes;
     h->data_offset = data_off;
     h->slot_bytes = slot;
+    h->small_slot_bytes = small;
     h->n_slots = a->n_slots;
     h->kv_block_bytes = kvb;
     h->act_block_bytes = actb;

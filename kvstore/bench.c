@@ -79,8 +79,9 @@ static int bench_spill(const bench_opts *o, json_t *out, rekv_err *err)
         kv_spill_done d[32];
         while (done < n) {
             while (next < n && kv_spill_in_flight(sp) < 32) {
-                int q = pass == 0 ? kv_spill_write(sp, next, (uint32_t)next, kvb, next, &crc[next])
-                                  : kv_spill_read(sp, next, (uint32_t)next, kvb, next);
+                uint64_t off = next * a.slot_bytes;
+                int q = pass == 0 ? kv_spill_write(sp, off, (uint32_t)next, kvb, next, &crc[next])
+                                  : kv_spill_read(sp, off, (uint32_t)next, kvb, next);
                 if (q < 0)
                     break;
                 next++;

@@ -22,6 +22,22 @@ size_t srv_blk_bytes(const rekv_kvstore_server *s, const kv_block *b)
                                        : s->arena.hdr->act_block_bytes;
 }
 
+uint64_t srv_blk_offset(const rekv_kvstore_server *s, const kv_block *b)
+{
+    return s->arena.hdr->data_offset + kv_slots_offset(&s->hs, b->slot);
+}
+
+int srv_slot_take(rekv_kvstore_server *s, uint32_t id)
+{
+    kv_block *b = &s->blocks[id];
+    uint32_t slot;
+    if (kv_slots_alloc(&s->hs, b->type, &slot) < 0)
+        return -ENOSPC;
+    b->slot = slot;
+    s->slot_block[slot] = id;
+    return 0;
+}
+
 /* ------------------------------------------------------------------ LRU and block ids */
 
 static void lru_remove(rekv_kvstore_server *s, uint32_t id)
@@ -96,9 +112,9 @@ void srv_block_release_id(rekv_kvstore_server *s, uint32_t id)
     s->free_ids[s->n_free_ids++] = id;
 }
 
-static void slot_put(rekv_kvstore_server *s, uint32_t slot)
+static void slot_put(rekv_kvstore_server *s, const kv_block *b)
 {
-    s->free_slots[s->n_free_slots++] = slot;
+    kv_slots_put(&s->hs, b->type, b->slot);
 }
 
 static void fslot_put(rekv_kvstore_server *s, uint32_t fslot)
@@ -115,7 +131,7 @@ void srv_block_free(rekv_kvstore_server *s, uint32_t id)
     switch (b->state) {
     case BS_HOST:
         s->host_n[b->type]--;
-        slot_put(s, b->slot);
+        slot_put(s, b);
         srv_block_release_id(s, id);
         break;
     case BS_DISK:
@@ -179,7 +195,8 @@ static int spill_one(rekv_kvstore_server *s, const char **why)
     uint32_t id = s->lru_head;
     kv_block *b = &s->blocks[id];
     uint32_t crc = 0;
-    int rc = kv_spill_write(s->spill, b->slot, fslot, srv_blk_bytes(s, b), id, &crc);
+    int rc = kv_spill_write(s->spill, kv_slots_offset(&s->hs, b->slot), fslot, srv_blk_bytes(s, b),
+                            id, &crc);
     if (rc < 0) {
         kv_spill_slot_free(s->spill, fslot);
         return 0;
@@ -190,50 +207,56 @@ static int spill_one(rekv_kvstore_server *s, const char **why)
     b->crc = crc;
     b->touched = 0;
     s->spills_in_flight++;
+    s->spilling_n[b->type]++;
     return 1;
 }
 
-/* Makes sure `need` free slots exist or are coming. 0: there now; 1: wait for spills; <0 with
- * *why: impossible. */
-int srv_ensure_room(rekv_kvstore_server *s, uint64_t need, char *why, size_t why_len)
+int srv_ensure_room(rekv_kvstore_server *s, const uint64_t need[2], char *why, size_t why_len)
 {
-    if (s->n_free_slots >= need)
+    if (kv_slots_fit(&s->hs, need, NULL))
         return 0;
-    if (need > s->arena.n_slots) {
-        snprintf(why, why_len, "needs %llu blocks at once, the arena holds %llu",
-                 (unsigned long long)need, (unsigned long long)s->arena.n_slots);
+    if (!kv_slots_fit(&s->hs, need, (uint64_t[2]){s->host_n[0], s->host_n[1]})) {
+        snprintf(why, why_len,
+                 "needs %llu KV and %llu ACT blocks at once, more than the arena holds (%llu "
+                 "bytes)",
+                 (unsigned long long)need[0], (unsigned long long)need[1],
+                 (unsigned long long)s->hs.n_big * s->hs.big_bytes);
         return -ENOMEM;
     }
-    uint64_t coming = s->n_free_slots + s->spills_in_flight;
+    /* spill until the slots that spills in flight free make it fit (counted as if each freed
+     * slot stayed a slot of its class: a small one may also complete a whole big slot, so this
+     * can spill a little more than needed, never too little) */
     const char *reason = "every resident block is pinned or in use";
-    int err = 0;
-    while (coming < need) {
-        int rc = spill_one(s, &reason);
-        if (rc <= 0) {
-            err = rc;
+    while (!kv_slots_fit(&s->hs, need, (uint64_t[2]){s->spilling_n[0], s->spilling_n[1]})) {
+        if (spill_one(s, &reason) <= 0)
             break;
-        }
-        coming++;
     }
     if (s->spills_in_flight > 0)
         return 1;
-    snprintf(why, why_len, "out of host memory: %llu free blocks, %llu needed; cannot spill: %s",
-             (unsigned long long)s->n_free_slots, (unsigned long long)need, reason);
-    (void)err;
+    snprintf(why, why_len,
+             "out of host memory: %llu bytes free, %llu KV and %llu ACT blocks needed; cannot "
+             "spill: %s",
+             (unsigned long long)kv_slots_free_bytes(&s->hs), (unsigned long long)need[0],
+             (unsigned long long)need[1], reason);
     return -ENOMEM;
 }
 
-/* Background spilling between the watermarks. */
+/* Background spilling between the watermarks (of the arena's bytes). */
 void srv_spill_watermark(rekv_kvstore_server *s)
 {
-    if (s->spill == NULL || s->arena.n_slots == 0)
+    if (s->spill == NULL || s->hs.n_big == 0)
         return;
-    uint64_t n = s->arena.n_slots;
-    uint64_t used = n - s->n_free_slots;
-    if (used * 100 <= n * s->cfg.high_pct)
+    uint64_t total = (uint64_t)s->hs.n_big * s->hs.big_bytes;
+    uint64_t used = total - kv_slots_free_bytes(&s->hs);
+    if (used * 100 <= total * s->cfg.high_pct)
         return;
     const char *why;
-    while ((used - s->spills_in_flight) * 100 > n * s->cfg.low_pct) {
+    for (;;) {
+        uint64_t coming = (uint64_t)s->spilling_n[0] * kv_slots_class_bytes(&s->hs, 0) +
+                          (uint64_t)s->spilling_n[1] * kv_slots_class_bytes(&s->hs, 1);
+        uint64_t after = used > coming ? used - coming : 0;
+        if (after * 100 <= total * s->cfg.low_pct)
+            break;
         if (spill_one(s, &why) <= 0)
             break;
     }
@@ -274,9 +297,10 @@ void srv_on_completions(rekv_kvstore_server *s)
             size_t bytes = srv_blk_bytes(s, b);
             if (!d[i].is_read) {
                 s->spills_in_flight--;
+                s->spilling_n[b->type]--;
                 srv_hist_add(&s->hist[H_SPILL_WRITE], d[i].ns);
                 if (b->doomed) {
-                    slot_put(s, b->slot);
+                    slot_put(s, b);
                     if (d[i].res == 0)
                         fslot_put(s, b->fslot);
                     else
@@ -299,7 +323,7 @@ void srv_on_completions(rekv_kvstore_server *s)
                     srv_lru_update(s, id, 1);
                 } else {
                     b->state = BS_DISK;
-                    slot_put(s, b->slot);
+                    slot_put(s, b);
                     s->host_n[b->type]--;
                     s->disk_n[b->type]++;
                     s->bytes_spilled += bytes;
@@ -308,11 +332,11 @@ void srv_on_completions(rekv_kvstore_server *s)
                 s->reads_in_flight--;
                 srv_hist_add(&s->hist[H_SPILL_READ], d[i].ns);
                 if (b->doomed) {
-                    slot_put(s, b->slot);
+                    slot_put(s, b);
                     fslot_put(s, b->fslot);
                     srv_block_release_id(s, id);
                 } else if (d[i].res < 0 || d[i].crc != b->crc) {
-                    slot_put(s, b->slot);
+                    slot_put(s, b);
                     b->state = BS_DISK;
                     b->load_err = d[i].res < 0 ? d[i].res : -EBADMSG;
                     if (d[i].res == 0)

@@ -563,7 +563,9 @@ int rekv_kvstore_plan(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_
             b->range = (uint32_t)r;
             b->first = p->first[k];
             b->count = p->count[k];
-            if (b->offset + c->hdr->slot_bytes > c->bytes) {
+            uint64_t bb = b->type == REKV_KV_BLOCK_KV ? c->hdr->kv_block_bytes
+                                                      : c->hdr->act_block_bytes;
+            if (b->offset < c->hdr->data_offset || b->offset + bb > c->bytes) {
                 rc = rekv_errf(err, -EPROTO, "kvstore client: plan offset outside the arena");
                 goto out;
             }
@@ -785,6 +787,14 @@ int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err
     out->spills_in_flight = s->spills_in_flight;
     out->reads_in_flight = s->reads_in_flight;
     out->sequences_reclaimed = s->sequences_reclaimed;
+    out->host_bytes = s->host_bytes;
+    out->host_free_bytes = s->host_free_bytes;
+    out->host_used_bytes = s->host_used_bytes;
+    out->kv_slot_bytes = s->kv_slot_bytes;
+    out->act_slot_bytes = s->act_slot_bytes;
+    out->spill_bytes = s->spill_bytes;
+    out->spill_used_bytes = s->spill_used_bytes;
+    out->instance = s->instance;
     out->direct_io = s->direct_io;
     out->registered_arena = s->registered_arena;
     for (size_t i = 0; i < s->n_histograms && out->n_hists < 8; i++) {

@@ -253,8 +253,19 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
     uint64_t nb = (q->n_tokens + m->n_tokens + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS;
     uint64_t add = nb - q->n_blocks;
     uint64_t need = add * L;
+    /* block types by HybridServe's allocation rule, from the sequence's current counts; every
+     * layer gets the same types, and each type its own slot class */
+    uint64_t n_kv = q->n_kv, n_act = q->n_blocks - q->n_kv, kv_end = n_kv, act_end = n_act;
+    for (uint64_t b = q->n_blocks; b < nb; b++) {
+        if (rekv_kv_next_block_type(kv_end, act_end, m->kv_parts, m->act_parts) ==
+            REKV_KV_BLOCK_KV)
+            kv_end++;
+        else
+            act_end++;
+    }
+    uint64_t need_t[2] = {(kv_end - n_kv) * L, (act_end - n_act) * L};
     char why[512];
-    int rc = srv_ensure_room(s, need, why, sizeof(why));
+    int rc = srv_ensure_room(s, need_t, why, sizeof(why));
     if (rc == WAIT)
         return WAIT;
     if (rc < 0)
@@ -282,9 +293,6 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
             return srv_fail(r, -ENOMEM, "out of memory for block records");
         }
     }
-    /* block types by HybridServe's allocation rule, from the sequence's current counts; every
-     * layer gets the same types */
-    uint64_t n_kv = q->n_kv, n_act = q->n_blocks - q->n_kv;
     uint64_t k = 0;
     for (uint32_t l = 0; l < L; l++) {
         uint64_t kv_l = n_kv, act_l = n_act;
@@ -300,8 +308,7 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
             else
                 act_l++;
             blk->state = BS_HOST;
-            blk->slot = s->free_slots[--s->n_free_slots];
-            s->slot_block[blk->slot] = id;
+            (void)srv_slot_take(s, id); /* cannot fail: srv_ensure_room said they fit */
             s->host_n[blk->type]++;
             q->blocks[l][b] = id;
             srv_lru_update(s, id, 0);
@@ -363,7 +370,8 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
     if (resolve_ranges(s, m->ranges, m->n_ranges, &n, r) < 0)
         return 0;
     /* hold everything resident, start reads for what is on disk */
-    size_t need_slots = 0, not_ready = 0;
+    uint64_t need_slots[2] = {0, 0};
+    size_t not_ready = 0;
     for (size_t i = 0; i < n; i++) {
         uint32_t id = s->scratch[i];
         kv_block *b = &s->blocks[id];
@@ -372,12 +380,12 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
                             (unsigned long long)b->seq, b->layer, b->lblock,
                             b->load_err == -EBADMSG ? "CRC32C mismatch" : strerror(-b->load_err));
         if (b->state == BS_DISK && s->spill != NULL) {
-            if (s->n_free_slots > 0 && kv_spill_in_flight(s->spill) < kv_spill_depth(s->spill)) {
-                uint32_t slot = s->free_slots[s->n_free_slots - 1];
-                if (kv_spill_read(s->spill, slot, b->fslot, srv_blk_bytes(s, b), id) == 0) {
-                    s->n_free_slots--;
-                    b->slot = slot;
-                    s->slot_block[slot] = id;
+            if (kv_spill_in_flight(s->spill) < kv_spill_depth(s->spill) &&
+                srv_slot_take(s, id) == 0) {
+                if (kv_spill_read(s->spill, kv_slots_offset(&s->hs, b->slot), b->fslot,
+                                  srv_blk_bytes(s, b), id) != 0) {
+                    kv_slots_put(&s->hs, b->type, b->slot);
+                } else {
                     b->state = BS_LOADING;
                     s->reads_in_flight++;
                     p->misses++;
@@ -385,7 +393,7 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
             }
         }
         if (b->state == BS_DISK) {
-            need_slots++;
+            need_slots[b->type]++;
             not_ready++;
             continue;
         }
@@ -396,7 +404,7 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
             return srv_fail(r, -ENOMEM, "out of memory");
     }
     if (not_ready) {
-        if (need_slots) {
+        if (need_slots[0] + need_slots[1]) {
             char why[512];
             int rc = srv_ensure_room(s, need_slots, why, sizeof(why));
             if (rc < 0 && s->reads_in_flight == 0)
@@ -415,7 +423,6 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
     if (!rc_arr || !blk || !type || !off || !first || !count)
         return srv_fail(r, -ENOMEM, "out of memory");
     size_t k = 0;
-    uint64_t base = s->arena.hdr->data_offset, sb = s->arena.slot_bytes;
     for (size_t i = 0; i < n_ranges; i++) {
         Rekv__Kvstore__Range *rg = m->ranges[i];
         uint32_t cnt = 0;
@@ -429,7 +436,7 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
                 uint64_t e = rg->token_end < t1 ? rg->token_end : t1;
                 blk[k] = b;
                 type[k] = kb->type;
-                off[k] = base + (uint64_t)kb->slot * sb;
+                off[k] = srv_blk_offset(s, kb);
                 first[k] = (uint32_t)(a - t0);
                 count[k] = (uint32_t)(e - a);
             }
@@ -507,8 +514,17 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->host_act = s->host_n[1];
     st->disk_kv = s->disk_n[0];
     st->disk_act = s->disk_n[1];
-    st->free_slots = s->n_free_slots;
-    st->total_slots = s->arena.n_slots;
+    st->free_slots = s->hs.n_free_big;
+    st->total_slots = s->hs.n_big;
+    st->host_bytes = (uint64_t)s->hs.n_big * s->hs.big_bytes;
+    st->host_free_bytes = kv_slots_free_bytes(&s->hs);
+    st->host_used_bytes = s->hs.used_bytes;
+    st->kv_slot_bytes = kv_slots_class_bytes(&s->hs, REKV_KV_BLOCK_KV);
+    st->act_slot_bytes = kv_slots_class_bytes(&s->hs, REKV_KV_BLOCK_ACT);
+    st->spill_bytes = s->spill == NULL ? 0 : s->cfg.spill_bytes ? s->cfg.spill_bytes : UINT64_MAX;
+    st->spill_used_bytes =
+        s->spill ? kv_spill_slots_used(s->spill) * (uint64_t)s->hs.big_bytes : 0;
+    st->instance = s->instance;
     uint64_t pinned = 0;
     for (uint32_t i = 0; i < s->n_block_ids; i++)
         if (s->blocks[i].state != BS_UNUSED && s->blocks[i].pins > 0)

@@ -38,7 +38,7 @@ typedef struct kv_arena {
     size_t bytes;                /* mapping length */
     rekv_kv_arena_header *hdr;   /* == base */
     uint8_t *slots;              /* base + hdr->data_offset */
-    uint64_t n_slots, slot_bytes;
+    uint64_t n_slots, slot_bytes; /* big slots (kv_slots): their number and bytes */
     int huge;                    /* backed by hugetlb pages */
 } kv_arena;
 
@@ -48,6 +48,48 @@ int kv_arena_create(kv_arena *a, uint64_t host_bytes, const rekv_kv_geometry *g,
                     uint32_t lease_ms, char *notice, size_t notice_len, rekv_err *err);
 void kv_arena_destroy(kv_arena *a);
 
+/* ---------------------------------------------------------------- host slots (slots.c) */
+
+/* The arena's blocks in two classes from one budget: big slots of the larger block type's bytes,
+ * each holding one such block or split into per_big small slots of the smaller type's bytes (both
+ * rounded up to a page). A slot number is big * per_big + j. */
+typedef struct kv_slots {
+    uint64_t big_bytes, small_bytes; /* class sizes; equal when per_big == 1 */
+    uint32_t per_big;                /* small slots per big slot (1..64) */
+    int small_type;                  /* rekv_kv_block_type of the small class (per_big > 1) */
+    uint32_t n_big;                  /* big slots in the arena */
+    uint32_t *free_big;              /* [n_big] stack of whole free big slots */
+    uint32_t n_free_big;
+    uint64_t *used;                  /* [n_big] split slots: bit j set while small slot j is taken */
+    uint8_t *split;                  /* [n_big] 1 while split into small slots */
+    uint32_t *partial;               /* [n_big] split slots with a free small slot */
+    uint32_t *partial_pos;           /* [n_big] index in partial, UINT32_MAX when not there */
+    uint32_t n_partial;
+    uint64_t free_small;             /* free small slots in split slots */
+    uint64_t used_bytes;             /* bytes of the slots handed out */
+} kv_slots;
+
+/* Carves data_bytes into slots for blocks of kv_bytes and act_bytes; 0 or -ENOMEM. */
+int kv_slots_init(kv_slots *sl, uint64_t data_bytes, uint64_t kv_bytes, uint64_t act_bytes);
+void kv_slots_destroy(kv_slots *sl);
+/* 1 when blocks of type take small slots. */
+int kv_slots_is_small(const kv_slots *sl, int type);
+/* What a block of type costs in the arena, bytes. */
+uint64_t kv_slots_class_bytes(const kv_slots *sl, int type);
+/* Byte offset of a slot from the arena's first slot. */
+uint64_t kv_slots_offset(const kv_slots *sl, uint32_t slot);
+/* Bytes in free slots (whole big ones and small ones in split slots). */
+uint64_t kv_slots_free_bytes(const kv_slots *sl);
+/* A slot for a block of type: 0, or -ENOSPC when none is free. */
+int kv_slots_alloc(kv_slots *sl, int type, uint32_t *slot);
+void kv_slots_put(kv_slots *sl, int type, uint32_t slot);
+/* 1 when need[type] blocks (KV, ACT) could be allocated now, with gain[type] more slots of each
+ * type's class freed first (NULL: none); else 0. */
+int kv_slots_fit(const kv_slots *sl, const uint64_t need[2], const uint64_t gain[2]);
+/* The slot whose area holds byte rel (from the first slot) as the slots are split now, and where
+ * that slot starts; -ERANGE when rel is in no slot. */
+int kv_slots_find(const kv_slots *sl, uint64_t rel, uint32_t *slot, uint64_t *start);
+
 /* ---------------------------------------------------------------- spill engine */
 
 typedef struct kv_spill kv_spill;
@@ -55,9 +97,9 @@ typedef struct kv_spill kv_spill;
 typedef struct kv_spill_config {
     const char *dir;       /* where the (unnamed) spill file lives */
     uint64_t max_bytes;    /* file capacity; 0: unlimited */
-    uint8_t *slots;        /* host slot 0 */
-    uint64_t n_slots;      /* host slots */
-    uint64_t slot_bytes;   /* multiple of 4096; also the file slot size */
+    uint8_t *slots;        /* the arena's first slot */
+    uint64_t n_slots;      /* big host slots (kv_slots) */
+    uint64_t slot_bytes;   /* a big slot's bytes, multiple of 4096; also the file slot size */
     unsigned depth;        /* queue depth (in-flight operations), >= 32 */
     int register_arena;    /* try registering the slots as io_uring fixed buffers */
     void (*on_event)(void *ctx, rekv_kv_event level, const char *msg);
@@ -90,12 +132,14 @@ void kv_spill_slot_free(kv_spill *sp, uint32_t fslot);
 void kv_spill_slot_bad(kv_spill *sp, uint32_t fslot);
 uint64_t kv_spill_slots_used(const kv_spill *sp);
 
-/* Queues a write of the first len bytes of host slot to file slot (the whole slot is written);
- * *crc gets the CRC32C of those len bytes. -EAGAIN when depth operations are in flight. */
-int kv_spill_write(kv_spill *sp, uint64_t host_slot, uint32_t fslot, size_t len, uint64_t tag,
+/* Queues a write of the len bytes at host_off (from the first slot; a block, which never crosses a
+ * big slot) to file slot (len rounded up to a page is written); *crc gets the CRC32C of the len
+ * bytes. -EAGAIN when depth operations are in flight. */
+int kv_spill_write(kv_spill *sp, uint64_t host_off, uint32_t fslot, size_t len, uint64_t tag,
                    uint32_t *crc);
-/* Queues a read of file slot into host slot; the completion carries the CRC32C of len bytes. */
-int kv_spill_read(kv_spill *sp, uint64_t host_slot, uint32_t fslot, size_t len, uint64_t tag);
+/* Queues a read of file slot into host_off (len rounded up to a page); the completion carries the
+ * CRC32C of len bytes. */
+int kv_spill_read(kv_spill *sp, uint64_t host_off, uint32_t fslot, size_t len, uint64_t tag);
 /* Submits what was queued. */
 int kv_spill_submit(kv_spill *sp);
 /* Collects up to max completions; wait = 1 blocks for at least one when any is in flight. */

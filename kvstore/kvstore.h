@@ -103,17 +103,20 @@ size_t rekv_kv_act_offset(const rekv_kv_geometry *g, uint32_t token);
 /* ---------------------------------------------------------------- shared arena header */
 
 #define REKV_KV_ARENA_MAGIC 0x414b5652u /* "RVKA" little-endian */
-#define REKV_KV_ARENA_VERSION 1u
+#define REKV_KV_ARENA_VERSION 2u
 
 /* The first bytes of the arena (offset 0). Written once by the daemon before any client maps the
- * arena; read-only afterwards. Blocks live in slots: slot s starts at data_offset + s * slot_bytes. */
+ * arena; read-only afterwards. Blocks live in slots of two classes carved from one budget, so a
+ * block costs its real bytes: big slot s starts at data_offset + s * slot_bytes and holds one block
+ * of the larger type, or small_slot_bytes-sized blocks of the smaller one (kvstore/slots.c); the
+ * offsets a Plan returns say where each block is. */
 typedef struct rekv_kv_arena_header {
     uint32_t magic;           /* REKV_KV_ARENA_MAGIC */
     uint32_t version;         /* REKV_KV_ARENA_VERSION */
     uint64_t arena_bytes;     /* size of the whole mapping */
     uint64_t data_offset;     /* offset of slot 0 (page aligned) */
-    uint64_t slot_bytes;      /* bytes per slot: max(KV, ACT block) rounded up to 4096 */
-    uint64_t n_slots;         /* slots in the arena */
+    uint64_t slot_bytes;      /* bytes per big slot: max(KV, ACT block) rounded up to 4096 */
+    uint64_t n_slots;         /* big slots in the arena */
     uint64_t kv_block_bytes;  /* rekv_kv_block_bytes() */
     uint64_t act_block_bytes; /* rekv_kv_act_block_bytes() */
     uint32_t n_layers;        /* geometry, as rekv_kv_geometry */
@@ -124,7 +127,9 @@ typedef struct rekv_kv_arena_header {
     uint32_t block_tokens;    /* REKV_KV_BLOCK_TOKENS */
     uint32_t lease_ms;        /* pin lease; clients renew well within it */
     uint32_t huge_pages;      /* 1 when the arena is backed by hugetlb pages */
-    uint8_t reserved[40];     /* zero; pads the header to 128 bytes */
+    uint64_t small_slot_bytes; /* bytes per small slot: min(KV, ACT block) rounded up to 4096;
+                                * slot_bytes when a big slot holds only one of them */
+    uint8_t reserved[32];     /* zero; pads the header to 128 bytes */
 } rekv_kv_arena_header;
 _Static_assert(sizeof(rekv_kv_arena_header) == 128, "arena header is 128 bytes");
 
@@ -340,6 +345,12 @@ typedef struct rekv_kv_stats {
     uint64_t sequences, clients, leases_expired;
     uint64_t spills_in_flight, reads_in_flight;
     uint64_t sequences_reclaimed; /* dropped by DropOwner or because their owner's lease expired */
+    /* the arena in bytes (blocks cost their type's slot: kvstore.proto StatsReply) */
+    uint64_t host_bytes, host_free_bytes, host_used_bytes;
+    uint64_t kv_slot_bytes, act_slot_bytes; /* what one KV / ACT block costs in the arena */
+    uint64_t spill_bytes;                   /* 0: no spill tier; UINT64_MAX: the filesystem's */
+    uint64_t spill_used_bytes;
+    uint64_t instance; /* random per store process */
     int direct_io, registered_arena;
     size_t n_hists;
     rekv_kv_hist hists[8];

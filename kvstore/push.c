@@ -137,11 +137,13 @@ int srv_h_push(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Push *m, kv_
                 i, (unsigned long long)dst, (unsigned long long)bytes, m->buffer[i], b->bytes);
         /* within one block this connection pins: anything else may be spilled and its slot
          * given to another sequence while the copy runs */
-        uint64_t rel = src - lo, slot = rel / s->arena.slot_bytes;
-        uint32_t id = slot < s->arena.n_slots ? s->slot_block[slot] : 0;
+        uint32_t slot = 0, id = NIL;
+        uint64_t start = 0;
+        if (kv_slots_find(&s->hs, src - lo, &slot, &start) == 0)
+            id = s->slot_block[slot];
         if (bytes > 0 &&
-            (slot >= s->arena.n_slots || rel % s->arena.slot_bytes + bytes > s->arena.slot_bytes ||
-             id >= s->n_block_ids || s->blocks[id].state != BS_HOST || s->blocks[id].slot != slot ||
+            (id >= s->n_block_ids || s->blocks[id].state != BS_HOST || s->blocks[id].slot != slot ||
+             src - lo - start + bytes > srv_blk_bytes(s, &s->blocks[id]) ||
              kv_map_get(&c->pins, id) == NULL))
             return srv_fail(
                 r, -EPERM,

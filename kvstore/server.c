@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -205,14 +206,15 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
     /* push backend */
     if ((rc = srv_push_open(s, cfg, err)))
         goto fail;
-    s->free_slots = malloc(s->arena.n_slots * sizeof(uint32_t));
-    s->slot_block = calloc(s->arena.n_slots ? s->arena.n_slots : 1, sizeof(uint32_t));
-    if (s->free_slots == NULL || s->slot_block == NULL) {
+    if (kv_slots_init(&s->hs, s->arena.n_slots * s->arena.slot_bytes,
+                      s->arena.hdr->kv_block_bytes, s->arena.hdr->act_block_bytes) < 0 ||
+        (s->slot_block = calloc((size_t)s->hs.n_big * s->hs.per_big + 1, sizeof(uint32_t))) ==
+            NULL) {
         rc = rekv_errf(err, -ENOMEM, "kvstore: out of memory for the slot list");
         goto fail;
     }
-    for (uint64_t i = 0; i < s->arena.n_slots; i++)
-        s->free_slots[s->n_free_slots++] = (uint32_t)(s->arena.n_slots - 1 - i);
+    if (getrandom(&s->instance, sizeof(s->instance), 0) != sizeof(s->instance))
+        s->instance = rekv_now_ns() ^ ((uint64_t)getpid() << 32);
     /* spill tier */
     if (!cfg->no_spill) {
         kv_spill_config sc = {
@@ -434,7 +436,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
     }
     free(s->blocks);
     free(s->free_ids);
-    free(s->free_slots);
+    kv_slots_destroy(&s->hs);
     free(s->slot_block);
     free(s->scratch);
     free(s->endpoint);

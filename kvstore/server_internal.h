@@ -100,15 +100,16 @@ struct rekv_kvstore_server {
     uint32_t n_block_ids, cap_block_ids;
     uint32_t *free_ids; /* recycled block ids */
     uint32_t n_free_ids, cap_free_ids;
-    uint32_t *free_slots; /* [n_slots] stack of free host slots */
-    uint32_t *slot_block; /* [n_slots] the block last given each slot (push checks pins) */
-    uint32_t n_free_slots;
+    kv_slots hs;          /* the arena's host slots, two classes (slots.c) */
+    uint32_t *slot_block; /* [n_big * per_big] the block last given each slot (push checks) */
+    uint64_t instance;    /* random, per store: clients tell stores apart by it (Stats) */
     uint32_t lru_head, lru_tail; /* least / most recently used */
     uint64_t lru_len;
     kv_map seqs; /* seq id -> kv_seq * */
     kv_client *clients;
     kv_pending *pending, *pending_tail;
     uint32_t spills_in_flight, reads_in_flight;
+    uint32_t spilling_n[2]; /* of the spills in flight, by block type */
     int spill_err;         /* last spill write failure; spilling paused while set */
     uint64_t spill_err_ns; /* when it happened */
     uint64_t now;          /* ns, refreshed per loop iteration */
@@ -165,11 +166,17 @@ int srv_grow(void **p, size_t *cap, size_t need, size_t elem);
 /* ------------------------------------------------------------------ blocks.c */
 
 size_t srv_blk_bytes(const rekv_kvstore_server *s, const kv_block *b);
+/* Byte offset of a block's host slot in the arena. */
+uint64_t srv_blk_offset(const rekv_kvstore_server *s, const kv_block *b);
+/* A host slot for block id (of its type): 0, or -ENOSPC. */
+int srv_slot_take(rekv_kvstore_server *s, uint32_t id);
 void srv_lru_update(rekv_kvstore_server *s, uint32_t id, int touch);
 int srv_block_new(rekv_kvstore_server *s, uint32_t *out);
 void srv_block_release_id(rekv_kvstore_server *s, uint32_t id);
 void srv_block_free(rekv_kvstore_server *s, uint32_t id);
-int srv_ensure_room(rekv_kvstore_server *s, uint64_t need, char *why, size_t why_len);
+/* Makes sure need[type] blocks (KV, ACT) fit the free slots or will once spills in flight end.
+ * 0: they fit now; 1: wait for spills; <0 with *why: impossible. */
+int srv_ensure_room(rekv_kvstore_server *s, const uint64_t need[2], char *why, size_t why_len);
 void srv_spill_watermark(rekv_kvstore_server *s);
 kv_seq *srv_seq_get(rekv_kvstore_server *s, uint64_t id);
 void srv_seq_free_mem(rekv_kvstore_server *s, kv_seq *q);

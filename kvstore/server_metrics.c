@@ -40,8 +40,7 @@ static void fold(const rekv_kv_hist *in, rekv_metrics_hist *out)
 int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
 {
     rekv_kvstore_server *s = ctx;
-    uint64_t slot = s->arena.slot_bytes;
-    uint64_t used_slots = s->arena.n_slots - s->n_free_slots;
+    uint64_t slot = s->arena.slot_bytes; /* a file slot on the spill tier */
     uint64_t pinned = 0;
     for (uint32_t i = 0; i < s->n_block_ids; i++)
         if (s->blocks[i].state != BS_UNUSED && s->blocks[i].pins > 0)
@@ -55,9 +54,10 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
         double v;
     } one[] = {
         {"rekv_kvstore_arena_size_bytes", "gauge", "The arena's block slots, in bytes.",
-         (double)(s->arena.n_slots * slot)},
-        {"rekv_kvstore_arena_used_bytes", "gauge", "Arena slots holding a block, in bytes.",
-         (double)(used_slots * slot)},
+         (double)((uint64_t)s->hs.n_big * s->hs.big_bytes)},
+        {"rekv_kvstore_arena_used_bytes", "gauge",
+         "Arena slots holding a block, in bytes (each block its type's slot).",
+         (double)s->hs.used_bytes},
         {"rekv_kvstore_spill_used_bytes", "gauge",
          "Blocks on the spill tier now (spilled, not in memory), in bytes.",
          (double)((s->disk_n[0] + s->disk_n[1]) * slot)},

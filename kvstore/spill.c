@@ -27,9 +27,10 @@
 
 typedef struct kv_op {
     uint64_t tag;       /* caller's tag */
-    uint64_t host_slot; /* arena slot */
+    uint64_t host_off;  /* the block's byte offset from the arena's first slot */
     uint32_t fslot;     /* file slot */
     uint32_t len;       /* meaningful bytes (CRC) */
+    uint32_t io_len;    /* bytes moved: len rounded up to a page (O_DIRECT) */
     int is_read;        /* 1 read-back, 0 spill write */
     int bounce;         /* bounce buffer index, -1 when none */
     int retried;        /* resubmitted once after O_DIRECT was refused */
@@ -326,18 +327,18 @@ uint64_t kv_spill_slots_used(const kv_spill *sp)
     return sp->fs_next - sp->n_fs_free - sp->fs_bad;
 }
 
-static uint8_t *slot_addr(const kv_spill *sp, uint64_t host_slot)
+static uint8_t *slot_addr(const kv_spill *sp, uint64_t host_off)
 {
-    return sp->cfg.slots + host_slot * sp->cfg.slot_bytes;
+    return sp->cfg.slots + host_off;
 }
 
 /* Runs one operation with pread/pwrite (no ring) and records its completion. */
 static void spill_sync(kv_spill *sp, kv_op *op, unsigned idx)
 {
-    uint8_t *buf = slot_addr(sp, op->host_slot);
+    uint8_t *buf = slot_addr(sp, op->host_off);
     off_t off = (off_t)op->fslot * (off_t)sp->cfg.slot_bytes;
-    ssize_t n = op->is_read ? pread(sp->fd, buf, sp->cfg.slot_bytes, off)
-                            : pwrite(sp->fd, buf, sp->cfg.slot_bytes, off);
+    ssize_t n = op->is_read ? pread(sp->fd, buf, op->io_len, off)
+                            : pwrite(sp->fd, buf, op->io_len, off);
     if (n < 0 && errno == EINVAL && sp->direct) {
         int fl = fcntl(sp->fd, F_GETFL);
         if (fl >= 0 && fcntl(sp->fd, F_SETFL, fl & ~O_DIRECT) == 0) {
@@ -345,13 +346,13 @@ static void spill_sync(kv_spill *sp, kv_op *op, unsigned idx)
             spill_event(sp, REKV_KV_EVENT_WARN,
                         "spill: O_DIRECT I/O refused; using buffered I/O (page cache)");
         }
-        n = op->is_read ? pread(sp->fd, buf, sp->cfg.slot_bytes, off)
-                        : pwrite(sp->fd, buf, sp->cfg.slot_bytes, off);
+        n = op->is_read ? pread(sp->fd, buf, op->io_len, off)
+                        : pwrite(sp->fd, buf, op->io_len, off);
     }
     kv_spill_done *d = &sp->sync_done[sp->n_sync_done++];
     d->tag = op->tag;
     d->is_read = op->is_read;
-    d->res = n < 0 ? -errno : (size_t)n == sp->cfg.slot_bytes ? 0 : -EIO;
+    d->res = n < 0 ? -errno : (size_t)n == op->io_len ? 0 : -EIO;
     d->crc = (op->is_read && d->res == 0) ? rekv_crc32c(0, buf, op->len) : 0;
     d->ns = rekv_now_ns() - op->t0;
     sp->op_free[sp->n_op_free++] = idx;
@@ -365,10 +366,11 @@ static void spill_prep(kv_spill *sp, kv_op *op, unsigned idx)
     struct io_uring_sqe *sqe = io_uring_get_sqe(&sp->ring);
     /* in_flight <= depth == SQ entries, and we submit before reaping, so an sqe exists */
     off_t off = (off_t)op->fslot * (off_t)sp->cfg.slot_bytes;
-    unsigned len = (unsigned)sp->cfg.slot_bytes;
+    unsigned len = op->io_len;
     if (sp->registered) {
-        uint8_t *buf = slot_addr(sp, op->host_slot);
-        int bi = (int)(op->host_slot / sp->slots_per_chunk);
+        uint8_t *buf = slot_addr(sp, op->host_off);
+        /* a block lies inside one big slot, and a chunk is whole big slots */
+        int bi = (int)(op->host_off / (sp->slots_per_chunk * sp->cfg.slot_bytes));
         if (op->is_read)
             io_uring_prep_read_fixed(sqe, sp->fd, buf, len, (uint64_t)off, bi);
         else
@@ -380,7 +382,7 @@ static void spill_prep(kv_spill *sp, kv_op *op, unsigned idx)
         else
             io_uring_prep_write_fixed(sqe, sp->fd, buf, len, (uint64_t)off, op->bounce);
     } else {
-        uint8_t *buf = slot_addr(sp, op->host_slot);
+        uint8_t *buf = slot_addr(sp, op->host_off);
         if (op->is_read)
             io_uring_prep_read(sqe, sp->fd, buf, len, (uint64_t)off);
         else
@@ -390,25 +392,29 @@ static void spill_prep(kv_spill *sp, kv_op *op, unsigned idx)
     sp->queued++;
 }
 
-static int spill_queue(kv_spill *sp, int is_read, uint64_t host_slot, uint32_t fslot, size_t len,
+static int spill_queue(kv_spill *sp, int is_read, uint64_t host_off, uint32_t fslot, size_t len,
                        uint64_t tag, uint32_t *crc)
 {
     if (sp->n_op_free == 0)
         return -EAGAIN;
-    if (host_slot >= sp->cfg.n_slots || len > sp->cfg.slot_bytes)
+    uint64_t io_len = (len + 4095) / 4096 * 4096;
+    if (len == 0 || io_len > sp->cfg.slot_bytes || host_off % 4096 != 0 ||
+        host_off + io_len > sp->cfg.n_slots * sp->cfg.slot_bytes ||
+        host_off / sp->cfg.slot_bytes != (host_off + io_len - 1) / sp->cfg.slot_bytes)
         return -EINVAL;
     unsigned idx = sp->op_free[--sp->n_op_free];
     kv_op *op = &sp->ops[idx];
     op->tag = tag;
-    op->host_slot = host_slot;
+    op->host_off = host_off;
     op->fslot = fslot;
     op->len = (uint32_t)len;
+    op->io_len = (uint32_t)io_len;
     op->is_read = is_read;
     op->bounce = -1;
     op->retried = 0;
     op->t0 = rekv_now_ns();
     sp->in_flight++;
-    uint8_t *src = slot_addr(sp, host_slot);
+    uint8_t *src = slot_addr(sp, host_off);
     if (!is_read && crc)
         *crc = rekv_crc32c(0, src, len);
     if (!sp->have_ring) {
@@ -418,21 +424,21 @@ static int spill_queue(kv_spill *sp, int is_read, uint64_t host_slot, uint32_t f
     if (!sp->registered && sp->bounce != NULL) {
         op->bounce = sp->bounce_free[--sp->n_bounce_free];
         if (!is_read)
-            memcpy(sp->bounce + (size_t)op->bounce * sp->cfg.slot_bytes, src, sp->cfg.slot_bytes);
+            memcpy(sp->bounce + (size_t)op->bounce * sp->cfg.slot_bytes, src, op->io_len);
     }
     spill_prep(sp, op, idx);
     return 0;
 }
 
-int kv_spill_write(kv_spill *sp, uint64_t host_slot, uint32_t fslot, size_t len, uint64_t tag,
+int kv_spill_write(kv_spill *sp, uint64_t host_off, uint32_t fslot, size_t len, uint64_t tag,
                    uint32_t *crc)
 {
-    return spill_queue(sp, 0, host_slot, fslot, len, tag, crc);
+    return spill_queue(sp, 0, host_off, fslot, len, tag, crc);
 }
 
-int kv_spill_read(kv_spill *sp, uint64_t host_slot, uint32_t fslot, size_t len, uint64_t tag)
+int kv_spill_read(kv_spill *sp, uint64_t host_off, uint32_t fslot, size_t len, uint64_t tag)
 {
-    return spill_queue(sp, 1, host_slot, fslot, len, tag, NULL);
+    return spill_queue(sp, 1, host_off, fslot, len, tag, NULL);
 }
 
 int kv_spill_submit(kv_spill *sp)
@@ -487,14 +493,13 @@ int kv_spill_reap(kv_spill *sp, kv_spill_done *out, int max, int wait)
         kv_spill_done *d = &out[n++];
         d->tag = op->tag;
         d->is_read = op->is_read;
-        d->res = res < 0 ? res : (uint64_t)res == sp->cfg.slot_bytes ? 0 : -EIO;
+        d->res = res < 0 ? res : (uint64_t)res == op->io_len ? 0 : -EIO;
         d->crc = 0;
         d->ns = rekv_now_ns() - op->t0;
         if (op->is_read && d->res == 0) {
-            uint8_t *dst = slot_addr(sp, op->host_slot);
+            uint8_t *dst = slot_addr(sp, op->host_off);
             if (op->bounce >= 0)
-                memcpy(dst, sp->bounce + (size_t)op->bounce * sp->cfg.slot_bytes,
-                       sp->cfg.slot_bytes);
+                memcpy(dst, sp->bounce + (size_t)op->bounce * sp->cfg.slot_bytes, op->io_len);
             d->crc = rekv_crc32c(0, dst, op->len);
         }
         if (op->bounce >= 0)

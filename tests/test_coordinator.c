@@ -1307,6 +1307,103 @@ START_TEST(busy_queue)
 }
 END_TEST
 
+/* Admission against the kvstore's room (issue 14 item 3, issue 16's "a full arena while
+ * serving"): a store of 100 blocks and no spill tier, offload mode (stories260K: 5 layers, a
+ * 4 KiB block each per 16 tokens). A job whose KV fits only alone runs while the next one waits in
+ * the queue, saying so in its status; twelve jobs whose KV together is twice the store all finish
+ * with rekv_generate's tokens, no step fails; a job larger than the whole store fails at once. */
+START_TEST(admission_waits_for_kvstore_room)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    enum { N = 12 };
+    static tjob jobs[N], ab[2];
+    make_jobs(jobs, N, 16, 512, 11);
+    reference(jobs, N, e.model);
+    /* A: 300 tokens = 19 blocks a layer, 95 of the 100; B: 17 tokens, 10 blocks */
+    make_jobs(ab, 2, 16, 512, 12);
+    ab[0].n_prompt = 4, ab[0].gp.max_new_tokens = 296, ab[0].gp.stop_at_eos = 0;
+    ab[1].n_prompt = 1, ab[1].gp.max_new_tokens = 16;
+    reference(ab, 2, e.model);
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    const char *kargs[] = {prog,           "--endpoint", e.kv,          "--model", e.model,
+                           "--host-bytes", "413696",     "--cache-dtype", "f32",   "--no-spill",
+                           NULL};
+    pid_t kv = spawn(kargs);
+    rekv_kvstore_client *k = kv_open(&e);
+    rekv_kv_stats kst;
+    kv_stats(k, &kst);
+    ck_assert_uint_eq(kst.host_bytes, 100 * 4096);
+    pid_t co = start_coordinator(&e, "64", "5000");
+    pid_t wk = start_kv_worker(&e, "8", "w0");
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+
+    ck_assert_int_eq(submit_all(c, &ab[0], 1), 1);
+    for (;;) { /* A runs: it fits alone */
+        Rekv__Control__Response *r = status(c, ab[0].id);
+        int st = r->job->state;
+        rekv__control__response__free_unpacked(r, NULL);
+        ck_assert_int_ne(st, REKV__CONTROL__JOB_STATE__FAILED);
+        if (st != REKV__CONTROL__JOB_STATE__QUEUED)
+            break;
+        usleep(1000);
+    }
+    ck_assert_int_eq(submit_all(c, &ab[1], 1), 1);
+    int seen = 0;
+    for (;;) { /* B cannot start before A ends: it waits, and says why */
+        Rekv__Control__Response *r = status(c, ab[1].id);
+        int queued = r->job->state == REKV__CONTROL__JOB_STATE__QUEUED;
+        seen = queued && strstr(r->job->waiting, "waiting for kvstore room") != NULL;
+        rekv__control__response__free_unpacked(r, NULL);
+        if (seen || !queued)
+            break;
+    }
+    ck_assert_msg(seen, "job B started without waiting for A's kvstore room");
+    Rekv__Control__Response *ra = status(c, ab[0].id);
+    ck_assert_int_eq(ra->job->state, REKV__CONTROL__JOB_STATE__RUNNING); /* B waited on it */
+    rekv__control__response__free_unpacked(ra, NULL);
+    wait_and_check(c, ab, 2, 60);
+
+    /* twelve at once, and one that can never fit: 410 tokens = 26 blocks a layer */
+    static tjob big[1];
+    make_jobs(big, 1, 16, 512, 13);
+    big[0].n_prompt = 10, big[0].gp.max_new_tokens = 400;
+    ck_assert_int_eq(submit_all(c, big, 1), 1);
+    ck_assert_int_eq(submit_all(c, jobs, N), N);
+    wait_and_check(c, jobs, N, 60);
+    Rekv__Control__Response *r = status(c, big[0].id);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__FAILED);
+    ck_assert_msg(strstr(r->job->error, "kvstore host memory") != NULL, "%s", r->job->error);
+    ck_assert_uint_eq(r->job->attempts, 0); /* failed before it ever ran */
+    rekv__control__response__free_unpacked(r, NULL);
+    r = stats(c);
+    ck_assert_uint_eq(r->stats->done, N + 2);
+    ck_assert_uint_eq(r->stats->failed, 1);
+    ck_assert_uint_eq(r->stats->steps_failed, 0);
+    ck_assert_uint_eq(r->stats->requeued, 0);
+    ck_assert_uint_eq(r->stats->jobs_too_large, 1);
+    ck_assert_uint_ge(r->stats->jobs_held_for_room, 2); /* B, and some of the twelve */
+    fprintf(stderr, "   %llu jobs held for kvstore room, %llu steps\n",
+            (unsigned long long)r->stats->jobs_held_for_room,
+            (unsigned long long)r->stats->steps);
+    rekv__control__response__free_unpacked(r, NULL);
+    kv_stats(k, &kst);
+    ck_assert_uint_eq(kst.sequences, 0);
+    ck_assert_uint_eq(kst.host_free_bytes, kst.host_bytes);
+    rekv_ctl_close(c);
+    rekv_kvstore_client_close(k);
+    ck_assert_int_eq(stop(wk), 0);
+    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(stop(kv), 0);
+    free_jobs(jobs, N);
+    free_jobs(ab, 2);
+    env_close(&e);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("coordinator");
@@ -1327,6 +1424,7 @@ static Suite *suite(void)
     tcase_add_test(tc, coordinator_restart);
     tcase_add_test(tc, malformed_requests);
     tcase_add_test(tc, busy_queue);
+    tcase_add_test(tc, admission_waits_for_kvstore_room);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -374,6 +374,84 @@ static void verify_blocks(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uin
     free(pb);
 }
 
+/* A block costs its type's bytes: with KV blocks of 8 KiB and ACT blocks of 4 KiB (MHA: the
+ * activation is half of K and V), an ACT block takes a 4 KiB slot, so an arena holds twice the
+ * tokens as ACT as it does as KV; the Stats reply counts the bytes. Then, with a spill tier, a
+ * 1:1 mix larger than the arena spills and reads back both classes intact. */
+START_TEST(test_act_costs_real_bytes)
+{
+    kvd d;
+    /* 16 big slots of 8 KiB; no spill tier, so a full arena is out of memory */
+    kvd_start(&d, 32, "--kv-heads 2 --head-dim 64 --hidden 128 --no-spill", 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(type_bytes(c, REKV_KV_BLOCK_KV), 8192);
+    ck_assert_uint_eq(type_bytes(c, REKV_KV_BLOCK_ACT), 4096);
+    ck_assert_uint_eq(st.kv_slot_bytes, 8192);
+    ck_assert_uint_eq(st.act_slot_bytes, 4096);
+    ck_assert_uint_eq(st.host_bytes, 16 * 8192);
+    ck_assert_uint_eq(st.host_free_bytes, st.host_bytes);
+    ck_assert_uint_eq(st.spill_bytes, 0);
+    ck_assert_uint_ne(st.instance, 0);
+    /* one ACT block per layer: 2 x 4 KiB */
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 1, 16, 0, 1, NULL, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.host_used_bytes, 2 * 4096);
+    ck_assert_uint_eq(st.host_free_bytes, st.host_bytes - 2 * 4096);
+    ck_assert_uint_eq(st.free_slots, 15); /* both in one big slot */
+    /* ACT blocks until the arena is full: 32 of them, 16 tokens each per layer */
+    uint64_t nt = 16;
+    while (rekv_kvstore_append(c, 1, 16, 0, 1, &nt, &err) == 0)
+        ;
+    ck_assert_ptr_nonnull(strstr(err.msg, "out of host memory"));
+    ck_assert_uint_eq(nt, 16 * 16);
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.host_act, 32);
+    ck_assert_uint_eq(st.host_free_bytes, 0);
+    write_blocks(c, 1, 0, 16, 1); /* the small slots do not overlap */
+    verify_blocks(c, 1, 0, 16, 1);
+    /* the same arena as KV holds half the tokens */
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.host_free_bytes, st.host_bytes);
+    ck_assert_uint_eq(st.free_slots, 16);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 2, NULL), 0);
+    nt = 0;
+    while (rekv_kvstore_append(c, 2, 16, 0, 0, &nt, &err) == 0)
+        ;
+    ck_assert_uint_eq(nt, 8 * 16);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 2, NULL), 0);
+    /* 1:1 (ACT first, then alternating): 11 blocks a layer (6 ACT, 5 KV) fill the 16 slots */
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 3, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 3, 10 * 16, 1, 1, NULL, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 3, 16, 1, 1, NULL, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.host_used_bytes, 2 * (5 * 8192 + 6 * 4096));
+    ck_assert_uint_eq(st.host_free_bytes, 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 3, 16, 1, 1, NULL, NULL), -ENOMEM);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+
+    /* with a spill tier: 48 blocks a layer of a 1:1 mix through 16 big slots */
+    kvd_start(&d, 32, "--kv-heads 2 --head-dim 64 --hidden 128", 0);
+    c = kvd_client(&d);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 4, NULL), 0);
+    for (int i = 0; i < 6; i++) {
+        ck_assert_int_eq(rekv_kvstore_append(c, 4, 8 * 16, 1, 1, NULL, &err), 0);
+        write_blocks(c, 4, (uint64_t)i * 8, (uint64_t)i * 8 + 8, 7);
+    }
+    verify_blocks(c, 4, 0, 48, 7);
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_gt(st.bytes_read_back, 0);
+    ck_assert_uint_eq(st.crc_errors, 0);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
 /* The store's metrics port against its Stats reply: the same bytes and blocks, the spill I/O
  * histograms' counts as the spill write and read counters, and a clean promtool check. */
 /* The numbers a scrape and a Stats reply share; background spilling may still change them. */
@@ -1484,6 +1562,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_api_basics);
     tcase_add_test(tc, test_spill_readback);
+    tcase_add_test(tc, test_act_costs_real_bytes);
     tcase_add_test(tc, test_spill_corrupt_readback);
     tcase_add_test(tc, test_spill_file_full);
     tcase_add_test(tc, test_random_ops);

@@ -40,6 +40,8 @@ static json_t *status_json(const Rekv__Control__JobStatus *s)
     json_object_set_new(o, "priority", json_integer(s->priority));
     json_object_set_new(o, "queued_s", json_real(s->queued_s));
     json_object_set_new(o, "run_s", json_real(s->run_s));
+    if (s->waiting && *s->waiting)
+        json_object_set_new(o, "waiting", json_string(s->waiting));
     return o;
 }
 
@@ -339,15 +341,19 @@ static int kvstore_status(const char *ep, int json)
     }
     rekv_kvstore_client_close(kc);
     if (json) {
-        json_t *oj = json_pack("{s:s, s:I, s:I, s:I, s:I}", "kvstore", ep, "clients",
+        json_t *oj = json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I}", "kvstore", ep, "clients",
                                (json_int_t)st.clients, "sequences", (json_int_t)st.sequences,
                                "free_slots", (json_int_t)st.free_slots, "total_slots",
-                               (json_int_t)st.total_slots);
+                               (json_int_t)st.total_slots, "host_bytes",
+                               (json_int_t)st.host_bytes, "host_free_bytes",
+                               (json_int_t)st.host_free_bytes);
         print_json(oj);
     } else {
-        printf("kvstore serving, %llu clients, %llu sequences, %llu of %llu slots free\n",
+        printf("kvstore serving, %llu clients, %llu sequences, %llu of %llu slots free, "
+               "%llu of %llu bytes free\n",
                (unsigned long long)st.clients, (unsigned long long)st.sequences,
-               (unsigned long long)st.free_slots, (unsigned long long)st.total_slots);
+               (unsigned long long)st.free_slots, (unsigned long long)st.total_slots,
+               (unsigned long long)st.host_free_bytes, (unsigned long long)st.host_bytes);
     }
     return 0;
 }
@@ -463,6 +469,8 @@ static int job_command(int argc, char **argv, int cancel)
                    *s->finish_reason ? " (" : "", s->finish_reason, *s->finish_reason ? ")" : "",
                    s->n_generated_ids, s->attempts, s->attempts == 1 ? "" : "s",
                    *s->error ? ": " : "", s->error);
+            if (s->waiting && *s->waiting)
+                printf("%s\n", s->waiting);
             if (s->text && *s->text)
                 printf("%s\n", s->text);
         }
