@@ -54,7 +54,7 @@ static void usage(FILE *f)
     fprintf(
         f, "usage: rekv-gpuworker --model PATH [--coordinator ENDPOINT] [--kvstore ENDPOINT]\n"
            "         [--backend auto|cpu|cuda]\n"
-           "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen] [--approximate]\n"
+           "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen|clo] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
            "         [--kvstore-timeout-ms N] [--metrics HOST:PORT [--metrics-public]]\n"
@@ -73,7 +73,8 @@ static void usage(FILE *f)
            "with this machine's measured profile.\n"
            "--approximate: let the coordinator choose an approximate mode (infinigen) for --mode\n"
            "auto: it does when its planner prices it strictly cheaper than every exact mode.\n"
-           "infinigen's tokens may differ from resident's; --mode infinigen needs no flag.\n"
+           "infinigen's and clo's tokens may differ from resident's; --mode infinigen or clo\n"
+           "needs no flag (auto never answers clo).\n"
            "--link-gbps, --link-latency-us and --device-memory make the cpu backend behave like a\n"
            "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
            "--push: the kvstore (started with --push-backend) writes the KV rows into this\n"

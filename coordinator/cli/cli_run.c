@@ -56,7 +56,7 @@ static void run_usage(FILE *f)
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
             "the worker picks, see rekv-gpuworker --help) or resident|offload|kvpr|act|hybrid|\n"
-            "infinigen. --approximate: let the coordinator choose an approximate mode (infinigen)\n"
+            "infinigen|clo. --approximate: let the coordinator choose an approximate mode (infinigen)\n"
             "for --mode auto; its tokens may differ from resident's.\n"
             "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n"
             "--link-gbps G, --link-latency-us U, --device-memory SIZE: the worker's cpu backend\n"
@@ -264,8 +264,8 @@ int cli_run(int argc, char **argv)
     uint64_t size_v;
     double d_v;
     if (strcmp(mode, "auto") != 0 && rekv_mode_parse(mode, &mode_v)) {
-        fprintf(stderr, "rekv run: --mode %s: expected auto, resident, offload, kvpr, act, hybrid "
-                        "or infinigen\n", mode);
+        fprintf(stderr, "rekv run: --mode %s: expected auto, resident, offload, kvpr, act, hybrid, "
+                        "infinigen or clo\n", mode);
         return 2;
     }
     if (rekv_parse_size(host_bytes, &size_v) || size_v == 0) {
