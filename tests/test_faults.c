@@ -99,7 +99,15 @@ static pid_t start_kvstore(env *e)
 
 /* A worker named w0 on the cpu backend (tokens bit for bit rekv_generate's): offload mode with
  * the KV cache in e's kvstore, or resident without one. */
+static pid_t start_worker_kv_timeout(env *e, int with_kvstore, const char *kv_timeout_ms);
+
 static pid_t start_worker(env *e, int with_kvstore)
+{
+    /* a request timeout of ten minutes: the store's end must be seen, not timed out */
+    return start_worker_kv_timeout(e, with_kvstore, "600000");
+}
+
+static pid_t start_worker_kv_timeout(env *e, int with_kvstore, const char *kv_timeout_ms)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
@@ -107,11 +115,11 @@ static pid_t start_worker(env *e, int with_kvstore)
                             "--name", "w0",       "--backend", "cpu",        "--max-batch",
                             "8",      "--heartbeat-ms", "100", "--mode",
                             with_kvstore ? "offload" : "resident"};
-    if (with_kvstore) { /* a request timeout of ten minutes: the store's end must be seen */
+    if (with_kvstore) {
         args[15] = "--kvstore";
         args[16] = e->kv;
         args[17] = "--kvstore-timeout-ms";
-        args[18] = "600000";
+        args[18] = kv_timeout_ms;
     }
     pid_t p = tu_spawn(args, e->wk_log, NULL);
     ck_assert_msg(p > 0, "rekv-gpuworker exited at start");
@@ -426,6 +434,52 @@ START_TEST(kvstore_killed)
 }
 END_TEST
 
+/* SIGSTOP the kvstore mid-run: the worker's request gets no reply within --kvstore-timeout-ms
+ * (2 s), so it takes the store as lost — the step fails, its jobs are re-queued, the worker says
+ * it is unavailable and tries to connect again, which the stopped store cannot answer. SIGCONT:
+ * the store serves again, the worker connects, drops what its name left, rebuilds its pipeline,
+ * and every job ends once with its clean tokens; no process restarted. */
+START_TEST(kvstore_stopped_times_out)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    static fjob jobs[N_JOBS];
+    make_jobs(jobs, e.model);
+    pid_t kv = start_kvstore(&e);
+    const char *co_args[] = {"--worker-timeout-ms", "600000", NULL};
+    pid_t co = start_coordinator(&e, co_args);
+    pid_t wk = start_worker_kv_timeout(&e, 1, "2000");
+    rekv_ctl *c = tu_ctl_open(e.ctl), *s = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
+    submit_all(s, jobs);
+    follow(s, jobs, 2 * N_JOBS);
+    kill(kv, SIGSTOP);
+    wait_log(e.co_log, "worker w0 is unavailable: its kvstore at");
+    Rekv__Control__Response *r = tu_ctl_stats(c);
+    ck_assert_uint_eq(r->stats->running, 0); /* nothing left RUNNING on the worker */
+    rekv__control__response__free_unpacked(r, NULL);
+    kill(kv, SIGCONT);
+    follow(s, jobs, 0);
+    check_exactly_once(c, jobs);
+    stats_at_least(c, 1, 1);
+    long timed_out = log_at(e.wk_log, "no reply from");
+    long lost = log_at(e.wk_log, "lost; unavailable until it is back");
+    long back = log_at(e.wk_log, "connected again");
+    ck_assert_msg(timed_out >= 0 && lost > timed_out && back > lost,
+                  "worker log: timed out at %ld, lost at %ld, back at %ld", timed_out, lost, back);
+    ck_assert_int_eq(waitpid(wk, NULL, WNOHANG), 0); /* the same worker all along */
+    ck_assert_int_eq(waitpid(kv, NULL, WNOHANG), 0); /* and the same store */
+    rekv_ctl_close(c);
+    rekv_ctl_close(s);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
+    ck_assert_int_eq(tu_stop(kv), 0);
+    free_jobs(jobs);
+    env_close(&e);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- a block lost on read-back */
 
 /* The kvstore sequence of job `job`'s cache, from the worker's debug log (its last join). */
@@ -691,6 +745,7 @@ static Suite *suite(void)
     TCase *tc = tcase_create("faults");
     tcase_set_timeout(tc, 240);
     tcase_add_test(tc, kvstore_killed);
+    tcase_add_test(tc, kvstore_stopped_times_out);
     tcase_add_test(tc, crc_mismatch_fails_its_job);
     tcase_add_test(tc, worker_killed_successor_takes_over);
     tcase_add_test(tc, worker_stopped_step_deadline);
