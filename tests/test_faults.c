@@ -480,6 +480,75 @@ START_TEST(kvstore_stopped_times_out)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- a full spill disk */
+
+#define UNSHARE "/usr/bin/unshare"
+
+/* The spill directory on a tmpfs of 128 KiB (32 slots) mounted in the kvstore's own user and
+ * mount namespaces (unshare -rm), with a small arena spilling down to 5% between steps: the spill
+ * file fills the tmpfs and cannot grow (ENOSPC from fallocate, before any block leaves memory).
+ * The store says so, keeps the blocks in memory, stays up, and every job ends once with
+ * rekv_generate's tokens. Skipped, saying why, where unprivileged user namespaces (and so the
+ * mount) are not allowed. */
+START_TEST(kvstore_spill_disk_full)
+{
+    char *out = NULL;
+    int probe = access(UNSHARE, X_OK) == 0
+                    ? tu_run(UNSHARE " -rm sh -c 'mount -t tmpfs -o size=64k tmpfs /tmp' 2>&1", &out)
+                    : -1;
+    if (probe != 0) {
+        printf("skip kvstore_spill_disk_full: cannot mount a tmpfs in a user namespace (%s): %s\n",
+               UNSHARE " -rm", out ? out : "no unshare");
+        free(out);
+        return;
+    }
+    free(out);
+    env e;
+    if (env_open(&e))
+        return;
+    static fjob jobs[N_JOBS];
+    make_jobs(jobs, e.model);
+    char spill[4300], prog[4096];
+    snprintf(spill, sizeof(spill), "%s/spill", e.dir);
+    ck_assert_int_eq(mkdir(spill, 0700), 0);
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    /* sh mounts the tmpfs on $0 and becomes the store (same pid); tu_spawn adds --ready-fd */
+    const char *kv_args[] = {UNSHARE, "-rm", "sh", "-c",
+                             "mount -t tmpfs -o size=128k tmpfs \"$0\" && exec \"$@\"", spill,
+                             prog, "--endpoint", e.kv, "--model", e.model, "--host-bytes", "2M",
+                             "--cache-dtype", "f32", "--spill-dir", spill, "--high-pct", "10",
+                             "--low-pct", "5", NULL};
+    pid_t kv = tu_spawn(kv_args, e.kv_log, NULL);
+    ck_assert_msg(kv > 0, "rekv-kvstore on a tmpfs exited at start");
+    const char *co_args[] = {"--worker-timeout-ms", "600000", NULL};
+    pid_t co = start_coordinator(&e, co_args);
+    pid_t wk = start_worker(&e, 1);
+    rekv_ctl *c = tu_ctl_open(e.ctl), *s = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
+    submit_all(s, jobs);
+    follow(s, jobs, 0);
+    check_exactly_once(c, jobs);
+    ck_assert_msg(tu_file_has(e.kv_log, "spill file cannot grow: No space left on device"),
+                  "the kvstore never said its spill disk was full");
+    rekv_kvstore_client *kc = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_kvstore_client_connect(e.kv, NULL, 20000, &kc, &err) == 0, "%s", err.msg);
+    rekv_kv_stats st;
+    ck_assert_msg(rekv_kvstore_stats(kc, &st, &err) == 0, "%s", err.msg);
+    ck_assert_uint_ge(st.spill_errors, 1);
+    ck_assert_uint_gt(st.bytes_spilled, 0); /* what fitted went to disk */
+    ck_assert_uint_eq(st.crc_errors, 0);
+    rekv_kvstore_client_close(kc);
+    rekv_ctl_close(c);
+    rekv_ctl_close(s);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
+    ck_assert_int_eq(tu_stop(kv), 0);
+    free_jobs(jobs);
+    env_close(&e);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- a block lost on read-back */
 
 /* The kvstore sequence of job `job`'s cache, from the worker's debug log (its last join). */
@@ -747,6 +816,7 @@ static Suite *suite(void)
     tcase_add_test(tc, kvstore_killed);
     tcase_add_test(tc, kvstore_stopped_times_out);
     tcase_add_test(tc, crc_mismatch_fails_its_job);
+    tcase_add_test(tc, kvstore_spill_disk_full);
     tcase_add_test(tc, worker_killed_successor_takes_over);
     tcase_add_test(tc, worker_stopped_step_deadline);
     suite_add_tcase(s, tc);
