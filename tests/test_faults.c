@@ -493,9 +493,8 @@ END_TEST
 START_TEST(kvstore_spill_disk_full)
 {
     char *out = NULL;
-    int probe = access(UNSHARE, X_OK) == 0
-                    ? tu_run(UNSHARE " -rm sh -c 'mount -t tmpfs -o size=64k tmpfs /tmp' 2>&1", &out)
-                    : -1;
+    const char *try_mount = UNSHARE " -rm sh -c 'mount -t tmpfs -o size=64k tmpfs /tmp' 2>&1";
+    int probe = access(UNSHARE, X_OK) == 0 ? tu_run(try_mount, &out) : -1;
     if (probe != 0) {
         printf("skip kvstore_spill_disk_full: cannot mount a tmpfs in a user namespace (%s): %s\n",
                UNSHARE " -rm", out ? out : "no unshare");
@@ -672,7 +671,8 @@ START_TEST(crc_mismatch_fails_its_job)
     uint32_t layer = 0;
     uint64_t block = 0;
     for (int tries = 0;; tries++) {
-        ck_assert_msg(tries < 100, "job %llu never had a block on disk", (unsigned long long)victim->id);
+        ck_assert_msg(tries < 100, "job %llu never had a block on disk",
+                      (unsigned long long)victim->id);
         kill(wk, SIGSTOP);
         ck_assert_msg(victim->ends == 0 && (int)victim->n_got + 8 < victim->ref.n,
                       "job %llu is about to end before its block was corrupted",
