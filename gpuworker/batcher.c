@@ -100,6 +100,24 @@ int rekv_batcher_job_ids(const rekv_batcher *b, uint64_t *ids, int cap)
     return b->n;
 }
 
+uint64_t rekv_batcher_store_seq(const rekv_batcher *b, uint64_t job)
+{
+    for (int i = 0; i < b->n; i++)
+        if (b->jobs[i].id == job && b->jobs[i].seq)
+            return rekv_pseq_store_seq(b->jobs[i].seq);
+    return 0;
+}
+
+int rekv_batcher_job_of_store_seq(const rekv_batcher *b, uint64_t store_seq, uint64_t *job)
+{
+    for (int i = 0; i < b->n; i++)
+        if (b->jobs[i].seq && rekv_pseq_uses_store_seq(b->jobs[i].seq, store_seq)) {
+            *job = b->jobs[i].id;
+            return 0;
+        }
+    return -ENOENT;
+}
+
 void rekv_batcher_set_mini_batches(rekv_batcher *b, const uint64_t *jobs, const uint32_t *index,
                                    size_t n)
 {

@@ -58,6 +58,12 @@ int rekv_batcher_running(const rekv_batcher *b);
 /* The ids of the jobs in the batch, in batch order, into ids[cap]; returns how many there are
  * (more than cap: only cap were written). */
 int rekv_batcher_job_ids(const rekv_batcher *b, uint64_t *ids, int cap);
+/* The running job whose cache is in kvstore sequence store_seq (rekv_pseq_uses_store_seq), into
+ * *job: 0, or -ENOENT when none is. */
+int rekv_batcher_job_of_store_seq(const rekv_batcher *b, uint64_t store_seq, uint64_t *job);
+/* The kvstore sequence of running job `job` (rekv_pseq_store_seq; 0 resident), or 0 when the job
+ * is not running. */
+uint64_t rekv_batcher_store_seq(const rekv_batcher *b, uint64_t job);
 
 /* Runs one step. *events (owned by the batcher, valid until the next call) gets one entry per job
  * that was in the batch, in batch order; finished jobs have left it. On a failed forward step the

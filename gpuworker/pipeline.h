@@ -126,6 +126,12 @@ const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p);
 int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *err);
 void rekv_pseq_free(rekv_pseq *s);
 int rekv_pseq_len(const rekv_pseq *s);
+/* 1 when the kvstore sequence store_seq holds this sequence's cache (kvpr: its K,V or its
+ * activations), else 0 (resident: never). Maps a store's rekv_kvstore_client_take_lost_seq to
+ * the sequence that lost blocks. */
+int rekv_pseq_uses_store_seq(const rekv_pseq *s, uint64_t store_seq);
+/* The kvstore sequence holding its K,V (kvpr: the activations are in the next one); 0 resident. */
+uint64_t rekv_pseq_store_seq(const rekv_pseq *s);
 
 typedef struct rekv_pipe_item {
     rekv_pseq *seq;

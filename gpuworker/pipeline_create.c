@@ -430,3 +430,15 @@ int rekv_pseq_len(const rekv_pseq *s)
 {
     return s->len;
 }
+
+uint64_t rekv_pseq_store_seq(const rekv_pseq *s)
+{
+    return s->id;
+}
+
+int rekv_pseq_uses_store_seq(const rekv_pseq *s, uint64_t store_seq)
+{
+    if (s->id == 0 || store_seq == 0) /* resident: no store sequence */
+        return 0;
+    return store_seq == s->id || (s->p->cfg.mode == REKV_MODE_KVPR && store_seq == s->id + 1);
+}

@@ -10,8 +10,10 @@
  *
  * Failures: a step that fails as a whole reports every job that was in it, each to be run again
  * (retry: the kvstore went away or had no room, the worker is stopping) or failed with the reason
- * (anything else, a CRC mismatch on read-back included). The kvstore client notices the store's
- * end at once (a socket monitor) or a request's timeout (--kvstore-timeout-ms); the worker then
+ * (anything else); when the store names the sequence whose block failed to read back (a CRC
+ * mismatch, an I/O error), that sequence's job alone fails and the others run again. The kvstore
+ * client notices the store's end at once (a socket monitor) or a request's timeout
+ * (--kvstore-timeout-ms); the worker then
  * drops its pipeline (its arena is the dead store's), says it is unavailable on every message
  * (the coordinator sends it no Plan; a Plan already on its way is answered with every joining job
  * to be run again), reconnects every half second and, once the store answers, rebuilds the
@@ -497,6 +499,10 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
             lost |= join_lost;
             pp[n] = &jp[n];
             n++;
+        } else if (w->kv) {
+            rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu's cache is kvstore sequence %llu",
+                     (unsigned long long)plan->step, (unsigned long long)s->job,
+                     (unsigned long long)rekv_batcher_store_seq(w->batch, s->job));
         }
     }
     if (plan->params) {
@@ -512,20 +518,37 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     int n_ev = 0;
     rekv_err serr = {0};
     int running = rekv_batcher_running(w->batch), ran = running > 0;
+    char other_msg[160] = "";
+    if (w->kv)
+        rekv_kvstore_client_take_lost_seq(w->kv); /* only this step's */
     if (running > 0 && step_with_heartbeats(w, &ev, &n_ev, &serr)) {
         /* the step failed as a whole: every job in it is reported, to run again or failed */
         int retry = step_error_retry(w, serr.code, &lost);
-        rekv_log(retry ? REKV_LOG_WARN : REKV_LOG_ERROR, "step %llu failed (%s): %s",
-                 (unsigned long long)plan->step, retry ? "its jobs run again" : "its jobs fail",
-                 serr.msg);
+        /* a block lost on read-back (CRC mismatch, I/O error) is one sequence's: its job fails,
+         * the others' caches are intact and they run again */
+        uint64_t lost_seq = w->kv ? rekv_kvstore_client_take_lost_seq(w->kv) : 0, owner = 0;
+        int scoped = !retry && lost_seq != 0 &&
+                     rekv_batcher_job_of_store_seq(w->batch, lost_seq, &owner) == 0;
+        if (scoped) {
+            snprintf(other_msg, sizeof(other_msg),
+                     "step %llu failed on job %llu's lost kvstore blocks; this job runs again",
+                     (unsigned long long)plan->step, (unsigned long long)owner);
+            rekv_log(REKV_LOG_ERROR, "step %llu failed (job %llu fails, the others run again): %s",
+                     (unsigned long long)plan->step, (unsigned long long)owner, serr.msg);
+        } else {
+            rekv_log(retry ? REKV_LOG_WARN : REKV_LOG_ERROR, "step %llu failed (%s): %s",
+                     (unsigned long long)plan->step, retry ? "its jobs run again" : "its jobs fail",
+                     serr.msg);
+        }
         uint64_t *ids = calloc((size_t)running, sizeof(uint64_t));
         int n_ids = ids ? rekv_batcher_job_ids(w->batch, ids, running) : 0;
         for (int i = 0; i < n_ids && i < running && n < cap; i++) {
+            int other = scoped && ids[i] != owner;
             rekv__worker__job_progress__init(&jp[n]);
             jp[n].job = ids[i];
-            jp[n].error = serr.code;
-            jp[n].error_msg = serr.msg;
-            jp[n].retry = retry;
+            jp[n].error = other ? -EAGAIN : serr.code;
+            jp[n].error_msg = other ? other_msg : serr.msg;
+            jp[n].retry = other ? 1 : retry;
             pp[n] = &jp[n];
             n++;
         }

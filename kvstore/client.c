@@ -46,6 +46,8 @@ struct rekv_kvstore_client {
     void *zmon;                /* PAIR receiving the DEALER's monitor events (DISCONNECTED) */
     int abort_fd;              /* eventfd: rekv_kvstore_client_abort */
     atomic_int lost;           /* 0, or the negative errno every request now fails with */
+    uint64_t lost_seq;         /* the last sequence a failed reply said is lost (0: none since
+                                * rekv_kvstore_client_take_lost_seq); under lock */
     char endpoint[256];        /* for messages */
 };
 
@@ -308,6 +310,15 @@ static int call_raw(rekv_kvstore_client *c, const void *buf, size_t len, uint64_
     }
 }
 
+uint64_t rekv_kvstore_client_take_lost_seq(rekv_kvstore_client *c)
+{
+    pthread_mutex_lock(&c->lock);
+    uint64_t seq = c->lost_seq;
+    c->lost_seq = 0;
+    pthread_mutex_unlock(&c->lock);
+    return seq;
+}
+
 int rekv_kvstore_client_lost(rekv_kvstore_client *c)
 {
     if (atomic_load(&c->lost) == 0 && pthread_mutex_trylock(&c->lock) == 0) {
@@ -366,6 +377,8 @@ static int call_ex(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
         pthread_mutex_lock(&c->lock);
     }
     int rc = call_locked(c, req, resp, err);
+    if (rc == 0 && (*resp)->status != 0 && (*resp)->lost_seq != 0)
+        c->lost_seq = (*resp)->lost_seq;
     pthread_mutex_unlock(&c->lock);
     if (rc < 0)
         return rc;

@@ -375,10 +375,12 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
     for (size_t i = 0; i < n; i++) {
         uint32_t id = s->scratch[i];
         kv_block *b = &s->blocks[id];
-        if (b->state == BS_DISK && b->load_err)
+        if (b->state == BS_DISK && b->load_err) {
+            r->resp.lost_seq = b->seq; /* the client fails that sequence's owner, not the rest */
             return srv_fail(r, b->load_err, "sequence %llu layer %u block %u: read-back failed: %s",
                             (unsigned long long)b->seq, b->layer, b->lblock,
                             b->load_err == -EBADMSG ? "CRC32C mismatch" : strerror(-b->load_err));
+        }
         if (b->state == BS_DISK && s->spill != NULL) {
             if (kv_spill_in_flight(s->spill) < kv_spill_depth(s->spill) &&
                 srv_slot_take(s, id) == 0) {

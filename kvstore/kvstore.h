@@ -219,6 +219,10 @@ void rekv_kvstore_client_close(rekv_kvstore_client *c);
  * arena and none of our sequences, so the client never reconnects by itself — connect a new
  * one), -ECANCELED after rekv_kvstore_client_abort. Any thread; never waits. */
 int rekv_kvstore_client_lost(rekv_kvstore_client *c);
+/* The sequence the last failed pin or plan named as lost — one of its blocks failed to read back
+ * (CRC32C mismatch or I/O error) and is gone; the store's other sequences are intact — and clears
+ * it; 0 when none since the last call. Lets a caller fail that sequence's owner alone. */
+uint64_t rekv_kvstore_client_take_lost_seq(rekv_kvstore_client *c);
 /* Makes the request in flight on another thread, and every later one, fail at once with
  * -ECANCELED (a worker stopping while its step waits on a store that does not answer). */
 void rekv_kvstore_client_abort(rekv_kvstore_client *c);

@@ -15,12 +15,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "common/clock.h"
 #include "coordinator/coordinator.h"
 #include "gpuworker/gpuworker.h"
+#include "kvstore/kvstore.h"
 #include "tests/testutil.h"
 
 #define MODEL_REL "models/stories260K/stories260K.bin"
@@ -73,21 +75,39 @@ static pid_t start_coordinator(env *e, const char *const *extra)
     return p;
 }
 
-static pid_t start_kvstore(env *e)
+/* The kvstore; extra: NULL-terminated options (a later --host-bytes or --spill-dir wins). */
+static pid_t start_kvstore_with(env *e, const char *const *extra)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
-    const char *args[] = {prog,           "--endpoint", e->kv,           "--model", e->model,
-                          "--host-bytes", "64M",        "--cache-dtype", "f32",     "--spill-dir",
-                          e->dir,         NULL};
+    const char *args[32] = {prog,           "--endpoint", e->kv,           "--model", e->model,
+                            "--host-bytes", "64M",        "--cache-dtype", "f32",     "--spill-dir",
+                            e->dir};
+    int n = 11;
+    for (int i = 0; extra && extra[i] && n < 30; i++)
+        args[n++] = extra[i];
+    args[n] = NULL;
     pid_t p = tu_spawn(args, e->kv_log, NULL);
     ck_assert_msg(p > 0, "rekv-kvstore exited at start");
     return p;
 }
 
+static pid_t start_kvstore(env *e)
+{
+    return start_kvstore_with(e, NULL);
+}
+
 /* A worker named w0 on the cpu backend (tokens bit for bit rekv_generate's): offload mode with
  * the KV cache in e's kvstore, or resident without one. */
+static pid_t start_worker_kv_timeout(env *e, int with_kvstore, const char *kv_timeout_ms);
+
 static pid_t start_worker(env *e, int with_kvstore)
+{
+    /* a request timeout of ten minutes: the store's end must be seen, not timed out */
+    return start_worker_kv_timeout(e, with_kvstore, "600000");
+}
+
+static pid_t start_worker_kv_timeout(env *e, int with_kvstore, const char *kv_timeout_ms)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
@@ -95,11 +115,11 @@ static pid_t start_worker(env *e, int with_kvstore)
                             "--name", "w0",       "--backend", "cpu",        "--max-batch",
                             "8",      "--heartbeat-ms", "100", "--mode",
                             with_kvstore ? "offload" : "resident"};
-    if (with_kvstore) { /* a request timeout of ten minutes: the store's end must be seen */
+    if (with_kvstore) {
         args[15] = "--kvstore";
         args[16] = e->kv;
         args[17] = "--kvstore-timeout-ms";
-        args[18] = "600000";
+        args[18] = kv_timeout_ms;
     }
     pid_t p = tu_spawn(args, e->wk_log, NULL);
     ck_assert_msg(p > 0, "rekv-gpuworker exited at start");
@@ -118,6 +138,9 @@ typedef struct fjob {
     int32_t got[MAX_NEW]; /* tokens streamed so far, by offset */
     uint32_t n_got;
     int ends;             /* final events (done) seen */
+    int may_fail;         /* its final event may be FAILED (the test corrupted its blocks) */
+    int failed;           /* it ended FAILED */
+    char error[512];      /* then, why */
 } fjob;
 
 static void make_jobs(fjob *jobs, const char *model)
@@ -226,6 +249,11 @@ static void take_event(fjob *jobs, const Rekv__Control__StreamEvent *ev)
     if (ev->done) {
         j->ends++;
         ck_assert_msg(j->ends == 1, "job %llu ended twice", (unsigned long long)ev->job);
+        if (j->may_fail && ev->state == REKV__CONTROL__JOB_STATE__FAILED) {
+            j->failed = 1;
+            snprintf(j->error, sizeof(j->error), "%s", ev->error ? ev->error : "");
+            return;
+        }
         ck_assert_msg(ev->state == REKV__CONTROL__JOB_STATE__DONE, "job %llu ended %s: %s",
                       (unsigned long long)ev->job, rekv_ctl_state_name(ev->state), ev->error);
     }
@@ -260,12 +288,25 @@ static void follow(rekv_ctl *c, fjob *jobs, uint32_t tokens)
 }
 
 /* Every job streamed exactly rekv_generate's tokens and ended once, DONE; the coordinator holds
- * exactly these jobs, each DONE with those tokens. */
+ * exactly these jobs, each DONE with those tokens. Except a job that may fail and did: it ended
+ * once, FAILED, and streamed a prefix of those tokens. */
 static void check_exactly_once(rekv_ctl *c, fjob *jobs)
 {
+    int n_failed = 0;
     for (int i = 0; i < N_JOBS; i++) {
         fjob *j = &jobs[i];
         ck_assert_int_eq(j->ends, 1);
+        if (j->failed) {
+            n_failed++;
+            ck_assert_msg((int)j->n_got <= j->ref.n &&
+                              memcmp(j->got, j->ref.ids, sizeof(int32_t) * j->n_got) == 0,
+                          "job %d: the tokens streamed before it failed are not rekv_generate's",
+                          i);
+            Rekv__Control__Response *r = tu_ctl_status(c, j->id);
+            ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__FAILED);
+            rekv__control__response__free_unpacked(r, NULL);
+            continue;
+        }
         ck_assert_msg((int)j->n_got == j->ref.n, "job %d: %u tokens streamed, rekv_generate "
                       "made %d", i, j->n_got, j->ref.n);
         ck_assert_msg(memcmp(j->got, j->ref.ids, sizeof(int32_t) * (size_t)j->ref.n) == 0,
@@ -279,8 +320,8 @@ static void check_exactly_once(rekv_ctl *c, fjob *jobs)
     }
     Rekv__Control__Response *r = tu_ctl_stats(c);
     ck_assert_uint_eq(r->stats->accepted, N_JOBS);
-    ck_assert_uint_eq(r->stats->done, N_JOBS);
-    ck_assert_uint_eq(r->stats->failed, 0);
+    ck_assert_uint_eq(r->stats->done, N_JOBS - n_failed);
+    ck_assert_uint_eq(r->stats->failed, n_failed);
     ck_assert_uint_eq(r->stats->queued + r->stats->running, 0);
     rekv__control__response__free_unpacked(r, NULL);
 }
@@ -393,6 +434,289 @@ START_TEST(kvstore_killed)
 }
 END_TEST
 
+/* SIGSTOP the kvstore mid-run: the worker's request gets no reply within --kvstore-timeout-ms
+ * (2 s), so it takes the store as lost — the step fails, its jobs are re-queued, the worker says
+ * it is unavailable and tries to connect again, which the stopped store cannot answer. SIGCONT:
+ * the store serves again, the worker connects, drops what its name left, rebuilds its pipeline,
+ * and every job ends once with its clean tokens; no process restarted. */
+START_TEST(kvstore_stopped_times_out)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    static fjob jobs[N_JOBS];
+    make_jobs(jobs, e.model);
+    pid_t kv = start_kvstore(&e);
+    const char *co_args[] = {"--worker-timeout-ms", "600000", NULL};
+    pid_t co = start_coordinator(&e, co_args);
+    pid_t wk = start_worker_kv_timeout(&e, 1, "2000");
+    rekv_ctl *c = tu_ctl_open(e.ctl), *s = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
+    submit_all(s, jobs);
+    follow(s, jobs, 2 * N_JOBS);
+    kill(kv, SIGSTOP);
+    wait_log(e.co_log, "worker w0 is unavailable: its kvstore at");
+    Rekv__Control__Response *r = tu_ctl_stats(c);
+    ck_assert_uint_eq(r->stats->running, 0); /* nothing left RUNNING on the worker */
+    rekv__control__response__free_unpacked(r, NULL);
+    kill(kv, SIGCONT);
+    follow(s, jobs, 0);
+    check_exactly_once(c, jobs);
+    stats_at_least(c, 1, 1);
+    long timed_out = log_at(e.wk_log, "no reply from");
+    long lost = log_at(e.wk_log, "lost; unavailable until it is back");
+    long back = log_at(e.wk_log, "connected again");
+    ck_assert_msg(timed_out >= 0 && lost > timed_out && back > lost,
+                  "worker log: timed out at %ld, lost at %ld, back at %ld", timed_out, lost, back);
+    ck_assert_int_eq(waitpid(wk, NULL, WNOHANG), 0); /* the same worker all along */
+    ck_assert_int_eq(waitpid(kv, NULL, WNOHANG), 0); /* and the same store */
+    rekv_ctl_close(c);
+    rekv_ctl_close(s);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
+    ck_assert_int_eq(tu_stop(kv), 0);
+    free_jobs(jobs);
+    env_close(&e);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- a full spill disk */
+
+#define UNSHARE "/usr/bin/unshare"
+
+/* The spill directory on a tmpfs of 128 KiB (32 slots) mounted in the kvstore's own user and
+ * mount namespaces (unshare -rm), with a small arena spilling down to 5% between steps: the spill
+ * file fills the tmpfs and cannot grow (ENOSPC from fallocate, before any block leaves memory).
+ * The store says so, keeps the blocks in memory, stays up, and every job ends once with
+ * rekv_generate's tokens. Skipped, saying why, where unprivileged user namespaces (and so the
+ * mount) are not allowed. */
+START_TEST(kvstore_spill_disk_full)
+{
+    char *out = NULL;
+    const char *try_mount = UNSHARE " -rm sh -c 'mount -t tmpfs -o size=64k tmpfs /tmp' 2>&1";
+    int probe = access(UNSHARE, X_OK) == 0 ? tu_run(try_mount, &out) : -1;
+    if (probe != 0) {
+        printf("skip kvstore_spill_disk_full: cannot mount a tmpfs in a user namespace (%s): %s\n",
+               UNSHARE " -rm", out ? out : "no unshare");
+        free(out);
+        return;
+    }
+    free(out);
+    env e;
+    if (env_open(&e))
+        return;
+    static fjob jobs[N_JOBS];
+    make_jobs(jobs, e.model);
+    char spill[4300], prog[4096];
+    snprintf(spill, sizeof(spill), "%s/spill", e.dir);
+    ck_assert_int_eq(mkdir(spill, 0700), 0);
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    /* sh mounts the tmpfs on $0 and becomes the store (same pid); tu_spawn adds --ready-fd */
+    const char *kv_args[] = {UNSHARE, "-rm", "sh", "-c",
+                             "mount -t tmpfs -o size=128k tmpfs \"$0\" && exec \"$@\"", spill,
+                             prog, "--endpoint", e.kv, "--model", e.model, "--host-bytes", "2M",
+                             "--cache-dtype", "f32", "--spill-dir", spill, "--high-pct", "10",
+                             "--low-pct", "5", NULL};
+    pid_t kv = tu_spawn(kv_args, e.kv_log, NULL);
+    ck_assert_msg(kv > 0, "rekv-kvstore on a tmpfs exited at start");
+    const char *co_args[] = {"--worker-timeout-ms", "600000", NULL};
+    pid_t co = start_coordinator(&e, co_args);
+    pid_t wk = start_worker(&e, 1);
+    rekv_ctl *c = tu_ctl_open(e.ctl), *s = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
+    submit_all(s, jobs);
+    follow(s, jobs, 0);
+    check_exactly_once(c, jobs);
+    ck_assert_msg(tu_file_has(e.kv_log, "spill file cannot grow: No space left on device"),
+                  "the kvstore never said its spill disk was full");
+    rekv_kvstore_client *kc = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_kvstore_client_connect(e.kv, NULL, 20000, &kc, &err) == 0, "%s", err.msg);
+    rekv_kv_stats st;
+    ck_assert_msg(rekv_kvstore_stats(kc, &st, &err) == 0, "%s", err.msg);
+    ck_assert_uint_ge(st.spill_errors, 1);
+    ck_assert_uint_gt(st.bytes_spilled, 0); /* what fitted went to disk */
+    ck_assert_uint_eq(st.crc_errors, 0);
+    rekv_kvstore_client_close(kc);
+    rekv_ctl_close(c);
+    rekv_ctl_close(s);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
+    ck_assert_int_eq(tu_stop(kv), 0);
+    free_jobs(jobs);
+    env_close(&e);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- a block lost on read-back */
+
+/* The kvstore sequence of job `job`'s cache, from the worker's debug log (its last join). */
+static uint64_t job_store_seq(const char *wk_log, uint64_t job)
+{
+    char needle[96];
+    snprintf(needle, sizeof(needle), "job %llu's cache is kvstore sequence ",
+             (unsigned long long)job);
+    char *t = tu_read_file(wk_log, NULL);
+    uint64_t seq = 0;
+    for (const char *p = t; p && (p = strstr(p, needle)); p++)
+        seq = strtoull(p + strlen(needle), NULL, 10);
+    free(t);
+    return seq;
+}
+
+/* The store at rest: no spill write or read-back in flight and none completed over 100 ms (the
+ * worker is stopped, so nothing starts one but a parked request, which this waits out). */
+static void kv_quiet(rekv_kvstore_client *kc, rekv_kv_stats *st)
+{
+    uint64_t deadline = rekv_now_ns() + 30000000000ull;
+    for (;;) {
+        rekv_kv_stats a, b;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_kvstore_stats(kc, &a, &err) == 0, "%s", err.msg);
+        usleep(100000);
+        ck_assert_msg(rekv_kvstore_stats(kc, &b, &err) == 0, "%s", err.msg);
+        if (a.reads_in_flight + a.spills_in_flight + b.reads_in_flight + b.spills_in_flight == 0 &&
+            a.bytes_read_back == b.bytes_read_back && a.bytes_spilled == b.bytes_spilled) {
+            *st = b;
+            return;
+        }
+        ck_assert_msg(rekv_now_ns() < deadline, "the kvstore never came to rest");
+    }
+}
+
+/* With the worker stopped: flips one byte of a KV block of sequence seq that is on disk now (the
+ * store's block table says where) and still there after the flip with nothing read back meanwhile;
+ * 0 when none of its blocks is on disk (or one was read back meanwhile). */
+static int flip_disk_block(rekv_kvstore_client *kc, int fd, uint64_t seq, uint32_t *layer,
+                           uint64_t *block)
+{
+    rekv_kv_geometry g;
+    rekv_kvstore_client_geometry(kc, &g);
+    size_t slot = rekv_kvstore_client_header(kc)->slot_bytes;
+    rekv_kv_stats before, after;
+    kv_quiet(kc, &before);
+    for (uint32_t l = 0; l < g.n_layers; l++) {
+        rekv_kv_table_entry *t = NULL;
+        size_t n = 0;
+        uint64_t n_tok = 0;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_kvstore_table(kc, seq, l, &t, &n, &n_tok, &err) == 0, "%s", err.msg);
+        for (size_t b = 0; b < n; b++) {
+            if (t[b].tier != REKV_KV_TIER_DISK || t[b].type != REKV_KV_BLOCK_KV)
+                continue;
+            uint64_t phys = t[b].phys;
+            free(t);
+            uint8_t byte;
+            off_t off = (off_t)(phys * slot + 100);
+            ck_assert_int_eq(pread(fd, &byte, 1, off), 1);
+            byte ^= 0xff;
+            ck_assert_int_eq(pwrite(fd, &byte, 1, off), 1);
+            ck_assert_int_eq(fdatasync(fd), 0);
+            kv_quiet(kc, &after);
+            ck_assert_msg(rekv_kvstore_table(kc, seq, l, &t, &n, &n_tok, &err) == 0, "%s",
+                          err.msg);
+            int still = b < n && t[b].tier == REKV_KV_TIER_DISK && t[b].phys == phys &&
+                        after.bytes_read_back == before.bytes_read_back;
+            free(t);
+            *layer = l;
+            *block = b;
+            return still;
+        }
+        free(t);
+    }
+    return 0;
+}
+
+/* A byte flipped in the spill file, in a block of one job's sequence on disk while the worker is
+ * stopped (a small arena spilling down to 5% between steps forces blocks out): the next step's
+ * read-back fails its CRC32C, the worker fails that job alone, with the store's reason naming the
+ * sequence, and reports the other jobs of the step to run again; each of them ends once, DONE,
+ * with rekv_generate's tokens, and the failed one streamed only a prefix of its own. The worker's
+ * debug log says which sequence is the job's, the store's block table where its blocks are. */
+START_TEST(crc_mismatch_fails_its_job)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    static fjob jobs[N_JOBS];
+    make_jobs(jobs, e.model);
+    fjob *victim = &jobs[3]; /* mid-batch: not the first job of a step, nor the last */
+    victim->may_fail = 1;
+    char spill[4300];
+    snprintf(spill, sizeof(spill), "%s/spill", e.dir);
+    ck_assert_int_eq(mkdir(spill, 0700), 0);
+    /* 512 slots: room for the whole batch's blocks (a step pins them all), spilled down to 5%
+     * between steps once above 10% */
+    const char *kv_args[] = {"--host-bytes", "2M",        "--high-pct", "10",          "--low-pct",
+                             "5",            "--lease-ms", "600000",     "--spill-dir", spill,
+                             NULL};
+    pid_t kv = start_kvstore_with(&e, kv_args);
+    const char *co_args[] = {"--worker-timeout-ms", "600000", NULL};
+    pid_t co = start_coordinator(&e, co_args);
+    setenv("REKV_LOG", "debug", 1);
+    pid_t wk = start_worker(&e, 1);
+    unsetenv("REKV_LOG");
+    rekv_ctl *c = tu_ctl_open(e.ctl), *s = tu_ctl_open(e.ctl);
+    tu_ctl_wait_workers(c, 1);
+    submit_all(s, jobs);
+    follow(s, jobs, 24 * N_JOBS); /* two blocks a layer: above the high watermark */
+    uint64_t seq = job_store_seq(e.wk_log, victim->id);
+    ck_assert_msg(seq != 0, "the worker's log does not name job %llu's kvstore sequence",
+                  (unsigned long long)victim->id);
+    rekv_kvstore_client *kc = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_kvstore_client_connect(e.kv, NULL, 20000, &kc, &err) == 0, "%s", err.msg);
+    int fd = tu_spill_fd(kv, spill);
+    ck_assert_msg(fd >= 0, "no spill file among the kvstore's open files");
+    uint32_t layer = 0;
+    uint64_t block = 0;
+    for (int tries = 0;; tries++) {
+        ck_assert_msg(tries < 100, "job %llu never had a block on disk",
+                      (unsigned long long)victim->id);
+        kill(wk, SIGSTOP);
+        ck_assert_msg(victim->ends == 0 && (int)victim->n_got + 8 < victim->ref.n,
+                      "job %llu is about to end before its block was corrupted",
+                      (unsigned long long)victim->id);
+        if (flip_disk_block(kc, fd, seq, &layer, &block))
+            break;
+        kill(wk, SIGCONT);
+        uint32_t have = 0;
+        for (int i = 0; i < N_JOBS; i++)
+            have += jobs[i].n_got;
+        follow(s, jobs, have + N_JOBS);
+    }
+    close(fd);
+    kill(wk, SIGCONT);
+    follow(s, jobs, 0);
+    ck_assert_msg(victim->failed, "job %llu, whose block was corrupted, did not fail",
+                  (unsigned long long)victim->id);
+    char want[160];
+    snprintf(want, sizeof(want), "sequence %llu layer %u block %llu", (unsigned long long)seq,
+             layer, (unsigned long long)block);
+    ck_assert_msg(strstr(victim->error, "CRC32C mismatch") && strstr(victim->error, want),
+                  "job %llu failed with \"%s\", not a CRC32C mismatch in %s",
+                  (unsigned long long)victim->id, victim->error, want);
+    check_exactly_once(c, jobs); /* the others: DONE with rekv_generate's tokens */
+    stats_at_least(c, 1, 1);
+    rekv_kv_stats st;
+    ck_assert_msg(rekv_kvstore_stats(kc, &st, &err) == 0, "%s", err.msg);
+    ck_assert_uint_eq(st.crc_errors, 1);
+    ck_assert_uint_gt(st.bytes_spilled, 0);
+    rekv_kvstore_client_close(kc);
+    char line[96];
+    snprintf(line, sizeof(line), "job %llu fails, the others run again",
+             (unsigned long long)victim->id);
+    ck_assert_msg(tu_file_has(e.wk_log, line), "the worker's log does not say \"%s\"", line);
+    rekv_ctl_close(c);
+    rekv_ctl_close(s);
+    ck_assert_int_eq(tu_stop(wk), 0);
+    ck_assert_int_eq(tu_stop(co), 0);
+    ck_assert_int_eq(tu_stop(kv), 0);
+    free_jobs(jobs);
+    env_close(&e);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- the worker */
 
 /* SIGKILL the worker mid-run and start a new one under its name: the coordinator drops the old
@@ -490,6 +814,9 @@ static Suite *suite(void)
     TCase *tc = tcase_create("faults");
     tcase_set_timeout(tc, 240);
     tcase_add_test(tc, kvstore_killed);
+    tcase_add_test(tc, kvstore_stopped_times_out);
+    tcase_add_test(tc, crc_mismatch_fails_its_job);
+    tcase_add_test(tc, kvstore_spill_disk_full);
     tcase_add_test(tc, worker_killed_successor_takes_over);
     tcase_add_test(tc, worker_stopped_step_deadline);
     suite_add_tcase(s, tc);

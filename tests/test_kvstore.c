@@ -568,27 +568,10 @@ START_TEST(test_spill_readback)
 }
 END_TEST
 
-/* The spill file of the daemon d (unnamed: found through /proc), opened read-write. */
+/* The spill file of the daemon d, opened read-write. */
 static int spill_file_fd(kvd *d)
 {
-    char dir[64], link[4300], want[4300];
-    snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)d->pid);
-    snprintf(want, sizeof(want), "%s/", d->spill);
-    DIR *dd = opendir(dir);
-    ck_assert_ptr_nonnull(dd);
-    struct dirent *e;
-    int fd = -1;
-    while (fd < 0 && (e = readdir(dd)) != NULL) {
-        char path[400];
-        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-        ssize_t n = readlink(path, link, sizeof(link) - 1);
-        if (n <= 0)
-            continue;
-        link[n] = '\0';
-        if (strncmp(link, want, strlen(want)) == 0)
-            fd = open(path, O_RDWR);
-    }
-    closedir(dd);
+    int fd = tu_spill_fd(d->pid, d->spill);
     ck_assert_msg(fd >= 0, "no spill file among the daemon's open files");
     return fd;
 }

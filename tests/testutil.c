@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "tests/testutil.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -235,4 +236,28 @@ void tu_ctl_wait_workers(rekv_ctl *c, uint32_t n)
         ck_assert_msg(rekv_now_ns() < deadline, "the coordinator sees %u workers, not %u", w, n);
         usleep(20000);
     }
+}
+
+int tu_spill_fd(pid_t pid, const char *spill_dir)
+{
+    char dir[64], link[4300], want[4300];
+    snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)pid);
+    snprintf(want, sizeof(want), "%s/", spill_dir);
+    DIR *dd = opendir(dir);
+    if (dd == NULL)
+        return -1;
+    struct dirent *e;
+    int fd = -1;
+    while (fd < 0 && (e = readdir(dd)) != NULL) {
+        char path[400];
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        ssize_t n = readlink(path, link, sizeof(link) - 1);
+        if (n <= 0)
+            continue;
+        link[n] = '\0';
+        if (strncmp(link, want, strlen(want)) == 0)
+            fd = open(path, O_RDWR);
+    }
+    closedir(dd);
+    return fd;
 }

@@ -37,6 +37,9 @@ pid_t tu_spawn(const char *const *args, const char *errlog, int *status);
 int tu_stop(pid_t pid);
 /* SIGKILL and reap. */
 void tu_kill9(pid_t pid);
+/* The unnamed spill file (O_TMPFILE) a rekv-kvstore of pid keeps in spill_dir, found through
+ * /proc/PID/fd and opened read-write; -1 when it has none there. */
+int tu_spill_fd(pid_t pid, const char *spill_dir);
 /* 1 when the file holds needle. */
 int tu_file_has(const char *path, const char *needle);
 
