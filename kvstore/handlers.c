@@ -362,6 +362,18 @@ static int h_table(rekv_kvstore_server *s, Rekv__Kvstore__GetTable *m, kv_reply 
     return 0;
 }
 
+/* Undoes the pins a plan recorded for its first n blocks (s->scratch[0..n)). */
+static void unpin_first(rekv_kvstore_server *s, kv_client *c, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t id = s->scratch[i];
+        uint64_t *v = kv_map_get(&c->pins, id);
+        if (v && --*v == 0)
+            kv_map_del(&c->pins, id);
+        s->blocks[id].pins--;
+    }
+}
+
 static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvstore__Plan *m,
                   kv_reply *r)
 {
@@ -452,10 +464,12 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
             b->touched = 1;
         if (m->pin) {
             uint64_t *v = kv_map_get(&c->pins, id);
-            if (v)
+            if (v) {
                 (*v)++;
-            else if (kv_map_put(&c->pins, id, 1) < 0)
-                return srv_fail(r, -ENOMEM, "out of memory recording pins"); /* holds undo below */
+            } else if (kv_map_put(&c->pins, id, 1) < 0) {
+                unpin_first(s, c, i); /* the plan fails whole: none of its pins stay */
+                return srv_fail(r, -ENOMEM, "out of memory recording pins");
+            }
             b->pins++;
         }
         srv_lru_update(s, id, 1);
