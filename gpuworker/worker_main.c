@@ -38,6 +38,7 @@
 #include "common/daemon.h"
 #include "common/cost.h"
 #include "common/log.h"
+#include "common/ratelimit.h"
 #include "common/version.h"
 #include "gpuworker/profile.h"
 #include "gpuworker/batcher.h"
@@ -167,6 +168,20 @@ static void kv_room_fetch(worker *w)
     w->room.spill_bytes = st.spill_bytes;
 }
 
+/* A WARN a peer can cause once per message: at most one a second per call site (rl), the next one
+ * saying how many were held back (the coordinator's co_event_rl, here). */
+static void warn_rl(rekv_ratelimit *rl, const char *what, const char *detail)
+{
+    uint64_t held = 0;
+    if (!rekv_ratelimit_allow(rl, rekv_now_ns(), REKV_RATELIMIT_INTERVAL_NS, &held))
+        return;
+    if (held)
+        rekv_log(REKV_LOG_WARN, "%s%s (%llu similar messages suppressed)", what, detail,
+                 (unsigned long long)held);
+    else
+        rekv_log(REKV_LOG_WARN, "%s%s", what, detail);
+}
+
 static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
 {
     m->version = WORKER_PROTO_VERSION;
@@ -180,8 +195,9 @@ static int send_msg(worker *w, Rekv__Worker__WorkerMsg *m)
     int rc = zmq_send(w->sock, buf, n, 0) < 0 ? -errno : 0;
     free(buf);
     w->last_sent_ns = rekv_now_ns();
+    static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
     if (rc)
-        rekv_log(REKV_LOG_WARN, "send to the coordinator: %s", zmq_strerror(-rc));
+        warn_rl(&rl, "send to the coordinator: ", zmq_strerror(-rc));
     return rc;
 }
 
@@ -458,9 +474,9 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
                                sp->gpu_batches ? (int)sp->gpu_batches : 1,
                                sp->column ? REKV_SCHED_COLUMN : REKV_SCHED_ROW};
         rekv_err perr = {0};
+        static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
         if (rekv_pipeline_set_step(w->pipe, &st, &perr))
-            rekv_log(REKV_LOG_WARN, "step %llu: plan parameters refused: %s",
-                     (unsigned long long)plan->step, perr.msg);
+            warn_rl(&rl, "a Plan's step parameters refused: ", perr.msg);
     }
     size_t cap = plan->n_join + (size_t)rekv_batcher_running(w->batch);
     Rekv__Worker__JobProgress *jp = calloc(cap ? cap : 1, sizeof(*jp));
@@ -1014,7 +1030,8 @@ int main(int argc, char **argv)
                 rekv__worker__coord_msg__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
             zmq_msg_close(&msg);
             if (m == NULL || m->version != WORKER_PROTO_VERSION) {
-                rekv_log(REKV_LOG_WARN, "a malformed message from the coordinator; ignored");
+                static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
+                warn_rl(&rl, "a malformed message from the coordinator; ignored", "");
                 if (m)
                     rekv__worker__coord_msg__free_unpacked(m, NULL);
                 continue;

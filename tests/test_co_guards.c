@@ -47,8 +47,8 @@ static void env_start(env *e, const char *const *extra)
     char prog[4096], fd[16];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
     snprintf(fd, sizeof(fd), "%d", pfd[1]);
-    const char *argv[40] = {prog,   "--control", e->ctl,       "--workers", e->wrk,
-                            "--state-dir", e->state, "--ready-fd", fd};
+    const char *argv[40] = {prog,          "--control", e->ctl,       "--workers", e->wrk,
+                            "--state-dir", e->state,    "--ready-fd", fd};
     int n = 9;
     for (int i = 0; extra && extra[i] && n < 38; i++)
         argv[n++] = extra[i];
@@ -517,14 +517,13 @@ START_TEST(ratelimit_helper)
 }
 END_TEST
 
-/* Counts the log's lines about malformed worker messages and the messages they say they held
- * back. */
-static void count_lines(const char *log, uint64_t *lines, uint64_t *held)
+/* Counts the log's lines holding needle and the messages they say they held back. */
+static void count_lines_of(const char *log, const char *needle, uint64_t *lines, uint64_t *held)
 {
     *lines = *held = 0;
     char *t = tu_read_file(log, NULL);
     for (char *l = t ? strtok(t, "\n") : NULL; l; l = strtok(NULL, "\n")) {
-        if (!strstr(l, "worker socket: a malformed message"))
+        if (!strstr(l, needle))
             continue;
         (*lines)++;
         const char *p = strstr(l, "(");
@@ -533,6 +532,12 @@ static void count_lines(const char *log, uint64_t *lines, uint64_t *held)
             *held += n;
     }
     free(t);
+}
+
+/* ... about malformed worker messages */
+static void count_lines(const char *log, uint64_t *lines, uint64_t *held)
+{
+    count_lines_of(log, "worker socket: a malformed message", lines, held);
 }
 
 static uint64_t malformed_seen(rekv_ctl *c)
@@ -586,6 +591,62 @@ START_TEST(worker_warnings_rate_limited)
 }
 END_TEST
 
+/* The worker's side: a coordinator (here the test, on a ROUTER) sending 500 malformed messages
+ * makes a few WARN lines, and the lines plus the counts they carry add up to the messages. */
+START_TEST(gpuworker_warnings_rate_limited)
+{
+    const char *mp = tu_shared("models/stories260K/stories260K.bin");
+    if (mp == NULL)
+        return;
+    char model[4096], prog[4096], ep[4200], log[4200];
+    snprintf(model, sizeof(model), "%s", mp);
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    char *dir = tu_tmpdir();
+    snprintf(ep, sizeof(ep), "ipc://%s/workers", dir);
+    snprintf(log, sizeof(log), "%s/worker.log", dir);
+    void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_ROUTER);
+    ck_assert_int_eq(zmq_bind(sock, ep), 0);
+    const char *args[] = {prog, "--model",   model, "--coordinator", ep,         "--name",
+                          "w0", "--backend", "cpu", "--mode",        "resident", NULL};
+    pid_t pid = tu_spawn(args, log, NULL);
+    ck_assert_msg(pid > 0, "rekv-gpuworker exited at start");
+    char id[256];
+    int idn = zmq_recv(sock, id, sizeof(id), 0); /* its Hello: the routing id, then the body */
+    ck_assert_int_gt(idn, 0);
+    zmq_msg_t body;
+    zmq_msg_init(&body);
+    ck_assert_int_ge(zmq_msg_recv(&body, sock, 0), 0);
+    zmq_msg_close(&body);
+    static const char junk[] = "\xff\xff\xff not worker.proto";
+    enum { N = 500 };
+    uint64_t sent = 0, lines = 0, held = 0, deadline = rekv_now_ns() + 60000000000ull;
+    for (; sent < N; sent++) {
+        ck_assert_int_eq(zmq_send(sock, id, (size_t)idn, ZMQ_SNDMORE), idn);
+        ck_assert_int_eq(zmq_send(sock, junk, sizeof(junk) - 1, 0), (int)sizeof(junk) - 1);
+    }
+    /* one at a time until the held-back ones are told (by the next line let through) */
+    while (lines + held < sent) {
+        ck_assert_msg(rekv_now_ns() < deadline, "%llu lines, %llu held back, %llu sent",
+                      (unsigned long long)lines, (unsigned long long)held,
+                      (unsigned long long)sent);
+        usleep(100000);
+        ck_assert_int_eq(zmq_send(sock, id, (size_t)idn, ZMQ_SNDMORE), idn);
+        ck_assert_int_eq(zmq_send(sock, junk, sizeof(junk) - 1, 0), (int)sizeof(junk) - 1);
+        sent++;
+        usleep(100000);
+        count_lines_of(log, "a malformed message from the coordinator", &lines, &held);
+    }
+    ck_assert_uint_ge(lines, 1);
+    ck_assert_uint_lt(lines, N / 4);
+    ck_assert_uint_ge(held, N - N / 4);
+    ck_assert_int_eq(tu_stop(pid), 0);
+    zmq_close(sock);
+    zmq_ctx_term(ctx);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* --curve-secret-file guards tcp:// endpoints only: on ipc:// sockets (a file, mode 0600) a local
  * client and a local worker, which hold no keys, are served as without it. */
 START_TEST(curve_leaves_ipc_alone)
@@ -608,11 +669,19 @@ START_TEST(curve_leaves_ipc_alone)
     fputs(sec, f);
     fclose(f);
     const char *co_args[] = {tu_bin("rekv-coordinator"), "--control", ctl, "--workers", wrk,
-                             "--curve-secret-file", key, NULL};
+                             "--curve-secret-file",      key,         NULL};
     pid_t co = tu_spawn(co_args, log, NULL);
     ck_assert_int_gt(co, 0);
-    const char *wk_args[] = {tu_bin("rekv-gpuworker"), "--model", model, "--coordinator", wrk,
-                             "--backend", "cpu", "--name", "w0", NULL};
+    const char *wk_args[] = {tu_bin("rekv-gpuworker"),
+                             "--model",
+                             model,
+                             "--coordinator",
+                             wrk,
+                             "--backend",
+                             "cpu",
+                             "--name",
+                             "w0",
+                             NULL};
     pid_t wk = tu_spawn(wk_args, log, NULL);
     ck_assert_int_gt(wk, 0);
     rekv_ctl *c = tu_ctl_open(ctl);
@@ -651,15 +720,23 @@ START_TEST(curve_on_tcp)
     fputs(sec, f);
     fclose(f);
     const char *co_args[] = {tu_bin("rekv-coordinator"), "--control", ctl, "--workers", wrk,
-                             "--curve-secret-file", key, NULL};
+                             "--curve-secret-file",      key,         NULL};
     pid_t co = tu_spawn(co_args, log, NULL);
     ck_assert_int_gt(co, 0);
     char want[128];
     snprintf(want, sizeof(want), "REKV_CURVE_SERVER_KEY=%s", pub); /* the key it logs is ours */
     ck_assert(tu_file_has(log, want));
     setenv("REKV_CURVE_SERVER_KEY", pub, 1);
-    const char *wk_args[] = {tu_bin("rekv-gpuworker"), "--model", model, "--coordinator", wrk,
-                             "--backend", "cpu", "--name", "w0", NULL};
+    const char *wk_args[] = {tu_bin("rekv-gpuworker"),
+                             "--model",
+                             model,
+                             "--coordinator",
+                             wrk,
+                             "--backend",
+                             "cpu",
+                             "--name",
+                             "w0",
+                             NULL};
     pid_t wk = tu_spawn(wk_args, log, NULL);
     ck_assert_int_gt(wk, 0);
     /* the CLI with the key: the worker has joined */
@@ -749,6 +826,7 @@ static Suite *suite(void)
     tcase_add_test(tc, finished_jobs_capped_by_count);
     tcase_add_test(tc, finished_jobs_capped_by_bytes);
     tcase_add_test(tc, worker_warnings_rate_limited);
+    tcase_add_test(tc, gpuworker_warnings_rate_limited);
     tcase_add_test(tc, curve_leaves_ipc_alone);
     tcase_add_test(tc, curve_on_tcp);
     tcase_add_test(tc, daemon_raises_nofile);
