@@ -5,8 +5,8 @@
  * $REKV_PROGRESS=0 silences it. The programs run with $REKV_PROGRESS=1 (no wait of 2 s before
  * progress shows, so the counts do not depend on the machine's speed):
  * `rekv-loader synth` with stderr on a pipe writes its lines ending at 100%,
- * `rekv eval` writes its lines, and with --json writes nothing to stderr; `rekv bench decode
- * --json` and `rekv generate --local --json` write nothing to stderr either. */
+ * `rekv eval` and `rekv profile` write their lines, and with --json nothing to stderr; `rekv
+ * bench decode --json` and `rekv generate --local --json` write nothing to stderr either. */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <stdio.h>
@@ -215,6 +215,17 @@ START_TEST(quiet_with_json)
     ck_assert_msg(count_str(err, "rekv eval: ") == 10, "%s", err);
     ck_assert_msg(strstr(err, "tokens (100%)") != NULL, "%s", err);
     free(err);
+    /* profile: one unit per measurement, 20 of them, so exactly a line per tenth */
+    snprintf(cmd, sizeof(cmd), "XDG_CACHE_HOME=%s/cache %s profile --model %s --reprofile", g_dir,
+             tu_bin("rekv"), g_model);
+    ck_assert_int_eq(run_stderr(cmd, &err), 0);
+    ck_assert_msg(count_str(err, "rekv profile: ") == 10 && count_char(err, '\n') == 10, "%s", err);
+    ck_assert_msg(strstr(err, "rekv profile: 20/20 measurements (100%)\n") != NULL, "%s", err);
+    free(err);
+    strncat(cmd, " --json", sizeof(cmd) - strlen(cmd) - 1);
+    int rc = run_stderr(cmd, &err);
+    ck_assert_msg(rc == 0 && err[0] == '\0', "%s: exit %d, stderr:\n%s", cmd, rc, err);
+    free(err);
     const char *quiet[] = {
         "%s eval --model %s --ids %s --prefill 4 --backend cpu --json",
         "%s bench decode --model %s --backend cpu --batch 2 --prompt-len 8 --gen-len 4 "
@@ -224,7 +235,7 @@ START_TEST(quiet_with_json)
     };
     for (size_t i = 0; i < sizeof(quiet) / sizeof(quiet[0]); i++) {
         snprintf(cmd, sizeof(cmd), quiet[i], tu_bin("rekv"), g_model, ids);
-        int rc = run_stderr(cmd, &err);
+        rc = run_stderr(cmd, &err);
         ck_assert_msg(rc == 0 && err[0] == '\0', "%s: exit %d, stderr:\n%s", cmd, rc, err);
         free(err);
     }
