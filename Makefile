@@ -2,8 +2,8 @@
 # every test, `make CUDA=0` forces a CPU-only build, `make V=1` shows full commands.
 #
 # Layout: each room (a module folder: common, loader, gpuworker/device, kvstore, gpuworker,
-# coordinator, coordinator/cli) becomes a static library of its .c (and, with CUDA, .cu) files, except files named
-# *_main.c, which are programs. Each program links only the rooms it may use (DEVELOPERS.md
+# coordinator, coordinator/cli) becomes a static library of its .c files, except files named
+# *_main.c, which are programs; with CUDA the .cu files become the cuda backend's shared object. Each program links only the rooms it may use (DEVELOPERS.md
 # "Rooms"), so an arrow drawn the wrong way fails at link time as well as in tests/check_rooms.sh.
 # proto/*.proto are compiled by protoc-c into build/gen/proto. tests/test_*.c are Check suites,
 # one program each.
@@ -37,7 +37,7 @@ CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null)
 WARN := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-parameter
 CFLAGS ?= -O2 -g
 ALL_CFLAGS := -std=gnu11 $(WARN) $(CFLAGS) -I. -I$(BUILD)/gen $(PKG_CFLAGS) -MMD -MP -fPIC
-LDLIBS := $(PKG_LIBS) -llapacke -lpthread -lm
+LDLIBS := $(PKG_LIBS) -llapacke -lpthread -ldl -lm
 
 # room -> folder; the library of room R is $(BUILD)/lib/librekv_R.a
 MODULES := common proto loader device kvstore gpuworker coordinator cli
@@ -58,15 +58,17 @@ lib_objs = $(patsubst %.c,$(BUILD)/obj/%.o,$(call lib_srcs,$(1)))
 $(foreach m,$(filter-out proto,$(MODULES)),$(eval OBJS_$(m) := $(call lib_objs,$(DIR_$(m)))))
 OBJS_proto := $(patsubst $(BUILD)/gen/%.c,$(BUILD)/obj/gen/%.o,$(PROTO_C))
 
+# With CUDA, the cuda backend — the runtime (gpuworker/device/*.cu) and the engine's kernels
+# (gpuworker/*.cu) — is one shared object, $(CUDA_SO), the only thing that links cudart and cuBLAS;
+# programs load it on first use of the cuda backend (gpuworker/device/backend_cuda.h). It takes
+# what it needs of the device and common rooms from their archives, and exports one symbol.
+CUDA_SO :=
 ifeq ($(CUDA),1)
 NVCCFLAGS := -O2 -std=c++17 -I. -I$(BUILD)/gen -Xcompiler -fPIC,-Wall \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
-# the runtime (device) needs cudart; the engine's kernels (gpuworker) cuBLAS too
-OBJS_device += $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(wildcard gpuworker/device/*.cu))
-OBJS_gpuworker += $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(wildcard gpuworker/*.cu))
-ALL_CFLAGS += -DREKV_CUDA=1 -I$(CUDA_HOME)/include
-CUDA_LDLIBS_device := -L$(CUDA_HOME)/lib64 -lcudart -lstdc++ -Wl,-rpath,$(CUDA_HOME)/lib64
-CUDA_LDLIBS_gpuworker := -lcublas
+CUDA_OBJS := $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(wildcard gpuworker/device/*.cu gpuworker/*.cu))
+CUDA_SO := $(BUILD)/lib/rekv/librekv_cuda.so
+ALL_CFLAGS += -DREKV_CUDA=1
 endif
 
 # What each program links, users before what they use (linked as a group).
@@ -77,7 +79,7 @@ ROOMS_rekv-coordinator := coordinator loader proto common
 ROOMS_rekv-gpuworker := gpuworker kvstore device loader proto common
 ROOMS_tests := cli coordinator gpuworker kvstore device loader proto common
 room_libs = $(foreach m,$(ROOMS_$(1)),$(BUILD)/lib/librekv_$(m).a)
-room_ldlibs = $(foreach m,gpuworker device,$(if $(filter $(m),$(ROOMS_$(1))),$(CUDA_LDLIBS_$(m)))) $(LDLIBS)
+room_ldlibs = $(LDLIBS)
 
 # programs: name -> main file
 PROGRAMS := rekv rekv-loader
@@ -105,7 +107,7 @@ TEST_SUPPORT_OBJS := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_SUPPORT))
 .PHONY: all test clean fuzz format install
 # keep objects and generated headers that only feed other targets
 .SECONDARY:
-all: $(BINS)
+all: $(BINS) $(CUDA_SO)
 
 # The version: common/version.h's release, and from a git checkout `git describe` of the tree,
 # passed to common/version.c alone; a stamp rewritten only when the describe changes rebuilds it.
@@ -132,7 +134,7 @@ $(BUILD)/obj/gen/%.o: $(BUILD)/gen/%.c
 
 $(BUILD)/obj/%.cu.o: %.cu
 	$(call say,NVCC,$<)
-	$(Q)mkdir -p $(@D) && $(NVCC) $(NVCCFLAGS) -c $< -o $@
+	$(Q)mkdir -p $(@D) && $(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 define lib_rule
 $(BUILD)/lib/librekv_$(1).a: $$(OBJS_$(1))
@@ -141,14 +143,25 @@ $(BUILD)/lib/librekv_$(1).a: $$(OBJS_$(1))
 endef
 $(foreach m,$(MODULES),$(eval $(call lib_rule,$(m))))
 
+ifeq ($(CUDA),1)
+$(BUILD)/gen/cuda.map:
+	$(Q)mkdir -p $(@D) && echo '{ global: rekv_cuda_module_get; local: *; };' > $@
+$(CUDA_SO): $(CUDA_OBJS) $(BUILD)/lib/librekv_device.a $(BUILD)/lib/librekv_common.a $(BUILD)/gen/cuda.map
+	$(call say,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -shared -o $@ $(CUDA_OBJS) -Wl,--start-group \
+		$(BUILD)/lib/librekv_device.a $(BUILD)/lib/librekv_common.a -Wl,--end-group \
+		-L$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ -lpthread -lm \
+		-Wl,-rpath,$(CUDA_HOME)/lib64 -Wl,--version-script=$(BUILD)/gen/cuda.map -Wl,-z,defs
+endif
+
 define prog_rule
-$(BUILD)/bin/$(1): $(BUILD)/obj/$(patsubst %.c,%.o,$(MAIN_$(1))) $(call room_libs,$(1))
+$(BUILD)/bin/$(1): $(BUILD)/obj/$(patsubst %.c,%.o,$(MAIN_$(1))) $(call room_libs,$(1)) | $(CUDA_SO)
 	$$(call say,LD,$$@)
 	$$(Q)mkdir -p $$(@D) && $$(CC) -o $$@ $$< -Wl,--start-group $(call room_libs,$(1)) -Wl,--end-group $(call room_ldlibs,$(1))
 endef
 $(foreach p,$(PROGRAMS),$(eval $(call prog_rule,$(p))))
 
-$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TEST_SUPPORT_OBJS) $(call room_libs,tests)
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TEST_SUPPORT_OBJS) $(call room_libs,tests) | $(CUDA_SO)
 	$(call say,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $< $(TEST_SUPPORT_OBJS) -Wl,--start-group $(call room_libs,tests) -Wl,--end-group $(CHECK_LIBS) $(call room_ldlibs,tests)
 
@@ -167,22 +180,27 @@ fuzz: $(if $(wildcard tests/fuzz_parsers.c),$(BUILD)/asan/fuzz_parsers)
 	$(if $(wildcard tests/fuzz_parsers.c),$(Q)tests/run_fuzz.sh $(BUILD)/asan/fuzz_parsers)
 
 # the rooms' arrows first (tests/check_rooms.sh), and that the check catches a crossing
-test: $(BINS) $(TEST_BINS) fuzz
+test: $(BINS) $(CUDA_SO) $(TEST_BINS) fuzz
 	$(Q)tests/check_rooms.sh && tests/check_rooms.sh --self-test
 	$(Q)tests/run_tests.sh $(TEST_BINS)
 
-# Installs the programs, the systemd units (ExecStart pointed at BINDIR), the rekv system user
-# (sysusers.d) and the environment file's example; DESTDIR stages it (packaging, tests).
+# Installs the programs and the cuda backend's object (BINDIR/../lib/rekv), the systemd units
+# (ExecStart pointed at BINDIR), the rekv system user (sysusers.d) and the environment file's
+# example; DESTDIR stages it (packaging, tests).
 PREFIX ?= /usr/local
 BINDIR ?= $(PREFIX)/bin
 SYSCONFDIR ?= /etc
 UNITDIR ?= $(PREFIX)/lib/systemd/system
 SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+# the cuda backend's object, where the programs look for it: beside BINDIR (backend_cuda.h)
+CUDALIBDIR := $(patsubst %/,%,$(dir $(patsubst %/,%,$(BINDIR))))/lib/rekv
 UNITS := $(wildcard deploy/systemd/*.service)
-install: $(BINS)
+install: $(BINS) $(CUDA_SO)
 	$(Q)install -d '$(DESTDIR)$(BINDIR)' '$(DESTDIR)$(UNITDIR)' '$(DESTDIR)$(SYSUSERSDIR)' \
 		'$(DESTDIR)$(SYSCONFDIR)/rekv'
 	$(Q)install -m 0755 $(BINS) '$(DESTDIR)$(BINDIR)/'
+	$(if $(CUDA_SO),$(Q)install -d '$(DESTDIR)$(CUDALIBDIR)' && \
+		install -m 0644 $(CUDA_SO) '$(DESTDIR)$(CUDALIBDIR)/')
 	$(Q)for u in $(UNITS); do \
 		sed 's|/usr/bin/|$(BINDIR)/|g' $$u > '$(DESTDIR)$(UNITDIR)'/$$(basename $$u).tmp && \
 		chmod 0644 '$(DESTDIR)$(UNITDIR)'/$$(basename $$u).tmp && \

@@ -102,12 +102,9 @@ typedef struct rekv_kernel_iface {
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;
-#if REKV_CUDA
-extern const rekv_kernel_iface rekv_cuda_kernels;
-#endif
 
-/* The kernels that run on be's streams (by its runtime's name: cpu, cuda); NULL for a backend
- * with none. */
+/* The kernels that run on be's streams (by its runtime's name): cpu's, or cuda's from the module
+ * the cuda backend was loaded from (device/backend_cuda.h); NULL for a backend with none. */
 const rekv_kernel_iface *rekv_kernels_of(const rekv_backend *be);
 
 #endif

@@ -21,7 +21,10 @@
  *   once per block through shared memory.
  *
  * cuBLAS lives here, not in the runtime: each stream gets its handle on its first GEMM (kstate),
- * freed by the runtime with the stream. */
+ * freed by the runtime with the stream.
+ *
+ * This file and the runtime make librekv_cuda.so, loaded by the programs on first use of the cuda
+ * backend (device/backend_cuda.h); its entry point, at the end, gives both halves. */
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <errno.h>
@@ -761,7 +764,7 @@ static void k_spec_scores(rekv_stream *s, float *out, const float *q, const rekv
 
 /* ------------------------------------------------------------------ the table */
 
-extern "C" const rekv_kernel_iface rekv_cuda_kernels = {
+static const rekv_kernel_iface cuda_kernels = {
     k_linear,      /* linear */
     k_norm,        /* norm */
     k_rope,        /* rope */
@@ -776,3 +779,20 @@ extern "C" const rekv_kernel_iface rekv_cuda_kernels = {
     k_head_proj,   /* head_proj */
     k_spec_scores, /* spec_scores */
 };
+
+/* ------------------------------------------------------------------ the object's entry point */
+
+static const rekv_cuda_module cuda_module = {
+    REKV_CUDA_MODULE_ABI,       /* abi */
+    sizeof(rekv_backend_iface), /* backend_iface_size */
+    sizeof(rekv_kernel_iface),  /* kernel_iface_size */
+    0,                          /* reserved */
+    cuda_backend_create,        /* backend_create */
+    &cuda_kernels,              /* kernels */
+};
+
+/* The one symbol librekv_cuda.so exports (the Makefile's version script hides the rest). */
+extern "C" const rekv_cuda_module *rekv_cuda_module_get(void)
+{
+    return &cuda_module;
+}

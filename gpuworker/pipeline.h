@@ -35,6 +35,7 @@
 #include <stdint.h>
 
 #include "common/mode.h"
+#include "common/progress.h"
 #include "gpuworker/device/backend.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
@@ -176,5 +177,11 @@ int rekv_ig_select(const float *scores, int n_heads, int n_kv, int len, float al
 int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, const int *n_prompts,
                            int n, const rekv_gen_params *params, rekv_gen_result *results,
                            rekv_err *err);
+/* The same, calling progress(arg, tokens generated so far, n * max_new_tokens) after every step
+ * (progress may be NULL). */
+int rekv_pipeline_generate_progress(rekv_pipeline *p, const int32_t *const *prompts,
+                                    const int *n_prompts, int n, const rekv_gen_params *params,
+                                    rekv_gen_result *results, rekv_progress_fn progress, void *arg,
+                                    rekv_err *err);
 
 #endif

@@ -12,6 +12,14 @@
 int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, const int *n_prompts,
                            int n, const rekv_gen_params *gp, rekv_gen_result *res, rekv_err *err)
 {
+    return rekv_pipeline_generate_progress(p, prompts, n_prompts, n, gp, res, NULL, NULL, err);
+}
+
+int rekv_pipeline_generate_progress(rekv_pipeline *p, const int32_t *const *prompts,
+                                    const int *n_prompts, int n, const rekv_gen_params *gp,
+                                    rekv_gen_result *res, rekv_progress_fn progress, void *arg,
+                                    rekv_err *err)
+{
     const rekv_model_config *c = p->c;
     int rc = 0, V = c->vocab, k = gp->top_logits < V ? gp->top_logits : V;
     int max_new = gp->max_new_tokens;
@@ -57,6 +65,7 @@ int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, cons
     for (int i = 0; i < n; i++)
         res[i].prefill_s = (double)(t1 - t0) * 1e-9;
     int running = n;
+    uint64_t generated = 0, total = (uint64_t)n * (uint64_t)max_new;
     while (running > 0) {
         int m = 0;
         for (int a = 0; a < running; a++) {
@@ -68,6 +77,7 @@ int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, cons
                                 r->top_vals + (size_t)r->n * k);
             int32_t tok = rekv_sample(&smp[i], lg, V, scratch);
             r->ids[r->n++] = tok;
+            generated++;
             if (gp->stop_at_eos && tok == c->eos_id)
                 r->finish_reason = "eos";
             else if (r->n < max_new && rekv_pseq_len(seqs[i]) >= c->max_pos)
@@ -75,6 +85,8 @@ int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, cons
             else if (r->n < max_new)
                 idx[m++] = i; /* still running */
         }
+        if (progress)
+            progress(arg, generated, total);
         /* logits rows follow the running order; rebuild the items compactly */
         running = m;
         for (int a = 0; a < running; a++) {

@@ -340,10 +340,21 @@ static int pf_check_config(const rekv_model_config *c, rekv_err *err)
     return 0;
 }
 
-int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rekv_link_config *link,
-                         rekv_profile *out, rekv_err *err)
+/* The measurements reported to a progress callback: the link each way, the GEMMs, attention,
+ * and every sample of the T_load_kv / T_kv_gen fits. */
+#define PF_STEPS (4 + REKV_PROFILE_DTYPES * 2 * PF_FIT_SAMPLES)
+
+static void pf_progress(rekv_progress_fn progress, void *arg, uint64_t done)
+{
+    if (progress)
+        progress(arg, done, PF_STEPS);
+}
+
+static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_link_config *link,
+                      rekv_profile *out, rekv_progress_fn progress, void *arg, rekv_err *err)
 {
     int rc;
+    uint64_t step = 0;
     if (!c || !be || !out)
         return rekv_errf(err, -EINVAL, "profile: NULL argument");
     if ((rc = pf_check_config(c, err)))
@@ -373,9 +384,12 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
                        PF_MAX_BYTES);
         goto out;
     }
-    if ((rc = pf_measure_link(be, s, hbuf, dbuf, 0, &p.h2d_bw, &p.h2d_latency, err)) ||
-        (rc = pf_measure_link(be, s, hbuf, dbuf, 1, &p.d2h_bw, &p.d2h_latency, err)))
+    if ((rc = pf_measure_link(be, s, hbuf, dbuf, 0, &p.h2d_bw, &p.h2d_latency, err)))
         goto out;
+    pf_progress(progress, arg, ++step);
+    if ((rc = pf_measure_link(be, s, hbuf, dbuf, 1, &p.d2h_bw, &p.d2h_latency, err)))
+        goto out;
+    pf_progress(progress, arg, ++step);
 
     /* GEMM at the FFN shape over PF_GEMM_ROWS rows (a decode step's forward pass), and at the K/V
      * projection shape over as many rows as take PF_KV_GEMM_S: recomputation runs over batch x
@@ -427,6 +441,7 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
     if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
         goto out;
     p.gemm_ffn_flops = 2.0 * R * F * H / t;
+    pf_progress(progress, arg, ++step);
 
     /* attention: a decode batch, one query per sequence over ctx cached positions */
     {
@@ -466,6 +481,7 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
         p.attn_ctx = S;
         p.attn_flops = 4.0 * B * c->n_heads * c->head_dim * (double)(S + 1) / t;
     }
+    pf_progress(progress, arg, ++step);
 
     /* one layer's weights over the link, from the fitted link model */
     p.layer_weight_bytes = pf_layer_weight_bytes(c);
@@ -536,6 +552,7 @@ int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rek
                     if ((rc = pf_time(be, s, pf_kv_run, &job, &ys[i], err)))
                         goto out;
                     xs[i] = job.n;
+                    pf_progress(progress, arg, ++step);
                 }
                 if ((rc = pf_fit(xs, ys, PF_FIT_SAMPLES, gen ? "T_kv_gen" : "T_load_kv",
                                  gen ? &p.kv_gen[d] : &p.load_kv[d], err)))
@@ -551,6 +568,12 @@ out:
         bi->stream_destroy(s);
     pf_mem_free(&m);
     return rc;
+}
+
+int rekv_profile_measure(const rekv_model_config *c, rekv_backend *be, const rekv_link_config *link,
+                         rekv_profile *out, rekv_err *err)
+{
+    return pf_measure(c, be, link, out, NULL, NULL, err);
 }
 
 void rekv_profile_to_cost(const rekv_profile *p, rekv_dtype cache_dtype, rekv_cost_profile *out)
@@ -857,9 +880,10 @@ out:
     return rc;
 }
 
-int rekv_profile_load_or_measure(const rekv_model_config *c, rekv_backend *be,
-                                 const rekv_link_config *link, const char *dir, int force,
-                                 rekv_profile *out, rekv_profile_origin *origin, rekv_err *err)
+static int pf_load_or_measure(const rekv_model_config *c, rekv_backend *be,
+                              const rekv_link_config *link, const char *dir, int force,
+                              rekv_profile *out, rekv_profile_origin *origin,
+                              rekv_progress_fn progress, void *arg, rekv_err *err)
 {
     rekv_profile_origin o;
     memset(&o, 0, sizeof(o));
@@ -880,7 +904,7 @@ int rekv_profile_load_or_measure(const rekv_model_config *c, rekv_backend *be,
         }
         snprintf(o.reason, sizeof(o.reason), "%s", lerr.msg);
     }
-    if ((rc = rekv_profile_measure(c, be, link, out, err)))
+    if ((rc = pf_measure(c, be, link, out, progress, arg, err)))
         return rc;
     rekv_err serr = {0};
     if (rekv_profile_save(o.path, key, out, &serr) == 0)
@@ -893,9 +917,24 @@ done:
     return 0;
 }
 
+int rekv_profile_load_or_measure(const rekv_model_config *c, rekv_backend *be,
+                                 const rekv_link_config *link, const char *dir, int force,
+                                 rekv_profile *out, rekv_profile_origin *origin, rekv_err *err)
+{
+    return pf_load_or_measure(c, be, link, dir, force, out, origin, NULL, NULL, err);
+}
+
 int rekv_profile_get(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
                      const char *dir, int force, rekv_profile *out, rekv_profile_origin *origin,
                      rekv_err *err)
+{
+    return rekv_profile_get_progress(c, backend, link, dir, force, out, origin, NULL, NULL, err);
+}
+
+int rekv_profile_get_progress(const rekv_model_config *c, const char *backend,
+                              const rekv_link_config *link, const char *dir, int force,
+                              rekv_profile *out, rekv_profile_origin *origin,
+                              rekv_progress_fn progress, void *arg, rekv_err *err)
 {
     rekv_link_config l = {.gbps = 0, .latency_us = 10};
     if (link)
@@ -910,7 +949,7 @@ int rekv_profile_get(const rekv_model_config *c, const char *backend, const rekv
     int rc = rekv_backend_create(backend, &l, &be, note, sizeof(note), err);
     if (rc)
         return rc;
-    rc = rekv_profile_load_or_measure(c, be, &l, dir, force, out, origin, err);
+    rc = pf_load_or_measure(c, be, &l, dir, force, out, origin, progress, arg, err);
     rekv_backend_destroy(be);
     return rc;
 }

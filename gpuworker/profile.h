@@ -28,6 +28,7 @@
 
 #include "common/err.h"
 #include "common/cost.h"
+#include "common/progress.h"
 #include "gpuworker/device/backend.h"
 #include "loader/loader.h"
 
@@ -119,5 +120,11 @@ int rekv_profile_load_or_measure(const rekv_model_config *c, rekv_backend *be,
 int rekv_profile_get(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
                      const char *dir, int force, rekv_profile *out, rekv_profile_origin *origin,
                      rekv_err *err);
+/* The same, calling progress(arg, measurements done, measurements in all) as it measures
+ * (never when the profile is loaded); progress may be NULL. */
+int rekv_profile_get_progress(const rekv_model_config *c, const char *backend,
+                              const rekv_link_config *link, const char *dir, int force,
+                              rekv_profile *out, rekv_profile_origin *origin,
+                              rekv_progress_fn progress, void *arg, rekv_err *err);
 
 #endif

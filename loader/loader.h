@@ -15,6 +15,7 @@
 
 #include "common/dtype.h"
 #include "common/err.h"
+#include "common/progress.h"
 
 /* ---------------------------------------------------------------- model configuration */
 
@@ -215,5 +216,9 @@ typedef struct rekv_synth_spec {
 /* Writes a HF-format directory (config.json + model.safetensors) with deterministic weights scaled
  * so activations stay in range, streaming tensors so that any size can be written. */
 int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *err);
+/* The same, calling progress(arg, bytes written, bytes in all) after each chunk of tensor data
+ * (progress may be NULL). */
+int rekv_synth_write_progress(const rekv_synth_spec *spec, const char *outdir,
+                              rekv_progress_fn progress, void *arg, rekv_err *err);
 
 #endif

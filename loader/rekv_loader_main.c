@@ -22,6 +22,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/progress.h"
 #include "common/version.h"
 
 static const char usage[] =
@@ -213,7 +214,12 @@ static int cmd_synth(int argc, char **argv)
         return bad_usage("synth: no output directory given");
     s.tied_head = tied >= 0 ? tied : s.arch == REKV_ARCH_OPT;
     rekv_err err = {0};
-    if (rekv_synth_write(&s, outdir, &err) < 0)
+    rekv_progress pr;
+    rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, 0), "rekv-loader synth",
+                        "bytes", 0);
+    int rc = rekv_synth_write_progress(&s, outdir, rekv_progress_cb, &pr, &err);
+    rekv_progress_end(&pr);
+    if (rc < 0)
         return fail("%s", err.msg);
     printf("wrote %s/config.json and %s/model.safetensors\n", outdir, outdir);
     return 0;

@@ -269,6 +269,12 @@ static int write_config(const rekv_synth_spec *s, const char *path, rekv_err *er
 
 int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *err)
 {
+    return rekv_synth_write_progress(spec, outdir, NULL, NULL, err);
+}
+
+int rekv_synth_write_progress(const rekv_synth_spec *spec, const char *outdir,
+                              rekv_progress_fn progress, void *arg, rekv_err *err)
+{
     rekv_synth_spec s;
     int rc = spec_check(spec, &s, outdir, err);
     if (rc < 0)
@@ -306,6 +312,10 @@ int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *
         if (rc < 0)
             goto out;
     }
+    uint64_t total = 0, written = 0;
+    for (size_t i = 0; i < l.n; i++)
+        total += (uint64_t)l.t[i].shape[0] * (uint64_t)(l.t[i].ndim == 2 ? l.t[i].shape[1] : 1) *
+                 rekv_dtype_size(s.dtype);
     for (size_t i = 0; i < l.n; i++) {
         const synth_tensor *t = &l.t[i];
         uint64_t numel = (uint64_t)t->shape[0] * (uint64_t)(t->ndim == 2 ? t->shape[1] : 1);
@@ -316,6 +326,9 @@ int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *
             rc = rekv_st_writer_write(w, conv, n * rekv_dtype_size(s.dtype), err);
             if (rc < 0)
                 goto out;
+            written += n * rekv_dtype_size(s.dtype);
+            if (progress)
+                progress(arg, written, total);
         }
     }
     rc = rekv_st_writer_close(w, err);

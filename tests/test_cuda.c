@@ -6,7 +6,9 @@
  * match the cpu backend's in the same configuration within 1e-3 and whose greedy tokens must be
  * the cpu's (a step is fed the cpu's tokens,
  * so one near-tie cannot derail the rest of a run; a near-tie is the only excuse for a different
- * token). Skipped (exit 77) when the build has no CUDA or the machine has no CUDA device. */
+ * token). The backend comes from librekv_cuda.so beside the build's programs, loaded as they load
+ * it (gpuworker/device/backend_cuda.h); an object that does not load fails the test. Skipped
+ * (exit 77) when the build has no CUDA or the machine has no CUDA device. */
 #include <stdio.h>
 
 #if !REKV_CUDA

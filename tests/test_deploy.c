@@ -2,11 +2,13 @@
  * three units (ExecStart pointed at the freshly built binaries, since verify checks that they
  * exist), and `docker compose config` on the compose file; each unit's exposure by
  * `systemd-analyze security --offline=yes` is at most 4 and it runs as the rekv user with its
- * state directories; `make install DESTDIR=... PREFIX=...` installs the programs, the units
+ * state directories; `make install DESTDIR=... PREFIX=...` installs the programs, the cuda
+ * backend's object where the installed programs find it (PREFIX/lib/rekv, with CUDA), the units
  * pointed at them, the sysusers.d user and the environment file's example; the compose file gives
- * every service a `rekv status` healthcheck, and .dockerignore keeps build outputs out of the
- * image's context. A part whose tool is missing or cannot run here is skipped with a message
- * saying so; what can be checked from the files alone always is. */
+ * every service a `rekv status` healthcheck, the image carries the cuda backend's object beside
+ * its programs, and .dockerignore keeps build outputs out of the image's context. A part whose
+ * tool is missing or cannot run here is skipped with a message saying so; what can be checked
+ * from the files alone always is. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -182,6 +184,22 @@ START_TEST(make_install)
     }
     snprintf(cmd, sizeof(cmd), "'%s/opt/rekv/bin/rekv' --version", d);
     ck_assert_msg(tu_run(cmd, NULL) == 0, "the installed rekv does not run");
+#if REKV_CUDA
+    /* the installed CLI finds the installed object: `--backend cuda` gets as far as looking for
+     * a GPU (runs where there is one) */
+    snprintf(path, sizeof(path), "%s/opt/rekv/lib/rekv/librekv_cuda.so", d);
+    ck_assert_msg(access(path, R_OK) == 0, "make install did not install %s", path);
+    snprintf(cmd, sizeof(cmd),
+             "'%s/opt/rekv/bin/rekv-loader' synth --arch llama --layers 1 --hidden 32 --heads 2 "
+             "--ffn 64 --vocab 64 --max-pos 64 --dtype f32 '%s/m' >/dev/null && "
+             "env -u REKV_CUDA_LIBRARY '%s/opt/rekv/bin/rekv' generate --local --backend cuda "
+             "--model '%s/m' --prompt-ids 1,2 --max-new-tokens 2 --ignore-eos 2>&1",
+             d, d, d, d);
+    rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 0 || strstr(out, "no CUDA device"),
+                  "the installed rekv did not load its cuda backend (exit %d):\n%s", rc, out);
+    free(out);
+#endif
     for (size_t i = 0; i < 3; i++) {
         snprintf(path, sizeof(path), "%s/opt/rekv/lib/systemd/system/%s.service", d, units[i]);
         char *text = tu_read_file(path, NULL), want[256];
@@ -237,6 +255,13 @@ START_TEST(compose_healthchecks)
         free(b);
     }
     free(text);
+    /* the image carries the cuda backend's object where its programs look for it */
+    char *df = tu_read_file("deploy/Dockerfile", NULL);
+    ck_assert_ptr_nonnull(df);
+    ck_assert_msg(strstr(df, "make install PREFIX=/usr/local") &&
+                      strstr(df, "COPY --from=build /usr/local/lib/rekv/ /usr/local/lib/rekv/"),
+                  "deploy/Dockerfile does not install and copy /usr/local/lib/rekv");
+    free(df);
     char *ign = tu_read_file(".dockerignore", NULL);
     ck_assert_msg(ign != NULL, ".dockerignore is missing");
     ck_assert_msg(strstr(ign, "\nbuild/\n") && strstr(ign, ".git/"),

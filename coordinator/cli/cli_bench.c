@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "common/progress.h"
 #include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
@@ -58,7 +59,7 @@ static int bench_forward(int argc, char **argv)
                                          {0, 0, 0, 0}};
     const char *model_path = NULL, *batches = "1,2,4,8,16,32";
     long prompt_len = 64, steps = 8;
-    int c;
+    int c, json = 0;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
@@ -77,7 +78,8 @@ static int bench_forward(int argc, char **argv)
                 return 2;
             break;
         case 'j':
-            break; /* JSON is the only output */
+            json = 1; /* JSON is the only output; --json also keeps stderr quiet */
+            break;
         case 'h':
         default:
             fprintf(c == 'h' ? stdout : stderr,
@@ -115,6 +117,10 @@ static int bench_forward(int argc, char **argv)
         goto out;
     }
     double peak = blas_gflops(1024, 1024, 1024, 0.5);
+    /* progress: each batch size's prefill and decode steps */
+    rekv_progress pr;
+    rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, json), "rekv bench forward",
+                        "steps", (uint64_t)n_bs * (uint64_t)(steps + 1));
     for (int bi = 0; bi < n_bs; bi++) {
         int B = bs[bi], S = (int)prompt_len;
         if (B <= 0)
@@ -139,20 +145,23 @@ static int bench_forward(int argc, char **argv)
             items[b] = (rekv_batch_item){seqs[b], toks + (size_t)b * S, S, 0,
                                          logits + (size_t)b * cfg->vocab};
         }
-        uint64_t t0 = rekv_now_ns();
+        uint64_t t0 = rekv_now_ns(), base = (uint64_t)bi * (uint64_t)(steps + 1);
         ok = ok && rekv_engine_forward(eng, items, B, &err) == 0;
         uint64_t t1 = rekv_now_ns();
+        rekv_progress_update(&pr, base + 1, NULL);
         for (long s = 0; s < steps && ok; s++) {
             for (int b = 0; b < B; b++)
                 items[b] = (rekv_batch_item){seqs[b], toks + (size_t)b * S + (size_t)s % S, 1, 0,
                                              logits + (size_t)b * cfg->vocab};
             ok = rekv_engine_forward(eng, items, B, &err) == 0;
+            rekv_progress_update(&pr, base + (uint64_t)s + 2, NULL);
         }
         uint64_t t2 = rekv_now_ns();
         for (int b = 0; b < B; b++)
             rekv_seq_free(seqs[b]);
         free(seqs), free(items), free(toks), free(logits);
         if (!ok) {
+            rekv_progress_end(&pr);
             fprintf(stderr, "rekv: %s\n", err.msg);
             goto out;
         }
@@ -173,6 +182,7 @@ static int bench_forward(int argc, char **argv)
                       "blas_gflops_prefill_shape", sg_pre, "blas_gflops_decode_shape", sg_dec,
                       "prefill_vs_blas", pre_gf / sg_pre, "decode_vs_blas", dec_gf / sg_dec));
     }
+    rekv_progress_end(&pr);
     json_t *o = json_pack("{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:s}, s:i, s:i, s:f, s:O}", "bench",
                           "forward", "backend", "cpu", "model", "layers", cfg->n_layers, "hidden",
                           cfg->hidden, "ffn", cfg->ffn, "vocab", cfg->vocab, "dtype",
@@ -271,9 +281,11 @@ typedef struct decode_result {
     char backend[16]; /* the backend it ran on */
 } decode_result;
 
+/* One mode's run: N steps (the prefill, then N - 1 decode steps), reported to pr as done + 1 ..
+ * done + N; note names the run. */
 static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode mode, int B, int S,
                       int N, int32_t *const *prompts, decode_result *out, link_peak *link,
-                      rekv_err *err)
+                      rekv_progress *pr, uint64_t done, const char *note, rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(eng);
     int V = c->vocab, rc;
@@ -301,6 +313,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     if (rc || (rc = rekv_pipeline_step(ses.p, items, B, err)))
         goto out;
     out->prefill_s = (double)(rekv_now_ns() - t_pre) * 1e-9;
+    rekv_progress_update(pr, done + 1, note);
     rekv_pipeline_counters_reset(ses.p);
     ses.be->iface->stats_reset(ses.be);
     if (po->trace)
@@ -314,6 +327,8 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         }
         if (step + 1 < N && (rc = rekv_pipeline_step(ses.p, items, B, err)))
             goto out;
+        if (step + 1 < N)
+            rekv_progress_update(pr, done + (uint64_t)step + 2, note);
     }
     out->decode_s = (double)(rekv_now_ns() - t0) * 1e-9;
     rekv_pipeline_counters(ses.p, &out->counters);
@@ -350,6 +365,7 @@ static int bench_decode(int argc, char **argv)
                                          {0, 0, 0, 0}};
     const char *model_path = NULL, *modes = "resident,offload,kvpr,act,hybrid";
     long B = 8, S = 128, N = 8;
+    int json = 0;
     cli_pipeline_opts po;
     cli_pipeline_opts_defaults(&po);
     int c;
@@ -380,7 +396,8 @@ static int bench_decode(int argc, char **argv)
             modes = optarg;
             break;
         case 'j':
-            break; /* JSON is the only output */
+            json = 1; /* JSON is the only output; --json also keeps stderr quiet */
+            break;
         case 'h':
         default:
             fprintf(c == 'h' ? stdout : stderr,
@@ -388,6 +405,7 @@ static int bench_decode(int argc, char **argv)
                     "                         [--gen-len N] [--modes "
                     "resident,offload,kvpr+push,kvpr@300,...]\n"
                     "                         [pipeline options] [--json]\n"
+                    "Prints JSON; progress goes to stderr (none with --json).\n"
                     "Runs every mode on the same prompts in one process and prints its prefill\n"
                     "time, decode tokens/s, its ratio to offload, host->device bytes per\n"
                     "generated token, achieved host->device GB/s next to the link's peak\n"
@@ -476,6 +494,9 @@ static int bench_decode(int argc, char **argv)
     }
     link_peak lp = {0};
     int have_lp = 0;
+    rekv_progress pr;
+    rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, json), "rekv bench decode",
+                        "steps", (uint64_t)n_modes * (uint64_t)N);
     for (int i = 0; i < n_modes; i++) {
         int measure = !have_lp && mlist[i] != REKV_MODE_RESIDENT;
         cli_pipeline_opts run = po;
@@ -491,13 +512,15 @@ static int bench_decode(int argc, char **argv)
         if (msplit[i] >= 0)
             run.cfg.split = msplit[i];
         if (run_decode(eng, &run, mlist[i], (int)B, (int)S, (int)N, prompts, &res[i],
-                       measure ? &lp : NULL, &err)) {
+                       measure ? &lp : NULL, &pr, (uint64_t)i * (uint64_t)N, mname[i], &err)) {
+            rekv_progress_end(&pr);
             fprintf(stderr, "rekv: %s%s: %s\n", rekv_mode_name(mlist[i]), mpush[i] ? "+push" : "",
                     err.msg);
             goto out;
         }
         have_lp |= measure;
     }
+    rekv_progress_end(&pr);
     double offload_tps = 0;
     int ref = -1;
     for (int i = 0; i < n_modes; i++) {

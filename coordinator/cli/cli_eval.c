@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "common/progress.h"
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
@@ -69,6 +70,7 @@ static int run_step(eval_run *r, const int32_t *tokens, int n, rekv_err *err)
 
 int cli_eval(int argc, char **argv)
 {
+    rekv_progress prog = {.style = REKV_PROGRESS_QUIET}; /* begun before the loop */
     enum { O_MODEL = 1, O_TEXT, O_IDS, O_PREFILL, O_WINDOW, O_COMPARE, O_JSON, O_HELP };
     static const struct option opts[] = {{"model", required_argument, 0, O_MODEL},
                                          {"text", required_argument, 0, O_TEXT},
@@ -205,7 +207,9 @@ int cli_eval(int argc, char **argv)
     uint64_t kv_row = 2ull * (uint64_t)rekv_config_kv_dim(cfg) * rekv_dtype_size(pc->cache_dtype);
     double nll_sum = 0, max_err = 0;
     uint64_t scored = 0, agree = 0, windows = 0, kv_offload = 0, considered = 0;
-    uint64_t t0 = rekv_now_ns(), last_report = t0;
+    uint64_t t0 = rekv_now_ns();
+    rekv_progress_begin(&prog, stderr, rekv_progress_style_for(stderr, json), "rekv eval", "tokens",
+                        n - (size_t)prefill - 1);
     for (size_t s = 0;;) {
         windows++;
         size_t e = s + (size_t)w < n ? s + (size_t)w : n; /* this window: ids[s .. e) */
@@ -232,13 +236,9 @@ int cli_eval(int argc, char **argv)
                     max_err = d > max_err ? d : max_err;
                 }
             }
-            uint64_t now = rekv_now_ns();
-            if (now - last_report > 2000000000ull) {
-                fprintf(stderr, "rekv eval: %llu of %zu tokens scored, nll %.4f so far\n",
-                        (unsigned long long)scored, n - (size_t)prefill - 1,
-                        nll_sum / (double)scored);
-                last_report = now;
-            }
+            char note[48];
+            snprintf(note, sizeof(note), "nll %.4f", nll_sum / (double)scored);
+            rekv_progress_update(&prog, scored, note);
         }
         for (int r = 0; r < n_runs; r++) {
             rekv_pseq_free(runs[r].seq);
@@ -248,6 +248,7 @@ int cli_eval(int argc, char **argv)
             break;
         s = e - (size_t)prefill - 1;
     }
+    rekv_progress_end(&prog);
     double secs = (double)(rekv_now_ns() - t0) * 1e-9;
     rekv_layer_counters tot;
     rekv_pipeline_counters(runs[0].ses.p, &tot);
@@ -328,6 +329,7 @@ int cli_eval(int argc, char **argv)
     rc = 0;
     goto out;
 fail:
+    rekv_progress_end(&prog); /* a bar's line ends before the message */
     fprintf(stderr, "rekv eval: %s\n", err.msg);
 out:
     for (int r = 0; r < 2; r++) {

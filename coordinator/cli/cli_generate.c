@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/progress.h"
 #include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
 #include "loader/loader.h"
@@ -257,7 +258,13 @@ int cli_generate(int argc, char **argv)
             ses.be->iface->trace_start(ses.be);
         const int32_t *pp = ids;
         int np = (int)n_ids;
-        if (rekv_pipeline_generate(ses.p, &pp, &np, 1, &gp, &res, &err))
+        rekv_progress pr;
+        rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, json), "rekv generate",
+                            "tokens", 0);
+        int grc = rekv_pipeline_generate_progress(ses.p, &pp, &np, 1, &gp, &res, rekv_progress_cb,
+                                                  &pr, &err);
+        rekv_progress_end(&pr);
+        if (grc)
             goto fail;
         if (po.trace && ses.be->iface->trace_write(ses.be, po.trace, &err))
             goto fail;

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/progress.h"
 #include "coordinator/cli/cli.h"
 #include "gpuworker/device/backend.h"
 #include "loader/loader.h"
@@ -222,8 +223,15 @@ int cli_profile(int argc, char **argv)
     rekv_profile_origin o;
     plan_row rows[sizeof(plan_ctx) / sizeof(plan_ctx[0])];
     int n_rows = (int)(sizeof(plan_ctx) / sizeof(plan_ctx[0])), ret = 1;
-    if (rekv_model_open(model_path, &model, &err) ||
-        rekv_profile_get(&model->config, backend, &link, NULL, force, &p, &o, &err))
+    if (rekv_model_open(model_path, &model, &err))
+        goto fail;
+    rekv_progress pr;
+    rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, as_json), "rekv profile",
+                        "measurements", 0);
+    int grc = rekv_profile_get_progress(&model->config, backend, &link, NULL, force, &p, &o,
+                                        rekv_progress_cb, &pr, &err);
+    rekv_progress_end(&pr);
+    if (grc)
         goto fail;
     for (int i = 0; i < n_rows; i++)
         if (plan_for(&p, &model->config, plan_ctx[i], &rows[i], &err))

@@ -1,14 +1,12 @@
-/* backend.c — what every backend shares: choosing one by name, and copy labels for traces. */
+/* backend.c — what every backend shares: copy checks and coalescing, copy labels, the trace file,
+ * host memory. No backend is chosen here (backend_open.c does that): this file is also linked into
+ * the cuda backend's shared object, which must not pull the cpu backend in. */
 #include "gpuworker/device/backend.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#if REKV_CUDA
-#include "gpuworker/device/backend_cuda.h"
-#endif
 
 void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind, size_t bytes)
 {
@@ -182,50 +180,4 @@ int rekv_copy_check(const char *dir, const rekv_copy_piece *pieces, size_t n, re
 int rekv_link_emulates(const rekv_link_config *link)
 {
     return link && (link->gbps > 0 || link->device_bytes > 0);
-}
-
-int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
-                        char *note, size_t note_len, rekv_err *err)
-{
-    if (note && note_len)
-        note[0] = '\0';
-    int emulate = rekv_link_emulates(link);
-    if (which == NULL || strcmp(which, "auto") == 0) {
-        if (emulate) { /* a GPU's link or memory to emulate: that is the cpu backend's job */
-            if (note)
-                snprintf(note, note_len,
-                         "link or device-memory emulation asked: running on the "
-                         "cpu backend");
-            return rekv_backend_cpu_create(link, out, err);
-        }
-#if REKV_CUDA
-        rekv_err cerr = {0};
-        if (rekv_backend_cuda_create(0, out, &cerr) == 0) {
-            if (note)
-                snprintf(note, note_len, "cuda backend on device 0");
-            return 0;
-        }
-        if (note)
-            snprintf(note, note_len, "no usable GPU (%s): running on the cpu backend", cerr.msg);
-#else
-        if (note)
-            snprintf(note, note_len, "built without CUDA: running on the cpu backend");
-#endif
-        return rekv_backend_cpu_create(link, out, err);
-    }
-    if (strcmp(which, "cpu") == 0)
-        return rekv_backend_cpu_create(link, out, err);
-    if (strcmp(which, "cuda") == 0) {
-        if (emulate)
-            return rekv_errf(err, -EINVAL,
-                             "link and device-memory emulation are the cpu "
-                             "backend's: drop --link-gbps/--device-memory, or use "
-                             "--backend cpu");
-#if REKV_CUDA
-        return rekv_backend_cuda_create(0, out, err);
-#else
-        return rekv_errf(err, -ENOTSUP, "this build of rekv has no cuda backend (nvcc was absent)");
-#endif
-    }
-    return rekv_errf(err, -EINVAL, "unknown backend \"%s\" (auto, cpu, cuda)", which);
 }

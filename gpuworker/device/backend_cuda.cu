@@ -906,7 +906,7 @@ static const rekv_backend_iface cuda_iface = {
     cu_mem_info,            /* mem_info */
 };
 
-extern "C" int rekv_backend_cuda_create(int device, rekv_backend **out, rekv_err *err)
+int cuda_backend_create(int device, rekv_backend **out, rekv_err *err)
 {
     int count = 0;
     cudaError_t e;

@@ -6,8 +6,8 @@
  * A stream carries one slot for the kernels' own per-stream state (kstate: kernels_cuda.cu keeps a
  * cuBLAS handle bound to the stream and the GEMM's input scratch there), created by the kernels
  * on first use and freed through kstate_free when the stream is destroyed, after it is idle — so
- * the runtime never links cuBLAS and the kvstore's push path, which uses only the runtime, does not
- * either. */
+ * the runtime never calls cuBLAS. Both files are linked into librekv_cuda.so, whose entry point
+ * (kernels_cuda.cu) joins the runtime's constructor and the kernel table (backend_cuda.h). */
 #ifndef REKV_GPUWORKER_DEVICE_CUDA_INTERNAL_H
 #define REKV_GPUWORKER_DEVICE_CUDA_INTERNAL_H
 
@@ -82,6 +82,9 @@ struct rekv_stream {
     int err_code;                      /* first failure since the last stream_sync, 0 when none */
     char err_msg[512];
 };
+
+/* Creates the runtime on device `device` (the module's backend_create, backend_cuda.h). */
+int cuda_backend_create(int device, rekv_backend **out, rekv_err *err);
 
 /* Makes the backend's device current on the calling thread (a no-op when it already is). */
 static inline void cuda_use_device(const cuda_backend *be)
