@@ -152,6 +152,24 @@ int64_t co_plan_block_capacity(const co_plan_state *ps)
     return blocks > 0 ? blocks : 1;
 }
 
+enum { REKV_PLAN_MIN_CHUNK = 64 };
+
+uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap)
+{
+    if (cap == 0 || !ps->have_profile || !(ps->pred_step_s > 0))
+        return cap;
+    rekv_cost_profile prof = scaled(ps);
+    /* a prompt token's prefill: the layers' GEMMs for one row */
+    double per_token = 2.0 * (double)ps->layer_params * (double)ps->n_layers / prof.gemm_flops;
+    if (!(per_token > 0))
+        return cap;
+    double t = ps->pred_step_s / per_token;
+    uint32_t chunk = t >= cap ? cap : (uint32_t)t / 16 * 16;
+    return chunk < REKV_PLAN_MIN_CHUNK && cap > REKV_PLAN_MIN_CHUNK ? REKV_PLAN_MIN_CHUNK
+           : chunk < REKV_PLAN_MIN_CHUNK                            ? cap
+                                                                    : chunk;
+}
+
 int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, int n,
                  Rekv__Worker__StepParams *out, uint64_t *mb_job, uint32_t *mb_index)
 {

@@ -53,6 +53,12 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
 /* Takes the worker's Hello: profile, shape, mode. */
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);
 
+/* The prefill chunk of the worker's next step (chunked prefill), at most cap tokens (0: whole
+ * prompts): the prompt tokens the profile prices at one decode step of the running batch, so a
+ * step that also prefills takes about twice a decode step; at least REKV_PLAN_MIN_CHUNK, a
+ * multiple of 16. cap when nothing is predicted yet (no profile, resident, no step). */
+uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap);
+
 /* Chooses the parameters of a step over n jobs (ids jobs[], contexts ctx[] in tokens). Fills out
  * (with mb_job/mb_index as its storage, n entries each) and returns 1, or 0 when there is nothing
  * to choose (no profile, resident mode, no jobs). */

@@ -134,8 +134,8 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
     uint32_t mb = h->max_batch ? h->max_batch : 1;
     if (mb > REKV_WORKER_MAX_BATCH) {
         co_event_rl(co, CO_RL_WORKER_HELLO, REKV_CO_EVENT_WARN,
-                    "worker %s says max_batch %u; it gets at most %u jobs at once", h->name,
-                    mb, REKV_WORKER_MAX_BATCH);
+                    "worker %s says max_batch %u; it gets at most %u jobs at once", h->name, mb,
+                    REKV_WORKER_MAX_BATCH);
         mb = REKV_WORKER_MAX_BATCH;
     }
     w->run = calloc(mb, sizeof(job *));
@@ -233,8 +233,7 @@ void co_schedule(rekv_coordinator *co)
                 snprintf(msg, sizeof(msg),
                          "its KV cache of %llu tokens takes %.2f MiB of kvstore host memory; the "
                          "store has %.2f MiB in all",
-                         (unsigned long long)job_tokens(w, j), need / 1048576.0,
-                         cap / 1048576.0);
+                         (unsigned long long)job_tokens(w, j), need / 1048576.0, cap / 1048576.0);
                 co->too_large++;
                 co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
                 continue;
@@ -300,6 +299,7 @@ void co_schedule(rekv_coordinator *co)
             if (co_plan_step(&w->plan, ids, ctx, (int)w->n_run, &params, mbj, mbi))
                 plan.params = &params;
         }
+        plan.prefill_chunk = co_plan_prefill_chunk(&w->plan, co->cfg.prefill_chunk);
         Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
         m.body_case = REKV__WORKER__COORD_MSG__BODY_PLAN;
         m.plan = &plan;
@@ -389,8 +389,10 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         if (!ids_valid(jp->tokens, jp->n_tokens, w->vocab, &bad) ||
             (with_top && !ids_valid(jp->top_ids, jp->n_top_ids, w->vocab, &bad))) {
             char why[256];
-            snprintf(why, sizeof(why), "worker %s returned token id %d, outside the vocabulary "
-                     "of %u", w->name, bad, w->vocab);
+            snprintf(why, sizeof(why),
+                     "worker %s returned token id %d, outside the vocabulary "
+                     "of %u",
+                     w->name, bad, w->vocab);
             co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
                         (unsigned long long)j->id, why);
             co->worker_rejected++;
@@ -431,8 +433,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             if (jp->error) {
                 co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
                 failed_step = 1;
-            }
-            else
+            } else
                 co_job_end(co, j, REKV__CONTROL__JOB_STATE__DONE, jp->finish_reason, NULL);
         } else {
             co_stream_flush(co, j);

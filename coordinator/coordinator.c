@@ -65,6 +65,7 @@ void rekv_coordinator_config_defaults(rekv_coordinator_config *cfg)
     cfg->worker_timeout_ms = 30000;
     cfg->step_timeout_ms = 300000;
     cfg->max_attempts = 3;
+    cfg->prefill_chunk = 512;
     cfg->max_new_limit = 1u << 20;
     cfg->signal_fd = -1;
 }

@@ -4,16 +4,15 @@
  *
  * Sockets (ZeroMQ, one frame per message, protobuf-c):
  *   control  ROUTER; clients (DEALER) send Request, get Response with the same id. ipc:// by
- *            default, in $XDG_RUNTIME_DIR/rekv or /run/rekv, socket file mode 0600. tcp:// only when
- *            configured; a non-loopback tcp address needs a CurveZMQ secret key.
- *   workers  ROUTER; each gpuworker (DEALER) says Hello, then gets one Plan per step and answers
- *            Progress (proto/worker.proto). A worker silent for worker_timeout_ms is dead, and one
- *            whose step is not answered within step_timeout_ms is hung: its jobs are re-queued (or
- *            failed after max_attempts starts) and the coordinator carries on. A Hello naming an
- *            active worker (another connection) replaces it at once: its jobs are re-queued. A
- *            step the worker reports failed re-queues the jobs it marks retry and fails the
- *            others; a job a Progress leaves out is re-queued (never left RUNNING); a worker that
- *            says it is unavailable gets no Plan until it says otherwise.
+ *            default, in $XDG_RUNTIME_DIR/rekv or /run/rekv, socket file mode 0600. tcp:// only
+ * when configured; a non-loopback tcp address needs a CurveZMQ secret key. workers  ROUTER; each
+ * gpuworker (DEALER) says Hello, then gets one Plan per step and answers Progress
+ * (proto/worker.proto). A worker silent for worker_timeout_ms is dead, and one whose step is not
+ * answered within step_timeout_ms is hung: its jobs are re-queued (or failed after max_attempts
+ * starts) and the coordinator carries on. A Hello naming an active worker (another connection)
+ * replaces it at once: its jobs are re-queued. A step the worker reports failed re-queues the jobs
+ * it marks retry and fails the others; a job a Progress leaves out is re-queued (never left
+ * RUNNING); a worker that says it is unavailable gets no Plan until it says otherwise.
  *
  * Journal: <state_dir>/journal, append-only records [magic u32][len u32][crc32c u32][payload],
  * payload a JournalRecord. An accepted job's record is fdatasync'd before the Submit is answered
@@ -88,13 +87,17 @@ typedef struct rekv_coordinator_config {
                                    * worker is dropped as if dead (its jobs re-queued) and must
                                    * say Hello again; 0: 300000 */
     uint32_t max_attempts;        /* starts per job before it fails; 0: 3 */
+    uint32_t prefill_chunk;       /* most prompt tokens a job runs per step (chunked prefill), so
+                                   * a long prompt does not stall the running jobs' decode; the
+                                   * planner may choose fewer (co_plan_prefill_chunk). 0: whole
+                                   * prompts. Default 512 */
     uint32_t max_new_limit;       /* largest max_new_tokens accepted; 0: 1 << 20 */
-    int signal_fd;                /* a signalfd (or eventfd) the loop polls; readable stops it; -1 */
+    int signal_fd; /* a signalfd (or eventfd) the loop polls; readable stops it; -1 */
     /* Called from the loop for notable events (workers joining and leaving, replays, errors). */
     void (*on_event)(void *ctx, rekv_co_event level, const char *msg);
     /* Called from the loop at least every 200 ms (e.g. sd_notify WATCHDOG=1). */
     void (*on_tick)(void *ctx);
-    void *ctx;                    /* passed to on_event and on_tick */
+    void *ctx; /* passed to on_event and on_tick */
 } rekv_coordinator_config;
 
 void rekv_coordinator_config_defaults(rekv_coordinator_config *cfg);

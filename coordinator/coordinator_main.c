@@ -22,7 +22,8 @@ static void usage(FILE *f)
             "usage: rekv-coordinator [--control ENDPOINT] [--workers ENDPOINT] [--state-dir DIR]\n"
             "         [--model PATH] [--queue N] [--keep-finished N] [--keep-finished-bytes N]\n"
             "         [--worker-timeout-ms N] [--step-timeout-ms N]\n"
-            "         [--max-attempts N] [--curve-secret-file FILE] [--ready-fd N]\n"
+            "         [--max-attempts N] [--prefill-chunk N] [--curve-secret-file FILE]\n"
+            "         [--ready-fd N]\n"
             "         [--metrics HOST:PORT [--metrics-public]] [--help] [--version]\n"
             "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
             "beside it, no journal unless --state-dir (or $STATE_DIRECTORY) is given, queue 256.\n"
@@ -32,6 +33,9 @@ static void usage(FILE *f)
             "A worker silent for --worker-timeout-ms (30000) is taken as dead, one whose step is\n"
             "not answered within --step-timeout-ms (300000) as hung: its jobs run again (failed\n"
             "after --max-attempts starts, 3) and it must say Hello again.\n"
+            "A prompt runs at most --prefill-chunk tokens per step (512; the planner may choose\n"
+            "fewer, about a decode step's worth; 0: whole prompts), so the running jobs keep\n"
+            "streaming while it prefills.\n"
             "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
             "--curve-secret-file (a Z85 CurveZMQ secret key), which guards tcp:// endpoints\n"
             "only: ipc:// sockets (files, mode 0600) serve local clients and workers as before.\n"
@@ -63,7 +67,7 @@ int main(int argc, char **argv)
     const char *curve_file = NULL;
     uint32_t ready_fd = UINT32_MAX;
     enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_KEEP_BYTES, O_TIMEOUT,
-           O_STEP_TIMEOUT, O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_METRICS_PUBLIC, O_HELP,
+           O_STEP_TIMEOUT, O_ATTEMPTS, O_CHUNK, O_CURVE, O_READY, O_METRICS, O_METRICS_PUBLIC, O_HELP,
            O_VERSION };
     static const struct option opts[] = {
         {"control", required_argument, 0, O_CONTROL},
@@ -76,6 +80,7 @@ int main(int argc, char **argv)
         {"worker-timeout-ms", required_argument, 0, O_TIMEOUT},
         {"step-timeout-ms", required_argument, 0, O_STEP_TIMEOUT},
         {"max-attempts", required_argument, 0, O_ATTEMPTS},
+        {"prefill-chunk", required_argument, 0, O_CHUNK},
         {"curve-secret-file", required_argument, 0, O_CURVE},
         {"ready-fd", required_argument, 0, O_READY},
         {"metrics", required_argument, 0, O_METRICS},
@@ -107,6 +112,7 @@ int main(int argc, char **argv)
             bad = rekv_parse_u32(optarg, &cfg.step_timeout_ms) || cfg.step_timeout_ms == 0;
             break;
         case O_ATTEMPTS: bad = rekv_parse_u32(optarg, &cfg.max_attempts); break;
+        case O_CHUNK: bad = rekv_parse_u32(optarg, &cfg.prefill_chunk); break;
         case O_CURVE: curve_file = optarg; break;
         case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
         case O_METRICS: cfg.metrics_listen = optarg; break;

@@ -8,31 +8,32 @@
 #include <string.h>
 
 typedef struct bjob {
-    uint64_t id;         /* the caller's job id */
-    rekv_pseq *seq;      /* its cache */
-    int32_t *prompt;     /* [n_prompt] copied at join; freed after the prefill */
+    uint64_t id;     /* the caller's job id */
+    rekv_pseq *seq;  /* its cache */
+    int32_t *prompt; /* [n_prompt] copied at join; freed after the prefill */
     int n_prompt;
-    int prefilled;       /* 0 until the step that ran the prompt */
-    int n_gen;           /* tokens sampled so far */
-    int max_new;         /* max_new_tokens */
-    int stop_at_eos;     /* stop after EOS */
-    int top_logits;      /* report the k largest logits before each token; 0 none */
-    int mini_batch;      /* the planner's GPU batch + 1; 0: none assigned */
-    int32_t last;        /* the last sampled token: the next step's input */
-    rekv_sampler smp;    /* per job, seeded as rekv_generate seeds it */
+    int prefilled;    /* prompt tokens run so far (chunked prefill: over several steps) */
+    int n_gen;        /* tokens sampled so far */
+    int max_new;      /* max_new_tokens */
+    int stop_at_eos;  /* stop after EOS */
+    int top_logits;   /* report the k largest logits before each token; 0 none */
+    int mini_batch;   /* the planner's GPU batch + 1; 0: none assigned */
+    int32_t last;     /* the last sampled token: the next step's input */
+    rekv_sampler smp; /* per job, seeded as rekv_generate seeds it */
 } bjob;
 
 struct rekv_batcher {
-    rekv_pipeline *p;          /* not owned */
+    rekv_pipeline *p;           /* not owned */
     const rekv_model_config *c; /* the pipeline's model (not owned) */
-    int max_batch;             /* capacity of jobs[] */
-    int n;                     /* jobs running */
-    bjob *jobs;                /* [max_batch], the batch in order */
-    rekv_pipe_item *items;     /* [max_batch] scratch for the step */
-    float *logits;             /* [max_batch][vocab] fp32 */
-    void *scratch;             /* 2 * vocab floats for the sampler */
-    rekv_batch_event *events;  /* [max_batch] the last step's outcomes */
-    int32_t *ev_top_ids;       /* the events' top logits, [sum of their k] (capacity ev_top_cap) */
+    int max_batch;              /* capacity of jobs[] */
+    int prefill_chunk;          /* most prompt tokens a job runs in one step; 0: all of them */
+    int n;                      /* jobs running */
+    bjob *jobs;                 /* [max_batch], the batch in order */
+    rekv_pipe_item *items;      /* [max_batch] scratch for the step */
+    float *logits;              /* [max_batch][vocab] fp32 */
+    void *scratch;              /* 2 * vocab floats for the sampler */
+    rekv_batch_event *events;   /* [max_batch] the last step's outcomes */
+    int32_t *ev_top_ids;        /* the events' top logits, [sum of their k] (capacity ev_top_cap) */
     float *ev_top_vals;
     size_t ev_top_cap;
 };
@@ -91,7 +92,15 @@ void rekv_batcher_free(rekv_batcher *b)
     free(b);
 }
 
-int rekv_batcher_running(const rekv_batcher *b) { return b->n; }
+int rekv_batcher_running(const rekv_batcher *b)
+{
+    return b->n;
+}
+
+void rekv_batcher_set_prefill_chunk(rekv_batcher *b, int tokens)
+{
+    b->prefill_chunk = tokens > 0 ? tokens : 0;
+}
 
 int rekv_batcher_job_ids(const rekv_batcher *b, uint64_t *ids, int cap)
 {
@@ -195,15 +204,20 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
         return 0;
     const rekv_model_config *c = b->c;
     int V = c->vocab, n_items = 0;
-    /* item a of the step belongs to job slot[a]; jobs with max_new 0 never run (as rekv_generate) */
+    /* item a of the step belongs to job slot[a]; jobs with max_new 0 never run (as rekv_generate)
+     */
     for (int i = 0; i < b->n; i++) {
         bjob *j = &b->jobs[i];
         if (j->max_new == 0)
             continue;
-        b->items[n_items++] = j->prefilled
-                                  ? (rekv_pipe_item){j->seq, &j->last, 1, b->logits + (size_t)i * V, 0}
-                                  : (rekv_pipe_item){j->seq, j->prompt, j->n_prompt,
-                                                     b->logits + (size_t)i * V, 0};
+        int left = j->n_prompt - j->prefilled;
+        if (left > 0 && b->prefill_chunk > 0 && left > b->prefill_chunk)
+            left = b->prefill_chunk;
+        b->items[n_items++] =
+            j->prefilled == j->n_prompt
+                ? (rekv_pipe_item){j->seq, &j->last, 1, b->logits + (size_t)i * V, 0}
+                : (rekv_pipe_item){j->seq, j->prompt + j->prefilled, left,
+                                   b->logits + (size_t)i * V, 0};
     }
     /* the planner's mini-batches apply only when every job in the step has one */
     int all = n_items > 0;
@@ -241,9 +255,11 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
         if (j->max_new == 0) {
             ev->finished = 1;
             ev->finish_reason = "length";
+        } else if (j->prefilled < j->n_prompt &&
+                   (j->prefilled = rekv_pseq_len(j->seq)) < j->n_prompt) {
+            /* a chunk of the prompt: nothing to sample yet */
         } else {
-            if (!j->prefilled) {
-                j->prefilled = 1;
+            if (j->prompt) {
                 free(j->prompt);
                 j->prompt = NULL;
             }

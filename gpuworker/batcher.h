@@ -5,7 +5,10 @@
  *
  * In a step every running job advances by one token: the jobs that joined since the last step run
  * their whole prompt (prefill), the others their last sampled token (decode), all in one
- * rekv_pipeline_step — one GEMM per projection for the whole batch. The cpu backend's GEMM is
+ * rekv_pipeline_step — one GEMM per projection for the whole batch. With a prefill chunk, a prompt
+ * longer than it runs a chunk per step (its event has no token until the last chunk), so a long
+ * prompt does not stall the running jobs' decode; the attention over the chunks is causal, so the
+ * tokens are the same. The cpu backend's GEMM is
  * row-invariant, so each job's logits are bit for bit those of rekv_generate (`rekv generate
  * --local`), whoever shares the step.
  * The rekv-gpuworker daemon drives it from the coordinator's plans; tests drive it directly.
@@ -23,7 +26,8 @@ typedef struct rekv_batcher rekv_batcher;
 /* One job's outcome of a step. */
 typedef struct rekv_batch_event {
     uint64_t job;              /* the caller's job id */
-    int32_t token;             /* the token sampled this step; -1 when none (max_new_tokens 0) */
+    int32_t token;             /* the token sampled this step; -1 when none (max_new_tokens 0, or
+                                  a chunk of its prompt ran) */
     int finished;              /* 1: the job left the batch */
     const char *finish_reason; /* when finished: "length", "eos" or "context" (static string) */
     const int32_t *top_ids;    /* [n_top] the largest logits before the token (ids), or NULL */
@@ -39,9 +43,10 @@ int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_ba
 void rekv_batcher_free(rekv_batcher *b);
 
 /* Adds a job; it prefills at the next step. max_new_tokens, temperature, top_k, top_p, seed,
- * stop_at_eos and top_logits (<= vocab) of gp are used. The prompt is copied. -EINVAL (empty prompt, token id outside
- * the vocabulary, a job id already running, bad parameters), -E2BIG (prompt longer than the
- * context), -ENOSPC (the batch is full), -ENOMEM; the message says which. */
+ * stop_at_eos and top_logits (<= vocab) of gp are used. The prompt is copied. -EINVAL (empty
+ * prompt, token id outside the vocabulary, a job id already running, bad parameters), -E2BIG
+ * (prompt longer than the context), -ENOSPC (the batch is full), -ENOMEM; the message says which.
+ */
 int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int n_prompt,
                       const rekv_gen_params *gp, rekv_err *err);
 /* Drops a running job (its sequence is freed). Returns 0, or -ENOENT when it is not running. */
@@ -53,6 +58,9 @@ void rekv_batcher_clear(rekv_batcher *b);
  * clears the assignment. */
 void rekv_batcher_set_mini_batches(rekv_batcher *b, const uint64_t *jobs, const uint32_t *index,
                                    size_t n);
+/* Most prompt tokens a job runs in one step from the next step on (chunked prefill); 0: the whole
+ * prompt at once. */
+void rekv_batcher_set_prefill_chunk(rekv_batcher *b, int tokens);
 /* Jobs in the batch. */
 int rekv_batcher_running(const rekv_batcher *b);
 /* The ids of the jobs in the batch, in batch order, into ids[cap]; returns how many there are

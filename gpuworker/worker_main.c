@@ -467,6 +467,7 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
 {
     for (size_t i = 0; i < plan->n_cancel; i++)
         rekv_batcher_cancel(w->batch, plan->cancel[i]);
+    rekv_batcher_set_prefill_chunk(w->batch, (int)plan->prefill_chunk);
     if (plan->params) { /* the planner's choices for this step (any of them gives the same tokens)
                          */
         const Rekv__Worker__StepParams *sp = plan->params;

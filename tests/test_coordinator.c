@@ -33,6 +33,7 @@
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
 #include "proto/worker.pb-c.h"
+#include "tests/fixture.h"
 #include "tests/testutil.h"
 
 #define MODEL_REL "models/stories260K/stories260K.bin"
@@ -393,32 +394,35 @@ static void wait_workers(rekv_ctl *c, uint32_t n)
 
 /* ---------------------------------------------------------------- tests */
 
-/* The batcher alone: jobs joining at different steps give rekv_generate's tokens. */
-START_TEST(batcher_matches_generate)
+/* The batcher alone, in pipeline mode `mode` with prefill chunks of `chunk` tokens (0: whole
+ * prompts): jobs joining at different steps give rekv_generate's tokens, and a prompt longer than
+ * the chunk spends a step per extra chunk without a token. */
+static void batcher_run(const char *m, rekv_mode mode, int chunk)
 {
-    const char *m = tu_shared(MODEL_REL);
-    if (m == NULL)
-        return;
     enum { N = 24 };
     static tjob jobs[N];
     make_jobs(jobs, N, 4, 512, 7);
     reference(jobs, N, m);
     rekv_err err = {0};
-    rekv_model *model = NULL;
-    rekv_engine *e = NULL;
-    rekv_backend *be = NULL;
+    tu_fixture f;
+    tu_fixture_open(&f, m, REKV_DTYPE_F32, NULL);
     rekv_pipeline *p = NULL;
     rekv_batcher *b = NULL;
     rekv_pipeline_config pc;
     rekv_pipeline_config_defaults(&pc);
-    ck_assert_msg(rekv_model_open(m, &model, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_engine_create(model, &e, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_backend_cpu_create(NULL, &be, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_pipeline_create(e, be, NULL, &pc, &p, &err) == 0, "%s", err.msg);
-    ck_assert_msg(rekv_batcher_create(p, rekv_engine_config(e), 8, &b, &err) == 0, "%s", err.msg);
+    pc.mode = mode;
+    pc.split = 5;
+    ck_assert_msg(rekv_pipeline_create(f.e, f.be, mode == REKV_MODE_RESIDENT ? NULL : f.store, &pc,
+                                       &p, &err) == 0,
+                  "%s", err.msg);
+    ck_assert_msg(rekv_batcher_create(p, rekv_engine_config(f.e), 8, &b, &err) == 0, "%s", err.msg);
+    rekv_batcher_set_prefill_chunk(b, chunk);
     int32_t got[N][128];
-    int n_got[N] = {0}, done[N] = {0}, next = 0, finished = 0;
+    int n_got[N] = {0}, done[N] = {0}, next = 0, finished = 0, silent = 0, want_silent = 0;
     const char *reason[N] = {0};
+    for (int j = 0; j < N; j++)
+        if (chunk > 0 && jobs[j].gp.max_new_tokens > 0)
+            want_silent += (jobs[j].n_prompt + chunk - 1) / chunk - 1;
     while (finished < N) {
         /* join one or two per step so that batches mix prefill and decode */
         for (int k = 0; k < 8 && next < N && rekv_batcher_running(b) < 8; k++, next++)
@@ -432,6 +436,8 @@ START_TEST(batcher_matches_generate)
             int j = (int)ev[i].job;
             if (ev[i].token >= 0)
                 got[j][n_got[j]++] = ev[i].token;
+            else if (!ev[i].finished)
+                silent++;
             if (ev[i].finished) {
                 done[j] = 1;
                 reason[j] = ev[i].finish_reason;
@@ -439,14 +445,18 @@ START_TEST(batcher_matches_generate)
             }
         }
     }
+    ck_assert_msg(silent == want_silent, "%s, chunk %d: %d steps ran a prompt chunk, not %d",
+                  rekv_mode_name(mode), chunk, silent, want_silent);
     for (int j = 0; j < N; j++) {
         ck_assert(done[j]);
         ck_assert_msg(n_got[j] == jobs[j].ref.n,
-                      "job %d (prompt %d, temp %g, k %d, p %g, eos %d): %d tokens, not %d", j,
-                      jobs[j].n_prompt, jobs[j].gp.temperature, jobs[j].gp.top_k, jobs[j].gp.top_p,
-                      jobs[j].gp.stop_at_eos, n_got[j], jobs[j].ref.n);
+                      "%s, chunk %d: job %d (prompt %d, temp %g, k %d, p %g, eos %d): %d tokens, "
+                      "not %d",
+                      rekv_mode_name(mode), chunk, j, jobs[j].n_prompt, jobs[j].gp.temperature,
+                      jobs[j].gp.top_k, jobs[j].gp.top_p, jobs[j].gp.stop_at_eos, n_got[j],
+                      jobs[j].ref.n);
         ck_assert_msg(memcmp(got[j], jobs[j].ref.ids, sizeof(int32_t) * (size_t)n_got[j]) == 0,
-                      "job %d differs", j);
+                      "%s, chunk %d: job %d differs", rekv_mode_name(mode), chunk, j);
         ck_assert_str_eq(reason[j], jobs[j].ref.finish_reason);
     }
     /* bad joins say why */
@@ -455,10 +465,35 @@ START_TEST(batcher_matches_generate)
     ck_assert_int_eq(rekv_batcher_join(b, 999, &bad, 0, &jobs[0].gp, &err), -EINVAL);
     rekv_batcher_free(b);
     rekv_pipeline_free(p);
-    rekv_backend_destroy(be);
-    rekv_engine_free(e);
-    rekv_model_close(model);
+    tu_fixture_close(&f);
     free_jobs(jobs, N);
+}
+
+START_TEST(batcher_matches_generate)
+{
+    const char *m = tu_shared(MODEL_REL);
+    if (m == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", m);
+    batcher_run(path, REKV_MODE_RESIDENT, 0);
+}
+END_TEST
+
+/* Chunked prefill: prompts of up to 40 tokens in chunks of 3 to 7, in every exact mode, give the
+ * same tokens as whole prompts (the chunks' attention is causal over the cache so far). */
+START_TEST(batcher_chunked_prefill)
+{
+    const char *m = tu_shared(MODEL_REL);
+    if (m == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", m);
+    batcher_run(path, REKV_MODE_RESIDENT, 5);
+    batcher_run(path, REKV_MODE_OFFLOAD, 7);
+    batcher_run(path, REKV_MODE_KVPR, 3);
+    batcher_run(path, REKV_MODE_HYBRID, 6);
+    batcher_run(path, REKV_MODE_ACT, 16);
 }
 END_TEST
 
@@ -582,6 +617,40 @@ START_TEST(run_64_jobs)
 END_TEST
 
 /* Waits until some job of jobs[] has produced tokens; returns its index. */
+/* Chunked prefill served: `rekv run --prefill-chunk 4` runs a 40-token prompt as ten steps of
+ * four tokens (the tenth samples the first token), a 3-token one in one step, and the jobs get
+ * rekv_generate's tokens; mixing chunks with running decodes is batcher_chunked_prefill's. */
+START_TEST(chunked_prefill_served)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    static tjob jobs[2];
+    make_jobs(jobs, 2, 4, 512, 21);
+    jobs[0].n_prompt = 3, jobs[0].gp.max_new_tokens = 30, jobs[0].gp.stop_at_eos = 0;
+    jobs[1].n_prompt = 40, jobs[1].gp.max_new_tokens = 5, jobs[1].gp.stop_at_eos = 0;
+    reference(jobs, 2, e.model);
+    const char *extra[] = {"--prefill-chunk", "4", NULL};
+    pid_t pid = rekv_run_start_args(&e, "64M", "8", "offload", extra);
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    uint64_t steps[2];
+    for (int j = 0; j < 2; j++) {
+        ck_assert_int_eq(submit_all(c, &jobs[j], 1), 1);
+        wait_and_check(c, &jobs[j], 1, 120);
+        Rekv__Control__Response *r = stats(c);
+        steps[j] = r->stats->workers[0]->plan_steps;
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    ck_assert_uint_eq(steps[0], 30);            /* one prompt step, 29 decode steps */
+    ck_assert_uint_eq(steps[1] - steps[0], 14); /* ten chunks, 4 decode steps */
+    rekv_ctl_close(c);
+    rekv_run_stop(pid);
+    free_jobs(jobs, 2);
+    env_close(&e);
+}
+END_TEST
+
 /* The planner in the loop: with the KV cache in the kvstore (kvpr and hybrid modes) the
  * coordinator chooses every step's split, pattern and mini-batches from the worker's profile and
  * adapts to its measured busy times — and the jobs' tokens stay exactly rekv_generate's. */
@@ -748,7 +817,7 @@ START_TEST(coordinator_assigns_worker_mode)
         rekv__worker__coord_msg__free_unpacked(m, NULL);
     }
     ck_assert_str_ne(by_tech[pick.tech], "offload"); /* MHA behind PCIe: recomputation pays */
-    wait_workers(c, 0); /* asking for a mode does not make a worker */
+    wait_workers(c, 0);                              /* asking for a mode does not make a worker */
 
     h.mode = (char *)by_tech[pick.tech];
     Rekv__Worker__CoordMsg *m = hello_answer(sock, &h);
@@ -1328,9 +1397,8 @@ START_TEST(admission_waits_for_kvstore_room)
     reference(ab, 2, e.model);
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
-    const char *kargs[] = {prog,           "--endpoint", e.kv,          "--model", e.model,
-                           "--host-bytes", "413696",     "--cache-dtype", "f32",   "--no-spill",
-                           NULL};
+    const char *kargs[] = {prog,     "--endpoint",    e.kv,  "--model",    e.model, "--host-bytes",
+                           "413696", "--cache-dtype", "f32", "--no-spill", NULL};
     pid_t kv = spawn(kargs);
     rekv_kvstore_client *k = kv_open(&e);
     rekv_kv_stats kst;
@@ -1387,8 +1455,7 @@ START_TEST(admission_waits_for_kvstore_room)
     ck_assert_uint_eq(r->stats->jobs_too_large, 1);
     ck_assert_uint_ge(r->stats->jobs_held_for_room, 2); /* B, and some of the twelve */
     fprintf(stderr, "   %llu jobs held for kvstore room, %llu steps\n",
-            (unsigned long long)r->stats->jobs_held_for_room,
-            (unsigned long long)r->stats->steps);
+            (unsigned long long)r->stats->jobs_held_for_room, (unsigned long long)r->stats->steps);
     rekv__control__response__free_unpacked(r, NULL);
     kv_stats(k, &kst);
     ck_assert_uint_eq(kst.sequences, 0);
@@ -1410,6 +1477,8 @@ static Suite *suite(void)
     TCase *tc = tcase_create("coordinator");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, batcher_matches_generate);
+    tcase_add_test(tc, batcher_chunked_prefill);
+    tcase_add_test(tc, chunked_prefill_served);
     tcase_add_test(tc, run_64_jobs);
     tcase_add_test(tc, planner_in_the_loop);
     tcase_add_test(tc, emulated_gpu_auto_mode);

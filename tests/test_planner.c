@@ -794,6 +794,36 @@ START_TEST(test_pick_infinigen)
 }
 END_TEST
 
+/* Chunked prefill's chunk: the cap until a step is predicted; then the prompt tokens whose GEMMs
+ * take one predicted decode step (a multiple of 16), never below 64 unless the cap is. */
+START_TEST(test_co_plan_prefill_chunk)
+{
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 2e9;
+    cp.gemm_flops = 1e12;
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.mode = "offload";
+    h.profile = &cp;
+    h.hidden = h.kv_dim = h.q_dim = 1024;
+    h.n_layers = 8;
+    h.cache_elem_bytes = 2;
+    h.layer_params = 12 * 1024 * 1024;
+    co_plan_state ps;
+    co_plan_init(&ps, &h);
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 512); /* nothing predicted yet */
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 0), 0);
+    double per_token = 2.0 * 12 * 1024 * 1024 * 8 / 1e12;
+    ps.pred_step_s = 100.5 * per_token;
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 96);
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 80), 80);
+    ps.pred_step_s = 10 * per_token; /* a cheap decode step: still 64 tokens a step */
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 64);
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 8), 8);
+    ps.pred_step_s = 1e6 * per_token;
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 512);
+}
+END_TEST
+
 /* An infinigen worker (Hello mode "infinigen"): the coordinator keeps the fraction its selecting
  * layers fetched (Counters.tokens_selected / tokens_considered, summed over its steps) and prices
  * the next step's prediction at it, the prior 0.2 before any measurement. */
@@ -910,6 +940,7 @@ int main(void)
     tcase_add_test(tc, test_pick_infinigen);
     tcase_add_test(tc, test_co_plan_device_room);
     tcase_add_test(tc, test_co_plan_selected_fraction);
+    tcase_add_test(tc, test_co_plan_prefill_chunk);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }

@@ -51,7 +51,7 @@ static void run_usage(FILE *f)
             "                [--host-bytes N] [--cache-dtype f16|f32] [--queue N]\n"
             "                [--max-batch N] [--state-dir DIR] [--approximate]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
-            "                [--metrics-public] [--ready-fd N]\n"
+            "                [--metrics-public] [--prefill-chunk N] [--ready-fd N]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
@@ -211,12 +211,13 @@ int cli_run(int argc, char **argv)
         {"push", no_argument, 0, 'p'},
         {"approximate", no_argument, 0, 'A'},
         {"metrics-public", no_argument, 0, 'Q'},
+        {"prefill-chunk", required_argument, 0, 'c'},
         {0, 0, 0, 0}};
     const char *link_gbps = NULL, *link_lat = NULL, *devmem = NULL; /* the worker's emulation */
     int push = 0, approximate = 0, metrics_public = 0;
     const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "auto", *cache = NULL,
                *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
-               *timeout = "30000", *bin_arg = NULL, *metrics = NULL;
+               *timeout = "30000", *bin_arg = NULL, *metrics = NULL, *chunk = NULL;
     long ready_fd = -1, v;
     int o;
     optind = 1;
@@ -240,6 +241,7 @@ int cli_run(int argc, char **argv)
         case 'p': push = 1; break;
         case 'A': approximate = 1; break;
         case 'Q': metrics_public = 1; break;
+        case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; chunk = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
         default: run_usage(stderr); return 2;
@@ -373,6 +375,9 @@ int cli_run(int argc, char **argv)
     ARG(COORD, "--model"); ARG(COORD, model);
     ARG(COORD, "--queue"); ARG(COORD, queue);
     ARG(COORD, "--worker-timeout-ms"); ARG(COORD, timeout);
+    if (chunk) {
+        ARG(COORD, "--prefill-chunk"); ARG(COORD, chunk);
+    }
     if (metrics) {
         ARG(COORD, "--metrics"); ARG(COORD, metrics);
         if (metrics_public)
