@@ -11,6 +11,7 @@
 
 #include "common/clock.h"
 #include "common/progress.h"
+#include "coordinator/cli/cli_daemon.h"
 #include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
@@ -617,10 +618,12 @@ int cli_bench(int argc, char **argv)
         return bench_forward(argc - 1, argv + 1);
     if (argc >= 2 && strcmp(argv[1], "decode") == 0)
         return bench_decode(argc - 1, argv + 1);
+    if (argc >= 2 && strcmp(argv[1], "serve") == 0)
+        return cli_bench_serve(argc - 1, argv + 1);
     if (argc >= 2 && strcmp(argv[1], "kvstore") == 0)
         return rekv_kvstore_bench_main(argc - 1, argv + 1);
     int help = argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0);
-    fprintf(help ? stdout : stderr, "usage: rekv bench forward|decode|kvstore [options] --json\n"
+    fprintf(help ? stdout : stderr, "usage: rekv bench forward|decode|serve|kvstore [options] --json\n"
                                     "Run `rekv bench BENCH --help` for a benchmark's options.\n");
     return help ? 0 : 2;
 }

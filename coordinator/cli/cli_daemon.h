@@ -12,6 +12,8 @@ int cli_submit(int argc, char **argv);
 int cli_status(int argc, char **argv);
 int cli_cancel(int argc, char **argv);
 int cli_stats(int argc, char **argv);
+/* `rekv bench serve`: N jobs through a private trio per mode (cli_bench_serve.c). */
+int cli_bench_serve(int argc, char **argv);
 
 /* Sends a Submit and waits for its reply. An empty rq->submit->client_key gets a random one
  * first (kept in key[REKV_CLIENT_KEY_MAX + 1], which must outlive the call's retries); when no

@@ -1,0 +1,584 @@
+/* cli_bench_serve.c — `rekv bench serve`: N jobs through a private trio per mode (`rekv run` in a
+ * temporary directory: kvstore with --host-bytes from --arena, a worker in --mode M, the
+ * coordinator), all at once or arriving at --rate jobs/s, each streamed on one control socket.
+ * Times are taken here, on the client side, as the events arrive: TTFT from a job's Submit to its
+ * first token, inter-token latency between a job's events (an event of k tokens counts k
+ * intervals of 1/k of the gap). The admitted concurrency is the most jobs the coordinator's
+ * Stats said RUNNING at once (the admission holds the rest QUEUED while the store is full),
+ * polled; beside it the streams' own count, by order not time (a job runs from its first token
+ * to its end), which also counts a job re-queued after a failed step (requeued > 0) as still
+ * running, since a re-run streams only the tokens not sent yet. --long-prompt L submits one more job of an
+ * L-token prompt once half the tokens are out, and compares the other jobs' ITL p99 before it
+ * with theirs while it runs (prefill included). Prints one JSON object. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <math.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+#include "common/daemon.h"
+#include "common/mode.h"
+#include "coordinator/cli/cli.h"
+#include "coordinator/cli/cli_daemon.h"
+#include "coordinator/coordinator.h"
+#include "loader/loader.h"
+
+#define START_TIMEOUT_MS 120000
+#define SILENCE_MS 300000   /* no event at all this long: the run is stuck */
+/* Stats.running is polled every 2 ms (one request in flight): a step takes longer, and a peak
+ * of admitted jobs lasts as many steps as they decode, so the poll sees it */
+#define STATS_EVERY_NS 2000000ull
+
+typedef struct serve_opts {
+    const char *model, *backend, *arena, *link_gbps;
+    long n_jobs, prompt_len, max_new, long_prompt, max_batch;
+    double rate; /* jobs/s; 0: all at once */
+} serve_opts;
+
+typedef struct sjob {
+    uint64_t req_id;          /* the Submit's request id: its reply and stream events carry it */
+    uint64_t t_submit, t_last; /* ns: Submit sent; the last event with tokens */
+    double ttft_s;            /* -1 until the first token */
+    uint32_t n_tok;           /* tokens received */
+    int done, failed, is_long;
+} sjob;
+
+typedef struct itl_sample {
+    double s;  /* seconds per token */
+    int phase; /* 0: before the long prompt's Submit, 1: while it runs, 2: after */
+} itl_sample;
+
+typedef struct serve_result {
+    double wall_s, tokens_per_s, ttft_p50, ttft_p99, itl_p50, itl_p99;
+    double itl_p99_before, itl_p99_during, long_ttft_s;
+    uint64_t tokens, done, failed, streamed_concurrency, admitted;
+    uint64_t held_for_room, too_large, requeued, steps;
+    char first_error[256];
+} serve_result;
+
+/* ---------------------------------------------------------------- the private trio */
+
+typedef struct trio {
+    pid_t pid;
+    char dir[4096];
+} trio;
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path) == 0 || errno == ENOENT ? 0 : -1;
+}
+
+static void trio_stop(trio *t)
+{
+    if (t->pid > 0) {
+        kill(t->pid, SIGTERM);
+        while (waitpid(t->pid, NULL, 0) < 0 && errno == EINTR)
+            ;
+        t->pid = 0;
+    }
+    if (t->dir[0] && nftw(t->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+        fprintf(stderr, "rekv: could not remove %s: %s\n", t->dir, strerror(errno));
+    t->dir[0] = '\0';
+}
+
+/* `rekv run` (cli_run in a forked child, as cli_remote.c does) in a new temporary directory; 0
+ * when it says READY, else -1 with a message printed and whatever started stopped. */
+static int trio_start(trio *t, const serve_opts *o, const char *mode)
+{
+    memset(t, 0, sizeof(*t));
+    const char *tmp = getenv("TMPDIR");
+    snprintf(t->dir, sizeof(t->dir), "%s/rekv-bench.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (mkdtemp(t->dir) == NULL) {
+        fprintf(stderr, "rekv bench serve: %s: %s\n", t->dir, strerror(errno));
+        t->dir[0] = '\0';
+        return -1;
+    }
+    int pfd[2];
+    if (pipe2(pfd, O_CLOEXEC) < 0) {
+        fprintf(stderr, "rekv bench serve: pipe: %s\n", strerror(errno));
+        trio_stop(t);
+        return -1;
+    }
+    char fd[16], batch[32], queue[32];
+    snprintf(fd, sizeof(fd), "%d", pfd[1]);
+    snprintf(batch, sizeof(batch), "%ld", o->max_batch);
+    snprintf(queue, sizeof(queue), "%ld", o->n_jobs + 1);
+    char *argv[32];
+    int n = 0;
+#define ARG(s) (argv[n++] = (char *)(s))
+    ARG("run"); ARG("--model"); ARG(o->model); ARG("--dir"); ARG(t->dir);
+    ARG("--mode"); ARG(mode); ARG("--backend"); ARG(o->backend);
+    ARG("--host-bytes"); ARG(o->arena); ARG("--max-batch"); ARG(batch);
+    ARG("--queue"); ARG(queue); ARG("--ready-fd"); ARG(fd);
+    if (o->link_gbps) {
+        ARG("--link-gbps"); ARG(o->link_gbps);
+    }
+    argv[n] = NULL;
+#undef ARG
+    fflush(NULL);
+    pid_t parent = getpid(), p = fork();
+    if (p < 0) {
+        fprintf(stderr, "rekv bench serve: fork: %s\n", strerror(errno));
+        close(pfd[0]);
+        close(pfd[1]);
+        trio_stop(t);
+        return -1;
+    }
+    if (p == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM); /* the trio lives no longer than the bench */
+        if (getppid() != parent)
+            _exit(1);
+        close(pfd[0]);
+        setenv("REKV_LOG", "warn", 0);
+        _exit(cli_run(n, argv));
+    }
+    close(pfd[1]);
+    t->pid = p;
+    char buf[16] = {0};
+    struct pollfd pf = {pfd[0], POLLIN, 0};
+    int r;
+    do
+        r = poll(&pf, 1, START_TIMEOUT_MS);
+    while (r < 0 && errno == EINTR);
+    ssize_t got = r > 0 ? read(pfd[0], buf, sizeof(buf) - 1) : 0;
+    close(pfd[0]);
+    if (got <= 0 || strncmp(buf, "READY", 5) != 0) {
+        fprintf(stderr, "rekv bench serve: the trio in mode %s did not start (see above)\n", mode);
+        trio_stop(t);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- one mode's run */
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentile of v[0..n) (sorted here); 0 when n is 0. */
+static double percentile(double *v, size_t n, double p)
+{
+    if (n == 0)
+        return 0;
+    qsort(v, n, sizeof(*v), cmp_double);
+    size_t k = (size_t)ceil(p / 100.0 * (double)n);
+    return v[k ? k - 1 : 0];
+}
+
+static double itl_p99(const itl_sample *s, size_t n, int phase, double *tmp)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (phase < 0 || s[i].phase == phase)
+            tmp[m++] = s[i].s;
+    return percentile(tmp, m, 99);
+}
+
+static int send_submit(rekv_ctl *c, sjob *j, const int32_t *ids, int n_ids, long max_new,
+                       rekv_err *err)
+{
+    Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT; /* greedy */
+    Rekv__Control__Submit sb = REKV__CONTROL__SUBMIT__INIT;
+    sb.sampling = &smp;
+    sb.prompt_ids = (int32_t *)ids;
+    sb.n_prompt_ids = (size_t)n_ids;
+    sb.max_new_tokens = (uint32_t)max_new;
+    sb.stop_at_eos = 0; /* every job makes max_new tokens: the counts are known */
+    sb.stream = 1;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rq.submit = &sb;
+    j->t_submit = rekv_now_ns();
+    return rekv_ctl_send(c, &rq, &j->req_id, err);
+}
+
+static int send_stats(rekv_ctl *c, uint64_t *id, rekv_err *err)
+{
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    rq.id = 0;
+    return rekv_ctl_send(c, &rq, id, err);
+}
+
+/* Runs the jobs against the coordinator at ep; 0, or -1 with a message printed. */
+static int serve_run(const serve_opts *o, const char *ep, int32_t *const *prompts,
+                     const int32_t *long_ids, serve_result *res)
+{
+    rekv_err err = {0};
+    rekv_ctl *c = NULL;
+    int n_all = (int)o->n_jobs + (o->long_prompt > 0), rc = -1;
+    sjob *jobs = calloc((size_t)n_all, sizeof(*jobs));
+    uint64_t expect = (uint64_t)n_all * (uint64_t)o->max_new, cap_s = expect + 16;
+    itl_sample *samples = malloc(sizeof(*samples) * cap_s);
+    double *tmp = malloc(sizeof(double) * (cap_s > (uint64_t)n_all ? cap_s : (uint64_t)n_all));
+    memset(res, 0, sizeof(*res));
+    if (!jobs || !samples || !tmp) {
+        fprintf(stderr, "rekv bench serve: out of memory\n");
+        goto out;
+    }
+    if (rekv_ctl_connect(ep, NULL, &c, &err)) {
+        fprintf(stderr, "rekv bench serve: %s\n", err.msg);
+        goto out;
+    }
+    for (int i = 0; i < n_all; i++)
+        jobs[i].ttft_s = -1, jobs[i].is_long = i == (int)o->n_jobs;
+    size_t n_samples = 0;
+    int submitted = 0, ended = 0, running = 0, phase = 0, long_sent = o->long_prompt <= 0;
+    uint64_t stats_id = 0, last_stats = 0, got_tokens = 0;
+    uint64_t t0 = rekv_now_ns(), last_event = t0;
+    uint64_t half = (uint64_t)o->n_jobs * (uint64_t)o->max_new / 2;
+    while (ended < n_all) {
+        uint64_t now = rekv_now_ns();
+        /* arrivals due now */
+        while (submitted < (int)o->n_jobs &&
+               (o->rate <= 0 || now >= t0 + (uint64_t)((double)submitted / o->rate * 1e9))) {
+            if (send_submit(c, &jobs[submitted], prompts[submitted], (int)o->prompt_len,
+                            o->max_new, &err)) {
+                fprintf(stderr, "rekv bench serve: %s\n", err.msg);
+                goto out;
+            }
+            submitted++;
+        }
+        if (!long_sent && got_tokens >= half) {
+            if (send_submit(c, &jobs[o->n_jobs], long_ids, (int)o->long_prompt, o->max_new,
+                            &err)) {
+                fprintf(stderr, "rekv bench serve: %s\n", err.msg);
+                goto out;
+            }
+            long_sent = 1;
+            phase = 1;
+        }
+        if (stats_id == 0 && now - last_stats >= STATS_EVERY_NS) {
+            if (send_stats(c, &stats_id, &err)) {
+                fprintf(stderr, "rekv bench serve: %s\n", err.msg);
+                goto out;
+            }
+            last_stats = now;
+        }
+        int wait_ms = 20;
+        if (submitted < (int)o->n_jobs && o->rate > 0) {
+            uint64_t due = t0 + (uint64_t)((double)submitted / o->rate * 1e9);
+            wait_ms = due > now ? (int)((due - now) / 1000000ull) : 0;
+            wait_ms = wait_ms > 20 ? 20 : wait_ms;
+        }
+        Rekv__Control__Response *r = NULL;
+        int rr = rekv_ctl_recv(c, wait_ms, &r, &err);
+        if (rr == -ETIMEDOUT) {
+            if (rekv_now_ns() - last_event > (uint64_t)SILENCE_MS * 1000000ull) {
+                fprintf(stderr, "rekv bench serve: nothing from the coordinator in %d s\n",
+                        SILENCE_MS / 1000);
+                goto out;
+            }
+            continue;
+        }
+        if (rr) {
+            fprintf(stderr, "rekv bench serve: %s\n", err.msg);
+            goto out;
+        }
+        uint64_t t = rekv_now_ns();
+        last_event = t;
+        if (r->id == stats_id) {
+            if (r->body_case == REKV__CONTROL__RESPONSE__BODY_STATS &&
+                r->stats->running > res->admitted)
+                res->admitted = r->stats->running;
+            stats_id = 0;
+            rekv__control__response__free_unpacked(r, NULL);
+            continue;
+        }
+        sjob *j = NULL;
+        for (int i = 0; i < n_all && !j; i++)
+            if (jobs[i].req_id == r->id && jobs[i].t_submit)
+                j = &jobs[i];
+        if (j == NULL || j->done) {
+            rekv__control__response__free_unpacked(r, NULL);
+            continue;
+        }
+        if (r->code != REKV__CONTROL__CODE__OK) { /* BUSY, BAD_REQUEST...: the job never ran */
+            snprintf(res->first_error, sizeof(res->first_error), "%s: %s",
+                     rekv_ctl_code_name(r->code), r->error ? r->error : "");
+            j->done = j->failed = 1;
+            ended++;
+        } else if (r->body_case == REKV__CONTROL__RESPONSE__BODY_EVENT) {
+            const Rekv__Control__StreamEvent *ev = r->event;
+            uint64_t end = (uint64_t)ev->offset + ev->n_tokens;
+            uint32_t k = end > j->n_tok ? (uint32_t)(end - j->n_tok) : 0;
+            if (k > 0) {
+                if (j->n_tok == 0) {
+                    j->ttft_s = (double)(t - j->t_submit) * 1e-9;
+                    if (!j->is_long && ++running > (int)res->streamed_concurrency)
+                        res->streamed_concurrency = (uint64_t)running;
+                } else if (!j->is_long) {
+                    for (uint32_t q = 0; q < k && n_samples < cap_s; q++)
+                        samples[n_samples++] =
+                            (itl_sample){(double)(t - j->t_last) * 1e-9 / k, phase};
+                }
+                j->n_tok = (uint32_t)end;
+                j->t_last = t;
+                got_tokens += k;
+                res->tokens += k;
+            }
+            if (ev->done) {
+                j->done = 1;
+                ended++;
+                if (!j->is_long && j->n_tok > 0)
+                    running--;
+                if (ev->state != REKV__CONTROL__JOB_STATE__DONE) {
+                    j->failed = 1;
+                    if (!res->first_error[0])
+                        snprintf(res->first_error, sizeof(res->first_error), "%s: %s",
+                                 rekv_ctl_state_name(ev->state), ev->error ? ev->error : "");
+                }
+                if (j->is_long)
+                    phase = 2;
+            }
+        }
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    res->wall_s = (double)(rekv_now_ns() - t0) * 1e-9;
+    res->tokens_per_s = res->wall_s > 0 ? (double)res->tokens / res->wall_s : 0;
+    size_t m = 0;
+    for (int i = 0; i < (int)o->n_jobs; i++) {
+        res->done += !jobs[i].failed;
+        res->failed += jobs[i].failed;
+        if (jobs[i].ttft_s >= 0)
+            tmp[m++] = jobs[i].ttft_s;
+    }
+    res->ttft_p50 = percentile(tmp, m, 50);
+    res->ttft_p99 = percentile(tmp, m, 99);
+    for (size_t i = 0; i < n_samples; i++)
+        tmp[i] = samples[i].s;
+    res->itl_p50 = percentile(tmp, n_samples, 50);
+    res->itl_p99 = itl_p99(samples, n_samples, -1, tmp);
+    if (o->long_prompt > 0) {
+        sjob *lj = &jobs[o->n_jobs];
+        res->failed += lj->failed;
+        res->long_ttft_s = lj->ttft_s;
+        res->itl_p99_before = itl_p99(samples, n_samples, 0, tmp);
+        res->itl_p99_during = itl_p99(samples, n_samples, 1, tmp);
+    }
+    /* the coordinator's counters once every job is over */
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    Rekv__Control__Response *r = NULL;
+    if (rekv_ctl_call(c, &rq, 10000, &r, &err) || r->body_case != REKV__CONTROL__RESPONSE__BODY_STATS) {
+        fprintf(stderr, "rekv bench serve: Stats: %s\n", r ? rekv_ctl_code_name(r->code) : err.msg);
+    } else {
+        res->held_for_room = r->stats->jobs_held_for_room;
+        res->too_large = r->stats->jobs_too_large;
+        res->requeued = r->stats->requeued;
+        res->steps = r->stats->steps;
+        rc = 0;
+    }
+    if (r)
+        rekv__control__response__free_unpacked(r, NULL);
+out:
+    rekv_ctl_close(c);
+    free(jobs);
+    free(samples);
+    free(tmp);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- the command */
+
+static void serve_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: rekv bench serve --model PATH [--modes offload,hybrid] [--arena SIZE]\n"
+            "                        [--jobs N] [--prompt-len S] [--max-new-tokens G]\n"
+            "                        [--rate R] [--long-prompt L] [--max-batch B]\n"
+            "                        [--backend cpu|cuda|auto] [--link-gbps G] [--json]\n"
+            "For each mode, starts a private kvstore (--host-bytes SIZE, default 64M), worker\n"
+            "(--mode MODE, --backend, default cpu) and coordinator, submits N jobs (default 16)\n"
+            "of S random prompt tokens (default 64) and G new tokens each (default 32, EOS\n"
+            "ignored), all at once or R per second, streams them, and prints one JSON object:\n"
+            "per mode tokens/s, TTFT and inter-token latency p50/p99 (taken here, as the\n"
+            "tokens arrive), the most jobs running at once (admitted concurrency), the\n"
+            "coordinator's jobs held for kvstore room and failed jobs. --long-prompt L: one\n"
+            "more job of an L-token prompt, submitted once half the tokens are out; the other\n"
+            "jobs' ITL p99 before it and while it runs. --max-batch: the worker's (default\n"
+            "N + 1, so that the arena is what limits). Exit 1 when a job failed.\n");
+}
+
+int cli_bench_serve(int argc, char **argv)
+{
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"modes", required_argument, 0, 'M'},
+                                         {"arena", required_argument, 0, 'a'},
+                                         {"jobs", required_argument, 0, 'n'},
+                                         {"prompt-len", required_argument, 0, 'p'},
+                                         {"max-new-tokens", required_argument, 0, 'g'},
+                                         {"rate", required_argument, 0, 'r'},
+                                         {"long-prompt", required_argument, 0, 'L'},
+                                         {"max-batch", required_argument, 0, 'B'},
+                                         {"backend", required_argument, 0, 'b'},
+                                         {"link-gbps", required_argument, 0, 'l'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    serve_opts o = {NULL, "cpu", "64M", NULL, 16, 64, 32, 0, 0, 0};
+    const char *modes = "offload,hybrid";
+    double d;
+    uint64_t size;
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': o.model = optarg; break;
+        case 'M': modes = optarg; break;
+        case 'a': o.arena = optarg; break;
+        case 'n': if (cli_parse_int("jobs", optarg, 1, 4000, &o.n_jobs)) return 2; break;
+        case 'p': if (cli_parse_int("prompt-len", optarg, 1, 1 << 20, &o.prompt_len)) return 2; break;
+        case 'g': if (cli_parse_int("max-new-tokens", optarg, 1, 1 << 20, &o.max_new)) return 2; break;
+        case 'r': if (cli_parse_float("rate", optarg, 0, 1e6, &o.rate)) return 2; break;
+        case 'L': if (cli_parse_int("long-prompt", optarg, 0, 1 << 20, &o.long_prompt)) return 2; break;
+        case 'B': if (cli_parse_int("max-batch", optarg, 1, 4096, &o.max_batch)) return 2; break;
+        case 'b': o.backend = optarg; break;
+        case 'l': if (cli_parse_float("link-gbps", optarg, 0, 1e6, &d)) return 2; o.link_gbps = optarg; break;
+        case 'j': break; /* JSON is the only output */
+        case 'h': serve_usage(stdout); return 0;
+        default: serve_usage(stderr); return 2;
+        }
+    }
+    if (o.model == NULL || optind != argc) {
+        serve_usage(stderr);
+        return 2;
+    }
+    if (rekv_parse_size(o.arena, &size) || size == 0) {
+        fprintf(stderr, "rekv bench serve: --arena %s: expected bytes, e.g. 1G\n", o.arena);
+        return 2;
+    }
+    if (o.max_batch == 0)
+        o.max_batch = o.n_jobs + 1 > 4096 ? 4096 : o.n_jobs + 1;
+    enum { MAX_MODES = 8 };
+    char mnames[MAX_MODES][32];
+    int n_modes = 0;
+    char *mdup = strdup(modes), *save = NULL;
+    for (char *t = mdup ? strtok_r(mdup, ",", &save) : NULL; t; t = strtok_r(NULL, ",", &save)) {
+        rekv_mode mv;
+        if (n_modes == MAX_MODES || rekv_mode_parse(t, &mv) || strlen(t) >= sizeof(mnames[0])) {
+            fprintf(stderr, "rekv bench serve: --modes: unknown or too many modes (\"%s\", at "
+                            "most %d)\n", t, MAX_MODES);
+            free(mdup);
+            return 2;
+        }
+        snprintf(mnames[n_modes++], sizeof(mnames[0]), "%s", t);
+    }
+    free(mdup);
+    if (n_modes == 0) {
+        serve_usage(stderr);
+        return 2;
+    }
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    if (rekv_model_open(o.model, &model, &err)) {
+        fprintf(stderr, "rekv: %s\n", err.msg);
+        return 1;
+    }
+    rekv_model_config cfg = model->config;
+    rekv_model_close(model);
+    long longest = o.prompt_len > o.long_prompt ? o.prompt_len : o.long_prompt;
+    if (longest + o.max_new > cfg.max_pos) {
+        fprintf(stderr, "rekv bench serve: prompt + max-new-tokens exceeds the context (%d)\n",
+                cfg.max_pos);
+        return 2;
+    }
+    int rc = 1;
+    int32_t **prompts = calloc((size_t)o.n_jobs, sizeof(*prompts));
+    int32_t *long_ids = malloc(sizeof(int32_t) * (size_t)(o.long_prompt + 1));
+    json_t *arr = json_array();
+    if (!prompts || !long_ids)
+        goto out;
+    uint64_t x = 4242;
+    for (long i = 0; i <= o.n_jobs; i++) {
+        long n = i < o.n_jobs ? o.prompt_len : o.long_prompt;
+        int32_t *p = i < o.n_jobs ? (prompts[i] = malloc(sizeof(int32_t) * (size_t)n)) : long_ids;
+        if (p == NULL)
+            goto out;
+        for (long k = 0; k < n; k++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            p[k] = (int32_t)((x >> 33) % (uint64_t)cfg.vocab);
+        }
+    }
+    uint64_t failed = 0;
+    for (int mi = 0; mi < n_modes; mi++) {
+        trio t;
+        serve_result res;
+        char ep[4200];
+        if (trio_start(&t, &o, mnames[mi]))
+            goto out;
+        snprintf(ep, sizeof(ep), "ipc://%s/control", t.dir);
+        int r = serve_run(&o, ep, prompts, long_ids, &res);
+        trio_stop(&t);
+        if (r)
+            goto out;
+        failed += res.failed;
+        json_t *m = json_pack(
+            "{s:s, s:I, s:I, s:I, s:f, s:f, s:{s:f, s:f}, s:{s:f, s:f}, s:I, s:I, s:I, s:I, s:I, "
+            "s:I}",
+            "mode", mnames[mi], "jobs_done", (json_int_t)res.done, "jobs_failed",
+            (json_int_t)res.failed, "tokens", (json_int_t)res.tokens, "wall_s", res.wall_s,
+            "tokens_per_s", res.tokens_per_s, "ttft_s", "p50", res.ttft_p50, "p99", res.ttft_p99,
+            "itl_s", "p50", res.itl_p50, "p99", res.itl_p99, "admitted_concurrency",
+            (json_int_t)res.admitted, "streaming_concurrency", (json_int_t)res.streamed_concurrency,
+            "jobs_held_for_room", (json_int_t)res.held_for_room, "jobs_too_large",
+            (json_int_t)res.too_large, "requeued", (json_int_t)res.requeued, "steps",
+            (json_int_t)res.steps);
+        if (o.long_prompt > 0)
+            json_object_set_new(
+                m, "long_prompt",
+                json_pack("{s:f, s:f, s:f, s:f}", "ttft_s", res.long_ttft_s, "itl_p99_before_s",
+                          res.itl_p99_before, "itl_p99_during_s", res.itl_p99_during,
+                          "itl_p99_ratio",
+                          res.itl_p99_before > 0 ? res.itl_p99_during / res.itl_p99_before : 0.0));
+        if (res.first_error[0])
+            json_object_set_new(m, "first_error", json_string(res.first_error));
+        json_array_append_new(arr, m);
+    }
+    json_t *out = json_pack(
+        "{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:I, s:i, s:i, s:i, s:f, s:i, s:i, "
+        "s:O}",
+        "bench", "serve", "backend", o.backend, "model", "layers", cfg.n_layers, "hidden",
+        cfg.hidden, "heads", cfg.n_heads, "kv_heads", cfg.n_kv_heads, "vocab", cfg.vocab,
+        "max_pos", cfg.max_pos, "arena", o.arena, "arena_bytes", (json_int_t)size, "jobs",
+        (int)o.n_jobs, "prompt_len", (int)o.prompt_len, "max_new_tokens", (int)o.max_new, "rate",
+        o.rate, "long_prompt", (int)o.long_prompt, "max_batch", (int)o.max_batch, "modes", arr);
+    if (o.link_gbps)
+        json_object_set_new(out, "link_gbps", json_real(atof(o.link_gbps)));
+    char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
+    printf("%s\n", s);
+    free(s);
+    json_decref(out);
+    if (failed)
+        fprintf(stderr, "rekv bench serve: %llu job%s failed\n", (unsigned long long)failed,
+                failed == 1 ? "" : "s");
+    rc = failed ? 1 : 0;
+out:
+    json_decref(arr);
+    if (prompts)
+        for (long i = 0; i < o.n_jobs; i++)
+            free(prompts[i]);
+    free(prompts);
+    free(long_ids);
+    return rc;
+}
