@@ -42,7 +42,7 @@
 #define STATS_EVERY_NS 2000000ull
 
 typedef struct serve_opts {
-    const char *model, *backend, *arena, *link_gbps;
+    const char *model, *backend, *arena, *link_gbps, *prefill_chunk;
     long n_jobs, prompt_len, max_new, long_prompt, max_batch;
     double rate; /* jobs/s; 0: all at once */
 } serve_opts;
@@ -125,6 +125,9 @@ static int trio_start(trio *t, const serve_opts *o, const char *mode)
     ARG("--queue"); ARG(queue); ARG("--ready-fd"); ARG(fd);
     if (o->link_gbps) {
         ARG("--link-gbps"); ARG(o->link_gbps);
+    }
+    if (o->prefill_chunk) {
+        ARG("--prefill-chunk"); ARG(o->prefill_chunk);
     }
     argv[n] = NULL;
 #undef ARG
@@ -407,7 +410,8 @@ static void serve_usage(FILE *f)
             "usage: rekv bench serve --model PATH [--modes offload,hybrid] [--arena SIZE]\n"
             "                        [--jobs N] [--prompt-len S] [--max-new-tokens G]\n"
             "                        [--rate R] [--long-prompt L] [--max-batch B]\n"
-            "                        [--backend cpu|cuda|auto] [--link-gbps G] [--json]\n"
+            "                        [--backend cpu|cuda|auto] [--link-gbps G]\n"
+            "                        [--prefill-chunk N] [--json]\n"
             "For each mode, starts a private kvstore (--host-bytes SIZE, default 64M), worker\n"
             "(--mode MODE, --backend, default cpu) and coordinator, submits N jobs (default 16)\n"
             "of S random prompt tokens (default 64) and G new tokens each (default 32, EOS\n"
@@ -417,7 +421,8 @@ static void serve_usage(FILE *f)
             "coordinator's jobs held for kvstore room and failed jobs. --long-prompt L: one\n"
             "more job of an L-token prompt, submitted once half the tokens are out; the other\n"
             "jobs' ITL p99 before it and while it runs. --max-batch: the worker's (default\n"
-            "N + 1, so that the arena is what limits). Exit 1 when a job failed.\n");
+            "N + 1, so that the arena is what limits). --prefill-chunk: the coordinator's cap\n"
+            "(rekv run --prefill-chunk; 0: whole prompts). Exit 1 when a job failed.\n");
 }
 
 int cli_bench_serve(int argc, char **argv)
@@ -433,12 +438,14 @@ int cli_bench_serve(int argc, char **argv)
                                          {"max-batch", required_argument, 0, 'B'},
                                          {"backend", required_argument, 0, 'b'},
                                          {"link-gbps", required_argument, 0, 'l'},
+                                         {"prefill-chunk", required_argument, 0, 'c'},
                                          {"json", no_argument, 0, 'j'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    serve_opts o = {NULL, "cpu", "64M", NULL, 16, 64, 32, 0, 0, 0};
+    serve_opts o = {NULL, "cpu", "64M", NULL, NULL, 16, 64, 32, 0, 0, 0};
     const char *modes = "offload,hybrid";
     double d;
+    long v;
     uint64_t size;
     int c;
     optind = 1;
@@ -455,6 +462,7 @@ int cli_bench_serve(int argc, char **argv)
         case 'B': if (cli_parse_int("max-batch", optarg, 1, 4096, &o.max_batch)) return 2; break;
         case 'b': o.backend = optarg; break;
         case 'l': if (cli_parse_float("link-gbps", optarg, 0, 1e6, &d)) return 2; o.link_gbps = optarg; break;
+        case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o.prefill_chunk = optarg; break;
         case 'j': break; /* JSON is the only output */
         case 'h': serve_usage(stdout); return 0;
         default: serve_usage(stderr); return 2;
@@ -565,6 +573,8 @@ int cli_bench_serve(int argc, char **argv)
         o.rate, "long_prompt", (int)o.long_prompt, "max_batch", (int)o.max_batch, "modes", arr);
     if (o.link_gbps)
         json_object_set_new(out, "link_gbps", json_real(atof(o.link_gbps)));
+    /* the coordinator's cap (rekv-coordinator's default when not given) */
+    json_object_set_new(out, "prefill_chunk", json_integer(o.prefill_chunk ? atol(o.prefill_chunk) : 512));
     char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", s);
     free(s);
