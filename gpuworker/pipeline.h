@@ -148,7 +148,8 @@ typedef struct rekv_pipe_item {
  * for a pipeline's life (they decide what the store holds). Any value gives the same tokens. */
 typedef struct rekv_step_params {
     int split;               /* kvpr: context tokens recomputed from activations */
-    int kv_parts, act_parts; /* hybrid: pattern of the blocks allocated from now on */
+    int kv_parts, act_parts; /* hybrid: pattern of the sequences made from now on (a sequence's
+                                blocks keep the pattern it was made with) */
     int gpu_batches;         /* even split when items carry no gpu_batch */
     rekv_schedule schedule;
 } rekv_step_params;

@@ -352,6 +352,8 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
         return rekv_errf(err, -ENOMEM, "out of memory");
     s->p = p;
     s->cap = capacity;
+    s->kv_parts = p->cfg.kv_parts;
+    s->act_parts = p->cfg.act_parts;
     int rc = 0;
     if (p->cfg.mode == REKV_MODE_RESIDENT) {
         size_t n = (size_t)c->n_layers * rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, capacity);

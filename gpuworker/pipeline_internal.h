@@ -175,6 +175,8 @@ struct rekv_pseq {
     uint8_t *kv;      /* resident: [n_layers] caches of cap positions (kvlayout.h), cache dtype */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
     float *pk;        /* infinigen, clo: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
+    int kv_parts, act_parts; /* hybrid: the KV:ACT pattern of its blocks, the pipeline's when the
+                                sequence was made (a later rekv_pipeline_set_step leaves it) */
     /* clo (pipeline_clo.c): layer 0's whole cache and, per layer > 0, a head cache
      * (kvlayout.h) on the device; on the host each query head's label and each KV head's cached
      * top-k count (-1: not built) */

@@ -44,13 +44,13 @@ int pl_store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, size_t 
                      rekv_err *err)
 {
     int rc, L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR;
-    uint32_t kv = 1, act = 0; /* offload: all KV */
-    if (p->cfg.mode == REKV_MODE_ACT)
-        kv = 0, act = 1;
-    else if (p->cfg.mode == REKV_MODE_HYBRID)
-        kv = (uint32_t)p->cfg.kv_parts, act = (uint32_t)p->cfg.act_parts;
     for (int it = 0; it < st->n_items; it++) {
         rekv_pseq *s = st->items[it].seq;
+        uint32_t kv = 1, act = 0; /* offload: all KV */
+        if (p->cfg.mode == REKV_MODE_ACT)
+            kv = 0, act = 1;
+        else if (p->cfg.mode == REKV_MODE_HYBRID) /* the sequence's own pattern */
+            kv = (uint32_t)s->kv_parts, act = (uint32_t)s->act_parts;
         uint64_t after;
         if ((rc = rekv_kvstore_append(p->store, s->id, (uint64_t)st->items[it].n_tokens, kv, act,
                                       &after, err)))

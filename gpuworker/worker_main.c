@@ -468,17 +468,6 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     for (size_t i = 0; i < plan->n_cancel; i++)
         rekv_batcher_cancel(w->batch, plan->cancel[i]);
     rekv_batcher_set_prefill_chunk(w->batch, (int)plan->prefill_chunk);
-    if (plan->params) { /* the planner's choices for this step (any of them gives the same tokens)
-                         */
-        const Rekv__Worker__StepParams *sp = plan->params;
-        rekv_step_params st = {sp->split, (int)sp->kv_parts, (int)sp->act_parts,
-                               sp->gpu_batches ? (int)sp->gpu_batches : 1,
-                               sp->column ? REKV_SCHED_COLUMN : REKV_SCHED_ROW};
-        rekv_err perr = {0};
-        static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
-        if (rekv_pipeline_set_step(w->pipe, &st, &perr))
-            warn_rl(&rl, "a Plan's step parameters refused: ", perr.msg);
-    }
     size_t cap = plan->n_join + (size_t)rekv_batcher_running(w->batch);
     Rekv__Worker__JobProgress *jp = calloc(cap ? cap : 1, sizeof(*jp));
     Rekv__Worker__JobProgress **pp = calloc(cap ? cap : 1, sizeof(*pp));
@@ -522,7 +511,18 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
                      (unsigned long long)rekv_batcher_store_seq(w->batch, s->job));
         }
     }
+    /* the planner's choices for this step (any of them gives the same tokens); after the joins,
+     * whose sequences keep the KV:ACT pattern in force before it, the one the coordinator
+     * admitted them at */
     if (plan->params) {
+        const Rekv__Worker__StepParams *sp = plan->params;
+        rekv_step_params st = {sp->split, (int)sp->kv_parts, (int)sp->act_parts,
+                               sp->gpu_batches ? (int)sp->gpu_batches : 1,
+                               sp->column ? REKV_SCHED_COLUMN : REKV_SCHED_ROW};
+        rekv_err perr = {0};
+        static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
+        if (rekv_pipeline_set_step(w->pipe, &st, &perr))
+            warn_rl(&rl, "a Plan's step parameters refused: ", perr.msg);
         size_t nm = plan->params->n_mb_job < plan->params->n_mb_index ? plan->params->n_mb_job
                                                                       : plan->params->n_mb_index;
         rekv_batcher_set_mini_batches(w->batch, plan->params->mb_job, plan->params->mb_index, nm);

@@ -391,6 +391,57 @@ START_TEST(step_params_change_nothing)
 }
 END_TEST
 
+/* hybrid: a sequence's blocks keep the KV:ACT pattern in force when it was made (what the
+ * coordinator admitted it at); a later pattern applies to the sequences made after it */
+START_TEST(hybrid_pattern_per_sequence)
+{
+    const char *mp = tu_shared("models/stories260K/stories260K.bin");
+    if (mp == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", mp);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_err err = {0};
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_HYBRID; /* 1:1 */
+    rekv_pipeline *p;
+    ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err) == 0, "%s", err.msg);
+    rekv_pseq *a, *b;
+    ck_assert_msg(rekv_pseq_create(p, 200, &a, &err) == 0, "%s", err.msg);
+    rekv_step_params sp = {0, 1, 0, 1, REKV_SCHED_ROW}; /* all KV from now on */
+    ck_assert_msg(rekv_pipeline_set_step(p, &sp, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_pseq_create(p, 200, &b, &err) == 0, "%s", err.msg);
+    int32_t prompt[128];
+    for (int i = 0; i < 128; i++)
+        prompt[i] = 1 + i % 300;
+    float *logits = malloc(sizeof(float) * 2 * (size_t)f.m->config.vocab);
+    rekv_pipe_item items[2] = {{a, prompt, 128, logits, 0},
+                               {b, prompt, 128, logits + f.m->config.vocab, 0}};
+    ck_assert_msg(rekv_pipeline_step(p, items, 2, &err) == 0, "%s", err.msg);
+    for (int k = 0; k < 2; k++) {
+        rekv_kv_table_entry *t = NULL;
+        size_t n = 0;
+        uint64_t toks = 0;
+        ck_assert_msg(rekv_kvstore_table(f.store, rekv_pseq_store_seq(k ? b : a), 1, &t, &n, &toks,
+                                         &err) == 0,
+                      "%s", err.msg);
+        ck_assert_uint_eq(n, 8);
+        int n_act = 0;
+        for (size_t i = 0; i < n; i++)
+            n_act += t[i].type == REKV_KV_BLOCK_ACT;
+        ck_assert_int_eq(n_act, k ? 0 : 4); /* a: 1:1, b: all KV */
+        free(t);
+    }
+    free(logits);
+    rekv_pseq_free(a);
+    rekv_pseq_free(b);
+    rekv_pipeline_free(p);
+    tu_fixture_close(&f);
+}
+END_TEST
+
 /* The resident pipeline is the reference forward pass, bit for bit. */
 START_TEST(resident_matches_forward)
 {
@@ -508,6 +559,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 900);
     tcase_add_test(tc, resident_matches_forward);
     tcase_add_test(tc, step_params_change_nothing);
+    tcase_add_test(tc, hybrid_pattern_per_sequence);
     tcase_add_test(tc, modes_stories260k);
     tcase_add_test(tc, modes_synthetic);
     tcase_add_test(tc, push_needs_a_store_that_pushes);
