@@ -12,6 +12,7 @@
 #include "common/clock.h"
 #include "common/progress.h"
 #include "coordinator/cli/cli_daemon.h"
+#include "coordinator/cli/cli_profile.h"
 #include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
@@ -530,6 +531,11 @@ static int bench_decode(int argc, char **argv)
         if (mlist[i] == REKV_MODE_RESIDENT)
             ref = i;
     }
+    /* the planner's prediction of each run's decode step, beside the measured one (the profile is
+     * this machine's, cached; measured once when missing) */
+    rekv_profile pf;
+    rekv_err perr = {0};
+    int have_pf = rekv_profile_get(cfg, po.backend, &po.link, NULL, 0, &pf, NULL, &perr) == 0;
     json_t *arr = json_array();
     for (int i = 0; i < n_modes; i++) {
         decode_result *r = &res[i];
@@ -548,6 +554,17 @@ static int bench_decode(int argc, char **argv)
             "tokens_recomputed", (json_int_t)r->counters.tokens_recomputed, "tokens_fetched",
             (json_int_t)r->counters.tokens_fetched);
         json_object_set_new(o, "push", json_boolean(mpush[i]));
+        double measured = N > 1 ? r->decode_s / (N - 1) : 0, predicted = 0;
+        double f = r->counters.tokens_considered
+                       ? (double)r->counters.tokens_fetched / (double)r->counters.tokens_considered
+                       : 0.2;
+        json_object_set_new(o, "measured_step_s", json_real(measured));
+        if (have_pf && measured > 0 &&
+            cli_plan_predict_step(&pf, cfg, &r->cfg, B, S + N / 2, f > 1 ? 1 : f, &predicted,
+                                  &perr) == 0) {
+            json_object_set_new(o, "predicted_step_s", json_real(predicted));
+            json_object_set_new(o, "prediction_error", json_real(predicted / measured - 1));
+        }
         json_object_set_new(o, "prefill_s", json_real(r->prefill_s));
         json_object_set_new(o, "prefill_tokens_per_s", json_real((double)B * S / r->prefill_s));
         /* host->device GB/s over the decode (all kinds), and while the link was busy (not for
@@ -623,7 +640,8 @@ int cli_bench(int argc, char **argv)
     if (argc >= 2 && strcmp(argv[1], "kvstore") == 0)
         return rekv_kvstore_bench_main(argc - 1, argv + 1);
     int help = argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0);
-    fprintf(help ? stdout : stderr, "usage: rekv bench forward|decode|serve|kvstore [options] --json\n"
-                                    "Run `rekv bench BENCH --help` for a benchmark's options.\n");
+    fprintf(help ? stdout : stderr,
+            "usage: rekv bench forward|decode|serve|kvstore [options] --json\n"
+            "Run `rekv bench BENCH --help` for a benchmark's options.\n");
     return help ? 0 : 2;
 }

@@ -44,6 +44,55 @@ int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dty
     return rekv_plan_hybrid_alloc(&prof, &hp, out, err);
 }
 
+int cli_plan_predict_step(const rekv_profile *pf, const rekv_model_config *c,
+                          const rekv_pipeline_config *cfg, int batch, int ctx, double f,
+                          double *step_s, rekv_err *err)
+{
+    rekv_cost_profile prof;
+    rekv_profile_to_cost(pf, cfg->cache_dtype, &prof);
+    if (!cfg->offload_weights)
+        prof.t_load_w = 0;
+    rekv_plan_model pm;
+    rekv_plan_model_from_config(c, &pm);
+    rekv_step_shape sh;
+    rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cfg->cache_dtype),
+                    cfg->offload_weights, &sh);
+    rekv_technique tech = REKV_TECH_KV;
+    switch (cfg->mode) {
+    case REKV_MODE_KVPR:
+        tech = REKV_TECH_KVPR;
+        break;
+    case REKV_MODE_ACT:
+        tech = REKV_TECH_ACT;
+        break;
+    case REKV_MODE_HYBRID:
+        tech = REKV_TECH_HYBRID;
+        sh.hybrid_kv_fraction = cfg->kv_parts + cfg->act_parts > 0
+                                    ? (double)cfg->kv_parts / (cfg->kv_parts + cfg->act_parts)
+                                    : 1;
+        break;
+    case REKV_MODE_INFINIGEN:
+    case REKV_MODE_CLO:
+        tech = REKV_TECH_INFINIGEN;
+        sh.infinigen_fraction = f;
+        break;
+    default:
+        break;
+    }
+    rekv_step_cost cost;
+    int rc;
+    if (tech == REKV_TECH_KVPR) { /* at the run's split, not the solver's */
+        rekv_kvpr_split ev;
+        rekv_plan_kvpr_eval(&prof, &sh.kv, cfg->split < ctx ? cfg->split : ctx, &ev);
+        *step_s = ev.t * c->n_layers;
+        return 0;
+    }
+    if ((rc = rekv_plan_step_cost(&prof, &sh, tech, &cost, err)))
+        return rc;
+    *step_s = (cfg->mode == REKV_MODE_RESIDENT ? cost.t_compute : cost.t_step) * c->n_layers;
+    return 0;
+}
+
 /* ---------------------------------------------------------------- rekv profile */
 
 static const char *const tech_names[REKV_TECH_COUNT] = {"kv", "kvpr", "act", "hybrid"};

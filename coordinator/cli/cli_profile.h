@@ -4,6 +4,7 @@
 #define REKV_COORDINATOR_CLI_PROFILE_H
 
 #include "coordinator/planner.h"
+#include "gpuworker/pipeline.h"
 #include "gpuworker/profile.h"
 
 /* rekv profile --model PATH [--link-gbps G] [--link-latency-us U] [--reprofile] [--json] */
@@ -19,5 +20,13 @@ int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype
  * out->kv_parts:out->act_parts. */
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
                     int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out, rekv_err *err);
+
+/* What the planner predicts a decode step of cfg's pipeline takes (all layers, s), for `batch`
+ * sequences of `ctx` tokens: rekv_plan_step_cost of cfg's technique at its split / ratio (and, for
+ * infinigen and clo, at the fetched fraction f), times the layers; resident is the compute alone.
+ * `rekv bench decode` prints it beside the measured step. */
+int cli_plan_predict_step(const rekv_profile *pf, const rekv_model_config *c,
+                          const rekv_pipeline_config *cfg, int batch, int ctx, double f,
+                          double *step_s, rekv_err *err);
 
 #endif
