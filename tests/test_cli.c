@@ -310,7 +310,8 @@ START_TEST(bad_input_clear_errors)
 END_TEST
 
 /* `rekv bench decode`: one JSON object comparing every mode on the same prompts; every mode's
- * tokens equal resident's, and on an MHA model the recomputing modes move fewer bytes. */
+ * tokens equal resident's, each carries the planner's predicted step beside the measured one,
+ * and on an MHA model the recomputing modes move fewer bytes. */
 START_TEST(bench_decode_json)
 {
     char *d = tu_tmpdir(), args[8192], *out, *err;
@@ -338,6 +339,10 @@ START_TEST(bench_decode_json)
         ck_assert(json_number_value(json_object_get(m, "decode_tokens_per_s")) > 0);
         ck_assert(json_number_value(json_object_get(m, "prefill_s")) > 0);
         ck_assert(json_is_number(json_object_get(m, "ratio_vs_offload")));
+        /* the planner's prediction beside the measured step */
+        ck_assert(json_number_value(json_object_get(m, "measured_step_s")) > 0);
+        ck_assert(json_number_value(json_object_get(m, "predicted_step_s")) > 0);
+        ck_assert(json_is_number(json_object_get(m, "prediction_error")));
         if (strcmp(json_string_value(json_object_get(m, "mode")), "offload") == 0)
             offload_bytes = json_number_value(json_object_get(m, "h2d_kv_bytes_per_token"));
     }
