@@ -684,6 +684,21 @@ static int start_pipeline(worker *w, rekv_err *err)
                  cached ? "from the cache" : "made and cached");
         w->pc.heads = &w->heads;
     }
+    /* HybridServe's ACT_GPU in serving: half the device's room for the KV cache keeps each
+     * sequence's first activation blocks there, so they never cross the link again (the modes
+     * that recompute from activations; none where the device's memory is the host's) */
+    if (w->device_kv_room > 0 && (w->pc.mode == REKV_MODE_ACT || w->pc.mode == REKV_MODE_HYBRID ||
+                                  w->pc.mode == REKV_MODE_KVPR)) {
+        double per_block = (double)w->mc->n_layers * REKV_KV_BLOCK_TOKENS * w->mc->hidden *
+                           (double)rekv_dtype_size(w->pc.cache_dtype);
+        double n = floor(0.5 * w->device_kv_room / (w->max_batch * per_block));
+        int most = (w->mc->max_pos + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS;
+        w->pc.act_gpu_blocks = n > most ? most : (int)n;
+        rekv_log(REKV_LOG_INFO,
+                 "ACT_GPU: each sequence keeps its first %d activation blocks per layer on the "
+                 "device (half its room for %d sequences)",
+                 w->pc.act_gpu_blocks, w->max_batch);
+    }
     if ((rc = rekv_pipeline_create(w->eng, w->be, w->kv, &w->pc, &w->pipe, err)) ||
         (rc = rekv_batcher_create(w->pipe, w->mc, w->max_batch, &w->batch, err)))
         return rc;

@@ -651,6 +651,40 @@ START_TEST(chunked_prefill_served)
 }
 END_TEST
 
+/* ACT_GPU in serving: an act worker on a device with room (the cpu backend's --device-memory)
+ * keeps its sequences' first activation blocks there and moves fewer activation bytes than one
+ * without, for the same jobs and rekv_generate's tokens. */
+START_TEST(act_gpu_in_serving)
+{
+    uint64_t act_bytes[2];
+    for (int withdev = 0; withdev < 2; withdev++) {
+        env e;
+        if (env_open(&e))
+            return;
+        enum { N = 6 };
+        static tjob jobs[N];
+        make_jobs(jobs, N, 8, 512, 33);
+        reference(jobs, N, e.model);
+        const char *extra[] = {"--device-memory", "64M", NULL};
+        pid_t pid = rekv_run_start_args(&e, "64M", "4", "act", withdev ? extra : NULL);
+        rekv_ctl *c = ctl_open(e.ctl);
+        wait_workers(c, 1);
+        ck_assert_int_eq(submit_all(c, jobs, N), N);
+        wait_and_check(c, jobs, N, 120);
+        Rekv__Control__Response *r = stats(c);
+        act_bytes[withdev] = r->stats->h2d_bytes_act;
+        rekv__control__response__free_unpacked(r, NULL);
+        rekv_ctl_close(c);
+        rekv_run_stop(pid);
+        free_jobs(jobs, N);
+        env_close(&e);
+    }
+    ck_assert_msg(act_bytes[0] > 0 && act_bytes[1] < act_bytes[0],
+                  "activation bytes over the link: %llu with device room, %llu without",
+                  (unsigned long long)act_bytes[1], (unsigned long long)act_bytes[0]);
+}
+END_TEST
+
 /* The planner in the loop: with the KV cache in the kvstore (kvpr and hybrid modes) the
  * coordinator chooses every step's split, pattern and mini-batches from the worker's profile and
  * adapts to its measured busy times — and the jobs' tokens stay exactly rekv_generate's. */
@@ -1479,6 +1513,7 @@ static Suite *suite(void)
     tcase_add_test(tc, batcher_matches_generate);
     tcase_add_test(tc, batcher_chunked_prefill);
     tcase_add_test(tc, chunked_prefill_served);
+    tcase_add_test(tc, act_gpu_in_serving);
     tcase_add_test(tc, run_64_jobs);
     tcase_add_test(tc, planner_in_the_loop);
     tcase_add_test(tc, emulated_gpu_auto_mode);
