@@ -31,12 +31,22 @@ int rekv_linear_fit(const double *xs, const double *ys, size_t n, double *a, dou
 
 /* What the hardware costs. Filled by the worker's profiler from its own measurements. */
 typedef struct rekv_cost_profile {
-    double h2d_bw;       /* host->device link bandwidth, bytes/s (KVPR's v_com) */
-    double h2d_latency;  /* fixed cost of one host->device copy, s (0 gives the papers' models) */
-    double gemm_flops;   /* sustained GEMM throughput, FLOP/s (KVPR's v_gpu) */
-    rekv_linear load_kv; /* T_load_kv(n tokens): time to load n tokens' KV of one layer, s */
-    rekv_linear kv_gen;  /* T_kv_gen(n tokens): time to regenerate n tokens' KV from ACT, s */
-    double t_load_w;     /* T_load_w: time to load one decoder layer's weights, s (0 if resident) */
+    double h2d_bw;         /* host->device link bandwidth, bytes/s (KVPR's v_com) */
+    double h2d_latency;    /* fixed cost of one host->device copy, s (0 gives the papers' models) */
+    double gemm_flops;     /* sustained GEMM throughput over many rows, FLOP/s (KVPR's v_gpu):
+                              what recomputation runs at */
+    double fwd_flops_rate; /* a decode step's forward pass (GEMMs over a batch's few rows),
+                              FLOP/s, far below gemm_flops on a GPU and on the cpu; 0: taken as
+                              gemm_flops (rekv_cost_fwd_rate) */
+    rekv_linear load_kv;   /* T_load_kv(n tokens): time to load n tokens' KV of one layer, s */
+    rekv_linear kv_gen;    /* T_kv_gen(n tokens): time to regenerate n tokens' KV from ACT, s */
+    double t_load_w; /* T_load_w: time to load one decoder layer's weights, s (0 if resident) */
 } rekv_cost_profile;
+
+/* The rate a decode step's forward pass runs at: fwd_flops_rate, or gemm_flops when unmeasured. */
+static inline double rekv_cost_fwd_rate(const rekv_cost_profile *p)
+{
+    return p->fwd_flops_rate > 0 ? p->fwd_flops_rate : p->gemm_flops;
+}
 
 #endif

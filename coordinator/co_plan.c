@@ -18,6 +18,7 @@ static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
     out->h2d_bw = c->h2d_bw;
     out->h2d_latency = c->h2d_latency;
     out->gemm_flops = c->gemm_flops;
+    out->fwd_flops_rate = c->fwd_flops_rate;
     out->load_kv = (rekv_linear){c->load_kv_a, c->load_kv_b};
     out->kv_gen = (rekv_linear){c->kv_gen_a, c->kv_gen_b};
     out->t_load_w = c->t_load_w;
@@ -134,6 +135,7 @@ static rekv_cost_profile scaled(const co_plan_state *ps)
     p.load_kv.b *= ps->pcie_scale;
     p.t_load_w *= ps->pcie_scale;
     p.gemm_flops /= ps->compute_scale;
+    p.fwd_flops_rate /= ps->compute_scale;
     p.kv_gen.a *= ps->compute_scale;
     p.kv_gen.b *= ps->compute_scale;
     return p;

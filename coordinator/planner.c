@@ -51,7 +51,7 @@ void rekv_plan_kvpr_eval(const rekv_cost_profile *prof, const rekv_kvpr_params *
     out->t_x = link_time(prof, out->bytes_x);
     out->t_kv = link_time(prof, out->bytes_kv);
     out->t_link = link_time(prof, p->weight_bytes) + out->t_x + out->t_kv;
-    out->t_compute = p->fwd_flops / prof->gemm_flops + out->t_recomp;
+    out->t_compute = p->fwd_flops / rekv_cost_fwd_rate(prof) + out->t_recomp;
     out->t = fmax(out->t_link, out->t_compute); /* rekv's pipeline, not Eq. 11 (planner.h) */
 }
 
@@ -92,7 +92,7 @@ static double kvpr_kink(const rekv_cost_profile *prof, const rekv_kvpr_params *p
     double gamma = b * (double)p->hidden * p->elem_bytes / prof->h2d_bw;      /* s per token */
     double c_link =
         link_time(prof, p->weight_bytes) + 2.0 * prof->h2d_latency + beta * (double)p->s;
-    double c_fwd = p->fwd_flops / prof->gemm_flops;
+    double c_fwd = p->fwd_flops / rekv_cost_fwd_rate(prof);
     if (!(alpha + beta - gamma > 0))
         return 0.0;
     double ls = (c_link - c_fwd) / (alpha + beta - gamma);
@@ -421,7 +421,9 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     out->speculate_flops = spec;
     out->t_pcie =
         link_time(prof, p->weight_bytes) + link_time(prof, x_bytes) + link_time(prof, kv_bytes);
-    out->t_compute = (p->fwd_flops + recomp + spec) / prof->gemm_flops;
+    /* the forward pass and the speculation's GEMV over the batch's rows at the decode rate, the
+     * recomputation over batch x context rows at the GEMM rate */
+    out->t_compute = (p->fwd_flops + spec) / rekv_cost_fwd_rate(prof) + recomp / prof->gemm_flops;
     out->t_step = fmax(out->t_pcie, out->t_compute);
     return 0;
 }

@@ -583,6 +583,7 @@ void rekv_profile_to_cost(const rekv_profile *p, rekv_dtype cache_dtype, rekv_co
     out->h2d_bw = p->h2d_bw;
     out->h2d_latency = p->h2d_latency;
     out->gemm_flops = p->gemm_kv_flops;
+    out->fwd_flops_rate = p->gemm_ffn_flops; /* the FFN's GEMM over a decode batch's rows */
     out->load_kv = p->load_kv[d];
     out->kv_gen = p->kv_gen[d];
     out->t_load_w = p->t_load_w;

@@ -217,6 +217,7 @@ static void send_hello(worker *w)
     cp.h2d_bw = w->cost.h2d_bw;
     cp.h2d_latency = w->cost.h2d_latency;
     cp.gemm_flops = w->cost.gemm_flops;
+    cp.fwd_flops_rate = w->cost.fwd_flops_rate;
     cp.load_kv_a = w->cost.load_kv.a;
     cp.load_kv_b = w->cost.load_kv.b;
     cp.kv_gen_a = w->cost.kv_gen.a;

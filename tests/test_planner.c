@@ -99,7 +99,8 @@ static double t_split(const rekv_cost_profile *pr, const rekv_kvpr_params *p, in
     double tx = mx / pr->h2d_bw + (mx > 0 ? pr->h2d_latency : 0);
     double tkv = mkv / pr->h2d_bw + (mkv > 0 ? pr->h2d_latency : 0);
     double tw = p->weight_bytes / pr->h2d_bw + (p->weight_bytes > 0 ? pr->h2d_latency : 0);
-    double link = tw + tx + tkv, comp = (p->fwd_flops + n) / pr->gemm_flops;
+    double fwd_rate = pr->fwd_flops_rate > 0 ? pr->fwd_flops_rate : pr->gemm_flops;
+    double link = tw + tx + tkv, comp = p->fwd_flops / fwd_rate + n / pr->gemm_flops;
     return link > comp ? link : comp;
 }
 
@@ -110,6 +111,8 @@ static void random_kvpr(rekv_cost_profile *pr, rekv_kvpr_params *p, int gqa_only
     pr->h2d_bw = logrand(1e9, 64e9);
     pr->gemm_flops = logrand(1e11, 1e15);
     pr->h2d_latency = (rnd() & 1) ? 0.0 : logrand(1e-7, 1e-3);
+    /* a decode step's forward pass often runs far below the GEMM rate of recomputation */
+    pr->fwd_flops_rate = (rnd() & 1) ? 0.0 : pr->gemm_flops * logrand(0.01, 1.0);
     p->s = irand(0, 2500);
     p->b = irand(1, 64);
     p->hidden = hs[irand(0, 7)];
@@ -566,6 +569,34 @@ START_TEST(test_mb_random)
 }
 END_TEST
 
+/* The forward pass at the decode rate, recomputation and nothing else at the GEMM rate. */
+START_TEST(test_step_cost_two_rates)
+{
+    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
+                             .act = REKV_ACT_RELU,
+                             .n_layers = 8,
+                             .hidden = 1024,
+                             .n_heads = 16,
+                             .n_kv_heads = 16,
+                             .head_dim = 64,
+                             .ffn = 4096,
+                             .dtype = REKV_DTYPE_F16};
+    rekv_step_shape sh;
+    shape_from_config(&opt, 8, 512, 2, 0, &sh);
+    sh.hybrid_kv_fraction = 0.5;
+    rekv_cost_profile pr = {.h2d_bw = 1e9, .gemm_flops = 1e12, .fwd_flops_rate = 1e11};
+    rekv_step_cost c;
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_KV, &c, NULL), 0);
+    ck_assert(close_rel(c.t_compute, sh.kv.fwd_flops / 1e11, 1e-12));
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_ACT, &c, NULL), 0);
+    ck_assert(c.recompute_flops > 0);
+    ck_assert(close_rel(c.t_compute, sh.kv.fwd_flops / 1e11 + c.recompute_flops / 1e12, 1e-12));
+    pr.fwd_flops_rate = 0; /* unmeasured: the GEMM rate */
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_KV, &c, NULL), 0);
+    ck_assert(close_rel(c.t_compute, sh.kv.fwd_flops / 1e12, 1e-12));
+}
+END_TEST
+
 /* ---------------------------------------------------------------- chooser */
 
 START_TEST(test_choose)
@@ -936,6 +967,7 @@ int main(void)
     tcase_add_test(tc, test_mb_constructed);
     tcase_add_test(tc, test_mb_random);
     tcase_add_test(tc, test_choose);
+    tcase_add_test(tc, test_step_cost_two_rates);
     tcase_add_test(tc, test_pick_mode);
     tcase_add_test(tc, test_pick_infinigen);
     tcase_add_test(tc, test_co_plan_device_room);
