@@ -22,7 +22,7 @@ static void usage(FILE *f)
             "usage: rekv-coordinator [--control ENDPOINT] [--workers ENDPOINT] [--state-dir DIR]\n"
             "         [--model PATH] [--queue N] [--keep-finished N] [--keep-finished-bytes N]\n"
             "         [--worker-timeout-ms N] [--step-timeout-ms N]\n"
-            "         [--max-attempts N] [--curve-secret-file FILE] [--ready-fd N]\n"
+            "         [--max-attempts N] [--max-clients N] [--curve-secret-file FILE] [--ready-fd N]\n"
             "         [--metrics HOST:PORT [--metrics-public]] [--help] [--version]\n"
             "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
             "beside it, no journal unless --state-dir (or $STATE_DIRECTORY) is given, queue 256.\n"
@@ -32,6 +32,9 @@ static void usage(FILE *f)
             "A worker silent for --worker-timeout-ms (30000) is taken as dead, one whose step is\n"
             "not answered within --step-timeout-ms (300000) as hung: its jobs run again (failed\n"
             "after --max-attempts starts, 3) and it must say Hello again.\n"
+            "At most --max-clients connections (1024, less under a low RLIMIT_NOFILE) per socket\n"
+            "are served; requests on more are answered BUSY, and past twice as many a connection\n"
+            "is dropped as it comes.\n"
             "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
             "--curve-secret-file (a Z85 CurveZMQ secret key), which guards tcp:// endpoints\n"
             "only: ipc:// sockets (files, mode 0600) serve local clients and workers as before.\n"
@@ -63,7 +66,7 @@ int main(int argc, char **argv)
     const char *curve_file = NULL;
     uint32_t ready_fd = UINT32_MAX;
     enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_KEEP_BYTES, O_TIMEOUT,
-           O_STEP_TIMEOUT, O_ATTEMPTS, O_CURVE, O_READY, O_METRICS, O_METRICS_PUBLIC, O_HELP,
+           O_STEP_TIMEOUT, O_ATTEMPTS, O_MAX_CLIENTS, O_CURVE, O_READY, O_METRICS, O_METRICS_PUBLIC, O_HELP,
            O_VERSION };
     static const struct option opts[] = {
         {"control", required_argument, 0, O_CONTROL},
@@ -76,6 +79,7 @@ int main(int argc, char **argv)
         {"worker-timeout-ms", required_argument, 0, O_TIMEOUT},
         {"step-timeout-ms", required_argument, 0, O_STEP_TIMEOUT},
         {"max-attempts", required_argument, 0, O_ATTEMPTS},
+        {"max-clients", required_argument, 0, O_MAX_CLIENTS},
         {"curve-secret-file", required_argument, 0, O_CURVE},
         {"ready-fd", required_argument, 0, O_READY},
         {"metrics", required_argument, 0, O_METRICS},
@@ -107,6 +111,9 @@ int main(int argc, char **argv)
             bad = rekv_parse_u32(optarg, &cfg.step_timeout_ms) || cfg.step_timeout_ms == 0;
             break;
         case O_ATTEMPTS: bad = rekv_parse_u32(optarg, &cfg.max_attempts); break;
+        case O_MAX_CLIENTS:
+            bad = rekv_parse_u32(optarg, &cfg.max_clients) || cfg.max_clients == 0;
+            break;
         case O_CURVE: curve_file = optarg; break;
         case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
         case O_METRICS: cfg.metrics_listen = optarg; break;
