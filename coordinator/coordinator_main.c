@@ -21,8 +21,8 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: rekv-coordinator [--control ENDPOINT] [--workers ENDPOINT] [--state-dir DIR]\n"
             "         [--model PATH] [--queue N] [--keep-finished N] [--keep-finished-bytes N]\n"
-            "         [--worker-timeout-ms N] [--step-timeout-ms N]\n"
-            "         [--max-attempts N] [--max-clients N] [--curve-secret-file FILE] [--ready-fd N]\n"
+            "         [--worker-timeout-ms N] [--step-timeout-ms N] [--max-clients N]\n"
+            "         [--max-attempts N] [--curve-secret-file FILE] [--ready-fd N]\n"
             "         [--metrics HOST:PORT [--metrics-public]] [--help] [--version]\n"
             "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
             "beside it, no journal unless --state-dir (or $STATE_DIRECTORY) is given, queue 256.\n"
