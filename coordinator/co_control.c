@@ -531,6 +531,19 @@ static int read_control(rekv_coordinator *co)
                     req->version, REKV_CONTROL_PROTO_VERSION);
         goto out;
     }
+    if (rekv_conncap_over(co->ctl_cap, &body)) {
+        /* never served, whatever it asks: the client closes and tries again later */
+        rekv_conncap_stats cs;
+        rekv_conncap_get_stats(co->ctl_cap, &cs);
+        co_event_rl(co, CO_RL_CONN_CAP, REKV_CO_EVENT_WARN,
+                    "control socket: %u connections open, more than --max-clients %u: busy",
+                    cs.live, cs.max);
+        reply_error(co, &from, req->id, REKV__CONTROL__CODE__BUSY,
+                    "busy: the coordinator serves at most %u client connections (--max-clients) "
+                    "and %u are open; retry later",
+                    cs.max, cs.live);
+        goto out;
+    }
     switch (req->body_case) {
     case REKV__CONTROL__REQUEST__BODY_SUBMIT:
         do_submit(co, &from, req->id, req->submit);

@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/conncap.h"
 #include "common/ratelimit.h"
 #include "coordinator/co_plan.h"
 #include "coordinator/coordinator.h"
@@ -30,6 +31,7 @@
  * (co_event_rl), saying how many it held back. */
 typedef enum co_rl_site {
     CO_RL_WORKER_MALFORMED, /* a message on the worker socket we cannot read */
+    CO_RL_CONN_CAP,         /* a request on a connection over --max-clients */
     CO_RL_WORKER_SEND,      /* a send to a worker failed */
     CO_RL_WORKER_REFUSED,   /* a Hello refused */
     CO_RL_WORKER_HELLO,     /* a Hello's max_batch capped */
@@ -124,6 +126,7 @@ struct rekv_coordinator {
     char control_ep[4200], worker_ep[4200];
     char control_path[4200], worker_path[4200]; /* ipc socket files, "" otherwise */
     void *zctx, *ctl, *wrk;
+    rekv_conncap *ctl_cap, *wrk_cap; /* connection counts of ctl and wrk (common/conncap.h) */
     int stop_fd;            /* eventfd: rekv_coordinator_stop */
     rekv_journal *journal;  /* NULL without a state_dir */
     rekv_tokenizer *tok;    /* text prompts, with_text; NULL without one */

@@ -498,6 +498,12 @@ void co_handle_worker_msg(rekv_coordinator *co)
     }
     if (nf == 0)
         return; /* nothing to read */
+    if (rekv_conncap_over(co->wrk_cap, &f[nf - 1])) {
+        /* no busy word in worker.proto: unanswered, the worker says Hello again later */
+        co_event_rl(co, CO_RL_CONN_CAP, REKV_CO_EVENT_WARN,
+                    "worker socket: a message on a connection over --max-clients; ignored");
+        goto out;
+    }
     if (nf != 2 || zmq_msg_size(&f[0]) > MAX_RID) {
         co->worker_malformed++;
         co_event_rl(co, CO_RL_WORKER_MALFORMED, REKV_CO_EVENT_WARN,

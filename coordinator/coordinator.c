@@ -106,13 +106,17 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
 {
     uint64_t last_rate = 0;
     for (;;) {
-        zmq_pollitem_t it[4 + REKV_METRICS_MAX_FDS] = {
+        zmq_pollitem_t it[6 + REKV_METRICS_MAX_FDS] = {
             {co->ctl, 0, ZMQ_POLLIN, 0},
             {co->wrk, 0, ZMQ_POLLIN, 0},
             {NULL, co->stop_fd, ZMQ_POLLIN, 0},
             {NULL, co->cfg.signal_fd, ZMQ_POLLIN, 0},
+            {rekv_conncap_socket(co->ctl_cap), 0, ZMQ_POLLIN, 0},
+            {rekv_conncap_socket(co->wrk_cap), 0, ZMQ_POLLIN, 0},
         };
-        int n_it = co->cfg.signal_fd >= 0 ? 4 : 3;
+        if (co->cfg.signal_fd < 0) /* no signal item: the monitors move up one */
+            it[3] = it[4], it[4] = it[5];
+        int n_it = co->cfg.signal_fd >= 0 ? 6 : 5;
         /* the metrics server's fds go after the fixed items, which keep their indices */
         int m_fds[REKV_METRICS_MAX_FDS], m_n = 0, m_at = n_it;
         short m_ev[REKV_METRICS_MAX_FDS], m_rev[REKV_METRICS_MAX_FDS];
@@ -134,6 +138,9 @@ int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
                 co_event(co, REKV_CO_EVENT_INFO, "signal: stopping");
             return 0;
         }
+        /* connection counts first: a request is judged against every connection before it */
+        rekv_conncap_drain(co->ctl_cap);
+        rekv_conncap_drain(co->wrk_cap);
         if (r > 0 && (it[1].revents & ZMQ_POLLIN))
             for (int k = 0; k < 256; k++) {
                 int ev = 0;
@@ -286,8 +293,8 @@ static int tcp_check(const char *ep, const char *curve, rekv_err *err)
 
 /* A ROUTER bound to ep; CurveZMQ on tcp:// endpoints when a secret key is given (an ipc socket
  * is a file its permissions guard, and local peers hold no keys: never CURVE'd). */
-static int bind_router(rekv_coordinator *co, void **sock, const char *ep, const char *path,
-                       rekv_err *err)
+static int bind_router(rekv_coordinator *co, void **sock, rekv_conncap **cap, const char *ep,
+                       const char *path, rekv_err *err)
 {
     *sock = zmq_socket(co->zctx, ZMQ_ROUTER);
     if (*sock == NULL)
@@ -304,9 +311,13 @@ static int bind_router(rekv_coordinator *co, void **sock, const char *ep, const 
             zmq_setsockopt(*sock, ZMQ_CURVE_SECRETKEY, co->cfg.curve_secret, 40))
             return rekv_errf(err, -EINVAL, "CurveZMQ secret key rejected: %s", zmq_strerror(errno));
     }
+    /* counted from the first connection, so before the bind */
+    int rc = rekv_conncap_create(co->zctx, *sock, co->cfg.max_clients, cap, err);
+    if (rc)
+        return rc;
     /* the socket file is created by bind; a umask keeps it 0600 from the first instant */
     mode_t old = umask(0077);
-    int rc = zmq_bind(*sock, ep);
+    rc = zmq_bind(*sock, ep);
     int e = errno;
     umask(old);
     if (rc != 0)
@@ -337,6 +348,7 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         co->cfg.max_attempts = 3;
     if (co->cfg.max_new_limit == 0)
         co->cfg.max_new_limit = 1u << 20;
+    co->cfg.max_clients = rekv_conncap_max_for(co->cfg.max_clients);
     co->stop_fd = -1;
     co->lock_fd[0] = co->lock_fd[1] = co->lock_fd[2] = -1;
     co->pend_tail = &co->pend_head;
@@ -410,8 +422,8 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
     }
     if ((rc = ipc_prepare(co->control_ep, co->control_path, sizeof(co->control_path), err)) ||
         (rc = ipc_prepare(co->worker_ep, co->worker_path, sizeof(co->worker_path), err)) ||
-        (rc = bind_router(co, &co->ctl, co->control_ep, co->control_path, err)) ||
-        (rc = bind_router(co, &co->wrk, co->worker_ep, co->worker_path, err)))
+        (rc = bind_router(co, &co->ctl, &co->ctl_cap, co->control_ep, co->control_path, err)) ||
+        (rc = bind_router(co, &co->wrk, &co->wrk_cap, co->worker_ep, co->worker_path, err)))
         goto fail;
     rekv_metrics_hist *hists[] = {&co->h_ttft, &co->h_itl, &co->h_queue, &co->h_step,
                                   &co->h_step_rtt};
@@ -459,6 +471,8 @@ void rekv_coordinator_destroy(rekv_coordinator *co)
             co_send_worker(co, w, &m);
         }
     }
+    rekv_conncap_free(co->ctl_cap); /* before its socket: it stops the socket's monitor */
+    rekv_conncap_free(co->wrk_cap);
     if (co->ctl)
         zmq_close(co->ctl);
     if (co->wrk)

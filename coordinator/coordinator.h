@@ -92,7 +92,10 @@ typedef struct rekv_coordinator_config {
                                    * planner may choose fewer (co_plan_prefill_chunk). 0: whole
                                    * prompts. Default 512 */
     uint32_t max_new_limit;       /* largest max_new_tokens accepted; 0: 1 << 20 */
-    int signal_fd; /* a signalfd (or eventfd) the loop polls; readable stops it; -1 */
+    uint32_t max_clients;         /* connections per socket (control, workers) served; more are
+                                   * answered BUSY, past twice as many dropped at accept
+                                   * (common/conncap.h). 0: 1024; lowered to fit RLIMIT_NOFILE */
+    int signal_fd;                /* a signalfd (or eventfd) the loop polls; readable stops it; -1 */
     /* Called from the loop for notable events (workers joining and leaving, replays, errors). */
     void (*on_event)(void *ctx, rekv_co_event level, const char *msg);
     /* Called from the loop at least every 200 ms (e.g. sd_notify WATCHDOG=1). */

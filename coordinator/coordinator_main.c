@@ -21,7 +21,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: rekv-coordinator [--control ENDPOINT] [--workers ENDPOINT] [--state-dir DIR]\n"
             "         [--model PATH] [--queue N] [--keep-finished N] [--keep-finished-bytes N]\n"
-            "         [--worker-timeout-ms N] [--step-timeout-ms N]\n"
+            "         [--worker-timeout-ms N] [--step-timeout-ms N] [--max-clients N]\n"
             "         [--max-attempts N] [--prefill-chunk N] [--curve-secret-file FILE]\n"
             "         [--ready-fd N]\n"
             "         [--metrics HOST:PORT [--metrics-public]] [--help] [--version]\n"
@@ -36,6 +36,9 @@ static void usage(FILE *f)
             "A prompt runs at most --prefill-chunk tokens per step (512; the planner may choose\n"
             "fewer, about a decode step's worth; 0: whole prompts), so the running jobs keep\n"
             "streaming while it prefills.\n"
+            "At most --max-clients connections (1024, less under a low RLIMIT_NOFILE) per socket\n"
+            "are served; requests on more are answered BUSY, and past twice as many a connection\n"
+            "is dropped as it comes.\n"
             "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
             "--curve-secret-file (a Z85 CurveZMQ secret key), which guards tcp:// endpoints\n"
             "only: ipc:// sockets (files, mode 0600) serve local clients and workers as before.\n"
@@ -67,8 +70,8 @@ int main(int argc, char **argv)
     const char *curve_file = NULL;
     uint32_t ready_fd = UINT32_MAX;
     enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_KEEP_BYTES, O_TIMEOUT,
-           O_STEP_TIMEOUT, O_ATTEMPTS, O_CHUNK, O_CURVE, O_READY, O_METRICS, O_METRICS_PUBLIC, O_HELP,
-           O_VERSION };
+           O_STEP_TIMEOUT, O_ATTEMPTS, O_CHUNK, O_MAX_CLIENTS, O_CURVE, O_READY, O_METRICS,
+           O_METRICS_PUBLIC, O_HELP, O_VERSION };
     static const struct option opts[] = {
         {"control", required_argument, 0, O_CONTROL},
         {"workers", required_argument, 0, O_WORKERS},
@@ -81,6 +84,7 @@ int main(int argc, char **argv)
         {"step-timeout-ms", required_argument, 0, O_STEP_TIMEOUT},
         {"max-attempts", required_argument, 0, O_ATTEMPTS},
         {"prefill-chunk", required_argument, 0, O_CHUNK},
+        {"max-clients", required_argument, 0, O_MAX_CLIENTS},
         {"curve-secret-file", required_argument, 0, O_CURVE},
         {"ready-fd", required_argument, 0, O_READY},
         {"metrics", required_argument, 0, O_METRICS},
@@ -113,6 +117,9 @@ int main(int argc, char **argv)
             break;
         case O_ATTEMPTS: bad = rekv_parse_u32(optarg, &cfg.max_attempts); break;
         case O_CHUNK: bad = rekv_parse_u32(optarg, &cfg.prefill_chunk); break;
+        case O_MAX_CLIENTS:
+            bad = rekv_parse_u32(optarg, &cfg.max_clients) || cfg.max_clients == 0;
+            break;
         case O_CURVE: curve_file = optarg; break;
         case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
         case O_METRICS: cfg.metrics_listen = optarg; break;

@@ -759,6 +759,25 @@ void srv_handle_message(rekv_kvstore_server *s)
         p->delim = 1;
         body = 2;
     }
+    if (rekv_conncap_over(s->cap, &frames[nf - 1])) {
+        /* never served, whatever it asks: the client closes and tries again later */
+        rekv_conncap_stats cs;
+        rekv_conncap_get_stats(s->cap, &cs);
+        kv_reply r;
+        srv_reply_init(&r, 0);
+        Rekv__Kvstore__Request *rq = rekv__kvstore__request__unpack(
+            NULL, zmq_msg_size(&frames[nf - 1]), zmq_msg_data(&frames[nf - 1]));
+        if (rq) { /* its id, so that the client takes the answer as this request's */
+            r.resp.id = rq->id;
+            rekv__kvstore__request__free_unpacked(rq, NULL);
+        }
+        srv_fail(&r, -EBUSY,
+                 "busy: the kvstore serves at most %u connections (--max-clients) and %u are "
+                 "open; retry later",
+                 cs.max, cs.live);
+        srv_send_reply(s, p->ident, p->ident_len, p->delim, &r.resp);
+        goto out;
+    }
     if (nf != body + 1 || extra) {
         kv_reply r;
         srv_reply_init(&r, 0);

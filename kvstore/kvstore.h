@@ -178,6 +178,10 @@ typedef struct rekv_kvstore_config {
      * NULL: none. A non-loopback address needs metrics_public (else -EPERM). */
     const char *metrics_listen;
     int metrics_public;
+    /* connections served at once; requests on more are answered -EBUSY, and past twice as many
+     * a connection is dropped as it comes (common/conncap.h). 0: 1024; lowered to fit
+     * RLIMIT_NOFILE */
+    uint32_t max_clients;
 } rekv_kvstore_config;
 
 /* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1, push link latency

@@ -24,12 +24,16 @@ static void usage(FILE *f)
                "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
                "         [--no-register-arena] [--ready-fd N] [--push-backend cpu|cuda|auto]\n"
                "         [--push-link-gbps G] [--push-link-latency-us U]\n"
-               "         [--metrics HOST:PORT [--metrics-public]] [--help] [--version]\n"
+               "         [--metrics HOST:PORT [--metrics-public]] [--max-clients N] [--help]\n"
+               "         [--version]\n"
                "Sizes take K, M, G suffixes (powers of two). --push-link-gbps makes the cpu push\n"
                "backend's copies take the time a link of G Gbit/s (and U us per copy) would.\n"
                "--metrics serves Prometheus scrapes (GET /metrics) on a loopback address; another\n"
                "address (or :PORT, every interface) needs --metrics-public: scrapes are not\n"
-               "authenticated.\n");
+               "authenticated.\n"
+               "At most --max-clients connections (1024, less under a low RLIMIT_NOFILE) are\n"
+               "served; requests on more are answered EBUSY, and past twice as many a connection\n"
+               "is dropped as it comes.\n");
 }
 
 static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -78,7 +82,7 @@ int main(int argc, char **argv)
         O_PUSH_GBPS,
         O_PUSH_LAT,
         O_METRICS,
-        O_METRICS_PUBLIC,
+        O_METRICS_PUBLIC, O_MAX_CLIENTS,
         O_HELP,
         O_VERSION
     };
@@ -106,6 +110,7 @@ int main(int argc, char **argv)
         {"push-link-latency-us", required_argument, 0, O_PUSH_LAT},
         {"metrics", required_argument, 0, O_METRICS},
         {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
+        {"max-clients", required_argument, 0, O_MAX_CLIENTS},
         {"help", no_argument, 0, O_HELP},
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
@@ -134,6 +139,9 @@ int main(int argc, char **argv)
             break;
         case O_METRICS_PUBLIC:
             cfg.metrics_public = 1;
+            break;
+        case O_MAX_CLIENTS:
+            bad = rekv_parse_u32(optarg, &cfg.max_clients) || cfg.max_clients == 0;
             break;
         case O_HOST:
             bad = rekv_parse_size(optarg, &host_bytes);

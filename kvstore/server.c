@@ -272,6 +272,10 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
     zmq_setsockopt(s->zsock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(s->zsock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(s->zsock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    /* counted from the first connection, so before the bind */
+    if ((rc = rekv_conncap_create(s->zctx, s->zsock, rekv_conncap_max_for(cfg->max_clients),
+                                  &s->cap, err)) < 0)
+        goto fail;
     old = umask(077);
     brc = zmq_bind(s->zsock, s->endpoint);
     umask(old);
@@ -296,10 +300,11 @@ fail:
 
 int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
 {
-    zmq_pollitem_t items[5 + REKV_METRICS_MAX_FDS];
+    zmq_pollitem_t items[6 + REKV_METRICS_MAX_FDS];
     int n = 0;
     int i_z = n;
     items[n++] = (zmq_pollitem_t){.socket = s->zsock, .events = ZMQ_POLLIN};
+    items[n++] = (zmq_pollitem_t){.socket = rekv_conncap_socket(s->cap), .events = ZMQ_POLLIN};
     int i_fd = n;
     items[n++] = (zmq_pollitem_t){.fd = s->fd_listen, .events = ZMQ_POLLIN};
     int i_stop = n;
@@ -359,6 +364,7 @@ int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
             srv_on_completions(s);
         if (items[i_fd].revents & ZMQ_POLLIN)
             serve_fd_socket(s);
+        rekv_conncap_drain(s->cap); /* before the requests: each is judged by every connection */
         if (items[i_z].revents & ZMQ_POLLIN) {
             for (int k = 0; k < 256; k++) {
                 int ev = 0;
@@ -408,6 +414,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
     }
     rekv_metrics_server_free(s->metrics);
     kv_spill_close(s->spill); /* waits for in-flight I/O before the arena goes */
+    rekv_conncap_free(s->cap); /* before its socket: it stops the socket's monitor */
     if (s->zsock)
         zmq_close(s->zsock);
     if (s->zctx)

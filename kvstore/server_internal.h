@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/conncap.h"
 #include "common/metrics.h"
 #include "kvstore/kv_internal.h"
 #include "proto/kvstore.pb-c.h"
@@ -93,6 +94,7 @@ struct rekv_kvstore_server {
     kv_arena arena;
     kv_spill *spill;    /* NULL with no_spill */
     void *zctx, *zsock; /* ZeroMQ context and ROUTER socket */
+    rekv_conncap *cap;  /* zsock's connection count (common/conncap.h) */
     int fd_listen;      /* UNIX socket handing out the memfd */
     int stop_fd;        /* eventfd written by server_stop */
     int stop;           /* loop exit flag */

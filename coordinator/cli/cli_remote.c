@@ -331,6 +331,12 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
         if ((rc = nap(rm, 100, err)))
             goto out;
         rq.id = 0;
+        /* a new connection: BUSY may mean this one is over the coordinator's --max-clients,
+         * and it would stay so */
+        rekv_ctl_close(c);
+        c = NULL;
+        if ((rc = rekv_ctl_connect(ep, NULL, &c, err)))
+            goto out;
     }
     if (r->code != REKV__CONTROL__CODE__OK) {
         rc = rekv_errf(err, -EINVAL, "the coordinator refused the job: %s", r->error);
