@@ -1,6 +1,7 @@
 /* test_kvstore.c — the kvstore daemon and its client library, end to end: the real rekv-kvstore
  * process on real sockets in a temporary directory, real io_uring on real spill files. Covers
- * CRC32C vectors, the block geometry, the API, forced spilling with every byte verified, a byte
+ * CRC32C vectors, the block geometry, the API, forced spilling with every byte verified (through
+ * an O_DIRECT spill file wherever the filesystem takes it), a byte
  * flipped in the spill file (that block's read-back fails with a CRC error, the rest is intact),
  * thousands of random operations from several clients, a spill file that cannot grow
  * (RLIMIT_FSIZE), a
@@ -457,9 +458,9 @@ END_TEST
 /* The numbers a scrape and a Stats reply share; background spilling may still change them. */
 static void shared_numbers(const rekv_kv_stats *st, uint64_t out[14])
 {
-    const uint64_t v[14] = {st->host_kv,         st->host_act,        st->disk_kv,
-                            st->disk_act,        st->free_slots,      st->bytes_spilled,
-                            st->bytes_read_back, st->pin_misses,      st->crc_errors,
+    const uint64_t v[14] = {st->host_kv,         st->host_act,         st->disk_kv,
+                            st->disk_act,        st->free_slots,       st->bytes_spilled,
+                            st->bytes_read_back, st->pin_misses,       st->crc_errors,
                             st->spill_errors,    st->spills_in_flight, st->reads_in_flight,
                             st->hists[4].count,  st->hists[5].count};
     memcpy(out, v, sizeof(v));
@@ -525,6 +526,51 @@ static void check_metrics_match_stats(int port, rekv_kvstore_client *c)
     free(m);
 }
 
+/* The open flags (/proc/PID/fdinfo) of the daemon's spill file; -1 when it has none open. */
+static long spill_file_flags(const kvd *d)
+{
+    char dir[64], link[4300], want[4300];
+    snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)d->pid);
+    snprintf(want, sizeof(want), "%s/", d->spill);
+    DIR *dd = opendir(dir);
+    long flags = -1;
+    struct dirent *e;
+    while (dd && flags < 0 && (e = readdir(dd)) != NULL) {
+        char path[400];
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        ssize_t n = readlink(path, link, sizeof(link) - 1);
+        if (n <= 0)
+            continue;
+        link[n] = '\0';
+        if (strncmp(link, want, strlen(want)) != 0)
+            continue;
+        snprintf(path, sizeof(path), "/proc/%d/fdinfo/%s", (int)d->pid, e->d_name);
+        FILE *f = fopen(path, "r");
+        char line[128];
+        while (f && fgets(line, sizeof(line), f))
+            if (sscanf(line, "flags: %lo", &flags) == 1)
+                break;
+        if (f)
+            fclose(f);
+    }
+    if (dd)
+        closedir(dd);
+    return flags;
+}
+
+/* Whether the filesystem of dir takes O_DIRECT (a probe file, removed). */
+static int dir_takes_o_direct(const char *dir)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/o_direct_probe", dir);
+    int fd = open(path, O_CREAT | O_RDWR | O_DIRECT, 0600);
+    if (fd >= 0) {
+        close(fd);
+        unlink(path);
+    }
+    return fd >= 0;
+}
+
 START_TEST(test_spill_readback)
 {
     kvd d;
@@ -554,6 +600,13 @@ START_TEST(test_spill_readback)
     ck_assert_uint_eq(st.crc_errors, 0);
     ck_assert_uint_eq(st.spill_errors, 0);
     ck_assert_uint_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 320);
+    /* the spill I/O bypasses the page cache (O_DIRECT) wherever the filesystem takes it */
+    long flags = spill_file_flags(&d);
+    ck_assert_msg(flags >= 0, "no spill file among the daemon's open files");
+    int direct = dir_takes_o_direct(d.spill);
+    ck_assert_msg(((flags & O_DIRECT) != 0) == direct, "spill file flags %lo: O_DIRECT %s, but %s",
+                  flags, flags & O_DIRECT ? "set" : "not set",
+                  direct ? "the filesystem takes it" : "the filesystem refuses it");
     /* the metrics port says the same; every block spilled and read back counts */
     check_metrics_match_stats(port, c);
     char *m = ms_scrape(port);

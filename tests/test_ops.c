@@ -4,8 +4,8 @@
  * arrives); the client fails at once, naming the endpoint, where no coordinator can be;
  * `rekv generate`, interrupted while its private daemons start or serve, exits by the signal and
  * leaves no temporary directory; `--trace F` over several runs writes a trace per run; every
- * program prints one version, takes --opt=VALUE, and exits 2 on a usage error. Runs the real
- * programs from the build. */
+ * program prints one version, takes --opt=VALUE, and exits 2 on a usage error; the daemons speak
+ * systemd's notify protocol (READY, WATCHDOG, STOPPING). Runs the real programs from the build. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -614,6 +615,82 @@ START_TEST(status_kvstore_probe)
 }
 END_TEST
 
+/* The systemd notify protocol (Type=notify units, WatchdogSec=): each daemon started with
+ * NOTIFY_SOCKET (a datagram socket this test binds) and WATCHDOG_USEC says READY=1 once it serves,
+ * then WATCHDOG=1 while it runs, and STOPPING=1 on SIGTERM, in that order. */
+static void notify_sequence(const char *const *args, const char *sock_path)
+{
+    int sfd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    ck_assert_int_ge(sfd, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock_path);
+    unlink(sock_path);
+    ck_assert_int_eq(bind(sfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    setenv("NOTIFY_SOCKET", sock_path, 1);
+    setenv("WATCHDOG_USEC", "150000", 1);
+    pid_t pid = tu_spawn(args, NULL, NULL);
+    unsetenv("NOTIFY_SOCKET");
+    unsetenv("WATCHDOG_USEC");
+    ck_assert_msg(pid > 0, "%s exited at start", args[0]);
+    int ready = 0, watchdogs = 0, stopping = 0, sent_term = 0;
+    uint64_t deadline = rekv_now_ns() + 60000000000ull;
+    while (!stopping) {
+        ck_assert_msg(rekv_now_ns() < deadline, "%s: ready %d, %d watchdog pings, no STOPPING=1",
+                      args[0], ready, watchdogs);
+        if (watchdogs >= 2 && !sent_term) {
+            kill(pid, SIGTERM);
+            sent_term = 1;
+        }
+        struct pollfd p = {sfd, POLLIN, 0};
+        if (poll(&p, 1, 1000) <= 0)
+            continue;
+        char msg[256];
+        ssize_t n = recv(sfd, msg, sizeof(msg) - 1, 0);
+        ck_assert_int_gt(n, 0);
+        msg[n] = '\0';
+        if (strstr(msg, "READY=1")) {
+            ck_assert_msg(!ready && watchdogs == 0, "%s: READY=1 again or after a ping", args[0]);
+            ready = 1;
+        }
+        if (strstr(msg, "WATCHDOG=1")) {
+            ck_assert_msg(ready, "%s: a watchdog ping before READY=1", args[0]);
+            watchdogs++;
+        }
+        if (strstr(msg, "STOPPING=1")) {
+            ck_assert_msg(sent_term, "%s: STOPPING=1 before SIGTERM", args[0]);
+            stopping = 1;
+        }
+    }
+    int st;
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s: exit status %d", args[0], st);
+    close(sfd);
+    unlink(sock_path);
+}
+
+START_TEST(sd_notify_protocol)
+{
+    char *dir = tu_tmpdir(), ctl[4200], wrk[4200], kv[4200], spill[4200], sock[4200];
+    char co_prog[4096], kv_prog[4096];
+    snprintf(co_prog, sizeof(co_prog), "%s", tu_bin("rekv-coordinator"));
+    snprintf(kv_prog, sizeof(kv_prog), "%s", tu_bin("rekv-kvstore"));
+    snprintf(ctl, sizeof(ctl), "ipc://%s/control", dir);
+    snprintf(wrk, sizeof(wrk), "ipc://%s/workers", dir);
+    snprintf(kv, sizeof(kv), "ipc://%s/kv.sock", dir);
+    snprintf(spill, sizeof(spill), "%s/spill", dir);
+    snprintf(sock, sizeof(sock), "%s/notify", dir);
+    ck_assert_int_eq(mkdir(spill, 0700), 0);
+    const char *co[] = {co_prog, "--control", ctl, "--workers", wrk, NULL};
+    notify_sequence(co, sock);
+    const char *store[] = {
+        kv_prog, "--endpoint", kv,  "--host-bytes", "4M", "--spill-dir", spill, "--layers",
+        "2",     "--kv-heads", "2", "--head-dim",   "32", "--hidden",    "64",  NULL};
+    notify_sequence(store, sock);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("ops");
@@ -626,6 +703,7 @@ static Suite *suite(void)
     tcase_add_test(tc, version_everywhere);
     tcase_add_test(tc, command_lines);
     tcase_add_test(tc, status_kvstore_probe);
+    tcase_add_test(tc, sd_notify_protocol);
     suite_add_tcase(s, tc);
     return s;
 }
