@@ -9,6 +9,8 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 
+#include "common/metrics.h"
+
 enum { FD_NONE = 0, FD_ADMITTED = 1, FD_OVER = 2 };
 
 struct rekv_conncap {
@@ -167,4 +169,27 @@ int rekv_conncap_over(rekv_conncap *cc, zmq_msg_t *msg)
 void rekv_conncap_get_stats(const rekv_conncap *cc, rekv_conncap_stats *st)
 {
     *st = cc->st;
+}
+
+void rekv_conncap_metrics(struct rekv_metrics_buf *b, const char *prefix,
+                          const rekv_conncap *const *caps, const char *const *names, int n)
+{
+    char open_name[96], refused[96];
+    snprintf(open_name, sizeof(open_name), "%s_connections", prefix);
+    snprintf(refused, sizeof(refused), "%s_connections_refused_total", prefix);
+    rekv_conncap_stats st[n > 0 ? n : 1];
+    for (int i = 0; i < n; i++)
+        rekv_conncap_get_stats(caps[i], &st[i]);
+    rekv_metrics_family(b, open_name, "gauge",
+                        "Connections open now on the socket (admitted and over --max-clients).");
+    for (int i = 0; i < n; i++)
+        rekv_metrics_sample_kv(b, open_name, (double)st[i].live, "socket", names[i], NULL);
+    rekv_metrics_family(b, refused, "counter",
+                        "Past --max-clients: requests answered busy, connections shed at accept.");
+    for (int i = 0; i < n; i++) {
+        rekv_metrics_sample_kv(b, refused, (double)st[i].busy, "socket", names[i], "how", "busy",
+                               NULL);
+        rekv_metrics_sample_kv(b, refused, (double)st[i].shed, "socket", names[i], "how", "shed",
+                               NULL);
+    }
 }

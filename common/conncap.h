@@ -60,4 +60,11 @@ typedef struct rekv_conncap_stats {
 } rekv_conncap_stats;
 void rekv_conncap_get_stats(const rekv_conncap *cc, rekv_conncap_stats *st);
 
+struct rekv_metrics_buf;
+/* Two Prometheus families for n sockets, labelled socket=names[i]: PREFIX_connections (gauge:
+ * open now) and PREFIX_connections_refused_total (counter; how="busy": requests answered busy,
+ * how="shed": connections shut down at accept). */
+void rekv_conncap_metrics(struct rekv_metrics_buf *b, const char *prefix,
+                          const rekv_conncap *const *caps, const char *const *names, int n);
+
 #endif

@@ -162,6 +162,9 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
         rekv_metrics_histogram(b, hist[i].name, NULL, hist[i].h);
     }
 
+    const rekv_conncap *caps[2] = {co->ctl_cap, co->wrk_cap};
+    static const char *const sockets[2] = {"control", "workers"};
+    rekv_conncap_metrics(b, "rekv", caps, sockets, 2);
     rekv_metrics_family(b, "rekv_bytes_total", "counter",
                         "Bytes the workers moved, by direction and kind.");
     rekv_metrics_sample(b, "rekv_bytes_total", "dir=\"h2d\",kind=\"weights\"",

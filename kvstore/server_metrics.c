@@ -15,7 +15,8 @@
 #define FOLD_STEP 2
 #define FOLD_N 14
 _Static_assert(FOLD_N <= REKV_METRICS_MAX_BOUNDS, "too many bounds");
-_Static_assert(FOLD_FIRST + FOLD_STEP * (FOLD_N - 1) < REKV_KV_HIST_BUCKETS, "bounds past the store's");
+_Static_assert(FOLD_FIRST + FOLD_STEP * (FOLD_N - 1) < REKV_KV_HIST_BUCKETS,
+               "bounds past the store's");
 
 static double fold_bounds[FOLD_N];
 
@@ -62,13 +63,11 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
          "Blocks on the spill tier now (spilled, not in memory), in bytes.",
          (double)((s->disk_n[0] + s->disk_n[1]) * slot)},
         {"rekv_kvstore_spill_written_bytes_total", "counter",
-         "Bytes of blocks spilled (writes that left the block on disk).",
-         (double)s->bytes_spilled},
+         "Bytes of blocks spilled (writes that left the block on disk).", (double)s->bytes_spilled},
         {"rekv_kvstore_spill_read_bytes_total", "counter",
          "Bytes of blocks read back from the spill tier intact.", (double)s->bytes_read_back},
         {"rekv_kvstore_spill_writes_total", "counter",
-         "Spill writes completed (failed ones included).",
-         (double)s->hist[H_SPILL_WRITE].count},
+         "Spill writes completed (failed ones included).", (double)s->hist[H_SPILL_WRITE].count},
         {"rekv_kvstore_spill_reads_total", "counter",
          "Spill read-backs completed (failed ones included).", (double)s->hist[H_SPILL_READ].count},
         {"rekv_kvstore_spill_errors_total", "counter", "Spill writes that failed.",
@@ -89,6 +88,9 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
         rekv_metrics_family(b, one[i].name, one[i].type, one[i].help);
         rekv_metrics_sample(b, one[i].name, NULL, one[i].v);
     }
+    const rekv_conncap *caps[1] = {s->cap};
+    static const char *const sockets[1] = {"clients"};
+    rekv_conncap_metrics(b, "rekv_kvstore", caps, sockets, 1);
     rekv_metrics_family(b, "rekv_kvstore_blocks", "gauge", "Blocks stored, by tier and type.");
     static const char *const types[2] = {"kv", "act"};
     for (int t = 0; t < 2; t++) {

@@ -25,6 +25,7 @@
 #include "coordinator/coordinator.h"
 #include "kvstore/kvstore.h"
 #include "proto/kvstore.pb-c.h"
+#include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
 
 #define CAP 8
@@ -151,7 +152,9 @@ static int alive(pid_t pid)
 
 /* The flood against a daemon (pid) on ep; returns 0, or 77 when the test process cannot hold
  * the sockets. */
-static int flood(pid_t pid, const char *ep, const char *errlog, const proto *p)
+/* *busy_out, *shed_out: the flood's connections answered busy, and shed. */
+static int flood(pid_t pid, const char *ep, const char *errlog, const proto *p, int *busy_out,
+                 int *shed_out)
 {
     struct rlimit rl;
     ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
@@ -266,7 +269,27 @@ static int flood(pid_t pid, const char *ep, const char *errlog, const proto *p)
     ck_assert_msg(served, "a client after the flood was never served");
     ck_assert(alive(pid));
     zmq_ctx_term(ctx);
+    *busy_out = n_busy;
+    *shed_out = n_shed;
     return 0;
+}
+
+/* The daemon's metrics count at least what the clients saw: requests answered busy, connections
+ * shed (a shed client that reconnects may be shed again). */
+static void check_refused_metrics(int port, const char *prefix, const char *socket, int busy,
+                                  int shed)
+{
+    char *m = ms_scrape(port);
+    char series[256];
+    snprintf(series, sizeof(series), "%s_connections_refused_total{socket=\"%s\",how=\"busy\"}",
+             prefix, socket);
+    double b = ms_value(m, series);
+    snprintf(series, sizeof(series), "%s_connections_refused_total{socket=\"%s\",how=\"shed\"}",
+             prefix, socket);
+    double s = ms_value(m, series);
+    ck_assert_msg(b >= busy && s >= shed, "metrics: %g busy, %g shed; the clients saw %d, %d", b, s,
+                  busy, shed);
+    free(m);
 }
 
 START_TEST(coordinator_flood)
@@ -277,12 +300,19 @@ START_TEST(coordinator_flood)
     snprintf(wrk, sizeof(wrk), "ipc://%s/workers", dir);
     snprintf(log, sizeof(log), "%s/coordinator.log", dir);
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
-    const char *args[] = {"/usr/bin/prlimit", NOFILE, "--", prog, "--control", ep, "--workers", wrk,
-                          "--max-clients",    "8",    NULL};
+    char metrics[64];
+    int port = ms_free_port();
+    snprintf(metrics, sizeof(metrics), "127.0.0.1:%d", port);
+    const char *args[] = {
+        "/usr/bin/prlimit", NOFILE, "--",        prog,    "--control", ep, "--workers", wrk,
+        "--max-clients",    "8",    "--metrics", metrics, NULL};
     pid_t pid = tu_spawn(args, log, NULL);
     ck_assert_msg(pid > 0, "rekv-coordinator did not start (see %s)", log);
     proto p = {ctl_request, ctl_classify, 0};
-    int rc = flood(pid, ep, log, &p);
+    int busy = 0, shed = 0;
+    int rc = flood(pid, ep, log, &p, &busy, &shed);
+    if (rc == 0)
+        check_refused_metrics(port, "rekv", "control", busy, shed);
     int st = tu_stop(pid);
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "coordinator status %d", st);
     /* the busy answers were logged, rate-limited */
@@ -297,7 +327,9 @@ END_TEST
 START_TEST(kvstore_flood)
 {
     char *dir = tu_tmpdir();
-    char ep[4200], log[4200], prog[4096];
+    char ep[4200], log[4200], prog[4096], metrics[64];
+    int port = ms_free_port();
+    snprintf(metrics, sizeof(metrics), "127.0.0.1:%d", port);
     snprintf(ep, sizeof(ep), "ipc://%s/kv.sock", dir);
     snprintf(log, sizeof(log), "%s/kvstore.log", dir);
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
@@ -320,11 +352,16 @@ START_TEST(kvstore_flood)
                           "64",
                           "--max-clients",
                           "8",
+                          "--metrics",
+                          metrics,
                           NULL};
     pid_t pid = tu_spawn(args, log, NULL);
     ck_assert_msg(pid > 0, "rekv-kvstore did not start (see %s)", log);
     proto p = {kv_request, kv_classify, 0};
-    int rc = flood(pid, ep, log, &p);
+    int busy = 0, shed = 0;
+    int rc = flood(pid, ep, log, &p, &busy, &shed);
+    if (rc == 0)
+        check_refused_metrics(port, "rekv_kvstore", "clients", busy, shed);
     int st = tu_stop(pid);
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "kvstore status %d", st);
     tu_rmrf(dir);
