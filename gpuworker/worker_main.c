@@ -103,6 +103,7 @@ typedef struct worker {
     int max_batch;
     uint64_t steps;
     uint64_t last_sent_ns;        /* for heartbeats */
+    uint64_t hello_sent_ns;       /* when the Hello awaiting its Welcome went out */
     int awaiting_welcome;         /* a Hello is out: Resets and Plans before the Welcome are stale
                                    * (messages that crossed it) and are ignored */
     rekv_backend *be;             /* for the busy times each Progress reports */
@@ -246,6 +247,7 @@ static void send_hello(worker *w)
     m.hello = &h;
     send_msg(w, &m);
     w->awaiting_welcome = 1;
+    w->hello_sent_ns = rekv_now_ns();
 }
 
 /* A step on its own thread, so that the loop's thread keeps the coordinator informed (a long
@@ -1069,8 +1071,12 @@ int main(int argc, char **argv)
                          (unsigned long long)m->welcome->session);
                 break;
             case REKV__WORKER__COORD_MSG__BODY_RESET:
-                if (w.awaiting_welcome)
-                    break; /* our Hello is on its way already: one answer per Hello */
+                /* our Hello is on its way already: one answer per Hello — unless it went out four
+                 * heartbeats ago, when the coordinator that got it died before answering and the
+                 * one answering now never will (a live one answers within a loop round) */
+                if (w.awaiting_welcome &&
+                    rekv_now_ns() - w.hello_sent_ns < 4ull * w.hb_ms * 1000000ull)
+                    break;
                 if (w.batch) {
                     if (rekv_batcher_running(w.batch))
                         rekv_log(REKV_LOG_WARN, "the coordinator reset us: dropping %d jobs",

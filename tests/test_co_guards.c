@@ -647,6 +647,87 @@ START_TEST(gpuworker_warnings_rate_limited)
 }
 END_TEST
 
+/* Reads one worker message from a ROUTER (its routing id into id, idn bytes); NULL after 20 s. */
+static Rekv__Worker__WorkerMsg *router_recv(void *sock, char *id, int *idn)
+{
+    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, 20000) != 1)
+        return NULL;
+    *idn = zmq_recv(sock, id, 256, 0);
+    ck_assert_int_gt(*idn, 0);
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    ck_assert_int_ge(zmq_msg_recv(&m, sock, 0), 0);
+    Rekv__Worker__WorkerMsg *wm =
+        rekv__worker__worker_msg__unpack(NULL, zmq_msg_size(&m), zmq_msg_data(&m));
+    zmq_msg_close(&m);
+    ck_assert_ptr_nonnull(wm);
+    return wm;
+}
+
+/* A coordinator that got a worker's Hello and died before its Welcome: the next one knows the
+ * worker only by its heartbeats and answers them Reset; the worker, long past its Hello, says
+ * Hello again (was: it ignored every Reset while awaiting a Welcome that could never come). */
+START_TEST(gpuworker_hello_lost_with_its_coordinator)
+{
+    const char *mp = tu_shared("models/stories260K/stories260K.bin");
+    if (mp == NULL)
+        return;
+    char model[4096], prog[4096], ep[4200], log[4200], id[256];
+    snprintf(model, sizeof(model), "%s", mp);
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    char *dir = tu_tmpdir();
+    snprintf(ep, sizeof(ep), "ipc://%s/workers", dir);
+    snprintf(log, sizeof(log), "%s/worker.log", dir);
+    void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_ROUTER);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_bind(sock, ep), 0);
+    const char *args[] = {prog,  "--model",   model, "--coordinator", ep,         "--name",
+                          "w0",  "--backend", "cpu", "--mode",        "resident", "--heartbeat-ms",
+                          "100", NULL};
+    pid_t pid = tu_spawn(args, log, NULL);
+    ck_assert_msg(pid > 0, "rekv-gpuworker exited at start");
+    int idn = 0;
+    Rekv__Worker__WorkerMsg *wm = router_recv(sock, id, &idn);
+    ck_assert_msg(wm && wm->body_case == REKV__WORKER__WORKER_MSG__BODY_HELLO, "no Hello");
+    rekv__worker__worker_msg__free_unpacked(wm, NULL);
+    /* the coordinator dies unanswered; another takes the endpoint */
+    zmq_close(sock);
+    sock = zmq_socket(ctx, ZMQ_ROUTER);
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_bind(sock, ep), 0);
+    Rekv__Worker__Reset rs = REKV__WORKER__RESET__INIT;
+    Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
+    cm.version = REKV_WORKER_PROTO_VERSION;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_RESET;
+    cm.reset = &rs;
+    uint8_t buf[64];
+    size_t n = rekv__worker__coord_msg__pack(&cm, buf);
+    int hellos = 0, resets = 0;
+    uint64_t deadline = rekv_now_ns() + 30000000000ull;
+    while (!hellos && rekv_now_ns() < deadline) {
+        wm = router_recv(sock, id, &idn);
+        ck_assert_msg(wm != NULL, "the worker went silent");
+        if (wm->body_case == REKV__WORKER__WORKER_MSG__BODY_HELLO) {
+            hellos++;
+        } else { /* as the coordinator answers a worker it does not know */
+            ck_assert_int_eq(zmq_send(sock, id, (size_t)idn, ZMQ_SNDMORE), idn);
+            ck_assert_int_eq(zmq_send(sock, buf, n, 0), (int)n);
+            resets++;
+        }
+        rekv__worker__worker_msg__free_unpacked(wm, NULL);
+    }
+    ck_assert_msg(hellos == 1, "no Hello again after %d Resets", resets);
+    ck_assert_int_ge(resets, 1);
+    ck_assert_int_eq(tu_stop(pid), 0);
+    zmq_close(sock);
+    zmq_ctx_term(ctx);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* --curve-secret-file guards tcp:// endpoints only: on ipc:// sockets (a file, mode 0600) a local
  * client and a local worker, which hold no keys, are served as without it. */
 START_TEST(curve_leaves_ipc_alone)
@@ -827,6 +908,7 @@ static Suite *suite(void)
     tcase_add_test(tc, finished_jobs_capped_by_bytes);
     tcase_add_test(tc, worker_warnings_rate_limited);
     tcase_add_test(tc, gpuworker_warnings_rate_limited);
+    tcase_add_test(tc, gpuworker_hello_lost_with_its_coordinator);
     tcase_add_test(tc, curve_leaves_ipc_alone);
     tcase_add_test(tc, curve_on_tcp);
     tcase_add_test(tc, daemon_raises_nofile);
