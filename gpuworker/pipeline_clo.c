@@ -186,28 +186,6 @@ static int row_copy(rekv_pipeline *p, const range_ref *kr, uint8_t *buf, int h, 
     return 0;
 }
 
-/* The new row of (item, layer), at slot `slot` of buf, leaves for its position in the arena. */
-static int new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *buf, int len,
-                         int slot, unit_io *io)
-{
-    const rekv_model_config *c = p->c;
-    int kvh = c->n_kv_heads, hd = c->head_dim;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
-    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
-    const rekv_kv_plan_block *kb = pl_block_at(p, kr, len);
-    if (kb == NULL)
-        return -EPROTO;
-    if (RESERVE(&io->d2h_kv, 2 * (size_t)kvh))
-        return -ENOMEM;
-    for (int half = 0; half < 2; half++)
-        for (int h = 0; h < kvh; h++)
-            io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
-                p->arena + kb->offset + rekv_kv_row(kvh, hd, h, len % REKV_KV_BLOCK_TOKENS) * dsz +
-                    (half ? vs : 0),
-                (uint8_t *)buf + rekv_kv_row(kvh, hd, h, slot) * dsz + (half ? vs : 0), row};
-    return 0;
-}
-
 static double cosine(const float *a, const float *b, int n)
 {
     double ab = 0, aa = 0, bb = 0;
@@ -234,7 +212,7 @@ static int layer0_plan(rekv_pipeline *p, rekv_pseq *s, const range_ref *kr, rekv
         cnt->h2d_bytes[REKV_XFER_KV] += (uint64_t)s->len * 2 * (uint64_t)kvh * row;
         cnt->tokens_fetched += (uint64_t)s->len;
     }
-    if ((rc = new_row_store(p, kr, s->clo0, s->len, s->len, io)))
+    if ((rc = pl_ig_new_row_store(p, kr, s->clo0, s->len, s->len, io)))
         return rc;
     cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)kvh * row;
     d->kv = s->clo0; /* start, the new row's slot: its position */
@@ -336,7 +314,7 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const rang
         }
         skip[g] = K - klen[g];
     }
-    if ((rc = new_row_store(p, kr, buf, len, slot, io)))
+    if ((rc = pl_ig_new_row_store(p, kr, buf, len, slot, io)))
         return rc;
     d->kv = buf;
     d->start = S - 1;

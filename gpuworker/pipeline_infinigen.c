@@ -506,6 +506,28 @@ void pl_ig_top(const float *v, int len, int m, float *tmp, int32_t *out)
 
 /* ------------------------------------------------------------------ one item's copies */
 
+/* The new row of (item, layer), at slot `slot` of buf, leaves for its position in the arena. */
+int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *buf, int len,
+                        int slot, unit_io *io)
+{
+    const rekv_model_config *c = p->c;
+    int kvh = c->n_kv_heads, hd = c->head_dim;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
+    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
+    const rekv_kv_plan_block *kb = pl_block_at(p, kr, len);
+    if (kb == NULL)
+        return -EPROTO;
+    if (RESERVE(&io->d2h_kv, 2 * (size_t)kvh))
+        return -ENOMEM;
+    for (int half = 0; half < 2; half++)
+        for (int h = 0; h < kvh; h++)
+            io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
+                p->arena + kb->offset + rekv_kv_row(kvh, hd, h, len % REKV_KV_BLOCK_TOKENS) * dsz +
+                    (half ? vs : 0),
+                (uint8_t *)buf + rekv_kv_row(kvh, hd, h, slot) * dsz + (half ? vs : 0), row};
+    return 0;
+}
+
 /* Waits (once per unit) until the scores of item's GPU batch are on the host. */
 void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io)
 {
@@ -538,8 +560,7 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
     int m = rekv_ig_select(p->ig.host + st->ig_off[item], c->n_heads, kvh, len, p->cfg.alpha,
                            p->cfg.max_fraction, p->cfg.select, key, sel, p->ig.scratch);
     int rc = 0;
-    if (RESERVE(&io->h2d_kv, 2 * (size_t)kvh * (size_t)m) ||
-        RESERVE(&io->d2h_kv, 2 * (size_t)kvh)) {
+    if (RESERVE(&io->h2d_kv, 2 * (size_t)kvh * (size_t)m)) {
         rc = -ENOMEM;
         goto out;
     }
@@ -560,17 +581,8 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
                                       p->arena + blk->offset + so + (half ? vs : 0), row};
             }
     /* the new row: slot m -> its true position in the arena */
-    const rekv_kv_plan_block *kb = pl_block_at(p, kr, len);
-    if (kb == NULL) {
-        rc = -EPROTO;
+    if ((rc = pl_ig_new_row_store(p, kr, buf, len, m, io)))
         goto out;
-    }
-    for (int half = 0; half < 2; half++)
-        for (int hh = 0; hh < kvh; hh++)
-            io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
-                p->arena + kb->offset + rekv_kv_row(kvh, hd, hh, len % REKV_KV_BLOCK_TOKENS) * dsz +
-                    (half ? vs : 0),
-                buf + rekv_kv_row(kvh, hd, hh, m) * dsz + (half ? vs : 0), row};
     d->start = m;
     io->kv_pos[d->row0] = m;
     rekv_layer_counters *cnt = &p->counters[layer];

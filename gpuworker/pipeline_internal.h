@@ -278,6 +278,8 @@ float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
 int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
                     rekv_attn_seq *d, unit_io *io);
 void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io);
+int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *buf, int len,
+                        int slot, unit_io *io);
 float *pl_ig_group_probs(const float *scores, int group, int g, int len, float *out);
 void pl_ig_top(const float *v, int len, int m, float *tmp, int32_t *out);
 
