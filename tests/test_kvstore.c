@@ -529,32 +529,16 @@ static void check_metrics_match_stats(int port, rekv_kvstore_client *c)
 /* The open flags (/proc/PID/fdinfo) of the daemon's spill file; -1 when it has none open. */
 static long spill_file_flags(const kvd *d)
 {
-    char dir[64], link[4300], want[4300];
-    snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)d->pid);
-    snprintf(want, sizeof(want), "%s/", d->spill);
-    DIR *dd = opendir(dir);
+    int n = tu_spill_fd_number(d->pid, d->spill);
     long flags = -1;
-    struct dirent *e;
-    while (dd && flags < 0 && (e = readdir(dd)) != NULL) {
-        char path[400];
-        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-        ssize_t n = readlink(path, link, sizeof(link) - 1);
-        if (n <= 0)
-            continue;
-        link[n] = '\0';
-        if (strncmp(link, want, strlen(want)) != 0)
-            continue;
-        snprintf(path, sizeof(path), "/proc/%d/fdinfo/%s", (int)d->pid, e->d_name);
-        FILE *f = fopen(path, "r");
-        char line[128];
-        while (f && fgets(line, sizeof(line), f))
-            if (sscanf(line, "flags: %lo", &flags) == 1)
-                break;
-        if (f)
-            fclose(f);
-    }
-    if (dd)
-        closedir(dd);
+    char path[64], line[128];
+    snprintf(path, sizeof(path), "/proc/%d/fdinfo/%d", (int)d->pid, n);
+    FILE *f = n >= 0 ? fopen(path, "r") : NULL;
+    while (f && fgets(line, sizeof(line), f))
+        if (sscanf(line, "flags: %lo", &flags) == 1)
+            break;
+    if (f)
+        fclose(f);
     return flags;
 }
 

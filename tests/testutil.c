@@ -238,7 +238,7 @@ void tu_ctl_wait_workers(rekv_ctl *c, uint32_t n)
     }
 }
 
-int tu_spill_fd(pid_t pid, const char *spill_dir)
+int tu_spill_fd_number(pid_t pid, const char *spill_dir)
 {
     char dir[64], link[4300], want[4300];
     snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)pid);
@@ -256,8 +256,18 @@ int tu_spill_fd(pid_t pid, const char *spill_dir)
             continue;
         link[n] = '\0';
         if (strncmp(link, want, strlen(want)) == 0)
-            fd = open(path, O_RDWR);
+            fd = atoi(e->d_name);
     }
     closedir(dd);
     return fd;
+}
+
+int tu_spill_fd(pid_t pid, const char *spill_dir)
+{
+    int n = tu_spill_fd_number(pid, spill_dir);
+    if (n < 0)
+        return -1;
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)pid, n);
+    return open(path, O_RDWR);
 }

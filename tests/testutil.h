@@ -38,7 +38,9 @@ int tu_stop(pid_t pid);
 /* SIGKILL and reap. */
 void tu_kill9(pid_t pid);
 /* The unnamed spill file (O_TMPFILE) a rekv-kvstore of pid keeps in spill_dir, found through
- * /proc/PID/fd and opened read-write; -1 when it has none there. */
+ * /proc/PID/fd: its descriptor number in that process (-1 when it has none there), and the file
+ * opened read-write here (-1 likewise). */
+int tu_spill_fd_number(pid_t pid, const char *spill_dir);
 int tu_spill_fd(pid_t pid, const char *spill_dir);
 /* 1 when the file holds needle. */
 int tu_file_has(const char *path, const char *needle);
