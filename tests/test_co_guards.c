@@ -591,62 +591,6 @@ START_TEST(worker_warnings_rate_limited)
 }
 END_TEST
 
-/* The worker's side: a coordinator (here the test, on a ROUTER) sending 500 malformed messages
- * makes a few WARN lines, and the lines plus the counts they carry add up to the messages. */
-START_TEST(gpuworker_warnings_rate_limited)
-{
-    const char *mp = tu_shared("models/stories260K/stories260K.bin");
-    if (mp == NULL)
-        return;
-    char model[4096], prog[4096], ep[4200], log[4200];
-    snprintf(model, sizeof(model), "%s", mp);
-    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
-    char *dir = tu_tmpdir();
-    snprintf(ep, sizeof(ep), "ipc://%s/workers", dir);
-    snprintf(log, sizeof(log), "%s/worker.log", dir);
-    void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_ROUTER);
-    ck_assert_int_eq(zmq_bind(sock, ep), 0);
-    const char *args[] = {prog, "--model",   model, "--coordinator", ep,         "--name",
-                          "w0", "--backend", "cpu", "--mode",        "resident", NULL};
-    pid_t pid = tu_spawn(args, log, NULL);
-    ck_assert_msg(pid > 0, "rekv-gpuworker exited at start");
-    char id[256];
-    int idn = zmq_recv(sock, id, sizeof(id), 0); /* its Hello: the routing id, then the body */
-    ck_assert_int_gt(idn, 0);
-    zmq_msg_t body;
-    zmq_msg_init(&body);
-    ck_assert_int_ge(zmq_msg_recv(&body, sock, 0), 0);
-    zmq_msg_close(&body);
-    static const char junk[] = "\xff\xff\xff not worker.proto";
-    enum { N = 500 };
-    uint64_t sent = 0, lines = 0, held = 0, deadline = rekv_now_ns() + 60000000000ull;
-    for (; sent < N; sent++) {
-        ck_assert_int_eq(zmq_send(sock, id, (size_t)idn, ZMQ_SNDMORE), idn);
-        ck_assert_int_eq(zmq_send(sock, junk, sizeof(junk) - 1, 0), (int)sizeof(junk) - 1);
-    }
-    /* one at a time until the held-back ones are told (by the next line let through) */
-    while (lines + held < sent) {
-        ck_assert_msg(rekv_now_ns() < deadline, "%llu lines, %llu held back, %llu sent",
-                      (unsigned long long)lines, (unsigned long long)held,
-                      (unsigned long long)sent);
-        usleep(100000);
-        ck_assert_int_eq(zmq_send(sock, id, (size_t)idn, ZMQ_SNDMORE), idn);
-        ck_assert_int_eq(zmq_send(sock, junk, sizeof(junk) - 1, 0), (int)sizeof(junk) - 1);
-        sent++;
-        usleep(100000);
-        count_lines_of(log, "a malformed message from the coordinator", &lines, &held);
-    }
-    ck_assert_uint_ge(lines, 1);
-    ck_assert_uint_lt(lines, N / 4);
-    ck_assert_uint_ge(held, N - N / 4);
-    ck_assert_int_eq(tu_stop(pid), 0);
-    zmq_close(sock);
-    zmq_ctx_term(ctx);
-    tu_rmrf(dir);
-    free(dir);
-}
-END_TEST
-
 /* Reads one worker message from a ROUTER (its routing id into id, idn bytes); NULL after 20 s. */
 static Rekv__Worker__WorkerMsg *router_recv(void *sock, char *id, int *idn)
 {
@@ -665,38 +609,108 @@ static Rekv__Worker__WorkerMsg *router_recv(void *sock, char *id, int *idn)
     return wm;
 }
 
+/* The test as a worker's coordinator: a ROUTER on a fresh ipc endpoint and rekv-gpuworker
+ * (stories260K, cpu, resident, heartbeats every 100 ms) connected to it, its Hello read (the
+ * worker's routing id in id/idn). */
+typedef struct fake_co {
+    char *dir;
+    char ep[4200], log[4200], id[256];
+    int idn;
+    void *ctx, *sock;
+    pid_t pid;
+} fake_co;
+
+static void *fake_co_bind(fake_co *f)
+{
+    void *sock = zmq_socket(f->ctx, ZMQ_ROUTER);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_bind(sock, f->ep), 0);
+    return sock;
+}
+
+/* 0, or -1 when the model is missing (the test skips, tu_shared said why) */
+static int fake_co_start(fake_co *f)
+{
+    const char *mp = tu_shared("models/stories260K/stories260K.bin");
+    if (mp == NULL)
+        return -1;
+    char model[4096], prog[4096];
+    snprintf(model, sizeof(model), "%s", mp);
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    f->dir = tu_tmpdir();
+    snprintf(f->ep, sizeof(f->ep), "ipc://%s/workers", f->dir);
+    snprintf(f->log, sizeof(f->log), "%s/worker.log", f->dir);
+    f->ctx = zmq_ctx_new();
+    f->sock = fake_co_bind(f);
+    const char *args[] = {prog,  "--model",   model, "--coordinator", f->ep,      "--name",
+                          "w0",  "--backend", "cpu", "--mode",        "resident", "--heartbeat-ms",
+                          "100", NULL};
+    f->pid = tu_spawn(args, f->log, NULL);
+    ck_assert_msg(f->pid > 0, "rekv-gpuworker exited at start");
+    Rekv__Worker__WorkerMsg *wm = router_recv(f->sock, f->id, &f->idn);
+    ck_assert_msg(wm && wm->body_case == REKV__WORKER__WORKER_MSG__BODY_HELLO, "no Hello");
+    rekv__worker__worker_msg__free_unpacked(wm, NULL);
+    return 0;
+}
+
+/* sends one message (body, n bytes) to the worker */
+static void fake_co_send(fake_co *f, const void *body, size_t n)
+{
+    ck_assert_int_eq(zmq_send(f->sock, f->id, (size_t)f->idn, ZMQ_SNDMORE), f->idn);
+    ck_assert_int_eq(zmq_send(f->sock, body, n, 0), (int)n);
+}
+
+static void fake_co_stop(fake_co *f)
+{
+    ck_assert_int_eq(tu_stop(f->pid), 0);
+    zmq_close(f->sock);
+    zmq_ctx_term(f->ctx);
+    tu_rmrf(f->dir);
+    free(f->dir);
+}
+
+/* The worker's side: a coordinator (here the test, on a ROUTER) sending 500 malformed messages
+ * makes a few WARN lines, and the lines plus the counts they carry add up to the messages. */
+START_TEST(gpuworker_warnings_rate_limited)
+{
+    fake_co f;
+    if (fake_co_start(&f))
+        return;
+    static const char junk[] = "\xff\xff\xff not worker.proto";
+    enum { N = 500 };
+    uint64_t sent = 0, lines = 0, held = 0, deadline = rekv_now_ns() + 60000000000ull;
+    for (; sent < N; sent++)
+        fake_co_send(&f, junk, sizeof(junk) - 1);
+    /* one at a time until the held-back ones are told (by the next line let through) */
+    while (lines + held < sent) {
+        ck_assert_msg(rekv_now_ns() < deadline, "%llu lines, %llu held back, %llu sent",
+                      (unsigned long long)lines, (unsigned long long)held,
+                      (unsigned long long)sent);
+        usleep(100000);
+        fake_co_send(&f, junk, sizeof(junk) - 1);
+        sent++;
+        usleep(100000);
+        count_lines_of(f.log, "a malformed message from the coordinator", &lines, &held);
+    }
+    ck_assert_uint_ge(lines, 1);
+    ck_assert_uint_lt(lines, N / 4);
+    ck_assert_uint_ge(held, N - N / 4);
+    fake_co_stop(&f);
+}
+END_TEST
+
 /* A coordinator that got a worker's Hello and died before its Welcome: the next one knows the
  * worker only by its heartbeats and answers them Reset; the worker, long past its Hello, says
  * Hello again (was: it ignored every Reset while awaiting a Welcome that could never come). */
 START_TEST(gpuworker_hello_lost_with_its_coordinator)
 {
-    const char *mp = tu_shared("models/stories260K/stories260K.bin");
-    if (mp == NULL)
+    fake_co f;
+    if (fake_co_start(&f))
         return;
-    char model[4096], prog[4096], ep[4200], log[4200], id[256];
-    snprintf(model, sizeof(model), "%s", mp);
-    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
-    char *dir = tu_tmpdir();
-    snprintf(ep, sizeof(ep), "ipc://%s/workers", dir);
-    snprintf(log, sizeof(log), "%s/worker.log", dir);
-    void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_ROUTER);
-    int linger = 0;
-    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
-    ck_assert_int_eq(zmq_bind(sock, ep), 0);
-    const char *args[] = {prog,  "--model",   model, "--coordinator", ep,         "--name",
-                          "w0",  "--backend", "cpu", "--mode",        "resident", "--heartbeat-ms",
-                          "100", NULL};
-    pid_t pid = tu_spawn(args, log, NULL);
-    ck_assert_msg(pid > 0, "rekv-gpuworker exited at start");
-    int idn = 0;
-    Rekv__Worker__WorkerMsg *wm = router_recv(sock, id, &idn);
-    ck_assert_msg(wm && wm->body_case == REKV__WORKER__WORKER_MSG__BODY_HELLO, "no Hello");
-    rekv__worker__worker_msg__free_unpacked(wm, NULL);
     /* the coordinator dies unanswered; another takes the endpoint */
-    zmq_close(sock);
-    sock = zmq_socket(ctx, ZMQ_ROUTER);
-    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
-    ck_assert_int_eq(zmq_bind(sock, ep), 0);
+    zmq_close(f.sock);
+    f.sock = fake_co_bind(&f);
     Rekv__Worker__Reset rs = REKV__WORKER__RESET__INIT;
     Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
     cm.version = REKV_WORKER_PROTO_VERSION;
@@ -707,24 +721,19 @@ START_TEST(gpuworker_hello_lost_with_its_coordinator)
     int hellos = 0, resets = 0;
     uint64_t deadline = rekv_now_ns() + 30000000000ull;
     while (!hellos && rekv_now_ns() < deadline) {
-        wm = router_recv(sock, id, &idn);
+        Rekv__Worker__WorkerMsg *wm = router_recv(f.sock, f.id, &f.idn);
         ck_assert_msg(wm != NULL, "the worker went silent");
         if (wm->body_case == REKV__WORKER__WORKER_MSG__BODY_HELLO) {
             hellos++;
         } else { /* as the coordinator answers a worker it does not know */
-            ck_assert_int_eq(zmq_send(sock, id, (size_t)idn, ZMQ_SNDMORE), idn);
-            ck_assert_int_eq(zmq_send(sock, buf, n, 0), (int)n);
+            fake_co_send(&f, buf, n);
             resets++;
         }
         rekv__worker__worker_msg__free_unpacked(wm, NULL);
     }
     ck_assert_msg(hellos == 1, "no Hello again after %d Resets", resets);
     ck_assert_int_ge(resets, 1);
-    ck_assert_int_eq(tu_stop(pid), 0);
-    zmq_close(sock);
-    zmq_ctx_term(ctx);
-    tu_rmrf(dir);
-    free(dir);
+    fake_co_stop(&f);
 }
 END_TEST
 
