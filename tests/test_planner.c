@@ -825,22 +825,29 @@ START_TEST(test_pick_infinigen)
 }
 END_TEST
 
-/* Chunked prefill's chunk: the cap until a step is predicted; then the prompt tokens whose GEMMs
- * take one predicted decode step (a multiple of 16), never below 64 unless the cap is. */
-START_TEST(test_co_plan_prefill_chunk)
+/* The coordinator's plan state for a worker in `mode` on an OPT-like model (8 layers, hidden 1024,
+ * fp16 cache) over a 2 GB/s link at gemm_flops. */
+static void plan_state_8l(co_plan_state *ps, const char *mode, double gemm_flops)
 {
     Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
     cp.h2d_bw = 2e9;
-    cp.gemm_flops = 1e12;
+    cp.gemm_flops = gemm_flops;
     Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
-    h.mode = "offload";
+    h.mode = (char *)mode;
     h.profile = &cp;
     h.hidden = h.kv_dim = h.q_dim = 1024;
     h.n_layers = 8;
     h.cache_elem_bytes = 2;
     h.layer_params = 12 * 1024 * 1024;
+    co_plan_init(ps, &h);
+}
+
+/* Chunked prefill's chunk: the cap until a step is predicted; then the prompt tokens whose GEMMs
+ * take one predicted decode step (a multiple of 16), never below 64 unless the cap is. */
+START_TEST(test_co_plan_prefill_chunk)
+{
     co_plan_state ps;
-    co_plan_init(&ps, &h);
+    plan_state_8l(&ps, "offload", 1e12);
     ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 512); /* nothing predicted yet */
     ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 0), 0);
     double per_token = 2.0 * 12 * 1024 * 1024 * 8 / 1e12;
@@ -860,18 +867,8 @@ END_TEST
  * the next step's prediction at it, the prior 0.2 before any measurement. */
 START_TEST(test_co_plan_selected_fraction)
 {
-    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
-    cp.h2d_bw = 2e9;
-    cp.gemm_flops = 300e12;
-    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
-    h.mode = "infinigen";
-    h.profile = &cp;
-    h.hidden = h.kv_dim = h.q_dim = 1024;
-    h.n_layers = 8;
-    h.cache_elem_bytes = 2;
-    h.layer_params = 12 * 1024 * 1024;
     co_plan_state ps;
-    co_plan_init(&ps, &h);
+    plan_state_8l(&ps, "infinigen", 300e12);
     ck_assert(ps.have_profile && ps.mode == REKV_MODE_INFINIGEN);
     ck_assert(co_plan_selected_fraction(&ps) == 0);
     uint64_t jobs[2] = {1, 2}, mb_job[2];
