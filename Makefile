@@ -64,7 +64,7 @@ OBJS_proto := $(patsubst $(BUILD)/gen/%.c,$(BUILD)/obj/gen/%.o,$(PROTO_C))
 # what it needs of the device and common rooms from their archives, and exports one symbol.
 CUDA_SO :=
 ifeq ($(CUDA),1)
-NVCCFLAGS := -O2 -std=c++17 -I. -I$(BUILD)/gen -Xcompiler -fPIC,-Wall \
+NVCCFLAGS := -O2 -std=c++17 -I. -I$(BUILD)/gen -Xcompiler -fPIC,-Wall,-Werror -Werror all-warnings \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 CUDA_OBJS := $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(wildcard gpuworker/device/*.cu gpuworker/*.cu))
 CUDA_SO := $(BUILD)/lib/rekv/librekv_cuda.so

@@ -67,6 +67,11 @@ const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p)
     return &p->cfg;
 }
 
+int rekv_pipeline_page_locked(const rekv_pipeline *p)
+{
+    return p->page_locked;
+}
+
 const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_layer_counters *t)
 {
     if (t) {

@@ -122,6 +122,11 @@ int rekv_pipeline_create(rekv_engine *engine, rekv_backend *be, rekv_kvstore_cli
                          const rekv_pipeline_config *cfg, rekv_pipeline **out, rekv_err *err);
 void rekv_pipeline_free(rekv_pipeline *p);
 const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p);
+/* Whether the host memory the pipeline copies from (the kvstore arena, offloaded weights) is
+ * page-locked: 1 all of it, 0 the backend refused some (a warning was logged: those copies run
+ * from pageable memory, far below the link's speed), -1 nothing to lock or a backend that does
+ * not lock (cpu). */
+int rekv_pipeline_page_locked(const rekv_pipeline *p);
 
 /* A sequence of up to `capacity` tokens; its cache lives where the mode says. */
 int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *err);

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "common/log.h"
 
 /* A layer's tensor slots and sizes, in load order (N_LAYER_TENSORS, pipeline_internal.h). */
 static void layer_tensors(const rekv_engine *e, layer_w *L, void ***slots, size_t *bytes)
@@ -172,6 +173,20 @@ void rekv_pipeline_free(rekv_pipeline *p)
     free(p);
 }
 
+/* The backend could not page-lock host memory the pipeline copies from: the copies still work,
+ * from pageable memory, at a fraction of the link (measured on an H100: 8.3 vs 55 GB/s), so it is
+ * logged and reported (rekv_pipeline_page_locked, the worker's metrics), never silent. */
+static void not_page_locked(rekv_pipeline *p, const char *what, size_t bytes, rekv_err *err)
+{
+    p->page_locked = 0;
+    rekv_log(REKV_LOG_WARN,
+             "pipeline: %s (%.1f MiB) could not be page-locked (%s); host-to-device copies "
+             "from it run from pageable memory, at a fraction of the link's speed — raise "
+             "LimitMEMLOCK / ulimit -l, or free host memory",
+             what, (double)bytes / (1 << 20), err->msg[0] ? err->msg : "no reason given");
+    rekv_err_clear(err);
+}
+
 int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *store,
                          const rekv_pipeline_config *cfg, rekv_pipeline **out, rekv_err *err)
 {
@@ -216,6 +231,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->e = e;
     p->c = c;
     p->be = be;
+    p->page_locked = -1;
     p->bi = be->iface;
     p->k = rekv_kernels_of(be);
     p->store = store;
@@ -236,10 +252,16 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         size_t bytes;
         p->arena = rekv_kvstore_client_arena(store, &bytes);
         p->arena_bytes = bytes;
-        /* copies straight from the shared arena: page-locked where the backend can (cuda) */
-        if (p->bi->host_register && p->bi->host_register(be, p->arena, bytes, err) == 0)
-            p->arena_registered = 1;
-        rekv_err_clear(err); /* unregistered only costs overlap, not correctness */
+        /* copies straight from the shared arena: page-locked where the backend can (cuda);
+         * unregistered only costs speed, not correctness — but most of the link (pageable
+         * copies are staged by the driver and do not overlap), so it is said loudly */
+        if (p->bi->host_register) {
+            p->page_locked = 1;
+            if (p->bi->host_register(be, p->arena, bytes, err) == 0)
+                p->arena_registered = 1;
+            else
+                not_page_locked(p, "the kvstore arena", bytes, err);
+        }
         rekv_kvstore_client_geometry(store, &p->geo);
         if (p->geo.n_layers != (uint32_t)c->n_layers ||
             p->geo.n_kv_heads != (uint32_t)c->n_kv_heads ||
@@ -292,11 +314,14 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         while (l < c->n_layers &&
                p->bi->host_register(be, e->layer_mem[l], e->layer_bytes, err) == 0)
             l++;
-        rekv_err_clear(err);
-        if (l < c->n_layers)
+        if (l < c->n_layers) {
+            not_page_locked(p, "the offloaded weights", (size_t)c->n_layers * e->layer_bytes, err);
             while (l > 0)
                 p->bi->host_unregister(be, e->layer_mem[--l]);
+        }
         p->weights_registered = l;
+        if (p->page_locked < 0)
+            p->page_locked = 1;
     }
     if (rc == 0 && cfg->offload_weights) {
         size_t bytes = layer_layout(e, &e->layers[0], &p->wbuf[0], NULL);

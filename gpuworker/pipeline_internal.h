@@ -147,6 +147,7 @@ struct rekv_pipeline {
     meta_arena meta;        /* per-step metadata kernels read (pipeline_buffers.c) */
     int arena_registered;   /* the backend page-locked the arena (host_register) */
     int weights_registered; /* ... and the engine's layer blocks (offloaded weights) */
+    int page_locked;        /* rekv_pipeline_page_locked's answer */
     /* resident weights on a device whose memory is the host's: the engine's own copies adopted
      * (bi->dev_adopt), not copied; what to give back */
     struct {

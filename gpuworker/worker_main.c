@@ -705,6 +705,7 @@ static int start_pipeline(worker *w, rekv_err *err)
     if ((rc = rekv_pipeline_create(w->eng, w->be, w->kv, &w->pc, &w->pipe, err)) ||
         (rc = rekv_batcher_create(w->pipe, w->mc, w->max_batch, &w->batch, err)))
         return rc;
+    w->wm.page_locked = rekv_pipeline_page_locked(w->pipe);
     double room = device_room(w->be); /* what the weights (now on the device) leave */
     w->device_buffer_bytes = room > 0 ? (uint64_t)room : 0;
     return 0;

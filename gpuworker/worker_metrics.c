@@ -12,6 +12,7 @@ void rekv_worker_metrics_init(rekv_worker_metrics *m, rekv_backend *be, const ch
     m->be = be;
     m->name = name;
     m->mode = mode;
+    m->page_locked = -1;
     rekv_metrics_hist_init(&m->step, rekv_metrics_latency_bounds, rekv_metrics_latency_n_bounds);
 }
 
@@ -85,6 +86,15 @@ int rekv_worker_metrics_render(void *ctx, rekv_metrics_buf *b)
                         (double)m->head_hits);
     rekv_metrics_sample(b, "rekv_gpuworker_head_cache_total", "result=\"miss\"",
                         (double)m->head_misses);
+
+    if (m->page_locked >= 0) {
+        rekv_metrics_family(b, "rekv_gpuworker_host_memory_page_locked", "gauge",
+                            "1 when the host memory the pipeline copies from (the kvstore "
+                            "arena, offloaded weights) is page-locked; 0 when the backend "
+                            "refused (copies then run from pageable memory, far below the "
+                            "link's speed).");
+        rekv_metrics_sample(b, "rekv_gpuworker_host_memory_page_locked", NULL, m->page_locked);
+    }
 
     /* the device's memory, when the backend knows it (a GPU; the cpu backend with a limit) */
     size_t fr = 0, tot = 0;

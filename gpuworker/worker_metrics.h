@@ -25,6 +25,7 @@ typedef struct rekv_worker_metrics {
     uint64_t tokens_recomputed, tokens_fetched; /* cached tokens whose K,V were recomputed,
                                                  * fetched (rekv_layer_counters) */
     int running;                                /* jobs in the batch after the last step */
+    int page_locked; /* rekv_pipeline_page_locked of the worker's pipeline (-1: none) */
 } rekv_worker_metrics;
 
 /* Zeroes m and keeps the pointers (not owned; they must outlive m). */

@@ -1111,6 +1111,37 @@ START_TEST(pipeline_modes)
 }
 END_TEST
 
+/* The arena is page-locked on cuda (1); when cudaHostRegister refuses — here because the range
+ * is registered already — the pipeline still builds, and says 0 (the worker's metric and a WARN).
+ */
+START_TEST(pipeline_page_locked)
+{
+    const char *mp = tu_shared("models/stories260K/stories260K.bin");
+    if (mp == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", mp);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_OFFLOAD;
+    rekv_pipeline *p = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_pipeline_create(f.e, g_cu, f.store, &cfg, &p, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(rekv_pipeline_page_locked(p), 1);
+    rekv_pipeline_free(p);
+    size_t bytes;
+    void *arena = rekv_kvstore_client_arena(f.store, &bytes);
+    ck_assert_msg(g_cu->iface->host_register(g_cu, arena, bytes, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_pipeline_create(f.e, g_cu, f.store, &cfg, &p, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(rekv_pipeline_page_locked(p), 0);
+    rekv_pipeline_free(p);
+    g_cu->iface->host_unregister(g_cu, arena);
+    tu_fixture_close(&f);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("cuda");
@@ -1134,6 +1165,7 @@ static Suite *suite(void)
     TCase *tp = tcase_create("pipeline");
     tcase_set_timeout(tp, 900);
     tcase_add_test(tp, pipeline_modes);
+    tcase_add_test(tp, pipeline_page_locked);
     suite_add_tcase(s, tp);
     return s;
 }

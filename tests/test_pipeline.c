@@ -513,6 +513,74 @@ START_TEST(push_needs_a_store_that_pushes)
 }
 END_TEST
 
+/* Page-locking: the cpu backend locks nothing (-1); a backend that locks says 1 once the arena
+ * and the offloaded weights are locked; one that refuses (cudaHostRegister failing: here the cpu
+ * backend with its host_register made to fail, as a GPU cannot be had) leaves the pipeline
+ * working — the same logits — but says 0 (and logs a warning), never silently. */
+static int g_register_calls, g_register_fails;
+static int register_counted(rekv_backend *be, void *p, size_t bytes, rekv_err *err)
+{
+    (void)be, (void)p, (void)bytes;
+    if (g_register_fails)
+        return rekv_errf(err, -ENOMEM, "locked memory limit reached");
+    g_register_calls++; /* ranges locked now */
+    return 0;
+}
+static void unregister_counted(rekv_backend *be, void *p)
+{
+    (void)be, (void)p;
+    g_register_calls--;
+}
+
+START_TEST(page_lock_refusal_is_reported)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", p);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_OFFLOAD;
+    cfg.offload_weights = 1;
+    rekv_pipeline *pl = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(rekv_pipeline_page_locked(pl), -1); /* cpu: nothing to lock */
+    rekv_pipeline_free(pl);
+
+    const rekv_backend_iface *real = f.be->iface;
+    rekv_backend_iface locking = *real;
+    locking.host_register = register_counted;
+    locking.host_unregister = unregister_counted;
+    f.be->iface = &locking;
+    for (g_register_fails = 0; g_register_fails < 2; g_register_fails++) {
+        g_register_calls = 0;
+        ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err) == 0, "%s",
+                      err.msg);
+        ck_assert_int_eq(rekv_pipeline_page_locked(pl), !g_register_fails);
+        ck_assert_int_eq(err.code, 0); /* a refusal is not the caller's error */
+        /* and it still runs: a prefill and a decode step */
+        rekv_pseq *s = NULL;
+        ck_assert_msg(rekv_pseq_create(pl, 64, &s, &err) == 0, "%s", err.msg);
+        int32_t toks[4] = {1, 2, 3, 4};
+        float *logits = malloc(512 * sizeof(float));
+        rekv_pipe_item it = {s, toks, 4, logits, 0};
+        ck_assert_msg(rekv_pipeline_step(pl, &it, 1, &err) == 0, "%s", err.msg);
+        it.n_tokens = 1;
+        ck_assert_msg(rekv_pipeline_step(pl, &it, 1, &err) == 0, "%s", err.msg);
+        free(logits);
+        rekv_pseq_free(s);
+        rekv_pipeline_free(pl);
+        ck_assert_int_eq(g_register_calls, 0); /* every lock undone */
+    }
+    f.be->iface = real;
+    tu_fixture_close(&f);
+}
+END_TEST
+
 /* A store whose push backend is not cpu ("auto") is the exec'd rekv-kvstore program, not a forked
  * library child (CUDA cannot be used in a child forked after the parent started it): it pushes the
  * same bytes, so the logits equal pull's. The worker here is cpu, so this runs where "auto" is cpu
@@ -563,6 +631,7 @@ static Suite *suite(void)
     tcase_add_test(tc, modes_stories260k);
     tcase_add_test(tc, modes_synthetic);
     tcase_add_test(tc, push_needs_a_store_that_pushes);
+    tcase_add_test(tc, page_lock_refusal_is_reported);
     tcase_add_test(tc, push_store_is_the_program);
     suite_add_tcase(s, tc);
     return s;
