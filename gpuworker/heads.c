@@ -221,6 +221,21 @@ int rekv_heads_persistent(const rekv_heads *h, int layer, double eta, double p, 
     return n;
 }
 
+double rekv_heads_np(const rekv_model_config *c, const rekv_cost_profile *prof, int batch, int ctx,
+                     double fetch_cap, rekv_dtype cache_dtype)
+{
+    double H = c->hidden, Q = (double)c->n_heads * c->head_dim,
+           KV = (double)c->n_kv_heads * c->head_dim, F = c->ffn;
+    double params = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
+    double flops = 2 * (double)batch * params + 4 * (double)batch * ctx * Q; /* + QK^T, PV */
+    double rate = rekv_cost_fwd_rate(prof);
+    double head_bytes = (double)batch * ceil(fetch_cap * ctx) * 2 * c->head_dim *
+                        (double)rekv_dtype_size(cache_dtype);
+    if (!(prof->h2d_bw > 0) || !(rate > 0) || !(head_bytes > 0))
+        return INFINITY;
+    return flops / rate * prof->h2d_bw / head_bytes;
+}
+
 /* ---------------------------------------------------------------- the file */
 
 static json_t *matrix(const double *v, int rows, int cols)

@@ -686,6 +686,13 @@ static int start_pipeline(worker *w, rekv_err *err)
         rekv_log(REKV_LOG_INFO, "clo: the model's head profile %s",
                  cached ? "from the cache" : "made and cached");
         w->pc.heads = &w->heads;
+        /* Eq. 12 at the worker's largest batch and context, from its measured profile */
+        w->pc.persist_np = rekv_heads_np(w->mc, &w->cost, w->max_batch, w->mc->max_pos,
+                                         w->pc.max_fraction, w->pc.cache_dtype);
+        rekv_log(REKV_LOG_INFO,
+                 "clo: N_p %.1f KV heads per layer (Eq. 12): harder heads beyond it keep their "
+                 "whole KV on the device",
+                 w->pc.persist_np);
     }
     /* HybridServe's ACT_GPU in serving: half the device's room for the KV cache keeps each
      * sequence's first activation blocks there, so they never cross the link again (the modes

@@ -15,6 +15,7 @@
 #include "common/daemon.h"
 #include "coordinator/cli/cli_profile.h"
 #include "coordinator/planner.h"
+#include "gpuworker/heads.h"
 
 int cli_session_choose(const rekv_model_config *c, const char *backend,
                        const rekv_link_config *link, int batch, int ctx, rekv_pipeline_config *cfg,
@@ -22,7 +23,8 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
 {
     int need_split = cfg->mode == REKV_MODE_KVPR && cfg->split < 0;
     int need_ratio = cfg->mode == REKV_MODE_HYBRID && cfg->kv_parts < 0;
-    if (!need_split && !need_ratio)
+    int need_np = cfg->mode == REKV_MODE_CLO && cfg->persist_np < 0;
+    if (!need_split && !need_ratio && !need_np)
         return 0;
     /* the profile of this machine, model and link: cached after its first measurement */
     rekv_profile pf;
@@ -45,6 +47,11 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
         cfg->act_parts = ha.act_parts;
         if (cfg->kv_parts + cfg->act_parts == 0)
             cfg->kv_parts = 1;
+    }
+    if (need_np) { /* CLO Eq. 12 from the measured link and forward rate */
+        rekv_cost_profile prof;
+        rekv_profile_to_cost(&pf, cfg->cache_dtype, &prof);
+        cfg->persist_np = rekv_heads_np(c, &prof, batch, ctx, cfg->max_fraction, cfg->cache_dtype);
     }
     return 0;
 }
@@ -287,9 +294,12 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         o->cfg.power = (float)d;
         return 1;
     case CLI_OPT_PERSIST_NP:
-        if (cli_parse_float("persist-np", arg, 0, 1e9, &d))
+        if (strcmp(arg, "auto") == 0)
+            o->cfg.persist_np = -1;
+        else if (cli_parse_float("persist-np", arg, 0, 1e9, &d))
             return -1;
-        o->cfg.persist_np = d;
+        else
+            o->cfg.persist_np = d;
         return 1;
     case CLI_OPT_SELECT:
         if (strcmp(arg, "speculate") == 0)
@@ -314,6 +324,7 @@ void cli_pipeline_opts_defaults(cli_pipeline_opts *o)
     o->cfg.split = -1;    /* from the cost model */
     o->cfg.kv_parts = -1; /* from the cost model */
     o->cfg.act_parts = -1;
+    o->cfg.persist_np = -1; /* clo: Eq. 12 from the cost model */
     o->link.latency_us = 10;
     o->backend = "auto";
     o->partial_ratio = REKV_SKEW_DEFAULT_RATIO;

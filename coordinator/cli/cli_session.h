@@ -95,9 +95,9 @@ enum {
     "                        a sample the model generates, cached in $XDG_CACHE_HOME/rekv)\n"      \
     "  --eta E               clo: the most important head's reuse threshold (default 0.95)\n"      \
     "  --power P             clo: thresholds from importance^P (default 2; CLO Eq. 7-9)\n"         \
-    "  --persist-np N        clo: N_p of Eq. 12, the heads per layer whose misses the link\n"      \
-    "                        serves; harder heads keep their whole KV on the device (default:\n"   \
-    "                        none)\n"
+    "  --persist-np auto|N   clo: N_p of Eq. 12, the heads per layer whose misses the link\n"      \
+    "                        serves; harder heads keep their whole KV on the device (default\n"    \
+    "                        auto: from the measured link and forward rate)\n"
 
 typedef struct cli_pipeline_opts {
     rekv_pipeline_config cfg; /* split / kv_parts < 0: chosen by cli_session_choose */
