@@ -47,6 +47,20 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     s.tokens_fetched = co->counters[5];
     s.tokens_considered = co->counters[6];
     s.tokens_selected = co->counters[7];
+    Rekv__Control__ConnStats cs[2];
+    const rekv_conncap *caps[2] = {co->ctl_cap, co->wrk_cap};
+    for (int i = 0; i < 2; i++) {
+        rekv_conncap_stats st;
+        rekv_conncap_get_stats(caps[i], &st);
+        rekv__control__conn_stats__init(&cs[i]);
+        cs[i].open = st.live;
+        cs[i].max = st.max;
+        cs[i].accepted = st.accepted;
+        cs[i].busy = st.busy;
+        cs[i].shed = st.shed;
+    }
+    s.control_connections = &cs[0];
+    s.worker_connections = &cs[1];
     Rekv__Control__WorkerInfo wi[MAX_WORKERS], *wp[MAX_WORKERS];
     size_t nw = 0;
     uint64_t now = rekv_now_ns();

@@ -311,8 +311,25 @@ START_TEST(coordinator_flood)
     proto p = {ctl_request, ctl_classify, 0};
     int busy = 0, shed = 0;
     int rc = flood(pid, ep, log, &p, &busy, &shed);
-    if (rc == 0)
+    if (rc == 0) {
         check_refused_metrics(port, "rekv", "control", busy, shed);
+        /* and `rekv stats` says the same (Stats.control_connections) */
+        rekv_ctl *c = tu_ctl_open(ep);
+        Rekv__Control__Response *r = tu_ctl_stats(c);
+        ck_assert(r != NULL && r->stats != NULL && r->stats->control_connections != NULL &&
+                  r->stats->worker_connections != NULL);
+        const Rekv__Control__ConnStats *cs = r->stats->control_connections;
+        ck_assert_uint_eq(cs->max, 8);
+        ck_assert_msg(cs->busy >= (uint64_t)busy && cs->shed >= (uint64_t)shed &&
+                          cs->accepted >= (uint64_t)FLOOD && cs->open >= 1,
+                      "stats: %u open, %llu accepted, %llu busy, %llu shed; the clients saw "
+                      "%d busy, %d shed",
+                      cs->open, (unsigned long long)cs->accepted, (unsigned long long)cs->busy,
+                      (unsigned long long)cs->shed, busy, shed);
+        ck_assert_uint_eq(r->stats->worker_connections->max, 8);
+        rekv__control__response__free_unpacked(r, NULL);
+        rekv_ctl_close(c);
+    }
     int st = tu_stop(pid);
     ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "coordinator status %d", st);
     /* the busy answers were logged, rate-limited */

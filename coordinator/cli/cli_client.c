@@ -547,6 +547,19 @@ int cli_stats(int argc, char **argv)
                         json_integer((json_int_t)s->worker_messages_malformed));
     json_object_set_new(oj, "worker_results_rejected",
                         json_integer((json_int_t)s->worker_results_rejected));
+    json_object_set_new(oj, "jobs_held_for_room", json_integer((json_int_t)s->jobs_held_for_room));
+    json_object_set_new(oj, "jobs_too_large", json_integer((json_int_t)s->jobs_too_large));
+    json_t *conns = json_object();
+    const Rekv__Control__ConnStats *cs[2] = {s->control_connections, s->worker_connections};
+    for (int i = 0; i < 2; i++)
+        if (cs[i])
+            json_object_set_new(conns, i ? "workers" : "control",
+                                json_pack("{s:i, s:i, s:I, s:I, s:I}", "open", (int)cs[i]->open,
+                                          "max", (int)cs[i]->max, "accepted",
+                                          (json_int_t)cs[i]->accepted, "busy",
+                                          (json_int_t)cs[i]->busy, "shed",
+                                          (json_int_t)cs[i]->shed));
+    json_object_set_new(oj, "connections", conns);
     json_t *ws = json_array();
     for (size_t i = 0; i < s->n_workers; i++) {
         const Rekv__Control__WorkerInfo *w = s->workers[i];
