@@ -443,28 +443,54 @@ static void make_heads(const fixture *f, double imp, rekv_heads *h)
     }
 }
 
-static const char *stories(char *path, size_t cap)
+/* What every clo test opens: stories260K with its store, a skew, and a head profile of one
+ * importance for every head (adjacent-query cosine 0.5). 0: the model is missing (skipped). */
+typedef struct clo_fixture {
+    fixture f;
+    rekv_skew sk;
+    rekv_heads hp;
+} clo_fixture;
+
+static int clo_open(clo_fixture *x, double importance)
 {
     const char *p = tu_shared("models/stories260K/stories260K.bin");
     if (p == NULL)
-        return NULL;
-    snprintf(path, cap, "%s", p);
-    return path;
+        return 0;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", p);
+    tu_fixture_open(&x->f, path, REKV_DTYPE_F32, NULL);
+    make_skew(&x->f, &x->sk);
+    make_heads(&x->f, importance, &x->hp);
+    return 1;
+}
+
+static void clo_close(clo_fixture *x, int32_t **prompts, int B)
+{
+    for (int b = 0; prompts && b < B; b++)
+        free(prompts[b]);
+    free(prompts);
+    rekv_heads_free(&x->hp);
+    rekv_skew_free(&x->sk);
+    tu_fixture_close(&x->f);
+}
+
+/* A clo configuration on x's skew and profile. */
+static void clo_config(clo_fixture *x, rekv_pipeline_config *cfg)
+{
+    rekv_pipeline_config_defaults(cfg);
+    cfg->mode = REKV_MODE_CLO;
+    cfg->skew = &x->sk;
+    cfg->heads = &x->hp;
 }
 
 /* every head misses every step and its top-k is the whole middle of the context: the same
  * attention as resident's over the same rows, in another order */
 START_TEST(clo_full_cache_matches_resident)
 {
-    char path[4096];
-    if (stories(path, sizeof(path)) == NULL)
+    clo_fixture x;
+    if (!clo_open(&x, 1.0))
         return;
-    fixture f;
-    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
-    rekv_skew sk;
-    make_skew(&f, &sk);
-    rekv_heads hp;
-    make_heads(&f, 1.0, &hp);
+    fixture f = x.f;
     int lens[] = {90, 40, 75}, B = 3, steps = 8; /* 40: dense until past sink + window */
     int32_t **prompts = make_prompts(&f, B, lens);
     size_t V = (size_t)f.m->config.vocab, n = (size_t)(steps + 1) * (size_t)B * V;
@@ -485,10 +511,7 @@ START_TEST(clo_full_cache_matches_resident)
              {1, 1, 0, REKV_SCHED_COLUMN, 0}};
     for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
         rekv_pipeline_config cfg;
-        rekv_pipeline_config_defaults(&cfg);
-        cfg.mode = REKV_MODE_CLO;
-        cfg.skew = &sk;
-        cfg.heads = &hp;
+        clo_config(&x, &cfg);
         cfg.eta = 1;
         cfg.max_fraction = 1;
         cfg.offload_weights = v[i].offload_w;
@@ -528,35 +551,22 @@ START_TEST(clo_full_cache_matches_resident)
         run_free(&r);
     }
     run_free(&ref);
-    for (int b = 0; b < B; b++)
-        free(prompts[b]);
-    free(prompts);
-    rekv_heads_free(&hp);
-    rekv_skew_free(&sk);
-    tu_fixture_close(&f);
+    clo_close(&x, prompts, B);
 }
 END_TEST
 
 /* every head hits once its cache is built: after the first decode step nothing is fetched */
 START_TEST(clo_hits_move_nothing)
 {
-    char path[4096];
-    if (stories(path, sizeof(path)) == NULL)
+    clo_fixture x;
+    if (!clo_open(&x, 0.0))
         return;
-    fixture f;
-    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    fixture f = x.f;
     const rekv_model_config *c = &f.m->config;
-    rekv_skew sk;
-    make_skew(&f, &sk);
-    rekv_heads hp;
-    make_heads(&f, 0.0, &hp);
     int lens[] = {100, 150}, B = 2, steps = 6;
     int32_t **prompts = make_prompts(&f, B, lens);
     rekv_pipeline_config cfg;
-    rekv_pipeline_config_defaults(&cfg);
-    cfg.mode = REKV_MODE_CLO;
-    cfg.skew = &sk;
-    cfg.heads = &hp;
+    clo_config(&x, &cfg);
     cfg.max_fraction = 0.1f;
     run r;
     do_run(&f, &cfg, B, lens, prompts, steps, &r);
@@ -579,31 +589,21 @@ START_TEST(clo_hits_move_nothing)
                           (uint64_t)B * (uint64_t)steps * kvh * 2 * row);
     }
     run_free(&r);
-    for (int b = 0; b < B; b++)
-        free(prompts[b]);
-    free(prompts);
-    rekv_heads_free(&hp);
-    rekv_skew_free(&sk);
-    tu_fixture_close(&f);
+    clo_close(&x, prompts, B);
 }
 END_TEST
 
 /* clo without a head profile, with one of another model, or with push: clear errors */
 START_TEST(clo_bad_config_refused)
 {
-    char path[4096];
-    if (stories(path, sizeof(path)) == NULL)
+    clo_fixture x;
+    if (!clo_open(&x, 0.5))
         return;
-    fixture f;
-    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
-    rekv_skew sk;
-    make_skew(&f, &sk);
-    rekv_heads hp;
-    make_heads(&f, 0.5, &hp);
+    fixture f = x.f;
+    rekv_heads hp = x.hp;
     rekv_pipeline_config cfg;
-    rekv_pipeline_config_defaults(&cfg);
-    cfg.mode = REKV_MODE_CLO;
-    cfg.skew = &sk;
+    clo_config(&x, &cfg);
+    cfg.heads = NULL;
     rekv_pipeline *p = NULL;
     rekv_err err = {0};
     rekv_err_clear(&err);
@@ -618,9 +618,7 @@ START_TEST(clo_bad_config_refused)
     cfg.push = 1;
     rekv_err_clear(&err);
     ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -ENOTSUP);
-    rekv_heads_free(&hp);
-    rekv_skew_free(&sk);
-    tu_fixture_close(&f);
+    clo_close(&x, NULL, 0);
 }
 END_TEST
 
