@@ -142,30 +142,55 @@ END_TEST
  * layer 0's KV and the cap's share of the others', and scores better than a random selection of
  * the same size (stories260K is trained: its attention matters). The skew is made once, into a
  * private cache. */
-START_TEST(infinigen_in_eval)
-{
+/* What the approximate modes' eval tests share: stories260K, sample 0 of ../shared/eval, a private
+ * skew/profile cache, and the resident run's JSON. 0: the model is missing (skipped). */
+typedef struct approx_fixture {
     char m[4096];
-    if (!model_path(m))
-        return;
-    char *dir = tu_tmpdir(), args[8400];
-    setenv("XDG_CACHE_HOME", dir, 1);
+    char *dir, *ids;
+    json_t *res; /* resident */
+} approx_fixture;
+
+/* `rekv eval --json` on the fixture's model and sample with the cpu backend and more args. */
+static json_t *approx_eval(const approx_fixture *x, const char *more)
+{
+    char args[8400];
+    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu %s", x->m, x->ids, more);
+    return eval_json(args);
+}
+
+static int approx_open(approx_fixture *x)
+{
+    if (!model_path(x->m))
+        return 0;
+    x->dir = tu_tmpdir();
+    setenv("XDG_CACHE_HOME", x->dir, 1);
     double ref;
     size_t n;
-    char *ids = sample_file(dir, 0, &ref, &n);
-    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu", m, ids);
-    json_t *res = eval_json(args);
-    snprintf(args, sizeof(args),
-             "--model %s --ids %s --backend cpu --mode infinigen --select all --compare resident",
-             m, ids);
-    json_t *all = eval_json(args);
-    ck_assert(num(all, "nll") == num(res, "nll"));
+    x->ids = sample_file(x->dir, 0, &ref, &n);
+    x->res = approx_eval(x, "");
+    return 1;
+}
+
+static void approx_close(approx_fixture *x)
+{
+    json_decref(x->res);
+    unsetenv("XDG_CACHE_HOME");
+    free(x->ids);
+    tu_rmrf(x->dir);
+    free(x->dir);
+}
+
+START_TEST(infinigen_in_eval)
+{
+    approx_fixture x;
+    if (!approx_open(&x))
+        return;
+    json_t *all = approx_eval(&x, "--mode infinigen --select all --compare resident");
+    ck_assert(num(all, "nll") == num(x.res, "nll"));
     ck_assert(num(all, "agreement") == 1.0 && num(all, "max_logit_error") == 0.0);
     ck_assert(num(all, "h2d_kv_bytes") == num(all, "kv_bytes_offload"));
-    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu --mode infinigen", m, ids);
-    json_t *sp = eval_json(args);
-    snprintf(args, sizeof(args),
-             "--model %s --ids %s --backend cpu --mode infinigen --select random", m, ids);
-    json_t *rnd = eval_json(args);
+    json_t *sp = approx_eval(&x, "--mode infinigen");
+    json_t *rnd = approx_eval(&x, "--mode infinigen --select random");
     double off = num(sp, "kv_bytes_offload"), L = 5;
     ck_assert_msg(num(sp, "h2d_kv_bytes") <= off * (1 + (L - 1) * 0.2) / L,
                   "infinigen moved %g of offload's %g", num(sp, "h2d_kv_bytes"), off);
@@ -177,38 +202,21 @@ START_TEST(infinigen_in_eval)
         ck_assert(json_number_value(json_array_get(fr, (size_t)l)) <= 0.2);
     ck_assert_msg(num(sp, "nll") < num(rnd, "nll"), "speculated %g, random %g", num(sp, "nll"),
                   num(rnd, "nll"));
-    json_decref(res), json_decref(all), json_decref(sp), json_decref(rnd);
-    unsetenv("XDG_CACHE_HOME");
-    free(ids);
-    tu_rmrf(dir);
-    free(dir);
+    json_decref(all), json_decref(sp), json_decref(rnd);
+    approx_close(&x);
 }
 END_TEST
 
-/* clo in eval: its counters and bytes are reported; every head missing with a whole-context
- * top-k is resident's NLL up to summation order; the default moves under a fifth of offload's
- * bytes. The skew and head profile are made once, into a private cache. */
 START_TEST(clo_in_eval)
 {
-    char m[4096];
-    if (!model_path(m))
+    approx_fixture x;
+    if (!approx_open(&x))
         return;
-    char *dir = tu_tmpdir(), args[8400];
-    setenv("XDG_CACHE_HOME", dir, 1);
-    double ref;
-    size_t n;
-    char *ids = sample_file(dir, 0, &ref, &n);
-    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu", m, ids);
-    json_t *res = eval_json(args);
-    snprintf(args, sizeof(args),
-             "--model %s --ids %s --backend cpu --mode clo --fetch-cap 1 --eta 1 --power 1e-6", m,
-             ids);
-    json_t *all = eval_json(args);
-    ck_assert_msg(fabs(num(all, "nll") - num(res, "nll")) < 1e-4, "clo, all: %.9g, resident %.9g",
-                  num(all, "nll"), num(res, "nll"));
+    json_t *all = approx_eval(&x, "--mode clo --fetch-cap 1 --eta 1 --power 1e-6");
+    ck_assert_msg(fabs(num(all, "nll") - num(x.res, "nll")) < 1e-4, "clo, all: %.9g, resident %.9g",
+                  num(all, "nll"), num(x.res, "nll"));
     ck_assert(num(all, "head_hits") == 0 && num(all, "head_misses") > 0);
-    snprintf(args, sizeof(args), "--model %s --ids %s --backend cpu --mode clo", m, ids);
-    json_t *d = eval_json(args);
+    json_t *d = approx_eval(&x, "--mode clo");
     ck_assert(num(d, "head_hits") > 0 && num(d, "head_misses") > 0);
     ck_assert(num(d, "hit_ratio") ==
               num(d, "head_hits") / (num(d, "head_hits") + num(d, "head_misses")));
@@ -216,11 +224,10 @@ START_TEST(clo_in_eval)
                   "clo moved %g of offload's %g", num(d, "h2d_kv_bytes"),
                   num(d, "kv_bytes_offload"));
     ck_assert(num(d, "eta") > 0.94 && num(d, "eta") < 0.96 && num(d, "power") == 2);
-    json_decref(res), json_decref(all), json_decref(d);
-    unsetenv("XDG_CACHE_HOME");
-    free(ids);
-    tu_rmrf(dir);
-    free(dir);
+    /* N_p by default from the measured link (Eq. 12): a count, not "none" */
+    ck_assert(json_is_number(json_object_get(d, "persist_np")) && num(d, "persist_np") >= 0);
+    json_decref(all), json_decref(d);
+    approx_close(&x);
 }
 END_TEST
 
