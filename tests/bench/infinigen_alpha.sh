@@ -10,22 +10,9 @@ PLOT_ONLY=0
 if [ "${1:-}" = --plot ]; then PLOT_ONLY=1; shift; fi
 REKV=${1:-build/bin/rekv}
 SHARED=${2:-../shared}
-MODEL=$SHARED/models/stories260K/stories260K.bin
-SAMPLES=$SHARED/eval/stories260K.samples.json
 OUT=tests/bench
 if [ $PLOT_ONLY = 0 ]; then
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT INT TERM
-
-python3 - "$SAMPLES" "$tmp" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-with open(sys.argv[2] + "/resident", "w") as r:
-    for i, s in enumerate(d["samples"]):
-        ids = s["ids"] if isinstance(s["ids"], list) else json.loads(s["ids"])
-        json.dump(ids, open("%s/s%d.json" % (sys.argv[2], i), "w"))
-        r.write("%s\n" % s["nll"])
-PY
+. "$(dirname "$0")/eval_samples.sh"
 
 # one row per alpha: alpha, then per configuration the mean NLL over the samples and the mean
 # fraction of offload's KV bytes
@@ -38,14 +25,8 @@ for a in 0.25 0.5 1 2 3 4 5 6 8 12 16; do
     IFS='|'
     for c in $configs; do
         unset IFS
-        sum=$(for s in "$tmp"/s*.json; do
-            # shellcheck disable=SC2086
-            "$REKV" eval --model "$MODEL" --ids "$s" --mode infinigen --alpha "$a" $c --json 2>/dev/null
-        done | python3 -c '
-import json, sys
-r = [json.loads(l) for l in sys.stdin if l.strip()]
-print("%.4f %.4f" % (sum(x["nll"] for x in r) / len(r),
-                     sum(x["h2d_kv_bytes"] / x["kv_bytes_offload"] for x in r) / len(r)))')
+        # shellcheck disable=SC2086
+        sum=$(eval_means --mode infinigen --alpha "$a" $c | cut -d' ' -f1,2)
         row="$row $sum"
         IFS='|'
     done
@@ -53,7 +34,7 @@ print("%.4f %.4f" % (sum(x["nll"] for x in r) / len(r),
     echo "$row" >> "$OUT/infinigen_alpha.dat"
     echo "alpha $a done" >&2
 done
-python3 -c 'import sys; v=[float(l) for l in open(sys.argv[1])]; print("# resident %.6f" % (sum(v)/len(v)))' "$tmp/resident" >> "$OUT/infinigen_alpha.dat"
+echo "# resident $(resident_mean)" >> "$OUT/infinigen_alpha.dat"
 fi
 res=$(sed -n 's/^# resident //p' "$OUT/infinigen_alpha.dat")
 
