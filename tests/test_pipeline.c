@@ -8,6 +8,7 @@
  * buffers, cpu backend IPC) gives the same bits and the same counters as pull; a store without a
  * push backend is refused at pipeline creation. */
 #include <errno.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -581,6 +582,96 @@ START_TEST(page_lock_refusal_is_reported)
 }
 END_TEST
 
+/* The overlap that is the point of the pipeline: a layer's compute runs while the next layer's
+ * KV rows cross the link. On a link whose every copy takes 0.2 s (latency), with a step whose
+ * compute takes tens of milliseconds per layer (256 new tokens of a 512-wide model), the trace
+ * shows compute-stream work (kernels, not waits) running during the h2d KV copies of layers
+ * 1..L-1 — an order, not a time: a pipeline that fetched layer l+1 only after computing layer
+ * l would show none, however fast or slow the machine. (Layer 0's copy is left out: the step's
+ * embedding runs beside it in any pipeline.) */
+START_TEST(fetch_overlaps_compute)
+{
+    char *mdir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/m", mdir);
+    rekv_synth_spec spec = {REKV_ARCH_OPT, 4, 512, 8, 8, 2048, 300, 1100, REKV_DTYPE_F32, 5, 1};
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_link_config link = {.gbps = 1000, .latency_us = 200e3};
+    rekv_backend *be = NULL;
+    ck_assert_msg(rekv_backend_cpu_create(&link, &be, &err) == 0, "%s", err.msg);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_OFFLOAD;
+    rekv_pipeline *pl = NULL;
+    ck_assert_msg(rekv_pipeline_create(f.e, be, f.store, &cfg, &pl, &err) == 0, "%s", err.msg);
+    rekv_pseq *s = NULL;
+    ck_assert_msg(rekv_pseq_create(pl, 512, &s, &err) == 0, "%s", err.msg);
+    int32_t toks[256];
+    for (int t = 0; t < 256; t++)
+        toks[t] = 3 + t % 290;
+    float *logits = malloc(300 * sizeof(float));
+    rekv_pipe_item it = {s, toks, 32, logits, 0};
+    ck_assert_msg(rekv_pipeline_step(pl, &it, 1, &err) == 0, "%s", err.msg);
+    be->iface->trace_start(be);
+    it.n_tokens = 256; /* the 32 in the store cross the link, per layer */
+    ck_assert_msg(rekv_pipeline_step(pl, &it, 1, &err) == 0, "%s", err.msg);
+    char tpath[4300];
+    snprintf(tpath, sizeof(tpath), "%s/trace.json", mdir);
+    ck_assert_msg(be->iface->trace_write(be, tpath, &err) == 0, "%s", err.msg);
+    json_error_t jerr;
+    json_t *root = json_load_file(tpath, 0, &jerr), *e, *k;
+    ck_assert_msg(root != NULL, "%s", jerr.text);
+    json_t *evs = json_object_get(root, "traceEvents");
+    size_t i, j;
+    json_int_t compute_tid = -1;
+    json_array_foreach(evs, i, e)
+    {
+        const char *n = json_string_value(json_object_get(e, "name"));
+        json_t *args = json_object_get(e, "args");
+        if (n && strcmp(n, "thread_name") == 0 &&
+            strcmp(json_string_value(json_object_get(args, "name")), "compute") == 0)
+            compute_tid = json_integer_value(json_object_get(e, "tid"));
+    }
+    ck_assert(compute_tid > 0);
+    int copies = 0, overlapped = 0;
+    json_array_foreach(evs, i, e)
+    {
+        const char *n = json_string_value(json_object_get(e, "name"));
+        if (n == NULL || strncmp(n, "h2d KV", 6) != 0 || copies++ == 0)
+            continue;
+        double c0 = json_number_value(json_object_get(e, "ts")),
+               c1 = c0 + json_number_value(json_object_get(e, "dur"));
+        int any = 0;
+        json_array_foreach(evs, j, k)
+        {
+            const char *kn = json_string_value(json_object_get(k, "name"));
+            double t0 = json_number_value(json_object_get(k, "ts")),
+                   t1 = t0 + json_number_value(json_object_get(k, "dur"));
+            if (json_integer_value(json_object_get(k, "tid")) == compute_tid && kn &&
+                strncmp(kn, "wait", 4) != 0 &&
+                strcmp(json_string_value(json_object_get(k, "ph")), "X") == 0 && t0 < c1 && t1 > c0)
+                any = 1;
+        }
+        overlapped += any;
+    }
+    ck_assert_int_eq(copies, spec.n_layers); /* a KV copy per layer */
+    ck_assert_msg(overlapped >= 1,
+                  "no compute ran while layers 1..%d's KV crossed the link: the fetch does not "
+                  "overlap the compute",
+                  spec.n_layers - 1);
+    json_decref(root);
+    free(logits);
+    rekv_pseq_free(s);
+    rekv_pipeline_free(pl);
+    rekv_backend_destroy(be);
+    tu_fixture_close(&f);
+    tu_rmrf(mdir);
+    free(mdir);
+}
+END_TEST
+
 /* A store whose push backend is not cpu ("auto") is the exec'd rekv-kvstore program, not a forked
  * library child (CUDA cannot be used in a child forked after the parent started it): it pushes the
  * same bytes, so the logits equal pull's. The worker here is cpu, so this runs where "auto" is cpu
@@ -632,6 +723,7 @@ static Suite *suite(void)
     tcase_add_test(tc, modes_synthetic);
     tcase_add_test(tc, push_needs_a_store_that_pushes);
     tcase_add_test(tc, page_lock_refusal_is_reported);
+    tcase_add_test(tc, fetch_overlaps_compute);
     tcase_add_test(tc, push_store_is_the_program);
     suite_add_tcase(s, tc);
     return s;
