@@ -847,6 +847,7 @@ int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err
     out->pin_wait_bytes = s->pin_wait_bytes;
     out->read_ahead_blocks = s->read_ahead_blocks;
     out->read_ahead_bytes = s->read_ahead_bytes;
+    out->spill_room_bytes = s->spill_room_bytes;
     out->direct_io = s->direct_io;
     out->registered_arena = s->registered_arena;
     for (size_t i = 0; i < s->n_histograms && out->n_hists < 8; i++) {

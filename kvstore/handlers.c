@@ -611,6 +611,11 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->pin_wait_bytes = s->pin_wait_bytes;
     st->read_ahead_blocks = s->read_ahead_blocks;
     st->read_ahead_bytes = s->read_ahead_bytes;
+    st->spill_room_bytes =
+        s->spill == NULL ? 0
+        : s->cfg.spill_bytes
+            ? s->cfg.spill_bytes
+            : kv_spill_slots_used(s->spill) * (uint64_t)s->hs.big_bytes + spill_room(s);
     uint64_t pinned = 0;
     for (uint32_t i = 0; i < s->n_block_ids; i++)
         if (s->blocks[i].state != BS_UNUSED && s->blocks[i].pins > 0)

@@ -371,6 +371,7 @@ typedef struct rekv_kv_stats {
     uint64_t instance; /* random per store process */
     /* spill reads a pin waited for (on its critical path) and reads done ahead (off it) */
     uint64_t pin_wait_blocks, pin_wait_bytes, read_ahead_blocks, read_ahead_bytes;
+    uint64_t spill_room_bytes; /* what the spill tier can hold in all (kvstore.proto) */
     int direct_io, registered_arena;
     size_t n_hists;
     rekv_kv_hist hists[8];
