@@ -192,6 +192,67 @@ static uint64_t store_promised(rekv_coordinator *co, const worker *w)
     return sum;
 }
 
+/* Whether a job whose KV takes `need` bytes at its full length fits w's store beside `promised`
+ * (the running jobs'): 0 yes; -1 never (alone, promised 0), 1 not now; why gets the reason. The
+ * store holds the arena and, for the exact modes (which run a step bigger than the arena in layer
+ * windows), the spill tier's room; a batch past the arena must also have one layer at most the
+ * window the worker's pipeline pins — half the arena less two slots, beside the next window read
+ * ahead (pipeline_kvstore.c plan_windows). */
+static int store_fits(const worker *w, uint64_t tokens, uint64_t need, uint64_t promised, char *why,
+                      size_t n)
+{
+    const co_plan_state *ps = &w->plan;
+    uint64_t host = ps->store_host_bytes, all = promised + need;
+    int windows = ps->mode != REKV_MODE_INFINIGEN && ps->mode != REKV_MODE_CLO;
+    uint64_t spill = windows ? ps->store_spill_bytes : 0;
+    uint64_t big =
+        ps->store_kv_bytes > ps->store_act_bytes ? ps->store_kv_bytes : ps->store_act_bytes;
+    uint64_t win = host > 2 * big ? (host - 2 * big) / 2 : 0;
+    uint64_t L = ps->n_layers > 0 ? (uint64_t)ps->n_layers : 1;
+    int ret = promised ? 1 : -1;
+    const double M = 1048576.0;
+    if (all <= host)
+        return 0;
+    if (spill == 0) {
+        if (promised)
+            snprintf(why, n, "needs %.2f MiB, running jobs hold %.2f of %.2f MiB", need / M,
+                     promised / M, host / M);
+        else
+            snprintf(why, n,
+                     "its KV cache of %llu tokens takes %.2f MiB of kvstore host memory; the "
+                     "store has %.2f MiB in all",
+                     (unsigned long long)tokens, need / M, host / M);
+        return ret;
+    }
+    if (all > host + spill) {
+        if (promised)
+            snprintf(why, n,
+                     "needs %.2f MiB, running jobs hold %.2f of %.2f MiB (arena %.2f, spill %.2f)",
+                     need / M, promised / M, (host + spill) / M, host / M, spill / M);
+        else
+            snprintf(why, n,
+                     "its KV cache of %llu tokens takes %.2f MiB of kvstore host memory and "
+                     "spill; the store has %.2f MiB of arena and %.2f MiB of spill",
+                     (unsigned long long)tokens, need / M, host / M, spill / M);
+        return ret;
+    }
+    if (all / L > win) {
+        if (promised)
+            snprintf(why, n,
+                     "one layer of the batch would take %.2f MiB, more than a layer window of "
+                     "the %.2f MiB arena (%.2f MiB)",
+                     all / L / M, host / M, win / M);
+        else
+            snprintf(why, n,
+                     "one layer of its KV cache takes %.2f MiB of kvstore host memory, more "
+                     "than a layer window of the %.2f MiB arena (%.2f MiB: half of it less two "
+                     "blocks, beside the next window read ahead)",
+                     need / L / M, host / M, win / M);
+        return ret;
+    }
+    return 0;
+}
+
 /* Sends the next Plan to every idle worker that has work: joins from the queue, cancels. */
 void co_schedule(rekv_coordinator *co)
 {
@@ -227,24 +288,19 @@ void co_schedule(rekv_coordinator *co)
             /* admission: the job's KV at its full length must fit the store beside what the
              * running jobs will grow into; else it waits (first in line: nothing passes it) */
             uint64_t need = co_plan_job_store_bytes(&w->plan, job_tokens(w, j));
-            uint64_t cap = w->plan.store_host_bytes;
-            if (need > cap) {
-                char msg[256];
-                snprintf(msg, sizeof(msg),
-                         "its KV cache of %llu tokens takes %.2f MiB of kvstore host memory; the "
-                         "store has %.2f MiB in all",
-                         (unsigned long long)job_tokens(w, j), need / 1048576.0, cap / 1048576.0);
+            char why[256];
+            int fit = store_fits(w, job_tokens(w, j), need, 0, why, sizeof(why));
+            if (fit < 0) {
                 co->too_large++;
-                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
+                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", why);
                 continue;
             }
-            if (need > 0 && promised + need > cap) {
+            if (need > 0 &&
+                (fit = store_fits(w, job_tokens(w, j), need, promised, why, sizeof(why))) != 0) {
                 if (j->waiting[0] == '\0')
                     co->held_for_room++;
-                snprintf(j->waiting, sizeof(j->waiting),
-                         "waiting for kvstore room: needs %.2f MiB, running jobs hold %.2f of "
-                         "%.2f MiB",
-                         need / 1048576.0, promised / 1048576.0, cap / 1048576.0);
+                snprintf(j->waiting, sizeof(j->waiting), "waiting for kvstore room: %.*s",
+                         (int)(sizeof(j->waiting) - 32), why);
                 break;
             }
             promised += need;

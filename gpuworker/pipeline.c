@@ -321,19 +321,13 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     const rekv_model_config *c = p->c;
     const rekv_kernel_iface *k = p->k;
     int resident = p->cfg.mode == REKV_MODE_RESIDENT, L = c->n_layers;
-    step st = {.items = items, .n_items = n_items, .mem = {.meta = &p->meta}};
-    rekv_kv_range *ranges = NULL;
-    size_t n_ranges = 0;
-    int pinned = 0;
+    step st = {.items = items, .n_items = n_items, .mem = {.meta = &p->meta}, .win = -1};
     if ((rc = setup_batches(p, &st))) {
         rekv_errf(err, rc, rc == -E2BIG ? "step: more than 64 GPU batches" : "step: out of memory");
         goto out;
     }
-    if (!resident) {
-        if ((rc = pl_store_prepare(p, &st, &ranges, &n_ranges, err)))
-            goto out;
-        pinned = 1;
-    }
+    if (!resident && ((rc = pl_store_prepare(p, &st, err)) || (rc = pl_window_pin(p, &st, 0, err))))
+        goto out;
     if ((rc = pl_ensure_buffers(p, &st, err)))
         goto out;
     if ((p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) &&
@@ -358,11 +352,18 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     int G = st.n_g, n_units = L * G, w_loads = 0;
     for (int u = 0; u < n_units; u++) {
         int layer, g;
-        if (p->cfg.schedule == REKV_SCHED_COLUMN)
-            layer = u / G, g = u % G;
-        else
-            g = u / L, layer = u % L;
+        pl_unit_at(p, &st, u, &g, &layer);
         int b = u & 1;
+        /* the next layer window: once every unit of this one is done (its blocks read and its
+         * new rows stored), it is unpinned and the next pinned — its blocks read ahead while this
+         * one ran */
+        if (!resident && st.win >= 0 && u == st.win_u0[st.win + 1]) {
+            int next = st.win + 1;
+            if ((rc = p->bi->stream_sync(sh, err)) || (rc = p->bi->stream_sync(sc, err)) ||
+                (rc = p->bi->stream_sync(sd, err)) || (rc = pl_window_unpin(p, &st, err)) ||
+                (rc = pl_window_pin(p, &st, next, err)))
+                goto drain;
+        }
         /* weights: column schedule loads a layer once for all its GPU batches, row once per
          * unit; two buffers alternate */
         int load = p->cfg.offload_weights && (p->cfg.schedule == REKV_SCHED_COLUMN ? g == 0 : 1);
@@ -531,9 +532,9 @@ drain : {
         p->logged = now;
     }
 out:
-    if (pinned) {
+    if (st.win >= 0) {
         rekv_err uerr = {0};
-        int urc = rekv_kvstore_unpin(p->store, ranges, n_ranges, &uerr);
+        int urc = pl_window_unpin(p, &st, &uerr);
         if (rc == 0 && urc) {
             rc = urc;
             rekv_errf(err, urc, "%s", uerr.msg);

@@ -235,6 +235,9 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->bi = be->iface;
     p->k = rekv_kernels_of(be);
     p->store = store;
+    /* read-ahead of the next layer window; REKV_READ_AHEAD=0 turns it off (for benchmarks) */
+    const char *ra = getenv("REKV_READ_AHEAD");
+    p->read_ahead = ra == NULL || strcmp(ra, "0") != 0;
     p->cfg = *cfg;
     p->meta.be = be;
     /* kvstore sequence ids are the caller's to choose and the store may outlive this pipeline

@@ -142,9 +142,12 @@ struct rekv_pipeline {
     size_t n_steps, cap_steps;
     rekv_layer_counters logged; /* the totals at the end of the last logged step */
     uint64_t next_id;
-    rekv_kv_plan_block *plan;
+    rekv_kv_plan_block *plan; /* the pinned window's plan */
     size_t plan_n, plan_cap;
-    meta_arena meta;        /* per-step metadata kernels read (pipeline_buffers.c) */
+    /* the store's arena (its Stats, read once): what a step's layer windows must fit */
+    uint64_t store_host_bytes, store_kv_slot, store_act_slot;
+    int read_ahead;  /* windows ask the store to read the next one ahead (REKV_READ_AHEAD=0: no) */
+    meta_arena meta; /* per-step metadata kernels read (pipeline_buffers.c) */
     int arena_registered;   /* the backend page-locked the arena (host_register) */
     int weights_registered; /* ... and the engine's layer blocks (offloaded weights) */
     int page_locked;        /* rekv_pipeline_page_locked's answer */
@@ -219,10 +222,16 @@ typedef struct step {
     int32_t *tok[MAX_GPU_BATCHES], *pos[MAX_GPU_BATCHES]; /* [rows] */
     int32_t *row_seq[MAX_GPU_BATCHES];                    /* [rows] item index within the batch */
     int32_t *last[MAX_GPU_BATCHES]; /* [items of batch] index of each item's last row */
-    range_ref *kv_ref, *act_ref;    /* [n_items][n_layers]; act_ref only for kvpr */
-    int *split;                     /* [n_items] context tokens recomputed (kvpr) */
-    size_t *ig_off;                 /* infinigen: [n_items] offset of the item's speculated
-                                       scores, SIZE_MAX when it fetches densely */
+    range_ref *kv_ref, *act_ref;    /* [n_items][n_layers]; act_ref only for kvpr; the pinned
+                                       window's units only */
+    rekv_kv_range *ranges;          /* [n_ranges] every (sequence, layer) range, unit by unit */
+    size_t n_ranges;
+    size_t *unit_r0; /* [n_units + 1] unit u's ranges: [unit_r0[u], unit_r0[u + 1]) */
+    int *win_u0;     /* [n_win + 1] window w's units: [win_u0[w], win_u0[w + 1]) */
+    int n_win, win;  /* layer windows, and the one pinned now (-1: none) */
+    int *split;      /* [n_items] context tokens recomputed (kvpr) */
+    size_t *ig_off;  /* infinigen: [n_items] offset of the item's speculated
+                        scores, SIZE_MAX when it fetches densely */
     step_mem mem;
 } step;
 
@@ -259,8 +268,10 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
 
 /* pipeline_kvstore.c */
 const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r, int token);
-int pl_store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, size_t *n_ranges,
-                     rekv_err *err);
+void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *layer);
+int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err);
+int pl_window_pin(rekv_pipeline *p, step *st, int w, rekv_err *err);
+int pl_window_unpin(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,
                  unit_io *io);
 int pl_unit_io_keep(step *st, unit_io *io);

@@ -1,5 +1,7 @@
-/* pipeline_kvstore.c — the pipeline's side of the kvstore: a step's one plan round trip (append the
- * new tokens, pin every block the step reads or writes, index the plan by (item, layer)); each
+/* pipeline_kvstore.c — the pipeline's side of the kvstore: a step's plan round trips (append the
+ * new tokens, pin every block the step reads or writes — in one round trip when they fit the
+ * arena, else layer window by layer window, each asking the store to read the next one ahead —
+ * and index the plan by (item, layer)); each
  * unit's copy lists from the plan — context KV rows from the arena straight into the attention
  * buffer, activation rows into staging (or from ACT_GPU's device copy), the new rows back into the
  * arena; and push, where the store makes those KV copies itself (pipeline.c's opening). */
@@ -16,34 +18,134 @@ const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r
     return b < r->count ? &p->plan[r->first + b] : NULL;
 }
 
-static int store_ranges(rekv_pipeline *p, step *st, rekv_kv_range **out, size_t *n_out)
+/* Unit u of the step in schedule order: batch g, layer. */
+void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *layer)
 {
-    int L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR;
+    int L = p->c->n_layers, G = st->n_g;
+    if (p->cfg.schedule == REKV_SCHED_COLUMN)
+        *layer = u / G, *g = u % G;
+    else
+        *g = u / L, *layer = u % L;
+}
+
+/* The step's ranges unit by unit: for each item of the unit's batch its (sequence, layer) [0, end),
+ * and kvpr's activation sequence beside it. */
+static int store_ranges(rekv_pipeline *p, step *st)
+{
+    int L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR, U = L * st->n_g;
     size_t n = (size_t)st->n_items * (size_t)L * (kvpr ? 2 : 1);
     rekv_kv_range *r = pl_smem_alloc(&st->mem, n * sizeof(*r));
-    if (r == NULL)
+    st->unit_r0 = pl_smem_alloc(&st->mem, sizeof(size_t) * (size_t)(U + 1));
+    if (r == NULL || st->unit_r0 == NULL)
         return -ENOMEM;
     size_t i = 0;
-    for (int it = 0; it < st->n_items; it++) {
-        rekv_pseq *s = st->items[it].seq;
-        uint64_t end = (uint64_t)s->len + (uint64_t)st->items[it].n_tokens;
-        for (int l = 0; l < L; l++) {
+    for (int u = 0; u < U; u++) {
+        int g, l;
+        pl_unit_at(p, st, u, &g, &l);
+        st->unit_r0[u] = i;
+        for (int it = st->g_begin[g]; it < st->g_begin[g + 1]; it++) {
+            rekv_pseq *s = st->items[it].seq;
+            uint64_t end = (uint64_t)s->len + (uint64_t)st->items[it].n_tokens;
             r[i++] = (rekv_kv_range){s->id, (uint32_t)l, 0, end};
             if (kvpr)
                 r[i++] = (rekv_kv_range){s->id + 1, (uint32_t)l, 0, end};
         }
     }
-    *out = r;
-    *n_out = n;
+    st->unit_r0[U] = i;
+    st->ranges = r;
+    st->n_ranges = n;
     return 0;
 }
 
-/* Appends the step's new tokens to the store, then one plan round trip pins every block of every
- * (sequence, layer) the step reads or writes. */
-int pl_store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, size_t *n_ranges,
-                     rekv_err *err)
+/* What one layer of item it costs in the arena: its blocks, each its type's slot (the store's
+ * allocation rule, as the pipeline appended them). */
+static uint64_t item_layer_bytes(const rekv_pipeline *p, const step *st, int it)
 {
-    int rc, L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR;
+    const rekv_pseq *s = st->items[it].seq;
+    uint64_t nb = ((uint64_t)s->len + (uint64_t)st->items[it].n_tokens + REKV_KV_BLOCK_TOKENS - 1) /
+                  REKV_KV_BLOCK_TOKENS;
+    uint64_t kv = p->store_kv_slot, act = p->store_act_slot;
+    switch (p->cfg.mode) {
+    case REKV_MODE_ACT:
+        return nb * act;
+    case REKV_MODE_KVPR:
+        return nb * (kv + act);
+    case REKV_MODE_HYBRID: {
+        uint64_t nk = 0, na = 0;
+        for (uint64_t b = 0; b < nb; b++)
+            if (rekv_kv_next_block_type(nk, na, (uint32_t)s->kv_parts, (uint32_t)s->act_parts) ==
+                REKV_KV_BLOCK_KV)
+                nk++;
+            else
+                na++;
+        return nk * kv + na * act;
+    }
+    default:
+        return nb * kv;
+    }
+}
+
+/* Cuts the step's units into layer windows: the whole step when its blocks fit the arena (one
+ * pin, as before windows), else consecutive units whose blocks take at most half the arena less
+ * two slots (the window pinned beside the next one read ahead; a slot of each class for the
+ * rounding of small slots), at least one unit each. Approximate modes pin whole steps. */
+static int plan_windows(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    int L = p->c->n_layers, U = L * st->n_g;
+    if (p->store_host_bytes == 0) {
+        rekv_kv_stats ks;
+        int rc = rekv_kvstore_stats(p->store, &ks, err);
+        if (rc)
+            return rc;
+        p->store_host_bytes = ks.host_bytes;
+        p->store_kv_slot = ks.kv_slot_bytes;
+        p->store_act_slot = ks.act_slot_bytes;
+    }
+    uint64_t *item_b = pl_smem_alloc(&st->mem, sizeof(uint64_t) * (size_t)st->n_items);
+    st->win_u0 = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)(U + 1));
+    if (item_b == NULL || st->win_u0 == NULL)
+        return rekv_errf(err, -ENOMEM, "step: out of memory");
+    uint64_t total = 0;
+    for (int it = 0; it < st->n_items; it++)
+        total += (item_b[it] = item_layer_bytes(p, st, it)) * (uint64_t)L;
+    st->win = -1;
+    st->win_u0[0] = 0;
+    if (total <= p->store_host_bytes) {
+        st->n_win = 1;
+        st->win_u0[1] = U;
+        return 0;
+    }
+    if (p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO)
+        return rekv_errf(err, -ENOMEM,
+                         "step: the batch's KV (%llu bytes) does not fit the kvstore's arena "
+                         "(%llu bytes), and %s pins a whole step (only the exact modes run a "
+                         "step in layer windows)",
+                         (unsigned long long)total, (unsigned long long)p->store_host_bytes,
+                         rekv_mode_name(p->cfg.mode));
+    uint64_t big = p->store_kv_slot > p->store_act_slot ? p->store_kv_slot : p->store_act_slot;
+    uint64_t room = p->store_host_bytes > 2 * big ? p->store_host_bytes - 2 * big : 0;
+    uint64_t cap = room / 2, in = 0;
+    int n = 0;
+    for (int u = 0; u < U; u++) {
+        int g, l;
+        pl_unit_at(p, st, u, &g, &l);
+        uint64_t ub = 0;
+        for (int it = st->g_begin[g]; it < st->g_begin[g + 1]; it++)
+            ub += item_b[it];
+        if (u > st->win_u0[n] && in + ub > cap)
+            st->win_u0[++n] = u, in = 0;
+        in += ub;
+    }
+    st->win_u0[++n] = U;
+    st->n_win = n;
+    return 0;
+}
+
+/* Appends the step's new tokens to the store and cuts the step into layer windows (pinned by
+ * pl_window_pin). */
+int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    int rc, kvpr = p->cfg.mode == REKV_MODE_KVPR, L = p->c->n_layers;
     for (int it = 0; it < st->n_items; it++) {
         rekv_pseq *s = st->items[it].seq;
         uint32_t kv = 1, act = 0; /* offload: all KV */
@@ -59,37 +161,72 @@ int pl_store_prepare(rekv_pipeline *p, step *st, rekv_kv_range **ranges, size_t 
                                               0, 1, &after, err)))
             return rc;
     }
-    if ((rc = store_ranges(p, st, ranges, n_ranges)))
-        return rekv_errf(err, rc, "pipeline: out of memory");
-    if ((rc = rekv_kvstore_plan(p->store, *ranges, *n_ranges, 1, &p->plan, &p->plan_n, &p->plan_cap,
-                                err)))
-        return rc;
-    /* index the plan by range */
-    size_t per_item = (size_t)L * (kvpr ? 2 : 1);
     st->kv_ref = pl_smem_alloc(&st->mem, sizeof(range_ref) * (size_t)st->n_items * (size_t)L);
     st->act_ref = pl_smem_alloc(&st->mem, sizeof(range_ref) * (size_t)st->n_items * (size_t)L);
-    if (st->kv_ref == NULL || st->act_ref == NULL)
+    if (st->kv_ref == NULL || st->act_ref == NULL || store_ranges(p, st))
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
+    return plan_windows(p, st, err);
+}
+
+/* The ranges of window w: [*r0, *r1). */
+static void window_ranges(const step *st, int w, size_t *r0, size_t *r1)
+{
+    *r0 = st->unit_r0[st->win_u0[w]];
+    *r1 = st->unit_r0[st->win_u0[w + 1]];
+}
+
+/* Pins window w's blocks in one round trip (asking the store to read the next window — after the
+ * last, the first, which the next step of the same batch starts with — back meanwhile), and
+ * indexes its plan by (item, layer). */
+int pl_window_pin(rekv_pipeline *p, step *st, int w, rekv_err *err)
+{
+    int L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR, rc;
+    size_t r0, r1, a0 = 0, a1 = 0;
+    window_ranges(st, w, &r0, &r1);
+    if (st->n_win > 1 && p->read_ahead)
+        window_ranges(st, (w + 1) % st->n_win, &a0, &a1);
+    if ((rc = rekv_kvstore_pin_ahead(p->store, st->ranges + r0, r1 - r0, st->ranges + a0, a1 - a0,
+                                     &p->plan, &p->plan_n, &p->plan_cap, err)))
+        return rc;
+    st->win = w;
     size_t bi = 0;
-    for (size_t r = 0; r < *n_ranges; r++) {
-        size_t first = bi;
-        while (bi < p->plan_n && p->plan[bi].range == r)
-            bi++;
-        int item = (int)(r / per_item), l = (int)((r % per_item) / (kvpr ? 2 : 1));
-        range_ref ref = {first, bi - first};
-        if (kvpr && r % 2 == 1)
-            st->act_ref[item * L + l] = ref;
-        else
-            st->kv_ref[item * L + l] = ref;
-        uint64_t end = (*ranges)[r].token_end;
-        if (ref.count != (end + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS)
-            return rekv_errf(err, -EPROTO,
-                             "pipeline: the kvstore's plan for sequence %llu layer "
-                             "%d has %zu blocks for %llu tokens",
-                             (unsigned long long)(*ranges)[r].seq, l, ref.count,
-                             (unsigned long long)end);
+    for (int u = st->win_u0[w]; u < st->win_u0[w + 1]; u++) {
+        int g, l;
+        pl_unit_at(p, st, u, &g, &l);
+        size_t r = st->unit_r0[u];
+        for (int item = st->g_begin[g]; item < st->g_begin[g + 1]; item++)
+            for (int a = 0; a < (kvpr ? 2 : 1); a++, r++) {
+                size_t first = bi;
+                while (bi < p->plan_n && p->plan[bi].range == r - r0)
+                    bi++;
+                range_ref ref = {first, bi - first};
+                if (a)
+                    st->act_ref[item * L + l] = ref;
+                else
+                    st->kv_ref[item * L + l] = ref;
+                uint64_t end = st->ranges[r].token_end;
+                if (ref.count != (end + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS)
+                    return rekv_errf(err, -EPROTO,
+                                     "pipeline: the kvstore's plan for sequence %llu layer "
+                                     "%d has %zu blocks for %llu tokens",
+                                     (unsigned long long)st->ranges[r].seq, l, ref.count,
+                                     (unsigned long long)end);
+            }
     }
     return 0;
+}
+
+/* Unpins the pinned window, if any; a window of several is done until the next step's sweep, so
+ * the store spills it first. */
+int pl_window_unpin(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    if (st->win < 0)
+        return 0;
+    size_t r0, r1;
+    window_ranges(st, st->win, &r0, &r1);
+    st->win = -1;
+    return st->n_win > 1 ? rekv_kvstore_unpin_done(p->store, st->ranges + r0, r1 - r0, err)
+                         : rekv_kvstore_unpin(p->store, st->ranges + r0, r1 - r0, err);
 }
 
 /* Counts a range's ACT blocks before block b, for b that only grow (ACT_GPU keeps a sequence's

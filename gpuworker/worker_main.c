@@ -167,6 +167,7 @@ static void kv_room_fetch(worker *w)
     w->room.kv_block_bytes = st.kv_slot_bytes;
     w->room.act_block_bytes = st.act_slot_bytes;
     w->room.spill_bytes = st.spill_bytes;
+    w->room.spill_room_bytes = st.spill_room_bytes;
 }
 
 /* A WARN a peer can cause once per message: at most one a second per call site (rl), the next one

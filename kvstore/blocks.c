@@ -8,7 +8,16 @@
  * host copy; one freed while its I/O is in flight is released when the I/O completes. A failed
  * write keeps the block in memory and pauses spilling for a second; a failed read, or one whose
  * CRC32C does not match, leaves the block on disk with a sticky error. Each batch of completions
- * runs the parked requests again. */
+ * runs the parked requests again.
+ *
+ * The list of blocks that may be spilled is an LRU list with one exception: blocks a client
+ * unpins as done (Unpin.done, a layer window of a step that sweeps every layer) go to its
+ * spilled-first end, the last done first. For a cyclic sweep LRU is the worst order — the block
+ * used longest ago is the one needed next — while the block just finished is needed last, so that
+ * is the one to spill (Belady's choice for a cycle). Read-ahead (Plan.ahead) reads the next
+ * window's spilled blocks back off the pin's critical path: they queue here, reads start as slots
+ * and queue depth allow, and to make room it spills from the spilled-first end, never a block
+ * read-ahead wants (nor does the watermark spiller). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +67,20 @@ static void lru_remove(rekv_kvstore_server *s, uint32_t id)
     s->lru_len--;
 }
 
+static void lru_push_head(rekv_kvstore_server *s, uint32_t id)
+{
+    kv_block *b = &s->blocks[id];
+    b->prev = NIL;
+    b->next = s->lru_head;
+    if (s->lru_head != NIL)
+        s->blocks[s->lru_head].prev = id;
+    else
+        s->lru_tail = id;
+    s->lru_head = id;
+    b->in_lru = 1;
+    s->lru_len++;
+}
+
 static void lru_push_tail(rekv_kvstore_server *s, uint32_t id)
 {
     kv_block *b = &s->blocks[id];
@@ -81,6 +104,16 @@ void srv_lru_update(rekv_kvstore_server *s, uint32_t id, int touch)
         lru_remove(s, id);
     if (want && !b->in_lru)
         lru_push_tail(s, id);
+}
+
+void srv_lru_done(rekv_kvstore_server *s, uint32_t id)
+{
+    kv_block *b = &s->blocks[id];
+    lru_remove(s, id);
+    if (b->ahead != AH_READING)
+        b->ahead = AH_NONE;
+    if (b->state == BS_HOST && b->pins == 0 && b->holds == 0 && !b->doomed)
+        lru_push_head(s, id);
 }
 
 int srv_block_new(rekv_kvstore_server *s, uint32_t *out)
@@ -139,6 +172,10 @@ void srv_block_free(rekv_kvstore_server *s, uint32_t id)
         fslot_put(s, b->fslot);
         srv_block_release_id(s, id);
         break;
+    case BS_FRESH:
+        s->disk_n[b->type]--;
+        srv_block_release_id(s, id);
+        break;
     case BS_SPILLING:
         s->host_n[b->type]--;
         b->doomed = 1;
@@ -154,8 +191,9 @@ void srv_block_free(rekv_kvstore_server *s, uint32_t id)
 
 /* ------------------------------------------------------------------ spilling */
 
-/* Starts spilling the least recently used block. 1 started, 0 nothing to spill, <0 cannot. */
-static int spill_one(rekv_kvstore_server *s, const char **why)
+/* Starts spilling the block at the list's spilled-first end (keep_ahead: unless read-ahead
+ * wants it). 1 started, 0 nothing to spill, <0 cannot. */
+static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
 {
     if (s->spill == NULL) {
         *why = "the arena is full and there is no spill tier";
@@ -172,6 +210,8 @@ static int spill_one(rekv_kvstore_server *s, const char **why)
         *why = "every resident block is pinned or in use";
         return 0;
     }
+    if (keep_ahead && s->blocks[s->lru_head].ahead != AH_NONE)
+        return 0;
     if (kv_spill_in_flight(s->spill) >= kv_spill_depth(s->spill))
         return 0;
     uint32_t fslot;
@@ -228,7 +268,7 @@ int srv_ensure_room(rekv_kvstore_server *s, const uint64_t need[2], char *why, s
      * can spill a little more than needed, never too little) */
     const char *reason = "every resident block is pinned or in use";
     while (!kv_slots_fit(&s->hs, need, (uint64_t[2]){s->spilling_n[0], s->spilling_n[1]})) {
-        if (spill_one(s, &reason) <= 0)
+        if (spill_one(s, &reason, 0) <= 0)
             break;
     }
     if (s->spills_in_flight > 0)
@@ -257,9 +297,88 @@ void srv_spill_watermark(rekv_kvstore_server *s)
         uint64_t after = used > coming ? used - coming : 0;
         if (after * 100 <= total * s->cfg.low_pct)
             break;
-        if (spill_one(s, &why) <= 0)
+        if (spill_one(s, &why, 1) <= 0)
             break;
     }
+}
+
+/* ------------------------------------------------------------------ read-ahead */
+
+void srv_ahead_add(rekv_kvstore_server *s, const uint32_t *ids, size_t n)
+{
+    /* at most the arena's slots wait: more could not be resident at once anyway */
+    size_t max = (size_t)s->hs.n_big * s->hs.per_big;
+    for (size_t i = 0; i < n; i++) {
+        kv_block *b = &s->blocks[ids[i]];
+        if (b->ahead != AH_NONE || b->doomed)
+            continue;
+        if (b->state == BS_HOST || b->state == BS_SPILLING) {
+            b->ahead = AH_READY; /* resident: keep it */
+            if (b->state == BS_SPILLING)
+                b->touched = 1;
+            srv_lru_update(s, ids[i], 1);
+            continue;
+        }
+        if ((b->state != BS_DISK && b->state != BS_FRESH) || b->load_err || s->ahead_n >= max)
+            continue;
+        size_t cap = s->ahead_cap;
+        if (srv_grow((void **)&s->ahead_q, &cap, s->ahead_n + 1, sizeof(uint32_t)) < 0)
+            return; /* a hint: dropped */
+        s->ahead_cap = cap;
+        s->ahead_q[s->ahead_n++] = ids[i];
+        b->ahead = AH_QUEUED;
+    }
+}
+
+void srv_ahead_pump(rekv_kvstore_server *s)
+{
+    if (s->ahead_n == 0)
+        return;
+    uint64_t need[2] = {0, 0};
+    size_t k = 0;
+    for (size_t i = 0; i < s->ahead_n; i++) {
+        uint32_t id = s->ahead_q[i];
+        kv_block *b = &s->blocks[id];
+        if (b->ahead != AH_QUEUED) /* pinned meanwhile, or the id was freed and reused */
+            continue;
+        if ((b->state != BS_DISK && b->state != BS_FRESH) || b->load_err || b->doomed ||
+            s->spill == NULL) {
+            b->ahead = AH_NONE;
+            continue;
+        }
+        if (b->state == BS_FRESH) { /* nothing to read: a slot is all it needs */
+            if (srv_slot_take(s, id) == 0) {
+                b->state = BS_HOST;
+                b->ahead = AH_READY;
+                s->disk_n[b->type]--;
+                s->host_n[b->type]++;
+                srv_lru_update(s, id, 1);
+                continue;
+            }
+        } else if (kv_spill_in_flight(s->spill) < kv_spill_depth(s->spill) &&
+                   srv_slot_take(s, id) == 0) {
+            if (kv_spill_read(s->spill, kv_slots_offset(&s->hs, b->slot), b->fslot,
+                              srv_blk_bytes(s, b), id) == 0) {
+                b->state = BS_LOADING;
+                b->ahead = AH_READING;
+                s->reads_in_flight++;
+                continue;
+            }
+            kv_slots_put(&s->hs, b->type, b->slot);
+        }
+        need[b->type]++;
+        s->ahead_q[k++] = id;
+    }
+    s->ahead_n = k;
+    if (s->spill)
+        kv_spill_submit(s->spill);
+    /* room for the rest, from what may be spilled (what read-ahead itself wants stays) */
+    const char *why;
+    while (k && !kv_slots_fit(&s->hs, need, (uint64_t[2]){s->spilling_n[0], s->spilling_n[1]}))
+        if (spill_one(s, &why, 1) <= 0)
+            break;
+    if (s->spill)
+        kv_spill_submit(s->spill);
 }
 
 /* ------------------------------------------------------------------ sequences */
@@ -338,6 +457,7 @@ void srv_on_completions(rekv_kvstore_server *s)
                 } else if (d[i].res < 0 || d[i].crc != b->crc) {
                     slot_put(s, b);
                     b->state = BS_DISK;
+                    b->ahead = AH_NONE;
                     b->load_err = d[i].res < 0 ? d[i].res : -EBADMSG;
                     if (d[i].res == 0)
                         s->crc_errors++;
@@ -351,11 +471,19 @@ void srv_on_completions(rekv_kvstore_server *s)
                     s->disk_n[b->type]--;
                     s->host_n[b->type]++;
                     s->bytes_read_back += bytes;
+                    if (b->ahead == AH_READING) {
+                        s->read_ahead_blocks++;
+                        s->read_ahead_bytes += bytes;
+                        /* a pin waiting for it has it now; else keep it for the pin to come */
+                        b->ahead = b->pins || b->holds ? AH_NONE : AH_READY;
+                    }
                     srv_lru_update(s, id, 1);
                 }
             }
         }
     }
-    if (any)
+    if (any) {
         srv_run_pending(s);
+        srv_ahead_pump(s); /* after the pins: they come first for the slots freed */
+    }
 }

@@ -529,25 +529,34 @@ static int ranges_build(const rekv_kv_range *ranges, size_t n, Rekv__Kvstore__Ra
     return 0;
 }
 
-int rekv_kvstore_plan(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
-                      int pin, rekv_kv_plan_block **blocks, size_t *n_blocks, size_t *cap,
-                      rekv_err *err)
+static int plan_call(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges, int pin,
+                     const rekv_kv_range *ahead, size_t n_ahead, rekv_kv_plan_block **blocks,
+                     size_t *n_blocks, size_t *cap, rekv_err *err)
 {
-    Rekv__Kvstore__Range *arr, **ptrs;
+    Rekv__Kvstore__Range *arr, **ptrs, *arr_a = NULL, **ptrs_a = NULL;
     *n_blocks = 0;
     if (ranges_build(ranges, n_ranges, &arr, &ptrs) < 0)
         return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+    if (n_ahead && ranges_build(ahead, n_ahead, &arr_a, &ptrs_a) < 0) {
+        free(arr);
+        free(ptrs);
+        return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+    }
     Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
     Rekv__Kvstore__Plan m = REKV__KVSTORE__PLAN__INIT;
     m.n_ranges = n_ranges;
     m.ranges = ptrs;
     m.pin = pin != 0;
+    m.n_ahead = n_ahead;
+    m.ahead = ptrs_a;
     req.body_case = REKV__KVSTORE__REQUEST__BODY_PLAN;
     req.plan = &m;
     Rekv__Kvstore__Response *resp;
     int rc = call(c, &req, &resp, err);
     free(arr);
     free(ptrs);
+    free(arr_a);
+    free(ptrs_a);
     if (rc < 0)
         return rc;
     Rekv__Kvstore__PlanReply *p = resp->plan;
@@ -593,8 +602,21 @@ out:
     return rc;
 }
 
-int rekv_kvstore_unpin(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
-                       rekv_err *err)
+int rekv_kvstore_plan(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges, int pin,
+                      rekv_kv_plan_block **blocks, size_t *n_blocks, size_t *cap, rekv_err *err)
+{
+    return plan_call(c, ranges, n_ranges, pin, NULL, 0, blocks, n_blocks, cap, err);
+}
+
+int rekv_kvstore_pin_ahead(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                           const rekv_kv_range *ahead, size_t n_ahead, rekv_kv_plan_block **blocks,
+                           size_t *n_blocks, size_t *cap, rekv_err *err)
+{
+    return plan_call(c, ranges, n_ranges, 1, ahead, n_ahead, blocks, n_blocks, cap, err);
+}
+
+static int unpin_call(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                      int done, rekv_err *err)
 {
     Rekv__Kvstore__Range *arr, **ptrs;
     if (ranges_build(ranges, n_ranges, &arr, &ptrs) < 0)
@@ -603,12 +625,25 @@ int rekv_kvstore_unpin(rekv_kvstore_client *c, const rekv_kv_range *ranges, size
     Rekv__Kvstore__Unpin m = REKV__KVSTORE__UNPIN__INIT;
     m.n_ranges = n_ranges;
     m.ranges = ptrs;
+    m.done = done != 0;
     req.body_case = REKV__KVSTORE__REQUEST__BODY_UNPIN;
     req.unpin = &m;
     int rc = call_simple(c, &req, err);
     free(arr);
     free(ptrs);
     return rc;
+}
+
+int rekv_kvstore_unpin(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                       rekv_err *err)
+{
+    return unpin_call(c, ranges, n_ranges, 0, err);
+}
+
+int rekv_kvstore_unpin_done(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                            rekv_err *err)
+{
+    return unpin_call(c, ranges, n_ranges, 1, err);
 }
 
 int rekv_kvstore_free(rekv_kvstore_client *c, uint64_t seq, uint32_t layer_begin,
@@ -808,6 +843,11 @@ int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err
     out->spill_bytes = s->spill_bytes;
     out->spill_used_bytes = s->spill_used_bytes;
     out->instance = s->instance;
+    out->pin_wait_blocks = s->pin_wait_blocks;
+    out->pin_wait_bytes = s->pin_wait_bytes;
+    out->read_ahead_blocks = s->read_ahead_blocks;
+    out->read_ahead_bytes = s->read_ahead_bytes;
+    out->spill_room_bytes = s->spill_room_bytes;
     out->direct_io = s->direct_io;
     out->registered_arena = s->registered_arena;
     for (size_t i = 0; i < s->n_histograms && out->n_hists < 8; i++) {

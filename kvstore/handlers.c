@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/statvfs.h>
 #include <zmq.h>
 
 #include "common/clock.h"
@@ -239,6 +240,19 @@ static int h_free(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Free *m, 
     return 0;
 }
 
+/* Bytes the spill tier can still take: --spill-bytes less what it holds, or the filesystem's free
+ * space now when it has no limit. */
+static uint64_t spill_room(const rekv_kvstore_server *s)
+{
+    uint64_t used = kv_spill_slots_used(s->spill) * (uint64_t)s->hs.big_bytes;
+    if (s->cfg.spill_bytes)
+        return s->cfg.spill_bytes > used ? s->cfg.spill_bytes - used : 0;
+    struct statvfs v;
+    if (statvfs(s->spill_dir, &v) != 0)
+        return 0;
+    return (uint64_t)v.f_bavail * (uint64_t)v.f_frsize;
+}
+
 static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *r)
 {
     kv_seq *q = srv_seq_get(s, m->seq);
@@ -268,9 +282,23 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
     int rc = srv_ensure_room(s, need_t, why, sizeof(why));
     if (rc == WAIT)
         return WAIT;
-    if (rc < 0)
-        return srv_fail(r, -ENOMEM, "append %llu tokens to sequence %llu: %s",
-                        (unsigned long long)m->n_tokens, (unsigned long long)m->seq, why);
+    /* no room in the arena now (pinned, or more than it holds): with a spill tier the new blocks
+     * are made without a slot, which each takes when first planned (a step pinning layer windows
+     * needs only its window resident, so the append must not need all layers at once) */
+    int fresh = rc < 0;
+    if (rc < 0) {
+        if (s->spill == NULL || s->spill_err != 0)
+            return srv_fail(r, -ENOMEM, "append %llu tokens to sequence %llu: %s",
+                            (unsigned long long)m->n_tokens, (unsigned long long)m->seq, why);
+        uint64_t want = (need_t[0] + need_t[1]) * s->hs.big_bytes, room = spill_room(s);
+        if (want > room)
+            return srv_fail(r, -ENOMEM,
+                            "append %llu tokens to sequence %llu: its %llu blocks need %llu bytes "
+                            "on the spill tier, which has %llu free (%s)",
+                            (unsigned long long)m->n_tokens, (unsigned long long)m->seq,
+                            (unsigned long long)(need_t[0] + need_t[1]), (unsigned long long)want,
+                            (unsigned long long)room, why);
+    }
     if (nb > q->cap) {
         uint32_t ncap = q->cap ? q->cap : 8;
         while (ncap < nb)
@@ -307,10 +335,15 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
                 kv_l++;
             else
                 act_l++;
+            q->blocks[l][b] = id;
+            if (fresh) {
+                blk->state = BS_FRESH;
+                s->disk_n[blk->type]++;
+                continue;
+            }
             blk->state = BS_HOST;
             (void)srv_slot_take(s, id); /* cannot fail: srv_ensure_room said they fit */
             s->host_n[blk->type]++;
-            q->blocks[l][b] = id;
             srv_lru_update(s, id, 0);
         }
         if (l == 0)
@@ -384,9 +417,26 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
     /* hold everything resident, start reads for what is on disk */
     uint64_t need_slots[2] = {0, 0};
     size_t not_ready = 0;
+    int first_run = p->runs++ == 0;
     for (size_t i = 0; i < n; i++) {
         uint32_t id = s->scratch[i];
         kv_block *b = &s->blocks[id];
+        if (m->pin && b->ahead != AH_READING)
+            b->ahead = AH_NONE; /* pinned now: read-ahead is done with it */
+        if (first_run && m->pin && (b->state == BS_DISK || b->state == BS_LOADING)) {
+            p->waits++; /* this pin waits for its read: on the critical path */
+            p->wait_bytes += srv_blk_bytes(s, b);
+        }
+        if (b->state == BS_FRESH) { /* never written: a slot, no read */
+            if (srv_slot_take(s, id) < 0) {
+                need_slots[b->type]++;
+                not_ready++;
+                continue;
+            }
+            b->state = BS_HOST;
+            s->disk_n[b->type]--;
+            s->host_n[b->type]++;
+        }
         if (b->state == BS_DISK && b->load_err) {
             r->resp.lost_seq = b->seq; /* the client fails that sequence's owner, not the rest */
             return srv_fail(r, b->load_err, "sequence %llu layer %u block %u: read-back failed: %s",
@@ -477,6 +527,17 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
     if (m->pin) {
         s->pin_misses += p->misses;
         s->pin_hits += n > p->misses ? n - p->misses : 0;
+        s->pin_wait_blocks += p->waits;
+        s->pin_wait_bytes += p->wait_bytes;
+    }
+    if (m->n_ahead) { /* the next window: read back while the caller computes this one */
+        size_t na;
+        kv_reply ra;
+        srv_reply_init(&ra, 0);
+        if (resolve_ranges(s, m->ahead, m->n_ahead, &na, &ra) == 0) {
+            srv_ahead_add(s, s->scratch, na);
+            srv_ahead_pump(s);
+        } /* else a hint that names what is gone: ignored */
     }
     r->plan.n_range_count = n_ranges;
     r->plan.range_count = rc_arr;
@@ -518,8 +579,13 @@ static int h_unpin(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Unpin *m
         if (v && *v == 0)
             kv_map_del(&c->pins, id);
         s->blocks[id].pins--;
-        srv_lru_update(s, id, 0);
+        if (m->done)
+            srv_lru_done(s, id);
+        else
+            srv_lru_update(s, id, 0);
     }
+    if (m->done)
+        srv_ahead_pump(s); /* what is done may make room for what read-ahead waits for */
     return 0;
 }
 
@@ -541,6 +607,15 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->spill_used_bytes =
         s->spill ? kv_spill_slots_used(s->spill) * (uint64_t)s->hs.big_bytes : 0;
     st->instance = s->instance;
+    st->pin_wait_blocks = s->pin_wait_blocks;
+    st->pin_wait_bytes = s->pin_wait_bytes;
+    st->read_ahead_blocks = s->read_ahead_blocks;
+    st->read_ahead_bytes = s->read_ahead_bytes;
+    st->spill_room_bytes =
+        s->spill == NULL ? 0
+        : s->cfg.spill_bytes
+            ? s->cfg.spill_bytes
+            : kv_spill_slots_used(s->spill) * (uint64_t)s->hs.big_bytes + spill_room(s);
     uint64_t pinned = 0;
     for (uint32_t i = 0; i < s->n_block_ids; i++)
         if (s->blocks[i].state != BS_UNUSED && s->blocks[i].pins > 0)

@@ -283,6 +283,16 @@ int rekv_kvstore_plan(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_
 /* Pins = plan with pin = 1; unpin releases one pin per block covering the ranges. */
 int rekv_kvstore_unpin(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
                        rekv_err *err);
+/* A window of a step that sweeps its layers: pins ranges as rekv_kvstore_plan(pin = 1) does, and
+ * asks the store to read the `ahead` ranges (the next window) back from disk meanwhile, unpinned
+ * (kvstore.proto Plan.ahead). */
+int rekv_kvstore_pin_ahead(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                           const rekv_kv_range *ahead, size_t n_ahead, rekv_kv_plan_block **blocks,
+                           size_t *n_blocks, size_t *cap, rekv_err *err);
+/* Unpins as rekv_kvstore_unpin does, saying the caller is done with these blocks until its next
+ * sweep: the store spills them first (kvstore.proto Unpin.done). */
+int rekv_kvstore_unpin_done(rekv_kvstore_client *c, const rekv_kv_range *ranges, size_t n_ranges,
+                            rekv_err *err);
 /* Frees blocks [block_begin, block_end) of layers [layer_begin, layer_end). */
 int rekv_kvstore_free(rekv_kvstore_client *c, uint64_t seq, uint32_t layer_begin,
                       uint32_t layer_end, uint64_t block_begin, uint64_t block_end, rekv_err *err);
@@ -359,6 +369,9 @@ typedef struct rekv_kv_stats {
     uint64_t spill_bytes;                   /* 0: no spill tier; UINT64_MAX: the filesystem's */
     uint64_t spill_used_bytes;
     uint64_t instance; /* random per store process */
+    /* spill reads a pin waited for (on its critical path) and reads done ahead (off it) */
+    uint64_t pin_wait_blocks, pin_wait_bytes, read_ahead_blocks, read_ahead_bytes;
+    uint64_t spill_room_bytes; /* what the spill tier can hold in all (kvstore.proto) */
     int direct_io, registered_arena;
     size_t n_hists;
     rekv_kv_hist hists[8];

@@ -136,15 +136,17 @@ int srv_h_push(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Push *m, kv_
                 r, -EINVAL, "push: piece %zu writes [%llu, +%llu) outside buffer %u of %zu bytes",
                 i, (unsigned long long)dst, (unsigned long long)bytes, m->buffer[i], b->bytes);
         /* within one block this connection pins: anything else may be spilled and its slot
-         * given to another sequence while the copy runs */
+         * given to another sequence while the copy runs (a pinned block whose spill was in
+         * flight when it was pinned keeps its host copy: SPILLING is resident) */
         uint32_t slot = 0, id = NIL;
         uint64_t start = 0;
         if (kv_slots_find(&s->hs, src - lo, &slot, &start) == 0)
             id = s->slot_block[slot];
-        if (bytes > 0 &&
-            (id >= s->n_block_ids || s->blocks[id].state != BS_HOST || s->blocks[id].slot != slot ||
-             src - lo - start + bytes > srv_blk_bytes(s, &s->blocks[id]) ||
-             kv_map_get(&c->pins, id) == NULL))
+        if (bytes > 0 && (id >= s->n_block_ids ||
+                          (s->blocks[id].state != BS_HOST && s->blocks[id].state != BS_SPILLING) ||
+                          s->blocks[id].slot != slot ||
+                          src - lo - start + bytes > srv_blk_bytes(s, &s->blocks[id]) ||
+                          kv_map_get(&c->pins, id) == NULL))
             return srv_fail(
                 r, -EPERM,
                 "push: piece %zu reads [%llu, +%llu), not inside one block this connection "

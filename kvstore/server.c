@@ -381,6 +381,7 @@ int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
             if (s->pending)
                 srv_run_pending(s); /* a paused spill tier may have resumed */
         }
+        srv_ahead_pump(s);
         srv_spill_watermark(s);
         if (s->metrics) { /* last: a scrape sees this turn's state */
             for (int k = 0; k < m_n; k++)
@@ -446,6 +447,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
     kv_slots_destroy(&s->hs);
     free(s->slot_block);
     free(s->scratch);
+    free(s->ahead_q);
     free(s->endpoint);
     free(s->ipc_path);
     free(s->fd_path);

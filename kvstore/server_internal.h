@@ -22,7 +22,12 @@ typedef struct rekv_event rekv_event;
 #define MAX_IDENT 256
 #define MAX_OWNER REKV_KV_OWNER_MAX
 
-enum { BS_UNUSED = 0, BS_HOST, BS_SPILLING, BS_DISK, BS_LOADING };
+/* BS_FRESH: appended when the arena had no room for it; no slot and nothing written yet, it takes
+ * a slot (and no read) when first planned. Counted with the blocks on disk (not in memory). */
+enum { BS_UNUSED = 0, BS_HOST, BS_SPILLING, BS_DISK, BS_LOADING, BS_FRESH };
+/* kv_block.ahead: read-ahead (Plan.ahead) wants it read back / is reading it / it is resident
+ * and not pinned yet (then the read-ahead and the watermark spiller leave it alone) */
+enum { AH_NONE = 0, AH_QUEUED, AH_READING, AH_READY };
 enum { H_PLAN = 0, H_PIN, H_APPEND, H_OTHER, H_SPILL_WRITE, H_SPILL_READ, H_COUNT };
 
 typedef struct kv_block {
@@ -34,6 +39,7 @@ typedef struct kv_block {
     uint8_t touched;     /* used while its spill was in flight: keep the host copy */
     uint8_t doomed;      /* freed while I/O was in flight: release on completion */
     uint8_t in_lru;      /* on the LRU list (resident, unpinned, unheld) */
+    uint8_t ahead;       /* AH_*: where read-ahead stands with it */
     int32_t load_err;    /* sticky read-back failure, 0 when none: -EBADMSG (CRC), else errno */
     uint32_t slot;       /* host slot (HOST, SPILLING, LOADING) */
     uint32_t fslot;      /* spill-file slot (SPILLING, DISK, LOADING) */
@@ -81,7 +87,9 @@ typedef struct kv_pending {
     uint64_t t0;                 /* receive time, ns */
     uint32_t *holds;             /* block ids held for it */
     size_t n_holds, cap_holds;
-    uint64_t misses; /* blocks it had to read back */
+    uint64_t misses;            /* blocks it had to read back */
+    uint64_t waits, wait_bytes; /* a pin: blocks on disk or being read when it came */
+    int runs;                   /* times it ran (parked requests run again) */
     struct kv_pending *next;
 } kv_pending;
 
@@ -105,7 +113,7 @@ struct rekv_kvstore_server {
     kv_slots hs;          /* the arena's host slots, two classes (slots.c) */
     uint32_t *slot_block; /* [n_big * per_big] the block last given each slot (push checks) */
     uint64_t instance;    /* random, per store: clients tell stores apart by it (Stats) */
-    uint32_t lru_head, lru_tail; /* least / most recently used */
+    uint32_t lru_head, lru_tail; /* spilled first (least recently used, or done) / last */
     uint64_t lru_len;
     kv_map seqs; /* seq id -> kv_seq * */
     kv_client *clients;
@@ -120,6 +128,9 @@ struct rekv_kvstore_server {
     size_t cap_scratch;
     uint64_t host_n[2], disk_n[2];
     uint64_t bytes_spilled, bytes_read_back, pin_hits, pin_misses;
+    uint32_t *ahead_q; /* read-ahead: block ids to read back, in the order asked */
+    size_t ahead_n, ahead_cap;
+    uint64_t pin_wait_blocks, pin_wait_bytes, read_ahead_blocks, read_ahead_bytes;
     uint64_t spill_errors, crc_errors, leases_expired;
     uint64_t sequences_reclaimed; /* dropped by DropOwner or with their owner's lease */
     int orphans_left;             /* a dead owner's sequence was busy: sweep again at next check */
@@ -173,6 +184,14 @@ uint64_t srv_blk_offset(const rekv_kvstore_server *s, const kv_block *b);
 /* A host slot for block id (of its type): 0, or -ENOSPC. */
 int srv_slot_take(rekv_kvstore_server *s, uint32_t id);
 void srv_lru_update(rekv_kvstore_server *s, uint32_t id, int touch);
+/* Like srv_lru_update, but a block that may be spilled goes to the end spilled first (a client is
+ * done with it until its next sweep: Unpin.done). */
+void srv_lru_done(rekv_kvstore_server *s, uint32_t id);
+/* Queues the blocks ids[0..n) for read-ahead (marks the resident ones as wanted soon). */
+void srv_ahead_add(rekv_kvstore_server *s, const uint32_t *ids, size_t n);
+/* Starts the read-backs read-ahead can start now, and spills what may be spilled (never a block
+ * read-ahead wants) to make room for the rest. */
+void srv_ahead_pump(rekv_kvstore_server *s);
 int srv_block_new(rekv_kvstore_server *s, uint32_t *out);
 void srv_block_release_id(rekv_kvstore_server *s, uint32_t id);
 void srv_block_free(rekv_kvstore_server *s, uint32_t id);

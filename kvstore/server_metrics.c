@@ -109,6 +109,20 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
                         "Blocks pinned, by whether they were in memory (hit) or read back (miss).");
     rekv_metrics_sample(b, "rekv_kvstore_pins_total", "result=\"hit\"", (double)s->pin_hits);
     rekv_metrics_sample(b, "rekv_kvstore_pins_total", "result=\"miss\"", (double)s->pin_misses);
+    rekv_metrics_family(b, "rekv_kvstore_spill_path_reads_total", "counter",
+                        "Spill read-backs by path: blocks a pin found on disk or still being read "
+                        "and waited for (critical), blocks read back ahead of their pin (ahead).");
+    rekv_metrics_sample(b, "rekv_kvstore_spill_path_reads_total", "path=\"critical\"",
+                        (double)s->pin_wait_blocks);
+    rekv_metrics_sample(b, "rekv_kvstore_spill_path_reads_total", "path=\"ahead\"",
+                        (double)s->read_ahead_blocks);
+    rekv_metrics_family(
+        b, "rekv_kvstore_spill_path_read_bytes_total", "counter",
+        "Bytes of the spill read-backs by path (as rekv_kvstore_spill_path_reads_total).");
+    rekv_metrics_sample(b, "rekv_kvstore_spill_path_read_bytes_total", "path=\"critical\"",
+                        (double)s->pin_wait_bytes);
+    rekv_metrics_sample(b, "rekv_kvstore_spill_path_read_bytes_total", "path=\"ahead\"",
+                        (double)s->read_ahead_bytes);
 
     rekv_metrics_hist h;
     rekv_metrics_family(b, "rekv_kvstore_request_seconds", "histogram",

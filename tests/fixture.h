@@ -41,8 +41,9 @@ typedef struct tu_fixture {
 /* Opens model_path, creates its engine and a cpu backend, and spawns a private kvstore (256 MiB,
  * cache dtype `cache`, push backend push_backend: NULL for a store that cannot push) in a fresh
  * temporary directory, connected. Fails the test on any error. */
-static inline void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_dtype cache,
-                                   const char *push_backend)
+/* The same with an arena of host_bytes (a store whose blocks spill). */
+static inline void tu_fixture_open_host(tu_fixture *f, const char *model_path, rekv_dtype cache,
+                                        const char *push_backend, uint64_t host_bytes)
 {
     rekv_err err = {0};
     memset(f, 0, sizeof(*f));
@@ -55,7 +56,7 @@ static inline void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_d
     rekv_kvstore_config cfg;
     rekv_kvstore_config_defaults(&cfg);
     cfg.endpoint = ep;
-    cfg.host_bytes = 256ull << 20;
+    cfg.host_bytes = host_bytes;
     cfg.spill_dir = f->dir;
     cfg.push_backend = push_backend;
     ck_assert_msg(rekv_kv_geometry_from_config(&f->m->config, cache, &cfg.geometry, &err) == 0,
@@ -63,6 +64,12 @@ static inline void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_d
     ck_assert_msg(rekv_kvstore_spawn(&cfg, &f->store_pid, &err) == 0, "%s", err.msg);
     ck_assert_msg(rekv_kvstore_client_connect(ep, NULL, 30000, &f->store, &err) == 0, "%s",
                   err.msg);
+}
+
+static inline void tu_fixture_open(tu_fixture *f, const char *model_path, rekv_dtype cache,
+                                   const char *push_backend)
+{
+    tu_fixture_open_host(f, model_path, cache, push_backend, 256ull << 20);
 }
 
 /* Stops the store (which must exit cleanly) and frees everything. */

@@ -1505,6 +1505,99 @@ START_TEST(admission_waits_for_kvstore_room)
 }
 END_TEST
 
+/* Admission counts the spill tier (issue 14 items 3-4): an arena of 60 blocks and a spill tier of
+ * 80 (--spill-bytes), offload. Job A (400 tokens: 25 blocks a layer, 125 in all) is twice the
+ * arena and is admitted — its steps run in layer windows, the blocks of the layers not running
+ * spilled — and finishes with rekv_generate's tokens; B, the same size, waits for A (125 + 125 is
+ * more than arena and spill together), saying so, and then finishes; C (504 tokens, 160 blocks)
+ * is larger than arena and spill together and fails at once. */
+START_TEST(admission_counts_spill)
+{
+    env e;
+    if (env_open(&e))
+        return;
+    static tjob ab[2], big[1];
+    make_jobs(ab, 2, 16, 512, 14);
+    for (int i = 0; i < 2; i++)
+        ab[i].n_prompt = 4, ab[i].gp.max_new_tokens = 396, ab[i].gp.stop_at_eos = 0;
+    reference(ab, 2, e.model);
+    make_jobs(big, 1, 16, 512, 15);
+    big[0].n_prompt = 4, big[0].gp.max_new_tokens = 500;
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    char *dir = tu_tmpdir();
+    const char *kargs[] = {prog,     "--endpoint",
+                           e.kv,     "--model",
+                           e.model,  "--host-bytes",
+                           "249856", "--cache-dtype",
+                           "f32",    "--spill-dir",
+                           dir,      "--spill-bytes",
+                           "327680", NULL};
+    pid_t kv = spawn(kargs);
+    rekv_kvstore_client *k = kv_open(&e);
+    rekv_kv_stats kst;
+    kv_stats(k, &kst);
+    ck_assert_uint_eq(kst.host_bytes, 60 * 4096);
+    ck_assert_uint_eq(kst.spill_room_bytes, 80 * 4096);
+    pid_t co = start_coordinator(&e, "64", "5000");
+    pid_t wk = start_kv_worker(&e, "8", "w0");
+    rekv_ctl *c = ctl_open(e.ctl);
+    wait_workers(c, 1);
+    ck_assert_int_eq(submit_all(c, big, 1), 1);
+    ck_assert_int_eq(submit_all(c, &ab[0], 1), 1);
+    for (;;) { /* A runs: it fits arena and spill */
+        Rekv__Control__Response *r = status(c, ab[0].id);
+        int st = r->job->state;
+        rekv__control__response__free_unpacked(r, NULL);
+        ck_assert_int_ne(st, REKV__CONTROL__JOB_STATE__FAILED);
+        if (st != REKV__CONTROL__JOB_STATE__QUEUED)
+            break;
+        usleep(1000);
+    }
+    ck_assert_int_eq(submit_all(c, &ab[1], 1), 1);
+    int seen = 0;
+    for (;;) { /* B waits for A, and says why */
+        Rekv__Control__Response *r = status(c, ab[1].id);
+        int queued = r->job->state == REKV__CONTROL__JOB_STATE__QUEUED;
+        seen = queued && strstr(r->job->waiting, "waiting for kvstore room") != NULL &&
+               strstr(r->job->waiting, "spill") != NULL;
+        rekv__control__response__free_unpacked(r, NULL);
+        if (seen || !queued)
+            break;
+    }
+    ck_assert_msg(seen, "job B started without waiting for A's room in arena and spill");
+    wait_and_check(c, ab, 2, 120);
+    Rekv__Control__Response *r = status(c, big[0].id);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__FAILED);
+    ck_assert_msg(strstr(r->job->error, "kvstore host memory and spill") != NULL, "%s",
+                  r->job->error);
+    ck_assert_uint_eq(r->job->attempts, 0); /* failed before it ever ran */
+    rekv__control__response__free_unpacked(r, NULL);
+    r = stats(c);
+    ck_assert_uint_eq(r->stats->done, 2);
+    ck_assert_uint_eq(r->stats->failed, 1);
+    ck_assert_uint_eq(r->stats->steps_failed, 0);
+    ck_assert_uint_eq(r->stats->requeued, 0);
+    ck_assert_uint_eq(r->stats->jobs_too_large, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    kv_stats(k, &kst);
+    fprintf(stderr, "   admission_counts_spill: %llu bytes spilled, %llu read back, %llu ahead\n",
+            (unsigned long long)kst.bytes_spilled, (unsigned long long)kst.bytes_read_back,
+            (unsigned long long)kst.read_ahead_bytes);
+    ck_assert_uint_gt(kst.bytes_read_back, 0); /* the jobs' KV did live on the spill tier */
+    ck_assert_uint_eq(kst.sequences, 0);
+    rekv_ctl_close(c);
+    rekv_kvstore_client_close(k);
+    ck_assert_int_eq(stop(wk), 0);
+    ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(stop(kv), 0);
+    free_jobs(ab, 2);
+    tu_rmrf(dir);
+    free(dir);
+    env_close(&e);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("coordinator");
@@ -1529,6 +1622,7 @@ static Suite *suite(void)
     tcase_add_test(tc, malformed_requests);
     tcase_add_test(tc, busy_queue);
     tcase_add_test(tc, admission_waits_for_kvstore_room);
+    tcase_add_test(tc, admission_counts_spill);
     suite_add_tcase(s, tc);
     return s;
 }

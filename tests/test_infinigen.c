@@ -388,6 +388,52 @@ START_TEST(speculation_moves_less)
 END_TEST
 
 /* bad configurations are refused with a clear error */
+/* infinigen pins a whole step (only the exact modes run in layer windows): a step whose blocks do
+ * not fit the arena fails at once, saying so, and leaves nothing pinned. */
+START_TEST(whole_step_past_the_arena_fails)
+{
+    const char *mp = tu_shared("models/stories260K/stories260K.bin");
+    if (mp == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", mp);
+    fixture f;
+    /* 28 slots of 4 KiB; four prompts of 20 tokens take 2 blocks a layer each, 40 in all */
+    tu_fixture_open_host(&f, path, REKV_DTYPE_F32, NULL, 4096 + 28 * 4096);
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_INFINIGEN;
+    cfg.skew = &sk;
+    rekv_pipeline *p = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err) == 0, "%s", err.msg);
+    enum { B = 4, S = 20 };
+    rekv_pseq *seqs[B];
+    rekv_pipe_item items[B];
+    int32_t prompt[S];
+    float *logits = malloc(sizeof(float) * B * (size_t)f.m->config.vocab);
+    for (int t = 0; t < S; t++)
+        prompt[t] = t + 1;
+    for (int i = 0; i < B; i++) {
+        ck_assert_msg(rekv_pseq_create(p, 64, &seqs[i], &err) == 0, "%s", err.msg);
+        items[i] = (rekv_pipe_item){seqs[i], prompt, S, logits + (size_t)i * f.m->config.vocab, 0};
+    }
+    ck_assert_int_eq(rekv_pipeline_step(p, items, B, &err), -ENOMEM);
+    ck_assert_msg(strstr(err.msg, "pins a whole step") != NULL, "%s", err.msg);
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(f.store, &st, NULL), 0);
+    ck_assert_uint_eq(st.pinned_blocks, 0);
+    for (int i = 0; i < B; i++)
+        rekv_pseq_free(seqs[i]);
+    rekv_pipeline_free(p);
+    free(logits);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
 START_TEST(bad_config_refused)
 {
     const char *mp = tu_shared("models/stories260K/stories260K.bin");
@@ -629,6 +675,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 900);
     tcase_add_test(tc, selection_matches_brute_force);
     tcase_add_test(tc, bad_config_refused);
+    tcase_add_test(tc, whole_step_past_the_arena_fails);
     tcase_add_test(tc, speculation_moves_less);
     tcase_add_test(tc, exact_limit_stories260k);
     tcase_add_test(tc, exact_limit_synthetic);

@@ -239,7 +239,7 @@ END_TEST
 START_TEST(test_api_basics)
 {
     kvd d;
-    kvd_start(&d, 64, NULL, 0);
+    kvd_start(&d, 64, "--spill-bytes 4194304", 0);
     rekv_kvstore_client *c = kvd_client(&d);
     rekv_err err = {0};
     rekv_kv_geometry g;
@@ -308,6 +308,7 @@ START_TEST(test_api_basics)
     ck_assert_int_eq(rekv_kvstore_plan(c, &nolayer, 1, 0, &pb, &n, &cap, NULL), -EINVAL);
     rekv_kv_range noseq = {8, 0, 0, 1};
     ck_assert_int_eq(rekv_kvstore_plan(c, &noseq, 1, 0, &pb, &n, &cap, NULL), -ENOENT);
+    /* more than the arena and the spill tier hold together */
     ck_assert_int_eq(rekv_kvstore_append(c, 7, 1u << 20, 0, 0, NULL, &err), -ENOMEM);
     /* free the first block of layer 0: its range is gone, the rest stays */
     ck_assert_int_eq(rekv_kvstore_free(c, 7, 0, 1, 0, 1, NULL), 0);
@@ -374,6 +375,97 @@ static void verify_blocks(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uin
         }
     free(pb);
 }
+
+/* Waits until the store has no spill I/O in flight (read-ahead's reads started and done). */
+static void settle(rekv_kvstore_client *c)
+{
+    rekv_kv_stats st;
+    for (int i = 0; i < 10000; i++) {
+        ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+        if (st.reads_in_flight == 0 && st.spills_in_flight == 0)
+            return;
+        usleep(1000);
+    }
+    ck_abort_msg("spill I/O still in flight after 10 s");
+}
+
+/* A sweep over layer windows, as a step bigger than the arena pins them: 16 windows of 4 KV blocks
+ * (8 sequences x 2 layers) on a 32-slot arena, five sweeps, each window pinned with the next one
+ * read ahead and unpinned as done. With the store's I/O settled between windows (the compute
+ * time a real step gives it), only the first window ever waits for a read; and since the store
+ * spills the windows just done rather than the least recently used (the next ones), a sweep
+ * finds a part of its blocks still in memory. Every block is checked on every pin. */
+static void sweep(int ahead, rekv_kv_stats *out)
+{
+    kvd d;
+    kvd_start(&d, 32, NULL, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
+    enum { SEQS = 8, WIN = SEQS * 2, SWEEPS = 5 };
+    rekv_kv_range w[WIN];
+    for (int i = 0; i < WIN; i++)
+        w[i] = (rekv_kv_range){(uint64_t)(i / 2 + 1), (uint32_t)(i % 2), 0, 64};
+    for (uint64_t s = 1; s <= SEQS; s++) {
+        ck_assert_int_eq(rekv_kvstore_seq_create(c, s, NULL), 0);
+        ck_assert_msg(rekv_kvstore_append(c, s, 64, 0, 0, NULL, &err) == 0, "%s", err.msg);
+        write_blocks(c, s, 0, 4, (uint32_t)s);
+    }
+    settle(c);
+    rekv_kv_stats st0;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st0, NULL), 0);
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    for (int k = 0; k < SWEEPS * WIN; k++) {
+        const rekv_kv_range *r = &w[k % WIN], *next = &w[(k + 1) % WIN];
+        int rc = rekv_kvstore_pin_ahead(c, r, 1, next, ahead, &pb, &n, &cap, &err);
+        ck_assert_msg(rc == 0, "pin: %s", err.msg);
+        ck_assert_uint_eq(n, 4);
+        for (size_t i = 0; i < n; i++)
+            ck_assert_msg(
+                check(arena + pb[i].offset, 4096, r->seq, r->layer, pb[i].block, (uint32_t)r->seq),
+                "window %d block %zu corrupt", k, i);
+        settle(c);
+        ck_assert_int_eq(rekv_kvstore_unpin_done(c, r, 1, NULL), 0);
+    }
+    free(pb);
+    ck_assert_int_eq(rekv_kvstore_stats(c, out, NULL), 0);
+    out->pin_wait_blocks -= st0.pin_wait_blocks;
+    out->read_ahead_blocks -= st0.read_ahead_blocks;
+    out->bytes_read_back -= st0.bytes_read_back;
+    out->pin_misses -= st0.pin_misses;
+    ck_assert_uint_eq(out->crc_errors, 0);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+
+START_TEST(test_sweep_read_ahead)
+{
+    rekv_kv_stats on, off;
+    sweep(1, &on);
+    sweep(0, &off);
+    uint64_t reads = on.bytes_read_back / 4096;
+    fprintf(stderr,
+            "   sweep: read-ahead on: %llu read back, %llu ahead, %llu waited for; off: %llu "
+            "read back, %llu waited for\n",
+            (unsigned long long)reads, (unsigned long long)on.read_ahead_blocks,
+            (unsigned long long)on.pin_wait_blocks,
+            (unsigned long long)(off.bytes_read_back / 4096),
+            (unsigned long long)off.pin_wait_blocks);
+    /* on: the first window (4 blocks) at most waits; everything else was read ahead */
+    ck_assert_uint_le(on.pin_wait_blocks, 4);
+    ck_assert_uint_eq(on.read_ahead_blocks + on.pin_misses, reads);
+    ck_assert_uint_ge(on.read_ahead_blocks, reads - 4);
+    /* off: every read-back is a pin's */
+    ck_assert_uint_eq(off.read_ahead_blocks, 0);
+    ck_assert_uint_eq(off.pin_wait_blocks * 4096, off.bytes_read_back);
+    /* eviction: 64 blocks swept through 32 slots; spilling the windows just done keeps about
+     * the arena less the windows in flight in memory from one sweep to the next, about 16 blocks
+     * (LRU would spill exactly the blocks needed next and read all 64 every sweep) */
+    ck_assert_uint_le(off.bytes_read_back / 4096, 5 * (64 - 8));
+    ck_assert_uint_le(reads, 5 * (64 - 8));
+}
+END_TEST
 
 /* A block costs its type's bytes: with KV blocks of 8 KiB and ACT blocks of 4 KiB (MHA: the
  * activation is half of K and V), an ACT block takes a 4 KiB slot, so an arena holds twice the
@@ -1582,6 +1674,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_api_basics);
     tcase_add_test(tc, test_spill_readback);
+    tcase_add_test(tc, test_sweep_read_ahead);
     tcase_add_test(tc, test_act_costs_real_bytes);
     tcase_add_test(tc, test_spill_corrupt_readback);
     tcase_add_test(tc, test_spill_file_full);

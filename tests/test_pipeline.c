@@ -711,6 +711,154 @@ START_TEST(push_store_is_the_program)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ a step bigger than the arena
+ */
+
+/* stories260K with an fp32 cache: a KV block and an ACT block are 4 KiB, one page each */
+#define SPILL_SLOTS 28
+#define SPILL_HOST (4096ull + SPILL_SLOTS * 4096ull)
+
+/* Runs cfg on a fresh store of SPILL_SLOTS slots (a batch whose KV is 3.4x the arena, kvpr's
+ * 6.8x: the steps run in layer windows and every sweep spills and reads back); the logits must be
+ * resident's bit for bit. *ks gets the store's Stats at the end. */
+static void spill_run(const char *path, const rekv_pipeline_config *cfg, const run *ref, int B,
+                      const int *lens, int32_t *const *prompts, int steps,
+                      const rekv_link_config *link, rekv_kv_stats *ks)
+{
+    fixture f;
+    tu_fixture_open_host(&f, path, REKV_DTYPE_F32, "cpu", SPILL_HOST);
+    if (link) { /* a slower device: a window computes while the next one is read */
+        rekv_err err = {0};
+        rekv_backend_destroy(f.be);
+        ck_assert_msg(rekv_backend_cpu_create(link, &f.be, &err) == 0, "%s", err.msg);
+    }
+    run r;
+    do_run(&f, cfg, B, lens, prompts, steps, &r);
+    char name[256];
+    ck_assert_msg(memcmp(r.logits, ref->logits,
+                         sizeof(float) * (size_t)(steps + 1) * B * f.m->config.vocab) == 0,
+                  "%s on a small arena: the logits differ from resident's",
+                  cfg_name(cfg, name, sizeof(name)));
+    ck_assert_int_eq(rekv_kvstore_stats(f.store, ks, NULL), 0);
+    ck_assert_msg(ks->bytes_read_back > 0 && ks->bytes_spilled > 0,
+                  "%s: nothing spilled (read back %llu bytes)", name,
+                  (unsigned long long)ks->bytes_read_back);
+    ck_assert_uint_eq(ks->pinned_blocks, 0);
+    free(r.logits);
+    tu_fixture_close(&f);
+}
+
+static void spill_batch(int V, int *B, int **lens, int32_t ***prompts, int *steps)
+{
+    static int L[] = {20, 9, 33, 14};
+    *B = 4, *lens = L, *steps = 50;
+    *prompts = malloc(sizeof(int32_t *) * 4);
+    for (int i = 0; i < 4; i++) {
+        (*prompts)[i] = malloc(sizeof(int32_t) * (size_t)L[i]);
+        for (int t = 0; t < L[i]; t++)
+            (*prompts)[i][t] = next_rand(V);
+    }
+}
+
+/* Every exact mode with the batch's KV 3.4x the arena (layer windows, spilled layers read back
+ * a window ahead) gives resident's logits bit for bit: row and column schedules, pushed KV rows,
+ * one sequence per GPU batch (a unit is one sequence's layer) and all in one. */
+START_TEST(spill_windows_exact)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", p);
+    rekv_model *m;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    int V = m->config.vocab, B, *lens, steps;
+    int32_t **prompts;
+    rekv_model_close(m);
+    spill_batch(V, &B, &lens, &prompts, &steps);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    run ref;
+    do_run(&f, &cfg, B, lens, prompts, steps, &ref);
+    tu_fixture_close(&f);
+    const struct {
+        rekv_mode mode;
+        int gpu_batches, column, push;
+    } runs[] = {
+        {REKV_MODE_OFFLOAD, 4, 0, 0}, {REKV_MODE_OFFLOAD, 1, 1, 0}, {REKV_MODE_OFFLOAD, 4, 1, 1},
+        {REKV_MODE_KVPR, 4, 0, 0},    {REKV_MODE_ACT, 4, 0, 0},     {REKV_MODE_HYBRID, 4, 1, 0},
+    };
+    for (size_t i = 0; i < sizeof(runs) / sizeof(runs[0]); i++) {
+        rekv_pipeline_config_defaults(&cfg);
+        cfg.mode = runs[i].mode;
+        cfg.gpu_batches = runs[i].gpu_batches;
+        cfg.schedule = runs[i].column ? REKV_SCHED_COLUMN : REKV_SCHED_ROW;
+        cfg.push = runs[i].push;
+        cfg.split = 24;
+        rekv_kv_stats ks;
+        spill_run(path, &cfg, &ref, B, lens, prompts, steps, NULL, &ks);
+    }
+    free(ref.logits);
+    for (int i = 0; i < B; i++)
+        free(prompts[i]);
+    free(prompts);
+}
+END_TEST
+
+/* Read-ahead takes the spill reads off the critical path: of the blocks read back, those a pin
+ * had to wait for (found on disk or still being read) are a small part — about the first window
+ * of the first step, plus reads a pin catches in flight — and the rest were read ahead. */
+START_TEST(spill_read_ahead_counts)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s", p);
+    rekv_model *m;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    int V = m->config.vocab, B, *lens, steps;
+    int32_t **prompts;
+    rekv_model_close(m);
+    spill_batch(V, &B, &lens, &prompts, &steps);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    run ref;
+    do_run(&f, &cfg, B, lens, prompts, steps, &ref);
+    tu_fixture_close(&f);
+    cfg.mode = REKV_MODE_OFFLOAD;
+    cfg.gpu_batches = 4;
+    rekv_kv_stats ks;
+    /* each copy takes 1 ms, so a window (two units) computes for milliseconds, as on a GPU with
+     * a real model, while its successor's blocks are read (a few 4 KiB reads and writes) */
+    rekv_link_config link = {.gbps = 1000, .latency_us = 1000};
+    spill_run(path, &cfg, &ref, B, lens, prompts, steps, &link, &ks);
+    uint64_t reads = ks.bytes_read_back / 4096;
+    fprintf(stderr,
+            "   spill_read_ahead_counts: %llu blocks read back, %llu ahead, %llu waited for by a "
+            "pin\n",
+            (unsigned long long)reads, (unsigned long long)ks.read_ahead_blocks,
+            (unsigned long long)ks.pin_wait_blocks);
+    ck_assert_uint_gt(reads, 1000);
+    ck_assert_msg(ks.pin_wait_blocks * 10 <= reads,
+                  "%llu of %llu read-backs were on a pin's critical path",
+                  (unsigned long long)ks.pin_wait_blocks, (unsigned long long)reads);
+    ck_assert_uint_ge(ks.read_ahead_blocks * 10, reads * 9);
+    ck_assert_uint_eq(ks.pin_wait_bytes, ks.pin_wait_blocks * 4096);
+    ck_assert_uint_eq(ks.read_ahead_bytes, ks.read_ahead_blocks * 4096);
+    free(ref.logits);
+    for (int i = 0; i < B; i++)
+        free(prompts[i]);
+    free(prompts);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("pipeline");
@@ -726,6 +874,11 @@ static Suite *suite(void)
     tcase_add_test(tc, fetch_overlaps_compute);
     tcase_add_test(tc, push_store_is_the_program);
     suite_add_tcase(s, tc);
+    TCase *ts = tcase_create("spill");
+    tcase_set_timeout(ts, 900);
+    tcase_add_test(ts, spill_windows_exact);
+    tcase_add_test(ts, spill_read_ahead_counts);
+    suite_add_tcase(s, ts);
     return s;
 }
 

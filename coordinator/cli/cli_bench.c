@@ -280,7 +280,9 @@ typedef struct decode_result {
     rekv_layer_counters counters;
     int32_t *tokens; /* [gen_len][batch] */
     rekv_pipeline_config cfg;
-    char backend[16]; /* the backend it ran on */
+    char backend[16];       /* the backend it ran on */
+    int has_store;          /* the kvstore's counters over the decode steps: */
+    rekv_kv_stats ks0, ks1; /* at their start and end */
 } decode_result;
 
 /* One mode's run: N steps (the prefill, then N - 1 decode steps), reported to pr as done + 1 ..
@@ -320,6 +322,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     ses.be->iface->stats_reset(ses.be);
     if (po->trace)
         ses.be->iface->trace_start(ses.be);
+    out->has_store = ses.store && rekv_kvstore_stats(ses.store, &out->ks0, NULL) == 0;
     uint64_t t0 = rekv_now_ns();
     for (int step = 0; step < N; step++) {
         for (int b = 0; b < B; b++) {
@@ -333,6 +336,8 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
             rekv_progress_update(pr, done + (uint64_t)step + 2, note);
     }
     out->decode_s = (double)(rekv_now_ns() - t0) * 1e-9;
+    if (out->has_store)
+        out->has_store = rekv_kvstore_stats(ses.store, &out->ks1, NULL) == 0;
     rekv_pipeline_counters(ses.p, &out->counters);
     rekv_backend_stats bst;
     ses.be->iface->stats(ses.be, &bst);
@@ -566,6 +571,19 @@ static int bench_decode(int argc, char **argv)
             json_object_set_new(o, "prediction_error", json_real(predicted / measured - 1));
         }
         json_object_set_new(o, "prefill_s", json_real(r->prefill_s));
+        if (r->has_store && r->ks1.bytes_read_back > r->ks0.bytes_read_back) {
+            /* the decode steps' spill reads: a pin waited for them (critical) or not (ahead) */
+            const rekv_kv_stats *a = &r->ks0, *z = &r->ks1;
+            json_object_set_new(
+                o, "spill",
+                json_pack("{s:I, s:I, s:I, s:I, s:I, s:I}", "arena_bytes",
+                          (json_int_t)z->host_bytes, "read_back_bytes",
+                          (json_int_t)(z->bytes_read_back - a->bytes_read_back), "spilled_bytes",
+                          (json_int_t)(z->bytes_spilled - a->bytes_spilled), "critical_blocks",
+                          (json_int_t)(z->pin_wait_blocks - a->pin_wait_blocks), "ahead_blocks",
+                          (json_int_t)(z->read_ahead_blocks - a->read_ahead_blocks),
+                          "critical_bytes", (json_int_t)(z->pin_wait_bytes - a->pin_wait_bytes)));
+        }
         json_object_set_new(o, "prefill_tokens_per_s", json_real((double)B * S / r->prefill_s));
         /* host->device GB/s over the decode (all kinds), and while the link was busy (not for
          * push: the store's copies of KV rows do not show in the worker's link busy time) */

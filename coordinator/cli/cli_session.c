@@ -106,6 +106,18 @@ int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po
         uint64_t blocks = (uint64_t)batch * (uint64_t)((ctx + 15) / 16 + 1) *
                           (uint64_t)c->n_layers * (cfg->mode == REKV_MODE_KVPR ? 2 : 1);
         kc.host_bytes = blocks * slot + blocks * slot / 8 + (4u << 20);
+        /* REKV_LOCAL_ARENA=SIZE: a smaller arena, to measure a batch that spills (the steps run
+         * in layer windows); not a flag: the private store is sized to fit otherwise */
+        const char *arena = getenv("REKV_LOCAL_ARENA");
+        uint64_t ab;
+        if (arena && *arena) {
+            if (rekv_parse_size(arena, &ab) || ab == 0) {
+                rc =
+                    rekv_errf(err, -EINVAL, "REKV_LOCAL_ARENA=%s: expected bytes, e.g. 64M", arena);
+                goto fail;
+            }
+            kc.host_bytes = ab;
+        }
         if ((rc = rekv_kvstore_spawn(&kc, &s->store_pid, err)))
             goto fail;
         if ((rc = rekv_kvstore_client_connect(ep, NULL, 60000, &s->store, err)))
