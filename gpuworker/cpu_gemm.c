@@ -82,9 +82,10 @@ static void gemm_portable(float *y, const float *x, const void *w, rekv_dtype wt
                 dot_portable(x + (size_t)i * k, (const char *)w + (size_t)j * rs, wt, k);
 }
 
-void cpu_gemm_rowinv_portable(float *y, const float *x, const float *w, int m, int n, int k)
+void cpu_gemm_rowinv_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
+                              int k)
 {
-    gemm_portable(y, x, w, REKV_DTYPE_F32, m, n, k, n);
+    gemm_portable(y, x, w, wt, m, n, k, n);
 }
 
 #if defined(__x86_64__)
@@ -279,12 +280,13 @@ static struct {
     pthread_mutex_t busy; /* held by the caller that owns the pool for one call */
     pthread_mutex_t mu;   /* guards sleepers and the wake-up */
     pthread_cond_t wake;
-    _Atomic uint64_t ticket; /* generation | next chunk | chunks */
-    atomic_int done;         /* chunks of the current call finished */
-    atomic_int allowed;      /* workers that may take part in the current call */
-    int sleepers;            /* workers waiting on wake (under mu) */
-    int workers;             /* threads started (under busy) */
-    gemm_job job;            /* the current call (written under busy before ticket) */
+    _Atomic uint64_t ticket;    /* generation | next chunk | chunks */
+    atomic_int done;            /* chunks of the current call finished */
+    atomic_int allowed;         /* workers that may take part in the current call */
+    atomic_ulong worker_chunks; /* chunks the workers have run, ever (cpu_gemm_pool_chunks) */
+    int sleepers;               /* workers waiting on wake (under mu) */
+    int workers;                /* threads started (under busy) */
+    gemm_job job;               /* the current call (written under busy before ticket) */
 } g_pool = {.busy = PTHREAD_MUTEX_INITIALIZER,
             .mu = PTHREAD_MUTEX_INITIALIZER,
             .wake = PTHREAD_COND_INITIALIZER};
@@ -301,13 +303,13 @@ static inline void cpu_relax(void)
 #endif
 }
 
-/* Claims and runs chunks of the call in ticket t until none is left. */
-static void pool_drain(uint64_t t)
+/* Claims and runs chunks of the call in ticket t until none is left; returns how many it ran. */
+static unsigned pool_drain(uint64_t t)
 {
-    for (;;) {
+    for (unsigned ran = 0;; ran++) {
         uint64_t next = (t >> 16) & 0xffff, chunks = t & 0xffff;
         if (next >= chunks)
-            return;
+            return ran;
         if (atomic_compare_exchange_weak_explicit(&g_pool.ticket, &t, t + (1u << 16),
                                                   memory_order_acquire, memory_order_relaxed)) {
             gemm_job_chunk(&g_pool.job, (int)next);
@@ -337,7 +339,7 @@ static void *pool_main(void *arg)
         }
         seen = t >> 32;
         if (idx < atomic_load_explicit(&g_pool.allowed, memory_order_relaxed))
-            pool_drain(t);
+            atomic_fetch_add_explicit(&g_pool.worker_chunks, pool_drain(t), memory_order_relaxed);
     }
     return NULL;
 }
@@ -380,6 +382,11 @@ static int pool_grow(int n)
 int cpu_gemm_set_threads(int n)
 {
     return atomic_exchange(&g_threads_set, n > 0 ? n : 0);
+}
+
+unsigned long cpu_gemm_pool_chunks(void)
+{
+    return atomic_load(&g_pool.worker_chunks);
 }
 
 int cpu_gemm_threads(void)
