@@ -103,11 +103,10 @@ AVX2_INLINE __m256 load_w8(const void *w, size_t t, rekv_dtype wt)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-AVX2_FN static inline float finish_avx2(__m256 acc, const float *a, const void *b, rekv_dtype wt,
-                                        int k8, int k)
+/* The end of one element's dot product: its 8 lanes (stored), then the k % 8 tail. */
+static inline float finish(const float l[8], const float *a, const void *b, rekv_dtype wt, int k8,
+                           int k)
 {
-    float l[8];
-    _mm256_storeu_ps(l, acc);
     float s = reduce8(l);
     for (int t = k8; t < k; t++)
         s = fmaf(a[t], w_at(b, (size_t)t, wt), s);
@@ -165,12 +164,17 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const char *w, con
             }
         }
     }
+    /* all lanes to memory first: no accumulator may live across a call (it would be spilled
+     * inside the loop too) */
+    float l[4][8][8];
 #pragma GCC unroll 4
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 8
         for (int c = 0; c < NR; c++)
-            if (c < nc)
-                y[(size_t)r * ldy + c] = finish_avx2(acc[r][c], xr[r], wc[c], wt, k8, k);
+            _mm256_storeu_ps(l[r][c], acc[r][c]);
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < nc; c++)
+            y[(size_t)r * ldy + c] = finish(l[r][c], xr[r], wc[c], wt, k8, k);
 }
 
 /* MR rows (x, y at row 0) against all n weight rows, NR at a time. */
