@@ -356,6 +356,9 @@ static void pool_atfork_child(void)
     pthread_cond_init(&g_pool.wake, NULL);
     g_pool.sleepers = 0;
     g_pool.workers = 0;
+    /* a call another thread had under way is not this process's: nothing left to claim */
+    uint64_t gen = (atomic_load(&g_pool.ticket) >> 32) + 1;
+    atomic_store(&g_pool.ticket, gen << 32);
 }
 
 static void pool_atfork_register(void)
