@@ -11,17 +11,32 @@
  * `rekv bench forward` measures it against. Here every output
  * element is one dot product in a fixed order — eight fused multiply-add lanes over k in steps of
  * 8, the lanes summed pairwise in a fixed tree, then the k % 8 tail with fmaf — whatever the
- * blocking, the row count or the instruction set. The AVX2 path and the portable path give the
- * same bits. Weights may be fp32, fp16 or bf16 (the model file's dtype, kept as it is): 16-bit
- * weights are widened to fp32 in registers as they are loaded — exactly — so a model gives the
- * same bits whichever dtype its weights are held in, and moves half the bytes through memory. */
+ * blocking, the row count, the thread count or the instruction set. The AVX2 path and the portable
+ * path give the same bits. Weights may be fp32, fp16 or bf16 (the model file's dtype, kept as it
+ * is): 16-bit weights are widened to fp32 in registers as they are loaded — exactly — so a model
+ * gives the same bits whichever dtype its weights are held in, and moves half the bytes through
+ * memory.
+ *
+ * Speed comes from the tiling around that fixed order, never from changing it. The AVX2 path runs
+ * tiles of MR rows of x against NR rows of w, each element one 8-lane accumulator over the whole
+ * k, kept in registers (MR x NR accumulators and NR widened weight vectors fill the 16 ymm
+ * registers). MR is 4 where four rows are left and exactly the rows left otherwise (1, 2 or 3,
+ * each with more weight rows per pass), so one row — a decode step at batch 1 — streams the
+ * weights once with no work spent on missing rows. Rows go in blocks that stay in cache while the
+ * weights stream past. Large calls split the output columns among a pool of worker threads
+ * (started on first use, one fewer than the online cpus): each column's elements are the same
+ * dot products wherever they are computed, so the split never changes a bit. */
 #include "gpuworker/cpu_ops.h"
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <unistd.h>
 
+#include "common/clock.h"
 #include "common/dtype.h"
 
 #if defined(__x86_64__)
@@ -56,18 +71,29 @@ static float dot_portable(const float *a, const void *b, rekv_dtype wt, int k)
     return s;
 }
 
-void cpu_gemm_rowinv_portable(float *y, const float *x, const float *w, int m, int n, int k)
+/* Columns [0, n) of y (row stride ldy) from the n weight rows at w, one dot product each. */
+static void gemm_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
+                          int k, int ldy)
 {
+    size_t rs = (size_t)k * rekv_dtype_size(wt);
     for (int i = 0; i < m; i++)
         for (int j = 0; j < n; j++)
-            y[(size_t)i * n + j] =
-                dot_portable(x + (size_t)i * k, w + (size_t)j * k, REKV_DTYPE_F32, k);
+            y[(size_t)i * ldy + j] =
+                dot_portable(x + (size_t)i * k, (const char *)w + (size_t)j * rs, wt, k);
+}
+
+void cpu_gemm_rowinv_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
+                              int k)
+{
+    gemm_portable(y, x, w, wt, m, n, k, n);
 }
 
 #if defined(__x86_64__)
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
 /* Eight weights from element t of a row, widened in registers (exact). */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256
-load_w8(const void *w, size_t t, rekv_dtype wt)
+AVX2_INLINE __m256 load_w8(const void *w, size_t t, rekv_dtype wt)
 {
     if (wt == REKV_DTYPE_F32)
         return _mm256_loadu_ps((const float *)w + t);
@@ -77,64 +103,123 @@ load_w8(const void *w, size_t t, rekv_dtype wt)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-__attribute__((target("avx2,fma,f16c"))) static inline float
-finish_avx2(__m256 acc, const float *a, const void *b, rekv_dtype wt, int k8, int k)
+/* The end of one element's dot product: its 8 lanes (stored), then the k % 8 tail. */
+static inline float finish(const float l[8], const float *a, const void *b, rekv_dtype wt, int k8,
+                           int k)
 {
-    float l[8];
-    _mm256_storeu_ps(l, acc);
     float s = reduce8(l);
     for (int t = k8; t < k; t++)
         s = fmaf(a[t], w_at(b, (size_t)t, wt), s);
     return s;
 }
 
-/* 4 rows of x against 3 rows of w per pass: 12 accumulators, each one element's dot product.
- * Inlined into one function per weight dtype, so the widening is decided at compile time. */
-__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-gemm_avx2_body(float *y, const float *x, const void *w, const rekv_dtype wt, int m, int n, int k,
-               int ldy)
+/* One tile: MR rows of x (from x, row stride k) against NR weight rows (from w), written to
+ * y[r * ldy + c] for the nc <= NR columns that exist; a missing column reads weight row 0 again
+ * and is dropped. MR and NR are constants where this is inlined, so the accumulators live in
+ * registers: with at least as many rows as weight rows the NR widened weight vectors stay in
+ * registers and x is read from memory, else the MR x vectors stay and the weights stream (a row
+ * alone: eight weight rows per pass, each read once). */
+AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const char *w, const rekv_dtype wt,
+                           int k, int nc, const int MR, const int NR)
 {
-    enum { MR = 4, NR = 3, MB = 64 };
-    size_t es = rekv_dtype_size(wt);
+    size_t es = rekv_dtype_size(wt), rs = (size_t)k * es;
     int k8 = k & ~7;
-    for (int i0 = 0; i0 < m; i0 += MB) { /* a block of x rows stays in cache while w streams */
-        int i1 = i0 + MB < m ? i0 + MB : m;
-        for (int j = 0; j < n; j += NR) {
-            int nj = n - j < NR ? n - j : NR;
-            const char *w0 = (const char *)w + (size_t)j * k * es;
-            const char *w1 = nj > 1 ? w0 + (size_t)k * es : w0;
-            const char *w2 = nj > 2 ? w0 + 2 * (size_t)k * es : w0;
-            for (int i = i0; i < i1; i += MR) {
-                int mi = i1 - i < MR ? i1 - i : MR;
-                const float *xr[MR];
+    const char *wc[8];
+    const float *xr[4];
+    __m256 acc[4][8];
+#pragma GCC unroll 8
+    for (int c = 0; c < NR; c++)
+        wc[c] = w + (size_t)(c < nc ? c : 0) * rs;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++) {
+        xr[r] = x + (size_t)r * k;
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; c++)
+            acc[r][c] = _mm256_setzero_ps();
+    }
+    for (int t = 0; t < k8; t += 8) {
+        if (MR >= NR) {
+            __m256 b[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < NR; c++)
+                b[c] = load_w8(wc[c], (size_t)t, wt);
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; r++) {
+                __m256 a = _mm256_loadu_ps(xr[r] + t);
+#pragma GCC unroll 8
+                for (int c = 0; c < NR; c++)
+                    acc[r][c] = _mm256_fmadd_ps(a, b[c], acc[r][c]);
+            }
+        } else {
+            __m256 a[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; r++)
+                a[r] = _mm256_loadu_ps(xr[r] + t);
+#pragma GCC unroll 8
+            for (int c = 0; c < NR; c++) {
+                __m256 b = load_w8(wc[c], (size_t)t, wt);
+#pragma GCC unroll 4
                 for (int r = 0; r < MR; r++)
-                    xr[r] = x + (size_t)(i + (r < mi ? r : 0)) * k;
-                __m256 acc[MR][NR];
-                for (int r = 0; r < MR; r++)
-                    for (int c = 0; c < NR; c++)
-                        acc[r][c] = _mm256_setzero_ps();
-                for (int t = 0; t < k8; t += 8) {
-                    __m256 b0 = load_w8(w0, (size_t)t, wt), b1 = load_w8(w1, (size_t)t, wt);
-                    __m256 b2 = load_w8(w2, (size_t)t, wt);
-                    for (int r = 0; r < MR; r++) {
-                        __m256 a = _mm256_loadu_ps(xr[r] + t);
-                        acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-                        acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-                        acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
-                    }
-                }
-                const void *wr[NR] = {w0, w1, w2};
-                for (int r = 0; r < mi; r++)
-                    for (int c = 0; c < nj; c++)
-                        y[(size_t)(i + r) * ldy + j + c] =
-                            finish_avx2(acc[r][c], xr[r], wr[c], wt, k8, k);
+                    acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
             }
         }
     }
+    /* all lanes to memory first: no accumulator may live across a call (it would be spilled
+     * inside the loop too) */
+    float l[4][8][8];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NR; c++)
+            _mm256_storeu_ps(l[r][c], acc[r][c]);
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < nc; c++)
+            y[(size_t)r * ldy + c] = finish(l[r][c], xr[r], wc[c], wt, k8, k);
 }
 
-__attribute__((target("avx2,fma,f16c"))) static void
-gemm_avx2(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n, int k, int ldy)
+/* MR rows (x, y at row 0) against all n weight rows, NR at a time. */
+AVX2_INLINE void rows_avx2(float *y, int ldy, const float *x, const char *w, const rekv_dtype wt,
+                           int n, int k, const int MR, const int NR)
+{
+    size_t rs = (size_t)k * rekv_dtype_size(wt);
+    for (int j = 0; j < n; j += NR)
+        tile_avx2(y + j, ldy, x, w + (size_t)j * rs, wt, k, n - j < NR ? n - j : NR, MR, NR);
+}
+
+/* y[m][0..n) (row stride ldy) for one weight dtype, inlined once per dtype so the widening is
+ * decided at compile time. */
+AVX2_INLINE void gemm_avx2_body(float *y, const float *x, const char *w, const rekv_dtype wt, int m,
+                                int n, int k, int ldy)
+{
+    enum { MB = 64 }; /* rows of x per block: they stay in cache while the weights stream */
+    size_t rs = (size_t)k * rekv_dtype_size(wt);
+    int m4 = m & ~3;
+    for (int i0 = 0; i0 < m4; i0 += MB) {
+        int i1 = i0 + MB < m4 ? i0 + MB : m4;
+        for (int j = 0; j < n; j += 3) {
+            int nc = n - j < 3 ? n - j : 3;
+            for (int i = i0; i < i1; i += 4)
+                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, w + (size_t)j * rs, wt,
+                          k, nc, 4, 3);
+        }
+    }
+    float *yr = y + (size_t)m4 * ldy;
+    const float *xr = x + (size_t)m4 * k;
+    switch (m - m4) { /* the rows left, with no work spent on missing ones */
+    case 1:
+        rows_avx2(yr, ldy, xr, w, wt, n, k, 1, 8);
+        break;
+    case 2:
+        rows_avx2(yr, ldy, xr, w, wt, n, k, 2, 6);
+        break;
+    case 3:
+        rows_avx2(yr, ldy, xr, w, wt, n, k, 3, 4);
+        break;
+    }
+}
+
+AVX2_FN static void gemm_avx2(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
+                              int k, int ldy)
 {
     if (wt == REKV_DTYPE_F16)
         gemm_avx2_body(y, x, w, REKV_DTYPE_F16, m, n, k, ldy);
@@ -151,51 +236,211 @@ static int have_avx2(void)
 }
 #endif
 
-/* Columns [j0, j1) of y (row stride n): the same elements whatever the split, so splitting the
- * columns across threads keeps the result bit-identical. */
-typedef struct gemm_part {
+/* One call's work, split by output columns into chunks; bias is added per chunk. */
+typedef struct gemm_job {
     float *y;
     const float *x;
     const void *w;
     rekv_dtype wt;
-    int m, n, k, j0, j1;
-} gemm_part;
+    const float *bias;
+    int m, n, k, chunks;
+} gemm_job;
 
-static void *gemm_part_run(void *arg)
+static void gemm_job_chunk(const gemm_job *g, int p)
 {
-    gemm_part *g = arg;
-    size_t es = rekv_dtype_size(g->wt);
-    const char *w = (const char *)g->w + (size_t)g->j0 * g->k * es;
-    int nc = g->j1 - g->j0;
+    /* chunk boundaries on multiples of 24 columns (whole tiles of 3, 4, 6 and 8): speed only */
+    int j0 = (int)((long)g->n * p / g->chunks / 24 * 24);
+    int j1 = p + 1 == g->chunks ? g->n : (int)((long)g->n * (p + 1) / g->chunks / 24 * 24);
+    if (j1 <= j0)
+        return;
+    const char *w = (const char *)g->w + (size_t)j0 * g->k * rekv_dtype_size(g->wt);
 #if defined(__x86_64__)
-    if (have_avx2()) {
-        gemm_avx2(g->y + g->j0, g->x, w, g->wt, g->m, nc, g->k, g->n);
-        return NULL;
-    }
+    if (have_avx2())
+        gemm_avx2(g->y + j0, g->x, w, g->wt, g->m, j1 - j0, g->k, g->n);
+    else
 #endif
-    for (int i = 0; i < g->m; i++)
-        for (int j = 0; j < nc; j++)
-            g->y[(size_t)i * g->n + g->j0 + j] =
-                dot_portable(g->x + (size_t)i * g->k, w + (size_t)j * g->k * es, g->wt, g->k);
+        gemm_portable(g->y + j0, g->x, w, g->wt, g->m, j1 - j0, g->k, g->n);
+    if (g->bias)
+        for (int i = 0; i < g->m; i++)
+            for (int j = j0; j < j1; j++)
+                g->y[(size_t)i * g->n + j] += g->bias[j];
+}
+
+/* The worker pool: threads that live for the process (started on first use; a forked child
+ * starts its own). A call is cut into column chunks that the caller and the workers claim one at
+ * a time, so a worker that is slow to wake (asleep, or off its cpu on a busy machine) leaves its
+ * chunks to the caller instead of holding the call up. One caller at a time owns the pool (busy);
+ * a caller that finds it taken — the cpu backend's streams are threads, so calls come from
+ * several threads at once — does its whole call itself. Workers spin a short while after each
+ * call, since a forward pass's GEMMs come microseconds apart, and then sleep.
+ *
+ * ticket holds the call's generation (bits 32..63), the next chunk to claim (16..31) and the
+ * chunk count (0..15): a claim is a compare-and-swap on it, so a worker still holding an older
+ * call's ticket can never claim a chunk of the new one, and job is read only after a claim (the
+ * caller does not return, nor rewrite job, until every claimed chunk is done). */
+enum { GEMM_MAX_THREADS = 16, GEMM_CHUNKS_PER_THREAD = 4, GEMM_SPIN_NS = 100000 };
+
+static struct {
+    pthread_mutex_t busy; /* held by the caller that owns the pool for one call */
+    pthread_mutex_t mu;   /* guards sleepers and the wake-up */
+    pthread_cond_t wake;
+    _Atomic uint64_t ticket;    /* generation | next chunk | chunks */
+    atomic_int done;            /* chunks of the current call finished */
+    atomic_int allowed;         /* workers that may take part in the current call */
+    atomic_ulong worker_chunks; /* chunks the workers have run, ever (cpu_gemm_pool_chunks) */
+    int sleepers;               /* workers waiting on wake (under mu) */
+    int workers;                /* threads started (under busy) */
+    gemm_job job;               /* the current call (written under busy before ticket) */
+} g_pool = {.busy = PTHREAD_MUTEX_INITIALIZER,
+            .mu = PTHREAD_MUTEX_INITIALIZER,
+            .wake = PTHREAD_COND_INITIALIZER};
+
+static atomic_int g_threads_set; /* cpu_gemm_set_threads: 0 = the online cpus */
+static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__)
+    _mm_pause();
+#else
+    sched_yield();
+#endif
+}
+
+/* Claims and runs chunks of the call in ticket t until none is left; returns how many it ran. */
+static unsigned pool_drain(uint64_t t)
+{
+    for (unsigned ran = 0;; ran++) {
+        uint64_t next = (t >> 16) & 0xffff, chunks = t & 0xffff;
+        if (next >= chunks)
+            return ran;
+        if (atomic_compare_exchange_weak_explicit(&g_pool.ticket, &t, t + (1u << 16),
+                                                  memory_order_acquire, memory_order_relaxed)) {
+            gemm_job_chunk(&g_pool.job, (int)next);
+            atomic_fetch_add_explicit(&g_pool.done, 1, memory_order_release);
+            t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
+        }
+    }
+}
+
+static void *pool_main(void *arg)
+{
+    int idx = (int)(intptr_t)arg;
+    uint64_t seen = 0; /* generations start at 1 */
+    for (;;) {
+        uint64_t t0 = rekv_now_ns(), t;
+        for (unsigned i = 0;
+             (t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire)) >> 32 == seen; i++) {
+            cpu_relax();
+            if ((i & 63) == 63 && rekv_now_ns() - t0 > GEMM_SPIN_NS) {
+                pthread_mutex_lock(&g_pool.mu);
+                g_pool.sleepers++;
+                while (atomic_load(&g_pool.ticket) >> 32 == seen)
+                    pthread_cond_wait(&g_pool.wake, &g_pool.mu);
+                g_pool.sleepers--;
+                pthread_mutex_unlock(&g_pool.mu);
+            }
+        }
+        seen = t >> 32;
+        if (idx < atomic_load_explicit(&g_pool.allowed, memory_order_relaxed))
+            atomic_fetch_add_explicit(&g_pool.worker_chunks, pool_drain(t), memory_order_relaxed);
+    }
     return NULL;
 }
+
+/* A forked child has none of the parent's workers (and maybe a copy of a held lock). */
+static void pool_atfork_child(void)
+{
+    pthread_mutex_init(&g_pool.busy, NULL);
+    pthread_mutex_init(&g_pool.mu, NULL);
+    pthread_cond_init(&g_pool.wake, NULL);
+    g_pool.sleepers = 0;
+    g_pool.workers = 0;
+    /* a call another thread had under way is not this process's: nothing left to claim */
+    uint64_t gen = (atomic_load(&g_pool.ticket) >> 32) + 1;
+    atomic_store(&g_pool.ticket, gen << 32);
+}
+
+static void pool_atfork_register(void)
+{
+    pthread_atfork(NULL, NULL, pool_atfork_child);
+}
+
+/* Starts workers up to n (under busy); returns how many there are. */
+static int pool_grow(int n)
+{
+    pthread_once(&g_atfork_once, pool_atfork_register);
+    while (g_pool.workers < n) {
+        pthread_attr_t at;
+        pthread_t t;
+        int rc = pthread_attr_init(&at);
+        if (rc == 0) {
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            rc = pthread_create(&t, &at, pool_main, (void *)(intptr_t)g_pool.workers);
+            pthread_attr_destroy(&at);
+        }
+        if (rc)
+            break; /* fewer workers: the callers do their share */
+        g_pool.workers++;
+    }
+    return g_pool.workers;
+}
+
+int cpu_gemm_set_threads(int n)
+{
+    return atomic_exchange(&g_threads_set, n > 0 ? n : 0);
+}
+
+unsigned long cpu_gemm_pool_chunks(void)
+{
+    return atomic_load(&g_pool.worker_chunks);
+}
+
+int cpu_gemm_threads(void)
+{
+    int n = atomic_load(&g_threads_set);
+    if (n <= 0) {
+        long c = sysconf(_SC_NPROCESSORS_ONLN);
+        n = c > 0 ? (int)c : 1;
+    }
+    return n < GEMM_MAX_THREADS ? n : GEMM_MAX_THREADS;
+}
+
+/* Below this many multiply-adds a call runs on its caller alone: handing work to a spinning
+ * worker costs about a microsecond, to a sleeping one tens. */
+#define GEMM_POOL_MIN_MACS 65536.0
 
 void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, const float *bias,
                      int m, int n, int k)
 {
-    /* large products use two threads, one per half of the output columns */
-    int split = (double)m * n * k > 4e6 && n >= 64;
-    gemm_part a = {y, x, w, wt, m, n, k, 0, split ? n / 2 : n};
-    gemm_part b = {y, x, w, wt, m, n, k, n / 2, n};
-    pthread_t t;
-    int threaded = split && pthread_create(&t, NULL, gemm_part_run, &b) == 0;
-    if (split && !threaded)
-        a.j1 = n; /* no thread: do it all here */
-    gemm_part_run(&a);
-    if (threaded)
-        pthread_join(t, NULL);
-    if (bias)
-        for (int i = 0; i < m; i++)
-            for (int j = 0; j < n; j++)
-                y[(size_t)i * n + j] += bias[j];
+    gemm_job g = {y, x, w, wt, bias, m, n, k, 1};
+    int threads = cpu_gemm_threads();
+    g.chunks = threads * GEMM_CHUNKS_PER_THREAD;
+    if (g.chunks > n / 24)
+        g.chunks = n / 24; /* at least a few tiles of columns each */
+    if (threads < 2 || g.chunks < 2 || (double)m * n * k < GEMM_POOL_MIN_MACS ||
+        pthread_mutex_trylock(&g_pool.busy) != 0) {
+        g.chunks = 1;
+        gemm_job_chunk(&g, 0);
+        return;
+    }
+    int workers = pool_grow(threads - 1);
+    atomic_store_explicit(&g_pool.allowed, workers < threads - 1 ? workers : threads - 1,
+                          memory_order_relaxed);
+    g_pool.job = g;
+    atomic_store_explicit(&g_pool.done, 0, memory_order_relaxed);
+    uint64_t gen = (atomic_load_explicit(&g_pool.ticket, memory_order_relaxed) >> 32) + 1;
+    uint64_t t = gen << 32 | (uint64_t)g.chunks;
+    atomic_store_explicit(&g_pool.ticket, t, memory_order_release);
+    pthread_mutex_lock(&g_pool.mu);
+    if (g_pool.sleepers)
+        pthread_cond_broadcast(&g_pool.wake);
+    pthread_mutex_unlock(&g_pool.mu);
+    pool_drain(t);
+    for (unsigned i = 0; atomic_load_explicit(&g_pool.done, memory_order_acquire) < g.chunks; i++)
+        if ((i & 255) == 255)
+            sched_yield(); /* a worker's chunk, its thread maybe off its cpu */
+        else
+            cpu_relax();
+    pthread_mutex_unlock(&g_pool.busy);
 }

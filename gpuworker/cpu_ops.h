@@ -18,8 +18,18 @@ void cpu_linear(float *y, const float *x, const float *w, const float *bias, int
  * those of the widened fp32 weights). */
 void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, const float *bias,
                      int m, int n, int k);
-/* The portable path of cpu_gemm_rowinv (no bias), for tests: it must give the same bits. */
-void cpu_gemm_rowinv_portable(float *y, const float *x, const float *w, int m, int n, int k);
+/* The portable path of cpu_gemm_rowinv (no bias, one thread), for tests: it must give the same
+ * bits. */
+void cpu_gemm_rowinv_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
+                              int k);
+/* Threads a large cpu_gemm_rowinv call may use: the caller and workers of a pool that lives for
+ * the process (started on first use). n > 0 caps them at n, 0 restores the default (the online
+ * cpus); returns the previous setting. The bits never depend on it (tests set it to check that).
+ * cpu_gemm_threads: the threads a large call would use now; cpu_gemm_pool_chunks: the column
+ * chunks the pool's workers have computed so far (tests check the threads did take part). */
+int cpu_gemm_set_threads(int n);
+int cpu_gemm_threads(void);
+unsigned long cpu_gemm_pool_chunks(void);
 
 /* In place over m rows of width d: LayerNorm (bias != NULL) or RMSNorm (bias == NULL). */
 void cpu_layernorm(float *x, const float *w, const float *b, int m, int d, float eps);

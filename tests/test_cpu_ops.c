@@ -1,7 +1,8 @@
 /* test_cpu_ops.c — the cpu backend's kernels: the row-invariant GEMM gives the same bits for a row
- * whatever rows share the call and on either code path, and agrees with OpenBLAS; dtype
- * conversions round correctly. */
+ * whatever rows share the call, on either code path and at any thread count, and agrees with
+ * OpenBLAS; dtype conversions round correctly. */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,7 +53,7 @@ START_TEST(gemm_rowinv_is_row_invariant)
             r0 += c;
         }
         /* the portable path gives the same bits */
-        cpu_gemm_rowinv_portable(yp, x, w, m, n, k);
+        cpu_gemm_rowinv_portable(yp, x, w, REKV_DTYPE_F32, m, n, k);
         for (size_t i = 0; i < (size_t)m * n; i++)
             yp[i] += b[i % (size_t)n];
         ck_assert_msg(memcmp(yp, y, sizeof(float) * (size_t)m * n) == 0,
@@ -81,7 +82,8 @@ START_TEST(gemm_rowinv_16bit_weights_equal_widened)
         uint16_t *wh = malloc(sizeof(uint16_t) * nk);
         float *b = malloc(sizeof(float) * (size_t)n);
         float *y = malloc(sizeof(float) * (size_t)m * n),
-              *yw = malloc(sizeof(float) * (size_t)m * n);
+              *yw = malloc(sizeof(float) * (size_t)m * n),
+              *yp = malloc(sizeof(float) * (size_t)m * n);
         for (size_t i = 0; i < (size_t)m * k; i++)
             x[i] = frand();
         for (size_t i = 0; i < nk; i++)
@@ -96,8 +98,127 @@ START_TEST(gemm_rowinv_16bit_weights_equal_widened)
         ck_assert_msg(memcmp(y, yw, sizeof(float) * (size_t)m * n) == 0,
                       "%s weights m=%d n=%d k=%d: differ from their fp32 widening",
                       rekv_dtype_name(dt), m, n, k);
-        free(x), free(w), free(wh), free(b), free(y), free(yw);
+        /* and the portable path widens them the same way */
+        cpu_gemm_rowinv_portable(yp, x, wh, dt, m, n, k);
+        for (size_t i = 0; bias && i < (size_t)m * n; i++)
+            yp[i] += bias[i % (size_t)n];
+        ck_assert_msg(memcmp(y, yp, sizeof(float) * (size_t)m * n) == 0,
+                      "%s weights m=%d n=%d k=%d: the portable path differs", rekv_dtype_name(dt),
+                      m, n, k);
+        free(x), free(w), free(wh), free(b), free(y), free(yw), free(yp);
     }
+}
+END_TEST
+
+static float *frands(size_t n)
+{
+    float *a = malloc(sizeof(float) * (n ? n : 1));
+    for (size_t i = 0; i < n; i++)
+        a[i] = frand();
+    return a;
+}
+
+/* Every row count from 1 to 70 — whole 4-row tiles and the 1-, 2- and 3-row kernels after them —
+ * at odd k (k < 8, k % 8 != 0) and n off every tile width, then at a size the worker pool takes:
+ * each row's bits are its own one-row call's and the portable path's, and chunks of rows agree. */
+START_TEST(gemm_rowinv_rows_1_to_70)
+{
+    static const int ks[] = {1, 3, 7, 8, 9, 17, 100, 263, 300};
+    static const int ns[] = {1, 2, 5, 7, 13, 50, 97, 200};
+    for (int pass = 0; pass < 2; pass++)
+        for (int m = 1; m <= 70; m++) {
+            int k = pass ? 300 : ks[m % 8], n = pass ? 200 : ns[m % 7];
+            float *x = frands((size_t)m * k), *w = frands((size_t)n * k);
+            float *y = malloc(sizeof(float) * (size_t)m * n),
+                  *y1 = malloc(sizeof(float) * (size_t)m * n),
+                  *yp = malloc(sizeof(float) * (size_t)m * n);
+            cpu_gemm_rowinv(y, x, w, REKV_DTYPE_F32, NULL, m, n, k);
+            cpu_gemm_rowinv_portable(yp, x, w, REKV_DTYPE_F32, m, n, k);
+            ck_assert_msg(memcmp(y, yp, sizeof(float) * (size_t)m * n) == 0,
+                          "m=%d n=%d k=%d: portable and vector paths differ", m, n, k);
+            for (int r = 0; r < m; r++) {
+                cpu_gemm_rowinv(y1, x + (size_t)r * k, w, REKV_DTYPE_F32, NULL, 1, n, k);
+                ck_assert_msg(memcmp(y1, y + (size_t)r * n, sizeof(float) * (size_t)n) == 0,
+                              "m=%d n=%d k=%d: row %d differs alone", m, n, k, r);
+            }
+            for (int r0 = 0, c = 1 + m % 5; r0 < m; r0 += c, c = c % 6 + 1) {
+                int rows = r0 + c > m ? m - r0 : c;
+                cpu_gemm_rowinv(y1, x + (size_t)r0 * k, w, REKV_DTYPE_F32, NULL, rows, n, k);
+                ck_assert_msg(memcmp(y1, y + (size_t)r0 * n, sizeof(float) * (size_t)rows * n) == 0,
+                              "m=%d n=%d k=%d: rows %d..%d differ in a chunk", m, n, k, r0,
+                              r0 + rows - 1);
+            }
+            free(x), free(w), free(y), free(y1), free(yp);
+        }
+}
+END_TEST
+
+typedef struct gemm_caller {
+    const float *x;
+    const void *w;
+    rekv_dtype wt;
+    int m, n, k;
+    float *y;
+} gemm_caller;
+
+static void *gemm_caller_run(void *arg)
+{
+    gemm_caller *c = arg;
+    for (int i = 0; i < 20; i++)
+        cpu_gemm_rowinv(c->y, c->x, c->w, c->wt, NULL, c->m, c->n, c->k);
+    return NULL;
+}
+
+/* The thread count never changes a bit: one thread against two and three (until the pool's
+ * workers have computed some of the columns), in every weight dtype, and callers on several
+ * threads at once (the cpu backend's streams) get the same bits too. */
+START_TEST(gemm_rowinv_threads_same_bits)
+{
+    static const int shapes[][3] = {{1, 768, 768},  {2, 1000, 257}, {3, 333, 300},
+                                    {37, 500, 130}, {64, 200, 129}, {1, 100, 701}};
+    static const rekv_dtype dts[] = {REKV_DTYPE_F32, REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    unsigned long chunks0 = cpu_gemm_pool_chunks();
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+        for (int d = 0; d < 3; d++) {
+            int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
+            size_t nk = (size_t)n * k, mn = (size_t)m * n;
+            float *x = frands((size_t)m * k), *w = frands(nk);
+            uint16_t *wh = malloc(sizeof(uint16_t) * nk);
+            const void *wd = w;
+            if (dts[d] != REKV_DTYPE_F32) {
+                rekv_from_f32(wh, w, dts[d], nk);
+                wd = wh;
+            }
+            float *y1 = malloc(sizeof(float) * mn), *y = malloc(sizeof(float) * mn);
+            cpu_gemm_set_threads(1);
+            cpu_gemm_rowinv(y1, x, wd, dts[d], NULL, m, n, k);
+            for (int t = 2; t <= 3; t++) {
+                cpu_gemm_set_threads(t);
+                unsigned long c0 = cpu_gemm_pool_chunks();
+                for (int rep = 0; rep < 200 && (rep < 3 || cpu_gemm_pool_chunks() == c0); rep++) {
+                    cpu_gemm_rowinv(y, x, wd, dts[d], NULL, m, n, k);
+                    ck_assert_msg(memcmp(y, y1, sizeof(float) * mn) == 0,
+                                  "%s m=%d n=%d k=%d: %d threads differ from one",
+                                  rekv_dtype_name(dts[d]), m, n, k, t);
+                }
+            }
+            /* two callers at once: one owns the pool, the other works alone */
+            gemm_caller c[2] = {{x, wd, dts[d], m, n, k, malloc(sizeof(float) * mn)},
+                                {x, wd, dts[d], m, n, k, malloc(sizeof(float) * mn)}};
+            pthread_t th[2];
+            for (int i = 0; i < 2; i++)
+                ck_assert_int_eq(pthread_create(&th[i], NULL, gemm_caller_run, &c[i]), 0);
+            for (int i = 0; i < 2; i++) {
+                pthread_join(th[i], NULL);
+                ck_assert_msg(memcmp(c[i].y, y1, sizeof(float) * mn) == 0,
+                              "%s m=%d n=%d k=%d: concurrent caller %d differs",
+                              rekv_dtype_name(dts[d]), m, n, k, i);
+                free(c[i].y);
+            }
+            free(x), free(w), free(wh), free(y1), free(y);
+        }
+    cpu_gemm_set_threads(0);
+    ck_assert_msg(cpu_gemm_pool_chunks() > chunks0, "the pool's workers never took part");
 }
 END_TEST
 
@@ -159,6 +280,8 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, gemm_rowinv_is_row_invariant);
     tcase_add_test(tc, gemm_rowinv_16bit_weights_equal_widened);
+    tcase_add_test(tc, gemm_rowinv_rows_1_to_70);
+    tcase_add_test(tc, gemm_rowinv_threads_same_bits);
     tcase_add_test(tc, dtype_conversions);
     suite_add_tcase(s, tc);
     return s;

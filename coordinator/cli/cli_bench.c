@@ -14,26 +14,38 @@
 #include "coordinator/cli/cli_daemon.h"
 #include "coordinator/cli/cli_profile.h"
 #include "coordinator/cli/cli_session.h"
+#include "common/dtype.h"
+#include "gpuworker/cpu_ops.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
 #include "loader/loader.h"
 
-/* GFLOP/s of OpenBLAS at y[m][n] = x[m][k]·W[n][k]^T — the shape a linear layer runs: sgemm, or
- * at one row sgemv (OpenBLAS's sgemm is at its worst there, so it would flatter rekv). */
-static double blas_gflops(int m, int n, int k, double min_s)
+/* GFLOP/s at y[m][n] = x[m][k]·W[n][k]^T — the shape a linear layer runs — of OpenBLAS (sgemm,
+ * or at one row sgemv: OpenBLAS's sgemm is at its worst there, so it would flatter rekv) or of
+ * rekv's row-invariant GEMM with fp32 or 16-bit weights. */
+typedef enum { GEMM_BLAS, GEMM_REKV_F32, GEMM_REKV_F16 } gemm_impl;
+
+static double gemm_gflops(gemm_impl impl, int m, int n, int k, double min_s)
 {
     float *x = calloc((size_t)m * k, sizeof(float)), *w = calloc((size_t)n * k, sizeof(float));
     float *y = calloc((size_t)m * n, sizeof(float));
+    uint16_t *wh = impl == GEMM_REKV_F16 ? calloc((size_t)n * k, sizeof(uint16_t)) : NULL;
     double gf = 0;
-    if (x && w && y) {
+    if (x && w && y && (wh || impl != GEMM_REKV_F16)) {
         for (size_t i = 0; i < (size_t)m * k; i++)
             x[i] = (float)(i % 7) * 0.1f;
         for (size_t i = 0; i < (size_t)n * k; i++)
             w[i] = (float)(i % 5) * 0.1f;
+        if (wh)
+            rekv_from_f32(wh, w, REKV_DTYPE_F16, (size_t)n * k);
         int reps = -1;
         uint64_t t0 = 0, t;
         do {
-            if (m == 1)
+            if (impl == GEMM_REKV_F32)
+                cpu_gemm_rowinv(y, x, w, REKV_DTYPE_F32, NULL, m, n, k);
+            else if (impl == GEMM_REKV_F16)
+                cpu_gemm_rowinv(y, x, wh, REKV_DTYPE_F16, NULL, m, n, k);
+            else if (m == 1)
                 cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1, w, k, x, 1, 0, y, 1);
             else
                 cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1, x, k, w, k, 0, y,
@@ -46,8 +58,39 @@ static double blas_gflops(int m, int n, int k, double min_s)
     }
     free(x);
     free(w);
+    free(wh);
     free(y);
     return gf;
+}
+
+static double blas_gflops(int m, int n, int k, double min_s)
+{
+    return gemm_gflops(GEMM_BLAS, m, n, k, min_s);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* rekv's GEMM (fp32 and fp16 weights) next to OpenBLAS at one shape: the three measured in turn,
+ * five times, medians (a shared machine's noise hits all three alike). */
+static json_t *gemm_compare(int m, int n, int k)
+{
+    enum { REPS = 5 };
+    double g[3][REPS];
+    for (int r = 0; r < REPS; r++)
+        for (int i = 0; i < 3; i++)
+            g[i][r] = gemm_gflops((gemm_impl)i, m, n, k, 0.05);
+    for (int i = 0; i < 3; i++)
+        qsort(g[i], REPS, sizeof(double), cmp_double);
+    double b = g[GEMM_BLAS][REPS / 2], f = g[GEMM_REKV_F32][REPS / 2],
+           h = g[GEMM_REKV_F16][REPS / 2];
+    return json_pack("{s:i, s:i, s:i, s:s, s:f, s:f, s:f, s:f, s:f}", "rows", m, "n", n, "k", k,
+                     "blas", m == 1 ? "sgemv" : "sgemm", "blas_gflops", b, "rekv_f32_gflops", f,
+                     "rekv_f16_gflops", h, "rekv_f32_vs_blas", b > 0 ? f / b : 0,
+                     "rekv_f16_vs_blas", b > 0 ? h / b : 0);
 }
 
 static int bench_forward(int argc, char **argv)
@@ -88,8 +131,9 @@ static int bench_forward(int argc, char **argv)
                     "usage: rekv bench forward --model PATH [--batches 1,2,4,8,16,32]\n"
                     "                          [--prompt-len S] [--decode-steps N] [--json]\n"
                     "Prints prefill and decode tokens/s and GFLOP/s per batch size, next to\n"
-                    "OpenBLAS's GFLOP/s at the model's shapes (sgemm; sgemv at one row),\n"
-                    "measured in the same run.\n");
+                    "OpenBLAS's GFLOP/s at the model's shapes (sgemm; sgemv at one row), and\n"
+                    "the GEMM alone (ffn x hidden, the batch's and the prefill's rows): rekv's\n"
+                    "with fp32 and fp16 weights next to OpenBLAS, medians of 5, same run.\n");
             return c == 'h' ? 0 : 2;
         }
     }
@@ -176,20 +220,24 @@ static int bench_forward(int argc, char **argv)
         /* OpenBLAS at the layer's largest shape for these row counts */
         double sg_pre = blas_gflops(B * S, cfg->ffn, cfg->hidden, 0.2);
         double sg_dec = blas_gflops(B, cfg->ffn, cfg->hidden, 0.2);
+        /* the GEMM alone at that shape, at the decode step's rows and the prefill's */
+        json_t *gemm = json_pack("[o, o]", gemm_compare(B, cfg->ffn, cfg->hidden),
+                                 gemm_compare(B * S, cfg->ffn, cfg->hidden));
         json_array_append_new(
-            runs,
-            json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f}", "batch", B,
-                      "prefill_tokens_per_s", (double)B * S / pre_s, "decode_tokens_per_s",
-                      (double)B * steps / dec_s, "prefill_gflops", pre_gf, "decode_gflops", dec_gf,
-                      "blas_gflops_prefill_shape", sg_pre, "blas_gflops_decode_shape", sg_dec,
-                      "prefill_vs_blas", pre_gf / sg_pre, "decode_vs_blas", dec_gf / sg_dec));
+            runs, json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:o}", "batch", B,
+                            "prefill_tokens_per_s", (double)B * S / pre_s, "decode_tokens_per_s",
+                            (double)B * steps / dec_s, "prefill_gflops", pre_gf, "decode_gflops",
+                            dec_gf, "blas_gflops_prefill_shape", sg_pre, "blas_gflops_decode_shape",
+                            sg_dec, "prefill_vs_blas", pre_gf / sg_pre, "decode_vs_blas",
+                            dec_gf / sg_dec, "gemm", gemm));
     }
     rekv_progress_end(&pr);
-    json_t *o = json_pack("{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:s}, s:i, s:i, s:f, s:O}", "bench",
-                          "forward", "backend", "cpu", "model", "layers", cfg->n_layers, "hidden",
-                          cfg->hidden, "ffn", cfg->ffn, "vocab", cfg->vocab, "dtype",
-                          rekv_dtype_name(cfg->dtype), "prompt_len", (int)prompt_len,
-                          "decode_steps", (int)steps, "sgemm_gflops_1024", peak, "runs", runs);
+    json_t *o = json_pack(
+        "{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:s}, s:i, s:i, s:f, s:i, s:i, s:O}", "bench", "forward",
+        "backend", "cpu", "model", "layers", cfg->n_layers, "hidden", cfg->hidden, "ffn", cfg->ffn,
+        "vocab", cfg->vocab, "dtype", rekv_dtype_name(cfg->dtype), "prompt_len", (int)prompt_len,
+        "decode_steps", (int)steps, "sgemm_gflops_1024", peak, "rekv_gemm_threads",
+        cpu_gemm_threads(), "blas_threads", openblas_get_num_threads(), "runs", runs);
     char *s = json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", s);
     free(s);
