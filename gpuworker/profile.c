@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/version.h"
 #include "gpuworker/kernels.h"
 
 #define PF_ROUNDS 5              /* timed rounds per sample; the fastest is kept */
@@ -624,13 +625,14 @@ int rekv_profile_key(const rekv_model_config *c, const char *backend, const rekv
     pf_cpu_model(cpu, sizeof(cpu));
     double gbps = link && link->gbps > 0 ? link->gbps : 0;
     double lat = gbps > 0 ? link->latency_us : 0; /* no emulation: the latency setting is moot */
-    int n = snprintf(key, key_cap,
-                     "rekv-profile v%d|host=%s|cpu=%s|arch=%d|layers=%d|hidden=%d|heads=%d|"
-                     "kv_heads=%d|head_dim=%d|ffn=%d|vocab=%d|act=%d|rope=%d|qkv_bias=%d|"
-                     "dtype=%s|backend=%s|link_gbps=%.17g|link_latency_us=%.17g",
-                     REKV_PROFILE_VERSION, host, cpu, (int)c->arch, c->n_layers, c->hidden,
-                     c->n_heads, c->n_kv_heads, c->head_dim, c->ffn, c->vocab, (int)c->act,
-                     (int)c->rope, c->qkv_bias, rekv_dtype_name(c->dtype), backend, gbps, lat);
+    int n =
+        snprintf(key, key_cap,
+                 "rekv-profile v%d|rekv=%s|host=%s|cpu=%s|arch=%d|layers=%d|hidden=%d|heads=%d|"
+                 "kv_heads=%d|head_dim=%d|ffn=%d|vocab=%d|act=%d|rope=%d|qkv_bias=%d|"
+                 "dtype=%s|backend=%s|link_gbps=%.17g|link_latency_us=%.17g",
+                 REKV_PROFILE_VERSION, rekv_version(), host, cpu, (int)c->arch, c->n_layers,
+                 c->hidden, c->n_heads, c->n_kv_heads, c->head_dim, c->ffn, c->vocab, (int)c->act,
+                 (int)c->rope, c->qkv_bias, rekv_dtype_name(c->dtype), backend, gbps, lat);
     if (n < 0 || (size_t)n >= key_cap)
         return rekv_errf(err, -ENAMETOOLONG, "profile: cache key longer than %zu bytes", key_cap);
     return 0;

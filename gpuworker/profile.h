@@ -14,10 +14,12 @@
  * Shapes come from the model's config only: the weights the kernels run on are deterministic
  * filler of the model's shapes (timings do not depend on values), so no engine is needed.
  *
- * The cache: one JSON file per (machine, model shape, backend, link settings) in
+ * The cache: one JSON file per (rekv build, machine, model shape, backend, link settings) in
  * $XDG_CACHE_HOME/rekv/profiles/ or ~/.cache/rekv/profiles/, named by a hash of a key string that
  * the file also holds. A file is trusted only when its version, key and every field check out;
- * otherwise the profile is measured again and the file replaced (temporary file + rename).
+ * otherwise the profile is measured again and the file replaced (temporary file + rename). The
+ * build (rekv_version: release and git describe) is part of the key: what was measured is this
+ * code's speed, so a profile taken before the kernels changed (a faster GEMM) would misprice.
  *
  * Functions return 0 or a negative errno and fill the rekv_err; nothing prints. */
 #ifndef REKV_GPUWORKER_PROFILE_H

@@ -2,6 +2,7 @@
  * measured link is the configured one, the fitted T_load_kv and T_kv_gen grow with n, the cache
  * round-trips exactly and never trusts a corrupted, truncated, wrong-version or foreign file, the
  * cache file depends on the model and the link; and `rekv profile --json` as a program. */
+#include "common/version.h"
 #include "gpuworker/profile.h"
 #include "tests/testutil.h"
 
@@ -202,6 +203,8 @@ START_TEST(test_cache)
 
     char key[2048], path[4096];
     ck_assert(rekv_profile_key(&c, "cpu", &link, key, sizeof(key), &err) == 0);
+    /* the build is in the key: another rekv (other kernels) measures again */
+    ck_assert_msg(strstr(key, rekv_version()) != NULL, "%s", key);
     ck_assert(rekv_profile_load(o.path, key, &p2, &err) == 0);
     ck_assert(memcmp(&p1, &p2, sizeof(p1)) == 0);
     strcpy(path, o.path);
