@@ -41,12 +41,26 @@ typedef struct rekv_cost_profile {
     rekv_linear load_kv;   /* T_load_kv(n tokens): time to load n tokens' KV of one layer, s */
     rekv_linear kv_gen;    /* T_kv_gen(n tokens): time to regenerate n tokens' KV from ACT, s */
     double t_load_w; /* T_load_w: time to load one decoder layer's weights, s (0 if resident) */
+    /* A decode-shape GEMM's time against its rows, per FLOP of one row: T(rows) = (a + b*rows) *
+     * row_flops — at few rows the weights stream for little work (memory-bound), at many the
+     * FLOPs dominate. a = b = 0: not measured (fwd_flops_rate stands for every row count). */
+    rekv_linear fwd_gemm;
+    double attn_flops_rate; /* the attention kernel at a decode step's shape (one query per
+                               sequence over its context), FLOP/s; 0: priced as the GEMMs */
 } rekv_cost_profile;
 
 /* The rate a decode step's forward pass runs at: fwd_flops_rate, or gemm_flops when unmeasured. */
 static inline double rekv_cost_fwd_rate(const rekv_cost_profile *p)
 {
     return p->fwd_flops_rate > 0 ? p->fwd_flops_rate : p->gemm_flops;
+}
+
+/* The forward pass's rate for a step of `rows` new rows (a decode step: its batch), from
+ * fwd_gemm where it was measured: rows / (a + b*rows); else rekv_cost_fwd_rate. */
+static inline double rekv_cost_fwd_rate_at(const rekv_cost_profile *p, double rows)
+{
+    double t = p->fwd_gemm.a + p->fwd_gemm.b * rows;
+    return rows > 0 && p->fwd_gemm.b > 0 && t > 0 ? rows / t : rekv_cost_fwd_rate(p);
 }
 
 #endif

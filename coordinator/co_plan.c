@@ -19,6 +19,8 @@ static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
     out->h2d_latency = c->h2d_latency;
     out->gemm_flops = c->gemm_flops;
     out->fwd_flops_rate = c->fwd_flops_rate;
+    out->fwd_gemm = (rekv_linear){c->fwd_gemm_a, c->fwd_gemm_b};
+    out->attn_flops_rate = c->attn_flops_rate;
     out->load_kv = (rekv_linear){c->load_kv_a, c->load_kv_b};
     out->kv_gen = (rekv_linear){c->kv_gen_a, c->kv_gen_b};
     out->t_load_w = c->t_load_w;
@@ -137,6 +139,9 @@ static rekv_cost_profile scaled(const co_plan_state *ps)
     p.t_load_w *= ps->pcie_scale;
     p.gemm_flops /= ps->compute_scale;
     p.fwd_flops_rate /= ps->compute_scale;
+    p.fwd_gemm.a *= ps->compute_scale;
+    p.fwd_gemm.b *= ps->compute_scale;
+    p.attn_flops_rate /= ps->compute_scale;
     p.kv_gen.a *= ps->compute_scale;
     p.kv_gen.b *= ps->compute_scale;
     return p;
@@ -189,8 +194,9 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     /* KVPR's split for the batch's mean context (rekv_plan_kvpr_solve) */
     int split = 0;
     double weight_bytes = ps->offload_weights ? prof.t_load_w * prof.h2d_bw : 0;
-    double fwd_flops = 2.0 * (double)ps->layer_params * n;
-    rekv_kvpr_params kp = {s, n, ps->hidden, ps->kv_dim, elem, fwd_flops, weight_bytes};
+    double attn_flops = 4.0 * (double)n * (double)s * ps->q_dim;
+    double fwd_flops = 2.0 * (double)ps->layer_params * n + attn_flops;
+    rekv_kvpr_params kp = {s, n, ps->hidden, ps->kv_dim, elem, fwd_flops, attn_flops, weight_bytes};
     rekv_kvpr_split ks;
     if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &kp, &ks, NULL) == 0)
         split = (int)ks.l;

@@ -27,6 +27,17 @@ static double link_time(const rekv_cost_profile *prof, double bytes)
     return bytes > 0 ? bytes / prof->h2d_bw + prof->h2d_latency : 0.0;
 }
 
+/* The layer's forward pass for the step's new rows: its GEMMs at the rate for that many rows
+ * (rekv_cost_fwd_rate_at), its attention at the attention kernel's measured rate where there is
+ * one (on a cpu the scalar attention runs far below the GEMMs: pricing it as a GEMM predicted a
+ * resident step 5-8x too fast). */
+static double fwd_time(const rekv_cost_profile *prof, const rekv_kvpr_params *p)
+{
+    double attn = prof->attn_flops_rate > 0 ? fmin(fmax(p->attn_flops, 0.0), p->fwd_flops) : 0.0;
+    return (p->fwd_flops - attn) / rekv_cost_fwd_rate_at(prof, (double)p->b) +
+           (attn > 0 ? attn / prof->attn_flops_rate : 0.0);
+}
+
 /* ---------------------------------------------------------------- KVPR */
 
 static int check_kvpr(const rekv_kvpr_params *p, rekv_err *err)
@@ -51,7 +62,7 @@ void rekv_plan_kvpr_eval(const rekv_cost_profile *prof, const rekv_kvpr_params *
     out->t_x = link_time(prof, out->bytes_x);
     out->t_kv = link_time(prof, out->bytes_kv);
     out->t_link = link_time(prof, p->weight_bytes) + out->t_x + out->t_kv;
-    out->t_compute = p->fwd_flops / rekv_cost_fwd_rate(prof) + out->t_recomp;
+    out->t_compute = fwd_time(prof, p) + out->t_recomp;
     out->t = fmax(out->t_link, out->t_compute); /* rekv's pipeline, not Eq. 11 (planner.h) */
 }
 
@@ -92,7 +103,7 @@ static double kvpr_kink(const rekv_cost_profile *prof, const rekv_kvpr_params *p
     double gamma = b * (double)p->hidden * p->elem_bytes / prof->h2d_bw;      /* s per token */
     double c_link =
         link_time(prof, p->weight_bytes) + 2.0 * prof->h2d_latency + beta * (double)p->s;
-    double c_fwd = p->fwd_flops / rekv_cost_fwd_rate(prof);
+    double c_fwd = fwd_time(prof, p);
     if (!(alpha + beta - gamma > 0))
         return 0.0;
     double ls = (c_link - c_fwd) / (alpha + beta - gamma);
@@ -423,7 +434,8 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         link_time(prof, p->weight_bytes) + link_time(prof, x_bytes) + link_time(prof, kv_bytes);
     /* the forward pass and the speculation's GEMV over the batch's rows at the decode rate, the
      * recomputation over batch x context rows at the GEMM rate */
-    out->t_compute = (p->fwd_flops + spec) / rekv_cost_fwd_rate(prof) + recomp / prof->gemm_flops;
+    out->t_compute = fwd_time(prof, p) + spec / rekv_cost_fwd_rate_at(prof, (double)p->b) +
+                     recomp / prof->gemm_flops;
     out->t_step = fmax(out->t_pcie, out->t_compute);
     return 0;
 }
@@ -478,7 +490,8 @@ void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cach
     out->n_layers = m->n_layers;
     out->q_dim = m->q_dim;
     /* one new token per sequence: 2 FLOP per weight, plus Q.K^T and P.V over s cached tokens */
-    out->kv.fwd_flops = 2.0 * (double)b * params + 4.0 * (double)b * (double)s * q;
+    out->kv.attn_flops = 4.0 * (double)b * (double)s * q;
+    out->kv.fwd_flops = 2.0 * (double)b * params + out->kv.attn_flops;
 }
 
 void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, int64_t kv_dim,

@@ -227,13 +227,14 @@ double rekv_heads_np(const rekv_model_config *c, const rekv_cost_profile *prof, 
     double H = c->hidden, Q = (double)c->n_heads * c->head_dim,
            KV = (double)c->n_kv_heads * c->head_dim, F = c->ffn;
     double params = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
-    double flops = 2 * (double)batch * params + 4 * (double)batch * ctx * Q; /* + QK^T, PV */
-    double rate = rekv_cost_fwd_rate(prof);
+    double gemm = 2 * (double)batch * params, attn = 4 * (double)batch * ctx * Q; /* QK^T, PV */
+    double rate = rekv_cost_fwd_rate_at(prof, batch);
+    double attn_rate = prof->attn_flops_rate > 0 ? prof->attn_flops_rate : rate;
     double head_bytes = (double)batch * ceil(fetch_cap * ctx) * 2 * c->head_dim *
                         (double)rekv_dtype_size(cache_dtype);
     if (!(prof->h2d_bw > 0) || !(rate > 0) || !(head_bytes > 0))
         return INFINITY;
-    return flops / rate * prof->h2d_bw / head_bytes;
+    return (gemm / rate + attn / attn_rate) * prof->h2d_bw / head_bytes;
 }
 
 /* ---------------------------------------------------------------- the file */

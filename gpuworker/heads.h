@@ -70,8 +70,8 @@ int rekv_heads_persistent(const rekv_heads *h, int layer, double eta, double p, 
 /* Eq. 12 for a decode step of `batch` sequences of up to `ctx` tokens: N_p, how many KV heads of a
  * layer can miss and have their top-k (fetch_cap of the context, K and V in cache_dtype, for every
  * sequence) cross the link while the layer computes — T_comp * B_link / mem_head, with the link's
- * bandwidth from prof and T_comp the layer's decode-shape forward FLOPs (projections, FFN and
- * attention over ctx) at prof's forward rate. (The paper prints T_comp / (B * mem_head); only
+ * bandwidth from prof and T_comp the layer's decode-shape forward pass (projections and FFN at
+ * prof's forward rate for `batch` rows, attention over ctx at its attention rate). (The paper prints T_comp / (B * mem_head); only
  * T_comp * B / mem_head is a count of heads.) INFINITY when nothing limits it (no link measured).
  */
 double rekv_heads_np(const rekv_model_config *c, const rekv_cost_profile *prof, int batch, int ctx,

@@ -442,6 +442,10 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
     if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
         goto out;
     p.gemm_ffn_flops = 2.0 * R * F * H / t;
+    lin.m = 1;
+    if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
+        goto out;
+    p.gemm_ffn_1_flops = 2.0 * F * H / t;
     pf_progress(progress, arg, ++step);
 
     /* attention: a decode batch, one query per sequence over ctx cached positions */
@@ -585,6 +589,15 @@ void rekv_profile_to_cost(const rekv_profile *p, rekv_dtype cache_dtype, rekv_co
     out->h2d_latency = p->h2d_latency;
     out->gemm_flops = p->gemm_kv_flops;
     out->fwd_flops_rate = p->gemm_ffn_flops; /* the FFN's GEMM over a decode batch's rows */
+    /* ... and its time against the rows, through the two measured row counts: a GEMM at few rows
+     * streams its weights for little work, so its rate falls with the rows (rekv_cost_fwd_rate_at)
+     */
+    double t1 = 1.0 / p->gemm_ffn_1_flops, tr = (double)p->gemm_rows / p->gemm_ffn_flops;
+    if (p->gemm_ffn_1_flops > 0 && p->gemm_ffn_flops > 0 && p->gemm_rows > 1) {
+        double slope = fmax((tr - t1) / (p->gemm_rows - 1), 0.0);
+        out->fwd_gemm = (rekv_linear){t1 - slope, slope}; /* s per FLOP-of-one-row, see cost.h */
+    }
+    out->attn_flops_rate = p->attn_flops;
     out->load_kv = p->load_kv[d];
     out->kv_gen = p->kv_gen[d];
     out->t_load_w = p->t_load_w;
@@ -687,14 +700,15 @@ static const char *const pf_dtype_names[REKV_PROFILE_DTYPES] = {"f32", "f16"};
 static json_t *pf_to_json(const rekv_profile *p)
 {
     json_t *o = json_pack(
-        "{s:i,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:i,s:i,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:f}", "version",
-        p->version, "backend", p->backend, "link_gbps", p->link.gbps, "link_latency_us",
+        "{s:i,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:f}",
+        "version", p->version, "backend", p->backend, "link_gbps", p->link.gbps, "link_latency_us",
         p->link.latency_us, "h2d_bw_bytes_per_s", p->h2d_bw, "h2d_latency_s", p->h2d_latency,
         "d2h_bw_bytes_per_s", p->d2h_bw, "d2h_latency_s", p->d2h_latency, "gemm_rows", p->gemm_rows,
         "gemm_kv_rows", p->gemm_kv_rows, "gemm_kv_flops_per_s", p->gemm_kv_flops,
-        "gemm_ffn_flops_per_s", p->gemm_ffn_flops, "attn_batch", p->attn_batch, "attn_ctx",
-        p->attn_ctx, "attn_flops_per_s", p->attn_flops, "layer_weight_bytes", p->layer_weight_bytes,
-        "t_load_w_s", p->t_load_w, "fit_tokens_max", p->fit_tokens_max, "measure_s", p->measure_s);
+        "gemm_ffn_flops_per_s", p->gemm_ffn_flops, "gemm_ffn_1_flops_per_s", p->gemm_ffn_1_flops,
+        "attn_batch", p->attn_batch, "attn_ctx", p->attn_ctx, "attn_flops_per_s", p->attn_flops,
+        "layer_weight_bytes", p->layer_weight_bytes, "t_load_w_s", p->t_load_w, "fit_tokens_max",
+        p->fit_tokens_max, "measure_s", p->measure_s);
     if (!o)
         return NULL;
     json_t *lk = json_object(), *kg = json_object();
@@ -865,6 +879,7 @@ int rekv_profile_load(const char *path, const char *key, rekv_profile *out, rekv
         (rc = pf_get_int(path, o, "gemm_kv_rows", 1, 1 << 30, &p.gemm_kv_rows, err)) ||
         (rc = pf_get_num(path, o, "gemm_kv_flops_per_s", 1, big, &p.gemm_kv_flops, err)) ||
         (rc = pf_get_num(path, o, "gemm_ffn_flops_per_s", 1, big, &p.gemm_ffn_flops, err)) ||
+        (rc = pf_get_num(path, o, "gemm_ffn_1_flops_per_s", 1, big, &p.gemm_ffn_1_flops, err)) ||
         (rc = pf_get_int(path, o, "attn_batch", 1, 1 << 30, &p.attn_batch, err)) ||
         (rc = pf_get_int(path, o, "attn_ctx", 1, 1 << 30, &p.attn_ctx, err)) ||
         (rc = pf_get_num(path, o, "attn_flops_per_s", 1, big, &p.attn_flops, err)) ||

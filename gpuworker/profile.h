@@ -35,7 +35,7 @@
 #include "loader/loader.h"
 
 /* Bumped whenever the fields or the way they are measured change: older files are re-measured. */
-#define REKV_PROFILE_VERSION 3
+#define REKV_PROFILE_VERSION 4
 
 /* Index of the per-cache-dtype models. */
 enum { REKV_PROFILE_F32 = 0, REKV_PROFILE_F16 = 1, REKV_PROFILE_DTYPES = 2 };
@@ -50,13 +50,15 @@ typedef struct rekv_profile {
     double d2h_bw;      /* device->host bandwidth, bytes/s */
     double d2h_latency; /* fixed cost of one device->host copy, s (>= 0) */
 
-    int gemm_rows;         /* rows (tokens) of the measured FFN linear */
-    int gemm_kv_rows;      /* rows of the measured K/V linear: grown until it takes ~1 ms */
-    double gemm_kv_flops;  /* `linear` [gemm_kv_rows][hidden] x [kv_dim][hidden]^T, FLOP/s */
-    double gemm_ffn_flops; /* `linear` [gemm_rows][hidden] x [ffn][hidden]^T, FLOP/s */
-    int attn_batch;        /* sequences of the measured attention, one query each */
-    int attn_ctx;          /* context tokens each of them attends to */
-    double attn_flops;     /* `attention` throughput, FLOP/s (4*head_dim*ctx per query head) */
+    int gemm_rows;           /* rows (tokens) of the measured FFN linear */
+    int gemm_kv_rows;        /* rows of the measured K/V linear: grown until it takes ~1 ms */
+    double gemm_kv_flops;    /* `linear` [gemm_kv_rows][hidden] x [kv_dim][hidden]^T, FLOP/s */
+    double gemm_ffn_flops;   /* `linear` [gemm_rows][hidden] x [ffn][hidden]^T, FLOP/s */
+    double gemm_ffn_1_flops; /* the same at one row (a batch-1 decode step: the weights streamed
+                                for one row's work), FLOP/s */
+    int attn_batch;          /* sequences of the measured attention, one query each */
+    int attn_ctx;            /* context tokens each of them attends to */
+    double attn_flops;       /* `attention` throughput, FLOP/s (4*head_dim*ctx per query head) */
 
     double layer_weight_bytes; /* one decoder layer's fp32 weights (matrices, biases, norms), B */
     double t_load_w;           /* h2d_latency + layer_weight_bytes/h2d_bw: one layer's weights

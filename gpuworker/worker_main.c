@@ -220,6 +220,9 @@ static void send_hello(worker *w)
     cp.h2d_latency = w->cost.h2d_latency;
     cp.gemm_flops = w->cost.gemm_flops;
     cp.fwd_flops_rate = w->cost.fwd_flops_rate;
+    cp.fwd_gemm_a = w->cost.fwd_gemm.a;
+    cp.fwd_gemm_b = w->cost.fwd_gemm.b;
+    cp.attn_flops_rate = w->cost.attn_flops_rate;
     cp.load_kv_a = w->cost.load_kv.a;
     cp.load_kv_b = w->cost.load_kv.b;
     cp.kv_gen_a = w->cost.kv_gen.a;

@@ -99,8 +99,14 @@ static double t_split(const rekv_cost_profile *pr, const rekv_kvpr_params *p, in
     double tx = mx / pr->h2d_bw + (mx > 0 ? pr->h2d_latency : 0);
     double tkv = mkv / pr->h2d_bw + (mkv > 0 ? pr->h2d_latency : 0);
     double tw = p->weight_bytes / pr->h2d_bw + (p->weight_bytes > 0 ? pr->h2d_latency : 0);
+    /* the forward pass: GEMMs at the rate for b rows (rows / (a + b*rows) where measured), the
+     * attention at its own rate where measured */
     double fwd_rate = pr->fwd_flops_rate > 0 ? pr->fwd_flops_rate : pr->gemm_flops;
-    double link = tw + tx + tkv, comp = p->fwd_flops / fwd_rate + n / pr->gemm_flops;
+    if (pr->fwd_gemm.b > 0)
+        fwd_rate = (double)p->b / (pr->fwd_gemm.a + pr->fwd_gemm.b * (double)p->b);
+    double attn = pr->attn_flops_rate > 0 ? p->attn_flops : 0;
+    double fwd = (p->fwd_flops - attn) / fwd_rate + (attn > 0 ? attn / pr->attn_flops_rate : 0);
+    double link = tw + tx + tkv, comp = fwd + n / pr->gemm_flops;
     return link > comp ? link : comp;
 }
 
@@ -124,7 +130,40 @@ static void random_kvpr(rekv_cost_profile *pr, rekv_kvpr_params *p, int gqa_only
      * on the link) */
     p->fwd_flops = (rnd() & 1) ? 0.0 : logrand(1.0, 30.0) * 2.0 * p->b * p->hidden * p->hidden;
     p->weight_bytes = (rnd() & 3) ? 0.0 : 12.0 * p->hidden * p->hidden * 2.0;
+    /* a rate that falls with fewer rows, and attention at its own (lower) rate, or neither */
+    if (rnd() & 1)
+        pr->fwd_gemm = (rekv_linear){logrand(1e-13, 1e-10), logrand(1e-15, 1e-12)};
+    if (rnd() & 1) {
+        pr->attn_flops_rate = pr->gemm_flops * logrand(0.001, 0.5);
+        p->attn_flops = p->fwd_flops * logrand(0.01, 1.0);
+    }
 }
+
+/* The forward pass's price: its GEMMs at the rate for the step's rows (a + b*rows per FLOP of
+ * one row: rows / (a + b*rows)), its attention at the attention rate. */
+START_TEST(test_fwd_rates)
+{
+    rekv_cost_profile pr = {.h2d_bw = 1e9, .gemm_flops = 1e12, .fwd_flops_rate = 5e11};
+    ck_assert(rekv_cost_fwd_rate_at(&pr, 8) == 5e11); /* not measured: fwd_flops_rate */
+    pr.fwd_gemm = (rekv_linear){9e-12, 1e-12};        /* 1 row: 1e11 FLOP/s; many: -> 1e12 */
+    ck_assert(fabs(rekv_cost_fwd_rate_at(&pr, 1) - 1e11) < 1);
+    ck_assert(fabs(rekv_cost_fwd_rate_at(&pr, 9) - 5e11) < 1);
+    ck_assert(rekv_cost_fwd_rate_at(&pr, 1000) > 9.9e11);
+    rekv_kvpr_params p = {.s = 100,
+                          .b = 9,
+                          .hidden = 64,
+                          .kv_dim = 64,
+                          .elem_bytes = 2,
+                          .fwd_flops = 1e9,
+                          .attn_flops = 2e8};
+    rekv_kvpr_split sp;
+    rekv_plan_kvpr_eval(&pr, &p, 0, &sp);
+    ck_assert(fabs(sp.t_compute - 1e9 / 5e11) < 1e-12); /* no attention rate: all as GEMM */
+    pr.attn_flops_rate = 1e10;
+    rekv_plan_kvpr_eval(&pr, &p, 0, &sp);
+    ck_assert(fabs(sp.t_compute - (8e8 / 5e11 + 2e8 / 1e10)) < 1e-12);
+}
+END_TEST
 
 START_TEST(test_kvpr_brute_force)
 {
@@ -950,6 +989,7 @@ int main(void)
     TCase *tc = tcase_create("core");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_fit_exact);
+    tcase_add_test(tc, test_fwd_rates);
     tcase_add_test(tc, test_fit_noisy);
     tcase_add_test(tc, test_kvpr_brute_force);
     tcase_add_test(tc, test_kvpr_gqa_zero);
