@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/clock.h"
 #include "common/progress.h"
@@ -74,15 +75,20 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* rekv's GEMM (fp32 and fp16 weights) next to OpenBLAS at one shape: the three measured in turn,
- * five times, medians (a shared machine's noise hits all three alike). */
+/* rekv's GEMM (fp32 and fp16 weights) next to OpenBLAS at one shape: each measured five times in
+ * a row, medians, with a pause before each: both libraries keep their worker threads spinning a
+ * while after a call, and one's spinning threads slow the other's (up to 3x when they alternate
+ * call by call on two cores). */
 static json_t *gemm_compare(int m, int n, int k)
 {
     enum { REPS = 5 };
     double g[3][REPS];
-    for (int r = 0; r < REPS; r++)
-        for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 3; i++) {
+        struct timespec pause = {0, 150000000}; /* past OpenBLAS's spin (~0.1 s) and rekv's */
+        nanosleep(&pause, NULL);
+        for (int r = 0; r < REPS; r++)
             g[i][r] = gemm_gflops((gemm_impl)i, m, n, k, 0.05);
+    }
     for (int i = 0; i < 3; i++)
         qsort(g[i], REPS, sizeof(double), cmp_double);
     double b = g[GEMM_BLAS][REPS / 2], f = g[GEMM_REKV_F32][REPS / 2],
