@@ -760,30 +760,42 @@ static void spill_batch(int V, int *B, int **lens, int32_t ***prompts, int *step
     }
 }
 
+/* What the spill tests share: stories260K's path, the batch (spill_batch) and resident's run of it
+ * (its own arena holds it all). 0: the model is missing (skipped). */
+static int spill_reference(char *path, int *B, int **lens, int32_t ***prompts, int *steps, run *ref)
+{
+    const char *p = tu_shared("models/stories260K/stories260K.bin");
+    if (p == NULL)
+        return 0;
+    snprintf(path, 4096, "%s", p);
+    rekv_model *m;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    int V = m->config.vocab;
+    rekv_model_close(m);
+    spill_batch(V, B, lens, prompts, steps);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    do_run(&f, &cfg, *B, *lens, *prompts, *steps, ref);
+    tu_fixture_close(&f);
+    return 1;
+}
+
 /* Every exact mode with the batch's KV 3.4x the arena (layer windows, spilled layers read back
  * a window ahead) gives resident's logits bit for bit: row and column schedules, pushed KV rows,
  * one sequence per GPU batch (a unit is one sequence's layer) and all in one. */
 START_TEST(spill_windows_exact)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
-        return;
     char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
-    rekv_model *m;
-    rekv_err err = {0};
-    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
-    int V = m->config.vocab, B, *lens, steps;
+    int B, *lens, steps;
     int32_t **prompts;
-    rekv_model_close(m);
-    spill_batch(V, &B, &lens, &prompts, &steps);
-    fixture f;
-    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    run ref;
+    if (!spill_reference(path, &B, &lens, &prompts, &steps, &ref))
+        return;
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
-    run ref;
-    do_run(&f, &cfg, B, lens, prompts, steps, &ref);
-    tu_fixture_close(&f);
     const struct {
         rekv_mode mode;
         int gpu_batches, column, push;
@@ -813,25 +825,14 @@ END_TEST
  * of the first step, plus reads a pin catches in flight — and the rest were read ahead. */
 START_TEST(spill_read_ahead_counts)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
-        return;
     char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
-    rekv_model *m;
-    rekv_err err = {0};
-    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
-    int V = m->config.vocab, B, *lens, steps;
+    int B, *lens, steps;
     int32_t **prompts;
-    rekv_model_close(m);
-    spill_batch(V, &B, &lens, &prompts, &steps);
-    fixture f;
-    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    run ref;
+    if (!spill_reference(path, &B, &lens, &prompts, &steps, &ref))
+        return;
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
-    run ref;
-    do_run(&f, &cfg, B, lens, prompts, steps, &ref);
-    tu_fixture_close(&f);
     cfg.mode = REKV_MODE_OFFLOAD;
     cfg.gpu_batches = 4;
     rekv_kv_stats ks;
