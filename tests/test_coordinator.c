@@ -1410,6 +1410,20 @@ START_TEST(busy_queue)
 }
 END_TEST
 
+/* Waits until job id leaves the queue (admitted), failing the test if it fails instead. */
+static void wait_admitted(rekv_ctl *c, uint64_t id)
+{
+    for (;;) {
+        Rekv__Control__Response *r = status(c, id);
+        int st = r->job->state;
+        rekv__control__response__free_unpacked(r, NULL);
+        ck_assert_int_ne(st, REKV__CONTROL__JOB_STATE__FAILED);
+        if (st != REKV__CONTROL__JOB_STATE__QUEUED)
+            return;
+        usleep(1000);
+    }
+}
+
 /* Admission against the kvstore's room (issue 14 item 3, issue 16's "a full arena while
  * serving"): a store of 100 blocks and no spill tier, offload mode (stories260K: 5 layers, a
  * 4 KiB block each per 16 tokens). A job whose KV fits only alone runs while the next one waits in
@@ -1444,15 +1458,7 @@ START_TEST(admission_waits_for_kvstore_room)
     wait_workers(c, 1);
 
     ck_assert_int_eq(submit_all(c, &ab[0], 1), 1);
-    for (;;) { /* A runs: it fits alone */
-        Rekv__Control__Response *r = status(c, ab[0].id);
-        int st = r->job->state;
-        rekv__control__response__free_unpacked(r, NULL);
-        ck_assert_int_ne(st, REKV__CONTROL__JOB_STATE__FAILED);
-        if (st != REKV__CONTROL__JOB_STATE__QUEUED)
-            break;
-        usleep(1000);
-    }
+    wait_admitted(c, ab[0].id); /* A runs: it fits alone */
     ck_assert_int_eq(submit_all(c, &ab[1], 1), 1);
     int seen = 0;
     for (;;) { /* B cannot start before A ends: it waits, and says why */
@@ -1545,15 +1551,7 @@ START_TEST(admission_counts_spill)
     wait_workers(c, 1);
     ck_assert_int_eq(submit_all(c, big, 1), 1);
     ck_assert_int_eq(submit_all(c, &ab[0], 1), 1);
-    for (;;) { /* A runs: it fits arena and spill */
-        Rekv__Control__Response *r = status(c, ab[0].id);
-        int st = r->job->state;
-        rekv__control__response__free_unpacked(r, NULL);
-        ck_assert_int_ne(st, REKV__CONTROL__JOB_STATE__FAILED);
-        if (st != REKV__CONTROL__JOB_STATE__QUEUED)
-            break;
-        usleep(1000);
-    }
+    wait_admitted(c, ab[0].id); /* A runs: it fits arena and spill */
     ck_assert_int_eq(submit_all(c, &ab[1], 1), 1);
     int seen = 0;
     for (;;) { /* B waits for A, and says why */
