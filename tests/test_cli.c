@@ -103,11 +103,9 @@ START_TEST(generate_via_coordinator_matches_local)
         return;
     const char *models[] = {"models/stories260K/stories260K.bin", "models/opt-tiny-py"};
     for (int mi = 0; mi < 2; mi++) {
-        const char *m = tu_shared(models[mi]);
-        if (m == NULL)
+        const char *path = tu_shared(models[mi]);
+        if (path == NULL)
             return;
-        char path[4096];
-        snprintf(path, sizeof(path), "%s", m);
         const char *sampling[] = {"", "--temperature 0.9 --top-k 40 --top-p 0.9 --seed 11"};
         for (int si = 0; si < 2; si++) {
             char args[8192], *a, *b, *err;

@@ -471,11 +471,9 @@ static void batcher_run(const char *m, rekv_mode mode, int chunk)
 
 START_TEST(batcher_matches_generate)
 {
-    const char *m = tu_shared(MODEL_REL);
-    if (m == NULL)
+    const char *path = tu_shared(MODEL_REL);
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", m);
     batcher_run(path, REKV_MODE_RESIDENT, 0);
 }
 END_TEST
@@ -484,11 +482,9 @@ END_TEST
  * same tokens as whole prompts (the chunks' attention is causal over the cache so far). */
 START_TEST(batcher_chunked_prefill)
 {
-    const char *m = tu_shared(MODEL_REL);
-    if (m == NULL)
+    const char *path = tu_shared(MODEL_REL);
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", m);
     batcher_run(path, REKV_MODE_RESIDENT, 5);
     batcher_run(path, REKV_MODE_OFFLOAD, 7);
     batcher_run(path, REKV_MODE_KVPR, 3);

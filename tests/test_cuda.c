@@ -1116,11 +1116,9 @@ END_TEST
  */
 START_TEST(pipeline_page_locked)
 {
-    const char *mp = tu_shared("models/stories260K/stories260K.bin");
-    if (mp == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", mp);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
     rekv_pipeline_config cfg;

@@ -218,11 +218,9 @@ START_TEST(consistency_shared_models)
     const char *models[] = {"models/stories260K/stories260K.bin", "models/opt-tiny-py",
                             "models/llama-tiny-py"};
     for (int i = 0; i < 3; i++) {
-        const char *p = tu_shared(models[i]);
-        if (p == NULL)
+        const char *path = tu_shared(models[i]);
+        if (path == NULL)
             continue;
-        char path[4096];
-        snprintf(path, sizeof(path), "%s", p);
         check_prefill_vs_decode(path, 100, 0);
         check_batch_vs_single(path, 5, 0);
     }

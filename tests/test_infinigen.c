@@ -176,11 +176,9 @@ static void check_exact_limit(const char *model, rekv_dtype cache, const int *le
 
 START_TEST(exact_limit_stories260k)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
     int lens[] = {17, 1, 40};
     check_exact_limit(path, REKV_DTYPE_F32, lens, 3, 4);
 }
@@ -316,11 +314,9 @@ END_TEST
 
 START_TEST(speculation_moves_less)
 {
-    const char *mp = tu_shared("models/stories260K/stories260K.bin");
-    if (mp == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", mp);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     const rekv_model_config *c = &f.m->config;
@@ -392,11 +388,9 @@ END_TEST
  * not fit the arena fails at once, saying so, and leaves nothing pinned. */
 START_TEST(whole_step_past_the_arena_fails)
 {
-    const char *mp = tu_shared("models/stories260K/stories260K.bin");
-    if (mp == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", mp);
     fixture f;
     /* 28 slots of 4 KiB; four prompts of 20 tokens take 2 blocks a layer each, 40 in all */
     tu_fixture_open_host(&f, path, REKV_DTYPE_F32, NULL, 4096 + 28 * 4096);
@@ -436,11 +430,9 @@ END_TEST
 
 START_TEST(bad_config_refused)
 {
-    const char *mp = tu_shared("models/stories260K/stories260K.bin");
-    if (mp == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", mp);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     rekv_pipeline_config cfg;
@@ -499,11 +491,9 @@ typedef struct clo_fixture {
 
 static int clo_open(clo_fixture *x, double importance)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return 0;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
     tu_fixture_open(&x->f, path, REKV_DTYPE_F32, NULL);
     make_skew(&x->f, &x->sk);
     make_heads(&x->f, importance, &x->hp);

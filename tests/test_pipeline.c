@@ -307,11 +307,9 @@ static void check_modes(const char *model_path, rekv_dtype cache, const int *len
 
 START_TEST(modes_stories260k)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
     int lens1[] = {1};
     check_modes(path, REKV_DTYPE_F32, lens1, 1, 3);
     int lens3[] = {17, 1, 40};
@@ -346,11 +344,9 @@ END_TEST
 /* The planner's per-step knobs never change results: every mode under chaos equals resident. */
 START_TEST(step_params_change_nothing)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     int B = 5, lens[] = {3, 40, 17, 1, 33}, V = f.m->config.vocab, steps = 6;
@@ -396,11 +392,9 @@ END_TEST
  * coordinator admitted it at); a later pattern applies to the sequences made after it */
 START_TEST(hybrid_pattern_per_sequence)
 {
-    const char *mp = tu_shared("models/stories260K/stories260K.bin");
-    if (mp == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", mp);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
     rekv_err err = {0};
@@ -446,11 +440,9 @@ END_TEST
 /* The resident pipeline is the reference forward pass, bit for bit. */
 START_TEST(resident_matches_forward)
 {
-    const char *p = tu_shared("models/llama-tiny-py");
-    if (p == NULL)
+    const char *path = tu_shared("models/llama-tiny-py");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     int V = f.m->config.vocab, len = 50;
@@ -485,11 +477,9 @@ END_TEST
  * no sense in resident mode. */
 START_TEST(push_needs_a_store_that_pushes)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL); /* a store that cannot push */
     rekv_pipeline_config cfg;
@@ -535,11 +525,9 @@ static void unregister_counted(rekv_backend *be, void *p)
 
 START_TEST(page_lock_refusal_is_reported)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
     rekv_pipeline_config cfg;
@@ -678,14 +666,12 @@ END_TEST
  * too; where it is a GPU, test_cuda's pipeline test pushes through the program with cuda. */
 START_TEST(push_store_is_the_program)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return;
     if (tu_skip_where_auto_is_gpu("push_store_is_the_program",
                                   "test_cuda pushes through the program"))
         return;
-    char path[4096];
-    snprintf(path, sizeof(path), "%s", p);
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "auto");
     int lens[] = {37, 5};
@@ -762,12 +748,12 @@ static void spill_batch(int V, int *B, int **lens, int32_t ***prompts, int *step
 
 /* What the spill tests share: stories260K's path, the batch (spill_batch) and resident's run of it
  * (its own arena holds it all). 0: the model is missing (skipped). */
-static int spill_reference(char *path, int *B, int **lens, int32_t ***prompts, int *steps, run *ref)
+static int spill_reference(const char **model, int *B, int **lens, int32_t ***prompts, int *steps,
+                           run *ref)
 {
-    const char *p = tu_shared("models/stories260K/stories260K.bin");
-    if (p == NULL)
+    const char *path = *model = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
         return 0;
-    snprintf(path, 4096, "%s", p);
     rekv_model *m;
     rekv_err err = {0};
     ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
@@ -788,11 +774,11 @@ static int spill_reference(char *path, int *B, int **lens, int32_t ***prompts, i
  * one sequence per GPU batch (a unit is one sequence's layer) and all in one. */
 START_TEST(spill_windows_exact)
 {
-    char path[4096];
+    const char *path;
     int B, *lens, steps;
     int32_t **prompts;
     run ref;
-    if (!spill_reference(path, &B, &lens, &prompts, &steps, &ref))
+    if (!spill_reference(&path, &B, &lens, &prompts, &steps, &ref))
         return;
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
@@ -825,11 +811,11 @@ END_TEST
  * of the first step, plus reads a pin catches in flight — and the rest were read ahead. */
 START_TEST(spill_read_ahead_counts)
 {
-    char path[4096];
+    const char *path;
     int B, *lens, steps;
     int32_t **prompts;
     run ref;
-    if (!spill_reference(path, &B, &lens, &prompts, &steps, &ref))
+    if (!spill_reference(&path, &B, &lens, &prompts, &steps, &ref))
         return;
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);

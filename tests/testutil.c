@@ -16,17 +16,27 @@
 
 const char *tu_shared(const char *rel)
 {
-    static char path[4096];
+    static char *known[64]; /* each file's path, kept: callers hold them */
+    static size_t n_known;
+    char path[4096];
     snprintf(path, sizeof(path), "../shared/%s", rel);
-    if (access(path, R_OK) == 0)
-        return path;
-    const char *ci = getenv("CI");
-    if (ci != NULL && strcmp(ci, "true") == 0)
-        ck_abort_msg("required test file %s is missing (CI=true): ../shared must sit beside the "
-                     "repository",
-                     path);
-    fprintf(stderr, "   skip: %s not found\n", path);
-    return NULL;
+    if (access(path, R_OK) != 0) {
+        const char *ci = getenv("CI");
+        if (ci != NULL && strcmp(ci, "true") == 0)
+            ck_abort_msg("required test file %s is missing (CI=true): ../shared must sit beside "
+                         "the repository",
+                         path);
+        fprintf(stderr, "   skip: %s not found\n", path);
+        return NULL;
+    }
+    for (size_t i = 0; i < n_known; i++)
+        if (strcmp(known[i], path) == 0)
+            return known[i];
+    char *kept = strdup(path);
+    ck_assert_msg(kept != NULL, "out of memory");
+    if (n_known < sizeof(known) / sizeof(known[0]))
+        known[n_known++] = kept;
+    return kept;
 }
 
 int tu_run_suite(Suite *s)

@@ -6,7 +6,8 @@
 
 /* Path of a file under ../shared (tests run from the repository root), or NULL when it is absent.
  * When absent and CI=true the calling test fails with a message naming the file; elsewhere it
- * prints a skip line and returns NULL, and the test should return. Returned string is static. */
+ * prints a skip line and returns NULL, and the test should return. The string stays valid for the
+ * process's life (one per file), so a test may hold several. */
 const char *tu_shared(const char *rel);
 
 /* Runs one suite and returns the process exit code (0 when every test passed). */
