@@ -466,14 +466,12 @@ int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape
 
 void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *out)
 {
-    double h = cfg->hidden, q = rekv_config_q_dim(cfg), kv = rekv_config_kv_dim(cfg), f = cfg->ffn;
-    double ffn_mats = cfg->act == REKV_ACT_SILU ? 3.0 : 2.0; /* SwiGLU has gate, up, down */
     *out = (rekv_plan_model){
         .hidden = cfg->hidden,
         .q_dim = rekv_config_q_dim(cfg),
         .kv_dim = rekv_config_kv_dim(cfg),
         .n_layers = cfg->n_layers,
-        .layer_params = h * q + 2.0 * h * kv + q * h + ffn_mats * h * f,
+        .layer_params = rekv_config_layer_params(cfg),
         .weight_elem_bytes = (double)rekv_dtype_size(cfg->dtype),
     };
 }

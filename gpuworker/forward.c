@@ -458,9 +458,7 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
 double rekv_engine_flops(const rekv_engine *e, double n_tokens, double ctx_sum, double n_logits)
 {
     const rekv_model_config *c = &e->c;
-    double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c), F = c->ffn;
-    double per_token =
-        2 * (H * Q + 2 * H * KV + Q * H) + 2 * H * F * (c->act == REKV_ACT_SILU ? 3 : 2);
-    double attn = 4 * ctx_sum * Q; /* QK^T and PV */
+    double per_token = 2 * rekv_config_layer_params(c);
+    double attn = 4 * ctx_sum * rekv_config_q_dim(c); /* QK^T and PV */
     return c->n_layers * (n_tokens * per_token + attn) + 2 * n_logits * c->embed_dim * c->vocab;
 }

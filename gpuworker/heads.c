@@ -224,10 +224,8 @@ int rekv_heads_persistent(const rekv_heads *h, int layer, double eta, double p, 
 double rekv_heads_np(const rekv_model_config *c, const rekv_cost_profile *prof, int batch, int ctx,
                      double fetch_cap, rekv_dtype cache_dtype)
 {
-    double H = c->hidden, Q = (double)c->n_heads * c->head_dim,
-           KV = (double)c->n_kv_heads * c->head_dim, F = c->ffn;
-    double params = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
-    double gemm = 2 * (double)batch * params, attn = 4 * (double)batch * ctx * Q; /* QK^T, PV */
+    double gemm = 2 * (double)batch * rekv_config_layer_params(c);
+    double attn = 4 * (double)batch * ctx * rekv_config_q_dim(c); /* QK^T, PV */
     double rate = rekv_cost_fwd_rate_at(prof, batch);
     double attn_rate = prof->attn_flops_rate > 0 ? prof->attn_flops_rate : rate;
     double head_bytes = (double)batch * ceil(fetch_cap * ctx) * 2 * c->head_dim *

@@ -307,7 +307,7 @@ static int pf_measure_link(rekv_backend *be, rekv_stream *s, void *host, void *d
 static double pf_layer_weight_bytes(const rekv_model_config *c)
 {
     double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c), F = c->ffn;
-    double m = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
+    double m = rekv_config_layer_params(c);
     double norms = (c->norm_bias ? 4 : 2) * H;
     double bias = (c->qkv_bias ? Q + 2 * KV : 0) + (c->o_bias ? H : 0) + (c->ffn_bias ? F + H : 0);
     return m * (double)rekv_dtype_size(c->dtype) + (norms + bias) * sizeof(float);

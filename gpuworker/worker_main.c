@@ -237,10 +237,8 @@ static void send_hello(worker *w)
     h.device_buffer_bytes = w->device_buffer_bytes;
     {
         const rekv_model_config *c = w->mc;
-        uint64_t H = (uint64_t)c->hidden, Q = (uint64_t)rekv_config_q_dim(c);
-        uint64_t KV = (uint64_t)rekv_config_kv_dim(c), F = (uint64_t)c->ffn;
-        h.layer_params = 2 * H * Q + 2 * H * KV + (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
-        h.q_dim = (uint32_t)Q;
+        h.layer_params = (uint64_t)rekv_config_layer_params(c);
+        h.q_dim = (uint32_t)rekv_config_q_dim(c);
         h.weight_elem_bytes = (uint32_t)rekv_dtype_size(c->dtype);
     }
     h.device_kv_room = w->device_kv_room;

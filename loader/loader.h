@@ -68,6 +68,14 @@ typedef struct rekv_model_config {
 /* kv_dim = n_kv_heads * head_dim; q_dim = n_heads * head_dim. */
 static inline int rekv_config_kv_dim(const rekv_model_config *c) { return c->n_kv_heads * c->head_dim; }
 static inline int rekv_config_q_dim(const rekv_model_config *c) { return c->n_heads * c->head_dim; }
+/* Weights in one decoder layer's matrices: Q and O (hidden x q_dim), K and V (hidden x kv_dim),
+ * and the FFN's two (three with SwiGLU's gate) of hidden x ffn. Biases and norms not counted. */
+static inline double rekv_config_layer_params(const rekv_model_config *c)
+{
+    double H = c->hidden, F = c->ffn;
+    return 2 * H * rekv_config_q_dim(c) + 2 * H * rekv_config_kv_dim(c) +
+           (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
+}
 
 /* Parses a HuggingFace config.json (OPT, Llama, Mistral, Qwen2), validating every field. */
 int rekv_config_load_hf(const char *config_json_path, rekv_model_config *out, rekv_err *err);
