@@ -445,35 +445,16 @@ static double timed_copies(rekv_backend *be, rekv_stream **s, const int *h2d, in
 }
 
 /* The copy spans of the trace recorded since trace_start whose label starts with dir ("h2d",
- * "d2h"), in microseconds, at most n; returns how many there were. */
-typedef struct span {
-    double start, end;
-} span;
-static int copy_spans(rekv_backend *be, const char *dir, span *out, int n)
+ * "d2h"), at most n; returns how many there were. */
+static int copy_spans(rekv_backend *be, const char *dir, tu_span *out, int n)
 {
-    char *tdir = tu_tmpdir(), path[4200];
-    snprintf(path, sizeof(path), "%s/trace.json", tdir);
-    rekv_err err = {0};
-    ck_assert_msg(be->iface->trace_write(be, path, &err) == 0, "%s", err.msg);
-    json_error_t jerr;
-    json_t *root = json_load_file(path, 0, &jerr), *e;
-    ck_assert_msg(root != NULL, "%s", jerr.text);
-    size_t i;
+    size_t ns;
+    tu_span *all = tu_trace_spans(be, &ns);
     int k = 0;
-    json_array_foreach(json_object_get(root, "traceEvents"), i, e)
-    {
-        const char *name = json_string_value(json_object_get(e, "name"));
-        if (name == NULL || strncmp(name, dir, 3) != 0 ||
-            strcmp(json_string_value(json_object_get(e, "ph")), "X") != 0)
-            continue;
-        double ts = json_number_value(json_object_get(e, "ts"));
-        if (k < n)
-            out[k] = (span){ts, ts + json_number_value(json_object_get(e, "dur"))};
-        k++;
-    }
-    json_decref(root);
-    tu_rmrf(tdir);
-    free(tdir);
+    for (size_t i = 0; i < ns; i++)
+        if (strncmp(all[i].label, dir, 3) == 0 && k++ < n)
+            out[k - 1] = all[i];
+    free(all);
     return k;
 }
 
@@ -516,7 +497,7 @@ START_TEST(link_emulation_timing)
     double t2 = timed_copies(be, s, both_h2d, 2, dst_h2d, src_h2d, bytes);
     ck_assert_msg(t2 >= 2 * expect * 0.995, "two shared copies took %.2f ms, model %.2f ms",
                   t2 * 1e3, 2 * expect * 1e3);
-    span two[2];
+    tu_span two[2];
     ck_assert_int_eq(copy_spans(be, "h2d", two, 2), 2);
     ck_assert_msg(two[0].end <= two[1].start || two[1].end <= two[0].start,
                   "two h2d copies ran at once on one link: [%.0f, %.0f] and [%.0f, %.0f] us",
@@ -540,7 +521,7 @@ START_TEST(link_emulation_timing)
     void *dst2[2] = {small[0], small[2]}, *src2[2] = {small[1], small[3]};
     be->iface->trace_start(be);
     timed_copies(be, s, duplex, 2, dst2, src2, sizeof(small[0]));
-    span up, down;
+    tu_span up, down;
     ck_assert_int_eq(copy_spans(be, "h2d", &up, 1), 1);
     ck_assert_int_eq(copy_spans(be, "d2h", &down, 1), 1);
     ck_assert_msg(up.start < down.end && down.start < up.end,

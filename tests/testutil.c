@@ -4,6 +4,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <jansson.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -280,4 +281,46 @@ int tu_spill_fd(pid_t pid, const char *spill_dir)
     char path[64];
     snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)pid, n);
     return open(path, O_RDWR);
+}
+
+tu_span *tu_trace_spans(rekv_backend *be, size_t *n)
+{
+    char *dir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/trace.json", dir);
+    rekv_err err = {0};
+    ck_assert_msg(be->iface->trace_write(be, path, &err) == 0, "%s", err.msg);
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr), *e;
+    ck_assert_msg(root != NULL, "trace: %s", jerr.text);
+    tu_rmrf(dir);
+    free(dir);
+    json_t *evs = json_object_get(root, "traceEvents");
+    tu_span *out = calloc(json_array_size(evs) + 1, sizeof(*out));
+    ck_assert(out != NULL);
+    size_t i, k = 0;
+    json_array_foreach(evs, i, e)
+    {
+        const char *ph = json_string_value(json_object_get(e, "ph"));
+        if (ph == NULL || strcmp(ph, "X") != 0)
+            continue;
+        json_int_t tid = json_integer_value(json_object_get(e, "tid"));
+        size_t j;
+        json_t *m;
+        json_array_foreach(evs, j, m) /* the stream: its thread_name metadata event */
+        {
+            const char *mn = json_string_value(json_object_get(m, "name"));
+            if (mn && strcmp(mn, "thread_name") == 0 &&
+                json_integer_value(json_object_get(m, "tid")) == tid)
+                snprintf(out[k].stream, sizeof(out[k].stream), "%s",
+                         json_string_value(json_object_get(json_object_get(m, "args"), "name")));
+        }
+        const char *label = json_string_value(json_object_get(e, "name"));
+        snprintf(out[k].label, sizeof(out[k].label), "%s", label ? label : "");
+        out[k].start = json_number_value(json_object_get(e, "ts"));
+        out[k].end = out[k].start + json_number_value(json_object_get(e, "dur"));
+        k++;
+    }
+    json_decref(root);
+    *n = k;
+    return out;
 }

@@ -58,4 +58,17 @@ Rekv__Control__Response *tu_ctl_stats(rekv_ctl *c);
 /* Waits (up to 30 s) until Health says n workers. */
 void tu_ctl_wait_workers(rekv_ctl *c, uint32_t n);
 
+/* ---- a backend's trace ---- */
+
+#include "gpuworker/device/backend.h"
+
+/* One span of a backend's Chrome trace: its stream's name, its label, start and end (us). */
+typedef struct tu_span {
+    char stream[64], label[96];
+    double start, end;
+} tu_span;
+/* The spans be traced since its trace_start ("X" events, in the file's order), read back from
+ * what trace_write writes; *n their count. The caller frees the array. */
+tu_span *tu_trace_spans(rekv_backend *be, size_t *n);
+
 #endif
