@@ -63,4 +63,28 @@ static inline double rekv_cost_fwd_rate_at(const rekv_cost_profile *p, double ro
     return rows > 0 && p->fwd_gemm.b > 0 && t > 0 ? rows / t : rekv_cost_fwd_rate(p);
 }
 
+/* Device bytes a streaming step's buffers take per context token of a GPU batch
+ * (gpuworker/pipeline.c): K and V and the activation row in the cache dtype (elem bytes) in both
+ * parities' buffers, plus the fp32 recomputation input and K,V. */
+static inline double rekv_cost_stream_token_bytes(double hidden, double kv_dim, double elem)
+{
+    return 2.0 * (2.0 * kv_dim + hidden) * elem + 4.0 * hidden + 8.0 * kv_dim;
+}
+
+/* The device-resident part (gpuworker/pipeline.h cfg.device_tokens) a worker keeps for each of
+ * its b sequences of up to cap tokens, from the device memory its KV cache could take once the
+ * weights are placed (room, bytes, rekv_backend_kv_room: less the tenth of the device kept for
+ * the backend's workspace and a prefill's rows; <= 0: none): the streaming buffers of a step
+ * over b sequences of cap tokens (stream_token_bytes each) come first, and what is left holds
+ * whole tokens of kv_token_bytes (K and V of every layer). The worker keeps it, the planner
+ * prices it: one rule. */
+static inline int rekv_cost_device_tokens(double room, double b, int cap, double kv_token_bytes,
+                                          double stream_token_bytes)
+{
+    if (!(room > 0) || !(b > 0) || !(kv_token_bytes > 0) || cap <= 0)
+        return 0;
+    double n = (room - b * cap * stream_token_bytes) / (b * kv_token_bytes);
+    return n >= cap ? cap : n > 0 ? (int)n : 0;
+}
+
 #endif

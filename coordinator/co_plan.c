@@ -70,6 +70,10 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
                      h->max_batch, h->max_pos, mp.kv_bytes * 1e-9, h->device_kv_room * 1e-9,
                      mp.costs[REKV_TECH_KV].t_step * 1e3, mp.costs[REKV_TECH_KVPR].t_step * 1e3,
                      mp.costs[REKV_TECH_ACT].t_step * 1e3, mp.costs[REKV_TECH_HYBRID].t_step * 1e3);
+    if (mp.device_tokens > 0 && n >= 0 && (size_t)n < reason_len)
+        n += snprintf(reason + n, reason_len - (size_t)n,
+                      ", each with its first %lld tokens' K,V on the device",
+                      (long long)mp.device_tokens);
     if (mp.approximate && n >= 0 && (size_t)n < reason_len)
         snprintf(reason + n, reason_len - (size_t)n,
                  ", infinigen (approximate) %.3g ms at f %.2f%s",
@@ -95,6 +99,7 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
     ps->layer_params = h->layer_params;
     ps->offload_weights = h->offload_weights;
     ps->device_buffer_bytes = h->device_buffer_bytes;
+    ps->device_tokens = h->device_tokens;
     ps->have_profile = 1;
 }
 
@@ -153,8 +158,7 @@ int64_t co_plan_block_capacity(const co_plan_state *ps)
         return 0;
     /* per context token of a GPU batch (pipeline.c): K and V and the activation row in the cache
      * dtype, in both parities' buffers, plus the fp32 recomputation input and K,V */
-    double per_token = 2.0 * (2.0 * ps->kv_dim + ps->hidden) * ps->elem_bytes + 4.0 * ps->hidden +
-                       8.0 * ps->kv_dim;
+    double per_token = rekv_cost_stream_token_bytes(ps->hidden, ps->kv_dim, ps->elem_bytes);
     int64_t blocks =
         (int64_t)((double)ps->device_buffer_bytes / per_token) / REKV_PLAN_BLOCK_TOKENS;
     return blocks > 0 ? blocks : 1;
@@ -184,7 +188,7 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     if (!ps->have_profile || ps->mode == REKV_MODE_RESIDENT || n <= 0)
         return 0;
     rekv_cost_profile prof = scaled(ps);
-    int64_t sum = 0, blocks_sum = 0;
+    int64_t sum = 0, blocks_sum = 0, dev = ps->device_tokens;
     for (int i = 0; i < n; i++) {
         sum += ctx[i];
         blocks_sum += (ctx[i] + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS;
@@ -197,9 +201,12 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     double attn_flops = 4.0 * (double)n * (double)s * ps->q_dim;
     double fwd_flops = 2.0 * (double)ps->layer_params * n + attn_flops;
     rekv_kvpr_params kp = {s, n, ps->hidden, ps->kv_dim, elem, fwd_flops, attn_flops, weight_bytes};
+    /* the split of what the device-resident part leaves: tokens [dev, split) are recomputed */
+    rekv_kvpr_params moved = kp;
+    moved.s = s > dev ? s - dev : 0;
     rekv_kvpr_split ks;
-    if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &kp, &ks, NULL) == 0)
-        split = (int)ks.l;
+    if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &moved, &ks, NULL) == 0)
+        split = (int)(dev + ks.l);
     /* HybridServe's host allocation (Algorithm 1) for the kvstore's arena as the worker reports
      * it; a worker that did not say: the memory this batch's context takes as all-KV */
     int kv_parts = 1, act_parts = 1;
@@ -224,11 +231,14 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     int64_t kv_tot = 0, act_tot = 0, kv_big = 0, act_big = 0;
     double f_kv = (double)kv_parts / (kv_parts + act_parts);
     for (int i = 0; req && assign && i < n; i++) {
-        int64_t b = (ctx[i] + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS, a = 0;
+        /* the blocks that move: past the device-resident part */
+        int64_t moved_i = ctx[i] > dev ? ctx[i] - dev : 0;
+        int64_t b = (moved_i + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS, a = 0;
         if (ps->mode == REKV_MODE_ACT)
             a = b;
         else if (ps->mode == REKV_MODE_KVPR)
-            a = ((ctx[i] < split ? ctx[i] : split) + REKV_PLAN_BLOCK_TOKENS - 1) /
+            a = ((ctx[i] < split ? ctx[i] : split) - (ctx[i] < dev ? ctx[i] : dev) +
+                 REKV_PLAN_BLOCK_TOKENS - 1) /
                 REKV_PLAN_BLOCK_TOKENS;
         else if (ps->mode == REKV_MODE_HYBRID)
             a = b - (int64_t)llround((double)b * f_kv);
@@ -262,6 +272,7 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     rekv_step_shape sh = {0};
     sh.kv = kp;
     sh.hybrid_kv_fraction = f_kv;
+    sh.device_tokens = dev;
     double f_sel = co_plan_selected_fraction(ps);
     sh.infinigen_fraction = f_sel > 0 ? f_sel : REKV_PLAN_INFINIGEN_PRIOR;
     sh.n_layers = (int)ps->n_layers;

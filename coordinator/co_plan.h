@@ -21,6 +21,7 @@ typedef struct co_plan_state {
     uint64_t layer_params; /* weights of one layer, elements */
     int offload_weights;
     uint64_t device_buffer_bytes; /* the worker's room for a step's buffers; 0: no limit */
+    int64_t device_tokens;        /* each sequence's device-resident part (Hello), tokens */
     double pcie_scale;            /* measured / predicted link time, smoothed; starts at 1 */
     double compute_scale;         /* measured / predicted compute time, smoothed; starts at 1 */
     double pred_pcie_s, pred_compute_s, pred_step_s; /* for the step in flight */

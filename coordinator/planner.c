@@ -378,9 +378,15 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     if ((rc = check_kvpr(&shape->kv, err)))
         return rc;
     if (!(shape->hybrid_kv_fraction >= 0) || !(shape->hybrid_kv_fraction <= 1) ||
-        shape->act_gpu_tokens < 0)
+        shape->act_gpu_tokens < 0 || shape->device_tokens < 0)
         return rekv_errf(err, -EINVAL, "planner: step_cost: bad step shape");
-    const rekv_kvpr_params *p = &shape->kv;
+    /* the exact techniques move (or recompute) only what the device does not keep */
+    rekv_kvpr_params moved = shape->kv;
+    int64_t dev = tech == REKV_TECH_INFINIGEN ? 0
+                  : shape->device_tokens < moved.s ? shape->device_tokens
+                                                   : moved.s;
+    moved.s -= dev;
+    const rekv_kvpr_params *p = &moved;
     double tokens = (double)p->b * (double)p->s;             /* context tokens of the batch */
     double x_row = (double)p->hidden * p->elem_bytes;        /* bytes of one token's X */
     double kv_row = 2.0 * (double)p->kv_dim * p->elem_bytes; /* bytes of one token's K and V */
@@ -399,7 +405,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         x_bytes = sp.bytes_x;
         kv_bytes = sp.bytes_kv;
         recomp = sp.flops;
-        out->kvpr_l = sp.l;
+        out->kvpr_l = dev + sp.l;
         break;
     }
     case REKV_TECH_ACT:
@@ -522,6 +528,10 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     rekv_step_shape shape;
     rekv_plan_shape(m, b, s_max / 2 > 0 ? s_max / 2 : 1, cache_elem_bytes, weights_offloaded,
                     &shape);
+    shape.device_tokens = out->device_tokens = rekv_cost_device_tokens(
+        device_kv_bytes, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max,
+        2.0 * (double)m->kv_dim * cache_elem_bytes * m->n_layers,
+        rekv_cost_stream_token_bytes((double)m->hidden, (double)m->kv_dim, cache_elem_bytes));
     /* hybrid: link and compute times are linear in the KV share f; take the f where they meet */
     rekv_step_cost act, kv;
     int rc;
@@ -547,7 +557,9 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     out->approximate = 1;
     out->infinigen_fraction = shape.infinigen_fraction;
     out->infinigen_fits = REKV_PLAN_INFINIGEN_PARTIAL * out->kv_bytes / 2 <= device_kv_bytes;
-    if (out->infinigen_fits && ig->t_step < out->costs[out->tech].t_step)
+    if (out->infinigen_fits && ig->t_step < out->costs[out->tech].t_step) {
         out->tech = REKV_TECH_INFINIGEN;
+        out->device_tokens = 0;
+    }
     return 0;
 }

@@ -224,6 +224,9 @@ typedef struct rekv_step_shape {
     double hybrid_kv_fraction; /* host-held context tokens kept as KV, 0..1 (REKV_TECH_HYBRID) */
     int64_t act_gpu_tokens;    /* context tokens of the batch whose ACT is already in GPU memory
                                 * (REKV_TECH_HYBRID; recomputed, never transferred) */
+    int64_t device_tokens;     /* per sequence, context tokens whose K,V the device keeps (the
+                                * device-resident part): the exact techniques move and recompute
+                                * only the other kv.s - device_tokens (infinigen ignores it) */
     /* REKV_TECH_INFINIGEN (rekv_plan_shape fills them; the exact techniques ignore them) */
     double infinigen_fraction; /* f: context tokens a selecting layer fetches, 0..1 */
     int n_layers;              /* layers of the step (>= 1): layer 0 fetches the whole context */
@@ -238,7 +241,9 @@ typedef struct rekv_step_cost {
     double bytes_h2d; /* bytes over the link */
     double recompute_flops; /* FLOP spent rebuilding K,V */
     double speculate_flops; /* FLOP of InfiniGen's speculation (REKV_TECH_INFINIGEN), else 0 */
-    int64_t kvpr_l;         /* the split used (REKV_TECH_KVPR), tokens; -1 otherwise */
+    int64_t kvpr_l; /* the split used (REKV_TECH_KVPR), tokens from the context's start as the
+                       pipeline takes it (tokens [device_tokens, kvpr_l) are recomputed); -1
+                       otherwise */
 } rekv_step_cost;
 
 /* Prices one technique. Returns -EINVAL on bad parameters.
@@ -273,6 +278,9 @@ typedef struct rekv_mode_pick {
     int approximate;           /* approximate modes were allowed, and infinigen priced */
     double infinigen_fraction; /* the f it was priced at */
     int infinigen_fits;        /* its partial key cache fits the device (else never chosen) */
+    /* an exact technique: each sequence's device-resident part, tokens (rekv_cost_device_tokens
+     * of device_kv_bytes), which the costs above were priced with; 0 for infinigen */
+    int64_t device_tokens;
 } rekv_mode_pick;
 
 /* What the user allows beyond the exact techniques (`--approximate`). */
@@ -298,7 +306,10 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
  * device memory left for it; < 0: unknown, taken as enough), else the cheapest of KV fetching,
  * KVPR, ACT and hybrid by rekv_plan_step_cost, priced at the mean context s_max / 2 (a sequence's
  * context grows from its prompt to s_max), with hybrid at the KV share where its link and compute
- * times meet. Ties go to the lower technique (fewer moving parts).
+ * times meet. Ties go to the lower technique (fewer moving parts). The device room the whole cache
+ * does not fit still holds each sequence's first tokens (out->device_tokens, by
+ * rekv_cost_device_tokens, the rule the worker keeps them by): the exact techniques are priced
+ * for the rest of the context only — the device-resident part combined with any of them.
  *
  * approx NULL: exact techniques only. Otherwise infinigen is priced too (at approx's f) and
  * chosen only when it is strictly cheaper than every exact technique and its partial key cache

@@ -84,6 +84,7 @@ const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_l
             }
             t->tokens_recomputed += c->tokens_recomputed;
             t->tokens_fetched += c->tokens_fetched;
+            t->tokens_device += c->tokens_device;
             t->tokens_considered += c->tokens_considered;
             t->head_hits += c->head_hits;
             t->head_misses += c->head_misses;
@@ -419,9 +420,14 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             if (p->cfg.push) {
                 if (io.h2d_kv.n && (rc = pl_push_unit(p, b, &io, err)))
                     goto drain;
+                if (io.d2d_kv.n) { /* the device-resident part: our own copy */
+                    p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
+                    p->bi->copy_d2d(sh, io.d2d_kv.v, io.d2d_kv.n);
+                    p->bi->event_record(p->ev_loaded[b], sh);
+                }
             } else {
                 p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
-                if (io.d2d_kv.n) /* clo: before this unit's new row takes the slot */
+                if (io.d2d_kv.n) /* the device part; clo: before this unit's new row takes the slot */
                     p->bi->copy_d2d(sh, io.d2d_kv.v, io.d2d_kv.n);
                 if (io.h2d_kv.n)
                     p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
@@ -453,16 +459,14 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                               c->n_kv_heads, c->head_dim, p->cfg.cache_dtype);
             }
             p->bi->event_record(p->ev_stage_free[b], sc);
-            if (!p->cfg.push)
+            if (!p->cfg.push || io.d2d_kv.n)
                 p->bi->stream_wait_event(sc, p->ev_loaded[b]);
-            else if (io.h2d_kv.n)
+            if (p->cfg.push && io.h2d_kv.n)
                 p->bi->stream_wait_event(sc, p->ev_pushed[b]);
         }
         if (p->cfg.offload_weights)
             p->bi->stream_wait_event(sc, p->ev_wall[wb]);
         layer_compute(p, &st, g, layer, W, d, b, !resident, &io);
-        if (io.d2d_act.n) /* after the rows were staged by layer_compute, on the same stream */
-            p->bi->copy_d2d(sc, io.d2d_act.v, io.d2d_act.n);
         if (!resident) {
             /* d2h: the new rows, from this parity's attention buffer and output staging; then
              * the buffers may take the next unit's rows */
@@ -471,6 +475,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                 p->bi->copy_d2h(sd, io.d2h_kv.v, io.d2h_kv.n, REKV_XFER_KV);
             if (io.d2h_act.n)
                 p->bi->copy_d2h(sd, io.d2h_act.v, io.d2h_act.n, REKV_XFER_ACT);
+            if (io.d2d_new.n) /* the device copies of the new rows (ACT_GPU, device part) */
+                p->bi->copy_d2d(sd, io.d2d_new.v, io.d2d_new.n);
             p->bi->event_record(p->ev_out_free[b], sd);
             p->bi->event_record(p->ev_attn_free[b], sd);
         }
@@ -524,6 +530,7 @@ drain : {
             }
             d.tokens_recomputed -= p->logged.tokens_recomputed;
             d.tokens_fetched -= p->logged.tokens_fetched;
+            d.tokens_device -= p->logged.tokens_device;
             d.tokens_considered -= p->logged.tokens_considered;
             d.head_hits -= p->logged.head_hits;
             d.head_misses -= p->logged.head_misses;

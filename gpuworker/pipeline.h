@@ -70,6 +70,14 @@ typedef struct rekv_pipeline_config {
     int act_gpu_blocks;      /* ACT_GPU (HybridServe): each sequence's first N ACT blocks per
                                 layer are also kept on the device, so their activations never
                                 cross the link again (act, hybrid, kvpr); 0: none */
+    int device_tokens;       /* the device-resident part of each sequence's context: its first N
+                                tokens' K,V of every layer are also kept on the device (copied
+                                there as they are made; the store stays complete), so a step
+                                takes them from there and moves only the rest — as KV, or as
+                                activations to recompute (kvpr's split counts from 0, so it
+                                recomputes tokens [N, split)) — offload, kvpr, act, hybrid
+                                (resident keeps everything there anyway; the approximate modes
+                                refuse it); 0: none */
     int push;                /* the kvstore writes the KV rows into the device's attention buffers
                                 (CUDA IPC / memfd) instead of the worker copying them from the
                                 arena (pull); needs a store with a push backend of this backend's
@@ -107,6 +115,8 @@ typedef struct rekv_layer_counters {
     uint64_t tokens_recomputed; /* context tokens whose K,V were recomputed from activations */
     uint64_t tokens_fetched;    /* context tokens whose K,V moved host->device (infinigen: slots
                                    per KV head, i.e. fetched rows / n_kv_heads) */
+    uint64_t tokens_device;     /* context tokens whose K,V a streaming mode took from the
+                                   device-resident part (cfg.device_tokens) */
     uint64_t tokens_considered; /* context tokens a step could have fetched (infinigen, clo: of
                                    the layers and steps that select; other modes: 0) */
     uint64_t head_hits;         /* clo: (sequence, KV head) steps that reused their top-k */

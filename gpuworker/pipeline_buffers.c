@@ -157,22 +157,23 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
     size_t Q = (size_t)rekv_config_q_dim(c), KV = (size_t)rekv_config_kv_dim(c);
     size_t F = (size_t)c->ffn, H = (size_t)c->hidden, f = sizeof(float);
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
-    size_t max_ctx_g = 0, max_kv_g = 0, max_rows = 0, max_ctx = 1;
+    size_t max_act_g = 1, max_kv_g = 0, max_rows = 0, max_ctx = 1;
     int rc = 0;
     for (int g = 0; g < st->n_g; g++) {
         size_t T = (size_t)st->g_rows[g], ns = (size_t)(st->g_begin[g + 1] - st->g_begin[g]);
-        size_t ctx = 0, kv_elems = 0;
+        size_t act = 0, kv_elems = 0;
         for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++) {
             size_t tot = (size_t)st->items[i].seq->len + (size_t)st->items[i].n_tokens;
-            ctx += tot;
+            if (p->cfg.mode != REKV_MODE_RESIDENT)
+                act += pl_item_recompute_rows(p, st, i);
             kv_elems += rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, (int)tot);
             if (tot > max_ctx)
                 max_ctx = tot;
             if ((size_t)st->items[i].seq->clo_slots > max_ctx) /* clo: its head caches */
                 max_ctx = (size_t)st->items[i].seq->clo_slots;
         }
-        if (ctx > max_ctx_g)
-            max_ctx_g = ctx;
+        if (act > max_act_g)
+            max_act_g = act;
         if (kv_elems > max_kv_g)
             max_kv_g = kv_elems;
         if (T > max_rows)
@@ -196,12 +197,13 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
             } else {
                 rc |= pl_dbuf_ensure(p, &pr->attn_kv, max_kv_g * dsz);
             }
-            rc |= pl_dbuf_ensure(p, &pr->act_stage, max_ctx_g * H * dsz) |
+            /* the recomputation's rows: only the context it rebuilds (none for offload) */
+            rc |= pl_dbuf_ensure(p, &pr->act_stage, max_act_g * H * dsz) |
                   pl_dbuf_ensure(p, &pr->out_stage, max_rows * H * dsz);
         }
-        rc |= pl_dbuf_ensure(p, &p->act_f32, max_ctx_g * H * f) |
-              pl_dbuf_ensure(p, &p->kr, max_ctx_g * KV * f) |
-              pl_dbuf_ensure(p, &p->vr, max_ctx_g * KV * f);
+        rc |= pl_dbuf_ensure(p, &p->act_f32, max_act_g * H * f) |
+              pl_dbuf_ensure(p, &p->kr, max_act_g * KV * f) |
+              pl_dbuf_ensure(p, &p->vr, max_act_g * KV * f);
     }
     if (rc)
         return rekv_errf(err, -ENOMEM, "step: out of device memory for a batch of %d sequences",

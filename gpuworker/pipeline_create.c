@@ -205,6 +205,11 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         return rekv_errf(err, -EINVAL, "pipeline: hybrid needs a kv:act pattern like 1:1");
     if (cfg->act_gpu_blocks < 0)
         return rekv_errf(err, -EINVAL, "pipeline: act_gpu_blocks must not be negative");
+    if (cfg->device_tokens < 0 || (cfg->device_tokens > 0 && rekv_mode_approximate(cfg->mode)))
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: a device-resident part (%d tokens) is for the exact modes "
+                         "that stream the cache (offload, kvpr, act, hybrid), not %s",
+                         cfg->device_tokens, rekv_mode_name(cfg->mode));
     if (rekv_kernels_of(be) == NULL)
         return rekv_errf(err, -EINVAL, "pipeline: backend %s has no kernels", be->iface->name);
     if (cfg->push && cfg->mode == REKV_MODE_RESIDENT)
@@ -402,6 +407,19 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
                 goto fail;
             }
         }
+        s->dev_tokens = p->cfg.device_tokens < capacity ? p->cfg.device_tokens : capacity;
+        if (s->dev_tokens > 0) {
+            size_t n = (size_t)c->n_layers *
+                       rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->dev_tokens) *
+                       rekv_dtype_size(p->cfg.cache_dtype);
+            s->kv_dev = p->bi->dev_alloc(p->be, n);
+            if (s->kv_dev == NULL) {
+                rc = rekv_errf(err, -ENOMEM,
+                               "out of device memory for the device-resident part (%d tokens)",
+                               s->dev_tokens);
+                goto fail;
+            }
+        }
         if (p->cfg.mode == REKV_MODE_CLO && (rc = pl_clo_seq_alloc(p, s, err)))
             goto fail;
         if (p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) {
@@ -429,6 +447,8 @@ fail:
         p->bi->dev_free(p->be, s->kv);
     if (s->act_dev)
         p->bi->dev_free(p->be, s->act_dev);
+    if (s->kv_dev)
+        p->bi->dev_free(p->be, s->kv_dev);
     if (s->pk)
         p->bi->dev_free(p->be, s->pk);
     pl_clo_seq_free(p, s);
@@ -445,6 +465,8 @@ void rekv_pseq_free(rekv_pseq *s)
         p->bi->dev_free(p->be, s->kv);
     if (s->act_dev)
         p->bi->dev_free(p->be, s->act_dev);
+    if (s->kv_dev)
+        p->bi->dev_free(p->be, s->kv_dev);
     if (s->pk)
         p->bi->dev_free(p->be, s->pk);
     pl_clo_seq_free(p, s);

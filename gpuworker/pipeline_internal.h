@@ -178,6 +178,9 @@ struct rekv_pseq {
     int len, cap;
     uint8_t *kv;      /* resident: [n_layers] caches of cap positions (kvlayout.h), cache dtype */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
+    uint8_t *kv_dev;  /* the device-resident part: [n_layers] caches of dev_tokens positions
+                         (kvlayout.h), cache dtype */
+    int dev_tokens;   /* min(cfg.device_tokens, cap) */
     float *pk;        /* infinigen, clo: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
     int kv_parts, act_parts; /* hybrid: the KV:ACT pattern of its blocks, the pipeline's when the
                                 sequence was made (a later rekv_pipeline_set_step leaves it) */
@@ -238,9 +241,11 @@ typedef struct step {
 /* Host-side lists of one unit's context loads and new-row stores. */
 typedef struct unit_io {
     piece_list h2d_kv, h2d_act, d2h_kv, d2h_act;
-    piece_list d2d_act; /* ACT_GPU: new activation rows into the device copy */
-    piece_list d2d_kv;  /* clo: rows leaving the recent window into a persistent head's region,
-                           on the h2d stream before the unit's loads */
+    piece_list d2d_new; /* new rows into device copies, after the layer: ACT_GPU's activations,
+                           the device-resident part's K,V */
+    piece_list d2d_kv;  /* on the h2d stream before the unit's loads: the device-resident part
+                           into the attention buffer; clo: rows leaving the recent window into
+                           a persistent head's region */
     conv_list conv_act;
     int32_t *act_seq, *act_pos; /* [n_act] recomputed rows: item within batch, position */
     int n_act;
@@ -270,6 +275,7 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
 const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r, int token);
 void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *layer);
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err);
+size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it);
 int pl_window_pin(rekv_pipeline *p, step *st, int w, rekv_err *err);
 int pl_window_unpin(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,

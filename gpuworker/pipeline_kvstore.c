@@ -85,6 +85,41 @@ static uint64_t item_layer_bytes(const rekv_pipeline *p, const step *st, int it)
     }
 }
 
+/* The context rows of item it that a layer recomputes from activations (ACT blocks, kvpr's
+ * [device part, split)): what the recomputation buffers must hold for it. */
+size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it)
+{
+    const rekv_pseq *s = st->items[it].seq;
+    int ctx = s->len, dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
+    switch (p->cfg.mode) {
+    case REKV_MODE_ACT:
+        return (size_t)(ctx - dev);
+    case REKV_MODE_KVPR: {
+        int l = st->split[it] < ctx ? st->split[it] : ctx;
+        return l > dev ? (size_t)(l - dev) : 0;
+    }
+    case REKV_MODE_HYBRID: { /* the tokens of [dev, ctx) in ACT blocks, as the store typed them */
+        uint64_t nk = 0, na = 0;
+        size_t rows = 0;
+        for (int b0 = 0; b0 < ctx; b0 += REKV_KV_BLOCK_TOKENS) {
+            if (rekv_kv_next_block_type(nk, na, (uint32_t)s->kv_parts, (uint32_t)s->act_parts) ==
+                REKV_KV_BLOCK_KV) {
+                nk++;
+                continue;
+            }
+            na++;
+            int lo = b0 > dev ? b0 : dev, hi = b0 + REKV_KV_BLOCK_TOKENS < ctx
+                                                   ? b0 + REKV_KV_BLOCK_TOKENS
+                                                   : ctx;
+            rows += hi > lo ? (size_t)(hi - lo) : 0;
+        }
+        return rows;
+    }
+    default: /* offload, and the approximate modes: nothing is recomputed */
+        return 0;
+    }
+}
+
 /* Cuts the step's units into layer windows: the whole step when its blocks fit the arena (one
  * pin, as before windows), else consecutive units whose blocks take at most half the arena less
  * two slots (the window pinned beside the next one read ahead; a slot of each class for the
@@ -266,6 +301,15 @@ static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, i
     return 2 * (size_t)kvh * bytes;
 }
 
+/* Layer `layer`'s device-resident part of sequence s (kvlayout.h, s->dev_tokens positions). */
+static uint8_t *dev_layer(const rekv_pipeline *p, const rekv_pseq *s, int layer)
+{
+    const rekv_kv_geometry *g = &p->geo;
+    return s->kv_dev + (size_t)layer *
+                           rekv_kv_buffer_elems(g->n_kv_heads, g->head_dim, s->dev_tokens) *
+                           rekv_dtype_size(p->cfg.cache_dtype);
+}
+
 /* Builds the loads of unit (layer, g): every context token's K,V rows (KV) or activation row
  * (ACT), from the arena into the parity's staging buffers, and the merge into the attention
  * buffer; and the stores of the new rows into the arena. */
@@ -323,8 +367,20 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         act_counter ac = {kvpr ? ar : kr, 0, 0};
         uint64_t n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
         size_t gpu_row_bytes = H * dsz, gpu_layer_rows = (size_t)n_gpu * REKV_KV_BLOCK_TOKENS;
-        /* context: walk the blocks of the range [0, ctx) */
-        for (int t0 = 0; t0 < ctx;) {
+        /* the device-resident part [0, dev): a device copy into the attention buffer, block by
+         * block (both in the block layout) */
+        int dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
+        uint8_t *kv_dev = dev > 0 ? dev_layer(p, s, layer) : NULL;
+        for (int t0 = 0; t0 < dev; t0 += REKV_KV_BLOCK_TOKENS) {
+            int n = dev - t0 < REKV_KV_BLOCK_TOKENS ? dev - t0 : REKV_KV_BLOCK_TOKENS;
+            size_t row = rekv_kv_row(kvh, hd, 0, t0) * dsz;
+            if (block_rows_copy(&io->d2d_kv, (uint8_t *)d[j].kv + row, kv_dev + row, 0, n, kvh,
+                                hd, dsz) == 0)
+                return -ENOMEM;
+        }
+        cnt->tokens_device += (uint64_t)dev;
+        /* the rest: walk the blocks of the range [dev, ctx) */
+        for (int t0 = dev; t0 < ctx;) {
             int use_act = kvpr && t0 < l_split;
             const rekv_kv_plan_block *blk = pl_block_at(p, use_act ? ar : kr, t0);
             if (blk == NULL)
@@ -386,6 +442,13 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
                 return -EPROTO;
             if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
                 ab = kb, kb = NULL;
+            if (t < s->dev_tokens) { /* the device-resident part keeps its K,V too */
+                int m = s->dev_tokens - t < n ? s->dev_tokens - t : n;
+                size_t row = rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
+                if (block_rows_copy(&io->d2d_new, dev_layer(p, s, layer) + row,
+                                    (const uint8_t *)d[j].kv + row, in_blk, m, kvh, hd, dsz) == 0)
+                    return -ENOMEM;
+            }
             if (kb) {
                 const uint8_t *src =
                     (const uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
@@ -406,9 +469,9 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
                 cnt->d2h_bytes[REKV_XFER_ACT] += bytes;
                 uint64_t ord = act_ordinal(p, &ac, (size_t)(t / REKV_KV_BLOCK_TOKENS));
                 if (ord < n_gpu) { /* ACT_GPU: the device copy too (the store stays complete) */
-                    if (RESERVE(&io->d2d_act, 1))
+                    if (RESERVE(&io->d2d_new, 1))
                         return -ENOMEM;
-                    io->d2d_act.v[io->d2d_act.n++] = (rekv_copy_piece){
+                    io->d2d_new.v[io->d2d_new.n++] = (rekv_copy_piece){
                         s->act_dev + ((size_t)layer * gpu_layer_rows +
                                       (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
                                          gpu_row_bytes,
@@ -438,7 +501,7 @@ int pl_unit_io_keep(step *st, unit_io *io)
 {
     int rc = keep_conv(st, &io->conv_act);
     void *ptrs[] = {io->h2d_kv.v,  io->h2d_act.v, io->d2h_kv.v,
-                    io->d2h_act.v, io->d2d_act.v, io->d2d_kv.v};
+                    io->d2h_act.v, io->d2d_new.v, io->d2d_kv.v};
     for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
         rc |= pl_smem_adopt(&st->mem, ptrs[i]);
     return rc ? -ENOMEM : 0;

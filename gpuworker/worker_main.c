@@ -60,6 +60,7 @@ static void usage(FILE *f)
            "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen|clo] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
+           "         [--device-tokens N]\n"
            "         [--kvstore-timeout-ms N] [--metrics HOST:PORT [--metrics-public]]\n"
            "         [--ready-fd N] [--help] [--version]\n"
            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
@@ -73,7 +74,9 @@ static void usage(FILE *f)
            "auto: the coordinator chooses, from what this worker measures and reports: resident\n"
            "when the device holds the KV cache of a full batch of full contexts (always on the\n"
            "cpu backend, or without a kvstore), else the technique its planner prices cheapest\n"
-           "with this machine's measured profile.\n"
+           "with this machine's measured profile for what the device cannot keep: each\n"
+           "sequence's first tokens stay on the device as far as its room holds them beside a\n"
+           "step's buffers (--device-tokens N sets that part, 0 none; any streaming exact mode).\n"
            "--approximate: let the coordinator choose an approximate mode (infinigen) for --mode\n"
            "auto: it does when its planner prices it strictly cheaper than every exact mode.\n"
            "infinigen's and clo's tokens may differ from resident's; --mode infinigen or clo\n"
@@ -109,6 +112,8 @@ typedef struct worker {
     rekv_backend *be;             /* for the busy times each Progress reports */
     rekv_cost_profile cost;       /* measured at start (cached per machine/model), sent in Hello */
     double device_kv_room;        /* for the mode choice (Hello); < 0: no device limit */
+    int device_tokens;            /* --device-tokens: each sequence's device-resident part;
+                                     -1: what device_kv_room holds (rekv_cost_device_tokens) */
     uint64_t device_buffer_bytes; /* for the planner's mini-batches (Hello); 0: no limit */
     uint32_t hb_ms;               /* heartbeat period, also while a step runs */
     rekv_kvstore_client *kv;      /* NULL in resident mode without --kvstore, and while lost */
@@ -244,6 +249,7 @@ static void send_hello(worker *w)
     h.device_kv_room = w->device_kv_room;
     h.kvstore = w->kv != NULL;
     h.approximate = w->approximate;
+    h.device_tokens = (uint32_t)w->pc.device_tokens;
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
     m.hello = &h;
@@ -655,16 +661,6 @@ out:
 
 /* The device memory free for this worker's buffers: what is free less a tenth of the device for
  * activations and workspaces; -1 when the backend's memory is the host's (no mem_info). */
-static double device_room(rekv_backend *be)
-{
-    size_t fr = 0, tot = 0;
-    rekv_err e = {0};
-    if (!be->iface->mem_info || be->iface->mem_info(be, &fr, &tot, &e) != 0)
-        return -1;
-    double room = (double)fr - 0.1 * (double)tot;
-    return room < 0 ? 0 : room;
-}
-
 /* Builds the pipeline and the batcher in w->pc.mode (the weights go onto the device here), and
  * measures the room they leave for a step's buffers. */
 static int start_pipeline(worker *w, rekv_err *err)
@@ -696,26 +692,30 @@ static int start_pipeline(worker *w, rekv_err *err)
                  "whole KV on the device",
                  w->pc.persist_np);
     }
-    /* HybridServe's ACT_GPU in serving: half the device's room for the KV cache keeps each
-     * sequence's first activation blocks there, so they never cross the link again (the modes
-     * that recompute from activations; none where the device's memory is the host's) */
-    if (w->device_kv_room > 0 && (w->pc.mode == REKV_MODE_ACT || w->pc.mode == REKV_MODE_HYBRID ||
-                                  w->pc.mode == REKV_MODE_KVPR)) {
-        double per_block = (double)w->mc->n_layers * REKV_KV_BLOCK_TOKENS * w->mc->hidden *
-                           (double)rekv_dtype_size(w->pc.cache_dtype);
-        double n = floor(0.5 * w->device_kv_room / (w->max_batch * per_block));
-        int most = (w->mc->max_pos + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS;
-        w->pc.act_gpu_blocks = n > most ? most : (int)n;
+    /* the device-resident part in serving: the device's room for the KV cache (none where the
+     * device's memory is the host's) keeps each sequence's first tokens' K,V there, so they
+     * cross the link neither as KV nor as activations (every exact mode that streams; it saves
+     * what ACT_GPU's activations would per byte of device memory, and their recomputation) */
+    if ((w->device_kv_room > 0 || w->device_tokens > 0) && w->pc.mode != REKV_MODE_RESIDENT &&
+        !rekv_mode_approximate(w->pc.mode)) {
+        double elem = (double)rekv_dtype_size(w->pc.cache_dtype);
+        double kv_dim = rekv_config_kv_dim(w->mc);
+        w->pc.device_tokens =
+            w->device_tokens >= 0
+                ? w->device_tokens
+                : rekv_cost_device_tokens(w->device_kv_room, w->max_batch, w->mc->max_pos,
+                                          2.0 * kv_dim * w->mc->n_layers * elem,
+                                          rekv_cost_stream_token_bytes(w->mc->hidden, kv_dim, elem));
         rekv_log(REKV_LOG_INFO,
-                 "ACT_GPU: each sequence keeps its first %d activation blocks per layer on the "
-                 "device (half its room for %d sequences)",
-                 w->pc.act_gpu_blocks, w->max_batch);
+                 "each sequence keeps its first %d tokens' K,V on the device (of its room, for "
+                 "%d sequences, beside a step's buffers)",
+                 w->pc.device_tokens, w->max_batch);
     }
     if ((rc = rekv_pipeline_create(w->eng, w->be, w->kv, &w->pc, &w->pipe, err)) ||
         (rc = rekv_batcher_create(w->pipe, w->mc, w->max_batch, &w->batch, err)))
         return rc;
     w->wm.page_locked = rekv_pipeline_page_locked(w->pipe);
-    double room = device_room(w->be); /* what the weights (now on the device) leave */
+    double room = rekv_backend_kv_room(w->be, 0); /* what the weights (now there) leave */
     w->device_buffer_bytes = room > 0 ? (uint64_t)room : 0;
     return 0;
 }
@@ -766,6 +766,7 @@ int main(int argc, char **argv)
         O_LINK_GBPS,
         O_LINK_LAT,
         O_DEVMEM,
+        O_DEVTOK,
         O_PUSH,
         O_APPROX,
         O_KV_TIMEOUT,
@@ -787,6 +788,7 @@ int main(int argc, char **argv)
         {"link-gbps", required_argument, 0, O_LINK_GBPS},
         {"link-latency-us", required_argument, 0, O_LINK_LAT},
         {"device-memory", required_argument, 0, O_DEVMEM},
+        {"device-tokens", required_argument, 0, O_DEVTOK},
         {"push", no_argument, 0, O_PUSH},
         {"approximate", no_argument, 0, O_APPROX},
         {"kvstore-timeout-ms", required_argument, 0, O_KV_TIMEOUT},
@@ -797,7 +799,7 @@ int main(int argc, char **argv)
         {0, 0, 0, 0},
     };
     rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
-    int push = 0, approximate = 0, metrics_public = 0;
+    int push = 0, approximate = 0, metrics_public = 0, device_tokens = -1;
     const char *metrics_listen = NULL;
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -827,6 +829,12 @@ int main(int argc, char **argv)
         case O_DEVMEM:
             bad = rekv_parse_size(optarg, &link.device_bytes);
             break;
+        case O_DEVTOK: {
+            uint32_t v = 0;
+            bad = rekv_parse_u32(optarg, &v) || v > (1u << 24);
+            device_tokens = (int)v;
+            break;
+        }
         case O_MODEL:
             model_path = optarg;
             break;
@@ -920,6 +928,7 @@ int main(int argc, char **argv)
     w.hb_ms = hb_ms;
     w.push = push;
     w.approximate = approximate;
+    w.device_tokens = device_tokens;
     w.mode = "auto";
     w.kv_ep = kv_ep;
     w.kv_timeout_ms = (int)kv_timeout_ms;
@@ -1001,9 +1010,8 @@ int main(int argc, char **argv)
     }
     /* the device's room for the KV cache, for the coordinator's mode choice: what is free less
      * the weights when they will live on the device (they are not there yet) */
-    w.device_kv_room = device_room(be);
-    if (w.device_kv_room > 0 && !pc->offload_weights)
-        w.device_kv_room = fmax(0, w.device_kv_room - (double)rekv_engine_weight_bytes(eng));
+    w.device_kv_room =
+        rekv_backend_kv_room(be, pc->offload_weights ? 0 : (double)rekv_engine_weight_bytes(eng));
     if (!auto_mode && start_pipeline(&w, &err))
         goto fail;
     zctx = zmq_ctx_new();

@@ -647,12 +647,12 @@ START_TEST(chunked_prefill_served)
 }
 END_TEST
 
-/* ACT_GPU in serving: an act worker on a device with room (the cpu backend's --device-memory)
- * keeps its sequences' first activation blocks there and moves fewer activation bytes than one
- * without, for the same jobs and rekv_generate's tokens. */
-START_TEST(act_gpu_in_serving)
+/* The device-resident part in serving: a hybrid worker on a device with room (the cpu backend's
+ * --device-memory) keeps its sequences' first tokens' K,V there and moves fewer KV and fewer
+ * activation bytes than one without, for the same jobs and rekv_generate's tokens. */
+START_TEST(device_part_in_serving)
 {
-    uint64_t act_bytes[2];
+    uint64_t kv_bytes[2], act_bytes[2];
     for (int withdev = 0; withdev < 2; withdev++) {
         env e;
         if (env_open(&e))
@@ -662,22 +662,26 @@ START_TEST(act_gpu_in_serving)
         make_jobs(jobs, N, 8, 512, 33);
         reference(jobs, N, e.model);
         const char *extra[] = {"--device-memory", "64M", NULL};
-        pid_t pid = rekv_run_start_args(&e, "64M", "4", "act", withdev ? extra : NULL);
+        pid_t pid = rekv_run_start_args(&e, "64M", "4", "hybrid", withdev ? extra : NULL);
         rekv_ctl *c = ctl_open(e.ctl);
         wait_workers(c, 1);
         ck_assert_int_eq(submit_all(c, jobs, N), N);
         wait_and_check(c, jobs, N, 120);
         Rekv__Control__Response *r = stats(c);
         act_bytes[withdev] = r->stats->h2d_bytes_act;
+        kv_bytes[withdev] = r->stats->h2d_bytes_kv;
         rekv__control__response__free_unpacked(r, NULL);
         rekv_ctl_close(c);
         rekv_run_stop(pid);
         free_jobs(jobs, N);
         env_close(&e);
     }
-    ck_assert_msg(act_bytes[0] > 0 && act_bytes[1] < act_bytes[0],
-                  "activation bytes over the link: %llu with device room, %llu without",
-                  (unsigned long long)act_bytes[1], (unsigned long long)act_bytes[0]);
+    ck_assert_msg(act_bytes[0] > 0 && act_bytes[1] < act_bytes[0] && kv_bytes[0] > 0 &&
+                      kv_bytes[1] < kv_bytes[0],
+                  "bytes over the link with device room: KV %llu, activations %llu; without: "
+                  "KV %llu, activations %llu",
+                  (unsigned long long)kv_bytes[1], (unsigned long long)act_bytes[1],
+                  (unsigned long long)kv_bytes[0], (unsigned long long)act_bytes[0]);
 }
 END_TEST
 
@@ -821,19 +825,26 @@ START_TEST(coordinator_assigns_worker_mode)
     double kv = 2.0 * 4096 * 2 * 64 * 544 * 32; /* the whole batch's KV cache, bytes */
     rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
     rekv_cost_profile prof = {.h2d_bw = 25e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
-    rekv_mode_pick pick;
-    ck_assert_int_eq(rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, kv - 1, 0, NULL, &pick, NULL), 0);
-    ck_assert(!pick.resident);
+    /* a room the cache does not fit, too small for a device-resident part beside a step's
+     * buffers (0.1875 of the cache), and one that holds a part */
+    double room = 0.16 * kv, part_room = 0.5 * kv;
+    rekv_mode_pick pick, part;
+    ck_assert_int_eq(rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, room, 0, NULL, &pick, NULL), 0);
+    ck_assert(!pick.resident && pick.device_tokens == 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, part_room, 0, NULL, &part, NULL),
+                     0);
+    ck_assert(!part.resident && part.device_tokens > 0);
     static const char *const by_tech[REKV_TECH_COUNT] = {"offload", "kvpr", "act", "hybrid"};
     struct {
         int kvstore;
         double room;
         const char *want;
     } cases[] = {
-        {0, kv - 1, "resident"},         /* no kvstore: nowhere else to keep the cache */
-        {1, kv, "resident"},             /* it fits the device */
-        {1, -1, "resident"},             /* the device's memory is the host's */
-        {1, kv - 1, by_tech[pick.tech]}, /* it does not: the planner's cheapest technique */
+        {0, room, "resident"},                /* no kvstore: nowhere else to keep the cache */
+        {1, kv, "resident"},                  /* it fits the device */
+        {1, -1, "resident"},                  /* the device's memory is the host's */
+        {1, room, by_tech[pick.tech]},        /* it does not: the planner's cheapest technique */
+        {1, part_room, by_tech[part.tech]},   /* ... beside each sequence's device part */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         h.kvstore = cases[i].kvstore;
@@ -844,6 +855,9 @@ START_TEST(coordinator_assigns_worker_mode)
                       "Hello auto answered with body %d, not Assign", (int)m->body_case);
         ck_assert_str_eq(m->assign->mode, cases[i].want);
         ck_assert(m->assign->reason && m->assign->reason[0]);
+        ck_assert_msg((strstr(m->assign->reason, "on the device") != NULL) == (i == 4),
+                      "the reason names the device part exactly when there is one: %s",
+                      m->assign->reason);
         rekv__worker__coord_msg__free_unpacked(m, NULL);
     }
     ck_assert_str_ne(by_tech[pick.tech], "offload"); /* MHA behind PCIe: recomputation pays */
@@ -902,7 +916,9 @@ START_TEST(coordinator_assigns_infinigen_only_when_allowed)
     h.weight_elem_bytes = 2;
     h.layer_params = 2ull * 4096 * 4096 * 2 + 2ull * 4096 * 16384;
     h.kvstore = 1;
-    h.device_kv_room = 2.0 * 4096 * 2 * 64 * 544 * 32 - 1; /* the cache does not fit */
+    /* the cache does not fit, nor a device-resident part beside a step's buffers; the partial
+     * keys (0.15 of the cache) do */
+    h.device_kv_room = 0.16 * (2.0 * 4096 * 2 * 64 * 544 * 32);
     rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
     rekv_cost_profile prof = {.h2d_bw = 2e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
     rekv_mode_pick exact;
@@ -1600,7 +1616,7 @@ static Suite *suite(void)
     tcase_add_test(tc, batcher_matches_generate);
     tcase_add_test(tc, batcher_chunked_prefill);
     tcase_add_test(tc, chunked_prefill_served);
-    tcase_add_test(tc, act_gpu_in_serving);
+    tcase_add_test(tc, device_part_in_serving);
     tcase_add_test(tc, run_64_jobs);
     tcase_add_test(tc, planner_in_the_loop);
     tcase_add_test(tc, emulated_gpu_auto_mode);

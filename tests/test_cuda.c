@@ -1015,12 +1015,13 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
     }
     struct {
         rekv_mode mode;
-        int split, kv, act, act_gpu;
-    } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1, 0}, {REKV_MODE_OFFLOAD, 0, 1, 1, 0},
-                 {REKV_MODE_KVPR, 7, 1, 1, 0},     {REKV_MODE_KVPR, 1000000, 1, 1, 1},
-                 {REKV_MODE_ACT, 0, 1, 1, 0},      {REKV_MODE_ACT, 0, 1, 1, 2},
-                 {REKV_MODE_HYBRID, 0, 1, 1, 0},   {REKV_MODE_HYBRID, 0, 3, 1, 1},
-                 {REKV_MODE_HYBRID, 0, 1, 2, 3}};
+        int split, kv, act, act_gpu, dev;
+    } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1, 0, 0}, {REKV_MODE_OFFLOAD, 0, 1, 1, 0, 0},
+                 {REKV_MODE_KVPR, 7, 1, 1, 0, 0},     {REKV_MODE_KVPR, 1000000, 1, 1, 1, 0},
+                 {REKV_MODE_ACT, 0, 1, 1, 0, 0},      {REKV_MODE_ACT, 0, 1, 1, 2, 0},
+                 {REKV_MODE_HYBRID, 0, 1, 1, 0, 0},   {REKV_MODE_HYBRID, 0, 3, 1, 1, 0},
+                 {REKV_MODE_HYBRID, 0, 1, 2, 3, 0},   {REKV_MODE_OFFLOAD, 0, 1, 1, 0, 16},
+                 {REKV_MODE_KVPR, 30, 1, 1, 0, 21},   {REKV_MODE_HYBRID, 0, 1, 2, 1, 35}};
     for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++)
         for (int ow = 0; ow < 2; ow++)
             for (int sched = 0; sched < 2; sched++)
@@ -1031,6 +1032,7 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
                     cfg.kv_parts = modes[mi].kv;
                     cfg.act_parts = modes[mi].act;
                     cfg.act_gpu_blocks = modes[mi].act_gpu;
+                    cfg.device_tokens = modes[mi].dev;
                     cfg.offload_weights = ow;
                     cfg.schedule = sched ? REKV_SCHED_COLUMN : REKV_SCHED_ROW;
                     cfg.gpu_batches = G;
@@ -1041,10 +1043,10 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
                     char name[512];
                     snprintf(name, sizeof(name),
                              "%s, %s cache, %s%s %s gpu_batches=%d split=%d pattern=%d:%d "
-                             "act_gpu=%d",
+                             "act_gpu=%d device=%d",
                              path, rekv_dtype_name(cache), rekv_mode_name(cfg.mode),
                              ow ? "+offload-weights" : "", sched ? "column" : "row", G, cfg.split,
-                             cfg.kv_parts, cfg.act_parts, cfg.act_gpu_blocks);
+                             cfg.kv_parts, cfg.act_parts, cfg.act_gpu_blocks, cfg.device_tokens);
                     double tol = logit_tol(rekv_engine_weight_dtype(f.e));
                     expect_close(name, got, ref, nl, tol);
                     if (cfg.mode != REKV_MODE_RESIDENT) {

@@ -124,7 +124,8 @@ static void rig_start(rig *r)
                             r->workers,    "--kvstore", r->kv,    "--backend",
                             "cpu",         "--mode",    "offload", "--max-batch",
                             "4",           "--device-memory", "64M", "--name",
-                            "w0",          "--metrics", r->p_w,   NULL};
+                            "w0",          "--metrics", r->p_w,   "--device-tokens",
+                            "2",           NULL}; /* the rest of each context streams */
     r->w_pid = start_ready(w_args, r->log);
 }
 

@@ -101,67 +101,62 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     rekv_pipeline_free(p);
 }
 
-/* The bytes one decode step should move, from the papers' formulas: offload moves every context
- * token's K and V (2 * kv_dim * p per token per layer); KVPR moves X[0:l] and KV[l:s] (Eq. 6–7,
- * with GQA's kv_dim in place of h in Eq. 7); act moves every context token's X; hybrid moves X for
- * tokens in ACT blocks and K,V for tokens in KV blocks, the block types following HybridServe's
- * allocation rule. New tokens go back the same way. Weights: one layer per load. */
+/* The bytes one decode step should move, from the papers' formulas, token by token: offload moves
+ * every context token's K and V (2 * kv_dim * p per token per layer); KVPR moves X[0:l] and
+ * KV[l:s] (Eq. 6–7, with GQA's kv_dim in place of h in Eq. 7); act moves every context token's X;
+ * hybrid moves X for tokens in ACT blocks and K,V for tokens in KV blocks, the block types
+ * following HybridServe's allocation rule; ACT_GPU's activations (the first act_gpu_blocks ACT
+ * blocks) are recomputed without moving, and the device-resident part (the first device_tokens
+ * tokens) neither moves nor is recomputed. New tokens go back the same way (the store stays
+ * complete). Weights: one layer per load. */
 static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_config *c, int B,
                               const int *ctx, rekv_layer_counters *e)
 {
     memset(e, 0, sizeof(*e));
+    ck_assert_msg(!rekv_mode_approximate(cfg->mode), "approximate modes: tests/test_infinigen.c");
     uint64_t L = (uint64_t)c->n_layers, p = rekv_dtype_size(cfg->cache_dtype);
     uint64_t H = (uint64_t)c->hidden;
     uint64_t KVr = 2 * (uint64_t)rekv_config_kv_dim(c) * p, Xr = H * p; /* row bytes */
-    for (int i = 0; i < B; i++) {
-        uint64_t s = (uint64_t)ctx[i], x_tok = 0, kv_tok = 0, new_kv = 0, new_x = 0;
-        uint64_t recomputed = 0;
-        switch (cfg->mode) {
-        case REKV_MODE_RESIDENT:
-            break;
-        case REKV_MODE_OFFLOAD:
-            kv_tok = s, new_kv = 1;
-            break;
-        case REKV_MODE_KVPR: {
-            /* ACT_GPU: the first N blocks' activations are on the device already */
-            uint64_t l = (uint64_t)cfg->split < s ? (uint64_t)cfg->split : s;
-            uint64_t gpu = (uint64_t)cfg->act_gpu_blocks * 16;
-            x_tok = l > gpu ? l - gpu : 0, kv_tok = s - l, new_kv = 1, new_x = 1;
-            recomputed = l;
-            break;
-        }
-        case REKV_MODE_ACT: {
-            uint64_t gpu = (uint64_t)cfg->act_gpu_blocks * 16;
-            x_tok = s > gpu ? s - gpu : 0, new_x = 1;
-            recomputed = s;
-            break;
-        }
-        case REKV_MODE_HYBRID: {
-            uint64_t nk = 0, na = 0;
-            for (uint64_t b = 0; b * 16 <= s; b++) {
-                rekv_kv_block_type t = rekv_kv_next_block_type(nk, na, (uint32_t)cfg->kv_parts,
-                                                               (uint32_t)cfg->act_parts);
-                uint64_t lo = b * 16, hi = lo + 16 < s ? lo + 16 : s;
-                if (t == REKV_KV_BLOCK_KV) {
-                    nk++, kv_tok += hi > lo ? hi - lo : 0, new_kv += (s >= lo && s < lo + 16);
-                } else {
-                    recomputed += hi > lo ? hi - lo : 0;
-                    if (na >= (uint64_t)cfg->act_gpu_blocks) /* else ACT_GPU: on the device */
-                        x_tok += hi > lo ? hi - lo : 0;
-                    na++, new_x += (s >= lo && s < lo + 16);
-                }
+    uint64_t gpu_blocks = (uint64_t)cfg->act_gpu_blocks, dev = (uint64_t)cfg->device_tokens;
+    for (int i = 0; i < B && cfg->mode != REKV_MODE_RESIDENT; i++) {
+        uint64_t s = (uint64_t)ctx[i], x_tok = 0, kv_tok = 0, recomputed = 0;
+        uint64_t l = (uint64_t)cfg->split < s ? (uint64_t)cfg->split : s;
+        uint64_t nk = 0, na = 0; /* hybrid: the block types so far */
+        rekv_kv_block_type type = REKV_KV_BLOCK_KV;
+        for (uint64_t t = 0; t <= s; t++) {
+            if (t % 16 == 0) { /* block t / 16's type, and whether ACT_GPU holds it */
+                type = REKV_KV_BLOCK_KV;
+                if (cfg->mode == REKV_MODE_ACT)
+                    type = REKV_KV_BLOCK_ACT;
+                else if (cfg->mode == REKV_MODE_HYBRID)
+                    type = rekv_kv_next_block_type(nk, na, (uint32_t)cfg->kv_parts,
+                                                   (uint32_t)cfg->act_parts);
+                if (cfg->mode == REKV_MODE_HYBRID || cfg->mode == REKV_MODE_ACT)
+                    type == REKV_KV_BLOCK_KV ? nk++ : na++;
             }
-            break;
-        }
-        case REKV_MODE_INFINIGEN: /* approximate: tests/test_infinigen.c */
-        case REKV_MODE_CLO:
-            ck_abort_msg("the approximate modes have no fixed counters");
-            break;
+            if (t == s) { /* the new token: K,V into KV blocks, X into ACT blocks (kvpr: both) */
+                int kv = type == REKV_KV_BLOCK_KV, x = !kv || cfg->mode == REKV_MODE_KVPR;
+                e->d2h_bytes[REKV_XFER_KV] += L * (uint64_t)kv * KVr;
+                e->d2h_bytes[REKV_XFER_ACT] += L * (uint64_t)x * Xr;
+                break;
+            }
+            if (t < dev) {
+                e->tokens_device += L;
+                continue;
+            }
+            int recompute = cfg->mode == REKV_MODE_KVPR ? t < l : type == REKV_KV_BLOCK_ACT;
+            /* ACT_GPU: the sequence's first act_gpu_blocks ACT blocks (kvpr: of its activation
+             * sequence, whose blocks are all ACT) */
+            uint64_t act_ord = cfg->mode == REKV_MODE_KVPR ? t / 16 : na - 1;
+            if (recompute) {
+                recomputed++;
+                x_tok += act_ord >= gpu_blocks;
+            } else {
+                kv_tok++;
+            }
         }
         e->h2d_bytes[REKV_XFER_KV] += L * kv_tok * KVr;
         e->h2d_bytes[REKV_XFER_ACT] += L * x_tok * Xr;
-        e->d2h_bytes[REKV_XFER_KV] += L * new_kv * KVr;
-        e->d2h_bytes[REKV_XFER_ACT] += L * new_x * Xr;
         e->tokens_recomputed += L * recomputed;
         e->tokens_fetched += L * kv_tok;
     }
@@ -181,10 +176,11 @@ static void expected_counters(const rekv_pipeline_config *cfg, const rekv_model_
 
 static const char *cfg_name(const rekv_pipeline_config *c, char *buf, size_t n)
 {
-    snprintf(buf, n, "%s%s%s %s gpu_batches=%d split=%d pattern=%d:%d act_gpu=%d",
+    snprintf(buf, n, "%s%s%s %s gpu_batches=%d split=%d pattern=%d:%d act_gpu=%d device=%d",
              rekv_mode_name(c->mode), c->offload_weights ? "+offload-weights" : "",
              c->push ? "+push" : "", c->schedule == REKV_SCHED_ROW ? "row" : "column",
-             c->gpu_batches, c->split, c->kv_parts, c->act_parts, c->act_gpu_blocks);
+             c->gpu_batches, c->split, c->kv_parts, c->act_parts, c->act_gpu_blocks,
+             c->device_tokens);
     return buf;
 }
 
@@ -220,12 +216,16 @@ static void check_modes(const char *model_path, rekv_dtype cache, const int *len
         base.gpu_batches = G;
         struct {
             rekv_mode mode;
-            int split, kv, act, act_gpu;
-        } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1, 0}, {REKV_MODE_OFFLOAD, 0, 1, 1, 0},
-                     {REKV_MODE_KVPR, 7, 1, 1, 0},     {REKV_MODE_KVPR, 1000000, 1, 1, 1},
-                     {REKV_MODE_ACT, 0, 1, 1, 0},      {REKV_MODE_ACT, 0, 1, 1, 2},
-                     {REKV_MODE_HYBRID, 0, 1, 1, 0},   {REKV_MODE_HYBRID, 0, 3, 1, 1},
-                     {REKV_MODE_HYBRID, 0, 1, 2, 3}};
+            int split, kv, act, act_gpu, dev;
+        } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1, 0, 0}, {REKV_MODE_OFFLOAD, 0, 1, 1, 0, 0},
+                     {REKV_MODE_KVPR, 7, 1, 1, 0, 0},     {REKV_MODE_KVPR, 1000000, 1, 1, 1, 0},
+                     {REKV_MODE_ACT, 0, 1, 1, 0, 0},      {REKV_MODE_ACT, 0, 1, 1, 2, 0},
+                     {REKV_MODE_HYBRID, 0, 1, 1, 0, 0},   {REKV_MODE_HYBRID, 0, 3, 1, 1, 0},
+                     {REKV_MODE_HYBRID, 0, 1, 2, 3, 0},
+                     /* with a device-resident part: whole blocks, a block and a piece, every
+                      * technique beside it (kvpr recomputes [dev, split)) */
+                     {REKV_MODE_OFFLOAD, 0, 1, 1, 0, 16}, {REKV_MODE_KVPR, 30, 1, 1, 0, 21},
+                     {REKV_MODE_ACT, 0, 1, 1, 1, 5},      {REKV_MODE_HYBRID, 0, 1, 2, 1, 35}};
         /* ow 2: weights resident, KV rows pushed by the store (push only changes who copies the
          * KV rows, so once over the weight placements is enough) */
         for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++)
@@ -240,6 +240,7 @@ static void check_modes(const char *model_path, rekv_dtype cache, const int *len
                     cfg.kv_parts = modes[mi].kv;
                     cfg.act_parts = modes[mi].act;
                     cfg.act_gpu_blocks = modes[mi].act_gpu;
+                    cfg.device_tokens = modes[mi].dev;
                     cfg.offload_weights = ow == 1;
                     cfg.schedule = sched ? REKV_SCHED_COLUMN : REKV_SCHED_ROW;
                     run r;
@@ -499,6 +500,14 @@ START_TEST(push_needs_a_store_that_pushes)
     cfg.push = 0;
     ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err) == 0, "%s", err.msg);
     rekv_pipeline_free(pl);
+    /* a device-resident part is for the exact modes: an approximate one refuses it */
+    cfg.mode = REKV_MODE_INFINIGEN;
+    cfg.device_tokens = 16;
+    pl = NULL;
+    rekv_err_clear(&err);
+    ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err), -EINVAL);
+    ck_assert_ptr_null(pl);
+    ck_assert_msg(strstr(err.msg, "device-resident part") != NULL, "%s", err.msg);
     tu_fixture_close(&f);
 }
 END_TEST

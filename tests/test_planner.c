@@ -39,6 +39,17 @@ static int close_rel(double x, double y, double rel)
     return fabs(x - y) <= rel * fmax(fabs(x), fabs(y));
 }
 
+/* OPT-6.7B's shape, the papers' model */
+static const rekv_model_config opt_6_7b = {.arch = REKV_ARCH_OPT,
+                                           .act = REKV_ACT_RELU,
+                                           .n_layers = 32,
+                                           .hidden = 4096,
+                                           .n_heads = 32,
+                                           .n_kv_heads = 32,
+                                           .head_dim = 128,
+                                           .ffn = 16384,
+                                           .dtype = REKV_DTYPE_F16};
+
 /* ---------------------------------------------------------------- fit_linear */
 
 /* A step shape for one layer of a config (rekv_plan_model_from_config, rekv_plan_shape). */
@@ -713,15 +724,7 @@ END_TEST
  * hybrid priced at the KV share where its link and compute times meet. */
 START_TEST(test_pick_mode)
 {
-    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
-                             .act = REKV_ACT_RELU,
-                             .n_layers = 32,
-                             .hidden = 4096,
-                             .n_heads = 32,
-                             .n_kv_heads = 32,
-                             .head_dim = 128,
-                             .ffn = 16384,
-                             .dtype = REKV_DTYPE_F16};
+    rekv_model_config opt = opt_6_7b;
     rekv_plan_model optm;
     rekv_plan_model_from_config(&opt, &optm);
     rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
@@ -734,6 +737,20 @@ START_TEST(test_pick_mode)
     ck_assert(m.resident); /* unknown device memory (the cpu backend): resident */
     ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, kv - 1, 0, NULL, &m, NULL), 0);
     ck_assert(!m.resident);
+    /* room for all but one byte: beside a step's streaming buffers, each sequence keeps most of
+     * its tokens on the device (the rule the worker keeps them by) */
+    double stream = rekv_cost_stream_token_bytes(4096, 4096, 2), kv_tok = 2.0 * 4096 * 2 * 32;
+    ck_assert_int_eq(m.device_tokens, rekv_cost_device_tokens(kv - 1, 64, 544, kv_tok, stream));
+    ck_assert_int_eq(m.device_tokens, (int64_t)((kv - 1 - 64 * 544 * stream) / (64 * kv_tok)));
+    ck_assert(m.device_tokens > 272); /* past the mean context: nothing moves, KV fetching wins */
+    ck_assert_int_eq(m.tech, REKV_TECH_KV);
+    ck_assert(m.costs[REKV_TECH_KV].bytes_h2d == 0);
+    /* a quarter of the room: 34 tokens each on the device, the rest of the mean context moves */
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, kv / 4, 0, NULL, &m, NULL), 0);
+    ck_assert(!m.resident);
+    ck_assert_int_eq(m.device_tokens, rekv_cost_device_tokens(kv / 4, 64, 544, kv_tok, stream));
+    ck_assert(m.device_tokens > 0 && m.device_tokens < 272);
+    ck_assert(m.costs[REKV_TECH_KV].bytes_h2d == 64.0 * (272 - m.device_tokens) * 2 * 4096 * 2);
     /* MHA, fast GPU, PCIe-bound: recomputation pays, so not plain KV fetching */
     ck_assert(m.tech != REKV_TECH_KV);
     ck_assert(m.hybrid_kv_fraction >= 0 && m.hybrid_kv_fraction <= 1);
@@ -754,31 +771,77 @@ START_TEST(test_pick_mode)
 }
 END_TEST
 
+/* The device-resident part: every exact technique moves and recomputes only the context past it
+ * (the same bytes and FLOP as a context that much shorter, the forward pass's attention still
+ * over the whole context), KVPR's split counts from the context's start, infinigen ignores it,
+ * and a part covering the context leaves nothing to move. */
+START_TEST(test_device_part)
+{
+    rekv_model_config opt = opt_6_7b;
+    rekv_cost_profile pr = {.h2d_bw = 25e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
+    rekv_step_shape whole, part, shorter;
+    shape_from_config(&opt, 64, 512, 2, 0, &whole);
+    whole.hybrid_kv_fraction = 0.5;
+    part = whole;
+    part.device_tokens = 128;
+    shorter = whole;
+    shorter.kv.s = 384; /* fwd_flops stays the whole context's */
+    for (int t = 0; t <= REKV_TECH_INFINIGEN; t++) {
+        rekv_step_cost a, b, w;
+        ck_assert_int_eq(rekv_plan_step_cost(&pr, &part, (rekv_technique)t, &a, NULL), 0);
+        ck_assert_int_eq(rekv_plan_step_cost(&pr, &shorter, (rekv_technique)t, &b, NULL), 0);
+        ck_assert_int_eq(rekv_plan_step_cost(&pr, &whole, (rekv_technique)t, &w, NULL), 0);
+        if (t == REKV_TECH_INFINIGEN) {
+            ck_assert(a.bytes_h2d == w.bytes_h2d && a.t_step == w.t_step);
+            continue;
+        }
+        ck_assert_msg(a.bytes_h2d == b.bytes_h2d && a.recompute_flops == b.recompute_flops &&
+                          a.t_step == b.t_step,
+                      "technique %d: %g bytes with the part, %g for the shorter context", t,
+                      a.bytes_h2d, b.bytes_h2d);
+        ck_assert(a.bytes_h2d < w.bytes_h2d);
+        if (t == REKV_TECH_KVPR)
+            ck_assert_int_eq(a.kvpr_l, 128 + b.kvpr_l);
+    }
+    part.device_tokens = 600; /* more than the context */
+    rekv_step_cost c[REKV_TECH_COUNT];
+    rekv_technique best;
+    ck_assert_int_eq(rekv_plan_choose(&pr, &part, &best, c, NULL), 0);
+    ck_assert_int_eq(best, REKV_TECH_KV);
+    for (int t = 0; t < REKV_TECH_COUNT; t++)
+        ck_assert(c[t].bytes_h2d == 0 && c[t].recompute_flops == 0);
+    ck_assert_int_eq(c[REKV_TECH_KVPR].kvpr_l, 512);
+    part.device_tokens = -1;
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &part, REKV_TECH_KV, &c[0], NULL), -EINVAL);
+    /* the rule: nothing without room, the streaming buffers first, at most the capacity */
+    ck_assert_int_eq(rekv_cost_device_tokens(0, 8, 100, 1000, 10), 0);
+    ck_assert_int_eq(rekv_cost_device_tokens(-1, 8, 100, 1000, 10), 0);
+    ck_assert_int_eq(rekv_cost_device_tokens(8 * 100 * 10, 8, 100, 1000, 10), 0);
+    ck_assert_int_eq(rekv_cost_device_tokens(8 * 100 * 10 + 8 * 1000 * 42, 8, 100, 1000, 10), 42);
+    ck_assert_int_eq(rekv_cost_device_tokens(1e12, 8, 100, 1000, 10), 100);
+}
+END_TEST
+
 /* InfiniGen is approximate: rekv_plan_pick_mode prices it only when allowed, and picks it only
  * when it is strictly cheaper than every exact technique — on a slow link at a small fraction f,
  * never when it is not allowed, never at f = 1 (the same bytes as KV, plus the speculation), and
  * not at f = 0.9 on a step whose compute is close to its link time (the speculation tips it). */
 START_TEST(test_pick_infinigen)
 {
-    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
-                             .act = REKV_ACT_RELU,
-                             .n_layers = 32,
-                             .hidden = 4096,
-                             .n_heads = 32,
-                             .n_kv_heads = 32,
-                             .head_dim = 128,
-                             .ffn = 16384,
-                             .dtype = REKV_DTYPE_F16};
+    rekv_model_config opt = opt_6_7b;
     rekv_plan_model optm;
     rekv_plan_model_from_config(&opt, &optm);
     double kv = 2.0 * 4096 * 2 * 64 * 544 * 32; /* 64 sequences of 544 tokens, fp16 */
     rekv_cost_profile slow = {.h2d_bw = 2e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
     rekv_mode_pick ex, ap;
+    /* room for the partial keys (0.15 of the cache) but for no device-resident part (the
+     * streaming buffers of 64 x 544 tokens take 0.1875 of it) */
+    double room = 0.16 * kv;
     rekv_plan_approx prior = {0}, f1 = {1.0}, f01 = {0.1};
 
     /* slow link, prior f = 0.2: allowed, infinigen; not allowed, the same exact pick as ever */
-    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, kv - 1, 0, NULL, &ex, NULL), 0);
-    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, kv - 1, 0, &prior, &ap, NULL),
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, NULL, &ex, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &prior, &ap, NULL),
                      0);
     ck_assert(!ex.resident && !ap.resident && !ex.approximate && ap.approximate);
     ck_assert(ex.tech < REKV_TECH_COUNT);
@@ -797,12 +860,12 @@ START_TEST(test_pick_infinigen)
     ck_assert(close_rel(ig.t_compute * slow.gemm_flops,
                         ap.costs[REKV_TECH_KV].t_compute * slow.gemm_flops + spec, 1e-12));
     /* a smaller measured f is cheaper still */
-    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, kv - 1, 0, &f01, &ap, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &f01, &ap, NULL), 0);
     ck_assert_int_eq(ap.tech, REKV_TECH_INFINIGEN);
     ck_assert(ap.costs[REKV_TECH_INFINIGEN].t_step < ig.t_step);
 
     /* f = 1 moves what KV does and computes more: never strictly cheaper */
-    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, kv - 1, 0, &f1, &ap, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &f1, &ap, NULL), 0);
     ck_assert_int_eq(ap.tech, ex.tech);
     ck_assert(ap.costs[REKV_TECH_INFINIGEN].bytes_h2d == ap.costs[REKV_TECH_KV].bytes_h2d);
 
@@ -837,7 +900,7 @@ START_TEST(test_pick_infinigen)
     rekv_cost_profile tight = slow;
     tight.gemm_flops = sh.kv.fwd_flops / (0.99 * c.t_pcie);
     rekv_plan_approx f09 = {0.9};
-    ck_assert_int_eq(rekv_plan_pick_mode(&tight, &optm, 64, 544, 2, kv - 1, 0, &f09, &ap, NULL), 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&tight, &optm, 64, 544, 2, room, 0, &f09, &ap, NULL), 0);
     ck_assert(ap.tech != REKV_TECH_INFINIGEN);
     ig = ap.costs[REKV_TECH_INFINIGEN];
     double best = ap.costs[ap.tech].t_step;
@@ -850,7 +913,7 @@ START_TEST(test_pick_infinigen)
     for (double bw = 1e8; bw <= 1e12; bw *= 10) {
         rekv_cost_profile p = slow;
         p.h2d_bw = bw;
-        ck_assert_int_eq(rekv_plan_pick_mode(&p, &optm, 64, 544, 2, kv - 1, 0, NULL, &ex, NULL), 0);
+        ck_assert_int_eq(rekv_plan_pick_mode(&p, &optm, 64, 544, 2, room, 0, NULL, &ex, NULL), 0);
         ck_assert(ex.tech < REKV_TECH_COUNT && !ex.approximate);
     }
 
@@ -931,6 +994,19 @@ START_TEST(test_co_plan_selected_fraction)
 }
 END_TEST
 
+/* A worker's Hello for the planner in the loop: mode, the profile, a synthetic OPT's shape (8
+ * layers, hidden 1024, fp16 cache). */
+static void opt8_hello(Rekv__Worker__Hello *h, Rekv__Worker__CostProfile *cp, const char *mode)
+{
+    rekv__worker__hello__init(h);
+    h->mode = (char *)mode;
+    h->profile = cp;
+    h->hidden = h->kv_dim = h->q_dim = 1024;
+    h->n_layers = 8;
+    h->cache_elem_bytes = 2;
+    h->layer_params = 12 * 1024 * 1024;
+}
+
 /* The planner in the loop splits a batch into mini-batches that fit the worker's device room:
  * with less room, more (and smaller) mini-batches, each within the capacity unless one job alone
  * is bigger. */
@@ -941,14 +1017,8 @@ START_TEST(test_co_plan_device_room)
     cp.gemm_flops = 50e12;
     cp.load_kv_b = 2e-6;
     cp.kv_gen_b = 1e-6;
-    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
-    h.mode = "act";
-    h.profile = &cp;
-    h.hidden = 1024;
-    h.kv_dim = 1024;
-    h.n_layers = 8;
-    h.cache_elem_bytes = 2;
-    h.layer_params = 12 * 1024 * 1024;
+    Rekv__Worker__Hello h;
+    opt8_hello(&h, &cp, "act");
     enum { N = 16 };
     uint64_t jobs[N], mb_job[N];
     uint32_t mb_index[N];
@@ -983,6 +1053,40 @@ START_TEST(test_co_plan_device_room)
 }
 END_TEST
 
+/* The planner in the loop with a worker's device-resident part (Hello.device_tokens): KVPR's split
+ * is the part plus the solver's split of the rest, and the step is priced for the rest only. */
+START_TEST(test_co_plan_device_part)
+{
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 2e9;
+    cp.gemm_flops = 50e12;
+    Rekv__Worker__Hello h;
+    opt8_hello(&h, &cp, "kvpr");
+    enum { N = 4 };
+    uint64_t jobs[N] = {1, 2, 3, 4}, mb_job[N];
+    uint32_t mb_index[N];
+    int64_t ctx[N] = {600, 600, 600, 600};
+    co_plan_state none, part;
+    Rekv__Worker__StepParams a, b;
+    co_plan_init(&none, &h);
+    ck_assert_int_eq(co_plan_step(&none, jobs, ctx, N, &a, mb_job, mb_index), 1);
+    h.device_tokens = 200;
+    co_plan_init(&part, &h);
+    ck_assert_int_eq(co_plan_step(&part, jobs, ctx, N, &b, mb_job, mb_index), 1);
+    /* the rest, 400 tokens, split as a 400-token context would be */
+    int64_t c400[N] = {400, 400, 400, 400};
+    co_plan_state shorter;
+    Rekv__Worker__StepParams s;
+    h.device_tokens = 0;
+    co_plan_init(&shorter, &h);
+    ck_assert_int_eq(co_plan_step(&shorter, jobs, c400, N, &s, mb_job, mb_index), 1);
+    ck_assert_msg(a.split > 0 && s.split > 0, "recomputation pays on this link: %d, %d", a.split,
+                  s.split);
+    ck_assert_int_eq(b.split, 200 + s.split);
+    ck_assert(part.pred_pcie_s < none.pred_pcie_s);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("planner");
@@ -1006,6 +1110,8 @@ int main(void)
     tcase_add_test(tc, test_choose);
     tcase_add_test(tc, test_step_cost_two_rates);
     tcase_add_test(tc, test_pick_mode);
+    tcase_add_test(tc, test_device_part);
+    tcase_add_test(tc, test_co_plan_device_part);
     tcase_add_test(tc, test_pick_infinigen);
     tcase_add_test(tc, test_co_plan_device_room);
     tcase_add_test(tc, test_co_plan_selected_fraction);

@@ -299,6 +299,10 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
     size_t max = ab > (2u << 20) ? ab - 4096 : 0;
     if (max > (256u << 20))
         max = 256u << 20;
+    size_t fr = 0, tot = 0; /* a device of little memory (--device-memory): what the run left */
+    rekv_err me = {0};
+    if (be->iface->mem_info && be->iface->mem_info(be, &fr, &tot, &me) == 0 && fr / 2 < max)
+        max = fr / 2 & ~(size_t)4095;
     if (max == 0)
         return rekv_errf(err, -EINVAL, "bench: the kvstore's arena is too small to measure");
     void *pinned = rekv_host_alloc(be, max);
@@ -325,7 +329,8 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
     return rc;
 }
 
-/* One mode's decode run: prefill all prompts in one step (timed: prefill_s), then gen_len - 1
+/* One mode's decode run: prefill the prompts, at most `chunk` tokens of each per step (serving's
+ * chunked prefill; timed: prefill_s), then gen_len - 1
  * greedy decode steps timed alone, with counters and busy times taken over the decode steps only.
  * With link != NULL (a mode that uses the kvstore), the link's peak is measured afterwards in the
  * same session. */
@@ -342,7 +347,8 @@ typedef struct decode_result {
 /* One mode's run: N steps (the prefill, then N - 1 decode steps), reported to pr as done + 1 ..
  * done + N; note names the run. */
 static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode mode, int B, int S,
-                      int N, int32_t *const *prompts, decode_result *out, link_peak *link,
+                      int N, int chunk, int32_t *const *prompts, decode_result *out,
+                      link_peak *link,
                       rekv_progress *pr, uint64_t done, const char *note, rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(eng);
@@ -363,12 +369,16 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         rc = rekv_errf(err, -ENOMEM, "out of memory");
         goto out;
     }
-    for (int b = 0; b < B && rc == 0; b++) {
+    for (int b = 0; b < B && rc == 0; b++)
         rc = rekv_pseq_create(ses.p, S + N, &seqs[b], err);
-        items[b] = (rekv_pipe_item){seqs[b], prompts[b], S, logits + (size_t)b * V, 0};
-    }
     uint64_t t_pre = rekv_now_ns();
-    if (rc || (rc = rekv_pipeline_step(ses.p, items, B, err)))
+    for (int t0 = 0; t0 < S && rc == 0; t0 += chunk) {
+        for (int b = 0; b < B; b++)
+            items[b] = (rekv_pipe_item){seqs[b], prompts[b] + t0, S - t0 < chunk ? S - t0 : chunk,
+                                        logits + (size_t)b * V, 0};
+        rc = rekv_pipeline_step(ses.p, items, B, err);
+    }
+    if (rc)
         goto out;
     out->prefill_s = (double)(rekv_now_ns() - t_pre) * 1e-9;
     rekv_progress_update(pr, done + 1, note);
@@ -420,12 +430,13 @@ static int bench_decode(int argc, char **argv)
                                          {"prompt-len", required_argument, 0, 'p'},
                                          {"gen-len", required_argument, 0, 'g'},
                                          {"modes", required_argument, 0, 'M'},
+                                         {"prefill-chunk", required_argument, 0, 'P'},
                                          {"json", no_argument, 0, 'j'},
                                          {"help", no_argument, 0, 'h'},
                                          CLI_PIPELINE_OPTIONS,
                                          {0, 0, 0, 0}};
     const char *model_path = NULL, *modes = "resident,offload,kvpr,act,hybrid";
-    long B = 8, S = 128, N = 8;
+    long B = 8, S = 128, N = 8, PB = 0;
     int json = 0;
     cli_pipeline_opts po;
     cli_pipeline_opts_defaults(&po);
@@ -456,6 +467,10 @@ static int bench_decode(int argc, char **argv)
         case 'M':
             modes = optarg;
             break;
+        case 'P':
+            if (cli_parse_int("prefill-chunk", optarg, 1, 1 << 20, &PB))
+                return 2;
+            break;
         case 'j':
             json = 1; /* JSON is the only output; --json also keeps stderr quiet */
             break;
@@ -464,16 +479,22 @@ static int bench_decode(int argc, char **argv)
             fprintf(c == 'h' ? stdout : stderr,
                     "usage: rekv bench decode --model PATH [--batch B] [--prompt-len S]\n"
                     "                         [--gen-len N] [--modes "
-                    "resident,offload,kvpr+push,kvpr@300,...]\n"
-                    "                         [pipeline options] [--json]\n"
+                    "resident,offload,kvpr+push,kvpr@300,auto,...]\n"
+                    "                         [--prefill-chunk T] [pipeline options] [--json]\n"
                     "Prints JSON; progress goes to stderr (none with --json).\n"
                     "Runs every mode on the same prompts in one process and prints its prefill\n"
                     "time, decode tokens/s, its ratio to offload, host->device bytes per\n"
                     "generated token, achieved host->device GB/s next to the link's peak\n"
                     "measured in the same run (from pinned, kvstore-arena and pageable memory)\n"
                     "and the busy fractions of compute and link. kvpr@L runs kvpr with split L\n"
-                    "(e.g. --modes kvpr,kvpr@300,kvpr@450 against the planner's). Pipeline "
-                    "options:\n" CLI_PIPELINE_USAGE
+                    "(e.g. --modes kvpr,kvpr@300,kvpr@450 against the planner's). auto runs what\n"
+                    "a served worker with --mode auto would: the mode the planner prices\n"
+                    "cheapest, with each sequence's first tokens kept on the device where the\n"
+                    "device has room for them but not for the whole cache (--device-memory on\n"
+                    "the cpu backend). --prefill-chunk T prefills at most T tokens of each\n"
+                    "prompt per step, as serving does (default: whole prompts in one step; a\n"
+                    "chunk needs less device memory for the prefill's rows, same tokens).\n"
+                    "Pipeline options:\n" CLI_PIPELINE_USAGE
                     "(--mode is ignored. --trace F with several runs writes one trace per run,\n"
                     "F with the run's name before its extension: --trace t.json --modes\n"
                     "offload,kvpr@300 writes t.offload.json and t.kvpr@300.json)\n");
@@ -484,6 +505,8 @@ static int bench_decode(int argc, char **argv)
         fprintf(stderr, "rekv bench decode: --model is required\n");
         return 2;
     }
+    if (PB == 0 || PB > S) /* whole prompts in one prefill step */
+        PB = S;
     int rc = 1;
     rekv_err err = {0};
     rekv_model *model = NULL;
@@ -494,6 +517,7 @@ static int bench_decode(int argc, char **argv)
     rekv_mode mlist[MAX_RUNS];
     int mpush[MAX_RUNS];       /* "MODE+push": this run pushes (--push: every streaming run does) */
     int msplit[MAX_RUNS];      /* "kvpr@L": this run's split; -1: --split's, or the planner's */
+    int mauto[MAX_RUNS];       /* "auto": the planner picks the mode and the device part */
     char mname[MAX_RUNS][112]; /* the run as given ("kvpr@300"), "-2"... added when repeated */
     int n_modes = 0;
     memset(res, 0, sizeof(res));
@@ -511,12 +535,17 @@ static int bench_decode(int argc, char **argv)
             split = strtol(at + 1, &end, 10);
             bad |= end == at + 1 || *end || split < 0 || split > INT32_MAX;
         }
-        if (n_modes == MAX_RUNS || bad || rekv_mode_parse(t, &mlist[n_modes]) ||
+        mauto[n_modes] = strcmp(t, "auto") == 0 && !at;
+        if (mauto[n_modes])
+            mlist[n_modes] = REKV_MODE_OFFLOAD; /* until the planner picks */
+        if (n_modes == MAX_RUNS || bad ||
+            (!mauto[n_modes] && rekv_mode_parse(t, &mlist[n_modes])) ||
             (push && mlist[n_modes] == REKV_MODE_RESIDENT) ||
             (at && mlist[n_modes] != REKV_MODE_KVPR)) {
             fprintf(stderr,
                     "rekv bench decode: --modes: unknown or too many runs (\"%s\"; MODE, "
-                    "kvpr@SPLIT, each optionally +push, at most %d; resident never pushes)\n",
+                    "kvpr@SPLIT or auto, each optionally +push, at most %d; resident never "
+                    "pushes)\n",
                     run_name, MAX_RUNS);
             free(mdup);
             return 2;
@@ -569,10 +598,23 @@ static int bench_decode(int argc, char **argv)
             }
             run.trace = trace;
         }
+        if (mauto[i]) { /* what a served worker with --mode auto would run as */
+            char why[256];
+            if (cli_session_auto(eng, &run, (int)B, (int)(S + N), &run.cfg, why, sizeof(why),
+                                 &err)) {
+                rekv_progress_end(&pr);
+                fprintf(stderr, "rekv: auto: %s\n", err.msg);
+                goto out;
+            }
+            mlist[i] = run.cfg.mode;
+            mpush[i] = mpush[i] && mlist[i] != REKV_MODE_RESIDENT;
+            if (!json)
+                fprintf(stderr, "rekv bench decode: auto: %s\n", why);
+        }
         run.cfg.push = mpush[i];
         if (msplit[i] >= 0)
             run.cfg.split = msplit[i];
-        if (run_decode(eng, &run, mlist[i], (int)B, (int)S, (int)N, prompts, &res[i],
+        if (run_decode(eng, &run, mlist[i], (int)B, (int)S, (int)N, (int)PB, prompts, &res[i],
                        measure ? &lp : NULL, &pr, (uint64_t)i * (uint64_t)N, mname[i], &err)) {
             rekv_progress_end(&pr);
             fprintf(stderr, "rekv: %s%s: %s\n", rekv_mode_name(mlist[i]), mpush[i] ? "+push" : "",
@@ -613,6 +655,9 @@ static int bench_decode(int argc, char **argv)
             "tokens_recomputed", (json_int_t)r->counters.tokens_recomputed, "tokens_fetched",
             (json_int_t)r->counters.tokens_fetched);
         json_object_set_new(o, "push", json_boolean(mpush[i]));
+        json_object_set_new(o, "run", json_string(mname[i]));
+        json_object_set_new(o, "device_tokens", json_integer(r->cfg.device_tokens));
+        json_object_set_new(o, "tokens_device", json_integer((json_int_t)r->counters.tokens_device));
         double measured = N > 1 ? r->decode_s / (N - 1) : 0, predicted = 0;
         double f = r->counters.tokens_considered
                        ? (double)r->counters.tokens_fetched / (double)r->counters.tokens_considered

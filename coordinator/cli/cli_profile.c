@@ -57,6 +57,7 @@ int cli_plan_predict_step(const rekv_profile *pf, const rekv_model_config *c,
     rekv_step_shape sh;
     rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cfg->cache_dtype),
                     cfg->offload_weights, &sh);
+    sh.device_tokens = cfg->mode == REKV_MODE_RESIDENT ? 0 : cfg->device_tokens;
     rekv_technique tech = REKV_TECH_KV;
     switch (cfg->mode) {
     case REKV_MODE_KVPR:
@@ -81,9 +82,12 @@ int cli_plan_predict_step(const rekv_profile *pf, const rekv_model_config *c,
     }
     rekv_step_cost cost;
     int rc;
-    if (tech == REKV_TECH_KVPR) { /* at the run's split, not the solver's */
+    if (tech == REKV_TECH_KVPR) { /* at the run's split, not the solver's, past the device part */
+        int dev = cfg->device_tokens < ctx ? cfg->device_tokens : ctx;
+        int l = (cfg->split < ctx ? cfg->split : ctx) - dev;
         rekv_kvpr_split ev;
-        rekv_plan_kvpr_eval(&prof, &sh.kv, cfg->split < ctx ? cfg->split : ctx, &ev);
+        sh.kv.s = ctx - dev;
+        rekv_plan_kvpr_eval(&prof, &sh.kv, l > 0 ? l : 0, &ev);
         *step_s = ev.t * c->n_layers;
         return 0;
     }

@@ -31,17 +31,19 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
     int rc = rekv_profile_get(c, backend, link, NULL, 0, &pf, NULL, err);
     if (rc)
         return rc;
+    /* what moves: the context past the device-resident part */
+    int dev = cfg->device_tokens < ctx ? cfg->device_tokens : ctx, moved = ctx - dev;
     if (need_split) {
         rekv_kvpr_split sp;
-        if ((rc = cli_plan_kvpr(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch, ctx, &sp,
+        if ((rc = cli_plan_kvpr(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch, moved, &sp,
                                 err)))
             return rc;
-        cfg->split = (int)sp.l;
+        cfg->split = dev + (int)sp.l;
     }
     if (need_ratio) {
         rekv_hybrid_alloc ha;
-        if ((rc = cli_plan_hybrid(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch, ctx, &ha,
-                                  err)))
+        if ((rc = cli_plan_hybrid(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch,
+                                  moved > 0 ? moved : 1, &ha, err)))
             return rc;
         cfg->kv_parts = ha.kv_parts;
         cfg->act_parts = ha.act_parts;
@@ -53,6 +55,44 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
         rekv_profile_to_cost(&pf, cfg->cache_dtype, &prof);
         cfg->persist_np = rekv_heads_np(c, &prof, batch, ctx, cfg->max_fraction, cfg->cache_dtype);
     }
+    return 0;
+}
+
+int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int ctx_max,
+                     rekv_pipeline_config *cfg, char *why, size_t why_len, rekv_err *err)
+{
+    const rekv_model_config *c = rekv_engine_config(e);
+    rekv_backend *be;
+    int rc = rekv_backend_create(po->backend, &po->link, &be, NULL, 0, err);
+    if (rc)
+        return rc;
+    double room = rekv_backend_kv_room(
+        be, cfg->offload_weights ? 0 : (double)rekv_engine_weight_bytes(e));
+    char name[32];
+    snprintf(name, sizeof(name), "%s", be->iface->name);
+    rekv_backend_destroy(be);
+    rekv_profile pf;
+    if ((rc = rekv_profile_get(c, name, &po->link, NULL, 0, &pf, NULL, err)))
+        return rc;
+    rekv_cost_profile prof;
+    rekv_profile_to_cost(&pf, cfg->cache_dtype, &prof);
+    if (!cfg->offload_weights)
+        prof.t_load_w = 0;
+    rekv_plan_model pm;
+    rekv_plan_model_from_config(c, &pm);
+    pm.weight_elem_bytes = (double)rekv_dtype_size(rekv_engine_weight_dtype(e));
+    rekv_mode_pick mp;
+    if ((rc = rekv_plan_pick_mode(&prof, &pm, batch, ctx_max,
+                                  (double)rekv_dtype_size(cfg->cache_dtype), room,
+                                  cfg->offload_weights, NULL, &mp, err)))
+        return rc;
+    static const rekv_mode by_tech[REKV_TECH_COUNT] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR,
+                                                       REKV_MODE_ACT, REKV_MODE_HYBRID};
+    cfg->mode = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
+    cfg->device_tokens = mp.resident ? 0 : (int)mp.device_tokens;
+    if (why)
+        snprintf(why, why_len, "%s with %d tokens of each sequence on the device (room %.1f MB)",
+                 rekv_mode_name(cfg->mode), cfg->device_tokens, room * 1e-6);
     return 0;
 }
 
@@ -254,6 +294,11 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         if (cli_parse_int("act-gpu-blocks", arg, 0, 1 << 20, &v))
             return -1;
         o->cfg.act_gpu_blocks = (int)v;
+        return 1;
+    case CLI_OPT_DEVICE_TOKENS:
+        if (cli_parse_int("device-tokens", arg, 0, 1 << 24, &v))
+            return -1;
+        o->cfg.device_tokens = (int)v;
         return 1;
     case CLI_OPT_BACKEND:
         if (strcmp(arg, "auto") && strcmp(arg, "cpu") && strcmp(arg, "cuda")) {

@@ -24,6 +24,7 @@ enum {
     CLI_OPT_LINK_LATENCY,
     CLI_OPT_TRACE,
     CLI_OPT_ACT_GPU,
+    CLI_OPT_DEVICE_TOKENS,
     CLI_OPT_BACKEND,
     CLI_OPT_DEVICE_MEMORY,
     CLI_OPT_PUSH,
@@ -50,6 +51,7 @@ enum {
         {"link-latency-us", required_argument, 0, CLI_OPT_LINK_LATENCY},                           \
         {"trace", required_argument, 0, CLI_OPT_TRACE},                                            \
         {"act-gpu-blocks", required_argument, 0, CLI_OPT_ACT_GPU},                                 \
+        {"device-tokens", required_argument, 0, CLI_OPT_DEVICE_TOKENS},                            \
         {"backend", required_argument, 0, CLI_OPT_BACKEND},                                        \
         {"push", no_argument, 0, CLI_OPT_PUSH}, {"alpha", required_argument, 0, CLI_OPT_ALPHA},    \
         {"fetch-cap", required_argument, 0, CLI_OPT_FETCH_CAP},                                    \
@@ -74,6 +76,8 @@ enum {
     "  --ratio KV:ACT        hybrid: block pattern (default: HybridServe Algorithm 1)\n"           \
     "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
     "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"    \
+    "  --device-tokens N     keep each sequence's first N tokens' K,V on the device too, and\n"    \
+    "                        move only the rest of its context (the streaming exact modes)\n"     \
     "  --backend auto|cpu|cuda  the device (auto: cuda when there is a GPU, else cpu)\n"           \
     "  --link-gbps G         emulate a host<->device link of G Gbit/s each way\n"                  \
     "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
@@ -112,9 +116,19 @@ void cli_pipeline_opts_defaults(cli_pipeline_opts *o);
 /* Handles one getopt result: 1 consumed, 0 not a pipeline option, -1 bad value (printed). */
 int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o);
 
+/* `auto` (rekv bench decode --modes auto): what the coordinator would assign a worker started with
+ * --mode auto for `batch` sequences of up to ctx_max tokens (rekv_plan_pick_mode over the exact
+ * techniques, with this machine's profile and the device's room, rekv_backend_kv_room): sets
+ * cfg->mode and cfg->device_tokens (resident when the whole cache fits; then each sequence's first
+ * tokens on the device beside the technique priced cheapest for the rest). why (may be NULL)
+ * receives one line. */
+int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int ctx_max,
+                     rekv_pipeline_config *cfg, char *why, size_t why_len, rekv_err *err);
+
 /* Fills a kvpr split or hybrid ratio left unset (< 0) from measured speeds: KVPR's Eq. 12 with
  * rekv's pipelined time and HybridServe's Algorithm 1 (coordinator/planner.h), for `batch`
- * sequences of `ctx` tokens. */
+ * sequences of `ctx` tokens, of which cfg->device_tokens stay on the device (the split is then
+ * device_tokens plus the solver's for the rest). */
 int cli_session_choose(const rekv_model_config *c, const char *backend,
                        const rekv_link_config *link, int batch, int ctx, rekv_pipeline_config *cfg,
                        rekv_err *err);

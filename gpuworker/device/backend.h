@@ -307,6 +307,12 @@ int rekv_link_emulates(const rekv_link_config *link);
 int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_backend **out,
                         char *note, size_t note_len, rekv_err *err);
 
+/* The device memory a KV cache could take, bytes: what mem_info says is free, less a tenth of the
+ * device (the backend's own workspace) and less place_bytes (what is still to be placed there:
+ * the weights, when they will live on the device); < 0 where the device's memory is the host's
+ * (no limit known: mem_info unsupported). */
+double rekv_backend_kv_room(rekv_backend *be, double place_bytes);
+
 /* Every backend object starts with this. */
 struct rekv_backend {
     const rekv_backend_iface *iface;

@@ -167,3 +167,13 @@ int rekv_backend_create(const char *which, const rekv_link_config *link, rekv_ba
     }
     return rekv_errf(err, -EINVAL, "unknown backend \"%s\" (auto, cpu, cuda)", which);
 }
+
+double rekv_backend_kv_room(rekv_backend *be, double place_bytes)
+{
+    size_t fr = 0, tot = 0;
+    rekv_err e = {0};
+    if (!be->iface->mem_info || be->iface->mem_info(be, &fr, &tot, &e) != 0)
+        return -1;
+    double room = (double)fr - 0.1 * (double)tot - place_bytes;
+    return room < 0 ? 0 : room;
+}
