@@ -397,6 +397,42 @@ START_TEST(bench_decode_json)
     json_decref(o);
     free(out);
     free(err);
+    /* auto on a device that holds part of the cache (a deep, narrow model, so the KV outweighs a
+     * step's buffers): a streaming technique with each sequence's first tokens on the device,
+     * and resident's tokens (a run on an unbounded device) */
+    snprintf(args, sizeof(args),
+             "%s synth --arch opt --layers 24 --hidden 64 --heads 4 --ffn 128 "
+             "--vocab 300 --max-pos 256 --dtype f16 --seed 6 %s/deep >/dev/null",
+             tu_bin("rekv-loader"), d);
+    ck_assert_int_eq(system(args), 0);
+    uint32_t crc[2] = {0, 1};
+    for (int bounded = 0; bounded < 2; bounded++) {
+        snprintf(args, sizeof(args),
+                 "bench decode --model %s/deep --batch 4 --prompt-len 64 --gen-len 4 "
+                 "--prefill-chunk 16 --link-gbps 8 --modes %s --json",
+                 d, bounded ? "auto --device-memory 4300K" : "resident");
+        rc = rekv(args, &out, &err);
+        ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+        o = json_loads(out, 0, NULL);
+        ck_assert_msg(o != NULL, "not JSON: %s", out);
+        m = json_array_get(json_object_get(o, "modes"), 0);
+        crc[bounded] = (uint32_t)json_integer_value(json_object_get(m, "tokens_crc32c"));
+        if (bounded) {
+            const char *mode = json_string_value(json_object_get(m, "mode"));
+            ck_assert_str_eq(json_string_value(json_object_get(m, "run")), "auto");
+            ck_assert_msg(strcmp(mode, "resident") != 0, "the cache fits 4300K? %s", out);
+            json_int_t dev = json_integer_value(json_object_get(m, "device_tokens"));
+            ck_assert_msg(dev > 0 && dev < 68, "device part %lld of 68 tokens",
+                          (long long)dev);
+            /* 3 decode steps, 24 layers, 4 sequences: the part taken from the device */
+            ck_assert_int_eq(json_integer_value(json_object_get(m, "tokens_device")),
+                             3 * 24 * 4 * dev);
+        }
+        json_decref(o);
+        free(out);
+        free(err);
+    }
+    ck_assert_uint_eq(crc[0], crc[1]);
     /* a split only for kvpr, and a number */
     snprintf(args, sizeof(args), "bench decode --model %s/m --modes act@3 --json", d);
     ck_assert_int_eq(rekv(args, &out, &err), 2);

@@ -274,8 +274,10 @@ static void env_close(env *e)
     free(e->dir);
 }
 
-/* A model whose steps take longer than a 0.25 s timeout or lease on this machine (e->model), and
- * n jobs of two new tokens each with their reference tokens. */
+/* A big model (e->model; steps of several tenths of a second on a slow machine) and n jobs of two
+ * new tokens each with their reference tokens. The tests that need steps longer than a 0.25 s
+ * timeout or lease make them so on any machine with an emulated link (slow_link_worker): the
+ * link's sleeps are a lower bound on a step's time, however fast the cpu. */
 static void slow_model_jobs(env *e, tjob *jobs, int n, uint64_t salt)
 {
     rekv_synth_spec spec = {REKV_ARCH_OPT, 8, 1024, 16, 16, 4096, 512, 256, REKV_DTYPE_F16, 3, 1};
@@ -327,6 +329,24 @@ static pid_t start_kvstore(env *e, const char *lease_ms, const char *host_bytes)
     const char *args[] = {prog,           "--endpoint", e->kv,           "--model", e->model,
                           "--host-bytes", host_bytes,   "--cache-dtype", "f32",     "--spill-dir",
                           e->dir,         "--lease-ms", lease_ms,        NULL};
+    return spawn(args);
+}
+
+/* A worker behind an emulated link of gbps Gbit/s (cpu backend), resident or (kvstore) offload:
+ * every step's copies take at least their bytes over that link. */
+static pid_t slow_link_worker(env *e, const char *max_batch, int kvstore, const char *gbps)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    const char *args[18] = {prog,    "--model",     e->model,  "--coordinator", e->wrk,
+                            "--backend", "cpu",     "--max-batch", max_batch, "--heartbeat-ms",
+                            "100",   "--link-gbps", gbps,      NULL};
+    if (kvstore) {
+        args[13] = "--kvstore";
+        args[14] = e->kv;
+        args[15] = "--mode";
+        args[16] = "offload";
+    }
     return spawn(args);
 }
 
@@ -670,6 +690,11 @@ START_TEST(device_part_in_serving)
         Rekv__Control__Response *r = stats(c);
         act_bytes[withdev] = r->stats->h2d_bytes_act;
         kv_bytes[withdev] = r->stats->h2d_bytes_kv;
+        /* the worker said how much it keeps (and rekv stats shows it) */
+        ck_assert_int_eq(r->stats->n_workers, 1);
+        ck_assert_msg((r->stats->workers[0]->device_tokens > 0) == withdev,
+                      "device part %u tokens %s device room", r->stats->workers[0]->device_tokens,
+                      withdev ? "with" : "without");
         rekv__control__response__free_unpacked(r, NULL);
         rekv_ctl_close(c);
         rekv_run_stop(pid);
@@ -991,7 +1016,7 @@ START_TEST(push_between_processes)
 }
 END_TEST
 
-/* A step far longer than the coordinator's worker timeout (a big prefill on the cpu backend):
+/* A step far longer than the coordinator's worker timeout (its KV over a slow emulated link):
  * the worker keeps heartbeating from its loop while the step runs on its own thread, so nobody
  * takes it for dead, nothing is re-queued, and the tokens are rekv_generate's. */
 START_TEST(long_steps_keep_heartbeating)
@@ -1002,8 +1027,11 @@ START_TEST(long_steps_keep_heartbeating)
     enum { N = 16 };
     static tjob jobs[N];
     slow_model_jobs(&e, jobs, N, 3);
+    pid_t kv = start_kvstore(&e, "60000", "128M");
     pid_t co = start_coordinator(&e, "64", "250");
-    pid_t wk = start_worker(&e, "16");
+    /* each step's KV (the 16 prompts' 296 tokens and more, x 8 layers x 8 KiB: 19 MB, fetched
+     * or, at the prefill, stored) over 0.25 Gbit/s: over 0.6 s */
+    pid_t wk = slow_link_worker(&e, "16", 1, "0.25");
     rekv_ctl *c = ctl_open(e.ctl);
     wait_workers(c, 1);
     ck_assert_int_eq(submit_all(c, jobs, N), N);
@@ -1022,6 +1050,7 @@ START_TEST(long_steps_keep_heartbeating)
     rekv_ctl_close(c);
     ck_assert_int_eq(stop(wk), 0);
     ck_assert_int_eq(stop(co), 0);
+    ck_assert_int_eq(stop(kv), 0);
     free_jobs(jobs, N);
     env_close(&e);
 }
@@ -1041,7 +1070,9 @@ START_TEST(long_steps_keep_kvstore_pins)
     pid_t kv = start_kvstore(&e, "250", "128M");
     rekv_kvstore_client *k = kv_open(&e);
     pid_t co = start_coordinator(&e, "64", "5000");
-    pid_t wk = start_kv_worker(&e, "16", "w0");
+    /* each step's KV (the 16 prompts' 296 tokens and more, x 8 layers x 8 KiB: 19 MB, fetched
+     * or, at the prefill, stored) over 0.25 Gbit/s: over 0.6 s */
+    pid_t wk = slow_link_worker(&e, "16", 1, "0.25");
     rekv_ctl *c = ctl_open(e.ctl);
     wait_workers(c, 1);
     ck_assert_int_eq(submit_all(c, jobs, N), N);

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "common/clock.h"
+#include "common/crc32c.h"
 #include "common/progress.h"
 #include "coordinator/cli/cli_daemon.h"
 #include "coordinator/cli/cli_profile.h"
@@ -313,9 +314,10 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
         memset(pageable, 1, max);
         /* copies of ~0.1 s at the probed rate (a slow emulated link needs small ones) */
         double probe = 0;
-        rc = measure_h2d(be, pinned, 1u << 20, &probe, err);
+        size_t least = max < (1u << 20) ? max : 1u << 20;
+        rc = measure_h2d(be, pinned, least, &probe, err);
         double want = probe * 1e9 * 0.1;
-        out->bytes = want >= (double)max ? max : want < (1u << 20) ? 1u << 20 : (size_t)want;
+        out->bytes = want >= (double)max ? max : want < (double)least ? least : (size_t)want;
         out->bytes &= ~(size_t)4095;
     }
     if (rc == 0)
@@ -658,6 +660,10 @@ static int bench_decode(int argc, char **argv)
         json_object_set_new(o, "run", json_string(mname[i]));
         json_object_set_new(o, "device_tokens", json_integer(r->cfg.device_tokens));
         json_object_set_new(o, "tokens_device", json_integer((json_int_t)r->counters.tokens_device));
+        /* the generated ids' CRC32C: runs compare across invocations too */
+        json_object_set_new(
+            o, "tokens_crc32c",
+            json_integer(rekv_crc32c(0, r->tokens, sizeof(int32_t) * (size_t)B * (size_t)N)));
         double measured = N > 1 ? r->decode_s / (N - 1) : 0, predicted = 0;
         double f = r->counters.tokens_considered
                        ? (double)r->counters.tokens_fetched / (double)r->counters.tokens_considered

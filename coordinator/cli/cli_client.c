@@ -575,6 +575,7 @@ int cli_stats(int argc, char **argv)
                       "predicted_step_s", w->plan_predicted_step_s, "pcie_scale",
                       w->plan_pcie_scale, "compute_scale", w->plan_compute_scale,
                       "selected_fraction", w->plan_selected_fraction));
+        json_object_set_new(wj, "device_tokens", json_integer((json_int_t)w->device_tokens));
         if (w->unavailable && *w->unavailable) /* why it takes no steps now */
             json_object_set_new(wj, "unavailable", json_string(w->unavailable));
         json_array_append_new(ws, wj);
