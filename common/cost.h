@@ -87,4 +87,13 @@ static inline int rekv_cost_device_tokens(double room, double b, int cap, double
     return n >= cap ? cap : n > 0 ? (int)n : 0;
 }
 
+/* rekv_cost_device_tokens for a model's shape (activation row hidden, one K row kv_dim, n_layers
+ * layers) and cache elements of elem bytes: what the worker and the planner both call. */
+static inline int rekv_cost_device_tokens_of(double room, double b, int cap, double hidden,
+                                             double kv_dim, double n_layers, double elem)
+{
+    return rekv_cost_device_tokens(room, b, cap, 2.0 * kv_dim * elem * n_layers,
+                                   rekv_cost_stream_token_bytes(hidden, kv_dim, elem));
+}
+
 #endif

@@ -55,9 +55,7 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
         snprintf(reason, reason_len, "%s", e.msg);
         return REKV_MODE_RESIDENT;
     }
-    static const rekv_mode by_tech[REKV_TECH_INFINIGEN + 1] = {
-        REKV_MODE_OFFLOAD, REKV_MODE_KVPR, REKV_MODE_ACT, REKV_MODE_HYBRID, REKV_MODE_INFINIGEN};
-    rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
+    rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
     if (h->device_kv_room < 0) {
         snprintf(reason, reason_len, "the %s backend's device memory is the host's",
                  h->backend ? h->backend : "worker's");

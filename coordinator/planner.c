@@ -528,10 +528,9 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     rekv_step_shape shape;
     rekv_plan_shape(m, b, s_max / 2 > 0 ? s_max / 2 : 1, cache_elem_bytes, weights_offloaded,
                     &shape);
-    shape.device_tokens = out->device_tokens = rekv_cost_device_tokens(
-        device_kv_bytes, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max,
-        2.0 * (double)m->kv_dim * cache_elem_bytes * m->n_layers,
-        rekv_cost_stream_token_bytes((double)m->hidden, (double)m->kv_dim, cache_elem_bytes));
+    shape.device_tokens = out->device_tokens = rekv_cost_device_tokens_of(
+        device_kv_bytes, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max, (double)m->hidden,
+        (double)m->kv_dim, m->n_layers, cache_elem_bytes);
     /* hybrid: link and compute times are linear in the KV share f; take the f where they meet */
     rekv_step_cost act, kv;
     int rc;
@@ -562,4 +561,11 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
         out->device_tokens = 0;
     }
     return 0;
+}
+
+rekv_mode rekv_plan_tech_mode(rekv_technique tech)
+{
+    static const rekv_mode by_tech[REKV_TECH_INFINIGEN + 1] = {
+        REKV_MODE_OFFLOAD, REKV_MODE_KVPR, REKV_MODE_ACT, REKV_MODE_HYBRID, REKV_MODE_INFINIGEN};
+    return tech >= 0 && tech <= REKV_TECH_INFINIGEN ? by_tech[tech] : REKV_MODE_OFFLOAD;
 }

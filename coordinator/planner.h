@@ -29,6 +29,7 @@
 
 #include "common/cost.h"
 #include "common/err.h"
+#include "common/mode.h"
 #include "loader/loader.h"
 
 #define REKV_PLAN_BLOCK_TOKENS 16 /* tokens per KV/ACT block */
@@ -282,6 +283,9 @@ typedef struct rekv_mode_pick {
      * of device_kv_bytes), which the costs above were priced with; 0 for infinigen */
     int64_t device_tokens;
 } rekv_mode_pick;
+
+/* The pipeline mode that runs a technique (common/mode.h): offload, kvpr, act, hybrid, infinigen. */
+rekv_mode rekv_plan_tech_mode(rekv_technique tech);
 
 /* What the user allows beyond the exact techniques (`--approximate`). */
 typedef struct rekv_plan_approx {

@@ -417,19 +417,13 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         if (!resident) {
             /* into the attention buffers, once the unit two back has read them: by our own
              * copies (pull), or by the store's (push: it waits for ev_attn_free[b] itself) */
-            if (p->cfg.push) {
-                if (io.h2d_kv.n && (rc = pl_push_unit(p, b, &io, err)))
-                    goto drain;
-                if (io.d2d_kv.n) { /* the device-resident part: our own copy */
-                    p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
-                    p->bi->copy_d2d(sh, io.d2d_kv.v, io.d2d_kv.n);
-                    p->bi->event_record(p->ev_loaded[b], sh);
-                }
-            } else {
+            if (p->cfg.push && io.h2d_kv.n && (rc = pl_push_unit(p, b, &io, err)))
+                goto drain;
+            if (!p->cfg.push || io.d2d_kv.n) { /* our own copies (push: the device part's) */
                 p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
                 if (io.d2d_kv.n) /* the device part; clo: before this unit's new row takes the slot */
                     p->bi->copy_d2d(sh, io.d2d_kv.v, io.d2d_kv.n);
-                if (io.h2d_kv.n)
+                if (!p->cfg.push && io.h2d_kv.n)
                     p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
                 p->bi->event_record(p->ev_loaded[b], sh);
             }

@@ -370,7 +370,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         /* the device-resident part [0, dev): a device copy into the attention buffer, block by
          * block (both in the block layout) */
         int dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
-        uint8_t *kv_dev = dev > 0 ? dev_layer(p, s, layer) : NULL;
+        uint8_t *kv_dev = s->dev_tokens > 0 ? dev_layer(p, s, layer) : NULL;
         for (int t0 = 0; t0 < dev; t0 += REKV_KV_BLOCK_TOKENS) {
             int n = dev - t0 < REKV_KV_BLOCK_TOKENS ? dev - t0 : REKV_KV_BLOCK_TOKENS;
             size_t row = rekv_kv_row(kvh, hd, 0, t0) * dsz;
@@ -445,7 +445,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
             if (t < s->dev_tokens) { /* the device-resident part keeps its K,V too */
                 int m = s->dev_tokens - t < n ? s->dev_tokens - t : n;
                 size_t row = rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
-                if (block_rows_copy(&io->d2d_new, dev_layer(p, s, layer) + row,
+                if (block_rows_copy(&io->d2d_new, kv_dev + row,
                                     (const uint8_t *)d[j].kv + row, in_blk, m, kvh, hd, dsz) == 0)
                     return -ENOMEM;
             }

@@ -698,14 +698,13 @@ static int start_pipeline(worker *w, rekv_err *err)
      * what ACT_GPU's activations would per byte of device memory, and their recomputation) */
     if ((w->device_kv_room > 0 || w->device_tokens > 0) && w->pc.mode != REKV_MODE_RESIDENT &&
         !rekv_mode_approximate(w->pc.mode)) {
-        double elem = (double)rekv_dtype_size(w->pc.cache_dtype);
-        double kv_dim = rekv_config_kv_dim(w->mc);
         w->pc.device_tokens =
             w->device_tokens >= 0
                 ? w->device_tokens
-                : rekv_cost_device_tokens(w->device_kv_room, w->max_batch, w->mc->max_pos,
-                                          2.0 * kv_dim * w->mc->n_layers * elem,
-                                          rekv_cost_stream_token_bytes(w->mc->hidden, kv_dim, elem));
+                : rekv_cost_device_tokens_of(w->device_kv_room, w->max_batch, w->mc->max_pos,
+                                             w->mc->hidden, rekv_config_kv_dim(w->mc),
+                                             w->mc->n_layers,
+                                             (double)rekv_dtype_size(w->pc.cache_dtype));
         rekv_log(REKV_LOG_INFO,
                  "each sequence keeps its first %d tokens' K,V on the device (of its room, for "
                  "%d sequences, beside a step's buffers)",

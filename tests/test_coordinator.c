@@ -276,7 +276,7 @@ static void env_close(env *e)
 
 /* A big model (e->model; steps of several tenths of a second on a slow machine) and n jobs of two
  * new tokens each with their reference tokens. The tests that need steps longer than a 0.25 s
- * timeout or lease make them so on any machine with an emulated link (slow_link_worker): the
+ * timeout or lease make them so on any machine with an emulated link (kv_worker's gbps): the
  * link's sleeps are a lower bound on a step's time, however fast the cpu. */
 static void slow_model_jobs(env *e, tjob *jobs, int n, uint64_t salt)
 {
@@ -332,38 +332,32 @@ static pid_t start_kvstore(env *e, const char *lease_ms, const char *host_bytes)
     return spawn(args);
 }
 
-/* A worker behind an emulated link of gbps Gbit/s (cpu backend), resident or (kvstore) offload:
- * every step's copies take at least their bytes over that link. */
-static pid_t slow_link_worker(env *e, const char *max_batch, int kvstore, const char *gbps)
+/* A worker keeping its KV cache in e's kvstore (offload mode); name NULL: its default; gbps
+ * non-NULL: behind an emulated link of that many Gbit/s, so every step's copies take at least
+ * their bytes over it. */
+static pid_t kv_worker(env *e, const char *max_batch, const char *name, const char *gbps)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
-    const char *args[18] = {prog,    "--model",     e->model,  "--coordinator", e->wrk,
-                            "--backend", "cpu",     "--max-batch", max_batch, "--heartbeat-ms",
-                            "100",   "--link-gbps", gbps,      NULL};
-    if (kvstore) {
-        args[13] = "--kvstore";
-        args[14] = e->kv;
-        args[15] = "--mode";
-        args[16] = "offload";
+    const char *args[20] = {prog,      "--model",     e->model,  "--coordinator",
+                            e->wrk,    "--max-batch", max_batch, "--heartbeat-ms",
+                            "100",     "--kvstore",   e->kv,     "--mode",
+                            "offload", "--backend",   "cpu",     NULL};
+    int n = 15;
+    if (name) {
+        args[n++] = "--name";
+        args[n++] = name;
+    }
+    if (gbps) {
+        args[n++] = "--link-gbps";
+        args[n++] = gbps;
     }
     return spawn(args);
 }
 
-/* A worker keeping its KV cache in e's kvstore (offload mode); name NULL: its default. */
 static pid_t start_kv_worker(env *e, const char *max_batch, const char *name)
 {
-    char prog[4096];
-    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
-    const char *args[18] = {prog,      "--model",     e->model,  "--coordinator",
-                            e->wrk,    "--max-batch", max_batch, "--heartbeat-ms",
-                            "100",     "--kvstore",   e->kv,     "--mode",
-                            "offload", "--backend",   "cpu",     NULL};
-    if (name) {
-        args[15] = "--name";
-        args[16] = name;
-    }
-    return spawn(args);
+    return kv_worker(e, max_batch, name, NULL);
 }
 
 static rekv_kvstore_client *kv_open(env *e)
@@ -1031,7 +1025,7 @@ START_TEST(long_steps_keep_heartbeating)
     pid_t co = start_coordinator(&e, "64", "250");
     /* each step's KV (the 16 prompts' 296 tokens and more, x 8 layers x 8 KiB: 19 MB, fetched
      * or, at the prefill, stored) over 0.25 Gbit/s: over 0.6 s */
-    pid_t wk = slow_link_worker(&e, "16", 1, "0.25");
+    pid_t wk = kv_worker(&e, "16", NULL, "0.25");
     rekv_ctl *c = ctl_open(e.ctl);
     wait_workers(c, 1);
     ck_assert_int_eq(submit_all(c, jobs, N), N);
@@ -1072,7 +1066,7 @@ START_TEST(long_steps_keep_kvstore_pins)
     pid_t co = start_coordinator(&e, "64", "5000");
     /* each step's KV (the 16 prompts' 296 tokens and more, x 8 layers x 8 KiB: 19 MB, fetched
      * or, at the prefill, stored) over 0.25 Gbit/s: over 0.6 s */
-    pid_t wk = slow_link_worker(&e, "16", 1, "0.25");
+    pid_t wk = kv_worker(&e, "16", NULL, "0.25");
     rekv_ctl *c = ctl_open(e.ctl);
     wait_workers(c, 1);
     ck_assert_int_eq(submit_all(c, jobs, N), N);

@@ -86,9 +86,7 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
                                   (double)rekv_dtype_size(cfg->cache_dtype), room,
                                   cfg->offload_weights, NULL, &mp, err)))
         return rc;
-    static const rekv_mode by_tech[REKV_TECH_COUNT] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR,
-                                                       REKV_MODE_ACT, REKV_MODE_HYBRID};
-    cfg->mode = mp.resident ? REKV_MODE_RESIDENT : by_tech[mp.tech];
+    cfg->mode = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
     cfg->device_tokens = mp.resident ? 0 : (int)mp.device_tokens;
     if (why)
         snprintf(why, why_len, "%s with %d tokens of each sequence on the device (room %.1f MB)",
