@@ -115,6 +115,19 @@ static int spill_open_file(kv_spill *sp, rekv_err *err)
     return 0;
 }
 
+/* A file that took O_DIRECT may still refuse it at I/O (or fallocate: overlayfs passes the flag
+ * on to an upper file system without direct I/O, e.g. tmpfs before Linux 6.6): buffered from
+ * then on. */
+static void spill_drop_direct(kv_spill *sp)
+{
+    int fl = fcntl(sp->fd, F_GETFL);
+    if (fl >= 0 && fcntl(sp->fd, F_SETFL, fl & ~O_DIRECT) == 0) {
+        sp->direct = 0;
+        spill_event(sp, REKV_KV_EVENT_WARN,
+                    "spill: O_DIRECT I/O refused; using buffered I/O (page cache)");
+    }
+}
+
 static int spill_setup_ring(kv_spill *sp)
 {
     struct io_uring_params p;
@@ -290,6 +303,11 @@ int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot)
                 break;
             }
             rc = -errno;
+            if (rc == -EINVAL && sp->direct) {
+                spill_drop_direct(sp);
+                if (!sp->direct)
+                    continue;
+            }
             if (rc == -EOPNOTSUPP || rc == -ENOSYS) {
                 sp->no_falloc = 1;
                 break;
@@ -340,12 +358,7 @@ static void spill_sync(kv_spill *sp, kv_op *op, unsigned idx)
     ssize_t n = op->is_read ? pread(sp->fd, buf, op->io_len, off)
                             : pwrite(sp->fd, buf, op->io_len, off);
     if (n < 0 && errno == EINVAL && sp->direct) {
-        int fl = fcntl(sp->fd, F_GETFL);
-        if (fl >= 0 && fcntl(sp->fd, F_SETFL, fl & ~O_DIRECT) == 0) {
-            sp->direct = 0;
-            spill_event(sp, REKV_KV_EVENT_WARN,
-                        "spill: O_DIRECT I/O refused; using buffered I/O (page cache)");
-        }
+        spill_drop_direct(sp);
         n = op->is_read ? pread(sp->fd, buf, op->io_len, off)
                         : pwrite(sp->fd, buf, op->io_len, off);
     }
@@ -479,12 +492,7 @@ int kv_spill_reap(kv_spill *sp, kv_spill_done *out, int max, int wait)
         io_uring_cqe_seen(&sp->ring, cqe);
         kv_op *op = &sp->ops[idx];
         if (res == -EINVAL && sp->direct && !op->retried) {
-            int fl = fcntl(sp->fd, F_GETFL);
-            if (fl >= 0 && fcntl(sp->fd, F_SETFL, fl & ~O_DIRECT) == 0) {
-                sp->direct = 0;
-                spill_event(sp, REKV_KV_EVENT_WARN,
-                            "spill: O_DIRECT I/O refused; using buffered I/O (page cache)");
-            }
+            spill_drop_direct(sp);
             op->retried = 1;
             spill_prep(sp, op, idx);
             (void)kv_spill_submit(sp);
