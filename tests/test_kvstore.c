@@ -3,6 +3,7 @@
  * CRC32C vectors, the block geometry, the API, forced spilling with every byte verified (through
  * an O_DIRECT spill file wherever the filesystem takes it), a byte
  * flipped in the spill file (that block's read-back fails with a CRC error, the rest is intact),
+ * a spill device that fails every read with EIO (in a virtual machine: tests/vm.sh),
  * thousands of random operations from several clients, a spill file that cannot grow
  * (RLIMIT_FSIZE), a
  * client killed with -9 while holding pins, one client used from two threads (a pin held past the
@@ -48,6 +49,9 @@ typedef struct kvd {
     pid_t pid;
 } kvd;
 
+/* A block device kvd_start mounts on the spill directory (NULL: none). */
+static const char *g_spill_fs;
+
 /* Starts rekv-kvstore with the test geometry (2 layers, 2 kv heads, head dim 32, hidden 64, f16:
  * KV block 4096 bytes, ACT block 2048) and `slots` host slots. fsize > 0 sets RLIMIT_FSIZE. */
 static void kvd_start(kvd *d, unsigned slots, const char *extra, rlim_t fsize)
@@ -56,6 +60,13 @@ static void kvd_start(kvd *d, unsigned slots, const char *extra, rlim_t fsize)
     snprintf(d->endpoint, sizeof(d->endpoint), "ipc://%s/kv.sock", d->dir);
     snprintf(d->spill, sizeof(d->spill), "%s/spill", d->dir);
     ck_assert_int_eq(mkdir(d->spill, 0700), 0);
+    if (g_spill_fs != NULL) { /* test_spill_eio_readback's file system */
+        char cmd[8800], *out = NULL;
+        snprintf(cmd, sizeof(cmd), "mount '%s' '%s' && rmdir '%s/lost+found' 2>&1", g_spill_fs,
+                 d->spill, d->spill);
+        ck_assert_msg(tu_run(cmd, &out) == 0, "%s: %s", cmd, out);
+        free(out);
+    }
     int pfd[2];
     ck_assert_int_eq(pipe(pfd), 0);
     char host[64], ready[32];
@@ -705,19 +716,11 @@ static int spill_file_fd(kvd *d)
     return fd;
 }
 
-/* One flipped byte in the spill file, in a block of sequence 1: reading that block back fails
- * with a CRC32C error (again on a second try: the block is lost, never handed out), every other
- * block of sequence 1 and every block of sequences 2-4 comes back intact, and the store counts
- * one CRC error. Which file slot holds which block is found by content (sequence 1 is written
- * first, spilled once and never read back before the flip, so each of its blocks has one copy). */
-START_TEST(test_spill_corrupt_readback)
+/* Sequence 1 (4 blocks a layer) written first, then sequences 2-4 (40 blocks a layer each) into
+ * a 48-slot store, so that sequence 1 is spilled once and never read back; returns the file slot
+ * of one of its blocks (found by content: each has one copy) and that block's layer and number. */
+static int64_t spill_seq1(kvd *d, rekv_kvstore_client *c, uint32_t *layer, uint64_t *block)
 {
-    kvd d;
-    int port = ms_free_port();
-    char extra[64];
-    snprintf(extra, sizeof(extra), "--metrics 127.0.0.1:%d", port);
-    kvd_start(&d, 48, extra, 0);
-    rekv_kvstore_client *c = kvd_client(&d);
     rekv_err err = {0};
     ck_assert_int_eq(rekv_kvstore_seq_create(c, 1, NULL), 0);
     ck_assert_int_eq(rekv_kvstore_append(c, 1, 64, 0, 0, NULL, &err), 0);
@@ -732,12 +735,9 @@ START_TEST(test_spill_corrupt_readback)
     }
     size_t slot = rekv_kvstore_client_header(c)->slot_bytes;
     size_t kvb = type_bytes(c, REKV_KV_BLOCK_KV);
-    int fd = spill_file_fd(&d);
-    /* find a file slot holding a block of sequence 1 */
+    int fd = spill_file_fd(d);
     uint8_t *buf = malloc(slot), *want = malloc(kvb);
     int64_t at = -1;
-    uint32_t bad_layer = 0;
-    uint64_t bad_block = 0;
     uint64_t deadline = rekv_now_ns() + 20000000000ull;
     while (at < 0) {
         struct stat st;
@@ -750,8 +750,8 @@ START_TEST(test_spill_corrupt_readback)
                     fill(want, kvb, 1, l, b, 1);
                     if (memcmp(buf, want, kvb) == 0) {
                         at = f;
-                        bad_layer = l;
-                        bad_block = b;
+                        *layer = l;
+                        *block = b;
                     }
                 }
         }
@@ -759,6 +759,32 @@ START_TEST(test_spill_corrupt_readback)
         if (at < 0)
             usleep(10000);
     }
+    close(fd);
+    free(buf);
+    free(want);
+    return at;
+}
+
+/* One flipped byte in the spill file, in a block of sequence 1: reading that block back fails
+ * with a CRC32C error (again on a second try: the block is lost, never handed out), every other
+ * block of sequence 1 and every block of sequences 2-4 comes back intact, and the store counts
+ * one CRC error. Which file slot holds which block is found by content (sequence 1 is written
+ * first, spilled once and never read back before the flip, so each of its blocks has one copy). */
+START_TEST(test_spill_corrupt_readback)
+{
+    kvd d;
+    int port = ms_free_port();
+    char extra[64];
+    snprintf(extra, sizeof(extra), "--metrics 127.0.0.1:%d", port);
+    kvd_start(&d, 48, extra, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    uint32_t bad_layer = 0;
+    uint64_t bad_block = 0;
+    int64_t at = spill_seq1(&d, c, &bad_layer, &bad_block);
+    size_t slot = rekv_kvstore_client_header(c)->slot_bytes;
+    size_t kvb = type_bytes(c, REKV_KV_BLOCK_KV);
+    int fd = spill_file_fd(&d);
     uint8_t byte;
     off_t off = (off_t)at * (off_t)slot + 100;
     ck_assert_int_eq(pread(fd, &byte, 1, off), 1);
@@ -766,8 +792,6 @@ START_TEST(test_spill_corrupt_readback)
     ck_assert_int_eq(pwrite(fd, &byte, 1, off), 1);
     ck_assert_int_eq(fdatasync(fd), 0);
     close(fd);
-    free(buf);
-    free(want);
 
     /* sequence 1, block by block */
     uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
@@ -1663,12 +1687,137 @@ START_TEST(test_push_link)
 }
 END_TEST
 
+/* ------------------------------------------------ EIO: a spill device that fails */
+
+static void sh_ok(const char *cmd)
+{
+    char *out = NULL;
+    int rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 0, "%s (exit %d): %s", cmd, rc, out);
+    free(out);
+}
+
+/* A real block device that fails under the spill file: in a virtual machine (tests/vm.sh with a
+ * disk), the spill directory is an ext4 on a device-mapper device; once sequence 1 is spilled the
+ * device's table is swapped for dm's `error` target, so every read of it returns EIO from the
+ * kernel. Reading sequence 1 back then fails with a clear error naming the sequence and the I/O
+ * error — never a block handed out with wrong bytes — and blocks still in memory (the last ones
+ * written) come back intact; the store keeps serving (stats). On the host this test boots the
+ * machine and runs itself there (REKV_TEST_EIO_DISK names the disk); skipped, saying why, where a
+ * machine cannot boot — a failure instead when CI=true. */
+START_TEST(test_spill_eio_readback)
+{
+    const char *disk = getenv("REKV_TEST_EIO_DISK");
+    if (disk == NULL) {
+        char *w = tu_tmpdir(), cmd[8192], exe[4096], *out = NULL;
+        ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+        ck_assert_int_gt(n, 0);
+        exe[n] = '\0';
+        const char *build = getenv("REKV_BUILD");
+        snprintf(cmd, sizeof(cmd),
+                 "tests/vm.sh '%s' --disk 64 -- env REKV_TEST_EIO_DISK=/dev/vda REKV_BUILD='%s' "
+                 "CK_RUN_SUITE=kvstore CK_RUN_CASE=eio CK_VERBOSITY=normal '%s' 2>&1",
+                 w, build && *build ? build : "build", exe);
+        int rc = tu_run(cmd, &out);
+        if (rc == 77) {
+            const char *ci = getenv("CI");
+            ck_assert_msg(!(ci && strcmp(ci, "true") == 0),
+                          "the EIO test cannot boot its machine (CI=true): %s", out);
+            fprintf(stderr, "   %s", out);
+        } else {
+            ck_assert_msg(rc == 0, "tests/vm.sh failed (exit %d):\n%s", rc, out);
+            char path[4200];
+            snprintf(path, sizeof(path), "%s/out/rc", w);
+            char *grc = tu_read_file(path, NULL);
+            snprintf(path, sizeof(path), "%s/out/log", w);
+            char *log = tu_read_file(path, NULL);
+            size_t ln = log ? strlen(log) : 0;
+            ck_assert_msg(grc && strcmp(grc, "0\n") == 0 && log &&
+                              strstr(log, "100%: Checks: 1, Failures: 0, Errors: 0"),
+                          "in the machine, the test failed (exit %s):\n%s", grc ? grc : "?",
+                          log ? log + (ln > 2500 ? ln - 2500 : 0) : "");
+            free(grc);
+            free(log);
+        }
+        free(out);
+        tu_rmrf(w);
+        free(w);
+        return;
+    }
+    /* in the machine, as root */
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd),
+             "modprobe dm_mod && dmsetup create rekv-eio --table \"0 $(blockdev --getsz %s) "
+             "linear %s 0\" && mkfs.ext4 -q /dev/mapper/rekv-eio",
+             disk, disk);
+    sh_ok(cmd);
+    g_spill_fs = "/dev/mapper/rekv-eio";
+    kvd d;
+    kvd_start(&d, 48, NULL, 0);
+    g_spill_fs = NULL;
+    long fl = spill_file_flags(&d);
+    ck_assert_msg(fl >= 0 && (fl & O_DIRECT), "the spill file on ext4 is not O_DIRECT: "
+                                              "reads could come from the page cache");
+    rekv_kvstore_client *c = kvd_client(&d);
+    uint32_t layer = 0;
+    uint64_t block = 0;
+    (void)spill_seq1(&d, c, &layer, &block);
+    sh_ok("dmsetup suspend rekv-eio && dmsetup load rekv-eio --table \"0 $(blockdev --getsz "
+          "/dev/mapper/rekv-eio) error\" && dmsetup resume rekv-eio");
+
+    uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
+    size_t kvb = type_bytes(c, REKV_KV_BLOCK_KV);
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    rekv_err err = {0};
+    int failed = 0;
+    for (uint32_t l = 0; l < 2; l++)
+        for (uint64_t b = 0; b < 4; b++) {
+            rekv_kv_range r = {1, l, b * 16, (b + 1) * 16};
+            rekv_err_clear(&err);
+            int rc = rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err);
+            if (rc < 0) {
+                ck_assert_msg(strstr(err.msg, "Input/output error") &&
+                                  strstr(err.msg, "sequence 1"),
+                              "layer %u block %llu: %s", l, (unsigned long long)b, err.msg);
+                failed++;
+                continue;
+            }
+            ck_assert_msg(l != layer || b != block, "a block read from a failed device was "
+                                                    "handed out");
+            ck_assert_msg(check(arena + pb[0].offset, kvb, 1, l, b, 1),
+                          "seq 1 layer %u block %llu corrupt", l, (unsigned long long)b);
+            ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, NULL), 0);
+        }
+    free(pb);
+    ck_assert_int_ge(failed, 1);
+    /* the last blocks written are in memory, and the store serves */
+    verify_blocks(c, 4, 36, 40, 4);
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.crc_errors, 0);
+    rekv_kvstore_client_close(c);
+    ck_assert_int_eq(kill(d.pid, SIGTERM), 0);
+    int ws;
+    ck_assert_int_eq(waitpid(d.pid, &ws, 0), d.pid);
+    ck_assert_msg(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "daemon exit status %d", ws);
+    char fin[4400];
+    snprintf(fin, sizeof(fin), "umount -l '%s'; dmsetup remove --force rekv-eio", d.spill);
+    (void)tu_run(fin, NULL);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("kvstore");
     TCase *tc = tcase_create("unit");
     tcase_add_test(tc, test_crc32c);
     tcase_add_test(tc, test_geometry_and_map);
+    suite_add_tcase(s, tc);
+    /* a virtual machine boots (emulated: about a minute on two cores, more when loaded) */
+    tc = tcase_create("eio");
+    tcase_set_timeout(tc, 900);
+    tcase_add_test(tc, test_spill_eio_readback);
     suite_add_tcase(s, tc);
     tc = tcase_create("daemon");
     tcase_set_timeout(tc, 60);
