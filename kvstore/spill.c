@@ -1,8 +1,8 @@
 /* spill.c — the NVMe spill tier: one unnamed file (O_TMPFILE, or unlinked right after open) in the
  * spill directory, written and read in fixed slots with io_uring at queue depth >= 32. Buffers are
- * the arena slots themselves registered as fixed buffers; when registering the arena is refused
- * (RLIMIT_MEMLOCK), a pool of registered, aligned bounce buffers; when even that is refused, plain
- * reads and writes from the arena. O_DIRECT when the filesystem takes it, buffered I/O otherwise.
+ * the arena slots themselves registered as fixed buffers (before the first operation, not at
+ * open); when registering the arena is refused (RLIMIT_MEMLOCK), a pool of registered, aligned
+ * bounce buffers; when even that is refused, plain reads and writes from the arena. O_DIRECT when the filesystem takes it, buffered I/O otherwise.
  * When io_uring itself is unavailable, operations run synchronously and complete through the same
  * eventfd, so the caller's loop does not change. */
 #define _GNU_SOURCE
@@ -44,6 +44,7 @@ struct kv_spill {
     int have_ring;            /* ring is set up */
     struct io_uring ring;     /* the io_uring */
     int efd;                  /* completion eventfd */
+    int buffers_set;          /* spill_setup_buffers ran (before the ring's first operation) */
     int registered;           /* arena slots registered as fixed buffers */
     uint64_t slots_per_chunk; /* arena slots per registered buffer */
     uint8_t *bounce;          /* [depth][slot_bytes] bounce pool, or NULL */
@@ -149,7 +150,18 @@ static int spill_setup_ring(kv_spill *sp)
                     strerror(-rc));
         return rc;
     }
-    /* buffers: the arena itself, else a bounce pool, else nothing */
+    return 0;
+}
+
+/* The ring's buffers: the arena itself, else a bounce pool, else nothing. Done before the ring's
+ * first operation, not at open: registering pins every page of the arena, which for a fresh
+ * arena means faulting it all in (~0.4 s per 256 MiB on a 2-core machine, minutes for tens of
+ * GiB) — at the first spill the arena is nearly full, its pages exist, and a store that never
+ * spills (a private `rekv run` for one job) never pays. Nothing is in flight then. */
+static void spill_setup_buffers(kv_spill *sp)
+{
+    int rc;
+    sp->buffers_set = 1;
     uint64_t total = sp->cfg.n_slots * sp->cfg.slot_bytes;
     if (sp->cfg.register_arena) {
         sp->slots_per_chunk = KV_CHUNK_MAX / sp->cfg.slot_bytes;
@@ -204,7 +216,6 @@ static int spill_setup_ring(kv_spill *sp)
             munmap(b, pool);
         }
     }
-    return 0;
 }
 
 int kv_spill_open(const kv_spill_config *cfg, kv_spill **out, rekv_err *err)
@@ -434,6 +445,8 @@ static int spill_queue(kv_spill *sp, int is_read, uint64_t host_off, uint32_t fs
         spill_sync(sp, op, idx);
         return 0;
     }
+    if (!sp->buffers_set)
+        spill_setup_buffers(sp);
     if (!sp->registered && sp->bounce != NULL) {
         op->bounce = sp->bounce_free[--sp->n_bounce_free];
         if (!is_read)
