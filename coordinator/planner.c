@@ -569,3 +569,131 @@ rekv_mode rekv_plan_tech_mode(rekv_technique tech)
         REKV_MODE_OFFLOAD, REKV_MODE_KVPR, REKV_MODE_ACT, REKV_MODE_HYBRID, REKV_MODE_INFINIGEN};
     return tech >= 0 && tech <= REKV_TECH_INFINIGEN ? by_tech[tech] : REKV_MODE_OFFLOAD;
 }
+
+/* ---------------------------------------------------------------- hybrid pattern under demand */
+
+double rekv_plan_hybrid_job_bytes(int64_t blocks, int kv_parts, int act_parts, int n_layers,
+                                  double kv_block_bytes, double act_block_bytes)
+{
+    if (blocks <= 0)
+        return 0;
+    int64_t lo = blocks, hi = blocks; /* 0:0 is all KV, as the store has it */
+    if (kv_parts + act_parts > 0) {
+        __int128 num = (__int128)blocks * kv_parts, den = kv_parts + act_parts;
+        lo = (int64_t)(num / den);
+        hi = (int64_t)((num + den - 1) / den);
+    }
+    double a = (double)lo * kv_block_bytes + (double)(blocks - lo) * act_block_bytes;
+    double b = (double)hi * kv_block_bytes + (double)(blocks - hi) * act_block_bytes;
+    return (double)n_layers * fmax(a, b);
+}
+
+static int64_t blocks_of(int64_t tokens)
+{
+    return (tokens + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS;
+}
+
+/* The waiting sequences admitted at kv:act, a prefix of the queue; what the rule prices. */
+static size_t demand_admits(const rekv_hybrid_demand *d, int kv, int act)
+{
+    double used = 0;
+    size_t n = 0;
+    for (; n < d->n_waiting; n++) {
+        used +=
+            rekv_plan_hybrid_job_bytes(blocks_of(d->waiting[n].full_tokens), kv, act,
+                                       d->model.n_layers, d->kv_block_bytes, d->act_block_bytes);
+        if (used > d->room_bytes)
+            break;
+    }
+    return n;
+}
+
+/* One layer of a decode step of the running sequences and the first n_join waiting ones made at
+ * KV share f: batch, mean context, token-weighted KV share. */
+static int demand_step(const rekv_cost_profile *prof, const rekv_hybrid_demand *d, size_t n_join,
+                       double f, double *t_step, rekv_err *err)
+{
+    double tokens = 0, kv_tokens = 0;
+    for (size_t i = 0; i < d->n_running; i++) {
+        tokens += (double)d->running[i].tokens;
+        kv_tokens += d->running[i].kv_fraction * (double)d->running[i].tokens;
+    }
+    for (size_t i = 0; i < n_join; i++) {
+        tokens += (double)d->waiting[i].tokens;
+        kv_tokens += f * (double)d->waiting[i].tokens;
+    }
+    int64_t b = (int64_t)(d->n_running + n_join);
+    *t_step = 0;
+    if (b == 0)
+        return 0;
+    int64_t s = (int64_t)llround(tokens / (double)b);
+    rekv_step_shape sh;
+    rekv_plan_shape(&d->model, b, s > 0 ? s : 1, d->cache_elem_bytes, 0, &sh);
+    sh.kv.weight_bytes = d->layer_weight_bytes;
+    sh.device_tokens = d->device_tokens;
+    sh.hybrid_kv_fraction = tokens > 0 ? fmin(fmax(kv_tokens / tokens, 0.0), 1.0) : 1.0;
+    rekv_step_cost c;
+    int rc = rekv_plan_step_cost(prof, &sh, REKV_TECH_HYBRID, &c, err);
+    if (rc == 0)
+        *t_step = c.t_step;
+    return rc;
+}
+
+/* The choice at kv:act: admitted, step time, throughput. */
+static int demand_eval(const rekv_cost_profile *prof, const rekv_hybrid_demand *d, int kv, int act,
+                       rekv_hybrid_choice *c, rekv_err *err)
+{
+    *c = (rekv_hybrid_choice){.kv_parts = kv, .act_parts = act};
+    c->n_join = demand_admits(d, kv, act);
+    int rc = demand_step(prof, d, c->n_join, (double)kv / (kv + act), &c->t_step, err);
+    if (rc == 0 && c->t_step > 0)
+        c->throughput =
+            (double)(d->n_running + c->n_join) / ((double)d->model.n_layers * c->t_step);
+    return rc;
+}
+
+static int gcd_int(int a, int b)
+{
+    while (b) {
+        int t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+int rekv_plan_hybrid_demand(const rekv_cost_profile *prof, const rekv_hybrid_demand *d,
+                            rekv_hybrid_choice *out, rekv_err *err)
+{
+    if (!prof || !d || !out || (d->n_running && !d->running) || (d->n_waiting && !d->waiting))
+        return rekv_errf(err, -EINVAL, "planner: hybrid demand: NULL argument");
+    if (d->kv_parts < 0 || d->act_parts < 0 || d->kv_parts + d->act_parts == 0 ||
+        d->max_parts < 0 || d->model.n_layers < 1 || !(d->kv_block_bytes > 0) ||
+        !(d->act_block_bytes > 0) || !(d->room_bytes >= 0) || !(d->cache_elem_bytes > 0) ||
+        !(d->layer_weight_bytes >= 0) || d->device_tokens < 0)
+        return rekv_errf(err, -EINVAL, "planner: hybrid demand: bad parameters");
+    int rc = demand_eval(prof, d, d->kv_parts, d->act_parts, out, err);
+    if (rc || out->n_join == d->n_waiting)
+        return rc; /* the room does not bind: the step-time pattern stands */
+    out->binding = 1;
+    int maxp = d->max_parts ? d->max_parts : 8;
+    for (int k = 0; k <= maxp; k++) {
+        for (int a = 1; a <= maxp; a++) {
+            /* in lowest terms, strictly ACT-heavier: k/(k+a) < kv/(kv+act) */
+            if (gcd_int(k, a) != 1 ||
+                (int64_t)k * (d->kv_parts + d->act_parts) >= (int64_t)d->kv_parts * (k + a))
+                continue;
+            rekv_hybrid_choice c;
+            if ((rc = demand_eval(prof, d, k, a, &c, err)))
+                return rc;
+            int better = c.throughput > out->throughput * (1 + 1e-9);
+            int tie = !better && c.throughput >= out->throughput * (1 - 1e-9);
+            if (better || (tie && (int64_t)k * (out->kv_parts + out->act_parts) >
+                                      (int64_t)out->kv_parts * (k + a))) {
+                c.binding = 1;
+                *out = c;
+            }
+        }
+    }
+    return 0;
+}

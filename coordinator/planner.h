@@ -8,7 +8,9 @@
  *     generalised to GQA (the activation row and the KV row have different widths);
  *   - HybridServe/CAPTURE (papers/003 and its long version 001): the host KV:ACT block allocation
  *     (Algorithm 1), the per-request block allocation rule (003 Eq. 5 / 001 Eq. 11) and the dynamic
- *     mini-batch formation by greedy bin packing on the balance metric F_b (003 Eq. 6–7);
+ *     mini-batch formation by greedy bin packing on the balance metric F_b (003 Eq. 6–7); and
+ *     the joining sequences' pattern under demand (rekv_plan_hybrid_demand: when the store's
+ *     room binds, the pattern whose admitted batch makes the most tokens per second);
  *   - a chooser that prices one decode step under each technique as max(PCIe time, compute time)
  *     and picks the cheapest — the seed of the coordinator's planner (DESIGN.md "one cost model");
  *   - InfiniGen (approximate, opt-in): the same step with only a fraction of the context's KV
@@ -329,5 +331,65 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
  * depth and query width, and f = REKV_PLAN_INFINIGEN_PRIOR. */
 void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cache_elem_bytes,
                      int weights_offloaded, rekv_step_shape *out);
+
+/* ---------------------------------------------------------------- hybrid pattern under demand */
+
+/* The host bytes a sequence of `blocks` blocks per layer takes at pattern kv_parts:act_parts
+ * (0:0 all KV), every layer: what admission reserves for it. The store's rule keeps the KV count
+ * the nearest integer to blocks * kv/(kv + act), so it is the floor or the ceiling of that; the
+ * reservation is the dearer of the two, never less than the sequence will take. */
+double rekv_plan_hybrid_job_bytes(int64_t blocks, int kv_parts, int act_parts, int n_layers,
+                                  double kv_block_bytes, double act_block_bytes);
+
+/* The demand-aware pattern of joining sequences (HybridServe's point: host memory is what the
+ * ACT cache buys). Algorithm 1 balances one step's link and compute times; but when the store's
+ * room binds and sequences are waiting, a more ACT-heavy pattern admits more of them at once, and
+ * a step over more sequences makes more tokens per second even when each step is slower. */
+typedef struct rekv_hybrid_seq {
+    int64_t tokens;      /* the context the next decode step prices: running, its tokens now;
+                          * waiting, its prompt */
+    int64_t full_tokens; /* waiting: prompt + max new tokens (within the context), the KV that
+                          * admission reserves; running: unused */
+    double kv_fraction;  /* running: the KV share of its blocks (the pattern it was made with),
+                          * 0..1; waiting: unused */
+} rekv_hybrid_seq;
+
+typedef struct rekv_hybrid_demand {
+    rekv_plan_model model;     /* widths, depth and one layer's weights (rekv_plan_shape) */
+    double cache_elem_bytes;   /* bytes per cached element */
+    double layer_weight_bytes; /* one layer's weights over the link per step, bytes (0: resident) */
+    int64_t device_tokens;     /* each sequence's device-resident part, tokens */
+    double kv_block_bytes;     /* the store's cost of one KV block of one layer, bytes */
+    double act_block_bytes;    /* the store's cost of one ACT block of one layer, bytes */
+    double room_bytes;         /* what admission may still promise joining sequences, bytes */
+    const rekv_hybrid_seq *running; /* [n_running] the batch */
+    size_t n_running;
+    const rekv_hybrid_seq *waiting; /* [n_waiting] in queue order, at most the batch's free
+                                     * places; admission takes a prefix of them */
+    size_t n_waiting;
+    int kv_parts, act_parts; /* the step-time choice (Algorithm 1's), > 0 in all */
+    int max_parts;           /* largest part of a candidate pattern (0 means 8) */
+} rekv_hybrid_demand;
+
+typedef struct rekv_hybrid_choice {
+    int kv_parts, act_parts; /* the pattern the joining sequences are made with */
+    size_t n_join;           /* the first n_join waiting sequences fit the room at it */
+    int binding;             /* the room held back waiting sequences at the step-time choice */
+    double t_step;           /* one layer of a decode step of the batch with them, s (0: empty) */
+    double throughput;       /* (n_running + n_join) / (n_layers * t_step): tokens/s */
+} rekv_hybrid_choice;
+
+/* The rule: at the step-time pattern, admission takes the longest prefix of the waiting
+ * sequences whose reservations (rekv_plan_hybrid_job_bytes) fit room_bytes. When that is all of
+ * them the room does not bind and the step-time pattern stands. Otherwise every pattern k:a in
+ * lowest terms (k, a <= max_parts) with a smaller KV share is a candidate too, and the one whose
+ * batch (the running sequences and the prefix admitted at it) has the highest predicted
+ * throughput wins — batch size over the step time that rekv_plan_step_cost (REKV_TECH_HYBRID)
+ * predicts for it, at the mean context and the batch's token-weighted KV share; ties (to a
+ * relative 1e-9) go to the larger KV share (fewer recomputations), the step-time pattern first.
+ * Only ACT-heavier patterns are candidates: a KV-heavier one admits no more, and its step time
+ * is Algorithm 1's to judge. Returns -EINVAL on bad parameters. */
+int rekv_plan_hybrid_demand(const rekv_cost_profile *prof, const rekv_hybrid_demand *d,
+                            rekv_hybrid_choice *out, rekv_err *err);
 
 #endif

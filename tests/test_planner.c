@@ -498,6 +498,197 @@ START_TEST(test_hybrid_next_block)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- hybrid pattern under demand */
+
+/* Admission's reservation of a hybrid sequence is never less than what the store's block rule
+ * (rekv_kv_next_block_type, one block at a time) gives it, and at most one block of the dearer
+ * type more, whichever type that is (MHA: KV; a GQA model can have the larger ACT block). */
+START_TEST(test_hybrid_job_bytes)
+{
+    const double costs[2][2] = {{32768, 16384}, {8192, 24576}}; /* KV, ACT bytes */
+    for (int c = 0; c < 2; c++)
+        for (int k = 0; k <= 8; k++)
+            for (int a = 0; a <= 8; a++) {
+                int64_t nk = 0, na = 0;
+                for (int64_t nb = 1; nb <= 80; nb++) {
+                    if (rekv_kv_next_block_type(nk, na, k, a) == REKV_KV_BLOCK_KV)
+                        nk++;
+                    else
+                        na++;
+                    double held = 3.0 * (nk * costs[c][0] + na * costs[c][1]);
+                    double r = rekv_plan_hybrid_job_bytes(nb, k, a, 3, costs[c][0], costs[c][1]);
+                    ck_assert_msg(r >= held && r <= held + 3.0 * fabs(costs[c][0] - costs[c][1]),
+                                  "%d:%d, %lld blocks: reserved %.0f, the store holds %.0f", k, a,
+                                  (long long)nb, r, held);
+                }
+            }
+    ck_assert(rekv_plan_hybrid_job_bytes(18, 1, 1, 4, 32768, 16384) == 4 * 9 * 49152.0);
+    ck_assert(rekv_plan_hybrid_job_bytes(18, 1, 3, 4, 32768, 16384) ==
+              4 * (5 * 32768.0 + 13 * 16384.0)); /* 4.5 KV blocks: the dearer 5 */
+    ck_assert(rekv_plan_hybrid_job_bytes(0, 1, 1, 4, 32768, 16384) == 0);
+}
+END_TEST
+
+/* One candidate's batch priced the way the rule says it prices it, independently: the running
+ * sequences and the first n_join waiting ones at KV share f; tokens/s. */
+static double demand_throughput(const rekv_cost_profile *pr, const rekv_hybrid_demand *d,
+                                size_t n_join, double f)
+{
+    double tok = 0, kv = 0;
+    for (size_t i = 0; i < d->n_running; i++) {
+        tok += (double)d->running[i].tokens;
+        kv += d->running[i].kv_fraction * (double)d->running[i].tokens;
+    }
+    for (size_t i = 0; i < n_join; i++) {
+        tok += (double)d->waiting[i].tokens;
+        kv += f * (double)d->waiting[i].tokens;
+    }
+    int64_t b = (int64_t)(d->n_running + n_join);
+    if (b == 0)
+        return 0;
+    rekv_step_shape sh;
+    rekv_plan_shape(&d->model, b, (int64_t)llround(tok / (double)b), d->cache_elem_bytes, 0, &sh);
+    sh.kv.weight_bytes = d->layer_weight_bytes;
+    sh.hybrid_kv_fraction = kv / tok;
+    rekv_step_cost c;
+    ck_assert_int_eq(rekv_plan_step_cost(pr, &sh, REKV_TECH_HYBRID, &c, NULL), 0);
+    return (double)b / (d->model.n_layers * c.t_step);
+}
+
+/* The waiting sequences whose reservations at k:a fit the room, a prefix of the queue. */
+static size_t demand_prefix(const rekv_hybrid_demand *d, int k, int a)
+{
+    double used = 0;
+    size_t n = 0;
+    while (n < d->n_waiting) {
+        used +=
+            rekv_plan_hybrid_job_bytes((d->waiting[n].full_tokens + 15) / 16, k, a,
+                                       d->model.n_layers, d->kv_block_bytes, d->act_block_bytes);
+        if (used > d->room_bytes)
+            break;
+        n++;
+    }
+    return n;
+}
+
+/* The rule's choice is the candidate (the step-time pattern, or any ACT-heavier one in lowest
+ * terms) of highest throughput, brute force. */
+static void check_demand_argmax(const rekv_cost_profile *pr, const rekv_hybrid_demand *d,
+                                const rekv_hybrid_choice *c)
+{
+    double f0 = (double)d->kv_parts / (d->kv_parts + d->act_parts);
+    double fc = (double)c->kv_parts / (c->kv_parts + c->act_parts);
+    ck_assert(fc <= f0);
+    ck_assert_uint_eq(c->n_join, demand_prefix(d, c->kv_parts, c->act_parts));
+    ck_assert(close_rel(c->throughput, demand_throughput(pr, d, c->n_join, fc), 1e-9));
+    for (int k = 0; k <= 8; k++)
+        for (int a = 0; a <= 8; a++) {
+            if (k + a == 0 || (double)k / (k + a) > f0)
+                continue;
+            double t = demand_throughput(pr, d, demand_prefix(d, k, a), (double)k / (k + a));
+            ck_assert_msg(t <= c->throughput * (1 + 1e-9),
+                          "%d:%d makes %.1f tokens/s, the choice %d:%d %.1f", k, a, t, c->kv_parts,
+                          c->act_parts, c->throughput);
+        }
+}
+
+/* HybridServe's setting (OPT-6.7B, fp16 cache, weights streamed over a 16 GB/s link each step):
+ * 64 jobs of 512 + 32 tokens wait. With room for all of them at the step-time pattern (1:1) it
+ * stands, though an ACT-heavier one would make each step faster; with 2 GiB of room left it
+ * binds (10 jobs at 1:1), and the rule picks an ACT-heavier pattern that admits more and makes
+ * more tokens per second (a step's weights are shared by more sequences). Where recomputation is
+ * dear (the cpu backend's profile without a link) the room binds too, but the all-KV step-time
+ * pattern stands: an ACT block admits more sequences and each step then costs more than they
+ * gain. */
+START_TEST(test_hybrid_demand)
+{
+    enum { N = 64 };
+    rekv_hybrid_seq wait[N], run[3];
+    for (int i = 0; i < N; i++)
+        wait[i] = (rekv_hybrid_seq){.tokens = 512, .full_tokens = 544};
+    rekv_plan_model m;
+    rekv_plan_model_from_config(&opt_6_7b, &m);
+    rekv_cost_profile pr = {.h2d_bw = 16e9, .gemm_flops = 100e12};
+    rekv_hybrid_demand d = {.model = m,
+                            .cache_elem_bytes = 2,
+                            .layer_weight_bytes = m.layer_params * 2,
+                            .kv_block_bytes = 2.0 * 4096 * 16 * 2,
+                            .act_block_bytes = 4096.0 * 16 * 2,
+                            .room_bytes = 1e12,
+                            .waiting = wait,
+                            .n_waiting = N,
+                            .kv_parts = 1,
+                            .act_parts = 1};
+    rekv_hybrid_choice c;
+    ck_assert_int_eq(rekv_plan_hybrid_demand(&pr, &d, &c, NULL), 0);
+    ck_assert_int_eq(c.kv_parts, 1);
+    ck_assert_int_eq(c.act_parts, 1);
+    ck_assert_uint_eq(c.n_join, N);
+    ck_assert_int_eq(c.binding, 0);
+    ck_assert_msg(demand_throughput(&pr, &d, N, 0) > c.throughput,
+                  "the case needs an ACT-heavier pattern faster at the same batch");
+
+    d.room_bytes = 2.0 * 1024 * 1024 * 1024;
+    size_t at_base = demand_prefix(&d, 1, 1);
+    ck_assert_uint_eq(at_base, 10); /* 17 KV + 17 ACT blocks of 32 layers: 204 MiB a job */
+    ck_assert_int_eq(rekv_plan_hybrid_demand(&pr, &d, &c, NULL), 0);
+    ck_assert_int_eq(c.binding, 1);
+    ck_assert_msg(c.kv_parts < c.act_parts && c.n_join > at_base,
+                  "room binds: %d:%d admits %zu (1:1: %zu)", c.kv_parts, c.act_parts, c.n_join,
+                  at_base);
+    ck_assert(c.throughput > demand_throughput(&pr, &d, at_base, 0.5));
+    check_demand_argmax(&pr, &d, &c);
+
+    /* with running sequences (1:1, mid-decode) the room left is the caller's; the same rule */
+    for (int i = 0; i < 3; i++)
+        run[i] = (rekv_hybrid_seq){.tokens = 530, .kv_fraction = 0.5};
+    d.running = run;
+    d.n_running = 3;
+    d.room_bytes = 1.0 * 1024 * 1024 * 1024;
+    ck_assert_int_eq(rekv_plan_hybrid_demand(&pr, &d, &c, NULL), 0);
+    ck_assert(c.binding && c.kv_parts < c.act_parts && c.n_join > demand_prefix(&d, 1, 1));
+    check_demand_argmax(&pr, &d, &c);
+
+    /* recomputation dear (a cpu's 65 GFLOP/s, a 14 GB/s memcpy "link", weights resident) on
+     * the bench's MHA shape, 16 MiB of fp32 cache: all KV stands, though ACT would admit more */
+    rekv_cost_profile cpu = {.h2d_bw = 14e9, .gemm_flops = 65e9};
+    rekv_hybrid_seq w2[32];
+    for (int i = 0; i < 32; i++)
+        w2[i] = (rekv_hybrid_seq){.tokens = 256, .full_tokens = 288};
+    rekv_hybrid_demand e = {.model = {.hidden = 256,
+                                      .q_dim = 256,
+                                      .kv_dim = 256,
+                                      .n_layers = 4,
+                                      .layer_params = 12 * 256 * 256},
+                            .cache_elem_bytes = 4,
+                            .kv_block_bytes = 32768,
+                            .act_block_bytes = 16384,
+                            .room_bytes = 16 * 1024 * 1024,
+                            .waiting = w2,
+                            .n_waiting = 32,
+                            .kv_parts = 1,
+                            .act_parts = 0};
+    ck_assert_int_eq(rekv_plan_hybrid_demand(&cpu, &e, &c, NULL), 0);
+    ck_assert_int_eq(c.binding, 1);
+    ck_assert_int_eq(c.kv_parts, 1);
+    ck_assert_int_eq(c.act_parts, 0);
+    ck_assert_uint_eq(c.n_join, 7);
+    ck_assert_uint_eq(demand_prefix(&e, 0, 1), 14);
+    check_demand_argmax(&cpu, &e, &c);
+    /* the same shape behind a 3 Gbit/s link (0.375 GB/s): moving a token's K,V now costs more
+     * than rebuilding it, and the rule admits 1.5x or more */
+    rekv_cost_profile slow = {.h2d_bw = 0.375e9, .gemm_flops = 65e9};
+    ck_assert_int_eq(rekv_plan_hybrid_demand(&slow, &e, &c, NULL), 0);
+    ck_assert_msg(2 * c.n_join >= 3 * 7, "3 Gbit/s: %d:%d admits %zu", c.kv_parts, c.act_parts,
+                  c.n_join);
+    check_demand_argmax(&slow, &e, &c);
+
+    rekv_err err = {0};
+    e.kv_parts = e.act_parts = 0;
+    ck_assert_int_eq(rekv_plan_hybrid_demand(&cpu, &e, &c, &err), -EINVAL);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- mini-batch formation */
 
 static const rekv_cost_profile mb_prof = {
@@ -1104,6 +1295,8 @@ int main(void)
     tcase_add_test(tc, test_hybrid_hand_intercepts);
     tcase_add_test(tc, test_hybrid_capacity);
     tcase_add_test(tc, test_hybrid_next_block);
+    tcase_add_test(tc, test_hybrid_job_bytes);
+    tcase_add_test(tc, test_hybrid_demand);
     tcase_add_test(tc, test_mb_fb);
     tcase_add_test(tc, test_mb_constructed);
     tcase_add_test(tc, test_mb_random);
