@@ -36,6 +36,7 @@ typedef enum co_rl_site {
     CO_RL_WORKER_REFUSED,   /* a Hello refused */
     CO_RL_WORKER_HELLO,     /* a Hello's max_batch capped */
     CO_RL_WORKER_REPLY,     /* a Progress with tokens outside the vocabulary */
+    CO_RL_HYBRID_PATTERN,   /* a hybrid worker's joining sequences get another KV:ACT pattern */
     CO_RL_COUNT
 } co_rl_site;
 
@@ -73,6 +74,10 @@ typedef struct job {
     char *error;            /* FAILED: one line (malloc'd) */
     uint32_t attempts;      /* starts on a worker */
     int worker;             /* index in workers[] while RUNNING, else -1 */
+    uint64_t store_bytes;   /* RUNNING: the kvstore bytes admission reserved for it at its full
+                             * length (co_plan_job_store_bytes) */
+    int kv_parts, act_parts; /* RUNNING on a hybrid worker: the KV:ACT pattern its sequence was
+                              * made with, the one it was charged at */
     double accepted_at;     /* CLOCK_REALTIME s */
     uint64_t start_ns;      /* last start (monotonic) */
     uint64_t end_ns;        /* end (monotonic); 0 while unfinished */
@@ -110,6 +115,8 @@ typedef struct worker {
     char unavailable[256]; /* non-empty: it cannot run steps now, and why (WorkerMsg); no Plans */
     uint64_t steps, tokens;
     co_plan_state plan; /* the planner's state for this worker (co_plan.h) */
+    int made_kv_parts, made_act_parts; /* hybrid: the pattern of the last jobs it was sent (for
+                                        * the log line when it changes) */
 } worker;
 
 typedef struct reply {
@@ -208,6 +215,9 @@ void co_queue_remove(rekv_coordinator *co, job *j);
 job *co_queue_pop(rekv_coordinator *co);
 /* The job co_queue_pop would return, left in the queue; NULL when it is empty. */
 job *co_queue_peek(rekv_coordinator *co);
+/* The next (at most) n jobs co_queue_pop would return, in that order, left in the queue, into
+ * out[n]; returns how many. */
+size_t co_queue_first(rekv_coordinator *co, job **out, size_t n);
 /* Room for n generated tokens (and their top logits); 0 or -ENOMEM. */
 int co_gen_reserve(job *j, uint32_t n);
 /* Ends a job: its finished record is appended, and it is reported (subscribers, the finished

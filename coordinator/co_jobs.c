@@ -129,6 +129,35 @@ job *co_queue_peek(rekv_coordinator *co)
     return best;
 }
 
+static int queue_order(const void *a, const void *b)
+{
+    const job *x = *(job *const *)a, *y = *(job *const *)b;
+    if (x->priority != y->priority)
+        return x->priority > y->priority ? -1 : 1;
+    return x->order < y->order ? -1 : x->order > y->order;
+}
+
+size_t co_queue_first(rekv_coordinator *co, job **out, size_t n)
+{
+    if (n == 0 || co->n_queue == 0)
+        return 0;
+    if (n == 1) {
+        out[0] = co_queue_peek(co);
+        return 1;
+    }
+    job **all = malloc(sizeof(job *) * co->n_queue);
+    if (all == NULL) { /* the first alone, which needs no memory */
+        out[0] = co_queue_peek(co);
+        return 1;
+    }
+    memcpy(all, co->queue, sizeof(job *) * co->n_queue);
+    qsort(all, co->n_queue, sizeof(job *), queue_order);
+    size_t k = n < co->n_queue ? n : co->n_queue;
+    memcpy(out, all, sizeof(job *) * k);
+    free(all);
+    return k;
+}
+
 job *co_queue_pop(rekv_coordinator *co)
 {
     job *best = co_queue_peek(co);

@@ -110,25 +110,41 @@ void co_plan_store(co_plan_state *ps, const Rekv__Worker__StoreRoom *room)
     ps->store_spill_bytes = room ? room->spill_room_bytes : 0;
 }
 
-uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens)
+uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens, int kv_parts,
+                                 int act_parts)
 {
     if (ps->store_host_bytes == 0 || ps->mode == REKV_MODE_RESIDENT)
         return 0;
     uint64_t nb = (tokens + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS, n_kv = nb,
              n_act = 0;
-    if (ps->mode == REKV_MODE_ACT) {
-        n_kv = 0, n_act = nb;
-    } else if (ps->mode == REKV_MODE_KVPR) {
-        n_act = nb;
-    } else if (ps->mode == REKV_MODE_HYBRID) {
-        int planned = ps->kv_parts + ps->act_parts > 0; /* else no step yet: 1:1 */
-        uint64_t kv = (uint64_t)(planned ? ps->kv_parts : 1);
-        uint64_t act = (uint64_t)(planned ? ps->act_parts : 1);
-        n_kv = (nb * kv + kv + act - 1) / (kv + act);
-        n_kv = n_kv < nb ? n_kv : nb;
-        n_act = nb - n_kv;
+    if (ps->mode == REKV_MODE_HYBRID) {
+        if (kv_parts + act_parts <= 0) /* the worker's pattern before any Plan's */
+            kv_parts = act_parts = 1;
+        return (uint64_t)ceil(
+            rekv_plan_hybrid_job_bytes((int64_t)nb, kv_parts, act_parts, (int)ps->n_layers,
+                                       (double)ps->store_kv_bytes, (double)ps->store_act_bytes));
     }
+    if (ps->mode == REKV_MODE_ACT)
+        n_kv = 0, n_act = nb;
+    else if (ps->mode == REKV_MODE_KVPR)
+        n_act = nb;
     return (uint64_t)ps->n_layers * (n_kv * ps->store_kv_bytes + n_act * ps->store_act_bytes);
+}
+
+uint64_t co_plan_store_budget(const co_plan_state *ps)
+{
+    uint64_t host = ps->store_host_bytes;
+    int windows = ps->mode != REKV_MODE_INFINIGEN && ps->mode != REKV_MODE_CLO;
+    uint64_t spill = windows ? ps->store_spill_bytes : 0;
+    if (spill == 0)
+        return host;
+    uint64_t big =
+        ps->store_kv_bytes > ps->store_act_bytes ? ps->store_kv_bytes : ps->store_act_bytes;
+    uint64_t win = host > 2 * big ? (host - 2 * big) / 2 : 0;
+    uint64_t L = ps->n_layers > 0 ? (uint64_t)ps->n_layers : 1;
+    uint64_t by_window = win * L + L - 1; /* all / L <= win */
+    uint64_t b = host + spill < by_window ? host + spill : by_window;
+    return b > host ? b : host;
 }
 
 /* The profile as the last steps measured it: link terms by pcie_scale, compute by compute_scale. */
@@ -180,8 +196,74 @@ uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap)
                                                                     : chunk;
 }
 
-int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, int n,
-                 Rekv__Worker__StepParams *out, uint64_t *mb_job, uint32_t *mb_index)
+/* Algorithm 1's pattern (the step-time choice) for the kvstore's arena as the worker reports it;
+ * a worker that did not say: the memory that `blocks` blocks of context take as all-KV. 1:1 when
+ * it finds none. */
+static void alg1_pattern(const co_plan_state *ps, const rekv_cost_profile *prof, int64_t blocks,
+                         int *kv_parts, int *act_parts)
+{
+    rekv_hybrid_params hp;
+    rekv_plan_hybrid_params_for_batch(&hp, ps->hidden, ps->kv_dim, (int)ps->n_layers,
+                                      ps->elem_bytes, prof->t_load_w * prof->h2d_bw,
+                                      (double)blocks);
+    if (ps->store_host_bytes > 0) { /* the store's real budget, each block at its cost */
+        hp.host_bytes = hp.weight_bytes + (double)ps->store_host_bytes;
+        hp.kv_block_bytes = (double)ps->store_kv_bytes;
+        hp.act_block_bytes = (double)ps->store_act_bytes;
+    }
+    rekv_hybrid_alloc ha;
+    *kv_parts = *act_parts = 1;
+    if (rekv_plan_hybrid_alloc(prof, &hp, &ha, NULL) == 0 && ha.kv_parts + ha.act_parts > 0)
+        *kv_parts = ha.kv_parts, *act_parts = ha.act_parts;
+}
+
+void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, size_t n_running,
+                          const rekv_hybrid_seq *waiting, size_t n_waiting, uint64_t room_bytes,
+                          int *kv_parts, int *act_parts)
+{
+    *kv_parts = *act_parts = 1; /* no profile: no Plan carries a pattern, the worker keeps 1:1 */
+    ps->join_binding = 0;
+    if (ps->mode != REKV_MODE_HYBRID || !ps->have_profile)
+        return;
+    rekv_cost_profile prof = scaled(ps);
+    int64_t blocks = 0;
+    for (size_t i = 0; i < n_running; i++)
+        blocks += (running[i].tokens + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS;
+    for (size_t i = 0; i < n_waiting; i++)
+        blocks += (waiting[i].tokens + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS;
+    alg1_pattern(ps, &prof, blocks, kv_parts, act_parts);
+    if (ps->store_host_bytes == 0 || n_waiting == 0)
+        return; /* no room known, or nobody to admit */
+    rekv_hybrid_demand d = {
+        .model = {.hidden = ps->hidden,
+                  .q_dim = ps->q_dim,
+                  .kv_dim = ps->kv_dim,
+                  .n_layers = (int)ps->n_layers,
+                  .layer_params = (double)ps->layer_params},
+        .cache_elem_bytes = ps->elem_bytes,
+        .layer_weight_bytes = ps->offload_weights ? prof.t_load_w * prof.h2d_bw : 0,
+        .device_tokens = ps->device_tokens,
+        .kv_block_bytes = (double)ps->store_kv_bytes,
+        .act_block_bytes = (double)ps->store_act_bytes,
+        .room_bytes = (double)room_bytes,
+        .running = running,
+        .n_running = n_running,
+        .waiting = waiting,
+        .n_waiting = n_waiting,
+        .kv_parts = *kv_parts,
+        .act_parts = *act_parts,
+    };
+    rekv_hybrid_choice c;
+    if (rekv_plan_hybrid_demand(&prof, &d, &c, NULL) == 0) {
+        *kv_parts = c.kv_parts;
+        *act_parts = c.act_parts;
+        ps->join_binding = c.binding;
+    }
+}
+
+int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, const double *kv_frac,
+                 int n, int kv_parts, int act_parts, Rekv__Worker__StepParams *out,
+                 uint64_t *mb_job, uint32_t *mb_index)
 {
     if (!ps->have_profile || ps->mode == REKV_MODE_RESIDENT || n <= 0)
         return 0;
@@ -205,30 +287,23 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     rekv_kvpr_split ks;
     if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &moved, &ks, NULL) == 0)
         split = (int)(dev + ks.l);
-    /* HybridServe's host allocation (Algorithm 1) for the kvstore's arena as the worker reports
-     * it; a worker that did not say: the memory this batch's context takes as all-KV */
-    int kv_parts = 1, act_parts = 1;
-    if (ps->mode == REKV_MODE_HYBRID) {
-        rekv_hybrid_params hp;
-        rekv_plan_hybrid_params_for_batch(&hp, ps->hidden, ps->kv_dim, (int)ps->n_layers, elem,
-                                          prof.t_load_w * prof.h2d_bw, (double)blocks_sum);
-        if (ps->store_host_bytes > 0) { /* the store's real budget, each block at its cost */
-            hp.host_bytes = hp.weight_bytes + (double)ps->store_host_bytes;
-            hp.kv_block_bytes = (double)ps->store_kv_bytes;
-            hp.act_block_bytes = (double)ps->store_act_bytes;
-        }
-        rekv_hybrid_alloc ha;
-        if (rekv_plan_hybrid_alloc(&prof, &hp, &ha, NULL) == 0 && ha.kv_parts + ha.act_parts > 0)
-            kv_parts = ha.kv_parts, act_parts = ha.act_parts;
-    }
+    /* the pattern of the sequences this step makes: the caller's (admission charged the joining
+     * jobs at it), else Algorithm 1's */
+    if (ps->mode != REKV_MODE_HYBRID)
+        kv_parts = act_parts = 1;
+    else if (kv_parts < 0 || act_parts < 0 || kv_parts + act_parts == 0)
+        alg1_pattern(ps, &prof, blocks_sum, &kv_parts, &act_parts);
+    double f_step = (double)kv_parts / (kv_parts + act_parts), kv_tok = 0;
+    for (int i = 0; i < n; i++) /* each job's blocks keep the pattern it was made with */
+        kv_tok += (kv_frac ? kv_frac[i] : f_step) * (double)ctx[i];
     /* mini-batches: each job's KV and ACT blocks this step, packed by F_b (003 Eq. 6-7) into
      * GPU buffers of half the batch's blocks (so there is something to overlap) */
     rekv_mb_request *req = calloc((size_t)n, sizeof(*req));
     int *assign = calloc((size_t)n, sizeof(int));
     size_t n_batches = 1;
     int64_t kv_tot = 0, act_tot = 0, kv_big = 0, act_big = 0;
-    double f_kv = (double)kv_parts / (kv_parts + act_parts);
     for (int i = 0; req && assign && i < n; i++) {
+        double f_kv = kv_frac ? kv_frac[i] : f_step;
         /* the blocks that move: past the device-resident part */
         int64_t moved_i = ctx[i] > dev ? ctx[i] - dev : 0;
         int64_t b = (moved_i + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS, a = 0;
@@ -269,7 +344,7 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, in
     /* the prediction this step will be measured against */
     rekv_step_shape sh = {0};
     sh.kv = kp;
-    sh.hybrid_kv_fraction = f_kv;
+    sh.hybrid_kv_fraction = sum > 0 ? fmin(fmax(kv_tok / (double)sum, 0.0), 1.0) : f_step;
     sh.device_tokens = dev;
     double f_sel = co_plan_selected_fraction(ps);
     sh.infinigen_fraction = f_sel > 0 ? f_sel : REKV_PLAN_INFINIGEN_PRIOR;

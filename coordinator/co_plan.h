@@ -27,6 +27,9 @@ typedef struct co_plan_state {
     double pred_pcie_s, pred_compute_s, pred_step_s; /* for the step in flight */
     /* the last choices */
     int split, kv_parts, act_parts, gpu_batches, column;
+    /* hybrid: the store's room bound the last co_plan_join_pattern (its pattern was
+     * rekv_plan_hybrid_demand's, not Algorithm 1's) */
+    int join_binding;
     uint64_t steps;             /* steps planned */
     uint64_t multi_batch_steps; /* of those, split into several mini-batches */
     /* infinigen: tokens its selecting layers could have fetched, and fetched, over its steps */
@@ -41,10 +44,30 @@ void co_plan_store(co_plan_state *ps, const Rekv__Worker__StoreRoom *room);
 
 /* The kvstore host memory a job of `tokens` tokens (prompt + max_new_tokens) takes at its full
  * length on this worker, bytes: per 16-token block of every layer, the blocks its mode stores —
- * KV (offload, infinigen), ACT (act), both (kvpr: its KV and its activations), the planned
- * KV:ACT pattern (hybrid, KV blocks rounded up) — at the store's per-block cost. 0 when the
- * worker keeps no cache in a store (resident) or did not say its store's sizes. */
-uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens);
+ * KV (offload, infinigen), ACT (act), both (kvpr: its KV and its activations), hybrid's at
+ * kv_parts:act_parts, the pattern its sequence is made with (rekv_plan_hybrid_job_bytes; 0:0 is
+ * 1:1, the worker's pattern before any Plan's) — at the store's per-block cost. 0 when the worker
+ * keeps no cache in a store (resident) or did not say its store's sizes. */
+uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens, int kv_parts,
+                                 int act_parts);
+
+/* The most kvstore bytes the running jobs on this worker's store may take at their full length:
+ * the arena; for the exact modes with a spill tier, up to arena + spill as long as one layer of
+ * them fits a layer window (half the arena less two big slots, pipeline_kvstore.c plan_windows),
+ * never less than the arena. Admission's one budget (co_workers.c store_fits says which part of
+ * it holds a job back). */
+uint64_t co_plan_store_budget(const co_plan_state *ps);
+
+/* The KV:ACT pattern of the hybrid sequences this worker's next step makes: admission charges the
+ * joining jobs at it and the Plan's StepParams carry it, which the worker applies before the
+ * joins. Algorithm 1's pattern, or, when room_bytes (the store's budget less what its running
+ * jobs hold) cannot take every waiting job at it, rekv_plan_hybrid_demand's. running: the batch
+ * (context, the KV share of its pattern); waiting: the queue's first jobs in order, at most the
+ * batch's free places (prompt, full length). 1:1 for a worker without a profile (its Plans carry
+ * no pattern); any pattern for the other modes (they ignore it). */
+void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, size_t n_running,
+                          const rekv_hybrid_seq *waiting, size_t n_waiting, uint64_t room_bytes,
+                          int *kv_parts, int *act_parts);
 
 /* The mode for a worker that said Hello with mode "auto" (rekv_plan_pick_mode over what it reports:
  * its profile, the model's shape, its batch and context, its device's room for the KV cache, and
@@ -61,11 +84,14 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);
  * multiple of 16. cap when nothing is predicted yet (no profile, resident, no step). */
 uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap);
 
-/* Chooses the parameters of a step over n jobs (ids jobs[], contexts ctx[] in tokens). Fills out
- * (with mb_job/mb_index as its storage, n entries each) and returns 1, or 0 when there is nothing
- * to choose (no profile, resident mode, no jobs). */
-int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, int n,
-                 Rekv__Worker__StepParams *out, uint64_t *mb_job, uint32_t *mb_index);
+/* Chooses the parameters of a step over n jobs (ids jobs[], contexts ctx[] in tokens, kv_frac[]
+ * the KV share of each one's blocks — hybrid, the pattern it was made with; NULL: the step's).
+ * Hybrid: the step's pattern (the sequences it makes) is kv_parts:act_parts (co_plan_join_pattern),
+ * or Algorithm 1's when 0:0. Fills out (with mb_job/mb_index as its storage, n entries each) and
+ * returns 1, or 0 when there is nothing to choose (no profile, resident mode, no jobs). */
+int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, const double *kv_frac,
+                 int n, int kv_parts, int act_parts, Rekv__Worker__StepParams *out,
+                 uint64_t *mb_job, uint32_t *mb_index);
 
 /* How many blocks (of one layer) a mini-batch's buffers may hold on the worker's device, from its
  * device_buffer_bytes; 0: no limit known. */

@@ -178,7 +178,7 @@ static uint64_t job_tokens(const worker *w, const job *j)
 }
 
 /* The kvstore bytes the running jobs of every worker on w's store (the same instance) will take
- * at their full length: what admission keeps for them. */
+ * at their full length: what admission reserved for each when it let it in. */
 static uint64_t store_promised(rekv_coordinator *co, const worker *w)
 {
     uint64_t sum = 0;
@@ -187,17 +187,17 @@ static uint64_t store_promised(rekv_coordinator *co, const worker *w)
         if (!v->active || v->plan.store_instance != w->plan.store_instance)
             continue;
         for (uint32_t k = 0; k < v->n_run; k++)
-            sum += co_plan_job_store_bytes(&v->plan, job_tokens(v, v->run[k]));
+            sum += v->run[k]->store_bytes;
     }
     return sum;
 }
 
 /* Whether a job whose KV takes `need` bytes at its full length fits w's store beside `promised`
  * (the running jobs'): 0 yes; -1 never (alone, promised 0), 1 not now; why gets the reason. The
- * store holds the arena and, for the exact modes (which run a step bigger than the arena in layer
- * windows), the spill tier's room; a batch past the arena must also have one layer at most the
- * window the worker's pipeline pins — half the arena less two slots, beside the next window read
- * ahead (pipeline_kvstore.c plan_windows). */
+ * budget is co_plan_store_budget's: the arena and, for the exact modes (which run a step bigger
+ * than the arena in layer windows), the spill tier's room, as long as one layer of the batch fits
+ * the window the worker's pipeline pins — half the arena less two slots, beside the next window
+ * read ahead (pipeline_kvstore.c plan_windows). The reason names the part that binds. */
 static int store_fits(const worker *w, uint64_t tokens, uint64_t need, uint64_t promised, char *why,
                       size_t n)
 {
@@ -211,7 +211,7 @@ static int store_fits(const worker *w, uint64_t tokens, uint64_t need, uint64_t 
     uint64_t L = ps->n_layers > 0 ? (uint64_t)ps->n_layers : 1;
     int ret = promised ? 1 : -1;
     const double M = 1048576.0;
-    if (all <= host)
+    if (all <= co_plan_store_budget(ps))
         return 0;
     if (spill == 0) {
         if (promised)
@@ -222,9 +222,7 @@ static int store_fits(const worker *w, uint64_t tokens, uint64_t need, uint64_t 
                      "its KV cache of %llu tokens takes %.2f MiB of kvstore host memory; the "
                      "store has %.2f MiB in all",
                      (unsigned long long)tokens, need / M, host / M);
-        return ret;
-    }
-    if (all > host + spill) {
+    } else if (all > host + spill) {
         if (promised)
             snprintf(why, n,
                      "needs %.2f MiB, running jobs hold %.2f of %.2f MiB (arena %.2f, spill %.2f)",
@@ -234,23 +232,52 @@ static int store_fits(const worker *w, uint64_t tokens, uint64_t need, uint64_t 
                      "its KV cache of %llu tokens takes %.2f MiB of kvstore host memory and "
                      "spill; the store has %.2f MiB of arena and %.2f MiB of spill",
                      (unsigned long long)tokens, need / M, host / M, spill / M);
-        return ret;
+    } else if (promised) {
+        snprintf(why, n,
+                 "one layer of the batch would take %.2f MiB, more than a layer window of "
+                 "the %.2f MiB arena (%.2f MiB)",
+                 all / L / M, host / M, win / M);
+    } else {
+        snprintf(why, n,
+                 "one layer of its KV cache takes %.2f MiB of kvstore host memory, more "
+                 "than a layer window of the %.2f MiB arena (%.2f MiB: half of it less two "
+                 "blocks, beside the next window read ahead)",
+                 need / L / M, host / M, win / M);
     }
-    if (all / L > win) {
-        if (promised)
-            snprintf(why, n,
-                     "one layer of the batch would take %.2f MiB, more than a layer window of "
-                     "the %.2f MiB arena (%.2f MiB)",
-                     all / L / M, host / M, win / M);
-        else
-            snprintf(why, n,
-                     "one layer of its KV cache takes %.2f MiB of kvstore host memory, more "
-                     "than a layer window of the %.2f MiB arena (%.2f MiB: half of it less two "
-                     "blocks, beside the next window read ahead)",
-                     need / L / M, host / M, win / M);
-        return ret;
+    return ret;
+}
+
+/* The KV:ACT pattern of the hybrid sequences w's next step makes (co_plan_join_pattern), from its
+ * batch, the queue's first jobs that could join it and the store's room left; 1:1 when it cannot
+ * say (out of memory), which the Plan then carries like any other. */
+static void join_pattern(rekv_coordinator *co, worker *w, uint32_t room, uint64_t promised,
+                         int *kv_parts, int *act_parts)
+{
+    *kv_parts = *act_parts = 1;
+    if (w->plan.mode != REKV_MODE_HYBRID)
+        return;
+    rekv_hybrid_seq *run = calloc(w->n_run + 1, sizeof(*run));
+    rekv_hybrid_seq *wait = calloc(room + 1, sizeof(*wait));
+    job **first = calloc(room + 1, sizeof(*first));
+    if (run && wait && first) {
+        for (uint32_t k = 0; k < w->n_run; k++) {
+            const job *j = w->run[k];
+            int t = j->kv_parts + j->act_parts;
+            run[k].tokens = (int64_t)j->n_prompt + j->n_gen;
+            run[k].kv_fraction = t > 0 ? (double)j->kv_parts / t : 0.5;
+        }
+        size_t n_wait = co_queue_first(co, first, room);
+        for (size_t k = 0; k < n_wait; k++) {
+            wait[k].tokens = first[k]->n_prompt;
+            wait[k].full_tokens = (int64_t)job_tokens(w, first[k]);
+        }
+        uint64_t budget = co_plan_store_budget(&w->plan);
+        co_plan_join_pattern(&w->plan, run, w->n_run, wait, n_wait,
+                             budget > promised ? budget - promised : 0, kv_parts, act_parts);
     }
-    return 0;
+    free(run);
+    free(wait);
+    free(first);
 }
 
 /* Sends the next Plan to every idle worker that has work: joins from the queue, cancels. */
@@ -272,6 +299,9 @@ void co_schedule(rekv_coordinator *co)
         }
         uint32_t n_join = 0;
         uint64_t promised = store_promised(co, w);
+        /* hybrid: the pattern this step's joining sequences are made with, and charged at */
+        int kv_parts, act_parts;
+        join_pattern(co, w, room, promised, &kv_parts, &act_parts);
         while (n_join < room) {
             job *j = co_queue_peek(co);
             if (j == NULL)
@@ -287,7 +317,8 @@ void co_schedule(rekv_coordinator *co)
             }
             /* admission: the job's KV at its full length must fit the store beside what the
              * running jobs will grow into; else it waits (first in line: nothing passes it) */
-            uint64_t need = co_plan_job_store_bytes(&w->plan, job_tokens(w, j));
+            uint64_t need =
+                co_plan_job_store_bytes(&w->plan, job_tokens(w, j), kv_parts, act_parts);
             char why[256];
             int fit = store_fits(w, job_tokens(w, j), need, 0, why, sizeof(why));
             if (fit < 0) {
@@ -304,6 +335,9 @@ void co_schedule(rekv_coordinator *co)
                 break;
             }
             promised += need;
+            j->store_bytes = need;
+            j->kv_parts = kv_parts;
+            j->act_parts = act_parts;
             co_queue_remove(co, j);
             j->waiting[0] = '\0';
             Rekv__Worker__JobSpec *s = &specs[n_join];
@@ -331,6 +365,17 @@ void co_schedule(rekv_coordinator *co)
             co->n_running++;
             w->run[w->n_run++] = j;
         }
+        if (n_join > 0 && w->plan.mode == REKV_MODE_HYBRID &&
+            (kv_parts != w->made_kv_parts || act_parts != w->made_act_parts)) {
+            co_event_rl(co, CO_RL_HYBRID_PATTERN, REKV_CO_EVENT_INFO,
+                        "worker %s: %u joining jobs' sequences are made at KV:ACT %d:%d (%s)",
+                        w->name, n_join, kv_parts, act_parts,
+                        w->plan.join_binding ? "the store's room binds: the pattern whose batch "
+                                               "is predicted the most tokens per second"
+                                             : "Algorithm 1's");
+            w->made_kv_parts = kv_parts;
+            w->made_act_parts = act_parts;
+        }
         if (w->n_run == 0 && w->n_cancel == 0) {
             free(specs);
             free(sp);
@@ -347,12 +392,17 @@ void co_schedule(rekv_coordinator *co)
         uint64_t *ids = calloc(w->max_batch, sizeof(uint64_t)), *mbj = calloc(w->max_batch, 8);
         int64_t *ctx = calloc(w->max_batch, sizeof(int64_t));
         uint32_t *mbi = calloc(w->max_batch, sizeof(uint32_t));
-        if (ids && mbj && ctx && mbi) {
+        double *frac = calloc(w->max_batch, sizeof(double));
+        if (ids && mbj && ctx && mbi && frac) {
             for (uint32_t k = 0; k < w->n_run; k++) {
-                ids[k] = w->run[k]->id;
-                ctx[k] = (int64_t)w->run[k]->n_prompt + w->run[k]->n_gen;
+                const job *r = w->run[k];
+                int t = r->kv_parts + r->act_parts;
+                ids[k] = r->id;
+                ctx[k] = (int64_t)r->n_prompt + r->n_gen;
+                frac[k] = t > 0 ? (double)r->kv_parts / t : 0.5;
             }
-            if (co_plan_step(&w->plan, ids, ctx, (int)w->n_run, &params, mbj, mbi))
+            if (co_plan_step(&w->plan, ids, ctx, frac, (int)w->n_run, kv_parts, act_parts, &params,
+                             mbj, mbi))
                 plan.params = &params;
         }
         plan.prefill_chunk = co_plan_prefill_chunk(&w->plan, co->cfg.prefill_chunk);
@@ -367,6 +417,7 @@ void co_schedule(rekv_coordinator *co)
         free(mbj);
         free(ctx);
         free(mbi);
+        free(frac);
         free(specs);
         free(sp);
     }

@@ -490,6 +490,19 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
     }
     size_t n = 0;
     int lost = 0; /* the kvstore is gone (the client says so, or a request timed out) */
+    /* the planner's choices for this step (any of them gives the same tokens), before the joins:
+     * their sequences are made with its KV:ACT pattern, the one the coordinator admitted them at
+     * (and a sequence keeps it) */
+    if (plan->params) {
+        const Rekv__Worker__StepParams *sp = plan->params;
+        rekv_step_params st = {sp->split, (int)sp->kv_parts, (int)sp->act_parts,
+                               sp->gpu_batches ? (int)sp->gpu_batches : 1,
+                               sp->column ? REKV_SCHED_COLUMN : REKV_SCHED_ROW};
+        rekv_err perr = {0};
+        static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
+        if (rekv_pipeline_set_step(w->pipe, &st, &perr))
+            warn_rl(&rl, "a Plan's step parameters refused: ", perr.msg);
+    }
     for (size_t i = 0; i < plan->n_join; i++) {
         const Rekv__Worker__JobSpec *s = plan->join[i];
         rekv_gen_params gp = {(int)s->max_new_tokens,
@@ -522,18 +535,8 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
                      (unsigned long long)rekv_batcher_store_seq(w->batch, s->job));
         }
     }
-    /* the planner's choices for this step (any of them gives the same tokens); after the joins,
-     * whose sequences keep the KV:ACT pattern in force before it, the one the coordinator
-     * admitted them at */
+    /* the planner's mini-batches, once the joining jobs are in the batch */
     if (plan->params) {
-        const Rekv__Worker__StepParams *sp = plan->params;
-        rekv_step_params st = {sp->split, (int)sp->kv_parts, (int)sp->act_parts,
-                               sp->gpu_batches ? (int)sp->gpu_batches : 1,
-                               sp->column ? REKV_SCHED_COLUMN : REKV_SCHED_ROW};
-        rekv_err perr = {0};
-        static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
-        if (rekv_pipeline_set_step(w->pipe, &st, &perr))
-            warn_rl(&rl, "a Plan's step parameters refused: ", perr.msg);
         size_t nm = plan->params->n_mb_job < plan->params->n_mb_index ? plan->params->n_mb_job
                                                                       : plan->params->n_mb_index;
         rekv_batcher_set_mini_batches(w->batch, plan->params->mb_job, plan->params->mb_index, nm);

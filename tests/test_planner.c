@@ -1168,7 +1168,7 @@ START_TEST(test_co_plan_selected_fraction)
     uint32_t mb_index[2];
     int64_t ctx[2] = {1024, 1024};
     Rekv__Worker__StepParams sp;
-    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, 2, &sp, mb_job, mb_index), 1);
+    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, NULL, 2, 0, 0, &sp, mb_job, mb_index), 1);
     /* the prior: layer 0 all of the context's KV, the other 7 layers 0.2 of it */
     double kv_step = 2 * 1024.0 * 2 * 2 * 1024 * 8; /* offload's KV bytes of the step */
     double pcie_prior = ps.pred_pcie_s;
@@ -1180,7 +1180,7 @@ START_TEST(test_co_plan_selected_fraction)
     c.tokens_selected = c.tokens_considered * 3 / 20;
     co_plan_observe(&ps, &c);
     ck_assert(close_rel(co_plan_selected_fraction(&ps), 0.1, 1e-12));
-    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, 2, &sp, mb_job, mb_index), 1);
+    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, NULL, 2, 0, 0, &sp, mb_job, mb_index), 1);
     ck_assert(close_rel(ps.pred_pcie_s, kv_step * (1 + 7 * 0.1) / 8 / 2e9, 1e-9));
 }
 END_TEST
@@ -1227,7 +1227,7 @@ START_TEST(test_co_plan_device_room)
         int64_t cap = co_plan_block_capacity(&ps);
         ck_assert(rooms[r] == 0 ? cap == 0 : cap > 0);
         Rekv__Worker__StepParams sp;
-        ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, N, &sp, mb_job, mb_index), 1);
+        ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, NULL, N, 0, 0, &sp, mb_job, mb_index), 1);
         batches[r] = (int)sp.gpu_batches;
         if (cap > 0 && sp.gpu_batches > 1) { /* each mini-batch's ACT blocks fit the room */
             int64_t used[64] = {0};
@@ -1260,21 +1260,104 @@ START_TEST(test_co_plan_device_part)
     co_plan_state none, part;
     Rekv__Worker__StepParams a, b;
     co_plan_init(&none, &h);
-    ck_assert_int_eq(co_plan_step(&none, jobs, ctx, N, &a, mb_job, mb_index), 1);
+    ck_assert_int_eq(co_plan_step(&none, jobs, ctx, NULL, N, 0, 0, &a, mb_job, mb_index), 1);
     h.device_tokens = 200;
     co_plan_init(&part, &h);
-    ck_assert_int_eq(co_plan_step(&part, jobs, ctx, N, &b, mb_job, mb_index), 1);
+    ck_assert_int_eq(co_plan_step(&part, jobs, ctx, NULL, N, 0, 0, &b, mb_job, mb_index), 1);
     /* the rest, 400 tokens, split as a 400-token context would be */
     int64_t c400[N] = {400, 400, 400, 400};
     co_plan_state shorter;
     Rekv__Worker__StepParams s;
     h.device_tokens = 0;
     co_plan_init(&shorter, &h);
-    ck_assert_int_eq(co_plan_step(&shorter, jobs, c400, N, &s, mb_job, mb_index), 1);
+    ck_assert_int_eq(co_plan_step(&shorter, jobs, c400, NULL, N, 0, 0, &s, mb_job, mb_index), 1);
     ck_assert_msg(a.split > 0 && s.split > 0, "recomputation pays on this link: %d, %d", a.split,
                   s.split);
     ck_assert_int_eq(b.split, 200 + s.split);
     ck_assert(part.pred_pcie_s < none.pred_pcie_s);
+}
+END_TEST
+
+/* The planner in the loop for a hybrid worker: the pattern its joining jobs are charged at
+ * (co_plan_job_store_bytes) and made with (the Plan's StepParams) is one choice,
+ * co_plan_join_pattern's — Algorithm 1's while the store's room takes every waiting job, the
+ * demand rule's when it binds, 1:1 (the worker's own) for a worker without a profile — and the
+ * budget admission counts is the arena, or arena + spill within the layer window. */
+START_TEST(test_co_plan_join_pattern)
+{
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 0.5e9; /* moving a token's K,V costs more than rebuilding it */
+    cp.gemm_flops = 50e12;
+    cp.load_kv_b = 1e-6;
+    cp.kv_gen_b = 1e-6;
+    Rekv__Worker__Hello h;
+    opt8_hello(&h, &cp, "hybrid");
+    co_plan_state ps;
+    co_plan_init(&ps, &h);
+    Rekv__Worker__StoreRoom room = REKV__WORKER__STORE_ROOM__INIT;
+    room.instance = 7;
+    room.host_bytes = 256ull << 20;
+    room.kv_block_bytes = 2 * 1024 * 16 * 2; /* 64 KiB */
+    room.act_block_bytes = 1024 * 16 * 2;
+    co_plan_store(&ps, &room);
+    ck_assert_uint_eq(co_plan_store_budget(&ps), 256ull << 20);
+
+    enum { N = 48 };
+    rekv_hybrid_seq wait[N];
+    for (int i = 0; i < N; i++)
+        wait[i] = (rekv_hybrid_seq){.tokens = 480, .full_tokens = 512};
+    int kv, act, kv0, act0;
+    uint64_t jobs[N], mb_job[N];
+    uint32_t mb_index[N];
+    int64_t ctx[N];
+    for (int i = 0; i < N; i++)
+        jobs[i] = (uint64_t)i + 1, ctx[i] = 480;
+    Rekv__Worker__StepParams sp;
+    /* ample room: Algorithm 1's pattern, the one co_plan_step picks by itself (0:0) */
+    co_plan_join_pattern(&ps, NULL, 0, wait, N, 1ull << 40, &kv, &act);
+    ck_assert_int_eq(ps.join_binding, 0);
+    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, NULL, N, 0, 0, &sp, mb_job, mb_index), 1);
+    ck_assert(sp.kv_parts == (uint32_t)kv && sp.act_parts == (uint32_t)act);
+    kv0 = kv, act0 = act;
+    /* the room binds: ACT-heavier, and the Plan carries what admission charged */
+    uint64_t at1 = co_plan_job_store_bytes(&ps, 512, kv0, act0);
+    ck_assert(at1 == (uint64_t)rekv_plan_hybrid_job_bytes(32, kv0, act0, 8, 65536, 32768));
+    uint64_t left = 8 * at1 + at1 / 2; /* 8 jobs at Algorithm 1's pattern */
+    co_plan_join_pattern(&ps, NULL, 0, wait, N, left, &kv, &act);
+    ck_assert_int_eq(ps.join_binding, 1);
+    ck_assert_msg((double)kv / (kv + act) < (double)kv0 / (kv0 + act0),
+                  "binding: %d:%d, Algorithm 1 %d:%d", kv, act, kv0, act0);
+    ck_assert(left / co_plan_job_store_bytes(&ps, 512, kv, act) > 8);
+    double frac[N];
+    for (int i = 0; i < N; i++)
+        frac[i] = 0.5;
+    ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, frac, 8, kv, act, &sp, mb_job, mb_index), 1);
+    ck_assert(sp.kv_parts == (uint32_t)kv && sp.act_parts == (uint32_t)act);
+    ck_assert_uint_eq(co_plan_job_store_bytes(&ps, 512, 0, 0),
+                      co_plan_job_store_bytes(&ps, 512, 1, 1));
+
+    /* the spill tier: up to arena + spill while one layer of the batch fits a window (half the
+     * arena less two big slots); infinigen pins whole steps, so its budget is the arena */
+    room.spill_room_bytes = 64ull << 20;
+    co_plan_store(&ps, &room);
+    ck_assert_uint_eq(co_plan_store_budget(&ps), (256ull + 64) << 20);
+    room.spill_room_bytes = 1ull << 40;
+    co_plan_store(&ps, &room);
+    uint64_t win = ((256ull << 20) - 2 * 65536) / 2;
+    ck_assert_uint_eq(co_plan_store_budget(&ps), win * 8 + 7);
+    co_plan_state ig;
+    opt8_hello(&h, &cp, "infinigen");
+    co_plan_init(&ig, &h);
+    co_plan_store(&ig, &room);
+    ck_assert_uint_eq(co_plan_store_budget(&ig), 256ull << 20);
+
+    /* no profile: the worker keeps its 1:1, and so does admission */
+    h.profile = NULL;
+    h.mode = "hybrid";
+    co_plan_init(&ps, &h);
+    co_plan_store(&ps, &room);
+    co_plan_join_pattern(&ps, NULL, 0, wait, N, left, &kv, &act);
+    ck_assert(kv == 1 && act == 1);
 }
 END_TEST
 
@@ -1309,6 +1392,7 @@ int main(void)
     tcase_add_test(tc, test_co_plan_device_room);
     tcase_add_test(tc, test_co_plan_selected_fraction);
     tcase_add_test(tc, test_co_plan_prefill_chunk);
+    tcase_add_test(tc, test_co_plan_join_pattern);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
