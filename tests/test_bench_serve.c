@@ -114,6 +114,32 @@ START_TEST(serve_counts_and_admission)
 }
 END_TEST
 
+/* Hybrid against offload at one small arena with no spill tier (the arena is all the room,
+ * 160 KiB: three jobs' KV, six jobs' activations), behind an emulated 0.5 Gbit/s link where moving
+ * a token's K,V costs more than rebuilding it: offload holds jobs back for room, hybrid's
+ * demand-aware pattern admits at least 1.5x as many at once (all ACT: all six), and admission
+ * charged each job at the pattern its sequence was made with — no step failed for room, so
+ * nothing was re-queued. */
+START_TEST(serve_hybrid_admits_more)
+{
+    json_t *o = bench("--modes offload,hybrid --arena 160K --spill-bytes 0 --link-gbps 0.5", 0);
+    ck_assert_int_eq(json_integer_value(json_object_get(o, "spill_bytes")), 0);
+    json_t *ms = json_object_get(o, "modes");
+    json_t *off = json_array_get(ms, 0), *hyb = json_array_get(ms, 1);
+    ck_assert_str_eq(json_string_value(json_object_get(hyb, "mode")), "hybrid");
+    for (int i = 0; i < 2; i++) {
+        json_t *m = i ? hyb : off;
+        check_all_done(m, JOBS);
+        ck_assert_int_eq(geti(m, "requeued"), 0);
+    }
+    ck_assert_int_ge(geti(off, "jobs_held_for_room"), 1);
+    json_int_t a_off = geti(off, "admitted_concurrency"), a_hyb = geti(hyb, "admitted_concurrency");
+    ck_assert_msg(2 * a_hyb >= 3 * a_off, "admitted at once: hybrid %lld, offload %lld",
+                  (long long)a_hyb, (long long)a_off);
+    json_decref(o);
+}
+END_TEST
+
 /* --long-prompt: one more job, of 160 prompt tokens, joins while the others decode; it finishes
  * too and the report says the others' ITL p99 before it and while it ran. */
 START_TEST(serve_long_prompt)
@@ -154,6 +180,7 @@ static Suite *suite(void)
     TCase *tc = tcase_create("bench_serve");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, serve_counts_and_admission);
+    tcase_add_test(tc, serve_hybrid_admits_more);
     tcase_add_test(tc, serve_long_prompt);
     tcase_add_test(tc, serve_counts_failures);
     suite_add_tcase(s, tc);

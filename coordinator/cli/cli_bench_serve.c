@@ -43,6 +43,7 @@
 
 typedef struct serve_opts {
     const char *model, *backend, *arena, *link_gbps, *prefill_chunk;
+    const char *spill; /* the store's spill tier, bytes (0: none); NULL: the filesystem's */
     long n_jobs, prompt_len, max_new, long_prompt, max_batch;
     double rate; /* jobs/s; 0: all at once */
 } serve_opts;
@@ -122,6 +123,9 @@ static int trio_start(trio *t, const serve_opts *o, const char *mode)
     ARG("run"); ARG("--model"); ARG(o->model); ARG("--dir"); ARG(t->dir);
     ARG("--mode"); ARG(mode); ARG("--backend"); ARG(o->backend);
     ARG("--host-bytes"); ARG(o->arena); ARG("--max-batch"); ARG(batch);
+    if (o->spill) {
+        ARG("--spill-bytes"); ARG(o->spill);
+    }
     ARG("--queue"); ARG(queue); ARG("--ready-fd"); ARG(fd);
     if (o->link_gbps) {
         ARG("--link-gbps"); ARG(o->link_gbps);
@@ -408,9 +412,9 @@ static void serve_usage(FILE *f)
 {
     fprintf(f,
             "usage: rekv bench serve --model PATH [--modes offload,hybrid] [--arena SIZE]\n"
-            "                        [--jobs N] [--prompt-len S] [--max-new-tokens G]\n"
-            "                        [--rate R] [--long-prompt L] [--max-batch B]\n"
-            "                        [--backend cpu|cuda|auto] [--link-gbps G]\n"
+            "                        [--spill-bytes SIZE] [--jobs N] [--prompt-len S]\n"
+            "                        [--max-new-tokens G] [--rate R] [--long-prompt L]\n"
+            "                        [--max-batch B] [--backend cpu|cuda|auto] [--link-gbps G]\n"
             "                        [--prefill-chunk N] [--json]\n"
             "For each mode, starts a private kvstore (--host-bytes SIZE, default 64M), worker\n"
             "(--mode MODE, --backend, default cpu) and coordinator, submits N jobs (default 16)\n"
@@ -422,7 +426,9 @@ static void serve_usage(FILE *f)
             "more job of an L-token prompt, submitted once half the tokens are out; the other\n"
             "jobs' ITL p99 before it and while it runs. --max-batch: the worker's (default\n"
             "N + 1, so that the arena is what limits). --prefill-chunk: the coordinator's cap\n"
-            "(rekv run --prefill-chunk; 0: whole prompts). Exit 1 when a job failed.\n");
+            "(rekv run --prefill-chunk; 0: whole prompts). --spill-bytes: the store's spill tier\n"
+            "(rekv run --spill-bytes; 0: none, so that the arena alone is the room admission\n"
+            "counts; default: the filesystem's). Exit 1 when a job failed.\n");
 }
 
 int cli_bench_serve(int argc, char **argv)
@@ -430,6 +436,7 @@ int cli_bench_serve(int argc, char **argv)
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},
                                          {"modes", required_argument, 0, 'M'},
                                          {"arena", required_argument, 0, 'a'},
+                                         {"spill-bytes", required_argument, 0, 's'},
                                          {"jobs", required_argument, 0, 'n'},
                                          {"prompt-len", required_argument, 0, 'p'},
                                          {"max-new-tokens", required_argument, 0, 'g'},
@@ -442,11 +449,11 @@ int cli_bench_serve(int argc, char **argv)
                                          {"json", no_argument, 0, 'j'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    serve_opts o = {NULL, "cpu", "64M", NULL, NULL, 16, 64, 32, 0, 0, 0};
+    serve_opts o = {NULL, "cpu", "64M", NULL, NULL, NULL, 16, 64, 32, 0, 0, 0};
     const char *modes = "offload,hybrid";
     double d;
     long v;
-    uint64_t size;
+    uint64_t size, spill_size = 0;
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -454,6 +461,7 @@ int cli_bench_serve(int argc, char **argv)
         case 'm': o.model = optarg; break;
         case 'M': modes = optarg; break;
         case 'a': o.arena = optarg; break;
+        case 's': o.spill = optarg; break;
         case 'n': if (cli_parse_int("jobs", optarg, 1, 4000, &o.n_jobs)) return 2; break;
         case 'p': if (cli_parse_int("prompt-len", optarg, 1, 1 << 20, &o.prompt_len)) return 2; break;
         case 'g': if (cli_parse_int("max-new-tokens", optarg, 1, 1 << 20, &o.max_new)) return 2; break;
@@ -474,6 +482,11 @@ int cli_bench_serve(int argc, char **argv)
     }
     if (rekv_parse_size(o.arena, &size) || size == 0) {
         fprintf(stderr, "rekv bench serve: --arena %s: expected bytes, e.g. 1G\n", o.arena);
+        return 2;
+    }
+    if (o.spill && rekv_parse_size(o.spill, &spill_size)) {
+        fprintf(stderr, "rekv bench serve: --spill-bytes %s: expected bytes, e.g. 1G, or 0\n",
+                o.spill);
         return 2;
     }
     if (o.max_batch == 0)
@@ -573,6 +586,8 @@ int cli_bench_serve(int argc, char **argv)
         o.rate, "long_prompt", (int)o.long_prompt, "max_batch", (int)o.max_batch, "modes", arr);
     if (o.link_gbps)
         json_object_set_new(out, "link_gbps", json_real(atof(o.link_gbps)));
+    if (o.spill) /* the store's spill tier (0: none); absent: the filesystem's */
+        json_object_set_new(out, "spill_bytes", json_integer((json_int_t)spill_size));
     /* the coordinator's cap (rekv-coordinator's default when not given) */
     json_object_set_new(out, "prefill_chunk", json_integer(o.prefill_chunk ? atol(o.prefill_chunk) : 512));
     char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));

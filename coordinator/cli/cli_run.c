@@ -48,8 +48,8 @@ static void run_usage(FILE *f)
 {
     fprintf(f,
             "usage: rekv run --model PATH [--backend auto|cpu|cuda] [--dir DIR] [--mode MODE]\n"
-            "                [--host-bytes N] [--cache-dtype f16|f32] [--queue N]\n"
-            "                [--max-batch N] [--state-dir DIR] [--approximate]\n"
+            "                [--host-bytes N] [--spill-bytes N] [--cache-dtype f16|f32]\n"
+            "                [--queue N] [--max-batch N] [--state-dir DIR] [--approximate]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
             "                [--metrics-public] [--prefill-chunk N] [--ready-fd N]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
@@ -59,6 +59,9 @@ static void run_usage(FILE *f)
             "infinigen|clo. --approximate: let the coordinator choose an approximate mode (infinigen)\n"
             "for --mode auto; its tokens may differ from resident's.\n"
             "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n"
+            "--spill-bytes: the kvstore's spill tier ($TMPDIR, else /var/tmp) holds at most N\n"
+            "bytes; 0: no spill tier, the arena (--host-bytes) is all the room; default: what the\n"
+            "filesystem has.\n"
             "--link-gbps G, --link-latency-us U, --device-memory SIZE: the worker's cpu backend\n"
             "behaves like a GPU of SIZE bytes behind a link of G Gbit/s (see rekv-gpuworker).\n"
             "--push: the kvstore writes the KV rows into the worker's buffers (the push path).\n"
@@ -200,6 +203,7 @@ int cli_run(int argc, char **argv)
         {"model", required_argument, 0, 'm'},      {"backend", required_argument, 0, 'b'},
         {"dir", required_argument, 0, 'd'},        {"mode", required_argument, 0, 'M'},
         {"host-bytes", required_argument, 0, 'H'}, {"queue", required_argument, 0, 'q'},
+        {"spill-bytes", required_argument, 0, 'S'},
         {"max-batch", required_argument, 0, 'B'},  {"state-dir", required_argument, 0, 's'},
         {"worker-timeout-ms", required_argument, 0, 'T'},
         {"bin-dir", required_argument, 0, 'x'},    {"ready-fd", required_argument, 0, 'R'},
@@ -217,7 +221,8 @@ int cli_run(int argc, char **argv)
     int push = 0, approximate = 0, metrics_public = 0;
     const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "auto", *cache = NULL,
                *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
-               *timeout = "30000", *bin_arg = NULL, *metrics = NULL, *chunk = NULL;
+               *timeout = "30000", *bin_arg = NULL, *metrics = NULL, *chunk = NULL,
+               *spill = NULL;
     long ready_fd = -1, v;
     int o;
     optind = 1;
@@ -228,6 +233,7 @@ int cli_run(int argc, char **argv)
         case 'd': dir_arg = optarg; break;
         case 'M': mode = optarg; break;
         case 'H': host_bytes = optarg; break;
+        case 'S': spill = optarg; break;
         case 'q': if (cli_parse_int("queue", optarg, 1, 1 << 24, &v)) return 2; queue = optarg; break;
         case 'B': if (cli_parse_int("max-batch", optarg, 1, 4096, &v)) return 2; max_batch = optarg; break;
         case 's': state_arg = optarg; break;
@@ -274,6 +280,11 @@ int cli_run(int argc, char **argv)
         fprintf(stderr, "rekv run: --host-bytes %s: expected bytes, e.g. 64G\n", host_bytes);
         return 2;
     }
+    if (spill && rekv_parse_size(spill, &size_v)) {
+        fprintf(stderr, "rekv run: --spill-bytes %s: expected bytes, e.g. 4G, or 0\n", spill);
+        return 2;
+    }
+    int no_spill = spill && size_v == 0;
     if (devmem && rekv_parse_size(devmem, &size_v)) {
         fprintf(stderr, "rekv run: --device-memory %s: expected bytes, e.g. 512M\n", devmem);
         return 2;
@@ -338,6 +349,11 @@ int cli_run(int argc, char **argv)
     ARG(KV, "--host-bytes"); ARG(KV, host_bytes);
     ARG(KV, "--model"); ARG(KV, model);
     ARG(KV, "--cache-dtype"); ARG(KV, cache);
+    if (no_spill)
+        ARG(KV, "--no-spill");
+    else if (spill) {
+        ARG(KV, "--spill-bytes"); ARG(KV, spill);
+    }
     if (push) { /* the store writes KV rows into the worker's buffers, on the worker's backend */
         /* the worker's kind: an emulated GPU is the cpu backend */
         ARG(KV, "--push-backend"); ARG(KV, link_gbps || devmem ? "cpu" : backend);
