@@ -74,10 +74,8 @@ typedef struct job {
     char *error;            /* FAILED: one line (malloc'd) */
     uint32_t attempts;      /* starts on a worker */
     int worker;             /* index in workers[] while RUNNING, else -1 */
-    uint64_t store_bytes;   /* RUNNING: the kvstore bytes admission reserved for it at its full
-                             * length (co_plan_job_store_bytes) */
     int kv_parts, act_parts; /* RUNNING on a hybrid worker: the KV:ACT pattern its sequence was
-                              * made with, the one it was charged at */
+                              * made with, the one admission charges it at */
     double accepted_at;     /* CLOCK_REALTIME s */
     uint64_t start_ns;      /* last start (monotonic) */
     uint64_t end_ns;        /* end (monotonic); 0 while unfinished */

@@ -178,7 +178,8 @@ static uint64_t job_tokens(const worker *w, const job *j)
 }
 
 /* The kvstore bytes the running jobs of every worker on w's store (the same instance) will take
- * at their full length: what admission reserved for each when it let it in. */
+ * at their full length: what admission keeps for them, each at its own pattern (hybrid: the one
+ * it was charged at and made with). */
 static uint64_t store_promised(rekv_coordinator *co, const worker *w)
 {
     uint64_t sum = 0;
@@ -187,7 +188,8 @@ static uint64_t store_promised(rekv_coordinator *co, const worker *w)
         if (!v->active || v->plan.store_instance != w->plan.store_instance)
             continue;
         for (uint32_t k = 0; k < v->n_run; k++)
-            sum += v->run[k]->store_bytes;
+            sum += co_plan_job_store_bytes(&v->plan, job_tokens(v, v->run[k]), v->run[k]->kv_parts,
+                                           v->run[k]->act_parts);
     }
     return sum;
 }
@@ -335,7 +337,6 @@ void co_schedule(rekv_coordinator *co)
                 break;
             }
             promised += need;
-            j->store_bytes = need;
             j->kv_parts = kv_parts;
             j->act_parts = act_parts;
             co_queue_remove(co, j);
