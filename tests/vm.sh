@@ -9,13 +9,15 @@
 # system, this machine's own root, shared read-only over 9p under a tmpfs overlay: the guest runs
 # the programs and libraries installed here, sees this repository at the same path, and writes
 # nothing here but WORKDIR/out (a second, writable share, /rekv-out in the guest). --stage DIR is
-# copied over the guest's root first (e.g. `make install DESTDIR=`); --disk MIB adds an empty disk
-# (/dev/vda, a sparse file in WORKDIR). A busybox initramfs made here mounts all that and hands
+# copied over the guest's root first (e.g. `make install DESTDIR=`); --disk MIB adds a disk
+# (/dev/vda): WORKDIR/disk.img, made empty (sparse) when absent, kept — a second boot finds what
+# the first wrote. A busybox initramfs made here mounts all that and hands
 # over to systemd, which boots into rekv-vm.target: its one-shot service runs COMMAND in this
 # directory and writes its output to out/log and its exit status to out/rc, then powers off.
 #
-# Exit 0: COMMAND ran (its status is out/rc); 77: a VM cannot run here (why on stderr); anything
-# else: the machine did not get that far (the console's tail on stderr).
+# Exit 0: the machine ran and ended by itself — out/rc holds COMMAND's status when it returned
+# (a COMMAND that cuts the power, e.g. sysrq's reboot, leaves none); 77: a VM cannot run here (why
+# on stderr); anything else: it did not start or end (the console's tail on stderr).
 set -u
 W=${1:?usage: vm.sh WORKDIR [--stage DIR] [--disk MIB] -- COMMAND [ARG...]}
 shift
@@ -69,6 +71,7 @@ After=basic.target
 
 [Service]
 Type=oneshot
+Environment=HOME=/root
 ExecStart=/bin/sh -c '/bin/sh $W/command.sh >/rekv-out/log 2>&1; echo \$? >/rekv-out/rc'
 ExecStopPost=/bin/systemctl poweroff --no-block
 EOF
@@ -131,7 +134,7 @@ if [ -n "${REKV_VM_KVM:-}" ] && (exec 3<>/dev/kvm) 2>/dev/null; then
 fi
 DRIVE=()
 if [ -n "$DISK" ]; then
-    rm -f "$W/disk.img" && truncate -s "${DISK}M" "$W/disk.img" || exit 2
+    [ -e "$W/disk.img" ] || truncate -s "${DISK}M" "$W/disk.img" || exit 2
     DRIVE=(-drive "file=$W/disk.img,if=virtio,format=raw")
 fi
 timeout "${REKV_VM_TIMEOUT:-540}" "$QEMU" "${ACCEL[@]}" -m 2048 -smp 2 \
@@ -142,9 +145,8 @@ timeout "${REKV_VM_TIMEOUT:-540}" "$QEMU" "${ACCEL[@]}" -m 2048 -smp 2 \
     -virtfs local,path="$W/out",mount_tag=out,security_model=none,multidevs=remap \
     "${DRIVE[@]}"
 rc=$?
-rm -f "$W/disk.img"
-if [ ! -e "$W/out/rc" ]; then
+if [ $rc -ne 0 ]; then
     tail -n 60 "$W/console.log" >&2
-    fail "the guest did not run the command (qemu exit $rc)"
+    fail "the machine did not run to its end (qemu exit $rc)"
 fi
 exit 0
