@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
 
 static const char *const units[] = {"rekv-kvstore", "rekv-gpuworker", "rekv-coordinator"};
@@ -83,9 +84,7 @@ START_TEST(compose_config)
     else if (tu_run("docker-compose version >/dev/null 2>&1", NULL) == 0)
         tool = "docker-compose";
     if (tool == NULL) {
-        const char *ci = getenv("CI");
-        ck_assert_msg(!(ci && strcmp(ci, "true") == 0),
-                      "neither `docker compose` nor docker-compose can run (CI=true)");
+        ck_assert_msg(!tu_ci(), "neither `docker compose` nor docker-compose can run (CI=true)");
         fprintf(stderr, "   skip: neither `docker compose` nor docker-compose can run here "
                         "(deploy/debian-test-packages.txt installs the latter)\n");
         return;
@@ -275,25 +274,6 @@ START_TEST(compose_healthchecks)
 }
 END_TEST
 
-/* The contents of WORKDIR/out/NAME (the boot's record), or "" when the guest did not write it. */
-static char *boot_file(const char *w, const char *name)
-{
-    char path[4300];
-    snprintf(path, sizeof(path), "%s/out/%s", w, name);
-    char *text = tu_read_file(path, NULL);
-    return text ? text : strdup("");
-}
-
-/* The value of a Prometheus sample `name value` in text, or -1. */
-static double metric_value(const char *text, const char *name)
-{
-    size_t n = strlen(name);
-    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
-        if (strncmp(p, name, n) == 0 && p[n] == ' ')
-            return strtod(p + n + 1, NULL);
-    return -1;
-}
-
 /* The "generated_ids":[...] of a JSON result, as text (NULL when absent). */
 static char *generated_ids(const char *json)
 {
@@ -318,9 +298,7 @@ START_TEST(systemd_boot)
              build && *build ? build : "build");
     int rc = tu_run(cmd, &out);
     if (rc == 77) {
-        const char *ci = getenv("CI");
-        ck_assert_msg(!(ci && strcmp(ci, "true") == 0), "the boot test cannot run (CI=true): %s",
-                      out);
+        ck_assert_msg(!tu_ci(), "the boot test cannot run (CI=true): %s", out);
         fprintf(stderr, "   %s", out);
         free(out);
         tu_rmrf(w);
@@ -330,48 +308,47 @@ START_TEST(systemd_boot)
     ck_assert_msg(rc == 0, "tests/boot_systemd.sh failed (exit %d):\n%s", rc, out);
     free(out);
 
-    char *log = boot_file(w, "check.log");
+    char *log = tu_vm_out(w, "check.log");
     const char *rcs[] = {"enable.rc", "job1.rc", "job2.rc"};
     for (size_t i = 0; i < 3; i++) {
-        char *t = boot_file(w, rcs[i]);
-        size_t n = strlen(log); /* the log's end: Check's messages are short */
+        char *t = tu_vm_out(w, rcs[i]);
         ck_assert_msg(strcmp(t, "0\n") == 0, "in the guest, %s is '%s'; its log ends:\n%s", rcs[i],
-                      t, log + (n > 2000 ? n - 2000 : 0));
+                      t, tu_log_end(log));
         free(t);
     }
     for (size_t i = 0; i < 3; i++) {
         char name[128];
         snprintf(name, sizeof(name), "%s.show", units[i]);
-        char *show = boot_file(w, name);
+        char *show = tu_vm_out(w, name);
         ck_assert_msg(strstr(show, "ActiveState=active\n") && strstr(show, "NRestarts=0\n"),
                       "%s was not running, or was restarted, after the jobs:\n%s", units[i], show);
         free(show);
         snprintf(name, sizeof(name), "%s.user", units[i]);
-        char *user = boot_file(w, name);
+        char *user = tu_vm_out(w, name);
         ck_assert_msg(strcmp(user, "rekv\n") == 0, "%s runs as '%s', not rekv", units[i], user);
         free(user);
         snprintf(name, sizeof(name), "%s.stopped", units[i]);
-        char *stopped = boot_file(w, name);
+        char *stopped = tu_vm_out(w, name);
         ck_assert_msg(strstr(stopped, "ActiveState=inactive\n") &&
                           strstr(stopped, "Result=success\n"),
                       "%s did not stop cleanly:\n%s", units[i], stopped);
         free(stopped);
         snprintf(name, sizeof(name), "%s.security", units[i]);
-        char *sec = boot_file(w, name), *at = strstr(sec, "Overall exposure level for ");
+        char *sec = tu_vm_out(w, name), *at = strstr(sec, "Overall exposure level for ");
         at = at ? strstr(at, ": ") : NULL;
         ck_assert_msg(at != NULL, "no exposure score for %s:\n%s", units[i], sec);
         double score = strtod(at + 2, NULL);
         ck_assert_msg(score <= 4.0, "%s: exposure %.1f > 4 on the running system", units[i], score);
         free(sec);
     }
-    char *shm = boot_file(w, "shm.after");
+    char *shm = tu_vm_out(w, "shm.after");
     ck_assert_msg(shm[0] == '\0', "shared memory left after the units stopped:\n%s", shm);
     free(shm);
-    char *metrics = boot_file(w, "kvstore.metrics");
-    double writes = metric_value(metrics, "rekv_kvstore_spill_writes_total"),
-           reads = metric_value(metrics, "rekv_kvstore_spill_reads_total"),
-           errors = metric_value(metrics, "rekv_kvstore_spill_errors_total"),
-           crc = metric_value(metrics, "rekv_kvstore_crc_errors_total");
+    char *metrics = tu_vm_out(w, "kvstore.metrics");
+    double writes = ms_value(metrics, "rekv_kvstore_spill_writes_total"),
+           reads = ms_value(metrics, "rekv_kvstore_spill_reads_total"),
+           errors = ms_value(metrics, "rekv_kvstore_spill_errors_total"),
+           crc = ms_value(metrics, "rekv_kvstore_crc_errors_total");
     ck_assert_msg(writes > 0 && reads > 0, "the long job did not spill: %g writes, %g reads",
                   writes, reads);
     ck_assert_msg(errors == 0 && crc == 0, "the guest's kvstore: %g spill errors, %g CRC errors",
@@ -388,7 +365,7 @@ START_TEST(systemd_boot)
     for (size_t i = 0; i < 2; i++) {
         char name[32];
         snprintf(name, sizeof(name), "job%zu.json", i + 1);
-        char *served = boot_file(w, name), *want_out = NULL;
+        char *served = tu_vm_out(w, name), *want_out = NULL;
         snprintf(cmd, sizeof(cmd),
                  "%s generate --local --model '%s/stage/var/lib/rekv/models/model' --prompt-ids "
                  "%s --max-new-tokens 8 --ignore-eos --json",

@@ -738,54 +738,21 @@ END_TEST
 
 /* ---------------------------------------------------------------- a power cut */
 
-static void sh_ok(const char *cmd)
-{
-    char *out = NULL;
-    int rc = tu_run(cmd, &out);
-    ck_assert_msg(rc == 0, "%s (exit %d): %s", cmd, rc, out);
-    free(out);
-}
-
-/* Boots tests/vm.sh in w with its disk and this test in the role given; returns the guest's log
- * (malloc'd) and whether it wrote out/rc (the command returned) and out/heard. */
+/* Boots the machine (tu_vm_self) with this test in the role given; returns the guest's log
+ * (malloc'd), or NULL when no machine can run here, and whether it wrote out/rc (1: 0, -1: other,
+ * 0: none — the command did not return) and out/heard. */
 static char *powercut_boot(const char *w, const char *role, int *returned, int *heard)
 {
-    char cmd[8192], exe[4096], path[4300], *out = NULL;
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-    ck_assert_int_gt(n, 0);
-    exe[n] = '\0';
-    const char *build = getenv("REKV_BUILD");
-    snprintf(cmd, sizeof(cmd),
-             "tests/vm.sh '%s' --disk 64 -- env REKV_TEST_POWERCUT=%s REKV_BUILD='%s' "
-             "CK_RUN_SUITE=journal CK_RUN_CASE=powercut '%s' 2>&1",
-             w, role, build && *build ? build : "build", exe);
-    int rc = tu_run(cmd, &out);
-    if (rc == 77) {
-        const char *ci = getenv("CI");
-        ck_assert_msg(!(ci && strcmp(ci, "true") == 0),
-                      "the power-cut test cannot boot its machine (CI=true): %s", out);
-        fprintf(stderr, "   %s", out);
-        free(out);
+    char guest[64];
+    snprintf(guest, sizeof(guest), "REKV_TEST_POWERCUT=%s", role);
+    if (!tu_vm_self(w, guest, "journal", "powercut"))
         return NULL;
-    }
-    ck_assert_msg(rc == 0, "tests/vm.sh failed (exit %d):\n%s", rc, out);
-    free(out);
-    snprintf(path, sizeof(path), "%s/out/rc", w);
-    char *grc = tu_read_file(path, NULL);
-    *returned = grc != NULL && strcmp(grc, "0\n") == 0 ? 1 : grc != NULL ? -1 : 0;
+    char *grc = tu_vm_out(w, "rc"), *seen = tu_vm_out(w, "heard");
+    *returned = !*grc ? 0 : strcmp(grc, "0\n") == 0 ? 1 : -1;
+    *heard = *seen != '\0';
     free(grc);
-    snprintf(path, sizeof(path), "%s/out/heard", w);
-    *heard = access(path, F_OK) == 0;
-    snprintf(path, sizeof(path), "%s/out/log", w);
-    char *log = tu_read_file(path, NULL);
-    return log ? log : strdup("");
-}
-
-/* The end of a log, for a message Check can carry. */
-static const char *log_end(const char *log)
-{
-    size_t n = strlen(log);
-    return log + (n > 2500 ? n - 2500 : 0);
+    free(seen);
+    return tu_vm_out(w, "log");
 }
 
 /* What the journal's fdatasync is for: a job whose end the client has heard survives a power cut
@@ -812,12 +779,12 @@ START_TEST(finished_job_survives_power_cut)
         }
         ck_assert_msg(heard && returned == 0,
                       "the first boot did not hear the job end and cut the power:\n%s",
-                      log_end(log));
+                      tu_log_end(log));
         free(log);
         log = powercut_boot(w, "after", &returned, &heard);
         ck_assert_ptr_nonnull(log);
         ck_assert_msg(returned == 1 && strstr(log, "100%: Checks: 1, Failures: 0, Errors: 0"),
-                      "after the power cut, the journal lost the job:\n%s", log_end(log));
+                      "after the power cut, the journal lost the job:\n%s", tu_log_end(log));
         free(log);
         tu_rmrf(w);
         free(w);
@@ -832,13 +799,13 @@ START_TEST(finished_job_survives_power_cut)
     reference(e.model, MAX_NEW, &ref);
     int before = strcmp(role, "before") == 0;
     if (before)
-        sh_ok("mkdir -p /mnt/rekv-journal && mkfs.ext4 -q /dev/vda && "
-              "mount -o commit=600 /dev/vda /mnt/rekv-journal && "
-              "echo 0 > /proc/sys/vm/dirty_writeback_centisecs && "
-              "echo 360000 > /proc/sys/vm/dirty_expire_centisecs && "
-              "echo 1 > /proc/sys/kernel/sysrq");
+        tu_run_ok("mkdir -p /mnt/rekv-journal && mkfs.ext4 -q /dev/vda && "
+                  "mount -o commit=600 /dev/vda /mnt/rekv-journal && "
+                  "echo 0 > /proc/sys/vm/dirty_writeback_centisecs && "
+                  "echo 360000 > /proc/sys/vm/dirty_expire_centisecs && "
+                  "echo 1 > /proc/sys/kernel/sysrq");
     else
-        sh_ok("mkdir -p /mnt/rekv-journal && mount /dev/vda /mnt/rekv-journal");
+        tu_run_ok("mkdir -p /mnt/rekv-journal && mount /dev/vda /mnt/rekv-journal");
     pid_t co = start_coordinator(&e);
     rekv_ctl *c = tu_ctl_open(e.ctl);
     if (before) {
@@ -853,7 +820,7 @@ START_TEST(finished_job_survives_power_cut)
         ck_assert_ptr_nonnull(f);
         fprintf(f, "%llu\n", (unsigned long long)a);
         fclose(f);
-        sh_ok("echo b > /proc/sysrq-trigger");
+        tu_run_ok("echo b > /proc/sysrq-trigger");
         sleep(30);
         ck_abort_msg("the machine was not reset");
     }

@@ -1727,14 +1727,6 @@ END_TEST
 
 /* ------------------------------------------------ EIO: a spill device that fails */
 
-static void sh_ok(const char *cmd)
-{
-    char *out = NULL;
-    int rc = tu_run(cmd, &out);
-    ck_assert_msg(rc == 0, "%s (exit %d): %s", cmd, rc, out);
-    free(out);
-}
-
 /* A real block device that fails under the spill file: in a virtual machine (tests/vm.sh with a
  * disk), the spill directory is an ext4 on a device-mapper device; once sequence 1 is spilled the
  * device's table is swapped for dm's `error` target, so every read of it returns EIO from the
@@ -1747,37 +1739,15 @@ START_TEST(test_spill_eio_readback)
 {
     const char *disk = getenv("REKV_TEST_EIO_DISK");
     if (disk == NULL) {
-        char *w = tu_tmpdir(), cmd[8192], exe[4096], *out = NULL;
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-        ck_assert_int_gt(n, 0);
-        exe[n] = '\0';
-        const char *build = getenv("REKV_BUILD");
-        snprintf(cmd, sizeof(cmd),
-                 "tests/vm.sh '%s' --disk 64 -- env REKV_TEST_EIO_DISK=/dev/vda REKV_BUILD='%s' "
-                 "CK_RUN_SUITE=kvstore CK_RUN_CASE=eio CK_VERBOSITY=normal '%s' 2>&1",
-                 w, build && *build ? build : "build", exe);
-        int rc = tu_run(cmd, &out);
-        if (rc == 77) {
-            const char *ci = getenv("CI");
-            ck_assert_msg(!(ci && strcmp(ci, "true") == 0),
-                          "the EIO test cannot boot its machine (CI=true): %s", out);
-            fprintf(stderr, "   %s", out);
-        } else {
-            ck_assert_msg(rc == 0, "tests/vm.sh failed (exit %d):\n%s", rc, out);
-            char path[4200];
-            snprintf(path, sizeof(path), "%s/out/rc", w);
-            char *grc = tu_read_file(path, NULL);
-            snprintf(path, sizeof(path), "%s/out/log", w);
-            char *log = tu_read_file(path, NULL);
-            size_t ln = log ? strlen(log) : 0;
-            ck_assert_msg(grc && strcmp(grc, "0\n") == 0 && log &&
+        char *w = tu_tmpdir();
+        if (tu_vm_self(w, "REKV_TEST_EIO_DISK=/dev/vda", "kvstore", "eio")) {
+            char *grc = tu_vm_out(w, "rc"), *log = tu_vm_out(w, "log");
+            ck_assert_msg(strcmp(grc, "0\n") == 0 &&
                               strstr(log, "100%: Checks: 1, Failures: 0, Errors: 0"),
-                          "in the machine, the test failed (exit %s):\n%s", grc ? grc : "?",
-                          log ? log + (ln > 2500 ? ln - 2500 : 0) : "");
+                          "in the machine, the test failed (exit '%s'):\n%s", grc, tu_log_end(log));
             free(grc);
             free(log);
         }
-        free(out);
         tu_rmrf(w);
         free(w);
         return;
@@ -1788,7 +1758,7 @@ START_TEST(test_spill_eio_readback)
              "modprobe dm_mod && dmsetup create rekv-eio --table \"0 $(blockdev --getsz %s) "
              "linear %s 0\" && mkfs.ext4 -q /dev/mapper/rekv-eio",
              disk, disk);
-    sh_ok(cmd);
+    tu_run_ok(cmd);
     g_spill_fs = "/dev/mapper/rekv-eio";
     kvd d;
     kvd_start(&d, 48, NULL, 0);
@@ -1800,8 +1770,8 @@ START_TEST(test_spill_eio_readback)
     uint32_t layer = 0;
     uint64_t block = 0;
     (void)spill_seq1(&d, c, &layer, &block);
-    sh_ok("dmsetup suspend rekv-eio && dmsetup load rekv-eio --table \"0 $(blockdev --getsz "
-          "/dev/mapper/rekv-eio) error\" && dmsetup resume rekv-eio");
+    tu_run_ok("dmsetup suspend rekv-eio && dmsetup load rekv-eio --table \"0 $(blockdev --getsz "
+              "/dev/mapper/rekv-eio) error\" && dmsetup resume rekv-eio");
 
     uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
     size_t kvb = type_bytes(c, REKV_KV_BLOCK_KV);

@@ -22,8 +22,7 @@ const char *tu_shared(const char *rel)
     char path[4096];
     snprintf(path, sizeof(path), "../shared/%s", rel);
     if (access(path, R_OK) != 0) {
-        const char *ci = getenv("CI");
-        if (ci != NULL && strcmp(ci, "true") == 0)
+        if (tu_ci())
             ck_abort_msg("required test file %s is missing (CI=true): ../shared must sit beside "
                          "the repository",
                          path);
@@ -38,6 +37,12 @@ const char *tu_shared(const char *rel)
     if (n_known < sizeof(known) / sizeof(known[0]))
         known[n_known++] = kept;
     return kept;
+}
+
+int tu_ci(void)
+{
+    const char *ci = getenv("CI");
+    return ci != NULL && strcmp(ci, "true") == 0;
 }
 
 int tu_run_suite(Suite *s)
@@ -323,4 +328,49 @@ tu_span *tu_trace_spans(rekv_backend *be, size_t *n)
     json_decref(root);
     *n = k;
     return out;
+}
+
+void tu_run_ok(const char *cmd)
+{
+    char *out = NULL;
+    int rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 0, "%s (exit %d): %s", cmd, rc, out ? out : "");
+    free(out);
+}
+
+int tu_vm_self(const char *workdir, const char *env, const char *suite, const char *tcase)
+{
+    char cmd[8192], exe[4096], *out = NULL;
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    ck_assert_int_gt(n, 0);
+    exe[n] = '\0';
+    const char *build = getenv("REKV_BUILD");
+    snprintf(cmd, sizeof(cmd),
+             "tests/vm.sh '%s' --disk 64 -- env %s REKV_BUILD='%s' CK_RUN_SUITE=%s CK_RUN_CASE=%s "
+             "'%s' 2>&1",
+             workdir, env, build && *build ? build : "build", suite, tcase, exe);
+    int rc = tu_run(cmd, &out);
+    if (rc == 77) {
+        ck_assert_msg(!tu_ci(), "no virtual machine can run (CI=true): %s", out);
+        fprintf(stderr, "   %s", out);
+        free(out);
+        return 0;
+    }
+    ck_assert_msg(rc == 0, "tests/vm.sh failed (exit %d):\n%s", rc, out);
+    free(out);
+    return 1;
+}
+
+char *tu_vm_out(const char *workdir, const char *name)
+{
+    char path[4400];
+    snprintf(path, sizeof(path), "%s/out/%s", workdir, name);
+    char *text = tu_read_file(path, NULL);
+    return text ? text : strdup("");
+}
+
+const char *tu_log_end(const char *log)
+{
+    size_t n = strlen(log);
+    return log + (n > 2000 ? n - 2000 : 0);
 }

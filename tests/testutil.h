@@ -25,6 +25,25 @@ const char *tu_bin(const char *name);
 
 /* Runs a shell command and captures stdout (malloc'd). Returns the exit status (or -1). */
 int tu_run(const char *cmd, char **out);
+/* Runs a shell command that must succeed (exit 0); fails the test with its output otherwise. */
+void tu_run_ok(const char *cmd);
+
+/* 1 when CI=true: a part that cannot run is then a failure, never a skip. */
+int tu_ci(void);
+
+/* ---- a virtual machine (tests/vm.sh): a real systemd, a disk of the test's own ---- */
+
+/* Runs this very test program (its suite and case by CK_RUN_SUITE/CK_RUN_CASE) as root in a
+ * virtual machine with a 64 MiB disk (/dev/vda, WORKDIR/disk.img: kept for the next boot), its
+ * environment plus `env` ("NAME=value ..."), which tells the test it is the guest. Returns 1 when
+ * the machine ran and ended (WORKDIR/out holds what it wrote: tu_vm_out), 0 when no machine can
+ * run here (printed as a skip with the reason; a failure under CI=true); any other failure of
+ * vm.sh fails the test. */
+int tu_vm_self(const char *workdir, const char *env, const char *suite, const char *tcase);
+/* WORKDIR/out/NAME as the guest wrote it (malloc'd), "" when it wrote none. */
+char *tu_vm_out(const char *workdir, const char *name);
+/* The last 2,000 bytes of a log, for a message Check can carry (its messages are short). */
+const char *tu_log_end(const char *log);
 
 /* ---- daemons: the real processes, started as their users start them ---- */
 
