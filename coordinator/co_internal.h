@@ -19,6 +19,12 @@
 #include "proto/worker.pb-c.h"
 
 #define MAX_WORKERS 16
+/* Plans a worker holds at once: the one it runs and the next, which it finds waiting when its
+ * step ends, so the coordinator's round trip (Progress in, Plan out) is off the step's path. The
+ * next is made before the running step's Progress is in: it cannot give a slot that step frees to
+ * a new job (that waits one step) and it may still name a job the step finishes (the worker has
+ * dropped it: no output); the tokens are the same. */
+#define CO_PLANS_OUT 2
 #define MAX_SUBS 4  /* stream subscribers per job */
 #define MAX_RID 256 /* ZeroMQ routing ids are at most 255 bytes */
 #define READ_BATCH                                                                                 \
@@ -66,34 +72,35 @@ typedef struct job {
     uint64_t order;   /* arrival order among equal priorities */
     int32_t *gen;     /* [n_gen] generated ids (capacity cap_gen) */
     uint32_t n_gen, cap_gen;
-    uint32_t top_logits;    /* k: the k largest logits before each generated token; 0 none */
-    int32_t *top_ids;       /* [n_gen][top_logits] (capacity cap_gen) */
-    float *top_vals;        /* [n_gen][top_logits] */
-    uint32_t streamed;      /* tokens already sent to subscribers: a re-run resends none of them */
-    char finish_reason[16]; /* "length", "eos", "context", "cancelled" */
-    char *error;            /* FAILED: one line (malloc'd) */
-    uint32_t attempts;      /* starts on a worker */
-    int worker;             /* index in workers[] while RUNNING, else -1 */
+    uint32_t top_logits;     /* k: the k largest logits before each generated token; 0 none */
+    int32_t *top_ids;        /* [n_gen][top_logits] (capacity cap_gen) */
+    float *top_vals;         /* [n_gen][top_logits] */
+    uint32_t streamed;       /* tokens already sent to subscribers: a re-run resends none of them */
+    char finish_reason[16];  /* "length", "eos", "context", "cancelled" */
+    char *error;             /* FAILED: one line (malloc'd) */
+    uint32_t attempts;       /* starts on a worker */
+    int worker;              /* index in workers[] while RUNNING, else -1 */
     int kv_parts, act_parts; /* RUNNING on a hybrid worker: the KV:ACT pattern its sequence was
                               * made with, the one admission charges it at */
-    double accepted_at;     /* CLOCK_REALTIME s */
-    uint64_t start_ns;      /* last start (monotonic) */
-    uint64_t end_ns;        /* end (monotonic); 0 while unfinished */
-    double queued_s;        /* acceptance to first start; < 0 until started */
-    uint32_t timed;         /* tokens whose latency went into the TTFT/inter-token histograms:
-                             * a re-run's tokens below it were seen before and are not timed */
-    uint64_t last_token_ns; /* when the last timed token came (monotonic); 0: none yet */
+    double accepted_at;      /* CLOCK_REALTIME s */
+    uint64_t start_ns;       /* last start (monotonic) */
+    uint64_t end_ns;         /* end (monotonic); 0 while unfinished */
+    double queued_s;         /* acceptance to first start; < 0 until started */
+    uint32_t timed;          /* tokens whose latency went into the TTFT/inter-token histograms:
+                              * a re-run's tokens below it were seen before and are not timed */
+    uint64_t last_token_ns;  /* when the last timed token came (monotonic); 0: none yet */
     sub subs[MAX_SUBS];
     int n_subs;
-    int queued_pos;    /* index in the queue while QUEUED, else -1 */
-    char waiting[200]; /* QUEUED: why admission holds it back (JobStatus.waiting); "" otherwise */
-    struct job *hnext; /* hash chain */
-    char *key;         /* Submit.client_key (malloc'd), NULL when none */
-    struct job *knext; /* key hash chain */
-    int unsynced;      /* accepted this round, its record not yet synced */
-    int end_pending;   /* ended, its finished record not yet synced: not reported yet */
-    uint64_t mark;     /* the Progress that last named it (co->progress_mark) */
-    struct job *pnext; /* list of jobs with end_pending, in the order they ended */
+    int queued_pos;     /* index in the queue while QUEUED, else -1 */
+    char waiting[200];  /* QUEUED: why admission holds it back (JobStatus.waiting); "" otherwise */
+    struct job *hnext;  /* hash chain */
+    char *key;          /* Submit.client_key (malloc'd), NULL when none */
+    struct job *knext;  /* key hash chain */
+    int unsynced;       /* accepted this round, its record not yet synced */
+    int end_pending;    /* ended, its finished record not yet synced: not reported yet */
+    uint64_t mark;      /* the Progress that last named it (co->progress_mark) */
+    uint64_t join_step; /* RUNNING: the step of its worker it joined in */
+    struct job *pnext;  /* list of jobs with end_pending, in the order they ended */
 } job;
 
 typedef struct worker {
@@ -103,16 +110,18 @@ typedef struct worker {
     uint32_t max_batch, vocab, max_pos;
     int32_t eos_id;
     uint64_t last_seen_ns; /* last message of any kind */
-    int busy;              /* a Plan is out, its Progress not yet back */
-    uint64_t step;         /* number of the Plan out (or the last one) */
-    uint64_t plan_sent_ns;
-    job **run; /* [max_batch] jobs in its batch */
+    uint32_t out;          /* Plans sent whose Progress is not back: at most CO_PLANS_OUT */
+    uint64_t step;         /* number of the last Plan sent; the oldest out is step - out + 1 */
+    uint64_t plan_sent_ns[CO_PLANS_OUT]; /* when Plan s went out, at s % CO_PLANS_OUT */
+    uint64_t progress_ns;                /* when its last Progress came */
+    co_plan_pred pred[CO_PLANS_OUT]; /* the planner's prediction for Plan s, at s % CO_PLANS_OUT */
+    job **run;                       /* [max_batch] jobs in its batch */
     uint32_t n_run;
     uint64_t *cancel; /* [max_batch] jobs to drop at its next Plan */
     uint32_t n_cancel;
     char unavailable[256]; /* non-empty: it cannot run steps now, and why (WorkerMsg); no Plans */
     uint64_t steps, tokens;
-    co_plan_state plan; /* the planner's state for this worker (co_plan.h) */
+    co_plan_state plan;                /* the planner's state for this worker (co_plan.h) */
     int made_kv_parts, made_act_parts; /* hybrid: the pattern of the last jobs it was sent (for
                                         * the log line when it changes) */
 } worker;
@@ -132,10 +141,10 @@ struct rekv_coordinator {
     char control_path[4200], worker_path[4200]; /* ipc socket files, "" otherwise */
     void *zctx, *ctl, *wrk;
     rekv_conncap *ctl_cap, *wrk_cap; /* connection counts of ctl and wrk (common/conncap.h) */
-    int stop_fd;            /* eventfd: rekv_coordinator_stop */
-    rekv_journal *journal;  /* NULL without a state_dir */
-    rekv_tokenizer *tok;    /* text prompts, with_text; NULL without one */
-    rekv_model_config mcfg; /* valid when have_model */
+    int stop_fd;                     /* eventfd: rekv_coordinator_stop */
+    rekv_journal *journal;           /* NULL without a state_dir */
+    rekv_tokenizer *tok;             /* text prompts, with_text; NULL without one */
+    rekv_model_config mcfg;          /* valid when have_model */
     int have_model;
     char model_name[4096]; /* the model's absolute path (Health.model), when --model */
 
@@ -173,7 +182,7 @@ struct rekv_coordinator {
     rekv_metrics_hist h_itl;      /* between a job's consecutive tokens */
     rekv_metrics_hist h_queue;    /* acceptance to the job's first start on a worker */
     rekv_metrics_hist h_step;     /* a step as the worker timed it (Progress.step_s) */
-    rekv_metrics_hist h_step_rtt; /* Plan sent to its Progress received */
+    rekv_metrics_hist h_step_rtt; /* a step's Progress, from when the worker could start it */
     uint64_t counters[8];         /* h2d weights, kv, act, d2h, recomputed, fetched; infinigen's
                                    * considered and selected (Counters) */
     uint64_t rate_tokens[RATE_SLOTS];

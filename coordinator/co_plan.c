@@ -395,14 +395,14 @@ static double smooth(double scale, double measured, double predicted)
     return (1 - SMOOTH) * scale + SMOOTH * r;
 }
 
-void co_plan_observe(co_plan_state *ps, const Rekv__Worker__Counters *c)
+void co_plan_observe(co_plan_state *ps, const Rekv__Worker__Counters *c, const co_plan_pred *pred)
 {
     ps->tokens_considered += c->tokens_considered;
     ps->tokens_selected += c->tokens_selected;
     if (!ps->have_profile)
         return;
-    ps->compute_scale = smooth(ps->compute_scale, c->compute_busy_s, ps->pred_compute_s);
-    ps->pcie_scale = smooth(ps->pcie_scale, c->h2d_busy_s, ps->pred_pcie_s);
+    ps->compute_scale = smooth(ps->compute_scale, c->compute_busy_s, pred->compute_s);
+    ps->pcie_scale = smooth(ps->pcie_scale, c->h2d_busy_s, pred->pcie_s);
 }
 
 double co_plan_selected_fraction(const co_plan_state *ps)

@@ -24,7 +24,7 @@ typedef struct co_plan_state {
     int64_t device_tokens;        /* each sequence's device-resident part (Hello), tokens */
     double pcie_scale;            /* measured / predicted link time, smoothed; starts at 1 */
     double compute_scale;         /* measured / predicted compute time, smoothed; starts at 1 */
-    double pred_pcie_s, pred_compute_s, pred_step_s; /* for the step in flight */
+    double pred_pcie_s, pred_compute_s, pred_step_s; /* of the last step planned */
     /* the last choices */
     int split, kv_parts, act_parts, gpu_batches, column;
     /* hybrid: the store's room bound the last co_plan_join_pattern (its pattern was
@@ -97,9 +97,16 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
  * device_buffer_bytes; 0: no limit known. */
 int64_t co_plan_block_capacity(const co_plan_state *ps);
 
-/* Feeds back a finished step's counters: its measured kernel and link busy times, and infinigen's
- * selection. */
-void co_plan_observe(co_plan_state *ps, const Rekv__Worker__Counters *c);
+/* What the planner predicted for one step (its pred_pcie_s and pred_compute_s when it planned
+ * it; 0: nothing), kept until the step's Progress: a worker holds two Plans, so the last
+ * prediction is the next step's, not the one reporting. */
+typedef struct co_plan_pred {
+    double pcie_s, compute_s;
+} co_plan_pred;
+
+/* Feeds back a finished step's counters: its measured kernel and link busy times against pred,
+ * its prediction, and infinigen's selection. */
+void co_plan_observe(co_plan_state *ps, const Rekv__Worker__Counters *c, const co_plan_pred *pred);
 
 /* infinigen's selected fraction f measured so far (tokens_selected / tokens_considered), which
  * its step predictions are priced at; 0 before any. A worker's mode is fixed once assigned (its

@@ -1,12 +1,13 @@
 /* co_workers.c — the worker protocol (proto/worker.proto) and continuous batching: a worker's Hello
  * (answered by Welcome, or for mode "auto" by Assign: the worker's mode), one Plan per step to
- * every idle worker with work (jobs join from the queue at step boundaries, cancels go out,
- * co_plan.c picks the step's parameters), its Progress (tokens into the jobs, finished jobs out),
- * Reset for a worker we do not know, and the timeouts that take a silent worker as dead, or one
- * whose step does not come back as hung, and re-queue its jobs. Failures: a Progress's jobs marked
- * retry are re-queued, other errors fail the job; a job of the step the Progress does not name is
- * re-queued (the worker lost it); a worker that says it is unavailable gets no Plan, and its
- * running jobs go back to the queue; a Hello under the name of an active worker replaces it. */
+ * every worker with work, up to CO_PLANS_OUT of them out at once (jobs join from the queue at step
+ * boundaries, cancels go out, co_plan.c picks the step's parameters), its Progress (tokens into
+ * the jobs, finished jobs out), Reset for a worker we do not know, and the timeouts that take a
+ * silent worker as dead, or one whose step does not come back as hung, and re-queue its jobs.
+ * Failures: a Progress's jobs marked retry are re-queued, other errors fail the job; a job of the
+ * step the Progress does not name is re-queued (the worker lost it); a worker that says it is
+ * unavailable gets no Plan, and its running jobs go back to the queue; a Hello under the name of
+ * an active worker replaces it. */
 #include "coordinator/co_internal.h"
 
 #include <stdio.h>
@@ -282,145 +283,155 @@ static void join_pattern(rekv_coordinator *co, worker *w, uint32_t room, uint64_
     free(first);
 }
 
-/* Sends the next Plan to every idle worker that has work: joins from the queue, cancels. */
+/* Sends worker wi its next Plan when it has work: joins from the queue, cancels. 1 when sent. */
+static int schedule_worker(rekv_coordinator *co, int wi)
+{
+    worker *w = &co->workers[wi];
+    uint32_t room = w->max_batch - w->n_run;
+    if (w->n_run == 0 && w->n_cancel == 0 && (co->n_queue == 0 || room == 0))
+        return 0;
+    Rekv__Worker__JobSpec *specs = calloc(room ? room : 1, sizeof(*specs));
+    Rekv__Worker__JobSpec **sp = calloc(room ? room : 1, sizeof(*sp));
+    if (!specs || !sp) {
+        free(specs);
+        free(sp);
+        return 0;
+    }
+    uint32_t n_join = 0;
+    uint64_t promised = store_promised(co, w);
+    /* hybrid: the pattern this step's joining sequences are made with, and charged at */
+    int kv_parts, act_parts;
+    join_pattern(co, w, room, promised, &kv_parts, &act_parts);
+    while (n_join < room) {
+        job *j = co_queue_peek(co);
+        if (j == NULL)
+            break;
+        /* a prompt the worker's model cannot take fails here, with the reason */
+        if (w->max_pos && j->n_prompt > w->max_pos) {
+            char msg[256];
+            snprintf(msg, sizeof(msg),
+                     "the prompt of %u tokens is longer than the model's context of %u tokens",
+                     j->n_prompt, w->max_pos);
+            co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
+            continue;
+        }
+        /* admission: the job's KV at its full length must fit the store beside what the
+         * running jobs will grow into; else it waits (first in line: nothing passes it) */
+        uint64_t need = co_plan_job_store_bytes(&w->plan, job_tokens(w, j), kv_parts, act_parts);
+        char why[256];
+        int fit = store_fits(w, job_tokens(w, j), need, 0, why, sizeof(why));
+        if (fit < 0) {
+            co->too_large++;
+            co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", why);
+            continue;
+        }
+        if (need > 0 &&
+            (fit = store_fits(w, job_tokens(w, j), need, promised, why, sizeof(why))) != 0) {
+            if (j->waiting[0] == '\0')
+                co->held_for_room++;
+            snprintf(j->waiting, sizeof(j->waiting), "waiting for kvstore room: %.*s",
+                     (int)(sizeof(j->waiting) - 32), why);
+            break;
+        }
+        promised += need;
+        j->kv_parts = kv_parts;
+        j->act_parts = act_parts;
+        co_queue_remove(co, j);
+        j->waiting[0] = '\0';
+        Rekv__Worker__JobSpec *s = &specs[n_join];
+        rekv__worker__job_spec__init(s);
+        s->job = j->id;
+        s->n_prompt = j->n_prompt;
+        s->prompt = j->prompt;
+        s->temperature = j->temperature;
+        s->top_k = j->top_k;
+        s->top_p = j->top_p;
+        s->seed = j->seed;
+        s->max_new_tokens = j->max_new;
+        s->stop_at_eos = j->stop_at_eos;
+        s->top_logits = j->top_logits;
+        sp[n_join++] = s;
+        j->state = REKV__CONTROL__JOB_STATE__RUNNING;
+        j->worker = wi;
+        j->attempts++;
+        j->n_gen = 0;
+        j->start_ns = rekv_now_ns();
+        j->join_step = w->step + 1;
+        if (j->queued_s < 0) {
+            j->queued_s = co_realtime_s() - j->accepted_at;
+            rekv_metrics_hist_observe(&co->h_queue, j->queued_s > 0 ? j->queued_s : 0);
+        }
+        co->n_running++;
+        w->run[w->n_run++] = j;
+    }
+    if (n_join > 0 && w->plan.mode == REKV_MODE_HYBRID &&
+        (kv_parts != w->made_kv_parts || act_parts != w->made_act_parts)) {
+        co_event_rl(co, CO_RL_HYBRID_PATTERN, REKV_CO_EVENT_INFO,
+                    "worker %s: %u joining jobs' sequences are made at KV:ACT %d:%d (%s)", w->name,
+                    n_join, kv_parts, act_parts,
+                    w->plan.join_binding ? "the store's room binds: the pattern whose batch "
+                                           "is predicted the most tokens per second"
+                                         : "Algorithm 1's");
+        w->made_kv_parts = kv_parts;
+        w->made_act_parts = act_parts;
+    }
+    if (w->n_run == 0 && w->n_cancel == 0) {
+        free(specs);
+        free(sp);
+        return 0;
+    }
+    Rekv__Worker__Plan plan = REKV__WORKER__PLAN__INIT;
+    plan.step = ++w->step;
+    plan.n_join = n_join;
+    plan.join = sp;
+    plan.n_cancel = w->n_cancel;
+    plan.cancel = w->cancel;
+    /* the planner prices the batch this step will run (jobs that just joined included) */
+    Rekv__Worker__StepParams params;
+    uint64_t *ids = calloc(w->max_batch, sizeof(uint64_t)), *mbj = calloc(w->max_batch, 8);
+    int64_t *ctx = calloc(w->max_batch, sizeof(int64_t));
+    uint32_t *mbi = calloc(w->max_batch, sizeof(uint32_t));
+    double *frac = calloc(w->max_batch, sizeof(double));
+    if (ids && mbj && ctx && mbi && frac) {
+        for (uint32_t k = 0; k < w->n_run; k++) {
+            const job *r = w->run[k];
+            int t = r->kv_parts + r->act_parts;
+            ids[k] = r->id;
+            ctx[k] = (int64_t)r->n_prompt + r->n_gen;
+            frac[k] = t > 0 ? (double)r->kv_parts / t : 0.5;
+        }
+        if (co_plan_step(&w->plan, ids, ctx, frac, (int)w->n_run, kv_parts, act_parts, &params, mbj,
+                         mbi))
+            plan.params = &params;
+    }
+    w->pred[plan.step % CO_PLANS_OUT] =
+        plan.params ? (co_plan_pred){w->plan.pred_pcie_s, w->plan.pred_compute_s}
+                    : (co_plan_pred){0, 0};
+    plan.prefill_chunk = co_plan_prefill_chunk(&w->plan, co->cfg.prefill_chunk);
+    Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
+    m.body_case = REKV__WORKER__COORD_MSG__BODY_PLAN;
+    m.plan = &plan;
+    co_send_worker(co, w, &m);
+    w->n_cancel = 0;
+    w->out++;
+    w->plan_sent_ns[w->step % CO_PLANS_OUT] = rekv_now_ns();
+    free(ids);
+    free(mbj);
+    free(ctx);
+    free(mbi);
+    free(frac);
+    free(specs);
+    free(sp);
+    return 1;
+}
+
+/* Sends every available worker Plans until it holds CO_PLANS_OUT or has no more work. */
 void co_schedule(rekv_coordinator *co)
 {
     for (int wi = 0; wi < MAX_WORKERS; wi++) {
         worker *w = &co->workers[wi];
-        if (!w->active || w->busy || w->unavailable[0])
-            continue;
-        uint32_t room = w->max_batch - w->n_run;
-        if (w->n_run == 0 && w->n_cancel == 0 && (co->n_queue == 0 || room == 0))
-            continue;
-        Rekv__Worker__JobSpec *specs = calloc(room ? room : 1, sizeof(*specs));
-        Rekv__Worker__JobSpec **sp = calloc(room ? room : 1, sizeof(*sp));
-        if (!specs || !sp) {
-            free(specs);
-            free(sp);
-            return;
-        }
-        uint32_t n_join = 0;
-        uint64_t promised = store_promised(co, w);
-        /* hybrid: the pattern this step's joining sequences are made with, and charged at */
-        int kv_parts, act_parts;
-        join_pattern(co, w, room, promised, &kv_parts, &act_parts);
-        while (n_join < room) {
-            job *j = co_queue_peek(co);
-            if (j == NULL)
-                break;
-            /* a prompt the worker's model cannot take fails here, with the reason */
-            if (w->max_pos && j->n_prompt > w->max_pos) {
-                char msg[256];
-                snprintf(msg, sizeof(msg),
-                         "the prompt of %u tokens is longer than the model's context of %u tokens",
-                         j->n_prompt, w->max_pos);
-                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
-                continue;
-            }
-            /* admission: the job's KV at its full length must fit the store beside what the
-             * running jobs will grow into; else it waits (first in line: nothing passes it) */
-            uint64_t need =
-                co_plan_job_store_bytes(&w->plan, job_tokens(w, j), kv_parts, act_parts);
-            char why[256];
-            int fit = store_fits(w, job_tokens(w, j), need, 0, why, sizeof(why));
-            if (fit < 0) {
-                co->too_large++;
-                co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", why);
-                continue;
-            }
-            if (need > 0 &&
-                (fit = store_fits(w, job_tokens(w, j), need, promised, why, sizeof(why))) != 0) {
-                if (j->waiting[0] == '\0')
-                    co->held_for_room++;
-                snprintf(j->waiting, sizeof(j->waiting), "waiting for kvstore room: %.*s",
-                         (int)(sizeof(j->waiting) - 32), why);
-                break;
-            }
-            promised += need;
-            j->kv_parts = kv_parts;
-            j->act_parts = act_parts;
-            co_queue_remove(co, j);
-            j->waiting[0] = '\0';
-            Rekv__Worker__JobSpec *s = &specs[n_join];
-            rekv__worker__job_spec__init(s);
-            s->job = j->id;
-            s->n_prompt = j->n_prompt;
-            s->prompt = j->prompt;
-            s->temperature = j->temperature;
-            s->top_k = j->top_k;
-            s->top_p = j->top_p;
-            s->seed = j->seed;
-            s->max_new_tokens = j->max_new;
-            s->stop_at_eos = j->stop_at_eos;
-            s->top_logits = j->top_logits;
-            sp[n_join++] = s;
-            j->state = REKV__CONTROL__JOB_STATE__RUNNING;
-            j->worker = wi;
-            j->attempts++;
-            j->n_gen = 0;
-            j->start_ns = rekv_now_ns();
-            if (j->queued_s < 0) {
-                j->queued_s = co_realtime_s() - j->accepted_at;
-                rekv_metrics_hist_observe(&co->h_queue, j->queued_s > 0 ? j->queued_s : 0);
-            }
-            co->n_running++;
-            w->run[w->n_run++] = j;
-        }
-        if (n_join > 0 && w->plan.mode == REKV_MODE_HYBRID &&
-            (kv_parts != w->made_kv_parts || act_parts != w->made_act_parts)) {
-            co_event_rl(co, CO_RL_HYBRID_PATTERN, REKV_CO_EVENT_INFO,
-                        "worker %s: %u joining jobs' sequences are made at KV:ACT %d:%d (%s)",
-                        w->name, n_join, kv_parts, act_parts,
-                        w->plan.join_binding ? "the store's room binds: the pattern whose batch "
-                                               "is predicted the most tokens per second"
-                                             : "Algorithm 1's");
-            w->made_kv_parts = kv_parts;
-            w->made_act_parts = act_parts;
-        }
-        if (w->n_run == 0 && w->n_cancel == 0) {
-            free(specs);
-            free(sp);
-            continue;
-        }
-        Rekv__Worker__Plan plan = REKV__WORKER__PLAN__INIT;
-        plan.step = ++w->step;
-        plan.n_join = n_join;
-        plan.join = sp;
-        plan.n_cancel = w->n_cancel;
-        plan.cancel = w->cancel;
-        /* the planner prices the batch this step will run (jobs that just joined included) */
-        Rekv__Worker__StepParams params;
-        uint64_t *ids = calloc(w->max_batch, sizeof(uint64_t)), *mbj = calloc(w->max_batch, 8);
-        int64_t *ctx = calloc(w->max_batch, sizeof(int64_t));
-        uint32_t *mbi = calloc(w->max_batch, sizeof(uint32_t));
-        double *frac = calloc(w->max_batch, sizeof(double));
-        if (ids && mbj && ctx && mbi && frac) {
-            for (uint32_t k = 0; k < w->n_run; k++) {
-                const job *r = w->run[k];
-                int t = r->kv_parts + r->act_parts;
-                ids[k] = r->id;
-                ctx[k] = (int64_t)r->n_prompt + r->n_gen;
-                frac[k] = t > 0 ? (double)r->kv_parts / t : 0.5;
-            }
-            if (co_plan_step(&w->plan, ids, ctx, frac, (int)w->n_run, kv_parts, act_parts, &params,
-                             mbj, mbi))
-                plan.params = &params;
-        }
-        plan.prefill_chunk = co_plan_prefill_chunk(&w->plan, co->cfg.prefill_chunk);
-        Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
-        m.body_case = REKV__WORKER__COORD_MSG__BODY_PLAN;
-        m.plan = &plan;
-        co_send_worker(co, w, &m);
-        w->n_cancel = 0;
-        w->busy = 1;
-        w->plan_sent_ns = rekv_now_ns();
-        free(ids);
-        free(mbj);
-        free(ctx);
-        free(mbi);
-        free(frac);
-        free(specs);
-        free(sp);
+        while (w->active && w->out < CO_PLANS_OUT && !w->unavailable[0] && schedule_worker(co, wi))
+            ;
     }
 }
 
@@ -444,21 +455,31 @@ static void worker_requeue_at(rekv_coordinator *co, worker *w, uint32_t k, const
     co_job_requeue(co, j, why);
 }
 
+/* When w could start its step s: its Plan out and the step before it reported. */
+static uint64_t step_could_start(const worker *w, uint64_t s)
+{
+    uint64_t sent = w->plan_sent_ns[s % CO_PLANS_OUT];
+    return sent > w->progress_ns ? sent : w->progress_ns;
+}
+
 static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker__Progress *p)
 {
-    if (!w->busy || p->step != w->step)
+    if (w->out == 0 || p->step != w->step - w->out + 1)
         return; /* stale: from before a reset */
     uint64_t mark = ++co->progress_mark;
     int failed_step = 0;
-    w->busy = 0;
-    w->steps++;
-    co->steps++;
+    w->out--;
     uint64_t now = rekv_now_ns();
-    double rtt = (double)(now - w->plan_sent_ns) * 1e-9;
-    co->rtt_sum += rtt;
-    co->wstep_sum += p->step_s;
-    rekv_metrics_hist_observe(&co->h_step_rtt, rtt);
-    rekv_metrics_hist_observe(&co->h_step, p->step_s);
+    double rtt = (double)(now - step_could_start(w, p->step)) * 1e-9;
+    w->progress_ns = now;
+    if (p->n_jobs > 0) { /* a step that ran (one planned before its jobs ended may run none) */
+        w->steps++;
+        co->steps++;
+        co->rtt_sum += rtt;
+        co->wstep_sum += p->step_s;
+        rekv_metrics_hist_observe(&co->h_step_rtt, rtt);
+        rekv_metrics_hist_observe(&co->h_step, p->step_s);
+    }
     if (p->counters) {
         co->counters[0] += p->counters->h2d_weights;
         co->counters[1] += p->counters->h2d_kv;
@@ -468,7 +489,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         co->counters[5] += p->counters->tokens_fetched;
         co->counters[6] += p->counters->tokens_considered;
         co->counters[7] += p->counters->tokens_selected;
-        co_plan_observe(&w->plan, p->counters);
+        co_plan_observe(&w->plan, p->counters, &w->pred[p->step % CO_PLANS_OUT]);
     }
     for (size_t i = 0; i < p->n_jobs; i++) {
         const Rekv__Worker__JobProgress *jp = p->jobs[i];
@@ -548,9 +569,10 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         }
     }
     /* every job of the step gets a word in its Progress (worker.proto); one without is lost on
-     * the worker (a step that failed and did not say so): it runs again, never stays RUNNING */
+     * the worker (a step that failed and did not say so): it runs again, never stays RUNNING.
+     * Jobs joining in a later Plan are not of this step. */
     for (uint32_t k = 0; k < w->n_run;) {
-        if (w->run[k]->mark == mark) {
+        if (w->run[k]->mark == mark || w->run[k]->join_step > p->step) {
             k++;
             continue;
         }
@@ -579,7 +601,7 @@ static void worker_availability(rekv_coordinator *co, worker *w, const char *una
     else
         co_event(co, REKV_CO_EVENT_INFO, "worker %s is available again", w->name);
     snprintf(w->unavailable, sizeof(w->unavailable), "%s", u);
-    if (*u && !w->busy) {
+    if (*u && w->out == 0) {
         char why[320];
         snprintf(why, sizeof(why), "worker %s is unavailable: %s", w->name, u);
         while (w->n_run > 0)
@@ -670,11 +692,12 @@ void co_check_workers(rekv_coordinator *co)
             snprintf(why, sizeof(why), "is silent for %u ms: taken as dead",
                      co->cfg.worker_timeout_ms);
             worker_drop(co, w, why);
-        } else if (w->active && w->busy && now - w->plan_sent_ns > step_limit) {
+        } else if (w->active && w->out > 0 &&
+                   now - step_could_start(w, w->step - w->out + 1) > step_limit) {
             /* heartbeats or not, a step this late is hung: its jobs run again elsewhere (or
              * here, once the worker is back: its next message is answered Reset) */
             snprintf(why, sizeof(why), "has not finished step %llu in %u ms: taken as hung",
-                     (unsigned long long)w->step, co->cfg.step_timeout_ms);
+                     (unsigned long long)(w->step - w->out + 1), co->cfg.step_timeout_ms);
             co->steps_failed++;
             worker_drop(co, w, why);
         }

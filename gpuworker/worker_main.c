@@ -91,6 +91,20 @@ static void usage(FILE *f)
            "authenticated.\n");
 }
 
+/* The step thread (step_thread below). */
+typedef struct stepper {
+    pthread_t t;
+    pthread_mutex_t mu;
+    pthread_cond_t go;
+    int started, pending, quit; /* pending: a step to run (set here, cleared by the thread) */
+    rekv_batcher *batch;
+    const rekv_batch_event *ev;
+    int n_ev;
+    rekv_err err;
+    int rc;
+    int done_fd; /* eventfd the thread writes when a step is over */
+} stepper;
+
 typedef struct worker {
     void *sock;          /* DEALER to the coordinator */
     rekv_pipeline *pipe; /* NULL until the mode is known (--mode auto: the coordinator's Assign) */
@@ -132,6 +146,7 @@ typedef struct worker {
     int stopping;                 /* a stop arrived during a step: its kvstore requests aborted */
     rekv_metrics_server *metrics; /* the scrape port; NULL without --metrics */
     rekv_worker_metrics wm;       /* what it serves */
+    stepper stepper;              /* the step thread */
 } worker;
 
 /* The scrape port's fds after the n items of it (raw fds); returns how many were added. */
@@ -258,25 +273,62 @@ static void send_hello(worker *w)
     w->hello_sent_ns = rekv_now_ns();
 }
 
-/* A step on its own thread, so that the loop's thread keeps the coordinator informed (a long
- * prefill on the cpu backend can outlast the coordinator's worker timeout). */
-typedef struct step_job {
-    rekv_batcher *batch;
-    const rekv_batch_event *ev;
-    int n_ev;
-    rekv_err err;
-    int rc;
-    int done_fd; /* eventfd written when the step is over */
-} step_job;
+/* Steps run on a thread of their own, so that the loop's thread keeps the coordinator informed
+ * (a long prefill on the cpu backend can outlast the coordinator's worker timeout). One thread for
+ * the worker's life: a thread started per step cost ~0.25 ms a step here (its stack and the
+ * engine's per-thread scratch faulted in afresh), a fifth of a small model's decode step. */
 
 static void *step_thread(void *arg)
 {
-    step_job *sj = arg;
-    sj->rc = rekv_batcher_step(sj->batch, &sj->ev, &sj->n_ev, &sj->err);
-    uint64_t one = 1;
-    ssize_t wr = write(sj->done_fd, &one, sizeof(one));
-    (void)wr;
+    stepper *st = arg;
+    pthread_mutex_lock(&st->mu);
+    for (;;) {
+        while (!st->pending && !st->quit)
+            pthread_cond_wait(&st->go, &st->mu);
+        if (st->quit)
+            break;
+        pthread_mutex_unlock(&st->mu);
+        st->rc = rekv_batcher_step(st->batch, &st->ev, &st->n_ev, &st->err);
+        pthread_mutex_lock(&st->mu);
+        st->pending = 0;
+        uint64_t one = 1;
+        ssize_t wr = write(st->done_fd, &one, sizeof(one));
+        (void)wr;
+    }
+    pthread_mutex_unlock(&st->mu);
     return NULL;
+}
+
+/* Starts the step thread; -errno when it cannot (steps then run on the loop's thread). */
+static int stepper_start(stepper *st)
+{
+    memset(st, 0, sizeof(*st));
+    st->done_fd = eventfd(0, EFD_CLOEXEC);
+    if (st->done_fd < 0)
+        return -errno;
+    pthread_mutex_init(&st->mu, NULL);
+    pthread_cond_init(&st->go, NULL);
+    int rc = pthread_create(&st->t, NULL, step_thread, st);
+    if (rc) {
+        close(st->done_fd);
+        st->done_fd = -1;
+        return -rc;
+    }
+    st->started = 1;
+    return 0;
+}
+
+static void stepper_stop(stepper *st)
+{
+    if (!st->started)
+        return;
+    pthread_mutex_lock(&st->mu);
+    st->quit = 1;
+    pthread_cond_signal(&st->go);
+    pthread_mutex_unlock(&st->mu);
+    pthread_join(st->t, NULL);
+    close(st->done_fd);
+    st->started = 0;
 }
 
 /* Renews the kvstore lease when due. From the loop's thread, also while the step thread uses the
@@ -313,21 +365,22 @@ static void send_heartbeat(worker *w)
     send_msg(w, &m);
 }
 
-/* Runs one batcher step on a thread while this one heartbeats every hb_ms and keeps the kvstore
- * lease (the step's pins) alive; messages from the coordinator wait in the socket until the step
- * is over. Falls back to running it here. */
+/* Runs one batcher step on the step thread while this one heartbeats every hb_ms and keeps the
+ * kvstore lease (the step's pins) alive; messages from the coordinator wait in the socket until
+ * the step is over. Without the thread, runs it here. */
 static int step_with_heartbeats(worker *w, const rekv_batch_event **ev, int *n_ev, rekv_err *err)
 {
-    step_job sj = {w->batch, NULL, 0, {0}, 0, eventfd(0, EFD_CLOEXEC)};
-    pthread_t t;
-    if (sj.done_fd < 0 || pthread_create(&t, NULL, step_thread, &sj) != 0) {
-        if (sj.done_fd >= 0)
-            close(sj.done_fd);
+    stepper *st = &w->stepper;
+    if (!st->started)
         return rekv_batcher_step(w->batch, ev, n_ev, err);
-    }
+    pthread_mutex_lock(&st->mu);
+    st->batch = w->batch;
+    st->pending = 1;
+    pthread_cond_signal(&st->go);
+    pthread_mutex_unlock(&st->mu);
     for (;;) {
         int n0 = w->stopping ? 1 : 2; /* the stop fd stays readable: the loop stops after */
-        zmq_pollitem_t it[2 + REKV_METRICS_MAX_FDS] = {{NULL, sj.done_fd, ZMQ_POLLIN, 0},
+        zmq_pollitem_t it[2 + REKV_METRICS_MAX_FDS] = {{NULL, st->done_fd, ZMQ_POLLIN, 0},
                                                        {NULL, w->stop_fd, ZMQ_POLLIN, 0}};
         int m_fds[REKV_METRICS_MAX_FDS], m_n = metrics_items(w, it, n0, m_fds);
         int r = zmq_poll(it, n0 + m_n, loop_timeout_ms(w));
@@ -346,13 +399,17 @@ static int step_with_heartbeats(worker *w, const rekv_batch_event **ev, int *n_e
         kv_renew_due(w);
         rekv_daemon_watchdog();
     }
-    pthread_join(t, NULL);
-    close(sj.done_fd);
-    *ev = sj.ev;
-    *n_ev = sj.n_ev;
-    if (sj.rc)
-        rekv_errf(err, sj.rc, "%s", sj.err.msg);
-    return sj.rc;
+    uint64_t n;
+    ssize_t rd = read(st->done_fd, &n, sizeof(n));
+    (void)rd;
+    pthread_mutex_lock(&st->mu); /* the thread's writes before its signal are ours */
+    *ev = st->ev;
+    *n_ev = st->n_ev;
+    int rc = st->rc;
+    pthread_mutex_unlock(&st->mu);
+    if (rc)
+        rekv_errf(err, rc, "%s", st->err.msg);
+    return rc;
 }
 
 /* Whether a failed step's (or join's) jobs run again: they do when the failure passes — the
@@ -935,6 +992,11 @@ int main(int argc, char **argv)
     w.kv_ep = kv_ep;
     w.kv_timeout_ms = (int)kv_timeout_ms;
     w.stop_fd = sfd;
+    int src = stepper_start(&w.stepper);
+    if (src)
+        rekv_log(REKV_LOG_WARN, "no step thread (%s): steps run on the loop's thread, without "
+                                "heartbeats during a step",
+                 strerror(-src));
     if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
     w.eng = eng;
@@ -1140,6 +1202,7 @@ fail:
     rekv_log(REKV_LOG_ERROR, "%s", err.msg);
 out:
     rekv_daemon_stopping();
+    stepper_stop(&w.stepper);
     rekv_metrics_server_free(w.metrics);
     if (w.sock)
         zmq_close(w.sock);

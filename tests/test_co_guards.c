@@ -3,7 +3,8 @@
  * and returns what a broken or hostile one would): a Hello with max_batch 2^32-1 is capped to
  * REKV_WORKER_MAX_BATCH, one with no vocabulary is told to shut down; token ids outside the
  * vocabulary fail the step (the job is re-queued and run again, or failed after --max-attempts,
- * never given the ids); top_logits above 64, or top_logits x max_new_tokens above 2^20, is a bad
+ * never given the ids); a worker holds two Plans at once, and a job that joins in the second is
+ * not taken as lost by the first's Progress; top_logits above 64, or top_logits x max_new_tokens above 2^20, is a bad
  * request; finished jobs are forgotten oldest first beyond --keep-finished jobs or
  * --keep-finished-bytes of results, and Status says so; a flood of malformed worker messages
  * logs at most a line a second, and the lines' "suppressed" counts add up to the messages. */
@@ -269,6 +270,22 @@ static void fake_progress(fake *f, uint64_t step, uint64_t job, const int32_t *t
     free(tv);
 }
 
+/* Reads the next Plan, which must join nothing, and answers it with a Progress naming no job
+ * (what a worker says of a step whose jobs the coordinator no longer runs there). */
+static void fake_empty(fake *f)
+{
+    Rekv__Worker__CoordMsg *cm = fake_plan(f);
+    ck_assert_msg(cm != NULL, "no Plan");
+    ck_assert_uint_eq(cm->plan->n_join, 0);
+    Rekv__Worker__Progress p = REKV__WORKER__PROGRESS__INIT;
+    p.step = cm->plan->step;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
+    m.progress = &p;
+    fake_send(f, &m);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+}
+
 /* ---------------------------------------------------------------- Hello */
 
 /* max_batch 2^32-1 is capped (no 32 GiB table; the coordinator serves the worker); a Hello
@@ -339,6 +356,7 @@ START_TEST(out_of_vocab_tokens_refused)
     int32_t bad[] = {512};
     fake_progress(&f, cm->plan->step, j, bad, 1, 0, 0);
     rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    fake_empty(&f);     /* the next step's Plan went out with the first: j was still good */
     cm = fake_plan(&f); /* dropped here, and joins again */
     ck_assert_ptr_nonnull(cm);
     ck_assert_uint_eq(cm->plan->n_cancel, 1);
@@ -348,6 +366,7 @@ START_TEST(out_of_vocab_tokens_refused)
     int32_t good[] = {7, 8};
     fake_progress(&f, cm->plan->step, j, good, 2, 1, 0);
     rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    fake_empty(&f); /* made before j had finished */
     Rekv__Control__Response *r = wait_end(c, j);
     ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
     ck_assert_uint_eq(r->job->attempts, 2);
@@ -362,6 +381,7 @@ START_TEST(out_of_vocab_tokens_refused)
     int32_t neg[] = {-1};
     fake_progress(&f, cm->plan->step, k, neg, 1, 0, 0);
     rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    fake_empty(&f);
     cm = fake_plan(&f);
     ck_assert_uint_eq(cm->plan->n_join, 1);
     int32_t mixed[] = {3, 100000, 4};
@@ -378,6 +398,73 @@ START_TEST(out_of_vocab_tokens_refused)
     ck_assert_uint_eq(r->stats->done, 1);
     ck_assert_uint_eq(r->stats->failed, 1);
     rekv__control__response__free_unpacked(r, NULL);
+    fake_close(&f);
+    rekv_ctl_close(c);
+    env_stop(&e);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- two Plans out */
+
+/* A worker holds two Plans: the one it runs and the next, sent before the first's Progress is in
+ * (so the worker never waits for the round trip). Job a joins in Plan 1 and Plan 2 (a's next
+ * step) comes without a Progress; b, submitted meanwhile, waits for a Plan slot (two are out) and
+ * joins in Plan 3, sent once Progress 1 is in. Progress 2 names no job (a finished in step 1, b is
+ * not in step 2): neither is lost, nothing is re-queued, each job runs once. */
+START_TEST(two_plans_out)
+{
+    env e;
+    env_start(&e, NULL);
+    rekv_ctl *c = ctl_open(e.ctl);
+    fake f;
+    fake_open(&f, e.wrk);
+    Rekv__Worker__CoordMsg *cm = fake_hello(&f, 2, 512);
+    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+
+    uint64_t a = submit_ok(c, 1, 0);
+    Rekv__Worker__CoordMsg *p1 = fake_plan(&f), *p2 = fake_plan(&f);
+    ck_assert_msg(p1 && p2, "the second Plan did not come before the first's Progress");
+    ck_assert_uint_eq(p1->plan->n_join, 1);
+    ck_assert_uint_eq(p1->plan->join[0]->job, a);
+    ck_assert_uint_eq(p2->plan->step, p1->plan->step + 1);
+    ck_assert_uint_eq(p2->plan->n_join, 0);
+    uint64_t b = submit_ok(c, 1, 0);
+    Rekv__Control__Response *r = status(c, b);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__QUEUED);
+    rekv__control__response__free_unpacked(r, NULL);
+
+    int32_t t[] = {42};
+    fake_progress(&f, p1->plan->step, a, t, 1, 1, 0);
+    Rekv__Worker__CoordMsg *p3 = fake_plan(&f);
+    ck_assert_ptr_nonnull(p3);
+    ck_assert_uint_eq(p3->plan->step, p2->plan->step + 1);
+    ck_assert_uint_eq(p3->plan->n_join, 1);
+    ck_assert_uint_eq(p3->plan->join[0]->job, b);
+    Rekv__Worker__Progress pr = REKV__WORKER__PROGRESS__INIT; /* step 2: no job */
+    pr.step = p2->plan->step;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
+    m.progress = &pr;
+    fake_send(&f, &m);
+    int32_t u[] = {43};
+    fake_progress(&f, p3->plan->step, b, u, 1, 1, 0);
+    for (int i = 0; i < 2; i++) {
+        r = wait_end(c, i ? b : a);
+        ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
+        ck_assert_uint_eq(r->job->attempts, 1);
+        ck_assert_uint_eq(r->job->n_generated_ids, 1);
+        ck_assert_int_eq(r->job->generated_ids[0], i ? 43 : 42);
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    r = stats(c);
+    ck_assert_uint_eq(r->stats->requeued, 0);
+    ck_assert_uint_eq(r->stats->steps_failed, 0);
+    ck_assert_uint_eq(r->stats->steps, 2); /* that ran a job */
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv__worker__coord_msg__free_unpacked(p1, NULL);
+    rekv__worker__coord_msg__free_unpacked(p2, NULL);
+    rekv__worker__coord_msg__free_unpacked(p3, NULL);
     fake_close(&f);
     rekv_ctl_close(c);
     env_stop(&e);
@@ -474,6 +561,7 @@ START_TEST(finished_jobs_capped_by_bytes)
         ck_assert_uint_eq(cm->plan->join[0]->top_logits, 64);
         fake_progress(&f, cm->plan->step, id[i], toks, 16, 1, 64);
         rekv__worker__coord_msg__free_unpacked(cm, NULL);
+        fake_empty(&f); /* the Plan made before the job had finished */
         Rekv__Control__Response *r = wait_end(c, id[i]);
         ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
         ck_assert_uint_eq(r->job->n_top_ids, 16 * 64);
@@ -912,6 +1000,7 @@ static Suite *suite(void)
     tcase_add_test(tc, ratelimit_helper);
     tcase_add_test(tc, hello_validated);
     tcase_add_test(tc, out_of_vocab_tokens_refused);
+    tcase_add_test(tc, two_plans_out);
     tcase_add_test(tc, top_logits_capped);
     tcase_add_test(tc, finished_jobs_capped_by_count);
     tcase_add_test(tc, finished_jobs_capped_by_bytes);

@@ -649,7 +649,7 @@ START_TEST(chunked_prefill_served)
         ck_assert_int_eq(submit_all(c, &jobs[j], 1), 1);
         wait_and_check(c, &jobs[j], 1, 120);
         Rekv__Control__Response *r = stats(c);
-        steps[j] = r->stats->workers[0]->plan_steps;
+        steps[j] = r->stats->workers[0]->steps;
         rekv__control__response__free_unpacked(r, NULL);
     }
     ck_assert_uint_eq(steps[0], 30);            /* one prompt step, 29 decode steps */

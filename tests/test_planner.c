@@ -1176,12 +1176,30 @@ START_TEST(test_co_plan_selected_fraction)
     Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
     c.tokens_considered = 20000; /* two steps: 5% selected, then 15% */
     c.tokens_selected = c.tokens_considered / 20;
-    co_plan_observe(&ps, &c);
+    co_plan_observe(&ps, &c, &(co_plan_pred){0, 0});
     c.tokens_selected = c.tokens_considered * 3 / 20;
-    co_plan_observe(&ps, &c);
+    co_plan_observe(&ps, &c, &(co_plan_pred){0, 0});
     ck_assert(close_rel(co_plan_selected_fraction(&ps), 0.1, 1e-12));
     ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, NULL, 2, 0, 0, &sp, mb_job, mb_index), 1);
     ck_assert(close_rel(ps.pred_pcie_s, kv_step * (1 + 7 * 0.1) / 8 / 2e9, 1e-9));
+}
+END_TEST
+
+/* A step's measured busy times rescale the profile against that step's own prediction, not the
+ * last one planned (with two Plans out that is the next step's): compute measured at twice its
+ * prediction raises the compute scale though it is below the last plan's; a link with no
+ * prediction leaves the link scale alone. */
+START_TEST(test_co_plan_observe_own_prediction)
+{
+    co_plan_state ps;
+    plan_state_8l(&ps, "offload", 1e12);
+    ps.pred_compute_s = 1.0; /* the next step's */
+    Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
+    c.compute_busy_s = 0.2;
+    c.h2d_busy_s = 0.5;
+    co_plan_observe(&ps, &c, &(co_plan_pred){0, 0.1});
+    ck_assert(close_rel(ps.compute_scale, 0.7 + 0.3 * 2, 1e-12));
+    ck_assert(ps.pcie_scale == 1);
 }
 END_TEST
 
@@ -1391,6 +1409,7 @@ int main(void)
     tcase_add_test(tc, test_pick_infinigen);
     tcase_add_test(tc, test_co_plan_device_room);
     tcase_add_test(tc, test_co_plan_selected_fraction);
+    tcase_add_test(tc, test_co_plan_observe_own_prediction);
     tcase_add_test(tc, test_co_plan_prefill_chunk);
     tcase_add_test(tc, test_co_plan_join_pattern);
     suite_add_tcase(s, tc);
