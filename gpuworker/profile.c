@@ -35,6 +35,11 @@
 #define PF_ATTN_CTX 512          /* their context, tokens (less when the model's is shorter) */
 #define PF_FIT_SAMPLES 4         /* token counts / copy sizes per fitted model */
 #define PF_MAX_BYTES (64u << 20) /* largest buffer the measurement allocates, bytes */
+/* The FFN linear's weights are read from at least this many bytes of copies, one after the other,
+ * as a decode step reads each layer's weights once: from memory, not from a cache. One copy (8 MiB
+ * for hidden 1024, f16) sits in this machine's 32 MiB L3 and ran ~2x faster than a real step
+ * reads it; an H100's L2 is 50 MB. */
+#define PF_COLD_BYTES (64u << 20)
 
 /* ---------------------------------------------------------------- timing */
 
@@ -127,12 +132,17 @@ typedef struct pf_linear {
     rekv_dtype wt;
     const float *bias;
     int m, n, kdim;
+    int n_w, next; /* copies of the weights at w, w_stride bytes apart, used in turn (0: one) */
+    size_t w_stride;
 } pf_linear;
 
 static void pf_linear_run(void *ctx, rekv_stream *s)
 {
     pf_linear *l = ctx;
-    l->k->linear(s, l->y, l->x, l->w, l->wt, l->bias, l->m, l->n, l->kdim);
+    const void *w = l->n_w > 1 ? (const char *)l->w + (size_t)l->next * l->w_stride : l->w;
+    if (l->n_w > 1)
+        l->next = (l->next + 1) % l->n_w;
+    l->k->linear(s, l->y, l->x, w, l->wt, l->bias, l->m, l->n, l->kdim);
 }
 
 typedef struct pf_attn {
@@ -157,6 +167,7 @@ typedef struct pf_kv {
     const rekv_kernel_iface *k;
     const rekv_model_config *c;
     int gen;
+    int no_copy; /* gen: the rows are on the device already (the recomputation alone) */
     int n;
     rekv_dtype dtype;
     const void *host_k, *host_v; /* host cache rows ([n][kv_dim] each), or host_x [n][hidden] */
@@ -170,7 +181,9 @@ typedef struct pf_kv {
     const void *wk, *wv; /* device weights in wt */
     rekv_dtype wt;
     const float *bk, *bv;
-    const int32_t *pos; /* device positions [n] */
+    const int32_t *pos;        /* device positions [n] */
+    const int32_t *row_seq;    /* device zeros [n]: every row is the one sequence's */
+    const rekv_attn_seq *seqs; /* device: one sequence whose buffer takes the rows (dtype) */
 } pf_kv;
 
 static void pf_kv_run(void *ctx, rekv_stream *s)
@@ -185,13 +198,16 @@ static void pf_kv_run(void *ctx, rekv_stream *s)
         return;
     }
     rekv_copy_piece pc = {t->stage_x, t->host_x, (size_t)t->n * (size_t)c->hidden * es};
-    t->bi->copy_h2d(s, &pc, 1, REKV_XFER_ACT);
+    if (!t->no_copy)
+        t->bi->copy_h2d(s, &pc, 1, REKV_XFER_ACT);
     if (t->dtype != REKV_DTYPE_F32)
         t->k->convert(s, t->conv, t->n_conv, t->dtype);
     t->k->linear(s, t->dev_k, t->dev_x, t->wk, t->wt, t->bk, t->n, (int)kvd, c->hidden);
     t->k->linear(s, t->dev_v, t->dev_x, t->wv, t->wt, t->bv, t->n, (int)kvd, c->hidden);
     if (c->rope != REKV_ROPE_NONE)
         t->k->rope(s, t->dev_k, t->pos, t->n, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
+    t->k->kv_scatter(s, t->dev_k, t->dev_v, t->n, t->row_seq, t->pos, t->seqs, c->n_kv_heads,
+                     c->head_dim, t->dtype);
 }
 
 /* ---------------------------------------------------------------- buffers */
@@ -428,7 +444,7 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
         goto out;
     }
     double t;
-    pf_linear lin = {k, dy, dx, dw, wt, c->qkv_bias ? db : NULL, R, KV, H};
+    pf_linear lin = {k, dy, dx, dw, wt, c->qkv_bias ? db : NULL, R, KV, H, 1, 0, 0};
     for (;;) {
         if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
             goto out;
@@ -438,7 +454,20 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
     }
     p.gemm_kv_rows = lin.m;
     p.gemm_kv_flops = 2.0 * lin.m * KV * H / t;
-    lin = (pf_linear){k, dy, dx, dw, wt, c->ffn_bias ? db : NULL, R, F, H};
+    /* the FFN linear as a step reads it: its weights from memory (PF_COLD_BYTES) */
+    size_t fw = (size_t)F * H * rekv_dtype_size(wt);
+    int n_w = (int)((PF_COLD_BYTES + fw - 1) / fw);
+    if ((size_t)n_w * fw > PF_MAX_BYTES)
+        n_w = fw < PF_MAX_BYTES ? (int)(PF_MAX_BYTES / fw) : 1;
+    char *dwc = n_w > 1 ? pf_dev(&m, (size_t)n_w * fw) : NULL;
+    for (int i = 0; dwc && i < n_w; i++) {
+        rekv_copy_piece pc = {dwc + (size_t)i * fw, hwt, fw};
+        bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
+    }
+    if (dwc && (rc = bi->stream_sync(s, err)))
+        goto out;
+    lin = (pf_linear){k, dy, dx, dwc ? dwc : dw, wt, c->ffn_bias ? db : NULL,
+                      R, F,  H,  dwc ? n_w : 1,  0,  fw};
     if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
         goto out;
     p.gemm_ffn_flops = 2.0 * R * F * H / t;
@@ -516,11 +545,21 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
         for (int i = 0; i < nmax; i++)
             hpos[i] = i % c->max_pos;
         int32_t *dpos = pf_upload(&m, s, hpos, (size_t)nmax * sizeof(int32_t), err);
+        /* the attention buffer the recomputed rows are scattered into, as the pipeline does:
+         * one sequence of nmax positions (every position above is below nmax) */
+        memset(hpos, 0, (size_t)nmax * sizeof(int32_t));
+        int32_t *dzero = dpos ? pf_upload(&m, s, hpos, (size_t)nmax * sizeof(int32_t), err) : NULL;
+        void *dkvb =
+            dzero
+                ? pf_dev(&m, rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, nmax) * sizeof(float))
+                : NULL;
+        rekv_attn_seq hseq = {dkvb, 0, 0, 0, NULL};
+        rekv_attn_seq *dseq = dkvb ? pf_upload(&m, s, &hseq, sizeof(hseq), err) : NULL;
         /* the convert piece of every T_kv_gen sample (dtype-agnostic) */
         rekv_convert_piece hconv[PF_FIT_SAMPLES];
         for (int i = 0; i < PF_FIT_SAMPLES; i++)
             hconv[i] = (rekv_convert_piece){fx, sk, (uint32_t)((size_t)ng[i] * H)};
-        rekv_convert_piece *dconv = dpos ? pf_upload(&m, s, hconv, sizeof(hconv), err) : NULL;
+        rekv_convert_piece *dconv = dseq ? pf_upload(&m, s, hconv, sizeof(hconv), err) : NULL;
         if (!dconv) {
             rc = err && err->code ? err->code : -ENOMEM;
             goto out;
@@ -553,7 +592,9 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
                                  .wt = wt,
                                  .bk = c->qkv_bias ? db : NULL,
                                  .bv = c->qkv_bias ? db : NULL,
-                                 .pos = dpos};
+                                 .pos = dpos,
+                                 .row_seq = dzero,
+                                 .seqs = dseq};
                     if ((rc = pf_time(be, s, pf_kv_run, &job, &ys[i], err)))
                         goto out;
                     xs[i] = job.n;
@@ -562,6 +603,33 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
                 if ((rc = pf_fit(xs, ys, PF_FIT_SAMPLES, gen ? "T_kv_gen" : "T_load_kv",
                                  gen ? &p.kv_gen[d] : &p.load_kv[d], err)))
                     goto out;
+                if (gen) { /* the largest sample again, its rows on the device already */
+                    pf_kv job = {.bi = bi,
+                                 .k = k,
+                                 .c = c,
+                                 .gen = 1,
+                                 .no_copy = 1,
+                                 .n = ng[PF_FIT_SAMPLES - 1],
+                                 .dtype = dt,
+                                 .stage_x = dt == REKV_DTYPE_F32 ? (void *)fx : sk,
+                                 .dev_k = fk,
+                                 .dev_v = fv,
+                                 .dev_x = fx,
+                                 .conv = &dconv[PF_FIT_SAMPLES - 1],
+                                 .n_conv = 1,
+                                 .wk = dw,
+                                 .wv = dw,
+                                 .wt = wt,
+                                 .bk = c->qkv_bias ? db : NULL,
+                                 .bv = c->qkv_bias ? db : NULL,
+                                 .pos = dpos,
+                                 .row_seq = dzero,
+                                 .seqs = dseq};
+                    double tr;
+                    if ((rc = pf_time(be, s, pf_kv_run, &job, &tr, err)))
+                        goto out;
+                    p.recomp_flops[d] = 4.0 * H * KV * job.n / tr;
+                }
             }
         }
     }
@@ -587,7 +655,9 @@ void rekv_profile_to_cost(const rekv_profile *p, rekv_dtype cache_dtype, rekv_co
     memset(out, 0, sizeof(*out));
     out->h2d_bw = p->h2d_bw;
     out->h2d_latency = p->h2d_latency;
-    out->gemm_flops = p->gemm_kv_flops;
+    /* recomputation at the rate of what it runs: the cache dtype's conversion, the K and V
+     * linears, RoPE (a profile without it: the K/V linear's) */
+    out->gemm_flops = p->recomp_flops[d] > 0 ? p->recomp_flops[d] : p->gemm_kv_flops;
     out->fwd_flops_rate = p->gemm_ffn_flops; /* the FFN's GEMM over a decode batch's rows */
     /* ... and its time against the rows, through the two measured row counts: a GEMM at few rows
      * streams its weights for little work, so its rate falls with the rows (rekv_cost_fwd_rate_at)
@@ -711,13 +781,15 @@ static json_t *pf_to_json(const rekv_profile *p)
         p->fit_tokens_max, "measure_s", p->measure_s);
     if (!o)
         return NULL;
-    json_t *lk = json_object(), *kg = json_object();
+    json_t *lk = json_object(), *kg = json_object(), *rf = json_object();
     for (int d = 0; d < REKV_PROFILE_DTYPES; d++) {
         json_object_set_new(lk, pf_dtype_names[d], pf_linear_json(&p->load_kv[d]));
         json_object_set_new(kg, pf_dtype_names[d], pf_linear_json(&p->kv_gen[d]));
+        json_object_set_new(rf, pf_dtype_names[d], json_real(p->recomp_flops[d]));
     }
     json_object_set_new(o, "load_kv", lk);
     json_object_set_new(o, "kv_gen", kg);
+    json_object_set_new(o, "recomp_flops_per_s", rf);
     return o;
 }
 
@@ -890,7 +962,9 @@ int rekv_profile_load(const char *path, const char *key, rekv_profile *out, rekv
         goto out;
     for (int d = 0; d < REKV_PROFILE_DTYPES; d++)
         if ((rc = pf_get_linear(path, o, "load_kv", pf_dtype_names[d], &p.load_kv[d], err)) ||
-            (rc = pf_get_linear(path, o, "kv_gen", pf_dtype_names[d], &p.kv_gen[d], err)))
+            (rc = pf_get_linear(path, o, "kv_gen", pf_dtype_names[d], &p.kv_gen[d], err)) ||
+            (rc = pf_get_num(path, json_object_get(o, "recomp_flops_per_s"), pf_dtype_names[d], 1,
+                             big, &p.recomp_flops[d], err)))
             goto out;
     *out = p;
 out:

@@ -35,7 +35,7 @@
 #include "loader/loader.h"
 
 /* Bumped whenever the fields or the way they are measured change: older files are re-measured. */
-#define REKV_PROFILE_VERSION 4
+#define REKV_PROFILE_VERSION 5
 
 /* Index of the per-cache-dtype models. */
 enum { REKV_PROFILE_F32 = 0, REKV_PROFILE_F16 = 1, REKV_PROFILE_DTYPES = 2 };
@@ -66,9 +66,14 @@ typedef struct rekv_profile {
     /* [REKV_PROFILE_F32 / _F16]: host cache dtype. a in s, b in s per token; per layer. */
     rekv_linear load_kv[REKV_PROFILE_DTYPES]; /* T_load_kv(n): n tokens' K,V rows h2d (+convert) */
     rekv_linear kv_gen[REKV_PROFILE_DTYPES];  /* T_kv_gen(n): n activation rows h2d (+convert),
-                                                 K and V linears, RoPE of K */
+                                                 K and V linears, RoPE of K, K and V into an
+                                                 attention buffer (kv_scatter) */
     int fit_tokens_max;                       /* largest n sampled for the two models, tokens */
-    double measure_s;                         /* wall time the measurement took, s */
+    /* recomputation alone (T_kv_gen's largest sample without the copy: conversion from the cache
+     * dtype, K and V linears, RoPE, the scatter), FLOP/s of its two linears: what the planner
+     * prices it at */
+    double recomp_flops[REKV_PROFILE_DTYPES];
+    double measure_s; /* wall time the measurement took, s */
 } rekv_profile;
 
 /* Measures c's shapes on be (its streams must be free for the duration). link: the link

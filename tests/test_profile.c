@@ -79,6 +79,7 @@ static void check_models(const rekv_profile *p)
         }
     }
     ck_assert(p->gemm_kv_flops > 1e6 && p->gemm_ffn_flops > 1e6 && p->attn_flops > 1e6);
+    ck_assert(p->recomp_flops[REKV_PROFILE_F32] > 1e6 && p->recomp_flops[REKV_PROFILE_F16] > 1e6);
     ck_assert(p->h2d_bw > 0 && p->d2h_bw > 0 && p->h2d_latency >= 0 && p->d2h_latency >= 0);
     ck_assert(p->t_load_w > 0 && p->layer_weight_bytes > 0);
 }
@@ -131,7 +132,8 @@ START_TEST(test_emulated_link)
     rekv_cost_profile cp;
     rekv_profile_to_cost(&p, REKV_DTYPE_F16, &cp);
     ck_assert(cp.h2d_bw == p.h2d_bw && cp.h2d_latency == p.h2d_latency);
-    ck_assert(cp.gemm_flops == p.gemm_kv_flops && cp.t_load_w == p.t_load_w);
+    /* recomputation priced at the rate of its whole path for the cache dtype */
+    ck_assert(cp.gemm_flops == p.recomp_flops[REKV_PROFILE_F16] && cp.t_load_w == p.t_load_w);
     ck_assert(cp.load_kv.b == p.load_kv[REKV_PROFILE_F16].b);
     ck_assert(cp.kv_gen.a == p.kv_gen[REKV_PROFILE_F16].a);
 }
