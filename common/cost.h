@@ -45,8 +45,11 @@ typedef struct rekv_cost_profile {
      * row_flops — at few rows the weights stream for little work (memory-bound), at many the
      * FLOPs dominate. a = b = 0: not measured (fwd_flops_rate stands for every row count). */
     rekv_linear fwd_gemm;
-    double attn_flops_rate; /* the attention kernel at a decode step's shape (one query per
-                               sequence over its context), FLOP/s; 0: priced as the GEMMs */
+    double attn_flops_rate;       /* the attention kernel at a decode step's shape (one query per
+                                     sequence over its context), FLOP/s; 0: priced as the GEMMs */
+    double attn_chunk_flops_rate; /* at a prefill chunk's (many rows of one sequence over its
+                                     context: each key read once for them all), FLOP/s; 0: not
+                                     measured (attn_flops_rate) */
 } rekv_cost_profile;
 
 /* The rate a decode step's forward pass runs at: fwd_flops_rate, or gemm_flops when unmeasured. */

@@ -21,6 +21,7 @@ static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
     out->fwd_flops_rate = c->fwd_flops_rate;
     out->fwd_gemm = (rekv_linear){c->fwd_gemm_a, c->fwd_gemm_b};
     out->attn_flops_rate = c->attn_flops_rate;
+    out->attn_chunk_flops_rate = c->attn_chunk_flops_rate;
     out->load_kv = (rekv_linear){c->load_kv_a, c->load_kv_b};
     out->kv_gen = (rekv_linear){c->kv_gen_a, c->kv_gen_b};
     out->t_load_w = c->t_load_w;
@@ -161,6 +162,7 @@ static rekv_cost_profile scaled(const co_plan_state *ps)
     p.fwd_gemm.a *= ps->compute_scale;
     p.fwd_gemm.b *= ps->compute_scale;
     p.attn_flops_rate /= ps->compute_scale;
+    p.attn_chunk_flops_rate /= ps->compute_scale;
     p.kv_gen.a *= ps->compute_scale;
     p.kv_gen.b *= ps->compute_scale;
     return p;
@@ -178,22 +180,24 @@ int64_t co_plan_block_capacity(const co_plan_state *ps)
     return blocks > 0 ? blocks : 1;
 }
 
-enum { REKV_PLAN_MIN_CHUNK = 64 };
+#define REKV_PLAN_CHUNK_STEP 0.5 /* a chunk's share of a predicted decode step */
 
-uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap)
+uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap, uint32_t prompt)
 {
     if (cap == 0 || !ps->have_profile || !(ps->pred_step_s > 0))
         return cap;
     rekv_cost_profile prof = scaled(ps);
-    /* a prompt token's prefill: the layers' GEMMs for one row */
+    /* a prompt token's prefill: the layers' GEMMs for one row, and its attention over the
+     * prompt before it at a chunk's rate, priced at the prompt's end (the dearest place) */
     double per_token = 2.0 * (double)ps->layer_params * (double)ps->n_layers / prof.gemm_flops;
+    double attn_rate =
+        prof.attn_chunk_flops_rate > 0 ? prof.attn_chunk_flops_rate : prof.attn_flops_rate;
+    if (attn_rate > 0)
+        per_token += 4.0 * (double)ps->q_dim * (double)prompt * (double)ps->n_layers / attn_rate;
     if (!(per_token > 0))
         return cap;
-    double t = ps->pred_step_s / per_token;
-    uint32_t chunk = t >= cap ? cap : (uint32_t)t / 16 * 16;
-    return chunk < REKV_PLAN_MIN_CHUNK && cap > REKV_PLAN_MIN_CHUNK ? REKV_PLAN_MIN_CHUNK
-           : chunk < REKV_PLAN_MIN_CHUNK                            ? cap
-                                                                    : chunk;
+    double t = REKV_PLAN_CHUNK_STEP * ps->pred_step_s / per_token;
+    return t >= cap ? cap : t >= 16 ? (uint32_t)t / 16 * 16 : t >= 1 ? (uint32_t)t : 1;
 }
 
 /* Algorithm 1's pattern (the step-time choice) for the kvstore's arena as the worker reports it;

@@ -79,10 +79,13 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);
 
 /* The prefill chunk of the worker's next step (chunked prefill), at most cap tokens (0: whole
- * prompts): the prompt tokens the profile prices at one decode step of the running batch, so a
- * step that also prefills takes about twice a decode step; at least REKV_PLAN_MIN_CHUNK, a
- * multiple of 16. cap when nothing is predicted yet (no profile, resident, no step). */
-uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap);
+ * prompts): the prompt tokens the profile prices at half a decode step of the running batch, so a
+ * step that also prefills takes about 1.5 decode steps; each token priced with its GEMMs and its
+ * attention over `prompt` tokens (the longest prompt being prefilled: its last chunk is the
+ * dearest), at a prefill chunk's attention rate where the profile has one. A multiple of 16 from 16
+ * up, else what fits (at least 1). cap when nothing is predicted
+ * yet (no profile, resident, no step). */
+uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap, uint32_t prompt);
 
 /* Chooses the parameters of a step over n jobs (ids jobs[], contexts ctx[] in tokens, kv_frac[]
  * the KV share of each one's blocks — hybrid, the pattern it was made with; NULL: the step's).

@@ -407,7 +407,16 @@ static int schedule_worker(rekv_coordinator *co, int wi)
     w->pred[plan.step % CO_PLANS_OUT] =
         plan.params ? (co_plan_pred){w->plan.pred_pcie_s, w->plan.pred_compute_s}
                     : (co_plan_pred){0, 0};
-    plan.prefill_chunk = co_plan_prefill_chunk(&w->plan, co->cfg.prefill_chunk);
+    /* chunks keep decoding jobs streaming: none decoding, the cap; else priced at the longest
+     * prompt in prefill (no token yet) */
+    uint32_t prompt = 0, decoding = 0;
+    for (uint32_t k = 0; k < w->n_run; k++) {
+        decoding += w->run[k]->n_gen > 0;
+        if (w->run[k]->n_gen == 0 && w->run[k]->n_prompt > prompt)
+            prompt = w->run[k]->n_prompt;
+    }
+    plan.prefill_chunk = decoding ? co_plan_prefill_chunk(&w->plan, co->cfg.prefill_chunk, prompt)
+                                  : co->cfg.prefill_chunk;
     Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
     m.body_case = REKV__WORKER__COORD_MSG__BODY_PLAN;
     m.plan = &plan;

@@ -33,6 +33,7 @@
 #define PF_KV_GEMM_S 0.001       /* the K/V linear grows its rows until it takes this long */
 #define PF_ATTN_BATCH 8          /* sequences of the measured attention */
 #define PF_ATTN_CTX 512          /* their context, tokens (less when the model's is shorter) */
+#define PF_ATTN_CHUNK 64         /* query rows of the measured prefill-chunk attention */
 #define PF_FIT_SAMPLES 4         /* token counts / copy sizes per fitted model */
 #define PF_MAX_BYTES (64u << 20) /* largest buffer the measurement allocates, bytes */
 /* The FFN linear's weights are read from at least this many bytes of copies, one after the other,
@@ -152,13 +153,14 @@ typedef struct pf_attn {
     const rekv_attn_seq *seqs; /* device */
     int n_seqs, n_heads, n_kv, head_dim;
     float *scores;
+    int rows; /* query rows of the sequences together (0: one each) */
 } pf_attn;
 
 static void pf_attn_run(void *ctx, rekv_stream *s)
 {
     pf_attn *a = ctx;
-    a->k->attention(s, a->out, a->q, a->seqs, a->n_seqs, a->n_seqs, a->n_heads, a->n_kv,
-                    a->head_dim, a->scores, REKV_DTYPE_F32);
+    a->k->attention(s, a->out, a->q, a->seqs, a->n_seqs, a->rows ? a->rows : a->n_seqs, a->n_heads,
+                    a->n_kv, a->head_dim, a->scores, REKV_DTYPE_F32);
 }
 
 /* T_load_kv (gen = 0) or T_kv_gen (gen = 1) at n tokens, for one cache dtype. */
@@ -508,12 +510,30 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
             rc = err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
             goto out;
         }
-        pf_attn at = {k, dout, dq, dseqs, B, c->n_heads, c->n_kv_heads, c->head_dim, dsc};
+        pf_attn at = {k, dout, dq, dseqs, B, c->n_heads, c->n_kv_heads, c->head_dim, dsc, 0};
         if ((rc = pf_time(be, s, pf_attn_run, &at, &t, err)))
             goto out;
         p.attn_batch = B;
         p.attn_ctx = S;
         p.attn_flops = 4.0 * B * c->n_heads * c->head_dim * (double)(S + 1) / t;
+        /* and a prefill chunk's shape: PF_ATTN_CHUNK rows of one sequence at the end of its S + 1
+         * positions, causal (row i over start + i + 1 of them) */
+        int n = PF_ATTN_CHUNK < S ? PF_ATTN_CHUNK : S, start = S + 1 - n;
+        float *hq2 = pf_host(&m, (size_t)n * Q * sizeof(float));
+        float *dq2 = hq2 ? pf_upload(&m, s, hq2, (size_t)n * Q * sizeof(float), err) : NULL;
+        float *dout2 = dq2 ? pf_dev(&m, (size_t)n * Q * sizeof(float)) : NULL;
+        float *dsc2 = dout2 ? pf_dev(&m, (size_t)cap * c->n_heads * n * sizeof(float)) : NULL;
+        rekv_attn_seq chunk = {dkv, start, n, 0, NULL};
+        rekv_attn_seq *dchunk = dsc2 ? pf_upload(&m, s, &chunk, sizeof(chunk), err) : NULL;
+        if (!dchunk) {
+            rc = err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
+            goto out;
+        }
+        at = (pf_attn){k, dout2, dq2, dchunk, 1, c->n_heads, c->n_kv_heads, c->head_dim, dsc2, n};
+        if ((rc = pf_time(be, s, pf_attn_run, &at, &t, err)))
+            goto out;
+        p.attn_chunk_flops =
+            4.0 * c->n_heads * c->head_dim * ((double)n * start + (double)n * (n + 1) / 2) / t;
     }
     pf_progress(progress, arg, ++step);
 
@@ -668,6 +688,7 @@ void rekv_profile_to_cost(const rekv_profile *p, rekv_dtype cache_dtype, rekv_co
         out->fwd_gemm = (rekv_linear){t1 - slope, slope}; /* s per FLOP-of-one-row, see cost.h */
     }
     out->attn_flops_rate = p->attn_flops;
+    out->attn_chunk_flops_rate = p->attn_chunk_flops;
     out->load_kv = p->load_kv[d];
     out->kv_gen = p->kv_gen[d];
     out->t_load_w = p->t_load_w;
@@ -790,6 +811,7 @@ static json_t *pf_to_json(const rekv_profile *p)
     json_object_set_new(o, "load_kv", lk);
     json_object_set_new(o, "kv_gen", kg);
     json_object_set_new(o, "recomp_flops_per_s", rf);
+    json_object_set_new(o, "attn_chunk_flops_per_s", json_real(p->attn_chunk_flops));
     return o;
 }
 
@@ -955,6 +977,7 @@ int rekv_profile_load(const char *path, const char *key, rekv_profile *out, rekv
         (rc = pf_get_int(path, o, "attn_batch", 1, 1 << 30, &p.attn_batch, err)) ||
         (rc = pf_get_int(path, o, "attn_ctx", 1, 1 << 30, &p.attn_ctx, err)) ||
         (rc = pf_get_num(path, o, "attn_flops_per_s", 1, big, &p.attn_flops, err)) ||
+        (rc = pf_get_num(path, o, "attn_chunk_flops_per_s", 1, big, &p.attn_chunk_flops, err)) ||
         (rc = pf_get_num(path, o, "layer_weight_bytes", 1, big, &p.layer_weight_bytes, err)) ||
         (rc = pf_get_num(path, o, "t_load_w_s", 0, 1e6, &p.t_load_w, err)) ||
         (rc = pf_get_int(path, o, "fit_tokens_max", 2, 1 << 30, &p.fit_tokens_max, err)) ||

@@ -59,6 +59,8 @@ typedef struct rekv_profile {
     int attn_batch;          /* sequences of the measured attention, one query each */
     int attn_ctx;            /* context tokens each of them attends to */
     double attn_flops;       /* `attention` throughput, FLOP/s (4*head_dim*ctx per query head) */
+    double attn_chunk_flops; /* the same for a prefill chunk: 64 rows of one sequence at the end
+                                of attn_ctx positions, causal */
 
     double layer_weight_bytes; /* one decoder layer's fp32 weights (matrices, biases, norms), B */
     double t_load_w;           /* h2d_latency + layer_weight_bytes/h2d_bw: one layer's weights

@@ -243,6 +243,7 @@ static void send_hello(worker *w)
     cp.fwd_gemm_a = w->cost.fwd_gemm.a;
     cp.fwd_gemm_b = w->cost.fwd_gemm.b;
     cp.attn_flops_rate = w->cost.attn_flops_rate;
+    cp.attn_chunk_flops_rate = w->cost.attn_chunk_flops_rate;
     cp.load_kv_a = w->cost.load_kv.a;
     cp.load_kv_b = w->cost.load_kv.b;
     cp.kv_gen_a = w->cost.kv_gen.a;

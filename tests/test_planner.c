@@ -1032,8 +1032,7 @@ START_TEST(test_pick_infinigen)
 
     /* slow link, prior f = 0.2: allowed, infinigen; not allowed, the same exact pick as ever */
     ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, NULL, &ex, NULL), 0);
-    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &prior, &ap, NULL),
-                     0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &prior, &ap, NULL), 0);
     ck_assert(!ex.resident && !ap.resident && !ex.approximate && ap.approximate);
     ck_assert(ex.tech < REKV_TECH_COUNT);
     ck_assert_int_eq(ap.tech, REKV_TECH_INFINIGEN);
@@ -1136,22 +1135,32 @@ static void plan_state_8l(co_plan_state *ps, const char *mode, double gemm_flops
 }
 
 /* Chunked prefill's chunk: the cap until a step is predicted; then the prompt tokens whose GEMMs
- * take one predicted decode step (a multiple of 16), never below 64 unless the cap is. */
+ * and attention take half a predicted decode step (a multiple of 16 from 16 up, at least 1); the
+ * attention priced over the longest prompt being prefilled, at the chunk rate where there is one
+ * (else the decode-shape rate). */
 START_TEST(test_co_plan_prefill_chunk)
 {
     co_plan_state ps;
     plan_state_8l(&ps, "offload", 1e12);
-    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 512); /* nothing predicted yet */
-    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 0), 0);
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 4096), 512); /* nothing predicted yet */
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 0, 4096), 0);
     double per_token = 2.0 * 12 * 1024 * 1024 * 8 / 1e12;
-    ps.pred_step_s = 100.5 * per_token;
-    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 96);
-    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 80), 80);
-    ps.pred_step_s = 10 * per_token; /* a cheap decode step: still 64 tokens a step */
-    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 64);
-    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 8), 8);
+    ps.pred_step_s = 200.5 * per_token;
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 4096), 96); /* no attention rate */
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 80, 4096), 80);
+    /* attention at a rate where a 4096-token prompt's last token costs its GEMMs again */
+    ps.prof.attn_flops_rate = 4.0 * 1024 * 4096 * 8 / per_token;
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 4096), 48);
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 0), 96);
+    ps.prof.attn_chunk_flops_rate = 3 * ps.prof.attn_flops_rate; /* a third: 75 tokens */
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 4096), 64);
+    ps.pred_step_s = 10 * per_token; /* a cheap decode step: 3.75 tokens a step */
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 4096), 3);
+    ps.pred_step_s = 0.5 * per_token; /* less than one token's worth: still one */
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 4096), 1);
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 8, 0), 8);
     ps.pred_step_s = 1e6 * per_token;
-    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512), 512);
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 64), 512);
 }
 END_TEST
 

@@ -80,6 +80,7 @@ static void check_models(const rekv_profile *p)
     }
     ck_assert(p->gemm_kv_flops > 1e6 && p->gemm_ffn_flops > 1e6 && p->attn_flops > 1e6);
     ck_assert(p->recomp_flops[REKV_PROFILE_F32] > 1e6 && p->recomp_flops[REKV_PROFILE_F16] > 1e6);
+    ck_assert(p->attn_chunk_flops > 1e6);
     ck_assert(p->h2d_bw > 0 && p->d2h_bw > 0 && p->h2d_latency >= 0 && p->d2h_latency >= 0);
     ck_assert(p->t_load_w > 0 && p->layer_weight_bytes > 0);
 }

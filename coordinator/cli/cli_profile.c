@@ -164,6 +164,10 @@ static void print_table(const char *model_path, const rekv_model_config *c, cons
            c->ffn, c->hidden, p->gemm_ffn_flops * 1e-9);
     printf("  attention   %d sequences x %d tokens      %8.2f GFLOP/s\n", p->attn_batch,
            p->attn_ctx, p->attn_flops * 1e-9);
+    printf("  attention   a 64-row chunk at %d tokens   %8.2f GFLOP/s\n", p->attn_ctx,
+           p->attn_chunk_flops * 1e-9);
+    printf("  recompute   f32 / f16 cache             %8.2f / %.2f GFLOP/s\n",
+           p->recomp_flops[REKV_PROFILE_F32] * 1e-9, p->recomp_flops[REKV_PROFILE_F16] * 1e-9);
     printf("one layer's weights: %.2f MiB, T_load_w %.3f ms\n",
            p->layer_weight_bytes / (1024.0 * 1024.0), p->t_load_w * 1e3);
     printf("fitted per-layer models (a + b*n)\n");
