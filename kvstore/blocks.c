@@ -461,6 +461,8 @@ void srv_on_completions(rekv_kvstore_server *s)
                     b->load_err = d[i].res < 0 ? d[i].res : -EBADMSG;
                     if (d[i].res == 0)
                         s->crc_errors++;
+                    else
+                        s->read_errors++;
                     srv_event(s, REKV_KV_EVENT_ERROR,
                               "read-back of sequence %llu layer %u block %u failed: %s",
                               (unsigned long long)b->seq, b->layer, b->lblock,

@@ -829,6 +829,7 @@ int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err
     out->pin_misses = s->pin_misses;
     out->spill_errors = s->spill_errors;
     out->crc_errors = s->crc_errors;
+    out->read_errors = s->read_errors;
     out->sequences = s->sequences;
     out->clients = s->clients;
     out->leases_expired = s->leases_expired;

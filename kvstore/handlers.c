@@ -627,6 +627,7 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->pin_misses = s->pin_misses;
     st->spill_errors = s->spill_errors;
     st->crc_errors = s->crc_errors;
+    st->read_errors = s->read_errors;
     st->sequences = s->seqs.len;
     uint64_t nc = 0;
     for (kv_client *c = s->clients; c; c = c->next)

@@ -360,6 +360,7 @@ typedef struct rekv_kv_stats {
     uint64_t bytes_spilled, bytes_read_back;
     uint64_t pin_hits, pin_misses;  /* pinned blocks found resident / read back */
     uint64_t spill_errors, crc_errors;
+    uint64_t read_errors; /* read-backs the device failed (the block is lost) */
     uint64_t sequences, clients, leases_expired;
     uint64_t spills_in_flight, reads_in_flight;
     uint64_t sequences_reclaimed; /* dropped by DropOwner or because their owner's lease expired */

@@ -131,7 +131,7 @@ struct rekv_kvstore_server {
     uint32_t *ahead_q; /* read-ahead: block ids to read back, in the order asked */
     size_t ahead_n, ahead_cap;
     uint64_t pin_wait_blocks, pin_wait_bytes, read_ahead_blocks, read_ahead_bytes;
-    uint64_t spill_errors, crc_errors, leases_expired;
+    uint64_t spill_errors, crc_errors, read_errors, leases_expired;
     uint64_t sequences_reclaimed; /* dropped by DropOwner or with their owner's lease */
     int orphans_left;             /* a dead owner's sequence was busy: sweep again at next check */
     rekv_kv_hist hist[H_COUNT];

@@ -75,6 +75,8 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
         {"rekv_kvstore_crc_errors_total", "counter",
          "Read-backs whose CRC32C did not match what was written (the block is lost).",
          (double)s->crc_errors},
+        {"rekv_kvstore_read_errors_total", "counter",
+         "Read-backs the device failed (an I/O error: the block is lost).", (double)s->read_errors},
         {"rekv_kvstore_pinned_blocks", "gauge", "Blocks with at least one pin.", (double)pinned},
         {"rekv_kvstore_sequences", "gauge", "Sequences stored.", (double)s->seqs.len},
         {"rekv_kvstore_clients", "gauge", "Connected clients.", (double)clients},

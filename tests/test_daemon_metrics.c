@@ -192,6 +192,7 @@ static void check_kvstore(const char *m)
     /* 16 MiB hold these jobs: nothing spilled, nothing lost */
     ck_assert_double_eq(val(m, "rekv_kvstore_spill_writes_total"), 0);
     ck_assert_double_eq(val(m, "rekv_kvstore_crc_errors_total"), 0);
+    ck_assert_double_eq(val(m, "rekv_kvstore_read_errors_total"), 0);
 }
 
 /* The gpuworker's, against the coordinator's: the same steps (each timed once), the tokens, the

@@ -608,6 +608,7 @@ static void check_metrics_match_stats(int port, rekv_kvstore_client *c)
     ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_read_bytes_total"),
                         (double)st.bytes_read_back);
     ck_assert_double_eq(ms_value(m, "rekv_kvstore_crc_errors_total"), (double)st.crc_errors);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_read_errors_total"), (double)st.read_errors);
     ck_assert_double_eq(ms_value(m, "rekv_kvstore_spill_errors_total"), (double)st.spill_errors);
     ck_assert_double_eq(ms_value(m, "rekv_kvstore_pins_total{result=\"miss\"}"),
                         (double)st.pin_misses);
@@ -1804,6 +1805,7 @@ START_TEST(test_spill_eio_readback)
     rekv_kv_stats st;
     ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
     ck_assert_uint_eq(st.crc_errors, 0);
+    ck_assert_uint_ge(st.read_errors, (uint64_t)failed); /* counted, not only logged */
     rekv_kvstore_client_close(c);
     ck_assert_int_eq(kill(d.pid, SIGTERM), 0);
     int ws;

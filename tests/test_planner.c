@@ -1158,7 +1158,9 @@ START_TEST(test_co_plan_prefill_chunk)
     ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 4096), 3);
     ps.pred_step_s = 0.5 * per_token; /* less than one token's worth: still one */
     ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 4096), 1);
-    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 8, 0), 8);
+    ps.pred_step_s = 10 * per_token; /* GEMMs alone: 5 tokens, or the cap below it */
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 0), 5);
+    ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 4, 0), 4);
     ps.pred_step_s = 1e6 * per_token;
     ck_assert_uint_eq(co_plan_prefill_chunk(&ps, 512, 64), 512);
 }
