@@ -396,13 +396,25 @@ unsigned long cpu_gemm_pool_chunks(void)
     return atomic_load(&g_pool.worker_chunks);
 }
 
+/* The online cpus, asked once: glibc's sysconf reads /sys/devices/system/cpu/online at every
+ * call, which at a GEMM call each cost a small model's decode step ~8% of its time. */
+static int online_cpus(void)
+{
+    static atomic_int n;
+    int v = atomic_load_explicit(&n, memory_order_relaxed);
+    if (v <= 0) {
+        long c = sysconf(_SC_NPROCESSORS_ONLN);
+        v = c > 0 ? (int)c : 1;
+        atomic_store_explicit(&n, v, memory_order_relaxed);
+    }
+    return v;
+}
+
 int cpu_gemm_threads(void)
 {
     int n = atomic_load(&g_threads_set);
-    if (n <= 0) {
-        long c = sysconf(_SC_NPROCESSORS_ONLN);
-        n = c > 0 ? (int)c : 1;
-    }
+    if (n <= 0)
+        n = online_cpus();
     return n < GEMM_MAX_THREADS ? n : GEMM_MAX_THREADS;
 }
 
