@@ -169,7 +169,9 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
         {"rekv_queue_wait_seconds", "A job's acceptance to its first start on a worker.",
          &co->h_queue},
         {"rekv_step_seconds", "A step as its worker timed it.", &co->h_step},
-        {"rekv_step_round_trip_seconds", "A step's Progress received, from its Plan sent or the step before's Progress (the later).",
+        {"rekv_step_round_trip_seconds",
+         "A step's Progress received, from its Plan sent or the step before's Progress "
+         "(the later).",
          &co->h_step_rtt},
     };
     for (size_t i = 0; i < sizeof(hist) / sizeof(*hist); i++) {

@@ -588,33 +588,33 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
             rekv_dtype dt = d == REKV_PROFILE_F32 ? REKV_DTYPE_F32 : REKV_DTYPE_F16;
             for (int gen = 0; gen < 2; gen++) {
                 double xs[PF_FIT_SAMPLES], ys[PF_FIT_SAMPLES];
+                int f32 = dt == REKV_DTYPE_F32;
+                pf_kv job = {.bi = bi,
+                             .k = k,
+                             .c = c,
+                             .gen = gen,
+                             .dtype = dt,
+                             .host_k = hk,
+                             .host_v = hv,
+                             .host_x = hk,
+                             .stage_k = f32 ? (void *)fk : sk,
+                             .stage_v = f32 ? (void *)fv : sv,
+                             .stage_x = f32 ? (void *)fx : sk,
+                             .dev_k = fk,
+                             .dev_v = fv,
+                             .dev_x = fx,
+                             .n_conv = 1,
+                             .wk = dw,
+                             .wv = dw,
+                             .wt = wt,
+                             .bk = c->qkv_bias ? db : NULL,
+                             .bv = c->qkv_bias ? db : NULL,
+                             .pos = dpos,
+                             .row_seq = dzero,
+                             .seqs = dseq};
                 for (int i = 0; i < PF_FIT_SAMPLES; i++) {
-                    int f32 = dt == REKV_DTYPE_F32;
-                    pf_kv job = {.bi = bi,
-                                 .k = k,
-                                 .c = c,
-                                 .gen = gen,
-                                 .n = gen ? ng[i] : nl[i],
-                                 .dtype = dt,
-                                 .host_k = hk,
-                                 .host_v = hv,
-                                 .host_x = hk,
-                                 .stage_k = f32 ? (void *)fk : sk,
-                                 .stage_v = f32 ? (void *)fv : sv,
-                                 .stage_x = f32 ? (void *)fx : sk,
-                                 .dev_k = fk,
-                                 .dev_v = fv,
-                                 .dev_x = fx,
-                                 .conv = &dconv[i],
-                                 .n_conv = 1,
-                                 .wk = dw,
-                                 .wv = dw,
-                                 .wt = wt,
-                                 .bk = c->qkv_bias ? db : NULL,
-                                 .bv = c->qkv_bias ? db : NULL,
-                                 .pos = dpos,
-                                 .row_seq = dzero,
-                                 .seqs = dseq};
+                    job.n = gen ? ng[i] : nl[i];
+                    job.conv = &dconv[i];
                     if ((rc = pf_time(be, s, pf_kv_run, &job, &ys[i], err)))
                         goto out;
                     xs[i] = job.n;
@@ -624,27 +624,7 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
                                  gen ? &p.kv_gen[d] : &p.load_kv[d], err)))
                     goto out;
                 if (gen) { /* the largest sample again, its rows on the device already */
-                    pf_kv job = {.bi = bi,
-                                 .k = k,
-                                 .c = c,
-                                 .gen = 1,
-                                 .no_copy = 1,
-                                 .n = ng[PF_FIT_SAMPLES - 1],
-                                 .dtype = dt,
-                                 .stage_x = dt == REKV_DTYPE_F32 ? (void *)fx : sk,
-                                 .dev_k = fk,
-                                 .dev_v = fv,
-                                 .dev_x = fx,
-                                 .conv = &dconv[PF_FIT_SAMPLES - 1],
-                                 .n_conv = 1,
-                                 .wk = dw,
-                                 .wv = dw,
-                                 .wt = wt,
-                                 .bk = c->qkv_bias ? db : NULL,
-                                 .bv = c->qkv_bias ? db : NULL,
-                                 .pos = dpos,
-                                 .row_seq = dzero,
-                                 .seqs = dseq};
+                    job.no_copy = 1;
                     double tr;
                     if ((rc = pf_time(be, s, pf_kv_run, &job, &tr, err)))
                         goto out;

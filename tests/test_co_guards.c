@@ -4,10 +4,11 @@
  * REKV_WORKER_MAX_BATCH, one with no vocabulary is told to shut down; token ids outside the
  * vocabulary fail the step (the job is re-queued and run again, or failed after --max-attempts,
  * never given the ids); a worker holds two Plans at once, and a job that joins in the second is
- * not taken as lost by the first's Progress; top_logits above 64, or top_logits x max_new_tokens above 2^20, is a bad
- * request; finished jobs are forgotten oldest first beyond --keep-finished jobs or
- * --keep-finished-bytes of results, and Status says so; a flood of malformed worker messages
- * logs at most a line a second, and the lines' "suppressed" counts add up to the messages. */
+ * not taken as lost by the first's Progress; top_logits above 64, or top_logits x
+ * max_new_tokens above 2^20, is a bad request; finished jobs are forgotten oldest first beyond
+ * --keep-finished jobs or --keep-finished-bytes of results, and Status says so; a flood of
+ * malformed worker messages logs at most a line a second, and the lines' "suppressed" counts add
+ * up to the messages. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -223,6 +224,15 @@ static Rekv__Worker__CoordMsg *fake_hello(fake *f, uint32_t max_batch, uint32_t 
     return cm;
 }
 
+/* Connects a worker to ep and says Hello, which must be answered Welcome. */
+static void fake_welcomed(fake *f, const char *ep, uint32_t max_batch, uint32_t vocab)
+{
+    fake_open(f, ep);
+    Rekv__Worker__CoordMsg *cm = fake_hello(f, max_batch, vocab);
+    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+}
+
 /* The next Plan (NULL when none comes). */
 static Rekv__Worker__CoordMsg *fake_plan(fake *f)
 {
@@ -303,10 +313,7 @@ START_TEST(hello_validated)
     fake_close(&bad);
 
     fake f;
-    fake_open(&f, e.wrk);
-    cm = fake_hello(&f, UINT32_MAX, 512);
-    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
-    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    fake_welcomed(&f, e.wrk, UINT32_MAX, 512);
     Rekv__Control__Response *r = stats(c);
     ck_assert_uint_eq(r->stats->n_workers, 1);
     ck_assert_uint_eq(r->stats->workers[0]->max_batch, REKV_WORKER_MAX_BATCH);
@@ -345,13 +352,10 @@ START_TEST(out_of_vocab_tokens_refused)
     env_start(&e, extra);
     rekv_ctl *c = ctl_open(e.ctl);
     fake f;
-    fake_open(&f, e.wrk);
-    Rekv__Worker__CoordMsg *cm = fake_hello(&f, 4, 512);
-    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
-    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    fake_welcomed(&f, e.wrk, 4, 512);
 
     uint64_t j = submit_ok(c, 4, 0);
-    cm = fake_plan(&f);
+    Rekv__Worker__CoordMsg *cm = fake_plan(&f);
     ck_assert_uint_eq(cm->plan->n_join, 1);
     int32_t bad[] = {512};
     fake_progress(&f, cm->plan->step, j, bad, 1, 0, 0);
@@ -417,10 +421,7 @@ START_TEST(two_plans_out)
     env_start(&e, NULL);
     rekv_ctl *c = ctl_open(e.ctl);
     fake f;
-    fake_open(&f, e.wrk);
-    Rekv__Worker__CoordMsg *cm = fake_hello(&f, 2, 512);
-    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
-    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    fake_welcomed(&f, e.wrk, 2, 512);
 
     uint64_t a = submit_ok(c, 1, 0);
     Rekv__Worker__CoordMsg *p1 = fake_plan(&f), *p2 = fake_plan(&f);
@@ -546,17 +547,14 @@ START_TEST(finished_jobs_capped_by_bytes)
     env_start(&e, extra);
     rekv_ctl *c = ctl_open(e.ctl);
     fake f;
-    fake_open(&f, e.wrk);
-    Rekv__Worker__CoordMsg *cm = fake_hello(&f, 1, 512);
-    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_WELCOME);
-    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    fake_welcomed(&f, e.wrk, 1, 512);
     int32_t toks[16];
     for (int i = 0; i < 16; i++)
         toks[i] = 100 + i;
     uint64_t id[3];
     for (int i = 0; i < 3; i++) {
         id[i] = submit_ok(c, 16, 64);
-        cm = fake_plan(&f);
+        Rekv__Worker__CoordMsg *cm = fake_plan(&f);
         ck_assert_ptr_nonnull(cm);
         ck_assert_uint_eq(cm->plan->join[0]->top_logits, 64);
         fake_progress(&f, cm->plan->step, id[i], toks, 16, 1, 64);

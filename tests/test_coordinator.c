@@ -1395,20 +1395,6 @@ START_TEST(malformed_requests)
 }
 END_TEST
 
-static long vm_hwm_kib(pid_t pid)
-{
-    char path[64], line[256];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-    FILE *f = fopen(path, "r");
-    long v = -1;
-    while (f && fgets(line, sizeof(line), f))
-        if (sscanf(line, "VmHWM: %ld", &v) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return v;
-}
-
 /* 10,000 submissions at once against a queue of 256: BUSY replies, bounded memory, and every
  * accepted job completes with rekv_generate's tokens. */
 START_TEST(busy_queue)
@@ -1429,10 +1415,10 @@ START_TEST(busy_queue)
     fprintf(stderr,
             "   %d of %d submissions accepted, the rest answered busy; coordinator peak "
             "RSS %ld KiB\n",
-            acc, N, vm_hwm_kib(co));
+            acc, N, tu_proc_status_kb(co, "VmHWM"));
     ck_assert_int_ge(acc, 256);
     ck_assert_int_lt(acc, N);
-    ck_assert_int_lt(vm_hwm_kib(co), 256 * 1024);
+    ck_assert_int_lt(tu_proc_status_kb(co, "VmHWM"), 256 * 1024);
     /* references only for the accepted ones */
     tjob *a = calloc((size_t)acc, sizeof(tjob));
     int k = 0;

@@ -56,14 +56,8 @@ static void assert_no_cuda_mapped(pid_t pid, const char *what)
 /* VmRSS of pid in kB. */
 static long rss_kb(pid_t pid)
 {
-    char path[64];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-    char *st = tu_read_file(path, NULL);
-    ck_assert_msg(st != NULL, "cannot read %s", path);
-    const char *at = strstr(st, "\nVmRSS:");
-    ck_assert_msg(at != NULL, "%s has no VmRSS", path);
-    long kb = strtol(at + strlen("\nVmRSS:"), NULL, 10);
-    free(st);
+    long kb = tu_proc_status_kb(pid, "VmRSS");
+    ck_assert_msg(kb >= 0, "no VmRSS for pid %d", (int)pid);
     return kb;
 }
 

@@ -717,21 +717,6 @@ static int spill_file_fd(kvd *d)
     return fd;
 }
 
-/* The daemon's shared-memory resident set (RssShmem, kB) from /proc: a count, not a time. */
-static long rss_shmem_kb(pid_t pid)
-{
-    char path[64], line[256];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-    FILE *f = fopen(path, "r");
-    long kb = -1;
-    while (f && fgets(line, sizeof(line), f))
-        if (sscanf(line, "RssShmem: %ld", &kb) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return kb;
-}
-
 /* A store that has not spilled has not registered its arena with io_uring: registering pins, and
  * so faults in, every page (~0.4 s per 256 MiB here, and all of a 64 GiB arena's memory before
  * the first request). A 256 MiB arena with a few blocks written holds a few MiB. */
@@ -748,7 +733,7 @@ START_TEST(test_arena_untouched_until_spill)
     rekv_kv_stats st;
     ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
     ck_assert_int_eq(st.registered_arena, 0);
-    long kb = rss_shmem_kb(d.pid);
+    long kb = tu_proc_status_kb(d.pid, "RssShmem");
     ck_assert_msg(kb >= 0 && kb < 32 * 1024, "the idle store holds %ld kB of its arena", kb);
     rekv_kvstore_client_close(c);
     kvd_stop(&d);

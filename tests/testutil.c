@@ -254,6 +254,21 @@ void tu_ctl_wait_workers(rekv_ctl *c, uint32_t n)
     }
 }
 
+long tu_proc_status_kb(pid_t pid, const char *field)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    size_t n = strlen(field);
+    long kb = -1;
+    while (f && fgets(line, sizeof(line), f))
+        if (strncmp(line, field, n) == 0 && line[n] == ':' && sscanf(line + n + 1, "%ld", &kb) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kb;
+}
+
 int tu_spill_fd_number(pid_t pid, const char *spill_dir)
 {
     char dir[64], link[4300], want[4300];

@@ -64,6 +64,9 @@ int tu_spill_fd_number(pid_t pid, const char *spill_dir);
 int tu_spill_fd(pid_t pid, const char *spill_dir);
 /* 1 when the file holds needle. */
 int tu_file_has(const char *path, const char *needle);
+/* A "Name: N kB" line of /proc/PID/status (field "VmRSS", "VmHWM", "RssShmem", ...): N, or -1
+ * when the process or the line is not there. A count, not a time. */
+long tu_proc_status_kb(pid_t pid, const char *field);
 
 /* ---- the coordinator's control socket ---- */
 

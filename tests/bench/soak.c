@@ -118,20 +118,6 @@ static void stop(pid_t pid)
     waitpid(pid, NULL, 0);
 }
 
-static long rss_kb(pid_t pid)
-{
-    char path[64], line[256];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-    FILE *f = fopen(path, "r");
-    long kb = -1;
-    while (f && fgets(line, sizeof(line), f))
-        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return kb;
-}
-
 typedef struct sjob {
     uint64_t id;
     int ended;  /* 0, or the final JobState + 1 */
@@ -314,7 +300,7 @@ int main(int argc, char **argv)
                     (void)check(jobs, k); /* NOT_FOUND: forgotten, nothing to compare */
         }
         if (i == warm_at)
-            rss_warm = rss_kb(co);
+            rss_warm = tu_proc_status_kb(co, "VmRSS");
         /* follow the oldest unended jobs, so that none is forgotten before it is seen */
         while (oldest <= i && i - oldest > 200) {
             int r = check(jobs, oldest);
@@ -353,7 +339,7 @@ int main(int argc, char **argv)
     }
     for (long k = oldest; k < n; k++)
         lost += !jobs[k].ended;
-    rss_end = rss_kb(co);
+    rss_end = tu_proc_status_kb(co, "VmRSS");
     long done = 0, cancelled = 0, failed = 0;
     for (long k = 0; k < n; k++) {
         done += jobs[k].ended == REKV__CONTROL__JOB_STATE__DONE + 1;
