@@ -29,15 +29,16 @@ CUDA ?= $(if $(and $(NVCC),$(CUDA_HOME)),1,0)
 BUILD ?= build
 export REKV_BUILD := $(BUILD)
 CC ?= cc
-PKGS := jansson libpcre2-8 libzmq liburing libprotobuf-c libsystemd openblas libutf8proc
-PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKGS := jansson libpcre2-8 libzmq liburing libprotobuf-c libsystemd libutf8proc
+# OpenBLAS and LAPACKE: headers only; loaded on first use (gpuworker/blas.h says why)
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) openblas 2>/dev/null)
 PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null)
 
 WARN := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-unused-parameter
 CFLAGS ?= -O2 -g
 ALL_CFLAGS := -std=gnu11 $(WARN) $(CFLAGS) -I. -I$(BUILD)/gen $(PKG_CFLAGS) -MMD -MP -fPIC
-LDLIBS := $(PKG_LIBS) -llapacke -lpthread -ldl -lm
+LDLIBS := $(PKG_LIBS) -lpthread -ldl -lm
 
 # room -> folder; the library of room R is $(BUILD)/lib/librekv_R.a
 MODULES := common proto loader device kvstore gpuworker coordinator cli

@@ -1,20 +1,8 @@
-/* cpu_ops.c — see cpu_ops.h. Plain loops the compiler vectorises, and OpenBLAS for GEMM. */
+/* cpu_ops.c — see cpu_ops.h. Plain loops the compiler vectorises (the GEMM is cpu_gemm.c's). */
 #include "gpuworker/cpu_ops.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <string.h>
-
-void cpu_linear(float *y, const float *x, const float *w, const float *bias, int m, int n, int k)
-{
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k, w, k, 0.0f, y, n);
-    if (bias)
-        for (int i = 0; i < m; i++) {
-            float *row = y + (size_t)i * n;
-            for (int j = 0; j < n; j++)
-                row[j] += bias[j];
-        }
-}
 
 void cpu_norm(float *out, const float *in, const float *w, const float *b, int m, int d, float eps)
 {

@@ -7,15 +7,11 @@
 #include "gpuworker/kvlayout.h"
 #include "loader/loader.h"
 
-/* y[m][n] = x[m][k] · W[n][k]^T (+ bias[n] when not NULL), through OpenBLAS sgemm: the speed
- * yardstick for benchmarks and the accuracy check for tests. The engine uses cpu_gemm_rowinv. */
-void cpu_linear(float *y, const float *x, const float *w, const float *bias, int m, int n, int k);
-
-/* The same product, but each output element is computed in a fixed order that does not depend on
- * m or on which rows share the call, so recomputing some rows later, or batching them otherwise,
- * gives the same bits. Every projection of the engine uses it (cpu_gemm.c says why). w is [n][k]
- * in dtype wt (f32, f16 or bf16; 16-bit weights are widened to fp32 exactly, so the bits are
- * those of the widened fp32 weights). */
+/* y[m][n] = x[m][k] · W[n][k]^T (+ bias[n] when not NULL), each output element computed in a
+ * fixed order that does not depend on m or on which rows share the call, so recomputing some rows
+ * later, or batching them otherwise, gives the same bits. Every projection of the engine uses it
+ * (cpu_gemm.c says why). w is [n][k] in dtype wt (f32, f16 or bf16; 16-bit weights are widened to
+ * fp32 exactly, so the bits are those of the widened fp32 weights). */
 void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, const float *bias,
                      int m, int n, int k);
 /* The portable path of cpu_gemm_rowinv (no bias, one thread), for tests: it must give the same

@@ -23,13 +23,13 @@
  * KV heads (every head fetches as many) and capped at max_fraction of the context; each head takes
  * its top m (lowest position first on ties). REKV_SELECT_RANDOM takes as many at random,
  * REKV_SELECT_ALL all of them. */
-#include <cblas.h>
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/dtype.h"
+#include "gpuworker/cpu_ops.h"
 #include "gpuworker/pipeline_internal.h"
 #include "gpuworker/skew.h"
 
@@ -61,7 +61,7 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
     p->ig.fold = c->rope == REKV_ROPE_NONE && p->cfg.mode == REKV_MODE_INFINIGEN;
     p->ig.layers = calloc((size_t)L, sizeof(ig_layer));
     float *ac = malloc(sizeof(float) * (size_t)nkv * (size_t)hd * (size_t)rk);
-    float *wq = NULL, *wp = NULL, *bp = NULL;
+    float *wq = NULL, *wp = NULL, *bp = NULL, *at = NULL, *wt = NULL;
     size_t wdsz = rekv_dtype_size(p->e->wdtype);
     int rc = 0;
     if (p->ig.layers == NULL || ac == NULL)
@@ -70,7 +70,9 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
         wq = malloc(sizeof(float) * (size_t)Q * (size_t)H);
         wp = malloc(sizeof(float) * (size_t)nh * (size_t)rk * (size_t)H);
         bp = malloc(sizeof(float) * (size_t)nh * (size_t)rk);
-        if (wq == NULL || wp == NULL || bp == NULL)
+        at = malloc(sizeof(float) * (size_t)rk * (size_t)hd);
+        wt = malloc(sizeof(float) * (size_t)H * (size_t)hd);
+        if (wq == NULL || wp == NULL || bp == NULL || at == NULL || wt == NULL)
             goto nomem;
     }
     for (int l = 0; l < L; l++) {
@@ -97,13 +99,20 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
         p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_WEIGHTS);
         if (p->ig.fold) {
             /* fold A[:, cols] into W_Q: Wp[h][c][:] = sum_d A[d][c] W_Q[h * hd + d][:] (and the
-             * bias), so the partial query is one small GEMM of the attention input */
+             * bias), so the partial query is one small GEMM of the attention input: rekv's GEMM
+             * y = x·w^T with x = A[:, cols]^T and w = the head's rows of W_Q transposed */
             rekv_to_f32(wq, src->wq, p->e->wdtype, (size_t)Q * (size_t)H);
             for (int h = 0; h < nh; h++) {
                 const float *a = ac + (size_t)(h / group) * (size_t)hd * (size_t)rk;
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, rk, H, hd, 1.0f, a, rk,
-                            wq + (size_t)h * (size_t)hd * (size_t)H, H, 0.0f,
-                            wp + (size_t)h * (size_t)rk * (size_t)H, H);
+                const float *wh = wq + (size_t)h * (size_t)hd * (size_t)H;
+                for (size_t d = 0; d < (size_t)hd; d++) {
+                    for (size_t cc = 0; cc < (size_t)rk; cc++)
+                        at[cc * (size_t)hd + d] = a[d * (size_t)rk + cc];
+                    for (size_t j = 0; j < (size_t)H; j++)
+                        wt[j * (size_t)hd + d] = wh[d * (size_t)H + j];
+                }
+                cpu_gemm_rowinv(wp + (size_t)h * (size_t)rk * (size_t)H, at, wt, REKV_DTYPE_F32,
+                                NULL, rk, H, hd);
                 for (int cc = 0; cc < rk; cc++) {
                     double acc = 0;
                     for (int d = 0; src->bq && d < hd; d++)
@@ -153,6 +162,8 @@ out:
     free(wq);
     free(wp);
     free(bp);
+    free(at);
+    free(wt);
     return rc;
 }
 

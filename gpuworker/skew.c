@@ -6,7 +6,8 @@
  * layer runs and does that layer's work at once (the SVD of each KV head's stacked query rows, the
  * column scores, the top rk), so only one layer's rows are ever held besides the engine's own
  * scratch. The SVD runs in double (LAPACKE_dgesvd: cheap at these sizes, and A rounded to fp32 is
- * then orthogonal to a few ulps) and every sum is accumulated in double.
+ * then orthogonal to a few ulps; LAPACK is loaded on first use, gpuworker/blas.h) and every sum is
+ * accumulated in double.
  *
  * The file, host byte order (little-endian everywhere rekv runs), no padding:
  *   skew_header, 40 bytes: "REKVSKEW", u32 version 1, i32 n_layers, n_kv_heads, head_dim, rk,
@@ -22,7 +23,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <lapacke.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "common/crc32c.h"
+#include "gpuworker/blas.h"
 #include "gpuworker/engine_internal.h"
 
 #define SKEW_MAGIC "REKVSKEW"
@@ -121,6 +122,7 @@ uint64_t rekv_skew_fingerprint(const rekv_engine *e)
 /* The per-layer work the tap does, with its scratch; the first failure is kept in rc/err. */
 typedef struct skew_tap {
     const rekv_model_config *c;
+    const rekv_blas *blas;      /* calibrating: LAPACK's SVD */
     int rows;                   /* the calibration's token rows */
     rekv_skew *s;               /* calibrating: filled; measuring: read */
     double *skewed;             /* measuring: [n_layers] outputs; NULL when calibrating */
@@ -248,8 +250,8 @@ static void tap_layer(void *ctx, int layer, const float *q, const float *k, cons
         }
         int mrows = rows * group;
         memcpy(t->svd_in, t->m, sizeof(double) * (size_t)mrows * hd);
-        lapack_int info = LAPACKE_dgesvd(LAPACK_ROW_MAJOR, 'N', 'A', mrows, hd, t->svd_in, hd,
-                                         t->sv, NULL, 1, t->vt, hd, t->superb);
+        lapack_int info = t->blas->dgesvd(LAPACK_ROW_MAJOR, 'N', 'A', mrows, hd, t->svd_in, hd,
+                                          t->sv, NULL, 1, t->vt, hd, t->superb);
         if (info != 0) {
             t->rc = rekv_errf(&t->err, info < 0 ? -EINVAL : -EDOM,
                               "skew: the SVD of layer %d, KV head %d failed (LAPACK info %d%s)",
@@ -349,6 +351,9 @@ int rekv_skew_calibrate(rekv_engine *e, const int32_t *ids, int n, double ratio,
     memset(out, 0, sizeof(*out));
     if ((rc = skew_check_ratio(ratio, err)) || (rc = skew_check_ids(e, ids, n, err)))
         return rc;
+    const rekv_blas *blas;
+    if ((rc = rekv_blas_load(&blas, err)))
+        return rc;
     rekv_skew s = {c->n_layers,
                    c->n_kv_heads,
                    c->head_dim,
@@ -365,6 +370,7 @@ int rekv_skew_calibrate(rekv_engine *e, const int32_t *ids, int n, double ratio,
     }
     skew_tap t = {0};
     t.s = &s;
+    t.blas = blas;
     rc = tap_run(e, &t, ids, n, err);
     tap_free(&t);
     if (rc) {

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/dtype.h"
+#include "gpuworker/blas.h"
 #include "gpuworker/cpu_ops.h"
 #include "tests/testutil.h"
 
@@ -25,6 +26,9 @@ static int irand(int n)
 
 START_TEST(gemm_rowinv_is_row_invariant)
 {
+    const rekv_blas *blas;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_blas_load(&blas, &err) == 0, "%s", err.msg);
     for (int trial = 0; trial < 120; trial++) {
         int m = 1 + irand(150), n = 1 + irand(300), k = 1 + irand(700);
         float *x = malloc(sizeof(float) * (size_t)m * k),
@@ -59,7 +63,10 @@ START_TEST(gemm_rowinv_is_row_invariant)
         ck_assert_msg(memcmp(yp, y, sizeof(float) * (size_t)m * n) == 0,
                       "m=%d n=%d k=%d: portable and vector paths differ", m, n, k);
         /* and it computes the product: close to OpenBLAS */
-        cpu_linear(yb, x, w, b, m, n, k);
+        blas->sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k, w, k, 0.0f, yb,
+                    n);
+        for (size_t i = 0; i < (size_t)m * n; i++)
+            yb[i] += b[i % (size_t)n];
         for (size_t i = 0; i < (size_t)m * n; i++)
             ck_assert_msg(fabsf(yb[i] - y[i]) <= 1e-5f * (1.0f + sqrtf((float)k)),
                           "m=%d n=%d k=%d: %g vs OpenBLAS %g", m, n, k, y[i], yb[i]);

@@ -1,6 +1,8 @@
 /* test_cudaso.c — the CUDA libraries only where the GPU is driven (issue 17 item 4): the cuda
  * backend is a shared object (librekv_cuda.so, gpuworker/device/backend_cuda.h) that a process
- * loads on first use of that backend, so no program maps libcudart or libcublas otherwise.
+ * loads on first use of that backend, so no program maps libcudart or libcublas otherwise. The
+ * same checks hold OpenBLAS and LAPACKE, which only skewing and benchmarks load
+ * (gpuworker/blas.h), out of every process below.
  *
  * - the real daemons (a cpu-only kvstore, the coordinator, a worker on the cpu backend), started
  *   and idle with the worker joined: none maps a CUDA library or the object (/proc/PID/maps), and
@@ -30,15 +32,18 @@
 #include "gpuworker/kernels.h"
 #include "tests/testutil.h"
 
-/* the libraries a process that does not drive a GPU must not have */
-static const char *const cuda_libs[] = {"libcudart", "libcublas", REKV_CUDA_LIBRARY_NAME};
+/* The libraries loaded on first use: CUDA's and the object, which a process that does not drive a
+ * GPU must not have, and OpenBLAS and LAPACKE (gpuworker/blas.h), which only skewing, benchmarks
+ * and tests load — no process here skews. */
+static const char *const first_use_libs[] = {"libcudart", "libcublas", REKV_CUDA_LIBRARY_NAME,
+                                             "libopenblas", "liblapacke"};
 
-/* The first CUDA library named in text, or NULL. */
-static const char *cuda_lib_in(const char *text)
+/* The first of them named in text, or NULL. */
+static const char *first_use_lib_in(const char *text)
 {
-    for (size_t i = 0; i < sizeof(cuda_libs) / sizeof(cuda_libs[0]); i++)
-        if (text && strstr(text, cuda_libs[i]))
-            return cuda_libs[i];
+    for (size_t i = 0; i < sizeof(first_use_libs) / sizeof(first_use_libs[0]); i++)
+        if (text && strstr(text, first_use_libs[i]))
+            return first_use_libs[i];
     return NULL;
 }
 
@@ -48,7 +53,7 @@ static void assert_no_cuda_mapped(pid_t pid, const char *what)
     snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
     char *maps = tu_read_file(path, NULL);
     ck_assert_msg(maps != NULL, "%s: cannot read %s", what, path);
-    const char *lib = cuda_lib_in(maps);
+    const char *lib = first_use_lib_in(maps);
     ck_assert_msg(lib == NULL, "%s maps %s", what, lib);
     free(maps);
 }
@@ -62,7 +67,7 @@ static long rss_kb(pid_t pid)
 }
 
 /* Runs cmd (a shell command; its stdout is dropped) under LD_DEBUG=files and fails when the
- * loader opened a CUDA library or the object; returns the command's exit status. */
+ * loader opened one of first_use_libs; returns the command's exit status. */
 static int run_without_cuda(const char *cmd, const char *what)
 {
     char full[9000], *out = NULL;
@@ -70,7 +75,7 @@ static int run_without_cuda(const char *cmd, const char *what)
     int rc = tu_run(full, &out);
     ck_assert_msg(strstr(out, "file=") != NULL, "%s: LD_DEBUG reported nothing:\n%.2000s", what,
                   out);
-    const char *lib = cuda_lib_in(out);
+    const char *lib = first_use_lib_in(out);
     ck_assert_msg(lib == NULL, "%s loads %s", what, lib);
     free(out);
     return rc;

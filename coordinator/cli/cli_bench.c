@@ -1,6 +1,5 @@
 /* cli_bench.c — `rekv bench`: benchmarks that print one JSON object. Times mean something as ratios
  * measured in the same run, so every benchmark measures its baseline alongside. */
-#include <cblas.h>
 #include <errno.h>
 #include <stdint.h>
 #include <getopt.h>
@@ -17,6 +16,7 @@
 #include "coordinator/cli/cli_profile.h"
 #include "coordinator/cli/cli_session.h"
 #include "common/dtype.h"
+#include "gpuworker/blas.h"
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
@@ -26,6 +26,8 @@
  * or at one row sgemv: OpenBLAS's sgemm is at its worst there, so it would flatter rekv) or of
  * rekv's row-invariant GEMM with fp32 or 16-bit weights. */
 typedef enum { GEMM_BLAS, GEMM_REKV_F32, GEMM_REKV_F16 } gemm_impl;
+
+static const rekv_blas *g_blas; /* OpenBLAS, loaded by bench_forward (gpuworker/blas.h) */
 
 static double gemm_gflops(gemm_impl impl, int m, int n, int k, double min_s)
 {
@@ -48,10 +50,10 @@ static double gemm_gflops(gemm_impl impl, int m, int n, int k, double min_s)
             else if (impl == GEMM_REKV_F16)
                 cpu_gemm_rowinv(y, x, wh, REKV_DTYPE_F16, NULL, m, n, k);
             else if (m == 1)
-                cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1, w, k, x, 1, 0, y, 1);
+                g_blas->sgemv(CblasRowMajor, CblasNoTrans, n, k, 1, w, k, x, 1, 0, y, 1);
             else
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1, x, k, w, k, 0, y,
-                            n);
+                g_blas->sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1, x, k, w, k, 0, y,
+                              n);
             if (reps++ < 0) /* the first call warms up, untimed */
                 t0 = rekv_now_ns();
             t = rekv_now_ns();
@@ -159,7 +161,8 @@ static int bench_forward(int argc, char **argv)
     rekv_model *model = NULL;
     rekv_engine *eng = NULL;
     json_t *runs = json_array();
-    if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err)) {
+    if (rekv_blas_load(&g_blas, &err) || rekv_model_open(model_path, &model, &err) ||
+        rekv_engine_create(model, &eng, &err)) {
         fprintf(stderr, "rekv: %s\n", err.msg);
         goto out;
     }
@@ -244,7 +247,7 @@ static int bench_forward(int argc, char **argv)
         "backend", "cpu", "model", "layers", cfg->n_layers, "hidden", cfg->hidden, "ffn", cfg->ffn,
         "vocab", cfg->vocab, "dtype", rekv_dtype_name(cfg->dtype), "prompt_len", (int)prompt_len,
         "decode_steps", (int)steps, "sgemm_gflops_1024", peak, "rekv_gemm_threads",
-        cpu_gemm_threads(), "blas_threads", openblas_get_num_threads(), "runs", runs);
+        cpu_gemm_threads(), "blas_threads", g_blas->get_num_threads(), "runs", runs);
     char *s = json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", s);
     free(s);
