@@ -380,11 +380,10 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     if (!(shape->hybrid_kv_fraction >= 0) || !(shape->hybrid_kv_fraction <= 1) ||
         shape->act_gpu_tokens < 0 || shape->device_tokens < 0)
         return rekv_errf(err, -EINVAL, "planner: step_cost: bad step shape");
-    /* the exact techniques move (or recompute) only what the device does not keep */
+    /* every technique moves (or recomputes, or selects among) only what the device does not
+     * keep */
     rekv_kvpr_params moved = shape->kv;
-    int64_t dev = tech == REKV_TECH_INFINIGEN ? 0
-                  : shape->device_tokens < moved.s ? shape->device_tokens
-                                                   : moved.s;
+    int64_t dev = shape->device_tokens < moved.s ? shape->device_tokens : moved.s;
     moved.s -= dev;
     const rekv_kvpr_params *p = &moved;
     double tokens = (double)p->b * (double)p->s;             /* context tokens of the batch */
@@ -427,7 +426,9 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
             return rekv_errf(err, -EINVAL, "planner: step_cost: bad infinigen shape");
         double rq = REKV_PLAN_INFINIGEN_PARTIAL * (double)shape->q_dim; /* partial query width */
         kv_bytes = tokens * kv_row * (1 + (n - 1) * f) / n;
-        spec = (n - 1) / n * 2.0 * rq * ((double)p->b * (double)p->hidden + tokens);
+        /* the speculation scores the whole context, the device part's tokens too */
+        spec = (n - 1) / n * 2.0 * rq *
+               ((double)p->b * (double)p->hidden + (double)p->b * (double)shape->kv.s);
         break;
     }
     default:
@@ -550,15 +551,23 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
      * cheaper than the best exact technique, and its partial keys must fit on the device */
     double fi = approx->infinigen_fraction;
     shape.infinigen_fraction = !(fi > 0) ? REKV_PLAN_INFINIGEN_PRIOR : fi > 1 ? 1 : fi;
+    out->infinigen_fraction = shape.infinigen_fraction;
+    /* its partial keys first (fp32, rk = 0.3 head_dim columns of every K row), then a device part
+     * in the room they leave, which it attends whole and selects past */
+    double pk_bytes = REKV_PLAN_INFINIGEN_PARTIAL * (double)m->kv_dim * 4.0 * (double)b *
+                      (double)s_max * m->n_layers;
+    out->infinigen_fits = pk_bytes <= device_kv_bytes;
+    int64_t ig_dev = rekv_cost_device_tokens_of(
+        device_kv_bytes - pk_bytes, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max,
+        (double)m->hidden, (double)m->kv_dim, m->n_layers, cache_elem_bytes);
+    shape.device_tokens = ig_dev;
     rekv_step_cost *ig = &out->costs[REKV_TECH_INFINIGEN];
     if ((rc = rekv_plan_step_cost(prof, &shape, REKV_TECH_INFINIGEN, ig, err)))
         return rc;
     out->approximate = 1;
-    out->infinigen_fraction = shape.infinigen_fraction;
-    out->infinigen_fits = REKV_PLAN_INFINIGEN_PARTIAL * out->kv_bytes / 2 <= device_kv_bytes;
     if (out->infinigen_fits && ig->t_step < out->costs[out->tech].t_step) {
         out->tech = REKV_TECH_INFINIGEN;
-        out->device_tokens = 0;
+        out->device_tokens = ig_dev;
     }
     return 0;
 }

@@ -228,8 +228,8 @@ typedef struct rekv_step_shape {
     int64_t act_gpu_tokens;    /* context tokens of the batch whose ACT is already in GPU memory
                                 * (REKV_TECH_HYBRID; recomputed, never transferred) */
     int64_t device_tokens;     /* per sequence, context tokens whose K,V the device keeps (the
-                                * device-resident part): the exact techniques move and recompute
-                                * only the other kv.s - device_tokens (infinigen ignores it) */
+                                * device-resident part): every technique moves, recomputes or
+                                * selects among only the other kv.s - device_tokens */
     /* REKV_TECH_INFINIGEN (rekv_plan_shape fills them; the exact techniques ignore them) */
     double infinigen_fraction; /* f: context tokens a selecting layer fetches, 0..1 */
     int n_layers;              /* layers of the step (>= 1): layer 0 fetches the whole context */
@@ -252,15 +252,16 @@ typedef struct rekv_step_cost {
 /* Prices one technique. Returns -EINVAL on bad parameters.
  *
  * REKV_TECH_INFINIGEN is priced as the mean layer of a decode step, so that it compares with the
- * others' one layer: of the step's n_layers layers, layer 0 fetches the whole context's KV (as
- * REKV_TECH_KV does) and each of the other n_layers - 1 fetches the fraction f of it, so the KV
- * bytes are KV's times (1 + (n_layers - 1) f) / n_layers. Those layers also pay the speculation,
- * priced like the rest of the forward pass at gemm_flops: the partial query, a GEMV of the
- * attention input onto rk = 0.3 head_dim columns of every query head (2 b hidden 0.3 q_dim FLOP),
- * and its scores against the partial keys of the context (2 b s 0.3 q_dim FLOP). Left out, as
- * small or unknown: the partial key of the new token, the selection over the scores, and that the
- * selected rows are many small copies (one link latency per layer is charged, as for the others;
- * the coordinator's measured link scale corrects the step predictions, not the mode choice). */
+ * others' one layer: of the step's n_layers layers, layer 0 fetches the context past the device
+ * part whole (as REKV_TECH_KV does) and each of the other n_layers - 1 fetches the fraction f of
+ * it, so the KV bytes are KV's times (1 + (n_layers - 1) f) / n_layers. Those layers also pay the
+ * speculation, priced like the rest of the forward pass at gemm_flops: the partial query, a GEMV
+ * of the attention input onto rk = 0.3 head_dim columns of every query head (2 b hidden 0.3 q_dim
+ * FLOP), and its scores against the partial keys of the whole context (2 b s 0.3 q_dim FLOP). Left
+ * out, as small or unknown: the partial key of the new token, the selection over the scores, and
+ * that the selected rows are many small copies (one link latency per layer is charged, as for the
+ * others; the coordinator's measured link scale corrects the step predictions, not the mode
+ * choice). */
 int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                         rekv_technique tech, rekv_step_cost *out, rekv_err *err);
 
@@ -281,8 +282,8 @@ typedef struct rekv_mode_pick {
     int approximate;           /* approximate modes were allowed, and infinigen priced */
     double infinigen_fraction; /* the f it was priced at */
     int infinigen_fits;        /* its partial key cache fits the device (else never chosen) */
-    /* an exact technique: each sequence's device-resident part, tokens (rekv_cost_device_tokens
-     * of device_kv_bytes), which the costs above were priced with; 0 for infinigen */
+    /* each sequence's device-resident part, tokens (rekv_cost_device_tokens of device_kv_bytes,
+     * for infinigen of what its partial keys leave of it), which the costs were priced with */
     int64_t device_tokens;
 } rekv_mode_pick;
 
@@ -319,7 +320,9 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
  *
  * approx NULL: exact techniques only. Otherwise infinigen is priced too (at approx's f) and
  * chosen only when it is strictly cheaper than every exact technique and its partial key cache
- * (0.3 of every layer's K, in the cache dtype) fits device_kv_bytes. */
+ * (0.3 of every layer's K row, fp32, for b sequences of s_max tokens) fits device_kv_bytes; the
+ * room those leave holds its device-resident part (rekv_cost_device_tokens, as the worker keeps
+ * it), which it attends whole and selects past, and with which it is priced. */
 int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m, int64_t b,
                         int64_t s_max, double cache_elem_bytes, double device_kv_bytes,
                         int weights_offloaded, const rekv_plan_approx *approx, rekv_mode_pick *out,

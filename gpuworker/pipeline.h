@@ -75,9 +75,10 @@ typedef struct rekv_pipeline_config {
                                 there as they are made; the store stays complete), so a step
                                 takes them from there and moves only the rest — as KV, or as
                                 activations to recompute (kvpr's split counts from 0, so it
-                                recomputes tokens [N, split)) — offload, kvpr, act, hybrid
-                                (resident keeps everything there anyway; the approximate modes
-                                refuse it); 0: none */
+                                recomputes tokens [N, split)) — offload, kvpr, act, hybrid;
+                                infinigen attends the part whole and selects among the rest
+                                (resident keeps everything there anyway; clo refuses it);
+                                0: none */
     int push;                /* the kvstore writes the KV rows into the device's attention buffers
                                 (CUDA IPC / memfd) instead of the worker copying them from the
                                 arena (pull); needs a store with a push backend of this backend's

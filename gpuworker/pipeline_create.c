@@ -205,10 +205,11 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         return rekv_errf(err, -EINVAL, "pipeline: hybrid needs a kv:act pattern like 1:1");
     if (cfg->act_gpu_blocks < 0)
         return rekv_errf(err, -EINVAL, "pipeline: act_gpu_blocks must not be negative");
-    if (cfg->device_tokens < 0 || (cfg->device_tokens > 0 && rekv_mode_approximate(cfg->mode)))
+    if (cfg->device_tokens < 0 || (cfg->device_tokens > 0 && cfg->mode != REKV_MODE_INFINIGEN &&
+                                   rekv_mode_approximate(cfg->mode)))
         return rekv_errf(err, -EINVAL,
-                         "pipeline: a device-resident part (%d tokens) is for the exact modes "
-                         "that stream the cache (offload, kvpr, act, hybrid), not %s",
+                         "pipeline: a device-resident part (%d tokens) is for the modes that "
+                         "stream the cache (offload, kvpr, act, hybrid, infinigen), not %s",
                          cfg->device_tokens, rekv_mode_name(cfg->mode));
     if (rekv_kernels_of(be) == NULL)
         return rekv_errf(err, -EINVAL, "pipeline: backend %s has no kernels", be->iface->name);

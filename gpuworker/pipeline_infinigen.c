@@ -274,7 +274,8 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
             return rekv_errf(err, -ENOMEM, "step: out of host memory for clo's queries");
         }
     }
-    size_t need = max_len * (size_t)(c->n_kv_heads + 1);
+    /* rekv_ig_select's scratch, then the scores of the tokens past a device-resident part */
+    size_t need = max_len * (size_t)(c->n_kv_heads + 1 + nh);
     if (need > p->ig.scratch_cap) {
         float *sc = realloc(p->ig.scratch, need * sizeof(float));
         if (sc != NULL)
@@ -562,45 +563,61 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
     int kvh = c->n_kv_heads, hd = c->head_dim;
     pl_ig_wait(p, st, item, io);
     rekv_pseq *s = st->items[item].seq;
-    int len = s->len;
+    int len = s->len, nh = c->n_heads;
+    /* the device-resident part [0, dev) is attended whole, from the device; the selection is
+     * among the tokens the link serves, [dev, len), on their own scores */
+    int dev = s->dev_tokens < len ? s->dev_tokens : len, rest = len - dev;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
     size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
     int32_t *sel = p->ig.sel;
+    const float *scores = p->ig.host + st->ig_off[item];
+    if (dev > 0 && rest > 0) {
+        float *sub = p->ig.scratch + (size_t)(kvh + 1) * (size_t)len;
+        for (int h = 0; h < nh; h++)
+            memcpy(sub + (size_t)h * (size_t)rest, scores + (size_t)h * (size_t)len + (size_t)dev,
+                   sizeof(float) * (size_t)rest);
+        scores = sub;
+    }
     uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
                    ((uint64_t)layer << 32) ^ (uint64_t)len;
-    int m = rekv_ig_select(p->ig.host + st->ig_off[item], c->n_heads, kvh, len, p->cfg.alpha,
-                           p->cfg.max_fraction, p->cfg.select, key, sel, p->ig.scratch);
+    int m = rest > 0 ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
+                                      p->cfg.select, key, sel, p->ig.scratch)
+                     : 0;
     int rc = 0;
+    uint8_t *buf = d->kv;
+    if ((rc = pl_dev_part_load(p, s, layer, buf, dev, io)))
+        goto out;
     if (RESERVE(&io->h2d_kv, 2 * (size_t)kvh * (size_t)m)) {
         rc = -ENOMEM;
         goto out;
     }
-    uint8_t *buf = d->kv;
     for (int half = 0; half < 2; half++) /* K rows, then V rows: runs stay adjacent */
         for (int hh = 0; hh < kvh; hh++)
             for (int j = 0; j < m; j++) {
-                int t = sel[(size_t)hh * (size_t)len + (size_t)j];
+                int t = dev + sel[(size_t)hh * (size_t)rest + (size_t)j];
                 const rekv_kv_plan_block *blk = pl_block_at(p, kr, t);
                 if (blk == NULL) {
                     rc = -EPROTO;
                     goto out;
                 }
                 size_t so = rekv_kv_row(kvh, hd, hh, t % REKV_KV_BLOCK_TOKENS) * dsz;
-                size_t doff = rekv_kv_row(kvh, hd, hh, j) * dsz;
+                size_t doff = rekv_kv_row(kvh, hd, hh, dev + j) * dsz;
                 io->h2d_kv.v[io->h2d_kv.n++] =
                     (rekv_copy_piece){buf + doff + (half ? vs : 0),
                                       p->arena + blk->offset + so + (half ? vs : 0), row};
             }
-    /* the new row: slot m -> its true position in the arena */
-    if ((rc = pl_ig_new_row_store(p, kr, buf, len, m, io)))
+    /* the new row: slot dev + m -> its true position in the arena; and into the device part
+     * while the context is shorter than it (then dev = len, m = 0: the slot is the position) */
+    if ((rc = pl_ig_new_row_store(p, kr, buf, len, dev + m, io)) ||
+        (rc = pl_dev_part_store(p, s, layer, buf, len, 1, io)))
         goto out;
-    d->start = m;
-    io->kv_pos[d->row0] = m;
+    d->start = dev + m;
+    io->kv_pos[d->row0] = dev + m;
     rekv_layer_counters *cnt = &p->counters[layer];
     cnt->h2d_bytes[REKV_XFER_KV] += (uint64_t)m * 2 * (uint64_t)kvh * row;
     cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)kvh * row;
     cnt->tokens_fetched += (uint64_t)m;
-    cnt->tokens_considered += (uint64_t)len;
+    cnt->tokens_considered += (uint64_t)rest;
 out:
     return rc;
 }

@@ -105,7 +105,8 @@ typedef struct ig_state {
     float *qhost;     /* clo: each sparse item's speculated query, [n_items][q_dim] (host) */
     size_t qhost_cap; /* floats */
     rekv_event *ev[MAX_GPU_BATCHES]; /* batch g's scores have reached the host */
-    float *scratch;                  /* rekv_ig_select's, [(n_kv + 1) * len] */
+    float *scratch;                  /* rekv_ig_select's, [(n_kv + 1) * len], then the scores
+                                        past the device part, [n_heads][len] */
     size_t scratch_cap;              /* floats */
     int32_t *sel;                    /* its selection, [n_kv * len] (len as scratch's) */
 } ig_state;
@@ -273,6 +274,18 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
 
 /* pipeline_kvstore.c */
 const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r, int token);
+/* Appends the copy of rows [in_blk, in_blk + n) of one KV block between two buffers in the block
+ * layout; returns the bytes, 0 when out of memory. */
+size_t pl_block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
+                          int kvh, int hd, size_t dsz);
+/* The device-resident part of s, positions [0, dev), of layer into slots [0, dev) of the attention
+ * buffer buf (io->d2d_kv), counted as tokens_device; and new rows at positions [t, t + n) of buf
+ * (within one block) into the part where they are below s->dev_tokens (io->d2d_new). 0 or
+ * -ENOMEM. */
+int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *buf, int dev,
+                     unit_io *io);
+int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uint8_t *buf, int t,
+                      int n, unit_io *io);
 void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *layer);
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it);

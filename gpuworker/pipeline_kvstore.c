@@ -284,8 +284,8 @@ static uint64_t act_ordinal(const rekv_pipeline *p, act_counter *c, size_t b)
  * layout (kvlayout.h; the arena's blocks, the device's attention buffers): a whole block is one
  * piece (adjacent ones merge), a part of one a piece per head of K and V, all at one stride (one
  * strided copy). Returns the bytes, 0 when out of memory. */
-static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
-                              int kvh, int hd, size_t dsz)
+size_t pl_block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
+                          int kvh, int hd, size_t dsz)
 {
     size_t head = REKV_KV_BLOCK_TOKENS * (size_t)hd * dsz; /* one head's rows */
     size_t row0 = (size_t)in_blk * (size_t)hd * dsz, bytes = (size_t)n * (size_t)hd * dsz;
@@ -308,6 +308,37 @@ static uint8_t *dev_layer(const rekv_pipeline *p, const rekv_pseq *s, int layer)
     return s->kv_dev + (size_t)layer *
                            rekv_kv_buffer_elems(g->n_kv_heads, g->head_dim, s->dev_tokens) *
                            rekv_dtype_size(p->cfg.cache_dtype);
+}
+
+int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *buf, int dev,
+                     unit_io *io)
+{
+    int kvh = (int)p->geo.n_kv_heads, hd = (int)p->geo.head_dim;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    const uint8_t *kv_dev = dev > 0 ? dev_layer(p, s, layer) : NULL;
+    for (int t0 = 0; t0 < dev; t0 += REKV_KV_BLOCK_TOKENS) {
+        int n = dev - t0 < REKV_KV_BLOCK_TOKENS ? dev - t0 : REKV_KV_BLOCK_TOKENS;
+        size_t row = rekv_kv_row(kvh, hd, 0, t0) * dsz;
+        if (pl_block_rows_copy(&io->d2d_kv, buf + row, kv_dev + row, 0, n, kvh, hd, dsz) == 0)
+            return -ENOMEM;
+    }
+    p->counters[layer].tokens_device += (uint64_t)(dev > 0 ? dev : 0);
+    return 0;
+}
+
+int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uint8_t *buf, int t,
+                      int n, unit_io *io)
+{
+    if (t >= s->dev_tokens)
+        return 0;
+    int kvh = (int)p->geo.n_kv_heads, hd = (int)p->geo.head_dim;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    int in_blk = t % REKV_KV_BLOCK_TOKENS, m = s->dev_tokens - t < n ? s->dev_tokens - t : n;
+    size_t row = rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
+    return pl_block_rows_copy(&io->d2d_new, dev_layer(p, s, layer) + row, buf + row, in_blk, m,
+                              kvh, hd, dsz) == 0
+               ? -ENOMEM
+               : 0;
 }
 
 /* Builds the loads of unit (layer, g): every context token's K,V rows (KV) or activation row
@@ -361,24 +392,16 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
                 return rc;
             continue;
         }
-        if (ig)
-            cnt->tokens_considered += (uint64_t)s->len;
         int ctx = s->len, l_split = kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : 0;
         act_counter ac = {kvpr ? ar : kr, 0, 0};
         uint64_t n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
         size_t gpu_row_bytes = H * dsz, gpu_layer_rows = (size_t)n_gpu * REKV_KV_BLOCK_TOKENS;
-        /* the device-resident part [0, dev): a device copy into the attention buffer, block by
-         * block (both in the block layout) */
+        /* the device-resident part [0, dev): a device copy into the attention buffer */
         int dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
-        uint8_t *kv_dev = s->dev_tokens > 0 ? dev_layer(p, s, layer) : NULL;
-        for (int t0 = 0; t0 < dev; t0 += REKV_KV_BLOCK_TOKENS) {
-            int n = dev - t0 < REKV_KV_BLOCK_TOKENS ? dev - t0 : REKV_KV_BLOCK_TOKENS;
-            size_t row = rekv_kv_row(kvh, hd, 0, t0) * dsz;
-            if (block_rows_copy(&io->d2d_kv, (uint8_t *)d[j].kv + row, kv_dev + row, 0, n, kvh,
-                                hd, dsz) == 0)
-                return -ENOMEM;
-        }
-        cnt->tokens_device += (uint64_t)dev;
+        if ((rc = pl_dev_part_load(p, s, layer, d[j].kv, dev, io)))
+            return rc;
+        if (ig) /* what the link serves (layer 0, a prefill's context) */
+            cnt->tokens_considered += (uint64_t)(ctx - dev);
         /* the rest: walk the blocks of the range [dev, ctx) */
         for (int t0 = dev; t0 < ctx;) {
             int use_act = kvpr && t0 < l_split;
@@ -419,7 +442,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
             } else {
                 /* straight into the attention buffer: the block's layout and dtype */
                 uint8_t *dst = (uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t0 - in_blk) * dsz;
-                size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
+                size_t bytes = pl_block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
                 if (bytes == 0)
                     return -ENOMEM;
                 cnt->h2d_bytes[REKV_XFER_KV] += bytes;
@@ -442,17 +465,13 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
                 return -EPROTO;
             if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
                 ab = kb, kb = NULL;
-            if (t < s->dev_tokens) { /* the device-resident part keeps its K,V too */
-                int m = s->dev_tokens - t < n ? s->dev_tokens - t : n;
-                size_t row = rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
-                if (block_rows_copy(&io->d2d_new, kv_dev + row,
-                                    (const uint8_t *)d[j].kv + row, in_blk, m, kvh, hd, dsz) == 0)
-                    return -ENOMEM;
-            }
+            /* the device-resident part keeps its K,V too */
+            if ((rc = pl_dev_part_store(p, s, layer, d[j].kv, t, n, io)))
+                return rc;
             if (kb) {
                 const uint8_t *src =
                     (const uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
-                size_t bytes = block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n,
+                size_t bytes = pl_block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n,
                                                kvh, hd, dsz);
                 if (bytes == 0)
                     return -ENOMEM;

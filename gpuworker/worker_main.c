@@ -76,7 +76,7 @@ static void usage(FILE *f)
            "cpu backend, or without a kvstore), else the technique its planner prices cheapest\n"
            "with this machine's measured profile for what the device cannot keep: each\n"
            "sequence's first tokens stay on the device as far as its room holds them beside a\n"
-           "step's buffers (--device-tokens N sets that part, 0 none; any streaming exact mode).\n"
+           "step's buffers (--device-tokens N sets it, 0 none; every streaming mode but clo).\n"
            "--approximate: let the coordinator choose an approximate mode (infinigen) for --mode\n"
            "auto: it does when its planner prices it strictly cheaper than every exact mode.\n"
            "infinigen's and clo's tokens may differ from resident's; --mode infinigen or clo\n"
@@ -755,16 +755,20 @@ static int start_pipeline(worker *w, rekv_err *err)
     }
     /* the device-resident part in serving: the device's room for the KV cache (none where the
      * device's memory is the host's) keeps each sequence's first tokens' K,V there, so they
-     * cross the link neither as KV nor as activations (every exact mode that streams; it saves
-     * what ACT_GPU's activations would per byte of device memory, and their recomputation) */
+     * cross the link neither as KV nor as activations (every mode that streams but clo; it saves
+     * what ACT_GPU's activations would per byte of device memory, and their recomputation;
+     * infinigen attends it whole, beside what it selects, in the room its partial keys leave) */
     if ((w->device_kv_room > 0 || w->device_tokens > 0) && w->pc.mode != REKV_MODE_RESIDENT &&
-        !rekv_mode_approximate(w->pc.mode)) {
+        w->pc.mode != REKV_MODE_CLO) {
+        double room = (double)w->device_kv_room;
+        if (w->pc.mode == REKV_MODE_INFINIGEN) /* fp32 [n_layers][cap][n_kv][rk] a sequence */
+            room -= 4.0 * w->max_batch * w->mc->n_layers * (double)w->mc->max_pos *
+                    w->mc->n_kv_heads * w->pc.skew->rk;
         w->pc.device_tokens =
             w->device_tokens >= 0
                 ? w->device_tokens
-                : rekv_cost_device_tokens_of(w->device_kv_room, w->max_batch, w->mc->max_pos,
-                                             w->mc->hidden, rekv_config_kv_dim(w->mc),
-                                             w->mc->n_layers,
+                : rekv_cost_device_tokens_of(room, w->max_batch, w->mc->max_pos, w->mc->hidden,
+                                             rekv_config_kv_dim(w->mc), w->mc->n_layers,
                                              (double)rekv_dtype_size(w->pc.cache_dtype));
         rekv_log(REKV_LOG_INFO,
                  "each sequence keeps its first %d tokens' K,V on the device (of its room, for "

@@ -940,8 +940,8 @@ START_TEST(coordinator_assigns_infinigen_only_when_allowed)
     h.layer_params = 2ull * 4096 * 4096 * 2 + 2ull * 4096 * 16384;
     h.kvstore = 1;
     /* the cache does not fit, nor a device-resident part beside a step's buffers; the partial
-     * keys (0.15 of the cache) do */
-    h.device_kv_room = 0.16 * (2.0 * 4096 * 2 * 64 * 544 * 32);
+     * keys (fp32, 0.3 of this fp16 cache) do */
+    h.device_kv_room = 0.31 * (2.0 * 4096 * 2 * 64 * 544 * 32);
     rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
     rekv_cost_profile prof = {.h2d_bw = 2e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
     rekv_mode_pick exact;

@@ -131,13 +131,16 @@ static void check_exact_limit(const char *model, rekv_dtype cache, const int *le
         float alpha, cap;
         int offload_w, gpu_batches, push;
         rekv_schedule sched;
-        int lookahead;
+        int lookahead, device_tokens;
     } v[] = {
-        {REKV_SELECT_ALL, 4, 0.2f, 0, 1, 0, REKV_SCHED_ROW, 1},
-        {REKV_SELECT_SPECULATE, INFINITY, 1, 0, 2, 0, REKV_SCHED_COLUMN, 1},
-        {REKV_SELECT_ALL, 4, 0.2f, 1, 2, 0, REKV_SCHED_ROW, 0},
-        {REKV_SELECT_ALL, 4, 0.2f, 1, 3, 1, REKV_SCHED_COLUMN, 1},
-        {REKV_SELECT_SPECULATE, INFINITY, 1, 0, 1, 1, REKV_SCHED_ROW, 0},
+        {REKV_SELECT_ALL, 4, 0.2f, 0, 1, 0, REKV_SCHED_ROW, 1, 0},
+        {REKV_SELECT_SPECULATE, INFINITY, 1, 0, 2, 0, REKV_SCHED_COLUMN, 1, 0},
+        {REKV_SELECT_ALL, 4, 0.2f, 1, 2, 0, REKV_SCHED_ROW, 0, 0},
+        {REKV_SELECT_ALL, 4, 0.2f, 1, 3, 1, REKV_SCHED_COLUMN, 1, 0},
+        {REKV_SELECT_SPECULATE, INFINITY, 1, 0, 1, 1, REKV_SCHED_ROW, 0, 0},
+        /* a device-resident part: its slots, then the selected ones past it */
+        {REKV_SELECT_ALL, 4, 0.2f, 0, 2, 0, REKV_SCHED_ROW, 1, 20},
+        {REKV_SELECT_SPECULATE, INFINITY, 1, 1, 1, 1, REKV_SCHED_COLUMN, 0, 20},
     };
     for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
         rekv_pipeline_config cfg;
@@ -153,16 +156,18 @@ static void check_exact_limit(const char *model, rekv_dtype cache, const int *le
         cfg.schedule = v[i].sched;
         cfg.push = v[i].push;
         cfg.lookahead = v[i].lookahead;
+        cfg.device_tokens = v[i].device_tokens;
         run r;
         do_run(&f, &cfg, B, lens, prompts, steps, &r);
         for (size_t k = 0; k < n; k++)
             if (memcmp(&r.logits[k], &ref.logits[k], sizeof(float)) != 0)
                 ck_abort_msg("%s variant %zu: logit %zu is %.9g, resident's %.9g", model, i, k,
                              (double)r.logits[k], (double)ref.logits[k]);
-        /* everything crossed the link, every layer */
+        /* everything past the device part crossed the link, every layer */
         for (int l = 0; l < f.m->config.n_layers; l++) {
             ck_assert_uint_eq(r.layers[l].tokens_fetched, r.layers[l].tokens_considered);
             ck_assert_uint_gt(r.layers[l].tokens_fetched, 0);
+            ck_assert(v[i].device_tokens == 0 || r.layers[l].tokens_device > 0);
         }
         run_free(&r);
     }
@@ -377,6 +382,67 @@ START_TEST(speculation_moves_less)
         run_free(&r);
     }
     run_free(&ref);
+    free(prompts[0]), free(prompts[1]), free(prompts);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
+/* A device-resident part (cfg.device_tokens) is attended whole, from the device, whatever the
+ * selection; the selection is among the tokens past it, and only those cross the link. */
+START_TEST(device_part_attended_whole)
+{
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
+        return;
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
+    const rekv_model_config *c = &f.m->config;
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    int lens[] = {150, 90}, steps = 5;
+    int32_t **prompts = make_prompts(&f, 2, lens);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    run ref, all, part, none;
+    do_run(&f, &cfg, 2, lens, prompts, steps, &ref);
+    cfg.mode = REKV_MODE_INFINIGEN;
+    cfg.skew = &sk;
+    cfg.max_fraction = 0.25f;
+    do_run(&f, &cfg, 2, lens, prompts, steps, &none);
+    cfg.device_tokens = 4096; /* the whole context: nothing to select, resident's bits */
+    do_run(&f, &cfg, 2, lens, prompts, steps, &all);
+    cfg.device_tokens = 64;
+    do_run(&f, &cfg, 2, lens, prompts, steps, &part);
+    size_t n = (size_t)(steps + 1) * 2 * (size_t)c->vocab;
+    ck_assert_msg(memcmp(all.logits, ref.logits, n * sizeof(float)) == 0,
+                  "a device part holding the whole context did not give resident's logits");
+    uint64_t ctx = 0, dev = 0;
+    for (int s = 0; s < steps; s++)
+        for (int b = 0; b < 2; b++) {
+            ctx += (uint64_t)(lens[b] + s);
+            dev += (uint64_t)(lens[b] + s < 64 ? lens[b] + s : 64);
+        }
+    size_t row = (size_t)c->head_dim * sizeof(float) * 2 * (size_t)c->n_kv_heads;
+    for (int l = 0; l < c->n_layers; l++) {
+        ck_assert_uint_eq(all.layers[l].tokens_fetched, 0);
+        ck_assert_uint_eq(all.layers[l].h2d_bytes[REKV_XFER_KV], 0);
+        ck_assert_uint_eq(all.layers[l].tokens_device, ctx);
+        ck_assert_uint_eq(part.layers[l].tokens_device, dev);
+        /* layer 0 fetches the rest whole; the others select among it, a quarter at most */
+        ck_assert_uint_eq(part.layers[l].tokens_considered, ctx - dev);
+        if (l == 0)
+            ck_assert_uint_eq(part.layers[l].tokens_fetched, ctx - dev);
+        else
+            ck_assert_uint_le(part.layers[l].tokens_fetched, (ctx - dev) / 4);
+        ck_assert_uint_eq(part.layers[l].h2d_bytes[REKV_XFER_KV],
+                          part.layers[l].tokens_fetched * row);
+        ck_assert_uint_lt(part.layers[l].tokens_fetched, none.layers[l].tokens_fetched);
+        /* the new rows still reach the arena */
+        ck_assert_uint_eq(part.layers[l].d2h_bytes[REKV_XFER_KV], (uint64_t)(2 * steps) * row);
+    }
+    ck_assert(memcmp(part.logits, ref.logits, n * sizeof(float)) != 0); /* it was sparse */
+    run_free(&ref), run_free(&all), run_free(&part), run_free(&none);
     free(prompts[0]), free(prompts[1]), free(prompts);
     rekv_skew_free(&sk);
     tu_fixture_close(&f);
@@ -667,6 +733,7 @@ static Suite *suite(void)
     tcase_add_test(tc, bad_config_refused);
     tcase_add_test(tc, whole_step_past_the_arena_fails);
     tcase_add_test(tc, speculation_moves_less);
+    tcase_add_test(tc, device_part_attended_whole);
     tcase_add_test(tc, exact_limit_stories260k);
     tcase_add_test(tc, exact_limit_synthetic);
     tcase_add_test(tc, clo_full_cache_matches_resident);

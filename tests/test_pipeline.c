@@ -500,8 +500,8 @@ START_TEST(push_needs_a_store_that_pushes)
     cfg.push = 0;
     ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err) == 0, "%s", err.msg);
     rekv_pipeline_free(pl);
-    /* a device-resident part is for the exact modes: an approximate one refuses it */
-    cfg.mode = REKV_MODE_INFINIGEN;
+    /* a device-resident part is for the modes that stream the cache: clo refuses it */
+    cfg.mode = REKV_MODE_CLO;
     cfg.device_tokens = 16;
     pl = NULL;
     rekv_err_clear(&err);

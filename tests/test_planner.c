@@ -982,8 +982,10 @@ START_TEST(test_device_part)
         ck_assert_int_eq(rekv_plan_step_cost(&pr, &part, (rekv_technique)t, &a, NULL), 0);
         ck_assert_int_eq(rekv_plan_step_cost(&pr, &shorter, (rekv_technique)t, &b, NULL), 0);
         ck_assert_int_eq(rekv_plan_step_cost(&pr, &whole, (rekv_technique)t, &w, NULL), 0);
-        if (t == REKV_TECH_INFINIGEN) {
-            ck_assert(a.bytes_h2d == w.bytes_h2d && a.t_step == w.t_step);
+        if (t == REKV_TECH_INFINIGEN) { /* selects past the part, scores the whole context */
+            ck_assert(a.bytes_h2d == b.bytes_h2d && a.bytes_h2d < w.bytes_h2d);
+            ck_assert(a.speculate_flops == w.speculate_flops &&
+                      a.speculate_flops > b.speculate_flops);
             continue;
         }
         ck_assert_msg(a.bytes_h2d == b.bytes_h2d && a.recompute_flops == b.recompute_flops &&
@@ -1025,9 +1027,9 @@ START_TEST(test_pick_infinigen)
     double kv = 2.0 * 4096 * 2 * 64 * 544 * 32; /* 64 sequences of 544 tokens, fp16 */
     rekv_cost_profile slow = {.h2d_bw = 2e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
     rekv_mode_pick ex, ap;
-    /* room for the partial keys (0.15 of the cache) but for no device-resident part (the
-     * streaming buffers of 64 x 544 tokens take 0.1875 of it) */
-    double room = 0.16 * kv;
+    /* room for the partial keys (fp32, 0.3 of an fp16 cache) but for no device-resident part
+     * (the streaming buffers of 64 x 544 tokens take 0.1875 of the cache) */
+    double room = 0.31 * kv;
     rekv_plan_approx prior = {0}, f1 = {1.0}, f01 = {0.1};
 
     /* slow link, prior f = 0.2: allowed, infinigen; not allowed, the same exact pick as ever */
@@ -1042,22 +1044,48 @@ START_TEST(test_pick_infinigen)
     ck_assert(ex.costs[REKV_TECH_INFINIGEN].t_step == 0);
     rekv_step_cost ig = ap.costs[REKV_TECH_INFINIGEN];
     ck_assert(ig.t_step < ap.costs[ex.tech].t_step);
-    /* the price: layer 0 all of KV's bytes, the other 31 layers f of them; the speculation */
-    ck_assert(
-        close_rel(ig.bytes_h2d, ap.costs[REKV_TECH_KV].bytes_h2d * (1 + 31 * 0.2) / 32, 1e-12));
+    /* the price: layer 0 all of KV's bytes, the other 31 layers f of them; the speculation (KV
+     * priced here without a device part, as infinigen has none in this room while the exact
+     * techniques keep one in what its partial keys would take) */
+    ck_assert_int_eq(ap.device_tokens, 0);
+    ck_assert(ex.device_tokens > 0);
+    rekv_step_shape sh0;
+    rekv_step_cost kvc;
+    rekv_plan_shape(&optm, 64, 272, 2, 0, &sh0);
+    ck_assert_int_eq(rekv_plan_step_cost(&slow, &sh0, REKV_TECH_KV, &kvc, NULL), 0);
+    ck_assert(close_rel(ig.bytes_h2d, kvc.bytes_h2d * (1 + 31 * 0.2) / 32, 1e-12));
     double spec = 31.0 / 32 * 2 * (0.3 * 4096) * (64.0 * 4096 + 64.0 * 272);
     ck_assert(close_rel(ig.speculate_flops, spec, 1e-12));
-    ck_assert(close_rel(ig.t_compute * slow.gemm_flops,
-                        ap.costs[REKV_TECH_KV].t_compute * slow.gemm_flops + spec, 1e-12));
+    ck_assert(
+        close_rel(ig.t_compute * slow.gemm_flops, kvc.t_compute * slow.gemm_flops + spec, 1e-12));
     /* a smaller measured f is cheaper still */
     ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &f01, &ap, NULL), 0);
     ck_assert_int_eq(ap.tech, REKV_TECH_INFINIGEN);
     ck_assert(ap.costs[REKV_TECH_INFINIGEN].t_step < ig.t_step);
 
+    ck_assert_int_eq(ap.device_tokens, 0);
+    /* a room past the partial keys holds a device-resident part that infinigen attends whole:
+     * only the context past it is fetched (and selected among), the speculation is the same */
+    rekv_mode_pick big, small;
+    rekv_plan_approx f002 = {0.02};
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, 0.6 * kv, 0, &f002, &big, NULL),
+                     0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &f002, &small, NULL),
+                     0);
+    ck_assert_int_eq(big.tech, REKV_TECH_INFINIGEN);
+    ck_assert(big.device_tokens > 0 && big.device_tokens < 544);
+    ck_assert_int_eq(small.device_tokens, 0);
+    ck_assert(close_rel(big.costs[REKV_TECH_INFINIGEN].bytes_h2d,
+                        small.costs[REKV_TECH_INFINIGEN].bytes_h2d *
+                            (272.0 - (double)big.device_tokens) / 272.0,
+                        1e-12));
+    ck_assert(big.costs[REKV_TECH_INFINIGEN].speculate_flops ==
+              small.costs[REKV_TECH_INFINIGEN].speculate_flops);
+
     /* f = 1 moves what KV does and computes more: never strictly cheaper */
     ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &f1, &ap, NULL), 0);
     ck_assert_int_eq(ap.tech, ex.tech);
-    ck_assert(ap.costs[REKV_TECH_INFINIGEN].bytes_h2d == ap.costs[REKV_TECH_KV].bytes_h2d);
+    ck_assert(close_rel(ap.costs[REKV_TECH_INFINIGEN].bytes_h2d, kvc.bytes_h2d, 1e-12));
 
     /* a tie is not enough: GQA with a fast GPU, where plain KV fetching is the best exact
      * technique and the speculation hides under the link time, at f = 1 */
@@ -1081,23 +1109,21 @@ START_TEST(test_pick_infinigen)
                      0);
     ck_assert(!ap.infinigen_fits && ap.tech != REKV_TECH_INFINIGEN);
 
-    /* f = 0.9 where a KV step's compute is 0.99 of its link time: fewer bytes, but the
-     * speculation makes compute the longer side, longer than the best exact step */
+    /* f = 0.9 where a KV step's compute is 0.99 of its link time (no device part): fewer bytes,
+     * but the speculation makes compute the longer side, longer than the KV step */
     rekv_step_shape sh;
     rekv_step_cost c;
     rekv_plan_shape(&optm, 64, 272, 2, 0, &sh);
     ck_assert_int_eq(rekv_plan_step_cost(&slow, &sh, REKV_TECH_KV, &c, NULL), 0);
     rekv_cost_profile tight = slow;
     tight.gemm_flops = sh.kv.fwd_flops / (0.99 * c.t_pcie);
-    rekv_plan_approx f09 = {0.9};
-    ck_assert_int_eq(rekv_plan_pick_mode(&tight, &optm, 64, 544, 2, room, 0, &f09, &ap, NULL), 0);
-    ck_assert(ap.tech != REKV_TECH_INFINIGEN);
-    ig = ap.costs[REKV_TECH_INFINIGEN];
-    double best = ap.costs[ap.tech].t_step;
+    ck_assert_int_eq(rekv_plan_step_cost(&tight, &sh, REKV_TECH_KV, &c, NULL), 0);
+    sh.infinigen_fraction = 0.9;
+    ck_assert_int_eq(rekv_plan_step_cost(&tight, &sh, REKV_TECH_INFINIGEN, &ig, NULL), 0);
     double no_spec = fmax(ig.t_pcie, sh.kv.fwd_flops / tight.gemm_flops);
-    ck_assert_msg(no_spec < best, "without the speculation infinigen (%g) would win (%g)", no_spec,
-                  best);
-    ck_assert(ig.t_step > best);
+    ck_assert_msg(no_spec < c.t_step, "without the speculation infinigen (%g) would win (%g)",
+                  no_spec, c.t_step);
+    ck_assert(ig.t_step > c.t_step);
 
     /* not allowed: never, whatever the link */
     for (double bw = 1e8; bw <= 1e12; bw *= 10) {
