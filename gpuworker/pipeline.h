@@ -186,6 +186,10 @@ const rekv_layer_counters *rekv_pipeline_step_counters(const rekv_pipeline *p, s
  * (pipeline_infinigen.c): fills sel[g * len + j], j < m, with KV head g's tokens (positions
  * ascending) and returns m, the same for every KV head. key seeds REKV_SELECT_RANDOM. scratch:
  * (n_kv + 1) * len floats. */
+/* The device bytes of one sequence's partial keys (infinigen, clo) for cap tokens: fp32
+ * [n_layers][cap][n_kv][rk]. The worker sets its device room aside for them. */
+size_t rekv_ig_partial_key_bytes(const rekv_model_config *c, int rk, int cap);
+
 int rekv_ig_select(const float *scores, int n_heads, int n_kv, int len, float alpha,
                    float max_fraction, rekv_select how, uint64_t key, int32_t *sel, float *scratch);
 

@@ -424,7 +424,7 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
         if (p->cfg.mode == REKV_MODE_CLO && (rc = pl_clo_seq_alloc(p, s, err)))
             goto fail;
         if (p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) {
-            s->pk = p->bi->dev_alloc(p->be, pl_ig_pk_floats(p, capacity) * sizeof(float));
+            s->pk = p->bi->dev_alloc(p->be, rekv_ig_partial_key_bytes(p->c, p->ig.rk, capacity));
             if (s->pk == NULL) {
                 rc = rekv_errf(err, -ENOMEM,
                                "out of device memory for the partial keys of %d tokens", capacity);

@@ -105,12 +105,12 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
             for (int h = 0; h < nh; h++) {
                 const float *a = ac + (size_t)(h / group) * (size_t)hd * (size_t)rk;
                 const float *wh = wq + (size_t)h * (size_t)hd * (size_t)H;
-                for (size_t d = 0; d < (size_t)hd; d++) {
+                for (size_t d = 0; h % group == 0 && d < (size_t)hd; d++) /* a group's A, once */
                     for (size_t cc = 0; cc < (size_t)rk; cc++)
                         at[cc * (size_t)hd + d] = a[d * (size_t)rk + cc];
+                for (size_t d = 0; d < (size_t)hd; d++)
                     for (size_t j = 0; j < (size_t)H; j++)
                         wt[j * (size_t)hd + d] = wh[d * (size_t)H + j];
-                }
                 cpu_gemm_rowinv(wp + (size_t)h * (size_t)rk * (size_t)H, at, wt, REKV_DTYPE_F32,
                                 NULL, rk, H, hd);
                 for (int cc = 0; cc < rk; cc++) {
@@ -201,10 +201,9 @@ void pl_ig_free(rekv_pipeline *p)
     memset(&p->ig, 0, sizeof(p->ig));
 }
 
-/* partial keys of a sequence: [n_layers][cap][n_kv][rk] */
-size_t pl_ig_pk_floats(const rekv_pipeline *p, int cap)
+size_t rekv_ig_partial_key_bytes(const rekv_model_config *c, int rk, int cap)
 {
-    return (size_t)p->c->n_layers * (size_t)cap * (size_t)p->c->n_kv_heads * (size_t)p->ig.rk;
+    return sizeof(float) * (size_t)c->n_layers * (size_t)cap * (size_t)c->n_kv_heads * (size_t)rk;
 }
 
 static float *pk_at(const rekv_pipeline *p, const rekv_pseq *s, int layer, int pos)

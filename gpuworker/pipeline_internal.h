@@ -274,10 +274,6 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
 
 /* pipeline_kvstore.c */
 const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r, int token);
-/* Appends the copy of rows [in_blk, in_blk + n) of one KV block between two buffers in the block
- * layout; returns the bytes, 0 when out of memory. */
-size_t pl_block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
-                          int kvh, int hd, size_t dsz);
 /* The device-resident part of s, positions [0, dev), of layer into slots [0, dev) of the attention
  * buffer buf (io->d2d_kv), counted as tokens_device; and new rows at positions [t, t + n) of buf
  * (within one block) into the part where they are below s->dev_tokens (io->d2d_new). 0 or
@@ -300,7 +296,6 @@ int pl_push_unit(rekv_pipeline *p, int b, const unit_io *io, rekv_err *err);
 /* pipeline_infinigen.c */
 int pl_ig_create(rekv_pipeline *p, rekv_err *err);
 void pl_ig_free(rekv_pipeline *p);
-size_t pl_ig_pk_floats(const rekv_pipeline *p, int cap);
 int pl_ig_sparse(const rekv_pipeline *p, const step *st, int i);
 int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);

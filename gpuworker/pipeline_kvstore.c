@@ -284,8 +284,8 @@ static uint64_t act_ordinal(const rekv_pipeline *p, act_counter *c, size_t b)
  * layout (kvlayout.h; the arena's blocks, the device's attention buffers): a whole block is one
  * piece (adjacent ones merge), a part of one a piece per head of K and V, all at one stride (one
  * strided copy). Returns the bytes, 0 when out of memory. */
-size_t pl_block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
-                          int kvh, int hd, size_t dsz)
+static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
+                              int kvh, int hd, size_t dsz)
 {
     size_t head = REKV_KV_BLOCK_TOKENS * (size_t)hd * dsz; /* one head's rows */
     size_t row0 = (size_t)in_blk * (size_t)hd * dsz, bytes = (size_t)n * (size_t)hd * dsz;
@@ -319,10 +319,10 @@ int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *b
     for (int t0 = 0; t0 < dev; t0 += REKV_KV_BLOCK_TOKENS) {
         int n = dev - t0 < REKV_KV_BLOCK_TOKENS ? dev - t0 : REKV_KV_BLOCK_TOKENS;
         size_t row = rekv_kv_row(kvh, hd, 0, t0) * dsz;
-        if (pl_block_rows_copy(&io->d2d_kv, buf + row, kv_dev + row, 0, n, kvh, hd, dsz) == 0)
+        if (block_rows_copy(&io->d2d_kv, buf + row, kv_dev + row, 0, n, kvh, hd, dsz) == 0)
             return -ENOMEM;
     }
-    p->counters[layer].tokens_device += (uint64_t)(dev > 0 ? dev : 0);
+    p->counters[layer].tokens_device += (uint64_t)dev;
     return 0;
 }
 
@@ -335,10 +335,10 @@ int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uin
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
     int in_blk = t % REKV_KV_BLOCK_TOKENS, m = s->dev_tokens - t < n ? s->dev_tokens - t : n;
     size_t row = rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
-    return pl_block_rows_copy(&io->d2d_new, dev_layer(p, s, layer) + row, buf + row, in_blk, m,
-                              kvh, hd, dsz) == 0
-               ? -ENOMEM
-               : 0;
+    if (block_rows_copy(&io->d2d_new, dev_layer(p, s, layer) + row, buf + row, in_blk, m, kvh, hd,
+                        dsz) == 0)
+        return -ENOMEM;
+    return 0;
 }
 
 /* Builds the loads of unit (layer, g): every context token's K,V rows (KV) or activation row
@@ -442,7 +442,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
             } else {
                 /* straight into the attention buffer: the block's layout and dtype */
                 uint8_t *dst = (uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t0 - in_blk) * dsz;
-                size_t bytes = pl_block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
+                size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
                 if (bytes == 0)
                     return -ENOMEM;
                 cnt->h2d_bytes[REKV_XFER_KV] += bytes;
@@ -471,7 +471,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
             if (kb) {
                 const uint8_t *src =
                     (const uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
-                size_t bytes = pl_block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n,
+                size_t bytes = block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n,
                                                kvh, hd, dsz);
                 if (bytes == 0)
                     return -ENOMEM;

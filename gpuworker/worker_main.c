@@ -761,9 +761,9 @@ static int start_pipeline(worker *w, rekv_err *err)
     if ((w->device_kv_room > 0 || w->device_tokens > 0) && w->pc.mode != REKV_MODE_RESIDENT &&
         w->pc.mode != REKV_MODE_CLO) {
         double room = (double)w->device_kv_room;
-        if (w->pc.mode == REKV_MODE_INFINIGEN) /* fp32 [n_layers][cap][n_kv][rk] a sequence */
-            room -= 4.0 * w->max_batch * w->mc->n_layers * (double)w->mc->max_pos *
-                    w->mc->n_kv_heads * w->pc.skew->rk;
+        if (w->pc.mode == REKV_MODE_INFINIGEN)
+            room -= (double)w->max_batch *
+                    (double)rekv_ig_partial_key_bytes(w->mc, w->pc.skew->rk, w->mc->max_pos);
         w->pc.device_tokens =
             w->device_tokens >= 0
                 ? w->device_tokens
