@@ -7,8 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SMOOTH 0.3 /* weight of the newest measurement in the scales */
-
 /* The profile a Hello carries: 0, or -EINVAL when it has none or one the planner cannot use. */
 static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
 {
@@ -84,7 +82,7 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
 {
     memset(ps, 0, sizeof(*ps));
-    ps->pcie_scale = ps->compute_scale = 1;
+    ps->scales = (rekv_plan_scales){1, 1};
     rekv_mode m;
     if (h->mode == NULL || rekv_mode_parse(h->mode, &m) || h->hidden == 0 || h->n_layers == 0 ||
         h->cache_elem_bytes == 0 || hello_profile(h, &ps->prof))
@@ -148,23 +146,11 @@ uint64_t co_plan_store_budget(const co_plan_state *ps)
     return b > host ? b : host;
 }
 
-/* The profile as the last steps measured it: link terms by pcie_scale, compute by compute_scale. */
+/* The profile as the last steps measured it. */
 static rekv_cost_profile scaled(const co_plan_state *ps)
 {
-    rekv_cost_profile p = ps->prof;
-    p.h2d_bw /= ps->pcie_scale;
-    p.h2d_latency *= ps->pcie_scale;
-    p.load_kv.a *= ps->pcie_scale;
-    p.load_kv.b *= ps->pcie_scale;
-    p.t_load_w *= ps->pcie_scale;
-    p.gemm_flops /= ps->compute_scale;
-    p.fwd_flops_rate /= ps->compute_scale;
-    p.fwd_gemm.a *= ps->compute_scale;
-    p.fwd_gemm.b *= ps->compute_scale;
-    p.attn_flops_rate /= ps->compute_scale;
-    p.attn_chunk_flops_rate /= ps->compute_scale;
-    p.kv_gen.a *= ps->compute_scale;
-    p.kv_gen.b *= ps->compute_scale;
+    rekv_cost_profile p;
+    rekv_plan_scaled_profile(&ps->prof, &ps->scales, &p);
     return p;
 }
 
@@ -390,23 +376,14 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
     return 1;
 }
 
-static double smooth(double scale, double measured, double predicted)
-{
-    if (!(predicted > 1e-6) || !(measured > 0))
-        return scale;
-    double r = measured / (predicted / scale); /* against the unscaled prediction */
-    r = r < 0.01 ? 0.01 : r > 100 ? 100 : r;
-    return (1 - SMOOTH) * scale + SMOOTH * r;
-}
-
 void co_plan_observe(co_plan_state *ps, const Rekv__Worker__Counters *c, const co_plan_pred *pred)
 {
     ps->tokens_considered += c->tokens_considered;
     ps->tokens_selected += c->tokens_selected;
     if (!ps->have_profile)
         return;
-    ps->compute_scale = smooth(ps->compute_scale, c->compute_busy_s, pred->compute_s);
-    ps->pcie_scale = smooth(ps->pcie_scale, c->h2d_busy_s, pred->pcie_s);
+    rekv_plan_scales_observe(&ps->scales, c->h2d_busy_s, pred->pcie_s, c->compute_busy_s,
+                             pred->compute_s);
 }
 
 double co_plan_selected_fraction(const co_plan_state *ps)

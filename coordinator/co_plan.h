@@ -22,8 +22,7 @@ typedef struct co_plan_state {
     int offload_weights;
     uint64_t device_buffer_bytes; /* the worker's room for a step's buffers; 0: no limit */
     int64_t device_tokens;        /* each sequence's device-resident part (Hello), tokens */
-    double pcie_scale;            /* measured / predicted link time, smoothed; starts at 1 */
-    double compute_scale;         /* measured / predicted compute time, smoothed; starts at 1 */
+    rekv_plan_scales scales;      /* the profile's online correction (planner.h) */
     double pred_pcie_s, pred_compute_s, pred_step_s; /* of the last step planned */
     /* the last choices */
     int split, kv_parts, act_parts, gpu_batches, column;

@@ -85,8 +85,8 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
         wi[nw].plan_gpu_batches = (uint32_t)w->plan.gpu_batches;
         wi[nw].plan_column = w->plan.column;
         wi[nw].plan_predicted_step_s = w->plan.pred_step_s;
-        wi[nw].plan_pcie_scale = w->plan.pcie_scale;
-        wi[nw].plan_compute_scale = w->plan.compute_scale;
+        wi[nw].plan_pcie_scale = w->plan.scales.pcie;
+        wi[nw].plan_compute_scale = w->plan.scales.compute;
         wi[nw].plan_steps = w->plan.steps;
         wi[nw].plan_multi_batch_steps = w->plan.multi_batch_steps;
         wi[nw].plan_selected_fraction = co_plan_selected_fraction(&w->plan);
@@ -237,8 +237,8 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
                                 w->plan.kv_parts,
                                 w->plan.act_parts,
                                 w->plan.pred_step_s,
-                                w->plan.pcie_scale,
-                                w->plan.compute_scale,
+                                w->plan.scales.pcie,
+                                w->plan.scales.compute,
                                 co_plan_selected_fraction(&w->plan)};
             if (f == 0)
                 rekv_metrics_sample_kv(b, wf[f].name, v[f], "worker", w->name, "backend",

@@ -471,6 +471,43 @@ int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape
     return 0;
 }
 
+/* ---------------------------------------------------------------- online correction */
+
+void rekv_plan_scaled_profile(const rekv_cost_profile *p, const rekv_plan_scales *s,
+                              rekv_cost_profile *out)
+{
+    *out = *p;
+    out->h2d_bw /= s->pcie;
+    out->h2d_latency *= s->pcie;
+    out->load_kv.a *= s->pcie;
+    out->load_kv.b *= s->pcie;
+    out->t_load_w *= s->pcie;
+    out->gemm_flops /= s->compute;
+    out->fwd_flops_rate /= s->compute;
+    out->fwd_gemm.a *= s->compute;
+    out->fwd_gemm.b *= s->compute;
+    out->attn_flops_rate /= s->compute;
+    out->attn_chunk_flops_rate /= s->compute;
+    out->kv_gen.a *= s->compute;
+    out->kv_gen.b *= s->compute;
+}
+
+static double rescale(double scale, double measured, double predicted)
+{
+    if (!(predicted > 1e-6) || !(measured > 0))
+        return scale;
+    double r = measured / (predicted / scale); /* against the unscaled prediction */
+    r = r < 0.01 ? 0.01 : r > 100 ? 100 : r;
+    return (1 - REKV_PLAN_SMOOTH) * scale + REKV_PLAN_SMOOTH * r;
+}
+
+void rekv_plan_scales_observe(rekv_plan_scales *s, double pcie_busy_s, double pcie_pred_s,
+                              double compute_busy_s, double compute_pred_s)
+{
+    s->pcie = rescale(s->pcie, pcie_busy_s, pcie_pred_s);
+    s->compute = rescale(s->compute, compute_busy_s, compute_pred_s);
+}
+
 void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *out)
 {
     *out = (rekv_plan_model){

@@ -270,6 +270,31 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
 int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                      rekv_technique *best, rekv_step_cost *costs, rekv_err *err);
 
+/* ---------------------------------------------------------------- online correction */
+
+/* A profile corrected by the steps it priced (issue 14 item 5): a step's measured busy times
+ * against its prediction rescale the link terms and the compute terms separately, smoothed over
+ * steps (the newest weighs REKV_PLAN_SMOOTH). The coordinator keeps one per worker and plans each
+ * step with the corrected profile; `rekv bench decode` keeps one across its runs and prints the
+ * corrected prediction beside the measured step. */
+#define REKV_PLAN_SMOOTH 0.3
+typedef struct rekv_plan_scales {
+    double pcie;    /* measured / predicted link busy time, smoothed; 1 to start */
+    double compute; /* measured / predicted compute busy time, smoothed; 1 to start */
+} rekv_plan_scales;
+
+/* The profile as the scales say the steps ran: link rates over pcie (bandwidth divided, latency
+ * and load times multiplied), compute rates over compute, so that every time the planner prices
+ * scales by its side's factor. */
+void rekv_plan_scaled_profile(const rekv_cost_profile *p, const rekv_plan_scales *s,
+                              rekv_cost_profile *out);
+
+/* Takes one step: its measured link and compute busy times, and the times the scaled profile
+ * predicted for it. A side with no prediction (or nothing measured) keeps its scale; one step moves
+ * a scale at most to 0.01..100 of the unscaled prediction. */
+void rekv_plan_scales_observe(rekv_plan_scales *s, double pcie_busy_s, double pcie_pred_s,
+                              double compute_busy_s, double compute_pred_s);
+
 /* What a worker runs as (its mode is fixed for its life: it decides what the kvstore holds). */
 typedef struct rekv_mode_pick {
     int resident;              /* the whole KV cache fits in device memory: nothing moves */
@@ -287,7 +312,8 @@ typedef struct rekv_mode_pick {
     int64_t device_tokens;
 } rekv_mode_pick;
 
-/* The pipeline mode that runs a technique (common/mode.h): offload, kvpr, act, hybrid, infinigen. */
+/* The pipeline mode that runs a technique (common/mode.h): offload, kvpr, act, hybrid, infinigen.
+ */
 rekv_mode rekv_plan_tech_mode(rekv_technique tech);
 
 /* What the user allows beyond the exact techniques (`--approximate`). */

@@ -308,8 +308,8 @@ START_TEST(bad_input_clear_errors)
 END_TEST
 
 /* `rekv bench decode`: one JSON object comparing every mode on the same prompts; every mode's
- * tokens equal resident's, each carries the planner's predicted step beside the measured one,
- * and on an MHA model the recomputing modes move fewer bytes. */
+ * tokens equal resident's, each carries the planner's predicted step beside the measured one
+ * (also corrected online: the modes that move bytes rescale its link side), and on an MHA model the recomputing modes move fewer bytes. */
 START_TEST(bench_decode_json)
 {
     char *d = tu_tmpdir(), args[8192], *out, *err;
@@ -341,6 +341,16 @@ START_TEST(bench_decode_json)
         ck_assert(json_number_value(json_object_get(m, "measured_step_s")) > 0);
         ck_assert(json_number_value(json_object_get(m, "predicted_step_s")) > 0);
         ck_assert(json_is_number(json_object_get(m, "prediction_error")));
+        /* and corrected online by the run's earlier steps, as a served worker's planner is:
+         * resident predicts nothing on the link, so its link scale stays where it started */
+        ck_assert(json_number_value(json_object_get(m, "online_predicted_step_s")) > 0);
+        ck_assert(json_is_number(json_object_get(m, "online_prediction_error")));
+        json_t *sc = json_object_get(m, "scales");
+        ck_assert(json_number_value(json_object_get(sc, "compute")) > 0);
+        if (strcmp(json_string_value(json_object_get(m, "mode")), "resident") == 0)
+            ck_assert(json_number_value(json_object_get(sc, "pcie")) == 1);
+        else
+            ck_assert(json_number_value(json_object_get(sc, "pcie")) != 1);
         if (strcmp(json_string_value(json_object_get(m, "mode")), "offload") == 0)
             offload_bytes = json_number_value(json_object_get(m, "h2d_kv_bytes_per_token"));
     }

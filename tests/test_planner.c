@@ -838,6 +838,78 @@ START_TEST(test_step_cost_two_rates)
 }
 END_TEST
 
+/* The online correction: steps that measure their compute at 1.5x and their link at 0.8x of the
+ * prediction move the scales there (smoothed: 1 - 0.7^k of the way after k steps), and the
+ * corrected profile then prices every technique's compute and link times by exactly those factors
+ * (weights offloaded: the load time too) — what the coordinator plans with and `rekv bench decode`
+ * prints as its online prediction. A side with nothing predicted keeps its scale. */
+START_TEST(test_scales_correct_profile)
+{
+    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
+                             .act = REKV_ACT_RELU,
+                             .n_layers = 8,
+                             .hidden = 1024,
+                             .n_heads = 16,
+                             .n_kv_heads = 16,
+                             .head_dim = 64,
+                             .ffn = 4096,
+                             .dtype = REKV_DTYPE_F16};
+    rekv_step_shape sh;
+    shape_from_config(&opt, 8, 512, 2, 1, &sh);
+    sh.hybrid_kv_fraction = 0.5;
+    sh.device_tokens = 100;
+    rekv_cost_profile pr = {.h2d_bw = 1e9,
+                            .h2d_latency = 1e-5,
+                            .gemm_flops = 1e12,
+                            .fwd_flops_rate = 1e11,
+                            .fwd_gemm = {2e-12, 1e-12},
+                            .attn_flops_rate = 5e10,
+                            .load_kv = {1e-5, 1e-6},
+                            .kv_gen = {2e-5, 3e-6},
+                            .t_load_w = 0.02};
+    rekv_plan_scales sc = {1, 1};
+    rekv_cost_profile now;
+    for (int k = 1; k <= 60; k++) {
+        rekv_plan_scaled_profile(&pr, &sc, &now);
+        rekv_step_cost c;
+        ck_assert_int_eq(rekv_plan_step_cost(&now, &sh, REKV_TECH_KV, &c, NULL), 0);
+        rekv_plan_scales_observe(&sc, 0.8 * c.t_pcie / sc.pcie, c.t_pcie,
+                                 1.5 * c.t_compute / sc.compute, c.t_compute);
+        if (k == 1 || k == 2) {
+            double w = 1 - pow(1 - REKV_PLAN_SMOOTH, k);
+            ck_assert(close_rel(sc.compute, 1 + 0.5 * w, 1e-12));
+            ck_assert(close_rel(sc.pcie, 1 - 0.2 * w, 1e-12));
+        }
+    }
+    ck_assert(close_rel(sc.compute, 1.5, 1e-6) && close_rel(sc.pcie, 0.8, 1e-6));
+    rekv_plan_scaled_profile(&pr, &sc, &now);
+    for (int t = 0; t <= REKV_TECH_INFINIGEN; t++) {
+        rekv_step_cost c0, c1;
+        ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, (rekv_technique)t, &c0, NULL), 0);
+        ck_assert_int_eq(rekv_plan_step_cost(&now, &sh, (rekv_technique)t, &c1, NULL), 0);
+        if (t == REKV_TECH_KVPR) /* the split moves with the rates: compare at the same split */
+            continue;
+        ck_assert_msg(close_rel(c1.t_compute, sc.compute * c0.t_compute, 1e-12), "tech %d", t);
+        ck_assert_msg(close_rel(c1.t_pcie, sc.pcie * c0.t_pcie, 1e-12), "tech %d", t);
+    }
+    rekv_kvpr_split a, b;
+    rekv_plan_kvpr_eval(&pr, &sh.kv, 200, &a);
+    rekv_plan_kvpr_eval(&now, &sh.kv, 200, &b);
+    ck_assert(close_rel(b.t_compute, sc.compute * a.t_compute, 1e-12));
+    ck_assert(close_rel(b.t_link, sc.pcie * a.t_link, 1e-12));
+    /* HybridServe's fitted models and the weights' load time scale with their side */
+    ck_assert(close_rel(rekv_linear_eval(&now.kv_gen, 64),
+                        sc.compute * rekv_linear_eval(&pr.kv_gen, 64), 1e-12));
+    ck_assert(close_rel(rekv_linear_eval(&now.load_kv, 64),
+                        sc.pcie * rekv_linear_eval(&pr.load_kv, 64), 1e-12));
+    ck_assert(close_rel(now.t_load_w, sc.pcie * pr.t_load_w, 1e-12));
+    /* nothing predicted on a side (resident's link): its scale stays */
+    rekv_plan_scales r = {1, 1};
+    rekv_plan_scales_observe(&r, 0.3, 0, 0.2, 0.1);
+    ck_assert(r.pcie == 1 && close_rel(r.compute, 0.7 + 0.3 * 2, 1e-12));
+}
+END_TEST
+
 /* ---------------------------------------------------------------- chooser */
 
 START_TEST(test_choose)
@@ -1235,8 +1307,8 @@ START_TEST(test_co_plan_observe_own_prediction)
     c.compute_busy_s = 0.2;
     c.h2d_busy_s = 0.5;
     co_plan_observe(&ps, &c, &(co_plan_pred){0, 0.1});
-    ck_assert(close_rel(ps.compute_scale, 0.7 + 0.3 * 2, 1e-12));
-    ck_assert(ps.pcie_scale == 1);
+    ck_assert(close_rel(ps.scales.compute, 0.7 + 0.3 * 2, 1e-12));
+    ck_assert(ps.scales.pcie == 1);
 }
 END_TEST
 
@@ -1440,6 +1512,7 @@ int main(void)
     tcase_add_test(tc, test_mb_random);
     tcase_add_test(tc, test_choose);
     tcase_add_test(tc, test_step_cost_two_rates);
+    tcase_add_test(tc, test_scales_correct_profile);
     tcase_add_test(tc, test_pick_mode);
     tcase_add_test(tc, test_device_part);
     tcase_add_test(tc, test_co_plan_device_part);

@@ -343,6 +343,8 @@ typedef struct decode_result {
     double prefill_s, decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
     rekv_layer_counters counters;
     int32_t *tokens; /* [gen_len][batch] */
+    /* each decode step's compute busy and link (h2d) busy time, s: [gen_len - 1][2] */
+    double *step;
     rekv_pipeline_config cfg;
     char backend[16];       /* the backend it ran on */
     int has_store;          /* the kvstore's counters over the decode steps: */
@@ -353,8 +355,8 @@ typedef struct decode_result {
  * done + N; note names the run. */
 static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode mode, int B, int S,
                       int N, int chunk, int32_t *const *prompts, decode_result *out,
-                      link_peak *link,
-                      rekv_progress *pr, uint64_t done, const char *note, rekv_err *err)
+                      link_peak *link, rekv_progress *pr, uint64_t done, const char *note,
+                      rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(eng);
     int V = c->vocab, rc;
@@ -370,7 +372,8 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     rekv_pipe_item *items = calloc((size_t)B, sizeof(*items));
     float *logits = malloc(sizeof(float) * (size_t)B * (size_t)V);
     out->tokens = malloc(sizeof(int32_t) * (size_t)B * (size_t)N);
-    if (!seqs || !items || !logits || !out->tokens) {
+    out->step = calloc((size_t)(N - 1) * 2, sizeof(double));
+    if (!seqs || !items || !logits || !out->tokens || !out->step) {
         rc = rekv_errf(err, -ENOMEM, "out of memory");
         goto out;
     }
@@ -399,10 +402,16 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
             items[b] = (rekv_pipe_item){seqs[b], &out->tokens[(size_t)step * B + b], 1,
                                         logits + (size_t)b * V, 0};
         }
-        if (step + 1 < N && (rc = rekv_pipeline_step(ses.p, items, B, err)))
+        if (step + 1 == N)
+            break;
+        rekv_backend_stats b0, b1;
+        ses.be->iface->stats(ses.be, &b0);
+        if ((rc = rekv_pipeline_step(ses.p, items, B, err)))
             goto out;
-        if (step + 1 < N)
-            rekv_progress_update(pr, done + (uint64_t)step + 2, note);
+        ses.be->iface->stats(ses.be, &b1);
+        out->step[(size_t)step * 2] = b1.compute_busy_s - b0.compute_busy_s;
+        out->step[(size_t)step * 2 + 1] = b1.h2d_busy_s - b0.h2d_busy_s;
+        rekv_progress_update(pr, done + (uint64_t)step + 2, note);
     }
     out->decode_s = (double)(rekv_now_ns() - t0) * 1e-9;
     if (out->has_store)
@@ -426,6 +435,42 @@ out:
     free(logits);
     cli_session_close(&ses);
     return rc;
+}
+
+/* The planner's prediction of run r's decode steps (step k at context S + k) beside what they
+ * measured (their mean: measured, > 0), into o: "predicted_step_s" with the cached profile as it
+ * is, "online_predicted_step_s" with it corrected by the run's steps before (rekv_plan_scales from
+ * 1, updated by each step's busy times, as a served worker's planner corrects it), each a mean over
+ * the steps, with its relative error against the measured mean, and the scales the run ended with.
+ * infinigen and clo are priced at the fraction the run fetched. */
+static void predict_run(const rekv_profile *pf, const rekv_model_config *c, const decode_result *r,
+                        int B, int S, int N, double measured, json_t *o)
+{
+    rekv_plan_scales sc = {1, 1};
+    rekv_cost_profile prof, now;
+    rekv_profile_to_cost(pf, r->cfg.cache_dtype, &prof);
+    double f = r->counters.tokens_considered
+                   ? (double)r->counters.tokens_fetched / (double)r->counters.tokens_considered
+                   : REKV_PLAN_INFINIGEN_PRIOR;
+    double plain = 0, online = 0;
+    for (int k = 0; k < N - 1; k++) {
+        const double *st = r->step + (size_t)k * 2; /* compute, link busy */
+        rekv_step_cost p0, p1;
+        rekv_plan_scaled_profile(&prof, &sc, &now);
+        if (cli_plan_predict_step(&prof, c, &r->cfg, B, S + k, f > 1 ? 1 : f, &p0, NULL) ||
+            cli_plan_predict_step(&now, c, &r->cfg, B, S + k, f > 1 ? 1 : f, &p1, NULL))
+            return;
+        plain += p0.t_step;
+        online += p1.t_step;
+        rekv_plan_scales_observe(&sc, st[1], p1.t_pcie, st[0], p1.t_compute);
+    }
+    plain /= N - 1, online /= N - 1;
+    json_object_set_new(o, "predicted_step_s", json_real(plain));
+    json_object_set_new(o, "prediction_error", json_real(plain / measured - 1));
+    json_object_set_new(o, "online_predicted_step_s", json_real(online));
+    json_object_set_new(o, "online_prediction_error", json_real(online / measured - 1));
+    json_object_set_new(o, "scales",
+                        json_pack("{s:f, s:f}", "pcie", sc.pcie, "compute", sc.compute));
 }
 
 static int bench_decode(int argc, char **argv)
@@ -637,8 +682,10 @@ static int bench_decode(int argc, char **argv)
         if (mlist[i] == REKV_MODE_RESIDENT)
             ref = i;
     }
-    /* the planner's prediction of each run's decode step, beside the measured one (the profile is
-     * this machine's, cached; measured once when missing) */
+    /* the planner's prediction of each run's decode steps, beside the measured ones (the profile is
+     * this machine's, cached; measured once when missing): the profile's own, and the profile
+     * corrected online by the run's steps before each one, as a served worker's planner corrects
+     * it (a worker's mode is fixed for its life: each run starts from the profile) */
     rekv_profile pf;
     rekv_err perr = {0};
     int have_pf = rekv_profile_get(cfg, po.backend, &po.link, NULL, 0, &pf, NULL, &perr) == 0;
@@ -662,22 +709,16 @@ static int bench_decode(int argc, char **argv)
         json_object_set_new(o, "push", json_boolean(mpush[i]));
         json_object_set_new(o, "run", json_string(mname[i]));
         json_object_set_new(o, "device_tokens", json_integer(r->cfg.device_tokens));
-        json_object_set_new(o, "tokens_device", json_integer((json_int_t)r->counters.tokens_device));
+        json_object_set_new(o, "tokens_device",
+                            json_integer((json_int_t)r->counters.tokens_device));
         /* the generated ids' CRC32C: runs compare across invocations too */
         json_object_set_new(
             o, "tokens_crc32c",
             json_integer(rekv_crc32c(0, r->tokens, sizeof(int32_t) * (size_t)B * (size_t)N)));
-        double measured = N > 1 ? r->decode_s / (N - 1) : 0, predicted = 0;
-        double f = r->counters.tokens_considered
-                       ? (double)r->counters.tokens_fetched / (double)r->counters.tokens_considered
-                       : 0.2;
+        double measured = N > 1 ? r->decode_s / (N - 1) : 0;
         json_object_set_new(o, "measured_step_s", json_real(measured));
-        if (have_pf && measured > 0 &&
-            cli_plan_predict_step(&pf, cfg, &r->cfg, B, S + N / 2, f > 1 ? 1 : f, &predicted,
-                                  &perr) == 0) {
-            json_object_set_new(o, "predicted_step_s", json_real(predicted));
-            json_object_set_new(o, "prediction_error", json_real(predicted / measured - 1));
-        }
+        if (have_pf && measured > 0)
+            predict_run(&pf, cfg, r, B, S, N, measured, o);
         json_object_set_new(o, "prefill_s", json_real(r->prefill_s));
         if (r->has_store && r->ks1.bytes_read_back > r->ks0.bytes_read_back) {
             /* the decode steps' spill reads: a pin waited for them (critical) or not (ahead) */
@@ -745,7 +786,7 @@ static int bench_decode(int argc, char **argv)
     rc = 0;
 out:
     for (int i = 0; i < n_modes; i++)
-        free(res[i].tokens);
+        free(res[i].tokens), free(res[i].step);
     if (prompts)
         for (long b = 0; b < B; b++)
             free(prompts[b]);

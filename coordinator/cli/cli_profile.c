@@ -44,12 +44,11 @@ int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dty
     return rekv_plan_hybrid_alloc(&prof, &hp, out, err);
 }
 
-int cli_plan_predict_step(const rekv_profile *pf, const rekv_model_config *c,
+int cli_plan_predict_step(const rekv_cost_profile *profile, const rekv_model_config *c,
                           const rekv_pipeline_config *cfg, int batch, int ctx, double f,
-                          double *step_s, rekv_err *err)
+                          rekv_step_cost *out, rekv_err *err)
 {
-    rekv_cost_profile prof;
-    rekv_profile_to_cost(pf, cfg->cache_dtype, &prof);
+    rekv_cost_profile prof = *profile;
     if (!cfg->offload_weights)
         prof.t_load_w = 0;
     rekv_plan_model pm;
@@ -80,20 +79,28 @@ int cli_plan_predict_step(const rekv_profile *pf, const rekv_model_config *c,
     default:
         break;
     }
-    rekv_step_cost cost;
-    int rc;
+    memset(out, 0, sizeof(*out));
+    double L = c->n_layers;
     if (tech == REKV_TECH_KVPR) { /* at the run's split, not the solver's, past the device part */
         int dev = cfg->device_tokens < ctx ? cfg->device_tokens : ctx;
         int l = (cfg->split < ctx ? cfg->split : ctx) - dev;
         rekv_kvpr_split ev;
         sh.kv.s = ctx - dev;
         rekv_plan_kvpr_eval(&prof, &sh.kv, l > 0 ? l : 0, &ev);
-        *step_s = ev.t * c->n_layers;
+        *out = (rekv_step_cost){.t_pcie = ev.t_link * L,
+                                .t_compute = ev.t_compute * L,
+                                .t_step = ev.t * L,
+                                .kvpr_l = cfg->split};
         return 0;
     }
-    if ((rc = rekv_plan_step_cost(&prof, &sh, tech, &cost, err)))
+    int rc = rekv_plan_step_cost(&prof, &sh, tech, out, err);
+    if (rc)
         return rc;
-    *step_s = (cfg->mode == REKV_MODE_RESIDENT ? cost.t_compute : cost.t_step) * c->n_layers;
+    if (cfg->mode == REKV_MODE_RESIDENT) /* nothing crosses the link */
+        out->t_pcie = 0, out->t_step = out->t_compute;
+    out->t_pcie *= L;
+    out->t_compute *= L;
+    out->t_step *= L;
     return 0;
 }
 

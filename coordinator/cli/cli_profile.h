@@ -21,12 +21,13 @@ int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
                     int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out, rekv_err *err);
 
-/* What the planner predicts a decode step of cfg's pipeline takes (all layers, s), for `batch`
- * sequences of `ctx` tokens: rekv_plan_step_cost of cfg's technique at its split / ratio (and, for
- * infinigen and clo, at the fetched fraction f), times the layers; resident is the compute alone.
- * `rekv bench decode` prints it beside the measured step. */
-int cli_plan_predict_step(const rekv_profile *pf, const rekv_model_config *c,
+/* What the planner predicts a decode step of cfg's pipeline takes, for `batch` sequences of `ctx`
+ * tokens, with prof (the profile for cfg's cache dtype, rekv_profile_to_cost, corrected or not):
+ * rekv_plan_step_cost of cfg's technique at its split / ratio (and, for infinigen and clo, at the
+ * fetched fraction f), times the layers, in out's t_pcie, t_compute and t_step; resident is the
+ * compute alone. `rekv bench decode` prints it beside the measured step. */
+int cli_plan_predict_step(const rekv_cost_profile *prof, const rekv_model_config *c,
                           const rekv_pipeline_config *cfg, int batch, int ctx, double f,
-                          double *step_s, rekv_err *err);
+                          rekv_step_cost *out, rekv_err *err);
 
 #endif
