@@ -186,25 +186,33 @@ uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap, uint32_t p
     return t >= cap ? cap : t >= 16 ? (uint32_t)t / 16 * 16 : t >= 1 ? (uint32_t)t : 1;
 }
 
-/* Algorithm 1's pattern (the step-time choice) for the kvstore's arena as the worker reports it;
- * a worker that did not say: the memory that `blocks` blocks of context take as all-KV. 1:1 when
- * it finds none. */
-static void alg1_pattern(const co_plan_state *ps, const rekv_cost_profile *prof, int64_t blocks,
-                         int *kv_parts, int *act_parts)
+/* One layer of a decode step of n sequences of s tokens on this worker, as the chooser prices it
+ * (rekv_plan_shape's, from the worker's Hello). */
+static void step_shape(const co_plan_state *ps, const rekv_cost_profile *prof, int64_t n, int64_t s,
+                       rekv_step_shape *sh)
 {
-    rekv_hybrid_params hp;
-    rekv_plan_hybrid_params_for_batch(&hp, ps->hidden, ps->kv_dim, (int)ps->n_layers,
-                                      ps->elem_bytes, prof->t_load_w * prof->h2d_bw,
-                                      (double)blocks);
-    if (ps->store_host_bytes > 0) { /* the store's real budget, each block at its cost */
-        hp.host_bytes = hp.weight_bytes + (double)ps->store_host_bytes;
-        hp.kv_block_bytes = (double)ps->store_kv_bytes;
-        hp.act_block_bytes = (double)ps->store_act_bytes;
-    }
-    rekv_hybrid_alloc ha;
-    *kv_parts = *act_parts = 1;
-    if (rekv_plan_hybrid_alloc(prof, &hp, &ha, NULL) == 0 && ha.kv_parts + ha.act_parts > 0)
-        *kv_parts = ha.kv_parts, *act_parts = ha.act_parts;
+    double attn_flops = 4.0 * (double)n * (double)s * ps->q_dim;
+    double fwd_flops = 2.0 * (double)ps->layer_params * (double)n + attn_flops;
+    double weight_bytes = ps->offload_weights ? prof->t_load_w * prof->h2d_bw : 0;
+    *sh = (rekv_step_shape){0};
+    sh->kv = (rekv_kvpr_params){s,         n,          ps->hidden,  ps->kv_dim, ps->elem_bytes,
+                                fwd_flops, attn_flops, weight_bytes};
+    sh->device_tokens = ps->device_tokens;
+    sh->n_layers = (int)ps->n_layers;
+    sh->q_dim = ps->q_dim;
+    sh->infinigen_fraction = REKV_PLAN_INFINIGEN_PRIOR;
+}
+
+/* The step-time pattern of a batch of n sequences of `tokens` context tokens in all
+ * (rekv_plan_hybrid_pattern at their mean context); 1:1 when it finds none. */
+static void step_pattern(const co_plan_state *ps, const rekv_cost_profile *prof, int64_t n,
+                         int64_t tokens, int *kv_parts, int *act_parts)
+{
+    rekv_step_shape sh;
+    int64_t s = n > 0 && tokens / n > 0 ? tokens / n : 1;
+    step_shape(ps, prof, n > 0 ? n : 1, s, &sh);
+    if (rekv_plan_hybrid_pattern(prof, &sh, 0, kv_parts, act_parts, NULL, NULL))
+        *kv_parts = *act_parts = 1;
 }
 
 void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, size_t n_running,
@@ -216,12 +224,12 @@ void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, siz
     if (ps->mode != REKV_MODE_HYBRID || !ps->have_profile)
         return;
     rekv_cost_profile prof = scaled(ps);
-    int64_t blocks = 0;
+    int64_t tokens = 0;
     for (size_t i = 0; i < n_running; i++)
-        blocks += (running[i].tokens + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS;
+        tokens += running[i].tokens;
     for (size_t i = 0; i < n_waiting; i++)
-        blocks += (waiting[i].tokens + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS;
-    alg1_pattern(ps, &prof, blocks, kv_parts, act_parts);
+        tokens += waiting[i].tokens;
+    step_pattern(ps, &prof, (int64_t)(n_running + n_waiting), tokens, kv_parts, act_parts);
     if (ps->store_host_bytes == 0 || n_waiting == 0)
         return; /* no room known, or nobody to admit */
     rekv_hybrid_demand d = {
@@ -258,31 +266,26 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
     if (!ps->have_profile || ps->mode == REKV_MODE_RESIDENT || n <= 0)
         return 0;
     rekv_cost_profile prof = scaled(ps);
-    int64_t sum = 0, blocks_sum = 0, dev = ps->device_tokens;
-    for (int i = 0; i < n; i++) {
+    int64_t sum = 0, dev = ps->device_tokens;
+    for (int i = 0; i < n; i++)
         sum += ctx[i];
-        blocks_sum += (ctx[i] + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS;
-    }
     int64_t s = sum / n > 0 ? sum / n : 1;
-    double elem = ps->elem_bytes;
+    rekv_step_shape sh;
+    step_shape(ps, &prof, n, s, &sh);
     /* KVPR's split for the batch's mean context (rekv_plan_kvpr_solve) */
     int split = 0;
-    double weight_bytes = ps->offload_weights ? prof.t_load_w * prof.h2d_bw : 0;
-    double attn_flops = 4.0 * (double)n * (double)s * ps->q_dim;
-    double fwd_flops = 2.0 * (double)ps->layer_params * n + attn_flops;
-    rekv_kvpr_params kp = {s, n, ps->hidden, ps->kv_dim, elem, fwd_flops, attn_flops, weight_bytes};
     /* the split of what the device-resident part leaves: tokens [dev, split) are recomputed */
-    rekv_kvpr_params moved = kp;
+    rekv_kvpr_params moved = sh.kv;
     moved.s = s > dev ? s - dev : 0;
     rekv_kvpr_split ks;
     if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &moved, &ks, NULL) == 0)
         split = (int)(dev + ks.l);
     /* the pattern of the sequences this step makes: the caller's (admission charged the joining
-     * jobs at it), else Algorithm 1's */
+     * jobs at it), else the step-time one */
     if (ps->mode != REKV_MODE_HYBRID)
         kv_parts = act_parts = 1;
     else if (kv_parts < 0 || act_parts < 0 || kv_parts + act_parts == 0)
-        alg1_pattern(ps, &prof, blocks_sum, &kv_parts, &act_parts);
+        step_pattern(ps, &prof, n, sum, &kv_parts, &act_parts);
     double f_step = (double)kv_parts / (kv_parts + act_parts), kv_tok = 0;
     for (int i = 0; i < n; i++) /* each job's blocks keep the pattern it was made with */
         kv_tok += (kv_frac ? kv_frac[i] : f_step) * (double)ctx[i];
@@ -332,14 +335,10 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
     free(req);
     free(assign);
     /* the prediction this step will be measured against */
-    rekv_step_shape sh = {0};
-    sh.kv = kp;
     sh.hybrid_kv_fraction = sum > 0 ? fmin(fmax(kv_tok / (double)sum, 0.0), 1.0) : f_step;
-    sh.device_tokens = dev;
     double f_sel = co_plan_selected_fraction(ps);
-    sh.infinigen_fraction = f_sel > 0 ? f_sel : REKV_PLAN_INFINIGEN_PRIOR;
-    sh.n_layers = (int)ps->n_layers;
-    sh.q_dim = ps->q_dim;
+    if (f_sel > 0)
+        sh.infinigen_fraction = f_sel;
     /* clo is priced as infinigen is, with the fraction its misses fetched (hits fetch none) */
     rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
                           : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT

@@ -27,7 +27,7 @@ typedef struct co_plan_state {
     /* the last choices */
     int split, kv_parts, act_parts, gpu_batches, column;
     /* hybrid: the store's room bound the last co_plan_join_pattern (its pattern was
-     * rekv_plan_hybrid_demand's, not Algorithm 1's) */
+     * rekv_plan_hybrid_demand's, not the step-time one) */
     int join_binding;
     uint64_t steps;             /* steps planned */
     uint64_t multi_batch_steps; /* of those, split into several mini-batches */
@@ -59,11 +59,12 @@ uint64_t co_plan_store_budget(const co_plan_state *ps);
 
 /* The KV:ACT pattern of the hybrid sequences this worker's next step makes: admission charges the
  * joining jobs at it and the Plan's StepParams carry it, which the worker applies before the
- * joins. Algorithm 1's pattern, or, when room_bytes (the store's budget less what its running
- * jobs hold) cannot take every waiting job at it, rekv_plan_hybrid_demand's. running: the batch
- * (context, the KV share of its pattern); waiting: the queue's first jobs in order, at most the
- * batch's free places (prompt, full length). 1:1 for a worker without a profile (its Plans carry
- * no pattern); any pattern for the other modes (they ignore it). */
+ * joins. The step-time pattern (rekv_plan_hybrid_pattern at the batch's mean context), or, when
+ * room_bytes (the store's budget less what its running jobs hold) cannot take every waiting job at
+ * it, rekv_plan_hybrid_demand's. running: the batch (context, the KV share of its pattern);
+ * waiting: the queue's first jobs in order, at most the batch's free places (prompt, full length).
+ * 1:1 for a worker without a profile (its Plans carry no pattern); any pattern for the other modes
+ * (they ignore it). */
 void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, size_t n_running,
                           const rekv_hybrid_seq *waiting, size_t n_waiting, uint64_t room_bytes,
                           int *kv_parts, int *act_parts);
@@ -89,8 +90,9 @@ uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap, uint32_t p
 /* Chooses the parameters of a step over n jobs (ids jobs[], contexts ctx[] in tokens, kv_frac[]
  * the KV share of each one's blocks — hybrid, the pattern it was made with; NULL: the step's).
  * Hybrid: the step's pattern (the sequences it makes) is kv_parts:act_parts (co_plan_join_pattern),
- * or Algorithm 1's when 0:0. Fills out (with mb_job/mb_index as its storage, n entries each) and
- * returns 1, or 0 when there is nothing to choose (no profile, resident mode, no jobs). */
+ * or the step-time pattern when 0:0. Fills out (with mb_job/mb_index as its storage, n entries
+ * each) and returns 1, or 0 when there is nothing to choose (no profile, resident mode, no jobs).
+ */
 int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, const double *kv_frac,
                  int n, int kv_parts, int act_parts, Rekv__Worker__StepParams *out,
                  uint64_t *mb_job, uint32_t *mb_index);

@@ -371,7 +371,7 @@ static int schedule_worker(rekv_coordinator *co, int wi)
                     n_join, kv_parts, act_parts,
                     w->plan.join_binding ? "the store's room binds: the pattern whose batch "
                                            "is predicted the most tokens per second"
-                                         : "Algorithm 1's");
+                                         : "the step model's fastest");
         w->made_kv_parts = kv_parts;
         w->made_act_parts = act_parts;
     }

@@ -508,6 +508,47 @@ void rekv_plan_scales_observe(rekv_plan_scales *s, double pcie_busy_s, double pc
     s->compute = rescale(s->compute, compute_busy_s, compute_pred_s);
 }
 
+static int gcd_int(int a, int b)
+{
+    while (b) {
+        int t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+int rekv_plan_hybrid_pattern(const rekv_cost_profile *prof, const rekv_step_shape *shape,
+                             int max_parts, int *kv_parts, int *act_parts, rekv_step_cost *cost,
+                             rekv_err *err)
+{
+    if (!shape || !kv_parts || !act_parts || max_parts < 0)
+        return rekv_errf(err, -EINVAL, "planner: hybrid pattern: bad arguments");
+    int maxp = max_parts ? max_parts : 8, bk = 1, ba = 0;
+    rekv_step_cost best = {0}, c;
+    double best_f = -1;
+    for (int k = 0; k <= maxp; k++)
+        for (int a = 0; a <= maxp; a++) {
+            if (gcd_int(k, a) != 1) /* lowest terms; gcd(k, 0) = k keeps 1:0 and 0:1 only */
+                continue;
+            rekv_step_shape sh = *shape;
+            sh.hybrid_kv_fraction = (double)k / (k + a);
+            int rc = rekv_plan_step_cost(prof, &sh, REKV_TECH_HYBRID, &c, err);
+            if (rc)
+                return rc;
+            double f = sh.hybrid_kv_fraction;
+            int better = best_f < 0 || c.t_step < best.t_step * (1 - 1e-12);
+            int tie = !better && c.t_step <= best.t_step * (1 + 1e-12) && f > best_f;
+            if (better || tie)
+                best = c, best_f = f, bk = k, ba = a;
+        }
+    *kv_parts = bk;
+    *act_parts = ba;
+    if (cost)
+        *cost = best;
+    return 0;
+}
+
 void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *out)
 {
     *out = (rekv_plan_model){
@@ -569,19 +610,11 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     shape.device_tokens = out->device_tokens = rekv_cost_device_tokens_of(
         device_kv_bytes, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max, (double)m->hidden,
         (double)m->kv_dim, m->n_layers, cache_elem_bytes);
-    /* hybrid: link and compute times are linear in the KV share f; take the f where they meet */
-    rekv_step_cost act, kv;
-    int rc;
-    shape.hybrid_kv_fraction = 0;
-    if ((rc = rekv_plan_step_cost(prof, &shape, REKV_TECH_HYBRID, &act, err)))
+    /* hybrid at the pattern it would run */
+    int kvp, actp, rc;
+    if ((rc = rekv_plan_hybrid_pattern(prof, &shape, 0, &kvp, &actp, NULL, err)))
         return rc;
-    shape.hybrid_kv_fraction = 1;
-    if ((rc = rekv_plan_step_cost(prof, &shape, REKV_TECH_HYBRID, &kv, err)))
-        return rc;
-    double dp = kv.t_pcie - act.t_pcie, dc = kv.t_compute - act.t_compute;
-    double f = dp - dc != 0 ? (act.t_compute - act.t_pcie) / (dp - dc) : 0;
-    out->hybrid_kv_fraction = f = f < 0 ? 0 : f > 1 ? 1 : f;
-    shape.hybrid_kv_fraction = f;
+    out->hybrid_kv_fraction = shape.hybrid_kv_fraction = (double)kvp / (kvp + actp);
     if ((rc = rekv_plan_choose(prof, &shape, &out->tech, out->costs, err)) || !approx)
         return rc;
     /* approximate modes allowed: infinigen, at the measured f (else the prior), must be strictly
@@ -696,16 +729,6 @@ static int demand_eval(const rekv_cost_profile *prof, const rekv_hybrid_demand *
         c->throughput =
             (double)(d->n_running + c->n_join) / ((double)d->model.n_layers * c->t_step);
     return rc;
-}
-
-static int gcd_int(int a, int b)
-{
-    while (b) {
-        int t = a % b;
-        a = b;
-        b = t;
-    }
-    return a;
 }
 
 int rekv_plan_hybrid_demand(const rekv_cost_profile *prof, const rekv_hybrid_demand *d,

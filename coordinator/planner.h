@@ -270,6 +270,21 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
 int rekv_plan_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                      rekv_technique *best, rekv_step_cost *costs, rekv_err *err);
 
+/* Hybrid's KV:ACT pattern for a step of `shape` (its hybrid_kv_fraction ignored): of the patterns
+ * kv_parts:act_parts in lowest terms with both parts <= max_parts (0 means 8) — 1:0 is all KV
+ * (offload's bytes), 0:1 all ACT — the one rekv_plan_step_cost prices fastest (ties to the larger
+ * KV share: less to recompute), its cost in *cost (may be NULL). This is HybridServe's Algorithm 1
+ * balance (T_kv_gen(#ACT) = T_load_kv(#KV), rekv_plan_hybrid_alloc) priced by the one step model:
+ * the compute side also runs the layer's forward pass and the link side also carries the ACT
+ * rows, which Algorithm 1 leaves out — on a device whose forward pass is a large part of a step
+ * (the cpu backend: 8:1 was Algorithm 1's pattern at 8 Gbit/s and ran at 0.58x offload) the
+ * balance it strikes leaves the compute side the longer one. Picking among the patterns the worker
+ * can run, rather than rounding a continuous share, also keeps the choice from ever pricing above
+ * 1:0, i.e. offload. Returns -EINVAL on bad parameters. */
+int rekv_plan_hybrid_pattern(const rekv_cost_profile *prof, const rekv_step_shape *shape,
+                             int max_parts, int *kv_parts, int *act_parts, rekv_step_cost *cost,
+                             rekv_err *err);
+
 /* ---------------------------------------------------------------- online correction */
 
 /* A profile corrected by the steps it priced (issue 14 item 5): a step's measured busy times
@@ -299,7 +314,7 @@ void rekv_plan_scales_observe(rekv_plan_scales *s, double pcie_busy_s, double pc
 typedef struct rekv_mode_pick {
     int resident;              /* the whole KV cache fits in device memory: nothing moves */
     rekv_technique tech;       /* otherwise the technique priced cheapest */
-    double hybrid_kv_fraction; /* the KV share at which hybrid's link and compute times meet */
+    double hybrid_kv_fraction; /* hybrid's KV share, of its pattern (rekv_plan_hybrid_pattern) */
     double kv_bytes;           /* the KV cache of b sequences of s_max tokens, all layers */
     /* one layer of a decode step at s_max / 2 tokens: the exact techniques, then
      * [REKV_TECH_INFINIGEN] when approximate modes were allowed (else zero) */

@@ -910,6 +910,82 @@ START_TEST(test_scales_correct_profile)
 }
 END_TEST
 
+/* Hybrid's pattern is the fastest of the patterns a worker runs (both parts <= 8, lowest terms),
+ * by the step model, brute force; never priced above 1:0 (all KV: offload's bytes) or 0:1. Where
+ * the forward pass is most of the compute side and the link is fast (the cpu backend at 8
+ * Gbit/s), it is 1:0, though Algorithm 1 — which balances recomputation against KV loads alone —
+ * mixes in ACT blocks there (8:1, which ran at 0.58x offload); at 2 Gbit/s a mix beats both
+ * ends. */
+START_TEST(test_hybrid_pattern)
+{
+    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
+                             .act = REKV_ACT_RELU,
+                             .n_layers = 8,
+                             .hidden = 1024,
+                             .n_heads = 16,
+                             .n_kv_heads = 16,
+                             .head_dim = 64,
+                             .ffn = 4096,
+                             .dtype = REKV_DTYPE_F16};
+    rekv_step_shape sh;
+    shape_from_config(&opt, 1, 1536, 2, 0, &sh);
+    /* the cpu backend's rates (this machine's profile of the model behind an 8 Gbit/s link) */
+    rekv_cost_profile pr = {.h2d_bw = 1e9,
+                            .h2d_latency = 1e-5,
+                            .gemm_flops = 1.48e11,
+                            .fwd_flops_rate = 2.7e10,
+                            .attn_flops_rate = 2.56e9,
+                            .load_kv = {3.6e-5, 4.1e-6},
+                            .kv_gen = {4.6e-5, 3.0e-5}};
+    for (int gbps = 0; gbps < 3; gbps++) {
+        pr.h2d_bw = gbps == 0 ? 1e9 : gbps == 1 ? 0.25e9 : 0.05e9; /* 8, 2, 0.4 Gbit/s */
+        int kv, act;
+        rekv_step_cost c, any;
+        ck_assert_int_eq(rekv_plan_hybrid_pattern(&pr, &sh, 0, &kv, &act, &c, NULL), 0);
+        ck_assert(kv >= 0 && act >= 0 && kv <= 8 && act <= 8 && kv + act > 0);
+        double f = (double)kv / (kv + act);
+        for (int k = 0; k <= 8; k++)
+            for (int a = 0; a <= 8; a++) {
+                if (k + a == 0)
+                    continue;
+                sh.hybrid_kv_fraction = (double)k / (k + a);
+                ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &any, NULL), 0);
+                ck_assert_msg(
+                    c.t_step <= any.t_step * (1 + 1e-12) &&
+                        (c.t_step < any.t_step * (1 - 1e-12) || sh.hybrid_kv_fraction <= f),
+                    "%d Gbit/s: %d:%d (%g s) against %d:%d (%g s)",
+                    gbps == 0   ? 8
+                    : gbps == 1 ? 2
+                                : 0,
+                    kv, act, c.t_step, k, a, any.t_step);
+            }
+        rekv_step_cost kvc;
+        ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_KV, &kvc, NULL), 0);
+        ck_assert(c.t_step <= kvc.t_step);
+        /* Algorithm 1 over the batch's context as all-KV */
+        rekv_hybrid_params hp;
+        rekv_plan_hybrid_params_for_batch(&hp, 1024, 1024, 8, 2, 0, 1536 / 16);
+        rekv_hybrid_alloc ha;
+        ck_assert_int_eq(rekv_plan_hybrid_alloc(&pr, &hp, &ha, NULL), 0);
+        if (gbps == 0) { /* 8 Gbit/s: all KV, where Algorithm 1 recomputes some */
+            ck_assert_msg(kv == 1 && act == 0, "8 Gbit/s: %d:%d", kv, act);
+            ck_assert(c.t_step == kvc.t_step);
+            ck_assert_msg(ha.act_parts > 0, "Algorithm 1 %d:%d", ha.kv_parts, ha.act_parts);
+        }
+        if (gbps == 1) { /* 2 Gbit/s: a mix beats both ends */
+            ck_assert_msg(kv > 0 && act > 0, "2 Gbit/s: %d:%d", kv, act);
+            rekv_step_cost all_act;
+            sh.hybrid_kv_fraction = 0;
+            ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &all_act, NULL), 0);
+            ck_assert(c.t_step < kvc.t_step && c.t_step < all_act.t_step);
+        }
+    }
+    int kv, act;
+    rekv_err e = {0};
+    ck_assert_int_eq(rekv_plan_hybrid_pattern(&pr, &sh, -1, &kv, &act, NULL, &e), -EINVAL);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- chooser */
 
 START_TEST(test_choose)
@@ -1019,10 +1095,16 @@ START_TEST(test_pick_mode)
     ck_assert(m.hybrid_kv_fraction >= 0 && m.hybrid_kv_fraction <= 1);
     for (int t = 0; t < REKV_TECH_COUNT; t++)
         ck_assert(m.costs[m.tech].t_step <= m.costs[t].t_step);
-    /* at the meeting point hybrid is balanced (unless clamped) */
+    /* hybrid is priced at its pattern, the fastest a worker can run */
     const rekv_step_cost *h = &m.costs[REKV_TECH_HYBRID];
-    if (m.hybrid_kv_fraction > 0 && m.hybrid_kv_fraction < 1)
-        ck_assert(fabs(h->t_pcie - h->t_compute) <= 1e-6 * h->t_step);
+    int kvp, actp;
+    rekv_step_shape hs;
+    rekv_plan_shape(&optm, 64, 272, 2, 0, &hs);
+    hs.device_tokens = m.device_tokens;
+    ck_assert_int_eq(rekv_plan_hybrid_pattern(&pr, &hs, 0, &kvp, &actp, NULL, NULL), 0);
+    ck_assert(m.hybrid_kv_fraction == (double)kvp / (kvp + actp));
+    ck_assert(h->t_step <= m.costs[REKV_TECH_KV].t_step &&
+              h->t_step <= m.costs[REKV_TECH_ACT].t_step);
     /* a GPU so slow that every recomputation costs more than the link: KV fetching */
     pr.gemm_flops = 1e9;
     ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, 0, 0, NULL, &m, NULL), 0);
@@ -1413,12 +1495,14 @@ END_TEST
 START_TEST(test_co_plan_join_pattern)
 {
     Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
-    cp.h2d_bw = 0.5e9; /* moving a token's K,V costs more than rebuilding it */
-    cp.gemm_flops = 50e12;
+    cp.h2d_bw = 0.5e9; /* rebuilding a token's K,V costs about what moving them does */
+    cp.gemm_flops = 0.5e12;
     cp.load_kv_b = 1e-6;
     cp.kv_gen_b = 1e-6;
-    Rekv__Worker__Hello h;
+    cp.t_load_w = 0.05;    /* each step streams the weights (HybridServe's setting): a step's */
+    Rekv__Worker__Hello h; /* sequences share that cost, so admitting more pays */
     opt8_hello(&h, &cp, "hybrid");
+    h.offload_weights = 1;
     co_plan_state ps;
     co_plan_init(&ps, &h);
     Rekv__Worker__StoreRoom room = REKV__WORKER__STORE_ROOM__INIT;
@@ -1513,6 +1597,7 @@ int main(void)
     tcase_add_test(tc, test_choose);
     tcase_add_test(tc, test_step_cost_two_rates);
     tcase_add_test(tc, test_scales_correct_profile);
+    tcase_add_test(tc, test_hybrid_pattern);
     tcase_add_test(tc, test_pick_mode);
     tcase_add_test(tc, test_device_part);
     tcase_add_test(tc, test_co_plan_device_part);

@@ -29,7 +29,23 @@ int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype
 }
 
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
-                    int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out, rekv_err *err)
+                    int offload_weights, int batch, int ctx, int device_tokens, int *kv_parts,
+                    int *act_parts, rekv_err *err)
+{
+    rekv_cost_profile prof;
+    rekv_profile_to_cost(pf, cache_dtype, &prof);
+    if (!offload_weights)
+        prof.t_load_w = 0;
+    rekv_plan_model pm;
+    rekv_plan_model_from_config(c, &pm);
+    rekv_step_shape sh;
+    rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cache_dtype), offload_weights, &sh);
+    sh.device_tokens = device_tokens;
+    return rekv_plan_hybrid_pattern(&prof, &sh, 0, kv_parts, act_parts, NULL, err);
+}
+
+int cli_plan_alg1(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
+                  int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out, rekv_err *err)
 {
     rekv_cost_profile prof;
     rekv_profile_to_cost(pf, cache_dtype, &prof);
@@ -116,7 +132,8 @@ typedef struct plan_row {
     rekv_technique best;
     rekv_step_cost costs[REKV_TECH_COUNT];
     rekv_kvpr_split split;
-    rekv_hybrid_alloc hybrid;
+    int kv_parts, act_parts; /* hybrid's pattern (the planner's) */
+    rekv_hybrid_alloc alg1;  /* Algorithm 1's, as published */
 } plan_row;
 
 static int plan_for(const rekv_profile *pf, const rekv_model_config *c, int ctx, plan_row *r,
@@ -126,7 +143,9 @@ static int plan_for(const rekv_profile *pf, const rekv_model_config *c, int ctx,
     memset(r, 0, sizeof(*r));
     r->ctx = ctx;
     if ((rc = cli_plan_kvpr(pf, c, REKV_DTYPE_F32, 0, PLAN_BATCH, ctx, &r->split, err)) ||
-        (rc = cli_plan_hybrid(pf, c, REKV_DTYPE_F32, 0, PLAN_BATCH, ctx, &r->hybrid, err)))
+        (rc = cli_plan_hybrid(pf, c, REKV_DTYPE_F32, 0, PLAN_BATCH, ctx, 0, &r->kv_parts,
+                              &r->act_parts, err)) ||
+        (rc = cli_plan_alg1(pf, c, REKV_DTYPE_F32, 0, PLAN_BATCH, ctx, &r->alg1, err)))
         return rc;
     rekv_cost_profile prof;
     rekv_profile_to_cost(pf, REKV_DTYPE_F32, &prof);
@@ -135,7 +154,7 @@ static int plan_for(const rekv_profile *pf, const rekv_model_config *c, int ctx,
     rekv_plan_model_from_config(c, &pm);
     rekv_step_shape shape;
     rekv_plan_shape(&pm, PLAN_BATCH, ctx, 4.0, 0, &shape);
-    shape.hybrid_kv_fraction = r->hybrid.kv_fraction;
+    shape.hybrid_kv_fraction = (double)r->kv_parts / (r->kv_parts + r->act_parts);
     return rekv_plan_choose(&prof, &shape, &r->best, r->costs, err);
 }
 
@@ -184,14 +203,14 @@ static void print_table(const char *model_path, const rekv_model_config *c, cons
         print_linear("T_kv_gen", p, &p->kv_gen[d]);
     printf("planner, batch %d, fp32 cache, weights resident (per-layer step time, ms)\n",
            PLAN_BATCH);
-    printf("  %6s %-7s %8s %8s %8s %8s %8s %7s\n", "ctx", "best", "kv", "kvpr", "act", "hybrid",
-           "split", "kv:act");
+    printf("  %6s %-7s %8s %8s %8s %8s %8s %7s %7s\n", "ctx", "best", "kv", "kvpr", "act", "hybrid",
+           "split", "kv:act", "alg1");
     for (int i = 0; i < n_rows; i++) {
         const plan_row *r = &rows[i];
-        printf("  %6d %-7s %8.3f %8.3f %8.3f %8.3f %8lld %4d:%d\n", r->ctx, tech_names[r->best],
-               r->costs[0].t_step * 1e3, r->costs[1].t_step * 1e3, r->costs[2].t_step * 1e3,
-               r->costs[3].t_step * 1e3, (long long)r->split.l, r->hybrid.kv_parts,
-               r->hybrid.act_parts);
+        printf("  %6d %-7s %8.3f %8.3f %8.3f %8.3f %8lld %4d:%-2d %4d:%d\n", r->ctx,
+               tech_names[r->best], r->costs[0].t_step * 1e3, r->costs[1].t_step * 1e3,
+               r->costs[2].t_step * 1e3, r->costs[3].t_step * 1e3, (long long)r->split.l,
+               r->kv_parts, r->act_parts, r->alg1.kv_parts, r->alg1.act_parts);
     }
 }
 
@@ -204,12 +223,14 @@ static json_t *json_report(const char *model_path, const rekv_profile *p,
         json_t *t = json_object();
         for (int k = 0; k < REKV_TECH_COUNT; k++)
             json_object_set_new(t, tech_names[k], json_real(r->costs[k].t_step));
-        json_array_append_new(
-            plans, json_pack("{s:i,s:i,s:s,s:o,s:I,s:f,s:i,s:i,s:f}", "batch", PLAN_BATCH, "ctx",
-                             r->ctx, "best", tech_names[r->best], "t_step_s", t, "kvpr_split",
-                             (json_int_t)r->split.l, "kvpr_t_s", r->split.t, "hybrid_kv_parts",
-                             r->hybrid.kv_parts, "hybrid_act_parts", r->hybrid.act_parts,
-                             "hybrid_kv_fraction", r->hybrid.kv_fraction));
+        json_array_append_new(plans,
+                              json_pack("{s:i,s:i,s:s,s:o,s:I,s:f,s:i,s:i,s:f,s:[i,i]}", "batch",
+                                        PLAN_BATCH, "ctx", r->ctx, "best", tech_names[r->best],
+                                        "t_step_s", t, "kvpr_split", (json_int_t)r->split.l,
+                                        "kvpr_t_s", r->split.t, "hybrid_kv_parts", r->kv_parts,
+                                        "hybrid_act_parts", r->act_parts, "hybrid_kv_fraction",
+                                        (double)r->kv_parts / (r->kv_parts + r->act_parts),
+                                        "alg1_pattern", r->alg1.kv_parts, r->alg1.act_parts));
     }
     return json_pack("{s:s,s:{s:s,s:b,s:b,s:s},s:o,s:o}", "model", model_path, "cache", "path",
                      o->path, "loaded", o->loaded, "saved", o->saved, "reason", o->reason,

@@ -15,11 +15,18 @@ int cli_profile(int argc, char **argv);
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
                   int offload_weights, int batch, int ctx, rekv_kvpr_split *out, rekv_err *err);
 
-/* HybridServe's Algorithm 1 over the host memory that the batch's context takes as all-KV (plus
- * the weights when they are offloaded, which also sets T_load_w): the KV:ACT pattern in
- * out->kv_parts:out->act_parts. */
+/* Hybrid's pattern for a decode step of `batch` sequences of `ctx` tokens, the first
+ * device_tokens of each kept on the device: rekv_plan_hybrid_pattern, the fastest pattern by the
+ * step model. */
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
-                    int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out, rekv_err *err);
+                    int offload_weights, int batch, int ctx, int device_tokens, int *kv_parts,
+                    int *act_parts, rekv_err *err);
+
+/* HybridServe's Algorithm 1 as published, over the host memory that the batch's context takes as
+ * all-KV (plus the weights when they are offloaded, which also sets T_load_w): `rekv profile`
+ * prints its pattern beside the planner's. */
+int cli_plan_alg1(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
+                  int offload_weights, int batch, int ctx, rekv_hybrid_alloc *out, rekv_err *err);
 
 /* What the planner predicts a decode step of cfg's pipeline takes, for `batch` sequences of `ctx`
  * tokens, with prof (the profile for cfg's cache dtype, rekv_profile_to_cost, corrected or not):

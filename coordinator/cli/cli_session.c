@@ -40,16 +40,9 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
             return rc;
         cfg->split = dev + (int)sp.l;
     }
-    if (need_ratio) {
-        rekv_hybrid_alloc ha;
-        if ((rc = cli_plan_hybrid(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch,
-                                  moved > 0 ? moved : 1, &ha, err)))
-            return rc;
-        cfg->kv_parts = ha.kv_parts;
-        cfg->act_parts = ha.act_parts;
-        if (cfg->kv_parts + cfg->act_parts == 0)
-            cfg->kv_parts = 1;
-    }
+    if (need_ratio && (rc = cli_plan_hybrid(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch,
+                                            ctx, dev, &cfg->kv_parts, &cfg->act_parts, err)))
+        return rc;
     if (need_np) { /* CLO Eq. 12 from the measured link and forward rate */
         rekv_cost_profile prof;
         rekv_profile_to_cost(&pf, cfg->cache_dtype, &prof);
@@ -66,8 +59,8 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
     int rc = rekv_backend_create(po->backend, &po->link, &be, NULL, 0, err);
     if (rc)
         return rc;
-    double room = rekv_backend_kv_room(
-        be, cfg->offload_weights ? 0 : (double)rekv_engine_weight_bytes(e));
+    double room =
+        rekv_backend_kv_room(be, cfg->offload_weights ? 0 : (double)rekv_engine_weight_bytes(e));
     char name[32];
     snprintf(name, sizeof(name), "%s", be->iface->name);
     rekv_backend_destroy(be);
