@@ -272,13 +272,13 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
     int64_t s = sum / n > 0 ? sum / n : 1;
     rekv_step_shape sh;
     step_shape(ps, &prof, n, s, &sh);
-    /* KVPR's split for the batch's mean context (rekv_plan_kvpr_solve) */
+    /* KVPR's split for the batch's mean context (rekv_plan_kvpr_choose) */
     int split = 0;
     /* the split of what the device-resident part leaves: tokens [dev, split) are recomputed */
     rekv_kvpr_params moved = sh.kv;
     moved.s = s > dev ? s - dev : 0;
     rekv_kvpr_split ks;
-    if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_solve(&prof, &moved, &ks, NULL) == 0)
+    if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_choose(&prof, &moved, &ks, NULL) == 0)
         split = (int)(dev + ks.l);
     /* the pattern of the sequences this step makes: the caller's (admission charged the joining
      * jobs at it), else the step-time one */

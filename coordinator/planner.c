@@ -128,6 +128,36 @@ int rekv_plan_kvpr_solve(const rekv_cost_profile *prof, const rekv_kvpr_params *
     return 0;
 }
 
+int rekv_plan_kvpr_choose(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
+                          rekv_kvpr_split *out, rekv_err *err)
+{
+    rekv_kvpr_split best, c;
+    int rc = rekv_plan_kvpr_solve(prof, p, &best, err);
+    if (rc)
+        return rc;
+    double lim = best.t * (1 + REKV_PLAN_MARGIN);
+    *out = best;
+    rekv_plan_kvpr_eval(prof, p, 0, &c);
+    if (c.t <= lim) {
+        *out = c;
+        return 0;
+    }
+    /* t is convex and piecewise linear on [1, s - 1] (planner.h), so non-increasing up to l*:
+     * the smallest l in [1, l*] within the limit, by bisection */
+    int64_t lo = 1, hi = best.l;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        rekv_plan_kvpr_eval(prof, p, mid, &c);
+        if (c.t <= lim)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    if (hi < best.l)
+        rekv_plan_kvpr_eval(prof, p, hi, out);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- HybridServe allocation */
 
 /* "find #blocks s.t. T(#blocks) = target" (Algorithm 1 lines 15 and 17): the continuous solution of
@@ -399,7 +429,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         break;
     case REKV_TECH_KVPR: { /* the split that is best for this very step */
         rekv_kvpr_split sp;
-        if ((rc = rekv_plan_kvpr_solve(prof, p, &sp, err)))
+        if ((rc = rekv_plan_kvpr_choose(prof, p, &sp, err)))
             return rc;
         x_bytes = sp.bytes_x;
         kv_bytes = sp.bytes_kv;
@@ -526,22 +556,25 @@ int rekv_plan_hybrid_pattern(const rekv_cost_profile *prof, const rekv_step_shap
         return rekv_errf(err, -EINVAL, "planner: hybrid pattern: bad arguments");
     int maxp = max_parts ? max_parts : 8, bk = 1, ba = 0;
     rekv_step_cost best = {0}, c;
-    double best_f = -1;
-    for (int k = 0; k <= maxp; k++)
-        for (int a = 0; a <= maxp; a++) {
-            if (gcd_int(k, a) != 1) /* lowest terms; gcd(k, 0) = k keeps 1:0 and 0:1 only */
-                continue;
-            rekv_step_shape sh = *shape;
-            sh.hybrid_kv_fraction = (double)k / (k + a);
-            int rc = rekv_plan_step_cost(prof, &sh, REKV_TECH_HYBRID, &c, err);
-            if (rc)
-                return rc;
-            double f = sh.hybrid_kv_fraction;
-            int better = best_f < 0 || c.t_step < best.t_step * (1 - 1e-12);
-            int tie = !better && c.t_step <= best.t_step * (1 + 1e-12) && f > best_f;
-            if (better || tie)
-                best = c, best_f = f, bk = k, ba = a;
-        }
+    double t_min = INFINITY, best_f = -1;
+    /* the fastest, then the largest KV share priced within the margin of it */
+    for (int pass = 0; pass < 2; pass++)
+        for (int k = 0; k <= maxp; k++)
+            for (int a = 0; a <= maxp; a++) {
+                if (gcd_int(k, a) != 1) /* lowest terms; gcd(k, 0) = k keeps 1:0, 0:1 only */
+                    continue;
+                rekv_step_shape sh = *shape;
+                sh.hybrid_kv_fraction = (double)k / (k + a);
+                int rc = rekv_plan_step_cost(prof, &sh, REKV_TECH_HYBRID, &c, err);
+                if (rc)
+                    return rc;
+                double f = sh.hybrid_kv_fraction;
+                if (pass == 0) {
+                    t_min = fmin(t_min, c.t_step);
+                } else if (c.t_step <= t_min * (1 + REKV_PLAN_MARGIN) && f > best_f) {
+                    best = c, best_f = f, bk = k, ba = a;
+                }
+            }
     *kv_parts = bk;
     *act_parts = ba;
     if (cost)

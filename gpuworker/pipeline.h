@@ -64,7 +64,7 @@ typedef struct rekv_pipeline_config {
     int gpu_batches;         /* a step's batch is split into this many GPU batches (>= 1) */
     int split;               /* kvpr: context tokens per sequence recomputed from activations, l
                                 (clamped to the context); the caller picks it
-                                (rekv_plan_kvpr_solve) */
+                                (rekv_plan_kvpr_choose) */
     int kv_parts, act_parts; /* hybrid: block pattern kv:act, e.g. 1:1 (the caller picks it) */
     rekv_dtype cache_dtype;  /* host cache dtype: F32 (exact) or F16 */
     int act_gpu_blocks;      /* ACT_GPU (HybridServe): each sequence's first N ACT blocks per

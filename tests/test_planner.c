@@ -216,6 +216,57 @@ START_TEST(test_kvpr_brute_force)
 }
 END_TEST
 
+/* The split a step runs: the smallest l priced within REKV_PLAN_MARGIN of the optimum (brute
+ * force over random layers), never past it; on this machine's cpu backend at 8 Gbit/s (batch 8,
+ * 512 tokens, OPT 8 layers hidden 1024), where the optimum l = 11-12 is priced ~1% faster than
+ * offload's l = 0 and ran 6% slower, it is 0. */
+START_TEST(test_kvpr_choose)
+{
+    g_rng = 14;
+    int pulled = 0;
+    for (int c = 0; c < 2000; c++) {
+        rekv_cost_profile pr;
+        rekv_kvpr_params p;
+        random_kvpr(&pr, &p, 0);
+        if (p.s > 4000)
+            p.s = 4000; /* brute force below */
+        rekv_kvpr_split opt, ch;
+        ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &opt, NULL), 0);
+        ck_assert_int_eq(rekv_plan_kvpr_choose(&pr, &p, &ch, NULL), 0);
+        double lim = opt.t * (1 + REKV_PLAN_MARGIN);
+        int64_t bl = 0;
+        while (t_split(&pr, &p, bl) > lim)
+            bl++;
+        ck_assert_msg(ch.l == bl && ch.l <= opt.l && ch.t <= lim,
+                      "case %d: l %lld (t %g), brute %lld, optimum %lld (t %g)", c,
+                      (long long)ch.l, ch.t, (long long)bl, (long long)opt.l, opt.t);
+        ck_assert(close_rel(ch.t, t_split(&pr, &p, ch.l), 1e-12) || ch.t == 0);
+        pulled += ch.l < opt.l;
+    }
+    ck_assert_msg(pulled > 100, "only %d pulled toward less recomputation", pulled);
+    rekv_cost_profile pr = {.h2d_bw = 1e9,
+                            .h2d_latency = 1e-5,
+                            .gemm_flops = 1.48e11,
+                            .fwd_flops_rate = 2.7e10,
+                            .attn_flops_rate = 2.56e9};
+    double attn = 4.0 * 8 * 512 * 1024;
+    rekv_kvpr_params p = {.s = 512,
+                          .b = 8,
+                          .hidden = 1024,
+                          .kv_dim = 1024,
+                          .elem_bytes = 2,
+                          .fwd_flops = 2.0 * 8 * 12.0 * 1024 * 1024 + attn,
+                          .attn_flops = attn};
+    rekv_kvpr_split opt, ch, zero;
+    ck_assert_int_eq(rekv_plan_kvpr_solve(&pr, &p, &opt, NULL), 0);
+    ck_assert_int_eq(rekv_plan_kvpr_choose(&pr, &p, &ch, NULL), 0);
+    rekv_plan_kvpr_eval(&pr, &p, 0, &zero);
+    ck_assert_msg(opt.l > 0 && opt.t < zero.t && zero.t < opt.t * (1 + REKV_PLAN_MARGIN),
+                  "optimum %lld at %g s, l = 0 %g s", (long long)opt.l, opt.t, zero.t);
+    ck_assert_int_eq(ch.l, 0);
+}
+END_TEST
+
 START_TEST(test_kvpr_gqa_zero)
 {
     /* An X row (hidden elements) is not smaller than a K+V row (2*kv_dim): sending X can only cost
@@ -910,8 +961,9 @@ START_TEST(test_scales_correct_profile)
 }
 END_TEST
 
-/* Hybrid's pattern is the fastest of the patterns a worker runs (both parts <= 8, lowest terms),
- * by the step model, brute force; never priced above 1:0 (all KV: offload's bytes) or 0:1. Where
+/* Hybrid's pattern is, of the patterns a worker runs (both parts <= 8, lowest terms), the one
+ * with the largest KV share priced within REKV_PLAN_MARGIN of the fastest by the step model,
+ * brute force; never priced above 1:0 (all KV: offload's bytes). Where
  * the forward pass is most of the compute side and the link is fast (the cpu backend at 8
  * Gbit/s), it is 1:0, though Algorithm 1 — which balances recomputation against KV loads alone —
  * mixes in ACT blocks there (8:1, which ran at 0.58x offload); at 2 Gbit/s a mix beats both
@@ -943,22 +995,25 @@ START_TEST(test_hybrid_pattern)
         rekv_step_cost c, any;
         ck_assert_int_eq(rekv_plan_hybrid_pattern(&pr, &sh, 0, &kv, &act, &c, NULL), 0);
         ck_assert(kv >= 0 && act >= 0 && kv <= 8 && act <= 8 && kv + act > 0);
-        double f = (double)kv / (kv + act);
-        for (int k = 0; k <= 8; k++)
-            for (int a = 0; a <= 8; a++) {
-                if (k + a == 0)
-                    continue;
-                sh.hybrid_kv_fraction = (double)k / (k + a);
-                ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &any, NULL), 0);
-                ck_assert_msg(
-                    c.t_step <= any.t_step * (1 + 1e-12) &&
-                        (c.t_step < any.t_step * (1 - 1e-12) || sh.hybrid_kv_fraction <= f),
-                    "%d Gbit/s: %d:%d (%g s) against %d:%d (%g s)",
-                    gbps == 0   ? 8
-                    : gbps == 1 ? 2
-                                : 0,
-                    kv, act, c.t_step, k, a, any.t_step);
-            }
+        /* brute force: the fastest pattern's time, then the largest KV share within the margin */
+        double f = (double)kv / (kv + act), t_min = INFINITY, f_best = -1;
+        for (int pass = 0; pass < 2; pass++)
+            for (int k = 0; k <= 8; k++)
+                for (int a = 0; a <= 8; a++) {
+                    if (k + a == 0)
+                        continue;
+                    sh.hybrid_kv_fraction = (double)k / (k + a);
+                    ck_assert_int_eq(
+                        rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &any, NULL), 0);
+                    if (pass == 0)
+                        t_min = fmin(t_min, any.t_step);
+                    else if (any.t_step <= t_min * (1 + REKV_PLAN_MARGIN))
+                        f_best = fmax(f_best, sh.hybrid_kv_fraction);
+                }
+        ck_assert_msg(f == f_best && c.t_step <= t_min * (1 + REKV_PLAN_MARGIN),
+                      "pattern %d:%d (%g s); the fastest %g s, the largest share within the "
+                      "margin %g",
+                      kv, act, c.t_step, t_min, f_best);
         rekv_step_cost kvc;
         ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_KV, &kvc, NULL), 0);
         ck_assert(c.t_step <= kvc.t_step);
@@ -1104,7 +1159,7 @@ START_TEST(test_pick_mode)
     ck_assert_int_eq(rekv_plan_hybrid_pattern(&pr, &hs, 0, &kvp, &actp, NULL, NULL), 0);
     ck_assert(m.hybrid_kv_fraction == (double)kvp / (kvp + actp));
     ck_assert(h->t_step <= m.costs[REKV_TECH_KV].t_step &&
-              h->t_step <= m.costs[REKV_TECH_ACT].t_step);
+              h->t_step <= m.costs[REKV_TECH_ACT].t_step * (1 + REKV_PLAN_MARGIN));
     /* a GPU so slow that every recomputation costs more than the link: KV fetching */
     pr.gemm_flops = 1e9;
     ck_assert_int_eq(rekv_plan_pick_mode(&pr, &optm, 64, 544, 2, 0, 0, NULL, &m, NULL), 0);
@@ -1581,6 +1636,7 @@ int main(void)
     tcase_add_test(tc, test_fwd_rates);
     tcase_add_test(tc, test_fit_noisy);
     tcase_add_test(tc, test_kvpr_brute_force);
+    tcase_add_test(tc, test_kvpr_choose);
     tcase_add_test(tc, test_kvpr_gqa_zero);
     tcase_add_test(tc, test_kvpr_mha_closed_form);
     tcase_add_test(tc, test_kvpr_edges);

@@ -25,7 +25,7 @@ int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype
     rekv_plan_model_from_config(c, &pm);
     rekv_step_shape sh;
     rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cache_dtype), offload_weights, &sh);
-    return rekv_plan_kvpr_solve(&prof, &sh.kv, out, err);
+    return rekv_plan_kvpr_choose(&prof, &sh.kv, out, err);
 }
 
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,

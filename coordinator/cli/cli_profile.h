@@ -10,7 +10,7 @@
 /* rekv profile --model PATH [--link-gbps G] [--link-latency-us U] [--reprofile] [--json] */
 int cli_profile(int argc, char **argv);
 
-/* KVPR's split (rekv_plan_kvpr_solve) for a decode step of `batch` sequences of `ctx` tokens with
+/* KVPR's split (rekv_plan_kvpr_choose) for a decode step of `batch` sequences of `ctx` tokens with
  * a host cache of cache_dtype, the layer's weights offloaded or not. */
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
                   int offload_weights, int batch, int ctx, rekv_kvpr_split *out, rekv_err *err);
