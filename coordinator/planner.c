@@ -427,7 +427,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     case REKV_TECH_KV:
         kv_bytes = tokens * kv_row;
         break;
-    case REKV_TECH_KVPR: { /* the split that is best for this very step */
+    case REKV_TECH_KVPR: { /* the split this very step would run */
         rekv_kvpr_split sp;
         if ((rc = rekv_plan_kvpr_choose(prof, p, &sp, err)))
             return rc;
@@ -537,6 +537,8 @@ void rekv_plan_scales_observe(rekv_plan_scales *s, double pcie_busy_s, double pc
     s->pcie = rescale(s->pcie, pcie_busy_s, pcie_pred_s);
     s->compute = rescale(s->compute, compute_busy_s, compute_pred_s);
 }
+
+/* ---------------------------------------------------------------- hybrid's pattern */
 
 static int gcd_int(int a, int b)
 {

@@ -214,7 +214,7 @@ double rekv_plan_mb_mean_fb(const rekv_cost_profile *prof, int block_tokens,
 
 typedef enum rekv_technique {
     REKV_TECH_KV = 0,     /* fetch every KV row of the context (offloading baseline) */
-    REKV_TECH_KVPR = 1,   /* KVPR split at the Eq. 12 optimum */
+    REKV_TECH_KVPR = 1,   /* KVPR at the split a step runs (rekv_plan_kvpr_choose) */
     REKV_TECH_ACT = 2,    /* fetch activations of the whole context, recompute all K,V */
     REKV_TECH_HYBRID = 3, /* a fixed KV:ACT mix (HybridServe's host ratio) + GPU-held ACT */
     REKV_TECH_COUNT = 4,  /* the exact techniques above: the ones rekv_plan_choose compares */

@@ -309,7 +309,8 @@ END_TEST
 
 /* `rekv bench decode`: one JSON object comparing every mode on the same prompts; every mode's
  * tokens equal resident's, each carries the planner's predicted step beside the measured one
- * (also corrected online: the modes that move bytes rescale its link side), and on an MHA model the recomputing modes move fewer bytes. */
+ * (also corrected online: the modes that move bytes rescale its link side), and on an MHA model the
+ * recomputing modes move fewer bytes. */
 START_TEST(bench_decode_json)
 {
     char *d = tu_tmpdir(), args[8192], *out, *err;
@@ -416,24 +417,38 @@ START_TEST(bench_decode_json)
              tu_bin("rekv-loader"), d);
     ck_assert_int_eq(system(args), 0);
     uint32_t crc[2] = {0, 1};
-    for (int bounded = 0; bounded < 2; bounded++) {
+    for (int bounded = 0; bounded < 3; bounded++) {
         snprintf(args, sizeof(args),
                  "bench decode --model %s/deep --batch 4 --prompt-len 64 --gen-len 4 "
                  "--prefill-chunk 16 --link-gbps 8 --modes %s --json",
-                 d, bounded ? "auto --device-memory 4300K" : "resident");
+                 d,
+                 bounded == 2   ? "auto --device-memory 4300K --approximate"
+                 : bounded == 1 ? "auto --device-memory 4300K"
+                                : "resident");
         rc = rekv(args, &out, &err);
         ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
         o = json_loads(out, 0, NULL);
         ck_assert_msg(o != NULL, "not JSON: %s", out);
         m = json_array_get(json_object_get(o, "modes"), 0);
+        if (bounded == 2) { /* --approximate: the pick was priced against infinigen too */
+            const char *why = json_string_value(json_object_get(m, "auto"));
+            ck_assert_msg(why && strstr(why, "infinigen (approximate)"), "%s", out);
+            json_decref(o);
+            free(out);
+            free(err);
+            continue;
+        }
         crc[bounded] = (uint32_t)json_integer_value(json_object_get(m, "tokens_crc32c"));
         if (bounded) {
+            /* the planner's line: the pick and its price, infinigen's only when allowed */
+            const char *why = json_string_value(json_object_get(m, "auto"));
+            ck_assert_msg(why && strstr(why, "step priced") && !strstr(why, "infinigen"), "%s",
+                          out);
             const char *mode = json_string_value(json_object_get(m, "mode"));
             ck_assert_str_eq(json_string_value(json_object_get(m, "run")), "auto");
             ck_assert_msg(strcmp(mode, "resident") != 0, "the cache fits 4300K? %s", out);
             json_int_t dev = json_integer_value(json_object_get(m, "device_tokens"));
-            ck_assert_msg(dev > 0 && dev < 68, "device part %lld of 68 tokens",
-                          (long long)dev);
+            ck_assert_msg(dev > 0 && dev < 68, "device part %lld of 68 tokens", (long long)dev);
             /* 3 decode steps, 24 layers, 4 sequences: the part taken from the device */
             ck_assert_int_eq(json_integer_value(json_object_get(m, "tokens_device")),
                              3 * 24 * 4 * dev);

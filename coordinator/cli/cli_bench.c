@@ -482,12 +482,13 @@ static int bench_decode(int argc, char **argv)
                                          {"modes", required_argument, 0, 'M'},
                                          {"prefill-chunk", required_argument, 0, 'P'},
                                          {"json", no_argument, 0, 'j'},
+                                         {"approximate", no_argument, 0, 'A'},
                                          {"help", no_argument, 0, 'h'},
                                          CLI_PIPELINE_OPTIONS,
                                          {0, 0, 0, 0}};
     const char *model_path = NULL, *modes = "resident,offload,kvpr,act,hybrid";
     long B = 8, S = 128, N = 8, PB = 0;
-    int json = 0;
+    int json = 0, approximate = 0;
     cli_pipeline_opts po;
     cli_pipeline_opts_defaults(&po);
     int c;
@@ -524,13 +525,17 @@ static int bench_decode(int argc, char **argv)
         case 'j':
             json = 1; /* JSON is the only output; --json also keeps stderr quiet */
             break;
+        case 'A':
+            approximate = 1;
+            break;
         case 'h':
         default:
             fprintf(c == 'h' ? stdout : stderr,
                     "usage: rekv bench decode --model PATH [--batch B] [--prompt-len S]\n"
                     "                         [--gen-len N] [--modes "
                     "resident,offload,kvpr+push,kvpr@300,auto,...]\n"
-                    "                         [--prefill-chunk T] [pipeline options] [--json]\n"
+                    "                         [--prefill-chunk T] [--approximate] [pipeline "
+                    "options] [--json]\n"
                     "Prints JSON; progress goes to stderr (none with --json).\n"
                     "Runs every mode on the same prompts in one process and prints its prefill\n"
                     "time, decode tokens/s, its ratio to offload, host->device bytes per\n"
@@ -541,7 +546,9 @@ static int bench_decode(int argc, char **argv)
                     "a served worker with --mode auto would: the mode the planner prices\n"
                     "cheapest, with each sequence's first tokens kept on the device where the\n"
                     "device has room for them but not for the whole cache (--device-memory on\n"
-                    "the cpu backend). --prefill-chunk T prefills at most T tokens of each\n"
+                    "the cpu backend); with --approximate it may pick infinigen, as a worker\n"
+                    "started with --approximate may. --prefill-chunk T prefills at most T tokens "
+                    "of each\n"
                     "prompt per step, as serving does (default: whole prompts in one step; a\n"
                     "chunk needs less device memory for the prefill's rows, same tokens).\n"
                     "Pipeline options:\n" CLI_PIPELINE_USAGE
@@ -569,6 +576,7 @@ static int bench_decode(int argc, char **argv)
     int msplit[MAX_RUNS];      /* "kvpr@L": this run's split; -1: --split's, or the planner's */
     int mauto[MAX_RUNS];       /* "auto": the planner picks the mode and the device part */
     char mname[MAX_RUNS][112]; /* the run as given ("kvpr@300"), "-2"... added when repeated */
+    char mwhy[MAX_RUNS][256];  /* "auto": the planner's line on its pick */
     int n_modes = 0;
     memset(res, 0, sizeof(res));
     char *mdup = strdup(modes), *save = NULL;
@@ -649,9 +657,8 @@ static int bench_decode(int argc, char **argv)
             run.trace = trace;
         }
         if (mauto[i]) { /* what a served worker with --mode auto would run as */
-            char why[256];
-            if (cli_session_auto(eng, &run, (int)B, (int)(S + N), &run.cfg, why, sizeof(why),
-                                 &err)) {
+            if (cli_session_auto(eng, &run, (int)B, (int)(S + N), approximate, &run.cfg, mwhy[i],
+                                 sizeof(mwhy[i]), &err)) {
                 rekv_progress_end(&pr);
                 fprintf(stderr, "rekv: auto: %s\n", err.msg);
                 goto out;
@@ -659,7 +666,7 @@ static int bench_decode(int argc, char **argv)
             mlist[i] = run.cfg.mode;
             mpush[i] = mpush[i] && mlist[i] != REKV_MODE_RESIDENT;
             if (!json)
-                fprintf(stderr, "rekv bench decode: auto: %s\n", why);
+                fprintf(stderr, "rekv bench decode: auto: %s\n", mwhy[i]);
         }
         run.cfg.push = mpush[i];
         if (msplit[i] >= 0)
@@ -708,6 +715,8 @@ static int bench_decode(int argc, char **argv)
             (json_int_t)r->counters.tokens_fetched);
         json_object_set_new(o, "push", json_boolean(mpush[i]));
         json_object_set_new(o, "run", json_string(mname[i]));
+        if (mauto[i])
+            json_object_set_new(o, "auto", json_string(mwhy[i]));
         json_object_set_new(o, "device_tokens", json_integer(r->cfg.device_tokens));
         json_object_set_new(o, "tokens_device",
                             json_integer((json_int_t)r->counters.tokens_device));

@@ -52,7 +52,8 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
 }
 
 int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int ctx_max,
-                     rekv_pipeline_config *cfg, char *why, size_t why_len, rekv_err *err)
+                     int approximate, rekv_pipeline_config *cfg, char *why, size_t why_len,
+                     rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(e);
     rekv_backend *be;
@@ -75,15 +76,26 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
     rekv_plan_model_from_config(c, &pm);
     pm.weight_elem_bytes = (double)rekv_dtype_size(rekv_engine_weight_dtype(e));
     rekv_mode_pick mp;
+    rekv_plan_approx ap = {0}; /* infinigen at the prior f, as a served worker's first pick */
     if ((rc = rekv_plan_pick_mode(&prof, &pm, batch, ctx_max,
                                   (double)rekv_dtype_size(cfg->cache_dtype), room,
-                                  cfg->offload_weights, NULL, &mp, err)))
+                                  cfg->offload_weights, approximate ? &ap : NULL, &mp, err)))
         return rc;
     cfg->mode = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
     cfg->device_tokens = mp.resident ? 0 : (int)mp.device_tokens;
-    if (why)
-        snprintf(why, why_len, "%s with %d tokens of each sequence on the device (room %.1f MB)",
-                 rekv_mode_name(cfg->mode), cfg->device_tokens, room * 1e-6);
+    if (why) {
+        int n = snprintf(why, why_len,
+                         "%s with %d tokens of each sequence on the device (room %.1f MB)",
+                         rekv_mode_name(cfg->mode), cfg->device_tokens, room * 1e-6);
+        if (!mp.resident && n >= 0 && (size_t)n < why_len)
+            n += snprintf(why + n, why_len - (size_t)n, "; step priced %.3g ms",
+                          mp.costs[mp.tech].t_step * 1e3 * c->n_layers);
+        if (mp.approximate && n >= 0 && (size_t)n < why_len)
+            snprintf(why + n, why_len - (size_t)n, ", infinigen (approximate) %.3g ms at f %.2f%s",
+                     mp.costs[REKV_TECH_INFINIGEN].t_step * 1e3 * c->n_layers,
+                     mp.infinigen_fraction,
+                     mp.infinigen_fits ? "" : ", its partial keys do not fit the device");
+    }
     return 0;
 }
 

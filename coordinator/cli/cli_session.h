@@ -77,7 +77,7 @@ enum {
     "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
     "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"    \
     "  --device-tokens N     keep each sequence's first N tokens' K,V on the device too, and\n"    \
-    "                        move only the rest of its context (the streaming exact modes)\n"     \
+    "                        move only the rest of its context (the streaming exact modes)\n"      \
     "  --backend auto|cpu|cuda  the device (auto: cuda when there is a GPU, else cpu)\n"           \
     "  --link-gbps G         emulate a host<->device link of G Gbit/s each way\n"                  \
     "  --link-latency-us U   and U microseconds per copy (default 10)\n"                           \
@@ -117,18 +117,20 @@ void cli_pipeline_opts_defaults(cli_pipeline_opts *o);
 int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o);
 
 /* `auto` (rekv bench decode --modes auto): what the coordinator would assign a worker started with
- * --mode auto for `batch` sequences of up to ctx_max tokens (rekv_plan_pick_mode over the exact
- * techniques, with this machine's profile and the device's room, rekv_backend_kv_room): sets
- * cfg->mode and cfg->device_tokens (resident when the whole cache fits; then each sequence's first
- * tokens on the device beside the technique priced cheapest for the rest). why (may be NULL)
- * receives one line. */
+ * --mode auto (and --approximate when approximate) for `batch` sequences of up to ctx_max tokens
+ * (rekv_plan_pick_mode over the exact techniques, and infinigen at the prior f when approximate,
+ * with this machine's profile and the device's room, rekv_backend_kv_room): sets cfg->mode and
+ * cfg->device_tokens (resident when the whole cache fits; then each sequence's first tokens on
+ * the device beside the technique priced cheapest for the rest). why (may be NULL) receives one
+ * line: the pick, its part, its price and, when approximate, infinigen's. */
 int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int ctx_max,
-                     rekv_pipeline_config *cfg, char *why, size_t why_len, rekv_err *err);
+                     int approximate, rekv_pipeline_config *cfg, char *why, size_t why_len,
+                     rekv_err *err);
 
-/* Fills a kvpr split or hybrid ratio left unset (< 0) from measured speeds: KVPR's Eq. 12 with
- * rekv's pipelined time and HybridServe's Algorithm 1 (coordinator/planner.h), for `batch`
- * sequences of `ctx` tokens, of which cfg->device_tokens stay on the device (the split is then
- * device_tokens plus the solver's for the rest). */
+/* Fills a kvpr split or hybrid ratio left unset (< 0) from measured speeds: the split a step runs
+ * (rekv_plan_kvpr_choose) and hybrid's pattern (rekv_plan_hybrid_pattern), coordinator/planner.h,
+ * for `batch` sequences of `ctx` tokens, of which cfg->device_tokens stay on the device (the split
+ * is then device_tokens plus the solver's for the rest). */
 int cli_session_choose(const rekv_model_config *c, const char *backend,
                        const rekv_link_config *link, int batch, int ctx, rekv_pipeline_config *cfg,
                        rekv_err *err);
