@@ -50,6 +50,17 @@ static const rekv_model_config opt_6_7b = {.arch = REKV_ARCH_OPT,
                                            .ffn = 16384,
                                            .dtype = REKV_DTYPE_F16};
 
+/* The synthetic OPT the benches run (8 layers, hidden 1024, fp16). */
+static const rekv_model_config opt8_config = {.arch = REKV_ARCH_OPT,
+                                              .act = REKV_ACT_RELU,
+                                              .n_layers = 8,
+                                              .hidden = 1024,
+                                              .n_heads = 16,
+                                              .n_kv_heads = 16,
+                                              .head_dim = 64,
+                                              .ffn = 4096,
+                                              .dtype = REKV_DTYPE_F16};
+
 /* ---------------------------------------------------------------- fit_linear */
 
 /* A step shape for one layer of a config (rekv_plan_model_from_config, rekv_plan_shape). */
@@ -238,8 +249,8 @@ START_TEST(test_kvpr_choose)
         while (t_split(&pr, &p, bl) > lim)
             bl++;
         ck_assert_msg(ch.l == bl && ch.l <= opt.l && ch.t <= lim,
-                      "case %d: l %lld (t %g), brute %lld, optimum %lld (t %g)", c,
-                      (long long)ch.l, ch.t, (long long)bl, (long long)opt.l, opt.t);
+                      "case %d: l %lld (t %g), brute %lld, optimum %lld (t %g)", c, (long long)ch.l,
+                      ch.t, (long long)bl, (long long)opt.l, opt.t);
         ck_assert(close_rel(ch.t, t_split(&pr, &p, ch.l), 1e-12) || ch.t == 0);
         pulled += ch.l < opt.l;
     }
@@ -864,15 +875,7 @@ END_TEST
 /* The forward pass at the decode rate, recomputation and nothing else at the GEMM rate. */
 START_TEST(test_step_cost_two_rates)
 {
-    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
-                             .act = REKV_ACT_RELU,
-                             .n_layers = 8,
-                             .hidden = 1024,
-                             .n_heads = 16,
-                             .n_kv_heads = 16,
-                             .head_dim = 64,
-                             .ffn = 4096,
-                             .dtype = REKV_DTYPE_F16};
+    const rekv_model_config opt = opt8_config;
     rekv_step_shape sh;
     shape_from_config(&opt, 8, 512, 2, 0, &sh);
     sh.hybrid_kv_fraction = 0.5;
@@ -896,15 +899,7 @@ END_TEST
  * prints as its online prediction. A side with nothing predicted keeps its scale. */
 START_TEST(test_scales_correct_profile)
 {
-    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
-                             .act = REKV_ACT_RELU,
-                             .n_layers = 8,
-                             .hidden = 1024,
-                             .n_heads = 16,
-                             .n_kv_heads = 16,
-                             .head_dim = 64,
-                             .ffn = 4096,
-                             .dtype = REKV_DTYPE_F16};
+    const rekv_model_config opt = opt8_config;
     rekv_step_shape sh;
     shape_from_config(&opt, 8, 512, 2, 1, &sh);
     sh.hybrid_kv_fraction = 0.5;
@@ -970,15 +965,7 @@ END_TEST
  * ends. */
 START_TEST(test_hybrid_pattern)
 {
-    rekv_model_config opt = {.arch = REKV_ARCH_OPT,
-                             .act = REKV_ACT_RELU,
-                             .n_layers = 8,
-                             .hidden = 1024,
-                             .n_heads = 16,
-                             .n_kv_heads = 16,
-                             .head_dim = 64,
-                             .ffn = 4096,
-                             .dtype = REKV_DTYPE_F16};
+    const rekv_model_config opt = opt8_config;
     rekv_step_shape sh;
     shape_from_config(&opt, 1, 1536, 2, 0, &sh);
     /* the cpu backend's rates (this machine's profile of the model behind an 8 Gbit/s link) */
@@ -1003,8 +990,8 @@ START_TEST(test_hybrid_pattern)
                     if (k + a == 0)
                         continue;
                     sh.hybrid_kv_fraction = (double)k / (k + a);
-                    ck_assert_int_eq(
-                        rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &any, NULL), 0);
+                    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_HYBRID, &any, NULL),
+                                     0);
                     if (pass == 0)
                         t_min = fmin(t_min, any.t_step);
                     else if (any.t_step <= t_min * (1 + REKV_PLAN_MARGIN))
