@@ -186,21 +186,25 @@ uint32_t co_plan_prefill_chunk(const co_plan_state *ps, uint32_t cap, uint32_t p
     return t >= cap ? cap : t >= 16 ? (uint32_t)t / 16 * 16 : t >= 1 ? (uint32_t)t : 1;
 }
 
-/* One layer of a decode step of n sequences of s tokens on this worker, as the chooser prices it
- * (rekv_plan_shape's, from the worker's Hello). */
+/* The worker's model as the cost model sees it (its Hello). */
+static rekv_plan_model plan_model(const co_plan_state *ps)
+{
+    return (rekv_plan_model){.hidden = ps->hidden,
+                             .q_dim = ps->q_dim,
+                             .kv_dim = ps->kv_dim,
+                             .n_layers = (int)ps->n_layers,
+                             .layer_params = (double)ps->layer_params};
+}
+
+/* One layer of a decode step of n sequences of s tokens on this worker (rekv_plan_shape), with
+ * the weights the worker streams (at the profile's load time) and its device-resident part. */
 static void step_shape(const co_plan_state *ps, const rekv_cost_profile *prof, int64_t n, int64_t s,
                        rekv_step_shape *sh)
 {
-    double attn_flops = 4.0 * (double)n * (double)s * ps->q_dim;
-    double fwd_flops = 2.0 * (double)ps->layer_params * (double)n + attn_flops;
-    double weight_bytes = ps->offload_weights ? prof->t_load_w * prof->h2d_bw : 0;
-    *sh = (rekv_step_shape){0};
-    sh->kv = (rekv_kvpr_params){s,         n,          ps->hidden,  ps->kv_dim, ps->elem_bytes,
-                                fwd_flops, attn_flops, weight_bytes};
+    rekv_plan_model m = plan_model(ps);
+    rekv_plan_shape(&m, n, s, ps->elem_bytes, 0, sh);
+    sh->kv.weight_bytes = ps->offload_weights ? prof->t_load_w * prof->h2d_bw : 0;
     sh->device_tokens = ps->device_tokens;
-    sh->n_layers = (int)ps->n_layers;
-    sh->q_dim = ps->q_dim;
-    sh->infinigen_fraction = REKV_PLAN_INFINIGEN_PRIOR;
 }
 
 /* The step-time pattern of a batch of n sequences of `tokens` context tokens in all
@@ -233,11 +237,7 @@ void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, siz
     if (ps->store_host_bytes == 0 || n_waiting == 0)
         return; /* no room known, or nobody to admit */
     rekv_hybrid_demand d = {
-        .model = {.hidden = ps->hidden,
-                  .q_dim = ps->q_dim,
-                  .kv_dim = ps->kv_dim,
-                  .n_layers = (int)ps->n_layers,
-                  .layer_params = (double)ps->layer_params},
+        .model = plan_model(ps),
         .cache_elem_bytes = ps->elem_bytes,
         .layer_weight_bytes = ps->offload_weights ? prof.t_load_w * prof.h2d_bw : 0,
         .device_tokens = ps->device_tokens,

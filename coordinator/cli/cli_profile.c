@@ -16,15 +16,28 @@
 #include "gpuworker/device/backend.h"
 #include "loader/loader.h"
 
+/* One layer of a decode step of `batch` sequences of `ctx` tokens of model c with a cache of
+ * cache_dtype (rekv_plan_shape), and the profile it is priced with: `in` as given, the weights'
+ * load time only when they are offloaded. */
+static void step_setup(const rekv_cost_profile *in, const rekv_model_config *c,
+                       rekv_dtype cache_dtype, int offload_weights, int batch, int ctx,
+                       rekv_cost_profile *prof, rekv_step_shape *sh)
+{
+    *prof = *in;
+    if (!offload_weights)
+        prof->t_load_w = 0;
+    rekv_plan_model pm;
+    rekv_plan_model_from_config(c, &pm);
+    rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cache_dtype), offload_weights, sh);
+}
+
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
                   int offload_weights, int batch, int ctx, rekv_kvpr_split *out, rekv_err *err)
 {
-    rekv_cost_profile prof;
-    rekv_profile_to_cost(pf, cache_dtype, &prof);
-    rekv_plan_model pm;
-    rekv_plan_model_from_config(c, &pm);
+    rekv_cost_profile measured, prof;
+    rekv_profile_to_cost(pf, cache_dtype, &measured);
     rekv_step_shape sh;
-    rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cache_dtype), offload_weights, &sh);
+    step_setup(&measured, c, cache_dtype, offload_weights, batch, ctx, &prof, &sh);
     return rekv_plan_kvpr_choose(&prof, &sh.kv, out, err);
 }
 
@@ -32,14 +45,10 @@ int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dty
                     int offload_weights, int batch, int ctx, int device_tokens, int *kv_parts,
                     int *act_parts, rekv_err *err)
 {
-    rekv_cost_profile prof;
-    rekv_profile_to_cost(pf, cache_dtype, &prof);
-    if (!offload_weights)
-        prof.t_load_w = 0;
-    rekv_plan_model pm;
-    rekv_plan_model_from_config(c, &pm);
+    rekv_cost_profile measured, prof;
+    rekv_profile_to_cost(pf, cache_dtype, &measured);
     rekv_step_shape sh;
-    rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cache_dtype), offload_weights, &sh);
+    step_setup(&measured, c, cache_dtype, offload_weights, batch, ctx, &prof, &sh);
     sh.device_tokens = device_tokens;
     return rekv_plan_hybrid_pattern(&prof, &sh, 0, kv_parts, act_parts, NULL, err);
 }
@@ -64,14 +73,9 @@ int cli_plan_predict_step(const rekv_cost_profile *profile, const rekv_model_con
                           const rekv_pipeline_config *cfg, int batch, int ctx, double f,
                           rekv_step_cost *out, rekv_err *err)
 {
-    rekv_cost_profile prof = *profile;
-    if (!cfg->offload_weights)
-        prof.t_load_w = 0;
-    rekv_plan_model pm;
-    rekv_plan_model_from_config(c, &pm);
+    rekv_cost_profile prof;
     rekv_step_shape sh;
-    rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cfg->cache_dtype),
-                    cfg->offload_weights, &sh);
+    step_setup(profile, c, cfg->cache_dtype, cfg->offload_weights, batch, ctx, &prof, &sh);
     sh.device_tokens = cfg->mode == REKV_MODE_RESIDENT ? 0 : cfg->device_tokens;
     rekv_technique tech = REKV_TECH_KV;
     switch (cfg->mode) {
