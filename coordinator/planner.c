@@ -397,6 +397,79 @@ double rekv_plan_mb_mean_fb(const rekv_cost_profile *prof, int block_tokens,
 /* ---------------------------------------------------------------- chooser */
 
 /* Link time of one copy of `bytes` (nothing, not even latency, when empty). */
+/* The cost of one step's link and compute sides from its bytes and FLOP. */
+static void step_times(const rekv_cost_profile *prof, const rekv_kvpr_params *p, double x_bytes,
+                       double kv_bytes, double recomp, double spec, rekv_step_cost *out)
+{
+    out->bytes_h2d = p->weight_bytes + x_bytes + kv_bytes;
+    out->recompute_flops = recomp;
+    out->speculate_flops = spec;
+    out->t_pcie =
+        link_time(prof, p->weight_bytes) + link_time(prof, x_bytes) + link_time(prof, kv_bytes);
+    /* the forward pass and the speculation's GEMV over the batch's rows at the decode rate, the
+     * recomputation over batch x context rows at the GEMM rate */
+    out->t_compute = fwd_time(prof, p) + spec / rekv_cost_fwd_rate_at(prof, (double)p->b) +
+                     recomp / prof->gemm_flops;
+    out->t_step = fmax(out->t_pcie, out->t_compute);
+}
+
+/* InfiniGen's mean layer (planner.h) with layer 0's first l moved tokens recomputed from their
+ * activations (p: the moved context). */
+static void infinigen_at(const rekv_cost_profile *prof, const rekv_step_shape *shape,
+                         const rekv_kvpr_params *p, int64_t l, rekv_step_cost *out)
+{
+    double f = shape->infinigen_fraction, n = shape->n_layers, b = (double)p->b;
+    double rq = REKV_PLAN_INFINIGEN_PARTIAL * (double)shape->q_dim; /* partial query width */
+    double x_row = (double)p->hidden * p->elem_bytes,
+           kv_row = 2.0 * (double)p->kv_dim * p->elem_bytes;
+    double kv = b * (double)(p->s - l) * kv_row + (n - 1) * f * b * (double)p->s * kv_row;
+    /* the speculation scores the whole context, the device part's tokens too */
+    double spec = (n - 1) / n * 2.0 * rq * (b * (double)p->hidden + b * (double)shape->kv.s);
+    step_times(prof, p, b * (double)l * x_row / n, kv / n,
+               b * (double)l * 4.0 * (double)p->hidden * (double)p->kv_dim / n, spec, out);
+    out->kvpr_l = l;
+}
+
+/* InfiniGen at the split a step runs: of layer 0's split l, the fastest — t = max(link, compute)
+ * of two sides linear in l on [1, s] is convex there, so found by bisection on its slope; l = 0
+ * apart, as it has no activation copy's latency — pulled to the smallest l within
+ * REKV_PLAN_MARGIN of it, as rekv_plan_kvpr_choose does. */
+static void infinigen_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
+                             const rekv_kvpr_params *p, rekv_step_cost *out)
+{
+    rekv_step_cost c0, c;
+    infinigen_at(prof, shape, p, 0, &c0);
+    *out = c0;
+    if (p->s < 1)
+        return;
+    int64_t lo = 1, hi = p->s; /* the first l where t stops falling */
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        rekv_step_cost c1;
+        infinigen_at(prof, shape, p, mid, &c);
+        infinigen_at(prof, shape, p, mid + 1, &c1);
+        if (c1.t_step < c.t_step)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    rekv_step_cost best;
+    infinigen_at(prof, shape, p, lo, &best);
+    double lim = (best.t_step < c0.t_step ? best.t_step : c0.t_step) * (1 + REKV_PLAN_MARGIN);
+    if (c0.t_step <= lim)
+        return;
+    int64_t a = 1, z = best.kvpr_l; /* t falls on [1, l*]: the smallest l within the limit */
+    while (a < z) {
+        int64_t mid = a + (z - a) / 2;
+        infinigen_at(prof, shape, p, mid, &c);
+        if (c.t_step <= lim)
+            z = mid;
+        else
+            a = mid + 1;
+    }
+    infinigen_at(prof, shape, p, a, out);
+}
+
 int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                         rekv_technique tech, rekv_step_cost *out, rekv_err *err)
 {
@@ -451,29 +524,22 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         break;
     }
     case REKV_TECH_INFINIGEN: { /* the mean layer: layer 0 fetches all, the others f (planner.h) */
-        double f = shape->infinigen_fraction, n = shape->n_layers;
+        double f = shape->infinigen_fraction;
         if (!(f >= 0) || !(f <= 1) || shape->n_layers < 1 || shape->q_dim < 0)
             return rekv_errf(err, -EINVAL, "planner: step_cost: bad infinigen shape");
-        double rq = REKV_PLAN_INFINIGEN_PARTIAL * (double)shape->q_dim; /* partial query width */
-        kv_bytes = tokens * kv_row * (1 + (n - 1) * f) / n;
-        /* the speculation scores the whole context, the device part's tokens too */
-        spec = (n - 1) / n * 2.0 * rq *
-               ((double)p->b * (double)p->hidden + (double)p->b * (double)shape->kv.s);
-        break;
+        if (shape->infinigen_split < 0) {
+            infinigen_choose(prof, shape, p, out);
+        } else {
+            int64_t l = shape->infinigen_split - dev;
+            infinigen_at(prof, shape, p, l < 0 ? 0 : l > p->s ? p->s : l, out);
+        }
+        out->kvpr_l = out->kvpr_l > 0 ? dev + out->kvpr_l : 0;
+        return 0;
     }
     default:
         return rekv_errf(err, -EINVAL, "planner: step_cost: unknown technique %d", (int)tech);
     }
-    out->bytes_h2d = p->weight_bytes + x_bytes + kv_bytes;
-    out->recompute_flops = recomp;
-    out->speculate_flops = spec;
-    out->t_pcie =
-        link_time(prof, p->weight_bytes) + link_time(prof, x_bytes) + link_time(prof, kv_bytes);
-    /* the forward pass and the speculation's GEMV over the batch's rows at the decode rate, the
-     * recomputation over batch x context rows at the GEMM rate */
-    out->t_compute = fwd_time(prof, p) + spec / rekv_cost_fwd_rate_at(prof, (double)p->b) +
-                     recomp / prof->gemm_flops;
-    out->t_step = fmax(out->t_pcie, out->t_compute);
+    step_times(prof, p, x_bytes, kv_bytes, recomp, spec, out);
     return 0;
 }
 
@@ -656,6 +722,7 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
      * cheaper than the best exact technique, and its partial keys must fit on the device */
     double fi = approx->infinigen_fraction;
     shape.infinigen_fraction = !(fi > 0) ? REKV_PLAN_INFINIGEN_PRIOR : fi > 1 ? 1 : fi;
+    shape.infinigen_split = approx->infinigen_recompute ? -1 : 0;
     out->infinigen_fraction = shape.infinigen_fraction;
     /* its partial keys first (fp32, rk = 0.3 head_dim columns of every K row), then a device part
      * in the room they leave, which it attends whole and selects past */

@@ -245,6 +245,9 @@ typedef struct rekv_step_shape {
                                 * selects among only the other kv.s - device_tokens */
     /* REKV_TECH_INFINIGEN (rekv_plan_shape fills them; the exact techniques ignore them) */
     double infinigen_fraction; /* f: context tokens a selecting layer fetches, 0..1 */
+    int64_t infinigen_split;   /* layer 0's split as the pipeline takes it (tokens from the
+                                * context's start; [device_tokens, split) recomputed; 0: none,
+                                * rekv_plan_shape's), < 0: the planner's choice */
     int n_layers;              /* layers of the step (>= 1): layer 0 fetches the whole context */
     int64_t q_dim;             /* query row width, elements (the partial query's width) */
 } rekv_step_shape;
@@ -257,9 +260,9 @@ typedef struct rekv_step_cost {
     double bytes_h2d; /* bytes over the link */
     double recompute_flops; /* FLOP spent rebuilding K,V */
     double speculate_flops; /* FLOP of InfiniGen's speculation (REKV_TECH_INFINIGEN), else 0 */
-    int64_t kvpr_l; /* the split used (REKV_TECH_KVPR), tokens from the context's start as the
-                       pipeline takes it (tokens [device_tokens, kvpr_l) are recomputed); -1
-                       otherwise */
+    int64_t kvpr_l;         /* the split used (REKV_TECH_KVPR; REKV_TECH_INFINIGEN: layer 0's, 0 for
+                               none), tokens from the context's start as the pipeline takes it (tokens
+                               [device_tokens, kvpr_l) are recomputed); -1 otherwise */
 } rekv_step_cost;
 
 /* Prices one technique. Returns -EINVAL on bad parameters.
@@ -274,7 +277,11 @@ typedef struct rekv_step_cost {
  * out, as small or unknown: the partial key of the new token, the selection over the scores, and
  * that the selected rows are many small copies (one link latency per layer is charged, as for the
  * others; the coordinator's measured link scale corrects the step predictions, not the mode
- * choice). */
+ * choice). Layer 0, which fetches whole, recomputes its first l moved tokens from activations
+ * as KVPR does (the pipeline's split with infinigen): l is chosen as for KVPR — where the mean
+ * layer's link and compute sides meet, pulled to the smallest l within REKV_PLAN_MARGIN — and
+ * returned in kvpr_l. The selecting layers' recomputation of the tokens most KV heads chose
+ * (pipeline.h) is left out: how many heads agree is the model's, and on GQA never pays. */
 int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                         rekv_technique tech, rekv_step_cost *out, rekv_err *err);
 
@@ -350,6 +357,9 @@ typedef struct rekv_plan_approx {
     double infinigen_fraction; /* f measured on this worker's decode steps (tokens the selecting
                                 * layers fetched / their context); <= 0 or NaN: none yet, the
                                 * prior REKV_PLAN_INFINIGEN_PRIOR. Clamped to 1. */
+    int infinigen_recompute;   /* the worker would run infinigen with the split the planner
+                                * chooses (costs[REKV_TECH_INFINIGEN].kvpr_l; its pipeline then
+                                * keeps activations); 0: without one */
 } rekv_plan_approx;
 
 /* A model as the cost model sees it: one decoder layer's widths and weights, and the depth — what a

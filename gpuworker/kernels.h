@@ -70,10 +70,12 @@ typedef struct rekv_kernel_iface {
     void (*embed)(rekv_stream *s, float *x, const void *table, rekv_dtype tt, const int32_t *tokens,
                   const float *pos_table, const int32_t *pos, int pos_offset, int m, int e);
     /* writes fp32 rows of K and V ([rows][n_kv*head_dim]) into sequences' buffers in dtype dt
-     * (rounded to nearest even): row r goes to seqs[row_seq[r]] at position row_pos[r] */
+     * (rounded to nearest even): row r goes to seqs[row_seq[r]] at position row_pos[r]; or, when
+     * head_pos is not NULL ([rows][n_kv]), KV head g of row r to slot head_pos[r * n_kv + g] (not
+     * written where negative; infinigen's recomputed rows, each head its own selection's slot) */
     void (*kv_scatter)(rekv_stream *s, const float *k, const float *v, int rows,
-                       const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
-                       int n_kv, int head_dim, rekv_dtype dt);
+                       const int32_t *row_seq, const int32_t *row_pos, const int32_t *head_pos,
+                       const rekv_attn_seq *seqs, int n_kv, int head_dim, rekv_dtype dt);
     /* causal attention of every sequence's new rows over its buffer (dtype dt, widened exactly);
      * q/out [rows][n_heads*hd] fp32, rows the sum of the sequences' n; scores: device scratch of
      * max(start + n) floats. The cuda backend splits the contexts of a small decode batch over

@@ -158,7 +158,7 @@ static void k_embed(rekv_stream *s, float *x, const void *table, rekv_dtype tt,
 typedef struct scatter_args {
     const float *k, *v;
     int rows;
-    const int32_t *row_seq, *row_pos;
+    const int32_t *row_seq, *row_pos, *head_pos;
     const rekv_attn_seq *seqs;
     int n_kv, hd;
     rekv_dtype dt;
@@ -172,7 +172,11 @@ static void run_scatter(void *p)
     for (int r = 0; r < a->rows; r++) {
         char *kv = a->seqs[a->row_seq[r]].kv;
         for (int g = 0; g < a->n_kv; g++) {
-            size_t dst = rekv_kv_row(a->n_kv, a->hd, g, a->row_pos[r]) * es;
+            int slot =
+                a->head_pos ? a->head_pos[(size_t)r * (size_t)a->n_kv + (size_t)g] : a->row_pos[r];
+            if (slot < 0)
+                continue;
+            size_t dst = rekv_kv_row(a->n_kv, a->hd, g, slot) * es;
             size_t src = ((size_t)r * (size_t)a->n_kv + (size_t)g) * hd;
             rekv_from_f32(kv + dst, a->k + src, a->dt, hd);
             rekv_from_f32(kv + dst + vs, a->v + src, a->dt, hd);
@@ -181,10 +185,10 @@ static void run_scatter(void *p)
 }
 
 static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int rows,
-                         const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
-                         int n_kv, int head_dim, rekv_dtype dt)
+                         const int32_t *row_seq, const int32_t *row_pos, const int32_t *head_pos,
+                         const rekv_attn_seq *seqs, int n_kv, int head_dim, rekv_dtype dt)
 {
-    scatter_args a = {k, v, rows, row_seq, row_pos, seqs, n_kv, head_dim, dt};
+    scatter_args a = {k, v, rows, row_seq, row_pos, head_pos, seqs, n_kv, head_dim, dt};
     LAUNCH(s, "kv_scatter", run_scatter, a);
 }
 

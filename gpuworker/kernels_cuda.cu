@@ -384,8 +384,8 @@ static void k_embed(rekv_stream *s, float *x, const void *table, rekv_dtype tt,
 /* One block per row r: its K and V heads go to seqs[row_seq[r]] at position row_pos[r], stored in
  * the cache dtype. */
 __global__ static void scatter_kernel(const float *k, const float *v, const int32_t *row_seq,
-                                      const int32_t *row_pos, const rekv_attn_seq *seqs, int n_kv,
-                                      int hd, int dtype)
+                                      const int32_t *row_pos, const int32_t *head_pos,
+                                      const rekv_attn_seq *seqs, int n_kv, int hd, int dtype)
 {
     __shared__ void *kv;
     __shared__ int p;
@@ -397,20 +397,23 @@ __global__ static void scatter_kernel(const float *k, const float *v, const int3
     size_t src0 = (size_t)blockIdx.x * (size_t)n_kv * (size_t)hd, vs = rekv_kv_v_shift(n_kv, hd);
     for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) {
         int g = i / hd, j = i % hd;
-        size_t dst = rekv_kv_row(n_kv, hd, g, p) + (size_t)j;
+        int slot = head_pos ? head_pos[(size_t)blockIdx.x * (size_t)n_kv + (size_t)g] : p;
+        if (slot < 0)
+            continue;
+        size_t dst = rekv_kv_row(n_kv, hd, g, slot) + (size_t)j;
         store_from_f32(kv, dst, k[src0 + i], dtype);
         store_from_f32(kv, dst + vs, v[src0 + i], dtype);
     }
 }
 
 static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int rows,
-                         const int32_t *row_seq, const int32_t *row_pos, const rekv_attn_seq *seqs,
-                         int n_kv, int head_dim, rekv_dtype dt)
+                         const int32_t *row_seq, const int32_t *row_pos, const int32_t *head_pos,
+                         const rekv_attn_seq *seqs, int n_kv, int head_dim, rekv_dtype dt)
 {
     if (rows <= 0 || n_kv <= 0 || head_dim <= 0)
         return;
-    KLAUNCH(s, "kv_scatter", scatter_kernel, rows, ROW_THREADS, 0, k, v, row_seq, row_pos, seqs,
-            n_kv, head_dim, (int)dt);
+    KLAUNCH(s, "kv_scatter", scatter_kernel, rows, ROW_THREADS, 0, k, v, row_seq, row_pos, head_pos,
+            seqs, n_kv, head_dim, (int)dt);
 }
 
 /* Attention is a block per (head h, sequence y, z). Per query row, warp w takes context

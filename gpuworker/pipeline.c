@@ -62,6 +62,11 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
     cfg->persist_np = INFINITY;
 }
 
+int rekv_pipeline_keeps_act(const rekv_pipeline_config *cfg)
+{
+    return cfg->mode == REKV_MODE_KVPR || (cfg->mode == REKV_MODE_INFINIGEN && cfg->split > 0);
+}
+
 const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p)
 {
     return &p->cfg;
@@ -171,7 +176,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     if (io->pk_rows)
         k->head_proj(s, NULL, io->pk_rows, kk, p->ig.layers[layer].a, T, c->n_kv_heads, 1,
                      c->head_dim, p->ig.rk);
-    k->kv_scatter(s, kk, vv, T, st->row_seq[g], io->kv_pos ? io->kv_pos : st->pos[g], d,
+    k->kv_scatter(s, kk, vv, T, st->row_seq[g], io->kv_pos ? io->kv_pos : st->pos[g], NULL, d,
                   c->n_kv_heads, c->head_dim, cdt);
     k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the new rows are ready to leave, and attention has read the buffers */
@@ -421,7 +426,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                 goto drain;
             if (!p->cfg.push || io.d2d_kv.n) { /* our own copies (push: the device part's) */
                 p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
-                if (io.d2d_kv.n) /* the device part; clo: before this unit's new row takes the slot */
+                /* the device part; clo: before this unit's new row takes the slot */
+                if (io.d2d_kv.n)
                     p->bi->copy_d2d(sh, io.d2d_kv.v, io.d2d_kv.n);
                 if (!p->cfg.push && io.h2d_kv.n)
                     p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
@@ -449,8 +455,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                 if (c->rope != REKV_ROPE_NONE)
                     k->rope(sc, p->kr.p, io.act_pos, io.n_act, c->n_kv_heads, c->head_dim,
                             c->rope_theta, c->rope);
-                k->kv_scatter(sc, p->kr.p, p->vr.p, io.n_act, io.act_seq, io.act_pos, d,
-                              c->n_kv_heads, c->head_dim, p->cfg.cache_dtype);
+                k->kv_scatter(sc, p->kr.p, p->vr.p, io.n_act, io.act_seq, io.act_pos, io.act_slot,
+                              d, c->n_kv_heads, c->head_dim, p->cfg.cache_dtype);
             }
             p->bi->event_record(p->ev_stage_free[b], sc);
             if (!p->cfg.push || io.d2d_kv.n)

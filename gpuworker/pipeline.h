@@ -14,7 +14,9 @@
  *             a speculation — the partial query of layer i from layer i-1's attention input,
  *             against a partial key cache kept on the device — selects per KV head the tokens
  *             whose speculated score is within alpha of the best; only their rows cross the link,
- *             while layer i-1 computes. Layer 0 and prefill steps fetch everything.
+ *             while layer i-1 computes. Layer 0 and prefill steps fetch everything. With a split,
+ *             the activations are kept too and part of what it fetches comes as activations to
+ *             recompute from (KVPR within the selection; cfg.split).
  *   clo       approximate (CLO): per sequence, layer and KV head a top-k of its context kept on the
  *             device with the query it was chosen for; a step whose queries stay close to it
  *             (cosine >= the head's threshold, from the head profile) reuses it and moves
@@ -64,7 +66,14 @@ typedef struct rekv_pipeline_config {
     int gpu_batches;         /* a step's batch is split into this many GPU batches (>= 1) */
     int split;               /* kvpr: context tokens per sequence recomputed from activations, l
                                 (clamped to the context); the caller picks it
-                                (rekv_plan_kvpr_choose) */
+                                (rekv_plan_kvpr_choose). infinigen created with split > 0
+                                keeps activations too (rekv_pipeline_keeps_act) and recomputes
+                                what it fetches: [device part, split) of a layer it fetches
+                                whole (layer 0, prefill), and of a selecting layer's selection
+                                up to split tokens whose activation row is fewer bytes than the
+                                K,V rows its KV heads selected (the tokens most heads chose) —
+                                the same values, fewer bytes; created with 0 it keeps none and
+                                recomputes nothing, whatever a step's split */
     int kv_parts, act_parts; /* hybrid: block pattern kv:act, e.g. 1:1 (the caller picks it) */
     rekv_dtype cache_dtype;  /* host cache dtype: F32 (exact) or F16 */
     int act_gpu_blocks;      /* ACT_GPU (HybridServe): each sequence's first N ACT blocks per
@@ -108,6 +117,10 @@ typedef struct rekv_pipeline_config {
 } rekv_pipeline_config;
 
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);
+
+/* 1 when a pipeline of cfg has the store keep every token's attention input beside its K,V (the
+ * activations in kvstore sequence id + 1): kvpr, and infinigen created with a split > 0. */
+int rekv_pipeline_keeps_act(const rekv_pipeline_config *cfg);
 
 /* Per-layer counters of one step (or accumulated), exact. */
 typedef struct rekv_layer_counters {
@@ -163,7 +176,7 @@ typedef struct rekv_pipe_item {
 /* What the planner may change between steps; the mode, weight placement and cache dtype are fixed
  * for a pipeline's life (they decide what the store holds). Any value gives the same tokens. */
 typedef struct rekv_step_params {
-    int split;               /* kvpr: context tokens recomputed from activations */
+    int split;               /* kvpr, infinigen keeping activations: as the config's */
     int kv_parts, act_parts; /* hybrid: pattern of the sequences made from now on (a sequence's
                                 blocks keep the pattern it was made with) */
     int gpu_batches;         /* even split when items carry no gpu_batch */

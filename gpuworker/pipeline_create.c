@@ -203,8 +203,11 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     if (cfg->mode == REKV_MODE_HYBRID &&
         (cfg->kv_parts < 0 || cfg->act_parts < 0 || cfg->kv_parts + cfg->act_parts == 0))
         return rekv_errf(err, -EINVAL, "pipeline: hybrid needs a kv:act pattern like 1:1");
-    if (cfg->act_gpu_blocks < 0)
-        return rekv_errf(err, -EINVAL, "pipeline: act_gpu_blocks must not be negative");
+    if (cfg->act_gpu_blocks < 0 || (cfg->act_gpu_blocks > 0 && rekv_mode_approximate(cfg->mode)))
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: ACT blocks on the device (%d) are for the exact modes that "
+                         "recompute (act, hybrid, kvpr), not %s",
+                         cfg->act_gpu_blocks, rekv_mode_name(cfg->mode));
     if (cfg->device_tokens < 0 || (cfg->device_tokens > 0 && cfg->mode != REKV_MODE_INFINIGEN &&
                                    rekv_mode_approximate(cfg->mode)))
         return rekv_errf(err, -EINVAL,
@@ -245,6 +248,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     const char *ra = getenv("REKV_READ_AHEAD");
     p->read_ahead = ra == NULL || strcmp(ra, "0") != 0;
     p->cfg = *cfg;
+    p->keep_act = rekv_pipeline_keeps_act(cfg);
     p->meta.be = be;
     /* kvstore sequence ids are the caller's to choose and the store may outlive this pipeline
      * (a restarted worker, a second one): start at a random even base so that ids never meet */
@@ -435,8 +439,7 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
         p->next_id += 2;
         if ((rc = rekv_kvstore_seq_create(p->store, s->id, err)))
             goto fail;
-        if (p->cfg.mode == REKV_MODE_KVPR &&
-            (rc = rekv_kvstore_seq_create(p->store, s->id + 1, err))) {
+        if (p->keep_act && (rc = rekv_kvstore_seq_create(p->store, s->id + 1, err))) {
             rekv_kvstore_seq_drop(p->store, s->id, NULL);
             goto fail;
         }
@@ -473,7 +476,7 @@ void rekv_pseq_free(rekv_pseq *s)
     pl_clo_seq_free(p, s);
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
-        if (p->cfg.mode == REKV_MODE_KVPR)
+        if (p->keep_act)
             rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);
     }
     free(s);
@@ -493,5 +496,5 @@ int rekv_pseq_uses_store_seq(const rekv_pseq *s, uint64_t store_seq)
 {
     if (s->id == 0 || store_seq == 0) /* resident: no store sequence */
         return 0;
-    return store_seq == s->id || (s->p->cfg.mode == REKV_MODE_KVPR && store_seq == s->id + 1);
+    return store_seq == s->id || (s->p->keep_act && store_seq == s->id + 1);
 }

@@ -18,6 +18,14 @@
  * token selected the slots are the positions and the bits are resident's. The new row still
  * leaves for the arena at its true position. Layer 0 and prefill steps fetch everything.
  *
+ * KVPR within the selection (cfg.split > 0, issue 14): the store keeps every token's attention
+ * input beside its K,V, as for kvpr. A layer fetched whole recomputes [device part, split) as kvpr
+ * does; a selecting layer gets the tokens most of its KV heads chose — whose activation row is
+ * fewer bytes than their selected K,V rows — as activation rows, up to split of them, and
+ * recomputes them on the compute stream into the slots of the heads that chose them
+ * (kv_scatter's per-head slots; the other heads' slots are not written). Which tokens each head
+ * attends is the selection's alone, so the values are those without a split, bit for bit.
+ *
  * Selection (§4.3): per KV head, a token's score is the largest over the head's query group; the
  * tokens scoring above the head's best minus alpha are counted, the count is averaged over the
  * KV heads (every head fetches as many) and capped at max_fraction of the context; each head takes
@@ -279,7 +287,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
         float *sc = realloc(p->ig.scratch, need * sizeof(float));
         if (sc != NULL)
             p->ig.scratch = sc;
-        int32_t *sel = realloc(p->ig.sel, max_len * (size_t)c->n_kv_heads * sizeof(int32_t));
+        int32_t *sel = realloc(p->ig.sel, max_len * (size_t)(c->n_kv_heads + 1) * sizeof(int32_t));
         if (sel != NULL)
             p->ig.sel = sel;
         if (sc == NULL || sel == NULL)
@@ -551,15 +559,35 @@ void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io)
     }
 }
 
+/* keep_act: which of the selection's tokens come as activation rows (recomputed) rather than as
+ * their K,V rows. votes[t] (t of [0, rest)) counts the KV heads that selected token dev + t; a
+ * token's activation row (hidden elements) replaces its selected K,V rows (2 head_dim each), so it
+ * is worth it only where it is fewer bytes — more than hidden / (2 head_dim) heads chose the
+ * token (more than half of them on MHA; never on GQA, whose row is as wide as all its K,V). Of
+ * those, up to `most` — the most voted first, then the earliest — are marked: votes[t] = -1.
+ * Returns how many. */
+static int ig_recompute_pick(int32_t *votes, int rest, int kvh, int hd, int hidden, int most)
+{
+    int r = 0;
+    for (int v = kvh; v > 0 && r < most && 2 * v * hd > hidden; v--)
+        for (int t = 0; t < rest && r < most; t++)
+            if (votes[t] == v)
+                votes[t] = -1, r++;
+    return r;
+}
+
 /* Unit (layer > 0) of sparse item `item` (index j in its batch): waits for the batch's scores
  * (once per unit), selects, appends the selected rows' copies into slots 0..m-1 of the item's
  * attention buffer and the new row's copy from slot m to the arena; sets d->start = m and the new
- * row's slot in io->kv_pos. */
-int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
-                    rekv_attn_seq *d, unit_io *io)
+ * row's slot in io->kv_pos. ar (keep_act: the item's activations, else NULL): the tokens
+ * ig_recompute_pick takes come as activation rows into parity b's staging and are recomputed
+ * into the slots of the heads that selected them (io->act_slot); the new row's activation is
+ * stored beside its K,V. */
+int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
+                    const range_ref *ar, int b, rekv_attn_seq *d, unit_io *io)
 {
     const rekv_model_config *c = p->c;
-    int kvh = c->n_kv_heads, hd = c->head_dim;
+    int kvh = c->n_kv_heads, hd = c->head_dim, H = c->hidden;
     pl_ig_wait(p, st, item, io);
     rekv_pseq *s = st->items[item].seq;
     int len = s->len, nh = c->n_heads;
@@ -567,8 +595,8 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
      * among the tokens the link serves, [dev, len), on their own scores */
     int dev = s->dev_tokens < len ? s->dev_tokens : len, rest = len - dev;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
-    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
-    int32_t *sel = p->ig.sel;
+    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz, xrow = (size_t)H * dsz;
+    int32_t *sel = p->ig.sel, *votes = p->ig.sel + (size_t)kvh * (size_t)len;
     const float *scores = p->ig.host + st->ig_off[item];
     if (dev > 0 && rest > 0) {
         float *sub = p->ig.scratch + (size_t)(kvh + 1) * (size_t)len;
@@ -582,6 +610,45 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
     int m = rest > 0 ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
                                       p->cfg.select, key, sel, p->ig.scratch)
                      : 0;
+    /* keep_act: the tokens recomputed, rows n_act0.. of the unit's recomputation, in position
+     * order (adjacent ones one copy); votes[t] becomes the row's index */
+    int r = 0, n_act0 = io->n_act;
+    if (ar != NULL && st->split[item] > 0 && m > 0) {
+        memset(votes, 0, sizeof(int32_t) * (size_t)rest);
+        for (int hh = 0; hh < kvh; hh++)
+            for (int jj = 0; jj < m; jj++)
+                votes[sel[(size_t)hh * (size_t)rest + (size_t)jj]]++;
+        r = ig_recompute_pick(votes, rest, kvh, hd, H, st->split[item]);
+    }
+    if (r > 0 && (RESERVE(&io->h2d_act, (size_t)r) || RESERVE(&io->conv_act, (size_t)r)))
+        return -ENOMEM;
+    uint8_t *act_stage = p->par[b].act_stage.p;
+    for (int t = 0, k = 0; k < r; t++) {
+        if (votes[t] != -1)
+            continue;
+        int pos = dev + t, in_blk = pos % REKV_KV_BLOCK_TOKENS, ri = n_act0 + k++;
+        const rekv_kv_plan_block *ab = pl_block_at(p, ar, pos);
+        if (ab == NULL)
+            return -EPROTO;
+        const uint8_t *src = p->arena + ab->offset + rekv_kv_act_offset(&p->geo, (uint32_t)in_blk);
+        rekv_copy_piece *last = io->h2d_act.n ? &io->h2d_act.v[io->h2d_act.n - 1] : NULL;
+        if (k > 1 &&
+            (const uint8_t *)last->src + last->bytes == src) /* the previous token's, extended */
+            last->bytes += xrow, io->conv_act.v[io->conv_act.n - 1].n += (uint32_t)H;
+        else {
+            io->h2d_act.v[io->h2d_act.n++] = (rekv_copy_piece){act_stage + io->act_off, src, xrow};
+            io->conv_act.v[io->conv_act.n++] =
+                (rekv_convert_piece){(float *)p->act_f32.p + (size_t)ri * (size_t)H,
+                                     act_stage + io->act_off, (uint32_t)H};
+        }
+        io->act_off += xrow;
+        votes[t] = -2 - ri;
+        io->act_seq[ri] = j;
+        io->act_pos[ri] = pos; /* RoPE's; the slots are each head's */
+        for (int hh = 0; hh < kvh; hh++)
+            io->act_slot[(size_t)ri * (size_t)kvh + (size_t)hh] = -1;
+    }
+    io->n_act = n_act0 + r;
     int rc = 0;
     uint8_t *buf = d->kv;
     if ((rc = pl_dev_part_load(p, s, layer, buf, dev, io)))
@@ -590,32 +657,56 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range
         rc = -ENOMEM;
         goto out;
     }
+    uint64_t fetched = 0;                /* K,V row pairs */
     for (int half = 0; half < 2; half++) /* K rows, then V rows: runs stay adjacent */
         for (int hh = 0; hh < kvh; hh++)
-            for (int j = 0; j < m; j++) {
-                int t = dev + sel[(size_t)hh * (size_t)rest + (size_t)j];
-                const rekv_kv_plan_block *blk = pl_block_at(p, kr, t);
+            for (int jj = 0; jj < m; jj++) {
+                int t = sel[(size_t)hh * (size_t)rest + (size_t)jj];
+                if (r > 0 && votes[t] <= -2) { /* recomputed: this head's slot for its row */
+                    io->act_slot[(size_t)(-2 - votes[t]) * (size_t)kvh + (size_t)hh] = dev + jj;
+                    continue;
+                }
+                const rekv_kv_plan_block *blk = pl_block_at(p, kr, dev + t);
                 if (blk == NULL) {
                     rc = -EPROTO;
                     goto out;
                 }
-                size_t so = rekv_kv_row(kvh, hd, hh, t % REKV_KV_BLOCK_TOKENS) * dsz;
-                size_t doff = rekv_kv_row(kvh, hd, hh, dev + j) * dsz;
+                size_t so = rekv_kv_row(kvh, hd, hh, (dev + t) % REKV_KV_BLOCK_TOKENS) * dsz;
+                size_t doff = rekv_kv_row(kvh, hd, hh, dev + jj) * dsz;
                 io->h2d_kv.v[io->h2d_kv.n++] =
                     (rekv_copy_piece){buf + doff + (half ? vs : 0),
                                       p->arena + blk->offset + so + (half ? vs : 0), row};
+                fetched += (uint64_t)half;
             }
     /* the new row: slot dev + m -> its true position in the arena; and into the device part
      * while the context is shorter than it (then dev = len, m = 0: the slot is the position) */
     if ((rc = pl_ig_new_row_store(p, kr, buf, len, dev + m, io)) ||
         (rc = pl_dev_part_store(p, s, layer, buf, len, 1, io)))
         goto out;
+    rekv_layer_counters *cnt = &p->counters[layer];
+    if (ar != NULL) { /* and its activation (the attention input, in the output staging) */
+        const rekv_kv_plan_block *ab = pl_block_at(p, ar, len);
+        if (ab == NULL) {
+            rc = -EPROTO;
+            goto out;
+        }
+        if (RESERVE(&io->d2h_act, 1)) {
+            rc = -ENOMEM;
+            goto out;
+        }
+        io->d2h_act.v[io->d2h_act.n++] = (rekv_copy_piece){
+            p->arena + ab->offset +
+                rekv_kv_act_offset(&p->geo, (uint32_t)(len % REKV_KV_BLOCK_TOKENS)),
+            (uint8_t *)p->par[b].out_stage.p + (size_t)d->row0 * xrow, xrow};
+        cnt->d2h_bytes[REKV_XFER_ACT] += xrow;
+    }
     d->start = dev + m;
     io->kv_pos[d->row0] = dev + m;
-    rekv_layer_counters *cnt = &p->counters[layer];
-    cnt->h2d_bytes[REKV_XFER_KV] += (uint64_t)m * 2 * (uint64_t)kvh * row;
+    cnt->h2d_bytes[REKV_XFER_KV] += fetched * 2 * row;
+    cnt->h2d_bytes[REKV_XFER_ACT] += (uint64_t)r * xrow;
     cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)kvh * row;
     cnt->tokens_fetched += (uint64_t)m;
+    cnt->tokens_recomputed += (uint64_t)r;
     cnt->tokens_considered += (uint64_t)rest;
 out:
     return rc;

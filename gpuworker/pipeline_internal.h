@@ -108,7 +108,8 @@ typedef struct ig_state {
     float *scratch;                  /* rekv_ig_select's, [(n_kv + 1) * len], then the scores
                                         past the device part, [n_heads][len] */
     size_t scratch_cap;              /* floats */
-    int32_t *sel;                    /* its selection, [n_kv * len] (len as scratch's) */
+    int32_t *sel;                    /* its selection, [n_kv * len] (len as scratch's), then
+                                        each token's votes [len] (pl_ig_item_plan) */
 } ig_state;
 
 struct rekv_pipeline {
@@ -121,6 +122,7 @@ struct rekv_pipeline {
     rekv_kv_geometry geo;
     uint8_t *arena;
     rekv_pipeline_config cfg;
+    int keep_act; /* rekv_pipeline_keeps_act(cfg) at creation: sequence id + 1 holds activations */
     rekv_stream *s_compute, *s_h2d, *s_d2h;
     /* by unit parity: activations / KV rows loaded, staging merged, new rows staged, stored */
     rekv_event *ev_act[2], *ev_loaded[2], *ev_stage_free[2], *ev_out[2], *ev_out_free[2];
@@ -175,7 +177,7 @@ struct rekv_pipeline {
 
 struct rekv_pseq {
     rekv_pipeline *p;
-    uint64_t id; /* kvstore sequence (kvpr: id holds K,V and id + 1 the activations) */
+    uint64_t id; /* kvstore sequence (keep_act: id holds K,V and id + 1 the activations) */
     int len, cap;
     uint8_t *kv;      /* resident: [n_layers] caches of cap positions (kvlayout.h), cache dtype */
     uint8_t *act_dev; /* ACT_GPU: [n_layers][act_gpu_blocks * 16][hidden] in the cache dtype */
@@ -249,7 +251,10 @@ typedef struct unit_io {
                            a persistent head's region */
     conv_list conv_act;
     int32_t *act_seq, *act_pos; /* [n_act] recomputed rows: item within batch, position */
+    int32_t *act_slot; /* infinigen: [n_act][n_kv] each KV head's slot for the row (-1: the head
+                          did not select it), or NULL: every head's at its position */
     int n_act;
+    size_t act_off;  /* bytes of the parity's activation staging taken */
     int32_t *kv_pos; /* infinigen: [rows] where kv_scatter puts each new row (its slot), or NULL:
                         at its position */
     float **pk_rows; /* infinigen: [rows] where each new row's partial key goes, or NULL */
@@ -301,8 +306,8 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
-int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
-                    rekv_attn_seq *d, unit_io *io);
+int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
+                    const range_ref *ar, int b, rekv_attn_seq *d, unit_io *io);
 void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io);
 int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *buf, int len,
                         int slot, unit_io *io);

@@ -32,7 +32,7 @@ void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *laye
  * and kvpr's activation sequence beside it. */
 static int store_ranges(rekv_pipeline *p, step *st)
 {
-    int L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR, U = L * st->n_g;
+    int L = p->c->n_layers, kvpr = p->keep_act, U = L * st->n_g;
     size_t n = (size_t)st->n_items * (size_t)L * (kvpr ? 2 : 1);
     rekv_kv_range *r = pl_smem_alloc(&st->mem, n * sizeof(*r));
     st->unit_r0 = pl_smem_alloc(&st->mem, sizeof(size_t) * (size_t)(U + 1));
@@ -65,11 +65,11 @@ static uint64_t item_layer_bytes(const rekv_pipeline *p, const step *st, int it)
     uint64_t nb = ((uint64_t)s->len + (uint64_t)st->items[it].n_tokens + REKV_KV_BLOCK_TOKENS - 1) /
                   REKV_KV_BLOCK_TOKENS;
     uint64_t kv = p->store_kv_slot, act = p->store_act_slot;
+    if (p->keep_act) /* kvpr, infinigen keeping activations: both */
+        return nb * (kv + act);
     switch (p->cfg.mode) {
     case REKV_MODE_ACT:
         return nb * act;
-    case REKV_MODE_KVPR:
-        return nb * (kv + act);
     case REKV_MODE_HYBRID: {
         uint64_t nk = 0, na = 0;
         for (uint64_t b = 0; b < nb; b++)
@@ -98,6 +98,10 @@ size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it)
         int l = st->split[it] < ctx ? st->split[it] : ctx;
         return l > dev ? (size_t)(l - dev) : 0;
     }
+    case REKV_MODE_INFINIGEN: /* [dev, split) of a whole layer, or up to split selected tokens */
+        return p->keep_act && st->split[it] > 0
+                   ? (size_t)(st->split[it] < ctx - dev ? st->split[it] : ctx - dev)
+                   : 0;
     case REKV_MODE_HYBRID: { /* the tokens of [dev, ctx) in ACT blocks, as the store typed them */
         uint64_t nk = 0, na = 0;
         size_t rows = 0;
@@ -108,14 +112,13 @@ size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it)
                 continue;
             }
             na++;
-            int lo = b0 > dev ? b0 : dev, hi = b0 + REKV_KV_BLOCK_TOKENS < ctx
-                                                   ? b0 + REKV_KV_BLOCK_TOKENS
-                                                   : ctx;
+            int lo = b0 > dev ? b0 : dev,
+                hi = b0 + REKV_KV_BLOCK_TOKENS < ctx ? b0 + REKV_KV_BLOCK_TOKENS : ctx;
             rows += hi > lo ? (size_t)(hi - lo) : 0;
         }
         return rows;
     }
-    default: /* offload, and the approximate modes: nothing is recomputed */
+    default: /* offload, clo: nothing is recomputed */
         return 0;
     }
 }
@@ -180,7 +183,7 @@ static int plan_windows(rekv_pipeline *p, step *st, rekv_err *err)
  * pl_window_pin). */
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err)
 {
-    int rc, kvpr = p->cfg.mode == REKV_MODE_KVPR, L = p->c->n_layers;
+    int rc, kvpr = p->keep_act, L = p->c->n_layers;
     for (int it = 0; it < st->n_items; it++) {
         rekv_pseq *s = st->items[it].seq;
         uint32_t kv = 1, act = 0; /* offload: all KV */
@@ -215,7 +218,7 @@ static void window_ranges(const step *st, int w, size_t *r0, size_t *r1)
  * indexes its plan by (item, layer). */
 int pl_window_pin(rekv_pipeline *p, step *st, int w, rekv_err *err)
 {
-    int L = p->c->n_layers, kvpr = p->cfg.mode == REKV_MODE_KVPR, rc;
+    int L = p->c->n_layers, kvpr = p->keep_act, rc;
     size_t r0, r1, a0 = 0, a1 = 0;
     window_ranges(st, w, &r0, &r1);
     if (st->n_win > 1 && p->read_ahead)
@@ -362,8 +365,9 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
     uint8_t *act_stage = p->par[b].act_stage.p;
     uint8_t *out = p->par[b].out_stage.p;
-    size_t act_off = 0;
-    int nb = st->g_begin[g + 1] - st->g_begin[g], kvpr = p->cfg.mode == REKV_MODE_KVPR;
+    /* kvpr's path (activations beside K,V; [dev, split) recomputed) also runs infinigen's units
+     * that fetch whole when it keeps activations */
+    int nb = st->g_begin[g + 1] - st->g_begin[g], kvpr = p->keep_act;
     int total_act = 0;
     for (int j = 0; j < nb; j++) {
         int item = st->g_begin[g] + j;
@@ -374,6 +378,12 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
     io->act_pos = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)(total_act + 1));
     if (io->act_seq == NULL || io->act_pos == NULL)
         return -ENOMEM;
+    if (ig && kvpr) { /* selected rows go to each head's own slot */
+        io->act_slot =
+            pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)(total_act + 1) * (size_t)kvh);
+        if (io->act_slot == NULL)
+            return -ENOMEM;
+    }
     rekv_layer_counters *cnt = &p->counters[layer];
     for (int j = 0; j < nb; j++) {
         int item = st->g_begin[g] + j;
@@ -388,7 +398,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         if (clo)
             pl_clo_forget(s, layer);
         if (ig && layer > 0 && pl_ig_sparse(p, st, item)) {
-            if ((rc = pl_ig_item_plan(p, st, item, layer, kr, &d[j], io)))
+            if ((rc = pl_ig_item_plan(p, st, item, j, layer, kr, kvpr ? ar : NULL, b, &d[j], io)))
                 return rc;
             continue;
         }
@@ -426,15 +436,17 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
                                            gpu_row_bytes;
                 } else {
                     io->h2d_act.v[io->h2d_act.n++] =
-                        (rekv_copy_piece){act_stage + act_off,
+                        (rekv_copy_piece){act_stage + io->act_off,
                                           base + rekv_kv_act_offset(geo, (uint32_t)in_blk), bytes};
-                    src = act_stage + act_off;
-                    act_off += bytes;
+                    src = act_stage + io->act_off;
+                    io->act_off += bytes;
                     cnt->h2d_bytes[REKV_XFER_ACT] += bytes;
                 }
                 io->conv_act.v[io->conv_act.n++] = (rekv_convert_piece){
                     (float *)p->act_f32.p + (size_t)io->n_act * H, src, (uint32_t)((size_t)n * H)};
                 for (int i = 0; i < n; i++) {
+                    for (int h = 0; io->act_slot && h < kvh; h++)
+                        io->act_slot[(size_t)io->n_act * (size_t)kvh + (size_t)h] = t0 + i;
                     io->act_seq[io->n_act] = j;
                     io->act_pos[io->n_act++] = t0 + i;
                 }

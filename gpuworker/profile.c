@@ -208,7 +208,7 @@ static void pf_kv_run(void *ctx, rekv_stream *s)
     t->k->linear(s, t->dev_v, t->dev_x, t->wv, t->wt, t->bv, t->n, (int)kvd, c->hidden);
     if (c->rope != REKV_ROPE_NONE)
         t->k->rope(s, t->dev_k, t->pos, t->n, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
-    t->k->kv_scatter(s, t->dev_k, t->dev_v, t->n, t->row_seq, t->pos, t->seqs, c->n_kv_heads,
+    t->k->kv_scatter(s, t->dev_k, t->dev_v, t->n, t->row_seq, t->pos, NULL, t->seqs, c->n_kv_heads,
                      c->head_dim, t->dtype);
 }
 

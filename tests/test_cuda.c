@@ -473,12 +473,12 @@ START_TEST(kernel_scatter_attention)
                 float *dvn = dev_from(v, sizeof(float) * rows * kvd);
                 float *dq = dev_from(q, sizeof(float) * rows * qd);
                 float *dout = dev_zero(sizeof(float) * rows * qd);
-                rekv_cpu_kernels.kv_scatter(g_scpu, k, v, rows, rs, rp, cpu_d, nkv, hd, dt);
+                rekv_cpu_kernels.kv_scatter(g_scpu, k, v, rows, rs, rp, NULL, cpu_d, nkv, hd, dt);
                 rekv_cpu_kernels.attention(g_scpu, out, q, cpu_d, NS, rows, nh, nkv, hd, scores,
                                            dt);
                 sync_cpu();
-                rekv_kernels_of(g_cu)->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, cu_d, nkv, hd,
-                                                  dt);
+                rekv_kernels_of(g_cu)->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, NULL, cu_d, nkv,
+                                                  hd, dt);
                 rekv_kernels_of(g_cu)->attention(g_scu, dout, dq, cu_d, NS, rows, nh, nkv, hd, NULL,
                                                  dt);
                 sync_cu();

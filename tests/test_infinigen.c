@@ -209,6 +209,147 @@ START_TEST(exact_limit_synthetic)
 }
 END_TEST
 
+/* Recomputation within the selection (cfg.split with infinigen): the same values, fewer bytes.
+ * On an MHA model (4 heads: a token's activation row is worth it when 3 or 4 heads selected it)
+ * selecting everything with a split recomputes every token (resident's bits, every pipeline
+ * shape); the speculated selection with a split gives that selection's bits (the split changes
+ * how rows arrive, never which) with fewer bytes over the link — each recomputed token's
+ * activation row fewer than the K,V rows it replaced — and at most split tokens a (sequence,
+ * layer). On stories260K (GQA: an activation row is as wide as all of a token's K,V) a selecting
+ * layer recomputes nothing, layer 0 (fetched whole) [0, split) as kvpr. */
+static void ig_totals(const fixture *f, const run *r, int from, rekv_layer_counters *t)
+{
+    memset(t, 0, sizeof(*t));
+    for (int l = from; l < f->m->config.n_layers; l++) {
+        t->h2d_bytes[REKV_XFER_KV] += r->layers[l].h2d_bytes[REKV_XFER_KV];
+        t->h2d_bytes[REKV_XFER_ACT] += r->layers[l].h2d_bytes[REKV_XFER_ACT];
+        t->d2h_bytes[REKV_XFER_ACT] += r->layers[l].d2h_bytes[REKV_XFER_ACT];
+        t->tokens_fetched += r->layers[l].tokens_fetched;
+        t->tokens_recomputed += r->layers[l].tokens_recomputed;
+        t->tokens_considered += r->layers[l].tokens_considered;
+    }
+}
+
+START_TEST(recompute_within_selection)
+{
+    static const rekv_synth_spec spec = {REKV_ARCH_OPT,  3,  64, 4, 4, 128, 300, 1100,
+                                         REKV_DTYPE_F16, 13, 1};
+    char *dir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/m", dir);
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
+    const rekv_model_config *c = &f.m->config;
+    rekv_skew sk;
+    make_skew(&f, &sk);
+    int B = 3, lens[] = {5, 40, 90}, steps = 4, H = c->hidden;
+    int32_t **prompts = make_prompts(&f, B, lens);
+    size_t n = (size_t)(steps + 1) * (size_t)B * (size_t)c->vocab;
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    run ref;
+    do_run(&f, &cfg, B, lens, prompts, steps, &ref);
+    cfg.mode = REKV_MODE_INFINIGEN;
+    cfg.skew = &sk;
+    cfg.split = 1 << 20;
+    /* everything selected, everything recomputed: resident's bits */
+    struct {
+        int gpu_batches, push, offload_w, device_tokens;
+        rekv_schedule sched;
+    } v[] = {{1, 0, 0, 0, REKV_SCHED_ROW},
+             {2, 1, 1, 0, REKV_SCHED_COLUMN},
+             {2, 0, 0, 20, REKV_SCHED_ROW}};
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
+        rekv_pipeline_config a = cfg;
+        a.select = REKV_SELECT_ALL;
+        a.gpu_batches = v[i].gpu_batches;
+        a.push = v[i].push;
+        a.offload_weights = v[i].offload_w;
+        a.device_tokens = v[i].device_tokens;
+        a.schedule = v[i].sched;
+        run r;
+        do_run(&f, &a, B, lens, prompts, steps, &r);
+        for (size_t k = 0; k < n; k++)
+            if (memcmp(&r.logits[k], &ref.logits[k], sizeof(float)) != 0)
+                ck_abort_msg("variant %zu: logit %zu is %.9g, resident's %.9g", i, k,
+                             (double)r.logits[k], (double)ref.logits[k]);
+        for (int l = 0; l < c->n_layers; l++) {
+            ck_assert_uint_gt(r.layers[l].tokens_recomputed, 0);
+            ck_assert_uint_eq(r.layers[l].tokens_recomputed, r.layers[l].tokens_considered);
+            ck_assert_uint_eq(r.layers[l].h2d_bytes[REKV_XFER_KV], 0);
+            ck_assert_uint_eq(r.layers[l].h2d_bytes[REKV_XFER_ACT],
+                              r.layers[l].tokens_recomputed * (uint64_t)H * sizeof(float));
+            /* the new rows' activations reach the arena beside their K,V */
+            ck_assert_uint_eq(r.layers[l].d2h_bytes[REKV_XFER_ACT],
+                              (uint64_t)(B * steps * H) * sizeof(float));
+        }
+        run_free(&r);
+    }
+    /* the speculated selection: its own bits, fewer bytes */
+    cfg.max_fraction = 0.6f;
+    rekv_pipeline_config plain = cfg;
+    plain.split = 0;
+    run sp, rc, r2;
+    do_run(&f, &plain, B, lens, prompts, steps, &sp);
+    do_run(&f, &cfg, B, lens, prompts, steps, &rc);
+    ck_assert_msg(memcmp(sp.logits, rc.logits, n * sizeof(float)) == 0,
+                  "recomputing within the selection changed the logits");
+    ck_assert(memcmp(sp.logits, ref.logits, n * sizeof(float)) != 0); /* it was sparse */
+    rekv_layer_counters a, b;
+    ig_totals(&f, &sp, 1, &a);
+    ig_totals(&f, &rc, 1, &b);
+    ck_assert_uint_eq(a.tokens_fetched, b.tokens_fetched);
+    ck_assert_uint_eq(a.tokens_recomputed, 0);
+    ck_assert_uint_gt(b.tokens_recomputed, 0);
+    ck_assert_uint_eq(b.h2d_bytes[REKV_XFER_ACT],
+                      b.tokens_recomputed * (uint64_t)H * sizeof(float));
+    ck_assert_uint_lt(b.h2d_bytes[REKV_XFER_KV] + b.h2d_bytes[REKV_XFER_ACT],
+                      a.h2d_bytes[REKV_XFER_KV]);
+    /* a small split: at most that many a (sequence, layer), the same bits */
+    rekv_pipeline_config small = cfg;
+    small.split = 2;
+    do_run(&f, &small, B, lens, prompts, steps, &r2);
+    ck_assert(memcmp(sp.logits, r2.logits, n * sizeof(float)) == 0);
+    ig_totals(&f, &r2, 1, &b);
+    ck_assert_uint_gt(b.tokens_recomputed, 0);
+    ck_assert_uint_le(b.tokens_recomputed, (uint64_t)(2 * B * steps * (c->n_layers - 1)));
+    run_free(&sp), run_free(&rc), run_free(&r2), run_free(&ref);
+    for (int i = 0; i < B; i++)
+        free(prompts[i]);
+    free(prompts);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+
+    /* GQA: a selecting layer never recomputes; layer 0 recomputes [0, split) */
+    const char *sp260 = tu_shared("models/stories260K/stories260K.bin");
+    if (sp260 != NULL) {
+        tu_fixture_open(&f, sp260, REKV_DTYPE_F32, "cpu");
+        make_skew(&f, &sk);
+        int l2[] = {60, 30};
+        prompts = make_prompts(&f, 2, l2);
+        rekv_pipeline_config g;
+        rekv_pipeline_config_defaults(&g);
+        g.mode = REKV_MODE_INFINIGEN;
+        g.skew = &sk;
+        g.select = REKV_SELECT_ALL;
+        g.split = 10;
+        run r;
+        do_run(&f, &g, 2, l2, prompts, 3, &r);
+        ig_totals(&f, &r, 1, &b);
+        ck_assert_uint_eq(b.tokens_recomputed, 0);
+        ck_assert_uint_eq(b.tokens_fetched, b.tokens_considered);
+        ck_assert_uint_eq(r.layers[0].tokens_recomputed, 2 * 3 * 10);
+        run_free(&r);
+        free(prompts[0]), free(prompts[1]), free(prompts);
+        rekv_skew_free(&sk);
+        tu_fixture_close(&f);
+    }
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ selection */
 
 typedef struct scored {
@@ -734,6 +875,7 @@ static Suite *suite(void)
     tcase_add_test(tc, whole_step_past_the_arena_fails);
     tcase_add_test(tc, speculation_moves_less);
     tcase_add_test(tc, device_part_attended_whole);
+    tcase_add_test(tc, recompute_within_selection);
     tcase_add_test(tc, exact_limit_stories260k);
     tcase_add_test(tc, exact_limit_synthetic);
     tcase_add_test(tc, clo_full_cache_matches_resident);

@@ -278,6 +278,72 @@ START_TEST(test_kvpr_choose)
 }
 END_TEST
 
+/* InfiniGen with layer 0's split (rekv_step_shape.infinigen_split < 0): the split chosen is the
+ * smallest priced within REKV_PLAN_MARGIN of the best over every l (brute force), counted from
+ * the context's start past the device part; a split given is priced as given; 0 is the price
+ * without recomputation. On GQA (an activation row no smaller than a K+V row) never a split. */
+START_TEST(test_infinigen_split)
+{
+    g_rng = 21;
+    int used = 0;
+    for (int c = 0; c < 600; c++) {
+        rekv_cost_profile pr;
+        rekv_step_shape sh = {0};
+        int gqa = c % 3 == 0;
+        random_kvpr(&pr, &sh.kv, gqa);
+        if (sh.kv.s > 1200)
+            sh.kv.s = 1200;
+        sh.infinigen_fraction = logrand(0.02, 1.0);
+        sh.n_layers = (int)irand(1, 40);
+        sh.q_dim = sh.kv.hidden;
+        sh.device_tokens = (rnd() & 1) ? 0 : irand(0, sh.kv.s);
+        sh.infinigen_split = -1;
+        rekv_step_cost ch, at;
+        ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_INFINIGEN, &ch, NULL), 0);
+        int64_t dev = sh.device_tokens, moved = sh.kv.s - dev;
+        double *t = malloc(sizeof(double) * (size_t)(moved + 1)), best = INFINITY;
+        for (int64_t l = 0; l <= moved; l++) {
+            rekv_step_shape g = sh;
+            g.infinigen_split = l ? dev + l : 0;
+            ck_assert_int_eq(rekv_plan_step_cost(&pr, &g, REKV_TECH_INFINIGEN, &at, NULL), 0);
+            ck_assert_int_eq(at.kvpr_l, g.infinigen_split);
+            t[l] = at.t_step;
+            best = fmin(best, t[l]);
+        }
+        int64_t bl = 0;
+        while (t[bl] > best * (1 + REKV_PLAN_MARGIN))
+            bl++;
+        ck_assert_msg(ch.kvpr_l == (bl ? dev + bl : 0) && ch.t_step == t[bl],
+                      "case %d: split %lld (t %g), brute force %lld (t %g, best %g)", c,
+                      (long long)ch.kvpr_l, ch.t_step, (long long)(bl ? dev + bl : 0), t[bl], best);
+        ck_assert(!gqa || ch.kvpr_l == 0);
+        used += bl > 0;
+        free(t);
+    }
+    ck_assert_msg(used > 30, "only %d cases recompute", used);
+    /* split 0: InfiniGen's price as before (layer 0 all of KV's bytes, the others f of them) */
+    rekv_cost_profile pr = {
+        .h2d_bw = 5e7, .h2d_latency = 1e-5, .gemm_flops = 1.5e11, .fwd_flops_rate = 2.7e10};
+    const rekv_model_config opt = opt8_config;
+    rekv_plan_model pm;
+    rekv_plan_model_from_config(&opt, &pm);
+    pm.weight_elem_bytes = 2;
+    rekv_step_shape sh;
+    rekv_plan_shape(&pm, 8, 512, 2, 0, &sh);
+    ck_assert_int_eq(sh.infinigen_split, 0);
+    rekv_step_cost kv, none, chosen;
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_KV, &kv, NULL), 0);
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_INFINIGEN, &none, NULL), 0);
+    ck_assert(close_rel(none.bytes_h2d, kv.bytes_h2d * (1 + 7 * 0.2) / 8, 1e-12));
+    ck_assert(none.kvpr_l == 0 && none.recompute_flops == 0);
+    /* at 0.4 Gbit/s the link binds: layer 0 recomputes, fewer bytes, a cheaper step */
+    sh.infinigen_split = -1;
+    ck_assert_int_eq(rekv_plan_step_cost(&pr, &sh, REKV_TECH_INFINIGEN, &chosen, NULL), 0);
+    ck_assert(chosen.kvpr_l > 0 && chosen.t_step < none.t_step &&
+              chosen.bytes_h2d < none.bytes_h2d && chosen.recompute_flops > 0);
+}
+END_TEST
+
 START_TEST(test_kvpr_gqa_zero)
 {
     /* An X row (hidden elements) is not smaller than a K+V row (2*kv_dim): sending X can only cost
@@ -1226,7 +1292,7 @@ START_TEST(test_pick_infinigen)
     /* room for the partial keys (fp32, 0.3 of an fp16 cache) but for no device-resident part
      * (the streaming buffers of 64 x 544 tokens take 0.1875 of the cache) */
     double room = 0.31 * kv;
-    rekv_plan_approx prior = {0}, f1 = {1.0}, f01 = {0.1};
+    rekv_plan_approx prior = {0}, f1 = {1.0, 0}, f01 = {0.1, 0};
 
     /* slow link, prior f = 0.2: allowed, infinigen; not allowed, the same exact pick as ever */
     ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, NULL, &ex, NULL), 0);
@@ -1263,7 +1329,7 @@ START_TEST(test_pick_infinigen)
     /* a room past the partial keys holds a device-resident part that infinigen attends whole:
      * only the context past it is fetched (and selected among), the speculation is the same */
     rekv_mode_pick big, small;
-    rekv_plan_approx f002 = {0.02};
+    rekv_plan_approx f002 = {0.02, 0};
     ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, 0.6 * kv, 0, &f002, &big, NULL),
                      0);
     ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &f002, &small, NULL),
@@ -1624,6 +1690,7 @@ int main(void)
     tcase_add_test(tc, test_fit_noisy);
     tcase_add_test(tc, test_kvpr_brute_force);
     tcase_add_test(tc, test_kvpr_choose);
+    tcase_add_test(tc, test_infinigen_split);
     tcase_add_test(tc, test_kvpr_gqa_zero);
     tcase_add_test(tc, test_kvpr_mha_closed_form);
     tcase_add_test(tc, test_kvpr_edges);

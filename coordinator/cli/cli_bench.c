@@ -542,7 +542,8 @@ static int bench_decode(int argc, char **argv)
                     "generated token, achieved host->device GB/s next to the link's peak\n"
                     "measured in the same run (from pinned, kvstore-arena and pageable memory)\n"
                     "and the busy fractions of compute and link. kvpr@L runs kvpr with split L\n"
-                    "(e.g. --modes kvpr,kvpr@300,kvpr@450 against the planner's). auto runs what\n"
+                    "(e.g. --modes kvpr,kvpr@300,kvpr@450 against the planner's), infinigen@L\n"
+                    "infinigen recomputing up to L of what it fetches. auto runs what\n"
                     "a served worker with --mode auto would: the mode the planner prices\n"
                     "cheapest, with each sequence's first tokens kept on the device where the\n"
                     "device has room for them but not for the whole cache (--device-memory on\n"
@@ -599,11 +600,11 @@ static int bench_decode(int argc, char **argv)
         if (n_modes == MAX_RUNS || bad ||
             (!mauto[n_modes] && rekv_mode_parse(t, &mlist[n_modes])) ||
             (push && mlist[n_modes] == REKV_MODE_RESIDENT) ||
-            (at && mlist[n_modes] != REKV_MODE_KVPR)) {
+            (at && mlist[n_modes] != REKV_MODE_KVPR && mlist[n_modes] != REKV_MODE_INFINIGEN)) {
             fprintf(stderr,
                     "rekv bench decode: --modes: unknown or too many runs (\"%s\"; MODE, "
-                    "kvpr@SPLIT or auto, each optionally +push, at most %d; resident never "
-                    "pushes)\n",
+                    "kvpr@SPLIT, infinigen@SPLIT or auto, each optionally +push, at most %d; "
+                    "resident never pushes)\n",
                     run_name, MAX_RUNS);
             free(mdup);
             return 2;
@@ -754,7 +755,7 @@ static int bench_decode(int argc, char **argv)
                                 json_real((double)h2d / r->decode_s * 1e-9 / lp.pinned_gbps));
         if (offload_tps > 0)
             json_object_set_new(o, "ratio_vs_offload", json_real(tps / offload_tps));
-        if (mlist[i] == REKV_MODE_KVPR)
+        if (rekv_pipeline_keeps_act(&r->cfg))
             json_object_set_new(o, "split", json_integer(r->cfg.split));
         if (mlist[i] == REKV_MODE_HYBRID)
             json_object_set_new(o, "ratio", json_pack("[i, i]", r->cfg.kv_parts, r->cfg.act_parts));

@@ -268,7 +268,7 @@ int cli_eval(int argc, char **argv)
             rekv_errf(&err, -ENOMEM, "out of memory");
             goto fail;
         }
-        if (pc->mode == REKV_MODE_KVPR)
+        if (rekv_pipeline_keeps_act(pc))
             json_object_set_new(o, "split", json_integer(pc->split));
         if (pc->mode == REKV_MODE_HYBRID)
             json_object_set_new(o, "ratio", json_pack("[i, i]", pc->kv_parts, pc->act_parts));

@@ -57,7 +57,7 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
         "prefill_s", res->prefill_s, "decode_s", res->decode_s, "prefill_tokens_per_s",
         res->prefill_s > 0 ? (double)n_ids / res->prefill_s : 0.0, "decode_tokens_per_s",
         res->decode_s > 0 && res->n > 1 ? (double)(res->n - 1) / res->decode_s : 0.0);
-    if (po->cfg.mode == REKV_MODE_KVPR)
+    if (rekv_pipeline_keeps_act(&po->cfg))
         json_object_set_new(st, "split", json_integer(po->cfg.split));
     if (po->cfg.mode == REKV_MODE_HYBRID)
         json_object_set_new(st, "ratio", json_pack("[i, i]", po->cfg.kv_parts, po->cfg.act_parts));

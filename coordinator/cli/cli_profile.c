@@ -95,6 +95,10 @@ int cli_plan_predict_step(const rekv_cost_profile *profile, const rekv_model_con
     case REKV_MODE_CLO:
         tech = REKV_TECH_INFINIGEN;
         sh.infinigen_fraction = f;
+        /* at the run's split (< 0: the planner's); none without activations */
+        sh.infinigen_split = cfg->split < 0 && cfg->mode == REKV_MODE_INFINIGEN ? -1
+                             : rekv_pipeline_keeps_act(cfg)                     ? cfg->split
+                                                                                : 0;
         break;
     default:
         break;

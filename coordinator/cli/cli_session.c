@@ -21,7 +21,8 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
                        const rekv_link_config *link, int batch, int ctx, rekv_pipeline_config *cfg,
                        rekv_err *err)
 {
-    int need_split = cfg->mode == REKV_MODE_KVPR && cfg->split < 0;
+    int need_split =
+        (cfg->mode == REKV_MODE_KVPR || cfg->mode == REKV_MODE_INFINIGEN) && cfg->split < 0;
     int need_ratio = cfg->mode == REKV_MODE_HYBRID && cfg->kv_parts < 0;
     int need_np = cfg->mode == REKV_MODE_CLO && cfg->persist_np < 0;
     if (!need_split && !need_ratio && !need_np)
@@ -33,7 +34,17 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
         return rc;
     /* what moves: the context past the device-resident part */
     int dev = cfg->device_tokens < ctx ? cfg->device_tokens : ctx, moved = ctx - dev;
-    if (need_split) {
+    if (need_split && cfg->mode == REKV_MODE_INFINIGEN) { /* layer 0's, as the planner prices */
+        rekv_cost_profile prof;
+        rekv_profile_to_cost(&pf, cfg->cache_dtype, &prof);
+        rekv_pipeline_config at = *cfg;
+        rekv_step_cost sc;
+        at.split = -1;
+        if ((rc = cli_plan_predict_step(&prof, c, &at, batch, ctx, REKV_PLAN_INFINIGEN_PRIOR, &sc,
+                                        err)))
+            return rc;
+        cfg->split = (int)sc.kvpr_l;
+    } else if (need_split) {
         rekv_kvpr_split sp;
         if ((rc = cli_plan_kvpr(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch, moved, &sp,
                                 err)))
@@ -76,13 +87,16 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
     rekv_plan_model_from_config(c, &pm);
     pm.weight_elem_bytes = (double)rekv_dtype_size(rekv_engine_weight_dtype(e));
     rekv_mode_pick mp;
-    rekv_plan_approx ap = {0}; /* infinigen at the prior f, as a served worker's first pick */
+    /* infinigen at the prior f, as a served worker's first pick, with the split it would run */
+    rekv_plan_approx ap = {.infinigen_recompute = 1};
     if ((rc = rekv_plan_pick_mode(&prof, &pm, batch, ctx_max,
                                   (double)rekv_dtype_size(cfg->cache_dtype), room,
                                   cfg->offload_weights, approximate ? &ap : NULL, &mp, err)))
         return rc;
     cfg->mode = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
     cfg->device_tokens = mp.resident ? 0 : (int)mp.device_tokens;
+    if (cfg->mode == REKV_MODE_INFINIGEN)
+        cfg->split = (int)mp.costs[REKV_TECH_INFINIGEN].kvpr_l;
     if (why) {
         int n = snprintf(why, why_len,
                          "%s with %d tokens of each sequence on the device (room %.1f MB)",
@@ -147,7 +161,7 @@ int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po
                actb = rekv_kv_act_block_bytes(&kc.geometry);
         size_t slot = ((kvb > actb ? kvb : actb) + 4095) & ~(size_t)4095;
         uint64_t blocks = (uint64_t)batch * (uint64_t)((ctx + 15) / 16 + 1) *
-                          (uint64_t)c->n_layers * (cfg->mode == REKV_MODE_KVPR ? 2 : 1);
+                          (uint64_t)c->n_layers * (rekv_pipeline_keeps_act(cfg) ? 2 : 1);
         kc.host_bytes = blocks * slot + blocks * slot / 8 + (4u << 20);
         /* REKV_LOCAL_ARENA=SIZE: a smaller arena, to measure a batch that spills (the steps run
          * in layer windows); not a flag: the private store is sized to fit otherwise */

@@ -72,7 +72,9 @@ enum {
     "  --offload-weights     stream each layer's weights host->device\n"                           \
     "  --gpu-batches N       split the batch into N GPU batches (default 1)\n"                     \
     "  --schedule row|column row-by-row (latency) or column-by-column (throughput)\n"              \
-    "  --split L             kvpr: tokens recomputed from activations (default: the planner's)\n"  \
+    "  --split L             kvpr: tokens recomputed from activations (default: the planner's);\n" \
+    "                        infinigen: recompute up to L of a layer's fetched tokens (whole\n"    \
+    "                        layers: the first L; selecting ones: those most KV heads chose)\n"    \
     "  --ratio KV:ACT        hybrid: block pattern (default: HybridServe Algorithm 1)\n"           \
     "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
     "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"    \
