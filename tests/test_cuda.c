@@ -419,7 +419,8 @@ END_TEST
  * batch, one row each over short and long contexts (split over the context, flash-decoding: too
  * few blocks to fill the device); GQA and MHA; head dims that are and are not multiples of a warp;
  * caches in every cache dtype (the scattered rows are rounded to it alike: equal bits); decode rows
- * whose KV heads skip their first slots (clo's per-head contexts, both kernels). */
+ * whose KV heads skip their first slots (clo's per-head contexts, both kernels); in the decode set,
+ * rows scattered to a slot per KV head, some heads not at all (infinigen's recomputed rows). */
 START_TEST(kernel_scatter_attention)
 {
     backends_open();
@@ -461,10 +462,17 @@ START_TEST(kernel_scatter_attention)
                 }
                 int32_t *rs = malloc(sizeof(int32_t) * rows), *rp = malloc(sizeof(int32_t) * rows);
                 int32_t *drs = meta(sizeof(int32_t) * rows), *drp = meta(sizeof(int32_t) * rows);
+                int32_t *hp = set ? meta(sizeof(int32_t) * (size_t)rows * (size_t)nkv) : NULL;
                 for (int i = 0, r = 0; i < NS; i++)
                     for (int j = 0; j < ns[i]; j++, r++) {
                         rs[r] = drs[r] = i;
                         rp[r] = drp[r] = starts[i] + j;
+                        for (int g = 0; hp && g < nkv; g++) {
+                            int back = starts[i] + j - 1 - g, slot = starts[i] + j;
+                            if (g % 2 == 0 && back >= 0)
+                                slot = back;
+                            hp[(size_t)r * (size_t)nkv + (size_t)g] = (g + r) % 3 == 2 ? -1 : slot;
+                        }
                     }
                 float *k = hrand((size_t)rows * kvd, 1), *v = hrand((size_t)rows * kvd, 1);
                 float *q = hrand((size_t)rows * qd, 1), *out = malloc(sizeof(float) * rows * qd);
@@ -473,11 +481,11 @@ START_TEST(kernel_scatter_attention)
                 float *dvn = dev_from(v, sizeof(float) * rows * kvd);
                 float *dq = dev_from(q, sizeof(float) * rows * qd);
                 float *dout = dev_zero(sizeof(float) * rows * qd);
-                rekv_cpu_kernels.kv_scatter(g_scpu, k, v, rows, rs, rp, NULL, cpu_d, nkv, hd, dt);
+                rekv_cpu_kernels.kv_scatter(g_scpu, k, v, rows, rs, rp, hp, cpu_d, nkv, hd, dt);
                 rekv_cpu_kernels.attention(g_scpu, out, q, cpu_d, NS, rows, nh, nkv, hd, scores,
                                            dt);
                 sync_cpu();
-                rekv_kernels_of(g_cu)->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, NULL, cu_d, nkv,
+                rekv_kernels_of(g_cu)->kv_scatter(g_scu, dkn, dvn, rows, drs, drp, hp, cu_d, nkv,
                                                   hd, dt);
                 rekv_kernels_of(g_cu)->attention(g_scu, dout, dq, cu_d, NS, rows, nh, nkv, hd, NULL,
                                                  dt);
@@ -501,6 +509,8 @@ START_TEST(kernel_scatter_attention)
                 }
                 dev_free(dkn), dev_free(dvn), dev_free(dq), dev_free(dout);
                 meta_free(cu_d), meta_free(drs), meta_free(drp);
+                if (hp)
+                    meta_free(hp);
                 free(rs), free(rp), free(k), free(v), free(q), free(out), free(scores);
             }
     backends_close();
