@@ -413,61 +413,31 @@ static void step_times(const rekv_cost_profile *prof, const rekv_kvpr_params *p,
     out->t_step = fmax(out->t_pcie, out->t_compute);
 }
 
-/* InfiniGen's mean layer (planner.h) with layer 0's first l moved tokens recomputed from their
- * activations (p: the moved context). */
+/* InfiniGen's mean layer (planner.h): layer 0, fetched whole, priced as KVPR at split l of the
+ * moved context p (l = 0: all KV), each of the other n_layers - 1 fetching f of it and paying the
+ * speculation; the step is the layers one after another, so t_step is the mean of each layer's
+ * max(link, compute) and t_pcie, t_compute the means of its sides. */
 static void infinigen_at(const rekv_cost_profile *prof, const rekv_step_shape *shape,
                          const rekv_kvpr_params *p, int64_t l, rekv_step_cost *out)
 {
     double f = shape->infinigen_fraction, n = shape->n_layers, b = (double)p->b;
     double rq = REKV_PLAN_INFINIGEN_PARTIAL * (double)shape->q_dim; /* partial query width */
-    double x_row = (double)p->hidden * p->elem_bytes,
-           kv_row = 2.0 * (double)p->kv_dim * p->elem_bytes;
-    double kv = b * (double)(p->s - l) * kv_row + (n - 1) * f * b * (double)p->s * kv_row;
+    rekv_kvpr_split k0;
+    rekv_plan_kvpr_eval(prof, p, l, &k0);
+    double kv = f * b * (double)p->s * 2.0 * (double)p->kv_dim * p->elem_bytes;
     /* the speculation scores the whole context, the device part's tokens too */
-    double spec = (n - 1) / n * 2.0 * rq * (b * (double)p->hidden + b * (double)shape->kv.s);
-    step_times(prof, p, b * (double)l * x_row / n, kv / n,
-               b * (double)l * 4.0 * (double)p->hidden * (double)p->kv_dim / n, spec, out);
-    out->kvpr_l = l;
-}
-
-/* InfiniGen at the split a step runs: of layer 0's split l, the fastest — t = max(link, compute)
- * of two sides linear in l on [1, s] is convex there, so found by bisection on its slope; l = 0
- * apart, as it has no activation copy's latency — pulled to the smallest l within
- * REKV_PLAN_MARGIN of it, as rekv_plan_kvpr_choose does. */
-static void infinigen_choose(const rekv_cost_profile *prof, const rekv_step_shape *shape,
-                             const rekv_kvpr_params *p, rekv_step_cost *out)
-{
-    rekv_step_cost c0, c;
-    infinigen_at(prof, shape, p, 0, &c0);
-    *out = c0;
-    if (p->s < 1)
-        return;
-    int64_t lo = 1, hi = p->s; /* the first l where t stops falling */
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        rekv_step_cost c1;
-        infinigen_at(prof, shape, p, mid, &c);
-        infinigen_at(prof, shape, p, mid + 1, &c1);
-        if (c1.t_step < c.t_step)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    rekv_step_cost best;
-    infinigen_at(prof, shape, p, lo, &best);
-    double lim = (best.t_step < c0.t_step ? best.t_step : c0.t_step) * (1 + REKV_PLAN_MARGIN);
-    if (c0.t_step <= lim)
-        return;
-    int64_t a = 1, z = best.kvpr_l; /* t falls on [1, l*]: the smallest l within the limit */
-    while (a < z) {
-        int64_t mid = a + (z - a) / 2;
-        infinigen_at(prof, shape, p, mid, &c);
-        if (c.t_step <= lim)
-            z = mid;
-        else
-            a = mid + 1;
-    }
-    infinigen_at(prof, shape, p, a, out);
+    double spec = 2.0 * rq * (b * (double)p->hidden + b * (double)shape->kv.s);
+    rekv_step_cost sel;
+    step_times(prof, p, 0, kv, 0, spec, &sel);
+    *out = (rekv_step_cost){
+        .t_pcie = (k0.t_link + (n - 1) * sel.t_pcie) / n,
+        .t_compute = (k0.t_compute + (n - 1) * sel.t_compute) / n,
+        .t_step = (k0.t + (n - 1) * sel.t_step) / n,
+        .bytes_h2d = (p->weight_bytes + k0.bytes_x + k0.bytes_kv + (n - 1) * sel.bytes_h2d) / n,
+        .recompute_flops = k0.flops / n,
+        .speculate_flops = (n - 1) / n * spec,
+        .kvpr_l = l,
+    };
 }
 
 int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,
@@ -527,12 +497,15 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         double f = shape->infinigen_fraction;
         if (!(f >= 0) || !(f <= 1) || shape->n_layers < 1 || shape->q_dim < 0)
             return rekv_errf(err, -EINVAL, "planner: step_cost: bad infinigen shape");
+        /* layer 0's split: KVPR's for that layer alone, as the other layers do not depend on it */
+        int64_t l = shape->infinigen_split - dev;
         if (shape->infinigen_split < 0) {
-            infinigen_choose(prof, shape, p, out);
-        } else {
-            int64_t l = shape->infinigen_split - dev;
-            infinigen_at(prof, shape, p, l < 0 ? 0 : l > p->s ? p->s : l, out);
+            rekv_kvpr_split sp;
+            if ((rc = rekv_plan_kvpr_choose(prof, p, &sp, err)))
+                return rc;
+            l = sp.l;
         }
+        infinigen_at(prof, shape, p, l < 0 ? 0 : l > p->s ? p->s : l, out);
         out->kvpr_l = out->kvpr_l > 0 ? dev + out->kvpr_l : 0;
         return 0;
     }

@@ -256,7 +256,8 @@ typedef struct rekv_step_cost {
     double t_pcie;    /* weights + X + KV over the link, with one latency per non-empty copy, s */
     double t_compute; /* (fwd_flops + recompute + speculation FLOP) / gemm_flops, s */
     double t_step;    /* max(t_pcie, t_compute), s: full overlap assumed, as 003 Eq. 2–4 do
-                       * (and as the KVPR split is chosen, see rekv_plan_kvpr_eval) */
+                       * (and as the KVPR split is chosen, see rekv_plan_kvpr_eval);
+                       * REKV_TECH_INFINIGEN, whose layers differ: the mean of each layer's */
     double bytes_h2d; /* bytes over the link */
     double recompute_flops; /* FLOP spent rebuilding K,V */
     double speculate_flops; /* FLOP of InfiniGen's speculation (REKV_TECH_INFINIGEN), else 0 */
@@ -277,9 +278,11 @@ typedef struct rekv_step_cost {
  * out, as small or unknown: the partial key of the new token, the selection over the scores, and
  * that the selected rows are many small copies (one link latency per layer is charged, as for the
  * others; the coordinator's measured link scale corrects the step predictions, not the mode
- * choice). Layer 0, which fetches whole, recomputes its first l moved tokens from activations
- * as KVPR does (the pipeline's split with infinigen): l is chosen as for KVPR — where the mean
- * layer's link and compute sides meet, pulled to the smallest l within REKV_PLAN_MARGIN — and
+ * choice). The layers run one after another, so t_step is the mean of each layer's own
+ * max(link, compute) (not the max of the means, t_pcie and t_compute: layer 0 does not share its
+ * load with the lighter selecting layers). Layer 0, which fetches whole, recomputes its first l
+ * moved tokens from activations as KVPR does (the pipeline's split with infinigen), l KVPR's
+ * choice for that layer alone (rekv_plan_kvpr_choose) unless shape->infinigen_split gives it,
  * returned in kvpr_l. The selecting layers' recomputation of the tokens most KV heads chose
  * (pipeline.h) is left out: how many heads agree is the model's, and on GQA never pays. */
 int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *shape,

@@ -98,6 +98,19 @@ const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_l
     return p->counters;
 }
 
+double rekv_pipeline_selected_fraction(const rekv_layer_counters *per, int n_layers,
+                                       uint64_t *considered, uint64_t *selected)
+{
+    uint64_t c = 0, s = 0;
+    for (int l = 1; l < n_layers; l++)
+        c += per[l].tokens_considered, s += per[l].tokens_fetched;
+    if (considered)
+        *considered = c;
+    if (selected)
+        *selected = s;
+    return c ? (double)s / (double)c : 0.0;
+}
+
 const rekv_layer_counters *rekv_pipeline_step_counters(const rekv_pipeline *p, size_t *n_steps)
 {
     *n_steps = p->n_steps;

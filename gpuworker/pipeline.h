@@ -192,6 +192,12 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
 const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p,
                                                   rekv_layer_counters *total);
 void rekv_pipeline_counters_reset(rekv_pipeline *p);
+/* infinigen's selected fraction f (the planner's rekv_step_shape.infinigen_fraction) from per-layer
+ * counters ([n_layers]): of the tokens its selecting layers (> 0) could have fetched, the share
+ * they selected (fetched or recomputed); layer 0 fetches whole, so it is left out. *considered and
+ * *selected (may be NULL): the sums. 0 when nothing was considered. */
+double rekv_pipeline_selected_fraction(const rekv_layer_counters *per, int n_layers,
+                                       uint64_t *considered, uint64_t *selected);
 /* Each step's totals since the last reset, in order ([*n_steps], owned by the pipeline). */
 const rekv_layer_counters *rekv_pipeline_step_counters(const rekv_pipeline *p, size_t *n_steps);
 

@@ -689,12 +689,11 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         c.d2h += tot.d2h_bytes[k];
     c.tokens_recomputed = tot.tokens_recomputed;
     c.tokens_fetched = tot.tokens_fetched;
-    /* infinigen's selected fraction: what the selecting layers fetched of what they could have
-     * (layer 0 and prefill fetch everything and consider nothing) */
-    c.tokens_considered = tot.tokens_considered;
-    for (int l = 0; per && l < w->mc->n_layers; l++)
-        if (per[l].tokens_considered)
-            c.tokens_selected += per[l].tokens_fetched;
+    /* infinigen's selected fraction: what the selecting layers selected of what they could have
+     * fetched (layer 0 fetches whole: left out) */
+    if (per)
+        rekv_pipeline_selected_fraction(per, w->mc->n_layers, &c.tokens_considered,
+                                        &c.tokens_selected);
     rekv_backend_stats bs1;
     w->be->iface->stats(w->be, &bs1);
     c.compute_busy_s = bs1.compute_busy_s - bs0.compute_busy_s;

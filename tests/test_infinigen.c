@@ -506,6 +506,12 @@ START_TEST(speculation_moves_less)
             fetched += r.layers[l].tokens_fetched;
         }
         ck_assert_uint_lt(fetched, ctx * (uint64_t)(c->n_layers - 1));
+        /* the planner's f: the selecting layers' share, layer 0 (fetched whole) left out */
+        uint64_t considered, selected;
+        double fr = rekv_pipeline_selected_fraction(r.layers, c->n_layers, &considered, &selected);
+        ck_assert_uint_eq(selected, fetched);
+        ck_assert_uint_eq(considered, ctx * (uint64_t)(c->n_layers - 1));
+        ck_assert(fr == (double)fetched / (double)considered);
         /* a sparse step's results do not depend on how the step runs: pull or push, GPU
          * batches, schedule, weights offloaded — the same bits */
         rekv_pipeline_config v = cfg;

@@ -278,10 +278,11 @@ START_TEST(test_kvpr_choose)
 }
 END_TEST
 
-/* InfiniGen with layer 0's split (rekv_step_shape.infinigen_split < 0): the split chosen is the
- * smallest priced within REKV_PLAN_MARGIN of the best over every l (brute force), counted from
- * the context's start past the device part; a split given is priced as given; 0 is the price
- * without recomputation. On GQA (an activation row no smaller than a K+V row) never a split. */
+/* InfiniGen with layer 0's split (rekv_step_shape.infinigen_split < 0): the split chosen is KVPR's
+ * for that layer alone (rekv_plan_kvpr_choose of the moved context), counted from the context's
+ * start past the device part, and its step within REKV_PLAN_MARGIN of the best over every l
+ * (brute force); a split given is priced as given; 0 is the price without recomputation. On GQA
+ * (an activation row no smaller than a K+V row) never a split. */
 START_TEST(test_infinigen_split)
 {
     g_rng = 21;
@@ -310,14 +311,16 @@ START_TEST(test_infinigen_split)
             t[l] = at.t_step;
             best = fmin(best, t[l]);
         }
-        int64_t bl = 0;
-        while (t[bl] > best * (1 + REKV_PLAN_MARGIN))
-            bl++;
-        ck_assert_msg(ch.kvpr_l == (bl ? dev + bl : 0) && ch.t_step == t[bl],
-                      "case %d: split %lld (t %g), brute force %lld (t %g, best %g)", c,
-                      (long long)ch.kvpr_l, ch.t_step, (long long)(bl ? dev + bl : 0), t[bl], best);
+        rekv_kvpr_params mv = sh.kv;
+        mv.s = moved;
+        rekv_kvpr_split ks;
+        ck_assert_int_eq(rekv_plan_kvpr_choose(&pr, &mv, &ks, NULL), 0);
+        ck_assert_msg(ch.kvpr_l == (ks.l ? dev + ks.l : 0) && ch.t_step == t[ks.l] &&
+                          ch.t_step <= best * (1 + REKV_PLAN_MARGIN) * (1 + 1e-12),
+                      "case %d: split %lld (t %g), KVPR's %lld, best %g", c, (long long)ch.kvpr_l,
+                      ch.t_step, (long long)ks.l, best);
         ck_assert(!gqa || ch.kvpr_l == 0);
-        used += bl > 0;
+        used += ks.l > 0;
         free(t);
     }
     ck_assert_msg(used > 30, "only %d cases recompute", used);

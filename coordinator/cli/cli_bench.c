@@ -342,6 +342,8 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
 typedef struct decode_result {
     double prefill_s, decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
     rekv_layer_counters counters;
+    double
+        selected; /* infinigen's selected fraction f (rekv_pipeline_selected_fraction), 0: none */
     int32_t *tokens; /* [gen_len][batch] */
     /* each decode step's compute busy and link (h2d) busy time, s: [gen_len - 1][2] */
     double *step;
@@ -416,7 +418,8 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     out->decode_s = (double)(rekv_now_ns() - t0) * 1e-9;
     if (out->has_store)
         out->has_store = rekv_kvstore_stats(ses.store, &out->ks1, NULL) == 0;
-    rekv_pipeline_counters(ses.p, &out->counters);
+    out->selected = rekv_pipeline_selected_fraction(rekv_pipeline_counters(ses.p, &out->counters),
+                                                    rekv_engine_config(eng)->n_layers, NULL, NULL);
     rekv_backend_stats bst;
     ses.be->iface->stats(ses.be, &bst);
     out->compute_busy_s = bst.compute_busy_s;
@@ -442,16 +445,14 @@ out:
  * is, "online_predicted_step_s" with it corrected by the run's steps before (rekv_plan_scales from
  * 1, updated by each step's busy times, as a served worker's planner corrects it), each a mean over
  * the steps, with its relative error against the measured mean, and the scales the run ended with.
- * infinigen and clo are priced at the fraction the run fetched. */
+ * infinigen and clo are priced at the fraction the run's selecting layers fetched. */
 static void predict_run(const rekv_profile *pf, const rekv_model_config *c, const decode_result *r,
                         int B, int S, int N, double measured, json_t *o)
 {
     rekv_plan_scales sc = {1, 1};
     rekv_cost_profile prof, now;
     rekv_profile_to_cost(pf, r->cfg.cache_dtype, &prof);
-    double f = r->counters.tokens_considered
-                   ? (double)r->counters.tokens_fetched / (double)r->counters.tokens_considered
-                   : REKV_PLAN_INFINIGEN_PRIOR;
+    double f = r->selected > 0 ? r->selected : REKV_PLAN_INFINIGEN_PRIOR;
     double plain = 0, online = 0;
     for (int k = 0; k < N - 1; k++) {
         const double *st = r->step + (size_t)k * 2; /* compute, link busy */
