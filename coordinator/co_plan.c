@@ -26,8 +26,9 @@ static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
     return 0;
 }
 
-rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reason_len)
+rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, int *split, char *reason, size_t reason_len)
 {
+    *split = 0;
     if (!h->kvstore) {
         snprintf(reason, reason_len, "no kvstore to keep the cache in");
         return REKV_MODE_RESIDENT;
@@ -47,7 +48,7 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
     }
     /* approximate modes only when the user allowed them; f is the prior: a worker asking for
      * its mode has run no step yet (its measured fraction, co_plan_state, comes later) */
-    rekv_plan_approx ap = {0};
+    rekv_plan_approx ap = {.infinigen_recompute = 1};
     if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, h->cache_elem_bytes,
                             h->device_kv_room, h->offload_weights, h->approximate ? &ap : NULL, &mp,
                             &e)) {
@@ -55,6 +56,8 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
         return REKV_MODE_RESIDENT;
     }
     rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
+    if (m == REKV_MODE_INFINIGEN)
+        *split = (int)mp.costs[REKV_TECH_INFINIGEN].kvpr_l;
     if (h->device_kv_room < 0) {
         snprintf(reason, reason_len, "the %s backend's device memory is the host's",
                  h->backend ? h->backend : "worker's");
@@ -73,8 +76,9 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reas
                       (long long)mp.device_tokens);
     if (mp.approximate && n >= 0 && (size_t)n < reason_len)
         snprintf(reason + n, reason_len - (size_t)n,
-                 ", infinigen (approximate) %.3g ms at f %.2f%s",
+                 ", infinigen (approximate) %.3g ms at f %.2f, layer 0's split %lld%s",
                  mp.costs[REKV_TECH_INFINIGEN].t_step * 1e3, mp.infinigen_fraction,
+                 (long long)mp.costs[REKV_TECH_INFINIGEN].kvpr_l,
                  mp.infinigen_fits ? "" : ", but its partial keys do not fit the device");
     return m;
 }
@@ -88,6 +92,7 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
         h->cache_elem_bytes == 0 || hello_profile(h, &ps->prof))
         return;
     ps->mode = (int)m;
+    ps->keeps_act = m == REKV_MODE_KVPR || (m == REKV_MODE_INFINIGEN && h->split > 0);
     ps->hidden = h->hidden;
     ps->kv_dim = h->kv_dim;
     ps->q_dim = h->q_dim;
@@ -125,7 +130,7 @@ uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens, int k
     }
     if (ps->mode == REKV_MODE_ACT)
         n_kv = 0, n_act = nb;
-    else if (ps->mode == REKV_MODE_KVPR)
+    else if (ps->keeps_act)
         n_act = nb;
     return (uint64_t)ps->n_layers * (n_kv * ps->store_kv_bytes + n_act * ps->store_act_bytes);
 }
@@ -339,6 +344,7 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
     double f_sel = co_plan_selected_fraction(ps);
     if (f_sel > 0)
         sh.infinigen_fraction = f_sel;
+    sh.infinigen_split = ps->keeps_act ? -1 : 0; /* infinigen: its layer 0's split, chosen */
     /* clo is priced as infinigen is, with the fraction its misses fetched (hits fetch none) */
     rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
                           : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT
@@ -348,6 +354,8 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
                               : REKV_TECH_KV;
     rekv_step_cost cost;
     if (rekv_plan_step_cost(&prof, &sh, tech, &cost, NULL) == 0) {
+        if (tech == REKV_TECH_INFINIGEN)
+            split = (int)cost.kvpr_l;
         ps->pred_pcie_s = cost.t_pcie * ps->n_layers;
         ps->pred_compute_s = cost.t_compute * ps->n_layers;
         ps->pred_step_s = cost.t_step * ps->n_layers;

@@ -22,7 +22,9 @@ typedef struct co_plan_state {
     int offload_weights;
     uint64_t device_buffer_bytes; /* the worker's room for a step's buffers; 0: no limit */
     int64_t device_tokens;        /* each sequence's device-resident part (Hello), tokens */
-    rekv_plan_scales scales;      /* the profile's online correction (planner.h) */
+    int keeps_act; /* the store holds activations beside K,V: kvpr; infinigen made with a split
+                      (Hello.split), whose steps then get one (layer 0's, rekv_plan_step_cost) */
+    rekv_plan_scales scales; /* the profile's online correction (planner.h) */
     double pred_pcie_s, pred_compute_s, pred_step_s; /* of the last step planned */
     /* the last choices */
     int split, kv_parts, act_parts, gpu_batches, column;
@@ -43,7 +45,8 @@ void co_plan_store(co_plan_state *ps, const Rekv__Worker__StoreRoom *room);
 
 /* The kvstore host memory a job of `tokens` tokens (prompt + max_new_tokens) takes at its full
  * length on this worker, bytes: per 16-token block of every layer, the blocks its mode stores —
- * KV (offload, infinigen), ACT (act), both (kvpr: its KV and its activations), hybrid's at
+ * KV (offload, infinigen), ACT (act), both (kvpr, infinigen with a split: its KV and its
+ * activations), hybrid's at
  * kv_parts:act_parts, the pattern its sequence is made with (rekv_plan_hybrid_job_bytes; 0:0 is
  * 1:1, the worker's pattern before any Plan's) — at the store's per-block cost. 0 when the worker
  * keeps no cache in a store (resident) or did not say its store's sizes. */
@@ -71,9 +74,10 @@ void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, siz
 
 /* The mode for a worker that said Hello with mode "auto" (rekv_plan_pick_mode over what it reports:
  * its profile, the model's shape, its batch and context, its device's room for the KV cache, and
- * whether it allows an approximate mode: infinigen, at the prior f); reason receives one line
- * saying why, with infinigen's price when it was allowed. */
-rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, char *reason, size_t reason_len);
+ * whether it allows an approximate mode: infinigen, at the prior f, with the split the planner
+ * chooses for its layer 0 — into *split, 0 for the other modes); reason receives one line saying
+ * why, with infinigen's price when it was allowed. */
+rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, int *split, char *reason, size_t reason_len);
 
 /* Takes the worker's Hello: profile, shape, mode. */
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);

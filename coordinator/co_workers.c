@@ -64,9 +64,11 @@ static void worker_drop(rekv_coordinator *co, worker *w, const char *why)
 static void worker_assign(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
 {
     char why[512];
-    rekv_mode m = co_plan_assign(h, why, sizeof(why));
+    int split;
+    rekv_mode m = co_plan_assign(h, &split, why, sizeof(why));
     Rekv__Worker__Assign a = REKV__WORKER__ASSIGN__INIT;
     a.mode = (char *)rekv_mode_name(m);
+    a.split = (uint32_t)split;
     a.reason = why;
     Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
     cm.body_case = REKV__WORKER__COORD_MSG__BODY_ASSIGN;

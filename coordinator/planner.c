@@ -697,11 +697,18 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     shape.infinigen_fraction = !(fi > 0) ? REKV_PLAN_INFINIGEN_PRIOR : fi > 1 ? 1 : fi;
     shape.infinigen_split = approx->infinigen_recompute ? -1 : 0;
     out->infinigen_fraction = shape.infinigen_fraction;
-    /* its partial keys first (fp32, rk = 0.3 head_dim columns of every K row), then a device part
-     * in the room they leave, which it attends whole and selects past */
+    /* its partial keys first (fp32, rk = 0.3 head_dim columns of every K row) and a step's
+     * attention buffers (both parities, the whole context: layer 0 fetches it whole), then a
+     * device part in the room the keys leave (the streaming modes' rule, whose buffers cover the
+     * recomputation too), which it attends whole and selects past */
     double pk_bytes = REKV_PLAN_INFINIGEN_PARTIAL * (double)m->kv_dim * 4.0 * (double)b *
                       (double)s_max * m->n_layers;
-    out->infinigen_fits = pk_bytes <= device_kv_bytes;
+    double att_tok = 4.0 * (double)m->kv_dim * cache_elem_bytes;
+    double rec_tok =
+        rekv_cost_stream_token_bytes((double)m->hidden, (double)m->kv_dim, cache_elem_bytes) -
+        att_tok; /* a recomputed token's rows: activation staging, fp32 input, K and V */
+    double left = device_kv_bytes - pk_bytes - (double)b * (double)s_max * att_tok;
+    out->infinigen_fits = left >= 0;
     int64_t ig_dev = rekv_cost_device_tokens_of(
         device_kv_bytes - pk_bytes, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max,
         (double)m->hidden, (double)m->kv_dim, m->n_layers, cache_elem_bytes);
@@ -709,6 +716,13 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     rekv_step_cost *ig = &out->costs[REKV_TECH_INFINIGEN];
     if ((rc = rekv_plan_step_cost(prof, &shape, REKV_TECH_INFINIGEN, ig, err)))
         return rc;
+    /* layer 0's split recomputes no more tokens than the room left holds the rows of */
+    int64_t cap = left > 0 ? (int64_t)fmin(left / ((double)b * rec_tok), (double)s_max) : 0;
+    if (ig->kvpr_l - ig_dev > cap) {
+        shape.infinigen_split = cap > 0 ? ig_dev + cap : 0;
+        if ((rc = rekv_plan_step_cost(prof, &shape, REKV_TECH_INFINIGEN, ig, err)))
+            return rc;
+    }
     out->approximate = 1;
     if (out->infinigen_fits && ig->t_step < out->costs[out->tech].t_step) {
         out->tech = REKV_TECH_INFINIGEN;

@@ -345,7 +345,8 @@ typedef struct rekv_mode_pick {
     rekv_step_cost costs[REKV_TECH_INFINIGEN + 1];
     int approximate;           /* approximate modes were allowed, and infinigen priced */
     double infinigen_fraction; /* the f it was priced at */
-    int infinigen_fits;        /* its partial key cache fits the device (else never chosen) */
+    int infinigen_fits;        /* its partial key cache and a step's attention buffers fit the
+                                * device (else never chosen) */
     /* each sequence's device-resident part, tokens (rekv_cost_device_tokens of device_kv_bytes,
      * for infinigen of what its partial keys leave of it), which the costs were priced with */
     int64_t device_tokens;
@@ -388,9 +389,13 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
  *
  * approx NULL: exact techniques only. Otherwise infinigen is priced too (at approx's f) and
  * chosen only when it is strictly cheaper than every exact technique and its partial key cache
- * (0.3 of every layer's K row, fp32, for b sequences of s_max tokens) fits device_kv_bytes; the
- * room those leave holds its device-resident part (rekv_cost_device_tokens, as the worker keeps
- * it), which it attends whole and selects past, and with which it is priced. */
+ * (0.3 of every layer's K row, fp32, for b sequences of s_max tokens) and a step's attention
+ * buffers (K and V of the whole context in both parities: layer 0 fetches it whole) fit
+ * device_kv_bytes; the room the keys leave holds its device-resident part
+ * (rekv_cost_device_tokens, as the worker keeps it), which it attends whole and selects past, and
+ * with which it is priced. With approx->infinigen_recompute, layer 0's split is the planner's,
+ * capped at the tokens whose recomputation rows (rekv_cost_stream_token_bytes less the attention
+ * buffers' share) the room left past the keys and buffers holds. */
 int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m, int64_t b,
                         int64_t s_max, double cache_elem_bytes, double device_kv_bytes,
                         int weights_offloaded, const rekv_plan_approx *approx, rekv_mode_pick *out,

@@ -266,6 +266,7 @@ static void send_hello(worker *w)
     h.kvstore = w->kv != NULL;
     h.approximate = w->approximate;
     h.device_tokens = (uint32_t)w->pc.device_tokens;
+    h.split = w->pc.split > 0 ? (uint32_t)w->pc.split : 0;
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
     m.hello = &h;
@@ -804,6 +805,8 @@ static int take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
     rekv_log(REKV_LOG_INFO, "mode auto: the coordinator chose %s (%s)", a->mode,
              a->reason && *a->reason ? a->reason : "no reason given");
     w->pc.mode = m;
+    if (m == REKV_MODE_INFINIGEN) /* layer 0's split: it decides whether activations are kept */
+        w->pc.split = (int)a->split;
     int rc = start_pipeline(w, err);
     if (rc == 0)
         send_hello(w);

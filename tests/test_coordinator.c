@@ -863,11 +863,11 @@ START_TEST(coordinator_assigns_worker_mode)
         double room;
         const char *want;
     } cases[] = {
-        {0, room, "resident"},                /* no kvstore: nowhere else to keep the cache */
-        {1, kv, "resident"},                  /* it fits the device */
-        {1, -1, "resident"},                  /* the device's memory is the host's */
-        {1, room, by_tech[pick.tech]},        /* it does not: the planner's cheapest technique */
-        {1, part_room, by_tech[part.tech]},   /* ... beside each sequence's device part */
+        {0, room, "resident"},              /* no kvstore: nowhere else to keep the cache */
+        {1, kv, "resident"},                /* it fits the device */
+        {1, -1, "resident"},                /* the device's memory is the host's */
+        {1, room, by_tech[pick.tech]},      /* it does not: the planner's cheapest technique */
+        {1, part_room, by_tech[part.tech]}, /* ... beside each sequence's device part */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         h.kvstore = cases[i].kvstore;
@@ -940,8 +940,8 @@ START_TEST(coordinator_assigns_infinigen_only_when_allowed)
     h.layer_params = 2ull * 4096 * 4096 * 2 + 2ull * 4096 * 16384;
     h.kvstore = 1;
     /* the cache does not fit, nor a device-resident part beside a step's buffers; the partial
-     * keys (fp32, 0.3 of this fp16 cache) do */
-    h.device_kv_room = 0.31 * (2.0 * 4096 * 2 * 64 * 544 * 32);
+     * keys (fp32, 0.3 of this fp16 cache) and a step's attention buffers (0.0625) do */
+    h.device_kv_room = 0.38 * (2.0 * 4096 * 2 * 64 * 544 * 32);
     rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
     rekv_cost_profile prof = {.h2d_bw = 2e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
     rekv_mode_pick exact;
@@ -955,6 +955,13 @@ START_TEST(coordinator_assigns_infinigen_only_when_allowed)
         ck_assert_msg(m != NULL && m->body_case == REKV__WORKER__COORD_MSG__BODY_ASSIGN,
                       "Hello auto not answered with Assign");
         ck_assert_str_eq(m->assign->mode, approximate ? "infinigen" : by_tech[exact.tech]);
+        /* infinigen with layer 0's split, the planner's (capped by the room) */
+        rekv_plan_approx rec = {0, 1};
+        rekv_mode_pick ap;
+        ck_assert_int_eq(
+            rekv_plan_pick_mode(&prof, &pm, 64, 544, 2, h.device_kv_room, 0, &rec, &ap, NULL), 0);
+        ck_assert_int_eq(m->assign->split, approximate ? ap.costs[REKV_TECH_INFINIGEN].kvpr_l : 0);
+        ck_assert(!approximate || m->assign->split > 0);
         ck_assert_msg((strstr(m->assign->reason, "infinigen") != NULL) == approximate,
                       "the reason names infinigen's price exactly when it was allowed: %s",
                       m->assign->reason);

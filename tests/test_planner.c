@@ -1292,9 +1292,10 @@ START_TEST(test_pick_infinigen)
     double kv = 2.0 * 4096 * 2 * 64 * 544 * 32; /* 64 sequences of 544 tokens, fp16 */
     rekv_cost_profile slow = {.h2d_bw = 2e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
     rekv_mode_pick ex, ap;
-    /* room for the partial keys (fp32, 0.3 of an fp16 cache) but for no device-resident part
-     * (the streaming buffers of 64 x 544 tokens take 0.1875 of the cache) */
-    double room = 0.31 * kv;
+    /* room for the partial keys (fp32, 0.3 of an fp16 cache) and a step's attention buffers
+     * (0.0625) but for no device-resident part (the streaming buffers of 64 x 544 tokens take
+     * 0.1875 of the cache) */
+    double room = 0.38 * kv;
     rekv_plan_approx prior = {0}, f1 = {1.0, 0}, f01 = {0.1, 0};
 
     /* slow link, prior f = 0.2: allowed, infinigen; not allowed, the same exact pick as ever */
@@ -1369,10 +1370,36 @@ START_TEST(test_pick_infinigen)
     ck_assert(ap.costs[REKV_TECH_INFINIGEN].t_step == ap.costs[REKV_TECH_KV].t_step);
     ck_assert_int_eq(ap.tech, REKV_TECH_KV);
 
-    /* the partial keys (0.3 of K, all layers) must fit the device's room */
+    /* the partial keys (0.3 of K, all layers) and the attention buffers must fit the room */
     ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, 0.1 * kv, 0, &f01, &ap, NULL),
                      0);
     ck_assert(!ap.infinigen_fits && ap.tech != REKV_TECH_INFINIGEN);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, 0.34 * kv, 0, &f01, &ap, NULL),
+                     0);
+    ck_assert(!ap.infinigen_fits && ap.tech != REKV_TECH_INFINIGEN);
+
+    /* with layer 0's split (infinigen_recompute): the planner's where the room holds its
+     * recomputation rows, else as many as it holds — here (0.38 - 0.3625) of the cache over 64
+     * sequences' 64 KiB per token, 76 tokens */
+    rekv_plan_approx rec = {0.1, 1};
+    rekv_mode_pick wide, narrow;
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, 0.6 * kv, 0, &rec, &wide, NULL),
+                     0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, room, 0, &rec, &narrow, NULL),
+                     0);
+    rekv_step_cost wi = wide.costs[REKV_TECH_INFINIGEN], na = narrow.costs[REKV_TECH_INFINIGEN];
+    ck_assert_int_eq(narrow.device_tokens, 0);
+    int64_t cap = (int64_t)((0.38 - 0.3625) * kv / (64.0 * 65536));
+    ck_assert_int_eq(cap, 76);
+    ck_assert_msg(wi.kvpr_l - wide.device_tokens > cap && na.kvpr_l == cap,
+                  "splits %lld (device part %lld), %lld", (long long)wi.kvpr_l,
+                  (long long)wide.device_tokens, (long long)na.kvpr_l);
+    rekv_step_shape capped;
+    rekv_plan_shape(&optm, 64, 272, 2, 0, &capped);
+    capped.infinigen_fraction = 0.1;
+    capped.infinigen_split = cap;
+    ck_assert_int_eq(rekv_plan_step_cost(&slow, &capped, REKV_TECH_INFINIGEN, &ig, NULL), 0);
+    ck_assert(ig.t_step == na.t_step && na.recompute_flops > 0);
 
     /* f = 0.9 where a KV step's compute is 0.99 of its link time (no device part): fewer bytes,
      * but the speculation makes compute the longer side, longer than the KV step */
@@ -1409,8 +1436,9 @@ START_TEST(test_pick_infinigen)
 END_TEST
 
 /* The coordinator's plan state for a worker in `mode` on an OPT-like model (8 layers, hidden 1024,
- * fp16 cache) over a 2 GB/s link at gemm_flops. */
-static void plan_state_8l(co_plan_state *ps, const char *mode, double gemm_flops)
+ * fp16 cache) over a 2 GB/s link at gemm_flops, its pipeline made with `split`. */
+static void plan_state_8l_split(co_plan_state *ps, const char *mode, double gemm_flops,
+                                uint32_t split)
 {
     Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
     cp.h2d_bw = 2e9;
@@ -1422,7 +1450,13 @@ static void plan_state_8l(co_plan_state *ps, const char *mode, double gemm_flops
     h.n_layers = 8;
     h.cache_elem_bytes = 2;
     h.layer_params = 12 * 1024 * 1024;
+    h.split = split;
     co_plan_init(ps, &h);
+}
+
+static void plan_state_8l(co_plan_state *ps, const char *mode, double gemm_flops)
+{
+    plan_state_8l_split(ps, mode, gemm_flops, 0);
 }
 
 /* Chunked prefill's chunk: the cap until a step is predicted; then the prompt tokens whose GEMMs
@@ -1484,6 +1518,31 @@ START_TEST(test_co_plan_selected_fraction)
     ck_assert(close_rel(co_plan_selected_fraction(&ps), 0.1, 1e-12));
     ck_assert_int_eq(co_plan_step(&ps, jobs, ctx, NULL, 2, 0, 0, &sp, mb_job, mb_index), 1);
     ck_assert(close_rel(ps.pred_pcie_s, kv_step * (1 + 7 * 0.1) / 8 / 2e9, 1e-9));
+    ck_assert_int_eq(sp.split, 0); /* made without a split: no activations to recompute from */
+    Rekv__Worker__StoreRoom room = REKV__WORKER__STORE_ROOM__INIT;
+    room.host_bytes = 1ull << 30;
+    room.kv_block_bytes = 65536;
+    room.act_block_bytes = 32768;
+    co_plan_store(&ps, &room);
+    ck_assert_uint_eq(co_plan_job_store_bytes(&ps, 160, 0, 0), 8ull * 10 * 65536);
+
+    /* made with a split (Hello.split): each step gets layer 0's, the planner's, and a job's
+     * activations take store bytes beside its K,V */
+    co_plan_state pa;
+    plan_state_8l_split(&pa, "infinigen", 300e12, 100);
+    ck_assert(pa.keeps_act);
+    ck_assert_int_eq(co_plan_step(&pa, jobs, ctx, NULL, 2, 0, 0, &sp, mb_job, mb_index), 1);
+    rekv_step_shape sh;
+    rekv_plan_model pm = {1024, 1024, 1024, 8, 12.0 * 1024 * 1024, 2};
+    rekv_plan_shape(&pm, 2, 1024, 2, 0, &sh);
+    sh.infinigen_split = -1;
+    rekv_step_cost want;
+    ck_assert_int_eq(rekv_plan_step_cost(&pa.prof, &sh, REKV_TECH_INFINIGEN, &want, NULL), 0);
+    ck_assert(want.kvpr_l > 0);
+    ck_assert_int_eq(sp.split, want.kvpr_l);
+    ck_assert(close_rel(pa.pred_step_s, want.t_step * 8, 1e-9));
+    co_plan_store(&pa, &room);
+    ck_assert_uint_eq(co_plan_job_store_bytes(&pa, 160, 0, 0), 8ull * 10 * (65536 + 32768));
 }
 END_TEST
 
