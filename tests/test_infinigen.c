@@ -97,6 +97,15 @@ static void run_free(run *r)
     free(r->layers);
 }
 
+/* r's first n logits equal ref's bit for bit; `what` and variant i name the run that differs */
+static void expect_same_logits(const run *r, const run *ref, size_t n, const char *what, size_t i)
+{
+    for (size_t k = 0; k < n; k++)
+        if (memcmp(&r->logits[k], &ref->logits[k], sizeof(float)) != 0)
+            ck_abort_msg("%s variant %zu: logit %zu is %.9g, resident's %.9g", what, i, k,
+                         (double)r->logits[k], (double)ref->logits[k]);
+}
+
 static int32_t **make_prompts(const fixture *f, int B, const int *lens)
 {
     int32_t **pr = calloc((size_t)B, sizeof(*pr));
@@ -159,10 +168,7 @@ static void check_exact_limit(const char *model, rekv_dtype cache, const int *le
         cfg.device_tokens = v[i].device_tokens;
         run r;
         do_run(&f, &cfg, B, lens, prompts, steps, &r);
-        for (size_t k = 0; k < n; k++)
-            if (memcmp(&r.logits[k], &ref.logits[k], sizeof(float)) != 0)
-                ck_abort_msg("%s variant %zu: logit %zu is %.9g, resident's %.9g", model, i, k,
-                             (double)r.logits[k], (double)ref.logits[k]);
+        expect_same_logits(&r, &ref, n, model, i);
         /* everything past the device part crossed the link, every layer */
         for (int l = 0; l < f.m->config.n_layers; l++) {
             ck_assert_uint_eq(r.layers[l].tokens_fetched, r.layers[l].tokens_considered);
@@ -270,10 +276,7 @@ START_TEST(recompute_within_selection)
         a.schedule = v[i].sched;
         run r;
         do_run(&f, &a, B, lens, prompts, steps, &r);
-        for (size_t k = 0; k < n; k++)
-            if (memcmp(&r.logits[k], &ref.logits[k], sizeof(float)) != 0)
-                ck_abort_msg("variant %zu: logit %zu is %.9g, resident's %.9g", i, k,
-                             (double)r.logits[k], (double)ref.logits[k]);
+        expect_same_logits(&r, &ref, n, "recompute", i);
         for (int l = 0; l < c->n_layers; l++) {
             ck_assert_uint_gt(r.layers[l].tokens_recomputed, 0);
             ck_assert_uint_eq(r.layers[l].tokens_recomputed, r.layers[l].tokens_considered);
