@@ -246,8 +246,10 @@ typedef struct gemm_job {
     int m, n, k, chunks;
 } gemm_job;
 
-static void gemm_job_chunk(const gemm_job *g, int p)
+static void gemm_job_chunk(void *arg, int p, int slot)
 {
+    (void)slot;
+    const gemm_job *g = arg;
     /* chunk boundaries on multiples of 24 columns (whole tiles of 3, 4, 6 and 8): speed only */
     int j0 = (int)((long)g->n * p / g->chunks / 24 * 24);
     int j1 = p + 1 == g->chunks ? g->n : (int)((long)g->n * (p + 1) / g->chunks / 24 * 24);
@@ -266,13 +268,13 @@ static void gemm_job_chunk(const gemm_job *g, int p)
                 g->y[(size_t)i * g->n + j] += g->bias[j];
 }
 
-/* The worker pool: threads that live for the process (started on first use; a forked child
- * starts its own). A call is cut into column chunks that the caller and the workers claim one at
- * a time, so a worker that is slow to wake (asleep, or off its cpu on a busy machine) leaves its
- * chunks to the caller instead of holding the call up. One caller at a time owns the pool (busy);
- * a caller that finds it taken — the cpu backend's streams are threads, so calls come from
- * several threads at once — does its whole call itself. Workers spin a short while after each
- * call, since a forward pass's GEMMs come microseconds apart, and then sleep.
+/* The worker pool (cpu_pool_run): threads that live for the process (started on first use; a
+ * forked child starts its own). A call is cut into chunks (a GEMM's: columns) that the caller and
+ * the workers claim one at a time, so a worker that is slow to wake (asleep, or off its cpu on a
+ * busy machine) leaves its chunks to the caller instead of holding the call up. One caller at a
+ * time owns the pool (busy); a caller that finds it taken — the cpu backend's streams are threads,
+ * so calls come from several threads at once — does its whole call itself. Workers spin a short
+ * while after each call, since a forward pass's GEMMs come microseconds apart, and then sleep.
  *
  * ticket holds the call's generation (bits 32..63), the next chunk to claim (16..31) and the
  * chunk count (0..15): a claim is a compare-and-swap on it, so a worker still holding an older
@@ -284,13 +286,14 @@ static struct {
     pthread_mutex_t busy; /* held by the caller that owns the pool for one call */
     pthread_mutex_t mu;   /* guards sleepers and the wake-up */
     pthread_cond_t wake;
-    _Atomic uint64_t ticket;    /* generation | next chunk | chunks */
-    atomic_int done;            /* chunks of the current call finished */
-    atomic_int allowed;         /* workers that may take part in the current call */
-    atomic_ulong worker_chunks; /* chunks the workers have run, ever (cpu_gemm_pool_chunks) */
-    int sleepers;               /* workers waiting on wake (under mu) */
-    int workers;                /* threads started (under busy) */
-    gemm_job job;               /* the current call (written under busy before ticket) */
+    _Atomic uint64_t ticket;      /* generation | next chunk | chunks */
+    atomic_int done;              /* chunks of the current call finished */
+    atomic_int allowed;           /* workers that may take part in the current call */
+    atomic_ulong worker_chunks;   /* chunks the workers have run, ever (cpu_gemm_pool_chunks) */
+    int sleepers;                 /* workers waiting on wake (under mu) */
+    int workers;                  /* threads started (under busy) */
+    void (*fn)(void *, int, int); /* the current call (written under busy before ticket) */
+    void *arg;
 } g_pool = {.busy = PTHREAD_MUTEX_INITIALIZER,
             .mu = PTHREAD_MUTEX_INITIALIZER,
             .wake = PTHREAD_COND_INITIALIZER};
@@ -307,8 +310,9 @@ static inline void cpu_relax(void)
 #endif
 }
 
-/* Claims and runs chunks of the call in ticket t until none is left; returns how many it ran. */
-static unsigned pool_drain(uint64_t t)
+/* Claims and runs chunks of the call in ticket t until none is left, as thread `slot`; returns
+ * how many it ran. */
+static unsigned pool_drain(uint64_t t, int slot)
 {
     for (unsigned ran = 0;; ran++) {
         uint64_t next = (t >> 16) & 0xffff, chunks = t & 0xffff;
@@ -316,7 +320,7 @@ static unsigned pool_drain(uint64_t t)
             return ran;
         if (atomic_compare_exchange_weak_explicit(&g_pool.ticket, &t, t + (1u << 16),
                                                   memory_order_acquire, memory_order_relaxed)) {
-            gemm_job_chunk(&g_pool.job, (int)next);
+            g_pool.fn(g_pool.arg, (int)next, slot);
             atomic_fetch_add_explicit(&g_pool.done, 1, memory_order_release);
             t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
         }
@@ -343,7 +347,8 @@ static void *pool_main(void *arg)
         }
         seen = t >> 32;
         if (idx < atomic_load_explicit(&g_pool.allowed, memory_order_relaxed))
-            atomic_fetch_add_explicit(&g_pool.worker_chunks, pool_drain(t), memory_order_relaxed);
+            atomic_fetch_add_explicit(&g_pool.worker_chunks, pool_drain(t, idx + 1),
+                                      memory_order_relaxed);
     }
     return NULL;
 }
@@ -418,9 +423,36 @@ int cpu_gemm_threads(void)
     return n < GEMM_MAX_THREADS ? n : GEMM_MAX_THREADS;
 }
 
-/* Below this many multiply-adds a call runs on its caller alone: handing work to a spinning
- * worker costs about a microsecond, to a sleeping one tens. */
-#define GEMM_POOL_MIN_MACS 65536.0
+void cpu_pool_run(void (*fn)(void *arg, int chunk, int slot), void *arg, int chunks, int threads)
+{
+    if (threads < 2 || chunks < 2 || pthread_mutex_trylock(&g_pool.busy) != 0) {
+        for (int c = 0; c < chunks; c++)
+            fn(arg, c, 0);
+        return;
+    }
+    if (chunks > 0xffff)
+        chunks = 0xffff; /* never: callers keep to a few per thread */
+    int workers = pool_grow(threads - 1);
+    atomic_store_explicit(&g_pool.allowed, workers < threads - 1 ? workers : threads - 1,
+                          memory_order_relaxed);
+    g_pool.fn = fn;
+    g_pool.arg = arg;
+    atomic_store_explicit(&g_pool.done, 0, memory_order_relaxed);
+    uint64_t gen = (atomic_load_explicit(&g_pool.ticket, memory_order_relaxed) >> 32) + 1;
+    uint64_t t = gen << 32 | (uint64_t)chunks;
+    atomic_store_explicit(&g_pool.ticket, t, memory_order_release);
+    pthread_mutex_lock(&g_pool.mu);
+    if (g_pool.sleepers)
+        pthread_cond_broadcast(&g_pool.wake);
+    pthread_mutex_unlock(&g_pool.mu);
+    pool_drain(t, 0);
+    for (unsigned i = 0; atomic_load_explicit(&g_pool.done, memory_order_acquire) < chunks; i++)
+        if ((i & 255) == 255)
+            sched_yield(); /* a worker's chunk, its thread maybe off its cpu */
+        else
+            cpu_relax();
+    pthread_mutex_unlock(&g_pool.busy);
+}
 
 void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, const float *bias,
                      int m, int n, int k)
@@ -430,29 +462,10 @@ void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, con
     g.chunks = threads * GEMM_CHUNKS_PER_THREAD;
     if (g.chunks > n / 24)
         g.chunks = n / 24; /* at least a few tiles of columns each */
-    if (threads < 2 || g.chunks < 2 || (double)m * n * k < GEMM_POOL_MIN_MACS ||
-        pthread_mutex_trylock(&g_pool.busy) != 0) {
-        g.chunks = 1;
-        gemm_job_chunk(&g, 0);
+    if (threads < 2 || g.chunks < 2 || (double)m * n * k < CPU_POOL_MIN_MACS) {
+        g.chunks = 1; /* one chunk: the rows stream the weights once */
+        gemm_job_chunk(&g, 0, 0);
         return;
     }
-    int workers = pool_grow(threads - 1);
-    atomic_store_explicit(&g_pool.allowed, workers < threads - 1 ? workers : threads - 1,
-                          memory_order_relaxed);
-    g_pool.job = g;
-    atomic_store_explicit(&g_pool.done, 0, memory_order_relaxed);
-    uint64_t gen = (atomic_load_explicit(&g_pool.ticket, memory_order_relaxed) >> 32) + 1;
-    uint64_t t = gen << 32 | (uint64_t)g.chunks;
-    atomic_store_explicit(&g_pool.ticket, t, memory_order_release);
-    pthread_mutex_lock(&g_pool.mu);
-    if (g_pool.sleepers)
-        pthread_cond_broadcast(&g_pool.wake);
-    pthread_mutex_unlock(&g_pool.mu);
-    pool_drain(t);
-    for (unsigned i = 0; atomic_load_explicit(&g_pool.done, memory_order_acquire) < g.chunks; i++)
-        if ((i & 255) == 255)
-            sched_yield(); /* a worker's chunk, its thread maybe off its cpu */
-        else
-            cpu_relax();
-    pthread_mutex_unlock(&g_pool.busy);
+    cpu_pool_run(gemm_job_chunk, &g, g.chunks, threads);
 }

@@ -2,6 +2,8 @@
 #include "gpuworker/cpu_ops.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 void cpu_norm(float *out, const float *in, const float *w, const float *b, int m, int d, float eps)
@@ -106,45 +108,215 @@ static inline const float *cache_row(const void *kv, size_t i, int hd, rekv_dtyp
     return buf;
 }
 
-void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, int m, int start,
-                   int n_heads, int n_kv, int hd, const int32_t *skip, float *scores)
+/* cpu_attention's work is cut into units — one sequence, one KV head and up to ATT_QUERY_ROWS
+ * query rows (fewer as the group grows, so a unit holds at most ATT_QUERIES queries) — that share
+ * each K and V row, widened once; the pool runs them. Keys go in tiles of ATT_TILE, transposed, so
+ * that the dot products of a tile run in vector lanes, one key per lane, each the sequential sum
+ * over the head dimension that a scalar loop makes: the same bits, 8 keys at a time. */
+enum { ATT_TILE = 64, ATT_QUERIES = 16, ATT_CHUNKS_PER_THREAD = 8 };
+#define ATT_SLOT_FLOATS (1u << 18) /* a thread's scores scratch: ATT_QUERIES * context, capped */
+
+typedef struct att_call {
+    float *out;
+    const float *q;
+    const rekv_attn_seq *seqs;
+    const int *first; /* [n_seqs + 1]: each sequence's first unit */
+    int n_seqs, n_heads, n_kv, hd, rows_per_unit, units, chunks;
+    rekv_dtype dt;
+    float *scratch; /* per slot: cap * ctx floats */
+    size_t slot_floats;
+    int cap; /* queries whose scores a slot holds at once */
+} att_call;
+
+/* Unit queries k0..k0+nq-1 of rows r0.. of sequence sq, KV head g: query k is row r0 + k / group,
+ * head g * group + k % group. */
+static inline __attribute__((always_inline)) void att_unit_body(const att_call *a,
+                                                                const rekv_attn_seq *sq, int g,
+                                                                int r0, int nq, float *scores,
+                                                                int cap)
 {
+    int hd = a->hd, n_kv = a->n_kv, group = a->n_heads / a->n_kv;
+    size_t qd = (size_t)a->n_heads * (size_t)hd, vs = rekv_kv_v_shift(n_kv, hd);
     float scale = 1.0f / sqrtf((float)hd);
-    int group = n_heads / n_kv;
-    size_t vs = rekv_kv_v_shift(n_kv, hd);
-    float buf[hd > 0 ? hd : 1]; /* a widened row */
-    for (int i = 0; i < m; i++) {
-        int n_ctx = start + i + 1; /* causal: positions 0..start+i */
-        for (int h = 0; h < n_heads; h++) {
-            const float *qh = q + ((size_t)i * n_heads + h) * hd;
-            int t0 = skip ? skip[h / group] : 0;
-            float mx = -INFINITY;
-            for (int t = t0; t < n_ctx; t++) {
-                const float *kt = cache_row(kv, rekv_kv_row(n_kv, hd, h / group, t), hd, dt, buf);
-                float d = 0;
+    int t0 = sq->skip ? sq->skip[g] : 0;
+    float kt[hd * ATT_TILE], buf[hd], inv[cap];
+    for (int q0 = 0; q0 < nq; q0 += cap) {
+        int nb = nq - q0 < cap ? nq - q0 : cap;
+        int tend = sq->start + r0 + (q0 + nb - 1) / group + 1; /* the batch's longest context */
+        const float *qv[nb];
+        float *ov[nb];
+        int nctx[nb];
+        for (int k = 0; k < nb; k++) {
+            int r = r0 + (q0 + k) / group, h = g * group + (q0 + k) % group;
+            qv[k] = a->q + ((size_t)(sq->row0 + r)) * qd + (size_t)h * hd;
+            ov[k] = a->out + ((size_t)(sq->row0 + r)) * qd + (size_t)h * hd;
+            nctx[k] = sq->start + r + 1; /* causal: positions 0..start+r */
+        }
+        for (int t = t0; t < tend; t += ATT_TILE) {
+            int nt = tend - t < ATT_TILE ? tend - t : ATT_TILE;
+            for (int tt = 0; tt < ATT_TILE; tt++) {
+                const float *kr =
+                    tt < nt ? cache_row(sq->kv, rekv_kv_row(n_kv, hd, g, t + tt), hd, a->dt, buf)
+                            : NULL;
                 for (int j = 0; j < hd; j++)
-                    d += qh[j] * kt[j];
-                scores[t] = d * scale;
-                if (scores[t] > mx)
-                    mx = scores[t];
+                    kt[j * ATT_TILE + tt] = kr ? kr[j] : 0.0f;
             }
-            float sum = 0;
-            for (int t = t0; t < n_ctx; t++) {
-                scores[t] = expf(scores[t] - mx);
-                sum += scores[t];
+            for (int k = 0; k < nb; k++) {
+                float acc[ATT_TILE];
+                for (int tt = 0; tt < ATT_TILE; tt++)
+                    acc[tt] = 0;
+                for (int j = 0; j < hd; j++) {
+                    float qj = qv[k][j];
+                    const float *kj = kt + j * ATT_TILE;
+                    for (int tt = 0; tt < ATT_TILE; tt++)
+                        acc[tt] += qj * kj[tt];
+                }
+                float *sc = scores + (size_t)k * tend + t;
+                for (int tt = 0; tt < nt; tt++)
+                    sc[tt] = acc[tt] * scale;
             }
-            float inv = 1.0f / sum;
-            float *oh = out + ((size_t)i * n_heads + h) * hd;
-            memset(oh, 0, sizeof(float) * (size_t)hd);
-            for (int t = t0; t < n_ctx; t++) {
-                const float *vt =
-                    cache_row(kv, rekv_kv_row(n_kv, hd, h / group, t) + vs, hd, dt, buf);
-                float p = scores[t] * inv;
+        }
+        for (int k = 0; k < nb; k++) {
+            float *sc = scores + (size_t)k * tend, mx = -INFINITY, sum = 0;
+            for (int t = t0; t < nctx[k]; t++)
+                if (sc[t] > mx)
+                    mx = sc[t];
+            for (int t = t0; t < nctx[k]; t++) {
+                sc[t] = expf(sc[t] - mx);
+                sum += sc[t];
+            }
+            inv[k] = 1.0f / sum;
+            memset(ov[k], 0, sizeof(float) * (size_t)hd);
+        }
+        for (int t = t0; t < tend; t++) {
+            const float *vt = cache_row(sq->kv, rekv_kv_row(n_kv, hd, g, t) + vs, hd, a->dt, buf);
+            for (int k = 0; k < nb; k++) {
+                if (t >= nctx[k])
+                    continue;
+                float p = scores[(size_t)k * tend + t] * inv[k];
+                float *oh = ov[k];
                 for (int j = 0; j < hd; j++)
                     oh[j] += p * vt[j];
             }
         }
     }
+}
+
+static void att_unit_portable(const att_call *a, const rekv_attn_seq *sq, int g, int r0, int nq,
+                              float *scores, int cap)
+{
+    att_unit_body(a, sq, g, r0, nq, scores, cap);
+}
+
+#if defined(__x86_64__)
+/* the same loops in AVX2's 8 lanes (no FMA: a multiply and an add, each rounded, as above) */
+__attribute__((target("avx2"))) static void att_unit_avx2(const att_call *a,
+                                                          const rekv_attn_seq *sq, int g, int r0,
+                                                          int nq, float *scores, int cap)
+{
+    att_unit_body(a, sq, g, r0, nq, scores, cap);
+}
+#endif
+
+static void att_chunk(void *arg, int c, int slot)
+{
+    const att_call *a = arg;
+    int group = a->n_heads / a->n_kv;
+    int u0 = (int)((long)a->units * c / a->chunks),
+        u1 = (int)((long)a->units * (c + 1) / a->chunks);
+    float *scores = a->scratch + (size_t)slot * a->slot_floats;
+#if defined(__x86_64__)
+    int avx2 = __builtin_cpu_supports("avx2");
+#endif
+    int i = 0;
+    for (int u = u0; u < u1; u++) {
+        while (u >= a->first[i + 1])
+            i++;
+        const rekv_attn_seq *sq = &a->seqs[i];
+        int blocks = (sq->n + a->rows_per_unit - 1) / a->rows_per_unit, local = u - a->first[i];
+        int g = local / blocks, r0 = local % blocks * a->rows_per_unit;
+        int rows = sq->n - r0 < a->rows_per_unit ? sq->n - r0 : a->rows_per_unit;
+#if defined(__x86_64__)
+        if (avx2) {
+            att_unit_avx2(a, sq, g, r0, rows * group, scores, a->cap);
+            continue;
+        }
+#endif
+        att_unit_portable(a, sq, g, r0, rows * group, scores, a->cap);
+    }
+}
+
+/* A thread's own growing scratch (freed with the thread), or NULL. */
+static pthread_key_t g_scratch_key;
+static int g_scratch_key_ok;
+static pthread_once_t g_scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_key_make(void)
+{
+    g_scratch_key_ok = pthread_key_create(&g_scratch_key, free) == 0;
+}
+
+static float *thread_scratch(size_t n)
+{
+    pthread_once(&g_scratch_once, scratch_key_make);
+    if (!g_scratch_key_ok)
+        return NULL;
+    size_t *b = pthread_getspecific(g_scratch_key); /* b[0]: floats it holds, then the floats */
+    if (b && b[0] >= n)
+        return (float *)(b + 1);
+    size_t *nb = malloc(sizeof(size_t) + n * sizeof(float));
+    if (nb == NULL || pthread_setspecific(g_scratch_key, nb) != 0) {
+        free(nb);
+        return NULL;
+    }
+    free(b);
+    nb[0] = n;
+    return (float *)(nb + 1);
+}
+
+void cpu_attention(float *out, const float *q, const rekv_attn_seq *seqs, int n_seqs, int n_heads,
+                   int n_kv, int hd, rekv_dtype dt, float *scores)
+{
+    int group = n_heads / n_kv;
+    int rows_per_unit = ATT_QUERIES / group > 1 ? ATT_QUERIES / group : 1;
+    int first[n_seqs + 1], ctx = 1;
+    double macs = 0;
+    first[0] = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        int blocks = (seqs[i].n + rows_per_unit - 1) / rows_per_unit;
+        first[i + 1] = first[i] + blocks * n_kv;
+        if (seqs[i].start + seqs[i].n > ctx)
+            ctx = seqs[i].start + seqs[i].n;
+        macs += 2.0 * seqs[i].n * (seqs[i].start + seqs[i].n) * n_heads * hd;
+    }
+    att_call a = {.out = out,
+                  .q = q,
+                  .seqs = seqs,
+                  .first = first,
+                  .n_seqs = n_seqs,
+                  .n_heads = n_heads,
+                  .n_kv = n_kv,
+                  .hd = hd,
+                  .rows_per_unit = rows_per_unit,
+                  .units = first[n_seqs],
+                  .dt = dt};
+    if (a.units == 0)
+        return;
+    int threads = macs < CPU_POOL_MIN_MACS ? 1 : cpu_gemm_threads();
+    a.chunks = threads > 1 ? threads * ATT_CHUNKS_PER_THREAD : 1;
+    if (a.chunks > a.units)
+        a.chunks = a.units;
+    a.cap = (int)(ATT_SLOT_FLOATS / (size_t)ctx);
+    a.cap = a.cap < 1 ? 1 : a.cap > ATT_QUERIES ? ATT_QUERIES : a.cap;
+    a.slot_floats = (size_t)a.cap * (size_t)ctx;
+    a.scratch = thread_scratch((size_t)threads * a.slot_floats);
+    if (a.scratch == NULL) { /* one query at a time in the caller's scratch */
+        a.scratch = scores;
+        a.cap = 1;
+        a.slot_floats = 0;
+        threads = 1;
+    }
+    cpu_pool_run(att_chunk, &a, a.chunks, threads);
 }
 
 void cpu_head_proj(float *out, float *const *out_rows, const float *in, const float *a, int rows,

@@ -26,6 +26,14 @@ void cpu_gemm_rowinv_portable(float *y, const float *x, const void *w, rekv_dtyp
 int cpu_gemm_set_threads(int n);
 int cpu_gemm_threads(void);
 unsigned long cpu_gemm_pool_chunks(void);
+/* Runs fn(arg, c, slot) once for every chunk c in [0, chunks) on the caller and the pool's workers,
+ * each claiming one chunk at a time, and returns when all are done; slot, in [0, threads), names
+ * the thread that runs it (0: the caller), for scratch of its own. All on the caller, slot 0,
+ * when threads or chunks are below 2 or another thread's call holds the pool. */
+void cpu_pool_run(void (*fn)(void *arg, int chunk, int slot), void *arg, int chunks, int threads);
+/* Below this many multiply-adds a call runs on its caller alone: handing work to a spinning
+ * worker costs about a microsecond, to a sleeping one tens. */
+#define CPU_POOL_MIN_MACS 65536.0
 
 /* In place over m rows of width d: LayerNorm (bias != NULL) or RMSNorm (bias == NULL). */
 void cpu_layernorm(float *x, const float *w, const float *b, int m, int d, float eps);
@@ -42,12 +50,16 @@ void cpu_rope(float *x, const float *cos_t, const float *sin_t, int m, int n_hea
 /* In place: relu / gelu (erf) / silu over n elements; gate variant: a[i] = silu(a[i]) * b[i]. */
 void cpu_activation(float *a, const float *b, size_t n, rekv_act act);
 
-/* Causal attention of one sequence: q [m][n_heads*hd] for new tokens at positions start..start+m-1,
- * over the cache kv (kvlayout.h) in dtype dt (16-bit rows are widened exactly) holding positions
- * 0..start+m-1. out [m][n_heads*hd]. scores: scratch of start+m floats. skip: NULL, or [n_kv]
- * slots of each KV head left out (kernels.h rekv_attn_seq). */
-void cpu_attention(float *out, const float *q, const void *kv, rekv_dtype dt, int m, int start,
-                   int n_heads, int n_kv, int hd, const int32_t *skip, float *scores);
+/* Causal attention of n_seqs sequences (kernels.h rekv_attn_seq: each one's new rows at
+ * positions start..start+n-1 over its cache kv, kvlayout.h, in dtype dt, 16-bit rows widened
+ * exactly; skip: each KV head's slots left out): q, out [rows][n_heads*hd], each sequence's at its
+ * row0. Each output is computed in one fixed order — a query's score of key t is the sequential
+ * sum over the head dimension, the softmax a max, expf and sequential sum over t, the output the
+ * sequential sum over t of p_t * v_t — whatever the rows, the company or the threads (the pool's:
+ * units of a KV head and a few rows share each widened K and V row). scores: scratch of
+ * max(start + n) floats, used when per-thread scratch cannot be allocated. */
+void cpu_attention(float *out, const float *q, const rekv_attn_seq *seqs, int n_seqs, int n_heads,
+                   int n_kv, int hd, rekv_dtype dt, float *scores);
 
 /* infinigen (kernels.h head_proj, spec_scores): the reference loops */
 void cpu_head_proj(float *out, float *const *out_rows, const float *in, const float *a, int rows,

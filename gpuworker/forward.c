@@ -320,16 +320,17 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
     }
     if (e->tap)
         e->tap(e->tap_ctx, layer, e->q, e->k, e->v, T);
+    rekv_attn_seq sq[n_items];
     int row = 0;
     for (int b = 0; b < n_items; b++) {
         rekv_seq *s = items[b].seq;
         int m = items[b].n_tokens;
         cache_store(s, layer, e->k + (size_t)row * KV, e->v + (size_t)row * KV, m, s->len);
-        cpu_attention(e->att + (size_t)row * Q, e->q + (size_t)row * Q, layer_cache(s, layer),
-                      REKV_DTYPE_F32, m, s->len, c->n_heads, c->n_kv_heads, c->head_dim, NULL,
-                      e->scores);
+        sq[b] = (rekv_attn_seq){layer_cache(s, layer), s->len, m, row, NULL};
         row += m;
     }
+    cpu_attention(e->att, e->q, sq, n_items, c->n_heads, c->n_kv_heads, c->head_dim, REKV_DTYPE_F32,
+                  e->scores);
     cpu_gemm_rowinv(e->h, e->att, L->wo, e->wdtype, L->bo, T, H, Q);
 }
 

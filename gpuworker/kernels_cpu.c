@@ -204,12 +204,7 @@ typedef struct attn_args {
 static void run_attention(void *p)
 {
     attn_args *a = p;
-    size_t qd = (size_t)a->n_heads * (size_t)a->hd;
-    for (int i = 0; i < a->n_seqs; i++) {
-        const rekv_attn_seq *sq = &a->seqs[i];
-        cpu_attention(a->out + (size_t)sq->row0 * qd, a->q + (size_t)sq->row0 * qd, sq->kv, a->dt,
-                      sq->n, sq->start, a->n_heads, a->n_kv, a->hd, sq->skip, a->scores);
-    }
+    cpu_attention(a->out, a->q, a->seqs, a->n_seqs, a->n_heads, a->n_kv, a->hd, a->dt, a->scores);
 }
 
 static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,

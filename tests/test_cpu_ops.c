@@ -229,6 +229,119 @@ START_TEST(gemm_rowinv_threads_same_bits)
 }
 END_TEST
 
+/* The attention as cpu_ops.h defines it, one query at a time: a key's score the sequential sum over
+ * the head dimension, a sequential softmax, the output the sequential sum over t. */
+static void attention_ref(float *out, const float *q, const rekv_attn_seq *sq, int n_heads,
+                          int n_kv, int hd, rekv_dtype dt)
+{
+    int group = n_heads / n_kv;
+    size_t qd = (size_t)n_heads * hd, vs = rekv_kv_v_shift(n_kv, hd);
+    float *sc = malloc(sizeof(float) * (size_t)(sq->start + sq->n)),
+          *k = malloc(sizeof(float) * hd), *v = malloc(sizeof(float) * hd);
+    for (int i = 0; i < sq->n; i++)
+        for (int h = 0; h < n_heads; h++) {
+            int g = h / group, t0 = sq->skip ? sq->skip[g] : 0, n_ctx = sq->start + i + 1;
+            const float *qh = q + (size_t)(sq->row0 + i) * qd + (size_t)h * hd;
+            float *oh = out + (size_t)(sq->row0 + i) * qd + (size_t)h * hd, mx = -INFINITY, sum = 0;
+            for (int t = t0; t < n_ctx; t++) {
+                rekv_to_f32(
+                    k, (const char *)sq->kv + rekv_kv_row(n_kv, hd, g, t) * rekv_dtype_size(dt), dt,
+                    (size_t)hd);
+                float d = 0;
+                for (int j = 0; j < hd; j++)
+                    d += qh[j] * k[j];
+                sc[t] = d * (1.0f / sqrtf((float)hd));
+                mx = sc[t] > mx ? sc[t] : mx;
+            }
+            for (int t = t0; t < n_ctx; t++) {
+                sc[t] = expf(sc[t] - mx);
+                sum += sc[t];
+            }
+            float inv = 1.0f / sum;
+            memset(oh, 0, sizeof(float) * hd);
+            for (int t = t0; t < n_ctx; t++) {
+                rekv_to_f32(v,
+                            (const char *)sq->kv +
+                                (rekv_kv_row(n_kv, hd, g, t) + vs) * rekv_dtype_size(dt),
+                            dt, (size_t)hd);
+                float p = sc[t] * inv;
+                for (int j = 0; j < hd; j++)
+                    oh[j] += p * v[j];
+            }
+        }
+    free(sc), free(k), free(v);
+}
+
+/* cpu_attention against the one-query-at-a-time definition, bit for bit: MHA and GQA (groups
+ * past ATT_QUERIES too), head_dim off the vector width, f32 and f16 caches, decode rows, prompts
+ * and chunks after a context, skipped slots, a context long enough that a thread's scratch holds
+ * fewer queries than a unit has, one thread and two (until the pool's workers took part), and each
+ * sequence alone against all in one call. */
+START_TEST(attention_fixed_order)
+{
+    static const int shapes[][3] = {{4, 4, 16}, {8, 2, 20}, {6, 3, 8}, {32, 1, 8}, {2, 2, 64}};
+    /* start, n */
+    static const int seqs_sn[][2] = {{100, 1}, {0, 37}, {50, 20}, {0, 1}, {17, 3}, {20000, 16}};
+    static const rekv_dtype dts[] = {REKV_DTYPE_F32, REKV_DTYPE_F16};
+    enum { NS = sizeof(seqs_sn) / sizeof(seqs_sn[0]) };
+    unsigned long chunks0 = cpu_gemm_pool_chunks();
+    for (size_t sh = 0; sh < sizeof(shapes) / sizeof(shapes[0]); sh++)
+        for (int d = 0; d < 2; d++)
+            for (int with_skip = 0; with_skip < 2; with_skip++) {
+                int nh = shapes[sh][0], nkv = shapes[sh][1], hd = shapes[sh][2];
+                rekv_dtype dt = dts[d];
+                size_t qd = (size_t)nh * hd, es = rekv_dtype_size(dt);
+                rekv_attn_seq sq[NS];
+                int32_t skip[NS][32];
+                int rows = 0, ctx = 0;
+                for (int i = 0; i < NS; i++) {
+                    int len = seqs_sn[i][0] + seqs_sn[i][1];
+                    size_t elems = rekv_kv_buffer_elems(nkv, hd, len);
+                    float *f = frands(elems);
+                    void *kv = malloc(elems * es);
+                    rekv_from_f32(kv, f, dt, elems);
+                    free(f);
+                    for (int g = 0; g < nkv; g++)
+                        skip[i][g] = with_skip ? irand(seqs_sn[i][0] + 1) : 0;
+                    sq[i] = (rekv_attn_seq){kv, seqs_sn[i][0], seqs_sn[i][1], rows,
+                                            with_skip ? skip[i] : NULL};
+                    rows += seqs_sn[i][1];
+                    ctx = len > ctx ? len : ctx;
+                }
+                float *q = frands((size_t)rows * qd), *ref = malloc(sizeof(float) * rows * qd),
+                      *out = malloc(sizeof(float) * rows * qd),
+                      *scores = malloc(sizeof(float) * ctx);
+                for (int i = 0; i < NS; i++)
+                    attention_ref(ref, q, &sq[i], nh, nkv, hd, dt);
+                for (int t = 1; t <= 2; t++) {
+                    cpu_gemm_set_threads(t);
+                    unsigned long c0 = cpu_gemm_pool_chunks();
+                    for (int rep = 0;
+                         rep < 50 && (rep < 1 || (t > 1 && cpu_gemm_pool_chunks() == c0)); rep++) {
+                        memset(out, 0xff, sizeof(float) * rows * qd);
+                        cpu_attention(out, q, sq, NS, nh, nkv, hd, dt, scores);
+                        ck_assert_msg(memcmp(out, ref, sizeof(float) * rows * qd) == 0,
+                                      "heads %d/%d hd %d %s skip %d, %d threads: differs", nh, nkv,
+                                      hd, rekv_dtype_name(dt), with_skip, t);
+                    }
+                    for (int i = 0; i < NS; i++) { /* alone in a call */
+                        memset(out, 0xff, sizeof(float) * rows * qd);
+                        cpu_attention(out, q, &sq[i], 1, nh, nkv, hd, dt, scores);
+                        size_t o = (size_t)sq[i].row0 * qd, n = (size_t)sq[i].n * qd;
+                        ck_assert_msg(memcmp(out + o, ref + o, sizeof(float) * n) == 0,
+                                      "heads %d/%d hd %d %s: sequence %d alone differs", nh, nkv,
+                                      hd, rekv_dtype_name(dt), i);
+                    }
+                }
+                for (int i = 0; i < NS; i++)
+                    free(sq[i].kv);
+                free(q), free(ref), free(out), free(scores);
+            }
+    cpu_gemm_set_threads(0);
+    ck_assert_msg(cpu_gemm_pool_chunks() > chunks0, "the pool's workers never took part");
+}
+END_TEST
+
 START_TEST(dtype_conversions)
 {
     /* f16: exact values, rounding to nearest even, subnormals, overflow, NaN */
@@ -289,6 +402,7 @@ static Suite *suite(void)
     tcase_add_test(tc, gemm_rowinv_16bit_weights_equal_widened);
     tcase_add_test(tc, gemm_rowinv_rows_1_to_70);
     tcase_add_test(tc, gemm_rowinv_threads_same_bits);
+    tcase_add_test(tc, attention_fixed_order);
     tcase_add_test(tc, dtype_conversions);
     suite_add_tcase(s, tc);
     return s;
