@@ -116,6 +116,8 @@ static inline const float *cache_row(const void *kv, size_t i, int hd, rekv_dtyp
 enum { ATT_TILE = 64, ATT_QUERIES = 16, ATT_CHUNKS_PER_THREAD = 8 };
 #define ATT_SLOT_FLOATS (1u << 18) /* a thread's scores scratch: ATT_QUERIES * context, capped */
 
+typedef float att_v8 __attribute__((vector_size(32)));
+
 typedef struct att_call {
     float *out;
     const float *q;
@@ -162,18 +164,19 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
                     kt[j * ATT_TILE + tt] = kr ? kr[j] : 0.0f;
             }
             for (int k = 0; k < nb; k++) {
-                float acc[ATT_TILE];
-                for (int tt = 0; tt < ATT_TILE; tt++)
-                    acc[tt] = 0;
+                att_v8 acc[ATT_TILE / 8] = {0}; /* key tt in lane tt % 8 of acc[tt / 8] */
                 for (int j = 0; j < hd; j++) {
                     float qj = qv[k][j];
-                    const float *kj = kt + j * ATT_TILE;
-                    for (int tt = 0; tt < ATT_TILE; tt++)
-                        acc[tt] += qj * kj[tt];
+#pragma GCC unroll 8
+                    for (int i = 0; i < ATT_TILE / 8; i++) {
+                        att_v8 kv;
+                        memcpy(&kv, kt + j * ATT_TILE + 8 * i, sizeof(kv));
+                        acc[i] += qj * kv;
+                    }
                 }
                 float *sc = scores + (size_t)k * tend + t;
                 for (int tt = 0; tt < nt; tt++)
-                    sc[tt] = acc[tt] * scale;
+                    sc[tt] = acc[tt / 8][tt % 8] * scale;
             }
         }
         for (int k = 0; k < nb; k++) {
@@ -195,7 +198,15 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
                     continue;
                 float p = scores[(size_t)k * tend + t] * inv[k];
                 float *oh = ov[k];
-                for (int j = 0; j < hd; j++)
+                int j = 0;
+                for (; j + 8 <= hd; j += 8) { /* 8 lanes (two SSE halves without AVX2) */
+                    att_v8 o, v;
+                    memcpy(&o, oh + j, sizeof(o));
+                    memcpy(&v, vt + j, sizeof(v));
+                    o += p * v;
+                    memcpy(oh + j, &o, sizeof(o));
+                }
+                for (; j < hd; j++)
                     oh[j] += p * vt[j];
             }
         }
