@@ -396,7 +396,6 @@ double rekv_plan_mb_mean_fb(const rekv_cost_profile *prof, int block_tokens,
 
 /* ---------------------------------------------------------------- chooser */
 
-/* Link time of one copy of `bytes` (nothing, not even latency, when empty). */
 /* The cost of one step's link and compute sides from its bytes and FLOP. */
 static void step_times(const rekv_cost_profile *prof, const rekv_kvpr_params *p, double x_bytes,
                        double kv_bytes, double recomp, double spec, rekv_step_cost *out)

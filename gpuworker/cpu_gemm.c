@@ -425,13 +425,13 @@ int cpu_gemm_threads(void)
 
 void cpu_pool_run(void (*fn)(void *arg, int chunk, int slot), void *arg, int chunks, int threads)
 {
-    if (threads < 2 || chunks < 2 || pthread_mutex_trylock(&g_pool.busy) != 0) {
+    /* the ticket counts chunks in 16 bits: more (never: callers keep to a few per thread) run
+     * on the caller rather than be lost */
+    if (threads < 2 || chunks < 2 || chunks > 0xffff || pthread_mutex_trylock(&g_pool.busy) != 0) {
         for (int c = 0; c < chunks; c++)
             fn(arg, c, 0);
         return;
     }
-    if (chunks > 0xffff)
-        chunks = 0xffff; /* never: callers keep to a few per thread */
     int workers = pool_grow(threads - 1);
     atomic_store_explicit(&g_pool.allowed, workers < threads - 1 ? workers : threads - 1,
                           memory_order_relaxed);

@@ -112,11 +112,11 @@ static inline const float *cache_row(const void *kv, size_t i, int hd, rekv_dtyp
     return buf;
 }
 
-/* cpu_attention's work is cut into units — one sequence, one KV head and up to ATT_QUERY_ROWS
- * query rows (fewer as the group grows, so a unit holds at most ATT_QUERIES queries) — that share
- * each K and V row, widened once; the pool runs them. Keys go in tiles of ATT_TILE, transposed, so
- * that the dot products of a tile run in vector lanes, one key per lane, each the sequential sum
- * over the head dimension that a scalar loop makes: the same bits, 8 keys at a time. */
+/* cpu_attention's work is cut into units — one sequence, one KV head and as many of its query rows
+ * as keep the unit within ATT_QUERIES queries (the group's heads per row; at least one row) — that
+ * share each K and V row, widened once; the pool runs them. Keys go in tiles of ATT_TILE,
+ * transposed, so that the dot products of a tile run in vector lanes, one key per lane, each the
+ * sequential sum over the head dimension that a scalar loop makes: the same bits, 8 at a time. */
 enum { ATT_TILE = 64, ATT_QUERIES = 16, ATT_CHUNKS_PER_THREAD = 8 };
 #define ATT_SLOT_FLOATS (1u << 18) /* a thread's scores scratch: ATT_QUERIES * context, capped */
 
@@ -127,7 +127,7 @@ typedef struct att_call {
     const float *q;
     const rekv_attn_seq *seqs;
     const int *first; /* [n_seqs + 1]: each sequence's first unit */
-    int n_seqs, n_heads, n_kv, hd, rows_per_unit, units, chunks;
+    int n_heads, n_kv, hd, rows_per_unit, units, chunks;
     rekv_dtype dt;
     float *scratch; /* per slot: cap * ctx floats */
     size_t slot_floats;
@@ -296,8 +296,11 @@ static void att_chunk(void *arg, int c, int slot)
     int u0 = (int)((long)a->units * c / a->chunks),
         u1 = (int)((long)a->units * (c + 1) / a->chunks);
     float *scores = a->scratch + (size_t)slot * a->slot_floats;
+    void (*unit)(const att_call *, const rekv_attn_seq *, int, int, int, float *, int) =
+        att_unit_portable;
 #if defined(__x86_64__)
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+        unit = att_unit_avx2;
 #endif
     int i = 0;
     for (int u = u0; u < u1; u++) {
@@ -307,13 +310,7 @@ static void att_chunk(void *arg, int c, int slot)
         int blocks = (sq->n + a->rows_per_unit - 1) / a->rows_per_unit, local = u - a->first[i];
         int g = local / blocks, r0 = local % blocks * a->rows_per_unit;
         int rows = sq->n - r0 < a->rows_per_unit ? sq->n - r0 : a->rows_per_unit;
-#if defined(__x86_64__)
-        if (avx2) {
-            att_unit_avx2(a, sq, g, r0, rows * group, scores, a->cap);
-            continue;
-        }
-#endif
-        att_unit_portable(a, sq, g, r0, rows * group, scores, a->cap);
+        unit(a, sq, g, r0, rows * group, scores, a->cap);
     }
 }
 
@@ -364,7 +361,6 @@ void cpu_attention(float *out, const float *q, const rekv_attn_seq *seqs, int n_
                   .q = q,
                   .seqs = seqs,
                   .first = first,
-                  .n_seqs = n_seqs,
                   .n_heads = n_heads,
                   .n_kv = n_kv,
                   .hd = hd,

@@ -29,7 +29,8 @@ unsigned long cpu_gemm_pool_chunks(void);
 /* Runs fn(arg, c, slot) once for every chunk c in [0, chunks) on the caller and the pool's workers,
  * each claiming one chunk at a time, and returns when all are done; slot, in [0, threads), names
  * the thread that runs it (0: the caller), for scratch of its own. All on the caller, slot 0,
- * when threads or chunks are below 2 or another thread's call holds the pool. */
+ * when threads or chunks are below 2, chunks above 65535, or another thread's call holds the
+ * pool. */
 void cpu_pool_run(void (*fn)(void *arg, int chunk, int slot), void *arg, int chunks, int threads);
 /* Below this many multiply-adds a call runs on its caller alone: handing work to a spinning
  * worker costs about a microsecond, to a sleeping one tens. */
