@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -121,6 +122,112 @@ enum { ATT_TILE = 64, ATT_QUERIES = 16, ATT_CHUNKS_PER_THREAD = 8 };
 #define ATT_SLOT_FLOATS (1u << 18) /* a thread's scores scratch: ATT_QUERIES * context, capped */
 
 typedef float att_v8 __attribute__((vector_size(32)));
+typedef int32_t att_i8 __attribute__((vector_size(32)));
+typedef uint32_t att_u8 __attribute__((vector_size(32)));
+
+/* cpu_expf's steps (Cephes' expf: n = round(x log2 e) by the 1.5 * 2^23 trick, r = x - n ln 2 in
+ * two parts, e^r = 1 + r + r^2 P(r), P of degree 5, times 2^n in the exponent bits). Above EXP_HI
+ * the answer is +inf, below EXP_LO 0: from there on n = -126 needs e^r >= 1 to stay normal. */
+#define EXP_HI 88.0f
+#define EXP_LO (-87.0f)
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_ROUND 12582912.0f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+float cpu_expf(float x)
+{
+    if (x != x)
+        return x;
+    if (x > EXP_HI)
+        return INFINITY;
+    if (x < EXP_LO)
+        return 0.0f;
+    float n = x * EXP_LOG2E + EXP_ROUND;
+    n = n - EXP_ROUND;
+    float r = x - n * EXP_LN2_HI;
+    r = r - n * EXP_LN2_LO;
+    float p = EXP_P0 * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
+    p = p * (r * r) + r + 1.0f;
+    uint32_t b;
+    memcpy(&b, &p, sizeof(b));
+    b += (uint32_t)(int32_t)n << 23;
+    memcpy(&p, &b, sizeof(b));
+    return p;
+}
+
+/* a where mask m is set, else b (att_v8s; m an att_i8 of comparisons) */
+#define ATT_SEL(m, a, b) ((att_v8)(((att_i8)(a) & (m)) | ((att_i8)(b) & ~(m))))
+
+/* cpu_expf in 8 lanes, in place, for x <= 0 or NaN (a softmax's): the same operations, so the
+ * same bits in each */
+static inline __attribute__((always_inline)) void att_exp8(float *xs)
+{
+    att_v8 x;
+    memcpy(&x, xs, sizeof(x));
+    const att_v8 zero = {0}, lo = zero + EXP_LO;
+    att_i8 nan = x != x, under = x < lo;
+    att_v8 xc = ATT_SEL(under, lo, ATT_SEL(nan, zero, x));
+    att_v8 n = xc * EXP_LOG2E + EXP_ROUND;
+    n = n - EXP_ROUND;
+    att_v8 r = xc - n * EXP_LN2_HI;
+    r = r - n * EXP_LN2_LO;
+    att_v8 p = EXP_P0 * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
+    p = p * (r * r) + r + 1.0f;
+    att_u8 b = (att_u8)p + ((att_u8) __builtin_convertvector(n, att_i8) << 23);
+    p = ATT_SEL(under, zero, (att_v8)b);
+    p = ATT_SEL(nan, x, p);
+    memcpy(xs, &p, sizeof(p));
+}
+
+/* Built for AVX2 and for the baseline, picked at load (an ifunc): the same bits either way. */
+__attribute__((target_clones("avx2", "default"))) float cpu_softmax_exp(float *e, const float *s,
+                                                                        int n, float *max)
+{
+    float mx = -INFINITY, sum = 0;
+    int i = 0;
+    att_v8 m8 = {0}, s8 = {0}, v;
+    m8 += -INFINITY;
+    for (; i + 8 <= n; i += 8) {
+        memcpy(&v, s + i, sizeof(v));
+        m8 = ATT_SEL(v > m8, v, m8);
+    }
+    for (int l = 0; l < 8; l++)
+        mx = m8[l] > mx ? m8[l] : mx;
+    for (; i < n; i++)
+        mx = s[i] > mx ? s[i] : mx;
+    for (i = 0; i + 8 <= n; i += 8) {
+        memcpy(&v, s + i, sizeof(v));
+        v -= mx;
+        memcpy(e + i, &v, sizeof(v));
+        att_exp8(e + i);
+        memcpy(&v, e + i, sizeof(v));
+        s8 += v;
+    }
+    for (; i < n; i++) {
+        e[i] = cpu_expf(s[i] - mx);
+        s8[i % 8] += e[i];
+    }
+    for (int l = 0; l < 8; l++)
+        sum += s8[l];
+    if (max)
+        *max = mx;
+    return sum;
+}
 
 typedef struct att_call {
     float *out;
@@ -239,14 +346,8 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
             }
         }
         for (int k = 0; k < nb; k++) {
-            float *sc = scores + (size_t)k * tend, mx = -INFINITY, sum = 0;
-            for (int t = t0; t < nctx[k]; t++)
-                if (sc[t] > mx)
-                    mx = sc[t];
-            for (int t = t0; t < nctx[k]; t++) {
-                sc[t] = expf(sc[t] - mx);
-                sum += sc[t];
-            }
+            float *sc = scores + (size_t)k * tend + t0;
+            float sum = cpu_softmax_exp(sc, sc, nctx[k] - t0, NULL);
             inv[k] = 1.0f / sum;
             memset(ov[k], 0, sizeof(float) * (size_t)hd);
         }

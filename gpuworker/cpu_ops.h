@@ -51,13 +51,22 @@ void cpu_rope(float *x, const float *cos_t, const float *sin_t, int m, int n_hea
 /* In place: relu / gelu (erf) / silu over n elements; gate variant: a[i] = silu(a[i]) * b[i]. */
 void cpu_activation(float *a, const float *b, size_t n, rekv_act act);
 
+/* e^x as the cpu attention's softmax computes it (x <= 0 there): Cephes' expf in multiplies and
+ * adds only, so vector lanes give the same bits; within 2 ulp of exp over [-87, 88], 0 below -87
+ * (e^-87 is 1.4 FLT_MIN) and +inf above 88, NaN for NaN. The same on every machine (no libm). */
+float cpu_expf(float x);
+/* A softmax's numerators: e[t] = cpu_expf(s[t] - m) for t < n, m = the largest s[t] (into *max
+ * unless NULL); e may be s. Returns their sum, in 8 lanes: t in lane t % 8, each lane in order,
+ * then lanes 0..7 in order. */
+float cpu_softmax_exp(float *e, const float *s, int n, float *max);
+
 /* Causal attention of n_seqs sequences (kernels.h rekv_attn_seq: each one's new rows at
  * positions start..start+n-1 over its cache kv, kvlayout.h, in dtype dt, 16-bit rows widened
  * exactly; skip: each KV head's slots left out): q, out [rows][n_heads*hd], each sequence's at its
  * row0. Each output is computed in one fixed order — a query's score of key t is the sequential
- * sum over the head dimension, the softmax a max, expf and sequential sum over t, the output the
- * sequential sum over t of p_t * v_t — whatever the rows, the company or the threads (the pool's:
- * units of a KV head and a few rows share each widened K and V row). scores: scratch of
+ * sum over the head dimension, the softmax cpu_softmax_exp's over the keys attended, the output
+ * the sequential sum over t of p_t * v_t — whatever the rows, the company or the threads (the
+ * pool's: units of a KV head and a few rows share each widened K and V row). scores: scratch of
  * max(start + n) floats, used when per-thread scratch cannot be allocated. */
 void cpu_attention(float *out, const float *q, const rekv_attn_seq *seqs, int n_seqs, int n_heads,
                    int n_kv, int hd, rekv_dtype dt, float *scores);

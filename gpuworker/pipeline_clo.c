@@ -301,7 +301,8 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const rang
                 k = middle;
             if (k < 1)
                 k = 1;
-            float *comb = pl_ig_group_probs(scores, group, g, len, p->ig.scratch);
+            float *comb =
+                pl_ig_group_probs(scores, group, g, len, p->ig.scratch, p->ig.scratch + len, NULL);
             int32_t *sel = p->ig.sel;
             pl_ig_top(comb + REKV_HEADS_SINK, middle, k, p->ig.scratch + len, sel);
             for (int j = 0; j < k; j++)

@@ -311,7 +311,11 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
 void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io);
 int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *buf, int len,
                         int slot, unit_io *io);
-float *pl_ig_group_probs(const float *scores, int group, int g, int len, float *out);
+/* out[t] (t < len): the sum over KV head g's query heads of their softmax of scores ([heads][len]),
+ * head by head, each cpu_softmax_exp's numerators times 1 / their sum; best (unless NULL): each
+ * head's largest score. tmp: len floats. Returns out. */
+float *pl_ig_group_probs(const float *scores, int group, int g, int len, float *out, float *tmp,
+                         float *best);
 void pl_ig_top(const float *v, int len, int m, float *tmp, int32_t *out);
 
 /* pipeline_clo.c */

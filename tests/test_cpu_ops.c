@@ -230,7 +230,7 @@ START_TEST(gemm_rowinv_threads_same_bits)
 END_TEST
 
 /* The attention as cpu_ops.h defines it, one query at a time: a key's score the sequential sum over
- * the head dimension, a sequential softmax, the output the sequential sum over t. */
+ * the head dimension, the softmax's sum in 8 lanes, the output the sequential sum over t. */
 static void attention_ref(float *out, const float *q, const rekv_attn_seq *sq, int n_heads,
                           int n_kv, int hd, rekv_dtype dt)
 {
@@ -253,10 +253,13 @@ static void attention_ref(float *out, const float *q, const rekv_attn_seq *sq, i
                 sc[t] = d * (1.0f / sqrtf((float)hd));
                 mx = sc[t] > mx ? sc[t] : mx;
             }
+            float lane[8] = {0};
             for (int t = t0; t < n_ctx; t++) {
-                sc[t] = expf(sc[t] - mx);
-                sum += sc[t];
+                sc[t] = cpu_expf(sc[t] - mx);
+                lane[(t - t0) % 8] += sc[t];
             }
+            for (int l = 0; l < 8; l++)
+                sum += lane[l];
             float inv = 1.0f / sum;
             memset(oh, 0, sizeof(float) * hd);
             for (int t = t0; t < n_ctx; t++) {
@@ -342,6 +345,62 @@ START_TEST(attention_fixed_order)
 }
 END_TEST
 
+static int ulps(float a, float b)
+{
+    int32_t x, y;
+    memcpy(&x, &a, sizeof(x));
+    memcpy(&y, &b, sizeof(y));
+    return abs(x - y);
+}
+
+/* cpu_expf within 2 ulp of exp over its range, its edges as documented, and cpu_softmax_exp's
+ * 8 lanes giving its bits, past e^-87 and for NaN too, and its sum in the documented order. */
+START_TEST(expf_accurate_and_lanes_agree)
+{
+    int worst = 0;
+    for (int i = 0; i <= 4000000; i++) {
+        float x = -87.0f + 175.0f * (float)i / 4000000.0f;
+        int u = ulps(cpu_expf(x), (float)exp((double)x));
+        ck_assert_msg(u <= 2, "cpu_expf(%.9g) is %d ulp from exp", x, u);
+        worst = u > worst ? u : worst;
+    }
+    ck_assert_float_eq(cpu_expf(0.0f), 1.0f);
+    ck_assert_float_eq(cpu_expf(-0.0f), 1.0f);
+    ck_assert_float_eq(cpu_expf(-87.001f), 0.0f);
+    ck_assert_float_eq(cpu_expf(-INFINITY), 0.0f);
+    ck_assert(isinf(cpu_expf(88.001f)));
+    ck_assert(isnan(cpu_expf(NAN)));
+
+    /* cpu_softmax_exp's lanes against cpu_expf, scores 250 apart (past e^-87) and a NaN */
+    static const int lens[] = {1, 7, 8, 9, 16, 23, 64, 1000};
+    for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++)
+        for (int with_nan = 0; with_nan < 2; with_nan++) {
+            int n = lens[li];
+            float *s = malloc(sizeof(float) * n), *e = malloc(sizeof(float) * n), mx = -INFINITY,
+                  got_mx, lane[8] = {0}, sum = 0;
+            for (int t = 0; t < n; t++)
+                s[t] = frand() * 250.0f;
+            if (with_nan)
+                s[n / 2] = NAN;
+            for (int t = 0; t < n; t++)
+                mx = s[t] > mx ? s[t] : mx; /* NaN never is */
+            float got = cpu_softmax_exp(e, s, n, &got_mx);
+            ck_assert_float_eq(got_mx, mx);
+            for (int t = 0; t < n; t++) {
+                float want = cpu_expf(s[t] - mx);
+                ck_assert_msg(memcmp(&e[t], &want, sizeof(want)) == 0,
+                              "n %d: e[%d] = %a, cpu_expf gives %a", n, t, e[t], want);
+                lane[t % 8] += want;
+            }
+            for (int l = 0; l < 8; l++)
+                sum += lane[l];
+            ck_assert_msg(memcmp(&got, &sum, sizeof(sum)) == 0, "n %d: sum %a, lanes give %a", n,
+                          got, sum);
+            free(s), free(e);
+        }
+}
+END_TEST
+
 START_TEST(dtype_conversions)
 {
     /* f16: exact values, rounding to nearest even, subnormals, overflow, NaN */
@@ -403,6 +462,7 @@ static Suite *suite(void)
     tcase_add_test(tc, gemm_rowinv_rows_1_to_70);
     tcase_add_test(tc, gemm_rowinv_threads_same_bits);
     tcase_add_test(tc, attention_fixed_order);
+    tcase_add_test(tc, expf_accurate_and_lanes_agree);
     tcase_add_test(tc, dtype_conversions);
     suite_add_tcase(s, tc);
     return s;
