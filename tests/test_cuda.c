@@ -32,6 +32,7 @@ int main(void)
 #include "gpuworker/device/backend_cuda.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/pipeline.h"
+#include "gpuworker/skew.h"
 #include "tests/ipc_peer.h"
 #include "tests/fixture.h"
 #include "tests/testutil.h"
@@ -772,6 +773,86 @@ START_TEST(runtime_copies_events)
 }
 END_TEST
 
+/* Many small rows from host memory host_register mapped go as gathers — h2d_gathered counts their
+ * rows, the copy still counts once — and land as DMA would put them: rows of every alignment (16,
+ * 8, 4 and 1 byte), equal rows at a stride (a 2-D run, expanded), more rows than a stream's first
+ * ring holds (it grows) and gathers enough to wrap it (the sixth reuses the first's slice); the
+ * same rows from unregistered memory, or too few of them, go by DMA (nothing gathered). */
+START_TEST(runtime_gather)
+{
+    backends_open();
+    rekv_err err = {0};
+    const rekv_backend_iface *bi = g_cu->iface;
+    rekv_stream *s;
+    ck_assert_msg(bi->stream_create(g_cu, "gather", &s, &err) == 0, "%s", err.msg);
+    enum { N = 100000, ROWS_2D = 64 };
+    size_t hb = 64u << 20, db = 32u << 20;
+    uint8_t *host = aligned_alloc(4096, hb), *plain = malloc(hb), *want = malloc(db),
+            *back = malloc(db), *zero = calloc(1, db);
+    rekv_copy_piece *pc = malloc(sizeof(*pc) * (N + ROWS_2D));
+    ck_assert(host && plain && want && back && zero && pc);
+    for (size_t i = 0; i < hb; i++)
+        host[i] = plain[i] = (uint8_t)((i * 2654435761u) >> 13);
+    ck_assert_msg(bi->host_register(g_cu, host, hb, &err) == 0, "%s", err.msg);
+    uint8_t *dev = bi->dev_alloc(g_cu, db);
+    ck_assert(dev != NULL);
+    for (int from_plain = 0; from_plain < 2; from_plain++)
+        for (int few = 0; few < 2; few++) {
+            const uint8_t *base = from_plain ? plain : host;
+            static const size_t sizes[] = {256, 128, 24, 12, 0}, aligns[] = {16, 16, 8, 4, 1};
+            uint64_t x = 99;
+            size_t cur = 0, n = 0, total = 0;
+            memset(want, 0, db);
+            for (int i = 0; i < (few ? 8 : N); i++) {
+                x = x * 6364136223846793005ull + 1442695040888963407ull;
+                int k = (int)((x >> 33) % 5);
+                size_t sz = sizes[k] ? sizes[k] : 1 + (x >> 40) % 300, al = aligns[k];
+                cur = (cur + (x >> 20) % 32 + al - 1) / al * al;
+                size_t so = (size_t)((x >> 24) % (hb - sz)) / al * al;
+                ck_assert(cur + sz <= db);
+                pc[n++] = (rekv_copy_piece){dev + cur, base + so, sz};
+                memcpy(want + cur, base + so, sz);
+                cur += sz, total += sz;
+            }
+            if (!few) /* a 2-D run: equal rows, source stride 1024, destination stride 512 */
+                for (int r = 0; r < ROWS_2D; r++) {
+                    size_t d = (cur + 15) / 16 * 16 + (size_t)r * 512, so = (size_t)r * 1024;
+                    pc[n++] = (rekv_copy_piece){dev + d, base + so, 256};
+                    memcpy(want + d, base + so, 256);
+                    total += 256;
+                }
+            int reps = from_plain || few ? 1 : 6;
+            rekv_copy_piece clear = {dev, zero, db};
+            bi->copy_h2d(s, &clear, 1, REKV_XFER_OTHER);
+            bi->stats_reset(g_cu);
+            for (int r = 0; r < reps; r++)
+                bi->copy_h2d(s, pc, n, REKV_XFER_KV);
+            rekv_copy_piece down = {back, dev, db};
+            bi->copy_d2h(s, &down, 1, REKV_XFER_OTHER);
+            ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+            for (size_t i = 0; i < db; i++)
+                ck_assert_msg(back[i] == want[i], "%s, %s: byte %zu is %u, want %u",
+                              from_plain ? "unregistered" : "registered",
+                              few ? "8 rows" : "many rows", i, back[i], want[i]);
+            rekv_backend_stats st;
+            bi->stats(g_cu, &st);
+            ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total * reps);
+            ck_assert_uint_eq(st.h2d_copies, reps);
+            if (from_plain || few)
+                ck_assert_uint_eq(st.h2d_gathered, 0);
+            else /* every row, less those adjacent ones that coalesced */
+                ck_assert_msg(st.h2d_gathered % reps == 0 && st.h2d_gathered / reps > N / 2 &&
+                                  st.h2d_gathered / reps <= N + ROWS_2D,
+                              "%llu rows gathered", (unsigned long long)st.h2d_gathered);
+        }
+    bi->host_unregister(g_cu, host);
+    bi->dev_free(g_cu, dev);
+    bi->stream_destroy(s);
+    free(host), free(plain), free(want), free(back), free(zero), free(pc);
+    backends_close();
+}
+END_TEST
+
 /* ---------------------------------------------------------------- sharing with another process */
 
 /* The peer of the IPC tests (tests/ipc_peer.h) is test_ipc run with exec: this process has used
@@ -1123,6 +1204,60 @@ START_TEST(pipeline_modes)
 }
 END_TEST
 
+/* infinigen on cuda: every token selected gives cuda resident's logits (up to the kernels'
+ * summation order), the selected rows gathered from the arena on the device (h2d_gathered); the
+ * speculated selection gathers too. */
+START_TEST(pipeline_infinigen_gather)
+{
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
+        return;
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, "cuda");
+    rekv_err err = {0};
+    enum { B = 2, STEPS = 3, CAL = 96 };
+    int V = f.m->config.vocab, lens[B] = {300, 200};
+    int32_t cal[CAL], *prompts[B], tokens[STEPS * B];
+    for (int i = 0; i < CAL; i++)
+        cal[i] = irand(V);
+    rekv_skew sk;
+    ck_assert_msg(rekv_skew_calibrate(f.e, cal, CAL, REKV_SKEW_DEFAULT_RATIO, &sk, &err) == 0, "%s",
+                  err.msg);
+    for (int b = 0; b < B; b++) {
+        prompts[b] = malloc(sizeof(int32_t) * (size_t)lens[b]);
+        for (int t = 0; t < lens[b]; t++)
+            prompts[b][t] = irand(V);
+    }
+    size_t nl = (size_t)(STEPS + 1) * B * V;
+    float *ref = malloc(sizeof(float) * nl), *got = malloc(sizeof(float) * nl);
+    rekv_backend *cu;
+    ck_assert_msg(rekv_backend_cuda_create(0, &cu, &err) == 0, "%s", err.msg);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    pipe_run(&f, cu, &cfg, B, lens, prompts, STEPS, NULL, tokens, ref);
+    cfg.mode = REKV_MODE_INFINIGEN;
+    cfg.skew = &sk;
+    for (int spec = 0; spec < 2; spec++) {
+        cfg.select = spec ? REKV_SELECT_SPECULATE : REKV_SELECT_ALL;
+        cu->iface->stats_reset(cu);
+        pipe_run(&f, cu, &cfg, B, lens, prompts, STEPS, tokens, NULL, got);
+        rekv_backend_stats st;
+        cu->iface->stats(cu, &st);
+        ck_assert_msg(st.h2d_gathered > 0, "select %s: nothing gathered",
+                      spec ? "speculate" : "all");
+        if (!spec)
+            expect_close("infinigen, every token selected", got, ref, nl,
+                         logit_tol(rekv_engine_weight_dtype(f.e)));
+    }
+    rekv_backend_destroy(cu);
+    for (int b = 0; b < B; b++)
+        free(prompts[b]);
+    free(ref), free(got);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
 /* The arena is page-locked on cuda (1); when cudaHostRegister refuses — here because the range
  * is registered already — the pipeline still builds, and says 0 (the worker's metric and a WARN).
  */
@@ -1170,12 +1305,14 @@ static Suite *suite(void)
     TCase *tr = tcase_create("runtime");
     tcase_set_timeout(tr, 300);
     tcase_add_test(tr, runtime_copies_events);
+    tcase_add_test(tr, runtime_gather);
     tcase_add_test(tr, runtime_ipc_push);
     suite_add_tcase(s, tr);
     TCase *tp = tcase_create("pipeline");
     tcase_set_timeout(tp, 900);
     tcase_add_test(tp, pipeline_modes);
     tcase_add_test(tp, pipeline_page_locked);
+    tcase_add_test(tp, pipeline_infinigen_gather);
     suite_add_tcase(s, tp);
     return s;
 }

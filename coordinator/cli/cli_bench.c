@@ -341,6 +341,7 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
  * same session. */
 typedef struct decode_result {
     double prefill_s, decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
+    uint64_t gathered; /* h2d rows a device-side gather read (the backend's h2d_gathered) */
     rekv_layer_counters counters;
     double
         selected; /* infinigen's selected fraction f (rekv_pipeline_selected_fraction), 0: none */
@@ -425,6 +426,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     out->compute_busy_s = bst.compute_busy_s;
     out->h2d_busy_s = bst.h2d_busy_s;
     out->d2h_busy_s = bst.d2h_busy_s;
+    out->gathered = bst.h2d_gathered;
     if (po->trace) /* this run's own file (bench_decode names it) */
         rc = ses.be->iface->trace_write(ses.be, po->trace, err);
     if (rc == 0 && link && ses.store)
@@ -748,6 +750,8 @@ static int bench_decode(int argc, char **argv)
         /* host->device GB/s over the decode (all kinds), and while the link was busy (not for
          * push: the store's copies of KV rows do not show in the worker's link busy time) */
         json_object_set_new(o, "h2d_gbps", json_real((double)h2d / r->decode_s * 1e-9));
+        /* rows the cuda backend's gather kernel read from the registered arena (prefill too) */
+        json_object_set_new(o, "h2d_gathered_rows", json_integer((json_int_t)r->gathered));
         if (r->h2d_busy_s > 0 && !mpush[i])
             json_object_set_new(o, "h2d_gbps_while_busy",
                                 json_real((double)h2d / r->h2d_busy_s * 1e-9));

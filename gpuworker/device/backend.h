@@ -68,6 +68,7 @@ typedef struct rekv_backend_stats {
     uint64_t h2d_bytes[REKV_XFER_KINDS]; /* host -> device, by kind */
     uint64_t d2h_bytes[REKV_XFER_KINDS]; /* device -> host, by kind */
     uint64_t h2d_copies, d2h_copies;     /* copy operations (a gather counts once) */
+    uint64_t h2d_gathered;               /* h2d rows a device-side gather read (cuda) */
     double compute_busy_s;               /* time streams spent running kernels */
     double h2d_busy_s;                   /* time the host->device link was occupied */
     double d2h_busy_s;                   /* time the device->host link was occupied */

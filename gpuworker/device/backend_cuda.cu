@@ -10,6 +10,12 @@
  * stream, first failure wins, and returned by the next stream_sync, with any error the CUDA
  * runtime reports there, as -EIO and the CUDA error string — the same contract as the cpu backend.
  *
+ * Copies: a call's pieces are coalesced into as few DMA operations as they allow; but where an
+ * h2d call is many small rows from host memory that host_register mapped (infinigen's and clo's
+ * selected tokens from the kvstore arena: thousands of rows of a few hundred bytes, each a DMA of
+ * microseconds), a gather kernel reads the rows through the mapping instead — one launch, its
+ * row list in a per-stream ring of mapped pinned memory (issue 13's zero-copy gather).
+ *
  * Stats and trace: byte and copy counters are exact and counted at enqueue. Busy times are
  * measured on the GPU: every copy and kernel is bracketed by a pair of timing events (from a
  * pool), resolved when its stream is synchronised; compute_busy_s sums kernel durations, h2d and
@@ -327,6 +333,11 @@ static void cu_stream_destroy(rekv_stream *s)
     }
     pthread_mutex_unlock(&be->mu);
     free(s->pend);
+    if (s->gather.host != NULL) { /* idle: synchronised above */
+        for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
+            cudaEventDestroy(s->gather.busy[i].ev);
+        cudaFreeHost(s->gather.host);
+    }
     if (s->kstate_free != NULL)
         s->kstate_free(s->kstate); /* the stream is idle: synchronised above */
     cudaStreamDestroy(s->cs);
@@ -532,6 +543,189 @@ static int cu_event_import(rekv_backend *base, const rekv_ipc_handle *h, rekv_ev
 
 /* ------------------------------------------------------------------ copies */
 
+/* The gather: worth it from CU_GATHER_MIN_ROWS rows of at most CU_GATHER_MAX_ROW bytes on average
+ * (a DMA costs microseconds whatever its size: below a few tens of KiB that, not the link, is its
+ * time). Each warp takes 32 rows, its lanes read their descriptors at once and then copy the rows
+ * one after another, 16 bytes a lane where the addresses allow. */
+enum {
+    CU_GATHER_MIN_ROWS = 32,
+    CU_GATHER_MAX_ROW = 32 << 10,
+    CU_GATHER_THREADS = 256,
+    CU_GATHER_MAX_REGS = 16 /* registered ranges a gather looks through (the arena, a few flags) */
+};
+
+__global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
+{
+    const unsigned full = 0xffffffffu, lane = threadIdx.x & 31u;
+    size_t warp = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    size_t warps = ((size_t)gridDim.x * blockDim.x) >> 5;
+    for (size_t g0 = warp * 32; g0 < n; g0 += warps * 32) {
+        cu_gather_desc my = {NULL, NULL, 0};
+        if (g0 + lane < n)
+            my = d[g0 + lane];
+        unsigned cnt = n - g0 < 32 ? (unsigned)(n - g0) : 32u;
+        for (unsigned j = 0; j < cnt; j++) {
+            const char *src =
+                (const char *)__shfl_sync(full, (unsigned long long)(uintptr_t)my.src, (int)j);
+            char *dst = (char *)__shfl_sync(full, (unsigned long long)(uintptr_t)my.dst, (int)j);
+            size_t bytes = (size_t)__shfl_sync(full, (unsigned long long)my.bytes, (int)j);
+            uintptr_t align = (uintptr_t)src | (uintptr_t)dst | (uintptr_t)bytes;
+            if ((align & 15u) == 0)
+                for (size_t i = lane; i < bytes / 16; i += 32)
+                    ((int4 *)dst)[i] = ((const int4 *)src)[i];
+            else if ((align & 7u) == 0)
+                for (size_t i = lane; i < bytes / 8; i += 32)
+                    ((unsigned long long *)dst)[i] = ((const unsigned long long *)src)[i];
+            else if ((align & 3u) == 0)
+                for (size_t i = lane; i < bytes / 4; i += 32)
+                    ((unsigned *)dst)[i] = ((const unsigned *)src)[i];
+            else
+                for (size_t i = lane; i < bytes; i += 32)
+                    dst[i] = src[i];
+        }
+    }
+}
+
+/* The device's address of host bytes [p, p + n) where one of regs mapped them all; NULL where
+ * none did. */
+static const char *reg_device_addr(const cu_host_reg *regs, size_t n_regs, const void *p, size_t n)
+{
+    const char *h = (const char *)p;
+    for (size_t i = 0; i < n_regs; i++) {
+        const cu_host_reg *r = &regs[i];
+        if (h >= r->host && n <= r->bytes && (size_t)(h - r->host) <= r->bytes - n)
+            return r->dev + (h - r->host);
+    }
+    return NULL;
+}
+
+/* Makes s's ring hold cap descriptors: waits for the kernels reading the old one (it grows a few
+ * times in a process's life, to 4x its largest gather) and replaces it. 0, or -1 with the stream
+ * failed. */
+static int gather_ring_grow(rekv_stream *s, size_t cap)
+{
+    cu_gather_ring *g = &s->gather;
+    void *h = NULL, *d = NULL;
+    for (int i = 0; i < g->n_busy; i++)
+        if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
+            return -1;
+    g->n_busy = 0;
+    if (g->host == NULL) /* the stream's first gather */
+        for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
+            if (cudaEventCreateWithFlags(&g->busy[i].ev, cudaEventDisableTiming) != cudaSuccess) {
+                cudaGetLastError();
+                while (i-- > 0)
+                    cudaEventDestroy(g->busy[i].ev);
+                cuda_stream_fail(s, -ENOMEM, "stream %s: no events for a gather", s->name);
+                return -1;
+            }
+    if (g->host != NULL)
+        cudaFreeHost(g->host);
+    g->host = NULL;
+    if (cudaHostAlloc(&h, cap * sizeof(cu_gather_desc),
+                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
+        cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
+        cudaGetLastError();
+        if (h != NULL)
+            cudaFreeHost(h);
+        for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
+            cudaEventDestroy(g->busy[i].ev);
+        cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a gather's %zu rows", s->name,
+                         cap);
+        return -1;
+    }
+    g->host = (cu_gather_desc *)h;
+    g->dev = (const cu_gather_desc *)d;
+    g->cap = cap;
+    g->head = 0;
+    return 0;
+}
+
+/* Room for n descriptors in s's ring, after the kernels that read any of it finished (rarely
+ * waited for: a gather takes at most a quarter of the ring): their first index, or -1 with the
+ * stream failed. */
+static long gather_slice(rekv_stream *s, size_t n)
+{
+    cu_gather_ring *g = &s->gather;
+    if (g->host == NULL || n > g->cap / 4) {
+        size_t cap = CU_GATHER_RING;
+        while (cap < 4 * n)
+            cap *= 2;
+        if (gather_ring_grow(s, cap))
+            return -1;
+    }
+    size_t lo = g->head + n <= g->cap ? g->head : 0;
+    /* the slices it overlaps, or the oldest when every slot is taken; busy[] stays oldest first */
+    for (int i = 0; i < g->n_busy;) {
+        if (g->n_busy < CU_GATHER_INFLIGHT && (g->busy[i].hi <= lo || g->busy[i].lo >= lo + n)) {
+            i++;
+            continue;
+        }
+        if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
+            return -1;
+        cudaEvent_t ev = g->busy[i].ev;
+        memmove(&g->busy[i], &g->busy[i + 1], (size_t)(g->n_busy - i - 1) * sizeof(g->busy[0]));
+        g->busy[--g->n_busy].ev = ev;
+    }
+    return (long)lo;
+}
+
+/* The h2d runs as gathers when they are many small rows all in host_register's mapped ranges:
+ * returns 1 (done, or the stream failed), or 0 to leave them to DMA. */
+static int gather_enqueue(rekv_stream *s, const rekv_copy_run *runs, size_t nr, size_t bytes)
+{
+    cuda_backend *be = s->be;
+    size_t rows = 0;
+    for (size_t i = 0; i < nr; i++)
+        rows += runs[i].height;
+    if (rows < CU_GATHER_MIN_ROWS || bytes / rows > CU_GATHER_MAX_ROW)
+        return 0;
+    /* the ranges, as they are now (a copy: rows are matched without holding the lock) */
+    cu_host_reg regs[CU_GATHER_MAX_REGS];
+    pthread_mutex_lock(&be->mu);
+    size_t n_regs = be->n_regs <= CU_GATHER_MAX_REGS ? be->n_regs : 0;
+    memcpy(regs, be->regs, n_regs * sizeof(regs[0]));
+    pthread_mutex_unlock(&be->mu);
+    int mapped = n_regs > 0;
+    for (size_t i = 0; mapped && i < nr; i++) {
+        const rekv_copy_run *r = &runs[i];
+        mapped =
+            reg_device_addr(regs, n_regs, r->src, (r->height - 1) * r->spitch + r->width) != NULL;
+    }
+    if (!mapped)
+        return 0;
+    long lo = gather_slice(s, rows);
+    if (lo < 0)
+        return 1;
+    cu_gather_desc *d = s->gather.host + lo;
+    size_t k = 0;
+    for (size_t i = 0; i < nr; i++) {
+        const rekv_copy_run *r = &runs[i];
+        for (size_t row = 0; row < r->height; row++, k++) {
+            d[k].src =
+                reg_device_addr(regs, n_regs, (const char *)r->src + row * r->spitch, r->width);
+            d[k].dst = (char *)r->dst + row * r->dpitch;
+            d[k].bytes = r->width;
+        }
+    }
+    pthread_mutex_lock(&be->mu);
+    be->stats.h2d_gathered += rows;
+    pthread_mutex_unlock(&be->mu);
+    size_t groups = (rows + 31) / 32, per_block = CU_GATHER_THREADS / 32;
+    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)be->sms * 2;
+    unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
+    gather_kernel<<<blocks, CU_GATHER_THREADS, 0, s->cs>>>(s->gather.dev + lo, rows);
+    cuda_launch_check(s, "gather");
+    cu_gather_ring *g = &s->gather;
+    if (cuda_stream_check(s, cudaEventRecord(g->busy[g->n_busy].ev, s->cs), "gather ring"))
+        return 1;
+    g->busy[g->n_busy].lo = (size_t)lo;
+    g->busy[g->n_busy].hi = (size_t)lo + rows;
+    g->n_busy++;
+    g->head = (size_t)lo + rows;
+    return 1;
+}
+
 /* One cudaMemcpyAsync per piece; cudaMemcpyDefault lets UVA tell pinned, pageable and device
  * memory apart (the kvstore arena is pageable unless registered; pageable copies are correct but
  * synchronous with respect to the host). Counted exactly at enqueue. */
@@ -569,6 +763,8 @@ static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces,
     }
     size_t nr = rekv_copy_coalesce(pieces, n, runs);
     long op = cuda_op_begin(s, dir, label);
+    if (dir == CU_OP_H2D && gather_enqueue(s, runs, nr, bytes))
+        nr = 0;
     for (size_t i = 0; i < nr; i++) {
         const rekv_copy_run *r = &runs[i];
         cudaError_t rc = r->height == 1
@@ -831,27 +1027,55 @@ static void cu_destroy(rekv_backend *base)
         free(be->stream_names[i]);
     free(be->stream_names);
     free(be->spans);
+    free(be->regs);
     pthread_mutex_destroy(&be->mu);
     free(be);
 }
 
 /* Page-locks the kvstore arena (or any host range) so that copies from it are DMA and async. */
-static int cu_host_register(rekv_backend *be, void *p, size_t bytes, rekv_err *err)
+static int cu_host_register(rekv_backend *base, void *p, size_t bytes, rekv_err *err)
 {
-    (void)be;
-    /* mapped too, so that a flag in it can be waited on (cudaHostGetDevicePointer) */
+    cuda_backend *be = backend_of(base);
+    cuda_use_device(be);
+    /* mapped too, so that a flag in it can be waited on (cudaHostGetDevicePointer) and the
+     * gather kernel can read rows from it */
     cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    void *d = NULL;
+    if (e == cudaSuccess && (e = cudaHostGetDevicePointer(&d, p, 0)) != cudaSuccess)
+        cudaHostUnregister(p);
     if (e != cudaSuccess) {
         cudaGetLastError();
         return rekv_errf(err, -EIO, "cuda backend: cudaHostRegister of %zu bytes: %s", bytes,
                          cudaGetErrorString(e));
     }
+    pthread_mutex_lock(&be->mu);
+    if (be->n_regs == be->cap_regs) {
+        size_t cap = be->cap_regs ? be->cap_regs * 2 : 4;
+        cu_host_reg *nr = (cu_host_reg *)realloc(be->regs, cap * sizeof(*nr));
+        if (nr == NULL) {
+            pthread_mutex_unlock(&be->mu);
+            cudaHostUnregister(p);
+            return rekv_errf(err, -ENOMEM, "cuda backend: out of memory registering host memory");
+        }
+        be->regs = nr;
+        be->cap_regs = cap;
+    }
+    be->regs[be->n_regs++] = (cu_host_reg){(const char *)p, (const char *)d, bytes};
+    pthread_mutex_unlock(&be->mu);
     return 0;
 }
 
-static void cu_host_unregister(rekv_backend *be, void *p)
+static void cu_host_unregister(rekv_backend *base, void *p)
 {
-    (void)be;
+    cuda_backend *be = backend_of(base);
+    pthread_mutex_lock(&be->mu);
+    for (size_t i = 0; i < be->n_regs; i++)
+        if (be->regs[i].host == (const char *)p) {
+            be->regs[i] = be->regs[--be->n_regs];
+            break;
+        }
+    pthread_mutex_unlock(&be->mu);
+    cuda_use_device(be);
     if (cudaHostUnregister(p) != cudaSuccess)
         cudaGetLastError();
 }

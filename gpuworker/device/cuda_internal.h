@@ -47,6 +47,34 @@ typedef struct cu_span {
     char label[52];
 } cu_span;
 
+/* A host range host_register page-locked and mapped, and where the device sees it. */
+typedef struct cu_host_reg {
+    const char *host, *dev;
+    size_t bytes;
+} cu_host_reg;
+
+/* One row of a gather (backend_cuda.cu): src is the device's address of mapped host memory. */
+typedef struct cu_gather_desc {
+    const char *src;
+    char *dst;
+    size_t bytes;
+} cu_gather_desc;
+
+/* A stream's gather descriptors: a ring in mapped pinned memory that the gather kernels read; a
+ * slice [lo, hi) is in use until the event recorded after its kernel completes. */
+enum { CU_GATHER_RING = 1 << 16, CU_GATHER_INFLIGHT = 32 };
+typedef struct cu_gather_ring {
+    cu_gather_desc *host; /* NULL until the stream's first gather */
+    const cu_gather_desc *dev;
+    size_t cap;  /* descriptors it holds: CU_GATHER_RING, or 4x the largest gather */
+    size_t head; /* where the next slice starts, unless it must wrap */
+    struct {
+        cudaEvent_t ev;
+        size_t lo, hi;
+    } busy[CU_GATHER_INFLIGHT];
+    int n_busy;
+} cu_gather_ring;
+
 typedef struct cuda_backend {
     rekv_backend base; /* iface, ctx (points back here); first, so casts work */
     int device;
@@ -68,6 +96,8 @@ typedef struct cuda_backend {
     uint64_t dropped_spans;
     char **stream_names; /* every stream ever created; trace tracks outlive streams */
     size_t n_streams, cap_streams;
+    cu_host_reg *regs; /* host_register's ranges */
+    size_t n_regs, cap_regs;
 } cuda_backend;
 
 struct rekv_stream {
@@ -81,6 +111,7 @@ struct rekv_stream {
     void (*kstate_free)(void *kstate); /* frees it, called once the stream is idle */
     int err_code;                      /* first failure since the last stream_sync, 0 when none */
     char err_msg[512];
+    cu_gather_ring gather;
 };
 
 /* Creates the runtime on device `device` (the module's backend_create, backend_cuda.h). */
