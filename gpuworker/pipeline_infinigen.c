@@ -281,8 +281,9 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
             return rekv_errf(err, -ENOMEM, "step: out of host memory for clo's queries");
         }
     }
-    /* rekv_ig_select's scratch, then the scores of the tokens past a device-resident part */
-    size_t need = max_len * (size_t)(c->n_kv_heads + 1 + nh);
+    /* per thread of the unit's selection (pl_ig_unit_select): rekv_ig_select's scratch, then the
+     * scores of the tokens past a device-resident part */
+    size_t need = max_len * (size_t)(c->n_kv_heads + 1 + nh) * (size_t)cpu_gemm_threads();
     if (need > p->ig.scratch_cap) {
         float *sc = realloc(p->ig.scratch, need * sizeof(float));
         if (sc != NULL)
@@ -599,8 +600,86 @@ static int ig_recompute_pick(int32_t *votes, int rest, int kvh, int hd, int hidd
     return r;
 }
 
-/* Unit (layer > 0) of sparse item `item` (index j in its batch): waits for the batch's scores
- * (once per unit), selects, appends the selected rows' copies into slots 0..m-1 of the item's
+/* The selection of the sparse items of unit (layer > 0, GPU batch g), each a pure function of its
+ * speculated scores, on the pool's threads (a few ms per item on a 7B model: on a GPU machine the
+ * host's part of a step). */
+typedef struct unit_sel {
+    rekv_pipeline *p;
+    step *st;
+    int g0, layer;
+    const int *items; /* batch indices j of the sparse items */
+    unit_io *io;
+    size_t scratch_per; /* floats of p->ig.scratch per thread */
+} unit_sel;
+
+static void unit_sel_chunk(void *arg, int chunk, int slot)
+{
+    const unit_sel *u = arg;
+    rekv_pipeline *p = u->p;
+    const rekv_model_config *c = p->c;
+    int j = u->items[chunk], item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads;
+    rekv_pseq *s = u->st->items[item].seq;
+    int len = s->len, dev = s->dev_tokens < len ? s->dev_tokens : len, rest = len - dev;
+    float *scratch = p->ig.scratch + (size_t)slot * u->scratch_per;
+    const float *scores = p->ig.host + u->st->ig_off[item];
+    /* the device-resident part [0, dev) is attended whole, from the device; the selection is
+     * among the tokens the link serves, [dev, len), on their own scores */
+    if (dev > 0 && rest > 0) {
+        float *sub = scratch + (size_t)(kvh + 1) * (size_t)len;
+        for (int h = 0; h < nh; h++)
+            memcpy(sub + (size_t)h * (size_t)rest, scores + (size_t)h * (size_t)len + (size_t)dev,
+                   sizeof(float) * (size_t)rest);
+        scores = sub;
+    }
+    uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
+                   ((uint64_t)u->layer << 32) ^ (uint64_t)len;
+    u->io->sel_m[j] = rest > 0
+                          ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
+                                           p->cfg.select, key, u->io->sel[j], scratch)
+                          : 0;
+}
+
+int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
+{
+    int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, kvh = p->c->n_kv_heads;
+    int *items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
+    io->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
+    io->sel_m = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
+    if (items == NULL || io->sel == NULL || io->sel_m == NULL)
+        return -ENOMEM;
+    for (int j = 0; j < nb; j++) {
+        io->sel[j] = NULL;
+        if (!pl_ig_sparse(p, st, g0 + j))
+            continue;
+        size_t len = (size_t)st->items[g0 + j].seq->len;
+        if ((io->sel[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)kvh * len)) == NULL)
+            return -ENOMEM;
+        items[n++] = j;
+    }
+    if (n == 0)
+        return 0;
+    pl_ig_wait(p, st, g0 + items[0], io);
+    /* each thread's scratch (pl_ig_prepare sized it for the threads there were then) */
+    const rekv_model_config *c = p->c;
+    size_t per = 0;
+    for (int i = 0; i < n; i++) {
+        size_t need =
+            (size_t)st->items[g0 + items[i]].seq->len * (size_t)(c->n_kv_heads + 1 + c->n_heads);
+        per = need > per ? need : per;
+    }
+    size_t fit = p->ig.scratch_cap / per;
+    if (fit == 0)
+        return -ENOMEM;
+    int threads = cpu_gemm_threads();
+    if ((size_t)threads > fit)
+        threads = (int)fit;
+    unit_sel u = {p, st, g0, layer, items, io, per};
+    cpu_pool_run(unit_sel_chunk, &u, n, threads);
+    return 0;
+}
+
+/* Unit (layer > 0) of sparse item `item` (index j in its batch), selected by
+ * pl_ig_unit_select: appends the selected rows' copies into slots 0..m-1 of the item's
  * attention buffer and the new row's copy from slot m to the arena; sets d->start = m and the new
  * row's slot in io->kv_pos. ar (keep_act: the item's activations, else NULL): the tokens
  * ig_recompute_pick takes come as activation rows into parity b's staging and are recomputed
@@ -611,28 +690,12 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
 {
     const rekv_model_config *c = p->c;
     int kvh = c->n_kv_heads, hd = c->head_dim, H = c->hidden;
-    pl_ig_wait(p, st, item, io);
     rekv_pseq *s = st->items[item].seq;
-    int len = s->len, nh = c->n_heads;
-    /* the device-resident part [0, dev) is attended whole, from the device; the selection is
-     * among the tokens the link serves, [dev, len), on their own scores */
-    int dev = s->dev_tokens < len ? s->dev_tokens : len, rest = len - dev;
+    int len = s->len, dev = s->dev_tokens < len ? s->dev_tokens : len, rest = len - dev;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
     size_t vs = rekv_kv_v_shift(kvh, hd) * dsz, xrow = (size_t)H * dsz;
-    int32_t *sel = p->ig.sel, *votes = p->ig.sel + (size_t)kvh * (size_t)len;
-    const float *scores = p->ig.host + st->ig_off[item];
-    if (dev > 0 && rest > 0) {
-        float *sub = p->ig.scratch + (size_t)(kvh + 1) * (size_t)len;
-        for (int h = 0; h < nh; h++)
-            memcpy(sub + (size_t)h * (size_t)rest, scores + (size_t)h * (size_t)len + (size_t)dev,
-                   sizeof(float) * (size_t)rest);
-        scores = sub;
-    }
-    uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
-                   ((uint64_t)layer << 32) ^ (uint64_t)len;
-    int m = rest > 0 ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
-                                      p->cfg.select, key, sel, p->ig.scratch)
-                     : 0;
+    int32_t *sel = io->sel[j], *votes = p->ig.sel;
+    int m = io->sel_m[j];
     /* keep_act: the tokens recomputed, rows n_act0.. of the unit's recomputation, in position
      * order (adjacent ones one copy); votes[t] becomes the row's index */
     int r = 0, n_act0 = io->n_act;

@@ -259,6 +259,8 @@ typedef struct unit_io {
                         at its position */
     float **pk_rows; /* infinigen: [rows] where each new row's partial key goes, or NULL */
     int spec_synced; /* infinigen: the batch's speculated scores are on the host */
+    int32_t **sel;   /* infinigen: [batch items] each sparse item's selection (pl_ig_unit_select) */
+    int *sel_m;      /* its tokens per KV head */
 } unit_io;
 
 /* ------------------------------------------------------------------ across the files */
@@ -306,6 +308,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
+int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
 int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                     const range_ref *ar, int b, rekv_attn_seq *d, unit_io *io);
 void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io);

@@ -359,6 +359,8 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         io->pk_rows = pl_ig_pk_rows(p, st, g, layer, &rc);
         if (rc)
             return rc;
+        if (!clo && layer > 0 && (rc = pl_ig_unit_select(p, st, g, layer, io)))
+            return rc;
     }
     const rekv_kv_geometry *geo = &p->geo;
     int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim;

@@ -531,6 +531,14 @@ START_TEST(speculation_moves_less)
         ck_assert_msg(memcmp(r.logits, r2.logits, n * sizeof(float)) == 0,
                       "lookahead %d: the same selection gave other logits when run otherwise", la);
         ck_assert(memcmp(r.logits, ref.logits, n * sizeof(float)) != 0); /* it was sparse */
+        /* nor on the threads that select (a unit's sequences on the pool, each its own scratch) */
+        run r1;
+        cpu_gemm_set_threads(1);
+        do_run(&f, &cfg, 2, lens, prompts, steps, &r1);
+        cpu_gemm_set_threads(0);
+        ck_assert_msg(memcmp(r.logits, r1.logits, n * sizeof(float)) == 0,
+                      "lookahead %d: one thread selected otherwise", la);
+        run_free(&r1);
         run_free(&r2);
         run_free(&r);
     }
