@@ -13,6 +13,9 @@
 #                                  binaries: `rekv bench decode --backend cuda`, batch 64, prompt
 #                                  512, gen 32, fp16 KV in host memory, every mode (offload and
 #                                  kvpr by pull and by push); JSON on stdout
+#   deploy/gpu-sandbox.sh bench-sparse DIR  the same model, issues 12 and 13's table: batch 16,
+#                                  prompt 2048, gen 8, resident, offload, kvpr, act, infinigen and
+#                                  clo in one run (~8 min); JSON on stdout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD/debs/root
@@ -54,16 +57,22 @@ exec)
     libs
     exec "$@"
     ;;
-bench)
-    bin=${2:?usage: gpu-sandbox.sh bench BUILD_DIR}/bin
+bench | bench-sparse)
+    bin=${2:?usage: gpu-sandbox.sh $1 BUILD_DIR}/bin
     libs
     model=${TMPDIR:-/tmp}/opt-6.7b-synth
     [ -f "$model/model.safetensors" ] ||
         "$bin/rekv-loader" synth --arch opt --layers 32 --hidden 4096 --heads 32 --ffn 16384 \
-            --vocab 50272 --max-pos 2048 --dtype f16 --seed 67 "$model" >&2
-    "$bin/rekv" bench decode --model "$model" --backend cuda --batch 64 --prompt-len 512 \
-        --gen-len 32 --cache-dtype f16 --json \
-        --modes resident,offload,offload+push,kvpr,kvpr+push,act,hybrid "${@:3}"
+            --vocab 50272 --max-pos 4096 --dtype f16 --seed 67 "$model" >&2
+    if [ "$1" = bench ]; then
+        "$bin/rekv" bench decode --model "$model" --backend cuda --batch 64 --prompt-len 512 \
+            --gen-len 32 --cache-dtype f16 --json \
+            --modes resident,offload,offload+push,kvpr,kvpr+push,act,hybrid "${@:3}"
+    else
+        "$bin/rekv" bench decode --model "$model" --backend cuda --batch 16 --prompt-len 2048 \
+            --gen-len 8 --cache-dtype f16 --json \
+            --modes resident,offload,kvpr,act,infinigen,clo "${@:3}"
+    fi
     ;;
 *)
     sed -n '2,/^set /{/^#/p}' "$0"

@@ -33,15 +33,19 @@
  * unit's loads, i.e. before the new row overwrites it), so such a head attends the whole context
  * and moves nothing; its steps count neither as hits nor misses.
  *
- * The speculated scores are computed every step for every head (the miss cannot wait for them);
- * the paper computes them on a miss only. Not built yet (issue 13): the device-side gather from
- * the registered arena and the GPU-side wait. */
+ * The decisions (similarity, a miss's top-k) of a unit's sequences are made together on the pool
+ * (pl_clo_unit_decide, reading the state), then each sequence's copies are planned and its
+ * labels and k's updated (pl_clo_item_plan). The speculated scores are computed every step for
+ * every head (the miss cannot wait for them); the paper computes them on a miss only. On cuda the
+ * missed rows come from the registered arena by the backend's gather kernel (backend_cuda.cu).
+ * Not built yet (issue 13): the GPU-side wait. */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/dtype.h"
+#include "gpuworker/cpu_ops.h"
 #include "gpuworker/heads.h"
 #include "gpuworker/pipeline_internal.h"
 
@@ -221,7 +225,110 @@ static int layer0_plan(rekv_pipeline *p, rekv_pseq *s, const range_ref *kr, rekv
     return 0;
 }
 
-int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
+/* The decisions of sparse item `item` at layer > 0, per KV head that is not persistent: a hit
+ * (head_k[g] = 0) or a miss and its top-k (head_k[g] = k, the tokens' offsets past the sink in
+ * sel[g * K ..]); persistent heads -1. Reads the state only. scratch: 2 len floats. */
+static void clo_decide(const rekv_pipeline *p, const step *st, int item, int layer, float *scratch,
+                       int32_t *sel, int32_t *head_k)
+{
+    const rekv_model_config *c = p->c;
+    const rekv_pseq *s = st->items[item].seq;
+    int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
+    int len = s->len, K = s->hc_k[layer];
+    const int32_t *klen = s->klen + (size_t)layer * (size_t)nkv;
+    const uint8_t *persist = p->clo.persist + (size_t)layer * (size_t)nkv;
+    const float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
+    const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
+    const float *scores = p->ig.host + st->ig_off[item];
+    int middle = len - REKV_HEADS_SINK - REKV_HEADS_RECENT; /* tokens [sink, len - recent) */
+    for (int g = 0; g < nkv; g++) {
+        if (persist[g]) {
+            head_k[g] = -1;
+            continue;
+        }
+        int hit = 0;
+        if (klen[g] >= 0) {
+            double sim[group];
+            for (int j = 0; j < group; j++) {
+                size_t off = (size_t)(g * group + j) * (size_t)hd;
+                sim[j] = cosine(q + off, label + off, hd);
+            }
+            double agg = rekv_heads_aggregate(
+                p->clo.imp + (size_t)layer * (size_t)nh + (size_t)g * (size_t)group, sim, group);
+            hit = agg >= p->clo.tau[(size_t)layer * (size_t)nkv + (size_t)g];
+        }
+        if (hit) {
+            head_k[g] = 0;
+            continue;
+        }
+        int k = (int)lround((double)p->cfg.max_fraction * len);
+        if (k > K)
+            k = K;
+        if (k > middle)
+            k = middle;
+        if (k < 1)
+            k = 1;
+        float *comb = pl_ig_group_probs(scores, group, g, len, scratch, scratch + len, NULL);
+        pl_ig_top(comb + REKV_HEADS_SINK, middle, k, scratch + len, sel + (size_t)g * (size_t)K);
+        head_k[g] = k;
+    }
+}
+
+typedef struct clo_unit {
+    rekv_pipeline *p;
+    step *st;
+    int g0, layer;
+    const int *items; /* batch indices j of the sparse items */
+    unit_io *io;
+    size_t scratch_per;
+} clo_unit;
+
+static void clo_unit_chunk(void *arg, int chunk, int slot)
+{
+    const clo_unit *u = arg;
+    int j = u->items[chunk];
+    clo_decide(u->p, u->st, u->g0 + j, u->layer, u->p->ig.scratch + (size_t)slot * u->scratch_per,
+               u->io->sel[j], u->io->head_k[j]);
+}
+
+int pl_clo_unit_decide(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
+{
+    int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, nkv = p->c->n_kv_heads;
+    int *items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
+    io->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
+    io->head_k = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
+    if (items == NULL || io->sel == NULL || io->head_k == NULL)
+        return -ENOMEM;
+    size_t per = 0;
+    for (int j = 0; j < nb; j++) {
+        io->sel[j] = NULL;
+        io->head_k[j] = NULL;
+        if (!pl_clo_sparse(p, st, g0 + j))
+            continue;
+        const rekv_pseq *s = st->items[g0 + j].seq;
+        io->sel[j] =
+            pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv * (size_t)s->hc_k[layer]);
+        io->head_k[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
+        if (io->sel[j] == NULL || io->head_k[j] == NULL)
+            return -ENOMEM;
+        items[n++] = j;
+        per = 2 * (size_t)s->len > per ? 2 * (size_t)s->len : per;
+    }
+    if (n == 0)
+        return 0;
+    pl_ig_wait(p, st, g0 + items[0], io);
+    int threads = pl_ig_unit_threads(p, per);
+    if (threads == 0)
+        return -ENOMEM;
+    clo_unit u = {p, st, g0, layer, items, io, per};
+    cpu_pool_run(clo_unit_chunk, &u, n, threads);
+    return 0;
+}
+
+/* Unit (layer) of sparse item `item` (index j in its batch; layers > 0 decided by
+ * pl_clo_unit_decide): the copies of the sink and ring (a fresh cache), of each miss's top-k and
+ * of the new row; the misses' labels and k's. */
+int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                      rekv_attn_seq *d, unit_io *io)
 {
     const rekv_model_config *c = p->c;
@@ -237,11 +344,10 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const rang
     const uint8_t *persist = p->clo.persist + (size_t)layer * (size_t)nkv;
     float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
     const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
-    const float *scores = p->ig.host + st->ig_off[item];
+    const int32_t *head_k = io->head_k[j], *sel = io->sel[j];
     int32_t *skip = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
     if (skip == NULL)
         return -ENOMEM;
-    pl_ig_wait(p, st, item, io);
     uint64_t rows = 0;
     int fresh = klen[0] < 0;
     if (fresh) { /* the sink and the ring, once */
@@ -279,34 +385,14 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const rang
             skip[g] = K - middle;
             continue;
         }
-        int hit = 0;
-        if (klen[g] >= 0) {
-            double sim[group];
-            for (int j = 0; j < group; j++) {
-                size_t off = (size_t)(g * group + j) * (size_t)hd;
-                sim[j] = cosine(q + off, label + off, hd);
-            }
-            double agg = rekv_heads_aggregate(
-                p->clo.imp + (size_t)layer * (size_t)nh + (size_t)g * (size_t)group, sim, group);
-            hit = agg >= p->clo.tau[(size_t)layer * (size_t)nkv + (size_t)g];
-        }
-        if (hit) {
+        if (head_k[g] == 0) {
             cnt->head_hits++;
         } else {
             cnt->head_misses++;
-            int k = (int)lround((double)p->cfg.max_fraction * len);
-            if (k > K)
-                k = K;
-            if (k > middle)
-                k = middle;
-            if (k < 1)
-                k = 1;
-            float *comb =
-                pl_ig_group_probs(scores, group, g, len, p->ig.scratch, p->ig.scratch + len, NULL);
-            int32_t *sel = p->ig.sel;
-            pl_ig_top(comb + REKV_HEADS_SINK, middle, k, p->ig.scratch + len, sel);
-            for (int j = 0; j < k; j++)
-                if ((rc = row_copy(p, kr, buf, g, REKV_HEADS_SINK + sel[j], K - k + j, io)))
+            int k = head_k[g];
+            for (int jj = 0; jj < k; jj++)
+                if ((rc = row_copy(p, kr, buf, g, REKV_HEADS_SINK + sel[(size_t)g * (size_t)K + jj],
+                                   K - k + jj, io)))
                     return rc;
             memcpy(label + (size_t)g * (size_t)group * (size_t)hd,
                    q + (size_t)g * (size_t)group * (size_t)hd,

@@ -639,6 +639,13 @@ static void unit_sel_chunk(void *arg, int chunk, int slot)
                           : 0;
 }
 
+int pl_ig_unit_threads(const rekv_pipeline *p, size_t per)
+{
+    size_t fit = per ? p->ig.scratch_cap / per : 0;
+    int threads = cpu_gemm_threads();
+    return (size_t)threads > fit ? (int)fit : threads;
+}
+
 int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
 {
     int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, kvh = p->c->n_kv_heads;
@@ -667,12 +674,9 @@ int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
             (size_t)st->items[g0 + items[i]].seq->len * (size_t)(c->n_kv_heads + 1 + c->n_heads);
         per = need > per ? need : per;
     }
-    size_t fit = p->ig.scratch_cap / per;
-    if (fit == 0)
+    int threads = pl_ig_unit_threads(p, per);
+    if (threads == 0)
         return -ENOMEM;
-    int threads = cpu_gemm_threads();
-    if ((size_t)threads > fit)
-        threads = (int)fit;
     unit_sel u = {p, st, g0, layer, items, io, per};
     cpu_pool_run(unit_sel_chunk, &u, n, threads);
     return 0;

@@ -254,13 +254,15 @@ typedef struct unit_io {
     int32_t *act_slot; /* infinigen: [n_act][n_kv] each KV head's slot for the row (-1: the head
                           did not select it), or NULL: every head's at its position */
     int n_act;
-    size_t act_off;  /* bytes of the parity's activation staging taken */
-    int32_t *kv_pos; /* infinigen: [rows] where kv_scatter puts each new row (its slot), or NULL:
-                        at its position */
-    float **pk_rows; /* infinigen: [rows] where each new row's partial key goes, or NULL */
-    int spec_synced; /* infinigen: the batch's speculated scores are on the host */
-    int32_t **sel;   /* infinigen: [batch items] each sparse item's selection (pl_ig_unit_select) */
-    int *sel_m;      /* its tokens per KV head */
+    size_t act_off;   /* bytes of the parity's activation staging taken */
+    int32_t *kv_pos;  /* infinigen: [rows] where kv_scatter puts each new row (its slot), or NULL:
+                         at its position */
+    float **pk_rows;  /* infinigen: [rows] where each new row's partial key goes, or NULL */
+    int spec_synced;  /* infinigen: the batch's speculated scores are on the host */
+    int32_t **sel;    /* infinigen, clo: [batch items] each sparse item's selection, [n_kv][...] */
+    int *sel_m;       /* infinigen: its tokens per KV head (pl_ig_unit_select) */
+    int32_t **head_k; /* clo: [batch items][n_kv] a miss's k, 0 for a hit, -1 for a persistent
+                         head (pl_clo_unit_decide) */
 } unit_io;
 
 /* ------------------------------------------------------------------ across the files */
@@ -309,6 +311,9 @@ int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
 int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
+/* The threads for a unit's per-sequence work, each with per floats of p->ig.scratch (at least 1;
+ * 0 when even one thread's does not fit). */
+int pl_ig_unit_threads(const rekv_pipeline *p, size_t per);
 int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                     const range_ref *ar, int b, rekv_attn_seq *d, unit_io *io);
 void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io);
@@ -328,7 +333,8 @@ int pl_clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
 void pl_clo_seq_free(rekv_pipeline *p, rekv_pseq *s);
 int pl_clo_sparse(const rekv_pipeline *p, const step *st, int i);
 void pl_clo_forget(rekv_pseq *s, int layer);
-int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int layer, const range_ref *kr,
+int pl_clo_unit_decide(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
+int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                      rekv_attn_seq *d, unit_io *io);
 
 #endif

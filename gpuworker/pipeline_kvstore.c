@@ -359,7 +359,8 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         io->pk_rows = pl_ig_pk_rows(p, st, g, layer, &rc);
         if (rc)
             return rc;
-        if (!clo && layer > 0 && (rc = pl_ig_unit_select(p, st, g, layer, io)))
+        if (layer > 0 && (rc = clo ? pl_clo_unit_decide(p, st, g, layer, io)
+                                   : pl_ig_unit_select(p, st, g, layer, io)))
             return rc;
     }
     const rekv_kv_geometry *geo = &p->geo;
@@ -393,7 +394,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
         if (clo && (layer > 0 ? pl_clo_sparse(p, st, item)
                               : st->items[item].n_tokens == 1 && s->len > 0)) {
-            if ((rc = pl_clo_item_plan(p, st, item, layer, kr, &d[j], io)))
+            if ((rc = pl_clo_item_plan(p, st, item, j, layer, kr, &d[j], io)))
                 return rc;
             continue;
         }

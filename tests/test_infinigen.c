@@ -856,6 +856,44 @@ START_TEST(clo_hits_move_nothing)
 }
 END_TEST
 
+/* clo's decisions (similarity, a miss's top-k) of a unit's sequences run on the pool: one thread
+ * or two, the same hits, misses and bits, over steps that both hit and miss. */
+START_TEST(clo_any_threads)
+{
+    clo_fixture x;
+    if (!clo_open(&x, 0.5))
+        return;
+    fixture f = x.f;
+    const rekv_model_config *c = &f.m->config;
+    int lens[] = {150, 90, 120}, B = 3, steps = 6;
+    int32_t **prompts = make_prompts(&f, B, lens);
+    rekv_pipeline_config cfg;
+    clo_config(&x, &cfg);
+    run r, r1;
+    do_run(&f, &cfg, B, lens, prompts, steps, &r);
+    cpu_gemm_set_threads(1);
+    do_run(&f, &cfg, B, lens, prompts, steps, &r1);
+    cpu_gemm_set_threads(0);
+    uint64_t hits = 0, misses = 0;
+    for (int l = 1; l < c->n_layers; l++) {
+        ck_assert_uint_eq(r.layers[l].head_hits, r1.layers[l].head_hits);
+        ck_assert_uint_eq(r.layers[l].head_misses, r1.layers[l].head_misses);
+        ck_assert_uint_eq(r.layers[l].h2d_bytes[REKV_XFER_KV],
+                          r1.layers[l].h2d_bytes[REKV_XFER_KV]);
+        hits += r.layers[l].head_hits;
+        misses += r.layers[l].head_misses;
+    }
+    ck_assert_msg(hits > 0 && misses > 0, "hits %llu, misses %llu: not both",
+                  (unsigned long long)hits, (unsigned long long)misses);
+    size_t n = (size_t)(steps + 1) * (size_t)B * (size_t)c->vocab;
+    ck_assert_msg(memcmp(r.logits, r1.logits, n * sizeof(float)) == 0,
+                  "one thread decided otherwise");
+    run_free(&r);
+    run_free(&r1);
+    clo_close(&x, prompts, B);
+}
+END_TEST
+
 /* clo without a head profile, with one of another model, or with push: clear errors */
 START_TEST(clo_bad_config_refused)
 {
@@ -900,6 +938,7 @@ static Suite *suite(void)
     tcase_add_test(tc, exact_limit_synthetic);
     tcase_add_test(tc, clo_full_cache_matches_resident);
     tcase_add_test(tc, clo_hits_move_nothing);
+    tcase_add_test(tc, clo_any_threads);
     tcase_add_test(tc, clo_bad_config_refused);
     suite_add_tcase(s, tc);
     return s;
