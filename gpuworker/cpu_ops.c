@@ -505,23 +505,66 @@ void cpu_head_proj(float *out, float *const *out_rows, const float *in, const fl
     }
 }
 
+/* cpu_spec_scores' work: units of one sequence and one query head, on the pool; in a unit eight
+ * tokens at a time, each its own sequential sum over the columns (eight independent chains instead
+ * of one: the same bits, without waiting on each add). */
+typedef struct spec_call {
+    float *out;
+    const float *q;
+    const rekv_spec_seq *seqs;
+    int n_heads, group, rk, chunks, units;
+    float scale;
+} spec_call;
+
+static void spec_unit(const spec_call *a, int u)
+{
+    const rekv_spec_seq *sq = &a->seqs[u / a->n_heads];
+    int h = u % a->n_heads, rk = a->rk, n_kv = a->n_heads / a->group;
+    const float *qh = a->q + ((size_t)sq->row * (size_t)a->n_heads + (size_t)h) * (size_t)rk;
+    const float *kh = sq->pk + (size_t)(h / a->group) * (size_t)rk;
+    size_t stride = (size_t)n_kv * (size_t)rk;
+    float *o = a->out + sq->out + (size_t)h * (size_t)sq->len;
+    int t = 0;
+    for (; t + 8 <= sq->len; t += 8) {
+        float acc[8] = {0};
+        const float *k = kh + (size_t)t * stride;
+        for (int c = 0; c < rk; c++)
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                acc[i] += qh[c] * k[(size_t)i * stride + (size_t)c];
+        for (int i = 0; i < 8; i++)
+            o[t + i] = a->scale * acc[i];
+    }
+    for (; t < sq->len; t++) {
+        const float *k = kh + (size_t)t * stride;
+        float acc = 0;
+        for (int c = 0; c < rk; c++)
+            acc += qh[c] * k[c];
+        o[t] = a->scale * acc;
+    }
+}
+
+static void spec_chunk(void *arg, int c, int slot)
+{
+    (void)slot;
+    const spec_call *a = arg;
+    int u0 = (int)((long)a->units * c / a->chunks), u1 = (int)((long)a->units * (c + 1) / a->chunks);
+    for (int u = u0; u < u1; u++)
+        spec_unit(a, u);
+}
+
 void cpu_spec_scores(float *out, const float *q, const rekv_spec_seq *seqs, int n, int n_heads,
                      int group, int rk, float scale)
 {
-    int n_kv = n_heads / group;
-    for (int j = 0; j < n; j++) {
-        const rekv_spec_seq *sq = &seqs[j];
-        for (int h = 0; h < n_heads; h++) {
-            const float *qh = q + ((size_t)sq->row * (size_t)n_heads + (size_t)h) * (size_t)rk;
-            float *o = out + sq->out + (size_t)h * (size_t)sq->len;
-            for (int t = 0; t < sq->len; t++) {
-                const float *k =
-                    sq->pk + ((size_t)t * (size_t)n_kv + (size_t)(h / group)) * (size_t)rk;
-                float acc = 0;
-                for (int c = 0; c < rk; c++)
-                    acc += qh[c] * k[c];
-                o[t] = scale * acc;
-            }
-        }
-    }
+    spec_call a = {out, q, seqs, n_heads, group, rk, 1, n * n_heads, scale};
+    double macs = 0;
+    for (int j = 0; j < n; j++)
+        macs += (double)seqs[j].len * n_heads * rk;
+    if (a.units == 0)
+        return;
+    int threads = macs < CPU_POOL_MIN_MACS ? 1 : cpu_gemm_threads();
+    a.chunks = threads > 1 ? threads * ATT_CHUNKS_PER_THREAD : 1;
+    if (a.chunks > a.units)
+        a.chunks = a.units;
+    cpu_pool_run(spec_chunk, &a, a.chunks, threads);
 }

@@ -401,6 +401,55 @@ START_TEST(expf_accurate_and_lanes_agree)
 }
 END_TEST
 
+/* cpu_spec_scores against its definition, one score at a time (the sequential sum over the
+ * columns, times scale), bit for bit: MHA and GQA, column counts off the lanes, contexts shorter
+ * than and not a multiple of 8, one thread and two (until the pool's workers took part). */
+START_TEST(spec_scores_fixed_order)
+{
+    static const int shapes[][3] = {{4, 1, 3}, {8, 2, 19}, {16, 1, 20}, {6, 3, 32}, {2, 2, 1}};
+    static const int lens[] = {1, 7, 8, 9, 300, 1537};
+    enum { NS = sizeof(lens) / sizeof(lens[0]) };
+    unsigned long chunks0 = cpu_gemm_pool_chunks();
+    for (size_t sh = 0; sh < sizeof(shapes) / sizeof(shapes[0]); sh++) {
+        int nh = shapes[sh][0], group = shapes[sh][1], rk = shapes[sh][2], nkv = nh / group;
+        rekv_spec_seq sq[NS];
+        size_t total = 0;
+        for (int i = 0; i < NS; i++) {
+            sq[i] = (rekv_spec_seq){frands((size_t)lens[i] * nkv * rk), lens[i], NS - 1 - i, total};
+            total += (size_t)nh * lens[i];
+        }
+        float *q = frands((size_t)NS * nh * rk), *ref = malloc(sizeof(float) * total),
+              *out = malloc(sizeof(float) * total), scale = 0.37f;
+        for (int i = 0; i < NS; i++)
+            for (int h = 0; h < nh; h++)
+                for (int t = 0; t < lens[i]; t++) {
+                    const float *qh = q + ((size_t)sq[i].row * nh + h) * rk;
+                    const float *k = sq[i].pk + ((size_t)t * nkv + h / group) * rk;
+                    float acc = 0;
+                    for (int c = 0; c < rk; c++)
+                        acc += qh[c] * k[c];
+                    ref[sq[i].out + (size_t)h * lens[i] + t] = scale * acc;
+                }
+        for (int th = 1; th <= 2; th++) {
+            cpu_gemm_set_threads(th);
+            unsigned long c0 = cpu_gemm_pool_chunks();
+            for (int rep = 0; rep < 50 && (rep < 1 || (th > 1 && cpu_gemm_pool_chunks() == c0));
+                 rep++) {
+                memset(out, 0xff, sizeof(float) * total);
+                cpu_spec_scores(out, q, sq, NS, nh, group, rk, scale);
+                ck_assert_msg(memcmp(out, ref, sizeof(float) * total) == 0,
+                              "heads %d group %d rk %d, %d threads: differs", nh, group, rk, th);
+            }
+        }
+        for (int i = 0; i < NS; i++)
+            free((void *)sq[i].pk);
+        free(q), free(ref), free(out);
+    }
+    cpu_gemm_set_threads(0);
+    ck_assert_msg(cpu_gemm_pool_chunks() > chunks0, "the pool's workers never took part");
+}
+END_TEST
+
 START_TEST(dtype_conversions)
 {
     /* f16: exact values, rounding to nearest even, subnormals, overflow, NaN */
@@ -463,6 +512,7 @@ static Suite *suite(void)
     tcase_add_test(tc, gemm_rowinv_threads_same_bits);
     tcase_add_test(tc, attention_fixed_order);
     tcase_add_test(tc, expf_accurate_and_lanes_agree);
+    tcase_add_test(tc, spec_scores_fixed_order);
     tcase_add_test(tc, dtype_conversions);
     suite_add_tcase(s, tc);
     return s;
