@@ -548,7 +548,8 @@ static void spec_chunk(void *arg, int c, int slot)
 {
     (void)slot;
     const spec_call *a = arg;
-    int u0 = (int)((long)a->units * c / a->chunks), u1 = (int)((long)a->units * (c + 1) / a->chunks);
+    int u0 = (int)((long)a->units * c / a->chunks),
+        u1 = (int)((long)a->units * (c + 1) / a->chunks);
     for (int u = u0; u < u1; u++)
         spec_unit(a, u);
 }
