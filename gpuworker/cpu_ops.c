@@ -141,6 +141,23 @@ typedef uint32_t att_u8 __attribute__((vector_size(32)));
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
 
+/* The steps cpu_expf and its lanes share, on x a float or an att_v8 (n, r, p of its type; all
+ * four plain variables): n = round(x log2 e), r = x - n ln 2, p = e^r. One text, so the same
+ * operations in the same order. */
+#define EXP_REDUCE_POLY(x, n, r, p)                                                                \
+    do {                                                                                           \
+        n = x * EXP_LOG2E + EXP_ROUND;                                                             \
+        n = n - EXP_ROUND;                                                                         \
+        r = x - n * EXP_LN2_HI;                                                                    \
+        r = r - n * EXP_LN2_LO;                                                                    \
+        p = EXP_P0 * r + EXP_P1;                                                                   \
+        p = p * r + EXP_P2;                                                                        \
+        p = p * r + EXP_P3;                                                                        \
+        p = p * r + EXP_P4;                                                                        \
+        p = p * r + EXP_P5;                                                                        \
+        p = p * (r * r) + r + 1.0f;                                                                \
+    } while (0)
+
 float cpu_expf(float x)
 {
     if (x != x)
@@ -149,16 +166,8 @@ float cpu_expf(float x)
         return INFINITY;
     if (x < EXP_LO)
         return 0.0f;
-    float n = x * EXP_LOG2E + EXP_ROUND;
-    n = n - EXP_ROUND;
-    float r = x - n * EXP_LN2_HI;
-    r = r - n * EXP_LN2_LO;
-    float p = EXP_P0 * r + EXP_P1;
-    p = p * r + EXP_P2;
-    p = p * r + EXP_P3;
-    p = p * r + EXP_P4;
-    p = p * r + EXP_P5;
-    p = p * (r * r) + r + 1.0f;
+    float n, r, p;
+    EXP_REDUCE_POLY(x, n, r, p);
     uint32_t b;
     memcpy(&b, &p, sizeof(b));
     b += (uint32_t)(int32_t)n << 23;
@@ -177,17 +186,8 @@ static inline __attribute__((always_inline)) void att_exp8(float *xs)
     memcpy(&x, xs, sizeof(x));
     const att_v8 zero = {0}, lo = zero + EXP_LO;
     att_i8 nan = x != x, under = x < lo;
-    att_v8 xc = ATT_SEL(under, lo, ATT_SEL(nan, zero, x));
-    att_v8 n = xc * EXP_LOG2E + EXP_ROUND;
-    n = n - EXP_ROUND;
-    att_v8 r = xc - n * EXP_LN2_HI;
-    r = r - n * EXP_LN2_LO;
-    att_v8 p = EXP_P0 * r + EXP_P1;
-    p = p * r + EXP_P2;
-    p = p * r + EXP_P3;
-    p = p * r + EXP_P4;
-    p = p * r + EXP_P5;
-    p = p * (r * r) + r + 1.0f;
+    att_v8 xc = ATT_SEL(under, lo, ATT_SEL(nan, zero, x)), n, r, p;
+    EXP_REDUCE_POLY(xc, n, r, p);
     att_u8 b = (att_u8)p + ((att_u8) __builtin_convertvector(n, att_i8) << 23);
     p = ATT_SEL(under, zero, (att_v8)b);
     p = ATT_SEL(nan, x, p);
@@ -415,6 +415,17 @@ static void att_chunk(void *arg, int c, int slot)
     }
 }
 
+/* The threads (1 below CPU_POOL_MIN_MACS) and chunks (a few per thread, at most units) of a pooled
+ * call of units that take macs multiply-adds in all. */
+static int pool_split(double macs, int units, int *chunks)
+{
+    int threads = macs < CPU_POOL_MIN_MACS ? 1 : cpu_gemm_threads();
+    *chunks = threads > 1 ? threads * ATT_CHUNKS_PER_THREAD : 1;
+    if (*chunks > units)
+        *chunks = units;
+    return threads;
+}
+
 /* A thread's own growing scratch (freed with the thread), or NULL. */
 static pthread_key_t g_scratch_key;
 static int g_scratch_key_ok;
@@ -470,10 +481,7 @@ void cpu_attention(float *out, const float *q, const rekv_attn_seq *seqs, int n_
                   .dt = dt};
     if (a.units == 0)
         return;
-    int threads = macs < CPU_POOL_MIN_MACS ? 1 : cpu_gemm_threads();
-    a.chunks = threads > 1 ? threads * ATT_CHUNKS_PER_THREAD : 1;
-    if (a.chunks > a.units)
-        a.chunks = a.units;
+    int threads = pool_split(macs, a.units, &a.chunks);
     a.cap = (int)(ATT_SLOT_FLOATS / (size_t)ctx);
     a.cap = a.cap < 1 ? 1 : a.cap > ATT_QUERIES ? ATT_QUERIES : a.cap;
     a.slot_floats = (size_t)a.cap * (size_t)ctx;
@@ -563,9 +571,6 @@ void cpu_spec_scores(float *out, const float *q, const rekv_spec_seq *seqs, int 
         macs += (double)seqs[j].len * n_heads * rk;
     if (a.units == 0)
         return;
-    int threads = macs < CPU_POOL_MIN_MACS ? 1 : cpu_gemm_threads();
-    a.chunks = threads > 1 ? threads * ATT_CHUNKS_PER_THREAD : 1;
-    if (a.chunks > a.units)
-        a.chunks = a.units;
+    int threads = pool_split(macs, a.units, &a.chunks);
     cpu_pool_run(spec_chunk, &a, a.chunks, threads);
 }
