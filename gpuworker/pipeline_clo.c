@@ -45,7 +45,6 @@
 #include <string.h>
 
 #include "common/dtype.h"
-#include "gpuworker/cpu_ops.h"
 #include "gpuworker/heads.h"
 #include "gpuworker/pipeline_internal.h"
 
@@ -225,12 +224,16 @@ static int layer0_plan(rekv_pipeline *p, rekv_pseq *s, const range_ref *kr, rekv
     return 0;
 }
 
-/* The decisions of sparse item `item` at layer > 0, per KV head that is not persistent: a hit
+/* The decisions of batch item j of a unit (layer > 0), per KV head that is not persistent: a hit
  * (head_k[g] = 0) or a miss and its top-k (head_k[g] = k, the tokens' offsets past the sink in
- * sel[g * K ..]); persistent heads -1. Reads the state only. scratch: 2 len floats. */
-static void clo_decide(const rekv_pipeline *p, const step *st, int item, int layer, float *scratch,
-                       int32_t *sel, int32_t *head_k)
+ * sel[g * K ..]; io's head_k[j] and sel[j]); persistent heads -1. Reads the state only. scratch:
+ * 2 len floats. */
+static void clo_decide(const pl_unit_job *u, int j, float *scratch)
 {
+    const rekv_pipeline *p = u->p;
+    const step *st = u->st;
+    int item = u->g0 + j, layer = u->layer;
+    int32_t *sel = u->io->sel[j], *head_k = u->io->head_k[j];
     const rekv_model_config *c = p->c;
     const rekv_pseq *s = st->items[item].seq;
     int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
@@ -249,9 +252,9 @@ static void clo_decide(const rekv_pipeline *p, const step *st, int item, int lay
         int hit = 0;
         if (klen[g] >= 0) {
             double sim[group];
-            for (int j = 0; j < group; j++) {
-                size_t off = (size_t)(g * group + j) * (size_t)hd;
-                sim[j] = cosine(q + off, label + off, hd);
+            for (int h = 0; h < group; h++) {
+                size_t off = (size_t)(g * group + h) * (size_t)hd;
+                sim[h] = cosine(q + off, label + off, hd);
             }
             double agg = rekv_heads_aggregate(
                 p->clo.imp + (size_t)layer * (size_t)nh + (size_t)g * (size_t)group, sim, group);
@@ -272,23 +275,6 @@ static void clo_decide(const rekv_pipeline *p, const step *st, int item, int lay
         pl_ig_top(comb + REKV_HEADS_SINK, middle, k, scratch + len, sel + (size_t)g * (size_t)K);
         head_k[g] = k;
     }
-}
-
-typedef struct clo_unit {
-    rekv_pipeline *p;
-    step *st;
-    int g0, layer;
-    const int *items; /* batch indices j of the sparse items */
-    unit_io *io;
-    size_t scratch_per;
-} clo_unit;
-
-static void clo_unit_chunk(void *arg, int chunk, int slot)
-{
-    const clo_unit *u = arg;
-    int j = u->items[chunk];
-    clo_decide(u->p, u->st, u->g0 + j, u->layer, u->p->ig.scratch + (size_t)slot * u->scratch_per,
-               u->io->sel[j], u->io->head_k[j]);
 }
 
 int pl_clo_unit_decide(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
@@ -314,15 +300,8 @@ int pl_clo_unit_decide(rekv_pipeline *p, step *st, int g, int layer, unit_io *io
         items[n++] = j;
         per = 2 * (size_t)s->len > per ? 2 * (size_t)s->len : per;
     }
-    if (n == 0)
-        return 0;
-    pl_ig_wait(p, st, g0 + items[0], io);
-    int threads = pl_ig_unit_threads(p, per);
-    if (threads == 0)
-        return -ENOMEM;
-    clo_unit u = {p, st, g0, layer, items, io, per};
-    cpu_pool_run(clo_unit_chunk, &u, n, threads);
-    return 0;
+    pl_unit_job u = {p, st, g0, layer, io, items, per, clo_decide};
+    return pl_ig_unit_run(&u, n);
 }
 
 /* Unit (layer) of sparse item `item` (index j in its batch; layers > 0 decided by

@@ -600,27 +600,37 @@ static int ig_recompute_pick(int32_t *votes, int rest, int kvh, int hd, int hidd
     return r;
 }
 
-/* The selection of the sparse items of unit (layer > 0, GPU batch g), each a pure function of its
- * speculated scores, on the pool's threads (~0.3 ms per sequence and layer on a 7B model: on a GPU
- * machine the host's part of a step). */
-typedef struct unit_sel {
-    rekv_pipeline *p;
-    step *st;
-    int g0, layer;
-    const int *items; /* batch indices j of the sparse items */
-    unit_io *io;
-    size_t scratch_per; /* floats of p->ig.scratch per thread */
-} unit_sel;
-
-static void unit_sel_chunk(void *arg, int chunk, int slot)
+static void unit_job_chunk(void *arg, int chunk, int slot)
 {
-    const unit_sel *u = arg;
+    const pl_unit_job *u = arg;
+    u->fn(u, u->items[chunk], u->p->ig.scratch + (size_t)slot * u->per);
+}
+
+int pl_ig_unit_run(const pl_unit_job *u, int n)
+{
+    if (n == 0)
+        return 0;
+    pl_ig_wait(u->p, u->st, u->g0 + u->items[0], u->io);
+    /* each thread's scratch (pl_ig_prepare sized it for the threads there were then) */
+    size_t fit = u->per ? u->p->ig.scratch_cap / u->per : 0;
+    int threads = cpu_gemm_threads();
+    if ((size_t)threads > fit)
+        threads = (int)fit;
+    if (threads == 0)
+        return -ENOMEM;
+    cpu_pool_run(unit_job_chunk, (void *)u, n, threads);
+    return 0;
+}
+
+/* The selection of batch item j of a unit (layer > 0), a pure function of its speculated scores
+ * (~0.3 ms per sequence and layer on a 7B model: on a GPU machine the host's part of a step). */
+static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
+{
     rekv_pipeline *p = u->p;
     const rekv_model_config *c = p->c;
-    int j = u->items[chunk], item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads;
+    int item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads;
     rekv_pseq *s = u->st->items[item].seq;
     int len = s->len, dev = s->dev_tokens < len ? s->dev_tokens : len, rest = len - dev;
-    float *scratch = p->ig.scratch + (size_t)slot * u->scratch_per;
     const float *scores = p->ig.host + u->st->ig_off[item];
     /* the device-resident part [0, dev) is attended whole, from the device; the selection is
      * among the tokens the link serves, [dev, len), on their own scores */
@@ -639,21 +649,16 @@ static void unit_sel_chunk(void *arg, int chunk, int slot)
                           : 0;
 }
 
-int pl_ig_unit_threads(const rekv_pipeline *p, size_t per)
-{
-    size_t fit = per ? p->ig.scratch_cap / per : 0;
-    int threads = cpu_gemm_threads();
-    return (size_t)threads > fit ? (int)fit : threads;
-}
-
 int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
 {
-    int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, kvh = p->c->n_kv_heads;
+    const rekv_model_config *c = p->c;
+    int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, kvh = c->n_kv_heads;
     int *items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
     io->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
     io->sel_m = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
     if (items == NULL || io->sel == NULL || io->sel_m == NULL)
         return -ENOMEM;
+    size_t per = 0; /* rekv_ig_select's scratch, then the scores past a device-resident part */
     for (int j = 0; j < nb; j++) {
         io->sel[j] = NULL;
         if (!pl_ig_sparse(p, st, g0 + j))
@@ -662,24 +667,11 @@ int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
         if ((io->sel[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)kvh * len)) == NULL)
             return -ENOMEM;
         items[n++] = j;
-    }
-    if (n == 0)
-        return 0;
-    pl_ig_wait(p, st, g0 + items[0], io);
-    /* each thread's scratch (pl_ig_prepare sized it for the threads there were then) */
-    const rekv_model_config *c = p->c;
-    size_t per = 0;
-    for (int i = 0; i < n; i++) {
-        size_t need =
-            (size_t)st->items[g0 + items[i]].seq->len * (size_t)(c->n_kv_heads + 1 + c->n_heads);
+        size_t need = len * (size_t)(kvh + 1 + c->n_heads);
         per = need > per ? need : per;
     }
-    int threads = pl_ig_unit_threads(p, per);
-    if (threads == 0)
-        return -ENOMEM;
-    unit_sel u = {p, st, g0, layer, items, io, per};
-    cpu_pool_run(unit_sel_chunk, &u, n, threads);
-    return 0;
+    pl_unit_job u = {p, st, g0, layer, io, items, per, ig_select_one};
+    return pl_ig_unit_run(&u, n);
 }
 
 /* Unit (layer > 0) of sparse item `item` (index j in its batch), selected by

@@ -311,9 +311,20 @@ int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
 int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
-/* The threads for a unit's per-sequence work, each with per floats of p->ig.scratch (at least 1;
- * 0 when even one thread's does not fit). */
-int pl_ig_unit_threads(const rekv_pipeline *p, size_t per);
+/* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, once the
+ * unit's speculated scores are on the host: fn(job, j, scratch) for each batch index j of
+ * items[0..n), scratch its thread's per floats of p->ig.scratch. 0, or -ENOMEM when not even one
+ * thread's scratch fits. */
+typedef struct pl_unit_job {
+    rekv_pipeline *p;
+    step *st;
+    int g0, layer;
+    unit_io *io;
+    const int *items;
+    size_t per;
+    void (*fn)(const struct pl_unit_job *job, int j, float *scratch);
+} pl_unit_job;
+int pl_ig_unit_run(const pl_unit_job *job, int n);
 int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                     const range_ref *ar, int b, rekv_attn_seq *d, unit_io *io);
 void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io);
