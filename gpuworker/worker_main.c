@@ -51,6 +51,7 @@
 
 #define WORKER_PROTO_VERSION 1u /* REKV_WORKER_PROTO_VERSION in coordinator.h */
 #define KV_WAIT_MS 30000ull     /* how long a worker started beside its kvstore waits for it */
+#define WORKER_TIMED_EVERY 8    /* one step in this many is timed (busy times for the planner) */
 
 static void usage(FILE *f)
 {
@@ -601,6 +602,10 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
         rekv_batcher_set_mini_batches(w->batch, plan->params->mb_job, plan->params->mb_index, nm);
     }
     rekv_pipeline_counters_reset(w->pipe);
+    /* the planner corrects its prices by measured busy times; timing costs two events per op on
+     * cuda, so one step in WORKER_TIMED_EVERY is timed and only its busy times are reported */
+    int timed = w->steps % WORKER_TIMED_EVERY == 0;
+    w->be->iface->timing(w->be, timed);
     rekv_backend_stats bs0;
     w->be->iface->stats(w->be, &bs0);
     uint64_t t0 = rekv_now_ns();
@@ -697,8 +702,11 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
                                         &c.tokens_selected);
     rekv_backend_stats bs1;
     w->be->iface->stats(w->be, &bs1);
-    c.compute_busy_s = bs1.compute_busy_s - bs0.compute_busy_s;
-    c.h2d_busy_s = bs1.h2d_busy_s - bs0.h2d_busy_s;
+    w->be->iface->timing(w->be, false);
+    if (timed) {
+        c.compute_busy_s = bs1.compute_busy_s - bs0.compute_busy_s;
+        c.h2d_busy_s = bs1.h2d_busy_s - bs0.h2d_busy_s;
+    }
     Rekv__Worker__Progress pr = REKV__WORKER__PROGRESS__INIT;
     pr.step = plan->step;
     pr.n_jobs = n;

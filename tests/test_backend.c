@@ -163,6 +163,7 @@ START_TEST(copies_land_in_order_with_exact_counters)
     rekv_backend *be = make_backend(0, 0);
     rekv_stream *s = make_stream(be, "copy");
     rekv_stream *s2 = make_stream(be, "copy2");
+    be->iface->timing(be, true);
     const size_t size = 4 * MiB;
     uint8_t *host = malloc(size), *out = malloc(size), *want = malloc(size);
     uint8_t *dev = be->iface->dev_alloc(be, size), *dev2 = be->iface->dev_alloc(be, size);
@@ -249,6 +250,48 @@ static void seq_kern(void *p)
     a->log[(*a->len)++] = a->value;
 }
 
+/* Busy times count the work enqueued while timing is on or a trace records, and nothing else;
+ * byte counters count everything. */
+START_TEST(busy_only_while_timing)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *s = make_stream(be, "busy");
+    const size_t size = 1 * MiB;
+    uint8_t *host = calloc(1, size), *dev = be->iface->dev_alloc(be, size);
+    ck_assert(host && dev);
+    rekv_backend_stats st;
+    double seen[3] = {0, 0, 0}; /* compute, h2d, d2h busy after each phase */
+    for (int phase = 0; phase < 4; phase++) {
+        if (phase == 1)
+            be->iface->timing(be, true);
+        if (phase == 2)
+            be->iface->timing(be, false);
+        if (phase == 3)
+            be->iface->trace_start(be);
+        copy1(be, s, 1, dev, host, size, REKV_XFER_KV);
+        launch(be, s, "sleep", (kern_arg){.sleep_ms = 2});
+        copy1(be, s, 0, host, dev, size, REKV_XFER_KV);
+        sync_ok(be, s);
+        be->iface->stats(be, &st);
+        ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], (phase + 1) * size);
+        ck_assert_uint_eq(st.d2h_bytes[REKV_XFER_KV], (phase + 1) * size);
+        double now[3] = {st.compute_busy_s, st.h2d_busy_s, st.d2h_busy_s};
+        for (int k = 0; k < 3; k++) {
+            if (phase == 0 || phase == 2)
+                ck_assert_msg(now[k] == seen[k], "phase %d: busy time %d moved untimed", phase, k);
+            else
+                ck_assert_msg(now[k] > seen[k], "phase %d: busy time %d did not move", phase, k);
+            seen[k] = now[k];
+        }
+    }
+    ck_assert(st.compute_busy_s >= 4e-3);
+    be->iface->dev_free(be, dev);
+    free(host);
+    be->iface->stream_destroy(s);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
 START_TEST(streams_run_in_order_concurrently)
 {
     enum { STREAMS = 4, TASKS = 2000 };
@@ -261,6 +304,7 @@ START_TEST(streams_run_in_order_concurrently)
         snprintf(name, sizeof(name), "s%d", i);
         s[i] = make_stream(be, name);
     }
+    be->iface->timing(be, true);
     for (int t = 0; t < TASKS; t++)
         for (int i = 0; i < STREAMS; i++) {
             seq_arg a = {.log = log[i], .len = &len[i], .value = t};
@@ -480,6 +524,7 @@ START_TEST(link_emulation_timing)
     /* Lower bounds are deterministic (the link sleeps until a copy is due); no upper bounds. */
     timed_copies(be, s, both_h2d, 1, dst_h2d, src_h2d, bytes); /* warm the pages */
     be->iface->stats_reset(be);
+    be->iface->timing(be, true);
     double one = timed_copies(be, s, both_h2d, 1, dst_h2d, src_h2d, bytes);
     rekv_backend_stats st;
     be->iface->stats(be, &st);
@@ -548,6 +593,7 @@ START_TEST(copy_overlaps_kernel)
     memset(d, 0, bytes);
     atomic_int came = -1;
     be->iface->stats_reset(be);
+    be->iface->timing(be, true);
     launch(be, comp, "await-copy",
            (kern_arg){.await = d + bytes - 1, .await_value = 5, .seen = &came});
     copy1(be, h2d, 1, d, h, bytes, REKV_XFER_WEIGHTS);
@@ -854,6 +900,7 @@ static Suite *backend_suite(void)
     TCase *tc = tcase_create("cpu");
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, copies_land_in_order_with_exact_counters);
+    tcase_add_test(tc, busy_only_while_timing);
     tcase_add_test(tc, streams_run_in_order_concurrently);
     tcase_add_test(tc, stream_destroy_waits_for_its_work);
     tcase_add_test(tc, event_orders_work_across_streams);

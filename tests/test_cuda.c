@@ -677,8 +677,17 @@ START_TEST(runtime_copies_events)
     memset(dst, 0, n * 4);
     void *d1 = bi->dev_alloc(g_cu, n * 4), *d2 = bi->dev_alloc(g_cu, n * 4);
     ck_assert(d1 != NULL && d2 != NULL);
+    /* untimed (timing is off at creation, no trace yet): counted, but no busy time */
     bi->stats_reset(g_cu);
-    bi->trace_start(g_cu);
+    rekv_copy_piece pre = {d1, src, n * 4};
+    bi->copy_h2d(a, &pre, 1, REKV_XFER_KV);
+    ck_assert_msg(bi->stream_sync(a, &err) == 0, "%s", err.msg);
+    rekv_backend_stats st0;
+    bi->stats(g_cu, &st0);
+    ck_assert_uint_eq(st0.h2d_copies, 1);
+    ck_assert_msg(st0.h2d_busy_s == 0, "untimed copy: h2d busy %g", st0.h2d_busy_s);
+    bi->stats_reset(g_cu);
+    bi->trace_start(g_cu); /* times too */
     rekv_copy_piece up[3] = {{d1, src, 100},
                              {(char *)d1 + 100, src + 25, 0},
                              {(char *)d1 + 100, (const char *)src + 100, n * 4 - 100}};

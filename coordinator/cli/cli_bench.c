@@ -395,6 +395,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     rekv_progress_update(pr, done + 1, note);
     rekv_pipeline_counters_reset(ses.p);
     ses.be->iface->stats_reset(ses.be);
+    ses.be->iface->timing(ses.be, true); /* the decode steps' busy times: every op timed */
     if (po->trace)
         ses.be->iface->trace_start(ses.be);
     out->has_store = ses.store && rekv_kvstore_stats(ses.store, &out->ks0, NULL) == 0;

@@ -16,8 +16,9 @@
  * - cuda (built when nvcc is present): cudaMalloc, CUDA streams and events, CUDA IPC.
  *
  * Every copy is tagged with what it moves (weights, KV, activations), and the backend counts bytes
- * per kind and direction exactly, and the time each stream was busy. A trace of every task (a span
- * per task, a track per stream) can be written as Chrome trace JSON for Perfetto.
+ * per kind and direction exactly, and, while timing is on, the time each stream was busy. A trace
+ * of every task (a span per task, a track per stream) can be written as Chrome trace JSON for
+ * Perfetto.
  *
  * Errors: functions that can fail return 0 or a negative errno and fill a rekv_err. Asynchronous
  * work cannot report at enqueue time; a failure inside a task is kept by its stream and returned by
@@ -26,6 +27,7 @@
 #define REKV_GPUWORKER_DEVICE_BACKEND_H
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdint.h>
@@ -187,6 +189,10 @@ typedef struct rekv_backend_iface {
 
     void (*stats)(rekv_backend *be, rekv_backend_stats *out);
     void (*stats_reset)(rekv_backend *be);
+    /* busy times (stats) are measured only for work enqueued while timing is on or a trace
+     * records (trace_start): timing is off at creation, since on cuda every timed copy and kernel
+     * costs two events. Byte and copy counters are exact either way. */
+    void (*timing)(rekv_backend *be, bool on);
     /* trace: record spans from now on (clearing earlier ones) / write them as Chrome trace JSON */
     void (*trace_start)(rekv_backend *be);
     int (*trace_write)(rekv_backend *be, const char *path, rekv_err *err);

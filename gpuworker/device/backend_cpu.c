@@ -136,6 +136,7 @@ typedef struct cpu_backend {
 
     pthread_mutex_t trace_mu;      /* protects every field below */
     atomic_bool tracing;           /* trace_start was called: stream threads record spans */
+    atomic_bool timing;            /* timing(on): tasks enqueued now add to the busy times */
     uint64_t trace_t0_ns;          /* CLOCK_MONOTONIC at trace_start; trace time 0 */
     cpu_span *spans;               /* [n_spans], capacity cap_spans, grown by doubling */
     size_t n_spans, cap_spans;     /* spans kept / allocated */
@@ -165,6 +166,7 @@ typedef enum cpu_copy_dir {
 typedef struct cpu_task {
     struct cpu_task *next; /* FIFO link */
     cpu_task_type type;    /* which member of u is valid */
+    bool timed;            /* enqueued while timing or tracing: adds to the busy times */
     union {
         struct {
             cpu_copy_dir dir;    /* also the index of the link it occupies, unless d2d */
@@ -372,11 +374,11 @@ static void run_copy(rekv_stream *s, cpu_task *t)
         if (dir == CPU_COPY_H2D) {
             be->stats.h2d_bytes[t->u.copy.kind] += t->u.copy.bytes;
             be->stats.h2d_copies++;
-            be->stats.h2d_busy_s += busy;
+            be->stats.h2d_busy_s += t->timed ? busy : 0;
         } else {
             be->stats.d2h_bytes[t->u.copy.kind] += t->u.copy.bytes;
             be->stats.d2h_copies++;
-            be->stats.d2h_busy_s += busy;
+            be->stats.d2h_busy_s += t->timed ? busy : 0;
         }
         pthread_mutex_unlock(&be->stats_mu);
     }
@@ -394,9 +396,11 @@ static void run_host(rekv_stream *s, cpu_task *t)
     uint64_t start = rekv_now_ns();
     t->u.host.fn(t->u.host.arg);
     uint64_t end = rekv_now_ns();
-    pthread_mutex_lock(&be->stats_mu);
-    be->stats.compute_busy_s += (double)(end - start) * 1e-9;
-    pthread_mutex_unlock(&be->stats_mu);
+    if (t->timed) {
+        pthread_mutex_lock(&be->stats_mu);
+        be->stats.compute_busy_s += (double)(end - start) * 1e-9;
+        pthread_mutex_unlock(&be->stats_mu);
+    }
     trace_span(be, s->tid, t->u.host.name, start, end);
 }
 
@@ -538,6 +542,7 @@ static cpu_task *task_new(rekv_stream *s, cpu_task_type type, size_t payload_byt
         return NULL;
     }
     t->type = type;
+    t->timed = atomic_load_explicit(&s->be->timing, memory_order_relaxed) || tracing(s->be);
     return t;
 }
 
@@ -1251,6 +1256,12 @@ static void cpu_stats_reset(rekv_backend *base)
     pthread_mutex_unlock(&be->stats_mu);
 }
 
+static void cpu_timing(rekv_backend *base, bool on)
+{
+    cpu_backend *be = base->ctx;
+    atomic_store(&be->timing, on);
+}
+
 static void cpu_trace_start(rekv_backend *base)
 {
     cpu_backend *be = base->ctx;
@@ -1323,6 +1334,7 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
     .launch_host = cpu_launch_host,
     .stats = cpu_stats,
     .stats_reset = cpu_stats_reset,
+    .timing = cpu_timing,
     .trace_start = cpu_trace_start,
     .trace_write = cpu_trace_write,
     .dev_alloc_shared = cpu_dev_alloc_shared,
@@ -1356,6 +1368,7 @@ int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, re
     pthread_mutex_init(&be->stats_mu, NULL);
     pthread_mutex_init(&be->trace_mu, NULL);
     atomic_init(&be->tracing, false);
+    atomic_init(&be->timing, false);
     atomic_init(&be->dev_used, 0);
     *out = &be->base;
     return 0;

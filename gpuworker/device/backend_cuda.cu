@@ -17,10 +17,11 @@
  * row list in a per-stream ring of mapped pinned memory (issue 13's zero-copy gather).
  *
  * Stats and trace: byte and copy counters are exact and counted at enqueue. Busy times are
- * measured on the GPU: every copy and kernel is bracketed by a pair of timing events (from a
- * pool), resolved when its stream is synchronised; compute_busy_s sums kernel durations, h2d and
- * d2h busy sum copy durations (device-to-device copies are traced, not counted, as on cpu). So
- * busy times cover work up to each stream's last stream_sync. The trace is the same measurement:
+ * measured on the GPU while timing is on or a trace records (off otherwise: it costs two event
+ * records per op on the host): every copy and kernel is then bracketed by a pair of timing events
+ * (from a pool), resolved when its stream is synchronised; compute_busy_s sums kernel durations,
+ * h2d and d2h busy sum copy durations (device-to-device copies are traced, not counted, as on cpu).
+ * So busy times cover work up to each stream's last stream_sync. The trace is the same measurement:
  * one span per copy or kernel, on a track per stream, in GPU time relative to an event recorded at
  * trace_start; work enqueued before trace_start is not in it.
  *
@@ -115,6 +116,11 @@ static void pool_put_locked(cuda_backend *be, cudaEvent_t e)
 long cuda_op_begin(rekv_stream *s, int what, const char *label)
 {
     cuda_backend *be = s->be;
+    pthread_mutex_lock(&be->mu);
+    int traced = be->tracing, timed = be->timing || traced;
+    pthread_mutex_unlock(&be->mu);
+    if (!timed)
+        return -1;
     if (s->n_pend == s->cap_pend) {
         size_t cap = s->cap_pend ? s->cap_pend * 2 : 256;
         cu_pending *np = (cu_pending *)realloc(s->pend, cap * sizeof(*np));
@@ -136,9 +142,7 @@ long cuda_op_begin(rekv_stream *s, int what, const char *label)
     p->a = a;
     p->b = b;
     p->what = what;
-    pthread_mutex_lock(&be->mu);
-    p->traced = be->tracing;
-    pthread_mutex_unlock(&be->mu);
+    p->traced = traced;
     snprintf(p->label, sizeof(p->label), "%s", label);
     return (long)s->n_pend++;
 }
@@ -973,6 +977,14 @@ static void cu_stats_reset(rekv_backend *base)
     pthread_mutex_unlock(&be->mu);
 }
 
+static void cu_timing(rekv_backend *base, bool on)
+{
+    cuda_backend *be = backend_of(base);
+    pthread_mutex_lock(&be->mu);
+    be->timing = on;
+    pthread_mutex_unlock(&be->mu);
+}
+
 static void cu_trace_start(rekv_backend *base)
 {
     cuda_backend *be = backend_of(base);
@@ -1115,6 +1127,7 @@ static const rekv_backend_iface cuda_iface = {
     cu_launch_host,         /* launch_host */
     cu_stats,               /* stats */
     cu_stats_reset,         /* stats_reset */
+    cu_timing,              /* timing */
     cu_trace_start,         /* trace_start */
     cu_trace_write,         /* trace_write */
     cu_host_register,       /* host_register */

@@ -88,7 +88,8 @@ typedef struct cuda_backend {
     cudaEvent_t *pool;        /* free timing events */
     size_t n_pool, cap_pool;
 
-    int tracing;               /* trace_start was called */
+    int timing;                /* timing(on): ops enqueued now are timed */
+    int tracing;               /* trace_start was called (ops are timed and traced) */
     cudaStream_t trace_stream; /* records the reference event */
     cudaEvent_t trace_ref;     /* GPU time 0 of the trace; NULL until the first trace_start */
     cu_span *spans;
@@ -130,8 +131,9 @@ void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
 int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what);
 /* Checks a kernel launch. */
 void cuda_launch_check(rekv_stream *s, const char *kernel);
-/* Starts timing an op on s (CU_OP_*): records its start event. Returns the pending index or -1
- * (the op then goes untimed: timing is best effort, the op itself is not affected). */
+/* Starts timing an op on s (CU_OP_*) when timing or tracing: records its start event. Returns the
+ * pending index, or -1 when the op goes untimed (not timing; or no event: timing is best effort,
+ * the op itself is not affected). */
 long cuda_op_begin(rekv_stream *s, int what, const char *label);
 /* Ends the op cuda_op_begin started (i < 0: nothing). */
 void cuda_op_end(rekv_stream *s, long i);
