@@ -19,6 +19,7 @@ typedef struct bjob {
     int top_logits;   /* report the k largest logits before each token; 0 none */
     int mini_batch;   /* the planner's GPU batch + 1; 0: none assigned */
     int32_t last;     /* the last sampled token: the next step's input */
+    int32_t drawn;    /* the token the step drew (on the device) */
     rekv_sampler smp; /* per job, seeded as rekv_generate seeds it */
 } bjob;
 
@@ -30,8 +31,6 @@ struct rekv_batcher {
     int n;                      /* jobs running */
     bjob *jobs;                 /* [max_batch], the batch in order */
     rekv_pipe_item *items;      /* [max_batch] scratch for the step */
-    float *logits;              /* [max_batch][vocab] fp32 */
-    void *scratch;              /* 2 * vocab floats for the sampler */
     rekv_batch_event *events;   /* [max_batch] the last step's outcomes */
     int32_t *ev_top_ids;        /* the events' top logits, [sum of their k] (capacity ev_top_cap) */
     float *ev_top_vals;
@@ -52,9 +51,7 @@ int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_ba
     b->jobs = calloc((size_t)max_batch, sizeof(*b->jobs));
     b->items = calloc((size_t)max_batch, sizeof(*b->items));
     b->events = calloc((size_t)max_batch, sizeof(*b->events));
-    b->logits = malloc(sizeof(float) * (size_t)c->vocab * (size_t)max_batch);
-    b->scratch = malloc(sizeof(float) * 2 * (size_t)c->vocab);
-    if (!b->jobs || !b->items || !b->events || !b->logits || !b->scratch) {
+    if (!b->jobs || !b->items || !b->events) {
         rekv_batcher_free(b);
         return rekv_errf(err, -ENOMEM, "out of memory");
     }
@@ -85,8 +82,6 @@ void rekv_batcher_free(rekv_batcher *b)
     free(b->jobs);
     free(b->items);
     free(b->events);
-    free(b->logits);
-    free(b->scratch);
     free(b->ev_top_ids);
     free(b->ev_top_vals);
     free(b);
@@ -203,36 +198,9 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
     if (b->n == 0)
         return 0;
     const rekv_model_config *c = b->c;
-    int V = c->vocab, n_items = 0;
-    /* item a of the step belongs to job slot[a]; jobs with max_new 0 never run (as rekv_generate)
-     */
-    for (int i = 0; i < b->n; i++) {
-        bjob *j = &b->jobs[i];
-        if (j->max_new == 0)
-            continue;
-        int left = j->n_prompt - j->prefilled;
-        if (left > 0 && b->prefill_chunk > 0 && left > b->prefill_chunk)
-            left = b->prefill_chunk;
-        b->items[n_items++] =
-            j->prefilled == j->n_prompt
-                ? (rekv_pipe_item){j->seq, &j->last, 1, b->logits + (size_t)i * V, 0}
-                : (rekv_pipe_item){j->seq, j->prompt + j->prefilled, left,
-                                   b->logits + (size_t)i * V, 0};
-    }
-    /* the planner's mini-batches apply only when every job in the step has one */
-    int all = n_items > 0;
-    for (int i = 0, a = 0; i < b->n; i++)
-        if (b->jobs[i].max_new != 0) {
-            all &= b->jobs[i].mini_batch > 0;
-            b->items[a++].gpu_batch = b->jobs[i].mini_batch;
-        }
-    for (int a = 0; a < n_items && !all; a++)
-        b->items[a].gpu_batch = 0;
-    int rc;
-    if (n_items > 0 && (rc = rekv_pipeline_step(b->p, b->items, n_items, err)))
-        return rc;
+    int n_items = 0;
     /* room for every job's top logits of this step; the events point into it */
-    size_t need = 0;
+    size_t need = 0, top_at = 0;
     for (int i = 0; i < b->n; i++)
         need += (size_t)b->jobs[i].top_logits;
     if (need > b->ev_top_cap) {
@@ -246,8 +214,44 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
             return rekv_errf(err, -ENOMEM, "out of memory");
         b->ev_top_cap = need;
     }
-    size_t top_at = 0;
+    /* the items, in job order; jobs with max_new 0 never run (as rekv_generate). A step that
+     * reaches a job's last prompt token draws its next token on the device: only the token and
+     * the top logits it reports cross back */
+    for (int i = 0; i < b->n; i++) {
+        bjob *j = &b->jobs[i];
+        if (j->max_new == 0)
+            continue;
+        int left = j->n_prompt - j->prefilled;
+        if (left > 0 && b->prefill_chunk > 0 && left > b->prefill_chunk)
+            left = b->prefill_chunk;
+        rekv_pipe_item *it = &b->items[n_items++];
+        *it = j->prefilled == j->n_prompt
+                  ? (rekv_pipe_item){.seq = j->seq, .tokens = &j->last, .n_tokens = 1}
+                  : (rekv_pipe_item){
+                        .seq = j->seq, .tokens = j->prompt + j->prefilled, .n_tokens = left};
+        if (j->prefilled + left == j->n_prompt || j->prefilled == j->n_prompt) {
+            it->smp = &j->smp;
+            it->token = &j->drawn;
+            it->n_top = j->top_logits;
+            it->top_ids = b->ev_top_ids + top_at;
+            it->top_vals = b->ev_top_vals + top_at;
+            top_at += (size_t)j->top_logits;
+        }
+    }
+    /* the planner's mini-batches apply only when every job in the step has one */
+    int all = n_items > 0;
+    for (int i = 0, a = 0; i < b->n; i++)
+        if (b->jobs[i].max_new != 0) {
+            all &= b->jobs[i].mini_batch > 0;
+            b->items[a++].gpu_batch = b->jobs[i].mini_batch;
+        }
+    for (int a = 0; a < n_items && !all; a++)
+        b->items[a].gpu_batch = 0;
+    int rc;
+    if (n_items > 0 && (rc = rekv_pipeline_step(b->p, b->items, n_items, err)))
+        return rc;
     int kept = 0, ne = 0;
+    top_at = 0;
     for (int i = 0; i < b->n; i++) {
         bjob *j = &b->jobs[i];
         rekv_batch_event *ev = &b->events[ne++];
@@ -267,11 +271,9 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
                 ev->top_ids = b->ev_top_ids + top_at;
                 ev->top_vals = b->ev_top_vals + top_at;
                 ev->n_top = j->top_logits;
-                rekv_top_logits(b->logits + (size_t)i * V, V, j->top_logits, b->ev_top_ids + top_at,
-                                b->ev_top_vals + top_at);
-                top_at += (size_t)j->top_logits;
             }
-            int32_t tok = rekv_sample(&j->smp, b->logits + (size_t)i * V, V, b->scratch);
+            top_at += (size_t)j->top_logits;
+            int32_t tok = j->drawn;
             ev->token = tok;
             j->last = tok;
             j->n_gen++;

@@ -68,8 +68,20 @@ typedef struct rekv_sampler {
 void rekv_sampler_init(rekv_sampler *s, float temperature, int top_k, float top_p, uint64_t seed);
 /* The greedy choice: the index of the largest of x[0..n-1], the lowest on ties. */
 int rekv_argmax(const float *x, int n);
-/* Picks the next token from logits[vocab]. scratch holds 2*vocab floats' worth of memory. */
+/* Picks the next token from logits[vocab]: rekv_sample_drawn with rekv_sampler_draw's number.
+ * scratch holds 2*vocab floats' worth of memory. */
 int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scratch);
+/* The uniform number in [0, 1) the next sample uses, advancing the state; greedy draws nothing
+ * (0, the state unchanged). */
+float rekv_sampler_draw(rekv_sampler *s);
+/* The token s's parameters choose with the number u drawn: greedy is rekv_argmax; otherwise the
+ * tokens ranked by logit (lower id first on ties), the first top_k of them, then the shortest
+ * prefix of those holding top_p of their weight exp((logit - max) / temperature); of these kept
+ * tokens, walked in id order, the first whose running weight exceeds u times their sum. Only the
+ * walk's order differs from the usual definition, not the distribution; it lets a device draw
+ * with prefix sums instead of a sort (the kernels' sample: cpu calls this, cuda follows it). */
+int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, int vocab,
+                          void *scratch);
 /* The k largest logits as (id, logit) pairs, largest first, lower id first on ties. */
 void rekv_top_logits(const float *logits, int vocab, int k, int32_t *ids, float *vals);
 

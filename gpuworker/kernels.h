@@ -46,6 +46,17 @@ typedef struct rekv_spec_seq {
     size_t out;      /* its scores: out + this, [n_heads][len] */
 } rekv_spec_seq;
 
+/* One row of a draw on the device (sample): a sampler's parameters and the number it drew
+ * (gpuworker.h: rekv_sampler_draw, rekv_sample_drawn), and the top logits to report. */
+typedef struct rekv_sample_row {
+    float temperature; /* <= 0: greedy */
+    float top_p;
+    float u; /* in [0, 1) */
+    int top_k;
+    int n_top;  /* also the n_top largest logits (0: none) ... */
+    int top_at; /* ... at top_ids / top_vals + top_at */
+} rekv_sample_row;
+
 typedef struct rekv_kernel_iface {
     /* y[m][n] = x[m][k] · w[n][k]^T (+ bias), w in dtype wt (f32, f16 or bf16), accumulated in
      * fp32. On the cpu backend every element is computed in a fixed order whatever rows share the
@@ -101,6 +112,15 @@ typedef struct rekv_kernel_iface {
      * (q: [rows][n_heads][rk]) */
     void (*spec_scores)(rekv_stream *s, float *out, const float *q, const rekv_spec_seq *seqs,
                         int n, int n_heads, int group, int rk, float scale);
+    /* token selection on the device, so that only the choices cross back: for each of n rows of
+     * logits ([n][vocab]), ids[r] = rekv_sample_drawn's choice with rows[r] (the cpu backend
+     * calls it; cuda follows its definition with sums in fixed point: the same greedy choice and,
+     * sampling, the same distribution), and the rows[r].n_top largest logits as (id, logit) pairs
+     * in any order (rekv_top_logits' set: lower id first on ties). rows: memory the device
+     * reads; scratch: device memory of 8 * vocab bytes (the cpu backend's) */
+    void (*sample)(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
+                   const float *logits, const rekv_sample_row *rows, int n, int vocab,
+                   void *scratch);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

@@ -4,6 +4,7 @@
 
 #include "common/dtype.h"
 #include "gpuworker/cpu_ops.h"
+#include "gpuworker/gpuworker.h"
 #include "gpuworker/kernels.h"
 
 /* The stream's backend iface is needed to launch; streams of the cpu backend all share it. */
@@ -317,6 +318,37 @@ static void k_spec_scores(rekv_stream *s, float *out, const float *q, const rekv
     LAUNCH(s, "spec_scores", run_spec, a);
 }
 
+typedef struct sample_args {
+    int32_t *ids, *top_ids;
+    float *top_vals;
+    const float *logits;
+    const rekv_sample_row *rows;
+    int n, vocab;
+    void *scratch;
+} sample_args;
+
+static void run_sample(void *p)
+{
+    sample_args *a = p;
+    for (int r = 0; r < a->n; r++) {
+        const rekv_sample_row *w = &a->rows[r];
+        const float *lg = a->logits + (size_t)r * (size_t)a->vocab;
+        rekv_sampler smp = {w->temperature, w->top_k, w->top_p, 0};
+        a->ids[r] = rekv_sample_drawn(&smp, w->u, lg, a->vocab, a->scratch);
+        if (w->n_top > 0)
+            rekv_top_logits(lg, a->vocab, w->n_top, a->top_ids + w->top_at,
+                            a->top_vals + w->top_at);
+    }
+}
+
+static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
+                     const float *logits, const rekv_sample_row *rows, int n, int vocab,
+                     void *scratch)
+{
+    sample_args a = {ids, top_ids, top_vals, logits, rows, n, vocab, scratch};
+    LAUNCH(s, "sample", run_sample, a);
+}
+
 const rekv_kernel_iface rekv_cpu_kernels = {
     .linear = k_linear,
     .norm = k_norm,
@@ -331,4 +363,5 @@ const rekv_kernel_iface rekv_cpu_kernels = {
     .gather_rows = k_gather_rows,
     .head_proj = k_head_proj,
     .spec_scores = k_spec_scores,
+    .sample = k_sample,
 };

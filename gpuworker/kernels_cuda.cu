@@ -17,6 +17,8 @@
  * - attention: one block per (head, sequence, row slice); the block's warps split the context,
  *   each keeps an online softmax, and the block merges them (flash-decoding's split, within a
  *   block). The `scores` scratch is not used.
+ * - sample: one block per row, rekv_sample_drawn by radix selection and prefix sums in fixed
+ *   point (below), so only the chosen ids and any top logits cross back.
  * - the rest: element- or row-parallel; one block per row where a row reads mapped metadata, read
  *   once per block through shared memory.
  *
@@ -765,6 +767,220 @@ static void k_spec_scores(rekv_stream *s, float *out, const float *q, const rekv
             seqs, n_heads, group, rk, scale);
 }
 
+/* ------------------------------------------------------------------ sampling */
+
+/* One block per row follows rekv_sample_drawn (gpuworker/sample.c) without a sort: each thread
+ * takes a contiguous run of ids, so a block-wide prefix sum over the threads' runs walks the
+ * vocabulary in id order. A set of tokens "the first n by rank" (logit descending, lower id first)
+ * is a threshold key and a count of the tokens at the threshold to take, lowest ids first; the
+ * threshold is found by radix selection (four passes of 8 bits, histograms in shared memory).
+ * Weights are exp((logit - max) / temperature) in fixed point (SAMPLE_FIX bits below the point):
+ * integer sums, so a draw does not depend on the order of atomic adds. */
+enum { SAMPLE_THREADS = 1024 };
+#define SAMPLE_FIX 0x1p40f
+
+/* a logit's rank as an unsigned key: larger logit, larger key; -0 is +0 */
+__device__ __forceinline__ static uint32_t logit_key(float f)
+{
+    uint32_t u = __float_as_uint(f);
+    if (u == 0x80000000u)
+        u = 0;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ static float key_logit(uint32_t k)
+{
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+/* The tokens with key > thr, and the first n_tie (by id) of those with key == thr; base: the
+ * ties before this thread's run. */
+typedef struct sample_set {
+    uint32_t thr;
+    unsigned long long n_tie, base;
+} sample_set;
+
+/* calls f(i, key) for the members of s in this thread's run [lo, hi), in id order */
+template <class F>
+__device__ static void set_walk(const float *lg, int lo, int hi, const sample_set &s, F f)
+{
+    unsigned long long rank = s.base;
+    for (int i = lo; i < hi; i++) {
+        uint32_t k = logit_key(lg[i]);
+        if (k > s.thr || (k == s.thr && rank++ < s.n_tie))
+            f(i, k);
+    }
+}
+
+/* Exclusive prefix sum of v over the block's threads, in thread order; *total: the sum. sh: 33
+ * words of shared memory. */
+__device__ static unsigned long long block_scan(unsigned long long v, unsigned long long *total,
+                                                unsigned long long *sh)
+{
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    unsigned long long x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned long long y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o)
+            x += y;
+    }
+    __syncthreads(); /* sh may still be read from a previous call */
+    if (lane == 31)
+        sh[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned long long t = lane < nw ? sh[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            unsigned long long y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o)
+                t += y;
+        }
+        if (lane < nw)
+            sh[lane] = t;
+    }
+    __syncthreads();
+    *total = sh[nw - 1];
+    return (warp ? sh[warp - 1] : 0) + x - v;
+}
+
+/* s.base for s.thr: the ties (key == thr) in the runs of the threads before this one */
+__device__ static void set_base(const float *lg, int lo, int hi, sample_set *s,
+                                unsigned long long *sh)
+{
+    unsigned long long c = 0, total;
+    for (int i = lo; i < hi; i++)
+        c += logit_key(lg[i]) == s->thr;
+    s->base = block_scan(c, &total, sh);
+}
+
+/* The first members of dom by rank whose weights w(key) reach want (want <= their total). */
+template <class W>
+__device__ static sample_set set_select(const float *lg, int lo, int hi, const sample_set &dom,
+                                        unsigned long long want, W w, unsigned long long *hist,
+                                        unsigned long long *sh)
+{
+    uint32_t prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        __syncthreads();
+        for (int b = threadIdx.x; b < 256; b += blockDim.x)
+            hist[b] = 0;
+        __syncthreads();
+        set_walk(lg, lo, hi, dom, [&](int, uint32_t k) {
+            if ((k & mask) == prefix)
+                atomicAdd(&hist[(k >> shift) & 255u], w(k));
+        });
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long acc = 0;
+            int b = 255;
+            for (; b > 0 && acc + hist[b] < want; b--)
+                acc += hist[b];
+            sh[0] = (unsigned long long)b;
+            sh[1] = want - acc;
+        }
+        __syncthreads();
+        prefix |= (uint32_t)sh[0] << shift;
+        mask |= 255u << shift;
+        want = sh[1];
+    }
+    unsigned long long wt = w(prefix); /* every tie weighs the same */
+    sample_set s = {prefix, wt ? (want + wt - 1) / wt : 0, 0};
+    set_base(lg, lo, hi, &s, sh);
+    return s;
+}
+
+__global__ static void sample_kernel(int32_t *ids, int32_t *top_ids, float *top_vals,
+                                     const float *logits, const rekv_sample_row *rows, int V)
+{
+    __shared__ unsigned long long hist[256], sh[34];
+    __shared__ float red_v[32];
+    __shared__ int red_i[32];
+    const rekv_sample_row w = rows[blockIdx.x];
+    const float *lg = logits + (size_t)blockIdx.x * V;
+    int chunk = (V + (int)blockDim.x - 1) / (int)blockDim.x;
+    int lo = min(V, (int)threadIdx.x * chunk), hi = min(V, lo + chunk);
+
+    /* the greedy choice: the largest logit, the lowest id on ties */
+    float bv = -INFINITY;
+    int bi = V;
+    for (int i = lo; i < hi; i++)
+        if (bi == V || lg[i] > bv)
+            bv = lg[i], bi = i;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi < V && (bi == V || ov > bv || (ov == bv && oi < bi)))
+            bv = ov, bi = oi;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if (lane == 0)
+        red_v[warp] = bv, red_i[warp] = bi;
+    __syncthreads();
+    bv = red_v[0], bi = red_i[0];
+    for (int j = 1; j < nw; j++)
+        if (red_i[j] < V && (bi == V || red_v[j] > bv || (red_v[j] == bv && red_i[j] < bi)))
+            bv = red_v[j], bi = red_i[j];
+
+    const sample_set all = {0, ~0ull, 0};
+    auto one = [](uint32_t) -> unsigned long long { return 1; };
+    if (w.n_top > 0) { /* the n_top largest, written in id order */
+        sample_set t =
+            set_select(lg, lo, hi, all, (unsigned long long)min(w.n_top, V), one, hist, sh);
+        unsigned long long mine = 0, total;
+        set_walk(lg, lo, hi, t, [&](int, uint32_t) { mine++; });
+        unsigned long long at = (unsigned long long)w.top_at + block_scan(mine, &total, sh);
+        set_walk(lg, lo, hi, t, [&](int i, uint32_t) {
+            top_ids[at] = i;
+            top_vals[at] = lg[i];
+            at++;
+        });
+    }
+    if (!(w.temperature > 0.0f)) {
+        if (threadIdx.x == 0)
+            ids[blockIdx.x] = bi;
+        return;
+    }
+    float mx = bv, temp = w.temperature;
+    auto weight = [=](uint32_t k) -> unsigned long long {
+        return (unsigned long long)(expf((key_logit(k) - mx) / temp) * SAMPLE_FIX);
+    };
+    sample_set dom = all;
+    if (w.top_k > 0 && w.top_k < V)
+        dom = set_select(lg, lo, hi, all, (unsigned long long)w.top_k, one, hist, sh);
+    unsigned long long mine = 0, total;
+    if (w.top_p > 0.0f && w.top_p < 1.0f) {
+        set_walk(lg, lo, hi, dom, [&](int, uint32_t k) { mine += weight(k); });
+        block_scan(mine, &total, sh);
+        unsigned long long want = (unsigned long long)ceil((double)w.top_p * (double)total);
+        dom = set_select(lg, lo, hi, dom, want ? want : 1, weight, hist, sh);
+        mine = 0;
+    }
+    /* the draw: the first kept token, in id order, whose running weight exceeds u * the sum */
+    set_walk(lg, lo, hi, dom, [&](int, uint32_t k) { mine += weight(k); });
+    unsigned long long acc = block_scan(mine, &total, sh);
+    unsigned long long target = (unsigned long long)((double)w.u * (double)total);
+    if (acc <= target && target < acc + mine) {
+        int pick = -1;
+        set_walk(lg, lo, hi, dom, [&](int i, uint32_t k) {
+            acc += weight(k);
+            if (pick < 0 && acc > target)
+                pick = i;
+        });
+        ids[blockIdx.x] = pick;
+    }
+}
+
+static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
+                     const float *logits, const rekv_sample_row *rows, int n, int vocab,
+                     void *scratch)
+{
+    (void)scratch;
+    if (n <= 0 || vocab <= 0)
+        return;
+    KLAUNCH(s, "sample", sample_kernel, n, SAMPLE_THREADS, 0, ids, top_ids, top_vals, logits, rows,
+            vocab);
+}
+
 /* ------------------------------------------------------------------ the table */
 
 static const rekv_kernel_iface cuda_kernels = {
@@ -781,6 +997,7 @@ static const rekv_kernel_iface cuda_kernels = {
     k_gather_rows, /* gather_rows */
     k_head_proj,   /* head_proj */
     k_spec_scores, /* spec_scores */
+    k_sample,      /* sample */
 };
 
 /* ------------------------------------------------------------------ the object's entry point */

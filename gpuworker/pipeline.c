@@ -36,6 +36,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpuworker/engine_internal.h"
@@ -294,7 +295,8 @@ static int validate(rekv_pipeline *p, rekv_pipe_item *items, int n, rekv_err *er
     for (int b = 0; b < n; b++) {
         rekv_pipe_item *it = &items[b];
         if (it->seq == NULL || it->seq->p != p || it->n_tokens <= 0 || it->tokens == NULL ||
-            it->logits == NULL)
+            (it->smp && (it->token == NULL || it->n_top < 0 || it->n_top > p->c->vocab ||
+                         (it->n_top > 0 && (it->top_ids == NULL || it->top_vals == NULL)))))
             return rekv_errf(err, -EINVAL, "step: batch item %d is malformed", b);
         if ((int64_t)it->seq->len + it->n_tokens > it->seq->cap)
             return rekv_errf(err, -E2BIG,
@@ -330,6 +332,97 @@ int rekv_pipeline_set_step(rekv_pipeline *p, const rekv_step_params *sp, rekv_er
     p->cfg.gpu_batches = sp->gpu_batches;
     p->cfg.schedule = sp->schedule;
     return 0;
+}
+
+typedef struct top_pair {
+    float v;
+    int32_t id;
+} top_pair;
+
+/* What batch g's head sends back, on sc after its logits: the logits rows items ask for, and the
+ * device's draws for the items with a sampler (ids and top logits in one copy, into
+ * st->picks[g]). Each draw uses the number its sampler draws next, from a copy of the state. */
+static int head_back(rekv_pipeline *p, step *st, int g, rekv_stream *sc, rekv_err *err)
+{
+    gbatch *gb = &p->gb[g];
+    int V = p->c->vocab, b0 = st->g_begin[g], nb = st->g_begin[g + 1] - b0, draws = 0;
+    size_t tops = 0, n_pc = 0;
+    rekv_copy_piece *pc = pl_smem_alloc(&st->mem, sizeof(rekv_copy_piece) * (size_t)(nb + 1));
+    rekv_sample_row *sr = pl_smem_alloc(&st->mem, sizeof(rekv_sample_row) * (size_t)nb);
+    if (pc == NULL || sr == NULL)
+        return rekv_errf(err, -ENOMEM, "step: out of memory");
+    for (int j = 0; j < nb; j++) {
+        const rekv_pipe_item *it = &st->items[b0 + j];
+        if (it->logits)
+            pc[n_pc++] = (rekv_copy_piece){it->logits, (float *)gb->logits.p + (size_t)j * V,
+                                           sizeof(float) * (size_t)V};
+        sr[j] = (rekv_sample_row){.temperature = 0};
+        if (it->smp) {
+            rekv_sampler next = *it->smp;
+            sr[j] = (rekv_sample_row){next.temperature, next.top_p, rekv_sampler_draw(&next),
+                                      next.top_k,       it->n_top,  (int)tops};
+            tops += (size_t)it->n_top;
+            draws++;
+        }
+    }
+    if (draws) {
+        /* the copy's bytes, then room for take_draws to rank the top logits in */
+        size_t bytes = 4 * (size_t)nb + 8 * tops;
+        int32_t *host = pl_smem_alloc(&st->mem, bytes + sizeof(top_pair) * tops);
+        if (host == NULL)
+            return rekv_errf(err, -ENOMEM, "step: out of memory");
+        int32_t *ids = (int32_t *)((char *)gb->picks.p + 8 * (size_t)V), *top_ids = ids + nb;
+        p->k->sample(sc, ids, top_ids, (float *)(top_ids + tops), gb->logits.p, sr, nb, V,
+                     gb->picks.p);
+        pc[n_pc++] = (rekv_copy_piece){host, ids, bytes};
+        st->picks[g] = host;
+    }
+    if (n_pc)
+        p->bi->copy_d2h(sc, pc, n_pc, REKV_XFER_OTHER);
+    return 0;
+}
+
+static int top_desc(const void *a, const void *b)
+{
+    const top_pair *x = a, *y = b;
+    if (x->v != y->v)
+        return x->v > y->v ? -1 : 1;
+    return x->id < y->id ? -1 : (x->id > y->id);
+}
+
+/* After a step that succeeded: each drawing item's token and top logits (ranked as
+ * rekv_top_logits ranks them) from the copied-back draws, and its sampler's state advanced. */
+static void take_draws(step *st)
+{
+    for (int g = 0; g < st->n_g; g++) {
+        int b0 = st->g_begin[g], nb = st->g_begin[g + 1] - b0;
+        const int32_t *ids = st->picks[g];
+        if (ids == NULL)
+            continue;
+        size_t tops = 0, at = 0;
+        for (int j = 0; j < nb; j++)
+            tops += st->items[b0 + j].smp ? (size_t)st->items[b0 + j].n_top : 0;
+        const int32_t *top_ids = ids + nb;
+        const float *top_vals = (const float *)(top_ids + tops);
+        top_pair *tp = (top_pair *)(top_vals + tops);
+        for (int j = 0; j < nb; j++) {
+            rekv_pipe_item *it = &st->items[b0 + j];
+            if (it->smp == NULL)
+                continue;
+            *it->token = ids[j];
+            rekv_sampler_draw(it->smp);
+            if (it->n_top == 0)
+                continue;
+            for (int t = 0; t < it->n_top; t++)
+                tp[t] = (top_pair){top_vals[at + t], top_ids[at + t]};
+            qsort(tp, (size_t)it->n_top, sizeof(top_pair), top_desc);
+            for (int t = 0; t < it->n_top; t++) {
+                it->top_ids[t] = tp[t].id;
+                it->top_vals[t] = tp[t].v;
+            }
+            at += (size_t)it->n_top;
+        }
+    }
 }
 
 int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rekv_err *err)
@@ -509,16 +602,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             rows = gb->q.p;
         }
         k->linear(sc, gb->logits.p, rows, p->d_head, p->e->wdtype, NULL, nb, c->vocab, E);
-        rekv_copy_piece *pc = pl_smem_alloc(&st.mem, sizeof(rekv_copy_piece) * (size_t)nb);
-        if (pc == NULL) {
-            rc = rekv_errf(err, -ENOMEM, "step: out of memory");
+        if ((rc = head_back(p, &st, g, sc, err)))
             goto drain;
-        }
-        for (int j = 0; j < nb; j++)
-            pc[j] = (rekv_copy_piece){st.items[st.g_begin[g] + j].logits,
-                                      (float *)gb->logits.p + (size_t)j * c->vocab,
-                                      sizeof(float) * (size_t)c->vocab};
-        p->bi->copy_d2h(sc, pc, (size_t)nb, REKV_XFER_OTHER);
     }
 drain : {
     /* every enqueued task refers to step memory: wait for all of it, whatever happened */
@@ -529,6 +614,7 @@ drain : {
         rc = r1 ? r1 : r2 ? r2 : r3;
 }
     if (rc == 0) {
+        take_draws(&st);
         for (int i = 0; i < n_items; i++)
             items[i].seq->len += items[i].n_tokens;
         /* this step's totals: the running totals minus those at the end of the last step */

@@ -163,14 +163,24 @@ int rekv_pseq_uses_store_seq(const rekv_pseq *s, uint64_t store_seq);
 /* The kvstore sequence holding its K,V (kvpr: the activations are in the next one); 0 resident. */
 uint64_t rekv_pseq_store_seq(const rekv_pseq *s);
 
+/* What crosses back from the device per item is what it asks for: the whole logits row, or only
+ * the token a sampler draws on the device (and the top logits it reports), or nothing (a prompt
+ * chunk). */
 typedef struct rekv_pipe_item {
     rekv_pseq *seq;
     const int32_t *tokens; /* [n_tokens] new tokens */
     int n_tokens;
-    float *logits; /* out: [vocab], for the last new token */
-    int gpu_batch; /* 0: the step splits the batch into cfg.gpu_batches evenly; k >= 1 on
-                      every item: items with equal k form one GPU batch (a mini-batch of
-                      the planner's bin packing), in increasing k */
+    float *logits;     /* out: [vocab], for the last new token; NULL: not copied back */
+    int gpu_batch;     /* 0: the step splits the batch into cfg.gpu_batches evenly; k >= 1 on
+                          every item: items with equal k form one GPU batch (a mini-batch of
+                          the planner's bin packing), in increasing k */
+    rekv_sampler *smp; /* not NULL: the device draws the next token from the last new token's
+                          logits, as rekv_sample(smp, ...) does (the state advances only when the
+                          step succeeds) ... */
+    int32_t *token;    /* ... into *token */
+    int n_top;         /* ... with the n_top largest logits before it (rekv_top_logits) */
+    int32_t *top_ids;  /* [n_top] */
+    float *top_vals;   /* [n_top] */
 } rekv_pipe_item;
 
 /* What the planner may change between steps; the mode, weight placement and cache dtype are fixed

@@ -161,9 +161,10 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
     int rc = 0;
     for (int g = 0; g < st->n_g; g++) {
         size_t T = (size_t)st->g_rows[g], ns = (size_t)(st->g_begin[g + 1] - st->g_begin[g]);
-        size_t act = 0, kv_elems = 0;
+        size_t act = 0, kv_elems = 0, tops = 0;
         for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++) {
             size_t tot = (size_t)st->items[i].seq->len + (size_t)st->items[i].n_tokens;
+            tops += st->items[i].smp ? (size_t)st->items[i].n_top : 0;
             if (p->cfg.mode != REKV_MODE_RESIDENT)
                 act += pl_item_recompute_rows(p, st, i);
             kv_elems += rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, (int)tot);
@@ -183,7 +184,8 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
               pl_dbuf_ensure(p, &b->q, T * Q * f) | pl_dbuf_ensure(p, &b->k, T * KV * f) |
               pl_dbuf_ensure(p, &b->v, T * KV * f) | pl_dbuf_ensure(p, &b->att, T * Q * f) |
               pl_dbuf_ensure(p, &b->f1, T * F * f) | pl_dbuf_ensure(p, &b->f3, T * F * f) |
-              pl_dbuf_ensure(p, &b->logits, ns * (size_t)c->vocab * f);
+              pl_dbuf_ensure(p, &b->logits, ns * (size_t)c->vocab * f) |
+              pl_dbuf_ensure(p, &b->picks, 8 * (size_t)c->vocab + 4 * ns + 8 * tops);
     }
     rc |= pl_dbuf_ensure(p, &p->scores, max_ctx * f);
     if (p->cfg.mode != REKV_MODE_RESIDENT) {

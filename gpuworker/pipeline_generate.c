@@ -1,6 +1,7 @@
 /* pipeline_generate.c — generation over the pipeline (rekv_pipeline_generate): a batch of prompts
  * prefilled in one step, then decode steps over the sequences still running, sampled as
- * rekv_generate samples (generate.c). */
+ * rekv_generate samples (generate.c), on the device: only the tokens (and any top logits)
+ * cross back. */
 #include "gpuworker/pipeline_internal.h"
 
 #include <errno.h>
@@ -8,6 +9,18 @@
 #include <string.h>
 
 #include "common/clock.h"
+
+/* it draws r's next token (and its k top logits) with smp */
+static void draw_into(rekv_pipe_item *it, rekv_sampler *smp, rekv_gen_result *r, int k)
+{
+    it->smp = smp;
+    it->token = &r->ids[r->n];
+    it->n_top = k;
+    if (k > 0) {
+        it->top_ids = r->top_ids + (size_t)r->n * k;
+        it->top_vals = r->top_vals + (size_t)r->n * k;
+    }
+}
 
 int rekv_pipeline_generate(rekv_pipeline *p, const int32_t *const *prompts, const int *n_prompts,
                            int n, const rekv_gen_params *gp, rekv_gen_result *res, rekv_err *err)
@@ -21,7 +34,7 @@ int rekv_pipeline_generate_progress(rekv_pipeline *p, const int32_t *const *prom
                                     rekv_err *err)
 {
     const rekv_model_config *c = p->c;
-    int rc = 0, V = c->vocab, k = gp->top_logits < V ? gp->top_logits : V;
+    int rc = 0, k = gp->top_logits < c->vocab ? gp->top_logits : c->vocab;
     int max_new = gp->max_new_tokens;
     memset(res, 0, sizeof(*res) * (size_t)n);
     if (max_new < 0 || gp->top_logits < 0)
@@ -33,9 +46,7 @@ int rekv_pipeline_generate_progress(rekv_pipeline *p, const int32_t *const *prom
     rekv_sampler *smp = calloc((size_t)n, sizeof(*smp));
     rekv_pipe_item *items = calloc((size_t)n, sizeof(*items));
     int *idx = calloc((size_t)n, sizeof(int));
-    float *logits = malloc(sizeof(float) * (size_t)V * (size_t)n);
-    void *scratch = malloc(sizeof(float) * 2 * (size_t)V);
-    if (!seqs || !smp || !items || !idx || !logits || !scratch) {
+    if (!seqs || !smp || !items || !idx) {
         rc = rekv_errf(err, -ENOMEM, "out of memory");
         goto out;
     }
@@ -53,11 +64,14 @@ int rekv_pipeline_generate_progress(rekv_pipeline *p, const int32_t *const *prom
             rc = rekv_pseq_create(p, cap, &seqs[i], err);
         rekv_sampler_init(&smp[i], gp->temperature, gp->top_k, gp->top_p, gp->seed + (uint64_t)i);
         res[i].finish_reason = "length";
-        items[i] = (rekv_pipe_item){seqs[i], prompts[i], n_prompts[i], logits + (size_t)i * V, 0};
+        items[i] = (rekv_pipe_item){.seq = seqs[i], .tokens = prompts[i], .n_tokens = n_prompts[i]};
         idx[i] = i;
     }
     if (rc || max_new == 0)
         goto out;
+    /* every step draws each running sequence's next token on the device, into its result */
+    for (int i = 0; i < n; i++)
+        draw_into(&items[i], &smp[i], &res[i], k);
     uint64_t t0 = rekv_now_ns();
     if ((rc = rekv_pipeline_step(p, items, n, err)))
         goto out;
@@ -71,12 +85,7 @@ int rekv_pipeline_generate_progress(rekv_pipeline *p, const int32_t *const *prom
         for (int a = 0; a < running; a++) {
             int i = idx[a];
             rekv_gen_result *r = &res[i];
-            const float *lg = logits + (size_t)a * V;
-            if (k > 0)
-                rekv_top_logits(lg, V, k, r->top_ids + (size_t)r->n * k,
-                                r->top_vals + (size_t)r->n * k);
-            int32_t tok = rekv_sample(&smp[i], lg, V, scratch);
-            r->ids[r->n++] = tok;
+            int32_t tok = r->ids[r->n++];
             generated++;
             if (gp->stop_at_eos && tok == c->eos_id)
                 r->finish_reason = "eos";
@@ -87,12 +96,13 @@ int rekv_pipeline_generate_progress(rekv_pipeline *p, const int32_t *const *prom
         }
         if (progress)
             progress(arg, generated, total);
-        /* logits rows follow the running order; rebuild the items compactly */
+        /* the sequences still running, in order */
         running = m;
         for (int a = 0; a < running; a++) {
             int i = idx[a];
-            items[a] =
-                (rekv_pipe_item){seqs[i], &res[i].ids[res[i].n - 1], 1, logits + (size_t)a * V, 0};
+            items[a] = (rekv_pipe_item){
+                .seq = seqs[i], .tokens = &res[i].ids[res[i].n - 1], .n_tokens = 1};
+            draw_into(&items[a], &smp[i], &res[i], k);
         }
         if (running > 0 && (rc = rekv_pipeline_step(p, items, running, err)))
             goto out;
@@ -111,7 +121,5 @@ out:
     free(smp);
     free(items);
     free(idx);
-    free(logits);
-    free(scratch);
     return rc;
 }

@@ -72,6 +72,8 @@ typedef struct gbatch {
     dbuf att;    /* [T][q_dim] */
     dbuf f1, f3; /* [T][ffn] */
     dbuf logits; /* [n_seqs][vocab] */
+    dbuf picks;  /* the device's draws: sample's scratch (8 * vocab bytes), then ids [n_seqs],
+                    top ids and top logits [their n_top] */
 } gbatch;
 
 /* Buffers of one unit parity. */
@@ -238,6 +240,8 @@ typedef struct step {
     int *split;      /* [n_items] context tokens recomputed (kvpr) */
     size_t *ig_off;  /* infinigen: [n_items] offset of the item's speculated
                         scores, SIZE_MAX when it fetches densely */
+    int32_t *picks[MAX_GPU_BATCHES]; /* batch g's draws copied back: ids [items of batch], top
+                                        ids, top logits (n_top of each drawing item); NULL none */
     step_mem mem;
 } step;
 

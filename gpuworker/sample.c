@@ -49,7 +49,25 @@ static int cand_desc(const void *a, const void *b)
     return x->id < y->id ? -1 : (x->id > y->id);
 }
 
+static int cand_id(const void *a, const void *b)
+{
+    const cand *x = a, *y = b;
+    return x->id < y->id ? -1 : (x->id > y->id);
+}
+
+float rekv_sampler_draw(rekv_sampler *s)
+{
+    return s->temperature > 0.0f ? rng_f32(&s->state) : 0.0f;
+}
+
 int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scratch)
+{
+    float u = rekv_sampler_draw(s);
+    return rekv_sample_drawn(s, u, logits, vocab, scratch);
+}
+
+int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, int vocab,
+                          void *scratch)
 {
     if (s->temperature <= 0.0f)
         return rekv_argmax(logits, vocab);
@@ -57,34 +75,37 @@ int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scrat
     float mx = logits[rekv_argmax(logits, vocab)];
     for (int i = 0; i < vocab; i++) {
         c[i].id = i;
-        c[i].p = (logits[i] - mx) / s->temperature;
+        c[i].p = logits[i];
     }
-    /* sorted by logit, so top-k and top-p are prefixes */
+    /* ranked by logit, lower id first on ties: top-k and top-p keep a prefix */
     qsort(c, (size_t)vocab, sizeof(cand), cand_desc);
     int n = vocab;
     if (s->top_k > 0 && s->top_k < n)
         n = s->top_k;
     double sum = 0;
     for (int i = 0; i < n; i++) {
-        c[i].p = expf(c[i].p);
+        c[i].p = expf((c[i].p - mx) / s->temperature);
         sum += c[i].p;
     }
     if (s->top_p > 0.0f && s->top_p < 1.0f) {
-        double cum = 0;
+        double cum = 0, want = (double)s->top_p * sum;
         int keep = n;
         for (int i = 0; i < n; i++) {
-            cum += c[i].p / sum;
-            if (cum >= s->top_p) {
+            cum += c[i].p;
+            if (cum >= want) {
                 keep = i + 1;
                 break;
             }
         }
         n = keep;
-        sum = 0;
-        for (int i = 0; i < n; i++)
-            sum += c[i].p;
     }
-    double r = (double)rng_f32(&s->state) * sum, acc = 0;
+    /* the draw walks the kept tokens in id order: the same distribution as any order, and one a
+     * device reaches with a prefix sum instead of a sort (the cuda kernel) */
+    qsort(c, (size_t)n, sizeof(cand), cand_id);
+    sum = 0;
+    for (int i = 0; i < n; i++)
+        sum += c[i].p;
+    double r = (double)u * sum, acc = 0;
     for (int i = 0; i < n; i++) {
         acc += c[i].p;
         if (r < acc)

@@ -579,6 +579,87 @@ START_TEST(kernel_infinigen)
 }
 END_TEST
 
+/* sample: the cuda kernel follows rekv_sample_drawn (which the cpu kernel calls). Greedy rows and
+ * the top logits must be the host's exactly (ties at the maximum and at the boundary, -0 beside
+ * +0, the lowest id first); sampled rows, over a grid of uniform numbers u, must pick the host's
+ * token for at least 99% of the grid — the same distribution to within 1% total variation (the
+ * kernel sums weights in fixed point, the host in double, so a u within rounding of a boundary may
+ * fall the other way). */
+START_TEST(kernel_sample)
+{
+    backends_open();
+    const struct {
+        int vocab, rows; /* rows: the u grid, all with the same logits */
+        float temperature, top_p;
+        int top_k, n_top;
+    } cases[] = {{50272, 4, 0, 1, 0, 10},       {50272, 64, 0.8f, 1, 40, 5},
+                 {2000, 512, 1.0f, 0.9f, 0, 3}, {2000, 512, 0.7f, 0.8f, 50, 0},
+                 {2000, 512, 1.5f, 1, 0, 0},    {300, 64, 1.0f, 1, 1, 300},
+                 {300, 256, 1.0f, 1, 305, 7}};
+    for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+        int V = cases[ci].vocab, R = cases[ci].rows, nt = cases[ci].n_top;
+        float *lg = hrand((size_t)V, 4);
+        /* ties: the maximum twice, a run of equal values, -0 and +0 */
+        int top = 0;
+        for (int i = 1; i < V; i++)
+            if (lg[i] > lg[top])
+                top = i;
+        lg[V / 2] = lg[top] = 5.0f;
+        for (int i = 3; i < V; i += V / 7)
+            lg[i] = 2.5f;
+        lg[1] = -0.0f;
+        lg[2] = 0.0f;
+        float *all = malloc(sizeof(float) * (size_t)V * R);
+        for (int r = 0; r < R; r++)
+            memcpy(all + (size_t)r * V, lg, sizeof(float) * V);
+        rekv_sample_row *rows = meta(sizeof(rekv_sample_row) * R);
+        for (int r = 0; r < R; r++)
+            rows[r] = (rekv_sample_row){
+                cases[ci].temperature, cases[ci].top_p, ((float)r + 0.5f) / (float)R,
+                cases[ci].top_k,       r == 0 ? nt : 0, 0};
+        float *dl = dev_from(all, sizeof(float) * (size_t)V * R);
+        int32_t *dids = dev_zero(sizeof(int32_t) * R), *dtid = dev_zero(sizeof(int32_t) * (nt + 1));
+        float *dtval = dev_zero(sizeof(float) * (nt + 1));
+        rekv_kernels_of(g_cu)->sample(g_scu, dids, dtid, dtval, dl, rows, R, V, NULL);
+        sync_cu();
+        int32_t *ids = host_from(dids, sizeof(int32_t) * R), *tid = host_from(dtid, 4 * (nt + 1));
+        float *tval = host_from(dtval, 4 * (nt + 1));
+        void *scratch = malloc(8 * (size_t)V);
+        int agree = 0;
+        for (int r = 0; r < R; r++) {
+            rekv_sampler smp = {rows[r].temperature, rows[r].top_k, rows[r].top_p, 0};
+            agree += ids[r] == rekv_sample_drawn(&smp, rows[r].u, lg, V, scratch);
+        }
+        if (cases[ci].temperature <= 0 || cases[ci].top_k == 1)
+            ck_assert_msg(agree == R, "case %zu: greedy differs on %d of %d rows", ci, R - agree,
+                          R);
+        else
+            ck_assert_msg(agree * 100 >= R * 99, "case %zu: %d of %d draws agree", ci, agree, R);
+        if (nt > 0) {
+            int32_t *want_id = malloc(4 * (size_t)nt), *got_id = malloc(4 * (size_t)nt);
+            float *want_v = malloc(4 * (size_t)nt), *got_v = malloc(4 * (size_t)nt);
+            rekv_top_logits(lg, V, nt, want_id, want_v);
+            /* the kernel's are in id order: rank them as the host does */
+            rekv_top_logits(tval, nt, nt, got_id, got_v);
+            for (int t = 0; t < nt; t++) {
+                int k = got_id[t];
+                /* equal values keep their order in id order, so the ranks agree */
+                ck_assert_msg(tid[k] == want_id[t] && tval[k] == want_v[t],
+                              "case %zu: top %d is (%d, %g), not (%d, %g)", ci, t, tid[k],
+                              (double)tval[k], want_id[t], (double)want_v[t]);
+            }
+            free(want_id), free(got_id), free(want_v), free(got_v);
+        }
+        printf("   sample case %zu (vocab %d, T %g, top-k %d, top-p %g): %d of %d agree\n", ci, V,
+               (double)cases[ci].temperature, cases[ci].top_k, (double)cases[ci].top_p, agree, R);
+        dev_free(dl), dev_free(dids), dev_free(dtid), dev_free(dtval);
+        meta_free(rows);
+        free(lg), free(all), free(ids), free(tid), free(tval), free(scratch);
+    }
+    backends_close();
+}
+END_TEST
+
 START_TEST(kernel_convert)
 {
     backends_open();
@@ -1060,7 +1141,10 @@ static void pipe_run(fixture *f, rekv_backend *be, const rekv_pipeline_config *c
     int32_t *next = calloc((size_t)B, sizeof(int32_t));
     for (int i = 0; i < B; i++) {
         ck_assert_msg(rekv_pseq_create(p, lens[i] + steps, &seqs[i], &err) == 0, "%s", err.msg);
-        items[i] = (rekv_pipe_item){seqs[i], prompts[i], lens[i], logits + (size_t)i * V, 0};
+        items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                    .tokens = prompts[i],
+                                    .n_tokens = lens[i],
+                                    .logits = logits + (size_t)i * V};
     }
     ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     for (int s = 1; s <= steps; s++) {
@@ -1070,7 +1154,10 @@ static void pipe_run(fixture *f, rekv_backend *be, const rekv_pipeline_config *c
             else
                 next[i] = tokens_out[(size_t)(s - 1) * B + i] =
                     rekv_argmax(logits + ((size_t)(s - 1) * B + i) * V, V);
-            items[i] = (rekv_pipe_item){seqs[i], &next[i], 1, logits + ((size_t)s * B + i) * V, 0};
+            items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                        .tokens = &next[i],
+                                        .n_tokens = 1,
+                                        .logits = logits + ((size_t)s * B + i) * V};
         }
         ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     }
@@ -1310,6 +1397,7 @@ static Suite *suite(void)
     tcase_add_test(tk, kernel_scatter_attention);
     tcase_add_test(tk, kernel_convert);
     tcase_add_test(tk, kernel_infinigen);
+    tcase_add_test(tk, kernel_sample);
     suite_add_tcase(s, tk);
     TCase *tr = tcase_create("runtime");
     tcase_set_timeout(tr, 300);

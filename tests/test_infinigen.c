@@ -70,7 +70,10 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     out->layers = calloc((size_t)L, sizeof(rekv_layer_counters));
     for (int i = 0; i < B; i++) {
         ck_assert_msg(rekv_pseq_create(p, lens[i] + steps, &seqs[i], &err) == 0, "%s", err.msg);
-        items[i] = (rekv_pipe_item){seqs[i], prompts[i], lens[i], out->logits + (size_t)i * V, 0};
+        items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                    .tokens = prompts[i],
+                                    .n_tokens = lens[i],
+                                    .logits = out->logits + (size_t)i * V};
     }
     ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     rekv_pipeline_counters(p, &out->prefill);
@@ -78,8 +81,10 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     for (int s = 1; s <= steps; s++) {
         for (int i = 0; i < B; i++) {
             next[i] = rekv_argmax(out->logits + ((size_t)(s - 1) * B + i) * V, V);
-            items[i] =
-                (rekv_pipe_item){seqs[i], &next[i], 1, out->logits + ((size_t)s * B + i) * V, 0};
+            items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                        .tokens = &next[i],
+                                        .n_tokens = 1,
+                                        .logits = out->logits + ((size_t)s * B + i) * V};
         }
         ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     }
@@ -639,7 +644,10 @@ START_TEST(whole_step_past_the_arena_fails)
         prompt[t] = t + 1;
     for (int i = 0; i < B; i++) {
         ck_assert_msg(rekv_pseq_create(p, 64, &seqs[i], &err) == 0, "%s", err.msg);
-        items[i] = (rekv_pipe_item){seqs[i], prompt, S, logits + (size_t)i * f.m->config.vocab, 0};
+        items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                    .tokens = prompt,
+                                    .n_tokens = S,
+                                    .logits = logits + (size_t)i * f.m->config.vocab};
     }
     ck_assert_int_eq(rekv_pipeline_step(p, items, B, &err), -ENOMEM);
     ck_assert_msg(strstr(err.msg, "pins a whole step") != NULL, "%s", err.msg);

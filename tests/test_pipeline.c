@@ -55,14 +55,19 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     out->logits = malloc(sizeof(float) * (size_t)(steps + 1) * B * V);
     for (int i = 0; i < B; i++) {
         ck_assert_msg(rekv_pseq_create(p, lens[i] + steps, &seqs[i], &err) == 0, "%s", err.msg);
-        items[i] = (rekv_pipe_item){seqs[i], prompts[i], lens[i], out->logits + (size_t)i * V, 0};
+        items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                    .tokens = prompts[i],
+                                    .n_tokens = lens[i],
+                                    .logits = out->logits + (size_t)i * V};
     }
     ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     for (int s = 1; s <= steps; s++) {
         for (int i = 0; i < B; i++) {
             next[i] = rekv_argmax(out->logits + ((size_t)(s - 1) * B + i) * V, V);
-            items[i] =
-                (rekv_pipe_item){seqs[i], &next[i], 1, out->logits + ((size_t)s * B + i) * V, 0};
+            items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                        .tokens = &next[i],
+                                        .n_tokens = 1,
+                                        .logits = out->logits + ((size_t)s * B + i) * V};
         }
         if (s == 1)
             rekv_pipeline_counters_reset(p);
@@ -217,15 +222,21 @@ static void check_modes(const char *model_path, rekv_dtype cache, const int *len
         struct {
             rekv_mode mode;
             int split, kv, act, act_gpu, dev;
-        } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1, 0, 0}, {REKV_MODE_OFFLOAD, 0, 1, 1, 0, 0},
-                     {REKV_MODE_KVPR, 7, 1, 1, 0, 0},     {REKV_MODE_KVPR, 1000000, 1, 1, 1, 0},
-                     {REKV_MODE_ACT, 0, 1, 1, 0, 0},      {REKV_MODE_ACT, 0, 1, 1, 2, 0},
-                     {REKV_MODE_HYBRID, 0, 1, 1, 0, 0},   {REKV_MODE_HYBRID, 0, 3, 1, 1, 0},
+        } modes[] = {{REKV_MODE_RESIDENT, 0, 1, 1, 0, 0},
+                     {REKV_MODE_OFFLOAD, 0, 1, 1, 0, 0},
+                     {REKV_MODE_KVPR, 7, 1, 1, 0, 0},
+                     {REKV_MODE_KVPR, 1000000, 1, 1, 1, 0},
+                     {REKV_MODE_ACT, 0, 1, 1, 0, 0},
+                     {REKV_MODE_ACT, 0, 1, 1, 2, 0},
+                     {REKV_MODE_HYBRID, 0, 1, 1, 0, 0},
+                     {REKV_MODE_HYBRID, 0, 3, 1, 1, 0},
                      {REKV_MODE_HYBRID, 0, 1, 2, 3, 0},
                      /* with a device-resident part: whole blocks, a block and a piece, every
                       * technique beside it (kvpr recomputes [dev, split)) */
-                     {REKV_MODE_OFFLOAD, 0, 1, 1, 0, 16}, {REKV_MODE_KVPR, 30, 1, 1, 0, 21},
-                     {REKV_MODE_ACT, 0, 1, 1, 1, 5},      {REKV_MODE_HYBRID, 0, 1, 2, 1, 35}};
+                     {REKV_MODE_OFFLOAD, 0, 1, 1, 0, 16},
+                     {REKV_MODE_KVPR, 30, 1, 1, 0, 21},
+                     {REKV_MODE_ACT, 0, 1, 1, 1, 5},
+                     {REKV_MODE_HYBRID, 0, 1, 2, 1, 35}};
         /* ow 2: weights resident, KV rows pushed by the store (push only changes who copies the
          * KV rows, so once over the weight placements is enough) */
         for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++)
@@ -412,8 +423,9 @@ START_TEST(hybrid_pattern_per_sequence)
     for (int i = 0; i < 128; i++)
         prompt[i] = 1 + i % 300;
     float *logits = malloc(sizeof(float) * 2 * (size_t)f.m->config.vocab);
-    rekv_pipe_item items[2] = {{a, prompt, 128, logits, 0},
-                               {b, prompt, 128, logits + f.m->config.vocab, 0}};
+    rekv_pipe_item items[2] = {
+        {.seq = a, .tokens = prompt, .n_tokens = 128, .logits = logits},
+        {.seq = b, .tokens = prompt, .n_tokens = 128, .logits = logits + f.m->config.vocab}};
     ck_assert_msg(rekv_pipeline_step(p, items, 2, &err) == 0, "%s", err.msg);
     for (int k = 0; k < 2; k++) {
         rekv_kv_table_entry *t = NULL;
@@ -564,7 +576,7 @@ START_TEST(page_lock_refusal_is_reported)
         ck_assert_msg(rekv_pseq_create(pl, 64, &s, &err) == 0, "%s", err.msg);
         int32_t toks[4] = {1, 2, 3, 4};
         float *logits = malloc(512 * sizeof(float));
-        rekv_pipe_item it = {s, toks, 4, logits, 0};
+        rekv_pipe_item it = {.seq = s, .tokens = toks, .n_tokens = 4, .logits = logits};
         ck_assert_msg(rekv_pipeline_step(pl, &it, 1, &err) == 0, "%s", err.msg);
         it.n_tokens = 1;
         ck_assert_msg(rekv_pipeline_step(pl, &it, 1, &err) == 0, "%s", err.msg);
@@ -574,6 +586,93 @@ START_TEST(page_lock_refusal_is_reported)
         ck_assert_int_eq(g_register_calls, 0); /* every lock undone */
     }
     f.be->iface = real;
+    tu_fixture_close(&f);
+}
+END_TEST
+
+/* Token selection on the device: items with a sampler get the token rekv_sample picks from the
+ * step's logits (greedy, top-k with top-p, plain temperature), the top logits rekv_top_logits
+ * ranks, and their sampler advanced as rekv_sample advances it — and when they ask for no logits,
+ * only those cross back (the step's d2h bytes of kind "other" are exactly ids and top logits). An
+ * item that asks for nothing (a prompt chunk) gets nothing. */
+START_TEST(draws_on_device)
+{
+    char *mdir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/m", mdir);
+    rekv_synth_spec spec = {REKV_ARCH_LLAMA, 2, 128, 4, 2, 256, 300, 256, REKV_DTYPE_F32, 11, 0};
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_OFFLOAD;
+    rekv_pipeline *pl = NULL;
+    ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &pl, &err) == 0, "%s", err.msg);
+    enum { B = 4, V = 300, STEPS = 12 };
+    /* greedy with 5 top logits; top-k and top-p with 3; plain temperature; nothing at all */
+    const float temp[B] = {0, 0.8f, 1.3f, 0};
+    const int top_k[B] = {0, 20, 0, 0}, n_top[B] = {5, 3, 0, 0};
+    const float top_p[B] = {1, 0.9f, 1, 1};
+    rekv_sampler smp[B];
+    rekv_pseq *seqs[B];
+    int32_t prompt[B][9], last[B], tok[B], top_ids[B][5], want_ids[5];
+    float top_vals[B][5], want_vals[5];
+    float *logits = malloc(sizeof(float) * B * V), *scratch = malloc(8 * V);
+    ck_assert(logits && scratch);
+    for (int i = 0; i < B; i++) {
+        ck_assert_msg(rekv_pseq_create(pl, 64, &seqs[i], &err) == 0, "%s", err.msg);
+        rekv_sampler_init(&smp[i], temp[i], top_k[i], top_p[i], 100 + (uint64_t)i);
+        for (int t = 0; t < 9; t++)
+            prompt[i][t] = 1 + (7 * t + 31 * i) % (V - 1);
+    }
+    int differ = 0;
+    for (int step = 0; step <= STEPS; step++) {
+        int with_logits = step < STEPS; /* the last step: draws only */
+        rekv_pipe_item items[B];
+        rekv_sampler before[B];
+        for (int i = 0; i < B; i++) {
+            items[i] = (rekv_pipe_item){
+                .seq = seqs[i], .tokens = step ? &last[i] : prompt[i], .n_tokens = step ? 1 : 9};
+            if (i == 3)
+                continue; /* asks for nothing */
+            items[i].logits = with_logits ? logits + (size_t)i * V : NULL;
+            items[i].smp = &smp[i];
+            items[i].token = &tok[i];
+            items[i].n_top = n_top[i];
+            items[i].top_ids = top_ids[i];
+            items[i].top_vals = top_vals[i];
+            before[i] = smp[i];
+        }
+        rekv_backend_stats b0, b1;
+        f.be->iface->stats(f.be, &b0);
+        ck_assert_msg(rekv_pipeline_step(pl, items, B, &err) == 0, "%s", err.msg);
+        f.be->iface->stats(f.be, &b1);
+        uint64_t other = b1.d2h_bytes[REKV_XFER_OTHER] - b0.d2h_bytes[REKV_XFER_OTHER];
+        if (!with_logits) /* ids of the batch (the idle item's too) and 8 tokens' top logits */
+            ck_assert_uint_eq(other, 4 * B + 8 * (5 + 3));
+        for (int i = 0; i < 3 && with_logits; i++) {
+            const float *lg = logits + (size_t)i * V;
+            int32_t want = rekv_sample(&before[i], lg, V, scratch);
+            ck_assert_msg(tok[i] == want, "step %d item %d: drew %d, rekv_sample %d", step, i,
+                          tok[i], want);
+            ck_assert_msg(smp[i].state == before[i].state, "step %d item %d: sampler state", step,
+                          i);
+            rekv_top_logits(lg, V, n_top[i], want_ids, want_vals);
+            for (int t = 0; t < n_top[i]; t++)
+                ck_assert(top_ids[i][t] == want_ids[t] && top_vals[i][t] == want_vals[t]);
+            differ += i > 0 && want != rekv_argmax(lg, V);
+        }
+        for (int i = 0; i < 3; i++)
+            last[i] = tok[i];
+        last[3] = 5 + step;
+    }
+    ck_assert_msg(differ > 0, "sampling never left the greedy choice");
+    for (int i = 0; i < B; i++)
+        rekv_pseq_free(seqs[i]);
+    free(logits);
+    free(scratch);
+    rekv_pipeline_free(pl);
     tu_fixture_close(&f);
 }
 END_TEST
@@ -608,7 +707,7 @@ START_TEST(fetch_overlaps_compute)
     for (int t = 0; t < 256; t++)
         toks[t] = 3 + t % 290;
     float *logits = malloc(300 * sizeof(float));
-    rekv_pipe_item it = {s, toks, 32, logits, 0};
+    rekv_pipe_item it = {.seq = s, .tokens = toks, .n_tokens = 32, .logits = logits};
     ck_assert_msg(rekv_pipeline_step(pl, &it, 1, &err) == 0, "%s", err.msg);
     be->iface->trace_start(be);
     it.n_tokens = 256; /* the 32 in the store cross the link, per layer */
@@ -841,6 +940,7 @@ static Suite *suite(void)
     tcase_add_test(tc, push_needs_a_store_that_pushes);
     tcase_add_test(tc, page_lock_refusal_is_reported);
     tcase_add_test(tc, fetch_overlaps_compute);
+    tcase_add_test(tc, draws_on_device);
     tcase_add_test(tc, push_store_is_the_program);
     suite_add_tcase(s, tc);
     TCase *ts = tcase_create("spill");

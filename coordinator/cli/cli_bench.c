@@ -362,7 +362,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
                       rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(eng);
-    int V = c->vocab, rc;
+    int rc;
     out->cfg = po->cfg;
     out->cfg.mode = mode;
     if ((rc = cli_session_choose(c, po->backend, &po->link, B, S, &out->cfg, err)))
@@ -373,20 +373,25 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     snprintf(out->backend, sizeof(out->backend), "%s", ses.be->iface->name);
     rekv_pseq **seqs = calloc((size_t)B, sizeof(*seqs));
     rekv_pipe_item *items = calloc((size_t)B, sizeof(*items));
-    float *logits = malloc(sizeof(float) * (size_t)B * (size_t)V);
     out->tokens = malloc(sizeof(int32_t) * (size_t)B * (size_t)N);
     out->step = calloc((size_t)(N - 1) * 2, sizeof(double));
-    if (!seqs || !items || !logits || !out->tokens || !out->step) {
+    if (!seqs || !items || !out->tokens || !out->step) {
         rc = rekv_errf(err, -ENOMEM, "out of memory");
         goto out;
     }
     for (int b = 0; b < B && rc == 0; b++)
         rc = rekv_pseq_create(ses.p, S + N, &seqs[b], err);
+    /* greedy, drawn on the device as a served worker draws: only the ids cross back */
+    rekv_sampler greedy;
+    rekv_sampler_init(&greedy, 0, 0, 1, 0);
     uint64_t t_pre = rekv_now_ns();
     for (int t0 = 0; t0 < S && rc == 0; t0 += chunk) {
         for (int b = 0; b < B; b++)
-            items[b] = (rekv_pipe_item){seqs[b], prompts[b] + t0, S - t0 < chunk ? S - t0 : chunk,
-                                        logits + (size_t)b * V, 0};
+            items[b] = (rekv_pipe_item){.seq = seqs[b],
+                                        .tokens = prompts[b] + t0,
+                                        .n_tokens = S - t0 < chunk ? S - t0 : chunk,
+                                        .smp = &greedy,
+                                        .token = &out->tokens[b]};
         rc = rekv_pipeline_step(ses.p, items, B, err);
     }
     if (rc)
@@ -400,14 +405,13 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         ses.be->iface->trace_start(ses.be);
     out->has_store = ses.store && rekv_kvstore_stats(ses.store, &out->ks0, NULL) == 0;
     uint64_t t0 = rekv_now_ns();
-    for (int step = 0; step < N; step++) {
-        for (int b = 0; b < B; b++) {
-            out->tokens[(size_t)step * B + b] = rekv_argmax(logits + (size_t)b * V, V);
-            items[b] = (rekv_pipe_item){seqs[b], &out->tokens[(size_t)step * B + b], 1,
-                                        logits + (size_t)b * V, 0};
-        }
-        if (step + 1 == N)
-            break;
+    for (int step = 0; step + 1 < N; step++) {
+        for (int b = 0; b < B; b++)
+            items[b] = (rekv_pipe_item){.seq = seqs[b],
+                                        .tokens = &out->tokens[(size_t)step * B + b],
+                                        .n_tokens = 1,
+                                        .smp = &greedy,
+                                        .token = &out->tokens[(size_t)(step + 1) * B + b]};
         rekv_backend_stats b0, b1;
         ses.be->iface->stats(ses.be, &b0);
         if ((rc = rekv_pipeline_step(ses.p, items, B, err)))
@@ -438,7 +442,6 @@ out:
             rekv_pseq_free(seqs[b]);
     free(seqs);
     free(items);
-    free(logits);
     cli_session_close(&ses);
     return rc;
 }

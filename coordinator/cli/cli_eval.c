@@ -64,7 +64,7 @@ typedef struct eval_run {
 
 static int run_step(eval_run *r, const int32_t *tokens, int n, rekv_err *err)
 {
-    rekv_pipe_item it = {r->seq, tokens, n, r->logits, 0};
+    rekv_pipe_item it = {.seq = r->seq, .tokens = tokens, .n_tokens = n, .logits = r->logits};
     return rekv_pipeline_step(r->ses.p, &it, 1, err);
 }
 
