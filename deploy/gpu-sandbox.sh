@@ -16,6 +16,11 @@
 #   deploy/gpu-sandbox.sh bench-sparse DIR  the same model, issues 12 and 13's table: batch 16,
 #                                  prompt 2048, gen 8, resident, offload, kvpr, act, infinigen and
 #                                  clo in one run (~8 min); JSON on stdout
+#   deploy/gpu-sandbox.sh hf DIR   the same model and shape as bench through HuggingFace
+#                                  transformers (deploy/hf_bench.py: its default and its offloaded
+#                                  cache, greedy, the same prompts; tokens_crc32c compares the ids
+#                                  with rekv's); JSON lines on stdout. The image's python3 has torch
+#                                  and transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD/debs/root
@@ -57,14 +62,16 @@ exec)
     libs
     exec "$@"
     ;;
-bench | bench-sparse)
+bench | bench-sparse | hf)
     bin=${2:?usage: gpu-sandbox.sh $1 BUILD_DIR}/bin
     libs
     model=${TMPDIR:-/tmp}/opt-6.7b-synth
     [ -f "$model/model.safetensors" ] ||
         "$bin/rekv-loader" synth --arch opt --layers 32 --hidden 4096 --heads 32 --ffn 16384 \
             --vocab 50272 --max-pos 4096 --dtype f16 --seed 67 "$model" >&2
-    if [ "$1" = bench ]; then
+    if [ "$1" = hf ]; then
+        python3 deploy/hf_bench.py "$model" --batch 64 --prompt-len 512 --gen-len 32 --dtype f16 "${@:3}"
+    elif [ "$1" = bench ]; then
         "$bin/rekv" bench decode --model "$model" --backend cuda --batch 64 --prompt-len 512 \
             --gen-len 32 --cache-dtype f16 --json \
             --modes resident,offload,offload+push,kvpr,kvpr+push,act,hybrid "${@:3}"
