@@ -212,6 +212,14 @@ size_t rekv_engine_weight_bytes(const rekv_engine *e)
     return b + 2 * H * sizeof(float); /* the final norm */
 }
 
+size_t rekv_engine_step_weight_bytes(const rekv_engine *e)
+{
+    const rekv_model_config *c = &e->c;
+    size_t w = rekv_dtype_size(e->wdtype), E = (size_t)c->embed_dim;
+    size_t b = e->layer_bytes * (size_t)c->n_layers + (size_t)c->vocab * E * w;
+    return e->project_out ? b + (size_t)c->hidden * E * w : b;
+}
+
 int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err)
 {
     if (capacity <= 0 || capacity > e->c.max_pos)

@@ -29,6 +29,9 @@ const rekv_model_config *rekv_engine_config(const rekv_engine *e);
 rekv_dtype rekv_engine_weight_dtype(const rekv_engine *e);
 /* Bytes of all its weights as held (what a device holds when they are resident). */
 size_t rekv_engine_weight_bytes(const rekv_engine *e);
+/* Bytes of the weights one decode step reads whole: every layer, the lm_head and the output
+ * projection (not the embedding tables, of which it reads only its tokens' rows). */
+size_t rekv_engine_step_weight_bytes(const rekv_engine *e);
 
 /* A sequence whose cache holds up to `capacity` tokens (at most the model's context length). */
 int rekv_seq_create(rekv_engine *e, int capacity, rekv_seq **out, rekv_err *err);

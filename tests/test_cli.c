@@ -354,6 +354,10 @@ START_TEST(bench_decode_json)
             ck_assert(json_number_value(json_object_get(sc, "pcie")) != 1);
         if (strcmp(json_string_value(json_object_get(m, "mode")), "offload") == 0)
             offload_bytes = json_number_value(json_object_get(m, "h2d_kv_bytes_per_token"));
+        /* the prefill against the engine's GEMM on its shapes; no memory roofline where the
+         * weights cross the link */
+        ck_assert(json_number_value(json_object_get(m, "prefill_vs_gemm")) > 0);
+        ck_assert(json_object_get(m, "roofline_frac") == NULL);
     }
     ck_assert(offload_bytes > 0);
     /* the link's peak, measured in the same run, from every kind of host memory, and each mode's
@@ -439,6 +443,16 @@ START_TEST(bench_decode_json)
             continue;
         }
         crc[bounded] = (uint32_t)json_integer_value(json_object_get(m, "tokens_crc32c"));
+        if (!bounded) { /* resident, weights on the device: against the memory roofline, with
+                           the device's copy rate and GEMM (at a prefill step's 4 x 16 rows) */
+            json_t *dp = json_object_get(o, "device_peak");
+            ck_assert_msg(json_number_value(json_object_get(dp, "copy_gbps")) > 0 &&
+                              json_number_value(json_object_get(dp, "gemm_flops_per_s")) > 0 &&
+                              json_integer_value(json_object_get(dp, "gemm_rows")) == 64,
+                          "%s", out);
+            ck_assert(json_number_value(json_object_get(m, "roofline_step_s")) > 0);
+            ck_assert(json_number_value(json_object_get(m, "roofline_frac")) > 0);
+        }
         if (bounded) {
             /* the planner's line: the pick and its price, infinigen's only when allowed */
             const char *why = json_string_value(json_object_get(m, "auto"));

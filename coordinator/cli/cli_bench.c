@@ -19,6 +19,7 @@
 #include "gpuworker/blas.h"
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/gpuworker.h"
+#include "gpuworker/kernels.h"
 #include "kvstore/kvstore.h"
 #include "loader/loader.h"
 
@@ -334,6 +335,133 @@ static int measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak 
     return rc;
 }
 
+/* The device's own rates in this run, the yardsticks of issue 15's goals: a device-to-device copy
+ * (GB/s counting the bytes read and the bytes written: the memory's rate a decode step's reads
+ * share) and the engine's GEMM (the kernel table's linear, as the pipeline calls it) over one
+ * layer's projections at the rows of a prefill step (at most DEVICE_GEMM_ROWS), FLOP/s. */
+enum { DEVICE_GEMM_ROWS = 2048 };
+typedef struct device_peak {
+    double copy_gbps, gemm_flops;
+    size_t copy_bytes;
+    int gemm_rows;
+} device_peak;
+
+/* Best of `reps` timed passes of pass(arg) on s (one warm-up first), seconds. */
+static int best_pass(rekv_backend *be, rekv_stream *s, int reps, void (*pass)(void *), void *arg,
+                     double *best, rekv_err *err)
+{
+    *best = 0;
+    for (int i = 0; i <= reps; i++) {
+        uint64_t t0 = rekv_now_ns();
+        pass(arg);
+        int rc = be->iface->stream_sync(s, err);
+        if (rc)
+            return rc;
+        double t = (double)(rekv_now_ns() - t0) * 1e-9;
+        if (i > 0 && (*best == 0 || t < *best))
+            *best = t;
+    }
+    return 0;
+}
+
+typedef struct copy_pass {
+    rekv_backend *be;
+    rekv_stream *s;
+    rekv_copy_piece pc;
+} copy_pass;
+
+static void run_copy_pass(void *arg)
+{
+    copy_pass *a = arg;
+    a->be->iface->copy_d2d(a->s, &a->pc, 1);
+}
+
+typedef struct gemm_pass {
+    const rekv_kernel_iface *k;
+    rekv_stream *s;
+    float *x, *y;
+    void *w;
+    rekv_dtype wt;
+    int rows, n_shapes, shape[7][2]; /* (n, k) */
+} gemm_pass;
+
+static void run_gemm_pass(void *arg)
+{
+    gemm_pass *a = arg;
+    for (int i = 0; i < a->n_shapes; i++)
+        a->k->linear(a->s, a->y, a->x, a->w, a->wt, NULL, a->rows, a->shape[i][0], a->shape[i][1]);
+}
+
+static int measure_device(rekv_backend *be, const rekv_engine *eng, int rows, device_peak *out,
+                          rekv_err *err)
+{
+    const rekv_backend_iface *bi = be->iface;
+    const rekv_model_config *c = rekv_engine_config(eng);
+    rekv_dtype wt = rekv_engine_weight_dtype(eng);
+    int H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c), F = c->ffn;
+    gemm_pass g = {.k = rekv_kernels_of(be),
+                   .wt = wt,
+                   .rows = rows < DEVICE_GEMM_ROWS ? rows : DEVICE_GEMM_ROWS};
+    int shapes[7][2] = {{Q, H}, {KV, H}, {KV, H}, {H, Q}, {F, H}, {H, F}, {F, H}};
+    g.n_shapes = c->act == REKV_ACT_SILU ? 7 : 6;
+    memcpy(g.shape, shapes, sizeof(shapes));
+    size_t wide = (size_t)(F > H ? F : H) > (size_t)Q ? (size_t)(F > H ? F : H) : (size_t)Q;
+    size_t ws = rekv_dtype_size(wt), w_elems = (size_t)H * (size_t)(F > Q ? F : Q);
+    size_t xy = sizeof(float) * (size_t)g.rows * wide, wb = ws * w_elems;
+    size_t fr = 0, tot = 0, cb = 256u << 20;
+    rekv_err me = {0};
+    if (bi->mem_info && bi->mem_info(be, &fr, &tot, &me) == 0 && fr / 4 < cb)
+        cb = fr / 4 & ~(size_t)4095;
+    float *hx = malloc(xy), pat[1024];
+    char *hw = malloc(wb), tab[1024 * 4];
+    void *d1 = bi->dev_alloc(be, cb), *d2 = bi->dev_alloc(be, cb);
+    g.x = bi->dev_alloc(be, xy), g.y = bi->dev_alloc(be, xy), g.w = bi->dev_alloc(be, wb);
+    rekv_stream *s = NULL;
+    int rc = hx && hw && d1 && d2 && g.x && g.y && g.w
+                 ? bi->stream_create(be, "device peak", &s, err)
+                 : rekv_errf(err, -ENOMEM, "bench: out of memory measuring the device");
+    if (rc == 0) { /* small, varied values: a GEMM of zeros runs faster than one of data */
+        for (int i = 0; i < 1024; i++)
+            pat[i] = (float)((i * 2654435761u) % 2001) * 1e-3f - 1.0f;
+        rekv_from_f32(tab, pat, wt, 1024);
+        for (size_t i = 0; i < xy / sizeof(float); i++)
+            hx[i] = pat[i % 1021];
+        for (size_t i = 0; i < w_elems; i++)
+            memcpy(hw + i * ws, tab + (i % 1019) * ws, ws);
+        rekv_copy_piece pc[3] = {{g.x, hx, xy}, {g.y, hx, xy}, {g.w, hw, wb}};
+        bi->copy_h2d(s, pc, 3, REKV_XFER_OTHER);
+        /* the copy's source holds data too (untouched host pages would read as the zero page) */
+        for (size_t at = 0; at < cb; at += xy) {
+            rekv_copy_piece fill = {(char *)d1 + at, g.x, cb - at < xy ? cb - at : xy};
+            bi->copy_d2d(s, &fill, 1);
+        }
+        rc = bi->stream_sync(s, err);
+    }
+    g.s = s;
+    copy_pass cp = {be, s, {d2, d1, cb}};
+    double t = 0;
+    if (rc == 0 && (rc = best_pass(be, s, 5, run_copy_pass, &cp, &t, err)) == 0) {
+        out->copy_bytes = cb;
+        out->copy_gbps = 2.0 * (double)cb / t * 1e-9;
+    }
+    if (rc == 0 && (rc = best_pass(be, s, 3, run_gemm_pass, &g, &t, err)) == 0) {
+        double flops = 0;
+        for (int i = 0; i < g.n_shapes; i++)
+            flops += 2.0 * g.rows * (double)g.shape[i][0] * (double)g.shape[i][1];
+        out->gemm_rows = g.rows;
+        out->gemm_flops = flops / t;
+    }
+    if (s)
+        bi->stream_destroy(s);
+    void *bufs[] = {d1, d2, g.x, g.y, g.w};
+    for (int i = 0; i < 5; i++)
+        if (bufs[i])
+            bi->dev_free(be, bufs[i]);
+    free(hx);
+    free(hw);
+    return rc;
+}
+
 /* One mode's decode run: prefill the prompts, at most `chunk` tokens of each per step (serving's
  * chunked prefill; timed: prefill_s), then gen_len - 1
  * greedy decode steps timed alone, with counters and busy times taken over the decode steps only.
@@ -358,8 +486,8 @@ typedef struct decode_result {
  * done + N; note names the run. */
 static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode mode, int B, int S,
                       int N, int chunk, int32_t *const *prompts, decode_result *out,
-                      link_peak *link, rekv_progress *pr, uint64_t done, const char *note,
-                      rekv_err *err)
+                      link_peak *link, device_peak *dev, rekv_progress *pr, uint64_t done,
+                      const char *note, rekv_err *err)
 {
     const rekv_model_config *c = rekv_engine_config(eng);
     int rc;
@@ -436,6 +564,8 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         rc = ses.be->iface->trace_write(ses.be, po->trace, err);
     if (rc == 0 && link && ses.store)
         rc = measure_link(ses.be, ses.store, link, err);
+    if (rc == 0 && dev)
+        rc = measure_device(ses.be, eng, B * chunk, dev, err);
 out:
     if (seqs)
         for (int b = 0; b < B; b++)
@@ -649,6 +779,7 @@ static int bench_decode(int argc, char **argv)
         }
     }
     link_peak lp = {0};
+    device_peak dp = {0};
     int have_lp = 0;
     rekv_progress pr;
     rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, json), "rekv bench decode",
@@ -680,7 +811,8 @@ static int bench_decode(int argc, char **argv)
         if (msplit[i] >= 0)
             run.cfg.split = msplit[i];
         if (run_decode(eng, &run, mlist[i], (int)B, (int)S, (int)N, (int)PB, prompts, &res[i],
-                       measure ? &lp : NULL, &pr, (uint64_t)i * (uint64_t)N, mname[i], &err)) {
+                       measure ? &lp : NULL, i == 0 ? &dp : NULL, &pr, (uint64_t)i * (uint64_t)N,
+                       mname[i], &err)) {
             rekv_progress_end(&pr);
             fprintf(stderr, "rekv: %s%s: %s\n", rekv_mode_name(mlist[i]), mpush[i] ? "+push" : "",
                     err.msg);
@@ -751,6 +883,27 @@ static int bench_decode(int argc, char **argv)
                           "critical_bytes", (json_int_t)(z->pin_wait_bytes - a->pin_wait_bytes)));
         }
         json_object_set_new(o, "prefill_tokens_per_s", json_real((double)B * S / r->prefill_s));
+        /* issue 15's yardsticks: the prefill's FLOP/s against the engine's GEMM on its shapes,
+         * and resident decode against the memory roofline (the weights and the KV each step
+         * reads, at the device copy's rate) */
+        double pre_flops = rekv_engine_flops(eng, (double)B * S, (double)B * S * (S + 1) / 2,
+                                             (double)B * (double)((S + PB - 1) / PB));
+        json_object_set_new(o, "prefill_flops_per_s", json_real(pre_flops / r->prefill_s));
+        if (dp.gemm_flops > 0)
+            json_object_set_new(o, "prefill_vs_gemm",
+                                json_real(pre_flops / r->prefill_s / dp.gemm_flops));
+        if (mlist[i] == REKV_MODE_RESIDENT && !r->cfg.offload_weights && dp.copy_gbps > 0 &&
+            measured > 0) {
+            double kv_row = 2.0 * cfg->n_layers * rekv_config_kv_dim(cfg) *
+                            (double)rekv_dtype_size(r->cfg.cache_dtype),
+                   bytes = 0;
+            for (long k = 0; k + 1 < N; k++)
+                bytes +=
+                    (double)rekv_engine_step_weight_bytes(eng) + (double)B * (S + k + 1) * kv_row;
+            double roof = bytes / (N - 1) / (dp.copy_gbps * 1e9);
+            json_object_set_new(o, "roofline_step_s", json_real(roof));
+            json_object_set_new(o, "roofline_frac", json_real(roof / measured));
+        }
         /* host->device GB/s over the decode (all kinds), and while the link was busy (not for
          * push: the store's copies of KV rows do not show in the worker's link busy time) */
         json_object_set_new(o, "h2d_gbps", json_real((double)h2d / r->decode_s * 1e-9));
@@ -793,6 +946,11 @@ static int bench_decode(int argc, char **argv)
     json_object_set_new(out, "push", json_boolean(po.cfg.push));
     json_object_set_new(out, "weight_dtype",
                         json_string(rekv_dtype_name(rekv_engine_weight_dtype(eng))));
+    if (dp.copy_gbps > 0)
+        json_object_set_new(
+            out, "device_peak",
+            json_pack("{s:I, s:f, s:i, s:f}", "copy_bytes", (json_int_t)dp.copy_bytes, "copy_gbps",
+                      dp.copy_gbps, "gemm_rows", dp.gemm_rows, "gemm_flops_per_s", dp.gemm_flops));
     if (have_lp)
         json_object_set_new(out, "link_peak",
                             json_pack("{s:I, s:f, s:f, s:f}", "copy_bytes", (json_int_t)lp.bytes,
