@@ -49,6 +49,39 @@ static int cand_desc(const void *a, const void *b)
     return x->id < y->id ? -1 : (x->id > y->id);
 }
 
+/* a ranks before b: the larger logit, the lower id on ties (cand_desc's order) */
+static int cand_before(const cand *a, const cand *b)
+{
+    return a->p > b->p || (a->p == b->p && a->id < b->id);
+}
+
+/* Moves the first k of c[0..n-1] in rank order into c[0..k-1], in no particular order
+ * (quickselect: a top-k needs no sort of the whole vocabulary). */
+static void cand_select(cand *c, int n, int k)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        cand pv = c[lo + (hi - lo) / 2], t;
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (cand_before(&c[i], &pv))
+                i++;
+            while (cand_before(&pv, &c[j]))
+                j--;
+            if (i <= j) {
+                t = c[i], c[i] = c[j], c[j] = t;
+                i++, j--;
+            }
+        }
+        if (k - 1 <= j)
+            hi = j;
+        else if (k - 1 >= i)
+            lo = i;
+        else
+            return;
+    }
+}
+
 static int cand_id(const void *a, const void *b)
 {
     const cand *x = a, *y = b;
@@ -77,17 +110,22 @@ int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, i
         c[i].id = i;
         c[i].p = logits[i];
     }
-    /* ranked by logit, lower id first on ties: top-k and top-p keep a prefix */
-    qsort(c, (size_t)vocab, sizeof(cand), cand_desc);
-    int n = vocab;
-    if (s->top_k > 0 && s->top_k < n)
+    /* ranked by logit, lower id first on ties, top-k and top-p keep a prefix; the rank order is
+     * needed only to cut top-p's (a top-k is selected, not sorted; plain temperature sorts
+     * nothing) */
+    int n = vocab, nucleus = s->top_p > 0.0f && s->top_p < 1.0f;
+    if (s->top_k > 0 && s->top_k < n) {
         n = s->top_k;
+        cand_select(c, vocab, n);
+    }
+    if (nucleus)
+        qsort(c, (size_t)n, sizeof(cand), cand_desc);
     double sum = 0;
     for (int i = 0; i < n; i++) {
         c[i].p = expf((c[i].p - mx) / s->temperature);
         sum += c[i].p;
     }
-    if (s->top_p > 0.0f && s->top_p < 1.0f) {
+    if (nucleus) {
         double cum = 0, want = (double)s->top_p * sum;
         int keep = n;
         for (int i = 0; i < n; i++) {
@@ -101,7 +139,8 @@ int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, i
     }
     /* the draw walks the kept tokens in id order: the same distribution as any order, and one a
      * device reaches with a prefix sum instead of a sort (the cuda kernel) */
-    qsort(c, (size_t)n, sizeof(cand), cand_id);
+    if (n < vocab || nucleus)
+        qsort(c, (size_t)n, sizeof(cand), cand_id);
     sum = 0;
     for (int i = 0; i < n; i++)
         sum += c[i].p;

@@ -324,6 +324,100 @@ START_TEST(sampling)
 }
 END_TEST
 
+/* rekv_sample_drawn against its definition written plainly (gpuworker.h): ranked by logit, lower
+ * id first; the first top_k; the shortest prefix holding top_p of their weight (double sums in
+ * rank order); the kept tokens walked in id order to u times their sum. Logits with many ties,
+ * every top-k from 0 to past the vocabulary. */
+static const float *g_rank_lg;
+static int by_rank(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    if (g_rank_lg[x] != g_rank_lg[y])
+        return g_rank_lg[x] > g_rank_lg[y] ? -1 : 1;
+    return (x > y) - (x < y);
+}
+
+static int by_id(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+static int32_t plain_draw(float t, int k, float p, float u, const float *lg, int V)
+{
+    int *order = malloc(sizeof(int) * V);
+    double *w = malloc(sizeof(double) * V);
+    for (int i = 0; i < V; i++)
+        order[i] = i;
+    g_rank_lg = lg;
+    qsort(order, (size_t)V, sizeof(int), by_rank);
+    if (t <= 0) {
+        int32_t best = order[0];
+        free(order), free(w);
+        return best;
+    }
+    int n = k > 0 && k < V ? k : V;
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        sum += (w[order[i]] = expf((lg[order[i]] - lg[order[0]]) / t));
+    if (p > 0 && p < 1) {
+        double cum = 0;
+        for (int i = 0; i < n; i++)
+            if ((cum += w[order[i]]) >= (double)p * sum) {
+                n = i + 1;
+                break;
+            }
+    }
+    qsort(order, (size_t)n, sizeof(int), by_id);
+    sum = 0;
+    for (int i = 0; i < n; i++)
+        sum += w[order[i]];
+    double acc = 0, r = (double)u * sum;
+    int32_t pick = order[n - 1];
+    for (int i = 0; i < n; i++)
+        if (r < (acc += w[order[i]])) {
+            pick = order[i];
+            break;
+        }
+    free(order), free(w);
+    return pick;
+}
+
+START_TEST(sampling_follows_definition)
+{
+    const int vocabs[] = {1, 2, 7, 300, 5000};
+    const float temps[] = {0, 0.7f, 1.3f}, tops_p[] = {1, 0.5f, 0.9f, 0.99f};
+    const float us[] = {0, 0.3f, 0.999999f};
+    uint64_t x = 99;
+    int checked = 0;
+    for (int vi = 0; vi < 5; vi++) {
+        int V = vocabs[vi];
+        float *lg = malloc(sizeof(float) * V);
+        void *scratch = malloc(8 * (size_t)V);
+        for (int i = 0; i < V; i++) { /* quantized: many ties */
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            lg[i] = (float)((int)((x >> 33) % 64) - 32) * 0.25f;
+        }
+        const int ks[] = {0, 1, 3, 40, V - 1, V, V + 3};
+        for (int ki = 0; ki < 7; ki++)
+            for (int ti = 0; ti < 3; ti++)
+                for (int pi = 0; pi < 4; pi++)
+                    for (int ui = 0; ui < 3; ui++) {
+                        rekv_sampler s = {temps[ti], ks[ki], tops_p[pi], 0};
+                        int32_t got = rekv_sample_drawn(&s, us[ui], lg, V, scratch);
+                        int32_t want = plain_draw(temps[ti], ks[ki], tops_p[pi], us[ui], lg, V);
+                        ck_assert_msg(got == want, "V %d T %g k %d p %g u %g: %d, not %d", V,
+                                      (double)temps[ti], ks[ki], (double)tops_p[pi], (double)us[ui],
+                                      got, want);
+                        checked++;
+                    }
+        free(lg);
+        free(scratch);
+    }
+    ck_assert_int_eq(checked, 5 * 7 * 3 * 4 * 3);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("forward");
@@ -336,8 +430,12 @@ static Suite *suite(void)
     tcase_add_test(tc, consistency_synthetic_models);
     tcase_add_test(tc, forward_rejects_bad_batches);
     tcase_add_test(tc, sampling);
+    tcase_add_test(tc, sampling_follows_definition);
     suite_add_tcase(s, tc);
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}
