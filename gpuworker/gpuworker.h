@@ -79,10 +79,11 @@ int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scrat
 float rekv_sampler_draw(rekv_sampler *s);
 /* The token s's parameters choose with the number u drawn: greedy is rekv_argmax; otherwise the
  * tokens ranked by logit (lower id first on ties), the first top_k of them, then the shortest
- * prefix of those holding top_p of their weight exp((logit - max) / temperature); of these kept
- * tokens, walked in id order, the first whose running weight exceeds u times their sum. Only the
- * walk's order differs from the usual definition, not the distribution; it lets a device draw
- * with prefix sums instead of a sort (the kernels' sample: cpu calls this, cuda follows it). */
+ * prefix of those holding top_p of their weight exp((logit - max) / temperature) (the prefix's
+ * weight summed in rank order, their total in id order, in double); of these kept tokens, walked
+ * in id order, the first whose running weight exceeds u times their sum (in id order). Only the
+ * orders differ from the usual definition, not the distribution; they let a device draw with
+ * prefix sums instead of a sort (the kernels' sample: cpu calls this, cuda follows it). */
 int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, int vocab,
                           void *scratch);
 /* The k largest logits as (id, logit) pairs, largest first, lower id first on ties. */

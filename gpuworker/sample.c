@@ -41,15 +41,7 @@ typedef struct cand {
     int32_t id;
 } cand;
 
-static int cand_desc(const void *a, const void *b)
-{
-    const cand *x = a, *y = b;
-    if (x->p != y->p)
-        return x->p > y->p ? -1 : 1;
-    return x->id < y->id ? -1 : (x->id > y->id);
-}
-
-/* a ranks before b: the larger logit, the lower id on ties (cand_desc's order) */
+/* a ranks before b: the larger logit, the lower id on ties */
 static int cand_before(const cand *a, const cand *b)
 {
     return a->p > b->p || (a->p == b->p && a->id < b->id);
@@ -99,53 +91,68 @@ int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scrat
     return rekv_sample_drawn(s, u, logits, vocab, scratch);
 }
 
+/* a max-heap of c[0..n) in rank order (cand_before): sifts c[i] down */
+static void cand_sift(cand *c, int n, int i)
+{
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, top = i;
+        if (l < n && cand_before(&c[l], &c[top]))
+            top = l;
+        if (r < n && cand_before(&c[r], &c[top]))
+            top = r;
+        if (top == i)
+            return;
+        cand t = c[i];
+        c[i] = c[top], c[top] = t;
+        i = top;
+    }
+}
+
 int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, int vocab,
                           void *scratch)
 {
     if (s->temperature <= 0.0f)
         return rekv_argmax(logits, vocab);
     cand *c = scratch;
-    float mx = logits[rekv_argmax(logits, vocab)];
+    float mx = logits[rekv_argmax(logits, vocab)], t = s->temperature;
     for (int i = 0; i < vocab; i++) {
         c[i].id = i;
         c[i].p = logits[i];
     }
-    /* ranked by logit, lower id first on ties, top-k and top-p keep a prefix; the rank order is
-     * needed only to cut top-p's (a top-k is selected, not sorted; plain temperature sorts
-     * nothing) */
-    int n = vocab, nucleus = s->top_p > 0.0f && s->top_p < 1.0f;
+    /* the first top_k by rank (selected, not sorted), in id order */
+    int n = vocab;
     if (s->top_k > 0 && s->top_k < n) {
         n = s->top_k;
         cand_select(c, vocab, n);
+        qsort(c, (size_t)n, sizeof(cand), cand_id);
     }
-    if (nucleus)
-        qsort(c, (size_t)n, sizeof(cand), cand_desc);
-    double sum = 0;
-    for (int i = 0; i < n; i++) {
-        c[i].p = expf((c[i].p - mx) / s->temperature);
-        sum += c[i].p;
-    }
-    if (nucleus) {
-        double cum = 0, want = (double)s->top_p * sum;
-        int keep = n;
-        for (int i = 0; i < n; i++) {
-            cum += c[i].p;
-            if (cum >= want) {
-                keep = i + 1;
-                break;
-            }
+    /* top-p: the shortest prefix by rank whose weight reaches top_p of the total (the total
+     * summed in id order, the prefix in rank order): taken off a heap, so only the nucleus is
+     * ordered */
+    int first = 0;
+    if (s->top_p > 0.0f && s->top_p < 1.0f) {
+        double total = 0, cum = 0;
+        for (int i = 0; i < n; i++)
+            total += expf((c[i].p - mx) / t);
+        for (int i = n / 2 - 1; i >= 0; i--)
+            cand_sift(c, n, i);
+        for (int left = n; left > 0 && cum < (double)s->top_p * total;) {
+            cum += expf((c[0].p - mx) / t);
+            cand x = c[0];
+            c[0] = c[--left];
+            c[left] = x;
+            cand_sift(c, left, 0);
+            first = left;
         }
-        n = keep;
+        qsort(c + first, (size_t)(n - first), sizeof(cand), cand_id);
     }
     /* the draw walks the kept tokens in id order: the same distribution as any order, and one a
      * device reaches with a prefix sum instead of a sort (the cuda kernel) */
-    if (n < vocab || nucleus)
-        qsort(c, (size_t)n, sizeof(cand), cand_id);
-    sum = 0;
-    for (int i = 0; i < n; i++)
-        sum += c[i].p;
-    double r = (double)u * sum, acc = 0;
-    for (int i = 0; i < n; i++) {
+    double sum = 0, acc = 0;
+    for (int i = first; i < n; i++)
+        sum += (c[i].p = expf((c[i].p - mx) / t));
+    double r = (double)u * sum;
+    for (int i = first; i < n; i++) {
         acc += c[i].p;
         if (r < acc)
             return c[i].id;

@@ -325,9 +325,9 @@ START_TEST(sampling)
 END_TEST
 
 /* rekv_sample_drawn against its definition written plainly (gpuworker.h): ranked by logit, lower
- * id first; the first top_k; the shortest prefix holding top_p of their weight (double sums in
- * rank order); the kept tokens walked in id order to u times their sum. Logits with many ties,
- * every top-k from 0 to past the vocabulary. */
+ * id first; the first top_k; the shortest prefix holding top_p of their weight (the prefix summed
+ * in rank order, the total in id order); the kept tokens walked in id order to u times their sum.
+ * Logits with many ties, every top-k from 0 to past the vocabulary. */
 static const float *g_rank_lg;
 static int by_rank(const void *a, const void *b)
 {
@@ -359,7 +359,11 @@ static int32_t plain_draw(float t, int k, float p, float u, const float *lg, int
     int n = k > 0 && k < V ? k : V;
     double sum = 0;
     for (int i = 0; i < n; i++)
-        sum += (w[order[i]] = expf((lg[order[i]] - lg[order[0]]) / t));
+        w[order[i]] = expf((lg[order[i]] - lg[order[0]]) / t);
+    for (int i = 0; i < V; i++) /* the total in id order */
+        for (int j = 0; j < n; j++)
+            if (order[j] == i)
+                sum += w[i];
     if (p > 0 && p < 1) {
         double cum = 0;
         for (int i = 0; i < n; i++)
