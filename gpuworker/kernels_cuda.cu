@@ -895,7 +895,10 @@ __global__ static void sample_kernel(int32_t *ids, int32_t *top_ids, float *top_
     __shared__ unsigned long long hist[256], sh[34];
     __shared__ float red_v[32];
     __shared__ int red_i[32];
-    const rekv_sample_row w = rows[blockIdx.x];
+    __shared__ rekv_sample_row w; /* mapped host memory: read once per block */
+    if (threadIdx.x == 0)
+        w = rows[blockIdx.x];
+    __syncthreads();
     const float *lg = logits + (size_t)blockIdx.x * V;
     int chunk = (V + (int)blockDim.x - 1) / (int)blockDim.x;
     int lo = min(V, (int)threadIdx.x * chunk), hi = min(V, lo + chunk);
