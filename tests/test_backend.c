@@ -250,6 +250,63 @@ static void seq_kern(void *p)
     a->log[(*a->len)++] = a->value;
 }
 
+/* Graphs: a capture runs nothing; each launch runs the kernels and copies again, in order, with
+ * the arguments captured and the memory they point to as it is then, counting the copies again;
+ * a capture that sees an event record is refused, and the event still completes. */
+START_TEST(graph_capture_and_launch)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *s = make_stream(be, "graph");
+    rekv_err err = {0};
+    int log[16], len = 0;
+    uint8_t host[256], back[256], *dev = be->iface->dev_alloc(be, sizeof(host));
+    ck_assert(dev != NULL);
+    memset(host, 7, sizeof(host));
+    ck_assert_int_eq(be->iface->graph_begin(s, &err), 0);
+    ck_assert_int_eq(be->iface->graph_begin(s, &err), -EBUSY);
+    err = (rekv_err){0};
+    copy1(be, s, 1, dev, host, sizeof(host), REKV_XFER_KV);
+    for (int v = 1; v <= 3; v++) {
+        seq_arg a = {.log = log, .len = &len, .value = v};
+        be->iface->launch_host(s, "seq", seq_kern, &a, sizeof(a));
+    }
+    copy1(be, s, 0, back, dev, sizeof(back), REKV_XFER_KV);
+    rekv_graph *g = NULL;
+    ck_assert_msg(be->iface->graph_end(s, &g, &err) == 0, "%s", err.msg);
+    sync_ok(be, s);
+    rekv_backend_stats st;
+    be->iface->stats(be, &st);
+    ck_assert_int_eq(len, 0);
+    ck_assert_uint_eq(st.h2d_copies + st.d2h_copies, 0);
+    for (int round = 1; round <= 2; round++) {
+        memset(host, 10 + round, sizeof(host)); /* read when the launch runs */
+        be->iface->graph_launch(s, g);
+        sync_ok(be, s);
+        ck_assert_int_eq(len, 3 * round);
+        for (int i = 0; i < 3; i++)
+            ck_assert_int_eq(log[3 * (round - 1) + i], i + 1);
+        for (size_t i = 0; i < sizeof(back); i++)
+            ck_assert_int_eq(back[i], 10 + round);
+        be->iface->stats(be, &st);
+        ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], round * sizeof(host));
+        ck_assert_uint_eq(st.d2h_copies, (uint64_t)round);
+    }
+    be->iface->graph_destroy(g);
+    /* an event recorded during a capture: refused, and the event completes */
+    rekv_event *ev = make_event(be);
+    ck_assert_int_eq(be->iface->graph_begin(s, &err), 0);
+    be->iface->event_record(ev, s);
+    ck_assert_int_eq(be->iface->graph_end(s, &g, &err), -ENOTSUP);
+    ck_assert(g == NULL && strstr(err.msg, "capture") != NULL);
+    be->iface->event_sync(ev);
+    sync_ok(be, s);
+    be->iface->event_destroy(ev);
+    be->iface->dev_free(be, dev);
+    be->iface->stream_destroy(s);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
 /* Busy times count the work enqueued while timing is on or a trace records, and nothing else;
  * byte counters count everything. */
 START_TEST(busy_only_while_timing)
@@ -901,6 +958,7 @@ static Suite *backend_suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, copies_land_in_order_with_exact_counters);
     tcase_add_test(tc, busy_only_while_timing);
+    tcase_add_test(tc, graph_capture_and_launch);
     tcase_add_test(tc, streams_run_in_order_concurrently);
     tcase_add_test(tc, stream_destroy_waits_for_its_work);
     tcase_add_test(tc, event_orders_work_across_streams);

@@ -868,6 +868,50 @@ END_TEST
  * 8, 4 and 1 byte), equal rows at a stride (a 2-D run, expanded), more rows than a stream's first
  * ring holds (it grows) and gathers enough to wrap it (the sixth reuses the first's slice); the
  * same rows from unregistered memory, or too few of them, go by DMA (nothing gathered). */
+/* Graphs on cuda: a capture runs nothing; each launch runs its copies and kernels again with the
+ * memory as it is then, and counts its copies again. */
+START_TEST(runtime_graph)
+{
+    backends_open();
+    const rekv_backend_iface *bi = g_cu->iface;
+    rekv_err err = {0};
+    enum { N = 1 << 16 };
+    float *h = bi->host_alloc(g_cu, sizeof(float) * N),
+          *back = bi->host_alloc(g_cu, sizeof(float) * N);
+    float *d = dev_zero(sizeof(float) * N), *d2 = dev_zero(sizeof(float) * N);
+    ck_assert(h && back);
+    bi->stats_reset(g_cu);
+    ck_assert_msg(bi->graph_begin(g_scu, &err) == 0, "%s", err.msg);
+    rekv_copy_piece up = {d, h, sizeof(float) * N}, down = {back, d2, sizeof(float) * N};
+    bi->copy_h2d(g_scu, &up, 1, REKV_XFER_KV);
+    rekv_kernels_of(g_cu)->add(g_scu, d2, d, N); /* d2 += d */
+    bi->copy_d2h(g_scu, &down, 1, REKV_XFER_ACT);
+    rekv_graph *gr = NULL;
+    ck_assert_msg(bi->graph_end(g_scu, &gr, &err) == 0, "%s", err.msg);
+    sync_cu();
+    rekv_backend_stats st;
+    bi->stats(g_cu, &st);
+    ck_assert_uint_eq(st.h2d_copies + st.d2h_copies, 0);
+    for (int round = 1; round <= 2; round++) {
+        for (int i = 0; i < N; i++)
+            h[i] = (float)(round * i);
+        bi->graph_launch(g_scu, gr);
+        sync_cu();
+        for (int i = 0; i < N; i++) /* d2 accumulates: round 1 adds i, round 2 adds 2i */
+            ck_assert_msg(back[i] == (float)(round == 1 ? i : 3 * i), "round %d [%d] %g", round, i,
+                          (double)back[i]);
+        bi->stats(g_cu, &st);
+        ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], (uint64_t)round * sizeof(float) * N);
+        ck_assert_uint_eq(st.d2h_copies, (uint64_t)round);
+    }
+    bi->graph_destroy(gr);
+    bi->host_free(g_cu, h);
+    bi->host_free(g_cu, back);
+    dev_free(d), dev_free(d2);
+    backends_close();
+}
+END_TEST
+
 START_TEST(runtime_gather)
 {
     backends_open();
@@ -1403,6 +1447,7 @@ static Suite *suite(void)
     tcase_set_timeout(tr, 300);
     tcase_add_test(tr, runtime_copies_events);
     tcase_add_test(tr, runtime_gather);
+    tcase_add_test(tr, runtime_graph);
     tcase_add_test(tr, runtime_ipc_push);
     suite_add_tcase(s, tr);
     TCase *tp = tcase_create("pipeline");

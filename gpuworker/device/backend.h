@@ -38,6 +38,7 @@
 typedef struct rekv_backend rekv_backend;
 typedef struct rekv_stream rekv_stream;
 typedef struct rekv_event rekv_event;
+typedef struct rekv_graph rekv_graph;
 
 /* What a copy moves; counters are kept per kind. */
 typedef enum rekv_xfer_kind {
@@ -259,6 +260,19 @@ typedef struct rekv_backend_iface {
      * on a device with its own memory (cuda): copy into dev_alloc'd memory instead. */
     void *(*dev_adopt)(rekv_backend *be, const void *p, size_t bytes);
     void (*dev_unadopt)(rekv_backend *be, void *dev, size_t bytes);
+
+    /* ---- optional: graphs (CUDA graphs; on cpu, the tasks kept to be queued again). Between
+     * graph_begin(s) and graph_end(s), the kernels and copies enqueued on s are captured instead
+     * of run, with their arguments as given (the memory those point to is read when the graph
+     * runs); graph_end makes them a graph, or fails (-ENOTSUP, -EIO, a message) when something
+     * else was enqueued on s meanwhile (events, waits, flags) or the device refused, and then
+     * nothing captured ever runs. graph_launch enqueues a graph's work on a stream as one
+     * operation (its copies counted again each time), as often as wanted; graph_destroy frees it
+     * once no launch is pending. */
+    int (*graph_begin)(rekv_stream *s, rekv_err *err);
+    int (*graph_end)(rekv_stream *s, rekv_graph **out, rekv_err *err);
+    void (*graph_launch)(rekv_stream *s, rekv_graph *g);
+    void (*graph_destroy)(rekv_graph *g);
 } rekv_backend_iface;
 
 /* Checks a copy before a backend enqueues it (dir: "h2d", "d2h" or "d2d"): 0 with *bytes the

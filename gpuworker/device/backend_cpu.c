@@ -167,6 +167,7 @@ typedef struct cpu_task {
     struct cpu_task *next; /* FIFO link */
     cpu_task_type type;    /* which member of u is valid */
     bool timed;            /* enqueued while timing or tracing: adds to the busy times */
+    size_t payload_bytes;  /* of payload[] (a graph's copy of the task copies them too) */
     union {
         struct {
             cpu_copy_dir dir;    /* also the index of the link it occupies, unless d2d */
@@ -206,6 +207,14 @@ struct rekv_stream {
     bool stop;              /* stream_destroy: exit once the queue is empty */
     int err_code;           /* first failure since the last stream_sync, 0 when none */
     char err_msg[512];      /* its message, one line */
+    rekv_graph *capture;    /* graph_begin: tasks go here instead of the FIFO; NULL when not */
+};
+
+/* A graph: the kernels and copies a capture kept, queued again (copies) by each launch. */
+struct rekv_graph {
+    cpu_task **tasks;
+    size_t n, cap;
+    bool refused; /* something else was enqueued during the capture */
 };
 
 struct rekv_event {
@@ -543,12 +552,30 @@ static cpu_task *task_new(rekv_stream *s, cpu_task_type type, size_t payload_byt
     }
     t->type = type;
     t->timed = atomic_load_explicit(&s->be->timing, memory_order_relaxed) || tracing(s->be);
+    t->payload_bytes = payload_bytes;
     return t;
 }
 
 static void task_push(rekv_stream *s, cpu_task *t)
 {
     pthread_mutex_lock(&s->mu);
+    rekv_graph *g = s->capture;
+    if (g != NULL && (t->type == CPU_TASK_COPY || t->type == CPU_TASK_HOST)) {
+        cpu_task **nt = g->n == g->cap ? realloc(g->tasks, (g->cap ? 2 * g->cap : 64) * sizeof(*nt))
+                                       : g->tasks;
+        if (nt != NULL) {
+            g->tasks = nt;
+            g->cap = g->n == g->cap ? (g->cap ? 2 * g->cap : 64) : g->cap;
+            g->tasks[g->n++] = t;
+        } else {
+            g->refused = true;
+            free(t);
+        }
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    if (g != NULL) /* it runs (an event must complete), but the capture is void */
+        g->refused = true;
     if (s->tail)
         s->tail->next = t;
     else
@@ -791,10 +818,76 @@ static int cpu_stream_sync(rekv_stream *s, rekv_err *err)
     return rc;
 }
 
+static void cpu_graph_destroy(rekv_graph *g)
+{
+    if (g == NULL)
+        return;
+    for (size_t i = 0; i < g->n; i++)
+        free(g->tasks[i]);
+    free(g->tasks);
+    free(g);
+}
+
+static int cpu_graph_begin(rekv_stream *s, rekv_err *err)
+{
+    rekv_graph *g = calloc(1, sizeof(*g));
+    if (g == NULL)
+        return rekv_errf(err, -ENOMEM, "stream %s: out of memory for a graph", s->name);
+    pthread_mutex_lock(&s->mu);
+    rekv_graph *was = s->capture;
+    if (was == NULL)
+        s->capture = g;
+    pthread_mutex_unlock(&s->mu);
+    if (was != NULL) {
+        free(g);
+        return rekv_errf(err, -EBUSY, "stream %s: already capturing a graph", s->name);
+    }
+    return 0;
+}
+
+static int cpu_graph_end(rekv_stream *s, rekv_graph **out, rekv_err *err)
+{
+    pthread_mutex_lock(&s->mu);
+    rekv_graph *g = s->capture;
+    s->capture = NULL;
+    pthread_mutex_unlock(&s->mu);
+    *out = NULL;
+    if (g == NULL)
+        return rekv_errf(err, -EINVAL, "stream %s: graph_end without graph_begin", s->name);
+    if (g->refused) {
+        cpu_graph_destroy(g);
+        return rekv_errf(err, -ENOTSUP,
+                         "stream %s: a capture saw work other than kernels and copies", s->name);
+    }
+    *out = g;
+    return 0;
+}
+
+/* Queues a copy of every task the graph kept, timed as work enqueued now is. */
+static void cpu_graph_launch(rekv_stream *s, rekv_graph *g)
+{
+    bool timed = atomic_load_explicit(&s->be->timing, memory_order_relaxed) || tracing(s->be);
+    for (size_t i = 0; i < g->n; i++) {
+        const cpu_task *src = g->tasks[i];
+        cpu_task *t = malloc(sizeof(*t) + src->payload_bytes);
+        if (t == NULL) {
+            stream_fail(s, -ENOMEM, "stream %s: out of memory launching a graph", s->name);
+            return;
+        }
+        memcpy(t, src, sizeof(*t) + src->payload_bytes);
+        if (t->type == CPU_TASK_HOST && src->u.host.arg == (const void *)src->payload)
+            t->u.host.arg = t->payload;
+        t->next = NULL;
+        t->timed = timed;
+        task_push(s, t);
+    }
+}
+
 static void cpu_stream_destroy(rekv_stream *s)
 {
     if (s == NULL)
         return;
+    cpu_graph_destroy(s->capture);
     cpu_stream_sync(s, NULL);
     pthread_mutex_lock(&s->mu);
     s->stop = true;
@@ -1335,6 +1428,10 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
     .stats = cpu_stats,
     .stats_reset = cpu_stats_reset,
     .timing = cpu_timing,
+    .graph_begin = cpu_graph_begin,
+    .graph_end = cpu_graph_end,
+    .graph_launch = cpu_graph_launch,
+    .graph_destroy = cpu_graph_destroy,
     .trace_start = cpu_trace_start,
     .trace_write = cpu_trace_write,
     .dev_alloc_shared = cpu_dev_alloc_shared,

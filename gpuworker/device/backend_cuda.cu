@@ -119,7 +119,7 @@ long cuda_op_begin(rekv_stream *s, int what, const char *label)
     pthread_mutex_lock(&be->mu);
     int traced = be->tracing, timed = be->timing || traced;
     pthread_mutex_unlock(&be->mu);
-    if (!timed)
+    if (!timed || s->capturing)
         return -1;
     if (s->n_pend == s->cap_pend) {
         size_t cap = s->cap_pend ? s->cap_pend * 2 : 256;
@@ -324,10 +324,102 @@ static int cu_stream_sync(rekv_stream *s, rekv_err *err)
     return rc;
 }
 
+/* ------------------------------------------------------------------ graphs */
+
+struct rekv_graph {
+    cuda_backend *be;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    rekv_backend_stats counts; /* its copies' counters, added at each launch */
+};
+
+static int cu_graph_begin(rekv_stream *s, rekv_err *err)
+{
+    if (s->capturing)
+        return rekv_errf(err, -EBUSY, "cuda stream %s: already capturing a graph", s->name);
+    cuda_use_device(s->be);
+    cudaError_t e = cudaStreamBeginCapture(s->cs, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return rekv_errf(err, -EIO, "cuda stream %s: capture: %s", s->name, cudaGetErrorString(e));
+    }
+    s->capturing = 1;
+    memset(&s->captured, 0, sizeof(s->captured));
+    return 0;
+}
+
+static void cu_graph_destroy(rekv_graph *g)
+{
+    if (g == NULL)
+        return;
+    cuda_use_device(g->be);
+    if (g->exec != NULL)
+        cudaGraphExecDestroy(g->exec);
+    if (g->graph != NULL)
+        cudaGraphDestroy(g->graph);
+    free(g);
+}
+
+/* A capture that failed leaves nothing to run: the stream's failures since graph_begin were the
+ * capture's (nothing was enqueued to run), so they are cleared with it. */
+static int cu_graph_end(rekv_stream *s, rekv_graph **out, rekv_err *err)
+{
+    *out = NULL;
+    if (!s->capturing)
+        return rekv_errf(err, -EINVAL, "cuda stream %s: graph_end without graph_begin", s->name);
+    cuda_use_device(s->be);
+    rekv_graph *g = (rekv_graph *)calloc(1, sizeof(*g));
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(s->cs, &graph);
+    s->capturing = 0;
+    int failed = s->err_code;
+    char why[512];
+    snprintf(why, sizeof(why), "%s", failed ? s->err_msg : "");
+    s->err_code = 0;
+    s->err_msg[0] = 0;
+    if (e == cudaSuccess && !failed && g != NULL)
+        e = cudaGraphInstantiate(&g->exec, graph, 0);
+    if (e != cudaSuccess || failed || g == NULL) {
+        cudaGetLastError();
+        if (graph != NULL)
+            cudaGraphDestroy(graph);
+        free(g);
+        return rekv_errf(err, g == NULL ? -ENOMEM : -EIO, "cuda stream %s: graph: %s", s->name,
+                         failed ? why : cudaGetErrorString(e));
+    }
+    g->be = s->be;
+    g->graph = graph;
+    g->counts = s->captured;
+    *out = g;
+    return 0;
+}
+
+static void cu_graph_launch(rekv_stream *s, rekv_graph *g)
+{
+    cuda_backend *be = s->be;
+    cuda_use_device(be);
+    pthread_mutex_lock(&be->mu);
+    for (int k = 0; k < REKV_XFER_KINDS; k++) {
+        be->stats.h2d_bytes[k] += g->counts.h2d_bytes[k];
+        be->stats.d2h_bytes[k] += g->counts.d2h_bytes[k];
+    }
+    be->stats.h2d_copies += g->counts.h2d_copies;
+    be->stats.d2h_copies += g->counts.d2h_copies;
+    pthread_mutex_unlock(&be->mu);
+    long op = cuda_op_begin(s, CU_OP_COMPUTE, "graph");
+    cuda_stream_check(s, cudaGraphLaunch(g->exec, s->cs), "graph launch");
+    cuda_op_end(s, op);
+}
+
 static void cu_stream_destroy(rekv_stream *s)
 {
     if (s == NULL)
         return;
+    if (s->capturing) {
+        rekv_graph *g = NULL;
+        cu_graph_end(s, &g, NULL);
+        cu_graph_destroy(g);
+    }
     cu_stream_sync(s, NULL);
     cuda_backend *be = s->be;
     pthread_mutex_lock(&be->mu);
@@ -744,14 +836,15 @@ static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces,
         return;
     }
     cuda_backend *be = s->be;
-    if (dir != CU_OP_D2D) {
+    if (dir != CU_OP_D2D) { /* a capture's count when its graph is launched */
         pthread_mutex_lock(&be->mu);
+        rekv_backend_stats *st = s->capturing ? &s->captured : &be->stats;
         if (dir == CU_OP_H2D) {
-            be->stats.h2d_bytes[kind] += bytes;
-            be->stats.h2d_copies++;
+            st->h2d_bytes[kind] += bytes;
+            st->h2d_copies++;
         } else {
-            be->stats.d2h_bytes[kind] += bytes;
-            be->stats.d2h_copies++;
+            st->d2h_bytes[kind] += bytes;
+            st->d2h_copies++;
         }
         pthread_mutex_unlock(&be->mu);
     }
@@ -767,7 +860,7 @@ static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces,
     }
     size_t nr = rekv_copy_coalesce(pieces, n, runs);
     long op = cuda_op_begin(s, dir, label);
-    if (dir == CU_OP_H2D && gather_enqueue(s, runs, nr, bytes))
+    if (dir == CU_OP_H2D && !s->capturing && gather_enqueue(s, runs, nr, bytes))
         nr = 0;
     for (size_t i = 0; i < nr; i++) {
         const rekv_copy_run *r = &runs[i];
@@ -1141,6 +1234,12 @@ static const rekv_backend_iface cuda_iface = {
     cu_stream_wait_flag,    /* stream_wait_flag */
     cu_stream_write_flag,   /* stream_write_flag */
     cu_mem_info,            /* mem_info */
+    NULL,                   /* dev_adopt */
+    NULL,                   /* dev_unadopt */
+    cu_graph_begin,         /* graph_begin */
+    cu_graph_end,           /* graph_end */
+    cu_graph_launch,        /* graph_launch */
+    cu_graph_destroy,       /* graph_destroy */
 };
 
 int cuda_backend_create(int device, rekv_backend **out, rekv_err *err)

@@ -113,6 +113,8 @@ struct rekv_stream {
     int err_code;                      /* first failure since the last stream_sync, 0 when none */
     char err_msg[512];
     cu_gather_ring gather;
+    int capturing;               /* between graph_begin and graph_end (CUDA stream capture) */
+    rekv_backend_stats captured; /* the copies' counters of the capture, for its graph */
 };
 
 /* Creates the runtime on device `device` (the module's backend_create, backend_cuda.h). */
@@ -131,7 +133,7 @@ void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
 int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what);
 /* Checks a kernel launch. */
 void cuda_launch_check(rekv_stream *s, const char *kernel);
-/* Starts timing an op on s (CU_OP_*) when timing or tracing: records its start event. Returns the
+/* Starts timing an op on s (CU_OP_*) when timing or tracing (never inside a graph capture): records its start event. Returns the
  * pending index, or -1 when the op goes untimed (not timing; or no event: timing is best effort,
  * the op itself is not affected). */
 long cuda_op_begin(rekv_stream *s, int what, const char *label);
