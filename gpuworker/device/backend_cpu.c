@@ -561,8 +561,8 @@ static void task_push(rekv_stream *s, cpu_task *t)
     pthread_mutex_lock(&s->mu);
     rekv_graph *g = s->capture;
     if (g != NULL && (t->type == CPU_TASK_COPY || t->type == CPU_TASK_HOST)) {
-        cpu_task **nt = g->n == g->cap ? realloc(g->tasks, (g->cap ? 2 * g->cap : 64) * sizeof(*nt))
-                                       : g->tasks;
+        cpu_task **nt =
+            g->n == g->cap ? realloc(g->tasks, (g->cap ? 2 * g->cap : 64) * sizeof(*nt)) : g->tasks;
         if (nt != NULL) {
             g->tasks = nt;
             g->cap = g->n == g->cap ? (g->cap ? 2 * g->cap : 64) : g->cap;

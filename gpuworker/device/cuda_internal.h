@@ -133,9 +133,9 @@ void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
 int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what);
 /* Checks a kernel launch. */
 void cuda_launch_check(rekv_stream *s, const char *kernel);
-/* Starts timing an op on s (CU_OP_*) when timing or tracing (never inside a graph capture): records its start event. Returns the
- * pending index, or -1 when the op goes untimed (not timing; or no event: timing is best effort,
- * the op itself is not affected). */
+/* Starts timing an op on s (CU_OP_*) when timing or tracing (never inside a graph capture): records
+ * its start event. Returns the pending index, or -1 when the op goes untimed (not timing; or no
+ * event: timing is best effort, the op itself is not affected). */
 long cuda_op_begin(rekv_stream *s, int what, const char *label);
 /* Ends the op cuda_op_begin started (i < 0: nothing). */
 void cuda_op_end(rekv_stream *s, long i);
