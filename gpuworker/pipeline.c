@@ -431,8 +431,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     if ((rc = validate(p, items, n_items, err)))
         return rc;
     const rekv_model_config *c = p->c;
-    const rekv_kernel_iface *k = p->k;
-    int resident = p->cfg.mode == REKV_MODE_RESIDENT, L = c->n_layers;
+    const rekv_kernel_iface *k;
+    int resident = p->cfg.mode == REKV_MODE_RESIDENT, L = c->n_layers, graphed = 0;
     step st = {.items = items, .n_items = n_items, .mem = {.meta = &p->meta}, .win = -1};
     if ((rc = setup_batches(p, &st))) {
         rekv_errf(err, rc, rc == -E2BIG ? "step: more than 64 GPU batches" : "step: out of memory");
@@ -445,6 +445,9 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     if ((p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) &&
         (rc = pl_ig_prepare(p, &st, err)))
         goto out;
+    /* a resident decode step is recorded, to run as one graph where it repeats */
+    graphed = pl_graph_begin(p, items, n_items);
+    k = p->k;
     rekv_stream *sc = p->s_compute, *sh = p->s_h2d, *sd = p->s_d2h;
     int E = c->embed_dim, H = c->hidden;
     for (int g = 0; g < st.n_g; g++) {
@@ -606,6 +609,10 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             goto drain;
     }
 drain : {
+    if (graphed) { /* the recorded work runs now: as the graph, captured, or call by call */
+        int grc = pl_graph_end(p, rc == 0, rc ? NULL : err);
+        rc = rc ? rc : grc;
+    }
     /* every enqueued task refers to step memory: wait for all of it, whatever happened */
     int r1 = p->bi->stream_sync(sh, rc ? NULL : err);
     int r2 = p->bi->stream_sync(sc, rc ? NULL : err);

@@ -198,6 +198,10 @@ int rekv_pipeline_set_step(rekv_pipeline *p, const rekv_step_params *sp, rekv_er
 /* One forward step over a batch (prefill: many tokens per sequence; decode: one). */
 int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rekv_err *err);
 
+/* Resident decode steps that ran as one device graph (pipeline_graph.c), and how many graphs were
+ * captured (*captures, may be NULL), since creation. */
+uint64_t rekv_pipeline_graph_steps(const rekv_pipeline *p, uint64_t *captures);
+
 /* Counters accumulated since creation or the last reset: per layer ([n_layers]) and in total. */
 const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p,
                                                   rekv_layer_counters *total);

@@ -106,6 +106,7 @@ void rekv_pipeline_free(rekv_pipeline *p)
         p->bi->stream_sync(p->s_compute, NULL);
     if (p->s_d2h)
         p->bi->stream_sync(p->s_d2h, NULL);
+    pl_graph_free(p);
     if (p->dev_layers) {
         for (int l = 0; l < p->c->n_layers; l++) {
             void **ds[N_LAYER_TENSORS];
@@ -243,6 +244,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->page_locked = -1;
     p->bi = be->iface;
     p->k = rekv_kernels_of(be);
+    pl_graph_init(p);
     p->store = store;
     /* read-ahead of the next layer window; REKV_READ_AHEAD=0 turns it off (for benchmarks) */
     const char *ra = getenv("REKV_READ_AHEAD");

@@ -59,6 +59,14 @@ typedef struct conv_list {
 #define RESERVE(list, more)                                                                        \
     pl_reserve_bytes((void **)&(list)->v, &(list)->cap, (list)->n + (more), sizeof(*(list)->v))
 
+/* A step's device work as recorded (pipeline_graph.c): the calls, by value, in order. */
+typedef struct pl_log {
+    uint8_t *p;
+    size_t len, cap;
+    int failed; /* out of memory, or a stream synchronised meanwhile */
+} pl_log;
+enum { PL_LOG_STEP, PL_LOG_LAST, PL_LOG_GRAPH };
+
 /* ------------------------------------------------------------------ the pipeline */
 
 enum { MAX_GPU_BATCHES = 64 };
@@ -169,6 +177,15 @@ struct rekv_pipeline {
     rekv_event *ev_pushed[2]; /* the store's copies into the parity's buffers are done */
     rekv_kv_push_piece *push_pieces;
     size_t push_cap;
+    struct {                   /* resident decode steps as one graph (pipeline_graph.c) */
+        rekv_backend_iface bi; /* the backend with its stream operations recorded */
+        const rekv_backend_iface *real_bi;
+        const rekv_kernel_iface *real_k;
+        pl_log log[3];     /* PL_LOG_*: this step's recording, the last step's, the graph's */
+        rekv_graph *graph; /* NULL until a recording repeats */
+        int off;           /* the backend refused a capture */
+        uint64_t steps, captures;
+    } gr;
     ig_state ig;          /* infinigen, and clo's speculation */
     struct {              /* clo (pipeline_clo.c) */
         double *tau;      /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9) */
@@ -212,6 +229,15 @@ _Static_assert(REKV_KV_BLOCK_TOKENS == REKV_KV_ROWS_PER_BLOCK, "one block size")
 enum { N_LAYER_TENSORS = 17, N_KV_TENSORS = 4 };
 
 /* ------------------------------------------------------------------ one step */
+
+/* pipeline_graph.c: the recorders' kernel table; set up at creation (after bi and k) and freed;
+ * pl_graph_begin starts recording a step that may run as a graph (1), pl_graph_end issues what
+ * was recorded (issue: the step's work is complete) and restores the real tables. */
+extern const rekv_kernel_iface pl_rec_kernels;
+void pl_graph_init(rekv_pipeline *p);
+void pl_graph_free(rekv_pipeline *p);
+int pl_graph_begin(rekv_pipeline *p, const rekv_pipe_item *items, int n);
+int pl_graph_end(rekv_pipeline *p, int issue, rekv_err *err);
 
 /* What the kvstore plan says about one (item, layer): where its blocks are. The plan's blocks of
  * a range [0, end) come in order, so block b of the range is blocks[first + b]. */

@@ -358,6 +358,9 @@ START_TEST(bench_decode_json)
          * weights cross the link */
         ck_assert(json_number_value(json_object_get(m, "prefill_vs_gemm")) > 0);
         ck_assert(json_object_get(m, "roofline_frac") == NULL);
+        /* weights crossing the link: no step is a graph */
+        ck_assert(json_is_integer(json_object_get(m, "graph_steps")));
+        ck_assert_int_eq(json_integer_value(json_object_get(m, "graph_steps")), 0);
     }
     ck_assert(offload_bytes > 0);
     /* the link's peak, measured in the same run, from every kind of host memory, and each mode's

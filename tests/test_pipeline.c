@@ -677,6 +677,84 @@ START_TEST(draws_on_device)
 }
 END_TEST
 
+/* Resident decode steps as one graph: a step that repeats its predecessor's calls exactly is
+ * captured and launched as a graph, and later steps that repeat it launch the graph, with the
+ * tokens of a run that is never graphed (its items take their logits back); a
+ * sequence leaving the batch changes the step, which then runs call by call until it repeats
+ * and is captured anew. */
+START_TEST(graph_steps)
+{
+    char *mdir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/m", mdir);
+    rekv_synth_spec spec = {REKV_ARCH_OPT, 3, 64, 4, 4, 128, 300, 256, REKV_DTYPE_F32, 21, 1};
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    enum { B = 3, V = 300, STEPS = 10, LEAVE = 6 };
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_RESIDENT;
+    int32_t tok[2][STEPS + 1][B];
+    uint64_t gsteps[2], captures[2], graphed[2][STEPS + 1], back[2][STEPS + 1];
+    float *logits = malloc(sizeof(float) * (STEPS + 1) * B * V);
+    for (int r = 0; r < 2; r++) { /* run 0: logits too (never graphed); run 1: draws only */
+        rekv_pipeline *pl = NULL;
+        ck_assert_msg(rekv_pipeline_create(f.e, f.be, NULL, &cfg, &pl, &err) == 0, "%s", err.msg);
+        rekv_pseq *seqs[B];
+        rekv_sampler greedy;
+        rekv_sampler_init(&greedy, 0, 0, 1, 0);
+        int32_t prompt[B][5];
+        for (int i = 0; i < B; i++) {
+            ck_assert_msg(rekv_pseq_create(pl, 64, &seqs[i], &err) == 0, "%s", err.msg);
+            for (int t = 0; t < 5; t++)
+                prompt[i][t] = 1 + (11 * t + 37 * i) % (V - 1);
+        }
+        for (int step = 0; step <= STEPS; step++) {
+            rekv_pipe_item items[B];
+            int n = step > LEAVE ? B - 1 : B; /* the last sequence leaves */
+            for (int i = 0; i < n; i++)
+                items[i] =
+                    (rekv_pipe_item){.seq = seqs[i],
+                                     .tokens = step ? &tok[r][step - 1][i] : prompt[i],
+                                     .n_tokens = step ? 1 : 5,
+                                     .logits = r == 0 ? logits + ((size_t)step * B + i) * V : NULL,
+                                     .smp = &greedy,
+                                     .token = &tok[r][step][i]};
+            uint64_t before = rekv_pipeline_graph_steps(pl, NULL);
+            rekv_backend_stats b0, b1;
+            f.be->iface->stats(f.be, &b0);
+            ck_assert_msg(rekv_pipeline_step(pl, items, n, &err) == 0, "%s", err.msg);
+            f.be->iface->stats(f.be, &b1);
+            graphed[r][step] = rekv_pipeline_graph_steps(pl, NULL) - before;
+            back[r][step] = b1.d2h_bytes[REKV_XFER_OTHER] - b0.d2h_bytes[REKV_XFER_OTHER];
+        }
+        gsteps[r] = rekv_pipeline_graph_steps(pl, &captures[r]);
+        for (int i = 0; i < B; i++)
+            rekv_pseq_free(seqs[i]);
+        rekv_pipeline_free(pl);
+    }
+    for (int step = 0; step <= STEPS; step++)
+        for (int i = 0; i < (step > LEAVE ? B - 1 : B); i++)
+            ck_assert_msg(tok[1][step][i] == tok[0][step][i], "step %d seq %d: %d, not %d", step, i,
+                          tok[1][step][i], tok[0][step][i]);
+    ck_assert_uint_eq(gsteps[0], 0);
+    /* a step is graphed once it repeats its predecessor (a buffer that grows with the context,
+     * or the batch changing, breaks the repetition): never the prefill, the first decode step or
+     * the first after the batch changed; the steady state at the end always; a graph per shape
+     * at least */
+    ck_assert(!graphed[1][0] && !graphed[1][1] && !graphed[1][LEAVE + 1]);
+    ck_assert(graphed[1][STEPS - 1] && graphed[1][STEPS]);
+    /* a graphed step does the work of one step: the same bytes back as one run call by call */
+    ck_assert_uint_eq(back[1][STEPS], back[1][LEAVE + 1]);
+    ck_assert_uint_eq(back[1][STEPS], 4 * (B - 1));
+    ck_assert_msg(gsteps[1] >= 4 && captures[1] >= 2, "%llu graph steps, %llu captures",
+                  (unsigned long long)gsteps[1], (unsigned long long)captures[1]);
+    free(logits);
+    tu_fixture_close(&f);
+}
+END_TEST
+
 /* The overlap that is the point of the pipeline: a layer's compute runs while the next layer's
  * KV rows cross the link. On a link whose every copy takes 0.2 s (latency), with a step whose
  * compute takes tens of milliseconds per layer (256 new tokens of a 512-wide model), the trace
@@ -941,6 +1019,7 @@ static Suite *suite(void)
     tcase_add_test(tc, page_lock_refusal_is_reported);
     tcase_add_test(tc, fetch_overlaps_compute);
     tcase_add_test(tc, draws_on_device);
+    tcase_add_test(tc, graph_steps);
     tcase_add_test(tc, push_store_is_the_program);
     suite_add_tcase(s, tc);
     TCase *ts = tcase_create("spill");

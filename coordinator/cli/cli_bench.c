@@ -469,7 +469,8 @@ static int measure_device(rekv_backend *be, const rekv_engine *eng, int rows, de
  * same session. */
 typedef struct decode_result {
     double prefill_s, decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
-    uint64_t gathered; /* h2d rows a device-side gather read (the backend's h2d_gathered) */
+    uint64_t gathered;    /* h2d rows a device-side gather read (the backend's h2d_gathered) */
+    uint64_t graph_steps; /* decode steps that ran as one device graph */
     rekv_layer_counters counters;
     double
         selected; /* infinigen's selected fraction f (rekv_pipeline_selected_fraction), 0: none */
@@ -550,6 +551,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         rekv_progress_update(pr, done + (uint64_t)step + 2, note);
     }
     out->decode_s = (double)(rekv_now_ns() - t0) * 1e-9;
+    out->graph_steps = rekv_pipeline_graph_steps(ses.p, NULL); /* the prefill never is one */
     if (out->has_store)
         out->has_store = rekv_kvstore_stats(ses.store, &out->ks1, NULL) == 0;
     out->selected = rekv_pipeline_selected_fraction(rekv_pipeline_counters(ses.p, &out->counters),
@@ -909,6 +911,7 @@ static int bench_decode(int argc, char **argv)
         json_object_set_new(o, "h2d_gbps", json_real((double)h2d / r->decode_s * 1e-9));
         /* rows the cuda backend's gather kernel read from the registered arena (prefill too) */
         json_object_set_new(o, "h2d_gathered_rows", json_integer((json_int_t)r->gathered));
+        json_object_set_new(o, "graph_steps", json_integer((json_int_t)r->graph_steps));
         if (r->h2d_busy_s > 0 && !mpush[i])
             json_object_set_new(o, "h2d_gbps_while_busy",
                                 json_real((double)h2d / r->h2d_busy_s * 1e-9));
