@@ -187,7 +187,10 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
               pl_dbuf_ensure(p, &b->logits, ns * (size_t)c->vocab * f) |
               pl_dbuf_ensure(p, &b->picks, 8 * (size_t)c->vocab + 4 * ns + 8 * tops);
     }
-    rc |= pl_dbuf_ensure(p, &p->scores, max_ctx * f);
+    /* the attention's scratch for the model's whole context at once (a few KiB): a buffer that
+     * grew with the context would change a decode step's arguments, which a graph must repeat */
+    rc |= pl_dbuf_ensure(p, &p->scores,
+                         (max_ctx > (size_t)c->max_pos ? max_ctx : (size_t)c->max_pos) * f);
     if (p->cfg.mode != REKV_MODE_RESIDENT) {
         for (int b = 0; b < 2; b++) {
             parity *pr = &p->par[b];
