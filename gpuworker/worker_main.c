@@ -686,6 +686,7 @@ static void run_plan(worker *w, const Rekv__Worker__Plan *plan)
             n_tok += ev[i].token >= 0;
         rekv_worker_metrics_step(&w->wm, step_s, &tot, n_tok, serr.code != 0,
                                  rekv_batcher_running(w->batch));
+        w->wm.graph_steps = rekv_pipeline_graph_steps(w->pipe, NULL);
     }
     Rekv__Worker__Counters c = REKV__WORKER__COUNTERS__INIT;
     c.h2d_weights = tot.h2d_bytes[REKV_XFER_WEIGHTS];

@@ -55,6 +55,9 @@ int rekv_worker_metrics_render(void *ctx, rekv_metrics_buf *b)
          (double)m->tokens},
         {"rekv_gpuworker_running_jobs", "gauge", "Jobs in the batch after the last step.",
          (double)m->running},
+        {"rekv_gpuworker_graph_steps_total", "counter",
+         "Steps that ran as one device graph (resident decode steps that repeat the last).",
+         (double)m->graph_steps},
     };
     for (size_t i = 0; i < sizeof(one) / sizeof(*one); i++) {
         rekv_metrics_family(b, one[i].name, one[i].type, one[i].help);

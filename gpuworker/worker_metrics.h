@@ -25,6 +25,7 @@ typedef struct rekv_worker_metrics {
     uint64_t tokens_recomputed, tokens_fetched; /* cached tokens whose K,V were recomputed,
                                                  * fetched (rekv_layer_counters) */
     int running;                                /* jobs in the batch after the last step */
+    uint64_t graph_steps; /* steps that ran as one device graph (rekv_pipeline_graph_steps) */
     int page_locked; /* rekv_pipeline_page_locked of the worker's pipeline (-1: none) */
 } rekv_worker_metrics;
 

@@ -208,6 +208,7 @@ static void check_worker(const char *w, const char *co)
     ck_assert_double_eq(val(w, "rekv_gpuworker_steps_failed_total"), 0);
     ck_assert_double_eq(val(w, "rekv_gpuworker_tokens_generated_total"), N_JOBS * N_TOKENS);
     ck_assert_double_eq(val(w, "rekv_gpuworker_running_jobs"), 0);
+    ck_assert_double_eq(val(w, "rekv_gpuworker_graph_steps_total"), 0); /* offload: never */
     /* offload: the KV cache comes from the store, every byte also reported to the coordinator */
     double kv = val(w, "rekv_gpuworker_transfer_bytes_total{dir=\"h2d\",kind=\"kv\"}");
     ck_assert_double_gt(kv, 0);
