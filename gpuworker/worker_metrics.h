@@ -26,7 +26,7 @@ typedef struct rekv_worker_metrics {
                                                  * fetched (rekv_layer_counters) */
     int running;                                /* jobs in the batch after the last step */
     uint64_t graph_steps; /* steps that ran as one device graph (rekv_pipeline_graph_steps) */
-    int page_locked; /* rekv_pipeline_page_locked of the worker's pipeline (-1: none) */
+    int page_locked;      /* rekv_pipeline_page_locked of the worker's pipeline (-1: none) */
 } rekv_worker_metrics;
 
 /* Zeroes m and keeps the pointers (not owned; they must outlive m). */
