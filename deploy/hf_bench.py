@@ -13,7 +13,8 @@ layers in host memory). Each run is timed as rekv times it: a generate of one ne
 prefill and the first token), then a generate of N; the decode time is their difference, N - 1
 steps, and decode_tokens_per_s = B * (N - 1) / that. It prints one JSON object per cache, one per
 line, with tokens_crc32c: the CRC32C of the generated ids laid out as rekv's bench lays out its
-own ([step][sequence] int32, little-endian), so an equal value means the same greedy tokens.
+own ([step][sequence] int32, little-endian), so an equal value means the same greedy tokens, and
+prompts_crc32c, which must equal the bench's (the same prompts).
 """
 import argparse
 import json
@@ -80,7 +81,10 @@ def main():
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[a.dtype]
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).to("cuda").eval()
     vocab = model.config.vocab_size
-    ids = torch.tensor(rekv_prompts(a.batch, a.prompt_len, vocab), device="cuda")
+    prompts = rekv_prompts(a.batch, a.prompt_len, vocab)
+    flat = [t for p in prompts for t in p]
+    prompts_crc = crc32c(struct.pack("<%di" % len(flat), *flat))
+    ids = torch.tensor(prompts, device="cuda")
     with torch.inference_mode():
         generate(model, ids[:, :8], 2, "dynamic")  # warm-up: kernels, allocator
         for cache in a.caches.split(","):
@@ -99,6 +103,7 @@ def main():
                 "decode_tokens_per_s": a.batch * (a.gen_len - 1) / decode_s,
                 "first_token_same": bool((first[:, 0] == toks[:, 0]).all()),
                 "tokens_crc32c": crc32c(struct.pack("<%di" % len(laid), *laid)),
+                "prompts_crc32c": prompts_crc,
                 "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
             }), flush=True)
             torch.cuda.reset_peak_memory_stats()

@@ -947,6 +947,11 @@ static int bench_decode(int argc, char **argv)
         "gpu_batches", po.cfg.gpu_batches, "cache_dtype", rekv_dtype_name(po.cfg.cache_dtype),
         "modes", arr);
     json_object_set_new(out, "push", json_boolean(po.cfg.push));
+    /* the prompts' CRC32C (int32 ids, prompt after prompt): deploy/hf_bench.py prints its own */
+    uint32_t pcrc = 0;
+    for (long b = 0; b < B; b++)
+        pcrc = rekv_crc32c(pcrc, prompts[b], sizeof(int32_t) * (size_t)S);
+    json_object_set_new(out, "prompts_crc32c", json_integer(pcrc));
     json_object_set_new(out, "weight_dtype",
                         json_string(rekv_dtype_name(rekv_engine_weight_dtype(eng))));
     if (dp.copy_gbps > 0)
