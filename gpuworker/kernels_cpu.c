@@ -1,11 +1,15 @@
 /* kernels_cpu.c — the cpu backend's kernel table: each kernel packs its arguments and runs
  * the fp32 reference of cpu_ops.h as a task on the stream it was launched on. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/dtype.h"
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/gpuworker.h"
 #include "gpuworker/kernels.h"
+
+/* the most threads the sample kernel shares its rows with */
+#define CPU_SAMPLE_MAX_THREADS 64
 
 /* The stream's backend iface is needed to launch; streams of the cpu backend all share it. */
 #define LAUNCH(s, name, fn, args)                                                                  \
@@ -327,18 +331,52 @@ typedef struct sample_args {
     void *scratch;
 } sample_args;
 
+/* one row: its draw and its top logits */
+static void sample_row(const sample_args *a, int r, void *scratch)
+{
+    const rekv_sample_row *w = &a->rows[r];
+    const float *lg = a->logits + (size_t)r * (size_t)a->vocab;
+    rekv_sampler smp = {w->temperature, w->top_k, w->top_p, 0};
+    a->ids[r] = rekv_sample_drawn(&smp, w->u, lg, a->vocab, scratch);
+    if (w->n_top > 0)
+        rekv_top_logits(lg, a->vocab, w->n_top, a->top_ids + w->top_at, a->top_vals + w->top_at);
+}
+
+typedef struct sample_pool {
+    const sample_args *a;
+    void *scratch[CPU_SAMPLE_MAX_THREADS]; /* by slot: slot 0 the caller's */
+} sample_pool;
+
+static void sample_chunk(void *arg, int row, int slot)
+{
+    sample_pool *sp = arg;
+    sample_row(sp->a, row, sp->scratch[slot]);
+}
+
+/* Rows that sample (not greedy) sort and select over the vocabulary: they share the pool, each
+ * thread with scratch of its own (the kernel's for the caller); without that memory, the caller
+ * draws them all. Every row is the same whatever thread draws it. */
 static void run_sample(void *p)
 {
     sample_args *a = p;
-    for (int r = 0; r < a->n; r++) {
-        const rekv_sample_row *w = &a->rows[r];
-        const float *lg = a->logits + (size_t)r * (size_t)a->vocab;
-        rekv_sampler smp = {w->temperature, w->top_k, w->top_p, 0};
-        a->ids[r] = rekv_sample_drawn(&smp, w->u, lg, a->vocab, a->scratch);
-        if (w->n_top > 0)
-            rekv_top_logits(lg, a->vocab, w->n_top, a->top_ids + w->top_at,
-                            a->top_vals + w->top_at);
-    }
+    int sampled = 0, threads = cpu_gemm_threads();
+    for (int r = 0; r < a->n; r++)
+        sampled += a->rows[r].temperature > 0.0f;
+    if (threads > CPU_SAMPLE_MAX_THREADS)
+        threads = CPU_SAMPLE_MAX_THREADS;
+    if (threads > a->n)
+        threads = a->n;
+    sample_pool sp = {a, {a->scratch}};
+    for (int t = 1; t < threads && sampled > 1; t++)
+        if ((sp.scratch[t] = malloc(8 * (size_t)a->vocab)) == NULL)
+            threads = t;
+    if (sampled > 1 && threads > 1)
+        cpu_pool_run(sample_chunk, &sp, a->n, threads);
+    else
+        for (int r = 0; r < a->n; r++)
+            sample_row(a, r, a->scratch);
+    for (int t = 1; t < CPU_SAMPLE_MAX_THREADS; t++)
+        free(sp.scratch[t]);
 }
 
 static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
