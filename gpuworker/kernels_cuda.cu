@@ -32,6 +32,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gpuworker/device/cuda_internal.h"
 
@@ -121,10 +122,15 @@ __global__ static void bias_kernel(float *y, const float *bias, size_t total, in
 
 /* The kernels' state of one stream: a cuBLAS handle of its own (a handle's workspace must not be
  * shared by concurrent streams) bound to the stream, and linear's input scratch. */
+enum { CU_SCRATCH_RETIRED = 48 };
 typedef struct cu_kstate {
     cublasHandle_t blas; /* bound to the stream; full fp32 products (no TF32) */
     void *xh;            /* linear with 16-bit weights: x rounded to the weights' dtype */
     size_t xh_cap;       /* bytes (stream-ordered allocation, grown on demand) */
+    /* outgrown scratch, kept until the stream goes: a captured graph may still use one (growth
+     * by 5/4 from a few KiB: 48 cover any size; past that the oldest is freed) */
+    void *retired[CU_SCRATCH_RETIRED];
+    int n_retired;
 } cu_kstate;
 
 /* Called by the runtime when the stream is destroyed, once it is idle. */
@@ -133,6 +139,8 @@ static void kstate_free(void *p)
     cu_kstate *k = (cu_kstate *)p;
     if (k->xh != NULL)
         cudaFree(k->xh);
+    for (int i = 0; i < k->n_retired; i++)
+        cudaFree(k->retired[i]);
     cublasDestroy(k->blas);
     free(k);
 }
@@ -170,12 +178,19 @@ static cu_kstate *kstate(rekv_stream *s)
     return k;
 }
 
-/* k->xh holds at least bytes (stream-ordered: the old buffer is freed after the work that uses
- * it). 0, or -ENOMEM with the stream failed. */
+/* k->xh holds at least bytes. An outgrown buffer is kept until the stream is destroyed, since a
+ * graph captured with it may launch again; growing inside a capture would make the graph own the
+ * buffer, so it fails the capture instead (the step then runs uncaptured, and grows). 0, or
+ * -ENOMEM / -ENOTSUP with the stream failed. */
 static int stream_scratch(rekv_stream *s, cu_kstate *k, size_t bytes)
 {
     if (bytes <= k->xh_cap)
         return 0;
+    if (s->capturing) {
+        cuda_stream_fail(s, -ENOTSUP, "cuda stream %s: linear's scratch must grow inside a capture",
+                         s->name);
+        return -ENOTSUP;
+    }
     size_t want = bytes + bytes / 4;
     void *p = NULL;
     cudaError_t e = cudaMallocAsync(&p, want, s->cs);
@@ -186,8 +201,14 @@ static int stream_scratch(rekv_stream *s, cu_kstate *k, size_t bytes)
                          s->name, want, cudaGetErrorString(e));
         return -ENOMEM;
     }
-    if (k->xh != NULL)
-        cudaFreeAsync(k->xh, s->cs);
+    if (k->xh != NULL) {
+        if (k->n_retired == CU_SCRATCH_RETIRED) {
+            cudaFreeAsync(k->retired[0], s->cs);
+            memmove(k->retired, k->retired + 1, sizeof(void *) * (CU_SCRATCH_RETIRED - 1));
+            k->n_retired--;
+        }
+        k->retired[k->n_retired++] = k->xh;
+    }
     k->xh = p;
     k->xh_cap = want;
     return 0;
@@ -636,6 +657,8 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
     /* a decode batch (one row per sequence) of fewer blocks than fill the device twice: split
      * each context into chunks (at least ATT_MIN_CHUNK positions each, decided per sequence) */
     int blocks = n_heads * n_seqs, fill = 2 * s->be->sms;
+    /* rows == n_seqs is one row each only when no sequence has none: the pipeline's items always
+     * have new tokens (kernels.h: every sequence contributes its n rows) */
     if (rows == n_seqs && blocks < fill) {
         int splits = (fill + blocks - 1) / blocks;
         if (splits > ATT_MAX_SPLITS)
@@ -889,8 +912,9 @@ __device__ static sample_set set_select(const float *lg, int lo, int hi, const s
     return s;
 }
 
-__global__ static void sample_kernel(int32_t *ids, int32_t *top_ids, float *top_vals,
-                                     const float *logits, const rekv_sample_row *rows, int V)
+__global__ static void __launch_bounds__(SAMPLE_THREADS)
+    sample_kernel(int32_t *ids, int32_t *top_ids, float *top_vals, const float *logits,
+                  const rekv_sample_row *rows, int V)
 {
     __shared__ unsigned long long hist[256], sh[34];
     __shared__ float red_v[32];

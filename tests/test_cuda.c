@@ -582,9 +582,9 @@ END_TEST
 /* sample: the cuda kernel follows rekv_sample_drawn (which the cpu kernel calls). Greedy rows and
  * the top logits must be the host's exactly (ties at the maximum and at the boundary, -0 beside
  * +0, the lowest id first); sampled rows, over a grid of uniform numbers u, must pick the host's
- * token for at least 99% of the grid — the same distribution to within 1% total variation (the
- * kernel sums weights in fixed point, the host in double, so a u within rounding of a boundary may
- * fall the other way). */
+ * token but for at most 1% of the grid (or one u) — the same distribution to within 1% total
+ * variation (the kernel sums weights in fixed point, the host in double, so a u within rounding of
+ * a boundary may fall the other way). */
 START_TEST(kernel_sample)
 {
     backends_open();
@@ -634,7 +634,8 @@ START_TEST(kernel_sample)
             ck_assert_msg(agree == R, "case %zu: greedy differs on %d of %d rows", ci, R - agree,
                           R);
         else
-            ck_assert_msg(agree * 100 >= R * 99, "case %zu: %d of %d draws agree", ci, agree, R);
+            ck_assert_msg((R - agree) * 100 <= (R > 100 ? R : 100), /* at most 1%, or one */
+                          "case %zu: %d of %d draws agree", ci, agree, R);
         if (nt > 0) {
             int32_t *want_id = malloc(4 * (size_t)nt), *got_id = malloc(4 * (size_t)nt);
             float *want_v = malloc(4 * (size_t)nt), *got_v = malloc(4 * (size_t)nt);

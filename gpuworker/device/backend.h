@@ -265,10 +265,10 @@ typedef struct rekv_backend_iface {
      * graph_begin(s) and graph_end(s), the kernels and copies enqueued on s are captured instead
      * of run, with their arguments as given (the memory those point to is read when the graph
      * runs); graph_end makes them a graph, or fails (-ENOTSUP, -EIO, a message) when something
-     * else was enqueued on s meanwhile (events, waits, flags) or the device refused, and then
-     * nothing captured ever runs. graph_launch enqueues a graph's work on a stream as one
-     * operation (its copies counted again each time), as often as wanted; graph_destroy frees it
-     * once no launch is pending. */
+     * else was enqueued on s meanwhile (events, waits, flags, host functions: on cpu those still
+     * run, on cuda not) or the device refused, and then nothing captured ever runs. graph_launch
+     * enqueues a graph's work on a stream as one operation (its copies counted again each time), as
+     * often as wanted; graph_destroy frees it once no launch is pending. */
     int (*graph_begin)(rekv_stream *s, rekv_err *err);
     int (*graph_end)(rekv_stream *s, rekv_graph **out, rekv_err *err);
     void (*graph_launch)(rekv_stream *s, rekv_graph *g);

@@ -70,6 +70,7 @@ int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what)
 {
     if (e == cudaSuccess)
         return 0;
+    cudaGetLastError(); /* kept by the stream: not left for another stream's launch check */
     cuda_stream_fail(s, -EIO, "cuda stream %s: %s: %s", s->name, what, cudaGetErrorString(e));
     return 1;
 }
@@ -345,6 +346,11 @@ static int cu_graph_begin(rekv_stream *s, rekv_err *err)
     }
     s->capturing = 1;
     memset(&s->captured, 0, sizeof(s->captured));
+    /* a failure pending from before: kept aside, so that the capture's own are told apart */
+    s->pre_capture_code = s->err_code;
+    memcpy(s->pre_capture_msg, s->err_msg, sizeof(s->err_msg));
+    s->err_code = 0;
+    s->err_msg[0] = 0;
     return 0;
 }
 
@@ -375,8 +381,8 @@ static int cu_graph_end(rekv_stream *s, rekv_graph **out, rekv_err *err)
     int failed = s->err_code;
     char why[512];
     snprintf(why, sizeof(why), "%s", failed ? s->err_msg : "");
-    s->err_code = 0;
-    s->err_msg[0] = 0;
+    s->err_code = s->pre_capture_code; /* the capture's failures go; an earlier one stays */
+    memcpy(s->err_msg, s->pre_capture_msg, sizeof(s->err_msg));
     if (e == cudaSuccess && !failed && g != NULL)
         e = cudaGraphInstantiate(&g->exec, graph, 0);
     if (e != cudaSuccess || failed || g == NULL) {
@@ -468,14 +474,28 @@ static void cu_event_destroy(rekv_event *ev)
     free(ev);
 }
 
+/* Only kernels and copies may be captured (backend.h): anything else enqueued during a capture
+ * fails it (and does not run). 1 when s is capturing. */
+static int refused_in_capture(rekv_stream *s, const char *what)
+{
+    if (!s->capturing)
+        return 0;
+    cuda_stream_fail(s, -ENOTSUP, "cuda stream %s: %s during a graph capture", s->name, what);
+    return 1;
+}
+
 static void cu_event_record(rekv_event *ev, rekv_stream *s)
 {
+    if (refused_in_capture(s, "an event record"))
+        return;
     cuda_use_device(s->be);
     cuda_stream_check(s, cudaEventRecord(ev->ev, s->cs), "event record");
 }
 
 static void cu_stream_wait_event(rekv_stream *s, rekv_event *ev)
 {
+    if (refused_in_capture(s, "an event wait"))
+        return;
     cuda_use_device(s->be);
     /* an event never recorded is complete, as on the cpu backend */
     cuda_stream_check(s, cudaStreamWaitEvent(s->cs, ev->ev, 0), "wait for event");
@@ -924,6 +944,8 @@ static void cu_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, co
                            size_t arg_bytes)
 {
     const char *nm = name ? name : "host";
+    if (refused_in_capture(s, "a host function"))
+        return;
     if (fn == NULL) {
         cuda_stream_fail(s, -EINVAL, "stream %s: launch of host function %s with a NULL function",
                          s->name, nm);
@@ -995,6 +1017,8 @@ static int flag_device_ptr(rekv_stream *s, const uint32_t *flag, const char *wha
 
 static void cu_stream_wait_flag(rekv_stream *s, const uint32_t *flag, uint32_t value)
 {
+    if (refused_in_capture(s, "a flag operation"))
+        return;
     cuda_backend *be = s->be;
     CUdeviceptr d;
     char label[48];
@@ -1014,6 +1038,8 @@ static void cu_stream_wait_flag(rekv_stream *s, const uint32_t *flag, uint32_t v
 
 static void cu_stream_write_flag(rekv_stream *s, uint32_t *flag, uint32_t value)
 {
+    if (refused_in_capture(s, "a flag operation"))
+        return;
     cuda_backend *be = s->be;
     CUdeviceptr d;
 

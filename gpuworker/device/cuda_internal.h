@@ -115,6 +115,8 @@ struct rekv_stream {
     cu_gather_ring gather;
     int capturing;               /* between graph_begin and graph_end (CUDA stream capture) */
     rekv_backend_stats captured; /* the copies' counters of the capture, for its graph */
+    int pre_capture_code;        /* a failure pending at graph_begin, restored at graph_end */
+    char pre_capture_msg[512];
 };
 
 /* Creates the runtime on device `device` (the module's backend_create, backend_cuda.h). */
