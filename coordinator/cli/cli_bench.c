@@ -262,6 +262,41 @@ out:
     return rc;
 }
 
+/* Best of `reps` timed passes of pass(arg) on s (one warm-up first), seconds. */
+static int best_pass(rekv_backend *be, rekv_stream *s, int reps, void (*pass)(void *), void *arg,
+                     double *best, rekv_err *err)
+{
+    *best = 0;
+    for (int i = 0; i <= reps; i++) {
+        uint64_t t0 = rekv_now_ns();
+        pass(arg);
+        int rc = be->iface->stream_sync(s, err);
+        if (rc)
+            return rc;
+        double t = (double)(rekv_now_ns() - t0) * 1e-9;
+        if (i > 0 && (*best == 0 || t < *best))
+            *best = t;
+    }
+    return 0;
+}
+
+/* one copy: host to device (h2d), else device to device */
+typedef struct copy_pass {
+    rekv_backend *be;
+    rekv_stream *s;
+    rekv_copy_piece pc;
+    int h2d;
+} copy_pass;
+
+static void run_copy_pass(void *arg)
+{
+    copy_pass *a = arg;
+    if (a->h2d)
+        a->be->iface->copy_h2d(a->s, &a->pc, 1, REKV_XFER_OTHER);
+    else
+        a->be->iface->copy_d2d(a->s, &a->pc, 1);
+}
+
 /* Host->device bandwidth of plain copies of `bytes` from src into device memory, GB/s: one
  * warm-up copy, then the best of 5 (each synchronised). */
 static int measure_h2d(rekv_backend *be, const void *src, size_t bytes, double *gbps, rekv_err *err)
@@ -271,21 +306,15 @@ static int measure_h2d(rekv_backend *be, const void *src, size_t bytes, double *
     void *d = bi->dev_alloc(be, bytes);
     int rc = d ? bi->stream_create(be, "bandwidth", &s, err)
                : rekv_errf(err, -ENOMEM, "bench: out of device memory for %zu bytes", bytes);
-    double best = 0;
-    for (int i = 0; i < 6 && rc == 0; i++) {
-        rekv_copy_piece pc = {d, src, bytes};
-        uint64_t t0 = rekv_now_ns();
-        bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
-        if ((rc = bi->stream_sync(s, err)) == 0 && i > 0) {
-            double g = (double)bytes / ((double)(rekv_now_ns() - t0) * 1e-9) * 1e-9;
-            best = g > best ? g : best;
-        }
-    }
+    double t = 0;
+    copy_pass cp = {be, s, {d, src, bytes}, 1};
+    if (rc == 0)
+        rc = best_pass(be, s, 5, run_copy_pass, &cp, &t, err);
     if (s)
         bi->stream_destroy(s);
     if (d)
         bi->dev_free(be, d);
-    *gbps = best;
+    *gbps = rc == 0 ? (double)bytes / t * 1e-9 : 0;
     return rc;
 }
 
@@ -346,36 +375,6 @@ typedef struct device_peak {
     int gemm_rows;
 } device_peak;
 
-/* Best of `reps` timed passes of pass(arg) on s (one warm-up first), seconds. */
-static int best_pass(rekv_backend *be, rekv_stream *s, int reps, void (*pass)(void *), void *arg,
-                     double *best, rekv_err *err)
-{
-    *best = 0;
-    for (int i = 0; i <= reps; i++) {
-        uint64_t t0 = rekv_now_ns();
-        pass(arg);
-        int rc = be->iface->stream_sync(s, err);
-        if (rc)
-            return rc;
-        double t = (double)(rekv_now_ns() - t0) * 1e-9;
-        if (i > 0 && (*best == 0 || t < *best))
-            *best = t;
-    }
-    return 0;
-}
-
-typedef struct copy_pass {
-    rekv_backend *be;
-    rekv_stream *s;
-    rekv_copy_piece pc;
-} copy_pass;
-
-static void run_copy_pass(void *arg)
-{
-    copy_pass *a = arg;
-    a->be->iface->copy_d2d(a->s, &a->pc, 1);
-}
-
 typedef struct gemm_pass {
     const rekv_kernel_iface *k;
     rekv_stream *s;
@@ -405,8 +404,8 @@ static int measure_device(rekv_backend *be, const rekv_engine *eng, int rows, de
     int shapes[7][2] = {{Q, H}, {KV, H}, {KV, H}, {H, Q}, {F, H}, {H, F}, {F, H}};
     g.n_shapes = c->act == REKV_ACT_SILU ? 7 : 6;
     memcpy(g.shape, shapes, sizeof(shapes));
-    size_t wide = (size_t)(F > H ? F : H) > (size_t)Q ? (size_t)(F > H ? F : H) : (size_t)Q;
-    size_t ws = rekv_dtype_size(wt), w_elems = (size_t)H * (size_t)(F > Q ? F : Q);
+    size_t big = (size_t)(F > Q ? F : Q), wide = big > (size_t)H ? big : (size_t)H;
+    size_t ws = rekv_dtype_size(wt), w_elems = (size_t)H * big; /* the largest of the shapes */
     size_t xy = sizeof(float) * (size_t)g.rows * wide, wb = ws * w_elems;
     size_t fr = 0, tot = 0, cb = 256u << 20;
     rekv_err me = {0};
@@ -438,7 +437,7 @@ static int measure_device(rekv_backend *be, const rekv_engine *eng, int rows, de
         rc = bi->stream_sync(s, err);
     }
     g.s = s;
-    copy_pass cp = {be, s, {d2, d1, cb}};
+    copy_pass cp = {be, s, {d2, d1, cb}, 0};
     double t = 0;
     if (rc == 0 && (rc = best_pass(be, s, 5, run_copy_pass, &cp, &t, err)) == 0) {
         out->copy_bytes = cb;
