@@ -328,6 +328,18 @@ START_TEST(modes_stories260k)
 }
 END_TEST
 
+/* f: a synthetic model of spec, written to a fresh directory, with its kvstore (fp32 cache).
+ * Returns the directory, for tu_rmrf and free once f is closed. */
+static char *synth_fixture(fixture *f, const rekv_synth_spec *spec)
+{
+    char *dir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/m", dir);
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write(spec, path, &err) == 0, "%s", err.msg);
+    tu_fixture_open(f, path, REKV_DTYPE_F32, NULL);
+    return dir;
+}
+
 /* synthetic models: OPT (MHA, biases, learned positions) and Llama (GQA, untied head) */
 START_TEST(modes_synthetic)
 {
@@ -597,13 +609,10 @@ END_TEST
  * item that asks for nothing (a prompt chunk) gets nothing. */
 START_TEST(draws_on_device)
 {
-    char *mdir = tu_tmpdir(), path[4200];
-    snprintf(path, sizeof(path), "%s/m", mdir);
     rekv_synth_spec spec = {REKV_ARCH_LLAMA, 2, 128, 4, 2, 256, 300, 256, REKV_DTYPE_F32, 11, 0};
-    rekv_err err = {0};
-    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
     fixture f;
-    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    char *mdir = synth_fixture(&f, &spec);
+    rekv_err err = {0};
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
     cfg.mode = REKV_MODE_OFFLOAD;
@@ -674,6 +683,8 @@ START_TEST(draws_on_device)
     free(scratch);
     rekv_pipeline_free(pl);
     tu_fixture_close(&f);
+    tu_rmrf(mdir);
+    free(mdir);
 }
 END_TEST
 
@@ -684,13 +695,10 @@ END_TEST
  * anew. Nothing else may break the repetition (a buffer growing with the context did). */
 START_TEST(graph_steps)
 {
-    char *mdir = tu_tmpdir(), path[4200];
-    snprintf(path, sizeof(path), "%s/m", mdir);
     rekv_synth_spec spec = {REKV_ARCH_OPT, 3, 64, 4, 4, 128, 300, 256, REKV_DTYPE_F32, 21, 1};
-    rekv_err err = {0};
-    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
     fixture f;
-    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    char *mdir = synth_fixture(&f, &spec);
+    rekv_err err = {0};
     enum { B = 3, V = 300, STEPS = 10, LEAVE = 6 };
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
@@ -751,6 +759,8 @@ START_TEST(graph_steps)
     ck_assert_uint_eq(gsteps[1], STEPS - 2);
     free(logits);
     tu_fixture_close(&f);
+    tu_rmrf(mdir);
+    free(mdir);
 }
 END_TEST
 
@@ -763,13 +773,10 @@ END_TEST
  * embedding runs beside it in any pipeline.) */
 START_TEST(fetch_overlaps_compute)
 {
-    char *mdir = tu_tmpdir(), path[4200];
-    snprintf(path, sizeof(path), "%s/m", mdir);
     rekv_synth_spec spec = {REKV_ARCH_OPT, 4, 512, 8, 8, 2048, 300, 1100, REKV_DTYPE_F32, 5, 1};
-    rekv_err err = {0};
-    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
     fixture f;
-    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    char *mdir = synth_fixture(&f, &spec);
+    rekv_err err = {0};
     rekv_link_config link = {.gbps = 1000, .latency_us = 200e3};
     rekv_backend *be = NULL;
     ck_assert_msg(rekv_backend_cpu_create(&link, &be, &err) == 0, "%s", err.msg);
