@@ -108,6 +108,13 @@ static void cand_sift(cand *c, int n, int i)
     }
 }
 
+/* a token's weight: its logit against the largest, at temperature t (one expression for every
+ * use, so the nucleus and the draw weigh alike) */
+static float weight(float logit, float mx, float t)
+{
+    return expf((logit - mx) / t);
+}
+
 int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, int vocab,
                           void *scratch)
 {
@@ -133,11 +140,11 @@ int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, i
     if (s->top_p > 0.0f && s->top_p < 1.0f) {
         double total = 0, cum = 0;
         for (int i = 0; i < n; i++)
-            total += expf((c[i].p - mx) / t);
+            total += weight(c[i].p, mx, t);
         for (int i = n / 2 - 1; i >= 0; i--)
             cand_sift(c, n, i);
         for (int left = n; left > 0 && cum < (double)s->top_p * total;) {
-            cum += expf((c[0].p - mx) / t);
+            cum += weight(c[0].p, mx, t);
             cand x = c[0];
             c[0] = c[--left];
             c[left] = x;
@@ -150,7 +157,7 @@ int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, i
      * device reaches with a prefix sum instead of a sort (the cuda kernel) */
     double sum = 0, acc = 0;
     for (int i = first; i < n; i++)
-        sum += (c[i].p = expf((c[i].p - mx) / t));
+        sum += (c[i].p = weight(c[i].p, mx, t));
     double r = (double)u * sum;
     for (int i = first; i < n; i++) {
         acc += c[i].p;
