@@ -540,6 +540,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
                     p->bi->copy_d2d(sh, io.d2d_kv.v, io.d2d_kv.n);
                 if (!p->cfg.push && io.h2d_kv.n)
                     p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
+                if (io.clo) /* clo: what the speculation decides, decided and fetched there */
+                    pl_clo_unit_fetch(p, io.clo);
                 p->bi->event_record(p->ev_loaded[b], sh);
             }
             /* infinigen: the speculation for the next layer, from this layer's input, before
@@ -619,6 +621,8 @@ drain : {
     int r3 = p->bi->stream_sync(sd, rc ? NULL : err);
     if (rc == 0)
         rc = r1 ? r1 : r2 ? r2 : r3;
+    int crc = pl_clo_step_done(p, &st, rc ? NULL : err);
+    rc = rc ? rc : crc;
 }
     if (rc == 0) {
         take_draws(&st);

@@ -33,12 +33,19 @@
  * unit's loads, i.e. before the new row overwrites it), so such a head attends the whole context
  * and moves nothing; its steps count neither as hits nor misses.
  *
- * The decisions (similarity, a miss's top-k) of a unit's sequences are made together on the pool
- * (pl_clo_unit_decide, reading the state), then each sequence's copies are planned and its
- * labels and k's updated (pl_clo_item_plan). The speculated scores are computed every step for
- * every head (the miss cannot wait for them); the paper computes them on a miss only. On cuda the
- * missed rows come from the registered arena by the backend's gather kernel (backend_cuda.cu).
- * Not built yet (issue 13): the GPU-side wait. */
+ * GPU-centric synchronisation (§4.4): the step thread never waits for the speculation. What
+ * the plan knows when the unit is planned (a fresh cache's sink and ring, persistent heads, the
+ * new row's store, the attention's descriptor) is enqueued then (pl_clo_item_plan); what depends
+ * on the speculated scores goes on the h2d stream behind a wait for them (pl_clo_unit_fetch): a
+ * host function makes the unit's decisions — similarity and a miss's top-k for its sequences
+ * together on the pool (clo_decide, reading the state), then each sequence's copies, labels, k's
+ * and the attention's skip (clo_item_decided) — and a deferred copy (copy_h2d_deferred) moves
+ * the rows they name, which the compute stream waits for as for any unit's loads. On cuda that
+ * copy is the backend's gather kernel reading the registered arena (zero-copy, §4.3), so the
+ * device waits on events and the CPU only decides: the paper's transfer threads are the host
+ * function, its flags the stream order. The decisions' counts reach the counters after the step
+ * (pl_clo_step_done). The speculated scores are computed every step for every head (the miss
+ * cannot wait for them); the paper computes them on a miss only. */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -67,6 +74,15 @@ int pl_clo_create(rekv_pipeline *p, rekv_err *err)
                          "pipeline: clo needs eta in (-1, 1], a power > 0 and N_p >= 0");
     if (p->cfg.push)
         return rekv_errf(err, -ENOTSUP, "pipeline: clo fetches by pull only");
+    if (p->bi->copy_h2d_deferred == NULL ||
+        (p->store != NULL && p->bi->host_register != NULL && !p->arena_registered))
+        return rekv_errf(err, -ENOTSUP,
+                         "pipeline: clo fetches the rows its decisions name with the device's own "
+                         "reads of the kvstore arena, which the %s backend %s",
+                         p->bi->name,
+                         p->bi->copy_h2d_deferred ? "could not page-lock (raise the locked-memory "
+                                                    "limit: ulimit -l, systemd LimitMEMLOCK)"
+                                                  : "cannot do");
     int L = c->n_layers, nh = c->n_heads, nkv = c->n_kv_heads, group = nh / nkv;
     p->clo.tau = malloc(sizeof(double) * (size_t)L * (size_t)nkv);
     p->clo.imp = malloc(sizeof(double) * (size_t)L * (size_t)nh);
@@ -169,9 +185,10 @@ void pl_clo_forget(rekv_pseq *s, int layer)
             s->klen[(size_t)layer * (size_t)s->p->c->n_kv_heads + (size_t)g] = -1;
 }
 
-/* Appends the copy of token t's K and V rows of KV head h from the arena to slot j of buf. */
-static int row_copy(rekv_pipeline *p, const range_ref *kr, uint8_t *buf, int h, int t, int j,
-                    unit_io *io)
+/* The copies of token t's K and V rows of KV head h from the arena to slot j of buf: out[0..1].
+ * 0, or -EPROTO where the plan has no block for t. */
+static int row_pieces(const rekv_pipeline *p, const range_ref *kr, uint8_t *buf, int h, int t,
+                      int j, rekv_copy_piece *out)
 {
     const rekv_model_config *c = p->c;
     int kvh = c->n_kv_heads, hd = c->head_dim;
@@ -180,14 +197,24 @@ static int row_copy(rekv_pipeline *p, const range_ref *kr, uint8_t *buf, int h, 
     const rekv_kv_plan_block *blk = pl_block_at(p, kr, t);
     if (blk == NULL)
         return -EPROTO;
-    if (RESERVE(&io->h2d_kv, 2))
-        return -ENOMEM;
     const uint8_t *src =
         p->arena + blk->offset + rekv_kv_row(kvh, hd, h, t % REKV_KV_BLOCK_TOKENS) * dsz;
     uint8_t *dst = buf + rekv_kv_row(kvh, hd, h, j) * dsz;
-    io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){dst, src, row};
-    io->h2d_kv.v[io->h2d_kv.n++] = (rekv_copy_piece){dst + vs, src + vs, row};
+    out[0] = (rekv_copy_piece){dst, src, row};
+    out[1] = (rekv_copy_piece){dst + vs, src + vs, row};
     return 0;
+}
+
+/* Appends row_pieces' copies to io->h2d_kv. */
+static int row_copy(rekv_pipeline *p, const range_ref *kr, uint8_t *buf, int h, int t, int j,
+                    unit_io *io)
+{
+    if (RESERVE(&io->h2d_kv, 2))
+        return -ENOMEM;
+    int rc = row_pieces(p, kr, buf, h, t, j, io->h2d_kv.v + io->h2d_kv.n);
+    if (rc == 0)
+        io->h2d_kv.n += 2;
+    return rc;
 }
 
 static double cosine(const float *a, const float *b, int n)
@@ -226,14 +253,15 @@ static int layer0_plan(rekv_pipeline *p, rekv_pseq *s, const range_ref *kr, rekv
 
 /* The decisions of batch item j of a unit (layer > 0), per KV head that is not persistent: a hit
  * (head_k[g] = 0) or a miss and its top-k (head_k[g] = k, the tokens' offsets past the sink in
- * sel[g * K ..]; io's head_k[j] and sel[j]); persistent heads -1. Reads the state only. scratch:
- * 2 len floats. */
+ * sel[g * K ..]; the unit's head_k[j] and sel[j]); persistent heads -1. Reads the state only.
+ * scratch: 2 len floats. */
 static void clo_decide(const pl_unit_job *u, int j, float *scratch)
 {
     const rekv_pipeline *p = u->p;
     const step *st = u->st;
+    const clo_unit *cu = u->ctx;
     int item = u->g0 + j, layer = u->layer;
-    int32_t *sel = u->io->sel[j], *head_k = u->io->head_k[j];
+    int32_t *sel = cu->sel[j], *head_k = cu->head_k[j];
     const rekv_model_config *c = p->c;
     const rekv_pseq *s = st->items[item].seq;
     int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
@@ -277,36 +305,65 @@ static void clo_decide(const pl_unit_job *u, int j, float *scratch)
     }
 }
 
-int pl_clo_unit_decide(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
+/* Unit (layer > 0) of batch g: its decisions' memory, when it has sparse items (io->clo). The
+ * plan must hold every block of their contexts, which the decisions may fetch from. */
+int pl_clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
 {
     int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, nkv = p->c->n_kv_heads;
-    int *items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
-    io->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
-    io->head_k = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
-    if (items == NULL || io->sel == NULL || io->head_k == NULL)
+    int L = p->c->n_layers;
+    size_t per = 0, pieces = 0;
+    for (int j = 0; j < nb; j++)
+        if (pl_clo_sparse(p, st, g0 + j)) {
+            const rekv_pseq *s = st->items[g0 + j].seq;
+            n++;
+            per = 2 * (size_t)s->len > per ? 2 * (size_t)s->len : per;
+            pieces += 2 * (size_t)nkv * (size_t)s->hc_k[layer];
+        }
+    io->clo = NULL;
+    if (n == 0)
+        return 0;
+    clo_unit *cu = pl_smem_alloc(&st->mem, sizeof(*cu));
+    if (cu == NULL)
         return -ENOMEM;
-    size_t per = 0;
+    *cu = (clo_unit){.p = p, .st = st, .g = g, .g0 = g0, .layer = layer, .per = per};
+    cu->items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)n);
+    cu->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
+    cu->head_k = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
+    cu->skip = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
+    cu->rows0 = pl_smem_alloc(&st->mem, sizeof(uint64_t) * (size_t)nb);
+    cu->kr = pl_smem_alloc(&st->mem, sizeof(range_ref *) * (size_t)nb);
+    cu->pieces = pl_smem_alloc(&st->mem, sizeof(rekv_copy_piece) * pieces);
+    cu->max_pieces = pieces;
+    if (cu->items == NULL || cu->sel == NULL || cu->head_k == NULL || cu->skip == NULL ||
+        cu->rows0 == NULL || cu->kr == NULL || cu->pieces == NULL)
+        return -ENOMEM;
     for (int j = 0; j < nb; j++) {
-        io->sel[j] = NULL;
-        io->head_k[j] = NULL;
         if (!pl_clo_sparse(p, st, g0 + j))
             continue;
         const rekv_pseq *s = st->items[g0 + j].seq;
-        io->sel[j] =
+        const range_ref *kr = &st->kv_ref[(g0 + j) * L + layer];
+        for (int t = 0; t < s->len; t += REKV_KV_BLOCK_TOKENS)
+            if (pl_block_at(p, kr, t) == NULL)
+                return -EPROTO;
+        cu->kr[j] = kr;
+        cu->sel[j] =
             pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv * (size_t)s->hc_k[layer]);
-        io->head_k[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
-        if (io->sel[j] == NULL || io->head_k[j] == NULL)
+        cu->head_k[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
+        cu->skip[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
+        if (cu->sel[j] == NULL || cu->head_k[j] == NULL || cu->skip[j] == NULL)
             return -ENOMEM;
-        items[n++] = j;
-        per = 2 * (size_t)s->len > per ? 2 * (size_t)s->len : per;
+        cu->items[cu->n++] = j;
     }
-    pl_unit_job u = {p, st, g0, layer, io, items, per, clo_decide};
-    return pl_ig_unit_run(&u, n);
+    cu->next = st->clo_units;
+    st->clo_units = cu;
+    io->clo = cu;
+    return 0;
 }
 
-/* Unit (layer) of sparse item `item` (index j in its batch; layers > 0 decided by
- * pl_clo_unit_decide): the copies of the sink and ring (a fresh cache), of each miss's top-k and
- * of the new row; the misses' labels and k's. */
+/* Unit (layer) of sparse item `item` (index j in its batch), when the unit is planned: the copies
+ * of the sink and ring (a fresh cache) and of the persistent heads, the new row's store, and
+ * the attention's descriptor; the other heads wait for the unit's decisions (clo_item_decided).
+ * Layer 0: its whole cache. */
 int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                      rekv_attn_seq *d, unit_io *io)
 {
@@ -314,19 +371,13 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, con
     rekv_pseq *s = st->items[item].seq;
     if (layer == 0)
         return layer0_plan(p, s, kr, d, io);
-    int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
+    int nkv = c->n_kv_heads, hd = c->head_dim;
     int len = s->len, K = s->hc_k[layer], ring0 = K + REKV_HEADS_SINK, S = ring0 + RING, rc = 0;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
     size_t vs = rekv_kv_v_shift(nkv, hd) * dsz;
     uint8_t *buf = s->hc + s->hc_off[layer];
-    int32_t *klen = s->klen + (size_t)layer * (size_t)nkv;
+    int32_t *klen = s->klen + (size_t)layer * (size_t)nkv, *skip = io->clo->skip[j];
     const uint8_t *persist = p->clo.persist + (size_t)layer * (size_t)nkv;
-    float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
-    const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
-    const int32_t *head_k = io->head_k[j], *sel = io->sel[j];
-    int32_t *skip = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
-    if (skip == NULL)
-        return -ENOMEM;
     uint64_t rows = 0;
     int fresh = klen[0] < 0;
     if (fresh) { /* the sink and the ring, once */
@@ -344,34 +395,69 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, con
     int middle = len - REKV_HEADS_SINK - REKV_HEADS_RECENT; /* tokens [sink, len - recent) */
     int slot = ring0 + len % RING; /* the new row's, where the token leaving the window was */
     for (int g = 0; g < nkv; g++) {
-        if (persist[g]) { /* the whole middle: fetched once, then grown on the device */
-            if (fresh) {
-                for (int t = 0; t < middle; t++)
-                    if ((rc = row_copy(p, kr, buf, g, REKV_HEADS_SINK + t, K - middle + t, io)))
-                        return rc;
-                rows += (uint64_t)middle;
-            } else {
-                /* the token leaving the window (len - 1 - recent) joins the region, copied from
-                 * its ring slot before this unit's new row takes it */
-                if (RESERVE(&io->d2d_kv, 2))
-                    return -ENOMEM;
-                const uint8_t *src = buf + rekv_kv_row(nkv, hd, g, slot) * dsz;
-                uint8_t *dst = buf + rekv_kv_row(nkv, hd, g, K - middle) * dsz;
-                io->d2d_kv.v[io->d2d_kv.n++] = (rekv_copy_piece){dst, src, row};
-                io->d2d_kv.v[io->d2d_kv.n++] = (rekv_copy_piece){dst + vs, src + vs, row};
-            }
-            klen[g] = middle;
-            skip[g] = K - middle;
+        if (!persist[g])
             continue;
-        }
-        if (head_k[g] == 0) {
-            cnt->head_hits++;
+        /* the whole middle: fetched once, then grown on the device */
+        if (fresh) {
+            for (int t = 0; t < middle; t++)
+                if ((rc = row_copy(p, kr, buf, g, REKV_HEADS_SINK + t, K - middle + t, io)))
+                    return rc;
+            rows += (uint64_t)middle;
         } else {
-            cnt->head_misses++;
+            /* the token leaving the window (len - 1 - recent) joins the region, copied from its
+             * ring slot before this unit's new row takes it */
+            if (RESERVE(&io->d2d_kv, 2))
+                return -ENOMEM;
+            const uint8_t *src = buf + rekv_kv_row(nkv, hd, g, slot) * dsz;
+            uint8_t *dst = buf + rekv_kv_row(nkv, hd, g, K - middle) * dsz;
+            io->d2d_kv.v[io->d2d_kv.n++] = (rekv_copy_piece){dst, src, row};
+            io->d2d_kv.v[io->d2d_kv.n++] = (rekv_copy_piece){dst + vs, src + vs, row};
+        }
+        klen[g] = middle;
+        skip[g] = K - middle;
+    }
+    if ((rc = pl_ig_new_row_store(p, kr, buf, len, slot, io)))
+        return rc;
+    io->clo->rows0[j] = rows;
+    d->kv = buf;
+    d->start = S - 1;
+    d->skip = skip;
+    io->kv_pos[d->row0] = slot;
+    cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)nkv * row;
+    cnt->tokens_considered += (uint64_t)len;
+    return 0;
+}
+
+/* Batch item j of unit cu, once decided (on the h2d stream): each head's hit or miss — a miss's
+ * rows into cu->pieces, its queries the labels — and the attention's skip. */
+static int clo_item_decided(clo_unit *cu, int j)
+{
+    rekv_pipeline *p = cu->p;
+    const rekv_model_config *c = p->c;
+    int item = cu->g0 + j, layer = cu->layer;
+    rekv_pseq *s = cu->st->items[item].seq;
+    int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
+    int K = s->hc_k[layer], rc;
+    uint8_t *buf = s->hc + s->hc_off[layer];
+    int32_t *klen = s->klen + (size_t)layer * (size_t)nkv, *skip = cu->skip[j];
+    float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
+    const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
+    const int32_t *head_k = cu->head_k[j], *sel = cu->sel[j];
+    uint64_t rows = cu->rows0[j];
+    for (int g = 0; g < nkv; g++) {
+        if (head_k[g] < 0) /* persistent: planned */
+            continue;
+        if (head_k[g] == 0) {
+            cu->hits++;
+        } else {
+            cu->misses++;
             int k = head_k[g];
-            for (int jj = 0; jj < k; jj++)
-                if ((rc = row_copy(p, kr, buf, g, REKV_HEADS_SINK + sel[(size_t)g * (size_t)K + jj],
-                                   K - k + jj, io)))
+            if (cu->n_pieces + 2 * (size_t)k > cu->max_pieces)
+                return -EOVERFLOW;
+            for (int jj = 0; jj < k; jj++, cu->n_pieces += 2)
+                if ((rc = row_pieces(p, cu->kr[j], buf, g,
+                                     REKV_HEADS_SINK + sel[(size_t)g * (size_t)K + jj], K - k + jj,
+                                     cu->pieces + cu->n_pieces)))
                     return rc;
             memcpy(label + (size_t)g * (size_t)group * (size_t)hd,
                    q + (size_t)g * (size_t)group * (size_t)hd,
@@ -381,15 +467,50 @@ int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, con
         }
         skip[g] = K - klen[g];
     }
-    if ((rc = pl_ig_new_row_store(p, kr, buf, len, slot, io)))
-        return rc;
-    d->kv = buf;
-    d->start = S - 1;
-    d->skip = skip;
-    io->kv_pos[d->row0] = slot;
-    cnt->h2d_bytes[REKV_XFER_KV] += rows * 2 * row;
-    cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)nkv * row;
-    cnt->tokens_fetched += rows / (uint64_t)nkv;
-    cnt->tokens_considered += (uint64_t)len;
+    cu->rows += rows;
+    cu->tokens_fetched += rows / (uint64_t)nkv;
     return 0;
+}
+
+/* The host function: the unit's decisions on the pool, then each item's copies planned. */
+static void clo_unit_run(void *arg)
+{
+    clo_unit *cu = arg;
+    pl_unit_job u = {cu->p, cu->st, cu->g0, cu->layer, cu, cu->items, cu->per, clo_decide};
+    int rc = pl_ig_unit_run(&u, cu->n);
+    for (int i = 0; rc == 0 && i < cu->n; i++)
+        rc = clo_item_decided(cu, cu->items[i]);
+    cu->rc = rc;
+}
+
+/* On the h2d stream, after the unit's planned copies: once batch g's speculation is on the host,
+ * the decisions (a host function), then the misses' rows (a copy whose pieces the decisions
+ * wrote); ev_read[g] frees the host copies of the scores for the next layer's. The step thread
+ * enqueues and goes on: the device waits, not the CPU (CLO §4.4). */
+void pl_clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
+{
+    rekv_stream *sh = p->s_h2d;
+    p->bi->stream_wait_event(sh, p->ig.ev[cu->g]);
+    p->bi->launch_host(sh, "clo decisions", clo_unit_run, cu, 0);
+    p->bi->copy_h2d_deferred(sh, cu->pieces, &cu->n_pieces, cu->max_pieces, REKV_XFER_KV);
+    p->bi->event_record(p->ig.ev_read[cu->g], sh);
+}
+
+/* After the step's work has finished: the decisions' counts into the layers' counters; 0, or how
+ * a unit's decisions failed. */
+int pl_clo_step_done(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    size_t row = (size_t)p->c->head_dim * rekv_dtype_size(p->cfg.cache_dtype);
+    int rc = 0;
+    for (clo_unit *cu = st->clo_units; cu != NULL; cu = cu->next) {
+        rekv_layer_counters *cnt = &p->counters[cu->layer];
+        cnt->head_hits += cu->hits;
+        cnt->head_misses += cu->misses;
+        cnt->h2d_bytes[REKV_XFER_KV] += cu->rows * 2 * row;
+        cnt->tokens_fetched += cu->tokens_fetched;
+        if (cu->rc && rc == 0)
+            rc = rekv_errf(err, cu->rc, "step: clo's decisions at layer %d failed (%s)", cu->layer,
+                           cu->rc == -ENOMEM ? "out of memory" : "a bad plan");
+    }
+    return rc;
 }

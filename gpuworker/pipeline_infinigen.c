@@ -201,9 +201,12 @@ void pl_ig_free(rekv_pipeline *p)
         rekv_host_free(p->be, p->ig.host);
     if (p->ig.qhost)
         rekv_host_free(p->be, p->ig.qhost);
-    for (int g = 0; g < MAX_GPU_BATCHES; g++)
+    for (int g = 0; g < MAX_GPU_BATCHES; g++) {
         if (p->ig.ev[g])
             p->bi->event_destroy(p->ig.ev[g]);
+        if (p->ig.ev_read[g])
+            p->bi->event_destroy(p->ig.ev_read[g]);
+    }
     free(p->ig.scratch);
     free(p->ig.sel);
     memset(&p->ig, 0, sizeof(p->ig));
@@ -295,12 +298,13 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
             return rekv_errf(err, -ENOMEM, "step: out of memory");
         p->ig.scratch_cap = need;
     }
-    for (int g = 0; g < st->n_g; g++)
-        if (p->ig.ev[g] == NULL) {
-            int erc = p->bi->event_create(p->be, &p->ig.ev[g], err);
-            if (erc)
-                return erc;
-        }
+    for (int g = 0; g < st->n_g; g++) {
+        int erc = 0;
+        if ((p->ig.ev[g] == NULL && (erc = p->bi->event_create(p->be, &p->ig.ev[g], err))) ||
+            (p->cfg.mode == REKV_MODE_CLO && p->ig.ev_read[g] == NULL &&
+             (erc = p->bi->event_create(p->be, &p->ig.ev_read[g], err))))
+            return erc;
+    }
     return 0;
 }
 
@@ -362,6 +366,10 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
             hi = end;
     }
     k->spec_scores(s, p->ig.scores.p, qp, sq, n, nh, group, rk, 1.0f / sqrtf((float)hd));
+    /* clo: the host copies are free once the last layer's decisions have read them (on the h2d
+     * stream: the step thread does not wait for them) */
+    if (p->cfg.mode == REKV_MODE_CLO)
+        p->bi->stream_wait_event(s, p->ig.ev_read[g]);
     rekv_copy_piece pc = {p->ig.host + lo, (float *)p->ig.scores.p + lo, (hi - lo) * sizeof(float)};
     p->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
     if (p->cfg.mode == REKV_MODE_CLO) { /* and the queries, for the similarity test */
@@ -571,18 +579,6 @@ int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *bu
     return 0;
 }
 
-/* Waits (once per unit) until the scores of item's GPU batch are on the host. */
-void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io)
-{
-    int g = 0;
-    for (; g < st->n_g && item >= st->g_begin[g + 1]; g++)
-        ;
-    if (!io->spec_synced) {
-        p->bi->event_sync(p->ig.ev[g]);
-        io->spec_synced = 1;
-    }
-}
-
 /* keep_act: which of the selection's tokens come as activation rows (recomputed) rather than as
  * their K,V rows. votes[t] (t of [0, rest)) counts the KV heads that selected token dev + t; a
  * token's activation row (hidden elements) replaces its selected K,V rows (2 head_dim each), so it
@@ -610,7 +606,6 @@ int pl_ig_unit_run(const pl_unit_job *u, int n)
 {
     if (n == 0)
         return 0;
-    pl_ig_wait(u->p, u->st, u->g0 + u->items[0], u->io);
     /* each thread's scratch (pl_ig_prepare sized it for the threads there were then) */
     size_t fit = u->per ? u->p->ig.scratch_cap / u->per : 0;
     int threads = cpu_gemm_threads();
@@ -627,6 +622,7 @@ int pl_ig_unit_run(const pl_unit_job *u, int n)
 static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
 {
     rekv_pipeline *p = u->p;
+    unit_io *io = u->ctx;
     const rekv_model_config *c = p->c;
     int item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads;
     rekv_pseq *s = u->st->items[item].seq;
@@ -643,10 +639,10 @@ static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
     }
     uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
                    ((uint64_t)u->layer << 32) ^ (uint64_t)len;
-    u->io->sel_m[j] = rest > 0
-                          ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
-                                           p->cfg.select, key, u->io->sel[j], scratch)
-                          : 0;
+    io->sel_m[j] = rest > 0
+                       ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
+                                        p->cfg.select, key, io->sel[j], scratch)
+                       : 0;
 }
 
 int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
@@ -670,6 +666,8 @@ int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
         size_t need = len * (size_t)(kvh + 1 + c->n_heads);
         per = need > per ? need : per;
     }
+    if (n > 0) /* the unit's scores on the host: the step thread waits (clo's decisions do not) */
+        p->bi->event_sync(p->ig.ev[g]);
     pl_unit_job u = {p, st, g0, layer, io, items, per, ig_select_one};
     return pl_ig_unit_run(&u, n);
 }

@@ -114,12 +114,14 @@ typedef struct ig_state {
     int fold;         /* the partial query weight is W_Q·A[:, cols] (infinigen without RoPE) */
     float *qhost;     /* clo: each sparse item's speculated query, [n_items][q_dim] (host) */
     size_t qhost_cap; /* floats */
-    rekv_event *ev[MAX_GPU_BATCHES]; /* batch g's scores have reached the host */
-    float *scratch;                  /* rekv_ig_select's, [(n_kv + 1) * len], then the scores
-                                        past the device part, [n_heads][len] */
-    size_t scratch_cap;              /* floats */
-    int32_t *sel;                    /* its selection, [n_kv * len] (len as scratch's), then
-                                        each token's votes [len] (pl_ig_item_plan) */
+    rekv_event *ev[MAX_GPU_BATCHES];      /* batch g's scores have reached the host */
+    rekv_event *ev_read[MAX_GPU_BATCHES]; /* clo: batch g's last decisions have read them (the
+                                             host copies may take the next layer's) */
+    float *scratch;                       /* rekv_ig_select's, [(n_kv + 1) * len], then the scores
+                                             past the device part, [n_heads][len] */
+    size_t scratch_cap;                   /* floats */
+    int32_t *sel;                         /* its selection, [n_kv * len] (len as scratch's), then
+                                             each token's votes [len] (pl_ig_item_plan) */
 } ig_state;
 
 struct rekv_pipeline {
@@ -260,12 +262,13 @@ typedef struct step {
                                        window's units only */
     rekv_kv_range *ranges;          /* [n_ranges] every (sequence, layer) range, unit by unit */
     size_t n_ranges;
-    size_t *unit_r0; /* [n_units + 1] unit u's ranges: [unit_r0[u], unit_r0[u + 1]) */
-    int *win_u0;     /* [n_win + 1] window w's units: [win_u0[w], win_u0[w + 1]) */
-    int n_win, win;  /* layer windows, and the one pinned now (-1: none) */
-    int *split;      /* [n_items] context tokens recomputed (kvpr) */
-    size_t *ig_off;  /* infinigen: [n_items] offset of the item's speculated
-                        scores, SIZE_MAX when it fetches densely */
+    size_t *unit_r0;            /* [n_units + 1] unit u's ranges: [unit_r0[u], unit_r0[u + 1]) */
+    int *win_u0;                /* [n_win + 1] window w's units: [win_u0[w], win_u0[w + 1]) */
+    int n_win, win;             /* layer windows, and the one pinned now (-1: none) */
+    int *split;                 /* [n_items] context tokens recomputed (kvpr) */
+    size_t *ig_off;             /* infinigen: [n_items] offset of the item's speculated
+                                   scores, SIZE_MAX when it fetches densely */
+    struct clo_unit *clo_units; /* clo: the units decided on the h2d stream, newest first */
     int32_t *picks[MAX_GPU_BATCHES]; /* batch g's draws copied back: ids [items of batch], top
                                         ids, top logits (n_top of each drawing item); NULL none */
     step_mem mem;
@@ -284,16 +287,38 @@ typedef struct unit_io {
     int32_t *act_slot; /* infinigen: [n_act][n_kv] each KV head's slot for the row (-1: the head
                           did not select it), or NULL: every head's at its position */
     int n_act;
-    size_t act_off;   /* bytes of the parity's activation staging taken */
-    int32_t *kv_pos;  /* infinigen: [rows] where kv_scatter puts each new row (its slot), or NULL:
-                         at its position */
-    float **pk_rows;  /* infinigen: [rows] where each new row's partial key goes, or NULL */
-    int spec_synced;  /* infinigen: the batch's speculated scores are on the host */
-    int32_t **sel;    /* infinigen, clo: [batch items] each sparse item's selection, [n_kv][...] */
-    int *sel_m;       /* infinigen: its tokens per KV head (pl_ig_unit_select) */
-    int32_t **head_k; /* clo: [batch items][n_kv] a miss's k, 0 for a hit, -1 for a persistent
-                         head (pl_clo_unit_decide) */
+    size_t act_off;  /* bytes of the parity's activation staging taken */
+    int32_t *kv_pos; /* infinigen: [rows] where kv_scatter puts each new row (its slot), or NULL:
+                        at its position */
+    float **pk_rows; /* infinigen: [rows] where each new row's partial key goes, or NULL */
+    int32_t **sel;   /* infinigen: [batch items] each sparse item's selection, [n_kv][len] */
+    int *sel_m;      /* infinigen: its tokens per KV head (pl_ig_unit_select) */
+    struct clo_unit *clo; /* clo: the unit's decisions, made on the h2d stream (or NULL) */
 } unit_io;
+
+/* clo: what one unit (layer > 0) decides once its speculation is on the host — on the h2d stream,
+ * as a host function, so the step thread never waits for it (pipeline_clo.c). Prepared in step
+ * memory when the unit is planned; the decisions' results are folded into the counters after
+ * the step. */
+typedef struct clo_unit {
+    rekv_pipeline *p;
+    step *st;
+    int g, g0, layer;
+    int n;            /* sparse items */
+    int *items;       /* [n] their indices in the batch */
+    int32_t **sel;    /* [batch items] a miss's top-k, [n_kv][hc_k] offsets past the sink */
+    int32_t **head_k; /* [batch items][n_kv] a miss's k, 0 for a hit, -1 for a persistent head */
+    int32_t **skip;   /* [batch items] the attention's skip (d->skip), filled by the decisions */
+    uint64_t *rows0;  /* [batch items] rows the plan fetched already (a fresh cache, persistent
+                         heads) */
+    const range_ref **kr;    /* [batch items] where the item's blocks of the layer are */
+    size_t per;              /* scratch floats per thread */
+    rekv_copy_piece *pieces; /* the misses' rows, for copy_h2d_deferred */
+    size_t n_pieces, max_pieces;
+    uint64_t hits, misses, rows, tokens_fetched; /* the decisions' counts */
+    int rc;                                      /* 0, or how the decisions failed */
+    struct clo_unit *next;                       /* the step's list */
+} clo_unit;
 
 /* ------------------------------------------------------------------ across the files */
 
@@ -341,15 +366,15 @@ int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
 int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
-/* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, once the
- * unit's speculated scores are on the host: fn(job, j, scratch) for each batch index j of
+/* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, with the
+ * unit's speculated scores on the host: fn(job, j, scratch) for each batch index j of
  * items[0..n), scratch its thread's per floats of p->ig.scratch. 0, or -ENOMEM when not even one
  * thread's scratch fits. */
 typedef struct pl_unit_job {
     rekv_pipeline *p;
     step *st;
     int g0, layer;
-    unit_io *io;
+    void *ctx; /* the caller's: infinigen's unit_io, clo's clo_unit */
     const int *items;
     size_t per;
     void (*fn)(const struct pl_unit_job *job, int j, float *scratch);
@@ -357,7 +382,6 @@ typedef struct pl_unit_job {
 int pl_ig_unit_run(const pl_unit_job *job, int n);
 int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                     const range_ref *ar, int b, rekv_attn_seq *d, unit_io *io);
-void pl_ig_wait(rekv_pipeline *p, step *st, int item, unit_io *io);
 int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *buf, int len,
                         int slot, unit_io *io);
 /* out[t] (t < len): the sum over KV head g's query heads of their softmax of scores ([heads][len]),
@@ -374,8 +398,10 @@ int pl_clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
 void pl_clo_seq_free(rekv_pipeline *p, rekv_pseq *s);
 int pl_clo_sparse(const rekv_pipeline *p, const step *st, int i);
 void pl_clo_forget(rekv_pseq *s, int layer);
-int pl_clo_unit_decide(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
+int pl_clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
 int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                      rekv_attn_seq *d, unit_io *io);
+void pl_clo_unit_fetch(rekv_pipeline *p, clo_unit *cu);
+int pl_clo_step_done(rekv_pipeline *p, step *st, rekv_err *err);
 
 #endif

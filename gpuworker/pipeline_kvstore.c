@@ -359,7 +359,7 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
         io->pk_rows = pl_ig_pk_rows(p, st, g, layer, &rc);
         if (rc)
             return rc;
-        if (layer > 0 && (rc = clo ? pl_clo_unit_decide(p, st, g, layer, io)
+        if (layer > 0 && (rc = clo ? pl_clo_unit_prepare(p, st, g, layer, io)
                                    : pl_ig_unit_select(p, st, g, layer, io)))
             return rc;
     }

@@ -855,6 +855,85 @@ START_TEST(bad_copy_is_reported_by_sync)
 }
 END_TEST
 
+/* A deferred copy's list, written by a host function on the stream (as clo's decisions are). */
+typedef struct defer_list {
+    rekv_copy_piece pieces[4];
+    size_t n;
+    rekv_copy_piece write[4]; /* what the host function writes */
+    size_t write_n;
+} defer_list;
+
+static void defer_fill(void *arg)
+{
+    defer_list *l = arg;
+    memcpy(l->pieces, l->write, sizeof(l->pieces));
+    l->n = l->write_n;
+}
+
+/* copy_h2d_deferred copies the pieces its stream's earlier work wrote — not those there at
+ * enqueue — counted when it runs; a list longer than its room or with a NULL piece fails the
+ * stream. Every blocking call counts in host_syncs, nothing else does. */
+START_TEST(deferred_copy_reads_its_list_when_it_runs)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *s = make_stream(be, "kv-in");
+    uint8_t src[64], dst[64];
+    for (int i = 0; i < 64; i++)
+        src[i] = (uint8_t)(i + 1);
+    memset(dst, 0, sizeof(dst));
+    gate g;
+    gate_init(&g);
+    defer_list l = {.n = 1, .pieces = {{dst, src, 64}}}; /* at enqueue: the whole buffer */
+    l.write[0] = (rekv_copy_piece){dst, src + 8, 8};
+    l.write[1] = (rekv_copy_piece){dst + 32, src, 4};
+    l.write_n = 2;
+    launch(be, s, "hold", (kern_arg){.g = &g});
+    be->iface->launch_host(s, "decide", defer_fill, &l, 0);
+    be->iface->copy_h2d_deferred(s, l.pieces, &l.n, 4, REKV_XFER_KV);
+    rekv_backend_stats st;
+    be->iface->stats(be, &st);
+    ck_assert_uint_eq(st.h2d_copies, 0);
+    ck_assert_uint_eq(st.host_syncs, 0); /* enqueueing never blocks */
+    gate_open(&g);
+    sync_ok(be, s);
+    for (int i = 0; i < 64; i++)
+        ck_assert_uint_eq(dst[i], i < 8 ? src[8 + i] : i >= 32 && i < 36 ? src[i - 32] : 0);
+    be->iface->stats(be, &st);
+    ck_assert_uint_eq(st.h2d_copies, 1);
+    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], 12);
+    ck_assert_uint_eq(st.host_syncs, 1);
+
+    /* more pieces than its room, a NULL source: the stream fails, nothing is copied */
+    rekv_err err = {0};
+    memset(dst, 0, sizeof(dst));
+    l.write_n = 3;
+    be->iface->launch_host(s, "decide", defer_fill, &l, 0);
+    be->iface->copy_h2d_deferred(s, l.pieces, &l.n, 2, REKV_XFER_KV);
+    ck_assert_int_eq(be->iface->stream_sync(s, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "kv-in") && strstr(err.msg, "room for 2"), "message: %s",
+                  err.msg);
+    l.write[1].src = NULL;
+    l.write_n = 2;
+    be->iface->launch_host(s, "decide", defer_fill, &l, 0);
+    be->iface->copy_h2d_deferred(s, l.pieces, &l.n, 4, REKV_XFER_KV);
+    rekv_err_clear(&err);
+    ck_assert_int_eq(be->iface->stream_sync(s, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "NULL"), "message: %s", err.msg);
+    for (int i = 0; i < 64; i++)
+        ck_assert_uint_eq(dst[i], 0);
+    rekv_event *ev = make_event(be);
+    be->iface->event_record(ev, s);
+    be->iface->event_sync(ev);
+    be->iface->stats(be, &st);
+    ck_assert_uint_eq(st.h2d_copies, 1);
+    ck_assert_uint_eq(st.host_syncs, 4);
+    be->iface->event_destroy(ev);
+    gate_free(&g);
+    be->iface->stream_destroy(s);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
 /* Applies runs row by row, as a DMA engine would. */
 static void apply_runs(const rekv_copy_run *r, size_t n)
 {
@@ -969,6 +1048,7 @@ static Suite *backend_suite(void)
     tcase_add_test(tc, copy_overlaps_kernel);
     tcase_add_test(tc, trace_is_chrome_json);
     tcase_add_test(tc, bad_copy_is_reported_by_sync);
+    tcase_add_test(tc, deferred_copy_reads_its_list_when_it_runs);
     tcase_add_test(tc, device_memory_emulation);
     tcase_add_test(tc, copy_coalesce);
     suite_add_tcase(s, tc);

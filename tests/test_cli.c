@@ -361,6 +361,8 @@ START_TEST(bench_decode_json)
         /* weights crossing the link: no step is a graph */
         ck_assert(json_is_integer(json_object_get(m, "graph_steps")));
         ck_assert_int_eq(json_integer_value(json_object_get(m, "graph_steps")), 0);
+        /* each step blocks its caller at least at its end */
+        ck_assert(json_number_value(json_object_get(m, "host_syncs_per_step")) >= 1);
     }
     ck_assert(offload_bytes > 0);
     /* the link's peak, measured in the same run, from every kind of host memory, and each mode's

@@ -988,6 +988,88 @@ START_TEST(runtime_gather)
 }
 END_TEST
 
+/* copy_h2d_deferred: the pieces a host function on the stream writes (clo's decisions), gathered
+ * on the device from registered memory when the stream reaches them, counted then; a piece from
+ * memory the device cannot map fails the stream, and a capture refuses the copy. */
+typedef struct deferred_arg {
+    rekv_copy_piece *list, *write;
+    size_t *n, write_n;
+} deferred_arg;
+
+static void deferred_write(void *arg)
+{
+    deferred_arg *a = (deferred_arg *)arg;
+    memcpy(a->list, a->write, a->write_n * sizeof(rekv_copy_piece));
+    *a->n = a->write_n;
+}
+
+START_TEST(runtime_deferred_gather)
+{
+    backends_open();
+    rekv_err err = {0};
+    const rekv_backend_iface *bi = g_cu->iface;
+    rekv_stream *s;
+    ck_assert_msg(bi->stream_create(g_cu, "deferred", &s, &err) == 0, "%s", err.msg);
+    enum { N = 3000, ROW = 256 };
+    size_t hb = 8u << 20, db = (size_t)N * ROW;
+    uint8_t *host = aligned_alloc(4096, hb), *plain = malloc(hb), *want = calloc(1, db),
+            *back = malloc(db), *zero = calloc(1, db);
+    rekv_copy_piece *list = malloc(sizeof(*list) * N), *write = malloc(sizeof(*write) * N);
+    size_t n = 0;
+    ck_assert(host && plain && want && back && zero && list && write);
+    for (size_t i = 0; i < hb; i++)
+        host[i] = plain[i] = (uint8_t)((i * 2654435761u) >> 11);
+    ck_assert_msg(bi->host_register(g_cu, host, hb, &err) == 0, "%s", err.msg);
+    uint8_t *dev = bi->dev_alloc(g_cu, db);
+    ck_assert(dev != NULL);
+    uint64_t x = 5;
+    size_t m = N - 17, total = 0; /* fewer than its room */
+    for (size_t i = 0; i < m; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        size_t so = (size_t)((x >> 24) % (hb / ROW)) * ROW, bytes = ROW - 16 * (i % 3);
+        write[i] = (rekv_copy_piece){dev + (N - 1 - i) * ROW, host + so, bytes};
+        memcpy(want + (N - 1 - i) * ROW, host + so, bytes);
+        total += bytes;
+    }
+    rekv_copy_piece clear = {dev, zero, db};
+    bi->copy_h2d(s, &clear, 1, REKV_XFER_OTHER);
+    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    bi->stats_reset(g_cu);
+    deferred_arg a = {list, write, &n, m};
+    bi->launch_host(s, "decide", deferred_write, &a, sizeof(a));
+    bi->copy_h2d_deferred(s, list, &n, N, REKV_XFER_KV);
+    rekv_copy_piece down = {back, dev, db};
+    bi->copy_d2h(s, &down, 1, REKV_XFER_OTHER);
+    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    ck_assert_msg(memcmp(back, want, db) == 0, "the deferred gather copied other bytes");
+    rekv_backend_stats st;
+    bi->stats(g_cu, &st);
+    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total);
+    ck_assert_uint_eq(st.h2d_gathered, m);
+    /* unregistered memory */
+    write[5].src = plain;
+    bi->launch_host(s, "decide", deferred_write, &a, sizeof(a));
+    bi->copy_h2d_deferred(s, list, &n, N, REKV_XFER_KV);
+    rekv_err_clear(&err);
+    ck_assert_int_eq(bi->stream_sync(s, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "page-locked") != NULL, "%s", err.msg);
+    /* in a capture */
+    ck_assert_msg(bi->graph_begin(s, &err) == 0, "%s", err.msg);
+    bi->copy_h2d_deferred(s, list, &n, N, REKV_XFER_KV);
+    rekv_graph *gr = NULL;
+    rekv_err_clear(&err);
+    ck_assert_int_ne(bi->graph_end(s, &gr, &err), 0);
+    ck_assert(gr == NULL);
+    rekv_err_clear(&err);
+    bi->stream_sync(s, &err);
+    bi->host_unregister(g_cu, host);
+    bi->dev_free(g_cu, dev);
+    bi->stream_destroy(s);
+    free(host), free(plain), free(want), free(back), free(zero), free(list), free(write);
+    backends_close();
+}
+END_TEST
+
 /* ---------------------------------------------------------------- sharing with another process */
 
 /* The peer of the IPC tests (tests/ipc_peer.h) is test_ipc run with exec: this process has used
@@ -1516,6 +1598,7 @@ static Suite *suite(void)
     tcase_set_timeout(tr, 300);
     tcase_add_test(tr, runtime_copies_events);
     tcase_add_test(tr, runtime_gather);
+    tcase_add_test(tr, runtime_deferred_gather);
     tcase_add_test(tr, runtime_graph);
     tcase_add_test(tr, runtime_ipc_push);
     suite_add_tcase(s, tr);

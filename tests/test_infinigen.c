@@ -17,9 +17,11 @@
  * How good the speculation is belongs to `rekv eval` (README, "InfiniGen", "CLO"). */
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/heads.h"
@@ -51,6 +53,7 @@ typedef struct run {
     float *logits;               /* [steps + 1][B][vocab] */
     rekv_layer_counters *layers; /* [n_layers] of the decode steps */
     rekv_layer_counters prefill; /* the prefill step's totals */
+    uint64_t host_syncs;         /* the decode steps' blocking calls (backend stats) */
 } run;
 
 static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int *lens,
@@ -78,6 +81,9 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     rekv_pipeline_counters(p, &out->prefill);
     rekv_pipeline_counters_reset(p);
+    rekv_backend_stats bst;
+    f->be->iface->stats(f->be, &bst);
+    out->host_syncs = bst.host_syncs;
     for (int s = 1; s <= steps; s++) {
         for (int i = 0; i < B; i++) {
             next[i] = rekv_argmax(out->logits + ((size_t)(s - 1) * B + i) * V, V);
@@ -88,6 +94,8 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
         }
         ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     }
+    f->be->iface->stats(f->be, &bst);
+    out->host_syncs = bst.host_syncs - out->host_syncs;
     memcpy(out->layers, rekv_pipeline_counters(p, NULL), sizeof(rekv_layer_counters) * (size_t)L);
     for (int i = 0; i < B; i++)
         rekv_pseq_free(seqs[i]);
@@ -902,6 +910,160 @@ START_TEST(clo_any_threads)
 }
 END_TEST
 
+/* CLO §4.4: the step thread never waits for the device within a clo step — the decisions run on
+ * the h2d stream once the speculation reaches the host, and the copies of the rows they name
+ * follow there — so a clo decode step blocks its caller exactly as often as an offload step (the
+ * drain at its end), on every pipeline shape, while infinigen's step thread waits for each
+ * unit's scores. */
+START_TEST(clo_step_thread_never_waits)
+{
+    clo_fixture x;
+    if (!clo_open(&x, 0.5))
+        return;
+    fixture f = x.f;
+    const rekv_model_config *c = &f.m->config;
+    int lens[] = {150, 90, 120}, B = 3, steps = 4;
+    int32_t **prompts = make_prompts(&f, B, lens);
+    struct {
+        int gpu_batches, lookahead;
+        rekv_schedule sched;
+    } v[] = {{1, 1, REKV_SCHED_ROW}, {2, 0, REKV_SCHED_COLUMN}, {3, 1, REKV_SCHED_ROW}};
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
+        rekv_pipeline_config cfg;
+        run off, ig, clo;
+        clo_config(&x, &cfg);
+        cfg.gpu_batches = v[i].gpu_batches;
+        cfg.lookahead = v[i].lookahead;
+        cfg.schedule = v[i].sched;
+        do_run(&f, &cfg, B, lens, prompts, steps, &clo);
+        cfg.mode = REKV_MODE_INFINIGEN;
+        do_run(&f, &cfg, B, lens, prompts, steps, &ig);
+        cfg.mode = REKV_MODE_OFFLOAD;
+        do_run(&f, &cfg, B, lens, prompts, steps, &off);
+        uint64_t hits = 0, misses = 0;
+        for (int l = 1; l < c->n_layers; l++)
+            hits += clo.layers[l].head_hits, misses += clo.layers[l].head_misses;
+        ck_assert_msg(hits > 0 && misses > 0, "variant %zu: hits %llu, misses %llu", i,
+                      (unsigned long long)hits, (unsigned long long)misses);
+        ck_assert_msg(clo.host_syncs == off.host_syncs,
+                      "variant %zu: a clo step blocked %llu times, offload's %llu", i,
+                      (unsigned long long)clo.host_syncs, (unsigned long long)off.host_syncs);
+        /* the counter sees a wait per selecting unit where there is one */
+        ck_assert_uint_eq(ig.host_syncs, off.host_syncs + (uint64_t)steps *
+                                                              (uint64_t)(c->n_layers - 1) *
+                                                              (uint64_t)v[i].gpu_batches);
+        run_free(&off);
+        run_free(&ig);
+        run_free(&clo);
+    }
+    clo_close(&x, prompts, B);
+}
+END_TEST
+
+/* A killed kvstore does not hang a clo step's device-side waits (issue 13): a backend whose
+ * deferred copy (the rows the decisions name) first runs, on the same stream, a kill of the store
+ * — so the decisions, their copy and the attention all run after the store is gone. They need
+ * nothing from it (the arena stays mapped), so the step's device work completes — every head
+ * decided, as in the step before — and the step then fails on the store's lost connection, with
+ * a message; freeing the sequences and the pipeline returns. A hang fails the test by its
+ * timeout. */
+static pid_t g_kill_pid;
+static const rekv_backend_iface *g_real_bi;
+
+static void kill_store(void *arg)
+{
+    (void)arg;
+    if (g_kill_pid > 0) {
+        kill(g_kill_pid, SIGKILL);
+        waitpid(g_kill_pid, NULL, 0);
+        g_kill_pid = 0;
+    }
+}
+
+static void deferred_after_kill(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                                size_t max, rekv_xfer_kind kind)
+{
+    if (g_kill_pid > 0)
+        g_real_bi->launch_host(s, "kill the kvstore", kill_store, NULL, 0);
+    g_real_bi->copy_h2d_deferred(s, pieces, n, max, kind);
+}
+
+START_TEST(clo_store_killed_mid_step)
+{
+    clo_fixture x;
+    if (!clo_open(&x, 0.5))
+        return;
+    fixture f = x.f;
+    const rekv_model_config *c = &f.m->config;
+    rekv_backend_iface bi = *f.be->iface;
+    g_real_bi = f.be->iface;
+    bi.copy_h2d_deferred = deferred_after_kill;
+    f.be->iface = &bi;
+    rekv_pipeline_config cfg;
+    clo_config(&x, &cfg);
+    rekv_pipeline *p = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err) == 0, "%s", err.msg);
+    enum { B = 2 };
+    int lens[B] = {100, 150};
+    int32_t **prompts = make_prompts(&f, B, lens);
+    rekv_pseq *seqs[B];
+    rekv_pipe_item items[B];
+    int32_t next[B] = {1, 2};
+    float *logits = malloc(sizeof(float) * B * (size_t)c->vocab);
+    for (int i = 0; i < B; i++) {
+        ck_assert_msg(rekv_pseq_create(p, lens[i] + 8, &seqs[i], &err) == 0, "%s", err.msg);
+        items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                    .tokens = prompts[i],
+                                    .n_tokens = lens[i],
+                                    .logits = logits + (size_t)i * c->vocab};
+    }
+    ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+    uint64_t decided[3] = {0, 0, 0};
+    for (int s = 0; s < 3; s++) {
+        for (int i = 0; i < B; i++)
+            items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                        .tokens = &next[i],
+                                        .n_tokens = 1,
+                                        .logits = logits + (size_t)i * c->vocab};
+        rekv_pipeline_counters_reset(p);
+        if (s == 2)
+            g_kill_pid = f.store_pid;
+        rekv_err_clear(&err);
+        int rc = rekv_pipeline_step(p, items, B, &err);
+        if (s < 2) {
+            ck_assert_msg(rc == 0, "%s", err.msg);
+        } else {
+            ck_assert_msg(rc != 0 && strstr(err.msg, "kvstore") != NULL,
+                          "the step after the store died: %d %s", rc, err.msg);
+            ck_assert_int_eq(g_kill_pid, 0); /* the kill ran, inside the step */
+        }
+        rekv_layer_counters t;
+        rekv_pipeline_counters(p, &t);
+        decided[s] = t.head_hits + t.head_misses;
+    }
+    ck_assert_msg(decided[1] > 0 && decided[2] == decided[1],
+                  "heads decided: %llu in a step, %llu with the store killed",
+                  (unsigned long long)decided[1], (unsigned long long)decided[2]);
+    for (int i = 0; i < B; i++)
+        rekv_pseq_free(seqs[i]);
+    rekv_pipeline_free(p);
+    f.be->iface = g_real_bi;
+    free(logits);
+    for (int b = 0; b < B; b++)
+        free(prompts[b]);
+    free(prompts);
+    rekv_kvstore_client_close(f.store);
+    rekv_backend_destroy(f.be);
+    rekv_engine_free(f.e);
+    rekv_model_close(f.m);
+    tu_rmrf(f.dir);
+    free(f.dir);
+    rekv_heads_free(&x.hp);
+    rekv_skew_free(&x.sk);
+}
+END_TEST
+
 /* clo without a head profile, with one of another model, or with push: clear errors */
 START_TEST(clo_bad_config_refused)
 {
@@ -947,6 +1109,8 @@ static Suite *suite(void)
     tcase_add_test(tc, clo_full_cache_matches_resident);
     tcase_add_test(tc, clo_hits_move_nothing);
     tcase_add_test(tc, clo_any_threads);
+    tcase_add_test(tc, clo_step_thread_never_waits);
+    tcase_add_test(tc, clo_store_killed_mid_step);
     tcase_add_test(tc, clo_bad_config_refused);
     suite_add_tcase(s, tc);
     return s;

@@ -470,6 +470,7 @@ typedef struct decode_result {
     double prefill_s, decode_s, compute_busy_s, h2d_busy_s, d2h_busy_s;
     uint64_t gathered;    /* h2d rows a device-side gather read (the backend's h2d_gathered) */
     uint64_t graph_steps; /* decode steps that ran as one device graph */
+    uint64_t host_syncs;  /* the decode steps' calls that blocked on the device (backend stats) */
     rekv_layer_counters counters;
     double
         selected; /* infinigen's selected fraction f (rekv_pipeline_selected_fraction), 0: none */
@@ -547,6 +548,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         ses.be->iface->stats(ses.be, &b1);
         out->step[(size_t)step * 2] = b1.compute_busy_s - b0.compute_busy_s;
         out->step[(size_t)step * 2 + 1] = b1.h2d_busy_s - b0.h2d_busy_s;
+        out->host_syncs += b1.host_syncs - b0.host_syncs;
         rekv_progress_update(pr, done + (uint64_t)step + 2, note);
     }
     out->decode_s = (double)(rekv_now_ns() - t0) * 1e-9;
@@ -911,6 +913,10 @@ static int bench_decode(int argc, char **argv)
         /* rows the cuda backend's gather kernel read from the registered arena (prefill too) */
         json_object_set_new(o, "h2d_gathered_rows", json_integer((json_int_t)r->gathered));
         json_object_set_new(o, "graph_steps", json_integer((json_int_t)r->graph_steps));
+        /* how often a step's caller blocked on the device (the drain at its end, and any wait
+         * within: infinigen's per unit; clo's none, CLO §4.4) */
+        json_object_set_new(o, "host_syncs_per_step",
+                            json_real(N > 1 ? (double)r->host_syncs / (N - 1) : 0));
         if (r->h2d_busy_s > 0 && !mpush[i])
             json_object_set_new(o, "h2d_gbps_while_busy",
                                 json_real((double)h2d / r->h2d_busy_s * 1e-9));

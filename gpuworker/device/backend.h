@@ -72,9 +72,11 @@ typedef struct rekv_backend_stats {
     uint64_t d2h_bytes[REKV_XFER_KINDS]; /* device -> host, by kind */
     uint64_t h2d_copies, d2h_copies;     /* copy operations (a gather counts once) */
     uint64_t h2d_gathered;               /* h2d rows a device-side gather read (cuda) */
-    double compute_busy_s;               /* time streams spent running kernels */
-    double h2d_busy_s;                   /* time the host->device link was occupied */
-    double d2h_busy_s;                   /* time the device->host link was occupied */
+    uint64_t host_syncs;   /* calls that blocked their caller until device work finished:
+                              stream_sync, event_sync, and the backend's own waits (cuda) */
+    double compute_busy_s; /* time streams spent running kernels */
+    double h2d_busy_s;     /* time the host->device link was occupied */
+    double d2h_busy_s;     /* time the device->host link was occupied */
 } rekv_backend_stats;
 
 /* A handle naming a device buffer or an event of one process, for another process on the same
@@ -182,6 +184,14 @@ typedef struct rekv_backend_iface {
     void (*copy_h2d)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind);
     void (*copy_d2h)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind);
     void (*copy_d2d)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n);
+    /* optional: a host->device copy whose pieces are read when it runs, not at enqueue — earlier
+     * work on s writes them (a host function deciding what to fetch): *n pieces (at most max)
+     * from pieces[0], in host memory that stays valid until the copy completes. Counted when it
+     * runs, as one copy. On cuda every piece's source must be in host_register'd memory (a host
+     * function translates the list and the gather kernel reads the rows through the mapping) or
+     * the stream fails, and a capture that sees one fails. NULL: not supported. */
+    void (*copy_h2d_deferred)(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                              size_t max, rekv_xfer_kind kind);
 
     /* cpu backend: runs fn(copy of arg) on the stream; name labels the trace span. The cuda
      * backend runs host functions with cudaLaunchHostFunc. */

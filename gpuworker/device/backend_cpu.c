@@ -174,6 +174,11 @@ typedef struct cpu_task {
             rekv_xfer_kind kind; /* counted per kind for h2d and d2h */
             size_t n;            /* pieces in payload, as rekv_copy_piece[n] */
             size_t bytes;        /* sum of the pieces' bytes */
+            /* deferred (copy_h2d_deferred): the pieces are *later_n at later, read when the
+             * task runs (n and bytes are then set from them); NULL otherwise */
+            const rekv_copy_piece *later;
+            const size_t *later_n;
+            size_t later_max;
         } copy;
         struct {
             rekv_host_fn fn; /* the kernel */
@@ -357,6 +362,21 @@ static void run_copy(rekv_stream *s, cpu_task *t)
     cpu_backend *be = s->be;
     const rekv_copy_piece *pieces = (const rekv_copy_piece *)t->payload;
     cpu_copy_dir dir = t->u.copy.dir;
+    if (t->u.copy.later != NULL) { /* the list as the stream's earlier work left it */
+        char why[160];
+        pieces = t->u.copy.later;
+        t->u.copy.n = *t->u.copy.later_n;
+        if (t->u.copy.n > t->u.copy.later_max) {
+            stream_fail(s, -EINVAL, "stream %s: a deferred copy of %zu pieces (room for %zu)",
+                        s->name, t->u.copy.n, t->u.copy.later_max);
+            return;
+        }
+        if (rekv_copy_check("h2d", pieces, t->u.copy.n, t->u.copy.kind, &t->u.copy.bytes, why,
+                            sizeof(why)) < 0) {
+            stream_fail(s, -EINVAL, "stream %s: %s", s->name, why);
+            return;
+        }
+    }
     bool throttled = dir != CPU_COPY_D2D && be->link.gbps > 0;
 
     if (dir != CPU_COPY_D2D)
@@ -627,6 +647,25 @@ static void cpu_copy_d2d(rekv_stream *s, const rekv_copy_piece *pieces, size_t n
     copy_enqueue(s, CPU_COPY_D2D, pieces, n, REKV_XFER_OTHER);
 }
 
+static void cpu_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                                  size_t max, rekv_xfer_kind kind)
+{
+    if (pieces == NULL || n == NULL || (unsigned)kind >= REKV_XFER_KINDS) {
+        stream_fail(s, -EINVAL,
+                    "stream %s: a deferred copy needs its pieces, their count and a kind", s->name);
+        return;
+    }
+    cpu_task *t = task_new(s, CPU_TASK_COPY, 0);
+    if (t == NULL)
+        return;
+    t->u.copy.dir = CPU_COPY_H2D;
+    t->u.copy.kind = kind;
+    t->u.copy.later = pieces;
+    t->u.copy.later_n = n;
+    t->u.copy.later_max = max;
+    task_push(s, t);
+}
+
 /* arg_bytes == 0 passes arg itself through (nothing to copy), so a kernel may take a pointer to
  * state the caller keeps alive until the stream has run it. */
 static void cpu_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, const void *arg,
@@ -803,9 +842,17 @@ out_free:
     return rc;
 }
 
+static void count_host_sync(cpu_backend *be)
+{
+    pthread_mutex_lock(&be->stats_mu);
+    be->stats.host_syncs++;
+    pthread_mutex_unlock(&be->stats_mu);
+}
+
 static int cpu_stream_sync(rekv_stream *s, rekv_err *err)
 {
     int rc = 0;
+    count_host_sync(s->be);
     pthread_mutex_lock(&s->mu);
     while (s->head != NULL || s->busy)
         pthread_cond_wait(&s->idle_cv, &s->mu);
@@ -1013,6 +1060,7 @@ static void cpu_stream_wait_event(rekv_stream *s, rekv_event *ev)
 static void cpu_event_sync(rekv_event *ev)
 {
     cpu_backend *be = ev->be;
+    count_host_sync(be);
     if (ev->ipc != NULL) {
         cpu_ipc_page *pg = ev->ipc->page;
         (void)ipc_page_wait(pg, __atomic_load_n(&pg->recorded, __ATOMIC_SEQ_CST));
@@ -1424,6 +1472,7 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
     .copy_h2d = cpu_copy_h2d,
     .copy_d2h = cpu_copy_d2h,
     .copy_d2d = cpu_copy_d2d,
+    .copy_h2d_deferred = cpu_copy_h2d_deferred,
     .launch_host = cpu_launch_host,
     .stats = cpu_stats,
     .stats_reset = cpu_stats_reset,

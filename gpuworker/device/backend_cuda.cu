@@ -308,8 +308,17 @@ out_free:
     return rc;
 }
 
+/* A call that blocks its caller on device work (stats.host_syncs). */
+static void count_host_sync(cuda_backend *be)
+{
+    pthread_mutex_lock(&be->mu);
+    be->stats.host_syncs++;
+    pthread_mutex_unlock(&be->mu);
+}
+
 static int cu_stream_sync(rekv_stream *s, rekv_err *err)
 {
+    count_host_sync(s->be);
     cuda_use_device(s->be);
     cudaError_t e = cudaStreamSynchronize(s->cs);
     if (e == cudaSuccess)
@@ -505,6 +514,7 @@ static void cu_event_sync(rekv_event *ev)
 {
     /* void by contract: a failure here is a device fault, which is sticky and surfaces at the
      * next stream_sync */
+    count_host_sync(ev->be);
     cuda_use_device(ev->be);
     cudaEventSynchronize(ev->ev);
 }
@@ -670,8 +680,16 @@ enum {
     CU_GATHER_MAX_REGS = 16 /* registered ranges a gather looks through (the arena, a few flags) */
 };
 
+/* n == CU_GATHER_COUNTED: a deferred gather's slice, its row count in d[0].bytes (what the host
+ * function that filled it found) and the rows from d + 1. */
+#define CU_GATHER_COUNTED ((size_t)-1)
+
 __global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
 {
+    if (n == CU_GATHER_COUNTED) {
+        n = d[0].bytes;
+        d++;
+    }
     const unsigned full = 0xffffffffu, lane = threadIdx.x & 31u;
     size_t warp = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     size_t warps = ((size_t)gridDim.x * blockDim.x) >> 5;
@@ -722,9 +740,11 @@ static int gather_ring_grow(rekv_stream *s, size_t cap)
 {
     cu_gather_ring *g = &s->gather;
     void *h = NULL, *d = NULL;
-    for (int i = 0; i < g->n_busy; i++)
+    for (int i = 0; i < g->n_busy; i++) {
+        count_host_sync(s->be);
         if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
             return -1;
+    }
     g->n_busy = 0;
     if (g->host == NULL) /* the stream's first gather */
         for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
@@ -777,6 +797,7 @@ static long gather_slice(rekv_stream *s, size_t n)
             i++;
             continue;
         }
+        count_host_sync(s->be);
         if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
             return -1;
         cudaEvent_t ev = g->busy[i].ev;
@@ -784,6 +805,26 @@ static long gather_slice(rekv_stream *s, size_t n)
         g->busy[--g->n_busy].ev = ev;
     }
     return (long)lo;
+}
+
+/* The launch and the ring's bookkeeping of a gather of rows (at most) whose descriptors are at
+ * slice lo (n: their count, or CU_GATHER_COUNTED). Returns 1 (done, or the stream failed). */
+static int gather_launch(rekv_stream *s, long lo, size_t rows, size_t slots, size_t n)
+{
+    cuda_backend *be = s->be;
+    size_t groups = (rows + 31) / 32, per_block = CU_GATHER_THREADS / 32;
+    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)be->sms * 2;
+    unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
+    gather_kernel<<<blocks ? blocks : 1, CU_GATHER_THREADS, 0, s->cs>>>(s->gather.dev + lo, n);
+    cuda_launch_check(s, "gather");
+    cu_gather_ring *g = &s->gather;
+    if (cuda_stream_check(s, cudaEventRecord(g->busy[g->n_busy].ev, s->cs), "gather ring"))
+        return 1;
+    g->busy[g->n_busy].lo = (size_t)lo;
+    g->busy[g->n_busy].hi = (size_t)lo + slots;
+    g->n_busy++;
+    g->head = (size_t)lo + slots;
+    return 1;
 }
 
 /* The h2d runs as gathers when they are many small rows all in host_register's mapped ranges:
@@ -827,19 +868,91 @@ static int gather_enqueue(rekv_stream *s, const rekv_copy_run *runs, size_t nr, 
     pthread_mutex_lock(&be->mu);
     be->stats.h2d_gathered += rows;
     pthread_mutex_unlock(&be->mu);
-    size_t groups = (rows + 31) / 32, per_block = CU_GATHER_THREADS / 32;
-    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)be->sms * 2;
-    unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
-    gather_kernel<<<blocks, CU_GATHER_THREADS, 0, s->cs>>>(s->gather.dev + lo, rows);
-    cuda_launch_check(s, "gather");
-    cu_gather_ring *g = &s->gather;
-    if (cuda_stream_check(s, cudaEventRecord(g->busy[g->n_busy].ev, s->cs), "gather ring"))
-        return 1;
-    g->busy[g->n_busy].lo = (size_t)lo;
-    g->busy[g->n_busy].hi = (size_t)lo + rows;
-    g->n_busy++;
-    g->head = (size_t)lo + rows;
-    return 1;
+    return gather_launch(s, lo, rows, rows, rows);
+}
+
+/* A deferred gather (copy_h2d_deferred): a host function fills its slice when the stream reaches
+ * it — each piece's source through the mapping, the count first — and counts it; the kernel
+ * after it copies. */
+typedef struct cu_deferred {
+    rekv_stream *s;
+    const rekv_copy_piece *pieces;
+    const size_t *n;
+    size_t max;
+    cu_gather_desc *d; /* the slice: max + 1 descriptors */
+    rekv_xfer_kind kind;
+} cu_deferred;
+
+static void CUDART_CB deferred_fill(void *arg)
+{
+    cu_deferred *x = (cu_deferred *)arg;
+    rekv_stream *s = x->s;
+    cuda_backend *be = s->be;
+    size_t n = *x->n, bytes = 0;
+    x->d[0].bytes = 0;
+    cu_host_reg regs[CU_GATHER_MAX_REGS];
+    pthread_mutex_lock(&be->mu);
+    size_t n_regs = be->n_regs <= CU_GATHER_MAX_REGS ? be->n_regs : 0;
+    memcpy(regs, be->regs, n_regs * sizeof(regs[0]));
+    pthread_mutex_unlock(&be->mu);
+    if (n > x->max) {
+        cuda_stream_fail(s, -EINVAL, "stream %s: a deferred copy of %zu pieces (room for %zu)",
+                         s->name, n, x->max);
+        free(x);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const rekv_copy_piece *pc = &x->pieces[i];
+        const char *src = reg_device_addr(regs, n_regs, pc->src, pc->bytes);
+        if (src == NULL || pc->dst == NULL) {
+            cuda_stream_fail(s, -EINVAL,
+                             "stream %s: a deferred copy's piece %zu is not from page-locked, "
+                             "mapped host memory (host_register)",
+                             s->name, i);
+            free(x);
+            return;
+        }
+        x->d[1 + i] = (cu_gather_desc){src, (char *)pc->dst, pc->bytes};
+        bytes += pc->bytes;
+    }
+    x->d[0].bytes = n;
+    pthread_mutex_lock(&be->mu);
+    be->stats.h2d_bytes[x->kind] += bytes;
+    be->stats.h2d_copies++;
+    be->stats.h2d_gathered += n;
+    pthread_mutex_unlock(&be->mu);
+    free(x);
+}
+
+static void cu_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                                 size_t max, rekv_xfer_kind kind)
+{
+    if (refused_in_capture(s, "a deferred copy"))
+        return;
+    if (pieces == NULL || n == NULL || (unsigned)kind >= REKV_XFER_KINDS) {
+        cuda_stream_fail(s, -EINVAL,
+                         "stream %s: a deferred copy needs its pieces, their count and a kind",
+                         s->name);
+        return;
+    }
+    cu_deferred *x = (cu_deferred *)malloc(sizeof(*x));
+    if (x == NULL) {
+        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a deferred copy", s->name);
+        return;
+    }
+    cuda_use_device(s->be);
+    long lo = gather_slice(s, max + 1);
+    if (lo < 0) {
+        free(x);
+        return;
+    }
+    *x = (cu_deferred){s, pieces, n, max, s->gather.host + lo, kind};
+    long op = cuda_op_begin(s, CU_OP_H2D, "h2d deferred gather");
+    if (cuda_stream_check(s, cudaLaunchHostFunc(s->cs, deferred_fill, x), "deferred copy"))
+        free(x);
+    else
+        gather_launch(s, lo, max, max + 1, CU_GATHER_COUNTED);
+    cuda_op_end(s, op);
 }
 
 /* One cudaMemcpyAsync per piece; cudaMemcpyDefault lets UVA tell pinned, pageable and device
@@ -1243,6 +1356,7 @@ static const rekv_backend_iface cuda_iface = {
     cu_copy_h2d,            /* copy_h2d */
     cu_copy_d2h,            /* copy_d2h */
     cu_copy_d2d,            /* copy_d2d */
+    cu_copy_h2d_deferred,   /* copy_h2d_deferred */
     cu_launch_host,         /* launch_host */
     cu_stats,               /* stats */
     cu_stats_reset,         /* stats_reset */
