@@ -123,6 +123,11 @@ void rekv_pipeline_counters_reset(rekv_pipeline *p)
     p->n_steps = 0;
     memset(&p->logged, 0, sizeof(p->logged));
     memset(p->counters, 0, sizeof(rekv_layer_counters) * (size_t)p->c->n_layers);
+    if (p->clo.hits) {
+        size_t n = (size_t)p->c->n_layers * (size_t)p->c->n_kv_heads;
+        memset(p->clo.hits, 0, sizeof(uint64_t) * n);
+        memset(p->clo.misses, 0, sizeof(uint64_t) * n);
+    }
 }
 
 /* ------------------------------------------------------------------ one step */

@@ -206,6 +206,11 @@ uint64_t rekv_pipeline_graph_steps(const rekv_pipeline *p, uint64_t *captures);
 const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p,
                                                   rekv_layer_counters *total);
 void rekv_pipeline_counters_reset(rekv_pipeline *p);
+/* clo, since creation or the last reset: per layer and KV head ([n_layers][n_kv] each), the
+ * (sequence, decode step)s that reused the head's cached top-k (*hits) or fetched a new one
+ * (*misses); layer 0 and persistent heads count in neither. -EINVAL (and NULLs) outside clo. */
+int rekv_pipeline_head_cache_counts(const rekv_pipeline *p, const uint64_t **hits,
+                                    const uint64_t **misses);
 /* infinigen's selected fraction f (the planner's rekv_step_shape.infinigen_fraction) from per-layer
  * counters ([n_layers]): of the tokens its selecting layers (> 0) could have fetched, the share
  * they selected (fetched or recomputed); layer 0 fetches whole, so it is left out. *considered and

@@ -87,7 +87,10 @@ int pl_clo_create(rekv_pipeline *p, rekv_err *err)
     p->clo.tau = malloc(sizeof(double) * (size_t)L * (size_t)nkv);
     p->clo.imp = malloc(sizeof(double) * (size_t)L * (size_t)nh);
     p->clo.persist = calloc((size_t)L * (size_t)nkv, 1);
-    if (p->clo.tau == NULL || p->clo.imp == NULL || p->clo.persist == NULL)
+    p->clo.hits = calloc((size_t)L * (size_t)nkv, sizeof(uint64_t));
+    p->clo.misses = calloc((size_t)L * (size_t)nkv, sizeof(uint64_t));
+    if (p->clo.tau == NULL || p->clo.imp == NULL || p->clo.persist == NULL || p->clo.hits == NULL ||
+        p->clo.misses == NULL)
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
     memcpy(p->clo.imp, hp->importance, sizeof(double) * (size_t)L * (size_t)nh);
     for (int l = 0; l < L; l++) {
@@ -110,6 +113,8 @@ void pl_clo_free(rekv_pipeline *p)
     free(p->clo.tau);
     free(p->clo.imp);
     free(p->clo.persist);
+    free(p->clo.hits);
+    free(p->clo.misses);
     memset(&p->clo, 0, sizeof(p->clo));
 }
 
@@ -334,8 +339,10 @@ int pl_clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *i
     cu->kr = pl_smem_alloc(&st->mem, sizeof(range_ref *) * (size_t)nb);
     cu->pieces = pl_smem_alloc(&st->mem, sizeof(rekv_copy_piece) * pieces);
     cu->max_pieces = pieces;
+    cu->g_hits = pl_smem_alloc(&st->mem, 2 * sizeof(uint64_t) * (size_t)nkv);
+    cu->g_misses = cu->g_hits ? cu->g_hits + nkv : NULL;
     if (cu->items == NULL || cu->sel == NULL || cu->head_k == NULL || cu->skip == NULL ||
-        cu->rows0 == NULL || cu->kr == NULL || cu->pieces == NULL)
+        cu->rows0 == NULL || cu->kr == NULL || cu->pieces == NULL || cu->g_hits == NULL)
         return -ENOMEM;
     for (int j = 0; j < nb; j++) {
         if (!pl_clo_sparse(p, st, g0 + j))
@@ -449,8 +456,10 @@ static int clo_item_decided(clo_unit *cu, int j)
             continue;
         if (head_k[g] == 0) {
             cu->hits++;
+            cu->g_hits[g]++;
         } else {
             cu->misses++;
+            cu->g_misses[g]++;
             int k = head_k[g];
             if (cu->n_pieces + 2 * (size_t)k > cu->max_pieces)
                 return -EOVERFLOW;
@@ -508,9 +517,22 @@ int pl_clo_step_done(rekv_pipeline *p, step *st, rekv_err *err)
         cnt->head_misses += cu->misses;
         cnt->h2d_bytes[REKV_XFER_KV] += cu->rows * 2 * row;
         cnt->tokens_fetched += cu->tokens_fetched;
+        for (int g = 0; g < p->c->n_kv_heads; g++) {
+            size_t at = (size_t)cu->layer * (size_t)p->c->n_kv_heads + (size_t)g;
+            p->clo.hits[at] += cu->g_hits[g];
+            p->clo.misses[at] += cu->g_misses[g];
+        }
         if (cu->rc && rc == 0)
             rc = rekv_errf(err, cu->rc, "step: clo's decisions at layer %d failed (%s)", cu->layer,
                            cu->rc == -ENOMEM ? "out of memory" : "a bad plan");
     }
     return rc;
+}
+
+int rekv_pipeline_head_cache_counts(const rekv_pipeline *p, const uint64_t **hits,
+                                    const uint64_t **misses)
+{
+    *hits = p->clo.hits;
+    *misses = p->clo.misses;
+    return p->clo.hits ? 0 : -EINVAL;
 }

@@ -188,11 +188,12 @@ struct rekv_pipeline {
         int off;           /* the backend refused a capture */
         uint64_t steps, captures;
     } gr;
-    ig_state ig;          /* infinigen, and clo's speculation */
-    struct {              /* clo (pipeline_clo.c) */
-        double *tau;      /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9) */
-        double *imp;      /* [n_layers][n_heads] query head importance (Eq. 10's weights) */
-        uint8_t *persist; /* [n_layers][n_kv] the KV head keeps its whole KV (Eq. 13) */
+    ig_state ig;                 /* infinigen, and clo's speculation */
+    struct {                     /* clo (pipeline_clo.c) */
+        double *tau;             /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9) */
+        double *imp;             /* [n_layers][n_heads] query head importance (Eq. 10's weights) */
+        uint8_t *persist;        /* [n_layers][n_kv] the KV head keeps its whole KV (Eq. 13) */
+        uint64_t *hits, *misses; /* [n_layers][n_kv] rekv_pipeline_head_cache_counts' */
     } clo;
 };
 
@@ -316,6 +317,7 @@ typedef struct clo_unit {
     rekv_copy_piece *pieces; /* the misses' rows, for copy_h2d_deferred */
     size_t n_pieces, max_pieces;
     uint64_t hits, misses, rows, tokens_fetched; /* the decisions' counts */
+    uint64_t *g_hits, *g_misses;                 /* [n_kv] the same per KV head */
     int rc;                                      /* 0, or how the decisions failed */
     struct clo_unit *next;                       /* the step's list */
 } clo_unit;

@@ -220,6 +220,28 @@ START_TEST(clo_in_eval)
     ck_assert(num(d, "head_hits") > 0 && num(d, "head_misses") > 0);
     ck_assert(num(d, "hit_ratio") ==
               num(d, "head_hits") / (num(d, "head_hits") + num(d, "head_misses")));
+    /* per layer and KV head: layer 0 decides nothing (nor would a persistent head); the others'
+     * ratios in [0, 1], and their mean (each decides once per step) the whole run's */
+    json_t *hr = json_object_get(d, "head_hit_ratio");
+    ck_assert_int_eq(json_array_size(hr), 5);
+    double sum = 0;
+    size_t n = 0, l, g;
+    json_t *row, *v;
+    json_array_foreach(hr, l, row)
+    {
+        ck_assert_int_eq(json_array_size(row), 4);
+        json_array_foreach(row, g, v)
+        {
+            ck_assert(l == 0 ? json_is_null(v) : json_is_number(v) || json_is_null(v));
+            if (l > 0 && json_is_number(v)) {
+                ck_assert(json_number_value(v) >= 0 && json_number_value(v) <= 1);
+                sum += json_number_value(v), n++;
+            }
+        }
+    }
+    ck_assert_msg(n > 0 && fabs(sum / (double)n - num(d, "hit_ratio")) < 1e-9,
+                  "mean of the heads' ratios %g, the run's %g", n ? sum / (double)n : 0,
+                  num(d, "hit_ratio"));
     ck_assert_msg(num(d, "h2d_kv_bytes") < 0.2 * num(d, "kv_bytes_offload"),
                   "clo moved %g of offload's %g", num(d, "h2d_kv_bytes"),
                   num(d, "kv_bytes_offload"));

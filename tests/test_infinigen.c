@@ -50,10 +50,11 @@ static void make_skew(fixture *f, rekv_skew *sk)
 }
 
 typedef struct run {
-    float *logits;               /* [steps + 1][B][vocab] */
-    rekv_layer_counters *layers; /* [n_layers] of the decode steps */
-    rekv_layer_counters prefill; /* the prefill step's totals */
-    uint64_t host_syncs;         /* the decode steps' blocking calls (backend stats) */
+    float *logits;                     /* [steps + 1][B][vocab] */
+    rekv_layer_counters *layers;       /* [n_layers] of the decode steps */
+    rekv_layer_counters prefill;       /* the prefill step's totals */
+    uint64_t host_syncs;               /* the decode steps' blocking calls (backend stats) */
+    uint64_t *head_hits, *head_misses; /* clo: [n_layers][n_kv] of the decode steps, else NULL */
 } run;
 
 static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int *lens,
@@ -97,6 +98,15 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     f->be->iface->stats(f->be, &bst);
     out->host_syncs = bst.host_syncs - out->host_syncs;
     memcpy(out->layers, rekv_pipeline_counters(p, NULL), sizeof(rekv_layer_counters) * (size_t)L);
+    const uint64_t *hh, *hm;
+    out->head_hits = out->head_misses = NULL;
+    if (rekv_pipeline_head_cache_counts(p, &hh, &hm) == 0) {
+        size_t n = (size_t)L * (size_t)f->m->config.n_kv_heads * sizeof(uint64_t);
+        out->head_hits = malloc(n);
+        out->head_misses = malloc(n);
+        memcpy(out->head_hits, hh, n);
+        memcpy(out->head_misses, hm, n);
+    }
     for (int i = 0; i < B; i++)
         rekv_pseq_free(seqs[i]);
     rekv_pipeline_free(p);
@@ -109,6 +119,8 @@ static void run_free(run *r)
 {
     free(r->logits);
     free(r->layers);
+    free(r->head_hits);
+    free(r->head_misses);
 }
 
 /* r's first n logits equal ref's bit for bit; `what` and variant i name the run that differs */
@@ -819,6 +831,14 @@ START_TEST(clo_full_cache_matches_resident)
         ck_assert_uint_eq(hits, 0);
         ck_assert_uint_eq(misses,
                           2ull * (uint64_t)steps * (uint64_t)(f.m->config.n_layers - 1) * lossy);
+        /* per KV head: the persistent ones (the lower ones, Eq. 13) decide nothing */
+        for (int l = 0; l < f.m->config.n_layers; l++)
+            for (uint64_t g = 0; g < kvh; g++) {
+                size_t at = (size_t)l * (size_t)kvh + (size_t)g;
+                ck_assert_uint_eq(r.head_hits[at], 0);
+                ck_assert_uint_eq(r.head_misses[at],
+                                  l > 0 && g >= kvh - lossy ? 2ull * (uint64_t)steps : 0);
+            }
         /* every head persistent: each layer's context crossed once (sequence 1, dense, all of
          * it every step) */
         uint64_t once = (uint64_t)(lens[0] + lens[2]) + (uint64_t)(steps * lens[1]) +
@@ -863,6 +883,10 @@ START_TEST(clo_hits_move_nothing)
         ck_assert_uint_eq(r.layers[l].h2d_bytes[REKV_XFER_KV], rest);
         ck_assert_uint_eq(r.layers[l].head_misses, (uint64_t)B * kvh);
         ck_assert_uint_eq(r.layers[l].head_hits, (uint64_t)B * kvh * (uint64_t)(steps - 1));
+        for (uint64_t g = 0; g < kvh; g++) { /* and each KV head alike */
+            ck_assert_uint_eq(r.head_misses[(size_t)l * kvh + g], (uint64_t)B);
+            ck_assert_uint_eq(r.head_hits[(size_t)l * kvh + g], (uint64_t)B * (steps - 1));
+        }
         /* every new row still reaches the arena */
         ck_assert_uint_eq(r.layers[l].d2h_bytes[REKV_XFER_KV],
                           (uint64_t)B * (uint64_t)steps * kvh * 2 * row);

@@ -298,6 +298,21 @@ int cli_eval(int argc, char **argv)
             json_object_set_new(o, "head_hits", json_integer((json_int_t)tot.head_hits));
             json_object_set_new(o, "head_misses", json_integer((json_int_t)tot.head_misses));
             json_object_set_new(o, "hit_ratio", json_real(hm ? (double)tot.head_hits / hm : 0.0));
+            /* per layer and KV head; null where nothing was decided (layer 0, persistent) */
+            const uint64_t *hh, *hmiss;
+            json_t *hr = json_array();
+            if (hr && rekv_pipeline_head_cache_counts(runs[0].ses.p, &hh, &hmiss) == 0)
+                for (int l = 0; l < cfg->n_layers; l++) {
+                    json_t *row = json_array();
+                    for (int g = 0; row && g < cfg->n_kv_heads; g++) {
+                        size_t at = (size_t)l * (size_t)cfg->n_kv_heads + (size_t)g;
+                        uint64_t dec = hh[at] + hmiss[at];
+                        json_array_append_new(row, dec ? json_real((double)hh[at] / (double)dec)
+                                                       : json_null());
+                    }
+                    json_array_append_new(hr, row);
+                }
+            json_object_set_new(o, "head_hit_ratio", hr);
         }
         if (compare) {
             json_object_set_new(o, "agreement", json_real((double)agree / (double)scored));
