@@ -30,6 +30,7 @@ int main(void)
 #include "common/clock.h"
 #include "common/dtype.h"
 #include "gpuworker/device/backend_cuda.h"
+#include "gpuworker/heads.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/pipeline.h"
 #include "gpuworker/skew.h"
@@ -1481,6 +1482,73 @@ START_TEST(pipeline_infinigen_gather)
 }
 END_TEST
 
+/* clo on cuda: with every head missing every step and a top-k of the whole context, resident's
+ * logits (up to the summation order); the misses' rows come by the deferred gather (the
+ * decisions on the h2d stream); and a clo step blocks its caller as often as an offload step. */
+START_TEST(pipeline_clo)
+{
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
+        return;
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    const rekv_model_config *c = &f.m->config;
+    rekv_err err = {0};
+    enum { B = 2, STEPS = 3, CAL = 96 };
+    int V = c->vocab, lens[B] = {300, 200};
+    int32_t cal[CAL], *prompts[B], tokens[STEPS * B];
+    for (int i = 0; i < CAL; i++)
+        cal[i] = irand(V);
+    rekv_skew sk;
+    ck_assert_msg(rekv_skew_calibrate(f.e, cal, CAL, REKV_SKEW_DEFAULT_RATIO, &sk, &err) == 0, "%s",
+                  err.msg);
+    rekv_heads hp = {.n_layers = c->n_layers, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads};
+    size_t nh = (size_t)c->n_layers * (size_t)c->n_heads;
+    hp.importance = malloc(sizeof(double) * nh);
+    hp.adjacent_cos = malloc(sizeof(double) * nh);
+    for (size_t i = 0; i < nh; i++)
+        hp.importance[i] = 1, hp.adjacent_cos[i] = 0.5; /* tau 1 at eta 1: every head misses */
+    for (int b = 0; b < B; b++) {
+        prompts[b] = malloc(sizeof(int32_t) * (size_t)lens[b]);
+        for (int t = 0; t < lens[b]; t++)
+            prompts[b][t] = irand(V);
+    }
+    size_t nl = (size_t)(STEPS + 1) * B * V;
+    float *ref = malloc(sizeof(float) * nl), *got = malloc(sizeof(float) * nl);
+    rekv_backend *cu;
+    ck_assert_msg(rekv_backend_cuda_create(0, &cu, &err) == 0, "%s", err.msg);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    pipe_run(&f, cu, &cfg, B, lens, prompts, STEPS, NULL, tokens, ref);
+    cfg.mode = REKV_MODE_OFFLOAD;
+    rekv_backend_stats st;
+    cu->iface->stats_reset(cu);
+    pipe_run(&f, cu, &cfg, B, lens, prompts, STEPS, tokens, NULL, got);
+    cu->iface->stats(cu, &st);
+    uint64_t offload_syncs = st.host_syncs;
+    cfg.mode = REKV_MODE_CLO;
+    cfg.skew = &sk;
+    cfg.heads = &hp;
+    cfg.eta = 1;
+    cfg.max_fraction = 1;
+    cu->iface->stats_reset(cu);
+    pipe_run(&f, cu, &cfg, B, lens, prompts, STEPS, tokens, NULL, got);
+    cu->iface->stats(cu, &st);
+    ck_assert_msg(st.h2d_gathered > 0, "clo: nothing gathered");
+    ck_assert_msg(st.host_syncs == offload_syncs, "clo blocked %llu times, offload %llu",
+                  (unsigned long long)st.host_syncs, (unsigned long long)offload_syncs);
+    expect_close("clo, every head missing, whole context", got, ref, nl,
+                 logit_tol(rekv_engine_weight_dtype(f.e)));
+    rekv_backend_destroy(cu);
+    for (int b = 0; b < B; b++)
+        free(prompts[b]);
+    free(ref), free(got);
+    rekv_heads_free(&hp);
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+}
+END_TEST
+
 /* The arena is page-locked on cuda (1); when cudaHostRegister refuses — here because the range
  * is registered already — the pipeline still builds, and says 0 (the worker's metric and a WARN).
  */
@@ -1607,6 +1675,7 @@ static Suite *suite(void)
     tcase_add_test(tp, pipeline_modes);
     tcase_add_test(tp, pipeline_page_locked);
     tcase_add_test(tp, pipeline_infinigen_gather);
+    tcase_add_test(tp, pipeline_clo);
     tcase_add_test(tp, pipeline_graph);
     suite_add_tcase(s, tp);
     return s;
