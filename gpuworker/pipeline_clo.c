@@ -48,6 +48,7 @@
  * cannot wait for them); the paper computes them on a miss only. */
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -499,8 +500,10 @@ static void clo_unit_run(void *arg)
 void pl_clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
 {
     rekv_stream *sh = p->s_h2d;
+    char name[40]; /* a trace shows each unit's decisions, then the bytes they fetched */
+    snprintf(name, sizeof(name), "clo decisions L%d", cu->layer);
     p->bi->stream_wait_event(sh, p->ig.ev[cu->g]);
-    p->bi->launch_host(sh, "clo decisions", clo_unit_run, cu, 0);
+    p->bi->launch_host(sh, name, clo_unit_run, cu, 0);
     p->bi->copy_h2d_deferred(sh, cu->pieces, &cu->n_pieces, cu->max_pieces, REKV_XFER_KV);
     p->bi->event_record(p->ig.ev_read[cu->g], sh);
 }

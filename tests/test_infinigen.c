@@ -17,6 +17,7 @@
  * How good the speculation is belongs to `rekv eval` (README, "InfiniGen", "CLO"). */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -984,6 +985,188 @@ START_TEST(clo_step_thread_never_waits)
 }
 END_TEST
 
+/* The step thread enqueues a whole clo step before the device has run its loads (as test_ipc
+ * shows for push): a backend whose streams each wait on a gate from their first operation of the
+ * step, which only the step thread's first blocking call opens. For clo that call is the drain at
+ * the step's end, by when every selecting unit's decisions are enqueued; for infinigen it is the
+ * wait for the first unit's scores. (The cpu kernels reach the streams through the cpu table
+ * itself, so a stream may run kernels before its first operation through this one: the
+ * embedding, a speculation — never a unit's loads or decisions, which come through it.) */
+static struct {
+    const rekv_backend_iface *real;
+    int armed, gated, opened, decisions, at_open;
+    rekv_stream *seen[8];
+    int n_seen;
+    const char *first_block; /* "stream_sync" or "event_sync" */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} g_gate = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void gate_wait(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&g_gate.mu);
+    while (!g_gate.opened)
+        pthread_cond_wait(&g_gate.cv, &g_gate.mu);
+    pthread_mutex_unlock(&g_gate.mu);
+}
+
+static void gate_open_by(const char *call)
+{
+    pthread_mutex_lock(&g_gate.mu);
+    if (g_gate.gated && !g_gate.opened) {
+        g_gate.first_block = call;
+        g_gate.at_open = g_gate.decisions;
+        g_gate.opened = 1;
+        pthread_cond_broadcast(&g_gate.cv);
+    }
+    pthread_mutex_unlock(&g_gate.mu);
+}
+
+/* s's first operation of the armed step: the gate first */
+static void gate_stream(rekv_stream *s)
+{
+    if (!g_gate.armed || g_gate.opened)
+        return;
+    for (int i = 0; i < g_gate.n_seen; i++)
+        if (g_gate.seen[i] == s)
+            return;
+    ck_assert_int_lt(g_gate.n_seen, 8);
+    g_gate.seen[g_gate.n_seen++] = s;
+    g_gate.gated = 1;
+    g_gate.real->launch_host(s, "gate", gate_wait, NULL, 0);
+}
+
+static void gated_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, const void *arg,
+                              size_t arg_bytes)
+{
+    gate_stream(s);
+    if (g_gate.armed && strncmp(name, "clo decisions", 13) == 0)
+        g_gate.decisions++;
+    g_gate.real->launch_host(s, name, fn, arg, arg_bytes);
+}
+
+static void gated_h2d(rekv_stream *s, const rekv_copy_piece *pc, size_t n, rekv_xfer_kind kind)
+{
+    gate_stream(s);
+    g_gate.real->copy_h2d(s, pc, n, kind);
+}
+
+static void gated_d2h(rekv_stream *s, const rekv_copy_piece *pc, size_t n, rekv_xfer_kind kind)
+{
+    gate_stream(s);
+    g_gate.real->copy_d2h(s, pc, n, kind);
+}
+
+static void gated_d2d(rekv_stream *s, const rekv_copy_piece *pc, size_t n)
+{
+    gate_stream(s);
+    g_gate.real->copy_d2d(s, pc, n);
+}
+
+static void gated_deferred(rekv_stream *s, const rekv_copy_piece *pc, const size_t *n, size_t max,
+                           rekv_xfer_kind kind)
+{
+    gate_stream(s);
+    g_gate.real->copy_h2d_deferred(s, pc, n, max, kind);
+}
+
+static void gated_record(rekv_event *ev, rekv_stream *s)
+{
+    gate_stream(s);
+    g_gate.real->event_record(ev, s);
+}
+
+static void gated_wait_event(rekv_stream *s, rekv_event *ev)
+{
+    gate_stream(s);
+    g_gate.real->stream_wait_event(s, ev);
+}
+
+static int gated_stream_sync(rekv_stream *s, rekv_err *err)
+{
+    gate_open_by("stream_sync");
+    return g_gate.real->stream_sync(s, err);
+}
+
+static void gated_event_sync(rekv_event *ev)
+{
+    gate_open_by("event_sync");
+    g_gate.real->event_sync(ev);
+}
+
+START_TEST(clo_step_enqueued_before_the_device_runs)
+{
+    clo_fixture x;
+    if (!clo_open(&x, 0.5))
+        return;
+    fixture f = x.f;
+    const rekv_model_config *c = &f.m->config;
+    rekv_backend_iface bi = *f.be->iface;
+    g_gate.real = f.be->iface;
+    bi.launch_host = gated_launch_host;
+    bi.copy_h2d = gated_h2d;
+    bi.copy_d2h = gated_d2h;
+    bi.copy_d2d = gated_d2d;
+    bi.copy_h2d_deferred = gated_deferred;
+    bi.event_record = gated_record;
+    bi.stream_wait_event = gated_wait_event;
+    bi.stream_sync = gated_stream_sync;
+    bi.event_sync = gated_event_sync;
+    f.be->iface = &bi;
+    enum { B = 2, G = 2 };
+    int lens[B] = {100, 150};
+    int32_t **prompts = make_prompts(&f, B, lens);
+    float *logits = malloc(sizeof(float) * B * (size_t)c->vocab);
+    for (int mode = 0; mode < 2; mode++) {
+        rekv_pipeline_config cfg;
+        clo_config(&x, &cfg);
+        cfg.mode = mode ? REKV_MODE_INFINIGEN : REKV_MODE_CLO;
+        cfg.gpu_batches = G;
+        rekv_pipeline *p = NULL;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err) == 0, "%s", err.msg);
+        rekv_pseq *seqs[B];
+        rekv_pipe_item items[B];
+        int32_t next[B] = {1, 2};
+        for (int i = 0; i < B; i++) {
+            ck_assert_msg(rekv_pseq_create(p, lens[i] + 4, &seqs[i], &err) == 0, "%s", err.msg);
+            items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                        .tokens = prompts[i],
+                                        .n_tokens = lens[i],
+                                        .logits = logits + (size_t)i * c->vocab};
+        }
+        ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+        for (int s = 0; s < 2; s++) {
+            for (int i = 0; i < B; i++)
+                items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                            .tokens = &next[i],
+                                            .n_tokens = 1,
+                                            .logits = logits + (size_t)i * c->vocab};
+            g_gate.armed = s == 1, g_gate.gated = g_gate.opened = g_gate.decisions = 0;
+            g_gate.n_seen = 0;
+            g_gate.first_block = NULL;
+            ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+            g_gate.armed = 0;
+        }
+        ck_assert(g_gate.gated && g_gate.opened);
+        if (mode == 0) {
+            ck_assert_str_eq(g_gate.first_block, "stream_sync");
+            ck_assert_int_eq(g_gate.at_open, (c->n_layers - 1) * G);
+            ck_assert_int_eq(g_gate.decisions, (c->n_layers - 1) * G);
+        } else {
+            ck_assert_str_eq(g_gate.first_block, "event_sync");
+        }
+        for (int i = 0; i < B; i++)
+            rekv_pseq_free(seqs[i]);
+        rekv_pipeline_free(p);
+    }
+    f.be->iface = g_gate.real;
+    free(logits);
+    clo_close(&x, prompts, B);
+}
+END_TEST
+
 /* A killed kvstore does not hang a clo step's device-side waits (issue 13): a backend whose
  * deferred copy (the rows the decisions name) first runs, on the same stream, a kill of the store
  * — so the decisions, their copy and the attention all run after the store is gone. They need
@@ -1134,6 +1317,7 @@ static Suite *suite(void)
     tcase_add_test(tc, clo_hits_move_nothing);
     tcase_add_test(tc, clo_any_threads);
     tcase_add_test(tc, clo_step_thread_never_waits);
+    tcase_add_test(tc, clo_step_enqueued_before_the_device_runs);
     tcase_add_test(tc, clo_store_killed_mid_step);
     tcase_add_test(tc, clo_bad_config_refused);
     suite_add_tcase(s, tc);
