@@ -220,16 +220,28 @@ double rekv_pipeline_selected_fraction(const rekv_layer_counters *per, int n_lay
 /* Each step's totals since the last reset, in order ([*n_steps], owned by the pipeline). */
 const rekv_layer_counters *rekv_pipeline_step_counters(const rekv_pipeline *p, size_t *n_steps);
 
-/* infinigen's selection for one (sequence, layer) from its speculated scores [n_heads][len]
- * (pipeline_infinigen.c): fills sel[g * len + j], j < m, with KV head g's tokens (positions
- * ascending) and returns m, the same for every KV head. key seeds REKV_SELECT_RANDOM. scratch:
- * (n_kv + 1) * len floats. */
 /* The device bytes of one sequence's partial keys (infinigen, clo) for cap tokens: fp32
  * [n_layers][cap][n_kv][rk]. The worker sets its device room aside for them. */
 size_t rekv_ig_partial_key_bytes(const rekv_model_config *c, int rk, int cap);
 
+/* infinigen's selection for one (sequence, layer) from its speculated scores [n_heads][len]
+ * (pipeline_infinigen.c): fills sel[g * len + j], j < m, with KV head g's tokens (positions
+ * ascending) and returns m, the same for every KV head. key seeds REKV_SELECT_RANDOM. scratch:
+ * (n_kv + 1) * len floats. */
 int rekv_ig_select(const float *scores, int n_heads, int n_kv, int len, float alpha,
                    float max_fraction, rekv_select how, uint64_t key, int32_t *sel, float *scratch);
+/* clo's decision for one (sequence, layer, KV head) at a decode step (pipeline_clo.c), a pure
+ * function. q, label: [group][head_dim] the group's queries now and when the head's top-k was
+ * chosen (label NULL: nothing cached yet, a miss); imp: [group] the query heads' importances
+ * (Eq. 10's weights); tau: the head's threshold (Eq. 7-9). A hit — Eq. 10's importance-weighted
+ * harmonic mean of the query/label cosines (double) at least tau — returns 0. A miss returns k =
+ * round(frac * len) within [1, min(kmax, middle)] and fills out[0..k) with the offsets, past the
+ * 4 sink tokens, of the k tokens of the middle [sink, len - recent) with the largest sum over the
+ * group of each head's softmax of scores ([group][len], the speculated scores); ties: the lower
+ * position. scratch: 2 len floats. */
+int rekv_clo_decide(const float *q, const float *label, const double *imp, double tau, int group,
+                    int head_dim, const float *scores, int len, float frac, int kmax,
+                    float *scratch, int32_t *out);
 
 /* Generates for a batch of prompts together (prefill as one step, then decode steps over the
  * sequences still running), with the same sampling as rekv_generate. results[n] are filled. */

@@ -257,10 +257,35 @@ static int layer0_plan(rekv_pipeline *p, rekv_pseq *s, const range_ref *kr, rekv
     return 0;
 }
 
-/* The decisions of batch item j of a unit (layer > 0), per KV head that is not persistent: a hit
- * (head_k[g] = 0) or a miss and its top-k (head_k[g] = k, the tokens' offsets past the sink in
- * sel[g * K ..]; the unit's head_k[j] and sel[j]); persistent heads -1. Reads the state only.
- * scratch: 2 len floats. */
+int rekv_clo_decide(const float *q, const float *label, const double *imp, double tau, int group,
+                    int head_dim, const float *scores, int len, float frac, int kmax,
+                    float *scratch, int32_t *out)
+{
+    if (label != NULL) {
+        double sim[group];
+        for (int h = 0; h < group; h++)
+            sim[h] = cosine(q + (size_t)h * (size_t)head_dim, label + (size_t)h * (size_t)head_dim,
+                            head_dim);
+        if (rekv_heads_aggregate(imp, sim, group) >= tau)
+            return 0;
+    }
+    int middle = len - REKV_HEADS_SINK - REKV_HEADS_RECENT; /* tokens [sink, len - recent) */
+    int k = (int)lround((double)frac * len);
+    if (k > kmax)
+        k = kmax;
+    if (k > middle)
+        k = middle;
+    if (k < 1)
+        k = 1;
+    float *comb = pl_ig_group_probs(scores, group, 0, len, scratch, scratch + len, NULL);
+    pl_ig_top(comb + REKV_HEADS_SINK, middle, k, scratch + len, out);
+    return k;
+}
+
+/* The decisions of batch item j of a unit (layer > 0), per KV head that is not persistent
+ * (rekv_clo_decide): a hit (head_k[g] = 0) or a miss and its top-k (head_k[g] = k, the tokens'
+ * offsets past the sink in sel[g * K ..]; the unit's head_k[j] and sel[j]); persistent heads -1.
+ * Reads the state only. scratch: 2 len floats. */
 static void clo_decide(const pl_unit_job *u, int j, float *scratch)
 {
     const rekv_pipeline *p = u->p;
@@ -277,37 +302,16 @@ static void clo_decide(const pl_unit_job *u, int j, float *scratch)
     const float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
     const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
     const float *scores = p->ig.host + st->ig_off[item];
-    int middle = len - REKV_HEADS_SINK - REKV_HEADS_RECENT; /* tokens [sink, len - recent) */
     for (int g = 0; g < nkv; g++) {
-        if (persist[g]) {
-            head_k[g] = -1;
-            continue;
-        }
-        int hit = 0;
-        if (klen[g] >= 0) {
-            double sim[group];
-            for (int h = 0; h < group; h++) {
-                size_t off = (size_t)(g * group + h) * (size_t)hd;
-                sim[h] = cosine(q + off, label + off, hd);
-            }
-            double agg = rekv_heads_aggregate(
-                p->clo.imp + (size_t)layer * (size_t)nh + (size_t)g * (size_t)group, sim, group);
-            hit = agg >= p->clo.tau[(size_t)layer * (size_t)nkv + (size_t)g];
-        }
-        if (hit) {
-            head_k[g] = 0;
-            continue;
-        }
-        int k = (int)lround((double)p->cfg.max_fraction * len);
-        if (k > K)
-            k = K;
-        if (k > middle)
-            k = middle;
-        if (k < 1)
-            k = 1;
-        float *comb = pl_ig_group_probs(scores, group, g, len, scratch, scratch + len, NULL);
-        pl_ig_top(comb + REKV_HEADS_SINK, middle, k, scratch + len, sel + (size_t)g * (size_t)K);
-        head_k[g] = k;
+        size_t h0 = (size_t)g * (size_t)group;
+        head_k[g] =
+            persist[g] ? -1
+                       : rekv_clo_decide(q + h0 * (size_t)hd,
+                                         klen[g] >= 0 ? label + h0 * (size_t)hd : NULL,
+                                         p->clo.imp + (size_t)layer * (size_t)nh + h0,
+                                         p->clo.tau[(size_t)layer * (size_t)nkv + (size_t)g], group,
+                                         hd, scores + h0 * (size_t)len, len, p->cfg.max_fraction, K,
+                                         scratch, sel + (size_t)g * (size_t)K);
     }
 }
 

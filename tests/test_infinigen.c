@@ -488,6 +488,120 @@ START_TEST(selection_matches_brute_force)
 }
 END_TEST
 
+/* clo's decision the slow way: the cosines in double; Eq. 10 as the paper prints it, sum(s_j) /
+ * sum(s_j / sim_j) over the query heads with weight s_j = their importance (every head 1 when
+ * none has any; a weighted head whose similarity is not positive makes the aggregate -1, the
+ * least a cosine can be); a hit when it is at least tau. A miss: k = round(frac * len) clipped to
+ * [1, min(kmax, middle)], the middle's tokens sorted by the group's summed softmax (summed as
+ * brute_select sums it), the first k, as offsets past the sink, ascending. */
+static int brute_clo(const float *q, const float *label, const double *imp, double tau, int group,
+                     int hd, const float *s, int len, float frac, int kmax, int32_t *out)
+{
+    if (label) {
+        double wsum = 0, num = 0, den = 0;
+        int nonpos = 0;
+        for (int h = 0; h < group; h++)
+            wsum += imp[h];
+        for (int h = 0; h < group; h++) {
+            double w = wsum > 0 ? imp[h] : 1, ab = 0, aa = 0, bb = 0;
+            for (int i = 0; i < hd; i++) {
+                double a = q[h * hd + i], b = label[h * hd + i];
+                ab += a * b, aa += a * a, bb += b * b;
+            }
+            double sim = aa > 0 && bb > 0 ? ab / sqrt(aa * bb) : 0;
+            if (w == 0)
+                continue;
+            if (sim <= 0)
+                nonpos = 1;
+            num += w, den += w / sim;
+        }
+        double agg = nonpos || den <= 0 ? -1 : num / den;
+        if (agg >= tau)
+            return 0;
+    }
+    int middle = len - REKV_HEADS_SINK - REKV_HEADS_RECENT;
+    int k = (int)lround((double)frac * len);
+    k = k > kmax ? kmax : k;
+    k = k > middle ? middle : k;
+    k = k < 1 ? 1 : k;
+    scored *all = calloc((size_t)len, sizeof(scored));
+    for (int t = 0; t < len; t++)
+        all[t].t = t;
+    for (int h = 0; h < group; h++) {
+        const float *sh = s + (size_t)h * len;
+        float best = -INFINITY, lane[8] = {0}, sum = 0;
+        for (int t = 0; t < len; t++)
+            best = fmaxf(best, sh[t]);
+        for (int t = 0; t < len; t++)
+            lane[t % 8] += cpu_expf(sh[t] - best);
+        for (int l = 0; l < 8; l++)
+            sum += lane[l];
+        for (int t = 0; t < len; t++)
+            all[t].v += cpu_expf(sh[t] - best) * (1.0f / sum);
+    }
+    qsort(all + REKV_HEADS_SINK, (size_t)middle, sizeof(scored), by_score);
+    for (int j = 0; j < k; j++)
+        out[j] = all[REKV_HEADS_SINK + j].t - REKV_HEADS_SINK;
+    qsort(out, (size_t)k, sizeof(int32_t), by_pos);
+    free(all);
+    return k;
+}
+
+/* rekv_clo_decide, which the pipeline's decisions are, against brute_clo on random queries,
+ * labels (from equal to opposite), importances (zeros among them) and thresholds (the bounds
+ * among them), with coarse scores so that ties happen: the same hit or k, and the same tokens. */
+START_TEST(clo_decisions_match_brute_force)
+{
+    uint64_t x = 17;
+    int hits = 0, misses = 0, fresh = 0;
+    for (int trial = 0; trial < 600; trial++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        int group = 1 + (int)((x >> 40) % 4), hd = 2 + (int)((x >> 50) % 63);
+        int len = REKV_HEADS_SINK + REKV_HEADS_RECENT + 1 + (int)((x >> 20) % 500);
+        float frac = trial % 5 == 0 ? 1.0f : 0.02f + (float)((x >> 30) % 40) / 100.0f;
+        int kmax = trial % 7 == 0 ? 1 + (int)((x >> 12) % 20) : len;
+        double tau = trial % 11 == 0   ? 1.0
+                     : trial % 13 == 0 ? -1.0
+                                       : (double)((x >> 8) % 2001) / 1000 - 1;
+        float mix = (float)((x >> 44) % 101) / 50.0f - 1.0f; /* label = mix * q + noise */
+        size_t n = (size_t)group * (size_t)hd;
+        float *q = malloc(sizeof(float) * n), *lab = malloc(sizeof(float) * n);
+        float *s = malloc(sizeof(float) * (size_t)group * (size_t)len);
+        float *scratch = malloc(sizeof(float) * 2 * (size_t)len);
+        int32_t *a = malloc(sizeof(int32_t) * (size_t)len),
+                *b = malloc(sizeof(int32_t) * (size_t)len);
+        double imp[4];
+        for (int h = 0; h < group; h++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            imp[h] = trial % 17 == 0 ? 0 : (x >> 61) == 0 ? 0 : (double)((x >> 33) % 1000) / 999;
+        }
+        for (size_t i = 0; i < n; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            q[i] = (float)((int)((x >> 33) % 2001) - 1000) / 500.0f;
+            lab[i] = trial % 19 == 0
+                         ? q[i]
+                         : mix * q[i] + (float)((int)((x >> 45) % 2001) - 1000) / 2500.0f;
+        }
+        for (int i = 0; i < group * len; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            s[i] = (float)((int)((x >> 33) % 64) - 32) / 4.0f;
+        }
+        const float *label = trial % 23 == 0 ? NULL : lab;
+        int ka = rekv_clo_decide(q, label, imp, tau, group, hd, s, len, frac, kmax, scratch, a);
+        int kb = brute_clo(q, label, imp, tau, group, hd, s, len, frac, kmax, b);
+        ck_assert_msg(ka == kb, "trial %d: k %d, brute force %d", trial, ka, kb);
+        qsort(a, (size_t)ka, sizeof(int32_t), by_pos);
+        for (int j = 0; j < ka; j++)
+            ck_assert_msg(a[j] == b[j], "trial %d slot %d: token %d, brute force %d", trial, j,
+                          a[j], b[j]);
+        hits += ka == 0, misses += ka > 0, fresh += label == NULL;
+        free(q), free(lab), free(s), free(scratch), free(a), free(b);
+    }
+    ck_assert_msg(hits > 100 && misses > 100 && fresh > 10, "hits %d, misses %d, fresh %d", hits,
+                  misses, fresh);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ what moves */
 
 START_TEST(speculation_moves_less)
@@ -1306,6 +1420,7 @@ static Suite *suite(void)
     TCase *tc = tcase_create("infinigen");
     tcase_set_timeout(tc, 900);
     tcase_add_test(tc, selection_matches_brute_force);
+    tcase_add_test(tc, clo_decisions_match_brute_force);
     tcase_add_test(tc, bad_config_refused);
     tcase_add_test(tc, whole_step_past_the_arena_fails);
     tcase_add_test(tc, speculation_moves_less);
