@@ -460,10 +460,8 @@ static int clo_item_decided(clo_unit *cu, int j)
         if (head_k[g] < 0) /* persistent: planned */
             continue;
         if (head_k[g] == 0) {
-            cu->hits++;
             cu->g_hits[g]++;
         } else {
-            cu->misses++;
             cu->g_misses[g]++;
             int k = head_k[g];
             if (cu->n_pieces + 2 * (size_t)k > cu->max_pieces)
@@ -520,12 +518,12 @@ int pl_clo_step_done(rekv_pipeline *p, step *st, rekv_err *err)
     int rc = 0;
     for (clo_unit *cu = st->clo_units; cu != NULL; cu = cu->next) {
         rekv_layer_counters *cnt = &p->counters[cu->layer];
-        cnt->head_hits += cu->hits;
-        cnt->head_misses += cu->misses;
         cnt->h2d_bytes[REKV_XFER_KV] += cu->rows * 2 * row;
         cnt->tokens_fetched += cu->tokens_fetched;
         for (int g = 0; g < p->c->n_kv_heads; g++) {
             size_t at = (size_t)cu->layer * (size_t)p->c->n_kv_heads + (size_t)g;
+            cnt->head_hits += cu->g_hits[g];
+            cnt->head_misses += cu->g_misses[g];
             p->clo.hits[at] += cu->g_hits[g];
             p->clo.misses[at] += cu->g_misses[g];
         }

@@ -316,10 +316,10 @@ typedef struct clo_unit {
     size_t per;              /* scratch floats per thread */
     rekv_copy_piece *pieces; /* the misses' rows, for copy_h2d_deferred */
     size_t n_pieces, max_pieces;
-    uint64_t hits, misses, rows, tokens_fetched; /* the decisions' counts */
-    uint64_t *g_hits, *g_misses;                 /* [n_kv] the same per KV head */
-    int rc;                                      /* 0, or how the decisions failed */
-    struct clo_unit *next;                       /* the step's list */
+    uint64_t rows, tokens_fetched; /* the decisions' counts: rows fetched, tokens */
+    uint64_t *g_hits, *g_misses;   /* [n_kv] each KV head's hits and misses */
+    int rc;                        /* 0, or how the decisions failed */
+    struct clo_unit *next;         /* the step's list */
 } clo_unit;
 
 /* ------------------------------------------------------------------ across the files */
