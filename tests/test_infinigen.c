@@ -58,6 +58,33 @@ typedef struct run {
     uint64_t *head_hits, *head_misses; /* clo: [n_layers][n_kv] of the decode steps, else NULL */
 } run;
 
+/* B sequences of p, each with room for its prompt and `more` tokens, prefilled in one step:
+ * sequence i's logits at logits + i * vocab. */
+static void prefill(rekv_pipeline *p, int vocab, int B, const int *lens, int32_t *const *prompts,
+                    int more, rekv_pseq **seqs, rekv_pipe_item *items, float *logits)
+{
+    rekv_err err = {0};
+    for (int i = 0; i < B; i++) {
+        ck_assert_msg(rekv_pseq_create(p, lens[i] + more, &seqs[i], &err) == 0, "%s", err.msg);
+        items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                    .tokens = prompts[i],
+                                    .n_tokens = lens[i],
+                                    .logits = logits + (size_t)i * vocab};
+    }
+    ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+}
+
+/* A decode step's items: sequence i takes token next[i], its logits at logits + i * vocab. */
+static void decode_items(rekv_pseq *const *seqs, const int32_t *next, int B, float *logits,
+                         int vocab, rekv_pipe_item *items)
+{
+    for (int i = 0; i < B; i++)
+        items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                    .tokens = &next[i],
+                                    .n_tokens = 1,
+                                    .logits = logits + (size_t)i * vocab};
+}
+
 static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int *lens,
                    int32_t *const *prompts, int steps, run *out)
 {
@@ -73,27 +100,16 @@ static void do_run(fixture *f, const rekv_pipeline_config *cfg, int B, const int
     int32_t *next = calloc((size_t)B, sizeof(int32_t));
     out->logits = malloc(sizeof(float) * (size_t)(steps + 1) * (size_t)B * (size_t)V);
     out->layers = calloc((size_t)L, sizeof(rekv_layer_counters));
-    for (int i = 0; i < B; i++) {
-        ck_assert_msg(rekv_pseq_create(p, lens[i] + steps, &seqs[i], &err) == 0, "%s", err.msg);
-        items[i] = (rekv_pipe_item){.seq = seqs[i],
-                                    .tokens = prompts[i],
-                                    .n_tokens = lens[i],
-                                    .logits = out->logits + (size_t)i * V};
-    }
-    ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+    prefill(p, V, B, lens, prompts, steps, seqs, items, out->logits);
     rekv_pipeline_counters(p, &out->prefill);
     rekv_pipeline_counters_reset(p);
     rekv_backend_stats bst;
     f->be->iface->stats(f->be, &bst);
     out->host_syncs = bst.host_syncs;
     for (int s = 1; s <= steps; s++) {
-        for (int i = 0; i < B; i++) {
+        for (int i = 0; i < B; i++)
             next[i] = rekv_argmax(out->logits + ((size_t)(s - 1) * B + i) * V, V);
-            items[i] = (rekv_pipe_item){.seq = seqs[i],
-                                        .tokens = &next[i],
-                                        .n_tokens = 1,
-                                        .logits = out->logits + ((size_t)s * B + i) * V};
-        }
+        decode_items(seqs, next, B, out->logits + (size_t)s * B * V, V, items);
         ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
     }
     f->be->iface->stats(f->be, &bst);
@@ -1243,20 +1259,9 @@ START_TEST(clo_step_enqueued_before_the_device_runs)
         rekv_pseq *seqs[B];
         rekv_pipe_item items[B];
         int32_t next[B] = {1, 2};
-        for (int i = 0; i < B; i++) {
-            ck_assert_msg(rekv_pseq_create(p, lens[i] + 4, &seqs[i], &err) == 0, "%s", err.msg);
-            items[i] = (rekv_pipe_item){.seq = seqs[i],
-                                        .tokens = prompts[i],
-                                        .n_tokens = lens[i],
-                                        .logits = logits + (size_t)i * c->vocab};
-        }
-        ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+        prefill(p, c->vocab, B, lens, prompts, 4, seqs, items, logits);
         for (int s = 0; s < 2; s++) {
-            for (int i = 0; i < B; i++)
-                items[i] = (rekv_pipe_item){.seq = seqs[i],
-                                            .tokens = &next[i],
-                                            .n_tokens = 1,
-                                            .logits = logits + (size_t)i * c->vocab};
+            decode_items(seqs, next, B, logits, c->vocab, items);
             g_gate.armed = s == 1, g_gate.gated = g_gate.opened = g_gate.decisions = 0;
             g_gate.n_seen = 0;
             g_gate.first_block = NULL;
@@ -1332,21 +1337,10 @@ START_TEST(clo_store_killed_mid_step)
     rekv_pipe_item items[B];
     int32_t next[B] = {1, 2};
     float *logits = malloc(sizeof(float) * B * (size_t)c->vocab);
-    for (int i = 0; i < B; i++) {
-        ck_assert_msg(rekv_pseq_create(p, lens[i] + 8, &seqs[i], &err) == 0, "%s", err.msg);
-        items[i] = (rekv_pipe_item){.seq = seqs[i],
-                                    .tokens = prompts[i],
-                                    .n_tokens = lens[i],
-                                    .logits = logits + (size_t)i * c->vocab};
-    }
-    ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+    prefill(p, c->vocab, B, lens, prompts, 8, seqs, items, logits);
     uint64_t decided[3] = {0, 0, 0};
     for (int s = 0; s < 3; s++) {
-        for (int i = 0; i < B; i++)
-            items[i] = (rekv_pipe_item){.seq = seqs[i],
-                                        .tokens = &next[i],
-                                        .n_tokens = 1,
-                                        .logits = logits + (size_t)i * c->vocab};
+        decode_items(seqs, next, B, logits, c->vocab, items);
         rekv_pipeline_counters_reset(p);
         if (s == 2)
             g_kill_pid = f.store_pid;
@@ -1371,17 +1365,8 @@ START_TEST(clo_store_killed_mid_step)
     rekv_pipeline_free(p);
     f.be->iface = g_real_bi;
     free(logits);
-    for (int b = 0; b < B; b++)
-        free(prompts[b]);
-    free(prompts);
-    rekv_kvstore_client_close(f.store);
-    rekv_backend_destroy(f.be);
-    rekv_engine_free(f.e);
-    rekv_model_close(f.m);
-    tu_rmrf(f.dir);
-    free(f.dir);
-    rekv_heads_free(&x.hp);
-    rekv_skew_free(&x.sk);
+    x.f.store_pid = 0; /* reaped by the kill: nothing to stop */
+    clo_close(&x, prompts, B);
 }
 END_TEST
 
