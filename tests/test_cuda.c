@@ -1428,6 +1428,25 @@ START_TEST(pipeline_modes)
 }
 END_TEST
 
+/* What the sparse modes' tests start from: a skew calibrated on 96 random ids, and B random
+ * prompts of lens[b] tokens (the caller frees them). */
+static void sparse_setup(fixture *f, int B, const int *lens, rekv_skew *sk, int32_t **prompts)
+{
+    enum { CAL = 96 };
+    int V = f->m->config.vocab;
+    int32_t cal[CAL];
+    rekv_err err = {0};
+    for (int i = 0; i < CAL; i++)
+        cal[i] = irand(V);
+    ck_assert_msg(rekv_skew_calibrate(f->e, cal, CAL, REKV_SKEW_DEFAULT_RATIO, sk, &err) == 0, "%s",
+                  err.msg);
+    for (int b = 0; b < B; b++) {
+        prompts[b] = malloc(sizeof(int32_t) * (size_t)lens[b]);
+        for (int t = 0; t < lens[b]; t++)
+            prompts[b][t] = irand(V);
+    }
+}
+
 /* infinigen on cuda: every token selected gives cuda resident's logits (up to the kernels'
  * summation order), the selected rows gathered from the arena on the device (h2d_gathered); the
  * speculated selection gathers too. */
@@ -1439,19 +1458,11 @@ START_TEST(pipeline_infinigen_gather)
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cuda");
     rekv_err err = {0};
-    enum { B = 2, STEPS = 3, CAL = 96 };
+    enum { B = 2, STEPS = 3 };
     int V = f.m->config.vocab, lens[B] = {300, 200};
-    int32_t cal[CAL], *prompts[B], tokens[STEPS * B];
-    for (int i = 0; i < CAL; i++)
-        cal[i] = irand(V);
+    int32_t *prompts[B], tokens[STEPS * B];
     rekv_skew sk;
-    ck_assert_msg(rekv_skew_calibrate(f.e, cal, CAL, REKV_SKEW_DEFAULT_RATIO, &sk, &err) == 0, "%s",
-                  err.msg);
-    for (int b = 0; b < B; b++) {
-        prompts[b] = malloc(sizeof(int32_t) * (size_t)lens[b]);
-        for (int t = 0; t < lens[b]; t++)
-            prompts[b][t] = irand(V);
-    }
+    sparse_setup(&f, B, lens, &sk, prompts);
     size_t nl = (size_t)(STEPS + 1) * B * V;
     float *ref = malloc(sizeof(float) * nl), *got = malloc(sizeof(float) * nl);
     rekv_backend *cu;
@@ -1494,25 +1505,17 @@ START_TEST(pipeline_clo)
     tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
     const rekv_model_config *c = &f.m->config;
     rekv_err err = {0};
-    enum { B = 2, STEPS = 3, CAL = 96 };
+    enum { B = 2, STEPS = 3 };
     int V = c->vocab, lens[B] = {300, 200};
-    int32_t cal[CAL], *prompts[B], tokens[STEPS * B];
-    for (int i = 0; i < CAL; i++)
-        cal[i] = irand(V);
+    int32_t *prompts[B], tokens[STEPS * B];
     rekv_skew sk;
-    ck_assert_msg(rekv_skew_calibrate(f.e, cal, CAL, REKV_SKEW_DEFAULT_RATIO, &sk, &err) == 0, "%s",
-                  err.msg);
+    sparse_setup(&f, B, lens, &sk, prompts);
     rekv_heads hp = {.n_layers = c->n_layers, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads};
     size_t nh = (size_t)c->n_layers * (size_t)c->n_heads;
     hp.importance = malloc(sizeof(double) * nh);
     hp.adjacent_cos = malloc(sizeof(double) * nh);
     for (size_t i = 0; i < nh; i++)
         hp.importance[i] = 1, hp.adjacent_cos[i] = 0.5; /* tau 1 at eta 1: every head misses */
-    for (int b = 0; b < B; b++) {
-        prompts[b] = malloc(sizeof(int32_t) * (size_t)lens[b]);
-        for (int t = 0; t < lens[b]; t++)
-            prompts[b][t] = irand(V);
-    }
     size_t nl = (size_t)(STEPS + 1) * B * V;
     float *ref = malloc(sizeof(float) * nl), *got = malloc(sizeof(float) * nl);
     rekv_backend *cu;

@@ -329,7 +329,7 @@ START_TEST(modes_stories260k)
 END_TEST
 
 /* f: a synthetic model of spec, written to a fresh directory, with its kvstore (fp32 cache).
- * Returns the directory, for tu_rmrf and free once f is closed. */
+ * Returns the directory, for synth_fixture_close. */
 static char *synth_fixture(fixture *f, const rekv_synth_spec *spec)
 {
     char *dir = tu_tmpdir(), path[4200];
@@ -338,6 +338,14 @@ static char *synth_fixture(fixture *f, const rekv_synth_spec *spec)
     ck_assert_msg(rekv_synth_write(spec, path, &err) == 0, "%s", err.msg);
     tu_fixture_open(f, path, REKV_DTYPE_F32, NULL);
     return dir;
+}
+
+/* Closes f and removes dir, synth_fixture's model. */
+static void synth_fixture_close(fixture *f, char *dir)
+{
+    tu_fixture_close(f);
+    tu_rmrf(dir);
+    free(dir);
 }
 
 /* synthetic models: OPT (MHA, biases, learned positions) and Llama (GQA, untied head) */
@@ -682,9 +690,7 @@ START_TEST(draws_on_device)
     free(logits);
     free(scratch);
     rekv_pipeline_free(pl);
-    tu_fixture_close(&f);
-    tu_rmrf(mdir);
-    free(mdir);
+    synth_fixture_close(&f, mdir);
 }
 END_TEST
 
@@ -758,9 +764,7 @@ START_TEST(graph_steps)
     ck_assert_uint_eq(back[1][STEPS], 4 * (B - 1));
     ck_assert_uint_eq(gsteps[1], STEPS - 2);
     free(logits);
-    tu_fixture_close(&f);
-    tu_rmrf(mdir);
-    free(mdir);
+    synth_fixture_close(&f, mdir);
 }
 END_TEST
 
@@ -819,9 +823,7 @@ START_TEST(fetch_overlaps_compute)
     rekv_pseq_free(s);
     rekv_pipeline_free(pl);
     rekv_backend_destroy(be);
-    tu_fixture_close(&f);
-    tu_rmrf(mdir);
-    free(mdir);
+    synth_fixture_close(&f, mdir);
 }
 END_TEST
 
