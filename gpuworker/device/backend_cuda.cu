@@ -55,15 +55,19 @@ static cuda_backend *backend_of(rekv_backend *base)
     return (cuda_backend *)base->ctx;
 }
 
+/* Under the backend's lock: a host function (deferred_fill) fails its stream from CUDA's callback
+ * thread while the step thread may be failing the same stream at enqueue; the first one stays. */
 void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
 {
-    if (s->err_code != 0)
-        return;
-    s->err_code = code;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(s->err_msg, sizeof(s->err_msg), fmt, ap);
-    va_end(ap);
+    pthread_mutex_lock(&s->be->mu);
+    if (s->err_code == 0) {
+        s->err_code = code;
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(s->err_msg, sizeof(s->err_msg), fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_unlock(&s->be->mu);
 }
 
 int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what)
