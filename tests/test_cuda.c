@@ -990,8 +990,10 @@ START_TEST(runtime_gather)
 END_TEST
 
 /* copy_h2d_deferred: the pieces a host function on the stream writes (clo's decisions), gathered
- * on the device from registered memory when the stream reaches them, counted then; a piece from
- * memory the device cannot map fails the stream, and a capture refuses the copy. */
+ * on the device from registered memory when the stream reaches them, counted then; many enqueued
+ * back to back (a clo step's units, each with room for every row it could fetch) never block the
+ * caller, a larger one included; a piece from memory the device cannot map fails the stream, and
+ * a capture refuses the copy. */
 typedef struct deferred_arg {
     rekv_copy_piece *list, *write;
     size_t *n, write_n;
@@ -1047,6 +1049,44 @@ START_TEST(runtime_deferred_gather)
     bi->stats(g_cu, &st);
     ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total);
     ck_assert_uint_eq(st.h2d_gathered, m);
+    /* a step's worth: R copies of K rows, each with room for N (64 x 3001 descriptors held at
+     * once), the last with room for 4N */
+    enum { R = 64, K = 40 };
+    rekv_copy_piece *lists = malloc(sizeof(*lists) * R * K),
+                    *writes = malloc(sizeof(*writes) * R * K);
+    size_t ns[R];
+    deferred_arg as[R];
+    ck_assert(lists && writes);
+    memset(want, 0, db);
+    total = 0;
+    for (size_t i = 0; i < R * K; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        size_t so = (size_t)((x >> 24) % (hb / ROW)) * ROW;
+        writes[i] = (rekv_copy_piece){dev + i * ROW, host + so, ROW};
+        memcpy(want + i * ROW, host + so, ROW);
+        total += ROW;
+    }
+    bi->copy_h2d(s, &clear, 1, REKV_XFER_OTHER);
+    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    bi->stats_reset(g_cu);
+    for (int r = 0; r < R; r++) {
+        ns[r] = 0;
+        as[r] = (deferred_arg){lists + r * K, writes + r * K, &ns[r], K};
+        bi->launch_host(s, "decide", deferred_write, &as[r], sizeof(as[r]));
+        bi->copy_h2d_deferred(s, lists + r * K, &ns[r], r == R - 1 ? 4 * N : N, REKV_XFER_KV);
+    }
+    bi->stats(g_cu, &st);
+    ck_assert_msg(st.host_syncs == 0,
+                  "enqueueing %d deferred gathers blocked the caller %llu times", R,
+                  (unsigned long long)st.host_syncs);
+    bi->copy_d2h(s, &down, 1, REKV_XFER_OTHER);
+    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    ck_assert_msg(memcmp(back, want, db) == 0, "the deferred gathers copied other bytes");
+    bi->stats(g_cu, &st);
+    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total);
+    ck_assert_uint_eq(st.h2d_gathered, R * K);
+    ck_assert_uint_eq(st.host_syncs, 1);
+    free(lists), free(writes);
     /* unregistered memory */
     write[5].src = plain;
     bi->launch_host(s, "decide", deferred_write, &a, sizeof(a));

@@ -14,7 +14,9 @@
  * h2d call is many small rows from host memory that host_register mapped (infinigen's and clo's
  * selected tokens from the kvstore arena: thousands of rows of a few hundred bytes, each a DMA of
  * microseconds), a gather kernel reads the rows through the mapping instead — one launch, its
- * row list in a per-stream ring of mapped pinned memory (issue 13's zero-copy gather).
+ * row list in a per-stream ring of mapped pinned memory (issue 13's zero-copy gather); a deferred
+ * copy's list, written by a host function when the stream reaches it, in a per-stream area
+ * (cu_deferred_area).
  *
  * Stats and trace: byte and copy counters are exact and counted at enqueue. Busy times are
  * measured on the GPU while timing is on or a trace records (off otherwise: it costs two event
@@ -320,6 +322,21 @@ static void count_host_sync(cuda_backend *be)
     pthread_mutex_unlock(&be->mu);
 }
 
+/* Frees s's retired deferred areas, and with all its current one; s must be idle. */
+static void deferred_area_release(rekv_stream *s, int all)
+{
+    cu_deferred_area *a = &s->deferred;
+    for (size_t i = 0; i < a->n_retired; i++)
+        cudaFreeHost(a->retired[i]);
+    free(a->retired);
+    a->retired = NULL;
+    a->n_retired = 0;
+    if (all && a->host != NULL) {
+        cudaFreeHost(a->host);
+        *a = (cu_deferred_area){0};
+    }
+}
+
 static int cu_stream_sync(rekv_stream *s, rekv_err *err)
 {
     count_host_sync(s->be);
@@ -328,6 +345,8 @@ static int cu_stream_sync(rekv_stream *s, rekv_err *err)
     if (e == cudaSuccess)
         e = cudaGetLastError();
     cuda_stream_check(s, e, "synchronize");
+    if (e == cudaSuccess)
+        deferred_area_release(s, 0);
     stream_resolve(s); /* ops whose events cannot be read (after a fault) are dropped */
     int rc = 0;
     if (s->err_code != 0) {
@@ -453,6 +472,7 @@ static void cu_stream_destroy(rekv_stream *s)
             cudaEventDestroy(s->gather.busy[i].ev);
         cudaFreeHost(s->gather.host);
     }
+    deferred_area_release(s, 1); /* idle, or failed for good: nothing reads it any more */
     if (s->kstate_free != NULL)
         s->kstate_free(s->kstate); /* the stream is idle: synchronised above */
     cudaStreamDestroy(s->cs);
@@ -811,23 +831,29 @@ static long gather_slice(rekv_stream *s, size_t n)
     return (long)lo;
 }
 
-/* The launch and the ring's bookkeeping of a gather of rows (at most) whose descriptors are at
- * slice lo (n: their count, or CU_GATHER_COUNTED). Returns 1 (done, or the stream failed). */
-static int gather_launch(rekv_stream *s, long lo, size_t rows, size_t slots, size_t n)
+/* Launches the gather of rows (at most) whose descriptors are d (n: their count, or
+ * CU_GATHER_COUNTED). */
+static void gather_kernel_launch(rekv_stream *s, const cu_gather_desc *d, size_t rows, size_t n)
 {
-    cuda_backend *be = s->be;
     size_t groups = (rows + 31) / 32, per_block = CU_GATHER_THREADS / 32;
-    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)be->sms * 2;
+    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)s->be->sms * 2;
     unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
-    gather_kernel<<<blocks ? blocks : 1, CU_GATHER_THREADS, 0, s->cs>>>(s->gather.dev + lo, n);
+    gather_kernel<<<blocks ? blocks : 1, CU_GATHER_THREADS, 0, s->cs>>>(d, n);
     cuda_launch_check(s, "gather");
+}
+
+/* The launch and the ring's bookkeeping of a gather of n rows whose descriptors are at slice lo.
+ * Returns 1 (done, or the stream failed). */
+static int gather_launch(rekv_stream *s, long lo, size_t n)
+{
+    gather_kernel_launch(s, s->gather.dev + lo, n, n);
     cu_gather_ring *g = &s->gather;
     if (cuda_stream_check(s, cudaEventRecord(g->busy[g->n_busy].ev, s->cs), "gather ring"))
         return 1;
     g->busy[g->n_busy].lo = (size_t)lo;
-    g->busy[g->n_busy].hi = (size_t)lo + slots;
+    g->busy[g->n_busy].hi = (size_t)lo + n;
     g->n_busy++;
-    g->head = (size_t)lo + slots;
+    g->head = (size_t)lo + n;
     return 1;
 }
 
@@ -872,18 +898,18 @@ static int gather_enqueue(rekv_stream *s, const rekv_copy_run *runs, size_t nr, 
     pthread_mutex_lock(&be->mu);
     be->stats.h2d_gathered += rows;
     pthread_mutex_unlock(&be->mu);
-    return gather_launch(s, lo, rows, rows, rows);
+    return gather_launch(s, lo, rows);
 }
 
-/* A deferred gather (copy_h2d_deferred): a host function fills its slice when the stream reaches
- * it — each piece's source through the mapping, the count first — and counts it; the kernel
- * after it copies. */
+/* A deferred gather (copy_h2d_deferred): a host function fills the stream's deferred area when
+ * the stream reaches it — each piece's source through the mapping, the count first — and counts
+ * it; the kernel after it copies. */
 typedef struct cu_deferred {
     rekv_stream *s;
     const rekv_copy_piece *pieces;
     const size_t *n;
     size_t max;
-    cu_gather_desc *d; /* the slice: max + 1 descriptors */
+    cu_gather_desc *d; /* the area: room for max + 1 descriptors */
     rekv_xfer_kind kind;
 } cu_deferred;
 
@@ -928,6 +954,39 @@ static void CUDART_CB deferred_fill(void *arg)
     free(x);
 }
 
+/* Makes s's deferred area hold n descriptors (cu_deferred_area): a larger one replaces it, twice
+ * the size asked, and the old one is retired. 0, or -1 with the stream failed. */
+static int deferred_area_fit(rekv_stream *s, size_t n)
+{
+    cu_deferred_area *a = &s->deferred;
+    if (a->host != NULL && n <= a->cap)
+        return 0;
+    void **r = (void **)realloc(a->retired, (a->n_retired + 1) * sizeof(*r));
+    if (r == NULL) {
+        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a deferred copy", s->name);
+        return -1;
+    }
+    a->retired = r;
+    size_t cap = 2 * n;
+    void *h = NULL, *d = NULL;
+    if (cudaHostAlloc(&h, cap * sizeof(cu_gather_desc),
+                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
+        cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
+        cudaGetLastError();
+        if (h != NULL)
+            cudaFreeHost(h);
+        cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a deferred gather's %zu rows",
+                         s->name, n);
+        return -1;
+    }
+    if (a->host != NULL)
+        a->retired[a->n_retired++] = a->host;
+    a->host = (cu_gather_desc *)h;
+    a->dev = (const cu_gather_desc *)d;
+    a->cap = cap;
+    return 0;
+}
+
 static void cu_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
                                  size_t max, rekv_xfer_kind kind)
 {
@@ -945,17 +1004,17 @@ static void cu_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, 
         return;
     }
     cuda_use_device(s->be);
-    long lo = gather_slice(s, max + 1);
-    if (lo < 0) {
+    if (deferred_area_fit(s, max + 1)) {
         free(x);
         return;
     }
-    *x = (cu_deferred){s, pieces, n, max, s->gather.host + lo, kind};
+    cu_deferred_area *a = &s->deferred;
+    *x = (cu_deferred){s, pieces, n, max, a->host, kind};
     long op = cuda_op_begin(s, CU_OP_H2D, "h2d deferred gather");
     if (cuda_stream_check(s, cudaLaunchHostFunc(s->cs, deferred_fill, x), "deferred copy"))
         free(x);
     else
-        gather_launch(s, lo, max, max + 1, CU_GATHER_COUNTED);
+        gather_kernel_launch(s, a->dev, max, CU_GATHER_COUNTED);
     cuda_op_end(s, op);
 }
 
