@@ -450,6 +450,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     if ((p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) &&
         (rc = pl_ig_prepare(p, &st, err)))
         goto out;
+    if ((rc = pl_ensure_recompute(p, &st, err)))
+        goto out;
     /* a resident decode step is recorded, to run as one graph where it repeats */
     graphed = pl_graph_begin(p, items, n_items);
     k = p->k;

@@ -1,9 +1,12 @@
 /* pipeline_buffers.c — the decode pipeline's memory: the metadata arena (host memory that kernels
  * read directly: positions, attention descriptors, convert lists), one step's memory (the arena's
  * chunks and the host-only copy lists, all released when the step ends), and the grow-only device
- * buffers that pl_ensure_buffers sizes for each step while the streams are idle — the attention
- * buffers shared with the kvstore under push, which writes the KV rows into them. */
+ * buffers that pl_ensure_buffers and pl_ensure_recompute size for each step while the streams are
+ * idle — the attention buffers shared with the kvstore under push, which writes the KV rows into
+ * them; the recomputation's last, and lowering a split the device cannot hold. */
 #include "gpuworker/pipeline_internal.h"
+
+#include "common/log.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -149,7 +152,98 @@ static int dbuf_ensure_shared(rekv_pipeline *p, dbuf *b, rekv_ipc_handle *h, siz
     return 0;
 }
 
-/* Sizes every buffer for this step; called while the streams are idle. */
+/* The recomputation's buffers (both parities' activation staging, the fp32 input, the recomputed
+ * K and V) for rows context rows of a GPU batch. */
+static int recompute_buffers(rekv_pipeline *p, size_t rows)
+{
+    const rekv_model_config *c = p->c;
+    size_t H = (size_t)c->hidden, KV = (size_t)rekv_config_kv_dim(c), f = sizeof(float);
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    return pl_dbuf_ensure(p, &p->par[0].act_stage, rows * H * dsz) |
+           pl_dbuf_ensure(p, &p->par[1].act_stage, rows * H * dsz) |
+           pl_dbuf_ensure(p, &p->act_f32, rows * H * f) | pl_dbuf_ensure(p, &p->kr, rows * KV * f) |
+           pl_dbuf_ensure(p, &p->vr, rows * KV * f);
+}
+
+static void recompute_buffers_free(rekv_pipeline *p)
+{
+    pl_dbuf_free(p, &p->par[0].act_stage);
+    pl_dbuf_free(p, &p->par[1].act_stage);
+    pl_dbuf_free(p, &p->act_f32);
+    pl_dbuf_free(p, &p->kr);
+    pl_dbuf_free(p, &p->vr);
+}
+
+/* Lowers the split of step st's items so that no GPU batch recomputes more than rows context
+ * rows: each batch's items in order take what is left. kvpr's tokens [device part, split) and
+ * infinigen's up to split tokens are then recomputed only in part, and the rest of them come as
+ * K,V — which the store keeps for every token in both modes, so the values are the same. */
+static void lower_splits(rekv_pipeline *p, step *st, size_t rows)
+{
+    for (int g = 0; g < st->n_g; g++) {
+        size_t left = rows;
+        for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++) {
+            size_t want = pl_item_recompute_rows(p, st, i);
+            if (want <= left) {
+                left -= want;
+                continue;
+            }
+            const rekv_pseq *s = st->items[i].seq;
+            int dev = s->dev_tokens < s->len ? s->dev_tokens : s->len;
+            st->split[i] = (p->cfg.mode == REKV_MODE_KVPR ? dev : 0) + (int)left;
+            left = 0;
+        }
+    }
+}
+
+/* The recomputation's buffers for a step whose GPU batches recompute at most *rows context rows.
+ * Where the device cannot hold them and the split is the pipeline's choice (kvpr, infinigen with
+ * a split: the modes whose store keeps K,V beside the activations), the rows are seven eighths of
+ * the most that fit (bisection) — found once: later steps keep to them, act_rows_cap — and the
+ * step's split is lowered to them. 0, or -ENOMEM. */
+static int recompute_fit(rekv_pipeline *p, step *st, size_t *rows)
+{
+    int lowerable =
+        p->cfg.mode == REKV_MODE_KVPR || (p->cfg.mode == REKV_MODE_INFINIGEN && p->keep_act);
+    size_t want = *rows, r = want;
+    if (lowerable && p->act_rows_cap > 0 && r > p->act_rows_cap)
+        r = p->act_rows_cap;
+    else if (recompute_buffers(p, r) != 0) {
+        if (!lowerable)
+            return -ENOMEM;
+        /* the most rows that fit, to within 1/64: lo fits (0: nothing does), hi does not; the
+         * buffers are idle (so are the streams), freed before each try */
+        size_t lo = 0, hi = r;
+        while (hi - lo > 1 + hi / 64) {
+            size_t mid = lo + (hi - lo) / 2;
+            recompute_buffers_free(p);
+            if (recompute_buffers(p, mid) == 0)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        /* an eighth of them kept back for what kernels allocate as they run (cuda: stream-
+         * ordered scratch) */
+        recompute_buffers_free(p);
+        r = lo - lo / 8;
+        if (r == 0 || recompute_buffers(p, r) != 0)
+            return -ENOMEM;
+        if (p->act_rows_cap == 0)
+            rekv_log(REKV_LOG_WARN,
+                     "pipeline: the device holds the recomputation of %zu context rows per GPU "
+                     "batch, not the %zu the split asks; the rest come as K,V (the same values, "
+                     "more bytes on the link)",
+                     r, want);
+        p->act_rows_cap = r;
+    }
+    if (r < want)
+        lower_splits(p, st, r);
+    *rows = r;
+    return 0;
+}
+
+/* Sizes every buffer for this step but the recomputation's (pl_ensure_recompute); called while the
+ * streams are idle. */
 int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
@@ -157,24 +251,20 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
     size_t Q = (size_t)rekv_config_q_dim(c), KV = (size_t)rekv_config_kv_dim(c);
     size_t F = (size_t)c->ffn, H = (size_t)c->hidden, f = sizeof(float);
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
-    size_t max_act_g = 1, max_kv_g = 0, max_rows = 0, max_ctx = 1;
+    size_t max_kv_g = 0, max_rows = 0, max_ctx = 1;
     int rc = 0;
     for (int g = 0; g < st->n_g; g++) {
         size_t T = (size_t)st->g_rows[g], ns = (size_t)(st->g_begin[g + 1] - st->g_begin[g]);
-        size_t act = 0, kv_elems = 0, tops = 0;
+        size_t kv_elems = 0, tops = 0;
         for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++) {
             size_t tot = (size_t)st->items[i].seq->len + (size_t)st->items[i].n_tokens;
             tops += st->items[i].smp ? (size_t)st->items[i].n_top : 0;
-            if (p->cfg.mode != REKV_MODE_RESIDENT)
-                act += pl_item_recompute_rows(p, st, i);
             kv_elems += rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, (int)tot);
             if (tot > max_ctx)
                 max_ctx = tot;
             if ((size_t)st->items[i].seq->clo_slots > max_ctx) /* clo: its head caches */
                 max_ctx = (size_t)st->items[i].seq->clo_slots;
         }
-        if (act > max_act_g)
-            max_act_g = act;
         if (kv_elems > max_kv_g)
             max_kv_g = kv_elems;
         if (T > max_rows)
@@ -202,16 +292,30 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
             } else {
                 rc |= pl_dbuf_ensure(p, &pr->attn_kv, max_kv_g * dsz);
             }
-            /* the recomputation's rows: only the context it rebuilds (none for offload) */
-            rc |= pl_dbuf_ensure(p, &pr->act_stage, max_act_g * H * dsz) |
-                  pl_dbuf_ensure(p, &pr->out_stage, max_rows * H * dsz);
+            rc |= pl_dbuf_ensure(p, &pr->out_stage, max_rows * H * dsz);
         }
-        rc |= pl_dbuf_ensure(p, &p->act_f32, max_act_g * H * f) |
-              pl_dbuf_ensure(p, &p->kr, max_act_g * KV * f) |
-              pl_dbuf_ensure(p, &p->vr, max_act_g * KV * f);
     }
     if (rc)
         return rekv_errf(err, -ENOMEM, "step: out of device memory for a batch of %d sequences",
                          st->n_items);
+    return 0;
+}
+
+int pl_ensure_recompute(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    if (p->cfg.mode == REKV_MODE_RESIDENT)
+        return 0;
+    size_t rows = 1; /* a GPU batch's: only the context it rebuilds (none for offload) */
+    for (int g = 0; g < st->n_g; g++) {
+        size_t act = 0;
+        for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++)
+            act += pl_item_recompute_rows(p, st, i);
+        if (act > rows)
+            rows = act;
+    }
+    if (recompute_fit(p, st, &rows))
+        return rekv_errf(err, -ENOMEM,
+                         "step: out of device memory for the recomputation of %zu context rows",
+                         rows);
     return 0;
 }

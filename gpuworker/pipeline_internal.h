@@ -149,9 +149,11 @@ struct rekv_pipeline {
     int head_tied;
     gbatch gb[MAX_GPU_BATCHES];
     parity par[2];
-    dbuf act_f32;                  /* recomputation input rows [n][hidden] fp32 */
-    dbuf kr, vr;                   /* recomputed K, V rows [n][kv_dim] */
-    dbuf scores;                   /* attention scratch [max context] */
+    dbuf act_f32;        /* recomputation input rows [n][hidden] fp32 */
+    dbuf kr, vr;         /* recomputed K, V rows [n][kv_dim] */
+    size_t act_rows_cap; /* the recomputation rows of a GPU batch the device held when a step's
+                          * split asked for more (pl_ensure_recompute); 0: none asked too much */
+    dbuf scores;         /* attention scratch [max context] */
     rekv_layer_counters *counters; /* [n_layers] */
     rekv_layer_counters *step_log; /* [n_steps] each step's totals since the last reset */
     size_t n_steps, cap_steps;
@@ -332,6 +334,9 @@ int pl_smem_adopt(step_mem *m, void *ptr);
 void pl_smem_free(step_mem *m);
 void pl_dbuf_free(rekv_pipeline *p, dbuf *b);
 int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err);
+/* The recomputation's buffers for step st, after every other device buffer of the step (they
+ * alone can shrink: a split the device cannot hold is lowered, pipeline_buffers.c). */
+int pl_ensure_recompute(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes);
 
 /* pipeline_create.c */

@@ -86,4 +86,42 @@ static inline void tu_fixture_close(tu_fixture *f)
     free(f->dir);
 }
 
+/* The device bytes a pipeline of cfg holds once it has prefilled prompts and run one decode
+ * step, on f's store and a cpu backend emulating a device of 1 GiB. */
+static inline size_t tu_device_use(tu_fixture *f, const rekv_pipeline_config *cfg, int B,
+                                   const int *lens, int32_t *const *prompts)
+{
+    rekv_err err = {0};
+    rekv_link_config link = {.device_bytes = 1ull << 30};
+    rekv_backend *be = NULL;
+    ck_assert_msg(rekv_backend_cpu_create(&link, &be, &err) == 0, "%s", err.msg);
+    rekv_pipeline *p = NULL;
+    ck_assert_msg(rekv_pipeline_create(f->e, be, f->store, cfg, &p, &err) == 0, "%s", err.msg);
+    rekv_pseq *seqs[8];
+    rekv_pipe_item items[8];
+    float *logits = malloc(sizeof(float) * (size_t)B * (size_t)f->m->config.vocab);
+    int32_t one = 3;
+    ck_assert(B <= 8 && logits != NULL);
+    for (int i = 0; i < B; i++) {
+        ck_assert_msg(rekv_pseq_create(p, lens[i] + 1, &seqs[i], &err) == 0, "%s", err.msg);
+        items[i] = (rekv_pipe_item){.seq = seqs[i],
+                                    .tokens = prompts[i],
+                                    .n_tokens = lens[i],
+                                    .logits = logits + (size_t)i * f->m->config.vocab};
+    }
+    for (int step = 0; step < 2; step++) {
+        ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < B; i++)
+            items[i].tokens = &one, items[i].n_tokens = 1;
+    }
+    size_t fr = 0, tot = 0;
+    ck_assert_msg(be->iface->mem_info(be, &fr, &tot, &err) == 0, "%s", err.msg);
+    for (int i = 0; i < B; i++)
+        rekv_pseq_free(seqs[i]);
+    rekv_pipeline_free(p);
+    rekv_backend_destroy(be);
+    free(logits);
+    return tot - fr;
+}
+
 #endif

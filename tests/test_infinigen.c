@@ -332,6 +332,28 @@ START_TEST(recompute_within_selection)
         }
         run_free(&r);
     }
+    /* a device without room for every token's recomputation (about 80 of the first decode
+     * step's 135 rows, 1600 bytes each with the buffers' slack): the split lowered to what fits,
+     * the rest as K,V, the same bits */
+    rekv_pipeline_config tight = cfg;
+    tight.select = REKV_SELECT_ALL;
+    tight.split = 1;
+    rekv_link_config link = {.device_bytes =
+                                 tu_device_use(&f, &tight, B, lens, prompts) + 80 * 1600};
+    tight.split = 1 << 20;
+    rekv_backend *roomy = f.be;
+    ck_assert_msg(rekv_backend_cpu_create(&link, &f.be, &err) == 0, "%s", err.msg);
+    run low;
+    do_run(&f, &tight, B, lens, prompts, steps, &low);
+    rekv_backend_destroy(f.be);
+    f.be = roomy;
+    expect_same_logits(&low, &ref, n, "lowered split", 0);
+    for (int l = 0; l < c->n_layers; l++) {
+        ck_assert_uint_gt(low.layers[l].tokens_recomputed, 0);
+        ck_assert_uint_lt(low.layers[l].tokens_recomputed, low.layers[l].tokens_considered);
+        ck_assert_uint_gt(low.layers[l].h2d_bytes[REKV_XFER_KV], 0);
+    }
+    run_free(&low);
     /* the speculated selection: its own bits, fewer bytes */
     cfg.max_fraction = 0.6f;
     rekv_pipeline_config plain = cfg;

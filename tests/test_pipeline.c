@@ -827,6 +827,55 @@ START_TEST(fetch_overlaps_compute)
 }
 END_TEST
 
+/* A device with room for the step but not for the recomputation its split asks (kvpr): the step
+ * recomputes what the device holds and fetches the rest of the split as K,V — resident's logits
+ * bit for bit, with fewer activation bytes and more KV bytes than the same split where the
+ * device has room. */
+START_TEST(split_lowered_to_device_memory)
+{
+    rekv_synth_spec spec = {REKV_ARCH_OPT, 2, 64, 4, 4, 128, 300, 1100, REKV_DTYPE_F16, 11, 1};
+    fixture f;
+    char *mdir = synth_fixture(&f, &spec);
+    int B = 2, lens[] = {300, 200}, steps = 3, V = spec.vocab;
+    int32_t *prompts[2];
+    for (int i = 0; i < B; i++) {
+        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
+        for (int t = 0; t < lens[i]; t++)
+            prompts[i][t] = next_rand(V);
+    }
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    run ref, roomy, tight;
+    do_run(&f, &cfg, B, lens, prompts, steps, &ref);
+    cfg.mode = REKV_MODE_KVPR;
+    cfg.split = 0;
+    size_t base = tu_device_use(&f, &cfg, B, lens, prompts);
+    cfg.split = 1 << 20; /* every token */
+    do_run(&f, &cfg, B, lens, prompts, steps, &roomy);
+    /* room for about 300 of the 500 context rows the split recomputes (1280 bytes each here,
+     * less the buffers' growth slack) */
+    rekv_err err = {0};
+    rekv_link_config link = {.device_bytes = base + 300 * 1600};
+    rekv_backend *roomy_be = f.be;
+    ck_assert_msg(rekv_backend_cpu_create(&link, &f.be, &err) == 0, "%s", err.msg);
+    do_run(&f, &cfg, B, lens, prompts, steps, &tight);
+    rekv_backend_destroy(f.be);
+    f.be = roomy_be;
+    size_t n = sizeof(float) * (size_t)(steps + 1) * (size_t)B * (size_t)V;
+    ck_assert_msg(memcmp(tight.logits, ref.logits, n) == 0, "the lowered split changed the logits");
+    ck_assert_msg(memcmp(roomy.logits, ref.logits, n) == 0, "kvpr changed the logits");
+    const uint64_t *ta = tight.first_decode.h2d_bytes, *ra = roomy.first_decode.h2d_bytes;
+    ck_assert_msg(ta[REKV_XFER_ACT] > 0 && ta[REKV_XFER_ACT] < ra[REKV_XFER_ACT],
+                  "activation bytes %llu, %llu with room", (unsigned long long)ta[REKV_XFER_ACT],
+                  (unsigned long long)ra[REKV_XFER_ACT]);
+    ck_assert_uint_gt(ta[REKV_XFER_KV], ra[REKV_XFER_KV]);
+    free(ref.logits), free(roomy.logits), free(tight.logits);
+    for (int i = 0; i < B; i++)
+        free(prompts[i]);
+    synth_fixture_close(&f, mdir);
+}
+END_TEST
+
 /* A store whose push backend is not cpu ("auto") is the exec'd rekv-kvstore program, not a forked
  * library child (CUDA cannot be used in a child forked after the parent started it): it pushes the
  * same bytes, so the logits equal pull's. The worker here is cpu, so this runs where "auto" is cpu
@@ -1026,6 +1075,7 @@ static Suite *suite(void)
     tcase_add_test(tc, push_needs_a_store_that_pushes);
     tcase_add_test(tc, page_lock_refusal_is_reported);
     tcase_add_test(tc, fetch_overlaps_compute);
+    tcase_add_test(tc, split_lowered_to_device_memory);
     tcase_add_test(tc, draws_on_device);
     tcase_add_test(tc, graph_steps);
     tcase_add_test(tc, push_store_is_the_program);
