@@ -414,7 +414,7 @@ __global__ static void scatter_kernel(const float *k, const float *v, const int3
     __shared__ int p;
     if (threadIdx.x == 0) {
         kv = seqs[row_seq[blockIdx.x]].kv;
-        p = row_pos[blockIdx.x];
+        p = head_pos ? -1 : row_pos[blockIdx.x]; /* head_pos: row_pos may be NULL */
     }
     __syncthreads();
     size_t src0 = (size_t)blockIdx.x * (size_t)n_kv * (size_t)hd, vs = rekv_kv_v_shift(n_kv, hd);
@@ -505,11 +505,12 @@ __device__ static void attn_merge(float *accs, float *ms, float *ls, int hd, flo
     for (int w = 1; w < ATT_WARPS; w++)
         mx = fmaxf(mx, ms[w]);
     float sum = 0, wt[ATT_WARPS];
-    for (int w = 0; w < ATT_WARPS; w++) {
-        wt[w] = expf(ms[w] - mx);
+    for (int w = 0; w < ATT_WARPS; w++) { /* a warp that attended nothing weighs nothing */
+        wt[w] = ms[w] == -INFINITY ? 0.0f : expf(ms[w] - mx);
         sum += ls[w] * wt[w];
     }
-    float inv = normalise ? 1.0f / sum : 1.0f;
+    /* nothing attended at all (an empty range): zeros, as on cpu, not NaN */
+    float inv = !(sum > 0) ? 0.0f : normalise ? 1.0f / sum : 1.0f;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) {
         float v = 0;
         for (int w = 0; w < ATT_WARPS; w++)
@@ -608,14 +609,16 @@ __global__ static void attention_combine_kernel(float *out, const float *part, i
     for (int z = 1; z < splits; z++)
         mx = fmaxf(mx, p0[z * stride]);
     float sum = 0;
-    for (int z = 0; z < splits; z++)
-        sum += p0[z * stride + 1] * expf(p0[z * stride] - mx);
-    float inv = 1.0f / sum;
+    for (int z = 0; z < splits; z++) /* an empty chunk weighs nothing */
+        if (p0[z * stride] != -INFINITY)
+            sum += p0[z * stride + 1] * expf(p0[z * stride] - mx);
+    float inv = sum > 0 ? 1.0f / sum : 0.0f; /* nothing attended: zeros, as on cpu */
     float *o = out + (r * (size_t)n_heads + (size_t)h) * hd;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) {
         float v = 0;
         for (int z = 0; z < splits; z++)
-            v += p0[z * stride + 2 + j] * expf(p0[z * stride] - mx);
+            if (p0[z * stride] != -INFINITY)
+                v += p0[z * stride + 2 + j] * expf(p0[z * stride] - mx);
         o[j] = v * inv;
     }
 }
@@ -985,6 +988,11 @@ __global__ static void __launch_bounds__(SAMPLE_THREADS)
     /* the draw: the first kept token, in id order, whose running weight exceeds u * the sum */
     set_walk(lg, lo, hi, dom, [&](int, uint32_t k) { mine += weight(k); });
     unsigned long long acc = block_scan(mine, &total, sh);
+    if (total == 0) { /* no weight at all (an inf or NaN logit): the greedy pick, never nothing */
+        if (threadIdx.x == 0)
+            ids[blockIdx.x] = bi;
+        return;
+    }
     unsigned long long target = (unsigned long long)((double)w.u * (double)total);
     if (acc <= target && target < acc + mine) {
         int pick = -1;

@@ -658,6 +658,29 @@ START_TEST(kernel_sample)
         meta_free(rows);
         free(lg), free(all), free(ids), free(tid), free(tval), free(scratch);
     }
+    /* an infinite logit leaves no finite weight to draw by: every row still gets a token (ids
+     * start at -1) */
+    {
+        enum { V = 300, R = 4 };
+        float *lg = hrand((size_t)V * R, 5);
+        int32_t start[R] = {-1, -1, -1, -1};
+        for (int r = 0; r < R; r++)
+            lg[(size_t)r * V + 7 + r] = INFINITY;
+        rekv_sample_row *rows = meta(sizeof(rekv_sample_row) * R);
+        for (int r = 0; r < R; r++)
+            rows[r] = (rekv_sample_row){1.0f, r == 1 ? 0.9f : 1.0f, 0.5f, r == 2 ? 20 : 0, 0, 0};
+        float *dl = dev_from(lg, sizeof(float) * (size_t)V * R);
+        int32_t *dids = dev_from(start, sizeof(start));
+        rekv_kernels_of(g_cu)->sample(g_scu, dids, NULL, NULL, dl, rows, R, V, NULL);
+        sync_cu();
+        int32_t *ids = host_from(dids, sizeof(start));
+        for (int r = 0; r < R; r++)
+            ck_assert_msg(ids[r] >= 0 && ids[r] < V, "row %d with an infinite logit drew %d", r,
+                          ids[r]);
+        dev_free(dl), dev_free(dids);
+        meta_free(rows);
+        free(lg), free(ids);
+    }
     backends_close();
 }
 END_TEST
