@@ -1046,6 +1046,15 @@ START_TEST(runtime_deferred_gather)
     for (size_t i = 0; i < hb; i++)
         host[i] = plain[i] = (uint8_t)((i * 2654435761u) >> 11);
     ck_assert_msg(bi->host_register(g_cu, host, hb, &err) == 0, "%s", err.msg);
+    /* more registered ranges than a gather once looked through (16; offloaded weights register
+     * one per layer): the arena's rows must still be found */
+    enum { EXTRA = 80 }; /* past the 64 a gather copies on its stack, too */
+    void *extra[EXTRA];
+    for (int i = 0; i < EXTRA; i++) {
+        extra[i] = aligned_alloc(4096, 4096);
+        ck_assert(extra[i] != NULL);
+        ck_assert_msg(bi->host_register(g_cu, extra[i], 4096, &err) == 0, "%s", err.msg);
+    }
     uint8_t *dev = bi->dev_alloc(g_cu, db);
     ck_assert(dev != NULL);
     uint64_t x = 5;
@@ -1109,6 +1118,21 @@ START_TEST(runtime_deferred_gather)
     ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total);
     ck_assert_uint_eq(st.h2d_gathered, R * K);
     ck_assert_uint_eq(st.host_syncs, 1);
+    /* plain gathers (the pieces known at enqueue) likewise: two steps' worth of 100 each, a
+     * stream_sync after each step, block nobody but that sync — neither the ring's room nor its
+     * finished slices (let go without a wait) */
+    bi->stats_reset(g_cu);
+    for (int step = 0; step < 2; step++) {
+        for (int r = 0; r < 100; r++)
+            bi->copy_h2d(s, writes + (r % R) * K, K, REKV_XFER_KV);
+        bi->stats(g_cu, &st);
+        ck_assert_msg(st.host_syncs == (uint64_t)step,
+                      "step %d: enqueueing 100 gathers blocked the caller %llu times", step,
+                      (unsigned long long)(st.host_syncs - (uint64_t)step));
+        ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
+    }
+    bi->stats(g_cu, &st);
+    ck_assert_uint_eq(st.h2d_gathered, 2 * 100 * K);
     free(lists), free(writes);
     /* unregistered memory */
     write[5].src = plain;
@@ -1127,6 +1151,10 @@ START_TEST(runtime_deferred_gather)
     rekv_err_clear(&err);
     bi->stream_sync(s, &err);
     bi->host_unregister(g_cu, host);
+    for (int i = 0; i < EXTRA; i++) {
+        bi->host_unregister(g_cu, extra[i]);
+        free(extra[i]);
+    }
     bi->dev_free(g_cu, dev);
     bi->stream_destroy(s);
     free(host), free(plain), free(want), free(back), free(zero), free(list), free(write);

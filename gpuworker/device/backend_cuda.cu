@@ -240,7 +240,10 @@ static void cu_dev_free(rekv_backend *base, void *p)
     if (p == NULL)
         return;
     cuda_use_device(backend_of(base));
-    cudaFree(p); /* implicitly waits for the device: callers free only idle buffers anyway */
+    /* implicitly waits for the device: callers free only idle buffers anyway; a failure (a bad
+     * pointer) is not left for another stream's launch check to find */
+    if (cudaFree(p) != cudaSuccess)
+        cudaGetLastError();
 }
 
 static void *cu_host_alloc(rekv_backend *base, size_t bytes)
@@ -257,8 +260,8 @@ static void *cu_host_alloc(rekv_backend *base, size_t bytes)
 
 static void cu_host_free(rekv_backend *base, void *p)
 {
-    if (p != NULL)
-        cudaFreeHost(p);
+    if (p != NULL && cudaFreeHost(p) != cudaSuccess)
+        cudaGetLastError(); /* as dev_free */
 }
 
 /* ------------------------------------------------------------------ streams and events */
@@ -345,8 +348,10 @@ static int cu_stream_sync(rekv_stream *s, rekv_err *err)
     if (e == cudaSuccess)
         e = cudaGetLastError();
     cuda_stream_check(s, e, "synchronize");
-    if (e == cudaSuccess)
+    if (e == cudaSuccess) {
         deferred_area_release(s, 0);
+        s->gather.n_busy = 0; /* every gather has finished */
+    }
     stream_resolve(s); /* ops whose events cannot be read (after a fault) are dropped */
     int rc = 0;
     if (s->err_code != 0) {
@@ -503,7 +508,8 @@ static void cu_event_destroy(rekv_event *ev)
     if (ev == NULL)
         return;
     /* CUDA keeps an event alive until enqueued work that uses it has run */
-    cudaEventDestroy(ev->ev);
+    if (cudaEventDestroy(ev->ev) != cudaSuccess)
+        cudaGetLastError(); /* as dev_free */
     free(ev);
 }
 
@@ -701,7 +707,7 @@ enum {
     CU_GATHER_MIN_ROWS = 32,
     CU_GATHER_MAX_ROW = 32 << 10,
     CU_GATHER_THREADS = 256,
-    CU_GATHER_MAX_REGS = 16 /* registered ranges a gather looks through (the arena, a few flags) */
+    CU_GATHER_STACK_REGS = 64 /* registered ranges a gather copies on the stack (more: heap) */
 };
 
 /* n == CU_GATHER_COUNTED: a deferred gather's slice, its row count in d[0].bytes (what the host
@@ -744,15 +750,38 @@ __global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
     }
 }
 
+/* host_register's ranges as they are now, to match rows against without holding the lock (one
+ * per offloaded layer's weights, the arena, a few flags): in stack (room for CU_GATHER_STACK_REGS)
+ * or a heap copy the caller frees when the returned pointer is not stack; *n 0 when out of
+ * memory. */
+static cu_host_reg *regs_snapshot(cuda_backend *be, cu_host_reg *stack, size_t *n)
+{
+    pthread_mutex_lock(&be->mu);
+    size_t k = be->n_regs;
+    cu_host_reg *r = k <= CU_GATHER_STACK_REGS ? stack : (cu_host_reg *)malloc(k * sizeof(*r));
+    if (r != NULL)
+        memcpy(r, be->regs, k * sizeof(*r));
+    pthread_mutex_unlock(&be->mu);
+    *n = r != NULL ? k : 0;
+    return r;
+}
+
 /* The device's address of host bytes [p, p + n) where one of regs mapped them all; NULL where
- * none did. */
-static const char *reg_device_addr(const cu_host_reg *regs, size_t n_regs, const void *p, size_t n)
+ * none did. *hint: the range that matched last, tried first (a gather's rows are mostly from one
+ * range, the arena). */
+static const char *reg_device_addr(const cu_host_reg *regs, size_t n_regs, size_t *hint,
+                                   const void *p, size_t n)
 {
     const char *h = (const char *)p;
-    for (size_t i = 0; i < n_regs; i++) {
+    for (size_t k = 0; k <= n_regs; k++) {
+        size_t i = k == 0 ? *hint : k - 1;
+        if (i >= n_regs)
+            continue;
         const cu_host_reg *r = &regs[i];
-        if (h >= r->host && n <= r->bytes && (size_t)(h - r->host) <= r->bytes - n)
+        if (h >= r->host && n <= r->bytes && (size_t)(h - r->host) <= r->bytes - n) {
+            *hint = i;
             return r->dev + (h - r->host);
+        }
     }
     return NULL;
 }
@@ -802,11 +831,28 @@ static int gather_ring_grow(rekv_stream *s, size_t cap)
 }
 
 /* Room for n descriptors in s's ring, after the kernels that read any of it finished (rarely
- * waited for: a gather takes at most a quarter of the ring): their first index, or -1 with the
- * stream failed. */
+ * waited for: a gather takes at most a quarter of the ring, and those that finished are let go
+ * first, without waiting): their first index, or -1 with the stream failed. */
 static long gather_slice(rekv_stream *s, size_t n)
 {
     cu_gather_ring *g = &s->gather;
+    int done = 0; /* they finish in stream order: the oldest first */
+    cudaError_t q = cudaSuccess;
+    while (done < g->n_busy && (q = cudaEventQuery(g->busy[done].ev)) == cudaSuccess)
+        done++;
+    if (q == cudaErrorNotReady && cudaPeekAtLastError() == cudaErrorNotReady)
+        cudaGetLastError(); /* "not yet" is no failure for a later launch check to find */
+    else if (q != cudaSuccess && cuda_stream_check(s, q, "gather ring"))
+        return -1;
+    if (done > 0) { /* their events go to the free end, after the busy ones */
+        cudaEvent_t freed[CU_GATHER_INFLIGHT];
+        for (int i = 0; i < done; i++)
+            freed[i] = g->busy[i].ev;
+        memmove(&g->busy[0], &g->busy[done], (size_t)(g->n_busy - done) * sizeof(g->busy[0]));
+        g->n_busy -= done;
+        for (int i = 0; i < done; i++)
+            g->busy[g->n_busy + i].ev = freed[i];
+    }
     if (g->host == NULL || n > g->cap / 4) {
         size_t cap = CU_GATHER_RING;
         while (cap < 4 * n)
@@ -857,9 +903,11 @@ static int gather_launch(rekv_stream *s, long lo, size_t n)
     return 1;
 }
 
-/* The h2d runs as gathers when they are many small rows all in host_register's mapped ranges:
- * returns 1 (done, or the stream failed), or 0 to leave them to DMA. */
-static int gather_enqueue(rekv_stream *s, const rekv_copy_run *runs, size_t nr, size_t bytes)
+/* The h2d runs as a gather when they are many small rows all in host_register's mapped ranges:
+ * returns 1 with their descriptors in the ring at *lo_out (*rows_out of them; *lo_out < 0: the
+ * stream failed), or 0 to leave them to DMA. */
+static int gather_prepare(rekv_stream *s, const rekv_copy_run *runs, size_t nr, size_t bytes,
+                          long *lo_out, size_t *rows_out)
 {
     cuda_backend *be = s->be;
     size_t rows = 0;
@@ -867,38 +915,37 @@ static int gather_enqueue(rekv_stream *s, const rekv_copy_run *runs, size_t nr, 
         rows += runs[i].height;
     if (rows < CU_GATHER_MIN_ROWS || bytes / rows > CU_GATHER_MAX_ROW)
         return 0;
-    /* the ranges, as they are now (a copy: rows are matched without holding the lock) */
-    cu_host_reg regs[CU_GATHER_MAX_REGS];
-    pthread_mutex_lock(&be->mu);
-    size_t n_regs = be->n_regs <= CU_GATHER_MAX_REGS ? be->n_regs : 0;
-    memcpy(regs, be->regs, n_regs * sizeof(regs[0]));
-    pthread_mutex_unlock(&be->mu);
+    cu_host_reg stack[CU_GATHER_STACK_REGS];
+    size_t n_regs, hint = 0;
+    cu_host_reg *regs = regs_snapshot(be, stack, &n_regs);
     int mapped = n_regs > 0;
     for (size_t i = 0; mapped && i < nr; i++) {
         const rekv_copy_run *r = &runs[i];
-        mapped =
-            reg_device_addr(regs, n_regs, r->src, (r->height - 1) * r->spitch + r->width) != NULL;
+        mapped = reg_device_addr(regs, n_regs, &hint, r->src,
+                                 (r->height - 1) * r->spitch + r->width) != NULL;
     }
-    if (!mapped)
-        return 0;
-    long lo = gather_slice(s, rows);
-    if (lo < 0)
-        return 1;
-    cu_gather_desc *d = s->gather.host + lo;
-    size_t k = 0;
-    for (size_t i = 0; i < nr; i++) {
-        const rekv_copy_run *r = &runs[i];
-        for (size_t row = 0; row < r->height; row++, k++) {
-            d[k].src =
-                reg_device_addr(regs, n_regs, (const char *)r->src + row * r->spitch, r->width);
-            d[k].dst = (char *)r->dst + row * r->dpitch;
-            d[k].bytes = r->width;
+    long lo = mapped ? gather_slice(s, rows) : -1;
+    if (lo >= 0) {
+        cu_gather_desc *d = s->gather.host + lo;
+        size_t k = 0;
+        for (size_t i = 0; i < nr; i++) {
+            const rekv_copy_run *r = &runs[i];
+            for (size_t row = 0; row < r->height; row++, k++) {
+                d[k].src = reg_device_addr(regs, n_regs, &hint,
+                                           (const char *)r->src + row * r->spitch, r->width);
+                d[k].dst = (char *)r->dst + row * r->dpitch;
+                d[k].bytes = r->width;
+            }
         }
+        pthread_mutex_lock(&be->mu);
+        be->stats.h2d_gathered += rows;
+        pthread_mutex_unlock(&be->mu);
     }
-    pthread_mutex_lock(&be->mu);
-    be->stats.h2d_gathered += rows;
-    pthread_mutex_unlock(&be->mu);
-    return gather_launch(s, lo, rows);
+    if (regs != stack)
+        free(regs);
+    *lo_out = lo;
+    *rows_out = rows;
+    return mapped;
 }
 
 /* A deferred gather (copy_h2d_deferred): a host function fills the stream's deferred area when
@@ -918,39 +965,41 @@ static void CUDART_CB deferred_fill(void *arg)
     cu_deferred *x = (cu_deferred *)arg;
     rekv_stream *s = x->s;
     cuda_backend *be = s->be;
-    size_t n = *x->n, bytes = 0;
+    size_t n = *x->n, bytes = 0, rows = 0, n_regs, hint = 0;
     x->d[0].bytes = 0;
-    cu_host_reg regs[CU_GATHER_MAX_REGS];
-    pthread_mutex_lock(&be->mu);
-    size_t n_regs = be->n_regs <= CU_GATHER_MAX_REGS ? be->n_regs : 0;
-    memcpy(regs, be->regs, n_regs * sizeof(regs[0]));
-    pthread_mutex_unlock(&be->mu);
-    if (n > x->max) {
+    cu_host_reg stack[CU_GATHER_STACK_REGS];
+    cu_host_reg *regs = regs_snapshot(be, stack, &n_regs);
+    int failed = n > x->max;
+    if (failed)
         cuda_stream_fail(s, -EINVAL, "stream %s: a deferred copy of %zu pieces (room for %zu)",
                          s->name, n, x->max);
-        free(x);
-        return;
-    }
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; !failed && i < n; i++) {
         const rekv_copy_piece *pc = &x->pieces[i];
-        const char *src = reg_device_addr(regs, n_regs, pc->src, pc->bytes);
+        if (pc->bytes == 0) /* nothing to move, as on cpu */
+            continue;
+        const char *src = reg_device_addr(regs, n_regs, &hint, pc->src, pc->bytes);
         if (src == NULL || pc->dst == NULL) {
             cuda_stream_fail(s, -EINVAL,
                              "stream %s: a deferred copy's piece %zu is not from page-locked, "
                              "mapped host memory (host_register)",
                              s->name, i);
-            free(x);
-            return;
+            failed = 1;
+            rows = 0;
+        } else {
+            x->d[1 + rows++] = (cu_gather_desc){src, (char *)pc->dst, pc->bytes};
+            bytes += pc->bytes;
         }
-        x->d[1 + i] = (cu_gather_desc){src, (char *)pc->dst, pc->bytes};
-        bytes += pc->bytes;
     }
-    x->d[0].bytes = n;
-    pthread_mutex_lock(&be->mu);
-    be->stats.h2d_bytes[x->kind] += bytes;
-    be->stats.h2d_copies++;
-    be->stats.h2d_gathered += n;
-    pthread_mutex_unlock(&be->mu);
+    if (regs != stack)
+        free(regs);
+    x->d[0].bytes = rows; /* the kernel copies these: none after a failure */
+    if (!failed) {        /* counted as on cpu: a copy, even of nothing */
+        pthread_mutex_lock(&be->mu);
+        be->stats.h2d_bytes[x->kind] += bytes;
+        be->stats.h2d_copies++;
+        be->stats.h2d_gathered += rows;
+        pthread_mutex_unlock(&be->mu);
+    }
     free(x);
 }
 
@@ -1054,10 +1103,18 @@ static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces,
                          n);
         return;
     }
-    size_t nr = rekv_copy_coalesce(pieces, n, runs);
+    size_t nr = rekv_copy_coalesce(pieces, n, runs), rows = 0;
+    long lo = -1;
+    /* a gather's host work (its slice, its descriptors) before the op's start is recorded: its
+     * span is the device's */
+    int gathered =
+        dir == CU_OP_H2D && !s->capturing && gather_prepare(s, runs, nr, bytes, &lo, &rows);
     long op = cuda_op_begin(s, dir, label);
-    if (dir == CU_OP_H2D && !s->capturing && gather_enqueue(s, runs, nr, bytes))
+    if (gathered) {
+        if (lo >= 0)
+            gather_launch(s, lo, rows);
         nr = 0;
+    }
     for (size_t i = 0; i < nr; i++) {
         const rekv_copy_run *r = &runs[i];
         cudaError_t rc = r->height == 1
@@ -1146,7 +1203,7 @@ static void cu_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, co
         c->arg = (void *)arg;
     }
     cuda_use_device(s->be);
-    long op = cuda_op_begin(s, CU_OP_COMPUTE, nm);
+    long op = cuda_op_begin(s, CU_OP_WAIT, nm); /* the host's work: traced, not compute */
     if (cuda_stream_check(s, cudaLaunchHostFunc(s->cs, host_trampoline, c), nm))
         free(c);
     cuda_op_end(s, op);
@@ -1290,12 +1347,16 @@ static void cu_trace_start(rekv_backend *base)
     be->tracing = 0;
     if (be->trace_ref == NULL && cudaEventCreate(&be->trace_ref) != cudaSuccess)
         be->trace_ref = NULL;
+    cudaEvent_t ref = be->trace_ref;
+    pthread_mutex_unlock(&be->mu);
     /* the trace stream is idle: the reference completes at once, and waiting for it makes every
-     * later span's offset from it readable */
-    if (be->trace_ref != NULL && cudaEventRecord(be->trace_ref, be->trace_stream) == cudaSuccess &&
-        cudaEventSynchronize(be->trace_ref) == cudaSuccess)
-        be->tracing = 1;
+     * later span's offset from it readable; not under the lock, which a host function on a
+     * stream the trace stream may queue behind could be waiting for */
+    int ok = ref != NULL && cudaEventRecord(ref, be->trace_stream) == cudaSuccess &&
+             cudaEventSynchronize(ref) == cudaSuccess;
     cudaGetLastError();
+    pthread_mutex_lock(&be->mu);
+    be->tracing = ok;
     pthread_mutex_unlock(&be->mu);
 }
 

@@ -62,7 +62,7 @@ typedef struct cu_gather_desc {
 
 /* A stream's gather descriptors: a ring in mapped pinned memory that the gather kernels read; a
  * slice [lo, hi) is in use until the event recorded after its kernel completes. */
-enum { CU_GATHER_RING = 1 << 16, CU_GATHER_INFLIGHT = 32 };
+enum { CU_GATHER_RING = 1 << 16, CU_GATHER_INFLIGHT = 128 }; /* a step's units, and more */
 typedef struct cu_gather_ring {
     cu_gather_desc *host; /* NULL until the stream's first gather */
     const cu_gather_desc *dev;
