@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/engine_internal.h"
@@ -167,7 +168,10 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
         wpack size = {NULL, 0, NULL};
         load_layer(&size, &w->layers[l], &e->layers[l], wt);
-        wpack pk = {malloc(size.off + 1), 0, m};
+        /* whole pages of their own: a pipeline that streams the layers page-locks each block
+         * (host_register), and CUDA refuses a block whose first or last page another has */
+        size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = (size.off + page) / page * page;
+        wpack pk = {aligned_alloc(page, bytes), 0, m};
         if (pk.base == NULL) {
             rc = -ENOMEM;
             break;

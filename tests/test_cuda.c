@@ -47,8 +47,10 @@ int main(void)
  * the sum errs by about u sqrt(k / 27) rms. The bound is ~8 of those. */
 #define KERNEL_TOL_16BIT(dt, k)                                                                    \
     (1.5 * ((dt) == REKV_DTYPE_F16 ? 0x1p-11 : 0x1p-8) * sqrt((double)(k)))
+/* logits: emulated on cpu with the input rounding (session 19, the prompts pipeline_modes draws
+ * and 40 other seeds) the worst normalised error was 2.1e-3 for f16, 0.0277 for bf16 */
 #define LOGIT_TOL_F16 5e-3
-#define LOGIT_TOL_BF16 3e-2
+#define LOGIT_TOL_BF16 5e-2
 
 static double logit_tol(rekv_dtype weights)
 {
@@ -989,10 +991,14 @@ START_TEST(runtime_gather)
             rekv_copy_piece down = {back, dev, db};
             bi->copy_d2h(s, &down, 1, REKV_XFER_OTHER);
             ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
-            for (size_t i = 0; i < db; i++)
-                ck_assert_msg(back[i] == want[i], "%s, %s: byte %zu is %u, want %u",
-                              from_plain ? "unregistered" : "registered",
-                              few ? "8 rows" : "many rows", i, back[i], want[i]);
+            if (memcmp(back, want, db) != 0) { /* one assertion, not one a byte (32 MiB) */
+                size_t i = 0;
+                while (back[i] == want[i])
+                    i++;
+                ck_abort_msg("%s, %s: byte %zu is %u, want %u",
+                             from_plain ? "unregistered" : "registered",
+                             few ? "8 rows" : "many rows", i, back[i], want[i]);
+            }
             rekv_backend_stats st;
             bi->stats(g_cu, &st);
             ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total * reps);
@@ -1785,7 +1791,9 @@ int main(void)
         rekv_backend *be = NULL;
         rekv_err err = {0};
         int rc = rekv_backend_cuda_create(0, &be, &err);
-        if (rc == -ENODEV) {
+        /* a machine with the NVIDIA driver's device node has a GPU: there, "no device" is a
+         * break (a driver older than the CUDA runtime this was built with), not a skip */
+        if (rc == -ENODEV && access("/dev/nvidiactl", F_OK) != 0) {
             printf("skip: no CUDA device (%s)\n", err.msg);
             fflush(stdout);
             _exit(77);
