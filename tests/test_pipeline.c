@@ -35,6 +35,27 @@ static int32_t next_rand(int n)
     return (int32_t)((g_seed >> 33) % (uint64_t)n);
 }
 
+/* B prompts of lens[i] tokens below V, next_rand's; prompts_free frees them. */
+static int32_t **random_prompts(int B, const int *lens, int V)
+{
+    int32_t **p = calloc((size_t)B, sizeof(*p));
+    ck_assert(p != NULL);
+    for (int i = 0; i < B; i++) {
+        p[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
+        ck_assert(p[i] != NULL);
+        for (int t = 0; t < lens[i]; t++)
+            p[i][t] = next_rand(V);
+    }
+    return p;
+}
+
+static void prompts_free(int32_t **p, int B)
+{
+    for (int i = 0; i < B; i++)
+        free(p[i]);
+    free(p);
+}
+
 /* chaos: before every decode step the planner's knobs change at random — split, block pattern,
  * GPU batch count and explicit mini-batches, schedule — which must not change a single bit. */
 static int g_chaos;
@@ -199,12 +220,7 @@ static void check_modes(const char *model_path, rekv_dtype cache, const int *len
     tu_fixture_open(&f, model_path, cache, "cpu");
     const rekv_model_config *c = &f.m->config;
     int V = c->vocab;
-    int32_t **prompts = calloc((size_t)B, sizeof(*prompts));
-    for (int i = 0; i < B; i++) {
-        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
-        for (int t = 0; t < lens[i]; t++)
-            prompts[i][t] = next_rand(V);
-    }
+    int32_t **prompts = random_prompts(B, lens, V);
     size_t n_logits = (size_t)(steps + 1) * B * V;
     /* one reference: resident, one GPU batch; batching never changes bits (row-invariant GEMM) */
     rekv_pipeline_config ref_cfg;
@@ -310,9 +326,7 @@ static void check_modes(const char *model_path, rekv_dtype cache, const int *len
                 }
     }
     free(ref.logits);
-    for (int i = 0; i < B; i++)
-        free(prompts[i]);
-    free(prompts);
+    prompts_free(prompts, B);
     tu_fixture_close(&f);
 }
 
@@ -381,12 +395,7 @@ START_TEST(step_params_change_nothing)
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     int B = 5, lens[] = {3, 40, 17, 1, 33}, V = f.m->config.vocab, steps = 6;
-    int32_t *prompts[5];
-    for (int i = 0; i < B; i++) {
-        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
-        for (int t = 0; t < lens[i]; t++)
-            prompts[i][t] = next_rand(V);
-    }
+    int32_t **prompts = random_prompts(B, lens, V);
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
     run ref;
@@ -413,8 +422,7 @@ START_TEST(step_params_change_nothing)
         }
     g_chaos = 0;
     free(ref.logits);
-    for (int i = 0; i < B; i++)
-        free(prompts[i]);
+    prompts_free(prompts, B);
     tu_fixture_close(&f);
 }
 END_TEST
@@ -837,12 +845,7 @@ START_TEST(split_lowered_to_device_memory)
     fixture f;
     char *mdir = synth_fixture(&f, &spec);
     int B = 2, lens[] = {300, 200}, steps = 3, V = spec.vocab;
-    int32_t *prompts[2];
-    for (int i = 0; i < B; i++) {
-        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
-        for (int t = 0; t < lens[i]; t++)
-            prompts[i][t] = next_rand(V);
-    }
+    int32_t **prompts = random_prompts(B, lens, V);
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
     run ref, roomy, tight;
@@ -870,8 +873,7 @@ START_TEST(split_lowered_to_device_memory)
                   (unsigned long long)ra[REKV_XFER_ACT]);
     ck_assert_uint_gt(ta[REKV_XFER_KV], ra[REKV_XFER_KV]);
     free(ref.logits), free(roomy.logits), free(tight.logits);
-    for (int i = 0; i < B; i++)
-        free(prompts[i]);
+    prompts_free(prompts, B);
     synth_fixture_close(&f, mdir);
 }
 END_TEST
@@ -891,12 +893,7 @@ START_TEST(push_store_is_the_program)
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "auto");
     int lens[] = {37, 5};
-    int32_t *prompts[2];
-    for (int i = 0; i < 2; i++) {
-        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
-        for (int t = 0; t < lens[i]; t++)
-            prompts[i][t] = next_rand(f.m->config.vocab);
-    }
+    int32_t **prompts = random_prompts(2, lens, f.m->config.vocab);
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
     cfg.mode = REKV_MODE_HYBRID;
@@ -908,7 +905,7 @@ START_TEST(push_store_is_the_program)
     ck_assert_msg(memcmp(pull.logits, push.logits, n * sizeof(float)) == 0,
                   "push through the exec'd store differs from pull");
     free(pull.logits), free(push.logits);
-    free(prompts[0]), free(prompts[1]);
+    prompts_free(prompts, 2);
     tu_fixture_close(&f);
 }
 END_TEST
@@ -954,12 +951,7 @@ static void spill_batch(int V, int *B, int **lens, int32_t ***prompts, int *step
 {
     static int L[] = {20, 9, 33, 14};
     *B = 4, *lens = L, *steps = 50;
-    *prompts = malloc(sizeof(int32_t *) * 4);
-    for (int i = 0; i < 4; i++) {
-        (*prompts)[i] = malloc(sizeof(int32_t) * (size_t)L[i]);
-        for (int t = 0; t < L[i]; t++)
-            (*prompts)[i][t] = next_rand(V);
-    }
+    *prompts = random_prompts(4, L, V);
 }
 
 /* What the spill tests share: stories260K's path, the batch (spill_batch) and resident's run of it
@@ -1016,9 +1008,7 @@ START_TEST(spill_windows_exact)
         spill_run(path, &cfg, &ref, B, lens, prompts, steps, NULL, &ks);
     }
     free(ref.logits);
-    for (int i = 0; i < B; i++)
-        free(prompts[i]);
-    free(prompts);
+    prompts_free(prompts, B);
 }
 END_TEST
 
@@ -1056,9 +1046,7 @@ START_TEST(spill_read_ahead_counts)
     ck_assert_uint_eq(ks.pin_wait_bytes, ks.pin_wait_blocks * 4096);
     ck_assert_uint_eq(ks.read_ahead_bytes, ks.read_ahead_blocks * 4096);
     free(ref.logits);
-    for (int i = 0; i < B; i++)
-        free(prompts[i]);
-    free(prompts);
+    prompts_free(prompts, B);
 }
 END_TEST
 

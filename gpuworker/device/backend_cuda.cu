@@ -786,13 +786,30 @@ static const char *reg_device_addr(const cu_host_reg *regs, size_t n_regs, size_
     return NULL;
 }
 
+/* n gather descriptors of mapped pinned memory, the host's pointer and the device's: 0, or -1
+ * (nothing allocated, CUDA's error cleared). */
+static int desc_alloc(size_t n, cu_gather_desc **host, const cu_gather_desc **dev)
+{
+    void *h = NULL, *d = NULL;
+    if (cudaHostAlloc(&h, n * sizeof(cu_gather_desc),
+                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
+        cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
+        cudaGetLastError();
+        if (h != NULL)
+            cudaFreeHost(h);
+        return -1;
+    }
+    *host = (cu_gather_desc *)h;
+    *dev = (const cu_gather_desc *)d;
+    return 0;
+}
+
 /* Makes s's ring hold cap descriptors: waits for the kernels reading the old one (it grows a few
  * times in a process's life, to 4x its largest gather) and replaces it. 0, or -1 with the stream
  * failed. */
 static int gather_ring_grow(rekv_stream *s, size_t cap)
 {
     cu_gather_ring *g = &s->gather;
-    void *h = NULL, *d = NULL;
     for (int i = 0; i < g->n_busy; i++) {
         count_host_sync(s->be);
         if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
@@ -811,20 +828,13 @@ static int gather_ring_grow(rekv_stream *s, size_t cap)
     if (g->host != NULL)
         cudaFreeHost(g->host);
     g->host = NULL;
-    if (cudaHostAlloc(&h, cap * sizeof(cu_gather_desc),
-                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
-        cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
-        cudaGetLastError();
-        if (h != NULL)
-            cudaFreeHost(h);
+    if (desc_alloc(cap, &g->host, &g->dev)) {
         for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
             cudaEventDestroy(g->busy[i].ev);
         cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a gather's %zu rows", s->name,
                          cap);
         return -1;
     }
-    g->host = (cu_gather_desc *)h;
-    g->dev = (const cu_gather_desc *)d;
     g->cap = cap;
     g->head = 0;
     return 0;
@@ -1016,23 +1026,18 @@ static int deferred_area_fit(rekv_stream *s, size_t n)
         return -1;
     }
     a->retired = r;
-    size_t cap = 2 * n;
-    void *h = NULL, *d = NULL;
-    if (cudaHostAlloc(&h, cap * sizeof(cu_gather_desc),
-                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
-        cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
-        cudaGetLastError();
-        if (h != NULL)
-            cudaFreeHost(h);
+    cu_gather_desc *h;
+    const cu_gather_desc *d;
+    if (desc_alloc(2 * n, &h, &d)) {
         cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a deferred gather's %zu rows",
                          s->name, n);
         return -1;
     }
     if (a->host != NULL)
         a->retired[a->n_retired++] = a->host;
-    a->host = (cu_gather_desc *)h;
-    a->dev = (const cu_gather_desc *)d;
-    a->cap = cap;
+    a->host = h;
+    a->dev = d;
+    a->cap = 2 * n;
     return 0;
 }
 
