@@ -1770,9 +1770,14 @@ static Suite *suite(void)
     tcase_add_test(tr, runtime_graph);
     tcase_add_test(tr, runtime_ipc_push);
     suite_add_tcase(s, tr);
+    /* every mode against cpu: the longest case (~930 cuda pipelines), alone so that a device
+     * call can run it by itself (CK_RUN_CASE=modes) */
+    TCase *tm = tcase_create("modes");
+    tcase_set_timeout(tm, 900);
+    tcase_add_test(tm, pipeline_modes);
+    suite_add_tcase(s, tm);
     TCase *tp = tcase_create("pipeline");
-    tcase_set_timeout(tp, 900);
-    tcase_add_test(tp, pipeline_modes);
+    tcase_set_timeout(tp, 600);
     tcase_add_test(tp, pipeline_page_locked);
     tcase_add_test(tp, pipeline_infinigen_gather);
     tcase_add_test(tp, pipeline_clo);
