@@ -165,7 +165,7 @@ static int recompute_buffers(rekv_pipeline *p, size_t rows)
            pl_dbuf_ensure(p, &p->vr, rows * KV * f);
 }
 
-static void recompute_buffers_free(rekv_pipeline *p)
+void pl_recompute_free(rekv_pipeline *p)
 {
     pl_dbuf_free(p, &p->par[0].act_stage);
     pl_dbuf_free(p, &p->par[1].act_stage);
@@ -216,7 +216,7 @@ static int recompute_fit(rekv_pipeline *p, step *st, size_t *rows)
         size_t lo = 0, hi = r;
         while (hi - lo > 1 + hi / 64) {
             size_t mid = lo + (hi - lo) / 2;
-            recompute_buffers_free(p);
+            pl_recompute_free(p);
             if (recompute_buffers(p, mid) == 0)
                 lo = mid;
             else
@@ -224,7 +224,7 @@ static int recompute_fit(rekv_pipeline *p, step *st, size_t *rows)
         }
         /* an eighth of them kept back for what kernels allocate as they run (cuda: stream-
          * ordered scratch) */
-        recompute_buffers_free(p);
+        pl_recompute_free(p);
         r = lo - lo / 8;
         if (r == 0 || recompute_buffers(p, r) != 0)
             return -ENOMEM;

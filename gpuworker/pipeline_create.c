@@ -130,7 +130,6 @@ void rekv_pipeline_free(rekv_pipeline *p)
         if (p->wbuf_mem[i])
             p->bi->dev_free(p->be, p->wbuf_mem[i]);
         pl_dbuf_free(p, &p->par[i].attn_kv);
-        pl_dbuf_free(p, &p->par[i].act_stage);
         pl_dbuf_free(p, &p->par[i].out_stage);
     }
     for (int g = 0; g < MAX_GPU_BATCHES; g++) {
@@ -138,9 +137,7 @@ void rekv_pipeline_free(rekv_pipeline *p)
         for (size_t i = 0; i < sizeof(gbatch) / sizeof(dbuf); i++)
             pl_dbuf_free(p, &b[i]);
     }
-    pl_dbuf_free(p, &p->act_f32);
-    pl_dbuf_free(p, &p->kr);
-    pl_dbuf_free(p, &p->vr);
+    pl_recompute_free(p);
     pl_dbuf_free(p, &p->scores);
     void *ds[] = {p->d_embed, p->d_pos, p->d_proj_in, p->d_proj_out, p->d_fnorm_w, p->d_fnorm_b};
     for (size_t i = 0; i < sizeof(ds) / sizeof(ds[0]) && p->adopted == NULL; i++)

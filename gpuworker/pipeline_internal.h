@@ -337,6 +337,8 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err);
 /* The recomputation's buffers for step st, after every other device buffer of the step (they
  * alone can shrink: a split the device cannot hold is lowered, pipeline_buffers.c). */
 int pl_ensure_recompute(rekv_pipeline *p, step *st, rekv_err *err);
+/* Frees the recomputation's buffers (pipeline_free; pl_ensure_recompute's search). */
+void pl_recompute_free(rekv_pipeline *p);
 int pl_dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes);
 
 /* pipeline_create.c */
