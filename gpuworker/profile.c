@@ -1031,7 +1031,7 @@ int rekv_profile_get_progress(const rekv_model_config *c, const char *backend,
                               rekv_profile *out, rekv_profile_origin *origin,
                               rekv_progress_fn progress, void *arg, rekv_err *err)
 {
-    rekv_link_config l = {.gbps = 0, .latency_us = 10};
+    rekv_link_config l = REKV_LINK_NONE;
     if (link)
         l = *link;
     /* emulation of any kind means the cpu backend (as rekv_backend_create decides), then the

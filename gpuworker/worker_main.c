@@ -873,22 +873,24 @@ int main(int argc, char **argv)
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
     };
-    rekv_link_config link = {.gbps = 0, .latency_us = 10, .device_bytes = 0};
+    rekv_link_config link = REKV_LINK_NONE;
     int push = 0, approximate = 0, metrics_public = 0, device_tokens = -1;
     const char *metrics_listen = NULL;
     int o;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    int opt_i = 0;
+    while ((o = getopt_long(argc, argv, "", opts, &opt_i)) != -1) {
         int bad = 0;
-        char *end;
         switch (o) {
         case O_LINK_GBPS:
-            link.gbps = strtod(optarg, &end);
-            bad = end == optarg || *end || !(link.gbps >= 0);
-            break;
         case O_LINK_LAT:
-            link.latency_us = strtod(optarg, &end);
-            bad = end == optarg || *end || !(link.latency_us >= 0);
+        case O_DEVMEM: {
+            rekv_err lerr = {0};
+            if (rekv_link_parse(&link, opts[opt_i].name, optarg, &lerr)) {
+                fprintf(stderr, "rekv-gpuworker: %s\n", lerr.msg);
+                return 2;
+            }
             break;
+        }
         case O_PUSH:
             push = 1;
             break;
@@ -900,9 +902,6 @@ int main(int argc, char **argv)
             break;
         case O_METRICS_PUBLIC:
             metrics_public = 1;
-            break;
-        case O_DEVMEM:
-            bad = rekv_parse_size(optarg, &link.device_bytes);
             break;
         case O_DEVTOK: {
             uint32_t v = 0;

@@ -46,6 +46,7 @@
 
 #include "common/dtype.h"
 #include "common/err.h"
+#include "gpuworker/device/backend.h"
 #include "loader/loader.h"
 
 /* ---------------------------------------------------------------- block geometry */
@@ -170,10 +171,10 @@ typedef struct rekv_kvstore_config {
     /* Push support: the backend the store copies into clients' device buffers with ("cpu",
      * "cuda", "auto": cuda when there is a device); NULL or "": none (Push answers -ENOTSUP). */
     const char *push_backend;
-    /* With the cpu push backend: the link it emulates (Gbit/s each way and microseconds per copy,
-     * as the worker's --link-gbps), so that pushed rows take the time the link would; 0: none.
-     * The store's link is its own: a mode that also pulls (ACT rows) gets two links' worth. */
-    double push_link_gbps, push_link_latency_us;
+    /* With the cpu push backend: the link it emulates (gbps and latency_us, as the worker's
+     * --link-gbps; device_bytes unused), so that pushed rows take the time the link would; gbps 0:
+     * none. The store's link is its own: a mode that also pulls (ACT rows) gets two links' worth. */
+    rekv_link_config push_link;
     /* Prometheus scrapes (GET /metrics, common/metrics.h) on "HOST:PORT", served from the loop;
      * NULL: none. A non-loopback address needs metrics_public (else -EPERM). */
     const char *metrics_listen;

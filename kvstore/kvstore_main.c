@@ -115,8 +115,8 @@ int main(int argc, char **argv)
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
     };
-    int o;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    int o, opt_i = 0;
+    while ((o = getopt_long(argc, argv, "", opts, &opt_i)) != -1) {
         int bad = 0;
         switch (o) {
         case O_ENDPOINT:
@@ -128,10 +128,11 @@ int main(int argc, char **argv)
             break;
         case O_PUSH_GBPS:
         case O_PUSH_LAT: {
-            char *end;
-            double x = strtod(optarg, &end);
-            bad = end == optarg || *end || !(x >= 0);
-            *(o == O_PUSH_GBPS ? &cfg.push_link_gbps : &cfg.push_link_latency_us) = x;
+            rekv_err lerr = {0};
+            if (rekv_link_parse(&cfg.push_link, opts[opt_i].name + strlen("push-"), optarg, &lerr)) {
+                fprintf(stderr, "rekv-kvstore: --push-%s\n", lerr.msg + 2);
+                return 2;
+            }
             break;
         }
         case O_METRICS:

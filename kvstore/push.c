@@ -184,7 +184,7 @@ int srv_push_open(rekv_kvstore_server *s, const rekv_kvstore_config *cfg, rekv_e
     int rc;
     if (cfg->push_backend && cfg->push_backend[0]) {
         char note[256] = "";
-        rekv_link_config link = {cfg->push_link_gbps, cfg->push_link_latency_us, 0};
+        rekv_link_config link = {cfg->push_link.gbps, cfg->push_link.latency_us, 0};
         if ((rc = rekv_backend_create(cfg->push_backend, link.gbps > 0 ? &link : NULL, &s->pbe,
                                       note, sizeof(note), err)))
             return rc;

@@ -133,7 +133,7 @@ void rekv_kvstore_config_defaults(rekv_kvstore_config *cfg)
     cfg->high_pct = 90;
     cfg->low_pct = 80;
     cfg->signal_fd = -1;
-    cfg->push_link_latency_us = 10; /* as the worker's emulated link */
+    cfg->push_link = REKV_LINK_NONE;
 }
 
 static void spill_event_cb(void *ctx, rekv_kv_event lvl, const char *msg)

@@ -85,9 +85,9 @@ static void exec_daemon(const rekv_kvstore_config *cfg, int ready_fd)
         argv[a++] = "--no-register-arena";
     argv[a++] = "--push-backend", argv[a++] = cfg->push_backend;
     char gbps[32], lat[32];
-    if (cfg->push_link_gbps > 0) {
-        snprintf(gbps, sizeof(gbps), "%.17g", cfg->push_link_gbps);
-        snprintf(lat, sizeof(lat), "%.17g", cfg->push_link_latency_us);
+    if (cfg->push_link.gbps > 0) {
+        snprintf(gbps, sizeof(gbps), "%.17g", cfg->push_link.gbps);
+        snprintf(lat, sizeof(lat), "%.17g", cfg->push_link.latency_us);
         argv[a++] = "--push-link-gbps", argv[a++] = gbps;
         argv[a++] = "--push-link-latency-us", argv[a++] = lat;
     }

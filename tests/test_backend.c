@@ -1030,6 +1030,37 @@ START_TEST(copy_coalesce)
 }
 END_TEST
 
+/* The link emulation options parse by one rule in every program: numbers 0..1e6, sizes with a
+ * suffix, and an error that names the option. */
+START_TEST(link_options_parse)
+{
+    rekv_link_config l = REKV_LINK_NONE;
+    rekv_err err = {0};
+    ck_assert_double_eq(l.gbps, 0);
+    ck_assert_double_eq(l.latency_us, 10);
+    ck_assert_int_eq(rekv_link_emulates(&l), 0);
+    ck_assert_int_eq(rekv_link_parse(&l, "link-gbps", "2.5", &err), 0);
+    ck_assert_int_eq(rekv_link_parse(&l, "link-latency-us", "0", &err), 0);
+    ck_assert_int_eq(rekv_link_parse(&l, "device-memory", "64M", &err), 0);
+    ck_assert_double_eq(l.gbps, 2.5);
+    ck_assert_double_eq(l.latency_us, 0);
+    ck_assert_uint_eq(l.device_bytes, 64ull << 20);
+    ck_assert_int_eq(rekv_link_emulates(&l), 1);
+    const char *bad[][2] = {{"link-gbps", "-1"}, {"link-gbps", "2x"}, {"link-gbps", ""},
+                            {"link-latency-us", "nan"}, {"link-gbps", "1e7"},
+                            {"device-memory", "lots"}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        rekv_link_config b = l;
+        err = (rekv_err){0};
+        ck_assert_int_eq(rekv_link_parse(&b, bad[i][0], bad[i][1], &err), -EINVAL);
+        ck_assert_msg(strncmp(err.msg + 2, bad[i][0], strlen(bad[i][0])) == 0, "%s", err.msg);
+        ck_assert_mem_eq(&b, &l, sizeof(l)); /* a bad value changes nothing */
+    }
+    err = (rekv_err){0};
+    ck_assert_int_eq(rekv_link_parse(&l, "push-link-gbps", "1", &err), -ENOENT);
+}
+END_TEST
+
 static Suite *backend_suite(void)
 {
     Suite *s = suite_create("backend");
@@ -1051,6 +1082,7 @@ static Suite *backend_suite(void)
     tcase_add_test(tc, deferred_copy_reads_its_list_when_it_runs);
     tcase_add_test(tc, device_memory_emulation);
     tcase_add_test(tc, copy_coalesce);
+    tcase_add_test(tc, link_options_parse);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -58,6 +58,11 @@ int cli_parse_ids(const char *s, int32_t **ids, int *n);
 /* Strict numeric option parsing; print "rekv: --name: ..." and return -1 on error. */
 int cli_parse_int(const char *name, const char *s, long lo, long hi, long *out);
 int cli_parse_float(const char *name, const char *s, double lo, double hi, double *out);
+/* One link emulation option, --link-gbps, --link-latency-us or --device-memory, into *link
+ * (rekv_link_parse: the same rule in every program); prints "rekv: --name: ..." and returns -1 on
+ * error. link may be a scratch config where the caller only checks the value. */
+struct rekv_link_config;
+int cli_parse_link(struct rekv_link_config *link, const char *name, const char *arg);
 /* Reads a JSON array of token ids (--ids FILE) into a malloc'd array. */
 int cli_read_ids(const char *path, int32_t **ids, size_t *n, struct rekv_err *err);
 /* Reads a whole file (--text FILE) into *text (malloc'd, not NUL-terminated), its size in *len;

@@ -33,6 +33,7 @@
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/cli_daemon.h"
 #include "coordinator/coordinator.h"
+#include "gpuworker/device/backend.h"
 #include "loader/loader.h"
 
 #define START_TIMEOUT_MS 120000
@@ -451,7 +452,7 @@ int cli_bench_serve(int argc, char **argv)
                                          {0, 0, 0, 0}};
     serve_opts o = {NULL, "cpu", "64M", NULL, NULL, NULL, 16, 64, 32, 0, 0, 0};
     const char *modes = "offload,hybrid";
-    double d;
+    rekv_link_config link_check = REKV_LINK_NONE; /* the value goes to the worker as given */
     long v;
     uint64_t size, spill_size = 0;
     int c;
@@ -469,7 +470,7 @@ int cli_bench_serve(int argc, char **argv)
         case 'L': if (cli_parse_int("long-prompt", optarg, 0, 1 << 20, &o.long_prompt)) return 2; break;
         case 'B': if (cli_parse_int("max-batch", optarg, 1, 4096, &o.max_batch)) return 2; break;
         case 'b': o.backend = optarg; break;
-        case 'l': if (cli_parse_float("link-gbps", optarg, 0, 1e6, &d)) return 2; o.link_gbps = optarg; break;
+        case 'l': if (cli_parse_link(&link_check, "link-gbps", optarg)) return 2; o.link_gbps = optarg; break;
         case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o.prefill_chunk = optarg; break;
         case 'j': break; /* JSON is the only output */
         case 'h': serve_usage(stdout); return 0;

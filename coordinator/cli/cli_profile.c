@@ -256,7 +256,7 @@ int cli_profile(int argc, char **argv)
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     const char *model_path = NULL, *backend = "auto";
-    rekv_link_config link = {.gbps = 0, .latency_us = 10};
+    rekv_link_config link = REKV_LINK_NONE;
     int force = 0, as_json = 0, c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -265,11 +265,11 @@ int cli_profile(int argc, char **argv)
             model_path = optarg;
             break;
         case 'g':
-            if (cli_parse_float("link-gbps", optarg, 0, 1e6, &link.gbps))
+            if (cli_parse_link(&link, "link-gbps", optarg))
                 return 2;
             break;
         case 'l':
-            if (cli_parse_float("link-latency-us", optarg, 0, 1e6, &link.latency_us))
+            if (cli_parse_link(&link, "link-latency-us", optarg))
                 return 2;
             break;
         case 'r':

@@ -270,7 +270,6 @@ int cli_run(int argc, char **argv)
      * not start) */
     rekv_mode mode_v;
     uint64_t size_v;
-    double d_v;
     if (strcmp(mode, "auto") != 0 && rekv_mode_parse(mode, &mode_v)) {
         fprintf(stderr, "rekv run: --mode %s: expected auto, resident, offload, kvpr, act, hybrid, "
                         "infinigen or clo\n", mode);
@@ -285,12 +284,10 @@ int cli_run(int argc, char **argv)
         return 2;
     }
     int no_spill = spill && size_v == 0;
-    if (devmem && rekv_parse_size(devmem, &size_v)) {
-        fprintf(stderr, "rekv run: --device-memory %s: expected bytes, e.g. 512M\n", devmem);
-        return 2;
-    }
-    if ((link_gbps && cli_parse_float("link-gbps", link_gbps, 0, 1e6, &d_v)) ||
-        (link_lat && cli_parse_float("link-latency-us", link_lat, 0, 1e6, &d_v)))
+    rekv_link_config link_check = REKV_LINK_NONE; /* the values go to the worker as given */
+    if ((devmem && cli_parse_link(&link_check, "device-memory", devmem)) ||
+        (link_gbps && cli_parse_link(&link_check, "link-gbps", link_gbps)) ||
+        (link_lat && cli_parse_link(&link_check, "link-latency-us", link_lat)))
         return 2;
     char dir[2048], state[2200], bin[PATH_MAX], ep_ctl[2300], ep_wrk[2300], ep_kv[2300];
     rekv_err err = {0};

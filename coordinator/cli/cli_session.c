@@ -152,8 +152,8 @@ int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po
          * kind ours is */
         kc.push_backend = cfg->push ? s->be->iface->name : NULL;
         if (cfg->push && link && link->gbps > 0) { /* over a link like ours */
-            kc.push_link_gbps = link->gbps;
-            kc.push_link_latency_us = link->latency_us;
+            kc.push_link.gbps = link->gbps;
+            kc.push_link.latency_us = link->latency_us;
         }
         if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
             goto fail;
@@ -292,21 +292,11 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         }
         return 1;
     case CLI_OPT_LINK_GBPS:
-        if (cli_parse_float("link-gbps", arg, 0, 1e6, &d))
-            return -1;
-        o->link.gbps = d;
-        return 1;
+        return cli_parse_link(&o->link, "link-gbps", arg) ? -1 : 1;
     case CLI_OPT_LINK_LATENCY:
-        if (cli_parse_float("link-latency-us", arg, 0, 1e6, &d))
-            return -1;
-        o->link.latency_us = d;
-        return 1;
+        return cli_parse_link(&o->link, "link-latency-us", arg) ? -1 : 1;
     case CLI_OPT_DEVICE_MEMORY:
-        if (rekv_parse_size(arg, &o->link.device_bytes)) {
-            fprintf(stderr, "rekv: --device-memory: expected bytes, e.g. 512M\n");
-            return -1;
-        }
-        return 1;
+        return cli_parse_link(&o->link, "device-memory", arg) ? -1 : 1;
     case CLI_OPT_ACT_GPU:
         if (cli_parse_int("act-gpu-blocks", arg, 0, 1 << 20, &v))
             return -1;
@@ -399,7 +389,7 @@ void cli_pipeline_opts_defaults(cli_pipeline_opts *o)
     o->cfg.kv_parts = -1; /* from the cost model */
     o->cfg.act_parts = -1;
     o->cfg.persist_np = -1; /* clo: Eq. 12 from the cost model */
-    o->link.latency_us = 10;
+    o->link = REKV_LINK_NONE;
     o->backend = "auto";
     o->partial_ratio = REKV_SKEW_DEFAULT_RATIO;
 }

@@ -14,6 +14,7 @@
 
 #include "common/err.h"
 #include "coordinator/coordinator.h"
+#include "gpuworker/device/backend.h"
 #include "loader/loader.h"
 
 int cli_parse_ids(const char *s, int32_t **ids, int *n)
@@ -80,6 +81,16 @@ int cli_parse_float(const char *name, const char *s, double lo, double hi, doubl
         return -1;
     }
     *out = x;
+    return 0;
+}
+
+int cli_parse_link(rekv_link_config *link, const char *name, const char *arg)
+{
+    rekv_err err = {0};
+    if (rekv_link_parse(link, name, arg, &err)) {
+        fprintf(stderr, "rekv: %s\n", err.msg);
+        return -1;
+    }
     return 0;
 }
 

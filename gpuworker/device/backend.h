@@ -327,6 +327,16 @@ void rekv_copy_label(char *buf, size_t cap, const char *dir, rekv_xfer_kind kind
 void *rekv_host_alloc(rekv_backend *be, size_t bytes);
 void rekv_host_free(rekv_backend *be, void *p);
 
+/* No emulation (a real device, or the cpu backend at memory speed), and the latency a copy costs
+ * once --link-gbps turns emulation on: every program starts from this one default. */
+#define REKV_LINK_NONE ((rekv_link_config){.gbps = 0, .latency_us = 10, .device_bytes = 0})
+
+/* Parses one link emulation option, the same in every program: name is the long option without
+ * its dashes, "link-gbps" or "link-latency-us" (each 0 to 1e6) or "device-memory" (a size with a
+ * K, M or G suffix); the kvstore's --push-link-* options pass the name without "push-". 0; -EINVAL
+ * with "--NAME: expected ..." in err for a bad value; -ENOENT for any other name. */
+int rekv_link_parse(rekv_link_config *link, const char *name, const char *arg, rekv_err *err);
+
 /* Whether link asks for any emulation (a link speed or a device memory limit): that is the cpu
  * backend's job, and "auto" then means cpu. */
 int rekv_link_emulates(const rekv_link_config *link);
