@@ -10,13 +10,9 @@
  * stream, first failure wins, and returned by the next stream_sync, with any error the CUDA
  * runtime reports there, as -EIO and the CUDA error string — the same contract as the cpu backend.
  *
- * Copies: a call's pieces are coalesced into as few DMA operations as they allow; but where an
- * h2d call is many small rows from host memory that host_register mapped (infinigen's and clo's
- * selected tokens from the kvstore arena: thousands of rows of a few hundred bytes, each a DMA of
- * microseconds), a gather kernel reads the rows through the mapping instead — one launch, its
- * row list in a per-stream ring of mapped pinned memory (issue 13's zero-copy gather); a deferred
- * copy's list, written by a host function when the stream reaches it, in a per-stream area
- * (cu_deferred_area).
+ * Copies: a call's pieces are coalesced into as few DMA operations as they allow; many small rows
+ * from mapped host memory go as one gather kernel instead, and deferred copies always do
+ * (backend_cuda_gather.cu).
  *
  * Stats and trace: byte and copy counters are exact and counted at enqueue. Busy times are
  * measured on the GPU while timing is on or a trace records (off otherwise: it costs two event
@@ -27,14 +23,9 @@
  * one span per copy or kernel, on a track per stream, in GPU time relative to an event recorded at
  * trace_start; work enqueued before trace_start is not in it.
  *
- * Sharing with other processes: shared buffers are cudaMalloc'd and named by cudaIpcGetMemHandle,
- * imported with cudaIpcOpenMemHandle; shared events are created with cudaEventInterprocess and
- * named by cudaIpcGetEventHandle. Flag waits and writes are the driver's stream memory operations
- * (cuStreamWaitValue32 / cuStreamWriteValue32), looked up with cudaGetDriverEntryPoint* so that
- * the program does not link libcuda (it must start on machines without a driver); where they
- * are missing or refused, a one-thread kernel polls or stores the flag instead. A flag wait is
- * timed and traced like a copy ("wait flag >= N") but is not compute time. */
-#include "gpuworker/device/cuda_internal.h"
+ * Sharing with other processes (shared buffers, shared events) and flag waits are in
+ * backend_cuda_ipc.cu; what the three files share is in backend_cuda_internal.h. */
+#include "gpuworker/device/backend_cuda_internal.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -44,18 +35,6 @@
 
 /* Trace spans kept at most; later ones are counted as dropped. */
 #define CU_TRACE_MAX_SPANS (1u << 20)
-
-struct rekv_event {
-    cuda_backend *be;
-    cudaEvent_t ev;
-    int shared;             /* created by event_create_shared, or imported */
-    rekv_ipc_handle handle; /* shared: what event_export gives */
-};
-
-static cuda_backend *backend_of(rekv_backend *base)
-{
-    return (cuda_backend *)base->ctx;
-}
 
 /* Under the backend's lock: a host function (deferred_fill) fails its stream from CUDA's callback
  * thread while the step thread may be failing the same stream at enqueue; the first one stays. */
@@ -224,7 +203,7 @@ static void stream_resolve(rekv_stream *s)
 
 static void *cu_dev_alloc(rekv_backend *base, size_t bytes)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     void *p = NULL;
     cuda_use_device(be);
     /* a zero-byte request still gets a unique pointer, as on the cpu backend */
@@ -239,7 +218,7 @@ static void cu_dev_free(rekv_backend *base, void *p)
 {
     if (p == NULL)
         return;
-    cuda_use_device(backend_of(base));
+    cuda_use_device(cuda_backend_of(base));
     /* implicitly waits for the device: callers free only idle buffers anyway; a failure (a bad
      * pointer) is not left for another stream's launch check to find */
     if (cudaFree(p) != cudaSuccess)
@@ -249,7 +228,7 @@ static void cu_dev_free(rekv_backend *base, void *p)
 static void *cu_host_alloc(rekv_backend *base, size_t bytes)
 {
     void *p = NULL;
-    cuda_use_device(backend_of(base));
+    cuda_use_device(cuda_backend_of(base));
     if (cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocMapped | cudaHostAllocPortable) !=
         cudaSuccess) {
         cudaGetLastError();
@@ -268,7 +247,7 @@ static void cu_host_free(rekv_backend *base, void *p)
 
 static int cu_stream_create(rekv_backend *base, const char *name, rekv_stream **out, rekv_err *err)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     const char *nm0 = name ? name : "stream";
     rekv_stream *s = NULL;
     char *nm = NULL;
@@ -318,7 +297,7 @@ out_free:
 }
 
 /* A call that blocks its caller on device work (stats.host_syncs). */
-static void count_host_sync(cuda_backend *be)
+void cuda_count_host_sync(cuda_backend *be)
 {
     pthread_mutex_lock(&be->mu);
     be->stats.host_syncs++;
@@ -342,7 +321,7 @@ static void deferred_area_release(rekv_stream *s, int all)
 
 static int cu_stream_sync(rekv_stream *s, rekv_err *err)
 {
-    count_host_sync(s->be);
+    cuda_count_host_sync(s->be);
     cuda_use_device(s->be);
     cudaError_t e = cudaStreamSynchronize(s->cs);
     if (e == cudaSuccess)
@@ -486,7 +465,7 @@ static void cu_stream_destroy(rekv_stream *s)
 
 static int cu_event_create(rekv_backend *base, rekv_event **out, rekv_err *err)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     *out = NULL;
     cuda_use_device(be);
     rekv_event *ev = (rekv_event *)calloc(1, sizeof(*ev));
@@ -515,7 +494,7 @@ static void cu_event_destroy(rekv_event *ev)
 
 /* Only kernels and copies may be captured (backend.h): anything else enqueued during a capture
  * fails it (and does not run). 1 when s is capturing. */
-static int refused_in_capture(rekv_stream *s, const char *what)
+int cuda_refused_in_capture(rekv_stream *s, const char *what)
 {
     if (!s->capturing)
         return 0;
@@ -525,7 +504,7 @@ static int refused_in_capture(rekv_stream *s, const char *what)
 
 static void cu_event_record(rekv_event *ev, rekv_stream *s)
 {
-    if (refused_in_capture(s, "an event record"))
+    if (cuda_refused_in_capture(s, "an event record"))
         return;
     cuda_use_device(s->be);
     cuda_stream_check(s, cudaEventRecord(ev->ev, s->cs), "event record");
@@ -533,7 +512,7 @@ static void cu_event_record(rekv_event *ev, rekv_stream *s)
 
 static void cu_stream_wait_event(rekv_stream *s, rekv_event *ev)
 {
-    if (refused_in_capture(s, "an event wait"))
+    if (cuda_refused_in_capture(s, "an event wait"))
         return;
     cuda_use_device(s->be);
     /* an event never recorded is complete, as on the cpu backend */
@@ -544,532 +523,9 @@ static void cu_event_sync(rekv_event *ev)
 {
     /* void by contract: a failure here is a device fault, which is sticky and surfaces at the
      * next stream_sync */
-    count_host_sync(ev->be);
+    cuda_count_host_sync(ev->be);
     cuda_use_device(ev->be);
     cudaEventSynchronize(ev->ev);
-}
-
-/* ---------------------------------------------------------------- sharing with other processes */
-
-static_assert(sizeof(cudaIpcMemHandle_t) <= sizeof(((rekv_ipc_handle *)0)->payload),
-              "cudaIpcMemHandle_t fits a handle's payload");
-static_assert(sizeof(cudaIpcEventHandle_t) <= sizeof(((rekv_ipc_handle *)0)->payload),
-              "cudaIpcEventHandle_t fits a handle's payload");
-
-/* A cudaMalloc allocation of its own (IPC names whole allocations), named by its IPC handle. */
-static void *cu_dev_alloc_shared(rekv_backend *base, size_t bytes, rekv_ipc_handle *out,
-                                 rekv_err *err)
-{
-    cuda_backend *be = backend_of(base);
-    cudaIpcMemHandle_t mh;
-    void *p = NULL;
-    cudaError_t e;
-
-    cuda_use_device(be);
-    if ((e = cudaMalloc(&p, bytes ? bytes : 1)) != cudaSuccess) {
-        cudaGetLastError();
-        rekv_errf(err, e == cudaErrorMemoryAllocation ? -ENOMEM : -EIO,
-                  "cuda backend: cannot allocate %zu bytes of shared device memory: %s", bytes,
-                  cudaGetErrorString(e));
-        return NULL;
-    }
-    if ((e = cudaIpcGetMemHandle(&mh, p)) != cudaSuccess) {
-        cudaGetLastError();
-        cudaFree(p);
-        rekv_errf(err, -EIO, "cuda backend: cudaIpcGetMemHandle: %s", cudaGetErrorString(e));
-        return NULL;
-    }
-    rekv_ipc_handle_init(out, REKV_IPC_MEM, "cuda", bytes);
-    memcpy(out->payload, &mh, sizeof(mh));
-    return p;
-}
-
-static int cu_dev_import(rekv_backend *base, const rekv_ipc_handle *h, void **dev, size_t *bytes,
-                         rekv_err *err)
-{
-    cudaIpcMemHandle_t mh;
-    cudaError_t e;
-    int rc;
-
-    *dev = NULL;
-    if ((rc = rekv_ipc_handle_check(h, REKV_IPC_MEM, "cuda", "cuda backend: dev_import", err)) < 0)
-        return rc;
-    memcpy(&mh, h->payload, sizeof(mh));
-    cuda_use_device(backend_of(base));
-    if ((e = cudaIpcOpenMemHandle(dev, mh, cudaIpcMemLazyEnablePeerAccess)) != cudaSuccess) {
-        cudaGetLastError();
-        *dev = NULL;
-        return rekv_errf(err, -EIO,
-                         "cuda backend: dev_import: cudaIpcOpenMemHandle: %s (has the exporting "
-                         "process exited or freed the buffer? the exporter must be another "
-                         "process)",
-                         cudaGetErrorString(e));
-    }
-    if (bytes)
-        *bytes = (size_t)h->bytes;
-    return 0;
-}
-
-static void cu_dev_unimport(rekv_backend *base, void *dev)
-{
-    if (dev == NULL)
-        return;
-    cuda_use_device(backend_of(base));
-    if (cudaIpcCloseMemHandle(dev) != cudaSuccess)
-        cudaGetLastError();
-}
-
-static int cu_event_create_shared(rekv_backend *base, rekv_event **out, rekv_err *err)
-{
-    cuda_backend *be = backend_of(base);
-    cudaIpcEventHandle_t eh;
-    cudaError_t e;
-
-    *out = NULL;
-    cuda_use_device(be);
-    rekv_event *ev = (rekv_event *)calloc(1, sizeof(*ev));
-    if (ev == NULL)
-        return rekv_errf(err, -ENOMEM, "cuda backend: out of memory creating an event");
-    /* CUDA requires both flags of an event another process opens */
-    e = cudaEventCreateWithFlags(&ev->ev, cudaEventDisableTiming | cudaEventInterprocess);
-    if (e != cudaSuccess) {
-        cudaGetLastError();
-        free(ev);
-        return rekv_errf(err, -EIO, "cuda backend: cannot create an interprocess event: %s",
-                         cudaGetErrorString(e));
-    }
-    if ((e = cudaIpcGetEventHandle(&eh, ev->ev)) != cudaSuccess) {
-        cudaGetLastError();
-        cudaEventDestroy(ev->ev);
-        free(ev);
-        return rekv_errf(err, -EIO, "cuda backend: cudaIpcGetEventHandle: %s",
-                         cudaGetErrorString(e));
-    }
-    ev->be = be;
-    ev->shared = 1;
-    rekv_ipc_handle_init(&ev->handle, REKV_IPC_EVENT, "cuda", 0);
-    memcpy(ev->handle.payload, &eh, sizeof(eh));
-    *out = ev;
-    return 0;
-}
-
-static int cu_event_export(rekv_event *ev, rekv_ipc_handle *out, rekv_err *err)
-{
-    if (!ev->shared)
-        return rekv_errf(err, -EINVAL,
-                         "cuda backend: event_export: the event was made by "
-                         "event_create; only event_create_shared's can be exported");
-    *out = ev->handle;
-    return 0;
-}
-
-/* The opened event behaves as one created with cudaEventDisableTiming: record, wait, sync and
- * destroy work on it as on any other. */
-static int cu_event_import(rekv_backend *base, const rekv_ipc_handle *h, rekv_event **out,
-                           rekv_err *err)
-{
-    cuda_backend *be = backend_of(base);
-    cudaIpcEventHandle_t eh;
-    cudaError_t e;
-    int rc;
-
-    *out = NULL;
-    rc = rekv_ipc_handle_check(h, REKV_IPC_EVENT, "cuda", "cuda backend: event_import", err);
-    if (rc < 0)
-        return rc;
-    rekv_event *ev = (rekv_event *)calloc(1, sizeof(*ev));
-    if (ev == NULL)
-        return rekv_errf(err, -ENOMEM, "cuda backend: out of memory importing an event");
-    memcpy(&eh, h->payload, sizeof(eh));
-    cuda_use_device(be);
-    if ((e = cudaIpcOpenEventHandle(&ev->ev, eh)) != cudaSuccess) {
-        cudaGetLastError();
-        free(ev);
-        return rekv_errf(err, -EIO,
-                         "cuda backend: event_import: cudaIpcOpenEventHandle: %s (has the "
-                         "exporting process exited?)",
-                         cudaGetErrorString(e));
-    }
-    ev->be = be;
-    ev->shared = 1;
-    ev->handle = *h;
-    *out = ev;
-    return 0;
-}
-
-/* ------------------------------------------------------------------ copies */
-
-/* The gather: worth it from CU_GATHER_MIN_ROWS rows of at most CU_GATHER_MAX_ROW bytes on average
- * (a DMA costs microseconds whatever its size: below a few tens of KiB that, not the link, is its
- * time). Each warp takes 32 rows, its lanes read their descriptors at once and then copy the rows
- * one after another, 16 bytes a lane where the addresses allow. */
-enum {
-    CU_GATHER_MIN_ROWS = 32,
-    CU_GATHER_MAX_ROW = 32 << 10,
-    CU_GATHER_THREADS = 256,
-    CU_GATHER_STACK_REGS = 64 /* registered ranges a gather copies on the stack (more: heap) */
-};
-
-/* n == CU_GATHER_COUNTED: a deferred gather's slice, its row count in d[0].bytes (what the host
- * function that filled it found) and the rows from d + 1. */
-#define CU_GATHER_COUNTED ((size_t)-1)
-
-__global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
-{
-    if (n == CU_GATHER_COUNTED) {
-        n = d[0].bytes;
-        d++;
-    }
-    const unsigned full = 0xffffffffu, lane = threadIdx.x & 31u;
-    size_t warp = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    size_t warps = ((size_t)gridDim.x * blockDim.x) >> 5;
-    for (size_t g0 = warp * 32; g0 < n; g0 += warps * 32) {
-        cu_gather_desc my = {NULL, NULL, 0};
-        if (g0 + lane < n)
-            my = d[g0 + lane];
-        unsigned cnt = n - g0 < 32 ? (unsigned)(n - g0) : 32u;
-        for (unsigned j = 0; j < cnt; j++) {
-            const char *src =
-                (const char *)__shfl_sync(full, (unsigned long long)(uintptr_t)my.src, (int)j);
-            char *dst = (char *)__shfl_sync(full, (unsigned long long)(uintptr_t)my.dst, (int)j);
-            size_t bytes = (size_t)__shfl_sync(full, (unsigned long long)my.bytes, (int)j);
-            uintptr_t align = (uintptr_t)src | (uintptr_t)dst | (uintptr_t)bytes;
-            if ((align & 15u) == 0)
-                for (size_t i = lane; i < bytes / 16; i += 32)
-                    ((int4 *)dst)[i] = ((const int4 *)src)[i];
-            else if ((align & 7u) == 0)
-                for (size_t i = lane; i < bytes / 8; i += 32)
-                    ((unsigned long long *)dst)[i] = ((const unsigned long long *)src)[i];
-            else if ((align & 3u) == 0)
-                for (size_t i = lane; i < bytes / 4; i += 32)
-                    ((unsigned *)dst)[i] = ((const unsigned *)src)[i];
-            else
-                for (size_t i = lane; i < bytes; i += 32)
-                    dst[i] = src[i];
-        }
-    }
-}
-
-/* host_register's ranges as they are now, to match rows against without holding the lock (one
- * per offloaded layer's weights, the arena, a few flags): in stack (room for CU_GATHER_STACK_REGS)
- * or a heap copy the caller frees when the returned pointer is not stack; *n 0 when out of
- * memory. */
-static cu_host_reg *regs_snapshot(cuda_backend *be, cu_host_reg *stack, size_t *n)
-{
-    pthread_mutex_lock(&be->mu);
-    size_t k = be->n_regs;
-    cu_host_reg *r = k <= CU_GATHER_STACK_REGS ? stack : (cu_host_reg *)malloc(k * sizeof(*r));
-    if (r != NULL)
-        memcpy(r, be->regs, k * sizeof(*r));
-    pthread_mutex_unlock(&be->mu);
-    *n = r != NULL ? k : 0;
-    return r;
-}
-
-/* The device's address of host bytes [p, p + n) where one of regs mapped them all; NULL where
- * none did. *hint: the range that matched last, tried first (a gather's rows are mostly from one
- * range, the arena). */
-static const char *reg_device_addr(const cu_host_reg *regs, size_t n_regs, size_t *hint,
-                                   const void *p, size_t n)
-{
-    const char *h = (const char *)p;
-    for (size_t k = 0; k <= n_regs; k++) {
-        size_t i = k == 0 ? *hint : k - 1;
-        if (i >= n_regs)
-            continue;
-        const cu_host_reg *r = &regs[i];
-        if (h >= r->host && n <= r->bytes && (size_t)(h - r->host) <= r->bytes - n) {
-            *hint = i;
-            return r->dev + (h - r->host);
-        }
-    }
-    return NULL;
-}
-
-/* n gather descriptors of mapped pinned memory, the host's pointer and the device's: 0, or -1
- * (nothing allocated, CUDA's error cleared). */
-static int desc_alloc(size_t n, cu_gather_desc **host, const cu_gather_desc **dev)
-{
-    void *h = NULL, *d = NULL;
-    if (cudaHostAlloc(&h, n * sizeof(cu_gather_desc),
-                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
-        cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
-        cudaGetLastError();
-        if (h != NULL)
-            cudaFreeHost(h);
-        return -1;
-    }
-    *host = (cu_gather_desc *)h;
-    *dev = (const cu_gather_desc *)d;
-    return 0;
-}
-
-/* Makes s's ring hold cap descriptors: waits for the kernels reading the old one (it grows a few
- * times in a process's life, to 4x its largest gather) and replaces it. 0, or -1 with the stream
- * failed. */
-static int gather_ring_grow(rekv_stream *s, size_t cap)
-{
-    cu_gather_ring *g = &s->gather;
-    for (int i = 0; i < g->n_busy; i++) {
-        count_host_sync(s->be);
-        if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
-            return -1;
-    }
-    g->n_busy = 0;
-    if (g->host == NULL) /* the stream's first gather */
-        for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
-            if (cudaEventCreateWithFlags(&g->busy[i].ev, cudaEventDisableTiming) != cudaSuccess) {
-                cudaGetLastError();
-                while (i-- > 0)
-                    cudaEventDestroy(g->busy[i].ev);
-                cuda_stream_fail(s, -ENOMEM, "stream %s: no events for a gather", s->name);
-                return -1;
-            }
-    if (g->host != NULL)
-        cudaFreeHost(g->host);
-    g->host = NULL;
-    if (desc_alloc(cap, &g->host, &g->dev)) {
-        for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
-            cudaEventDestroy(g->busy[i].ev);
-        cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a gather's %zu rows", s->name,
-                         cap);
-        return -1;
-    }
-    g->cap = cap;
-    g->head = 0;
-    return 0;
-}
-
-/* Room for n descriptors in s's ring, after the kernels that read any of it finished (rarely
- * waited for: a gather takes at most a quarter of the ring, and those that finished are let go
- * first, without waiting): their first index, or -1 with the stream failed. */
-static long gather_slice(rekv_stream *s, size_t n)
-{
-    cu_gather_ring *g = &s->gather;
-    int done = 0; /* they finish in stream order: the oldest first */
-    cudaError_t q = cudaSuccess;
-    while (done < g->n_busy && (q = cudaEventQuery(g->busy[done].ev)) == cudaSuccess)
-        done++;
-    if (q == cudaErrorNotReady && cudaPeekAtLastError() == cudaErrorNotReady)
-        cudaGetLastError(); /* "not yet" is no failure for a later launch check to find */
-    else if (q != cudaSuccess && cuda_stream_check(s, q, "gather ring"))
-        return -1;
-    if (done > 0) { /* their events go to the free end, after the busy ones */
-        cudaEvent_t freed[CU_GATHER_INFLIGHT];
-        for (int i = 0; i < done; i++)
-            freed[i] = g->busy[i].ev;
-        memmove(&g->busy[0], &g->busy[done], (size_t)(g->n_busy - done) * sizeof(g->busy[0]));
-        g->n_busy -= done;
-        for (int i = 0; i < done; i++)
-            g->busy[g->n_busy + i].ev = freed[i];
-    }
-    if (g->host == NULL || n > g->cap / 4) {
-        size_t cap = CU_GATHER_RING;
-        while (cap < 4 * n)
-            cap *= 2;
-        if (gather_ring_grow(s, cap))
-            return -1;
-    }
-    size_t lo = g->head + n <= g->cap ? g->head : 0;
-    /* the slices it overlaps, or the oldest when every slot is taken; busy[] stays oldest first */
-    for (int i = 0; i < g->n_busy;) {
-        if (g->n_busy < CU_GATHER_INFLIGHT && (g->busy[i].hi <= lo || g->busy[i].lo >= lo + n)) {
-            i++;
-            continue;
-        }
-        count_host_sync(s->be);
-        if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
-            return -1;
-        cudaEvent_t ev = g->busy[i].ev;
-        memmove(&g->busy[i], &g->busy[i + 1], (size_t)(g->n_busy - i - 1) * sizeof(g->busy[0]));
-        g->busy[--g->n_busy].ev = ev;
-    }
-    return (long)lo;
-}
-
-/* Launches the gather of rows (at most) whose descriptors are d (n: their count, or
- * CU_GATHER_COUNTED). */
-static void gather_kernel_launch(rekv_stream *s, const cu_gather_desc *d, size_t rows, size_t n)
-{
-    size_t groups = (rows + 31) / 32, per_block = CU_GATHER_THREADS / 32;
-    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)s->be->sms * 2;
-    unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
-    gather_kernel<<<blocks ? blocks : 1, CU_GATHER_THREADS, 0, s->cs>>>(d, n);
-    cuda_launch_check(s, "gather");
-}
-
-/* The launch and the ring's bookkeeping of a gather of n rows whose descriptors are at slice lo.
- * Returns 1 (done, or the stream failed). */
-static int gather_launch(rekv_stream *s, long lo, size_t n)
-{
-    gather_kernel_launch(s, s->gather.dev + lo, n, n);
-    cu_gather_ring *g = &s->gather;
-    if (cuda_stream_check(s, cudaEventRecord(g->busy[g->n_busy].ev, s->cs), "gather ring"))
-        return 1;
-    g->busy[g->n_busy].lo = (size_t)lo;
-    g->busy[g->n_busy].hi = (size_t)lo + n;
-    g->n_busy++;
-    g->head = (size_t)lo + n;
-    return 1;
-}
-
-/* The h2d runs as a gather when they are many small rows all in host_register's mapped ranges:
- * returns 1 with their descriptors in the ring at *lo_out (*rows_out of them; *lo_out < 0: the
- * stream failed), or 0 to leave them to DMA. */
-static int gather_prepare(rekv_stream *s, const rekv_copy_run *runs, size_t nr, size_t bytes,
-                          long *lo_out, size_t *rows_out)
-{
-    cuda_backend *be = s->be;
-    size_t rows = 0;
-    for (size_t i = 0; i < nr; i++)
-        rows += runs[i].height;
-    if (rows < CU_GATHER_MIN_ROWS || bytes / rows > CU_GATHER_MAX_ROW)
-        return 0;
-    cu_host_reg stack[CU_GATHER_STACK_REGS];
-    size_t n_regs, hint = 0;
-    cu_host_reg *regs = regs_snapshot(be, stack, &n_regs);
-    int mapped = n_regs > 0;
-    for (size_t i = 0; mapped && i < nr; i++) {
-        const rekv_copy_run *r = &runs[i];
-        mapped = reg_device_addr(regs, n_regs, &hint, r->src,
-                                 (r->height - 1) * r->spitch + r->width) != NULL;
-    }
-    long lo = mapped ? gather_slice(s, rows) : -1;
-    if (lo >= 0) {
-        cu_gather_desc *d = s->gather.host + lo;
-        size_t k = 0;
-        for (size_t i = 0; i < nr; i++) {
-            const rekv_copy_run *r = &runs[i];
-            for (size_t row = 0; row < r->height; row++, k++) {
-                d[k].src = reg_device_addr(regs, n_regs, &hint,
-                                           (const char *)r->src + row * r->spitch, r->width);
-                d[k].dst = (char *)r->dst + row * r->dpitch;
-                d[k].bytes = r->width;
-            }
-        }
-        pthread_mutex_lock(&be->mu);
-        be->stats.h2d_gathered += rows;
-        pthread_mutex_unlock(&be->mu);
-    }
-    if (regs != stack)
-        free(regs);
-    *lo_out = lo;
-    *rows_out = rows;
-    return mapped;
-}
-
-/* A deferred gather (copy_h2d_deferred): a host function fills the stream's deferred area when
- * the stream reaches it — each piece's source through the mapping, the count first — and counts
- * it; the kernel after it copies. */
-typedef struct cu_deferred {
-    rekv_stream *s;
-    const rekv_copy_piece *pieces;
-    const size_t *n;
-    size_t max;
-    cu_gather_desc *d; /* the area: room for max + 1 descriptors */
-    rekv_xfer_kind kind;
-} cu_deferred;
-
-static void CUDART_CB deferred_fill(void *arg)
-{
-    cu_deferred *x = (cu_deferred *)arg;
-    rekv_stream *s = x->s;
-    cuda_backend *be = s->be;
-    size_t n = *x->n, bytes = 0, rows = 0, n_regs, hint = 0;
-    x->d[0].bytes = 0;
-    cu_host_reg stack[CU_GATHER_STACK_REGS];
-    cu_host_reg *regs = regs_snapshot(be, stack, &n_regs);
-    int failed = n > x->max;
-    if (failed)
-        cuda_stream_fail(s, -EINVAL, "stream %s: a deferred copy of %zu pieces (room for %zu)",
-                         s->name, n, x->max);
-    for (size_t i = 0; !failed && i < n; i++) {
-        const rekv_copy_piece *pc = &x->pieces[i];
-        if (pc->bytes == 0) /* nothing to move, as on cpu */
-            continue;
-        const char *src = reg_device_addr(regs, n_regs, &hint, pc->src, pc->bytes);
-        if (src == NULL || pc->dst == NULL) {
-            cuda_stream_fail(s, -EINVAL,
-                             "stream %s: a deferred copy's piece %zu is not from page-locked, "
-                             "mapped host memory (host_register)",
-                             s->name, i);
-            failed = 1;
-            rows = 0;
-        } else {
-            x->d[1 + rows++] = (cu_gather_desc){src, (char *)pc->dst, pc->bytes};
-            bytes += pc->bytes;
-        }
-    }
-    if (regs != stack)
-        free(regs);
-    x->d[0].bytes = rows; /* the kernel copies these: none after a failure */
-    if (!failed) {        /* counted as on cpu: a copy, even of nothing */
-        pthread_mutex_lock(&be->mu);
-        be->stats.h2d_bytes[x->kind] += bytes;
-        be->stats.h2d_copies++;
-        be->stats.h2d_gathered += rows;
-        pthread_mutex_unlock(&be->mu);
-    }
-    free(x);
-}
-
-/* Makes s's deferred area hold n descriptors (cu_deferred_area): a larger one replaces it, twice
- * the size asked, and the old one is retired. 0, or -1 with the stream failed. */
-static int deferred_area_fit(rekv_stream *s, size_t n)
-{
-    cu_deferred_area *a = &s->deferred;
-    if (a->host != NULL && n <= a->cap)
-        return 0;
-    void **r = (void **)realloc(a->retired, (a->n_retired + 1) * sizeof(*r));
-    if (r == NULL) {
-        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a deferred copy", s->name);
-        return -1;
-    }
-    a->retired = r;
-    cu_gather_desc *h;
-    const cu_gather_desc *d;
-    if (desc_alloc(2 * n, &h, &d)) {
-        cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a deferred gather's %zu rows",
-                         s->name, n);
-        return -1;
-    }
-    if (a->host != NULL)
-        a->retired[a->n_retired++] = a->host;
-    a->host = h;
-    a->dev = d;
-    a->cap = 2 * n;
-    return 0;
-}
-
-static void cu_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
-                                 size_t max, rekv_xfer_kind kind)
-{
-    if (refused_in_capture(s, "a deferred copy"))
-        return;
-    if (pieces == NULL || n == NULL || (unsigned)kind >= REKV_XFER_KINDS) {
-        cuda_stream_fail(s, -EINVAL,
-                         "stream %s: a deferred copy needs its pieces, their count and a kind",
-                         s->name);
-        return;
-    }
-    cu_deferred *x = (cu_deferred *)malloc(sizeof(*x));
-    if (x == NULL) {
-        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a deferred copy", s->name);
-        return;
-    }
-    cuda_use_device(s->be);
-    if (deferred_area_fit(s, max + 1)) {
-        free(x);
-        return;
-    }
-    cu_deferred_area *a = &s->deferred;
-    *x = (cu_deferred){s, pieces, n, max, a->host, kind};
-    long op = cuda_op_begin(s, CU_OP_H2D, "h2d deferred gather");
-    if (cuda_stream_check(s, cudaLaunchHostFunc(s->cs, deferred_fill, x), "deferred copy"))
-        free(x);
-    else
-        gather_kernel_launch(s, a->dev, max, CU_GATHER_COUNTED);
-    cuda_op_end(s, op);
 }
 
 /* One cudaMemcpyAsync per piece; cudaMemcpyDefault lets UVA tell pinned, pageable and device
@@ -1113,11 +569,11 @@ static void copy_enqueue(rekv_stream *s, int dir, const rekv_copy_piece *pieces,
     /* a gather's host work (its slice, its descriptors) before the op's start is recorded: its
      * span is the device's */
     int gathered =
-        dir == CU_OP_H2D && !s->capturing && gather_prepare(s, runs, nr, bytes, &lo, &rows);
+        dir == CU_OP_H2D && !s->capturing && cuda_gather_prepare(s, runs, nr, bytes, &lo, &rows);
     long op = cuda_op_begin(s, dir, label);
     if (gathered) {
         if (lo >= 0)
-            gather_launch(s, lo, rows);
+            cuda_gather_launch(s, lo, rows);
         nr = 0;
     }
     for (size_t i = 0; i < nr; i++) {
@@ -1182,7 +638,7 @@ static void cu_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, co
                            size_t arg_bytes)
 {
     const char *nm = name ? name : "host";
-    if (refused_in_capture(s, "a host function"))
+    if (cuda_refused_in_capture(s, "a host function"))
         return;
     if (fn == NULL) {
         cuda_stream_fail(s, -EINVAL, "stream %s: launch of host function %s with a NULL function",
@@ -1214,113 +670,11 @@ static void cu_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn, co
     cuda_op_end(s, op);
 }
 
-/* ------------------------------------------------------------------ flags in host memory */
-
-/* Fallbacks where the driver's stream memory operations are missing or refused: one thread that
- * polls, or stores, the flag through the device's mapping of the host memory. */
-__global__ static void flag_wait_kernel(const volatile uint32_t *flag, uint32_t value)
-{
-    while ((int32_t)(*flag - value) < 0)
-        __nanosleep(2000);
-}
-
-__global__ static void flag_write_kernel(volatile uint32_t *flag, uint32_t value)
-{
-    __threadfence_system(); /* what the stream's earlier work wrote is visible first */
-    *flag = value;
-    __threadfence_system();
-}
-
-/* The device's address of a flag in mapped host memory; fails the stream when there is none. */
-static int flag_device_ptr(rekv_stream *s, const uint32_t *flag, const char *what, CUdeviceptr *out)
-{
-    void *d = NULL;
-    if (flag == NULL || ((uintptr_t)flag & 3u) != 0) {
-        cuda_stream_fail(s, -EINVAL, "cuda stream %s: %s: flag %p is %s", s->name, what,
-                         (const void *)flag, flag == NULL ? "NULL" : "not 4-byte aligned");
-        return -1;
-    }
-    cudaError_t e = cudaHostGetDevicePointer(&d, (void *)flag, 0);
-    if (e != cudaSuccess) {
-        cudaGetLastError();
-        cuda_stream_fail(s, -EINVAL,
-                         "cuda stream %s: %s: flag %p is not in host memory the device can read "
-                         "(host_alloc it, or host_register what holds it): %s",
-                         s->name, what, (const void *)flag, cudaGetErrorString(e));
-        return -1;
-    }
-    *out = (CUdeviceptr)(uintptr_t)d;
-    return 0;
-}
-
-static void cu_stream_wait_flag(rekv_stream *s, const uint32_t *flag, uint32_t value)
-{
-    if (refused_in_capture(s, "a flag operation"))
-        return;
-    cuda_backend *be = s->be;
-    CUdeviceptr d;
-    char label[48];
-
-    cuda_use_device(be);
-    if (flag_device_ptr(s, flag, "wait for flag", &d) < 0)
-        return;
-    snprintf(label, sizeof(label), "wait flag >= %u", (unsigned)value);
-    long op = cuda_op_begin(s, CU_OP_WAIT, label);
-    if (be->wait_value32 == NULL ||
-        be->wait_value32(s->cs, d, value, be->wait_flags) != CUDA_SUCCESS) {
-        flag_wait_kernel<<<1, 1, 0, s->cs>>>((const volatile uint32_t *)(uintptr_t)d, value);
-        cuda_launch_check(s, "wait flag");
-    }
-    cuda_op_end(s, op);
-}
-
-static void cu_stream_write_flag(rekv_stream *s, uint32_t *flag, uint32_t value)
-{
-    if (refused_in_capture(s, "a flag operation"))
-        return;
-    cuda_backend *be = s->be;
-    CUdeviceptr d;
-
-    cuda_use_device(be);
-    if (flag_device_ptr(s, flag, "write flag", &d) < 0)
-        return;
-    /* the default flags fence the stream's earlier writes before the store */
-    if (be->write_value32 == NULL ||
-        be->write_value32(s->cs, d, value, CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
-        flag_write_kernel<<<1, 1, 0, s->cs>>>((volatile uint32_t *)(uintptr_t)d, value);
-        cuda_launch_check(s, "write flag");
-    }
-}
-
-/* A driver function by name, without linking libcuda; NULL when the driver lacks it. */
-static void *driver_entry(const char *symbol)
-{
-    void *fn = NULL;
-#if CUDART_VERSION >= 12000
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    /* 12.0: the ABI (the _v2 functions) that cu_value32_fn describes */
-    cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &q);
-#else
-    cudaError_t e = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault, &q);
-#endif
-    int found = e == cudaSuccess && q == cudaDriverEntryPointSuccess;
-#else
-    cudaError_t e = cudaGetDriverEntryPoint(symbol, &fn, cudaEnableDefault);
-    int found = e == cudaSuccess;
-#endif
-    if (!found) {
-        cudaGetLastError();
-        return NULL;
-    }
-    return fn;
-}
-
 /* ------------------------------------------------------------------ stats and trace */
 
 static void cu_stats(rekv_backend *base, rekv_backend_stats *out)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     pthread_mutex_lock(&be->mu);
     *out = be->stats;
     pthread_mutex_unlock(&be->mu);
@@ -1328,7 +682,7 @@ static void cu_stats(rekv_backend *base, rekv_backend_stats *out)
 
 static void cu_stats_reset(rekv_backend *base)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     pthread_mutex_lock(&be->mu);
     memset(&be->stats, 0, sizeof(be->stats));
     pthread_mutex_unlock(&be->mu);
@@ -1336,7 +690,7 @@ static void cu_stats_reset(rekv_backend *base)
 
 static void cu_timing(rekv_backend *base, bool on)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     pthread_mutex_lock(&be->mu);
     be->timing = on;
     pthread_mutex_unlock(&be->mu);
@@ -1344,7 +698,7 @@ static void cu_timing(rekv_backend *base, bool on)
 
 static void cu_trace_start(rekv_backend *base)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     cuda_use_device(be);
     pthread_mutex_lock(&be->mu);
     be->n_spans = 0;
@@ -1368,7 +722,7 @@ static void cu_trace_start(rekv_backend *base)
 /* Spans of ops whose streams have not been synchronised since are not in the file yet. */
 static int cu_trace_write(rekv_backend *base, const char *path, rekv_err *err)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     FILE *f = fopen(path, "w");
     if (f == NULL)
         return rekv_errf(err, -errno, "%s: cannot create trace file: %s", path, strerror(errno));
@@ -1387,7 +741,7 @@ static int cu_trace_write(rekv_backend *base, const char *path, rekv_err *err)
 
 static void cu_destroy(rekv_backend *base)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     cuda_use_device(be);
     for (size_t i = 0; i < be->n_pool; i++)
         cudaEventDestroy(be->pool[i]);
@@ -1408,7 +762,7 @@ static void cu_destroy(rekv_backend *base)
 /* Page-locks the kvstore arena (or any host range) so that copies from it are DMA and async. */
 static int cu_host_register(rekv_backend *base, void *p, size_t bytes, rekv_err *err)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     cuda_use_device(be);
     /* mapped too, so that a flag in it can be waited on (cudaHostGetDevicePointer) and the
      * gather kernel can read rows from it */
@@ -1440,7 +794,7 @@ static int cu_host_register(rekv_backend *base, void *p, size_t bytes, rekv_err 
 
 static void cu_host_unregister(rekv_backend *base, void *p)
 {
-    cuda_backend *be = backend_of(base);
+    cuda_backend *be = cuda_backend_of(base);
     pthread_mutex_lock(&be->mu);
     for (size_t i = 0; i < be->n_regs; i++)
         if (be->regs[i].host == (const char *)p) {
@@ -1455,7 +809,7 @@ static void cu_host_unregister(rekv_backend *base, void *p)
 
 static int cu_mem_info(rekv_backend *base, size_t *free_bytes, size_t *total_bytes, rekv_err *err)
 {
-    cuda_use_device(backend_of(base));
+    cuda_use_device(cuda_backend_of(base));
     size_t f = 0, t = 0;
     cudaError_t e = cudaMemGetInfo(&f, &t);
     if (e != cudaSuccess) {
@@ -1468,47 +822,47 @@ static int cu_mem_info(rekv_backend *base, size_t *free_bytes, size_t *total_byt
 }
 
 static const rekv_backend_iface cuda_iface = {
-    "cuda",                 /* name */
-    cu_destroy,             /* destroy */
-    cu_dev_alloc,           /* dev_alloc */
-    cu_dev_free,            /* dev_free */
-    cu_host_alloc,          /* host_alloc */
-    cu_host_free,           /* host_free */
-    cu_stream_create,       /* stream_create */
-    cu_stream_destroy,      /* stream_destroy */
-    cu_stream_sync,         /* stream_sync */
-    cu_event_create,        /* event_create */
-    cu_event_destroy,       /* event_destroy */
-    cu_event_record,        /* event_record */
-    cu_stream_wait_event,   /* stream_wait_event */
-    cu_event_sync,          /* event_sync */
-    cu_copy_h2d,            /* copy_h2d */
-    cu_copy_d2h,            /* copy_d2h */
-    cu_copy_d2d,            /* copy_d2d */
-    cu_copy_h2d_deferred,   /* copy_h2d_deferred */
-    cu_launch_host,         /* launch_host */
-    cu_stats,               /* stats */
-    cu_stats_reset,         /* stats_reset */
-    cu_timing,              /* timing */
-    cu_trace_start,         /* trace_start */
-    cu_trace_write,         /* trace_write */
-    cu_host_register,       /* host_register */
-    cu_host_unregister,     /* host_unregister */
-    cu_dev_alloc_shared,    /* dev_alloc_shared */
-    cu_dev_import,          /* dev_import */
-    cu_dev_unimport,        /* dev_unimport */
-    cu_event_create_shared, /* event_create_shared */
-    cu_event_export,        /* event_export */
-    cu_event_import,        /* event_import */
-    cu_stream_wait_flag,    /* stream_wait_flag */
-    cu_stream_write_flag,   /* stream_write_flag */
-    cu_mem_info,            /* mem_info */
-    NULL,                   /* dev_adopt */
-    NULL,                   /* dev_unadopt */
-    cu_graph_begin,         /* graph_begin */
-    cu_graph_end,           /* graph_end */
-    cu_graph_launch,        /* graph_launch */
-    cu_graph_destroy,       /* graph_destroy */
+    "cuda",                   /* name */
+    cu_destroy,               /* destroy */
+    cu_dev_alloc,             /* dev_alloc */
+    cu_dev_free,              /* dev_free */
+    cu_host_alloc,            /* host_alloc */
+    cu_host_free,             /* host_free */
+    cu_stream_create,         /* stream_create */
+    cu_stream_destroy,        /* stream_destroy */
+    cu_stream_sync,           /* stream_sync */
+    cu_event_create,          /* event_create */
+    cu_event_destroy,         /* event_destroy */
+    cu_event_record,          /* event_record */
+    cu_stream_wait_event,     /* stream_wait_event */
+    cu_event_sync,            /* event_sync */
+    cu_copy_h2d,              /* copy_h2d */
+    cu_copy_d2h,              /* copy_d2h */
+    cu_copy_d2d,              /* copy_d2d */
+    cuda_copy_h2d_deferred,   /* copy_h2d_deferred */
+    cu_launch_host,           /* launch_host */
+    cu_stats,                 /* stats */
+    cu_stats_reset,           /* stats_reset */
+    cu_timing,                /* timing */
+    cu_trace_start,           /* trace_start */
+    cu_trace_write,           /* trace_write */
+    cu_host_register,         /* host_register */
+    cu_host_unregister,       /* host_unregister */
+    cuda_dev_alloc_shared,    /* dev_alloc_shared */
+    cuda_dev_import,          /* dev_import */
+    cuda_dev_unimport,        /* dev_unimport */
+    cuda_event_create_shared, /* event_create_shared */
+    cuda_event_export,        /* event_export */
+    cuda_event_import,        /* event_import */
+    cuda_stream_wait_flag,    /* stream_wait_flag */
+    cuda_stream_write_flag,   /* stream_write_flag */
+    cu_mem_info,              /* mem_info */
+    NULL,                     /* dev_adopt */
+    NULL,                     /* dev_unadopt */
+    cu_graph_begin,           /* graph_begin */
+    cu_graph_end,             /* graph_end */
+    cu_graph_launch,          /* graph_launch */
+    cu_graph_destroy,         /* graph_destroy */
 };
 
 int cuda_backend_create(int device, rekv_backend **out, rekv_err *err)
@@ -1551,14 +905,7 @@ int cuda_backend_create(int device, rekv_backend **out, rekv_err *err)
         (void)cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
     }
     (void)cudaGetLastError();
-    be->wait_value32 = (cu_value32_fn)driver_entry("cuStreamWaitValue32");
-    be->write_value32 = (cu_value32_fn)driver_entry("cuStreamWriteValue32");
-    be->wait_flags = CU_STREAM_WAIT_VALUE_GEQ;
-    int flush = 0;
-    if (cudaDeviceGetAttribute(&flush, cudaDevAttrCanFlushRemoteWrites, device) == cudaSuccess &&
-        flush)
-        be->wait_flags |= CU_STREAM_WAIT_VALUE_FLUSH; /* writes from a peer device land first */
-    cudaGetLastError();
+    cuda_flags_probe(be);
     pthread_mutex_init(&be->mu, NULL);
     *out = &be->base;
     return 0;

@@ -1,0 +1,390 @@
+/* backend_cuda_gather.cu — the cuda runtime's gathers: an h2d copy of many small rows from mapped
+ * host memory as one kernel, and deferred copies (copy_h2d_deferred), whose pieces a host function
+ * reads when the stream reaches them.
+ *
+ * Where an h2d call is many small rows from host memory that host_register mapped (infinigen's and
+ * clo's selected tokens from the kvstore arena: thousands of rows of a few hundred bytes, each a
+ * DMA of microseconds), a gather kernel reads the rows through the mapping instead of a DMA per
+ * row — one launch, its row list in a per-stream ring of mapped pinned memory (issue 13's
+ * zero-copy gather); a deferred copy's list, written by a host function when the stream reaches
+ * it, in a per-stream area (cu_deferred_area). copy_enqueue (backend_cuda.cu) asks
+ * cuda_gather_prepare whether a copy goes this way. */
+#include "gpuworker/device/backend_cuda_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The gather: worth it from CU_GATHER_MIN_ROWS rows of at most CU_GATHER_MAX_ROW bytes on average
+ * (a DMA costs microseconds whatever its size: below a few tens of KiB that, not the link, is its
+ * time). Each warp takes 32 rows, its lanes read their descriptors at once and then copy the rows
+ * one after another, 16 bytes a lane where the addresses allow. */
+enum {
+    CU_GATHER_MIN_ROWS = 32,
+    CU_GATHER_MAX_ROW = 32 << 10,
+    CU_GATHER_THREADS = 256,
+    CU_GATHER_STACK_REGS = 64 /* registered ranges a gather copies on the stack (more: heap) */
+};
+
+/* n == CU_GATHER_COUNTED: a deferred gather's slice, its row count in d[0].bytes (what the host
+ * function that filled it found) and the rows from d + 1. */
+#define CU_GATHER_COUNTED ((size_t)-1)
+
+__global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
+{
+    if (n == CU_GATHER_COUNTED) {
+        n = d[0].bytes;
+        d++;
+    }
+    const unsigned full = 0xffffffffu, lane = threadIdx.x & 31u;
+    size_t warp = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    size_t warps = ((size_t)gridDim.x * blockDim.x) >> 5;
+    for (size_t g0 = warp * 32; g0 < n; g0 += warps * 32) {
+        cu_gather_desc my = {NULL, NULL, 0};
+        if (g0 + lane < n)
+            my = d[g0 + lane];
+        unsigned cnt = n - g0 < 32 ? (unsigned)(n - g0) : 32u;
+        for (unsigned j = 0; j < cnt; j++) {
+            const char *src =
+                (const char *)__shfl_sync(full, (unsigned long long)(uintptr_t)my.src, (int)j);
+            char *dst = (char *)__shfl_sync(full, (unsigned long long)(uintptr_t)my.dst, (int)j);
+            size_t bytes = (size_t)__shfl_sync(full, (unsigned long long)my.bytes, (int)j);
+            uintptr_t align = (uintptr_t)src | (uintptr_t)dst | (uintptr_t)bytes;
+            if ((align & 15u) == 0)
+                for (size_t i = lane; i < bytes / 16; i += 32)
+                    ((int4 *)dst)[i] = ((const int4 *)src)[i];
+            else if ((align & 7u) == 0)
+                for (size_t i = lane; i < bytes / 8; i += 32)
+                    ((unsigned long long *)dst)[i] = ((const unsigned long long *)src)[i];
+            else if ((align & 3u) == 0)
+                for (size_t i = lane; i < bytes / 4; i += 32)
+                    ((unsigned *)dst)[i] = ((const unsigned *)src)[i];
+            else
+                for (size_t i = lane; i < bytes; i += 32)
+                    dst[i] = src[i];
+        }
+    }
+}
+
+/* host_register's ranges as they are now, to match rows against without holding the lock (one
+ * per offloaded layer's weights, the arena, a few flags): in stack (room for CU_GATHER_STACK_REGS)
+ * or a heap copy the caller frees when the returned pointer is not stack; *n 0 when out of
+ * memory. */
+static cu_host_reg *regs_snapshot(cuda_backend *be, cu_host_reg *stack, size_t *n)
+{
+    pthread_mutex_lock(&be->mu);
+    size_t k = be->n_regs;
+    cu_host_reg *r = k <= CU_GATHER_STACK_REGS ? stack : (cu_host_reg *)malloc(k * sizeof(*r));
+    if (r != NULL)
+        memcpy(r, be->regs, k * sizeof(*r));
+    pthread_mutex_unlock(&be->mu);
+    *n = r != NULL ? k : 0;
+    return r;
+}
+
+/* The device's address of host bytes [p, p + n) where one of regs mapped them all; NULL where
+ * none did. *hint: the range that matched last, tried first (a gather's rows are mostly from one
+ * range, the arena). */
+static const char *reg_device_addr(const cu_host_reg *regs, size_t n_regs, size_t *hint,
+                                   const void *p, size_t n)
+{
+    const char *h = (const char *)p;
+    for (size_t k = 0; k <= n_regs; k++) {
+        size_t i = k == 0 ? *hint : k - 1;
+        if (i >= n_regs)
+            continue;
+        const cu_host_reg *r = &regs[i];
+        if (h >= r->host && n <= r->bytes && (size_t)(h - r->host) <= r->bytes - n) {
+            *hint = i;
+            return r->dev + (h - r->host);
+        }
+    }
+    return NULL;
+}
+
+/* n gather descriptors of mapped pinned memory, the host's pointer and the device's: 0, or -1
+ * (nothing allocated, CUDA's error cleared). */
+static int desc_alloc(size_t n, cu_gather_desc **host, const cu_gather_desc **dev)
+{
+    void *h = NULL, *d = NULL;
+    if (cudaHostAlloc(&h, n * sizeof(cu_gather_desc),
+                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
+        cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
+        cudaGetLastError();
+        if (h != NULL)
+            cudaFreeHost(h);
+        return -1;
+    }
+    *host = (cu_gather_desc *)h;
+    *dev = (const cu_gather_desc *)d;
+    return 0;
+}
+
+/* Makes s's ring hold cap descriptors: waits for the kernels reading the old one (it grows a few
+ * times in a process's life, to 4x its largest gather) and replaces it. 0, or -1 with the stream
+ * failed. */
+static int gather_ring_grow(rekv_stream *s, size_t cap)
+{
+    cu_gather_ring *g = &s->gather;
+    for (int i = 0; i < g->n_busy; i++) {
+        cuda_count_host_sync(s->be);
+        if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
+            return -1;
+    }
+    g->n_busy = 0;
+    if (g->host == NULL) /* the stream's first gather */
+        for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
+            if (cudaEventCreateWithFlags(&g->busy[i].ev, cudaEventDisableTiming) != cudaSuccess) {
+                cudaGetLastError();
+                while (i-- > 0)
+                    cudaEventDestroy(g->busy[i].ev);
+                cuda_stream_fail(s, -ENOMEM, "stream %s: no events for a gather", s->name);
+                return -1;
+            }
+    if (g->host != NULL)
+        cudaFreeHost(g->host);
+    g->host = NULL;
+    if (desc_alloc(cap, &g->host, &g->dev)) {
+        for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
+            cudaEventDestroy(g->busy[i].ev);
+        cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a gather's %zu rows", s->name,
+                         cap);
+        return -1;
+    }
+    g->cap = cap;
+    g->head = 0;
+    return 0;
+}
+
+/* Room for n descriptors in s's ring, after the kernels that read any of it finished (rarely
+ * waited for: a gather takes at most a quarter of the ring, and those that finished are let go
+ * first, without waiting): their first index, or -1 with the stream failed. */
+static long gather_slice(rekv_stream *s, size_t n)
+{
+    cu_gather_ring *g = &s->gather;
+    int done = 0; /* they finish in stream order: the oldest first */
+    cudaError_t q = cudaSuccess;
+    while (done < g->n_busy && (q = cudaEventQuery(g->busy[done].ev)) == cudaSuccess)
+        done++;
+    if (q == cudaErrorNotReady && cudaPeekAtLastError() == cudaErrorNotReady)
+        cudaGetLastError(); /* "not yet" is no failure for a later launch check to find */
+    else if (q != cudaSuccess && cuda_stream_check(s, q, "gather ring"))
+        return -1;
+    if (done > 0) { /* their events go to the free end, after the busy ones */
+        cudaEvent_t freed[CU_GATHER_INFLIGHT];
+        for (int i = 0; i < done; i++)
+            freed[i] = g->busy[i].ev;
+        memmove(&g->busy[0], &g->busy[done], (size_t)(g->n_busy - done) * sizeof(g->busy[0]));
+        g->n_busy -= done;
+        for (int i = 0; i < done; i++)
+            g->busy[g->n_busy + i].ev = freed[i];
+    }
+    if (g->host == NULL || n > g->cap / 4) {
+        size_t cap = CU_GATHER_RING;
+        while (cap < 4 * n)
+            cap *= 2;
+        if (gather_ring_grow(s, cap))
+            return -1;
+    }
+    size_t lo = g->head + n <= g->cap ? g->head : 0;
+    /* the slices it overlaps, or the oldest when every slot is taken; busy[] stays oldest first */
+    for (int i = 0; i < g->n_busy;) {
+        if (g->n_busy < CU_GATHER_INFLIGHT && (g->busy[i].hi <= lo || g->busy[i].lo >= lo + n)) {
+            i++;
+            continue;
+        }
+        cuda_count_host_sync(s->be);
+        if (cuda_stream_check(s, cudaEventSynchronize(g->busy[i].ev), "gather ring"))
+            return -1;
+        cudaEvent_t ev = g->busy[i].ev;
+        memmove(&g->busy[i], &g->busy[i + 1], (size_t)(g->n_busy - i - 1) * sizeof(g->busy[0]));
+        g->busy[--g->n_busy].ev = ev;
+    }
+    return (long)lo;
+}
+
+/* Launches the gather of rows (at most) whose descriptors are d (n: their count, or
+ * CU_GATHER_COUNTED). */
+static void gather_kernel_launch(rekv_stream *s, const cu_gather_desc *d, size_t rows, size_t n)
+{
+    size_t groups = (rows + 31) / 32, per_block = CU_GATHER_THREADS / 32;
+    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)s->be->sms * 2;
+    unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
+    gather_kernel<<<blocks ? blocks : 1, CU_GATHER_THREADS, 0, s->cs>>>(d, n);
+    cuda_launch_check(s, "gather");
+}
+
+/* The launch and the ring's bookkeeping of a gather of n rows whose descriptors are at slice lo.
+ * Returns 1 (done, or the stream failed). */
+int cuda_gather_launch(rekv_stream *s, long lo, size_t n)
+{
+    gather_kernel_launch(s, s->gather.dev + lo, n, n);
+    cu_gather_ring *g = &s->gather;
+    if (cuda_stream_check(s, cudaEventRecord(g->busy[g->n_busy].ev, s->cs), "gather ring"))
+        return 1;
+    g->busy[g->n_busy].lo = (size_t)lo;
+    g->busy[g->n_busy].hi = (size_t)lo + n;
+    g->n_busy++;
+    g->head = (size_t)lo + n;
+    return 1;
+}
+
+/* The h2d runs as a gather when they are many small rows all in host_register's mapped ranges:
+ * returns 1 with their descriptors in the ring at *lo_out (*rows_out of them; *lo_out < 0: the
+ * stream failed), or 0 to leave them to DMA. */
+int cuda_gather_prepare(rekv_stream *s, const rekv_copy_run *runs, size_t nr, size_t bytes,
+                        long *lo_out, size_t *rows_out)
+{
+    cuda_backend *be = s->be;
+    size_t rows = 0;
+    for (size_t i = 0; i < nr; i++)
+        rows += runs[i].height;
+    if (rows < CU_GATHER_MIN_ROWS || bytes / rows > CU_GATHER_MAX_ROW)
+        return 0;
+    cu_host_reg stack[CU_GATHER_STACK_REGS];
+    size_t n_regs, hint = 0;
+    cu_host_reg *regs = regs_snapshot(be, stack, &n_regs);
+    int mapped = n_regs > 0;
+    for (size_t i = 0; mapped && i < nr; i++) {
+        const rekv_copy_run *r = &runs[i];
+        mapped = reg_device_addr(regs, n_regs, &hint, r->src,
+                                 (r->height - 1) * r->spitch + r->width) != NULL;
+    }
+    long lo = mapped ? gather_slice(s, rows) : -1;
+    if (lo >= 0) {
+        cu_gather_desc *d = s->gather.host + lo;
+        size_t k = 0;
+        for (size_t i = 0; i < nr; i++) {
+            const rekv_copy_run *r = &runs[i];
+            for (size_t row = 0; row < r->height; row++, k++) {
+                d[k].src = reg_device_addr(regs, n_regs, &hint,
+                                           (const char *)r->src + row * r->spitch, r->width);
+                d[k].dst = (char *)r->dst + row * r->dpitch;
+                d[k].bytes = r->width;
+            }
+        }
+        pthread_mutex_lock(&be->mu);
+        be->stats.h2d_gathered += rows;
+        pthread_mutex_unlock(&be->mu);
+    }
+    if (regs != stack)
+        free(regs);
+    *lo_out = lo;
+    *rows_out = rows;
+    return mapped;
+}
+
+/* A deferred gather (copy_h2d_deferred): a host function fills the stream's deferred area when
+ * the stream reaches it — each piece's source through the mapping, the count first — and counts
+ * it; the kernel after it copies. */
+typedef struct cu_deferred {
+    rekv_stream *s;
+    const rekv_copy_piece *pieces;
+    const size_t *n;
+    size_t max;
+    cu_gather_desc *d; /* the area: room for max + 1 descriptors */
+    rekv_xfer_kind kind;
+} cu_deferred;
+
+static void CUDART_CB deferred_fill(void *arg)
+{
+    cu_deferred *x = (cu_deferred *)arg;
+    rekv_stream *s = x->s;
+    cuda_backend *be = s->be;
+    size_t n = *x->n, bytes = 0, rows = 0, n_regs, hint = 0;
+    x->d[0].bytes = 0;
+    cu_host_reg stack[CU_GATHER_STACK_REGS];
+    cu_host_reg *regs = regs_snapshot(be, stack, &n_regs);
+    int failed = n > x->max;
+    if (failed)
+        cuda_stream_fail(s, -EINVAL, "stream %s: a deferred copy of %zu pieces (room for %zu)",
+                         s->name, n, x->max);
+    for (size_t i = 0; !failed && i < n; i++) {
+        const rekv_copy_piece *pc = &x->pieces[i];
+        if (pc->bytes == 0) /* nothing to move, as on cpu */
+            continue;
+        const char *src = reg_device_addr(regs, n_regs, &hint, pc->src, pc->bytes);
+        if (src == NULL || pc->dst == NULL) {
+            cuda_stream_fail(s, -EINVAL,
+                             "stream %s: a deferred copy's piece %zu is not from page-locked, "
+                             "mapped host memory (host_register)",
+                             s->name, i);
+            failed = 1;
+            rows = 0;
+        } else {
+            x->d[1 + rows++] = (cu_gather_desc){src, (char *)pc->dst, pc->bytes};
+            bytes += pc->bytes;
+        }
+    }
+    if (regs != stack)
+        free(regs);
+    x->d[0].bytes = rows; /* the kernel copies these: none after a failure */
+    if (!failed) {        /* counted as on cpu: a copy, even of nothing */
+        pthread_mutex_lock(&be->mu);
+        be->stats.h2d_bytes[x->kind] += bytes;
+        be->stats.h2d_copies++;
+        be->stats.h2d_gathered += rows;
+        pthread_mutex_unlock(&be->mu);
+    }
+    free(x);
+}
+
+/* Makes s's deferred area hold n descriptors (cu_deferred_area): a larger one replaces it, twice
+ * the size asked, and the old one is retired. 0, or -1 with the stream failed. */
+static int deferred_area_fit(rekv_stream *s, size_t n)
+{
+    cu_deferred_area *a = &s->deferred;
+    if (a->host != NULL && n <= a->cap)
+        return 0;
+    void **r = (void **)realloc(a->retired, (a->n_retired + 1) * sizeof(*r));
+    if (r == NULL) {
+        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a deferred copy", s->name);
+        return -1;
+    }
+    a->retired = r;
+    cu_gather_desc *h;
+    const cu_gather_desc *d;
+    if (desc_alloc(2 * n, &h, &d)) {
+        cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a deferred gather's %zu rows",
+                         s->name, n);
+        return -1;
+    }
+    if (a->host != NULL)
+        a->retired[a->n_retired++] = a->host;
+    a->host = h;
+    a->dev = d;
+    a->cap = 2 * n;
+    return 0;
+}
+
+void cuda_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                            size_t max, rekv_xfer_kind kind)
+{
+    if (cuda_refused_in_capture(s, "a deferred copy"))
+        return;
+    if (pieces == NULL || n == NULL || (unsigned)kind >= REKV_XFER_KINDS) {
+        cuda_stream_fail(s, -EINVAL,
+                         "stream %s: a deferred copy needs its pieces, their count and a kind",
+                         s->name);
+        return;
+    }
+    cu_deferred *x = (cu_deferred *)malloc(sizeof(*x));
+    if (x == NULL) {
+        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a deferred copy", s->name);
+        return;
+    }
+    cuda_use_device(s->be);
+    if (deferred_area_fit(s, max + 1)) {
+        free(x);
+        return;
+    }
+    cu_deferred_area *a = &s->deferred;
+    *x = (cu_deferred){s, pieces, n, max, a->host, kind};
+    long op = cuda_op_begin(s, CU_OP_H2D, "h2d deferred gather");
+    if (cuda_stream_check(s, cudaLaunchHostFunc(s->cs, deferred_fill, x), "deferred copy"))
+        free(x);
+    else
+        gather_kernel_launch(s, a->dev, max, CU_GATHER_COUNTED);
+    cuda_op_end(s, op);
+}
