@@ -1,5 +1,5 @@
 /* cuda_internal.h — the cuda backend's runtime structures, shared by the runtime
- * (device/backend_cuda.cu) and the engine's CUDA kernels (gpuworker/kernels_cuda.cu), which launch
+ * (device/backend_cuda*.cu) and the engine's CUDA kernels (gpuworker/kernels_cuda.cu), which launch
  * on a rekv_stream's CUDA stream, time their launches with the runtime's events and fail the stream
  * as the runtime does. Nothing else includes it: the device room's public face is backend.h.
  *
@@ -53,7 +53,7 @@ typedef struct cu_host_reg {
     size_t bytes;
 } cu_host_reg;
 
-/* One row of a gather (backend_cuda.cu): src is the device's address of mapped host memory. */
+/* One row of a gather (backend_cuda_gather.cu): src is the device address of mapped host memory. */
 typedef struct cu_gather_desc {
     const char *src;
     char *dst;
