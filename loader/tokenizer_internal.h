@@ -1,5 +1,6 @@
 /* tokenizer_internal.h — the private tokenizer structure shared by the loaders (tokenizer_hf.c,
- * tokenizer_llama2c.c) and the encoder/decoder (tokenizer.c).
+ * tokenizer_llama2c.c), the tables (tokenizer.c), the encoder (tokenizer_encode.c,
+ * tokenizer_normalize.c) and the decoder (tokenizer_decode.c).
  *
  * All three tokenizer families are one BPE engine over a table of pieces; they differ in how text
  * becomes initial symbols (bytes through the GPT-2 byte map, UTF-8 characters with byte fallback)
@@ -137,9 +138,26 @@ int tok_regex_set(rekv_tokenizer *tok, const char *pattern, size_t len, int lite
 void tok_byte_level_init(rekv_tokenizer *tok);
 /* Fills byte_id from <0xNN> pieces. */
 void tok_byte_fallback_init(rekv_tokenizer *tok);
-int tok_cache_create(rekv_tokenizer *tok, const char *path, rekv_err *err);
 
 /* Length (1-4) of the valid UTF-8 sequence at p (n bytes available), 0 when invalid. */
 int tok_utf8_len(const unsigned char *p, size_t n);
+/* FNV-1a of len bytes of s. */
+uint32_t tok_hash_bytes(const char *s, size_t len);
+/* The merge of (a, b): 1 with its rank and merged id, 0 when there is none. */
+int tok_pair_find(const rekv_tokenizer *tok, int32_t a, int32_t b, int32_t *rank, int32_t *merged);
+
+/* ---- the word cache (tokenizer_encode.c) */
+int tok_cache_create(rekv_tokenizer *tok, const char *path, rekv_err *err);
+void tok_cache_free(tok_cache *c);
+
+/* ---- normalizers (tokenizer_normalize.c) */
+/* Applies the tokenizer's normalizer ops in order to a segment. *work is NULL when nothing
+ * changed the text, else the malloc'd result (*wn bytes); the caller frees it. */
+int tok_normalize(const rekv_tokenizer *tok, const char *s, size_t n, char **work, size_t *wn,
+                  rekv_err *err);
+/* A malloc'd copy of src (n bytes) with every `from` replaced by `to` and `pre` prepended (*out_len
+ * bytes, NUL-terminated); NULL when out of memory. */
+char *tok_str_rewrite(const char *pre, size_t pre_len, const char *src, size_t n, const char *from,
+                      size_t from_len, const char *to, size_t to_len, size_t *out_len);
 
 #endif
