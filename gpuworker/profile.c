@@ -1,5 +1,6 @@
 /* profile.c — the profiler (profile.h): timed copies and kernels on a backend, least-squares fits
- * of the planner's time models, and the on-disk cache of the result.
+ * of the planner's time models, and the front door that loads a cached profile or measures one
+ * (the cache file itself, its key, path and JSON, is profile_cache.c).
  *
  * Every timing enqueues the same operation `reps` times back to back on one stream and syncs once,
  * so that the cost of waking the stream and syncing (tens of microseconds on the cpu backend) is
@@ -363,17 +364,319 @@ static int pf_check_config(const rekv_model_config *c, rekv_err *err)
  * and every sample of the T_load_kv / T_kv_gen fits. */
 #define PF_STEPS (4 + REKV_PROFILE_DTYPES * 2 * PF_FIT_SAMPLES)
 
-static void pf_progress(rekv_progress_fn progress, void *arg, uint64_t done)
+/* One measurement in progress: what every stage reads, the profile it fills and the buffers it
+ * allocates. */
+typedef struct pf_run {
+    const rekv_model_config *c;
+    rekv_backend *be;
+    const rekv_backend_iface *bi;
+    const rekv_kernel_iface *k;
+    rekv_stream *s;
+    pf_mem m; /* every buffer of the run, freed together */
+    rekv_profile p;
+    rekv_progress_fn progress; /* NULL: none */
+    void *arg;
+    uint64_t step; /* measurements done, of PF_STEPS */
+    /* pf_measure_gemm's weights, reused by pf_measure_kv_fits: the K/V linear's ([KV][H] in wt,
+     * on the device) and a bias of max(KV, F) floats */
+    void *dw;
+    float *db;
+    rekv_dtype wt;
+} pf_run;
+
+static void pf_progress(pf_run *r)
 {
-    if (progress)
-        progress(arg, done, PF_STEPS);
+    if (r->progress)
+        r->progress(r->arg, ++r->step, PF_STEPS);
+}
+
+/* The link, each way. */
+static int pf_measure_links(pf_run *r, rekv_err *err)
+{
+    int rc;
+    void *hbuf = pf_host(&r->m, PF_MAX_BYTES), *dbuf = pf_dev(&r->m, PF_MAX_BYTES);
+    if (!hbuf || !dbuf)
+        return rekv_errf(err, -ENOMEM, "profile: out of memory for %u-byte copy buffers",
+                         PF_MAX_BYTES);
+    if ((rc = pf_measure_link(r->be, r->s, hbuf, dbuf, 0, &r->p.h2d_bw, &r->p.h2d_latency, err)))
+        return rc;
+    pf_progress(r);
+    if ((rc = pf_measure_link(r->be, r->s, hbuf, dbuf, 1, &r->p.d2h_bw, &r->p.d2h_latency, err)))
+        return rc;
+    pf_progress(r);
+    return 0;
+}
+
+/* GEMM at the FFN shape over PF_GEMM_ROWS rows (a decode step's forward pass), and at the K/V
+ * projection shape over as many rows as take PF_KV_GEMM_S: recomputation runs over batch x
+ * context rows, where a GPU runs several times faster than over 128 (101 vs ~600 TFLOP/s on an
+ * H100), and the planner prices recomputation with this rate. */
+static int pf_measure_gemm(pf_run *r, rekv_err *err)
+{
+    const rekv_model_config *c = r->c;
+    rekv_profile *p = &r->p;
+    pf_mem *m = &r->m;
+    rekv_stream *s = r->s;
+    const int H = c->hidden, KV = rekv_config_kv_dim(c), F = c->ffn;
+    int rc;
+    p->gemm_rows = PF_GEMM_ROWS;
+    const int R = PF_GEMM_ROWS;
+    size_t wmax = (size_t)(KV > F ? KV : F) * H;
+    size_t rmax = PF_MAX_BYTES / (sizeof(float) * (size_t)(H > KV ? H : KV));
+    int RK = (int)(rmax < PF_KV_GEMM_MAX_ROWS ? rmax : PF_KV_GEMM_MAX_ROWS);
+    if (RK < R)
+        RK = R;
+    float *hw = pf_host(m, wmax * sizeof(float)), *hx = pf_host(m, (size_t)RK * H * sizeof(float));
+    if (!hw || !hx)
+        return rekv_errf(err, -ENOMEM, "profile: out of host memory");
+    /* the weights in the dtype the engine holds them in (the file's) */
+    rekv_dtype wt = c->dtype;
+    void *hwt = wt == REKV_DTYPE_F32 ? (void *)hw : pf_host(m, wmax * rekv_dtype_size(wt));
+    if (hwt == NULL)
+        return rekv_errf(err, -ENOMEM, "profile: out of host memory");
+    if (hwt != hw)
+        rekv_from_f32(hwt, hw, wt, wmax);
+    void *dw = pf_upload(m, s, hwt, wmax * rekv_dtype_size(wt), err);
+    float *db = dw ? pf_upload(m, s, hw, (size_t)(KV > F ? KV : F) * sizeof(float), err) : NULL;
+    float *dx = db ? pf_upload(m, s, hx, (size_t)RK * H * sizeof(float), err) : NULL;
+    size_t ymax = (size_t)R * F > (size_t)RK * KV ? (size_t)R * F : (size_t)RK * KV;
+    float *dy = dx ? pf_dev(m, ymax * sizeof(float)) : NULL;
+    if (!dy)
+        return rekv_errf(err, -ENOMEM, "profile: out of device memory");
+    r->dw = dw;
+    r->db = db;
+    r->wt = wt;
+    double t;
+    pf_linear lin = {r->k, dy, dx, dw, wt, c->qkv_bias ? db : NULL, R, KV, H, 1, 0, 0};
+    for (;;) {
+        if ((rc = pf_time(r->be, s, pf_linear_run, &lin, &t, err)))
+            return rc;
+        if (t >= PF_KV_GEMM_S || 2 * lin.m > RK)
+            break;
+        lin.m *= 2;
+    }
+    p->gemm_kv_rows = lin.m;
+    p->gemm_kv_flops = 2.0 * lin.m * KV * H / t;
+    /* the FFN linear as a step reads it: its weights from memory (PF_COLD_BYTES) */
+    size_t fw = (size_t)F * H * rekv_dtype_size(wt);
+    int n_w = (int)((PF_COLD_BYTES + fw - 1) / fw);
+    if ((size_t)n_w * fw > PF_MAX_BYTES)
+        n_w = fw < PF_MAX_BYTES ? (int)(PF_MAX_BYTES / fw) : 1;
+    char *dwc = n_w > 1 ? pf_dev(m, (size_t)n_w * fw) : NULL;
+    for (int i = 0; dwc && i < n_w; i++) {
+        rekv_copy_piece pc = {dwc + (size_t)i * fw, hwt, fw};
+        r->bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
+    }
+    if (dwc && (rc = r->bi->stream_sync(s, err)))
+        return rc;
+    lin = (pf_linear){r->k, dy, dx, dwc ? dwc : dw, wt, c->ffn_bias ? db : NULL,
+                      R,    F,  H,  dwc ? n_w : 1,  0,  fw};
+    if ((rc = pf_time(r->be, s, pf_linear_run, &lin, &t, err)))
+        return rc;
+    p->gemm_ffn_flops = 2.0 * R * F * H / t;
+    lin.m = 1;
+    if ((rc = pf_time(r->be, s, pf_linear_run, &lin, &t, err)))
+        return rc;
+    p->gemm_ffn_1_flops = 2.0 * F * H / t;
+    pf_progress(r);
+    return 0;
+}
+
+/* Attention: a decode batch, one query per sequence over ctx cached positions, and a prefill
+ * chunk's shape. */
+static int pf_measure_attn(pf_run *r, rekv_err *err)
+{
+    const rekv_model_config *c = r->c;
+    rekv_profile *p = &r->p;
+    pf_mem *m = &r->m;
+    rekv_stream *s = r->s;
+    const int Q = rekv_config_q_dim(c);
+    int rc;
+    double t;
+    int B = PF_ATTN_BATCH, S = c->max_pos - 1 < PF_ATTN_CTX ? c->max_pos - 1 : PF_ATTN_CTX;
+    int cap = S + 1;
+    size_t kvb = rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, cap) * sizeof(float);
+    float *hkv = pf_host(m, kvb), *hq = pf_host(m, (size_t)B * Q * sizeof(float));
+    if (!hkv || !hq)
+        return rekv_errf(err, -ENOMEM, "profile: out of host memory");
+    /* each sequence its own context, as in a real batch, unless that is too much memory */
+    int distinct = (double)kvb * B <= (double)PF_MAX_BYTES;
+    size_t seq_stride = distinct ? kvb / sizeof(float) : 0;
+    float *dkv = pf_dev(m, distinct ? kvb * B : kvb);
+    for (int i = 0; dkv && i < (distinct ? B : 1); i++) {
+        rekv_copy_piece pc = {dkv + i * seq_stride, hkv, kvb};
+        r->bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
+    }
+    if (dkv && (rc = r->bi->stream_sync(s, err)))
+        return rc;
+    float *dq = dkv ? pf_upload(m, s, hq, (size_t)B * Q * sizeof(float), err) : NULL;
+    float *dout = dq ? pf_dev(m, (size_t)B * Q * sizeof(float)) : NULL;
+    float *dsc = dout ? pf_dev(m, (size_t)cap * c->n_heads * B * sizeof(float)) : NULL;
+    rekv_attn_seq seqs[PF_ATTN_BATCH];
+    for (int i = 0; i < B; i++)
+        seqs[i] = (rekv_attn_seq){dkv + i * seq_stride, S, 1, i, NULL};
+    rekv_attn_seq *dseqs = dsc ? pf_upload(m, s, seqs, sizeof(seqs), err) : NULL;
+    if (!dseqs)
+        return err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
+    pf_attn at = {r->k, dout, dq, dseqs, B, c->n_heads, c->n_kv_heads, c->head_dim, dsc, 0};
+    if ((rc = pf_time(r->be, s, pf_attn_run, &at, &t, err)))
+        return rc;
+    p->attn_batch = B;
+    p->attn_ctx = S;
+    p->attn_flops = 4.0 * B * c->n_heads * c->head_dim * (double)(S + 1) / t;
+    /* and a prefill chunk's shape: PF_ATTN_CHUNK rows of one sequence at the end of its S + 1
+     * positions, causal (row i over start + i + 1 of them) */
+    int n = PF_ATTN_CHUNK < S ? PF_ATTN_CHUNK : S, start = S + 1 - n;
+    float *hq2 = pf_host(m, (size_t)n * Q * sizeof(float));
+    float *dq2 = hq2 ? pf_upload(m, s, hq2, (size_t)n * Q * sizeof(float), err) : NULL;
+    float *dout2 = dq2 ? pf_dev(m, (size_t)n * Q * sizeof(float)) : NULL;
+    float *dsc2 = dout2 ? pf_dev(m, (size_t)cap * c->n_heads * n * sizeof(float)) : NULL;
+    rekv_attn_seq chunk = {dkv, start, n, 0, NULL};
+    rekv_attn_seq *dchunk = dsc2 ? pf_upload(m, s, &chunk, sizeof(chunk), err) : NULL;
+    if (!dchunk)
+        return err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
+    at = (pf_attn){r->k, dout2, dq2, dchunk, 1, c->n_heads, c->n_kv_heads, c->head_dim, dsc2, n};
+    if ((rc = pf_time(r->be, s, pf_attn_run, &at, &t, err)))
+        return rc;
+    p->attn_chunk_flops =
+        4.0 * c->n_heads * c->head_dim * ((double)n * start + (double)n * (n + 1) / 2) / t;
+    pf_progress(r);
+    return 0;
+}
+
+/* The device buffers of the T_load_kv / T_kv_gen samples, sized for the largest. */
+typedef struct pf_kv_bufs {
+    void *hk, *hv;             /* host rows [nmax][max(H, KV)] */
+    void *sk, *sv;             /* device landing buffers, as large */
+    float *fk, *fv, *fx;       /* fp32 K, V [nmax][KV] and X [nmax][H] */
+    int32_t *dpos;             /* positions [nmax] */
+    int32_t *dzero;            /* zeros [nmax] */
+    rekv_attn_seq *dseq;       /* one sequence of nmax positions */
+    rekv_convert_piece *dconv; /* [PF_FIT_SAMPLES]: the convert piece of each T_kv_gen sample */
+} pf_kv_bufs;
+
+static int pf_kv_bufs_alloc(pf_run *r, int nmax, const int *ng, pf_kv_bufs *b, rekv_err *err)
+{
+    const rekv_model_config *c = r->c;
+    pf_mem *m = &r->m;
+    rekv_stream *s = r->s;
+    const int H = c->hidden, KV = rekv_config_kv_dim(c);
+    size_t xrow = (size_t)(H > KV ? H : KV) * sizeof(float);
+    b->hk = pf_host(m, (size_t)nmax * xrow);
+    b->hv = pf_host(m, (size_t)nmax * xrow);
+    int32_t *hpos = pf_host(m, (size_t)nmax * sizeof(int32_t));
+    b->sk = pf_dev(m, (size_t)nmax * xrow);
+    b->sv = pf_dev(m, (size_t)nmax * xrow);
+    b->fk = pf_dev(m, (size_t)nmax * KV * sizeof(float));
+    b->fv = pf_dev(m, (size_t)nmax * KV * sizeof(float));
+    b->fx = pf_dev(m, (size_t)nmax * H * sizeof(float));
+    if (!b->hk || !b->hv || !hpos || !b->sk || !b->sv || !b->fk || !b->fv || !b->fx)
+        return rekv_errf(err, -ENOMEM, "profile: out of memory for %d-token samples", nmax);
+    for (int i = 0; i < nmax; i++)
+        hpos[i] = i % c->max_pos;
+    b->dpos = pf_upload(m, s, hpos, (size_t)nmax * sizeof(int32_t), err);
+    /* the attention buffer the recomputed rows are scattered into, as the pipeline does:
+     * one sequence of nmax positions (every position above is below nmax) */
+    memset(hpos, 0, (size_t)nmax * sizeof(int32_t));
+    b->dzero = b->dpos ? pf_upload(m, s, hpos, (size_t)nmax * sizeof(int32_t), err) : NULL;
+    void *dkvb =
+        b->dzero ? pf_dev(m, rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, nmax) * sizeof(float))
+                 : NULL;
+    rekv_attn_seq hseq = {dkvb, 0, 0, 0, NULL};
+    b->dseq = dkvb ? pf_upload(m, s, &hseq, sizeof(hseq), err) : NULL;
+    /* the convert piece of every T_kv_gen sample (dtype-agnostic) */
+    rekv_convert_piece hconv[PF_FIT_SAMPLES];
+    for (int i = 0; i < PF_FIT_SAMPLES; i++)
+        hconv[i] = (rekv_convert_piece){b->fx, b->sk, (uint32_t)((size_t)ng[i] * H)};
+    b->dconv = b->dseq ? pf_upload(m, s, hconv, sizeof(hconv), err) : NULL;
+    if (!b->dconv)
+        return err && err->code ? err->code : -ENOMEM;
+    return 0;
+}
+
+/* One fit of T_load_kv (gen 0) or T_kv_gen (gen 1) for cache dtype d over the token counts ns, and
+ * for T_kv_gen the recomputation's rate at the largest. */
+static int pf_measure_kv_fit(pf_run *r, const pf_kv_bufs *b, int d, int gen, const int *ns,
+                             rekv_err *err)
+{
+    const rekv_model_config *c = r->c;
+    rekv_profile *p = &r->p;
+    const int H = c->hidden, KV = rekv_config_kv_dim(c);
+    rekv_dtype dt = d == REKV_PROFILE_F32 ? REKV_DTYPE_F32 : REKV_DTYPE_F16;
+    double xs[PF_FIT_SAMPLES], ys[PF_FIT_SAMPLES];
+    int f32 = dt == REKV_DTYPE_F32, rc;
+    pf_kv job = {.bi = r->bi,
+                 .k = r->k,
+                 .c = c,
+                 .gen = gen,
+                 .dtype = dt,
+                 .host_k = b->hk,
+                 .host_v = b->hv,
+                 .host_x = b->hk,
+                 .stage_k = f32 ? (void *)b->fk : b->sk,
+                 .stage_v = f32 ? (void *)b->fv : b->sv,
+                 .stage_x = f32 ? (void *)b->fx : b->sk,
+                 .dev_k = b->fk,
+                 .dev_v = b->fv,
+                 .dev_x = b->fx,
+                 .n_conv = 1,
+                 .wk = r->dw,
+                 .wv = r->dw,
+                 .wt = r->wt,
+                 .bk = c->qkv_bias ? r->db : NULL,
+                 .bv = c->qkv_bias ? r->db : NULL,
+                 .pos = b->dpos,
+                 .row_seq = b->dzero,
+                 .seqs = b->dseq};
+    for (int i = 0; i < PF_FIT_SAMPLES; i++) {
+        job.n = ns[i];
+        job.conv = &b->dconv[i];
+        if ((rc = pf_time(r->be, r->s, pf_kv_run, &job, &ys[i], err)))
+            return rc;
+        xs[i] = job.n;
+        pf_progress(r);
+    }
+    if ((rc = pf_fit(xs, ys, PF_FIT_SAMPLES, gen ? "T_kv_gen" : "T_load_kv",
+                     gen ? &p->kv_gen[d] : &p->load_kv[d], err)))
+        return rc;
+    if (gen) { /* the largest sample again, its rows on the device already */
+        job.no_copy = 1;
+        double tr;
+        if ((rc = pf_time(r->be, r->s, pf_kv_run, &job, &tr, err)))
+            return rc;
+        p->recomp_flops[d] = 4.0 * H * KV * job.n / tr;
+    }
+    return 0;
+}
+
+/* T_load_kv(n) and T_kv_gen(n), per cache dtype. */
+static int pf_measure_kv_fits(pf_run *r, rekv_err *err)
+{
+    const rekv_model_config *c = r->c;
+    rekv_profile *p = &r->p;
+    const int H = c->hidden, KV = rekv_config_kv_dim(c);
+    int nl[PF_FIT_SAMPLES], ng[PF_FIT_SAMPLES], rc;
+    double kv_row = 2.0 * KV * sizeof(float), act_row = (double)H * sizeof(float);
+    pf_token_counts(kv_row / p->h2d_bw, p->h2d_latency, kv_row, nl);
+    pf_token_counts(act_row / p->h2d_bw + 4.0 * H * KV / p->gemm_kv_flops, p->h2d_latency,
+                    act_row + 2.0 * KV * sizeof(float), ng);
+    int nmax = nl[PF_FIT_SAMPLES - 1] > ng[PF_FIT_SAMPLES - 1] ? nl[PF_FIT_SAMPLES - 1]
+                                                               : ng[PF_FIT_SAMPLES - 1];
+    p->fit_tokens_max = nmax;
+    pf_kv_bufs b = {0};
+    if ((rc = pf_kv_bufs_alloc(r, nmax, ng, &b, err)))
+        return rc;
+    for (int d = 0; d < REKV_PROFILE_DTYPES; d++)
+        for (int gen = 0; gen < 2; gen++)
+            if ((rc = pf_measure_kv_fit(r, &b, d, gen, gen ? ng : nl, err)))
+                return rc;
+    return 0;
 }
 
 static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_link_config *link,
                       rekv_profile *out, rekv_progress_fn progress, void *arg, rekv_err *err)
 {
     int rc;
-    uint64_t step = 0;
     if (!c || !be || !out)
         return rekv_errf(err, -EINVAL, "profile: NULL argument");
     if ((rc = pf_check_config(c, err)))
@@ -381,265 +684,35 @@ static int pf_measure(const rekv_model_config *c, rekv_backend *be, const rekv_l
     if (!rekv_kernels_of(be))
         return rekv_errf(err, -EINVAL, "profile: backend %s has no kernels", be->iface->name);
     uint64_t t_start = rekv_now_ns();
-    const rekv_backend_iface *bi = be->iface;
-    const rekv_kernel_iface *k = rekv_kernels_of(be);
-    rekv_profile p;
-    memset(&p, 0, sizeof(p));
-    p.version = REKV_PROFILE_VERSION;
-    snprintf(p.backend, sizeof(p.backend), "%s", bi->name);
+    pf_run r = {.c = c,
+                .be = be,
+                .bi = be->iface,
+                .k = rekv_kernels_of(be),
+                .m = {.be = be},
+                .progress = progress,
+                .arg = arg};
+    memset(&r.p, 0, sizeof(r.p));
+    r.p.version = REKV_PROFILE_VERSION;
+    snprintf(r.p.backend, sizeof(r.p.backend), "%s", r.bi->name);
     if (link && link->gbps > 0)
-        p.link = *link;
-
-    pf_mem m = {.be = be};
-    rekv_stream *s = NULL;
-    if ((rc = bi->stream_create(be, "profile", &s, err)))
+        r.p.link = *link;
+    if ((rc = r.bi->stream_create(be, "profile", &r.s, err)))
         return rc;
-    const int H = c->hidden, KV = rekv_config_kv_dim(c), Q = rekv_config_q_dim(c), F = c->ffn;
 
-    /* the link, each way */
-    void *hbuf = pf_host(&m, PF_MAX_BYTES), *dbuf = pf_dev(&m, PF_MAX_BYTES);
-    if (!hbuf || !dbuf) {
-        rc = rekv_errf(err, -ENOMEM, "profile: out of memory for %u-byte copy buffers",
-                       PF_MAX_BYTES);
+    if ((rc = pf_measure_links(&r, err)) || (rc = pf_measure_gemm(&r, err)) ||
+        (rc = pf_measure_attn(&r, err)))
         goto out;
-    }
-    if ((rc = pf_measure_link(be, s, hbuf, dbuf, 0, &p.h2d_bw, &p.h2d_latency, err)))
-        goto out;
-    pf_progress(progress, arg, ++step);
-    if ((rc = pf_measure_link(be, s, hbuf, dbuf, 1, &p.d2h_bw, &p.d2h_latency, err)))
-        goto out;
-    pf_progress(progress, arg, ++step);
-
-    /* GEMM at the FFN shape over PF_GEMM_ROWS rows (a decode step's forward pass), and at the K/V
-     * projection shape over as many rows as take PF_KV_GEMM_S: recomputation runs over batch x
-     * context rows, where a GPU runs several times faster than over 128 (101 vs ~600 TFLOP/s on
-     * an H100), and the planner prices recomputation with this rate */
-    p.gemm_rows = PF_GEMM_ROWS;
-    const int R = PF_GEMM_ROWS;
-    size_t wmax = (size_t)(KV > F ? KV : F) * H;
-    size_t rmax = PF_MAX_BYTES / (sizeof(float) * (size_t)(H > KV ? H : KV));
-    int RK = (int)(rmax < PF_KV_GEMM_MAX_ROWS ? rmax : PF_KV_GEMM_MAX_ROWS);
-    if (RK < R)
-        RK = R;
-    float *hw = pf_host(&m, wmax * sizeof(float)),
-          *hx = pf_host(&m, (size_t)RK * H * sizeof(float));
-    if (!hw || !hx) {
-        rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
-        goto out;
-    }
-    /* the weights in the dtype the engine holds them in (the file's) */
-    rekv_dtype wt = c->dtype;
-    void *hwt = wt == REKV_DTYPE_F32 ? (void *)hw : pf_host(&m, wmax * rekv_dtype_size(wt));
-    if (hwt == NULL) {
-        rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
-        goto out;
-    }
-    if (hwt != hw)
-        rekv_from_f32(hwt, hw, wt, wmax);
-    void *dw = pf_upload(&m, s, hwt, wmax * rekv_dtype_size(wt), err);
-    float *db = dw ? pf_upload(&m, s, hw, (size_t)(KV > F ? KV : F) * sizeof(float), err) : NULL;
-    float *dx = db ? pf_upload(&m, s, hx, (size_t)RK * H * sizeof(float), err) : NULL;
-    size_t ymax = (size_t)R * F > (size_t)RK * KV ? (size_t)R * F : (size_t)RK * KV;
-    float *dy = dx ? pf_dev(&m, ymax * sizeof(float)) : NULL;
-    if (!dy) {
-        rc = rekv_errf(err, -ENOMEM, "profile: out of device memory");
-        goto out;
-    }
-    double t;
-    pf_linear lin = {k, dy, dx, dw, wt, c->qkv_bias ? db : NULL, R, KV, H, 1, 0, 0};
-    for (;;) {
-        if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
-            goto out;
-        if (t >= PF_KV_GEMM_S || 2 * lin.m > RK)
-            break;
-        lin.m *= 2;
-    }
-    p.gemm_kv_rows = lin.m;
-    p.gemm_kv_flops = 2.0 * lin.m * KV * H / t;
-    /* the FFN linear as a step reads it: its weights from memory (PF_COLD_BYTES) */
-    size_t fw = (size_t)F * H * rekv_dtype_size(wt);
-    int n_w = (int)((PF_COLD_BYTES + fw - 1) / fw);
-    if ((size_t)n_w * fw > PF_MAX_BYTES)
-        n_w = fw < PF_MAX_BYTES ? (int)(PF_MAX_BYTES / fw) : 1;
-    char *dwc = n_w > 1 ? pf_dev(&m, (size_t)n_w * fw) : NULL;
-    for (int i = 0; dwc && i < n_w; i++) {
-        rekv_copy_piece pc = {dwc + (size_t)i * fw, hwt, fw};
-        bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
-    }
-    if (dwc && (rc = bi->stream_sync(s, err)))
-        goto out;
-    lin = (pf_linear){k, dy, dx, dwc ? dwc : dw, wt, c->ffn_bias ? db : NULL,
-                      R, F,  H,  dwc ? n_w : 1,  0,  fw};
-    if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
-        goto out;
-    p.gemm_ffn_flops = 2.0 * R * F * H / t;
-    lin.m = 1;
-    if ((rc = pf_time(be, s, pf_linear_run, &lin, &t, err)))
-        goto out;
-    p.gemm_ffn_1_flops = 2.0 * F * H / t;
-    pf_progress(progress, arg, ++step);
-
-    /* attention: a decode batch, one query per sequence over ctx cached positions */
-    {
-        int B = PF_ATTN_BATCH, S = c->max_pos - 1 < PF_ATTN_CTX ? c->max_pos - 1 : PF_ATTN_CTX;
-        int cap = S + 1;
-        size_t kvb = rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, cap) * sizeof(float);
-        float *hkv = pf_host(&m, kvb), *hq = pf_host(&m, (size_t)B * Q * sizeof(float));
-        if (!hkv || !hq) {
-            rc = rekv_errf(err, -ENOMEM, "profile: out of host memory");
-            goto out;
-        }
-        /* each sequence its own context, as in a real batch, unless that is too much memory */
-        int distinct = (double)kvb * B <= (double)PF_MAX_BYTES;
-        size_t seq_stride = distinct ? kvb / sizeof(float) : 0;
-        float *dkv = pf_dev(&m, distinct ? kvb * B : kvb);
-        for (int i = 0; dkv && i < (distinct ? B : 1); i++) {
-            rekv_copy_piece pc = {dkv + i * seq_stride, hkv, kvb};
-            bi->copy_h2d(s, &pc, 1, REKV_XFER_OTHER);
-        }
-        if (dkv && (rc = bi->stream_sync(s, err)))
-            goto out;
-        float *dq = dkv ? pf_upload(&m, s, hq, (size_t)B * Q * sizeof(float), err) : NULL;
-        float *dout = dq ? pf_dev(&m, (size_t)B * Q * sizeof(float)) : NULL;
-        float *dsc = dout ? pf_dev(&m, (size_t)cap * c->n_heads * B * sizeof(float)) : NULL;
-        rekv_attn_seq seqs[PF_ATTN_BATCH];
-        for (int i = 0; i < B; i++)
-            seqs[i] = (rekv_attn_seq){dkv + i * seq_stride, S, 1, i, NULL};
-        rekv_attn_seq *dseqs = dsc ? pf_upload(&m, s, seqs, sizeof(seqs), err) : NULL;
-        if (!dseqs) {
-            rc = err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
-            goto out;
-        }
-        pf_attn at = {k, dout, dq, dseqs, B, c->n_heads, c->n_kv_heads, c->head_dim, dsc, 0};
-        if ((rc = pf_time(be, s, pf_attn_run, &at, &t, err)))
-            goto out;
-        p.attn_batch = B;
-        p.attn_ctx = S;
-        p.attn_flops = 4.0 * B * c->n_heads * c->head_dim * (double)(S + 1) / t;
-        /* and a prefill chunk's shape: PF_ATTN_CHUNK rows of one sequence at the end of its S + 1
-         * positions, causal (row i over start + i + 1 of them) */
-        int n = PF_ATTN_CHUNK < S ? PF_ATTN_CHUNK : S, start = S + 1 - n;
-        float *hq2 = pf_host(&m, (size_t)n * Q * sizeof(float));
-        float *dq2 = hq2 ? pf_upload(&m, s, hq2, (size_t)n * Q * sizeof(float), err) : NULL;
-        float *dout2 = dq2 ? pf_dev(&m, (size_t)n * Q * sizeof(float)) : NULL;
-        float *dsc2 = dout2 ? pf_dev(&m, (size_t)cap * c->n_heads * n * sizeof(float)) : NULL;
-        rekv_attn_seq chunk = {dkv, start, n, 0, NULL};
-        rekv_attn_seq *dchunk = dsc2 ? pf_upload(&m, s, &chunk, sizeof(chunk), err) : NULL;
-        if (!dchunk) {
-            rc = err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
-            goto out;
-        }
-        at = (pf_attn){k, dout2, dq2, dchunk, 1, c->n_heads, c->n_kv_heads, c->head_dim, dsc2, n};
-        if ((rc = pf_time(be, s, pf_attn_run, &at, &t, err)))
-            goto out;
-        p.attn_chunk_flops =
-            4.0 * c->n_heads * c->head_dim * ((double)n * start + (double)n * (n + 1) / 2) / t;
-    }
-    pf_progress(progress, arg, ++step);
-
     /* one layer's weights over the link, from the fitted link model */
-    p.layer_weight_bytes = pf_layer_weight_bytes(c);
-    p.t_load_w = p.h2d_latency + p.layer_weight_bytes / p.h2d_bw;
-
-    /* T_load_kv(n) and T_kv_gen(n), per cache dtype */
-    {
-        int nl[PF_FIT_SAMPLES], ng[PF_FIT_SAMPLES];
-        double kv_row = 2.0 * KV * sizeof(float), act_row = (double)H * sizeof(float);
-        pf_token_counts(kv_row / p.h2d_bw, p.h2d_latency, kv_row, nl);
-        pf_token_counts(act_row / p.h2d_bw + 4.0 * H * KV / p.gemm_kv_flops, p.h2d_latency,
-                        act_row + 2.0 * KV * sizeof(float), ng);
-        int nmax = nl[PF_FIT_SAMPLES - 1] > ng[PF_FIT_SAMPLES - 1] ? nl[PF_FIT_SAMPLES - 1]
-                                                                   : ng[PF_FIT_SAMPLES - 1];
-        p.fit_tokens_max = nmax;
-        size_t xrow = (size_t)(H > KV ? H : KV) * sizeof(float);
-        void *hk = pf_host(&m, (size_t)nmax * xrow), *hv = pf_host(&m, (size_t)nmax * xrow);
-        int32_t *hpos = pf_host(&m, (size_t)nmax * sizeof(int32_t));
-        void *sk = pf_dev(&m, (size_t)nmax * xrow), *sv = pf_dev(&m, (size_t)nmax * xrow);
-        float *fk = pf_dev(&m, (size_t)nmax * KV * sizeof(float));
-        float *fv = pf_dev(&m, (size_t)nmax * KV * sizeof(float));
-        float *fx = pf_dev(&m, (size_t)nmax * H * sizeof(float));
-        if (!hk || !hv || !hpos || !sk || !sv || !fk || !fv || !fx) {
-            rc = rekv_errf(err, -ENOMEM, "profile: out of memory for %d-token samples", nmax);
-            goto out;
-        }
-        for (int i = 0; i < nmax; i++)
-            hpos[i] = i % c->max_pos;
-        int32_t *dpos = pf_upload(&m, s, hpos, (size_t)nmax * sizeof(int32_t), err);
-        /* the attention buffer the recomputed rows are scattered into, as the pipeline does:
-         * one sequence of nmax positions (every position above is below nmax) */
-        memset(hpos, 0, (size_t)nmax * sizeof(int32_t));
-        int32_t *dzero = dpos ? pf_upload(&m, s, hpos, (size_t)nmax * sizeof(int32_t), err) : NULL;
-        void *dkvb =
-            dzero
-                ? pf_dev(&m, rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, nmax) * sizeof(float))
-                : NULL;
-        rekv_attn_seq hseq = {dkvb, 0, 0, 0, NULL};
-        rekv_attn_seq *dseq = dkvb ? pf_upload(&m, s, &hseq, sizeof(hseq), err) : NULL;
-        /* the convert piece of every T_kv_gen sample (dtype-agnostic) */
-        rekv_convert_piece hconv[PF_FIT_SAMPLES];
-        for (int i = 0; i < PF_FIT_SAMPLES; i++)
-            hconv[i] = (rekv_convert_piece){fx, sk, (uint32_t)((size_t)ng[i] * H)};
-        rekv_convert_piece *dconv = dseq ? pf_upload(&m, s, hconv, sizeof(hconv), err) : NULL;
-        if (!dconv) {
-            rc = err && err->code ? err->code : -ENOMEM;
-            goto out;
-        }
-        for (int d = 0; d < REKV_PROFILE_DTYPES; d++) {
-            rekv_dtype dt = d == REKV_PROFILE_F32 ? REKV_DTYPE_F32 : REKV_DTYPE_F16;
-            for (int gen = 0; gen < 2; gen++) {
-                double xs[PF_FIT_SAMPLES], ys[PF_FIT_SAMPLES];
-                int f32 = dt == REKV_DTYPE_F32;
-                pf_kv job = {.bi = bi,
-                             .k = k,
-                             .c = c,
-                             .gen = gen,
-                             .dtype = dt,
-                             .host_k = hk,
-                             .host_v = hv,
-                             .host_x = hk,
-                             .stage_k = f32 ? (void *)fk : sk,
-                             .stage_v = f32 ? (void *)fv : sv,
-                             .stage_x = f32 ? (void *)fx : sk,
-                             .dev_k = fk,
-                             .dev_v = fv,
-                             .dev_x = fx,
-                             .n_conv = 1,
-                             .wk = dw,
-                             .wv = dw,
-                             .wt = wt,
-                             .bk = c->qkv_bias ? db : NULL,
-                             .bv = c->qkv_bias ? db : NULL,
-                             .pos = dpos,
-                             .row_seq = dzero,
-                             .seqs = dseq};
-                for (int i = 0; i < PF_FIT_SAMPLES; i++) {
-                    job.n = gen ? ng[i] : nl[i];
-                    job.conv = &dconv[i];
-                    if ((rc = pf_time(be, s, pf_kv_run, &job, &ys[i], err)))
-                        goto out;
-                    xs[i] = job.n;
-                    pf_progress(progress, arg, ++step);
-                }
-                if ((rc = pf_fit(xs, ys, PF_FIT_SAMPLES, gen ? "T_kv_gen" : "T_load_kv",
-                                 gen ? &p.kv_gen[d] : &p.load_kv[d], err)))
-                    goto out;
-                if (gen) { /* the largest sample again, its rows on the device already */
-                    job.no_copy = 1;
-                    double tr;
-                    if ((rc = pf_time(be, s, pf_kv_run, &job, &tr, err)))
-                        goto out;
-                    p.recomp_flops[d] = 4.0 * H * KV * job.n / tr;
-                }
-            }
-        }
-    }
-    p.measure_s = (double)(rekv_now_ns() - t_start) * 1e-9;
-    *out = p;
+    r.p.layer_weight_bytes = pf_layer_weight_bytes(c);
+    r.p.t_load_w = r.p.h2d_latency + r.p.layer_weight_bytes / r.p.h2d_bw;
+    if ((rc = pf_measure_kv_fits(&r, err)))
+        goto out;
+    r.p.measure_s = (double)(rekv_now_ns() - t_start) * 1e-9;
+    *out = r.p;
     rc = 0;
 out:
-    if (s)
-        bi->stream_destroy(s);
-    pf_mem_free(&m);
+    r.bi->stream_destroy(r.s);
+    pf_mem_free(&r.m);
     return rc;
 }
 
@@ -672,307 +745,6 @@ void rekv_profile_to_cost(const rekv_profile *p, rekv_dtype cache_dtype, rekv_co
     out->load_kv = p->load_kv[d];
     out->kv_gen = p->kv_gen[d];
     out->t_load_w = p->t_load_w;
-}
-
-/* ---------------------------------------------------------------- cache key and path */
-
-static void pf_cpu_model(char *buf, size_t cap)
-{
-    snprintf(buf, cap, "unknown");
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (!f)
-        return;
-    char line[512];
-    while (fgets(line, sizeof(line), f)) {
-        if (strncmp(line, "model name", 10) != 0)
-            continue;
-        char *v = strchr(line, ':');
-        if (!v)
-            continue;
-        v++;
-        while (*v == ' ' || *v == '\t')
-            v++;
-        v[strcspn(v, "\n")] = '\0';
-        snprintf(buf, cap, "%s", v);
-        break;
-    }
-    fclose(f);
-}
-
-int rekv_profile_key(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
-                     char *key, size_t key_cap, rekv_err *err)
-{
-    char host[256] = "unknown", cpu[256];
-    if (gethostname(host, sizeof(host) - 1) != 0)
-        snprintf(host, sizeof(host), "unknown");
-    host[sizeof(host) - 1] = '\0';
-    pf_cpu_model(cpu, sizeof(cpu));
-    double gbps = link && link->gbps > 0 ? link->gbps : 0;
-    double lat = gbps > 0 ? link->latency_us : 0; /* no emulation: the latency setting is moot */
-    int n =
-        snprintf(key, key_cap,
-                 "rekv-profile v%d|rekv=%s|host=%s|cpu=%s|arch=%d|layers=%d|hidden=%d|heads=%d|"
-                 "kv_heads=%d|head_dim=%d|ffn=%d|vocab=%d|act=%d|rope=%d|qkv_bias=%d|"
-                 "dtype=%s|backend=%s|link_gbps=%.17g|link_latency_us=%.17g",
-                 REKV_PROFILE_VERSION, rekv_version(), host, cpu, (int)c->arch, c->n_layers,
-                 c->hidden, c->n_heads, c->n_kv_heads, c->head_dim, c->ffn, c->vocab, (int)c->act,
-                 (int)c->rope, c->qkv_bias, rekv_dtype_name(c->dtype), backend, gbps, lat);
-    if (n < 0 || (size_t)n >= key_cap)
-        return rekv_errf(err, -ENAMETOOLONG, "profile: cache key longer than %zu bytes", key_cap);
-    return 0;
-}
-
-static int pf_default_dir(char *buf, size_t cap, rekv_err *err)
-{
-    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-    int n;
-    if (xdg && *xdg == '/')
-        n = snprintf(buf, cap, "%s/rekv/profiles", xdg);
-    else if (home && *home)
-        n = snprintf(buf, cap, "%s/.cache/rekv/profiles", home);
-    else
-        return rekv_errf(err, -ENOENT, "profile: neither XDG_CACHE_HOME nor HOME is set");
-    if (n < 0 || (size_t)n >= cap)
-        return rekv_errf(err, -ENAMETOOLONG, "profile: cache directory name too long");
-    return 0;
-}
-
-int rekv_profile_path(const rekv_model_config *c, const char *backend, const rekv_link_config *link,
-                      const char *dir, char *path, size_t path_cap, rekv_err *err)
-{
-    char key[2048], ddir[4096];
-    int rc;
-    if ((rc = rekv_profile_key(c, backend, link, key, sizeof(key), err)))
-        return rc;
-    if (!dir) {
-        if ((rc = pf_default_dir(ddir, sizeof(ddir), err)))
-            return rc;
-        dir = ddir;
-    }
-    uint64_t h = 1469598103934665603ull; /* FNV-1a, 64 bit */
-    for (const unsigned char *p = (const unsigned char *)key; *p; p++)
-        h = (h ^ *p) * 1099511628211ull;
-    int n = snprintf(path, path_cap, "%s/%016llx.json", dir, (unsigned long long)h);
-    if (n < 0 || (size_t)n >= path_cap)
-        return rekv_errf(err, -ENAMETOOLONG, "profile: cache path too long under %s", dir);
-    return 0;
-}
-
-/* ---------------------------------------------------------------- JSON */
-
-static json_t *pf_linear_json(const rekv_linear *l)
-{
-    return json_pack("{s:f,s:f}", "a_s", l->a, "b_s_per_token", l->b);
-}
-
-static const char *const pf_dtype_names[REKV_PROFILE_DTYPES] = {"f32", "f16"};
-
-/* The profile as a JSON object (without the key). */
-static json_t *pf_to_json(const rekv_profile *p)
-{
-    json_t *o = json_pack(
-        "{s:i,s:s,s:f,s:f,s:f,s:f,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:i,s:f,s:f,s:f,s:i,s:f}",
-        "version", p->version, "backend", p->backend, "link_gbps", p->link.gbps, "link_latency_us",
-        p->link.latency_us, "h2d_bw_bytes_per_s", p->h2d_bw, "h2d_latency_s", p->h2d_latency,
-        "d2h_bw_bytes_per_s", p->d2h_bw, "d2h_latency_s", p->d2h_latency, "gemm_rows", p->gemm_rows,
-        "gemm_kv_rows", p->gemm_kv_rows, "gemm_kv_flops_per_s", p->gemm_kv_flops,
-        "gemm_ffn_flops_per_s", p->gemm_ffn_flops, "gemm_ffn_1_flops_per_s", p->gemm_ffn_1_flops,
-        "attn_batch", p->attn_batch, "attn_ctx", p->attn_ctx, "attn_flops_per_s", p->attn_flops,
-        "layer_weight_bytes", p->layer_weight_bytes, "t_load_w_s", p->t_load_w, "fit_tokens_max",
-        p->fit_tokens_max, "measure_s", p->measure_s);
-    if (!o)
-        return NULL;
-    json_t *lk = json_object(), *kg = json_object(), *rf = json_object();
-    for (int d = 0; d < REKV_PROFILE_DTYPES; d++) {
-        json_object_set_new(lk, pf_dtype_names[d], pf_linear_json(&p->load_kv[d]));
-        json_object_set_new(kg, pf_dtype_names[d], pf_linear_json(&p->kv_gen[d]));
-        json_object_set_new(rf, pf_dtype_names[d], json_real(p->recomp_flops[d]));
-    }
-    json_object_set_new(o, "load_kv", lk);
-    json_object_set_new(o, "kv_gen", kg);
-    json_object_set_new(o, "recomp_flops_per_s", rf);
-    json_object_set_new(o, "attn_chunk_flops_per_s", json_real(p->attn_chunk_flops));
-    return o;
-}
-
-json_t *rekv_profile_json(const rekv_profile *p)
-{
-    return pf_to_json(p);
-}
-
-int rekv_profile_save(const char *path, const char *key, const rekv_profile *p, rekv_err *err)
-{
-    int rc = 0;
-    char tmp[4200];
-    json_t *o = pf_to_json(p);
-    if (!o || json_object_set_new(o, "key", json_string(key ? key : "")))
-        return rekv_errf(err, -ENOMEM, "profile: out of memory building JSON");
-    /* create the directories */
-    char dir[4096];
-    snprintf(dir, sizeof(dir), "%s", path);
-    char *slash = strrchr(dir, '/');
-    if (slash && slash != dir) {
-        *slash = '\0';
-        for (char *q = dir + 1; *q; q++) {
-            if (*q != '/')
-                continue;
-            *q = '\0';
-            if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-                rc = rekv_errf(err, -errno, "%s: %s", dir, strerror(errno));
-                goto out;
-            }
-            *q = '/';
-        }
-        if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-            rc = rekv_errf(err, -errno, "%s: %s", dir, strerror(errno));
-            goto out;
-        }
-    }
-    snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path, (long)getpid());
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        rc = rekv_errf(err, -errno, "%s: %s", tmp, strerror(errno));
-        goto out;
-    }
-    char *text = json_dumps(o, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(17));
-    size_t len = text ? strlen(text) : 0, off = 0;
-    while (text && off < len) {
-        ssize_t w = write(fd, text + off, len - off);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w < 0) {
-            rc = rekv_errf(err, -errno, "%s: %s", tmp, strerror(errno));
-            break;
-        }
-        off += (size_t)w;
-    }
-    if (!text)
-        rc = rekv_errf(err, -ENOMEM, "profile: out of memory writing JSON");
-    free(text);
-    if (rc == 0 && (write(fd, "\n", 1) != 1 || fsync(fd) != 0))
-        rc = rekv_errf(err, -(errno ? errno : EIO), "%s: %s", tmp, strerror(errno));
-    if (close(fd) != 0 && rc == 0)
-        rc = rekv_errf(err, -errno, "%s: %s", tmp, strerror(errno));
-    if (rc == 0 && rename(tmp, path) != 0)
-        rc = rekv_errf(err, -errno, "%s: %s", path, strerror(errno));
-    if (rc)
-        unlink(tmp);
-out:
-    json_decref(o);
-    return rc;
-}
-
-/* A number field of o in [lo, hi], finite. */
-static int pf_get_num(const char *path, json_t *o, const char *name, double lo, double hi,
-                      double *out, rekv_err *err)
-{
-    json_t *v = json_object_get(o, name);
-    if (!json_is_number(v))
-        return rekv_errf(err, -EINVAL, "%s: \"%s\" is missing or not a number", path, name);
-    double d = json_number_value(v);
-    if (!isfinite(d) || d < lo || d > hi)
-        return rekv_errf(err, -EINVAL, "%s: \"%s\" = %g is out of range", path, name, d);
-    *out = d;
-    return 0;
-}
-
-static int pf_get_int(const char *path, json_t *o, const char *name, int lo, int hi, int *out,
-                      rekv_err *err)
-{
-    json_t *v = json_object_get(o, name);
-    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
-        return rekv_errf(err, -EINVAL, "%s: \"%s\" is missing, not an integer or out of range",
-                         path, name);
-    *out = (int)json_integer_value(v);
-    return 0;
-}
-
-static int pf_get_linear(const char *path, json_t *o, const char *group, const char *dt,
-                         rekv_linear *out, rekv_err *err)
-{
-    json_t *g = json_object_get(o, group);
-    json_t *l = json_is_object(g) ? json_object_get(g, dt) : NULL;
-    if (!json_is_object(l))
-        return rekv_errf(err, -EINVAL, "%s: \"%s.%s\" is missing or not an object", path, group,
-                         dt);
-    int rc;
-    if ((rc = pf_get_num(path, l, "a_s", 0, 1e6, &out->a, err)) ||
-        (rc = pf_get_num(path, l, "b_s_per_token", 1e-300, 1e6, &out->b, err)))
-        return rc;
-    if (!(out->b > 0))
-        return rekv_errf(err, -EINVAL, "%s: \"%s.%s.b_s_per_token\" is not positive", path, group,
-                         dt);
-    return 0;
-}
-
-int rekv_profile_load(const char *path, const char *key, rekv_profile *out, rekv_err *err)
-{
-    json_error_t je;
-    json_t *o = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
-    if (!o) {
-        if (access(path, F_OK) != 0)
-            return rekv_errf(err, -ENOENT, "%s: no such file", path);
-        return rekv_errf(err, -EINVAL, "%s: line %d: %s", path, je.line, je.text);
-    }
-    rekv_profile p;
-    memset(&p, 0, sizeof(p));
-    int rc = 0;
-    if (!json_is_object(o)) {
-        rc = rekv_errf(err, -EINVAL, "%s: not a JSON object", path);
-        goto out;
-    }
-    if ((rc = pf_get_int(path, o, "version", 0, 1 << 30, &p.version, err)))
-        goto out;
-    if (p.version != REKV_PROFILE_VERSION) {
-        rc = rekv_errf(err, -EINVAL, "%s: version %d, this rekv writes %d", path, p.version,
-                       REKV_PROFILE_VERSION);
-        goto out;
-    }
-    json_t *jk = json_object_get(o, "key"), *jb = json_object_get(o, "backend");
-    if (!json_is_string(jk) || (key && strcmp(json_string_value(jk), key) != 0)) {
-        rc = rekv_errf(err, -EINVAL,
-                       "%s: \"key\" is missing or names another machine, model, "
-                       "backend or link",
-                       path);
-        goto out;
-    }
-    if (!json_is_string(jb) || !*json_string_value(jb) ||
-        strlen(json_string_value(jb)) >= sizeof(p.backend)) {
-        rc = rekv_errf(err, -EINVAL, "%s: \"backend\" is missing or invalid", path);
-        goto out;
-    }
-    snprintf(p.backend, sizeof(p.backend), "%s", json_string_value(jb));
-    const double big = 1e30;
-    if ((rc = pf_get_num(path, o, "link_gbps", 0, 1e6, &p.link.gbps, err)) ||
-        (rc = pf_get_num(path, o, "link_latency_us", 0, 1e9, &p.link.latency_us, err)) ||
-        (rc = pf_get_num(path, o, "h2d_bw_bytes_per_s", 1, big, &p.h2d_bw, err)) ||
-        (rc = pf_get_num(path, o, "h2d_latency_s", 0, 1e3, &p.h2d_latency, err)) ||
-        (rc = pf_get_num(path, o, "d2h_bw_bytes_per_s", 1, big, &p.d2h_bw, err)) ||
-        (rc = pf_get_num(path, o, "d2h_latency_s", 0, 1e3, &p.d2h_latency, err)) ||
-        (rc = pf_get_int(path, o, "gemm_rows", 1, 1 << 30, &p.gemm_rows, err)) ||
-        (rc = pf_get_int(path, o, "gemm_kv_rows", 1, 1 << 30, &p.gemm_kv_rows, err)) ||
-        (rc = pf_get_num(path, o, "gemm_kv_flops_per_s", 1, big, &p.gemm_kv_flops, err)) ||
-        (rc = pf_get_num(path, o, "gemm_ffn_flops_per_s", 1, big, &p.gemm_ffn_flops, err)) ||
-        (rc = pf_get_num(path, o, "gemm_ffn_1_flops_per_s", 1, big, &p.gemm_ffn_1_flops, err)) ||
-        (rc = pf_get_int(path, o, "attn_batch", 1, 1 << 30, &p.attn_batch, err)) ||
-        (rc = pf_get_int(path, o, "attn_ctx", 1, 1 << 30, &p.attn_ctx, err)) ||
-        (rc = pf_get_num(path, o, "attn_flops_per_s", 1, big, &p.attn_flops, err)) ||
-        (rc = pf_get_num(path, o, "attn_chunk_flops_per_s", 1, big, &p.attn_chunk_flops, err)) ||
-        (rc = pf_get_num(path, o, "layer_weight_bytes", 1, big, &p.layer_weight_bytes, err)) ||
-        (rc = pf_get_num(path, o, "t_load_w_s", 0, 1e6, &p.t_load_w, err)) ||
-        (rc = pf_get_int(path, o, "fit_tokens_max", 2, 1 << 30, &p.fit_tokens_max, err)) ||
-        (rc = pf_get_num(path, o, "measure_s", 0, 1e6, &p.measure_s, err)))
-        goto out;
-    for (int d = 0; d < REKV_PROFILE_DTYPES; d++)
-        if ((rc = pf_get_linear(path, o, "load_kv", pf_dtype_names[d], &p.load_kv[d], err)) ||
-            (rc = pf_get_linear(path, o, "kv_gen", pf_dtype_names[d], &p.kv_gen[d], err)) ||
-            (rc = pf_get_num(path, json_object_get(o, "recomp_flops_per_s"), pf_dtype_names[d], 1,
-                             big, &p.recomp_flops[d], err)))
-            goto out;
-    *out = p;
-out:
-    json_decref(o);
-    return rc;
 }
 
 static int pf_load_or_measure(const rekv_model_config *c, rekv_backend *be,
