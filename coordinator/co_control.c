@@ -203,6 +203,106 @@ static void submit_duplicate(rekv_coordinator *co, const rid *from, uint64_t rq,
         do_stream(co, from, rq, j->id, s->stream_from);
 }
 
+/* A Submit's limits, before its prompt is read: 0, or -1 after a BAD_REQUEST or BUSY reply. */
+static int submit_check(rekv_coordinator *co, const rid *from, uint64_t rq,
+                        const Rekv__Control__Submit *s, float temp, float top_p)
+{
+    int has_text = s->prompt_text && *s->prompt_text;
+    if (has_text == (s->n_prompt_ids > 0)) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "give the prompt as text or as token ids, exactly one of the two");
+        return -1;
+    }
+    if (!(temp >= 0 && temp <= 100) || !(top_p > 0 && top_p <= 1)) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "temperature must be in [0, 100] and top_p in (0, 1]");
+        return -1;
+    }
+    /* a job's top logits live in memory until it is forgotten and in its journal record */
+    if (s->top_logits > REKV_TOP_LOGITS_MAX) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logits %u is above the limit of %u", s->top_logits, REKV_TOP_LOGITS_MAX);
+        return -1;
+    }
+    if ((uint64_t)s->top_logits * s->max_new_tokens > REKV_TOP_LOGITS_MAX_ENTRIES) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logits x max_new_tokens = %llu is above the limit of %u (ask for fewer "
+                    "top logits or fewer tokens)",
+                    (unsigned long long)s->top_logits * s->max_new_tokens,
+                    REKV_TOP_LOGITS_MAX_ENTRIES);
+        return -1;
+    }
+    if (s->max_new_tokens > co->cfg.max_new_limit) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "max_new_tokens %u is above the limit of %u", s->max_new_tokens,
+                    co->cfg.max_new_limit);
+        return -1;
+    }
+    if (co->n_queue >= co->cfg.queue_limit) {
+        co->rejected_busy++;
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BUSY,
+                    "busy: %u jobs are waiting (the limit); nothing was accepted, retry later",
+                    co->n_queue);
+        return -1;
+    }
+    return 0;
+}
+
+/* A Submit's prompt as token ids (its text encoded, or its ids copied), each in the vocabulary
+ * and all within the model's context: the malloc'd ids (*n of them), or NULL after a reply. */
+static int32_t *submit_prompt(rekv_coordinator *co, const rid *from, uint64_t rq,
+                              const Rekv__Control__Submit *s, size_t *n_out)
+{
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (s->prompt_text && *s->prompt_text) {
+        if (co->tok == NULL) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                        "the coordinator has no tokenizer (start it with --model); give token "
+                        "ids");
+            return NULL;
+        }
+        rekv_err err = {0};
+        int bos = co->have_model && co->mcfg.add_bos ? co->mcfg.bos_id : -1;
+        if (rekv_tokenizer_encode(co->tok, s->prompt_text, strlen(s->prompt_text), bos, &ids, &n,
+                                  &err)) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST, "%s", err.msg);
+            return NULL;
+        }
+    } else {
+        n = s->n_prompt_ids;
+        ids = malloc(sizeof(int32_t) * n);
+        if (ids == NULL) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__INTERNAL, "out of memory");
+            return NULL;
+        }
+        memcpy(ids, s->prompt_ids, sizeof(int32_t) * n);
+    }
+    if (n == 0) {
+        free(ids);
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST, "the prompt is empty");
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || (co->have_model && ids[i] >= co->mcfg.vocab)) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                        "prompt token id %d is outside the vocabulary%s", ids[i],
+                        co->have_model ? "" : " (negative)");
+            free(ids);
+            return NULL;
+        }
+    }
+    if (co->have_model && n > (size_t)co->mcfg.max_pos) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "the prompt of %zu tokens is longer than the model's context of %d tokens", n,
+                    co->mcfg.max_pos);
+        free(ids);
+        return NULL;
+    }
+    *n_out = n;
+    return ids;
+}
+
 static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
                       const Rekv__Control__Submit *s)
 {
@@ -222,92 +322,14 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
             return;
         }
     }
-    int has_text = s->prompt_text && *s->prompt_text;
-    if (has_text == (s->n_prompt_ids > 0)) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "give the prompt as text or as token ids, exactly one of the two");
-        return;
-    }
     float temp = s->sampling ? s->sampling->temperature : 0;
     float top_p = s->sampling && s->sampling->top_p > 0 ? s->sampling->top_p : 1;
-    if (!(temp >= 0 && temp <= 100) || !(top_p > 0 && top_p <= 1)) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "temperature must be in [0, 100] and top_p in (0, 1]");
+    if (submit_check(co, from, rq, s, temp, top_p))
         return;
-    }
-    /* a job's top logits live in memory until it is forgotten and in its journal record */
-    if (s->top_logits > REKV_TOP_LOGITS_MAX) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "top_logits %u is above the limit of %u", s->top_logits, REKV_TOP_LOGITS_MAX);
-        return;
-    }
-    if ((uint64_t)s->top_logits * s->max_new_tokens > REKV_TOP_LOGITS_MAX_ENTRIES) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "top_logits x max_new_tokens = %llu is above the limit of %u (ask for fewer "
-                    "top logits or fewer tokens)",
-                    (unsigned long long)s->top_logits * s->max_new_tokens,
-                    REKV_TOP_LOGITS_MAX_ENTRIES);
-        return;
-    }
-    if (s->max_new_tokens > co->cfg.max_new_limit) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "max_new_tokens %u is above the limit of %u", s->max_new_tokens,
-                    co->cfg.max_new_limit);
-        return;
-    }
-    if (co->n_queue >= co->cfg.queue_limit) {
-        co->rejected_busy++;
-        reply_error(co, from, rq, REKV__CONTROL__CODE__BUSY,
-                    "busy: %u jobs are waiting (the limit); nothing was accepted, retry later",
-                    co->n_queue);
-        return;
-    }
-    int32_t *ids = NULL;
     size_t n = 0;
-    if (has_text) {
-        if (co->tok == NULL) {
-            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                        "the coordinator has no tokenizer (start it with --model); give token "
-                        "ids");
-            return;
-        }
-        rekv_err err = {0};
-        int bos = co->have_model && co->mcfg.add_bos ? co->mcfg.bos_id : -1;
-        if (rekv_tokenizer_encode(co->tok, s->prompt_text, strlen(s->prompt_text), bos, &ids, &n,
-                                  &err)) {
-            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST, "%s", err.msg);
-            return;
-        }
-    } else {
-        n = s->n_prompt_ids;
-        ids = malloc(sizeof(int32_t) * n);
-        if (ids == NULL) {
-            reply_error(co, from, rq, REKV__CONTROL__CODE__INTERNAL, "out of memory");
-            return;
-        }
-        memcpy(ids, s->prompt_ids, sizeof(int32_t) * n);
-    }
-    if (n == 0) {
-        free(ids);
-        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST, "the prompt is empty");
+    int32_t *ids = submit_prompt(co, from, rq, s, &n);
+    if (ids == NULL)
         return;
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || (co->have_model && ids[i] >= co->mcfg.vocab)) {
-            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                        "prompt token id %d is outside the vocabulary%s", ids[i],
-                        co->have_model ? "" : " (negative)");
-            free(ids);
-            return;
-        }
-    }
-    if (co->have_model && n > (size_t)co->mcfg.max_pos) {
-        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "the prompt of %zu tokens is longer than the model's context of %d tokens", n,
-                    co->mcfg.max_pos);
-        free(ids);
-        return;
-    }
     job *j = co_job_new(co, co->next_id);
     if (j == NULL || co_queue_push(co, j)) {
         if (j)
