@@ -50,6 +50,6 @@ void rekv_log(rekv_log_level level, const char *fmt, ...)
 
 void rekv_assert_fail(const char *expr, const char *file, int line)
 {
-    fprintf(stderr, "%s:%d: assertion failed: %s\n", file, line, expr);
+    rekv_log(REKV_LOG_ERROR, "%s:%d: assertion failed: %s", file, line, expr);
     abort();
 }

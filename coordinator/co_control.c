@@ -13,6 +13,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/log.h"
 
 /* ---------------------------------------------------------------- sending */
 
@@ -88,8 +89,7 @@ static void stream_text(const rekv_coordinator *co, const job *j, uint32_t from,
     }
     if (rekv_tokenizer_decode(co->tok, j->gen + a, to - a, &all, &n_all, NULL))
         return;
-    if (n_pre > n_all) /* cannot happen: the context's text is a prefix of the whole */
-        n_pre = n_all;
+    REKV_ASSERT(n_pre <= n_all); /* the context's text is a prefix of the whole */
     memmove(all, all + n_pre, n_all - n_pre);
     ev->text.data = (uint8_t *)all;
     ev->text.len = n_all - n_pre;

@@ -16,6 +16,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/log.h"
 #include "kvstore/server_internal.h"
 
 #define MAX_PLAN_BLOCKS (1u << 22)
@@ -50,10 +51,9 @@ static void pending_release_holds(rekv_kvstore_server *s, kv_pending *p)
     for (size_t i = 0; i < p->n_holds; i++) {
         uint32_t id = p->holds[i];
         kv_block *b = &s->blocks[id];
+        /* never freed while held: free_blocks and srv_owned_seq_busy refuse held blocks */
+        REKV_ASSERT(b->holds > 0 && !b->doomed && b->state != BS_UNUSED);
         b->holds--;
-        if (b->doomed && b->holds == 0 && (b->state == BS_HOST)) {
-            /* freed while held cannot happen (free refuses held blocks); kept for safety */
-        }
         srv_lru_update(s, id, 0);
     }
     p->n_holds = 0;
@@ -342,7 +342,8 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
                 continue;
             }
             blk->state = BS_HOST;
-            (void)srv_slot_take(s, id); /* cannot fail: srv_ensure_room said they fit */
+            int taken = srv_slot_take(s, id);
+            REKV_ASSERT(taken == 0); /* srv_ensure_room said they fit */
             s->host_n[blk->type]++;
             srv_lru_update(s, id, 0);
         }

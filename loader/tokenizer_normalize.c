@@ -8,6 +8,8 @@
 #include <string.h>
 #include <utf8proc.h>
 
+#include "common/log.h"
+
 /* A malloc'd copy of src (n bytes) with every `from` replaced by `to` and `pre` prepended. */
 char *tok_str_rewrite(const char *pre, size_t pre_len, const char *src, size_t n, const char *from,
                       size_t from_len, const char *to, size_t to_len, size_t *out_len)
@@ -81,9 +83,11 @@ static int str_unicode_normalize(const char *src, size_t n, tok_norm_kind kind, 
         if (j > i) {
             utf8proc_uint8_t *nf = NULL;
             utf8proc_ssize_t r = utf8proc_map(u + i, (utf8proc_ssize_t)(j - i), &nf, opt);
-            if (r < 0) /* INVALIDUTF8 cannot happen: the run was checked above */
+            if (r < 0) {
+                /* the run was checked above (tok_utf8_len is as strict as utf8proc) */
+                REKV_ASSERT(r != UTF8PROC_ERROR_INVALIDUTF8);
                 rc = r == UTF8PROC_ERROR_NOMEM ? -ENOMEM : -EOVERFLOW;
-            else if ((rc = bytes_reserve(&b, &cap, pos + (size_t)r + 1)) == 0) {
+            } else if ((rc = bytes_reserve(&b, &cap, pos + (size_t)r + 1)) == 0) {
                 memcpy(b + pos, nf, (size_t)r);
                 pos += (size_t)r;
             }
