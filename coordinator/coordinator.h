@@ -57,8 +57,14 @@
 
 /* The directory of the default sockets: $XDG_RUNTIME_DIR/rekv when set, else /run/rekv. */
 int rekv_runtime_dir(char *buf, size_t len, rekv_err *err);
-/* "ipc://<runtime dir>/control": where rekv-coordinator listens and the CLI looks by default. */
+/* The system service's runtime directory (the systemd units' RuntimeDirectory). */
+#define REKV_SYSTEM_RUNTIME_DIR "/run/rekv"
+/* "ipc://<runtime dir>/control": where rekv-coordinator (and `rekv run`) listens by default. */
 int rekv_default_control_endpoint(char *buf, size_t len, rekv_err *err);
+/* Where a client looks by default: the user's own coordinator (rekv_default_control_endpoint)
+ * when one listens there, else the system service's (/run/rekv/control) when one listens there,
+ * else the user's (so that the error names the socket `rekv run` would make). */
+int rekv_client_control_endpoint(char *buf, size_t len, rekv_err *err);
 
 /* ---------------------------------------------------------------- server */
 

@@ -3,8 +3,12 @@
 #include "coordinator/coordinator.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "common/clock.h"
@@ -19,7 +23,8 @@ struct rekv_ctl {
 int rekv_runtime_dir(char *buf, size_t len, rekv_err *err)
 {
     const char *x = getenv("XDG_RUNTIME_DIR");
-    int n = x && *x ? snprintf(buf, len, "%s/rekv", x) : snprintf(buf, len, "/run/rekv");
+    int n = x && *x ? snprintf(buf, len, "%s/rekv", x)
+                    : snprintf(buf, len, "%s", REKV_SYSTEM_RUNTIME_DIR);
     if (n < 0 || (size_t)n >= len)
         return rekv_errf(err, -ENAMETOOLONG, "runtime directory path too long");
     return 0;
@@ -37,13 +42,42 @@ int rekv_default_control_endpoint(char *buf, size_t len, rekv_err *err)
     return 0;
 }
 
+/* 1 when a process listens on the unix socket at path (a connect succeeds), else 0. */
+static int unix_socket_listening(const char *path)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof(sa.sun_path))
+        return 0;
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return 0;
+    int ok = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+    close(fd);
+    return ok;
+}
+
+int rekv_client_control_endpoint(char *buf, size_t len, rekv_err *err)
+{
+    int rc = rekv_default_control_endpoint(buf, len, err);
+    if (rc || strcmp(buf, "ipc://" REKV_SYSTEM_RUNTIME_DIR "/control") == 0)
+        return rc;
+    if (unix_socket_listening(buf + strlen("ipc://")) ||
+        !unix_socket_listening(REKV_SYSTEM_RUNTIME_DIR "/control"))
+        return 0;
+    int n = snprintf(buf, len, "ipc://%s/control", REKV_SYSTEM_RUNTIME_DIR);
+    if (n < 0 || (size_t)n >= len)
+        return rekv_errf(err, -ENAMETOOLONG, "control endpoint path too long");
+    return 0;
+}
+
 int rekv_ctl_connect(const char *endpoint, const char *curve_server_key, rekv_ctl **out,
                      rekv_err *err)
 {
     char def[4100];
     int rc;
     if (endpoint == NULL) {
-        if ((rc = rekv_default_control_endpoint(def, sizeof(def), err)))
+        if ((rc = rekv_client_control_endpoint(def, sizeof(def), err)))
             return rc;
         endpoint = def;
     }

@@ -110,6 +110,9 @@ START_TEST(systemd_units_hardened)
                                          "PrivateTmp=yes",
                                          "RestrictAddressFamilies=",
                                          "SystemCallFilter=@system-service",
+                                         "Group=rekv",
+                                         /* the rekv group reaches the control socket */
+                                         "RuntimeDirectoryMode=0750\n",
                                          "LimitMEMLOCK=infinity"};
     /* each serves its metrics on loopback: TCP to localhost only (no private network: the host's
      * Prometheus must reach it) */
@@ -274,6 +277,44 @@ START_TEST(compose_healthchecks)
 }
 END_TEST
 
+/* The compose services take their settings from deploy/rekv.env as the units do: every
+ * ${REKV_X} of a unit's ExecStart is a $$REKV_X or $${REKV_X...} (expanded by the container's
+ * shell) in its service's command, and every container gets the file (env_file). */
+START_TEST(compose_reads_rekv_env)
+{
+    char *text = tu_read_file("deploy/docker-compose.yml", NULL);
+    ck_assert_ptr_nonnull(text);
+    ck_assert_msg(strstr(text, "env_file: ./rekv.env"), "compose does not read deploy/rekv.env");
+    const char *svc[] = {"kvstore", "gpuworker", "coordinator"}; /* as units[] */
+    for (size_t i = 0; i < 3; i++) {
+        char src[256];
+        snprintf(src, sizeof(src), "deploy/systemd/%s.service", units[i]);
+        char *unit = tu_read_file(src, NULL), *b = service_block(text, svc[i]);
+        ck_assert_msg(unit && b, "%s or compose service %s is missing", src, svc[i]);
+        const char *exec = strstr(unit, "\nExecStart=");
+        ck_assert_ptr_nonnull(exec);
+        const char *end = strchr(exec + 1, '\n');
+        int n = 0;
+        for (const char *p = exec; (p = strstr(p, "${REKV_")) && p < end; p += 2, n++) {
+            char var[64], plain[80], braced[80];
+            size_t len = strcspn(p + 2, "}");
+            ck_assert(len < sizeof(var));
+            memcpy(var, p + 2, len);
+            var[len] = '\0';
+            snprintf(plain, sizeof(plain), "$$%s\"", var);
+            snprintf(braced, sizeof(braced), "$${%s", var);
+            ck_assert_msg(strstr(b, plain) || strstr(b, braced),
+                          "compose service %s does not take %s (its unit's %s) from rekv.env:\n%s",
+                          svc[i], var, src, b);
+        }
+        ck_assert_msg(n >= 4, "%s: only %d settings in ExecStart", src, n);
+        free(unit);
+        free(b);
+    }
+    free(text);
+}
+END_TEST
+
 /* The "generated_ids":[...] of a JSON result, as text (NULL when absent). */
 static char *generated_ids(const char *json)
 {
@@ -396,6 +437,7 @@ static Suite *suite(void)
     tcase_add_test(tc, systemd_units_hardened);
     tcase_add_test(tc, make_install);
     tcase_add_test(tc, compose_healthchecks);
+    tcase_add_test(tc, compose_reads_rekv_env);
     suite_add_tcase(s, tc);
     /* a virtual machine boots (emulated: about a minute on two cores, more when loaded) */
     TCase *boot = tcase_create("boot");

@@ -271,7 +271,7 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
         return rc;
     if (socket)
         snprintf(ep, sizeof(ep), "%s", socket);
-    else if ((rc = rekv_default_control_endpoint(ep, sizeof(ep), err)))
+    else if ((rc = rekv_client_control_endpoint(ep, sizeof(ep), err)))
         return rc;
     /* a socket that does not exist, or that nobody listens on, is no coordinator: no probe */
     rekv_err probe = {0};

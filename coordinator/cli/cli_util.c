@@ -162,7 +162,7 @@ int cli_ctl_reachable(const char *ep, rekv_err *err)
     char def[4200];
     int rc;
     if (ep == NULL) {
-        if ((rc = rekv_default_control_endpoint(def, sizeof(def), err)))
+        if ((rc = rekv_client_control_endpoint(def, sizeof(def), err)))
             return rc;
         ep = def;
     }
