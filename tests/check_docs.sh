@@ -140,10 +140,11 @@ check_file() { # FILE: checks its blocks; returns the number that failed
         local blk=$work/$n.sh where="$f:$line"
         case $info in
         sh)
-            start=$(date +%s.%N)
+            start=${EPOCHREALTIME/./}
             run_block "$f" "$blk" "$scratch" "$work/$n.out"
             rc=$?
-            took=$(printf '%.1f' "$(echo "$(date +%s.%N) - $start" | bc)")
+            took=$(((${EPOCHREALTIME/./} - start) / 100000))
+            took=$((took / 10)).$((took % 10))
             if [ $rc -eq 0 ]; then
                 printf '   %s ok (%ss)\n' "$where" "$took"
             else
