@@ -11,6 +11,7 @@
 #   slow  a benchmark: minutes to hours on a cpu (docs/benchmarks.md)
 # Any other info string (text, console, json, ...) is not shell and is left alone; `bash`, `shell`
 # and a malformed `sh ...` are errors, so that no shell block escapes the check by its fence.
+# Every relative link, [text](path), must name a file or directory that exists.
 #
 # How a block runs: from the repository root, as `bash -euo pipefail BLOCK`, with the programs by
 # the path the docs write (build/bin/...: build first), the test models at ../shared, and a scratch
@@ -68,6 +69,8 @@ this is not shell: ( unbalanced
 ```sh
 sleep 30
 ```
+
+[a link that goes nowhere](no-such-file.md) and [one that does](doc.md)
 EOF
     out=$(CHECK_DOCS_TIMEOUT=2 "$0" "$d/doc.md" 2>&1)
     rc=$?
@@ -83,6 +86,8 @@ EOF
     expect "$d/doc.md:23 ok"
     expect "$d/doc.md:31 FAILED"
     expect "timed out"
+    expect "$d/doc.md:35 FAILED: link no-such-file.md"
+    if grep -qF "link doc.md" <<<"$out"; then echo "check_docs self-test: a good link failed"; fail=1; fi
     if grep -qF "doc.md:27" <<<"$out"; then echo "check_docs self-test: a text block was checked"; fail=1; fi
     pid=$(cat "$d/pid" 2>/dev/null)
     if [ -z "$pid" ]; then
@@ -105,6 +110,15 @@ extract() {
         inb { print >> f }
         END { if (inb) printf "%d\tUNCLOSED\n", NR }
     ' "$1"
+}
+
+# Prints "LINE:TARGET" for each relative link [text](TARGET) in $1 outside fenced blocks.
+links() {
+    awk '/^```/ { inb = !inb; next }
+         !inb { s = $0
+                while (match(s, /\]\([^)]+\)/)) {
+                    t = substr(s, RSTART + 2, RLENGTH - 3); s = substr(s, RSTART + RLENGTH)
+                    if (t !~ /^(https?:|mailto:|#)/) print NR ":" t } }' "$1"
 }
 
 # Stops what is left of the process group $1: SIGTERM, up to 5 s for it to go, then SIGKILL.
@@ -178,6 +192,11 @@ check_file() { # FILE: checks its blocks; returns the number that failed
             ;;
         esac
     done < <(extract "$f" "$work")
+    while IFS=: read -r line target; do
+        [ -e "$(dirname "$f")/${target%%#*}" ] && continue
+        printf '   %s:%s FAILED: link %s: no such file\n' "$f" "$line" "$target"
+        bad=$((bad + 1))
+    done < <(links "$f")
     rm -rf "$work"
     return $bad
 }
