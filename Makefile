@@ -180,9 +180,11 @@ $(BUILD)/asan/fuzz_parsers: $(ASAN_OBJS)
 fuzz: $(if $(wildcard tests/fuzz_parsers.c),$(BUILD)/asan/fuzz_parsers)
 	$(if $(wildcard tests/fuzz_parsers.c),$(Q)tests/run_fuzz.sh $(BUILD)/asan/fuzz_parsers)
 
-# the rooms' arrows first (tests/check_rooms.sh), and that the check catches a crossing
+# the rooms' arrows first (tests/check_rooms.sh), and that the check catches a crossing; then every
+# sh block of README.md and docs/ (tests/check_docs.sh), and that the check catches a broken one
 test: $(BINS) $(CUDA_SO) $(TEST_BINS) fuzz
 	$(Q)tests/check_rooms.sh && tests/check_rooms.sh --self-test
+	$(Q)tests/check_docs.sh --self-test && tests/check_docs.sh
 	$(Q)tests/run_tests.sh $(TEST_BINS)
 
 # Installs the programs and the cuda backend's object (BINDIR/../lib/rekv), the systemd units
