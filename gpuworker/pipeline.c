@@ -31,7 +31,9 @@
  * the three streams, one layer's compute — and the config, step parameters and counters. The rest:
  * pipeline_create.c (create/free, the weights on the device, sequences), pipeline_buffers.c (the
  * metadata arena, step memory, device buffers), pipeline_kvstore.c (the plan round trip, each
- * unit's fetch and store lists, push), pipeline_generate.c; the structs in pipeline_internal.h. */
+ * unit's fetch and store lists, push), pipeline_generate.c; what differs by mode is the mode's
+ * entry in the mode table (p->ops: mode_*.c, pipeline_modes.c) and its properties (p->info,
+ * common/mode.h), never a test of the mode; the structs in pipeline_internal.h. */
 #include "gpuworker/pipeline.h"
 
 #include <errno.h>
@@ -65,7 +67,7 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
 
 int rekv_pipeline_keeps_act(const rekv_pipeline_config *cfg)
 {
-    return cfg->mode == REKV_MODE_KVPR || (cfg->mode == REKV_MODE_INFINIGEN && cfg->split > 0);
+    return rekv_mode_keeps_act(cfg->mode, cfg->split);
 }
 
 const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p)
@@ -148,7 +150,7 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
         d[j].n = it->n_tokens;
         d[j].row0 = st->row0[st->g_begin[g] + j];
         d[j].skip = NULL;
-        if (p->cfg.mode == REKV_MODE_RESIDENT) {
+        if (p->info->store == REKV_STORE_NONE) { /* resident: its own cache, in place */
             d[j].kv = s->kv + (size_t)layer *
                                   rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->cap) * dsz;
         } else {
@@ -324,7 +326,7 @@ static int validate(rekv_pipeline *p, rekv_pipe_item *items, int n, rekv_err *er
 int rekv_pipeline_set_step(rekv_pipeline *p, const rekv_step_params *sp, rekv_err *err)
 {
     if (sp->split < 0 || sp->kv_parts < 0 || sp->act_parts < 0 ||
-        (p->cfg.mode == REKV_MODE_HYBRID && sp->kv_parts + sp->act_parts == 0) ||
+        (p->info->store == REKV_STORE_PATTERN && sp->kv_parts + sp->act_parts == 0) ||
         sp->gpu_batches < 1 || sp->gpu_batches > MAX_GPU_BATCHES ||
         (sp->schedule != REKV_SCHED_ROW && sp->schedule != REKV_SCHED_COLUMN))
         return rekv_errf(err, -EINVAL,
@@ -430,183 +432,207 @@ static void take_draws(step *st)
     }
 }
 
-int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rekv_err *err)
+/* Every GPU batch's token (and position) embeddings into its residual stream. */
+static void step_embed(rekv_pipeline *p, const step *st)
 {
-    int rc;
-    if ((rc = validate(p, items, n_items, err)))
-        return rc;
-    const rekv_model_config *c = p->c;
-    const rekv_kernel_iface *k;
-    int resident = p->cfg.mode == REKV_MODE_RESIDENT, L = c->n_layers, graphed = 0;
-    step st = {.items = items, .n_items = n_items, .mem = {.meta = &p->meta}, .win = -1};
-    if ((rc = setup_batches(p, &st))) {
-        rekv_errf(err, rc, rc == -E2BIG ? "step: more than 64 GPU batches" : "step: out of memory");
-        goto out;
-    }
-    if (!resident && ((rc = pl_store_prepare(p, &st, err)) || (rc = pl_window_pin(p, &st, 0, err))))
-        goto out;
-    if ((rc = pl_ensure_buffers(p, &st, err)))
-        goto out;
-    if ((p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) &&
-        (rc = pl_ig_prepare(p, &st, err)))
-        goto out;
-    if ((rc = pl_ensure_recompute(p, &st, err)))
-        goto out;
-    /* a resident decode step is recorded, to run as one graph where it repeats */
-    graphed = pl_graph_begin(p, items, n_items);
-    k = p->k;
-    rekv_stream *sc = p->s_compute, *sh = p->s_h2d, *sd = p->s_d2h;
-    int E = c->embed_dim, H = c->hidden;
-    for (int g = 0; g < st.n_g; g++) {
+    const rekv_kernel_iface *k = p->k;
+    rekv_stream *sc = p->s_compute;
+    int E = p->c->embed_dim, H = p->c->hidden;
+    for (int g = 0; g < st->n_g; g++) {
         gbatch *gb = &p->gb[g];
-        int T = st.g_rows[g];
+        int T = st->g_rows[g];
         if (p->d_proj_in) {
-            k->embed(sc, gb->h.p, p->d_embed, p->e->wdtype, st.tok[g], NULL, NULL, 0, T, E);
+            k->embed(sc, gb->h.p, p->d_embed, p->e->wdtype, st->tok[g], NULL, NULL, 0, T, E);
             k->linear(sc, gb->x.p, gb->h.p, p->d_proj_in, p->e->wdtype, NULL, T, H, E);
             if (p->d_pos)
-                k->embed(sc, gb->x.p, NULL, p->e->wdtype, st.tok[g], p->d_pos, st.pos[g], 2, T, H);
+                k->embed(sc, gb->x.p, NULL, p->e->wdtype, st->tok[g], p->d_pos, st->pos[g], 2, T,
+                         H);
         } else {
-            k->embed(sc, gb->x.p, p->d_embed, p->e->wdtype, st.tok[g], p->d_pos, st.pos[g], 2, T,
+            k->embed(sc, gb->x.p, p->d_embed, p->e->wdtype, st->tok[g], p->d_pos, st->pos[g], 2, T,
                      E);
         }
     }
-    /* units in schedule order */
-    int G = st.n_g, n_units = L * G, w_loads = 0;
-    for (int u = 0; u < n_units; u++) {
-        int layer, g;
-        pl_unit_at(p, &st, u, &g, &layer);
-        int b = u & 1;
-        /* the next layer window: once every unit of this one is done (its blocks read and its
-         * new rows stored), it is unpinned and the next pinned — its blocks read ahead while this
-         * one ran */
-        if (!resident && st.win >= 0 && u == st.win_u0[st.win + 1]) {
-            int next = st.win + 1;
-            if ((rc = p->bi->stream_sync(sh, err)) || (rc = p->bi->stream_sync(sc, err)) ||
-                (rc = p->bi->stream_sync(sd, err)) || (rc = pl_window_unpin(p, &st, err)) ||
-                (rc = pl_window_pin(p, &st, next, err)))
-                goto drain;
-        }
-        /* weights: column schedule loads a layer once for all its GPU batches, row once per
-         * unit; two buffers alternate */
-        int load = p->cfg.offload_weights && (p->cfg.schedule == REKV_SCHED_COLUMN ? g == 0 : 1);
-        int wb = (w_loads - (load ? 0 : 1)) & 1;
-        const layer_w *W = p->cfg.offload_weights ? &p->wbuf[wb] : &p->dev_layers[layer];
-        rekv_attn_seq *d = unit_seqs(p, &st, g, layer, b);
-        unit_io io = {0};
-        if (d == NULL) {
-            rc = rekv_errf(err, -ENOMEM, "step: out of memory");
-            goto drain;
-        }
-        /* infinigen without lookahead: the speculation for this layer, from its own input */
-        if (p->cfg.lookahead == 0 && layer > 0 && pl_ig_speculates(p, &st, g, layer - 1) &&
-            (rc = pl_ig_speculate(p, &st, g, layer))) {
-            rekv_errf(err, rc, "step: out of memory");
-            goto drain;
-        }
-        if (!resident) {
-            rc = pl_unit_plan(p, &st, g, layer, b, d, &io);
-            int krc = pl_unit_io_keep(&st, &io);
-            if (rc || krc) {
-                rc = rekv_errf(err, rc ? rc : krc, "step: %s",
-                               rc == -EPROTO ? "the kvstore's plan does not cover the context"
-                                             : "out of memory");
-                goto drain;
-            }
-        }
-        /* h2d, in the order the compute needs it (KVPR's fine-grained pipeline): W_K and W_V,
-         * the activations to recompute from, the rest of the weights, then the KV rows — so the
-         * recomputation runs while the rest streams */
-        if (load) {
-            p->bi->stream_wait_event(sh, p->ev_wfree[wb]);
-            p->counters[layer].h2d_bytes[REKV_XFER_WEIGHTS] +=
-                pl_copy_layer(p, sh, &p->e->layers[layer], &p->wbuf[wb], 0, N_KV_TENSORS);
-            p->bi->event_record(p->ev_wkv[wb], sh);
-        }
-        if (!resident) {
-            /* staging is free once the compute of unit u-2 has converted it */
-            p->bi->stream_wait_event(sh, p->ev_stage_free[b]);
-            if (io.h2d_act.n)
-                p->bi->copy_h2d(sh, io.h2d_act.v, io.h2d_act.n, REKV_XFER_ACT);
-            p->bi->event_record(p->ev_act[b], sh);
-        }
-        if (load) {
-            p->counters[layer].h2d_bytes[REKV_XFER_WEIGHTS] += pl_copy_layer(
-                p, sh, &p->e->layers[layer], &p->wbuf[wb], N_KV_TENSORS, N_LAYER_TENSORS);
-            p->bi->event_record(p->ev_wall[wb], sh);
-            w_loads++;
-        }
-        if (!resident) {
-            /* into the attention buffers, once the unit two back has read them: by our own
-             * copies (pull), or by the store's (push: it waits for ev_attn_free[b] itself) */
-            if (p->cfg.push && io.h2d_kv.n && (rc = pl_push_unit(p, b, &io, err)))
-                goto drain;
-            if (!p->cfg.push || io.d2d_kv.n) { /* our own copies (push: the device part's) */
-                p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
-                /* the device part; clo: before this unit's new row takes the slot */
-                if (io.d2d_kv.n)
-                    p->bi->copy_d2d(sh, io.d2d_kv.v, io.d2d_kv.n);
-                if (!p->cfg.push && io.h2d_kv.n)
-                    p->bi->copy_h2d(sh, io.h2d_kv.v, io.h2d_kv.n, REKV_XFER_KV);
-                if (io.clo) /* clo: what the speculation decides, decided and fetched there */
-                    pl_clo_unit_fetch(p, io.clo);
-                p->bi->event_record(p->ev_loaded[b], sh);
-            }
-            /* infinigen: the speculation for the next layer, from this layer's input, before
-             * this unit's KV or weights are waited for */
-            if (p->cfg.lookahead == 1 && pl_ig_speculates(p, &st, g, layer) &&
-                (rc = pl_ig_speculate(p, &st, g, layer + 1))) {
-                rekv_errf(err, rc, "step: out of memory");
-                goto drain;
-            }
-            /* compute: recompute K,V from activations into the attention buffers, once the
-             * stores of the unit two back have read them (they may hold another batch's rows) */
-            p->bi->stream_wait_event(sc, p->ev_attn_free[b]);
-            if (io.n_act) {
-                p->bi->stream_wait_event(sc, p->ev_act[b]);
-                k->convert(sc, io.conv_act.v, io.conv_act.n, p->cfg.cache_dtype);
-                if (p->cfg.offload_weights)
-                    p->bi->stream_wait_event(sc, p->ev_wkv[wb]);
-                k->linear(sc, p->kr.p, p->act_f32.p, W->wk, p->e->wdtype, W->bk, io.n_act,
-                          rekv_config_kv_dim(c), H);
-                k->linear(sc, p->vr.p, p->act_f32.p, W->wv, p->e->wdtype, W->bv, io.n_act,
-                          rekv_config_kv_dim(c), H);
-                if (c->rope != REKV_ROPE_NONE)
-                    k->rope(sc, p->kr.p, io.act_pos, io.n_act, c->n_kv_heads, c->head_dim,
-                            c->rope_theta, c->rope);
-                k->kv_scatter(sc, p->kr.p, p->vr.p, io.n_act, io.act_seq, io.act_pos, io.act_slot,
-                              d, c->n_kv_heads, c->head_dim, p->cfg.cache_dtype);
-            }
-            p->bi->event_record(p->ev_stage_free[b], sc);
-            if (!p->cfg.push || io.d2d_kv.n)
-                p->bi->stream_wait_event(sc, p->ev_loaded[b]);
-            if (p->cfg.push && io.h2d_kv.n)
-                p->bi->stream_wait_event(sc, p->ev_pushed[b]);
-        }
-        if (p->cfg.offload_weights)
-            p->bi->stream_wait_event(sc, p->ev_wall[wb]);
-        layer_compute(p, &st, g, layer, W, d, b, !resident, &io);
-        if (!resident) {
-            /* d2h: the new rows, from this parity's attention buffer and output staging; then
-             * the buffers may take the next unit's rows */
-            p->bi->stream_wait_event(sd, p->ev_out[b]);
-            if (io.d2h_kv.n)
-                p->bi->copy_d2h(sd, io.d2h_kv.v, io.d2h_kv.n, REKV_XFER_KV);
-            if (io.d2h_act.n)
-                p->bi->copy_d2h(sd, io.d2h_act.v, io.d2h_act.n, REKV_XFER_ACT);
-            if (io.d2d_new.n) /* the device copies of the new rows (ACT_GPU, device part) */
-                p->bi->copy_d2d(sd, io.d2d_new.v, io.d2d_new.n);
-            p->bi->event_record(p->ev_out_free[b], sd);
-            p->bi->event_record(p->ev_attn_free[b], sd);
-        }
-        if (p->cfg.offload_weights)
-            p->bi->event_record(p->ev_wfree[wb], sc);
+}
+
+/* One unit as the step runs it: where it is, its weights, its attention descriptors and its
+ * planned copies. */
+typedef struct unit_run {
+    int g, layer, b;  /* batch, layer, parity */
+    int load, wb;     /* whether it loads its layer's weights, and into which buffer */
+    const layer_w *W; /* the weights it computes with */
+    rekv_attn_seq *d;
+    unit_io io;
+} unit_run;
+
+/* A unit's h2d work, in the order the compute needs it (KVPR's fine-grained pipeline): W_K and
+ * W_V, the activations to recompute from, the rest of the weights, then the KV rows — so the
+ * recomputation runs while the rest streams. */
+static int unit_loads(rekv_pipeline *p, unit_run *u, int *w_loads, rekv_err *err)
+{
+    rekv_stream *sh = p->s_h2d;
+    int streams = p->info->store != REKV_STORE_NONE, b = u->b, wb = u->wb, rc;
+    const unit_io *io = &u->io;
+    if (u->load) {
+        p->bi->stream_wait_event(sh, p->ev_wfree[wb]);
+        p->counters[u->layer].h2d_bytes[REKV_XFER_WEIGHTS] +=
+            pl_copy_layer(p, sh, &p->e->layers[u->layer], &p->wbuf[wb], 0, N_KV_TENSORS);
+        p->bi->event_record(p->ev_wkv[wb], sh);
     }
-    /* the head: each sequence's last row -> logits -> host */
-    for (int g = 0; g < G; g++) {
+    if (streams) {
+        /* staging is free once the compute of unit u-2 has converted it */
+        p->bi->stream_wait_event(sh, p->ev_stage_free[b]);
+        if (io->h2d_act.n)
+            p->bi->copy_h2d(sh, io->h2d_act.v, io->h2d_act.n, REKV_XFER_ACT);
+        p->bi->event_record(p->ev_act[b], sh);
+    }
+    if (u->load) {
+        p->counters[u->layer].h2d_bytes[REKV_XFER_WEIGHTS] += pl_copy_layer(
+            p, sh, &p->e->layers[u->layer], &p->wbuf[wb], N_KV_TENSORS, N_LAYER_TENSORS);
+        p->bi->event_record(p->ev_wall[wb], sh);
+        (*w_loads)++;
+    }
+    if (!streams)
+        return 0;
+    /* into the attention buffers, once the unit two back has read them: by our own copies
+     * (pull), or by the store's (push: it waits for ev_attn_free[b] itself) */
+    if (p->cfg.push && io->h2d_kv.n && (rc = pl_push_unit(p, b, io, err)))
+        return rc;
+    if (!p->cfg.push || io->d2d_kv.n) { /* our own copies (push: the device part's) */
+        p->bi->stream_wait_event(sh, p->ev_attn_free[b]);
+        /* the device part; clo: before this unit's new row takes the slot */
+        if (io->d2d_kv.n)
+            p->bi->copy_d2d(sh, io->d2d_kv.v, io->d2d_kv.n);
+        if (!p->cfg.push && io->h2d_kv.n)
+            p->bi->copy_h2d(sh, io->h2d_kv.v, io->h2d_kv.n, REKV_XFER_KV);
+        if (p->ops->unit_fetch) /* what the mode fetches after the plan's copies (clo) */
+            p->ops->unit_fetch(p, io);
+        p->bi->event_record(p->ev_loaded[b], sh);
+    }
+    return 0;
+}
+
+/* On the compute stream, once the stores of the unit two back have read the attention buffers
+ * (they may hold another batch's rows): K,V recomputed from the unit's activation rows into
+ * them; then the wait for the unit's loads. */
+static void unit_recompute(rekv_pipeline *p, const unit_run *u)
+{
+    const rekv_model_config *c = p->c;
+    const rekv_kernel_iface *k = p->k;
+    rekv_stream *sc = p->s_compute;
+    const unit_io *io = &u->io;
+    const layer_w *W = u->W;
+    int b = u->b;
+    p->bi->stream_wait_event(sc, p->ev_attn_free[b]);
+    if (io->n_act) {
+        p->bi->stream_wait_event(sc, p->ev_act[b]);
+        k->convert(sc, io->conv_act.v, io->conv_act.n, p->cfg.cache_dtype);
+        if (p->cfg.offload_weights)
+            p->bi->stream_wait_event(sc, p->ev_wkv[u->wb]);
+        k->linear(sc, p->kr.p, p->act_f32.p, W->wk, p->e->wdtype, W->bk, io->n_act,
+                  rekv_config_kv_dim(c), c->hidden);
+        k->linear(sc, p->vr.p, p->act_f32.p, W->wv, p->e->wdtype, W->bv, io->n_act,
+                  rekv_config_kv_dim(c), c->hidden);
+        if (c->rope != REKV_ROPE_NONE)
+            k->rope(sc, p->kr.p, io->act_pos, io->n_act, c->n_kv_heads, c->head_dim, c->rope_theta,
+                    c->rope);
+        k->kv_scatter(sc, p->kr.p, p->vr.p, io->n_act, io->act_seq, io->act_pos, io->act_slot, u->d,
+                      c->n_kv_heads, c->head_dim, p->cfg.cache_dtype);
+    }
+    p->bi->event_record(p->ev_stage_free[b], sc);
+    if (!p->cfg.push || io->d2d_kv.n)
+        p->bi->stream_wait_event(sc, p->ev_loaded[b]);
+    if (p->cfg.push && io->h2d_kv.n)
+        p->bi->stream_wait_event(sc, p->ev_pushed[b]);
+}
+
+/* d2h: the unit's new rows, from its parity's attention buffer and output staging; then the
+ * buffers may take the next unit's rows. */
+static void unit_stores(rekv_pipeline *p, const unit_run *u)
+{
+    rekv_stream *sd = p->s_d2h;
+    const unit_io *io = &u->io;
+    int b = u->b;
+    p->bi->stream_wait_event(sd, p->ev_out[b]);
+    if (io->d2h_kv.n)
+        p->bi->copy_d2h(sd, io->d2h_kv.v, io->d2h_kv.n, REKV_XFER_KV);
+    if (io->d2h_act.n)
+        p->bi->copy_d2h(sd, io->d2h_act.v, io->d2h_act.n, REKV_XFER_ACT);
+    if (io->d2d_new.n) /* the device copies of the new rows (ACT_GPU, device part) */
+        p->bi->copy_d2d(sd, io->d2d_new.v, io->d2d_new.n);
+    p->bi->event_record(p->ev_out_free[b], sd);
+    p->bi->event_record(p->ev_attn_free[b], sd);
+}
+
+/* Unit number un of the step in schedule order: the next layer window where this one ends, the
+ * mode's plan (streaming modes), the loads, the speculation for the next layer, the
+ * recomputation, the layer, the stores. */
+static int unit_step(rekv_pipeline *p, step *st, int un, int *w_loads, rekv_err *err)
+{
+    int streams = p->info->store != REKV_STORE_NONE, rc;
+    unit_run u = {.b = un & 1};
+    pl_unit_at(p, st, un, &u.g, &u.layer);
+    /* the next layer window: once every unit of this one is done (its blocks read and its new
+     * rows stored), it is unpinned and the next pinned — its blocks read ahead while this one
+     * ran */
+    if (streams && st->win >= 0 && un == st->win_u0[st->win + 1]) {
+        int next = st->win + 1;
+        if ((rc = p->bi->stream_sync(p->s_h2d, err)) ||
+            (rc = p->bi->stream_sync(p->s_compute, err)) ||
+            (rc = p->bi->stream_sync(p->s_d2h, err)) || (rc = pl_window_unpin(p, st, err)) ||
+            (rc = pl_window_pin(p, st, next, err)))
+            return rc;
+    }
+    /* weights: column schedule loads a layer once for all its GPU batches, row once per unit;
+     * two buffers alternate */
+    u.load = p->cfg.offload_weights && (p->cfg.schedule == REKV_SCHED_COLUMN ? u.g == 0 : 1);
+    u.wb = (*w_loads - (u.load ? 0 : 1)) & 1;
+    u.W = p->cfg.offload_weights ? &p->wbuf[u.wb] : &p->dev_layers[u.layer];
+    if ((u.d = unit_seqs(p, st, u.g, u.layer, u.b)) == NULL)
+        return rekv_errf(err, -ENOMEM, "step: out of memory");
+    /* speculation without lookahead: this layer's, from its own input */
+    if (p->cfg.lookahead == 0 && u.layer > 0 && pl_ig_speculates(p, st, u.g, u.layer - 1) &&
+        (rc = pl_ig_speculate(p, st, u.g, u.layer)))
+        return rekv_errf(err, rc, "step: out of memory");
+    if (streams) {
+        rc = p->ops->unit_plan(p, st, u.g, u.layer, u.b, u.d, &u.io);
+        int krc = pl_unit_io_keep(st, &u.io);
+        if (rc || krc)
+            return rekv_errf(err, rc ? rc : krc, "step: %s",
+                             rc == -EPROTO ? "the kvstore's plan does not cover the context"
+                                           : "out of memory");
+    }
+    if ((rc = unit_loads(p, &u, w_loads, err)))
+        return rc;
+    if (streams) {
+        /* the speculation for the next layer, from this layer's input, before this unit's KV or
+         * weights are waited for */
+        if (p->cfg.lookahead == 1 && pl_ig_speculates(p, st, u.g, u.layer) &&
+            (rc = pl_ig_speculate(p, st, u.g, u.layer + 1)))
+            return rekv_errf(err, rc, "step: out of memory");
+        unit_recompute(p, &u);
+    }
+    if (p->cfg.offload_weights)
+        p->bi->stream_wait_event(p->s_compute, p->ev_wall[u.wb]);
+    layer_compute(p, st, u.g, u.layer, u.W, u.d, u.b, streams, &u.io);
+    if (streams)
+        unit_stores(p, &u);
+    if (p->cfg.offload_weights)
+        p->bi->event_record(p->ev_wfree[u.wb], p->s_compute);
+    return 0;
+}
+
+/* The head: each sequence's last row -> logits -> what goes back (head_back). */
+static int step_head(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    const rekv_kernel_iface *k = p->k;
+    rekv_stream *sc = p->s_compute;
+    int E = c->embed_dim, H = c->hidden, rc;
+    for (int g = 0; g < st->n_g; g++) {
         gbatch *gb = &p->gb[g];
-        int nb = st.g_begin[g + 1] - st.g_begin[g];
+        int nb = st->g_begin[g + 1] - st->g_begin[g];
         float *rows = gb->h.p; /* h is free after the last layer */
-        k->gather_rows(sc, rows, gb->x.p, st.last[g], nb, H);
+        k->gather_rows(sc, rows, gb->x.p, st->last[g], nb, H);
         if (p->d_fnorm_w)
             k->norm(sc, rows, rows, p->d_fnorm_w, p->d_fnorm_b, nb, H, c->norm_eps);
         if (p->d_proj_out) {
@@ -614,46 +640,88 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
             rows = gb->q.p;
         }
         k->linear(sc, gb->logits.p, rows, p->d_head, p->e->wdtype, NULL, nb, c->vocab, E);
-        if ((rc = head_back(p, &st, g, sc, err)))
-            goto drain;
+        if ((rc = head_back(p, st, g, sc, err)))
+            return rc;
     }
-drain : {
+    return 0;
+}
+
+/* This step's totals into the step log: the running totals minus those at the end of the last
+ * step. */
+static void step_log(rekv_pipeline *p)
+{
+    rekv_layer_counters now, *log = p->step_log;
+    rekv_pipeline_counters(p, &now);
+    if (pl_reserve_bytes((void **)&log, &p->cap_steps, p->n_steps + 1, sizeof(*log)) == 0) {
+        p->step_log = log;
+        rekv_layer_counters d = now;
+        for (int x = 0; x < REKV_XFER_KINDS; x++) {
+            d.h2d_bytes[x] -= p->logged.h2d_bytes[x];
+            d.d2h_bytes[x] -= p->logged.d2h_bytes[x];
+        }
+        d.tokens_recomputed -= p->logged.tokens_recomputed;
+        d.tokens_fetched -= p->logged.tokens_fetched;
+        d.tokens_device -= p->logged.tokens_device;
+        d.tokens_considered -= p->logged.tokens_considered;
+        d.head_hits -= p->logged.head_hits;
+        d.head_misses -= p->logged.head_misses;
+        log[p->n_steps++] = d;
+    }
+    p->logged = now;
+}
+
+/* Before the first unit: the step's batches, the store's plan (streaming modes), every buffer,
+ * the mode's step memory, the recomputation's buffers last. */
+static int step_prepare(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    int rc;
+    if ((rc = setup_batches(p, st)))
+        return rekv_errf(err, rc,
+                         rc == -E2BIG ? "step: more than 64 GPU batches" : "step: out of memory");
+    if (p->info->store != REKV_STORE_NONE &&
+        ((rc = pl_store_prepare(p, st, err)) || (rc = pl_window_pin(p, st, 0, err))))
+        return rc;
+    if ((rc = pl_ensure_buffers(p, st, err)) ||
+        (p->ops->step_prepare && (rc = p->ops->step_prepare(p, st, err))))
+        return rc;
+    return pl_ensure_recompute(p, st, err);
+}
+
+int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rekv_err *err)
+{
+    int rc, graphed = 0;
+    if ((rc = validate(p, items, n_items, err)))
+        return rc;
+    step st = {.items = items, .n_items = n_items, .mem = {.meta = &p->meta}, .win = -1};
+    if ((rc = step_prepare(p, &st, err)))
+        goto out;
+    /* a resident decode step is recorded, to run as one graph where it repeats */
+    graphed = pl_graph_begin(p, items, n_items);
+    step_embed(p, &st);
+    /* units in schedule order */
+    for (int u = 0, w_loads = 0; u < p->c->n_layers * st.n_g && rc == 0; u++)
+        rc = unit_step(p, &st, u, &w_loads, err);
+    if (rc == 0)
+        rc = step_head(p, &st, err);
     if (graphed) { /* the recorded work runs now: as the graph, captured, or call by call */
         int grc = pl_graph_end(p, rc == 0, rc ? NULL : err);
         rc = rc ? rc : grc;
     }
     /* every enqueued task refers to step memory: wait for all of it, whatever happened */
-    int r1 = p->bi->stream_sync(sh, rc ? NULL : err);
-    int r2 = p->bi->stream_sync(sc, rc ? NULL : err);
-    int r3 = p->bi->stream_sync(sd, rc ? NULL : err);
+    int r1 = p->bi->stream_sync(p->s_h2d, rc ? NULL : err);
+    int r2 = p->bi->stream_sync(p->s_compute, rc ? NULL : err);
+    int r3 = p->bi->stream_sync(p->s_d2h, rc ? NULL : err);
     if (rc == 0)
         rc = r1 ? r1 : r2 ? r2 : r3;
-    int crc = pl_clo_step_done(p, &st, rc ? NULL : err);
-    rc = rc ? rc : crc;
-}
+    if (p->ops->step_done) {
+        int drc = p->ops->step_done(p, &st, rc ? NULL : err);
+        rc = rc ? rc : drc;
+    }
     if (rc == 0) {
         take_draws(&st);
         for (int i = 0; i < n_items; i++)
             items[i].seq->len += items[i].n_tokens;
-        /* this step's totals: the running totals minus those at the end of the last step */
-        rekv_layer_counters now, *log = p->step_log;
-        rekv_pipeline_counters(p, &now);
-        if (pl_reserve_bytes((void **)&log, &p->cap_steps, p->n_steps + 1, sizeof(*log)) == 0) {
-            p->step_log = log;
-            rekv_layer_counters d = now;
-            for (int x = 0; x < REKV_XFER_KINDS; x++) {
-                d.h2d_bytes[x] -= p->logged.h2d_bytes[x];
-                d.d2h_bytes[x] -= p->logged.d2h_bytes[x];
-            }
-            d.tokens_recomputed -= p->logged.tokens_recomputed;
-            d.tokens_fetched -= p->logged.tokens_fetched;
-            d.tokens_device -= p->logged.tokens_device;
-            d.tokens_considered -= p->logged.tokens_considered;
-            d.head_hits -= p->logged.head_hits;
-            d.head_misses -= p->logged.head_misses;
-            log[p->n_steps++] = d;
-        }
-        p->logged = now;
+        step_log(p);
     }
 out:
     if (st.win >= 0) {

@@ -22,7 +22,7 @@
  *             (cosine >= the head's threshold, from the head profile) reuses it and moves
  *             nothing, a miss fetches a new top-k chosen by infinigen's speculation. The attention
  *             sink and the recent window stay on the device, and layer 0's whole cache
- *             (pipeline_clo.c).
+ *             (mode_clo.c).
  * Weights are resident on the device, or offloaded: each layer's weights move host->device, the
  * next layer's prefetched during the current one, W_K and W_V first (KVPR's fine-grained pipeline).
  *
@@ -230,7 +230,7 @@ size_t rekv_ig_partial_key_bytes(const rekv_model_config *c, int rk, int cap);
  * (n_kv + 1) * len floats. */
 int rekv_ig_select(const float *scores, int n_heads, int n_kv, int len, float alpha,
                    float max_fraction, rekv_select how, uint64_t key, int32_t *sel, float *scratch);
-/* clo's decision for one (sequence, layer, KV head) at a decode step (pipeline_clo.c), a pure
+/* clo's decision for one (sequence, layer, KV head) at a decode step (mode_clo.c), a pure
  * function. q, label: [group][head_dim] the group's queries now and when the head's top-k was
  * chosen (label NULL: nothing cached yet, a miss); imp: [group] the query heads' importances
  * (Eq. 10's weights); tau: the head's threshold (Eq. 7-9). A hit — Eq. 10's importance-weighted

@@ -190,7 +190,8 @@ static void lower_splits(rekv_pipeline *p, step *st, size_t rows)
             }
             const rekv_pseq *s = st->items[i].seq;
             int dev = s->dev_tokens < s->len ? s->dev_tokens : s->len;
-            st->split[i] = (p->cfg.mode == REKV_MODE_KVPR ? dev : 0) + (int)left;
+            /* a prefix split counts from the context's start, a selection's from none */
+            st->split[i] = (p->info->split == REKV_SPLIT_PREFIX ? dev : 0) + (int)left;
             left = 0;
         }
     }
@@ -203,8 +204,7 @@ static void lower_splits(rekv_pipeline *p, step *st, size_t rows)
  * step's split is lowered to them. 0, or -ENOMEM. */
 static int recompute_fit(rekv_pipeline *p, step *st, size_t *rows)
 {
-    int lowerable =
-        p->cfg.mode == REKV_MODE_KVPR || (p->cfg.mode == REKV_MODE_INFINIGEN && p->keep_act);
+    int lowerable = p->keep_act;
     size_t want = *rows, r = want;
     if (lowerable && p->act_rows_cap > 0 && r > p->act_rows_cap)
         r = p->act_rows_cap;
@@ -281,7 +281,7 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
      * grew with the context would change a decode step's arguments, which a graph must repeat */
     rc |= pl_dbuf_ensure(p, &p->scores,
                          (max_ctx > (size_t)c->max_pos ? max_ctx : (size_t)c->max_pos) * f);
-    if (p->cfg.mode != REKV_MODE_RESIDENT) {
+    if (p->info->store != REKV_STORE_NONE) {
         for (int b = 0; b < 2; b++) {
             parity *pr = &p->par[b];
             if (p->cfg.push) { /* shared with the store, which writes the KV rows */
@@ -303,7 +303,7 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
 
 int pl_ensure_recompute(rekv_pipeline *p, step *st, rekv_err *err)
 {
-    if (p->cfg.mode == REKV_MODE_RESIDENT)
+    if (p->info->store == REKV_STORE_NONE)
         return 0;
     size_t rows = 1; /* a GPU batch's: only the context it rebuilds (none for offload) */
     for (int g = 0; g < st->n_g; g++) {

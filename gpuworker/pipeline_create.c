@@ -162,8 +162,8 @@ void rekv_pipeline_free(rekv_pipeline *p)
         p->bi->host_unregister(p->be, p->arena);
     for (int l = 0; l < p->weights_registered; l++)
         p->bi->host_unregister(p->be, p->e->layer_mem[l]);
-    pl_ig_free(p);
-    pl_clo_free(p);
+    if (p->ops && p->ops->free)
+        p->ops->free(p);
     free(p->counters);
     free(p->step_log);
     pl_meta_free(&p->meta);
@@ -185,41 +185,44 @@ static void not_page_locked(rekv_pipeline *p, const char *what, size_t bytes, re
     rekv_err_clear(err);
 }
 
-int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *store,
-                         const rekv_pipeline_config *cfg, rekv_pipeline **out, rekv_err *err)
+/* The config's checks before anything is made: the common ones from the mode's properties, then
+ * the mode's own (ops->check), then push's (a cheap request: can the store push, and with our
+ * kind of handles?). */
+static int create_check(rekv_backend *be, rekv_kvstore_client *store,
+                        const rekv_pipeline_config *cfg, rekv_err *err)
 {
-    const rekv_model_config *c = rekv_engine_config(e);
-    if (cfg->mode != REKV_MODE_RESIDENT && store == NULL)
-        return rekv_errf(err, -EINVAL, "pipeline: mode %s needs a kvstore",
-                         rekv_mode_name(cfg->mode));
+    const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
+    const pl_mode_ops *ops = pl_mode_ops_of(cfg->mode);
+    if (mi == NULL || ops == NULL)
+        return rekv_errf(err, -EINVAL, "pipeline: mode %d is not a mode", (int)cfg->mode);
+    if (mi->store != REKV_STORE_NONE && store == NULL)
+        return rekv_errf(err, -EINVAL, "pipeline: mode %s needs a kvstore", mi->name);
     if (cfg->gpu_batches < 1 || cfg->gpu_batches > MAX_GPU_BATCHES)
         return rekv_errf(err, -EINVAL, "pipeline: gpu batches must be 1..%d", MAX_GPU_BATCHES);
     if (cfg->cache_dtype != REKV_DTYPE_F32 && cfg->cache_dtype != REKV_DTYPE_F16)
         return rekv_errf(err, -EINVAL, "pipeline: the cache dtype must be F32 or F16");
-    if (cfg->mode == REKV_MODE_KVPR && cfg->split < 0)
-        return rekv_errf(err, -EINVAL, "pipeline: kvpr needs a split >= 0");
-    if (cfg->mode == REKV_MODE_HYBRID &&
-        (cfg->kv_parts < 0 || cfg->act_parts < 0 || cfg->kv_parts + cfg->act_parts == 0))
-        return rekv_errf(err, -EINVAL, "pipeline: hybrid needs a kv:act pattern like 1:1");
-    if (cfg->act_gpu_blocks < 0 || (cfg->act_gpu_blocks > 0 && rekv_mode_approximate(cfg->mode)))
+    int rc;
+    if (ops->check && (rc = ops->check(cfg, err)))
+        return rc;
+    if (cfg->act_gpu_blocks < 0 || (cfg->act_gpu_blocks > 0 && mi->approximate))
         return rekv_errf(err, -EINVAL,
                          "pipeline: ACT blocks on the device (%d) are for the exact modes that "
                          "recompute (act, hybrid, kvpr), not %s",
-                         cfg->act_gpu_blocks, rekv_mode_name(cfg->mode));
-    if (cfg->device_tokens < 0 || (cfg->device_tokens > 0 && cfg->mode != REKV_MODE_INFINIGEN &&
-                                   rekv_mode_approximate(cfg->mode)))
+                         cfg->act_gpu_blocks, mi->name);
+    if (cfg->device_tokens < 0 ||
+        (cfg->device_tokens > 0 && mi->store != REKV_STORE_NONE && !mi->device_part))
         return rekv_errf(err, -EINVAL,
                          "pipeline: a device-resident part (%d tokens) is for the modes that "
                          "stream the cache (offload, kvpr, act, hybrid, infinigen), not %s",
-                         cfg->device_tokens, rekv_mode_name(cfg->mode));
+                         cfg->device_tokens, mi->name);
     if (rekv_kernels_of(be) == NULL)
         return rekv_errf(err, -EINVAL, "pipeline: backend %s has no kernels", be->iface->name);
-    if (cfg->push && cfg->mode == REKV_MODE_RESIDENT)
+    if (cfg->push && mi->store == REKV_STORE_NONE)
         return rekv_errf(err, -EINVAL, "pipeline: push needs a mode that streams the KV cache");
     if (cfg->push && !rekv_backend_has_ipc(be))
         return rekv_errf(err, -ENOTSUP, "pipeline: push: backend %s cannot share buffers",
                          be->iface->name);
-    if (cfg->push) { /* a cheap request: can the store push, and with our kind of handles? */
+    if (cfg->push) {
         char name[16] = "";
         rekv_err perr = {0};
         int prc = rekv_kvstore_push(store, NULL, 0, NULL, NULL, NULL, 0, name, sizeof(name), &perr);
@@ -231,80 +234,72 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
                              "runs %s",
                              name, be->iface->name);
     }
-    rekv_pipeline *p = calloc(1, sizeof(*p));
-    if (p == NULL)
-        return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
-    int rc = 0;
-    p->e = e;
-    p->c = c;
-    p->be = be;
-    p->page_locked = -1;
-    p->bi = be->iface;
-    p->k = rekv_kernels_of(be);
-    pl_graph_init(p);
-    p->store = store;
-    /* read-ahead of the next layer window; REKV_READ_AHEAD=0 turns it off (for benchmarks) */
-    const char *ra = getenv("REKV_READ_AHEAD");
-    p->read_ahead = ra == NULL || strcmp(ra, "0") != 0;
-    p->cfg = *cfg;
-    p->keep_act = rekv_pipeline_keeps_act(cfg);
-    p->meta.be = be;
-    /* kvstore sequence ids are the caller's to choose and the store may outlive this pipeline
-     * (a restarted worker, a second one): start at a random even base so that ids never meet */
-    uint64_t base = 0;
-    if (getrandom(&base, sizeof(base), 0) != (ssize_t)sizeof(base))
-        base = rekv_now_ns() ^ ((uint64_t)getpid() << 32);
-    p->next_id = (base & ~(uint64_t)1) | 2; /* even, never 0; kvpr uses id and id + 1 */
-    p->counters = calloc((size_t)c->n_layers, sizeof(rekv_layer_counters));
-    if (p->counters == NULL) {
-        rc = rekv_errf(err, -ENOMEM, "pipeline: out of memory");
-        goto fail;
+    return 0;
+}
+
+/* The kvstore's arena (page-locked where the backend can) and its block geometry, which must be
+ * the model's at the cache dtype. */
+static int attach_store(rekv_pipeline *p, rekv_kvstore_client *store, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    size_t bytes;
+    p->arena = rekv_kvstore_client_arena(store, &bytes);
+    p->arena_bytes = bytes;
+    /* copies straight from the shared arena: page-locked where the backend can (cuda);
+     * unregistered only costs speed, not correctness — but most of the link (pageable
+     * copies are staged by the driver and do not overlap), so it is said loudly */
+    if (p->bi->host_register) {
+        p->page_locked = 1;
+        if (p->bi->host_register(p->be, p->arena, bytes, err) == 0)
+            p->arena_registered = 1;
+        else
+            not_page_locked(p, "the kvstore arena", bytes, err);
     }
-    if (store) {
-        size_t bytes;
-        p->arena = rekv_kvstore_client_arena(store, &bytes);
-        p->arena_bytes = bytes;
-        /* copies straight from the shared arena: page-locked where the backend can (cuda);
-         * unregistered only costs speed, not correctness — but most of the link (pageable
-         * copies are staged by the driver and do not overlap), so it is said loudly */
-        if (p->bi->host_register) {
-            p->page_locked = 1;
-            if (p->bi->host_register(be, p->arena, bytes, err) == 0)
-                p->arena_registered = 1;
-            else
-                not_page_locked(p, "the kvstore arena", bytes, err);
-        }
-        rekv_kvstore_client_geometry(store, &p->geo);
-        if (p->geo.n_layers != (uint32_t)c->n_layers ||
-            p->geo.n_kv_heads != (uint32_t)c->n_kv_heads ||
-            p->geo.head_dim != (uint32_t)c->head_dim || p->geo.hidden != (uint32_t)c->hidden ||
-            p->geo.dtype != cfg->cache_dtype) {
-            rc = rekv_errf(
-                err, -EINVAL,
-                "pipeline: the kvstore's block geometry (%u layers, %u kv heads, head dim "
-                "%u, hidden %u, %s) does not match the model and cache dtype",
-                p->geo.n_layers, p->geo.n_kv_heads, p->geo.head_dim, p->geo.hidden,
-                rekv_dtype_name(p->geo.dtype));
-            goto fail;
-        }
-    }
+    rekv_kvstore_client_geometry(store, &p->geo);
+    if (p->geo.n_layers != (uint32_t)c->n_layers || p->geo.n_kv_heads != (uint32_t)c->n_kv_heads ||
+        p->geo.head_dim != (uint32_t)c->head_dim || p->geo.hidden != (uint32_t)c->hidden ||
+        p->geo.dtype != p->cfg.cache_dtype)
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: the kvstore's block geometry (%u layers, %u kv heads, head dim "
+                         "%u, hidden %u, %s) does not match the model and cache dtype",
+                         p->geo.n_layers, p->geo.n_kv_heads, p->geo.head_dim, p->geo.hidden,
+                         rekv_dtype_name(p->geo.dtype));
+    return 0;
+}
+
+/* The three streams and the events that order them (push: ev_attn_free and ev_pushed shared,
+ * exported for the store). */
+static int create_streams(rekv_pipeline *p, rekv_err *err)
+{
+    rekv_backend *be = p->be;
+    int rc, push = p->cfg.push;
     if ((rc = p->bi->stream_create(be, "compute", &p->s_compute, err)) ||
         (rc = p->bi->stream_create(be, "h2d", &p->s_h2d, err)) ||
         (rc = p->bi->stream_create(be, "d2h", &p->s_d2h, err)))
-        goto fail;
+        return rc;
     rekv_event **evs[] = {p->ev_attn_free, p->ev_act, p->ev_loaded, p->ev_stage_free, p->ev_out,
                           p->ev_out_free,  p->ev_wkv, p->ev_wall,   p->ev_wfree};
     for (size_t i = 0; i < sizeof(evs) / sizeof(evs[0]); i++)
         for (int j = 0; j < 2; j++)
-            if ((rc = (cfg->push && i == 0 ? p->bi->event_create_shared
-                                           : p->bi->event_create)(be, &evs[i][j], err)))
-                goto fail;
-    for (int j = 0; j < 2 && cfg->push; j++) /* the store waits on ev_attn_free, records pushed */
+            if ((rc = (push && i == 0 ? p->bi->event_create_shared
+                                      : p->bi->event_create)(be, &evs[i][j], err)))
+                return rc;
+    for (int j = 0; j < 2 && push; j++) /* the store waits on ev_attn_free, records pushed */
         if ((rc = p->bi->event_create_shared(be, &p->ev_pushed[j], err)) ||
             (rc = p->bi->event_export(p->ev_attn_free[j], &p->h_attn_free[j], err)) ||
             (rc = p->bi->event_export(p->ev_pushed[j], &p->h_pushed[j], err)))
-            goto fail;
-    /* weights on the device: the model's non-layer tensors always; layers unless offloaded */
+            return rc;
+    return 0;
+}
+
+/* Weights on the device: the model's non-layer tensors always; the layers unless offloaded, else
+ * two layer buffers (the engine's blocks page-locked where the backend can). 0 or -ENOMEM. */
+static int upload_weights(rekv_pipeline *p, rekv_err *err)
+{
+    rekv_engine *e = p->e;
+    rekv_backend *be = p->be;
+    const rekv_model_config *c = p->c;
+    int rc = 0;
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
     size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
     if (p->bi->dev_adopt != NULL && (p->adopted = calloc(7 + (size_t)c->n_layers * N_LAYER_TENSORS,
@@ -318,7 +313,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->d_fnorm_b = dev_copy(p, e->final_norm_b, H * f, &rc);
     p->head_tied = e->lm_head == e->embed;
     p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, V * E * w, &rc);
-    if (rc == 0 && cfg->offload_weights && p->bi->host_register && p->bi->host_unregister) {
+    if (rc == 0 && p->cfg.offload_weights && p->bi->host_register && p->bi->host_unregister) {
         /* the layers stream from the engine's blocks every step: page-locked where the backend
          * can, so the copies are DMA at the link's speed and overlap compute (best effort: a
          * second pipeline on the same engine finds them registered already and copies anyway) */
@@ -335,7 +330,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         if (p->page_locked < 0)
             p->page_locked = 1;
     }
-    if (rc == 0 && cfg->offload_weights) {
+    if (rc == 0 && p->cfg.offload_weights) {
         size_t bytes = layer_layout(e, &e->layers[0], &p->wbuf[0], NULL);
         for (int i = 0; i < 2 && rc == 0; i++) {
             p->wbuf_mem[i] = p->bi->dev_alloc(be, bytes);
@@ -357,16 +352,50 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
                 *ds[i] = dev_copy(p, *ss[i], n[i], &rc);
         }
     }
-    if (rc) {
-        rekv_errf(err, rc, "pipeline: out of device memory for the weights");
+    if (rc)
+        return rekv_errf(err, rc, "pipeline: out of device memory for the weights");
+    return 0;
+}
+
+int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *store,
+                         const rekv_pipeline_config *cfg, rekv_pipeline **out, rekv_err *err)
+{
+    int rc = create_check(be, store, cfg, err);
+    if (rc)
+        return rc;
+    rekv_pipeline *p = calloc(1, sizeof(*p));
+    if (p == NULL)
+        return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
+    p->e = e;
+    p->c = rekv_engine_config(e);
+    p->be = be;
+    p->page_locked = -1;
+    p->bi = be->iface;
+    p->k = rekv_kernels_of(be);
+    pl_graph_init(p);
+    p->store = store;
+    /* read-ahead of the next layer window; REKV_READ_AHEAD=0 turns it off (for benchmarks) */
+    const char *ra = getenv("REKV_READ_AHEAD");
+    p->read_ahead = ra == NULL || strcmp(ra, "0") != 0;
+    p->cfg = *cfg;
+    p->info = rekv_mode_info_of(cfg->mode);
+    p->ops = pl_mode_ops_of(cfg->mode);
+    p->keep_act = rekv_pipeline_keeps_act(cfg);
+    p->meta.be = be;
+    /* kvstore sequence ids are the caller's to choose and the store may outlive this pipeline
+     * (a restarted worker, a second one): start at a random even base so that ids never meet */
+    uint64_t base = 0;
+    if (getrandom(&base, sizeof(base), 0) != (ssize_t)sizeof(base))
+        base = rekv_now_ns() ^ ((uint64_t)getpid() << 32);
+    p->next_id = (base & ~(uint64_t)1) | 2; /* even, never 0; kvpr uses id and id + 1 */
+    p->counters = calloc((size_t)p->c->n_layers, sizeof(rekv_layer_counters));
+    if (p->counters == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "pipeline: out of memory");
         goto fail;
     }
-    if ((cfg->mode == REKV_MODE_INFINIGEN || cfg->mode == REKV_MODE_CLO) &&
-        (rc = pl_ig_create(p, err)))
-        goto fail;
-    if (cfg->mode == REKV_MODE_CLO && (rc = pl_clo_create(p, err)))
-        goto fail;
-    if ((rc = p->bi->stream_sync(p->s_h2d, err)))
+    if ((store && (rc = attach_store(p, store, err))) || (rc = create_streams(p, err)) ||
+        (rc = upload_weights(p, err)) || (p->ops->create && (rc = p->ops->create(p, err))) ||
+        (rc = p->bi->stream_sync(p->s_h2d, err)))
         goto fail;
     p->bi->stats_reset(be); /* the one-time weight upload is not part of any step */
     *out = p;
@@ -377,6 +406,55 @@ fail:
 }
 
 /* ------------------------------------------------------------------ sequences */
+
+/* A streaming mode's part of a sequence: ACT_GPU's device copy, the device-resident part, and
+ * (after the mode's own, ops->seq_alloc) its kvstore sequences. */
+static int seq_alloc_stream(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    if (p->cfg.act_gpu_blocks > 0 && p->info->act_gpu) {
+        size_t n = (size_t)c->n_layers * (size_t)p->cfg.act_gpu_blocks * REKV_KV_BLOCK_TOKENS *
+                   (size_t)c->hidden * dsz;
+        s->act_dev = p->bi->dev_alloc(p->be, n);
+        if (s->act_dev == NULL)
+            return rekv_errf(err, -ENOMEM, "out of device memory for %d ACT blocks per layer",
+                             p->cfg.act_gpu_blocks);
+    }
+    s->dev_tokens = p->cfg.device_tokens < s->cap ? p->cfg.device_tokens : s->cap;
+    if (s->dev_tokens > 0) {
+        size_t n = (size_t)c->n_layers *
+                   rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->dev_tokens) * dsz;
+        s->kv_dev = p->bi->dev_alloc(p->be, n);
+        if (s->kv_dev == NULL)
+            return rekv_errf(err, -ENOMEM,
+                             "out of device memory for the device-resident part (%d tokens)",
+                             s->dev_tokens);
+    }
+    int rc;
+    if (p->ops->seq_alloc && (rc = p->ops->seq_alloc(p, s, err)))
+        return rc;
+    s->id = p->next_id;
+    p->next_id += 2;
+    if ((rc = rekv_kvstore_seq_create(p->store, s->id, err)))
+        return rc;
+    if (p->keep_act && (rc = rekv_kvstore_seq_create(p->store, s->id + 1, err))) {
+        rekv_kvstore_seq_drop(p->store, s->id, NULL);
+        return rc;
+    }
+    return 0;
+}
+
+/* The device memory of s (whatever of it was made). */
+static void seq_free_device(rekv_pipeline *p, rekv_pseq *s)
+{
+    if (s->act_dev)
+        p->bi->dev_free(p->be, s->act_dev);
+    if (s->kv_dev)
+        p->bi->dev_free(p->be, s->kv_dev);
+    if (p->ops->seq_free)
+        p->ops->seq_free(p, s);
+}
 
 int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *err)
 {
@@ -391,72 +469,16 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
     s->cap = capacity;
     s->kv_parts = p->cfg.kv_parts;
     s->act_parts = p->cfg.act_parts;
-    int rc = 0;
-    if (p->cfg.mode == REKV_MODE_RESIDENT) {
-        size_t n = (size_t)c->n_layers * rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, capacity);
-        s->kv = p->bi->dev_alloc(p->be, n * rekv_dtype_size(p->cfg.cache_dtype));
-        if (s->kv == NULL) {
-            rc = rekv_errf(err, -ENOMEM, "out of device memory for a KV cache of %d tokens",
-                           capacity);
-            goto fail;
-        }
-    } else {
-        if (p->cfg.act_gpu_blocks > 0 && p->cfg.mode != REKV_MODE_OFFLOAD) {
-            size_t n = (size_t)c->n_layers * (size_t)p->cfg.act_gpu_blocks * REKV_KV_BLOCK_TOKENS *
-                       (size_t)c->hidden * rekv_dtype_size(p->cfg.cache_dtype);
-            s->act_dev = p->bi->dev_alloc(p->be, n);
-            if (s->act_dev == NULL) {
-                rc = rekv_errf(err, -ENOMEM, "out of device memory for %d ACT blocks per layer",
-                               p->cfg.act_gpu_blocks);
-                goto fail;
-            }
-        }
-        s->dev_tokens = p->cfg.device_tokens < capacity ? p->cfg.device_tokens : capacity;
-        if (s->dev_tokens > 0) {
-            size_t n = (size_t)c->n_layers *
-                       rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->dev_tokens) *
-                       rekv_dtype_size(p->cfg.cache_dtype);
-            s->kv_dev = p->bi->dev_alloc(p->be, n);
-            if (s->kv_dev == NULL) {
-                rc = rekv_errf(err, -ENOMEM,
-                               "out of device memory for the device-resident part (%d tokens)",
-                               s->dev_tokens);
-                goto fail;
-            }
-        }
-        if (p->cfg.mode == REKV_MODE_CLO && (rc = pl_clo_seq_alloc(p, s, err)))
-            goto fail;
-        if (p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO) {
-            s->pk = p->bi->dev_alloc(p->be, rekv_ig_partial_key_bytes(p->c, p->ig.rk, capacity));
-            if (s->pk == NULL) {
-                rc = rekv_errf(err, -ENOMEM,
-                               "out of device memory for the partial keys of %d tokens", capacity);
-                goto fail;
-            }
-        }
-        s->id = p->next_id;
-        p->next_id += 2;
-        if ((rc = rekv_kvstore_seq_create(p->store, s->id, err)))
-            goto fail;
-        if (p->keep_act && (rc = rekv_kvstore_seq_create(p->store, s->id + 1, err))) {
-            rekv_kvstore_seq_drop(p->store, s->id, NULL);
-            goto fail;
-        }
+    int rc = p->info->store != REKV_STORE_NONE ? seq_alloc_stream(p, s, err)
+             : p->ops->seq_alloc               ? p->ops->seq_alloc(p, s, err)
+                                               : 0;
+    if (rc) {
+        seq_free_device(p, s);
+        free(s);
+        return rc;
     }
     *out = s;
     return 0;
-fail:
-    if (s->kv)
-        p->bi->dev_free(p->be, s->kv);
-    if (s->act_dev)
-        p->bi->dev_free(p->be, s->act_dev);
-    if (s->kv_dev)
-        p->bi->dev_free(p->be, s->kv_dev);
-    if (s->pk)
-        p->bi->dev_free(p->be, s->pk);
-    pl_clo_seq_free(p, s);
-    free(s);
-    return rc;
 }
 
 void rekv_pseq_free(rekv_pseq *s)
@@ -464,16 +486,8 @@ void rekv_pseq_free(rekv_pseq *s)
     if (s == NULL)
         return;
     rekv_pipeline *p = s->p;
-    if (s->kv)
-        p->bi->dev_free(p->be, s->kv);
-    if (s->act_dev)
-        p->bi->dev_free(p->be, s->act_dev);
-    if (s->kv_dev)
-        p->bi->dev_free(p->be, s->kv_dev);
-    if (s->pk)
-        p->bi->dev_free(p->be, s->pk);
-    pl_clo_seq_free(p, s);
-    if (p->cfg.mode != REKV_MODE_RESIDENT) {
+    seq_free_device(p, s);
+    if (p->info->store != REKV_STORE_NONE) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
         if (p->keep_act)
             rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);

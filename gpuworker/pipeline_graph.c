@@ -627,7 +627,7 @@ void pl_graph_free(rekv_pipeline *p)
 
 int pl_graph_begin(rekv_pipeline *p, const rekv_pipe_item *items, int n)
 {
-    if (p->gr.off || p->gr.real_bi->graph_begin == NULL || p->cfg.mode != REKV_MODE_RESIDENT ||
+    if (p->gr.off || p->gr.real_bi->graph_begin == NULL || p->info->store != REKV_STORE_NONE ||
         p->cfg.offload_weights)
         return 0;
     /* decode steps whose items take only draws back (a logits row goes to the caller's memory,

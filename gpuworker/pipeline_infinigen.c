@@ -1,5 +1,7 @@
-/* pipeline_infinigen.c — the infinigen mode of the pipeline (InfiniGen, OSDI'24 §4.3): speculate on
- * layer i's attention at layer i-1 and fetch only the KV rows it selects.
+/* pipeline_infinigen.c — the speculation of the infinigen mode (InfiniGen, OSDI'24 §4.3):
+ * speculate on layer i's attention at layer i-1 and fetch only the KV rows it selects. clo
+ * (mode_clo.c) shares the speculation, with whole queries (ig.queries); infinigen's entry in the
+ * mode table, and its unit plan, are mode_infinigen.c's.
  *
  * Data flow of a decode step. Every new K row also leaves, through the skew's A[:, cols] of its
  * layer (head_proj), as a partial key into the sequence's partial key cache on the device
@@ -43,7 +45,9 @@
 
 /* ------------------------------------------------------------------ create / free */
 
-int pl_ig_create(rekv_pipeline *p, rekv_err *err)
+/* The speculation's weights for every layer; queries: the speculation also copies whole queries
+ * to the host (clo's similarity test), so the partial query weight is never folded. */
+int pl_ig_create(rekv_pipeline *p, int queries, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     const rekv_skew *sk = p->cfg.skew;
@@ -65,8 +69,9 @@ int pl_ig_create(rekv_pipeline *p, rekv_err *err)
     int L = c->n_layers, nkv = c->n_kv_heads, hd = c->head_dim, rk = sk->rk, nh = c->n_heads;
     int group = nh / nkv, Q = rekv_config_q_dim(c), H = c->hidden;
     p->ig.rk = rk;
-    /* clo compares whole queries, so it needs W_Q itself, not the folded partial weight */
-    p->ig.fold = c->rope == REKV_ROPE_NONE && p->cfg.mode == REKV_MODE_INFINIGEN;
+    /* whole queries need W_Q itself, not the folded partial weight */
+    p->ig.queries = queries;
+    p->ig.fold = c->rope == REKV_ROPE_NONE && !queries;
     p->ig.layers = calloc((size_t)L, sizeof(ig_layer));
     float *ac = malloc(sizeof(float) * (size_t)nkv * (size_t)hd * (size_t)rk);
     float *wq = NULL, *wp = NULL, *bp = NULL, *at = NULL, *wt = NULL;
@@ -225,13 +230,28 @@ static float *pk_at(const rekv_pipeline *p, const rekv_pseq *s, int layer, int p
 
 /* ------------------------------------------------------------------ a step */
 
-/* Whether item i fetches sparsely at layers > 0: a decode row over a context. */
+/* infinigen: whether item i fetches sparsely at layers > 0: a decode row over a context. */
 int pl_ig_sparse(const rekv_pipeline *p, const step *st, int i)
 {
-    if (p->cfg.mode == REKV_MODE_CLO)
-        return pl_clo_sparse(p, st, i);
-    return p->cfg.mode == REKV_MODE_INFINIGEN && st->items[i].n_tokens == 1 &&
-           st->items[i].seq->len > 0;
+    (void)p;
+    return st->items[i].n_tokens == 1 && st->items[i].seq->len > 0;
+}
+
+/* The partial keys of a sequence (infinigen, clo), and their release. */
+int pl_ig_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+{
+    s->pk = p->bi->dev_alloc(p->be, rekv_ig_partial_key_bytes(p->c, p->ig.rk, s->cap));
+    if (s->pk == NULL)
+        return rekv_errf(err, -ENOMEM, "out of device memory for the partial keys of %d tokens",
+                         s->cap);
+    return 0;
+}
+
+void pl_ig_seq_free(rekv_pipeline *p, rekv_pseq *s)
+{
+    if (s->pk)
+        p->bi->dev_free(p->be, s->pk);
+    s->pk = NULL;
 }
 
 /* The step's speculation memory: each sparse item's scores at st->ig_off[i]. */
@@ -245,7 +265,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     size_t total = 0, max_rows = 0, max_len = 1;
     for (int i = 0; i < st->n_items; i++) {
         st->ig_off[i] = SIZE_MAX;
-        if (pl_ig_sparse(p, st, i)) {
+        if (p->ops->sparse(p, st, i)) {
             st->ig_off[i] = total;
             total += (size_t)nh * (size_t)st->items[i].seq->len;
             if ((size_t)st->items[i].seq->len > max_len)
@@ -272,8 +292,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
             return rekv_errf(err, -ENOMEM, "step: out of host memory for infinigen's scores");
         }
     }
-    size_t qneed =
-        p->cfg.mode == REKV_MODE_CLO ? (size_t)st->n_items * (size_t)rekv_config_q_dim(c) : 0;
+    size_t qneed = p->ig.queries ? (size_t)st->n_items * (size_t)rekv_config_q_dim(c) : 0;
     if (qneed > p->ig.qhost_cap) {
         if (p->ig.qhost)
             rekv_host_free(p->be, p->ig.qhost);
@@ -301,7 +320,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     for (int g = 0; g < st->n_g; g++) {
         int erc = 0;
         if ((p->ig.ev[g] == NULL && (erc = p->bi->event_create(p->be, &p->ig.ev[g], err))) ||
-            (p->cfg.mode == REKV_MODE_CLO && p->ig.ev_read[g] == NULL &&
+            (p->ig.queries && p->ig.ev_read[g] == NULL &&
              (erc = p->bi->event_create(p->be, &p->ig.ev_read[g], err))))
             return erc;
     }
@@ -311,8 +330,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
 /* Whether unit (layer, g) speculates for layer + 1. */
 int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer)
 {
-    if ((p->cfg.mode != REKV_MODE_INFINIGEN && p->cfg.mode != REKV_MODE_CLO) ||
-        layer + 1 >= p->c->n_layers)
+    if (p->ig.layers == NULL || layer + 1 >= p->c->n_layers) /* a mode that does not speculate */
         return 0;
     for (int i = st->g_begin[g]; i < st->g_begin[g + 1]; i++)
         if (st->ig_off[i] != SIZE_MAX)
@@ -366,13 +384,13 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
             hi = end;
     }
     k->spec_scores(s, p->ig.scores.p, qp, sq, n, nh, group, rk, 1.0f / sqrtf((float)hd));
-    /* clo: the host copies are free once the last layer's decisions have read them (on the h2d
-     * stream: the step thread does not wait for them) */
-    if (p->cfg.mode == REKV_MODE_CLO)
+    /* whole queries (clo): the host copies are free once the last layer's decisions have read
+     * them (on the h2d stream: the step thread does not wait for them) */
+    if (p->ig.queries)
         p->bi->stream_wait_event(s, p->ig.ev_read[g]);
     rekv_copy_piece pc = {p->ig.host + lo, (float *)p->ig.scores.p + lo, (hi - lo) * sizeof(float)};
     p->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
-    if (p->cfg.mode == REKV_MODE_CLO) { /* and the queries, for the similarity test */
+    if (p->ig.queries) { /* and the queries, for clo's similarity test */
         size_t Qd = (size_t)rekv_config_q_dim(c);
         for (int j = 0; j < nb; j++) {
             int i = st->g_begin[g] + j;
@@ -388,10 +406,10 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
 }
 
 /* Where the partial keys of unit (layer, g)'s new rows go: [rows] device pointers, in step
- * memory; NULL when the layer keeps none (layer 0, other modes) or out of memory (*rc). */
+ * memory; NULL when the layer keeps none (layer 0) or out of memory (*rc). */
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc)
 {
-    if ((p->cfg.mode != REKV_MODE_INFINIGEN && p->cfg.mode != REKV_MODE_CLO) || layer == 0)
+    if (layer == 0)
         return NULL;
     int T = st->g_rows[g];
     float **rows = pl_smem_alloc(&st->mem, sizeof(float *) * (size_t)T);
@@ -402,6 +420,20 @@ float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc)
     for (int r = 0; r < T; r++)
         rows[r] = pk_at(p, st->items[st->g_begin[g] + st->row_seq[g][r]].seq, layer, st->pos[g][r]);
     return rows;
+}
+
+/* The start of a speculating mode's unit plan: the new rows go where the selection leaves room
+ * (io->kv_pos, their positions until it moves them), their partial keys are kept (io->pk_rows).
+ * 0 or -ENOMEM. */
+int pl_ig_unit_begin(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
+{
+    int rc = 0;
+    io->kv_pos = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)st->g_rows[g]);
+    if (io->kv_pos == NULL)
+        return -ENOMEM;
+    memcpy(io->kv_pos, st->pos[g], sizeof(int32_t) * (size_t)st->g_rows[g]);
+    io->pk_rows = pl_ig_pk_rows(p, st, g, layer, &rc);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ selection */

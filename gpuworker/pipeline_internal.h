@@ -1,7 +1,10 @@
 /* pipeline_internal.h — the decode pipeline's structs (the pipeline, its sequences, one step and
  * its memory) and the functions its files call across; each function is documented where it is
  * defined. Private to gpuworker. The files: pipeline.c (the step; its opening comment is the data
- * flow), pipeline_create.c, pipeline_buffers.c, pipeline_kvstore.c, pipeline_generate.c. */
+ * flow), pipeline_create.c, pipeline_buffers.c, pipeline_kvstore.c, pipeline_generate.c,
+ * pipeline_graph.c; the modes' table (pl_mode_ops, below) in pipeline_modes.c and each mode's
+ * entry in its file: mode_resident.c, mode_stream.c (offload, kvpr, act, hybrid), mode_infinigen.c
+ * (with the speculation it shares with clo, pipeline_infinigen.c), mode_clo.c. */
 #ifndef REKV_GPUWORKER_PIPELINE_INTERNAL_H
 #define REKV_GPUWORKER_PIPELINE_INTERNAL_H
 
@@ -112,6 +115,8 @@ typedef struct ig_state {
     float *host;      /* their host copy (rekv_host_alloc), host_cap floats */
     size_t host_cap;
     int fold;         /* the partial query weight is W_Q·A[:, cols] (infinigen without RoPE) */
+    int queries;      /* the speculation also copies each sparse item's whole query to the host
+                         (qhost) and waits for its readers (ev_read): clo's similarity test */
     float *qhost;     /* clo: each sparse item's speculated query, [n_items][q_dim] (host) */
     size_t qhost_cap; /* floats */
     rekv_event *ev[MAX_GPU_BATCHES];      /* batch g's scores have reached the host */
@@ -134,6 +139,8 @@ struct rekv_pipeline {
     rekv_kv_geometry geo;
     uint8_t *arena;
     rekv_pipeline_config cfg;
+    const rekv_mode_info *info;    /* cfg.mode's properties (common/mode.h) */
+    const struct pl_mode_ops *ops; /* cfg.mode's functions (pl_mode_ops_of) */
     int keep_act; /* rekv_pipeline_keeps_act(cfg) at creation: sequence id + 1 holds activations */
     rekv_stream *s_compute, *s_h2d, *s_d2h;
     /* by unit parity: activations / KV rows loaded, staging merged, new rows staged, stored */
@@ -191,7 +198,7 @@ struct rekv_pipeline {
         uint64_t steps, captures;
     } gr;
     ig_state ig;                 /* infinigen, and clo's speculation */
-    struct {                     /* clo (pipeline_clo.c) */
+    struct {                     /* clo (mode_clo.c) */
         double *tau;             /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9) */
         double *imp;             /* [n_layers][n_heads] query head importance (Eq. 10's weights) */
         uint8_t *persist;        /* [n_layers][n_kv] the KV head keeps its whole KV (Eq. 13) */
@@ -211,7 +218,7 @@ struct rekv_pseq {
     float *pk;        /* infinigen, clo: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
     int kv_parts, act_parts; /* hybrid: the KV:ACT pattern of its blocks, the pipeline's when the
                                 sequence was made (a later rekv_pipeline_set_step leaves it) */
-    /* clo (pipeline_clo.c): layer 0's whole cache and, per layer > 0, a head cache
+    /* clo (mode_clo.c): layer 0's whole cache and, per layer > 0, a head cache
      * (kvlayout.h) on the device; on the host each query head's label and each KV head's cached
      * top-k count (-1: not built) */
     uint8_t *clo0; /* layer 0: cap positions, valid below clo0_len (-1: not filled) */
@@ -300,7 +307,7 @@ typedef struct unit_io {
 } unit_io;
 
 /* clo: what one unit (layer > 0) decides once its speculation is on the host — on the h2d stream,
- * as a host function, so the step thread never waits for it (pipeline_clo.c). Prepared in step
+ * as a host function, so the step thread never waits for it (mode_clo.c). Prepared in step
  * memory when the unit is planned; the decisions' results are folded into the counters after
  * the step. */
 typedef struct clo_unit {
@@ -323,6 +330,46 @@ typedef struct clo_unit {
     int rc;                        /* 0, or how the decisions failed */
     struct clo_unit *next;         /* the step's list */
 } clo_unit;
+
+/* ------------------------------------------------------------------ the modes' table */
+
+/* What a mode does, as the pipeline calls it; what a mode is (streams? a split? ACT blocks?) is
+ * data, p->info (common/mode.h). A NULL entry does nothing (returns 0). Each mode's entry is in
+ * its own file; pl_mode_ops_of (pipeline_modes.c) finds it. */
+typedef struct pl_mode_ops {
+    rekv_mode mode;
+    /* creation: the config's knobs the mode needs beyond the common checks; 0 or -EINVAL */
+    int (*check)(const rekv_pipeline_config *cfg, rekv_err *err);
+    /* the mode's own state (infinigen's speculation, clo's head profile), after the weights;
+     * free releases it, also after a create that failed part way */
+    int (*create)(rekv_pipeline *p, rekv_err *err);
+    void (*free)(rekv_pipeline *p);
+    /* a sequence's device memory of the mode (resident's cache, the partial keys, the head
+     * caches), after the streaming modes' common part; seq_free frees it, also part of it */
+    int (*seq_alloc)(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
+    void (*seq_free)(rekv_pipeline *p, rekv_pseq *s);
+    /* per step, once the step's buffers are sized: the mode's step memory (the speculation's) */
+    int (*step_prepare)(rekv_pipeline *p, step *st, rekv_err *err);
+    /* whether item i fetches sparsely at layers > 0 (the modes that speculate) */
+    int (*sparse)(const rekv_pipeline *p, const step *st, int i);
+    /* recompute: the context rows of item it a layer recomputes from activations — what the
+     * recomputation buffers must hold for it */
+    size_t (*recompute_rows)(const rekv_pipeline *p, const step *st, int it);
+    /* plan: unit (g, layer)'s loads — device part, recomputed rows, fetched rows — and new-row
+     * stores into io, and the attention's descriptors d where the mode moves them; the streaming
+     * modes' */
+    int (*unit_plan)(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,
+                     unit_io *io);
+    /* fetch: on the h2d stream after the unit's planned copies (clo's deferred decisions) */
+    void (*unit_fetch)(rekv_pipeline *p, const unit_io *io);
+    /* once the step's streams are idle, whatever happened (clo: the decisions' counts) */
+    int (*step_done)(rekv_pipeline *p, step *st, rekv_err *err);
+} pl_mode_ops;
+
+/* Each mode's entry (mode_*.c), and the one for m (NULL: not a mode). */
+extern const pl_mode_ops pl_mode_resident, pl_mode_offload, pl_mode_kvpr, pl_mode_act,
+    pl_mode_hybrid, pl_mode_infinigen, pl_mode_clo;
+const pl_mode_ops *pl_mode_ops_of(rekv_mode m);
 
 /* ------------------------------------------------------------------ across the files */
 
@@ -358,22 +405,29 @@ int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uin
 void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *layer);
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it);
+void pl_store_pattern(const rekv_pipeline *p, const rekv_pseq *s, uint32_t *kv, uint32_t *act);
 int pl_window_pin(rekv_pipeline *p, step *st, int w, rekv_err *err);
 int pl_window_unpin(rekv_pipeline *p, step *st, rekv_err *err);
-int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,
-                 unit_io *io);
+int pl_unit_act_alloc(rekv_pipeline *p, step *st, int g, int slots, unit_io *io);
+int pl_item_plan_whole(rekv_pipeline *p, step *st, int item, int j, int layer, int b,
+                       rekv_attn_seq *d, int considered, unit_io *io);
+int pl_unit_plan_whole(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,
+                       unit_io *io);
 int pl_unit_io_keep(step *st, unit_io *io);
 int pl_push_release(rekv_pipeline *p, const rekv_ipc_handle *const *h, size_t n, rekv_err *err);
 int pl_push_unit(rekv_pipeline *p, int b, const unit_io *io, rekv_err *err);
 
 /* pipeline_infinigen.c */
-int pl_ig_create(rekv_pipeline *p, rekv_err *err);
+int pl_ig_create(rekv_pipeline *p, int queries, rekv_err *err);
 void pl_ig_free(rekv_pipeline *p);
 int pl_ig_sparse(const rekv_pipeline *p, const step *st, int i);
 int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
+int pl_ig_unit_begin(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
+int pl_ig_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
+void pl_ig_seq_free(rekv_pipeline *p, rekv_pseq *s);
 int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
 /* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, with the
  * unit's speculated scores on the host: fn(job, j, scratch) for each batch index j of
@@ -399,18 +453,5 @@ int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *bu
 float *pl_ig_group_probs(const float *scores, int group, int g, int len, float *out, float *tmp,
                          float *best);
 void pl_ig_top(const float *v, int len, int m, float *tmp, int32_t *out);
-
-/* pipeline_clo.c */
-int pl_clo_create(rekv_pipeline *p, rekv_err *err);
-void pl_clo_free(rekv_pipeline *p);
-int pl_clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
-void pl_clo_seq_free(rekv_pipeline *p, rekv_pseq *s);
-int pl_clo_sparse(const rekv_pipeline *p, const step *st, int i);
-void pl_clo_forget(rekv_pseq *s, int layer);
-int pl_clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
-int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
-                     rekv_attn_seq *d, unit_io *io);
-void pl_clo_unit_fetch(rekv_pipeline *p, clo_unit *cu);
-int pl_clo_step_done(rekv_pipeline *p, step *st, rekv_err *err);
 
 #endif

@@ -57,6 +57,22 @@ static int store_ranges(rekv_pipeline *p, step *st)
     return 0;
 }
 
+/* The KV:ACT pattern s's blocks are appended with (the store types each block by it): K,V only,
+ * activations only, or the sequence's own pattern (hybrid). */
+void pl_store_pattern(const rekv_pipeline *p, const rekv_pseq *s, uint32_t *kv, uint32_t *act)
+{
+    switch (p->info->store) {
+    case REKV_STORE_ACT:
+        *kv = 0, *act = 1;
+        break;
+    case REKV_STORE_PATTERN:
+        *kv = (uint32_t)s->kv_parts, *act = (uint32_t)s->act_parts;
+        break;
+    default:
+        *kv = 1, *act = 0;
+    }
+}
+
 /* What one layer of item it costs in the arena: its blocks, each its type's slot (the store's
  * allocation rule, as the pipeline appended them). */
 static uint64_t item_layer_bytes(const rekv_pipeline *p, const step *st, int it)
@@ -67,60 +83,21 @@ static uint64_t item_layer_bytes(const rekv_pipeline *p, const step *st, int it)
     uint64_t kv = p->store_kv_slot, act = p->store_act_slot;
     if (p->keep_act) /* kvpr, infinigen keeping activations: both */
         return nb * (kv + act);
-    switch (p->cfg.mode) {
-    case REKV_MODE_ACT:
-        return nb * act;
-    case REKV_MODE_HYBRID: {
-        uint64_t nk = 0, na = 0;
-        for (uint64_t b = 0; b < nb; b++)
-            if (rekv_kv_next_block_type(nk, na, (uint32_t)s->kv_parts, (uint32_t)s->act_parts) ==
-                REKV_KV_BLOCK_KV)
-                nk++;
-            else
-                na++;
-        return nk * kv + na * act;
-    }
-    default:
-        return nb * kv;
-    }
+    uint32_t kp, ap;
+    pl_store_pattern(p, s, &kp, &ap);
+    uint64_t nk = 0, na = 0;
+    for (uint64_t b = 0; b < nb; b++)
+        if (rekv_kv_next_block_type(nk, na, kp, ap) == REKV_KV_BLOCK_KV)
+            nk++;
+        else
+            na++;
+    return nk * kv + na * act;
 }
 
-/* The context rows of item it that a layer recomputes from activations (ACT blocks, kvpr's
- * [device part, split)): what the recomputation buffers must hold for it. */
+/* The context rows of item it that a layer recomputes from activations (the mode's). */
 size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it)
 {
-    const rekv_pseq *s = st->items[it].seq;
-    int ctx = s->len, dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
-    switch (p->cfg.mode) {
-    case REKV_MODE_ACT:
-        return (size_t)(ctx - dev);
-    case REKV_MODE_KVPR: {
-        int l = st->split[it] < ctx ? st->split[it] : ctx;
-        return l > dev ? (size_t)(l - dev) : 0;
-    }
-    case REKV_MODE_INFINIGEN: /* [dev, split) of a whole layer, or up to split selected tokens */
-        return p->keep_act && st->split[it] > 0
-                   ? (size_t)(st->split[it] < ctx - dev ? st->split[it] : ctx - dev)
-                   : 0;
-    case REKV_MODE_HYBRID: { /* the tokens of [dev, ctx) in ACT blocks, as the store typed them */
-        uint64_t nk = 0, na = 0;
-        size_t rows = 0;
-        for (int b0 = 0; b0 < ctx; b0 += REKV_KV_BLOCK_TOKENS) {
-            if (rekv_kv_next_block_type(nk, na, (uint32_t)s->kv_parts, (uint32_t)s->act_parts) ==
-                REKV_KV_BLOCK_KV) {
-                nk++;
-                continue;
-            }
-            na++;
-            int lo = b0 > dev ? b0 : dev,
-                hi = b0 + REKV_KV_BLOCK_TOKENS < ctx ? b0 + REKV_KV_BLOCK_TOKENS : ctx;
-            rows += hi > lo ? (size_t)(hi - lo) : 0;
-        }
-        return rows;
-    }
-    default: /* offload, clo: nothing is recomputed */
-        return 0;
-    }
+    return p->ops->recompute_rows ? p->ops->recompute_rows(p, st, it) : 0;
 }
 
 /* Cuts the step's units into layer windows: the whole step when its blocks fit the arena (one
@@ -153,7 +130,7 @@ static int plan_windows(rekv_pipeline *p, step *st, rekv_err *err)
         st->win_u0[1] = U;
         return 0;
     }
-    if (p->cfg.mode == REKV_MODE_INFINIGEN || p->cfg.mode == REKV_MODE_CLO)
+    if (!p->info->layer_windows)
         return rekv_errf(err, -ENOMEM,
                          "step: the batch's KV (%llu bytes) does not fit the kvstore's arena "
                          "(%llu bytes), and %s pins a whole step (only the exact modes run a "
@@ -186,11 +163,8 @@ int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     int rc, kvpr = p->keep_act, L = p->c->n_layers;
     for (int it = 0; it < st->n_items; it++) {
         rekv_pseq *s = st->items[it].seq;
-        uint32_t kv = 1, act = 0; /* offload: all KV */
-        if (p->cfg.mode == REKV_MODE_ACT)
-            kv = 0, act = 1;
-        else if (p->cfg.mode == REKV_MODE_HYBRID) /* the sequence's own pattern */
-            kv = (uint32_t)s->kv_parts, act = (uint32_t)s->act_parts;
+        uint32_t kv, act;
+        pl_store_pattern(p, s, &kv, &act);
         uint64_t after;
         if ((rc = rekv_kvstore_append(p->store, s->id, (uint64_t)st->items[it].n_tokens, kv, act,
                                       &after, err)))
@@ -344,34 +318,12 @@ int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uin
     return 0;
 }
 
-/* Builds the loads of unit (layer, g): every context token's K,V rows (KV) or activation row
- * (ACT), from the arena into the parity's staging buffers, and the merge into the attention
- * buffer; and the stores of the new rows into the arena. */
-int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d, unit_io *io)
+/* The unit's recomputed rows' lists (io->act_seq, act_pos; slots: act_slot, each KV head's slot
+ * of a row) for every context token of batch g up to its split (all of it without activations
+ * kept beside K,V). 0 or -ENOMEM. */
+int pl_unit_act_alloc(rekv_pipeline *p, step *st, int g, int slots, unit_io *io)
 {
-    int clo = p->cfg.mode == REKV_MODE_CLO;
-    int ig = p->cfg.mode == REKV_MODE_INFINIGEN || clo, rc = 0;
-    if (ig) { /* new rows go where the selection leaves room; their partial keys are kept */
-        io->kv_pos = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)st->g_rows[g]);
-        if (io->kv_pos == NULL)
-            return -ENOMEM;
-        memcpy(io->kv_pos, st->pos[g], sizeof(int32_t) * (size_t)st->g_rows[g]);
-        io->pk_rows = pl_ig_pk_rows(p, st, g, layer, &rc);
-        if (rc)
-            return rc;
-        if (layer > 0 && (rc = clo ? pl_clo_unit_prepare(p, st, g, layer, io)
-                                   : pl_ig_unit_select(p, st, g, layer, io)))
-            return rc;
-    }
-    const rekv_kv_geometry *geo = &p->geo;
-    int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
-    uint8_t *act_stage = p->par[b].act_stage.p;
-    uint8_t *out = p->par[b].out_stage.p;
-    /* kvpr's path (activations beside K,V; [dev, split) recomputed) also runs infinigen's units
-     * that fetch whole when it keeps activations */
-    int nb = st->g_begin[g + 1] - st->g_begin[g], kvpr = p->keep_act;
-    int total_act = 0;
+    int nb = st->g_begin[g + 1] - st->g_begin[g], kvpr = p->keep_act, total_act = 0;
     for (int j = 0; j < nb; j++) {
         int item = st->g_begin[g] + j;
         int ctx = st->items[item].seq->len;
@@ -381,140 +333,189 @@ int pl_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_
     io->act_pos = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)(total_act + 1));
     if (io->act_seq == NULL || io->act_pos == NULL)
         return -ENOMEM;
-    if (ig && kvpr) { /* selected rows go to each head's own slot */
-        io->act_slot =
-            pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)(total_act + 1) * (size_t)kvh);
+    if (slots) {
+        io->act_slot = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)(total_act + 1) *
+                                                   (size_t)p->c->n_kv_heads);
         if (io->act_slot == NULL)
             return -ENOMEM;
     }
+    return 0;
+}
+
+/* The ACT block ord of item j's layer at token t0 + [0, n) as a recomputation input: from the
+ * device copy (ACT_GPU) or the arena into staging, converted into act_f32. */
+static int act_rows_load(rekv_pipeline *p, const rekv_pseq *s, int j, int layer, int b,
+                         const uint8_t *base, uint64_t ord, int t0, int n, unit_io *io)
+{
+    const rekv_kv_geometry *geo = &p->geo;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
+    size_t gpu_layer_rows = (size_t)p->cfg.act_gpu_blocks * REKV_KV_BLOCK_TOKENS;
+    int in_blk = t0 % REKV_KV_BLOCK_TOKENS, kvh = (int)geo->n_kv_heads;
+    uint8_t *act_stage = p->par[b].act_stage.p;
+    if (RESERVE(&io->h2d_act, 1) || RESERVE(&io->conv_act, 1))
+        return -ENOMEM;
+    size_t bytes = (size_t)n * H * dsz;
+    const uint8_t *src;
+    if (ord < (uint64_t)p->cfg.act_gpu_blocks) { /* ACT_GPU: already on the device */
+        src = s->act_dev + ((size_t)layer * gpu_layer_rows + (size_t)ord * REKV_KV_BLOCK_TOKENS +
+                            (size_t)in_blk) *
+                               H * dsz;
+    } else {
+        io->h2d_act.v[io->h2d_act.n++] = (rekv_copy_piece){
+            act_stage + io->act_off, base + rekv_kv_act_offset(geo, (uint32_t)in_blk), bytes};
+        src = act_stage + io->act_off;
+        io->act_off += bytes;
+        p->counters[layer].h2d_bytes[REKV_XFER_ACT] += bytes;
+    }
+    io->conv_act.v[io->conv_act.n++] = (rekv_convert_piece){
+        (float *)p->act_f32.p + (size_t)io->n_act * H, src, (uint32_t)((size_t)n * H)};
+    for (int i = 0; i < n; i++) {
+        for (int h = 0; io->act_slot && h < kvh; h++)
+            io->act_slot[(size_t)io->n_act * (size_t)kvh + (size_t)h] = t0 + i;
+        io->act_seq[io->n_act] = j;
+        io->act_pos[io->n_act++] = t0 + i;
+    }
+    p->counters[layer].tokens_recomputed += (uint64_t)n;
+    return 0;
+}
+
+/* The context loads of item (batch index j) at one layer, whole: the device-resident part [0, dev)
+ * copied on the device, then each block of [dev, ctx) — activation rows to recompute from (ACT
+ * blocks, the split's [dev, split) where activations are kept) or K,V rows straight into the
+ * attention buffer. considered: count what the link serves as tokens_considered (the modes that
+ * select, at a layer or step they fetch whole). */
+static int item_loads(rekv_pipeline *p, step *st, int item, int j, int layer, int b,
+                      const rekv_attn_seq *dj, int considered, unit_io *io, act_counter *ac)
+{
+    const rekv_kv_geometry *geo = &p->geo;
+    int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim, kvpr = p->keep_act;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    rekv_pseq *s = st->items[item].seq;
+    const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
     rekv_layer_counters *cnt = &p->counters[layer];
-    for (int j = 0; j < nb; j++) {
-        int item = st->g_begin[g] + j;
-        rekv_pseq *s = st->items[item].seq;
-        const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
-        if (clo && (layer > 0 ? pl_clo_sparse(p, st, item)
-                              : st->items[item].n_tokens == 1 && s->len > 0)) {
-            if ((rc = pl_clo_item_plan(p, st, item, j, layer, kr, &d[j], io)))
+    int ctx = s->len, l_split = kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : 0, rc;
+    /* the device-resident part [0, dev): a device copy into the attention buffer */
+    int dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
+    if ((rc = pl_dev_part_load(p, s, layer, dj->kv, dev, io)))
+        return rc;
+    if (considered) /* what the link serves (layer 0, a prefill's context) */
+        cnt->tokens_considered += (uint64_t)(ctx - dev);
+    /* the rest: walk the blocks of the range [dev, ctx) */
+    for (int t0 = dev; t0 < ctx;) {
+        int use_act = kvpr && t0 < l_split;
+        const rekv_kv_plan_block *blk = pl_block_at(p, use_act ? ar : kr, t0);
+        if (blk == NULL)
+            return -EPROTO;
+        int in_blk = t0 % REKV_KV_BLOCK_TOKENS;
+        int n = REKV_KV_BLOCK_TOKENS - in_blk;
+        int lim = use_act ? l_split : ctx;
+        if (t0 + n > lim)
+            n = lim - t0;
+        const uint8_t *base = p->arena + blk->offset;
+        if (blk->type == REKV_KV_BLOCK_ACT) {
+            uint64_t ord = act_ordinal(p, ac, (size_t)(t0 / REKV_KV_BLOCK_TOKENS));
+            if ((rc = act_rows_load(p, s, j, layer, b, base, ord, t0, n, io)))
                 return rc;
-            continue;
+        } else {
+            /* straight into the attention buffer: the block's layout and dtype */
+            uint8_t *dst = (uint8_t *)dj->kv + rekv_kv_row(kvh, hd, 0, t0 - in_blk) * dsz;
+            size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
+            if (bytes == 0)
+                return -ENOMEM;
+            cnt->h2d_bytes[REKV_XFER_KV] += bytes;
+            cnt->tokens_fetched += (uint64_t)n;
         }
-        if (clo)
-            pl_clo_forget(s, layer);
-        if (ig && layer > 0 && pl_ig_sparse(p, st, item)) {
-            if ((rc = pl_ig_item_plan(p, st, item, j, layer, kr, kvpr ? ar : NULL, b, &d[j], io)))
-                return rc;
-            continue;
-        }
-        int ctx = s->len, l_split = kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : 0;
-        act_counter ac = {kvpr ? ar : kr, 0, 0};
-        uint64_t n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
-        size_t gpu_row_bytes = H * dsz, gpu_layer_rows = (size_t)n_gpu * REKV_KV_BLOCK_TOKENS;
-        /* the device-resident part [0, dev): a device copy into the attention buffer */
-        int dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
-        if ((rc = pl_dev_part_load(p, s, layer, d[j].kv, dev, io)))
+        t0 += n;
+    }
+    return 0;
+}
+
+/* The stores of item's new rows at one layer, a block's worth at a time: K,V from the attention
+ * buffer (where kv_scatter put them, in the block's layout) into KV blocks, the attention input
+ * from the output staging into ACT blocks (activations kept beside K,V: both); the device-resident
+ * part's and ACT_GPU's device copies too. */
+static int item_stores(rekv_pipeline *p, step *st, int item, int layer, int b,
+                       const rekv_attn_seq *dj, unit_io *io, act_counter *ac)
+{
+    const rekv_kv_geometry *geo = &p->geo;
+    int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim, kvpr = p->keep_act;
+    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
+    rekv_pseq *s = st->items[item].seq;
+    const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
+    rekv_layer_counters *cnt = &p->counters[layer];
+    const uint8_t *out = p->par[b].out_stage.p;
+    uint64_t n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
+    size_t gpu_layer_rows = (size_t)n_gpu * REKV_KV_BLOCK_TOKENS;
+    int rc;
+    for (int i = 0; i < st->items[item].n_tokens;) {
+        int t = s->len + i, r = st->row0[item] + i, in_blk = t % REKV_KV_BLOCK_TOKENS;
+        int n = REKV_KV_BLOCK_TOKENS - in_blk;
+        if (n > st->items[item].n_tokens - i)
+            n = st->items[item].n_tokens - i;
+        i += n;
+        const rekv_kv_plan_block *kb = pl_block_at(p, kr, t);
+        const rekv_kv_plan_block *ab = kvpr ? pl_block_at(p, ar, t) : NULL;
+        if (kb == NULL || (kvpr && ab == NULL))
+            return -EPROTO;
+        if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
+            ab = kb, kb = NULL;
+        /* the device-resident part keeps its K,V too */
+        if ((rc = pl_dev_part_store(p, s, layer, dj->kv, t, n, io)))
             return rc;
-        if (ig) /* what the link serves (layer 0, a prefill's context) */
-            cnt->tokens_considered += (uint64_t)(ctx - dev);
-        /* the rest: walk the blocks of the range [dev, ctx) */
-        for (int t0 = dev; t0 < ctx;) {
-            int use_act = kvpr && t0 < l_split;
-            const rekv_kv_plan_block *blk = pl_block_at(p, use_act ? ar : kr, t0);
-            if (blk == NULL)
-                return -EPROTO;
-            int in_blk = t0 % REKV_KV_BLOCK_TOKENS;
-            int n = REKV_KV_BLOCK_TOKENS - in_blk;
-            int lim = use_act ? l_split : ctx;
-            if (t0 + n > lim)
-                n = lim - t0;
-            const uint8_t *base = p->arena + blk->offset;
-            if (blk->type == REKV_KV_BLOCK_ACT) {
-                if (RESERVE(&io->h2d_act, 1) || RESERVE(&io->conv_act, 1))
-                    return -ENOMEM;
-                size_t bytes = (size_t)n * H * dsz;
-                uint64_t ord = act_ordinal(p, &ac, (size_t)(t0 / REKV_KV_BLOCK_TOKENS));
-                const uint8_t *src;
-                if (ord < n_gpu) { /* ACT_GPU: already on the device */
-                    src = s->act_dev + ((size_t)layer * gpu_layer_rows +
-                                        (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
-                                           gpu_row_bytes;
-                } else {
-                    io->h2d_act.v[io->h2d_act.n++] =
-                        (rekv_copy_piece){act_stage + io->act_off,
-                                          base + rekv_kv_act_offset(geo, (uint32_t)in_blk), bytes};
-                    src = act_stage + io->act_off;
-                    io->act_off += bytes;
-                    cnt->h2d_bytes[REKV_XFER_ACT] += bytes;
-                }
-                io->conv_act.v[io->conv_act.n++] = (rekv_convert_piece){
-                    (float *)p->act_f32.p + (size_t)io->n_act * H, src, (uint32_t)((size_t)n * H)};
-                for (int i = 0; i < n; i++) {
-                    for (int h = 0; io->act_slot && h < kvh; h++)
-                        io->act_slot[(size_t)io->n_act * (size_t)kvh + (size_t)h] = t0 + i;
-                    io->act_seq[io->n_act] = j;
-                    io->act_pos[io->n_act++] = t0 + i;
-                }
-                cnt->tokens_recomputed += (uint64_t)n;
-            } else {
-                /* straight into the attention buffer: the block's layout and dtype */
-                uint8_t *dst = (uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t0 - in_blk) * dsz;
-                size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
-                if (bytes == 0)
-                    return -ENOMEM;
-                cnt->h2d_bytes[REKV_XFER_KV] += bytes;
-                cnt->tokens_fetched += (uint64_t)n;
-            }
-            t0 += n;
+        if (kb) {
+            const uint8_t *src =
+                (const uint8_t *)dj->kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
+            size_t bytes =
+                block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n, kvh, hd, dsz);
+            if (bytes == 0)
+                return -ENOMEM;
+            cnt->d2h_bytes[REKV_XFER_KV] += bytes;
         }
-        /* new rows, a block's worth at a time: K,V from the attention buffer (where kv_scatter
-         * put them, in the block's layout) into KV blocks, the attention input from the output
-         * staging into ACT blocks (kvpr: both) */
-        for (int i = 0; i < st->items[item].n_tokens;) {
-            int t = s->len + i, r = st->row0[item] + i, in_blk = t % REKV_KV_BLOCK_TOKENS;
-            int n = REKV_KV_BLOCK_TOKENS - in_blk;
-            if (n > st->items[item].n_tokens - i)
-                n = st->items[item].n_tokens - i;
-            i += n;
-            const rekv_kv_plan_block *kb = pl_block_at(p, kr, t);
-            const rekv_kv_plan_block *ab = kvpr ? pl_block_at(p, ar, t) : NULL;
-            if (kb == NULL || (kvpr && ab == NULL))
-                return -EPROTO;
-            if (kb->type == REKV_KV_BLOCK_ACT && !kvpr)
-                ab = kb, kb = NULL;
-            /* the device-resident part keeps its K,V too */
-            if ((rc = pl_dev_part_store(p, s, layer, d[j].kv, t, n, io)))
-                return rc;
-            if (kb) {
-                const uint8_t *src =
-                    (const uint8_t *)d[j].kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
-                size_t bytes = block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n,
-                                               kvh, hd, dsz);
-                if (bytes == 0)
+        if (ab) {
+            if (RESERVE(&io->d2h_act, 1))
+                return -ENOMEM;
+            size_t bytes = (size_t)n * H * dsz;
+            const uint8_t *rows_h = out + (size_t)r * H * dsz;
+            io->d2h_act.v[io->d2h_act.n++] = (rekv_copy_piece){
+                p->arena + ab->offset + rekv_kv_act_offset(geo, (uint32_t)in_blk), rows_h, bytes};
+            cnt->d2h_bytes[REKV_XFER_ACT] += bytes;
+            uint64_t ord = act_ordinal(p, ac, (size_t)(t / REKV_KV_BLOCK_TOKENS));
+            if (ord < n_gpu) { /* ACT_GPU: the device copy too (the store stays complete) */
+                if (RESERVE(&io->d2d_new, 1))
                     return -ENOMEM;
-                cnt->d2h_bytes[REKV_XFER_KV] += bytes;
-            }
-            if (ab) {
-                if (RESERVE(&io->d2h_act, 1))
-                    return -ENOMEM;
-                size_t bytes = (size_t)n * H * dsz;
-                const uint8_t *rows_h = out + (size_t)r * H * dsz;
-                io->d2h_act.v[io->d2h_act.n++] = (rekv_copy_piece){
-                    p->arena + ab->offset + rekv_kv_act_offset(geo, (uint32_t)in_blk), rows_h,
-                    bytes};
-                cnt->d2h_bytes[REKV_XFER_ACT] += bytes;
-                uint64_t ord = act_ordinal(p, &ac, (size_t)(t / REKV_KV_BLOCK_TOKENS));
-                if (ord < n_gpu) { /* ACT_GPU: the device copy too (the store stays complete) */
-                    if (RESERVE(&io->d2d_new, 1))
-                        return -ENOMEM;
-                    io->d2d_new.v[io->d2d_new.n++] = (rekv_copy_piece){
-                        s->act_dev + ((size_t)layer * gpu_layer_rows +
-                                      (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
-                                         gpu_row_bytes,
-                        rows_h, bytes};
-                }
+                io->d2d_new.v[io->d2d_new.n++] = (rekv_copy_piece){
+                    s->act_dev + ((size_t)layer * gpu_layer_rows +
+                                  (size_t)ord * REKV_KV_BLOCK_TOKENS + (size_t)in_blk) *
+                                     H * dsz,
+                    rows_h, bytes};
             }
         }
     }
     return 0;
+}
+
+/* Item (batch index j) of unit (layer, g) fetched whole: every context token's K,V rows (KV) or
+ * activation row (ACT), from the device part, the arena or ACT_GPU's copy, and the stores of its
+ * new rows into the arena (item_loads, item_stores). */
+int pl_item_plan_whole(rekv_pipeline *p, step *st, int item, int j, int layer, int b,
+                       rekv_attn_seq *d, int considered, unit_io *io)
+{
+    int L = p->c->n_layers, rc;
+    const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
+    act_counter ac = {p->keep_act ? ar : kr, 0, 0};
+    if ((rc = item_loads(p, st, item, j, layer, b, &d[j], considered, io, &ac)))
+        return rc;
+    return item_stores(p, st, item, layer, b, &d[j], io, &ac);
+}
+
+/* The streaming exact modes' unit plan (offload, kvpr, act, hybrid): every item whole. */
+int pl_unit_plan_whole(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,
+                       unit_io *io)
+{
+    int rc = pl_unit_act_alloc(p, st, g, 0, io);
+    for (int j = 0; rc == 0 && j < st->g_begin[g + 1] - st->g_begin[g]; j++)
+        rc = pl_item_plan_whole(p, st, st->g_begin[g] + j, j, layer, b, d, 0, io);
+    return rc;
 }
 
 /* Moves a convert list, which kernels read, into the step's metadata memory. */

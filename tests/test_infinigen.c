@@ -1,5 +1,5 @@
 /* test_infinigen.c — the infinigen and clo modes (gpuworker/pipeline_infinigen.c,
- * pipeline_clo.c) with the KV cache in a real kvstore process, on the cpu backend:
+ * mode_clo.c) with the KV cache in a real kvstore process, on the cpu backend:
  *   - the exact limit: selecting every token (REKV_SELECT_ALL, or alpha = inf with no cap) gives
  *     resident's logits bit for bit, over prefill and decode steps, batches of mixed lengths,
  *     GPU batches, both schedules, weights offloaded, pull and push — so packing the selected

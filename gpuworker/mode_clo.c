@@ -1,5 +1,6 @@
-/* pipeline_clo.c — the clo mode of the pipeline (CLO §3: a head-wise approximate cache keyed by
- * query similarity), built on infinigen's speculation (pipeline_infinigen.c) for its misses.
+/* mode_clo.c — the clo mode of the pipeline, all of it (CLO §3: a head-wise approximate cache
+ * keyed by query similarity), built on infinigen's speculation (pipeline_infinigen.c, with whole
+ * queries) for its misses; its entry in the pipeline's mode table at the end.
  *
  * Per sequence, on the device:
  *   - layer 0's whole cache (clo0): it cannot be speculated, so it stays, as the paper keeps it in
@@ -35,8 +36,8 @@
  *
  * GPU-centric synchronisation (§4.4): the step thread never waits for the speculation. What
  * the plan knows when the unit is planned (a fresh cache's sink and ring, persistent heads, the
- * new row's store, the attention's descriptor) is enqueued then (pl_clo_item_plan); what depends
- * on the speculated scores goes on the h2d stream behind a wait for them (pl_clo_unit_fetch): a
+ * new row's store, the attention's descriptor) is enqueued then (clo_item_plan); what depends
+ * on the speculated scores goes on the h2d stream behind a wait for them (clo_unit_fetch): a
  * host function makes the unit's decisions — similarity and a miss's top-k for its sequences
  * together on the pool (clo_decide, reading the state), then each sequence's copies, labels, k's
  * and the attention's skip (clo_item_decided) — and a deferred copy (copy_h2d_deferred) moves
@@ -44,7 +45,7 @@
  * copy is the backend's gather kernel reading the registered arena (zero-copy, §4.3), so the
  * device waits on events and the CPU only decides: the paper's transfer threads are the host
  * function, its flags the stream order. The decisions' counts reach the counters after the step
- * (pl_clo_step_done). The speculated scores are computed every step for every head (the miss
+ * (clo_step_done). The speculated scores are computed every step for every head (the miss
  * cannot wait for them); the paper computes them on a miss only. */
 #include <errno.h>
 #include <math.h>
@@ -58,7 +59,10 @@
 
 enum { RING = REKV_HEADS_RECENT + 1 };
 
-int pl_clo_create(rekv_pipeline *p, rekv_err *err)
+static void clo_forget(rekv_pseq *s, int layer);
+static int clo_sparse(const rekv_pipeline *p, const step *st, int i);
+
+static int clo_create(rekv_pipeline *p, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     const rekv_heads *hp = p->cfg.heads;
@@ -109,7 +113,7 @@ int pl_clo_create(rekv_pipeline *p, rekv_err *err)
     return 0;
 }
 
-void pl_clo_free(rekv_pipeline *p)
+static void clo_free(rekv_pipeline *p)
 {
     free(p->clo.tau);
     free(p->clo.imp);
@@ -127,7 +131,7 @@ static int layer_persists(const rekv_pipeline *p, int layer)
     return 0;
 }
 
-int pl_clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+static int clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     int L = c->n_layers, nkv = c->n_kv_heads, hd = c->head_dim;
@@ -156,11 +160,11 @@ int pl_clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
     if (s->clo0 == NULL || (total && s->hc == NULL) || s->label == NULL || s->klen == NULL)
         return rekv_errf(err, -ENOMEM, "out of memory for the clo caches of %d tokens", s->cap);
     for (int l = 0; l < L; l++)
-        pl_clo_forget(s, l);
+        clo_forget(s, l);
     return 0;
 }
 
-void pl_clo_seq_free(rekv_pipeline *p, rekv_pseq *s)
+static void clo_seq_free(rekv_pipeline *p, rekv_pseq *s)
 {
     if (s->clo0)
         p->bi->dev_free(p->be, s->clo0);
@@ -173,14 +177,15 @@ void pl_clo_seq_free(rekv_pipeline *p, rekv_pseq *s)
 }
 
 /* Whether item i uses the head caches at layers > 0: a decode row past sink + recent window. */
-int pl_clo_sparse(const rekv_pipeline *p, const step *st, int i)
+static int clo_sparse(const rekv_pipeline *p, const step *st, int i)
 {
-    return p->cfg.mode == REKV_MODE_CLO && st->items[i].n_tokens == 1 &&
+    (void)p;
+    return st->items[i].n_tokens == 1 &&
            st->items[i].seq->len > REKV_HEADS_SINK + REKV_HEADS_RECENT;
 }
 
 /* The caches of (s, layer) no longer hold what they say (a step went the dense way). */
-void pl_clo_forget(rekv_pseq *s, int layer)
+static void clo_forget(rekv_pseq *s, int layer)
 {
     if (s->klen == NULL)
         return;
@@ -317,13 +322,13 @@ static void clo_decide(const pl_unit_job *u, int j, float *scratch)
 
 /* Unit (layer > 0) of batch g: its decisions' memory, when it has sparse items (io->clo). The
  * plan must hold every block of their contexts, which the decisions may fetch from. */
-int pl_clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
+static int clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
 {
     int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, nkv = p->c->n_kv_heads;
     int L = p->c->n_layers;
     size_t per = 0, pieces = 0;
     for (int j = 0; j < nb; j++)
-        if (pl_clo_sparse(p, st, g0 + j)) {
+        if (clo_sparse(p, st, g0 + j)) {
             const rekv_pseq *s = st->items[g0 + j].seq;
             n++;
             per = 2 * (size_t)s->len > per ? 2 * (size_t)s->len : per;
@@ -350,7 +355,7 @@ int pl_clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *i
         cu->rows0 == NULL || cu->kr == NULL || cu->pieces == NULL || cu->g_hits == NULL)
         return -ENOMEM;
     for (int j = 0; j < nb; j++) {
-        if (!pl_clo_sparse(p, st, g0 + j))
+        if (!clo_sparse(p, st, g0 + j))
             continue;
         const rekv_pseq *s = st->items[g0 + j].seq;
         const range_ref *kr = &st->kv_ref[(g0 + j) * L + layer];
@@ -376,8 +381,8 @@ int pl_clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *i
  * of the sink and ring (a fresh cache) and of the persistent heads, the new row's store, and
  * the attention's descriptor; the other heads wait for the unit's decisions (clo_item_decided).
  * Layer 0: its whole cache. */
-int pl_clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
-                     rekv_attn_seq *d, unit_io *io)
+static int clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer,
+                         const range_ref *kr, rekv_attn_seq *d, unit_io *io)
 {
     const rekv_model_config *c = p->c;
     rekv_pseq *s = st->items[item].seq;
@@ -499,7 +504,7 @@ static void clo_unit_run(void *arg)
  * the decisions (a host function), then the misses' rows (a copy whose pieces the decisions
  * wrote); ev_read[g] frees the host copies of the scores for the next layer's. The step thread
  * enqueues and goes on: the device waits, not the CPU (CLO §4.4). */
-void pl_clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
+static void clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
 {
     rekv_stream *sh = p->s_h2d;
     char name[40]; /* a trace shows each unit's decisions, then the bytes they fetched */
@@ -512,7 +517,7 @@ void pl_clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
 
 /* After the step's work has finished: the decisions' counts into the layers' counters; 0, or how
  * a unit's decisions failed. */
-int pl_clo_step_done(rekv_pipeline *p, step *st, rekv_err *err)
+static int clo_step_done(rekv_pipeline *p, step *st, rekv_err *err)
 {
     size_t row = (size_t)p->c->head_dim * rekv_dtype_size(p->cfg.cache_dtype);
     int rc = 0;
@@ -541,3 +546,76 @@ int rekv_pipeline_head_cache_counts(const rekv_pipeline *p, const uint64_t **hit
     *misses = p->clo.misses;
     return p->clo.hits ? 0 : -EINVAL;
 }
+
+/* ------------------------------------------------------------------ the mode's table entry */
+
+/* infinigen's speculation with whole queries (the similarity test needs them), then the head
+ * profile's thresholds and persistent heads */
+static int clo_mode_create(rekv_pipeline *p, rekv_err *err)
+{
+    int rc = pl_ig_create(p, 1, err);
+    return rc ? rc : clo_create(p, err);
+}
+
+static void clo_mode_free(rekv_pipeline *p)
+{
+    pl_ig_free(p);
+    clo_free(p);
+}
+
+/* the head caches, then the partial keys */
+static int clo_mode_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+{
+    int rc = clo_seq_alloc(p, s, err);
+    return rc ? rc : pl_ig_seq_alloc(p, s, err);
+}
+
+static void clo_mode_seq_free(rekv_pipeline *p, rekv_pseq *s)
+{
+    pl_ig_seq_free(p, s);
+    clo_seq_free(p, s);
+}
+
+/* A unit: at layers > 0 the decisions' memory (clo_unit_prepare); each sparse item (a decode row
+ * past sink + window; at layer 0 any decode row) from its device caches (clo_item_plan), any
+ * other fetched whole, its caches forgotten. */
+static int clo_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,
+                         unit_io *io)
+{
+    int rc = pl_ig_unit_begin(p, st, g, layer, io), L = p->c->n_layers;
+    if (rc || (layer > 0 && (rc = clo_unit_prepare(p, st, g, layer, io))) ||
+        (rc = pl_unit_act_alloc(p, st, g, 0, io)))
+        return rc;
+    for (int j = 0; j < st->g_begin[g + 1] - st->g_begin[g]; j++) {
+        int item = st->g_begin[g] + j;
+        rekv_pseq *s = st->items[item].seq;
+        if (layer > 0 ? clo_sparse(p, st, item) : st->items[item].n_tokens == 1 && s->len > 0) {
+            rc = clo_item_plan(p, st, item, j, layer, &st->kv_ref[item * L + layer], &d[j], io);
+        } else {
+            clo_forget(s, layer);
+            rc = pl_item_plan_whole(p, st, item, j, layer, b, d, 1, io);
+        }
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+static void clo_mode_unit_fetch(rekv_pipeline *p, const unit_io *io)
+{
+    if (io->clo) /* a unit with sparse items: what the speculation decides, decided and fetched */
+        clo_unit_fetch(p, io->clo);
+}
+
+const pl_mode_ops pl_mode_clo = {
+    .mode = REKV_MODE_CLO,
+    .create = clo_mode_create,
+    .free = clo_mode_free,
+    .seq_alloc = clo_mode_seq_alloc,
+    .seq_free = clo_mode_seq_free,
+    .step_prepare = pl_ig_prepare,
+    .sparse = clo_sparse,
+    .unit_plan = clo_unit_plan,
+    .unit_fetch = clo_mode_unit_fetch,
+    .step_done = clo_step_done,
+};
