@@ -37,7 +37,7 @@ static const rekv_mode_info modes[REKV_MODE_COUNT] = {
 
 const rekv_mode_info *rekv_mode_info_of(rekv_mode m)
 {
-    return (unsigned)m < REKV_MODE_COUNT ? &modes[m] : NULL;
+    return (unsigned)m < REKV_MODE_COUNT && modes[m].name ? &modes[m] : NULL; /* a row left out */
 }
 
 const char *rekv_mode_name(rekv_mode m)
@@ -49,7 +49,7 @@ const char *rekv_mode_name(rekv_mode m)
 int rekv_mode_parse(const char *s, rekv_mode *out)
 {
     for (int i = 0; s && i < REKV_MODE_COUNT; i++)
-        if (strcmp(s, modes[i].name) == 0) {
+        if (modes[i].name && strcmp(s, modes[i].name) == 0) {
             *out = (rekv_mode)i;
             return 0;
         }
