@@ -7,6 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The worker's mode's properties (common/mode.h; ps->mode is a parsed mode or resident's 0). */
+static const rekv_mode_info *mode_of(const co_plan_state *ps)
+{
+    return rekv_mode_info_of((rekv_mode)ps->mode);
+}
+
 /* The profile a Hello carries: 0, or -EINVAL when it has none or one the planner cannot use. */
 static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
 {
@@ -56,7 +62,7 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, int *split, char *reason,
         return REKV_MODE_RESIDENT;
     }
     rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
-    if (m == REKV_MODE_INFINIGEN)
+    if (!mp.resident && mp.tech == REKV_TECH_INFINIGEN) /* layer 0's split */
         *split = (int)mp.costs[REKV_TECH_INFINIGEN].kvpr_l;
     if (h->device_kv_room < 0) {
         snprintf(reason, reason_len, "the %s backend's device memory is the host's",
@@ -92,7 +98,7 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
         h->cache_elem_bytes == 0 || hello_profile(h, &ps->prof))
         return;
     ps->mode = (int)m;
-    ps->keeps_act = m == REKV_MODE_KVPR || (m == REKV_MODE_INFINIGEN && h->split > 0);
+    ps->keeps_act = rekv_mode_keeps_act(m, (int)h->split);
     ps->hidden = h->hidden;
     ps->kv_dim = h->kv_dim;
     ps->q_dim = h->q_dim;
@@ -117,18 +123,19 @@ void co_plan_store(co_plan_state *ps, const Rekv__Worker__StoreRoom *room)
 uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens, int kv_parts,
                                  int act_parts)
 {
-    if (ps->store_host_bytes == 0 || ps->mode == REKV_MODE_RESIDENT)
+    const rekv_mode_info *mi = mode_of(ps);
+    if (ps->store_host_bytes == 0 || mi->store == REKV_STORE_NONE)
         return 0;
     uint64_t nb = (tokens + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS, n_kv = nb,
              n_act = 0;
-    if (ps->mode == REKV_MODE_HYBRID) {
+    if (mi->store == REKV_STORE_PATTERN) {
         if (kv_parts + act_parts <= 0) /* the worker's pattern before any Plan's */
             kv_parts = act_parts = 1;
         return (uint64_t)ceil(
             rekv_plan_hybrid_job_bytes((int64_t)nb, kv_parts, act_parts, (int)ps->n_layers,
                                        (double)ps->store_kv_bytes, (double)ps->store_act_bytes));
     }
-    if (ps->mode == REKV_MODE_ACT)
+    if (mi->store == REKV_STORE_ACT)
         n_kv = 0, n_act = nb;
     else if (ps->keeps_act)
         n_act = nb;
@@ -138,8 +145,7 @@ uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens, int k
 uint64_t co_plan_store_budget(const co_plan_state *ps)
 {
     uint64_t host = ps->store_host_bytes;
-    int windows = ps->mode != REKV_MODE_INFINIGEN && ps->mode != REKV_MODE_CLO;
-    uint64_t spill = windows ? ps->store_spill_bytes : 0;
+    uint64_t spill = mode_of(ps)->layer_windows ? ps->store_spill_bytes : 0;
     if (spill == 0)
         return host;
     uint64_t big =
@@ -230,7 +236,7 @@ void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, siz
 {
     *kv_parts = *act_parts = 1; /* no profile: no Plan carries a pattern, the worker keeps 1:1 */
     ps->join_binding = 0;
-    if (ps->mode != REKV_MODE_HYBRID || !ps->have_profile)
+    if (mode_of(ps)->store != REKV_STORE_PATTERN || !ps->have_profile)
         return;
     rekv_cost_profile prof = scaled(ps);
     int64_t tokens = 0;
@@ -268,7 +274,8 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
                  int n, int kv_parts, int act_parts, Rekv__Worker__StepParams *out,
                  uint64_t *mb_job, uint32_t *mb_index)
 {
-    if (!ps->have_profile || ps->mode == REKV_MODE_RESIDENT || n <= 0)
+    const rekv_mode_info *mi = mode_of(ps);
+    if (!ps->have_profile || mi->store == REKV_STORE_NONE || n <= 0)
         return 0;
     rekv_cost_profile prof = scaled(ps);
     int64_t sum = 0, dev = ps->device_tokens;
@@ -283,11 +290,11 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
     rekv_kvpr_params moved = sh.kv;
     moved.s = s > dev ? s - dev : 0;
     rekv_kvpr_split ks;
-    if (ps->mode == REKV_MODE_KVPR && rekv_plan_kvpr_choose(&prof, &moved, &ks, NULL) == 0)
+    if (mi->split == REKV_SPLIT_PREFIX && rekv_plan_kvpr_choose(&prof, &moved, &ks, NULL) == 0)
         split = (int)(dev + ks.l);
     /* the pattern of the sequences this step makes: the caller's (admission charged the joining
      * jobs at it), else the step-time one */
-    if (ps->mode != REKV_MODE_HYBRID)
+    if (mi->store != REKV_STORE_PATTERN)
         kv_parts = act_parts = 1;
     else if (kv_parts < 0 || act_parts < 0 || kv_parts + act_parts == 0)
         step_pattern(ps, &prof, n, sum, &kv_parts, &act_parts);
@@ -305,13 +312,13 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
         /* the blocks that move: past the device-resident part */
         int64_t moved_i = ctx[i] > dev ? ctx[i] - dev : 0;
         int64_t b = (moved_i + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS, a = 0;
-        if (ps->mode == REKV_MODE_ACT)
+        if (mi->store == REKV_STORE_ACT)
             a = b;
-        else if (ps->mode == REKV_MODE_KVPR)
+        else if (mi->split == REKV_SPLIT_PREFIX)
             a = ((ctx[i] < split ? ctx[i] : split) - (ctx[i] < dev ? ctx[i] : dev) +
                  REKV_PLAN_BLOCK_TOKENS - 1) /
                 REKV_PLAN_BLOCK_TOKENS;
-        else if (ps->mode == REKV_MODE_HYBRID)
+        else if (mi->store == REKV_STORE_PATTERN)
             a = b - (int64_t)llround((double)b * f_kv);
         req[i] = (rekv_mb_request){b - a, a};
         kv_tot += b - a, act_tot += a;
@@ -346,12 +353,7 @@ int co_plan_step(co_plan_state *ps, const uint64_t *jobs, const int64_t *ctx, co
         sh.infinigen_fraction = f_sel;
     sh.infinigen_split = ps->keeps_act ? -1 : 0; /* infinigen: its layer 0's split, chosen */
     /* clo is priced as infinigen is, with the fraction its misses fetched (hits fetch none) */
-    rekv_technique tech = ps->mode == REKV_MODE_KVPR     ? REKV_TECH_KVPR
-                          : ps->mode == REKV_MODE_ACT    ? REKV_TECH_ACT
-                          : ps->mode == REKV_MODE_HYBRID ? REKV_TECH_HYBRID
-                          : ps->mode == REKV_MODE_INFINIGEN || ps->mode == REKV_MODE_CLO
-                              ? REKV_TECH_INFINIGEN
-                              : REKV_TECH_KV;
+    rekv_technique tech = rekv_plan_mode_tech((rekv_mode)ps->mode);
     rekv_step_cost cost;
     if (rekv_plan_step_cost(&prof, &sh, tech, &cost, NULL) == 0) {
         if (tech == REKV_TECH_INFINIGEN)

@@ -208,8 +208,8 @@ static int store_fits(const worker *w, uint64_t tokens, uint64_t need, uint64_t 
 {
     const co_plan_state *ps = &w->plan;
     uint64_t host = ps->store_host_bytes, all = promised + need;
-    int windows = ps->mode != REKV_MODE_INFINIGEN && ps->mode != REKV_MODE_CLO;
-    uint64_t spill = windows ? ps->store_spill_bytes : 0;
+    uint64_t spill =
+        rekv_mode_info_of((rekv_mode)ps->mode)->layer_windows ? ps->store_spill_bytes : 0;
     uint64_t big =
         ps->store_kv_bytes > ps->store_act_bytes ? ps->store_kv_bytes : ps->store_act_bytes;
     uint64_t win = host > 2 * big ? (host - 2 * big) / 2 : 0;
@@ -259,7 +259,7 @@ static void join_pattern(rekv_coordinator *co, worker *w, uint32_t room, uint64_
                          int *kv_parts, int *act_parts)
 {
     *kv_parts = *act_parts = 1;
-    if (w->plan.mode != REKV_MODE_HYBRID)
+    if (rekv_mode_info_of((rekv_mode)w->plan.mode)->store != REKV_STORE_PATTERN)
         return;
     rekv_hybrid_seq *run = calloc(w->n_run + 1, sizeof(*run));
     rekv_hybrid_seq *wait = calloc(room + 1, sizeof(*wait));
@@ -366,7 +366,7 @@ static int schedule_worker(rekv_coordinator *co, int wi)
         co->n_running++;
         w->run[w->n_run++] = j;
     }
-    if (n_join > 0 && w->plan.mode == REKV_MODE_HYBRID &&
+    if (n_join > 0 && rekv_mode_info_of((rekv_mode)w->plan.mode)->store == REKV_STORE_PATTERN &&
         (kv_parts != w->made_kv_parts || act_parts != w->made_act_parts)) {
         co_event_rl(co, CO_RL_HYBRID_PATTERN, REKV_CO_EVENT_INFO,
                     "worker %s: %u joining jobs' sequences are made at KV:ACT %d:%d (%s)", w->name,

@@ -737,6 +737,17 @@ rekv_mode rekv_plan_tech_mode(rekv_technique tech)
     return tech >= 0 && tech <= REKV_TECH_INFINIGEN ? by_tech[tech] : REKV_MODE_OFFLOAD;
 }
 
+rekv_technique rekv_plan_mode_tech(rekv_mode m)
+{
+    static const rekv_technique by_mode[REKV_MODE_COUNT] = {
+        [REKV_MODE_RESIDENT] = REKV_TECH_KV,   [REKV_MODE_OFFLOAD] = REKV_TECH_KV,
+        [REKV_MODE_KVPR] = REKV_TECH_KVPR,     [REKV_MODE_ACT] = REKV_TECH_ACT,
+        [REKV_MODE_HYBRID] = REKV_TECH_HYBRID, [REKV_MODE_INFINIGEN] = REKV_TECH_INFINIGEN,
+        [REKV_MODE_CLO] = REKV_TECH_INFINIGEN,
+    };
+    return (unsigned)m < REKV_MODE_COUNT ? by_mode[m] : REKV_TECH_KV;
+}
+
 /* ---------------------------------------------------------------- hybrid pattern under demand */
 
 double rekv_plan_hybrid_job_bytes(int64_t blocks, int kv_parts, int act_parts, int n_layers,

@@ -355,6 +355,10 @@ typedef struct rekv_mode_pick {
 /* The pipeline mode that runs a technique (common/mode.h): offload, kvpr, act, hybrid, infinigen.
  */
 rekv_mode rekv_plan_tech_mode(rekv_technique tech);
+/* The technique a mode's steps are priced as: resident and offload as REKV_TECH_KV (resident's
+ * steps are not priced: no Plan carries knobs for it), clo as infinigen with the fraction its
+ * misses fetched (hits fetch none). */
+rekv_technique rekv_plan_mode_tech(rekv_mode m);
 
 /* What the user allows beyond the exact techniques (`--approximate`). */
 typedef struct rekv_plan_approx {
