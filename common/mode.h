@@ -50,7 +50,10 @@ typedef struct rekv_mode_info {
                           HybridServe's ACT_GPU): the exact modes that recompute */
     int device_part;   /* may keep each sequence's first tokens' K,V on the device
                           (cfg.device_tokens) beside what it streams */
-    int speculates;    /* InfiniGen's speculation: partial keys, scores a layer ahead */
+    int speculates;    /* InfiniGen's speculation: partial keys, scores a layer ahead (needs the
+                          model's skew) */
+    int head_caches;   /* per KV head a cached top-k on the device, reused while the query stays
+                          close (needs the model's head profile; counts hits and misses) */
     int layer_windows; /* a step whose blocks do not fit the kvstore's arena runs in layer
                           windows (else the whole step is pinned at once) */
 } rekv_mode_info;

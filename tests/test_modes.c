@@ -62,6 +62,9 @@ START_TEST(entries_match_properties)
                       n);
         ck_assert_msg(!mi->device_part || streams, "%s: a device part beside nothing", n);
         ck_assert_msg(!mi->layer_windows || (streams && !mi->approximate), "%s: windows", n);
+        /* head caches are chosen by the speculation, with its step memory */
+        ck_assert_msg(!mi->head_caches || (mi->speculates && o->step_done),
+                      "%s: head caches without the speculation", n);
         /* activations beside K,V: always with a prefix split, with a selection's only when > 0 */
         ck_assert_msg(rekv_mode_keeps_act((rekv_mode)m, 0) == (mi->split == REKV_SPLIT_PREFIX),
                       "%s: keeps_act at split 0", n);
