@@ -11,7 +11,9 @@
 #include <sys/types.h>
 
 #include "gpuworker/gpuworker.h"
+#include "gpuworker/heads.h"
 #include "gpuworker/pipeline.h"
+#include "gpuworker/skew.h"
 #include "kvstore/kvstore.h"
 #include "tests/testutil.h"
 
@@ -86,6 +88,43 @@ static inline void tu_fixture_close(tu_fixture *f)
     free(f->dir);
 }
 
+/* f's model's skew, calibrated on a short sample of pseudo-random tokens (gpuworker/skew.h):
+ * what infinigen and clo need. */
+static inline void tu_skew_calibrate(tu_fixture *f, rekv_skew *sk)
+{
+    rekv_err err = {0};
+    const rekv_model_config *c = &f->m->config;
+    int n = c->max_pos < 96 ? c->max_pos : 96;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+    uint64_t x = 7;
+    for (int i = 0; i < n; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((x >> 33) % (uint64_t)c->vocab);
+    }
+    ck_assert_msg(rekv_skew_calibrate(f->e, ids, n, REKV_SKEW_DEFAULT_RATIO, sk, &err) == 0, "%s",
+                  err.msg);
+    free(ids);
+}
+
+/* A head profile of f's model with every head's importance imp and adjacent-query cosine 0.5 (the
+ * thresholds follow: 1 with eta 1 -> tau 1, every head misses; 0 -> tau -1, every head hits once
+ * its cache is built): what clo needs. rekv_heads_free frees it. */
+static inline void tu_heads_uniform(const tu_fixture *f, double imp, rekv_heads *h)
+{
+    const rekv_model_config *c = &f->m->config;
+    memset(h, 0, sizeof(*h));
+    h->n_layers = c->n_layers;
+    h->n_heads = c->n_heads;
+    h->n_kv_heads = c->n_kv_heads;
+    size_t n = (size_t)c->n_layers * (size_t)c->n_heads;
+    h->importance = malloc(sizeof(double) * n);
+    h->adjacent_cos = malloc(sizeof(double) * n);
+    for (size_t i = 0; i < n; i++) {
+        h->importance[i] = imp;
+        h->adjacent_cos[i] = 0.5;
+    }
+}
+
 /* The device bytes a pipeline of cfg holds once it has prefilled prompts and run one decode
  * step, on f's store and a cpu backend emulating a device of 1 GiB. */
 static inline size_t tu_device_use(tu_fixture *f, const rekv_pipeline_config *cfg, int B,
@@ -109,7 +148,7 @@ static inline size_t tu_device_use(tu_fixture *f, const rekv_pipeline_config *cf
                                     .n_tokens = lens[i],
                                     .logits = logits + (size_t)i * f->m->config.vocab};
     }
-    for (int step = 0; step < 2; step++) {
+    for (int k = 0; k < 2; k++) { /* the prefill, one decode step */
         ck_assert_msg(rekv_pipeline_step(p, items, B, &err) == 0, "%s", err.msg);
         for (int i = 0; i < B; i++)
             items[i].tokens = &one, items[i].n_tokens = 1;

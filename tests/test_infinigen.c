@@ -33,23 +33,6 @@
 
 typedef tu_fixture fixture;
 
-/* The model's skew, calibrated on a short sample the model generates (gpuworker/skew.h). */
-static void make_skew(fixture *f, rekv_skew *sk)
-{
-    rekv_err err = {0};
-    const rekv_model_config *c = &f->m->config;
-    int n = c->max_pos < 96 ? c->max_pos : 96;
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
-    uint64_t x = 7;
-    for (int i = 0; i < n; i++) {
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        ids[i] = (int32_t)((x >> 33) % (uint64_t)c->vocab);
-    }
-    ck_assert_msg(rekv_skew_calibrate(f->e, ids, n, REKV_SKEW_DEFAULT_RATIO, sk, &err) == 0, "%s",
-                  err.msg);
-    free(ids);
-}
-
 typedef struct run {
     float *logits;                     /* [steps + 1][B][vocab] */
     rekv_layer_counters *layers;       /* [n_layers] of the decode steps */
@@ -170,7 +153,7 @@ static void check_exact_limit(const char *model, rekv_dtype cache, const int *le
     fixture f;
     tu_fixture_open(&f, model, cache, "cpu");
     rekv_skew sk;
-    make_skew(&f, &sk);
+    tu_skew_calibrate(&f, &sk);
     int32_t **prompts = make_prompts(&f, B, lens);
     size_t V = (size_t)f.m->config.vocab, n = (size_t)(steps + 1) * (size_t)B * V;
     rekv_pipeline_config ref_cfg;
@@ -291,7 +274,7 @@ START_TEST(recompute_within_selection)
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     const rekv_model_config *c = &f.m->config;
     rekv_skew sk;
-    make_skew(&f, &sk);
+    tu_skew_calibrate(&f, &sk);
     int B = 3, lens[] = {5, 40, 90}, steps = 4, H = c->hidden;
     int32_t **prompts = make_prompts(&f, B, lens);
     size_t n = (size_t)(steps + 1) * (size_t)B * (size_t)c->vocab;
@@ -393,7 +376,7 @@ START_TEST(recompute_within_selection)
     const char *sp260 = tu_shared("models/stories260K/stories260K.bin");
     if (sp260 != NULL) {
         tu_fixture_open(&f, sp260, REKV_DTYPE_F32, "cpu");
-        make_skew(&f, &sk);
+        tu_skew_calibrate(&f, &sk);
         int l2[] = {60, 30};
         prompts = make_prompts(&f, 2, l2);
         rekv_pipeline_config g;
@@ -651,7 +634,7 @@ START_TEST(speculation_moves_less)
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     const rekv_model_config *c = &f.m->config;
     rekv_skew sk;
-    make_skew(&f, &sk);
+    tu_skew_calibrate(&f, &sk);
     int lens[] = {150, 90};
     int32_t **prompts = make_prompts(&f, 2, lens);
     int steps = 6;
@@ -738,7 +721,7 @@ START_TEST(device_part_attended_whole)
     tu_fixture_open(&f, path, REKV_DTYPE_F32, "cpu");
     const rekv_model_config *c = &f.m->config;
     rekv_skew sk;
-    make_skew(&f, &sk);
+    tu_skew_calibrate(&f, &sk);
     int lens[] = {150, 90}, steps = 5;
     int32_t **prompts = make_prompts(&f, 2, lens);
     rekv_pipeline_config cfg;
@@ -800,7 +783,7 @@ START_TEST(whole_step_past_the_arena_fails)
     /* 28 slots of 4 KiB; four prompts of 20 tokens take 2 blocks a layer each, 40 in all */
     tu_fixture_open_host(&f, path, REKV_DTYPE_F32, NULL, 4096 + 28 * 4096);
     rekv_skew sk;
-    make_skew(&f, &sk);
+    tu_skew_calibrate(&f, &sk);
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
     cfg.mode = REKV_MODE_INFINIGEN;
@@ -852,7 +835,7 @@ START_TEST(bad_config_refused)
     ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -EINVAL);
     ck_assert_msg(strstr(err.msg, "skew") != NULL, "%s", err.msg);
     rekv_skew sk;
-    make_skew(&f, &sk);
+    tu_skew_calibrate(&f, &sk);
     cfg.skew = &sk;
     cfg.max_fraction = 0;
     rekv_err_clear(&err);
@@ -871,24 +854,6 @@ END_TEST
 
 /* ------------------------------------------------------------------ clo */
 
-/* A head profile with every head's importance imp (the thresholds follow: 1 with eta 1 -> tau 1,
- * every head misses; 0 -> tau -1, every head hits once its cache is built). */
-static void make_heads(const fixture *f, double imp, rekv_heads *h)
-{
-    const rekv_model_config *c = &f->m->config;
-    memset(h, 0, sizeof(*h));
-    h->n_layers = c->n_layers;
-    h->n_heads = c->n_heads;
-    h->n_kv_heads = c->n_kv_heads;
-    size_t n = (size_t)c->n_layers * (size_t)c->n_heads;
-    h->importance = malloc(sizeof(double) * n);
-    h->adjacent_cos = malloc(sizeof(double) * n);
-    for (size_t i = 0; i < n; i++) {
-        h->importance[i] = imp;
-        h->adjacent_cos[i] = 0.5;
-    }
-}
-
 /* What every clo test opens: stories260K with its store, a skew, and a head profile of one
  * importance for every head (adjacent-query cosine 0.5). 0: the model is missing (skipped). */
 typedef struct clo_fixture {
@@ -903,8 +868,8 @@ static int clo_open(clo_fixture *x, double importance)
     if (path == NULL)
         return 0;
     tu_fixture_open(&x->f, path, REKV_DTYPE_F32, NULL);
-    make_skew(&x->f, &x->sk);
-    make_heads(&x->f, importance, &x->hp);
+    tu_skew_calibrate(&x->f, &x->sk);
+    tu_heads_uniform(&x->f, importance, &x->hp);
     return 1;
 }
 
