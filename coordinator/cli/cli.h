@@ -53,6 +53,23 @@ int cli_ctl_reachable(const char *ep, struct rekv_err *err);
  * 0 or -ENAMETOOLONG. */
 int cli_trace_path(const char *trace, const char *run, char *out, size_t len);
 
+/* What a subcommand's option parser returns: CLI_PARSED to go on, else the command's exit code
+ * (0 after --help, 2 after a usage error it has printed). */
+enum { CLI_PARSED = -1 };
+
+/* Usage errors name what they reject. A subcommand's argv[0] is its name as the user typed it
+ * ("rekv generate", "rekv bench decode": rekv_main.c and cli_bench set it with cli_name_command),
+ * so getopt_long's own messages about an unknown option or a missing value name the command too.
+ * cli_name_command replaces argv[0] with "PREFIX argv[0]" (static storage, one per nesting level:
+ * level 0 a command, 1 a benchmark). */
+void cli_name_command(char **argv, const char *prefix, int level);
+/* What getopt_long left in argv[optind..argc): 0 when nothing, else -1 after printing
+ * "ARGV0: unexpected argument 'ARG'" for the first; the caller prints its usage and exits 2. */
+int cli_no_operands(int argc, char **argv);
+/* A pseudo-random prompt of n token ids below vocab, drawn from *state (an LCG; each bench seeds
+ * its own, so its prompts are the same run after run). */
+void cli_random_tokens(uint64_t *state, int32_t *ids, size_t n, int vocab);
+
 /* Parses "1,2,3" into a malloc'd array; -EINVAL on anything else. */
 int cli_parse_ids(const char *s, int32_t **ids, int *n);
 /* Strict numeric option parsing; print "rekv: --name: ..." and return -1 on error. */

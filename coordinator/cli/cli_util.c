@@ -2,6 +2,7 @@
 #include "coordinator/cli/cli.h"
 
 #include <errno.h>
+#include <getopt.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -55,6 +56,29 @@ int cli_parse_ids(const char *s, int32_t **ids, int *n)
     *ids = v;
     *n = (int)len;
     return 0;
+}
+
+void cli_name_command(char **argv, const char *prefix, int level)
+{
+    static char names[2][128];
+    snprintf(names[level], sizeof(names[level]), "%s %s", prefix, argv[0]);
+    argv[0] = names[level];
+}
+
+int cli_no_operands(int argc, char **argv)
+{
+    if (optind >= argc)
+        return 0;
+    fprintf(stderr, "%s: unexpected argument '%s'\n", argv[0], argv[optind]);
+    return -1;
+}
+
+void cli_random_tokens(uint64_t *state, int32_t *ids, size_t n, int vocab)
+{
+    for (size_t i = 0; i < n; i++) {
+        *state = *state * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((*state >> 33) % (uint64_t)vocab);
+    }
 }
 
 int cli_parse_int(const char *name, const char *s, long lo, long hi, long *out)

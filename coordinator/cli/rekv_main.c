@@ -34,24 +34,18 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    if (strcmp(argv[1], "generate") == 0)
-        return cli_generate(argc - 1, argv + 1);
-    if (strcmp(argv[1], "bench") == 0)
-        return cli_bench(argc - 1, argv + 1);
-    if (strcmp(argv[1], "eval") == 0)
-        return cli_eval(argc - 1, argv + 1);
-    if (strcmp(argv[1], "skew") == 0)
-        return cli_skew(argc - 1, argv + 1);
-    if (strcmp(argv[1], "heads") == 0)
-        return cli_heads(argc - 1, argv + 1);
     static const struct {
         const char *name;
         int (*fn)(int, char **);
-    } daemon_cmds[] = {{"run", cli_run},       {"submit", cli_submit}, {"status", cli_status},
-                       {"cancel", cli_cancel}, {"stats", cli_stats},   {"profile", cli_profile}};
-    for (size_t i = 0; i < sizeof(daemon_cmds) / sizeof(daemon_cmds[0]); i++)
-        if (strcmp(argv[1], daemon_cmds[i].name) == 0)
-            return daemon_cmds[i].fn(argc - 1, argv + 1);
+    } cmds[] = {{"generate", cli_generate}, {"bench", cli_bench},    {"eval", cli_eval},
+                {"skew", cli_skew},         {"heads", cli_heads},    {"run", cli_run},
+                {"submit", cli_submit},     {"status", cli_status},  {"cancel", cli_cancel},
+                {"stats", cli_stats},       {"profile", cli_profile}};
+    for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++)
+        if (strcmp(argv[1], cmds[i].name) == 0) {
+            cli_name_command(argv + 1, "rekv", 0); /* "rekv generate: ..." in its messages */
+            return cmds[i].fn(argc - 1, argv + 1);
+        }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
         usage(stdout);
         return 0;
