@@ -1,0 +1,43 @@
+/* cli_bench.h — `rekv bench`'s benchmarks (each an argc/argv main, dispatched by cli_bench.c) and
+ * the yardsticks they measure in the same run: the link's and the device's peaks. */
+#ifndef REKV_COORDINATOR_CLI_BENCH_H
+#define REKV_COORDINATOR_CLI_BENCH_H
+
+#include <stddef.h>
+
+#include "common/err.h"
+#include "gpuworker/device/backend.h"
+#include "gpuworker/gpuworker.h"
+#include "kvstore/kvstore.h"
+
+/* `rekv bench forward`: the engine's forward pass beside OpenBLAS (cli_bench_forward.c) */
+int cli_bench_forward(int argc, char **argv);
+/* `rekv bench decode`: every mode's decode on the same prompts (cli_bench_decode.c) */
+int cli_bench_decode(int argc, char **argv);
+
+/* The link's peak in this run, three ways: from the kvstore's arena as the pipeline copies from it
+ * (page-locked by the backend where it can: cudaHostRegister), from the backend's own pinned host
+ * memory (cudaHostAlloc), and from ordinary pageable memory. */
+typedef struct link_peak {
+    double arena_gbps, pinned_gbps, pageable_gbps;
+    size_t bytes;
+} link_peak;
+
+int cli_bench_measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak *out,
+                           rekv_err *err);
+
+/* The device's own rates in this run, the yardsticks of issue 15's goals: a device-to-device copy
+ * (GB/s counting the bytes read and the bytes written: the memory's rate a decode step's reads
+ * share) and the engine's GEMM (the kernel table's linear, as the pipeline calls it) over one
+ * layer's projections at the rows of a prefill step (at most DEVICE_GEMM_ROWS), FLOP/s. */
+enum { DEVICE_GEMM_ROWS = 2048 };
+typedef struct device_peak {
+    double copy_gbps, gemm_flops;
+    size_t copy_bytes;
+    int gemm_rows;
+} device_peak;
+
+int cli_bench_measure_device(rekv_backend *be, const rekv_engine *eng, int rows, device_peak *out,
+                             rekv_err *err);
+
+#endif

@@ -1,0 +1,296 @@
+/* cli_bench_forward.c — `rekv bench forward`: the engine's forward pass on the cpu backend, prefill
+ * and decode per batch size, in tokens/s and GFLOP/s next to OpenBLAS's GFLOP/s at the model's
+ * shapes, and the GEMM alone (rekv's with fp32 and fp16 weights beside OpenBLAS), measured in the
+ * same run. Prints one JSON object. */
+#include <getopt.h>
+#include <jansson.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/clock.h"
+#include "common/dtype.h"
+#include "common/progress.h"
+#include "coordinator/cli/cli.h"
+#include "coordinator/cli/cli_bench.h"
+#include "gpuworker/blas.h"
+#include "gpuworker/cpu_ops.h"
+#include "gpuworker/gpuworker.h"
+#include "loader/loader.h"
+
+/* GFLOP/s at y[m][n] = x[m][k]·W[n][k]^T — the shape a linear layer runs — of OpenBLAS (sgemm,
+ * or at one row sgemv: OpenBLAS's sgemm is at its worst there, so it would flatter rekv) or of
+ * rekv's row-invariant GEMM with fp32 or 16-bit weights. */
+typedef enum { GEMM_BLAS, GEMM_REKV_F32, GEMM_REKV_F16 } gemm_impl;
+
+static const rekv_blas *g_blas; /* OpenBLAS, loaded by cli_bench_forward (gpuworker/blas.h) */
+
+static double gemm_gflops(gemm_impl impl, int m, int n, int k, double min_s)
+{
+    float *x = calloc((size_t)m * k, sizeof(float)), *w = calloc((size_t)n * k, sizeof(float));
+    float *y = calloc((size_t)m * n, sizeof(float));
+    uint16_t *wh = impl == GEMM_REKV_F16 ? calloc((size_t)n * k, sizeof(uint16_t)) : NULL;
+    double gf = 0;
+    if (x && w && y && (wh || impl != GEMM_REKV_F16)) {
+        for (size_t i = 0; i < (size_t)m * k; i++)
+            x[i] = (float)(i % 7) * 0.1f;
+        for (size_t i = 0; i < (size_t)n * k; i++)
+            w[i] = (float)(i % 5) * 0.1f;
+        if (wh)
+            rekv_from_f32(wh, w, REKV_DTYPE_F16, (size_t)n * k);
+        int reps = -1;
+        uint64_t t0 = 0, t;
+        do {
+            if (impl == GEMM_REKV_F32)
+                cpu_gemm_rowinv(y, x, w, REKV_DTYPE_F32, NULL, m, n, k);
+            else if (impl == GEMM_REKV_F16)
+                cpu_gemm_rowinv(y, x, wh, REKV_DTYPE_F16, NULL, m, n, k);
+            else if (m == 1)
+                g_blas->sgemv(CblasRowMajor, CblasNoTrans, n, k, 1, w, k, x, 1, 0, y, 1);
+            else
+                g_blas->sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1, x, k, w, k, 0, y,
+                              n);
+            if (reps++ < 0) /* the first call warms up, untimed */
+                t0 = rekv_now_ns();
+            t = rekv_now_ns();
+        } while ((double)(t - t0) * 1e-9 < min_s);
+        gf = 2.0 * m * n * k * reps / ((double)(t - t0) * 1e-9) * 1e-9;
+    }
+    free(x);
+    free(w);
+    free(wh);
+    free(y);
+    return gf;
+}
+
+static double blas_gflops(int m, int n, int k, double min_s)
+{
+    return gemm_gflops(GEMM_BLAS, m, n, k, min_s);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* rekv's GEMM (fp32 and fp16 weights) next to OpenBLAS at one shape: each measured five times in
+ * a row, medians, with a pause before each: both libraries keep their worker threads spinning a
+ * while after a call, and one's spinning threads slow the other's (up to 3x when they alternate
+ * call by call on two cores). */
+static json_t *gemm_compare(int m, int n, int k)
+{
+    enum { REPS = 5 };
+    double g[3][REPS];
+    for (int i = 0; i < 3; i++) {
+        struct timespec pause = {0, 150000000}; /* past OpenBLAS's spin (~0.1 s) and rekv's */
+        nanosleep(&pause, NULL);
+        for (int r = 0; r < REPS; r++)
+            g[i][r] = gemm_gflops((gemm_impl)i, m, n, k, 0.05);
+    }
+    for (int i = 0; i < 3; i++)
+        qsort(g[i], REPS, sizeof(double), cmp_double);
+    double b = g[GEMM_BLAS][REPS / 2], f = g[GEMM_REKV_F32][REPS / 2],
+           h = g[GEMM_REKV_F16][REPS / 2];
+    return json_pack("{s:i, s:i, s:i, s:s, s:f, s:f, s:f, s:f, s:f}", "rows", m, "n", n, "k", k,
+                     "blas", m == 1 ? "sgemv" : "sgemm", "blas_gflops", b, "rekv_f32_gflops", f,
+                     "rekv_f16_gflops", h, "rekv_f32_vs_blas", b > 0 ? f / b : 0,
+                     "rekv_f16_vs_blas", b > 0 ? h / b : 0);
+}
+
+typedef struct forward_opts {
+    const char *model_path;
+    const char *batches; /* "1,2,4": the batch sizes */
+    long prompt_len, steps;
+    int json;
+} forward_opts;
+
+static void forward_usage(FILE *f)
+{
+    fprintf(f, "usage: rekv bench forward --model PATH [--batches 1,2,4,8,16,32]\n"
+               "                          [--prompt-len S] [--decode-steps N] [--json]\n"
+               "Prints prefill and decode tokens/s and GFLOP/s per batch size, next to\n"
+               "OpenBLAS's GFLOP/s at the model's shapes (sgemm; sgemv at one row), and\n"
+               "the GEMM alone (ffn x hidden, the batch's and the prefill's rows): rekv's\n"
+               "with fp32 and fp16 weights next to OpenBLAS, medians of 5, same run.\n");
+}
+
+static int forward_parse(int argc, char **argv, forward_opts *o)
+{
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},
+                                         {"batches", required_argument, 0, 'b'},
+                                         {"prompt-len", required_argument, 0, 'p'},
+                                         {"decode-steps", required_argument, 0, 'd'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    *o = (forward_opts){.batches = "1,2,4,8,16,32", .prompt_len = 64, .steps = 8};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm':
+            o->model_path = optarg;
+            break;
+        case 'b':
+            o->batches = optarg;
+            break;
+        case 'p':
+            if (cli_parse_int("prompt-len", optarg, 1, 1 << 20, &o->prompt_len))
+                return 2;
+            break;
+        case 'd':
+            if (cli_parse_int("decode-steps", optarg, 1, 1 << 20, &o->steps))
+                return 2;
+            break;
+        case 'j':
+            o->json = 1; /* JSON is the only output; --json also keeps stderr quiet */
+            break;
+        case 'h':
+            forward_usage(stdout);
+            return 0;
+        default:
+            forward_usage(stderr);
+            return 2;
+        }
+    }
+    if (cli_no_operands(argc, argv)) {
+        forward_usage(stderr);
+        return 2;
+    }
+    if (o->model_path == NULL) {
+        fprintf(stderr, "rekv bench forward: --model is required\n");
+        return 2;
+    }
+    return CLI_PARSED;
+}
+
+/* Batch size B: a prefill of S tokens per sequence, then `steps` decode steps, timed, with
+ * OpenBLAS and the GEMM alone at the same shapes; its entry of "runs" in *run. Progress steps
+ * base + 1 .. base + steps + 1. 0, or -1 with a message printed. */
+static int forward_batch(rekv_engine *eng, const rekv_model_config *cfg, int B, int S, long steps,
+                         rekv_progress *pr, uint64_t base, json_t **run)
+{
+    rekv_err err = {0};
+    rekv_seq **seqs = calloc((size_t)B, sizeof(*seqs));
+    rekv_batch_item *items = calloc((size_t)B, sizeof(*items));
+    int32_t *toks = malloc(sizeof(int32_t) * (size_t)B * (size_t)S);
+    float *logits = malloc(sizeof(float) * (size_t)B * (size_t)cfg->vocab);
+    if (!seqs || !items || !toks || !logits) {
+        rekv_progress_end(pr);
+        fprintf(stderr, "rekv: out of memory\n");
+        free(seqs), free(items), free(toks), free(logits);
+        return -1;
+    }
+    uint64_t x = 12345;
+    cli_random_tokens(&x, toks, (size_t)B * S, cfg->vocab);
+    int ok = 1;
+    for (int b = 0; b < B && ok; b++) {
+        ok = rekv_seq_create(eng, S + (int)steps, &seqs[b], &err) == 0;
+        items[b] =
+            (rekv_batch_item){seqs[b], toks + (size_t)b * S, S, 0, logits + (size_t)b * cfg->vocab};
+    }
+    uint64_t t0 = rekv_now_ns();
+    ok = ok && rekv_engine_forward(eng, items, B, &err) == 0;
+    uint64_t t1 = rekv_now_ns();
+    rekv_progress_update(pr, base + 1, NULL);
+    for (long s = 0; s < steps && ok; s++) {
+        for (int b = 0; b < B; b++)
+            items[b] = (rekv_batch_item){seqs[b], toks + (size_t)b * S + (size_t)s % S, 1, 0,
+                                         logits + (size_t)b * cfg->vocab};
+        ok = rekv_engine_forward(eng, items, B, &err) == 0;
+        rekv_progress_update(pr, base + (uint64_t)s + 2, NULL);
+    }
+    uint64_t t2 = rekv_now_ns();
+    for (int b = 0; b < B; b++)
+        rekv_seq_free(seqs[b]);
+    free(seqs), free(items), free(toks), free(logits);
+    if (!ok) {
+        rekv_progress_end(pr);
+        fprintf(stderr, "rekv: %s\n", err.msg);
+        return -1;
+    }
+    double pre_s = (double)(t1 - t0) * 1e-9, dec_s = (double)(t2 - t1) * 1e-9;
+    double ctx_pre = (double)B * S * (S + 1) / 2;
+    double ctx_dec = (double)B * ((double)steps * S + (double)steps * (steps + 1) / 2);
+    double pre_gf = rekv_engine_flops(eng, (double)B * S, ctx_pre, B) / pre_s * 1e-9;
+    double dec_gf =
+        rekv_engine_flops(eng, (double)B * steps, ctx_dec, (double)B * steps) / dec_s * 1e-9;
+    /* OpenBLAS at the layer's largest shape for these row counts */
+    double sg_pre = blas_gflops(B * S, cfg->ffn, cfg->hidden, 0.2);
+    double sg_dec = blas_gflops(B, cfg->ffn, cfg->hidden, 0.2);
+    /* the GEMM alone at that shape, at the decode step's rows and the prefill's */
+    json_t *gemm = json_pack("[o, o]", gemm_compare(B, cfg->ffn, cfg->hidden),
+                             gemm_compare(B * S, cfg->ffn, cfg->hidden));
+    *run = json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:o}", "batch", B,
+                     "prefill_tokens_per_s", (double)B * S / pre_s, "decode_tokens_per_s",
+                     (double)B * steps / dec_s, "prefill_gflops", pre_gf, "decode_gflops", dec_gf,
+                     "blas_gflops_prefill_shape", sg_pre, "blas_gflops_decode_shape", sg_dec,
+                     "prefill_vs_blas", pre_gf / sg_pre, "decode_vs_blas", dec_gf / sg_dec, "gemm",
+                     gemm);
+    return 0;
+}
+
+int cli_bench_forward(int argc, char **argv)
+{
+    forward_opts o;
+    int prc = forward_parse(argc, argv, &o);
+    if (prc != CLI_PARSED)
+        return prc;
+    int32_t *bs = NULL;
+    int n_bs = 0;
+    if (cli_parse_ids(o.batches, &bs, &n_bs)) {
+        fprintf(stderr, "rekv bench forward: --batches: expected sizes like 1,2,4\n");
+        return 2;
+    }
+    int rc = 1;
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    rekv_engine *eng = NULL;
+    json_t *runs = json_array();
+    if (rekv_blas_load(&g_blas, &err) || rekv_model_open(o.model_path, &model, &err) ||
+        rekv_engine_create(model, &eng, &err)) {
+        fprintf(stderr, "rekv: %s\n", err.msg);
+        goto out;
+    }
+    const rekv_model_config *cfg = &model->config;
+    if (o.prompt_len + o.steps > cfg->max_pos) {
+        fprintf(stderr, "rekv bench forward: prompt-len + decode-steps exceeds the context (%d)\n",
+                cfg->max_pos);
+        goto out;
+    }
+    double peak = blas_gflops(1024, 1024, 1024, 0.5);
+    /* progress: each batch size's prefill and decode steps */
+    rekv_progress pr;
+    rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, o.json), "rekv bench forward",
+                        "steps", (uint64_t)n_bs * (uint64_t)(o.steps + 1));
+    for (int bi = 0; bi < n_bs; bi++) {
+        json_t *run;
+        if (bs[bi] <= 0)
+            continue;
+        if (forward_batch(eng, cfg, bs[bi], (int)o.prompt_len, o.steps, &pr,
+                          (uint64_t)bi * (uint64_t)(o.steps + 1), &run))
+            goto out;
+        json_array_append_new(runs, run);
+    }
+    rekv_progress_end(&pr);
+    json_t *out = json_pack(
+        "{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:s}, s:i, s:i, s:f, s:i, s:i, s:O}", "bench", "forward",
+        "backend", "cpu", "model", "layers", cfg->n_layers, "hidden", cfg->hidden, "ffn", cfg->ffn,
+        "vocab", cfg->vocab, "dtype", rekv_dtype_name(cfg->dtype), "prompt_len", (int)o.prompt_len,
+        "decode_steps", (int)o.steps, "sgemm_gflops_1024", peak, "rekv_gemm_threads",
+        cpu_gemm_threads(), "blas_threads", g_blas->get_num_threads(), "runs", runs);
+    char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
+    printf("%s\n", s);
+    free(s);
+    json_decref(out);
+    rc = 0;
+out:
+    json_decref(runs);
+    free(bs);
+    rekv_engine_free(eng);
+    rekv_model_close(model);
+    return rc;
+}
