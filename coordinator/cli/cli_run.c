@@ -194,11 +194,17 @@ static int child_stop(child *c)
     return st;
 }
 
-int cli_run(int argc, char **argv)
+/* What `rekv run` was asked for; the daemons get the values as given (each checks its own). */
+typedef struct run_opts {
+    const char *model, *backend, *dir, *mode, *cache, *host_bytes, *spill, *queue, *max_batch,
+        *state_dir, *timeout, *bin_dir, *metrics, *chunk;
+    const char *link_gbps, *link_lat, *devmem; /* the worker's emulation */
+    int push, approximate, metrics_public, no_spill;
+    long ready_fd; /* -1: none */
+} run_opts;
+
+static int run_parse(int argc, char **argv, run_opts *o)
 {
-    /* progress lines are information: REKV_LOG=warn (as `rekv generate` sets) silences them */
-    const char *lv = getenv("REKV_LOG");
-    int chatty = !(lv && (strcmp(lv, "warn") == 0 || strcmp(lv, "error") == 0));
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},      {"backend", required_argument, 0, 'b'},
         {"dir", required_argument, 0, 'd'},        {"mode", required_argument, 0, 'M'},
@@ -217,234 +223,225 @@ int cli_run(int argc, char **argv)
         {"metrics-public", no_argument, 0, 'Q'},
         {"prefill-chunk", required_argument, 0, 'c'},
         {0, 0, 0, 0}};
-    const char *link_gbps = NULL, *link_lat = NULL, *devmem = NULL; /* the worker's emulation */
-    int push = 0, approximate = 0, metrics_public = 0;
-    const char *model = NULL, *backend = "auto", *dir_arg = NULL, *mode = "auto", *cache = NULL,
-               *host_bytes = "256M", *queue = "256", *max_batch = "64", *state_arg = NULL,
-               *timeout = "30000", *bin_arg = NULL, *metrics = NULL, *chunk = NULL,
-               *spill = NULL;
-    long ready_fd = -1, v;
-    int o;
+    *o = (run_opts){.backend = "auto", .mode = "auto", .host_bytes = "256M", .queue = "256",
+                    .max_batch = "64", .timeout = "30000", .ready_fd = -1};
+    long v;
+    int c;
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (o) {
-        case 'm': model = optarg; break;
-        case 'b': backend = optarg; break;
-        case 'd': dir_arg = optarg; break;
-        case 'M': mode = optarg; break;
-        case 'H': host_bytes = optarg; break;
-        case 'S': spill = optarg; break;
-        case 'q': if (cli_parse_int("queue", optarg, 1, 1 << 24, &v)) return 2; queue = optarg; break;
-        case 'B': if (cli_parse_int("max-batch", optarg, 1, 4096, &v)) return 2; max_batch = optarg; break;
-        case 's': state_arg = optarg; break;
-        case 'T': if (cli_parse_int("worker-timeout-ms", optarg, 1, INT32_MAX, &v)) return 2; timeout = optarg; break;
-        case 'x': bin_arg = optarg; break;
-        case 'P': metrics = optarg; break;
-        case 'C': cache = optarg; break;
-        case 'L': link_gbps = optarg; break;
-        case 'U': link_lat = optarg; break;
-        case 'D': devmem = optarg; break;
-        case 'p': push = 1; break;
-        case 'A': approximate = 1; break;
-        case 'Q': metrics_public = 1; break;
-        case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; chunk = optarg; break;
-        case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &ready_fd)) return 2; break;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': o->model = optarg; break;
+        case 'b': o->backend = optarg; break;
+        case 'd': o->dir = optarg; break;
+        case 'M': o->mode = optarg; break;
+        case 'H': o->host_bytes = optarg; break;
+        case 'S': o->spill = optarg; break;
+        case 'q': if (cli_parse_int("queue", optarg, 1, 1 << 24, &v)) return 2; o->queue = optarg; break;
+        case 'B': if (cli_parse_int("max-batch", optarg, 1, 4096, &v)) return 2; o->max_batch = optarg; break;
+        case 's': o->state_dir = optarg; break;
+        case 'T': if (cli_parse_int("worker-timeout-ms", optarg, 1, INT32_MAX, &v)) return 2; o->timeout = optarg; break;
+        case 'x': o->bin_dir = optarg; break;
+        case 'P': o->metrics = optarg; break;
+        case 'C': o->cache = optarg; break;
+        case 'L': o->link_gbps = optarg; break;
+        case 'U': o->link_lat = optarg; break;
+        case 'D': o->devmem = optarg; break;
+        case 'p': o->push = 1; break;
+        case 'A': o->approximate = 1; break;
+        case 'Q': o->metrics_public = 1; break;
+        case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o->chunk = optarg; break;
+        case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &o->ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
         default: run_usage(stderr); return 2;
         }
     }
-    if (model == NULL || optind != argc) {
+    if (cli_no_operands(argc, argv) || o->model == NULL) {
         run_usage(stderr);
         return 2;
     }
-    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 &&
-        strcmp(backend, "cuda") != 0) {
-        fprintf(stderr, "rekv run: --backend %s: expected auto, cpu or cuda\n", backend);
+    return CLI_PARSED;
+}
+
+/* What the daemons would refuse, refused here as a usage error (not as a daemon that did not
+ * start); 0 or 2. */
+static int run_check(run_opts *o)
+{
+    if (strcmp(o->backend, "auto") != 0 && strcmp(o->backend, "cpu") != 0 &&
+        strcmp(o->backend, "cuda") != 0) {
+        fprintf(stderr, "rekv run: --backend %s: expected auto, cpu or cuda\n", o->backend);
         return 2;
     }
-    if (cache && strcmp(cache, "f16") != 0 && strcmp(cache, "f32") != 0) {
-        fprintf(stderr, "rekv run: --cache-dtype %s: expected f16 or f32\n", cache);
+    if (o->cache && strcmp(o->cache, "f16") != 0 && strcmp(o->cache, "f32") != 0) {
+        fprintf(stderr, "rekv run: --cache-dtype %s: expected f16 or f32\n", o->cache);
         return 2;
     }
-    /* what the daemons would refuse, refused here as a usage error (not as a daemon that did
-     * not start) */
     rekv_mode mode_v;
     uint64_t size_v;
-    if (strcmp(mode, "auto") != 0 && rekv_mode_parse(mode, &mode_v)) {
+    if (strcmp(o->mode, "auto") != 0 && rekv_mode_parse(o->mode, &mode_v)) {
         fprintf(stderr, "rekv run: --mode %s: expected auto, resident, offload, kvpr, act, hybrid, "
-                        "infinigen or clo\n", mode);
+                        "infinigen or clo\n", o->mode);
         return 2;
     }
-    if (rekv_parse_size(host_bytes, &size_v) || size_v == 0) {
-        fprintf(stderr, "rekv run: --host-bytes %s: expected bytes, e.g. 64G\n", host_bytes);
+    if (rekv_parse_size(o->host_bytes, &size_v) || size_v == 0) {
+        fprintf(stderr, "rekv run: --host-bytes %s: expected bytes, e.g. 64G\n", o->host_bytes);
         return 2;
     }
-    if (spill && rekv_parse_size(spill, &size_v)) {
-        fprintf(stderr, "rekv run: --spill-bytes %s: expected bytes, e.g. 4G, or 0\n", spill);
+    if (o->spill && rekv_parse_size(o->spill, &size_v)) {
+        fprintf(stderr, "rekv run: --spill-bytes %s: expected bytes, e.g. 4G, or 0\n", o->spill);
         return 2;
     }
-    int no_spill = spill && size_v == 0;
+    o->no_spill = o->spill && size_v == 0;
     rekv_link_config link_check = REKV_LINK_NONE; /* the values go to the worker as given */
-    if ((devmem && cli_parse_link(&link_check, "device-memory", devmem)) ||
-        (link_gbps && cli_parse_link(&link_check, "link-gbps", link_gbps)) ||
-        (link_lat && cli_parse_link(&link_check, "link-latency-us", link_lat)))
+    if ((o->devmem && cli_parse_link(&link_check, "device-memory", o->devmem)) ||
+        (o->link_gbps && cli_parse_link(&link_check, "link-gbps", o->link_gbps)) ||
+        (o->link_lat && cli_parse_link(&link_check, "link-latency-us", o->link_lat)))
         return 2;
+    return 0;
+}
+
+/* Where the trio lives: its directory, the journal's, the daemons' programs and the sockets. */
+typedef struct run_paths {
     char dir[2048], state[2200], bin[PATH_MAX], ep_ctl[2300], ep_wrk[2300], ep_kv[2300];
+    char progs[N_CHILD][PATH_MAX + 64];
+} run_paths;
+
+/* Fills in what was not given: the cache dtype (the worker's backend decides) and the paths,
+ * making the directory; 0, or 1 with a message printed. */
+static int run_resolve(run_opts *o, run_paths *p)
+{
     rekv_err err = {0};
-    if (cache == NULL && (link_gbps || devmem))
-        cache = "f32"; /* an emulated GPU is the cpu backend: exact */
-    if (cache == NULL) {
-        /* the worker's backend decides: a GPU keeps fp16 (half the bytes), cpu fp32 (exact:
-         * tokens equal `rekv generate --local`) */
+    if (o->cache == NULL && (o->link_gbps || o->devmem))
+        o->cache = "f32"; /* an emulated GPU is the cpu backend: exact */
+    if (o->cache == NULL) {
+        /* a GPU keeps fp16 (half the bytes), cpu fp32 (exact: tokens equal `rekv generate
+         * --local`) */
         rekv_backend *probe = NULL;
         char note[1200];
-        cache = "f32";
-        if (rekv_backend_create(backend, NULL, &probe, note, sizeof(note), &err) == 0 &&
+        o->cache = "f32";
+        if (rekv_backend_create(o->backend, NULL, &probe, note, sizeof(note), &err) == 0 &&
             strcmp(probe->iface->name, "cpu") != 0)
-            cache = "f16";
+            o->cache = "f16";
         rekv_backend_destroy(probe);
         rekv_err_clear(&err);
     }
-    if (dir_arg)
-        snprintf(dir, sizeof(dir), "%s", dir_arg);
-    else if (rekv_runtime_dir(dir, sizeof(dir), &err)) {
+    if (o->dir)
+        snprintf(p->dir, sizeof(p->dir), "%s", o->dir);
+    else if (rekv_runtime_dir(p->dir, sizeof(p->dir), &err)) {
         fprintf(stderr, "rekv run: %s\n", err.msg);
         return 1;
     }
-    if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
-        fprintf(stderr, "rekv run: %s: %s\n", dir, strerror(errno));
+    if (mkdir(p->dir, 0700) < 0 && errno != EEXIST) {
+        fprintf(stderr, "rekv run: %s: %s\n", p->dir, strerror(errno));
         return 1;
     }
-    snprintf(state, sizeof(state), "%s", state_arg ? state_arg : dir);
-    if (!state_arg)
-        strncat(state, "/state", sizeof(state) - strlen(state) - 1);
-    if (bin_arg) {
-        snprintf(bin, sizeof(bin), "%s", bin_arg);
+    snprintf(p->state, sizeof(p->state), "%s", o->state_dir ? o->state_dir : p->dir);
+    if (!o->state_dir)
+        strncat(p->state, "/state", sizeof(p->state) - strlen(p->state) - 1);
+    if (o->bin_dir) {
+        snprintf(p->bin, sizeof(p->bin), "%s", o->bin_dir);
     } else {
         /* the daemons sit beside the rekv binary */
-        ssize_t n = readlink("/proc/self/exe", bin, sizeof(bin) - 1);
+        ssize_t n = readlink("/proc/self/exe", p->bin, sizeof(p->bin) - 1);
         if (n <= 0) {
             fprintf(stderr, "rekv run: cannot find my own binary: %s\n", strerror(errno));
             return 1;
         }
-        bin[n] = '\0';
-        char *slash = strrchr(bin, '/');
+        p->bin[n] = '\0';
+        char *slash = strrchr(p->bin, '/');
         *slash = '\0';
     }
-    snprintf(ep_ctl, sizeof(ep_ctl), "ipc://%s/control", dir);
-    snprintf(ep_wrk, sizeof(ep_wrk), "ipc://%s/workers", dir);
-    snprintf(ep_kv, sizeof(ep_kv), "ipc://%s/kvstore", dir);
-    char progs[N_CHILD][PATH_MAX + 64];
-    child ch[N_CHILD];
-    memset(ch, 0, sizeof(ch));
-    for (int i = 0; i < N_CHILD; i++) {
-        snprintf(progs[i], sizeof(progs[i]), "%s/%s", bin, child_prog[i]);
-        ch[i].argv[ch[i].argc++] = progs[i];
-    }
+    snprintf(p->ep_ctl, sizeof(p->ep_ctl), "ipc://%s/control", p->dir);
+    snprintf(p->ep_wrk, sizeof(p->ep_wrk), "ipc://%s/workers", p->dir);
+    snprintf(p->ep_kv, sizeof(p->ep_kv), "ipc://%s/kvstore", p->dir);
+    for (int i = 0; i < N_CHILD; i++)
+        snprintf(p->progs[i], sizeof(p->progs[i]), "%s/%s", p->bin, child_prog[i]);
+    return 0;
+}
+
+/* Each daemon's command line (pointing into o and p, which outlive the children). */
+static void run_children_argv(const run_opts *o, const run_paths *p, child *ch)
+{
+    memset(ch, 0, sizeof(*ch) * N_CHILD);
+    for (int i = 0; i < N_CHILD; i++)
+        ch[i].argv[ch[i].argc++] = (char *)p->progs[i];
 #define ARG(i, s) (ch[i].argv[ch[i].argc++] = (char *)(s))
-    ARG(KV, "--endpoint"); ARG(KV, ep_kv);
-    ARG(KV, "--host-bytes"); ARG(KV, host_bytes);
-    ARG(KV, "--model"); ARG(KV, model);
-    ARG(KV, "--cache-dtype"); ARG(KV, cache);
-    if (no_spill)
+    ARG(KV, "--endpoint"); ARG(KV, p->ep_kv);
+    ARG(KV, "--host-bytes"); ARG(KV, o->host_bytes);
+    ARG(KV, "--model"); ARG(KV, o->model);
+    ARG(KV, "--cache-dtype"); ARG(KV, o->cache);
+    if (o->no_spill)
         ARG(KV, "--no-spill");
-    else if (spill) {
-        ARG(KV, "--spill-bytes"); ARG(KV, spill);
+    else if (o->spill) {
+        ARG(KV, "--spill-bytes"); ARG(KV, o->spill);
     }
-    if (push) { /* the store writes KV rows into the worker's buffers, on the worker's backend */
+    if (o->push) { /* the store writes KV rows into the worker's buffers, on the worker's backend */
         /* the worker's kind: an emulated GPU is the cpu backend */
-        ARG(KV, "--push-backend"); ARG(KV, link_gbps || devmem ? "cpu" : backend);
+        ARG(KV, "--push-backend"); ARG(KV, o->link_gbps || o->devmem ? "cpu" : o->backend);
         ARG(WORKER, "--push");
-        if (link_gbps) { /* and copies over a link like the worker's */
-            ARG(KV, "--push-link-gbps"); ARG(KV, link_gbps);
+        if (o->link_gbps) { /* and copies over a link like the worker's */
+            ARG(KV, "--push-link-gbps"); ARG(KV, o->link_gbps);
         }
-        if (link_gbps && link_lat) {
-            ARG(KV, "--push-link-latency-us"); ARG(KV, link_lat);
+        if (o->link_gbps && o->link_lat) {
+            ARG(KV, "--push-link-latency-us"); ARG(KV, o->link_lat);
         }
     }
     /* the store's own lease (5 s): the worker renews it while a step runs; a worker we start
      * again keeps its name, and so frees what the dead one left in the store at once */
     ARG(WORKER, "--name"); ARG(WORKER, "gpuworker");
-    ARG(WORKER, "--model"); ARG(WORKER, model);
-    ARG(WORKER, "--coordinator"); ARG(WORKER, ep_wrk);
-    ARG(WORKER, "--kvstore"); ARG(WORKER, ep_kv);
-    ARG(WORKER, "--mode"); ARG(WORKER, mode);
-    ARG(WORKER, "--max-batch"); ARG(WORKER, max_batch);
-    ARG(WORKER, "--backend"); ARG(WORKER, backend);
-    if (approximate)
+    ARG(WORKER, "--model"); ARG(WORKER, o->model);
+    ARG(WORKER, "--coordinator"); ARG(WORKER, p->ep_wrk);
+    ARG(WORKER, "--kvstore"); ARG(WORKER, p->ep_kv);
+    ARG(WORKER, "--mode"); ARG(WORKER, o->mode);
+    ARG(WORKER, "--max-batch"); ARG(WORKER, o->max_batch);
+    ARG(WORKER, "--backend"); ARG(WORKER, o->backend);
+    if (o->approximate)
         ARG(WORKER, "--approximate");
-    if (link_gbps) {
-        ARG(WORKER, "--link-gbps"); ARG(WORKER, link_gbps);
+    if (o->link_gbps) {
+        ARG(WORKER, "--link-gbps"); ARG(WORKER, o->link_gbps);
     }
-    if (link_lat) {
-        ARG(WORKER, "--link-latency-us"); ARG(WORKER, link_lat);
+    if (o->link_lat) {
+        ARG(WORKER, "--link-latency-us"); ARG(WORKER, o->link_lat);
     }
-    if (devmem) {
-        ARG(WORKER, "--device-memory"); ARG(WORKER, devmem);
+    if (o->devmem) {
+        ARG(WORKER, "--device-memory"); ARG(WORKER, o->devmem);
     }
-    ARG(COORD, "--control"); ARG(COORD, ep_ctl);
-    ARG(COORD, "--workers"); ARG(COORD, ep_wrk);
-    ARG(COORD, "--state-dir"); ARG(COORD, state);
-    ARG(COORD, "--model"); ARG(COORD, model);
-    ARG(COORD, "--queue"); ARG(COORD, queue);
-    ARG(COORD, "--worker-timeout-ms"); ARG(COORD, timeout);
-    if (chunk) {
-        ARG(COORD, "--prefill-chunk"); ARG(COORD, chunk);
+    ARG(COORD, "--control"); ARG(COORD, p->ep_ctl);
+    ARG(COORD, "--workers"); ARG(COORD, p->ep_wrk);
+    ARG(COORD, "--state-dir"); ARG(COORD, p->state);
+    ARG(COORD, "--model"); ARG(COORD, o->model);
+    ARG(COORD, "--queue"); ARG(COORD, o->queue);
+    ARG(COORD, "--worker-timeout-ms"); ARG(COORD, o->timeout);
+    if (o->chunk) {
+        ARG(COORD, "--prefill-chunk"); ARG(COORD, o->chunk);
     }
-    if (metrics) {
-        ARG(COORD, "--metrics"); ARG(COORD, metrics);
-        if (metrics_public)
+    if (o->metrics) {
+        ARG(COORD, "--metrics"); ARG(COORD, o->metrics);
+        if (o->metrics_public)
             ARG(COORD, "--metrics-public");
     }
 #undef ARG
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGCHLD);
-    sigprocmask(SIG_BLOCK, &set, NULL);
-    int sfd = signalfd(-1, &set, SFD_CLOEXEC);
-    /* SIGINT/SIGTERM alone, polled (not read) while a child starts: stop without waiting for it */
-    sigdelset(&set, SIGCHLD);
-    int stop_fd = sfd >= 0 ? signalfd(-1, &set, SFD_CLOEXEC) : -1;
-    if (sfd < 0 || stop_fd < 0) {
-        fprintf(stderr, "rekv run: signalfd: %s\n", strerror(errno));
-        if (sfd >= 0)
-            close(sfd);
-        return 1;
-    }
-    int rc = 1;
-    static const int all[N_CHILD] = {KV, COORD, WORKER};
-    int started = children_start(ch, all, N_CHILD, stop_fd);
-    if (started) {
-        rc = started > 0 ? 0 : 1;
-        goto stop;
-    }
-    if (chatty)
-        fprintf(stderr, "rekv run: serving on %s (kvstore, gpuworker and coordinator in %s); Ctrl-C "
-                    "stops\n", ep_ctl, dir);
-    if (ready_fd >= 0) {
-        ssize_t w = write((int)ready_fd, "READY\n", 6);
-        (void)w;
-        close((int)ready_fd);
-    }
+}
+
+/* Serves until SIGINT/SIGTERM (0) or a child that cannot be kept running (1): reads sfd (a
+ * signalfd of SIGINT, SIGTERM and SIGCHLD) and starts again a child that died, the worker with a
+ * store that died (its arena mapping went with it). */
+static int run_supervise(child *ch, int sfd, int stop_fd, int chatty)
+{
     for (;;) {
         struct signalfd_siginfo si;
         ssize_t n = read(sfd, &si, sizeof(si));
         if (n != sizeof(si)) {
             if (n < 0 && errno == EINTR)
                 continue;
-            break;
+            return 1;
         }
         if (si.ssi_signo != SIGCHLD) {
             if (chatty)
                 fprintf(stderr, "rekv run: stopping\n");
-            rc = 0;
-            break;
+            return 0;
         }
-        int st;
+        int st, rc = 1, failed = 0;
         pid_t pid;
-        int failed = 0;
         while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
             for (int i = 0; i < N_CHILD; i++) {
                 if (ch[i].pid != pid)
@@ -471,21 +468,72 @@ int cli_run(int argc, char **argv)
             }
         }
         if (failed)
-            break;
+            return rc;
     }
-stop:
-    /* no new work first, then the worker, then the store it uses */
-    {
-        int bad = 0;
-        static const int stop_order[N_CHILD] = {COORD, WORKER, KV};
-        for (int k = 0; k < N_CHILD; k++) {
-            int st = child_stop(&ch[stop_order[k]]);
-            if (st != 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
-                bad = 1;
+}
+
+/* No new work first, then the worker, then the store it uses. */
+static void run_stop_children(child *ch, int rc)
+{
+    int bad = 0;
+    static const int stop_order[N_CHILD] = {COORD, WORKER, KV};
+    for (int k = 0; k < N_CHILD; k++) {
+        int st = child_stop(&ch[stop_order[k]]);
+        if (st != 0 && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+            bad = 1;
+    }
+    if (bad && rc == 0)
+        fprintf(stderr, "rekv run: a daemon did not exit cleanly\n");
+}
+
+int cli_run(int argc, char **argv)
+{
+    /* progress lines are information: REKV_LOG=warn (as `rekv generate` sets) silences them */
+    const char *lv = getenv("REKV_LOG");
+    int chatty = !(lv && (strcmp(lv, "warn") == 0 || strcmp(lv, "error") == 0));
+    run_opts o;
+    int rc = run_parse(argc, argv, &o);
+    if (rc != CLI_PARSED)
+        return rc;
+    if ((rc = run_check(&o)))
+        return rc;
+    run_paths p;
+    child ch[N_CHILD];
+    if (run_resolve(&o, &p))
+        return 1;
+    run_children_argv(&o, &p, ch);
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    int sfd = signalfd(-1, &set, SFD_CLOEXEC);
+    /* SIGINT/SIGTERM alone, polled (not read) while a child starts: stop without waiting for it */
+    sigdelset(&set, SIGCHLD);
+    int stop_fd = sfd >= 0 ? signalfd(-1, &set, SFD_CLOEXEC) : -1;
+    if (sfd < 0 || stop_fd < 0) {
+        fprintf(stderr, "rekv run: signalfd: %s\n", strerror(errno));
+        if (sfd >= 0)
+            close(sfd);
+        return 1;
+    }
+    static const int all[N_CHILD] = {KV, COORD, WORKER};
+    int started = children_start(ch, all, N_CHILD, stop_fd);
+    if (started) {
+        rc = started > 0 ? 0 : 1;
+    } else {
+        if (chatty)
+            fprintf(stderr, "rekv run: serving on %s (kvstore, gpuworker and coordinator in %s); "
+                            "Ctrl-C stops\n", p.ep_ctl, p.dir);
+        if (o.ready_fd >= 0) {
+            ssize_t w = write((int)o.ready_fd, "READY\n", 6);
+            (void)w;
+            close((int)o.ready_fd);
         }
-        if (bad && rc == 0)
-            fprintf(stderr, "rekv run: a daemon did not exit cleanly\n");
+        rc = run_supervise(ch, sfd, stop_fd, chatty);
     }
+    run_stop_children(ch, rc);
     close(stop_fd);
     close(sfd);
     return rc;
