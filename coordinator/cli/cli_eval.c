@@ -68,9 +68,15 @@ static int run_step(eval_run *r, const int32_t *tokens, int n, rekv_err *err)
     return rekv_pipeline_step(r->ses.p, &it, 1, err);
 }
 
-int cli_eval(int argc, char **argv)
+typedef struct eval_opts {
+    cli_pipeline_opts po;
+    const char *model_path, *text_path, *ids_path;
+    long prefill, window; /* window 0: the model's context */
+    int json, compare;    /* compare: --compare resident */
+} eval_opts;
+
+static int eval_parse(int argc, char **argv, eval_opts *o)
 {
-    rekv_progress prog = {.style = REKV_PROGRESS_QUIET}; /* begun before the loop */
     enum { O_MODEL = 1, O_TEXT, O_IDS, O_PREFILL, O_WINDOW, O_COMPARE, O_JSON, O_HELP };
     static const struct option opts[] = {{"model", required_argument, 0, O_MODEL},
                                          {"text", required_argument, 0, O_TEXT},
@@ -82,34 +88,33 @@ int cli_eval(int argc, char **argv)
                                          {"help", no_argument, 0, O_HELP},
                                          CLI_PIPELINE_OPTIONS,
                                          {0, 0, 0, 0}};
-    cli_pipeline_opts po;
-    cli_pipeline_opts_defaults(&po);
-    const char *model_path = NULL, *text_path = NULL, *ids_path = NULL;
-    long prefill = 32, window = 0;
-    int json = 0, compare = 0, c;
+    memset(o, 0, sizeof(*o));
+    cli_pipeline_opts_defaults(&o->po);
+    o->prefill = 32;
+    int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        int pr = cli_parse_pipeline_opt(c, optarg, &po);
+        int pr = cli_parse_pipeline_opt(c, optarg, &o->po);
         if (pr < 0)
             return 2;
         if (pr > 0)
             continue;
         switch (c) {
         case O_MODEL:
-            model_path = optarg;
+            o->model_path = optarg;
             break;
         case O_TEXT:
-            text_path = optarg;
+            o->text_path = optarg;
             break;
         case O_IDS:
-            ids_path = optarg;
+            o->ids_path = optarg;
             break;
         case O_PREFILL:
-            if (cli_parse_int("prefill", optarg, 1, 1 << 20, &prefill))
+            if (cli_parse_int("prefill", optarg, 1, 1 << 20, &o->prefill))
                 return 2;
             break;
         case O_WINDOW:
-            if (cli_parse_int("window", optarg, 3, 1 << 24, &window))
+            if (cli_parse_int("window", optarg, 3, 1 << 24, &o->window))
                 return 2;
             break;
         case O_COMPARE:
@@ -118,10 +123,10 @@ int cli_eval(int argc, char **argv)
                         optarg);
                 return 2;
             }
-            compare = 1;
+            o->compare = 1;
             break;
         case O_JSON:
-            json = 1;
+            o->json = 1;
             break;
         case O_HELP:
             usage(stdout);
@@ -131,215 +136,279 @@ int cli_eval(int argc, char **argv)
             return 2;
         }
     }
-    if (model_path == NULL || (text_path == NULL) == (ids_path == NULL) || optind != argc) {
+    if (cli_no_operands(argc, argv) || o->model_path == NULL ||
+        (o->text_path == NULL) == (o->ids_path == NULL)) {
         usage(stderr);
         return 2;
     }
-    int rc = 1;
-    rekv_err err = {0};
-    rekv_model *model = NULL;
-    rekv_tokenizer *tok = NULL;
-    rekv_engine *eng = NULL;
-    int32_t *ids = NULL;
-    size_t n = 0;
-    char *text = NULL;
-    eval_run runs[2];
-    memset(runs, 0, sizeof(runs));
-    int n_runs = compare ? 2 : 1;
-    if (rekv_model_open(model_path, &model, &err))
-        goto fail;
-    const rekv_model_config *cfg = &model->config;
-    if (ids_path) {
-        if (cli_read_ids(ids_path, &ids, &n, &err))
-            goto fail;
+    return CLI_PARSED;
+}
+
+/* The text's token ids (--ids, or --text through the model's tokenizer), each in the vocabulary;
+ * *ids malloc'd. */
+static int eval_read_ids(const eval_opts *o, const rekv_model_config *cfg, int32_t **ids, size_t *n,
+                         rekv_err *err)
+{
+    int rc;
+    if (o->ids_path) {
+        if ((rc = cli_read_ids(o->ids_path, ids, n, err)))
+            return rc;
     } else {
-        int trc = rekv_tokenizer_load_for_model(model_path, &tok, &err);
-        if (trc == -ENOENT) {
-            fprintf(stderr, "rekv eval: %s has no tokenizer; give the text as --ids\n", model_path);
-            goto out;
-        }
-        if (trc)
-            goto fail;
+        rekv_tokenizer *tok = NULL;
+        char *text = NULL;
         size_t len = 0;
-        if (cli_read_text(text_path, &text, &len, &err))
-            goto fail;
-        if (rekv_tokenizer_encode(tok, text, len, cfg->add_bos ? cfg->bos_id : -1, &ids, &n, &err))
-            goto fail;
-    }
-    for (size_t i = 0; i < n; i++)
-        if (ids[i] >= cfg->vocab) {
-            fprintf(stderr, "rekv eval: token id %d (at %zu) is outside the vocabulary (0..%d)\n",
-                    ids[i], i, cfg->vocab - 1);
-            goto out;
+        rc = rekv_tokenizer_load_for_model(o->model_path, &tok, err);
+        if (rc == -ENOENT) {
+            rekv_err_clear(err); /* the loader's line names the file it looked for */
+            return rekv_errf(err, rc, "%s has no tokenizer; give the text as --ids", o->model_path);
         }
-    long w = window > 0 && window < cfg->max_pos ? window : cfg->max_pos;
-    if (w < prefill + 2) {
-        fprintf(stderr,
-                "rekv eval: a window of %ld tokens leaves nothing to score after a prefill "
-                "of %ld (give --window >= prefill + 2)\n",
-                w, prefill);
-        goto out;
+        if (rc == 0 && (rc = cli_read_text(o->text_path, &text, &len, err)) == 0)
+            rc =
+                rekv_tokenizer_encode(tok, text, len, cfg->add_bos ? cfg->bos_id : -1, ids, n, err);
+        free(text);
+        rekv_tokenizer_free(tok);
+        if (rc)
+            return rc;
     }
-    if (n < (size_t)prefill + 2) {
-        fprintf(stderr, "rekv eval: %zu tokens leave nothing to score after a prefill of %ld\n", n,
-                prefill);
-        goto out;
-    }
-    if (rekv_engine_create(model, &eng, &err))
-        goto fail;
-    if (cli_session_choose(cfg, po.backend, &po.link, 1, (int)w, &po.cfg, &err))
-        goto fail;
-    for (int r = 0; r < n_runs; r++) {
-        rekv_pipeline_config pc = po.cfg;
-        if (r == 1) { /* the reference: everything resident, same cache dtype and backend */
-            rekv_pipeline_config_defaults(&pc);
-            pc.cache_dtype = po.cfg.cache_dtype;
-        }
-        runs[r].logits = malloc((size_t)cfg->vocab * sizeof(float));
-        if (runs[r].logits == NULL) {
-            rekv_errf(&err, -ENOMEM, "out of memory");
-            goto fail;
-        }
-        if (cli_session_open(&runs[r].ses, eng, &po, &pc, 1, (int)w, &err))
-            goto fail;
-    }
+    for (size_t i = 0; i < *n; i++)
+        if ((*ids)[i] >= cfg->vocab)
+            return rekv_errf(err, -EINVAL, "token id %d (at %zu) is outside the vocabulary (0..%d)",
+                             (*ids)[i], i, cfg->vocab - 1);
+    return 0;
+}
+
+/* What the windows scored. */
+typedef struct eval_tally {
+    double nll_sum, max_err, secs;
+    uint64_t scored, agree, windows;
+    uint64_t kv_offload, considered; /* what offload would move and consider */
+} eval_tally;
+
+/* Scores ids[0..n) in windows of w tokens through runs[0..n_runs) in step (runs[1]: the resident
+ * reference), as the file's opening says. */
+static int eval_windows(eval_run *runs, int n_runs, const int32_t *ids, size_t n, long prefill,
+                        long w, const rekv_model_config *cfg, rekv_progress *prog, eval_tally *t,
+                        rekv_err *err)
+{
     const rekv_pipeline_config *pc = rekv_pipeline_get_config(runs[0].ses.p);
     uint64_t kv_row = 2ull * (uint64_t)rekv_config_kv_dim(cfg) * rekv_dtype_size(pc->cache_dtype);
-    double nll_sum = 0, max_err = 0;
-    uint64_t scored = 0, agree = 0, windows = 0, kv_offload = 0, considered = 0;
-    uint64_t t0 = rekv_now_ns();
-    rekv_progress_begin(&prog, stderr, rekv_progress_style_for(stderr, json), "rekv eval", "tokens",
-                        n - (size_t)prefill - 1);
+    int rc;
     for (size_t s = 0;;) {
-        windows++;
+        t->windows++;
         size_t e = s + (size_t)w < n ? s + (size_t)w : n; /* this window: ids[s .. e) */
         for (int r = 0; r < n_runs; r++)
-            if (rekv_pseq_create(runs[r].ses.p, (int)(e - s), &runs[r].seq, &err))
-                goto fail;
+            if ((rc = rekv_pseq_create(runs[r].ses.p, (int)(e - s), &runs[r].seq, err)))
+                return rc;
         for (int r = 0; r < n_runs; r++)
-            if (run_step(&runs[r], ids + s, (int)prefill, &err))
-                goto fail;
+            if ((rc = run_step(&runs[r], ids + s, (int)prefill, err)))
+                return rc;
         for (size_t p = s + (size_t)prefill; p + 1 < e; p++) {
             for (int r = 0; r < n_runs; r++)
-                if (run_step(&runs[r], ids + p, 1, &err))
-                    goto fail;
-            nll_sum += nll_of(runs[0].logits, cfg->vocab, ids[p + 1]);
-            scored++;
+                if ((rc = run_step(&runs[r], ids + p, 1, err)))
+                    return rc;
+            t->nll_sum += nll_of(runs[0].logits, cfg->vocab, ids[p + 1]);
+            t->scored++;
             uint64_t ctx = p - s; /* context tokens before this step's */
-            kv_offload += ctx * kv_row * (uint64_t)cfg->n_layers;
-            considered += ctx * (uint64_t)cfg->n_layers;
-            if (compare) {
-                agree += rekv_argmax(runs[0].logits, cfg->vocab) ==
-                         rekv_argmax(runs[1].logits, cfg->vocab);
+            t->kv_offload += ctx * kv_row * (uint64_t)cfg->n_layers;
+            t->considered += ctx * (uint64_t)cfg->n_layers;
+            if (n_runs > 1) {
+                t->agree += rekv_argmax(runs[0].logits, cfg->vocab) ==
+                            rekv_argmax(runs[1].logits, cfg->vocab);
                 for (int i = 0; i < cfg->vocab; i++) {
                     double d = fabs((double)runs[0].logits[i] - (double)runs[1].logits[i]);
-                    max_err = d > max_err ? d : max_err;
+                    t->max_err = d > t->max_err ? d : t->max_err;
                 }
             }
             char note[48];
-            snprintf(note, sizeof(note), "nll %.4f", nll_sum / (double)scored);
-            rekv_progress_update(&prog, scored, note);
+            snprintf(note, sizeof(note), "nll %.4f", t->nll_sum / (double)t->scored);
+            rekv_progress_update(prog, t->scored, note);
         }
         for (int r = 0; r < n_runs; r++) {
             rekv_pseq_free(runs[r].seq);
             runs[r].seq = NULL;
         }
         if (e >= n)
-            break;
+            return 0;
         s = e - (size_t)prefill - 1;
     }
-    rekv_progress_end(&prog);
-    double secs = (double)(rekv_now_ns() - t0) * 1e-9;
+}
+
+/* infinigen's and clo's knobs and what they fetched, per layer. */
+static void eval_json_selection(json_t *o, const rekv_pipeline *p, const rekv_model_config *cfg)
+{
+    const rekv_pipeline_config *pc = rekv_pipeline_get_config(p);
+    static const char *const sel[] = {"speculate", "random", "all"};
+    json_t *fr = json_array();
+    const rekv_layer_counters *lc = rekv_pipeline_counters(p, NULL);
+    for (int l = 0; fr && l < cfg->n_layers; l++)
+        json_array_append_new(
+            fr, json_real(lc[l].tokens_considered
+                              ? (double)lc[l].tokens_fetched / (double)lc[l].tokens_considered
+                              : 0.0));
+    json_object_set_new(o, "alpha", isinf(pc->alpha) ? json_null() : json_real(pc->alpha));
+    json_object_set_new(o, "fetch_cap", json_real(pc->max_fraction));
+    json_object_set_new(o, "select", json_string(sel[pc->select]));
+    json_object_set_new(o, "lookahead", json_integer(pc->lookahead));
+    json_object_set_new(o, "partial_columns",
+                        json_pack("[i, i]", pc->skew->rk, pc->skew->head_dim));
+    json_object_set_new(o, "layer_fetched_fraction", fr);
+}
+
+/* clo's knobs and its head cache: hits and misses, and per layer and KV head the hit ratio. */
+static void eval_json_clo(json_t *o, const rekv_pipeline *p, const rekv_model_config *cfg,
+                          const rekv_layer_counters *tot)
+{
+    const rekv_pipeline_config *pc = rekv_pipeline_get_config(p);
+    uint64_t hm = tot->head_hits + tot->head_misses;
+    json_object_set_new(o, "eta", json_real(pc->eta));
+    json_object_set_new(o, "power", json_real(pc->power));
+    json_object_set_new(o, "persist_np",
+                        isinf(pc->persist_np) ? json_null() : json_real(pc->persist_np));
+    json_object_set_new(o, "head_hits", json_integer((json_int_t)tot->head_hits));
+    json_object_set_new(o, "head_misses", json_integer((json_int_t)tot->head_misses));
+    json_object_set_new(o, "hit_ratio", json_real(hm ? (double)tot->head_hits / hm : 0.0));
+    /* per layer and KV head; null where nothing was decided (layer 0, persistent) */
+    const uint64_t *hh, *hmiss;
+    json_t *hr = json_array();
+    if (hr && rekv_pipeline_head_cache_counts(p, &hh, &hmiss) == 0)
+        for (int l = 0; l < cfg->n_layers; l++) {
+            json_t *row = json_array();
+            for (int g = 0; row && g < cfg->n_kv_heads; g++) {
+                size_t at = (size_t)l * (size_t)cfg->n_kv_heads + (size_t)g;
+                uint64_t dec = hh[at] + hmiss[at];
+                json_array_append_new(row,
+                                      dec ? json_real((double)hh[at] / (double)dec) : json_null());
+            }
+            json_array_append_new(hr, row);
+        }
+    json_object_set_new(o, "head_hit_ratio", hr);
+}
+
+static int eval_print_json(const eval_opts *o, const eval_run *run, const rekv_model_config *cfg,
+                           long w, const eval_tally *t, rekv_err *err)
+{
+    const rekv_pipeline_config *pc = rekv_pipeline_get_config(run->ses.p);
     rekv_layer_counters tot;
-    rekv_pipeline_counters(runs[0].ses.p, &tot);
-    double nll = nll_sum / (double)scored;
-    if (json) {
-        json_t *o = json_pack(
-            "{s:s, s:s, s:s, s:I, s:f, s:f, s:i, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}",
-            "model", model_path, "mode", rekv_mode_name(pc->mode), "backend",
-            runs[0].ses.be->iface->name, "tokens", (json_int_t)scored, "nll", nll, "ppl", exp(nll),
-            "prefill", (int)prefill, "window", (int)w, "windows", (json_int_t)windows,
-            "h2d_kv_bytes", (json_int_t)tot.h2d_bytes[REKV_XFER_KV], "h2d_act_bytes",
-            (json_int_t)tot.h2d_bytes[REKV_XFER_ACT], "kv_bytes_offload", (json_int_t)kv_offload,
-            "tokens_fetched", (json_int_t)tot.tokens_fetched, "tokens_considered",
-            (json_int_t)considered, "tokens_recomputed", (json_int_t)tot.tokens_recomputed,
-            "seconds", secs);
-        if (o == NULL) {
+    rekv_pipeline_counters(run->ses.p, &tot);
+    double nll = t->nll_sum / (double)t->scored;
+    json_t *j = json_pack(
+        "{s:s, s:s, s:s, s:I, s:f, s:f, s:i, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}", "model",
+        o->model_path, "mode", rekv_mode_name(pc->mode), "backend", run->ses.be->iface->name,
+        "tokens", (json_int_t)t->scored, "nll", nll, "ppl", exp(nll), "prefill", (int)o->prefill,
+        "window", (int)w, "windows", (json_int_t)t->windows, "h2d_kv_bytes",
+        (json_int_t)tot.h2d_bytes[REKV_XFER_KV], "h2d_act_bytes",
+        (json_int_t)tot.h2d_bytes[REKV_XFER_ACT], "kv_bytes_offload", (json_int_t)t->kv_offload,
+        "tokens_fetched", (json_int_t)tot.tokens_fetched, "tokens_considered",
+        (json_int_t)t->considered, "tokens_recomputed", (json_int_t)tot.tokens_recomputed,
+        "seconds", t->secs);
+    if (j == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    if (rekv_pipeline_keeps_act(pc))
+        json_object_set_new(j, "split", json_integer(pc->split));
+    if (pc->mode == REKV_MODE_HYBRID)
+        json_object_set_new(j, "ratio", json_pack("[i, i]", pc->kv_parts, pc->act_parts));
+    if (pc->mode == REKV_MODE_INFINIGEN || pc->mode == REKV_MODE_CLO)
+        eval_json_selection(j, run->ses.p, cfg);
+    if (pc->mode == REKV_MODE_CLO)
+        eval_json_clo(j, run->ses.p, cfg, &tot);
+    if (o->compare) {
+        json_object_set_new(j, "agreement", json_real((double)t->agree / (double)t->scored));
+        json_object_set_new(j, "max_logit_error", json_real(t->max_err));
+    }
+    char *s = json_dumps(j, JSON_REAL_PRECISION(17));
+    json_decref(j);
+    if (s == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    printf("%s\n", s);
+    free(s);
+    return 0;
+}
+
+static void eval_print_text(const eval_opts *o, const eval_run *run, const eval_tally *t)
+{
+    const rekv_pipeline_config *pc = rekv_pipeline_get_config(run->ses.p);
+    rekv_layer_counters tot;
+    rekv_pipeline_counters(run->ses.p, &tot);
+    double nll = t->nll_sum / (double)t->scored;
+    printf("%s: %llu tokens scored in %llu windows, nll %.6f nats/token, ppl %.4f (%s mode, "
+           "%.1f s)\n",
+           o->model_path, (unsigned long long)t->scored, (unsigned long long)t->windows, nll,
+           exp(nll), rekv_mode_name(pc->mode), t->secs);
+    printf("KV host->device %llu bytes (offload would move %llu), ACT %llu bytes; tokens "
+           "fetched %llu of %llu considered, %llu recomputed\n",
+           (unsigned long long)tot.h2d_bytes[REKV_XFER_KV], (unsigned long long)t->kv_offload,
+           (unsigned long long)tot.h2d_bytes[REKV_XFER_ACT], (unsigned long long)tot.tokens_fetched,
+           (unsigned long long)t->considered, (unsigned long long)tot.tokens_recomputed);
+    if (o->compare)
+        printf("against resident: greedy agreement %.4f, largest logit difference %.3g\n",
+               (double)t->agree / (double)t->scored, t->max_err);
+}
+
+int cli_eval(int argc, char **argv)
+{
+    rekv_progress prog = {.style = REKV_PROGRESS_QUIET}; /* begun before the windows */
+    eval_opts o;
+    int rc = eval_parse(argc, argv, &o);
+    if (rc != CLI_PARSED)
+        return rc;
+    rc = 1;
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    rekv_engine *eng = NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    eval_run runs[2];
+    memset(runs, 0, sizeof(runs));
+    int n_runs = o.compare ? 2 : 1;
+    if (rekv_model_open(o.model_path, &model, &err))
+        goto fail;
+    const rekv_model_config *cfg = &model->config;
+    if (eval_read_ids(&o, cfg, &ids, &n, &err))
+        goto fail;
+    long w = o.window > 0 && o.window < cfg->max_pos ? o.window : cfg->max_pos;
+    if (w < o.prefill + 2) {
+        rekv_errf(&err, -EINVAL,
+                  "a window of %ld tokens leaves nothing to score after a prefill of %ld (give "
+                  "--window >= prefill + 2)",
+                  w, o.prefill);
+        goto fail;
+    }
+    if (n < (size_t)o.prefill + 2) {
+        rekv_errf(&err, -EINVAL, "%zu tokens leave nothing to score after a prefill of %ld", n,
+                  o.prefill);
+        goto fail;
+    }
+    if (rekv_engine_create(model, &eng, &err))
+        goto fail;
+    if (cli_session_choose(cfg, o.po.backend, &o.po.link, 1, (int)w, &o.po.cfg, &err))
+        goto fail;
+    for (int r = 0; r < n_runs; r++) {
+        rekv_pipeline_config pc = o.po.cfg;
+        if (r == 1) { /* the reference: everything resident, same cache dtype and backend */
+            rekv_pipeline_config_defaults(&pc);
+            pc.cache_dtype = o.po.cfg.cache_dtype;
+        }
+        runs[r].logits = malloc((size_t)cfg->vocab * sizeof(float));
+        if (runs[r].logits == NULL) {
             rekv_errf(&err, -ENOMEM, "out of memory");
             goto fail;
         }
-        if (rekv_pipeline_keeps_act(pc))
-            json_object_set_new(o, "split", json_integer(pc->split));
-        if (pc->mode == REKV_MODE_HYBRID)
-            json_object_set_new(o, "ratio", json_pack("[i, i]", pc->kv_parts, pc->act_parts));
-        if (pc->mode == REKV_MODE_INFINIGEN || pc->mode == REKV_MODE_CLO) {
-            static const char *const sel[] = {"speculate", "random", "all"};
-            json_t *fr = json_array();
-            const rekv_layer_counters *lc = rekv_pipeline_counters(runs[0].ses.p, NULL);
-            for (int l = 0; fr && l < cfg->n_layers; l++)
-                json_array_append_new(fr, json_real(lc[l].tokens_considered
-                                                        ? (double)lc[l].tokens_fetched /
-                                                              (double)lc[l].tokens_considered
-                                                        : 0.0));
-            json_object_set_new(o, "alpha", isinf(pc->alpha) ? json_null() : json_real(pc->alpha));
-            json_object_set_new(o, "fetch_cap", json_real(pc->max_fraction));
-            json_object_set_new(o, "select", json_string(sel[pc->select]));
-            json_object_set_new(o, "lookahead", json_integer(pc->lookahead));
-            json_object_set_new(o, "partial_columns",
-                                json_pack("[i, i]", pc->skew->rk, pc->skew->head_dim));
-            json_object_set_new(o, "layer_fetched_fraction", fr);
-        }
-        if (pc->mode == REKV_MODE_CLO) {
-            uint64_t hm = tot.head_hits + tot.head_misses;
-            json_object_set_new(o, "eta", json_real(pc->eta));
-            json_object_set_new(o, "power", json_real(pc->power));
-            json_object_set_new(o, "persist_np",
-                                isinf(pc->persist_np) ? json_null() : json_real(pc->persist_np));
-            json_object_set_new(o, "head_hits", json_integer((json_int_t)tot.head_hits));
-            json_object_set_new(o, "head_misses", json_integer((json_int_t)tot.head_misses));
-            json_object_set_new(o, "hit_ratio", json_real(hm ? (double)tot.head_hits / hm : 0.0));
-            /* per layer and KV head; null where nothing was decided (layer 0, persistent) */
-            const uint64_t *hh, *hmiss;
-            json_t *hr = json_array();
-            if (hr && rekv_pipeline_head_cache_counts(runs[0].ses.p, &hh, &hmiss) == 0)
-                for (int l = 0; l < cfg->n_layers; l++) {
-                    json_t *row = json_array();
-                    for (int g = 0; row && g < cfg->n_kv_heads; g++) {
-                        size_t at = (size_t)l * (size_t)cfg->n_kv_heads + (size_t)g;
-                        uint64_t dec = hh[at] + hmiss[at];
-                        json_array_append_new(row, dec ? json_real((double)hh[at] / (double)dec)
-                                                       : json_null());
-                    }
-                    json_array_append_new(hr, row);
-                }
-            json_object_set_new(o, "head_hit_ratio", hr);
-        }
-        if (compare) {
-            json_object_set_new(o, "agreement", json_real((double)agree / (double)scored));
-            json_object_set_new(o, "max_logit_error", json_real(max_err));
-        }
-        char *s = json_dumps(o, JSON_REAL_PRECISION(17));
-        json_decref(o);
-        if (s == NULL) {
-            rekv_errf(&err, -ENOMEM, "out of memory");
+        if (cli_session_open(&runs[r].ses, eng, &o.po, &pc, 1, (int)w, &err))
             goto fail;
-        }
-        printf("%s\n", s);
-        free(s);
+    }
+    eval_tally t = {0};
+    uint64_t t0 = rekv_now_ns();
+    rekv_progress_begin(&prog, stderr, rekv_progress_style_for(stderr, o.json), "rekv eval",
+                        "tokens", n - (size_t)o.prefill - 1);
+    if (eval_windows(runs, n_runs, ids, n, o.prefill, w, cfg, &prog, &t, &err))
+        goto fail;
+    rekv_progress_end(&prog);
+    t.secs = (double)(rekv_now_ns() - t0) * 1e-9;
+    if (o.json) {
+        if (eval_print_json(&o, &runs[0], cfg, w, &t, &err))
+            goto fail;
     } else {
-        printf("%s: %llu tokens scored in %llu windows, nll %.6f nats/token, ppl %.4f (%s mode, "
-               "%.1f s)\n",
-               model_path, (unsigned long long)scored, (unsigned long long)windows, nll, exp(nll),
-               rekv_mode_name(pc->mode), secs);
-        printf("KV host->device %llu bytes (offload would move %llu), ACT %llu bytes; tokens "
-               "fetched %llu of %llu considered, %llu recomputed\n",
-               (unsigned long long)tot.h2d_bytes[REKV_XFER_KV], (unsigned long long)kv_offload,
-               (unsigned long long)tot.h2d_bytes[REKV_XFER_ACT],
-               (unsigned long long)tot.tokens_fetched, (unsigned long long)considered,
-               (unsigned long long)tot.tokens_recomputed);
-        if (compare)
-            printf("against resident: greedy agreement %.4f, largest logit difference %.3g\n",
-                   (double)agree / (double)scored, max_err);
+        eval_print_text(&o, &runs[0], &t);
     }
     rc = 0;
     goto out;
@@ -354,8 +423,6 @@ out:
     }
     rekv_engine_free(eng);
     free(ids);
-    free(text);
-    rekv_tokenizer_free(tok);
     rekv_model_close(model);
     return rc;
 }
