@@ -89,7 +89,16 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
     return st;
 }
 
-int cli_generate(int argc, char **argv)
+typedef struct gen_opts {
+    cli_pipeline_opts po;
+    const char *model_path, *prompt, *prompt_ids, *socket;
+    long max_new, top_k, top_logits, seed;
+    double temperature, top_p;
+    int json, ignore_eos;
+    int local; /* --local, or a pipeline option: run the pipeline in this process */
+} gen_opts;
+
+static int gen_parse(int argc, char **argv, gen_opts *o)
 {
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},
                                          {"prompt", required_argument, 0, 'p'},
@@ -107,67 +116,64 @@ int cli_generate(int argc, char **argv)
                                          {"socket", required_argument, 0, 'S'},
                                          CLI_PIPELINE_OPTIONS,
                                          {0, 0, 0, 0}};
-    cli_pipeline_opts po;
-    cli_pipeline_opts_defaults(&po);
-    const char *model_path = NULL, *prompt = NULL, *prompt_ids = NULL, *socket = NULL;
-    int local = 0;
-    long max_new = 64, top_k = 0, top_logits = 0, seed = 0;
-    double temperature = 0, top_p = 1;
-    int json = 0, ignore_eos = 0, c;
+    memset(o, 0, sizeof(*o));
+    cli_pipeline_opts_defaults(&o->po);
+    o->max_new = 64, o->top_p = 1;
+    int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        int pr = cli_parse_pipeline_opt(c, optarg, &po);
+        int pr = cli_parse_pipeline_opt(c, optarg, &o->po);
         if (pr < 0)
             return 2;
         if (pr > 0) {
-            local = 1; /* pipeline options describe this process's pipeline */
+            o->local = 1; /* pipeline options describe this process's pipeline */
             continue;
         }
         switch (c) {
         case 'm':
-            model_path = optarg;
+            o->model_path = optarg;
             break;
         case 'p':
-            prompt = optarg;
+            o->prompt = optarg;
             break;
         case 'i':
-            prompt_ids = optarg;
+            o->prompt_ids = optarg;
             break;
         case 'n':
-            if (cli_parse_int("max-new-tokens", optarg, 0, 1 << 24, &max_new))
+            if (cli_parse_int("max-new-tokens", optarg, 0, 1 << 24, &o->max_new))
                 return 2;
             break;
         case 't':
-            if (cli_parse_float("temperature", optarg, 0, 100, &temperature))
+            if (cli_parse_float("temperature", optarg, 0, 100, &o->temperature))
                 return 2;
             break;
         case 'k':
-            if (cli_parse_int("top-k", optarg, 0, 1 << 30, &top_k))
+            if (cli_parse_int("top-k", optarg, 0, 1 << 30, &o->top_k))
                 return 2;
             break;
         case 'P':
-            if (cli_parse_float("top-p", optarg, 0, 1, &top_p))
+            if (cli_parse_float("top-p", optarg, 0, 1, &o->top_p))
                 return 2;
             break;
         case 's':
-            if (cli_parse_int("seed", optarg, 0, INT64_MAX, &seed))
+            if (cli_parse_int("seed", optarg, 0, INT64_MAX, &o->seed))
                 return 2;
             break;
         case 'L':
-            if (cli_parse_int("top-logits", optarg, 0, 1 << 20, &top_logits))
+            if (cli_parse_int("top-logits", optarg, 0, 1 << 20, &o->top_logits))
                 return 2;
             break;
         case 'j':
-            json = 1;
+            o->json = 1;
             break;
         case 'E':
-            ignore_eos = 1;
+            o->ignore_eos = 1;
             break;
         case 'l':
-            local = 1;
+            o->local = 1;
             break;
         case 'S':
-            socket = optarg;
+            o->socket = optarg;
             break;
         case 'h':
             usage(stdout);
@@ -177,12 +183,113 @@ int cli_generate(int argc, char **argv)
             return 2;
         }
     }
-    if (model_path == NULL || (prompt == NULL) == (prompt_ids == NULL) || optind != argc ||
-        (local && socket)) {
+    if (cli_no_operands(argc, argv) || o->model_path == NULL ||
+        (o->prompt == NULL) == (o->prompt_ids == NULL) || (o->local && o->socket)) {
         usage(stderr);
         return 2;
     }
-    int rc = 1;
+    return CLI_PARSED;
+}
+
+/* --prompt through the tokenizer (tok, NULL: the model has none) into *ids (malloc'd), or the
+ * --prompt-ids already there; either checked against the vocabulary and the context. */
+static int gen_prompt(const gen_opts *o, const rekv_model_config *cfg, rekv_tokenizer *tok,
+                      int32_t **ids, size_t *n_ids, rekv_err *err)
+{
+    int rc;
+    if (o->prompt) {
+        if (tok == NULL)
+            return rekv_errf(err, -ENOENT, "%s has no tokenizer; give the prompt as --prompt-ids",
+                             o->model_path);
+        if ((rc = rekv_tokenizer_encode(tok, o->prompt, strlen(o->prompt),
+                                        cfg->add_bos ? cfg->bos_id : -1, ids, n_ids, err)))
+            return rc;
+    }
+    for (size_t i = 0; i < *n_ids; i++)
+        if ((*ids)[i] >= cfg->vocab)
+            return rekv_errf(err, -EINVAL,
+                             "prompt token id %d is outside the vocabulary of %s (0..%d)",
+                             (*ids)[i], o->model_path, cfg->vocab - 1);
+    if (*n_ids > (size_t)cfg->max_pos)
+        return rekv_errf(err, -EINVAL,
+                         "the prompt of %zu tokens is longer than the context of %s (%d tokens)",
+                         *n_ids, o->model_path, cfg->max_pos);
+    return 0;
+}
+
+/* The pipeline in this process (ses, on the engine *eng made here): the generation into res and
+ * its "stats" into *st. */
+static int gen_run_local(gen_opts *o, rekv_model *model, const int32_t *ids, size_t n_ids,
+                         const rekv_gen_params *gp, rekv_engine **eng, cli_session *ses,
+                         rekv_gen_result *res, json_t **st, rekv_err *err)
+{
+    const rekv_model_config *cfg = &model->config;
+    int rc;
+    if ((rc = rekv_engine_create(model, eng, err)))
+        return rc;
+    int64_t want = (int64_t)n_ids + (o->max_new > 0 ? o->max_new - 1 : 0);
+    int ctx = want < cfg->max_pos ? (int)want : cfg->max_pos;
+    if ((rc =
+             cli_session_choose(cfg, o->po.backend, &o->po.link, 1, (int)n_ids, &o->po.cfg, err)) ||
+        (rc = cli_session_open(ses, *eng, &o->po, &o->po.cfg, 1, ctx, err)))
+        return rc;
+    if (o->po.trace)
+        ses->be->iface->trace_start(ses->be);
+    const int32_t *pp = ids;
+    int np = (int)n_ids;
+    rekv_progress pr;
+    rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, o->json), "rekv generate",
+                        "tokens", 0);
+    rc = rekv_pipeline_generate_progress(ses->p, &pp, &np, 1, gp, res, rekv_progress_cb, &pr, err);
+    rekv_progress_end(&pr);
+    if (rc)
+        return rc;
+    if (o->po.trace && (rc = ses->be->iface->trace_write(ses->be, o->po.trace, err)))
+        return rc;
+    *st = local_stats(ses, &o->po, cfg, res, (int)n_ids);
+    return 0;
+}
+
+/* The result as one JSON object; takes st (the "stats"). */
+static void gen_print_json(const gen_opts *o, const int32_t *ids, size_t n_ids,
+                           const rekv_gen_result *res, const rekv_tokenizer *tok, const char *text,
+                           size_t text_len, json_t *st)
+{
+    json_t *j = json_object(), *pi = json_array(), *gi = json_array(), *tl = json_array();
+    for (size_t i = 0; i < n_ids; i++)
+        json_array_append_new(pi, json_integer(ids[i]));
+    for (int i = 0; i < res->n; i++) {
+        json_array_append_new(gi, json_integer(res->ids[i]));
+        json_t *step = json_array();
+        for (long k = 0; k < o->top_logits && res->top_ids; k++) {
+            size_t at = (size_t)i * (size_t)o->top_logits + (size_t)k;
+            json_array_append_new(
+                step, json_pack("[I f]", (json_int_t)res->top_ids[at], (double)res->top_vals[at]));
+        }
+        json_array_append_new(tl, step);
+    }
+    json_object_set_new(j, "prompt_ids", pi);
+    json_object_set_new(j, "generated_ids", gi);
+    json_object_set_new(j, "text", text ? json_stringn(text, text_len) : json_null());
+    if (text && !json_is_string(json_object_get(j, "text")))
+        json_object_set_new(j, "text", json_null()); /* not valid UTF-8 */
+    if (tok == NULL)
+        json_object_set_new(j, "text_unavailable", json_string("the model has no tokenizer"));
+    json_object_set_new(j, "top_logits", tl);
+    json_object_set_new(j, "stats", st);
+    char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(9));
+    printf("%s\n", s);
+    free(s);
+    json_decref(j);
+}
+
+int cli_generate(int argc, char **argv)
+{
+    gen_opts o;
+    int rc = gen_parse(argc, argv, &o);
+    if (rc != CLI_PARSED)
+        return rc;
+    rc = 1;
     rekv_err err = {0};
     rekv_model *model = NULL;
     rekv_tokenizer *tok = NULL;
@@ -195,116 +302,50 @@ int cli_generate(int argc, char **argv)
     cli_remote remote;
     int remote_used = 0; /* remote is set up: cli_remote_end it */
     json_t *st = NULL;   /* the "stats" of the JSON output */
-    if (prompt_ids) {    /* a usage error before any work */
+    if (o.prompt_ids) {  /* a usage error before any work */
         int n;
-        if (cli_parse_ids(prompt_ids, &ids, &n)) {
+        if (cli_parse_ids(o.prompt_ids, &ids, &n)) {
             fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
-                    prompt_ids);
+                    o.prompt_ids);
             return 2;
         }
         n_ids = (size_t)n;
     }
-    if (rekv_model_open(model_path, &model, &err))
+    if (rekv_model_open(o.model_path, &model, &err))
         goto fail;
     const rekv_model_config *cfg = &model->config;
-    int trc = rekv_tokenizer_load_for_model(model_path, &tok, &err);
+    int trc = rekv_tokenizer_load_for_model(o.model_path, &tok, &err);
     if (trc && trc != -ENOENT)
         goto fail;
     rekv_err_clear(&err);
-    if (prompt) {
-        if (tok == NULL) {
-            fprintf(stderr, "rekv: %s has no tokenizer; give the prompt as --prompt-ids\n",
-                    model_path);
-            goto out;
-        }
-        if (rekv_tokenizer_encode(tok, prompt, strlen(prompt), cfg->add_bos ? cfg->bos_id : -1,
-                                  &ids, &n_ids, &err))
-            goto fail;
-    }
-    for (size_t i = 0; i < n_ids; i++)
-        if (ids[i] >= cfg->vocab) {
-            fprintf(stderr, "rekv: prompt token id %d is outside the vocabulary of %s (0..%d)\n",
-                    ids[i], model_path, cfg->vocab - 1);
-            goto out;
-        }
-    if (n_ids > (size_t)cfg->max_pos) {
-        fprintf(stderr,
-                "rekv: the prompt of %zu tokens is longer than the context of %s (%d tokens)\n",
-                n_ids, model_path, cfg->max_pos);
-        goto out;
-    }
-    if (top_logits > cfg->vocab)
-        top_logits = cfg->vocab;
-    rekv_gen_params gp = {(int)max_new,   (float)temperature, (int)top_k, (float)top_p,
-                          (uint64_t)seed, (int)top_logits,    !ignore_eos};
-    if (!local) {
+    if (gen_prompt(&o, cfg, tok, &ids, &n_ids, &err))
+        goto fail;
+    if (o.top_logits > cfg->vocab)
+        o.top_logits = cfg->vocab;
+    rekv_gen_params gp = {(int)o.max_new,   (float)o.temperature, (int)o.top_k, (float)o.top_p,
+                          (uint64_t)o.seed, (int)o.top_logits,    !o.ignore_eos};
+    if (!o.local) {
         double queued_s = 0, run_s = 0;
         remote_used = 1;
-        if (cli_generate_remote(&remote, model_path, socket, ids, (int)n_ids, &gp, &res, &queued_s,
-                                &run_s, &err))
+        if (cli_generate_remote(&remote, o.model_path, o.socket, ids, (int)n_ids, &gp, &res,
+                                &queued_s, &run_s, &err))
             goto fail;
         st = json_pack("{s:s, s:s, s:i, s:i, s:f, s:f}", "via", "coordinator", "finish_reason",
                        res.finish_reason, "prompt_tokens", (int)n_ids, "generated_tokens", res.n,
                        "queued_s", queued_s, "run_s", run_s);
-    } else {
-        if (rekv_engine_create(model, &eng, &err))
-            goto fail;
-        int64_t want = (int64_t)n_ids + (max_new > 0 ? max_new - 1 : 0);
-        int ctx = want < cfg->max_pos ? (int)want : cfg->max_pos;
-        if (cli_session_choose(cfg, po.backend, &po.link, 1, (int)n_ids, &po.cfg, &err) ||
-            cli_session_open(&ses, eng, &po, &po.cfg, 1, ctx, &err))
-            goto fail;
-        if (po.trace)
-            ses.be->iface->trace_start(ses.be);
-        const int32_t *pp = ids;
-        int np = (int)n_ids;
-        rekv_progress pr;
-        rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, json), "rekv generate",
-                            "tokens", 0);
-        int grc = rekv_pipeline_generate_progress(ses.p, &pp, &np, 1, &gp, &res, rekv_progress_cb,
-                                                  &pr, &err);
-        rekv_progress_end(&pr);
-        if (grc)
-            goto fail;
-        if (po.trace && ses.be->iface->trace_write(ses.be, po.trace, &err))
-            goto fail;
-        st = local_stats(&ses, &po, cfg, &res, (int)n_ids);
+    } else if (gen_run_local(&o, model, ids, n_ids, &gp, &eng, &ses, &res, &st, &err)) {
+        goto fail;
     }
     size_t text_len = 0;
     if (tok && rekv_tokenizer_decode(tok, res.ids, (size_t)res.n, &text, &text_len, &err))
         goto fail;
-    if (json) {
-        json_t *o = json_object(), *pi = json_array(), *gi = json_array(), *tl = json_array();
-        for (size_t i = 0; i < n_ids; i++)
-            json_array_append_new(pi, json_integer(ids[i]));
-        for (int i = 0; i < res.n; i++) {
-            json_array_append_new(gi, json_integer(res.ids[i]));
-            json_t *step = json_array();
-            for (long j = 0; j < top_logits && res.top_ids; j++) {
-                size_t at = (size_t)i * (size_t)top_logits + (size_t)j;
-                json_array_append_new(step, json_pack("[I f]", (json_int_t)res.top_ids[at],
-                                                      (double)res.top_vals[at]));
-            }
-            json_array_append_new(tl, step);
-        }
-        json_object_set_new(o, "prompt_ids", pi);
-        json_object_set_new(o, "generated_ids", gi);
-        json_object_set_new(o, "text", text ? json_stringn(text, text_len) : json_null());
-        if (text && !json_is_string(json_object_get(o, "text")))
-            json_object_set_new(o, "text", json_null()); /* not valid UTF-8 */
-        if (tok == NULL)
-            json_object_set_new(o, "text_unavailable", json_string("the model has no tokenizer"));
-        json_object_set_new(o, "top_logits", tl);
-        json_object_set_new(o, "stats", st);
+    if (o.json) {
+        gen_print_json(&o, ids, n_ids, &res, tok, text, text_len, st);
         st = NULL;
-        char *s = json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(9));
-        printf("%s\n", s);
-        free(s);
-        json_decref(o);
     } else if (text) {
-        printf("%s%s\n", prompt ? prompt : "", text);
+        printf("%s%s\n", o.prompt ? o.prompt : "", text);
     } else {
-        fprintf(stderr, "rekv: %s has no tokenizer; printing token ids\n", model_path);
+        fprintf(stderr, "rekv: %s has no tokenizer; printing token ids\n", o.model_path);
         for (int i = 0; i < res.n; i++)
             printf("%s%d", i ? "," : "", res.ids[i]);
         printf("\n");
