@@ -138,7 +138,14 @@ static void submit_usage(FILE *f)
             "prints its id); --json prints one object when the job is over.\n");
 }
 
-int cli_submit(int argc, char **argv)
+typedef struct submit_opts {
+    const char *prompt, *prompt_ids, *ep;
+    long max_new, top_k, seed, prio;
+    double temperature, top_p;
+    int json, ignore_eos, no_wait;
+} submit_opts;
+
+static int submit_parse(int argc, char **argv, submit_opts *o)
 {
     static const struct option opts[] = {
         {"prompt", required_argument, 0, 'p'},      {"prompt-ids", required_argument, 0, 'i'},
@@ -148,125 +155,76 @@ int cli_submit(int argc, char **argv)
         {"ignore-eos", no_argument, 0, 'E'},        {"no-wait", no_argument, 0, 'W'},
         {"json", no_argument, 0, 'j'},              {"socket", required_argument, 0, 'S'},
         {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
-    const char *prompt = NULL, *prompt_ids = NULL, *ep = NULL;
-    long max_new = 64, top_k = 0, seed = 0, prio = 0;
-    double temperature = 0, top_p = 1;
-    int json = 0, ignore_eos = 0, no_wait = 0, o;
+    *o = (submit_opts){.max_new = 64, .top_p = 1};
+    int c;
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (o) {
-        case 'p': prompt = optarg; break;
-        case 'i': prompt_ids = optarg; break;
-        case 'n': if (cli_parse_int("max-new-tokens", optarg, 0, 1 << 24, &max_new)) return 2; break;
-        case 't': if (cli_parse_float("temperature", optarg, 0, 100, &temperature)) return 2; break;
-        case 'k': if (cli_parse_int("top-k", optarg, 0, 1 << 30, &top_k)) return 2; break;
-        case 'P': if (cli_parse_float("top-p", optarg, 0, 1, &top_p)) return 2; break;
-        case 's': if (cli_parse_int("seed", optarg, 0, INT64_MAX, &seed)) return 2; break;
-        case 'r': if (cli_parse_int("priority", optarg, -1000000, 1000000, &prio)) return 2; break;
-        case 'E': ignore_eos = 1; break;
-        case 'W': no_wait = 1; break;
-        case 'j': json = 1; break;
-        case 'S': ep = optarg; break;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'p': o->prompt = optarg; break;
+        case 'i': o->prompt_ids = optarg; break;
+        case 'n': if (cli_parse_int("max-new-tokens", optarg, 0, 1 << 24, &o->max_new)) return 2; break;
+        case 't': if (cli_parse_float("temperature", optarg, 0, 100, &o->temperature)) return 2; break;
+        case 'k': if (cli_parse_int("top-k", optarg, 0, 1 << 30, &o->top_k)) return 2; break;
+        case 'P': if (cli_parse_float("top-p", optarg, 0, 1, &o->top_p)) return 2; break;
+        case 's': if (cli_parse_int("seed", optarg, 0, INT64_MAX, &o->seed)) return 2; break;
+        case 'r': if (cli_parse_int("priority", optarg, -1000000, 1000000, &o->prio)) return 2; break;
+        case 'E': o->ignore_eos = 1; break;
+        case 'W': o->no_wait = 1; break;
+        case 'j': o->json = 1; break;
+        case 'S': o->ep = optarg; break;
         case 'h': submit_usage(stdout); return 0;
         default: submit_usage(stderr); return 2;
         }
     }
-    if ((prompt == NULL) == (prompt_ids == NULL) || optind != argc) {
+    if (cli_no_operands(argc, argv) || (o->prompt == NULL) == (o->prompt_ids == NULL)) {
         submit_usage(stderr);
         return 2;
     }
-    int32_t *ids = NULL;
-    int n_ids = 0;
-    if (prompt_ids && cli_parse_ids(prompt_ids, &ids, &n_ids)) {
-        fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
-                prompt_ids);
-        return 2;
-    }
-    rekv_ctl *c = NULL;
-    int rc = 1;
-    Rekv__Control__Response *r = NULL;
-    if (connect_or_say(ep, &c))
-        goto out;
-    Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
-    smp.temperature = (float)temperature;
-    smp.top_k = (uint32_t)top_k;
-    smp.top_p = (float)top_p;
-    smp.seed = (uint64_t)seed;
-    Rekv__Control__Submit sub = REKV__CONTROL__SUBMIT__INIT;
-    sub.prompt_text = (char *)(prompt ? prompt : "");
-    sub.n_prompt_ids = (size_t)n_ids;
-    sub.prompt_ids = ids;
-    sub.sampling = &smp;
-    sub.max_new_tokens = (uint32_t)max_new;
-    sub.priority = (int32_t)prio;
-    sub.stop_at_eos = !ignore_eos;
-    sub.stream = !no_wait;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
-    rq.submit = &sub;
-    char key[REKV_CLIENT_KEY_MAX + 1];
+    return CLI_PARSED;
+}
+
+/* Follows job's stream (rq: its Submit, sent again under the same key after a silence; req_id: the
+ * request id its events carry) until the job is over, *r then holding the last event: without
+ * --json its text (or, from a coordinator without a tokenizer, its ids) goes to stdout as it
+ * comes; tokens/s on a terminal that is not also showing the text. 0, or 1 with a message. */
+static int submit_follow(rekv_ctl *c, Rekv__Control__Request *rq, char *key, uint64_t job,
+                         uint64_t req_id, const submit_opts *o, Rekv__Control__Response **r)
+{
     rekv_err err = {0};
-    if (cli_submit_call(c, &rq, key, CALL_TIMEOUT_MS, SUBMIT_TRIES, &r, &err)) {
-        fprintf(stderr, "rekv: %s (is a coordinator running? start one with `rekv run`)\n",
-                err.msg);
-        goto out;
-    }
-    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
-        rc = fail_response(r);
-        goto out;
-    }
-    uint64_t job = r->submitted->job, req_id = r->id;
-    if (no_wait) {
-        if (json) {
-            json_t *oj = json_object();
-            json_object_set_new(oj, "job", json_integer((json_int_t)job));
-            json_object_set_new(oj, "queue_depth", json_integer(r->submitted->queue_depth));
-            print_json(oj);
-        } else {
-            printf("%llu\n", (unsigned long long)job);
-        }
-        rc = 0;
-        goto out;
-    }
-    /* follow the stream until the job is over: without --json its text (or, from a coordinator
-     * without a tokenizer, its ids) goes to stdout as it comes; tokens/s on a terminal that is not
-     * also showing the text */
-    int tty = isatty(2) && (json || !isatty(1)), started = 0;
+    int tty = isatty(2) && (o->json || !isatty(1)), started = 0;
     uint64_t t0 = rekv_now_ns(), n_tok = 0;
-    if (!json && prompt) {
-        fputs(prompt, stdout);
+    if (!o->json && o->prompt) {
+        fputs(o->prompt, stdout);
         fflush(stdout);
     }
     for (;;) {
-        rekv__control__response__free_unpacked(r, NULL);
-        r = NULL;
-        int rc2 = rekv_ctl_recv(c, timeout_ms(STREAM_SILENCE_MS), &r, &err);
-        if (rc2 == -ETIMEDOUT) {
+        rekv__control__response__free_unpacked(*r, NULL);
+        *r = NULL;
+        int rc = rekv_ctl_recv(c, timeout_ms(STREAM_SILENCE_MS), r, &err);
+        if (rc == -ETIMEDOUT) {
             /* silence: the coordinator may have restarted and lost the subscription; the same
              * key subscribes again to the same job, from the first token not shown yet */
-            rq.submit->stream_from = (uint32_t)n_tok;
-            rc2 = cli_submit_call(c, &rq, key, CALL_TIMEOUT_MS, SUBMIT_TRIES, &r, &err);
-            if (rc2 == 0 && r->code != REKV__CONTROL__CODE__OK) {
-                rc = fail_response(r);
-                goto out;
-            }
-            if (rc2 == 0) {
-                if (r->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED)
-                    req_id = r->id;
+            rq->submit->stream_from = (uint32_t)n_tok;
+            rc = cli_submit_call(c, rq, key, CALL_TIMEOUT_MS, SUBMIT_TRIES, r, &err);
+            if (rc == 0 && (*r)->code != REKV__CONTROL__CODE__OK)
+                return fail_response(*r);
+            if (rc == 0) {
+                if ((*r)->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED)
+                    req_id = (*r)->id;
                 continue;
             }
         }
-        if (rc2) {
+        if (rc) {
             fprintf(stderr, "rekv: %s\n", err.msg);
-            goto out;
+            return 1;
         }
-        if (r->id != req_id || r->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
+        if ((*r)->id != req_id || (*r)->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
             continue;
-        const Rekv__Control__StreamEvent *ev = r->event;
+        const Rekv__Control__StreamEvent *ev = (*r)->event;
         uint64_t end = (uint64_t)ev->offset + ev->n_tokens;
         if (end <= n_tok && !ev->done)
             continue; /* shown already */
-        if (!json && end > n_tok) {
+        if (!o->json && end > n_tok) {
             /* the coordinator sends from the first token not shown (stream_from); text that
              * starts before it could not be cut, and is not expected */
             if (ev->has_text && ev->offset >= n_tok)
@@ -282,31 +240,26 @@ int cli_submit(int argc, char **argv)
             fprintf(stderr, "\rjob %llu: %llu tokens, %.1f tokens/s ", (unsigned long long)job,
                     (unsigned long long)n_tok, dt > 0 ? (double)n_tok / dt : 0.0);
         }
-        if (ev->done)
-            break;
+        if (ev->done) {
+            if (tty)
+                fprintf(stderr, "\n");
+            return 0;
+        }
     }
-    if (tty)
-        fprintf(stderr, "\n");
-    if (!json) {
-        const Rekv__Control__StreamEvent *ev = r->event;
-        printf("\n");
-        if (ev->state == REKV__CONTROL__JOB_STATE__FAILED)
-            fprintf(stderr, "rekv: job %llu failed: %s\n", (unsigned long long)job, ev->error);
-        else if (ev->state != REKV__CONTROL__JOB_STATE__DONE)
-            fprintf(stderr, "rekv: job %llu %s\n", (unsigned long long)job,
-                    rekv_ctl_state_name(ev->state));
-        rc = ev->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;
-        goto out;
-    }
+}
+
+/* --json: the finished job's status as one object; the exit code. */
+static int submit_print_json(rekv_ctl *c, uint64_t job)
+{
     Rekv__Control__StatusRequest sr = REKV__CONTROL__STATUS_REQUEST__INIT;
     sr.job = job;
     sr.with_text = 1;
-    Rekv__Control__Request rq2 = REKV__CONTROL__REQUEST__INIT;
-    rq2.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
-    rq2.status = &sr;
-    rekv__control__response__free_unpacked(r, NULL);
-    r = NULL;
-    if (call_or_say(c, &rq2, &r))
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    rq.status = &sr;
+    Rekv__Control__Response *r = NULL;
+    int rc = 1;
+    if (call_or_say(c, &rq, &r))
         goto out;
     if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
         rc = fail_response(r);
@@ -317,6 +270,91 @@ int cli_submit(int argc, char **argv)
     if (st->state == REKV__CONTROL__JOB_STATE__FAILED)
         fprintf(stderr, "rekv: job %llu failed: %s\n", (unsigned long long)job, st->error);
     rc = st->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;
+out:
+    if (r)
+        rekv__control__response__free_unpacked(r, NULL);
+    return rc;
+}
+
+/* --no-wait: the job's id (and with --json the queue's depth). */
+static void submit_print_id(const Rekv__Control__Response *r, int json)
+{
+    if (json) {
+        json_t *oj = json_object();
+        json_object_set_new(oj, "job", json_integer((json_int_t)r->submitted->job));
+        json_object_set_new(oj, "queue_depth", json_integer(r->submitted->queue_depth));
+        print_json(oj);
+    } else {
+        printf("%llu\n", (unsigned long long)r->submitted->job);
+    }
+}
+
+int cli_submit(int argc, char **argv)
+{
+    submit_opts o;
+    int rc = submit_parse(argc, argv, &o);
+    if (rc != CLI_PARSED)
+        return rc;
+    int32_t *ids = NULL;
+    int n_ids = 0;
+    if (o.prompt_ids && cli_parse_ids(o.prompt_ids, &ids, &n_ids)) {
+        fprintf(stderr, "rekv: --prompt-ids: expected comma-separated token ids, got \"%s\"\n",
+                o.prompt_ids);
+        return 2;
+    }
+    rekv_ctl *c = NULL;
+    rc = 1;
+    Rekv__Control__Response *r = NULL;
+    if (connect_or_say(o.ep, &c))
+        goto out;
+    Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
+    smp.temperature = (float)o.temperature;
+    smp.top_k = (uint32_t)o.top_k;
+    smp.top_p = (float)o.top_p;
+    smp.seed = (uint64_t)o.seed;
+    Rekv__Control__Submit sub = REKV__CONTROL__SUBMIT__INIT;
+    sub.prompt_text = (char *)(o.prompt ? o.prompt : "");
+    sub.n_prompt_ids = (size_t)n_ids;
+    sub.prompt_ids = ids;
+    sub.sampling = &smp;
+    sub.max_new_tokens = (uint32_t)o.max_new;
+    sub.priority = (int32_t)o.prio;
+    sub.stop_at_eos = !o.ignore_eos;
+    sub.stream = !o.no_wait;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rq.submit = &sub;
+    char key[REKV_CLIENT_KEY_MAX + 1];
+    rekv_err err = {0};
+    if (cli_submit_call(c, &rq, key, CALL_TIMEOUT_MS, SUBMIT_TRIES, &r, &err)) {
+        fprintf(stderr, "rekv: %s (is a coordinator running? start one with `rekv run`)\n",
+                err.msg);
+        goto out;
+    }
+    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
+        rc = fail_response(r);
+        goto out;
+    }
+    uint64_t job = r->submitted->job;
+    if (o.no_wait) {
+        submit_print_id(r, o.json);
+        rc = 0;
+        goto out;
+    }
+    if (submit_follow(c, &rq, key, job, r->id, &o, &r))
+        goto out;
+    if (o.json) {
+        rc = submit_print_json(c, job);
+        goto out;
+    }
+    const Rekv__Control__StreamEvent *ev = r->event;
+    printf("\n");
+    if (ev->state == REKV__CONTROL__JOB_STATE__FAILED)
+        fprintf(stderr, "rekv: job %llu failed: %s\n", (unsigned long long)job, ev->error);
+    else if (ev->state != REKV__CONTROL__JOB_STATE__DONE)
+        fprintf(stderr, "rekv: job %llu %s\n", (unsigned long long)job,
+                rekv_ctl_state_name(ev->state));
+    rc = ev->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;
 out:
     if (r)
         rekv__control__response__free_unpacked(r, NULL);
@@ -358,19 +396,27 @@ static int kvstore_status(const char *ep, int json)
     return 0;
 }
 
-/* `rekv status [JOB]` and `rekv cancel JOB` share option parsing. */
-static int job_command(int argc, char **argv, int cancel)
+typedef struct job_opts {
+    const char *ep, *kv_ep; /* --socket, --kvstore */
+    long job;               /* -1: none (status: the coordinator's health) */
+    long min_workers;
+    int json;
+} job_opts;
+
+/* `rekv status [JOB]` and `rekv cancel JOB` (cancel without status's --min-workers and
+ * --kvstore). */
+static int job_parse(int argc, char **argv, int cancel, job_opts *o)
 {
-    static const struct option opts[] = {{"socket", required_argument, 0, 'S'},
-                                         {"json", no_argument, 0, 'j'},
-                                         {"min-workers", required_argument, 0, 'w'},
-                                         {"kvstore", required_argument, 0, 'K'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
-    const char *ep = NULL, *kv_ep = NULL;
-    long min_workers = 0;
-    int json = 0, o;
-    optind = 1;
+    static const struct option status_opts[] = {{"socket", required_argument, 0, 'S'},
+                                                {"json", no_argument, 0, 'j'},
+                                                {"min-workers", required_argument, 0, 'w'},
+                                                {"kvstore", required_argument, 0, 'K'},
+                                                {"help", no_argument, 0, 'h'},
+                                                {0, 0, 0, 0}};
+    static const struct option cancel_opts[] = {{"socket", required_argument, 0, 'S'},
+                                                {"json", no_argument, 0, 'j'},
+                                                {"help", no_argument, 0, 'h'},
+                                                {0, 0, 0, 0}};
     const char *use =
         cancel ? "usage: rekv cancel [--socket ENDPOINT] [--json] JOB\n"
                : "usage: rekv status [--socket ENDPOINT] [--json] [--min-workers N] [JOB]\n"
@@ -378,58 +424,95 @@ static int job_command(int argc, char **argv, int cancel)
                  "Without JOB: the coordinator's health; exit 1 when it does not answer, or\n"
                  "serves fewer than --min-workers workers. --kvstore: whether the kvstore at\n"
                  "ENDPOINT answers. Both serve as health probes (deploy/docker-compose.yml).\n";
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (o) {
-        case 'S': ep = optarg; break;
-        case 'j': json = 1; break;
-        case 'w':
-            if (cancel || cli_parse_int("min-workers", optarg, 0, 1 << 20, &min_workers))
-                return 2;
-            break;
-        case 'K':
-            if (cancel) {
-                fputs(use, stderr);
-                return 2;
-            }
-            kv_ep = optarg;
-            break;
+    *o = (job_opts){.job = -1};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", cancel ? cancel_opts : status_opts, NULL)) != -1) {
+        switch (c) {
+        case 'S': o->ep = optarg; break;
+        case 'j': o->json = 1; break;
+        case 'w': if (cli_parse_int("min-workers", optarg, 0, 1 << 20, &o->min_workers)) return 2; break;
+        case 'K': o->kv_ep = optarg; break;
         case 'h': fputs(use, stdout); return 0;
         default: fputs(use, stderr); return 2;
         }
     }
-    if (kv_ep) {
-        if (optind != argc || ep || min_workers) {
-            fputs(use, stderr);
-            return 2;
-        }
-        return kvstore_status(kv_ep, json);
-    }
-    long job = -1;
-    if (optind + 1 == argc) {
-        if (cli_parse_int("job", argv[optind], 1, INT64_MAX, &job))
-            return 2;
-    } else if (optind != argc || cancel) {
+    const char *job = !o->kv_ep && optind < argc ? argv[optind++] : NULL;
+    if (cli_no_operands(argc, argv) || (cancel && job == NULL) ||
+        (o->kv_ep && (o->ep || o->min_workers))) {
         fputs(use, stderr);
         return 2;
     }
+    if (job && cli_parse_int("job", job, 1, INT64_MAX, &o->job))
+        return 2;
+    return CLI_PARSED;
+}
+
+/* The coordinator's health; exit 1 when it serves fewer than min_workers. */
+static int print_health(const Rekv__Control__Health *h, const job_opts *o)
+{
+    if (o->json) {
+        json_t *oj = json_object();
+        json_object_set_new(oj, "serving", json_boolean(h->serving));
+        json_object_set_new(oj, "workers", json_integer(h->workers));
+        json_object_set_new(oj, "protocol_version", json_integer(h->protocol_version));
+        json_object_set_new(oj, "uptime_s", json_real(h->uptime_s));
+        json_object_set_new(oj, "model", json_string(h->model ? h->model : ""));
+        print_json(oj);
+    } else {
+        printf("serving, %u worker%s, up %.0f s, model %s\n", h->workers,
+               h->workers == 1 ? "" : "s", h->uptime_s, h->model && *h->model ? h->model : "?");
+    }
+    if (h->workers < (uint32_t)o->min_workers) {
+        fprintf(stderr, "rekv: %u worker%s, fewer than %ld\n", h->workers,
+                h->workers == 1 ? "" : "s", o->min_workers);
+        return 1;
+    }
+    return 0;
+}
+
+static void print_job(const Rekv__Control__JobStatus *s, int json)
+{
+    if (json) {
+        print_json(status_json(s));
+        return;
+    }
+    printf("job %llu: %s%s%s%s, %zu tokens, %u attempt%s%s%s\n", (unsigned long long)s->job,
+           rekv_ctl_state_name(s->state), *s->finish_reason ? " (" : "", s->finish_reason,
+           *s->finish_reason ? ")" : "", s->n_generated_ids, s->attempts,
+           s->attempts == 1 ? "" : "s", *s->error ? ": " : "", s->error);
+    if (s->waiting && *s->waiting)
+        printf("%s\n", s->waiting);
+    if (s->text && *s->text)
+        printf("%s\n", s->text);
+}
+
+static int job_command(int argc, char **argv, int cancel)
+{
+    job_opts o;
+    int rc = job_parse(argc, argv, cancel, &o);
+    if (rc != CLI_PARSED)
+        return rc;
+    if (o.kv_ep)
+        return kvstore_status(o.kv_ep, o.json);
     rekv_ctl *c = NULL;
     Rekv__Control__Response *r = NULL;
-    int rc = 1;
-    if (connect_or_say(ep, &c))
+    rc = 1;
+    if (connect_or_say(o.ep, &c))
         return 1;
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     Rekv__Control__StatusRequest sr = REKV__CONTROL__STATUS_REQUEST__INIT;
     Rekv__Control__Cancel cr = REKV__CONTROL__CANCEL__INIT;
     Rekv__Control__HealthRequest hr = REKV__CONTROL__HEALTH_REQUEST__INIT;
-    if (job < 0) {
+    if (o.job < 0) {
         rq.body_case = REKV__CONTROL__REQUEST__BODY_HEALTH;
         rq.health = &hr;
     } else if (cancel) {
-        cr.job = (uint64_t)job;
+        cr.job = (uint64_t)o.job;
         rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
         rq.cancel = &cr;
     } else {
-        sr.job = (uint64_t)job;
+        sr.job = (uint64_t)o.job;
         sr.with_text = 1;
         rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
         rq.status = &sr;
@@ -440,42 +523,11 @@ static int job_command(int argc, char **argv, int cancel)
         rc = fail_response(r);
         goto out;
     }
-    if (r->body_case == REKV__CONTROL__RESPONSE__BODY_HEALTH) {
-        const Rekv__Control__Health *h = r->health;
-        if (json) {
-            json_t *oj = json_object();
-            json_object_set_new(oj, "serving", json_boolean(h->serving));
-            json_object_set_new(oj, "workers", json_integer(h->workers));
-            json_object_set_new(oj, "protocol_version", json_integer(h->protocol_version));
-            json_object_set_new(oj, "uptime_s", json_real(h->uptime_s));
-            json_object_set_new(oj, "model", json_string(h->model ? h->model : ""));
-            print_json(oj);
-        } else {
-            printf("serving, %u worker%s, up %.0f s, model %s\n", h->workers,
-                   h->workers == 1 ? "" : "s", h->uptime_s, h->model && *h->model ? h->model : "?");
-        }
-        if (h->workers < (uint32_t)min_workers) {
-            fprintf(stderr, "rekv: %u worker%s, fewer than %ld\n", h->workers,
-                    h->workers == 1 ? "" : "s", min_workers);
-            goto out;
-        }
-    } else if (r->body_case == REKV__CONTROL__RESPONSE__BODY_JOB) {
-        const Rekv__Control__JobStatus *s = r->job;
-        if (json) {
-            print_json(status_json(s));
-        } else {
-            printf("job %llu: %s%s%s%s, %zu tokens, %u attempt%s%s%s\n",
-                   (unsigned long long)s->job, rekv_ctl_state_name(s->state),
-                   *s->finish_reason ? " (" : "", s->finish_reason, *s->finish_reason ? ")" : "",
-                   s->n_generated_ids, s->attempts, s->attempts == 1 ? "" : "s",
-                   *s->error ? ": " : "", s->error);
-            if (s->waiting && *s->waiting)
-                printf("%s\n", s->waiting);
-            if (s->text && *s->text)
-                printf("%s\n", s->text);
-        }
-    }
     rc = 0;
+    if (r->body_case == REKV__CONTROL__RESPONSE__BODY_HEALTH)
+        rc = print_health(r->health, &o);
+    else if (r->body_case == REKV__CONTROL__RESPONSE__BODY_JOB)
+        print_job(r->job, o.json);
 out:
     if (r)
         rekv__control__response__free_unpacked(r, NULL);
@@ -503,7 +555,7 @@ int cli_stats(int argc, char **argv)
         default: fprintf(stderr, "usage: rekv stats [--socket ENDPOINT]\n"); return 2;
         }
     }
-    if (optind != argc) {
+    if (cli_no_operands(argc, argv)) {
         fprintf(stderr, "usage: rekv stats [--socket ENDPOINT]\n");
         return 2;
     }
