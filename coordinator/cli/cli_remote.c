@@ -182,7 +182,7 @@ static int start_trio(cli_remote *rm, const char *model_path, rekv_err *err)
         close(rm->sig_fd[1]);
         setenv("REKV_LOG", "warn", 0);
         /* one job: a batch of one (the worker sizes its device buffers for its batch) */
-        char *argv[] = {"run",         "--model", (char *)model_path, "--dir", rm->dir,
+        char *argv[] = {"rekv run",    "--model", (char *)model_path, "--dir", rm->dir,
                         "--max-batch", "1",       "--ready-fd",       fd,      NULL};
         /* `rekv run` in this forked child rather than exec'd: this binary's libraries (CUDA's
          * among them) are loaded already, which saves the second of loading them again */
@@ -257,21 +257,16 @@ static int nap(const cli_remote *rm, int ms, rekv_err *err)
     return 0;
 }
 
-int cli_generate_remote(cli_remote *rm, const char *model_path, const char *socket,
-                        const int32_t *ids, int n_ids, const rekv_gen_params *gp,
-                        rekv_gen_result *res, double *queued_s, double *run_s, rekv_err *err)
+/* The coordinator for model_path, its endpoint into ep: the one at socket (which must serve it),
+ * else the default control socket's when it serves it, else a private trio started in rm->dir. */
+static int remote_endpoint(cli_remote *rm, const char *model_path, const char *socket, char *ep,
+                           size_t len, rekv_err *err)
 {
-    static char reason[32];
-    char ep[PATH_MAX + 16], model[PATH_MAX];
-    rekv_ctl *c = NULL;
-    Rekv__Control__Response *r = NULL;
-    memset(res, 0, sizeof(*res));
-    int rc = remote_begin(rm, err);
-    if (rc)
-        return rc;
+    char model[PATH_MAX];
+    int rc;
     if (socket)
-        snprintf(ep, sizeof(ep), "%s", socket);
-    else if ((rc = rekv_client_control_endpoint(ep, sizeof(ep), err)))
+        snprintf(ep, len, "%s", socket);
+    else if ((rc = rekv_client_control_endpoint(ep, len, err)))
         return rc;
     /* a socket that does not exist, or that nobody listens on, is no coordinator: no probe */
     rekv_err probe = {0};
@@ -286,22 +281,29 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
                              ep, *model ? model : "no model", model_path);
         up = 0; /* the default socket serves another model: run a private trio instead */
     }
-    if (!up) {
-        if (socket)
-            return rekv_errf(err, -ECONNREFUSED, "no coordinator answers at %s", socket);
-        const char *tmp = getenv("TMPDIR");
-        snprintf(rm->dir, sizeof(rm->dir), "%s/rekv-run.XXXXXX", tmp && *tmp ? tmp : "/tmp");
-        if (mkdtemp(rm->dir) == NULL) {
-            rc = rekv_errf(err, -errno, "%s: %s", rm->dir, strerror(errno));
-            rm->dir[0] = '\0';
-            return rc;
-        }
-        if ((rc = start_trio(rm, model_path, err)))
-            goto out;
-        snprintf(ep, sizeof(ep), "ipc://%s/control", rm->dir);
+    if (up)
+        return 0;
+    if (socket)
+        return rekv_errf(err, -ECONNREFUSED, "no coordinator answers at %s", socket);
+    const char *tmp = getenv("TMPDIR");
+    snprintf(rm->dir, sizeof(rm->dir), "%s/rekv-run.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (mkdtemp(rm->dir) == NULL) {
+        rc = rekv_errf(err, -errno, "%s: %s", rm->dir, strerror(errno));
+        rm->dir[0] = '\0';
+        return rc;
     }
-    if ((rc = rekv_ctl_connect(ep, NULL, &c, err)))
-        goto out;
+    if ((rc = start_trio(rm, model_path, err)))
+        return rc;
+    snprintf(ep, len, "ipc://%s/control", rm->dir);
+    return 0;
+}
+
+/* Submits the job on *c (connected to ep; a new connection after BUSY), waiting while the queue is
+ * busy; *r holds the accepting reply, *req_id the request id the job's events carry. */
+static int remote_submit(const cli_remote *rm, rekv_ctl **c, const char *ep, const int32_t *ids,
+                         int n_ids, const rekv_gen_params *gp, Rekv__Control__Response **r,
+                         uint64_t *req_id, rekv_err *err)
+{
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     Rekv__Control__Submit sb = REKV__CONTROL__SUBMIT__INIT;
     Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
@@ -321,82 +323,140 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
     /* a busy queue is a reason to wait, not to fail; a lost reply is sent again under the same
      * key (a BUSY answer accepted nothing, so the key stays free for the next try) */
     char key[REKV_CLIENT_KEY_MAX + 1];
+    int rc;
     for (;;) {
-        if ((rc = cli_submit_call(c, &rq, key, CALL_TIMEOUT_MS, 4, &r, err)))
-            goto out;
-        if (r->code != REKV__CONTROL__CODE__BUSY)
+        if ((rc = cli_submit_call(*c, &rq, key, CALL_TIMEOUT_MS, 4, r, err)))
+            return rc;
+        if ((*r)->code != REKV__CONTROL__CODE__BUSY)
             break;
-        rekv__control__response__free_unpacked(r, NULL);
-        r = NULL;
+        rekv__control__response__free_unpacked(*r, NULL);
+        *r = NULL;
         if ((rc = nap(rm, 100, err)))
-            goto out;
+            return rc;
         rq.id = 0;
         /* a new connection: BUSY may mean this one is over the coordinator's --max-clients,
          * and it would stay so */
-        rekv_ctl_close(c);
-        c = NULL;
-        if ((rc = rekv_ctl_connect(ep, NULL, &c, err)))
-            goto out;
+        rekv_ctl_close(*c);
+        *c = NULL;
+        if ((rc = rekv_ctl_connect(ep, NULL, c, err)))
+            return rc;
     }
-    if (r->code != REKV__CONTROL__CODE__OK) {
-        rc = rekv_errf(err, -EINVAL, "the coordinator refused the job: %s", r->error);
-        goto out;
-    }
-    uint64_t job = r->submitted->job, sub_id = rq.id;
+    if ((*r)->code != REKV__CONTROL__CODE__OK)
+        return rekv_errf(err, -EINVAL, "the coordinator refused the job: %s", (*r)->error);
+    *req_id = rq.id;
+    return 0;
+}
+
+/* The job's status into *r (freed first), interrupted as the call is. */
+static int remote_status(const cli_remote *rm, rekv_ctl *c, uint64_t job,
+                         Rekv__Control__Response **r, rekv_err *err)
+{
     Rekv__Control__StatusRequest st = REKV__CONTROL__STATUS_REQUEST__INIT;
     st.job = job;
     Rekv__Control__Request srq = REKV__CONTROL__REQUEST__INIT;
     srq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
     srq.status = &st;
-    /* the job's events say when it is over, the moment it is; a long run shows its progress on a
-     * terminal (stderr: stdout stays the result) */
-    int tty = isatty(STDERR_FILENO), shown = 0;
+    rekv__control__response__free_unpacked(*r, NULL);
+    *r = NULL;
+    int rc = call(rm, c, &srq, r, err);
+    if (rc == 0 && ((*r)->code != REKV__CONTROL__CODE__OK ||
+                    (*r)->body_case != REKV__CONTROL__RESPONSE__BODY_JOB))
+        rc = rekv_errf(err, -EIO, "job %llu: %s", (unsigned long long)job, (*r)->error);
+    return rc;
+}
+
+/* Waits until the job is over: its events say so the moment it is (sub_id: the request id they
+ * carry); after a silence its status. A long run shows its progress on a terminal (stderr: stdout
+ * stays the result); *shown when it did. */
+static int remote_wait(const cli_remote *rm, rekv_ctl *c, uint64_t job, uint64_t sub_id,
+                       Rekv__Control__Response **r, int *shown, rekv_err *err)
+{
+    int tty = isatty(STDERR_FILENO), rc;
     uint64_t t_start = rekv_now_ns(), t_shown = t_start;
     for (;;) {
-        rekv__control__response__free_unpacked(r, NULL);
-        r = NULL;
-        rc = wait_reply(rm, c, sub_id, CALL_TIMEOUT_MS, &r, err);
+        rekv__control__response__free_unpacked(*r, NULL);
+        *r = NULL;
+        rc = wait_reply(rm, c, sub_id, CALL_TIMEOUT_MS, r, err);
         if (rc == -ETIMEDOUT) { /* a long step, or a coordinator gone: ask */
             rekv_err_clear(err);
-            srq.id = 0;
-            if ((rc = call(rm, c, &srq, &r, err)))
-                goto out;
-            if (r->code != REKV__CONTROL__CODE__OK ||
-                r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
-                rc = rekv_errf(err, -EIO, "job %llu: %s", (unsigned long long)job, r->error);
-                goto out;
-            }
-            if (r->job->state == REKV__CONTROL__JOB_STATE__QUEUED ||
-                r->job->state == REKV__CONTROL__JOB_STATE__RUNNING)
+            if ((rc = remote_status(rm, c, job, r, err)))
+                return rc;
+            if ((*r)->job->state == REKV__CONTROL__JOB_STATE__QUEUED ||
+                (*r)->job->state == REKV__CONTROL__JOB_STATE__RUNNING)
                 continue;
-            break;
+            return 0;
         }
         if (rc)
-            goto out;
-        if (r->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
+            return rc;
+        if ((*r)->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
             continue;
-        uint64_t now = rekv_now_ns(), n_tok = r->event->offset + r->event->n_tokens;
-        if (tty && now - t_shown > 500000000ull && !r->event->done) {
+        const Rekv__Control__StreamEvent *ev = (*r)->event;
+        uint64_t now = rekv_now_ns(), n_tok = ev->offset + ev->n_tokens;
+        if (tty && now - t_shown > 500000000ull && !ev->done) {
             double el = (double)(now - t_start) * 1e-9;
-            fprintf(stderr, "\r  %s: %llu tokens, %.1f tokens/s   ",
-                    rekv_ctl_state_name(r->event->state), (unsigned long long)n_tok,
-                    el > 0 ? (double)n_tok / el : 0.0);
+            fprintf(stderr, "\r  %s: %llu tokens, %.1f tokens/s   ", rekv_ctl_state_name(ev->state),
+                    (unsigned long long)n_tok, el > 0 ? (double)n_tok / el : 0.0);
             t_shown = now;
-            shown = 1;
+            *shown = 1;
         }
-        if (r->event->done)
-            break;
+        if (ev->done)
+            return 0;
     }
+}
+
+/* The finished job (js) as rekv_generate's result: ids, top logits, finish reason, times. */
+static int remote_result(const Rekv__Control__JobStatus *js, const rekv_gen_params *gp,
+                         rekv_gen_result *res, double *queued_s, double *run_s, rekv_err *err)
+{
+    static char reason[32];
+    size_t n = js->n_generated_ids, k = (size_t)gp->top_logits;
+    res->n = (int)n;
+    res->ids = malloc(sizeof(int32_t) * (n ? n : 1));
+    if (k) {
+        res->top_ids = malloc(sizeof(int32_t) * (n ? n * k : 1));
+        res->top_vals = malloc(sizeof(float) * (n ? n * k : 1));
+    }
+    if (!res->ids || (k && (!res->top_ids || !res->top_vals)))
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    memcpy(res->ids, js->generated_ids, sizeof(int32_t) * n);
+    if (k) {
+        if (js->top_logits != k || js->n_top_ids != n * k || js->n_top_vals != n * k)
+            return rekv_errf(err, -EPROTO, "the coordinator returned no top logits for job %llu",
+                             (unsigned long long)js->job);
+        memcpy(res->top_ids, js->top_ids, sizeof(int32_t) * n * k);
+        memcpy(res->top_vals, js->top_vals, sizeof(float) * n * k);
+    }
+    snprintf(reason, sizeof(reason), "%s", js->finish_reason);
+    res->finish_reason = reason;
+    *queued_s = js->queued_s;
+    *run_s = js->run_s;
+    return 0;
+}
+
+int cli_generate_remote(cli_remote *rm, const char *model_path, const char *socket,
+                        const int32_t *ids, int n_ids, const rekv_gen_params *gp,
+                        rekv_gen_result *res, double *queued_s, double *run_s, rekv_err *err)
+{
+    char ep[PATH_MAX + 16];
+    rekv_ctl *c = NULL;
+    Rekv__Control__Response *r = NULL;
+    memset(res, 0, sizeof(*res));
+    int rc = remote_begin(rm, err);
+    if (rc)
+        return rc;
+    if ((rc = remote_endpoint(rm, model_path, socket, ep, sizeof(ep), err)) ||
+        (rc = rekv_ctl_connect(ep, NULL, &c, err)))
+        goto out;
+    uint64_t sub_id = 0;
+    if ((rc = remote_submit(rm, &c, ep, ids, n_ids, gp, &r, &sub_id, err)))
+        goto out;
+    uint64_t job = r->submitted->job;
+    int shown = 0;
+    if ((rc = remote_wait(rm, c, job, sub_id, &r, &shown, err)))
+        goto out;
     /* everything about the finished job (ids, top logits, times) */
-    rekv__control__response__free_unpacked(r, NULL);
-    r = NULL;
-    srq.id = 0;
-    if ((rc = call(rm, c, &srq, &r, err)))
+    if ((rc = remote_status(rm, c, job, &r, err)))
         goto out;
-    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
-        rc = rekv_errf(err, -EIO, "job %llu: %s", (unsigned long long)job, r->error);
-        goto out;
-    }
     Rekv__Control__JobState js_state = r->job->state;
     if (js_state != REKV__CONTROL__JOB_STATE__DONE) {
         rc = rekv_errf(err, -EIO, "job %llu %s: %s", (unsigned long long)job,
@@ -405,32 +465,7 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
     }
     if (shown)
         fprintf(stderr, "\n");
-    Rekv__Control__JobStatus *js = r->job;
-    size_t n = js->n_generated_ids, k = (size_t)gp->top_logits;
-    res->n = (int)n;
-    res->ids = malloc(sizeof(int32_t) * (n ? n : 1));
-    if (k) {
-        res->top_ids = malloc(sizeof(int32_t) * (n ? n * k : 1));
-        res->top_vals = malloc(sizeof(float) * (n ? n * k : 1));
-    }
-    if (!res->ids || (k && (!res->top_ids || !res->top_vals))) {
-        rc = rekv_errf(err, -ENOMEM, "out of memory");
-        goto out;
-    }
-    memcpy(res->ids, js->generated_ids, sizeof(int32_t) * n);
-    if (k) {
-        if (js->top_logits != k || js->n_top_ids != n * k || js->n_top_vals != n * k) {
-            rc = rekv_errf(err, -EPROTO, "the coordinator returned no top logits for job %llu",
-                           (unsigned long long)job);
-            goto out;
-        }
-        memcpy(res->top_ids, js->top_ids, sizeof(int32_t) * n * k);
-        memcpy(res->top_vals, js->top_vals, sizeof(float) * n * k);
-    }
-    snprintf(reason, sizeof(reason), "%s", js->finish_reason);
-    res->finish_reason = reason;
-    *queued_s = js->queued_s;
-    *run_s = js->run_s;
+    rc = remote_result(r->job, gp, res, queued_s, run_s, err);
 out:
     if (r)
         rekv__control__response__free_unpacked(r, NULL);
