@@ -113,76 +113,65 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
     return 0;
 }
 
-int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po,
-                     const rekv_pipeline_config *cfg, int batch, int ctx, rekv_err *err)
+/* The private store of the modes that offload: a forked child that never uses CUDA, or (push with
+ * a GPU backend) the exec'd rekv-kvstore program, which opens CUDA for itself; sized for batch
+ * sequences of ctx tokens, its socket and spill files in s->dir (made here). */
+static int session_store_open(cli_session *s, const rekv_model_config *c,
+                              const rekv_pipeline_config *cfg, const rekv_link_config *link,
+                              int batch, int ctx, rekv_err *err)
 {
-    const char *backend = po->backend;
-    const rekv_link_config *link = &po->link;
-    const rekv_model_config *c = rekv_engine_config(e);
-    memset(s, 0, sizeof(*s));
-    char note[1200];
+    int rc;
+    const char *tmp = getenv("TMPDIR");
+    snprintf(s->dir, sizeof(s->dir), "%s/rekv-local.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (mkdtemp(s->dir) == NULL) {
+        rc = rekv_errf(err, -errno, "%s: %s", s->dir, strerror(errno));
+        s->dir[0] = '\0';
+        return rc;
+    }
+    char ep[4200];
+    snprintf(ep, sizeof(ep), "ipc://%s/kv.sock", s->dir);
+    rekv_kvstore_config kc;
+    rekv_kvstore_config_defaults(&kc);
+    kc.endpoint = ep;
+    kc.spill_dir = s->dir;
+    /* this process is the store's only client and holds its pins for a whole step, which can
+     * take minutes for a long prefill on the cpu backend; the store dies with it */
+    kc.lease_ms = 3600 * 1000;
+    /* --push: the store copies the KV rows into our device buffers with a backend of the
+     * kind ours is */
+    kc.push_backend = cfg->push ? s->be->iface->name : NULL;
+    if (cfg->push && link && link->gbps > 0) { /* over a link like ours */
+        kc.push_link.gbps = link->gbps;
+        kc.push_link.latency_us = link->latency_us;
+    }
+    if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
+        return rc;
+    size_t kvb = rekv_kv_block_bytes(&kc.geometry), actb = rekv_kv_act_block_bytes(&kc.geometry);
+    size_t slot = ((kvb > actb ? kvb : actb) + 4095) & ~(size_t)4095;
+    uint64_t blocks = (uint64_t)batch * (uint64_t)((ctx + 15) / 16 + 1) * (uint64_t)c->n_layers *
+                      (rekv_pipeline_keeps_act(cfg) ? 2 : 1);
+    kc.host_bytes = blocks * slot + blocks * slot / 8 + (4u << 20);
+    /* REKV_LOCAL_ARENA=SIZE: a smaller arena, to measure a batch that spills (the steps run
+     * in layer windows); not a flag: the private store is sized to fit otherwise */
+    const char *arena = getenv("REKV_LOCAL_ARENA");
+    uint64_t ab;
+    if (arena && *arena) {
+        if (rekv_parse_size(arena, &ab) || ab == 0)
+            return rekv_errf(err, -EINVAL, "REKV_LOCAL_ARENA=%s: expected bytes, e.g. 64M", arena);
+        kc.host_bytes = ab;
+    }
+    if ((rc = rekv_kvstore_spawn(&kc, &s->store_pid, err)))
+        return rc;
+    return rekv_kvstore_client_connect(ep, NULL, 60000, &s->store, err);
+}
+
+/* infinigen and clo: the skew (po->skew's file, or the model's, made once and cached), and clo's
+ * head profile, each where pc brings none; said on stderr when made now. */
+static int session_prepare_sparse(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po,
+                                  rekv_pipeline_config *pc, rekv_err *err)
+{
     int rc = 0;
-    if ((rc = rekv_backend_create(backend, link, &s->be, note, sizeof(note), err)))
-        goto fail;
-    static int said; /* once per process (bench opens a session per mode) */
-    if (!said && strncmp(note, "no usable GPU", 13) == 0) {
-        fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
-        said = 1;
-    }
-    /* the store: a forked child that never uses CUDA, or (push with a GPU backend) the exec'd
-     * rekv-kvstore program, which opens CUDA for itself */
-    if (cfg->mode != REKV_MODE_RESIDENT) {
-        const char *tmp = getenv("TMPDIR");
-        snprintf(s->dir, sizeof(s->dir), "%s/rekv-local.XXXXXX", tmp && *tmp ? tmp : "/tmp");
-        if (mkdtemp(s->dir) == NULL) {
-            rc = rekv_errf(err, -errno, "%s: %s", s->dir, strerror(errno));
-            s->dir[0] = '\0';
-            goto fail;
-        }
-        char ep[4200];
-        snprintf(ep, sizeof(ep), "ipc://%s/kv.sock", s->dir);
-        rekv_kvstore_config kc;
-        rekv_kvstore_config_defaults(&kc);
-        kc.endpoint = ep;
-        kc.spill_dir = s->dir;
-        /* this process is the store's only client and holds its pins for a whole step, which can
-         * take minutes for a long prefill on the cpu backend; the store dies with it */
-        kc.lease_ms = 3600 * 1000;
-        /* --push: the store copies the KV rows into our device buffers with a backend of the
-         * kind ours is */
-        kc.push_backend = cfg->push ? s->be->iface->name : NULL;
-        if (cfg->push && link && link->gbps > 0) { /* over a link like ours */
-            kc.push_link.gbps = link->gbps;
-            kc.push_link.latency_us = link->latency_us;
-        }
-        if ((rc = rekv_kv_geometry_from_config(c, cfg->cache_dtype, &kc.geometry, err)))
-            goto fail;
-        size_t kvb = rekv_kv_block_bytes(&kc.geometry),
-               actb = rekv_kv_act_block_bytes(&kc.geometry);
-        size_t slot = ((kvb > actb ? kvb : actb) + 4095) & ~(size_t)4095;
-        uint64_t blocks = (uint64_t)batch * (uint64_t)((ctx + 15) / 16 + 1) *
-                          (uint64_t)c->n_layers * (rekv_pipeline_keeps_act(cfg) ? 2 : 1);
-        kc.host_bytes = blocks * slot + blocks * slot / 8 + (4u << 20);
-        /* REKV_LOCAL_ARENA=SIZE: a smaller arena, to measure a batch that spills (the steps run
-         * in layer windows); not a flag: the private store is sized to fit otherwise */
-        const char *arena = getenv("REKV_LOCAL_ARENA");
-        uint64_t ab;
-        if (arena && *arena) {
-            if (rekv_parse_size(arena, &ab) || ab == 0) {
-                rc =
-                    rekv_errf(err, -EINVAL, "REKV_LOCAL_ARENA=%s: expected bytes, e.g. 64M", arena);
-                goto fail;
-            }
-            kc.host_bytes = ab;
-        }
-        if ((rc = rekv_kvstore_spawn(&kc, &s->store_pid, err)))
-            goto fail;
-        if ((rc = rekv_kvstore_client_connect(ep, NULL, 60000, &s->store, err)))
-            goto fail;
-    }
-    rekv_pipeline_config pc = *cfg;
-    pc.push = cfg->push && cfg->mode != REKV_MODE_RESIDENT; /* --push: the modes that stream KV */
-    if ((pc.mode == REKV_MODE_INFINIGEN || pc.mode == REKV_MODE_CLO) && pc.skew == NULL) {
+    if ((pc->mode == REKV_MODE_INFINIGEN || pc->mode == REKV_MODE_CLO) && pc->skew == NULL) {
         if (po->skew) {
             rc = rekv_skew_load(po->skew, e, &s->skew, err);
         } else {
@@ -193,25 +182,47 @@ int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po
                 fprintf(stderr,
                         "rekv: %s: skewed the model on a sample it generated "
                         "(%.1f s; cached for next time)\n",
-                        rekv_mode_name(pc.mode), (double)(rekv_now_ns() - t0) * 1e-9);
+                        rekv_mode_name(pc->mode), (double)(rekv_now_ns() - t0) * 1e-9);
         }
         if (rc)
-            goto fail;
-        pc.skew = &s->skew;
+            return rc;
+        pc->skew = &s->skew;
     }
-    if (pc.mode == REKV_MODE_CLO && pc.heads == NULL) {
+    if (pc->mode == REKV_MODE_CLO && pc->heads == NULL) {
         int cached = 0;
         uint64_t t0 = rekv_now_ns();
         if ((rc = rekv_heads_prepare(e, &s->heads, &cached, err)))
-            goto fail;
+            return rc;
         if (!cached)
             fprintf(stderr,
                     "rekv: clo: profiled the model's heads on a sample it generated "
                     "(%.1f s; cached for next time)\n",
                     (double)(rekv_now_ns() - t0) * 1e-9);
-        pc.heads = &s->heads;
+        pc->heads = &s->heads;
     }
-    if ((rc = rekv_pipeline_create(e, s->be, s->store, &pc, &s->p, err)))
+    return 0;
+}
+
+int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po,
+                     const rekv_pipeline_config *cfg, int batch, int ctx, rekv_err *err)
+{
+    memset(s, 0, sizeof(*s));
+    char note[1200];
+    int rc = 0;
+    if ((rc = rekv_backend_create(po->backend, &po->link, &s->be, note, sizeof(note), err)))
+        goto fail;
+    static int said; /* once per process (bench opens a session per mode) */
+    if (!said && strncmp(note, "no usable GPU", 13) == 0) {
+        fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
+        said = 1;
+    }
+    if (cfg->mode != REKV_MODE_RESIDENT &&
+        (rc = session_store_open(s, rekv_engine_config(e), cfg, &po->link, batch, ctx, err)))
+        goto fail;
+    rekv_pipeline_config pc = *cfg;
+    pc.push = cfg->push && cfg->mode != REKV_MODE_RESIDENT; /* --push: the modes that stream KV */
+    if ((rc = session_prepare_sparse(s, e, po, &pc, err)) ||
+        (rc = rekv_pipeline_create(e, s->be, s->store, &pc, &s->p, err)))
         goto fail;
     return 0;
 fail:
@@ -233,10 +244,9 @@ void cli_session_close(cli_session *s)
     memset(s, 0, sizeof(*s));
 }
 
-int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
+/* The options that take a word: 1 consumed, 0 not one of them, -1 bad value (printed). */
+static int parse_pipeline_word(int c, const char *arg, cli_pipeline_opts *o)
 {
-    long v;
-    double d;
     switch (c) {
     case CLI_OPT_MODE:
         if (rekv_mode_parse(arg, &o->cfg.mode)) {
@@ -245,14 +255,6 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
                     "clo\n");
             return -1;
         }
-        return 1;
-    case CLI_OPT_OFFLOAD_WEIGHTS:
-        o->cfg.offload_weights = 1;
-        return 1;
-    case CLI_OPT_GPU_BATCHES:
-        if (cli_parse_int("gpu-batches", arg, 1, 64, &v))
-            return -1;
-        o->cfg.gpu_batches = (int)v;
         return 1;
     case CLI_OPT_SCHEDULE:
         if (strcmp(arg, "row") == 0)
@@ -263,11 +265,6 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
             fprintf(stderr, "rekv: --schedule: expected row or column\n");
             return -1;
         }
-        return 1;
-    case CLI_OPT_SPLIT:
-        if (cli_parse_int("split", arg, 0, 1 << 30, &v))
-            return -1;
-        o->cfg.split = (int)v;
         return 1;
     case CLI_OPT_RATIO: {
         unsigned kv, act;
@@ -291,12 +288,45 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
             return -1;
         }
         return 1;
-    case CLI_OPT_LINK_GBPS:
-        return cli_parse_link(&o->link, "link-gbps", arg) ? -1 : 1;
-    case CLI_OPT_LINK_LATENCY:
-        return cli_parse_link(&o->link, "link-latency-us", arg) ? -1 : 1;
-    case CLI_OPT_DEVICE_MEMORY:
-        return cli_parse_link(&o->link, "device-memory", arg) ? -1 : 1;
+    case CLI_OPT_BACKEND:
+        if (strcmp(arg, "auto") && strcmp(arg, "cpu") && strcmp(arg, "cuda")) {
+            fprintf(stderr, "rekv: --backend: expected auto, cpu or cuda\n");
+            return -1;
+        }
+        o->backend = arg;
+        return 1;
+    case CLI_OPT_SELECT:
+        if (strcmp(arg, "speculate") == 0)
+            o->cfg.select = REKV_SELECT_SPECULATE;
+        else if (strcmp(arg, "random") == 0)
+            o->cfg.select = REKV_SELECT_RANDOM;
+        else if (strcmp(arg, "all") == 0)
+            o->cfg.select = REKV_SELECT_ALL;
+        else {
+            fprintf(stderr, "rekv: --select: expected speculate, random or all\n");
+            return -1;
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* The options that take a number: 1 consumed, 0 not one of them, -1 bad value (printed). */
+static int parse_pipeline_number(int c, const char *arg, cli_pipeline_opts *o)
+{
+    long v;
+    double d;
+    switch (c) {
+    case CLI_OPT_GPU_BATCHES:
+        if (cli_parse_int("gpu-batches", arg, 1, 64, &v))
+            return -1;
+        o->cfg.gpu_batches = (int)v;
+        return 1;
+    case CLI_OPT_SPLIT:
+        if (cli_parse_int("split", arg, 0, 1 << 30, &v))
+            return -1;
+        o->cfg.split = (int)v;
+        return 1;
     case CLI_OPT_ACT_GPU:
         if (cli_parse_int("act-gpu-blocks", arg, 0, 1 << 20, &v))
             return -1;
@@ -307,18 +337,10 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
             return -1;
         o->cfg.device_tokens = (int)v;
         return 1;
-    case CLI_OPT_BACKEND:
-        if (strcmp(arg, "auto") && strcmp(arg, "cpu") && strcmp(arg, "cuda")) {
-            fprintf(stderr, "rekv: --backend: expected auto, cpu or cuda\n");
+    case CLI_OPT_LOOKAHEAD:
+        if (cli_parse_int("lookahead", arg, 0, 1, &v))
             return -1;
-        }
-        o->backend = arg;
-        return 1;
-    case CLI_OPT_TRACE:
-        o->trace = arg;
-        return 1;
-    case CLI_OPT_PUSH:
-        o->cfg.push = 1;
+        o->cfg.lookahead = (int)v;
         return 1;
     case CLI_OPT_ALPHA:
         if (strcmp(arg, "inf") == 0) {
@@ -339,14 +361,6 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
             return -1;
         o->partial_ratio = d;
         return 1;
-    case CLI_OPT_SKEW:
-        o->skew = arg;
-        return 1;
-    case CLI_OPT_LOOKAHEAD:
-        if (cli_parse_int("lookahead", arg, 0, 1, &v))
-            return -1;
-        o->cfg.lookahead = (int)v;
-        return 1;
     case CLI_OPT_ETA:
         if (cli_parse_float("eta", arg, -0.999999, 1, &d))
             return -1;
@@ -365,20 +379,34 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         else
             o->cfg.persist_np = d;
         return 1;
-    case CLI_OPT_SELECT:
-        if (strcmp(arg, "speculate") == 0)
-            o->cfg.select = REKV_SELECT_SPECULATE;
-        else if (strcmp(arg, "random") == 0)
-            o->cfg.select = REKV_SELECT_RANDOM;
-        else if (strcmp(arg, "all") == 0)
-            o->cfg.select = REKV_SELECT_ALL;
-        else {
-            fprintf(stderr, "rekv: --select: expected speculate, random or all\n");
-            return -1;
-        }
-        return 1;
     }
     return 0;
+}
+
+int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
+{
+    switch (c) {
+    case CLI_OPT_OFFLOAD_WEIGHTS:
+        o->cfg.offload_weights = 1;
+        return 1;
+    case CLI_OPT_PUSH:
+        o->cfg.push = 1;
+        return 1;
+    case CLI_OPT_TRACE:
+        o->trace = arg;
+        return 1;
+    case CLI_OPT_SKEW:
+        o->skew = arg;
+        return 1;
+    case CLI_OPT_LINK_GBPS:
+        return cli_parse_link(&o->link, "link-gbps", arg) ? -1 : 1;
+    case CLI_OPT_LINK_LATENCY:
+        return cli_parse_link(&o->link, "link-latency-us", arg) ? -1 : 1;
+    case CLI_OPT_DEVICE_MEMORY:
+        return cli_parse_link(&o->link, "device-memory", arg) ? -1 : 1;
+    }
+    int r = parse_pipeline_word(c, arg, o);
+    return r ? r : parse_pipeline_number(c, arg, o);
 }
 
 void cli_pipeline_opts_defaults(cli_pipeline_opts *o)
