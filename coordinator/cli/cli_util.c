@@ -242,8 +242,10 @@ int cli_calibration_ids(const char *model_path, const rekv_model_config *cfg,
         rekv_tokenizer *tok = NULL;
         char *text = NULL;
         rc = rekv_tokenizer_load_for_model(model_path, &tok, err);
-        if (rc == -ENOENT)
+        if (rc == -ENOENT) {
+            rekv_err_clear(err); /* the loader's line names the file it looked for */
             return rekv_errf(err, rc, "%s has no tokenizer; give the text as --ids", model_path);
+        }
         if (rc == 0 && (rc = cli_read_text(text_path, &text, &len, err)) == 0)
             rc = rekv_tokenizer_encode(tok, text, len, cfg->add_bos ? cfg->bos_id : -1, ids, &m,
                                        err);
