@@ -132,7 +132,7 @@ int cli_skew(int argc, char **argv)
             return 2;
         }
     }
-    if (model_path == NULL || (text_path && ids_path) || optind != argc) {
+    if (cli_no_operands(argc, argv) || model_path == NULL || (text_path && ids_path)) {
         usage(stderr);
         return 2;
     }
