@@ -137,7 +137,7 @@ int cli_heads(int argc, char **argv)
             return 2;
         }
     }
-    if (model_path == NULL || (text_path && ids_path) || optind != argc) {
+    if (cli_no_operands(argc, argv) || model_path == NULL || (text_path && ids_path)) {
         usage(stderr);
         return 2;
     }
