@@ -302,10 +302,8 @@ int cli_profile(int argc, char **argv)
             return c == 'h' ? 0 : 2;
         }
     }
-    if (optind < argc) {
-        fprintf(stderr, "rekv profile: unexpected argument \"%s\"\n", argv[optind]);
+    if (cli_no_operands(argc, argv))
         return 2;
-    }
     if (model_path == NULL) {
         fprintf(stderr, "rekv profile: --model is required\n");
         return 2;
