@@ -360,8 +360,10 @@ int rekv_kvstore_bench_main(int argc, char **argv)
         default: goto usage;
         }
     }
-    if (optind != argc)
+    if (optind != argc) { /* argv[0]: "rekv bench kvstore" (the CLI names it) */
+        fprintf(stderr, "%s: unexpected argument '%s'\n", argv[0], argv[optind]);
         goto usage;
+    }
     /* the 4096-block plan needs 4096 KV blocks resident below the spill watermark */
     uint64_t need_mib = (4096ull * rekv_kv_block_bytes(&o.g) * 100 / 85 >> 20) + 2;
     if (o.host_mib < need_mib)
