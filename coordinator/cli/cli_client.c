@@ -540,41 +540,9 @@ int cli_cancel(int argc, char **argv) { return job_command(argc, argv, 1); }
 
 /* ---------------------------------------------------------------- stats */
 
-int cli_stats(int argc, char **argv)
+/* The coordinator's counters, connections and workers as `rekv stats` prints them. */
+static json_t *stats_json(const Rekv__Control__Stats *s)
 {
-    static const struct option opts[] = {{"socket", required_argument, 0, 'S'},
-                                         {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
-    const char *ep = NULL;
-    int o;
-    optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (o) {
-        case 'S': ep = optarg; break;
-        case 'h': printf("usage: rekv stats [--socket ENDPOINT]   (prints one JSON object)\n"); return 0;
-        default: fprintf(stderr, "usage: rekv stats [--socket ENDPOINT]\n"); return 2;
-        }
-    }
-    if (cli_no_operands(argc, argv)) {
-        fprintf(stderr, "usage: rekv stats [--socket ENDPOINT]\n");
-        return 2;
-    }
-    rekv_ctl *c = NULL;
-    Rekv__Control__Response *r = NULL;
-    int rc = 1;
-    if (connect_or_say(ep, &c))
-        return 1;
-    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
-    rq.stats = &sr;
-    if (call_or_say(c, &rq, &r))
-        goto out;
-    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_STATS) {
-        rc = fail_response(r);
-        goto out;
-    }
-    const Rekv__Control__Stats *s = r->stats;
     json_t *oj = json_pack(
         "{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:I, s:f, s:f, s:i, s:f}",
         "queued", (json_int_t)s->queued, "running", (json_int_t)s->running, "done",
@@ -633,7 +601,44 @@ int cli_stats(int argc, char **argv)
         json_array_append_new(ws, wj);
     }
     json_object_set_new(oj, "workers", ws);
-    print_json(oj);
+    return oj;
+}
+
+int cli_stats(int argc, char **argv)
+{
+    static const struct option opts[] = {{"socket", required_argument, 0, 'S'},
+                                         {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *ep = NULL;
+    int o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 'S': ep = optarg; break;
+        case 'h': printf("usage: rekv stats [--socket ENDPOINT]   (prints one JSON object)\n"); return 0;
+        default: fprintf(stderr, "usage: rekv stats [--socket ENDPOINT]\n"); return 2;
+        }
+    }
+    if (cli_no_operands(argc, argv)) {
+        fprintf(stderr, "usage: rekv stats [--socket ENDPOINT]\n");
+        return 2;
+    }
+    rekv_ctl *c = NULL;
+    Rekv__Control__Response *r = NULL;
+    int rc = 1;
+    if (connect_or_say(ep, &c))
+        return 1;
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    if (call_or_say(c, &rq, &r))
+        goto out;
+    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_STATS) {
+        rc = fail_response(r);
+        goto out;
+    }
+    print_json(stats_json(r->stats));
     rc = 0;
 out:
     if (r)
