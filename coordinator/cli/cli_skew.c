@@ -91,7 +91,13 @@ static void print_text(const char *path, const rekv_skew *s, int from_cache, int
         printf("  %5d  %6.4f  %8.4f\n", l, skewed[l], plain[l]);
 }
 
-int cli_skew(int argc, char **argv)
+typedef struct skew_opts {
+    const char *model_path, *text_path, *ids_path, *out_path;
+    double ratio;
+    int json;
+} skew_opts;
+
+static int skew_parse(int argc, char **argv, skew_opts *o)
 {
     enum { O_MODEL = 1, O_TEXT, O_IDS, O_RATIO, O_OUT, O_JSON, O_HELP };
     static const struct option opts[] = {
@@ -99,30 +105,29 @@ int cli_skew(int argc, char **argv)
         {"ids", required_argument, 0, O_IDS},     {"ratio", required_argument, 0, O_RATIO},
         {"out", required_argument, 0, O_OUT},     {"json", no_argument, 0, O_JSON},
         {"help", no_argument, 0, O_HELP},         {0, 0, 0, 0}};
-    const char *model_path = NULL, *text_path = NULL, *ids_path = NULL, *out_path = NULL;
-    double ratio = REKV_SKEW_DEFAULT_RATIO;
-    int json = 0, c;
+    *o = (skew_opts){.ratio = REKV_SKEW_DEFAULT_RATIO};
+    int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
         case O_MODEL:
-            model_path = optarg;
+            o->model_path = optarg;
             break;
         case O_TEXT:
-            text_path = optarg;
+            o->text_path = optarg;
             break;
         case O_IDS:
-            ids_path = optarg;
+            o->ids_path = optarg;
             break;
         case O_RATIO:
-            if (parse_ratio(optarg, &ratio))
+            if (parse_ratio(optarg, &o->ratio))
                 return 2;
             break;
         case O_OUT:
-            out_path = optarg;
+            o->out_path = optarg;
             break;
         case O_JSON:
-            json = 1;
+            o->json = 1;
             break;
         case O_HELP:
             usage(stdout);
@@ -132,10 +137,19 @@ int cli_skew(int argc, char **argv)
             return 2;
         }
     }
-    if (cli_no_operands(argc, argv) || model_path == NULL || (text_path && ids_path)) {
+    if (cli_no_operands(argc, argv) || o->model_path == NULL || (o->text_path && o->ids_path)) {
         usage(stderr);
         return 2;
     }
+    return CLI_PARSED;
+}
+
+int cli_skew(int argc, char **argv)
+{
+    skew_opts o;
+    int prc = skew_parse(argc, argv, &o);
+    if (prc != CLI_PARSED)
+        return prc;
     int rc = 1, from_cache = 0, n_ids = 0;
     rekv_err err = {0};
     rekv_model *model = NULL;
@@ -144,28 +158,29 @@ int cli_skew(int argc, char **argv)
     int32_t *ids = NULL;
     char cache_path[4300];
     double *skewed = NULL, *plain = NULL;
-    if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
+    if (rekv_model_open(o.model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
     const rekv_model_config *cfg = &model->config;
-    if (ids_path || text_path) {
-        if (cli_calibration_ids(model_path, cfg, text_path, ids_path, json, &ids, &n_ids, &err))
+    if (o.ids_path || o.text_path) {
+        if (cli_calibration_ids(o.model_path, cfg, o.text_path, o.ids_path, o.json, &ids, &n_ids,
+                                &err))
             goto fail;
-        if (rekv_skew_calibrate(eng, ids, n_ids, ratio, &skew, &err))
+        if (rekv_skew_calibrate(eng, ids, n_ids, o.ratio, &skew, &err))
             goto fail;
     } else {
-        if (rekv_skew_prepare(eng, ratio, &skew, &from_cache, &err) ||
+        if (rekv_skew_prepare(eng, o.ratio, &skew, &from_cache, &err) ||
             rekv_skew_sample(eng, &ids, &n_ids, &err))
             goto fail;
     }
-    int to_cache = out_path == NULL;
+    int to_cache = o.out_path == NULL;
     if (to_cache) {
-        if (rekv_skew_cache_path(eng, ratio, cache_path, sizeof(cache_path), &err))
+        if (rekv_skew_cache_path(eng, o.ratio, cache_path, sizeof(cache_path), &err))
             goto fail;
-        out_path = cache_path;
+        o.out_path = cache_path;
     }
     /* written again even when prepare has just saved it: prepare does not count a cache it could
      * not write as a failure, and pre-warming the cache is what this command was asked for */
-    if (!(to_cache && from_cache) && rekv_skew_save(&skew, out_path, &err))
+    if (!(to_cache && from_cache) && rekv_skew_save(&skew, o.out_path, &err))
         goto fail;
     skewed = calloc((size_t)skew.n_layers, sizeof(double));
     plain = calloc((size_t)skew.n_layers, sizeof(double));
@@ -175,13 +190,14 @@ int cli_skew(int argc, char **argv)
     }
     if (rekv_skew_concentration(eng, &skew, ids, n_ids, skewed, plain, &err))
         goto fail;
-    if (json) {
-        if (print_json(model_path, out_path, ratio, &skew, from_cache, n_ids, skewed, plain)) {
+    if (o.json) {
+        if (print_json(o.model_path, o.out_path, o.ratio, &skew, from_cache, n_ids, skewed,
+                       plain)) {
             rekv_errf(&err, -ENOMEM, "out of memory");
             goto fail;
         }
     } else {
-        print_text(out_path, &skew, from_cache, n_ids, skewed, plain);
+        print_text(o.out_path, &skew, from_cache, n_ids, skewed, plain);
     }
     rc = 0;
     goto out;
