@@ -46,8 +46,8 @@ static json_t *head_rows(const rekv_heads *h, int l, double eta, double p)
     return a;
 }
 
-static int print_json(const char *model_path, const char *path, const rekv_heads *h,
-                      int from_cache, double eta, double p)
+static int print_json(const char *model_path, const char *path, const rekv_heads *h, int from_cache,
+                      double eta, double p)
 {
     json_t *layers = json_array();
     for (int l = 0; l < h->n_layers; l++) {
@@ -70,8 +70,7 @@ static int print_json(const char *model_path, const char *path, const rekv_heads
     return 0;
 }
 
-static void print_text(const char *path, const rekv_heads *h, int from_cache, double eta,
-                       double p)
+static void print_text(const char *path, const rekv_heads *h, int from_cache, double eta, double p)
 {
     printf("%s: %s, %d tokens; eta %.2f, power %.1f\n", path,
            from_cache ? "from the cache" : "profiled now", h->sample_tokens, eta, p);
@@ -91,43 +90,51 @@ static void print_text(const char *path, const rekv_heads *h, int from_cache, do
     }
 }
 
-int cli_heads(int argc, char **argv)
+typedef struct heads_opts {
+    const char *model_path, *text_path, *ids_path, *out_path;
+    double eta, power;
+    int json;
+} heads_opts;
+
+static int heads_parse(int argc, char **argv, heads_opts *o)
 {
     enum { O_MODEL = 1, O_TEXT, O_IDS, O_ETA, O_POWER, O_OUT, O_JSON, O_HELP };
-    static const struct option opts[] = {
-        {"model", required_argument, 0, O_MODEL}, {"text", required_argument, 0, O_TEXT},
-        {"ids", required_argument, 0, O_IDS},     {"eta", required_argument, 0, O_ETA},
-        {"power", required_argument, 0, O_POWER}, {"out", required_argument, 0, O_OUT},
-        {"json", no_argument, 0, O_JSON},         {"help", no_argument, 0, O_HELP},
-        {0, 0, 0, 0}};
-    const char *model_path = NULL, *text_path = NULL, *ids_path = NULL, *out_path = NULL;
-    double eta = REKV_HEADS_ETA, power = REKV_HEADS_POWER;
-    int json = 0, c;
+    static const struct option opts[] = {{"model", required_argument, 0, O_MODEL},
+                                         {"text", required_argument, 0, O_TEXT},
+                                         {"ids", required_argument, 0, O_IDS},
+                                         {"eta", required_argument, 0, O_ETA},
+                                         {"power", required_argument, 0, O_POWER},
+                                         {"out", required_argument, 0, O_OUT},
+                                         {"json", no_argument, 0, O_JSON},
+                                         {"help", no_argument, 0, O_HELP},
+                                         {0, 0, 0, 0}};
+    *o = (heads_opts){.eta = REKV_HEADS_ETA, .power = REKV_HEADS_POWER};
+    int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
         case O_MODEL:
-            model_path = optarg;
+            o->model_path = optarg;
             break;
         case O_TEXT:
-            text_path = optarg;
+            o->text_path = optarg;
             break;
         case O_IDS:
-            ids_path = optarg;
+            o->ids_path = optarg;
             break;
         case O_ETA:
-            if (cli_parse_float("eta", optarg, -1, 1, &eta))
+            if (cli_parse_float("eta", optarg, -1, 1, &o->eta))
                 return 2;
             break;
         case O_POWER:
-            if (cli_parse_float("power", optarg, 0, 16, &power))
+            if (cli_parse_float("power", optarg, 0, 16, &o->power))
                 return 2;
             break;
         case O_OUT:
-            out_path = optarg;
+            o->out_path = optarg;
             break;
         case O_JSON:
-            json = 1;
+            o->json = 1;
             break;
         case O_HELP:
             usage(stdout);
@@ -137,10 +144,19 @@ int cli_heads(int argc, char **argv)
             return 2;
         }
     }
-    if (cli_no_operands(argc, argv) || model_path == NULL || (text_path && ids_path)) {
+    if (cli_no_operands(argc, argv) || o->model_path == NULL || (o->text_path && o->ids_path)) {
         usage(stderr);
         return 2;
     }
+    return CLI_PARSED;
+}
+
+int cli_heads(int argc, char **argv)
+{
+    heads_opts o;
+    int prc = heads_parse(argc, argv, &o);
+    if (prc != CLI_PARSED)
+        return prc;
     int rc = 1, from_cache = 0, n = 0;
     rekv_err err = {0};
     rekv_model *model = NULL;
@@ -148,30 +164,30 @@ int cli_heads(int argc, char **argv)
     rekv_heads h = {0};
     int32_t *ids = NULL;
     char cache_path[4300];
-    if (rekv_model_open(model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
+    if (rekv_model_open(o.model_path, &model, &err) || rekv_engine_create(model, &eng, &err))
         goto fail;
-    if (ids_path || text_path) {
-        if (cli_calibration_ids(model_path, &model->config, text_path, ids_path, json, &ids, &n,
-                                &err) ||
+    if (o.ids_path || o.text_path) {
+        if (cli_calibration_ids(o.model_path, &model->config, o.text_path, o.ids_path, o.json, &ids,
+                                &n, &err) ||
             rekv_heads_profile(eng, ids, n, &h, &err))
             goto fail;
     } else if (rekv_heads_prepare(eng, &h, &from_cache, &err)) {
         goto fail;
     }
-    int to_cache = out_path == NULL;
+    int to_cache = o.out_path == NULL;
     if (to_cache) {
         if (rekv_heads_cache_path(eng, cache_path, sizeof(cache_path), &err))
             goto fail;
-        out_path = cache_path;
+        o.out_path = cache_path;
     }
-    if (!(to_cache && from_cache) && rekv_heads_save(&h, out_path, &err))
+    if (!(to_cache && from_cache) && rekv_heads_save(&h, o.out_path, &err))
         goto fail;
-    if (json ? print_json(model_path, out_path, &h, from_cache, eta, power) : 0) {
+    if (o.json ? print_json(o.model_path, o.out_path, &h, from_cache, o.eta, o.power) : 0) {
         rekv_errf(&err, -1, "out of memory");
         goto fail;
     }
-    if (!json)
-        print_text(out_path, &h, from_cache, eta, power);
+    if (!o.json)
+        print_text(o.out_path, &h, from_cache, o.eta, o.power);
     rc = 0;
     goto out;
 fail:
