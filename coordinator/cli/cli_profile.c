@@ -245,7 +245,29 @@ static json_t *json_report(const char *model_path, const rekv_profile *p,
                      "profile", rekv_profile_json(p), "planner", plans);
 }
 
-int cli_profile(int argc, char **argv)
+typedef struct profile_opts {
+    const char *model_path, *backend;
+    rekv_link_config link; /* the emulated link (--link-gbps, --link-latency-us) */
+    int force, json;       /* force: --reprofile */
+} profile_opts;
+
+static void profile_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: rekv profile --model PATH [--backend auto|cpu|cuda] [--link-gbps G]\n"
+            "                    [--link-latency-us U] [--reprofile] [--json]\n"
+            "Measures the link each way, GEMM and attention throughput at the model's\n"
+            "shapes and the fitted T_load_kv(n) and T_kv_gen(n) on the backend (the GPU\n"
+            "when there is one; on cpu with an emulated link of G Gbit/s and U us per\n"
+            "copy when --link-gbps is given),\n"
+            "caches the profile in $XDG_CACHE_HOME/rekv/profiles (or ~/.cache/...), and\n"
+            "shows the planner's choices for a batch of %d at contexts 128, 512, 2048.\n"
+            "  --reprofile   measure even when a valid cached profile exists\n"
+            "  --json        print one JSON object\n",
+            PLAN_BATCH);
+}
+
+static int profile_parse(int argc, char **argv, profile_opts *o)
 {
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},
                                          {"link-gbps", required_argument, 0, 'g'},
@@ -255,80 +277,79 @@ int cli_profile(int argc, char **argv)
                                          {"json", no_argument, 0, 'j'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    const char *model_path = NULL, *backend = "auto";
-    rekv_link_config link = REKV_LINK_NONE;
-    int force = 0, as_json = 0, c;
+    *o = (profile_opts){.backend = "auto", .link = REKV_LINK_NONE};
+    int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
         case 'm':
-            model_path = optarg;
+            o->model_path = optarg;
             break;
         case 'g':
-            if (cli_parse_link(&link, "link-gbps", optarg))
+            if (cli_parse_link(&o->link, "link-gbps", optarg))
                 return 2;
             break;
         case 'l':
-            if (cli_parse_link(&link, "link-latency-us", optarg))
+            if (cli_parse_link(&o->link, "link-latency-us", optarg))
                 return 2;
             break;
         case 'r':
-            force = 1;
+            o->force = 1;
             break;
         case 'b':
             if (strcmp(optarg, "auto") && strcmp(optarg, "cpu") && strcmp(optarg, "cuda")) {
                 fprintf(stderr, "rekv profile: --backend: expected auto, cpu or cuda\n");
                 return 2;
             }
-            backend = optarg;
+            o->backend = optarg;
             break;
         case 'j':
-            as_json = 1;
+            o->json = 1;
             break;
         case 'h':
+            profile_usage(stdout);
+            return 0;
         default:
-            fprintf(c == 'h' ? stdout : stderr,
-                    "usage: rekv profile --model PATH [--backend auto|cpu|cuda] [--link-gbps G]\n"
-                    "                    [--link-latency-us U] [--reprofile] [--json]\n"
-                    "Measures the link each way, GEMM and attention throughput at the model's\n"
-                    "shapes and the fitted T_load_kv(n) and T_kv_gen(n) on the backend (the GPU\n"
-                    "when there is one; on cpu with an emulated link of G Gbit/s and U us per\n"
-                    "copy when --link-gbps is given),\n"
-                    "caches the profile in $XDG_CACHE_HOME/rekv/profiles (or ~/.cache/...), and\n"
-                    "shows the planner's choices for a batch of %d at contexts 128, 512, 2048.\n"
-                    "  --reprofile   measure even when a valid cached profile exists\n"
-                    "  --json        print one JSON object\n",
-                    PLAN_BATCH);
-            return c == 'h' ? 0 : 2;
+            profile_usage(stderr);
+            return 2;
         }
     }
     if (cli_no_operands(argc, argv))
         return 2;
-    if (model_path == NULL) {
+    if (o->model_path == NULL) {
         fprintf(stderr, "rekv profile: --model is required\n");
         return 2;
     }
+    return CLI_PARSED;
+}
+
+int cli_profile(int argc, char **argv)
+{
+    profile_opts po;
+    int prc = profile_parse(argc, argv, &po);
+    if (prc != CLI_PARSED)
+        return prc;
     rekv_err err = {0};
     rekv_model *model = NULL;
     rekv_profile p;
     rekv_profile_origin o;
     plan_row rows[sizeof(plan_ctx) / sizeof(plan_ctx[0])];
     int n_rows = (int)(sizeof(plan_ctx) / sizeof(plan_ctx[0])), ret = 1;
-    if (rekv_model_open(model_path, &model, &err))
+    if (rekv_model_open(po.model_path, &model, &err))
         goto fail;
     rekv_progress pr;
-    rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, as_json), "rekv profile",
+    rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, po.json), "rekv profile",
                         "measurements", 0);
-    int grc = rekv_profile_get_progress(&model->config, backend, &link, NULL, force, &p, &o,
-                                        rekv_progress_cb, &pr, &err);
+    int grc = rekv_profile_get_progress(&model->config, po.backend, &po.link, NULL, po.force, &p,
+                                        &o, rekv_progress_cb, &pr, &err);
     rekv_progress_end(&pr);
     if (grc)
         goto fail;
     for (int i = 0; i < n_rows; i++)
         if (plan_for(&p, &model->config, plan_ctx[i], &rows[i], &err))
             goto fail;
-    if (as_json) {
-        json_t *j = json_report(model_path, &p, &o, rows, n_rows);
+    if (po.json) {
+        json_t *j = json_report(po.model_path, &p, &o, rows, n_rows);
         char *s = j ? json_dumps(j, JSON_INDENT(2) | JSON_REAL_PRECISION(17)) : NULL;
         json_decref(j);
         if (!s) {
@@ -338,7 +359,7 @@ int cli_profile(int argc, char **argv)
         printf("%s\n", s);
         free(s);
     } else {
-        print_table(model_path, &model->config, &p, &o, rows, n_rows);
+        print_table(po.model_path, &model->config, &p, &o, rows, n_rows);
     }
     ret = 0;
     goto out;
