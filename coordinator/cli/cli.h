@@ -60,9 +60,9 @@ enum { CLI_PARSED = -1 };
 /* Usage errors name what they reject. A subcommand's argv[0] is its name as the user typed it
  * ("rekv generate", "rekv bench decode": rekv_main.c and cli_bench set it with cli_name_command),
  * so getopt_long's own messages about an unknown option or a missing value name the command too.
- * cli_name_command replaces argv[0] with "PREFIX argv[0]" (static storage, one per nesting level:
- * level 0 a command, 1 a benchmark). */
-void cli_name_command(char **argv, const char *prefix, int level);
+ * cli_name_command writes "PREFIX argv[0]" into name[len] (the caller's, living as long as argv)
+ * and points argv[0] at it. */
+void cli_name_command(char **argv, const char *prefix, char *name, size_t len);
 /* What getopt_long left in argv[optind..argc): 0 when nothing, else -1 after printing
  * "ARGV0: unexpected argument 'ARG'" for the first; the caller prints its usage and exits 2. */
 int cli_no_operands(int argc, char **argv);

@@ -21,7 +21,8 @@ int cli_bench(int argc, char **argv)
                    {"kvstore", rekv_kvstore_bench_main}};
     for (size_t i = 0; argc >= 2 && i < sizeof(benches) / sizeof(benches[0]); i++)
         if (strcmp(argv[1], benches[i].name) == 0) {
-            cli_name_command(argv + 1, argv[0], 1); /* "rekv bench decode: ..." */
+            static char name[96]; /* "rekv bench decode: ..." in its messages */
+            cli_name_command(argv + 1, argv[0], name, sizeof(name));
             return benches[i].fn(argc - 1, argv + 1);
         }
     int help = argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0);

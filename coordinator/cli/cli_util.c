@@ -58,11 +58,10 @@ int cli_parse_ids(const char *s, int32_t **ids, int *n)
     return 0;
 }
 
-void cli_name_command(char **argv, const char *prefix, int level)
+void cli_name_command(char **argv, const char *prefix, char *name, size_t len)
 {
-    static char names[2][128];
-    snprintf(names[level], sizeof(names[level]), "%s %s", prefix, argv[0]);
-    argv[0] = names[level];
+    snprintf(name, len, "%s %s", prefix, argv[0]);
+    argv[0] = name;
 }
 
 int cli_no_operands(int argc, char **argv)

@@ -43,7 +43,8 @@ int main(int argc, char **argv)
                 {"stats", cli_stats},       {"profile", cli_profile}};
     for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++)
         if (strcmp(argv[1], cmds[i].name) == 0) {
-            cli_name_command(argv + 1, "rekv", 0); /* "rekv generate: ..." in its messages */
+            static char name[64]; /* "rekv generate: ..." in its messages */
+            cli_name_command(argv + 1, "rekv", name, sizeof(name));
             return cmds[i].fn(argc - 1, argv + 1);
         }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "help") == 0) {
