@@ -248,8 +248,8 @@ static int decode_parse_runs(const char *modes, decode_opts *o)
         if (sp->is_auto)
             sp->mode = REKV_MODE_OFFLOAD; /* until the planner picks */
         if (o->n_runs == MAX_RUNS || bad || (!sp->is_auto && rekv_mode_parse(t, &sp->mode)) ||
-            (push && sp->mode == REKV_MODE_RESIDENT) ||
-            (at && sp->mode != REKV_MODE_KVPR && sp->mode != REKV_MODE_INFINIGEN)) {
+            (push && !rekv_mode_streams(sp->mode)) ||
+            (at && rekv_mode_info_of(sp->mode)->split == REKV_SPLIT_NONE)) {
             fprintf(stderr,
                     "rekv bench decode: --modes: unknown or too many runs (\"%s\"; MODE, "
                     "kvpr@SPLIT, infinigen@SPLIT or auto, each optionally +push, at most %d; "
@@ -258,7 +258,7 @@ static int decode_parse_runs(const char *modes, decode_opts *o)
             free(mdup);
             return -1;
         }
-        sp->push = push || (o->po.cfg.push && sp->mode != REKV_MODE_RESIDENT);
+        sp->push = push || (o->po.cfg.push && rekv_mode_streams(sp->mode));
         sp->split = (int)split;
         int seen = 1;
         for (int k = 0; k < o->n_runs; k++)
@@ -361,7 +361,7 @@ static int decode_run_all(rekv_engine *eng, decode_opts *o, int32_t *const *prom
                         "steps", (uint64_t)o->n_runs * (uint64_t)o->N);
     for (int i = 0; i < o->n_runs; i++) {
         decode_spec *sp = &o->runs[i];
-        int measure = !*have_lp && sp->mode != REKV_MODE_RESIDENT;
+        int measure = !*have_lp && rekv_mode_streams(sp->mode);
         cli_pipeline_opts run = o->po;
         char trace[4400];
         if (o->po.trace && o->n_runs > 1) {
@@ -380,7 +380,7 @@ static int decode_run_all(rekv_engine *eng, decode_opts *o, int32_t *const *prom
                 return -1;
             }
             sp->mode = run.cfg.mode;
-            sp->push = sp->push && sp->mode != REKV_MODE_RESIDENT;
+            sp->push = sp->push && rekv_mode_streams(sp->mode);
             if (!o->json)
                 fprintf(stderr, "rekv bench decode: auto: %s\n", sp->why);
         }
@@ -426,7 +426,7 @@ static void decode_yardsticks(const rekv_engine *eng, const decode_opts *o, cons
     if (ref->dp->gemm_flops > 0)
         json_object_set_new(m, "prefill_vs_gemm",
                             json_real(pre_flops / r->prefill_s / ref->dp->gemm_flops));
-    if (sp->mode == REKV_MODE_RESIDENT && !r->cfg.offload_weights && ref->dp->copy_gbps > 0 &&
+    if (!rekv_mode_streams(sp->mode) && !r->cfg.offload_weights && ref->dp->copy_gbps > 0 &&
         measured > 0) {
         double kv_row = 2.0 * cfg->n_layers * rekv_config_kv_dim(cfg) *
                         (double)rekv_dtype_size(r->cfg.cache_dtype),
@@ -510,9 +510,9 @@ static json_t *decode_run_json(const rekv_engine *eng, const decode_opts *o, int
         json_object_set_new(m, "ratio_vs_offload", json_real(tps / ref->offload_tps));
     if (rekv_pipeline_keeps_act(&r->cfg))
         json_object_set_new(m, "split", json_integer(r->cfg.split));
-    if (sp->mode == REKV_MODE_HYBRID)
+    if (rekv_mode_info_of(sp->mode)->store == REKV_STORE_PATTERN)
         json_object_set_new(m, "ratio", json_pack("[i, i]", r->cfg.kv_parts, r->cfg.act_parts));
-    if (sp->mode == REKV_MODE_CLO) {
+    if (rekv_mode_info_of(sp->mode)->head_caches) {
         uint64_t hits = r->counters.head_hits, hm = hits + r->counters.head_misses;
         json_object_set_new(m, "head_hits", json_integer((json_int_t)hits));
         json_object_set_new(m, "head_misses", json_integer((json_int_t)(hm - hits)));
@@ -573,6 +573,8 @@ static void decode_print(const rekv_engine *eng, const decode_opts *o, int32_t *
 {
     decode_refs ref = {.resident = -1, .lp = have_lp ? lp : NULL, .dp = dp};
     for (int i = 0; i < o->n_runs; i++) {
+        /* the yardsticks, by name: offload is the baseline (README's ratios), resident the
+         * reference of every exact mode's tokens */
         if (o->runs[i].mode == REKV_MODE_OFFLOAD && (ref.offload_tps == 0 || !o->runs[i].push))
             ref.offload_tps = (double)o->B * (o->N - 1) / res[i].decode_s; /* pull's when both */
         if (o->runs[i].mode == REKV_MODE_RESIDENT)

@@ -305,11 +305,12 @@ static int eval_print_json(const eval_opts *o, const eval_run *run, const rekv_m
         return rekv_errf(err, -ENOMEM, "out of memory");
     if (rekv_pipeline_keeps_act(pc))
         json_object_set_new(j, "split", json_integer(pc->split));
-    if (pc->mode == REKV_MODE_HYBRID)
+    const rekv_mode_info *mi = rekv_mode_info_of(pc->mode);
+    if (mi->store == REKV_STORE_PATTERN)
         json_object_set_new(j, "ratio", json_pack("[i, i]", pc->kv_parts, pc->act_parts));
-    if (pc->mode == REKV_MODE_INFINIGEN || pc->mode == REKV_MODE_CLO)
+    if (mi->speculates)
         eval_json_selection(j, run->ses.p, cfg);
-    if (pc->mode == REKV_MODE_CLO)
+    if (mi->head_caches)
         eval_json_clo(j, run->ses.p, cfg, &tot);
     if (o->compare) {
         json_object_set_new(j, "agreement", json_real((double)t->agree / (double)t->scored));

@@ -59,7 +59,7 @@ static json_t *local_stats(cli_session *ses, const cli_pipeline_opts *po,
         res->decode_s > 0 && res->n > 1 ? (double)(res->n - 1) / res->decode_s : 0.0);
     if (rekv_pipeline_keeps_act(&po->cfg))
         json_object_set_new(st, "split", json_integer(po->cfg.split));
-    if (po->cfg.mode == REKV_MODE_HYBRID)
+    if (rekv_mode_info_of(po->cfg.mode)->store == REKV_STORE_PATTERN)
         json_object_set_new(st, "ratio", json_pack("[i, i]", po->cfg.kv_parts, po->cfg.act_parts));
     size_t n_steps;
     const rekv_layer_counters *sc = rekv_pipeline_step_counters(ses->p, &n_steps);

@@ -76,32 +76,21 @@ int cli_plan_predict_step(const rekv_cost_profile *profile, const rekv_model_con
     rekv_cost_profile prof;
     rekv_step_shape sh;
     step_setup(profile, c, cfg->cache_dtype, cfg->offload_weights, batch, ctx, &prof, &sh);
-    sh.device_tokens = cfg->mode == REKV_MODE_RESIDENT ? 0 : cfg->device_tokens;
-    rekv_technique tech = REKV_TECH_KV;
-    switch (cfg->mode) {
-    case REKV_MODE_KVPR:
-        tech = REKV_TECH_KVPR;
-        break;
-    case REKV_MODE_ACT:
-        tech = REKV_TECH_ACT;
-        break;
-    case REKV_MODE_HYBRID:
-        tech = REKV_TECH_HYBRID;
+    const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
+    if (mi == NULL)
+        return rekv_errf(err, -EINVAL, "mode %d is not a mode", (int)cfg->mode);
+    sh.device_tokens = rekv_mode_streams(cfg->mode) ? cfg->device_tokens : 0;
+    rekv_technique tech = rekv_plan_mode_tech(cfg->mode);
+    if (tech == REKV_TECH_HYBRID)
         sh.hybrid_kv_fraction = cfg->kv_parts + cfg->act_parts > 0
                                     ? (double)cfg->kv_parts / (cfg->kv_parts + cfg->act_parts)
                                     : 1;
-        break;
-    case REKV_MODE_INFINIGEN:
-    case REKV_MODE_CLO:
-        tech = REKV_TECH_INFINIGEN;
+    if (tech == REKV_TECH_INFINIGEN) {
         sh.infinigen_fraction = f;
         /* at the run's split (< 0: the planner's); none without activations */
-        sh.infinigen_split = cfg->split < 0 && cfg->mode == REKV_MODE_INFINIGEN ? -1
-                             : rekv_pipeline_keeps_act(cfg)                     ? cfg->split
-                                                                                : 0;
-        break;
-    default:
-        break;
+        sh.infinigen_split = cfg->split < 0 && mi->split == REKV_SPLIT_SELECTED ? -1
+                             : rekv_pipeline_keeps_act(cfg)                      ? cfg->split
+                                                                                 : 0;
     }
     memset(out, 0, sizeof(*out));
     double L = c->n_layers;
@@ -120,7 +109,7 @@ int cli_plan_predict_step(const rekv_cost_profile *profile, const rekv_model_con
     int rc = rekv_plan_step_cost(&prof, &sh, tech, out, err);
     if (rc)
         return rc;
-    if (cfg->mode == REKV_MODE_RESIDENT) /* nothing crosses the link */
+    if (!rekv_mode_streams(cfg->mode)) /* nothing crosses the link */
         out->t_pcie = 0, out->t_step = out->t_compute;
     out->t_pcie *= L;
     out->t_compute *= L;

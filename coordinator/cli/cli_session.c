@@ -21,10 +21,12 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
                        const rekv_link_config *link, int batch, int ctx, rekv_pipeline_config *cfg,
                        rekv_err *err)
 {
-    int need_split =
-        (cfg->mode == REKV_MODE_KVPR || cfg->mode == REKV_MODE_INFINIGEN) && cfg->split < 0;
-    int need_ratio = cfg->mode == REKV_MODE_HYBRID && cfg->kv_parts < 0;
-    int need_np = cfg->mode == REKV_MODE_CLO && cfg->persist_np < 0;
+    const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
+    if (mi == NULL)
+        return rekv_errf(err, -EINVAL, "mode %d is not a mode", (int)cfg->mode);
+    int need_split = mi->split != REKV_SPLIT_NONE && cfg->split < 0;
+    int need_ratio = mi->store == REKV_STORE_PATTERN && cfg->kv_parts < 0;
+    int need_np = mi->head_caches && cfg->persist_np < 0;
     if (!need_split && !need_ratio && !need_np)
         return 0;
     /* the profile of this machine, model and link: cached after its first measurement */
@@ -34,7 +36,7 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
         return rc;
     /* what moves: the context past the device-resident part */
     int dev = cfg->device_tokens < ctx ? cfg->device_tokens : ctx, moved = ctx - dev;
-    if (need_split && cfg->mode == REKV_MODE_INFINIGEN) { /* layer 0's, as the planner prices */
+    if (need_split && mi->split == REKV_SPLIT_SELECTED) { /* layer 0's, as the planner prices */
         rekv_cost_profile prof;
         rekv_profile_to_cost(&pf, cfg->cache_dtype, &prof);
         rekv_pipeline_config at = *cfg;
@@ -95,7 +97,7 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
         return rc;
     cfg->mode = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
     cfg->device_tokens = mp.resident ? 0 : (int)mp.device_tokens;
-    if (cfg->mode == REKV_MODE_INFINIGEN)
+    if (rekv_mode_info_of(cfg->mode)->split == REKV_SPLIT_SELECTED)
         cfg->split = (int)mp.costs[REKV_TECH_INFINIGEN].kvpr_l;
     if (why) {
         int n = snprintf(why, why_len,
@@ -171,7 +173,8 @@ static int session_prepare_sparse(cli_session *s, rekv_engine *e, const cli_pipe
                                   rekv_pipeline_config *pc, rekv_err *err)
 {
     int rc = 0;
-    if ((pc->mode == REKV_MODE_INFINIGEN || pc->mode == REKV_MODE_CLO) && pc->skew == NULL) {
+    const rekv_mode_info *mi = rekv_mode_info_of(pc->mode);
+    if (mi->speculates && pc->skew == NULL) {
         if (po->skew) {
             rc = rekv_skew_load(po->skew, e, &s->skew, err);
         } else {
@@ -188,7 +191,7 @@ static int session_prepare_sparse(cli_session *s, rekv_engine *e, const cli_pipe
             return rc;
         pc->skew = &s->skew;
     }
-    if (pc->mode == REKV_MODE_CLO && pc->heads == NULL) {
+    if (mi->head_caches && pc->heads == NULL) {
         int cached = 0;
         uint64_t t0 = rekv_now_ns();
         if ((rc = rekv_heads_prepare(e, &s->heads, &cached, err)))
@@ -216,11 +219,11 @@ int cli_session_open(cli_session *s, rekv_engine *e, const cli_pipeline_opts *po
         fprintf(stderr, "rekv: %s\n", note); /* a GPU build without a GPU says so */
         said = 1;
     }
-    if (cfg->mode != REKV_MODE_RESIDENT &&
+    if (rekv_mode_streams(cfg->mode) &&
         (rc = session_store_open(s, rekv_engine_config(e), cfg, &po->link, batch, ctx, err)))
         goto fail;
     rekv_pipeline_config pc = *cfg;
-    pc.push = cfg->push && cfg->mode != REKV_MODE_RESIDENT; /* --push: the modes that stream KV */
+    pc.push = cfg->push && rekv_mode_streams(cfg->mode); /* --push: the modes that stream KV */
     if ((rc = session_prepare_sparse(s, e, po, &pc, err)) ||
         (rc = rekv_pipeline_create(e, s->be, s->store, &pc, &s->p, err)))
         goto fail;
