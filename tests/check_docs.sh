@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# tests/check_docs.sh [FILE.md...] — runs the shell blocks of the documentation (default: README.md
-# and docs/*.md), so that a documented command that breaks fails `make test`.
+# tests/check_docs.sh [FILE.md...] — runs the shell blocks of the documentation (default: README.md,
+# docs/*.md, DEVELOPERS.md and docs/design/*.md), so that a documented command that breaks fails `make test`.
 #
 # A fenced block whose info string is exactly `sh` is RUN. A block `sh skip:REASON` is only
 # syntax-checked (`bash -n`), REASON one of:
@@ -210,7 +210,7 @@ if [ $# -eq 0 ] && [ ! -x build/bin/rekv ]; then
     exit 2
 fi
 files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(README.md docs/*.md)
+[ ${#files[@]} -gt 0 ] || files=(README.md docs/*.md DEVELOPERS.md docs/design/*.md)
 total=0
 t0=$(date +%s)
 for f in "${files[@]}"; do
