@@ -1,6 +1,6 @@
 /* kvstore_main.c — rekv-kvstore, the host-memory block store daemon: parses the command line,
  * stops on SIGTERM/SIGINT through common/daemon.h, runs the server loop, and reports readiness
- * (--ready-fd, sd_notify). Everything else is the kvstore library. */
+ * (--ready-fd, sd_notify). Everything else is the kvstore library (its loop: kvstore/server.c). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <getopt.h>
@@ -51,201 +51,213 @@ static void on_tick(void *ctx)
     rekv_daemon_watchdog();
 }
 
-int main(int argc, char **argv)
-{
-    rekv_log_init_from_env();
+/* What the command line says. */
+typedef struct kv_args {
     rekv_kvstore_config cfg;
-    rekv_kvstore_config_defaults(&cfg);
-    const char *model = NULL, *dtype = "f16";
-    uint64_t layers = 0, kv_heads = 0, head_dim = 0, hidden = 0, host_bytes = 0, v;
-    int ready_fd = -1;
-    enum {
-        O_ENDPOINT = 1000,
-        O_HOST,
-        O_SPILL_DIR,
-        O_SPILL_BYTES,
-        O_NO_SPILL,
-        O_MODEL,
-        O_LAYERS,
-        O_KV_HEADS,
-        O_HEAD_DIM,
-        O_HIDDEN,
-        O_DTYPE,
-        O_HUGE,
-        O_LEASE,
-        O_FD_SOCKET,
-        O_HIGH,
-        O_LOW,
-        O_NO_REG,
-        O_READY,
-        O_PUSH,
-        O_PUSH_GBPS,
-        O_PUSH_LAT,
-        O_METRICS,
-        O_METRICS_PUBLIC, O_MAX_CLIENTS,
-        O_HELP,
-        O_VERSION
-    };
-    static const struct option opts[] = {
-        {"endpoint", required_argument, 0, O_ENDPOINT},
-        {"host-bytes", required_argument, 0, O_HOST},
-        {"spill-dir", required_argument, 0, O_SPILL_DIR},
-        {"spill-bytes", required_argument, 0, O_SPILL_BYTES},
-        {"no-spill", no_argument, 0, O_NO_SPILL},
-        {"model", required_argument, 0, O_MODEL},
-        {"layers", required_argument, 0, O_LAYERS},
-        {"kv-heads", required_argument, 0, O_KV_HEADS},
-        {"head-dim", required_argument, 0, O_HEAD_DIM},
-        {"hidden", required_argument, 0, O_HIDDEN},
-        {"cache-dtype", required_argument, 0, O_DTYPE},
-        {"huge-pages", no_argument, 0, O_HUGE},
-        {"lease-ms", required_argument, 0, O_LEASE},
-        {"fd-socket", required_argument, 0, O_FD_SOCKET},
-        {"high-pct", required_argument, 0, O_HIGH},
-        {"low-pct", required_argument, 0, O_LOW},
-        {"no-register-arena", no_argument, 0, O_NO_REG},
-        {"ready-fd", required_argument, 0, O_READY},
-        {"push-backend", required_argument, 0, O_PUSH},
-        {"push-link-gbps", required_argument, 0, O_PUSH_GBPS},
-        {"push-link-latency-us", required_argument, 0, O_PUSH_LAT},
-        {"metrics", required_argument, 0, O_METRICS},
-        {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
-        {"max-clients", required_argument, 0, O_MAX_CLIENTS},
-        {"help", no_argument, 0, O_HELP},
-        {"version", no_argument, 0, O_VERSION},
-        {0, 0, 0, 0},
-    };
-    int o, opt_i = 0;
-    while ((o = getopt_long(argc, argv, "", opts, &opt_i)) != -1) {
-        int bad = 0;
-        switch (o) {
-        case O_ENDPOINT:
-            cfg.endpoint = optarg;
-            break;
-        case O_PUSH:
-            cfg.push_backend = optarg;
-            bad = strcmp(optarg, "cpu") && strcmp(optarg, "cuda") && strcmp(optarg, "auto");
-            break;
-        case O_PUSH_GBPS:
-        case O_PUSH_LAT: {
-            rekv_err lerr = {0};
-            if (rekv_link_parse(&cfg.push_link, opts[opt_i].name + strlen("push-"), optarg, &lerr)) {
-                fprintf(stderr, "rekv-kvstore: --push-%s\n", lerr.msg + 2);
-                return 2;
-            }
-            break;
-        }
-        case O_METRICS:
-            cfg.metrics_listen = optarg;
-            break;
-        case O_METRICS_PUBLIC:
-            cfg.metrics_public = 1;
-            break;
-        case O_MAX_CLIENTS:
-            bad = rekv_parse_u32(optarg, &cfg.max_clients) || cfg.max_clients == 0;
-            break;
-        case O_HOST:
-            bad = rekv_parse_size(optarg, &host_bytes);
-            break;
-        case O_SPILL_DIR:
-            cfg.spill_dir = optarg;
-            break;
-        case O_SPILL_BYTES:
-            bad = rekv_parse_size(optarg, &cfg.spill_bytes);
-            break;
-        case O_NO_SPILL:
-            cfg.no_spill = 1;
-            break;
-        case O_MODEL:
-            model = optarg;
-            break;
-        case O_LAYERS:
-            bad = rekv_parse_size(optarg, &layers);
-            break;
-        case O_KV_HEADS:
-            bad = rekv_parse_size(optarg, &kv_heads);
-            break;
-        case O_HEAD_DIM:
-            bad = rekv_parse_size(optarg, &head_dim);
-            break;
-        case O_HIDDEN:
-            bad = rekv_parse_size(optarg, &hidden);
-            break;
-        case O_DTYPE:
-            dtype = optarg;
-            break;
-        case O_HUGE:
-            cfg.huge_pages = 1;
-            break;
-        case O_LEASE:
-            bad = rekv_parse_size(optarg, &v);
-            cfg.lease_ms = (uint32_t)v;
-            break;
-        case O_FD_SOCKET:
-            cfg.fd_socket = optarg;
-            break;
-        case O_HIGH:
-            bad = rekv_parse_size(optarg, &v);
-            cfg.high_pct = (uint32_t)v;
-            break;
-        case O_LOW:
-            bad = rekv_parse_size(optarg, &v);
-            cfg.low_pct = (uint32_t)v;
-            break;
-        case O_NO_REG:
-            cfg.no_register_arena = 1;
-            break;
-        case O_READY:
-            bad = rekv_parse_size(optarg, &v);
-            ready_fd = (int)v;
-            break;
-        case O_HELP:
-            usage(stdout);
-            return 0;
-        case O_VERSION:
-            printf("rekv-kvstore %s\n", rekv_version());
-            return 0;
-        default:
-            usage(stderr);
-            return 2;
-        }
-        if (bad) {
-            fprintf(stderr, "rekv-kvstore: bad value '%s'\n", optarg);
-            return 2;
-        }
+    const char *model, *dtype;
+    uint64_t layers, kv_heads, head_dim, hidden, host_bytes;
+    int ready_fd;
+} kv_args;
+
+enum {
+    O_ENDPOINT = 1000,
+    O_HOST,
+    O_SPILL_DIR,
+    O_SPILL_BYTES,
+    O_NO_SPILL,
+    O_MODEL,
+    O_LAYERS,
+    O_KV_HEADS,
+    O_HEAD_DIM,
+    O_HIDDEN,
+    O_DTYPE,
+    O_HUGE,
+    O_LEASE,
+    O_FD_SOCKET,
+    O_HIGH,
+    O_LOW,
+    O_NO_REG,
+    O_READY,
+    O_PUSH,
+    O_PUSH_GBPS,
+    O_PUSH_LAT,
+    O_METRICS,
+    O_METRICS_PUBLIC,
+    O_MAX_CLIENTS,
+    O_HELP,
+    O_VERSION
+};
+
+static const struct option opts[] = {
+    {"endpoint", required_argument, 0, O_ENDPOINT},
+    {"host-bytes", required_argument, 0, O_HOST},
+    {"spill-dir", required_argument, 0, O_SPILL_DIR},
+    {"spill-bytes", required_argument, 0, O_SPILL_BYTES},
+    {"no-spill", no_argument, 0, O_NO_SPILL},
+    {"model", required_argument, 0, O_MODEL},
+    {"layers", required_argument, 0, O_LAYERS},
+    {"kv-heads", required_argument, 0, O_KV_HEADS},
+    {"head-dim", required_argument, 0, O_HEAD_DIM},
+    {"hidden", required_argument, 0, O_HIDDEN},
+    {"cache-dtype", required_argument, 0, O_DTYPE},
+    {"huge-pages", no_argument, 0, O_HUGE},
+    {"lease-ms", required_argument, 0, O_LEASE},
+    {"fd-socket", required_argument, 0, O_FD_SOCKET},
+    {"high-pct", required_argument, 0, O_HIGH},
+    {"low-pct", required_argument, 0, O_LOW},
+    {"no-register-arena", no_argument, 0, O_NO_REG},
+    {"ready-fd", required_argument, 0, O_READY},
+    {"push-backend", required_argument, 0, O_PUSH},
+    {"push-link-gbps", required_argument, 0, O_PUSH_GBPS},
+    {"push-link-latency-us", required_argument, 0, O_PUSH_LAT},
+    {"metrics", required_argument, 0, O_METRICS},
+    {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
+    {"max-clients", required_argument, 0, O_MAX_CLIENTS},
+    {"help", no_argument, 0, O_HELP},
+    {"version", no_argument, 0, O_VERSION},
+    {0, 0, 0, 0},
+};
+
+/* A numeric option: 1 when its value is bad. */
+static int parse_number(kv_args *a, int o, const char *arg)
+{
+    uint64_t v = 0;
+    int bad;
+    switch (o) {
+    case O_MAX_CLIENTS:
+        return rekv_parse_u32(arg, &a->cfg.max_clients) || a->cfg.max_clients == 0;
+    case O_HOST:
+        return rekv_parse_size(arg, &a->host_bytes);
+    case O_SPILL_BYTES:
+        return rekv_parse_size(arg, &a->cfg.spill_bytes);
+    case O_LAYERS:
+        return rekv_parse_size(arg, &a->layers);
+    case O_KV_HEADS:
+        return rekv_parse_size(arg, &a->kv_heads);
+    case O_HEAD_DIM:
+        return rekv_parse_size(arg, &a->head_dim);
+    case O_HIDDEN:
+        return rekv_parse_size(arg, &a->hidden);
     }
-    if (cfg.endpoint == NULL || host_bytes == 0 || optind != argc) {
+    bad = rekv_parse_size(arg, &v);
+    if (o == O_LEASE)
+        a->cfg.lease_ms = (uint32_t)v;
+    else if (o == O_HIGH)
+        a->cfg.high_pct = (uint32_t)v;
+    else if (o == O_LOW)
+        a->cfg.low_pct = (uint32_t)v;
+    else
+        a->ready_fd = (int)v;
+    return bad;
+}
+
+/* One option: -1 to go on, else the exit code (0 after --help and --version). */
+static int parse_option(kv_args *a, int o, const char *name, const char *arg)
+{
+    int bad = 0;
+    switch (o) {
+    case O_ENDPOINT: a->cfg.endpoint = arg; break;
+    case O_PUSH:
+        a->cfg.push_backend = arg;
+        bad = strcmp(arg, "cpu") && strcmp(arg, "cuda") && strcmp(arg, "auto");
+        break;
+    case O_PUSH_GBPS:
+    case O_PUSH_LAT: {
+        rekv_err lerr = {0};
+        if (rekv_link_parse(&a->cfg.push_link, name + strlen("push-"), arg, &lerr)) {
+            fprintf(stderr, "rekv-kvstore: --push-%s\n", lerr.msg + 2);
+            return 2;
+        }
+        break;
+    }
+    case O_METRICS: a->cfg.metrics_listen = arg; break;
+    case O_METRICS_PUBLIC: a->cfg.metrics_public = 1; break;
+    case O_SPILL_DIR: a->cfg.spill_dir = arg; break;
+    case O_NO_SPILL: a->cfg.no_spill = 1; break;
+    case O_MODEL: a->model = arg; break;
+    case O_DTYPE: a->dtype = arg; break;
+    case O_HUGE: a->cfg.huge_pages = 1; break;
+    case O_FD_SOCKET: a->cfg.fd_socket = arg; break;
+    case O_NO_REG: a->cfg.no_register_arena = 1; break;
+    case O_MAX_CLIENTS:
+    case O_HOST:
+    case O_SPILL_BYTES:
+    case O_LAYERS:
+    case O_KV_HEADS:
+    case O_HEAD_DIM:
+    case O_HIDDEN:
+    case O_LEASE:
+    case O_HIGH:
+    case O_LOW:
+    case O_READY: bad = parse_number(a, o, arg); break;
+    case O_HELP: usage(stdout); return 0;
+    case O_VERSION: printf("rekv-kvstore %s\n", rekv_version()); return 0;
+    default: usage(stderr); return 2;
+    }
+    if (bad) {
+        fprintf(stderr, "rekv-kvstore: bad value '%s'\n", arg);
+        return 2;
+    }
+    return -1;
+}
+
+/* The command line into a: -1 to go on, else the exit code. */
+static int parse_args(kv_args *a, int argc, char **argv)
+{
+    memset(a, 0, sizeof(*a));
+    rekv_kvstore_config_defaults(&a->cfg);
+    a->dtype = "f16";
+    a->ready_fd = -1;
+    int o, opt_i = 0, rc;
+    while ((o = getopt_long(argc, argv, "", opts, &opt_i)) != -1)
+        if ((rc = parse_option(a, o, opts[opt_i].name, optarg)) >= 0)
+            return rc;
+    if (a->cfg.endpoint == NULL || a->host_bytes == 0 || optind != argc) {
         usage(stderr);
         return 2;
     }
-    cfg.host_bytes = host_bytes;
+    a->cfg.host_bytes = a->host_bytes;
+    return -1;
+}
+
+/* The arena's geometry from --model or the four numbers: -1 to go on, else the exit code. */
+static int geometry_of(kv_args *a)
+{
     rekv_dtype cd;
-    if (strcmp(dtype, "f16") == 0 || strcmp(dtype, "F16") == 0)
+    if (strcmp(a->dtype, "f16") == 0 || strcmp(a->dtype, "F16") == 0)
         cd = REKV_DTYPE_F16;
-    else if (strcmp(dtype, "f32") == 0 || strcmp(dtype, "F32") == 0)
+    else if (strcmp(a->dtype, "f32") == 0 || strcmp(a->dtype, "F32") == 0)
         cd = REKV_DTYPE_F32;
     else {
         fprintf(stderr, "rekv-kvstore: --cache-dtype must be f16 or f32\n");
         return 2;
     }
     rekv_err err = {0};
-    if (model) {
+    if (a->model) {
         rekv_model *m = NULL;
-        if (rekv_model_open(model, &m, &err) < 0 ||
-            rekv_kv_geometry_from_config(&m->config, cd, &cfg.geometry, &err) < 0) {
+        if (rekv_model_open(a->model, &m, &err) < 0 ||
+            rekv_kv_geometry_from_config(&m->config, cd, &a->cfg.geometry, &err) < 0) {
             rekv_log(REKV_LOG_ERROR, "%s", err.msg);
             rekv_model_close(m);
             return 1;
         }
         rekv_model_close(m);
-    } else if (rekv_kv_geometry_init(&cfg.geometry, (uint32_t)layers, (uint32_t)kv_heads,
-                                     (uint32_t)head_dim, (uint32_t)hidden, cd, &err) < 0) {
+    } else if (rekv_kv_geometry_init(&a->cfg.geometry, (uint32_t)a->layers,
+                                     (uint32_t)a->kv_heads, (uint32_t)a->head_dim,
+                                     (uint32_t)a->hidden, cd, &err) < 0) {
         rekv_log(REKV_LOG_ERROR,
                  "%s (give --model or all of --layers --kv-heads --head-dim "
                  "--hidden)",
                  err.msg);
         return 2;
     }
+    return -1;
+}
+
+/* Creates the server, says it is ready, runs its loop until a stop signal; the exit code. */
+static int serve(kv_args *a)
+{
+    rekv_kvstore_config *cfg = &a->cfg;
     /* a spill file over RLIMIT_FSIZE must be EFBIG, not death */
     signal(SIGXFSZ, SIG_IGN);
     int sfd = rekv_daemon_stop_fd();
@@ -253,11 +265,12 @@ int main(int argc, char **argv)
         rekv_log(REKV_LOG_ERROR, "stop eventfd: %s", strerror(-sfd));
         return 1;
     }
-    cfg.signal_fd = sfd;
-    cfg.on_event = on_event;
-    cfg.on_tick = on_tick;
+    cfg->signal_fd = sfd;
+    cfg->on_event = on_event;
+    cfg->on_tick = on_tick;
+    rekv_err err = {0};
     rekv_kvstore_server *srv = NULL;
-    int rc = rekv_kvstore_server_create(&cfg, &srv, &err);
+    int rc = rekv_kvstore_server_create(cfg, &srv, &err);
     if (rc < 0) {
         rekv_log(REKV_LOG_ERROR, "%s", err.msg);
         close(sfd);
@@ -265,12 +278,12 @@ int main(int argc, char **argv)
     }
     rekv_log(REKV_LOG_INFO,
              "serving %s: %llu host bytes, %u layers x %u kv heads x %u head dim, hidden %u, %s",
-             cfg.endpoint, (unsigned long long)host_bytes, cfg.geometry.n_layers,
-             cfg.geometry.n_kv_heads, cfg.geometry.head_dim, cfg.geometry.hidden,
-             rekv_dtype_name(cfg.geometry.dtype));
-    if (cfg.metrics_listen)
-        rekv_log(REKV_LOG_INFO, "metrics on %s (GET /metrics)", cfg.metrics_listen);
-    rekv_daemon_ready(ready_fd);
+             cfg->endpoint, (unsigned long long)a->host_bytes, cfg->geometry.n_layers,
+             cfg->geometry.n_kv_heads, cfg->geometry.head_dim, cfg->geometry.hidden,
+             rekv_dtype_name(cfg->geometry.dtype));
+    if (cfg->metrics_listen)
+        rekv_log(REKV_LOG_INFO, "metrics on %s (GET /metrics)", cfg->metrics_listen);
+    rekv_daemon_ready(a->ready_fd);
     rc = rekv_kvstore_server_run(srv, &err);
     if (rc < 0)
         rekv_log(REKV_LOG_ERROR, "%s", err.msg);
@@ -279,4 +292,16 @@ int main(int argc, char **argv)
     close(sfd);
     rekv_log(REKV_LOG_INFO, "stopped");
     return rc < 0 ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+    rekv_log_init_from_env();
+    kv_args a;
+    int rc = parse_args(&a, argc, argv);
+    if (rc < 0)
+        rc = geometry_of(&a);
+    if (rc < 0)
+        rc = serve(&a);
+    return rc;
 }

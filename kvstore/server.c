@@ -1,21 +1,21 @@
-/* server.c — the kvstore daemon: create and destroy, and the one event loop (zmq_poll over the
- * ROUTER socket, the io_uring eventfd, the fd-passing socket, a stop eventfd and an optional
- * signalfd; no threads, no busy waiting), with the fd socket that hands out the arena's memfd.
+/* server.c — the kvstore daemon: create and destroy, and its event loop (common/evloop.h: the
+ * ROUTER socket, the io_uring eventfd, the fd-passing socket and an optional signal fd; no
+ * threads, no busy waiting), with the fd socket that hands out the arena's memfd.
  *
- * Each turn of the loop submits the spill I/O queued since the last, waits, then takes in order:
- * a stop, the spill tier's completions (blocks.c, which runs the parked requests again), fd-socket
- * connections, up to 256 requests from the ROUTER socket (handlers.c), every quarter lease the
- * lease check (leases.c), and background spilling above the high watermark (blocks.c). The state
- * they share is in server_internal.h; push.c holds the push path. */
+ * A round of the loop takes, in order: a stop signal, the spill tier's completions (blocks.c,
+ * which runs the parked requests again), fd-socket connections, the connection count, up to 256
+ * requests from the ROUTER socket (handlers.c); then, when due, the lease check every quarter
+ * lease (leases.c) and the on_tick callback every second; then read-ahead and background spilling
+ * above the high watermark (blocks.c), and the spill I/O queued since the last round goes to the
+ * kernel; metrics scrapes are answered last, and the loop sleeps. The state they share is in
+ * server_internal.h; push.c holds the push path. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/random.h>
-#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -124,6 +124,152 @@ static int unlink_stale_socket(const char *path, rekv_err *err)
     return 0;
 }
 
+/* ------------------------------------------------------------------ the loop's callbacks */
+
+static void on_signal(rekv_evloop *loop, void *ctx, int signo)
+{
+    rekv_kvstore_server *s = ctx;
+    if (signo)
+        srv_event(s, REKV_KV_EVENT_INFO, "signal %d: shutting down", signo);
+    else
+        srv_event(s, REKV_KV_EVENT_INFO, "stop requested: shutting down");
+    rekv_evloop_stop(loop);
+}
+
+static void on_spill_io(rekv_evloop *loop, void *ctx, short revents)
+{
+    rekv_kvstore_server *s = ctx;
+    s->now = rekv_now_ns();
+    srv_on_completions(s);
+}
+
+static void on_fd_socket(rekv_evloop *loop, void *ctx, short revents)
+{
+    serve_fd_socket(ctx);
+}
+
+/* before the requests: each is judged by every connection (rekv_conncap_over drains too) */
+static void on_conncap(rekv_evloop *loop, void *ctx, short revents)
+{
+    rekv_kvstore_server *s = ctx;
+    rekv_conncap_drain(s->cap);
+}
+
+/* up to 256 requests a round, so that the rest of the round is never starved */
+static void on_requests(rekv_evloop *loop, void *ctx, short revents)
+{
+    rekv_kvstore_server *s = ctx;
+    s->now = rekv_now_ns();
+    for (int k = 0; k < 256; k++) {
+        int ev = 0;
+        size_t el = sizeof(ev);
+        if (zmq_getsockopt(s->zsock, ZMQ_EVENTS, &ev, &el) < 0 || !(ev & ZMQ_POLLIN))
+            break;
+        srv_handle_message(s);
+        s->now = rekv_now_ns();
+    }
+}
+
+/* every quarter lease (at least every millisecond) */
+static long on_lease_check(rekv_evloop *loop, void *ctx)
+{
+    rekv_kvstore_server *s = ctx;
+    s->now = rekv_now_ns();
+    srv_leases_check(s);
+    if (s->pending)
+        srv_run_pending(s); /* a paused spill tier may have resumed */
+    uint64_t lease_ms = s->cfg.lease_ms / 4;
+    return lease_ms ? (long)lease_ms : 1;
+}
+
+static long on_tick(rekv_evloop *loop, void *ctx)
+{
+    rekv_kvstore_server *s = ctx;
+    s->cfg.on_tick(s->cfg.event_ctx);
+    return 1000;
+}
+
+/* the rest of every round: read-ahead and background spilling, then the spill I/O they and the
+ * round's requests queued goes to the kernel before the loop sleeps */
+static void before_sleep(rekv_evloop *loop, void *ctx)
+{
+    rekv_kvstore_server *s = ctx;
+    s->now = rekv_now_ns();
+    srv_ahead_pump(s);
+    srv_spill_watermark(s);
+    if (s->spill)
+        (void)kv_spill_submit(s->spill);
+}
+
+/* The loop's entries, in the order a round takes them (see the top of the file). */
+static int loop_setup(rekv_kvstore_server *s, rekv_err *err)
+{
+    rekv_evloop *l = s->loop;
+    int rc;
+    if (s->cfg.signal_fd >= 0 &&
+        (rc = rekv_evloop_add_signal_fd(l, s->cfg.signal_fd, on_signal, s, err)) < 0)
+        return rc;
+    if (s->spill && (rc = rekv_evloop_add_fd(l, kv_spill_event_fd(s->spill), ZMQ_POLLIN,
+                                             on_spill_io, s, err)) < 0)
+        return rc;
+    if ((rc = rekv_evloop_add_fd(l, s->fd_listen, ZMQ_POLLIN, on_fd_socket, s, err)) < 0 ||
+        (rc = rekv_evloop_add_socket(l, rekv_conncap_socket(s->cap), ZMQ_POLLIN, on_conncap, s,
+                                     err)) < 0 ||
+        (rc = rekv_evloop_add_socket(l, s->zsock, ZMQ_POLLIN, on_requests, s, err)) < 0)
+        return rc;
+    long lease_ms = (long)(s->cfg.lease_ms / 4);
+    if ((rc = rekv_evloop_timer_add(l, lease_ms ? lease_ms : 1, on_lease_check, s, err)) < 0)
+        return rc;
+    if (s->cfg.on_tick && (rc = rekv_evloop_timer_add(l, 0, on_tick, s, err)) < 0)
+        return rc;
+    rekv_evloop_before_sleep(l, before_sleep, s);
+    rekv_evloop_serve_metrics(l, s->metrics, srv_metrics_render, s);
+    return 0;
+}
+
+int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
+{
+    s->now = rekv_now_ns();
+    return rekv_evloop_run(s->loop, err);
+}
+
+void rekv_kvstore_server_stop(rekv_kvstore_server *s)
+{
+    rekv_evloop_stop(s->loop);
+}
+
+/* The ROUTER socket on the endpoint (a stale socket file removed; mode 0600), its connection
+ * count watching from before the bind. */
+static int bind_router(rekv_kvstore_server *s, rekv_err *err)
+{
+    int rc;
+    if (s->ipc_path && (rc = unlink_stale_socket(s->ipc_path, err)) < 0)
+        return rc;
+    s->zctx = zmq_ctx_new();
+    s->zsock = s->zctx ? zmq_socket(s->zctx, ZMQ_ROUTER) : NULL;
+    if (s->zsock == NULL)
+        return rekv_errf(err, -ENOMEM, "kvstore: zmq socket: %s", zmq_strerror(zmq_errno()));
+    int zero = 0, hwm = 100000;
+    int64_t maxmsg = 64ll << 20;
+    zmq_setsockopt(s->zsock, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(s->zsock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s->zsock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s->zsock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    /* counted from the first connection, so before the bind */
+    if ((rc = rekv_conncap_create(s->zctx, s->zsock, rekv_conncap_max_for(s->cfg.max_clients),
+                                  &s->cap, err)) < 0)
+        return rc;
+    mode_t old = umask(077);
+    int brc = zmq_bind(s->zsock, s->endpoint);
+    umask(old);
+    if (brc < 0)
+        return rekv_errf(err, -zmq_errno(), "kvstore: bind %s: %s", s->endpoint,
+                         zmq_strerror(zmq_errno()));
+    if (s->ipc_path)
+        chmod(s->ipc_path, 0600);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ lifecycle */
 
 void rekv_kvstore_config_defaults(rekv_kvstore_config *cfg)
@@ -152,7 +298,6 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
         return rekv_errf(err, -ENOMEM, "kvstore: out of memory");
     s->cfg = *cfg;
     s->fd_listen = -1;
-    s->stop_fd = -1;
     s->arena.fd = -1;
     s->arena.base = NULL;
     s->lru_head = s->lru_tail = NIL;
@@ -232,12 +377,8 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
         if (rc < 0)
             goto fail;
     }
-    /* stop eventfd */
-    s->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (s->stop_fd < 0) {
-        rc = rekv_errf(err, -errno, "kvstore: eventfd: %s", strerror(errno));
+    if ((rc = rekv_evloop_create(&s->loop, err)) < 0)
         goto fail;
-    }
     /* fd-passing socket */
     if ((rc = unlink_stale_socket(s->fd_path, err)) < 0)
         goto fail;
@@ -257,146 +398,20 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
         s->fd_listen = -1;
         goto fail;
     }
-    /* ZeroMQ */
-    if (s->ipc_path && (rc = unlink_stale_socket(s->ipc_path, err)) < 0)
+    if ((rc = bind_router(s, err)) < 0)
         goto fail;
-    s->zctx = zmq_ctx_new();
-    s->zsock = s->zctx ? zmq_socket(s->zctx, ZMQ_ROUTER) : NULL;
-    if (s->zsock == NULL) {
-        rc = rekv_errf(err, -ENOMEM, "kvstore: zmq socket: %s", zmq_strerror(zmq_errno()));
-        goto fail;
-    }
-    int zero = 0, hwm = 100000;
-    int64_t maxmsg = 64ll << 20;
-    zmq_setsockopt(s->zsock, ZMQ_LINGER, &zero, sizeof(zero));
-    zmq_setsockopt(s->zsock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-    zmq_setsockopt(s->zsock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
-    zmq_setsockopt(s->zsock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
-    /* counted from the first connection, so before the bind */
-    if ((rc = rekv_conncap_create(s->zctx, s->zsock, rekv_conncap_max_for(cfg->max_clients),
-                                  &s->cap, err)) < 0)
-        goto fail;
-    old = umask(077);
-    brc = zmq_bind(s->zsock, s->endpoint);
-    umask(old);
-    if (brc < 0) {
-        rc = rekv_errf(err, -zmq_errno(), "kvstore: bind %s: %s", s->endpoint,
-                       zmq_strerror(zmq_errno()));
-        goto fail;
-    }
-    if (s->ipc_path)
-        chmod(s->ipc_path, 0600);
     if (cfg->metrics_listen) {
         rekv_metrics_server_opts mo = {.allow_remote = cfg->metrics_public};
         if ((rc = rekv_metrics_server_create_opts(cfg->metrics_listen, &mo, &s->metrics, err)))
             goto fail;
     }
+    if ((rc = loop_setup(s, err)) < 0)
+        goto fail;
     *out = s;
     return 0;
 fail:
     rekv_kvstore_server_destroy(s);
     return rc;
-}
-
-int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
-{
-    zmq_pollitem_t items[6 + REKV_METRICS_MAX_FDS];
-    int n = 0;
-    int i_z = n;
-    items[n++] = (zmq_pollitem_t){.socket = s->zsock, .events = ZMQ_POLLIN};
-    items[n++] = (zmq_pollitem_t){.socket = rekv_conncap_socket(s->cap), .events = ZMQ_POLLIN};
-    int i_fd = n;
-    items[n++] = (zmq_pollitem_t){.fd = s->fd_listen, .events = ZMQ_POLLIN};
-    int i_stop = n;
-    items[n++] = (zmq_pollitem_t){.fd = s->stop_fd, .events = ZMQ_POLLIN};
-    int i_io = -1, i_sig = -1;
-    if (s->spill) {
-        i_io = n;
-        items[n++] = (zmq_pollitem_t){.fd = kv_spill_event_fd(s->spill), .events = ZMQ_POLLIN};
-    }
-    if (s->cfg.signal_fd >= 0) {
-        i_sig = n;
-        items[n++] = (zmq_pollitem_t){.fd = s->cfg.signal_fd, .events = ZMQ_POLLIN};
-    }
-    uint64_t lease_period = (uint64_t)s->cfg.lease_ms * 1000000ull / 4;
-    if (lease_period < 1000000)
-        lease_period = 1000000;
-    s->now = rekv_now_ns();
-    s->next_lease_check = s->now + lease_period;
-    while (!s->stop) {
-        if (s->spill)
-            (void)kv_spill_submit(s->spill);
-        s->now = rekv_now_ns();
-        long timeout = s->next_lease_check > s->now
-                           ? (long)((s->next_lease_check - s->now) / 1000000ull) + 1
-                           : 0;
-        if (timeout > 1000)
-            timeout = 1000; /* on_tick at least once a second */
-        if (s->cfg.on_tick)
-            s->cfg.on_tick(s->cfg.event_ctx);
-        /* the metrics server's fds go after the fixed items, which keep their indices */
-        int m_fds[REKV_METRICS_MAX_FDS], m_n = 0;
-        short m_ev[REKV_METRICS_MAX_FDS], m_rev[REKV_METRICS_MAX_FDS];
-        if (s->metrics)
-            m_n = rekv_metrics_server_fds(s->metrics, m_fds, m_ev, REKV_METRICS_MAX_FDS);
-        for (int k = 0; k < m_n; k++)
-            items[n + k] = (zmq_pollitem_t){.fd = m_fds[k], .events = m_ev[k]};
-        int pr = zmq_poll(items, n + m_n, timeout);
-        if (pr < 0) {
-            if (zmq_errno() == EINTR)
-                continue;
-            return rekv_errf(err, -zmq_errno(), "kvstore: zmq_poll: %s", zmq_strerror(zmq_errno()));
-        }
-        s->now = rekv_now_ns();
-        if (items[i_stop].revents & ZMQ_POLLIN)
-            s->stop = 1;
-        if (i_sig >= 0 && (items[i_sig].revents & ZMQ_POLLIN)) {
-            struct signalfd_siginfo si; /* or an eventfd's 8-byte count */
-            ssize_t r = read(s->cfg.signal_fd, &si, sizeof(si));
-            if (r == (ssize_t)sizeof(si))
-                srv_event(s, REKV_KV_EVENT_INFO, "signal %u: shutting down", si.ssi_signo);
-            else if (r > 0)
-                srv_event(s, REKV_KV_EVENT_INFO, "stop requested: shutting down");
-            if (r > 0)
-                s->stop = 1;
-        }
-        if (i_io >= 0 && (items[i_io].revents & ZMQ_POLLIN))
-            srv_on_completions(s);
-        if (items[i_fd].revents & ZMQ_POLLIN)
-            serve_fd_socket(s);
-        rekv_conncap_drain(s->cap); /* before the requests: each is judged by every connection */
-        if (items[i_z].revents & ZMQ_POLLIN) {
-            for (int k = 0; k < 256; k++) {
-                int ev = 0;
-                size_t el = sizeof(ev);
-                if (zmq_getsockopt(s->zsock, ZMQ_EVENTS, &ev, &el) < 0 || !(ev & ZMQ_POLLIN))
-                    break;
-                srv_handle_message(s);
-                s->now = rekv_now_ns();
-            }
-        }
-        if (s->now >= s->next_lease_check) {
-            srv_leases_check(s);
-            s->next_lease_check = s->now + lease_period;
-            if (s->pending)
-                srv_run_pending(s); /* a paused spill tier may have resumed */
-        }
-        srv_ahead_pump(s);
-        srv_spill_watermark(s);
-        if (s->metrics) { /* last: a scrape sees this turn's state */
-            for (int k = 0; k < m_n; k++)
-                m_rev[k] = items[n + k].revents;
-            rekv_metrics_server_handle(s->metrics, m_fds, m_rev, m_n, srv_metrics_render, s);
-        }
-    }
-    return 0;
-}
-
-void rekv_kvstore_server_stop(rekv_kvstore_server *s)
-{
-    uint64_t one = 1;
-    ssize_t w = write(s->stop_fd, &one, sizeof(one));
-    (void)w;
 }
 
 void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
@@ -426,8 +441,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
     }
     if (s->ipc_path && s->zsock)
         unlink(s->ipc_path);
-    if (s->stop_fd >= 0)
-        close(s->stop_fd);
+    rekv_evloop_free(s->loop);
     if (s->pbe) /* imports unmapped, then the stream and the backend, before the arena goes */
         srv_push_close(s);
     if (s->arena.base != NULL)

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "common/conncap.h"
+#include "common/evloop.h"
 #include "common/metrics.h"
 #include "kvstore/kv_internal.h"
 #include "proto/kvstore.pb-c.h"
@@ -104,8 +105,7 @@ struct rekv_kvstore_server {
     void *zctx, *zsock; /* ZeroMQ context and ROUTER socket */
     rekv_conncap *cap;  /* zsock's connection count (common/conncap.h) */
     int fd_listen;      /* UNIX socket handing out the memfd */
-    int stop_fd;        /* eventfd written by server_stop */
-    int stop;           /* loop exit flag */
+    rekv_evloop *loop;  /* the event loop (server.c); rekv_kvstore_server_stop stops it */
     kv_block *blocks;   /* [n_block_ids] */
     uint32_t n_block_ids, cap_block_ids;
     uint32_t *free_ids; /* recycled block ids */
@@ -122,8 +122,7 @@ struct rekv_kvstore_server {
     uint32_t spilling_n[2]; /* of the spills in flight, by block type */
     int spill_err;         /* last spill write failure; spilling paused while set */
     uint64_t spill_err_ns; /* when it happened */
-    uint64_t now;          /* ns, refreshed per loop iteration */
-    uint64_t next_lease_check;
+    uint64_t now;          /* ns, refreshed by each of the loop's callbacks */
     uint32_t *scratch; /* resolved block ids of the current request */
     size_t cap_scratch;
     uint64_t host_n[2], disk_n[2];
