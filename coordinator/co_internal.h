@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "common/conncap.h"
+#include "common/evloop.h"
 #include "common/ratelimit.h"
 #include "coordinator/co_plan.h"
 #include "coordinator/coordinator.h"
@@ -141,7 +142,7 @@ struct rekv_coordinator {
     char control_path[4200], worker_path[4200]; /* ipc socket files, "" otherwise */
     void *zctx, *ctl, *wrk;
     rekv_conncap *ctl_cap, *wrk_cap; /* connection counts of ctl and wrk (common/conncap.h) */
-    int stop_fd;                     /* eventfd: rekv_coordinator_stop */
+    rekv_evloop *loop;               /* the event loop (coordinator.c) */
     rekv_journal *journal;           /* NULL without a state_dir */
     rekv_tokenizer *tok;             /* text prompts, with_text; NULL without one */
     rekv_model_config mcfg;          /* valid when have_model */

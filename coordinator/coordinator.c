@@ -1,9 +1,12 @@
 /* coordinator.c — rekv-coordinator's server: creating it (the config's defaults, the model and its
  * tokenizer, the journal's replay, the control and worker sockets), the event loop and tearing it
- * down. One thread, one zmq_poll loop; each round reads the worker socket (co_workers.c), then a
- * round of control requests (co_control.c), drops silent workers, sends every idle worker with work
- * its next Plan, answers metrics scrapes (co_stats.c) and compacts the journal (co_jobs.c) when it
- * has grown. The job table and the journal are in co_jobs.c; the state they all share is in
+ * down. One thread, one event loop (common/evloop.h); each round takes a stop signal, the
+ * connection counts, the worker socket (co_workers.c: up to 256 messages, then the jobs they ended
+ * are synced), a round of control requests (co_control.c); then, when due, a sample of the token
+ * rate each second and on_tick every 200 ms (which also bounds the sleep); then it drops silent
+ * workers, sends every idle worker with work its next Plan, syncs what that ended and compacts
+ * the journal (co_jobs.c) when it has grown; metrics scrapes (co_stats.c) are answered last, and
+ * the loop sleeps. The job table and the journal are in co_jobs.c; the state they all share is in
  * co_internal.h. */
 #define _GNU_SOURCE
 #include "coordinator/coordinator.h"
@@ -14,9 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
-#include <sys/eventfd.h>
 #include <sys/file.h>
-#include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -102,92 +103,109 @@ static void sync_ended(rekv_coordinator *co)
                  e.msg);
 }
 
+static void on_signal(rekv_evloop *loop, void *ctx, int signo)
+{
+    rekv_coordinator *co = ctx;
+    if (signo)
+        co_event(co, REKV_CO_EVENT_INFO, "signal %d: stopping", signo);
+    else
+        co_event(co, REKV_CO_EVENT_INFO, "signal: stopping");
+    rekv_evloop_stop(loop);
+}
+
+/* connection counts first: a request is judged against every connection before it */
+static void on_conncap(rekv_evloop *loop, void *ctx, short revents)
+{
+    rekv_conncap_drain(ctx);
+}
+
+/* up to 256 worker messages a round, then the jobs they ended are synced (and reported) */
+static void on_workers(rekv_evloop *loop, void *ctx, short revents)
+{
+    rekv_coordinator *co = ctx;
+    for (int k = 0; k < 256; k++) {
+        int ev = 0;
+        size_t sz = sizeof(ev);
+        co_handle_worker_msg(co);
+        if (zmq_getsockopt(co->wrk, ZMQ_EVENTS, &ev, &sz) || !(ev & ZMQ_POLLIN))
+            break;
+    }
+    sync_ended(co);
+}
+
+static void on_control(rekv_evloop *loop, void *ctx, short revents)
+{
+    co_handle_control(ctx);
+}
+
+/* a sample of the token counter a second, for tokens/s */
+static long on_rate(rekv_evloop *loop, void *ctx)
+{
+    rekv_coordinator *co = ctx;
+    co->rate_i = (co->rate_i + 1) % RATE_SLOTS;
+    co->rate_tokens[co->rate_i] = co->tokens;
+    co->rate_ns[co->rate_i] = rekv_now_ns();
+    return 1000;
+}
+
+/* a round at least every 200 ms: silent and hung workers are found, on_tick runs */
+static long on_tick(rekv_evloop *loop, void *ctx)
+{
+    rekv_coordinator *co = ctx;
+    if (co->cfg.on_tick)
+        co->cfg.on_tick(co->cfg.ctx);
+    return 200;
+}
+
+/* The end of every round: drop silent workers, send every idle worker with work its next Plan,
+ * report what that ended, and compact the journal when it has grown. */
+static void before_sleep(rekv_evloop *loop, void *ctx)
+{
+    rekv_coordinator *co = ctx;
+    co_check_workers(co);
+    co_schedule(co);
+    sync_ended(co);
+    /* by records, and by bytes: finished records carry results, and the journal holds no
+     * more than the remembered ones after a rewrite */
+    if (co->journal &&
+        (rekv_journal_records(co->journal) > COMPACT_RECORDS ||
+         rekv_journal_bytes(co->journal) > COMPACT_BYTES + 2 * co->cfg.keep_finished_bytes)) {
+        rekv_err e2 = {0};
+        if (co_journal_compact(co, &e2))
+            co_event(co, REKV_CO_EVENT_ERROR, "%s", e2.msg);
+    }
+}
+
+/* The loop's entries, in the order a round takes them (see the top of the file). */
+static int loop_setup(rekv_coordinator *co, rekv_err *err)
+{
+    rekv_evloop *l = co->loop;
+    int rc;
+    if (co->cfg.signal_fd >= 0 &&
+        (rc = rekv_evloop_add_signal_fd(l, co->cfg.signal_fd, on_signal, co, err)) < 0)
+        return rc;
+    if ((rc = rekv_evloop_add_socket(l, rekv_conncap_socket(co->ctl_cap), ZMQ_POLLIN, on_conncap,
+                                     co->ctl_cap, err)) < 0 ||
+        (rc = rekv_evloop_add_socket(l, rekv_conncap_socket(co->wrk_cap), ZMQ_POLLIN, on_conncap,
+                                     co->wrk_cap, err)) < 0 ||
+        (rc = rekv_evloop_add_socket(l, co->wrk, ZMQ_POLLIN, on_workers, co, err)) < 0 ||
+        (rc = rekv_evloop_add_socket(l, co->ctl, ZMQ_POLLIN, on_control, co, err)) < 0 ||
+        (rc = rekv_evloop_timer_add(l, 0, on_rate, co, err)) < 0 ||
+        (rc = rekv_evloop_timer_add(l, 200, on_tick, co, err)) < 0)
+        return rc;
+    rekv_evloop_before_sleep(l, before_sleep, co);
+    rekv_evloop_serve_metrics(l, co->metrics, co_metrics_render, co);
+    return 0;
+}
+
 int rekv_coordinator_run(rekv_coordinator *co, rekv_err *err)
 {
-    uint64_t last_rate = 0;
-    for (;;) {
-        zmq_pollitem_t it[6 + REKV_METRICS_MAX_FDS] = {
-            {co->ctl, 0, ZMQ_POLLIN, 0},
-            {co->wrk, 0, ZMQ_POLLIN, 0},
-            {NULL, co->stop_fd, ZMQ_POLLIN, 0},
-            {NULL, co->cfg.signal_fd, ZMQ_POLLIN, 0},
-            {rekv_conncap_socket(co->ctl_cap), 0, ZMQ_POLLIN, 0},
-            {rekv_conncap_socket(co->wrk_cap), 0, ZMQ_POLLIN, 0},
-        };
-        if (co->cfg.signal_fd < 0) /* no signal item: the monitors move up one */
-            it[3] = it[4], it[4] = it[5];
-        int n_it = co->cfg.signal_fd >= 0 ? 6 : 5;
-        /* the metrics server's fds go after the fixed items, which keep their indices */
-        int m_fds[REKV_METRICS_MAX_FDS], m_n = 0, m_at = n_it;
-        short m_ev[REKV_METRICS_MAX_FDS], m_rev[REKV_METRICS_MAX_FDS];
-        if (co->metrics)
-            m_n = rekv_metrics_server_fds(co->metrics, m_fds, m_ev, REKV_METRICS_MAX_FDS);
-        for (int k = 0; k < m_n; k++)
-            it[n_it++] = (zmq_pollitem_t){NULL, m_fds[k], m_ev[k], 0};
-        int r = zmq_poll(it, n_it, 200);
-        if (r < 0 && errno != EINTR)
-            return rekv_errf(err, -errno, "zmq_poll: %s", zmq_strerror(errno));
-        if (r > 0 && (it[2].revents & ZMQ_POLLIN))
-            return 0;
-        if (r > 0 && co->cfg.signal_fd >= 0 && (it[3].revents & ZMQ_POLLIN)) {
-            /* a signalfd or an eventfd written by a signal handler */
-            struct signalfd_siginfo si;
-            if (read(co->cfg.signal_fd, &si, sizeof(si)) == (ssize_t)sizeof(si))
-                co_event(co, REKV_CO_EVENT_INFO, "signal %u: stopping", si.ssi_signo);
-            else
-                co_event(co, REKV_CO_EVENT_INFO, "signal: stopping");
-            return 0;
-        }
-        /* connection counts first: a request is judged against every connection before it */
-        rekv_conncap_drain(co->ctl_cap);
-        rekv_conncap_drain(co->wrk_cap);
-        if (r > 0 && (it[1].revents & ZMQ_POLLIN))
-            for (int k = 0; k < 256; k++) {
-                int ev = 0;
-                size_t sz = sizeof(ev);
-                co_handle_worker_msg(co);
-                if (zmq_getsockopt(co->wrk, ZMQ_EVENTS, &ev, &sz) || !(ev & ZMQ_POLLIN))
-                    break;
-            }
-        /* jobs that ended are reported only once their records are synced: after the workers'
-         * messages, inside the control round (before its replies), and after scheduling */
-        sync_ended(co);
-        if (r > 0 && (it[0].revents & ZMQ_POLLIN))
-            co_handle_control(co);
-        co_check_workers(co);
-        co_schedule(co);
-        sync_ended(co);
-        if (co->metrics) { /* after co_schedule: a scrape sees this round's state */
-            for (int k = 0; k < m_n; k++)
-                m_rev[k] = r > 0 ? it[m_at + k].revents : 0;
-            rekv_metrics_server_handle(co->metrics, m_fds, m_rev, m_n, co_metrics_render, co);
-        }
-        uint64_t now = rekv_now_ns();
-        if (now - last_rate >= 1000000000ull) {
-            last_rate = now;
-            co->rate_i = (co->rate_i + 1) % RATE_SLOTS;
-            co->rate_tokens[co->rate_i] = co->tokens;
-            co->rate_ns[co->rate_i] = now;
-        }
-        /* by records, and by bytes: finished records carry results, and the journal holds no
-         * more than the remembered ones after a rewrite */
-        if (co->journal &&
-            (rekv_journal_records(co->journal) > COMPACT_RECORDS ||
-             rekv_journal_bytes(co->journal) > COMPACT_BYTES + 2 * co->cfg.keep_finished_bytes)) {
-            rekv_err e2 = {0};
-            if (co_journal_compact(co, &e2))
-                co_event(co, REKV_CO_EVENT_ERROR, "%s", e2.msg);
-        }
-        if (co->cfg.on_tick)
-            co->cfg.on_tick(co->cfg.ctx);
-    }
+    return rekv_evloop_run(co->loop, err);
 }
 
 void rekv_coordinator_stop(rekv_coordinator *co)
 {
-    uint64_t one = 1;
-    ssize_t w = write(co->stop_fd, &one, sizeof(one));
-    (void)w;
+    rekv_evloop_stop(co->loop);
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -349,7 +367,6 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
     if (co->cfg.max_new_limit == 0)
         co->cfg.max_new_limit = 1u << 20;
     co->cfg.max_clients = rekv_conncap_max_for(co->cfg.max_clients);
-    co->stop_fd = -1;
     co->lock_fd[0] = co->lock_fd[1] = co->lock_fd[2] = -1;
     co->pend_tail = &co->pend_head;
     co->start_ns = rekv_now_ns();
@@ -358,11 +375,12 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
     int rc;
     co->finished = calloc(co->cfg.keep_finished, sizeof(job *));
     co->replies = calloc(2 * READ_BATCH + 1, sizeof(reply));
-    co->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (!co->finished || !co->replies || co->stop_fd < 0) {
+    if (!co->finished || !co->replies) {
         rc = rekv_errf(err, -ENOMEM, "out of memory");
         goto fail;
     }
+    if ((rc = rekv_evloop_create(&co->loop, err)))
+        goto fail;
     if (cfg->control_endpoint)
         snprintf(co->control_ep, sizeof(co->control_ep), "%s", cfg->control_endpoint);
     else if ((rc = rekv_default_control_endpoint(co->control_ep, sizeof(co->control_ep), err)))
@@ -434,6 +452,8 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
     if (cfg->metrics_listen &&
         (rc = rekv_metrics_server_create_opts(cfg->metrics_listen, &mo, &co->metrics, err)))
         goto fail;
+    if ((rc = loop_setup(co, err)))
+        goto fail;
     *out = co;
     return 0;
 fail:
@@ -493,8 +513,7 @@ void rekv_coordinator_destroy(rekv_coordinator *co)
     rekv_metrics_server_free(co->metrics);
     rekv_journal_close(co->journal);
     rekv_tokenizer_free(co->tok);
-    if (co->stop_fd >= 0)
-        close(co->stop_fd);
+    rekv_evloop_free(co->loop);
     free(co->queue);
     free(co->finished);
     free(co->replies);
