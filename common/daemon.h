@@ -8,7 +8,9 @@
 
 /* An eventfd that becomes readable on SIGTERM or SIGINT, through a handler rather than a blocked
  * mask plus signalfd: libraries such as OpenBLAS start threads before main with the signals
- * unblocked, and a process signal delivered to one of them would kill the daemon outright. Also
+ * unblocked, and a process signal delivered to one of them would kill the daemon outright. The
+ * daemon's event loop takes it with rekv_evloop_add_signal_fd (common/evloop.h). SIGHUP is left
+ * alone: its default action ends the process. Also
  * ignores SIGPIPE (a dead peer is an error return, not death) and raises the open-file soft limit
  * to the hard one (connections are descriptors). Returns the fd or -errno. */
 int rekv_daemon_stop_fd(void);

@@ -1,0 +1,174 @@
+/* worker_start.c — what rekv-gpuworker holds before it serves: the model and its engine, the
+ * kvstore (worker_store.c), the backend, the scrape port, the cost profile it measures (cached) and
+ * the device's room it reports, the coordinator's socket; and the pipeline in its mode, built at
+ * start for a given --mode, or when the coordinator's Assign answers --mode auto's Hello (the
+ * first Hello says "auto" with the profile and the device's room; worker.proto). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "common/curve.h"
+#include "common/log.h"
+#include "gpuworker/profile.h"
+#include "gpuworker/worker_internal.h"
+
+int wk_start_pipeline(worker *w, rekv_err *err)
+{
+    /* the kvstore writes the KV rows into our buffers (it must run --push-backend) */
+    w->pc.push = w->push && w->pc.mode != REKV_MODE_RESIDENT;
+    w->mode = rekv_mode_name(w->pc.mode);
+    int rc;
+    if ((w->pc.mode == REKV_MODE_INFINIGEN || w->pc.mode == REKV_MODE_CLO) && w->pc.skew == NULL) {
+        int cached = 0;
+        if ((rc = rekv_skew_prepare(w->eng, REKV_SKEW_DEFAULT_RATIO, &w->skew, &cached, err)))
+            return rc;
+        rekv_log(REKV_LOG_INFO, "%s: the model's skew %s", w->mode,
+                 cached ? "from the cache" : "made and cached");
+        w->pc.skew = &w->skew;
+    }
+    if (w->pc.mode == REKV_MODE_CLO && w->pc.heads == NULL) {
+        int cached = 0;
+        if ((rc = rekv_heads_prepare(w->eng, &w->heads, &cached, err)))
+            return rc;
+        rekv_log(REKV_LOG_INFO, "clo: the model's head profile %s",
+                 cached ? "from the cache" : "made and cached");
+        w->pc.heads = &w->heads;
+        /* Eq. 12 at the worker's largest batch and context, from its measured profile */
+        w->pc.persist_np = rekv_heads_np(w->mc, &w->cost, w->max_batch, w->mc->max_pos,
+                                         w->pc.max_fraction, w->pc.cache_dtype);
+        rekv_log(REKV_LOG_INFO,
+                 "clo: N_p %.1f KV heads per layer (Eq. 12): harder heads beyond it keep their "
+                 "whole KV on the device",
+                 w->pc.persist_np);
+    }
+    /* the device-resident part in serving: the device's room for the KV cache (none where the
+     * device's memory is the host's) keeps each sequence's first tokens' K,V there, so they
+     * cross the link neither as KV nor as activations (every mode that streams but clo; it saves
+     * what ACT_GPU's activations would per byte of device memory, and their recomputation;
+     * infinigen attends it whole, beside what it selects, in the room its partial keys leave) */
+    if ((w->device_kv_room > 0 || w->device_tokens > 0) && w->pc.mode != REKV_MODE_RESIDENT &&
+        w->pc.mode != REKV_MODE_CLO) {
+        double room = (double)w->device_kv_room;
+        if (w->pc.mode == REKV_MODE_INFINIGEN)
+            room -= (double)w->max_batch *
+                    (double)rekv_ig_partial_key_bytes(w->mc, w->pc.skew->rk, w->mc->max_pos);
+        w->pc.device_tokens =
+            w->device_tokens >= 0
+                ? w->device_tokens
+                : rekv_cost_device_tokens_of(room, w->max_batch, w->mc->max_pos, w->mc->hidden,
+                                             rekv_config_kv_dim(w->mc), w->mc->n_layers,
+                                             (double)rekv_dtype_size(w->pc.cache_dtype));
+        rekv_log(REKV_LOG_INFO,
+                 "each sequence keeps its first %d tokens' K,V on the device (of its room, for "
+                 "%d sequences, beside a step's buffers)",
+                 w->pc.device_tokens, w->max_batch);
+    }
+    if ((rc = rekv_pipeline_create(w->eng, w->be, w->kv, &w->pc, &w->pipe, err)) ||
+        (rc = rekv_batcher_create(w->pipe, w->mc, w->max_batch, &w->batch, err)))
+        return rc;
+    w->wm.page_locked = rekv_pipeline_page_locked(w->pipe);
+    double room = rekv_backend_kv_room(w->be, 0); /* what the weights (now there) leave */
+    w->device_buffer_bytes = room > 0 ? (uint64_t)room : 0;
+    return 0;
+}
+
+int wk_take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
+{
+    rekv_mode m;
+    if (a->mode == NULL || rekv_mode_parse(a->mode, &m))
+        return rekv_errf(err, -EPROTO, "the coordinator assigned an unknown mode \"%s\"",
+                         a->mode ? a->mode : "");
+    if (m != REKV_MODE_RESIDENT && w->kv == NULL)
+        return rekv_errf(err, -EPROTO,
+                         "the coordinator assigned mode %s, which needs a kvstore, and this "
+                         "worker has none",
+                         a->mode);
+    if (rekv_mode_approximate(m) && !w->approximate)
+        return rekv_errf(err, -EPROTO,
+                         "the coordinator assigned the approximate mode %s, and this worker was "
+                         "not started with --approximate",
+                         a->mode);
+    rekv_log(REKV_LOG_INFO, "mode auto: the coordinator chose %s (%s)", a->mode,
+             a->reason && *a->reason ? a->reason : "no reason given");
+    w->pc.mode = m;
+    if (m == REKV_MODE_INFINIGEN) /* layer 0's split: it decides whether activations are kept */
+        w->pc.split = (int)a->split;
+    int rc = wk_start_pipeline(w, err);
+    if (rc == 0)
+        wk_send_hello(w);
+    return rc;
+}
+
+/* The backend, the scrape port, and the profile the planner prices this worker's steps with
+ * (measured here, cached on disk); the device's room for the coordinator's mode choice. */
+static int start_backend(worker *w, const wk_start_args *a, rekv_err *err)
+{
+    char note[1200];
+    int rc;
+    if ((rc = rekv_backend_create(a->backend, &a->link, &w->be, note, sizeof(note), err)))
+        return rc;
+    if (note[0])
+        rekv_log(REKV_LOG_INFO, "%s", note);
+    rekv_worker_metrics_init(&w->wm, w->be, w->name, &w->mode);
+    if (a->metrics_listen) {
+        rekv_metrics_server_opts mo = {.allow_remote = a->metrics_public};
+        if ((rc = rekv_metrics_server_create_opts(a->metrics_listen, &mo, &w->metrics, err)))
+            return rc;
+        rekv_log(REKV_LOG_INFO, "metrics on %s (GET /metrics)", a->metrics_listen);
+    }
+    rekv_profile prof;
+    rekv_profile_origin origin;
+    if ((rc = rekv_profile_get(w->mc, w->be->iface->name, &a->link, NULL, 0, &prof, &origin, err)))
+        return rc;
+    rekv_profile_to_cost(&prof, w->pc.cache_dtype, &w->cost);
+    if (!w->pc.offload_weights)
+        w->cost.t_load_w = 0;
+    /* the device's room for the KV cache: what is free less the weights when they will live on
+     * the device (they are not there yet) */
+    w->device_kv_room = rekv_backend_kv_room(
+        w->be, w->pc.offload_weights ? 0 : (double)rekv_engine_weight_bytes(w->eng));
+    return 0;
+}
+
+/* The DEALER to the coordinator (CurveZMQ on a tcp:// endpoint with a server key). */
+static int connect_coordinator(worker *w, const char *coord, void **zctx, rekv_err *err)
+{
+    *zctx = zmq_ctx_new();
+    w->sock = *zctx ? zmq_socket(*zctx, ZMQ_DEALER) : NULL;
+    int linger = 0, ivl = 100, rc;
+    if (w->sock == NULL)
+        return rekv_errf(err, -ENOMEM, "zmq socket: %s", zmq_strerror(errno));
+    zmq_setsockopt(w->sock, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(w->sock, ZMQ_RECONNECT_IVL, &ivl, sizeof(ivl));
+    const char *ckey = NULL;
+    rekv_err cerr = {0};
+    if ((rc = rekv_curve_server_key(coord, &ckey, &cerr)) ||
+        (ckey && (rc = rekv_curve_client(w->sock, ckey, &cerr))))
+        return rekv_errf(err, rc, "%s: %s", coord, cerr.msg);
+    if (zmq_connect(w->sock, coord) != 0)
+        return rekv_errf(err, -errno, "%s: connect: %s", coord, zmq_strerror(errno));
+    return 0;
+}
+
+int wk_start(worker *w, const wk_start_args *a, rekv_model **model, void **zctx, rekv_err *err)
+{
+    int rc;
+    if ((rc = rekv_model_open(a->model_path, model, err)) ||
+        (rc = rekv_engine_create(*model, &w->eng, err)))
+        return rc;
+    w->mc = rekv_engine_config(w->eng);
+    if (w->kv_ep) {
+        if ((rc = wk_kv_connect(w, err)))
+            return rc; /* 1: asked to stop */
+    } else if (!a->auto_mode && w->pc.mode != REKV_MODE_RESIDENT) {
+        return rekv_errf(err, -EINVAL, "--mode %s keeps the KV cache in the kvstore: give --kvstore",
+                         rekv_mode_name(w->pc.mode));
+    }
+    if ((rc = start_backend(w, a, err)))
+        return rc;
+    if (!a->auto_mode && (rc = wk_start_pipeline(w, err)))
+        return rc;
+    return connect_coordinator(w, a->coord, zctx, err);
+}

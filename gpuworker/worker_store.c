@@ -1,0 +1,176 @@
+/* worker_store.c — rekv-gpuworker's kvstore connection: connecting at start (waiting for a store
+ * started beside it), the lease it keeps alive from the loop's thread (also while a step runs),
+ * the store's room it tells the coordinator, and the loss of the store: the pipeline goes with
+ * the client (its arena is the dead store's), the worker says it is unavailable, reconnects every
+ * half second and, once the store answers, rebuilds the pipeline and says it is available. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "gpuworker/worker_internal.h"
+
+/* Takes the store's room from its Stats reply: the coordinator's admission prices jobs with it. */
+static void kv_room_fetch(worker *w)
+{
+    rekv_kv_stats st;
+    rekv_err err = {0};
+    rekv__worker__store_room__init(&w->room);
+    if (w->kv == NULL || rekv_kvstore_stats(w->kv, &st, &err)) {
+        if (w->kv)
+            rekv_log(REKV_LOG_WARN, "kvstore stats: %s; the coordinator admits jobs blind",
+                     err.msg);
+        return;
+    }
+    w->room.instance = st.instance;
+    w->room.host_bytes = st.host_bytes;
+    w->room.kv_block_bytes = st.kv_slot_bytes;
+    w->room.act_block_bytes = st.act_slot_bytes;
+    w->room.spill_bytes = st.spill_bytes;
+    w->room.spill_room_bytes = st.spill_room_bytes;
+}
+
+int wk_kv_connect(worker *w, rekv_err *err)
+{
+    /* started beside the store (`rekv run` starts the daemons at once): wait for its socket
+     * while there is none or nobody listens yet, up to KV_WAIT_MS, stopping on a signal */
+    uint64_t until = rekv_now_ns() + KV_WAIT_MS * 1000000ull;
+    rekv_kvstore_client *kv = NULL;
+    int crc;
+    while ((crc = rekv_kvstore_client_connect(w->kv_ep, NULL, w->kv_timeout_ms, &kv, err)) ==
+               -ENOENT ||
+           crc == -ECONNREFUSED) {
+        struct pollfd sp = {w->stop_fd, POLLIN, 0};
+        if (rekv_now_ns() > until)
+            break;
+        if (poll(&sp, 1, 20) > 0) /* asked to stop */
+            return 1;
+        rekv_err_clear(err);
+    }
+    if (crc)
+        return crc;
+    rekv_kv_geometry g;
+    rekv_kvstore_client_geometry(kv, &g);
+    w->pc.cache_dtype = g.dtype; /* the store's arena decides the cache dtype */
+    /* our sequences are ours by name: what a dead worker of this name left goes now (one of
+     * another name loses its sequences when its lease runs out) */
+    uint64_t n_seqs = 0, n_blocks = 0;
+    int rc;
+    if ((rc = rekv_kvstore_client_set_owner(kv, w->name, err)) ||
+        (rc = rekv_kvstore_drop_owner(kv, w->name, &n_seqs, &n_blocks, err))) {
+        rekv_kvstore_client_close(kv);
+        return rc;
+    }
+    if (n_seqs)
+        rekv_log(REKV_LOG_WARN,
+                 "kvstore: dropped %llu sequences (%llu blocks) that a previous "
+                 "worker named %s left",
+                 (unsigned long long)n_seqs, (unsigned long long)n_blocks, w->name);
+    uint64_t lease_ms = rekv_kvstore_client_header(kv)->lease_ms;
+    w->renew_ns = lease_ms / 4 * 1000000ull;
+    if (w->renew_ns < 10000000ull)
+        w->renew_ns = 10000000ull;
+    if (w->renew_ns > 1000000000ull)
+        w->renew_ns = 1000000000ull;
+    w->kv = kv; /* the loop may replace it (wk_kv_reconnect) */
+    w->last_renew_ns = rekv_now_ns();
+    kv_room_fetch(w);
+    return 0;
+}
+
+/* From the loop's thread, also while the step thread uses the same client: that one's requests
+ * renew the lease themselves, so this never waits for them. */
+void wk_kv_renew_due(worker *w)
+{
+    uint64_t now = rekv_now_ns();
+    if (w->kv == NULL || now - w->last_renew_ns < w->renew_ns)
+        return;
+    rekv_err err = {0};
+    if (rekv_kvstore_renew_nowait(w->kv, &err))
+        rekv_log(REKV_LOG_WARN, "kvstore lease: %s", err.msg);
+    w->last_renew_ns = now;
+}
+
+/* They do when the failure passes — the kvstore is gone (its client says so, or a request timed
+ * out: *lost is set), it had no room (-ENOMEM, -ENOSPC: other jobs end and free it), or we are
+ * stopping. Anything else (a CRC mismatch or I/O error on read-back, a device error, a bad
+ * request) fails them with the reason: running them again would meet it again. */
+int wk_step_error_retry(worker *w, int code, int *lost)
+{
+    *lost = 0;
+    if (w->stopping || code == -ECANCELED)
+        return 1;
+    if (w->kv && (rekv_kvstore_client_lost(w->kv) || code == -ETIMEDOUT || code == -EPIPE)) {
+        *lost = 1;
+        return 1;
+    }
+    return code == -ENOMEM || code == -ENOSPC;
+}
+
+void wk_kv_lose(worker *w)
+{
+    rekv_log(REKV_LOG_WARN, "kvstore %s: lost; unavailable until it is back", w->kv_ep);
+    if (w->unavailable[0] == '\0')
+        snprintf(w->unavailable, sizeof(w->unavailable), "its kvstore at %s is gone; reconnecting",
+                 w->kv_ep);
+    w->rebuild = w->pipe != NULL;
+    if (w->batch)
+        rekv_batcher_clear(w->batch); /* the client fails at once: nothing waits */
+    rekv_batcher_free(w->batch);
+    rekv_pipeline_free(w->pipe);
+    w->batch = NULL;
+    w->pipe = NULL;
+    rekv_kvstore_client_close(w->kv);
+    w->kv = NULL;
+    w->kv_lost = 1;
+    w->reconnect_tries = 0;
+    w->next_reconnect_ns = rekv_now_ns();
+    wk_send_heartbeat(w);
+}
+
+/* Drops what a worker of our name left in the store, rebuilds the pipeline and says we are
+ * available. */
+void wk_kv_reconnect(worker *w)
+{
+    if (!w->kv_lost || rekv_now_ns() < w->next_reconnect_ns)
+        return;
+    w->next_reconnect_ns = rekv_now_ns() + 500000000ull;
+    rekv_err err = {0};
+    rekv_kvstore_client *kv = NULL;
+    uint64_t n_seqs = 0, n_blocks = 0;
+    /* a short bound on the connect itself: this loop heartbeats and watches for SIGTERM */
+    if (rekv_kvstore_client_connect(w->kv_ep, NULL, 1000, &kv, &err) == 0) {
+        rekv_kvstore_client_set_timeout(kv, w->kv_timeout_ms);
+        rekv_kv_geometry g;
+        rekv_kvstore_client_geometry(kv, &g);
+        if (g.dtype != w->pc.cache_dtype)
+            rekv_errf(&err, -EINVAL, "kvstore %s: its cache dtype is now %s, not %s", w->kv_ep,
+                      rekv_dtype_name(g.dtype), rekv_dtype_name(w->pc.cache_dtype));
+        else if (rekv_kvstore_client_set_owner(kv, w->name, &err) == 0 &&
+                 rekv_kvstore_drop_owner(kv, w->name, &n_seqs, &n_blocks, &err) == 0) {
+            w->kv = kv;
+            w->kv_lost = 0;
+            w->last_renew_ns = rekv_now_ns();
+            kv_room_fetch(w); /* a restarted store may be another size */
+            if (!w->rebuild || wk_start_pipeline(w, &err) == 0) {
+                rekv_log(REKV_LOG_INFO, "kvstore %s: connected again%s", w->kv_ep,
+                         n_seqs ? " (dropped what we left there)" : "");
+                w->unavailable[0] = '\0';
+                wk_send_heartbeat(w);
+                return;
+            }
+            rekv_batcher_free(w->batch);
+            rekv_pipeline_free(w->pipe);
+            w->batch = NULL;
+            w->pipe = NULL;
+            w->kv = NULL;
+            w->kv_lost = 1;
+        }
+        rekv_kvstore_client_close(kv);
+    }
+    if (w->reconnect_tries++ == 0)
+        rekv_log(REKV_LOG_WARN, "kvstore %s: not back yet: %s", w->kv_ep, err.msg);
+}
