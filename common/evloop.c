@@ -30,8 +30,8 @@ typedef struct ev_entry {
 } ev_entry;
 
 typedef struct ev_timer {
-    int id;             /* 0: ended (compacted after the round) */
-    uint64_t when;      /* due at this rekv_now_ns() */
+    int id;                 /* 0: ended (compacted after the round) */
+    uint64_t when;          /* due at this rekv_now_ns() */
     unsigned long long ran; /* the round it last ran in (or was added in): once a round at most */
     rekv_evloop_timer_fn fn;
     void *ctx;
@@ -46,8 +46,8 @@ struct rekv_evloop {
     zmq_pollitem_t *items; /* [cap_items]: the wake fd, the polled entries, the metrics fds */
     int *item_id;          /* [cap_items] the entry id of each item (0: not an entry's) */
     int cap_items;
-    int wake_fd;           /* eventfd written by rekv_evloop_stop */
-    int stop;              /* set by rekv_evloop_stop (atomic: any thread, signal handlers) */
+    int wake_fd; /* eventfd written by rekv_evloop_stop */
+    int stop;    /* set by rekv_evloop_stop (atomic: any thread, signal handlers) */
     unsigned long long rounds;
     rekv_evloop_hook_fn hook;
     void *hook_ctx;

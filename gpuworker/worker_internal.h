@@ -43,19 +43,19 @@ typedef struct wk_stepper {
 
 /* The Plan being run: what its step's report needs, from its start to its end. */
 typedef struct wk_plan {
-    Rekv__Worker__CoordMsg *msg;       /* the Plan's message (owned), NULL when none runs */
-    const Rekv__Worker__Plan *plan;    /* msg->plan */
-    Rekv__Worker__JobProgress *jp;     /* [cap] the jobs' reports */
-    Rekv__Worker__JobProgress **pp;    /* [cap] pointers to them */
-    int32_t *toks;                     /* [cap] a token per report */
-    rekv_err *errs;                    /* [cap] the joins' errors */
-    size_t n, cap;                     /* reports filled, room */
-    int lost;                          /* the kvstore is gone (a join or the step said so) */
-    int timed;                         /* this step's busy times are measured */
-    int running;                       /* jobs in the step */
-    rekv_backend_stats bs0;            /* the backend's stats before the step */
-    uint64_t t0;                       /* when the step started */
-    char other_msg[160];               /* the others' error when one job's blocks were lost */
+    Rekv__Worker__CoordMsg *msg;    /* the Plan's message (owned), NULL when none runs */
+    const Rekv__Worker__Plan *plan; /* msg->plan */
+    Rekv__Worker__JobProgress *jp;  /* [cap] the jobs' reports */
+    Rekv__Worker__JobProgress **pp; /* [cap] pointers to them */
+    int32_t *toks;                  /* [cap] a token per report */
+    rekv_err *errs;                 /* [cap] the joins' errors */
+    size_t n, cap;                  /* reports filled, room */
+    int lost;                       /* the kvstore is gone (a join or the step said so) */
+    int timed;                      /* this step's busy times are measured */
+    int running;                    /* jobs in the step */
+    rekv_backend_stats bs0;         /* the backend's stats before the step */
+    uint64_t t0;                    /* when the step started */
+    char other_msg[160];            /* the others' error when one job's blocks were lost */
 } wk_plan;
 
 typedef struct worker {

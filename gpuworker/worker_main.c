@@ -133,32 +133,62 @@ static int parse_option(worker *w, worker_args *a, int o, const char *name, cons
         }
         break;
     }
-    case O_PUSH: w->push = 1; break;
-    case O_APPROX: w->approximate = 1; break;
-    case O_METRICS: a->start.metrics_listen = arg; break;
-    case O_METRICS_PUBLIC: a->start.metrics_public = 1; break;
+    case O_PUSH:
+        w->push = 1;
+        break;
+    case O_APPROX:
+        w->approximate = 1;
+        break;
+    case O_METRICS:
+        a->start.metrics_listen = arg;
+        break;
+    case O_METRICS_PUBLIC:
+        a->start.metrics_public = 1;
+        break;
     case O_DEVTOK:
         bad = rekv_parse_u32(arg, &v) || v > (1u << 24);
         w->device_tokens = (int)v;
         break;
-    case O_MODEL: a->start.model_path = arg; break;
-    case O_COORD: a->start.coord = arg; break;
-    case O_KV: w->kv_ep = arg; break;
-    case O_BACKEND: a->start.backend = arg; break;
-    case O_MODE: a->mode = arg; break;
+    case O_MODEL:
+        a->start.model_path = arg;
+        break;
+    case O_COORD:
+        a->start.coord = arg;
+        break;
+    case O_KV:
+        w->kv_ep = arg;
+        break;
+    case O_BACKEND:
+        a->start.backend = arg;
+        break;
+    case O_MODE:
+        a->mode = arg;
+        break;
     case O_BATCH:
         bad = rekv_parse_u32(arg, &a->max_batch) || a->max_batch == 0 || a->max_batch > 4096;
         break;
-    case O_NAME: w->name = arg; break;
-    case O_HB: bad = rekv_parse_u32(arg, &a->hb_ms) || a->hb_ms == 0; break;
-    case O_READY: bad = rekv_parse_u32(arg, &a->ready_fd); break;
+    case O_NAME:
+        w->name = arg;
+        break;
+    case O_HB:
+        bad = rekv_parse_u32(arg, &a->hb_ms) || a->hb_ms == 0;
+        break;
+    case O_READY:
+        bad = rekv_parse_u32(arg, &a->ready_fd);
+        break;
     case O_KV_TIMEOUT:
         bad = rekv_parse_u32(arg, &a->kv_timeout_ms) || a->kv_timeout_ms == 0 ||
               a->kv_timeout_ms > 3600000;
         break;
-    case O_HELP: usage(stdout); return 0;
-    case O_VERSION: printf("rekv-gpuworker %s\n", rekv_version()); return 0;
-    default: usage(stderr); return 2;
+    case O_HELP:
+        usage(stdout);
+        return 0;
+    case O_VERSION:
+        printf("rekv-gpuworker %s\n", rekv_version());
+        return 0;
+    default:
+        usage(stderr);
+        return 2;
     }
     if (bad) {
         fprintf(stderr, "rekv-gpuworker: bad value '%s'\n", arg);
@@ -280,8 +310,8 @@ static int loop_setup(worker *w, rekv_err *err)
                                                        wk_on_step_done, w, err)) < 0)
         return rc;
     if ((rc = rekv_evloop_add_signal_fd(w->loop, w->stop_fd, on_signal, w, err)) < 0 ||
-        (rc = w->sock_id = rekv_evloop_add_socket(w->loop, w->sock, ZMQ_POLLIN,
-                                                  wk_on_coordinator, w, err)) < 0 ||
+        (rc = w->sock_id =
+             rekv_evloop_add_socket(w->loop, w->sock, ZMQ_POLLIN, wk_on_coordinator, w, err)) < 0 ||
         (rc = w->wake_timer = rekv_evloop_timer_add(w->loop, 0, on_wake, w, err)) < 0)
         return rc;
     rekv_evloop_before_sleep(w->loop, before_sleep, w);
@@ -340,10 +370,9 @@ int main(int argc, char **argv)
         rekv_log(REKV_LOG_INFO,
                  "%s: %s, %d layers, vocab %d, context %d; %s backend, %s mode%s, batch "
                  "of %u; coordinator %s%s%s",
-                 w.name, w.model, w.mc->n_layers, w.mc->vocab, w.mc->max_pos,
-                 w.be->iface->name, w.mode, w.pipe ? "" : " (the coordinator chooses)",
-                 a.max_batch, a.start.coord, w.kv_ep ? ", kvstore " : "",
-                 w.kv_ep ? w.kv_ep : "");
+                 w.name, w.model, w.mc->n_layers, w.mc->vocab, w.mc->max_pos, w.be->iface->name,
+                 w.mode, w.pipe ? "" : " (the coordinator chooses)", a.max_batch, a.start.coord,
+                 w.kv_ep ? ", kvstore " : "", w.kv_ep ? w.kv_ep : "");
         rekv_daemon_ready(a.ready_fd == UINT32_MAX ? -1 : (int)a.ready_fd);
         rc = rekv_evloop_run(w.loop, &err);
     }

@@ -210,8 +210,8 @@ static void report_failed_step(worker *w, wk_plan *p, const rekv_err *serr)
     /* a block lost on read-back (CRC mismatch, I/O error) is one sequence's: its job fails,
      * the others' caches are intact and they run again */
     uint64_t lost_seq = w->kv ? rekv_kvstore_client_take_lost_seq(w->kv) : 0, owner = 0;
-    int scoped = !retry && lost_seq != 0 &&
-                 rekv_batcher_job_of_store_seq(w->batch, lost_seq, &owner) == 0;
+    int scoped =
+        !retry && lost_seq != 0 && rekv_batcher_job_of_store_seq(w->batch, lost_seq, &owner) == 0;
     unsigned long long step = (unsigned long long)p->plan->step;
     if (scoped) {
         snprintf(p->other_msg, sizeof(p->other_msg),
@@ -249,8 +249,8 @@ static void report_events(wk_plan *p, const rekv_batch_event *ev, int n_ev)
         j->job = ev[i].job;
         if (ev[i].token >= 0) {
             rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu token %d%s%s",
-                     (unsigned long long)p->plan->step, (unsigned long long)ev[i].job,
-                     ev[i].token, ev[i].finished ? ", finished: " : "",
+                     (unsigned long long)p->plan->step, (unsigned long long)ev[i].job, ev[i].token,
+                     ev[i].finished ? ", finished: " : "",
                      ev[i].finished ? ev[i].finish_reason : "");
             p->toks[p->n] = ev[i].token;
             j->n_tokens = 1;

@@ -132,8 +132,7 @@ static int on_message(worker *w, Rekv__Worker__CoordMsg *m)
         /* our Hello is on its way already: one answer per Hello — unless it went out four
          * heartbeats ago, when the coordinator that got it died before answering and the
          * one answering now never will (a live one answers within a loop round) */
-        if (w->awaiting_welcome &&
-            rekv_now_ns() - w->hello_sent_ns < 4ull * w->hb_ms * 1000000ull)
+        if (w->awaiting_welcome && rekv_now_ns() - w->hello_sent_ns < 4ull * w->hb_ms * 1000000ull)
             break;
         if (w->batch) {
             if (rekv_batcher_running(w->batch))

@@ -163,7 +163,8 @@ int wk_start(worker *w, const wk_start_args *a, rekv_model **model, void **zctx,
         if ((rc = wk_kv_connect(w, err)))
             return rc; /* 1: asked to stop */
     } else if (!a->auto_mode && w->pc.mode != REKV_MODE_RESIDENT) {
-        return rekv_errf(err, -EINVAL, "--mode %s keeps the KV cache in the kvstore: give --kvstore",
+        return rekv_errf(err, -EINVAL,
+                         "--mode %s keeps the KV cache in the kvstore: give --kvstore",
                          rekv_mode_name(w->pc.mode));
     }
     if ((rc = start_backend(w, a, err)))

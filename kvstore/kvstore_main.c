@@ -156,7 +156,9 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
 {
     int bad = 0;
     switch (o) {
-    case O_ENDPOINT: a->cfg.endpoint = arg; break;
+    case O_ENDPOINT:
+        a->cfg.endpoint = arg;
+        break;
     case O_PUSH:
         a->cfg.push_backend = arg;
         bad = strcmp(arg, "cpu") && strcmp(arg, "cuda") && strcmp(arg, "auto");
@@ -170,15 +172,33 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
         }
         break;
     }
-    case O_METRICS: a->cfg.metrics_listen = arg; break;
-    case O_METRICS_PUBLIC: a->cfg.metrics_public = 1; break;
-    case O_SPILL_DIR: a->cfg.spill_dir = arg; break;
-    case O_NO_SPILL: a->cfg.no_spill = 1; break;
-    case O_MODEL: a->model = arg; break;
-    case O_DTYPE: a->dtype = arg; break;
-    case O_HUGE: a->cfg.huge_pages = 1; break;
-    case O_FD_SOCKET: a->cfg.fd_socket = arg; break;
-    case O_NO_REG: a->cfg.no_register_arena = 1; break;
+    case O_METRICS:
+        a->cfg.metrics_listen = arg;
+        break;
+    case O_METRICS_PUBLIC:
+        a->cfg.metrics_public = 1;
+        break;
+    case O_SPILL_DIR:
+        a->cfg.spill_dir = arg;
+        break;
+    case O_NO_SPILL:
+        a->cfg.no_spill = 1;
+        break;
+    case O_MODEL:
+        a->model = arg;
+        break;
+    case O_DTYPE:
+        a->dtype = arg;
+        break;
+    case O_HUGE:
+        a->cfg.huge_pages = 1;
+        break;
+    case O_FD_SOCKET:
+        a->cfg.fd_socket = arg;
+        break;
+    case O_NO_REG:
+        a->cfg.no_register_arena = 1;
+        break;
     case O_MAX_CLIENTS:
     case O_HOST:
     case O_SPILL_BYTES:
@@ -189,10 +209,18 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
     case O_LEASE:
     case O_HIGH:
     case O_LOW:
-    case O_READY: bad = parse_number(a, o, arg); break;
-    case O_HELP: usage(stdout); return 0;
-    case O_VERSION: printf("rekv-kvstore %s\n", rekv_version()); return 0;
-    default: usage(stderr); return 2;
+    case O_READY:
+        bad = parse_number(a, o, arg);
+        break;
+    case O_HELP:
+        usage(stdout);
+        return 0;
+    case O_VERSION:
+        printf("rekv-kvstore %s\n", rekv_version());
+        return 0;
+    default:
+        usage(stderr);
+        return 2;
     }
     if (bad) {
         fprintf(stderr, "rekv-kvstore: bad value '%s'\n", arg);
@@ -242,9 +270,8 @@ static int geometry_of(kv_args *a)
             return 1;
         }
         rekv_model_close(m);
-    } else if (rekv_kv_geometry_init(&a->cfg.geometry, (uint32_t)a->layers,
-                                     (uint32_t)a->kv_heads, (uint32_t)a->head_dim,
-                                     (uint32_t)a->hidden, cd, &err) < 0) {
+    } else if (rekv_kv_geometry_init(&a->cfg.geometry, (uint32_t)a->layers, (uint32_t)a->kv_heads,
+                                     (uint32_t)a->head_dim, (uint32_t)a->hidden, cd, &err) < 0) {
         rekv_log(REKV_LOG_ERROR,
                  "%s (give --model or all of --layers --kv-heads --head-dim "
                  "--hidden)",

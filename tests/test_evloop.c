@@ -28,9 +28,9 @@ typedef struct trace {
     char seq[256]; /* one letter per call */
     int n;
     int count[8];
-    int stop_at;   /* the count of seq at which a callback stops the loop; 0: never */
-    int fds[4];    /* the fds a callback reads or removes */
-    int ids[4];    /* entry or timer ids */
+    int stop_at; /* the count of seq at which a callback stops the loop; 0: never */
+    int fds[4];  /* the fds a callback reads or removes */
+    int ids[4];  /* entry or timer ids */
     void *sock;
     int signo;
 } trace;
@@ -115,9 +115,24 @@ START_TEST(socket_and_pipe_in_order)
 }
 END_TEST
 
-static long timer_a(rekv_evloop *l, void *c) { (void)l; note(c, 'a'); return REKV_EVLOOP_TIMER_END; }
-static long timer_b(rekv_evloop *l, void *c) { (void)l; note(c, 'b'); return REKV_EVLOOP_TIMER_END; }
-static long timer_c(rekv_evloop *l, void *c) { (void)l; note(c, 'c'); return REKV_EVLOOP_TIMER_END; }
+static long timer_a(rekv_evloop *l, void *c)
+{
+    (void)l;
+    note(c, 'a');
+    return REKV_EVLOOP_TIMER_END;
+}
+static long timer_b(rekv_evloop *l, void *c)
+{
+    (void)l;
+    note(c, 'b');
+    return REKV_EVLOOP_TIMER_END;
+}
+static long timer_c(rekv_evloop *l, void *c)
+{
+    (void)l;
+    note(c, 'c');
+    return REKV_EVLOOP_TIMER_END;
+}
 static long timer_stop(rekv_evloop *l, void *c)
 {
     note(c, 'z');
