@@ -44,8 +44,8 @@ struct rekv_evloop {
     int n_t, cap_t;
     int next_id;
     zmq_pollitem_t *items; /* [cap_items]: the wake fd, the polled entries, the metrics fds */
-    int *item_id;          /* [cap_items] the entry id of each item (0: not an entry's) */
-    int cap_items;
+    int *item_id;          /* [cap_ids] the entry id of each item (0: not an entry's) */
+    int cap_items, cap_ids;
     int wake_fd; /* eventfd written by rekv_evloop_stop */
     int stop;    /* set by rekv_evloop_stop (atomic: any thread, signal handlers) */
     unsigned long long rounds;
@@ -263,13 +263,9 @@ static int build_items(rekv_evloop *loop)
     if (loop->metrics)
         m = rekv_metrics_server_fds(loop->metrics, loop->m_fds, loop->m_ev, REKV_METRICS_MAX_FDS);
     int need = 1 + loop->n_e + m;
-    if (grow((void **)&loop->items, &loop->cap_items, need, sizeof(zmq_pollitem_t)))
+    if (grow((void **)&loop->items, &loop->cap_items, need, sizeof(zmq_pollitem_t)) ||
+        grow((void **)&loop->item_id, &loop->cap_ids, need, sizeof(int)))
         return -ENOMEM;
-    int cap = loop->cap_items; /* grow the ids to the same capacity */
-    int *ids = realloc(loop->item_id, (size_t)cap * sizeof(int));
-    if (ids == NULL)
-        return -ENOMEM;
-    loop->item_id = ids;
     int n = 0;
     loop->items[n] = (zmq_pollitem_t){NULL, loop->wake_fd, ZMQ_POLLIN, 0};
     loop->item_id[n++] = 0;
