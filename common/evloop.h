@@ -68,7 +68,8 @@ int rekv_evloop_add_signal_fd(rekv_evloop *loop, int fd, rekv_evloop_signal_fn f
 /* A timer first due delay_ms from now (0: the next round); returns its id (> 0). */
 int rekv_evloop_timer_add(rekv_evloop *loop, long delay_ms, rekv_evloop_timer_fn fn, void *ctx,
                           rekv_err *err);
-/* Makes timer id due delay_ms from now instead; -ENOENT for an unknown (or ended) one. */
+/* Makes timer id due delay_ms from now instead (inside its own callback the callback's return
+ * decides); -ENOENT for an unknown (or ended) one. */
 int rekv_evloop_timer_set(rekv_evloop *loop, int id, long delay_ms);
 /* Ends timer id; -ENOENT for an unknown (or ended) one. */
 int rekv_evloop_timer_del(rekv_evloop *loop, int id);
