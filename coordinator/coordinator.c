@@ -310,9 +310,10 @@ static int tcp_check(const char *ep, const char *curve, rekv_err *err)
 }
 
 /* A ROUTER bound to ep; CurveZMQ on tcp:// endpoints when a secret key is given (an ipc socket
- * is a file its permissions guard, and local peers hold no keys: never CURVE'd). */
+ * is a file its permissions guard, and local peers hold no keys: never CURVE'd). An ipc socket's
+ * file gets mode (from the first instant: a umask around the bind). */
 static int bind_router(rekv_coordinator *co, void **sock, rekv_conncap **cap, const char *ep,
-                       const char *path, rekv_err *err)
+                       const char *path, mode_t mode, rekv_err *err)
 {
     *sock = zmq_socket(co->zctx, ZMQ_ROUTER);
     if (*sock == NULL)
@@ -333,14 +334,14 @@ static int bind_router(rekv_coordinator *co, void **sock, rekv_conncap **cap, co
     int rc = rekv_conncap_create(co->zctx, *sock, co->cfg.max_clients, cap, err);
     if (rc)
         return rc;
-    /* the socket file is created by bind; a umask keeps it 0600 from the first instant */
-    mode_t old = umask(0077);
+    /* the socket file is created by bind; a umask gives it no more than mode from the start */
+    mode_t old = umask(~mode & 0777);
     rc = zmq_bind(*sock, ep);
     int e = errno;
     umask(old);
     if (rc != 0)
         return rekv_errf(err, -e, "%s: bind: %s", ep, zmq_strerror(e));
-    if (*path && chmod(path, 0600) < 0)
+    if (*path && chmod(path, mode) < 0)
         return rekv_errf(err, -errno, "%s: chmod: %s", path, strerror(errno));
     return 0;
 }
@@ -440,8 +441,12 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
     }
     if ((rc = ipc_prepare(co->control_ep, co->control_path, sizeof(co->control_path), err)) ||
         (rc = ipc_prepare(co->worker_ep, co->worker_path, sizeof(co->worker_path), err)) ||
-        (rc = bind_router(co, &co->ctl, &co->ctl_cap, co->control_ep, co->control_path, err)) ||
-        (rc = bind_router(co, &co->wrk, &co->wrk_cap, co->worker_ep, co->worker_path, err)))
+        /* the control socket is the group's (its directory decides who reaches it: a user's
+         * $XDG_RUNTIME_DIR is 0700, the service's /run/rekv 0750 with group rekv); the workers'
+         * socket is the coordinator's user's alone */
+        (rc = bind_router(co, &co->ctl, &co->ctl_cap, co->control_ep, co->control_path, 0660,
+                          err)) ||
+        (rc = bind_router(co, &co->wrk, &co->wrk_cap, co->worker_ep, co->worker_path, 0600, err)))
         goto fail;
     rekv_metrics_hist *hists[] = {&co->h_ttft, &co->h_itl, &co->h_queue, &co->h_step,
                                   &co->h_step_rtt};

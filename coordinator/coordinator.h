@@ -4,7 +4,8 @@
  *
  * Sockets (ZeroMQ, one frame per message, protobuf-c):
  *   control  ROUTER; clients (DEALER) send Request, get Response with the same id. ipc:// by
- *            default, in $XDG_RUNTIME_DIR/rekv or /run/rekv, socket file mode 0600. tcp:// only
+ *            default, in $XDG_RUNTIME_DIR/rekv or /run/rekv, socket file mode 0660 (its directory
+ *            decides who reaches it). tcp:// only
  * when configured; a non-loopback tcp address needs a CurveZMQ secret key. workers  ROUTER; each
  * gpuworker (DEALER) says Hello, then gets one Plan per step and answers Progress
  * (proto/worker.proto). A worker silent for worker_timeout_ms is dead, and one whose step is not
@@ -114,7 +115,7 @@ void rekv_coordinator_config_defaults(rekv_coordinator_config *cfg);
 typedef struct rekv_coordinator rekv_coordinator;
 
 /* Replays the journal, binds both sockets (removing stale ipc socket files, creating the socket
- * directory mode 0700 when missing; socket files mode 0600). */
+ * directory mode 0700 when missing; the control socket's file mode 0660, the workers' 0600). */
 int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator **out,
                             rekv_err *err);
 /* Runs the event loop until rekv_coordinator_stop() or a signal on cfg->signal_fd. */

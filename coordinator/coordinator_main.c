@@ -41,7 +41,8 @@ static void usage(FILE *f)
             "is dropped as it comes.\n"
             "--model gives the tokenizer for text prompts. tcp:// endpoints off loopback need\n"
             "--curve-secret-file (a Z85 CurveZMQ secret key), which guards tcp:// endpoints\n"
-            "only: ipc:// sockets (files, mode 0600) serve local clients and workers as before.\n"
+            "only: ipc:// sockets (files: control 0660, its directory decides who may submit; workers\n"
+            "0600) serve local clients and workers as before.\n"
             "--metrics serves Prometheus scrapes (GET /metrics) on a loopback address; another\n"
             "address (or :PORT, every interface) needs --metrics-public: scrapes are not\n"
             "authenticated.\n");

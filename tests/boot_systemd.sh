@@ -55,6 +55,13 @@ timeout 120 rekv submit --prompt-ids 1,7,42,9 --max-new-tokens 8 --ignore-eos --
     >$O/job1.json 2>$O/job1.err; echo $? >$O/job1.rc
 timeout 120 rekv submit --prompt-ids $(seq -s, 1 200) --max-new-tokens 8 --ignore-eos --json \
     >$O/job2.json 2>$O/job2.err; echo $? >$O/job2.rc
+# who may submit: a member of the rekv group reaches /run/rekv/control (its own runtime directory
+# has no coordinator), a user outside it does not
+useradd -M -G rekv alice && useradd -M bob
+runuser -u alice -- env XDG_RUNTIME_DIR=/tmp timeout 120 rekv submit --prompt-ids 1,7,42,9 \
+    --max-new-tokens 8 --ignore-eos --json >$O/job3.json 2>$O/job3.err; echo $? >$O/job3.rc
+runuser -u bob -- env XDG_RUNTIME_DIR=/tmp timeout 60 rekv submit --prompt-ids 1,7,42,9 \
+    --max-new-tokens 8 --ignore-eos --json >$O/job4.json 2>$O/job4.err; echo $? >$O/job4.rc
 curl -sS http://127.0.0.1:9465/metrics >$O/kvstore.metrics 2>&1
 # past the units' WatchdogSec (10 s): a daemon that does not ping is restarted by now
 sleep 12

@@ -350,8 +350,9 @@ START_TEST(systemd_boot)
     free(out);
 
     char *log = tu_vm_out(w, "check.log");
-    const char *rcs[] = {"enable.rc", "job1.rc", "job2.rc"};
-    for (size_t i = 0; i < 3; i++) {
+    /* job3: a member of the rekv group submits through /run/rekv/control */
+    const char *rcs[] = {"enable.rc", "job1.rc", "job2.rc", "job3.rc"};
+    for (size_t i = 0; i < 4; i++) {
         char *t = tu_vm_out(w, rcs[i]);
         ck_assert_msg(strcmp(t, "0\n") == 0, "in the guest, %s is '%s'; its log ends:\n%s", rcs[i],
                       t, tu_log_end(log));
@@ -421,6 +422,22 @@ START_TEST(systemd_boot)
         free(served);
         free(want_out);
     }
+    /* the same prompt as job1 from a member of the rekv group: the same tokens; from a user
+     * outside the group: refused (the socket's directory is /run/rekv, 0750 rekv) */
+    char *job1 = tu_vm_out(w, "job1.json"), *job3 = tu_vm_out(w, "job3.json");
+    char *ids1 = generated_ids(job1), *ids3 = generated_ids(job3);
+    ck_assert_msg(ids1 && ids3 && strcmp(ids1, ids3) == 0,
+                  "a rekv group member's job got %s, root's %s", ids3 ? ids3 : job3,
+                  ids1 ? ids1 : job1);
+    free(ids1);
+    free(ids3);
+    free(job1);
+    free(job3);
+    char *rc4 = tu_vm_out(w, "job4.rc"), *err4 = tu_vm_out(w, "job4.err");
+    ck_assert_msg(strcmp(rc4, "0\n") != 0,
+                  "a user outside the rekv group submitted to the service (exit %s): %s", rc4, err4);
+    free(rc4);
+    free(err4);
     free(log);
     tu_rmrf(w);
     free(w);
