@@ -6,7 +6,7 @@
  * observation per step on both sides of the worker socket, the bytes the worker moved equal to
  * what the coordinator summed from its reports. Each output also passes `promtool check metrics`
  * when promtool is installed (in CI it must be). The kvstore's spill and CRC counters are checked
- * in test_kvstore, where spilling and a corrupt read-back are forced. */
+ * in test_kvstore_spill, where spilling and a corrupt read-back are forced. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
