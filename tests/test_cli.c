@@ -307,24 +307,10 @@ START_TEST(bad_input_clear_errors)
 }
 END_TEST
 
-/* `rekv bench decode`: one JSON object comparing every mode on the same prompts; every mode's
- * tokens equal resident's, each carries the planner's predicted step beside the measured one
- * (also corrected online: the modes that move bytes rescale its link side), and on an MHA model the
- * recomputing modes move fewer bytes. */
-START_TEST(bench_decode_json)
+/* bench decode's JSON: every field of each mode's run, the link's peak, and the cache bytes the
+ * recomputing modes move against offload's (the run's output in out) */
+static void bench_decode_fields(char *out, char *err)
 {
-    char *d = tu_tmpdir(), args[8192], *out, *err;
-    snprintf(args, sizeof(args),
-             "%s synth --arch opt --layers 2 --hidden 64 --heads 4 --ffn 128 "
-             "--vocab 300 --max-pos 256 --dtype f16 --seed 5 %s/m >/dev/null",
-             tu_bin("rekv-loader"), d);
-    ck_assert_int_eq(system(args), 0);
-    snprintf(args, sizeof(args),
-             "bench decode --model %s/m --batch 3 --prompt-len 40 --gen-len 3 "
-             "--link-gbps 2 --offload-weights --schedule column --gpu-batches 2 --json",
-             d);
-    int rc = rekv(args, &out, &err);
-    ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
     json_t *o = json_loads(out, 0, NULL);
     ck_assert_msg(o != NULL, "not JSON: %s", out);
     json_t *modes = json_object_get(o, "modes");
@@ -394,6 +380,14 @@ START_TEST(bench_decode_json)
     json_decref(o);
     free(out);
     free(err);
+}
+
+static void bench_decode_push_and_splits(const char *d)
+{
+    char args[8192], *out, *err;
+    int rc;
+    json_t *o, *modes, *m;
+    size_t i;
     /* pull and push side by side in one run, and kvpr at splits of our choosing: the same tokens,
      * each run says which it was */
     snprintf(args, sizeof(args),
@@ -417,6 +411,13 @@ START_TEST(bench_decode_json)
     json_decref(o);
     free(out);
     free(err);
+}
+
+static void bench_decode_auto(const char *d)
+{
+    char args[8192], *out, *err;
+    int rc;
+    json_t *o, *m;
     /* auto on a device that holds part of the cache (a deep, narrow model, so the KV outweighs a
      * step's buffers): a streaming technique with each sequence's first tokens on the device,
      * and resident's tokens (a run on an unbounded device) */
@@ -477,12 +478,41 @@ START_TEST(bench_decode_json)
         free(err);
     }
     ck_assert_uint_eq(crc[0], crc[1]);
+}
+
+static void bench_decode_bad_split(const char *d)
+{
+    char args[8192], *out, *err;
     /* a split only for kvpr, and a number */
     snprintf(args, sizeof(args), "bench decode --model %s/m --modes act@3 --json", d);
     ck_assert_int_eq(rekv(args, &out, &err), 2);
     ck_assert_msg(strstr(err, "act@3") != NULL, "%s", err);
     free(out);
     free(err);
+}
+
+/* `rekv bench decode`: one JSON object comparing every mode on the same prompts; every mode's
+ * tokens equal resident's, each carries the planner's predicted step beside the measured one
+ * (also corrected online: the modes that move bytes rescale its link side), and on an MHA model the
+ * recomputing modes move fewer bytes. */
+START_TEST(bench_decode_json)
+{
+    char *d = tu_tmpdir(), args[8192], *out, *err;
+    snprintf(args, sizeof(args),
+             "%s synth --arch opt --layers 2 --hidden 64 --heads 4 --ffn 128 "
+             "--vocab 300 --max-pos 256 --dtype f16 --seed 5 %s/m >/dev/null",
+             tu_bin("rekv-loader"), d);
+    ck_assert_int_eq(system(args), 0);
+    snprintf(args, sizeof(args),
+             "bench decode --model %s/m --batch 3 --prompt-len 40 --gen-len 3 "
+             "--link-gbps 2 --offload-weights --schedule column --gpu-batches 2 --json",
+             d);
+    int rc = rekv(args, &out, &err);
+    ck_assert_msg(rc == 0, "exit %d: %s", rc, err);
+    bench_decode_fields(out, err);
+    bench_decode_push_and_splits(d);
+    bench_decode_auto(d);
+    bench_decode_bad_split(d);
     tu_rmrf(d);
     free(d);
 }
