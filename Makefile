@@ -1,5 +1,6 @@
 # rekv — top-level build. `make` builds every program into build/bin/, `make test` builds and runs
-# every test, `make CUDA=0` forces a CPU-only build, `make V=1` shows full commands.
+# every test (`make test-quick` without the virtual-machine cases, `make test-vm` only those; see
+# "Tests" below), `make CUDA=0` forces a CPU-only build, `make V=1` shows full commands.
 #
 # Layout: each room (a module folder: common, loader, gpuworker/device, kvstore, gpuworker,
 # coordinator, coordinator/cli) becomes a static library of its .c files, except files named
@@ -105,7 +106,7 @@ TEST_BINS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRCS))
 TEST_SUPPORT := $(filter-out tests/test_% tests/fuzz_%,$(wildcard tests/*.c))
 TEST_SUPPORT_OBJS := $(patsubst %.c,$(BUILD)/obj/%.o,$(TEST_SUPPORT))
 
-.PHONY: all test clean fuzz format install
+.PHONY: all test test-quick test-vm clean fuzz format install
 # keep objects and generated headers that only feed other targets
 .SECONDARY:
 all: $(BINS) $(CUDA_SO)
@@ -180,12 +181,36 @@ $(BUILD)/asan/fuzz_parsers: $(ASAN_OBJS)
 fuzz: $(if $(wildcard tests/fuzz_parsers.c),$(BUILD)/asan/fuzz_parsers)
 	$(if $(wildcard tests/fuzz_parsers.c),$(Q)tests/run_fuzz.sh $(BUILD)/asan/fuzz_parsers)
 
-# the rooms' arrows first (tests/check_rooms.sh), and that the check catches a crossing; then every
-# sh block of README.md and docs/ (tests/check_docs.sh), and that the check catches a broken one
+# Tests. `make test` runs them all — what README and CI run: the parser fuzzer (make fuzz), the
+# rooms' arrows (tests/check_rooms.sh, and that the check catches a crossing), every sh block of
+# the documentation (tests/check_docs.sh, and that the check catches a broken one), every test
+# program but its virtual-machine cases, then those. tests/run_tests.sh prints a line as each program
+# starts ([N/M]) and as each case ends, and the slowest programs at the end.
+# - `make test-vm`: only the virtual-machine cases (Check tag "vm": each boots a machine under
+#   qemu with tests/vm.sh, minutes each without KVM — about half of `make test`'s time): the
+#   cases of every tests/test_*.c that calls tcase_set_tags(..., "vm").
+# - `make test-quick`: the rooms and every program without its virtual-machine cases and without
+#   the fuzzer, for a developer's loop; `make test` before a commit.
+# One program alone: build/tests/test_X (CK_RUN_SUITE / CK_RUN_CASE narrow it; CK_LOG_FILE_NAME=-
+# prints each case as it ends).
+VM_TEST_BINS := $(patsubst tests/%.c,$(BUILD)/tests/%,$(shell grep -l 'tcase_set_tags([^,]*, *"vm")' $(TEST_SRCS)))
+test_rooms = $(Q)echo "== rooms (tests/check_rooms.sh)" && tests/check_rooms.sh && tests/check_rooms.sh --self-test
+test_docs = $(Q)echo "== the documentation's commands (tests/check_docs.sh)" && tests/check_docs.sh --self-test && tests/check_docs.sh
+run_quick = CK_EXCLUDE_TAGS=vm tests/run_tests.sh $(TEST_BINS)
+run_vm = CK_INCLUDE_TAGS=vm tests/run_tests.sh $(VM_TEST_BINS)
+
 test: $(BINS) $(CUDA_SO) $(TEST_BINS) fuzz
-	$(Q)tests/check_rooms.sh && tests/check_rooms.sh --self-test
-	$(Q)tests/check_docs.sh --self-test && tests/check_docs.sh
-	$(Q)tests/run_tests.sh $(TEST_BINS)
+	$(test_rooms)
+	$(test_docs)
+	$(Q)failed=0; $(run_quick) || failed=1; \
+	echo "== the virtual-machine cases (make test-vm)"; $(run_vm) || failed=1; exit $$failed
+
+test-quick: $(BINS) $(CUDA_SO) $(TEST_BINS)
+	$(test_rooms)
+	$(Q)$(run_quick)
+
+test-vm: $(BINS) $(CUDA_SO) $(VM_TEST_BINS)
+	$(Q)$(run_vm)
 
 # Installs the programs and the cuda backend's object (BINDIR/../lib/rekv), the systemd units
 # (ExecStart pointed at BINDIR), the rekv system user (sysusers.d) and the environment file's

@@ -458,6 +458,7 @@ static Suite *suite(void)
     suite_add_tcase(s, tc);
     /* a virtual machine boots (emulated: about a minute on two cores, more when loaded) */
     TCase *boot = tcase_create("boot");
+    tcase_set_tags(boot, "vm"); /* make test-vm */
     tcase_set_timeout(boot, 900);
     tcase_add_test(boot, systemd_boot);
     suite_add_tcase(s, boot);

@@ -860,6 +860,7 @@ static Suite *suite(void)
     suite_add_tcase(s, tc);
     /* a virtual machine boots twice (emulated: a minute or two on two cores) */
     tc = tcase_create("powercut");
+    tcase_set_tags(tc, "vm"); /* make test-vm */
     tcase_set_timeout(tc, 1200);
     tcase_add_test(tc, finished_job_survives_power_cut);
     suite_add_tcase(s, tc);

@@ -47,8 +47,11 @@ int tu_ci(void)
 
 int tu_run_suite(Suite *s)
 {
+    /* lines as they come, also into a pipe or a log (make test | tee): with CK_LOG_FILE_NAME=-
+     * (tests/run_tests.sh sets it) Check prints each case's result to stdout as the case ends */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
+    srunner_run_all(sr, CK_ENV);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);
     return failed == 0 ? 0 : 1;

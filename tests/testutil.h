@@ -10,7 +10,9 @@
  * process's life (one per file), so a test may hold several. */
 const char *tu_shared(const char *rel);
 
-/* Runs one suite and returns the process exit code (0 when every test passed). */
+/* Runs one suite and returns the process exit code (0 when every test passed). Check's
+ * environment picks the output (CK_VERBOSITY; CK_LOG_FILE_NAME=- adds a line as each case ends);
+ * stdout is line-buffered. */
 int tu_run_suite(Suite *s);
 
 /* A fresh private temporary directory (mkdtemp under $TMPDIR or /tmp); removed by tu_rmrf. */

@@ -2,7 +2,7 @@
 # tests/vm.sh WORKDIR [--stage DIR] [--disk MIB] -- COMMAND [ARG...] — runs COMMAND as root in a
 # virtual machine booted under a real systemd, for the tests that need a whole machine: a unit
 # started by systemd (tests/boot_systemd.sh) or a block device that fails on demand
-# (test_kvstore's spill_eio).
+# (test_kvstore_spill's spill_eio_readback).
 #
 # The machine (qemu, emulated: see DEVELOPERS.md "Tests in a virtual machine") runs this
 # machine's Debian kernel (/boot/vmlinuz-*, one whose modules have 9p) and, as its root file
