@@ -15,7 +15,7 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-allocator_may_return_null=1:max_allocation_s
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1:abort_on_error=1}
 logdir=$(mktemp -d "${TMPDIR:-/tmp}/rekv-fuzz-log.XXXXXX")
 start=$(date +%s)
-echo "fuzz: $shards shards of $bin $* (a line per seed as it ends, [shard] first)"
+echo "fuzz: $shards shards of $bin${*:+ $*} (a line per seed as it ends, [shard] first)"
 pids=()
 for ((i = 0; i < shards; i++)); do
     # each shard's lines as they come, marked with its number; the log and the exit status kept

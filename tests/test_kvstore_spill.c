@@ -124,6 +124,8 @@ START_TEST(test_sweep_read_ahead)
 }
 END_TEST
 
+/* The store's metrics port against its Stats reply: the same bytes and blocks, the spill I/O
+ * histograms' counts as the spill write and read counters, and a clean promtool check. */
 /* The numbers a scrape and a Stats reply share; background spilling may still change them. */
 static void shared_numbers(const rekv_kv_stats *st, uint64_t out[14])
 {
