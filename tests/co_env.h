@@ -81,6 +81,8 @@ Rekv__Control__Response *ct_health(rekv_ctl *c);
 /* Waits until the coordinator sees n workers (Check's timeout is the guard). */
 void ct_wait_workers(rekv_ctl *c, uint32_t n);
 
+/* `rekv run` (cli_run in a child) on e's private sockets; returns once it is ready. mode NULL:
+ * the default. */
 pid_t ct_rekv_run_start(env *e, const char *host_bytes, const char *max_batch, const char *mode);
 
 /* rekv run with more arguments (extra: NULL-terminated, may be NULL), on the cpu backend (see

@@ -135,6 +135,7 @@ START_TEST(batcher_chunked_prefill)
 }
 END_TEST
 
+/* `rekv run` serves 64 concurrent jobs; outputs equal rekv_generate's. */
 START_TEST(run_64_jobs)
 {
     env e;

@@ -1,14 +1,13 @@
-/* test_metrics.c — the Prometheus exposition builder (exact text, escaping, name checks, sticky
- * errors) and the scrape server, run the way the coordinator runs it: a zmq_poll loop in a thread
- * over the server's raw fds. Scraped with a minimal client written here (real sockets) and with
- * curl when installed: 200 with a well-formed exposition, 404 / 405 / 400 / 431 / 500, HEAD,
- * 100 concurrent connections against a bound of 32, garbage and mutated requests, slow and silent
- * clients, requests followed by junk, and no fd leaks over many scrapes. */
+/* test_metrics_server.c — the metrics scrape server, run the way the daemons run it: a zmq_poll
+ * loop in a thread over the server's raw fds. Scraped with a minimal client written here (real
+ * sockets) and with curl when installed: 200 with a well-formed exposition, 404 / 405 / 400 /
+ * 431 / 500, HEAD, 100 concurrent connections against a bound of 32, garbage and mutated
+ * requests, slow and silent clients, requests followed by junk, and no fd leaks over many
+ * scrapes. */
 #define _GNU_SOURCE
 #include "common/metrics.h"
 #include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
-
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
@@ -26,184 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
-
 #include "common/clock.h"
-
-/* ---------------------------------------------------------------- the builder */
-
-START_TEST(test_buf_format)
-{
-    rekv_metrics_buf b;
-    rekv_metrics_buf_init(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "rekv_jobs", "gauge", "Jobs by state."), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "rekv_jobs", "state=\"queued\"", 3), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "rekv_jobs", "state=\"running\",x=\"a\\\"b\"", 0.5),
-                     0);
-    ck_assert_int_eq(rekv_metrics_family(&b, "rekv_jobs", "gauge", "again: nothing written"), 0);
-    ck_assert_int_eq(rekv_metrics_family(&b, "rekv_tokens_total", "counter", "a\\b\nc \"q\""), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "rekv_tokens_total", NULL, 12345678901.0), 0);
-    ck_assert_int_eq(rekv_metrics_family(&b, "odd:values", "untyped", NULL), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "odd:values", "", 0.1), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "odd:values", NULL, NAN), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "odd:values", NULL, INFINITY), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "odd:values", NULL, -INFINITY), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "odd:values", NULL, -2.5e-300), 0);
-    ck_assert_int_eq(
-        rekv_metrics_sample_kv(&b, "odd:values", 7, "worker", "w\"1\\\n", "kind", "kv", NULL), 0);
-    const char *want = "# HELP rekv_jobs Jobs by state.\n"
-                       "# TYPE rekv_jobs gauge\n"
-                       "rekv_jobs{state=\"queued\"} 3\n"
-                       "rekv_jobs{state=\"running\",x=\"a\\\"b\"} 0.5\n"
-                       "# HELP rekv_tokens_total a\\\\b\\nc \"q\"\n"
-                       "# TYPE rekv_tokens_total counter\n"
-                       "rekv_tokens_total 12345678901\n"
-                       "# HELP odd:values \n"
-                       "# TYPE odd:values untyped\n"
-                       "odd:values 0.1\n"
-                       "odd:values NaN\n"
-                       "odd:values +Inf\n"
-                       "odd:values -Inf\n"
-                       "odd:values -2.5e-300\n"
-                       "odd:values{worker=\"w\\\"1\\\\\\n\",kind=\"kv\"} 7\n";
-    ck_assert_str_eq(b.data, want);
-    ck_assert_uint_eq(b.len, strlen(want));
-    ck_assert_int_eq(b.err, 0);
-    rekv_metrics_buf_free(&b);
-    ck_assert_ptr_null(b.data);
-    rekv_metrics_buf_free(&b); /* twice is fine */
-}
-END_TEST
-
-/* Each bad call fails with -EINVAL, leaves the text as it was, and sticks. */
-START_TEST(test_buf_errors)
-{
-    static const char *bad_names[] = {"", "1abc", "a-b", "a b", "é", "a{"};
-    for (size_t i = 0; i < sizeof(bad_names) / sizeof(*bad_names); i++) {
-        rekv_metrics_buf b = {0};
-        ck_assert_int_eq(rekv_metrics_name_valid(bad_names[i]), 0);
-        ck_assert_int_eq(rekv_metrics_family(&b, bad_names[i], "gauge", "h"), -EINVAL);
-        ck_assert_ptr_null(b.data);
-        rekv_metrics_buf_free(&b);
-    }
-    ck_assert_int_eq(rekv_metrics_name_valid("_a:b_9"), 1);
-    ck_assert_int_eq(rekv_metrics_name_valid(NULL), 0);
-
-    static const char *bad_labels[] = {
-        "state",    "state=queued",   "state=\"queued", "=\"x\"",     "1a=\"x\"",  "__r=\"x\"",
-        "a=\"x\",", "a=\"x\"b=\"y\"", "a=\"x\\t\"",     "a=\"x\ny\"", "a-b=\"x\"", "a=\"x\" ",
-    };
-    for (size_t i = 0; i < sizeof(bad_labels) / sizeof(*bad_labels); i++) {
-        rekv_metrics_buf b = {0};
-        ck_assert_int_eq(rekv_metrics_family(&b, "m", "gauge", "h"), 0);
-        size_t len = b.len;
-        ck_assert_msg(rekv_metrics_sample(&b, "m", bad_labels[i], 1) == -EINVAL, "labels %s",
-                      bad_labels[i]);
-        ck_assert_uint_eq(b.len, len);
-        /* sticky: a good call now fails too */
-        ck_assert_int_eq(rekv_metrics_sample(&b, "m", NULL, 1), -EINVAL);
-        ck_assert_uint_eq(b.len, len);
-        rekv_metrics_buf_free(&b);
-    }
-
-    rekv_metrics_buf b = {0};
-    ck_assert_int_eq(rekv_metrics_sample(&b, "m", NULL, 1), -EINVAL); /* no family yet */
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "m", "summary", "h"), -EINVAL);
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "m", NULL, "h"), -EINVAL);
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "a", "gauge", "h"), 0);
-    ck_assert_int_eq(rekv_metrics_sample(&b, "b", NULL, 1), -EINVAL); /* not the current one */
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "a", "gauge", "h"), 0);
-    ck_assert_int_eq(rekv_metrics_family(&b, "b", "gauge", "h"), 0);
-    ck_assert_int_eq(rekv_metrics_family(&b, "a", "gauge", "h"), -EINVAL); /* not grouped */
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "a", "gauge", "h"), 0);
-    ck_assert_int_eq(rekv_metrics_sample_kv(&b, "a", 1, "__x", "v", NULL), -EINVAL);
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "a", "gauge", "h"), 0);
-    ck_assert_int_eq(rekv_metrics_sample_kv(&b, "a", 1, "k", (const char *)NULL, "x", NULL),
-                     -EINVAL);
-    rekv_metrics_buf_free(&b);
-}
-END_TEST
-
-/* A histogram: cumulative buckets with le (bounds as the shortest decimal, then +Inf), _sum and
- * _count, labels before le; an observation on a bound counts in that bound's bucket; misuse is
- * -EINVAL. */
-START_TEST(test_histogram)
-{
-    static const double bounds[] = {0.001, 0.5, 2};
-    rekv_metrics_hist h;
-    ck_assert_int_eq(rekv_metrics_hist_init(&h, bounds, 3), 0);
-    rekv_metrics_hist_observe(&h, 0.0005);
-    rekv_metrics_hist_observe(&h, 0.5); /* le: on the bound is in */
-    rekv_metrics_hist_observe(&h, 0.25);
-    rekv_metrics_hist_observe(&h, 7);
-    rekv_metrics_hist_observe(&h, NAN); /* ignored */
-    rekv_metrics_buf b = {0};
-    ck_assert_int_eq(rekv_metrics_family(&b, "t_seconds", "histogram", "T."), 0);
-    ck_assert_int_eq(rekv_metrics_histogram(&b, "t_seconds", NULL, &h), 0);
-    ck_assert_int_eq(rekv_metrics_histogram(&b, "t_seconds", "op=\"r\"", &h), 0);
-    const char *want = "# HELP t_seconds T.\n"
-                       "# TYPE t_seconds histogram\n"
-                       "t_seconds_bucket{le=\"0.001\"} 1\n"
-                       "t_seconds_bucket{le=\"0.5\"} 3\n"
-                       "t_seconds_bucket{le=\"2\"} 3\n"
-                       "t_seconds_bucket{le=\"+Inf\"} 4\n"
-                       "t_seconds_sum 7.7505\n"
-                       "t_seconds_count 4\n"
-                       "t_seconds_bucket{op=\"r\",le=\"0.001\"} 1\n"
-                       "t_seconds_bucket{op=\"r\",le=\"0.5\"} 3\n"
-                       "t_seconds_bucket{op=\"r\",le=\"2\"} 3\n"
-                       "t_seconds_bucket{op=\"r\",le=\"+Inf\"} 4\n"
-                       "t_seconds_sum{op=\"r\"} 7.7505\n"
-                       "t_seconds_count{op=\"r\"} 4\n";
-    ck_assert_str_eq(b.data, want);
-    ck_assert_int_eq(ms_check_exposition(b.data, b.len), 12);
-    /* a plain sample in a histogram family, a histogram in a gauge family, le among the labels */
-    ck_assert_int_eq(rekv_metrics_sample(&b, "t_seconds", NULL, 1), -EINVAL);
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "g", "gauge", "G."), 0);
-    ck_assert_int_eq(rekv_metrics_histogram(&b, "g", NULL, &h), -EINVAL);
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "t", "histogram", "T."), 0);
-    ck_assert_int_eq(rekv_metrics_histogram(&b, "t", "le=\"1\"", &h), -EINVAL);
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "t", "histogram", "T."), 0);
-    ck_assert_int_eq(rekv_metrics_histogram(&b, "t", "a=\"x\",le=\"1\"", &h), -EINVAL);
-    rekv_metrics_buf_free(&b);
-    ck_assert_int_eq(rekv_metrics_family(&b, "t", "histogram", "T."), 0);
-    ck_assert_int_eq(rekv_metrics_family(&b, "t", "gauge", "T."), -EINVAL); /* retyped */
-    rekv_metrics_buf_free(&b);
-    static const double unordered[] = {1, 1};
-    ck_assert_int_eq(rekv_metrics_hist_init(&h, unordered, 2), -EINVAL);
-    ck_assert_int_eq(rekv_metrics_hist_init(&h, bounds, 0), -EINVAL);
-    ck_assert_int_eq(rekv_metrics_hist_init(&h, rekv_metrics_latency_bounds,
-                                            rekv_metrics_latency_n_bounds), 0);
-}
-END_TEST
-
-/* Many families and samples: the buffer grows and stays exact. */
-START_TEST(test_buf_grows)
-{
-    rekv_metrics_buf b = {0};
-    char name[32];
-    for (int f = 0; f < 300; f++) {
-        snprintf(name, sizeof(name), "fam_%d", f);
-        ck_assert_int_eq(rekv_metrics_family(&b, name, f % 2 ? "counter" : "gauge", "h"), 0);
-        for (int k = 0; k < 20; k++) {
-            char v[16];
-            snprintf(v, sizeof(v), "%d", k);
-            ck_assert_int_eq(rekv_metrics_sample_kv(&b, name, k, "k", v, NULL), 0);
-        }
-    }
-    ck_assert_uint_eq(strlen(b.data), b.len);
-    ck_assert_ptr_nonnull(strstr(b.data, "fam_299{k=\"19\"} 19\n"));
-    rekv_metrics_buf_free(&b);
-}
-END_TEST
 
 /* ---------------------------------------------------------------- the server in a loop */
 
@@ -284,16 +106,13 @@ static void srv_start(srv *t, int timeout_ms)
     srv_start_at(t, "127.0.0.1:0", timeout_ms);
 }
 
-/* Waits up to ms for the loop to report `want` open connections; returns the last count seen. */
-static int srv_wait_conns(srv *t, int want, int ms)
+/* Waits until the loop reports `want` open connections (Check's timeout is the guard: load makes
+ * it slower, never red); returns that count. */
+static int srv_wait_conns(srv *t, int want)
 {
-    int c = -1;
-    for (int k = 0; k <= ms / 10; k++) {
-        c = __atomic_load_n(&t->conns_now, __ATOMIC_RELAXED);
-        if (c == want)
-            break;
+    int c;
+    while ((c = __atomic_load_n(&t->conns_now, __ATOMIC_RELAXED)) != want)
         usleep(10000);
-    }
     return c;
 }
 
@@ -407,7 +226,7 @@ static void resp_parse(resp *r, char *raw, size_t n)
 /* One exchange: connect, send, optionally shut down our side, read the whole answer. */
 static resp exchange(int port, const void *req, size_t n, int shut_wr)
 {
-    int fd = connect_port(port, 5000);
+    int fd = connect_port(port, 30000);
     send_all(fd, req, n);
     if (shut_wr)
         shutdown(fd, SHUT_WR);
@@ -513,8 +332,7 @@ START_TEST(test_loopback_only)
         rekv_metrics_server_free(s);
     rekv_err_clear(&err);
     int rc = rekv_metrics_server_create("[::]:0", &s, &err); /* refused, or no IPv6 here */
-    ck_assert_msg(rc == -EPERM || rc == -EADDRNOTAVAIL || rc == -EAFNOSUPPORT, "[::]: %s",
-                  err.msg);
+    ck_assert_msg(rc == -EPERM || rc == -EADDRNOTAVAIL || rc == -EAFNOSUPPORT, "[::]: %s", err.msg);
 }
 END_TEST
 
@@ -673,9 +491,9 @@ START_TEST(test_100_open_at_once)
     enum { N = 100 };
     int fds[N];
     for (int i = 0; i < N; i++)
-        fds[i] = connect_port(t.port, 5000);
+        fds[i] = connect_port(t.port, 30000);
     /* let the server accept them all (keeping 32) before anyone speaks */
-    ck_assert_int_eq(srv_wait_conns(&t, REKV_METRICS_MAX_CONNS, 1000), REKV_METRICS_MAX_CONNS);
+    ck_assert_int_eq(srv_wait_conns(&t, REKV_METRICS_MAX_CONNS), REKV_METRICS_MAX_CONNS);
     usleep(50000);
     const char *req = "GET /metrics HTTP/1.1\r\nHost: h\r\n\r\n";
     for (int i = 0; i < N; i++)
@@ -721,7 +539,7 @@ static void *scraper_main(void *arg)
     const char *req = "GET /metrics HTTP/1.1\r\nHost: h\r\n\r\n";
     for (int k = 0; k < 5; k++) {
         int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        struct timeval tv = {5, 0};
+        struct timeval tv = {30, 0};
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
         struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)sc->port)};
         a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -775,6 +593,7 @@ START_TEST(test_100_concurrent_scrapers)
 END_TEST
 
 static uint64_t g_rng = 0x1234567887654321ull;
+
 static uint64_t rnd(void)
 {
     uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
@@ -843,8 +662,8 @@ START_TEST(test_silent_clients)
     srv t;
     srv_start(&t, 300);
     uint64_t t0 = rekv_now_ns();
-    int silent = connect_port(t.port, 3000);
-    int partial = connect_port(t.port, 3000);
+    int silent = connect_port(t.port, 30000);
+    int partial = connect_port(t.port, 30000);
     send_all(partial, "GET /metr", 9);
     resp r = get(t.port, "GET /metrics HTTP/1.1\r\n\r\n");
     check_metrics_answer(&r);
@@ -855,7 +674,7 @@ START_TEST(test_silent_clients)
     double waited = (double)(rekv_now_ns() - t0) * 1e-9;
     ck_assert(!to);
     ck_assert_uint_eq(len, 0);
-    ck_assert_msg(waited > 0.25 && waited < 2.0, "closed after %.3f s", waited);
+    ck_assert_msg(waited > 0.25, "closed after %.3f s, before its timeout", waited);
     free(raw);
     raw = read_all(partial, &len, &to);
     ck_assert(!to);
@@ -864,18 +683,18 @@ START_TEST(test_silent_clients)
     free(raw);
     close(silent);
     close(partial);
-    ck_assert_int_eq(srv_wait_conns(&t, 0, 1500), 0);
+    ck_assert_int_eq(srv_wait_conns(&t, 0), 0);
 
     /* the server fills up with silent clients, refuses the next, and recovers after the
      * timeout */
     int fds[REKV_METRICS_MAX_CONNS];
     for (int i = 0; i < REKV_METRICS_MAX_CONNS; i++)
-        fds[i] = connect_port(t.port, 3000);
-    ck_assert_int_eq(srv_wait_conns(&t, REKV_METRICS_MAX_CONNS, 1000), REKV_METRICS_MAX_CONNS);
+        fds[i] = connect_port(t.port, 30000);
+    ck_assert_int_eq(srv_wait_conns(&t, REKV_METRICS_MAX_CONNS), REKV_METRICS_MAX_CONNS);
     r = get(t.port, "GET /metrics HTTP/1.1\r\n\r\n");
     ck_assert(r.status == 503 || r.status == -1);
     free(r.raw);
-    ck_assert_int_eq(srv_wait_conns(&t, 0, 2000), 0);
+    ck_assert_int_eq(srv_wait_conns(&t, 0), 0);
     r = get(t.port, "GET /metrics HTTP/1.1\r\n\r\n");
     check_metrics_answer(&r);
     free(r.raw);
@@ -892,7 +711,7 @@ START_TEST(test_slow_and_pipelined)
     srv t;
     srv_start(&t, 0);
     const char *req = "GET /metrics HTTP/1.1\r\nHost: h\r\n\r\n";
-    int fd = connect_port(t.port, 5000);
+    int fd = connect_port(t.port, 30000);
     for (const char *p = req; *p; p++) {
         send_all(fd, p, 1);
         usleep(2000);
@@ -931,7 +750,7 @@ START_TEST(test_no_leaks)
         ck_assert_int_eq(r.status, i % 3 ? 200 : 404);
         free(r.raw);
     }
-    int open1 = connect_port(t.port, 1000), open2 = connect_port(t.port, 1000);
+    int open1 = connect_port(t.port, 30000), open2 = connect_port(t.port, 30000);
     send_all(open2, "GET /", 5);
     usleep(50000);
     srv_stop(&t); /* frees the server with two connections open */
@@ -1000,35 +819,30 @@ START_TEST(test_curl)
 }
 END_TEST
 
-static Suite *metrics_suite(void)
+static Suite *suite(void)
 {
-    Suite *s = suite_create("metrics");
-    TCase *tb = tcase_create("builder");
-    tcase_add_test(tb, test_buf_format);
-    tcase_add_test(tb, test_buf_errors);
-    tcase_add_test(tb, test_buf_grows);
-    tcase_add_test(tb, test_histogram);
-    suite_add_tcase(s, tb);
-    TCase *ts = tcase_create("server");
-    tcase_set_timeout(ts, 60);
-    tcase_add_test(ts, test_listen_addresses);
-    tcase_add_test(ts, test_loopback_only);
-    tcase_add_test(ts, test_all_interfaces_serves_v4);
-    tcase_add_test(ts, test_get_metrics);
-    tcase_add_test(ts, test_error_answers);
-    tcase_add_test(ts, test_oversized);
-    tcase_add_test(ts, test_100_open_at_once);
-    tcase_add_test(ts, test_100_concurrent_scrapers);
-    tcase_add_test(ts, test_garbage);
-    tcase_add_test(ts, test_silent_clients);
-    tcase_add_test(ts, test_slow_and_pipelined);
-    tcase_add_test(ts, test_no_leaks);
-    tcase_add_test(ts, test_curl);
-    suite_add_tcase(s, ts);
+    Suite *s = suite_create("metrics_server");
+    TCase *tc;
+    tc = tcase_create("server");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, test_listen_addresses);
+    tcase_add_test(tc, test_loopback_only);
+    tcase_add_test(tc, test_all_interfaces_serves_v4);
+    tcase_add_test(tc, test_get_metrics);
+    tcase_add_test(tc, test_error_answers);
+    tcase_add_test(tc, test_oversized);
+    tcase_add_test(tc, test_100_open_at_once);
+    tcase_add_test(tc, test_100_concurrent_scrapers);
+    tcase_add_test(tc, test_garbage);
+    tcase_add_test(tc, test_silent_clients);
+    tcase_add_test(tc, test_slow_and_pipelined);
+    tcase_add_test(tc, test_no_leaks);
+    tcase_add_test(tc, test_curl);
+    suite_add_tcase(s, tc);
     return s;
 }
 
 int main(void)
 {
-    return tu_run_suite(metrics_suite());
+    return tu_run_suite(suite());
 }
