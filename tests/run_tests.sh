@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.." || exit 2
 XDG_CACHE_HOME=$(mktemp -d -t rekv-test-cache.XXXXXX) || exit 2
 export XDG_CACHE_HOME
 export CK_LOG_FILE_NAME=${CK_LOG_FILE_NAME:--}
+# where a long case's helpers (tests/vm.sh) say how far they are, past the test's own capture of
+# their output: this script's stdout
+export REKV_TEST_PROGRESS=${REKV_TEST_PROGRESS:-/proc/$$/fd/1}
 trap 'rm -rf "$XDG_CACHE_HOME"' EXIT
 failed=()
 times=()

@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <math.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -494,7 +495,20 @@ START_TEST(test_100_open_at_once)
         fds[i] = connect_port(t.port, 30000);
     /* let the server accept them all (keeping 32) before anyone speaks */
     ck_assert_int_eq(srv_wait_conns(&t, REKV_METRICS_MAX_CONNS), REKV_METRICS_MAX_CONNS);
-    usleep(50000);
+    /* ... and close (or answer 503) all the others: each of those is readable here, the kept ones
+     * are not (counted, not slept on; Check's timeout is the guard) */
+    for (;;) {
+        struct pollfd p[N];
+        for (int i = 0; i < N; i++)
+            p[i] = (struct pollfd){.fd = fds[i], .events = POLLIN};
+        ck_assert_int_ge(poll(p, N, 10), 0);
+        int done = 0;
+        for (int i = 0; i < N; i++)
+            done += (p[i].revents & (POLLIN | POLLHUP)) != 0;
+        ck_assert_int_le(done, N - REKV_METRICS_MAX_CONNS);
+        if (done == N - REKV_METRICS_MAX_CONNS)
+            break;
+    }
     const char *req = "GET /metrics HTTP/1.1\r\nHost: h\r\n\r\n";
     for (int i = 0; i < N; i++)
         send_all(fds[i], req, strlen(req));

@@ -137,14 +137,32 @@ if [ -n "$DISK" ]; then
     [ -e "$W/disk.img" ] || truncate -s "${DISK}M" "$W/disk.img" || exit 2
     DRIVE=(-drive "file=$W/disk.img,if=virtio,format=raw")
 fi
+# a line every 30 s to $REKV_TEST_PROGRESS (tests/run_tests.sh sets it) while the machine runs:
+# the test that called this captures its output, and a boot takes minutes
+progress() {
+    [ -n "${REKV_TEST_PROGRESS:-}" ] || return 0
+    printf '   vm: %s\n' "$*" 2>/dev/null >>"$REKV_TEST_PROGRESS" || true
+}
+progress "booting ($KVER, ${ACCEL[1]}) to run $(basename "${@: -1}")"
 timeout "${REKV_VM_TIMEOUT:-540}" "$QEMU" "${ACCEL[@]}" -m 2048 -smp 2 \
     -display none -no-reboot -serial "file:$W/console.log" -monitor none \
     -kernel "/boot/vmlinuz-$KVER" -initrd "$W/initrd.cpio.gz" \
     -append "console=ttyS0 rdinit=/init panic=-1 systemd.show_status=1" \
     -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
     -virtfs local,path="$W/out",mount_tag=out,security_model=none,multidevs=remap \
-    "${DRIVE[@]}"
+    "${DRIVE[@]}" &
+qemu=$!
+for ((s = 1; ; s++)); do
+    sleep 1
+    kill -0 "$qemu" 2>/dev/null || break
+    if ((s % 30 == 0)); then
+        progress "${s}s: $(tail -n 1 "$W/console.log" 2>/dev/null |
+            sed 's/\x1b\[[0-9;]*[A-Za-z]//g' | tr -cd '[:print:]' | cut -c1-90)"
+    fi
+done
+wait "$qemu"
 rc=$?
+progress "ended after ${s}s (qemu exit $rc)"
 if [ $rc -ne 0 ]; then
     tail -n 60 "$W/console.log" >&2
     fail "the machine did not run to its end (qemu exit $rc)"
