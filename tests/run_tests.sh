@@ -10,8 +10,11 @@ XDG_CACHE_HOME=$(mktemp -d -t rekv-test-cache.XXXXXX) || exit 2
 export XDG_CACHE_HOME
 export CK_LOG_FILE_NAME=${CK_LOG_FILE_NAME:--}
 # where a long case's helpers (tests/vm.sh) say how far they are, past the test's own capture of
-# their output: this script's stdout
-export REKV_TEST_PROGRESS=${REKV_TEST_PROGRESS:-/proc/$$/fd/1}
+# their output: this script's stdout when it is a pipe or a terminal (reopened, a regular file's
+# offset would not be shared: lines would be overwritten)
+if [ -z "${REKV_TEST_PROGRESS:-}" ] && { [ -p /dev/stdout ] || [ -t 1 ]; }; then
+    export REKV_TEST_PROGRESS=/proc/$$/fd/1
+fi
 trap 'rm -rf "$XDG_CACHE_HOME"' EXIT
 failed=()
 times=()
