@@ -1,7 +1,7 @@
 /* test_daemon_metrics.c — each daemon's --metrics port, scraped over real HTTP from the real
  * programs: a kvstore, a coordinator and a cpu gpuworker (offload mode, so KV moves through the
  * store) on a small synthetic model, N jobs run one after another, and then every family the
- * README names is there with the counts N jobs of T tokens make (counts, never times): jobs and
+ * docs/metrics.md names is there with the counts N jobs of T tokens make (counts, never times): jobs and
  * tokens, one TTFT and one queue wait per job, T-1 inter-token gaps per job, one step histogram
  * observation per step on both sides of the worker socket, the bytes the worker moved equal to
  * what the coordinator summed from its reports. Each output also passes `promtool check metrics`
@@ -234,10 +234,10 @@ static void check_worker(const char *w, const char *co)
     ck_assert_double_le(used, 64 << 20);
 }
 
-/* Every family in a daemon's output is named in README.md's metrics table (as `name`). */
-static void check_readme_lists(const char *m)
+/* Every family in a daemon's output is named in docs/metrics.md's tables (as `name`). */
+static void check_docs_list(const char *m)
 {
-    char *readme = tu_read_file("README.md", NULL);
+    char *readme = tu_read_file("docs/metrics.md", NULL);
     ck_assert_ptr_nonnull(readme);
     for (const char *p = strstr(m, "# TYPE "); p; p = strstr(p + 1, "# TYPE ")) {
         char name[128], quoted[140];
@@ -248,7 +248,7 @@ static void check_readme_lists(const char *m)
             snprintf(quoted, sizeof(quoted), "`%s{", name);
             q = strstr(readme, quoted);
         }
-        ck_assert_msg(q != NULL, "README.md does not list the family %s", name);
+        ck_assert_msg(q != NULL, "docs/metrics.md does not list the family %s", name);
     }
     free(readme);
 }
@@ -272,9 +272,9 @@ START_TEST(test_daemons_metrics)
     char *w = ms_scrape(r.port_w);
     check_worker(w, m);
     ms_promtool(w);
-    check_readme_lists(m);
-    check_readme_lists(k);
-    check_readme_lists(w);
+    check_docs_list(m);
+    check_docs_list(k);
+    check_docs_list(w);
     free(m0);
     free(w0);
     free(m);
