@@ -8,6 +8,7 @@
 #ifndef REKV_COMMON_COST_H
 #define REKV_COMMON_COST_H
 
+#include <math.h>
 #include <stddef.h>
 
 #include "common/err.h"
@@ -97,6 +98,15 @@ static inline int rekv_cost_device_tokens_of(double room, double b, int cap, dou
 {
     return rekv_cost_device_tokens(room, b, cap, 2.0 * kv_dim * elem * n_layers,
                                    rekv_cost_stream_token_bytes(hidden, kv_dim, elem));
+}
+
+/* InfiniGen's partial columns per KV head: ceil(ratio * head_dim) in [1, head_dim], with 1e-9 of
+ * slack so that 0.3 * 10 is 3 — the skew's rk (gpuworker/skew.h), whose partial keys the worker
+ * keeps on the device and the planner sizes its device part by. */
+static inline int rekv_cost_partial_cols(double ratio, int head_dim)
+{
+    double x = ceil(ratio * head_dim - 1e-9);
+    return x < 1 ? 1 : x > head_dim ? head_dim : (int)x;
 }
 
 #endif

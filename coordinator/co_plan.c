@@ -13,11 +13,13 @@ static const rekv_mode_info *mode_of(const co_plan_state *ps)
     return rekv_mode_info_of((rekv_mode)ps->mode);
 }
 
-/* The profile a Hello carries: 0, or -EINVAL when it has none or one the planner cannot use. */
+/* The profile a Hello carries, into *out: 0, or -EINVAL when it has none or one the planner cannot
+ * use (*out then holds what it sent, zeros where it sent nothing). */
 static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
 {
     const Rekv__Worker__CostProfile *c = h->profile;
-    if (c == NULL || !(c->h2d_bw > 0) || !(c->gemm_flops > 0))
+    memset(out, 0, sizeof(*out));
+    if (c == NULL)
         return -EINVAL;
     out->h2d_bw = c->h2d_bw;
     out->h2d_latency = c->h2d_latency;
@@ -29,10 +31,24 @@ static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
     out->load_kv = (rekv_linear){c->load_kv_a, c->load_kv_b};
     out->kv_gen = (rekv_linear){c->kv_gen_a, c->kv_gen_b};
     out->t_load_w = c->t_load_w;
-    return 0;
+    return c->h2d_bw > 0 && c->gemm_flops > 0 ? 0 : -EINVAL;
 }
 
-rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, int *split, char *reason, size_t reason_len)
+/* The model's shape as a Hello reports it. */
+static rekv_plan_model hello_model(const Rekv__Worker__Hello *h)
+{
+    return (rekv_plan_model){.hidden = h->hidden,
+                             .q_dim = h->q_dim,
+                             .kv_dim = h->kv_dim,
+                             .n_layers = (int)h->n_layers,
+                             .layer_params = (double)h->layer_params,
+                             .weight_elem_bytes = h->weight_elem_bytes};
+}
+
+/* Mode "auto": the planner's pick (rekv_plan_pick_mode), infinigen's layer-0 split into *split,
+ * and why; resident without a kvstore or a usable profile. */
+static rekv_mode pick_mode(const Rekv__Worker__Hello *h, int *split, char *reason,
+                           size_t reason_len)
 {
     *split = 0;
     if (!h->kvstore) {
@@ -40,12 +56,7 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, int *split, char *reason,
         return REKV_MODE_RESIDENT;
     }
     rekv_cost_profile prof;
-    rekv_plan_model pm = {.hidden = h->hidden,
-                          .q_dim = h->q_dim,
-                          .kv_dim = h->kv_dim,
-                          .n_layers = (int)h->n_layers,
-                          .layer_params = (double)h->layer_params,
-                          .weight_elem_bytes = h->weight_elem_bytes};
+    rekv_plan_model pm = hello_model(h);
     rekv_mode_pick mp;
     rekv_err e = {0};
     if (hello_profile(h, &prof)) {
@@ -58,7 +69,7 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, int *split, char *reason,
     if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, h->cache_elem_bytes,
                             h->device_kv_room, h->offload_weights, h->approximate ? &ap : NULL, &mp,
                             &e)) {
-        snprintf(reason, reason_len, "%s", e.msg);
+        snprintf(reason, reason_len, "%.400s", e.msg);
         return REKV_MODE_RESIDENT;
     }
     rekv_mode m = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
@@ -87,6 +98,41 @@ rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, int *split, char *reason,
                  (long long)mp.costs[REKV_TECH_INFINIGEN].kvpr_l,
                  mp.infinigen_fits ? "" : ", but its partial keys do not fit the device");
     return m;
+}
+
+int co_plan_assign(const Rekv__Worker__Hello *h, co_assign *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->persist_np = INFINITY;
+    size_t len = sizeof(out->reason);
+    if (h->mode && strcmp(h->mode, "auto") == 0) {
+        out->mode = pick_mode(h, &out->split, out->reason, len);
+    } else if (rekv_mode_parse(h->mode, &out->mode)) {
+        snprintf(out->reason, len, "it asks for mode \"%s\", which is not one",
+                 h->mode ? h->mode : "");
+        return -EINVAL;
+    } else {
+        snprintf(out->reason, len, "the mode it was started with");
+    }
+    /* what its pipeline keeps on the device, at its largest batch and the model's context */
+    rekv_plan_model pm = hello_model(h);
+    out->device_tokens = (int)rekv_plan_device_tokens(&pm, h->head_dim, out->mode, h->max_batch,
+                                                      h->max_pos, h->cache_elem_bytes,
+                                                      h->device_kv_room, h->device_tokens_asked);
+    if (out->mode == REKV_MODE_CLO) { /* rekv_mode_info_of(mode)->head_caches, on main */
+        rekv_cost_profile prof;
+        hello_profile(h, &prof); /* none measured: no link limits N_p (INFINITY) */
+        out->persist_np = rekv_plan_persist_np(&prof, &pm, h->head_dim, h->max_batch, h->max_pos,
+                                               h->fetch_cap, h->cache_elem_bytes);
+    }
+    size_t n = strlen(out->reason);
+    snprintf(out->reason + n, len - n, "; device part %d tokens%s", out->device_tokens,
+             h->device_tokens_asked >= 0 ? " (--device-tokens)" : "");
+    n = strlen(out->reason);
+    if (out->mode == REKV_MODE_CLO)
+        snprintf(out->reason + n, len - n, "; N_p %.1f KV heads per layer (Eq. 12)",
+                 out->persist_np);
+    return 0;
 }
 
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)

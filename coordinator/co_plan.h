@@ -72,12 +72,23 @@ void co_plan_join_pattern(co_plan_state *ps, const rekv_hybrid_seq *running, siz
                           const rekv_hybrid_seq *waiting, size_t n_waiting, uint64_t room_bytes,
                           int *kv_parts, int *act_parts);
 
-/* The mode for a worker that said Hello with mode "auto" (rekv_plan_pick_mode over what it reports:
- * its profile, the model's shape, its batch and context, its device's room for the KV cache, and
- * whether it allows an approximate mode: infinigen, at the prior f, with the split the planner
- * chooses for its layer 0 — into *split, 0 for the other modes); reason receives one line saying
- * why, with infinigen's price when it was allowed. */
-rekv_mode co_plan_assign(const Rekv__Worker__Hello *h, int *split, char *reason, size_t reason_len);
+/* What a worker whose Hello asks builds its pipeline with (worker.proto Assign). */
+typedef struct co_assign {
+    rekv_mode mode;    /* the Hello's mode, or for "auto" rekv_plan_pick_mode's pick */
+    int split;         /* infinigen picked by auto: layer 0's split; else 0 */
+    int device_tokens; /* rekv_plan_device_tokens, or the Hello's device_tokens_asked */
+    double persist_np; /* clo: rekv_plan_persist_np at its max batch and context; else INFINITY */
+    char reason[640];  /* one line: why this mode, and what the device keeps */
+} co_assign;
+
+/* The Assign for a Hello that asks. The mode: the one it names, or for "auto" rekv_plan_pick_mode
+ * over what it reports (its profile, the model's shape, its batch and context, its device's room
+ * for the KV cache, and whether it allows an approximate mode: infinigen, at the prior f, with the
+ * split the planner chooses for its layer 0); resident without a kvstore or a usable profile. The
+ * device part and N_p by the planner's rules for that mode at the worker's max batch and
+ * context, the device part as the operator asked where the Hello says so. 0, or -EINVAL (reason
+ * says why) for a mode that is not one. */
+int co_plan_assign(const Rekv__Worker__Hello *h, co_assign *out);
 
 /* Takes the worker's Hello: profile, shape, mode. */
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);

@@ -1,8 +1,9 @@
 /* co_workers.c — the worker protocol (proto/worker.proto) and continuous batching: a worker's Hello
- * (answered by Welcome, or for mode "auto" by Assign: the worker's mode), one Plan per step to
- * every worker with work, up to CO_PLANS_OUT of them out at once (jobs join from the queue at step
- * boundaries, cancels go out, co_plan.c picks the step's parameters), its Progress (tokens into
- * the jobs, finished jobs out), Reset for a worker we do not know, and the timeouts that take a
+ * (the first, which asks, answered by Assign: the worker's mode, device part and N_p; the next,
+ * with the pipeline built, by Welcome), one Plan per step to every worker with work, up to
+ * CO_PLANS_OUT of them out at once (jobs join from the queue at step boundaries, cancels go out,
+ * co_plan.c picks the step's parameters), its Progress (tokens into the jobs, finished jobs out),
+ * Reset for a worker we do not know, and the timeouts that take a
  * silent worker as dead, or one whose step does not come back as hung, and re-queue its jobs.
  * Failures: a Progress's jobs marked retry are re-queued, other errors fail the job; a job of the
  * step the Progress does not name is re-queued (the worker lost it); a worker that says it is
@@ -59,27 +60,6 @@ static void worker_drop(rekv_coordinator *co, worker *w, const char *why)
     memset(w, 0, sizeof(*w));
 }
 
-/* A worker started with --mode auto asks for its mode: the planner decides (co_plan_assign) and
- * the worker, once its pipeline is built, says Hello again with it. */
-static void worker_assign(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
-{
-    char why[512];
-    int split;
-    rekv_mode m = co_plan_assign(h, &split, why, sizeof(why));
-    Rekv__Worker__Assign a = REKV__WORKER__ASSIGN__INIT;
-    a.mode = (char *)rekv_mode_name(m);
-    a.split = (uint32_t)split;
-    a.reason = why;
-    Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
-    cm.body_case = REKV__WORKER__COORD_MSG__BODY_ASSIGN;
-    cm.assign = &a;
-    worker tmp = {0};
-    tmp.id = *id;
-    snprintf(tmp.name, sizeof(tmp.name), "%s", h->name ? h->name : "?");
-    co_send_worker(co, &tmp, &cm);
-    co_event(co, REKV_CO_EVENT_INFO, "worker %s: mode auto: %s (%s)", tmp.name, a.mode, why);
-}
-
 /* Tells a worker whose Hello we refuse to stop (it could never be served), and says why. */
 static void worker_refuse(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h,
                           const char *why)
@@ -94,6 +74,33 @@ static void worker_refuse(rekv_coordinator *co, const rid *id, const Rekv__Worke
     co_send_worker(co, &tmp, &cm);
     co_event_rl(co, CO_RL_WORKER_REFUSED, REKV_CO_EVENT_WARN, "worker %s refused: %s", tmp.name,
                 why);
+}
+
+/* A worker's first Hello asks what to build its pipeline with: the mode (the one it names, or for
+ * "auto" the planner's pick), the device part and CLO's N_p (co_plan_assign); the worker, once its
+ * pipeline is built, says Hello again with it. */
+static void worker_assign(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h)
+{
+    co_assign as;
+    if (co_plan_assign(h, &as)) {
+        worker_refuse(co, id, h, as.reason);
+        return;
+    }
+    Rekv__Worker__Assign a = REKV__WORKER__ASSIGN__INIT;
+    a.mode = (char *)rekv_mode_name(as.mode);
+    a.split = (uint32_t)as.split;
+    a.reason = as.reason;
+    a.device_tokens = (uint32_t)as.device_tokens;
+    a.persist_np = as.persist_np;
+    Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_ASSIGN;
+    cm.assign = &a;
+    worker tmp = {0};
+    tmp.id = *id;
+    snprintf(tmp.name, sizeof(tmp.name), "%s", h->name ? h->name : "?");
+    co_send_worker(co, &tmp, &cm);
+    co_event(co, REKV_CO_EVENT_INFO, "worker %s: mode %s: %s (%s)", tmp.name,
+             h->mode ? h->mode : "?", a.mode, as.reason);
 }
 
 static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h,
@@ -120,7 +127,7 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
             worker_drop(co, o, why);
         }
     }
-    if (h->mode && strcmp(h->mode, "auto") == 0) {
+    if (h->ask || (h->mode && strcmp(h->mode, "auto") == 0)) {
         worker_assign(co, id, h);
         return;
     }

@@ -680,9 +680,8 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     rekv_step_shape shape;
     rekv_plan_shape(m, b, s_max / 2 > 0 ? s_max / 2 : 1, cache_elem_bytes, weights_offloaded,
                     &shape);
-    shape.device_tokens = out->device_tokens = rekv_cost_device_tokens_of(
-        device_kv_bytes, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max, (double)m->hidden,
-        (double)m->kv_dim, m->n_layers, cache_elem_bytes);
+    shape.device_tokens = out->device_tokens = rekv_plan_device_tokens(
+        m, 0, REKV_MODE_OFFLOAD, b, s_max, cache_elem_bytes, device_kv_bytes, -1);
     /* hybrid at the pattern it would run */
     int kvp, actp, rc;
     if ((rc = rekv_plan_hybrid_pattern(prof, &shape, 0, &kvp, &actp, NULL, err)))
@@ -728,6 +727,52 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
         out->device_tokens = ig_dev;
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- what a worker is built with */
+
+double rekv_plan_ig_partial_key_bytes(const rekv_plan_model *m, int64_t head_dim, int64_t tokens)
+{
+    int64_t hd = head_dim > 0 ? head_dim : m->kv_dim;
+    if (hd <= 0 || tokens <= 0)
+        return 0;
+    int rk = rekv_cost_partial_cols(REKV_PLAN_INFINIGEN_PARTIAL, (int)hd);
+    return 4.0 * (double)m->n_layers * (double)tokens * (double)(m->kv_dim / hd) * rk;
+}
+
+/* Which modes keep a device part and which partial keys beside it. (After common/mode.h's
+ * property table lands: rekv_mode_info_of(mode)->device_part and ->speculates.) */
+int64_t rekv_plan_device_tokens(const rekv_plan_model *m, int64_t head_dim, rekv_mode mode,
+                                int64_t b, int64_t s_max, double cache_elem_bytes,
+                                double device_kv_bytes, int64_t asked)
+{
+    if (mode == REKV_MODE_RESIDENT || mode == REKV_MODE_CLO)
+        return 0;
+    if (asked >= 0)
+        return asked;
+    if (b < 1 || s_max < 1)
+        return 0;
+    double room = device_kv_bytes;
+    if (mode == REKV_MODE_INFINIGEN) /* its partial keys come first in the room */
+        room -= (double)b * rekv_plan_ig_partial_key_bytes(m, head_dim, s_max);
+    return rekv_cost_device_tokens_of(room, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max,
+                                      (double)m->hidden, (double)m->kv_dim, m->n_layers,
+                                      cache_elem_bytes);
+}
+
+double rekv_plan_persist_np(const rekv_cost_profile *prof, const rekv_plan_model *m,
+                            int64_t head_dim, int64_t batch, int64_t ctx, double fetch_cap,
+                            double cache_elem_bytes)
+{
+    double gemm = 2 * (double)batch * m->layer_params;
+    double attn = 4 * (double)batch * (double)ctx * (double)m->q_dim; /* QK^T, PV */
+    double rate = rekv_cost_fwd_rate_at(prof, (double)batch);
+    double attn_rate = prof->attn_flops_rate > 0 ? prof->attn_flops_rate : rate;
+    double head_bytes =
+        (double)batch * ceil(fetch_cap * (double)ctx) * 2 * (double)head_dim * cache_elem_bytes;
+    if (!(prof->h2d_bw > 0) || !(rate > 0) || !(head_bytes > 0))
+        return INFINITY;
+    return (gemm / rate + attn / attn_rate) * prof->h2d_bw / head_bytes;
 }
 
 rekv_mode rekv_plan_tech_mode(rekv_technique tech)

@@ -405,6 +405,43 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
                         int weights_offloaded, const rekv_plan_approx *approx, rekv_mode_pick *out,
                         rekv_err *err);
 
+/* ---------------------------------------------------------------- what a worker is built with */
+
+/* What a worker is built with needs one head's width beside m (head_dim: CLO's top-k is per head,
+ * infinigen's partial key columns are per KV head; 0 takes the K row as one head).
+ *
+ * The device memory infinigen's partial keys take for one sequence of `tokens` tokens, bytes:
+ * fp32, ceil(REKV_PLAN_INFINIGEN_PARTIAL * head_dim) columns of each KV head's K row (the skew's
+ * rk, rekv_cost_partial_cols), every layer — what the worker's pipeline allocates
+ * (gpuworker/pipeline.h rekv_ig_partial_key_bytes). (rekv_plan_pick_mode's price takes 0.3 of the
+ * K row, a little less where 0.3 head_dim is not whole.) */
+double rekv_plan_ig_partial_key_bytes(const rekv_plan_model *m, int64_t head_dim, int64_t tokens);
+
+/* The device-resident part (gpuworker/pipeline.h cfg.device_tokens) a worker in `mode` keeps for
+ * each of its b sequences of up to s_max tokens: `asked` when >= 0 (the operator's
+ * --device-tokens), else from its device's room for the KV cache (device_kv_bytes,
+ * Hello.device_kv_room; <= 0: none) rekv_cost_device_tokens_of of the room, for infinigen of what
+ * b sequences' partial keys (rekv_plan_ig_partial_key_bytes) leave of it; 0 for the modes that
+ * keep none (resident holds everything there anyway, clo its head caches). The coordinator
+ * assigns it (Assign.device_tokens) and prices the worker's steps with it; rekv_plan_pick_mode
+ * prices the exact techniques with the room's. */
+int64_t rekv_plan_device_tokens(const rekv_plan_model *m, int64_t head_dim, rekv_mode mode,
+                                int64_t b, int64_t s_max, double cache_elem_bytes,
+                                double device_kv_bytes, int64_t asked);
+
+/* CLO's Eq. 12 for a decode step of `batch` sequences of up to `ctx` tokens: N_p, how many KV
+ * heads of a layer can miss and have their top-k (fetch_cap of the context, K and V of head_dim
+ * elements of cache_elem_bytes, for every sequence) cross the link while the layer computes —
+ * T_comp * B_link / mem_head, with the link's bandwidth from prof and T_comp the layer's
+ * decode-shape forward pass (projections and FFN at prof's forward rate for `batch` rows,
+ * attention over ctx at its attention rate). (The paper prints T_comp / (B * mem_head); only
+ * T_comp * B / mem_head is a count of heads.) INFINITY when nothing limits it (no link measured).
+ * The coordinator assigns it to a clo worker at its max batch and context (Assign.persist_np);
+ * `rekv eval/bench --mode clo` at the run's. */
+double rekv_plan_persist_np(const rekv_cost_profile *prof, const rekv_plan_model *m,
+                            int64_t head_dim, int64_t batch, int64_t ctx, double fetch_cap,
+                            double cache_elem_bytes);
+
 /* Fills a step shape for one layer of m: batch b, context s tokens, cache elements of
  * cache_elem_bytes, one new token per sequence; kv.weight_bytes is the layer's weights when
  * weights_offloaded, else 0. The hybrid fields are left 0 for the caller; infinigen's are m's

@@ -221,20 +221,6 @@ int rekv_heads_persistent(const rekv_heads *h, int layer, double eta, double p, 
     return n;
 }
 
-double rekv_heads_np(const rekv_model_config *c, const rekv_cost_profile *prof, int batch, int ctx,
-                     double fetch_cap, rekv_dtype cache_dtype)
-{
-    double gemm = 2 * (double)batch * rekv_config_layer_params(c);
-    double attn = 4 * (double)batch * ctx * rekv_config_q_dim(c); /* QK^T, PV */
-    double rate = rekv_cost_fwd_rate_at(prof, batch);
-    double attn_rate = prof->attn_flops_rate > 0 ? prof->attn_flops_rate : rate;
-    double head_bytes = (double)batch * ceil(fetch_cap * ctx) * 2 * c->head_dim *
-                        (double)rekv_dtype_size(cache_dtype);
-    if (!(prof->h2d_bw > 0) || !(rate > 0) || !(head_bytes > 0))
-        return INFINITY;
-    return (gemm / rate + attn / attn_rate) * prof->h2d_bw / head_bytes;
-}
-
 /* ---------------------------------------------------------------- the file */
 
 static json_t *matrix(const double *v, int rows, int cols)

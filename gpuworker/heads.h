@@ -24,8 +24,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/cost.h"
-
 #include "common/err.h"
 #include "gpuworker/gpuworker.h"
 
@@ -67,15 +65,9 @@ double rekv_heads_difficulty(const rekv_heads *h, int layer, int g, double eta, 
 int rekv_heads_persistent(const rekv_heads *h, int layer, double eta, double p, double epsilon,
                           double n_p, uint8_t *persist);
 
-/* Eq. 12 for a decode step of `batch` sequences of up to `ctx` tokens: N_p, how many KV heads of a
- * layer can miss and have their top-k (fetch_cap of the context, K and V in cache_dtype, for every
- * sequence) cross the link while the layer computes — T_comp * B_link / mem_head, with the link's
- * bandwidth from prof and T_comp the layer's decode-shape forward pass (projections and FFN at
- * prof's forward rate for `batch` rows, attention over ctx at its attention rate). (The paper prints T_comp / (B * mem_head); only
- * T_comp * B / mem_head is a count of heads.) INFINITY when nothing limits it (no link measured).
- */
-double rekv_heads_np(const rekv_model_config *c, const rekv_cost_profile *prof, int batch, int ctx,
-                     double fetch_cap, rekv_dtype cache_dtype);
+/* Eq. 12 (N_p, the count Eq. 13 takes) is the coordinator's planner's: rekv_plan_persist_np
+ * (coordinator/planner.h), from the worker's measured profile; the worker builds with what the
+ * coordinator assigns. */
 
 /* The JSON file. Load checks the shape and that it was made for e's model (fingerprint). Save
  * writes a temporary file beside path and renames it into place (making the directory). */

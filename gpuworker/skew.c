@@ -30,6 +30,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/cost.h"
 #include "common/crc32c.h"
 #include "gpuworker/blas.h"
 #include "gpuworker/engine_internal.h"
@@ -47,11 +48,11 @@ typedef struct skew_header {
 } skew_header;
 _Static_assert(sizeof(skew_header) == 40, "skew_header is the file's first 40 bytes");
 
-/* ceil(ratio * head_dim) in [1, head_dim]; the epsilon keeps 0.3 * 10 (3.0000000000000004) at 3. */
+/* ceil(ratio * head_dim) in [1, head_dim]; the epsilon keeps 0.3 * 10 (3.0000000000000004) at 3.
+ * The planner sizes the partial keys by the same rule (common/cost.h). */
 static int skew_rk(double ratio, int hd)
 {
-    double x = ceil(ratio * hd - 1e-9);
-    return x < 1 ? 1 : x > hd ? hd : (int)x;
+    return rekv_cost_partial_cols(ratio, hd);
 }
 
 static int skew_check_ratio(double ratio, rekv_err *err)

@@ -68,6 +68,9 @@ typedef struct worker {
     rekv_heads heads;        /* clo: the model's head profile (rekv_heads_prepare; cached) */
     int push;                /* --push */
     int approximate;         /* --approximate: the coordinator may assign an approximate mode */
+    int auto_mode;           /* --mode auto: the coordinator chooses the mode */
+    int assigned;            /* the coordinator's Assign came: pc holds its mode, split, device
+                                part and N_p (until then every Hello asks for it) */
     const rekv_model_config *mc;
     const char *name, *mode, *model; /* mode: "auto" until the pipeline is built */
     int max_batch;
@@ -79,8 +82,9 @@ typedef struct worker {
     rekv_backend *be;             /* for the busy times each Progress reports */
     rekv_cost_profile cost;       /* measured at start (cached per machine/model), sent in Hello */
     double device_kv_room;        /* for the mode choice (Hello); < 0: no device limit */
-    int device_tokens;            /* --device-tokens: each sequence's device-resident part;
-                                     -1: what device_kv_room holds (rekv_cost_device_tokens) */
+    int device_tokens;            /* --device-tokens: each sequence's device-resident part, sent
+                                     in Hello for the Assign; -1: the coordinator's planner
+                                     decides (rekv_plan_device_tokens) */
     uint64_t device_buffer_bytes; /* for the planner's mini-batches (Hello); 0: no limit */
     uint32_t hb_ms;               /* heartbeat period, also while a step runs */
     rekv_kvstore_client *kv;      /* NULL in resident mode without --kvstore, and while lost */
@@ -109,15 +113,16 @@ typedef struct worker {
 
 /* worker_start.c */
 
-/* Builds the pipeline and the batcher in w->pc.mode (the weights go onto the device here), and
- * measures the room they leave for a step's buffers. */
+/* Builds the pipeline and the batcher with w->pc as assigned (the weights go onto the device
+ * here), and measures the room they leave for a step's buffers. */
 int wk_start_pipeline(worker *w, rekv_err *err);
-/* The coordinator chose our mode (we said Hello with "auto"): build the pipeline in it and say
- * Hello again with it. 0, or a negative errno with err filled when the worker cannot run so. */
+/* The coordinator answered our first Hello (which asked, with mode "auto" or --mode's): build
+ * the pipeline in the mode, with the split, device part and N_p it assigned, and say Hello again
+ * with them. 0, or a negative errno with err filled when the worker cannot run so. */
 int wk_take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err);
 /* What a worker holds once started: the model and engine, the kvstore (waiting for its socket up
  * to KV_WAIT_MS; 1 when a stop came meanwhile), the backend, the scrape port, the measured
- * profile, the pipeline unless the mode is auto, the coordinator's socket connected (zctx). */
+ * profile, the coordinator's socket connected (zctx). The pipeline waits for the Assign. */
 typedef struct wk_start_args {
     const char *model_path, *coord, *backend, *metrics_listen;
     rekv_link_config link;

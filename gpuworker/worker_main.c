@@ -371,8 +371,8 @@ int main(int argc, char **argv)
                  "%s: %s, %d layers, vocab %d, context %d; %s backend, %s mode%s, batch "
                  "of %u; coordinator %s%s%s",
                  w.name, w.model, w.mc->n_layers, w.mc->vocab, w.mc->max_pos, w.be->iface->name,
-                 w.mode, w.pipe ? "" : " (the coordinator chooses)", a.max_batch, a.start.coord,
-                 w.kv_ep ? ", kvstore " : "", w.kv_ep ? w.kv_ep : "");
+                 w.mode, a.start.auto_mode ? " (the coordinator chooses)" : "", a.max_batch,
+                 a.start.coord, w.kv_ep ? ", kvstore " : "", w.kv_ep ? w.kv_ep : "");
         rekv_daemon_ready(a.ready_fd == UINT32_MAX ? -1 : (int)a.ready_fd);
         rc = rekv_evloop_run(w.loop, &err);
     }

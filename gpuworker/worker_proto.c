@@ -1,8 +1,9 @@
 /* worker_proto.c — rekv-gpuworker's side of the coordinator protocol (proto/worker.proto): the
- * messages it sends (Hello with what it measured, heartbeats; every message says whether it can
- * run steps and the kvstore's room) and the loop's callback for the coordinator's socket, which
- * acts on Assign, Welcome, Reset, Plan and Shutdown. A Plan's step runs on the step thread
- * (worker_plan.c); until it is over the socket is left unread, so messages wait their turn. */
+ * messages it sends (Hello with what it measured, asking for its Assign until one came;
+ * heartbeats; every message says whether it can run steps and the kvstore's room) and the loop's
+ * callback for the coordinator's socket, which acts on Assign, Welcome, Reset, Plan and Shutdown.
+ * A Plan's step runs on the step thread (worker_plan.c); until it is over the socket is left
+ * unread, so messages wait their turn. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdlib.h>
@@ -86,8 +87,16 @@ void wk_send_hello(worker *w)
     h.device_kv_room = w->device_kv_room;
     h.kvstore = w->kv != NULL;
     h.approximate = w->approximate;
-    h.device_tokens = (uint32_t)w->pc.device_tokens;
-    h.split = w->pc.split > 0 ? (uint32_t)w->pc.split : 0;
+    /* what the pipeline was built with (w->pc while it is not, as after a lost kvstore) */
+    const rekv_pipeline_config *pc = w->pipe ? rekv_pipeline_get_config(w->pipe) : &w->pc;
+    h.device_tokens = (uint32_t)pc->device_tokens;
+    h.persist_np = pc->persist_np;
+    h.split = pc->split > 0 ? (uint32_t)pc->split : 0;
+    /* before the Assign: ask for it, with what the planner decides by beyond the above */
+    h.ask = !w->assigned;
+    h.device_tokens_asked = w->device_tokens;
+    h.head_dim = (uint32_t)w->mc->head_dim;
+    h.fetch_cap = w->pc.max_fraction;
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
     m.hello = &h;
@@ -113,8 +122,8 @@ static int on_message(worker *w, Rekv__Worker__CoordMsg *m)
     int stop = 0;
     switch (m->body_case) {
     case REKV__WORKER__COORD_MSG__BODY_ASSIGN:
-        if (w->pipe != NULL || !w->awaiting_welcome)
-            break; /* an answer to an earlier Hello: our mode is set */
+        if (w->assigned || !w->awaiting_welcome)
+            break; /* an answer to an earlier Hello: our pipeline is set */
         w->awaiting_welcome = 0;
         if (wk_take_assign(w, m->assign, &err)) {
             rekv_log(REKV_LOG_ERROR, "%s", err.msg);

@@ -1,8 +1,9 @@
 /* worker_start.c — what rekv-gpuworker holds before it serves: the model and its engine, the
  * kvstore (worker_store.c), the backend, the scrape port, the cost profile it measures (cached) and
- * the device's room it reports, the coordinator's socket; and the pipeline in its mode, built at
- * start for a given --mode, or when the coordinator's Assign answers --mode auto's Hello (the
- * first Hello says "auto" with the profile and the device's room; worker.proto). */
+ * the device's room it reports, the coordinator's socket; and the pipeline, built when the
+ * coordinator's Assign answers the first Hello (which asks with mode "auto" or --mode's, the
+ * profile, the device's room and --device-tokens; worker.proto): the mode, infinigen's split,
+ * each sequence's device part and CLO's N_p are the coordinator's planner's, not the worker's. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
@@ -35,35 +36,6 @@ int wk_start_pipeline(worker *w, rekv_err *err)
         rekv_log(REKV_LOG_INFO, "clo: the model's head profile %s",
                  cached ? "from the cache" : "made and cached");
         w->pc.heads = &w->heads;
-        /* Eq. 12 at the worker's largest batch and context, from its measured profile */
-        w->pc.persist_np = rekv_heads_np(w->mc, &w->cost, w->max_batch, w->mc->max_pos,
-                                         w->pc.max_fraction, w->pc.cache_dtype);
-        rekv_log(REKV_LOG_INFO,
-                 "clo: N_p %.1f KV heads per layer (Eq. 12): harder heads beyond it keep their "
-                 "whole KV on the device",
-                 w->pc.persist_np);
-    }
-    /* the device-resident part in serving: the device's room for the KV cache (none where the
-     * device's memory is the host's) keeps each sequence's first tokens' K,V there, so they
-     * cross the link neither as KV nor as activations (every mode that streams but clo; it saves
-     * what ACT_GPU's activations would per byte of device memory, and their recomputation;
-     * infinigen attends it whole, beside what it selects, in the room its partial keys leave) */
-    if ((w->device_kv_room > 0 || w->device_tokens > 0) && w->pc.mode != REKV_MODE_RESIDENT &&
-        w->pc.mode != REKV_MODE_CLO) {
-        double room = (double)w->device_kv_room;
-        if (w->pc.mode == REKV_MODE_INFINIGEN)
-            room -= (double)w->max_batch *
-                    (double)rekv_ig_partial_key_bytes(w->mc, w->pc.skew->rk, w->mc->max_pos);
-        w->pc.device_tokens =
-            w->device_tokens >= 0
-                ? w->device_tokens
-                : rekv_cost_device_tokens_of(room, w->max_batch, w->mc->max_pos, w->mc->hidden,
-                                             rekv_config_kv_dim(w->mc), w->mc->n_layers,
-                                             (double)rekv_dtype_size(w->pc.cache_dtype));
-        rekv_log(REKV_LOG_INFO,
-                 "each sequence keeps its first %d tokens' K,V on the device (of its room, for "
-                 "%d sequences, beside a step's buffers)",
-                 w->pc.device_tokens, w->max_batch);
     }
     if ((rc = rekv_pipeline_create(w->eng, w->be, w->kv, &w->pc, &w->pipe, err)) ||
         (rc = rekv_batcher_create(w->pipe, w->mc, w->max_batch, &w->batch, err)))
@@ -80,21 +52,31 @@ int wk_take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
     if (a->mode == NULL || rekv_mode_parse(a->mode, &m))
         return rekv_errf(err, -EPROTO, "the coordinator assigned an unknown mode \"%s\"",
                          a->mode ? a->mode : "");
+    if (!w->auto_mode && m != w->pc.mode)
+        return rekv_errf(err, -EPROTO,
+                         "the coordinator assigned mode %s to a worker started with --mode %s",
+                         a->mode, rekv_mode_name(w->pc.mode));
     if (m != REKV_MODE_RESIDENT && w->kv == NULL)
         return rekv_errf(err, -EPROTO,
                          "the coordinator assigned mode %s, which needs a kvstore, and this "
                          "worker has none",
                          a->mode);
-    if (rekv_mode_approximate(m) && !w->approximate)
+    if (w->auto_mode && rekv_mode_approximate(m) && !w->approximate)
         return rekv_errf(err, -EPROTO,
                          "the coordinator assigned the approximate mode %s, and this worker was "
                          "not started with --approximate",
                          a->mode);
-    rekv_log(REKV_LOG_INFO, "mode auto: the coordinator chose %s (%s)", a->mode,
-             a->reason && *a->reason ? a->reason : "no reason given");
+    /* exactly what the coordinator's planner decided (co_plan_assign) */
     w->pc.mode = m;
-    if (m == REKV_MODE_INFINIGEN) /* layer 0's split: it decides whether activations are kept */
-        w->pc.split = (int)a->split;
+    w->pc.split = (int)a->split;
+    w->pc.device_tokens = (int)a->device_tokens;
+    w->pc.persist_np = a->persist_np;
+    w->assigned = 1;
+    rekv_log(REKV_LOG_INFO,
+             "the coordinator assigned mode %s, each sequence's first %d tokens' K,V on the "
+             "device, N_p %.1f (%s)",
+             a->mode, w->pc.device_tokens, w->pc.persist_np,
+             a->reason && *a->reason ? a->reason : "no reason given");
     int rc = wk_start_pipeline(w, err);
     if (rc == 0)
         wk_send_hello(w);
@@ -169,7 +151,8 @@ int wk_start(worker *w, const wk_start_args *a, rekv_model **model, void **zctx,
     }
     if ((rc = start_backend(w, a, err)))
         return rc;
-    if (!a->auto_mode && (rc = wk_start_pipeline(w, err)))
-        return rc;
+    /* the first Hello asks with this mode (or "auto"); the pipeline waits for the Assign */
+    w->auto_mode = a->auto_mode;
+    w->mode = a->auto_mode ? "auto" : rekv_mode_name(w->pc.mode);
     return connect_coordinator(w, a->coord, zctx, err);
 }

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coordinator/planner.h"
 #include "gpuworker/gpuworker.h"
 #include "gpuworker/heads.h"
 #include "loader/loader.h"
@@ -162,11 +163,12 @@ START_TEST(equations)
 }
 END_TEST
 
-/* Eq. 12 by hand: an OPT-like layer (hidden 64, 4 heads of 16, ffn 256, relu) at batch 2 and 100
- * tokens: FLOPs 2·2·(2·64·64 + 2·64·64 + 2·64·256) + 4·2·100·64 = 247,808; at 1 GFLOP/s that is
- * 247.808 us, in which a 1 GB/s link moves 247,808 bytes; a head's top-k (fetch cap 0.2: 20
- * tokens, K and V of 16 fp16 values, two sequences) is 2,560 bytes: N_p = 96.8. A slower link
- * or a faster forward pass leaves fewer heads to the link; no link measured: no limit. */
+/* Eq. 12 (the planner's rekv_plan_persist_np) by hand: an OPT-like layer (hidden 64, 4 heads of
+ * 16, ffn 256, relu) at batch 2 and 100 tokens: FLOPs 2·2·(2·64·64 + 2·64·64 + 2·64·256) +
+ * 4·2·100·64 = 247,808; at 1 GFLOP/s that is 247.808 us, in which a 1 GB/s link moves 247,808
+ * bytes; a head's top-k (fetch cap 0.2: 20 tokens, K and V of 16 fp16 values, two sequences) is
+ * 2,560 bytes: N_p = 96.8. A slower link or a faster forward pass leaves fewer heads to the link;
+ * no link measured: no limit. */
 START_TEST(np_from_the_link)
 {
     rekv_model_config c = {0};
@@ -178,16 +180,18 @@ START_TEST(np_from_the_link)
     rekv_cost_profile prof = {0};
     prof.h2d_bw = 1e9;
     prof.fwd_flops_rate = 1e9;
-    double np = rekv_heads_np(&c, &prof, 2, 100, 0.2, REKV_DTYPE_F16);
+    rekv_plan_model m;
+    rekv_plan_model_from_config(&c, &m);
+    double np = rekv_plan_persist_np(&prof, &m, c.head_dim, 2, 100, 0.2, 2);
     ck_assert_msg(fabs(np - 247808.0 / 2560.0) < 1e-9, "N_p %g", np);
     prof.h2d_bw = 1e8;
-    ck_assert(fabs(rekv_heads_np(&c, &prof, 2, 100, 0.2, REKV_DTYPE_F16) - np / 10) < 1e-9);
+    ck_assert(fabs(rekv_plan_persist_np(&prof, &m, c.head_dim, 2, 100, 0.2, 2) - np / 10) < 1e-9);
     prof.h2d_bw = 1e9;
     prof.fwd_flops_rate = 0;
     prof.gemm_flops = 2e9; /* unmeasured forward rate: the GEMM rate */
-    ck_assert(fabs(rekv_heads_np(&c, &prof, 2, 100, 0.2, REKV_DTYPE_F16) - np / 2) < 1e-9);
+    ck_assert(fabs(rekv_plan_persist_np(&prof, &m, c.head_dim, 2, 100, 0.2, 2) - np / 2) < 1e-9);
     prof.h2d_bw = 0;
-    ck_assert(isinf(rekv_heads_np(&c, &prof, 2, 100, 0.2, REKV_DTYPE_F16)));
+    ck_assert(isinf(rekv_plan_persist_np(&prof, &m, c.head_dim, 2, 100, 0.2, 2)));
 }
 END_TEST
 

@@ -56,10 +56,14 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
     if (need_ratio && (rc = cli_plan_hybrid(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch,
                                             ctx, dev, &cfg->kv_parts, &cfg->act_parts, err)))
         return rc;
-    if (need_np) { /* CLO Eq. 12 from the measured link and forward rate */
+    if (need_np) { /* CLO Eq. 12 from the measured link and forward rate: the planner's rule */
         rekv_cost_profile prof;
+        rekv_plan_model pm;
         rekv_profile_to_cost(&pf, cfg->cache_dtype, &prof);
-        cfg->persist_np = rekv_heads_np(c, &prof, batch, ctx, cfg->max_fraction, cfg->cache_dtype);
+        rekv_plan_model_from_config(c, &pm);
+        cfg->persist_np =
+            rekv_plan_persist_np(&prof, &pm, c->head_dim, batch, ctx, cfg->max_fraction,
+                                 (double)rekv_dtype_size(cfg->cache_dtype));
     }
     return 0;
 }
@@ -96,7 +100,10 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
                                   cfg->offload_weights, approximate ? &ap : NULL, &mp, err)))
         return rc;
     cfg->mode = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
-    cfg->device_tokens = mp.resident ? 0 : (int)mp.device_tokens;
+    /* the device part a served worker in this mode is assigned (co_plan_assign) */
+    cfg->device_tokens =
+        (int)rekv_plan_device_tokens(&pm, c->head_dim, cfg->mode, batch, ctx_max,
+                                     (double)rekv_dtype_size(cfg->cache_dtype), room, -1);
     if (rekv_mode_info_of(cfg->mode)->split == REKV_SPLIT_SELECTED)
         cfg->split = (int)mp.costs[REKV_TECH_INFINIGEN].kvpr_l;
     if (why) {
