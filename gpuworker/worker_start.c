@@ -56,7 +56,7 @@ int wk_take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
         return rekv_errf(err, -EPROTO,
                          "the coordinator assigned mode %s to a worker started with --mode %s",
                          a->mode, rekv_mode_name(w->pc.mode));
-    if (m != REKV_MODE_RESIDENT && w->kv == NULL)
+    if (m != REKV_MODE_RESIDENT && w->kv_ep == NULL)
         return rekv_errf(err, -EPROTO,
                          "the coordinator assigned mode %s, which needs a kvstore, and this "
                          "worker has none",
@@ -77,7 +77,11 @@ int wk_take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
              "device, N_p %.1f (%s)",
              a->mode, w->pc.device_tokens, w->pc.persist_np,
              a->reason && *a->reason ? a->reason : "no reason given");
-    int rc = wk_start_pipeline(w, err);
+    int rc = 0;
+    if (w->kv_lost) /* built once the store is back (wk_kv_reconnect); unavailable till then */
+        w->rebuild = 1;
+    else
+        rc = wk_start_pipeline(w, err);
     if (rc == 0)
         wk_send_hello(w);
     return rc;

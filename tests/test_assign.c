@@ -39,6 +39,17 @@ typedef struct env {
     pid_t kvstore;
 } env;
 
+static pid_t start_kvstore(env *e)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    const char *args[] = {prog,           "--endpoint", e->kv,           "--model", e->model,
+                          "--host-bytes", "64M",        "--cache-dtype", "f32",     NULL};
+    pid_t pid = tu_spawn(args, e->log, NULL);
+    ck_assert_msg(pid > 0, "rekv-kvstore: %s", tu_log_end(e->log));
+    return pid;
+}
+
 static void env_open(env *e)
 {
     e->dir = tu_tmpdir();
@@ -50,12 +61,7 @@ static void env_open(env *e)
     snprintf(e->log, sizeof(e->log), "%s/log", e->dir);
     rekv_err err = {0};
     ck_assert_msg(rekv_synth_write(&spec, e->model, &err) == 0, "%s", err.msg);
-    char prog[4096];
-    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
-    const char *args[] = {prog,           "--endpoint", e->kv,           "--model", e->model,
-                          "--host-bytes", "64M",        "--cache-dtype", "f32",     NULL};
-    e->kvstore = tu_spawn(args, e->log, NULL);
-    ck_assert_msg(e->kvstore > 0, "rekv-kvstore: %s", tu_log_end(e->log));
+    e->kvstore = start_kvstore(e);
 }
 
 static void env_close(env *e)
@@ -111,33 +117,60 @@ static void fake_close(fake *f)
     zmq_ctx_term(f->zctx);
 }
 
-/* The worker's next Hello (heartbeats skipped), within 120 s (a clo pipeline profiles the model's
- * heads first); the caller frees it. */
-static Rekv__Worker__WorkerMsg *fake_hello(fake *f)
+/* The worker's next message within ms milliseconds, or NULL; the caller frees it. */
+static Rekv__Worker__WorkerMsg *fake_recv(fake *f, int ms)
+{
+    zmq_pollitem_t it = {f->sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, ms) != 1)
+        return NULL;
+    zmq_msg_t id, body;
+    zmq_msg_init(&id);
+    zmq_msg_init(&body);
+    ck_assert(zmq_msg_recv(&id, f->sock, 0) >= 0 && zmq_msg_more(&id));
+    ck_assert(zmq_msg_recv(&body, f->sock, 0) >= 0);
+    ck_assert(zmq_msg_size(&id) <= sizeof(f->id));
+    f->id_n = zmq_msg_size(&id);
+    memcpy(f->id, zmq_msg_data(&id), f->id_n);
+    Rekv__Worker__WorkerMsg *m =
+        rekv__worker__worker_msg__unpack(NULL, zmq_msg_size(&body), zmq_msg_data(&body));
+    zmq_msg_close(&id);
+    zmq_msg_close(&body);
+    ck_assert(m != NULL);
+    return m;
+}
+
+/* The worker's next message of this body (others skipped), within 120 s (a clo pipeline profiles
+ * the model's heads first); the caller frees it. */
+static Rekv__Worker__WorkerMsg *fake_expect(fake *f, Rekv__Worker__WorkerMsg__BodyCase body)
 {
     for (int tries = 0; tries < 2400; tries++) {
-        zmq_pollitem_t it = {f->sock, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&it, 1, 50) != 1)
-            continue;
-        zmq_msg_t id, body;
-        zmq_msg_init(&id);
-        zmq_msg_init(&body);
-        ck_assert(zmq_msg_recv(&id, f->sock, 0) >= 0 && zmq_msg_more(&id));
-        ck_assert(zmq_msg_recv(&body, f->sock, 0) >= 0);
-        ck_assert(zmq_msg_size(&id) <= sizeof(f->id));
-        f->id_n = zmq_msg_size(&id);
-        memcpy(f->id, zmq_msg_data(&id), f->id_n);
-        Rekv__Worker__WorkerMsg *m =
-            rekv__worker__worker_msg__unpack(NULL, zmq_msg_size(&body), zmq_msg_data(&body));
-        zmq_msg_close(&id);
-        zmq_msg_close(&body);
-        ck_assert(m != NULL);
-        if (m->body_case == REKV__WORKER__WORKER_MSG__BODY_HELLO)
+        Rekv__Worker__WorkerMsg *m = fake_recv(f, 50);
+        if (m && m->body_case == body)
             return m;
-        rekv__worker__worker_msg__free_unpacked(m, NULL);
+        if (m)
+            rekv__worker__worker_msg__free_unpacked(m, NULL);
     }
-    ck_abort_msg("no Hello from the worker");
+    ck_abort_msg("no message %d from the worker", (int)body);
     return NULL;
+}
+
+static Rekv__Worker__WorkerMsg *fake_hello(fake *f)
+{
+    return fake_expect(f, REKV__WORKER__WORKER_MSG__BODY_HELLO);
+}
+
+/* Waits (up to 60 s) until the worker's messages say it is unavailable, or that it is not. */
+static void fake_wait_available(fake *f, int available)
+{
+    for (int tries = 0; tries < 1200; tries++) {
+        Rekv__Worker__WorkerMsg *m = fake_recv(f, 50);
+        int is = m && (m->unavailable == NULL || m->unavailable[0] == '\0');
+        if (m)
+            rekv__worker__worker_msg__free_unpacked(m, NULL);
+        if (m && is == available)
+            return;
+    }
+    ck_abort_msg("the worker never said it is %s", available ? "available" : "unavailable");
 }
 
 static void fake_send(fake *f, Rekv__Worker__CoordMsg *m)
@@ -309,6 +342,59 @@ START_TEST(explicit_mode_refuses_another)
 }
 END_TEST
 
+/* The Assign comes while the worker's kvstore is gone: it says Hello with what it was assigned
+ * (and that it is unavailable) and builds the pipeline once the store is back, then runs a step. */
+START_TEST(assign_while_kvstore_gone)
+{
+    env e;
+    env_open(&e);
+    fake f;
+    fake_open(&f, e.wrk);
+    pid_t w = start_worker(&e, "w", "offload", NULL);
+    Rekv__Worker__WorkerMsg *m = fake_hello(&f);
+    ck_assert(m->hello->ask);
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    tu_kill9(e.kvstore);
+    fake_wait_available(&f, 0);
+    fake_assign(&f, "offload", 5, INFINITY);
+    m = fake_hello(&f);
+    ck_assert(!m->hello->ask && m->hello->device_tokens == 5);
+    ck_assert(m->unavailable && m->unavailable[0]);
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    Rekv__Worker__Welcome wel = REKV__WORKER__WELCOME__INIT;
+    Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_WELCOME;
+    cm.welcome = &wel;
+    fake_send(&f, &cm);
+    e.kvstore = start_kvstore(&e);
+    fake_wait_available(&f, 1);
+    /* a step: one job of a 3-token prompt, one new token */
+    int32_t prompt[] = {1, 2, 3};
+    Rekv__Worker__JobSpec js = REKV__WORKER__JOB_SPEC__INIT;
+    js.job = 1;
+    js.n_prompt = 3;
+    js.prompt = prompt;
+    js.max_new_tokens = 1;
+    js.top_k = 1;
+    Rekv__Worker__JobSpec *jp = &js;
+    Rekv__Worker__Plan plan = REKV__WORKER__PLAN__INIT;
+    plan.step = 1;
+    plan.n_join = 1;
+    plan.join = &jp;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_PLAN;
+    cm.plan = &plan;
+    fake_send(&f, &cm);
+    m = fake_expect(&f, REKV__WORKER__WORKER_MSG__BODY_PROGRESS);
+    ck_assert_uint_eq(m->progress->n_jobs, 1);
+    ck_assert_msg(m->progress->jobs[0]->error == 0, "%s", m->progress->jobs[0]->error_msg);
+    ck_assert_uint_eq(m->progress->jobs[0]->n_tokens, 1);
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    ck_assert_int_eq(tu_stop(w), 0);
+    fake_close(&f);
+    env_close(&e);
+}
+END_TEST
+
 /* Between the real daemons: an explicit-mode worker and an auto one get the planner's device part
  * (rekv stats shows what they built with), and --device-tokens is honoured in both. */
 START_TEST(coordinator_assigns_device_part)
@@ -369,6 +455,7 @@ static Suite *suite(void)
     tcase_add_test(tc, explicit_mode_built_as_assigned);
     tcase_add_test(tc, clo_built_with_assigned_np);
     tcase_add_test(tc, explicit_mode_refuses_another);
+    tcase_add_test(tc, assign_while_kvstore_gone);
     tcase_add_test(tc, coordinator_assigns_device_part);
     suite_add_tcase(s, tc);
     return s;
