@@ -80,8 +80,8 @@ static inline double rekv_cost_stream_token_bytes(double hidden, double kv_dim, 
  * weights are placed (room, bytes, rekv_backend_kv_room: less the tenth of the device kept for
  * the backend's workspace and a prefill's rows; <= 0: none): the streaming buffers of a step
  * over b sequences of cap tokens (stream_token_bytes each) come first, and what is left holds
- * whole tokens of kv_token_bytes (K and V of every layer). The worker keeps it, the planner
- * prices it: one rule. */
+ * whole tokens of kv_token_bytes (K and V of every layer). The coordinator's planner assigns it
+ * to the worker (rekv_plan_device_tokens) and prices its steps with it: one rule. */
 static inline int rekv_cost_device_tokens(double room, double b, int cap, double kv_token_bytes,
                                           double stream_token_bytes)
 {
@@ -92,7 +92,7 @@ static inline int rekv_cost_device_tokens(double room, double b, int cap, double
 }
 
 /* rekv_cost_device_tokens for a model's shape (activation row hidden, one K row kv_dim, n_layers
- * layers) and cache elements of elem bytes: what the worker and the planner both call. */
+ * layers) and cache elements of elem bytes. */
 static inline int rekv_cost_device_tokens_of(double room, double b, int cap, double hidden,
                                              double kv_dim, double n_layers, double elem)
 {

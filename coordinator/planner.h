@@ -388,7 +388,7 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
  * context grows from its prompt to s_max), with hybrid at the KV share where its link and compute
  * times meet. Ties go to the lower technique (fewer moving parts). The device room the whole cache
  * does not fit still holds each sequence's first tokens (out->device_tokens, by
- * rekv_cost_device_tokens, the rule the worker keeps them by): the exact techniques are priced
+ * rekv_plan_device_tokens, the part the coordinator assigns): the exact techniques are priced
  * for the rest of the context only — the device-resident part combined with any of them.
  *
  * approx NULL: exact techniques only. Otherwise infinigen is priced too (at approx's f) and
@@ -396,8 +396,8 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
  * (0.3 of every layer's K row, fp32, for b sequences of s_max tokens) and a step's attention
  * buffers (K and V of the whole context in both parities: layer 0 fetches it whole) fit
  * device_kv_bytes; the room the keys leave holds its device-resident part
- * (rekv_cost_device_tokens, as the worker keeps it), which it attends whole and selects past, and
- * with which it is priced. With approx->infinigen_recompute, layer 0's split is the planner's,
+ * (rekv_cost_device_tokens; the part assigned, rekv_plan_device_tokens, takes the keys' whole
+ * columns), which it attends whole and selects past, and with which it is priced. With approx->infinigen_recompute, layer 0's split is the planner's,
  * capped at the tokens whose recomputation rows (rekv_cost_stream_token_bytes less the attention
  * buffers' share) the room left past the keys and buffers holds. */
 int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m, int64_t b,
