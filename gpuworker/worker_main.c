@@ -52,6 +52,8 @@ static void usage(FILE *f)
            "auto: it does when its planner prices it strictly cheaper than every exact mode.\n"
            "infinigen's and clo's tokens may differ from resident's; --mode infinigen or clo\n"
            "needs no flag (auto never answers clo).\n"
+           "In every mode the worker builds its pipeline once the coordinator has answered its\n"
+           "first Hello: the device part and clo's persistent heads are the coordinator's.\n"
            "--link-gbps, --link-latency-us and --device-memory make the cpu backend behave like a\n"
            "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
            "--push: the kvstore (started with --push-backend) writes the KV rows into this\n"
