@@ -5,7 +5,8 @@
  * (rekv_plan_persist_np); the worker builds its pipeline with exactly those and says so in its
  * second Hello. The real rekv-kvstore and rekv-gpuworker run against a coordinator played here
  * (a ROUTER socket: it sees the Hellos and answers what it likes), and against the real
- * rekv-coordinator, whose `rekv stats` shows each worker's device part. */
+ * rekv-coordinator, whose `rekv stats` shows each worker's device part; the planner's sizing of
+ * infinigen's partial keys is checked against the pipeline's and the skew's. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <signal.h>
@@ -16,11 +17,14 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "common/cost.h"
 #include "coordinator/co_plan.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/planner.h"
 #include "gpuworker/device/backend.h"
 #include "gpuworker/gpuworker.h"
+#include "gpuworker/pipeline.h"
+#include "gpuworker/skew.h"
 #include "loader/loader.h"
 #include "proto/worker.pb-c.h"
 #include "tests/testutil.h"
@@ -447,16 +451,127 @@ START_TEST(coordinator_assigns_device_part)
 }
 END_TEST
 
+/* The planner sizes infinigen's partial keys as the pipeline allocates them (the skew's rk
+ * columns of each KV head, fp32, every layer) over shapes where 0.3 head_dim is not whole, and
+ * the skew calibrated for a model has that rk; the device part: the operator's where the mode
+ * keeps one, none for resident and clo, infinigen's in what the keys leave. */
+START_TEST(planner_sizes_what_the_pipeline_allocates)
+{
+    const int shapes[][3] = {{8, 4, 5}, {10, 2, 3}, {16, 4, 8}, {64, 8, 32}, {128, 8, 32}};
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        rekv_model_config c = {.arch = REKV_ARCH_LLAMA, .act = REKV_ACT_SILU};
+        c.head_dim = shapes[i][0];
+        c.n_kv_heads = shapes[i][1];
+        c.n_heads = 2 * c.n_kv_heads;
+        c.n_layers = shapes[i][2];
+        c.hidden = c.n_heads * c.head_dim;
+        c.ffn = 4 * c.hidden;
+        rekv_plan_model pm;
+        rekv_plan_model_from_config(&c, &pm);
+        int rk = rekv_cost_partial_cols(REKV_PLAN_INFINIGEN_PARTIAL, c.head_dim);
+        ck_assert_int_eq(rk, (int)ceil(0.3 * c.head_dim - 1e-9));
+        ck_assert(rekv_plan_ig_partial_key_bytes(&pm, c.head_dim, 300) ==
+                  (double)rekv_ig_partial_key_bytes(&c, rk, 300));
+    }
+    env e;
+    env_open(&e);
+    rekv_err err = {0};
+    rekv_model *m = NULL;
+    rekv_engine *eng = NULL;
+    ck_assert_msg(rekv_model_open(e.model, &m, &err) == 0 && rekv_engine_create(m, &eng, &err) == 0,
+                  "%s", err.msg);
+    int32_t ids[24];
+    for (int i = 0; i < 24; i++)
+        ids[i] = 1 + (i * 37) % 500;
+    rekv_skew sk = {0};
+    ck_assert_msg(rekv_skew_calibrate(eng, ids, 24, REKV_SKEW_DEFAULT_RATIO, &sk, &err) == 0, "%s",
+                  err.msg);
+    ck_assert_int_eq(sk.rk, rekv_cost_partial_cols(REKV_PLAN_INFINIGEN_PARTIAL, spec.hidden / 4));
+    rekv_skew_free(&sk);
+    rekv_engine_free(eng);
+    rekv_model_close(m);
+
+    rekv_plan_model pm;
+    int hd, max_pos;
+    double room = device_room(&e, &pm, &hd, &max_pos);
+    int b = atoi(MAX_BATCH);
+    ck_assert_int_eq(rekv_plan_device_tokens(&pm, hd, REKV_MODE_RESIDENT, b, max_pos, 4, room, 9),
+                     0);
+    ck_assert_int_eq(rekv_plan_device_tokens(&pm, hd, REKV_MODE_CLO, b, max_pos, 4, room, 9), 0);
+    ck_assert_int_eq(rekv_plan_device_tokens(&pm, hd, REKV_MODE_HYBRID, b, max_pos, 4, room, 9), 9);
+    ck_assert_int_eq(rekv_plan_device_tokens(&pm, hd, REKV_MODE_INFINIGEN, b, max_pos, 4, room, 0),
+                     0);
+    int64_t off = rekv_plan_device_tokens(&pm, hd, REKV_MODE_OFFLOAD, b, max_pos, 4, room, -1);
+    int64_t ig = rekv_plan_device_tokens(&pm, hd, REKV_MODE_INFINIGEN, b, max_pos, 4, room, -1);
+    ck_assert_int_eq(
+        off, rekv_cost_device_tokens_of(room, b, max_pos, pm.hidden, pm.kv_dim, pm.n_layers, 4));
+    ck_assert_int_eq(
+        ig, rekv_cost_device_tokens_of(room - b * rekv_plan_ig_partial_key_bytes(&pm, hd, max_pos),
+                                       b, max_pos, pm.hidden, pm.kv_dim, pm.n_layers, 4));
+    ck_assert_msg(ig > 0 && ig < off, "infinigen's part %lld, offload's %lld", (long long)ig,
+                  (long long)off);
+    ck_assert_int_eq(rekv_plan_device_tokens(&pm, hd, REKV_MODE_OFFLOAD, b, max_pos, 4, -1, -1), 0);
+    env_close(&e);
+}
+END_TEST
+
+/* The real coordinator refuses (Shutdown) a Hello that asks for a mode that is not one. */
+START_TEST(coordinator_refuses_unknown_mode)
+{
+    env e;
+    env_open(&e);
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
+    const char *args[] = {prog,  "--control",   e.ctl,   "--workers",
+                          e.wrk, "--state-dir", e.state, NULL};
+    pid_t co = tu_spawn(args, e.log, NULL);
+    ck_assert(co > 0);
+    void *zctx = zmq_ctx_new(), *sock = zmq_socket(zctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_connect(sock, e.wrk), 0);
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.name = "bogus";
+    h.mode = "bogus";
+    h.ask = 1;
+    h.vocab = 512;
+    h.max_batch = 1;
+    Rekv__Worker__WorkerMsg wm = REKV__WORKER__WORKER_MSG__INIT;
+    wm.version = REKV_WORKER_PROTO_VERSION;
+    wm.body_case = REKV__WORKER__WORKER_MSG__BODY_HELLO;
+    wm.hello = &h;
+    uint8_t buf[512];
+    size_t n = rekv__worker__worker_msg__get_packed_size(&wm);
+    ck_assert(n <= sizeof(buf));
+    rekv__worker__worker_msg__pack(&wm, buf);
+    ck_assert_int_eq(zmq_send(sock, buf, n, 0), (int)n);
+    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+    ck_assert_int_eq(zmq_poll(&it, 1, 20000), 1);
+    int got = zmq_recv(sock, buf, sizeof(buf), 0);
+    ck_assert(got > 0);
+    Rekv__Worker__CoordMsg *cm = rekv__worker__coord_msg__unpack(NULL, (size_t)got, buf);
+    ck_assert(cm != NULL);
+    ck_assert_int_eq(cm->body_case, REKV__WORKER__COORD_MSG__BODY_SHUTDOWN);
+    rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    zmq_close(sock);
+    zmq_ctx_term(zctx);
+    ck_assert_int_eq(tu_stop(co), 0);
+    env_close(&e);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("assign");
     TCase *tc = tcase_create("assign");
     tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, planner_sizes_what_the_pipeline_allocates);
     tcase_add_test(tc, explicit_mode_built_as_assigned);
     tcase_add_test(tc, clo_built_with_assigned_np);
     tcase_add_test(tc, explicit_mode_refuses_another);
     tcase_add_test(tc, assign_while_kvstore_gone);
     tcase_add_test(tc, coordinator_assigns_device_part);
+    tcase_add_test(tc, coordinator_refuses_unknown_mode);
     suite_add_tcase(s, tc);
     return s;
 }
