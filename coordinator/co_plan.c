@@ -119,7 +119,8 @@ int co_plan_assign(const Rekv__Worker__Hello *h, co_assign *out)
     out->device_tokens = (int)rekv_plan_device_tokens(&pm, h->head_dim, out->mode, h->max_batch,
                                                       h->max_pos, h->cache_elem_bytes,
                                                       h->device_kv_room, h->device_tokens_asked);
-    if (out->mode == REKV_MODE_CLO) { /* rekv_mode_info_of(mode)->head_caches, on main */
+    const rekv_mode_info *mi = rekv_mode_info_of(out->mode);
+    if (mi->head_caches) {
         rekv_cost_profile prof;
         hello_profile(h, &prof); /* none measured: no link limits N_p (INFINITY) */
         out->persist_np = rekv_plan_persist_np(&prof, &pm, h->head_dim, h->max_batch, h->max_pos,
@@ -129,7 +130,7 @@ int co_plan_assign(const Rekv__Worker__Hello *h, co_assign *out)
     snprintf(out->reason + n, len - n, "; device part %d tokens%s", out->device_tokens,
              h->device_tokens_asked >= 0 ? " (--device-tokens)" : "");
     n = strlen(out->reason);
-    if (out->mode == REKV_MODE_CLO)
+    if (mi->head_caches)
         snprintf(out->reason + n, len - n, "; N_p %.1f KV heads per layer (Eq. 12)",
                  out->persist_np);
     return 0;

@@ -746,14 +746,15 @@ int64_t rekv_plan_device_tokens(const rekv_plan_model *m, int64_t head_dim, rekv
                                 int64_t b, int64_t s_max, double cache_elem_bytes,
                                 double device_kv_bytes, int64_t asked)
 {
-    if (mode == REKV_MODE_RESIDENT || mode == REKV_MODE_CLO)
+    const rekv_mode_info *mi = rekv_mode_info_of(mode);
+    if (mi == NULL || !mi->device_part)
         return 0;
     if (asked >= 0)
         return asked;
     if (b < 1 || s_max < 1)
         return 0;
     double room = device_kv_bytes;
-    if (mode == REKV_MODE_INFINIGEN) /* its partial keys come first in the room */
+    if (mi->speculates) /* its partial keys come first in the room */
         room -= (double)b * rekv_plan_ig_partial_key_bytes(m, head_dim, s_max);
     return rekv_cost_device_tokens_of(room, (double)b, s_max > INT32_MAX ? INT32_MAX : (int)s_max,
                                       (double)m->hidden, (double)m->kv_dim, m->n_layers,

@@ -18,10 +18,11 @@
 int wk_start_pipeline(worker *w, rekv_err *err)
 {
     /* the kvstore writes the KV rows into our buffers (it must run --push-backend) */
-    w->pc.push = w->push && w->pc.mode != REKV_MODE_RESIDENT;
+    w->pc.push = w->push && rekv_mode_streams(w->pc.mode);
+    const rekv_mode_info *mi = rekv_mode_info_of(w->pc.mode);
     w->mode = rekv_mode_name(w->pc.mode);
     int rc;
-    if ((w->pc.mode == REKV_MODE_INFINIGEN || w->pc.mode == REKV_MODE_CLO) && w->pc.skew == NULL) {
+    if (mi->speculates && w->pc.skew == NULL) {
         int cached = 0;
         if ((rc = rekv_skew_prepare(w->eng, REKV_SKEW_DEFAULT_RATIO, &w->skew, &cached, err)))
             return rc;
@@ -29,7 +30,7 @@ int wk_start_pipeline(worker *w, rekv_err *err)
                  cached ? "from the cache" : "made and cached");
         w->pc.skew = &w->skew;
     }
-    if (w->pc.mode == REKV_MODE_CLO && w->pc.heads == NULL) {
+    if (mi->head_caches && w->pc.heads == NULL) {
         int cached = 0;
         if ((rc = rekv_heads_prepare(w->eng, &w->heads, &cached, err)))
             return rc;
@@ -56,7 +57,7 @@ int wk_take_assign(worker *w, const Rekv__Worker__Assign *a, rekv_err *err)
         return rekv_errf(err, -EPROTO,
                          "the coordinator assigned mode %s to a worker started with --mode %s",
                          a->mode, rekv_mode_name(w->pc.mode));
-    if (m != REKV_MODE_RESIDENT && w->kv_ep == NULL)
+    if (rekv_mode_streams(m) && w->kv_ep == NULL)
         return rekv_errf(err, -EPROTO,
                          "the coordinator assigned mode %s, which needs a kvstore, and this "
                          "worker has none",
@@ -148,7 +149,7 @@ int wk_start(worker *w, const wk_start_args *a, rekv_model **model, void **zctx,
     if (w->kv_ep) {
         if ((rc = wk_kv_connect(w, err)))
             return rc; /* 1: asked to stop */
-    } else if (!a->auto_mode && w->pc.mode != REKV_MODE_RESIDENT) {
+    } else if (!a->auto_mode && rekv_mode_streams(w->pc.mode)) {
         return rekv_errf(err, -EINVAL,
                          "--mode %s keeps the KV cache in the kvstore: give --kvstore",
                          rekv_mode_name(w->pc.mode));
