@@ -26,8 +26,9 @@
  * every head. A sequence is sparse once its context is longer than sink + recent window; before
  * that every layer > 0 fetches everything, as offload does.
  *
- * Persistent heads (§3.3, Eq. 11-13 with N_p from the caller, cfg.persist_np: rekv_heads_np from
- * the measured link and forward rate, or the user's): the hardest KV heads
+ * Persistent heads (§3.3, Eq. 11-13 with N_p from the caller, cfg.persist_np: the planner's
+ * rekv_plan_persist_np from the measured link and forward rate, assigned by the coordinator, or the
+ * user's): the hardest KV heads
  * of a layer keep the whole middle of the context in their top-k region (the layer's region is
  * then cap - sink - recent slots): fetched once, then the token leaving the recent window each
  * step is copied device to device from its ring slot (d2d_kv, on the h2d stream before the
