@@ -254,9 +254,10 @@ static int flood(pid_t pid, const char *ep, const char *errlog, const proto *p, 
     free(it);
     free(fl);
     /* a normal client after: served once the daemon has seen the others go (a client that is
-     * told busy, or shed while the daemon still counts the flood, tries again as a user would) */
+     * told busy, or shed while the daemon still counts the flood, tries again as a user would;
+     * as long as it takes: Check's timeout is the guard) */
     int served = 0;
-    for (int i = 0; i < 100 && !served; i++) {
+    while (!served) {
         void *s = dealer(ctx, ep, 100);
         send_request(s, p);
         int k = wait_reply(s, p, 20, why, sizeof(why));
@@ -266,7 +267,6 @@ static int flood(pid_t pid, const char *ep, const char *errlog, const proto *p, 
         if (!served)
             usleep(100000);
     }
-    ck_assert_msg(served, "a client after the flood was never served");
     ck_assert(alive(pid));
     zmq_ctx_term(ctx);
     *busy_out = n_busy;
@@ -437,17 +437,19 @@ START_TEST(gate_bounds_accepts)
     rekv_err err = {0};
     ck_assert_msg(rekv_conncap_create(ctx, router, CAP, &cc, &err) == 0, "%s", err.msg);
     ck_assert_int_eq(zmq_bind(router, ep), 0);
-    /* nobody reads the count for 3 s while 1,500 clients connect: the most fds seen */
+    /* nobody reads the count while 1,500 clients connect: the most fds seen, sampled until more
+     * than 2 x CAP clients got in (however long a loaded machine takes: Check's timeout is the
+     * guard) and for 60 samples after */
     int most = 0;
-    for (int i = 0; i < 60; i++) {
+    for (int after = 0; after < 60;) {
         int n = open_fds() - base;
         most = n > most ? n : most;
+        after += most > 2 * CAP;
         usleep(50000);
     }
     ck_assert_msg(most <= (int)REKV_CONNCAP_QUEUE + 32,
                   "%d fds open with nobody reading the count (the gate allows %u)", most,
                   REKV_CONNCAP_QUEUE);
-    ck_assert_int_gt(most, 2 * CAP); /* the clients did connect */
     /* once read, everything past 2 x CAP is shed */
     rekv_conncap_drain(cc);
     rekv_conncap_stats st;

@@ -89,6 +89,8 @@ static int peer_step(rekv_backend *be, rekv_stream *s, uint32_t *flag, int sock,
             rc = rekv_errf(&err, -EIO, "imported %zu bytes, the test sent %llu", bytes,
                            (unsigned long long)m->bytes);
         if (rc == 0) {
+            if (m->flag_value > 0) /* the test's go: its own enqueueing is over */
+                bi->stream_wait_flag(s, flag, m->flag_value);
             if (m->delay_ms > 0)
                 bi->launch_host(s, "delay", delay_fn, &m->delay_ms, sizeof(m->delay_ms));
             src = peer_fill(be, s, dev, bytes, m->seed);
@@ -291,7 +293,9 @@ static char *dev_shm_listing(void)
 /* ------------------------------------------------------------------ the push path */
 
 /* The peer writes into our exported buffer and records our exported event after 150 ms of other
- * work; our stream waits on the event (the caller is not blocked) and copies the buffer back. */
+ * work; our stream waits on the event (the caller is not blocked: the peer's work waits for our go,
+ * given once our enqueueing returned, so an enqueue that waited for the record would never return
+ * and Check's timeout would fail the case) and copies the buffer back. */
 START_TEST(push_with_event)
 {
     const size_t n = 3 * MiB + 5;
@@ -301,7 +305,7 @@ START_TEST(push_with_event)
     peer_start(&p, "/proc/self/exe", "cpu", flag_fd);
     open_backend();
     rekv_err err = {0};
-    peer_msg m = {.op = PEER_PUSH_EVENT, .seed = 7, .delay_ms = 150, .bytes = n};
+    peer_msg m = {.op = PEER_PUSH_EVENT, .seed = 7, .delay_ms = 150, .flag_value = 1, .bytes = n};
     void *buf = g_bi->dev_alloc_shared(g_be, n, &m.buf, &err);
     ck_assert_msg(buf != NULL, "%s", err.msg);
     rekv_event *ev;
@@ -317,11 +321,10 @@ START_TEST(push_with_event)
     g_bi->stream_wait_event(g_s, ev);
     rekv_copy_piece down = {dst, buf, n};
     g_bi->copy_d2h(g_s, &down, 1, REKV_XFER_KV);
-    uint64_t t1 = rekv_now_ns();
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE); /* the peer's go */
     sync_ok(g_s);
     uint64_t t2 = rekv_now_ns();
     expect_pattern(dst, n, 7);
-    ck_assert_msg(t1 - t0 < 20000000ull, "enqueueing took %.1f ms", (double)(t1 - t0) * 1e-6);
     ck_assert_msg(t2 - t0 > 50000000ull, "the stream did not wait for the peer (%.1f ms)",
                   (double)(t2 - t0) * 1e-6);
     peer_recv(&p, &m); /* the peer's own sync */
@@ -386,7 +389,9 @@ START_TEST(dead_recorder_fails_the_wait)
     ck_assert_int_eq(g_bi->stream_sync(g_s, &se), -EPIPE);
     double ms = (double)(rekv_now_ns() - t0) * 1e-6;
     ck_assert_msg(strstr(se.msg, "died") != NULL, "%s", se.msg);
-    ck_assert_msg(ms < 2000, "the wait took %.0f ms to notice", ms);
+    /* noticed: the event would be recorded only after a minute, and never by a dead peer (a wait
+     * that did not notice would outlast Check's timeout) */
+    printf("   the wait noticed the death in %.0f ms\n", ms);
     sync_ok(g_s); /* the stream goes on */
     g_bi->event_destroy(ev);
     g_bi->dev_free(g_be, buf);
@@ -416,12 +421,10 @@ START_TEST(push_with_flag)
 
     g_bi->stats_reset(g_be);
     g_bi->trace_start(g_be);
-    uint64_t t0 = rekv_now_ns();
     g_bi->stream_wait_flag(g_s, flag, 1);
     rekv_copy_piece down = {dst, buf, n};
     g_bi->copy_d2h(g_s, &down, 1, REKV_XFER_KV);
-    uint64_t t1 = rekv_now_ns();
-    ck_assert_msg(t1 - t0 < 20000000ull, "enqueueing took %.1f ms", (double)(t1 - t0) * 1e-6);
+    /* enqueued without waiting: the flag is set only after this, by the peer we start below */
     usleep(60000);
     ck_assert_msg(dst[0] == 0xa5 && dst[n - 1] == 0xa5, "the copy ran before the flag was set");
     peer_call(&p, &m);

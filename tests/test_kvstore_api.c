@@ -282,6 +282,29 @@ typedef struct model_seq {
     int live;
 } model_seq;
 
+/* Every block of m (a live sequence of the random ops' model: cap blocks a layer) that was
+ * written and not freed holds what was written last: pinned, checked, unpinned. */
+static void check_written_blocks(rekv_kvstore_client *c, uint8_t *arena, const model_seq *m,
+                                 int cap, rekv_kv_plan_block **pb, size_t *pb_cap)
+{
+    if (!m->live)
+        return;
+    rekv_err err = {0};
+    size_t n;
+    for (uint32_t l = 0; l < 2; l++)
+        for (uint64_t b = 0; b < (m->n_tokens + 15) / 16; b++) {
+            if (m->freed[l * cap + b] || !m->gen[l * cap + b])
+                continue;
+            uint64_t t1 = (b + 1) * 16 < m->n_tokens ? (b + 1) * 16 : m->n_tokens;
+            rekv_kv_range r = {m->id, l, b * 16, t1};
+            int rc = rekv_kvstore_plan(c, &r, 1, 1, pb, &n, pb_cap, &err);
+            ck_assert_msg(rc == 0, "final pin: %s", err.msg);
+            ck_assert(kvd_check(arena + (*pb)[0].offset, kvd_type_bytes(c, (*pb)[0].type), m->id, l,
+                                b, m->gen[l * cap + b]));
+            ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, NULL), 0);
+        }
+}
+
 START_TEST(test_random_ops)
 {
     kvd d;
@@ -414,23 +437,8 @@ START_TEST(test_random_ops)
     ck_assert_uint_eq(st.crc_errors, 0);
     ck_assert_int_gt(verified, 500);
     /* finally every written block of every live sequence, once more */
-    for (int s = 0; s < NS; s++) {
-        model_seq *m = &ms[s];
-        if (!m->live)
-            continue;
-        for (uint32_t l = 0; l < 2; l++)
-            for (uint64_t b = 0; b < (m->n_tokens + 15) / 16; b++) {
-                if (m->freed[l * CAP + b] || !m->gen[l * CAP + b])
-                    continue;
-                uint64_t t1 = (b + 1) * 16 < m->n_tokens ? (b + 1) * 16 : m->n_tokens;
-                rekv_kv_range r = {m->id, l, b * 16, t1};
-                int rc = rekv_kvstore_plan(cl[0], &r, 1, 1, &pb, &n, &cap, &err);
-                ck_assert_msg(rc == 0, "final pin: %s", err.msg);
-                ck_assert(kvd_check(arena[0] + pb[0].offset, kvd_type_bytes(cl[0], pb[0].type),
-                                    m->id, l, b, m->gen[l * CAP + b]));
-                ck_assert_int_eq(rekv_kvstore_unpin(cl[0], &r, 1, NULL), 0);
-            }
-    }
+    for (int s = 0; s < NS; s++)
+        check_written_blocks(cl[0], arena[0], &ms[s], CAP, &pb, &cap);
     for (int s = 0; s < NS; s++) {
         free(ms[s].gen);
         free(ms[s].freed);

@@ -194,11 +194,16 @@ START_TEST(test_push)
     free(pb);
     rekv_kvstore_client_close(c);
     kvd_stop(&d);
+}
+END_TEST
 
-    /* a store without a push backend says so */
+/* A store without a push backend says so. */
+START_TEST(test_push_needs_a_backend)
+{
+    kvd d;
     kvd_start(&d, 64, NULL, 0);
-    c = kvd_client(&d);
-    rekv_err_clear(&err);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
     ck_assert_int_eq(rekv_kvstore_push(c, NULL, 0, NULL, NULL, NULL, 0, NULL, 0, &err), -ENOTSUP);
     ck_assert_msg(strstr(err.msg, "no push backend") != NULL, "%s", err.msg);
     rekv_kvstore_client_close(c);
@@ -263,6 +268,7 @@ static Suite *suite(void)
     tc = tcase_create("daemon");
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_push);
+    tcase_add_test(tc, test_push_needs_a_backend);
     tcase_add_test(tc, test_push_link);
     suite_add_tcase(s, tc);
     return s;
