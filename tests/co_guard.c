@@ -73,15 +73,6 @@ rekv_ctl *cg_ctl_open(const char *ep)
     return c;
 }
 
-Rekv__Control__Response *cg_call(rekv_ctl *c, Rekv__Control__Request *rq)
-{
-    Rekv__Control__Response *r = NULL;
-    rekv_err err = {0};
-    rq->id = 0;
-    ck_assert_msg(rekv_ctl_call(c, rq, 20000, &r, &err) == 0, "%s", err.msg);
-    return r;
-}
-
 Rekv__Control__Response *cg_submit(rekv_ctl *c, uint32_t max_new, uint32_t top_logits)
 {
     static int32_t prompt[] = {1, 2, 3};
@@ -93,7 +84,7 @@ Rekv__Control__Response *cg_submit(rekv_ctl *c, uint32_t max_new, uint32_t top_l
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
     rq.submit = &s;
-    return cg_call(c, &rq);
+    return tu_ctl_call(c, &rq);
 }
 
 uint64_t cg_submit_ok(rekv_ctl *c, uint32_t max_new, uint32_t top_logits)
@@ -105,29 +96,19 @@ uint64_t cg_submit_ok(rekv_ctl *c, uint32_t max_new, uint32_t top_logits)
     return id;
 }
 
-Rekv__Control__Response *cg_status(rekv_ctl *c, uint64_t job)
-{
-    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
-    s.job = job;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
-    rq.status = &s;
-    return cg_call(c, &rq);
-}
-
 Rekv__Control__Response *cg_stats(rekv_ctl *c)
 {
     Rekv__Control__StatsRequest s = REKV__CONTROL__STATS_REQUEST__INIT;
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
     rq.stats = &s;
-    return cg_call(c, &rq);
+    return tu_ctl_call(c, &rq);
 }
 
 Rekv__Control__Response *cg_wait_end(rekv_ctl *c, uint64_t job)
 {
     for (;;) {
-        Rekv__Control__Response *r = cg_status(c, job);
+        Rekv__Control__Response *r = tu_ctl_status(c, job);
         ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "status: %s", r->error);
         if (r->job->state != REKV__CONTROL__JOB_STATE__QUEUED &&
             r->job->state != REKV__CONTROL__JOB_STATE__RUNNING)

@@ -23,13 +23,9 @@ void cg_env_stop(env *e);
 
 rekv_ctl *cg_ctl_open(const char *ep);
 
-Rekv__Control__Response *cg_call(rekv_ctl *c, Rekv__Control__Request *rq);
-
 Rekv__Control__Response *cg_submit(rekv_ctl *c, uint32_t max_new, uint32_t top_logits);
 
 uint64_t cg_submit_ok(rekv_ctl *c, uint32_t max_new, uint32_t top_logits);
-
-Rekv__Control__Response *cg_status(rekv_ctl *c, uint64_t job);
 
 Rekv__Control__Response *cg_stats(rekv_ctl *c);
 

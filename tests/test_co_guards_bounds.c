@@ -60,22 +60,22 @@ START_TEST(finished_jobs_capped_by_count)
         Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
         rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
         rq.cancel = &cn;
-        Rekv__Control__Response *r = cg_call(c, &rq);
+        Rekv__Control__Response *r = tu_ctl_call(c, &rq);
         ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
         rekv__control__response__free_unpacked(r, NULL);
     }
-    Rekv__Control__Response *r = cg_status(c, id[0]);
+    Rekv__Control__Response *r = tu_ctl_status(c, id[0]);
     ck_assert_int_eq(r->code, REKV__CONTROL__CODE__NOT_FOUND);
     ck_assert_msg(strstr(r->error, "no longer remembered") && strstr(r->error, "last 2 finished"),
                   "%s", r->error);
     rekv__control__response__free_unpacked(r, NULL);
     for (int i = 1; i < 3; i++) {
-        r = cg_status(c, id[i]);
+        r = tu_ctl_status(c, id[i]);
         ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
         ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__CANCELLED);
         rekv__control__response__free_unpacked(r, NULL);
     }
-    r = cg_status(c, id[2] + 1000);
+    r = tu_ctl_status(c, id[2] + 1000);
     ck_assert_int_eq(r->code, REKV__CONTROL__CODE__NOT_FOUND);
     ck_assert_msg(strstr(r->error, "no job"), "%s", r->error);
     rekv__control__response__free_unpacked(r, NULL);
@@ -114,12 +114,12 @@ START_TEST(finished_jobs_capped_by_bytes)
         ck_assert_uint_eq(r->job->n_top_ids, 16 * 64);
         rekv__control__response__free_unpacked(r, NULL);
     }
-    Rekv__Control__Response *r = cg_status(c, id[0]);
+    Rekv__Control__Response *r = tu_ctl_status(c, id[0]);
     ck_assert_int_eq(r->code, REKV__CONTROL__CODE__NOT_FOUND);
     ck_assert_msg(strstr(r->error, "no longer remembered"), "%s", r->error);
     rekv__control__response__free_unpacked(r, NULL);
     for (int i = 1; i < 3; i++) {
-        r = cg_status(c, id[i]);
+        r = tu_ctl_status(c, id[i]);
         ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
         ck_assert_uint_eq(r->job->n_generated_ids, 16);
         ck_assert_uint_eq(r->job->n_top_ids, 16 * 64);

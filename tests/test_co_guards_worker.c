@@ -160,7 +160,7 @@ START_TEST(two_plans_out)
     ck_assert_uint_eq(p2->plan->step, p1->plan->step + 1);
     ck_assert_uint_eq(p2->plan->n_join, 0);
     uint64_t b = cg_submit_ok(c, 1, 0);
-    Rekv__Control__Response *r = cg_status(c, b);
+    Rekv__Control__Response *r = tu_ctl_status(c, b);
     ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__QUEUED);
     rekv__control__response__free_unpacked(r, NULL);
 
