@@ -32,7 +32,7 @@ int ms_free_port(void)
 char *ms_scrape(int port)
 {
     int fd = -1;
-    for (int i = 0; i < 600 && fd < 0; i++) { /* until it listens: a hang, not a measurement */
+    while (fd < 0) { /* until it listens (Check's timeout is the guard) */
         fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
         ck_assert_int_ge(fd, 0);
         struct timeval tv = {30, 0};
@@ -45,7 +45,6 @@ char *ms_scrape(int port)
             usleep(50000);
         }
     }
-    ck_assert_msg(fd >= 0, "nothing listens on 127.0.0.1:%d", port);
     static const char req[] = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
     ck_assert_int_eq(send(fd, req, sizeof(req) - 1, MSG_NOSIGNAL), (ssize_t)sizeof(req) - 1);
     size_t cap = 1 << 16, n = 0;

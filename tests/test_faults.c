@@ -259,11 +259,10 @@ static void take_event(fjob *jobs, const Rekv__Control__StreamEvent *ev)
     }
 }
 
-/* Reads stream events until `tokens` tokens have come in all (0: until every job ended), within
- * 120 s. */
+/* Reads stream events until `tokens` tokens have come in all (0: until every job ended); Check's
+ * timeout is the guard. */
 static void follow(rekv_ctl *c, fjob *jobs, uint32_t tokens)
 {
-    uint64_t deadline = rekv_now_ns() + 120000000000ull;
     for (;;) {
         uint32_t have = 0;
         int ended = 0;
@@ -273,8 +272,6 @@ static void follow(rekv_ctl *c, fjob *jobs, uint32_t tokens)
         }
         if (tokens ? have >= tokens : ended == N_JOBS)
             return;
-        ck_assert_msg(rekv_now_ns() < deadline, "%d of %d jobs ended, %u tokens streamed", ended,
-                      N_JOBS, have);
         Rekv__Control__Response *r = NULL;
         rekv_err err = {0};
         int rc = rekv_ctl_recv(c, 1000, &r, &err);
@@ -329,9 +326,7 @@ static void check_exactly_once(rekv_ctl *c, fjob *jobs)
 /* Waits (up to 60 s) until the file holds needle. */
 static void wait_log(const char *path, const char *needle)
 {
-    uint64_t deadline = rekv_now_ns() + 60000000000ull;
     while (!tu_file_has(path, needle)) {
-        ck_assert_msg(rekv_now_ns() < deadline, "%s never said \"%s\"", path, needle);
         usleep(20000);
     }
 }
@@ -412,7 +407,6 @@ START_TEST(kvstore_killed)
         free(t);
     }
     tu_kill9(kv);
-    uint64_t deadline = rekv_now_ns() + 60000000000ull;
     for (;;) { /* a second "unavailable" line */
         int n = 0;
         char *t = tu_read_file(e.co_log, NULL);
@@ -421,7 +415,6 @@ START_TEST(kvstore_killed)
         free(t);
         if (n > n_unav)
             break;
-        ck_assert_msg(rekv_now_ns() < deadline, "the idle worker never noticed the store's end");
         usleep(20000);
     }
     int st = tu_stop(wk);
@@ -568,7 +561,6 @@ static uint64_t job_store_seq(const char *wk_log, uint64_t job)
  * worker is stopped, so nothing starts one but a parked request, which this waits out). */
 static void kv_quiet(rekv_kvstore_client *kc, rekv_kv_stats *st)
 {
-    uint64_t deadline = rekv_now_ns() + 30000000000ull;
     for (;;) {
         rekv_kv_stats a, b;
         rekv_err err = {0};
@@ -580,7 +572,6 @@ static void kv_quiet(rekv_kvstore_client *kc, rekv_kv_stats *st)
             *st = b;
             return;
         }
-        ck_assert_msg(rekv_now_ns() < deadline, "the kvstore never came to rest");
     }
 }
 

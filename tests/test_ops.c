@@ -95,15 +95,12 @@ static int stop(pid_t pid)
 }
 
 /* Reads from fd into buf (of *n bytes so far, cap bytes) until it holds `want` bytes or the fd is
- * closed; fails the test after 60 s (a hang, not a measurement). */
+ * closed (a hang: Check's timeout is the guard). */
 static void read_until(int fd, char *buf, size_t *n, size_t cap, size_t want)
 {
-    uint64_t deadline = rekv_now_ns() + 60000000000ull;
     while (*n < want) {
         struct pollfd p = {fd, POLLIN, 0};
-        uint64_t now = rekv_now_ns();
-        ck_assert_msg(now < deadline, "no output after 60 s (have \"%.*s\")", (int)*n, buf);
-        int r = poll(&p, 1, (int)((deadline - now) / 1000000ull) + 1);
+        int r = poll(&p, 1, 1000);
         if (r <= 0)
             continue;
         ssize_t got = read(fd, buf + *n, cap - *n - 1);
@@ -129,7 +126,8 @@ static void worker_send(void *sock, Rekv__Worker__WorkerMsg *m)
 static Rekv__Worker__CoordMsg *worker_recv(void *sock)
 {
     zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
-    ck_assert_msg(zmq_poll(&it, 1, 60000) == 1, "the coordinator sent the worker nothing in 60 s");
+    while (zmq_poll(&it, 1, 1000) != 1) /* until it sends (Check's timeout is the guard) */
+        ;
     uint8_t buf[65536];
     int got = zmq_recv(sock, buf, sizeof(buf), 0);
     ck_assert(got > 0 && (size_t)got <= sizeof(buf));
@@ -385,7 +383,6 @@ static void generate_interrupted(const char *model, int sig, int stage)
               "--max-new-tokens", "1000", "--ignore-eos", (char *)NULL);
         _exit(127);
     }
-    uint64_t deadline = rekv_now_ns() + 60000000000ull;
     for (;;) {
         const char *run = run_dir_in(tmp);
         char sock[8400];
@@ -394,8 +391,6 @@ static void generate_interrupted(const char *model, int sig, int stage)
         if (run && (stage == 0 || access(sock, F_OK) == 0))
             break;
         ck_assert_msg(waitpid(pid, NULL, WNOHANG) == 0, "rekv generate ended before stage %d",
-                      stage);
-        ck_assert_msg(rekv_now_ns() < deadline, "no rekv-run.* directory (stage %d) in 60 s",
                       stage);
         usleep(2000);
     }
@@ -633,10 +628,7 @@ static void notify_sequence(const char *const *args, const char *sock_path)
     unsetenv("WATCHDOG_USEC");
     ck_assert_msg(pid > 0, "%s exited at start", args[0]);
     int ready = 0, watchdogs = 0, stopping = 0, sent_term = 0;
-    uint64_t deadline = rekv_now_ns() + 60000000000ull;
     while (!stopping) {
-        ck_assert_msg(rekv_now_ns() < deadline, "%s: ready %d, %d watchdog pings, no STOPPING=1",
-                      args[0], ready, watchdogs);
         if (watchdogs >= 2 && !sent_term) {
             kill(pid, SIGTERM);
             sent_term = 1;
