@@ -740,8 +740,8 @@ double rekv_plan_ig_partial_key_bytes(const rekv_plan_model *m, int64_t head_dim
     return 4.0 * (double)m->n_layers * (double)tokens * (double)(m->kv_dim / hd) * rk;
 }
 
-/* Which modes keep a device part and which partial keys beside it. (After common/mode.h's
- * property table lands: rekv_mode_info_of(mode)->device_part and ->speculates.) */
+/* Which modes keep a device part (the property device_part) and which partial keys beside it
+ * (speculates). */
 int64_t rekv_plan_device_tokens(const rekv_plan_model *m, int64_t head_dim, rekv_mode mode,
                                 int64_t b, int64_t s_max, double cache_elem_bytes,
                                 double device_kv_bytes, int64_t asked)
