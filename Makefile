@@ -166,6 +166,11 @@ $(foreach p,$(PROGRAMS),$(eval $(call prog_rule,$(p))))
 $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TEST_SUPPORT_OBJS) $(call room_libs,tests) | $(CUDA_SO)
 	$(call say,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $< $(TEST_SUPPORT_OBJS) -Wl,--start-group $(call room_libs,tests) -Wl,--end-group $(CHECK_LIBS) $(call room_ldlibs,tests)
+# test_journal_fsync's LD_PRELOAD shim (logs the journal's writes and syncs and the replies sent)
+$(BUILD)/tests/libfsync_shim.so: tests/shim/fsync_shim.c
+	$(call say,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -std=gnu11 $(WARN) $(CFLAGS) -fPIC -shared -o $@ $< -ldl
+$(BUILD)/tests/test_journal_fsync: | $(BUILD)/tests/libfsync_shim.so
 
 # Sanitizer build of the parsers, run over a corpus of mutated inputs (part of `make test`).
 ASAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
