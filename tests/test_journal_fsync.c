@@ -4,10 +4,10 @@
  * (tests/shim/fsync_shim.c, LD_PRELOAD), which logs in the process's own order each write and
  * sync of a file in its state directory and each message it sends. An accepted job's record is
  * written and fdatasync'd before the Submit reply is sent; a finished job's record is written and
- * synced before its end event reaches the streaming client and before a Status shows it ended. The
- * checks are on that order, not on time. And a disk whose sync fails (the shim's EIO) makes the
- * Submit answered INTERNAL and forgotten: the same key is a new job once syncs work again.
- * Model: stories260K. */
+ * synced before its end event reaches the streaming client and before a Status shows it ended,
+ * and a cancelled one's before the Cancel reply. The checks are on that order, not on time. And a
+ * disk whose sync fails (the shim's EIO) makes the Submit answered INTERNAL and forgotten: the same
+ * key is a new job once syncs work again. Model: stories260K. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -330,6 +330,49 @@ START_TEST(finished_synced_before_end_heard)
 }
 END_TEST
 
+/* Cancel of a queued job (no worker) ends it in the control round: its finished record is written
+ * and synced before the Cancel reply that says CANCELLED is sent. */
+START_TEST(cancelled_synced_before_reply)
+{
+    shim_env s;
+    if (shim_env_open(&s))
+        return;
+    pid_t co = start_shimmed_coordinator(&s);
+    rekv_ctl *c = ct_ctl_open(s.e.ctl);
+    Rekv__Control__Response *r = submit(c, "fsync-cancel", 4);
+    ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "submit: %s", r->error);
+    uint64_t job = r->submitted->job;
+    rekv__control__response__free_unpacked(r, NULL);
+    Rekv__Control__Cancel cn = REKV__CONTROL__CANCEL__INIT;
+    cn.job = job;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
+    rq.cancel = &cn;
+    r = tu_ctl_call(c, &rq);
+    ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "cancel: %s", r->error);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__CANCELLED);
+    uint64_t req = r->id;
+    rekv__control__response__free_unpacked(r, NULL);
+
+    size_t n;
+    lline *v = read_log(&s, &n);
+    long w = find_record(&s, v, n, job, REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED);
+    long y = find_sync(&s, v, n, w, 0);
+    long z = find_send(v, n, NULL, pick_reply, req);
+    ck_assert_msg(w >= 0, "no finished record of job %llu written to %s", (unsigned long long)job,
+                  s.journal);
+    ck_assert_msg(z >= 0, "the Cancel reply was not among the messages sent");
+    ck_assert_msg(y >= 0 && y < z,
+                  "the Cancel reply (log line %ld) was sent before the finished record (line %ld) "
+                  "was synced (sync at line %ld, -1: none yet)",
+                  z, w, y);
+    free_log(v, n);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(ct_stop(co), 0);
+    ct_env_close(&s.e);
+}
+END_TEST
+
 /* A failing disk: while the journal's sync fails (EIO from the shim), a Submit is answered
  * INTERNAL naming the failure, after that sync, and the job is not kept; once syncs work again the
  * same key makes a new job, accepted and synced. */
@@ -376,6 +419,7 @@ int main(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, accepted_synced_before_reply);
     tcase_add_test(tc, finished_synced_before_end_heard);
+    tcase_add_test(tc, cancelled_synced_before_reply);
     tcase_add_test(tc, failed_sync_refuses_submit);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
