@@ -213,15 +213,34 @@ static int submit_check(rekv_coordinator *co, const rid *from, uint64_t rq,
                     "give the prompt as text or as token ids, exactly one of the two");
         return -1;
     }
-    if (!(temp >= 0 && temp <= 100) || !(top_p > 0 && top_p <= 1)) {
+    /* every sampling field here, by name: a value the worker would refuse (or misread) later
+     * must not be accepted (NaN fails each comparison, so it is refused too) */
+    if (!(temp >= 0 && temp <= 100)) {
         reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
-                    "temperature must be in [0, 100] and top_p in (0, 1]");
+                    "temperature %g is outside [0, 100] (0: greedy)", (double)temp);
+        return -1;
+    }
+    if (top_p != 0 && !(top_p > 0 && top_p <= 1)) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_p %g is outside (0, 1] (0 or unset: 1, off)", (double)top_p);
+        return -1;
+    }
+    uint32_t top_k = s->sampling ? s->sampling->top_k : 0;
+    if (top_k > INT32_MAX) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_k %u is above the limit of %d (0: off)", top_k, INT32_MAX);
         return -1;
     }
     /* a job's top logits live in memory until it is forgotten and in its journal record */
     if (s->top_logits > REKV_TOP_LOGITS_MAX) {
         reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
                     "top_logits %u is above the limit of %u", s->top_logits, REKV_TOP_LOGITS_MAX);
+        return -1;
+    }
+    if (co->have_model && s->top_logits > (uint32_t)co->mcfg.vocab) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logits %u is above the model's vocabulary of %d", s->top_logits,
+                    co->mcfg.vocab);
         return -1;
     }
     if ((uint64_t)s->top_logits * s->max_new_tokens > REKV_TOP_LOGITS_MAX_ENTRIES) {
@@ -323,9 +342,11 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
         }
     }
     float temp = s->sampling ? s->sampling->temperature : 0;
-    float top_p = s->sampling && s->sampling->top_p > 0 ? s->sampling->top_p : 1;
+    float top_p = s->sampling ? s->sampling->top_p : 0;
     if (submit_check(co, from, rq, s, temp, top_p))
         return;
+    if (top_p == 0) /* proto3: unset */
+        top_p = 1;
     size_t n = 0;
     int32_t *ids = submit_prompt(co, from, rq, s, &n);
     if (ids == NULL)
