@@ -37,6 +37,28 @@ uint32_t rekv_conncap_max_for(uint32_t wanted)
     return wanted;
 }
 
+int rekv_conncap_lowered(uint32_t wanted, char *why, size_t n)
+{
+    if (wanted == 0)
+        wanted = REKV_CONNCAP_DEFAULT;
+    uint32_t cap = rekv_conncap_max_for(wanted);
+    struct rlimit rl;
+    if (cap >= wanted || getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return 0;
+    uint64_t need = 2ull * wanted + REKV_CONNCAP_RESERVE + REKV_CONNCAP_QUEUE;
+    char hard[32];
+    if (rl.rlim_max == RLIM_INFINITY)
+        snprintf(hard, sizeof(hard), "unlimited");
+    else
+        snprintf(hard, sizeof(hard), "%llu", (unsigned long long)rl.rlim_max);
+    snprintf(why, n,
+             "--max-clients %u lowered to %u per socket: the open-file limit (RLIMIT_NOFILE) is "
+             "%llu (soft), %s (hard), and %u clients need %llu (raise the hard limit: "
+             "LimitNOFILE=, ulimit -Hn)",
+             wanted, cap, (unsigned long long)rl.rlim_cur, hard, wanted, (unsigned long long)need);
+    return 1;
+}
+
 int rekv_conncap_create(void *zctx, void *router, uint32_t max, rekv_conncap **out, rekv_err *err)
 {
     rekv_conncap *cc = calloc(1, sizeof(*cc));

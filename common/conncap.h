@@ -36,6 +36,10 @@ typedef struct rekv_conncap rekv_conncap;
  * (soft): at most (limit - REKV_CONNCAP_RESERVE - REKV_CONNCAP_QUEUE) / 2, at least 1. Below
  * ~1,150 fds the bound cannot hold; the units raise the limit to 65536. */
 uint32_t rekv_conncap_max_for(uint32_t wanted);
+/* 1 when rekv_conncap_max_for lowers wanted, with why (n bytes) saying so: the cap, the soft and
+ * hard limits, and the limit the wanted cap needs; else 0. For a daemon's start, after it raised
+ * its soft limit (rekv_daemon_stop_fd), so that a cap an operator did not ask for is logged. */
+int rekv_conncap_lowered(uint32_t wanted, char *why, size_t n);
 
 /* Watches router (a ROUTER of zctx; call before its zmq_bind, so that no connection goes
  * uncounted) with at most max admitted connections. */

@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "common/conncap.h"
 #include "common/daemon.h"
 #include "common/log.h"
 #include "common/version.h"
@@ -94,8 +95,8 @@ int main(int argc, char **argv)
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
     };
-    int o;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    int o, opt_i = 0;
+    while ((o = getopt_long(argc, argv, "", opts, &opt_i)) != -1) {
         int bad = 0;
         switch (o) {
         case O_CONTROL: cfg.control_endpoint = optarg; break;
@@ -112,11 +113,16 @@ int main(int argc, char **argv)
             cfg.keep_finished_bytes = v;
             break;
         }
-        case O_TIMEOUT: bad = rekv_parse_u32(optarg, &cfg.worker_timeout_ms); break;
+        /* the library reads 0 as its default: refused here instead */
+        case O_TIMEOUT:
+            bad = rekv_parse_u32(optarg, &cfg.worker_timeout_ms) || cfg.worker_timeout_ms == 0;
+            break;
         case O_STEP_TIMEOUT:
             bad = rekv_parse_u32(optarg, &cfg.step_timeout_ms) || cfg.step_timeout_ms == 0;
             break;
-        case O_ATTEMPTS: bad = rekv_parse_u32(optarg, &cfg.max_attempts); break;
+        case O_ATTEMPTS:
+            bad = rekv_parse_u32(optarg, &cfg.max_attempts) || cfg.max_attempts == 0;
+            break;
         case O_CHUNK: bad = rekv_parse_u32(optarg, &cfg.prefill_chunk); break;
         case O_MAX_CLIENTS:
             bad = rekv_parse_u32(optarg, &cfg.max_clients) || cfg.max_clients == 0;
@@ -130,7 +136,8 @@ int main(int argc, char **argv)
         default: usage(stderr); return 2;
         }
         if (bad) {
-            fprintf(stderr, "rekv-coordinator: bad value '%s'\n", optarg);
+            fprintf(stderr, "rekv-coordinator: --%s: bad value '%s'%s\n", opts[opt_i].name, optarg,
+                    o == O_TIMEOUT || o == O_ATTEMPTS ? " (1 or more)" : "");
             return 2;
         }
     }
@@ -166,6 +173,9 @@ int main(int argc, char **argv)
         return 1;
     }
     cfg.signal_fd = sfd;
+    char why[320];
+    if (rekv_conncap_lowered(cfg.max_clients, why, sizeof(why))) /* after the soft limit was raised */
+        rekv_log(REKV_LOG_WARN, "%s", why);
     cfg.on_event = on_event;
     cfg.on_tick = on_tick;
     rekv_err err = {0};

@@ -170,6 +170,8 @@ static int parse_option(worker *w, worker_args *a, int o, const char *name, cons
         bad = rekv_parse_u32(arg, &a->max_batch) || a->max_batch == 0 || a->max_batch > 4096;
         break;
     case O_NAME:
+        /* the kvstore's owner name: non-empty (empty is no owner) and within its limit */
+        bad = *arg == '\0' || strlen(arg) > REKV_KV_OWNER_MAX;
         w->name = arg;
         break;
     case O_HB:
@@ -193,7 +195,11 @@ static int parse_option(worker *w, worker_args *a, int o, const char *name, cons
         return 2;
     }
     if (bad) {
-        fprintf(stderr, "rekv-gpuworker: bad value '%s'\n", arg);
+        if (o == O_NAME)
+            fprintf(stderr, "rekv-gpuworker: --name: bad value '%s' (1 to %d bytes)\n", arg,
+                    REKV_KV_OWNER_MAX);
+        else
+            fprintf(stderr, "rekv-gpuworker: --%s: bad value '%s'\n", name, arg);
         return 2;
     }
     return -1;

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/conncap.h"
 #include "common/daemon.h"
 #include "common/log.h"
 #include "common/version.h"
@@ -57,6 +58,7 @@ typedef struct kv_args {
     const char *model, *dtype;
     uint64_t layers, kv_heads, head_dim, hidden, host_bytes;
     int ready_fd;
+    int high_given, low_given;
 } kv_args;
 
 enum {
@@ -140,14 +142,18 @@ static int parse_number(kv_args *a, int o, const char *arg)
         return rekv_parse_size(arg, &a->hidden);
     }
     bad = rekv_parse_size(arg, &v);
-    if (o == O_LEASE)
+    /* the library reads 0 (and a percentage over 100) as its default: refused here instead */
+    if (o == O_LEASE) {
+        bad |= v == 0 || v > UINT32_MAX;
         a->cfg.lease_ms = (uint32_t)v;
-    else if (o == O_HIGH)
-        a->cfg.high_pct = (uint32_t)v;
-    else if (o == O_LOW)
-        a->cfg.low_pct = (uint32_t)v;
-    else
+    } else if (o == O_HIGH || o == O_LOW) {
+        bad |= v == 0 || v > 100;
+        *(o == O_HIGH ? &a->cfg.high_pct : &a->cfg.low_pct) = (uint32_t)v;
+        *(o == O_HIGH ? &a->high_given : &a->low_given) = 1;
+    } else {
+        bad |= v > INT32_MAX;
         a->ready_fd = (int)v;
+    }
     return bad;
 }
 
@@ -223,7 +229,31 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
         return 2;
     }
     if (bad) {
-        fprintf(stderr, "rekv-kvstore: bad value '%s'\n", arg);
+        fprintf(stderr, "rekv-kvstore: --%s: bad value '%s'%s\n", name, arg,
+                o == O_LEASE                ? " (1 ms or more)"
+                : o == O_HIGH || o == O_LOW ? " (a percentage, 1 to 100)"
+                                            : "");
+        return 2;
+    }
+    return -1;
+}
+
+/* What no single option shows: the watermarks' order, the arena against the machine's memory.
+ * -1 to go on, else 2 after a message naming the options. */
+static int check_args(const kv_args *a)
+{
+    uint32_t high = a->cfg.high_pct; /* given, or rekv_kvstore_config_defaults' */
+    if (a->low_given && a->cfg.low_pct > high) {
+        fprintf(stderr, "rekv-kvstore: --low-pct %u is above --high-pct %u%s\n", a->cfg.low_pct,
+                high, a->high_given ? "" : " (the default)");
+        return 2;
+    }
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0 && a->host_bytes / (uint64_t)page > (uint64_t)pages) {
+        fprintf(stderr,
+                "rekv-kvstore: --host-bytes %llu is more than this machine's memory (%llu "
+                "bytes)\n",
+                (unsigned long long)a->host_bytes, (unsigned long long)pages * (uint64_t)page);
         return 2;
     }
     return -1;
@@ -245,7 +275,7 @@ static int parse_args(kv_args *a, int argc, char **argv)
         return 2;
     }
     a->cfg.host_bytes = a->host_bytes;
-    return -1;
+    return check_args(a);
 }
 
 /* The arena's geometry from --model or the four numbers: -1 to go on, else the exit code. */
@@ -293,6 +323,10 @@ static int serve(kv_args *a)
         return 1;
     }
     cfg->signal_fd = sfd;
+    char why[320];
+    if (rekv_conncap_lowered(cfg->max_clients, why,
+                             sizeof(why))) /* after the soft limit was raised */
+        rekv_log(REKV_LOG_WARN, "%s", why);
     cfg->on_event = on_event;
     cfg->on_tick = on_tick;
     rekv_err err = {0};
