@@ -74,6 +74,10 @@ int rekv_generate(rekv_engine *e, const int32_t *prompt, int n_prompt, const rek
             rekv_top_logits(logits, c->vocab, k, out->top_ids + (size_t)out->n * k,
                             out->top_vals + (size_t)out->n * k);
         int32_t tok = rekv_sample(&s, logits, c->vocab, scratch);
+        if (tok < 0) {
+            rc = rekv_errf(err, -EDOM, "%s", REKV_NAN_LOGITS);
+            goto out;
+        }
         out->ids[out->n++] = tok;
         if (p->stop_at_eos && tok == c->eos_id) {
             out->finish_reason = "eos";

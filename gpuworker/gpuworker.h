@@ -72,7 +72,7 @@ void rekv_sampler_init(rekv_sampler *s, float temperature, int top_k, float top_
 /* The greedy choice: the index of the largest of x[0..n-1], the lowest on ties. */
 int rekv_argmax(const float *x, int n);
 /* Picks the next token from logits[vocab]: rekv_sample_drawn with rekv_sampler_draw's number.
- * scratch holds 2*vocab floats' worth of memory. */
+ * scratch holds 2*vocab floats' worth of memory. -1 when a logit is NaN (REKV_NAN_LOGITS). */
 int32_t rekv_sample(rekv_sampler *s, const float *logits, int vocab, void *scratch);
 /* The uniform number in [0, 1) the next sample uses, advancing the state; greedy draws nothing
  * (0, the state unchanged). */
@@ -86,6 +86,10 @@ float rekv_sampler_draw(rekv_sampler *s);
  * prefix sums instead of a sort (the kernels' sample: cpu calls this, cuda follows it). */
 int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, int vocab,
                           void *scratch);
+/* What a caller fails with when a draw gave -1: a logit was NaN, which every choice would hide
+ * (greedy would emit token 0); a broken model (NaN weights), not a job's fault. The cuda sample
+ * kernel does not check (its ids are never -1). */
+#define REKV_NAN_LOGITS "the model's logits are NaN (broken or corrupt weights?): no token drawn"
 /* The k largest logits as (id, logit) pairs, largest first, lower id first on ties. */
 void rekv_top_logits(const float *logits, int vocab, int k, int32_t *ids, float *vals);
 

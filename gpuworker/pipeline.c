@@ -397,6 +397,19 @@ static int top_desc(const void *a, const void *b)
     return x->id < y->id ? -1 : (x->id > y->id);
 }
 
+/* 1 when a draw of the step gave -1 (rekv_sample_drawn: a NaN logit) */
+static int draws_nan(const step *st)
+{
+    for (int g = 0; g < st->n_g; g++) {
+        int b0 = st->g_begin[g], nb = st->g_begin[g + 1] - b0;
+        const int32_t *ids = st->picks[g];
+        for (int j = 0; ids && j < nb; j++)
+            if (st->items[b0 + j].smp && ids[j] < 0)
+                return 1;
+    }
+    return 0;
+}
+
 /* After a step that succeeded: each drawing item's token and top logits (ranked as
  * rekv_top_logits ranks them) from the copied-back draws, and its sampler's state advanced. */
 static void take_draws(step *st)
@@ -717,6 +730,8 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         int drc = p->ops->step_done(p, &st, rc ? NULL : err);
         rc = rc ? rc : drc;
     }
+    if (rc == 0 && draws_nan(&st))
+        rc = rekv_errf(err, -EDOM, "%s", REKV_NAN_LOGITS);
     if (rc == 0) {
         take_draws(&st);
         for (int i = 0; i < n_items; i++)

@@ -115,9 +115,21 @@ static float weight(float logit, float mx, float t)
     return expf((logit - mx) / t);
 }
 
+/* 1 when x[0..n) holds a NaN: a broken model's logits, which no choice may hide (argmax would
+ * pick token 0) */
+static int has_nan(const float *x, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (isnan(x[i]))
+            return 1;
+    return 0;
+}
+
 int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, int vocab,
                           void *scratch)
 {
+    if (has_nan(logits, vocab))
+        return -1;
     if (s->temperature <= 0.0f)
         return rekv_argmax(logits, vocab);
     cand *c = scratch;
