@@ -302,8 +302,20 @@ static int inspect_hf_dir(const char *dir)
         print_config(&c);
     } else {
         printf("config: none (no config.json)\n");
+        return inspect_safetensors(dir);
     }
-    return inspect_safetensors(dir);
+    int rc = inspect_safetensors(dir);
+    if (rc)
+        return rc;
+    /* what loading checks: every tensor the config needs, present, with its shape (a listing
+     * alone would pass a missing or transposed one) */
+    rekv_model *m = NULL;
+    rekv_err err = {0};
+    if (rekv_model_open_hf(dir, &m, &err) < 0)
+        return fail("%s", err.msg);
+    rekv_model_close(m);
+    printf("weights: every tensor the config needs is present with its shape\n");
+    return 0;
 }
 
 /* The llama2.c legacy checkpoint: 7 int32 of header, then fp32 arrays (FORMAT.md). */
