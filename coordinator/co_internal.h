@@ -44,6 +44,7 @@ typedef enum co_rl_site {
     CO_RL_WORKER_HELLO,     /* a Hello's max_batch capped */
     CO_RL_WORKER_REPLY,     /* a Progress with tokens outside the vocabulary */
     CO_RL_HYBRID_PATTERN,   /* a hybrid worker's joining sequences get another KV:ACT pattern */
+    CO_RL_WORKER_NAME,      /* a Hello under an active worker's name, held till decided */
     CO_RL_COUNT
 } co_rl_site;
 
@@ -111,6 +112,9 @@ typedef struct worker {
     uint32_t max_batch, vocab, max_pos;
     int32_t eos_id;
     uint64_t last_seen_ns; /* last message of any kind */
+    uint64_t pid;          /* its Hello's */
+    rid claim_id;          /* another worker that said Hello under this one's name (co_workers.c) */
+    uint64_t claim_ns;     /* when; 0: none pending */
     uint32_t out;          /* Plans sent whose Progress is not back: at most CO_PLANS_OUT */
     uint64_t step;         /* number of the last Plan sent; the oldest out is step - out + 1 */
     uint64_t plan_sent_ns[CO_PLANS_OUT]; /* when Plan s went out, at s % CO_PLANS_OUT */

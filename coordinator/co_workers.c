@@ -8,7 +8,8 @@
  * Failures: a Progress's jobs marked retry are re-queued, other errors fail the job; a job of the
  * step the Progress does not name is re-queued (the worker lost it); a worker that says it is
  * unavailable gets no Plan, and its running jobs go back to the queue; a Hello under the name of
- * an active worker replaces it. */
+ * an active worker takes over from it once it has stayed silent, and is refused while it is alive
+ * (name_claim). */
 #include "coordinator/co_internal.h"
 
 #include <stdio.h>
@@ -103,6 +104,50 @@ static void worker_assign(rekv_coordinator *co, const rid *id, const Rekv__Worke
              h->mode ? h->mode : "?", a.mode, as.reason);
 }
 
+static int rid_eq(const rid *a, const rid *b)
+{
+    return a->n == b->n && memcmp(a->b, b->b, a->n) == 0;
+}
+
+/* A Hello from another connection under the name of active worker o: a worker restarted under its
+ * name (it dropped what its predecessor left in the kvstore) takes over from a dead o, and a
+ * second live worker under a taken name is refused — the two would otherwise replace each other
+ * at every Hello. Which one it is only o's silence tells, so the first such Hello is not answered:
+ * the newcomer's heartbeats are answered Reset, and it says Hello again four of its heartbeats
+ * later. Then o, if it spoke meanwhile, is alive: the newcomer is refused (Shutdown); if it was
+ * silent all along, it is dead: dropped (its jobs re-queued), and the newcomer goes on. A Hello
+ * from a third one while a claim is pending waits for that claim (or o's worker timeout).
+ * 1: o is dropped, go on; 0: held, no answer; -1: refused. */
+static int name_claim(rekv_coordinator *co, worker *o, const rid *id, const Rekv__Worker__Hello *h)
+{
+    char why[256];
+    if (o->claim_ns && o->last_seen_ns > o->claim_ns) {
+        snprintf(why, sizeof(why),
+                 "another live worker (pid %llu) is serving under the name %s; give each worker "
+                 "its own --name",
+                 (unsigned long long)o->pid, o->name);
+        o->claim_ns = 0;
+        worker_refuse(co, id, h, why);
+        return -1;
+    }
+    if (o->claim_ns && rid_eq(&o->claim_id, id)) {
+        snprintf(why, sizeof(why),
+                 "is replaced by a new worker of its name (pid %llu): silent since its Hello",
+                 (unsigned long long)h->pid);
+        worker_drop(co, o, why);
+        return 1;
+    }
+    if (o->claim_ns == 0) {
+        o->claim_id = *id;
+        o->claim_ns = rekv_now_ns();
+        co_event_rl(co, CO_RL_WORKER_NAME, REKV_CO_EVENT_INFO,
+                    "worker %s (pid %llu) says Hello under the name of an active worker (pid "
+                    "%llu): it takes over if that one stays silent until its next Hello",
+                    o->name, (unsigned long long)h->pid, (unsigned long long)o->pid);
+    }
+    return 0;
+}
+
 static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker__Hello *h,
                          const char *unavailable)
 {
@@ -117,15 +162,10 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
         worker_refuse(co, id, h, why);
         return;
     }
-    /* a worker restarted under its name (it dropped what its predecessor left in the kvstore)
-     * takes over at once: the one we knew by that name is dead or out of date */
     for (int i = 0; i < MAX_WORKERS && h->name && *h->name; i++) {
         worker *o = &co->workers[i];
-        if (o->active && strcmp(o->name, h->name) == 0) {
-            snprintf(why, sizeof(why), "is replaced by a new worker of its name (pid %llu)",
-                     (unsigned long long)h->pid);
-            worker_drop(co, o, why);
-        }
+        if (o->active && strcmp(o->name, h->name) == 0 && name_claim(co, o, id, h) <= 0)
+            return; /* held (no answer yet) or refused */
     }
     if (h->ask || (h->mode && strcmp(h->mode, "auto") == 0)) {
         worker_assign(co, id, h);
@@ -166,6 +206,7 @@ static void worker_hello(rekv_coordinator *co, const rid *id, const Rekv__Worker
     w->max_pos = h->max_pos;
     w->eos_id = h->eos_id;
     w->last_seen_ns = rekv_now_ns();
+    w->pid = h->pid;
     snprintf(w->unavailable, sizeof(w->unavailable), "%s", unavailable ? unavailable : "");
     co_plan_init(&w->plan, h);
     Rekv__Worker__Welcome wel = REKV__WORKER__WELCOME__INIT;
