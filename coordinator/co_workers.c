@@ -66,6 +66,7 @@ static void worker_refuse(rekv_coordinator *co, const rid *id, const Rekv__Worke
                           const char *why)
 {
     Rekv__Worker__Shutdown sd = REKV__WORKER__SHUTDOWN__INIT;
+    sd.reason = (char *)why;
     Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
     cm.body_case = REKV__WORKER__COORD_MSG__BODY_SHUTDOWN;
     cm.shutdown = &sd;

@@ -159,7 +159,11 @@ static int on_message(worker *w, Rekv__Worker__CoordMsg *m)
             wk_refuse_plan(w, m->plan);
         break;
     case REKV__WORKER__COORD_MSG__BODY_SHUTDOWN:
-        rekv_log(REKV_LOG_INFO, "the coordinator asked us to stop");
+        if (m->shutdown->reason && *m->shutdown->reason)
+            rekv_log(REKV_LOG_ERROR, "the coordinator refused this worker: %s",
+                     m->shutdown->reason);
+        else
+            rekv_log(REKV_LOG_INFO, "the coordinator asked us to stop");
         rekv_evloop_stop(w->loop);
         stop = 1;
         break;

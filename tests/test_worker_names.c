@@ -164,6 +164,13 @@ START_TEST(second_live_worker_refused)
              NAME, (int)first, NAME);
     ck_assert_msg(tu_file_has(l.co, why), "the coordinator's log does not say \"%s\": %s", why,
                   tu_log_end(l.co));
+    /* and the refused worker's own log says why (Shutdown's reason) */
+    snprintf(why, sizeof(why),
+             "the coordinator refused this worker: another live worker (pid %d) is serving under "
+             "the name %s",
+             (int)first, NAME);
+    ck_assert_msg(tu_file_has(l.wk, why), "the workers' log does not say \"%s\": %s", why,
+                  tu_log_end(l.wk));
     ck_assert_int_eq(kill(first, 0), 0); /* the first one still runs */
     ct_wait_and_check(c, jobs, N);
     uint32_t attempts;
