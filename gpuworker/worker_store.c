@@ -2,7 +2,11 @@
  * started beside it), the lease it keeps alive from the loop's thread (also while a step runs),
  * the store's room it tells the coordinator, and the loss of the store: the pipeline goes with
  * the client (its arena is the dead store's), the worker says it is unavailable, reconnects every
- * half second and, once the store answers, rebuilds the pipeline and says it is available. */
+ * half second and, once the store answers, rebuilds the pipeline and says it is available. A
+ * store that hangs is a lost one after one request's timeout: the client fails every later
+ * request at once (no drop of each sequence waits the timeout again; the store's lease expiry or
+ * our reconnect's DropOwner frees them), and each request also polls the stop eventfd, so SIGTERM
+ * never waits for the store. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -52,6 +56,7 @@ int wk_kv_connect(worker *w, rekv_err *err)
     }
     if (crc)
         return crc;
+    rekv_kvstore_client_set_stop_fd(kv, w->stop_fd);
     rekv_kv_geometry g;
     rekv_kvstore_client_geometry(kv, &g);
     w->pc.cache_dtype = g.dtype; /* the store's arena decides the cache dtype */
@@ -86,10 +91,11 @@ int wk_kv_connect(worker *w, rekv_err *err)
 void wk_kv_renew_due(worker *w)
 {
     uint64_t now = rekv_now_ns();
-    if (w->kv == NULL || now - w->last_renew_ns < w->renew_ns)
-        return;
+    if (w->kv == NULL || now - w->last_renew_ns < w->renew_ns || rekv_kvstore_client_lost(w->kv))
+        return; /* a lost client: the loop drops it (wk_kv_lose) once no step runs */
     rekv_err err = {0};
-    if (rekv_kvstore_renew_nowait(w->kv, &err))
+    int rc = rekv_kvstore_renew_nowait(w->kv, &err);
+    if (rc && rc != -ECANCELED) /* -ECANCELED: a stop came while it waited */
         rekv_log(REKV_LOG_WARN, "kvstore lease: %s", err.msg);
     w->last_renew_ns = now;
 }
@@ -112,6 +118,8 @@ int wk_step_error_retry(worker *w, int code, int *lost)
 
 void wk_kv_lose(worker *w)
 {
+    if (w->kv && rekv_kvstore_client_lost(w->kv) == -ECANCELED)
+        return; /* its request saw the stop eventfd: the loop stops next (a stop, not a loss) */
     rekv_log(REKV_LOG_WARN, "kvstore %s: lost; unavailable until it is back", w->kv_ep);
     if (w->unavailable[0] == '\0')
         snprintf(w->unavailable, sizeof(w->unavailable), "its kvstore at %s is gone; reconnecting",
@@ -144,6 +152,7 @@ void wk_kv_reconnect(worker *w)
     /* a short bound on the connect itself: this loop heartbeats and watches for SIGTERM */
     if (rekv_kvstore_client_connect(w->kv_ep, NULL, 1000, &kv, &err) == 0) {
         rekv_kvstore_client_set_timeout(kv, w->kv_timeout_ms);
+        rekv_kvstore_client_set_stop_fd(kv, w->stop_fd);
         rekv_kv_geometry g;
         rekv_kvstore_client_geometry(kv, &g);
         if (g.dtype != w->pc.cache_dtype)

@@ -7,9 +7,14 @@
  * A lost store: a ZeroMQ socket monitor (a PAIR on inproc) reports the connection's end; the
  * first DISCONNECTED marks the client lost for good (the arena it maps is the dead store's, and
  * ZeroMQ's silent reconnect would carry our requests to a new store that knows nothing of our
- * sequences), and every request then fails at once with -EPIPE. A request waiting for its reply
- * polls the monitor and an abort eventfd beside the socket, so it ends as soon as the store dies
- * or another thread calls rekv_kvstore_client_abort. */
+ * sequences), and every request then fails at once with -EPIPE. A request that gets no reply
+ * within the timeout marks it lost too (-ETIMEDOUT): a store that hangs (SIGSTOP, a stuck disk)
+ * costs one timeout in all, not one per later request (a worker dropping each of its sequences
+ * after a failed step), and its lease expiry or the owner's next DropOwner frees what the
+ * connection held. A request waiting for its reply polls the monitor, an abort eventfd and the
+ * caller's stop fd (rekv_kvstore_client_set_stop_fd) beside the socket, so it ends as soon as
+ * the store dies, another thread calls rekv_kvstore_client_abort or the process is told to
+ * stop. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -45,6 +50,7 @@ struct rekv_kvstore_client {
                                 * the monitor */
     void *zmon;                /* PAIR receiving the DEALER's monitor events (DISCONNECTED) */
     int abort_fd;              /* eventfd: rekv_kvstore_client_abort */
+    atomic_int stop_fd;        /* polled, never read (a daemon's stop eventfd); -1: none */
     atomic_int lost;           /* 0, or the negative errno every request now fails with */
     uint64_t lost_seq;         /* the last sequence a failed reply said is lost (0: none since
                                 * rekv_kvstore_client_take_lost_seq); under lock */
@@ -65,6 +71,8 @@ static int recv_memfd(const char *path, int timeout_ms, int *out, rekv_err *err)
     snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
     struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
     setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    /* a stopped store's full backlog makes connect wait: bound that too */
+    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
     if (connect(s, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
         rc = rekv_errf(err, -errno, "kvstore client: connect %s: %s", path, strerror(errno));
         goto out;
@@ -115,6 +123,7 @@ int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int
         return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
     c->memfd = -1;
     c->abort_fd = -1;
+    atomic_init(&c->stop_fd, -1);
     c->arena = MAP_FAILED;
     c->timeout_ms = timeout_ms;
     snprintf(c->endpoint, sizeof(c->endpoint), "%s", endpoint);
@@ -216,6 +225,13 @@ void rekv_kvstore_client_geometry(const rekv_kvstore_client *c, rekv_kv_geometry
     g->block_tokens = c->hdr->block_tokens;
 }
 
+/* Marks the client lost with code unless it already is (the first cause stays). */
+static void mark_lost(rekv_kvstore_client *c, int code)
+{
+    int zero = 0;
+    atomic_compare_exchange_strong(&c->lost, &zero, code);
+}
+
 /* Reads the monitor's pending events; a DISCONNECTED marks the client lost. With c->lock held. */
 static void monitor_drain(rekv_kvstore_client *c)
 {
@@ -236,10 +252,8 @@ static void monitor_drain(rekv_kvstore_client *c)
             zmq_msg_recv(&addr, c->zmon, 0);
             zmq_msg_close(&addr);
         }
-        if (id == ZMQ_EVENT_DISCONNECTED) {
-            int zero = 0;
-            atomic_compare_exchange_strong(&c->lost, &zero, -EPIPE);
-        }
+        if (id == ZMQ_EVENT_DISCONNECTED)
+            mark_lost(c, -EPIPE);
     }
 }
 
@@ -249,6 +263,11 @@ static int lost_err(rekv_kvstore_client *c, rekv_err *err)
     int lost = atomic_load(&c->lost);
     if (lost == -ECANCELED)
         return rekv_errf(err, lost, "kvstore client: aborted");
+    if (lost == -ETIMEDOUT)
+        return rekv_errf(err, lost,
+                         "kvstore client: the kvstore at %s left a request unanswered for %d ms; "
+                         "the connection is given up: reconnect",
+                         c->endpoint, c->timeout_ms);
     if (lost)
         return rekv_errf(err, lost,
                          "kvstore client: the connection to the kvstore at %s ended (the store "
@@ -257,14 +276,26 @@ static int lost_err(rekv_kvstore_client *c, rekv_err *err)
     return 0;
 }
 
+/* Whether the caller's stop fd is readable (then the client is aborted, for good). */
+static int stop_seen(rekv_kvstore_client *c)
+{
+    struct pollfd p = {atomic_load(&c->stop_fd), POLLIN, 0};
+    if (p.fd < 0 || poll(&p, 1, 0) <= 0 || !(p.revents & POLLIN))
+        return 0;
+    mark_lost(c, -ECANCELED);
+    return 1;
+}
+
 /* Sends len bytes and waits for the reply frame whose Response id is `id` (id 0 accepts any);
- * -EPIPE as soon as the store's connection ends, -ECANCELED when aborted. With c->lock held. */
+ * -EPIPE as soon as the store's connection ends, -ECANCELED when aborted or stopped, -ETIMEDOUT
+ * (and lost from then on) when no reply comes in time. With c->lock held. */
 static int call_raw(rekv_kvstore_client *c, const void *buf, size_t len, uint64_t id,
                     Rekv__Kvstore__Response **resp, rekv_err *err)
 {
     *resp = NULL;
     int rc;
     monitor_drain(c);
+    stop_seen(c);
     if ((rc = lost_err(c, err)))
         return rc;
     if (zmq_send(c->zsock, buf, len, 0) < 0)
@@ -272,13 +303,18 @@ static int call_raw(rekv_kvstore_client *c, const void *buf, size_t len, uint64_
     uint64_t deadline = rekv_now_ns() + (uint64_t)c->timeout_ms * 1000000ull;
     for (;;) {
         uint64_t now = rekv_now_ns();
-        if (now >= deadline)
+        if (now >= deadline) {
+            /* the store hangs: later requests would each wait as long */
+            mark_lost(c, -ETIMEDOUT);
             return rekv_errf(err, -ETIMEDOUT, "kvstore client: no reply from %s in %d ms",
                              c->endpoint, c->timeout_ms);
-        zmq_pollitem_t it[3] = {{.socket = c->zsock, .events = ZMQ_POLLIN},
+        }
+        int sfd = atomic_load(&c->stop_fd);
+        zmq_pollitem_t it[4] = {{.socket = c->zsock, .events = ZMQ_POLLIN},
                                 {.socket = c->zmon, .events = ZMQ_POLLIN},
-                                {.socket = NULL, .fd = c->abort_fd, .events = ZMQ_POLLIN}};
-        int pr = zmq_poll(it, 3, (long)((deadline - now) / 1000000ull) + 1);
+                                {.socket = NULL, .fd = c->abort_fd, .events = ZMQ_POLLIN},
+                                {.socket = NULL, .fd = sfd, .events = ZMQ_POLLIN}};
+        int pr = zmq_poll(it, sfd >= 0 ? 4 : 3, (long)((deadline - now) / 1000000ull) + 1);
         if (pr < 0 && zmq_errno() != EINTR)
             return rekv_errf(err, -zmq_errno(), "kvstore client: poll: %s",
                              zmq_strerror(zmq_errno()));
@@ -286,6 +322,8 @@ static int call_raw(rekv_kvstore_client *c, const void *buf, size_t len, uint64_
             continue;
         if (it[1].revents & ZMQ_POLLIN)
             monitor_drain(c);
+        if (sfd >= 0 && (it[3].revents & ZMQ_POLLIN))
+            mark_lost(c, -ECANCELED);
         if ((rc = lost_err(c, err)))
             return rc;
         if (!(it[0].revents & ZMQ_POLLIN))
@@ -330,11 +368,15 @@ int rekv_kvstore_client_lost(rekv_kvstore_client *c)
 
 void rekv_kvstore_client_abort(rekv_kvstore_client *c)
 {
-    int zero = 0;
-    atomic_compare_exchange_strong(&c->lost, &zero, -ECANCELED);
+    mark_lost(c, -ECANCELED);
     uint64_t one = 1;
     ssize_t w = write(c->abort_fd, &one, sizeof(one));
     (void)w;
+}
+
+void rekv_kvstore_client_set_stop_fd(rekv_kvstore_client *c, int fd)
+{
+    atomic_store(&c->stop_fd, fd);
 }
 
 void rekv_kvstore_client_set_timeout(rekv_kvstore_client *c, int timeout_ms)

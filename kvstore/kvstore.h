@@ -214,15 +214,19 @@ int rekv_kvstore_reap(pid_t pid);
 typedef struct rekv_kvstore_client rekv_kvstore_client;
 
 /* Connects to the daemon, receives and maps the arena, and checks its header. fd_socket NULL:
- * derived from the ipc endpoint. timeout_ms bounds every request (0: 30000). Requests on one client
- * may come from several threads: they are serialised (one socket, one lease, one set of pins). */
+ * derived from the ipc endpoint. timeout_ms bounds every request (0: 30000); a request that
+ * outlasts it leaves the client lost (rekv_kvstore_client_lost). Requests on one client may come
+ * from several threads: they are serialised (one socket, one lease, one set of pins). */
 int rekv_kvstore_client_connect(const char *endpoint, const char *fd_socket, int timeout_ms,
                                 rekv_kvstore_client **out, rekv_err *err);
 void rekv_kvstore_client_close(rekv_kvstore_client *c);
 /* 0 while the connection is good; else the negative errno every request now fails with at once:
  * -EPIPE once the store's connection ended (it died or restarted: a restarted store has a new
  * arena and none of our sequences, so the client never reconnects by itself — connect a new
- * one), -ECANCELED after rekv_kvstore_client_abort. Any thread; never waits. */
+ * one), -ETIMEDOUT once a request got no reply in time (the store hangs: each later request
+ * would wait as long; its lease expiry, or a new client's DropOwner under the same owner, frees
+ * what this one held), -ECANCELED after rekv_kvstore_client_abort or once the stop fd was
+ * readable. Any thread; never waits. */
 int rekv_kvstore_client_lost(rekv_kvstore_client *c);
 /* The sequence the last failed pin or plan named as lost — one of its blocks failed to read back
  * (CRC32C mismatch or I/O error) and is gone; the store's other sequences are intact — and clears
@@ -231,6 +235,10 @@ uint64_t rekv_kvstore_client_take_lost_seq(rekv_kvstore_client *c);
 /* Makes the request in flight on another thread, and every later one, fail at once with
  * -ECANCELED (a worker stopping while its step waits on a store that does not answer). */
 void rekv_kvstore_client_abort(rekv_kvstore_client *c);
+/* A file descriptor each request also polls (a daemon's stop eventfd; never read): once it is
+ * readable the request in flight and every later one fail at once with -ECANCELED, as after
+ * rekv_kvstore_client_abort — a stop never waits for a store that does not answer. -1: none. */
+void rekv_kvstore_client_set_stop_fd(rekv_kvstore_client *c, int fd);
 /* The bound on each later request (0: 30000 ms). */
 void rekv_kvstore_client_set_timeout(rekv_kvstore_client *c, int timeout_ms);
 
