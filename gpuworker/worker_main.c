@@ -337,6 +337,11 @@ static void worker_close(worker *w, rekv_model *model, void *zctx)
         zmq_close(w->sock);
     if (zctx)
         zmq_ctx_term(zctx);
+    /* the sequences' drops: quick on a healthy store; on one that hangs, a stop waits at most a
+     * second for the first (which then marks the client lost: the rest fail at once), and the
+     * store's lease expiry frees what is left */
+    if (w->kv)
+        rekv_kvstore_client_set_timeout(w->kv, 1000);
     rekv_batcher_free(w->batch);
     rekv_pipeline_free(w->pipe);
     rekv_skew_free(&w->skew);
