@@ -79,6 +79,8 @@ typedef struct worker {
     uint64_t hello_sent_ns;       /* when the Hello awaiting its Welcome went out */
     int awaiting_welcome;         /* a Hello is out: Resets and Plans before the Welcome are stale
                                    * (messages that crossed it) and are ignored */
+    int leftovers_dropped;        /* what a dead worker of our name left in the kvstore is gone
+                                   * (dropped at our first Welcome, wk_kv_drop_leftovers) */
     rekv_backend *be;             /* for the busy times each Progress reports */
     rekv_cost_profile cost;       /* measured at start (cached per machine/model), sent in Hello */
     double device_kv_room;        /* for the mode choice (Hello); < 0: no device limit */
@@ -159,8 +161,12 @@ void wk_refuse_plan(worker *w, const Rekv__Worker__Plan *plan);
 /* worker_store.c */
 
 /* Connects to --kvstore at start, waiting for its socket up to KV_WAIT_MS: 0, 1 when a stop
- * came first, or -errno. Drops what a dead worker of our name left there. */
+ * came first, or -errno; names the connection's owner (our --name). */
 int wk_kv_connect(worker *w, rekv_err *err);
+/* Drops what a dead worker of our name left in the kvstore, once, at the coordinator's first
+ * Welcome: a second live worker under a taken name is refused before it could drop the first
+ * one's sequences. A failure is logged (the store's lease expiry frees them instead). */
+void wk_kv_drop_leftovers(worker *w);
 /* Renews the kvstore lease when due (never waits for the step thread's requests). */
 void wk_kv_renew_due(worker *w);
 /* Whether a failed step's (or join's) jobs run again; *lost: the kvstore is gone. */

@@ -136,6 +136,7 @@ static int on_message(worker *w, Rekv__Worker__CoordMsg *m)
         w->awaiting_welcome = 0;
         rekv_log(REKV_LOG_INFO, "the coordinator accepted us (session %llu)",
                  (unsigned long long)m->welcome->session);
+        wk_kv_drop_leftovers(w); /* before any Plan of ours creates a sequence */
         break;
     case REKV__WORKER__COORD_MSG__BODY_RESET:
         /* our Hello is on its way already: one answer per Hello — unless it went out four

@@ -60,20 +60,14 @@ int wk_kv_connect(worker *w, rekv_err *err)
     rekv_kv_geometry g;
     rekv_kvstore_client_geometry(kv, &g);
     w->pc.cache_dtype = g.dtype; /* the store's arena decides the cache dtype */
-    /* our sequences are ours by name: what a dead worker of this name left goes now (one of
-     * another name loses its sequences when its lease runs out) */
-    uint64_t n_seqs = 0, n_blocks = 0;
+    /* our sequences are ours by name; what a dead worker of this name left goes once the
+     * coordinator has welcomed us (wk_kv_drop_leftovers): a second live worker started under a
+     * taken name is refused before it can drop the first one's */
     int rc;
-    if ((rc = rekv_kvstore_client_set_owner(kv, w->name, err)) ||
-        (rc = rekv_kvstore_drop_owner(kv, w->name, &n_seqs, &n_blocks, err))) {
+    if ((rc = rekv_kvstore_client_set_owner(kv, w->name, err))) {
         rekv_kvstore_client_close(kv);
         return rc;
     }
-    if (n_seqs)
-        rekv_log(REKV_LOG_WARN,
-                 "kvstore: dropped %llu sequences (%llu blocks) that a previous "
-                 "worker named %s left",
-                 (unsigned long long)n_seqs, (unsigned long long)n_blocks, w->name);
     uint64_t lease_ms = rekv_kvstore_client_header(kv)->lease_ms;
     w->renew_ns = lease_ms / 4 * 1000000ull;
     if (w->renew_ns < 10000000ull)
@@ -84,6 +78,26 @@ int wk_kv_connect(worker *w, rekv_err *err)
     w->last_renew_ns = rekv_now_ns();
     kv_room_fetch(w);
     return 0;
+}
+
+void wk_kv_drop_leftovers(worker *w)
+{
+    if (w->kv == NULL || w->leftovers_dropped)
+        return;
+    uint64_t n_seqs = 0, n_blocks = 0;
+    rekv_err err = {0};
+    if (rekv_kvstore_drop_owner(w->kv, w->name, &n_seqs, &n_blocks, &err)) {
+        /* the store's lease expiry frees them instead; a lost store is the loop's (wk_kv_lose) */
+        rekv_log(REKV_LOG_WARN, "kvstore: dropping what a previous worker named %s left: %s",
+                 w->name, err.msg);
+        return;
+    }
+    w->leftovers_dropped = 1;
+    if (n_seqs)
+        rekv_log(REKV_LOG_WARN,
+                 "kvstore: dropped %llu sequences (%llu blocks) that a previous "
+                 "worker named %s left",
+                 (unsigned long long)n_seqs, (unsigned long long)n_blocks, w->name);
 }
 
 /* From the loop's thread, also while the step thread uses the same client: that one's requests

@@ -214,9 +214,9 @@ START_TEST(worker_killed)
 END_TEST
 
 /* SIGKILL a worker whose KV cache is in the kvstore: its sequences stay there (the lease is a
- * minute, longer than this test), a worker started under the same name drops them before it
- * serves, re-runs the jobs to the same tokens, and the store's block usage is back to what it was
- * before any job. */
+ * minute, longer than this test), a worker started under the same name drops them once the
+ * coordinator welcomes it, before it serves, re-runs the jobs to the same tokens, and the store's
+ * block usage is back to what it was before any job. */
 START_TEST(worker_restart_frees_kvstore_blocks)
 {
     env e;
@@ -248,8 +248,11 @@ START_TEST(worker_restart_frees_kvstore_blocks)
                   (unsigned long long)left, (unsigned long long)st.free_slots,
                   (unsigned long long)st0.free_slots);
     ck_assert_uint_eq(st.sequences_reclaimed, 0);
-    wk = ct_start_kv_worker(&e, "16", "w0"); /* ready only once it dropped them */
-    ct_kv_stats(k, &st);
+    wk = ct_start_kv_worker(&e, "16", "w0");
+    do { /* dropped at its Welcome (Check's timeout is the guard) */
+        usleep(20000);
+        ct_kv_stats(k, &st);
+    } while (st.sequences_reclaimed < left);
     ck_assert_uint_eq(st.sequences_reclaimed, left);
     ct_wait_and_check(c, jobs, N);
     ct_kv_stats(k, &st);

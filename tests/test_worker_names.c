@@ -133,11 +133,10 @@ static int wait_exit_no_job_failed(pid_t pid, rekv_ctl *c, tjob *jobs, int n)
     }
 }
 
-/* Two live workers under one name: the second is refused and exits, the coordinator's log says
- * why (naming the first one's pid), and the first serves every job to its reference tokens, each
- * in one attempt (it was never replaced). Resident workers: an offload worker drops what its name
- * holds in the kvstore before it says Hello (gpuworker/worker_store.c), so a second live one
- * would take the first one's KV cache before the coordinator could refuse it. */
+/* Two live offload workers under one name, their KV caches in one kvstore: the second is refused
+ * and exits, the coordinator's log and its own say why (naming the first one's pid), and the first
+ * serves every job to its reference tokens, each in one attempt — it was never replaced, and the
+ * second never dropped its sequences (a worker drops what its name left only once welcomed). */
 START_TEST(second_live_worker_refused)
 {
     env e;
@@ -148,13 +147,14 @@ START_TEST(second_live_worker_refused)
     enum { N = 16 };
     static tjob jobs[N];
     long_jobs(&e, jobs, N, 41);
+    pid_t kv = start_kvstore(&e, &l);
     pid_t co = start_coordinator(&e, &l);
-    pid_t first = start_worker(&e, &l, 0);
+    pid_t first = start_worker(&e, &l, 1);
     rekv_ctl *c = ct_ctl_open(e.ctl);
     ct_wait_workers(c, 1);
     ck_assert_int_eq(ct_submit_all(c, jobs, N), N);
     wait_some_tokens(c, jobs, N);
-    pid_t second = start_worker(&e, &l, 0);
+    pid_t second = start_worker(&e, &l, 1);
     int st = wait_exit_no_job_failed(second, c, jobs, N);
     ck_assert_msg(WIFEXITED(st), "the refused worker did not exit (status %#x)", st);
     char why[256];
@@ -184,6 +184,7 @@ START_TEST(second_live_worker_refused)
     rekv_ctl_close(c);
     ck_assert_int_eq(ct_stop(first), 0);
     ck_assert_int_eq(ct_stop(co), 0);
+    ck_assert_int_eq(ct_stop(kv), 0);
     ct_free_jobs(jobs, N);
     ct_env_close(&e);
 }
