@@ -242,7 +242,9 @@ void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const 
 int co_jobs_sync(rekv_coordinator *co, rekv_err *err);
 /* Reports the ended jobs (streams, finished ring) without a sync: the caller synced. */
 void co_jobs_report_ended(rekv_coordinator *co);
-void co_job_requeue(rekv_coordinator *co, job *j, const char *why);
+/* counts: the attempt that ended counts toward max_attempts (0: the worker's kvstore was lost,
+ * not the job's fault nor a worker crash; the next start replaces it) */
+void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts);
 /* A job's JobStatus, pointing into the job (valid while it lives). */
 void co_status_fill(const job *j, Rekv__Control__JobStatus *s);
 /* Appends an accepted job's record (not synced); 0 without a journal. */

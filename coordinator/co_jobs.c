@@ -284,10 +284,16 @@ int co_jobs_sync(rekv_coordinator *co, rekv_err *err)
     return rc;
 }
 
-/* Puts a running job back in the queue after its worker died, or fails it after max_attempts. */
-void co_job_requeue(rekv_coordinator *co, job *j, const char *why)
+static void journal_attempts(rekv_coordinator *co, const job *j);
+
+/* Puts a running job back in the queue after its worker died, or fails it after max_attempts.
+ * A run that ended on the worker's kvstore loss does not count (the store comes back; the job
+ * waits for an available worker). The attempts used are journaled, so a restart keeps them. */
+void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts)
 {
-    if (j->attempts >= co->cfg.max_attempts) {
+    if (!counts && j->attempts > 0)
+        j->attempts--;
+    else if (j->attempts >= co->cfg.max_attempts) {
         char msg[512];
         snprintf(msg, sizeof(msg), "%s; gave up after %u attempts", why, j->attempts);
         co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
@@ -299,6 +305,7 @@ void co_job_requeue(rekv_coordinator *co, job *j, const char *why)
      * `streamed` of them already and will only see the rest */
     j->n_gen = 0;
     co->requeued++;
+    journal_attempts(co, j);
     if (co_queue_push(co, j)) {
         j->state = REKV__CONTROL__JOB_STATE__FAILED; /* not running any more: counted as failed */
         co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "",
@@ -383,7 +390,39 @@ static void journal_finished(rekv_coordinator *co, job *j)
         co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
 }
 
-/* Replay: an accepted job queues again; a finished record ends it. */
+/* A job back in the queue: the attempts it used (never fsync'd on its own: the next Submit's
+ * sync or the kernel carries it; a power cut can lose it, a kill -9 cannot). */
+static void journal_attempts(rekv_coordinator *co, const job *j)
+{
+    if (co->journal == NULL)
+        return;
+    Rekv__Control__JournalRecord rec = REKV__CONTROL__JOURNAL_RECORD__INIT;
+    rec.job = j->id;
+    rec.body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_ATTEMPTS;
+    rec.attempts = j->attempts;
+    rec.accepted_at = j->accepted_at;
+    rec.client_key = j->key ? j->key : "";
+    rekv_err err = {0};
+    if (rekv_journal_append(co->journal, &rec, &err))
+        co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
+}
+
+/* A replayed job's attempts: at most max_attempts - 1, so that it gets one more (said, never
+ * silent) when a restart lowered --max-attempts below what it used. */
+static void replay_attempts(rekv_coordinator *co, job *j, uint32_t used)
+{
+    uint32_t max = co->cfg.max_attempts;
+    if (used >= max) {
+        co_event(co, REKV_CO_EVENT_WARN,
+                 "job %llu used %u attempts, --max-attempts is %u: it gets one more",
+                 (unsigned long long)j->id, used, max);
+        used = max - 1;
+    }
+    j->attempts = used;
+}
+
+/* Replay: an accepted job queues again (with the attempts a later record says it used; the
+ * attempt a coordinator restart cut short does not count); a finished record ends it. */
 int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
 {
     rekv_coordinator *co = ctx;
@@ -419,6 +458,11 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
             co_job_set_key(co, j, rec->client_key))
             return -ENOMEM;
         return co_queue_push(co, j);
+    }
+    if (rec->body_case == REKV__CONTROL__JOURNAL_RECORD__BODY_ATTEMPTS) {
+        if (j && !j->end_ns)
+            replay_attempts(co, j, rec->attempts);
+        return 0;
     }
     if (rec->body_case == REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED && rec->finished) {
         const Rekv__Control__JobStatus *s = rec->finished;
@@ -472,7 +516,7 @@ int co_journal_compact(rekv_coordinator *co, rekv_err *err)
     size_t n = 1, k = 0;
     for (size_t b = 0; b < HASH_BUCKETS; b++)
         for (job *j = co->hash[b]; j; j = j->hnext)
-            n++;
+            n += 2; /* an unfinished one may need its attempts too */
     Rekv__Control__JournalRecord *recs = calloc(n, sizeof(*recs));
     Rekv__Control__JournalRecord **ptrs = calloc(n, sizeof(*ptrs));
     Rekv__Control__Submit *subs = calloc(n, sizeof(*subs));
@@ -499,6 +543,19 @@ int co_journal_compact(rekv_coordinator *co, rekv_err *err)
                 submit_fill(j, &subs[k], &smps[k]);
                 recs[k].body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_ACCEPTED;
                 recs[k].accepted = &subs[k];
+                /* the attempts it used; a running one's own has not ended yet */
+                uint32_t used = j->attempts - (j->state == REKV__CONTROL__JOB_STATE__RUNNING &&
+                                               j->attempts > 0);
+                if (used > 0 && k + 1 < n) {
+                    ptrs[k] = &recs[k];
+                    k++;
+                    rekv__control__journal_record__init(&recs[k]);
+                    recs[k].job = j->id;
+                    recs[k].accepted_at = j->accepted_at;
+                    recs[k].client_key = j->key ? j->key : "";
+                    recs[k].body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_ATTEMPTS;
+                    recs[k].attempts = used;
+                }
             } else {
                 co_status_fill(j, &sts[k]);
                 recs[k].body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED;

@@ -51,7 +51,7 @@ static void worker_drop(rekv_coordinator *co, worker *w, const char *why)
     char msg[256];
     snprintf(msg, sizeof(msg), "worker %s %s", w->name, why);
     for (uint32_t i = 0; i < w->n_run; i++)
-        co_job_requeue(co, w->run[i], msg);
+        co_job_requeue(co, w->run[i], msg, 1);
     if (w->n_run)
         co_event(co, REKV_CO_EVENT_WARN, "%s: %u jobs in flight re-queued", msg, w->n_run);
     else
@@ -506,13 +506,15 @@ static int ids_valid(const int32_t *ids, size_t n, uint32_t vocab, int32_t *bad)
     return 1;
 }
 
-/* Takes job k off w's batch (the worker is told to drop it at the next Plan) and re-queues it. */
-static void worker_requeue_at(rekv_coordinator *co, worker *w, uint32_t k, const char *why)
+/* Takes job k off w's batch (the worker is told to drop it at the next Plan) and re-queues it
+ * (counts: as co_job_requeue). */
+static void worker_requeue_at(rekv_coordinator *co, worker *w, uint32_t k, const char *why,
+                              int counts)
 {
     job *j = w->run[k];
     w->run[k] = w->run[--w->n_run];
     w->cancel[w->n_cancel++] = j->id; /* n_cancel + n_run <= max_batch */
-    co_job_requeue(co, j, why);
+    co_job_requeue(co, j, why, counts);
 }
 
 /* When w could start its step s: its Plan out and the step before it reported. */
@@ -522,8 +524,12 @@ static uint64_t step_could_start(const worker *w, uint64_t s)
     return sent > w->progress_ns ? sent : w->progress_ns;
 }
 
-static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker__Progress *p)
+/* unavailable: the message's WorkerMsg.unavailable — set, the worker's kvstore is lost, and the
+ * jobs its failed step hands back (retry) have not used an attempt */
+static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker__Progress *p,
+                            const char *unavailable)
 {
+    int store_lost = unavailable && *unavailable;
     if (w->out == 0 || p->step != w->step - w->out + 1)
         return; /* stale: from before a reset */
     uint64_t mark = ++co->progress_mark;
@@ -566,7 +572,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             snprintf(why, sizeof(why), "worker %s: %s", w->name,
                      jp->error_msg && *jp->error_msg ? jp->error_msg : "the step failed");
             w->run[k] = w->run[--w->n_run];
-            co_job_requeue(co, j, why);
+            co_job_requeue(co, j, why, !store_lost);
             failed_step = 1;
             continue;
         }
@@ -585,7 +591,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
                         (unsigned long long)j->id, why);
             co->worker_rejected++;
-            worker_requeue_at(co, w, k, why);
+            worker_requeue_at(co, w, k, why, 1);
             continue;
         }
         for (size_t t = 0; t < jp->n_tokens && j->n_gen < j->max_new; t++) {
@@ -641,7 +647,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
                  (unsigned long long)p->step);
         co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
                     (unsigned long long)w->run[k]->id, why);
-        worker_requeue_at(co, w, k, why);
+        worker_requeue_at(co, w, k, why, 1);
         failed_step = 1;
     }
     if (failed_step)
@@ -665,7 +671,7 @@ static void worker_availability(rekv_coordinator *co, worker *w, const char *una
         char why[320];
         snprintf(why, sizeof(why), "worker %s is unavailable: %s", w->name, u);
         while (w->n_run > 0)
-            worker_requeue_at(co, w, 0, why);
+            worker_requeue_at(co, w, 0, why, 0);
     }
 }
 
@@ -730,7 +736,7 @@ void co_handle_worker_msg(rekv_coordinator *co)
         co_send_worker(co, &tmp, &cm);
     } else {
         if (m->body_case == REKV__WORKER__WORKER_MSG__BODY_PROGRESS && m->progress)
-            worker_progress(co, w, m->progress);
+            worker_progress(co, w, m->progress, m->unavailable);
         worker_availability(co, w, m->unavailable);
     }
     if ((w = worker_find(co, &id)) != NULL) /* its kvstore's room, for admission */

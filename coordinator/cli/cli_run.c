@@ -2,8 +2,8 @@
  * private ipc sockets in one directory, all three at once (the worker waits for the store's
  * socket), waits until each says it is ready, then supervises them (a child that dies is started
  * again, a worker under the same name so that it frees the dead one's kvstore sequences; a dead
- * kvstore takes the worker with it, since the worker's arena mapping is gone) until
- * SIGINT/SIGTERM, and stops them in order: coordinator (no new work), worker, kvstore. */
+ * kvstore is started again alone: the worker reconnects to it as it does to a separately run
+ * store, unavailable meanwhile, and its jobs wait without using an attempt) until SIGINT/SIGTERM, and stops them in order: coordinator (no new work), worker, kvstore. */
 #define _GNU_SOURCE
 #include "coordinator/cli/cli_daemon.h"
 
@@ -423,8 +423,9 @@ static void run_children_argv(const run_opts *o, const run_paths *p, child *ch)
 }
 
 /* Serves until SIGINT/SIGTERM (0) or a child that cannot be kept running (1): reads sfd (a
- * signalfd of SIGINT, SIGTERM and SIGCHLD) and starts again a child that died, the worker with a
- * store that died (its arena mapping went with it). */
+ * signalfd of SIGINT, SIGTERM and SIGCHLD) and starts again a child that died. A dead store's
+ * worker is left running: it drops the dead store's client and reconnects (stopping it too made
+ * its jobs' runs end twice, on the store's loss and on the worker's stop: 2 attempts a crash). */
 static int run_supervise(child *ch, int sfd, int stop_fd, int chatty)
 {
     for (;;) {
@@ -456,11 +457,7 @@ static int run_supervise(child *ch, int sfd, int stop_fd, int chatty)
                     failed = 1;
                     break;
                 }
-                if (i == KV) /* the worker's arena mapping died with the store */
-                    child_stop(&ch[WORKER]);
                 int s1 = child_start(ch, i, stop_fd);
-                if (s1 == 0 && i == KV && ch[WORKER].pid == 0)
-                    s1 = child_start(ch, WORKER, stop_fd);
                 if (s1 > 0) /* asked to stop meanwhile */
                     rc = 0;
                 if (s1)
