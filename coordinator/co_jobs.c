@@ -544,8 +544,8 @@ int co_journal_compact(rekv_coordinator *co, rekv_err *err)
                 recs[k].body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_ACCEPTED;
                 recs[k].accepted = &subs[k];
                 /* the attempts it used; a running one's own has not ended yet */
-                uint32_t used = j->attempts - (j->state == REKV__CONTROL__JOB_STATE__RUNNING &&
-                                               j->attempts > 0);
+                uint32_t used = j->attempts -
+                                (j->state == REKV__CONTROL__JOB_STATE__RUNNING && j->attempts > 0);
                 if (used > 0 && k + 1 < n) {
                     ptrs[k] = &recs[k];
                     k++;

@@ -2,8 +2,8 @@
  * and the count survives a kill -9 of the coordinator (journaled, replayed); a kvstore killed
  * with SIGKILL under running jobs and started again (as `rekv run` does, here driving `rekv run`
  * itself, whose worker rides the loss out) uses none: the jobs wait for the store and end with
- * rekv_generate's tokens and one attempt. With real daemons and sockets (tests/co_env.h); no step is timed, states and counts
- * are waited for (Check's timeout is the guard). Model: stories260K. */
+ * rekv_generate's tokens and one attempt. With real daemons and sockets (tests/co_env.h); no step
+ * is timed, states and counts are waited for (Check's timeout is the guard). Model: stories260K. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <signal.h>
@@ -162,7 +162,8 @@ START_TEST(store_loss_uses_no_attempt)
         wait_some_tokens(c, jobs, N); /* a job running (again) with the current store */
         pid_t kv = child_of(run, "rekv-kvstore");
         ck_assert_int_gt(kv, 0);
-        kill(kv, SIGKILL); /* rekv run reaps it and starts another */
+        /* rekv run reaps it and starts another */
+        kill(kv, SIGKILL);
         while (stats_requeued(c) == before) /* the coordinator saw the loss */
             usleep(2000);
         fprintf(stderr, "   store loss %d: %llu jobs re-queued\n", round + 1,

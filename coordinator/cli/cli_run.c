@@ -3,7 +3,8 @@
  * socket), waits until each says it is ready, then supervises them (a child that dies is started
  * again, a worker under the same name so that it frees the dead one's kvstore sequences; a dead
  * kvstore is started again alone: the worker reconnects to it as it does to a separately run
- * store, unavailable meanwhile, and its jobs wait without using an attempt) until SIGINT/SIGTERM, and stops them in order: coordinator (no new work), worker, kvstore. */
+ * store, unavailable meanwhile, and its jobs wait without using an attempt) until SIGINT/SIGTERM,
+ * and stops them in order: coordinator (no new work), worker, kvstore. */
 #define _GNU_SOURCE
 #include "coordinator/cli/cli_daemon.h"
 
