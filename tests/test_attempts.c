@@ -94,8 +94,8 @@ static pid_t child_of(pid_t parent, const char *prog)
 /* ---------------------------------------------------------------- tests */
 
 /* A worker killed under a job uses its first attempt; the coordinator killed with SIGKILL while
- * the job waits in the queue replays it with that attempt used, and its run on a new worker is
- * its second. */
+ * the job waits in the queue replays it with that attempt used (twice: the second replay reads
+ * the journal the first one compacted), and its run on a new worker is its second. */
 START_TEST(attempts_survive_coordinator_restart)
 {
     env e;
@@ -123,6 +123,13 @@ START_TEST(attempts_survive_coordinator_restart)
     co = ct_start_coordinator(&e, "256", "1000");
     c = ct_ctl_open(e.ctl);
     ck_assert_uint_eq(job_attempts(c, jobs[i].id, &state), 1); /* not 0: journaled */
+    ck_assert_int_eq(state, REKV__CONTROL__JOB_STATE__QUEUED);
+    /* once more: the start's compacted journal carries it too */
+    kill9(co);
+    rekv_ctl_close(c);
+    co = ct_start_coordinator(&e, "256", "1000");
+    c = ct_ctl_open(e.ctl);
+    ck_assert_uint_eq(job_attempts(c, jobs[i].id, &state), 1);
     ck_assert_int_eq(state, REKV__CONTROL__JOB_STATE__QUEUED);
     wk = ct_start_worker(&e, "8");
     ct_wait_and_check(c, jobs, N);
