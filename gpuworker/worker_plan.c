@@ -39,6 +39,9 @@ static void *step_thread(void *arg)
         if (st->quit)
             break;
         pthread_mutex_unlock(&st->mu);
+        /* each step's own reason: rekv_errf keeps the first failure, so an error never cleared
+         * would give every later failed step the first one's text */
+        rekv_err_clear(&st->err);
         st->rc = rekv_batcher_step(st->batch, &st->ev, &st->n_ev, &st->err);
         pthread_mutex_lock(&st->mu);
         st->pending = 0;
