@@ -223,10 +223,9 @@ static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
     if (arc < 0) {
         /* the filesystem refused to grow the spill file: same as a failed write */
         s->spill_errors++;
-        if (s->spill_err == 0)
-            srv_event(s, REKV_KV_EVENT_ERROR,
-                      "spill file cannot grow: %s; blocks stay in memory, spilling paused",
-                      strerror(-arc));
+        srv_event_rl(s, SRV_RL_SPILL_GROW, REKV_KV_EVENT_ERROR,
+                     "spill file cannot grow: %s; blocks stay in memory, spilling paused",
+                     strerror(-arc));
         s->spill_err = arc;
         s->spill_err_ns = s->now;
         *why = strerror(-arc);
@@ -429,10 +428,9 @@ void srv_on_completions(rekv_kvstore_server *s)
                     kv_spill_slot_bad(s->spill, b->fslot);
                     b->state = BS_HOST;
                     s->spill_errors++;
-                    if (s->spill_err == 0)
-                        srv_event(s, REKV_KV_EVENT_ERROR,
-                                  "spill write failed: %s; block kept in memory, spilling paused",
-                                  strerror(-d[i].res));
+                    srv_event_rl(s, SRV_RL_SPILL_WRITE, REKV_KV_EVENT_ERROR,
+                                 "spill write failed: %s; block kept in memory, spilling paused",
+                                 strerror(-d[i].res));
                     s->spill_err = d[i].res;
                     s->spill_err_ns = s->now;
                     srv_lru_update(s, id, 1);
@@ -463,10 +461,10 @@ void srv_on_completions(rekv_kvstore_server *s)
                         s->crc_errors++;
                     else
                         s->read_errors++;
-                    srv_event(s, REKV_KV_EVENT_ERROR,
-                              "read-back of sequence %llu layer %u block %u failed: %s",
-                              (unsigned long long)b->seq, b->layer, b->lblock,
-                              d[i].res < 0 ? strerror(-d[i].res) : "CRC32C mismatch");
+                    srv_event_rl(s, SRV_RL_READ_BACK, REKV_KV_EVENT_ERROR,
+                                 "read-back of sequence %llu layer %u block %u failed: %s",
+                                 (unsigned long long)b->seq, b->layer, b->lblock,
+                                 d[i].res < 0 ? strerror(-d[i].res) : "CRC32C mismatch");
                 } else {
                     fslot_put(s, b->fslot);
                     b->state = BS_HOST;

@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/statvfs.h>
 #include <zmq.h>
 
 #include "common/clock.h"
@@ -240,17 +239,11 @@ static int h_free(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Free *m, 
     return 0;
 }
 
-/* Bytes the spill tier can still take: --spill-bytes less what it holds, or the filesystem's free
- * space now when it has no limit. */
+/* Bytes the spill tier can still take (spill.c kv_spill_room: --spill-bytes less what it holds,
+ * never more than the filesystem's free space now plus what the file holds unused). */
 static uint64_t spill_room(const rekv_kvstore_server *s)
 {
-    uint64_t used = kv_spill_slots_used(s->spill) * (uint64_t)s->hs.big_bytes;
-    if (s->cfg.spill_bytes)
-        return s->cfg.spill_bytes > used ? s->cfg.spill_bytes - used : 0;
-    struct statvfs v;
-    if (statvfs(s->spill_dir, &v) != 0)
-        return 0;
-    return (uint64_t)v.f_bavail * (uint64_t)v.f_frsize;
+    return kv_spill_room(s->spill);
 }
 
 static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *r)
@@ -612,11 +605,7 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->pin_wait_bytes = s->pin_wait_bytes;
     st->read_ahead_blocks = s->read_ahead_blocks;
     st->read_ahead_bytes = s->read_ahead_bytes;
-    st->spill_room_bytes =
-        s->spill == NULL ? 0
-        : s->cfg.spill_bytes
-            ? s->cfg.spill_bytes
-            : kv_spill_slots_used(s->spill) * (uint64_t)s->hs.big_bytes + spill_room(s);
+    st->spill_room_bytes = s->spill == NULL ? 0 : st->spill_used_bytes + spill_room(s);
     uint64_t pinned = 0;
     for (uint32_t i = 0; i < s->n_block_ids; i++)
         if (s->blocks[i].state != BS_UNUSED && s->blocks[i].pins > 0)

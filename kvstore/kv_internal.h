@@ -131,6 +131,10 @@ int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot);
 void kv_spill_slot_free(kv_spill *sp, uint32_t fslot);
 void kv_spill_slot_bad(kv_spill *sp, uint32_t fslot);
 uint64_t kv_spill_slots_used(const kv_spill *sp);
+/* Bytes the tier can still take now: what max_bytes leaves, and never more than the filesystem's
+ * free space (statvfs f_bavail) plus what the file holds but does not use, so another file filling
+ * the disk shrinks it. */
+uint64_t kv_spill_room(const kv_spill *sp);
 
 /* Queues a write of the len bytes at host_off (from the first slot; a block, which never crosses a
  * big slot) to file slot (len rounded up to a page is written); *crc gets the CRC32C of the len

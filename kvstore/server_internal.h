@@ -11,6 +11,7 @@
 #include "common/conncap.h"
 #include "common/evloop.h"
 #include "common/metrics.h"
+#include "common/ratelimit.h"
 #include "kvstore/kv_internal.h"
 #include "proto/kvstore.pb-c.h"
 
@@ -94,6 +95,9 @@ typedef struct kv_pending {
     struct kv_pending *next;
 } kv_pending;
 
+/* Log lines a fault can repeat per request or per block: srv_event_rl lets one a second through. */
+typedef enum { SRV_RL_SPILL_GROW, SRV_RL_SPILL_WRITE, SRV_RL_READ_BACK, SRV_RL_COUNT } srv_rl_site;
+
 struct rekv_kvstore_server {
     rekv_kvstore_config cfg; /* copy; strings below are owned copies */
     char *endpoint;          /* ZeroMQ endpoint */
@@ -120,6 +124,7 @@ struct rekv_kvstore_server {
     kv_pending *pending, *pending_tail;
     uint32_t spills_in_flight, reads_in_flight;
     uint32_t spilling_n[2]; /* of the spills in flight, by block type */
+    rekv_ratelimit rl[SRV_RL_COUNT]; /* srv_event_rl's limits */
     int spill_err;         /* last spill write failure; spilling paused while set */
     uint64_t spill_err_ns; /* when it happened */
     uint64_t now;          /* ns, refreshed by each of the loop's callbacks */
@@ -171,6 +176,10 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b);
 /* Reports one line through cfg.on_event, when set. */
 void srv_event(rekv_kvstore_server *s, rekv_kv_event lvl, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* srv_event, at most one line a second for the call site; the next line let through says how many
+ * were held back ("(N similar messages suppressed)"). */
+void srv_event_rl(rekv_kvstore_server *s, srv_rl_site site, rekv_kv_event lvl, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 void srv_hist_add(rekv_kv_hist *h, uint64_t ns);
 /* Grows *p (of *cap elements of elem bytes) to hold need, doubling; 0 or -ENOMEM. */
 int srv_grow(void **p, size_t *cap, size_t need, size_t elem);

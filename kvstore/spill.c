@@ -16,6 +16,7 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -354,6 +355,21 @@ void kv_spill_slot_bad(kv_spill *sp, uint32_t fslot)
 uint64_t kv_spill_slots_used(const kv_spill *sp)
 {
     return sp->fs_next - sp->n_fs_free - sp->fs_bad;
+}
+
+uint64_t kv_spill_room(const kv_spill *sp)
+{
+    uint64_t slot = sp->cfg.slot_bytes;
+    /* the limit: slots never handed out plus freed ones */
+    uint64_t by_limit = (sp->fs_max - sp->fs_next + sp->n_fs_free) * slot;
+    /* the disk: its free space now (another file may have taken it) plus what the file already
+     * holds and does not use (reserved ahead by fallocate, or freed slots) */
+    uint64_t held = sp->n_fs_free + (sp->fs_alloc > sp->fs_next ? sp->fs_alloc - sp->fs_next : 0);
+    struct statvfs v;
+    uint64_t disk = held * slot;
+    if (fstatvfs(sp->fd, &v) == 0)
+        disk += (uint64_t)v.f_bavail * (uint64_t)v.f_frsize;
+    return by_limit < disk ? by_limit : disk;
 }
 
 static uint8_t *slot_addr(const kv_spill *sp, uint64_t host_off)
