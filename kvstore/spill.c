@@ -360,8 +360,9 @@ uint64_t kv_spill_slots_used(const kv_spill *sp)
 uint64_t kv_spill_room(const kv_spill *sp)
 {
     uint64_t slot = sp->cfg.slot_bytes;
-    /* the limit: slots never handed out plus freed ones */
-    uint64_t by_limit = (sp->fs_max - sp->fs_next + sp->n_fs_free) * slot;
+    /* the limit less the slots in use (as before: slots lost to failed writes are not counted) */
+    uint64_t used = kv_spill_slots_used(sp);
+    uint64_t by_limit = sp->fs_max > used ? (sp->fs_max - used) * slot : 0;
     /* the disk: its free space now (another file may have taken it) plus what the file already
      * holds and does not use (reserved ahead by fallocate, or freed slots) */
     uint64_t held = sp->n_fs_free + (sp->fs_alloc > sp->fs_next ? sp->fs_alloc - sp->fs_next : 0);
