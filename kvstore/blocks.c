@@ -216,7 +216,7 @@ static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
         return 0;
     uint32_t fslot;
     int arc = kv_spill_slot_alloc(s->spill, &fslot);
-    if (arc == -ENOSPC && kv_spill_slots_used(s->spill) > 0 && s->cfg.spill_bytes) {
+    if (arc == -ENOSPC && kv_spill_at_limit(s->spill) && kv_spill_slots_used(s->spill) > 0) {
         *why = "the spill file is full (--spill-bytes)";
         return arc;
     }

@@ -135,6 +135,9 @@ uint64_t kv_spill_slots_used(const kv_spill *sp);
  * free space (statvfs f_bavail) plus what the file holds but does not use, so another file filling
  * the disk shrinks it. */
 uint64_t kv_spill_room(const kv_spill *sp);
+/* 1 when kv_spill_slot_alloc's -ENOSPC is the max_bytes limit's (every slot handed out), 0 when
+ * it would be the filesystem's. */
+int kv_spill_at_limit(const kv_spill *sp);
 
 /* Queues a write of the len bytes at host_off (from the first slot; a block, which never crosses a
  * big slot) to file slot (len rounded up to a page is written); *crc gets the CRC32C of the len

@@ -357,6 +357,11 @@ uint64_t kv_spill_slots_used(const kv_spill *sp)
     return sp->fs_next - sp->n_fs_free - sp->fs_bad;
 }
 
+int kv_spill_at_limit(const kv_spill *sp)
+{
+    return sp->n_fs_free == 0 && sp->fs_next >= sp->fs_max;
+}
+
 uint64_t kv_spill_room(const kv_spill *sp)
 {
     uint64_t slot = sp->cfg.slot_bytes;
