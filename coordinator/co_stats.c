@@ -80,6 +80,7 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
         wi[nw].unavailable = (char *)w->unavailable;
         wi[nw].plan_split = w->plan.split;
         wi[nw].device_tokens = (uint32_t)w->plan.device_tokens;
+        wi[nw].store_spill_room_bytes = w->plan.store_spill_bytes;
         wi[nw].plan_kv_parts = (uint32_t)w->plan.kv_parts;
         wi[nw].plan_act_parts = (uint32_t)w->plan.act_parts;
         wi[nw].plan_gpu_batches = (uint32_t)w->plan.gpu_batches;

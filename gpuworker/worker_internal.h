@@ -79,6 +79,7 @@ typedef struct worker {
     uint64_t hello_sent_ns;       /* when the Hello awaiting its Welcome went out */
     int awaiting_welcome;         /* a Hello is out: Resets and Plans before the Welcome are stale
                                    * (messages that crossed it) and are ignored */
+    uint64_t room_ns;             /* when the store's room (room) was last read */
     int leftovers_dropped;        /* what a dead worker of our name left in the kvstore is gone
                                    * (dropped at our first Welcome, wk_kv_drop_leftovers) */
     rekv_backend *be;             /* for the busy times each Progress reports */
@@ -163,6 +164,9 @@ void wk_refuse_plan(worker *w, const Rekv__Worker__Plan *plan);
 /* Connects to --kvstore at start, waiting for its socket up to KV_WAIT_MS: 0, 1 when a stop
  * came first, or -errno; names the connection's owner (our --name). */
 int wk_kv_connect(worker *w, rekv_err *err);
+/* Reads the store's room again when a second has passed since the last read (for the loop, when
+ * no step runs): another file filling the spill disk shrinks what admission counts on. */
+void wk_kv_room_due(worker *w);
 /* Drops what a dead worker of our name left in the kvstore, once, at the coordinator's first
  * Welcome: a second live worker under a taken name is refused before it could drop the first
  * one's sequences. A failure is logged (the store's lease expiry frees them instead). */

@@ -281,6 +281,7 @@ static void before_sleep(rekv_evloop *loop, void *ctx)
         if (w->kv && rekv_kvstore_client_lost(w->kv))
             wk_kv_lose(w);
         wk_kv_reconnect(w);
+        wk_kv_room_due(w);
     }
     rekv_daemon_watchdog();
     rekv_evloop_timer_set(loop, w->wake_timer, loop_timeout_ms(w));

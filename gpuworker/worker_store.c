@@ -35,6 +35,15 @@ static void kv_room_fetch(worker *w)
     w->room.act_block_bytes = st.act_slot_bytes;
     w->room.spill_bytes = st.spill_bytes;
     w->room.spill_room_bytes = st.spill_room_bytes;
+    w->room_ns = rekv_now_ns();
+}
+
+void wk_kv_room_due(worker *w)
+{
+    if (w->kv == NULL || rekv_kvstore_client_lost(w->kv) ||
+        rekv_now_ns() - w->room_ns < 1000000000ull)
+        return;
+    kv_room_fetch(w); /* every message carries it (StoreRoom): admission sees the disk as it is */
 }
 
 int wk_kv_connect(worker *w, rekv_err *err)

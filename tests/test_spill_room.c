@@ -52,11 +52,22 @@ static void fill(const char *dir, size_t n)
 }
 
 /* An arena of 60 blocks and --spill-bytes of 512 on a tmpfs of 256 pages: the store reports the
- * tmpfs's 1 MiB as its spill room; another file of 704 KiB takes that much from it (80 blocks
- * left). A job of 125 blocks (65 on the spill tier) runs; a second one waits for it ("waiting for
+ * tmpfs's 1 MiB as its spill room; another file of 704 KiB, written after the worker connected,
+ * takes that much from it (80 blocks left), and the worker's next read of the room tells the
+ * coordinator (rekv stats). A job of 125 blocks (65 on the spill tier) runs; a second one waits for it ("waiting for
  * kvstore room: ... spill") instead of starting into a disk that cannot hold both; both finish
  * with rekv_generate's tokens and no step fails. Reporting --spill-bytes (the old rule) admits
  * both at once. */
+/* What the coordinator's admission counts on the one worker's kvstore spill tier (rekv stats). */
+static uint64_t worker_spill_room(rekv_ctl *c)
+{
+    Rekv__Control__Response *r = ct_stats(c);
+    ck_assert_uint_eq(r->stats->n_workers, 1);
+    uint64_t room = r->stats->workers[0]->store_spill_room_bytes;
+    rekv__control__response__free_unpacked(r, NULL);
+    return room;
+}
+
 START_TEST(spill_room_is_free_space)
 {
     env e;
@@ -91,16 +102,20 @@ START_TEST(spill_room_is_free_space)
     ck_assert_uint_eq(kst.spill_bytes, 512 * 4096);
     ck_assert_uint_eq(kst.spill_room_bytes, 256 * 4096); /* the disk, not --spill-bytes */
     uint64_t before = kst.spill_room_bytes;
+    pid_t co = ct_start_coordinator(&e, "64", "5000");
+    pid_t wk = ct_start_kv_worker(&e, "8", "w0");
+    rekv_ctl *c = ct_ctl_open(e.ctl);
+    ct_wait_workers(c, 1);
+    ck_assert_uint_eq(worker_spill_room(c), before); /* what the worker read at connect */
+    /* the other file comes after the worker connected: it reads the room again between steps */
     fill(dir, 176 * 4096);
     ct_kv_stats(k, &kst);
     ck_assert_uint_eq(kst.spill_room_bytes, before - 176 * 4096);
     struct statvfs v;
     ck_assert_int_eq(statvfs(dir, &v), 0);
     ck_assert_uint_eq(kst.spill_room_bytes, (uint64_t)v.f_bavail * v.f_frsize);
-    pid_t co = ct_start_coordinator(&e, "64", "5000");
-    pid_t wk = ct_start_kv_worker(&e, "8", "w0");
-    rekv_ctl *c = ct_ctl_open(e.ctl);
-    ct_wait_workers(c, 1);
+    while (worker_spill_room(c) != before - 176 * 4096) /* Check's timeout is the guard */
+        usleep(20000);
     ck_assert_int_eq(ct_submit_all(c, &ab[0], 1), 1);
     for (;;) { /* A runs: it fits arena and what is left of the disk */
         Rekv__Control__Response *r = ct_status(c, ab[0].id);

@@ -596,6 +596,8 @@ static json_t *stats_json(const Rekv__Control__Stats *s)
                       w->plan_pcie_scale, "compute_scale", w->plan_compute_scale,
                       "selected_fraction", w->plan_selected_fraction));
         json_object_set_new(wj, "device_tokens", json_integer((json_int_t)w->device_tokens));
+        json_object_set_new(wj, "store_spill_room_bytes",
+                            json_integer((json_int_t)w->store_spill_room_bytes));
         if (w->unavailable && *w->unavailable) /* why it takes no steps now */
             json_object_set_new(wj, "unavailable", json_string(w->unavailable));
         json_array_append_new(ws, wj);
