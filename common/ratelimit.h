@@ -5,6 +5,8 @@
 #ifndef REKV_COMMON_RATELIMIT_H
 #define REKV_COMMON_RATELIMIT_H
 
+#include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define REKV_RATELIMIT_INTERVAL_NS 1000000000ull /* one line per second */
@@ -22,5 +24,14 @@ typedef struct rekv_ratelimit {
  * again. 0 when it is held back (and counted). */
 int rekv_ratelimit_allow(rekv_ratelimit *rl, uint64_t now_ns, uint64_t interval_ns,
                          uint64_t *suppressed);
+
+/* The line of a call site, one a second (REKV_RATELIMIT_INTERVAL_NS) through rl: 1 with fmt's text
+ * in buf (cap bytes), followed by " (N similar messages suppressed)" when lines were held back
+ * since the last one (the count always fits: the text is cut short first); 0 when this one is held
+ * back. What every daemon's rate-limited log calls. */
+int rekv_ratelimit_vformat(rekv_ratelimit *rl, uint64_t now_ns, char *buf, size_t cap,
+                           const char *fmt, va_list ap);
+int rekv_ratelimit_format(rekv_ratelimit *rl, uint64_t now_ns, char *buf, size_t cap,
+                          const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
 #endif

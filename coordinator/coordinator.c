@@ -43,17 +43,12 @@ void co_event(rekv_coordinator *co, rekv_co_event lvl, const char *fmt, ...)
 
 void co_event_rl(rekv_coordinator *co, co_rl_site site, rekv_co_event lvl, const char *fmt, ...)
 {
-    uint64_t held = 0;
-    if (!rekv_ratelimit_allow(&co->rl[site], rekv_now_ns(), REKV_RATELIMIT_INTERVAL_NS, &held))
-        return;
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
+    int go = rekv_ratelimit_vformat(&co->rl[site], rekv_now_ns(), msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    if (held)
-        co_event(co, lvl, "%s (%llu similar messages suppressed)", msg, (unsigned long long)held);
-    else
+    if (go)
         co_event(co, lvl, "%s", msg);
 }
 

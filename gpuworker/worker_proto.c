@@ -16,14 +16,9 @@
 
 void wk_warn_rl(rekv_ratelimit *rl, const char *what, const char *detail)
 {
-    uint64_t held = 0;
-    if (!rekv_ratelimit_allow(rl, rekv_now_ns(), REKV_RATELIMIT_INTERVAL_NS, &held))
-        return;
-    if (held)
-        rekv_log(REKV_LOG_WARN, "%s%s (%llu similar messages suppressed)", what, detail,
-                 (unsigned long long)held);
-    else
-        rekv_log(REKV_LOG_WARN, "%s%s", what, detail);
+    char line[1024];
+    if (rekv_ratelimit_format(rl, rekv_now_ns(), line, sizeof(line), "%s%s", what, detail))
+        rekv_log(REKV_LOG_WARN, "%s", line);
 }
 
 int wk_send_msg(worker *w, Rekv__Worker__WorkerMsg *m)

@@ -44,17 +44,12 @@ void srv_event(rekv_kvstore_server *s, rekv_kv_event lvl, const char *fmt, ...)
 
 void srv_event_rl(rekv_kvstore_server *s, srv_rl_site site, rekv_kv_event lvl, const char *fmt, ...)
 {
-    uint64_t held = 0;
-    if (!rekv_ratelimit_allow(&s->rl[site], rekv_now_ns(), REKV_RATELIMIT_INTERVAL_NS, &held))
-        return;
     char msg[768];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
+    int go = rekv_ratelimit_vformat(&s->rl[site], rekv_now_ns(), msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    if (held)
-        srv_event(s, lvl, "%s (%llu similar messages suppressed)", msg, (unsigned long long)held);
-    else
+    if (go)
         srv_event(s, lvl, "%s", msg);
 }
 

@@ -38,6 +38,27 @@ START_TEST(ratelimit_helper)
 }
 END_TEST
 
+/* The line every daemon's rate-limited log writes: the text, and the count held back since the
+ * last one, which survives a text cut short. */
+START_TEST(ratelimit_format)
+{
+    rekv_ratelimit rl = REKV_RATELIMIT_INIT;
+    uint64_t s = REKV_RATELIMIT_INTERVAL_NS;
+    char buf[48];
+    ck_assert_int_eq(rekv_ratelimit_format(&rl, 5 * s, buf, sizeof(buf), "bad %s", "message"), 1);
+    ck_assert_str_eq(buf, "bad message");
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(rekv_ratelimit_format(&rl, 5 * s + 1, buf, sizeof(buf), "x"), 0);
+    ck_assert_int_eq(rekv_ratelimit_format(&rl, 6 * s, buf, sizeof(buf), "bad %d", 2), 1);
+    ck_assert_str_eq(buf, "bad 2 (3 similar messages suppressed)");
+    ck_assert_int_eq(rekv_ratelimit_format(&rl, 6 * s + 1, buf, sizeof(buf), "x"), 0);
+    ck_assert_int_eq(rekv_ratelimit_format(&rl, 7 * s, buf, sizeof(buf), "%0100d", 7), 1);
+    ck_assert_uint_eq(strlen(buf), sizeof(buf) - 1);
+    ck_assert_str_eq(buf + strlen(buf) - strlen(" (1 similar messages suppressed)"),
+                     " (1 similar messages suppressed)");
+}
+END_TEST
+
 /* Counts the log's lines holding needle and the messages they say they held back. */
 static void count_lines_of(const char *log, const char *needle, uint64_t *lines, uint64_t *held)
 {
@@ -141,6 +162,7 @@ static Suite *suite(void)
     tc = tcase_create("co_guards");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, ratelimit_helper);
+    tcase_add_test(tc, ratelimit_format);
     tcase_add_test(tc, worker_warnings_rate_limited);
     tcase_add_test(tc, gpuworker_warnings_rate_limited);
     suite_add_tcase(s, tc);
