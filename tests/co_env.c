@@ -67,14 +67,6 @@ void ct_free_jobs(tjob *jobs, int n)
         rekv_gen_result_free(&jobs[i].ref);
 }
 
-Rekv__Control__Response *ct_call(rekv_ctl *c, Rekv__Control__Request *rq)
-{
-    Rekv__Control__Response *r = NULL;
-    rekv_err err = {0};
-    ck_assert_msg(rekv_ctl_call(c, rq, 20000, &r, &err) == 0, "%s", err.msg);
-    return r;
-}
-
 uint64_t ct_submit_async(rekv_ctl *c, const tjob *j)
 {
     Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
@@ -127,23 +119,13 @@ int ct_submit_all(rekv_ctl *c, tjob *jobs, int n)
     return accepted;
 }
 
-Rekv__Control__Response *ct_status(rekv_ctl *c, uint64_t job)
-{
-    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
-    s.job = job;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
-    rq.status = &s;
-    return ct_call(c, &rq);
-}
-
 void ct_wait_and_check(rekv_ctl *c, tjob *jobs, int n)
 {
     for (int i = 0; i < n; i++) {
         if (jobs[i].id == 0)
             continue;
         for (;;) {
-            Rekv__Control__Response *r = ct_status(c, jobs[i].id);
+            Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
             ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "status of job %llu: %s",
                           (unsigned long long)jobs[i].id, r->error);
             const Rekv__Control__JobStatus *s = r->job;
@@ -313,7 +295,7 @@ Rekv__Control__Response *ct_health(rekv_ctl *c)
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_HEALTH;
     rq.health = &h;
-    return ct_call(c, &rq);
+    return tu_ctl_call(c, &rq);
 }
 
 void ct_wait_workers(rekv_ctl *c, uint32_t n)
@@ -395,5 +377,5 @@ Rekv__Control__Response *ct_stats(rekv_ctl *c)
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
     rq.stats = &sr;
-    return ct_call(c, &rq);
+    return tu_ctl_call(c, &rq);
 }

@@ -27,16 +27,12 @@ void ct_reference(tjob *jobs, int n, const char *model);
 
 void ct_free_jobs(tjob *jobs, int n);
 
-Rekv__Control__Response *ct_call(rekv_ctl *c, Rekv__Control__Request *rq);
-
 /* Submits without waiting for the reply (so that all jobs are in flight together). */
 uint64_t ct_submit_async(rekv_ctl *c, const tjob *j);
 
 /* Submits all jobs at once, then collects the replies; returns how many were accepted (BUSY ones
  * get id 0). */
 int ct_submit_all(rekv_ctl *c, tjob *jobs, int n);
-
-Rekv__Control__Response *ct_status(rekv_ctl *c, uint64_t job);
 
 /* Waits until every accepted job has ended, then checks each one's tokens against the reference.
  * No deadline of its own (Check's timeout is the guard): load makes it slower, never red. */

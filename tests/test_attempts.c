@@ -29,7 +29,7 @@ static int wait_some_tokens(rekv_ctl *c, tjob *jobs, int n)
 {
     for (;;) {
         for (int i = 0; i < n; i++) {
-            Rekv__Control__Response *r = ct_status(c, jobs[i].id);
+            Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
             int has = r->job && r->job->state == REKV__CONTROL__JOB_STATE__RUNNING &&
                       r->job->n_generated_ids > 0;
             rekv__control__response__free_unpacked(r, NULL);
@@ -42,7 +42,7 @@ static int wait_some_tokens(rekv_ctl *c, tjob *jobs, int n)
 
 static uint32_t job_attempts(rekv_ctl *c, uint64_t id, Rekv__Control__JobState *state)
 {
-    Rekv__Control__Response *r = ct_status(c, id);
+    Rekv__Control__Response *r = tu_ctl_status(c, id);
     ck_assert_msg(r->code == REKV__CONTROL__CODE__OK && r->job, "status of job %llu: %s",
                   (unsigned long long)id, r->error);
     uint32_t a = r->job->attempts;

@@ -36,7 +36,7 @@
 static void wait_admitted(rekv_ctl *c, uint64_t id)
 {
     for (;;) {
-        Rekv__Control__Response *r = ct_status(c, id);
+        Rekv__Control__Response *r = tu_ctl_status(c, id);
         int st = r->job->state;
         rekv__control__response__free_unpacked(r, NULL);
         ck_assert_int_ne(st, REKV__CONTROL__JOB_STATE__FAILED);
@@ -84,7 +84,7 @@ START_TEST(admission_waits_for_kvstore_room)
     ck_assert_int_eq(ct_submit_all(c, &ab[1], 1), 1);
     int seen = 0;
     for (;;) { /* B cannot start before A ends: it waits, and says why */
-        Rekv__Control__Response *r = ct_status(c, ab[1].id);
+        Rekv__Control__Response *r = tu_ctl_status(c, ab[1].id);
         int queued = r->job->state == REKV__CONTROL__JOB_STATE__QUEUED;
         seen = queued && strstr(r->job->waiting, "waiting for kvstore room") != NULL;
         rekv__control__response__free_unpacked(r, NULL);
@@ -92,7 +92,7 @@ START_TEST(admission_waits_for_kvstore_room)
             break;
     }
     ck_assert_msg(seen, "job B started without waiting for A's kvstore room");
-    Rekv__Control__Response *ra = ct_status(c, ab[0].id);
+    Rekv__Control__Response *ra = tu_ctl_status(c, ab[0].id);
     ck_assert_int_eq(ra->job->state, REKV__CONTROL__JOB_STATE__RUNNING); /* B waited on it */
     rekv__control__response__free_unpacked(ra, NULL);
     ct_wait_and_check(c, ab, 2);
@@ -104,7 +104,7 @@ START_TEST(admission_waits_for_kvstore_room)
     ck_assert_int_eq(ct_submit_all(c, big, 1), 1);
     ck_assert_int_eq(ct_submit_all(c, jobs, N), N);
     ct_wait_and_check(c, jobs, N);
-    Rekv__Control__Response *r = ct_status(c, big[0].id);
+    Rekv__Control__Response *r = tu_ctl_status(c, big[0].id);
     ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__FAILED);
     ck_assert_msg(strstr(r->job->error, "kvstore host memory") != NULL, "%s", r->job->error);
     ck_assert_uint_eq(r->job->attempts, 0); /* failed before it ever ran */
@@ -177,7 +177,7 @@ START_TEST(admission_counts_spill)
     ck_assert_int_eq(ct_submit_all(c, &ab[1], 1), 1);
     int seen = 0;
     for (;;) { /* B waits for A, and says why */
-        Rekv__Control__Response *r = ct_status(c, ab[1].id);
+        Rekv__Control__Response *r = tu_ctl_status(c, ab[1].id);
         int queued = r->job->state == REKV__CONTROL__JOB_STATE__QUEUED;
         seen = queued && strstr(r->job->waiting, "waiting for kvstore room") != NULL &&
                strstr(r->job->waiting, "spill") != NULL;
@@ -187,7 +187,7 @@ START_TEST(admission_counts_spill)
     }
     ck_assert_msg(seen, "job B started without waiting for A's room in arena and spill");
     ct_wait_and_check(c, ab, 2);
-    Rekv__Control__Response *r = ct_status(c, big[0].id);
+    Rekv__Control__Response *r = tu_ctl_status(c, big[0].id);
     ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__FAILED);
     ck_assert_msg(strstr(r->job->error, "kvstore host memory and spill") != NULL, "%s",
                   r->job->error);

@@ -160,7 +160,7 @@ static int wait_some_tokens(rekv_ctl *c, tjob *jobs, int n)
 {
     for (;;) { /* Check's timeout is the guard */
         for (int i = 0; i < n; i++) {
-            Rekv__Control__Response *r = ct_status(c, jobs[i].id);
+            Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
             int has = r->job && r->job->state == REKV__CONTROL__JOB_STATE__RUNNING &&
                       r->job->n_generated_ids > 0;
             rekv__control__response__free_unpacked(r, NULL);
@@ -193,7 +193,7 @@ START_TEST(worker_killed)
     kill9(wk);
     /* the coordinator answers throughout and drops the worker after the timeout */
     ct_wait_workers(c, 0);
-    Rekv__Control__Response *r = ct_status(c, jobs[i].id);
+    Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
     ck_assert_msg(r->job->state == REKV__CONTROL__JOB_STATE__QUEUED,
                   "job state %s after the "
                   "worker died",
@@ -202,7 +202,7 @@ START_TEST(worker_killed)
     rekv__control__response__free_unpacked(r, NULL);
     wk = ct_start_worker(&e, "16");
     ct_wait_and_check(c, jobs, N);
-    r = ct_status(c, jobs[i].id);
+    r = tu_ctl_status(c, jobs[i].id);
     ck_assert_int_eq(r->job->attempts, 2);
     rekv__control__response__free_unpacked(r, NULL);
     rekv_ctl_close(c);

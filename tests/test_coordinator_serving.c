@@ -346,16 +346,16 @@ START_TEST(malformed_requests)
     Rekv__Control__Request rs = REKV__CONTROL__REQUEST__INIT;
     rs.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
     rs.submit = &s;
-    Rekv__Control__Response *r = ct_call(c, &rs);
+    Rekv__Control__Response *r = tu_ctl_call(c, &rs);
     ck_assert_int_eq(r->code, REKV__CONTROL__CODE__BAD_REQUEST);
     rekv__control__response__free_unpacked(r, NULL);
     s.prompt_text = "hello";
     rs.id = 0;
-    r = ct_call(c, &rs);
+    r = tu_ctl_call(c, &rs);
     ck_assert_msg(r->code == REKV__CONTROL__CODE__BAD_REQUEST && strstr(r->error, "tokenizer"),
                   "%s", r->error);
     rekv__control__response__free_unpacked(r, NULL);
-    r = ct_status(c, 123456);
+    r = tu_ctl_status(c, 123456);
     ck_assert_int_eq(r->code, REKV__CONTROL__CODE__NOT_FOUND);
     rekv__control__response__free_unpacked(r, NULL);
     /* a frame above the transport limit cuts that connection, nothing more */

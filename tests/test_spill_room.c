@@ -118,7 +118,7 @@ START_TEST(spill_room_is_free_space)
         usleep(20000);
     ck_assert_int_eq(ct_submit_all(c, &ab[0], 1), 1);
     for (;;) { /* A runs: it fits arena and what is left of the disk */
-        Rekv__Control__Response *r = ct_status(c, ab[0].id);
+        Rekv__Control__Response *r = tu_ctl_status(c, ab[0].id);
         int st = r->job->state;
         rekv__control__response__free_unpacked(r, NULL);
         ck_assert_int_ne(st, REKV__CONTROL__JOB_STATE__FAILED);
@@ -129,7 +129,7 @@ START_TEST(spill_room_is_free_space)
     ck_assert_int_eq(ct_submit_all(c, &ab[1], 1), 1);
     int seen = 0;
     for (;;) { /* B waits for A's room on the disk, and says why */
-        Rekv__Control__Response *r = ct_status(c, ab[1].id);
+        Rekv__Control__Response *r = tu_ctl_status(c, ab[1].id);
         int queued = r->job->state == REKV__CONTROL__JOB_STATE__QUEUED;
         seen = queued && strstr(r->job->waiting, "waiting for kvstore room") != NULL &&
                strstr(r->job->waiting, "spill") != NULL;

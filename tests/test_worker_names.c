@@ -88,7 +88,7 @@ static void wait_some_tokens(rekv_ctl *c, tjob *jobs, int n)
 {
     for (;;) {
         for (int i = 0; i < n; i++) {
-            Rekv__Control__Response *r = ct_status(c, jobs[i].id);
+            Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
             int has = r->job && r->job->n_generated_ids > 0;
             rekv__control__response__free_unpacked(r, NULL);
             if (has)
@@ -104,7 +104,7 @@ static int count_done(rekv_ctl *c, tjob *jobs, int n, uint32_t *max_attempts)
     int done = 0;
     *max_attempts = 0;
     for (int i = 0; i < n; i++) {
-        Rekv__Control__Response *r = ct_status(c, jobs[i].id);
+        Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
         ck_assert_ptr_nonnull(r->job);
         done += r->job->state == REKV__CONTROL__JOB_STATE__DONE;
         if (r->job->attempts > *max_attempts)
@@ -123,7 +123,7 @@ static int wait_exit_no_job_failed(pid_t pid, rekv_ctl *c, tjob *jobs, int n)
         if (waitpid(pid, &st, WNOHANG) == pid)
             return st;
         for (int i = 0; i < n; i++) {
-            Rekv__Control__Response *r = ct_status(c, jobs[i].id);
+            Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
             ck_assert_msg(r->job->state != REKV__CONTROL__JOB_STATE__FAILED,
                           "job %d failed while a second worker was under the name: %s", i,
                           r->job->error);
