@@ -3,9 +3,9 @@
  * two different steps, with the real rekv-kvstore, rekv-gpuworker and rekv-coordinator on real
  * sockets: each victim fails with the store's reason naming its own sequence, layer and block (not
  * the first failure's: the worker's step error is cleared per step), and every other job ends
- * once, DONE, with rekv_generate's tokens. The helpers are the minimum of tests/test_faults.c's
- * crc_mismatch_fails_its_job (which corrupts one block). Outcomes and counts are asserted; waits
- * are only failure timeouts. Model: stories260K. */
+ * once, DONE, with rekv_generate's tokens. The spill file is corrupted as test_faults'
+ * crc_mismatch_fails_its_job does it (which corrupts one block; tests/spill_fault.c). Outcomes and
+ * counts are asserted; waits are only failure timeouts. Model: stories260K. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <signal.h>
@@ -18,6 +18,7 @@
 #include "coordinator/coordinator.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
+#include "tests/spill_fault.h"
 #include "tests/testutil.h"
 
 #define MODEL_REL "models/stories260K/stories260K.bin"
@@ -208,86 +209,13 @@ static uint32_t tokens_in_all(const fjob *jobs)
 
 /* ---------------------------------------------------------------- corrupting a job's block */
 
-/* How many times the worker's debug log says job `job` joined, and its last kvstore sequence. */
-static int job_store_seq(const char *wk_log, uint64_t job, uint64_t *seq)
-{
-    char needle[96];
-    snprintf(needle, sizeof(needle), "job %llu's cache is kvstore sequence ",
-             (unsigned long long)job);
-    char *t = tu_read_file(wk_log, NULL);
-    int n = 0;
-    *seq = 0;
-    for (const char *p = t; p && (p = strstr(p, needle)); p++, n++)
-        *seq = strtoull(p + strlen(needle), NULL, 10);
-    free(t);
-    return n;
-}
-
-/* The store at rest: no spill write or read-back in flight or completed over 100 ms. */
-static void kv_quiet(rekv_kvstore_client *kc, rekv_kv_stats *st)
-{
-    for (;;) {
-        rekv_kv_stats a, b;
-        rekv_err err = {0};
-        ck_assert_msg(rekv_kvstore_stats(kc, &a, &err) == 0, "%s", err.msg);
-        usleep(100000);
-        ck_assert_msg(rekv_kvstore_stats(kc, &b, &err) == 0, "%s", err.msg);
-        if (a.reads_in_flight + a.spills_in_flight + b.reads_in_flight + b.spills_in_flight == 0 &&
-            a.bytes_read_back == b.bytes_read_back && a.bytes_spilled == b.bytes_spilled) {
-            *st = b;
-            return;
-        }
-    }
-}
-
-/* With the worker stopped: flips a byte of a KV block of sequence seq that is on disk and still
- * there afterwards with nothing read back meanwhile; 0 when there was none. */
-static int flip_disk_block(rekv_kvstore_client *kc, int fd, uint64_t seq, uint32_t *layer,
-                           uint64_t *block)
-{
-    rekv_kv_geometry g;
-    rekv_kvstore_client_geometry(kc, &g);
-    size_t slot = rekv_kvstore_client_header(kc)->slot_bytes;
-    rekv_kv_stats before, after;
-    kv_quiet(kc, &before);
-    for (uint32_t l = 0; l < g.n_layers; l++) {
-        rekv_kv_table_entry *t = NULL;
-        size_t n = 0;
-        uint64_t n_tok = 0;
-        rekv_err err = {0};
-        ck_assert_msg(rekv_kvstore_table(kc, seq, l, &t, &n, &n_tok, &err) == 0, "%s", err.msg);
-        for (size_t b = 0; b < n; b++) {
-            if (t[b].tier != REKV_KV_TIER_DISK || t[b].type != REKV_KV_BLOCK_KV)
-                continue;
-            uint64_t phys = t[b].phys;
-            free(t);
-            uint8_t byte;
-            off_t off = (off_t)(phys * slot + 100);
-            ck_assert_int_eq(pread(fd, &byte, 1, off), 1);
-            byte ^= 0xff;
-            ck_assert_int_eq(pwrite(fd, &byte, 1, off), 1);
-            ck_assert_int_eq(fdatasync(fd), 0);
-            kv_quiet(kc, &after);
-            ck_assert_msg(rekv_kvstore_table(kc, seq, l, &t, &n, &n_tok, &err) == 0, "%s", err.msg);
-            int still = b < n && t[b].tier == REKV_KV_TIER_DISK && t[b].phys == phys &&
-                        after.bytes_read_back == before.bytes_read_back;
-            free(t);
-            *layer = l;
-            *block = b;
-            return still;
-        }
-        free(t);
-    }
-    return 0;
-}
-
 /* Corrupts a block of victim's current sequence (its joins-th join: it ran again after an earlier
  * failure) and runs until the victim ended; its error must name the sequence, layer and block. */
 static void corrupt_and_fail(env *e, rekv_ctl *s, fjob *jobs, fjob *victim, int joins, pid_t kv,
                              pid_t wk, rekv_kvstore_client *kc)
 {
     uint64_t seq = 0;
-    while (job_store_seq(e->wk_log, victim->id, &seq) < joins) /* Check's timeout guards */
+    while (sf_job_store_seq(e->wk_log, victim->id, &seq) < joins) /* Check's timeout guards */
         follow(s, jobs, tokens_in_all(jobs) + 1, NULL);
     int fd = tu_spill_fd(kv, e->spill);
     ck_assert_msg(fd >= 0, "no spill file among the kvstore's open files");
@@ -300,7 +228,7 @@ static void corrupt_and_fail(env *e, rekv_ctl *s, fjob *jobs, fjob *victim, int 
         ck_assert_msg(victim->ends == 0 && (int)victim->n_got + 8 < victim->ref.n,
                       "job %llu is about to end before its block was corrupted",
                       (unsigned long long)victim->id);
-        if (flip_disk_block(kc, fd, seq, &layer, &block))
+        if (sf_flip_disk_block(kc, fd, seq, &layer, &block))
             break;
         kill(wk, SIGCONT);
         follow(s, jobs, tokens_in_all(jobs) + N_JOBS, NULL);

@@ -23,6 +23,7 @@
 #include "coordinator/coordinator.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
+#include "tests/spill_fault.h"
 #include "tests/testutil.h"
 
 #define MODEL_REL "models/stories260K/stories260K.bin"
@@ -543,81 +544,6 @@ END_TEST
 
 /* ---------------------------------------------------------------- a block lost on read-back */
 
-/* The kvstore sequence of job `job`'s cache, from the worker's debug log (its last join). */
-static uint64_t job_store_seq(const char *wk_log, uint64_t job)
-{
-    char needle[96];
-    snprintf(needle, sizeof(needle), "job %llu's cache is kvstore sequence ",
-             (unsigned long long)job);
-    char *t = tu_read_file(wk_log, NULL);
-    uint64_t seq = 0;
-    for (const char *p = t; p && (p = strstr(p, needle)); p++)
-        seq = strtoull(p + strlen(needle), NULL, 10);
-    free(t);
-    return seq;
-}
-
-/* The store at rest: no spill write or read-back in flight and none completed over 100 ms (the
- * worker is stopped, so nothing starts one but a parked request, which this waits out). */
-static void kv_quiet(rekv_kvstore_client *kc, rekv_kv_stats *st)
-{
-    for (;;) {
-        rekv_kv_stats a, b;
-        rekv_err err = {0};
-        ck_assert_msg(rekv_kvstore_stats(kc, &a, &err) == 0, "%s", err.msg);
-        usleep(100000);
-        ck_assert_msg(rekv_kvstore_stats(kc, &b, &err) == 0, "%s", err.msg);
-        if (a.reads_in_flight + a.spills_in_flight + b.reads_in_flight + b.spills_in_flight == 0 &&
-            a.bytes_read_back == b.bytes_read_back && a.bytes_spilled == b.bytes_spilled) {
-            *st = b;
-            return;
-        }
-    }
-}
-
-/* With the worker stopped: flips one byte of a KV block of sequence seq that is on disk now (the
- * store's block table says where) and still there after the flip with nothing read back meanwhile;
- * 0 when none of its blocks is on disk (or one was read back meanwhile). */
-static int flip_disk_block(rekv_kvstore_client *kc, int fd, uint64_t seq, uint32_t *layer,
-                           uint64_t *block)
-{
-    rekv_kv_geometry g;
-    rekv_kvstore_client_geometry(kc, &g);
-    size_t slot = rekv_kvstore_client_header(kc)->slot_bytes;
-    rekv_kv_stats before, after;
-    kv_quiet(kc, &before);
-    for (uint32_t l = 0; l < g.n_layers; l++) {
-        rekv_kv_table_entry *t = NULL;
-        size_t n = 0;
-        uint64_t n_tok = 0;
-        rekv_err err = {0};
-        ck_assert_msg(rekv_kvstore_table(kc, seq, l, &t, &n, &n_tok, &err) == 0, "%s", err.msg);
-        for (size_t b = 0; b < n; b++) {
-            if (t[b].tier != REKV_KV_TIER_DISK || t[b].type != REKV_KV_BLOCK_KV)
-                continue;
-            uint64_t phys = t[b].phys;
-            free(t);
-            uint8_t byte;
-            off_t off = (off_t)(phys * slot + 100);
-            ck_assert_int_eq(pread(fd, &byte, 1, off), 1);
-            byte ^= 0xff;
-            ck_assert_int_eq(pwrite(fd, &byte, 1, off), 1);
-            ck_assert_int_eq(fdatasync(fd), 0);
-            kv_quiet(kc, &after);
-            ck_assert_msg(rekv_kvstore_table(kc, seq, l, &t, &n, &n_tok, &err) == 0, "%s",
-                          err.msg);
-            int still = b < n && t[b].tier == REKV_KV_TIER_DISK && t[b].phys == phys &&
-                        after.bytes_read_back == before.bytes_read_back;
-            free(t);
-            *layer = l;
-            *block = b;
-            return still;
-        }
-        free(t);
-    }
-    return 0;
-}
-
 /* A byte flipped in the spill file, in a block of one job's sequence on disk while the worker is
  * stopped (a small arena spilling down to 5% between steps forces blocks out): the next step's
  * read-back fails its CRC32C, the worker fails that job alone, with the store's reason naming the
@@ -651,7 +577,8 @@ START_TEST(crc_mismatch_fails_its_job)
     tu_ctl_wait_workers(c, 1);
     submit_all(s, jobs);
     follow(s, jobs, 24 * N_JOBS); /* two blocks a layer: above the high watermark */
-    uint64_t seq = job_store_seq(e.wk_log, victim->id);
+    uint64_t seq = 0;
+    sf_job_store_seq(e.wk_log, victim->id, &seq);
     ck_assert_msg(seq != 0, "the worker's log does not name job %llu's kvstore sequence",
                   (unsigned long long)victim->id);
     rekv_kvstore_client *kc = NULL;
@@ -668,7 +595,7 @@ START_TEST(crc_mismatch_fails_its_job)
         ck_assert_msg(victim->ends == 0 && (int)victim->n_got + 8 < victim->ref.n,
                       "job %llu is about to end before its block was corrupted",
                       (unsigned long long)victim->id);
-        if (flip_disk_block(kc, fd, seq, &layer, &block))
+        if (sf_flip_disk_block(kc, fd, seq, &layer, &block))
             break;
         kill(wk, SIGCONT);
         uint32_t have = 0;
