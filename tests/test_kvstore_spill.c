@@ -4,7 +4,8 @@
  * an arena left untouched until the first spill, read-ahead over a sweep of layer windows, a byte
  * flipped in the spill file (that block's read-back fails with a CRC error, the rest is intact), a
  * spill file that cannot grow (RLIMIT_FSIZE), and a spill device that fails every read with EIO
- * (in a virtual machine: tests/vm.sh; Check tag "vm", make test-vm). */
+ * (in a virtual machine: tests/vm.sh; Check tag "vm", make test-vm), and an append that waits for
+ * a read-back in flight to give its spill slot back. */
 #define _GNU_SOURCE
 #include <check.h>
 #include <dirent.h>
@@ -465,6 +466,114 @@ START_TEST(test_spill_file_full)
 }
 END_TEST
 
+/* Sends one request on a raw DEALER socket (the requests of a test that must reach the store
+ * together, in order, as a pipelining client's would). */
+static void raw_send(void *sock, Rekv__Kvstore__Request *req, uint64_t id)
+{
+    req->version = REKV_KVSTORE_PROTO_VERSION;
+    req->id = id;
+    req->owner = "race";
+    size_t len = rekv__kvstore__request__get_packed_size(req);
+    uint8_t *buf = malloc(len ? len : 1);
+    ck_assert_ptr_nonnull(buf);
+    rekv__kvstore__request__pack(req, buf);
+    ck_assert_int_eq(zmq_send(sock, buf, len, 0), (int)len);
+    free(buf);
+}
+
+/* Waits for the replies to requests 1..n, in whatever order they come: their statuses and
+ * error lines. */
+static void raw_replies(void *sock, int n, int32_t *status, char (*msg)[512])
+{
+    for (int got = 0; got < n; got++) {
+        zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
+        ck_assert_msg(zmq_poll(&it, 1, 10000) == 1, "%d of %d replies", got, n);
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        ck_assert_int_ge(zmq_msg_recv(&m, sock, 0), 0);
+        Rekv__Kvstore__Response *r =
+            rekv__kvstore__response__unpack(NULL, zmq_msg_size(&m), zmq_msg_data(&m));
+        zmq_msg_close(&m);
+        ck_assert_ptr_nonnull(r);
+        ck_assert(r->id >= 1 && r->id <= (uint64_t)n);
+        status[r->id - 1] = r->status;
+        snprintf(msg[r->id - 1], 512, "%s", r->error ? r->error : "");
+        rekv__kvstore__response__free_unpacked(r, NULL);
+    }
+}
+
+/* An append that needs spill room while a read-back holds a spill slot waits for the read
+ * rather than failing (the CI failure of 2026-11-27: a job's step failed "the spill file is
+ * full" while read-ahead was reading its next window back). An arena of 8 slots and a spill file
+ * of 8: sequence 1 holds 14 blocks (6 in memory, 8 on disk) and 2 slots are free. With the store
+ * stopped, one connection sends a pin of a spilled block (its read takes a slot and, until it
+ * completes, keeps its spill slot) and then an append of 2 blocks; both are handled in one
+ * round, so the append finds the arena and the spill file full with a read in flight. */
+START_TEST(test_append_waits_for_read_back)
+{
+    kvd d;
+    kvd_start(&d, 8, "--spill-bytes 32768 --high-pct 100 --low-pct 100", 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 1, NULL), 0);
+    for (int b = 0; b < 7; b++) { /* a block a layer at a time: the rest spill as it goes */
+        ck_assert_int_eq(rekv_kvstore_append(c, 1, 16, 0, 0, NULL, &err), 0);
+        kvd_write_blocks(c, 1, b, b + 1, 4);
+    }
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 3, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(c, 3, 16, 0, 0, NULL, &err), 0);
+    kvd_write_blocks(c, 3, 0, 1, 4);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 3, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 2, NULL), 0);
+    settle(c);
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.disk_kv, 8); /* the spill file is full */
+    ck_assert_uint_eq(st.spill_used_bytes, 32768);
+    ck_assert_uint_eq(st.host_kv, 6);
+    ck_assert_uint_eq(st.free_slots, 2);
+    uint64_t misses = st.pin_misses;
+
+    void *zctx = zmq_ctx_new(), *sock = zmq_socket(zctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_connect(sock, d.endpoint), 0);
+    ck_assert_int_eq(kill(d.pid, SIGSTOP), 0);
+    Rekv__Kvstore__Range rg = REKV__KVSTORE__RANGE__INIT, *rgp = &rg;
+    rg.seq = 1, rg.layer = 0, rg.token_begin = 0, rg.token_end = 16; /* spilled first */
+    Rekv__Kvstore__Plan plan = REKV__KVSTORE__PLAN__INIT;
+    plan.n_ranges = 1, plan.ranges = &rgp, plan.pin = 1;
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_PLAN;
+    req.plan = &plan;
+    raw_send(sock, &req, 1);
+    Rekv__Kvstore__Append ap = REKV__KVSTORE__APPEND__INIT;
+    ap.seq = 2, ap.n_tokens = 16;
+    Rekv__Kvstore__Request req2 = REKV__KVSTORE__REQUEST__INIT;
+    req2.body_case = REKV__KVSTORE__REQUEST__BODY_APPEND;
+    req2.append = &ap;
+    raw_send(sock, &req2, 2);
+    usleep(200 * 1000); /* both in the store's socket before it runs again (order: one pipe) */
+    ck_assert_int_eq(kill(d.pid, SIGCONT), 0);
+    int32_t st_r[2];
+    char msg[2][512];
+    raw_replies(sock, 2, st_r, msg);
+    ck_assert_msg(st_r[0] == 0, "the pin failed: %s", msg[0]);
+    ck_assert_msg(st_r[1] == 0, "the append failed while a read-back was in flight: %s", msg[1]);
+    zmq_close(sock);
+    zmq_ctx_term(zctx);
+
+    ck_assert_int_eq(rekv_kvstore_stats(c, &st, NULL), 0);
+    ck_assert_uint_eq(st.pin_misses, misses + 1); /* the pin did read its block back */
+    kvd_write_blocks(c, 2, 0, 1, 5);
+    kvd_verify_blocks(c, 2, 0, 1, 5);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 2, NULL), 0); /* room to read sequence 1 back */
+    kvd_verify_blocks(c, 1, 0, 7, 4);                        /* nothing stored was lost */
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
 /* ------------------------------------------------ EIO: a spill device that fails */
 
 /* A real block device that fails under the spill file: in a virtual machine (tests/vm.sh with a
@@ -573,6 +682,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_sweep_read_ahead);
     tcase_add_test(tc, test_spill_corrupt_readback);
     tcase_add_test(tc, test_spill_file_full);
+    tcase_add_test(tc, test_append_waits_for_read_back);
     suite_add_tcase(s, tc);
     return s;
 }
