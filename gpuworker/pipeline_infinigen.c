@@ -28,11 +28,13 @@
  * (kv_scatter's per-head slots; the other heads' slots are not written). Which tokens each head
  * attends is the selection's alone, so the values are those without a split, bit for bit.
  *
- * Selection (§4.3): per KV head, a token's score is the largest over the head's query group; the
- * tokens scoring above the head's best minus alpha are counted, the count is averaged over the
- * KV heads (every head fetches as many) and capped at max_fraction of the context; each head takes
- * its top m (lowest position first on ties). REKV_SELECT_RANDOM takes as many at random,
- * REKV_SELECT_ALL all of them. */
+ * Selection (§4.3): the count is the paper's — per query head, the tokens scoring above its best
+ * minus alpha, averaged over the query heads (every KV head fetches as many) and capped at
+ * max_fraction of the context. The ranking deviates from the paper's per-head maximum: KV head g
+ * ranks its tokens by the sum over its query group of each head's softmax of the speculated
+ * scores (the attention the group would give them; rekv_ig_select says why), and takes its top m
+ * (lowest position first on ties). With one query head per KV head the two are the same order.
+ * REKV_SELECT_RANDOM takes as many at random, REKV_SELECT_ALL all of them. */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
