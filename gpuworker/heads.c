@@ -341,8 +341,8 @@ int rekv_heads_cache_path(const rekv_engine *e, char *path, size_t cap, rekv_err
     int rc = rekv_cache_dir(dir, sizeof(dir), err);
     if (rc)
         return rc;
-    int n = snprintf(path, cap, "%s/heads-%016llx.json", dir,
-                     (unsigned long long)rekv_skew_fingerprint(e));
+    int n = snprintf(path, cap, "%s/heads-%016llx-%08x.json", dir,
+                     (unsigned long long)rekv_skew_fingerprint(e), rekv_cache_build_tag());
     if (n < 0 || (size_t)n >= cap)
         return rekv_errf(err, -ENAMETOOLONG, "heads: cache path too long under %s", dir);
     return 0;

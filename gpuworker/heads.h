@@ -16,8 +16,9 @@
  * (rekv_heads_aggregate) and its reuse difficulty is Eq. 11 (rekv_heads_difficulty).
  *
  * The file is JSON (small, readable: `rekv heads --json` prints the same), cached as
- * $XDG_CACHE_HOME/rekv/heads-<fingerprint>.json beside the skew, keyed by the fingerprint of the
- * model's W_Q/W_K (rekv_skew_fingerprint: the queries are what is measured). */
+ * $XDG_CACHE_HOME/rekv/heads-<fingerprint>-<build tag>.json beside the skew, keyed by the
+ * model's fingerprint and the build (rekv_skew_fingerprint, rekv_cache_build_tag: the queries are
+ * what is measured, on a sample the model and the sampler make). */
 #ifndef REKV_GPUWORKER_HEADS_H
 #define REKV_GPUWORKER_HEADS_H
 

@@ -34,12 +34,15 @@ typedef struct rekv_skew {
 /* The partial ratio InfiniGen uses (§5: 0.3). */
 #define REKV_SKEW_DEFAULT_RATIO 0.3
 
-/* A CRC-based fingerprint of the engine's model: its shape and every layer's W_Q, b_Q, W_K, b_K.
- * Over the shape (n_layers, hidden, n_heads, n_kv_heads, head_dim, rope kind, weight dtype), the
- * rope theta, and each of those tensors as the engine holds it (matrices in its weight dtype,
- * biases fp32, a presence byte first, so a missing bias differs from a zero one): the high 32 bits
- * are CRC32C, the low 32 bits a multiplicative hash of the same bytes (a second CRC with another
- * seed would differ from the first by a constant, adding nothing). */
+/* A CRC-based fingerprint of the engine's model: its shape and every tensor it holds. Over the
+ * shape (n_layers, hidden, n_heads, n_kv_heads, head_dim, rope kind, weight dtype, ffn, vocab,
+ * embed_dim, context, architecture), the rope theta, and each tensor as the engine holds it
+ * (matrices in its weight dtype, norms and biases fp32; a presence byte and the size first, so a
+ * missing bias differs from a zero one; a tensor past 1 MiB by its first MiB and 4 KiB of every
+ * 256 KiB after it). Everything the calibration sample and the measured queries depend on, not
+ * only W_Q and W_K: a fine-tune that kept the attention weights still changes the queries. The
+ * high 32 bits are CRC32C, the low 32 bits a multiplicative hash of the same bytes (a second CRC
+ * with another seed would differ from the first by a constant, adding nothing). */
 uint64_t rekv_skew_fingerprint(const rekv_engine *e);
 
 /* Calibrates on the given token ids (one forward pass over them; n >= 2): fills *out (free with
@@ -61,14 +64,20 @@ void rekv_skew_free(rekv_skew *s);
  * the model generates itself (REKV_SKEW_SAMPLE_TOKENS tokens from BOS at temperature 1 with a
  * fixed seed — never the text being evaluated) and saved there (a cache that cannot be written
  * is not an error). *from_cache says which.
- * The file is skew-<fingerprint, 16 hex digits>-r<round(ratio * 1000)>.bin; one that does not load
- * (damaged, another model) or holds another rk is calibrated again and overwritten. The sample
+ * The file is skew-<fingerprint, 16 hex digits>-r<round(ratio * 1000)>-<build tag>.bin: the
+ * fingerprint names the weights, the build tag the code that sampled and calibrated (another
+ * build's file is left alone and made again, since a change to the sampler or the calibration
+ * changes the result). One that does not load (damaged, another model) or holds another rk is
+ * calibrated again and overwritten. The sample
  * starts from the model's bos_id, or token 1 (llama2.c's BOS) when it names none; top_k 0, top_p 1,
  * seed 0x5eed, at most context - 1 new tokens, EOS not a stop. */
 #define REKV_SKEW_SAMPLE_TOKENS 256
 /* The directory of rekv's caches: $XDG_CACHE_HOME/rekv (an absolute XDG_CACHE_HOME), else
  * $HOME/.cache/rekv; -ENOENT when neither is set. */
 int rekv_cache_dir(char *dir, size_t cap, rekv_err *err);
+/* The build's part of a cache file's name: CRC32C of rekv_version() ("0.1.0 (git HASH)"), so a
+ * result computed by other code is never read back as this build's. */
+uint32_t rekv_cache_build_tag(void);
 /* Writes size bytes of buf to path whole or not at all: a temporary file beside it, fsynced and
  * renamed into place (the directory made when missing, then synced). */
 int rekv_cache_write(const char *path, const void *buf, size_t size, rekv_err *err);

@@ -462,6 +462,20 @@ START_TEST(fingerprint_covers_shape_and_weights)
     ck_assert(fa != rekv_skew_fingerprint(B.e));
     wk[5] ^= 1;
     ck_assert(fa == rekv_skew_fingerprint(B.e));
+    /* what the queries depend on beyond W_Q and W_K: an FFN weight of layer 0 (it feeds layer 1's
+     * queries), the final norm and the embedding (they make the calibration sample) */
+    unsigned char *w2 = B.e->layers[0].w2;
+    w2[7] ^= 1;
+    ck_assert(fa != rekv_skew_fingerprint(B.e));
+    w2[7] ^= 1;
+    B.e->final_norm_w[1] += 1;
+    ck_assert(fa != rekv_skew_fingerprint(B.e));
+    B.e->final_norm_w[1] -= 1;
+    unsigned char *emb = B.e->embed;
+    emb[11] ^= 1;
+    ck_assert(fa != rekv_skew_fingerprint(B.e));
+    emb[11] ^= 1;
+    ck_assert(fa == rekv_skew_fingerprint(B.e));
     /* a bias of OPT's W_Q */
     uint64_t fo = rekv_skew_fingerprint(O.e);
     float *bq = O.e->layers[0].bq;
@@ -591,8 +605,8 @@ START_TEST(prepare_caches_by_fingerprint)
     rekv_err err = {0};
     ck_assert_msg(rekv_skew_cache_path(L.e, 0.3, path, sizeof(path), &err) == 0, "%s", err.msg);
     char want[4300];
-    snprintf(want, sizeof(want), "%s/rekv/skew-%016llx-r300.bin", dir,
-             (unsigned long long)rekv_skew_fingerprint(L.e));
+    snprintf(want, sizeof(want), "%s/rekv/skew-%016llx-r300-%08x.bin", dir,
+             (unsigned long long)rekv_skew_fingerprint(L.e), rekv_cache_build_tag());
     ck_assert_str_eq(path, want);
     rekv_skew s1, s2, s3;
     int from_cache = -1;
@@ -669,8 +683,8 @@ START_TEST(cli_skew)
         return;
     char *dir = tu_tmpdir(), env[4200], args[16000], want[4300];
     snprintf(env, sizeof(env), "XDG_CACHE_HOME=%s", dir);
-    snprintf(want, sizeof(want), "%s/rekv/skew-%016llx-r300.bin", dir,
-             (unsigned long long)rekv_skew_fingerprint(L.e));
+    snprintf(want, sizeof(want), "%s/rekv/skew-%016llx-r300-%08x.bin", dir,
+             (unsigned long long)rekv_skew_fingerprint(L.e), rekv_cache_build_tag());
     snprintf(args, sizeof(args), "--model %s", L.path);
     for (int round = 0; round < 2; round++) {
         json_t *o = skew_json(env, args);
