@@ -16,8 +16,9 @@
  * head's k_g.
  *
  * A decode step, per (sequence, layer > 0, KV head g): the similarity of each query head of the
- * group to its label (cosine of the query the speculation computed — infinigen's, so with
- * lookahead 1 it is layer i's query from layer i-1's input), aggregated by Eq. 10 with the
+ * group to its label (cosine of the query the speculation computed — by default layer i's own,
+ * as CLO's paper tests it; with --lookahead 1, layer i's query from layer i-1's input, as
+ * infinigen speculates), aggregated by Eq. 10 with the
  * profile's importances; a hit when it is at least the head's tau (Eq. 7-9 from the group's largest
  * importance). A miss ranks the tokens between the sink and the ring by the group's summed softmax
  * of the speculated scores (as infinigen does), fetches the top k = max_fraction·len of them

@@ -59,7 +59,7 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg)
     cfg->alpha = 4.0f;
     cfg->max_fraction = 0.2f;
     cfg->select = REKV_SELECT_SPECULATE;
-    cfg->lookahead = 1;
+    cfg->lookahead = -1; /* the mode's: pl_ig_create */
     cfg->eta = (float)REKV_HEADS_ETA;
     cfg->power = (float)REKV_HEADS_POWER;
     cfg->persist_np = INFINITY;
@@ -603,7 +603,8 @@ static int unit_step(rekv_pipeline *p, step *st, int un, int *w_loads, rekv_err 
     if ((u.d = unit_seqs(p, st, u.g, u.layer, u.b)) == NULL)
         return rekv_errf(err, -ENOMEM, "step: out of memory");
     /* speculation without lookahead: this layer's, from its own input */
-    if (p->cfg.lookahead == 0 && u.layer > 0 && pl_ig_speculates(p, st, u.g, u.layer - 1) &&
+    if (u.layer > 0 && pl_ig_lookahead(p, u.layer) == 0 &&
+        pl_ig_speculates(p, st, u.g, u.layer - 1) &&
         (rc = pl_ig_speculate(p, st, u.g, u.layer)))
         return rekv_errf(err, rc, "step: out of memory");
     if (streams) {
@@ -619,7 +620,7 @@ static int unit_step(rekv_pipeline *p, step *st, int un, int *w_loads, rekv_err 
     if (streams) {
         /* the speculation for the next layer, from this layer's input, before this unit's KV or
          * weights are waited for */
-        if (p->cfg.lookahead == 1 && pl_ig_speculates(p, st, u.g, u.layer) &&
+        if (pl_ig_lookahead(p, u.layer + 1) == 1 && pl_ig_speculates(p, st, u.g, u.layer) &&
             (rc = pl_ig_speculate(p, st, u.g, u.layer + 1)))
             return rekv_errf(err, rc, "step: out of memory");
         unit_recompute(p, &u);

@@ -102,10 +102,13 @@ typedef struct rekv_pipeline_config {
     rekv_select select;
     uint64_t select_seed; /* REKV_SELECT_RANDOM's */
     int lookahead;        /* 1 (InfiniGen): layer i's speculation runs at layer i-1 from
-                             its input, so layer i's fetch overlaps layer i-1's compute;
+                             its input, so layer i's fetch overlaps layer i-1's compute
+                             (but layer 1's from its own input: pl_ig_lookahead);
                              0: from layer i's own input — a better guess on models whose
                              layers change the residual stream much (stories260K), the
-                             fetch then overlapping only other GPU batches' compute */
+                             fetch then overlapping only other GPU batches' compute;
+                             -1 (default): the mode's — infinigen 1, clo 0 (CLO tests a
+                             head's own query, as its paper does) */
     /* clo */
     const struct rekv_heads *heads; /* the model's head profile (gpuworker/heads.h; not owned,
                                        kept for the pipeline's life); required by clo */

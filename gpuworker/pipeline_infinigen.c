@@ -62,6 +62,8 @@ int pl_ig_create(rekv_pipeline *p, int queries, rekv_err *err)
                          "model's (%d, %d, %d)",
                          sk->n_layers, sk->n_kv_heads, sk->head_dim, c->n_layers, c->n_kv_heads,
                          c->head_dim);
+    if (p->cfg.lookahead < 0) /* the mode's: clo tests each head's own query */
+        p->cfg.lookahead = queries ? 0 : 1;
     if (!(p->cfg.alpha > 0) || !(p->cfg.max_fraction > 0 && p->cfg.max_fraction <= 1) ||
         (unsigned)p->cfg.select > REKV_SELECT_ALL || (unsigned)p->cfg.lookahead > 1)
         return rekv_errf(err, -EINVAL,
@@ -340,6 +342,11 @@ int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer)
     return 0;
 }
 
+int pl_ig_lookahead(const rekv_pipeline *p, int layer)
+{
+    return layer == 1 ? 0 : p->cfg.lookahead;
+}
+
 /* On the compute stream, with batch g's residual stream in gb->x at the input of layer - lookahead:
  * the speculated scores of layer `layer` for the batch's sparse items, copied to the host; records
  * ig.ev[g]. The query's input is that layer's attention input (InfiniGen §3.3: consecutive layers'
@@ -355,7 +362,7 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
     const float *h = p->gb[g].x.p;
     float *qp = p->ig.qp.p;
     if (c->pre_norm) {
-        const ig_layer *nl = &p->ig.layers[layer - p->cfg.lookahead];
+        const ig_layer *nl = &p->ig.layers[layer - pl_ig_lookahead(p, layer)];
         k->norm(s, p->ig.hn.p, h, nl->norm_w, nl->norm_b, T, H, c->norm_eps);
         h = p->ig.hn.p;
     }

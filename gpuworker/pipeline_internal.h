@@ -423,6 +423,12 @@ void pl_ig_free(rekv_pipeline *p);
 int pl_ig_sparse(const rekv_pipeline *p, const step *st, int i);
 int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
+/* How many layers ahead layer `layer`'s speculation runs: cfg.lookahead, but 0 for layer 1 —
+ * layer 0 changes the residual stream far more than any later layer (on docs8L its FFN output is
+ * ~10x the embedding: layer 0's and 1's inputs at cosine -0.05..-0.01, later pairs 0.94..0.98),
+ * so layer 1 is speculated from its own input; its fetch then waits for layer 0 (pipeline_infinigen.c
+ * says what that costs and saves). */
+int pl_ig_lookahead(const rekv_pipeline *p, int layer);
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
 int pl_ig_unit_begin(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);

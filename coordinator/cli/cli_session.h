@@ -94,8 +94,9 @@ enum {
     "  --select speculate|random|all  infinigen: which tokens (random: as many, at random, to\n"   \
     "                        compare; all: every token, resident's results)\n"                     \
     "  --partial-ratio R     infinigen: skewed columns the speculation uses (default 0.3)\n"       \
-    "  --lookahead 1|0       infinigen: speculate at the layer before (1, InfiniGen: the fetch\n"  \
-    "                        overlaps it) or from the layer's own input (0: a better guess)\n"     \
+    "  --lookahead 1|0       infinigen, clo: speculate at the layer before (1, InfiniGen's:\n"    \
+    "                        the fetch overlaps it; layer 1 always from its own input) or\n"      \
+    "                        from the layer's own input (0, clo's default: a better guess)\n"     \
     "  --skew FILE           infinigen, clo: the skew `rekv skew` wrote (default: made once "      \
     "from\n"                                                                                       \
     "                        a sample the model generates, cached in $XDG_CACHE_HOME/rekv)\n"      \
