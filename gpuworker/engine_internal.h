@@ -51,11 +51,15 @@ struct rekv_engine {
     float *rope_cos, *rope_sin; /* [T][head_dim/2] */
     int *pos;                   /* [T] */
     float *scores;              /* [max_pos] */
-    /* A calibration tap (skew.c), NULL by default: when set, attention_block calls it once per
-     * layer per forward step, after the projections' biases and RoPE, with the step's rows of
-     * every batch item stacked in item order: q [rows][q_dim], k and v [rows][kv_dim], fp32
-     * (the engine's scratch, valid only during the call). It must not call back into the engine. */
-    void (*tap)(void *ctx, int layer, const float *q, const float *k, const float *v, int rows);
+    /* A measuring tap (skew.c, heads.c, premises.c), NULL by default: when set,
+     * attention_block calls it once per layer per forward step, after the projections' biases
+     * and RoPE, with the step's rows of every batch item stacked in item order: x the block's
+     * input (the residual stream) and h the attention input [rows][hidden], q [rows][q_dim], k
+     * and v [rows][kv_dim], fp32 (the engine's scratch, valid only during the call; its RoPE
+     * tables rope_cos/rope_sin hold the rows' positions). It must not call back into the
+     * engine. */
+    void (*tap)(void *ctx, int layer, const float *x, const float *h, const float *q,
+                const float *k, const float *v, int rows);
     void *tap_ctx;
 };
 

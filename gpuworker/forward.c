@@ -331,7 +331,7 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
         cpu_rope(e->k, e->rope_cos, e->rope_sin, T, c->n_kv_heads, c->head_dim, c->rope);
     }
     if (e->tap)
-        e->tap(e->tap_ctx, layer, e->q, e->k, e->v, T);
+        e->tap(e->tap_ctx, layer, e->x, e->h, e->q, e->k, e->v, T);
     rekv_attn_seq sq[n_items];
     int row = 0;
     for (int b = 0; b < n_items; b++) {

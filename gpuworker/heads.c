@@ -42,8 +42,8 @@ static void row_softmax(int p, double *pr)
         pr[t] /= sum;
 }
 
-static void tap_layer(void *ctx, int layer, const float *q, const float *k, const float *v,
-                      int rows)
+static void tap_layer(void *ctx, int layer, const float *x_in, const float *h_in, const float *q,
+                      const float *k, const float *v, int rows)
 {
     heads_tap *t = ctx;
     const rekv_model_config *c = t->c;

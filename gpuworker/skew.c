@@ -251,8 +251,8 @@ static double tap_fraction(const skew_tap *t, const int32_t *cols, int rk, int h
     return all > 0 ? sel / all : 1.0;
 }
 
-static void tap_layer(void *ctx, int layer, const float *q, const float *k, const float *v,
-                      int rows)
+static void tap_layer(void *ctx, int layer, const float *x, const float *h, const float *q,
+                      const float *k, const float *v, int rows)
 {
     (void)v;
     skew_tap *t = ctx;

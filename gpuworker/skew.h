@@ -26,7 +26,7 @@
 typedef struct rekv_skew {
     int n_layers, n_kv_heads, head_dim;
     int rk;               /* partial columns per KV head (ceil(ratio * head_dim), >= 1) */
-    uint64_t fingerprint; /* of the model's W_Q, W_K and shape (rekv_skew_fingerprint) */
+    uint64_t fingerprint; /* of the model (rekv_skew_fingerprint) */
     float *a;             /* [n_layers][n_kv_heads][head_dim][head_dim]: A, row-major (A[d][c]) */
     int32_t *cols;        /* [n_layers][n_kv_heads][rk]: the selected columns of A, largest first */
 } rekv_skew;

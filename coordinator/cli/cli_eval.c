@@ -27,6 +27,7 @@
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/cli_session.h"
 #include "gpuworker/gpuworker.h"
+#include "gpuworker/premises.h"
 #include "loader/loader.h"
 
 static void usage(FILE *f)
@@ -39,7 +40,10 @@ static void usage(FILE *f)
            "step whose logits score the next token. --ids FILE: a JSON array of token ids (for\n"
            "models without a tokenizer). --window N: windows of N tokens (default: the model's\n"
            "context). --compare resident: also run the all-resident pipeline in step and report\n"
-           "the agreement of the greedy choices and the largest logit difference.\n"
+           "the agreement of the greedy choices and the largest logit difference. --bounds\n"
+           "(infinigen): also run, in step, its selection at random and by exact scores, each\n"
+           "at the same budget, and report their NLL and the share of the gap between them\n"
+           "that the speculation closes.\n"
            "Pipeline options:\n" CLI_PIPELINE_USAGE);
 }
 
@@ -56,7 +60,11 @@ static double nll_of(const float *logits, int vocab, int target)
 }
 
 /* One pipeline evaluated in step: its sequence and the logits of its last step. */
+/* The runs eval keeps in step, by role: the mode, and what it is compared with. */
+enum { RUN_MODE, RUN_RESIDENT, RUN_RANDOM, RUN_EXACT, N_RUNS };
+
 typedef struct eval_run {
+    int on;
     cli_session ses;
     rekv_pseq *seq;
     float *logits; /* [vocab] */
@@ -73,17 +81,19 @@ typedef struct eval_opts {
     const char *model_path, *text_path, *ids_path;
     long prefill, window; /* window 0: the model's context */
     int json, compare;    /* compare: --compare resident */
+    int bounds;           /* --bounds: infinigen's random and exact selections in step */
 } eval_opts;
 
 static int eval_parse(int argc, char **argv, eval_opts *o)
 {
-    enum { O_MODEL = 1, O_TEXT, O_IDS, O_PREFILL, O_WINDOW, O_COMPARE, O_JSON, O_HELP };
+    enum { O_MODEL = 1, O_TEXT, O_IDS, O_PREFILL, O_WINDOW, O_COMPARE, O_BOUNDS, O_JSON, O_HELP };
     static const struct option opts[] = {{"model", required_argument, 0, O_MODEL},
                                          {"text", required_argument, 0, O_TEXT},
                                          {"ids", required_argument, 0, O_IDS},
                                          {"prefill", required_argument, 0, O_PREFILL},
                                          {"window", required_argument, 0, O_WINDOW},
                                          {"compare", required_argument, 0, O_COMPARE},
+                                         {"bounds", no_argument, 0, O_BOUNDS},
                                          {"json", no_argument, 0, O_JSON},
                                          {"help", no_argument, 0, O_HELP},
                                          CLI_PIPELINE_OPTIONS,
@@ -125,6 +135,9 @@ static int eval_parse(int argc, char **argv, eval_opts *o)
             }
             o->compare = 1;
             break;
+        case O_BOUNDS:
+            o->bounds = 1;
+            break;
         case O_JSON:
             o->json = 1;
             break;
@@ -139,6 +152,11 @@ static int eval_parse(int argc, char **argv, eval_opts *o)
     if (cli_no_operands(argc, argv) || o->model_path == NULL ||
         (o->text_path == NULL) == (o->ids_path == NULL)) {
         usage(stderr);
+        return 2;
+    }
+    if (o->bounds && o->po.cfg.mode != REKV_MODE_INFINIGEN) {
+        fprintf(stderr, "rekv eval: --bounds needs --mode infinigen (it runs infinigen's random "
+                        "and exact selections beside it)\n");
         return 2;
     }
     return CLI_PARSED;
@@ -180,13 +198,14 @@ static int eval_read_ids(const eval_opts *o, const rekv_model_config *cfg, int32
 /* What the windows scored. */
 typedef struct eval_tally {
     double nll_sum, max_err, secs;
+    double nll_run[N_RUNS]; /* each run's, summed */
     uint64_t scored, agree, windows;
     uint64_t kv_offload, considered; /* what offload would move and consider */
 } eval_tally;
 
-/* Scores ids[0..n) in windows of w tokens through runs[0..n_runs) in step (runs[1]: the resident
- * reference), as the file's opening says. */
-static int eval_windows(eval_run *runs, int n_runs, const int32_t *ids, size_t n, long prefill,
+/* Scores ids[0..n) in windows of w tokens through the runs that are on, in step, as the file's
+ * opening says. */
+static int eval_windows(eval_run *runs, const int32_t *ids, size_t n, long prefill,
                         long w, const rekv_model_config *cfg, rekv_progress *prog, eval_tally *t,
                         rekv_err *err)
 {
@@ -196,26 +215,31 @@ static int eval_windows(eval_run *runs, int n_runs, const int32_t *ids, size_t n
     for (size_t s = 0;;) {
         t->windows++;
         size_t e = s + (size_t)w < n ? s + (size_t)w : n; /* this window: ids[s .. e) */
-        for (int r = 0; r < n_runs; r++)
-            if ((rc = rekv_pseq_create(runs[r].ses.p, (int)(e - s), &runs[r].seq, err)))
+        for (int r = 0; r < N_RUNS; r++)
+            if (runs[r].on &&
+                (rc = rekv_pseq_create(runs[r].ses.p, (int)(e - s), &runs[r].seq, err)))
                 return rc;
-        for (int r = 0; r < n_runs; r++)
-            if ((rc = run_step(&runs[r], ids + s, (int)prefill, err)))
+        for (int r = 0; r < N_RUNS; r++)
+            if (runs[r].on && (rc = run_step(&runs[r], ids + s, (int)prefill, err)))
                 return rc;
         for (size_t p = s + (size_t)prefill; p + 1 < e; p++) {
-            for (int r = 0; r < n_runs; r++)
-                if ((rc = run_step(&runs[r], ids + p, 1, err)))
+            for (int r = 0; r < N_RUNS; r++)
+                if (runs[r].on && (rc = run_step(&runs[r], ids + p, 1, err)))
                     return rc;
-            t->nll_sum += nll_of(runs[0].logits, cfg->vocab, ids[p + 1]);
+            for (int r = 0; r < N_RUNS; r++)
+                if (runs[r].on)
+                    t->nll_run[r] += nll_of(runs[r].logits, cfg->vocab, ids[p + 1]);
+            t->nll_sum = t->nll_run[RUN_MODE];
             t->scored++;
             uint64_t ctx = p - s; /* context tokens before this step's */
             t->kv_offload += ctx * kv_row * (uint64_t)cfg->n_layers;
             t->considered += ctx * (uint64_t)cfg->n_layers;
-            if (n_runs > 1) {
+            if (runs[RUN_RESIDENT].on) {
                 t->agree += rekv_argmax(runs[0].logits, cfg->vocab) ==
-                            rekv_argmax(runs[1].logits, cfg->vocab);
+                            rekv_argmax(runs[RUN_RESIDENT].logits, cfg->vocab);
                 for (int i = 0; i < cfg->vocab; i++) {
-                    double d = fabs((double)runs[0].logits[i] - (double)runs[1].logits[i]);
+                    double d = fabs((double)runs[0].logits[i] -
+                                    (double)runs[RUN_RESIDENT].logits[i]);
                     t->max_err = d > t->max_err ? d : t->max_err;
                 }
             }
@@ -223,7 +247,7 @@ static int eval_windows(eval_run *runs, int n_runs, const int32_t *ids, size_t n
             snprintf(note, sizeof(note), "nll %.4f", t->nll_sum / (double)t->scored);
             rekv_progress_update(prog, t->scored, note);
         }
-        for (int r = 0; r < n_runs; r++) {
+        for (int r = 0; r < N_RUNS; r++) {
             rekv_pseq_free(runs[r].seq);
             runs[r].seq = NULL;
         }
@@ -284,8 +308,44 @@ static void eval_json_clo(json_t *o, const rekv_pipeline *p, const rekv_model_co
     json_object_set_new(o, "head_hit_ratio", hr);
 }
 
+/* [n] as a JSON array, NaN as null. */
+static json_t *json_doubles(const double *v, int n)
+{
+    json_t *a = json_array();
+    for (int i = 0; a && i < n; i++)
+        json_array_append_new(a, isnan(v[i]) ? json_null() : json_real(v[i]));
+    return a;
+}
+
+/* The premises' figures per layer (premises.h), and their means over the layers that have one. */
+static json_t *eval_json_premises(const rekv_premises *pm)
+{
+    json_t *o = json_object();
+    int L = pm->n_layers;
+    const struct {
+        const char *name;
+        const double *v;
+    } f[] = {{"layer_input_cosine", pm->input_cos},
+             {"speculated_query_cosine", pm->spec_q_cos},
+             {"adjacent_query_cosine", pm->adj_q_cos},
+             {"recall", pm->recall}};
+    json_object_set_new(o, "steps", json_integer((json_int_t)pm->steps));
+    for (size_t i = 0; o && i < sizeof(f) / sizeof(f[0]); i++) {
+        double s = 0;
+        int k = 0;
+        for (int l = 0; l < L; l++)
+            if (!isnan(f[i].v[l]))
+                s += f[i].v[l], k++;
+        char mean[64];
+        snprintf(mean, sizeof(mean), "%s_mean", f[i].name);
+        json_object_set_new(o, f[i].name, json_doubles(f[i].v, L));
+        json_object_set_new(o, mean, k ? json_real(s / k) : json_null());
+    }
+    return o;
+}
+
 static int eval_print_json(const eval_opts *o, const eval_run *run, const rekv_model_config *cfg,
-                           long w, const eval_tally *t, rekv_err *err)
+                           long w, const eval_tally *t, const rekv_premises *pm, rekv_err *err)
 {
     const rekv_pipeline_config *pc = rekv_pipeline_get_config(run->ses.p);
     rekv_layer_counters tot;
@@ -312,6 +372,16 @@ static int eval_print_json(const eval_opts *o, const eval_run *run, const rekv_m
         eval_json_selection(j, run->ses.p, cfg);
     if (mi->head_caches)
         eval_json_clo(j, run->ses.p, cfg, &tot);
+    if (pm->input_cos)
+        json_object_set_new(j, "premises", eval_json_premises(pm));
+    if (o->bounds) {
+        double nr = t->nll_run[RUN_RANDOM] / (double)t->scored;
+        double nx = t->nll_run[RUN_EXACT] / (double)t->scored;
+        json_object_set_new(j, "nll_random", json_real(nr));
+        json_object_set_new(j, "nll_exact", json_real(nx));
+        json_object_set_new(j, "gap_closed", nr != nx ? json_real((nr - nll) / (nr - nx))
+                                                      : json_null());
+    }
     if (o->compare) {
         json_object_set_new(j, "agreement", json_real((double)t->agree / (double)t->scored));
         json_object_set_new(j, "max_logit_error", json_real(t->max_err));
@@ -325,7 +395,19 @@ static int eval_print_json(const eval_opts *o, const eval_run *run, const rekv_m
     return 0;
 }
 
-static void eval_print_text(const eval_opts *o, const eval_run *run, const eval_tally *t)
+/* The mean of a premise's per-layer figure over the layers that have one. */
+static double layer_mean(const double *v, int n)
+{
+    double s = 0;
+    int k = 0;
+    for (int l = 0; l < n; l++)
+        if (!isnan(v[l]))
+            s += v[l], k++;
+    return k ? s / k : NAN;
+}
+
+static void eval_print_text(const eval_opts *o, const eval_run *run, const eval_tally *t,
+                            const rekv_premises *pm)
 {
     const rekv_pipeline_config *pc = rekv_pipeline_get_config(run->ses.p);
     rekv_layer_counters tot;
@@ -343,6 +425,53 @@ static void eval_print_text(const eval_opts *o, const eval_run *run, const eval_
     if (o->compare)
         printf("against resident: greedy agreement %.4f, largest logit difference %.3g\n",
                (double)t->agree / (double)t->scored, t->max_err);
+    if (o->bounds) {
+        double nr = t->nll_run[RUN_RANDOM] / (double)t->scored;
+        double nx = t->nll_run[RUN_EXACT] / (double)t->scored;
+        printf("bounds at the same budget: random selection nll %.6f, exact %.6f; the "
+               "speculation closes %.3f of the gap\n",
+               nr, nx, nr != nx ? (nr - nll) / (nr - nx) : NAN);
+    }
+    if (pm->input_cos)
+        printf("premises (first window, means over the layers): block input cosine with the layer "
+               "before %.3f, query from the layer before's input vs its own %.3f, adjacent "
+               "queries %.3f; the selection's recall of the exact top-m %.3f\n",
+               layer_mean(pm->input_cos, pm->n_layers), layer_mean(pm->spec_q_cos, pm->n_layers),
+               layer_mean(pm->adj_q_cos, pm->n_layers), layer_mean(pm->recall, pm->n_layers));
+}
+
+/* Opens the runs o asks for, each sized for one sequence of w tokens: the mode; with --compare,
+ * the all-resident reference (same cache dtype and backend); with --bounds, infinigen's random
+ * selection (same skew and count) and its exact one (every column of the skew, lookahead 0, the
+ * count the fetch cap: alpha infinite). */
+static int eval_open_runs(const eval_opts *o, rekv_engine *eng, const rekv_model_config *cfg,
+                          long w, eval_run *runs, rekv_err *err)
+{
+    runs[RUN_MODE].on = 1;
+    runs[RUN_RESIDENT].on = o->compare;
+    runs[RUN_RANDOM].on = runs[RUN_EXACT].on = o->bounds;
+    for (int r = 0; r < N_RUNS; r++) {
+        if (!runs[r].on)
+            continue;
+        rekv_pipeline_config pc = o->po.cfg;
+        cli_pipeline_opts po = o->po;
+        if (r == RUN_RESIDENT) {
+            rekv_pipeline_config_defaults(&pc);
+            pc.cache_dtype = o->po.cfg.cache_dtype;
+        } else if (r == RUN_RANDOM) {
+            pc.select = REKV_SELECT_RANDOM;
+        } else if (r == RUN_EXACT) {
+            pc.skew = NULL, po.skew = NULL, po.partial_ratio = 1;
+            pc.lookahead = 0, pc.alpha = INFINITY;
+        }
+        runs[r].logits = malloc((size_t)cfg->vocab * sizeof(float));
+        if (runs[r].logits == NULL)
+            return rekv_errf(err, -ENOMEM, "out of memory");
+        int rc = cli_session_open(&runs[r].ses, eng, &po, &pc, 1, (int)w, err);
+        if (rc)
+            return rc;
+    }
+    return 0;
 }
 
 int cli_eval(int argc, char **argv)
@@ -358,9 +487,9 @@ int cli_eval(int argc, char **argv)
     rekv_engine *eng = NULL;
     int32_t *ids = NULL;
     size_t n = 0;
-    eval_run runs[2];
+    eval_run runs[N_RUNS];
     memset(runs, 0, sizeof(runs));
-    int n_runs = o.compare ? 2 : 1;
+    rekv_premises pm = {0};
     if (rekv_model_open(o.model_path, &model, &err))
         goto fail;
     const rekv_model_config *cfg = &model->config;
@@ -383,33 +512,27 @@ int cli_eval(int argc, char **argv)
         goto fail;
     if (cli_session_choose(cfg, o.po.backend, &o.po.link, 1, (int)w, &o.po.cfg, &err))
         goto fail;
-    for (int r = 0; r < n_runs; r++) {
-        rekv_pipeline_config pc = o.po.cfg;
-        if (r == 1) { /* the reference: everything resident, same cache dtype and backend */
-            rekv_pipeline_config_defaults(&pc);
-            pc.cache_dtype = o.po.cfg.cache_dtype;
-        }
-        runs[r].logits = malloc((size_t)cfg->vocab * sizeof(float));
-        if (runs[r].logits == NULL) {
-            rekv_errf(&err, -ENOMEM, "out of memory");
-            goto fail;
-        }
-        if (cli_session_open(&runs[r].ses, eng, &o.po, &pc, 1, (int)w, &err))
-            goto fail;
-    }
+    if (eval_open_runs(&o, eng, cfg, w, runs, &err))
+        goto fail;
     eval_tally t = {0};
     uint64_t t0 = rekv_now_ns();
     rekv_progress_begin(&prog, stderr, rekv_progress_style_for(stderr, o.json), "rekv eval",
                         "tokens", n - (size_t)o.prefill - 1);
-    if (eval_windows(runs, n_runs, ids, n, o.prefill, w, cfg, &prog, &t, &err))
+    if (eval_windows(runs, ids, n, o.prefill, w, cfg, &prog, &t, &err))
         goto fail;
     rekv_progress_end(&prog);
     t.secs = (double)(rekv_now_ns() - t0) * 1e-9;
+    const rekv_pipeline_config *pc0 = rekv_pipeline_get_config(runs[0].ses.p);
+    if (rekv_mode_info_of(pc0->mode)->speculates && /* the premises, on the first window */
+        rekv_premises_measure(eng, pc0->skew, ids, (int)((size_t)w < n ? (size_t)w : n),
+                              (int)o.prefill, pc0->alpha, pc0->max_fraction, pc0->lookahead, &pm,
+                              &err))
+        goto fail;
     if (o.json) {
-        if (eval_print_json(&o, &runs[0], cfg, w, &t, &err))
+        if (eval_print_json(&o, &runs[0], cfg, w, &t, &pm, &err))
             goto fail;
     } else {
-        eval_print_text(&o, &runs[0], &t);
+        eval_print_text(&o, &runs[0], &t, &pm);
     }
     rc = 0;
     goto out;
@@ -417,11 +540,12 @@ fail:
     rekv_progress_end(&prog); /* a bar's line ends before the message */
     fprintf(stderr, "rekv eval: %s\n", err.msg);
 out:
-    for (int r = 0; r < 2; r++) {
+    for (int r = 0; r < N_RUNS; r++) {
         rekv_pseq_free(runs[r].seq);
         cli_session_close(&runs[r].ses);
         free(runs[r].logits);
     }
+    rekv_premises_free(&pm);
     rekv_engine_free(eng);
     free(ids);
     rekv_model_close(model);
