@@ -6,7 +6,8 @@
  * truncations, insertions, deletions, header-length corruption, JSON token swaps and
  * substitutions, line shuffles) and every mutant goes through the public loader API: safetensors,
  * HF model directories (config.json or model.safetensors mutated), llama2.c checkpoints, and the
- * BPE, tokenizer.json and tokenizer.bin loaders. Whatever opens is then used (tensors touched,
+ * BPE, tokenizer.json and tokenizer.bin loaders, and GGUF files (a tiny llama one made here and
+ * those of ../shared/gguf, their headers mutated). Whatever opens is then used (tensors touched,
  * text encoded and decoded). Random byte strings go through every valid tokenizer's encoder.
  *
  * A crash or sanitizer report aborts the process, naming the case; `--only SEED:ITER` replays it.
@@ -14,6 +15,7 @@
  *
  *   fuzz_parsers [--shard I/N] [--scale F] [--only SEED[:ITER]] [--list] [--keep] */
 #define _GNU_SOURCE
+#include "loader/gguf.h"
 #include "loader/loader.h"
 
 #include <dirent.h>
@@ -206,6 +208,7 @@ typedef enum target {
     T_BPE_MERGES = 4,
     T_HF_JSON = 5, /* rekv_tokenizer_load_hf_json */
     T_TOKBIN = 6,  /* rekv_tokenizer_load_llama2c */
+    T_GGUF = 7,    /* rekv_gguf_open, then its tensors dequantized */
 } target;
 
 typedef struct seed {
@@ -257,6 +260,16 @@ static void seed_header_only(seed *s)
         h = h << 8 | s->orig.p[i];
     if (h <= s->orig.n - 8)
         s->prefix = 8 + (size_t)h;
+}
+
+/* GGUF files: the metadata and tensor infos are mutated; the tensor data stay on disk. */
+static void seed_gguf_header_only(seed *s)
+{
+    rekv_gguf *g = NULL;
+    if (rekv_gguf_open(path_in(s->dir, s->file), &g, NULL) != 0)
+        die("a GGUF seed does not open");
+    s->prefix = (size_t)g->data_offset;
+    rekv_gguf_close(g);
 }
 
 static void copy_in(const char *src, const char *dir, const char *name)
@@ -426,6 +439,123 @@ static void gen_l2c(buf *b, int32_t vocab)
     }
 }
 
+/* A tiny llama GGUF (version 3): the llama.* keys, a byte-level BPE tokenizer (4 specials, 256
+ * bytes, one merge), and f32 tensors for one layer of width 32 (2 heads of 16, 1 KV head). */
+static void gg_str(buf *b, const char *s)
+{
+    uint64_t n = strlen(s);
+    buf_add(b, &n, 8);
+    buf_add(b, s, n);
+}
+static void gg_kv_u32(buf *b, const char *k, uint32_t v)
+{
+    uint32_t t = 4;
+    gg_str(b, k);
+    buf_add(b, &t, 4);
+    buf_add(b, &v, 4);
+}
+static void gg_kv_f32(buf *b, const char *k, float v)
+{
+    uint32_t t = 6;
+    gg_str(b, k);
+    buf_add(b, &t, 4);
+    buf_add(b, &v, 4);
+}
+static void gg_kv_str(buf *b, const char *k, const char *v)
+{
+    uint32_t t = 8;
+    gg_str(b, k);
+    buf_add(b, &t, 4);
+    gg_str(b, v);
+}
+static void gg_arr(buf *b, const char *k, uint32_t et, uint64_t n)
+{
+    uint32_t t = 9;
+    gg_str(b, k);
+    buf_add(b, &t, 4);
+    buf_add(b, &et, 4);
+    buf_add(b, &n, 8);
+}
+
+static void gen_gguf(buf *b)
+{
+    enum { H = 32, F = 64, V = 261 };
+    static const struct {
+        const char *name;
+        uint64_t ne0, ne1;
+    } ts[] = {{"token_embd.weight", H, V},     {"output_norm.weight", H, 1},
+              {"output.weight", H, V},         {"blk.0.attn_norm.weight", H, 1},
+              {"blk.0.attn_q.weight", H, H},   {"blk.0.attn_k.weight", H, 16},
+              {"blk.0.attn_v.weight", H, 16},  {"blk.0.attn_output.weight", H, H},
+              {"blk.0.ffn_norm.weight", H, 1}, {"blk.0.ffn_gate.weight", H, F},
+              {"blk.0.ffn_up.weight", H, F},   {"blk.0.ffn_down.weight", F, H}};
+    const size_t nt = sizeof(ts) / sizeof(ts[0]);
+    uint32_t u;
+    uint64_t q;
+    b->n = 0;
+    buf_add(b, "GGUF", 4);
+    u = 3, buf_add(b, &u, 4);
+    q = nt, buf_add(b, &q, 8);
+    q = 19, buf_add(b, &q, 8);
+    gg_kv_str(b, "general.architecture", "llama");
+    gg_kv_u32(b, "llama.context_length", 64);
+    gg_kv_u32(b, "llama.embedding_length", H);
+    gg_kv_u32(b, "llama.block_count", 1);
+    gg_kv_u32(b, "llama.feed_forward_length", F);
+    gg_kv_u32(b, "llama.attention.head_count", 2);
+    gg_kv_u32(b, "llama.attention.head_count_kv", 1);
+    gg_kv_u32(b, "llama.rope.dimension_count", 16);
+    gg_kv_f32(b, "llama.rope.freq_base", 10000.0f);
+    gg_kv_f32(b, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+    gg_kv_u32(b, "llama.vocab_size", V);
+    gg_kv_str(b, "tokenizer.ggml.model", "gpt2");
+    gg_kv_str(b, "tokenizer.ggml.pre", "gpt-2");
+    gg_arr(b, "tokenizer.ggml.tokens", 8, V);
+    const char *specials[4] = {"<unk>", "<s>", "</s>", "<pad>"};
+    for (int i = 0; i < 4; i++)
+        gg_str(b, specials[i]);
+    for (int i = 0; i < 256; i++) {
+        char c[4];
+        byte_unicode(i, c);
+        gg_str(b, c);
+    }
+    gg_str(b, "he");
+    gg_arr(b, "tokenizer.ggml.token_type", 5, V);
+    for (int i = 0; i < V; i++) {
+        int32_t t = i < 4 ? 3 : 1; /* CONTROL, NORMAL */
+        buf_add(b, &t, 4);
+    }
+    gg_arr(b, "tokenizer.ggml.merges", 8, 1);
+    gg_str(b, "h e");
+    gg_kv_u32(b, "tokenizer.ggml.bos_token_id", 1);
+    gg_kv_u32(b, "tokenizer.ggml.eos_token_id", 2);
+    uint32_t bt = 7;
+    gg_str(b, "tokenizer.ggml.add_bos_token");
+    buf_add(b, &bt, 4);
+    buf_add(b, "\1", 1);
+    uint64_t off = 0;
+    for (size_t i = 0; i < nt; i++) {
+        gg_str(b, ts[i].name);
+        u = ts[i].ne1 == 1 ? 1 : 2, buf_add(b, &u, 4);
+        buf_add(b, &ts[i].ne0, 8);
+        if (ts[i].ne1 != 1)
+            buf_add(b, &ts[i].ne1, 8);
+        u = 0, buf_add(b, &u, 4);
+        buf_add(b, &off, 8);
+        off += (ts[i].ne0 * ts[i].ne1 * 4 + 31) / 32 * 32;
+    }
+    while (b->n % 32)
+        buf_add(b, "", 1);
+    for (size_t i = 0; i < nt; i++) {
+        for (uint64_t k = 0; k < ts[i].ne0 * ts[i].ne1; k++) {
+            float x = ts[i].ne1 == 1 ? 1.0f : (float)((int)(k * 2654435761u % 2001) - 1000) * 1e-4f;
+            buf_add(b, &x, 4);
+        }
+        while (b->n % 32)
+            buf_add(b, "", 1);
+    }
+}
+
 static void synth_into(const char *dir, rekv_arch arch, rekv_dtype dt, int tied, uint64_t seed_v)
 {
     rekv_synth_spec s = {.arch = arch,
@@ -563,6 +693,11 @@ static void build_seeds(double scale)
     gen_tokbin(&b);
     write_file(path_in(s->dir, "tokenizer.bin"), b.p, b.n);
     seed_load(s);
+    s = seed_add("gguf-tiny", T_GGUF, K_BINARY, "tiny.gguf", small);
+    gen_gguf(&b);
+    write_file(path_in(s->dir, "tiny.gguf"), b.p, b.n);
+    seed_load(s);
+    seed_gguf_header_only(s);
     free(vocab.p);
     free(merges.p);
     free(tj.p);
@@ -605,6 +740,19 @@ static void build_seeds(double scale)
         copy_in(sh_260k, s->dir, "stories260K.bin");
         seed_load(s);
         s->prefix = 4096; /* the header and the start of the embeddings */
+    }
+    static const char *const ggufs[] = {"llama-tiny-py-F16", "synth-llama-Q4_K_M",
+                                        "llama-tiny-py-Q4_0"};
+    for (size_t i = 0; i < sizeof(ggufs) / sizeof(ggufs[0]); i++) {
+        char name[64], p[PATH_MAX];
+        snprintf(p, sizeof(p), "../shared/gguf/%s.gguf", ggufs[i]);
+        if (!exists(p))
+            continue;
+        snprintf(name, sizeof(name), "shared-gguf-%d", (int)i);
+        s = seed_add(name, T_GGUF, K_BINARY, "model.gguf", mid);
+        copy_in(p, s->dir, "model.gguf");
+        seed_load(s);
+        seed_gguf_header_only(s);
     }
     if (exists(sh_tokbin)) {
         s = seed_add("shared-tokbin", T_TOKBIN, K_BINARY, "tokenizer.bin", big);
@@ -1083,6 +1231,46 @@ static void model_tokenizer(const char *model_path)
     }
 }
 
+/* A GGUF opened, every key/value read through the accessors, and the first and last block of
+ * every tensor dequantized. */
+static int fuzz_gguf(const char *path, rekv_err *err)
+{
+    rekv_gguf *g = NULL;
+    int rc = rekv_gguf_open(path, &g, err);
+    if (rc != 0)
+        return rc;
+    g_accepted++;
+    for (size_t i = 0; i < g->n_kvs; i++) {
+        const rekv_gguf_kv *kv = &g->kvs[i];
+        for (uint64_t k = 0; k < kv->n && k < 64; k++) {
+            int64_t iv;
+            double fv;
+            const char *sv;
+            size_t n;
+            if (rekv_gguf_kv_str(kv, k, &sv, &n) == 0 && n > 0)
+                g_sink ^= (uint8_t)sv[n - 1];
+            rekv_gguf_kv_int(kv, k, &iv);
+            rekv_gguf_kv_float(kv, k, &fv);
+        }
+    }
+    float y[256];
+    for (size_t i = 0; i < g->n_tensors; i++) {
+        const rekv_gguf_tensor *t = &g->tensors[i];
+        uint32_t be, bb;
+        rekv_ggml_type_block(t->type, &be, &bb);
+        if (t->numel < be || !rekv_ggml_type_dequantizable(t->type))
+            continue;
+        rekv_err e2 = {0};
+        if (rekv_gguf_dequant(t, 0, be, y, &e2) != 0 ||
+            rekv_gguf_dequant(t, t->numel - be, be, y, &e2) != 0) {
+            fprintf(stderr, "fuzz_parsers: dequantizing %s failed: %s\n", t->name, e2.msg);
+            abort();
+        }
+    }
+    rekv_gguf_close(g);
+    return 0;
+}
+
 static void run_case(const seed *s)
 {
     rekv_err err = {0};
@@ -1127,6 +1315,9 @@ static void run_case(const seed *s)
         model_tokenizer(path);
         break;
     }
+    case T_GGUF:
+        rc = fuzz_gguf(path, &err);
+        break;
     case T_BPE_VOCAB:
     case T_BPE_MERGES:
     case T_HF_JSON:
