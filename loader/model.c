@@ -1,5 +1,7 @@
-/* model.c — opening a whole model: HF directories (config.json + safetensors) and llama2.c files,
- * mapped onto the architecture-neutral rekv_weights table with every shape checked. */
+/* model.c — opening a whole model: HF directories (config.json + safetensors) and llama2.c files
+ * (GGUF files: gguf_model.c), mapped onto the architecture-neutral rekv_weights table with every
+ * shape checked. */
+#include "loader/gguf.h"
 #include "loader/loader.h"
 
 #include <errno.h>
@@ -52,6 +54,8 @@ int rekv_model_open(const char *path, rekv_model **out, rekv_err *err)
         return rekv_errf(err, -errno, "%s: %s", path, strerror(errno));
     if (S_ISDIR(st.st_mode))
         return rekv_model_open_hf(path, out, err);
+    if (rekv_gguf_is_gguf(path))
+        return rekv_model_open_gguf(path, out, err);
     return rekv_model_open_llama2c(path, out, err);
 }
 

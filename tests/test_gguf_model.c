@@ -1,0 +1,381 @@
+/* test_gguf_model.c — a llama GGUF as a rekv model: the config of every file of ../shared/gguf
+ * against llama.cpp's reading of it (the ref.json's model and tokenizer_meta), quantized files
+ * refused naming the type, and metadata edits (a GGUF rewritten here with one key changed, added
+ * or dropped) refused naming the key or tensor: an architecture rekv does not run, a MoE llama,
+ * scaled rope, dims that disagree with the tensors, a layer count that leaves a layer out. */
+#define _GNU_SOURCE
+#include "loader/gguf.h"
+#include "tests/testutil.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const k_files[] = {
+    "llama-tiny-py-F16", "llama-tiny-py-Q8_0", "llama-tiny-py-Q4_0", "synth-llama-F16",
+    "synth-llama-Q8_0",  "synth-llama-Q4_K_M", "synth-llama-Q4_0",
+};
+#define N_FILES (sizeof(k_files) / sizeof(k_files[0]))
+
+static const char *shared_gguf(const char *name, json_t **ref)
+{
+    char rel[256];
+    snprintf(rel, sizeof(rel), "gguf/%s.gguf", name);
+    const char *path = tu_shared(rel);
+    snprintf(rel, sizeof(rel), "gguf/%s.ref.json", name);
+    const char *rpath = tu_shared(rel);
+    if (path == NULL || rpath == NULL)
+        return NULL;
+    if (ref != NULL) {
+        json_error_t je;
+        *ref = json_load_file(rpath, 0, &je);
+        ck_assert_msg(*ref != NULL, "%s: %s", rpath, je.text);
+    }
+    return path;
+}
+
+static long long jint(json_t *o, const char *k)
+{
+    return json_integer_value(json_object_get(o, k));
+}
+
+START_TEST(config_as_llama_cpp_reads_it)
+{
+    json_t *ref;
+    const char *path = shared_gguf(k_files[_i], &ref);
+    if (path == NULL)
+        return;
+    rekv_gguf *g;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_gguf_open(path, &g, &err) == 0, "%s", err.msg);
+    rekv_model_config c;
+    ck_assert_msg(rekv_gguf_config(g, &c, &err) == 0, "%s", err.msg);
+    json_t *m = json_object_get(ref, "model"), *t = json_object_get(ref, "tokenizer_meta");
+    ck_assert_int_eq(c.arch, REKV_ARCH_LLAMA);
+    ck_assert_int_eq(c.rope, REKV_ROPE_ADJACENT); /* the converter's row order: see gguf_model.c */
+    ck_assert_int_eq(c.n_layers, jint(m, "n_layer"));
+    ck_assert_int_eq(c.hidden, jint(m, "n_embd"));
+    ck_assert_int_eq(c.n_heads, jint(m, "n_head"));
+    ck_assert_int_eq(c.n_kv_heads, jint(m, "n_head_kv"));
+    ck_assert_int_eq(c.head_dim, jint(m, "head_dim"));
+    ck_assert_int_eq(c.ffn, jint(m, "n_ff"));
+    ck_assert_int_eq(c.vocab, jint(m, "n_vocab"));
+    ck_assert_int_eq(c.max_pos, jint(m, "context_length"));
+    ck_assert(c.rope_theta == (float)json_number_value(json_object_get(m, "rope_theta")));
+    ck_assert(c.norm_eps == (float)json_number_value(json_object_get(m, "rms_norm_eps")));
+    ck_assert_int_eq(c.tied_head, json_is_true(json_object_get(m, "tied_output")));
+    ck_assert_int_eq(c.bos_id, jint(t, "bos"));
+    ck_assert_int_eq(c.eos_id, jint(t, "eos"));
+    ck_assert_int_eq(c.pad_id, jint(t, "pad"));
+    ck_assert_int_eq(c.add_bos, json_is_true(json_object_get(t, "add_bos")));
+    rekv_gguf_close(g);
+    /* the whole model: F16 files load with every tensor in place, quantized ones are refused
+     * naming the type (they are to stay quantized into the GEMM, not be widened at load) */
+    rekv_model *model = NULL;
+    int rc = rekv_model_open(path, &model, &err);
+    if (strstr(k_files[_i], "F16") != NULL) {
+        ck_assert_msg(rc == 0, "%s", err.msg);
+        ck_assert_int_eq(model->weights.embed_tokens->shape[0], c.vocab);
+        ck_assert_int_eq(model->weights.embed_tokens->shape[1], c.hidden);
+        ck_assert_int_eq(model->weights.embed_tokens->dtype, REKV_DTYPE_F16);
+        ck_assert_int_eq(model->weights.layers[0].attn_norm_w->dtype, REKV_DTYPE_F32);
+        ck_assert_int_eq(model->weights.layers[0].w2->shape[0], c.hidden);
+        ck_assert_int_eq(model->weights.layers[0].w2->shape[1], c.ffn);
+        ck_assert_ptr_ne(model->weights.lm_head, model->weights.embed_tokens);
+        rekv_model_close(model);
+    } else {
+        char want[64];
+        const char *q = strrchr(k_files[_i], '-') + 1;
+        snprintf(want, sizeof(want), "%.4s weights are not supported yet; F16/BF16/F32 are", q);
+        ck_assert_int_eq(rc, -ENOTSUP);
+        ck_assert_msg(strstr(err.msg, want) != NULL, "\"%s\" should say \"%s\"", err.msg, want);
+    }
+    json_decref(ref);
+}
+END_TEST
+
+/* ---------------------------------------------------------------- rewritten files */
+
+typedef struct gbuf {
+    uint8_t *p;
+    size_t n, cap;
+} gbuf;
+
+static void put(gbuf *b, const void *p, size_t n)
+{
+    if (b->n + n > b->cap) {
+        b->cap = (b->n + n) * 2 + 64;
+        b->p = realloc(b->p, b->cap);
+        ck_assert_ptr_nonnull(b->p);
+    }
+    if (n)
+        memcpy(b->p + b->n, p, n);
+    b->n += n;
+}
+static void put_u32(gbuf *b, uint32_t v)
+{
+    put(b, &v, 4);
+}
+static void put_u64(gbuf *b, uint64_t v)
+{
+    put(b, &v, 8);
+}
+static void put_bytes_str(gbuf *b, const char *s, size_t n)
+{
+    put_u64(b, n);
+    put(b, s, n);
+}
+
+/* One change to a file's metadata: key set to a scalar (u32, f32 or string), or dropped (type
+ * -1); a key that is not there is added. rename_tensor/new_name renames a tensor. */
+typedef struct edit {
+    const char *key;
+    int type; /* REKV_GGUF_U32, _F32, _STRING; -1 drops the key */
+    uint32_t u;
+    float f;
+    const char *s;
+    const char *rename_tensor, *new_name;
+} edit;
+
+static void put_value(gbuf *b, const edit *e)
+{
+    put_u32(b, (uint32_t)e->type);
+    if (e->type == REKV_GGUF_U32)
+        put_u32(b, e->u);
+    else if (e->type == REKV_GGUF_F32)
+        put(b, &e->f, 4);
+    else
+        put_bytes_str(b, e->s, strlen(e->s));
+}
+
+static void put_kv(gbuf *b, const rekv_gguf_kv *kv)
+{
+    put_bytes_str(b, kv->key, strlen(kv->key));
+    put_u32(b, kv->type);
+    if (kv->type == REKV_GGUF_ARRAY) {
+        put_u32(b, kv->elem_type);
+        put_u64(b, kv->n);
+    }
+    if (kv->elem_type == REKV_GGUF_STRING) {
+        for (uint64_t i = 0; i < kv->n; i++) {
+            const char *s;
+            size_t n;
+            ck_assert_int_eq(rekv_gguf_kv_str(kv, i, &s, &n), 0);
+            put_bytes_str(b, s, n);
+        }
+        return;
+    }
+    static const uint8_t sizes[] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    ck_assert(kv->elem_type < sizeof(sizes) && sizes[kv->elem_type]); /* no nested arrays here */
+    put(b, kv->value, (size_t)kv->n * sizes[kv->elem_type]);
+}
+
+/* Writes src with the edits applied to dir/name and returns the path (static storage). */
+static const char *rewrite(const char *src, const edit *edits, size_t n_edits, const char *dir)
+{
+    static char out[4096];
+    rekv_gguf *g;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_gguf_open(src, &g, &err) == 0, "%s", err.msg);
+    gbuf b = {0};
+    gbuf kvs = {0};
+    uint64_t n_kv = 0;
+    for (size_t i = 0; i < g->n_kvs; i++) {
+        const edit *e = NULL;
+        for (size_t k = 0; k < n_edits; k++)
+            if (edits[k].key && strcmp(edits[k].key, g->kvs[i].key) == 0)
+                e = &edits[k];
+        if (e == NULL) {
+            put_kv(&kvs, &g->kvs[i]);
+            n_kv++;
+        } else if (e->type >= 0) {
+            put_bytes_str(&kvs, e->key, strlen(e->key));
+            put_value(&kvs, e);
+            n_kv++;
+        }
+    }
+    for (size_t k = 0; k < n_edits; k++)
+        if (edits[k].key && edits[k].type >= 0 && rekv_gguf_kv_find(g, edits[k].key) == NULL) {
+            put_bytes_str(&kvs, edits[k].key, strlen(edits[k].key));
+            put_value(&kvs, &edits[k]);
+            n_kv++;
+        }
+    put(&b, "GGUF", 4);
+    put_u32(&b, 3);
+    put_u64(&b, g->n_tensors);
+    put_u64(&b, n_kv);
+    put(&b, kvs.p, kvs.n);
+    for (size_t i = 0; i < g->n_tensors; i++) {
+        const rekv_gguf_tensor *t = &g->tensors[i];
+        const char *name = t->name;
+        for (size_t k = 0; k < n_edits; k++)
+            if (edits[k].rename_tensor && strcmp(edits[k].rename_tensor, name) == 0)
+                name = edits[k].new_name;
+        put_bytes_str(&b, name, strlen(name));
+        put_u32(&b, (uint32_t)t->n_dims);
+        for (int d = 0; d < t->n_dims; d++)
+            put_u64(&b, t->ne[d]);
+        put_u32(&b, t->type);
+        put_u64(&b, t->offset - g->data_offset);
+    }
+    while (b.n % g->alignment)
+        put(&b, "", 1);
+    put(&b, g->map + g->data_offset, g->len - g->data_offset);
+    snprintf(out, sizeof(out), "%s/edited.gguf", dir);
+    FILE *f = fopen(out, "wb");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_uint_eq(fwrite(b.p, 1, b.n, f), b.n);
+    fclose(f);
+    free(b.p);
+    free(kvs.p);
+    rekv_gguf_close(g);
+    return out;
+}
+
+/* The F16 file with one edit must be refused by rekv_model_open with code and a message holding
+ * needle. */
+static void expect_refused(const edit *e, int code, const char *needle)
+{
+    const char *src = shared_gguf("synth-llama-F16", NULL);
+    if (src == NULL)
+        return;
+    char *dir = tu_tmpdir();
+    const char *path = rewrite(src, e, 1, dir);
+    rekv_model *m = NULL;
+    rekv_err err = {0};
+    int rc = rekv_model_open(path, &m, &err);
+    ck_assert_msg(rc == -code, "want -%d (%s), got %d: %s", code, needle, rc, err.msg);
+    ck_assert_msg(strstr(err.msg, needle) != NULL && strstr(err.msg, "edited.gguf") != NULL,
+                  "the message \"%s\" should name \"%s\" and the file", err.msg, needle);
+    tu_rmrf(dir);
+    free(dir);
+}
+
+START_TEST(rewritten_unchanged_loads)
+{
+    const char *src = shared_gguf("synth-llama-F16", NULL);
+    if (src == NULL)
+        return;
+    char *dir = tu_tmpdir();
+    edit none = {0};
+    const char *path = rewrite(src, &none, 0, dir);
+    rekv_model *m = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    rekv_model_close(m);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+START_TEST(bad_metadata_named)
+{
+    edit e = {.key = "general.architecture", .type = REKV_GGUF_STRING, .s = "qwen2"};
+    expect_refused(&e, ENOTSUP, "\"general.architecture\" = \"qwen2\" is not supported");
+    e = (edit){.key = "llama.expert_count", .type = REKV_GGUF_U32, .u = 8};
+    expect_refused(&e, ENOTSUP, "\"llama.expert_count\" = 8: mixture-of-experts");
+    e = (edit){.key = "llama.rope.scaling.type", .type = REKV_GGUF_STRING, .s = "yarn"};
+    expect_refused(&e, ENOTSUP, "\"llama.rope.scaling.type\" = \"yarn\": rope scaling");
+    e = (edit){.key = "llama.rope.scaling.factor", .type = REKV_GGUF_F32, .f = 8.0f};
+    expect_refused(&e, ENOTSUP, "\"llama.rope.scaling.factor\" = 8");
+    e = (edit){.rename_tensor = "blk.3.ffn_norm.weight", .new_name = "rope_freqs.weight"};
+    expect_refused(&e, ENOTSUP, "\"rope_freqs.weight\"");
+    e = (edit){.key = "llama.embedding_length", .type = REKV_GGUF_U32, .u = 512};
+    expect_refused(&e, EINVAL,
+                   "tensor \"token_embd.weight\" has ne [256, 4096], but the metadata "
+                   "(llama.embedding_length, vocabulary) says [512, 4096]");
+    e = (edit){.key = "llama.feed_forward_length", .type = REKV_GGUF_U32, .u = 1024};
+    expect_refused(&e, EINVAL, "tensor \"blk.0.ffn_gate.weight\" has ne [256, 768]");
+    e = (edit){.key = "llama.attention.head_count_kv", .type = REKV_GGUF_U32, .u = 4};
+    expect_refused(&e, EINVAL,
+                   "tensor \"blk.0.attn_k.weight\" has ne [256, 128], but the metadata "
+                   "(llama.embedding_length, head_count_kv x head dim) says [256, 256]");
+    e = (edit){.key = "llama.attention.head_count_kv", .type = REKV_GGUF_U32, .u = 3};
+    expect_refused(&e, EINVAL, "\"llama.attention.head_count\" 4 is not a multiple");
+    e = (edit){.key = "llama.block_count", .type = REKV_GGUF_U32, .u = 3};
+    expect_refused(&e, EINVAL,
+                   "tensor \"blk.3.attn_norm.weight\" exists, but the metadata "
+                   "(llama.block_count) says 3 layers");
+    e = (edit){.key = "llama.block_count", .type = REKV_GGUF_U32, .u = 5};
+    expect_refused(&e, EINVAL, "tensor \"blk.4.attn_norm.weight\" is missing");
+    e = (edit){.key = "llama.vocab_size", .type = REKV_GGUF_U32, .u = 4000};
+    expect_refused(&e, EINVAL, "\"tokenizer.ggml.tokens\" has 4096 tokens, but the vocabulary");
+    e = (edit){.key = "llama.block_count", .type = -1};
+    expect_refused(&e, ENOENT, "metadata \"llama.block_count\" is missing");
+    e = (edit){.key = "llama.context_length", .type = REKV_GGUF_STRING, .s = "1024"};
+    expect_refused(&e, EINVAL, "metadata \"llama.context_length\" is a string, not an integer");
+    e = (edit){.key = "tokenizer.ggml.bos_token_id", .type = REKV_GGUF_U32, .u = 5000};
+    expect_refused(&e, EINVAL, "\"tokenizer.ggml.bos_token_id\" = 5000 is outside the vocabulary");
+    e = (edit){.key = "llama.rope.dimension_count", .type = REKV_GGUF_U32, .u = 32};
+    expect_refused(&e, ENOTSUP, "\"llama.rope.dimension_count\" 32");
+}
+END_TEST
+
+/* 1 when some line of out holds every one of the pieces (NULL-terminated), in order. */
+static int line_has(const char *out, const char *const *pieces)
+{
+    for (const char *l = out; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL) {
+        const char *end = strchr(l, '\n'), *at = l;
+        size_t len = end ? (size_t)(end - l) : strlen(l);
+        char line[1024];
+        snprintf(line, sizeof(line), "%.*s", (int)len, l);
+        at = line;
+        const char *const *p = pieces;
+        for (; *p && (at = strstr(at, *p)) != NULL; p++)
+            at += strlen(*p);
+        if (*p == NULL)
+            return 1;
+    }
+    return 0;
+}
+
+/* rekv-loader inspect lists a GGUF's metadata and tensors (type, dims, bytes), and says why a
+ * quantized file cannot be loaded yet without failing. */
+START_TEST(inspect_lists_metadata_and_tensors)
+{
+    const char *path = shared_gguf("synth-llama-Q4_K_M", NULL);
+    if (path == NULL)
+        return;
+    char cmd[4096], *out = NULL;
+    snprintf(cmd, sizeof(cmd), "%s inspect %s 2>&1", tu_bin("rekv-loader"), path);
+    int rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 0, "rc %d: %s", rc, tu_log_end(out));
+    static const char *const want[][6] = {
+        {"GGUF version 3, alignment 32", NULL},
+        {"tokenizer.ggml.model ", " string ", "\"gpt2\"", NULL},
+        {"tokenizer.ggml.tokens ", "string[4096] [\"<s>\", \"<pad>\", \"</s>\"", NULL},
+        {"llama.attention.layer_norm_rms_epsilon ", " float32 ", " 9.99999975e-06", NULL},
+        {"tokenizer.ggml.add_bos_token ", " bool ", " true", NULL},
+        {"  output.weight ", " q6_K ", " [256, 4096] ", " 860160 bytes at 129696", NULL},
+        {"  blk.0.ffn_down.weight ", " q4_K ", " [768, 256] ", " 110592 bytes", NULL},
+        {"tensors: 39", NULL},
+        {"  layers ", " 4", NULL},
+        {"weights: not loadable yet:", "Q4_K weights are not supported yet", NULL}};
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++)
+        ck_assert_msg(line_has(out, want[i]), "no line with \"%s\"... in:\n%s", want[i][0],
+                      tu_log_end(out));
+    free(out);
+}
+END_TEST
+
+Suite *gguf_model_suite(void);
+Suite *gguf_model_suite(void)
+{
+    Suite *s = suite_create("gguf_model");
+    TCase *tc = tcase_create("config");
+    tcase_set_timeout(tc, 60);
+    tcase_add_loop_test(tc, config_as_llama_cpp_reads_it, 0, N_FILES);
+    tcase_add_test(tc, rewritten_unchanged_loads);
+    tcase_add_test(tc, bad_metadata_named);
+    tcase_add_test(tc, inspect_lists_metadata_and_tensors);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(gguf_model_suite());
+}
