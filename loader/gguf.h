@@ -150,5 +150,7 @@ int rekv_gguf_config(const rekv_gguf *g, rekv_model_config *out, rekv_err *err);
 int rekv_model_open_gguf(const char *path, rekv_model **out, rekv_err *err);
 /* The GGUF's own tokenizer (tokenizer.ggml.*) as a rekv tokenizer (tokenizer_gguf.c). */
 int rekv_tokenizer_load_gguf(const rekv_gguf *g, rekv_tokenizer **out, rekv_err *err);
+/* The same from a path (rekv_tokenizer_load_for_model's choice for a GGUF file). */
+int rekv_tokenizer_load_gguf_file(const char *path, rekv_tokenizer **out, rekv_err *err);
 
 #endif

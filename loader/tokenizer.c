@@ -5,6 +5,7 @@
  * the BPE merge engine), tokenizer_normalize.c (tokenizer.json's normalizers) and
  * tokenizer_decode.c. */
 #define _GNU_SOURCE
+#include "loader/gguf.h"
 #include "loader/tokenizer_internal.h"
 
 #include <errno.h>
@@ -440,6 +441,8 @@ int rekv_tokenizer_load_for_model(const char *model_path, rekv_tokenizer **out, 
                        model_path);
         goto done;
     }
+    if (rekv_gguf_is_gguf(model_path)) /* a GGUF carries its own (tokenizer_gguf.c) */
+        return rekv_tokenizer_load_gguf_file(model_path, out, err);
     /* a llama2.c checkpoint: tokenizer.bin in the same directory */
     const char *slash = strrchr(model_path, '/');
     a = slash ? path_join(model_path, (size_t)(slash - model_path), "tokenizer.bin")
