@@ -6,11 +6,15 @@
  *   fp32 against the float64 forward pass on the same weights: f64_top5_logit_abs, and the argmax
  *   wherever the f64 top-1/top-2 gap exceeds f64_greedy_gate);
  * - the perplexity texts' first chunks scored by the README's protocol against chunk_nll_sum;
+ * - F32 and BF16 GGUFs (the F16 file's matrices rewritten): the F32 copy gives the F16 file's
+ *   logits bit for bit (both are the fp32 widening), and a BF16 file those of an F32 file holding
+ *   the same bf16-rounded values;
  * - the CLI: `rekv generate --local --model FILE.gguf --prompt TEXT` tokenizes with the GGUF's
  *   tokenizer and reproduces llama.cpp's prompt ids and greedy ids. */
 #define _GNU_SOURCE
 #include "gpuworker/gpuworker.h"
 #include "loader/gguf.h"
+#include "tests/gguf_edit.h"
 #include "tests/testutil.h"
 
 #include <errno.h>
@@ -248,6 +252,53 @@ START_TEST(cli_generate_from_text)
 }
 END_TEST
 
+/* The last-token logits of case 0's prompt from the model at path (malloc'd, [vocab]). */
+static float *prompt_logits(const char *path, json_t *ref, rekv_dtype want_dtype)
+{
+    rekv_model *m;
+    rekv_engine *e;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(m->weights.layers[0].wq->dtype, want_dtype);
+    ck_assert_msg(rekv_engine_create(m, &e, &err) == 0, "%s", err.msg);
+    json_t *c = json_array_get(json_object_get(json_object_get(ref, "generation"), "cases"), 0);
+    int n;
+    int32_t *prompt = ids_of(json_object_get(c, "prompt"), &n);
+    float *logits = malloc((size_t)m->config.vocab * sizeof(float));
+    rekv_seq *seq;
+    ck_assert_int_eq(rekv_seq_create(e, 256, &seq, NULL), 0);
+    rekv_batch_item it = {.seq = seq, .tokens = prompt, .n_tokens = n, .logits = logits};
+    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
+    rekv_seq_free(seq);
+    free(prompt);
+    rekv_engine_free(e);
+    rekv_model_close(m);
+    return logits;
+}
+
+START_TEST(f32_and_bf16_files)
+{
+    fixture f = {0};
+    if (!fixture_open(k_files[_i], &f))
+        return;
+    char *dir = tu_tmpdir();
+    float *f16 = prompt_logits(f.path, f.ref, REKV_DTYPE_F16);
+    float *f32 = prompt_logits(tg_rewrite(f.path, NULL, 0, TG_TO_F32, dir), f.ref, REKV_DTYPE_F32);
+    ck_assert_mem_eq(f16, f32, (size_t)f.vocab * sizeof(float));
+    float *bf = prompt_logits(tg_rewrite(f.path, NULL, 0, TG_TO_BF16, dir), f.ref, REKV_DTYPE_BF16);
+    float *bf32 =
+        prompt_logits(tg_rewrite(f.path, NULL, 0, TG_TO_F32_VIA_BF16, dir), f.ref, REKV_DTYPE_F32);
+    ck_assert_mem_eq(bf, bf32, (size_t)f.vocab * sizeof(float));
+    free(f16);
+    free(f32);
+    free(bf);
+    free(bf32);
+    tu_rmrf(dir);
+    free(dir);
+    fixture_close(&f);
+}
+END_TEST
+
 Suite *gguf_forward_suite(void);
 Suite *gguf_forward_suite(void)
 {
@@ -257,6 +308,7 @@ Suite *gguf_forward_suite(void)
     tcase_add_loop_test(tc, teacher_forced_top5, 0, N_FILES);
     tcase_add_loop_test(tc, perplexity_chunks, 0, N_FILES);
     tcase_add_loop_test(tc, cli_generate_from_text, 0, N_FILES);
+    tcase_add_loop_test(tc, f32_and_bf16_files, 0, N_FILES);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -5,6 +5,7 @@
  * scaled rope, dims that disagree with the tensors, a layer count that leaves a layer out. */
 #define _GNU_SOURCE
 #include "loader/gguf.h"
+#include "tests/gguf_edit.h"
 #include "tests/testutil.h"
 
 #include <errno.h>
@@ -99,151 +100,15 @@ END_TEST
 
 /* ---------------------------------------------------------------- rewritten files */
 
-typedef struct gbuf {
-    uint8_t *p;
-    size_t n, cap;
-} gbuf;
-
-static void put(gbuf *b, const void *p, size_t n)
-{
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-        ck_assert_ptr_nonnull(b->p);
-    }
-    if (n)
-        memcpy(b->p + b->n, p, n);
-    b->n += n;
-}
-static void put_u32(gbuf *b, uint32_t v)
-{
-    put(b, &v, 4);
-}
-static void put_u64(gbuf *b, uint64_t v)
-{
-    put(b, &v, 8);
-}
-static void put_bytes_str(gbuf *b, const char *s, size_t n)
-{
-    put_u64(b, n);
-    put(b, s, n);
-}
-
-/* One change to a file's metadata: key set to a scalar (u32, f32 or string), or dropped (type
- * -1); a key that is not there is added. rename_tensor/new_name renames a tensor. */
-typedef struct edit {
-    const char *key;
-    int type; /* REKV_GGUF_U32, _F32, _STRING; -1 drops the key */
-    uint32_t u;
-    float f;
-    const char *s;
-    const char *rename_tensor, *new_name;
-} edit;
-
-static void put_value(gbuf *b, const edit *e)
-{
-    put_u32(b, (uint32_t)e->type);
-    if (e->type == REKV_GGUF_U32)
-        put_u32(b, e->u);
-    else if (e->type == REKV_GGUF_F32)
-        put(b, &e->f, 4);
-    else
-        put_bytes_str(b, e->s, strlen(e->s));
-}
-
-static void put_kv(gbuf *b, const rekv_gguf_kv *kv)
-{
-    put_bytes_str(b, kv->key, strlen(kv->key));
-    put_u32(b, kv->type);
-    if (kv->type == REKV_GGUF_ARRAY) {
-        put_u32(b, kv->elem_type);
-        put_u64(b, kv->n);
-    }
-    if (kv->elem_type == REKV_GGUF_STRING) {
-        for (uint64_t i = 0; i < kv->n; i++) {
-            const char *s;
-            size_t n;
-            ck_assert_int_eq(rekv_gguf_kv_str(kv, i, &s, &n), 0);
-            put_bytes_str(b, s, n);
-        }
-        return;
-    }
-    static const uint8_t sizes[] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
-    ck_assert(kv->elem_type < sizeof(sizes) && sizes[kv->elem_type]); /* no nested arrays here */
-    put(b, kv->value, (size_t)kv->n * sizes[kv->elem_type]);
-}
-
-/* Writes src with the edits applied to dir/name and returns the path (static storage). */
-static const char *rewrite(const char *src, const edit *edits, size_t n_edits, const char *dir)
-{
-    static char out[4096];
-    rekv_gguf *g;
-    rekv_err err = {0};
-    ck_assert_msg(rekv_gguf_open(src, &g, &err) == 0, "%s", err.msg);
-    gbuf b = {0};
-    gbuf kvs = {0};
-    uint64_t n_kv = 0;
-    for (size_t i = 0; i < g->n_kvs; i++) {
-        const edit *e = NULL;
-        for (size_t k = 0; k < n_edits; k++)
-            if (edits[k].key && strcmp(edits[k].key, g->kvs[i].key) == 0)
-                e = &edits[k];
-        if (e == NULL) {
-            put_kv(&kvs, &g->kvs[i]);
-            n_kv++;
-        } else if (e->type >= 0) {
-            put_bytes_str(&kvs, e->key, strlen(e->key));
-            put_value(&kvs, e);
-            n_kv++;
-        }
-    }
-    for (size_t k = 0; k < n_edits; k++)
-        if (edits[k].key && edits[k].type >= 0 && rekv_gguf_kv_find(g, edits[k].key) == NULL) {
-            put_bytes_str(&kvs, edits[k].key, strlen(edits[k].key));
-            put_value(&kvs, &edits[k]);
-            n_kv++;
-        }
-    put(&b, "GGUF", 4);
-    put_u32(&b, 3);
-    put_u64(&b, g->n_tensors);
-    put_u64(&b, n_kv);
-    put(&b, kvs.p, kvs.n);
-    for (size_t i = 0; i < g->n_tensors; i++) {
-        const rekv_gguf_tensor *t = &g->tensors[i];
-        const char *name = t->name;
-        for (size_t k = 0; k < n_edits; k++)
-            if (edits[k].rename_tensor && strcmp(edits[k].rename_tensor, name) == 0)
-                name = edits[k].new_name;
-        put_bytes_str(&b, name, strlen(name));
-        put_u32(&b, (uint32_t)t->n_dims);
-        for (int d = 0; d < t->n_dims; d++)
-            put_u64(&b, t->ne[d]);
-        put_u32(&b, t->type);
-        put_u64(&b, t->offset - g->data_offset);
-    }
-    while (b.n % g->alignment)
-        put(&b, "", 1);
-    put(&b, g->map + g->data_offset, g->len - g->data_offset);
-    snprintf(out, sizeof(out), "%s/edited.gguf", dir);
-    FILE *f = fopen(out, "wb");
-    ck_assert_ptr_nonnull(f);
-    ck_assert_uint_eq(fwrite(b.p, 1, b.n, f), b.n);
-    fclose(f);
-    free(b.p);
-    free(kvs.p);
-    rekv_gguf_close(g);
-    return out;
-}
-
 /* The F16 file with one edit must be refused by rekv_model_open with code and a message holding
  * needle. */
-static void expect_refused(const edit *e, int code, const char *needle)
+static void expect_refused(const tg_edit *e, int code, const char *needle)
 {
     const char *src = shared_gguf("synth-llama-F16", NULL);
     if (src == NULL)
         return;
     char *dir = tu_tmpdir();
-    const char *path = rewrite(src, e, 1, dir);
+    const char *path = tg_rewrite(src, e, 1, -1, dir);
     rekv_model *m = NULL;
     rekv_err err = {0};
     int rc = rekv_model_open(path, &m, &err);
@@ -260,8 +125,8 @@ START_TEST(rewritten_unchanged_loads)
     if (src == NULL)
         return;
     char *dir = tu_tmpdir();
-    edit none = {0};
-    const char *path = rewrite(src, &none, 0, dir);
+    tg_edit none = {0};
+    const char *path = tg_rewrite(src, &none, 0, -1, dir);
     rekv_model *m = NULL;
     rekv_err err = {0};
     ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
@@ -273,43 +138,43 @@ END_TEST
 
 START_TEST(bad_metadata_named)
 {
-    edit e = {.key = "general.architecture", .type = REKV_GGUF_STRING, .s = "qwen2"};
+    tg_edit e = {.key = "general.architecture", .type = REKV_GGUF_STRING, .s = "qwen2"};
     expect_refused(&e, ENOTSUP, "\"general.architecture\" = \"qwen2\" is not supported");
-    e = (edit){.key = "llama.expert_count", .type = REKV_GGUF_U32, .u = 8};
+    e = (tg_edit){.key = "llama.expert_count", .type = REKV_GGUF_U32, .u = 8};
     expect_refused(&e, ENOTSUP, "\"llama.expert_count\" = 8: mixture-of-experts");
-    e = (edit){.key = "llama.rope.scaling.type", .type = REKV_GGUF_STRING, .s = "yarn"};
+    e = (tg_edit){.key = "llama.rope.scaling.type", .type = REKV_GGUF_STRING, .s = "yarn"};
     expect_refused(&e, ENOTSUP, "\"llama.rope.scaling.type\" = \"yarn\": rope scaling");
-    e = (edit){.key = "llama.rope.scaling.factor", .type = REKV_GGUF_F32, .f = 8.0f};
+    e = (tg_edit){.key = "llama.rope.scaling.factor", .type = REKV_GGUF_F32, .f = 8.0f};
     expect_refused(&e, ENOTSUP, "\"llama.rope.scaling.factor\" = 8");
-    e = (edit){.rename_tensor = "blk.3.ffn_norm.weight", .new_name = "rope_freqs.weight"};
+    e = (tg_edit){.rename_tensor = "blk.3.ffn_norm.weight", .new_name = "rope_freqs.weight"};
     expect_refused(&e, ENOTSUP, "\"rope_freqs.weight\"");
-    e = (edit){.key = "llama.embedding_length", .type = REKV_GGUF_U32, .u = 512};
+    e = (tg_edit){.key = "llama.embedding_length", .type = REKV_GGUF_U32, .u = 512};
     expect_refused(&e, EINVAL,
                    "tensor \"token_embd.weight\" has ne [256, 4096], but the metadata "
                    "(llama.embedding_length, vocabulary) says [512, 4096]");
-    e = (edit){.key = "llama.feed_forward_length", .type = REKV_GGUF_U32, .u = 1024};
+    e = (tg_edit){.key = "llama.feed_forward_length", .type = REKV_GGUF_U32, .u = 1024};
     expect_refused(&e, EINVAL, "tensor \"blk.0.ffn_gate.weight\" has ne [256, 768]");
-    e = (edit){.key = "llama.attention.head_count_kv", .type = REKV_GGUF_U32, .u = 4};
+    e = (tg_edit){.key = "llama.attention.head_count_kv", .type = REKV_GGUF_U32, .u = 4};
     expect_refused(&e, EINVAL,
                    "tensor \"blk.0.attn_k.weight\" has ne [256, 128], but the metadata "
                    "(llama.embedding_length, head_count_kv x head dim) says [256, 256]");
-    e = (edit){.key = "llama.attention.head_count_kv", .type = REKV_GGUF_U32, .u = 3};
+    e = (tg_edit){.key = "llama.attention.head_count_kv", .type = REKV_GGUF_U32, .u = 3};
     expect_refused(&e, EINVAL, "\"llama.attention.head_count\" 4 is not a multiple");
-    e = (edit){.key = "llama.block_count", .type = REKV_GGUF_U32, .u = 3};
+    e = (tg_edit){.key = "llama.block_count", .type = REKV_GGUF_U32, .u = 3};
     expect_refused(&e, EINVAL,
                    "tensor \"blk.3.attn_norm.weight\" exists, but the metadata "
                    "(llama.block_count) says 3 layers");
-    e = (edit){.key = "llama.block_count", .type = REKV_GGUF_U32, .u = 5};
+    e = (tg_edit){.key = "llama.block_count", .type = REKV_GGUF_U32, .u = 5};
     expect_refused(&e, EINVAL, "tensor \"blk.4.attn_norm.weight\" is missing");
-    e = (edit){.key = "llama.vocab_size", .type = REKV_GGUF_U32, .u = 4000};
+    e = (tg_edit){.key = "llama.vocab_size", .type = REKV_GGUF_U32, .u = 4000};
     expect_refused(&e, EINVAL, "\"tokenizer.ggml.tokens\" has 4096 tokens, but the vocabulary");
-    e = (edit){.key = "llama.block_count", .type = -1};
+    e = (tg_edit){.key = "llama.block_count", .type = -1};
     expect_refused(&e, ENOENT, "metadata \"llama.block_count\" is missing");
-    e = (edit){.key = "llama.context_length", .type = REKV_GGUF_STRING, .s = "1024"};
+    e = (tg_edit){.key = "llama.context_length", .type = REKV_GGUF_STRING, .s = "1024"};
     expect_refused(&e, EINVAL, "metadata \"llama.context_length\" is a string, not an integer");
-    e = (edit){.key = "tokenizer.ggml.bos_token_id", .type = REKV_GGUF_U32, .u = 5000};
+    e = (tg_edit){.key = "tokenizer.ggml.bos_token_id", .type = REKV_GGUF_U32, .u = 5000};
     expect_refused(&e, EINVAL, "\"tokenizer.ggml.bos_token_id\" = 5000 is outside the vocabulary");
-    e = (edit){.key = "llama.rope.dimension_count", .type = REKV_GGUF_U32, .u = 32};
+    e = (tg_edit){.key = "llama.rope.dimension_count", .type = REKV_GGUF_U32, .u = 32};
     expect_refused(&e, ENOTSUP, "\"llama.rope.dimension_count\" 32");
 }
 END_TEST

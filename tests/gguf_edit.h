@@ -1,0 +1,33 @@
+/* gguf_edit.h — test helper: a GGUF file rewritten with its metadata edited and, optionally, its
+ * F16 tensors converted to another dtype (tests/test_gguf_model.c, tests/test_gguf_forward.c). */
+#ifndef REKV_TESTS_GGUF_EDIT_H
+#define REKV_TESTS_GGUF_EDIT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* One change to the metadata: key set to a scalar (u32, f32 or string) or dropped (type -1); a
+ * key that is not there is added. rename_tensor/new_name renames a tensor instead. */
+typedef struct tg_edit {
+    const char *key;
+    int type; /* REKV_GGUF_U32, _F32, _STRING; -1 drops the key */
+    uint32_t u;
+    float f;
+    const char *s;
+    const char *rename_tensor, *new_name;
+} tg_edit;
+
+/* How tg_rewrite converts F16 tensors (vectors and other types stay as they are). */
+enum {
+    TG_KEEP = -1,
+    TG_TO_F32 = 0,          /* widened exactly */
+    TG_TO_BF16 = 1,         /* rounded to nearest even */
+    TG_TO_F32_VIA_BF16 = 2, /* F32 holding exactly TG_TO_BF16's values */
+};
+
+/* Writes src with the edits applied and F16 tensors converted (TG_*) to dir/edited.gguf and
+ * returns that path (static storage). Fails the calling test on any error. */
+const char *tg_rewrite(const char *src, const tg_edit *edits, size_t n_edits, int convert,
+                       const char *dir);
+
+#endif
