@@ -469,13 +469,18 @@ static int inspect_gguf(const char *path)
     printf("total bytes: %" PRIu64 "\n", bytes);
     printf("parameters: %" PRIu64 " (%.2fM)\n", params, (double)params / 1e6);
     printf("(GGUF dims: ne[0], the row length, first)\n");
+    /* a file rekv cannot run (another architecture, quantized weights for now) is still a valid
+     * one to list: say why, and succeed */
     rekv_model_config c;
     int rc = rekv_gguf_config(g, &c, &err);
     rekv_gguf_close(g);
+    if (rc == -ENOTSUP) {
+        printf("config: not supported: %s\n", err.msg);
+        return 0;
+    }
     if (rc < 0)
         return fail("%s", err.msg);
     print_config(&c);
-    /* a file rekv cannot run yet (quantized weights) is still a valid one to list */
     rekv_model *m = NULL;
     rc = rekv_model_open_gguf(path, &m, &err);
     if (rc == -ENOTSUP) {

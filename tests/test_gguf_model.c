@@ -226,6 +226,35 @@ START_TEST(inspect_lists_metadata_and_tensors)
 }
 END_TEST
 
+/* A valid GGUF of an architecture rekv does not run is listed, with the reason, not failed; a
+ * corrupt one fails with its error. */
+START_TEST(inspect_unsupported_and_corrupt)
+{
+    const char *src = shared_gguf("synth-llama-F16", NULL);
+    if (src == NULL)
+        return;
+    char *dir = tu_tmpdir();
+    tg_edit e = {.key = "general.architecture", .type = REKV_GGUF_STRING, .s = "gemma2"};
+    const char *path = tg_rewrite(src, &e, 1, TG_KEEP, dir);
+    char cmd[8192], *out = NULL;
+    snprintf(cmd, sizeof(cmd), "%s inspect %s 2>&1", tu_bin("rekv-loader"), path);
+    int rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 0, "rc %d: %s", rc, tu_log_end(out));
+    ck_assert_ptr_nonnull(strstr(out, "config: not supported: "));
+    ck_assert_ptr_nonnull(strstr(out, "\"general.architecture\" = \"gemma2\" is not supported"));
+    ck_assert_ptr_nonnull(strstr(out, "tensors: 39"));
+    free(out);
+    snprintf(cmd, sizeof(cmd), "head -c 1000 %s > %s/cut.gguf && %s inspect %s/cut.gguf 2>&1", src,
+             dir, tu_bin("rekv-loader"), dir);
+    rc = tu_run(cmd, &out);
+    ck_assert_int_eq(rc, 1);
+    ck_assert_msg(strstr(out, "cut.gguf: ") && strstr(out, "truncated"), "%s", tu_log_end(out));
+    free(out);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 Suite *gguf_model_suite(void);
 Suite *gguf_model_suite(void)
 {
@@ -236,6 +265,7 @@ Suite *gguf_model_suite(void)
     tcase_add_test(tc, rewritten_unchanged_loads);
     tcase_add_test(tc, bad_metadata_named);
     tcase_add_test(tc, inspect_lists_metadata_and_tensors);
+    tcase_add_test(tc, inspect_unsupported_and_corrupt);
     suite_add_tcase(s, tc);
     return s;
 }
