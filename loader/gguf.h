@@ -136,6 +136,9 @@ int rekv_gguf_kv_str(const rekv_gguf_kv *kv, uint64_t i, const char **s, size_t 
 
 /* ---------------------------------------------------------------- dequantization (gguf_quant.c) */
 
+/* Dequantizes n elements of type `type` (whole blocks) at src into dst: 0, -ENOTSUP for a type it
+ * cannot read, -EINVAL when n is not whole blocks (rekv_gguf_dequant is this on a tensor). */
+int rekv_ggml_dequant_row(uint32_t type, const void *src, uint64_t n, float *dst);
 /* Dequantizes elements [first, first + n) of t into dst as float32, exactly as ggml's to_float.
  * first and n must be multiples of the type's block size. */
 int rekv_gguf_dequant(const rekv_gguf_tensor *t, uint64_t first, uint64_t n, float *dst,

@@ -113,23 +113,16 @@ static void deq_q6_k(const uint8_t *b, uint64_t nb, float *y)
     }
 }
 
-int rekv_gguf_dequant(const rekv_gguf_tensor *t, uint64_t first, uint64_t n, float *dst,
-                      rekv_err *err)
+int rekv_ggml_dequant_row(uint32_t type, const void *src, uint64_t n, float *dst)
 {
     uint32_t be, bb;
-    rekv_ggml_type_block(t->type, &be, &bb);
-    if (!rekv_ggml_type_dequantizable(t->type))
-        return rekv_errf(err, -ENOTSUP, "tensor \"%s\": dequantizing %s is not supported", t->name,
-                         be ? rekv_ggml_type_name(t->type) : "an unknown type");
-    if (first % be || n % be || first > t->numel || n > t->numel - first)
-        return rekv_errf(err, -EINVAL,
-                         "tensor \"%s\": elements [%llu, +%llu) are not whole %s blocks inside "
-                         "its %llu",
-                         t->name, (unsigned long long)first, (unsigned long long)n,
-                         rekv_ggml_type_name(t->type), (unsigned long long)t->numel);
-    const uint8_t *src = (const uint8_t *)t->data + first / be * bb;
+    rekv_ggml_type_block(type, &be, &bb);
+    if (!rekv_ggml_type_dequantizable(type))
+        return -ENOTSUP;
+    if (n % be)
+        return -EINVAL;
     uint64_t nb = n / be;
-    switch (t->type) {
+    switch (type) {
     case REKV_GGML_F32:
         memcpy(dst, src, (size_t)n * 4);
         break;
@@ -153,4 +146,21 @@ int rekv_gguf_dequant(const rekv_gguf_tensor *t, uint64_t first, uint64_t n, flo
         break;
     }
     return 0;
+}
+
+int rekv_gguf_dequant(const rekv_gguf_tensor *t, uint64_t first, uint64_t n, float *dst,
+                      rekv_err *err)
+{
+    uint32_t be, bb;
+    rekv_ggml_type_block(t->type, &be, &bb);
+    if (!rekv_ggml_type_dequantizable(t->type))
+        return rekv_errf(err, -ENOTSUP, "tensor \"%s\": dequantizing %s is not supported", t->name,
+                         be ? rekv_ggml_type_name(t->type) : "an unknown type");
+    if (first % be || n % be || first > t->numel || n > t->numel - first)
+        return rekv_errf(err, -EINVAL,
+                         "tensor \"%s\": elements [%llu, +%llu) are not whole %s blocks inside "
+                         "its %llu",
+                         t->name, (unsigned long long)first, (unsigned long long)n,
+                         rekv_ggml_type_name(t->type), (unsigned long long)t->numel);
+    return rekv_ggml_dequant_row(t->type, (const uint8_t *)t->data + first / be * bb, n, dst);
 }

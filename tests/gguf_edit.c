@@ -75,13 +75,30 @@ static void put_kv(gbuf *b, const rekv_gguf_kv *kv)
     put(b, kv->value, (size_t)kv->n * sizes[kv->elem_type]);
 }
 
+/* 1 when convert changes t: the F16 matrices, or with TG_DEQUANT_F32 every non-F32 matrix. */
+static int converts(const rekv_gguf_tensor *t, int convert)
+{
+    if (t->n_dims < 2 || convert == TG_KEEP)
+        return 0;
+    if (convert == TG_DEQUANT_F32)
+        return t->type != REKV_GGML_F32;
+    return t->type == REKV_GGML_F16;
+}
+
 /* The bytes tensor t takes after conversion, and its data converted into dst when dst != NULL. */
 static size_t convert_tensor(const rekv_gguf_tensor *t, int convert, uint8_t *dst)
 {
-    if (t->type != REKV_GGML_F16 || t->n_dims < 2 || convert == TG_KEEP) {
+    if (!converts(t, convert)) {
         if (dst)
             memcpy(dst, t->data, t->nbytes);
         return t->nbytes;
+    }
+    if (convert == TG_DEQUANT_F32) {
+        rekv_err err = {0};
+        if (dst)
+            ck_assert_msg(rekv_gguf_dequant(t, 0, t->numel, (float *)dst, &err) == 0, "%s",
+                          err.msg);
+        return (size_t)t->numel * 4;
     }
     size_t size = convert == TG_TO_BF16 ? 2 : 4;
     for (uint64_t i = 0; dst && i < t->numel; i++) {
@@ -143,7 +160,7 @@ const char *tg_rewrite(const char *src, const tg_edit *edits, size_t n_edits, in
         put_u32(&b, (uint32_t)t->n_dims);
         for (int d = 0; d < t->n_dims; d++)
             put_u64(&b, t->ne[d]);
-        int converted = t->type == REKV_GGML_F16 && t->n_dims >= 2 && convert != TG_KEEP;
+        int converted = converts(t, convert);
         put_u32(&b, !converted              ? t->type
                     : convert == TG_TO_BF16 ? (uint32_t)REKV_GGML_BF16
                                             : (uint32_t)REKV_GGML_F32);

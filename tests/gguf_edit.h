@@ -17,12 +17,14 @@ typedef struct tg_edit {
     const char *rename_tensor, *new_name;
 } tg_edit;
 
-/* How tg_rewrite converts F16 tensors (vectors and other types stay as they are). */
+/* How tg_rewrite converts matrices: F16 ones, or with TG_DEQUANT_F32 every one (vectors stay as
+ * they are). */
 enum {
     TG_KEEP = -1,
     TG_TO_F32 = 0,          /* widened exactly */
     TG_TO_BF16 = 1,         /* rounded to nearest even */
     TG_TO_F32_VIA_BF16 = 2, /* F32 holding exactly TG_TO_BF16's values */
+    TG_DEQUANT_F32 = 3,     /* every matrix, quantized ones too, as F32 (loader's dequantization) */
 };
 
 /* Writes src with the edits applied and F16 tensors converted (TG_*) to dir/edited.gguf and

@@ -35,7 +35,10 @@ typedef struct fixture {
     int vocab;
 } fixture;
 
-static int fixture_open(const char *name, fixture *f)
+/* Opens ../shared/gguf/NAME.gguf, or with dequant_dir its copy there with every matrix
+ * dequantized to F32 by the loader (how a quantized file's numbers are checked until the engine
+ * keeps quantized weights: cpu_qgemm_rowinv_ref gives these bits, test_gguf_qgemm). */
+static int fixture_open_as(const char *name, fixture *f, const char *dequant_dir)
 {
     char rel[256];
     snprintf(rel, sizeof(rel), "gguf/%s.gguf", name);
@@ -44,6 +47,8 @@ static int fixture_open(const char *name, fixture *f)
     const char *rpath = tu_shared(rel);
     if (f->path == NULL || rpath == NULL)
         return 0;
+    if (dequant_dir != NULL)
+        f->path = tg_rewrite(f->path, NULL, 0, TG_DEQUANT_F32, dequant_dir);
     f->ref = json_load_file(rpath, 0, NULL);
     ck_assert_ptr_nonnull(f->ref);
     rekv_err err = {0};
@@ -51,6 +56,11 @@ static int fixture_open(const char *name, fixture *f)
     ck_assert_msg(rekv_engine_create(f->model, &f->eng, &err) == 0, "%s", err.msg);
     f->vocab = f->model->config.vocab;
     return 1;
+}
+
+static int fixture_open(const char *name, fixture *f)
+{
+    return fixture_open_as(name, f, NULL);
 }
 
 static void fixture_close(fixture *f)
@@ -120,14 +130,12 @@ static void check_step(const fixture *f, const float *logits, json_t *c, size_t 
         ck_assert_int_eq(pick, json_integer_value(json_array_get(json_array_get(f64, 0), 0)));
 }
 
-START_TEST(teacher_forced_top5)
+/* The three cases teacher-forced through f's engine, every step checked (check_step). */
+static void teacher_forced(fixture *f, const char *label)
 {
-    fixture f = {0};
-    if (!fixture_open(k_files[_i], &f))
-        return;
-    json_t *cases = json_object_get(json_object_get(f.ref, "generation"), "cases");
+    json_t *cases = json_object_get(json_object_get(f->ref, "generation"), "cases");
     ck_assert_uint_eq(json_array_size(cases), 3);
-    float *logits = malloc((size_t)f.vocab * sizeof(float));
+    float *logits = malloc((size_t)f->vocab * sizeof(float));
     double worst = 0, worst64 = 0;
     size_t steps = 0;
     for (size_t ci = 0; ci < json_array_size(cases); ci++) {
@@ -136,23 +144,51 @@ START_TEST(teacher_forced_top5)
         int32_t *prompt = ids_of(json_object_get(c, "prompt"), &np);
         int32_t *greedy = ids_of(json_object_get(c, "greedy"), &ng);
         rekv_seq *seq;
-        ck_assert_int_eq(rekv_seq_create(f.eng, 256, &seq, NULL), 0);
-        feed(&f, seq, prompt, np, logits);
+        ck_assert_int_eq(rekv_seq_create(f->eng, 256, &seq, NULL), 0);
+        feed(f, seq, prompt, np, logits);
         for (int s = 0; s < ng; s++) {
-            check_step(&f, logits, c, (size_t)s, &worst, &worst64);
+            check_step(f, logits, c, (size_t)s, &worst, &worst64);
             steps++;
             if (s + 1 < ng)
-                feed(&f, seq, &greedy[s], 1, logits);
+                feed(f, seq, &greedy[s], 1, logits);
         }
         rekv_seq_free(seq);
         free(prompt);
         free(greedy);
     }
     ck_assert_uint_eq(steps, 48);
-    printf("  %s: 48 steps, max |top5 - llama.cpp| %.2e, max |top5 - float64| %.2e\n", k_files[_i],
-           worst, worst64);
+    printf("  %s: 48 steps, max |top5 - llama.cpp| %.2e, max |top5 - float64| %.2e\n", label, worst,
+           worst64);
     free(logits);
+}
+
+START_TEST(teacher_forced_top5)
+{
+    fixture f = {0};
+    if (!fixture_open(k_files[_i], &f))
+        return;
+    teacher_forced(&f, k_files[_i]);
     fixture_close(&f);
+}
+END_TEST
+
+/* The quantized files' weights, dequantized exactly as ggml does, in rekv's fp32 engine: within
+ * each file's llama.cpp tolerance (llama.cpp also rounds the activations to 8 bits) and at the
+ * exact tier against the float64 pass on the same weights. */
+static const char *const k_quant_files[] = {"llama-tiny-py-Q8_0", "llama-tiny-py-Q4_0",
+                                            "synth-llama-Q8_0", "synth-llama-Q4_K_M",
+                                            "synth-llama-Q4_0"};
+
+START_TEST(quantized_files_dequantized)
+{
+    char *dir = tu_tmpdir();
+    fixture f = {0};
+    if (fixture_open_as(k_quant_files[_i], &f, dir)) {
+        teacher_forced(&f, k_quant_files[_i]);
+        fixture_close(&f);
+    }
+    tu_rmrf(dir);
+    free(dir);
 }
 END_TEST
 
@@ -306,6 +342,8 @@ Suite *gguf_forward_suite(void)
     TCase *tc = tcase_create("f16");
     tcase_set_timeout(tc, 60);
     tcase_add_loop_test(tc, teacher_forced_top5, 0, N_FILES);
+    tcase_add_loop_test(tc, quantized_files_dequantized, 0,
+                        sizeof(k_quant_files) / sizeof(k_quant_files[0]));
     tcase_add_loop_test(tc, perplexity_chunks, 0, N_FILES);
     tcase_add_loop_test(tc, cli_generate_from_text, 0, N_FILES);
     tcase_add_loop_test(tc, f32_and_bf16_files, 0, N_FILES);
