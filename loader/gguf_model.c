@@ -313,7 +313,9 @@ static void map_weights(lookup *lk, const rekv_model_config *c, rekv_weights *w)
 }
 
 /* rekv_tensor descriptors for every GGUF tensor, names copied into the same allocation (one
- * free). Shapes are reversed: GGUF's ne[0] is the fastest dim, rekv's shape[ndim - 1]. */
+ * free). Shapes are reversed: GGUF's ne[0] is the fastest dim, rekv's shape[ndim - 1]. A type
+ * other than F16/BF16 is labelled F32: only descriptors find() accepted (F32/F16/BF16) are ever
+ * handed out. */
 static rekv_tensor *describe(const rekv_gguf *g)
 {
     size_t names = 0;
