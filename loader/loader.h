@@ -30,6 +30,34 @@ typedef enum rekv_rope {
     REKV_ROPE_ADJACENT = 2, /* llama2.c: rotate (x[2j], x[2j+1]) */
 } rekv_rope;
 
+/* HF config.json's rope_scaling: how the per-pair RoPE frequencies depart from theta^(-2j/d).
+ * rekv computes the frequencies once (rekv_rope_freqs_init) and every backend's rope reads them. */
+typedef enum rekv_rope_scaling_type {
+    REKV_ROPE_SCALING_NONE = 0,    /* plain RoPE: inv_freq[j] = theta^(-2j/head_dim) */
+    REKV_ROPE_SCALING_LINEAR = 1,  /* positions divided by factor (inv_freq / factor) */
+    REKV_ROPE_SCALING_DYNAMIC = 2, /* NTK-aware: the base grows with the length past original_max_pos */
+    REKV_ROPE_SCALING_LLAMA3 = 3,  /* Llama 3.1: low frequencies / factor, a smooth band between */
+    REKV_ROPE_SCALING_YARN = 4,    /* YaRN: ramp between interpolation and extrapolation, mscale */
+    REKV_ROPE_SCALING_FACTORS = 5, /* explicit per-pair divisors (GGUF's rope_freqs.weight) */
+} rekv_rope_scaling_type;
+
+#define REKV_ROPE_MAX_PAIRS 256 /* head_dim <= 512 */
+
+typedef struct rekv_rope_scaling {
+    rekv_rope_scaling_type type;
+    double factor;           /* linear, dynamic, llama3, yarn: > 0 */
+    int original_max_pos;   /* llama3, yarn: the pre-training context (rope_scaling's
+                                original_max_position_embeddings); dynamic: the length past which
+                                the base grows (HF: max_position_embeddings) */
+    double low_freq_factor;  /* llama3 */
+    double high_freq_factor; /* llama3; > low_freq_factor */
+    double beta_fast, beta_slow;   /* yarn: ramp bounds in rotations (HF defaults 32, 1) */
+    double mscale, mscale_all_dim; /* yarn (DeepSeek form): 0 when absent */
+    double attention_factor;       /* yarn: cos/sin multiplier; 0 when absent (then computed) */
+    int truncate;                  /* yarn: floor/ceil the ramp bounds (HF default 1) */
+    float freq_factors[REKV_ROPE_MAX_PAIRS]; /* FACTORS: inv_freq[j] = theta^(-2j/d) / freq_factors[j] */
+} rekv_rope_scaling;
+
 typedef enum rekv_act {
     REKV_ACT_RELU = 0,
     REKV_ACT_GELU = 1, /* exact erf GELU */
@@ -51,6 +79,7 @@ typedef struct rekv_model_config {
     int embed_dim;  /* OPT word_embed_proj_dim; == hidden when there is no project_in/out */
     float norm_eps;
     float rope_theta;
+    rekv_rope_scaling rope_scaling; /* type NONE: plain RoPE */
     int pre_norm;     /* OPT do_layer_norm_before; always 1 for Llama */
     int final_norm;   /* a norm before the head (absent in post-norm OPT such as OPT-350m) */
     int tied_head;    /* lm_head shares embed_tokens */
@@ -76,6 +105,27 @@ static inline double rekv_config_layer_params(const rekv_model_config *c)
     return 2 * H * rekv_config_q_dim(c) + 2 * H * rekv_config_kv_dim(c) +
            (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
 }
+
+/* RoPE's per-pair frequencies, computed on the host once per model (rekv_rope_freqs_init) and read
+ * by every backend's rope: the angle of pair j at position p is p * inv_freq[j], and cos and sin
+ * are multiplied by attn_factor (HF's attention_scaling; 1 but for YaRN). Dynamic NTK alone
+ * depends on the length: position p >= dyn_from uses the base grown for length p + 1 (rekv_rope_
+ * freqs_at), so a cached key never changes and results never depend on how a sequence is cut. */
+typedef struct rekv_rope_freqs {
+    int half;                           /* head_dim / 2 */
+    float inv_freq[REKV_ROPE_MAX_PAIRS]; /* [half]: radians per position step */
+    float attn_factor;
+    int dyn_from;      /* dynamic: original_max_pos; INT_MAX otherwise */
+    double dyn_factor; /* dynamic: rope_scaling.factor */
+    double theta;      /* dynamic: rope_theta */
+} rekv_rope_freqs;
+
+/* Fills f from the config's rope_theta, head_dim and rope_scaling; -EINVAL names a bad field. */
+int rekv_rope_freqs_init(rekv_rope_freqs *f, const rekv_model_config *c, rekv_err *err);
+/* The frequencies of position pos: f->inv_freq, or dynamic NTK's for length pos + 1. */
+void rekv_rope_freqs_at(const rekv_rope_freqs *f, int pos, float *inv_freq);
+/* The name of a scaling type as HF's rope_type spells it ("none" for NONE). */
+const char *rekv_rope_scaling_name(rekv_rope_scaling_type t);
 
 /* Parses a HuggingFace config.json (OPT, Llama, Mistral, Qwen2), validating every field. */
 int rekv_config_load_hf(const char *config_json_path, rekv_model_config *out, rekv_err *err);
