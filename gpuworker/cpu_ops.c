@@ -49,15 +49,21 @@ void cpu_rmsnorm(float *x, const float *w, int m, int d, float eps)
     cpu_norm(x, x, w, NULL, m, d, eps);
 }
 
-void cpu_rope_table(float *cos_t, float *sin_t, const int *pos, int m, int head_dim, float theta)
+void cpu_rope_table(float *cos_t, float *sin_t, const int *pos, int m, const rekv_rope_freqs *f)
 {
-    int half = head_dim / 2;
-    for (int j = 0; j < half; j++) {
-        float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)head_dim);
-        for (int i = 0; i < m; i++) {
-            float a = (float)pos[i] * inv_freq;
-            cos_t[(size_t)i * half + j] = cosf(a);
-            sin_t[(size_t)i * half + j] = sinf(a);
+    int half = f->half;
+    float dyn[REKV_ROPE_MAX_PAIRS];
+    for (int i = 0; i < m; i++) {
+        const float *inv_freq = f->inv_freq;
+        if (pos[i] >= f->dyn_from) { /* dynamic NTK past the original length */
+            rekv_rope_freqs_at(f, pos[i], dyn);
+            inv_freq = dyn;
+        }
+        /* attn_factor is 1 but for YaRN, and x * 1.0f is exact: plain RoPE keeps its bits */
+        for (int j = 0; j < half; j++) {
+            float a = (float)pos[i] * inv_freq[j];
+            cos_t[(size_t)i * half + j] = cosf(a) * f->attn_factor;
+            sin_t[(size_t)i * half + j] = sinf(a) * f->attn_factor;
         }
     }
 }

@@ -42,8 +42,9 @@ void cpu_rmsnorm(float *x, const float *w, int m, int d, float eps);
 /* out = in normalised (out may equal in) */
 void cpu_norm(float *out, const float *in, const float *w, const float *b, int m, int d, float eps);
 
-/* cos/sin tables for m rows at positions pos[m]: [m][head_dim/2] each. */
-void cpu_rope_table(float *cos_t, float *sin_t, const int *pos, int m, int head_dim, float theta);
+/* cos/sin tables for m rows at positions pos[m]: [m][f->half] each, the angle of pair j at
+ * position p being p * f's frequency j for p (rekv_rope_freqs_at), both times f->attn_factor. */
+void cpu_rope_table(float *cos_t, float *sin_t, const int *pos, int m, const rekv_rope_freqs *f);
 /* Rotates each of n_heads heads of m rows of x ([m][n_heads*head_dim]). */
 void cpu_rope(float *x, const float *cos_t, const float *sin_t, int m, int n_heads, int head_dim,
               rekv_rope style);

@@ -34,6 +34,7 @@ struct rekv_engine {
     void *project_in;  /* [hidden][embed_dim] or NULL, wdtype */
     void *project_out; /* [embed_dim][hidden] or NULL, wdtype */
     float *final_norm_w, *final_norm_b; /* [hidden] */
+    rekv_rope_freqs rope;               /* RoPE's frequencies (c.rope != NONE), made once here */
     void *lm_head;                      /* [vocab][embed_dim], wdtype; aliases embed when tied */
     layer_w *layers;  /* [n_layers], each layer's tensors packed in layer_mem[l] */
     void **layer_mem; /* [n_layers] blocks of layer_bytes */

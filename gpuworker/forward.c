@@ -151,6 +151,11 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     e->c = m->config;
     const rekv_weights *w = &m->weights;
     int rc = 0;
+    rekv_err rerr = {0};
+    if (e->c.rope != REKV_ROPE_NONE && (rc = rekv_rope_freqs_init(&e->rope, &e->c, &rerr))) {
+        free(e);
+        return rekv_errf(err, rc, "%s: %s", m->path, rerr.msg);
+    }
     e->layers = calloc((size_t)e->c.n_layers, sizeof(layer_w));
     if (e->layers == NULL)
         rc = -ENOMEM;
@@ -405,7 +410,7 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         for (row = 0; row < T; row++)
             add_into(e->x + row * H, e->pos_embed + (size_t)(e->pos[row] + 2) * H, (size_t)H);
     if (c->rope != REKV_ROPE_NONE)
-        cpu_rope_table(e->rope_cos, e->rope_sin, e->pos, (int)T, c->head_dim, c->rope_theta);
+        cpu_rope_table(e->rope_cos, e->rope_sin, e->pos, (int)T, &e->rope);
 
     for (int l = 0; l < c->n_layers; l++) {
         const layer_w *L = &e->layers[l];

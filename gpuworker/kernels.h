@@ -68,9 +68,11 @@ typedef struct rekv_kernel_iface {
     /* out = LayerNorm (b != NULL) or RMSNorm of m rows of width d */
     void (*norm)(rekv_stream *s, float *out, const float *in, const float *w, const float *b, int m,
                  int d, float eps);
-    /* rotates m rows of n_heads heads at positions pos[m] (device); head_dim <= 512 */
+    /* rotates m rows of n_heads heads at positions pos[m] (device); head_dim <= 512, == 2 *
+     * f->half. f (host memory, the engine's table; read at the call, not kept) gives the
+     * frequencies and the cos/sin factor (loader.h, rekv_rope_freqs) */
     void (*rope)(rekv_stream *s, float *x, const int32_t *pos, int m, int n_heads, int head_dim,
-                 float theta, rekv_rope style);
+                 const rekv_rope_freqs *f, rekv_rope style);
     /* a = act(a) (* b for gated SiLU) over n elements */
     void (*activation)(rekv_stream *s, float *a, const float *b, size_t n, rekv_act act);
     /* x += y over n elements */

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "common/dtype.h"
+#include "common/log.h"
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/gpuworker.h"
 #include "gpuworker/kernels.h"
@@ -61,7 +62,7 @@ typedef struct rope_args {
     float *x;
     const int32_t *pos;
     int m, n_heads, head_dim;
-    float theta;
+    const rekv_rope_freqs *f;
     rekv_rope style;
 } rope_args;
 
@@ -76,15 +77,16 @@ static void run_rope(void *p)
         int m = a->m - i0 < CHUNK ? a->m - i0 : CHUNK;
         for (int i = 0; i < m; i++)
             pos[i] = a->pos[i0 + i];
-        cpu_rope_table(c, sn, pos, m, a->head_dim, a->theta);
+        cpu_rope_table(c, sn, pos, m, a->f);
         cpu_rope(a->x + (size_t)i0 * width, c, sn, m, a->n_heads, a->head_dim, a->style);
     }
 }
 
 static void k_rope(rekv_stream *s, float *x, const int32_t *pos, int m, int n_heads, int head_dim,
-                   float theta, rekv_rope style)
+                   const rekv_rope_freqs *f, rekv_rope style)
 {
-    rope_args a = {x, pos, m, n_heads, head_dim, theta, style};
+    REKV_ASSERT(f->half * 2 == head_dim);
+    rope_args a = {x, pos, m, n_heads, head_dim, f, style};
     LAUNCH(s, "rope", run_rope, a);
 }
 

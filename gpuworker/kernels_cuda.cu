@@ -12,8 +12,11 @@
  *   batching; results agree with the cpu reference within fp32 rounding (fp32 weights) or the
  *   16-bit rounding of x (16-bit weights).
  * - norm: one block per row, two-pass LayerNorm as cpu_norm does, reductions in shared memory.
- * - rope: angles as cpu_rope_table (the float exponent), with pow and cos/sin in double rounded to
- *   float, which matches glibc's correctly rounded powf/cosf/sinf almost always.
+ * - rope: the engine's frequency table (rekv_rope_freqs, made once on the host) passed by value
+ *   as the kernel's argument, so the angles are cpu_rope_table's bit for bit; cos/sin in double
+ *   rounded to float, which matches glibc's correctly rounded cosf/sinf almost always. Dynamic
+ *   NTK's positions past the original length compute their row's frequencies as
+ *   rekv_rope_freqs_at does, in double.
  * - attention: one block per (head, sequence, row slice); the block's warps split the context,
  *   each keeps an online softmax, and the block merges them (flash-decoding's split, within a
  *   block). The `scores` scratch is not used.
@@ -296,24 +299,35 @@ static void k_norm(rekv_stream *s, float *out, const float *in, const float *w, 
     KLAUNCH(s, "norm", norm_kernel, m, ROW_THREADS, 0, out, in, w, b, d, eps);
 }
 
-/* One block per row; threads over (head, pair). */
+/* One block per row; threads over (head, pair). f comes by value (about 1 KiB of the 4 KiB a
+ * launch's arguments may take): no device copy of the table to keep or free. */
 __global__ static void rope_kernel(float *x, const int32_t *pos, int n_heads, int head_dim,
-                                   float theta, int adjacent)
+                                   const rekv_rope_freqs f, int adjacent)
 {
-    __shared__ float p;
+    __shared__ int pi;
+    __shared__ float dyn[REKV_ROPE_MAX_PAIRS];
     if (threadIdx.x == 0)
-        p = (float)pos[blockIdx.x]; /* mapped host memory: read once per block */
+        pi = pos[blockIdx.x]; /* mapped host memory: read once per block */
     __syncthreads();
-    int half = head_dim / 2;
+    int half = head_dim / 2, is_dyn = pi >= f.dyn_from;
+    if (is_dyn) { /* dynamic NTK past the original length: this row's table, as rekv_rope_freqs_at
+                   */
+        double L = (double)pi + 1, O = f.dyn_from;
+        double base = f.theta * pow(f.dyn_factor * L / O - (f.dyn_factor - 1),
+                                    (double)head_dim / (head_dim - 2));
+        for (int j = threadIdx.x; j < half; j += blockDim.x)
+            dyn[j] = (float)(1.0 / pow(base, (double)(2 * j) / (double)head_dim));
+        __syncthreads();
+    }
+    float p = (float)pi;
     float *row = x + (size_t)blockIdx.x * (size_t)n_heads * (size_t)head_dim;
     for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
         int h = i / half, j = i % half;
-        /* as cpu_rope_table, with pow/cos/sin in double rounded to float so that the angles and
-         * their cos/sin are those of glibc's correctly rounded float functions */
-        float e = (float)(2 * j) / (float)head_dim;
-        float inv_freq = 1.0f / (float)pow((double)theta, (double)e);
-        float a = p * inv_freq;
-        float c = (float)cos((double)a), sn = (float)sin((double)a);
+        /* as cpu_rope_table: the same angle; cos/sin in double rounded to float, those of glibc's
+         * correctly rounded float functions; then the attention factor (1 but for YaRN) */
+        float a = p * (is_dyn ? dyn[j] : f.inv_freq[j]);
+        float c = __fmul_rn((float)cos((double)a), f.attn_factor);
+        float sn = __fmul_rn((float)sin((double)a), f.attn_factor);
         float *v = row + (size_t)h * head_dim;
         float *pa = adjacent ? &v[2 * j] : &v[j];
         float *pb = adjacent ? &v[2 * j + 1] : &v[j + half];
@@ -324,16 +338,18 @@ __global__ static void rope_kernel(float *x, const int32_t *pos, int n_heads, in
 }
 
 static void k_rope(rekv_stream *s, float *x, const int32_t *pos, int m, int n_heads, int head_dim,
-                   float theta, rekv_rope style)
+                   const rekv_rope_freqs *f, rekv_rope style)
 {
     if (m <= 0 || n_heads <= 0 || head_dim < 2 || style == REKV_ROPE_NONE)
         return;
-    if (head_dim > 512) {
-        cuda_stream_fail(s, -EINVAL, "cuda stream %s: rope with head_dim %d > 512", s->name,
-                         head_dim);
+    if (head_dim > 512 || f->half * 2 != head_dim) {
+        cuda_stream_fail(s, -EINVAL,
+                         "cuda stream %s: rope with head_dim %d (> 512, or not the "
+                         "table's %d)",
+                         s->name, head_dim, 2 * f->half);
         return;
     }
-    KLAUNCH(s, "rope", rope_kernel, m, ROW_THREADS, 0, x, pos, n_heads, head_dim, theta,
+    KLAUNCH(s, "rope", rope_kernel, m, ROW_THREADS, 0, x, pos, n_heads, head_dim, *f,
             style == REKV_ROPE_ADJACENT);
 }
 

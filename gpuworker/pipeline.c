@@ -185,8 +185,8 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     k->linear(s, kk, h, L->wk, p->e->wdtype, L->bk, T, KV, H);
     k->linear(s, vv, h, L->wv, p->e->wdtype, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
-        k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, c->rope_theta, c->rope);
-        k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
+        k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, &p->e->rope, c->rope);
+        k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, &p->e->rope, c->rope);
     }
     rekv_dtype cdt = p->cfg.cache_dtype;
     if (store) { /* the attention input leaves for the arena (K, V leave from the attention
@@ -546,7 +546,7 @@ static void unit_recompute(rekv_pipeline *p, const unit_run *u)
         k->linear(sc, p->vr.p, p->act_f32.p, W->wv, p->e->wdtype, W->bv, io->n_act,
                   rekv_config_kv_dim(c), c->hidden);
         if (c->rope != REKV_ROPE_NONE)
-            k->rope(sc, p->kr.p, io->act_pos, io->n_act, c->n_kv_heads, c->head_dim, c->rope_theta,
+            k->rope(sc, p->kr.p, io->act_pos, io->n_act, c->n_kv_heads, c->head_dim, &p->e->rope,
                     c->rope);
         k->kv_scatter(sc, p->kr.p, p->vr.p, io->n_act, io->act_seq, io->act_pos, io->act_slot, u->d,
                       c->n_kv_heads, c->head_dim, p->cfg.cache_dtype);

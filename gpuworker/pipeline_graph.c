@@ -130,17 +130,17 @@ typedef struct a_rope {
     float *x;
     const int32_t *pos;
     int m, n_heads, head_dim;
-    float theta;
+    const rekv_rope_freqs *f; /* the engine's, which outlives the pipeline's graphs */
     rekv_rope style;
 } a_rope;
 
 static void r_rope(rekv_stream *s, float *x, const int32_t *pos, int m, int n_heads, int head_dim,
-                   float theta, rekv_rope style)
+                   const rekv_rope_freqs *f, rekv_rope style)
 {
     a_rope *a = rec_add(OP_ROPE, s, NULL, sizeof(*a));
     if (a)
-        a->x = x, a->pos = pos, a->m = m, a->n_heads = n_heads, a->head_dim = head_dim,
-        a->theta = theta, a->style = style;
+        a->x = x, a->pos = pos, a->m = m, a->n_heads = n_heads, a->head_dim = head_dim, a->f = f,
+        a->style = style;
 }
 
 typedef struct a_act {
@@ -464,7 +464,7 @@ static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, 
         }
         case OP_ROPE: {
             const a_rope *a = arg;
-            k->rope(s, a->x, a->pos, a->m, a->n_heads, a->head_dim, a->theta, a->style);
+            k->rope(s, a->x, a->pos, a->m, a->n_heads, a->head_dim, a->f, a->style);
             break;
         }
         case OP_ACT: {

@@ -372,7 +372,7 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
     } else {
         k->linear(s, q, h, il->wp, p->e->wdtype, il->bp, T, rekv_config_q_dim(c), H);
         if (c->rope != REKV_ROPE_NONE)
-            k->rope(s, q, st->pos[g], T, nh, hd, c->rope_theta, c->rope);
+            k->rope(s, q, st->pos[g], T, nh, hd, &p->e->rope, c->rope);
         k->head_proj(s, qp, NULL, q, il->a, T, nh, group, hd, rk);
     }
     int nb = st->g_begin[g + 1] - st->g_begin[g], n = 0;

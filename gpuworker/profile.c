@@ -187,6 +187,7 @@ typedef struct pf_kv {
     const int32_t *pos;        /* device positions [n] */
     const int32_t *row_seq;    /* device zeros [n]: every row is the one sequence's */
     const rekv_attn_seq *seqs; /* device: one sequence whose buffer takes the rows (dtype) */
+    rekv_rope_freqs rope;      /* the model's RoPE frequencies, when it has RoPE */
 } pf_kv;
 
 static void pf_kv_run(void *ctx, rekv_stream *s)
@@ -208,7 +209,7 @@ static void pf_kv_run(void *ctx, rekv_stream *s)
     t->k->linear(s, t->dev_k, t->dev_x, t->wk, t->wt, t->bk, t->n, (int)kvd, c->hidden);
     t->k->linear(s, t->dev_v, t->dev_x, t->wv, t->wt, t->bv, t->n, (int)kvd, c->hidden);
     if (c->rope != REKV_ROPE_NONE)
-        t->k->rope(s, t->dev_k, t->pos, t->n, c->n_kv_heads, c->head_dim, c->rope_theta, c->rope);
+        t->k->rope(s, t->dev_k, t->pos, t->n, c->n_kv_heads, c->head_dim, &t->rope, c->rope);
     t->k->kv_scatter(s, t->dev_k, t->dev_v, t->n, t->row_seq, t->pos, NULL, t->seqs, c->n_kv_heads,
                      c->head_dim, t->dtype);
 }
@@ -628,6 +629,8 @@ static int pf_measure_kv_fit(pf_run *r, const pf_kv_bufs *b, int d, int gen, con
                  .pos = b->dpos,
                  .row_seq = b->dzero,
                  .seqs = b->dseq};
+    if (c->rope != REKV_ROPE_NONE && (rc = rekv_rope_freqs_init(&job.rope, c, err)))
+        return rc;
     for (int i = 0; i < PF_FIT_SAMPLES; i++) {
         job.n = ns[i];
         job.conv = &b->dconv[i];

@@ -1,8 +1,8 @@
 /* config.c — HuggingFace config.json → rekv_model_config, for the OPT and Llama families.
  *
  * Every field the forward pass depends on is read and checked; a missing required field, a wrong
- * type or an unsupported feature (rope scaling, an unknown activation) is an error naming the file
- * and the field, never a silent default. */
+ * type or an unsupported feature (an unknown rope_scaling type or activation) is an error naming
+ * the file and the field, never a silent default. */
 #include "loader/loader.h"
 
 #include <errno.h>
@@ -23,7 +23,8 @@ static int get_int(json_t *root, const char *path, const char *key, long long de
         x = def;
     } else if (json_is_integer(v)) {
         x = json_integer_value(v);
-    } else if (json_is_array(v) && json_array_size(v) > 0 && json_is_integer(json_array_get(v, 0))) {
+    } else if (json_is_array(v) && json_array_size(v) > 0 &&
+               json_is_integer(json_array_get(v, 0))) {
         x = json_integer_value(json_array_get(v, 0)); /* eos_token_id may be a list */
     } else {
         return rekv_errf(err, -EINVAL, "%s: field \"%s\" must be an integer", path, key);
@@ -83,7 +84,8 @@ static int parse_opt(json_t *root, const char *path, rekv_model_config *c, rekv_
         (rc = get_int(root, path, "ffn_dim", LLONG_MIN, 1, BIG, &c->ffn, err)) ||
         (rc = get_int(root, path, "num_attention_heads", LLONG_MIN, 1, 100000, &c->n_heads, err)) ||
         (rc = get_int(root, path, "vocab_size", LLONG_MIN, 1, BIG, &c->vocab, err)) ||
-        (rc = get_int(root, path, "max_position_embeddings", LLONG_MIN, 1, BIG, &c->max_pos, err)) ||
+        (rc =
+             get_int(root, path, "max_position_embeddings", LLONG_MIN, 1, BIG, &c->max_pos, err)) ||
         (rc = get_int(root, path, "word_embed_proj_dim", c->hidden, 1, BIG, &c->embed_dim, err)) ||
         (rc = get_bool(root, path, "do_layer_norm_before", 1, &c->pre_norm, err)) ||
         (rc = get_bool(root, path, "enable_bias", 1, &c->qkv_bias, err)) ||
@@ -97,8 +99,9 @@ static int parse_opt(json_t *root, const char *path, rekv_model_config *c, rekv_
         return rekv_errf(err, -ENOTSUP, "%s: layer_norm_elementwise_affine=false is not supported",
                          path);
     if (c->hidden % c->n_heads != 0)
-        return rekv_errf(err, -EINVAL, "%s: hidden_size %d is not a multiple of num_attention_heads %d",
-                         path, c->hidden, c->n_heads);
+        return rekv_errf(err, -EINVAL,
+                         "%s: hidden_size %d is not a multiple of num_attention_heads %d", path,
+                         c->hidden, c->n_heads);
     /* HF builds the final LayerNorm only for pre-norm models (OPT-350m has none). */
     c->final_norm = c->pre_norm && !remove_final;
     c->n_kv_heads = c->n_heads;
@@ -116,8 +119,124 @@ static int parse_opt(json_t *root, const char *path, rekv_model_config *c, rekv_
     else if (strcmp(act, "gelu") == 0)
         c->act = REKV_ACT_GELU;
     else
-        return rekv_errf(err, -ENOTSUP, "%s: activation_function \"%s\" is not supported (relu, gelu)",
-                         path, act);
+        return rekv_errf(err, -ENOTSUP,
+                         "%s: activation_function \"%s\" is not supported (relu, gelu)", path, act);
+    return 0;
+}
+
+/* A number of rope_scaling; absent or null → def (NAN: the field is required). */
+static int rope_num(json_t *rs, const char *path, const char *key, double def, double *out,
+                    rekv_err *err)
+{
+    json_t *v = json_object_get(rs, key);
+    if (v == NULL || json_is_null(v)) {
+        if (isnan(def))
+            return rekv_errf(err, -EINVAL, "%s: required field \"rope_scaling.%s\" is missing",
+                             path, key);
+        *out = def;
+        return 0;
+    }
+    if (!json_is_number(v) || !isfinite(json_number_value(v)) || json_number_value(v) < 0)
+        return rekv_errf(err, -EINVAL,
+                         "%s: field \"rope_scaling.%s\" must be a non-negative number", path, key);
+    *out = json_number_value(v);
+    return 0;
+}
+
+/* rope_scaling (or transformers 5's rope_parameters) → c->rope_scaling, checked by
+ * rekv_rope_freqs_init as every config is; extends max_pos where the scaling's point is a longer
+ * context than max_position_embeddings states (dynamic: factor x it; yarn: factor x the original).
+ */
+static int parse_rope_scaling(json_t *root, const char *path, rekv_model_config *c, rekv_err *err)
+{
+    rekv_rope_scaling *s = &c->rope_scaling;
+    memset(s, 0, sizeof(*s));
+    json_t *rs = json_object_get(root, "rope_scaling");
+    if (rs == NULL || json_is_null(rs))
+        rs = json_object_get(root, "rope_parameters");
+    if (rs == NULL || json_is_null(rs))
+        return 0;
+    if (!json_is_object(rs))
+        return rekv_errf(err, -EINVAL, "%s: field \"rope_scaling\" must be an object or null",
+                         path);
+    int rc;
+    double theta = c->rope_theta, orig = 0;
+    if ((rc = rope_num(rs, path, "rope_theta", theta, &theta, err))) /* rope_parameters holds it */
+        return rc;
+    if (!(theta > 0))
+        return rekv_errf(err, -EINVAL, "%s: field \"rope_theta\" must be positive", path);
+    c->rope_theta = (float)theta;
+    const char *type = get_str(rs, "rope_type");
+    if (type == NULL)
+        type = get_str(rs, "type"); /* the older spelling */
+    if (type == NULL)
+        return rekv_errf(err, -EINVAL, "%s: required field \"rope_scaling.rope_type\" is missing",
+                         path);
+    json_t *tr = json_object_get(rs, "truncate");
+    if (tr != NULL && !json_is_null(tr) && !json_is_boolean(tr))
+        return rekv_errf(err, -EINVAL, "%s: field \"rope_scaling.truncate\" must be true or false",
+                         path);
+    s->truncate = tr == NULL || json_is_null(tr) || json_is_true(tr);
+    if (strcmp(type, "default") == 0)
+        return 0;
+    if (strcmp(type, "linear") == 0)
+        s->type = REKV_ROPE_SCALING_LINEAR;
+    else if (strcmp(type, "dynamic") == 0)
+        s->type = REKV_ROPE_SCALING_DYNAMIC;
+    else if (strcmp(type, "llama3") == 0)
+        s->type = REKV_ROPE_SCALING_LLAMA3;
+    else if (strcmp(type, "yarn") == 0)
+        s->type = REKV_ROPE_SCALING_YARN;
+    else
+        return rekv_errf(err, -ENOTSUP,
+                         "%s: rope_scaling.rope_type \"%s\" is not supported (default, linear, "
+                         "dynamic, llama3, yarn)",
+                         path, type);
+    int llama3 = s->type == REKV_ROPE_SCALING_LLAMA3, yarn = s->type == REKV_ROPE_SCALING_YARN;
+    if ((rc = rope_num(rs, path, "factor", NAN, &s->factor, err)) ||
+        (llama3 && (rc = rope_num(rs, path, "low_freq_factor", NAN, &s->low_freq_factor, err))) ||
+        (llama3 && (rc = rope_num(rs, path, "high_freq_factor", NAN, &s->high_freq_factor, err))) ||
+        (llama3 &&
+         (rc = rope_num(rs, path, "original_max_position_embeddings", NAN, &orig, err))) ||
+        (yarn &&
+         (rc = rope_num(rs, path, "original_max_position_embeddings", c->max_pos, &orig, err))) ||
+        /* HF reads beta_* with `or`: 0 or null takes the default */
+        (yarn && (rc = rope_num(rs, path, "beta_fast", 32, &s->beta_fast, err))) ||
+        (yarn && (rc = rope_num(rs, path, "beta_slow", 1, &s->beta_slow, err))) ||
+        (yarn && (rc = rope_num(rs, path, "mscale", 0, &s->mscale, err))) ||
+        (yarn && (rc = rope_num(rs, path, "mscale_all_dim", 0, &s->mscale_all_dim, err))) ||
+        (yarn && (rc = rope_num(rs, path, "attention_factor", 0, &s->attention_factor, err))))
+        return rc;
+    if (s->factor <= 0)
+        return rekv_errf(err, -EINVAL, "%s: field \"rope_scaling.factor\" = %g must be positive",
+                         path, s->factor);
+    if (yarn && s->beta_fast == 0)
+        s->beta_fast = 32;
+    if (yarn && s->beta_slow == 0)
+        s->beta_slow = 1;
+    if ((llama3 || yarn) && (orig < 1 || orig > BIG || orig != floor(orig)))
+        return rekv_errf(
+            err, -EINVAL,
+            "%s: field \"rope_scaling.original_max_position_embeddings\" = %g must be a "
+            "positive integer",
+            path, orig);
+    if (llama3 && !(s->high_freq_factor > s->low_freq_factor && s->low_freq_factor > 0))
+        return rekv_errf(
+            err, -EINVAL,
+            "%s: fields \"rope_scaling.low_freq_factor\" = %g and \"high_freq_factor\" = "
+            "%g must satisfy 0 < low < high",
+            path, s->low_freq_factor, s->high_freq_factor);
+    /* HF's dynamic NTK grows the base past max_position_embeddings (it reads no original field) */
+    s->original_max_pos = s->type == REKV_ROPE_SCALING_DYNAMIC ? c->max_pos : (int)orig;
+    double reach = s->type == REKV_ROPE_SCALING_DYNAMIC ? c->max_pos * s->factor
+                   : yarn                               ? orig * s->factor
+                                                        : 0;
+    if (reach > c->max_pos)
+        c->max_pos = reach > BIG ? BIG : (int)reach;
+    rekv_rope_freqs f;
+    rekv_err e2 = {0};
+    if ((rc = rekv_rope_freqs_init(&f, c, &e2))) /* the checks every config gets */
+        return rekv_errf(err, rc, "%s: %s", path, e2.msg);
     return 0;
 }
 
@@ -139,7 +258,8 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
         (rc = get_int(root, path, "num_key_value_heads", c->n_heads, 1, 100000, &c->n_kv_heads,
                       err)) ||
         (rc = get_int(root, path, "vocab_size", LLONG_MIN, 1, BIG, &c->vocab, err)) ||
-        (rc = get_int(root, path, "max_position_embeddings", LLONG_MIN, 1, BIG, &c->max_pos, err)) ||
+        (rc =
+             get_int(root, path, "max_position_embeddings", LLONG_MIN, 1, BIG, &c->max_pos, err)) ||
         (rc = get_float(root, path, "rms_norm_eps", 1e-6, &c->norm_eps, err)) ||
         (rc = get_float(root, path, "rope_theta", 10000.0, &c->rope_theta, err)) ||
         (rc = get_bool(root, path, "tie_word_embeddings", 0, &c->tied_head, err)) ||
@@ -147,8 +267,9 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
         (rc = get_bool(root, path, "mlp_bias", 0, &c->ffn_bias, err)))
         return rc;
     if (c->hidden % c->n_heads != 0 && json_object_get(root, "head_dim") == NULL)
-        return rekv_errf(err, -EINVAL, "%s: hidden_size %d is not a multiple of num_attention_heads %d",
-                         path, c->hidden, c->n_heads);
+        return rekv_errf(err, -EINVAL,
+                         "%s: hidden_size %d is not a multiple of num_attention_heads %d", path,
+                         c->hidden, c->n_heads);
     if ((rc = get_int(root, path, "head_dim", c->hidden / c->n_heads, 2, 512, &c->head_dim, err)))
         return rc;
     if (c->head_dim % 2 != 0)
@@ -160,9 +281,8 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
     /* Qwen2 has q/k/v biases but none on o_proj; Llama's attention_bias covers o_proj too. */
     c->o_bias = qwen2 ? 0 : c->qkv_bias;
     c->embed_dim = c->hidden;
-    json_t *scaling = json_object_get(root, "rope_scaling");
-    if (scaling != NULL && !json_is_null(scaling))
-        return rekv_errf(err, -ENOTSUP, "%s: rope_scaling is not supported yet", path);
+    if ((rc = parse_rope_scaling(root, path, c, err)))
+        return rc;
     const char *act = get_str(root, "hidden_act");
     if (act != NULL && strcmp(act, "silu") != 0)
         return rekv_errf(err, -ENOTSUP, "%s: hidden_act \"%s\" is not supported (silu)", path, act);

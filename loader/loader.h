@@ -271,6 +271,14 @@ typedef struct rekv_synth_spec {
     int tied_head; /* default: OPT tied, Llama untied */
 } rekv_synth_spec;
 
+/* A Llama's variants beyond rekv_synth_spec (kept apart so that the spec's positional
+ * initializers stay complete); all zero: a plain Llama. */
+typedef struct rekv_synth_llama {
+    float rope_theta;               /* 0: 10000 */
+    rekv_rope_scaling rope_scaling; /* written as config.json's rope_scaling unless type NONE */
+    int qwen2; /* model_type qwen2: q/k/v projections with biases (Qwen2.5's attention) */
+} rekv_synth_llama;
+
 /* Writes a HF-format directory (config.json + model.safetensors) with deterministic weights scaled
  * so activations stay in range, streaming tensors so that any size can be written. */
 int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *err);
@@ -278,5 +286,8 @@ int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *
  * (progress may be NULL). */
 int rekv_synth_write_progress(const rekv_synth_spec *spec, const char *outdir,
                               rekv_progress_fn progress, void *arg, rekv_err *err);
+/* The same with a Llama's variants (llama may be NULL: none; a non-zero one for OPT is an error). */
+int rekv_synth_write_llama(const rekv_synth_spec *spec, const rekv_synth_llama *llama,
+                           const char *outdir, rekv_progress_fn progress, void *arg, rekv_err *err);
 
 #endif

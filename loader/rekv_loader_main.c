@@ -2,7 +2,7 @@
  *
  *   rekv-loader synth --arch opt|llama --layers N --hidden H --heads A [--kv-heads K] --ffn F
  *                     --vocab V [--max-pos P] [--dtype f16|bf16|f32] [--seed S] [--tied|--untied]
- *                     OUTDIR
+ *                     [--rope-theta T] [--rope-scaling TYPE[:KEY=VALUE,...]] [--qwen2] OUTDIR
  *   rekv-loader inspect PATH   (a HF directory, a .safetensors file or index, a llama2.c .bin,
  *                               a .gguf file)
  *
@@ -16,6 +16,8 @@
 #include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <math.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,10 +34,14 @@ static const char usage[] =
     "\n"
     "commands:\n"
     "  synth --arch opt|llama --layers N --hidden H --heads A [--kv-heads K] --ffn F --vocab V\n"
-    "        [--max-pos P] [--dtype f16|bf16|f32] [--seed S] [--tied|--untied] OUTDIR\n"
+    "        [--max-pos P] [--dtype f16|bf16|f32] [--seed S] [--tied|--untied]\n"
+    "        [--rope-theta T] [--rope-scaling TYPE[:KEY=VALUE,...]] [--qwen2] OUTDIR\n"
     "      Writes a synthetic HuggingFace model (config.json + model.safetensors) with\n"
     "      deterministic weights. Defaults: --kv-heads A, --max-pos 2048, --dtype f16, --seed 0,\n"
-    "      OPT tied and Llama untied output head.\n"
+    "      OPT tied and Llama untied output head. Llama only: --rope-theta (10000),\n"
+    "      --rope-scaling linear|dynamic|llama3|yarn with config.json's rope_scaling fields\n"
+    "      (e.g. llama3:factor=8,low_freq_factor=1,high_freq_factor=4,\n"
+    "      original_max_position_embeddings=8192), --qwen2 (model_type qwen2: q/k/v biases).\n"
     "  inspect PATH\n"
     "      Prints the configuration and every tensor of a HuggingFace directory, a .safetensors\n"
     "      file or index, a llama2.c .bin checkpoint, or a GGUF file (its metadata too), with\n"
@@ -87,10 +93,70 @@ static int parse_ll(const char *opt, const char *s, long long lo, long long hi, 
 
 /* ---------------------------------------------------------------- synth */
 
+/* --rope-scaling TYPE[:KEY=VALUE,...]: TYPE is linear, dynamic, llama3 or yarn; the keys are
+ * config.json's rope_scaling fields (truncate takes 0 or 1). */
+static int parse_rope_scaling(const char *spec, rekv_rope_scaling *r)
+{
+    static const struct {
+        const char *key;
+        size_t off;
+    } keys[] = {{"factor", offsetof(rekv_rope_scaling, factor)},
+                {"low_freq_factor", offsetof(rekv_rope_scaling, low_freq_factor)},
+                {"high_freq_factor", offsetof(rekv_rope_scaling, high_freq_factor)},
+                {"beta_fast", offsetof(rekv_rope_scaling, beta_fast)},
+                {"beta_slow", offsetof(rekv_rope_scaling, beta_slow)},
+                {"mscale", offsetof(rekv_rope_scaling, mscale)},
+                {"mscale_all_dim", offsetof(rekv_rope_scaling, mscale_all_dim)},
+                {"attention_factor", offsetof(rekv_rope_scaling, attention_factor)}};
+    char buf[512];
+    if (snprintf(buf, sizeof(buf), "%s", spec) >= (int)sizeof(buf))
+        return bad_usage("synth: --rope-scaling: too long");
+    memset(r, 0, sizeof(*r));
+    r->beta_fast = 32, r->beta_slow = 1, r->truncate = 1; /* HF's defaults */
+    char *kv = strchr(buf, ':');
+    if (kv)
+        *kv++ = '\0';
+    rekv_rope_scaling_type t;
+    for (t = REKV_ROPE_SCALING_LINEAR; t <= REKV_ROPE_SCALING_YARN; t++)
+        if (strcmp(buf, rekv_rope_scaling_name(t)) == 0)
+            break;
+    if (t > REKV_ROPE_SCALING_YARN)
+        return bad_usage(
+            "synth: --rope-scaling: type \"%s\" is not linear, dynamic, llama3 or yarn", buf);
+    r->type = t;
+    for (char *save = NULL, *item = kv ? strtok_r(kv, ",", &save) : NULL; item;
+         item = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(item, '='), *end;
+        if (eq == NULL)
+            return bad_usage("synth: --rope-scaling: \"%s\" is not KEY=VALUE", item);
+        *eq = '\0';
+        double x = strtod(eq + 1, &end);
+        if (eq[1] == '\0' || *end != '\0' || !isfinite(x) || x < 0)
+            return bad_usage("synth: --rope-scaling: %s=\"%s\" is not a non-negative number", item,
+                             eq + 1);
+        size_t i;
+        for (i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+            if (strcmp(item, keys[i].key) == 0)
+                break;
+        if (i < sizeof(keys) / sizeof(keys[0]))
+            *(double *)((char *)r + keys[i].off) = x;
+        else if (strcmp(item, "original_max_position_embeddings") == 0 && x == floor(x) &&
+                 x <= 1 << 30)
+            r->original_max_pos = (int)x;
+        else if (strcmp(item, "truncate") == 0 && (x == 0 || x == 1))
+            r->truncate = (int)x;
+        else
+            return bad_usage("synth: --rope-scaling: unknown key or bad value %s=%s", item, eq + 1);
+    }
+    return 0;
+}
+
 static int cmd_synth(int argc, char **argv)
 {
     rekv_synth_spec s;
+    rekv_synth_llama lv;
     memset(&s, 0, sizeof(s));
+    memset(&lv, 0, sizeof(lv));
     s.arch = -1;
     s.dtype = REKV_DTYPE_F16;
     s.max_pos = 2048;
@@ -108,6 +174,9 @@ static int cmd_synth(int argc, char **argv)
         O_MAX_POS,
         O_TIED,
         O_UNTIED,
+        O_ROPE_THETA,
+        O_ROPE_SCALING,
+        O_QWEN2,
         O_HELP
     };
     static const struct option opts[] = {{"arch", required_argument, 0, O_ARCH},
@@ -122,6 +191,9 @@ static int cmd_synth(int argc, char **argv)
                                          {"max-pos", required_argument, 0, O_MAX_POS},
                                          {"tied", no_argument, 0, O_TIED},
                                          {"untied", no_argument, 0, O_UNTIED},
+                                         {"rope-theta", required_argument, 0, O_ROPE_THETA},
+                                         {"rope-scaling", required_argument, 0, O_ROPE_SCALING},
+                                         {"qwen2", no_argument, 0, O_QWEN2},
                                          {"help", no_argument, 0, O_HELP},
                                          {0, 0, 0, 0}};
     int o;
@@ -137,6 +209,21 @@ static int cmd_synth(int argc, char **argv)
             break;
         case O_UNTIED:
             tied = 0;
+            break;
+        case O_QWEN2:
+            lv.qwen2 = 1;
+            break;
+        case O_ROPE_THETA: {
+            char *end;
+            double t = strtod(v, &end);
+            if (v[0] == '\0' || *end != '\0' || !(t > 0) || t > 1e12)
+                return bad_usage("synth: --rope-theta: \"%s\" is not a positive number", v);
+            lv.rope_theta = (float)t;
+            break;
+        }
+        case O_ROPE_SCALING:
+            if (parse_rope_scaling(v, &lv.rope_scaling) != 0)
+                return 2;
             break;
         case 'h':
         case O_HELP:
@@ -220,7 +307,7 @@ static int cmd_synth(int argc, char **argv)
     rekv_progress pr;
     rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, 0), "rekv-loader synth",
                         "bytes", 0);
-    int rc = rekv_synth_write_progress(&s, outdir, rekv_progress_cb, &pr, &err);
+    int rc = rekv_synth_write_llama(&s, &lv, outdir, rekv_progress_cb, &pr, &err);
     rekv_progress_end(&pr);
     if (rc < 0)
         return fail("%s", err.msg);
@@ -258,6 +345,13 @@ static void print_config(const rekv_model_config *c)
     printf("  norm_eps        %g\n", (double)c->norm_eps);
     printf("  rope            %s (theta %g)\n", (unsigned)c->rope < 3 ? rope[c->rope] : "?",
            (double)c->rope_theta);
+    const rekv_rope_scaling *rs = &c->rope_scaling;
+    if (rs->type != REKV_ROPE_SCALING_NONE)
+        printf("  rope_scaling    %s (factor %g, original_max_pos %d, low/high_freq_factor %g/%g, "
+               "beta_fast/slow %g/%g, attention_factor %g)\n",
+               rekv_rope_scaling_name(rs->type), rs->factor, rs->original_max_pos,
+               rs->low_freq_factor, rs->high_freq_factor, rs->beta_fast, rs->beta_slow,
+               rs->attention_factor);
     printf("  activation      %s\n", (unsigned)c->act < 3 ? act[c->act] : "?");
     printf("  pre_norm        %d\n", c->pre_norm);
     printf("  final_norm      %d\n", c->final_norm);

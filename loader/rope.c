@@ -57,7 +57,8 @@ static void llama3_table(rekv_rope_freqs *f, const rekv_rope_scaling *s, double 
         else if (wl > low_wl) /* low frequencies: interpolated by factor */
             v = inv / s->factor;
         else { /* between: a smooth blend of the two */
-            double sm = (old / wl - s->low_freq_factor) / (s->high_freq_factor - s->low_freq_factor);
+            double sm =
+                (old / wl - s->low_freq_factor) / (s->high_freq_factor - s->low_freq_factor);
             v = (1 - sm) * inv / s->factor + sm * inv;
         }
         f->inv_freq[j] = (float)v;
@@ -109,39 +110,45 @@ static int check(const rekv_rope_scaling *s, const rekv_model_config *c, rekv_er
         if (s->type == REKV_ROPE_SCALING_FACTORS)
             for (int j = 0; j < c->head_dim / 2; j++)
                 if (!(s->freq_factors[j] > 0) || !isfinite(s->freq_factors[j]))
-                    return rekv_errf(err, -EINVAL, "rope_scaling.freq_factors[%d] = %g must be positive",
-                                     j, (double)s->freq_factors[j]);
+                    return rekv_errf(err, -EINVAL,
+                                     "rope_scaling.freq_factors[%d] = %g must be positive", j,
+                                     (double)s->freq_factors[j]);
         return 0;
     }
     if (!(s->factor > 0) || !isfinite(s->factor))
-        return rekv_errf(err, -EINVAL, "rope_scaling (%s): factor = %g must be positive", n, s->factor);
+        return rekv_errf(err, -EINVAL, "rope_scaling (%s): factor = %g must be positive", n,
+                         s->factor);
     if (s->type == REKV_ROPE_SCALING_LINEAR)
         return 0;
     if (s->original_max_pos <= 0)
-        return rekv_errf(err, -EINVAL,
-                         "rope_scaling (%s): original_max_position_embeddings = %d must be positive",
-                         n, s->original_max_pos);
+        return rekv_errf(
+            err, -EINVAL,
+            "rope_scaling (%s): original_max_position_embeddings = %d must be positive", n,
+            s->original_max_pos);
     if (s->type == REKV_ROPE_SCALING_DYNAMIC && c->head_dim <= 2)
         return rekv_errf(err, -EINVAL, "rope_scaling (dynamic): head_dim %d must be above 2",
                          c->head_dim);
     if (s->type == REKV_ROPE_SCALING_LLAMA3 &&
         (!(s->low_freq_factor > 0) || !(s->high_freq_factor > s->low_freq_factor)))
-        return rekv_errf(err, -EINVAL,
-                         "rope_scaling (llama3): low_freq_factor = %g and high_freq_factor = %g must "
-                         "satisfy 0 < low_freq_factor < high_freq_factor",
-                         s->low_freq_factor, s->high_freq_factor);
+        return rekv_errf(
+            err, -EINVAL,
+            "rope_scaling (llama3): low_freq_factor = %g and high_freq_factor = %g must "
+            "satisfy 0 < low_freq_factor < high_freq_factor",
+            s->low_freq_factor, s->high_freq_factor);
     if (s->type == REKV_ROPE_SCALING_YARN) {
         if (!(s->beta_fast > 0) || !(s->beta_slow > 0))
-            return rekv_errf(err, -EINVAL,
-                             "rope_scaling (yarn): beta_fast = %g and beta_slow = %g must be positive",
-                             s->beta_fast, s->beta_slow);
+            return rekv_errf(
+                err, -EINVAL,
+                "rope_scaling (yarn): beta_fast = %g and beta_slow = %g must be positive",
+                s->beta_fast, s->beta_slow);
         if (!(c->rope_theta > 1))
             return rekv_errf(err, -EINVAL, "rope_scaling (yarn): rope_theta = %g must be above 1",
                              (double)c->rope_theta);
         if (s->attention_factor < 0 || s->mscale < 0 || s->mscale_all_dim < 0)
-            return rekv_errf(err, -EINVAL,
-                             "rope_scaling (yarn): attention_factor, mscale and mscale_all_dim must "
-                             "not be negative");
+            return rekv_errf(
+                err, -EINVAL,
+                "rope_scaling (yarn): attention_factor, mscale and mscale_all_dim must "
+                "not be negative");
     }
     return 0;
 }
@@ -155,7 +162,8 @@ int rekv_rope_freqs_init(rekv_rope_freqs *f, const rekv_model_config *c, rekv_er
         return rekv_errf(err, -EINVAL, "rope: head_dim %d must be even and in [2, %d]", d,
                          2 * REKV_ROPE_MAX_PAIRS);
     if (!(c->rope_theta > 0) || !isfinite(c->rope_theta))
-        return rekv_errf(err, -EINVAL, "rope: rope_theta = %g must be positive", (double)c->rope_theta);
+        return rekv_errf(err, -EINVAL, "rope: rope_theta = %g must be positive",
+                         (double)c->rope_theta);
     if ((rc = check(s, c, err)))
         return rc;
     f->half = d / 2;

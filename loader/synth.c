@@ -109,7 +109,7 @@ static int build_opt(const rekv_synth_spec *s, synth_list *l)
     return rc ? -ENOMEM : 0;
 }
 
-static int build_llama(const rekv_synth_spec *s, synth_list *l)
+static int build_llama(const rekv_synth_spec *s, const rekv_synth_llama *x, synth_list *l)
 {
     int64_t H = s->hidden, F = s->ffn, V = s->vocab;
     int64_t hd = s->hidden / s->n_heads;
@@ -122,6 +122,11 @@ static int build_llama(const rekv_synth_spec *s, synth_list *l)
         rc |= list_add(l, SYNTH_LINEAR, 2, qd, H, "%s.%d.self_attn.q_proj.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, kvd, H, "%s.%d.self_attn.k_proj.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, kvd, H, "%s.%d.self_attn.v_proj.weight", p, i);
+        if (x->qwen2) { /* after the weights: a plain Llama's tensors keep their indices */
+            rc |= list_add(l, SYNTH_BIAS, 1, qd, 0, "%s.%d.self_attn.q_proj.bias", p, i);
+            rc |= list_add(l, SYNTH_BIAS, 1, kvd, 0, "%s.%d.self_attn.k_proj.bias", p, i);
+            rc |= list_add(l, SYNTH_BIAS, 1, kvd, 0, "%s.%d.self_attn.v_proj.bias", p, i);
+        }
         rc |= list_add(l, SYNTH_LINEAR, 2, H, qd, "%s.%d.self_attn.o_proj.weight", p, i);
         rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "%s.%d.post_attention_layernorm.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, F, H, "%s.%d.mlp.gate_proj.weight", p, i);
@@ -177,8 +182,8 @@ static void synth_fill(const rekv_synth_spec *s, const synth_tensor *t, uint64_t
     }
 }
 
-static int spec_check(const rekv_synth_spec *s, rekv_synth_spec *norm, const char *outdir,
-                      rekv_err *err)
+static int spec_check(const rekv_synth_spec *s, const rekv_synth_llama *x, rekv_synth_spec *norm,
+                      const char *outdir, rekv_err *err)
 {
     *norm = *s;
     if (s->arch != REKV_ARCH_OPT && s->arch != REKV_ARCH_LLAMA)
@@ -203,6 +208,28 @@ static int spec_check(const rekv_synth_spec *s, rekv_synth_spec *norm, const cha
                          "%s: synth: OPT has no grouped-query attention (kv-heads "
                          "must equal heads)",
                          outdir);
+    if (s->arch == REKV_ARCH_OPT &&
+        (x->rope_scaling.type != REKV_ROPE_SCALING_NONE || x->qwen2 || x->rope_theta != 0))
+        return rekv_errf(err, -EINVAL, "%s: synth: OPT has no RoPE (rope options are Llama's)",
+                         outdir);
+    if (s->arch == REKV_ARCH_LLAMA) { /* the checks the loader will make, made before writing */
+        rekv_model_config c = {.head_dim = s->hidden / s->n_heads,
+                               .rope_theta = x->rope_theta > 0 ? x->rope_theta : 10000.0f,
+                               .rope_scaling = x->rope_scaling};
+        /* HF's dynamic reads max_position_embeddings; yarn defaults to it */
+        if (x->rope_scaling.type == REKV_ROPE_SCALING_DYNAMIC ||
+            (x->rope_scaling.type == REKV_ROPE_SCALING_YARN &&
+             x->rope_scaling.original_max_pos == 0))
+            c.rope_scaling.original_max_pos = s->max_pos;
+        rekv_rope_freqs f;
+        rekv_err e2 = {0};
+        int rc = rekv_rope_freqs_init(&f, &c, &e2);
+        if (rc)
+            return rekv_errf(err, rc, "%s: synth: %s", outdir, e2.msg);
+        if (x->rope_scaling.type == REKV_ROPE_SCALING_FACTORS)
+            return rekv_errf(err, -EINVAL, "%s: synth: config.json has no per-pair rope factors",
+                             outdir);
+    }
     if (s->dtype != REKV_DTYPE_F32 && s->dtype != REKV_DTYPE_F16 && s->dtype != REKV_DTYPE_BF16)
         return rekv_errf(err, -EINVAL, "%s: synth: unknown dtype %d", outdir, (int)s->dtype);
     /* tensor dims are products of ints: keep every one within int range */
@@ -221,7 +248,50 @@ static const char *torch_dtype_name(rekv_dtype d)
     return d == REKV_DTYPE_F32 ? "float32" : d == REKV_DTYPE_F16 ? "float16" : "bfloat16";
 }
 
-static int write_config(const rekv_synth_spec *s, const char *path, rekv_err *err)
+/* The rope and Qwen2 fields of a Llama's config.json, as HF writes them (rope_scaling's fields
+ * by type: those HF's _compute_*_parameters read). */
+static int llama_extras(const rekv_synth_llama *x, json_t *c)
+{
+    const rekv_rope_scaling *r = &x->rope_scaling;
+    int rc = 0;
+    if (x->rope_theta > 0)
+        rc |= json_object_set_new(c, "rope_theta", json_real(x->rope_theta));
+    if (x->qwen2) {
+        rc |= json_object_set_new(c, "model_type", json_string("qwen2"));
+        rc |= json_object_set_new(c, "architectures", json_pack("[s]", "Qwen2ForCausalLM"));
+        rc |= json_object_del(c, "attention_bias"); /* Qwen2's biases come with the type */
+    }
+    if (r->type == REKV_ROPE_SCALING_NONE)
+        return rc;
+    json_t *o =
+        json_pack("{s:s,s:f}", "rope_type", rekv_rope_scaling_name(r->type), "factor", r->factor);
+    if (o == NULL)
+        return -1;
+    if (r->type == REKV_ROPE_SCALING_LLAMA3) {
+        rc |= json_object_set_new(o, "low_freq_factor", json_real(r->low_freq_factor));
+        rc |= json_object_set_new(o, "high_freq_factor", json_real(r->high_freq_factor));
+    }
+    if ((r->type == REKV_ROPE_SCALING_LLAMA3 || r->type == REKV_ROPE_SCALING_YARN) &&
+        r->original_max_pos > 0)
+        rc |= json_object_set_new(o, "original_max_position_embeddings",
+                                  json_integer(r->original_max_pos));
+    if (r->type == REKV_ROPE_SCALING_YARN) {
+        rc |= json_object_set_new(o, "beta_fast", json_real(r->beta_fast));
+        rc |= json_object_set_new(o, "beta_slow", json_real(r->beta_slow));
+        rc |= json_object_set_new(o, "truncate", json_boolean(r->truncate));
+        if (r->attention_factor > 0)
+            rc |= json_object_set_new(o, "attention_factor", json_real(r->attention_factor));
+        if (r->mscale > 0)
+            rc |= json_object_set_new(o, "mscale", json_real(r->mscale));
+        if (r->mscale_all_dim > 0)
+            rc |= json_object_set_new(o, "mscale_all_dim", json_real(r->mscale_all_dim));
+    }
+    rc |= json_object_set_new(c, "rope_scaling", o);
+    return rc;
+}
+
+static int write_config(const rekv_synth_spec *s, const rekv_synth_llama *x, const char *path,
+                        rekv_err *err)
 {
     json_t *c;
     if (s->arch == REKV_ARCH_OPT) {
@@ -248,8 +318,10 @@ static int write_config(const rekv_synth_spec *s, const char *path, rekv_err *er
                       "attention_bias", 0, "mlp_bias", 0, "bos_token_id", 1, "eos_token_id", 2,
                       "use_cache", 1, "torch_dtype", torch_dtype_name(s->dtype));
     }
-    if (c == NULL)
+    if (c == NULL || (s->arch == REKV_ARCH_LLAMA && llama_extras(x, c) != 0)) {
+        json_decref(c);
         return rekv_errf(err, -ENOMEM, "%s: out of memory", path);
+    }
     char *tmp = NULL;
     int rc = 0;
     if (asprintf(&tmp, "%s.tmp", path) < 0) {
@@ -275,8 +347,16 @@ int rekv_synth_write(const rekv_synth_spec *spec, const char *outdir, rekv_err *
 int rekv_synth_write_progress(const rekv_synth_spec *spec, const char *outdir,
                               rekv_progress_fn progress, void *arg, rekv_err *err)
 {
+    return rekv_synth_write_llama(spec, NULL, outdir, progress, arg, err);
+}
+
+int rekv_synth_write_llama(const rekv_synth_spec *spec, const rekv_synth_llama *llama,
+                           const char *outdir, rekv_progress_fn progress, void *arg, rekv_err *err)
+{
+    static const rekv_synth_llama plain;
+    const rekv_synth_llama *x = llama ? llama : &plain;
     rekv_synth_spec s;
-    int rc = spec_check(spec, &s, outdir, err);
+    int rc = spec_check(spec, x, &s, outdir, err);
     if (rc < 0)
         return rc;
     if (mkdir(outdir, 0755) != 0 && errno != EEXIST)
@@ -297,7 +377,7 @@ int rekv_synth_write_progress(const rekv_synth_spec *spec, const char *outdir,
         rc = rekv_errf(err, -ENOMEM, "%s: out of memory", outdir);
         goto out;
     }
-    rc = s.arch == REKV_ARCH_OPT ? build_opt(&s, &l) : build_llama(&s, &l);
+    rc = s.arch == REKV_ARCH_OPT ? build_opt(&s, &l) : build_llama(&s, x, &l);
     f32 = malloc(SYNTH_CHUNK_ELEMS * sizeof(float));
     conv = malloc(SYNTH_CHUNK_ELEMS * rekv_dtype_size(s.dtype));
     if (rc < 0 || f32 == NULL || conv == NULL) {
@@ -336,7 +416,7 @@ int rekv_synth_write_progress(const rekv_synth_spec *spec, const char *outdir,
     if (rc < 0)
         goto out;
     /* config.json last: a directory with a config is a complete model */
-    rc = write_config(&s, cfg_path, err);
+    rc = write_config(&s, x, cfg_path, err);
 out:
     if (w != NULL)
         rekv_st_writer_close(w, NULL); /* discards the partial file */

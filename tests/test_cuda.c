@@ -299,27 +299,44 @@ START_TEST(kernel_rope)
 {
     backends_open();
     static const int hds[] = {2, 64, 128, 512};
+    /* plain, YaRN (its cos/sin factor) and dynamic NTK (positions past 1024 make their own row's
+     * frequencies on the device) */
+    static const rekv_rope_scaling_type kinds[] = {REKV_ROPE_SCALING_NONE, REKV_ROPE_SCALING_YARN,
+                                                   REKV_ROPE_SCALING_DYNAMIC};
     for (size_t hi = 0; hi < sizeof(hds) / sizeof(hds[0]); hi++)
-        for (int style = REKV_ROPE_HALF; style <= REKV_ROPE_ADJACENT; style++) {
-            int m = 9, heads = 3, hd = hds[hi];
-            size_t n = (size_t)m * heads * hd;
-            float *x = hrand(n, 2);
-            int32_t *pos = malloc(sizeof(int32_t) * m), *dpos = meta(sizeof(int32_t) * m);
-            for (int i = 0; i < m; i++)
-                pos[i] = dpos[i] = i < 2 ? i : irand(4096);
-            float *dx = dev_from(x, sizeof(float) * n);
-            rekv_cpu_kernels.rope(g_scpu, x, pos, m, heads, hd, 10000.0f, (rekv_rope)style);
-            sync_cpu();
-            rekv_kernels_of(g_cu)->rope(g_scu, dx, dpos, m, heads, hd, 10000.0f, (rekv_rope)style);
-            sync_cu();
-            char what[96];
-            snprintf(what, sizeof(what), "rope %s head_dim %d",
-                     style == REKV_ROPE_HALF ? "half" : "adjacent", hd);
-            expect_dev(what, dx, x, n, KERNEL_TOL);
-            dev_free(dx);
-            meta_free(dpos);
-            free(pos), free(x);
-        }
+        for (int kind = 0; kind < 3; kind++)
+            for (int style = REKV_ROPE_HALF; style <= REKV_ROPE_ADJACENT; style++) {
+                int m = 9, heads = 3, hd = hds[hi];
+                rekv_model_config c = {.head_dim = hd, .rope_theta = 10000.0f};
+                c.rope_scaling = (rekv_rope_scaling){.type = kinds[kind],
+                                                     .factor = 4,
+                                                     .original_max_pos = 1024,
+                                                     .beta_fast = 32,
+                                                     .beta_slow = 1,
+                                                     .truncate = 1};
+                rekv_rope_freqs f;
+                if (kinds[kind] == REKV_ROPE_SCALING_DYNAMIC && hd == 2)
+                    continue; /* dynamic needs head_dim > 2 */
+                ck_assert_int_eq(rekv_rope_freqs_init(&f, &c, NULL), 0);
+                size_t n = (size_t)m * heads * hd;
+                float *x = hrand(n, 2);
+                int32_t *pos = malloc(sizeof(int32_t) * m), *dpos = meta(sizeof(int32_t) * m);
+                for (int i = 0; i < m; i++)
+                    pos[i] = dpos[i] = i < 2 ? i : irand(4096);
+                float *dx = dev_from(x, sizeof(float) * n);
+                rekv_cpu_kernels.rope(g_scpu, x, pos, m, heads, hd, &f, (rekv_rope)style);
+                sync_cpu();
+                rekv_kernels_of(g_cu)->rope(g_scu, dx, dpos, m, heads, hd, &f, (rekv_rope)style);
+                sync_cu();
+                char what[96];
+                snprintf(what, sizeof(what), "rope %s %s head_dim %d",
+                         rekv_rope_scaling_name(kinds[kind]),
+                         style == REKV_ROPE_HALF ? "half" : "adjacent", hd);
+                expect_dev(what, dx, x, n, KERNEL_TOL);
+                dev_free(dx);
+                meta_free(dpos);
+                free(pos), free(x);
+            }
     backends_close();
 }
 END_TEST
