@@ -124,6 +124,8 @@ uint64_t rekv_skew_fingerprint(const rekv_engine *e)
                        c->vocab,        c->embed_dim,  c->max_pos, (int32_t)c->arch};
     fp_add(&f, shape, sizeof(shape));
     fp_add(&f, &c->rope_theta, sizeof(c->rope_theta));
+    if (c->rope_scaling.type != REKV_ROPE_SCALING_NONE) /* the rotation the calibration saw */
+        fp_add(&f, &e->rope, sizeof(e->rope));          /* (zeroed padding: rekv_rope_freqs_init) */
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c), F = (size_t)c->ffn;
     size_t KV = (size_t)rekv_config_kv_dim(c), ws = rekv_dtype_size(e->wdtype), f4 = sizeof(float);
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim;
