@@ -277,7 +277,7 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
             ev->token = tok;
             j->last = tok;
             j->n_gen++;
-            if (j->stop_at_eos && tok == c->eos_id)
+            if (j->stop_at_eos && rekv_config_is_eos(c, tok))
                 ev->finish_reason = "eos";
             else if (j->n_gen == j->max_new)
                 ev->finish_reason = "length";

@@ -79,7 +79,7 @@ int rekv_generate(rekv_engine *e, const int32_t *prompt, int n_prompt, const rek
             goto out;
         }
         out->ids[out->n++] = tok;
-        if (p->stop_at_eos && tok == c->eos_id) {
+        if (p->stop_at_eos && rekv_config_is_eos(c, tok)) {
             out->finish_reason = "eos";
             break;
         }

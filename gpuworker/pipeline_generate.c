@@ -87,7 +87,7 @@ int rekv_pipeline_generate_progress(rekv_pipeline *p, const int32_t *const *prom
             rekv_gen_result *r = &res[i];
             int32_t tok = r->ids[r->n++];
             generated++;
-            if (gp->stop_at_eos && tok == c->eos_id)
+            if (gp->stop_at_eos && rekv_config_is_eos(c, tok))
                 r->finish_reason = "eos";
             else if (r->n < max_new && rekv_pseq_len(seqs[i]) >= c->max_pos)
                 r->finish_reason = "context";

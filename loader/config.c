@@ -281,6 +281,13 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
     /* Qwen2 has q/k/v biases but none on o_proj; Llama's attention_bias covers o_proj too. */
     c->o_bias = qwen2 ? 0 : c->qkv_bias;
     c->embed_dim = c->hidden;
+    /* RoPE over part of each head (Phi, GPT-NeoX style) would need the kernels' rotation split */
+    json_t *prf = json_object_get(root, "partial_rotary_factor");
+    if (prf != NULL && !json_is_null(prf) && (!json_is_number(prf) || json_number_value(prf) != 1))
+        return rekv_errf(err, -ENOTSUP,
+                         "%s: field \"partial_rotary_factor\" other than 1 is not "
+                         "supported",
+                         path);
     if ((rc = parse_rope_scaling(root, path, c, err)))
         return rc;
     const char *act = get_str(root, "hidden_act");
@@ -294,6 +301,34 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
         return rc;
     if (use_window && window > 0 && window < c->max_pos)
         c->max_pos = window;
+    return 0;
+}
+
+/* Every id of eos_token_id (an integer or a list: Llama 3.x Instruct ends turns with <|eot_id|>,
+ * not its first id <|end_of_text|>); c->eos_id, its first, is read already. */
+static int parse_eos_ids(json_t *root, const char *path, rekv_model_config *c, rekv_err *err)
+{
+    json_t *v = json_object_get(root, "eos_token_id");
+    c->n_eos_ids = 0;
+    if (!json_is_array(v)) {
+        if (c->eos_id >= 0)
+            c->eos_ids[c->n_eos_ids++] = c->eos_id;
+        return 0;
+    }
+    if (json_array_size(v) > REKV_MAX_EOS)
+        return rekv_errf(err, -EINVAL, "%s: field \"eos_token_id\" lists %zu ids, more than %d",
+                         path, json_array_size(v), REKV_MAX_EOS);
+    size_t i;
+    json_t *x;
+    json_array_foreach(v, i, x)
+    {
+        json_int_t id = json_is_integer(x) ? json_integer_value(x) : -1;
+        if (id < 0 || id >= c->vocab)
+            return rekv_errf(err, -EINVAL,
+                             "%s: field \"eos_token_id\"[%zu] must be an id below vocab_size %d",
+                             path, i, c->vocab);
+        c->eos_ids[c->n_eos_ids++] = (int)id;
+    }
     return 0;
 }
 
@@ -328,7 +363,8 @@ int rekv_config_load_hf(const char *path, rekv_model_config *c, rekv_err *err)
         goto out;
     if ((rc = get_int(root, path, "bos_token_id", -1, -1, c->vocab - 1, &c->bos_id, err)) ||
         (rc = get_int(root, path, "eos_token_id", -1, -1, c->vocab - 1, &c->eos_id, err)) ||
-        (rc = get_int(root, path, "pad_token_id", -1, -1, c->vocab - 1, &c->pad_id, err)))
+        (rc = get_int(root, path, "pad_token_id", -1, -1, c->vocab - 1, &c->pad_id, err)) ||
+        (rc = parse_eos_ids(root, path, c, err)))
         goto out;
     /* Qwen2's tokenizer adds no BOS; OPT's and Llama's do (tokenizer_config.json may override). */
     c->add_bos = strcmp(type, "qwen2") != 0 && c->bos_id >= 0;

@@ -123,6 +123,8 @@ int rekv_model_open_llama2c(const char *path, rekv_model **out, rekv_err *err)
     c->tied_head = shared;
     c->bos_id = 1;
     c->eos_id = 2;
+    c->eos_ids[0] = 2;
+    c->n_eos_ids = 1;
     c->pad_id = -1;
     c->add_bos = 1;
     c->dtype = REKV_DTYPE_F32;

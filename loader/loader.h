@@ -64,6 +64,8 @@ typedef enum rekv_act {
     REKV_ACT_SILU = 2, /* with a gate: SwiGLU */
 } rekv_act;
 
+#define REKV_MAX_EOS 8 /* end-of-sequence ids a config may list */
+
 typedef struct rekv_model_config {
     rekv_arch arch;
     rekv_rope rope;
@@ -88,11 +90,25 @@ typedef struct rekv_model_config {
     int ffn_bias;     /* FFN projections have biases (OPT) */
     int norm_bias;    /* norms are LayerNorm with a bias (OPT); RMSNorm without (Llama) */
     int bos_id;       /* -1 when none */
-    int eos_id;       /* -1 when none */
+    int eos_id;       /* -1 when none; the first of eos_ids */
+    int eos_ids[REKV_MAX_EOS]; /* every end-of-sequence id (Llama 3.x lists several: <|eot_id|>..) */
+    int n_eos_ids;             /* 0 when none */
     int pad_id;       /* -1 when none */
     int add_bos;      /* the tokenizer prepends bos_id to every prompt */
     rekv_dtype dtype; /* dtype of the stored weights */
 } rekv_model_config;
+
+/* Whether tok ends a sequence: one of the config's EOS ids (eos_id alone when the list is empty,
+ * as a config built by code may leave it). */
+static inline int rekv_config_is_eos(const rekv_model_config *c, int tok)
+{
+    if (c->n_eos_ids == 0)
+        return tok == c->eos_id && tok >= 0;
+    for (int i = 0; i < c->n_eos_ids; i++)
+        if (tok == c->eos_ids[i])
+            return 1;
+    return 0;
+}
 
 /* kv_dim = n_kv_heads * head_dim; q_dim = n_heads * head_dim. */
 static inline int rekv_config_kv_dim(const rekv_model_config *c) { return c->n_kv_heads * c->head_dim; }

@@ -360,6 +360,12 @@ static void print_config(const rekv_model_config *c)
            c->norm_bias);
     printf("  bos/eos/pad     %d/%d/%d (add_bos %d)\n", c->bos_id, c->eos_id, c->pad_id,
            c->add_bos);
+    if (c->n_eos_ids > 1) {
+        printf("  eos_ids        ");
+        for (int i = 0; i < c->n_eos_ids; i++)
+            printf(" %d", c->eos_ids[i]);
+        printf("\n");
+    }
     printf("  dtype           %s\n", rekv_dtype_name(c->dtype));
 }
 

@@ -77,6 +77,27 @@ START_TEST(plain_rope_keeps_bits)
 }
 END_TEST
 
+/* Per-pair divisors (GGUF's rope_freqs.weight, llama.cpp's form of Llama 3.1's scaling) divide
+ * plain RoPE's frequencies, pair by pair. */
+START_TEST(factors_divide_plain)
+{
+    rekv_model_config c = {.head_dim = 64, .rope_theta = 500000.0f};
+    rekv_rope_freqs plain, f;
+    ck_assert_int_eq(rekv_rope_freqs_init(&plain, &c, NULL), 0);
+    c.rope_scaling.type = REKV_ROPE_SCALING_FACTORS;
+    for (int j = 0; j < 32; j++)
+        c.rope_scaling.freq_factors[j] = j < 8 ? 1.0f : j < 24 ? 1.0f + (float)j / 4 : 8.0f;
+    ck_assert_int_eq(rekv_rope_freqs_init(&f, &c, NULL), 0);
+    for (int j = 0; j < 32; j++)
+        ck_assert_float_eq(f.inv_freq[j], plain.inv_freq[j] / c.rope_scaling.freq_factors[j]);
+    ck_assert_float_eq(f.attn_factor, 1.0f);
+    c.rope_scaling.freq_factors[5] = 0;
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_rope_freqs_init(&f, &c, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "freq_factors[5]") != NULL, "%s", err.msg);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- tables */
 
 /* Configs shaped as the checkpoints people run (their rope fields as published). */
@@ -409,6 +430,98 @@ START_TEST(pipeline_matches_forward)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- Llama 3.x's EOS list */
+
+/* Replaces "eos_token_id": 2 in dir's config.json with the given JSON value. */
+static void set_eos(const char *dir, const char *value)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    json_error_t jerr;
+    json_t *c = json_load_file(path, 0, &jerr);
+    ck_assert_msg(c != NULL, "%s", jerr.text);
+    ck_assert_int_eq(
+        json_object_set_new(c, "eos_token_id", json_loads(value, JSON_DECODE_ANY, NULL)), 0);
+    ck_assert_int_eq(json_dump_file(c, path, JSON_INDENT(2)), 0);
+    json_decref(c);
+}
+
+/* eos_token_id as a list (Llama 3.x Instruct: [<|end_of_text|>, <|eom_id|>, <|eot_id|>]): any of
+ * its ids ends generation, not only the first — in rekv_generate and in the pipeline's. */
+START_TEST(eos_list_stops_generation)
+{
+    char *dir = tu_tmpdir(), *cmd = NULL, mdir[512];
+    snprintf(mdir, sizeof(mdir), "%s/m", dir);
+    ck_assert_int_gt(asprintf(&cmd,
+                              "%s synth --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 "
+                              "--ffn 96 --vocab 128 --dtype f32 --max-pos 64 --seed 3 "
+                              "--rope-theta 500000 %s >/dev/null",
+                              tu_bin("rekv-loader"), mdir),
+                     0);
+    tu_run_ok(cmd);
+    free(cmd);
+    enum { N = 12, V = 128 };
+    int32_t prompt[5] = {1, 17, 33, 9, 70};
+    rekv_gen_params gp = {N, 1.0f, 0, 1, 5, 0, 0}; /* sampled, seeded: the same ids each run */
+    rekv_gen_result r;
+    rekv_err err = {0};
+    rekv_model *m = NULL;
+    rekv_engine *e = NULL;
+    ck_assert_msg(rekv_model_open(mdir, &m, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(m, &e, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_generate(e, prompt, 5, &gp, &r, &err) == 0, "%s", err.msg);
+    /* the stop: the first generated id not seen before it, past the first; the list's first id:
+     * one never generated */
+    int stop_at = -1, unused = -1, seen[V] = {0};
+    for (int i = 0; i < r.n; i++) {
+        if (i > 0 && stop_at < 0 && !seen[r.ids[i]])
+            stop_at = i;
+        seen[r.ids[i]] = 1;
+    }
+    for (int t = 3; t < V && unused < 0; t++)
+        if (!seen[t])
+            unused = t;
+    ck_assert_msg(stop_at > 0 && unused > 0, "the generated ids repeat one token");
+    int stop_tok = r.ids[stop_at];
+    rekv_gen_result_free(&r);
+    rekv_engine_free(e);
+    rekv_model_close(m);
+    char list[64];
+    snprintf(list, sizeof(list), "[%d, %d]", unused, stop_tok);
+    set_eos(mdir, list);
+    tu_fixture f;
+    tu_fixture_open(&f, mdir, REKV_DTYPE_F32, NULL);
+    ck_assert_int_eq(f.m->config.n_eos_ids, 2);
+    ck_assert_int_eq(f.m->config.eos_id, unused);
+    gp.stop_at_eos = 1;
+    ck_assert_msg(rekv_generate(f.e, prompt, 5, &gp, &r, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(r.n, stop_at + 1);
+    ck_assert_str_eq(r.finish_reason, "eos");
+    rekv_gen_result_free(&r);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    rekv_pipeline *p;
+    ck_assert_msg(rekv_pipeline_create(f.e, f.be, NULL, &cfg, &p, &err) == 0, "%s", err.msg);
+    const int32_t *prompts[1] = {prompt};
+    int lens[1] = {5};
+    ck_assert_msg(rekv_pipeline_generate(p, prompts, lens, 1, &gp, &r, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(r.n, stop_at + 1);
+    ck_assert_str_eq(r.finish_reason, "eos");
+    rekv_gen_result_free(&r);
+    rekv_pipeline_free(p);
+    tu_fixture_close(&f);
+    /* an id past the vocabulary is named */
+    set_eos(mdir, "[2, 128]");
+    rekv_model_config c;
+    char path[600];
+    snprintf(path, sizeof(path), "%s/config.json", mdir);
+    ck_assert_int_eq(rekv_config_load_hf(path, &c, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "\"eos_token_id\"[1]") != NULL, "%s", err.msg);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- bad input */
 
 START_TEST(bad_rope_scaling_names_the_field)
@@ -458,6 +571,16 @@ START_TEST(bad_rope_scaling_names_the_field)
                       "case %zu: \"%s\" does not name %s", i, err.msg, bad[i].needle);
         ck_assert_ptr_null(strchr(err.msg, '\n'));
     }
+    /* a rotation over part of each head is refused, not computed over the whole */
+    snprintf(text, sizeof(text),
+             "{\"model_type\":\"llama\",\"hidden_size\":64,\"num_hidden_layers\":1,"
+             "\"intermediate_size\":96,\"num_attention_heads\":4,\"vocab_size\":100,"
+             "\"max_position_embeddings\":64,\"partial_rotary_factor\":0.5}");
+    write_text(path, text);
+    rekv_model_config pc;
+    rekv_err perr = {0};
+    ck_assert_int_eq(rekv_config_load_hf(path, &pc, &perr), -ENOTSUP);
+    ck_assert_msg(strstr(perr.msg, "\"partial_rotary_factor\"") != NULL, "%s", perr.msg);
     /* a config built by code (GGUF, tests) gets the same checks from rekv_rope_freqs_init */
     rekv_model_config c = {.head_dim = 64, .rope_theta = 10000.0f};
     c.rope_scaling = (rekv_rope_scaling){.type = REKV_ROPE_SCALING_YARN, .factor = 4};
@@ -476,11 +599,13 @@ static Suite *suite(void)
     TCase *tc = tcase_create("rope");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, plain_rope_keeps_bits);
+    tcase_add_test(tc, factors_divide_plain);
     tcase_add_test(tc, tables_match_reference);
     tcase_add_loop_test(tc, logits_match_reference, 0,
                         (int)(sizeof(synth_cases) / sizeof(synth_cases[0])));
     tcase_add_test(tc, dynamic_does_not_depend_on_chunking);
     tcase_add_loop_test(tc, pipeline_matches_forward, 0, 2);
+    tcase_add_test(tc, eos_list_stops_generation);
     tcase_add_test(tc, bad_rope_scaling_names_the_field);
     suite_add_tcase(s, tc);
     return s;
