@@ -576,6 +576,32 @@ static void synth_into(const char *dir, rekv_arch arch, rekv_dtype dt, int tied,
     }
 }
 
+/* The same Llama with rope_scaling (llama3: every field a type reads) and Qwen2's biases. */
+static void synth_rope_into(const char *dir, uint64_t seed_v)
+{
+    rekv_synth_spec s = {.arch = REKV_ARCH_LLAMA,
+                         .n_layers = 1,
+                         .hidden = 16,
+                         .n_heads = 2,
+                         .n_kv_heads = 1,
+                         .ffn = 24,
+                         .vocab = 40,
+                         .max_pos = 12,
+                         .dtype = REKV_DTYPE_F32,
+                         .seed = seed_v};
+    rekv_synth_llama lv = {.rope_theta = 500000.0f, .qwen2 = 1};
+    lv.rope_scaling = (rekv_rope_scaling){.type = REKV_ROPE_SCALING_LLAMA3,
+                                          .factor = 8,
+                                          .original_max_pos = 4,
+                                          .low_freq_factor = 1,
+                                          .high_freq_factor = 4};
+    rekv_err err = {0};
+    if (rekv_synth_write_llama(&s, &lv, dir, NULL, NULL, &err) != 0) {
+        fprintf(stderr, "fuzz_parsers: synth: %s\n", err.msg);
+        exit(2);
+    }
+}
+
 /* A small safetensors file with every dtype and odd shapes, written with the project's writer. */
 static void gen_mixed_st(const char *path)
 {
@@ -645,6 +671,9 @@ static void build_seeds(double scale)
     seed_load(s);
     s = seed_add("hf-llama-config", T_MODEL, K_JSON, "config.json", small);
     synth_into(s->dir, REKV_ARCH_LLAMA, REKV_DTYPE_F32, 1, 4);
+    seed_load(s);
+    s = seed_add("hf-llama-rope-config", T_MODEL, K_JSON, "config.json", small);
+    synth_rope_into(s->dir, 7);
     seed_load(s);
     s = seed_add("hf-opt-weights", T_MODEL, K_SAFETENSORS, "model.safetensors", small);
     synth_into(s->dir, REKV_ARCH_OPT, REKV_DTYPE_F32, 0, 5);
