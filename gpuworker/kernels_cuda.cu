@@ -310,8 +310,7 @@ __global__ static void rope_kernel(float *x, const int32_t *pos, int n_heads, in
         pi = pos[blockIdx.x]; /* mapped host memory: read once per block */
     __syncthreads();
     int half = head_dim / 2, is_dyn = pi >= f.dyn_from;
-    if (is_dyn) { /* dynamic NTK past the original length: this row's table, as rekv_rope_freqs_at
-                   */
+    if (is_dyn) { /* dynamic NTK past the original length: the row's table (rekv_rope_freqs_at) */
         double L = (double)pi + 1, O = f.dyn_from;
         double base = f.theta * pow(f.dyn_factor * L / O - (f.dyn_factor - 1),
                                     (double)head_dim / (head_dim - 2));
