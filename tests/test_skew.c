@@ -80,7 +80,8 @@ typedef struct rows {
     float *k; /* [n_layers][rows][kv_dim] */
 } rows;
 
-static void tap_copy(void *ctx, int layer, const float *q, const float *k, const float *v, int n)
+static void tap_copy(void *ctx, int layer, const float *x, const float *h, const float *q,
+                     const float *k, const float *v, int n)
 {
     (void)v;
     rows *r = ctx;
