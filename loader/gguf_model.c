@@ -10,14 +10,15 @@
  * other tensor are plain copies of the checkpoint's.
  *
  * Not loaded, each refused naming what: other architectures, mixture-of-experts llama files
- * (llama.expert_count), scaled rope (rope.scaling.*, rope_freqs), partial rotary dims, attention
- * biases, and (in this version) quantized weights — those are to stay quantized into the GEMM,
+ * (llama.expert_count), rope scaling other than linear and rope_freqs (read_rope_scaling), partial
+ * rotary dims, attention biases, and (in this version) quantized weights — those are to stay quantized into the GEMM,
  * never widened at load. */
 #define _GNU_SOURCE
 #include "loader/gguf.h"
 
 #include <ctype.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,30 +41,59 @@ static int get_dim(const rekv_gguf *g, const char *key, int64_t dflt, int *out, 
     return 0;
 }
 
-/* Rope scaling is the "rope" part's (loader/config.c); until the config carries it, a scaled-rope
- * GGUF is refused rather than run with the wrong frequencies. */
-static int check_rope_scaling(const rekv_gguf *g, rekv_err *err)
+/* Rope scaling as llama.cpp writes it: llama.rope.scaling.type "none" or "linear" (with
+ * llama.rope.scaling.factor: positions divided by it, HF's linear), and the per-pair divisors of an
+ * F32 tensor rope_freqs.weight (head_dim/2 values; llama.cpp's converter writes Llama 3.x's llama3
+ * scaling so, and its rope divides each pair's frequency by them — REKV_ROPE_SCALING_FACTORS).
+ * Other types (yarn, longrope: llama.cpp's forms have no reference here), a factor without
+ * "linear", and both at once are refused naming the key. */
+static int read_rope_scaling(const rekv_gguf *g, rekv_model_config *c, rekv_err *err)
 {
-    const char *s;
-    size_t n;
-    double f;
+    const char *s = "none";
+    size_t n = 4;
+    double f = 1;
     if (rekv_gguf_kv_find(g, "llama.rope.scaling.type") &&
-        rekv_gguf_get_str(g, "llama.rope.scaling.type", &s, &n, NULL) == 0 &&
-        !(n == 4 && memcmp(s, "none", 4) == 0))
+        rekv_gguf_get_str(g, "llama.rope.scaling.type", &s, &n, err))
+        return -EINVAL;
+    int linear = n == 6 && memcmp(s, "linear", 6) == 0;
+    if (!linear && !(n == 4 && memcmp(s, "none", 4) == 0))
         return rekv_errf(err, -ENOTSUP,
-                         "%s: metadata \"llama.rope.scaling.type\" = \"%.*s\": rope scaling is not "
-                         "supported for GGUF files yet",
+                         "%s: metadata \"llama.rope.scaling.type\" = \"%.*s\": only \"none\" and "
+                         "\"linear\" rope scaling (and rope_freqs.weight) are supported in GGUF",
                          g->path, (int)(n < 32 ? n : 32), s);
-    if (rekv_gguf_get_f64(g, "llama.rope.scaling.factor", &f, NULL) == 0 && f != 0 && f != 1)
-        return rekv_errf(err, -ENOTSUP,
-                         "%s: metadata \"llama.rope.scaling.factor\" = %g: rope scaling is not "
-                         "supported for GGUF files yet",
+    if (rekv_gguf_kv_find(g, "llama.rope.scaling.factor") &&
+        rekv_gguf_get_f64(g, "llama.rope.scaling.factor", &f, err))
+        return -EINVAL;
+    if (linear && !(f > 0 && isfinite(f)))
+        return rekv_errf(err, -EINVAL,
+                         "%s: metadata \"llama.rope.scaling.factor\" = %g must be positive with "
+                         "linear scaling",
                          g->path, f);
-    if (rekv_gguf_tensor_find(g, "rope_freqs.weight"))
+    if (!linear && f != 0 && f != 1)
         return rekv_errf(err, -ENOTSUP,
-                         "%s: tensor \"rope_freqs.weight\" (Llama-3-style rope scaling) is not "
-                         "supported for GGUF files yet",
+                         "%s: metadata \"llama.rope.scaling.factor\" = %g without "
+                         "\"llama.rope.scaling.type\" \"linear\"",
+                         g->path, f);
+    const rekv_gguf_tensor *ff = rekv_gguf_tensor_find(g, "rope_freqs.weight");
+    int pairs = c->head_dim / 2;
+    if (ff && linear)
+        return rekv_errf(err, -ENOTSUP,
+                         "%s: tensor \"rope_freqs.weight\" with linear rope scaling: one or the "
+                         "other",
                          g->path);
+    if (ff && (ff->type != REKV_GGML_F32 || ff->numel != (uint64_t)pairs ||
+               pairs > REKV_ROPE_MAX_PAIRS))
+        return rekv_errf(err, -EINVAL,
+                         "%s: tensor \"rope_freqs.weight\" must be F32 with head_dim/2 = %d values "
+                         "(it has %llu)",
+                         g->path, pairs, (unsigned long long)ff->numel);
+    if (ff) {
+        c->rope_scaling.type = REKV_ROPE_SCALING_FACTORS;
+        memcpy(c->rope_scaling.freq_factors, ff->data, sizeof(float) * (size_t)pairs);
+    } else if (linear) {
+        c->rope_scaling.type = REKV_ROPE_SCALING_LINEAR;
+        c->rope_scaling.factor = f;
+    }
     return 0;
 }
 
@@ -189,7 +219,7 @@ int rekv_gguf_config(const rekv_gguf *g, rekv_model_config *out, rekv_err *err)
                          g->path, eps, theta);
     c.norm_eps = (float)eps;
     c.rope_theta = (float)theta;
-    if ((rc = check_rope_scaling(g, err)) || (rc = read_token_ids(g, &c, err)))
+    if ((rc = read_rope_scaling(g, &c, err)) || (rc = read_token_ids(g, &c, err)))
         return rc;
     c.tied_head = rekv_gguf_tensor_find(g, "output.weight") == NULL;
     const rekv_gguf_tensor *emb = rekv_gguf_tensor_find(g, "token_embd.weight");

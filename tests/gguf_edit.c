@@ -143,9 +143,12 @@ const char *tg_rewrite(const char *src, const tg_edit *edits, size_t n_edits, in
             put_value(&kvs, &edits[k]);
             n_kv++;
         }
+    uint64_t n_added = 0;
+    for (size_t k = 0; k < n_edits; k++)
+        n_added += edits[k].add_tensor != NULL;
     put(&b, "GGUF", 4);
     put_u32(&b, 3);
-    put_u64(&b, g->n_tensors);
+    put_u64(&b, g->n_tensors + n_added);
     put_u64(&b, n_kv);
     put(&b, kvs.p, kvs.n);
     /* tensors in the file's order, each at the next aligned offset */
@@ -167,6 +170,16 @@ const char *tg_rewrite(const char *src, const tg_edit *edits, size_t n_edits, in
         put_u64(&b, off);
         off += (convert_tensor(t, convert, NULL) + g->alignment - 1) / g->alignment * g->alignment;
     }
+    for (size_t k = 0; k < n_edits; k++) {
+        if (edits[k].add_tensor == NULL)
+            continue;
+        put_bytes_str(&b, edits[k].add_tensor, strlen(edits[k].add_tensor));
+        put_u32(&b, 1);
+        put_u64(&b, edits[k].add_n);
+        put_u32(&b, (uint32_t)REKV_GGML_F32);
+        put_u64(&b, off);
+        off += (edits[k].add_n * 4 + g->alignment - 1) / g->alignment * g->alignment;
+    }
     for (size_t i = 0; i < g->n_tensors; i++) {
         while (b.n % g->alignment)
             put(&b, "", 1);
@@ -176,6 +189,13 @@ const char *tg_rewrite(const char *src, const tg_edit *edits, size_t n_edits, in
         convert_tensor(&g->tensors[i], convert, data);
         put(&b, data, n);
         free(data);
+    }
+    for (size_t k = 0; k < n_edits; k++) {
+        if (edits[k].add_tensor == NULL)
+            continue;
+        while (b.n % g->alignment)
+            put(&b, "", 1);
+        put(&b, edits[k].add_f32, edits[k].add_n * 4);
     }
     snprintf(out, sizeof(out), "%s/edited.gguf", dir);
     FILE *f = fopen(out, "wb");

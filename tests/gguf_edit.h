@@ -7,7 +7,8 @@
 #include <stdint.h>
 
 /* One change to the metadata: key set to a scalar (u32, f32 or string) or dropped (type -1); a
- * key that is not there is added. rename_tensor/new_name renames a tensor instead. */
+ * key that is not there is added. rename_tensor/new_name renames a tensor instead; add_tensor
+ * adds a one-dimensional F32 tensor of add_n values add_f32 after the others. */
 typedef struct tg_edit {
     const char *key;
     int type; /* REKV_GGUF_U32, _F32, _STRING; -1 drops the key */
@@ -15,6 +16,9 @@ typedef struct tg_edit {
     float f;
     const char *s;
     const char *rename_tensor, *new_name;
+    const char *add_tensor;
+    const float *add_f32;
+    uint64_t add_n;
 } tg_edit;
 
 /* How tg_rewrite converts matrices: F16 ones, or with TG_DEQUANT_F32 every one (vectors stay as

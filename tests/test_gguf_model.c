@@ -4,6 +4,7 @@
  * or dropped) refused naming the key or tensor: an architecture rekv does not run, a MoE llama,
  * scaled rope, dims that disagree with the tensors, a layer count that leaves a layer out. */
 #define _GNU_SOURCE
+#include "gpuworker/gpuworker.h"
 #include "loader/gguf.h"
 #include "tests/gguf_edit.h"
 #include "tests/testutil.h"
@@ -143,11 +144,11 @@ START_TEST(bad_metadata_named)
     e = (tg_edit){.key = "llama.expert_count", .type = REKV_GGUF_U32, .u = 8};
     expect_refused(&e, ENOTSUP, "\"llama.expert_count\" = 8: mixture-of-experts");
     e = (tg_edit){.key = "llama.rope.scaling.type", .type = REKV_GGUF_STRING, .s = "yarn"};
-    expect_refused(&e, ENOTSUP, "\"llama.rope.scaling.type\" = \"yarn\": rope scaling");
+    expect_refused(&e, ENOTSUP, "\"llama.rope.scaling.type\" = \"yarn\": only \"none\"");
     e = (tg_edit){.key = "llama.rope.scaling.factor", .type = REKV_GGUF_F32, .f = 8.0f};
-    expect_refused(&e, ENOTSUP, "\"llama.rope.scaling.factor\" = 8");
+    expect_refused(&e, ENOTSUP, "\"llama.rope.scaling.factor\" = 8 without");
     e = (tg_edit){.rename_tensor = "blk.3.ffn_norm.weight", .new_name = "rope_freqs.weight"};
-    expect_refused(&e, ENOTSUP, "\"rope_freqs.weight\"");
+    expect_refused(&e, EINVAL, "\"rope_freqs.weight\" must be F32 with head_dim/2 = 32 values");
     e = (tg_edit){.key = "llama.embedding_length", .type = REKV_GGUF_U32, .u = 512};
     expect_refused(&e, EINVAL,
                    "tensor \"token_embd.weight\" has ne [256, 4096], but the metadata "
@@ -199,6 +200,85 @@ static int line_has(const char *out, const char *const *pieces)
 
 /* rekv-loader inspect lists a GGUF's metadata and tensors (type, dims, bytes), and says why a
  * quantized file cannot be loaded yet without failing. */
+/* The last logits of a prompt of 40 tokens through the model at path (the engine, cpu). */
+static void last_logits(const char *path, float *out)
+{
+    rekv_model *m = NULL;
+    rekv_engine *e = NULL;
+    rekv_seq *seq = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(m, &e, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_seq_create(e, 64, &seq, &err) == 0, "%s", err.msg);
+    int32_t ids[40];
+    for (int i = 0; i < 40; i++)
+        ids[i] = (i * 37 + 11) % 4096;
+    rekv_batch_item it = {seq, ids, 40, 0, out};
+    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
+    rekv_seq_free(seq);
+    rekv_engine_free(e);
+    rekv_model_close(m);
+}
+
+/* llama.cpp's rope scaling: "linear" with its factor, and rope_freqs.weight's per-pair divisors
+ * (how its converter writes Llama 3.x's llama3 scaling; its rope divides pair j's frequency by
+ * the j-th value) reach the config and the frequency table, and change the logits; both at once
+ * are refused. */
+START_TEST(rope_scaling_read)
+{
+    const char *src = shared_gguf("synth-llama-F16", NULL);
+    if (src == NULL)
+        return;
+    char *dir = tu_tmpdir();
+    rekv_model *m = NULL;
+    rekv_err err = {0};
+    rekv_rope_freqs plain, f;
+    ck_assert_msg(rekv_model_open(src, &m, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(m->config.rope_scaling.type, REKV_ROPE_SCALING_NONE);
+    ck_assert_int_eq(rekv_rope_freqs_init(&plain, &m->config, &err), 0);
+    int half = m->config.head_dim / 2;
+    rekv_model_close(m);
+    static float base[4096], scaled[4096];
+    last_logits(src, base);
+
+    tg_edit lin[2] = {{.key = "llama.rope.scaling.type", .type = REKV_GGUF_STRING, .s = "linear"},
+                      {.key = "llama.rope.scaling.factor", .type = REKV_GGUF_F32, .f = 2.0f}};
+    const char *path = tg_rewrite(src, lin, 2, -1, dir);
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(m->config.rope_scaling.type, REKV_ROPE_SCALING_LINEAR);
+    ck_assert(m->config.rope_scaling.factor == 2.0);
+    ck_assert_int_eq(rekv_rope_freqs_init(&f, &m->config, &err), 0);
+    for (int j = 0; j < half; j++) /* the scaled table is computed in double: within an ulp */
+        ck_assert(fabs(f.inv_freq[j] - plain.inv_freq[j] / 2) <= 2e-7 * plain.inv_freq[j]);
+    rekv_model_close(m);
+
+    float ff[32];
+    for (int j = 0; j < 32; j++) /* llama3's shape: high frequencies kept, low ones divided */
+        ff[j] = j < 12 ? 1.0f : j < 20 ? 1.0f + (float)(j - 11) : 8.0f;
+    tg_edit fr = {.add_tensor = "rope_freqs.weight", .add_f32 = ff, .add_n = 32};
+    path = tg_rewrite(src, &fr, 1, -1, dir);
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(half, 32);
+    ck_assert_int_eq(m->config.rope_scaling.type, REKV_ROPE_SCALING_FACTORS);
+    ck_assert_int_eq(rekv_rope_freqs_init(&f, &m->config, &err), 0);
+    for (int j = 0; j < half; j++)
+        ck_assert(f.inv_freq[j] == plain.inv_freq[j] / ff[j]);
+    rekv_model_close(m);
+    last_logits(path, scaled);
+    double d = 0;
+    for (int i = 0; i < 4096; i++)
+        d = fmax(d, fabs((double)scaled[i] - base[i]));
+    ck_assert_msg(d > 1e-3, "the divisors did not reach the forward pass (%g)", d);
+
+    tg_edit both[3] = {lin[0], lin[1], fr};
+    path = tg_rewrite(src, both, 3, -1, dir);
+    ck_assert_int_eq(rekv_model_open(path, &m, &err), -ENOTSUP);
+    ck_assert_msg(strstr(err.msg, "\"rope_freqs.weight\" with linear") != NULL, "%s", err.msg);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 START_TEST(inspect_lists_metadata_and_tensors)
 {
     const char *path = shared_gguf("synth-llama-Q4_K_M", NULL);
@@ -264,6 +344,7 @@ Suite *gguf_model_suite(void)
     tcase_add_loop_test(tc, config_as_llama_cpp_reads_it, 0, N_FILES);
     tcase_add_test(tc, rewritten_unchanged_loads);
     tcase_add_test(tc, bad_metadata_named);
+    tcase_add_test(tc, rope_scaling_read);
     tcase_add_test(tc, inspect_lists_metadata_and_tensors);
     tcase_add_test(tc, inspect_unsupported_and_corrupt);
     suite_add_tcase(s, tc);
