@@ -60,45 +60,54 @@ static void reply_error(rekv_coordinator *co, const rid *to, uint64_t id, Rekv__
     co_reply_add(co, to, &r, NULL);
 }
 
-/* Tokens of context before `from` that stream_text decodes with the new ones. */
-#define STREAM_TEXT_CONTEXT 4
-
 /* The bytes that tokens [from, to) of j add to the decoded text of its generated ids, for a
  * StreamEvent: malloc'd in ev->text (has_text set), or nothing without a tokenizer or when the ids
- * do not decode. The tokenizer decodes piece by piece except that the whole text loses up to a few
- * leading spaces (and a piece after BOS its space), so what [from, to) adds is decode(gen[a, to))
- * less decode(gen[a, from)) for a few tokens of context a..from: the same as decoding every
- * generated id each step, without the cost growing with the job's length. When the context decodes
- * to nothing, the strip could reach the new pieces, so it decodes from the start instead. */
+ * do not decode (co_text_added). */
 static void stream_text(const rekv_coordinator *co, const job *j, uint32_t from, uint32_t to,
                         Rekv__Control__StreamEvent *ev)
 {
-    if (co->tok == NULL || to < from)
+    char *t;
+    size_t n;
+    if (co->tok == NULL || co_text_added(co->tok, j->gen, from, to, &t, &n))
         return;
-    uint32_t a = from > STREAM_TEXT_CONTEXT ? from - STREAM_TEXT_CONTEXT : 0;
-    char *pre = NULL, *all = NULL;
-    size_t n_pre = 0, n_all = 0;
-    for (;;) {
-        if (a < from && rekv_tokenizer_decode(co->tok, j->gen + a, from - a, &pre, &n_pre, NULL))
-            return;
-        free(pre);
-        pre = NULL;
-        if (a == 0 || n_pre > 0)
-            break;
-        a = 0;
-    }
-    if (rekv_tokenizer_decode(co->tok, j->gen + a, to - a, &all, &n_all, NULL))
-        return;
-    REKV_ASSERT(n_pre <= n_all); /* the context's text is a prefix of the whole */
-    memmove(all, all + n_pre, n_all - n_pre);
-    ev->text.data = (uint8_t *)all;
-    ev->text.len = n_all - n_pre;
+    ev->text.data = (uint8_t *)t;
+    ev->text.len = n;
     ev->has_text = 1;
 }
 
-/* The event of tokens [from, n_gen) of j (and its end, when over); ev->text malloc'd. */
-static void stream_event(const rekv_coordinator *co, const job *j, uint32_t from, int over,
-                         Rekv__Control__StreamEvent *ev)
+/* A job with stops: the text between what a client was shown with tokens [0, from) (*bytes; when
+ * bytes is NULL or *bytes SIZE_MAX, what co_job_text_shown says it was) and what it may be shown
+ * now (held back where a stop may begin; *bytes advanced): the events' texts add up to
+ * JobStatus.text and never hold a byte of a stop. */
+static void stop_text(rekv_coordinator *co, const job *j, uint32_t from, size_t *bytes,
+                      Rekv__Control__StreamEvent *ev)
+{
+    char *t, *pre;
+    size_t len, shown, n_pre, seen;
+    if (co_job_text_shown(co, j, j->n_gen, &t, &len, &shown))
+        return;
+    if (bytes && *bytes != SIZE_MAX) {
+        seen = *bytes;
+    } else if (co_job_text_shown(co, j, from < j->n_gen ? from : j->n_gen, &pre, &n_pre, &seen)) {
+        free(t);
+        return;
+    } else {
+        free(pre);
+    }
+    if (seen > shown) /* a re-run that has not caught up: nothing new */
+        seen = shown;
+    memmove(t, t + seen, shown - seen);
+    ev->text.data = (uint8_t *)t;
+    ev->text.len = shown - seen;
+    ev->has_text = 1;
+    if (bytes)
+        *bytes = shown;
+}
+
+/* The event of tokens [from, n_gen) of j (and its end, when over); ev->text malloc'd. bytes: a job
+ * with stops, the text the receiver was shown so far (stop_text), NULL: work it out. */
+static void stream_event(rekv_coordinator *co, const job *j, uint32_t from, int over,
+                         Rekv__Control__StreamEvent *ev, size_t *bytes)
 {
     rekv__control__stream_event__init(ev);
     ev->job = j->id;
@@ -109,7 +118,10 @@ static void stream_event(const rekv_coordinator *co, const job *j, uint32_t from
     ev->state = j->state;
     ev->finish_reason = (char *)j->finish_reason;
     ev->error = j->error ? j->error : "";
-    stream_text(co, j, from, j->n_gen > from ? j->n_gen : from, ev);
+    if (co_job_stop_text(j))
+        stop_text(co, j, from, bytes, ev);
+    else
+        stream_text(co, j, from, j->n_gen > from ? j->n_gen : from, ev);
 }
 
 /* Streams tokens [streamed, n_gen) (and the end, when the job is over) to its subscribers; one
@@ -118,8 +130,10 @@ static void stream_event(const rekv_coordinator *co, const job *j, uint32_t from
 void co_stream_flush(rekv_coordinator *co, job *j)
 {
     if (j->n_subs == 0) {
-        if (j->n_gen > j->streamed)
+        if (j->n_gen > j->streamed) {
             j->streamed = j->n_gen;
+            j->stream_bytes = SIZE_MAX; /* worked out when a subscriber comes */
+        }
         return;
     }
     int over = j->state != REKV__CONTROL__JOB_STATE__QUEUED &&
@@ -127,7 +141,8 @@ void co_stream_flush(rekv_coordinator *co, job *j)
     if (j->n_gen <= j->streamed && !over)
         return;
     Rekv__Control__StreamEvent ev, own;
-    stream_event(co, j, j->streamed, over, &ev);
+    size_t bytes = j->stream_bytes;
+    stream_event(co, j, j->streamed, over, &ev, &bytes);
     Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
     r.version = REKV_CONTROL_PROTO_VERSION;
     r.body_case = REKV__CONTROL__RESPONSE__BODY_EVENT;
@@ -140,7 +155,7 @@ void co_stream_flush(rekv_coordinator *co, job *j)
                 i++;
                 continue;
             }
-            stream_event(co, j, sb->from < j->n_gen ? sb->from : j->n_gen, over, &own);
+            stream_event(co, j, sb->from < j->n_gen ? sb->from : j->n_gen, over, &own, NULL);
             r.event = &own;
         }
         r.id = sb->id;
@@ -159,6 +174,8 @@ void co_stream_flush(rekv_coordinator *co, job *j)
         i++;
     }
     free(ev.text.data);
+    if (j->n_gen >= j->streamed)
+        j->stream_bytes = bytes;
     j->streamed = j->n_gen > j->streamed ? j->n_gen : j->streamed;
     if (over)
         j->n_subs = 0;
@@ -201,6 +218,36 @@ static void submit_duplicate(rekv_coordinator *co, const rid *from, uint64_t rq,
         co->replies[at].dup = 1;
     if (s->stream)
         do_stream(co, from, rq, j->id, s->stream_from);
+}
+
+/* Submit.stop: at most CO_STOP_MAX strings of 1 to CO_STOP_MAX_BYTES bytes, and a tokenizer to
+ * decode the ids they are looked for in. 0, or -1 after a BAD_REQUEST reply. */
+static int submit_check_stops(rekv_coordinator *co, const rid *from, uint64_t rq,
+                              const Rekv__Control__Submit *s)
+{
+    if (s->n_stop == 0)
+        return 0;
+    if (co->tok == NULL) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "stop strings need the coordinator's tokenizer to decode the generated ids "
+                    "(start it with --model)");
+        return -1;
+    }
+    if (s->n_stop > CO_STOP_MAX) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "%zu stop strings: at most %d are taken", s->n_stop, CO_STOP_MAX);
+        return -1;
+    }
+    for (size_t i = 0; i < s->n_stop; i++) {
+        size_t n = s->stop[i] ? strlen(s->stop[i]) : 0;
+        if (n == 0 || n > CO_STOP_MAX_BYTES) {
+            reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                        "stop string %zu is %zu bytes long: each must be 1 to %d bytes", i + 1, n,
+                        CO_STOP_MAX_BYTES);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* A Submit's limits, before its prompt is read: 0, or -1 after a BAD_REQUEST or BUSY reply. */
@@ -257,6 +304,8 @@ static int submit_check(rekv_coordinator *co, const rid *from, uint64_t rq,
                     co->cfg.max_new_limit);
         return -1;
     }
+    if (submit_check_stops(co, from, rq, s))
+        return -1;
     if (co->n_queue >= co->cfg.queue_limit) {
         co->rejected_busy++;
         reply_error(co, from, rq, REKV__CONTROL__CODE__BUSY,
@@ -370,6 +419,12 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
     j->top_logits = s->top_logits;
     j->priority = s->priority;
     j->accepted_at = co_realtime_s();
+    if (co_job_set_stops(j, s->stop, s->n_stop)) {
+        co_queue_remove(co, j);
+        co_job_free(co, j);
+        reply_error(co, from, rq, REKV__CONTROL__CODE__INTERNAL, "out of memory");
+        return;
+    }
     if (s->stream) {
         j->subs[0] = (sub){*from, rq, 0};
         j->n_subs = 1;
@@ -429,10 +484,17 @@ static void do_status(rekv_coordinator *co, const rid *from, uint64_t rq,
     Rekv__Control__JobStatus st;
     co_status_fill(j, &st);
     char *text = NULL;
-    size_t tl;
-    if (s->with_text && co->tok && j->n_gen &&
-        rekv_tokenizer_decode(co->tok, j->gen, j->n_gen, &text, &tl, NULL) == 0)
+    size_t tl, shown;
+    if (s->with_text && co->tok && j->n_gen && co_job_stop_text(j)) {
+        /* the text a stream shows by now: held back where a stop may begin, cut at the stop */
+        if (co_job_text_shown(co, j, j->n_gen, &text, &tl, &shown) == 0) {
+            text[shown] = '\0';
+            st.text = text;
+        }
+    } else if (s->with_text && co->tok && j->n_gen &&
+               rekv_tokenizer_decode(co->tok, j->gen, j->n_gen, &text, &tl, NULL) == 0) {
         st.text = text;
+    }
     Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
     r.id = rq;
     r.body_case = REKV__CONTROL__RESPONSE__BODY_JOB;
@@ -482,7 +544,7 @@ static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
     int over = j->state != REKV__CONTROL__JOB_STATE__QUEUED &&
                j->state != REKV__CONTROL__JOB_STATE__RUNNING;
     Rekv__Control__StreamEvent ev;
-    stream_event(co, j, from_tok < j->n_gen ? from_tok : j->n_gen, over, &ev);
+    stream_event(co, j, from_tok < j->n_gen ? from_tok : j->n_gen, over, &ev, NULL);
     Rekv__Control__Response r = REKV__CONTROL__RESPONSE__INIT;
     r.id = rq;
     r.body_case = REKV__CONTROL__RESPONSE__BODY_EVENT;
@@ -494,8 +556,10 @@ static void do_stream(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
             j->subs[0] = j->subs[--j->n_subs]; /* bounded: the oldest subscriber loses out */
         /* later events start where the job is now; a re-run after a worker death resends
          * nothing the subscriber has */
-        if (j->streamed < j->n_gen)
+        if (j->streamed < j->n_gen) {
             j->streamed = j->n_gen;
+            j->stream_bytes = SIZE_MAX;
+        }
         j->subs[j->n_subs] = (sub){*from, rq, from_tok};
         j->n_subs++;
     }

@@ -32,6 +32,8 @@
     512 /* control requests read (and journaled with one sync) per round; each                     \
          * gets at most two replies (a repeated streaming Submit) */
 #define HASH_BUCKETS 4096
+#define CO_STOP_MAX 16        /* Submit.stop: at most this many strings ... */
+#define CO_STOP_MAX_BYTES 256 /* ... of 1 to this many bytes each */
 #define RATE_SLOTS 8 /* one-second samples of the token counter for tokens/s */
 
 /* Log lines a peer can cause once per message: each call site logs at most once a second
@@ -78,6 +80,18 @@ typedef struct job {
     int32_t *top_ids;        /* [n_gen][top_logits] (capacity cap_gen) */
     float *top_vals;         /* [n_gen][top_logits] */
     uint32_t streamed;       /* tokens already sent to subscribers: a re-run resends none of them */
+    char **stop;             /* [n_stop] Submit.stop (each malloc'd, NUL-terminated); kept for
+                              * the job's life, so that a late subscriber's text is held back
+                              * as the first one's was */
+    uint32_t n_stop;
+    char *text;              /* RUNNING with stops: decoded text of gen[0, text_tokens) (malloc'd,
+                              * capacity text_cap), where stops are looked for */
+    size_t text_len, text_cap;
+    uint32_t text_tokens;
+    uint32_t text_end;       /* finish_reason "stop": JobStatus.text is the first text_end bytes of
+                              * the decoded ids (journaled: JournalRecord.text_end) */
+    size_t stream_bytes;     /* with stops: bytes of the text sent to subscribers with the first
+                              * `streamed` tokens */
     char finish_reason[16];  /* "length", "eos", "context", "cancelled" */
     char *error;             /* FAILED: one line (malloc'd) */
     uint32_t attempts;       /* starts on a worker */
@@ -245,6 +259,25 @@ void co_jobs_report_ended(rekv_coordinator *co);
 /* counts: the attempt that ended counts toward max_attempts (0: the worker's kvstore was lost,
  * not the job's fault nor a worker crash; the next start replaces it) */
 void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts);
+/* The bytes tokens [from, to) of ids add to the decoded text of ids[0, to) (malloc'd into *out,
+ * *n bytes): decode(ids[a, to)) less decode(ids[a, from)) for a few tokens of context a..from,
+ * which the tokenizer makes equal to decoding all of them (co_jobs.c). 0 or -errno. */
+int co_text_added(const rekv_tokenizer *tok, const int32_t *ids, uint32_t from, uint32_t to,
+                  char **out, size_t *n);
+/* Takes Submit.stop into j (copied); 0 or -ENOMEM. */
+int co_job_set_stops(job *j, char *const *stop, size_t n);
+/* With stops: the generated ids past j->text_tokens into its text, a token at a time; when a
+ * token completes a stop, n_gen ends at it, text_end is set and 1 is returned (the caller ends
+ * the job, "stop"). 0: no stop; -errno: the text could not be decoded (no stop is looked for). */
+int co_job_stop_check(rekv_coordinator *co, job *j);
+/* 1 when j's text is held back for stops (it has stops, or ended on one after a replay). */
+int co_job_stop_text(const job *j);
+/* With co_job_stop_text: the decoded text of gen[0, upto) in *text (malloc'd; *len bytes) and
+ * how many of its bytes clients may see: all but the end that could still begin a stop, for a
+ * running job; up to the stop, for one that ended on it; all, for one that ended otherwise at
+ * upto == n_gen. -errno when the ids do not decode. */
+int co_job_text_shown(rekv_coordinator *co, const job *j, uint32_t upto, char **text,
+                      size_t *len, size_t *shown);
 /* A job's JobStatus, pointing into the job (valid while it lives). */
 void co_status_fill(const job *j, Rekv__Control__JobStatus *s);
 /* Appends an accepted job's record (not synced); 0 without a journal. */

@@ -4,6 +4,7 @@
  * restarts: a record on acceptance (synced before the Submit is answered) and on end (synced
  * before the end is reported to anyone: co_job_end only queues the job for co_jobs_sync), the
  * replay on start, the compact rewrite. */
+#define _GNU_SOURCE /* memmem */
 #include "coordinator/co_internal.h"
 
 #include <errno.h>
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "common/log.h"
 
 /* ---------------------------------------------------------------- jobs */
 
@@ -86,6 +88,10 @@ void co_job_free(rekv_coordinator *co, job *j)
     free(j->top_ids);
     free(j->top_vals);
     free(j->error);
+    for (uint32_t i = 0; i < j->n_stop; i++)
+        free(j->stop[i]);
+    free(j->stop);
+    free(j->text);
     free(j);
 }
 
@@ -169,8 +175,11 @@ job *co_queue_pop(rekv_coordinator *co)
 /* What a finished job's result holds in memory: its ids and top logits (capacity). */
 static uint64_t result_bytes(const job *j)
 {
+    uint64_t stops = 0;
+    for (uint32_t i = 0; i < j->n_stop; i++)
+        stops += strlen(j->stop[i]) + 1 + sizeof(char *);
     return (uint64_t)j->cap_gen * (sizeof(int32_t) + (uint64_t)j->top_logits * 8) + sizeof(job) +
-           (j->error ? strlen(j->error) : 0) + (j->key ? strlen(j->key) : 0);
+           (j->error ? strlen(j->error) : 0) + (j->key ? strlen(j->key) : 0) + stops;
 }
 
 /* Remembers a finished job for Status, forgetting the oldest beyond keep_finished jobs or
@@ -220,6 +229,164 @@ int co_gen_reserve(job *j, uint32_t n)
     return 0;
 }
 
+/* ---------------------------------------------------------------- stop strings */
+
+/* Tokens of context before `from` that co_text_added decodes with the new ones. */
+#define TEXT_CONTEXT 4
+
+/* The tokenizer decodes piece by piece except that the whole text loses up to a few leading
+ * spaces (and a piece after BOS its space), so what [from, to) adds is decode(ids[a, to)) less
+ * decode(ids[a, from)): the same as decoding every id each time, without the cost growing with
+ * the text. When the context decodes to nothing, the strip could reach the new pieces, so it
+ * decodes from the start instead. */
+int co_text_added(const rekv_tokenizer *tok, const int32_t *ids, uint32_t from, uint32_t to,
+                  char **out, size_t *n)
+{
+    if (to < from)
+        return -EINVAL;
+    uint32_t a = from > TEXT_CONTEXT ? from - TEXT_CONTEXT : 0;
+    char *pre = NULL, *all = NULL;
+    size_t n_pre = 0, n_all = 0;
+    int rc;
+    for (;;) {
+        if (a < from && (rc = rekv_tokenizer_decode(tok, ids + a, from - a, &pre, &n_pre, NULL)))
+            return rc;
+        free(pre);
+        pre = NULL;
+        if (a == 0 || n_pre > 0)
+            break;
+        a = 0;
+    }
+    if ((rc = rekv_tokenizer_decode(tok, ids + a, to - a, &all, &n_all, NULL)))
+        return rc;
+    REKV_ASSERT(n_pre <= n_all); /* the context's text is a prefix of the whole */
+    memmove(all, all + n_pre, n_all - n_pre);
+    *out = all;
+    *n = n_all - n_pre;
+    return 0;
+}
+
+int co_job_set_stops(job *j, char *const *stop, size_t n)
+{
+    if (n == 0)
+        return 0;
+    if ((j->stop = calloc(n, sizeof(char *))) == NULL)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        if ((j->stop[i] = strdup(stop[i] ? stop[i] : "")) == NULL)
+            return -ENOMEM; /* co_job_free frees the ones made (n_stop counts them) */
+        j->n_stop = (uint32_t)i + 1;
+    }
+    return 0;
+}
+
+int co_job_stop_text(const job *j)
+{
+    return j->n_stop > 0 || strcmp(j->finish_reason, "stop") == 0;
+}
+
+/* The longest end of t[0, n) that is a proper prefix of one of j's stops: the bytes a client
+ * must not see yet, since the next tokens may complete the stop. */
+static size_t stop_holdback(const job *j, const char *t, size_t n)
+{
+    size_t best = 0;
+    for (uint32_t i = 0; i < j->n_stop; i++) {
+        size_t sl = strlen(j->stop[i]);
+        for (size_t k = sl - 1 < n ? sl - 1 : n; k > best; k--)
+            if (memcmp(t + n - k, j->stop[i], k) == 0) {
+                best = k;
+                break;
+            }
+    }
+    return best;
+}
+
+/* The first occurrence of any of j's stops in t[0, n) ending past byte `old` (an earlier one
+ * would have been found when its token came): its start, or -1. The earliest start wins, so
+ * that the text kept contains no stop at all. */
+static long stop_find(const job *j, const char *t, size_t n, size_t old)
+{
+    long first = -1;
+    for (uint32_t i = 0; i < j->n_stop; i++) {
+        size_t sl = strlen(j->stop[i]);
+        size_t at = old + 1 > sl ? old + 1 - sl : 0;
+        if (sl == 0 || n < at + sl)
+            continue;
+        const char *m = memmem(t + at, n - at, j->stop[i], sl);
+        if (m && (first < 0 || m - t < first))
+            first = m - t;
+    }
+    return first;
+}
+
+int co_job_stop_check(rekv_coordinator *co, job *j)
+{
+    if (j->n_stop == 0 || co->tok == NULL)
+        return 0;
+    if (j->text_tokens > j->n_gen) { /* a re-run started over */
+        j->text_tokens = 0;
+        j->text_len = 0;
+    }
+    while (j->text_tokens < j->n_gen) {
+        char *add;
+        size_t n_add;
+        int rc = co_text_added(co->tok, j->gen, j->text_tokens, j->text_tokens + 1, &add, &n_add);
+        if (rc)
+            return rc;
+        if (j->text_len + n_add + 1 > j->text_cap) {
+            size_t cap = j->text_cap ? j->text_cap : 256;
+            while (cap < j->text_len + n_add + 1)
+                cap *= 2;
+            char *t = realloc(j->text, cap);
+            if (t == NULL) {
+                free(add);
+                return -ENOMEM;
+            }
+            j->text = t;
+            j->text_cap = cap;
+        }
+        size_t old = j->text_len;
+        memcpy(j->text + old, add, n_add);
+        free(add);
+        j->text_len += n_add;
+        j->text_tokens++;
+        long at = stop_find(j, j->text, j->text_len, old);
+        if (at >= 0) {
+            j->text_end = (uint32_t)at;
+            j->n_gen = j->text_tokens; /* the ids after the stop's are not the job's */
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int co_job_text_shown(rekv_coordinator *co, const job *j, uint32_t upto, char **text,
+                      size_t *len, size_t *shown)
+{
+    if (co->tok == NULL)
+        return -ENOENT;
+    if (j->text && upto == j->text_tokens) { /* running: the text the stops were looked for in */
+        if ((*text = malloc(j->text_len + 1)) == NULL)
+            return -ENOMEM;
+        memcpy(*text, j->text, j->text_len);
+        (*text)[j->text_len] = '\0';
+        *len = j->text_len;
+    } else {
+        int rc = rekv_tokenizer_decode(co->tok, j->gen, upto, text, len, NULL);
+        if (rc)
+            return rc;
+    }
+    int over = j->state != REKV__CONTROL__JOB_STATE__QUEUED &&
+               j->state != REKV__CONTROL__JOB_STATE__RUNNING;
+    if (upto >= j->n_gen && strcmp(j->finish_reason, "stop") == 0)
+        *shown = j->text_end < *len ? j->text_end : *len;
+    else if (upto >= j->n_gen && over)
+        *shown = *len;
+    else
+        *shown = *len - stop_holdback(j, *text, *len);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- job life */
 
 static void journal_finished(rekv_coordinator *co, job *j);
@@ -250,6 +417,10 @@ void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const 
     /* the prompt is no longer needed; only the result is kept */
     free(j->prompt);
     j->prompt = NULL;
+    free(j->text);
+    j->text = NULL;
+    j->text_len = j->text_cap = 0;
+    j->text_tokens = 0;
     if (!j->end_pending) {
         j->end_pending = 1;
         j->pnext = NULL;
@@ -304,6 +475,8 @@ void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts)
     /* sampling is seeded, so the re-run produces the same tokens; subscribers got the first
      * `streamed` of them already and will only see the rest */
     j->n_gen = 0;
+    j->text_len = 0; /* the re-run decodes the same text again, and stops at the same token */
+    j->text_tokens = 0;
     co->requeued++;
     journal_attempts(co, j);
     if (co_queue_push(co, j)) {
@@ -355,6 +528,8 @@ static void submit_fill(const job *j, Rekv__Control__Submit *s, Rekv__Control__S
     s->priority = j->priority;
     s->stop_at_eos = j->stop_at_eos;
     s->top_logits = j->top_logits;
+    s->n_stop = j->n_stop;
+    s->stop = j->stop;
 }
 
 int co_journal_accepted(rekv_coordinator *co, job *j, rekv_err *err)
@@ -385,6 +560,9 @@ static void journal_finished(rekv_coordinator *co, job *j)
     rec.finished = &s;
     rec.accepted_at = j->accepted_at;
     rec.client_key = j->key ? j->key : "";
+    rec.text_end = j->text_end;
+    rec.n_stop = j->n_stop;
+    rec.stop = j->stop;
     rekv_err err = {0};
     if (rekv_journal_append(co->journal, &rec, &err))
         co_event(co, REKV_CO_EVENT_ERROR, "%s", err.msg);
@@ -453,6 +631,8 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         j->top_logits = s->top_logits;
         j->priority = s->priority;
         j->accepted_at = rec->accepted_at;
+        if (co_job_set_stops(j, s->stop, s->n_stop))
+            return -ENOMEM;
         co->accepted++;
         if (rec->client_key && *rec->client_key && co_job_by_key(co, rec->client_key) == NULL &&
             co_job_set_key(co, j, rec->client_key))
@@ -485,6 +665,7 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
             memcpy(j->top_vals, s->top_vals, sizeof(float) * s->n_top_vals);
         }
         j->n_gen = j->streamed = (uint32_t)s->n_generated_ids;
+        j->stream_bytes = SIZE_MAX;
         j->n_prompt = s->prompt_tokens;
         j->attempts = s->attempts;
         j->priority = s->priority;
@@ -493,6 +674,9 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         j->state = s->state;
         snprintf(j->finish_reason, sizeof(j->finish_reason), "%s",
                  s->finish_reason ? s->finish_reason : "");
+        j->text_end = rec->text_end;
+        if (j->n_stop == 0 && co_job_set_stops(j, rec->stop, rec->n_stop))
+            return -ENOMEM;
         if (s->error && *s->error)
             j->error = strdup(s->error);
         free(j->prompt);
@@ -560,6 +744,9 @@ int co_journal_compact(rekv_coordinator *co, rekv_err *err)
                 co_status_fill(j, &sts[k]);
                 recs[k].body_case = REKV__CONTROL__JOURNAL_RECORD__BODY_FINISHED;
                 recs[k].finished = &sts[k];
+                recs[k].text_end = j->text_end;
+                recs[k].n_stop = j->n_stop;
+                recs[k].stop = j->stop;
             }
             ptrs[k] = &recs[k];
             k++;

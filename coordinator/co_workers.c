@@ -619,9 +619,13 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             w->tokens++;
             co->tokens++;
         }
-        int end = jp->finished || jp->error;
+        /* a stop string ends the job at the token that completed it; the worker drops it */
+        int stopped = !jp->error && co_job_stop_check(co, j) == 1;
+        int end = jp->finished || jp->error || stopped;
         if (end) {
             w->run[k] = w->run[--w->n_run];
+            if (stopped && !jp->finished)
+                w->cancel[w->n_cancel++] = j->id; /* n_cancel + n_run <= max_batch */
             char msg[256]; /* a worker's reason, bounded: it is kept and journaled */
             snprintf(msg, sizeof(msg), "%s",
                      jp->error_msg && *jp->error_msg ? jp->error_msg : "the worker failed");
@@ -629,7 +633,8 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
                 co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
                 failed_step = 1;
             } else
-                co_job_end(co, j, REKV__CONTROL__JOB_STATE__DONE, jp->finish_reason, NULL);
+                co_job_end(co, j, REKV__CONTROL__JOB_STATE__DONE,
+                           stopped ? "stop" : jp->finish_reason, NULL);
         } else {
             co_stream_flush(co, j);
         }
