@@ -118,6 +118,13 @@ static void stream_event(rekv_coordinator *co, const job *j, uint32_t from, int 
     ev->state = j->state;
     ev->finish_reason = (char *)j->finish_reason;
     ev->error = j->error ? j->error : "";
+    if (j->logprobs && ev->n_tokens > 0) {
+        ev->n_logprobs = ev->n_tokens;
+        ev->logprobs = j->lp + from;
+        ev->n_top_logprob_ids = ev->n_top_logprob_vals = ev->n_tokens * j->top_logprobs;
+        ev->top_logprob_ids = j->tlp_ids + (size_t)from * j->top_logprobs;
+        ev->top_logprob_vals = j->tlp_vals + (size_t)from * j->top_logprobs;
+    }
     if (co_job_stop_text(j))
         stop_text(co, j, from, bytes, ev);
     else
@@ -298,6 +305,14 @@ static int submit_check(rekv_coordinator *co, const rid *from, uint64_t rq,
                     REKV_TOP_LOGITS_MAX_ENTRIES);
         return -1;
     }
+    if ((uint64_t)s->top_logprobs * s->max_new_tokens > REKV_TOP_LOGITS_MAX_ENTRIES) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logprobs x max_new_tokens = %llu is above the limit of %u (ask for "
+                    "fewer top logprobs or fewer tokens)",
+                    (unsigned long long)s->top_logprobs * s->max_new_tokens,
+                    REKV_TOP_LOGITS_MAX_ENTRIES);
+        return -1;
+    }
     if (s->max_new_tokens > co->cfg.max_new_limit) {
         reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
                     "max_new_tokens %u is above the limit of %u", s->max_new_tokens,
@@ -306,6 +321,20 @@ static int submit_check(rekv_coordinator *co, const rid *from, uint64_t rq,
     }
     if (submit_check_stops(co, from, rq, s))
         return -1;
+    if (s->top_logprobs > 0 && !s->logprobs) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logprobs %u needs logprobs", s->top_logprobs);
+        return -1;
+    }
+    if (s->top_logprobs > CO_TOP_LOGPROBS_MAX ||
+        (co->have_model && s->top_logprobs > (uint32_t)co->mcfg.vocab)) {
+        reply_error(co, from, rq, REKV__CONTROL__CODE__BAD_REQUEST,
+                    "top_logprobs %u is outside 0..%u%s", s->top_logprobs, CO_TOP_LOGPROBS_MAX,
+                    co->have_model && (uint32_t)co->mcfg.vocab < CO_TOP_LOGPROBS_MAX
+                        ? " and the model's vocabulary"
+                        : "");
+        return -1;
+    }
     if (co->n_queue >= co->cfg.queue_limit) {
         co->rejected_busy++;
         reply_error(co, from, rq, REKV__CONTROL__CODE__BUSY,
@@ -417,6 +446,8 @@ static void do_submit(rekv_coordinator *co, const rid *from, uint64_t rq,
     j->max_new = s->max_new_tokens;
     j->stop_at_eos = s->stop_at_eos;
     j->top_logits = s->top_logits;
+    j->logprobs = s->logprobs;
+    j->top_logprobs = s->logprobs ? s->top_logprobs : 0;
     j->priority = s->priority;
     j->accepted_at = co_realtime_s();
     if (co_job_set_stops(j, s->stop, s->n_stop)) {

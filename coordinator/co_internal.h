@@ -34,6 +34,7 @@
 #define HASH_BUCKETS 4096
 #define CO_STOP_MAX 16        /* Submit.stop: at most this many strings ... */
 #define CO_STOP_MAX_BYTES 256 /* ... of 1 to this many bytes each */
+#define CO_TOP_LOGPROBS_MAX 20u /* Submit.top_logprobs: at most (OpenAI's limit) */
 #define RATE_SLOTS 8 /* one-second samples of the token counter for tokens/s */
 
 /* Log lines a peer can cause once per message: each call site logs at most once a second
@@ -79,6 +80,11 @@ typedef struct job {
     uint32_t top_logits;     /* k: the k largest logits before each generated token; 0 none */
     int32_t *top_ids;        /* [n_gen][top_logits] (capacity cap_gen) */
     float *top_vals;         /* [n_gen][top_logits] */
+    int logprobs;            /* Submit.logprobs: each generated token's log-probability ... */
+    uint32_t top_logprobs;   /* ... and the k most likely tokens' (0: none) */
+    float *lp;               /* [n_gen] (capacity cap_gen) when logprobs */
+    int32_t *tlp_ids;        /* [n_gen][top_logprobs] most likely first */
+    float *tlp_vals;         /* [n_gen][top_logprobs] their log-probabilities */
     uint32_t streamed;       /* tokens already sent to subscribers: a re-run resends none of them */
     char **stop;             /* [n_stop] Submit.stop (each malloc'd, NUL-terminated); kept for
                               * the job's life, so that a late subscriber's text is held back
@@ -244,8 +250,15 @@ job *co_queue_peek(rekv_coordinator *co);
 /* The next (at most) n jobs co_queue_pop would return, in that order, left in the queue, into
  * out[n]; returns how many. */
 size_t co_queue_first(rekv_coordinator *co, job **out, size_t n);
-/* Room for n generated tokens (and their top logits); 0 or -ENOMEM. */
+/* Room for n generated tokens (and their top logits, log-probabilities); 0 or -ENOMEM. */
 int co_gen_reserve(job *j, uint32_t n);
+/* Takes token t of a worker's report into j at n_gen (room reserved, n_gen not advanced): its top
+ * logits and log-probabilities, zeros where the worker sent none (never garbage). */
+void co_job_put_extras(job *j, const Rekv__Worker__JobProgress *jp, size_t t);
+/* 1 when every id of the report's top logits and top log-probabilities is in [0, vocab); else 0
+ * with the first one outside in *bad. */
+int co_job_extras_valid(const job *j, const Rekv__Worker__JobProgress *jp, uint32_t vocab,
+                        int32_t *bad);
 /* Ends a job: its finished record is appended, and it is reported (subscribers, the finished
  * ring) only by the next co_jobs_sync, after the record is durable. */
 void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const char *reason,

@@ -87,6 +87,9 @@ void co_job_free(rekv_coordinator *co, job *j)
     free(j->gen);
     free(j->top_ids);
     free(j->top_vals);
+    free(j->lp);
+    free(j->tlp_ids);
+    free(j->tlp_vals);
     free(j->error);
     for (uint32_t i = 0; i < j->n_stop; i++)
         free(j->stop[i]);
@@ -178,7 +181,8 @@ static uint64_t result_bytes(const job *j)
     uint64_t stops = 0;
     for (uint32_t i = 0; i < j->n_stop; i++)
         stops += strlen(j->stop[i]) + 1 + sizeof(char *);
-    return (uint64_t)j->cap_gen * (sizeof(int32_t) + (uint64_t)j->top_logits * 8) + sizeof(job) +
+    uint64_t lp = j->logprobs ? 4 + (uint64_t)j->top_logprobs * 8 : 0;
+    return (uint64_t)j->cap_gen * (sizeof(int32_t) + (uint64_t)j->top_logits * 8 + lp) + sizeof(job) +
            (j->error ? strlen(j->error) : 0) + (j->key ? strlen(j->key) : 0) + stops;
 }
 
@@ -225,8 +229,63 @@ int co_gen_reserve(job *j, uint32_t n)
             return -ENOMEM;
         j->top_vals = tv;
     }
+    if (j->logprobs) {
+        size_t k = j->top_logprobs;
+        float *lp = realloc(j->lp, sizeof(float) * cap);
+        if (lp == NULL)
+            return -ENOMEM;
+        j->lp = lp;
+        int32_t *ti = realloc(j->tlp_ids, sizeof(int32_t) * (cap * k > 0 ? cap * k : 1));
+        if (ti == NULL)
+            return -ENOMEM;
+        j->tlp_ids = ti;
+        float *tv = realloc(j->tlp_vals, sizeof(float) * (cap * k > 0 ? cap * k : 1));
+        if (tv == NULL)
+            return -ENOMEM;
+        j->tlp_vals = tv;
+    }
     j->cap_gen = cap;
     return 0;
+}
+
+static int ids_in(const int32_t *ids, size_t n, uint32_t vocab, int32_t *bad)
+{
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (uint32_t)ids[i] >= vocab) {
+            *bad = ids[i];
+            return 0;
+        }
+    return 1;
+}
+
+int co_job_extras_valid(const job *j, const Rekv__Worker__JobProgress *jp, uint32_t vocab,
+                        int32_t *bad)
+{
+    return (j->top_logits == 0 || ids_in(jp->top_ids, jp->n_top_ids, vocab, bad)) &&
+           (!j->logprobs || ids_in(jp->top_logprob_ids, jp->n_top_logprob_ids, vocab, bad));
+}
+
+void co_job_put_extras(job *j, const Rekv__Worker__JobProgress *jp, size_t t)
+{
+    size_t n = j->n_gen, tk = j->top_logits;
+    if (tk) {
+        int with = jp->n_top_ids == jp->n_tokens * tk && jp->n_top_vals == jp->n_top_ids;
+        for (size_t q = 0; q < tk; q++) {
+            j->top_ids[n * tk + q] = with ? jp->top_ids[t * tk + q] : 0;
+            j->top_vals[n * tk + q] = with ? jp->top_vals[t * tk + q] : 0;
+        }
+    }
+    if (j->logprobs) {
+        size_t lk = j->top_logprobs;
+        int with = jp->n_logprobs == jp->n_tokens;
+        int with_top = jp->n_top_logprob_ids == jp->n_tokens * lk &&
+                       jp->n_top_logprob_vals == jp->n_top_logprob_ids;
+        j->lp[n] = with ? jp->logprobs[t] : 0;
+        for (size_t q = 0; q < lk; q++) {
+            j->tlp_ids[n * lk + q] = with_top ? jp->top_logprob_ids[t * lk + q] : 0;
+            j->tlp_vals[n * lk + q] = with_top ? jp->top_logprob_vals[t * lk + q] : 0;
+        }
+    }
 }
 
 /* ---------------------------------------------------------------- stop strings */
@@ -501,6 +560,14 @@ void co_status_fill(const job *j, Rekv__Control__JobStatus *s)
         s->top_ids = j->top_ids;
         s->top_vals = j->top_vals;
     }
+    if (j->logprobs) {
+        s->n_logprobs = j->n_gen;
+        s->logprobs = j->lp;
+        s->top_logprobs = j->top_logprobs;
+        s->n_top_logprob_ids = s->n_top_logprob_vals = (size_t)j->n_gen * j->top_logprobs;
+        s->top_logprob_ids = j->tlp_ids;
+        s->top_logprob_vals = j->tlp_vals;
+    }
     s->finish_reason = (char *)j->finish_reason;
     s->error = j->error ? j->error : "";
     s->prompt_tokens = j->n_prompt;
@@ -528,6 +595,8 @@ static void submit_fill(const job *j, Rekv__Control__Submit *s, Rekv__Control__S
     s->priority = j->priority;
     s->stop_at_eos = j->stop_at_eos;
     s->top_logits = j->top_logits;
+    s->logprobs = j->logprobs;
+    s->top_logprobs = j->top_logprobs;
     s->n_stop = j->n_stop;
     s->stop = j->stop;
 }
@@ -629,6 +698,8 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         j->max_new = s->max_new_tokens;
         j->stop_at_eos = s->stop_at_eos;
         j->top_logits = s->top_logits;
+        j->logprobs = s->logprobs;
+        j->top_logprobs = s->logprobs ? s->top_logprobs : 0;
         j->priority = s->priority;
         j->accepted_at = rec->accepted_at;
         if (co_job_set_stops(j, s->stop, s->n_stop))
@@ -657,12 +728,22 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         j->top_logits = s->top_logits;
         if (s->n_top_ids != s->n_generated_ids * s->top_logits || s->n_top_vals != s->n_top_ids)
             j->top_logits = 0; /* inconsistent record: keep the ids, drop the logits */
+        /* log-probabilities when the record has them all (an older or inconsistent one: none) */
+        j->logprobs = s->n_logprobs > 0 && s->n_logprobs == s->n_generated_ids &&
+                      s->n_top_logprob_ids == s->n_generated_ids * s->top_logprobs &&
+                      s->n_top_logprob_vals == s->n_top_logprob_ids;
+        j->top_logprobs = j->logprobs ? s->top_logprobs : 0;
         if (co_gen_reserve(j, (uint32_t)s->n_generated_ids))
             return -ENOMEM;
         memcpy(j->gen, s->generated_ids, sizeof(int32_t) * s->n_generated_ids);
         if (j->top_logits) {
             memcpy(j->top_ids, s->top_ids, sizeof(int32_t) * s->n_top_ids);
             memcpy(j->top_vals, s->top_vals, sizeof(float) * s->n_top_vals);
+        }
+        if (j->logprobs) {
+            memcpy(j->lp, s->logprobs, sizeof(float) * s->n_logprobs);
+            memcpy(j->tlp_ids, s->top_logprob_ids, sizeof(int32_t) * s->n_top_logprob_ids);
+            memcpy(j->tlp_vals, s->top_logprob_vals, sizeof(float) * s->n_top_logprob_vals);
         }
         j->n_gen = j->streamed = (uint32_t)s->n_generated_ids;
         j->stream_bytes = SIZE_MAX;

@@ -401,6 +401,8 @@ static int schedule_worker(rekv_coordinator *co, int wi)
         s->max_new_tokens = j->max_new;
         s->stop_at_eos = j->stop_at_eos;
         s->top_logits = j->top_logits;
+        s->logprobs = j->logprobs;
+        s->top_logprobs = j->top_logprobs;
         sp[n_join++] = s;
         j->state = REKV__CONTROL__JOB_STATE__RUNNING;
         j->worker = wi;
@@ -576,13 +578,11 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             failed_step = 1;
             continue;
         }
-        size_t tk = j->top_logits;
-        int with_top = tk && jp->n_top_ids == jp->n_tokens * tk && jp->n_top_vals == jp->n_top_ids;
         /* every id must be in the vocabulary, or none of the step's output is taken: the job is
          * dropped on that worker and re-queued (failed after max_attempts), never given garbage */
         int32_t bad;
         if (!ids_valid(jp->tokens, jp->n_tokens, w->vocab, &bad) ||
-            (with_top && !ids_valid(jp->top_ids, jp->n_top_ids, w->vocab, &bad))) {
+            !co_job_extras_valid(j, jp, w->vocab, &bad)) {
             char why[256];
             snprintf(why, sizeof(why),
                      "worker %s returned token id %d, outside the vocabulary "
@@ -597,13 +597,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         for (size_t t = 0; t < jp->n_tokens && j->n_gen < j->max_new; t++) {
             if (co_gen_reserve(j, j->n_gen + 1))
                 break;
-            if (tk) { /* a worker that sent none leaves zeros rather than garbage */
-                for (size_t q = 0; q < tk; q++) {
-                    j->top_ids[(size_t)j->n_gen * tk + q] = with_top ? jp->top_ids[t * tk + q] : 0;
-                    j->top_vals[(size_t)j->n_gen * tk + q] =
-                        with_top ? jp->top_vals[t * tk + q] : 0;
-                }
-            }
+            co_job_put_extras(j, jp, t);
             if (j->n_gen >= j->timed) { /* a token clients have not had before: time it */
                 if (j->timed == 0) {
                     double ttft = co_realtime_s() - j->accepted_at;

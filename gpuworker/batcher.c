@@ -17,6 +17,8 @@ typedef struct bjob {
     int max_new;      /* max_new_tokens */
     int stop_at_eos;  /* stop after EOS */
     int top_logits;   /* report the k largest logits before each token; 0 none */
+    int logprobs;     /* report each token's log-probability ... */
+    int top_logprobs; /* ... and the k most likely tokens'; 0 none */
     int mini_batch;   /* the planner's GPU batch + 1; 0: none assigned */
     int32_t last;     /* the last sampled token: the next step's input */
     int32_t drawn;    /* the token the step drew (on the device) */
@@ -34,7 +36,9 @@ struct rekv_batcher {
     rekv_batch_event *events;   /* [max_batch] the last step's outcomes */
     int32_t *ev_top_ids;        /* the events' top logits, [sum of their k] (capacity ev_top_cap) */
     float *ev_top_vals;
+    float *ev_top_lp;           /* their log-probabilities, when the job asked for logprobs */
     size_t ev_top_cap;
+    float *ev_lp;               /* [max_batch] the items' tokens' log-probabilities */
 };
 
 int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch,
@@ -51,7 +55,8 @@ int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_ba
     b->jobs = calloc((size_t)max_batch, sizeof(*b->jobs));
     b->items = calloc((size_t)max_batch, sizeof(*b->items));
     b->events = calloc((size_t)max_batch, sizeof(*b->events));
-    if (!b->jobs || !b->items || !b->events) {
+    b->ev_lp = calloc((size_t)max_batch, sizeof(*b->ev_lp));
+    if (!b->jobs || !b->items || !b->events || !b->ev_lp) {
         rekv_batcher_free(b);
         return rekv_errf(err, -ENOMEM, "out of memory");
     }
@@ -84,6 +89,8 @@ void rekv_batcher_free(rekv_batcher *b)
     free(b->events);
     free(b->ev_top_ids);
     free(b->ev_top_vals);
+    free(b->ev_top_lp);
+    free(b->ev_lp);
     free(b);
 }
 
@@ -152,6 +159,9 @@ int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int 
     if (gp->top_logits < 0 || gp->top_logits > c->vocab)
         return rekv_errf(err, -EINVAL, "top_logits %d is outside 0..%d (the vocabulary)",
                          gp->top_logits, c->vocab);
+    if (gp->top_logprobs < 0 || gp->top_logprobs > c->vocab)
+        return rekv_errf(err, -EINVAL, "top_logprobs %d is outside 0..%d (the vocabulary)",
+                         gp->top_logprobs, c->vocab);
     bjob *j = &b->jobs[b->n];
     memset(j, 0, sizeof(*j));
     j->id = job;
@@ -159,6 +169,8 @@ int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int 
     j->max_new = gp->max_new_tokens;
     j->stop_at_eos = gp->stop_at_eos;
     j->top_logits = gp->top_logits;
+    j->logprobs = gp->logprobs != 0;
+    j->top_logprobs = j->logprobs ? gp->top_logprobs : 0;
     j->last = -1;
     rekv_sampler_init(&j->smp, gp->temperature, gp->top_k, gp->top_p, gp->seed);
     j->prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
@@ -190,6 +202,13 @@ int rekv_batcher_cancel(rekv_batcher *b, uint64_t job)
     return -ENOENT;
 }
 
+/* The largest logits a job's draws report: its top_logits and its top_logprobs share one list
+ * (the first k of the k' largest are the k largest). */
+static int job_n_top(const bjob *j)
+{
+    return j->top_logits > j->top_logprobs ? j->top_logits : j->top_logprobs;
+}
+
 int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_events,
                       rekv_err *err)
 {
@@ -202,7 +221,7 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
     /* room for every job's top logits of this step; the events point into it */
     size_t need = 0, top_at = 0;
     for (int i = 0; i < b->n; i++)
-        need += (size_t)b->jobs[i].top_logits;
+        need += (size_t)job_n_top(&b->jobs[i]);
     if (need > b->ev_top_cap) {
         int32_t *ti = realloc(b->ev_top_ids, sizeof(int32_t) * need);
         if (ti)
@@ -210,7 +229,10 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
         float *tv = ti ? realloc(b->ev_top_vals, sizeof(float) * need) : NULL;
         if (tv)
             b->ev_top_vals = tv;
-        if (ti == NULL || tv == NULL)
+        float *tl = tv ? realloc(b->ev_top_lp, sizeof(float) * need) : NULL;
+        if (tl)
+            b->ev_top_lp = tl;
+        if (ti == NULL || tv == NULL || tl == NULL)
             return rekv_errf(err, -ENOMEM, "out of memory");
         b->ev_top_cap = need;
     }
@@ -232,10 +254,12 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
         if (j->prefilled + left == j->n_prompt || j->prefilled == j->n_prompt) {
             it->smp = &j->smp;
             it->token = &j->drawn;
-            it->n_top = j->top_logits;
+            it->n_top = job_n_top(j);
             it->top_ids = b->ev_top_ids + top_at;
             it->top_vals = b->ev_top_vals + top_at;
-            top_at += (size_t)j->top_logits;
+            it->logprob = j->logprobs ? &b->ev_lp[i] : NULL;
+            it->top_lp = b->ev_top_lp + top_at;
+            top_at += (size_t)it->n_top;
         }
     }
     /* the planner's mini-batches apply only when every job in the step has one */
@@ -255,7 +279,7 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
     for (int i = 0; i < b->n; i++) {
         bjob *j = &b->jobs[i];
         rekv_batch_event *ev = &b->events[ne++];
-        *ev = (rekv_batch_event){j->id, -1, 0, NULL, NULL, NULL, 0};
+        *ev = (rekv_batch_event){.job = j->id, .token = -1};
         if (j->max_new == 0) {
             ev->finished = 1;
             ev->finish_reason = "length";
@@ -272,7 +296,14 @@ int rekv_batcher_step(rekv_batcher *b, const rekv_batch_event **events, int *n_e
                 ev->top_vals = b->ev_top_vals + top_at;
                 ev->n_top = j->top_logits;
             }
-            top_at += (size_t)j->top_logits;
+            if (j->logprobs) {
+                ev->has_logprob = 1;
+                ev->logprob = b->ev_lp[i];
+                ev->top_lp_ids = b->ev_top_ids + top_at;
+                ev->top_lp_vals = b->ev_top_lp + top_at;
+                ev->n_top_lp = j->top_logprobs;
+            }
+            top_at += (size_t)job_n_top(j);
             int32_t tok = j->drawn;
             ev->token = tok;
             j->last = tok;

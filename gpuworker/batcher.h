@@ -33,6 +33,11 @@ typedef struct rekv_batch_event {
     const int32_t *top_ids;    /* [n_top] the largest logits before the token (ids), or NULL */
     const float *top_vals;     /* [n_top] their raw values, largest first */
     int n_top;                 /* the job's top_logits k (0: none) */
+    int has_logprob;           /* the job asked for logprobs (and a token came): */
+    float logprob;             /* the token's log-probability (rekv_pipe_item.logprob) */
+    const int32_t *top_lp_ids; /* [n_top_lp] the most likely tokens, most likely first */
+    const float *top_lp_vals;  /* [n_top_lp] their log-probabilities */
+    int n_top_lp;              /* the job's top_logprobs k (0: none) */
 } rekv_batch_event;
 
 /* max_batch: most jobs running at once (>= 1). p and c (the config of the pipeline's model, e.g.
@@ -43,7 +48,7 @@ int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_ba
 void rekv_batcher_free(rekv_batcher *b);
 
 /* Adds a job; it prefills at the next step. max_new_tokens, temperature, top_k, top_p, seed,
- * stop_at_eos and top_logits (<= vocab) of gp are used. The prompt is copied. -EINVAL (empty
+ * stop_at_eos, top_logits (<= vocab), logprobs and top_logprobs (<= vocab) of gp are used. The prompt is copied. -EINVAL (empty
  * prompt, token id outside the vocabulary, a job id already running, bad parameters), -E2BIG
  * (prompt longer than the context), -ENOSPC (the batch is full), -ENOMEM; the message says which.
  */

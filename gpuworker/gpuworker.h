@@ -92,6 +92,9 @@ int32_t rekv_sample_drawn(const rekv_sampler *s, float u, const float *logits, i
 #define REKV_NAN_LOGITS "the model's logits are NaN (broken or corrupt weights?): no token drawn"
 /* The k largest logits as (id, logit) pairs, largest first, lower id first on ties. */
 void rekv_top_logits(const float *logits, int vocab, int k, int32_t *ids, float *vals);
+/* log(sum_i exp(logits[i])) over the whole row, in double (the largest logit taken out first): a
+ * token's log-probability is its logit less this, exact to fp32's rounding. NaN when a logit is. */
+double rekv_logsumexp(const float *logits, int vocab);
 
 /* ---------------------------------------------------------------- generation */
 
@@ -103,6 +106,11 @@ typedef struct rekv_gen_params {
     uint64_t seed;
     int top_logits;  /* record the k largest logits before each generated token (0: none) */
     int stop_at_eos; /* stop after generating the model's EOS (it is included in the output) */
+    /* the batcher (the worker's jobs): each generated token's log-probability, the log-softmax of
+     * the raw logits it was drawn from (before temperature, top-k, top-p); with top_logprobs k
+     * (0..vocab) also the k most likely tokens' */
+    int logprobs;
+    int top_logprobs;
 } rekv_gen_params;
 
 typedef struct rekv_gen_result {

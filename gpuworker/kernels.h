@@ -55,7 +55,15 @@ typedef struct rekv_sample_row {
     int top_k;
     int n_top;  /* also the n_top largest logits (0: none) ... */
     int top_at; /* ... at top_ids / top_vals + top_at */
+    int logprob; /* 1: also lp[r], what the drawn token's log-probability takes */
 } rekv_sample_row;
+
+/* A row's draw, for log-probabilities (rekv_sample_row.logprob): logit - lse is a token's. */
+typedef struct rekv_sample_lp {
+    double lse;  /* rekv_logsumexp of the row: log(sum exp(logits)), in double */
+    float logit; /* the drawn token's logit */
+    float pad;
+} rekv_sample_lp;
 
 typedef struct rekv_kernel_iface {
     /* y[m][n] = x[m][k] · w[n][k]^T (+ bias), w in dtype wt (f32, f16 or bf16), accumulated in
@@ -118,11 +126,12 @@ typedef struct rekv_kernel_iface {
      * logits ([n][vocab]), ids[r] = rekv_sample_drawn's choice with rows[r] (the cpu backend
      * calls it; cuda follows its definition with sums in fixed point: the same greedy choice and,
      * sampling, the same distribution), and the rows[r].n_top largest logits as (id, logit) pairs
-     * in any order (rekv_top_logits' set: lower id first on ties). rows: memory the device
-     * reads; scratch: device memory of 8 * vocab bytes (the cpu backend's) */
+     * in any order (rekv_top_logits' set: lower id first on ties), and for rows[r].logprob
+     * lp[r]. rows: memory the device reads; scratch: device memory of 8 * vocab bytes (the cpu
+     * backend's) */
     void (*sample)(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
-                   const float *logits, const rekv_sample_row *rows, int n, int vocab,
-                   void *scratch);
+                   rekv_sample_lp *lp, const float *logits, const rekv_sample_row *rows, int n,
+                   int vocab, void *scratch);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

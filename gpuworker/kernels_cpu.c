@@ -1,5 +1,6 @@
 /* kernels_cpu.c — the cpu backend's kernel table: each kernel packs its arguments and runs
  * the fp32 reference of cpu_ops.h as a task on the stream it was launched on. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -327,6 +328,7 @@ static void k_spec_scores(rekv_stream *s, float *out, const float *q, const rekv
 typedef struct sample_args {
     int32_t *ids, *top_ids;
     float *top_vals;
+    rekv_sample_lp *lp;
     const float *logits;
     const rekv_sample_row *rows;
     int n, vocab;
@@ -342,6 +344,9 @@ static void sample_row(const sample_args *a, int r, void *scratch)
     a->ids[r] = rekv_sample_drawn(&smp, w->u, lg, a->vocab, scratch);
     if (w->n_top > 0)
         rekv_top_logits(lg, a->vocab, w->n_top, a->top_ids + w->top_at, a->top_vals + w->top_at);
+    if (w->logprob)
+        a->lp[r] = (rekv_sample_lp){rekv_logsumexp(lg, a->vocab),
+                                    a->ids[r] >= 0 ? lg[a->ids[r]] : NAN, 0};
 }
 
 typedef struct sample_pool {
@@ -382,10 +387,10 @@ static void run_sample(void *p)
 }
 
 static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
-                     const float *logits, const rekv_sample_row *rows, int n, int vocab,
-                     void *scratch)
+                     rekv_sample_lp *lp, const float *logits, const rekv_sample_row *rows, int n,
+                     int vocab, void *scratch)
 {
-    sample_args a = {ids, top_ids, top_vals, logits, rows, n, vocab, scratch};
+    sample_args a = {ids, top_ids, top_vals, lp, logits, rows, n, vocab, scratch};
     LAUNCH(s, "sample", run_sample, a);
 }
 

@@ -931,10 +931,11 @@ __device__ static sample_set set_select(const float *lg, int lo, int hi, const s
 }
 
 __global__ static void __launch_bounds__(SAMPLE_THREADS)
-    sample_kernel(int32_t *ids, int32_t *top_ids, float *top_vals, const float *logits,
-                  const rekv_sample_row *rows, int V)
+    sample_kernel(int32_t *ids, int32_t *top_ids, float *top_vals, rekv_sample_lp *lp,
+                  const float *logits, const rekv_sample_row *rows, int V)
 {
     __shared__ unsigned long long hist[256], sh[34];
+    __shared__ double red_d[32];
     __shared__ float red_v[32];
     __shared__ int red_i[32];
     __shared__ rekv_sample_row w; /* mapped host memory: read once per block */
@@ -965,6 +966,21 @@ __global__ static void __launch_bounds__(SAMPLE_THREADS)
     for (int j = 1; j < nw; j++)
         if (red_i[j] < V && (bi == V || red_v[j] > bv || (red_v[j] == bv && red_i[j] < bi)))
             bv = red_v[j], bi = red_i[j];
+    if (w.logprob) { /* rekv_logsumexp: the sum of exp(logit - max) in double */
+        double sum = 0;
+        for (int i = lo; i < hi; i++)
+            sum += exp((double)lg[i] - (double)bv);
+        for (int o = 16; o > 0; o >>= 1)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0)
+            red_d[warp] = sum;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int j = 1; j < nw; j++)
+                sum += red_d[j];
+            lp[blockIdx.x].lse = isfinite(bv) ? (double)bv + log(sum) : (double)bv;
+        }
+    }
 
     const sample_set all = {0, ~0ull, 0};
     auto one = [](uint32_t) -> unsigned long long { return 1; };
@@ -981,8 +997,11 @@ __global__ static void __launch_bounds__(SAMPLE_THREADS)
         });
     }
     if (!(w.temperature > 0.0f)) {
-        if (threadIdx.x == 0)
+        if (threadIdx.x == 0) {
             ids[blockIdx.x] = bi;
+            if (w.logprob)
+                lp[blockIdx.x].logit = bv;
+        }
         return;
     }
     float mx = bv, temp = w.temperature;
@@ -1004,8 +1023,11 @@ __global__ static void __launch_bounds__(SAMPLE_THREADS)
     set_walk(lg, lo, hi, dom, [&](int, uint32_t k) { mine += weight(k); });
     unsigned long long acc = block_scan(mine, &total, sh);
     if (total == 0) { /* no weight at all (an inf or NaN logit): the greedy pick, never nothing */
-        if (threadIdx.x == 0)
+        if (threadIdx.x == 0) {
             ids[blockIdx.x] = bi;
+            if (w.logprob)
+                lp[blockIdx.x].logit = bv;
+        }
         return;
     }
     unsigned long long target = (unsigned long long)((double)w.u * (double)total);
@@ -1017,18 +1039,20 @@ __global__ static void __launch_bounds__(SAMPLE_THREADS)
                 pick = i;
         });
         ids[blockIdx.x] = pick;
+        if (w.logprob)
+            lp[blockIdx.x].logit = lg[pick];
     }
 }
 
 static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
-                     const float *logits, const rekv_sample_row *rows, int n, int vocab,
-                     void *scratch)
+                     rekv_sample_lp *lp, const float *logits, const rekv_sample_row *rows, int n,
+                     int vocab, void *scratch)
 {
     (void)scratch;
     if (n <= 0 || vocab <= 0)
         return;
-    KLAUNCH(s, "sample", sample_kernel, n, SAMPLE_THREADS, 0, ids, top_ids, top_vals, logits, rows,
-            vocab);
+    KLAUNCH(s, "sample", sample_kernel, n, SAMPLE_THREADS, 0, ids, top_ids, top_vals, lp, logits,
+            rows, vocab);
 }
 
 /* ------------------------------------------------------------------ the table */

@@ -303,7 +303,8 @@ static int validate(rekv_pipeline *p, rekv_pipe_item *items, int n, rekv_err *er
         rekv_pipe_item *it = &items[b];
         if (it->seq == NULL || it->seq->p != p || it->n_tokens <= 0 || it->tokens == NULL ||
             (it->smp && (it->token == NULL || it->n_top < 0 || it->n_top > p->c->vocab ||
-                         (it->n_top > 0 && (it->top_ids == NULL || it->top_vals == NULL)))))
+                         (it->n_top > 0 && (it->top_ids == NULL || it->top_vals == NULL)) ||
+                         (it->logprob && it->n_top > 0 && it->top_lp == NULL))))
             return rekv_errf(err, -EINVAL, "step: batch item %d is malformed", b);
         if ((int64_t)it->seq->len + it->n_tokens > it->seq->cap)
             return rekv_errf(err, -E2BIG,
@@ -346,13 +347,28 @@ typedef struct top_pair {
     int32_t id;
 } top_pair;
 
+/* Where the draws' log-sum-exps (rekv_sample_lp [nb]) start in a draw's copy of nb ids and tops
+ * top ids and logits: past them, 8-aligned. */
+static size_t picks_lp_at(int nb, size_t tops)
+{
+    return (4 * (size_t)nb + 8 * tops + 7) & ~(size_t)7;
+}
+
+/* The bytes of a draw's copy back: the ids and top logits, and the log-sum-exps only when an
+ * item asks for log-probabilities (lps). */
+static size_t picks_bytes(int nb, size_t tops, int lps)
+{
+    return lps ? picks_lp_at(nb, tops) + sizeof(rekv_sample_lp) * (size_t)nb
+               : 4 * (size_t)nb + 8 * tops;
+}
+
 /* What batch g's head sends back, on sc after its logits: the logits rows items ask for, and the
- * device's draws for the items with a sampler (ids and top logits in one copy, into
+ * device's draws for the items with a sampler (ids, top logits and log-sum-exps in one copy, into
  * st->picks[g]). Each draw uses the number its sampler draws next, from a copy of the state. */
 static int head_back(rekv_pipeline *p, step *st, int g, rekv_stream *sc, rekv_err *err)
 {
     gbatch *gb = &p->gb[g];
-    int V = p->c->vocab, b0 = st->g_begin[g], nb = st->g_begin[g + 1] - b0, draws = 0;
+    int V = p->c->vocab, b0 = st->g_begin[g], nb = st->g_begin[g + 1] - b0, draws = 0, lps = 0;
     size_t tops = 0, n_pc = 0;
     rekv_copy_piece *pc = pl_smem_alloc(&st->mem, sizeof(rekv_copy_piece) * (size_t)(nb + 1));
     rekv_sample_row *sr = pl_smem_alloc(&st->mem, sizeof(rekv_sample_row) * (size_t)nb);
@@ -367,20 +383,23 @@ static int head_back(rekv_pipeline *p, step *st, int g, rekv_stream *sc, rekv_er
         if (it->smp) {
             rekv_sampler next = *it->smp;
             sr[j] = (rekv_sample_row){next.temperature, next.top_p, rekv_sampler_draw(&next),
-                                      next.top_k,       it->n_top,  (int)tops};
+                                      next.top_k,       it->n_top,  (int)tops,
+                                      it->logprob != NULL};
             tops += (size_t)it->n_top;
             draws++;
+            lps += it->logprob != NULL;
         }
     }
     if (draws) {
         /* the copy's bytes, then room for take_draws to rank the top logits in */
-        size_t bytes = 4 * (size_t)nb + 8 * tops;
+        size_t bytes = picks_bytes(nb, tops, lps);
         int32_t *host = pl_smem_alloc(&st->mem, bytes + sizeof(top_pair) * tops);
         if (host == NULL)
             return rekv_errf(err, -ENOMEM, "step: out of memory");
         int32_t *ids = (int32_t *)((char *)gb->picks.p + 8 * (size_t)V), *top_ids = ids + nb;
-        p->k->sample(sc, ids, top_ids, (float *)(top_ids + tops), gb->logits.p, sr, nb, V,
-                     gb->picks.p);
+        p->k->sample(sc, ids, top_ids, (float *)(top_ids + tops),
+                     (rekv_sample_lp *)((char *)ids + picks_lp_at(nb, tops)), gb->logits.p, sr,
+                     nb, V, gb->picks.p);
         pc[n_pc++] = (rekv_copy_piece){host, ids, bytes};
         st->picks[g] = host;
     }
@@ -420,17 +439,25 @@ static void take_draws(step *st)
         if (ids == NULL)
             continue;
         size_t tops = 0, at = 0;
-        for (int j = 0; j < nb; j++)
-            tops += st->items[b0 + j].smp ? (size_t)st->items[b0 + j].n_top : 0;
+        int lps = 0;
+        for (int j = 0; j < nb; j++) {
+            const rekv_pipe_item *it = &st->items[b0 + j];
+            tops += it->smp ? (size_t)it->n_top : 0;
+            lps += it->smp && it->logprob;
+        }
         const int32_t *top_ids = ids + nb;
         const float *top_vals = (const float *)(top_ids + tops);
-        top_pair *tp = (top_pair *)(top_vals + tops);
+        const rekv_sample_lp *lp =
+            (const rekv_sample_lp *)((const char *)ids + picks_lp_at(nb, tops));
+        top_pair *tp = (top_pair *)((char *)ids + picks_bytes(nb, tops, lps));
         for (int j = 0; j < nb; j++) {
             rekv_pipe_item *it = &st->items[b0 + j];
             if (it->smp == NULL)
                 continue;
             *it->token = ids[j];
             rekv_sampler_draw(it->smp);
+            if (it->logprob) /* one rounding, of the exact difference */
+                *it->logprob = (float)((double)lp[j].logit - lp[j].lse);
             if (it->n_top == 0)
                 continue;
             for (int t = 0; t < it->n_top; t++)
@@ -439,6 +466,8 @@ static void take_draws(step *st)
             for (int t = 0; t < it->n_top; t++) {
                 it->top_ids[t] = tp[t].id;
                 it->top_vals[t] = tp[t].v;
+                if (it->logprob)
+                    it->top_lp[t] = (float)((double)tp[t].v - lp[j].lse);
             }
             at += (size_t)it->n_top;
         }

@@ -184,6 +184,9 @@ typedef struct rekv_pipe_item {
     int n_top;         /* ... with the n_top largest logits before it (rekv_top_logits) */
     int32_t *top_ids;  /* [n_top] */
     float *top_vals;   /* [n_top] */
+    float *logprob;    /* ... and, not NULL: the drawn token's log-probability (its logit less
+                          rekv_logsumexp of the raw logits, in double, rounded once) ... */
+    float *top_lp;     /* ... and the n_top largest's, [n_top] (may be NULL when n_top is 0) */
 } rekv_pipe_item;
 
 /* What the planner may change between steps; the mode, weight placement and cache dtype are fixed

@@ -305,6 +305,7 @@ static void r_spec_scores(rekv_stream *s, float *out, const float *q, const rekv
 typedef struct a_sample {
     int32_t *ids, *top_ids;
     float *top_vals;
+    rekv_sample_lp *lp;
     const float *logits;
     const rekv_sample_row *rows;
     void *scratch;
@@ -312,12 +313,12 @@ typedef struct a_sample {
 } a_sample;
 
 static void r_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
-                     const float *logits, const rekv_sample_row *rows, int n, int vocab,
-                     void *scratch)
+                     rekv_sample_lp *lp, const float *logits, const rekv_sample_row *rows, int n,
+                     int vocab, void *scratch)
 {
     a_sample *a = rec_add(OP_SAMPLE, s, NULL, sizeof(*a));
     if (a)
-        a->ids = ids, a->top_ids = top_ids, a->top_vals = top_vals, a->logits = logits,
+        a->ids = ids, a->top_ids = top_ids, a->top_vals = top_vals, a->lp = lp, a->logits = logits,
         a->rows = rows, a->scratch = scratch, a->n = n, a->vocab = vocab;
 }
 
@@ -523,8 +524,8 @@ static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, 
         }
         case OP_SAMPLE: {
             const a_sample *a = arg;
-            k->sample(s, a->ids, a->top_ids, a->top_vals, a->logits, a->rows, a->n, a->vocab,
-                      a->scratch);
+            k->sample(s, a->ids, a->top_ids, a->top_vals, a->lp, a->logits, a->rows, a->n,
+                      a->vocab, a->scratch);
             break;
         }
         case OP_H2D:

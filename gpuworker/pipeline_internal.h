@@ -84,7 +84,8 @@ typedef struct gbatch {
     dbuf f1, f3; /* [T][ffn] */
     dbuf logits; /* [n_seqs][vocab] */
     dbuf picks;  /* the device's draws: sample's scratch (8 * vocab bytes), then ids [n_seqs],
-                    top ids and top logits [their n_top] */
+                    top ids and top logits [their n_top], log-sum-exps (rekv_sample_lp
+                    [n_seqs], 8-aligned) */
 } gbatch;
 
 /* Buffers of one unit parity. */
@@ -280,7 +281,8 @@ typedef struct step {
                                    scores, SIZE_MAX when it fetches densely */
     struct clo_unit *clo_units; /* clo: the units decided on the h2d stream, newest first */
     int32_t *picks[MAX_GPU_BATCHES]; /* batch g's draws copied back: ids [items of batch], top
-                                        ids, top logits (n_top of each drawing item); NULL none */
+                                        ids, top logits (n_top of each drawing item), the
+                                        log-sum-exps; NULL none */
     step_mem mem;
 } step;
 

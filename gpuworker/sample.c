@@ -200,3 +200,19 @@ void rekv_top_logits(const float *logits, int vocab, int k, int32_t *ids, float 
         ids[j] = i;
     }
 }
+
+double rekv_logsumexp(const float *logits, int vocab)
+{
+    if (vocab <= 0)
+        return -INFINITY;
+    double mx = logits[0];
+    for (int i = 1; i < vocab; i++)
+        if (logits[i] > mx || isnan(logits[i]))
+            mx = logits[i];
+    if (isnan(mx) || isinf(mx))
+        return mx; /* NaN stays NaN; +inf: the token at +inf takes it all */
+    double sum = 0;
+    for (int i = 0; i < vocab; i++)
+        sum += exp((double)logits[i] - mx);
+    return mx + log(sum);
+}

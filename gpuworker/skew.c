@@ -791,7 +791,7 @@ int rekv_skew_sample(rekv_engine *e, int32_t **ids, int *n, rekv_err *err)
     int32_t bos = c->bos_id >= 0 ? c->bos_id : c->vocab > 1 ? 1 : 0;
     int max_new =
         REKV_SKEW_SAMPLE_TOKENS < c->max_pos - 1 ? REKV_SKEW_SAMPLE_TOKENS : c->max_pos - 1;
-    rekv_gen_params gp = {max_new, 1.0f, 0, 1.0f, SKEW_SEED, 0, 0};
+    rekv_gen_params gp = {max_new, 1.0f, 0, 1.0f, SKEW_SEED, 0, 0, 0, 0};
     rekv_gen_result r;
     int rc = rekv_generate(e, &bos, 1, &gp, &r, err);
     if (rc)

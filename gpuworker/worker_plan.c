@@ -140,7 +140,9 @@ static void plan_joins(worker *w, wk_plan *p)
                               s->top_p > 0 ? s->top_p : 1.0f,
                               s->seed,
                               (int)s->top_logits,
-                              s->stop_at_eos};
+                              s->stop_at_eos,
+                              s->logprobs,
+                              (int)s->top_logprobs};
         rekv_log(REKV_LOG_DEBUG,
                  "step %llu: job %llu joins: %zu prompt tokens, temperature %g, "
                  "top-k %u, top-p %g, seed %llu, max %u, eos %d",
@@ -262,6 +264,13 @@ static void report_events(wk_plan *p, const rekv_batch_event *ev, int n_ev)
                 j->n_top_ids = j->n_top_vals = (size_t)ev[i].n_top;
                 j->top_ids = (int32_t *)ev[i].top_ids;
                 j->top_vals = (float *)ev[i].top_vals;
+            }
+            if (ev[i].has_logprob) { /* the same: the batcher's, valid past the send */
+                j->n_logprobs = 1;
+                j->logprobs = (float *)&ev[i].logprob;
+                j->n_top_logprob_ids = j->n_top_logprob_vals = (size_t)ev[i].n_top_lp;
+                j->top_logprob_ids = (int32_t *)ev[i].top_lp_ids;
+                j->top_logprob_vals = (float *)ev[i].top_lp_vals;
             }
         }
         j->finished = ev[i].finished;

@@ -634,14 +634,33 @@ START_TEST(kernel_sample)
             memcpy(all + (size_t)r * V, lg, sizeof(float) * V);
         rekv_sample_row *rows = meta(sizeof(rekv_sample_row) * R);
         for (int r = 0; r < R; r++)
-            rows[r] = (rekv_sample_row){
-                cases[ci].temperature, cases[ci].top_p, ((float)r + 0.5f) / (float)R,
-                cases[ci].top_k,       r == 0 ? nt : 0, 0};
+            rows[r] = (rekv_sample_row){cases[ci].temperature,
+                                        cases[ci].top_p,
+                                        ((float)r + 0.5f) / (float)R,
+                                        cases[ci].top_k,
+                                        r == 0 ? nt : 0,
+                                        0,
+                                        1};
         float *dl = dev_from(all, sizeof(float) * (size_t)V * R);
         int32_t *dids = dev_zero(sizeof(int32_t) * R), *dtid = dev_zero(sizeof(int32_t) * (nt + 1));
         float *dtval = dev_zero(sizeof(float) * (nt + 1));
-        rekv_kernels_of(g_cu)->sample(g_scu, dids, dtid, dtval, dl, rows, R, V, NULL);
+        rekv_sample_lp *dlp = dev_zero(sizeof(rekv_sample_lp) * R);
+        rekv_kernels_of(g_cu)->sample(g_scu, dids, dtid, dtval, dlp, dl, rows, R, V, NULL);
         sync_cu();
+        /* log-probabilities: the row's log-sum-exp in double, as the host's, and the drawn
+         * token's own logit */
+        rekv_sample_lp *lp = host_from(dlp, sizeof(rekv_sample_lp) * R);
+        double lse = rekv_logsumexp(lg, V);
+        int32_t *drawn = host_from(dids, sizeof(int32_t) * R);
+        for (int r = 0; r < R; r++) {
+            ck_assert_msg(fabs(lp[r].lse - lse) <= 1e-12 * fabs(lse) + 1e-12,
+                          "case %zu row %d: log-sum-exp %.17g, the host's %.17g", ci, r, lp[r].lse,
+                          lse);
+            ck_assert_msg(lp[r].logit == lg[drawn[r]], "case %zu row %d: logit %g of token %d", ci,
+                          r, (double)lp[r].logit, drawn[r]);
+        }
+        free(lp), free(drawn);
+        dev_free(dlp);
         int32_t *ids = host_from(dids, sizeof(int32_t) * R), *tid = host_from(dtid, 4 * (nt + 1));
         float *tval = host_from(dtval, 4 * (nt + 1));
         void *scratch = malloc(8 * (size_t)V);
@@ -687,10 +706,10 @@ START_TEST(kernel_sample)
             lg[(size_t)r * V + 7 + r] = INFINITY;
         rekv_sample_row *rows = meta(sizeof(rekv_sample_row) * R);
         for (int r = 0; r < R; r++)
-            rows[r] = (rekv_sample_row){1.0f, r == 1 ? 0.9f : 1.0f, 0.5f, r == 2 ? 20 : 0, 0, 0};
+            rows[r] = (rekv_sample_row){1.0f, r == 1 ? 0.9f : 1.0f, 0.5f, r == 2 ? 20 : 0, 0, 0, 0};
         float *dl = dev_from(lg, sizeof(float) * (size_t)V * R);
         int32_t *dids = dev_from(start, sizeof(start));
-        rekv_kernels_of(g_cu)->sample(g_scu, dids, NULL, NULL, dl, rows, R, V, NULL);
+        rekv_kernels_of(g_cu)->sample(g_scu, dids, NULL, NULL, NULL, dl, rows, R, V, NULL);
         sync_cu();
         int32_t *ids = host_from(dids, sizeof(start));
         for (int r = 0; r < R; r++)

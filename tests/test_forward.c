@@ -44,7 +44,7 @@ static void check_reference(const char *model_rel, const char *ref_rel, double t
         int32_t *prompt = malloc(sizeof(int32_t) * (size_t)np);
         for (int i = 0; i < np; i++)
             prompt[i] = (int32_t)json_integer_value(json_array_get(jp, (size_t)i));
-        rekv_gen_params gp = {ng, 0, 0, 1, 0, 5, 0};
+        rekv_gen_params gp = {ng, 0, 0, 1, 0, 5, 0, 0, 0};
         rekv_gen_result r;
         ck_assert_msg(rekv_generate(e, prompt, np, &gp, &r, &err) == 0, "%s", err.msg);
         ck_assert_int_eq(r.n, ng);
@@ -280,7 +280,7 @@ START_TEST(forward_rejects_bad_batches)
     ck_assert_ptr_nonnull(strstr(err.msg, "longer than the context"));
     rekv_err_clear(&err);
     int32_t *longp = random_ids(600, 512, 1);
-    rekv_gen_params gp = {4, 0, 0, 1, 0, 0, 0};
+    rekv_gen_params gp = {4, 0, 0, 1, 0, 0, 0, 0, 0};
     rekv_gen_result r;
     ck_assert_int_eq(rekv_generate(e, longp, 600, &gp, &r, &err), -E2BIG);
     ck_assert_ptr_nonnull(strstr(err.msg, "longer than the model's context"));

@@ -323,7 +323,7 @@ int cli_generate(int argc, char **argv)
     if (o.top_logits > cfg->vocab)
         o.top_logits = cfg->vocab;
     rekv_gen_params gp = {(int)o.max_new,   (float)o.temperature, (int)o.top_k, (float)o.top_p,
-                          (uint64_t)o.seed, (int)o.top_logits,    !o.ignore_eos};
+                          (uint64_t)o.seed, (int)o.top_logits,    !o.ignore_eos, 0, 0};
     if (!o.local) {
         double queued_s = 0, run_s = 0;
         remote_used = 1;
