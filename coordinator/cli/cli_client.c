@@ -1,16 +1,20 @@
 /* cli_client.c — `rekv submit`, `rekv status`, `rekv cancel`, `rekv stats`: one request each to the
  * coordinator's control socket (submit waits for the job by streaming its tokens: their text goes
- * to stdout as each step produces it, tokens/s to a terminal), answers printed as text or JSON. */
+ * to stdout as each step produces it, tokens/s to a terminal; Ctrl-C or SIGTERM while it waits
+ * cancels the job), answers printed as text or JSON. */
 #include "coordinator/cli/cli_daemon.h"
 
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <stdio.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/signalfd.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "common/clock.h"
 #include "common/curve.h"
@@ -42,6 +46,26 @@ static json_t *status_json(const Rekv__Control__JobStatus *s)
     json_object_set_new(o, "run_s", json_real(s->run_s));
     if (s->waiting && *s->waiting)
         json_object_set_new(o, "waiting", json_string(s->waiting));
+    if (s->n_logprobs > 0) {
+        json_t *lp = json_array(), *top = json_array();
+        size_t k = s->top_logprobs;
+        int with_top = k > 0 && s->n_top_logprob_ids == s->n_logprobs * k &&
+                       s->n_top_logprob_vals == s->n_top_logprob_ids;
+        for (size_t i = 0; i < s->n_logprobs; i++) {
+            json_array_append_new(lp, json_real(s->logprobs[i]));
+            json_t *row = json_array();
+            for (size_t q = 0; with_top && q < k; q++)
+                json_array_append_new(row,
+                                      json_pack("{s:i, s:f}", "id", s->top_logprob_ids[i * k + q],
+                                                "logprob", (double)s->top_logprob_vals[i * k + q]));
+            json_array_append_new(top, row);
+        }
+        json_object_set_new(o, "logprobs", lp);
+        if (with_top)
+            json_object_set_new(o, "top_logprobs", top);
+        else
+            json_decref(top);
+    }
     return o;
 }
 
@@ -131,18 +155,28 @@ static void submit_usage(FILE *f)
     fprintf(f,
             "usage: rekv submit (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
             "                   [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
-            "                   [--priority P] [--ignore-eos] [--no-wait] [--json]\n"
+            "                   [--priority P] [--ignore-eos] [--stop STR]...\n"
+            "                   [--logprobs] [--top-logprobs K] [--no-wait] [--json]\n"
             "                   [--socket ENDPOINT]\n"
             "Sampling as `rekv generate`. Waits for the job, printing its text as the tokens\n"
             "come (token ids when the coordinator has no tokenizer), unless --no-wait (then\n"
-            "prints its id); --json prints one object when the job is over.\n");
+            "prints its id); --json prints one object when the job is over. --stop ends the\n"
+            "job where its text first holds STR (up to 16; the text ends before it; needs the\n"
+            "coordinator's tokenizer). --logprobs records each token's log-probability,\n"
+            "--top-logprobs K (0-20) also the K most likely tokens': in --json's object, else\n"
+            "a line per token after the text. Ctrl-C (or SIGTERM) while waiting cancels the\n"
+            "job and exits 130 (143).\n");
 }
+
+#define SUBMIT_MAX_STOPS 16 /* the coordinator's limit (control.proto Submit.stop) */
 
 typedef struct submit_opts {
     const char *prompt, *prompt_ids, *ep;
-    long max_new, top_k, seed, prio;
+    long max_new, top_k, seed, prio, top_logprobs;
     double temperature, top_p;
-    int json, ignore_eos, no_wait;
+    int json, ignore_eos, no_wait, logprobs;
+    char *stop[SUBMIT_MAX_STOPS]; /* --stop, in order (argv's strings) */
+    int n_stop;
 } submit_opts;
 
 static int submit_parse(int argc, char **argv, submit_opts *o)
@@ -154,7 +188,9 @@ static int submit_parse(int argc, char **argv, submit_opts *o)
         {"seed", required_argument, 0, 's'},        {"priority", required_argument, 0, 'r'},
         {"ignore-eos", no_argument, 0, 'E'},        {"no-wait", no_argument, 0, 'W'},
         {"json", no_argument, 0, 'j'},              {"socket", required_argument, 0, 'S'},
-        {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
+        {"stop", required_argument, 0, 'x'},        {"logprobs", no_argument, 0, 'L'},
+        {"top-logprobs", required_argument, 0, 'T'}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
     *o = (submit_opts){.max_new = 64, .top_p = 1};
     int c;
     optind = 1;
@@ -172,6 +208,15 @@ static int submit_parse(int argc, char **argv, submit_opts *o)
         case 'W': o->no_wait = 1; break;
         case 'j': o->json = 1; break;
         case 'S': o->ep = optarg; break;
+        case 'x':
+            if (o->n_stop == SUBMIT_MAX_STOPS) {
+                fprintf(stderr, "%s: at most %d --stop strings\n", argv[0], SUBMIT_MAX_STOPS);
+                return 2;
+            }
+            o->stop[o->n_stop++] = optarg;
+            break;
+        case 'L': o->logprobs = 1; break;
+        case 'T': if (cli_parse_int("top-logprobs", optarg, 0, 20, &o->top_logprobs)) return 2; o->logprobs = 1; break;
         case 'h': submit_usage(stdout); return 0;
         default: submit_usage(stderr); return 2;
         }
@@ -183,12 +228,38 @@ static int submit_parse(int argc, char **argv, submit_opts *o)
     return CLI_PARSED;
 }
 
+/* rekv_ctl_recv that also ends, -EINTR with the signal in *signo, when SIGINT or SIGTERM came
+ * (sfd: their signalfd; the signals are blocked while the job is waited for, so that one cannot
+ * fall between two checks). */
+static int follow_recv(rekv_ctl *c, int sfd, int timeout_ms, Rekv__Control__Response **r,
+                       int *signo, rekv_err *err)
+{
+    zmq_pollitem_t it[2] = {{rekv_ctl_socket(c), 0, ZMQ_POLLIN, 0}, {NULL, sfd, ZMQ_POLLIN, 0}};
+    int n;
+    do
+        n = zmq_poll(it, sfd >= 0 ? 2 : 1, timeout_ms);
+    while (n < 0 && errno == EINTR);
+    if (n < 0)
+        return rekv_errf(err, -errno, "control poll: %s", zmq_strerror(errno));
+    struct signalfd_siginfo si;
+    if ((it[1].revents & ZMQ_POLLIN) && read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+        *signo = (int)si.ssi_signo;
+        return rekv_errf(err, -EINTR, "interrupted by signal %d", *signo);
+    }
+    if (n == 0 || !(it[0].revents & ZMQ_POLLIN))
+        return rekv_errf(err, -ETIMEDOUT, "no reply from the coordinator within %d ms",
+                         timeout_ms);
+    return rekv_ctl_recv(c, 0, r, err);
+}
+
 /* Follows job's stream (rq: its Submit, sent again under the same key after a silence; req_id: the
  * request id its events carry) until the job is over, *r then holding the last event: without
  * --json its text (or, from a coordinator without a tokenizer, its ids) goes to stdout as it
- * comes; tokens/s on a terminal that is not also showing the text. 0, or 1 with a message. */
+ * comes; tokens/s on a terminal that is not also showing the text. 0, 1 with a message, or 2
+ * when SIGINT or SIGTERM came first (sfd: their signalfd; *signo which). */
 static int submit_follow(rekv_ctl *c, Rekv__Control__Request *rq, char *key, uint64_t job,
-                         uint64_t req_id, const submit_opts *o, Rekv__Control__Response **r)
+                         uint64_t req_id, const submit_opts *o, int sfd, int *signo,
+                         Rekv__Control__Response **r)
 {
     rekv_err err = {0};
     int tty = isatty(2) && (o->json || !isatty(1)), started = 0;
@@ -200,7 +271,9 @@ static int submit_follow(rekv_ctl *c, Rekv__Control__Request *rq, char *key, uin
     for (;;) {
         rekv__control__response__free_unpacked(*r, NULL);
         *r = NULL;
-        int rc = rekv_ctl_recv(c, timeout_ms(STREAM_SILENCE_MS), r, &err);
+        int rc = follow_recv(c, sfd, timeout_ms(STREAM_SILENCE_MS), r, signo, &err);
+        if (rc == -EINTR)
+            return 2;
         if (rc == -ETIMEDOUT) {
             /* silence: the coordinator may have restarted and lost the subscription; the same
              * key subscribes again to the same job, from the first token not shown yet */
@@ -276,6 +349,63 @@ out:
     return rc;
 }
 
+/* Ctrl-C or SIGTERM while the job is waited for: it is cancelled (the coordinator ends it at
+ * once; its worker drops it), and with --json its status is printed. The exit code: 128 + signo. */
+static int submit_cancel(rekv_ctl *c, uint64_t job, int signo, int json)
+{
+    Rekv__Control__Cancel cn = REKV__CONTROL__CANCEL__INIT;
+    cn.job = job;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
+    rq.cancel = &cn;
+    Rekv__Control__Response *r = NULL;
+    fflush(stdout);
+    if (call_or_say(c, &rq, &r) == 0) {
+        if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB)
+            fail_response(r);
+        else if (json)
+            print_json(status_json(r->job));
+        else
+            fprintf(stderr, "\nrekv: job %llu %s (%s)\n", (unsigned long long)job,
+                    rekv_ctl_state_name(r->job->state), strsignal(signo));
+    }
+    if (r)
+        rekv__control__response__free_unpacked(r, NULL);
+    return 128 + signo;
+}
+
+/* --logprobs without --json: after the text, a line per generated token: its id, its
+ * log-probability and the most likely tokens' (id:logprob). */
+static int submit_print_logprobs(rekv_ctl *c, uint64_t job)
+{
+    Rekv__Control__StatusRequest sr = REKV__CONTROL__STATUS_REQUEST__INIT;
+    sr.job = job;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    rq.status = &sr;
+    Rekv__Control__Response *r = NULL;
+    if (call_or_say(c, &rq, &r))
+        return 1;
+    if (r->code != REKV__CONTROL__CODE__OK || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
+        fail_response(r);
+        rekv__control__response__free_unpacked(r, NULL);
+        return 1;
+    }
+    const Rekv__Control__JobStatus *s = r->job;
+    size_t k = s->top_logprobs;
+    int with_top =
+        s->n_top_logprob_ids == s->n_logprobs * k && s->n_top_logprob_vals == s->n_top_logprob_ids;
+    for (size_t i = 0; i < s->n_logprobs && i < s->n_generated_ids; i++) {
+        printf("%d\t%.6f", s->generated_ids[i], (double)s->logprobs[i]);
+        for (size_t q = 0; with_top && q < k; q++)
+            printf("%s%d:%.6f", q ? " " : "\t", s->top_logprob_ids[i * k + q],
+                   (double)s->top_logprob_vals[i * k + q]);
+        printf("\n");
+    }
+    rekv__control__response__free_unpacked(r, NULL);
+    return 0;
+}
+
 /* --no-wait: the job's id (and with --json the queue's depth). */
 static void submit_print_id(const Rekv__Control__Response *r, int json)
 {
@@ -305,6 +435,19 @@ int cli_submit(int argc, char **argv)
     rekv_ctl *c = NULL;
     rc = 1;
     Rekv__Control__Response *r = NULL;
+    int sfd = -1, signo = 0;
+    sigset_t sigs, old_sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    /* waiting: Ctrl-C and SIGTERM cancel the job instead of leaving it to run; blocked from
+     * before the Submit, so that one during it is seen once the job has its id */
+    if (!o.no_wait && sigprocmask(SIG_BLOCK, &sigs, &old_sigs) == 0 &&
+        (sfd = signalfd(-1, &sigs, SFD_CLOEXEC | SFD_NONBLOCK)) < 0) {
+        fprintf(stderr, "rekv: signalfd: %s\n", strerror(errno));
+        sigprocmask(SIG_SETMASK, &old_sigs, NULL);
+        goto out;
+    }
     if (connect_or_say(o.ep, &c))
         goto out;
     Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
@@ -321,6 +464,10 @@ int cli_submit(int argc, char **argv)
     sub.priority = (int32_t)o.prio;
     sub.stop_at_eos = !o.ignore_eos;
     sub.stream = !o.no_wait;
+    sub.n_stop = (size_t)o.n_stop;
+    sub.stop = o.stop;
+    sub.logprobs = o.logprobs;
+    sub.top_logprobs = (uint32_t)o.top_logprobs;
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
     rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
     rq.submit = &sub;
@@ -341,7 +488,12 @@ int cli_submit(int argc, char **argv)
         rc = 0;
         goto out;
     }
-    if (submit_follow(c, &rq, key, job, r->id, &o, &r))
+    int fr = submit_follow(c, &rq, key, job, r->id, &o, sfd, &signo, &r);
+    if (fr == 2) {
+        rc = submit_cancel(c, job, signo, o.json);
+        goto out;
+    }
+    if (fr)
         goto out;
     if (o.json) {
         rc = submit_print_json(c, job);
@@ -355,11 +507,17 @@ int cli_submit(int argc, char **argv)
         fprintf(stderr, "rekv: job %llu %s\n", (unsigned long long)job,
                 rekv_ctl_state_name(ev->state));
     rc = ev->state == REKV__CONTROL__JOB_STATE__DONE ? 0 : 1;
+    if (o.logprobs && submit_print_logprobs(c, job))
+        rc = 1;
 out:
     if (r)
         rekv__control__response__free_unpacked(r, NULL);
     rekv_ctl_close(c);
     free(ids);
+    if (sfd >= 0) {
+        close(sfd);
+        sigprocmask(SIG_SETMASK, &old_sigs, NULL);
+    }
     return rc;
 }
 
