@@ -549,6 +549,7 @@ static void do_cancel(rekv_coordinator *co, const rid *from, uint64_t rq, uint64
                 break;
             }
         w->cancel[w->n_cancel++] = j->id; /* n_cancel + n_run <= max_batch */
+        co_worker_drop(co, w, j->id);
     }
     if (j->state == REKV__CONTROL__JOB_STATE__QUEUED ||
         j->state == REKV__CONTROL__JOB_STATE__RUNNING)

@@ -269,6 +269,9 @@ void co_job_end(rekv_coordinator *co, job *j, Rekv__Control__JobState st, const 
 int co_jobs_sync(rekv_coordinator *co, rekv_err *err);
 /* Reports the ended jobs (streams, finished ring) without a sync: the caller synced. */
 void co_jobs_report_ended(rekv_coordinator *co);
+/* A running job of w ended by the coordinator (Cancel, a stop): w is told to drop it now, ahead of
+ * the Plans it holds that name it (worker.proto Drop); the caller also puts it in w->cancel. */
+void co_worker_drop(rekv_coordinator *co, worker *w, uint64_t id);
 /* counts: the attempt that ended counts toward max_attempts (0: the worker's kvstore was lost,
  * not the job's fault nor a worker crash; the next start replaces it) */
 void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts);

@@ -514,6 +514,19 @@ int co_jobs_sync(rekv_coordinator *co, rekv_err *err)
     return rc;
 }
 
+void co_worker_drop(rekv_coordinator *co, worker *w, uint64_t id)
+{
+    if (w->out == 0) /* no Plan out can name it: the next one's cancel is enough */
+        return;
+    Rekv__Worker__Drop d = REKV__WORKER__DROP__INIT;
+    d.n_jobs = 1;
+    d.jobs = &id;
+    Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
+    m.body_case = REKV__WORKER__COORD_MSG__BODY_DROP;
+    m.drop = &d;
+    co_send_worker(co, w, &m);
+}
+
 static void journal_attempts(rekv_coordinator *co, const job *j);
 
 /* Puts a running job back in the queue after its worker died, or fails it after max_attempts.

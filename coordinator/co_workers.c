@@ -618,8 +618,10 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
         int end = jp->finished || jp->error || stopped;
         if (end) {
             w->run[k] = w->run[--w->n_run];
-            if (stopped && !jp->finished)
+            if (stopped && !jp->finished) {
                 w->cancel[w->n_cancel++] = j->id; /* n_cancel + n_run <= max_batch */
+                co_worker_drop(co, w, j->id);
+            }
             char msg[256]; /* a worker's reason, bounded: it is kept and journaled */
             snprintf(msg, sizeof(msg), "%s",
                      jp->error_msg && *jp->error_msg ? jp->error_msg : "the worker failed");

@@ -109,6 +109,8 @@ typedef struct worker {
     rekv_worker_metrics wm;       /* what it serves */
     wk_stepper stepper;           /* the step thread */
     wk_plan cur;                  /* the Plan whose step runs */
+    Rekv__Worker__CoordMsg *ahead; /* a message read past a Plan while looking for Drops
+                                    * (worker_proto.c), handled before the socket's next */
     rekv_evloop *loop;            /* the event loop */
     int sock_id;                  /* the coordinator socket's entry in it */
     int wake_timer;               /* bounds its sleep by the next heartbeat, renewal, reconnect */

@@ -332,6 +332,8 @@ static int loop_setup(worker *w, rekv_err *err)
 static void worker_close(worker *w, rekv_model *model, void *zctx)
 {
     wk_stepper_stop(&w->stepper);
+    if (w->ahead)
+        rekv__worker__coord_msg__free_unpacked(w->ahead, NULL);
     rekv_evloop_free(w->loop);
     rekv_metrics_server_free(w->metrics);
     if (w->sock)

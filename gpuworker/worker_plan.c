@@ -406,6 +406,8 @@ void wk_on_step_done(rekv_evloop *loop, void *ctx, short revents)
         rekv_errf(&serr, rc, "%s", st->err.msg);
     plan_finish(w, ev, n_ev, &serr);
     rekv_evloop_set_events(loop, w->sock_id, ZMQ_POLLIN);
+    if (w->ahead && !w->stopping) /* read past the last Plan: the socket may hold nothing */
+        wk_on_coordinator(loop, w, ZMQ_POLLIN);
     if (w->stopping) {
         rekv_log(REKV_LOG_INFO, "signal: stopping");
         rekv_evloop_stop(loop);

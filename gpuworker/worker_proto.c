@@ -3,10 +3,14 @@
  * heartbeats; every message says whether it can run steps and the kvstore's room) and the loop's
  * callback for the coordinator's socket, which acts on Assign, Welcome, Reset, Plan and Shutdown.
  * A Plan's step runs on the step thread (worker_plan.c); until it is over the socket is left
- * unread, so messages wait their turn. */
+ * unread, so messages wait their turn — but for Drops: taking a Plan, the worker reads the
+ * messages already behind it, applies the Drops (jobs the coordinator ended while the Plan
+ * waited: out of the batch and of the Plan's joins) and keeps the first other message for after
+ * the step (w->ahead), so that an ended job runs at most the step that was running. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -110,6 +114,25 @@ void wk_send_heartbeat(worker *w)
     wk_send_msg(w, &m);
 }
 
+/* Drops the jobs of d (worker.proto Drop) from the batch and from plan's joins (plan: one read but
+ * not run yet, or NULL). */
+static void apply_drop(worker *w, const Rekv__Worker__Drop *d, Rekv__Worker__Plan *plan)
+{
+    for (size_t i = 0; i < d->n_jobs; i++) {
+        if (w->batch)
+            rekv_batcher_cancel(w->batch, d->jobs[i]);
+        for (size_t k = 0; plan && k < plan->n_join; k++) {
+            if (plan->join[k]->job != d->jobs[i])
+                continue;
+            rekv__worker__job_spec__free_unpacked(plan->join[k], NULL);
+            memmove(&plan->join[k], &plan->join[k + 1],
+                    sizeof(*plan->join) * (plan->n_join - k - 1));
+            plan->n_join--;
+            break;
+        }
+    }
+}
+
 /* Acts on one message; 1 when reading stops (a step started, or the loop stops). */
 static int on_message(worker *w, Rekv__Worker__CoordMsg *m)
 {
@@ -154,6 +177,9 @@ static int on_message(worker *w, Rekv__Worker__CoordMsg *m)
         if (!w->awaiting_welcome && w->kv_lost)
             wk_refuse_plan(w, m->plan);
         break;
+    case REKV__WORKER__COORD_MSG__BODY_DROP:
+        apply_drop(w, m->drop, NULL);
+        break;
     case REKV__WORKER__COORD_MSG__BODY_SHUTDOWN:
         if (m->shutdown->reason && *m->shutdown->reason)
             rekv_log(REKV_LOG_ERROR, "the coordinator refused this worker: %s",
@@ -170,26 +196,56 @@ static int on_message(worker *w, Rekv__Worker__CoordMsg *m)
     return stop;
 }
 
-void wk_on_coordinator(rekv_evloop *loop, void *ctx, short revents)
+/* The coordinator's next message from the socket, or NULL when none waits (malformed ones are
+ * skipped, said once in a while). */
+static Rekv__Worker__CoordMsg *recv_one(worker *w)
 {
-    worker *w = ctx;
     for (;;) {
         zmq_msg_t msg;
         zmq_msg_init(&msg);
         if (zmq_msg_recv(&msg, w->sock, ZMQ_DONTWAIT) < 0) {
             zmq_msg_close(&msg);
-            return;
+            return NULL;
         }
         Rekv__Worker__CoordMsg *m =
             rekv__worker__coord_msg__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
         zmq_msg_close(&msg);
-        if (m == NULL || m->version != WORKER_PROTO_VERSION) {
-            static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
-            wk_warn_rl(&rl, "a malformed message from the coordinator; ignored", "");
-            if (m)
-                rekv__worker__coord_msg__free_unpacked(m, NULL);
-            continue;
+        if (m && m->version == WORKER_PROTO_VERSION)
+            return m;
+        static rekv_ratelimit rl = REKV_RATELIMIT_INIT;
+        wk_warn_rl(&rl, "a malformed message from the coordinator; ignored", "");
+        if (m)
+            rekv__worker__coord_msg__free_unpacked(m, NULL);
+    }
+}
+
+/* Before plan's step: the Drops already behind it, applied; the first other message is kept. */
+static void read_ahead(worker *w, Rekv__Worker__Plan *plan)
+{
+    while (w->ahead == NULL) {
+        Rekv__Worker__CoordMsg *m = recv_one(w);
+        if (m == NULL)
+            return;
+        if (m->body_case == REKV__WORKER__COORD_MSG__BODY_DROP) {
+            apply_drop(w, m->drop, plan);
+            rekv__worker__coord_msg__free_unpacked(m, NULL);
+        } else {
+            w->ahead = m;
         }
+    }
+}
+
+void wk_on_coordinator(rekv_evloop *loop, void *ctx, short revents)
+{
+    worker *w = ctx;
+    for (;;) {
+        Rekv__Worker__CoordMsg *m = w->ahead;
+        w->ahead = NULL;
+        if (m == NULL && (m = recv_one(w)) == NULL)
+            return;
+        if (m->body_case == REKV__WORKER__COORD_MSG__BODY_PLAN && !w->awaiting_welcome &&
+            w->pipe != NULL)
+            read_ahead(w, m->plan);
         if (on_message(w, m))
             return; /* a step runs (the rest waits in the socket), or the loop stops */
     }

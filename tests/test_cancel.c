@@ -1,20 +1,24 @@
 /* test_cancel.c — Cancel (issue 36) with real daemons: a running job's Cancel ends it at once
- * (CANCELLED in the reply, no token taken after it, its stream's last event says so) and its worker
- * stops running it within the steps already handed to it (the step it is running and the one
- * queued behind it, CO_PLANS_OUT); and `rekv submit` cancels its job on Ctrl-C or SIGTERM while it
- * streams (exit 130 / 143), and shows --logprobs in its --json object. The worker is held with
- * SIGSTOP while the Cancel goes in, so that no job can finish first: nothing here waits on time. */
+ * (CANCELLED in the reply, no token taken after it, its stream's last event says so), and its
+ * worker stops running it after the step it is running: the coordinator sends a Drop at once, and
+ * a worker taking a Plan reads the Drops already behind it before its step (checked against the
+ * worker alone, with the coordinator played here); `rekv submit` cancels its job on Ctrl-C or
+ * SIGTERM while it streams (exit 130 / 143), and shows --logprobs in its --json object. The worker
+ * is held with SIGSTOP while a Cancel goes in, so that no job can finish first. */
 #define _GNU_SOURCE
 #include <check.h>
 #include <jansson.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "co_env.h"
+#include "proto/worker.pb-c.h"
 #include "testutil.h"
 
 static Rekv__Control__Response *cancel(rekv_ctl *c, uint64_t job)
@@ -95,7 +99,8 @@ START_TEST(cancel_running_job)
     ck_assert_uint_eq(r->job->n_generated_ids, n_ack);
     rekv__control__response__free_unpacked(r, NULL);
     /* the worker (one slot) dropped it: the next job runs there, and the steps since the Cancel
-     * are that job's and at most the two the cancelled one was handed before it */
+     * are that job's and at most two of the cancelled one's: the step it was running, and one
+     * whose Progress may have been on its way when the Cancel was answered */
     tjob b[1];
     ct_make_jobs(b, 1, 10, 512, 3);
     b[0].gp.stop_at_eos = 0;
@@ -216,6 +221,159 @@ START_TEST(cli_signal_cancels)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- a worker's Drop */
+
+/* The coordinator played here (a ROUTER, as test_assign's): the worker's messages, and ours. */
+typedef struct fake {
+    void *zctx, *sock;
+    uint8_t id[256];
+    size_t id_n;
+} fake;
+
+static Rekv__Worker__WorkerMsg *fake_expect(fake *f, Rekv__Worker__WorkerMsg__BodyCase body)
+{
+    for (;;) { /* Check's timeout is the guard */
+        zmq_msg_t id, msg;
+        zmq_msg_init(&id);
+        zmq_msg_init(&msg);
+        ck_assert(zmq_msg_recv(&id, f->sock, 0) >= 0 && zmq_msg_more(&id));
+        ck_assert(zmq_msg_recv(&msg, f->sock, 0) >= 0);
+        f->id_n = zmq_msg_size(&id);
+        memcpy(f->id, zmq_msg_data(&id), f->id_n);
+        Rekv__Worker__WorkerMsg *m =
+            rekv__worker__worker_msg__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
+        zmq_msg_close(&id);
+        zmq_msg_close(&msg);
+        ck_assert(m != NULL);
+        if (m->body_case == body)
+            return m;
+        rekv__worker__worker_msg__free_unpacked(m, NULL);
+    }
+}
+
+static void fake_send(fake *f, Rekv__Worker__CoordMsg *m)
+{
+    m->version = REKV_WORKER_PROTO_VERSION;
+    size_t n = rekv__worker__coord_msg__get_packed_size(m);
+    uint8_t *buf = malloc(n ? n : 1);
+    rekv__worker__coord_msg__pack(m, buf);
+    ck_assert_int_eq(zmq_send(f->sock, f->id, f->id_n, ZMQ_SNDMORE), (int)f->id_n);
+    ck_assert_int_eq(zmq_send(f->sock, buf, n, 0), (int)n);
+    free(buf);
+}
+
+static void fake_plan(fake *f, uint64_t step, Rekv__Worker__JobSpec **join, size_t n_join)
+{
+    Rekv__Worker__Plan plan = REKV__WORKER__PLAN__INIT;
+    plan.step = step;
+    plan.n_join = n_join;
+    plan.join = join;
+    Rekv__Worker__CoordMsg m = REKV__WORKER__COORD_MSG__INIT;
+    m.body_case = REKV__WORKER__COORD_MSG__BODY_PLAN;
+    m.plan = &plan;
+    fake_send(f, &m);
+}
+
+/* 1 when the step's Progress names the job */
+static int progress_names(const Rekv__Worker__Progress *p, uint64_t job)
+{
+    for (size_t i = 0; i < p->n_jobs; i++)
+        if (p->jobs[i]->job == job)
+            return 1;
+    return 0;
+}
+
+/* A Drop that comes behind a Plan the worker holds takes effect before that Plan's step: job 1
+ * (running) and job 4 (joining in that Plan) never run in it; jobs 2 and 3 run on. The Plan and
+ * the Drop go out as soon as step 2 starts (its Plan sent ahead, as the coordinator does, it starts
+ * when step 1's Progress goes out), and step 2 prefills a prompt of 480 tokens of docs8L, so they
+ * wait in the worker's socket when step 2 ends. */
+START_TEST(worker_drops_ahead_of_plan)
+{
+    char *dir = tu_tmpdir(), ep[4200];
+    const char *model = tu_shared("models/docs8L/docs8L.bin");
+    if (model == NULL)
+        return;
+    snprintf(ep, sizeof(ep), "ipc://%s/workers", dir);
+    fake f = {0};
+    f.zctx = zmq_ctx_new();
+    f.sock = zmq_socket(f.zctx, ZMQ_ROUTER);
+    int linger = 0;
+    zmq_setsockopt(f.sock, ZMQ_LINGER, &linger, sizeof(linger));
+    ck_assert_int_eq(zmq_bind(f.sock, ep), 0);
+    char prog[4096], mp[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    snprintf(mp, sizeof(mp), "%s", model);
+    const char *args[] = {prog,       "--model",   mp,    "--coordinator", ep,  "--mode",
+                          "resident", "--backend", "cpu", "--max-batch",   "4", "--heartbeat-ms",
+                          "100",      NULL};
+    pid_t wk = ct_spawn(args);
+    Rekv__Worker__WorkerMsg *m = fake_expect(&f, REKV__WORKER__WORKER_MSG__BODY_HELLO);
+    ck_assert(m->hello->ask);
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    Rekv__Worker__Assign a = REKV__WORKER__ASSIGN__INIT;
+    a.mode = "resident";
+    a.reason = "test_cancel";
+    a.persist_np = INFINITY;
+    Rekv__Worker__CoordMsg cm = REKV__WORKER__COORD_MSG__INIT;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_ASSIGN;
+    cm.assign = &a;
+    fake_send(&f, &cm);
+    m = fake_expect(&f, REKV__WORKER__WORKER_MSG__BODY_HELLO);
+    ck_assert(!m->hello->ask);
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    Rekv__Worker__Welcome wel = REKV__WORKER__WELCOME__INIT;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_WELCOME;
+    cm.welcome = &wel;
+    fake_send(&f, &cm);
+    int32_t prompt[480];
+    for (int i = 0; i < 480; i++)
+        prompt[i] = 97 + i % 26; /* a..z: docs8L's ids are bytes */
+    Rekv__Worker__JobSpec js[4];
+    Rekv__Worker__JobSpec *jp[4];
+    for (int i = 0; i < 4; i++) {
+        rekv__worker__job_spec__init(&js[i]);
+        js[i].job = (uint64_t)i + 1;
+        js[i].n_prompt = i == 2 ? 480 : 3;
+        js[i].prompt = prompt;
+        js[i].max_new_tokens = 20;
+        js[i].top_p = 1;
+        jp[i] = &js[i];
+    }
+    fake_plan(&f, 1, jp, 2);     /* jobs 1 and 2 */
+    fake_plan(&f, 2, jp + 2, 1); /* job 3's long prefill */
+    m = fake_expect(&f, REKV__WORKER__WORKER_MSG__BODY_PROGRESS);
+    ck_assert_uint_eq(m->progress->step, 1);
+    ck_assert(progress_names(m->progress, 1) && progress_names(m->progress, 2));
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    /* step 2 runs: step 3 (job 4 joins), then a Drop of jobs 1 and 4 */
+    fake_plan(&f, 3, jp + 3, 1);
+    uint64_t drop_ids[] = {1, 4};
+    Rekv__Worker__Drop d = REKV__WORKER__DROP__INIT;
+    d.n_jobs = 2;
+    d.jobs = drop_ids;
+    cm.body_case = REKV__WORKER__COORD_MSG__BODY_DROP;
+    cm.drop = &d;
+    fake_send(&f, &cm);
+    m = fake_expect(&f, REKV__WORKER__WORKER_MSG__BODY_PROGRESS);
+    ck_assert_uint_eq(m->progress->step, 2);
+    ck_assert(progress_names(m->progress, 1) && progress_names(m->progress, 2) &&
+              progress_names(m->progress, 3));
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    m = fake_expect(&f, REKV__WORKER__WORKER_MSG__BODY_PROGRESS);
+    ck_assert_uint_eq(m->progress->step, 3);
+    ck_assert_msg(!progress_names(m->progress, 1) && !progress_names(m->progress, 4),
+                  "a dropped job ran in the step its Drop came before");
+    ck_assert(progress_names(m->progress, 2) && progress_names(m->progress, 3));
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    ck_assert_int_eq(ct_stop(wk), 0);
+    zmq_close(f.sock);
+    zmq_ctx_term(f.zctx);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 static Suite *cancel_suite(void)
 {
     Suite *s = suite_create("cancel");
@@ -223,6 +381,7 @@ static Suite *cancel_suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, cancel_running_job);
     tcase_add_test(tc, cli_signal_cancels);
+    tcase_add_test(tc, worker_drops_ahead_of_plan);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -42,10 +42,11 @@ static pid_t start_co(senv *e, int with_model)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
-    const char *args[] = {prog,          "--control", e->ctl,    "--workers", e->wrk,
-                          "--state-dir", e->state,    "--model", e->model,    NULL};
+    const char *args[] = {prog,   "--control",   e->ctl,   "--workers",
+                          e->wrk, "--state-dir", e->state, "--worker-timeout-ms",
+                          "1000", "--model",     e->model, NULL};
     if (!with_model)
-        args[7] = NULL;
+        args[9] = NULL;
     return ct_spawn(args);
 }
 
@@ -291,6 +292,93 @@ START_TEST(stop_inside_token)
 }
 END_TEST
 
+/* The worker dies (kill -9) while a job with a stop streams; the job runs again on a new worker
+ * from its prompt: the stream goes on where it was (no token, no byte twice, none held back
+ * shown), and ends at the stop as the first run would have. The worker is stopped before the kill,
+ * so the job cannot reach its stop in the first run. */
+START_TEST(stop_rerun_after_worker_death)
+{
+    senv e;
+    if (senv_open(&e, "models/docs8L/docs8L.bin"))
+        return;
+    rekv_tokenizer *tok = NULL;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_tokenizer_load_for_model(e.model, &tok, &err) == 0, "%s", err.msg);
+    pid_t co = start_co(&e, 1), wk = start_wk(&e);
+    rekv_ctl *c = ct_ctl_open(e.ctl);
+    ct_wait_workers(c, 1);
+    Rekv__Control__Submit s = REKV__CONTROL__SUBMIT__INIT;
+    s.prompt_text = "The package provides";
+    s.max_new_tokens = 120;
+    run_out ref;
+    run_stream(c, &s, &ref);
+    char stop[4] = {0};
+    size_t p = 60;
+    for (; p + 3 < ref.n_text; p++) {
+        memcpy(stop, ref.text + p, 3);
+        if (memmem(ref.text, p + 2, stop, 3) == NULL)
+            break;
+    }
+    ck_assert_uint_lt(p + 3, ref.n_text);
+    size_t k, end;
+    expect_stop(tok, ref.ids, ref.n_ids, stop, &k, &end);
+    char *stops[] = {stop};
+    s.n_stop = 1;
+    s.stop = stops;
+    s.stream = 1;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rq.submit = &s;
+    uint64_t id, job = 0;
+    ck_assert_msg(rekv_ctl_send(c, &rq, &id, &err) == 0, "%s", err.msg);
+    run_out o;
+    memset(&o, 0, sizeof(o));
+    int killed = 0;
+    for (int done = 0; !done;) {
+        Rekv__Control__Response *r = NULL;
+        ck_assert_msg(rekv_ctl_recv(c, 60000, &r, &err) == 0, "%s", err.msg);
+        ck_assert_msg(r->code == REKV__CONTROL__CODE__OK, "%s", r->error);
+        if (r->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
+            job = r->submitted->job;
+        } else {
+            const Rekv__Control__StreamEvent *ev = r->event;
+            ck_assert_uint_eq(ev->offset, o.n_ids);
+            memcpy(o.ids + o.n_ids, ev->tokens, sizeof(int32_t) * ev->n_tokens);
+            o.n_ids += ev->n_tokens;
+            memcpy(o.text + o.n_text, ev->text.data, ev->text.len);
+            o.n_text += ev->text.len;
+            done = ev->done;
+            if (done)
+                snprintf(o.reason, sizeof(o.reason), "%s", ev->finish_reason);
+            if (!killed && o.n_ids >= 10) {
+                ck_assert_uint_lt(o.n_ids, k);
+                ck_assert_int_eq(kill(wk, SIGSTOP), 0);
+                tu_kill9(wk);
+                wk = start_wk(&e);
+                killed = 1;
+            }
+        }
+        rekv__control__response__free_unpacked(r, NULL);
+    }
+    ck_assert(killed);
+    ck_assert_str_eq(o.reason, "stop");
+    ck_assert_uint_eq(o.n_ids, k);
+    ck_assert_int_eq(memcmp(o.ids, ref.ids, sizeof(int32_t) * k), 0);
+    ck_assert_uint_eq(o.n_text, end);
+    ck_assert_int_eq(memcmp(o.text, ref.text, end), 0);
+    Rekv__Control__Response *r = status_text(c, job);
+    ck_assert_uint_eq(r->job->attempts, 2);
+    ck_assert_uint_eq(strlen(r->job->text), end);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    ck_assert_int_eq(ct_stop(wk), 0);
+    ck_assert_int_eq(ct_stop(co), 0);
+    rekv_tokenizer_free(tok);
+    tu_rmrf(e.dir);
+    free(e.dir);
+}
+END_TEST
+
 static void expect_bad(rekv_ctl *c, Rekv__Control__Submit *s, const char *what)
 {
     Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
@@ -360,6 +448,7 @@ static Suite *stops_suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, stop_across_tokens);
     tcase_add_test(tc, stop_inside_token);
+    tcase_add_test(tc, stop_rerun_after_worker_death);
     tcase_add_test(tc, stop_refused);
     suite_add_tcase(s, tc);
     return s;
