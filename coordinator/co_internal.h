@@ -32,8 +32,8 @@
     512 /* control requests read (and journaled with one sync) per round; each                     \
          * gets at most two replies (a repeated streaming Submit) */
 #define HASH_BUCKETS 4096
-#define CO_STOP_MAX 16        /* Submit.stop: at most this many strings ... */
-#define CO_STOP_MAX_BYTES 256 /* ... of 1 to this many bytes each */
+#define CO_STOP_MAX 16          /* Submit.stop: at most this many strings ... */
+#define CO_STOP_MAX_BYTES 256   /* ... of 1 to this many bytes each */
 #define CO_TOP_LOGPROBS_MAX 20u /* Submit.top_logprobs: at most (OpenAI's limit) */
 #define RATE_SLOTS 8 /* one-second samples of the token counter for tokens/s */
 
@@ -90,8 +90,8 @@ typedef struct job {
                               * the job's life, so that a late subscriber's text is held back
                               * as the first one's was */
     uint32_t n_stop;
-    char *text;              /* RUNNING with stops: decoded text of gen[0, text_tokens) (malloc'd,
-                              * capacity text_cap), where stops are looked for */
+    char *text; /* RUNNING with stops: decoded text of gen[0, text_tokens) (malloc'd,
+                 * capacity text_cap), where stops are looked for */
     size_t text_len, text_cap;
     uint32_t text_tokens;
     uint32_t text_end;       /* finish_reason "stop": JobStatus.text is the first text_end bytes of
@@ -292,8 +292,8 @@ int co_job_stop_text(const job *j);
  * how many of its bytes clients may see: all but the end that could still begin a stop, for a
  * running job; up to the stop, for one that ended on it; all, for one that ended otherwise at
  * upto == n_gen. -errno when the ids do not decode. */
-int co_job_text_shown(rekv_coordinator *co, const job *j, uint32_t upto, char **text,
-                      size_t *len, size_t *shown);
+int co_job_text_shown(rekv_coordinator *co, const job *j, uint32_t upto, char **text, size_t *len,
+                      size_t *shown);
 /* A job's JobStatus, pointing into the job (valid while it lives). */
 void co_status_fill(const job *j, Rekv__Control__JobStatus *s);
 /* Appends an accepted job's record (not synced); 0 without a journal. */

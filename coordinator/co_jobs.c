@@ -182,8 +182,8 @@ static uint64_t result_bytes(const job *j)
     for (uint32_t i = 0; i < j->n_stop; i++)
         stops += strlen(j->stop[i]) + 1 + sizeof(char *);
     uint64_t lp = j->logprobs ? 4 + (uint64_t)j->top_logprobs * 8 : 0;
-    return (uint64_t)j->cap_gen * (sizeof(int32_t) + (uint64_t)j->top_logits * 8 + lp) + sizeof(job) +
-           (j->error ? strlen(j->error) : 0) + (j->key ? strlen(j->key) : 0) + stops;
+    return (uint64_t)j->cap_gen * (sizeof(int32_t) + (uint64_t)j->top_logits * 8 + lp) +
+           sizeof(job) + (j->error ? strlen(j->error) : 0) + (j->key ? strlen(j->key) : 0) + stops;
 }
 
 /* Remembers a finished job for Status, forgetting the oldest beyond keep_finished jobs or
@@ -351,6 +351,8 @@ static size_t stop_holdback(const job *j, const char *t, size_t n)
     size_t best = 0;
     for (uint32_t i = 0; i < j->n_stop; i++) {
         size_t sl = strlen(j->stop[i]);
+        if (sl == 0) /* none is accepted; a replayed record could hold one */
+            continue;
         for (size_t k = sl - 1 < n ? sl - 1 : n; k > best; k--)
             if (memcmp(t + n - k, j->stop[i], k) == 0) {
                 best = k;
@@ -419,8 +421,8 @@ int co_job_stop_check(rekv_coordinator *co, job *j)
     return 0;
 }
 
-int co_job_text_shown(rekv_coordinator *co, const job *j, uint32_t upto, char **text,
-                      size_t *len, size_t *shown)
+int co_job_text_shown(rekv_coordinator *co, const job *j, uint32_t upto, char **text, size_t *len,
+                      size_t *shown)
 {
     if (co->tok == NULL)
         return -ENOENT;
@@ -712,7 +714,8 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         j->stop_at_eos = s->stop_at_eos;
         j->top_logits = s->top_logits;
         j->logprobs = s->logprobs;
-        j->top_logprobs = s->logprobs ? s->top_logprobs : 0;
+        j->top_logprobs =
+            s->logprobs && s->top_logprobs <= CO_TOP_LOGPROBS_MAX ? s->top_logprobs : 0;
         j->priority = s->priority;
         j->accepted_at = rec->accepted_at;
         if (co_job_set_stops(j, s->stop, s->n_stop))

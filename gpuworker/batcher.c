@@ -36,9 +36,9 @@ struct rekv_batcher {
     rekv_batch_event *events;   /* [max_batch] the last step's outcomes */
     int32_t *ev_top_ids;        /* the events' top logits, [sum of their k] (capacity ev_top_cap) */
     float *ev_top_vals;
-    float *ev_top_lp;           /* their log-probabilities, when the job asked for logprobs */
+    float *ev_top_lp; /* their log-probabilities, when the job asked for logprobs */
     size_t ev_top_cap;
-    float *ev_lp;               /* [max_batch] the items' tokens' log-probabilities */
+    float *ev_lp; /* [max_batch] the items' tokens' log-probabilities */
 };
 
 int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_batch,

@@ -48,9 +48,10 @@ int rekv_batcher_create(rekv_pipeline *p, const rekv_model_config *c, int max_ba
 void rekv_batcher_free(rekv_batcher *b);
 
 /* Adds a job; it prefills at the next step. max_new_tokens, temperature, top_k, top_p, seed,
- * stop_at_eos, top_logits (<= vocab), logprobs and top_logprobs (<= vocab) of gp are used. The prompt is copied. -EINVAL (empty
- * prompt, token id outside the vocabulary, a job id already running, bad parameters), -E2BIG
- * (prompt longer than the context), -ENOSPC (the batch is full), -ENOMEM; the message says which.
+ * stop_at_eos, top_logits (<= vocab), logprobs and top_logprobs (<= vocab) of gp are used. The
+ * prompt is copied. -EINVAL (empty prompt, token id outside the vocabulary, a job id already
+ * running, bad parameters), -E2BIG (prompt longer than the context), -ENOSPC (the batch is full),
+ * -ENOMEM; the message says which.
  */
 int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int n_prompt,
                       const rekv_gen_params *gp, rekv_err *err);

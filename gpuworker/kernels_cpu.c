@@ -345,8 +345,8 @@ static void sample_row(const sample_args *a, int r, void *scratch)
     if (w->n_top > 0)
         rekv_top_logits(lg, a->vocab, w->n_top, a->top_ids + w->top_at, a->top_vals + w->top_at);
     if (w->logprob)
-        a->lp[r] = (rekv_sample_lp){rekv_logsumexp(lg, a->vocab),
-                                    a->ids[r] >= 0 ? lg[a->ids[r]] : NAN, 0};
+        a->lp[r] =
+            (rekv_sample_lp){rekv_logsumexp(lg, a->vocab), a->ids[r] >= 0 ? lg[a->ids[r]] : NAN, 0};
 }
 
 typedef struct sample_pool {

@@ -382,8 +382,8 @@ static int head_back(rekv_pipeline *p, step *st, int g, rekv_stream *sc, rekv_er
         sr[j] = (rekv_sample_row){.temperature = 0};
         if (it->smp) {
             rekv_sampler next = *it->smp;
-            sr[j] = (rekv_sample_row){next.temperature, next.top_p, rekv_sampler_draw(&next),
-                                      next.top_k,       it->n_top,  (int)tops,
+            sr[j] = (rekv_sample_row){next.temperature,   next.top_p, rekv_sampler_draw(&next),
+                                      next.top_k,         it->n_top,  (int)tops,
                                       it->logprob != NULL};
             tops += (size_t)it->n_top;
             draws++;
@@ -398,8 +398,8 @@ static int head_back(rekv_pipeline *p, step *st, int g, rekv_stream *sc, rekv_er
             return rekv_errf(err, -ENOMEM, "step: out of memory");
         int32_t *ids = (int32_t *)((char *)gb->picks.p + 8 * (size_t)V), *top_ids = ids + nb;
         p->k->sample(sc, ids, top_ids, (float *)(top_ids + tops),
-                     (rekv_sample_lp *)((char *)ids + picks_lp_at(nb, tops)), gb->logits.p, sr,
-                     nb, V, gb->picks.p);
+                     (rekv_sample_lp *)((char *)ids + picks_lp_at(nb, tops)), gb->logits.p, sr, nb,
+                     V, gb->picks.p);
         pc[n_pc++] = (rekv_copy_piece){host, ids, bytes};
         st->picks[g] = host;
     }

@@ -275,8 +275,9 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
               pl_dbuf_ensure(p, &b->v, T * KV * f) | pl_dbuf_ensure(p, &b->att, T * Q * f) |
               pl_dbuf_ensure(p, &b->f1, T * F * f) | pl_dbuf_ensure(p, &b->f3, T * F * f) |
               pl_dbuf_ensure(p, &b->logits, ns * (size_t)c->vocab * f) |
-              pl_dbuf_ensure(p, &b->picks, 8 * (size_t)c->vocab + 4 * ns + 8 * tops + 8 +
-                                            sizeof(rekv_sample_lp) * ns);
+              pl_dbuf_ensure(p, &b->picks,
+                             8 * (size_t)c->vocab + 4 * ns + 8 * tops + 8 +
+                                 sizeof(rekv_sample_lp) * ns);
     }
     /* the attention's scratch for the model's whole context at once (a few KiB): a buffer that
      * grew with the context would change a decode step's arguments, which a graph must repeat */

@@ -524,8 +524,8 @@ static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, 
         }
         case OP_SAMPLE: {
             const a_sample *a = arg;
-            k->sample(s, a->ids, a->top_ids, a->top_vals, a->lp, a->logits, a->rows, a->n,
-                      a->vocab, a->scratch);
+            k->sample(s, a->ids, a->top_ids, a->top_vals, a->lp, a->logits, a->rows, a->n, a->vocab,
+                      a->scratch);
             break;
         }
         case OP_H2D:
