@@ -1,7 +1,8 @@
 /* co_control.c — the control protocol (proto/control.proto): a round of requests read from the
  * control socket, Submit (checks, tokenizing, admission against the queue limit), Status, Cancel,
  * Stream and Health; replies wait until the round's accepted jobs are journaled with one sync, then
- * go out. Also the stream subscriptions: a job's new tokens, and its end, go to its subscribers.
+ * go out. Also the stream subscriptions: a job's new tokens (with their log-probabilities, and
+ * their text, held back for stop strings), and its end, go to its subscribers.
  * Stats is answered in co_stats.c. */
 #include "coordinator/co_internal.h"
 
