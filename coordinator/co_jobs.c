@@ -1,12 +1,11 @@
 /* co_jobs.c — the coordinator's job table: jobs by id and by client key, the queue of waiting
- * jobs (picked by priority, then arrival), the ring of finished jobs kept for Status, a job's end,
- * and its re-queueing when its worker dies (a Drop tells the worker at once when it holds Plans);
- * the stop strings (a job's text decoded a token at a time, the stop looked for in it, and how
- * much of it clients may see while a stop may still complete); and the journal that makes jobs
- * run once across
- * restarts: a record on acceptance (synced before the Submit is answered) and on end (synced
- * before the end is reported to anyone: co_job_end only queues the job for co_jobs_sync), the
- * replay on start, the compact rewrite. */
+ * jobs (picked by priority, then arrival), the ring of finished jobs kept for Status, a job's end
+ * (a worker still holding Plans that name it is sent a Drop at once), and its re-queueing when its
+ * worker dies; the stop strings (a job's text decoded a token at a time, the stop looked for in
+ * it, and how much of it clients may see while a stop may still complete); and the journal that
+ * makes jobs run once across restarts: a record on acceptance (synced before the Submit is
+ * answered) and on end (synced before the end is reported to anyone: co_job_end only queues the
+ * job for co_jobs_sync), the replay on start, the compact rewrite. */
 #define _GNU_SOURCE /* memmem */
 #include "coordinator/co_internal.h"
 
