@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "co_env.h"
@@ -35,6 +36,33 @@ static int senv_open(senv *e, const char *rel)
     snprintf(e->wrk, sizeof(e->wrk), "ipc://%s/workers", e->dir);
     snprintf(e->state, sizeof(e->state), "%s/state", e->dir);
     return 0;
+}
+
+/* What a program writes to stdout (argv[0] exec'd; it must exit 0); malloc'd. */
+static char *cli_output(const char *const *argv)
+{
+    int pfd[2];
+    ck_assert_int_eq(pipe(pfd), 0);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        close(pfd[0]);
+        dup2(pfd[1], 1);
+        execv(argv[0], (char **)argv);
+        _exit(127);
+    }
+    close(pfd[1]);
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    ssize_t r;
+    while ((r = read(pfd[0], buf + n, cap - 1 - n)) > 0)
+        n += (size_t)r;
+    buf[n] = '\0';
+    close(pfd[0]);
+    int st;
+    ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s exited %#x", argv[0], st);
+    return buf;
 }
 
 /* with_model 0: a coordinator without a tokenizer */
@@ -225,6 +253,28 @@ START_TEST(stop_across_tokens)
     s.n_stop = 2;
     s.stop = stops;
     check_stopped(&e, &co, &c, &s, &ref, tok, stop);
+    /* `rekv submit --stop`: the prompt, the text up to the stop, a newline */
+    size_t k, end;
+    expect_stop(tok, ref.ids, ref.n_ids, stop, &k, &end);
+    const char *argv[] = {tu_bin("rekv"),
+                          "submit",
+                          "--socket",
+                          e.ctl,
+                          "--prompt",
+                          s.prompt_text,
+                          "--max-new-tokens",
+                          "120",
+                          "--stop",
+                          decoy,
+                          "--stop",
+                          stop,
+                          NULL};
+    char *out = cli_output(argv);
+    size_t np = strlen(s.prompt_text);
+    ck_assert_uint_eq(strlen(out), np + end + 1);
+    ck_assert_int_eq(memcmp(out, s.prompt_text, np), 0);
+    ck_assert_int_eq(memcmp(out + np, ref.text, end), 0);
+    free(out);
     rekv_ctl_close(c);
     ck_assert_int_eq(ct_stop(wk), 0);
     ck_assert_int_eq(ct_stop(co), 0);
