@@ -253,6 +253,17 @@ START_TEST(stop_across_tokens)
     s.n_stop = 2;
     s.stop = stops;
     check_stopped(&e, &co, &c, &s, &ref, tok, stop);
+    /* a stop whose beginning ends the text: held back to the last step, then shown whole with
+     * the job's end ("length") */
+    char tail[4] = {ref.text[ref.n_text - 2], ref.text[ref.n_text - 1], '\x01', 0};
+    char *tails[] = {tail};
+    s.n_stop = 1;
+    s.stop = tails;
+    run_out o;
+    run_stream(c, &s, &o);
+    ck_assert_str_eq(o.reason, "length");
+    ck_assert_uint_eq(o.n_text, ref.n_text);
+    ck_assert_int_eq(memcmp(o.text, ref.text, ref.n_text), 0);
     /* `rekv submit --stop`: the prompt, the text up to the stop, a newline */
     size_t k, end;
     expect_stop(tok, ref.ids, ref.n_ids, stop, &k, &end);
