@@ -2,9 +2,11 @@
  * coordinator's control socket (submit waits for the job by streaming its tokens: their text goes
  * to stdout as each step produces it, tokens/s to a terminal; Ctrl-C or SIGTERM while it waits
  * cancels the job), answers printed as text or JSON. */
+#define _GNU_SOURCE /* pipe2 */
 #include "coordinator/cli/cli_daemon.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -12,7 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
-#include <sys/signalfd.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -228,9 +229,30 @@ static int submit_parse(int argc, char **argv, submit_opts *o)
     return CLI_PARSED;
 }
 
+/* While a job is waited for, SIGINT and SIGTERM go to a handler that writes the signal to a pipe
+ * the wait polls beside the socket (from before the Submit, so that one during it is seen once the
+ * job has its id). A handler rather than a blocked mask and a signalfd: a signal sent to the
+ * process may be delivered to any thread that does not block it (as cli_remote.c). */
+static int g_sig_pipe = -1; /* the write end */
+
+static void on_submit_signal(int sig)
+{
+    int saved = errno;
+    unsigned char b = (unsigned char)sig;
+    if (write(g_sig_pipe, &b, 1) < 0) { /* full: a byte is there already */
+    }
+    errno = saved;
+}
+
+/* The signal the pipe holds (read end sfd), or 0. */
+static int take_signal(int sfd)
+{
+    unsigned char b;
+    return sfd >= 0 && read(sfd, &b, 1) == 1 ? b : 0;
+}
+
 /* rekv_ctl_recv that also ends, -EINTR with the signal in *signo, when SIGINT or SIGTERM came
- * (sfd: their signalfd; the signals are blocked while the job is waited for, so that one cannot
- * fall between two checks). */
+ * (sfd: the read end of their pipe, -1 none). */
 static int follow_recv(rekv_ctl *c, int sfd, int timeout_ms, Rekv__Control__Response **r,
                        int *signo, rekv_err *err)
 {
@@ -241,11 +263,8 @@ static int follow_recv(rekv_ctl *c, int sfd, int timeout_ms, Rekv__Control__Resp
     while (n < 0 && errno == EINTR);
     if (n < 0)
         return rekv_errf(err, -errno, "control poll: %s", zmq_strerror(errno));
-    struct signalfd_siginfo si;
-    if ((it[1].revents & ZMQ_POLLIN) && read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
-        *signo = (int)si.ssi_signo;
+    if ((it[1].revents & ZMQ_POLLIN) && (*signo = take_signal(sfd)) != 0)
         return rekv_errf(err, -EINTR, "interrupted by signal %d", *signo);
-    }
     if (n == 0 || !(it[0].revents & ZMQ_POLLIN))
         return rekv_errf(err, -ETIMEDOUT, "no reply from the coordinator within %d ms",
                          timeout_ms);
@@ -256,7 +275,7 @@ static int follow_recv(rekv_ctl *c, int sfd, int timeout_ms, Rekv__Control__Resp
  * request id its events carry) until the job is over, *r then holding the last event: without
  * --json its text (or, from a coordinator without a tokenizer, its ids) goes to stdout as it
  * comes; tokens/s on a terminal that is not also showing the text. 0, 1 with a message, or 2
- * when SIGINT or SIGTERM came first (sfd: their signalfd; *signo which). */
+ * when SIGINT or SIGTERM came first (sfd: their pipe's read end; *signo which). */
 static int submit_follow(rekv_ctl *c, Rekv__Control__Request *rq, char *key, uint64_t job,
                          uint64_t req_id, const submit_opts *o, int sfd, int *signo,
                          Rekv__Control__Response **r)
@@ -435,18 +454,22 @@ int cli_submit(int argc, char **argv)
     rekv_ctl *c = NULL;
     rc = 1;
     Rekv__Control__Response *r = NULL;
-    int sfd = -1, signo = 0;
-    sigset_t sigs, old_sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGTERM);
-    /* waiting: Ctrl-C and SIGTERM cancel the job instead of leaving it to run; blocked from
-     * before the Submit, so that one during it is seen once the job has its id */
-    if (!o.no_wait && sigprocmask(SIG_BLOCK, &sigs, &old_sigs) == 0 &&
-        (sfd = signalfd(-1, &sigs, SFD_CLOEXEC | SFD_NONBLOCK)) < 0) {
-        fprintf(stderr, "rekv: signalfd: %s\n", strerror(errno));
-        sigprocmask(SIG_SETMASK, &old_sigs, NULL);
-        goto out;
+    int sp[2] = {-1, -1}, sfd = -1, signo = 0;
+    struct sigaction old_int, old_term;
+    /* waiting: Ctrl-C and SIGTERM cancel the job instead of leaving it to run */
+    if (!o.no_wait) {
+        if (pipe2(sp, O_CLOEXEC | O_NONBLOCK) < 0) {
+            fprintf(stderr, "rekv: pipe: %s\n", strerror(errno));
+            goto out;
+        }
+        sfd = sp[0];
+        g_sig_pipe = sp[1];
+        struct sigaction sa;
+        memset(&sa, 0, sizeof(sa));
+        sa.sa_handler = on_submit_signal;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, &old_int);
+        sigaction(SIGTERM, &sa, &old_term);
     }
     if (connect_or_say(o.ep, &c))
         goto out;
@@ -515,8 +538,13 @@ out:
     rekv_ctl_close(c);
     free(ids);
     if (sfd >= 0) {
-        close(sfd);
-        sigprocmask(SIG_SETMASK, &old_sigs, NULL);
+        sigaction(SIGINT, &old_int, NULL);
+        sigaction(SIGTERM, &old_term, NULL);
+        g_sig_pipe = -1;
+        if ((signo = take_signal(sfd)) != 0 && rc == 1)
+            rc = 128 + signo; /* interrupted before the job had an id (the Submit failed) */
+        close(sp[0]);
+        close(sp[1]);
     }
     return rc;
 }
