@@ -120,8 +120,10 @@ START_TEST(cancel_running_job)
 }
 END_TEST
 
-/* `rekv submit` streaming job 1.. of a fresh coordinator; its stdout is read from *out_fd. */
-static pid_t submit_child(const env *e, const char *const *extra, int *out_fd)
+/* `rekv CMD --socket CTL [--model MODEL] EXTRA...` (model NULL: none); its stdout is read from
+ * *out_fd. */
+static pid_t spawn_rekv(const env *e, const char *cmd, const char *model, const char *const *extra,
+                        int *out_fd)
 {
     int pfd[2];
     ck_assert_int_eq(pipe(pfd), 0);
@@ -130,10 +132,14 @@ static pid_t submit_child(const env *e, const char *const *extra, int *out_fd)
     if (pid == 0) {
         close(pfd[0]);
         dup2(pfd[1], 1);
-        const char *argv[32] = {tu_bin("rekv"), "submit", "--socket", e->ctl};
+        const char *argv[40] = {tu_bin("rekv"), cmd, "--socket", e->ctl};
         int n = 4;
-        for (; extra[n - 4]; n++)
-            argv[n] = extra[n - 4];
+        if (model) {
+            argv[n++] = "--model";
+            argv[n++] = model;
+        }
+        for (int i = 0; extra[i] && n < 39; i++)
+            argv[n++] = extra[i];
         argv[n] = NULL;
         execv(argv[0], (char **)argv);
         _exit(127);
@@ -143,14 +149,25 @@ static pid_t submit_child(const env *e, const char *const *extra, int *out_fd)
     return pid;
 }
 
-/* Ctrl-C (and SIGTERM) on a streaming `rekv submit`: the job is cancelled, the exit code says
- * which signal. */
+/* `rekv submit` streaming job 1.. of a fresh coordinator; its stdout is read from *out_fd. */
+static pid_t submit_child(const env *e, const char *const *extra, int *out_fd)
+{
+    return spawn_rekv(e, "submit", NULL, extra, out_fd);
+}
+
+/* Ctrl-C (and SIGTERM) on a streaming `rekv submit`, and Ctrl-C on `rekv generate` through the
+ * coordinator: the job is cancelled, the exit code says which signal. */
 START_TEST(cli_signal_cancels)
 {
     env e;
     if (ct_env_open(&e))
         return;
-    pid_t co = ct_start_coordinator(&e, "64", "60000"), wk = ct_start_worker(&e, "4");
+    /* with --model: `rekv generate --socket` takes only a coordinator of its model */
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-coordinator"));
+    const char *co_args[] = {prog,          "--control", e.ctl,     "--workers", e.wrk,
+                             "--state-dir", e.state,     "--model", e.model,     NULL};
+    pid_t co = ct_spawn(co_args), wk = ct_start_worker(&e, "4");
     rekv_ctl *c = ct_ctl_open(e.ctl);
     ct_wait_workers(c, 1);
     const int sigs[2] = {SIGINT, SIGTERM};
@@ -171,6 +188,33 @@ START_TEST(cli_signal_cancels)
         Rekv__Control__Response *r = tu_ctl_status(c, (uint64_t)i + 1);
         ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__CANCELLED);
         ck_assert_uint_lt(r->job->n_generated_ids, 400);
+        rekv__control__response__free_unpacked(r, NULL);
+        ck_assert_int_eq(kill(wk, SIGCONT), 0);
+    }
+    /* `rekv generate` through the same coordinator: interrupted, it cancels its job (3) too */
+    {
+        int fd;
+        char mp[4096];
+        snprintf(mp, sizeof(mp), "%s", e.model);
+        const char *gen[] = {"--prompt-ids", "1,403,407",    "--max-new-tokens",
+                             "400",          "--ignore-eos", NULL};
+        pid_t cli = spawn_rekv(&e, "generate", mp, gen, &fd);
+        for (int running = 0; !running;) { /* its job has tokens: it waits on them */
+            ck_assert_msg(waitpid(cli, NULL, WNOHANG) == 0, "rekv generate ended early");
+            Rekv__Control__Response *r = tu_ctl_status(c, 3);
+            running = r->code == REKV__CONTROL__CODE__OK && r->job->n_generated_ids > 0;
+            rekv__control__response__free_unpacked(r, NULL);
+            if (!running)
+                usleep(10000);
+        }
+        ck_assert_int_eq(kill(wk, SIGSTOP), 0);
+        ck_assert_int_eq(kill(cli, SIGINT), 0);
+        int st;
+        ck_assert_int_eq(waitpid(cli, &st, 0), cli);
+        close(fd);
+        ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 130, "rekv generate ended %#x", st);
+        Rekv__Control__Response *r = tu_ctl_status(c, 3);
+        ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__CANCELLED);
         rekv__control__response__free_unpacked(r, NULL);
         ck_assert_int_eq(kill(wk, SIGCONT), 0);
     }

@@ -7,8 +7,9 @@
  * SIGINT and SIGTERM, from when the temporary directory is made until cli_remote_end, go to a
  * handler that writes the signal to a pipe every wait here polls beside its socket or pipe: the
  * call gives up (-EINTR) and cli_remote_end stops the trio and removes the directory (nftw), so an
- * interrupted generate leaves nothing behind. A handler rather than a blocked mask: a signal sent
- * to the process may be delivered to any thread that does not block it. */
+ * interrupted generate leaves nothing behind; on a serving coordinator its job is cancelled. A
+ * handler rather than a blocked mask: a signal sent to the process may be delivered to any thread
+ * that does not block it. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -404,6 +405,20 @@ static int remote_wait(const cli_remote *rm, rekv_ctl *c, uint64_t job, uint64_t
     }
 }
 
+/* An interrupted wait: the job is cancelled, so that it does not run on without anyone waiting
+ * (a private trio stops anyway). Not interruptible itself: the signal is already in the pipe. */
+static void remote_cancel(rekv_ctl *c, uint64_t job)
+{
+    Rekv__Control__Cancel cn = REKV__CONTROL__CANCEL__INIT;
+    cn.job = job;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
+    rq.cancel = &cn;
+    Rekv__Control__Response *r = NULL;
+    if (rekv_ctl_call(c, &rq, 2000, &r, NULL) == 0)
+        rekv__control__response__free_unpacked(r, NULL);
+}
+
 /* The finished job (js) as rekv_generate's result: ids, top logits, finish reason, times. */
 static int remote_result(const Rekv__Control__JobStatus *js, const rekv_gen_params *gp,
                          rekv_gen_result *res, double *queued_s, double *run_s, rekv_err *err)
@@ -452,8 +467,11 @@ int cli_generate_remote(cli_remote *rm, const char *model_path, const char *sock
         goto out;
     uint64_t job = r->submitted->job;
     int shown = 0;
-    if ((rc = remote_wait(rm, c, job, sub_id, &r, &shown, err)))
+    if ((rc = remote_wait(rm, c, job, sub_id, &r, &shown, err))) {
+        if (rc == -EINTR)
+            remote_cancel(c, job);
         goto out;
+    }
     /* everything about the finished job (ids, top logits, times) */
     if ((rc = remote_status(rm, c, job, &r, err)))
         goto out;
