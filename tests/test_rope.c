@@ -462,7 +462,8 @@ START_TEST(eos_list_stops_generation)
     free(cmd);
     enum { N = 12, V = 128 };
     int32_t prompt[5] = {1, 17, 33, 9, 70};
-    rekv_gen_params gp = {N, 1.0f, 0, 1, 5, 0, 0}; /* sampled, seeded: the same ids each run */
+    rekv_gen_params gp = {.max_new_tokens = N, .temperature = 1.0f, .top_p = 1, .seed = 5};
+    /* sampled, seeded: the same ids each run */
     rekv_gen_result r;
     rekv_err err = {0};
     rekv_model *m = NULL;
