@@ -34,6 +34,9 @@ static int perr(parser *p, const ct_tok *at, const char *fmt, const char *arg)
 {
     char what[512];
     snprintf(what, sizeof what, fmt, arg ? arg : "");
+    for (char *c = what; *c; c++)
+        if (*c == '\n' || *c == '\r')
+            *c = ' ';
     return rekv_errf(p->err, -EINVAL, "chat template %d:%d: %s", at->line, at->col, what);
 }
 

@@ -6,8 +6,9 @@
  * truncations, insertions, deletions, header-length corruption, JSON token swaps and
  * substitutions, line shuffles) and every mutant goes through the public loader API: safetensors,
  * HF model directories (config.json or model.safetensors mutated), llama2.c checkpoints, and the
- * BPE, tokenizer.json and tokenizer.bin loaders, and GGUF files (a tiny llama one made here and
- * those of ../shared/gguf, their headers mutated). Whatever opens is then used (tensors touched,
+ * BPE, tokenizer.json and tokenizer.bin loaders, GGUF files (a tiny llama one made here and
+ * those of ../shared/gguf, their headers mutated) and chat templates (chat_template.jinja and
+ * tokenizer_config.json, through rekv_chat_template_load_dir). Whatever opens is then used (tensors touched,
  * text encoded and decoded). Random byte strings go through every valid tokenizer's encoder.
  *
  * A crash or sanitizer report aborts the process, naming the case; `--only SEED:ITER` replays it.
@@ -15,6 +16,7 @@
  *
  *   fuzz_parsers [--shard I/N] [--scale F] [--only SEED[:ITER]] [--list] [--keep] */
 #define _GNU_SOURCE
+#include "loader/chat_template.h"
 #include "loader/gguf.h"
 #include "loader/loader.h"
 
@@ -209,6 +211,7 @@ typedef enum target {
     T_HF_JSON = 5, /* rekv_tokenizer_load_hf_json */
     T_TOKBIN = 6,  /* rekv_tokenizer_load_llama2c */
     T_GGUF = 7,    /* rekv_gguf_open, then its tensors dequantized */
+    T_CHAT = 8,    /* rekv_chat_template_load_dir, then a render of a conversation with tools */
 } target;
 
 typedef struct seed {
@@ -731,6 +734,36 @@ static void build_seeds(double scale)
     free(merges.p);
     free(tj.p);
     free(b.p);
+
+    /* chat templates: a tokenizer_config.json of constructs, and the real templates of
+       ../shared/chat-templates as chat_template.jinja */
+    s = seed_add("chat-config", T_CHAT, K_JSON, "tokenizer_config.json", mid);
+    static const char chat_cfg[] =
+        "{\"bos_token\": {\"content\": \"<s>\"}, \"eos_token\": \"</s>\", \"chat_template\": "
+        "\"{%- macro m(x, y=2) %}{{ x ~ y }}{% endmacro %}{% set ns = namespace(n=0) %}"
+        "{{ bos_token }}{% for msg in messages if msg.role != 'x' %}{% set ns.n = ns.n + 1 %}"
+        "{{ loop.index }}{{ msg['content']|trim|upper }}{{ m(msg.role[1:]) }}{% if loop.last %}"
+        "{{ tools|tojson(indent=2) }}{{ (tools|map(attribute='type')|list)[::-1] }}{% endif %}"
+        "{%- endfor %}{{ ns.n ~ eos_token }}{{ 'a b'.split()|join(',') }}\"}";
+    write_file(path_in(s->dir, "tokenizer_config.json"), chat_cfg, strlen(chat_cfg));
+    seed_load(s);
+    struct dirent **names = NULL;
+    int n_names = scandir("../shared/chat-templates", &names, NULL, alphasort); /* a fixed order */
+    for (int k = 0; k < n_names; k++) {
+        const struct dirent *de = names[k];
+        size_t len = strlen(de->d_name);
+        if (len < 7 || strcmp(de->d_name + len - 6, ".jinja") != 0)
+            continue;
+        char name[64], p[PATH_MAX];
+        snprintf(name, sizeof(name), "chat-%.50s", de->d_name);
+        snprintf(p, sizeof(p), "../shared/chat-templates/%s", de->d_name);
+        s = seed_add(name, T_CHAT, K_TEXT, "chat_template.jinja", big);
+        copy_in(p, s->dir, "chat_template.jinja");
+        seed_load(s);
+    }
+    for (int k = 0; k < n_names; k++)
+        free(names[k]);
+    free(names);
 
     /* the shared models, copied (never modified in place) */
     const char *dirs[2] = {sh_opt, sh_llama};
@@ -1354,6 +1387,29 @@ static void run_case(const seed *s)
     case T_GGUF:
         rc = fuzz_gguf(path, &err);
         break;
+    case T_CHAT: {
+        rekv_chat_template *t = NULL;
+        if ((rc = rekv_chat_template_load_dir(s->dir, &t, &err)) == 0 && t != NULL) {
+            g_accepted++;
+            static const char conv[] =
+                "{\"add_generation_prompt\": true, \"messages\": [{\"role\": \"system\", "
+                "\"content\": \"S\"}, {\"role\": \"user\", \"content\": \" hi \"}, {\"role\": "
+                "\"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"abcdefghi\", \"type\": "
+                "\"function\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}]}, "
+                "{\"role\": \"tool\", \"tool_call_id\": \"abcdefghi\", \"content\": \"r\"}], \"tools\": "
+                "[{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"d\", "
+                "\"parameters\": {\"type\": \"object\", \"properties\": {\"a\": {\"type\": "
+                "[\"string\", \"integer\"], \"description\": \"x\"}}}}}]}";
+            json_t *ctx = json_loads(conv, 0, NULL);
+            char *out = NULL;
+            if (ctx != NULL) /* NULL only when allocation failed */
+                rc = rekv_chat_template_render(t, ctx, &out, &err);
+            free(out);
+            json_decref(ctx);
+            rekv_chat_template_free(t);
+        }
+        break;
+    }
     case T_BPE_VOCAB:
     case T_BPE_MERGES:
     case T_HF_JSON:
