@@ -123,6 +123,10 @@ static int concat_seq(ct_state *st, const ct_node *at, const ctv *x, const ctv *
 
 static int contains(ct_state *st, const ct_node *at, const ctv *item, const ctv *seq, int *res)
 {
+    if (seq->kind == CTV_UNDEF) { /* Python iterates Jinja2's Undefined: nothing is in it */
+        *res = 0;
+        return 0;
+    }
     if (is_str(seq)) {
         if (!is_str(item))
             return ct_render_errf(st, at, -EINVAL,
@@ -169,6 +173,19 @@ int ct_bin_op(ct_state *st, const ct_node *at, int op, ctv *x, ctv *y, ctv *out)
             for (long long i = 0; i < k; i++)
                 ct_buf_add(&b, json_string_value(s->j), n);
             return ct_take_string(st, at, &b, out);
+        }
+        if ((x->kind == CTV_JSON && json_is_array(x->j) && is_int(y)) ||
+            (is_int(x) && y->kind == CTV_JSON && json_is_array(y->j))) {
+            const ctv *l = is_int(x) ? y : x;
+            long long k = int_of(is_int(x) ? x : y);
+            size_t n = json_array_size(l->j);
+            if (k > 0 && n > 0 && (unsigned long long)k > CT_MAX_STEPS / n)
+                return ct_render_errf(st, at, -E2BIG, "list longer than %u items", CT_MAX_STEPS);
+            json_t *rep = json_array();
+            for (long long i = 0; i < k; i++)
+                json_array_extend(rep, l->j);
+            *out = ctv_json(rep);
+            return 0;
         }
         return arith(st, at, op, x, y, out);
     case OP_SUB:

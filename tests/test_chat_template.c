@@ -185,6 +185,27 @@ static const char *const unit_cases[][2] = {
     {"{{ u.v }}", "{}"},
     {"{{ 1 / 0 }}", "{}"},
     {"{{ strftime_now('%Y-%m-%d %b %a') }}", "{\"rekv_now\": 1700000000}"},
+    /* undefined and none as Jinja2's Undefined and Python's None behave */
+    {"{{ n.v is defined }}|{{ n.v }}|{{ n['v'] }}|{{ 5.v }}|{{ 'ab'.v }}|{{ u|trim }}|"
+     "{{ u|length }}|{{ u|list }}|{{ u|join }}|{{ u|first }}|{{ u|default(3) }}|{{ u is none }}|"
+     "{{ u|string }}|{{ x ~ u ~ 'a' }}|{{ u == u }}|{{ u != 1 }}|{{ not u }}|{{ u or 'd' }}|"
+     "{{ 'a' in u }}|{% for x in u %}a{% else %}b{% endfor %}",
+     "{\"n\": null, \"x\": 1}"},
+    {"{{ u.v is defined }}", "{}"},
+    {"{{ u|tojson }}", "{}"},
+    {"{{ none|length }}", "{}"},
+    {"{{ u + 1 }}", "{}"},
+    {"{% for x in none %}{% endfor %}", "{}"},
+    {"{{ [1, 2, 3]|select('gt', 1)|list }}{{ ['a', 'B']|map('upper')|list }}"
+     "{{ [1, none]|reject('none')|list }}{{ {'b': 1, 'a': 2} }}{{ {'b': 1, 'a': 2}|tojson }}"
+     "{{ d|tojson }}{{ 3 * 'ab' }}{{ [1] * 2 }}{{ 0 * [1] }}",
+     "{\"d\": {\"z\": 1, \"a\": {\"y\": [], \"b\": {}}}}"},
+    {"{{ 10 / 4 }} {{ 10 / 5 }} {{ 2 ** -1 }} {{ 2.5 // 1 }} {{ -2.5 % 2 }} {{ 1e300 * 10 }} "
+     "{{ 'abc'|replace('b', 'X', 0) }}{{ 'a-b-c'.split('-', 1) }}",
+     "{}"},
+    {"{% if true %}\n  {{ 'x' }}\n{% endif %}\n  {%- if true %} y {% endif -%}\n z"
+     "{%- set x -%}\n  block {{ 1 }}\n{%- endset %}[{{ x }}]",
+     "{}"},
 };
 
 START_TEST(test_subset_matches_jinja2)
