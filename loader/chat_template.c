@@ -153,7 +153,8 @@ static int config_template(const char *path, json_t *cfg, const char **src, rekv
     if (json_is_array(ct)) {
         size_t i;
         json_t *e;
-        json_array_foreach(ct, i, e) {
+        json_array_foreach(ct, i, e)
+        {
             if (json_is_string(json_object_get(e, "template")) &&
                 json_is_string(json_object_get(e, "name")) &&
                 strcmp(json_string_value(json_object_get(e, "name")), "default") == 0) {

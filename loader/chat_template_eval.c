@@ -168,8 +168,7 @@ static int args_eval(ct_state *st, ct_frame *f, const ct_node *n, ct_args *a)
     return 0;
 }
 
-static int loop_attr(ct_state *st, const ct_node *at, const ct_loop *l, const char *name,
-                     ctv *out)
+static int loop_attr(ct_state *st, const ct_node *at, const ct_loop *l, const char *name, ctv *out)
 {
     size_t len = json_array_size(l->items), i = l->index0;
     long long v;
@@ -209,7 +208,8 @@ static int getattr(ct_state *st, const ct_node *at, const ctv *obj, const char *
     case CTV_UNDEF:
         return ct_render_errf(st, at, -EINVAL, "'%s' is undefined",
                               obj->p ? (const char *)obj->p : "value");
-    case CTV_LOOP: return loop_attr(st, at, obj->p, name, out);
+    case CTV_LOOP:
+        return loop_attr(st, at, obj->p, name, out);
     case CTV_NS: {
         json_t *j = json_object_get(obj->j, name);
         *out = j ? ctv_json(json_incref(j)) : ctv_undef(name);
@@ -217,23 +217,25 @@ static int getattr(ct_state *st, const ct_node *at, const ctv *obj, const char *
     }
     case CTV_JSON:
         if (json_is_object(obj->j)) {
-            static const char *const dict_methods[] = {"items", "keys", "values", "get", "pop",
-                                                       "copy", "update", "clear", "setdefault",
-                                                       "popitem", "fromkeys"};
+            static const char *const dict_methods[] = {"items",      "keys",    "values",  "get",
+                                                       "pop",        "copy",    "update",  "clear",
+                                                       "setdefault", "popitem", "fromkeys"};
             for (size_t i = 0; i < sizeof dict_methods / sizeof dict_methods[0]; i++)
                 if (!strcmp(name, dict_methods[i]))
-                    return ct_render_errf(st, at, -EINVAL,
-                                          "'.%s' of a dict is its method: call it", name);
+                    return ct_render_errf(st, at, -EINVAL, "'.%s' of a dict is its method: call it",
+                                          name);
             json_t *j = json_object_get(obj->j, name);
             *out = j ? ctv_json(json_incref(j)) : ctv_undef(name);
             return 0;
         }
         if (ct_is_method_name(name) && (json_is_string(obj->j) || json_is_array(obj->j)))
-            return ct_render_errf(st, at, -EINVAL, "'.%s' of a %s is its method: call it",
-                                  name, ct_type_name(obj));
+            return ct_render_errf(st, at, -EINVAL, "'.%s' of a %s is its method: call it", name,
+                                  ct_type_name(obj));
         *out = ctv_undef(name);
         return 0;
-    default: *out = ctv_undef(name); return 0;
+    default:
+        *out = ctv_undef(name);
+        return 0;
     }
 }
 
@@ -272,7 +274,9 @@ static int eval_slice(ct_state *st, ct_frame *f, const ct_node *n, ctv *obj, ctv
         rc = ct_render_errf(st, n, -EINVAL, "cannot slice a %s", ct_type_name(obj));
     const char *s = is_str ? json_string_value(obj->j) : NULL;
     size_t sn = is_str ? json_string_length(obj->j) : 0;
-    long long len = is_str ? (long long)ct_utf8_len(s, sn) : is_list ? (long long)json_array_size(obj->j) : 0;
+    long long len = is_str    ? (long long)ct_utf8_len(s, sn)
+                    : is_list ? (long long)json_array_size(obj->j)
+                              : 0;
     if (rc == 0 && nodes[2]) {
         if (parts[2].kind != CTV_JSON || !json_is_integer(parts[2].j))
             rc = ct_render_errf(st, n, -EINVAL, "slice step must be an integer");
@@ -312,8 +316,7 @@ static int call_macro(ct_state *st, const ct_node *at, const ct_node *m, ct_args
         return ct_render_errf(st, at, -E2BIG, "more than %u loop iterations and calls",
                               CT_MAX_STEPS);
     if (st->calls + 1 > CT_MAX_DEPTH)
-        return ct_render_errf(st, at, -ELOOP, "macro calls nested deeper than %d",
-                              CT_MAX_DEPTH);
+        return ct_render_errf(st, at, -ELOOP, "macro calls nested deeper than %d", CT_MAX_DEPTH);
     ct_frame fr = {.parent = st->global};
     int rc = 0;
     size_t npos = 0;
@@ -465,8 +468,11 @@ static int eval_inner(ct_state *st, ct_frame *f, const ct_node *n, ctv *out)
     ctv x = {0}, y = {0};
     int rc = 0;
     switch (n->kind) {
-    case N_CONST: *out = ctv_json(json_incref(n->cst)); return 0;
-    case N_NAME: return lookup(st, f, n->name, out);
+    case N_CONST:
+        *out = ctv_json(json_incref(n->cst));
+        return 0;
+    case N_NAME:
+        return lookup(st, f, n->name, out);
     case N_ATTR:
         if ((rc = ct_eval(st, f, n->a, &x)) == 0)
             rc = getattr(st, n, &x, n->name, out);
@@ -479,10 +485,13 @@ static int eval_inner(ct_state *st, ct_frame *f, const ct_node *n, ctv *out)
         if ((rc = ct_eval(st, f, n->a, &x)) == 0)
             rc = eval_slice(st, f, n, &x, out);
         break;
-    case N_CALL: return eval_call(st, f, n, out);
+    case N_CALL:
+        return eval_call(st, f, n, out);
     case N_FILTER:
-    case N_TEST: return eval_filter_test(st, f, n, out);
-    case N_BIN: return eval_bin(st, f, n, out);
+    case N_TEST:
+        return eval_filter_test(st, f, n, out);
+    case N_BIN:
+        return eval_bin(st, f, n, out);
     case N_NOT:
         if ((rc = ct_eval(st, f, n->a, &x)) == 0)
             *out = ctv_json(json_boolean(!ct_truthy(&x)));
@@ -515,8 +524,10 @@ static int eval_inner(ct_state *st, ct_frame *f, const ct_node *n, ctv *out)
             *out = ctv_undef(NULL);
         break;
     case N_LIST:
-    case N_DICT: return eval_list(st, f, n, out);
-    default: return ct_render_errf(st, n, -EINVAL, "not an expression");
+    case N_DICT:
+        return eval_list(st, f, n, out);
+    default:
+        return ct_render_errf(st, n, -EINVAL, "not an expression");
     }
     ctv_drop(&x);
     ctv_drop(&y);
@@ -641,7 +652,7 @@ static int exec_set(ct_state *st, ct_frame *f, const ct_node *n, ct_buf *out)
                             ct_type_name(&v));
     else
         rc = json_object_set(ns->j, n->name2, v.j) ? ct_render_errf(st, n, -ENOMEM, "out of memory")
-                                                  : 0;
+                                                   : 0;
     ctv_drop(&v);
     return rc;
 }
@@ -655,7 +666,8 @@ int ct_exec(ct_state *st, ct_frame *f, const ct_node *n, ct_buf *out)
         for (size_t i = 0; i < n->nkids && rc == 0 && st->flow == 0; i++)
             rc = ct_exec(st, f, n->kids[i], out);
         return rc;
-    case N_TEXT: return ct_out(st, out, json_string_value(n->cst), json_string_length(n->cst));
+    case N_TEXT:
+        return ct_out(st, out, json_string_value(n->cst), json_string_length(n->cst));
     case N_OUTPUT: {
         if ((rc = ct_eval(st, f, n->a, &v)) != 0)
             return rc;
@@ -676,11 +688,19 @@ int ct_exec(ct_state *st, ct_frame *f, const ct_node *n, ct_buf *out)
         rc = ct_truthy(&v) ? ct_exec(st, f, n->b, out) : n->c ? ct_exec(st, f, n->c, out) : 0;
         ctv_drop(&v);
         return rc;
-    case N_FOR: return exec_for(st, f, n, out);
-    case N_SET: return exec_set(st, f, n, out);
-    case N_MACRO: return ct_frame_set(f, n->name, (ctv){CTV_MACRO, NULL, n, 0});
-    case N_BREAK: st->flow = 1; return 0;
-    case N_CONTINUE: st->flow = 2; return 0;
-    default: return ct_render_errf(st, n, -EINVAL, "not a statement");
+    case N_FOR:
+        return exec_for(st, f, n, out);
+    case N_SET:
+        return exec_set(st, f, n, out);
+    case N_MACRO:
+        return ct_frame_set(f, n->name, (ctv){CTV_MACRO, NULL, n, 0});
+    case N_BREAK:
+        st->flow = 1;
+        return 0;
+    case N_CONTINUE:
+        st->flow = 2;
+        return 0;
+    default:
+        return ct_render_errf(st, n, -EINVAL, "not a statement");
     }
 }

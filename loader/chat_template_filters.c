@@ -19,7 +19,10 @@ int ct_str_case(ct_state *st, const ct_node *at, const char *how, const char *s,
 
 typedef int (*filter_fn)(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out);
 
-static int is_str(const ctv *v) { return v->kind == CTV_JSON && json_is_string(v->j); }
+static int is_str(const ctv *v)
+{
+    return v->kind == CTV_JSON && json_is_string(v->j);
+}
 static int is_int(const ctv *v)
 {
     return v->kind == CTV_JSON && (json_is_integer(v->j) || json_is_boolean(v->j));
@@ -97,8 +100,9 @@ static int f_tojson(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
     }
     if (v->kind != CTV_JSON || ct_is_view(&st->tuples, v->j))
         return ct_render_errf(st, at, -EINVAL, "Object of type %s is not JSON serializable",
-                              v->kind == CTV_UNDEF ? "Undefined"
-                              : v->kind == CTV_JSON ? "dict_items" : ct_type_name(v));
+                              v->kind == CTV_UNDEF  ? "Undefined"
+                              : v->kind == CTV_JSON ? "dict_items"
+                                                    : ct_type_name(v));
     ct_buf b = {0};
     if (ct_json_dumps(&b, v->j, indent, 0)) {
         free(b.p);
@@ -122,8 +126,7 @@ static int f_length(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
     else if (v->kind == CTV_JSON && json_is_object(v->j))
         n = (long long)json_object_size(v->j);
     else
-        return ct_render_errf(st, at, -EINVAL, "object of type '%s' has no len()",
-                              ct_type_name(v));
+        return ct_render_errf(st, at, -EINVAL, "object of type '%s' has no len()", ct_type_name(v));
     *out = ctv_json(json_integer(n));
     return 0;
 }
@@ -167,7 +170,8 @@ static int f_items(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out
     json_t *l = json_array();
     const char *k;
     json_t *x;
-    json_object_foreach(v->j, k, x) {
+    json_object_foreach(v->j, k, x)
+    {
         json_t *pair = json_pack("[sO]", k, x);
         if (pair == NULL || json_array_append_new(l, pair) || ct_mark_tuple(st, pair, 0)) {
             json_decref(l);
@@ -406,7 +410,9 @@ static int f_number(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
         free(t);
     }
     if (!ok) {
-        *out = dflt ? ctv_copy(dflt) : want_int ? ctv_json(json_integer(0)) : ctv_json(json_real(0));
+        *out = dflt       ? ctv_copy(dflt)
+               : want_int ? ctv_json(json_integer(0))
+                          : ctv_json(json_real(0));
         return 0;
     }
     if (want_int && (d >= 9.2e18 || d <= -9.2e18))
@@ -461,8 +467,7 @@ static int f_abs(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out)
     } else if (v->kind == CTV_JSON && json_is_real(v->j)) {
         *out = ctv_json(json_real(fabs(json_real_value(v->j))));
     } else {
-        return ct_render_errf(st, at, -EINVAL, "bad operand type for abs(): '%s'",
-                              ct_type_name(v));
+        return ct_render_errf(st, at, -EINVAL, "bad operand type for abs(): '%s'", ct_type_name(v));
     }
     return 0;
 }
@@ -479,15 +484,15 @@ static const struct {
     const char *name;
     filter_fn fn;
 } filters[] = {
-    {"trim", f_trim},         {"tojson", f_tojson},     {"length", f_length},
-    {"count", f_length},      {"upper", f_case},        {"lower", f_case},
-    {"capitalize", f_case},   {"title", f_case},        {"default", f_default},
-    {"d", f_default},         {"items", f_items},       {"selectattr", f_select},
-    {"rejectattr", f_select}, {"select", f_select},     {"reject", f_select},
-    {"map", f_map},           {"first", f_first_last},  {"last", f_first_last},
-    {"join", f_join},         {"replace", f_replace},   {"string", f_string},
-    {"int", f_number},        {"float", f_number},      {"list", f_list},
-    {"reverse", f_reverse},   {"abs", f_abs},           {"safe", f_safe},
+    {"trim", f_trim},         {"tojson", f_tojson},    {"length", f_length},
+    {"count", f_length},      {"upper", f_case},       {"lower", f_case},
+    {"capitalize", f_case},   {"title", f_case},       {"default", f_default},
+    {"d", f_default},         {"items", f_items},      {"selectattr", f_select},
+    {"rejectattr", f_select}, {"select", f_select},    {"reject", f_select},
+    {"map", f_map},           {"first", f_first_last}, {"last", f_first_last},
+    {"join", f_join},         {"replace", f_replace},  {"string", f_string},
+    {"int", f_number},        {"float", f_number},     {"list", f_list},
+    {"reverse", f_reverse},   {"abs", f_abs},          {"safe", f_safe},
 };
 
 int ct_filter_index(const char *name)
@@ -506,18 +511,18 @@ int ct_apply_filter(ct_state *st, const ct_node *at, int idx, ctv *subject, ct_a
         named.name = (char *)"default";
     for (size_t i = 0; i < a->n; i++)
         if (a->v[i].kind != CTV_JSON && a->v[i].kind != CTV_UNDEF)
-            return ct_render_errf(st, at, -EINVAL, "filter '%s' got a %s argument",
-                                  named.name, ct_type_name(&a->v[i]));
+            return ct_render_errf(st, at, -EINVAL, "filter '%s' got a %s argument", named.name,
+                                  ct_type_name(&a->v[i]));
     return filters[idx].fn(st, &named, subject, a, out);
 }
 
 /* --------------------------------------------------------------------------------- tests */
 
 static const char *const tests[] = {
-    "defined", "undefined", "none",   "string",  "number",   "integer",     "float",
-    "boolean", "true",      "false",  "mapping", "iterable", "sequence",    "equalto",
-    "eq",      "ne",        "in",     "odd",     "even",     "divisibleby", "lower",
-    "upper",   "gt",        "lt",     "ge",      "le",       "sameas",      NULL};
+    "defined", "undefined", "none",  "string",  "number",   "integer",     "float",
+    "boolean", "true",      "false", "mapping", "iterable", "sequence",    "equalto",
+    "eq",      "ne",        "in",    "odd",     "even",     "divisibleby", "lower",
+    "upper",   "gt",        "lt",    "ge",      "le",       "sameas",      NULL};
 
 int ct_test_index(const char *name)
 {
@@ -560,8 +565,8 @@ static int test_number(ct_state *st, const ct_node *at, const char *name, ctv *v
         return ct_render_errf(st, at, -EINVAL, "test '%s' needs integers", name);
     long long x = json_is_integer(v->j) ? json_integer_value(v->j) : json_is_true(v->j);
     if (name[0] == 'd') {
-        long long y = json_is_integer(a->v[0].j) ? json_integer_value(a->v[0].j)
-                                                 : json_is_true(a->v[0].j);
+        long long y =
+            json_is_integer(a->v[0].j) ? json_integer_value(a->v[0].j) : json_is_true(a->v[0].j);
         if (y == 0)
             return ct_render_errf(st, at, -EDOM, "division by zero");
         *res = y == -1 || x % y == 0;

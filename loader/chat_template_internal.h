@@ -13,25 +13,35 @@
 #include "common/err.h"
 
 /* Bounds on user input: a template is as untrusted as a request. */
-#define CT_MAX_DEPTH 128            /* nesting of expressions and statements, and macro calls;
-                                       evaluation may nest CT_MAX_DEPTH * 8 (macros in macros) */
-#define CT_MAX_OUTPUT (16u << 20)   /* bytes one render may produce */
-#define CT_MAX_STEPS 2000000u       /* loop iterations and macro calls in one render */
+#define CT_MAX_DEPTH                                                                               \
+    128                           /* nesting of expressions and statements, and macro calls;       \
+                                     evaluation may nest CT_MAX_DEPTH * 8 (macros in macros) */
+#define CT_MAX_OUTPUT (16u << 20) /* bytes one render may produce */
+#define CT_MAX_STEPS 2000000u     /* loop iterations and macro calls in one render */
 
 /* ------------------------------------------------------------------------------ lexer */
 
 typedef enum {
-    TK_TEXT, TK_VAR_BEGIN, TK_VAR_END, TK_BLOCK_BEGIN, TK_BLOCK_END,
-    TK_NAME, TK_STRING, TK_INT, TK_FLOAT, TK_OP, TK_EOF
+    TK_TEXT,
+    TK_VAR_BEGIN,
+    TK_VAR_END,
+    TK_BLOCK_BEGIN,
+    TK_BLOCK_END,
+    TK_NAME,
+    TK_STRING,
+    TK_INT,
+    TK_FLOAT,
+    TK_OP,
+    TK_EOF
 } ct_tok_type;
 
 typedef struct ct_tok {
     ct_tok_type type;
     int line, col;
-    char *s;          /* TEXT, NAME, STRING (decoded), OP: malloc'd, NUL-terminated */
-    size_t n;         /* bytes of s (a decoded string may hold NULs) */
-    long long i;      /* INT */
-    double f;         /* FLOAT */
+    char *s;     /* TEXT, NAME, STRING (decoded), OP: malloc'd, NUL-terminated */
+    size_t n;    /* bytes of s (a decoded string may hold NULs) */
+    long long i; /* INT */
+    double f;    /* FLOAT */
 } ct_tok;
 
 typedef struct ct_toks {
@@ -47,30 +57,66 @@ void ct_toks_free(ct_toks *t);
 
 typedef enum {
     /* statements */
-    N_BODY, N_TEXT, N_OUTPUT, N_IF, N_FOR, N_SET, N_MACRO, N_BREAK, N_CONTINUE,
+    N_BODY,
+    N_TEXT,
+    N_OUTPUT,
+    N_IF,
+    N_FOR,
+    N_SET,
+    N_MACRO,
+    N_BREAK,
+    N_CONTINUE,
     /* expressions */
-    N_CONST, N_NAME, N_ATTR, N_ITEM, N_SLICE, N_CALL, N_FILTER, N_TEST, N_BIN, N_NOT, N_NEG,
-    N_AND, N_OR, N_COND, N_LIST, N_DICT
+    N_CONST,
+    N_NAME,
+    N_ATTR,
+    N_ITEM,
+    N_SLICE,
+    N_CALL,
+    N_FILTER,
+    N_TEST,
+    N_BIN,
+    N_NOT,
+    N_NEG,
+    N_AND,
+    N_OR,
+    N_COND,
+    N_LIST,
+    N_DICT
 } ct_node_kind;
 
 typedef enum {
-    OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_FLOORDIV, OP_MOD, OP_POW, OP_CONCAT,
-    OP_EQ, OP_NE, OP_LT, OP_LE, OP_GT, OP_GE, OP_IN, OP_NOTIN
+    OP_ADD,
+    OP_SUB,
+    OP_MUL,
+    OP_DIV,
+    OP_FLOORDIV,
+    OP_MOD,
+    OP_POW,
+    OP_CONCAT,
+    OP_EQ,
+    OP_NE,
+    OP_LT,
+    OP_LE,
+    OP_GT,
+    OP_GE,
+    OP_IN,
+    OP_NOTIN
 } ct_binop;
 
 typedef struct ct_node ct_node;
 struct ct_node {
     ct_node_kind kind;
     int line, col;
-    int op;          /* N_BIN: ct_binop; N_FILTER/N_TEST: table index; N_TEST: negated in neg */
+    int op; /* N_BIN: ct_binop; N_FILTER/N_TEST: table index; N_TEST: negated in neg */
     int neg;
-    char *name;      /* N_NAME, N_ATTR, N_FILTER, N_TEST, N_SET, N_MACRO; N_FOR: first target */
-    char *name2;     /* N_FOR: second target; N_SET: attribute of a namespace */
-    char *kw;        /* an argument passed by keyword: its name */
-    json_t *cst;     /* N_CONST, N_TEXT (a string) */
+    char *name;  /* N_NAME, N_ATTR, N_FILTER, N_TEST, N_SET, N_MACRO; N_FOR: first target */
+    char *name2; /* N_FOR: second target; N_SET: attribute of a namespace */
+    char *kw;    /* an argument passed by keyword: its name */
+    json_t *cst; /* N_CONST, N_TEXT (a string) */
     ct_node *a, *b, *c, *d;
-    ct_node **kids;  /* N_BODY statements, N_CALL/N_FILTER/N_TEST args, N_LIST items,
-                        N_DICT key,value pairs, N_MACRO parameters (N_NAME, default in a) */
+    ct_node **kids; /* N_BODY statements, N_CALL/N_FILTER/N_TEST args, N_LIST items,
+                       N_DICT key,value pairs, N_MACRO parameters (N_NAME, default in a) */
     size_t nkids;
 };
 
@@ -86,21 +132,30 @@ typedef struct ct_loop ct_loop;
 
 typedef struct ctv {
     ctv_kind kind;
-    json_t *j;          /* CTV_JSON (None is json null) and CTV_NS (an object): one owned ref */
-    const void *p;      /* CTV_LOOP: ct_loop; CTV_MACRO: its N_MACRO node; CTV_UNDEF: name */
-    int id;             /* CTV_FUNC: which builtin */
+    json_t *j;     /* CTV_JSON (None is json null) and CTV_NS (an object): one owned ref */
+    const void *p; /* CTV_LOOP: ct_loop; CTV_MACRO: its N_MACRO node; CTV_UNDEF: name */
+    int id;        /* CTV_FUNC: which builtin */
 } ctv;
 
 struct ct_loop {
-    json_t *items;      /* the iterated values, after the loop's filter */
+    json_t *items; /* the iterated values, after the loop's filter */
     size_t index0;
 };
 
 enum { CT_FN_RAISE, CT_FN_STRFTIME, CT_FN_NAMESPACE, CT_FN_RANGE };
 
-static inline ctv ctv_undef(const char *name) { return (ctv){CTV_UNDEF, NULL, name, 0}; }
-static inline ctv ctv_json(json_t *j) { return (ctv){CTV_JSON, j, NULL, 0}; } /* steals j */
-static inline ctv ctv_none(void) { return ctv_json(json_null()); }
+static inline ctv ctv_undef(const char *name)
+{
+    return (ctv){CTV_UNDEF, NULL, name, 0};
+}
+static inline ctv ctv_json(json_t *j)
+{
+    return (ctv){CTV_JSON, j, NULL, 0};
+} /* steals j */
+static inline ctv ctv_none(void)
+{
+    return ctv_json(json_null());
+}
 void ctv_drop(ctv *v);
 ctv ctv_copy(const ctv *v);
 
@@ -157,15 +212,15 @@ typedef struct ct_frame {
 } ct_frame;
 
 typedef struct ct_state {
-    const json_t *ctx;   /* the caller's variables */
-    ct_frame *global;    /* the template's top-level frame: macros see it */
+    const json_t *ctx; /* the caller's variables */
+    ct_frame *global;  /* the template's top-level frame: macros see it */
     size_t steps;
-    int depth;           /* evaluation nesting */
-    int calls;           /* macro calls nested */
-    int flow;            /* 1 after {% break %}, 2 after {% continue %} */
-    time_t now;          /* strftime_now's clock */
-    int now_utc;         /* ctx gave rekv_now: format in UTC, for reproducible tests */
-    size_t out_total;    /* bytes produced so far, all buffers together */
+    int depth;        /* evaluation nesting */
+    int calls;        /* macro calls nested */
+    int flow;         /* 1 after {% break %}, 2 after {% continue %} */
+    time_t now;       /* strftime_now's clock */
+    int now_utc;      /* ctx gave rekv_now: format in UTC, for reproducible tests */
+    size_t out_total; /* bytes produced so far, all buffers together */
     ct_tuples tuples;
     rekv_err *err;
 } ct_state;
@@ -193,10 +248,10 @@ typedef struct ct_args {
     size_t n;
 } ct_args;
 
-int ct_filter_index(const char *name);           /* -1 when not in the subset */
+int ct_filter_index(const char *name); /* -1 when not in the subset */
 int ct_test_index(const char *name);
 int ct_is_method_name(const char *name);
-int ct_builtin_index(const char *name);          /* CT_FN_*, or -1 */
+int ct_builtin_index(const char *name); /* CT_FN_*, or -1 */
 int ct_apply_filter(ct_state *st, const ct_node *at, int idx, ctv *subject, ct_args *a, ctv *out);
 int ct_apply_test(ct_state *st, const ct_node *at, int idx, ctv *subject, ct_args *a, int *res);
 int ct_call_method(ct_state *st, const ct_node *at, ctv *self, const char *name, ct_args *a,

@@ -13,7 +13,7 @@
 #include "loader/chat_template_internal.h"
 
 typedef struct lexer {
-    const char *s;   /* the normalized source */
+    const char *s; /* the normalized source */
     size_t n;
     size_t pos;
     ct_toks *out;
@@ -172,9 +172,9 @@ static int lex_string(lexer *lx, size_t start, size_t *end)
     return rc;
 }
 
-static const char *const ops[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/", "*", "%",
-                                  "~",  "[",  "]",  "(",  ")",  "{",  "}", ".", ",", ":", "|",
-                                  "=",  "<",  ">",  ";"};
+static const char *const ops[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/",
+                                  "*",  "%",  "~",  "[",  "]",  "(",  ")", "{", "}",
+                                  ".",  ",",  ":",  "|",  "=",  "<",  ">", ";"};
 
 /* One token inside a tag at lx->pos (whitespace already skipped). */
 static int lex_expr_token(lexer *lx, char *stack, int *depth)
@@ -275,8 +275,9 @@ static int lex_tag(lexer *lx, int block)
         while (lx->pos < lx->n && is_ws((unsigned char)s[lx->pos]))
             lx->pos++;
         if (lx->pos >= lx->n)
-            return lex_errf(lx, p, block ? "missing end of block tag '%}'"
-                                         : "missing end of variable tag '}}'");
+            return lex_errf(lx, p,
+                            block ? "missing end of block tag '%}'"
+                                  : "missing end of variable tag '}}'");
         if (lx->pos > p)
             continue;
         int rc = lex_expr_token(lx, stack, &depth);

@@ -17,13 +17,22 @@ static int is_int(const ctv *v)
 {
     return v->kind == CTV_JSON && (json_is_integer(v->j) || json_is_boolean(v->j));
 }
-static int is_num(const ctv *v) { return is_int(v) || (v->kind == CTV_JSON && json_is_real(v->j)); }
-static int is_str(const ctv *v) { return v->kind == CTV_JSON && json_is_string(v->j); }
+static int is_num(const ctv *v)
+{
+    return is_int(v) || (v->kind == CTV_JSON && json_is_real(v->j));
+}
+static int is_str(const ctv *v)
+{
+    return v->kind == CTV_JSON && json_is_string(v->j);
+}
 static long long int_of(const ctv *v)
 {
     return json_is_integer(v->j) ? json_integer_value(v->j) : json_is_true(v->j);
 }
-static double num_of(const ctv *v) { return is_int(v) ? (double)int_of(v) : json_real_value(v->j); }
+static double num_of(const ctv *v)
+{
+    return is_int(v) ? (double)int_of(v) : json_real_value(v->j);
+}
 
 static int type_err(ct_state *st, const ct_node *at, const char *op, const ctv *x, const ctv *y)
 {
@@ -58,9 +67,15 @@ static int arith(ct_state *st, const ct_node *at, int op, const ctv *x, const ct
         long long a = int_of(x), b = int_of(y), r = 0;
         int ov = 0;
         switch (op) {
-        case OP_ADD: ov = __builtin_add_overflow(a, b, &r); break;
-        case OP_SUB: ov = __builtin_sub_overflow(a, b, &r); break;
-        case OP_MUL: ov = __builtin_mul_overflow(a, b, &r); break;
+        case OP_ADD:
+            ov = __builtin_add_overflow(a, b, &r);
+            break;
+        case OP_SUB:
+            ov = __builtin_sub_overflow(a, b, &r);
+            break;
+        case OP_MUL:
+            ov = __builtin_mul_overflow(a, b, &r);
+            break;
         case OP_FLOORDIV:
         case OP_MOD:
             if (a == (-9223372036854775807LL - 1) && b == -1)
@@ -84,17 +99,29 @@ static int arith(ct_state *st, const ct_node *at, int op, const ctv *x, const ct
     }
     double a = num_of(x), b = num_of(y), r = 0;
     switch (op) {
-    case OP_ADD: r = a + b; break;
-    case OP_SUB: r = a - b; break;
-    case OP_MUL: r = a * b; break;
-    case OP_DIV: r = a / b; break;
-    case OP_FLOORDIV: r = floor(a / b); break;
+    case OP_ADD:
+        r = a + b;
+        break;
+    case OP_SUB:
+        r = a - b;
+        break;
+    case OP_MUL:
+        r = a * b;
+        break;
+    case OP_DIV:
+        r = a / b;
+        break;
+    case OP_FLOORDIV:
+        r = floor(a / b);
+        break;
     case OP_MOD:
         r = fmod(a, b);
         if (r != 0 && ((r < 0) != (b < 0)))
             r += b;
         break;
-    case OP_POW: r = pow(a, b); break;
+    case OP_POW:
+        r = pow(a, b);
+        break;
     }
     if (!isfinite(r))
         return ct_render_errf(st, at, -ERANGE, "float result out of range");
@@ -158,7 +185,7 @@ int ct_bin_op(ct_state *st, const ct_node *at, int op, ctv *x, ctv *y, ctv *out)
     switch (op) {
     case OP_ADD:
         if ((is_str(x) && is_str(y)) || (x->kind == CTV_JSON && y->kind == CTV_JSON &&
-                                          json_is_array(x->j) && json_is_array(y->j)))
+                                         json_is_array(x->j) && json_is_array(y->j)))
             return concat_seq(st, at, x, y, out);
         return arith(st, at, op, x, y, out);
     case OP_MUL:
@@ -167,8 +194,7 @@ int ct_bin_op(ct_state *st, const ct_node *at, int op, ctv *x, ctv *y, ctv *out)
             long long k = int_of(is_str(x) ? y : x);
             size_t n = json_string_length(s->j);
             if (k > 0 && n > 0 && (unsigned long long)k > CT_MAX_OUTPUT / n)
-                return ct_render_errf(st, at, -E2BIG, "string longer than %u bytes",
-                                      CT_MAX_OUTPUT);
+                return ct_render_errf(st, at, -E2BIG, "string longer than %u bytes", CT_MAX_OUTPUT);
             ct_buf b = {0};
             for (long long i = 0; i < k; i++)
                 ct_buf_add(&b, json_string_value(s->j), n);
@@ -204,8 +230,12 @@ int ct_bin_op(ct_state *st, const ct_node *at, int op, ctv *x, ctv *y, ctv *out)
         }
         return ct_take_string(st, at, &b, out);
     }
-    case OP_EQ: r = ct_equal(x, y); break;
-    case OP_NE: r = !ct_equal(x, y); break;
+    case OP_EQ:
+        r = ct_equal(x, y);
+        break;
+    case OP_NE:
+        r = !ct_equal(x, y);
+        break;
     case OP_LT:
     case OP_LE:
     case OP_GT:
@@ -223,7 +253,8 @@ int ct_bin_op(ct_state *st, const ct_node *at, int op, ctv *x, ctv *y, ctv *out)
         if (op == OP_NOTIN)
             r = !r;
         break;
-    default: return ct_render_errf(st, at, -EINVAL, "unknown operator");
+    default:
+        return ct_render_errf(st, at, -EINVAL, "unknown operator");
     }
     *out = ctv_json(json_boolean(r));
     return 0;
@@ -247,9 +278,9 @@ int ct_getitem(ct_state *st, const ct_node *at, const ctv *obj, const ctv *key, 
     if (!is_int(key) || !(json_is_array(j) || json_is_string(j)))
         return 0;
     long long i = int_of(key);
-    long long len = json_is_array(j) ? (long long)json_array_size(j)
-                                     : (long long)ct_utf8_len(json_string_value(j),
-                                                              json_string_length(j));
+    long long len = json_is_array(j)
+                        ? (long long)json_array_size(j)
+                        : (long long)ct_utf8_len(json_string_value(j), json_string_length(j));
     if (i < 0)
         i += len;
     if (i < 0 || i >= len)
@@ -271,8 +302,8 @@ int ct_iter_list(ct_state *st, const ct_node *at, const ctv *v, json_t **out)
         *out = json_array();
         return 0;
     }
-    if (v->kind != CTV_JSON || !(json_is_array(v->j) || json_is_object(v->j) ||
-                                 json_is_string(v->j)))
+    if (v->kind != CTV_JSON ||
+        !(json_is_array(v->j) || json_is_object(v->j) || json_is_string(v->j)))
         return ct_render_errf(st, at, -EINVAL, "'%s' object is not iterable", ct_type_name(v));
     if (json_is_array(v->j)) {
         *out = json_incref(v->j);
@@ -300,9 +331,9 @@ int ct_iter_list(ct_state *st, const ct_node *at, const ctv *v, json_t **out)
 
 /* ------------------------------------------------------------------------------- methods */
 
-static const char *const str_methods[] = {"strip", "lstrip", "rstrip", "split", "startswith",
-                                          "endswith", "upper", "lower", "replace", "title",
-                                          "capitalize", NULL};
+static const char *const str_methods[] = {"strip",      "lstrip",   "rstrip",     "split",
+                                          "startswith", "endswith", "upper",      "lower",
+                                          "replace",    "title",    "capitalize", NULL};
 static const char *const dict_methods[] = {"items", "keys", "values", "get", NULL};
 
 static int in_list(const char *const *l, const char *name)
@@ -480,13 +511,11 @@ int ct_str_replace(ct_state *st, const ct_node *at, const ctv *s, const ctv *old
  * Unicode's case tables, so such text is an error rather than a wrong result. */
 int ct_str_case(ct_state *st, const ct_node *at, const char *how, const char *s, size_t n,
                 ctv *out);
-int ct_str_case(ct_state *st, const ct_node *at, const char *how, const char *s, size_t n,
-                ctv *out)
+int ct_str_case(ct_state *st, const ct_node *at, const char *how, const char *s, size_t n, ctv *out)
 {
     for (size_t i = 0; i < n; i++)
         if ((unsigned char)s[i] >= 0x80)
-            return ct_render_errf(st, at, -EINVAL, "%s() of non-ASCII text is not supported",
-                                  how);
+            return ct_render_errf(st, at, -EINVAL, "%s() of non-ASCII text is not supported", how);
     char *d = malloc(n + 1);
     if (d == NULL)
         return ct_render_errf(st, at, -ENOMEM, "out of memory");
@@ -590,7 +619,8 @@ static int dict_method(ct_state *st, const ct_node *at, const ctv *self, const c
     json_t *l = json_array();
     const char *k;
     json_t *v;
-    json_object_foreach(self->j, k, v) {
+    json_object_foreach(self->j, k, v)
+    {
         if (name[0] == 'k')
             json_array_append_new(l, json_string_nocheck(k));
         else if (name[0] == 'v')

@@ -13,17 +13,20 @@ typedef struct parser {
     ct_toks *t;
     size_t i;
     int depth;
-    int loops;          /* enclosing for loops (break/continue), reset inside a macro */
-    char **macros;      /* names the template defines, for the calls' check */
+    int loops;     /* enclosing for loops (break/continue), reset inside a macro */
+    char **macros; /* names the template defines, for the calls' check */
     size_t nmacros;
-    ct_node **calls;    /* calls of plain names, checked once every macro is known */
+    ct_node **calls; /* calls of plain names, checked once every macro is known */
     size_t ncalls;
-    ct_node **all;      /* every node made, so that a failed parse frees its partial tree */
+    ct_node **all; /* every node made, so that a failed parse frees its partial tree */
     size_t nall, capall;
     rekv_err *err;
 } parser;
 
-static ct_tok *cur(parser *p) { return &p->t->v[p->i]; }
+static ct_tok *cur(parser *p)
+{
+    return &p->t->v[p->i];
+}
 static ct_tok *peek(parser *p, size_t k)
 {
     size_t j = p->i + k < p->t->n ? p->i + k : p->t->n - 1;
@@ -454,7 +457,10 @@ static int parse_andor(parser *p, int is_or, ct_node **out)
     return rc;
 }
 
-static int parse_or(parser *p, ct_node **out) { return parse_andor(p, 1, out); }
+static int parse_or(parser *p, ct_node **out)
+{
+    return parse_andor(p, 1, out);
+}
 
 static int parse_expr(parser *p, ct_node **out)
 {
@@ -504,7 +510,7 @@ static int parse_display(parser *p, ct_node **out)
     if (rc)
         return rc;
     p->i++;
-    n->neg = paren; /* a tuple */
+    n->neg = paren;                              /* a tuple */
     if (paren && n->nkids == 1 && commas == 0) { /* "(x)" is x, not a tuple */
         *out = n->kids[0];
     }
@@ -517,7 +523,7 @@ static int parse_primary(parser *p, ct_node **out)
     *out = NULL;
     if (k->type == TK_NAME) {
         static const char *const refused[] = {"caller", "varargs", "kwargs", "self",
-                                              "super", "cycler", "joiner", "lipsum"};
+                                              "super",  "cycler",  "joiner", "lipsum"};
         for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
             if (strcmp(k->s, refused[i]) == 0)
                 return perr(p, k, "'%s' is not supported", k->s);
@@ -719,7 +725,7 @@ static int parse_statement(parser *p, ct_node **out)
     static const struct {
         const char *name;
         ct_node_kind kind;
-    } stmts[] = {{"if", N_IF},   {"for", N_FOR},     {"set", N_SET},
+    } stmts[] = {{"if", N_IF},       {"for", N_FOR},     {"set", N_SET},
                  {"macro", N_MACRO}, {"break", N_BREAK}, {"continue", N_CONTINUE}};
     int k = -1;
     for (int i = 0; i < 6; i++)
@@ -736,10 +742,14 @@ static int parse_statement(parser *p, ct_node **out)
     *out = n;
     p->i++;
     switch (stmts[k].kind) {
-    case N_IF: return parse_if(p, n);
-    case N_FOR: return parse_for(p, n);
-    case N_SET: return parse_set(p, n);
-    case N_MACRO: return parse_macro(p, n);
+    case N_IF:
+        return parse_if(p, n);
+    case N_FOR:
+        return parse_for(p, n);
+    case N_SET:
+        return parse_set(p, n);
+    case N_MACRO:
+        return parse_macro(p, n);
     default:
         if (p->loops == 0)
             return perr(p, at, "'%s' outside a loop", at->s);

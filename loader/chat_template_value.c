@@ -47,7 +47,10 @@ int ct_buf_add(ct_buf *b, const void *p, size_t n)
     return 0;
 }
 
-int ct_buf_adds(ct_buf *b, const char *s) { return ct_buf_add(b, s, strlen(s)); }
+int ct_buf_adds(ct_buf *b, const char *s)
+{
+    return ct_buf_add(b, s, strlen(s));
+}
 
 size_t ct_utf8_len(const char *s, size_t n)
 {
@@ -207,23 +210,33 @@ static int is_tuple(const ct_tuples *t, const json_t *v)
     return 0;
 }
 
-int ct_is_view(const ct_tuples *tuples, const json_t *v) { return is_tuple(tuples, v) == 2; }
+int ct_is_view(const ct_tuples *tuples, const json_t *v)
+{
+    return is_tuple(tuples, v) == 2;
+}
 
 static int py_repr(const ct_tuples *t, ct_buf *b, const json_t *v, int depth)
 {
     if (depth > CT_MAX_DEPTH)
         return -ELOOP;
     switch (json_typeof(v)) {
-    case JSON_STRING: ct_py_repr_str(b, json_string_value(v), json_string_length(v)); return 0;
+    case JSON_STRING:
+        ct_py_repr_str(b, json_string_value(v), json_string_length(v));
+        return 0;
     case JSON_INTEGER: {
         char tmp[32];
         snprintf(tmp, sizeof tmp, "%lld", (long long)json_integer_value(v));
         return ct_buf_adds(b, tmp);
     }
-    case JSON_REAL: ct_py_float(b, json_real_value(v)); return 0;
-    case JSON_TRUE: return ct_buf_adds(b, "True");
-    case JSON_FALSE: return ct_buf_adds(b, "False");
-    case JSON_NULL: return ct_buf_adds(b, "None");
+    case JSON_REAL:
+        ct_py_float(b, json_real_value(v));
+        return 0;
+    case JSON_TRUE:
+        return ct_buf_adds(b, "True");
+    case JSON_FALSE:
+        return ct_buf_adds(b, "False");
+    case JSON_NULL:
+        return ct_buf_adds(b, "None");
     case JSON_ARRAY: {
         int tuple = is_tuple(t, v);
         if (tuple == 2)
@@ -245,7 +258,8 @@ static int py_repr(const ct_tuples *t, ct_buf *b, const json_t *v, int depth)
         json_t *x;
         int first = 1;
         ct_buf_adds(b, "{");
-        json_object_foreach((json_t *)v, k, x) {
+        json_object_foreach((json_t *)v, k, x)
+        {
             if (!first)
                 ct_buf_adds(b, ", ");
             first = 0;
@@ -264,12 +278,14 @@ static int py_repr(const ct_tuples *t, ct_buf *b, const json_t *v, int depth)
 int ct_val_str(const ct_tuples *tuples, ct_buf *b, const ctv *v)
 {
     switch (v->kind) {
-    case CTV_UNDEF: return 0;
+    case CTV_UNDEF:
+        return 0;
     case CTV_JSON:
         if (json_is_string(v->j))
             return ct_buf_add(b, json_string_value(v->j), json_string_length(v->j));
         return py_repr(tuples, b, v->j, 0);
-    default: return -EINVAL;
+    default:
+        return -EINVAL;
     }
 }
 
@@ -322,12 +338,18 @@ int ct_json_dumps(ct_buf *b, const json_t *v, int indent, int level)
         return -ELOOP;
     const char *sep = indent >= 0 ? "," : ", ";
     switch (json_typeof(v)) {
-    case JSON_STRING: json_str(b, json_string_value(v), json_string_length(v)); return 0;
-    case JSON_TRUE: return ct_buf_adds(b, "true");
-    case JSON_FALSE: return ct_buf_adds(b, "false");
-    case JSON_NULL: return ct_buf_adds(b, "null");
+    case JSON_STRING:
+        json_str(b, json_string_value(v), json_string_length(v));
+        return 0;
+    case JSON_TRUE:
+        return ct_buf_adds(b, "true");
+    case JSON_FALSE:
+        return ct_buf_adds(b, "false");
+    case JSON_NULL:
+        return ct_buf_adds(b, "null");
     case JSON_INTEGER:
-    case JSON_REAL: return py_repr(NULL, b, v, 0);
+    case JSON_REAL:
+        return py_repr(NULL, b, v, 0);
     case JSON_ARRAY:
         if (json_array_size(v) == 0)
             return ct_buf_adds(b, "[]");
@@ -351,7 +373,8 @@ int ct_json_dumps(ct_buf *b, const json_t *v, int indent, int level)
         json_t *x;
         int first = 1;
         ct_buf_adds(b, "{");
-        json_object_foreach((json_t *)v, k, x) {
+        json_object_foreach((json_t *)v, k, x)
+        {
             if (!first)
                 ct_buf_adds(b, sep);
             first = 0;
@@ -378,14 +401,21 @@ int ct_truthy(const ctv *v)
     if (v->kind != CTV_JSON)
         return 1;
     switch (json_typeof(v->j)) {
-    case JSON_STRING: return json_string_length(v->j) > 0;
-    case JSON_INTEGER: return json_integer_value(v->j) != 0;
-    case JSON_REAL: return json_real_value(v->j) != 0;
-    case JSON_TRUE: return 1;
+    case JSON_STRING:
+        return json_string_length(v->j) > 0;
+    case JSON_INTEGER:
+        return json_integer_value(v->j) != 0;
+    case JSON_REAL:
+        return json_real_value(v->j) != 0;
+    case JSON_TRUE:
+        return 1;
     case JSON_FALSE:
-    case JSON_NULL: return 0;
-    case JSON_ARRAY: return json_array_size(v->j) > 0;
-    case JSON_OBJECT: return json_object_size(v->j) > 0;
+    case JSON_NULL:
+        return 0;
+    case JSON_ARRAY:
+        return json_array_size(v->j) > 0;
+    case JSON_OBJECT:
+        return json_object_size(v->j) > 0;
     }
     return 0;
 }
@@ -394,11 +424,28 @@ int ct_truthy(const ctv *v)
 static int as_number(const json_t *j, double *d, long long *i, int *is_int)
 {
     switch (json_typeof(j)) {
-    case JSON_INTEGER: *i = json_integer_value(j); *d = (double)*i; *is_int = 1; return 1;
-    case JSON_TRUE: *i = 1; *d = 1; *is_int = 1; return 1;
-    case JSON_FALSE: *i = 0; *d = 0; *is_int = 1; return 1;
-    case JSON_REAL: *d = json_real_value(j); *i = 0; *is_int = 0; return 1;
-    default: return 0;
+    case JSON_INTEGER:
+        *i = json_integer_value(j);
+        *d = (double)*i;
+        *is_int = 1;
+        return 1;
+    case JSON_TRUE:
+        *i = 1;
+        *d = 1;
+        *is_int = 1;
+        return 1;
+    case JSON_FALSE:
+        *i = 0;
+        *d = 0;
+        *is_int = 1;
+        return 1;
+    case JSON_REAL:
+        *d = json_real_value(j);
+        *i = 0;
+        *is_int = 0;
+        return 1;
+    default:
+        return 0;
     }
 }
 
@@ -415,7 +462,8 @@ int ct_json_equal(const json_t *x, const json_t *y)
     case JSON_STRING:
         return json_string_length(x) == json_string_length(y) &&
                memcmp(json_string_value(x), json_string_value(y), json_string_length(x)) == 0;
-    case JSON_NULL: return 1;
+    case JSON_NULL:
+        return 1;
     case JSON_ARRAY:
         if (json_array_size(x) != json_array_size(y))
             return 0;
@@ -428,14 +476,16 @@ int ct_json_equal(const json_t *x, const json_t *y)
             return 0;
         const char *k;
         json_t *v;
-        json_object_foreach((json_t *)x, k, v) {
+        json_object_foreach((json_t *)x, k, v)
+        {
             json_t *w = json_object_get(y, k);
             if (w == NULL || !ct_json_equal(v, w))
                 return 0;
         }
         return 1;
     }
-    default: return 0;
+    default:
+        return 0;
     }
 }
 
@@ -471,15 +521,15 @@ static int json_compare(const json_t *x, const json_t *y, int *cmp, int depth)
         return 0;
     }
     if (json_is_array(x) && json_is_array(y)) {
-        size_t n = json_array_size(x) < json_array_size(y) ? json_array_size(x)
-                                                           : json_array_size(y);
+        size_t n =
+            json_array_size(x) < json_array_size(y) ? json_array_size(x) : json_array_size(y);
         for (size_t i = 0; i < n; i++) {
             if (ct_json_equal(json_array_get(x, i), json_array_get(y, i)))
                 continue;
             return json_compare(json_array_get(x, i), json_array_get(y, i), cmp, depth + 1);
         }
-        *cmp = json_array_size(x) < json_array_size(y) ? -1
-                                                       : json_array_size(x) > json_array_size(y);
+        *cmp =
+            json_array_size(x) < json_array_size(y) ? -1 : json_array_size(x) > json_array_size(y);
         return 0;
     }
     return -EINVAL;
@@ -495,22 +545,35 @@ int ct_compare(const ctv *x, const ctv *y, int *cmp)
 const char *ct_type_name(const ctv *v)
 {
     switch (v->kind) {
-    case CTV_UNDEF: return "undefined";
-    case CTV_NS: return "namespace";
-    case CTV_LOOP: return "loop";
-    case CTV_MACRO: return "macro";
-    case CTV_FUNC: return "function";
-    case CTV_JSON: break;
+    case CTV_UNDEF:
+        return "undefined";
+    case CTV_NS:
+        return "namespace";
+    case CTV_LOOP:
+        return "loop";
+    case CTV_MACRO:
+        return "macro";
+    case CTV_FUNC:
+        return "function";
+    case CTV_JSON:
+        break;
     }
     switch (json_typeof(v->j)) {
-    case JSON_STRING: return "str";
-    case JSON_INTEGER: return "int";
-    case JSON_REAL: return "float";
+    case JSON_STRING:
+        return "str";
+    case JSON_INTEGER:
+        return "int";
+    case JSON_REAL:
+        return "float";
     case JSON_TRUE:
-    case JSON_FALSE: return "bool";
-    case JSON_NULL: return "NoneType";
-    case JSON_ARRAY: return "list";
-    case JSON_OBJECT: return "dict";
+    case JSON_FALSE:
+        return "bool";
+    case JSON_NULL:
+        return "NoneType";
+    case JSON_ARRAY:
+        return "list";
+    case JSON_OBJECT:
+        return "dict";
     }
     return "?";
 }

@@ -8,8 +8,9 @@
  * HF model directories (config.json or model.safetensors mutated), llama2.c checkpoints, and the
  * BPE, tokenizer.json and tokenizer.bin loaders, GGUF files (a tiny llama one made here and
  * those of ../shared/gguf, their headers mutated) and chat templates (chat_template.jinja and
- * tokenizer_config.json, through rekv_chat_template_load_dir). Whatever opens is then used (tensors touched,
- * text encoded and decoded). Random byte strings go through every valid tokenizer's encoder.
+ * tokenizer_config.json, through rekv_chat_template_load_dir). Whatever opens is then used
+ * (tensors touched, text encoded and decoded). Random byte strings go through every valid
+ * tokenizer's encoder.
  *
  * A crash or sanitizer report aborts the process, naming the case; `--only SEED:ITER` replays it.
  * The same arguments always produce the same mutants.
@@ -1394,9 +1395,11 @@ static void run_case(const seed *s)
             static const char conv[] =
                 "{\"add_generation_prompt\": true, \"messages\": [{\"role\": \"system\", "
                 "\"content\": \"S\"}, {\"role\": \"user\", \"content\": \" hi \"}, {\"role\": "
-                "\"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"abcdefghi\", \"type\": "
+                "\"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"abcdefghi\", "
+                "\"type\": "
                 "\"function\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}]}, "
-                "{\"role\": \"tool\", \"tool_call_id\": \"abcdefghi\", \"content\": \"r\"}], \"tools\": "
+                "{\"role\": \"tool\", \"tool_call_id\": \"abcdefghi\", \"content\": \"r\"}], "
+                "\"tools\": "
                 "[{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"d\", "
                 "\"parameters\": {\"type\": \"object\", \"properties\": {\"a\": {\"type\": "
                 "[\"string\", \"integer\"], \"description\": \"x\"}}}}}]}";

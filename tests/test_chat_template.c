@@ -73,7 +73,8 @@ START_TEST(test_real_templates_match_jinja2)
     ck_assert_uint_ge(json_array_size(results), 8 * 14);
     size_t i, bad = 0, errors = 0;
     json_t *r;
-    json_array_foreach(results, i, r) {
+    json_array_foreach(results, i, r)
+    {
         const char *tn = json_string_value(json_object_get(r, "template"));
         const char *cn = json_string_value(json_object_get(r, "conversation"));
         char path[1024], what[512];
@@ -142,7 +143,8 @@ static const char *const unit_cases[][2] = {
      "\"user\", \"c\": \"\"}], \"xs\": [1, 2, 3]}"},
     {"{{ v|tojson }}\n{{ v|tojson(indent=2) }}\n{{ v|tojson(indent=0) }}\n{{ 'x\\u00e9\"\\n\\t'"
      "|tojson }}{{ [[], {}]|tojson(indent=4) }}",
-     "{\"v\": {\"a\": [1, 2.0, 1e-07, 1e+22, 0.1, -0.0, true, null], \"b\": {\"c\": \"é\\u0001<>&'\"}}}"},
+     "{\"v\": {\"a\": [1, 2.0, 1e-07, 1e+22, 0.1, -0.0, true, null], \"b\": {\"c\": "
+     "\"é\\u0001<>&'\"}}}"},
     {"{{ '42'|int + 1 }} {{ 'x'|int }} {{ 3.9|int }} {{ '2.5'|float }} {{ 7|string + 'a' }} "
      "{{ [3, 1]|reverse|list }} {{ 'abc'|reverse }} {{ -3|abs }} {{ x|string }}",
      "{\"x\": [1, \"a\", {\"k\": null, \"q\": \"it's\"}, true, 1.5]}"},
@@ -216,8 +218,8 @@ START_TEST(test_subset_matches_jinja2)
         json_error_t je;
         json_t *vars = json_loads(unit_cases[i][1], 0, &je);
         ck_assert_msg(vars != NULL, "case %zu vars: %s", i, je.text);
-        json_array_append_new(cases, json_pack("{s:s,s:o}", "template", unit_cases[i][0],
-                                               "vars", vars));
+        json_array_append_new(cases,
+                              json_pack("{s:s,s:o}", "template", unit_cases[i][0], "vars", vars));
     }
     char *dir = tu_tmpdir(), path[1024], cmd[1200], *js = NULL;
     snprintf(path, sizeof path, "%s/cases.json", dir);
@@ -317,7 +319,8 @@ static void check_render_fails(const char *src, const char *want)
     int rc = rekv_chat_template_render(t, vars, &out, &err);
     ck_assert_msg(rc < 0, "\"%.60s\" rendered", src);
     ck_assert_ptr_null(out);
-    ck_assert_msg(strstr(err.msg, want), "\"%.60s\": error \"%s\" lacks \"%s\"", src, err.msg, want);
+    ck_assert_msg(strstr(err.msg, want), "\"%.60s\": error \"%s\" lacks \"%s\"", src, err.msg,
+                  want);
     json_decref(vars);
     rekv_chat_template_free(t);
 }
@@ -453,4 +456,7 @@ static Suite *suite(void)
     return s;
 }
 
-int main(void) { return tu_run_suite(suite()); }
+int main(void)
+{
+    return tu_run_suite(suite());
+}
