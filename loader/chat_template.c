@@ -95,6 +95,8 @@ int rekv_chat_template_render(const rekv_chat_template *t, const json_t *ctx, ch
     int rc = ct_exec(&st, &global, t->root, &b);
     if (rc == 0 && b.oom)
         rc = rekv_errf(err, -ENOMEM, "chat template: out of memory");
+    if (rc == 0 && b.n > 0 && memchr(b.p, '\0', b.n) != NULL) /* the C string would end there */
+        rc = rekv_errf(err, -EINVAL, "chat template: the rendered text holds a NUL character");
     ct_frame_clear(&global);
     for (size_t i = 0; i < st.tuples.n; i++)
         json_decref(st.tuples.v[i]);

@@ -51,8 +51,8 @@ const char *rekv_chat_template_special(const rekv_chat_template *t, const char *
  * strftime_now(fmt) formats the local time now, as HF's does; a ctx integer "rekv_now" (Unix
  * seconds) pins it, formatted in UTC, for reproducible renders. Llama 3.x templates take
  * "date_string" from ctx before calling strftime_now. Errors (raise_exception's message follows
- * "raise_exception: ", a type error, an undefined value used, a bound passed) are one line in
- * err. */
+ * "raise_exception: ", a type error, an undefined value used, a bound passed, a NUL character
+ * in the text) are one line in err. */
 int rekv_chat_template_render(const rekv_chat_template *t, const json_t *ctx, char **out,
                               rekv_err *err);
 

@@ -143,6 +143,19 @@ static int lex_string(lexer *lx, size_t start, size_t *end)
             i += 2;
             continue;
         }
+        if (e >= '0' && e <= '7') { /* octal: up to three digits */
+            unsigned long cp = 0;
+            size_t j = i + 1;
+            for (; j < i + 4 && j < lx->n && lx->s[j] >= '0' && lx->s[j] <= '7'; j++)
+                cp = cp * 8 + (unsigned long)(lx->s[j] - '0');
+            k += put_utf8(d + k, cp);
+            i = j;
+            continue;
+        }
+        if (e == 'N') {
+            free(d);
+            return lex_errf(lx, i, "\\N{...} escapes are not supported");
+        }
         int digits = e == 'x' ? 2 : e == 'u' ? 4 : e == 'U' ? 8 : 0;
         if (digits == 0) { /* not an escape: Python keeps the backslash */
             d[k++] = c;

@@ -194,6 +194,7 @@ static const char *const unit_cases[][2] = {
      "{{ 'a' in u }}|{% for x in u %}a{% else %}b{% endfor %}",
      "{\"n\": null, \"x\": 1}"},
     {"{{ u.v is defined }}", "{}"},
+    {"{{ 'a\\101\\0b\\q\\7\\x41\\U0001F600'|tojson }}", "{}"},
     {"{{ u|tojson }}", "{}"},
     {"{{ none|length }}", "{}"},
     {"{{ u + 1 }}", "{}"},
@@ -305,6 +306,7 @@ START_TEST(test_malformed_refused)
     check_refused("{% for in xs %}{% endfor %}", "expected 'in'", NULL);
     check_refused("{{ x | }}", "expected a filter name", NULL);
     check_refused("{{ '\\u12' }}", "escape", NULL);
+    check_refused("{{ '\\N{EM DASH}' }}", "\\N{...}", NULL);
 }
 END_TEST
 
@@ -352,6 +354,7 @@ START_TEST(test_bounds)
                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
                        "string longer than");
     check_render_fails("{{ 'x' * 100000000 }}", "string longer than");
+    check_render_fails("a{{ '\\0' }}b", "NUL character"); /* a C string would end at it */
     check_render_fails("{{ range(100000000)|length }}", "range() longer");
     /* Python prints these as dict_items([...]) and <generator ...>: not printed here */
     check_render_fails("{{ {'a': 1}.items() }}", "cannot print");
