@@ -187,8 +187,10 @@ int rekv_chat_template_load_dir(const char *dir, rekv_chat_template **out, rekv_
 {
     *out = NULL;
     char path[4096], cfg_path[4096];
-    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
-    snprintf(cfg_path, sizeof cfg_path, "%s/tokenizer_config.json", dir);
+    if (snprintf(path, sizeof path, "%s/chat_template.jinja", dir) >= (int)sizeof path ||
+        snprintf(cfg_path, sizeof cfg_path, "%s/tokenizer_config.json", dir) >=
+            (int)sizeof cfg_path)
+        return rekv_errf(err, -ENAMETOOLONG, "%s: path too long", dir);
     json_t *cfg = NULL;
     struct stat sb;
     if (stat(cfg_path, &sb) == 0) {

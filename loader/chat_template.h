@@ -52,7 +52,12 @@ const char *rekv_chat_template_special(const rekv_chat_template *t, const char *
  * seconds) pins it, formatted in UTC, for reproducible renders. Llama 3.x templates take
  * "date_string" from ctx before calling strftime_now. Errors (raise_exception's message follows
  * "raise_exception: ", a type error, an undefined value used, a bound passed, a NUL character
- * in the text) are one line in err. */
+ * in the text) are one line in err. A parsed template is not changed by rendering: several
+ * threads may render it at once.
+ *
+ * HF's apply_chat_template always passes tools and documents (None when the request has none)
+ * and add_generation_prompt (False by default); a caller after its exact behaviour sets them
+ * (null, false) — a template may tell an undefined variable from a null one. */
 int rekv_chat_template_render(const rekv_chat_template *t, const json_t *ctx, char **out,
                               rekv_err *err);
 
