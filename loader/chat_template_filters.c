@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "loader/chat_template_internal.h"
 
@@ -371,6 +372,34 @@ static int f_string(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
     return rc ? rc : to_str(st, at, v, out);
 }
 
+/* Whether t (stripped) is a number as Python's int()/float() read it: 1 a plain decimal one, 0
+ * one they refuse too, -1 one only Python reads (underscores, non-ASCII digits, inf, nan). */
+static int number_syntax(const char *t)
+{
+    const char *p = t + (*t == '+' || *t == '-');
+    if (strcasecmp(p, "inf") == 0 || strcasecmp(p, "infinity") == 0 || strcasecmp(p, "nan") == 0)
+        return -1;
+    for (const char *c = t; *c; c++)
+        if (*c == '_' || (unsigned char)*c >= 0x80)
+            return -1;
+    size_t digits = 0;
+    while (*p >= '0' && *p <= '9')
+        p++, digits++;
+    if (*p == '.')
+        for (p++; *p >= '0' && *p <= '9'; p++)
+            digits++;
+    if (digits == 0)
+        return 0;
+    if (*p == 'e' || *p == 'E') {
+        p += 1 + (p[1] == '+' || p[1] == '-');
+        if (!(*p >= '0' && *p <= '9'))
+            return 0;
+        while (*p >= '0' && *p <= '9')
+            p++;
+    }
+    return *p == '\0';
+}
+
 static int f_number(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out)
 {
     int want_int = at->name[0] == 'i';
@@ -395,6 +424,13 @@ static int f_number(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
         char *t = strndup(s + b, e - b);
         if (t == NULL)
             return ct_render_errf(st, at, -ENOMEM, "out of memory");
+        int syntax = number_syntax(t);
+        if (syntax < 0) {
+            free(t);
+            return ct_render_errf(st, at, -EINVAL, "%s of this text is not supported", at->name);
+        }
+        if (syntax == 0)
+            t[0] = '\0'; /* Python refuses it: the default */
         if (want_int) {
             errno = 0;
             long long x = strtoll(t, &end, 10);

@@ -209,6 +209,9 @@ static const char *const unit_cases[][2] = {
      "{{ 'a' in u }}|{% for x in u %}a{% else %}b{% endfor %}",
      "{\"n\": null, \"x\": 1}"},
     {"{{ u.v is defined }}", "{}"},
+    {"{{ '0x1A'|int }} {{ ' 42 '|int }} {{ '4.5'|int }} {{ '-.5e1'|float }} {{ '1e'|int }} "
+     "{{ 'abc'|float }} {{ '5.'|float }} {{ '+3'|int }} {{ ''|int }} {{ true|float }}",
+     "{}"},
     {"{{ 'a\\101\\0b\\q\\7\\x41\\U0001F600'|tojson }}", "{}"},
     {"{{ u|tojson }}", "{}"},
     {"{{ none|length }}", "{}"},
