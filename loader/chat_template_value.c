@@ -165,6 +165,25 @@ static unsigned long utf8_cp(const unsigned char *s, size_t n, size_t *len)
     return s[0];
 }
 
+/* Code points above 0xff that Python's repr escapes: separators and spaces (Zl, Zp, Zs),
+ * format characters (Cf), private use (Co) and noncharacters. Unassigned code points, which
+ * Python escapes too, would need Unicode's tables; text with them is rare in a chat. */
+static int py_unprintable(unsigned long c)
+{
+    static const unsigned long ranges[][2] = {
+        {0x061c, 0x061c},   {0x0600, 0x0605},   {0x06dd, 0x06dd},   {0x070f, 0x070f},
+        {0x08e2, 0x08e2},   {0x1680, 0x1680},   {0x180e, 0x180e},   {0x2000, 0x200f},
+        {0x2028, 0x202f},   {0x205f, 0x2064},   {0x2066, 0x206f},   {0x3000, 0x3000},
+        {0xd800, 0xf8ff},   {0xfdd0, 0xfdef},   {0xfeff, 0xfeff},   {0xfff9, 0xfffb},
+        {0xfffe, 0xffff},   {0x110bd, 0x110bd}, {0x110cd, 0x110cd}, {0x1bca0, 0x1bca3},
+        {0x1d173, 0x1d17a}, {0xe0001, 0xe0001}, {0xe0020, 0xe007f}, {0xf0000, 0x10ffff},
+    };
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++)
+        if (c >= ranges[i][0] && c <= ranges[i][1])
+            return 1;
+    return (c & 0xfffe) == 0xfffe; /* the noncharacters at the end of every plane */
+}
+
 /* repr(str): single quotes unless the text has ' and no ", escapes as Python writes them.
  * Python also escapes the non-printable code points above 0x7f; the C1 controls and the
  * separators below are those a chat message may hold. */
@@ -187,9 +206,8 @@ void ct_py_repr_str(ct_buf *b, const char *s, size_t n)
             strcpy(esc, "\\t");
         else if (c < 0x20 || (c >= 0x7f && c <= 0xa0) || c == 0xad)
             snprintf(esc, sizeof esc, "\\x%02lx", c);
-        else if ((c >= 0x2028 && c <= 0x202e) || (c >= 0x200b && c <= 0x200f) || c == 0xfeff ||
-                 (c >= 0x2060 && c <= 0x2064))
-            snprintf(esc, sizeof esc, "\\u%04lx", c);
+        else if (py_unprintable(c))
+            snprintf(esc, sizeof esc, c < 0x10000 ? "\\u%04lx" : "\\U%08lx", c);
         else {
             ct_buf_add(b, s + i, len);
             i += len;

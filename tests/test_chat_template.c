@@ -209,6 +209,9 @@ static const char *const unit_cases[][2] = {
      "{{ 'a' in u }}|{% for x in u %}a{% else %}b{% endfor %}",
      "{\"n\": null, \"x\": 1}"},
     {"{{ u.v is defined }}", "{}"},
+    {"{{ [s] }}{{ {s: 1} }}{{ s|tojson }}",
+     "{\"s\": \"a\\u2003b\\u200bc\\u3000d\\ue000e\\u061cf\\u00a0g\\u00adh\\u2066i\\ufeffj"
+     "\\ud83d\\ude00k\\u4e2dl\\u0301m\\u202fn\\u2029\\u0085\\u007f\\\\'\\\"\"}"},
     {"{{ '0x1A'|int }} {{ ' 42 '|int }} {{ '4.5'|int }} {{ '-.5e1'|float }} {{ '1e'|int }} "
      "{{ 'abc'|float }} {{ '5.'|float }} {{ '+3'|int }} {{ ''|int }} {{ true|float }}",
      "{}"},
