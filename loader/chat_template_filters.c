@@ -516,19 +516,39 @@ static int f_safe(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out)
     return rc;
 }
 
+/* Each filter with the keyword arguments it takes (Jinja's names, space-separated). */
 static const struct {
     const char *name;
     filter_fn fn;
+    const char *kws;
 } filters[] = {
-    {"trim", f_trim},         {"tojson", f_tojson},    {"length", f_length},
-    {"count", f_length},      {"upper", f_case},       {"lower", f_case},
-    {"capitalize", f_case},   {"title", f_case},       {"default", f_default},
-    {"d", f_default},         {"items", f_items},      {"selectattr", f_select},
-    {"rejectattr", f_select}, {"select", f_select},    {"reject", f_select},
-    {"map", f_map},           {"first", f_first_last}, {"last", f_first_last},
-    {"join", f_join},         {"replace", f_replace},  {"string", f_string},
-    {"int", f_number},        {"float", f_number},     {"list", f_list},
-    {"reverse", f_reverse},   {"abs", f_abs},          {"safe", f_safe},
+    {"trim", f_trim, "chars"},
+    {"tojson", f_tojson, "ensure_ascii indent separators sort_keys"},
+    {"length", f_length, ""},
+    {"count", f_length, ""},
+    {"upper", f_case, ""},
+    {"lower", f_case, ""},
+    {"capitalize", f_case, ""},
+    {"title", f_case, ""},
+    {"default", f_default, "default_value boolean"},
+    {"d", f_default, "default_value boolean"},
+    {"items", f_items, ""},
+    {"selectattr", f_select, ""},
+    {"rejectattr", f_select, ""},
+    {"select", f_select, ""},
+    {"reject", f_select, ""},
+    {"map", f_map, "attribute default"},
+    {"first", f_first_last, ""},
+    {"last", f_first_last, ""},
+    {"join", f_join, "d attribute"},
+    {"replace", f_replace, "old new count"},
+    {"string", f_string, ""},
+    {"int", f_number, "default"},
+    {"float", f_number, "default"},
+    {"list", f_list, ""},
+    {"reverse", f_reverse, ""},
+    {"abs", f_abs, ""},
+    {"safe", f_safe, ""},
 };
 
 int ct_filter_index(const char *name)
@@ -545,10 +565,23 @@ int ct_apply_filter(ct_state *st, const ct_node *at, int idx, ctv *subject, ct_a
     named.name = (char *)filters[idx].name; /* "count" is "length", "d" is "default" */
     if (!strcmp(named.name, "d"))
         named.name = (char *)"default";
-    for (size_t i = 0; i < a->n; i++)
+    for (size_t i = 0; i < a->n; i++) {
         if (a->v[i].kind != CTV_JSON && a->v[i].kind != CTV_UNDEF)
             return ct_render_errf(st, at, -EINVAL, "filter '%s' got a %s argument", named.name,
                                   ct_type_name(&a->v[i]));
+        if (a->kw[i] == NULL)
+            continue;
+        const char *k = filters[idx].kws, *hit = NULL;
+        size_t n = strlen(a->kw[i]);
+        while ((k = strstr(k, a->kw[i])) != NULL && hit == NULL) {
+            if ((k == filters[idx].kws || k[-1] == ' ') && (k[n] == ' ' || k[n] == '\0'))
+                hit = k;
+            k += n;
+        }
+        if (hit == NULL)
+            return ct_render_errf(st, at, -EINVAL, "filter '%s' takes no keyword argument '%s'",
+                                  named.name, a->kw[i]);
+    }
     return filters[idx].fn(st, &named, subject, a, out);
 }
 

@@ -182,6 +182,7 @@ typedef struct ct_tuples {
  * and dicts, a float's shortest repr; undefined prints nothing. -EINVAL when not printable. */
 int ct_val_str(const ct_tuples *tuples, ct_buf *b, const ctv *v);
 int ct_is_view(const ct_tuples *tuples, const json_t *v);
+int ct_is_tuple(const ct_tuples *tuples, const json_t *v);
 /* json.dumps(v, ensure_ascii=False, indent=indent (< 0: None)). */
 int ct_json_dumps(ct_buf *b, const json_t *v, int indent, int level);
 void ct_py_repr_str(ct_buf *b, const char *s, size_t n);

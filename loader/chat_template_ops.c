@@ -573,15 +573,15 @@ static int str_method(ct_state *st, const ct_node *at, const ctv *self, const ch
         if (a->n != 1)
             return ct_render_errf(st, at, -EINVAL, "%s() takes one argument here", name);
         json_t *cands = is_str(&a->v[0]) ? NULL : a->v[0].j;
-        if (cands == NULL || !json_is_array(cands))
-            cands = NULL;
+        if (cands == NULL || !json_is_array(cands) || !ct_is_tuple(&st->tuples, cands))
+            cands = NULL; /* Python takes a str or a tuple of them, not a list */
         if (!is_str(&a->v[0]) && cands == NULL)
-            return ct_render_errf(st, at, -EINVAL, "%s() takes a str or a list of str", name);
+            return ct_render_errf(st, at, -EINVAL, "%s() takes a str or a tuple of str", name);
         int r = 0;
         for (size_t i = 0; i < (cands ? json_array_size(cands) : 1) && !r; i++) {
             json_t *p = cands ? json_array_get(cands, i) : a->v[0].j;
             if (!json_is_string(p))
-                return ct_render_errf(st, at, -EINVAL, "%s() takes a str or a list of str", name);
+                return ct_render_errf(st, at, -EINVAL, "%s() takes a str or a tuple of str", name);
             size_t k = json_string_length(p);
             r = k <= n && memcmp(name[0] == 's' ? s : s + n - k, json_string_value(p), k) == 0;
         }

@@ -233,6 +233,11 @@ int ct_is_view(const ct_tuples *tuples, const json_t *v)
     return is_tuple(tuples, v) == 2;
 }
 
+int ct_is_tuple(const ct_tuples *tuples, const json_t *v)
+{
+    return is_tuple(tuples, v) == 1;
+}
+
 static int py_repr(const ct_tuples *t, ct_buf *b, const json_t *v, int depth)
 {
     if (depth > CT_MAX_DEPTH)

@@ -209,6 +209,9 @@ static const char *const unit_cases[][2] = {
      "{{ 'a' in u }}|{% for x in u %}a{% else %}b{% endfor %}",
      "{\"n\": null, \"x\": 1}"},
     {"{{ u.v is defined }}", "{}"},
+    {"{{ 'abc'.startswith(('x', 'a')) }}{{ 'abc'.endswith(('x',)) }}{{ x|join(d='-') }}"
+     "{{ u|default(default_value=3) }}{{ x|map(attribute='k', default='?')|list }}",
+     "{\"x\": [1, 2]}"},
     {"{{ [s] }}{{ {s: 1} }}{{ s|tojson }}",
      "{\"s\": \"a\\u2003b\\u200bc\\u3000d\\ue000e\\u061cf\\u00a0g\\u00adh\\u2066i\\ufeffj"
      "\\ud83d\\ude00k\\u4e2dl\\u0301m\\u202fn\\u2029\\u0085\\u007f\\\\'\\\"\"}"},
@@ -377,6 +380,9 @@ START_TEST(test_bounds)
                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
                        "string longer than");
     check_render_fails("{{ 'x' * 100000000 }}", "string longer than");
+    /* what Python refuses, refused here too */
+    check_render_fails("{{ 'abc'.startswith(['a']) }}", "tuple of str");
+    check_render_fails("{{ [1]|tojson(foo=2) }}", "no keyword argument 'foo'");
     check_render_fails("a{{ '\\0' }}b", "NUL character"); /* a C string would end at it */
     check_render_fails("{{ range(100000000)|length }}", "range() longer");
     /* Python prints these as dict_items([...]) and <generator ...>: not printed here */
