@@ -330,8 +330,12 @@ static int call_macro(ct_state *st, const ct_node *at, const ct_node *m, ct_args
             continue;
         int found = 0;
         for (size_t j = 0; j < m->nkids; j++)
-            found = found || !strcmp(m->kids[j]->name, a->kw[i]);
-        if (!found)
+            if (!strcmp(m->kids[j]->name, a->kw[i]))
+                found = j < npos ? -1 : 1; /* -1: a positional argument gave it already */
+        if (found < 0)
+            rc = ct_render_errf(st, at, -EINVAL, "macro '%s' got multiple values for '%s'",
+                                m->name, a->kw[i]);
+        else if (!found)
             rc = ct_render_errf(st, at, -EINVAL, "macro '%s' has no parameter '%s'", m->name,
                                 a->kw[i]);
     }

@@ -382,6 +382,7 @@ START_TEST(test_bounds)
     check_render_fails("{{ 'x' * 100000000 }}", "string longer than");
     /* what Python refuses, refused here too */
     check_render_fails("{{ 'abc'.startswith(['a']) }}", "tuple of str");
+    check_render_fails("{% macro m(a, b) %}{% endmacro %}{{ m(1, a=2) }}", "multiple values");
     check_render_fails("{{ [1]|tojson(foo=2) }}", "no keyword argument 'foo'");
     check_render_fails("a{{ '\\0' }}b", "NUL character"); /* a C string would end at it */
     check_render_fails("{{ range(100000000)|length }}", "range() longer");
