@@ -310,6 +310,46 @@ static int eval_slice(ct_state *st, ct_frame *f, const ct_node *n, ctv *obj, ctv
     return ct_take_string(st, n, &b, out);
 }
 
+/* A value's size for the work bound: a string's bytes; a list's or dict's items, each weighed
+ * as CT_ITEM_WORK bytes (what making one costs, next to copying a byte); else 1. */
+static size_t val_size(const ctv *v)
+{
+    if (v->kind != CTV_JSON && v->kind != CTV_NS)
+        return 1;
+    if (json_is_string(v->j))
+        return json_string_length(v->j) + 1;
+    if (json_is_array(v->j))
+        return (json_array_size(v->j) + 1) * CT_ITEM_WORK;
+    if (json_is_object(v->j))
+        return (json_object_size(v->j) + 1) * CT_ITEM_WORK;
+    return 1;
+}
+
+int ct_charge(ct_state *st, const ct_node *at, size_t units)
+{
+    st->work += units;
+    if (st->work > CT_MAX_WORK)
+        return ct_render_errf(st, at, -E2BIG,
+                              "more than %u units of work (bytes and items operated on)",
+                              CT_MAX_WORK);
+    return 0;
+}
+
+/* Charges the work of an operation on (or making) v: a render of a big string in a long loop
+ * ends here, where the output and step bounds alone would let it run for hours. */
+static int charge(ct_state *st, const ct_node *at, const ctv *v)
+{
+    return ct_charge(st, at, val_size(v));
+}
+
+static int charge_args(ct_state *st, const ct_node *at, const ctv *self, const ct_args *a)
+{
+    int rc = self ? charge(st, at, self) : 0;
+    for (size_t i = 0; i < a->n && rc == 0; i++)
+        rc = charge(st, at, &a->v[i]);
+    return rc;
+}
+
 static int call_macro(ct_state *st, const ct_node *at, const ct_node *m, ct_args *a, ctv *out)
 {
     if (++st->steps > CT_MAX_STEPS)
@@ -333,8 +373,8 @@ static int call_macro(ct_state *st, const ct_node *at, const ct_node *m, ct_args
             if (!strcmp(m->kids[j]->name, a->kw[i]))
                 found = j < npos ? -1 : 1; /* -1: a positional argument gave it already */
         if (found < 0)
-            rc = ct_render_errf(st, at, -EINVAL, "macro '%s' got multiple values for '%s'",
-                                m->name, a->kw[i]);
+            rc = ct_render_errf(st, at, -EINVAL, "macro '%s' got multiple values for '%s'", m->name,
+                                a->kw[i]);
         else if (!found)
             rc = ct_render_errf(st, at, -EINVAL, "macro '%s' has no parameter '%s'", m->name,
                                 a->kw[i]);
@@ -383,13 +423,14 @@ static int eval_call(ct_state *st, ct_frame *f, const ct_node *n, ctv *out)
         return rc;
     if ((rc = args_eval(st, f, n, &a)) != 0)
         goto out;
-    if (callee->kind == N_ATTR)
+    rc = charge_args(st, n, callee->kind == N_ATTR ? &self : NULL, &a);
+    if (rc == 0 && callee->kind == N_ATTR)
         rc = ct_call_method(st, n, &self, callee->name, &a, out);
-    else if (fn.kind == CTV_MACRO)
+    else if (rc == 0 && fn.kind == CTV_MACRO)
         rc = call_macro(st, n, fn.p, &a, out);
-    else if (fn.kind == CTV_FUNC)
+    else if (rc == 0 && fn.kind == CTV_FUNC)
         rc = ct_call_builtin(st, n, fn.id, &a, out);
-    else
+    else if (rc == 0)
         rc = ct_render_errf(st, n, -EINVAL, "'%s' is %s, not a function", callee->name,
                             fn.kind == CTV_UNDEF ? "undefined" : ct_type_name(&fn));
     args_free(&a);
@@ -438,6 +479,8 @@ static int eval_bin(ct_state *st, ct_frame *f, const ct_node *n, ctv *out)
     int rc = ct_eval(st, f, n->a, &x);
     if (rc == 0)
         rc = ct_eval(st, f, n->b, &y);
+    if (rc == 0 && (rc = charge(st, n, &x)) == 0)
+        rc = charge(st, n, &y);
     if (rc == 0)
         rc = ct_bin_op(st, n, n->op, &x, &y, out);
     ctv_drop(&x);
@@ -453,9 +496,10 @@ static int eval_filter_test(ct_state *st, ct_frame *f, const ct_node *n, ctv *ou
     if (rc)
         return rc;
     if ((rc = args_eval(st, f, n, &a)) == 0) {
-        if (n->kind == N_FILTER) {
+        rc = charge_args(st, n, &subject, &a);
+        if (rc == 0 && n->kind == N_FILTER) {
             rc = ct_apply_filter(st, n, n->op, &subject, &a, out);
-        } else {
+        } else if (rc == 0) {
             int res = 0;
             rc = ct_apply_test(st, n, n->op, &subject, &a, &res);
             if (rc == 0)
@@ -546,6 +590,9 @@ int ct_eval(ct_state *st, ct_frame *f, const ct_node *n, ctv *out)
     st->depth++;
     int rc = eval_inner(st, f, n, out);
     st->depth--;
+    if (rc == 0 && (n->kind == N_BIN || n->kind == N_FILTER || n->kind == N_CALL ||
+                    n->kind == N_SLICE || n->kind == N_LIST || n->kind == N_DICT))
+        rc = charge(st, n, out); /* what it made */
     if (rc)
         ctv_drop(out);
     return rc;
@@ -571,6 +618,8 @@ static int for_items(ct_state *st, ct_frame *f, const ct_node *n, json_t **items
     int rc = ct_eval(st, f, n->a, &it);
     if (rc == 0)
         rc = ct_iter_list(st, n, &it, items);
+    if (rc == 0 && (rc = charge(st, n, &(ctv){CTV_JSON, *items, NULL, 0})) != 0)
+        json_decref(*items);
     ctv_drop(&it);
     if (rc || n->b == NULL)
         return rc;

@@ -18,6 +18,9 @@
                                      evaluation may nest CT_MAX_DEPTH * 8 (macros in macros) */
 #define CT_MAX_OUTPUT (16u << 20) /* bytes one render may produce */
 #define CT_MAX_STEPS 2000000u     /* loop iterations and macro calls in one render */
+/* bytes and items that operators, filters and calls take and make in one render: its time */
+#define CT_MAX_WORK (1u << 30)
+#define CT_ITEM_WORK 32u /* a list's or dict's item, in CT_MAX_WORK's units (bytes) */
 
 /* ------------------------------------------------------------------------------ lexer */
 
@@ -222,6 +225,7 @@ typedef struct ct_state {
     time_t now;       /* strftime_now's clock */
     int now_utc;      /* ctx gave rekv_now: format in UTC, for reproducible tests */
     size_t out_total; /* bytes produced so far, all buffers together */
+    size_t work;      /* bytes and items operated on so far (CT_MAX_WORK) */
     ct_tuples tuples;
     rekv_err *err;
 } ct_state;
@@ -234,6 +238,8 @@ void ct_frame_clear(ct_frame *f);
 int ct_render_errf(ct_state *st, const ct_node *at, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 int ct_out(ct_state *st, ct_buf *out, const void *p, size_t n);
+/* Adds units to the render's work (CT_MAX_WORK); -E2BIG past it. */
+int ct_charge(ct_state *st, const ct_node *at, size_t units);
 /* Marks arr (a new array) as a tuple, or as a view, for printing; -ENOMEM. */
 int ct_mark_tuple(ct_state *st, json_t *arr, int view);
 /* A new string value from b's bytes, refused past CT_MAX_OUTPUT or after a failed append; frees

@@ -684,6 +684,12 @@ static int builtin_range(ct_state *st, const ct_node *at, ct_args *a, ctv *out)
     }
     if (r[2] == 0)
         return ct_render_errf(st, at, -EINVAL, "range() step must not be zero");
+    double count = ((double)r[1] - (double)r[0]) / (double)r[2]; /* charged before it is made */
+    if (count > CT_MAX_STEPS)
+        return ct_render_errf(st, at, -E2BIG, "range() longer than %u", CT_MAX_STEPS);
+    int rc = ct_charge(st, at, count > 0 ? (size_t)count * CT_ITEM_WORK : 0);
+    if (rc)
+        return rc;
     json_t *l = json_array();
     for (long long x = r[0]; r[2] > 0 ? x < r[1] : x > r[1]; x += r[2]) {
         if (json_array_size(l) >= CT_MAX_STEPS) {

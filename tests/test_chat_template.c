@@ -380,6 +380,15 @@ START_TEST(test_bounds)
                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
                        "string longer than");
     check_render_fails("{{ 'x' * 100000000 }}", "string longer than");
+    /* work: big values in long loops, each step and the output small */
+    check_render_fails("{% set s = 'x' * 10000000 %}{% for i in range(1000000) %}"
+                       "{% set t = s.strip() %}{% endfor %}",
+                       "units of work");
+    check_render_fails("{% for i in range(2000000) %}{% set x = range(2000000) %}{% endfor %}",
+                       "units of work");
+    check_render_fails("{% set ns = namespace(l=[]) %}{% for i in range(1000000) %}"
+                       "{% set ns.l = ns.l + [i] %}{% endfor %}",
+                       "units of work");
     /* what Python refuses, refused here too */
     check_render_fails("{{ 'abc'.startswith(['a']) }}", "tuple of str");
     check_render_fails("{% macro m(a, b) %}{% endmacro %}{{ m(1, a=2) }}", "multiple values");
