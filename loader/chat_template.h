@@ -21,8 +21,7 @@
  *
  * Bounds (a template is user input): nesting 128 deep, 16 MiB of output (and of any one string),
  * 2,000,000 loop iterations and macro calls, and 2^30 units of work (bytes, and list or dict items
- * at 32 each, that operators, filters and calls take and make) per render: about a second at
- * most. */
+ * at 32 each, that operators, filters and calls take and make) per render. */
 #ifndef REKV_LOADER_CHAT_TEMPLATE_H
 #define REKV_LOADER_CHAT_TEMPLATE_H
 
