@@ -101,7 +101,6 @@ int rekv_chat_template_render(const rekv_chat_template *t, const json_t *ctx, ch
     for (size_t i = 0; i < st.tuples.n; i++)
         json_decref(st.tuples.v[i]);
     free(st.tuples.v);
-    free(st.tuples.view);
     json_decref(vars);
     if (rc == 0 && b.p == NULL && (b.p = strdup("")) == NULL)
         rc = rekv_errf(err, -ENOMEM, "chat template: out of memory");

@@ -38,21 +38,17 @@ int ct_out(ct_state *st, ct_buf *out, const void *p, size_t n)
     return 0;
 }
 
-int ct_mark_tuple(ct_state *st, json_t *arr, int view)
+int ct_mark_tuple(ct_state *st, json_t *arr)
 {
     ct_tuples *t = &st->tuples;
     if (t->n == t->cap) {
         size_t cap = t->cap ? t->cap * 2 : 16;
         json_t **v = realloc(t->v, cap * sizeof *v);
-        if (v)
-            t->v = v;
-        unsigned char *k = v ? realloc(t->view, cap) : NULL;
-        if (k == NULL)
+        if (v == NULL)
             return ct_render_errf(st, NULL, -ENOMEM, "out of memory");
-        t->view = k;
+        t->v = v;
         t->cap = cap;
     }
-    t->view[t->n] = (unsigned char)view;
     t->v[t->n++] = json_incref(arr);
     return 0;
 }
@@ -202,6 +198,38 @@ static int loop_attr(ct_state *st, const ct_node *at, const ct_loop *l, const ch
     return 0;
 }
 
+/* Whether Python's str, list, dict, int or float (as j's type) has the attribute name: a
+ * template reading one (not calling it) would get a bound method or a number's part. */
+static int py_attribute(const json_t *j, const char *name)
+{
+    static const char *const str_attrs =
+        " capitalize casefold center count encode endswith expandtabs find format format_map "
+        "index isalnum isalpha isascii isdecimal isdigit isidentifier islower isnumeric "
+        "isprintable isspace istitle isupper join ljust lower lstrip maketrans partition "
+        "removeprefix removesuffix replace rfind rindex rjust rpartition rsplit rstrip split "
+        "splitlines startswith strip swapcase title translate upper zfill ";
+    static const char *const list_attrs =
+        " append clear copy count extend index insert pop remove reverse sort ";
+    static const char *const dict_attrs =
+        " clear copy fromkeys get items keys pop popitem setdefault update values ";
+    static const char *const int_attrs = " as_integer_ratio bit_count bit_length conjugate "
+                                         "denominator from_bytes imag is_integer numerator real "
+                                         "to_bytes ";
+    static const char *const float_attrs =
+        " as_integer_ratio conjugate fromhex hex imag is_integer real ";
+    const char *list = json_is_string(j)                          ? str_attrs
+                       : json_is_array(j)                         ? list_attrs
+                       : json_is_object(j)                        ? dict_attrs
+                       : json_is_integer(j) || json_is_boolean(j) ? int_attrs
+                       : json_is_real(j)                          ? float_attrs
+                                                                  : NULL;
+    size_t n = strlen(name);
+    for (const char *p = list ? strstr(list, name) : NULL; p; p = strstr(p + 1, name))
+        if (p[-1] == ' ' && p[n] == ' ')
+            return 1;
+    return 0;
+}
+
 static int getattr(ct_state *st, const ct_node *at, const ctv *obj, const char *name, ctv *out)
 {
     switch (obj->kind) {
@@ -216,21 +244,15 @@ static int getattr(ct_state *st, const ct_node *at, const ctv *obj, const char *
         return 0;
     }
     case CTV_JSON:
+        if (py_attribute(obj->j, name)) /* Jinja2 finds Python's attribute before a key */
+            return ct_render_errf(st, at, -EINVAL,
+                                  "'.%s' of a %s is a Python attribute: not supported here", name,
+                                  ct_type_name(obj));
         if (json_is_object(obj->j)) {
-            static const char *const dict_methods[] = {"items",      "keys",    "values",  "get",
-                                                       "pop",        "copy",    "update",  "clear",
-                                                       "setdefault", "popitem", "fromkeys"};
-            for (size_t i = 0; i < sizeof dict_methods / sizeof dict_methods[0]; i++)
-                if (!strcmp(name, dict_methods[i]))
-                    return ct_render_errf(st, at, -EINVAL, "'.%s' of a dict is its method: call it",
-                                          name);
             json_t *j = json_object_get(obj->j, name);
             *out = j ? ctv_json(json_incref(j)) : ctv_undef(name);
             return 0;
         }
-        if (ct_is_method_name(name) && (json_is_string(obj->j) || json_is_array(obj->j)))
-            return ct_render_errf(st, at, -EINVAL, "'.%s' of a %s is its method: call it", name,
-                                  ct_type_name(obj));
         *out = ctv_undef(name);
         return 0;
     default:
@@ -464,7 +486,7 @@ static int eval_list(ct_state *st, ct_frame *f, const ct_node *n, ctv *out)
         ctv_drop(&v);
     }
     if (rc == 0 && n->neg)
-        rc = ct_mark_tuple(st, c, 0);
+        rc = ct_mark_tuple(st, c);
     if (rc) {
         json_decref(c);
         return rc;

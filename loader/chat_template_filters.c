@@ -99,11 +99,9 @@ static int f_tojson(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
             return ct_render_errf(st, at, -EINVAL, "tojson: indent must be an integer 0..64");
         indent = (int)json_integer_value(ind->j);
     }
-    if (v->kind != CTV_JSON || ct_is_view(&st->tuples, v->j))
+    if (v->kind != CTV_JSON)
         return ct_render_errf(st, at, -EINVAL, "Object of type %s is not JSON serializable",
-                              v->kind == CTV_UNDEF  ? "Undefined"
-                              : v->kind == CTV_JSON ? "dict_items"
-                                                    : ct_type_name(v));
+                              v->kind == CTV_UNDEF ? "Undefined" : ct_type_name(v));
     ct_buf b = {0};
     if (ct_json_dumps(&b, v->j, indent, 0)) {
         free(b.p);
@@ -126,6 +124,8 @@ static int f_length(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
         n = (long long)json_array_size(v->j);
     else if (v->kind == CTV_JSON && json_is_object(v->j))
         n = (long long)json_object_size(v->j);
+    else if (v->kind == CTV_GEN && v->id == CT_GEN_DICT_VIEW)
+        n = (long long)json_array_size(v->j);
     else
         return ct_render_errf(st, at, -EINVAL, "object of type '%s' has no len()", ct_type_name(v));
     *out = ctv_json(json_integer(n));
@@ -138,7 +138,8 @@ static int f_case(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out)
     int rc = max_args(st, at, a, 0);
     if (rc || (rc = to_str(st, at, v, &s)))
         return rc;
-    rc = ct_str_case(st, at, at->name, json_string_value(s.j), json_string_length(s.j), out);
+    const char *how = strcmp(at->name, "title") == 0 ? "jtitle" : at->name;
+    rc = ct_str_case(st, at, how, json_string_value(s.j), json_string_length(s.j), out);
     ctv_drop(&s);
     return rc;
 }
@@ -163,7 +164,7 @@ static int f_items(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out
     if (rc)
         return rc;
     if (v->kind == CTV_UNDEF) {
-        *out = ctv_json(json_array());
+        *out = (ctv){CTV_GEN, json_array(), NULL, CT_GEN_GENERATOR};
         return 0;
     }
     if (v->kind != CTV_JSON || !json_is_object(v->j))
@@ -174,16 +175,12 @@ static int f_items(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out
     json_object_foreach(v->j, k, x)
     {
         json_t *pair = json_pack("[sO]", k, x);
-        if (pair == NULL || json_array_append_new(l, pair) || ct_mark_tuple(st, pair, 0)) {
+        if (pair == NULL || json_array_append_new(l, pair) || ct_mark_tuple(st, pair)) {
             json_decref(l);
             return ct_render_errf(st, at, -ENOMEM, "out of memory");
         }
     }
-    if (ct_mark_tuple(st, l, 1)) {
-        json_decref(l);
-        return -ENOMEM;
-    }
-    *out = ctv_json(l);
+    *out = (ctv){CTV_GEN, l, NULL, CT_GEN_GENERATOR};
     return 0;
 }
 
@@ -260,7 +257,7 @@ static int f_select(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
         json_decref(kept);
         return rc;
     }
-    *out = ctv_json(kept);
+    *out = (ctv){CTV_GEN, kept, NULL, CT_GEN_GENERATOR};
     return 0;
 }
 
@@ -303,7 +300,7 @@ static int f_map(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *out)
         json_decref(res);
         return rc;
     }
-    *out = ctv_json(res);
+    *out = (ctv){CTV_GEN, res, NULL, CT_GEN_GENERATOR};
     return 0;
 }
 
@@ -311,6 +308,8 @@ static int f_first_last(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv
 {
     json_t *items;
     int rc = max_args(st, at, a, 0);
+    if (rc == 0 && at->name[0] == 'l' && v->kind == CTV_GEN && v->id == CT_GEN_GENERATOR)
+        return ct_render_errf(st, at, -EINVAL, "'generator' object is not reversible");
     if (rc || (rc = ct_iter_list(st, at, v, &items)))
         return rc;
     size_t n = json_array_size(items);
@@ -407,6 +406,9 @@ static int f_number(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *ou
     int rc = max_args(st, at, a, 1);
     if (rc)
         return rc;
+    if (v->kind == CTV_UNDEF) /* int(Undefined) raises in Jinja2, past the filter's default */
+        return ct_render_errf(st, at, -EINVAL, "'%s' is undefined",
+                              v->p ? (const char *)v->p : "value");
     double d = 0;
     int ok = 0;
     if (v->kind == CTV_JSON && (json_is_number(v->j) || json_is_boolean(v->j))) {
@@ -478,8 +480,10 @@ static int f_reverse(ct_state *st, const ct_node *at, ctv *v, ct_args *a, ctv *o
     for (size_t i = json_array_size(items); i-- > 0;)
         json_array_append(r, json_array_get(items, i));
     json_decref(items);
-    if (!is_str(v)) {
-        *out = ctv_json(r);
+    if (!is_str(v)) { /* reversed(): an iterator; a generator, which reversed() refuses: a list */
+        *out = v->kind == CTV_GEN && v->id == CT_GEN_GENERATOR
+                   ? ctv_json(r)
+                   : (ctv){CTV_GEN, r, NULL, CT_GEN_GENERATOR};
         return 0;
     }
     ct_buf b = {0};
@@ -673,6 +677,7 @@ static int test_type(const char *name, const ctv *v, int *res)
         *res = j && t == JSON_OBJECT;
     else if (!strcmp(name, "iterable") || !strcmp(name, "sequence")) /* Undefined is both */
         *res = v->kind == CTV_UNDEF || v->kind == CTV_LOOP ||
+               (name[0] == 'i' && v->kind == CTV_GEN) ||
                (j && (t == JSON_STRING || t == JSON_ARRAY || t == JSON_OBJECT));
     else
         return -ENOENT;

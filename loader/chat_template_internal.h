@@ -129,15 +129,22 @@ void ct_node_free(ct_node *n); /* one node's own fields, not its children */
 
 /* ------------------------------------------------------------------------------- values */
 
-typedef enum { CTV_UNDEF, CTV_JSON, CTV_NS, CTV_LOOP, CTV_MACRO, CTV_FUNC } ctv_kind;
+/* CTV_GEN: what Python has as a generator (select, map, |items) or a dict view (.items(),
+ * .keys(), .values()): it iterates (for, |list, |join, |first, in, the select family) but does
+ * not print, compare or dump as a list would; a generator is always true, a view when not
+ * empty. */
+typedef enum { CTV_UNDEF, CTV_JSON, CTV_NS, CTV_LOOP, CTV_MACRO, CTV_FUNC, CTV_GEN } ctv_kind;
+
+enum { CT_GEN_GENERATOR, CT_GEN_DICT_VIEW };
 
 typedef struct ct_loop ct_loop;
 
 typedef struct ctv {
     ctv_kind kind;
-    json_t *j;     /* CTV_JSON (None is json null) and CTV_NS (an object): one owned ref */
+    json_t *j;     /* CTV_JSON (None is json null), CTV_NS (an object), CTV_GEN (an array of
+                      its items): one owned ref */
     const void *p; /* CTV_LOOP: ct_loop; CTV_MACRO: its N_MACRO node; CTV_UNDEF: name */
-    int id;        /* CTV_FUNC: which builtin */
+    int id;        /* CTV_FUNC: which builtin; CTV_GEN: CT_GEN_* */
 } ctv;
 
 struct ct_loop {
@@ -172,19 +179,15 @@ int ct_buf_add(ct_buf *b, const void *p, size_t n);
 int ct_buf_adds(ct_buf *b, const char *s);
 
 /* The arrays that stand for Python tuples (tuple literals, the pairs of items()), by identity:
- * they print as (a, b); and those that stand for views and generators (dict.items(), |items),
- * which Python prints as "dict_items([...])" or "<generator ...>": they do not print here. Each
- * entry holds a reference. */
+ * they print as (a, b). Each entry holds a reference. */
 typedef struct ct_tuples {
     json_t **v;
-    unsigned char *view;
     size_t n, cap;
 } ct_tuples;
 
 /* Python's str() of a value into b: strings as they are, True/False/None, repr of lists, tuples
  * and dicts, a float's shortest repr; undefined prints nothing. -EINVAL when not printable. */
 int ct_val_str(const ct_tuples *tuples, ct_buf *b, const ctv *v);
-int ct_is_view(const ct_tuples *tuples, const json_t *v);
 int ct_is_tuple(const ct_tuples *tuples, const json_t *v);
 /* json.dumps(v, ensure_ascii=False, indent=indent (< 0: None)). */
 int ct_json_dumps(ct_buf *b, const json_t *v, int indent, int level);
@@ -240,8 +243,8 @@ int ct_render_errf(ct_state *st, const ct_node *at, int code, const char *fmt, .
 int ct_out(ct_state *st, ct_buf *out, const void *p, size_t n);
 /* Adds units to the render's work (CT_MAX_WORK); -E2BIG past it. */
 int ct_charge(ct_state *st, const ct_node *at, size_t units);
-/* Marks arr (a new array) as a tuple, or as a view, for printing; -ENOMEM. */
-int ct_mark_tuple(ct_state *st, json_t *arr, int view);
+/* Marks arr (a new array) as a tuple, for printing and startswith; -ENOMEM. */
+int ct_mark_tuple(ct_state *st, json_t *arr);
 /* A new string value from b's bytes, refused past CT_MAX_OUTPUT or after a failed append; frees
  * b's memory either way. */
 int ct_take_string(ct_state *st, const ct_node *at, ct_buf *b, ctv *out);

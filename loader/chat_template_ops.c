@@ -163,7 +163,7 @@ static int contains(ct_state *st, const ct_node *at, const ctv *item, const ctv 
         *res = k == 0 || memmem(json_string_value(seq->j), n, json_string_value(item->j), k);
         return 0;
     }
-    if (seq->kind == CTV_JSON && json_is_array(seq->j)) {
+    if ((seq->kind == CTV_JSON || seq->kind == CTV_GEN) && json_is_array(seq->j)) {
         *res = 0;
         for (size_t i = 0; i < json_array_size(seq->j) && !*res; i++) {
             ctv e = {CTV_JSON, json_array_get(seq->j, i), NULL, 0};
@@ -300,6 +300,10 @@ int ct_iter_list(ct_state *st, const ct_node *at, const ctv *v, json_t **out)
 {
     if (v->kind == CTV_UNDEF) {
         *out = json_array();
+        return 0;
+    }
+    if (v->kind == CTV_GEN) {
+        *out = json_incref(v->j);
         return 0;
     }
     if (v->kind != CTV_JSON ||
@@ -519,17 +523,21 @@ int ct_str_case(ct_state *st, const ct_node *at, const char *how, const char *s,
     char *d = malloc(n + 1);
     if (d == NULL)
         return ct_render_errf(st, at, -ENOMEM, "out of memory");
-    int word_start = 1;
+    /* "title": str.title(), a word starts after any non-letter; "jtitle": Jinja2's title
+       filter, a word starts after "-", whitespace, "(", "{", "[" or "<" */
+    int word_start = 1, jinja = how[0] == 'j';
     for (size_t i = 0; i < n; i++) {
         char c = s[i];
         int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-        int up = how[0] == 'u' || (how[0] == 't' && word_start) || (how[0] == 'c' && i == 0);
+        int sep = strchr("-({[< \t\n\r\v\f\x1c\x1d\x1e\x1f", c) != NULL && c != '\0';
+        int up =
+            how[0] == 'u' || ((how[0] == 't' || jinja) && word_start) || (how[0] == 'c' && i == 0);
         if (up && c >= 'a' && c <= 'z')
             c = (char)(c - 32);
         else if (!up && c >= 'A' && c <= 'Z')
             c = (char)(c + 32);
         d[i] = c;
-        word_start = !alpha;
+        word_start = jinja ? sep : !alpha;
     }
     *out = ctv_json(json_stringn_nocheck(d, n));
     free(d);
@@ -627,17 +635,13 @@ static int dict_method(ct_state *st, const ct_node *at, const ctv *self, const c
             json_array_append(l, v);
         else {
             json_t *pair = json_pack("[sO]", k, v);
-            if (pair == NULL || json_array_append_new(l, pair) || ct_mark_tuple(st, pair, 0)) {
+            if (pair == NULL || json_array_append_new(l, pair) || ct_mark_tuple(st, pair)) {
                 json_decref(l);
                 return ct_render_errf(st, at, -ENOMEM, "out of memory");
             }
         }
     }
-    if (ct_mark_tuple(st, l, 1)) {
-        json_decref(l);
-        return -ENOMEM;
-    }
-    *out = ctv_json(l);
+    *out = (ctv){CTV_GEN, l, NULL, CT_GEN_DICT_VIEW};
     return 0;
 }
 

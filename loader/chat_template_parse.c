@@ -587,7 +587,8 @@ static int parse_if(parser *p, ct_node *n)
 {
     static const char *const stops[] = {"elif", "else", "endif", NULL};
     int which, rc;
-    if ((rc = parse_expr(p, &n->a)) || (rc = expect_end(p)) ||
+    /* Jinja2 reads an if's test without "x if y else z" (parse_tuple(with_condexpr=False)) */
+    if ((rc = parse_or(p, &n->a)) || (rc = expect_end(p)) ||
         (rc = parse_body(p, stops, &which, &n->b)))
         return rc;
     if (which == 0) { /* elif: an if in the else branch */

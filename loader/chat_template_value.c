@@ -219,23 +219,17 @@ void ct_py_repr_str(ct_buf *b, const char *s, size_t n)
     ct_buf_add(b, &q, 1);
 }
 
-/* 1: a tuple, 2: a view, 0: a list. */
 static int is_tuple(const ct_tuples *t, const json_t *v)
 {
     for (size_t i = 0; t && i < t->n; i++)
         if (t->v[i] == v)
-            return t->view[i] ? 2 : 1;
+            return 1;
     return 0;
-}
-
-int ct_is_view(const ct_tuples *tuples, const json_t *v)
-{
-    return is_tuple(tuples, v) == 2;
 }
 
 int ct_is_tuple(const ct_tuples *tuples, const json_t *v)
 {
-    return is_tuple(tuples, v) == 1;
+    return is_tuple(tuples, v);
 }
 
 static int py_repr(const ct_tuples *t, ct_buf *b, const json_t *v, int depth)
@@ -262,8 +256,6 @@ static int py_repr(const ct_tuples *t, ct_buf *b, const json_t *v, int depth)
         return ct_buf_adds(b, "None");
     case JSON_ARRAY: {
         int tuple = is_tuple(t, v);
-        if (tuple == 2)
-            return -EINVAL;
         ct_buf_adds(b, tuple ? "(" : "[");
         for (size_t i = 0; i < json_array_size(v); i++) {
             if (i)
@@ -421,6 +413,8 @@ int ct_truthy(const ctv *v)
 {
     if (v->kind == CTV_UNDEF)
         return 0;
+    if (v->kind == CTV_GEN) /* a generator is an object, true even when it will yield nothing */
+        return v->id == CT_GEN_GENERATOR || json_array_size(v->j) > 0;
     if (v->kind != CTV_JSON)
         return 1;
     switch (json_typeof(v->j)) {
@@ -576,6 +570,8 @@ const char *ct_type_name(const ctv *v)
         return "loop";
     case CTV_MACRO:
         return "macro";
+    case CTV_GEN:
+        return v->id == CT_GEN_GENERATOR ? "generator" : "dict view";
     case CTV_FUNC:
         return "function";
     case CTV_JSON:

@@ -209,6 +209,15 @@ static const char *const unit_cases[][2] = {
      "{{ 'a' in u }}|{% for x in u %}a{% else %}b{% endfor %}",
      "{\"n\": null, \"x\": 1}"},
     {"{{ u.v is defined }}", "{}"},
+    /* generators and iterators: true even when empty, iterable, not printable */
+    {"{{ x|title }}|{{ 'ab-cd (ef) g_h x1y'|title }}|{{ 'ab-cd x1y'.title() }}|"
+     "{{ not ([]|reverse) }}{{ not ([]|select) }}{{ not (u|items) }}{{ not {}.items() }}|"
+     "{{ [1, 2]|reverse|list }}{{ ([1, 2]|select)|reverse }}{{ 1 in [1]|select }}"
+     "{{ {'a': 1}.keys()|length }}{{ [3]|map('string')|first }}",
+     "{\"x\": [{\"type\": \"function\"}]}"},
+    {"{{ u|int }}", "{}"},
+    {"{{ 'ab'.index|length }}", "{}"},
+    {"{{ ([1]|select)|last }}", "{}"},
     {"{{ 'abc'.startswith(('x', 'a')) }}{{ 'abc'.endswith(('x',)) }}{{ x|join(d='-') }}"
      "{{ u|default(default_value=3) }}{{ x|map(attribute='k', default='?')|list }}",
      "{\"x\": [1, 2]}"},
@@ -312,6 +321,7 @@ START_TEST(test_unsupported_refused_with_name)
     check_refused("{% set a, b = 1, 2 %}", "several targets", NULL);
     check_refused("{{ f(*xs) }}", "*args", NULL);
     check_refused("{{ 1 < x < 3 }}", "chained comparisons", NULL);
+    check_refused("{% if a if b else c %}{% endif %}", "expected end of block tag", NULL);
     check_refused("{% break %}", "outside a loop", NULL);
     check_refused("{{ loop.cycle('a', 'b') }}", "method '.cycle()'", NULL);
 }
@@ -398,6 +408,7 @@ START_TEST(test_bounds)
     /* Python prints these as dict_items([...]) and <generator ...>: not printed here */
     check_render_fails("{{ {'a': 1}.items() }}", "cannot print");
     check_render_fails("{{ {'a': 1}|items }}", "cannot print");
+    check_render_fails("{{ [1]|reverse }}", "cannot print"); /* "<list_reverseiterator ...>" */
 }
 END_TEST
 
