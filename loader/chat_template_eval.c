@@ -292,7 +292,7 @@ static int eval_slice(ct_state *st, ct_frame *f, const ct_node *n, ctv *obj, ctv
     long long step = 1, start = 0, stop = 0;
     int is_str = obj->kind == CTV_JSON && json_is_string(obj->j);
     int is_list = obj->kind == CTV_JSON && json_is_array(obj->j);
-    if (rc == 0 && !is_str && !is_list)
+    if (rc == 0 && !is_str && !is_list) /* Jinja2 slices with Python's [a:b], which raises */
         rc = ct_render_errf(st, n, -EINVAL, "cannot slice a %s", ct_type_name(obj));
     const char *s = is_str ? json_string_value(obj->j) : NULL;
     size_t sn = is_str ? json_string_length(obj->j) : 0;
@@ -671,6 +671,9 @@ static int exec_for(ct_state *st, ct_frame *f, const ct_node *n, ct_buf *out)
         return rc;
     ct_loop loop = {.items = items};
     size_t len = json_array_size(items);
+    /* Jinja2 runs the else block unless some iteration reached the end of the body: one that
+       broke or continued does not count (its generated code clears the flag there) */
+    int body_ended = 0;
     for (size_t i = 0; i < len && rc == 0; i++) {
         if (++st->steps > CT_MAX_STEPS) {
             rc = ct_render_errf(st, n, -E2BIG, "more than %u loop iterations and calls",
@@ -687,10 +690,11 @@ static int exec_for(ct_state *st, ct_frame *f, const ct_node *n, ct_buf *out)
         ct_frame_clear(&fr);
         int flow = st->flow;
         st->flow = 0;
+        body_ended = body_ended || flow == 0;
         if (flow == 1)
             break;
     }
-    if (rc == 0 && len == 0 && n->d) {
+    if (rc == 0 && !body_ended && n->d) {
         ct_frame fr = {.parent = f};
         rc = ct_exec(st, &fr, n->d, out);
         ct_frame_clear(&fr);
@@ -722,6 +726,8 @@ static int exec_set(ct_state *st, ct_frame *f, const ct_node *n, ct_buf *out)
     if (ns == NULL || ns->kind != CTV_NS)
         rc = ct_render_errf(st, n, -EINVAL, "cannot assign attribute on non-namespace '%s'",
                             n->name);
+    else if (v.kind == CTV_UNDEF) /* reads back as undefined, as Jinja2's stored Undefined */
+        json_object_del(ns->j, n->name2);
     else if (v.kind != CTV_JSON)
         rc = ct_render_errf(st, n, -EINVAL, "a %s cannot be stored in a namespace",
                             ct_type_name(&v));

@@ -697,21 +697,25 @@ int ct_apply_test(ct_state *st, const ct_node *at, int idx, ctv *subject, ct_arg
     }
     if (!strcmp(name, "odd") || !strcmp(name, "even") || !strcmp(name, "divisibleby"))
         return test_number(st, at, name, subject, a, res);
-    if (!strcmp(name, "lower") || !strcmp(name, "upper")) {
-        if (a->n || !is_str(subject))
-            return ct_render_errf(st, at, -EINVAL, "test '%s' takes a str", name);
-        const char *s = json_string_value(subject->j);
+    if (!strcmp(name, "lower") || !strcmp(name, "upper")) { /* str(value).islower() */
+        ctv sv;
+        int rc = a->n ? ct_render_errf(st, at, -EINVAL, "test '%s' takes no arguments", name)
+                      : to_str(st, at, subject, &sv);
+        if (rc)
+            return rc;
+        const char *s = json_string_value(sv.j);
         int cased = 0, ok = 1;
-        for (size_t i = 0; i < json_string_length(subject->j); i++) {
+        for (size_t i = 0; i < json_string_length(sv.j) && rc == 0; i++) {
             unsigned char c = (unsigned char)s[i];
             if (c >= 0x80)
-                return ct_render_errf(st, at, -EINVAL, "test '%s' of non-ASCII text", name);
+                rc = ct_render_errf(st, at, -EINVAL, "test '%s' of non-ASCII text", name);
             int lo = c >= 'a' && c <= 'z', up = c >= 'A' && c <= 'Z';
             cased = cased || lo || up;
             ok = ok && !(name[0] == 'l' ? up : lo);
         }
+        ctv_drop(&sv);
         *res = cased && ok;
-        return 0;
+        return rc;
     }
     if (!strcmp(name, "sameas")) {
         if (a->n != 1)

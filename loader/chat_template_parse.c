@@ -399,7 +399,7 @@ static int parse_compare(parser *p, ct_node **out)
     int rc = parse_binary_level(p, 0, out);
     static const char *const cmp[] = {"==", "!=", "<", "<=", ">", ">="};
     static const ct_binop codes[] = {OP_EQ, OP_NE, OP_LT, OP_LE, OP_GT, OP_GE};
-    int seen = 0;
+    ct_node *last = NULL; /* the right operand of the comparison before: a chain's next left */
     while (rc == 0) {
         ct_tok *at = cur(p);
         int op = -1;
@@ -412,16 +412,25 @@ static int parse_compare(parser *p, ct_node **out)
             op = OP_NOTIN;
         if (op < 0)
             return 0;
-        if (seen++)
-            return perr(p, at, "chained comparisons are not supported%s", NULL);
         p->i += op == OP_NOTIN ? 2 : 1;
         ct_node *n = node_new(p, N_BIN, at);
         if (n == NULL)
             return -ENOMEM;
         n->op = op;
-        n->a = *out;
-        *out = n;
+        if (last == NULL) {
+            n->a = *out;
+            *out = n;
+        } else { /* "a < b < c" is "a < b and b < c", as in Python (b, without effects, twice) */
+            ct_node *and = node_new(p, N_AND, at);
+            if (and == NULL)
+                return -ENOMEM;
+            n->a = last;
+            and->a = *out;
+            and->b = n;
+            *out = and;
+        }
         rc = parse_binary_level(p, 0, &n->b);
+        last = n->b;
     }
     return rc;
 }
