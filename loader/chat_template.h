@@ -11,13 +11,19 @@
  * targets, an "if" filter, else, loop.index/index0/revindex/revindex0/first/last/length/previtem/
  * nextitem), break/continue, set (also ns.attr and block set), macro (positional, keyword and
  * default arguments, recursion); literals, attribute and subscript access, slices, calls, + - * /
- * // % ** ~, comparisons, in / not in, and/or/not, inline if-else; filters trim tojson length
+ * // % ** ~, comparisons (chained as in Python), in / not in, and/or/not, inline if-else; tuple
+ * literals; filters trim tojson length
  * count upper lower capitalize title default d items selectattr rejectattr select reject map
  * first last join replace string int float list reverse abs safe; tests defined undefined none
  * string number integer float boolean true false mapping iterable sequence equalto eq ne in odd
  * even divisibleby lower upper gt lt ge le sameas; str methods strip lstrip rstrip split
  * startswith endswith upper lower replace title capitalize; dict methods items keys values get;
  * builtins raise_exception(msg), strftime_now(fmt), namespace(k=v, ...), range(...).
+ * Values follow Python's: str() and repr() as Python prints them, a generator (select, map,
+ * |items, reverse) or dict view (.items()) that iterates but does not print; where Python
+ * would print what only Python can (a generator's address, a non-ASCII upper()), the render
+ * fails instead. Besides the real templates, tests/chat_template/gen_cases.py's random
+ * templates check that rekv never renders what Jinja2 refuses nor renders differently.
  *
  * Bounds (a template is user input): nesting 128 deep, 16 MiB of output (and of any one string),
  * 2,000,000 loop iterations and macro calls, and 2^30 units of work (bytes, and list or dict items
