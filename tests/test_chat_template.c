@@ -298,6 +298,72 @@ START_TEST(test_subset_matches_jinja2)
 }
 END_TEST
 
+typedef struct cmp_counts {
+    size_t n, same, both_fail, refused, bad;
+} cmp_counts;
+
+/* Runs gen (a command printing [{template, vars}] cases) and the oracle on its cases, and
+ * renders each with rekv. strict: rekv renders exactly what Jinja2 renders and fails where it
+ * fails (check_one); else rekv may also refuse what Jinja2 renders. Differences go to stderr. */
+static cmp_counts compare_generated(const char *gen, int strict)
+{
+    cmp_counts k = {0};
+    char *dir = tu_tmpdir(), cmd[4200], *js = NULL;
+    snprintf(cmd, sizeof cmd, "%s > %s/cases.json && " ORACLE " --cases %s/cases.json 2>/dev/null",
+             gen, dir, dir);
+    ck_assert_msg(tu_run(cmd, &js) == 0, "the oracle failed: %s", cmd);
+    json_error_t je;
+    json_t *results = json_loads(js, 0, &je);
+    snprintf(cmd, sizeof cmd, "%s/cases.json", dir);
+    json_t *cases = json_load_file(cmd, 0, &je);
+    k.n = json_array_size(cases);
+    ck_assert_msg(k.n > 0 && json_array_size(results) == k.n, "%s", je.text);
+    for (size_t i = 0; i < k.n; i++) {
+        json_t *c = json_array_get(cases, i), *r = json_array_get(results, i);
+        const char *src = json_string_value(json_object_get(c, "template"));
+        json_t *want = json_object_get(r, "output");
+        char what[128];
+        snprintf(what, sizeof what, "generated case %zu (%s)", i,
+                 json_is_string(json_object_get(c, "name"))
+                     ? json_string_value(json_object_get(c, "name"))
+                     : "random template");
+        rekv_chat_template *t;
+        rekv_err err = {0};
+        if (rekv_chat_template_parse(src, &t, &err) != 0) {
+            if (strict && want)
+                fprintf(stderr, "%s: jinja2 renders, rekv refuses: %s\n", what, err.msg);
+            k.refused += want != NULL;
+            k.both_fail += want == NULL;
+            k.bad += strict && want;
+            continue;
+        }
+        char *out = NULL;
+        int rc = rekv_chat_template_render(t, json_object_get(c, "vars"), &out, &err);
+        if (rc == 0 && want && strcmp(out, json_string_value(want)) == 0)
+            k.same++;
+        else if (strict || rc == 0) { /* the strict rule, or rekv rendered: it must be Jinja2's */
+            int ok = check_one(what, t, json_object_get(c, "vars"), r);
+            k.bad += !ok;
+            k.both_fail += ok;
+            if (!ok && !strict)
+                fprintf(stderr, "  template: %s\n", src);
+        } else {
+            k.refused += want != NULL;
+            k.both_fail += want == NULL;
+        }
+        free(out);
+        rekv_chat_template_free(t);
+    }
+    fprintf(stderr, "   %zu generated cases: %zu equal, %zu failing in both, %zu refused by rekv\n",
+            k.n, k.same, k.both_fail, k.refused);
+    json_decref(results);
+    json_decref(cases);
+    free(js);
+    tu_rmrf(dir);
+    free(dir);
+    return k;
+}
+
 /* Random templates of the subset's pieces (tests/chat_template/gen_cases.py, a fixed seed), each
  * rendered by Jinja2 and by rekv: rekv may refuse what Jinja2 renders, never render what Jinja2
  * refuses nor render it differently. Enough must render for the comparison to mean something. */
@@ -305,57 +371,28 @@ START_TEST(test_random_templates_match_jinja2)
 {
     if (!have_oracle())
         return;
-    enum { N = 600 };
-    char *dir = tu_tmpdir(), cmd[1200], *js = NULL;
-    snprintf(cmd, sizeof cmd,
-             "/usr/bin/python3 tests/chat_template/gen_cases.py 1 %d > %s/cases.json && " ORACLE
-             " --cases %s/cases.json 2>/dev/null",
-             N, dir, dir);
-    ck_assert_msg(tu_run(cmd, &js) == 0, "the oracle failed: %s", cmd);
-    json_error_t je;
-    json_t *results = json_loads(js, 0, &je);
-    snprintf(cmd, sizeof cmd, "%s/cases.json", dir);
-    json_t *cases = json_load_file(cmd, 0, &je);
-    ck_assert_msg(json_array_size(results) == N && json_array_size(cases) == N, "%s", je.text);
-    size_t same = 0, bad = 0, refused = 0;
-    for (size_t i = 0; i < N; i++) {
-        json_t *c = json_array_get(cases, i), *r = json_array_get(results, i);
-        const char *src = json_string_value(json_object_get(c, "template"));
-        json_t *want = json_object_get(r, "output");
-        rekv_chat_template *t;
-        rekv_err err = {0};
-        char *out = NULL;
-        int rc = rekv_chat_template_parse(src, &t, &err);
-        if (rc == 0) {
-            rc = rekv_chat_template_render(t, json_object_get(c, "vars"), &out, &err);
-            rekv_chat_template_free(t);
-        }
-        if (rc == 0 && want && strcmp(out, json_string_value(want)) == 0) {
-            same++;
-        } else if (rc == 0) {
-            bad++;
-            fprintf(stderr, "random case %zu: %s\n  template: %s\n", i,
-                    want ? "rekv renders it differently" : "jinja2 fails, rekv renders", src);
-            if (want)
-                report_diff("  ", json_string_value(want), out);
-        } else {
-            refused += want != NULL;
-        }
-        free(out);
-    }
-    fprintf(stderr,
-            "   random templates: %zu equal, %zu failing in both, %zu refused by rekv only\n", same,
-            N - same - bad - refused, refused);
-    ck_assert_msg(bad == 0, "%zu of %d random templates render differently (above)", bad, N);
-    ck_assert_msg(same >= N / 10 && refused <= N / 20,
-                  "%zu equal and %zu refused: the cases "
-                  "should mostly render or fail in both",
-                  same, refused);
-    json_decref(results);
-    json_decref(cases);
-    free(js);
-    tu_rmrf(dir);
-    free(dir);
+    cmp_counts k = compare_generated("/usr/bin/python3 tests/chat_template/gen_cases.py 1 600", 0);
+    ck_assert_msg(k.bad == 0, "%zu of %zu random templates render differently (above)", k.bad, k.n);
+    ck_assert_msg(k.same >= k.n / 10 && k.refused <= k.n / 20,
+                  "%zu equal and %zu refused: the cases should mostly render or fail in both",
+                  k.same, k.refused);
+}
+END_TEST
+
+/* The real templates on random conversations (tests/chat_template/gen_conversations.py, a fixed
+ * seed): rekv renders every one as Jinja2 does, or fails where Jinja2 fails. */
+START_TEST(test_real_templates_on_random_conversations)
+{
+    const char *dir = tu_shared("chat-templates");
+    if (dir == NULL || !have_oracle())
+        return;
+    char gen[1100];
+    snprintf(gen, sizeof gen, "/usr/bin/python3 tests/chat_template/gen_conversations.py 1 400 %s",
+             dir);
+    cmp_counts k = compare_generated(gen, 1);
+    ck_assert_msg(k.bad == 0, "%zu of %zu renders differ from Jinja2's (above)", k.bad, k.n);
+    ck_assert_msg(k.same >= k.n / 2, "only %zu of %zu render: the conversations should mostly fit",
+                  k.same, k.n);
 }
 END_TEST
 
@@ -571,6 +608,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_real_templates_match_jinja2);
     tcase_add_test(tc, test_subset_matches_jinja2);
     tcase_add_test(tc, test_random_templates_match_jinja2);
+    tcase_add_test(tc, test_real_templates_on_random_conversations);
     tcase_add_test(tc, test_unsupported_refused_with_name);
     tcase_add_test(tc, test_malformed_refused);
     tcase_add_test(tc, test_bounds);
