@@ -169,17 +169,30 @@ static int config_template(const char *path, json_t *cfg, const char **src, rekv
     return rekv_errf(err, -EINVAL, "%s: chat_template is neither a string nor a list", path);
 }
 
-/* The special tokens: a string each, or an object whose "content" is it (AddedToken). */
+/* A special token's text: a string, or an object whose "content" is it (AddedToken). */
+static json_t *token_text(json_t *v)
+{
+    if (json_is_object(v))
+        v = json_object_get(v, "content");
+    return json_is_string(v) ? v : NULL;
+}
+
+/* The special tokens, as HF's special_tokens_map passes them to the template. */
 static void config_special(json_t *cfg, json_t *special)
 {
-    static const char *const names[] = {"bos_token", "eos_token", "unk_token", "pad_token"};
+    static const char *const names[] = {"bos_token", "eos_token", "unk_token", "sep_token",
+                                        "pad_token", "cls_token", "mask_token"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        json_t *v = json_object_get(cfg, names[i]);
-        if (json_is_object(v))
-            v = json_object_get(v, "content");
-        if (json_is_string(v))
+        json_t *v = token_text(json_object_get(cfg, names[i]));
+        if (v)
             json_object_set(special, names[i], v);
     }
+    json_t *extra = json_object_get(cfg, "additional_special_tokens"), *list = json_array(), *e;
+    size_t i;
+    json_array_foreach(extra, i, e) if (token_text(e)) json_array_append(list, token_text(e));
+    if (json_is_array(extra) && list)
+        json_object_set(special, "additional_special_tokens", list);
+    json_decref(list);
 }
 
 int rekv_chat_template_load_dir(const char *dir, rekv_chat_template **out, rekv_err *err)

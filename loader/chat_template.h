@@ -44,12 +44,13 @@ int rekv_chat_template_parse(const char *source, rekv_chat_template **out, rekv_
 /* The model directory's template: chat_template.jinja, else tokenizer_config.json's
  * "chat_template" (a string, or the list form's entry named "default"). 0 with *out NULL when the
  * model has none. The special tokens of tokenizer_config.json (bos_token, eos_token, unk_token,
- * pad_token: strings, or objects whose "content" is the string) are kept with the template. */
+ * sep_token, pad_token, cls_token, mask_token: strings, or objects whose "content" is the string;
+ * additional_special_tokens, a list of them) are kept with the template. */
 int rekv_chat_template_load_dir(const char *dir, rekv_chat_template **out, rekv_err *err);
 
 /* A special token's text from tokenizer_config.json ("bos_token", "eos_token", "unk_token",
- * "pad_token"), or NULL when the model does not say (or the template was parsed from a string).
- * Owned by the template. */
+ * "sep_token", "pad_token", "cls_token", "mask_token"), or NULL when the model does not say (or
+ * the template was parsed from a string). Owned by the template. */
 const char *rekv_chat_template_special(const rekv_chat_template *t, const char *name);
 
 /* Renders with the variables of ctx, a JSON object (messages, tools, add_generation_prompt,

@@ -549,10 +549,11 @@ START_TEST(test_load_dir)
     ck_assert_ptr_null(render_dir(dir)); /* no template at all: none, and no error */
     write_file(dir, "tokenizer_config.json",
                "{\"bos_token\": {\"content\": \"<s>\", \"lstrip\": false}, \"eos_token\": "
-               "\"</s>\", \"chat_template\": \"{{ bos_token }}{% for m in messages %}"
-               "{{ m.content }}{% endfor %}{{ eos_token }}\"}");
+               "\"</s>\", \"additional_special_tokens\": [\"<a>\", {\"content\": \"<b>\"}], "
+               "\"chat_template\": \"{{ bos_token }}{% for m in messages %}"
+               "{{ m.content }}{% endfor %}{{ eos_token }}{{ additional_special_tokens|join }}\"}");
     char *out = render_dir(dir);
-    ck_assert_str_eq(out, "<s>hi</s>");
+    ck_assert_str_eq(out, "<s>hi</s><a><b>");
     free(out);
 
     rekv_chat_template *t;
@@ -563,7 +564,7 @@ START_TEST(test_load_dir)
     ck_assert_ptr_null(rekv_chat_template_special(t, "pad_token"));
     json_t *vars = json_pack("{s:[],s:s}", "messages", "bos_token", "[B]");
     ck_assert_int_eq(rekv_chat_template_render(t, vars, &out, &err), 0);
-    ck_assert_str_eq(out, "[B]</s>"); /* the caller's own value wins */
+    ck_assert_str_eq(out, "[B]</s><a><b>"); /* the caller's own value wins */
     free(out);
     json_decref(vars);
     rekv_chat_template_free(t);
