@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "kvstore/server_internal.h"
 
 size_t srv_blk_bytes(const rekv_kvstore_server *s, const kv_block *b)
@@ -49,61 +50,75 @@ int srv_slot_take(rekv_kvstore_server *s, uint32_t id)
 
 /* ------------------------------------------------------------------ LRU and block ids */
 
+/* The two lists share the blocks' links: the running sequences' (LRU_MAIN) and the blocks only
+ * the prefix cache holds (LRU_CACHE), which go first when room is needed. */
+static uint32_t *lru_ends(rekv_kvstore_server *s, int list, uint32_t **tail)
+{
+    *tail = list == LRU_CACHE ? &s->cache_tail : &s->lru_tail;
+    return list == LRU_CACHE ? &s->cache_head : &s->lru_head;
+}
+
 static void lru_remove(rekv_kvstore_server *s, uint32_t id)
 {
     kv_block *b = &s->blocks[id];
     if (!b->in_lru)
         return;
+    uint32_t *tail, *head = lru_ends(s, b->in_lru, &tail);
     if (b->prev != NIL)
         s->blocks[b->prev].next = b->next;
     else
-        s->lru_head = b->next;
+        *head = b->next;
     if (b->next != NIL)
         s->blocks[b->next].prev = b->prev;
     else
-        s->lru_tail = b->prev;
-    b->in_lru = 0;
+        *tail = b->prev;
+    if (b->in_lru == LRU_MAIN)
+        s->lru_len--;
+    b->in_lru = LRU_NONE;
     b->prev = b->next = NIL;
-    s->lru_len--;
 }
 
-static void lru_push_head(rekv_kvstore_server *s, uint32_t id)
+static void lru_push(rekv_kvstore_server *s, uint32_t id, int list, int at_head)
 {
     kv_block *b = &s->blocks[id];
-    b->prev = NIL;
-    b->next = s->lru_head;
-    if (s->lru_head != NIL)
-        s->blocks[s->lru_head].prev = id;
-    else
-        s->lru_tail = id;
-    s->lru_head = id;
-    b->in_lru = 1;
-    s->lru_len++;
+    uint32_t *tail, *head = lru_ends(s, list, &tail);
+    if (at_head) {
+        b->prev = NIL;
+        b->next = *head;
+        if (*head != NIL)
+            s->blocks[*head].prev = id;
+        else
+            *tail = id;
+        *head = id;
+    } else {
+        b->prev = *tail;
+        b->next = NIL;
+        if (*tail != NIL)
+            s->blocks[*tail].next = id;
+        else
+            *head = id;
+        *tail = id;
+    }
+    b->in_lru = (uint8_t)list;
+    if (list == LRU_MAIN)
+        s->lru_len++;
 }
 
-static void lru_push_tail(rekv_kvstore_server *s, uint32_t id)
+/* The list a block that may be spilled belongs on: the cache's when no sequence holds it. */
+static int lru_list_of(const kv_block *b)
 {
-    kv_block *b = &s->blocks[id];
-    b->prev = s->lru_tail;
-    b->next = NIL;
-    if (s->lru_tail != NIL)
-        s->blocks[s->lru_tail].next = id;
-    else
-        s->lru_head = id;
-    s->lru_tail = id;
-    b->in_lru = 1;
-    s->lru_len++;
+    return b->centry != NIL && b->refs == 1 ? LRU_CACHE : LRU_MAIN;
 }
 
-/* Puts a block where it belongs: on the LRU list (most recent end) iff it can be spilled. */
+/* Puts a block where it belongs: on a list (most recent end) iff it can be spilled. */
 void srv_lru_update(rekv_kvstore_server *s, uint32_t id, int touch)
 {
     kv_block *b = &s->blocks[id];
     int want = b->state == BS_HOST && b->pins == 0 && b->holds == 0 && !b->doomed;
-    if (b->in_lru && (!want || touch))
+    if (b->in_lru && (!want || touch || b->in_lru != lru_list_of(b)))
         lru_remove(s, id);
     if (want && !b->in_lru)
-        lru_push_tail(s, id);
+        lru_push(s, id, lru_list_of(b), 0);
 }
 
 void srv_lru_done(rekv_kvstore_server *s, uint32_t id)
@@ -113,7 +128,7 @@ void srv_lru_done(rekv_kvstore_server *s, uint32_t id)
     if (b->ahead != AH_READING)
         b->ahead = AH_NONE;
     if (b->state == BS_HOST && b->pins == 0 && b->holds == 0 && !b->doomed)
-        lru_push_head(s, id);
+        lru_push(s, id, lru_list_of(b), 1);
 }
 
 int srv_block_new(rekv_kvstore_server *s, uint32_t *out)
@@ -131,6 +146,8 @@ int srv_block_new(rekv_kvstore_server *s, uint32_t *out)
     }
     memset(&s->blocks[id], 0, sizeof(kv_block));
     s->blocks[id].prev = s->blocks[id].next = NIL;
+    s->blocks[id].centry = NIL;
+    s->blocks[id].refs = 1; /* the sequence it is made for */
     *out = id;
     return 0;
 }
@@ -189,12 +206,42 @@ void srv_block_free(rekv_kvstore_server *s, uint32_t id)
     }
 }
 
+void srv_block_unref(rekv_kvstore_server *s, uint32_t id)
+{
+    kv_block *b = &s->blocks[id];
+    REKV_ASSERT(b->refs > 0 && b->state != BS_UNUSED);
+    if (--b->refs == 0)
+        srv_block_free(s, id);
+    else
+        srv_lru_update(s, id, 0); /* maybe now only the cache's: its list */
+}
+
 /* ------------------------------------------------------------------ spilling */
 
-/* Starts spilling the block at the list's spilled-first end (keep_ahead: unless read-ahead
- * wants it). 1 started, 0 nothing to spill, <0 cannot. */
+/* A file slot for a spill: for a sequence's block, when the spill file is at --spill-bytes or
+ * the disk is full, blocks only the prefix cache holds on disk give theirs back first (running
+ * jobs win, also in background spilling: else a full disk would pause spilling for all). */
+static int fslot_alloc(rekv_kvstore_server *s, int for_seq, uint32_t *fslot)
+{
+    int arc;
+    while ((arc = kv_spill_slot_alloc(s->spill, fslot)) == -ENOSPC && for_seq &&
+           srv_cache_evict_disk(s))
+        ;
+    return arc;
+}
+
+/* Starts spilling a block that may be spilled: first the blocks only the prefix cache holds (a
+ * cached block the spill tier cannot take now is evicted instead: its room is free at once), then
+ * the running sequences' from the spilled-first end (keep_ahead: unless read-ahead wants it).
+ * 1 started (or evicted), 0 nothing to spill, <0 cannot. */
 static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
 {
+    int cached = s->cache_head != NIL;
+    int can_write = s->spill != NULL &&
+                    (s->spill_err == 0 || s->now - s->spill_err_ns >= 1000000000ull) &&
+                    kv_spill_in_flight(s->spill) < kv_spill_depth(s->spill);
+    if (cached && !can_write)
+        return srv_cache_evict_host(s);
     if (s->spill == NULL) {
         *why = "the arena is full and there is no spill tier";
         return -ENOMEM;
@@ -206,16 +253,19 @@ static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
         }
         s->spill_err = 0; /* retry once a second */
     }
-    if (s->lru_head == NIL) {
+    uint32_t id = cached ? s->cache_head : s->lru_head;
+    if (id == NIL) {
         *why = "every resident block is pinned or in use";
         return 0;
     }
-    if (keep_ahead && s->blocks[s->lru_head].ahead != AH_NONE)
+    if (!cached && keep_ahead && s->blocks[id].ahead != AH_NONE)
         return 0;
     if (kv_spill_in_flight(s->spill) >= kv_spill_depth(s->spill))
         return 0;
     uint32_t fslot;
-    int arc = kv_spill_slot_alloc(s->spill, &fslot);
+    int arc = fslot_alloc(s, !cached, &fslot);
+    if (arc == -ENOSPC && cached)
+        return srv_cache_evict_host(s); /* the spill file is full: a cached block just goes */
     if (arc == -ENOSPC && kv_spill_at_limit(s->spill) && kv_spill_slots_used(s->spill) > 0) {
         *why = "the spill file is full (--spill-bytes)";
         return arc;
@@ -231,7 +281,6 @@ static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
         *why = strerror(-arc);
         return arc;
     }
-    uint32_t id = s->lru_head;
     kv_block *b = &s->blocks[id];
     uint32_t crc = 0;
     int rc = kv_spill_write(s->spill, kv_slots_offset(&s->hs, b->slot), fslot, srv_blk_bytes(s, b),
@@ -270,6 +319,8 @@ int srv_ensure_room(rekv_kvstore_server *s, const uint64_t need[2], char *why, s
         if (spill_one(s, &reason, 0) <= 0)
             break;
     }
+    if (kv_slots_fit(&s->hs, need, NULL)) /* cached blocks evicted: room now */
+        return 0;
     if (s->spills_in_flight > 0)
         return 1;
     snprintf(why, why_len,
@@ -291,6 +342,7 @@ void srv_spill_watermark(rekv_kvstore_server *s)
         return;
     const char *why;
     for (;;) {
+        used = total - kv_slots_free_bytes(&s->hs); /* an eviction frees at once */
         uint64_t coming = (uint64_t)s->spilling_n[0] * kv_slots_class_bytes(&s->hs, 0) +
                           (uint64_t)s->spilling_n[1] * kv_slots_class_bytes(&s->hs, 1);
         uint64_t after = used > coming ? used - coming : 0;
@@ -465,12 +517,19 @@ void srv_on_completions(rekv_kvstore_server *s)
                                  "read-back of sequence %llu layer %u block %u failed: %s",
                                  (unsigned long long)b->seq, b->layer, b->lblock,
                                  d[i].res < 0 ? strerror(-d[i].res) : "CRC32C mismatch");
+                    b->hit_read = 0;
+                    if (b->centry != NIL) /* no later prefix may take it */
+                        srv_cache_evict(s, b->centry);
                 } else {
                     fslot_put(s, b->fslot);
                     b->state = BS_HOST;
                     s->disk_n[b->type]--;
                     s->host_n[b->type]++;
                     s->bytes_read_back += bytes;
+                    if (b->hit_read) {
+                        s->px_hit_read_bytes += bytes;
+                        b->hit_read = 0;
+                    }
                     if (b->ahead == AH_READING) {
                         s->read_ahead_blocks++;
                         s->read_ahead_bytes += bytes;

@@ -474,6 +474,113 @@ int rekv_kvstore_seq_create(rekv_kvstore_client *c, uint64_t seq, rekv_err *err)
     return call_simple(c, &req, err);
 }
 
+/* Fills m from px; *tok (caller frees) holds the ids. */
+static int prefix_build(const rekv_kv_prefix *px, Rekv__Kvstore__Prefix *m, uint32_t **tok,
+                        rekv_err *err)
+{
+    *tok = malloc(sizeof(uint32_t) * (px->n_tokens ? px->n_tokens : 1));
+    if (*tok == NULL)
+        return rekv_errf(err, -ENOMEM, "kvstore client: out of memory");
+    for (size_t i = 0; i < px->n_tokens; i++) {
+        if (px->tokens[i] < 0) {
+            free(*tok);
+            *tok = NULL;
+            return rekv_errf(err, -EINVAL, "kvstore client: prefix token %zu is negative (%d)", i,
+                             (int)px->tokens[i]);
+        }
+        (*tok)[i] = (uint32_t)px->tokens[i];
+    }
+    m->tokens = *tok;
+    m->n_tokens = px->n_tokens;
+    m->fingerprint = px->fingerprint;
+    m->kv_parts = px->kv_parts;
+    m->act_parts = px->act_parts;
+    return 0;
+}
+
+/* Sends a request with a prefix and takes its PrefixReply into *hit (may be NULL). */
+static int prefix_call(rekv_kvstore_client *c, Rekv__Kvstore__Request *req,
+                       rekv_kv_prefix_hit *hit, rekv_err *err)
+{
+    Rekv__Kvstore__Response *resp;
+    int rc = call(c, req, &resp, err);
+    if (rc < 0)
+        return rc;
+    if (resp->body_case != REKV__KVSTORE__RESPONSE__BODY_PREFIX)
+        rc = rekv_errf(err, -EPROTO, "kvstore client: prefix reply without body");
+    else if (hit)
+        *hit = (rekv_kv_prefix_hit){resp->prefix->blocks, resp->prefix->tokens,
+                                    resp->prefix->host_blocks, resp->prefix->disk_blocks,
+                                    resp->prefix->published};
+    rekv__kvstore__response__free_unpacked(resp, NULL);
+    return rc;
+}
+
+int rekv_kvstore_seq_create_prefix(rekv_kvstore_client *c, uint64_t seq, const rekv_kv_prefix *px,
+                                   rekv_kv_prefix_hit *hit, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__CreateSeq m = REKV__KVSTORE__CREATE_SEQ__INIT;
+    Rekv__Kvstore__Prefix pm = REKV__KVSTORE__PREFIX__INIT;
+    uint32_t *tok;
+    int rc = prefix_build(px, &pm, &tok, err);
+    if (rc)
+        return rc;
+    m.seq = seq;
+    m.prefix = &pm;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_CREATE_SEQ;
+    req.create_seq = &m;
+    rc = prefix_call(c, &req, hit, err);
+    free(tok);
+    return rc;
+}
+
+int rekv_kvstore_lookup(rekv_kvstore_client *c, const rekv_kv_prefix *px, rekv_kv_prefix_hit *hit,
+                        rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Lookup m = REKV__KVSTORE__LOOKUP__INIT;
+    Rekv__Kvstore__Prefix pm = REKV__KVSTORE__PREFIX__INIT;
+    uint32_t *tok;
+    int rc = prefix_build(px, &pm, &tok, err);
+    if (rc)
+        return rc;
+    m.prefix = &pm;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_LOOKUP;
+    req.lookup = &m;
+    rc = prefix_call(c, &req, hit, err);
+    free(tok);
+    return rc;
+}
+
+int rekv_kvstore_publish(rekv_kvstore_client *c, uint64_t seq, const rekv_kv_prefix *px,
+                         rekv_kv_prefix_hit *hit, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__Publish m = REKV__KVSTORE__PUBLISH__INIT;
+    Rekv__Kvstore__Prefix pm = REKV__KVSTORE__PREFIX__INIT;
+    uint32_t *tok;
+    int rc = prefix_build(px, &pm, &tok, err);
+    if (rc)
+        return rc;
+    m.seq = seq;
+    m.prefix = &pm;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_PUBLISH;
+    req.publish = &m;
+    rc = prefix_call(c, &req, hit, err);
+    free(tok);
+    return rc;
+}
+
+int rekv_kvstore_cache_clear(rekv_kvstore_client *c, rekv_err *err)
+{
+    Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
+    Rekv__Kvstore__ClearCache m = REKV__KVSTORE__CLEAR_CACHE__INIT;
+    req.body_case = REKV__KVSTORE__REQUEST__BODY_CLEAR_CACHE;
+    req.clear_cache = &m;
+    return call_simple(c, &req, err);
+}
+
 int rekv_kvstore_seq_drop(rekv_kvstore_client *c, uint64_t seq, rekv_err *err)
 {
     Rekv__Kvstore__Request req = REKV__KVSTORE__REQUEST__INIT;
@@ -891,6 +998,15 @@ int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err
     out->read_ahead_blocks = s->read_ahead_blocks;
     out->read_ahead_bytes = s->read_ahead_bytes;
     out->spill_room_bytes = s->spill_room_bytes;
+    out->prefix_lookups = s->prefix_lookups;
+    out->prefix_hit_tokens = s->prefix_hit_tokens;
+    out->prefix_hit_host_blocks = s->prefix_hit_host_blocks;
+    out->prefix_hit_disk_blocks = s->prefix_hit_disk_blocks;
+    out->prefix_evictions = s->prefix_evictions;
+    out->prefix_hit_read_bytes = s->prefix_hit_read_bytes;
+    out->prefix_published_blocks = s->prefix_published_blocks;
+    out->prefix_cached_blocks = s->prefix_cached_blocks;
+    out->prefix_entries = s->prefix_entries;
     out->direct_io = s->direct_io;
     out->registered_arena = s->registered_arena;
     for (size_t i = 0; i < s->n_histograms && out->n_hists < 8; i++) {

@@ -1,7 +1,8 @@
 /* handlers.c — the kvstore server's requests, from the ROUTER socket's frames to the reply: the
  * request is unpacked, its sender's client record found (renewing its lease), the body dispatched
  * to its handler (CreateSeq, DropSeq, DropOwner, Free, Append, GetTable, Plan and pin, Unpin,
- * Renew, Stats; Push and Release are push.c's), and the reply packed and sent in one frame.
+ * Renew, Stats; Push and Release are push.c's, Lookup, Publish and ClearCache prefix.c's), and the
+ * reply packed and sent in one frame.
  *
  * Requests that need I/O (a pin of spilled blocks, an append that needs room) are parked and run
  * again from the start whenever I/O completes; a parked request holds the blocks it found resident
@@ -134,11 +135,16 @@ static int h_create(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__CreateS
         return srv_fail(r, -ENOMEM, "out of memory creating sequence");
     }
     q->id = m->seq;
+    if (m->prefix && srv_cache_take(s, q, m->prefix, r) < 0) { /* took nothing */
+        kv_map_del(&s->seqs, m->seq);
+        srv_seq_free_mem(s, q);
+    }
     return 0;
 }
 
-/* Frees blocks [b0, b1) of layers [l0, l1); refuses (-EBUSY) when someone else pins or holds one.
- */
+/* Frees blocks [b0, b1) of layers [l0, l1); refuses (-EBUSY) when someone else pins or holds one
+ * that this sequence holds the last reference of. A block shared with other sequences or the
+ * prefix cache only loses this sequence's reference, whoever pins it. Later positions first, so that a cached chain's end is spilled first. */
 static int free_blocks(rekv_kvstore_server *s, kv_client *c, kv_seq *q, uint32_t l0, uint32_t l1,
                        uint64_t b0, uint64_t b1, kv_reply *r)
 {
@@ -151,20 +157,25 @@ static int free_blocks(rekv_kvstore_server *s, kv_client *c, kv_seq *q, uint32_t
                 continue;
             uint64_t *mine = c ? kv_map_get(&c->pins, id) : NULL;
             uint32_t own = mine ? (uint32_t)*mine : 0;
-            if (s->blocks[id].pins > own || s->blocks[id].holds > 0)
+            if (s->blocks[id].refs == 1 && (s->blocks[id].pins > own || s->blocks[id].holds > 0))
                 return srv_fail(r, -EBUSY,
                                 "sequence %llu layer %u block %llu is pinned by another client",
                                 (unsigned long long)q->id, l, (unsigned long long)b),
                        -EBUSY;
         }
     for (uint32_t l = l0; l < l1; l++)
-        for (uint64_t b = b0; b < b1; b++) {
+        for (uint64_t b = b1; b-- > b0;) {
             uint32_t id = q->blocks[l][b];
             if (id == NIL)
                 continue;
-            if (c && kv_map_del(&c->pins, id))
-                s->blocks[id].pins = 0;
-            srv_block_free(s, id);
+            /* the caller's pins go with the last reference; on a shared block they stay (it may
+             * pin it through another sequence, and unpins it through that one) */
+            uint64_t *mine = c && s->blocks[id].refs == 1 ? kv_map_get(&c->pins, id) : NULL;
+            if (mine) {
+                s->blocks[id].pins -= (uint32_t)*mine;
+                kv_map_del(&c->pins, id);
+            }
+            srv_block_unref(s, id);
             q->blocks[l][b] = NIL;
         }
     return 0;
@@ -633,6 +644,15 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->spills_in_flight = s->spills_in_flight;
     st->reads_in_flight = s->reads_in_flight;
     st->sequences_reclaimed = s->sequences_reclaimed;
+    st->prefix_lookups = s->px_lookups;
+    st->prefix_hit_tokens = s->px_hit_tokens;
+    st->prefix_hit_host_blocks = s->px_hit_host;
+    st->prefix_hit_disk_blocks = s->px_hit_disk;
+    st->prefix_evictions = s->px_evictions;
+    st->prefix_hit_read_bytes = s->px_hit_read_bytes;
+    st->prefix_published_blocks = s->px_published;
+    st->prefix_entries = s->ce_live;
+    st->prefix_cached_blocks = s->ce_live * s->cfg.geometry.n_layers;
     for (int i = 0; i < H_COUNT; i++) {
         Rekv__Kvstore__Histogram init = REKV__KVSTORE__HISTOGRAM__INIT;
         r->hists[i] = init;
@@ -697,6 +717,12 @@ static int dispatch(rekv_kvstore_server *s, kv_pending *p, kv_reply *r, int *his
         return srv_h_push(s, c, q->push, r);
     case REKV__KVSTORE__REQUEST__BODY_RELEASE:
         return srv_h_release(s, c, q->release, r);
+    case REKV__KVSTORE__REQUEST__BODY_LOOKUP:
+        return srv_h_lookup(s, q->lookup, r);
+    case REKV__KVSTORE__REQUEST__BODY_PUBLISH:
+        return srv_h_publish(s, q->publish, r);
+    case REKV__KVSTORE__REQUEST__BODY_CLEAR_CACHE:
+        return srv_h_clear_cache(s, r);
     default:
         return srv_fail(r, -EBADMSG, "request %llu has no body", (unsigned long long)q->id);
     }
@@ -730,7 +756,9 @@ void srv_reply_init(kv_reply *r, uint64_t id)
     Rekv__Kvstore__StatsReply si = REKV__KVSTORE__STATS_REPLY__INIT;
     Rekv__Kvstore__DropOwnerReply di = REKV__KVSTORE__DROP_OWNER_REPLY__INIT;
     Rekv__Kvstore__PushReply pu = REKV__KVSTORE__PUSH_REPLY__INIT;
+    Rekv__Kvstore__PrefixReply px = REKV__KVSTORE__PREFIX_REPLY__INIT;
     r->resp = ri;
+    r->prefix = px;
     r->push = pu;
     r->drop_owner = di;
     r->append = ai;

@@ -257,6 +257,38 @@ int rekv_kvstore_append(rekv_kvstore_client *c, uint64_t seq, uint64_t n_tokens,
                         uint32_t kv_parts, uint32_t act_parts, uint64_t *n_tokens_after,
                         rekv_err *err);
 
+/* ---- the prefix cache (kvstore.proto Prefix; kvstore/prefix.c) ---- */
+
+/* A sequence's tokens from position 0, the model they were computed by, and the block pattern
+ * (as rekv_kvstore_append's; 0:0 all KV) that gives each block its kind. */
+typedef struct rekv_kv_prefix {
+    const int32_t *tokens; /* [n_tokens] ids, >= 0 */
+    size_t n_tokens;
+    uint64_t fingerprint; /* identifies the model's weights */
+    uint32_t kv_parts, act_parts;
+} rekv_kv_prefix;
+
+/* What a prefix request found: leading full blocks (per layer) and their tokens; the blocks of all
+ * layers by where they are (host: the arena, disk: the spill tier); Publish: positions added. */
+typedef struct rekv_kv_prefix_hit {
+    uint64_t blocks, tokens, host_blocks, disk_blocks, published;
+} rekv_kv_prefix_hit;
+
+/* Creates seq starting with the longest cached run of px's full blocks, taken by reference in the
+ * same request (shared, never copied: the sequence appends past them); *hit (may be NULL) says how
+ * many tokens that is. A caller that must compute the last token leaves it out of px. */
+int rekv_kvstore_seq_create_prefix(rekv_kvstore_client *c, uint64_t seq, const rekv_kv_prefix *px,
+                                   rekv_kv_prefix_hit *hit, rekv_err *err);
+/* How much of px is cached, taking nothing. */
+int rekv_kvstore_lookup(rekv_kvstore_client *c, const rekv_kv_prefix *px, rekv_kv_prefix_hit *hit,
+                        rekv_err *err);
+/* Publishes seq's full blocks of the known tokens px->tokens (the sequence's, from position 0);
+ * only blocks a finished step wrote. hit->blocks: the leading positions now cached. */
+int rekv_kvstore_publish(rekv_kvstore_client *c, uint64_t seq, const rekv_kv_prefix *px,
+                         rekv_kv_prefix_hit *hit, rekv_err *err);
+/* Drops the cache's reference on every cached block (what no sequence holds is freed). */
+int rekv_kvstore_cache_clear(rekv_kvstore_client *c, rekv_err *err);
+
 typedef struct rekv_kv_table_entry {
     uint32_t type; /* rekv_kv_block_type */
     uint32_t tier; /* rekv_kv_tier */
@@ -382,6 +414,12 @@ typedef struct rekv_kv_stats {
     /* spill reads a pin waited for (on its critical path) and reads done ahead (off it) */
     uint64_t pin_wait_blocks, pin_wait_bytes, read_ahead_blocks, read_ahead_bytes;
     uint64_t spill_room_bytes; /* what the spill tier can hold in all (kvstore.proto) */
+    /* the prefix cache (kvstore.proto StatsReply): lookups, prompt tokens served, the blocks
+     * (all layers) those took by tier, blocks evicted, bytes read back for hits, blocks
+     * published, blocks and positions cached now */
+    uint64_t prefix_lookups, prefix_hit_tokens, prefix_hit_host_blocks, prefix_hit_disk_blocks;
+    uint64_t prefix_evictions, prefix_hit_read_bytes, prefix_published_blocks;
+    uint64_t prefix_cached_blocks, prefix_entries;
     int direct_io, registered_arena;
     size_t n_hists;
     rekv_kv_hist hists[8];

@@ -98,14 +98,15 @@ int srv_owner_seqs(const rekv_kvstore_server *s, const char *owner, uint64_t **i
 }
 
 /* Whether owner may drop q now: OWNED_HELD when a parked request holds one of its blocks,
- * OWNED_PINNED when a client of another owner pins one. */
+ * OWNED_PINNED when a client of another owner pins one. Blocks shared with other sequences or the
+ * prefix cache do not count: dropping q only drops its reference to them. */
 int srv_owned_seq_busy(const rekv_kvstore_server *s, const kv_seq *q, const char *owner)
 {
     int pinned = 0;
     for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
         for (uint32_t b = 0; b < q->n_blocks; b++) {
             uint32_t id = q->blocks[l][b];
-            if (id == NIL)
+            if (id == NIL || s->blocks[id].refs > 1)
                 continue;
             if (s->blocks[id].holds > 0)
                 return OWNED_HELD;
@@ -121,17 +122,20 @@ uint64_t srv_owned_seq_drop(rekv_kvstore_server *s, kv_seq *q, const char *owner
 {
     uint64_t n = 0;
     for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
-        for (uint32_t b = 0; b < q->n_blocks; b++) {
+        for (uint32_t b = q->n_blocks; b-- > 0;) { /* a cached chain's end spills first */
             uint32_t id = q->blocks[l][b];
             if (id == NIL)
                 continue;
-            if (s->blocks[id].pins > 0)
-                for (kv_client *c = s->clients; c; c = c->next)
-                    if (strcmp(c->owner, owner) == 0)
+            if (s->blocks[id].pins > 0) /* the owner's pins go; another's on a shared block stay */
+                for (kv_client *c = s->clients; c; c = c->next) {
+                    uint64_t *v = strcmp(c->owner, owner) == 0 ? kv_map_get(&c->pins, id) : NULL;
+                    if (v) {
+                        s->blocks[id].pins -= (uint32_t)*v;
                         kv_map_del(&c->pins, id);
-            s->blocks[id].pins = 0;
-            srv_block_free(s, id);
-            n++;
+                    }
+                }
+            n += s->blocks[id].refs == 1;
+            srv_block_unref(s, id);
         }
     kv_map_del(&s->seqs, q->id);
     srv_seq_free_mem(s, q);

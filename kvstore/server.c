@@ -313,6 +313,7 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
     s->arena.base = NULL;
     s->lru_head = s->lru_tail = NIL;
     kv_map_init(&s->seqs);
+    srv_cache_init(s);
     for (int i = 0; i < H_COUNT; i++)
         snprintf(s->hist[i].name, sizeof(s->hist[i].name), "%s", srv_hist_names[i]);
     if (s->cfg.lease_ms == 0)
@@ -461,6 +462,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
         if (s->seqs.keys[i] != KV_MAP_EMPTY)
             srv_seq_free_mem(s, (kv_seq *)(uintptr_t)s->seqs.vals[i]);
     kv_map_free(&s->seqs);
+    srv_cache_free(s);
     while (s->clients) {
         kv_client *c = s->clients;
         s->clients = c->next;

@@ -40,7 +40,8 @@ typedef struct kv_block {
     uint8_t state;       /* BS_* */
     uint8_t touched;     /* used while its spill was in flight: keep the host copy */
     uint8_t doomed;      /* freed while I/O was in flight: release on completion */
-    uint8_t in_lru;      /* on the LRU list (resident, unpinned, unheld) */
+    uint8_t in_lru;      /* LRU_*: on a list that may be spilled (resident, unpinned, unheld) */
+    uint8_t hit_read;    /* taken by a prefix while on disk: its read-back counts as a hit's */
     uint8_t ahead;       /* AH_*: where read-ahead stands with it */
     int32_t load_err;    /* sticky read-back failure, 0 when none: -EBADMSG (CRC), else errno */
     uint32_t slot;       /* host slot (HOST, SPILLING, LOADING) */
@@ -49,7 +50,25 @@ typedef struct kv_block {
     uint32_t pins;       /* pins held by clients */
     uint32_t holds;      /* holds of parked requests */
     uint32_t prev, next; /* LRU links (block ids) */
+    uint32_t refs;       /* sequence tables holding it, plus 1 while the prefix cache does */
+    uint32_t centry;     /* its prefix cache entry (prefix.c), NIL when not cached */
 } kv_block;
+
+/* kv_block.in_lru: which list — the running sequences' (LRU, done first) or the cache's (blocks
+ * only the prefix cache holds: spilled, or evicted, before any sequence's block) */
+enum { LRU_NONE = 0, LRU_MAIN, LRU_CACHE };
+
+/* A cached block position (prefix.c): the chain key of 16 tokens and everything before them, and
+ * that position's block in every layer. Entries form an LRU list, the deepest of a run touched
+ * first so that a chain is evicted from its end. */
+typedef struct kv_centry {
+    uint64_t key, parent;                   /* chain key; the previous position's (or the root) */
+    uint32_t tokens[REKV_KV_BLOCK_TOKENS];  /* checked on every match: a hash collision misses */
+    uint8_t kind;                           /* rekv_kv_block_type of every layer's block */
+    uint8_t live;                           /* in use (else on the free list) */
+    uint32_t *ids;                          /* [n_layers] block ids, each holding a reference */
+    uint32_t prev, next;                    /* entry LRU links (entry indices) */
+} kv_centry;
 
 typedef struct kv_seq {
     uint64_t id;       /* caller-chosen id */
@@ -143,6 +162,17 @@ struct rekv_kvstore_server {
     rekv_stream *pstream; /* its stream: every push's wait, copies and record */
     int push_registered;  /* the arena is registered with it (host_register) */
     rekv_metrics_server *metrics; /* the scrape port (server_metrics.c); NULL when none */
+    /* the prefix cache (prefix.c) */
+    uint32_t cache_head, cache_tail; /* blocks only the cache holds, resident: spilled first */
+    kv_centry *centries;             /* [n_centries] */
+    uint32_t n_centries, cap_centries;
+    uint32_t *free_centries;         /* recycled entry indices */
+    uint32_t n_free_centries, cap_free_centries;
+    kv_map cindex;                   /* chain key -> entry index */
+    uint32_t ce_head, ce_tail;       /* entry LRU: least / most recently used */
+    uint64_t ce_live;                /* entries in use */
+    uint64_t px_lookups, px_hit_tokens, px_hit_host, px_hit_disk, px_evictions, px_hit_read_bytes,
+        px_published;
 };
 
 /* What stops an owner from dropping one of its sequences (srv_owned_seq_busy). */
@@ -158,6 +188,7 @@ typedef struct kv_reply {
     Rekv__Kvstore__StatsReply stats;
     Rekv__Kvstore__DropOwnerReply drop_owner;
     Rekv__Kvstore__PushReply push;
+    Rekv__Kvstore__PrefixReply prefix;
     Rekv__Kvstore__Histogram hists[H_COUNT];
     Rekv__Kvstore__Histogram *hist_ptrs[H_COUNT];
     char err[768];
@@ -203,6 +234,8 @@ void srv_ahead_pump(rekv_kvstore_server *s);
 int srv_block_new(rekv_kvstore_server *s, uint32_t *out);
 void srv_block_release_id(rekv_kvstore_server *s, uint32_t id);
 void srv_block_free(rekv_kvstore_server *s, uint32_t id);
+/* Drops one reference (a sequence's, or the cache's); the last frees the block (srv_block_free). */
+void srv_block_unref(rekv_kvstore_server *s, uint32_t id);
 /* Makes sure need[type] blocks (KV, ACT) fit the free slots or will once spills in flight end.
  * 0: they fit now; 1: wait for spills; <0 with *why: impossible. */
 int srv_ensure_room(rekv_kvstore_server *s, const uint64_t need[2], char *why, size_t why_len);
@@ -211,6 +244,24 @@ kv_seq *srv_seq_get(rekv_kvstore_server *s, uint64_t id);
 void srv_seq_free_mem(rekv_kvstore_server *s, kv_seq *q);
 /* Handles the spill tier's finished I/O, then reruns the parked requests. */
 void srv_on_completions(rekv_kvstore_server *s);
+
+/* ------------------------------------------------------------------ prefix.c */
+
+void srv_cache_init(rekv_kvstore_server *s);
+void srv_cache_free(rekv_kvstore_server *s);
+/* Evicts the cache entry of the block at the cache list's head (resident blocks only the cache
+ * holds): 1 when it freed something, 0 when the list is empty. */
+int srv_cache_evict_host(rekv_kvstore_server *s);
+/* Evicts the least recently used entry holding a spilled block only the cache holds (its file
+ * slot comes back): 1 when it did, 0 when none. */
+int srv_cache_evict_disk(rekv_kvstore_server *s);
+/* Drops entry i from the cache (its blocks' cache references). */
+void srv_cache_evict(rekv_kvstore_server *s, uint32_t i);
+/* CreateSeq's prefix: makes q start with the longest cached run of px's full blocks. */
+int srv_cache_take(rekv_kvstore_server *s, kv_seq *q, Rekv__Kvstore__Prefix *px, kv_reply *r);
+int srv_h_lookup(rekv_kvstore_server *s, Rekv__Kvstore__Lookup *m, kv_reply *r);
+int srv_h_publish(rekv_kvstore_server *s, Rekv__Kvstore__Publish *m, kv_reply *r);
+int srv_h_clear_cache(rekv_kvstore_server *s, kv_reply *r);
 
 /* ------------------------------------------------------------------ leases.c */
 

@@ -85,6 +85,21 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
         {"rekv_kvstore_sequences_reclaimed_total", "counter",
          "Sequences dropped by DropOwner or with their owner's lease.",
          (double)s->sequences_reclaimed},
+        {"rekv_kvstore_prefix_lookups_total", "counter",
+         "Prefix cache lookups (Lookup, CreateSeq with a prefix).", (double)s->px_lookups},
+        {"rekv_kvstore_prefix_hit_tokens_total", "counter",
+         "Prompt tokens sequences took from the prefix cache.", (double)s->px_hit_tokens},
+        {"rekv_kvstore_prefix_evictions_total", "counter",
+         "Cached blocks (all layers) evicted from the prefix cache to make room.",
+         (double)s->px_evictions},
+        {"rekv_kvstore_prefix_hit_read_bytes_total", "counter",
+         "Bytes read back from the spill tier for blocks a prefix took.",
+         (double)s->px_hit_read_bytes},
+        {"rekv_kvstore_prefix_published_blocks_total", "counter",
+         "Blocks (all layers) published to the prefix cache.", (double)s->px_published},
+        {"rekv_kvstore_prefix_cached_blocks", "gauge",
+         "Blocks (all layers) the prefix cache holds.",
+         (double)s->ce_live * s->cfg.geometry.n_layers},
     };
     for (size_t i = 0; i < sizeof(one) / sizeof(*one); i++) {
         rekv_metrics_family(b, one[i].name, one[i].type, one[i].help);
@@ -101,6 +116,12 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
         rekv_metrics_sample_kv(b, "rekv_kvstore_blocks", (double)s->disk_n[t], "tier", "disk",
                                "type", types[t], NULL);
     }
+    rekv_metrics_family(b, "rekv_kvstore_prefix_hit_blocks_total", "counter",
+                        "Blocks (all layers) prefixes took from the cache, by where they were.");
+    rekv_metrics_sample(b, "rekv_kvstore_prefix_hit_blocks_total", "tier=\"host\"",
+                        (double)s->px_hit_host);
+    rekv_metrics_sample(b, "rekv_kvstore_prefix_hit_blocks_total", "tier=\"disk\"",
+                        (double)s->px_hit_disk);
     rekv_metrics_family(b, "rekv_kvstore_spill_in_flight", "gauge",
                         "Spill I/O submitted and not completed, by operation.");
     rekv_metrics_sample(b, "rekv_kvstore_spill_in_flight", "op=\"write\"",
