@@ -119,6 +119,14 @@ uint64_t rekv_batcher_store_seq(const rekv_batcher *b, uint64_t job)
     return 0;
 }
 
+int rekv_batcher_cached_tokens(const rekv_batcher *b, uint64_t job)
+{
+    for (int i = 0; i < b->n; i++)
+        if (b->jobs[i].id == job && b->jobs[i].seq)
+            return rekv_pseq_cached(b->jobs[i].seq);
+    return 0;
+}
+
 int rekv_batcher_job_of_store_seq(const rekv_batcher *b, uint64_t store_seq, uint64_t *job)
 {
     for (int i = 0; i < b->n; i++)
@@ -180,11 +188,13 @@ int rekv_batcher_join(rekv_batcher *b, uint64_t job, const int32_t *prompt, int 
     /* as rekv_generate: the last generated token is never fed back, so it needs no cache slot */
     int64_t want = (int64_t)n_prompt + (j->max_new > 0 ? j->max_new - 1 : 0);
     int cap = want < c->max_pos ? (int)want : c->max_pos;
-    if (j->max_new > 0 && (rc = rekv_pseq_create(b->p, cap, &j->seq, err))) {
+    if (j->max_new > 0 &&
+        (rc = rekv_pseq_create_prefix(b->p, cap, prompt, n_prompt, &j->seq, err))) {
         free(j->prompt);
         memset(j, 0, sizeof(*j));
         return rc;
     }
+    j->prefilled = j->seq ? rekv_pseq_len(j->seq) : 0; /* the prefix cache's tokens */
     b->n++;
     return 0;
 }

@@ -75,6 +75,9 @@ int rekv_batcher_job_ids(const rekv_batcher *b, uint64_t *ids, int cap);
 /* The running job whose cache is in kvstore sequence store_seq (rekv_pseq_uses_store_seq), into
  * *job: 0, or -ENOENT when none is. */
 int rekv_batcher_job_of_store_seq(const rekv_batcher *b, uint64_t store_seq, uint64_t *job);
+/* Prompt tokens running job `job` took from the kvstore's prefix cache (0: none, or not
+ * running); its prefill starts past them. */
+int rekv_batcher_cached_tokens(const rekv_batcher *b, uint64_t job);
 /* The kvstore sequence of running job `job` (rekv_pseq_store_seq; 0 resident), or 0 when the job
  * is not running. */
 uint64_t rekv_batcher_store_seq(const rekv_batcher *b, uint64_t job);

@@ -117,6 +117,14 @@ typedef struct rekv_pipeline_config {
     double persist_np; /* Eq. 12's N_p: per layer, the heads whose misses the link can serve;
                           the hardest heads beyond them (difficulty D > 0, Eq. 11-13) keep
                           their whole KV on the device. INFINITY (default): none */
+    /* the kvstore's prefix cache (kvstore.proto Prefix): a sequence made with
+       rekv_pseq_create_prefix starts from the longest cached run of its prompt's full blocks and
+       prefills only the rest; every sequence publishes its full blocks when freed. Modes whose
+       sequences keep nothing else of their context on the device (offload, and act/hybrid
+       without a device part or ACT_GPU); the others start empty. 0 (default): off */
+    int prefix_cache;
+    uint64_t fingerprint; /* the model's (rekv_engine_fingerprint) for the cache's keys; 0: the
+                             pipeline computes it at creation when prefix_cache is on */
 } rekv_pipeline_config;
 
 void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);
@@ -157,6 +165,17 @@ int rekv_pipeline_page_locked(const rekv_pipeline *p);
 
 /* A sequence of up to `capacity` tokens; its cache lives where the mode says. */
 int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *err);
+/* The same, for a sequence whose prompt is prompt[n_prompt]: with cfg.prefix_cache (in a mode
+ * that allows it) it starts from the kvstore's longest cached run of the prompt's full blocks,
+ * all but its last token at most (that one's logits are computed), so rekv_pseq_len says where
+ * its prefill starts; else as rekv_pseq_create. */
+int rekv_pseq_create_prefix(rekv_pipeline *p, int capacity, const int32_t *prompt, int n_prompt,
+                            rekv_pseq **out, rekv_err *err);
+/* Prompt tokens it took from the prefix cache when made (0: none). */
+int rekv_pseq_cached(const rekv_pseq *s);
+/* A hash of every weight that a token's K,V and activations depend on (the embeddings and every
+ * layer's tensors, their dtype and the shape): the prefix cache's model fingerprint. */
+uint64_t rekv_engine_fingerprint(const rekv_engine *e);
 void rekv_pseq_free(rekv_pseq *s);
 int rekv_pseq_len(const rekv_pseq *s);
 /* 1 when the kvstore sequence store_seq holds this sequence's cache (kvpr: its K,V or its

@@ -2,7 +2,8 @@
  * rekv_pipeline_create/free (the kvstore's arena and geometry, streams, events, the model's
  * tensors on the device: each layer resident, or, with weights offloaded, two device buffers in
  * load order that each step refills by pl_copy_layer) and rekv_pseq_create/free (a resident KV
- * cache, ACT_GPU's device copy, the kvstore sequences). */
+ * cache, ACT_GPU's device copy, the kvstore sequences; with the prefix cache, a sequence made from
+ * its prompt's cached blocks and its full blocks published when it goes). */
 #include "gpuworker/pipeline_internal.h"
 
 #include <errno.h>
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "common/crc32c.h"
 #include "common/log.h"
 
 /* A layer's tensor slots and sizes, in load order (N_LAYER_TENSORS, pipeline_internal.h). */
@@ -378,6 +380,8 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     const char *ra = getenv("REKV_READ_AHEAD");
     p->read_ahead = ra == NULL || strcmp(ra, "0") != 0;
     p->cfg = *cfg;
+    if (p->cfg.prefix_cache && p->cfg.fingerprint == 0)
+        p->cfg.fingerprint = rekv_engine_fingerprint(e);
     p->info = rekv_mode_info_of(cfg->mode);
     p->ops = pl_mode_ops_of(cfg->mode);
     p->keep_act = rekv_pipeline_keeps_act(cfg);
@@ -405,11 +409,115 @@ fail:
     return rc;
 }
 
+/* ------------------------------------------------------------------ the prefix cache */
+
+/* Two 32-bit halves over the same bytes, as skew.c's fingerprint: CRC32C, and FNV-1a over 64-bit
+ * words folded to 32 bits (a second CRC would add nothing: a CRC is affine in its seed). */
+typedef struct fp_state {
+    uint32_t crc;
+    uint64_t mix;
+} fp_state;
+
+static void fp_add(fp_state *f, const void *ptr, size_t n)
+{
+    const unsigned char *b = ptr;
+    size_t i = 0;
+    uint8_t present = ptr != NULL; /* a tensor the model lacks hashes apart from an empty one */
+    f->crc = rekv_crc32c(f->crc, &present, 1);
+    if (ptr == NULL)
+        return;
+    f->crc = rekv_crc32c(f->crc, ptr, n);
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        f->mix = (f->mix ^ w) * 0x100000001b3ull;
+        f->mix ^= f->mix >> 29;
+    }
+    for (; i < n; i++)
+        f->mix = (f->mix ^ b[i]) * 0x100000001b3ull;
+}
+
+uint64_t rekv_engine_fingerprint(const rekv_engine *e)
+{
+    const rekv_model_config *c = &e->c;
+    fp_state f = {0, 0xcbf29ce484222325ull};
+    int32_t shape[] = {c->n_layers, c->hidden,   c->n_heads,        c->n_kv_heads, c->head_dim,
+                       c->ffn,      c->vocab,    c->embed_dim,      c->max_pos,    (int32_t)c->rope,
+                       (int32_t)e->wdtype};
+    fp_add(&f, shape, sizeof(shape));
+    fp_add(&f, &c->rope_theta, sizeof(c->rope_theta));
+    size_t ws = rekv_dtype_size(e->wdtype), H = (size_t)c->hidden, E = (size_t)c->embed_dim;
+    fp_add(&f, e->embed, (size_t)c->vocab * E * ws);
+    fp_add(&f, e->pos_embed, e->pos_embed ? ((size_t)c->max_pos + 2) * H * sizeof(float) : 0);
+    fp_add(&f, e->project_in, e->project_in ? H * E * ws : 0);
+    for (int l = 0; l < c->n_layers; l++) /* every tensor of the layer, packed */
+        fp_add(&f, e->layer_mem[l], e->layer_bytes);
+    uint32_t lo = (uint32_t)(f.mix ^ (f.mix >> 32));
+    return (uint64_t)f.crc << 32 | lo;
+}
+
+/* Whether s may start from cached blocks: nothing of its context may live on the device but what
+ * the store's blocks give back (the device-resident part of an all-KV store is copied from
+ * them); the approximate modes' device state, kvpr's two sequences, ACT_GPU and a device part
+ * rebuilt from activations are not. */
+static int prefix_ok(const rekv_pipeline *p, const rekv_pseq *s)
+{
+    if (!p->cfg.prefix_cache || p->info->store == REKV_STORE_NONE || p->info->approximate ||
+        p->keep_act)
+        return 0;
+    if (p->cfg.act_gpu_blocks > 0 && p->info->act_gpu)
+        return 0;
+    return p->info->store == REKV_STORE_KV || s->dev_tokens == 0;
+}
+
+static rekv_kv_prefix prefix_of(const rekv_pipeline *p, const rekv_pseq *s, const int32_t *tok,
+                                size_t n)
+{
+    uint32_t kv, act;
+    pl_store_pattern(p, s, &kv, &act);
+    return (rekv_kv_prefix){tok, n, p->cfg.fingerprint, kv, act};
+}
+
+/* Makes s's kvstore sequence from the cache's longest run of prompt's full blocks (all but its
+ * last token), and its device part from them. */
+static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prompt, int n_prompt,
+                             rekv_err *err)
+{
+    int n = n_prompt - 1 < s->cap ? n_prompt - 1 : s->cap;
+    rekv_kv_prefix px = prefix_of(p, s, prompt, n > 0 ? (size_t)n : 0);
+    rekv_kv_prefix_hit hit = {0};
+    int rc = rekv_kvstore_seq_create_prefix(p->store, s->id, &px, &hit, err);
+    if (rc)
+        return rc;
+    s->len = s->cached = (int)hit.tokens;
+    memcpy(s->toks, prompt, sizeof(int32_t) * (size_t)s->len);
+    if (s->len > 0 && s->dev_tokens > 0 && (rc = pl_prefix_fill_device(p, s, err)))
+        rekv_kvstore_seq_drop(p->store, s->id, NULL);
+    return rc;
+}
+
+/* Publishes s's full blocks (those a finished step wrote: [0, len)) before it goes; a hint, so a
+ * failure (a lost store) only costs later hits. */
+static void seq_publish(rekv_pipeline *p, const rekv_pseq *s)
+{
+    if (s->toks == NULL || s->len < REKV_KV_BLOCK_TOKENS || rekv_kvstore_client_lost(p->store))
+        return;
+    rekv_kv_prefix px = prefix_of(p, s, s->toks, (size_t)s->len);
+    rekv_kvstore_publish(p->store, s->id, &px, NULL, NULL);
+}
+
+int rekv_pseq_cached(const rekv_pseq *s)
+{
+    return s->cached;
+}
+
 /* ------------------------------------------------------------------ sequences */
 
 /* A streaming mode's part of a sequence: ACT_GPU's device copy, the device-resident part, and
- * (after the mode's own, ops->seq_alloc) its kvstore sequences. */
-static int seq_alloc_stream(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+ * (after the mode's own, ops->seq_alloc) its kvstore sequences — from the prompt's cached blocks
+ * when prompt is given and the prefix cache allows it. */
+static int seq_alloc_stream(rekv_pipeline *p, rekv_pseq *s, const int32_t *prompt, int n_prompt,
+                            rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
@@ -436,6 +544,12 @@ static int seq_alloc_stream(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
         return rc;
     s->id = p->next_id;
     p->next_id += 2;
+    if (prefix_ok(p, s)) {
+        if ((s->toks = malloc(sizeof(int32_t) * (size_t)s->cap)) == NULL)
+            return rekv_errf(err, -ENOMEM, "out of memory");
+        if (prompt)
+            return seq_create_prefix(p, s, prompt, n_prompt, err);
+    }
     if ((rc = rekv_kvstore_seq_create(p->store, s->id, err)))
         return rc;
     if (p->keep_act && (rc = rekv_kvstore_seq_create(p->store, s->id + 1, err))) {
@@ -458,6 +572,12 @@ static void seq_free_device(rekv_pipeline *p, rekv_pseq *s)
 
 int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *err)
 {
+    return rekv_pseq_create_prefix(p, capacity, NULL, 0, out, err);
+}
+
+int rekv_pseq_create_prefix(rekv_pipeline *p, int capacity, const int32_t *prompt, int n_prompt,
+                            rekv_pseq **out, rekv_err *err)
+{
     const rekv_model_config *c = p->c;
     if (capacity <= 0 || capacity > c->max_pos)
         return rekv_errf(err, -E2BIG, "sequence capacity %d is outside the model's context (1..%d)",
@@ -469,11 +589,12 @@ int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *
     s->cap = capacity;
     s->kv_parts = p->cfg.kv_parts;
     s->act_parts = p->cfg.act_parts;
-    int rc = p->info->store != REKV_STORE_NONE ? seq_alloc_stream(p, s, err)
+    int rc = p->info->store != REKV_STORE_NONE ? seq_alloc_stream(p, s, prompt, n_prompt, err)
              : p->ops->seq_alloc               ? p->ops->seq_alloc(p, s, err)
                                                : 0;
     if (rc) {
         seq_free_device(p, s);
+        free(s->toks);
         free(s);
         return rc;
     }
@@ -488,10 +609,12 @@ void rekv_pseq_free(rekv_pseq *s)
     rekv_pipeline *p = s->p;
     seq_free_device(p, s);
     if (p->info->store != REKV_STORE_NONE) {
+        seq_publish(p, s);
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
         if (p->keep_act)
             rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);
     }
+    free(s->toks);
     free(s);
 }
 

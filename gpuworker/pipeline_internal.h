@@ -232,6 +232,10 @@ struct rekv_pseq {
     int clo_slots;  /* the largest head cache's positions (hc_k + sink + recent + 1) */
     float *label;   /* [n_layers][n_heads][head_dim] */
     int32_t *klen;  /* [n_layers][n_kv] */
+    /* the prefix cache (cfg.prefix_cache): the tokens it holds, [cap] ([0, len) valid; recorded
+       by pl_store_prepare), published when it is freed; NULL when off */
+    int32_t *toks;
+    int cached; /* prompt tokens taken from the cache when made */
 };
 
 /* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
@@ -405,6 +409,9 @@ int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *b
 int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uint8_t *buf, int t,
                       int n, unit_io *io);
 void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *layer);
+/* The prefix cache's device side: copies the device-resident part of a sequence that starts
+ * from cached blocks (its first dev_tokens positions) from the arena. */
+int pl_prefix_fill_device(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it);
 void pl_store_pattern(const rekv_pipeline *p, const rekv_pseq *s, uint32_t *kv, uint32_t *act);

@@ -4,7 +4,9 @@
  * and index the plan by (item, layer)); each
  * unit's copy lists from the plan — context KV rows from the arena straight into the attention
  * buffer, activation rows into staging (or from ACT_GPU's device copy), the new rows back into the
- * arena; and push, where the store makes those KV copies itself (pipeline.c's opening). */
+ * arena; and push, where the store makes those KV copies itself (pipeline.c's opening). With the
+ * prefix cache, a sequence records the tokens it appends (published when it goes), and one that
+ * starts from cached blocks gets its device-resident part copied from them once. */
 #include "gpuworker/pipeline_internal.h"
 
 #include <errno.h>
@@ -156,6 +158,42 @@ static int plan_windows(rekv_pipeline *p, step *st, rekv_err *err)
     return 0;
 }
 
+int pl_prefix_fill_device(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+{
+    int L = p->c->n_layers, upto = s->dev_tokens < s->len ? s->dev_tokens : s->len;
+    size_t blk = rekv_kv_block_bytes(&p->geo);
+    size_t layer_bytes = rekv_kv_buffer_elems(p->geo.n_kv_heads, p->geo.head_dim, s->dev_tokens) *
+                         rekv_dtype_size(p->geo.dtype);
+    rekv_kv_range *r = calloc((size_t)L, sizeof(*r));
+    if (r == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    for (int l = 0; l < L; l++)
+        r[l] = (rekv_kv_range){s->id, (uint32_t)l, 0, (uint64_t)upto};
+    rekv_kv_plan_block *pb = NULL;
+    size_t n = 0, cap = 0;
+    int rc = rekv_kvstore_plan(p->store, r, (size_t)L, 1, &pb, &n, &cap, err), pinned = rc == 0;
+    rekv_copy_piece *pc = rc ? NULL : calloc(n ? n : 1, sizeof(*pc));
+    if (rc == 0 && pc == NULL)
+        rc = rekv_errf(err, -ENOMEM, "out of memory");
+    if (rc == 0) {
+        /* one layout everywhere (kvlayout.h): a store block is a block of the device part */
+        for (size_t i = 0; i < n; i++)
+            pc[i] = (rekv_copy_piece){s->kv_dev + (size_t)pb[i].range * layer_bytes +
+                                          (size_t)pb[i].block * blk,
+                                      p->arena + pb[i].offset, blk};
+        p->bi->copy_h2d(p->s_h2d, pc, n, REKV_XFER_KV);
+        rc = p->bi->stream_sync(p->s_h2d, err);
+    }
+    if (pinned) {
+        int urc = rekv_kvstore_unpin(p->store, r, (size_t)L, rc ? NULL : err);
+        rc = rc ? rc : urc;
+    }
+    free(pc);
+    free(pb);
+    free(r);
+    return rc;
+}
+
 /* Appends the step's new tokens to the store and cuts the step into layer windows (pinned by
  * pl_window_pin). */
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err)
@@ -165,6 +203,9 @@ int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err)
         rekv_pseq *s = st->items[it].seq;
         uint32_t kv, act;
         pl_store_pattern(p, s, &kv, &act);
+        if (s->toks) /* the prefix cache publishes them once a step has written their rows */
+            memcpy(s->toks + s->len, st->items[it].tokens,
+                   sizeof(int32_t) * (size_t)st->items[it].n_tokens);
         uint64_t after;
         if ((rc = rekv_kvstore_append(p->store, s->id, (uint64_t)st->items[it].n_tokens, kv, act,
                                       &after, err)))

@@ -1,0 +1,308 @@
+/* test_prefix_pipeline.c — the prefix cache through the engine (stories260K, cpu backend, fp32,
+ * a real kvstore process): the batcher's jobs start from the store's cached blocks of their
+ * prompt and prefill only the rest, and their tokens and the logits before the first token are
+ * rekv_generate's bit for bit — the same prompt twice, a prompt sharing a prefix with an earlier
+ * one (diverging inside a block), a prompt that continues an earlier job's output (multi-turn),
+ * with the device-resident part copied from the cached blocks, in act mode, and with the cache
+ * off. At the end every block is back: after the jobs and the cache are dropped, every slot of
+ * the arena is free. */
+#include <check.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpuworker/batcher.h"
+#include "gpuworker/pipeline.h"
+#include "tests/fixture.h"
+#include "tests/testutil.h"
+
+#define MODEL_REL "models/stories260K/stories260K.bin"
+#define TOP 4
+#define MAX_NEW 12
+
+typedef struct result {
+    int32_t ids[MAX_NEW];
+    float top[MAX_NEW * TOP]; /* the largest logits before each token */
+    int n, cached;
+} result;
+
+static void prompt_make(int32_t *p, int n, uint64_t seed, int vocab)
+{
+    for (int i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = (int32_t)((seed >> 33) % (uint64_t)vocab);
+    }
+}
+
+static rekv_gen_params params(void)
+{
+    rekv_gen_params gp = {MAX_NEW, 0.0f, 0, 1.0f, 0, TOP, 0};
+    return gp;
+}
+
+static void reference(tu_fixture *f, const int32_t *prompt, int n, result *r)
+{
+    rekv_gen_params gp = params();
+    rekv_gen_result g;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_generate(f->e, prompt, n, &gp, &g, &err) == 0, "%s", err.msg);
+    memset(r, 0, sizeof(*r));
+    r->n = g.n;
+    memcpy(r->ids, g.ids, sizeof(int32_t) * (size_t)g.n);
+    memcpy(r->top, g.top_vals, sizeof(float) * (size_t)g.n * TOP);
+    rekv_gen_result_free(&g);
+}
+
+/* Runs one job alone on b to its end. */
+static void run_job(rekv_batcher *b, uint64_t job, const int32_t *prompt, int n, result *r)
+{
+    rekv_gen_params gp = params();
+    rekv_err err = {0};
+    memset(r, 0, sizeof(*r));
+    ck_assert_msg(rekv_batcher_join(b, job, prompt, n, &gp, &err) == 0, "%s", err.msg);
+    r->cached = rekv_batcher_cached_tokens(b, job);
+    for (int done = 0; !done;) {
+        const rekv_batch_event *ev;
+        int ne;
+        ck_assert_msg(rekv_batcher_step(b, &ev, &ne, &err) == 0, "%s", err.msg);
+        ck_assert_int_eq(ne, 1);
+        if (ev[0].token >= 0) {
+            memcpy(r->top + r->n * TOP, ev[0].top_vals, sizeof(float) * TOP);
+            r->ids[r->n++] = ev[0].token;
+        }
+        done = ev[0].finished;
+    }
+}
+
+static void assert_same(const result *got, const result *want, const char *what)
+{
+    ck_assert_msg(got->n == want->n, "%s: %d tokens, rekv_generate %d", what, got->n, want->n);
+    ck_assert_msg(memcmp(got->ids, want->ids, sizeof(int32_t) * (size_t)got->n) == 0,
+                  "%s: tokens differ from rekv_generate's", what);
+    ck_assert_msg(memcmp(got->top, want->top, sizeof(float) * (size_t)got->n * TOP) == 0,
+                  "%s: logits differ from rekv_generate's (not bit for bit)", what);
+}
+
+typedef struct env {
+    tu_fixture f;
+    rekv_pipeline *p;
+    rekv_batcher *b;
+} env;
+
+static int env_open(env *v, rekv_mode mode, int prefix, int device_tokens)
+{
+    const char *m = tu_shared(MODEL_REL);
+    if (m == NULL)
+        return 0;
+    tu_fixture_open(&v->f, m, REKV_DTYPE_F32, NULL);
+    rekv_pipeline_config pc;
+    rekv_pipeline_config_defaults(&pc);
+    pc.mode = mode;
+    pc.prefix_cache = prefix;
+    pc.device_tokens = device_tokens;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_pipeline_create(v->f.e, v->f.be, v->f.store, &pc, &v->p, &err) == 0, "%s",
+                  err.msg);
+    ck_assert_msg(rekv_batcher_create(v->p, rekv_engine_config(v->f.e), 4, &v->b, &err) == 0, "%s",
+                  err.msg);
+    return 1;
+}
+
+/* Frees the jobs and the pipeline, clears the cache: every block back (no leaked reference). */
+static void env_close(env *v)
+{
+    rekv_batcher_free(v->b);
+    rekv_pipeline_free(v->p);
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_cache_clear(v->f.store, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_stats(v->f.store, &st, NULL), 0);
+    ck_assert_int_eq(st.sequences, 0);
+    ck_assert_int_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 0);
+    ck_assert_int_eq(st.free_slots, st.total_slots);
+    tu_fixture_close(&v->f);
+}
+
+static rekv_kv_stats store_stats(env *v)
+{
+    rekv_kv_stats st;
+    ck_assert_int_eq(rekv_kvstore_stats(v->f.store, &st, NULL), 0);
+    return st;
+}
+
+/* The same prompt twice, then one sharing its first 40 tokens (diverging inside block 2). */
+static void same_and_shared(rekv_mode mode, int device_tokens)
+{
+    env v;
+    if (!env_open(&v, mode, 1, device_tokens))
+        return;
+    int vocab = rekv_engine_config(v.f.e)->vocab;
+    int32_t a[70], c[55];
+    prompt_make(a, 70, 11, vocab);
+    memcpy(c, a, sizeof(int32_t) * 40);
+    prompt_make(c + 40, 15, 12, vocab);
+    result ra, rc, got;
+    reference(&v.f, a, 70, &ra);
+    reference(&v.f, c, 55, &rc);
+    run_job(v.b, 1, a, 70, &got);
+    ck_assert_int_eq(got.cached, 0);
+    assert_same(&got, &ra, "first run");
+    run_job(v.b, 2, a, 70, &got);
+    ck_assert_int_eq(got.cached, 64); /* 4 full blocks of the 69 before the last token */
+    assert_same(&got, &ra, "the same prompt again");
+    run_job(v.b, 3, c, 55, &got);
+    ck_assert_int_eq(got.cached, 32);
+    assert_same(&got, &rc, "a shared prefix");
+    rekv_kv_stats st = store_stats(&v);
+    ck_assert_int_eq(st.prefix_hit_tokens, 96);
+    ck_assert_int_eq(st.prefix_lookups, 3);
+    env_close(&v);
+}
+
+START_TEST(offload_same_and_shared)
+{
+    same_and_shared(REKV_MODE_OFFLOAD, 0);
+}
+END_TEST
+
+/* The device-resident part (the first 24 tokens' K,V on the device) comes from the cached
+ * blocks. */
+START_TEST(offload_device_part)
+{
+    same_and_shared(REKV_MODE_OFFLOAD, 24);
+}
+END_TEST
+
+START_TEST(act_same_and_shared)
+{
+    same_and_shared(REKV_MODE_ACT, 0);
+}
+END_TEST
+
+/* Multi-turn: the second prompt is the first, its answer and more; the first job published its
+ * generated tokens' blocks too. */
+START_TEST(offload_next_turn)
+{
+    env v;
+    if (!env_open(&v, REKV_MODE_OFFLOAD, 1, 0))
+        return;
+    int vocab = rekv_engine_config(v.f.e)->vocab;
+    int32_t a[40], t2[40 + MAX_NEW + 9];
+    prompt_make(a, 40, 21, vocab);
+    result r1, ref, got;
+    run_job(v.b, 1, a, 40, &r1);
+    memcpy(t2, a, sizeof(a));
+    memcpy(t2 + 40, r1.ids, sizeof(int32_t) * MAX_NEW);
+    prompt_make(t2 + 40 + MAX_NEW, 9, 22, vocab);
+    int n2 = 40 + MAX_NEW + 9;
+    reference(&v.f, t2, n2, &ref);
+    run_job(v.b, 2, t2, n2, &got);
+    /* job 1 held 40 + 11 tokens (the last one drawn is never fed back): 3 full blocks */
+    ck_assert_int_eq(got.cached, 48);
+    assert_same(&got, &ref, "the next turn");
+    env_close(&v);
+}
+END_TEST
+
+/* Off: nothing looked up or published, the same tokens. */
+START_TEST(offload_cache_off)
+{
+    env v;
+    if (!env_open(&v, REKV_MODE_OFFLOAD, 0, 0))
+        return;
+    int vocab = rekv_engine_config(v.f.e)->vocab;
+    int32_t a[50];
+    prompt_make(a, 50, 31, vocab);
+    result ref, got;
+    reference(&v.f, a, 50, &ref);
+    for (uint64_t j = 1; j <= 2; j++) {
+        run_job(v.b, j, a, 50, &got);
+        ck_assert_int_eq(got.cached, 0);
+        assert_same(&got, &ref, "cache off");
+    }
+    rekv_kv_stats st = store_stats(&v);
+    ck_assert_int_eq(st.prefix_lookups, 0);
+    ck_assert_int_eq(st.prefix_published_blocks, 0);
+    env_close(&v);
+}
+END_TEST
+
+/* Jobs sharing prefixes joining together and cancelled mid-prefill or mid-decode (chunked
+ * prefill of 8 tokens): the survivors' tokens are rekv_generate's and no reference leaks. */
+START_TEST(offload_mixed_cancels)
+{
+    env v;
+    if (!env_open(&v, REKV_MODE_OFFLOAD, 1, 0))
+        return;
+    int vocab = rekv_engine_config(v.f.e)->vocab;
+    enum { J = 12 };
+    int32_t base[64], pr[J][80];
+    int n[J];
+    prompt_make(base, 64, 41, vocab);
+    result ref[J];
+    for (int j = 0; j < J; j++) {
+        int shared = (j % 4) * 16 + (j % 3) * 5; /* 0..63 tokens of base, then their own */
+        n[j] = shared + 10 + j % 7;
+        memcpy(pr[j], base, sizeof(int32_t) * (size_t)shared);
+        prompt_make(pr[j] + shared, n[j] - shared, 100 + (uint64_t)j, vocab);
+        reference(&v.f, pr[j], n[j], &ref[j]);
+    }
+    rekv_batcher_set_prefill_chunk(v.b, 8);
+    rekv_gen_params gp = params();
+    rekv_err err = {0};
+    result got[J];
+    memset(got, 0, sizeof(got));
+    int next = 0, live = 0, step = 0;
+    while (next < J || live > 0) {
+        while (next < J && rekv_batcher_running(v.b) < 4) {
+            ck_assert_msg(rekv_batcher_join(v.b, (uint64_t)next, pr[next], n[next], &gp, &err) == 0,
+                          "%s", err.msg);
+            got[next].cached = rekv_batcher_cached_tokens(v.b, (uint64_t)next);
+            next++, live++;
+        }
+        const rekv_batch_event *ev;
+        int ne;
+        ck_assert_msg(rekv_batcher_step(v.b, &ev, &ne, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < ne; i++) {
+            result *r = &got[ev[i].job];
+            if (ev[i].token >= 0) {
+                memcpy(r->top + r->n * TOP, ev[i].top_vals, sizeof(float) * TOP);
+                r->ids[r->n++] = ev[i].token;
+            }
+            live -= ev[i].finished;
+        }
+        /* every third job is cancelled a few steps after it joined */
+        if (++step % 5 == 0 && next > 0 && (next - 1) % 3 == 2 &&
+            rekv_batcher_cancel(v.b, (uint64_t)(next - 1)) == 0) {
+            got[next - 1].n = -1;
+            live--;
+        }
+    }
+    int hits = 0;
+    for (int j = 0; j < J; j++) {
+        hits += got[j].cached > 0;
+        if (got[j].n >= 0)
+            assert_same(&got[j], &ref[j], "a mixed job");
+    }
+    ck_assert_int_gt(hits, 0);
+    env_close(&v);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("prefix_pipeline");
+    TCase *tc = tcase_create("prefix_pipeline");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, offload_same_and_shared);
+    tcase_add_test(tc, offload_device_part);
+    tcase_add_test(tc, act_same_and_shared);
+    tcase_add_test(tc, offload_next_turn);
+    tcase_add_test(tc, offload_cache_off);
+    tcase_add_test(tc, offload_mixed_cancels);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(suite());
+}
