@@ -67,6 +67,7 @@ typedef struct job {
     Rekv__Control__JobState state;
     int32_t *prompt; /* [n_prompt] token ids; NULL for jobs replayed finished */
     uint32_t n_prompt;
+    uint32_t cached_tokens; /* prompt tokens the last start took from the prefix cache */
     float temperature; /* sampling, as submitted */
     uint32_t top_k;
     float top_p;

@@ -588,6 +588,7 @@ void co_status_fill(const job *j, Rekv__Control__JobStatus *s)
     s->finish_reason = (char *)j->finish_reason;
     s->error = j->error ? j->error : "";
     s->prompt_tokens = j->n_prompt;
+    s->cached_tokens = j->cached_tokens;
     s->attempts = j->attempts;
     s->priority = j->priority;
     s->waiting = j->state == REKV__CONTROL__JOB_STATE__QUEUED ? (char *)j->waiting : "";
@@ -766,6 +767,7 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         j->n_gen = j->streamed = (uint32_t)s->n_generated_ids;
         j->stream_bytes = SIZE_MAX;
         j->n_prompt = s->prompt_tokens;
+        j->cached_tokens = s->cached_tokens;
         j->attempts = s->attempts;
         j->priority = s->priority;
         j->queued_s = s->queued_s;

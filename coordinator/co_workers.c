@@ -568,6 +568,8 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             continue; /* cancelled meanwhile */
         job *j = w->run[k];
         j->mark = mark;
+        if (jp->cached_tokens) /* the step it joined: its prompt from the prefix cache */
+            j->cached_tokens = jp->cached_tokens;
         if (jp->error && jp->retry) {
             /* its step failed for a reason that passes: the worker dropped it; run it again */
             char why[320];

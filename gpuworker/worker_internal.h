@@ -49,6 +49,7 @@ typedef struct wk_plan {
     Rekv__Worker__JobProgress **pp; /* [cap] pointers to them */
     int32_t *toks;                  /* [cap] a token per report */
     rekv_err *errs;                 /* [cap] the joins' errors */
+    uint32_t *cached;               /* [n_join] prompt tokens each join took from the prefix cache */
     size_t n, cap;                  /* reports filled, room */
     int lost;                       /* the kvstore is gone (a join or the step said so) */
     int timed;                      /* this step's busy times are measured */

@@ -31,7 +31,7 @@ static void usage(FILE *f)
            "         [--mode auto|resident|offload|kvpr|act|hybrid|infinigen|clo] [--approximate]\n"
            "         [--max-batch N] [--name NAME] [--heartbeat-ms N]\n"
            "         [--link-gbps G] [--link-latency-us U] [--device-memory SIZE] [--push]\n"
-           "         [--device-tokens N]\n"
+           "         [--device-tokens N] [--prefix-cache on|off]\n"
            "         [--kvstore-timeout-ms N] [--metrics HOST:PORT [--metrics-public]]\n"
            "         [--ready-fd N] [--help] [--version]\n"
            "Defaults: coordinator ipc://$XDG_RUNTIME_DIR/rekv/workers (or /run/rekv/workers),\n"
@@ -56,6 +56,9 @@ static void usage(FILE *f)
            "first Hello: the device part and clo's persistent heads are the coordinator's.\n"
            "--link-gbps, --link-latency-us and --device-memory make the cpu backend behave like a\n"
            "GPU behind a link of that speed with that much memory (see rekv bench decode).\n"
+           "--prefix-cache (on by default): a job starts from the kvstore's cached blocks of\n"
+           "its prompt's longest cached prefix and prefills only the rest; finished jobs\n"
+           "publish their full blocks (offload, and act/hybrid without a device part).\n"
            "--push: the kvstore (started with --push-backend) writes the KV rows into this\n"
            "worker's buffers instead of the worker copying them (modes other than resident).\n"
            "A step runs the whole batch at once; tokens equal `rekv generate --local`.\n"
@@ -78,6 +81,7 @@ enum {
     O_LINK_LAT,
     O_DEVMEM,
     O_DEVTOK,
+    O_PREFIX,
     O_PUSH,
     O_APPROX,
     O_KV_TIMEOUT,
@@ -101,6 +105,7 @@ static const struct option opts[] = {
     {"link-latency-us", required_argument, 0, O_LINK_LAT},
     {"device-memory", required_argument, 0, O_DEVMEM},
     {"device-tokens", required_argument, 0, O_DEVTOK},
+    {"prefix-cache", required_argument, 0, O_PREFIX},
     {"push", no_argument, 0, O_PUSH},
     {"approximate", no_argument, 0, O_APPROX},
     {"kvstore-timeout-ms", required_argument, 0, O_KV_TIMEOUT},
@@ -146,6 +151,10 @@ static int parse_option(worker *w, worker_args *a, int o, const char *name, cons
         break;
     case O_METRICS_PUBLIC:
         a->start.metrics_public = 1;
+        break;
+    case O_PREFIX:
+        bad = strcmp(arg, "on") != 0 && strcmp(arg, "off") != 0;
+        w->pc.prefix_cache = strcmp(arg, "on") == 0;
         break;
     case O_DEVTOK:
         bad = rekv_parse_u32(arg, &v) || v > (1u << 24);
@@ -217,6 +226,7 @@ static int parse_args(worker *w, worker_args *a, int argc, char **argv)
     a->kv_timeout_ms = 30000;
     w->device_tokens = -1;
     rekv_pipeline_config_defaults(&w->pc);
+    w->pc.prefix_cache = 1;
     int o, opt_i = 0, rc;
     while ((o = getopt_long(argc, argv, "", opts, &opt_i)) != -1)
         if ((rc = parse_option(w, a, o, opts[opt_i].name, optarg)) >= 0)

@@ -124,6 +124,7 @@ static void plan_free(wk_plan *p)
     free(p->pp);
     free(p->toks);
     free(p->errs);
+    free(p->cached);
     memset(p, 0, sizeof(*p));
 }
 
@@ -162,9 +163,12 @@ static void plan_joins(worker *w, wk_plan *p)
             p->pp[n] = &p->jp[n];
             p->n++;
         } else if (w->kv) {
-            rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu's cache is kvstore sequence %llu",
+            p->cached[i] = (uint32_t)rekv_batcher_cached_tokens(w->batch, s->job);
+            rekv_log(REKV_LOG_DEBUG,
+                     "step %llu: job %llu's cache is kvstore sequence %llu, %u prompt tokens "
+                     "from the prefix cache",
                      (unsigned long long)plan->step, (unsigned long long)s->job,
-                     (unsigned long long)rekv_batcher_store_seq(w->batch, s->job));
+                     (unsigned long long)rekv_batcher_store_seq(w->batch, s->job), p->cached[i]);
         }
     }
 }
@@ -183,7 +187,8 @@ static int plan_prepare(worker *w, wk_plan *p)
     p->pp = calloc(cap ? cap : 1, sizeof(*p->pp));
     p->toks = calloc(cap ? cap : 1, sizeof(int32_t));
     p->errs = calloc(cap ? cap : 1, sizeof(rekv_err));
-    if (!p->jp || !p->pp || !p->toks || !p->errs)
+    p->cached = calloc(plan->n_join ? plan->n_join : 1, sizeof(uint32_t));
+    if (!p->jp || !p->pp || !p->toks || !p->errs || !p->cached)
         return -ENOMEM;
     /* the planner's choices for this step (any of them gives the same tokens), before the joins:
      * their sequences are made with its KV:ACT pattern, the one the coordinator admitted them at
@@ -252,6 +257,9 @@ static void report_events(wk_plan *p, const rekv_batch_event *ev, int n_ev)
         Rekv__Worker__JobProgress *j = &p->jp[p->n];
         rekv__worker__job_progress__init(j);
         j->job = ev[i].job;
+        for (size_t k = 0; k < p->plan->n_join; k++) /* a job that joined this step */
+            if (p->plan->join[k]->job == ev[i].job)
+                j->cached_tokens = p->cached[k];
         if (ev[i].token >= 0) {
             rekv_log(REKV_LOG_DEBUG, "step %llu: job %llu token %d%s%s",
                      (unsigned long long)p->plan->step, (unsigned long long)ev[i].job, ev[i].token,

@@ -146,6 +146,11 @@ int wk_start(worker *w, const wk_start_args *a, rekv_model **model, void **zctx,
         (rc = rekv_engine_create(*model, &w->eng, err)))
         return rc;
     w->mc = rekv_engine_config(w->eng);
+    if (w->kv_ep && w->pc.prefix_cache) { /* once: every pipeline of this model keys with it */
+        w->pc.fingerprint = rekv_engine_fingerprint(w->eng);
+        rekv_log(REKV_LOG_INFO, "prefix cache on: the model's fingerprint is %016llx",
+                 (unsigned long long)w->pc.fingerprint);
+    }
     if (w->kv_ep) {
         if ((rc = wk_kv_connect(w, err)))
             return rc; /* 1: asked to stop */

@@ -41,6 +41,7 @@ static json_t *status_json(const Rekv__Control__JobStatus *s)
         json_object_set_new(o, "text", t ? t : json_null()); /* NULL: not valid UTF-8 */
     }
     json_object_set_new(o, "prompt_tokens", json_integer(s->prompt_tokens));
+    json_object_set_new(o, "cached_tokens", json_integer(s->cached_tokens));
     json_object_set_new(o, "attempts", json_integer(s->attempts));
     json_object_set_new(o, "priority", json_integer(s->priority));
     json_object_set_new(o, "queued_s", json_real(s->queued_s));
