@@ -518,8 +518,8 @@ void srv_on_completions(rekv_kvstore_server *s)
                                  (unsigned long long)b->seq, b->layer, b->lblock,
                                  d[i].res < 0 ? strerror(-d[i].res) : "CRC32C mismatch");
                     b->hit_read = 0;
-                    if (b->centry != NIL) /* no later prefix may take it */
-                        srv_cache_evict(s, b->centry);
+                    if (b->centry != NIL && srv_cache_evictable(s, b->centry))
+                        srv_cache_evict(s, b->centry); /* no later prefix may take it */
                 } else {
                     fslot_put(s, b->fslot);
                     b->state = BS_HOST;

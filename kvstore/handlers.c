@@ -295,6 +295,8 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
             return srv_fail(r, -ENOMEM, "append %llu tokens to sequence %llu: %s",
                             (unsigned long long)m->n_tokens, (unsigned long long)m->seq, why);
         uint64_t want = (need_t[0] + need_t[1]) * s->hs.big_bytes, room = spill_room(s);
+        while (want > room && srv_cache_evict_disk(s)) /* running sequences win */
+            room = spill_room(s);
         /* a block being read back holds its spill slot until the read completes: wait for it
          * rather than fail on room that is about to come back */
         if (want > room && s->reads_in_flight > 0)

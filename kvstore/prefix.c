@@ -17,7 +17,9 @@
  * them (a cached block on disk is still a hit), else evicted — the entry's references dropped,
  * its blocks freed. A spill of a sequence's block that finds the spill file at its limit evicts
  * the least recently used entry holding a cached block on disk first. Entries are touched deepest
- * first, so a chain is evicted from its end. */
+ * first, so a chain is evicted from its end. An entry one of whose blocks only the cache holds but
+ * a client still pins (through a sequence it dropped) or a parked request holds is not evicted
+ * until they let go: a freed block must have no pins. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -157,7 +159,7 @@ static void ce_release(rekv_kvstore_server *s, uint32_t i)
 void srv_cache_evict(rekv_kvstore_server *s, uint32_t i)
 {
     kv_centry *e = &s->centries[i];
-    REKV_ASSERT(e->live);
+    REKV_ASSERT(e->live && srv_cache_evictable(s, i)); /* a freed block has no pins */
     ce_unlink(s, i);
     kv_map_del(&s->cindex, e->key);
     s->ce_live--;
@@ -169,13 +171,28 @@ void srv_cache_evict(rekv_kvstore_server *s, uint32_t i)
     }
 }
 
+int srv_cache_evictable(const rekv_kvstore_server *s, uint32_t i)
+{
+    const kv_centry *e = &s->centries[i];
+    for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++) {
+        const kv_block *b = &s->blocks[e->ids[l]];
+        if (b->refs == 1 && (b->pins || b->holds))
+            return 0;
+    }
+    return 1;
+}
+
 int srv_cache_evict_host(rekv_kvstore_server *s)
 {
-    if (s->cache_head == NIL)
-        return 0;
-    srv_cache_evict(s, s->blocks[s->cache_head].centry);
-    s->px_evictions += s->cfg.geometry.n_layers;
-    return 1;
+    for (uint32_t id = s->cache_head; id != NIL; id = s->blocks[id].next) {
+        uint32_t i = s->blocks[id].centry;
+        if (!srv_cache_evictable(s, i))
+            continue; /* another layer's block is pinned through a dropped sequence */
+        srv_cache_evict(s, i);
+        s->px_evictions += s->cfg.geometry.n_layers;
+        return 1;
+    }
+    return 0;
 }
 
 int srv_cache_evict_disk(rekv_kvstore_server *s)
@@ -184,7 +201,7 @@ int srv_cache_evict_disk(rekv_kvstore_server *s)
         const kv_centry *e = &s->centries[i];
         for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++) {
             const kv_block *b = &s->blocks[e->ids[l]];
-            if (b->refs == 1 && b->state == BS_DISK) {
+            if (b->refs == 1 && b->state == BS_DISK && srv_cache_evictable(s, i)) {
                 srv_cache_evict(s, i);
                 s->px_evictions += s->cfg.geometry.n_layers;
                 return 1;
@@ -245,7 +262,8 @@ static int64_t cache_match(rekv_kvstore_server *s, const Rekv__Kvstore__Prefix *
         for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
             bad |= s->blocks[s->centries[i].ids[l]].load_err != 0;
         if (bad) {
-            srv_cache_evict(s, i);
+            if (srv_cache_evictable(s, i))
+                srv_cache_evict(s, i);
             break;
         }
         (*run)[k] = i;
@@ -441,8 +459,11 @@ int srv_h_publish(rekv_kvstore_server *s, Rekv__Kvstore__Publish *m, kv_reply *r
 
 int srv_h_clear_cache(rekv_kvstore_server *s, kv_reply *r)
 {
-    while (s->ce_head != NIL)
-        srv_cache_evict(s, s->ce_head);
+    for (uint32_t i = s->ce_head, next; i != NIL; i = next) {
+        next = s->centries[i].next;
+        if (srv_cache_evictable(s, i)) /* else its pins' client lets go first */
+            srv_cache_evict(s, i);
+    }
     (void)r;
     return 0;
 }

@@ -255,7 +255,9 @@ int srv_cache_evict_host(rekv_kvstore_server *s);
 /* Evicts the least recently used entry holding a spilled block only the cache holds (its file
  * slot comes back): 1 when it did, 0 when none. */
 int srv_cache_evict_disk(rekv_kvstore_server *s);
-/* Drops entry i from the cache (its blocks' cache references). */
+/* 1 when entry i may be evicted: none of its blocks that only the cache holds is pinned or held. */
+int srv_cache_evictable(const rekv_kvstore_server *s, uint32_t i);
+/* Drops entry i from the cache (its blocks' cache references); i must be evictable. */
 void srv_cache_evict(rekv_kvstore_server *s, uint32_t i);
 /* CreateSeq's prefix: makes q start with the longest cached run of px's full blocks. */
 int srv_cache_take(rekv_kvstore_server *s, kv_seq *q, Rekv__Kvstore__Prefix *px, kv_reply *r);

@@ -273,6 +273,38 @@ START_TEST(full_spill_file_evicts_cached)
 }
 END_TEST
 
+/* An append that finds the arena pinned full makes its blocks without a slot (FRESH), which need
+ * room on the spill tier: cached blocks on disk give it. */
+START_TEST(fresh_append_evicts_cached)
+{
+    kvd d;
+    kvd_start(&d, 4, "--spill-bytes 16384 --high-pct 100 --low-pct 90", 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    make_published(c, 1, 32, 2);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 2, NULL), 0);
+    ck_assert_msg(rekv_kvstore_append(c, 2, 32, 0, 0, NULL, &err) == 0, "append: %s", err.msg);
+    ck_assert_int_eq(stats(c).disk_kv, 4); /* the cache's, filling the spill file */
+    rekv_kv_range r[2] = {{2, 0, 0, 32}, {2, 1, 0, 32}};
+    rekv_kv_plan_block *pb = NULL;
+    size_t n, cap = 0;
+    ck_assert_int_eq(rekv_kvstore_plan(c, r, 2, 1, &pb, &n, &cap, NULL), 0); /* arena pinned */
+    free(pb);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 3, NULL), 0);
+    ck_assert_msg(rekv_kvstore_append(c, 3, 16, 0, 0, NULL, &err) == 0, "append: %s", err.msg);
+    rekv_kv_stats st = stats(c);
+    ck_assert_int_eq(st.prefix_evictions, 2);
+    ck_assert_int_eq(st.prefix_entries, 1);
+    ck_assert_int_eq(rekv_kvstore_unpin(c, r, 2, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 2, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 3, NULL), 0);
+    assert_empty(c);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
 /* A dead worker's sequences (DropOwner, as its successor sends) go; the blocks it published stay
  * cached, and the references of a sequence it made from the cache are given back. */
 START_TEST(dead_owner_keeps_cache)
@@ -321,6 +353,7 @@ static Suite *suite(void)
     tcase_add_test(tc, evicted_for_running_sequences);
     tcase_add_test(tc, spilled_first_still_a_hit);
     tcase_add_test(tc, full_spill_file_evicts_cached);
+    tcase_add_test(tc, fresh_append_evicts_cached);
     tcase_add_test(tc, dead_owner_keeps_cache);
     suite_add_tcase(s, tc);
     return s;
