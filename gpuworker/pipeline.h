@@ -120,8 +120,9 @@ typedef struct rekv_pipeline_config {
     /* the kvstore's prefix cache (kvstore.proto Prefix): a sequence made with
        rekv_pseq_create_prefix starts from the longest cached run of its prompt's full blocks and
        prefills only the rest; every sequence publishes its full blocks when freed. Modes whose
-       sequences keep nothing else of their context on the device (offload, and act/hybrid
-       without a device part or ACT_GPU); the others start empty. 0 (default): off */
+       sequences keep nothing else of their context on the device (offload and kvpr, their
+       device part copied from the cached K,V; act and hybrid without a device part; none with
+       ACT_GPU); resident and the approximate modes start empty. 0 (default): off */
     int prefix_cache;
     uint64_t fingerprint; /* the model's (rekv_engine_fingerprint) for the cache's keys; 0: the
                              pipeline computes it at creation when prefix_cache is on */

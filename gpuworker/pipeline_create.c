@@ -457,13 +457,12 @@ uint64_t rekv_engine_fingerprint(const rekv_engine *e)
 }
 
 /* Whether s may start from cached blocks: nothing of its context may live on the device but what
- * the store's blocks give back (the device-resident part of an all-KV store is copied from
- * them); the approximate modes' device state, kvpr's two sequences, ACT_GPU and a device part
- * rebuilt from activations are not. */
+ * the store's blocks give back (the device-resident part of an all-KV store — offload, kvpr's
+ * K,V sequence — is copied from them); the approximate modes' device state, ACT_GPU and a device
+ * part that would be rebuilt from activations (act, hybrid) are not. */
 static int prefix_ok(const rekv_pipeline *p, const rekv_pseq *s)
 {
-    if (!p->cfg.prefix_cache || p->info->store == REKV_STORE_NONE || p->info->approximate ||
-        p->keep_act)
+    if (!p->cfg.prefix_cache || p->info->store == REKV_STORE_NONE || p->info->approximate)
         return 0;
     if (p->cfg.act_gpu_blocks > 0 && p->info->act_gpu)
         return 0;
@@ -478,7 +477,36 @@ static rekv_kv_prefix prefix_of(const rekv_pipeline *p, const rekv_pseq *s, cons
     return (rekv_kv_prefix){tok, n, p->cfg.fingerprint, kv, act};
 }
 
-/* Makes s's kvstore sequence from the cache's longest run of prompt's full blocks (all but its
+/* kvpr's two sequences from the same run: K,V in id, the activations (all ACT) in id + 1. The
+ * second may find less than the first (evicted in between by another client's request): then
+ * both start over from the shorter run, and from none if that too comes out uneven. */
+static int seq_create_prefix_pair(rekv_pipeline *p, rekv_pseq *s, rekv_kv_prefix px,
+                                  uint64_t *tokens, rekv_err *err)
+{
+    int rc;
+    for (int round = 0; round < 3; round++) {
+        rekv_kv_prefix pa = px;
+        rekv_kv_prefix_hit h0 = {0}, h1 = {0};
+        pa.kv_parts = 0, pa.act_parts = 1;
+        if ((rc = rekv_kvstore_seq_create_prefix(p->store, s->id, &px, &h0, err)))
+            return rc;
+        pa.n_tokens = (size_t)h0.tokens;
+        if ((rc = rekv_kvstore_seq_create_prefix(p->store, s->id + 1, &pa, &h1, err))) {
+            rekv_kvstore_seq_drop(p->store, s->id, NULL);
+            return rc;
+        }
+        if (h1.tokens == h0.tokens) {
+            *tokens = h0.tokens;
+            return 0;
+        }
+        rekv_kvstore_seq_drop(p->store, s->id, NULL);
+        rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);
+        px.n_tokens = round == 0 ? (size_t)h1.tokens : 0;
+    }
+    return rekv_errf(err, -EPROTO, "kvstore: the prefix cache gave kvpr's sequences uneven runs");
+}
+
+/* Makes s's kvstore sequences from the cache's longest run of prompt's full blocks (all but its
  * last token), and its device part from them. */
 static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prompt, int n_prompt,
                              rekv_err *err)
@@ -486,13 +514,17 @@ static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prom
     int n = n_prompt - 1 < s->cap ? n_prompt - 1 : s->cap;
     rekv_kv_prefix px = prefix_of(p, s, prompt, n > 0 ? (size_t)n : 0);
     rekv_kv_prefix_hit hit = {0};
-    int rc = rekv_kvstore_seq_create_prefix(p->store, s->id, &px, &hit, err);
+    int rc = p->keep_act ? seq_create_prefix_pair(p, s, px, &hit.tokens, err)
+                         : rekv_kvstore_seq_create_prefix(p->store, s->id, &px, &hit, err);
     if (rc)
         return rc;
     s->len = s->cached = (int)hit.tokens;
     memcpy(s->toks, prompt, sizeof(int32_t) * (size_t)s->len);
-    if (s->len > 0 && s->dev_tokens > 0 && (rc = pl_prefix_fill_device(p, s, err)))
+    if (s->len > 0 && s->dev_tokens > 0 && (rc = pl_prefix_fill_device(p, s, err))) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
+        if (p->keep_act)
+            rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);
+    }
     return rc;
 }
 
@@ -504,6 +536,8 @@ static void seq_publish(rekv_pipeline *p, const rekv_pseq *s)
         return;
     rekv_kv_prefix px = prefix_of(p, s, s->toks, (size_t)s->len);
     rekv_kvstore_publish(p->store, s->id, &px, NULL, NULL);
+    if (p->keep_act) /* kvpr's activations */
+        rekv_kvstore_publish(p->store, s->id + 1, &px, NULL, NULL);
 }
 
 int rekv_pseq_cached(const rekv_pseq *s)
@@ -547,7 +581,7 @@ static int seq_alloc_stream(rekv_pipeline *p, rekv_pseq *s, const int32_t *promp
     if (prefix_ok(p, s)) {
         if ((s->toks = malloc(sizeof(int32_t) * (size_t)s->cap)) == NULL)
             return rekv_errf(err, -ENOMEM, "out of memory");
-        if (prompt)
+        if (prompt) /* kvpr's pair too */
             return seq_create_prefix(p, s, prompt, n_prompt, err);
     }
     if ((rc = rekv_kvstore_seq_create(p->store, s->id, err)))

@@ -3,8 +3,8 @@
  * prompt and prefill only the rest, and their tokens and the logits before the first token are
  * rekv_generate's bit for bit — the same prompt twice, a prompt sharing a prefix with an earlier
  * one (diverging inside a block), a prompt that continues an earlier job's output (multi-turn),
- * with the device-resident part copied from the cached blocks, in act mode, and with the cache
- * off. At the end every block is back: after the jobs and the cache are dropped, every slot of
+ * with the device-resident part copied from the cached blocks, in act, hybrid and kvpr modes,
+ * and with the cache off. At the end every block is back: after the jobs and the cache are dropped, every slot of
  * the arena is free. */
 #include <check.h>
 #include <stdlib.h>
@@ -99,6 +99,7 @@ static int env_open(env *v, rekv_mode mode, int prefix, int device_tokens)
     pc.mode = mode;
     pc.prefix_cache = prefix;
     pc.device_tokens = device_tokens;
+    pc.split = 20; /* kvpr: recomputes tokens [0, 20) from the cached activations */
     rekv_err err = {0};
     ck_assert_msg(rekv_pipeline_create(v->f.e, v->f.be, v->f.store, &pc, &v->p, &err) == 0, "%s",
                   err.msg);
@@ -152,8 +153,9 @@ static void same_and_shared(rekv_mode mode, int device_tokens)
     ck_assert_int_eq(got.cached, 32);
     assert_same(&got, &rc, "a shared prefix");
     rekv_kv_stats st = store_stats(&v);
-    ck_assert_int_eq(st.prefix_hit_tokens, 96);
-    ck_assert_int_eq(st.prefix_lookups, 3);
+    int seqs = mode == REKV_MODE_KVPR ? 2 : 1; /* kvpr: K,V and activations, each from the cache */
+    ck_assert_int_eq(st.prefix_hit_tokens, 96 * seqs);
+    ck_assert_int_eq(st.prefix_lookups, 3 * seqs);
     env_close(&v);
 }
 
@@ -174,6 +176,19 @@ END_TEST
 START_TEST(act_same_and_shared)
 {
     same_and_shared(REKV_MODE_ACT, 0);
+}
+END_TEST
+
+START_TEST(hybrid_same_and_shared)
+{
+    same_and_shared(REKV_MODE_HYBRID, 0);
+}
+END_TEST
+
+/* kvpr's two sequences (K,V and activations) from the same cached run, with a device part. */
+START_TEST(kvpr_same_and_shared)
+{
+    same_and_shared(REKV_MODE_KVPR, 8);
 }
 END_TEST
 
@@ -295,6 +310,8 @@ static Suite *suite(void)
     tcase_add_test(tc, offload_same_and_shared);
     tcase_add_test(tc, offload_device_part);
     tcase_add_test(tc, act_same_and_shared);
+    tcase_add_test(tc, hybrid_same_and_shared);
+    tcase_add_test(tc, kvpr_same_and_shared);
     tcase_add_test(tc, offload_next_turn);
     tcase_add_test(tc, offload_cache_off);
     tcase_add_test(tc, offload_mixed_cancels);
