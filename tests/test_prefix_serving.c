@@ -3,7 +3,8 @@
  * prompt run, publish their blocks, and later jobs start from them (JobStatus.cached_tokens,
  * the store's hit counters); cancels and a worker killed mid-run leave every reference count
  * right: the tokens of every job that finished are rekv_generate's, and once the dead worker's
- * sequences are reclaimed and the cache cleared, every slot of the arena is free. */
+ * sequences are reclaimed and the cache cleared, every slot of the arena is free. The same after
+ * the store is killed mid-run and started again. */
 #include <check.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -58,6 +59,56 @@ static int wait_jobs(rekv_ctl *c, tjob *jobs, int n, const int *cancelled)
     return cached;
 }
 
+/* n jobs of the test mix whose prompts are 0..59 tokens of one common prompt, then a few of
+ * their own, with rekv_generate's output. */
+static void shared_jobs(env *e, tjob *jobs, int n, uint64_t salt)
+{
+    ct_make_jobs(jobs, n, 6, 512, salt);
+    int32_t base[64];
+    uint64_t x = 99;
+    for (int i = 0; i < 64; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        base[i] = (int32_t)((x >> 33) % 512);
+    }
+    for (int i = 0; i < n; i++) {
+        int shared = (i * 13) % 60, own = jobs[i].n_prompt % 5;
+        memmove(jobs[i].prompt + shared, jobs[i].prompt, sizeof(int32_t) * (size_t)own);
+        memcpy(jobs[i].prompt, base, sizeof(int32_t) * (size_t)shared);
+        jobs[i].n_prompt = shared + own > 0 ? shared + own : 1;
+    }
+    ct_reference(jobs, n, e->model);
+}
+
+static pid_t start_kvstore(env *e)
+{
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    const char *kargs[] = {prog,          "--endpoint",  e->kv,  "--model",      e->model,
+                           "--host-bytes", "64M",        "--cache-dtype", "f32", "--spill-dir",
+                           e->dir,        "--lease-ms",  "1000", NULL};
+    return ct_spawn(kargs);
+}
+
+/* Every sequence gone and the cache cleared: every slot of k's arena free. */
+static void assert_all_back(rekv_kvstore_client *k)
+{
+    rekv_kv_stats st;
+    for (;;) { /* a dead worker's sequences go after its lease (Check's timeout is the guard) */
+        ct_kv_stats(k, &st);
+        if (st.sequences == 0)
+            break;
+        usleep(20000);
+    }
+    ck_assert_uint_eq(st.pinned_blocks, 0);
+    ck_assert_uint_gt(st.prefix_hit_tokens, 0);
+    ck_assert_uint_gt(st.prefix_entries, 0);
+    ck_assert_int_eq(rekv_kvstore_cache_clear(k, NULL), 0);
+    ct_kv_stats(k, &st);
+    ck_assert_uint_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 0);
+    ck_assert_uint_eq(st.free_slots, st.total_slots);
+    ck_assert_uint_eq(st.prefix_entries, 0);
+}
+
 START_TEST(mixed_jobs_keep_counts)
 {
     env e;
@@ -66,26 +117,8 @@ START_TEST(mixed_jobs_keep_counts)
     enum { N = 48, FIRST = 12 };
     static tjob jobs[N];
     static int cancelled[N];
-    ct_make_jobs(jobs, N, 6, 512, 77);
-    int32_t base[64];
-    uint64_t x = 99;
-    for (int i = 0; i < 64; i++) {
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        base[i] = (int32_t)((x >> 33) % 512);
-    }
-    for (int i = 0; i < N; i++) { /* 0..59 tokens of the common prompt, then a few of its own */
-        int shared = (i * 13) % 60, own = jobs[i].n_prompt % 5;
-        memmove(jobs[i].prompt + shared, jobs[i].prompt, sizeof(int32_t) * (size_t)own);
-        memcpy(jobs[i].prompt, base, sizeof(int32_t) * (size_t)shared);
-        jobs[i].n_prompt = shared + own > 0 ? shared + own : 1;
-    }
-    ct_reference(jobs, N, e.model);
-    char prog[4096];
-    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
-    const char *kargs[] = {prog,          "--endpoint",  e.kv,  "--model",      e.model,
-                           "--host-bytes", "64M",        "--cache-dtype", "f32", "--spill-dir",
-                           e.dir,         "--lease-ms",  "1000", NULL};
-    pid_t kv = ct_spawn(kargs);
+    shared_jobs(&e, jobs, N, 77);
+    pid_t kv = start_kvstore(&e);
     rekv_kvstore_client *k = ct_kv_open(&e);
     pid_t co = ct_start_coordinator(&e, "256", "1000");
     pid_t w0 = ct_start_kv_worker(&e, "8", "w0");
@@ -105,21 +138,42 @@ START_TEST(mixed_jobs_keep_counts)
     waitpid(w1, NULL, 0);
     int cached = wait_jobs(c, jobs, N, cancelled);
     ck_assert_int_gt(cached, 0);
-    rekv_kv_stats st;
-    for (;;) { /* the dead worker's sequences go after its lease (Check's timeout is the guard) */
-        ct_kv_stats(k, &st);
-        if (st.sequences == 0)
-            break;
-        usleep(20000);
-    }
-    ck_assert_uint_eq(st.pinned_blocks, 0);
-    ck_assert_uint_gt(st.prefix_hit_tokens, 0);
-    ck_assert_uint_gt(st.prefix_entries, 0);
-    ck_assert_int_eq(rekv_kvstore_cache_clear(k, NULL), 0);
-    ct_kv_stats(k, &st);
-    ck_assert_uint_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 0);
-    ck_assert_uint_eq(st.free_slots, st.total_slots);
-    ck_assert_uint_eq(st.prefix_entries, 0);
+    assert_all_back(k);
+    rekv_ctl_close(c);
+    rekv_kvstore_client_close(k);
+    ck_assert_int_eq(ct_stop(w0), 0);
+    ck_assert_int_eq(ct_stop(co), 0);
+    ck_assert_int_eq(ct_stop(kv), 0);
+    ct_free_jobs(jobs, N);
+    ct_env_close(&e);
+}
+END_TEST
+
+/* The store killed while jobs run and started again (a new arena, an empty cache): the worker
+ * reconnects, the jobs run again, later ones hit what the new store's jobs published, and the
+ * new store's counts come back whole. */
+START_TEST(store_restart_keeps_counts)
+{
+    env e;
+    if (ct_env_open(&e))
+        return;
+    enum { N = 24, FIRST = 12 };
+    static tjob jobs[N];
+    static int cancelled[N];
+    shared_jobs(&e, jobs, N, 78);
+    pid_t kv = start_kvstore(&e);
+    pid_t co = ct_start_coordinator(&e, "256", "1000");
+    pid_t w0 = ct_start_kv_worker(&e, "8", "w0");
+    rekv_ctl *c = ct_ctl_open(e.ctl);
+    ct_wait_workers(c, 1);
+    ck_assert_int_eq(ct_submit_all(c, jobs, FIRST), FIRST);
+    kill(kv, SIGKILL);
+    waitpid(kv, NULL, 0);
+    kv = start_kvstore(&e);
+    rekv_kvstore_client *k = ct_kv_open(&e);
+    ck_assert_int_eq(ct_submit_all(c, jobs + FIRST, N - FIRST), N - FIRST);
+    ck_assert_int_gt(wait_jobs(c, jobs, N, cancelled), 0);
+    assert_all_back(k);
     rekv_ctl_close(c);
     rekv_kvstore_client_close(k);
     ck_assert_int_eq(ct_stop(w0), 0);
@@ -136,6 +190,7 @@ static Suite *suite(void)
     TCase *tc = tcase_create("prefix_serving");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, mixed_jobs_keep_counts);
+    tcase_add_test(tc, store_restart_keeps_counts);
     suite_add_tcase(s, tc);
     return s;
 }
