@@ -186,6 +186,7 @@ void srv_block_free(rekv_kvstore_server *s, uint32_t id)
         break;
     case BS_DISK:
         s->disk_n[b->type]--;
+        srv_persist_drop(s, b);
         fslot_put(s, b->fslot);
         srv_block_release_id(s, id);
         break;
@@ -496,12 +497,14 @@ void srv_on_completions(rekv_kvstore_server *s)
                     s->host_n[b->type]--;
                     s->disk_n[b->type]++;
                     s->bytes_spilled += bytes;
+                    srv_persist_block(s, id); /* a cached block on disk survives a restart */
                 }
             } else {
                 s->reads_in_flight--;
                 srv_hist_add(&s->hist[H_SPILL_READ], d[i].ns);
                 if (b->doomed) {
                     slot_put(s, b);
+                    srv_persist_drop(s, b);
                     fslot_put(s, b->fslot);
                     srv_block_release_id(s, id);
                 } else if (d[i].res < 0 || d[i].crc != b->crc) {
@@ -521,6 +524,7 @@ void srv_on_completions(rekv_kvstore_server *s)
                     if (b->centry != NIL && srv_cache_evictable(s, b->centry))
                         srv_cache_evict(s, b->centry); /* no later prefix may take it */
                 } else {
+                    srv_persist_drop(s, b); /* in memory now: its slot goes back */
                     fslot_put(s, b->fslot);
                     b->state = BS_HOST;
                     s->disk_n[b->type]--;

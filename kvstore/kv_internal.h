@@ -96,6 +96,8 @@ typedef struct kv_spill kv_spill;
 
 typedef struct kv_spill_config {
     const char *dir;       /* where the (unnamed) spill file lives */
+    const char *path;      /* instead: this named file, kept across restarts (the prefix cache's
+                              --prefix-dir); opened as it is, its slots free until adopted */
     uint64_t max_bytes;    /* file capacity; 0: unlimited */
     uint8_t *slots;        /* the arena's first slot */
     uint64_t n_slots;      /* big host slots (kv_slots) */
@@ -131,6 +133,9 @@ int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot);
 void kv_spill_slot_free(kv_spill *sp, uint32_t fslot);
 void kv_spill_slot_bad(kv_spill *sp, uint32_t fslot);
 uint64_t kv_spill_slots_used(const kv_spill *sp);
+/* Takes the file slots used[0..n) as in use (a named file's slots that hold blocks kept from
+ * before a restart); every other slot below the highest is free. Once, before any alloc. */
+int kv_spill_adopt(kv_spill *sp, const uint32_t *used, size_t n);
 /* Bytes the tier can still take now: what max_bytes leaves, and never more than the filesystem's
  * free space (statvfs f_bavail) plus what the file holds but does not use, so another file filling
  * the disk shrinks it. */

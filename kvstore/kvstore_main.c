@@ -20,14 +20,18 @@
 static void usage(FILE *f)
 {
     fprintf(f, "usage: rekv-kvstore --endpoint ipc:///path --host-bytes N [--spill-dir DIR]\n"
-               "         [--spill-bytes N] [--no-spill] [--model PATH | --layers N --kv-heads K\n"
+               "         [--spill-bytes N] [--no-spill] [--prefix-dir DIR]\n"
+               "         [--model PATH | --layers N --kv-heads K\n"
                "         --head-dim D --hidden H] [--cache-dtype f16|f32] [--huge-pages]\n"
                "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
                "         [--no-register-arena] [--ready-fd N] [--push-backend cpu|cuda|auto]\n"
                "         [--push-link-gbps G] [--push-link-latency-us U]\n"
                "         [--metrics HOST:PORT [--metrics-public]] [--max-clients N] [--help]\n"
                "         [--version]\n"
-               "Sizes take K, M, G suffixes (powers of two). --push-link-gbps makes the cpu push\n"
+               "Sizes take K, M, G suffixes (powers of two). --prefix-dir: the prefix cache's\n"
+               "blocks on the spill tier survive a restart (DIR/spill.rekv, DIR/index.rekv; each\n"
+               "block CRC32C-checked when the store starts; blocks in memory are not kept).\n"
+               "--push-link-gbps makes the cpu push\n"
                "backend's copies take the time a link of G Gbit/s (and U us per copy) would.\n"
                "--metrics serves Prometheus scrapes (GET /metrics) on a loopback address; another\n"
                "address (or :PORT, every interface) needs --metrics-public: scrapes are not\n"
@@ -67,6 +71,7 @@ enum {
     O_SPILL_DIR,
     O_SPILL_BYTES,
     O_NO_SPILL,
+    O_PREFIX_DIR,
     O_MODEL,
     O_LAYERS,
     O_KV_HEADS,
@@ -96,6 +101,7 @@ static const struct option opts[] = {
     {"spill-dir", required_argument, 0, O_SPILL_DIR},
     {"spill-bytes", required_argument, 0, O_SPILL_BYTES},
     {"no-spill", no_argument, 0, O_NO_SPILL},
+    {"prefix-dir", required_argument, 0, O_PREFIX_DIR},
     {"model", required_argument, 0, O_MODEL},
     {"layers", required_argument, 0, O_LAYERS},
     {"kv-heads", required_argument, 0, O_KV_HEADS},
@@ -189,6 +195,9 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
         break;
     case O_NO_SPILL:
         a->cfg.no_spill = 1;
+        break;
+    case O_PREFIX_DIR:
+        a->cfg.prefix_dir = arg;
         break;
     case O_MODEL:
         a->model = arg;

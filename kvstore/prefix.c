@@ -410,6 +410,8 @@ static int publish_new(rekv_kvstore_server *s, const kv_seq *q, uint32_t b, uint
     }
     s->ce_live++;
     ce_touch(s, i);
+    for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
+        srv_persist_block(s, e->ids[l]); /* those already on disk */
     *out = i;
     return 0;
 }
@@ -454,6 +456,52 @@ int srv_h_publish(rekv_kvstore_server *s, Rekv__Kvstore__Publish *m, kv_reply *r
     free(run);
     s->px_published += added * s->cfg.geometry.n_layers;
     reply_prefix(r, b, 0, 0, added);
+    return 0;
+}
+
+int srv_cache_adopt(rekv_kvstore_server *s, uint64_t key, uint64_t parent, int kind,
+                    const uint32_t *tokens, const uint32_t *fslots, const uint32_t *crcs)
+{
+    uint32_t L = s->cfg.geometry.n_layers, i;
+    if (kv_map_get(&s->cindex, key) != NULL)
+        return -EEXIST;
+    uint32_t *ids = malloc(sizeof(uint32_t) * L);
+    if (ids == NULL)
+        return -ENOMEM;
+    for (uint32_t l = 0; l < L; l++)
+        if (srv_block_new(s, &ids[l]) < 0) {
+            for (uint32_t k = 0; k < l; k++)
+                srv_block_release_id(s, ids[k]);
+            free(ids);
+            return -ENOMEM;
+        }
+    if (ce_new(s, &i) < 0 || kv_map_put(&s->cindex, key, i) < 0) {
+        for (uint32_t k = 0; k < L; k++)
+            srv_block_release_id(s, ids[k]);
+        free(ids);
+        return -ENOMEM;
+    }
+    kv_centry *e = &s->centries[i];
+    e->key = key;
+    e->parent = parent;
+    e->kind = (uint8_t)kind;
+    e->live = 1;
+    memcpy(e->tokens, tokens, sizeof(e->tokens));
+    for (uint32_t l = 0; l < L; l++) {
+        kv_block *b = &s->blocks[ids[l]];
+        b->type = (uint8_t)kind; /* refs 1: the cache's */
+        b->state = BS_DISK;
+        b->layer = l;
+        b->fslot = fslots[l];
+        b->crc = crcs[l];
+        b->persisted = 1;
+        b->centry = i;
+        e->ids[l] = ids[l];
+        s->disk_n[kind]++;
+    }
+    s->ce_live++;
+    ce_touch(s, i);
+    free(ids);
     return 0;
 }
 

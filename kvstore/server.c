@@ -312,6 +312,7 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
     s->arena.fd = -1;
     s->arena.base = NULL;
     s->lru_head = s->lru_tail = NIL;
+    s->idx_fd = s->idx_lock = -1;
     kv_map_init(&s->seqs);
     srv_cache_init(s);
     for (int i = 0; i < H_COUNT; i++)
@@ -373,9 +374,21 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
     if (getrandom(&s->instance, sizeof(s->instance), 0) != sizeof(s->instance))
         s->instance = rekv_now_ns() ^ ((uint64_t)getpid() << 32);
     /* spill tier */
+    if (cfg->prefix_dir && cfg->no_spill) {
+        rc = rekv_errf(err, -EINVAL, "kvstore: --prefix-dir keeps the spill tier's cached blocks: "
+                                     "it needs the spill tier (not --no-spill)");
+        goto fail;
+    }
+    if (cfg->prefix_dir && (asprintf(&s->spill_path, "%s/spill.rekv", cfg->prefix_dir) < 0 ||
+                            asprintf(&s->idx_path, "%s/index.rekv", cfg->prefix_dir) < 0)) {
+        s->spill_path = s->idx_path = NULL;
+        rc = rekv_errf(err, -ENOMEM, "kvstore: out of memory");
+        goto fail;
+    }
     if (!cfg->no_spill) {
         kv_spill_config sc = {
             .dir = s->spill_dir,
+            .path = s->spill_path,
             .max_bytes = cfg->spill_bytes,
             .slots = s->arena.slots,
             .n_slots = s->arena.n_slots,
@@ -389,6 +402,8 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
         if (rc < 0)
             goto fail;
     }
+    if (cfg->prefix_dir && (rc = srv_persist_open(s, cfg->prefix_dir, err)) < 0)
+        goto fail;
     if ((rc = rekv_evloop_create(&s->loop, err)) < 0)
         goto fail;
     /* fd-passing socket */
@@ -479,5 +494,8 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
     free(s->ipc_path);
     free(s->fd_path);
     free(s->spill_dir);
+    srv_persist_close(s);
+    free(s->spill_path);
+    free(s->idx_path);
     free(s);
 }

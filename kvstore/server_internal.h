@@ -42,6 +42,7 @@ typedef struct kv_block {
     uint8_t doomed;      /* freed while I/O was in flight: release on completion */
     uint8_t in_lru;      /* LRU_*: on a list that may be spilled (resident, unpinned, unheld) */
     uint8_t hit_read;    /* taken by a prefix while on disk: its read-back counts as a hit's */
+    uint8_t persisted;   /* its slot's record is in the prefix cache's index (persist.c) */
     uint8_t ahead;       /* AH_*: where read-ahead stands with it */
     int32_t load_err;    /* sticky read-back failure, 0 when none: -EBADMSG (CRC), else errno */
     uint32_t slot;       /* host slot (HOST, SPILLING, LOADING) */
@@ -173,6 +174,10 @@ struct rekv_kvstore_server {
     uint64_t ce_live;                /* entries in use */
     uint64_t px_lookups, px_hit_tokens, px_hit_host, px_hit_disk, px_evictions, px_hit_read_bytes,
         px_published;
+    /* kept across restarts (persist.c; --prefix-dir): the named spill file, the index's log and
+     * the directory's lock; -1 / NULL when not */
+    char *spill_path, *idx_path;
+    int idx_fd, idx_lock;
 };
 
 /* What stops an owner from dropping one of its sequences (srv_owned_seq_busy). */
@@ -264,6 +269,22 @@ int srv_cache_take(rekv_kvstore_server *s, kv_seq *q, Rekv__Kvstore__Prefix *px,
 int srv_h_lookup(rekv_kvstore_server *s, Rekv__Kvstore__Lookup *m, kv_reply *r);
 int srv_h_publish(rekv_kvstore_server *s, Rekv__Kvstore__Publish *m, kv_reply *r);
 int srv_h_clear_cache(rekv_kvstore_server *s, kv_reply *r);
+/* A position read back from the index at start: its blocks on disk (file slot fslots[l] of layer
+ * l, their CRC32C crcs[l], each already logged) and its entry. 0, or -ENOMEM / -EEXIST. */
+int srv_cache_adopt(rekv_kvstore_server *s, uint64_t key, uint64_t parent, int kind,
+                    const uint32_t *tokens, const uint32_t *fslots, const uint32_t *crcs);
+
+/* ------------------------------------------------------------------ persist.c */
+
+/* Opens (creating) dir's index, keeps what of it is intact as cached blocks on disk (the spill
+ * tier, already open on dir's spill file, adopts their slots) and starts a new log. */
+int srv_persist_open(rekv_kvstore_server *s, const char *dir, rekv_err *err);
+void srv_persist_close(rekv_kvstore_server *s);
+/* Logs that cached block id is on disk (once its spill write completed, or it was published
+ * there); nothing without an index, for a block not cached or already logged. */
+void srv_persist_block(rekv_kvstore_server *s, uint32_t id);
+/* Logs that b's slot no longer holds it (before the slot can be reused). */
+void srv_persist_drop(rekv_kvstore_server *s, kv_block *b);
 
 /* ------------------------------------------------------------------ leases.c */
 

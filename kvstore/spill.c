@@ -82,8 +82,38 @@ static void spill_event(kv_spill *sp, rekv_kv_event lvl, const char *fmt, ...)
     sp->cfg.on_event(sp->cfg.event_ctx, lvl, msg);
 }
 
+/* The named file of a spill tier kept across restarts: opened as it is (its slots' contents are
+ * the caller's to adopt), its size counted as reserved space. */
+static int spill_open_named(kv_spill *sp, rekv_err *err)
+{
+    const char *path = sp->cfg.path;
+    int direct = 1;
+    int fd = open(path, O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == EINVAL) {
+        fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        direct = 0;
+    }
+    if (fd < 0)
+        return rekv_errf(err, -errno, "kvstore spill: cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        int e = errno;
+        close(fd);
+        return rekv_errf(err, -e, "kvstore spill: %s: %s", path, strerror(e));
+    }
+    if (!direct)
+        spill_event(sp, REKV_KV_EVENT_WARN,
+                    "spill: %s refuses O_DIRECT; using buffered I/O (page cache)", path);
+    sp->fd = fd;
+    sp->direct = direct;
+    sp->fs_alloc = (uint64_t)st.st_size / sp->cfg.slot_bytes;
+    return 0;
+}
+
 static int spill_open_file(kv_spill *sp, rekv_err *err)
 {
+    if (sp->cfg.path)
+        return spill_open_named(sp, err);
     const char *dir = sp->cfg.dir;
     int fd = open(dir, O_TMPFILE | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
     int direct = 1;
@@ -287,6 +317,27 @@ int kv_spill_direct(const kv_spill *sp) { return sp->direct; }
 int kv_spill_registered(const kv_spill *sp) { return sp->registered; }
 unsigned kv_spill_in_flight(const kv_spill *sp) { return sp->in_flight; }
 unsigned kv_spill_depth(const kv_spill *sp) { return sp->cfg.depth; }
+
+int kv_spill_adopt(kv_spill *sp, const uint32_t *used, size_t n)
+{
+    uint64_t top = 0;
+    for (size_t i = 0; i < n; i++)
+        if ((uint64_t)used[i] + 1 > top)
+            top = (uint64_t)used[i] + 1;
+    if (top > sp->fs_max)
+        return -ENOSPC; /* a smaller --spill-bytes than the file was made with */
+    uint8_t *in = calloc(top ? top : 1, 1);
+    if (in == NULL)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++)
+        in[used[i]] = 1;
+    sp->fs_next = top;
+    for (uint64_t f = top; f-- > 0;) /* the lowest slots handed out first */
+        if (!in[f])
+            kv_spill_slot_free(sp, (uint32_t)f);
+    free(in);
+    return 0;
+}
 
 int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot)
 {
