@@ -124,8 +124,8 @@ void wk_kv_renew_due(worker *w)
 }
 
 /* They do when the failure passes — the kvstore is gone (its client says so, or a request timed
- * out: *lost is set), it had no room (-ENOMEM, -ENOSPC: other jobs end and free it), or we are
- * stopping. Anything else (a CRC mismatch or I/O error on read-back, a device error, a bad
+ * out: *lost is set), it had no room (-ENOMEM, -ENOSPC: other jobs end and free it), a cached
+ * block failed its read-back and left the prefix cache (-EAGAIN), or we are stopping. Anything else (a CRC mismatch or I/O error on read-back, a device error, a bad
  * request) fails them with the reason: running them again would meet it again. */
 int wk_step_error_retry(worker *w, int code, int *lost)
 {
@@ -136,7 +136,9 @@ int wk_step_error_retry(worker *w, int code, int *lost)
         *lost = 1;
         return 1;
     }
-    return code == -ENOMEM || code == -ENOSPC;
+    /* -EAGAIN: a block a job took from the prefix cache failed its read-back and the store
+     * dropped it from the cache; run again, the job computes it */
+    return code == -ENOMEM || code == -ENOSPC || code == -EAGAIN;
 }
 
 void wk_kv_lose(worker *w)

@@ -418,6 +418,22 @@ static void unpin_first(rekv_kvstore_server *s, kv_client *c, size_t n)
     }
 }
 
+/* The sequence of the range that block i of a plan (s->scratch's order) belongs to. */
+static uint64_t range_seq_of(Rekv__Kvstore__Range **ranges, size_t n, size_t i)
+{
+    for (size_t k = 0; k < n; k++) {
+        const Rekv__Kvstore__Range *rg = ranges[k];
+        uint64_t nb = rg->token_begin == rg->token_end
+                          ? 0
+                          : (rg->token_end - 1) / REKV_KV_BLOCK_TOKENS + 1 -
+                                rg->token_begin / REKV_KV_BLOCK_TOKENS;
+        if (i < nb)
+            return rg->seq;
+        i -= nb;
+    }
+    return 0;
+}
+
 static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvstore__Plan *m,
                   kv_reply *r)
 {
@@ -447,6 +463,18 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
             b->state = BS_HOST;
             s->disk_n[b->type]--;
             s->host_n[b->type]++;
+        }
+        if (b->state == BS_DISK && b->load_err && b->was_cached) {
+            /* a block from the prefix cache: dropped from it (blocks.c), so the sequences that
+             * took it run again and compute it (-EAGAIN: a failure that passes) */
+            if (b->centry != NIL && srv_cache_evictable(s, b->centry))
+                srv_cache_evict(s, b->centry);
+            r->resp.lost_seq = range_seq_of(m->ranges, m->n_ranges, i);
+            return srv_fail(r, -EAGAIN,
+                            "a cached block (layer %u) failed its read-back (%s): dropped from the "
+                            "prefix cache; run the sequences that took it again",
+                            b->layer,
+                            b->load_err == -EBADMSG ? "CRC32C mismatch" : strerror(-b->load_err));
         }
         if (b->state == BS_DISK && b->load_err) {
             r->resp.lost_seq = b->seq; /* the client fails that sequence's owner, not the rest */

@@ -280,7 +280,9 @@ typedef struct rekv_kv_prefix_hit {
 
 /* Creates seq starting with the longest cached run of px's full blocks, taken by reference in the
  * same request (shared, never copied: the sequence appends past them); *hit (may be NULL) says how
- * many tokens that is. A caller that must compute the last token leaves it out of px. */
+ * many tokens that is. A caller that must compute the last token leaves it out of px. The blocks
+ * taken are shared with every sequence that took them: a client reads them (pinned, as any
+ * block) and never writes them. */
 int rekv_kvstore_seq_create_prefix(rekv_kvstore_client *c, uint64_t seq, const rekv_kv_prefix *px,
                                    rekv_kv_prefix_hit *hit, rekv_err *err);
 /* How much of px is cached, taking nothing. */

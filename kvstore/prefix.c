@@ -407,6 +407,7 @@ static int publish_new(rekv_kvstore_server *s, const kv_seq *q, uint32_t b, uint
         e->ids[l] = id;
         s->blocks[id].refs++;
         s->blocks[id].centry = i;
+        s->blocks[id].was_cached = 1;
     }
     s->ce_live++;
     ce_touch(s, i);
@@ -496,6 +497,7 @@ int srv_cache_adopt(rekv_kvstore_server *s, uint64_t key, uint64_t parent, int k
         b->crc = crcs[l];
         b->persisted = 1;
         b->centry = i;
+        b->was_cached = 1;
         e->ids[l] = ids[l];
         s->disk_n[kind]++;
     }

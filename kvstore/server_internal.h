@@ -43,6 +43,7 @@ typedef struct kv_block {
     uint8_t in_lru;      /* LRU_*: on a list that may be spilled (resident, unpinned, unheld) */
     uint8_t hit_read;    /* taken by a prefix while on disk: its read-back counts as a hit's */
     uint8_t persisted;   /* its slot's record is in the prefix cache's index (persist.c) */
+    uint8_t was_cached;  /* published to (or kept by) the prefix cache once */
     uint8_t ahead;       /* AH_*: where read-ahead stands with it */
     int32_t load_err;    /* sticky read-back failure, 0 when none: -EBADMSG (CRC), else errno */
     uint32_t slot;       /* host slot (HOST, SPILLING, LOADING) */

@@ -7,8 +7,10 @@
  * and with the cache off. At the end every block is back: after the jobs and the cache are dropped, every slot of
  * the arena is free. */
 #include <check.h>
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
@@ -88,12 +90,14 @@ typedef struct env {
     rekv_batcher *b;
 } env;
 
-static int env_open(env *v, rekv_mode mode, int prefix, int device_tokens)
+/* host_bytes 0: the fixture's 256 MiB arena */
+static int env_open_host(env *v, rekv_mode mode, int prefix, int device_tokens,
+                         uint64_t host_bytes)
 {
     const char *m = tu_shared(MODEL_REL);
     if (m == NULL)
         return 0;
-    tu_fixture_open(&v->f, m, REKV_DTYPE_F32, NULL);
+    tu_fixture_open_host(&v->f, m, REKV_DTYPE_F32, NULL, host_bytes ? host_bytes : 256ull << 20);
     rekv_pipeline_config pc;
     rekv_pipeline_config_defaults(&pc);
     pc.mode = mode;
@@ -108,6 +112,11 @@ static int env_open(env *v, rekv_mode mode, int prefix, int device_tokens)
     return 1;
 }
 
+static int env_open(env *v, rekv_mode mode, int prefix, int device_tokens)
+{
+    return env_open_host(v, mode, prefix, device_tokens, 0);
+}
+
 /* Frees the jobs and the pipeline, clears the cache: every block back (no leaked reference). */
 static void env_close(env *v)
 {
@@ -115,7 +124,9 @@ static void env_close(env *v)
     rekv_pipeline_free(v->p);
     rekv_kv_stats st;
     ck_assert_int_eq(rekv_kvstore_cache_clear(v->f.store, NULL), 0);
-    ck_assert_int_eq(rekv_kvstore_stats(v->f.store, &st, NULL), 0);
+    do /* a block freed while its spill write is in flight gives its slot back at completion */
+        ck_assert_int_eq(rekv_kvstore_stats(v->f.store, &st, NULL), 0);
+    while (st.spills_in_flight + st.reads_in_flight > 0);
     ck_assert_int_eq(st.sequences, 0);
     ck_assert_int_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 0);
     ck_assert_int_eq(st.free_slots, st.total_slots);
@@ -302,6 +313,65 @@ START_TEST(offload_mixed_cancels)
 }
 END_TEST
 
+/* A cached block on disk corrupted under the store: the job that took it fails its step with
+ * -EAGAIN (a failure that passes: the worker runs it again), the block has left the cache, and
+ * the job run again prefills and gives rekv_generate's tokens. */
+START_TEST(offload_corrupt_cached_block)
+{
+    env v;
+    if (!env_open_host(&v, REKV_MODE_OFFLOAD, 1, 0, 512 << 10))
+        return;
+    rekv_kvstore_client *k = v.f.store;
+    int vocab = rekv_engine_config(v.f.e)->vocab, L = rekv_engine_config(v.f.e)->n_layers;
+    int32_t a[70];
+    prompt_make(a, 70, 51, vocab);
+    result ref, got;
+    reference(&v.f, a, 70, &ref);
+    run_job(v.b, 1, a, 70, &got);
+    /* a sequence as big as the arena: the cache's blocks go to disk first */
+    rekv_kv_stats st = store_stats(&v);
+    uint64_t fill = 1ull << 40, probe = fill + 2;
+    ck_assert_int_eq(rekv_kvstore_seq_create(k, fill, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(k, fill, st.total_slots / (uint64_t)L * 16, 0, 0, NULL,
+                                         NULL),
+                     0);
+    rekv_kv_prefix px = {a, 69, rekv_pipeline_get_config(v.p)->fingerprint, 1, 0};
+    rekv_kv_prefix_hit h;
+    ck_assert_int_eq(rekv_kvstore_seq_create_prefix(k, probe, &px, &h, NULL), 0);
+    ck_assert_int_eq(h.tokens, 64);
+    rekv_kv_table_entry *t;
+    size_t n;
+    ck_assert_int_eq(rekv_kvstore_table(k, probe, 0, &t, &n, NULL, NULL), 0);
+    ck_assert_int_eq(t[0].tier, REKV_KV_TIER_DISK);
+    int fd = tu_spill_fd(v.f.store_pid, v.f.dir);
+    ck_assert_int_ge(fd, 0);
+    uint64_t slot = st.kv_slot_bytes > st.act_slot_bytes ? st.kv_slot_bytes : st.act_slot_bytes;
+    off_t at = (off_t)(t[0].phys * slot + 64);
+    free(t);
+    uint8_t byte;
+    ck_assert_int_eq(pread(fd, &byte, 1, at), 1);
+    byte ^= 0x10;
+    ck_assert_int_eq(pwrite(fd, &byte, 1, at), 1);
+    close(fd);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(k, probe, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(k, fill, NULL), 0);
+
+    rekv_gen_params gp = params();
+    rekv_err err = {0};
+    ck_assert_msg(rekv_batcher_join(v.b, 2, a, 70, &gp, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(rekv_batcher_cached_tokens(v.b, 2), 64);
+    const rekv_batch_event *ev;
+    int ne;
+    int src = rekv_batcher_step(v.b, &ev, &ne, &err);
+    ck_assert_msg(src == -EAGAIN, "step: %d %s", src, err.msg);
+    rekv_batcher_clear(v.b); /* the worker's way: the job runs again */
+    run_job(v.b, 3, a, 70, &got);
+    ck_assert_int_eq(got.cached, 0);
+    assert_same(&got, &ref, "run again after a corrupted cached block");
+    env_close(&v);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("prefix_pipeline");
@@ -315,6 +385,7 @@ static Suite *suite(void)
     tcase_add_test(tc, offload_next_turn);
     tcase_add_test(tc, offload_cache_off);
     tcase_add_test(tc, offload_mixed_cancels);
+    tcase_add_test(tc, offload_corrupt_cached_block);
     suite_add_tcase(s, tc);
     return s;
 }
