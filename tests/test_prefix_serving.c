@@ -103,7 +103,9 @@ static void assert_all_back(rekv_kvstore_client *k)
     ck_assert_uint_gt(st.prefix_hit_tokens, 0);
     ck_assert_uint_gt(st.prefix_entries, 0);
     ck_assert_int_eq(rekv_kvstore_cache_clear(k, NULL), 0);
-    ct_kv_stats(k, &st);
+    do /* a block freed while its spill write is in flight gives its slot back at completion */
+        ct_kv_stats(k, &st);
+    while (st.spills_in_flight + st.reads_in_flight > 0);
     ck_assert_uint_eq(st.host_kv + st.host_act + st.disk_kv + st.disk_act, 0);
     ck_assert_uint_eq(st.free_slots, st.total_slots);
     ck_assert_uint_eq(st.prefix_entries, 0);
