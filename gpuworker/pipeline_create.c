@@ -519,6 +519,7 @@ static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prom
     if (rc)
         return rc;
     s->len = s->cached = (int)hit.tokens;
+    s->published = s->len / REKV_KV_BLOCK_TOKENS;
     memcpy(s->toks, prompt, sizeof(int32_t) * (size_t)s->len);
     if (s->len > 0 && s->dev_tokens > 0 && (rc = pl_prefix_fill_device(p, s, err))) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
@@ -528,16 +529,16 @@ static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prom
     return rc;
 }
 
-/* Publishes s's full blocks (those a finished step wrote: [0, len)) before it goes; a hint, so a
- * failure (a lost store) only costs later hits. */
-static void seq_publish(rekv_pipeline *p, const rekv_pseq *s)
+void pl_prefix_publish(rekv_pipeline *p, rekv_pseq *s)
 {
-    if (s->toks == NULL || s->len < REKV_KV_BLOCK_TOKENS || rekv_kvstore_client_lost(p->store))
+    if (s->toks == NULL || s->len / REKV_KV_BLOCK_TOKENS <= s->published ||
+        rekv_kvstore_client_lost(p->store))
         return;
     rekv_kv_prefix px = prefix_of(p, s, s->toks, (size_t)s->len);
     rekv_kvstore_publish(p->store, s->id, &px, NULL, NULL);
     if (p->keep_act) /* kvpr's activations */
         rekv_kvstore_publish(p->store, s->id + 1, &px, NULL, NULL);
+    s->published = s->len / REKV_KV_BLOCK_TOKENS;
 }
 
 int rekv_pseq_cached(const rekv_pseq *s)
@@ -643,7 +644,7 @@ void rekv_pseq_free(rekv_pseq *s)
     rekv_pipeline *p = s->p;
     seq_free_device(p, s);
     if (p->info->store != REKV_STORE_NONE) {
-        seq_publish(p, s);
+        pl_prefix_publish(p, s); /* what the last steps filled */
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
         if (p->keep_act)
             rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);

@@ -235,7 +235,8 @@ struct rekv_pseq {
     /* the prefix cache (cfg.prefix_cache): the tokens it holds, [cap] ([0, len) valid; recorded
        by pl_store_prepare), published when it is freed; NULL when off */
     int32_t *toks;
-    int cached; /* prompt tokens taken from the cache when made */
+    int cached;     /* prompt tokens taken from the cache when made */
+    int published;  /* full blocks published so far (the cached ones count) */
 };
 
 /* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
@@ -409,6 +410,10 @@ int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *b
 int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uint8_t *buf, int t,
                       int n, unit_io *io);
 void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *layer);
+/* Publishes s's full blocks a finished step wrote ([0, len)) that are not yet (a hint: a failure,
+ * a lost store, only costs later hits): as they fill (pl_store_prepare, before a step) and when
+ * the sequence goes. */
+void pl_prefix_publish(rekv_pipeline *p, rekv_pseq *s);
 /* The prefix cache's device side: copies the device-resident part of a sequence that starts
  * from cached blocks (its first dev_tokens positions) from the arena. */
 int pl_prefix_fill_device(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);

@@ -203,9 +203,11 @@ int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err)
         rekv_pseq *s = st->items[it].seq;
         uint32_t kv, act;
         pl_store_pattern(p, s, &kv, &act);
-        if (s->toks) /* the prefix cache publishes them once a step has written their rows */
+        if (s->toks) { /* the prefix cache publishes them once a step has written their rows */
+            pl_prefix_publish(p, s); /* the blocks the last steps filled: later jobs share them */
             memcpy(s->toks + s->len, st->items[it].tokens,
                    sizeof(int32_t) * (size_t)st->items[it].n_tokens);
+        }
         uint64_t after;
         if ((rc = rekv_kvstore_append(p->store, s->id, (uint64_t)st->items[it].n_tokens, kv, act,
                                       &after, err)))

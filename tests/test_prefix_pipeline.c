@@ -228,6 +228,47 @@ START_TEST(offload_next_turn)
 }
 END_TEST
 
+/* A running job's blocks are published as they fill: a job with the same prompt joining while
+ * the first still decodes starts from them, and both give rekv_generate's tokens. */
+START_TEST(offload_published_as_filled)
+{
+    env v;
+    if (!env_open(&v, REKV_MODE_OFFLOAD, 1, 0))
+        return;
+    int vocab = rekv_engine_config(v.f.e)->vocab;
+    int32_t a[70];
+    prompt_make(a, 70, 61, vocab);
+    result ref, got[2];
+    reference(&v.f, a, 70, &ref);
+    rekv_gen_params gp = params();
+    rekv_err err = {0};
+    memset(got, 0, sizeof(got));
+    ck_assert_msg(rekv_batcher_join(v.b, 0, a, 70, &gp, &err) == 0, "%s", err.msg);
+    int live = 1;
+    for (int step = 0; live > 0; step++) {
+        if (step == 2) { /* job 0 prefilled, then decoded once (publishing its 4 full blocks) */
+            ck_assert_msg(rekv_batcher_join(v.b, 1, a, 70, &gp, &err) == 0, "%s", err.msg);
+            ck_assert_int_eq(rekv_batcher_cached_tokens(v.b, 1), 64);
+            live++;
+        }
+        const rekv_batch_event *ev;
+        int ne;
+        ck_assert_msg(rekv_batcher_step(v.b, &ev, &ne, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < ne; i++) {
+            result *r = &got[ev[i].job];
+            if (ev[i].token >= 0) {
+                memcpy(r->top + r->n * TOP, ev[i].top_vals, sizeof(float) * TOP);
+                r->ids[r->n++] = ev[i].token;
+            }
+            live -= ev[i].finished;
+        }
+    }
+    assert_same(&got[0], &ref, "the first job");
+    assert_same(&got[1], &ref, "a job joining while it runs");
+    env_close(&v);
+}
+END_TEST
+
 /* Off: nothing looked up or published, the same tokens. */
 START_TEST(offload_cache_off)
 {
@@ -383,6 +424,7 @@ static Suite *suite(void)
     tcase_add_test(tc, hybrid_same_and_shared);
     tcase_add_test(tc, kvpr_same_and_shared);
     tcase_add_test(tc, offload_next_turn);
+    tcase_add_test(tc, offload_published_as_filled);
     tcase_add_test(tc, offload_cache_off);
     tcase_add_test(tc, offload_mixed_cancels);
     tcase_add_test(tc, offload_corrupt_cached_block);
