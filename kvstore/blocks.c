@@ -232,16 +232,18 @@ static int fslot_alloc(rekv_kvstore_server *s, int for_seq, uint32_t *fslot)
 }
 
 /* Starts spilling a block that may be spilled: first the blocks only the prefix cache holds (a
- * cached block the spill tier cannot take now is evicted instead: its room is free at once), then
+ * cached block the spill tier cannot take — none, paused, full — is evicted instead: its room is
+ * free at once), then
  * the running sequences' from the spilled-first end (keep_ahead: unless read-ahead wants it).
  * 1 started (or evicted), 0 nothing to spill, <0 cannot. */
 static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
 {
     int cached = s->cache_head != NIL;
-    int can_write = s->spill != NULL &&
-                    (s->spill_err == 0 || s->now - s->spill_err_ns >= 1000000000ull) &&
-                    kv_spill_in_flight(s->spill) < kv_spill_depth(s->spill);
-    if (cached && !can_write)
+    /* no spill tier, or spilling paused by a failure: a cached block just goes (a full queue is
+     * waited for, below: it drains) */
+    int can_spill = s->spill != NULL &&
+                    (s->spill_err == 0 || s->now - s->spill_err_ns >= 1000000000ull);
+    if (cached && !can_spill)
         return srv_cache_evict_host(s);
     if (s->spill == NULL) {
         *why = "the arena is full and there is no spill tier";

@@ -19,11 +19,11 @@
 
 #define FP 0x1234abcdull
 
-static int32_t T[128]; /* the shared prompt */
+static int32_t T[1024]; /* the shared prompt */
 
 static void tokens_init(void)
 {
-    for (int i = 0; i < 128; i++)
+    for (int i = 0; i < 1024; i++)
         T[i] = 1000 + i * 7;
 }
 
@@ -245,6 +245,32 @@ START_TEST(spilled_first_still_a_hit)
     ck_assert_int_eq(st.prefix_hit_disk_blocks, 4);
     ck_assert_int_eq(st.prefix_hit_read_bytes, 4 * 4096);
     ck_assert_int_eq(rekv_kvstore_seq_drop(c, 3, NULL), 0);
+    assert_empty(c);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+}
+END_TEST
+
+/* More cached blocks than the spill queue's depth (64) go to disk when a sequence needs their
+ * room: a full queue is waited for, not a reason to evict. */
+START_TEST(many_cached_spilled_not_evicted)
+{
+    kvd d;
+    kvd_start(&d, 160, NULL, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    rekv_err err = {0};
+    make_published(c, 1, 640, 4); /* 40 positions, 80 blocks */
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 2, NULL), 0);
+    ck_assert_msg(rekv_kvstore_append(c, 2, 1280, 0, 0, NULL, &err) == 0, "append: %s", err.msg);
+    rekv_kv_stats st = stats(c);
+    ck_assert_int_eq(st.prefix_evictions, 0);
+    ck_assert_int_eq(st.prefix_entries, 40);
+    rekv_kv_prefix p = px(T, 641);
+    rekv_kv_prefix_hit h;
+    ck_assert_int_eq(rekv_kvstore_lookup(c, &p, &h, NULL), 0);
+    ck_assert_int_eq(h.blocks, 40);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 2, NULL), 0);
     assert_empty(c);
     rekv_kvstore_client_close(c);
     kvd_stop(&d);
@@ -475,6 +501,7 @@ static Suite *suite(void)
     tcase_add_test(tc, shared_by_reference);
     tcase_add_test(tc, evicted_for_running_sequences);
     tcase_add_test(tc, spilled_first_still_a_hit);
+    tcase_add_test(tc, many_cached_spilled_not_evicted);
     tcase_add_test(tc, full_spill_file_evicts_cached);
     tcase_add_test(tc, fresh_append_evicts_cached);
     tcase_add_test(tc, dead_owner_keeps_cache);
