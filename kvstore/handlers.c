@@ -434,6 +434,29 @@ static uint64_t range_seq_of(Rekv__Kvstore__Range **ranges, size_t n, size_t i)
     return 0;
 }
 
+/* A plan that met its i-th block b lost (its read-back failed): fails, naming the sequence. */
+static int plan_lost_block(rekv_kvstore_server *s, Rekv__Kvstore__Plan *m, size_t i, kv_block *b,
+                           kv_reply *r)
+{
+    const char *why = b->load_err == -EBADMSG ? "CRC32C mismatch" : strerror(-b->load_err);
+    const kv_seq *q = srv_seq_get(s, range_seq_of(m->ranges, m->n_ranges, i));
+    if (q && b->lblock < q->n_taken) {
+        /* a block the sequence took from the prefix cache: dropped from it (blocks.c), so the
+         * sequences that took it run again and compute it (-EAGAIN: a failure that passes); a
+         * block a sequence computed itself fails its owner, as any lost block */
+        if (b->centry != NIL && srv_cache_evictable(s, b->centry))
+            srv_cache_evict(s, b->centry);
+        r->resp.lost_seq = q->id;
+        return srv_fail(r, -EAGAIN,
+                        "a cached block (layer %u) failed its read-back (%s): dropped from the "
+                        "prefix cache; run the sequences that took it again",
+                        b->layer, why);
+    }
+    r->resp.lost_seq = b->seq; /* the client fails that sequence's owner, not the rest */
+    return srv_fail(r, b->load_err, "sequence %llu layer %u block %u: read-back failed: %s",
+                    (unsigned long long)b->seq, b->layer, b->lblock, why);
+}
+
 static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvstore__Plan *m,
                   kv_reply *r)
 {
@@ -464,24 +487,8 @@ static int h_plan(rekv_kvstore_server *s, kv_client *c, kv_pending *p, Rekv__Kvs
             s->disk_n[b->type]--;
             s->host_n[b->type]++;
         }
-        if (b->state == BS_DISK && b->load_err && b->was_cached) {
-            /* a block from the prefix cache: dropped from it (blocks.c), so the sequences that
-             * took it run again and compute it (-EAGAIN: a failure that passes) */
-            if (b->centry != NIL && srv_cache_evictable(s, b->centry))
-                srv_cache_evict(s, b->centry);
-            r->resp.lost_seq = range_seq_of(m->ranges, m->n_ranges, i);
-            return srv_fail(r, -EAGAIN,
-                            "a cached block (layer %u) failed its read-back (%s): dropped from the "
-                            "prefix cache; run the sequences that took it again",
-                            b->layer,
-                            b->load_err == -EBADMSG ? "CRC32C mismatch" : strerror(-b->load_err));
-        }
-        if (b->state == BS_DISK && b->load_err) {
-            r->resp.lost_seq = b->seq; /* the client fails that sequence's owner, not the rest */
-            return srv_fail(r, b->load_err, "sequence %llu layer %u block %u: read-back failed: %s",
-                            (unsigned long long)b->seq, b->layer, b->lblock,
-                            b->load_err == -EBADMSG ? "CRC32C mismatch" : strerror(-b->load_err));
-        }
+        if (b->state == BS_DISK && b->load_err)
+            return plan_lost_block(s, m, i, b, r);
         if (b->state == BS_DISK && s->spill != NULL) {
             if (kv_spill_in_flight(s->spill) < kv_spill_depth(s->spill) &&
                 srv_slot_take(s, id) == 0) {

@@ -341,7 +341,7 @@ int srv_cache_take(rekv_kvstore_server *s, kv_seq *q, Rekv__Kvstore__Prefix *px,
         }
         q->n_kv += e->kind == REKV_KV_BLOCK_KV;
     }
-    q->n_blocks = (uint32_t)n;
+    q->n_blocks = q->n_taken = (uint32_t)n;
     q->n_tokens = (uint64_t)n * REKV_KV_BLOCK_TOKENS;
     ce_touch_run(s, run, (size_t)n);
     free(run);
@@ -407,7 +407,6 @@ static int publish_new(rekv_kvstore_server *s, const kv_seq *q, uint32_t b, uint
         e->ids[l] = id;
         s->blocks[id].refs++;
         s->blocks[id].centry = i;
-        s->blocks[id].was_cached = 1;
     }
     s->ce_live++;
     ce_touch(s, i);
@@ -497,7 +496,6 @@ int srv_cache_adopt(rekv_kvstore_server *s, uint64_t key, uint64_t parent, int k
         b->crc = crcs[l];
         b->persisted = 1;
         b->centry = i;
-        b->was_cached = 1;
         e->ids[l] = ids[l];
         s->disk_n[kind]++;
     }

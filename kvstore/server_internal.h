@@ -43,7 +43,6 @@ typedef struct kv_block {
     uint8_t in_lru;      /* LRU_*: on a list that may be spilled (resident, unpinned, unheld) */
     uint8_t hit_read;    /* taken by a prefix while on disk: its read-back counts as a hit's */
     uint8_t persisted;   /* its slot's record is in the prefix cache's index (persist.c) */
-    uint8_t was_cached;  /* published to (or kept by) the prefix cache once */
     uint8_t ahead;       /* AH_*: where read-ahead stands with it */
     int32_t load_err;    /* sticky read-back failure, 0 when none: -EBADMSG (CRC), else errno */
     uint32_t slot;       /* host slot (HOST, SPILLING, LOADING) */
@@ -77,6 +76,7 @@ typedef struct kv_seq {
     uint64_t n_tokens; /* tokens appended */
     uint32_t n_blocks; /* logical blocks per layer */
     uint32_t n_kv;     /* of those, allocated as KV blocks (freeing does not change it) */
+    uint32_t n_taken;  /* of those, the first taken from the prefix cache when it was made */
     uint32_t cap;      /* capacity of each per-layer array */
     uint32_t **blocks; /* [n_layers][cap] block ids, NIL where freed */
     char *owner;       /* owner name of the connection that created it; NULL for none */
