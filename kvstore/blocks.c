@@ -19,10 +19,12 @@
  * and queue depth allow, and to make room it spills from the spilled-first end, never a block
  * read-ahead wants (nor does the watermark spiller). */
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "kvstore/server_internal.h"
 
@@ -354,6 +356,27 @@ void srv_spill_watermark(rekv_kvstore_server *s)
         if (spill_one(s, &why, 1) <= 0)
             break;
     }
+}
+
+void srv_cache_flush(rekv_kvstore_server *s)
+{
+    uint64_t flushed = 0;
+    for (;;) {
+        const char *why;
+        s->now = rekv_now_ns();
+        while (s->cache_head != NIL && s->spill_err == 0 && spill_one(s, &why, 0) > 0)
+            flushed++; /* a cached block the tier cannot take (full) is evicted instead */
+        kv_spill_submit(s->spill);
+        if (s->spills_in_flight == 0)
+            break;
+        struct pollfd pf = {kv_spill_event_fd(s->spill), POLLIN, 0};
+        poll(&pf, 1, 1000); /* the completions' eventfd (srv_on_completions drains it) */
+        srv_on_completions(s);
+    }
+    if (flushed)
+        srv_event(s, REKV_KV_EVENT_INFO, "prefix cache: %llu cached blocks written to disk to "
+                                         "outlast the stop",
+                  (unsigned long long)flushed);
 }
 
 /* ------------------------------------------------------------------ read-ahead */

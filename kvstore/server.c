@@ -241,7 +241,10 @@ static int loop_setup(rekv_kvstore_server *s, rekv_err *err)
 int rekv_kvstore_server_run(rekv_kvstore_server *s, rekv_err *err)
 {
     s->now = rekv_now_ns();
-    return rekv_evloop_run(s->loop, err);
+    int rc = rekv_evloop_run(s->loop, err);
+    if (s->idx_fd >= 0) /* kept across the restart: the cache in memory goes to disk first */
+        srv_cache_flush(s);
+    return rc;
 }
 
 void rekv_kvstore_server_stop(rekv_kvstore_server *s)

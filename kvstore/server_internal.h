@@ -246,6 +246,10 @@ void srv_block_unref(rekv_kvstore_server *s, uint32_t id);
  * 0: they fit now; 1: wait for spills; <0 with *why: impossible. */
 int srv_ensure_room(rekv_kvstore_server *s, const uint64_t need[2], char *why, size_t why_len);
 void srv_spill_watermark(rekv_kvstore_server *s);
+/* At a clean stop with --prefix-dir: writes every resident block only the prefix cache holds to
+ * the spill tier (logged in the index as each write completes) while it has room, and waits for
+ * the writes. */
+void srv_cache_flush(rekv_kvstore_server *s);
 kv_seq *srv_seq_get(rekv_kvstore_server *s, uint64_t id);
 void srv_seq_free_mem(rekv_kvstore_server *s, kv_seq *q);
 /* Handles the spill tier's finished I/O, then reruns the parked requests. */

@@ -422,8 +422,8 @@ static uint64_t cache_on_disk(rekv_kvstore_client *c)
 }
 
 /* The cached blocks on disk survive a crash of the store (a torn record at the index's end too);
- * a byte flipped in one of them drops that position alone; an index made for another geometry is
- * ignored. */
+ * a byte flipped in one of them drops that position alone; a clean stop writes the cache in
+ * memory to disk first; an index made for another geometry is ignored. */
 START_TEST(kept_across_restart)
 {
     char *dir = tu_tmpdir(), path[4200];
@@ -473,6 +473,23 @@ START_TEST(kept_across_restart)
     ck_assert_int_eq(h.blocks, 1);
     verify_as(c, 5, 0, 1, 1, 3);
     ck_assert_int_eq(rekv_kvstore_seq_drop(c, 5, NULL), 0);
+    assert_empty(c);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+
+    /* a clean stop writes the cache in memory to disk first */
+    c = persist_start(&d, dir, NULL);
+    make_published(c, 1, 48, 5);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
+    ck_assert_int_eq(stats(c).host_kv, 6);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+    c = persist_start(&d, dir, NULL);
+    ck_assert_int_eq(rekv_kvstore_seq_create_prefix(c, 6, &p, &h, NULL), 0);
+    ck_assert_int_eq(h.blocks, 2);
+    ck_assert_int_eq(h.disk_blocks, 4);
+    verify_as(c, 6, 0, 2, 1, 5);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 6, NULL), 0);
     assert_empty(c);
     rekv_kvstore_client_close(c);
     kvd_stop(&d);
