@@ -157,8 +157,9 @@ typedef struct rekv_kvstore_config {
     uint64_t spill_bytes;  /* spill-file capacity; 0: no limit other than the filesystem */
     int no_spill;          /* 1: no spill tier at all (a full arena is out of memory) */
     /* The prefix cache kept across restarts: the spill tier's file is DIR/spill.rekv (named,
-     * kept) and DIR/index.rekv says which of its slots hold cached blocks (kvstore/persist.c);
-     * NULL: an unnamed spill file, the cache lost at a restart. Needs the spill tier. */
+     * kept) and DIR/index.rekv says which of its slots hold cached blocks (kvstore/persist.c); a
+     * clean stop writes the cache in memory there first. NULL: an unnamed spill file, the cache
+     * lost at a restart. Needs the spill tier. */
     const char *prefix_dir;
     rekv_kv_geometry geometry;
     int huge_pages;        /* try MFD_HUGETLB, fall back to normal pages (reported via events) */

@@ -14,9 +14,10 @@
  * them (to a temporary file, renamed over). A record whose slot was reused after a crash that
  * lost its "no longer" record fails the CRC check: the store never serves a wrong block. An index
  * made for another geometry, dtype or format is ignored with the reason, and both files start
- * empty. An flock on the index keeps a second store off the directory. Blocks in memory when the
- * store stops are not kept (only the disk tier is); the model's fingerprint is in every key, so
- * another model's blocks are never hits (and go first when room is needed, being unused). */
+ * empty. An flock on the directory keeps a second store off it. A clean stop writes the cache's
+ * blocks in memory to disk first (blocks.c srv_cache_flush); a crash keeps what was on disk. The
+ * model's fingerprint is in every key, so another model's blocks are never hits (and go first
+ * when room is needed, being unused). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
