@@ -116,13 +116,13 @@ START_TEST(mixed_jobs_keep_counts)
     env e;
     if (ct_env_open(&e))
         return;
-    enum { N = 48, FIRST = 12 };
+    enum { N = 1000, FIRST = 100 };
     static tjob jobs[N];
     static int cancelled[N];
     shared_jobs(&e, jobs, N, 77);
     pid_t kv = start_kvstore(&e);
     rekv_kvstore_client *k = ct_kv_open(&e);
-    pid_t co = ct_start_coordinator(&e, "256", "1000");
+    pid_t co = ct_start_coordinator(&e, "2048", "1000");
     pid_t w0 = ct_start_kv_worker(&e, "8", "w0");
     pid_t w1 = ct_start_kv_worker(&e, "8", "w1");
     rekv_ctl *c = ct_ctl_open(e.ctl);
@@ -164,7 +164,7 @@ START_TEST(store_restart_keeps_counts)
     static int cancelled[N];
     shared_jobs(&e, jobs, N, 78);
     pid_t kv = start_kvstore(&e);
-    pid_t co = ct_start_coordinator(&e, "256", "1000");
+    pid_t co = ct_start_coordinator(&e, "2048", "1000");
     pid_t w0 = ct_start_kv_worker(&e, "8", "w0");
     rekv_ctl *c = ct_ctl_open(e.ctl);
     ct_wait_workers(c, 1);
