@@ -54,6 +54,17 @@ typedef struct rekv_batch_item {
  * capacity (-E2BIG, "... longer than the context ..."). */
 int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err);
 
+/* A fingerprint of the engine's model (fingerprint.c), the key of every cache of what it computes:
+ * the skew and head-profile files and the kvstore's prefix cache (a cached block's K,V). Over the
+ * shape (n_layers, hidden, n_heads, n_kv_heads, head_dim, rope kind, weight dtype, ffn, vocab,
+ * embed_dim, context, architecture), the rope theta, a scaled rope's frequency table, and each
+ * tensor as the engine holds it (matrices in its weight dtype, norms and biases fp32; a presence
+ * byte and the size first, so a missing bias differs from a zero one; a tensor past 1 MiB by its
+ * first MiB and 4 KiB of every 256 KiB after it: a 7B model's every byte would cost seconds at
+ * each start). The high 32 bits are CRC32C, the low 32 bits a multiplicative hash of the same
+ * bytes (a second CRC with another seed would differ from the first by a constant). */
+uint64_t rekv_engine_fingerprint(const rekv_engine *e);
+
 /* Floating-point operations of one forward over `n_tokens` new tokens whose attention spans
  * `ctx_sum` cached positions in total (sum over tokens of positions attended), logits for
  * `n_logits` rows. Counts multiply-adds as 2 FLOPs; for benchmarks. */

@@ -127,7 +127,7 @@ int rekv_heads_profile(rekv_engine *e, const int32_t *ids, int n, rekv_heads *ou
     out->n_layers = c->n_layers;
     out->n_heads = c->n_heads;
     out->n_kv_heads = c->n_kv_heads;
-    out->fingerprint = rekv_skew_fingerprint(e);
+    out->fingerprint = rekv_engine_fingerprint(e);
     out->sample_tokens = n;
     double mx = 0;
     int pairs = n > REKV_HEADS_FROM + 1 ? n - REKV_HEADS_FROM - 1 : 0;
@@ -301,7 +301,7 @@ int rekv_heads_load(const char *path, const rekv_engine *e, rekv_heads *out, rek
         goto out;
     }
     char want[17];
-    snprintf(want, sizeof(want), "%016llx", (unsigned long long)rekv_skew_fingerprint(e));
+    snprintf(want, sizeof(want), "%016llx", (unsigned long long)rekv_engine_fingerprint(e));
     if (strcmp(fp, want) != 0) {
         rc = rekv_errf(err, -EINVAL, "%s: made for another model (fingerprint %s, this one %s)",
                        path, fp, want);
@@ -342,7 +342,7 @@ int rekv_heads_cache_path(const rekv_engine *e, char *path, size_t cap, rekv_err
     if (rc)
         return rc;
     int n = snprintf(path, cap, "%s/heads-%016llx-%08x.json", dir,
-                     (unsigned long long)rekv_skew_fingerprint(e), rekv_cache_build_tag());
+                     (unsigned long long)rekv_engine_fingerprint(e), rekv_cache_build_tag());
     if (n < 0 || (size_t)n >= cap)
         return rekv_errf(err, -ENAMETOOLONG, "heads: cache path too long under %s", dir);
     return 0;

@@ -17,7 +17,7 @@
  *
  * The file is JSON (small, readable: `rekv heads --json` prints the same), cached as
  * $XDG_CACHE_HOME/rekv/heads-<fingerprint>-<build tag>.json beside the skew, keyed by the
- * model's fingerprint and the build (rekv_skew_fingerprint, rekv_cache_build_tag: the queries are
+ * model's fingerprint and the build (rekv_engine_fingerprint, rekv_cache_build_tag: the queries are
  * what is measured, on a sample the model and the sampler make). */
 #ifndef REKV_GPUWORKER_HEADS_H
 #define REKV_GPUWORKER_HEADS_H
@@ -37,7 +37,7 @@
 
 typedef struct rekv_heads {
     int n_layers, n_heads, n_kv_heads;
-    uint64_t fingerprint; /* rekv_skew_fingerprint of the model profiled */
+    uint64_t fingerprint; /* rekv_engine_fingerprint of the model profiled */
     int sample_tokens;    /* the calibration sample's length */
     double *importance;   /* [n_layers][n_heads] */
     double *adjacent_cos; /* [n_layers][n_heads] */

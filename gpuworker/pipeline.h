@@ -174,9 +174,6 @@ int rekv_pseq_create_prefix(rekv_pipeline *p, int capacity, const int32_t *promp
                             rekv_pseq **out, rekv_err *err);
 /* Prompt tokens it took from the prefix cache when made (0: none). */
 int rekv_pseq_cached(const rekv_pseq *s);
-/* A hash of every weight that a token's K,V and activations depend on (the embeddings and every
- * layer's tensors, their dtype and the shape): the prefix cache's model fingerprint. */
-uint64_t rekv_engine_fingerprint(const rekv_engine *e);
 void rekv_pseq_free(rekv_pseq *s);
 int rekv_pseq_len(const rekv_pseq *s);
 /* 1 when the kvstore sequence store_seq holds this sequence's cache (kvpr: its K,V or its

@@ -411,51 +411,6 @@ fail:
 
 /* ------------------------------------------------------------------ the prefix cache */
 
-/* Two 32-bit halves over the same bytes, as skew.c's fingerprint: CRC32C, and FNV-1a over 64-bit
- * words folded to 32 bits (a second CRC would add nothing: a CRC is affine in its seed). */
-typedef struct fp_state {
-    uint32_t crc;
-    uint64_t mix;
-} fp_state;
-
-static void fp_add(fp_state *f, const void *ptr, size_t n)
-{
-    const unsigned char *b = ptr;
-    size_t i = 0;
-    uint8_t present = ptr != NULL; /* a tensor the model lacks hashes apart from an empty one */
-    f->crc = rekv_crc32c(f->crc, &present, 1);
-    if (ptr == NULL)
-        return;
-    f->crc = rekv_crc32c(f->crc, ptr, n);
-    for (; i + 8 <= n; i += 8) {
-        uint64_t w;
-        memcpy(&w, b + i, 8);
-        f->mix = (f->mix ^ w) * 0x100000001b3ull;
-        f->mix ^= f->mix >> 29;
-    }
-    for (; i < n; i++)
-        f->mix = (f->mix ^ b[i]) * 0x100000001b3ull;
-}
-
-uint64_t rekv_engine_fingerprint(const rekv_engine *e)
-{
-    const rekv_model_config *c = &e->c;
-    fp_state f = {0, 0xcbf29ce484222325ull};
-    int32_t shape[] = {c->n_layers, c->hidden,   c->n_heads,        c->n_kv_heads, c->head_dim,
-                       c->ffn,      c->vocab,    c->embed_dim,      c->max_pos,    (int32_t)c->rope,
-                       (int32_t)e->wdtype};
-    fp_add(&f, shape, sizeof(shape));
-    fp_add(&f, &c->rope_theta, sizeof(c->rope_theta));
-    size_t ws = rekv_dtype_size(e->wdtype), H = (size_t)c->hidden, E = (size_t)c->embed_dim;
-    fp_add(&f, e->embed, (size_t)c->vocab * E * ws);
-    fp_add(&f, e->pos_embed, e->pos_embed ? ((size_t)c->max_pos + 2) * H * sizeof(float) : 0);
-    fp_add(&f, e->project_in, e->project_in ? H * E * ws : 0);
-    for (int l = 0; l < c->n_layers; l++) /* every tensor of the layer, packed */
-        fp_add(&f, e->layer_mem[l], e->layer_bytes);
-    uint32_t lo = (uint32_t)(f.mix ^ (f.mix >> 32));
-    return (uint64_t)f.crc << 32 | lo;
-}
-
 /* Whether s may start from cached blocks: nothing of its context may live on the device but what
  * the store's blocks give back (the device-resident part of an all-KV store — offload, kvpr's
  * K,V sequence — is copied from them); the approximate modes' device state, ACT_GPU and a device

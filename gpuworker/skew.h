@@ -26,7 +26,7 @@
 typedef struct rekv_skew {
     int n_layers, n_kv_heads, head_dim;
     int rk;               /* partial columns per KV head (ceil(ratio * head_dim), >= 1) */
-    uint64_t fingerprint; /* of the model (rekv_skew_fingerprint) */
+    uint64_t fingerprint; /* of the model (rekv_engine_fingerprint) */
     float *a;             /* [n_layers][n_kv_heads][head_dim][head_dim]: A, row-major (A[d][c]) */
     int32_t *cols;        /* [n_layers][n_kv_heads][rk]: the selected columns of A, largest first */
 } rekv_skew;
@@ -34,16 +34,6 @@ typedef struct rekv_skew {
 /* The partial ratio InfiniGen uses (§5: 0.3). */
 #define REKV_SKEW_DEFAULT_RATIO 0.3
 
-/* A CRC-based fingerprint of the engine's model: its shape and every tensor it holds. Over the
- * shape (n_layers, hidden, n_heads, n_kv_heads, head_dim, rope kind, weight dtype, ffn, vocab,
- * embed_dim, context, architecture), the rope theta, and each tensor as the engine holds it
- * (matrices in its weight dtype, norms and biases fp32; a presence byte and the size first, so a
- * missing bias differs from a zero one; a tensor past 1 MiB by its first MiB and 4 KiB of every
- * 256 KiB after it). Everything the calibration sample and the measured queries depend on, not
- * only W_Q and W_K: a fine-tune that kept the attention weights still changes the queries. The
- * high 32 bits are CRC32C, the low 32 bits a multiplicative hash of the same bytes (a second CRC
- * with another seed would differ from the first by a constant, adding nothing). */
-uint64_t rekv_skew_fingerprint(const rekv_engine *e);
 
 /* Calibrates on the given token ids (one forward pass over them; n >= 2): fills *out (free with
  * rekv_skew_free). ratio in (0, 1]. rk = ceil(ratio * head_dim), computed with 1e-9 of slack so

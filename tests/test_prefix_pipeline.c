@@ -37,7 +37,7 @@ static void prompt_make(int32_t *p, int n, uint64_t seed, int vocab)
 
 static rekv_gen_params params(void)
 {
-    rekv_gen_params gp = {MAX_NEW, 0.0f, 0, 1.0f, 0, TOP, 0};
+    rekv_gen_params gp = {.max_new_tokens = MAX_NEW, .top_p = 1.0f, .top_logits = TOP};
     return gp;
 }
 

@@ -453,36 +453,36 @@ START_TEST(fingerprint_covers_shape_and_weights)
     loaded A, B, O;
     if (!load(STORIES_REL, &A) || !load(STORIES_REL, &B) || !load(OPT_REL, &O))
         return;
-    uint64_t fa = rekv_skew_fingerprint(A.e);
-    ck_assert(fa == rekv_skew_fingerprint(B.e));
-    ck_assert(fa != rekv_skew_fingerprint(O.e));
+    uint64_t fa = rekv_engine_fingerprint(A.e);
+    ck_assert(fa == rekv_engine_fingerprint(B.e));
+    ck_assert(fa != rekv_engine_fingerprint(O.e));
     /* one weight of W_K's last layer, one bit */
     const rekv_model_config *c = rekv_engine_config(B.e);
     unsigned char *wk = B.e->layers[c->n_layers - 1].wk;
     wk[5] ^= 1;
-    ck_assert(fa != rekv_skew_fingerprint(B.e));
+    ck_assert(fa != rekv_engine_fingerprint(B.e));
     wk[5] ^= 1;
-    ck_assert(fa == rekv_skew_fingerprint(B.e));
+    ck_assert(fa == rekv_engine_fingerprint(B.e));
     /* what the queries depend on beyond W_Q and W_K: an FFN weight of layer 0 (it feeds layer 1's
      * queries), the final norm and the embedding (they make the calibration sample) */
     unsigned char *w2 = B.e->layers[0].w2;
     w2[7] ^= 1;
-    ck_assert(fa != rekv_skew_fingerprint(B.e));
+    ck_assert(fa != rekv_engine_fingerprint(B.e));
     w2[7] ^= 1;
     B.e->final_norm_w[1] += 1;
-    ck_assert(fa != rekv_skew_fingerprint(B.e));
+    ck_assert(fa != rekv_engine_fingerprint(B.e));
     B.e->final_norm_w[1] -= 1;
     unsigned char *emb = B.e->embed;
     emb[11] ^= 1;
-    ck_assert(fa != rekv_skew_fingerprint(B.e));
+    ck_assert(fa != rekv_engine_fingerprint(B.e));
     emb[11] ^= 1;
-    ck_assert(fa == rekv_skew_fingerprint(B.e));
+    ck_assert(fa == rekv_engine_fingerprint(B.e));
     /* a bias of OPT's W_Q */
-    uint64_t fo = rekv_skew_fingerprint(O.e);
+    uint64_t fo = rekv_engine_fingerprint(O.e);
     float *bq = O.e->layers[0].bq;
     ck_assert(bq != NULL);
     bq[3] += 1;
-    ck_assert(fo != rekv_skew_fingerprint(O.e));
+    ck_assert(fo != rekv_engine_fingerprint(O.e));
     unload(&A);
     unload(&B);
     unload(&O);
@@ -530,7 +530,7 @@ START_TEST(file_round_trip_and_refusals)
     ck_assert_int_eq(t.n_kv_heads, s.n_kv_heads);
     ck_assert_int_eq(t.head_dim, s.head_dim);
     ck_assert_int_eq(t.rk, s.rk);
-    ck_assert(t.fingerprint == s.fingerprint && t.fingerprint == rekv_skew_fingerprint(L.e));
+    ck_assert(t.fingerprint == s.fingerprint && t.fingerprint == rekv_engine_fingerprint(L.e));
     size_t na = (size_t)s.n_layers * s.n_kv_heads * s.head_dim * s.head_dim;
     size_t nc = (size_t)s.n_layers * s.n_kv_heads * s.rk;
     ck_assert(memcmp(t.a, s.a, na * sizeof(float)) == 0);
@@ -607,7 +607,7 @@ START_TEST(prepare_caches_by_fingerprint)
     ck_assert_msg(rekv_skew_cache_path(L.e, 0.3, path, sizeof(path), &err) == 0, "%s", err.msg);
     char want[4300];
     snprintf(want, sizeof(want), "%s/rekv/skew-%016llx-r300-%08x.bin", dir,
-             (unsigned long long)rekv_skew_fingerprint(L.e), rekv_cache_build_tag());
+             (unsigned long long)rekv_engine_fingerprint(L.e), rekv_cache_build_tag());
     ck_assert_str_eq(path, want);
     rekv_skew s1, s2, s3;
     int from_cache = -1;
@@ -685,14 +685,14 @@ START_TEST(cli_skew)
     char *dir = tu_tmpdir(), env[4200], args[16000], want[4300];
     snprintf(env, sizeof(env), "XDG_CACHE_HOME=%s", dir);
     snprintf(want, sizeof(want), "%s/rekv/skew-%016llx-r300-%08x.bin", dir,
-             (unsigned long long)rekv_skew_fingerprint(L.e), rekv_cache_build_tag());
+             (unsigned long long)rekv_engine_fingerprint(L.e), rekv_cache_build_tag());
     snprintf(args, sizeof(args), "--model %s", L.path);
     for (int round = 0; round < 2; round++) {
         json_t *o = skew_json(env, args);
         ck_assert_str_eq(json_string_value(json_object_get(o, "path")), want);
         ck_assert_int_eq(json_integer_value(json_object_get(o, "rk")), 3);
         char fp[17];
-        snprintf(fp, sizeof(fp), "%016llx", (unsigned long long)rekv_skew_fingerprint(L.e));
+        snprintf(fp, sizeof(fp), "%016llx", (unsigned long long)rekv_engine_fingerprint(L.e));
         ck_assert_str_eq(json_string_value(json_object_get(o, "fingerprint")), fp);
         ck_assert(json_is_boolean(json_object_get(o, "from_cache")));
         ck_assert_int_eq(json_is_true(json_object_get(o, "from_cache")), round == 1);
