@@ -946,6 +946,17 @@ __global__ static void __launch_bounds__(SAMPLE_THREADS)
     int chunk = (V + (int)blockDim.x - 1) / (int)blockDim.x;
     int lo = min(V, (int)threadIdx.x * chunk), hi = min(V, lo + chunk);
 
+    /* a NaN logit (a broken model) draws -1, as rekv_sample_drawn: no choice may hide it (the
+     * pipeline fails the step) */
+    int nan_here = 0;
+    for (int i = lo; i < hi; i++)
+        nan_here |= isnan(lg[i]);
+    if (__syncthreads_or(nan_here)) {
+        if (threadIdx.x == 0)
+            ids[blockIdx.x] = -1;
+        return;
+    }
+
     /* the greedy choice: the largest logit, the lowest id on ties */
     float bv = -INFINITY;
     int bi = V;

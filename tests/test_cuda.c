@@ -719,6 +719,28 @@ START_TEST(kernel_sample)
         meta_free(rows);
         free(lg), free(ids);
     }
+    /* a NaN logit draws -1 (as rekv_sample_drawn; the pipeline fails the step), greedy or not;
+     * the row without one draws a token */
+    {
+        enum { V = 300, R = 3 };
+        float *lg = hrand((size_t)V * R, 6);
+        int32_t start[R] = {7, 7, 7};
+        lg[0 * V + 250] = NAN;
+        lg[1 * V + 3] = NAN;
+        rekv_sample_row *rows = meta(sizeof(rekv_sample_row) * R);
+        for (int r = 0; r < R; r++)
+            rows[r] = (rekv_sample_row){r == 0 ? 0.0f : 1.0f, 1.0f, 0.5f, 0, 0, 0, 0};
+        float *dl = dev_from(lg, sizeof(float) * (size_t)V * R);
+        int32_t *dids = dev_from(start, sizeof(start));
+        rekv_kernels_of(g_cu)->sample(g_scu, dids, NULL, NULL, NULL, dl, rows, R, V, NULL);
+        sync_cu();
+        int32_t *ids = host_from(dids, sizeof(start));
+        ck_assert_msg(ids[0] == -1 && ids[1] == -1, "NaN rows drew %d and %d", ids[0], ids[1]);
+        ck_assert_msg(ids[2] >= 0 && ids[2] < V, "the finite row drew %d", ids[2]);
+        dev_free(dl), dev_free(dids);
+        meta_free(rows);
+        free(lg), free(ids);
+    }
     backends_close();
 }
 END_TEST
