@@ -25,6 +25,7 @@
 
 #define WORKER_PROTO_VERSION 1u /* REKV_WORKER_PROTO_VERSION in coordinator.h */
 #define KV_WAIT_MS 30000ull     /* how long a worker started beside its kvstore waits for it */
+#define KV_SAY_WAIT_MS 2000ull  /* and after how long it says so */
 #define WORKER_TIMED_EVERY 8    /* one step in this many is timed (busy times for the planner) */
 
 /* The step thread (worker_plan.c). */

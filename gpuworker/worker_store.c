@@ -50,15 +50,21 @@ int wk_kv_connect(worker *w, rekv_err *err)
 {
     /* started beside the store (`rekv run` starts the daemons at once): wait for its socket
      * while there is none or nobody listens yet, up to KV_WAIT_MS, stopping on a signal */
-    uint64_t until = rekv_now_ns() + KV_WAIT_MS * 1000000ull;
+    uint64_t start = rekv_now_ns(), until = start + KV_WAIT_MS * 1000000ull;
     rekv_kvstore_client *kv = NULL;
-    int crc;
+    int crc, said = 0;
     while ((crc = rekv_kvstore_client_connect(w->kv_ep, NULL, w->kv_timeout_ms, &kv, err)) ==
                -ENOENT ||
            crc == -ECONNREFUSED) {
         struct pollfd sp = {w->stop_fd, POLLIN, 0};
-        if (rekv_now_ns() > until)
+        uint64_t now = rekv_now_ns();
+        if (now > until)
             break;
+        if (!said && now - start > KV_SAY_WAIT_MS * 1000000ull) { /* not silently */
+            rekv_log(REKV_LOG_WARN, "waiting for the kvstore at %s (%s); up to %llu s more",
+                     w->kv_ep, err->msg, (unsigned long long)((until - now) / 1000000000ull));
+            said = 1;
+        }
         if (poll(&sp, 1, 20) > 0) /* asked to stop */
             return 1;
         rekv_err_clear(err);

@@ -7,9 +7,11 @@
  * is unavailable, and SIGTERM ends it while the store is still stopped; once the store runs again
  * a new worker of the same name serves every job with rekv_generate's tokens. Waits have no
  * deadline of their own: Check's timeout is the guard, and the old per-sequence wait (jobs × the
- * store timeout) outlasts it. Model: stories260K. */
+ * store timeout) outlasts it. A worker started against a store that is not there yet says so,
+ * naming the endpoint, instead of waiting in silence. Model: stories260K. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -258,6 +260,40 @@ START_TEST(worker_idle_stops_while_store_hangs)
 }
 END_TEST
 
+/* A worker started against a kvstore that is not there yet says so after a moment, naming the
+ * endpoint, rather than waiting in silence (issue 41); it still stops cleanly on SIGTERM. */
+START_TEST(worker_says_it_waits_for_the_store)
+{
+    env e;
+    if (ct_env_open(&e))
+        return;
+    char wk_log[4300];
+    snprintf(wk_log, sizeof(wk_log), "%s/worker.log", e.dir);
+    pid_t co = ct_start_coordinator(&e, "64", "600000");
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    const char *args[] = {prog,      "--model",   e.model, "--coordinator", e.wrk, "--name", "w0",
+                          "--backend", "cpu",     "--mode", "offload",   "--kvstore", e.kv, NULL};
+    pid_t wk = fork(); /* not tu_spawn: it is not ready, and must not be */
+    ck_assert_int_ge(wk, 0);
+    if (wk == 0) {
+        int fd = open(wk_log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (fd < 0 || dup2(fd, 2) < 0)
+            _exit(126);
+        execv(prog, (char *const *)args);
+        _exit(127);
+    }
+    while (!tu_file_has(wk_log, "waiting for the kvstore at")) /* e.kv: nobody serves it */
+        usleep(20000);
+    ck_assert_msg(tu_file_has(wk_log, e.kv), "the line names the endpoint: %s", log_end(wk_log));
+    int st = tu_stop(wk);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker status %d: %s", st,
+                  log_end(wk_log));
+    ck_assert_int_eq(tu_stop(co), 0);
+    ct_env_close(&e);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("hung_store");
@@ -270,6 +306,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, worker_store_hangs);
     tcase_add_test(tc, worker_idle_stops_while_store_hangs);
+    tcase_add_test(tc, worker_says_it_waits_for_the_store);
     suite_add_tcase(s, tc);
     return s;
 }
