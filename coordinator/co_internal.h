@@ -26,6 +26,7 @@
  * a new job (that waits one step) and it may still name a job the step finishes (the worker has
  * dropped it: no output); the tokens are the same. */
 #define CO_PLANS_OUT 2
+#define CO_RETRY_BASE_MS 100 /* a failed attempt's first backoff (co_job_requeue) */
 #define MAX_SUBS 4  /* stream subscribers per job */
 #define MAX_RID 256 /* ZeroMQ routing ids are at most 255 bytes */
 #define READ_BATCH                                                                                 \
@@ -116,6 +117,7 @@ typedef struct job {
     int n_subs;
     int queued_pos;     /* index in the queue while QUEUED, else -1 */
     char waiting[200];  /* QUEUED: why admission holds it back (JobStatus.waiting); "" otherwise */
+    uint64_t retry_at_ns; /* QUEUED after a failed attempt: not run again before (co_job_requeue) */
     struct job *hnext;  /* hash chain */
     char *key;          /* Submit.client_key (malloc'd), NULL when none */
     struct job *knext;  /* key hash chain */

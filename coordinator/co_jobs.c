@@ -127,12 +127,16 @@ void co_queue_remove(rekv_coordinator *co, job *j)
     j->queued_pos = -1;
 }
 
-/* The next job to run: highest priority, then earliest. */
+/* The next job to run: highest priority, then earliest; one backing off after a failed attempt
+ * (retry_at_ns) waits out its time without holding up the rest. */
 job *co_queue_peek(rekv_coordinator *co)
 {
     job *best = NULL;
+    uint64_t now = rekv_now_ns();
     for (uint32_t i = 0; i < co->n_queue; i++) {
         job *j = co->queue[i];
+        if (j->retry_at_ns > now)
+            continue;
         if (best == NULL || j->priority > best->priority ||
             (j->priority == best->priority && j->order < best->order))
             best = j;
@@ -535,7 +539,11 @@ static void journal_attempts(rekv_coordinator *co, const job *j);
 
 /* Puts a running job back in the queue after its worker died, or fails it after max_attempts.
  * A run that ended on the worker's kvstore loss does not count (the store comes back; the job
- * waits for an available worker). The attempts used are journaled, so a restart keeps them. */
+ * waits for an available worker). The attempts used are journaled, so a restart keeps them. A
+ * counted failure backs off before the next attempt — CO_RETRY_BASE_MS, doubling with each
+ * attempt used, at most 64 times it — so that a cause that passes (room another job frees, a
+ * disk an operator clears) is seen before the attempts are spent: a step failing on room used
+ * to spend all three within milliseconds. Its status says so meanwhile. */
 void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts)
 {
     if (!counts && j->attempts > 0)
@@ -545,6 +553,15 @@ void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts)
         snprintf(msg, sizeof(msg), "%s; gave up after %u attempts", why, j->attempts);
         co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
         return;
+    }
+    j->retry_at_ns = 0;
+    if (counts && j->attempts > 0) {
+        uint32_t shift = j->attempts - 1 < 6 ? j->attempts - 1 : 6;
+        uint64_t ms = (uint64_t)CO_RETRY_BASE_MS << shift;
+        j->retry_at_ns = rekv_now_ns() + ms * 1000000ull;
+        snprintf(j->waiting, sizeof(j->waiting), "attempt %u of %u failed; retrying in %llu ms: %.*s",
+                 j->attempts, co->cfg.max_attempts, (unsigned long long)ms,
+                 (int)(sizeof(j->waiting) - 64), why);
     }
     co->n_running--;
     j->worker = -1;

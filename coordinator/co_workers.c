@@ -378,7 +378,7 @@ static int schedule_worker(rekv_coordinator *co, int wi)
         }
         if (need > 0 &&
             (fit = store_fits(w, job_tokens(w, j), need, promised, why, sizeof(why))) != 0) {
-            if (j->waiting[0] == '\0')
+            if (strncmp(j->waiting, "waiting for kvstore room", 24) != 0) /* first held */
                 co->held_for_room++;
             snprintf(j->waiting, sizeof(j->waiting), "waiting for kvstore room: %.*s",
                      (int)(sizeof(j->waiting) - 32), why);

@@ -229,18 +229,38 @@ void cg_fake_progress(fake *f, uint64_t step, uint64_t job, const int32_t *token
     free(tv);
 }
 
+/* Answers step's Plan with a Progress that names no job. */
+static void fake_reply_empty(fake *f, uint64_t step)
+{
+    Rekv__Worker__Progress p = REKV__WORKER__PROGRESS__INIT;
+    p.step = step;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
+    m.progress = &p;
+    cg_fake_send(f, &m);
+}
+
 void cg_fake_empty(fake *f)
 {
     Rekv__Worker__CoordMsg *cm = cg_fake_plan(f);
     ck_assert_msg(cm != NULL, "no Plan");
     ck_assert_uint_eq(cm->plan->n_join, 0);
-    Rekv__Worker__Progress p = REKV__WORKER__PROGRESS__INIT;
-    p.step = cm->plan->step;
-    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
-    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
-    m.progress = &p;
-    cg_fake_send(f, &m);
+    fake_reply_empty(f, cm->plan->step);
     rekv__worker__coord_msg__free_unpacked(cm, NULL);
+}
+
+Rekv__Worker__CoordMsg *cg_fake_plan_join(fake *f, uint64_t job, int *cancelled)
+{
+    for (;;) {
+        Rekv__Worker__CoordMsg *cm = cg_fake_plan(f);
+        ck_assert_msg(cm != NULL, "no Plan");
+        for (size_t i = 0; i < cm->plan->n_cancel; i++)
+            *cancelled += cm->plan->cancel[i] == job;
+        if (cm->plan->n_join > 0)
+            return cm;
+        fake_reply_empty(f, cm->plan->step);
+        rekv__worker__coord_msg__free_unpacked(cm, NULL);
+    }
 }
 
 Rekv__Worker__WorkerMsg *cg_router_recv(void *sock, char *id, int *idn)

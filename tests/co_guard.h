@@ -60,6 +60,9 @@ void cg_fake_progress(fake *f, uint64_t step, uint64_t job, const int32_t *token
 /* Reads the next Plan, which must join nothing, and answers it with a Progress naming no job
  * (what a worker says of a step whose jobs the coordinator no longer runs there). */
 void cg_fake_empty(fake *f);
+/* The next Plan that joins a job, the ones before it (a re-queued job backs off before it runs
+ * again) answered as cg_fake_empty does; *cancelled counts the Plans that cancelled job. */
+Rekv__Worker__CoordMsg *cg_fake_plan_join(fake *f, uint64_t job, int *cancelled);
 
 /* Reads one worker message from a ROUTER (its routing id into id, idn bytes); NULL after 20 s. */
 Rekv__Worker__WorkerMsg *cg_router_recv(void *sock, char *id, int *idn);

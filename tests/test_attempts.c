@@ -93,7 +93,8 @@ static pid_t child_of(pid_t parent, const char *prog)
 
 /* ---------------------------------------------------------------- tests */
 
-/* A worker killed under a job uses its first attempt; the coordinator killed with SIGKILL while
+/* A worker killed under a job uses its first attempt (and the job backs off before its next,
+ * saying so); the coordinator killed with SIGKILL while
  * the job waits in the queue replays it with that attempt used (twice: the second replay reads
  * the journal the first one compacted), and its run on a new worker is its second. */
 START_TEST(attempts_survive_coordinator_restart)
@@ -118,6 +119,11 @@ START_TEST(attempts_survive_coordinator_restart)
     Rekv__Control__JobState state;
     ck_assert_uint_eq(job_attempts(c, jobs[i].id, &state), 1);
     ck_assert_int_eq(state, REKV__CONTROL__JOB_STATE__QUEUED);
+    /* the failed attempt backs off before the next, and says so */
+    Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
+    ck_assert_msg(strstr(r->job->waiting, "attempt 1 of 3 failed; retrying in 100 ms") != NULL,
+                  "waiting: \"%s\"", r->job->waiting);
+    rekv__control__response__free_unpacked(r, NULL);
     kill9(co);
     rekv_ctl_close(c);
     co = ct_start_coordinator(&e, "256", "1000");
