@@ -1,20 +1,24 @@
-/* soak.c — issue 16's soak: the three daemons on loopback (ipc sockets in a temporary directory,
- * stories260K, the worker in offload mode with the KV cache in the kvstore, the coordinator with
- * a journal), N submissions (default 10,000) from one client, each with a client key and retried
- * under it after a timeout or BUSY; every 10th job cancelled right after it is accepted, and
- * every 10th (another) one 40 submissions later, when it may be running or done; a
+/* soak.c — issues 16's and 41's soak: the three daemons on loopback (ipc sockets in a temporary
+ * directory, stories260K, the worker in offload mode with the KV cache in the kvstore, the
+ * coordinator with a journal), N submissions (default 10,000) from one client, each with a client
+ * key and retried under it after a timeout or BUSY; every 10th job cancelled right after it is
+ * accepted, and every 10th (another) one 40 submissions later, when it may be running or done; a
  * kill -9 and restart of the worker at N/8, of the kvstore at N/4 and of the coordinator at N/5
- * (the coordinator's journal brings its jobs back). Prints a JSON summary on stdout:
+ * (the coordinator's journal brings its jobs back), and the kvstore stopped (SIGSTOP: a hung
+ * process or disk) for 5 s at N/3 (the worker's --kvstore-timeout-ms is 2 s). The store's arena
+ * (256 KiB, ~12 jobs' KV) and spill tier (--spill-bytes 1 MiB) are small, so a batch of 32 spills
+ * all the time and the spill tier fills: admission has to count it. Prints a JSON summary:
  *   accepted, done, cancelled, failed: jobs by their end;
  *   lost: accepted jobs that never ended (or were forgotten before the client saw their end);
  *   run_twice: a key answered with a second job id, or a job seen ended and later not ended,
  *     or with other tokens (checked again after the coordinator's restart);
  *   wrong: DONE jobs whose tokens differ from the first DONE job of the same prompt (greedy);
- *   coordinator RSS (kB) after warm-up (N/5 + N/4 submissions: past --keep-finished 1024 ends
- *     on the restarted coordinator) and at the end, once every job ended.
+ *   each daemon's RSS (kB) after warm-up (N/5 + N/4 submissions: past every restart, and past
+ *     --keep-finished 1024 ends on the restarted coordinator) and at the end, once every job
+ *     ended, and the change in percent.
  * Built with `make build/tests/bench/soak`; run from the repository root:
  *   REKV_BUILD=build build/tests/bench/soak [N] > soak.json
- * Exit status 0 when nothing was lost, run twice or wrong, and the RSS grew less than 10%. */
+ * Exit status 0 when nothing was lost, run twice or wrong, and no daemon's RSS grew 10% or more. */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <poll.h>
@@ -27,6 +31,7 @@
 
 #include "common/clock.h"
 #include "coordinator/coordinator.h"
+#include "kvstore/kvstore.h"
 #include "tests/testutil.h"
 
 #define MAX_NEW 4
@@ -80,8 +85,9 @@ static pid_t start_kvstore(void)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
-    const char *a[] = {prog,  "--endpoint",    g_kv,  "--model",     g_model, "--host-bytes",
-                       "64M", "--cache-dtype", "f32", "--spill-dir", g_dir,   NULL};
+    const char *a[] = {prog,          "--endpoint",  g_kv,  "--model",       g_model,
+                       "--host-bytes",  "256K",        "--cache-dtype", "f32",
+                       "--spill-dir",   g_dir,         "--spill-bytes", "1M",   NULL};
     return spawn("kvstore", a);
 }
 
@@ -102,7 +108,7 @@ static pid_t start_worker(void)
         prog,     "--model",   g_model,   "--coordinator", g_wrk, "--name",
         "w0",     "--backend", "cpu",     "--max-batch",   "32",  "--heartbeat-ms",
         "100",    "--mode",    "offload", "--kvstore",     g_kv,  "--kvstore-timeout-ms",
-        "600000", NULL};
+        "2000",   NULL};
     return spawn("worker", a);
 }
 
@@ -127,6 +133,18 @@ typedef struct sjob {
 } sjob;
 
 static rekv_ctl *g_c;
+static pid_t g_kv_pid;            /* the kvstore, for the SIGSTOP */
+static uint64_t g_kv_resume_ns;   /* when the stopped store gets SIGCONT (0: not stopped) */
+
+/* The faults that run on a clock: a stopped kvstore continued once its time is up. Called from
+ * every wait, so that a wait for jobs the stopped store holds up does not wait forever. */
+static void tick_faults(void)
+{
+    if (g_kv_resume_ns && rekv_now_ns() >= g_kv_resume_ns) {
+        kill(g_kv_pid, SIGCONT);
+        g_kv_resume_ns = 0;
+    }
+}
 static int32_t g_ref[N_PROMPTS][MAX_NEW];
 static uint32_t g_ref_n[N_PROMPTS];
 static int g_ref_have[N_PROMPTS];
@@ -146,6 +164,7 @@ static Rekv__Control__Response *call(Rekv__Control__Request *r)
     Rekv__Control__Response *resp = NULL;
     rekv_err err = {0};
     r->id = 0;
+    tick_faults();
     if (rekv_ctl_call(g_c, r, 5000, &resp, &err) == 0)
         return resp;
     reconnect();
@@ -265,11 +284,12 @@ int main(int argc, char **argv)
     snprintf(g_state, sizeof(g_state), "%s/state", g_dir);
     uint64_t t0 = rekv_now_ns();
     pid_t kv = start_kvstore(), co = start_coordinator(), wk = start_worker();
+    g_kv_pid = kv;
     reconnect();
     sjob *jobs = calloc((size_t)n, sizeof(sjob));
     long accepted = 0, lost = 0, oldest = 0, warm_at = n / 5 + n / 4;
-    long rss_warm = -1, rss_end = -1;
-    int kills = 0;
+    long rss_warm[3] = {-1, -1, -1}, rss_end[3] = {-1, -1, -1}; /* coordinator, worker, kvstore */
+    int kills = 0, stops = 0;
     for (long i = 0; i < n; i++) {
         jobs[i].cancel = i % 10 == 9 ? 1 : i % 10 == 4 ? 2 : 0;
         if (submit(jobs, i))
@@ -286,8 +306,13 @@ int main(int argc, char **argv)
         }
         if (i == n / 4) {
             kill9(kv);
-            kv = start_kvstore();
+            kv = g_kv_pid = start_kvstore();
             kills++;
+        }
+        if (i == n / 3) { /* hung: the worker's requests time out; continued in 5 s */
+            kill(kv, SIGSTOP);
+            g_kv_resume_ns = rekv_now_ns() + 5000000000ull;
+            stops++;
         }
         if (i == n / 5) {
             kill9(co);
@@ -299,8 +324,11 @@ int main(int argc, char **argv)
                 if (jobs[k].ended > 0)
                     (void)check(jobs, k); /* NOT_FOUND: forgotten, nothing to compare */
         }
-        if (i == warm_at)
-            rss_warm = tu_proc_status_kb(co, "VmRSS");
+        if (i == warm_at) {
+            rss_warm[0] = tu_proc_status_kb(co, "VmRSS");
+            rss_warm[1] = tu_proc_status_kb(wk, "VmRSS");
+            rss_warm[2] = tu_proc_status_kb(kv, "VmRSS");
+        }
         /* follow the oldest unended jobs, so that none is forgotten before it is seen */
         while (oldest <= i && i - oldest > 200) {
             int r = check(jobs, oldest);
@@ -310,6 +338,7 @@ int main(int argc, char **argv)
             } else if (r > 0) {
                 oldest++;
             } else {
+                tick_faults();
                 usleep(5000);
             }
         }
@@ -336,28 +365,60 @@ int main(int argc, char **argv)
         }
         if (r == 0)
             usleep(10000);
+        tick_faults();
     }
     for (long k = oldest; k < n; k++)
         lost += !jobs[k].ended;
-    rss_end = tu_proc_status_kb(co, "VmRSS");
+    rss_end[0] = tu_proc_status_kb(co, "VmRSS");
+    rss_end[1] = tu_proc_status_kb(wk, "VmRSS");
+    rss_end[2] = tu_proc_status_kb(kv, "VmRSS");
     long done = 0, cancelled = 0, failed = 0;
     for (long k = 0; k < n; k++) {
         done += jobs[k].ended == REKV__CONTROL__JOB_STATE__DONE + 1;
         cancelled += jobs[k].ended == REKV__CONTROL__JOB_STATE__CANCELLED + 1;
         failed += jobs[k].ended == REKV__CONTROL__JOB_STATE__FAILED + 1;
     }
-    double pct = rss_warm > 0 ? 100.0 * (double)(rss_end - rss_warm) / (double)rss_warm : 0;
+    /* what the faults did: steps that failed and jobs re-queued (coordinator), bytes the last
+     * kvstore spilled and read back */
+    uint64_t steps_failed = 0, requeued = 0;
+    rekv_kv_stats kst = {0};
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    Rekv__Control__Response *sresp = call(&rq);
+    if (sresp && sresp->stats)
+        steps_failed = sresp->stats->steps_failed, requeued = sresp->stats->requeued;
+    if (sresp)
+        rekv__control__response__free_unpacked(sresp, NULL);
+    rekv_kvstore_client *kc = NULL;
+    rekv_err kerr = {0};
+    if (rekv_kvstore_client_connect(g_kv, NULL, 5000, &kc, &kerr) == 0) {
+        (void)rekv_kvstore_stats(kc, &kst, &kerr);
+        rekv_kvstore_client_close(kc);
+    }
+    static const char *const daemon[3] = {"coordinator", "worker", "kvstore"};
+    double pct[3], worst = 0;
     printf("{\"submissions\":%ld,\"accepted\":%ld,\"done\":%ld,\"cancelled\":%ld,\"failed\":%ld,"
-           "\"lost\":%ld,\"run_twice\":%ld,\"wrong\":%ld,\"kills\":%d,"
-           "\"coordinator_rss_kb_warm\":%ld,\"coordinator_rss_kb_end\":%ld,"
-           "\"coordinator_rss_change_pct\":%.2f,\"wall_s\":%.1f}\n",
-           n, accepted, done, cancelled, failed, lost, n_twice, n_wrong, kills, rss_warm, rss_end,
-           pct, (double)(rekv_now_ns() - t0) / 1e9);
+           "\"lost\":%ld,\"run_twice\":%ld,\"wrong\":%ld,\"kills\":%d,\"stops\":%d,"
+           "\"steps_failed\":%llu,\"requeued\":%llu,\"kvstore_bytes_spilled\":%llu,"
+           "\"kvstore_bytes_read_back\":%llu,",
+           n, accepted, done, cancelled, failed, lost, n_twice, n_wrong, kills, stops,
+           (unsigned long long)steps_failed, (unsigned long long)requeued,
+           (unsigned long long)kst.bytes_spilled, (unsigned long long)kst.bytes_read_back);
+    for (int d = 0; d < 3; d++) {
+        pct[d] = rss_warm[d] > 0 ? 100.0 * (double)(rss_end[d] - rss_warm[d]) / (double)rss_warm[d]
+                                 : 0;
+        worst = pct[d] > worst ? pct[d] : worst;
+        printf("\"%s_rss_kb_warm\":%ld,\"%s_rss_kb_end\":%ld,\"%s_rss_change_pct\":%.2f,",
+               daemon[d], rss_warm[d], daemon[d], rss_end[d], daemon[d], pct[d]);
+    }
+    printf("\"wall_s\":%.1f}\n", (double)(rekv_now_ns() - t0) / 1e9);
     rekv_ctl_close(g_c);
     stop(wk);
     stop(co);
     stop(kv);
     tu_rmrf(g_dir);
     free(jobs);
-    return lost || n_twice || n_wrong || pct >= 10.0 ? 1 : 0;
+    return lost || n_twice || n_wrong || worst >= 10.0 ? 1 : 0;
 }
