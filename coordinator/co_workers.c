@@ -576,7 +576,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             snprintf(why, sizeof(why), "worker %s: %s", w->name,
                      jp->error_msg && *jp->error_msg ? jp->error_msg : "the step failed");
             w->run[k] = w->run[--w->n_run];
-            co_job_requeue(co, j, why, !store_lost);
+            co_job_requeue(co, j, why, !store_lost && !jp->uncounted);
             failed_step = 1;
             continue;
         }

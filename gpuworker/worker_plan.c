@@ -244,6 +244,7 @@ static void report_failed_step(worker *w, wk_plan *p, const rekv_err *serr)
         j->error = other ? -EAGAIN : serr->code;
         j->error_msg = other ? p->other_msg : (char *)serr->msg;
         j->retry = other ? 1 : retry;
+        j->uncounted = other;
         p->pp[p->n++] = j;
     }
     free(ids);

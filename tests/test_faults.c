@@ -616,6 +616,14 @@ START_TEST(crc_mismatch_fails_its_job)
                   (unsigned long long)victim->id, victim->error, want);
     check_exactly_once(c, jobs); /* the others: DONE with rekv_generate's tokens */
     stats_at_least(c, 1, 1);
+    /* the step that failed on the victim's block used none of the others' attempts */
+    for (int i = 0; i < N_JOBS; i++) {
+        if (&jobs[i] == victim)
+            continue;
+        Rekv__Control__Response *r = tu_ctl_status(c, jobs[i].id);
+        ck_assert_msg(r->job->attempts == 1, "job %d used %u attempts", i, r->job->attempts);
+        rekv__control__response__free_unpacked(r, NULL);
+    }
     rekv_kv_stats st;
     ck_assert_msg(rekv_kvstore_stats(kc, &st, &err) == 0, "%s", err.msg);
     ck_assert_uint_eq(st.crc_errors, 1);
