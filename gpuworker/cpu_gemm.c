@@ -25,7 +25,15 @@
  * weights once with no work spent on missing rows. Rows go in blocks that stay in cache while the
  * weights stream past. Large calls split the output columns among a pool of worker threads
  * (started on first use, one fewer than the online cpus): each column's elements are the same
- * dot products wherever they are computed, so the split never changes a bit. */
+ * dot products wherever they are computed, so the split never changes a bit.
+ *
+ * The tile layout (cpu_tile_pack): a row alone is bound by memory, and a tile reading its eight
+ * weight rows as eight strided streams reached half a plain read's bandwidth (12.4 of 24.4 GB/s
+ * on one core); the engine therefore keeps the matrices only the GEMM reads with each block of 8
+ * rows interleaved in chunks of 8 elements — row r's elements 8c..8c+7 at (8c * 8 + r * 8) of
+ * its block, then each row's k % 8 tail, rows past the last whole block as they were — so a tile
+ * reads one sequential stream. The layout is a permutation within each block: the same bytes,
+ * the same elements multiplied in the same order, the same bits as the row-major matrix. */
 #include "gpuworker/cpu_ops.h"
 
 #include <math.h>
@@ -34,6 +42,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "common/clock.h"
@@ -58,78 +67,121 @@ static inline float w_at(const void *w, size_t i, rekv_dtype wt)
     return wt == REKV_DTYPE_F16 ? rekv_f16_to_f32(h) : rekv_bf16_to_f32(h);
 }
 
-static float dot_portable(const float *a, const void *b, rekv_dtype wt, int k)
+/* A weight matrix [n][k] in dtype wt: rows below split are in the tile layout (the whole blocks
+ * of a tiled matrix; 0 for a row-major one), the others row-major. */
+typedef struct wmat {
+    const char *w;
+    rekv_dtype wt;
+    size_t es; /* bytes per element */
+    int n, k, k8, split;
+} wmat;
+
+static wmat wmat_of(const void *w, rekv_dtype wt, int n, int k, int tiled)
+{
+    return (wmat){w, wt, rekv_dtype_size(wt), n, k, k & ~7, tiled ? n & ~7 : 0};
+}
+
+/* Row j: its first chunk of 8 elements (the next ones every w_stride bytes), and its tail. */
+static inline const char *w_chunk0(const wmat *W, int j)
+{
+    if (j < W->split)
+        return W->w + ((size_t)(j & ~7) * (size_t)W->k + (size_t)(j & 7) * 8) * W->es;
+    return W->w + (size_t)j * (size_t)W->k * W->es;
+}
+
+static inline size_t w_stride(const wmat *W, int j)
+{
+    return (j < W->split ? 64 : 8) * W->es;
+}
+
+static inline const char *w_tail(const wmat *W, int j)
+{
+    if (j < W->split)
+        return W->w + ((size_t)(j & ~7) * (size_t)W->k + (size_t)W->k8 * 8 +
+                       (size_t)(j & 7) * (size_t)(W->k - W->k8)) *
+                          W->es;
+    return W->w + ((size_t)j * (size_t)W->k + (size_t)W->k8) * W->es;
+}
+
+static float dot_portable(const float *a, const wmat *W, int j)
 {
     float l[8] = {0};
-    int k8 = k & ~7;
-    for (int t = 0; t < k8; t += 8)
-        for (int j = 0; j < 8; j++)
-            l[j] = fmaf(a[t + j], w_at(b, (size_t)(t + j), wt), l[j]);
+    const char *b = w_chunk0(W, j);
+    size_t cs = w_stride(W, j);
+    for (int t = 0; t < W->k8; t += 8, b += cs)
+        for (int i = 0; i < 8; i++)
+            l[i] = fmaf(a[t + i], w_at(b, (size_t)i, W->wt), l[i]);
     float s = reduce8(l);
-    for (int t = k8; t < k; t++)
-        s = fmaf(a[t], w_at(b, (size_t)t, wt), s);
+    const char *tl = w_tail(W, j);
+    for (int t = W->k8; t < W->k; t++)
+        s = fmaf(a[t], w_at(tl, (size_t)(t - W->k8), W->wt), s);
     return s;
 }
 
-/* Columns [0, n) of y (row stride ldy) from the n weight rows at w, one dot product each. */
-static void gemm_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
-                          int k, int ldy)
+/* Columns [j0, j1) of y (row stride ldy), one dot product each. */
+static void gemm_portable(float *y, const float *x, const wmat *W, int m, int j0, int j1, int ldy)
 {
-    size_t rs = (size_t)k * rekv_dtype_size(wt);
     for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++)
-            y[(size_t)i * ldy + j] =
-                dot_portable(x + (size_t)i * k, (const char *)w + (size_t)j * rs, wt, k);
+        for (int j = j0; j < j1; j++)
+            y[(size_t)i * ldy + j] = dot_portable(x + (size_t)i * W->k, W, j);
 }
 
 void cpu_gemm_rowinv_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
                               int k)
 {
-    gemm_portable(y, x, w, wt, m, n, k, n);
+    wmat W = wmat_of(w, wt, n, k, 0);
+    gemm_portable(y, x, &W, m, 0, n, n);
+}
+
+void cpu_gemm_rowinv_tiled_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m,
+                                    int n, int k)
+{
+    wmat W = wmat_of(w, wt, n, k, 1);
+    gemm_portable(y, x, &W, m, 0, n, n);
 }
 
 #if defined(__x86_64__)
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
-/* Eight weights from element t of a row, widened in registers (exact). */
-AVX2_INLINE __m256 load_w8(const void *w, size_t t, rekv_dtype wt)
+/* Eight weights at w, widened in registers (exact). */
+AVX2_INLINE __m256 load_w8(const char *w, rekv_dtype wt)
 {
     if (wt == REKV_DTYPE_F32)
-        return _mm256_loadu_ps((const float *)w + t);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + t));
+        return _mm256_loadu_ps((const float *)w);
+    __m128i h = _mm_loadu_si128((const __m128i *)w);
     if (wt == REKV_DTYPE_F16)
         return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* The end of one element's dot product: its 8 lanes (stored), then the k % 8 tail. */
-static inline float finish(const float l[8], const float *a, const void *b, rekv_dtype wt, int k8,
+/* The end of one element's dot product: its 8 lanes (stored), then the k % 8 tail (at tl). */
+static inline float finish(const float l[8], const float *a, const char *tl, rekv_dtype wt, int k8,
                            int k)
 {
     float s = reduce8(l);
     for (int t = k8; t < k; t++)
-        s = fmaf(a[t], w_at(b, (size_t)t, wt), s);
+        s = fmaf(a[t], w_at(tl, (size_t)(t - k8), wt), s);
     return s;
 }
 
-/* One tile: MR rows of x (from x, row stride k) against NR weight rows (from w), written to
- * y[r * ldy + c] for the nc <= NR columns that exist; a missing column reads weight row 0 again
- * and is dropped. MR and NR are constants where this is inlined, so the accumulators live in
- * registers: with at least as many rows as weight rows the NR widened weight vectors stay in
- * registers and x is read from memory, else the MR x vectors stay and the weights stream (a row
- * alone: eight weight rows per pass, each read once). */
-AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const char *w, const rekv_dtype wt,
-                           int k, int nc, const int MR, const int NR)
+/* One tile: MR rows of x (from x, row stride k) against the NR weight rows from column j of W,
+ * all of one layout (chunks cs bytes apart), written to y[r * ldy + c] for the nc <= NR columns
+ * that exist; a missing column reads column j again and is dropped. MR and NR are constants where
+ * this is inlined, so the accumulators live in registers: with at least as many rows as weight
+ * rows the NR widened weight vectors stay in registers and x is read from memory, else the MR x
+ * vectors stay and the weights stream (a row alone: eight weight rows per pass, each read once —
+ * in the tile layout one sequential stream). */
+AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, int j, size_t cs,
+                           const rekv_dtype wt, int nc, const int MR, const int NR)
 {
-    size_t es = rekv_dtype_size(wt), rs = (size_t)k * es;
-    int k8 = k & ~7;
+    int k = W->k, k8 = W->k8;
     const char *wc[8];
     const float *xr[4];
     __m256 acc[4][8];
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++)
-        wc[c] = w + (size_t)(c < nc ? c : 0) * rs;
+        wc[c] = w_chunk0(W, j + (c < nc ? c : 0));
 #pragma GCC unroll 4
     for (int r = 0; r < MR; r++) {
         xr[r] = x + (size_t)r * k;
@@ -137,12 +189,13 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const char *w, con
         for (int c = 0; c < NR; c++)
             acc[r][c] = _mm256_setzero_ps();
     }
-    for (int t = 0; t < k8; t += 8) {
+    size_t off = 0;
+    for (int t = 0; t < k8; t += 8, off += cs) {
         if (MR >= NR) {
             __m256 b[8];
 #pragma GCC unroll 8
             for (int c = 0; c < NR; c++)
-                b[c] = load_w8(wc[c], (size_t)t, wt);
+                b[c] = load_w8(wc[c] + off, wt);
 #pragma GCC unroll 4
             for (int r = 0; r < MR; r++) {
                 __m256 a = _mm256_loadu_ps(xr[r] + t);
@@ -157,7 +210,7 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const char *w, con
                 a[r] = _mm256_loadu_ps(xr[r] + t);
 #pragma GCC unroll 8
             for (int c = 0; c < NR; c++) {
-                __m256 b = load_w8(wc[c], (size_t)t, wt);
+                __m256 b = load_w8(wc[c] + off, wt);
 #pragma GCC unroll 4
                 for (int r = 0; r < MR; r++)
                     acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
@@ -174,59 +227,69 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const char *w, con
             _mm256_storeu_ps(l[r][c], acc[r][c]);
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < nc; c++)
-            y[(size_t)r * ldy + c] = finish(l[r][c], xr[r], wc[c], wt, k8, k);
+            y[(size_t)r * ldy + c] = finish(l[r][c], xr[r], w_tail(W, j + c), wt, k8, k);
 }
 
-/* MR rows (x, y at row 0) against all n weight rows, NR at a time. */
-AVX2_INLINE void rows_avx2(float *y, int ldy, const float *x, const char *w, const rekv_dtype wt,
-                           int n, int k, const int MR, const int NR)
+/* MR rows (x, y at row 0) against columns [j0, j1) of one layout, NR at a time. */
+AVX2_INLINE void rows_avx2(float *y, int ldy, const float *x, const wmat *W, const rekv_dtype wt,
+                           int j0, int j1, const int MR, const int NR)
 {
-    size_t rs = (size_t)k * rekv_dtype_size(wt);
-    for (int j = 0; j < n; j += NR)
-        tile_avx2(y + j, ldy, x, w + (size_t)j * rs, wt, k, n - j < NR ? n - j : NR, MR, NR);
+    size_t cs = w_stride(W, j0);
+    for (int j = j0; j < j1; j += NR)
+        tile_avx2(y + j, ldy, x, W, j, cs, wt, j1 - j < NR ? j1 - j : NR, MR, NR);
 }
 
-/* y[m][0..n) (row stride ldy) for one weight dtype, inlined once per dtype so the widening is
- * decided at compile time. */
-AVX2_INLINE void gemm_avx2_body(float *y, const float *x, const char *w, const rekv_dtype wt, int m,
-                                int n, int k, int ldy)
+/* y[m][j0..j1) (row stride ldy) over columns of one layout, for one weight dtype, inlined once
+ * per dtype so the widening is decided at compile time. */
+AVX2_INLINE void cols_avx2(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
+                           int j0, int j1, int ldy)
 {
     enum { MB = 64 }; /* rows of x per block: they stay in cache while the weights stream */
-    size_t rs = (size_t)k * rekv_dtype_size(wt);
-    int m4 = m & ~3;
+    int k = W->k, m4 = m & ~3;
+    size_t cs = w_stride(W, j0);
     for (int i0 = 0; i0 < m4; i0 += MB) {
         int i1 = i0 + MB < m4 ? i0 + MB : m4;
-        for (int j = 0; j < n; j += 3) {
-            int nc = n - j < 3 ? n - j : 3;
+        for (int j = j0; j < j1; j += 3) {
+            int nc = j1 - j < 3 ? j1 - j : 3;
             for (int i = i0; i < i1; i += 4)
-                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, w + (size_t)j * rs, wt,
-                          k, nc, 4, 3);
+                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, W, j, cs, wt, nc, 4, 3);
         }
     }
     float *yr = y + (size_t)m4 * ldy;
     const float *xr = x + (size_t)m4 * k;
     switch (m - m4) { /* the rows left, with no work spent on missing ones */
     case 1:
-        rows_avx2(yr, ldy, xr, w, wt, n, k, 1, 8);
+        rows_avx2(yr, ldy, xr, W, wt, j0, j1, 1, 8);
         break;
     case 2:
-        rows_avx2(yr, ldy, xr, w, wt, n, k, 2, 6);
+        rows_avx2(yr, ldy, xr, W, wt, j0, j1, 2, 6);
         break;
     case 3:
-        rows_avx2(yr, ldy, xr, w, wt, n, k, 3, 4);
+        rows_avx2(yr, ldy, xr, W, wt, j0, j1, 3, 4);
         break;
     }
 }
 
-AVX2_FN static void gemm_avx2(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
-                              int k, int ldy)
+/* Columns [j0, j1): the tiled ones, then the row-major ones (a tile never mixes layouts). */
+AVX2_INLINE void gemm_avx2_body(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
+                                int j0, int j1, int ldy)
 {
-    if (wt == REKV_DTYPE_F16)
-        gemm_avx2_body(y, x, w, REKV_DTYPE_F16, m, n, k, ldy);
-    else if (wt == REKV_DTYPE_BF16)
-        gemm_avx2_body(y, x, w, REKV_DTYPE_BF16, m, n, k, ldy);
+    int s = W->split < j0 ? j0 : W->split > j1 ? j1 : W->split;
+    if (j0 < s)
+        cols_avx2(y, x, W, wt, m, j0, s, ldy);
+    if (s < j1)
+        cols_avx2(y, x, W, wt, m, s, j1, ldy);
+}
+
+AVX2_FN static void gemm_avx2(float *y, const float *x, const wmat *W, int m, int j0, int j1,
+                              int ldy)
+{
+    if (W->wt == REKV_DTYPE_F16)
+        gemm_avx2_body(y, x, W, REKV_DTYPE_F16, m, j0, j1, ldy);
+    else if (W->wt == REKV_DTYPE_BF16)
+        gemm_avx2_body(y, x, W, REKV_DTYPE_BF16, m, j0, j1, ldy);
     else
-        gemm_avx2_body(y, x, w, REKV_DTYPE_F32, m, n, k, ldy);
+        gemm_avx2_body(y, x, W, REKV_DTYPE_F32, m, j0, j1, ldy);
 }
 
 static int have_avx2(void)
@@ -240,28 +303,27 @@ static int have_avx2(void)
 typedef struct gemm_job {
     float *y;
     const float *x;
-    const void *w;
-    rekv_dtype wt;
+    wmat W;
     const float *bias;
-    int m, n, k, chunks;
+    int m, n, chunks;
 } gemm_job;
 
 static void gemm_job_chunk(void *arg, int p, int slot)
 {
     (void)slot;
     const gemm_job *g = arg;
-    /* chunk boundaries on multiples of 24 columns (whole tiles of 3, 4, 6 and 8): speed only */
+    /* chunk boundaries on multiples of 24 columns (whole tiles of 3, 4, 6 and 8, and whole
+     * blocks of the tile layout): speed only */
     int j0 = (int)((long)g->n * p / g->chunks / 24 * 24);
     int j1 = p + 1 == g->chunks ? g->n : (int)((long)g->n * (p + 1) / g->chunks / 24 * 24);
     if (j1 <= j0)
         return;
-    const char *w = (const char *)g->w + (size_t)j0 * g->k * rekv_dtype_size(g->wt);
 #if defined(__x86_64__)
     if (have_avx2())
-        gemm_avx2(g->y + j0, g->x, w, g->wt, g->m, j1 - j0, g->k, g->n);
+        gemm_avx2(g->y, g->x, &g->W, g->m, j0, j1, g->n);
     else
 #endif
-        gemm_portable(g->y + j0, g->x, w, g->wt, g->m, j1 - j0, g->k, g->n);
+        gemm_portable(g->y, g->x, &g->W, g->m, j0, j1, g->n);
     if (g->bias)
         for (int i = 0; i < g->m; i++)
             for (int j = j0; j < j1; j++)
@@ -454,10 +516,10 @@ void cpu_pool_run(void (*fn)(void *arg, int chunk, int slot), void *arg, int chu
     pthread_mutex_unlock(&g_pool.busy);
 }
 
-void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, const float *bias,
-                     int m, int n, int k)
+static void gemm_run(float *y, const float *x, const void *w, rekv_dtype wt, int tiled,
+                     const float *bias, int m, int n, int k)
 {
-    gemm_job g = {y, x, w, wt, bias, m, n, k, 1};
+    gemm_job g = {y, x, wmat_of(w, wt, n, k, tiled), bias, m, n, 1};
     int threads = cpu_gemm_threads();
     g.chunks = threads * GEMM_CHUNKS_PER_THREAD;
     if (g.chunks > n / 24)
@@ -468,4 +530,52 @@ void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, con
         return;
     }
     cpu_pool_run(gemm_job_chunk, &g, g.chunks, threads);
+}
+
+void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, const float *bias,
+                     int m, int n, int k)
+{
+    gemm_run(y, x, w, wt, 0, bias, m, n, k);
+}
+
+void cpu_gemm_rowinv_tiled(float *y, const float *x, const void *w, rekv_dtype wt,
+                           const float *bias, int m, int n, int k)
+{
+    gemm_run(y, x, w, wt, 1, bias, m, n, k);
+}
+
+/* Permutes each whole block of 8 rows of w ([n][k], es bytes an element) between row-major and
+ * the tile layout, in place, through a copy of one block in scratch. */
+static void tile_permute(void *w, rekv_dtype wt, int n, int k, void *scratch, int pack)
+{
+    size_t es = rekv_dtype_size(wt), K = (size_t)k, k8 = K & ~(size_t)7, tail = K - k8;
+    size_t block = 8 * K * es;
+    char *tmp = scratch;
+    for (int b = 0; b + 8 <= n; b += 8) {
+        char *blk = (char *)w + (size_t)b * K * es;
+        memcpy(tmp, blk, block);
+        for (size_t r = 0; r < 8; r++) {
+            for (size_t c = 0; c < k8; c += 8) {
+                size_t rm = (r * K + c) * es, tl = (c * 8 + r * 8) * es; /* row-major, tiled */
+                memcpy(blk + (pack ? tl : rm), tmp + (pack ? rm : tl), 8 * es);
+            }
+            size_t rm = (r * K + k8) * es, tl = (k8 * 8 + r * tail) * es;
+            memcpy(blk + (pack ? tl : rm), tmp + (pack ? rm : tl), tail * es);
+        }
+    }
+}
+
+size_t cpu_tile_scratch_bytes(rekv_dtype wt, int k)
+{
+    return 8 * (size_t)k * rekv_dtype_size(wt);
+}
+
+void cpu_tile_pack(void *w, rekv_dtype wt, int n, int k, void *scratch)
+{
+    tile_permute(w, wt, n, k, scratch, 1);
+}
+
+void cpu_tile_unpack(void *w, rekv_dtype wt, int n, int k, void *scratch)
+{
+    tile_permute(w, wt, n, k, scratch, 0);
 }

@@ -18,6 +18,19 @@ void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, con
  * bits. */
 void cpu_gemm_rowinv_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m, int n,
                               int k);
+/* cpu_gemm_rowinv over w in the tile layout (cpu_gemm.c; cpu_tile_pack made it): the same bits
+ * as cpu_gemm_rowinv over the row-major matrix, from one sequential stream per tile. */
+void cpu_gemm_rowinv_tiled(float *y, const float *x, const void *w, rekv_dtype wt,
+                           const float *bias, int m, int n, int k);
+void cpu_gemm_rowinv_tiled_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m,
+                                    int n, int k);
+/* w [n][k] in dtype wt from row-major into the tile layout, in place (each whole block of 8 rows
+ * interleaved in chunks of 8 elements, then its rows' k % 8 tails; the n % 8 rows past the last
+ * block stay as they are: the same bytes, permuted); cpu_tile_unpack undoes it. scratch: memory
+ * of cpu_tile_scratch_bytes(wt, k) (one block) that the call may overwrite. */
+size_t cpu_tile_scratch_bytes(rekv_dtype wt, int k);
+void cpu_tile_pack(void *w, rekv_dtype wt, int n, int k, void *scratch);
+void cpu_tile_unpack(void *w, rekv_dtype wt, int n, int k, void *scratch);
 /* Threads a large cpu_gemm_rowinv call may use: the caller and workers of a pool that lives for
  * the process (started on first use). n > 0 caps them at n, 0 restores the default (the online
  * cpus); returns the previous setting. The bits never depend on it (tests set it to check that).

@@ -36,6 +36,13 @@ struct rekv_engine {
     float *final_norm_w, *final_norm_b; /* [hidden] */
     rekv_rope_freqs rope;               /* RoPE's frequencies (c.rope != NONE), made once here */
     void *lm_head;                      /* [vocab][embed_dim], wdtype; aliases embed when tied */
+    /* 1: the matrices only a GEMM reads — the layers', project_in/out and an untied lm_head —
+     * are in the cpu GEMM's tile layout (cpu_tile_pack: the same bytes, permuted within blocks of
+     * 8 rows), so a decode step's tiles read one sequential stream; embed, whose rows are looked
+     * up, and so a head tied to it, stay row-major. Set at creation; rekv_engine_untile (a
+     * backend whose kernels have no linear_tiled) makes every matrix row-major again. Either way
+     * the cpu GEMM gives the same bits. */
+    int tiled;
     layer_w *layers;  /* [n_layers], each layer's tensors packed in layer_mem[l] */
     void **layer_mem; /* [n_layers] blocks of layer_bytes */
     size_t layer_bytes;
@@ -63,5 +70,15 @@ struct rekv_engine {
                 const float *k, const float *v, int rows);
     void *tap_ctx;
 };
+
+/* The GEMM's layout of w, one of e's matrices: tiled (1) or row-major (0). */
+static inline int rekv_engine_w_tiled(const rekv_engine *e, const void *w)
+{
+    return e->tiled && w != e->embed;
+}
+
+/* Every tiled matrix of e back to row-major (e->tiled = 0): for a backend that reads the
+ * weights row-major (cuda's cuBLAS). 0 or -ENOMEM (e unchanged). Not while a step on e runs. */
+int rekv_engine_untile(rekv_engine *e, rekv_err *err);
 
 #endif

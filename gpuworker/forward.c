@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/log.h"
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/engine_internal.h"
 
@@ -31,6 +32,22 @@ static void convert_into(void *dst, const rekv_tensor *t, rekv_dtype wt)
         memcpy(dst, t->data, n * rekv_dtype_size(wt));
     else
         rekv_to_f32(dst, t->data, t->dtype, n);
+}
+
+/* A matrix t (in the engine's dtype wt) just converted into dst, into the cpu GEMM's tile layout
+ * (engine_internal.h: tiled). */
+static void tile(void *dst, const rekv_tensor *t, rekv_dtype wt, int *rc)
+{
+    if (dst == NULL || *rc)
+        return;
+    REKV_ASSERT(t->ndim == 2 && t->shape[0] <= INT32_MAX && t->shape[1] <= INT32_MAX);
+    void *scratch = malloc(cpu_tile_scratch_bytes(wt, (int)t->shape[1]) + 1);
+    if (scratch == NULL) {
+        *rc = -ENOMEM;
+        return;
+    }
+    cpu_tile_pack(dst, wt, (int)t->shape[0], (int)t->shape[1], scratch);
+    free(scratch);
 }
 
 /* t converted into a malloc'd copy; t's pages of m's file mapping then leave memory (one copy
@@ -71,26 +88,80 @@ static void *place(wpack *p, const rekv_tensor *t, rekv_dtype dt)
     return dst;
 }
 
-static void load_layer(wpack *p, const rekv_layer_weights *s, layer_w *d, rekv_dtype wt)
+/* A matrix, placed and tiled. */
+static void *place_mat(wpack *p, const rekv_tensor *t, rekv_dtype wt, int *rc)
+{
+    void *dst = place(p, t, wt);
+    tile(dst, t, wt, rc);
+    return dst;
+}
+
+static void load_layer(wpack *p, const rekv_layer_weights *s, layer_w *d, rekv_dtype wt, int *rc)
 {
     const rekv_dtype f = REKV_DTYPE_F32;
     d->attn_norm_w = place(p, s->attn_norm_w, f);
     d->attn_norm_b = place(p, s->attn_norm_b, f);
-    d->wq = place(p, s->wq, wt);
+    d->wq = place_mat(p, s->wq, wt, rc);
     d->bq = place(p, s->bq, f);
-    d->wk = place(p, s->wk, wt);
+    d->wk = place_mat(p, s->wk, wt, rc);
     d->bk = place(p, s->bk, f);
-    d->wv = place(p, s->wv, wt);
+    d->wv = place_mat(p, s->wv, wt, rc);
     d->bv = place(p, s->bv, f);
-    d->wo = place(p, s->wo, wt);
+    d->wo = place_mat(p, s->wo, wt, rc);
     d->bo = place(p, s->bo, f);
     d->ffn_norm_w = place(p, s->ffn_norm_w, f);
     d->ffn_norm_b = place(p, s->ffn_norm_b, f);
-    d->w1 = place(p, s->w1, wt);
+    d->w1 = place_mat(p, s->w1, wt, rc);
     d->b1 = place(p, s->b1, f);
-    d->w2 = place(p, s->w2, wt);
+    d->w2 = place_mat(p, s->w2, wt, rc);
     d->b2 = place(p, s->b2, f);
-    d->w3 = place(p, s->w3, wt);
+    d->w3 = place_mat(p, s->w3, wt, rc);
+}
+
+/* The tiled matrices of one layer (or, for l < 0, the model's own) with their shapes. */
+static int tiled_mats(const rekv_engine *e, int l, void **w, int *n, int *k)
+{
+    const rekv_model_config *c = &e->c;
+    int H = c->hidden, E = c->embed_dim, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c);
+    int F = c->ffn, i = 0;
+    if (l < 0) {
+        void *m[] = {e->project_in, e->project_out, e->lm_head != e->embed ? e->lm_head : NULL};
+        int mn[] = {H, E, c->vocab}, mk[] = {E, H, E};
+        for (int j = 0; j < 3; j++)
+            if (m[j])
+                w[i] = m[j], n[i] = mn[j], k[i++] = mk[j];
+        return i;
+    }
+    const layer_w *L = &e->layers[l];
+    void *m[] = {L->wq, L->wk, L->wv, L->wo, L->w1, L->w2, L->w3};
+    int mn[] = {Q, KV, KV, H, F, H, F}, mk[] = {H, H, H, Q, H, F, H};
+    for (int j = 0; j < 7; j++)
+        if (m[j])
+            w[i] = m[j], n[i] = mn[j], k[i++] = mk[j];
+    return i;
+}
+
+int rekv_engine_untile(rekv_engine *e, rekv_err *err)
+{
+    if (!e->tiled)
+        return 0;
+    const rekv_model_config *c = &e->c;
+    int kmax = c->hidden > c->ffn ? c->hidden : c->ffn;
+    int q = rekv_config_q_dim(c);
+    kmax = kmax > q ? kmax : q;
+    kmax = kmax > c->embed_dim ? kmax : c->embed_dim;
+    void *scratch = malloc(cpu_tile_scratch_bytes(e->wdtype, kmax));
+    if (scratch == NULL)
+        return rekv_errf(err, -ENOMEM, "engine: out of memory to untile the weights");
+    for (int l = -1; l < c->n_layers; l++) {
+        void *w[7];
+        int n[7], k[7], nm = tiled_mats(e, l, w, n, k);
+        for (int j = 0; j < nm; j++)
+            cpu_tile_unpack(w[j], e->wdtype, n[j], k[j], scratch);
+    }
+    free(scratch);
+    e->tiled = 0;
+    return 0;
 }
 
 /* The dtype the engine keeps its matrices in: the file's, when every matrix has the same one. */
@@ -163,16 +234,24 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     e->embed = to_wdtype(m, w->embed_tokens, wt, &rc);
     e->pos_embed = to_wdtype(m, w->embed_positions, REKV_DTYPE_F32, &rc);
     e->project_in = to_wdtype(m, w->project_in, wt, &rc);
+    tile(e->project_in, w->project_in, wt, &rc);
     e->project_out = to_wdtype(m, w->project_out, wt, &rc);
+    tile(e->project_out, w->project_out, wt, &rc);
     e->final_norm_w = to_wdtype(m, w->final_norm_w, REKV_DTYPE_F32, &rc);
     e->final_norm_b = to_wdtype(m, w->final_norm_b, REKV_DTYPE_F32, &rc);
-    e->lm_head = w->lm_head == w->embed_tokens ? e->embed : to_wdtype(m, w->lm_head, wt, &rc);
+    if (w->lm_head == w->embed_tokens) {
+        e->lm_head = e->embed;
+    } else {
+        e->lm_head = to_wdtype(m, w->lm_head, wt, &rc);
+        tile(e->lm_head, w->lm_head, wt, &rc);
+    }
+    e->tiled = 1;
     e->layer_mem = calloc((size_t)e->c.n_layers, sizeof(void *));
     if (e->layer_mem == NULL)
         rc = -ENOMEM;
     for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
         wpack size = {NULL, 0, NULL};
-        load_layer(&size, &w->layers[l], &e->layers[l], wt);
+        load_layer(&size, &w->layers[l], &e->layers[l], wt, &rc);
         /* whole pages of their own: a pipeline that streams the layers page-locks each block
          * (host_register), and CUDA refuses a block whose first or last page another has */
         size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = (size.off + page) / page * page;
@@ -183,7 +262,7 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
         }
         e->layer_mem[l] = pk.base;
         e->layer_bytes = size.off; /* the same for every layer */
-        load_layer(&pk, &w->layers[l], &e->layers[l], wt);
+        load_layer(&pk, &w->layers[l], &e->layers[l], wt, &rc);
     }
     e->scores = malloc(sizeof(float) * (size_t)e->c.max_pos);
     if (rc == 0 && e->scores == NULL)
@@ -323,14 +402,22 @@ static void add_into(float *x, const float *y, size_t n)
         x[i] += y[i];
 }
 
+/* y = x·w^T (+ bias) over one of e's matrices, in the layout e keeps it. */
+static void gemm(const rekv_engine *e, float *y, const float *x, const void *w, const void *bias,
+                 int m, int n, int k)
+{
+    (rekv_engine_w_tiled(e, w) ? cpu_gemm_rowinv_tiled : cpu_gemm_rowinv)(y, x, w, e->wdtype, bias,
+                                                                          m, n, k);
+}
+
 static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_batch_item *items,
                             int n_items, int T)
 {
     const rekv_model_config *c = &e->c;
     int H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c);
-    cpu_gemm_rowinv(e->q, e->h, L->wq, e->wdtype, L->bq, T, Q, H);
-    cpu_gemm_rowinv(e->k, e->h, L->wk, e->wdtype, L->bk, T, KV, H);
-    cpu_gemm_rowinv(e->v, e->h, L->wv, e->wdtype, L->bv, T, KV, H);
+    gemm(e, e->q, e->h, L->wq, L->bq, T, Q, H);
+    gemm(e, e->k, e->h, L->wk, L->bk, T, KV, H);
+    gemm(e, e->v, e->h, L->wv, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
         cpu_rope(e->q, e->rope_cos, e->rope_sin, T, c->n_heads, c->head_dim, c->rope);
         cpu_rope(e->k, e->rope_cos, e->rope_sin, T, c->n_kv_heads, c->head_dim, c->rope);
@@ -348,21 +435,21 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
     }
     cpu_attention(e->att, e->q, sq, n_items, c->n_heads, c->n_kv_heads, c->head_dim, REKV_DTYPE_F32,
                   e->scores);
-    cpu_gemm_rowinv(e->h, e->att, L->wo, e->wdtype, L->bo, T, H, Q);
+    gemm(e, e->h, e->att, L->wo, L->bo, T, H, Q);
 }
 
 static void ffn_block(rekv_engine *e, const layer_w *L, int T)
 {
     const rekv_model_config *c = &e->c;
     int H = c->hidden, F = c->ffn;
-    cpu_gemm_rowinv(e->f1, e->h, L->w1, e->wdtype, L->b1, T, F, H);
+    gemm(e, e->f1, e->h, L->w1, L->b1, T, F, H);
     if (L->w3) {
-        cpu_gemm_rowinv(e->f3, e->h, L->w3, e->wdtype, NULL, T, F, H);
+        gemm(e, e->f3, e->h, L->w3, NULL, T, F, H);
         cpu_activation(e->f1, e->f3, (size_t)T * F, c->act);
     } else {
         cpu_activation(e->f1, NULL, (size_t)T * F, c->act);
     }
-    cpu_gemm_rowinv(e->h, e->f1, L->w2, e->wdtype, L->b2, T, H, F);
+    gemm(e, e->h, e->f1, L->w2, L->b2, T, H, F);
 }
 
 int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err)
@@ -405,7 +492,7 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
                         e->wdtype, (size_t)E);
         }
     if (e->project_in)
-        cpu_gemm_rowinv(e->x, e->h, e->project_in, e->wdtype, NULL, (int)T, H, E);
+        gemm(e, e->x, e->h, e->project_in, NULL, (int)T, H, E);
     if (e->pos_embed)
         for (row = 0; row < T; row++)
             add_into(e->x + row * H, e->pos_embed + (size_t)(e->pos[row] + 2) * H, (size_t)H);
@@ -451,18 +538,18 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         cpu_norm(e->x, e->x, e->final_norm_w, e->final_norm_b, (int)n_out, H, c->norm_eps);
     const float *hin = e->x;
     if (e->project_out) {
-        cpu_gemm_rowinv(e->h, e->x, e->project_out, e->wdtype, NULL, (int)n_out, E, H);
+        gemm(e, e->h, e->x, e->project_out, NULL, (int)n_out, E, H);
         hin = e->h;
     }
     /* one GEMM for every row, so the head's weights are read once per step, not once per item */
     if (n_items == 1) {
-        cpu_gemm_rowinv(items[0].logits, hin, e->lm_head, e->wdtype, NULL, (int)n_out, c->vocab, E);
+        gemm(e, items[0].logits, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
         return 0;
     }
     float *all = malloc(sizeof(float) * n_out * (size_t)c->vocab);
     if (all == NULL)
         return rekv_errf(err, -ENOMEM, "forward: out of memory for %zu rows of logits", n_out);
-    cpu_gemm_rowinv(all, hin, e->lm_head, e->wdtype, NULL, (int)n_out, c->vocab, E);
+    gemm(e, all, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
     size_t r = 0;
     for (int b = 0; b < n_items; b++) {
         size_t rows = items[b].all_logits ? (size_t)items[b].n_tokens : 1;

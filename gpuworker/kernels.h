@@ -132,6 +132,12 @@ typedef struct rekv_kernel_iface {
     void (*sample)(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_vals,
                    rekv_sample_lp *lp, const float *logits, const rekv_sample_row *rows, int n,
                    int vocab, void *scratch);
+    /* linear over w in the cpu GEMM's tile layout (cpu_gemm.c: each block of 8 rows interleaved
+     * in chunks of 8 elements; the engine keeps its matrices so, engine_internal.h): the same
+     * bits as linear over the row-major matrix. NULL where linear reads row-major weights only
+     * (cuda): a pipeline there makes the engine's weights row-major (rekv_engine_untile). */
+    void (*linear_tiled)(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
+                         const float *bias, int m, int n, int k);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

@@ -24,18 +24,27 @@ typedef struct linear_args {
     rekv_dtype wt;
     const float *bias;
     int m, n, k;
+    int tiled; /* w in the tile layout */
 } linear_args;
 
 static void run_linear(void *p)
 {
     linear_args *a = p;
-    cpu_gemm_rowinv(a->y, a->x, a->w, a->wt, a->bias, a->m, a->n, a->k);
+    (a->tiled ? cpu_gemm_rowinv_tiled : cpu_gemm_rowinv)(a->y, a->x, a->w, a->wt, a->bias, a->m,
+                                                         a->n, a->k);
 }
 
 static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
                      const float *bias, int m, int n, int k)
 {
-    linear_args a = {y, x, w, wt, bias, m, n, k};
+    linear_args a = {y, x, w, wt, bias, m, n, k, 0};
+    LAUNCH(s, "linear", run_linear, a);
+}
+
+static void k_linear_tiled(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
+                           const float *bias, int m, int n, int k)
+{
+    linear_args a = {y, x, w, wt, bias, m, n, k, 1};
     LAUNCH(s, "linear", run_linear, a);
 }
 
@@ -409,4 +418,5 @@ const rekv_kernel_iface rekv_cpu_kernels = {
     .head_proj = k_head_proj,
     .spec_scores = k_spec_scores,
     .sample = k_sample,
+    .linear_tiled = k_linear_tiled,
 };

@@ -1083,6 +1083,7 @@ static const rekv_kernel_iface cuda_kernels = {
     k_head_proj,   /* head_proj */
     k_spec_scores, /* spec_scores */
     k_sample,      /* sample */
+    NULL,          /* linear_tiled: cuBLAS reads row-major weights */
 };
 
 /* ------------------------------------------------------------------ the object's entry point */

@@ -41,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "gpuworker/engine_internal.h"
 #include "gpuworker/heads.h"
 #include "gpuworker/kernels.h"
@@ -161,6 +162,18 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
     return d;
 }
 
+void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,
+               int tileable, const float *bias, int m, int n, int k)
+{
+    if (tileable && p->e->tiled) {
+        /* a backend without the tile layout untiled the engine (rekv_pipeline_create) */
+        REKV_ASSERT(p->k->linear_tiled != NULL);
+        p->k->linear_tiled(s, y, x, w, p->e->wdtype, bias, m, n, k);
+    } else {
+        p->k->linear(s, y, x, w, p->e->wdtype, bias, m, n, k);
+    }
+}
+
 /* One layer for the rows of batch g (the same operations, in the same order, as forward.c).
  * io: where kv_scatter puts the new rows (kv_pos) and their partial keys (pk_rows). */
 static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const layer_w *L,
@@ -181,9 +194,9 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    k->linear(s, q, h, L->wq, p->e->wdtype, L->bq, T, Q, H);
-    k->linear(s, kk, h, L->wk, p->e->wdtype, L->bk, T, KV, H);
-    k->linear(s, vv, h, L->wv, p->e->wdtype, L->bv, T, KV, H);
+    pl_linear(p, s, q, h, L->wq, 1, L->bq, T, Q, H);
+    pl_linear(p, s, kk, h, L->wk, 1, L->bk, T, KV, H);
+    pl_linear(p, s, vv, h, L->wv, 1, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
         k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, &p->e->rope, c->rope);
         k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, &p->e->rope, c->rope);
@@ -202,7 +215,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the new rows are ready to leave, and attention has read the buffers */
         p->bi->event_record(p->ev_out[b], s);
-    k->linear(s, h, att, L->wo, p->e->wdtype, L->bo, T, H, Q);
+    pl_linear(p, s, h, att, L->wo, 1, L->bo, T, H, Q);
     k->add(s, x, h, n);
     if (!c->pre_norm)
         k->norm(s, x, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
@@ -212,14 +225,14 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    k->linear(s, f1, h, L->w1, p->e->wdtype, L->b1, T, F, H);
+    pl_linear(p, s, f1, h, L->w1, 1, L->b1, T, F, H);
     if (L->w3) {
-        k->linear(s, f3, h, L->w3, p->e->wdtype, NULL, T, F, H);
+        pl_linear(p, s, f3, h, L->w3, 1, NULL, T, F, H);
         k->activation(s, f1, f3, (size_t)T * (size_t)F, c->act);
     } else {
         k->activation(s, f1, NULL, (size_t)T * (size_t)F, c->act);
     }
-    k->linear(s, h, f1, L->w2, p->e->wdtype, L->b2, T, H, F);
+    pl_linear(p, s, h, f1, L->w2, 1, L->b2, T, H, F);
     k->add(s, x, h, n);
     if (!c->pre_norm)
         k->norm(s, x, x, L->ffn_norm_w, L->ffn_norm_b, T, H, c->norm_eps);
@@ -485,7 +498,7 @@ static void step_embed(rekv_pipeline *p, const step *st)
         int T = st->g_rows[g];
         if (p->d_proj_in) {
             k->embed(sc, gb->h.p, p->d_embed, p->e->wdtype, st->tok[g], NULL, NULL, 0, T, E);
-            k->linear(sc, gb->x.p, gb->h.p, p->d_proj_in, p->e->wdtype, NULL, T, H, E);
+            pl_linear(p, sc, gb->x.p, gb->h.p, p->d_proj_in, 1, NULL, T, H, E);
             if (p->d_pos)
                 k->embed(sc, gb->x.p, NULL, p->e->wdtype, st->tok[g], p->d_pos, st->pos[g], 2, T,
                          H);
@@ -570,10 +583,10 @@ static void unit_recompute(rekv_pipeline *p, const unit_run *u)
         k->convert(sc, io->conv_act.v, io->conv_act.n, p->cfg.cache_dtype);
         if (p->cfg.offload_weights)
             p->bi->stream_wait_event(sc, p->ev_wkv[u->wb]);
-        k->linear(sc, p->kr.p, p->act_f32.p, W->wk, p->e->wdtype, W->bk, io->n_act,
-                  rekv_config_kv_dim(c), c->hidden);
-        k->linear(sc, p->vr.p, p->act_f32.p, W->wv, p->e->wdtype, W->bv, io->n_act,
-                  rekv_config_kv_dim(c), c->hidden);
+        pl_linear(p, sc, p->kr.p, p->act_f32.p, W->wk, 1, W->bk, io->n_act, rekv_config_kv_dim(c),
+                  c->hidden);
+        pl_linear(p, sc, p->vr.p, p->act_f32.p, W->wv, 1, W->bv, io->n_act, rekv_config_kv_dim(c),
+                  c->hidden);
         if (c->rope != REKV_ROPE_NONE)
             k->rope(sc, p->kr.p, io->act_pos, io->n_act, c->n_kv_heads, c->head_dim, &p->e->rope,
                     c->rope);
@@ -679,10 +692,10 @@ static int step_head(rekv_pipeline *p, step *st, rekv_err *err)
         if (p->d_fnorm_w)
             k->norm(sc, rows, rows, p->d_fnorm_w, p->d_fnorm_b, nb, H, c->norm_eps);
         if (p->d_proj_out) {
-            k->linear(sc, gb->q.p, rows, p->d_proj_out, p->e->wdtype, NULL, nb, E, H);
+            pl_linear(p, sc, gb->q.p, rows, p->d_proj_out, 1, NULL, nb, E, H);
             rows = gb->q.p;
         }
-        k->linear(sc, gb->logits.p, rows, p->d_head, p->e->wdtype, NULL, nb, c->vocab, E);
+        pl_linear(p, sc, gb->logits.p, rows, p->d_head, !p->head_tied, NULL, nb, c->vocab, E);
         if ((rc = head_back(p, st, g, sc, err)))
             return rc;
     }

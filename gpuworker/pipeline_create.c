@@ -397,6 +397,10 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
         rc = rekv_errf(err, -ENOMEM, "pipeline: out of memory");
         goto fail;
     }
+    /* a backend whose kernels read row-major weights only: the engine's tiled matrices become
+     * row-major (the cpu backend reads either, with the same bits) */
+    if (p->k && p->k->linear_tiled == NULL && (rc = rekv_engine_untile(e, err)))
+        goto fail;
     if ((store && (rc = attach_store(p, store, err))) || (rc = create_streams(p, err)) ||
         (rc = upload_weights(p, err)) || (p->ops->create && (rc = p->ops->create(p, err))) ||
         (rc = p->bi->stream_sync(p->s_h2d, err)))

@@ -101,6 +101,7 @@ typedef struct a_linear {
     const float *bias;
     rekv_dtype wt;
     int m, n, k;
+    int tiled; /* linear_tiled */
 } a_linear;
 
 static void r_linear(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
@@ -108,7 +109,17 @@ static void r_linear(rekv_stream *s, float *y, const float *x, const void *w, re
 {
     a_linear *a = rec_add(OP_LINEAR, s, NULL, sizeof(*a));
     if (a)
-        a->y = y, a->x = x, a->w = w, a->bias = bias, a->wt = wt, a->m = m, a->n = n, a->k = k;
+        a->y = y, a->x = x, a->w = w, a->bias = bias, a->wt = wt, a->m = m, a->n = n, a->k = k,
+        a->tiled = 0;
+}
+
+static void r_linear_tiled(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
+                           const float *bias, int m, int n, int k)
+{
+    a_linear *a = rec_add(OP_LINEAR, s, NULL, sizeof(*a));
+    if (a)
+        a->y = y, a->x = x, a->w = w, a->bias = bias, a->wt = wt, a->m = m, a->n = n, a->k = k,
+        a->tiled = 1;
 }
 
 typedef struct a_norm {
@@ -337,6 +348,7 @@ const rekv_kernel_iface pl_rec_kernels = {
     .head_proj = r_head_proj,
     .spec_scores = r_spec_scores,
     .sample = r_sample,
+    .linear_tiled = r_linear_tiled,
 };
 
 /* ------------------------------------------------------------------ the stream operations' */
@@ -455,7 +467,8 @@ static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, 
         switch (h->op) {
         case OP_LINEAR: {
             const a_linear *a = arg;
-            k->linear(s, a->y, a->x, a->w, a->wt, a->bias, a->m, a->n, a->k);
+            (a->tiled ? k->linear_tiled : k->linear)(s, a->y, a->x, a->w, a->wt, a->bias, a->m,
+                                                     a->n, a->k);
             break;
         }
         case OP_NORM: {

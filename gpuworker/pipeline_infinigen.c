@@ -88,7 +88,8 @@ int pl_ig_create(rekv_pipeline *p, int queries, rekv_err *err)
         wp = malloc(sizeof(float) * (size_t)nh * (size_t)rk * (size_t)H);
         bp = malloc(sizeof(float) * (size_t)nh * (size_t)rk);
         at = malloc(sizeof(float) * (size_t)rk * (size_t)hd);
-        wt = malloc(sizeof(float) * (size_t)H * (size_t)hd);
+        /* wt: a head's rows of W_Q transposed, and first the scratch that untiles W_Q */
+        wt = malloc(sizeof(float) * (size_t)H * (size_t)(hd > 8 ? hd : 8));
         if (wq == NULL || wp == NULL || bp == NULL || at == NULL || wt == NULL)
             goto nomem;
     }
@@ -119,6 +120,8 @@ int pl_ig_create(rekv_pipeline *p, int queries, rekv_err *err)
              * bias), so the partial query is one small GEMM of the attention input: rekv's GEMM
              * y = x·w^T with x = A[:, cols]^T and w = the head's rows of W_Q transposed */
             rekv_to_f32(wq, src->wq, p->e->wdtype, (size_t)Q * (size_t)H);
+            if (rekv_engine_w_tiled(p->e, src->wq)) /* rows are read here: row-major */
+                cpu_tile_unpack(wq, REKV_DTYPE_F32, Q, H, wt);
             for (int h = 0; h < nh; h++) {
                 const float *a = ac + (size_t)(h / group) * (size_t)hd * (size_t)rk;
                 const float *wh = wq + (size_t)h * (size_t)hd * (size_t)H;
@@ -370,7 +373,7 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
     if (p->ig.fold) {
         k->linear(s, qp, h, il->wp, REKV_DTYPE_F32, il->bp, T, nh * rk, H);
     } else {
-        k->linear(s, q, h, il->wp, p->e->wdtype, il->bp, T, rekv_config_q_dim(c), H);
+        pl_linear(p, s, q, h, il->wp, 1, il->bp, T, rekv_config_q_dim(c), H);
         if (c->rope != REKV_ROPE_NONE)
             k->rope(s, q, st->pos[g], T, nh, hd, &p->e->rope, c->rope);
         k->head_proj(s, qp, NULL, q, il->a, T, nh, group, hd, rk);
