@@ -77,8 +77,4 @@ static inline int rekv_engine_w_tiled(const rekv_engine *e, const void *w)
     return e->tiled && w != e->embed;
 }
 
-/* Every tiled matrix of e back to row-major (e->tiled = 0): for a backend that reads the
- * weights row-major (cuda's cuBLAS). 0 or -ENOMEM (e unchanged). Not while a step on e runs. */
-int rekv_engine_untile(rekv_engine *e, rekv_err *err);
-
 #endif

@@ -24,6 +24,11 @@ typedef struct rekv_seq rekv_seq;
  * be closed afterwards. */
 int rekv_engine_create(const rekv_model *model, rekv_engine **out, rekv_err *err);
 void rekv_engine_free(rekv_engine *e);
+/* The engine holds the matrices only a GEMM reads in the cpu GEMM's tile layout (cpu_gemm.c):
+ * untile makes them row-major again, for a backend that reads them so (a pipeline on cuda calls
+ * it) or to measure what the layout gives (`rekv bench forward --row-major`). The cpu backend
+ * computes the same bits either way. 0 or -ENOMEM (e unchanged); not while a step on e runs. */
+int rekv_engine_untile(rekv_engine *e, rekv_err *err);
 const rekv_model_config *rekv_engine_config(const rekv_engine *e);
 /* The dtype the engine holds its weight matrices in (and moves them to a device in). */
 rekv_dtype rekv_engine_weight_dtype(const rekv_engine *e);

@@ -2,13 +2,39 @@
  * measured in the same run, so every benchmark measures its baseline alongside. This file picks
  * the benchmark; each lives in a file of its own (cli_bench_forward.c, cli_bench_decode.c,
  * cli_bench_serve.c, and the kvstore's in kvstore/bench.c). */
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/cli_bench.h"
 #include "coordinator/cli/cli_daemon.h"
 #include "kvstore/kvstore.h"
+
+unsigned long long cli_peak_rss_bytes(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    unsigned long long kb = 0;
+    while (f && fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmHWM: %llu kB", &kb) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kb * 1024;
+}
+
+int cli_peak_rss_reset(void)
+{
+    int fd = open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    int rc = write(fd, "5", 1) == 1 ? 0 : -errno;
+    close(fd);
+    return rc;
+}
 
 int cli_bench(int argc, char **argv)
 {

@@ -15,6 +15,12 @@ int cli_bench_forward(int argc, char **argv);
 /* `rekv bench decode`: every mode's decode on the same prompts (cli_bench_decode.c) */
 int cli_bench_decode(int argc, char **argv);
 
+/* The process's peak resident memory (VmHWM) in bytes, 0 where /proc cannot tell; reset makes
+ * the next peak count from now (writing 5 to /proc/self/clear_refs: 0, or -errno where the kernel
+ * refuses, and the peak stays the process's). */
+unsigned long long cli_peak_rss_bytes(void);
+int cli_peak_rss_reset(void);
+
 /* The link's peak in this run, three ways: from the kvstore's arena as the pipeline copies from it
  * (page-locked by the backend where it can: cudaHostRegister), from the backend's own pinned host
  * memory (cudaHostAlloc), and from ordinary pageable memory. */
@@ -35,6 +41,7 @@ typedef struct device_peak {
     double copy_gbps, gemm_flops;
     size_t copy_bytes;
     int gemm_rows;
+    char error[1024]; /* bench decode: why it could not be measured ("": it was, or not tried) */
 } device_peak;
 
 int cli_bench_measure_device(rekv_backend *be, const rekv_engine *eng, int rows, device_peak *out,

@@ -1,7 +1,9 @@
 /* cli_bench_forward.c — `rekv bench forward`: the engine's forward pass on the cpu backend, prefill
  * and decode per batch size, in tokens/s and GFLOP/s next to OpenBLAS's GFLOP/s at the model's
  * shapes, and the GEMM alone (rekv's with fp32 and fp16 weights beside OpenBLAS), measured in the
- * same run. Prints one JSON object. */
+ * same run; the one-row GEMM's GB/s over weights that are not in cache, in the engine's tile
+ * layout and row-major, beside a plain read of as many bytes (issue 42: decode at one row is
+ * bound by the memory), and the process's peak resident memory. Prints one JSON object. */
 #include <getopt.h>
 #include <jansson.h>
 #include <stdint.h>
@@ -100,21 +102,113 @@ static json_t *gemm_compare(int m, int n, int k)
                      "rekv_f16_vs_blas", b > 0 ? h / b : 0);
 }
 
+/* ------------------------------------------------------------------ the one-row GEMM's GB/s */
+
+/* Weights the one-row GEMM streams per measurement: 8x the 32 MiB last-level cache of the machine
+ * the issue measured on, so the copies it cycles through come from memory. */
+enum { GEMV_BYTES = 256 << 20, GEMV_REPS = 5, READ_MAX_CHUNKS = 64 };
+
+/* A plain read of words [0, n) in chunks claimed by the GEMM's pool: the yardstick. */
+typedef struct read_job {
+    const uint64_t *p;
+    size_t n;
+    int chunks;
+    uint64_t sum[READ_MAX_CHUNKS]; /* kept, so the reads are not optimised away */
+} read_job;
+
+static void read_chunk(void *arg, int c, int slot)
+{
+    (void)slot;
+    read_job *r = arg;
+    size_t a = r->n * (size_t)c / (size_t)r->chunks, b = r->n * (size_t)(c + 1) / (size_t)r->chunks;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = a; i + 4 <= b; i += 4)
+        s0 += r->p[i], s1 += r->p[i + 1], s2 += r->p[i + 2], s3 += r->p[i + 3];
+    r->sum[c] = s0 ^ s1 ^ s2 ^ s3;
+}
+
+/* One pass over the copies (n_w of them, `per` weights each) in seconds: 0 a plain read, 1 the
+ * GEMM over the row-major copies, 2 over the tiled ones. */
+static double gemv_pass(int what, const uint16_t *rm, const uint16_t *tl, int n_w, size_t per,
+                        const float *x, float *y, int n, int k)
+{
+    uint64_t t0 = rekv_now_ns();
+    if (what == 0) {
+        int threads = cpu_gemm_threads();
+        read_job r = {(const uint64_t *)rm, per * (size_t)n_w / 4, threads * 4, {0}};
+        if (r.chunks > READ_MAX_CHUNKS)
+            r.chunks = READ_MAX_CHUNKS;
+        cpu_pool_run(read_chunk, &r, r.chunks, threads);
+    }
+    for (int c = 0; what > 0 && c < n_w; c++)
+        (what == 1 ? cpu_gemm_rowinv : cpu_gemm_rowinv_tiled)(
+            y, x, (what == 1 ? rm : tl) + (size_t)c * per, REKV_DTYPE_F16, NULL, 1, n, k);
+    return (double)(rekv_now_ns() - t0) * 1e-9;
+}
+
+/* The one-row f16 GEMM at shape [n][k] in GB/s of weights read, row-major and tiled, beside a
+ * plain read of as many bytes, on the GEMM's threads: medians of GEMV_REPS passes of each,
+ * interleaved (the machine's other load meets all three alike). NULL when out of memory. */
+static json_t *gemv_bandwidth(int n, int k)
+{
+    size_t per = (size_t)n * (size_t)k, bytes = per * sizeof(uint16_t);
+    int n_w = (int)((GEMV_BYTES + bytes - 1) / bytes);
+    size_t all = bytes * (size_t)n_w;
+    uint16_t *rm = malloc(all), *tl = malloc(all);
+    void *scratch = malloc(cpu_tile_scratch_bytes(REKV_DTYPE_F16, k));
+    float *x = malloc(sizeof(float) * (size_t)k), *y = malloc(sizeof(float) * (size_t)n);
+    json_t *o = NULL;
+    if (rm && tl && scratch && x && y) {
+        for (size_t i = 0; i < per * (size_t)n_w; i++)
+            rm[i] = rekv_f32_to_f16((float)(i % 5) * 0.1f);
+        for (int i = 0; i < k; i++)
+            x[i] = (float)(i % 7) * 0.1f;
+        memcpy(tl, rm, all);
+        for (int c = 0; c < n_w; c++)
+            cpu_tile_pack(tl + (size_t)c * per, REKV_DTYPE_F16, n, k, scratch);
+        double t[3][GEMV_REPS];
+        for (int i = 0; i < 3; i++) /* warm: every page touched, the pool's threads started */
+            gemv_pass(i, rm, tl, n_w, per, x, y, n, k);
+        for (int r = 0; r < GEMV_REPS; r++)
+            for (int i = 0; i < 3; i++)
+                t[i][r] = gemv_pass(i, rm, tl, n_w, per, x, y, n, k);
+        double g[3];
+        for (int i = 0; i < 3; i++) {
+            qsort(t[i], GEMV_REPS, sizeof(double), cmp_double);
+            g[i] = (double)all / t[i][GEMV_REPS / 2] * 1e-9;
+        }
+        o = json_pack("{s:i, s:i, s:I, s:i, s:f, s:f, s:f, s:f, s:f}", "n", n, "k", k, "bytes",
+                      (json_int_t)all, "threads", cpu_gemm_threads(), "read_gbps", g[0],
+                      "row_major_gbps", g[1], "tiled_gbps", g[2], "row_major_vs_read", g[1] / g[0],
+                      "tiled_vs_read", g[2] / g[0]);
+    }
+    free(rm), free(tl), free(scratch), free(x), free(y);
+    return o;
+}
+
 typedef struct forward_opts {
     const char *model_path;
     const char *batches; /* "1,2,4": the batch sizes */
     long prompt_len, steps;
+    long threads; /* the GEMM's threads; 0: the online cpus */
     int json;
+    int row_major; /* the engine's weights untiled (rekv_engine_untile): what the layout gives */
 } forward_opts;
 
 static void forward_usage(FILE *f)
 {
     fprintf(f, "usage: rekv bench forward --model PATH [--batches 1,2,4,8,16,32]\n"
-               "                          [--prompt-len S] [--decode-steps N] [--json]\n"
+               "                          [--prompt-len S] [--decode-steps N] [--threads T]\n"
+               "                          [--row-major] [--json]\n"
                "Prints prefill and decode tokens/s and GFLOP/s per batch size, next to\n"
                "OpenBLAS's GFLOP/s at the model's shapes (sgemm; sgemv at one row), and\n"
                "the GEMM alone (ffn x hidden, the batch's and the prefill's rows): rekv's\n"
-               "with fp32 and fp16 weights next to OpenBLAS, medians of 5, same run.\n");
+               "with fp32 and fp16 weights next to OpenBLAS, medians of 5, same run; the\n"
+               "one-row f16 GEMM's GB/s over 256 MiB of weights, tiled and row-major,\n"
+               "next to a plain read of the same bytes (gemv_f16); the peak resident\n"
+               "memory. --threads: the GEMM's threads (default: the online cpus);\n"
+               "--row-major: the engine's weights as the file has them, not in the\n"
+               "GEMM's tile layout (the same bits; to measure what the layout gives).\n");
 }
 
 static int forward_parse(int argc, char **argv, forward_opts *o)
@@ -123,6 +217,8 @@ static int forward_parse(int argc, char **argv, forward_opts *o)
                                          {"batches", required_argument, 0, 'b'},
                                          {"prompt-len", required_argument, 0, 'p'},
                                          {"decode-steps", required_argument, 0, 'd'},
+                                         {"threads", required_argument, 0, 't'},
+                                         {"row-major", no_argument, 0, 'r'},
                                          {"json", no_argument, 0, 'j'},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
@@ -144,6 +240,13 @@ static int forward_parse(int argc, char **argv, forward_opts *o)
         case 'd':
             if (cli_parse_int("decode-steps", optarg, 1, 1 << 20, &o->steps))
                 return 2;
+            break;
+        case 't':
+            if (cli_parse_int("threads", optarg, 1, 256, &o->threads))
+                return 2;
+            break;
+        case 'r':
+            o->row_major = 1;
             break;
         case 'j':
             o->json = 1; /* JSON is the only output; --json also keeps stderr quiet */
@@ -251,10 +354,12 @@ int cli_bench_forward(int argc, char **argv)
     rekv_engine *eng = NULL;
     json_t *runs = json_array();
     if (rekv_blas_load(&g_blas, &err) || rekv_model_open(o.model_path, &model, &err) ||
-        rekv_engine_create(model, &eng, &err)) {
+        rekv_engine_create(model, &eng, &err) || (o.row_major && rekv_engine_untile(eng, &err))) {
         fprintf(stderr, "rekv: %s\n", err.msg);
         goto out;
     }
+    if (o.threads > 0)
+        cpu_gemm_set_threads((int)o.threads);
     const rekv_model_config *cfg = &model->config;
     if (o.prompt_len + o.steps > cfg->max_pos) {
         fprintf(stderr, "rekv bench forward: prompt-len + decode-steps exceeds the context (%d)\n",
@@ -276,12 +381,22 @@ int cli_bench_forward(int argc, char **argv)
         json_array_append_new(runs, run);
     }
     rekv_progress_end(&pr);
+    /* the peak of the model's load and the forward passes, before gemv_bandwidth's buffers */
+    unsigned long long rss = cli_peak_rss_bytes();
+    json_t *gemv = gemv_bandwidth(cfg->ffn, cfg->hidden);
+    if (gemv == NULL) {
+        fprintf(stderr, "rekv: out of memory for the one-row GEMM's weights\n");
+        goto out;
+    }
     json_t *out = json_pack(
         "{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:s}, s:i, s:i, s:f, s:i, s:i, s:O}", "bench", "forward",
         "backend", "cpu", "model", "layers", cfg->n_layers, "hidden", cfg->hidden, "ffn", cfg->ffn,
         "vocab", cfg->vocab, "dtype", rekv_dtype_name(cfg->dtype), "prompt_len", (int)o.prompt_len,
         "decode_steps", (int)o.steps, "sgemm_gflops_1024", peak, "rekv_gemm_threads",
         cpu_gemm_threads(), "blas_threads", g_blas->get_num_threads(), "runs", runs);
+    json_object_set_new(out, "weights_layout", json_string(o.row_major ? "row-major" : "tiled"));
+    json_object_set_new(out, "peak_rss_bytes", json_integer((json_int_t)rss));
+    json_object_set_new(out, "gemv_f16", gemv);
     char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", s);
     free(s);
