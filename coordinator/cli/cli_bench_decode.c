@@ -2,7 +2,9 @@
  * one process: its prefill time, decode tokens/s, its ratio to offload, host->device bytes per
  * generated token, achieved host->device GB/s beside the link's peak measured in the same run,
  * the busy fractions of compute and link, the planner's prediction of its steps beside the
- * measured ones, and whether its tokens equal resident's. Prints one JSON object. */
+ * measured ones, whether its tokens equal resident's, and the peak resident memory while it ran.
+ * A run that fails (a mode the device cannot hold, say) reports its error in its entry and the
+ * others still run. Prints one JSON object. */
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
@@ -39,9 +41,11 @@ typedef struct decode_result {
     /* each decode step's compute busy and link (h2d) busy time, s: [gen_len - 1][2] */
     double *step;
     rekv_pipeline_config cfg;
-    char backend[16];       /* the backend it ran on */
-    int has_store;          /* the kvstore's counters over the decode steps: */
-    rekv_kv_stats ks0, ks1; /* at their start and end */
+    char backend[16];            /* the backend it ran on */
+    int has_store;               /* the kvstore's counters over the decode steps: */
+    rekv_kv_stats ks0, ks1;      /* at their start and end */
+    unsigned long long peak_rss; /* bytes: the process's peak while it ran (cli_peak_rss_bytes) */
+    char error[1024];            /* why the run failed, as rekv_err says it ("": it did not) */
 } decode_result;
 
 /* One mode's run: N steps (the prefill, then N - 1 decode steps), reported to pr as done + 1 ..
@@ -128,8 +132,11 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         rc = ses.be->iface->trace_write(ses.be, po->trace, err);
     if (rc == 0 && link && ses.store)
         rc = cli_bench_measure_link(ses.be, ses.store, link, err);
-    if (rc == 0 && dev)
-        rc = cli_bench_measure_device(ses.be, eng, B * chunk, dev, err);
+    if (rc == 0 && dev) { /* a yardstick: a device too small for it loses it, not the run */
+        rekv_err derr = {0};
+        if (cli_bench_measure_device(ses.be, eng, B * chunk, dev, &derr))
+            snprintf(dev->error, sizeof(dev->error), "%s", derr.msg);
+    }
 out:
     if (seqs)
         for (int b = 0; b < B; b++)
@@ -217,7 +224,9 @@ static void decode_usage(FILE *f)
                "started with --approximate may. --prefill-chunk T prefills at most T\n"
                "tokens of each prompt per step, as serving does (default: whole prompts in\n"
                "one step; a chunk needs less device memory for the prefill's rows, same\n"
-               "tokens).\n"
+               "tokens). A run that fails (a mode the device cannot hold) reports its\n"
+               "error in its entry and the others still run; the exit status is 1 only\n"
+               "when every run failed. Each run reports its peak resident memory.\n"
                "Pipeline options:\n" CLI_PIPELINE_USAGE
                "(--mode is ignored. --trace F with several runs writes one trace per run,\n"
                "F with the run's name before its extension: --trace t.json --modes\n"
@@ -350,18 +359,29 @@ static int decode_parse(int argc, char **argv, decode_opts *o)
     return decode_parse_runs(modes, o) ? 2 : CLI_PARSED;
 }
 
+/* Run i failed: its error kept for its entry of the report, the other runs go on. */
+static void decode_failed(const decode_opts *o, int i, decode_result *r, const char *why)
+{
+    snprintf(r->error, sizeof(r->error), "%s", why[0] ? why : "failed");
+    if (!o->json)
+        fprintf(stderr, "rekv bench decode: %s: %s (the other runs go on)\n", o->runs[i].name,
+                r->error);
+}
+
 /* Every run of o in turn, into res[]: the link's peak measured after the first that uses the
- * kvstore (*have_lp), the device's after the first. 0, or -1 with a message printed. */
+ * kvstore (*have_lp), the device's after the first that runs. A run that fails keeps its error in
+ * res[i].error and the next one runs. Returns the runs that succeeded, or -1 with a message
+ * printed (a --trace path too long). */
 static int decode_run_all(rekv_engine *eng, decode_opts *o, int32_t *const *prompts,
                           decode_result *res, link_peak *lp, int *have_lp, device_peak *dp)
 {
-    rekv_err err = {0};
     rekv_progress pr;
+    int ok = 0, have_dp = 0;
     rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, o->json), "rekv bench decode",
                         "steps", (uint64_t)o->n_runs * (uint64_t)o->N);
     for (int i = 0; i < o->n_runs; i++) {
+        rekv_err err = {0};
         decode_spec *sp = &o->runs[i];
-        int measure = !*have_lp && rekv_mode_streams(sp->mode);
         cli_pipeline_opts run = o->po;
         char trace[4400];
         if (o->po.trace && o->n_runs > 1) {
@@ -372,33 +392,35 @@ static int decode_run_all(rekv_engine *eng, decode_opts *o, int32_t *const *prom
             }
             run.trace = trace;
         }
-        if (sp->is_auto) { /* what a served worker with --mode auto would run as */
+        cli_peak_rss_reset(); /* the run's own peak where the kernel allows */
+        if (sp->is_auto) {    /* what a served worker with --mode auto would run as */
             if (cli_session_auto(eng, &run, (int)o->B, (int)(o->S + o->N), o->approximate, &run.cfg,
                                  sp->why, sizeof(sp->why), &err)) {
-                rekv_progress_end(&pr);
-                fprintf(stderr, "rekv: auto: %s\n", err.msg);
-                return -1;
+                decode_failed(o, i, &res[i], err.msg);
+                continue;
             }
             sp->mode = run.cfg.mode;
             sp->push = sp->push && rekv_mode_streams(sp->mode);
             if (!o->json)
                 fprintf(stderr, "rekv bench decode: auto: %s\n", sp->why);
         }
+        int measure = !*have_lp && rekv_mode_streams(sp->mode);
         run.cfg.push = sp->push;
         if (sp->split >= 0)
             run.cfg.split = sp->split;
         if (run_decode(eng, &run, sp->mode, (int)o->B, (int)o->S, (int)o->N, (int)o->PB, prompts,
-                       &res[i], measure ? lp : NULL, i == 0 ? dp : NULL, &pr,
+                       &res[i], measure ? lp : NULL, have_dp ? NULL : dp, &pr,
                        (uint64_t)i * (uint64_t)o->N, sp->name, &err)) {
-            rekv_progress_end(&pr);
-            fprintf(stderr, "rekv: %s%s: %s\n", rekv_mode_name(sp->mode), sp->push ? "+push" : "",
-                    err.msg);
-            return -1;
+            decode_failed(o, i, &res[i], err.msg);
+            continue;
         }
+        res[i].peak_rss = cli_peak_rss_bytes();
         *have_lp |= measure;
+        have_dp = 1;
+        ok++;
     }
     rekv_progress_end(&pr);
-    return 0;
+    return ok;
 }
 
 /* What every run's report is measured against: the runs' shared yardsticks. */
@@ -473,6 +495,10 @@ static json_t *decode_run_json(const rekv_engine *eng, const decode_opts *o, int
     const decode_spec *sp = &o->runs[i];
     const decode_result *r = &res[i];
     long B = o->B, S = o->S, N = o->N;
+    if (r->error[0]) /* what it was asked to be, and why it did not run */
+        return json_pack("{s:s, s:s, s:b, s:s}", "mode",
+                         sp->is_auto ? "auto" : rekv_mode_name(sp->mode), "run", sp->name, "push",
+                         sp->push, "error", r->error);
     double toks = (double)B * (N - 1), tps = toks / r->decode_s; /* tokens of decode steps */
     uint64_t h2d = 0;
     for (int k = 0; k < REKV_XFER_KINDS; k++)
@@ -489,6 +515,7 @@ static json_t *decode_run_json(const rekv_engine *eng, const decode_opts *o, int
                   (json_int_t)r->counters.tokens_fetched);
     json_object_set_new(m, "push", json_boolean(sp->push));
     json_object_set_new(m, "run", json_string(sp->name));
+    json_object_set_new(m, "peak_rss_bytes", json_integer((json_int_t)r->peak_rss));
     if (sp->is_auto)
         json_object_set_new(m, "auto", json_string(sp->why));
     json_object_set_new(m, "device_tokens", json_integer(r->cfg.device_tokens));
@@ -532,10 +559,17 @@ static json_t *decode_report(const rekv_engine *eng, const decode_opts *o, json_
 {
     const rekv_model_config *cfg = rekv_engine_config(eng);
     const cli_pipeline_opts *po = &o->po;
+    const char *backend = po->backend; /* the first run's that ran, else the one asked for */
+    unsigned long long rss = 0;
+    for (int i = o->n_runs - 1; i >= 0; i--) {
+        if (res[i].backend[0])
+            backend = res[i].backend;
+        rss = res[i].peak_rss > rss ? res[i].peak_rss : rss;
+    }
     json_t *out = json_pack(
         "{s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:i, s:i, s:i, s:f, s:f, s:b, s:s, "
         "s:i, s:s, s:o}",
-        "bench", "decode", "backend", res[0].backend, "model", "layers", cfg->n_layers, "hidden",
+        "bench", "decode", "backend", backend, "model", "layers", cfg->n_layers, "hidden",
         cfg->hidden, "heads", cfg->n_heads, "kv_heads", cfg->n_kv_heads, "ffn", cfg->ffn, "vocab",
         cfg->vocab, "batch", (int)o->B, "prompt_len", (int)o->S, "gen_len", (int)o->N, "link_gbps",
         po->link.gbps, "link_latency_us", po->link.latency_us, "offload_weights",
@@ -543,6 +577,8 @@ static json_t *decode_report(const rekv_engine *eng, const decode_opts *o, json_
         "gpu_batches", po->cfg.gpu_batches, "cache_dtype", rekv_dtype_name(po->cfg.cache_dtype),
         "modes", runs);
     json_object_set_new(out, "push", json_boolean(po->cfg.push));
+    /* the largest of the runs' peaks: the weights, the KV and the scratch of the biggest */
+    json_object_set_new(out, "peak_rss_bytes", json_integer((json_int_t)rss));
     /* the prompts' CRC32C (int32 ids, prompt after prompt): deploy/hf_bench.py prints its own */
     uint32_t pcrc = 0;
     for (long b = 0; b < o->B; b++)
@@ -551,7 +587,9 @@ static json_t *decode_report(const rekv_engine *eng, const decode_opts *o, json_
     json_object_set_new(out, "weight_dtype",
                         json_string(rekv_dtype_name(rekv_engine_weight_dtype(eng))));
     const device_peak *dp = ref->dp;
-    if (dp->copy_gbps > 0)
+    if (dp->error[0])
+        json_object_set_new(out, "device_peak", json_pack("{s:s}", "error", dp->error));
+    else if (dp->copy_gbps > 0)
         json_object_set_new(out, "device_peak",
                             json_pack("{s:I, s:f, s:i, s:f}", "copy_bytes",
                                       (json_int_t)dp->copy_bytes, "copy_gbps", dp->copy_gbps,
@@ -574,7 +612,9 @@ static void decode_print(const rekv_engine *eng, const decode_opts *o, int32_t *
     decode_refs ref = {.resident = -1, .lp = have_lp ? lp : NULL, .dp = dp};
     for (int i = 0; i < o->n_runs; i++) {
         /* the yardsticks, by name: offload is the baseline (README's ratios), resident the
-         * reference of every exact mode's tokens */
+         * reference of every exact mode's tokens; a run that failed is neither */
+        if (res[i].error[0])
+            continue;
         if (o->runs[i].mode == REKV_MODE_OFFLOAD && (ref.offload_tps == 0 || !o->runs[i].push))
             ref.offload_tps = (double)o->B * (o->N - 1) / res[i].decode_s; /* pull's when both */
         if (o->runs[i].mode == REKV_MODE_RESIDENT)
@@ -642,10 +682,11 @@ int cli_bench_decode(int argc, char **argv)
     link_peak lp = {0};
     device_peak dp = {0};
     int have_lp = 0;
-    if (decode_run_all(eng, o, prompts, res, &lp, &have_lp, &dp))
+    int ok = decode_run_all(eng, o, prompts, res, &lp, &have_lp, &dp);
+    if (ok < 0)
         goto out;
     decode_print(eng, o, prompts, res, &lp, have_lp, &dp);
-    rc = 0;
+    rc = ok > 0 ? 0 : 1; /* every run failed: nothing measured */
 out:
     for (int i = 0; i < o->n_runs; i++)
         free(res[i].tokens), free(res[i].step);
