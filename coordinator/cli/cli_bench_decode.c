@@ -44,7 +44,7 @@ typedef struct decode_result {
     char backend[16];            /* the backend it ran on */
     int has_store;               /* the kvstore's counters over the decode steps: */
     rekv_kv_stats ks0, ks1;      /* at their start and end */
-    unsigned long long peak_rss; /* bytes: the process's peak while it ran (cli_peak_rss_bytes) */
+    unsigned long long peak_rss; /* bytes: the process's peak over its steps (cli_peak_rss_bytes) */
     char error[1024];            /* why the run failed, as rekv_err says it ("": it did not) */
 } decode_result;
 
@@ -117,6 +117,9 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
         rekv_progress_update(pr, done + (uint64_t)step + 2, note);
     }
     out->decode_s = (double)(rekv_now_ns() - t0) * 1e-9;
+    /* the run's peak, before the yardsticks below allocate theirs (on the cpu backend the
+     * device's copy buffers are host memory: 512 MiB) */
+    out->peak_rss = cli_peak_rss_bytes();
     out->graph_steps = rekv_pipeline_graph_steps(ses.p, NULL); /* the prefill never is one */
     if (out->has_store)
         out->has_store = rekv_kvstore_stats(ses.store, &out->ks1, NULL) == 0;
@@ -414,7 +417,6 @@ static int decode_run_all(rekv_engine *eng, decode_opts *o, int32_t *const *prom
             decode_failed(o, i, &res[i], err.msg);
             continue;
         }
-        res[i].peak_rss = cli_peak_rss_bytes();
         *have_lp |= measure;
         have_dp = 1;
         ok++;
