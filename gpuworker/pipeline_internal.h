@@ -380,6 +380,13 @@ const pl_mode_ops *pl_mode_ops_of(rekv_mode m);
 
 /* ------------------------------------------------------------------ across the files */
 
+/* pipeline.c */
+/* A linear layer over one of the engine's matrices (w: that matrix, or its copy on the device), in
+ * the layout the engine keeps it: tiled where the engine tiles (tileable: the matrix is one the
+ * engine may tile — all but a head tied to embed) and the kernels read that layout. */
+void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,
+               int tileable, const float *bias, int m, int n, int k);
+
 /* pipeline_buffers.c */
 int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem);
 void pl_meta_free(meta_arena *a);
@@ -396,11 +403,6 @@ void pl_recompute_free(rekv_pipeline *p);
 int pl_dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes);
 
 /* pipeline_create.c */
-/* A linear layer over one of the engine's matrices (w: that matrix, or its copy on the device), in
- * the layout the engine keeps it: tiled where the engine tiles (tileable: the matrix is one the
- * engine may tile — all but a head tied to embed) and the kernels read that layout. */
-void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,
-               int tileable, const float *bias, int m, int n, int k);
 size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer_w *dst, int from,
                      int to);
 
