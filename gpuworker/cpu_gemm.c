@@ -166,22 +166,30 @@ static inline float finish(const float l[8], const float *a, const char *tl, rek
 }
 
 /* One tile: MR rows of x (from x, row stride k) against the NR weight rows from column j of W,
- * all of one layout (chunks cs bytes apart), written to y[r * ldy + c] for the nc <= NR columns
- * that exist; a missing column reads column j again and is dropped. MR and NR are constants where
- * this is inlined, so the accumulators live in registers: with at least as many rows as weight
- * rows the NR widened weight vectors stay in registers and x is read from memory, else the MR x
- * vectors stay and the weights stream (a row alone: eight weight rows per pass, each read once —
- * in the tile layout one sequential stream). */
-AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, int j, size_t cs,
+ * all in one layout and, in the tile layout, in one block (j and NR keep them so), written to
+ * y[r * ldy + c] for the nc <= NR columns that exist; a missing column reads column j again and is
+ * dropped. Within the tile the rows' chunks, chunk strides and tails are evenly spaced, so the
+ * setup is one pointer computation, not one per row. MR and NR are constants where this is
+ * inlined, so the accumulators live in registers: with at least as many rows as weight rows the
+ * NR widened weight vectors stay in registers and x is read from memory, else the MR x vectors
+ * stay and the weights stream (a row alone: eight weight rows per pass, each read once — in the
+ * tile layout one sequential stream). */
+AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, int j,
                            const rekv_dtype wt, int nc, const int MR, const int NR)
 {
     int k = W->k, k8 = W->k8;
+    size_t es = rekv_dtype_size(wt), cs, rstep, tstep;
+    const char *w0 = w_chunk0(W, j), *t0 = w_tail(W, j);
+    if (j < W->split) /* rows 8 elements apart in each chunk of 64, tails k % 8 apart */
+        cs = 64 * es, rstep = 8 * es, tstep = (size_t)(k - k8) * es;
+    else
+        cs = 8 * es, rstep = tstep = (size_t)k * es;
     const char *wc[8];
     const float *xr[4];
     __m256 acc[4][8];
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++)
-        wc[c] = w_chunk0(W, j + (c < nc ? c : 0));
+        wc[c] = w0 + (size_t)(c < nc ? c : 0) * rstep;
 #pragma GCC unroll 4
     for (int r = 0; r < MR; r++) {
         xr[r] = x + (size_t)r * k;
@@ -227,58 +235,69 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, int
             _mm256_storeu_ps(l[r][c], acc[r][c]);
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < nc; c++)
-            y[(size_t)r * ldy + c] = finish(l[r][c], xr[r], w_tail(W, j + c), wt, k8, k);
+            y[(size_t)r * ldy + c] = finish(l[r][c], xr[r], t0 + (size_t)c * tstep, wt, k8, k);
 }
 
 /* MR rows (x, y at row 0) against columns [j0, j1) of one layout, NR at a time. */
 AVX2_INLINE void rows_avx2(float *y, int ldy, const float *x, const wmat *W, const rekv_dtype wt,
                            int j0, int j1, const int MR, const int NR)
 {
-    size_t cs = w_stride(W, j0);
     for (int j = j0; j < j1; j += NR)
-        tile_avx2(y + j, ldy, x, W, j, cs, wt, j1 - j < NR ? j1 - j : NR, MR, NR);
+        tile_avx2(y + j, ldy, x, W, j, wt, j1 - j < NR ? j1 - j : NR, MR, NR);
 }
 
-/* y[m][j0..j1) (row stride ldy) over columns of one layout, for one weight dtype, inlined once
- * per dtype so the widening is decided at compile time. */
-AVX2_INLINE void cols_avx2(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
-                           int j0, int j1, int ldy)
+/* y[0..m - m % MR)[j0..j1) (row stride ldy) over columns of one layout in tiles of MR x NR, the
+ * rows in blocks that stay in cache while the weights stream; returns the rows done. */
+AVX2_INLINE int blocks_avx2(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
+                            int j0, int j1, int ldy, const int MR, const int NR)
 {
-    enum { MB = 64 }; /* rows of x per block: they stay in cache while the weights stream */
-    int k = W->k, m4 = m & ~3;
-    size_t cs = w_stride(W, j0);
-    for (int i0 = 0; i0 < m4; i0 += MB) {
-        int i1 = i0 + MB < m4 ? i0 + MB : m4;
-        for (int j = j0; j < j1; j += 3) {
-            int nc = j1 - j < 3 ? j1 - j : 3;
-            for (int i = i0; i < i1; i += 4)
-                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, W, j, cs, wt, nc, 4, 3);
+    int k = W->k, mm = m - m % MR, MB = 16 * MR;
+    for (int i0 = 0; i0 < mm; i0 += MB) {
+        int i1 = i0 + MB < mm ? i0 + MB : mm;
+        for (int j = j0; j < j1; j += NR) {
+            int nc = j1 - j < NR ? j1 - j : NR;
+            for (int i = i0; i < i1; i += MR)
+                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, W, j, wt, nc, MR, NR);
         }
     }
-    float *yr = y + (size_t)m4 * ldy;
-    const float *xr = x + (size_t)m4 * k;
-    switch (m - m4) { /* the rows left, with no work spent on missing ones */
-    case 1:
-        rows_avx2(yr, ldy, xr, W, wt, j0, j1, 1, 8);
-        break;
-    case 2:
-        rows_avx2(yr, ldy, xr, W, wt, j0, j1, 2, 6);
-        break;
-    case 3:
-        rows_avx2(yr, ldy, xr, W, wt, j0, j1, 3, 4);
-        break;
-    }
+    return mm;
 }
 
-/* Columns [j0, j1): the tiled ones, then the row-major ones (a tile never mixes layouts). */
+/* y[m][j0..j1) for one weight dtype, inlined once per dtype so the widening is decided at compile
+ * time: the tiled columns, then the row-major ones (a tile never mixes layouts). Row-major: tiles
+ * of 4 rows x 3 weight rows, then the rows left with no work spent on missing ones (1 x 8, 2 x 6,
+ * 3 x 4). Tiled: 3 x 4 and then 1 x 8 or 2 x 4, so that a tile's weight rows are a half or a whole
+ * block of 8 — one or two of its cache lines in each chunk — and every line is read once per
+ * tile of rows (3 weight rows of 8 left lines half read and read them twice). */
 AVX2_INLINE void gemm_avx2_body(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
                                 int j0, int j1, int ldy)
 {
-    int s = W->split < j0 ? j0 : W->split > j1 ? j1 : W->split;
-    if (j0 < s)
-        cols_avx2(y, x, W, wt, m, j0, s, ldy);
-    if (s < j1)
-        cols_avx2(y, x, W, wt, m, s, j1, ldy);
+    int s = W->split < j0 ? j0 : W->split > j1 ? j1 : W->split, k = W->k;
+    if (j0 < s) {
+        int done = blocks_avx2(y, x, W, wt, m, j0, s, ldy, 3, 4);
+        float *yr = y + (size_t)done * ldy;
+        const float *xr = x + (size_t)done * k;
+        if (m - done == 1)
+            rows_avx2(yr, ldy, xr, W, wt, j0, s, 1, 8);
+        else if (m - done == 2)
+            rows_avx2(yr, ldy, xr, W, wt, j0, s, 2, 4);
+    }
+    if (s < j1) {
+        int done = blocks_avx2(y, x, W, wt, m, s, j1, ldy, 4, 3);
+        float *yr = y + (size_t)done * ldy;
+        const float *xr = x + (size_t)done * k;
+        switch (m - done) { /* the rows left, with no work spent on missing ones */
+        case 1:
+            rows_avx2(yr, ldy, xr, W, wt, s, j1, 1, 8);
+            break;
+        case 2:
+            rows_avx2(yr, ldy, xr, W, wt, s, j1, 2, 6);
+            break;
+        case 3:
+            rows_avx2(yr, ldy, xr, W, wt, s, j1, 3, 4);
+            break;
+        }
+    }
 }
 
 AVX2_FN static void gemm_avx2(float *y, const float *x, const wmat *W, int m, int j0, int j1,
