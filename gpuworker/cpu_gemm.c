@@ -246,56 +246,71 @@ AVX2_INLINE void rows_avx2(float *y, int ldy, const float *x, const wmat *W, con
         tile_avx2(y + j, ldy, x, W, j, wt, j1 - j < NR ? j1 - j : NR, MR, NR);
 }
 
-/* y[0..m - m % MR)[j0..j1) (row stride ldy) over columns of one layout in tiles of MR x NR, the
- * rows in blocks that stay in cache while the weights stream; returns the rows done. */
-AVX2_INLINE int blocks_avx2(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
-                            int j0, int j1, int ldy, const int MR, const int NR)
+/* The rows left after the whole tiles of MR rows (fewer than MR), against columns [j, j + nc) of
+ * one layout in one tile of the same NR. */
+AVX2_INLINE void left_avx2(float *y, int ldy, const float *x, const wmat *W, int j,
+                           const rekv_dtype wt, int left, int nc, const int MR, const int NR)
+{
+    if (left == 1)
+        tile_avx2(y, ldy, x, W, j, wt, nc, 1, NR);
+    else if (left == 2 && MR > 2)
+        tile_avx2(y, ldy, x, W, j, wt, nc, 2, NR);
+    else if (left == 3 && MR > 3)
+        tile_avx2(y, ldy, x, W, j, wt, nc, 3, NR);
+}
+
+/* y[m][j0..j1) (row stride ldy) over columns of one layout in tiles of MR x NR, the rows in
+ * blocks that stay in cache while the weights stream; the rows left after the last whole tile
+ * take each group of NR columns while it is in cache, so the weights stream from memory once. */
+AVX2_INLINE void blocks_avx2(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
+                             int j0, int j1, int ldy, const int MR, const int NR)
 {
     int k = W->k, mm = m - m % MR, MB = 16 * MR;
     for (int i0 = 0; i0 < mm; i0 += MB) {
-        int i1 = i0 + MB < mm ? i0 + MB : mm;
+        int i1 = i0 + MB < mm ? i0 + MB : mm, last = i1 == mm;
         for (int j = j0; j < j1; j += NR) {
             int nc = j1 - j < NR ? j1 - j : NR;
             for (int i = i0; i < i1; i += MR)
                 tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, W, j, wt, nc, MR, NR);
+            if (last)
+                left_avx2(y + (size_t)mm * ldy + j, ldy, x + (size_t)mm * k, W, j, wt, m - mm, nc,
+                          MR, NR);
         }
     }
-    return mm;
 }
 
 /* y[m][j0..j1) for one weight dtype, inlined once per dtype so the widening is decided at compile
  * time: the tiled columns, then the row-major ones (a tile never mixes layouts). Row-major: tiles
- * of 4 rows x 3 weight rows, then the rows left with no work spent on missing ones (1 x 8, 2 x 6,
- * 3 x 4). Tiled: 3 x 4 and then 1 x 8 or 2 x 4, so that a tile's weight rows are a half or a whole
- * block of 8 — one or two of its cache lines in each chunk — and every line is read once per
- * tile of rows (3 weight rows of 8 left lines half read and read them twice). */
+ * of 4 rows x 3 weight rows; tiled: 3 x 4, so that a tile's weight rows are half a block of 8 —
+ * one of its cache lines in each chunk — and every line is read once per tile of rows (3 weight
+ * rows of 8 left lines half read and read them twice). Fewer rows than a tile's (a decode step at
+ * a small batch) go with no work spent on missing ones: 1 x 8 (one sequential stream in the tile
+ * layout), 2 x 6 or 2 x 4, 3 x 4. */
 AVX2_INLINE void gemm_avx2_body(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
                                 int j0, int j1, int ldy)
 {
-    int s = W->split < j0 ? j0 : W->split > j1 ? j1 : W->split, k = W->k;
+    int s = W->split < j0 ? j0 : W->split > j1 ? j1 : W->split;
     if (j0 < s) {
-        int done = blocks_avx2(y, x, W, wt, m, j0, s, ldy, 3, 4);
-        float *yr = y + (size_t)done * ldy;
-        const float *xr = x + (size_t)done * k;
-        if (m - done == 1)
-            rows_avx2(yr, ldy, xr, W, wt, j0, s, 1, 8);
-        else if (m - done == 2)
-            rows_avx2(yr, ldy, xr, W, wt, j0, s, 2, 4);
+        if (m >= 3)
+            blocks_avx2(y, x, W, wt, m, j0, s, ldy, 3, 4);
+        else if (m == 2)
+            rows_avx2(y, ldy, x, W, wt, j0, s, 2, 4);
+        else
+            rows_avx2(y, ldy, x, W, wt, j0, s, 1, 8);
     }
     if (s < j1) {
-        int done = blocks_avx2(y, x, W, wt, m, s, j1, ldy, 4, 3);
-        float *yr = y + (size_t)done * ldy;
-        const float *xr = x + (size_t)done * k;
-        switch (m - done) { /* the rows left, with no work spent on missing ones */
+        switch (m) {
         case 1:
-            rows_avx2(yr, ldy, xr, W, wt, s, j1, 1, 8);
+            rows_avx2(y, ldy, x, W, wt, s, j1, 1, 8);
             break;
         case 2:
-            rows_avx2(yr, ldy, xr, W, wt, s, j1, 2, 6);
+            rows_avx2(y, ldy, x, W, wt, s, j1, 2, 6);
             break;
         case 3:
-            rows_avx2(yr, ldy, xr, W, wt, s, j1, 3, 4);
+            rows_avx2(y, ldy, x, W, wt, s, j1, 3, 4);
             break;
+        default:
+            blocks_avx2(y, x, W, wt, m, s, j1, ldy, 4, 3);
         }
     }
 }
