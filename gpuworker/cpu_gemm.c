@@ -599,6 +599,15 @@ static void tile_permute(void *w, rekv_dtype wt, int n, int k, void *scratch, in
     }
 }
 
+size_t cpu_tile_index(int n, int k, int i, int j)
+{
+    size_t K = (size_t)k, k8 = K & ~(size_t)7, tail = K - k8, J = (size_t)j;
+    if (i >= (n & ~7)) /* past the last whole block: row-major */
+        return (size_t)i * K + J;
+    size_t base = (size_t)(i & ~7) * K, r = (size_t)(i & 7);
+    return base + (J < k8 ? (J & ~(size_t)7) * 8 + r * 8 + (J & 7) : k8 * 8 + r * tail + (J - k8));
+}
+
 size_t cpu_tile_scratch_bytes(rekv_dtype wt, int k)
 {
     return 8 * (size_t)k * rekv_dtype_size(wt);

@@ -29,6 +29,8 @@ void cpu_gemm_rowinv_tiled_portable(float *y, const float *x, const void *w, rek
  * block stay as they are: the same bytes, permuted); cpu_tile_unpack undoes it. scratch: memory
  * of cpu_tile_scratch_bytes(wt, k) (one block) that the call may overwrite. */
 size_t cpu_tile_scratch_bytes(rekv_dtype wt, int k);
+/* Where element (i, j) of the row-major [n][k] matrix sits in its tile layout, in elements. */
+size_t cpu_tile_index(int n, int k, int i, int j);
 void cpu_tile_pack(void *w, rekv_dtype wt, int n, int k, void *scratch);
 void cpu_tile_unpack(void *w, rekv_dtype wt, int n, int k, void *scratch);
 /* Threads a large cpu_gemm_rowinv call may use: the caller and workers of a pool that lives for

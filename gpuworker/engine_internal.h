@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 
+#include "gpuworker/cpu_ops.h"
 #include "gpuworker/gpuworker.h"
 
 /* One decoder layer's weights; NULL where the architecture has none. Shapes as in
@@ -75,6 +76,14 @@ struct rekv_engine {
 static inline int rekv_engine_w_tiled(const rekv_engine *e, const void *w)
 {
     return e->tiled && w != e->embed;
+}
+
+/* y = x·w^T (+ bias) over one of e's matrices, in the layout e keeps it. */
+static inline void rekv_engine_gemm(const rekv_engine *e, float *y, const float *x, const void *w,
+                                    const float *bias, int m, int n, int k)
+{
+    (rekv_engine_w_tiled(e, w) ? cpu_gemm_rowinv_tiled : cpu_gemm_rowinv)(y, x, w, e->wdtype, bias,
+                                                                          m, n, k);
 }
 
 #endif

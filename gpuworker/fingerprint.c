@@ -6,6 +6,7 @@
 
 #include "common/crc32c.h"
 #include "common/dtype.h"
+#include "gpuworker/cpu_ops.h"
 #include "gpuworker/engine_internal.h"
 
 /* Two 32-bit halves over the same bytes. The high half is CRC32C. A second CRC with another seed
@@ -40,22 +41,66 @@ static void fp_add(fp_state *f, const void *p, size_t n)
 #define FP_SAMPLE 4096u
 #define FP_STRIDE (64u * 4096u)
 
-static void fp_tensor(fp_state *f, const void *p, size_t n)
+/* Where a tensor's bytes come from: as held, or — a matrix [n][k] the engine keeps in the cpu
+ * GEMM's tile layout — gathered back into row-major order, so the fingerprint names the model,
+ * not the layout (a cuda pipeline makes the engine row-major again). */
+typedef struct fp_src {
+    const unsigned char *p;
+    int tiled, n, k;
+    size_t es;
+} fp_src;
+
+/* The row-major bytes [off, off + len) of s (off and len whole elements), in pieces of FP_SAMPLE:
+ * fp_add over them equals one call over the whole (each piece but the last a multiple of 8). */
+static void fp_bytes(fp_state *f, const fp_src *s, size_t off, size_t len)
 {
-    uint8_t present = p != NULL;
+    if (!s->tiled) {
+        fp_add(f, s->p + off, len);
+        return;
+    }
+    unsigned char buf[FP_SAMPLE];
+    while (len > 0) {
+        size_t m = len < FP_SAMPLE ? len : FP_SAMPLE;
+        for (size_t b = 0; b < m; b += s->es) {
+            size_t el = (off + b) / s->es;
+            size_t at = cpu_tile_index(s->n, s->k, (int)(el / (size_t)s->k), (int)(el % (size_t)s->k));
+            memcpy(buf + b, s->p + at * s->es, s->es);
+        }
+        fp_add(f, buf, m);
+        off += m;
+        len -= m;
+    }
+}
+
+static void fp_src_tensor(fp_state *f, const fp_src *s, size_t n)
+{
+    uint8_t present = s->p != NULL;
     fp_add(f, &present, 1);
-    if (p == NULL)
+    if (s->p == NULL)
         return;
     uint64_t size = n;
     fp_add(f, &size, sizeof(size));
-    const unsigned char *b = p;
     if (n <= FP_WHOLE) {
-        fp_add(f, b, n);
+        fp_bytes(f, s, 0, n);
         return;
     }
-    fp_add(f, b, FP_WHOLE);
+    fp_bytes(f, s, 0, FP_WHOLE);
     for (size_t off = FP_WHOLE; off < n; off += FP_STRIDE)
-        fp_add(f, b + off, n - off < FP_SAMPLE ? n - off : FP_SAMPLE);
+        fp_bytes(f, s, off, n - off < FP_SAMPLE ? n - off : FP_SAMPLE);
+}
+
+static void fp_tensor(fp_state *f, const void *p, size_t n)
+{
+    fp_src s = {p, 0, 0, 0, 1};
+    fp_src_tensor(f, &s, n);
+}
+
+/* One of e's matrices [n][k], by its row-major bytes whatever its layout. */
+static void fp_matrix(fp_state *f, const rekv_engine *e, const void *w, size_t n, size_t k)
+{
+    fp_src s = {w, w != NULL && rekv_engine_w_tiled(e, w), (int)n, (int)k,
+                rekv_dtype_size(e->wdtype)};
+    fp_src_tensor(f, &s, n * k * s.es);
 }
 
 uint64_t rekv_engine_fingerprint(const rekv_engine *e)
@@ -70,31 +115,34 @@ uint64_t rekv_engine_fingerprint(const rekv_engine *e)
     if (c->rope_scaling.type != REKV_ROPE_SCALING_NONE) /* the rotation the calibration saw */
         fp_add(&f, &e->rope, sizeof(e->rope));          /* (zeroed padding: rekv_rope_freqs_init) */
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c), F = (size_t)c->ffn;
-    size_t KV = (size_t)rekv_config_kv_dim(c), ws = rekv_dtype_size(e->wdtype), f4 = sizeof(float);
+    size_t KV = (size_t)rekv_config_kv_dim(c), f4 = sizeof(float);
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim;
-    fp_tensor(&f, e->embed, V * E * ws);
+    fp_matrix(&f, e, e->embed, V, E);
     fp_tensor(&f, e->pos_embed, ((size_t)c->max_pos + 2) * H * f4);
-    fp_tensor(&f, e->project_in, H * E * ws);
-    fp_tensor(&f, e->project_out, E * H * ws);
+    fp_matrix(&f, e, e->project_in, H, E);
+    fp_matrix(&f, e, e->project_out, E, H);
     fp_tensor(&f, e->final_norm_w, H * f4);
     fp_tensor(&f, e->final_norm_b, H * f4);
     uint8_t tied = e->lm_head == e->embed;
     fp_add(&f, &tied, 1);
     if (!tied)
-        fp_tensor(&f, e->lm_head, V * E * ws);
+        fp_matrix(&f, e, e->lm_head, V, E);
     for (int l = 0; l < c->n_layers; l++) {
         const layer_w *L = &e->layers[l];
         const struct {
             const void *p;
-            size_t n;
-        } t[] = {{L->attn_norm_w, H * f4}, {L->attn_norm_b, H * f4}, {L->wq, Q * H * ws},
-                 {L->bq, Q * f4},          {L->wk, KV * H * ws},     {L->bk, KV * f4},
-                 {L->wv, KV * H * ws},     {L->bv, KV * f4},         {L->wo, H * Q * ws},
-                 {L->bo, H * f4},          {L->ffn_norm_w, H * f4},  {L->ffn_norm_b, H * f4},
-                 {L->w1, F * H * ws},      {L->b1, F * f4},          {L->w2, H * F * ws},
-                 {L->b2, H * f4},          {L->w3, F * H * ws}};
-        for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
-            fp_tensor(&f, t[i].p, t[i].n);
+            size_t n, k; /* k 0: a vector of n floats; else a matrix [n][k] */
+        } t[] = {{L->attn_norm_w, H, 0}, {L->attn_norm_b, H, 0},  {L->wq, Q, H},  {L->bq, Q, 0},
+                 {L->wk, KV, H},         {L->bk, KV, 0},          {L->wv, KV, H}, {L->bv, KV, 0},
+                 {L->wo, H, Q},          {L->bo, H, 0},           {L->ffn_norm_w, H, 0},
+                 {L->ffn_norm_b, H, 0},  {L->w1, F, H},           {L->b1, F, 0},  {L->w2, H, F},
+                 {L->b2, H, 0},          {L->w3, F, H}};
+        for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++) {
+            if (t[i].k)
+                fp_matrix(&f, e, t[i].p, t[i].n, t[i].k);
+            else
+                fp_tensor(&f, t[i].p, t[i].n * f4);
+        }
     }
     uint32_t lo = (uint32_t)(f.mix ^ (f.mix >> 32));
     return (uint64_t)f.crc << 32 | lo;

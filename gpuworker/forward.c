@@ -402,22 +402,15 @@ static void add_into(float *x, const float *y, size_t n)
         x[i] += y[i];
 }
 
-/* y = x·w^T (+ bias) over one of e's matrices, in the layout e keeps it. */
-static void gemm(const rekv_engine *e, float *y, const float *x, const void *w, const void *bias,
-                 int m, int n, int k)
-{
-    (rekv_engine_w_tiled(e, w) ? cpu_gemm_rowinv_tiled : cpu_gemm_rowinv)(y, x, w, e->wdtype, bias,
-                                                                          m, n, k);
-}
 
 static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_batch_item *items,
                             int n_items, int T)
 {
     const rekv_model_config *c = &e->c;
     int H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c);
-    gemm(e, e->q, e->h, L->wq, L->bq, T, Q, H);
-    gemm(e, e->k, e->h, L->wk, L->bk, T, KV, H);
-    gemm(e, e->v, e->h, L->wv, L->bv, T, KV, H);
+    rekv_engine_gemm(e, e->q, e->h, L->wq, L->bq, T, Q, H);
+    rekv_engine_gemm(e, e->k, e->h, L->wk, L->bk, T, KV, H);
+    rekv_engine_gemm(e, e->v, e->h, L->wv, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
         cpu_rope(e->q, e->rope_cos, e->rope_sin, T, c->n_heads, c->head_dim, c->rope);
         cpu_rope(e->k, e->rope_cos, e->rope_sin, T, c->n_kv_heads, c->head_dim, c->rope);
@@ -435,21 +428,21 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
     }
     cpu_attention(e->att, e->q, sq, n_items, c->n_heads, c->n_kv_heads, c->head_dim, REKV_DTYPE_F32,
                   e->scores);
-    gemm(e, e->h, e->att, L->wo, L->bo, T, H, Q);
+    rekv_engine_gemm(e, e->h, e->att, L->wo, L->bo, T, H, Q);
 }
 
 static void ffn_block(rekv_engine *e, const layer_w *L, int T)
 {
     const rekv_model_config *c = &e->c;
     int H = c->hidden, F = c->ffn;
-    gemm(e, e->f1, e->h, L->w1, L->b1, T, F, H);
+    rekv_engine_gemm(e, e->f1, e->h, L->w1, L->b1, T, F, H);
     if (L->w3) {
-        gemm(e, e->f3, e->h, L->w3, NULL, T, F, H);
+        rekv_engine_gemm(e, e->f3, e->h, L->w3, NULL, T, F, H);
         cpu_activation(e->f1, e->f3, (size_t)T * F, c->act);
     } else {
         cpu_activation(e->f1, NULL, (size_t)T * F, c->act);
     }
-    gemm(e, e->h, e->f1, L->w2, L->b2, T, H, F);
+    rekv_engine_gemm(e, e->h, e->f1, L->w2, L->b2, T, H, F);
 }
 
 int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err)
@@ -492,7 +485,7 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
                         e->wdtype, (size_t)E);
         }
     if (e->project_in)
-        gemm(e, e->x, e->h, e->project_in, NULL, (int)T, H, E);
+        rekv_engine_gemm(e, e->x, e->h, e->project_in, NULL, (int)T, H, E);
     if (e->pos_embed)
         for (row = 0; row < T; row++)
             add_into(e->x + row * H, e->pos_embed + (size_t)(e->pos[row] + 2) * H, (size_t)H);
@@ -538,18 +531,18 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         cpu_norm(e->x, e->x, e->final_norm_w, e->final_norm_b, (int)n_out, H, c->norm_eps);
     const float *hin = e->x;
     if (e->project_out) {
-        gemm(e, e->h, e->x, e->project_out, NULL, (int)n_out, E, H);
+        rekv_engine_gemm(e, e->h, e->x, e->project_out, NULL, (int)n_out, E, H);
         hin = e->h;
     }
     /* one GEMM for every row, so the head's weights are read once per step, not once per item */
     if (n_items == 1) {
-        gemm(e, items[0].logits, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+        rekv_engine_gemm(e, items[0].logits, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
         return 0;
     }
     float *all = malloc(sizeof(float) * n_out * (size_t)c->vocab);
     if (all == NULL)
         return rekv_errf(err, -ENOMEM, "forward: out of memory for %zu rows of logits", n_out);
-    gemm(e, all, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+    rekv_engine_gemm(e, all, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
     size_t r = 0;
     for (int b = 0; b < n_items; b++) {
         size_t rows = items[b].all_logits ? (size_t)items[b].n_tokens : 1;

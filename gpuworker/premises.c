@@ -69,7 +69,7 @@ static void query_from(pm_tap *t, int l, const float *h, float *q)
     const rekv_engine *e = t->e;
     const rekv_model_config *c = &e->c;
     const layer_w *L = &e->layers[l];
-    cpu_gemm_rowinv(q, h, L->wq, e->wdtype, L->bq, 1, rekv_config_q_dim(c), c->hidden);
+    rekv_engine_gemm(e, q, h, L->wq, L->bq, 1, rekv_config_q_dim(c), c->hidden);
     if (c->rope != REKV_ROPE_NONE)
         cpu_rope(q, e->rope_cos, e->rope_sin, 1, c->n_heads, c->head_dim, c->rope);
 }

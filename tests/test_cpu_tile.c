@@ -189,9 +189,9 @@ START_TEST(engine_tiled_same_logits)
         float *pt = malloc(sizeof(float) * nl), *pu = malloc(sizeof(float) * nl);
         forward_logits(e, prompt, ft);
         pipeline_logits(e, prompt, pt);
-        uint64_t fp = rekv_skew_fingerprint(e);
+        uint64_t fp = rekv_engine_fingerprint(e);
         ck_assert_msg(rekv_engine_untile(e, &err) == 0, "%s", err.msg);
-        ck_assert_msg(rekv_skew_fingerprint(e) == fp,
+        ck_assert_msg(rekv_engine_fingerprint(e) == fp,
                       "%s: the model's fingerprint depends on the layout", dts[d]);
         ck_assert(!e->tiled);
         ck_assert_msg(memcmp(e->layers[0].wq, wq->data, wq->nbytes) == 0,
