@@ -16,6 +16,7 @@
 #include "common/log.h"
 #include "common/version.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/http.h"
 
 static void usage(FILE *f)
 {
@@ -25,7 +26,9 @@ static void usage(FILE *f)
             "         [--worker-timeout-ms N] [--step-timeout-ms N] [--max-clients N]\n"
             "         [--max-attempts N] [--prefill-chunk N] [--curve-secret-file FILE]\n"
             "         [--ready-fd N]\n"
-            "         [--metrics HOST:PORT [--metrics-public]] [--help] [--version]\n"
+            "         [--metrics HOST:PORT [--metrics-public]]\n"
+            "         [--http HOST:PORT [--http-public] [--api-key-file FILE]\n"
+            "          [--served-model-name NAME]] [--help] [--version]\n"
             "Defaults: control ipc://$XDG_RUNTIME_DIR/rekv/control (or /run/rekv/control), workers\n"
             "beside it, no journal unless --state-dir (or $STATE_DIRECTORY) is given, queue 256.\n"
             "Finished jobs are remembered for Status (and their client keys honoured) up to\n"
@@ -46,7 +49,12 @@ static void usage(FILE *f)
             "0600) serve local clients and workers as before.\n"
             "--metrics serves Prometheus scrapes (GET /metrics) on a loopback address; another\n"
             "address (or :PORT, every interface) needs --metrics-public: scrapes are not\n"
-            "authenticated.\n");
+            "authenticated.\n"
+            "--http serves the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models,\n"
+            "/health, /tokenize, /detokenize) as another client of the control socket, on a\n"
+            "loopback address unless --http-public. --api-key-file: requests must carry\n"
+            "'Authorization: Bearer KEY' (the file's first line). The model's name is --model's\n"
+            "base name (a file's without extension) unless --served-model-name.\n");
 }
 
 static void on_event(void *ctx, rekv_co_event lvl, const char *msg)
@@ -64,6 +72,61 @@ static void on_tick(void *ctx)
     rekv_daemon_watchdog();
 }
 
+static void on_http_log(void *ctx, int level, const char *msg)
+{
+    (void)ctx;
+    rekv_log((rekv_log_level)level, "http: %s", msg);
+}
+
+/* The key's first line (a trailing newline and spaces dropped); 0 or -1 after logging. */
+static int read_api_key(const char *path, char *key, size_t n)
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL || fgets(key, (int)n, f) == NULL) {
+        rekv_log(REKV_LOG_ERROR, "%s: cannot read an API key: %s", path,
+                 f ? "the file is empty" : strerror(errno));
+        if (f)
+            fclose(f);
+        return -1;
+    }
+    fclose(f);
+    size_t l = strlen(key);
+    while (l && (key[l - 1] == '\n' || key[l - 1] == '\r' || key[l - 1] == ' '))
+        key[--l] = '\0';
+    if (l == 0) {
+        rekv_log(REKV_LOG_ERROR, "%s: the API key is empty", path);
+        return -1;
+    }
+    return 0;
+}
+
+/* The HTTP server, a client of the control endpoint just bound (a wildcard tcp:// address is
+ * reached on loopback). */
+static int start_http(rekv_http_config *h, const rekv_coordinator_config *cfg,
+                      rekv_coordinator *co, const char *curve_pub, rekv_http **out)
+{
+    char ep[4200];
+    const char *bound = rekv_coordinator_control_endpoint(co);
+    if (strncmp(bound, "tcp://*:", 8) == 0)
+        snprintf(ep, sizeof(ep), "tcp://127.0.0.1:%s", bound + 8);
+    else if (strncmp(bound, "tcp://0.0.0.0:", 14) == 0)
+        snprintf(ep, sizeof(ep), "tcp://127.0.0.1:%s", bound + 14);
+    else
+        snprintf(ep, sizeof(ep), "%s", bound);
+    h->control_endpoint = ep;
+    h->curve_server_key = strncmp(ep, "tcp://", 6) == 0 && *curve_pub ? curve_pub : NULL;
+    h->model_path = cfg->model_path;
+    h->on_log = on_http_log;
+    rekv_err err = {0};
+    if (rekv_http_start(h, out, &err)) {
+        rekv_log(REKV_LOG_ERROR, "%s", err.msg);
+        return -1;
+    }
+    rekv_log(REKV_LOG_INFO, "http: OpenAI API on %s (port %d)%s", h->listen, rekv_http_port(*out),
+             h->api_key ? ", API key required" : "");
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     rekv_log_init_from_env();
@@ -71,9 +134,11 @@ int main(int argc, char **argv)
     rekv_coordinator_config_defaults(&cfg);
     const char *curve_file = NULL;
     uint32_t ready_fd = UINT32_MAX;
+    rekv_http_config hcfg = {0};
+    const char *api_key_file = NULL;
     enum { O_CONTROL = 1000, O_WORKERS, O_STATE, O_MODEL, O_QUEUE, O_KEEP, O_KEEP_BYTES, O_TIMEOUT,
            O_STEP_TIMEOUT, O_ATTEMPTS, O_CHUNK, O_MAX_CLIENTS, O_CURVE, O_READY, O_METRICS,
-           O_METRICS_PUBLIC, O_HELP, O_VERSION };
+           O_METRICS_PUBLIC, O_HTTP, O_HTTP_PUBLIC, O_API_KEY, O_SERVED_NAME, O_HELP, O_VERSION };
     static const struct option opts[] = {
         {"control", required_argument, 0, O_CONTROL},
         {"workers", required_argument, 0, O_WORKERS},
@@ -91,6 +156,10 @@ int main(int argc, char **argv)
         {"ready-fd", required_argument, 0, O_READY},
         {"metrics", required_argument, 0, O_METRICS},
         {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
+        {"http", required_argument, 0, O_HTTP},
+        {"http-public", no_argument, 0, O_HTTP_PUBLIC},
+        {"api-key-file", required_argument, 0, O_API_KEY},
+        {"served-model-name", required_argument, 0, O_SERVED_NAME},
         {"help", no_argument, 0, O_HELP},
         {"version", no_argument, 0, O_VERSION},
         {0, 0, 0, 0},
@@ -131,6 +200,10 @@ int main(int argc, char **argv)
         case O_READY: bad = rekv_parse_u32(optarg, &ready_fd); break;
         case O_METRICS: cfg.metrics_listen = optarg; break;
         case O_METRICS_PUBLIC: cfg.metrics_public = 1; break;
+        case O_HTTP: hcfg.listen = optarg; break;
+        case O_HTTP_PUBLIC: hcfg.allow_remote = 1; break;
+        case O_API_KEY: api_key_file = optarg; break;
+        case O_SERVED_NAME: bad = *optarg == '\0'; hcfg.served_model_name = optarg; break;
         case O_HELP: usage(stdout); return 0;
         case O_VERSION: printf("rekv-coordinator %s\n", rekv_version()); return 0;
         default: usage(stderr); return 2;
@@ -145,10 +218,19 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    if (hcfg.listen == NULL && (hcfg.allow_remote || api_key_file || hcfg.served_model_name)) {
+        fprintf(stderr, "rekv-coordinator: --http-public, --api-key-file and --served-model-name "
+                        "go with --http\n");
+        return 2;
+    }
+    char api_key[512];
+    if (api_key_file && read_api_key(api_key_file, api_key, sizeof(api_key)))
+        return 1;
+    hcfg.api_key = api_key_file ? api_key : NULL;
     /* systemd's StateDirectory= */
     if (cfg.state_dir == NULL && getenv("STATE_DIRECTORY") && *getenv("STATE_DIRECTORY"))
         cfg.state_dir = getenv("STATE_DIRECTORY");
-    char key[64] = {0};
+    char key[64] = {0}, curve_pub[41] = {0};
     if (curve_file) {
         FILE *f = fopen(curve_file, "r");
         if (f == NULL || fread(key, 1, 40, f) != 40) {
@@ -166,6 +248,7 @@ int main(int argc, char **argv)
         }
         rekv_log(REKV_LOG_INFO, "CurveZMQ on tcp:// endpoints: clients need REKV_CURVE_SERVER_KEY=%s",
                  pub);
+        snprintf(curve_pub, sizeof(curve_pub), "%s", pub);
     }
     int sfd = rekv_daemon_stop_fd();
     if (sfd < 0) {
@@ -188,11 +271,18 @@ int main(int argc, char **argv)
     rekv_log(REKV_LOG_INFO, "serving %s (workers on %s), queue %u, journal %s",
              rekv_coordinator_control_endpoint(co), rekv_coordinator_worker_endpoint(co),
              cfg.queue_limit, cfg.state_dir ? cfg.state_dir : "off");
+    rekv_http *http = NULL;
+    if (hcfg.listen && start_http(&hcfg, &cfg, co, curve_pub, &http)) {
+        rekv_coordinator_destroy(co);
+        close(sfd);
+        return 1;
+    }
     rekv_daemon_ready(ready_fd == UINT32_MAX ? -1 : (int)ready_fd);
     int rc = rekv_coordinator_run(co, &err);
     if (rc < 0)
         rekv_log(REKV_LOG_ERROR, "%s", err.msg);
     rekv_daemon_stopping();
+    rekv_http_stop(http);
     rekv_coordinator_destroy(co);
     close(sfd);
     rekv_log(REKV_LOG_INFO, "stopped");

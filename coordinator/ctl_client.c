@@ -15,7 +15,8 @@
 #include "common/curve.h"
 
 struct rekv_ctl {
-    void *zctx;       /* private ZeroMQ context */
+    void *zctx;       /* ZeroMQ context: private, or the caller's (rekv_ctl_connect_in) */
+    int own_ctx;      /* 1: zctx is private, terminated by rekv_ctl_close */
     void *sock;       /* DEALER connected to the control socket */
     uint64_t next_id; /* request ids this client hands out */
 };
@@ -74,6 +75,12 @@ int rekv_client_control_endpoint(char *buf, size_t len, rekv_err *err)
 int rekv_ctl_connect(const char *endpoint, const char *curve_server_key, rekv_ctl **out,
                      rekv_err *err)
 {
+    return rekv_ctl_connect_in(NULL, endpoint, curve_server_key, out, err);
+}
+
+int rekv_ctl_connect_in(void *zctx, const char *endpoint, const char *curve_server_key,
+                        rekv_ctl **out, rekv_err *err)
+{
     char def[4100];
     int rc;
     if (endpoint == NULL) {
@@ -86,7 +93,8 @@ int rekv_ctl_connect(const char *endpoint, const char *curve_server_key, rekv_ct
         return rekv_errf(err, -ENOMEM, "out of memory");
     /* ids start from the clock so that two clients' ids are unlikely to collide in logs */
     c->next_id = rekv_now_ns() & 0xffffffffffull;
-    c->zctx = zmq_ctx_new();
+    c->own_ctx = zctx == NULL;
+    c->zctx = zctx ? zctx : zmq_ctx_new();
     c->sock = c->zctx ? zmq_socket(c->zctx, ZMQ_DEALER) : NULL;
     if (c->sock == NULL) {
         rc = rekv_errf(err, -errno, "zmq socket: %s", zmq_strerror(errno));
@@ -113,7 +121,7 @@ void rekv_ctl_close(rekv_ctl *c)
         return;
     if (c->sock)
         zmq_close(c->sock);
-    if (c->zctx)
+    if (c->zctx && c->own_ctx)
         zmq_ctx_term(c->zctx);
     free(c);
 }

@@ -1,0 +1,982 @@
+/* http_gen.c — POST /v1/completions and /v1/chat/completions: an OpenAI request read into one
+ * Submit per job (n prompts x n choices), the jobs submitted over the control socket with
+ * stream set, and their StreamEvents turned into the answer: one JSON object when they end, or
+ * server-sent events as they come (a chunk per event, the usage chunk with
+ * stream_options.include_usage, then "data: [DONE]").
+ *
+ * Data flow (all in the request's connection thread): the access handler parses and submits, then
+ * either waits for every job to end (non-streaming) or hands libmicrohttpd a reader that waits for
+ * the next event each time it is asked for bytes (streaming). Both waits poll the DEALER and the
+ * client's socket together, so a client that closes ends its request at once; the request-completed
+ * notification (http_gen_finish) then cancels what still runs. A Submit or subscription that hears
+ * nothing for a while is sent again with the same client key and stream_from at the tokens already
+ * had: the coordinator answers with the same job, never a second one. */
+#define _GNU_SOURCE
+#include "coordinator/http_internal.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+
+/* ms a wait polls before it looks at the stop flag; and how many silent polls before a job's
+ * Submit is sent again (a subscription lost to a coordinator restart is renewed) */
+#define GEN_POLL_MS 1000
+#define GEN_RESEND_POLLS 10
+
+typedef struct hjob {
+    Rekv__Control__Submit sub; /* as sent (prompt fields point into the request's JSON) */
+    char key[64];              /* its client key */
+    uint64_t rq;               /* the Submit's request id: its reply and events carry it */
+    uint64_t job;              /* the coordinator's id once accepted, else 0 */
+    uint32_t prompt_tokens;
+    int prompt;                /* index of its prompt */
+    int index;                 /* its choice index */
+    uint32_t next;             /* generated tokens had (the next event's expected offset) */
+    int done;
+    Rekv__Control__JobState state;
+    char finish[32]; /* the coordinator's finish_reason */
+    char *error;     /* FAILED: why (malloc'd) */
+    hbuf text;       /* the generated text's bytes */
+    size_t text_sent; /* bytes of text already streamed */
+    hbuf lp;          /* [next] float: each token's log-probability (with logprobs) */
+    hbuf top_ids;     /* [next][top_logprobs] int32 */
+    hbuf top_vals;    /* [next][top_logprobs] float */
+    hbuf ids;         /* [next] int32: the generated ids */
+    size_t lp_sent;   /* tokens whose logprobs were streamed */
+    int echo_sent;    /* stream: the echoed prompt went out */
+    int role_sent;    /* chat stream: the first delta (role) went out */
+    int end_sent;     /* stream: its finish_reason went out */
+} hjob;
+
+typedef struct hgen {
+    struct rekv_http *srv;
+    rekv_ctl *ctl;
+    int fd; /* the client's socket, watched while waiting; -1: not watched */
+    int chat;
+    int stream, include_usage;
+    int echo;
+    int want_lp;             /* logprobs asked for */
+    uint32_t top_lp;         /* top logprobs per token */
+    json_t *req;             /* the request's JSON (the Submits point into it) */
+    char **stops;            /* [n_stops] into req */
+    size_t n_stops;
+    char **echo_text;        /* [n_prompts] echo: each prompt's text (malloc'd) */
+    char *chat_prompt;       /* chat: the rendered conversation (malloc'd) */
+    int32_t **prompt_ids;    /* [n_prompts] id prompts (malloc'd), else NULL */
+    int n_prompts;
+    hjob *jobs;
+    int n_jobs, n_done;
+    char id[48];
+    int64_t created;
+    hbuf out;       /* stream: SSE bytes not yet given to libmicrohttpd */
+    size_t out_off; /* of out, bytes given */
+    int ended;      /* stream: [DONE] written */
+    int silent;     /* polls in a row without a message */
+} hgen;
+
+enum { PUMP_GOT = 1, PUMP_IDLE = 0, PUMP_GONE = -1, PUMP_STOP = -2, PUMP_ERR = -3 };
+
+/* ---------------------------------------------------------------- text */
+
+/* Bytes of s[0..n) that form whole UTF-8 characters, leaving out an incomplete one at the end
+ * (the rest of it comes with the next tokens). */
+static size_t utf8_whole(const unsigned char *s, size_t n)
+{
+    size_t i = n, back = 0;
+    while (i > 0 && back < 4 && (s[i - 1] & 0xC0) == 0x80) {
+        i--;
+        back++;
+    }
+    if (i == 0)
+        return n;
+    unsigned char c = s[i - 1];
+    size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    return need > back + 1 ? i - 1 : n;
+}
+
+/* A JSON string of any bytes: invalid UTF-8 becomes U+FFFD (a byte-level model may make it). */
+static json_t *jstr(const char *s, size_t n)
+{
+    json_t *j = json_stringn(s, n);
+    if (j)
+        return j;
+    hbuf b = {0};
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        size_t len = c < 0x80 ? 1 : c >= 0xF0 && c < 0xF8 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 ? 2 : 0;
+        json_t *t = len && i + len <= n ? json_stringn(s + i, len) : NULL;
+        if (t) {
+            hbuf_put(&b, s + i, len);
+            json_decref(t);
+            i += len;
+        } else {
+            hbuf_put(&b, "\xEF\xBF\xBD", 3);
+            i++;
+        }
+    }
+    j = json_stringn(b.p ? b.p : "", b.n);
+    hbuf_free(&b);
+    return j;
+}
+
+/* The text of one token (for logprobs), and its bytes. */
+static json_t *token_str(const struct rekv_http *h, int32_t id, json_t **bytes)
+{
+    char *t = NULL;
+    size_t n = 0;
+    if (h->tok == NULL || rekv_tokenizer_decode(h->tok, &id, 1, &t, &n, NULL)) {
+        char tmp[32];
+        snprintf(tmp, sizeof(tmp), "<%d>", id);
+        t = strdup(tmp);
+        n = t ? strlen(t) : 0;
+    }
+    if (bytes) {
+        *bytes = json_array();
+        for (size_t i = 0; i < n; i++)
+            json_array_append_new(*bytes, json_integer((unsigned char)t[i]));
+    }
+    json_t *s = jstr(t ? t : "", n);
+    free(t);
+    return s;
+}
+
+static const char *finish_of(const hjob *j)
+{
+    if (j->state == REKV__CONTROL__JOB_STATE__CANCELLED)
+        return "abort";
+    if (!strcmp(j->finish, "length") || !strcmp(j->finish, "context"))
+        return "length";
+    return "stop"; /* eos, a stop string */
+}
+
+/* ---------------------------------------------------------------- the request */
+
+typedef struct perr {
+    unsigned status;
+    const char *code;
+    char msg[1100];
+} perr;
+
+static int bad(perr *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int bad(perr *e, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof(e->msg), fmt, ap);
+    va_end(ap);
+    e->status = 400;
+    return -1;
+}
+
+/* An optional number field: 0 absent (or null), 1 present in *v, -1 after bad(). */
+static int opt_num(json_t *o, const char *k, double *v, int integer, perr *e)
+{
+    json_t *j = json_object_get(o, k);
+    if (j == NULL || json_is_null(j))
+        return 0;
+    if (integer ? !json_is_integer(j) : !json_is_number(j))
+        return bad(e, "'%s' must be %s", k, integer ? "an integer" : "a number");
+    *v = json_number_value(j);
+    return 1;
+}
+
+static int opt_bool(json_t *o, const char *k, int *v, perr *e)
+{
+    json_t *j = json_object_get(o, k);
+    if (j == NULL || json_is_null(j))
+        return 0;
+    if (!json_is_boolean(j))
+        return bad(e, "'%s' must be a boolean", k);
+    *v = json_is_true(j);
+    return 1;
+}
+
+/* prompt: a string, token ids, a list of strings or a list of id lists. Fills g's prompts (the
+ * texts point into the JSON). */
+static int read_prompts(hgen *g, json_t *p, const char ***texts, perr *e)
+{
+    if (p == NULL || json_is_null(p))
+        return bad(e, "'prompt' is required");
+    int vocab = g->srv->have_model ? g->srv->mcfg.vocab : INT32_MAX;
+    size_t n = 1;
+    json_t *one;
+    int list = json_is_array(p) && json_array_size(p) > 0 &&
+               (json_is_string(json_array_get(p, 0)) || json_is_array(json_array_get(p, 0)));
+    if (json_is_array(p) && json_array_size(p) == 0)
+        return bad(e, "'prompt' is empty");
+    if (list)
+        n = json_array_size(p);
+    if (n > REKV_HTTP_MAX_JOBS)
+        return bad(e, "'prompt' holds %zu prompts; at most %d", n, REKV_HTTP_MAX_JOBS);
+    *texts = calloc(n, sizeof(char *));
+    g->prompt_ids = calloc(n, sizeof(int32_t *));
+    g->jobs = NULL;
+    if (*texts == NULL || g->prompt_ids == NULL)
+        return bad(e, "out of memory");
+    g->n_prompts = (int)n;
+    for (size_t i = 0; i < n; i++) {
+        one = list ? json_array_get(p, i) : p;
+        if (json_is_string(one)) {
+            if (json_string_length(one) == 0)
+                return bad(e, "'prompt' %zu is empty", i);
+            (*texts)[i] = json_string_value(one);
+            continue;
+        }
+        if (!json_is_array(one) || json_array_size(one) == 0)
+            return bad(e, "'prompt' must be a string, an array of token ids, or an array of "
+                          "either (non-empty)");
+        size_t m = json_array_size(one);
+        int32_t *ids = malloc(sizeof(int32_t) * m);
+        if (ids == NULL)
+            return bad(e, "out of memory");
+        g->prompt_ids[i] = ids;
+        for (size_t k = 0; k < m; k++) {
+            json_t *v = json_array_get(one, k);
+            if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= vocab)
+                return bad(e, "'prompt' token %zu is not a token id of the vocabulary", k);
+            ids[k] = (int32_t)json_integer_value(v);
+        }
+    }
+    return 0;
+}
+
+/* messages: a non-empty array of {role, content} rendered with the model's chat template. */
+static int read_messages(hgen *g, json_t *req, perr *e)
+{
+    json_t *m = json_object_get(req, "messages");
+    if (!json_is_array(m))
+        return bad(e, "'messages' must be an array of messages");
+    if (json_array_size(m) == 0)
+        return bad(e, "'messages' is empty");
+    size_t i;
+    json_t *msg;
+    json_array_foreach(m, i, msg)
+    {
+        json_t *role = json_object_get(msg, "role"), *c = json_object_get(msg, "content");
+        if (!json_is_object(msg) || !json_is_string(role))
+            return bad(e, "'messages'[%zu] must be an object with a string 'role'", i);
+        if (c && !json_is_string(c) && !json_is_array(c) && !json_is_null(c))
+            return bad(e, "'messages'[%zu].content must be a string or an array of parts", i);
+    }
+    (void)g;
+    return bad(e, "this model has no chat template (tokenizer_config.json 'chat_template' or "
+                  "chat_template.jinja in its directory): use /v1/completions");
+}
+
+/* Sampling, limits, stops, logprobs: the fields every job of the request shares. */
+static int read_common(hgen *g, json_t *req, Rekv__Control__Submit *s, uint32_t *n, int *seeded,
+                       uint64_t *seed, perr *e)
+{
+    struct rekv_http *h = g->srv;
+    json_t *model = json_object_get(req, "model");
+    if (model && !json_is_null(model)) {
+        if (!json_is_string(model))
+            return bad(e, "'model' must be a string");
+        if (strcmp(json_string_value(model), h->model_name) != 0) {
+            e->status = 404;
+            e->code = "model_not_found";
+            snprintf(e->msg, sizeof(e->msg), "The model `%s` does not exist.",
+                     json_string_value(model));
+            return -1;
+        }
+    }
+    double v = 0;
+    int rc, b = 0;
+    s->max_new_tokens = g->chat ? (h->have_model ? (uint32_t)h->mcfg.max_pos : 256) : 16;
+    const char *mk = json_object_get(req, "max_completion_tokens") ? "max_completion_tokens"
+                                                                    : "max_tokens";
+    if ((rc = opt_num(req, mk, &v, 1, e)) < 0)
+        return -1;
+    if (rc && (v < 1 || v > 1e9))
+        return bad(e, "'%s' must be at least 1 (got %.0f)", mk, v);
+    if (rc)
+        s->max_new_tokens = (uint32_t)v;
+    s->sampling->temperature = 1.0f;
+    if ((rc = opt_num(req, "temperature", &v, 0, e)) < 0)
+        return -1;
+    if (rc && (v < 0 || v > 100))
+        return bad(e, "'temperature' must be 0 or more");
+    if (rc)
+        s->sampling->temperature = (float)v;
+    if ((rc = opt_num(req, "top_p", &v, 0, e)) < 0)
+        return -1;
+    if (rc && (v <= 0 || v > 1))
+        return bad(e, "'top_p' must be in (0, 1]");
+    if (rc)
+        s->sampling->top_p = v >= 1 ? 0.0f : (float)v;
+    if ((rc = opt_num(req, "top_k", &v, 1, e)) < 0)
+        return -1;
+    if (rc && (v < -1 || v > 1e9))
+        return bad(e, "'top_k' must be -1 (off), 0 (off) or more");
+    if (rc && v > 0)
+        s->sampling->top_k = (uint32_t)v;
+    if ((rc = opt_num(req, "seed", &v, 1, e)) < 0)
+        return -1;
+    *seeded = rc;
+    *seed = rc ? (uint64_t)json_integer_value(json_object_get(req, "seed")) : 0;
+    *n = 1;
+    if ((rc = opt_num(req, "n", &v, 1, e)) < 0)
+        return -1;
+    if (rc && (v < 1 || v > REKV_HTTP_MAX_N))
+        return bad(e, "'n' must be 1..%d", REKV_HTTP_MAX_N);
+    if (rc)
+        *n = (uint32_t)v;
+    if ((rc = opt_num(req, "priority", &v, 1, e)) < 0)
+        return -1;
+    if (rc && (v < INT32_MIN || v > INT32_MAX))
+        return bad(e, "'priority' is out of range");
+    if (rc)
+        s->priority = (int32_t)v;
+    if (opt_bool(req, "stream", &g->stream, e) < 0)
+        return -1;
+    json_t *so = json_object_get(req, "stream_options");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so) || opt_bool(so, "include_usage", &b, e) < 0)
+            return bad(e, "'stream_options' must be an object {\"include_usage\": boolean}");
+        if (!g->stream)
+            return bad(e, "'stream_options' is only allowed with 'stream': true");
+        g->include_usage = b;
+    }
+    json_t *st = json_object_get(req, "stop");
+    if (st && !json_is_null(st)) {
+        size_t k = json_is_string(st) ? 1 : json_is_array(st) ? json_array_size(st) : 0;
+        if (!json_is_string(st) && !json_is_array(st))
+            return bad(e, "'stop' must be a string or an array of strings");
+        g->stops = calloc(k ? k : 1, sizeof(char *));
+        for (size_t i = 0; g->stops && i < k; i++) {
+            json_t *x = json_is_string(st) ? st : json_array_get(st, i);
+            if (!json_is_string(x) || json_string_length(x) == 0)
+                return bad(e, "'stop' must hold non-empty strings");
+            g->stops[g->n_stops++] = (char *)json_string_value(x);
+        }
+        s->n_stop = g->n_stops;
+        s->stop = g->stops;
+    }
+    return 0;
+}
+
+/* logprobs and echo, whose shapes differ between the two endpoints. */
+static int read_logprobs(hgen *g, json_t *req, perr *e)
+{
+    double v = 0;
+    int rc;
+    if (g->chat) {
+        if (opt_bool(req, "logprobs", &g->want_lp, e) < 0)
+            return -1;
+        if ((rc = opt_num(req, "top_logprobs", &v, 1, e)) < 0)
+            return -1;
+        if (rc && (v < 0 || v > 20))
+            return bad(e, "'top_logprobs' must be 0..20");
+        if (rc && v > 0 && !g->want_lp)
+            return bad(e, "'top_logprobs' needs 'logprobs': true");
+        g->top_lp = rc ? (uint32_t)v : 0;
+        return 0;
+    }
+    if ((rc = opt_num(req, "logprobs", &v, 1, e)) < 0)
+        return -1;
+    if (rc && (v < 0 || v > 20))
+        return bad(e, "'logprobs' must be 0..20");
+    g->want_lp = rc;
+    g->top_lp = rc ? (uint32_t)v : 0;
+    if (opt_bool(req, "echo", &g->echo, e) < 0)
+        return -1;
+    if (g->echo && g->want_lp)
+        return bad(e, "'echo' with 'logprobs' is not supported: rekv does not compute the "
+                      "prompt's log-probabilities");
+    return 0;
+}
+
+static void random_hex(char *out, size_t bytes)
+{
+    unsigned char r[16];
+    if (bytes > sizeof(r))
+        bytes = sizeof(r);
+    if (getrandom(r, bytes, 0) != (ssize_t)bytes) {
+        uint64_t t = rekv_now_ns() ^ (uint64_t)(uintptr_t)out;
+        memcpy(r, &t, bytes < 8 ? bytes : 8);
+    }
+    for (size_t i = 0; i < bytes; i++)
+        sprintf(out + 2 * i, "%02x", r[i]);
+}
+
+/* One job per prompt and choice, sharing s's fields. */
+static int build_jobs(hgen *g, json_t *prompt, const char **texts, const Rekv__Control__Submit *s,
+                      uint32_t n, int seeded, uint64_t seed, perr *e)
+{
+    g->n_jobs = g->n_prompts * (int)n;
+    if (g->n_jobs > REKV_HTTP_MAX_JOBS)
+        return bad(e, "%d prompts x n=%u is %d jobs; at most %d", g->n_prompts, n, g->n_jobs,
+                   REKV_HTTP_MAX_JOBS);
+    g->jobs = calloc((size_t)g->n_jobs, sizeof(hjob));
+    Rekv__Control__Sampling *smp = calloc((size_t)g->n_jobs, sizeof(*smp));
+    if (g->jobs == NULL || smp == NULL) {
+        free(smp);
+        return bad(e, "out of memory");
+    }
+    char base[40];
+    random_hex(base, 12);
+    int list = prompt && json_is_array(prompt) && g->n_prompts > 0 &&
+               (json_is_string(json_array_get(prompt, 0)) ||
+                json_is_array(json_array_get(prompt, 0)));
+    for (int p = 0; p < g->n_prompts; p++)
+        for (uint32_t i = 0; i < n; i++) {
+            hjob *j = &g->jobs[p * (int)n + (int)i];
+            j->sub = *s;
+            smp[p * n + i] = *s->sampling;
+            j->sub.sampling = &smp[p * n + i];
+            if (seeded)
+                j->sub.sampling->seed = seed + i;
+            else
+                getrandom(&j->sub.sampling->seed, sizeof(uint64_t), 0);
+            j->prompt = p;
+            j->index = p * (int)n + (int)i;
+            snprintf(j->key, sizeof(j->key), "http-%s-%d", base, j->index);
+            j->sub.client_key = j->key;
+            if (g->chat) {
+                j->sub.prompt_text = g->chat_prompt;
+            } else if (texts[p]) {
+                j->sub.prompt_text = (char *)texts[p];
+            } else {
+                json_t *ids = list ? json_array_get(prompt, (size_t)p) : prompt;
+                j->sub.prompt_ids = g->prompt_ids[p];
+                j->sub.n_prompt_ids = json_array_size(ids);
+            }
+        }
+    return 0;
+}
+
+/* The echoed prompt of each prompt (completions' echo). */
+static int echo_texts(hgen *g, const char **texts, perr *e)
+{
+    g->echo_text = calloc((size_t)g->n_prompts, sizeof(char *));
+    if (g->echo_text == NULL)
+        return bad(e, "out of memory");
+    for (int p = 0; p < g->n_prompts; p++) {
+        if (texts[p]) {
+            g->echo_text[p] = strdup(texts[p]);
+            continue;
+        }
+        const hjob *j = &g->jobs[p * (g->n_jobs / g->n_prompts)];
+        size_t tl = 0;
+        if (g->srv->tok == NULL || rekv_tokenizer_decode(g->srv->tok, j->sub.prompt_ids,
+                                                         j->sub.n_prompt_ids, &g->echo_text[p],
+                                                         &tl, NULL))
+            return bad(e, "'echo' of a token-id prompt needs the server's tokenizer");
+    }
+    return 0;
+}
+
+static int read_request(hgen *g, json_t *req, perr *e)
+{
+    Rekv__Control__Submit s = REKV__CONTROL__SUBMIT__INIT;
+    Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
+    s.sampling = &smp;
+    s.stop_at_eos = 1;
+    s.stream = 1;
+    uint32_t n = 1;
+    int seeded = 0;
+    uint64_t seed = 0;
+    const char **texts = NULL;
+    json_t *prompt = json_object_get(req, "prompt");
+    int rc;
+    if ((rc = read_common(g, req, &s, &n, &seeded, &seed, e)) || (rc = read_logprobs(g, req, e)))
+        goto out;
+    if (g->chat) {
+        if ((rc = read_messages(g, req, e)))
+            goto out;
+        g->n_prompts = 1;
+        texts = calloc(1, sizeof(char *));
+        prompt = NULL;
+    } else if ((rc = read_prompts(g, prompt, &texts, e))) {
+        goto out;
+    }
+    s.logprobs = g->want_lp;
+    s.top_logprobs = g->top_lp;
+    if ((rc = build_jobs(g, prompt, texts, &s, n, seeded, seed, e)))
+        goto out;
+    if (g->echo && (rc = echo_texts(g, texts, e)))
+        goto out;
+out:
+    free(texts);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- talking to the coordinator */
+
+static int send_submit(hgen *g, hjob *j, rekv_err *err)
+{
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rq.submit = &j->sub;
+    rq.id = j->rq; /* 0 the first time: a fresh id; again: the same one */
+    j->sub.stream_from = j->next;
+    return rekv_ctl_send(g->ctl, &rq, &j->rq, err);
+}
+
+static hjob *job_of_rq(hgen *g, uint64_t id)
+{
+    for (int i = 0; i < g->n_jobs; i++)
+        if (g->jobs[i].rq == id)
+            return &g->jobs[i];
+    return NULL;
+}
+
+static void take_event(hgen *g, hjob *j, const Rekv__Control__StreamEvent *ev)
+{
+    size_t n = ev->n_tokens;
+    if (ev->offset == j->next && n) {
+        hbuf_put(&j->ids, ev->tokens, n * sizeof(int32_t));
+        if (ev->has_text)
+            hbuf_put(&j->text, ev->text.data, ev->text.len);
+        if (g->want_lp) {
+            /* tokens without their logprobs (a coordinator that does not record them) get 0 */
+            for (size_t i = 0; i < n; i++) {
+                float lp = i < ev->n_logprobs ? ev->logprobs[i] : 0.0f;
+                hbuf_put(&j->lp, &lp, sizeof(lp));
+            }
+            for (size_t i = 0; i < n * g->top_lp; i++) {
+                int32_t id = i < ev->n_top_logprob_ids ? ev->top_logprob_ids[i] : -1;
+                float v = i < ev->n_top_logprob_vals ? ev->top_logprob_vals[i] : 0.0f;
+                hbuf_put(&j->top_ids, &id, sizeof(id));
+                hbuf_put(&j->top_vals, &v, sizeof(v));
+            }
+        }
+        j->next += (uint32_t)n;
+    }
+    if (ev->done && !j->done) {
+        j->done = 1;
+        g->n_done++;
+        j->state = ev->state;
+        snprintf(j->finish, sizeof(j->finish), "%s", ev->finish_reason ? ev->finish_reason : "");
+        if (ev->error && *ev->error)
+            j->error = strdup(ev->error);
+    }
+}
+
+/* Waits up to ms for one message from the coordinator (or the client going away) and takes it.
+ * A refusal of a Submit is left in *refused (the response; the caller frees it). */
+static int pump(hgen *g, int ms, Rekv__Control__Response **refused, hjob **touched)
+{
+    struct rekv_http *h = g->srv;
+    if (atomic_load(&h->stopping))
+        return PUMP_STOP;
+    zmq_pollitem_t it[2] = {{rekv_ctl_socket(g->ctl), 0, ZMQ_POLLIN, 0},
+                            {NULL, g->fd, ZMQ_POLLIN, 0}};
+    int r = zmq_poll(it, g->fd >= 0 ? 2 : 1, ms);
+    if (r < 0 && errno != EINTR)
+        return PUMP_ERR;
+    if (g->fd >= 0 && (it[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR))) {
+        if (http_client_gone(g->fd))
+            return PUMP_GONE;
+        g->fd = -1; /* a pipelined request's bytes: its socket cannot tell us more now */
+    }
+    if (!(it[0].revents & ZMQ_POLLIN))
+        return PUMP_IDLE;
+    Rekv__Control__Response *resp = NULL;
+    rekv_err err = {0};
+    if (rekv_ctl_recv(g->ctl, 0, &resp, &err))
+        return PUMP_IDLE;
+    hjob *j = job_of_rq(g, resp->id);
+    if (touched)
+        *touched = j;
+    if (j == NULL) {
+        rekv__control__response__free_unpacked(resp, NULL);
+        return PUMP_GOT;
+    }
+    if (resp->code != REKV__CONTROL__CODE__OK) {
+        if (j->job == 0 && refused && *refused == NULL) {
+            *refused = resp;
+            return PUMP_GOT;
+        }
+    } else if (resp->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
+        j->job = resp->submitted->job;
+        j->prompt_tokens = resp->submitted->prompt_tokens;
+    } else if (resp->body_case == REKV__CONTROL__RESPONSE__BODY_EVENT) {
+        take_event(g, j, resp->event);
+    }
+    rekv__control__response__free_unpacked(resp, NULL);
+    return PUMP_GOT;
+}
+
+/* Sends Submits again for jobs that heard nothing for a while (same key: the same job). */
+static void resend_quiet(hgen *g, int accepted_only)
+{
+    for (int i = 0; i < g->n_jobs; i++) {
+        hjob *j = &g->jobs[i];
+        if (!j->done && (!accepted_only || j->job))
+            send_submit(g, j, NULL);
+    }
+}
+
+/* Submits every job and waits for each answer. 0, or an HTTP status with the message in e. */
+static int submit_all(hgen *g, perr *e)
+{
+    rekv_err err = {0};
+    for (int i = 0; i < g->n_jobs; i++)
+        if (send_submit(g, &g->jobs[i], &err))
+            return e->status = 500, snprintf(e->msg, sizeof(e->msg), "%s", err.msg), -1;
+    for (;;) {
+        int waiting = 0;
+        for (int i = 0; i < g->n_jobs; i++)
+            waiting += g->jobs[i].job == 0;
+        if (waiting == 0)
+            return 0;
+        Rekv__Control__Response *refused = NULL;
+        int rc = pump(g, GEN_POLL_MS, &refused, NULL);
+        if (refused) {
+            e->status = http_status_of_code(refused->code);
+            snprintf(e->msg, sizeof(e->msg), "%s", refused->error ? refused->error : "refused");
+            rekv__control__response__free_unpacked(refused, NULL);
+            return -1;
+        }
+        if (rc == PUMP_GONE || rc == PUMP_STOP || rc == PUMP_ERR) {
+            e->status = rc == PUMP_STOP ? 503 : 500;
+            snprintf(e->msg, sizeof(e->msg), "%s",
+                     rc == PUMP_STOP ? "the server is shutting down" : "the client went away");
+            return rc;
+        }
+        if (rc == PUMP_IDLE && ++g->silent >= GEN_RESEND_POLLS / 2) {
+            g->silent = 0;
+            for (int i = 0; i < g->n_jobs; i++)
+                if (g->jobs[i].job == 0)
+                    send_submit(g, &g->jobs[i], NULL);
+        } else if (rc == PUMP_GOT) {
+            g->silent = 0;
+        }
+    }
+}
+
+/* Waits for the next message for any job: PUMP_GOT (with *touched), or a reason to stop. */
+static int wait_event(hgen *g, hjob **touched)
+{
+    for (;;) {
+        *touched = NULL;
+        int rc = pump(g, GEN_POLL_MS, NULL, touched);
+        if (rc == PUMP_GOT) {
+            g->silent = 0;
+            return rc;
+        }
+        if (rc != PUMP_IDLE)
+            return rc;
+        if (++g->silent >= GEN_RESEND_POLLS) {
+            g->silent = 0;
+            resend_quiet(g, 1);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- answers */
+
+static json_t *usage_json(const hgen *g)
+{
+    json_int_t prompt = 0, gen = 0;
+    int per = g->n_jobs / g->n_prompts;
+    for (int i = 0; i < g->n_jobs; i++) {
+        gen += g->jobs[i].next;
+        if (i % per == 0)
+            prompt += g->jobs[i].prompt_tokens;
+    }
+    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", prompt, "completion_tokens", gen,
+                     "total_tokens", prompt + gen);
+}
+
+/* Logprobs of tokens [from, to) of j in the endpoint's shape. text_at: the text offset of the
+ * first (completions' text_offset). */
+static json_t *logprobs_json(const hgen *g, const hjob *j, size_t from, size_t to, size_t text_at)
+{
+    const int32_t *ids = (const int32_t *)j->ids.p;
+    const float *lp = (const float *)j->lp.p;
+    const int32_t *tid = (const int32_t *)j->top_ids.p;
+    const float *tv = (const float *)j->top_vals.p;
+    json_t *content = json_array(), *toks = json_array(), *tlp = json_array(),
+           *tops = json_array(), *offs = json_array();
+    for (size_t t = from; t < to && lp; t++) {
+        json_t *bytes = NULL, *s = token_str(g->srv, ids[t], g->chat ? &bytes : NULL);
+        json_t *top = g->chat ? json_array() : json_object();
+        for (uint32_t k = 0; k < g->top_lp; k++) {
+            int32_t id = tid[t * g->top_lp + k];
+            if (id < 0)
+                continue;
+            json_t *tb = NULL, *ts = token_str(g->srv, id, g->chat ? &tb : NULL);
+            if (g->chat)
+                json_array_append_new(top, json_pack("{s:o, s:f, s:o}", "token", ts, "logprob",
+                                                     (double)tv[t * g->top_lp + k], "bytes", tb));
+            else {
+                json_object_set_new(top, json_string_value(ts),
+                                    json_real(tv[t * g->top_lp + k]));
+                json_decref(ts);
+            }
+        }
+        if (g->chat) {
+            json_array_append_new(content, json_pack("{s:o, s:f, s:o, s:o}", "token", s,
+                                                     "logprob", (double)lp[t], "bytes", bytes,
+                                                     "top_logprobs", top));
+        } else {
+            json_array_append_new(offs, json_integer((json_int_t)text_at));
+            text_at += json_string_length(s);
+            json_array_append_new(toks, s);
+            json_array_append_new(tlp, json_real(lp[t]));
+            json_array_append_new(tops, top);
+        }
+    }
+    if (g->chat) {
+        json_decref(toks), json_decref(tlp), json_decref(tops), json_decref(offs);
+        return json_pack("{s:o}", "content", content);
+    }
+    json_decref(content);
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", toks, "token_logprobs", tlp,
+                     "top_logprobs", tops, "text_offset", offs);
+}
+
+static json_t *answer_json(hgen *g)
+{
+    json_t *choices = json_array();
+    for (int i = 0; i < g->n_jobs; i++) {
+        hjob *j = &g->jobs[i];
+        hbuf text = {0};
+        if (g->echo)
+            hbuf_printf(&text, "%s", g->echo_text[j->prompt]);
+        hbuf_put(&text, j->text.p ? j->text.p : "", j->text.n);
+        json_t *lp = g->want_lp ? logprobs_json(g, j, 0, j->next, 0) : json_null();
+        json_t *c;
+        if (g->chat)
+            c = json_pack("{s:i, s:{s:s, s:o}, s:o, s:s}", "index", j->index, "message", "role",
+                          "assistant", "content", jstr(text.p ? text.p : "", text.n), "logprobs",
+                          lp, "finish_reason", finish_of(j));
+        else
+            c = json_pack("{s:i, s:o, s:o, s:s}", "index", j->index, "text",
+                          jstr(text.p ? text.p : "", text.n), "logprobs", lp, "finish_reason",
+                          finish_of(j));
+        hbuf_free(&text);
+        json_array_append_new(choices, c);
+    }
+    return json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", g->id, "object",
+                     g->chat ? "chat.completion" : "text_completion", "created",
+                     (json_int_t)g->created, "model", g->srv->model_name, "choices", choices,
+                     "usage", usage_json(g));
+}
+
+/* One SSE event. */
+static void sse(hgen *g, json_t *j)
+{
+    char *s = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    if (s) {
+        hbuf_printf(&g->out, "data: %s\n\n", s);
+        free(s);
+    }
+}
+
+static json_t *chunk(hgen *g, json_t *choices)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", g->id, "object",
+                     g->chat ? "chat.completion.chunk" : "text_completion", "created",
+                     (json_int_t)g->created, "model", g->srv->model_name, "choices", choices);
+}
+
+/* The chunk for what j got since its last one (whole UTF-8 characters only until it ends). */
+static void stream_job(hgen *g, hjob *j)
+{
+    if (j->end_sent)
+        return;
+    if (j->state == REKV__CONTROL__JOB_STATE__FAILED && j->done) {
+        sse(g, json_pack("{s:{s:s, s:s, s:n, s:n}}", "error", "message",
+                         j->error ? j->error : "the job failed", "type", "server_error", "param",
+                         "code"));
+        j->end_sent = 1;
+        return;
+    }
+    size_t upto = j->done ? j->text.n
+                          : j->text_sent + utf8_whole((const unsigned char *)j->text.p +
+                                                          j->text_sent,
+                                                      j->text.n - j->text_sent);
+    hbuf text = {0};
+    if (g->echo && !j->echo_sent)
+        hbuf_printf(&text, "%s", g->echo_text[j->prompt]);
+    j->echo_sent = 1;
+    hbuf_put(&text, j->text.p ? j->text.p + j->text_sent : "", upto - j->text_sent);
+    size_t text_at = j->text_sent;
+    j->text_sent = upto;
+    size_t lp_to = j->next;
+    int first_chat = g->chat && !j->role_sent;
+    if (text.n == 0 && !j->done && !first_chat && lp_to == j->lp_sent) {
+        hbuf_free(&text);
+        return;
+    }
+    json_t *lp = g->want_lp && lp_to > j->lp_sent ? logprobs_json(g, j, j->lp_sent, lp_to, text_at)
+                                                  : json_null();
+    j->lp_sent = lp_to;
+    json_t *fin = j->done ? json_string(finish_of(j)) : json_null();
+    json_t *c;
+    if (g->chat) {
+        json_t *delta = json_pack("{s:o}", "content", jstr(text.p ? text.p : "", text.n));
+        if (first_chat)
+            json_object_set_new(delta, "role", json_string("assistant"));
+        j->role_sent = 1;
+        c = json_pack("{s:i, s:o, s:o, s:o}", "index", j->index, "delta", delta, "logprobs", lp,
+                      "finish_reason", fin);
+    } else {
+        c = json_pack("{s:i, s:o, s:o, s:o}", "index", j->index, "text",
+                      jstr(text.p ? text.p : "", text.n), "logprobs", lp, "finish_reason", fin);
+    }
+    hbuf_free(&text);
+    sse(g, chunk(g, json_pack("[o]", c)));
+    j->end_sent = j->done;
+}
+
+static void stream_end(hgen *g)
+{
+    if (g->include_usage) {
+        json_t *c = chunk(g, json_array());
+        json_object_set_new(c, "usage", usage_json(g));
+        sse(g, c);
+    }
+    hbuf_printf(&g->out, "data: [DONE]\n\n");
+    g->ended = 1;
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    (void)pos;
+    hgen *g = cls;
+    for (;;) {
+        if (g->out_off < g->out.n) {
+            size_t n = g->out.n - g->out_off;
+            if (n > max)
+                n = max;
+            memcpy(buf, g->out.p + g->out_off, n);
+            g->out_off += n;
+            return (ssize_t)n;
+        }
+        g->out.n = g->out_off = 0;
+        if (g->ended)
+            return MHD_CONTENT_READER_END_OF_STREAM;
+        if (g->n_done == g->n_jobs) {
+            stream_end(g);
+            continue;
+        }
+        hjob *j = NULL;
+        int rc = wait_event(g, &j);
+        if (rc != PUMP_GOT)
+            return MHD_CONTENT_READER_END_WITH_ERROR; /* gone or stopping: http_gen_finish */
+        if (j)
+            stream_job(g, j);
+    }
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+static void gen_free(hgen *g)
+{
+    if (g == NULL)
+        return;
+    rekv_ctl_close(g->ctl);
+    for (int i = 0; g->jobs && i < g->n_jobs; i++) {
+        hjob *j = &g->jobs[i];
+        free(j->error);
+        hbuf_free(&j->text), hbuf_free(&j->lp), hbuf_free(&j->top_ids);
+        hbuf_free(&j->top_vals), hbuf_free(&j->ids);
+    }
+    if (g->jobs)
+        free(g->jobs[0].sub.sampling); /* the array of every job's Sampling */
+    free(g->jobs);
+    for (int p = 0; p < g->n_prompts; p++) {
+        if (g->echo_text)
+            free(g->echo_text[p]);
+        if (g->prompt_ids)
+            free(g->prompt_ids[p]);
+    }
+    free(g->echo_text);
+    free(g->prompt_ids);
+    free(g->stops);
+    free(g->chat_prompt);
+    hbuf_free(&g->out);
+    json_decref(g->req);
+    free(g);
+}
+
+enum MHD_Result http_gen_answer(hreq *r)
+{
+    struct rekv_http *h = r->srv;
+    hgen *g = calloc(1, sizeof(*g));
+    if (g == NULL)
+        return MHD_NO;
+    r->gen = g;
+    g->srv = h;
+    g->fd = r->fd;
+    g->chat = r->route == HR_CHAT;
+    g->created = (int64_t)time(NULL);
+    json_error_t je;
+    g->req = json_loadb(r->body.p ? r->body.p : "", r->body.n, JSON_REJECT_DUPLICATES, &je);
+    if (g->req == NULL)
+        return http_error(r->conn, 400, NULL, NULL, "the body is not valid JSON: %s (line %d)",
+                          je.text, je.line);
+    if (!json_is_object(g->req))
+        return http_error(r->conn, 400, NULL, NULL, "the body must be a JSON object");
+    perr e = {0};
+    if (read_request(g, g->req, &e))
+        return http_error(r->conn, e.status, NULL, e.code, "%s", e.msg);
+    rekv_err err = {0};
+    if ((g->ctl = http_ctl_open(h, &err)) == NULL)
+        return http_error(r->conn, 500, NULL, NULL, "%s", err.msg);
+    if (submit_all(g, &e)) {
+        if (e.status == 500 && strcmp(e.msg, "the client went away") == 0)
+            return MHD_NO;
+        return http_error(r->conn, e.status, NULL, NULL, "%s", e.msg);
+    }
+    snprintf(g->id, sizeof(g->id), "%s%llu", g->chat ? "chatcmpl-" : "cmpl-",
+             (unsigned long long)g->jobs[0].job);
+    if (g->stream) {
+        struct MHD_Response *resp =
+            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, g, NULL);
+        if (resp == NULL)
+            return MHD_NO;
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        enum MHD_Result rc = MHD_queue_response(r->conn, 200, resp);
+        MHD_destroy_response(resp);
+        return rc;
+    }
+    while (g->n_done < g->n_jobs) {
+        hjob *j;
+        if (wait_event(g, &j) != PUMP_GOT)
+            return MHD_NO; /* gone or stopping: http_gen_finish cancels */
+    }
+    for (int i = 0; i < g->n_jobs; i++)
+        if (g->jobs[i].state == REKV__CONTROL__JOB_STATE__FAILED)
+            return http_error(r->conn, 500, NULL, NULL, "job %llu failed: %s",
+                              (unsigned long long)g->jobs[i].job,
+                              g->jobs[i].error ? g->jobs[i].error : "(no reason given)");
+    return http_json(r->conn, 200, answer_json(g));
+}
+
+void http_gen_finish(hreq *r, int completed_ok)
+{
+    hgen *g = r->gen;
+    r->gen = NULL;
+    if (g->ctl && !atomic_load(&g->srv->stopping) && !(completed_ok && g->n_done == g->n_jobs)) {
+        /* the client went away (or the answer failed): its jobs stop now, not at max_tokens */
+        for (int i = 0; i < g->n_jobs; i++) {
+            hjob *j = &g->jobs[i];
+            if (j->job == 0 || j->done)
+                continue;
+            Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+            Rekv__Control__Cancel c = REKV__CONTROL__CANCEL__INIT;
+            c.job = j->job;
+            rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
+            rq.cancel = &c;
+            Rekv__Control__Response *resp = NULL;
+            rekv_err err = {0};
+            if (http_ctl_call(g->srv, g->ctl, &rq, &resp, &err) == 0)
+                rekv__control__response__free_unpacked(resp, NULL);
+        }
+    }
+    gen_free(g);
+}
