@@ -202,7 +202,8 @@ static enum MHD_Result answer_health(hreq *r)
         return http_error(r->conn, 503, NULL, NULL, "the coordinator does not answer: %s",
                           err.msg);
     enum MHD_Result ret;
-    if (resp->body_case != REKV__CONTROL__RESPONSE__BODY_HEALTH || !resp->health->serving)
+    if (resp->body_case != REKV__CONTROL__RESPONSE__BODY_HEALTH || !resp->health->serving ||
+        resp->health->workers == 0)
         ret = http_error(r->conn, 503, NULL, NULL, "no worker is serving (%u connected)",
                          resp->body_case == REKV__CONTROL__RESPONSE__BODY_HEALTH
                              ? resp->health->workers
@@ -454,17 +455,25 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (*upload_size) {
         size_t n = *upload_size;
         *upload_size = 0;
-        if (r->refused)
-            return MHD_YES;
-        if (r->body.n + n > REKV_HTTP_MAX_BODY) {
-            /* a body without a Content-Length (chunked) that grows past the limit */
+        if (r->route == HR_NONE || (r->refused && !r->too_large))
+            return MHD_YES; /* answered at the start: libmicrohttpd drops the rest */
+        r->seen += n;
+        if (r->seen > REKV_HTTP_MAX_BODY) {
+            /* a body without a Content-Length (chunked) that grows past the limit: libmicrohttpd
+             * takes no answer while the body comes, so the rest is read and dropped (never
+             * kept) for the 413 at its end; one that goes on and on is cut off */
+            r->too_large = 1;
             r->refused = 1;
             hbuf_free(&r->body);
-            return http_error(conn, 413, NULL, NULL,
-                              "the request body is larger than the limit of %u bytes",
-                              REKV_HTTP_MAX_BODY);
+            return r->seen > 4ull * REKV_HTTP_MAX_BODY ? MHD_NO : MHD_YES;
         }
         return hbuf_put(&r->body, upload, n) ? MHD_NO : MHD_YES;
+    }
+    if (r->too_large) {
+        r->too_large = 0;
+        return http_error(conn, 413, NULL, NULL,
+                          "the request body is larger than the limit of %u bytes",
+                          REKV_HTTP_MAX_BODY);
     }
     if (r->refused)
         return MHD_YES;

@@ -48,7 +48,9 @@ typedef struct hreq {
     int fd;               /* the client's socket (watched for the client going away) */
     int route;            /* HR_* */
     hbuf body;            /* the request body read so far */
-    int refused;          /* an answer was queued while the body came (413): ignore the rest */
+    int refused;          /* answered (or to be refused): the rest of the body is dropped */
+    int too_large;        /* the body passed REKV_HTTP_MAX_BODY as it came: 413 at its end */
+    uint64_t seen;        /* body bytes received */
     struct hgen *gen;     /* completions and chat: the jobs (http_gen.c), else NULL */
 } hreq;
 

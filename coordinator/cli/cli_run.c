@@ -53,6 +53,8 @@ static void run_usage(FILE *f)
             "                [--queue N] [--max-batch N] [--state-dir DIR] [--approximate]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
             "                [--metrics-public] [--prefill-chunk N] [--ready-fd N]\n"
+            "                [--http HOST:PORT [--http-public] [--api-key-file FILE]\n"
+            "                 [--served-model-name NAME]]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
@@ -66,7 +68,8 @@ static void run_usage(FILE *f)
             "--link-gbps G, --link-latency-us U, --device-memory SIZE: the worker's cpu backend\n"
             "behaves like a GPU of SIZE bytes behind a link of G Gbit/s (see rekv-gpuworker).\n"
             "--push: the kvstore writes the KV rows into the worker's buffers (the push path).\n"
-            "--metrics: the coordinator's Prometheus port, loopback only unless --metrics-public.\n");
+            "--metrics: the coordinator's Prometheus port, loopback only unless --metrics-public.\n"
+            "--http: the coordinator's OpenAI-compatible API (see rekv-coordinator --help).\n");
 }
 
 /* Starts c with a ready pipe (its read end in *ready); 0, or -1 with a message printed. */
@@ -199,8 +202,9 @@ static int child_stop(child *c)
 typedef struct run_opts {
     const char *model, *backend, *dir, *mode, *cache, *host_bytes, *spill, *queue, *max_batch,
         *state_dir, *timeout, *bin_dir, *metrics, *chunk;
+    const char *http, *api_key_file, *served_name; /* the coordinator's HTTP server */
     const char *link_gbps, *link_lat, *devmem; /* the worker's emulation */
-    int push, approximate, metrics_public, no_spill;
+    int push, approximate, metrics_public, no_spill, http_public;
     long ready_fd; /* -1: none */
 } run_opts;
 
@@ -223,6 +227,10 @@ static int run_parse(int argc, char **argv, run_opts *o)
         {"approximate", no_argument, 0, 'A'},
         {"metrics-public", no_argument, 0, 'Q'},
         {"prefill-chunk", required_argument, 0, 'c'},
+        {"http", required_argument, 0, 'W'},
+        {"http-public", no_argument, 0, 'w'},
+        {"api-key-file", required_argument, 0, 'K'},
+        {"served-model-name", required_argument, 0, 'N'},
         {0, 0, 0, 0}};
     *o = (run_opts){.backend = "auto", .mode = "auto", .host_bytes = "256M", .queue = "256",
                     .max_batch = "64", .timeout = "30000", .ready_fd = -1};
@@ -250,6 +258,10 @@ static int run_parse(int argc, char **argv, run_opts *o)
         case 'p': o->push = 1; break;
         case 'A': o->approximate = 1; break;
         case 'Q': o->metrics_public = 1; break;
+        case 'W': o->http = optarg; break;
+        case 'w': o->http_public = 1; break;
+        case 'K': o->api_key_file = optarg; break;
+        case 'N': o->served_name = optarg; break;
         case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o->chunk = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &o->ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
@@ -419,6 +431,17 @@ static void run_children_argv(const run_opts *o, const run_paths *p, child *ch)
         ARG(COORD, "--metrics"); ARG(COORD, o->metrics);
         if (o->metrics_public)
             ARG(COORD, "--metrics-public");
+    }
+    if (o->http) {
+        ARG(COORD, "--http"); ARG(COORD, o->http);
+        if (o->http_public)
+            ARG(COORD, "--http-public");
+        if (o->api_key_file) {
+            ARG(COORD, "--api-key-file"); ARG(COORD, o->api_key_file);
+        }
+        if (o->served_name) {
+            ARG(COORD, "--served-model-name"); ARG(COORD, o->served_name);
+        }
     }
 #undef ARG
 }

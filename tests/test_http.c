@@ -1,0 +1,548 @@
+/* test_http.c — rekv-coordinator --http against real daemons (a coordinator and a cpu worker on
+ * docs8L), spoken to in raw HTTP over a socket: completions non-streaming and streamed (tokens
+ * identical to the same greedy job submitted over the control socket, as `rekv submit` does),
+ * n choices with seeds, echo, /v1/models, /health, /tokenize and /detokenize, every refusal with
+ * its status and OpenAI error object, Bearer authentication, and a client that goes away
+ * cancelling its job (streaming and not). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "tests/http_env.h"
+#include "tests/testutil.h"
+
+static hx_env X;
+static int have_env;
+
+static void setup(void) { have_env = hx_start(&X, NULL, 1) == 0; }
+static void teardown(void)
+{
+    if (have_env)
+        hx_stop(&X);
+}
+
+#define NEED_ENV()                                                                               \
+    do {                                                                                         \
+        if (!have_env)                                                                           \
+            return;                                                                              \
+    } while (0)
+
+/* Waits until job ends; its Status (freed by the caller). */
+static Rekv__Control__Response *wait_end(rekv_ctl *c, uint64_t job)
+{
+    for (;;) {
+        Rekv__Control__Response *r = tu_ctl_status(c, job);
+        ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+        Rekv__Control__JobState s = r->job->state;
+        if (s != REKV__CONTROL__JOB_STATE__QUEUED && s != REKV__CONTROL__JOB_STATE__RUNNING)
+            return r;
+        rekv__control__response__free_unpacked(r, NULL);
+        usleep(10000);
+    }
+}
+
+/* The job id of an answer's "id" ("cmpl-N" / "chatcmpl-N"). */
+static uint64_t job_of(json_t *j)
+{
+    const char *id = json_string_value(json_object_get(j, "id"));
+    ck_assert_ptr_nonnull(id);
+    const char *dash = strrchr(id, '-');
+    ck_assert_ptr_nonnull(dash);
+    return strtoull(dash + 1, NULL, 10);
+}
+
+/* The same job over the control socket: its generated ids (n in *n; malloc'd). */
+static int32_t *control_job(rekv_ctl *c, const char *prompt, uint32_t max_new, size_t *n)
+{
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    Rekv__Control__Submit s = REKV__CONTROL__SUBMIT__INIT;
+    Rekv__Control__Sampling smp = REKV__CONTROL__SAMPLING__INIT;
+    s.prompt_text = (char *)prompt;
+    s.sampling = &smp;
+    s.max_new_tokens = max_new;
+    s.stop_at_eos = 1;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
+    rq.submit = &s;
+    Rekv__Control__Response *r = tu_ctl_call(c, &rq);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+    uint64_t job = r->submitted->job;
+    rekv__control__response__free_unpacked(r, NULL);
+    r = wait_end(c, job);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
+    *n = r->job->n_generated_ids;
+    int32_t *ids = malloc(sizeof(int32_t) * (*n ? *n : 1));
+    memcpy(ids, r->job->generated_ids, sizeof(int32_t) * *n);
+    rekv__control__response__free_unpacked(r, NULL);
+    return ids;
+}
+
+/* The ids and text an HTTP job generated, from the control socket's Status. */
+static void job_result(rekv_ctl *c, uint64_t job, int32_t **ids, size_t *n, char **text)
+{
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    Rekv__Control__StatusRequest st = REKV__CONTROL__STATUS_REQUEST__INIT;
+    st.job = job;
+    st.with_text = 1;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    rq.status = &st;
+    Rekv__Control__Response *r = tu_ctl_call(c, &rq);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__DONE);
+    *n = r->job->n_generated_ids;
+    *ids = malloc(sizeof(int32_t) * (*n ? *n : 1));
+    memcpy(*ids, r->job->generated_ids, sizeof(int32_t) * *n);
+    *text = strdup(r->job->text ? r->job->text : "");
+    rekv__control__response__free_unpacked(r, NULL);
+}
+
+/* The data: events of an SSE body, each parsed (the last one "[DONE]" checked and left out). */
+static json_t *sse_events(const char *body)
+{
+    json_t *all = json_array();
+    const char *p = body;
+    int done = 0;
+    while ((p = strstr(p, "data: ")) != NULL) {
+        p += 6;
+        const char *end = strstr(p, "\n\n");
+        ck_assert_msg(end != NULL, "an event without its blank line: %.200s", p);
+        ck_assert_msg(!done, "events after [DONE]");
+        if (strncmp(p, "[DONE]", 6) == 0) {
+            done = 1;
+        } else {
+            json_error_t je;
+            json_t *j = json_loadb(p, (size_t)(end - p), 0, &je);
+            ck_assert_msg(j != NULL, "event is not JSON: %.200s", p);
+            json_array_append_new(all, j);
+        }
+        p = end + 2;
+    }
+    ck_assert_msg(done, "the stream does not end with data: [DONE]: %.300s", body);
+    return all;
+}
+
+START_TEST(models_health_tokenize)
+{
+    NEED_ENV();
+    hx_resp r;
+    hx_request(X.port, "GET", "/v1/models", NULL, NULL, &r);
+    ck_assert_int_eq(r.status, 200);
+    json_t *j = hx_json(&r);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "object")), "list");
+    json_t *m = json_array_get(json_object_get(j, "data"), 0);
+    ck_assert_str_eq(json_string_value(json_object_get(m, "id")), "docs8L");
+    ck_assert_int_eq(json_integer_value(json_object_get(m, "max_model_len")), 512);
+    json_decref(j);
+    hx_resp_free(&r);
+
+    hx_request(X.port, "GET", "/health", NULL, NULL, &r);
+    ck_assert_int_eq(r.status, 200);
+    hx_resp_free(&r);
+
+    int st;
+    j = hx_post(X.port, "/tokenize", "{\"prompt\": \"apt-get install\"}", &st);
+    ck_assert_int_eq(st, 200);
+    json_t *toks = json_object_get(j, "tokens");
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "count")), json_array_size(toks));
+    ck_assert_int_ge(json_array_size(toks), strlen("apt-get install"));
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "max_model_len")), 512);
+    char *ids = json_dumps(toks, JSON_COMPACT);
+    char body[4096];
+    snprintf(body, sizeof(body), "{\"tokens\": %s}", ids);
+    free(ids);
+    json_decref(j);
+    j = hx_post(X.port, "/detokenize", body, &st);
+    ck_assert_int_eq(st, 200);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "prompt")), "apt-get install");
+    json_decref(j);
+}
+END_TEST
+
+/* Greedy completions over HTTP, streamed and not, are the control socket's tokens. */
+START_TEST(completion_matches_control)
+{
+    NEED_ENV();
+    const char *prompt = "The package provides";
+    rekv_ctl *c = hx_ctl(&X);
+    size_t n_ref;
+    int32_t *ref = control_job(c, prompt, 24, &n_ref);
+    ck_assert_int_eq(n_ref, 24);
+
+    int st;
+    json_t *j = hx_post(X.port, "/v1/completions",
+                        "{\"model\": \"docs8L\", \"prompt\": \"The package provides\", "
+                        "\"max_tokens\": 24, \"temperature\": 0}",
+                        &st);
+    ck_assert_int_eq(st, 200);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "object")), "text_completion");
+    json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+    ck_assert_str_eq(json_string_value(json_object_get(ch, "finish_reason")), "length");
+    json_t *u = json_object_get(j, "usage");
+    ck_assert_int_eq(json_integer_value(json_object_get(u, "completion_tokens")), 24);
+    ck_assert_int_eq(json_integer_value(json_object_get(u, "total_tokens")),
+                     24 + json_integer_value(json_object_get(u, "prompt_tokens")));
+    int32_t *ids;
+    size_t n;
+    char *text;
+    job_result(c, job_of(j), &ids, &n, &text);
+    ck_assert_int_eq(n, n_ref);
+    ck_assert_mem_eq(ids, ref, n * sizeof(int32_t));
+    ck_assert_str_eq(json_string_value(json_object_get(ch, "text")), text);
+    free(ids);
+    json_decref(j);
+
+    /* streamed: the chunks' texts put together, the same job's tokens, usage last */
+    hx_resp r;
+    hx_request(X.port, "POST", "/v1/completions", NULL,
+               "{\"prompt\": \"The package provides\", \"max_tokens\": 24, \"temperature\": 0, "
+               "\"stream\": true, \"stream_options\": {\"include_usage\": true}}",
+               &r);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_ptr_nonnull(strcasestr(r.head, "content-type: text/event-stream"));
+    json_t *ev = sse_events(r.body);
+    ck_assert_int_ge(json_array_size(ev), 3);
+    char all[4096] = "";
+    size_t i;
+    json_t *e;
+    const char *finish = NULL;
+    json_array_foreach(ev, i, e)
+    {
+        json_t *chs = json_object_get(e, "choices");
+        if (i + 1 == json_array_size(ev)) {
+            ck_assert_int_eq(json_array_size(chs), 0);
+            ck_assert_int_eq(
+                json_integer_value(json_object_get(json_object_get(e, "usage"),
+                                                   "completion_tokens")),
+                24);
+            continue;
+        }
+        ck_assert_ptr_null(json_object_get(e, "usage"));
+        json_t *c0 = json_array_get(chs, 0);
+        strcat(all, json_string_value(json_object_get(c0, "text")));
+        if (json_is_string(json_object_get(c0, "finish_reason")))
+            finish = json_string_value(json_object_get(c0, "finish_reason"));
+    }
+    ck_assert_str_eq(finish, "length");
+    ck_assert_str_eq(all, text);
+    job_result(c, job_of(json_array_get(ev, 0)), &ids, &n, &text);
+    ck_assert_int_eq(n, n_ref);
+    ck_assert_mem_eq(ids, ref, n * sizeof(int32_t));
+    free(ids);
+    free(text);
+    free(ref);
+    json_decref(ev);
+    hx_resp_free(&r);
+    rekv_ctl_close(c);
+}
+END_TEST
+
+/* n choices with a seed are the jobs with seeds seed..seed+n-1; token-id prompts and lists of
+ * prompts are jobs of their own; echo puts the prompt first. */
+START_TEST(choices_prompts_echo)
+{
+    NEED_ENV();
+    int st;
+    json_t *j = hx_post(X.port, "/v1/completions",
+                        "{\"prompt\": \"Debian\", \"max_tokens\": 8, \"temperature\": 1.0, "
+                        "\"seed\": 7, \"n\": 3}",
+                        &st);
+    ck_assert_int_eq(st, 200);
+    json_t *chs = json_object_get(j, "choices");
+    ck_assert_int_eq(json_array_size(chs), 3);
+    for (int i = 0; i < 3; i++) {
+        char body[256];
+        snprintf(body, sizeof(body),
+                 "{\"prompt\": \"Debian\", \"max_tokens\": 8, \"temperature\": 1.0, \"seed\": %d}",
+                 7 + i);
+        json_t *one = hx_post(X.port, "/v1/completions", body, &st);
+        ck_assert_int_eq(st, 200);
+        json_t *c = json_array_get(chs, (size_t)i);
+        ck_assert_int_eq(json_integer_value(json_object_get(c, "index")), i);
+        ck_assert_str_eq(json_string_value(json_object_get(c, "text")),
+                         json_string_value(json_object_get(
+                             json_array_get(json_object_get(one, "choices"), 0), "text")));
+        json_decref(one);
+    }
+    json_decref(j);
+
+    /* two prompts, one as token ids (the tokenizer's ids of the text: the same job) */
+    j = hx_post(X.port, "/tokenize", "{\"prompt\": \"Debian\"}", &st);
+    char *ids = json_dumps(json_object_get(j, "tokens"), JSON_COMPACT);
+    json_decref(j);
+    char body[1024];
+    snprintf(body, sizeof(body),
+             "{\"prompt\": [%s, %s], \"max_tokens\": 6, \"temperature\": 0, \"echo\": true}",
+             "[68, 101]", ids);
+    free(ids);
+    /* [68, 101] has no BOS: a different job; only its echo is checked */
+    j = hx_post(X.port, "/v1/completions", body, &st);
+    ck_assert_int_eq(st, 200);
+    chs = json_object_get(j, "choices");
+    ck_assert_int_eq(json_array_size(chs), 2);
+    const char *t0 = json_string_value(json_object_get(json_array_get(chs, 0), "text"));
+    const char *t1 = json_string_value(json_object_get(json_array_get(chs, 1), "text"));
+    ck_assert_msg(strncmp(t0, "De", 2) == 0, "echo of [68, 101]: '%s'", t0);
+    ck_assert_msg(strncmp(t1, "Debian", 6) == 0, "echo of Debian's ids: '%s'", t1);
+    json_t *one = hx_post(X.port, "/v1/completions",
+                          "{\"prompt\": \"Debian\", \"max_tokens\": 6, \"temperature\": 0}", &st);
+    char want[256];
+    snprintf(want, sizeof(want), "Debian%s",
+             json_string_value(
+                 json_object_get(json_array_get(json_object_get(one, "choices"), 0), "text")));
+    ck_assert_str_eq(t1, want);
+    json_decref(one);
+    json_decref(j);
+}
+END_TEST
+
+static void expect(const char *method, const char *path, const char *headers, const char *body,
+                   int status, const char *type)
+{
+    hx_resp r;
+    hx_request(X.port, method, path, headers, body, &r);
+    hx_expect_error(&r, status, type);
+    hx_resp_free(&r);
+}
+
+/* Every refusal: its status and an OpenAI error object; the server serves on. */
+START_TEST(refusals)
+{
+    NEED_ENV();
+    const char *C = "/v1/completions";
+    const char *E = "invalid_request_error";
+    expect("POST", C, NULL, "{\"prompt\": \"x\"", 400, E);
+    expect("POST", C, NULL, "[1, 2]", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": 5}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": []}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"\"}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"max_tokens\": \"9\"}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"max_tokens\": 0}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"max_tokens\": -3}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"temperature\": \"hot\"}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"n\": 100000}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"stream\": 1}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"stop\": 3}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": [1, 99999]}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"echo\": true, \"logprobs\": 2}", 400, E);
+    expect("POST", C, NULL, "{\"prompt\": \"x\", \"stream_options\": {\"include_usage\": true}}",
+           400, E);
+    /* longer than the context (512): the coordinator's refusal, as a 400 */
+    char big[2048] = "{\"prompt\": \"";
+    memset(big + strlen(big), 'a', 700);
+    strcat(big, "\"}");
+    expect("POST", C, NULL, big, 400, E);
+    hx_resp r;
+    hx_request(X.port, "POST", C, NULL, "{\"model\": \"gpt-4\", \"prompt\": \"x\"}", &r);
+    hx_expect_error(&r, 404, NULL);
+    json_t *j = hx_json(&r);
+    ck_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "code")),
+                     "model_not_found");
+    json_decref(j);
+    hx_resp_free(&r);
+    /* chat: empty or malformed messages; without a template in the model, a clear 400 */
+    const char *CH = "/v1/chat/completions";
+    expect("POST", CH, NULL, "{\"messages\": []}", 400, E);
+    expect("POST", CH, NULL, "{\"messages\": \"hi\"}", 400, E);
+    expect("POST", CH, NULL, "{\"messages\": [{\"content\": \"hi\"}]}", 400, E);
+    hx_request(X.port, "POST", CH, NULL, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}",
+               &r);
+    hx_expect_error(&r, 400, E);
+    ck_assert_ptr_nonnull(strstr(r.body, "chat template"));
+    hx_resp_free(&r);
+    /* paths and methods */
+    expect("GET", "/v1/nothing", NULL, NULL, 404, NULL);
+    expect("GET", C, NULL, NULL, 405, NULL);
+    expect("POST", "/v1/models", NULL, "{}", 405, NULL);
+    expect("POST", "/tokenize", NULL, "{\"prompt\": 1}", 400, E);
+    expect("POST", "/detokenize", NULL, "{\"tokens\": [-1]}", 400, E);
+    /* a 100 MB body, announced: refused from its Content-Length, never read */
+    int fd = hx_connect(X.port);
+    const char *h = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    "Content-Length: 100000000\r\n\r\n{\"prompt\": \"";
+    ck_assert_int_eq(send(fd, h, strlen(h), MSG_NOSIGNAL), (ssize_t)strlen(h));
+    hx_read_answer(fd, &r);
+    close(fd);
+    hx_expect_error(&r, 413, NULL);
+    hx_resp_free(&r);
+    /* ... and one sent chunked, with no length: cut off at the limit */
+    fd = hx_connect(X.port);
+    const char *hc = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n";
+    send(fd, hc, strlen(hc), MSG_NOSIGNAL);
+    static char chunk[1 << 20];
+    memset(chunk, ' ', sizeof(chunk));
+    char line[32];
+    for (int i = 0; i < 16; i++) {
+        snprintf(line, sizeof(line), "%x\r\n", (unsigned)sizeof(chunk));
+        if (send(fd, line, strlen(line), MSG_NOSIGNAL) < 0 ||
+            send(fd, chunk, sizeof(chunk), MSG_NOSIGNAL) < 0 || send(fd, "\r\n", 2, MSG_NOSIGNAL) < 0)
+            break;
+    }
+    send(fd, "0\r\n\r\n", 5, MSG_NOSIGNAL);
+    hx_read_answer(fd, &r);
+    close(fd);
+    hx_expect_error(&r, 413, NULL);
+    hx_resp_free(&r);
+    /* still serving */
+    int st;
+    j = hx_post(X.port, C, "{\"prompt\": \"x\", \"max_tokens\": 2}", &st);
+    ck_assert_int_eq(st, 200);
+    json_decref(j);
+}
+END_TEST
+
+/* Reads from fd until the first data: event has come; its JSON. */
+static json_t *first_event(int fd)
+{
+    static char buf[65536];
+    size_t n = 0;
+    for (;;) {
+        ssize_t got = recv(fd, buf + n, sizeof(buf) - n - 1, 0);
+        ck_assert_msg(got > 0, "the stream ended before its first event");
+        n += (size_t)got;
+        buf[n] = '\0';
+        char *d = strstr(buf, "data: ");
+        char *end = d ? strstr(d, "\n") : NULL;
+        if (end) {
+            json_error_t je;
+            json_t *j = json_loadb(d + 6, (size_t)(end - d - 6), 0, &je);
+            ck_assert_msg(j != NULL, "first event: %s", je.text);
+            return j;
+        }
+    }
+}
+
+/* A streaming client that closes mid-way cancels its job: CANCELLED, far short of max_tokens. */
+START_TEST(disconnect_cancels_stream)
+{
+    NEED_ENV();
+    rekv_ctl *c = hx_ctl(&X);
+    int fd = hx_connect(X.port);
+    const char *body = "{\"prompt\": \"The\", \"max_tokens\": 500, \"temperature\": 0, "
+                       "\"stream\": true}";
+    char req[1024];
+    int n = snprintf(req, sizeof(req),
+                     "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n%s",
+                     strlen(body), body);
+    ck_assert_int_eq(send(fd, req, (size_t)n, MSG_NOSIGNAL), n);
+    json_t *ev = first_event(fd);
+    uint64_t job = job_of(ev);
+    json_decref(ev);
+    close(fd);
+    Rekv__Control__Response *r = wait_end(c, job);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__CANCELLED);
+    ck_assert_msg(r->job->n_generated_ids < 250, "ran %zu of 500 tokens after the client left",
+                  r->job->n_generated_ids);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+}
+END_TEST
+
+/* A non-streaming request whose client closes while its job runs cancels the job. */
+START_TEST(disconnect_cancels_request)
+{
+    NEED_ENV();
+    rekv_ctl *c = hx_ctl(&X);
+    /* the next job id: one past this job's */
+    int st;
+    json_t *j = hx_post(X.port, "/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1}", &st);
+    uint64_t job = job_of(j) + 1;
+    json_decref(j);
+    int fd = hx_connect(X.port);
+    const char *body = "{\"prompt\": \"The\", \"max_tokens\": 500, \"temperature\": 0}";
+    char req[1024];
+    int n = snprintf(req, sizeof(req),
+                     "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n%s",
+                     strlen(body), body);
+    ck_assert_int_eq(send(fd, req, (size_t)n, MSG_NOSIGNAL), n);
+    /* running (it has tokens), then the client goes */
+    for (;;) {
+        Rekv__Control__Response *r = tu_ctl_status(c, job);
+        int running = r->code == REKV__CONTROL__CODE__OK && r->job->n_generated_ids > 0;
+        rekv__control__response__free_unpacked(r, NULL);
+        if (running)
+            break;
+        usleep(2000);
+    }
+    close(fd);
+    Rekv__Control__Response *r = wait_end(c, job);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__CANCELLED);
+    ck_assert_msg(r->job->n_generated_ids < 250, "ran %zu of 500 tokens after the client left",
+                  r->job->n_generated_ids);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+}
+END_TEST
+
+/* --api-key-file: Bearer KEY or 401 (OpenAI's object); /health needs none; without a worker
+ * /health is 503. */
+START_TEST(api_key_and_health)
+{
+    char *dir = tu_tmpdir();
+    char key[4200];
+    snprintf(key, sizeof(key), "%s/key", dir);
+    FILE *f = fopen(key, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs("sk-test-123\n", f);
+    fclose(f);
+    const char *extra[] = {"--api-key-file", key, "--served-model-name", "tiny", NULL};
+    hx_env y;
+    if (hx_start(&y, extra, 0)) {
+        tu_rmrf(dir);
+        free(dir);
+        return;
+    }
+    hx_resp r;
+    hx_request(y.port, "GET", "/health", NULL, NULL, &r);
+    hx_expect_error(&r, 503, NULL);
+    hx_resp_free(&r);
+    hx_request(y.port, "GET", "/v1/models", NULL, NULL, &r);
+    hx_expect_error(&r, 401, NULL);
+    ck_assert_ptr_nonnull(strstr(r.body, "invalid_api_key"));
+    hx_resp_free(&r);
+    hx_request(y.port, "GET", "/v1/models", "Authorization: Bearer sk-test-124\r\n", NULL, &r);
+    hx_expect_error(&r, 401, NULL);
+    hx_resp_free(&r);
+    hx_request(y.port, "GET", "/v1/models", "Authorization: Bearer sk-test-1234\r\n", NULL, &r);
+    hx_expect_error(&r, 401, NULL);
+    hx_resp_free(&r);
+    hx_request(y.port, "POST", "/v1/completions", NULL, "{\"prompt\": \"x\"}", &r);
+    hx_expect_error(&r, 401, NULL);
+    hx_resp_free(&r);
+    hx_request(y.port, "GET", "/v1/models", "Authorization: Bearer sk-test-123\r\n", NULL, &r);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_ptr_nonnull(strstr(r.body, "\"id\":\"tiny\""));
+    hx_resp_free(&r);
+    hx_start_worker(&y);
+    hx_request(y.port, "POST", "/v1/completions", "Authorization: Bearer sk-test-123\r\n",
+               "{\"model\": \"tiny\", \"prompt\": \"x\", \"max_tokens\": 2}", &r);
+    ck_assert_int_eq(r.status, 200);
+    hx_resp_free(&r);
+    hx_stop(&y);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("http");
+    TCase *tc = tcase_create("api");
+    tcase_add_unchecked_fixture(tc, setup, teardown);
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, models_health_tokenize);
+    tcase_add_test(tc, completion_matches_control);
+    tcase_add_test(tc, choices_prompts_echo);
+    tcase_add_test(tc, refusals);
+    tcase_add_test(tc, disconnect_cancels_stream);
+    tcase_add_test(tc, disconnect_cancels_request);
+    suite_add_tcase(s, tc);
+    TCase *ta = tcase_create("auth");
+    tcase_set_timeout(ta, 60);
+    tcase_add_test(ta, api_key_and_health);
+    suite_add_tcase(s, ta);
+    return tu_run_suite(s);
+}
