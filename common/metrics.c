@@ -447,7 +447,7 @@ static int listen_on(const struct addrinfo *ai, int dual)
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (ai->ai_family == AF_INET6)
         setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, dual ? &zero : &one, sizeof(int));
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 64) < 0) {
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, SOMAXCONN) < 0) {
         int e = -errno;
         close(fd);
         return e;
@@ -472,20 +472,14 @@ int rekv_metrics_server_create(const char *listen, rekv_metrics_server **out, re
     return rekv_metrics_server_create_opts(listen, NULL, out, err);
 }
 
-int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_server_opts *opts,
-                                    rekv_metrics_server **out, rekv_err *err)
+int rekv_listen_tcp(const char *listen, int allow_remote, const char *what, const char *remote_hint,
+                    int *fd_out, int *port_out, rekv_err *err)
 {
     char host[256], port[8];
-    *out = NULL;
     if (parse_listen(listen, host, sizeof(host), port, sizeof(port)))
         return rekv_errf(err, -EINVAL,
-                         "metrics: listen address '%s' is not HOST:PORT, [IPV6]:PORT or :PORT",
+                         "%s: listen address '%s' is not HOST:PORT, [IPV6]:PORT or :PORT", what,
                          listen ? listen : "(null)");
-    if (opts &&
-        (opts->max_conns < 0 || opts->max_conns > REKV_METRICS_MAX_CONNS || opts->timeout_ms < 0))
-        return rekv_errf(err, -EINVAL, "metrics: max_conns must be 0..%d and timeout_ms >= 0",
-                         REKV_METRICS_MAX_CONNS);
-
     int fd = -1;
     if (host[0] == '\0') {
         /* every interface: IPv6 accepting IPv4 too, or IPv4 alone on hosts without IPv6 */
@@ -507,7 +501,7 @@ int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_serve
             freeaddrinfo(ai);
         }
         if (fd < 0)
-            return rekv_errf(err, e, "metrics: listen on %s: %s", listen, strerror(-e));
+            return rekv_errf(err, e, "%s: listen on %s: %s", what, listen, strerror(-e));
     } else {
         struct addrinfo hints = {.ai_family = AF_UNSPEC,
                                  .ai_socktype = SOCK_STREAM,
@@ -515,7 +509,7 @@ int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_serve
                         *ai = NULL;
         int g = getaddrinfo(host, port, &hints, &ai);
         if (g != 0)
-            return rekv_errf(err, -EINVAL, "metrics: listen address '%s': %s", listen,
+            return rekv_errf(err, -EINVAL, "%s: listen address '%s': %s", what, listen,
                              gai_strerror(g));
         int e = -EADDRNOTAVAIL;
         for (struct addrinfo *a = ai; a && fd < 0; a = a->ai_next)
@@ -523,7 +517,7 @@ int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_serve
                 e = fd;
         freeaddrinfo(ai);
         if (fd < 0)
-            return rekv_errf(err, e, "metrics: listen on %s: %s", listen, strerror(-e));
+            return rekv_errf(err, e, "%s: listen on %s: %s", what, listen, strerror(-e));
     }
 
     struct sockaddr_storage ss;
@@ -531,23 +525,42 @@ int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_serve
     if (getsockname(fd, (struct sockaddr *)&ss, &sl) < 0) {
         int e = -errno;
         close(fd);
-        return rekv_errf(err, e, "metrics: getsockname: %s", strerror(-e));
+        return rekv_errf(err, e, "%s: getsockname: %s", what, strerror(-e));
     }
-    if (!(opts && opts->allow_remote) && !addr_loopback(&ss)) {
+    if (!allow_remote && !addr_loopback(&ss)) {
         close(fd);
         return rekv_errf(err, -EPERM,
-                         "metrics: %s is not a loopback address, and serving metrics off this "
-                         "host must be asked for (--metrics-public; scrapes are not authenticated)",
-                         host[0] ? host : listen);
+                         "%s: %s is not a loopback address, and serving %s off this host must be "
+                         "asked for (%s)",
+                         what, host[0] ? host : listen, what, remote_hint);
     }
+    *fd_out = fd;
+    *port_out = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                               : ((struct sockaddr_in *)&ss)->sin_port);
+    return 0;
+}
+
+int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_server_opts *opts,
+                                    rekv_metrics_server **out, rekv_err *err)
+{
+    *out = NULL;
+    if (opts &&
+        (opts->max_conns < 0 || opts->max_conns > REKV_METRICS_MAX_CONNS || opts->timeout_ms < 0))
+        return rekv_errf(err, -EINVAL, "metrics: max_conns must be 0..%d and timeout_ms >= 0",
+                         REKV_METRICS_MAX_CONNS);
+    int fd = -1, bound_port = 0;
+    int rc = rekv_listen_tcp(listen, opts && opts->allow_remote, "metrics",
+                             "--metrics-public; scrapes are not authenticated", &fd, &bound_port,
+                             err);
+    if (rc)
+        return rc;
     rekv_metrics_server *s = calloc(1, sizeof(*s));
     if (s == NULL) {
         close(fd);
         return rekv_errf(err, -ENOMEM, "metrics: out of memory");
     }
     s->listen_fd = fd;
-    s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                             : ((struct sockaddr_in *)&ss)->sin_port);
+    s->port = bound_port;
     s->max_conns = opts && opts->max_conns ? opts->max_conns : REKV_METRICS_MAX_CONNS;
     s->timeout_ns = (uint64_t)(opts && opts->timeout_ms ? opts->timeout_ms : 5000) * 1000000ull;
     for (int i = 0; i < REKV_METRICS_MAX_CONNS; i++)

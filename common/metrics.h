@@ -109,6 +109,13 @@ int rekv_metrics_name_valid(const char *s);
 
 /* ---------------------------------------------------------------- HTTP server */
 
+/* A listening TCP socket (non-blocking, close-on-exec) on `listen`, as for
+ * rekv_metrics_server_create below: its fd and the port bound. what names the server in messages
+ * ("metrics", "http"); remote_hint says how to allow a non-loopback address (the flag and why it
+ * is asked for), named in the -EPERM message when allow_remote is 0. */
+int rekv_listen_tcp(const char *listen, int allow_remote, const char *what, const char *remote_hint,
+                    int *fd_out, int *port_out, rekv_err *err);
+
 /* Largest request (request line and headers) accepted; larger ones get 431 and are closed. */
 #define REKV_METRICS_MAX_REQUEST 8192
 /* Most open connections; more are closed as soon as they are accepted. */
