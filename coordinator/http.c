@@ -78,6 +78,12 @@ void hbuf_free(hbuf *b)
 
 enum MHD_Result http_json(struct MHD_Connection *c, unsigned status, json_t *j)
 {
+    return http_json_hdr(c, status, j, NULL, NULL);
+}
+
+enum MHD_Result http_json_hdr(struct MHD_Connection *c, unsigned status, json_t *j,
+                              const char *hname, const char *hval)
+{
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     if (s == NULL)
@@ -98,6 +104,8 @@ enum MHD_Result http_json(struct MHD_Connection *c, unsigned status, json_t *j)
         return MHD_NO;
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    if (hname)
+        MHD_add_response_header(resp, hname, hval);
     enum MHD_Result rc = MHD_queue_response(c, status, resp);
     MHD_destroy_response(resp);
     return rc;
@@ -400,22 +408,11 @@ static enum MHD_Result request_begin(hreq *r, const char *url, const char *metho
     }
     if (strcmp(method, allow) != 0) {
         r->refused = 1;
-        json_t *e = json_pack("{s:{s:s, s:s, s:n, s:n}}", "error", "message",
-                              "Method not allowed", "type", "invalid_request_error", "param",
-                              "code");
-        char *s = json_dumps(e, JSON_COMPACT);
-        json_decref(e);
-        struct MHD_Response *resp =
-            s ? MHD_create_response_from_buffer(strlen(s), s, MHD_RESPMEM_MUST_FREE) : NULL;
-        if (resp == NULL) {
-            free(s);
-            return MHD_NO;
-        }
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
-        enum MHD_Result rc = MHD_queue_response(r->conn, 405, resp);
-        MHD_destroy_response(resp);
-        return rc;
+        return http_json_hdr(r->conn, 405,
+                             json_pack("{s:{s:s, s:s, s:n, s:n}}", "error", "message",
+                                       "Method not allowed", "type", "invalid_request_error",
+                                       "param", "code"),
+                             MHD_HTTP_HEADER_ALLOW, allow);
     }
     int ok;
     enum MHD_Result rc = authorized(r, &ok);

@@ -50,6 +50,7 @@ typedef struct hjob {
     hbuf top_vals;    /* [next][top_logprobs] float */
     hbuf ids;         /* [next] int32: the generated ids */
     size_t lp_sent;   /* tokens whose logprobs were streamed */
+    int refused;      /* the coordinator refused its Submit */
     int echo_sent;    /* stream: the echoed prompt went out */
     int role_sent;    /* chat stream: the first delta (role) went out */
     int end_sent;     /* stream: its finish_reason went out */
@@ -68,8 +69,8 @@ typedef struct hgen {
     char **stops;            /* [n_stops] into req */
     size_t n_stops;
     char **echo_text;        /* [n_prompts] echo: each prompt's text (malloc'd) */
-    char *chat_prompt;       /* chat: the rendered conversation (malloc'd) */
     int32_t **prompt_ids;    /* [n_prompts] id prompts (malloc'd), else NULL */
+    size_t *prompt_n;        /* [n_prompts] their lengths */
     int n_prompts;
     hjob *jobs;
     int n_jobs, n_done;
@@ -217,8 +218,8 @@ static int read_prompts(hgen *g, json_t *p, const char ***texts, perr *e)
         return bad(e, "'prompt' holds %zu prompts; at most %d", n, REKV_HTTP_MAX_JOBS);
     *texts = calloc(n, sizeof(char *));
     g->prompt_ids = calloc(n, sizeof(int32_t *));
-    g->jobs = NULL;
-    if (*texts == NULL || g->prompt_ids == NULL)
+    g->prompt_n = calloc(n, sizeof(size_t));
+    if (*texts == NULL || g->prompt_ids == NULL || g->prompt_n == NULL)
         return bad(e, "out of memory");
     g->n_prompts = (int)n;
     for (size_t i = 0; i < n; i++) {
@@ -237,6 +238,7 @@ static int read_prompts(hgen *g, json_t *p, const char ***texts, perr *e)
         if (ids == NULL)
             return bad(e, "out of memory");
         g->prompt_ids[i] = ids;
+        g->prompt_n[i] = m;
         for (size_t k = 0; k < m; k++) {
             json_t *v = json_array_get(one, k);
             if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= vocab)
@@ -247,9 +249,58 @@ static int read_prompts(hgen *g, json_t *p, const char ***texts, perr *e)
     return 0;
 }
 
-/* messages: a non-empty array of {role, content} rendered with the model's chat template. */
+/* A message as the template takes it: content parts joined into one text (each part's "text",
+ * one "\n" between parts, as vLLM does for templates that take a string), tool calls' JSON
+ * "arguments" given as objects (what the templates iterate over). NULL after bad(). */
+static json_t *template_message(json_t *msg, size_t i, perr *e)
+{
+    json_t *role = json_object_get(msg, "role"), *c = json_object_get(msg, "content");
+    if (!json_is_object(msg) || !json_is_string(role))
+        return bad(e, "'messages'[%zu] must be an object with a string 'role'", i), NULL;
+    if (c && !json_is_string(c) && !json_is_array(c) && !json_is_null(c))
+        return bad(e, "'messages'[%zu].content must be a string or an array of parts", i), NULL;
+    json_t *m = json_deep_copy(msg);
+    if (json_is_array(c)) {
+        hbuf text = {0};
+        size_t k;
+        json_t *part;
+        json_array_foreach(c, k, part)
+        {
+            json_t *t = json_object_get(part, "text");
+            if (!json_is_string(t) || !json_is_string(json_object_get(part, "type")) ||
+                strcmp(json_string_value(json_object_get(part, "type")), "text") != 0) {
+                hbuf_free(&text);
+                json_decref(m);
+                return bad(e, "'messages'[%zu].content[%zu]: only text parts are supported", i, k),
+                       NULL;
+            }
+            if (k)
+                hbuf_put(&text, "\n", 1);
+            hbuf_put(&text, json_string_value(t), json_string_length(t));
+        }
+        json_object_set_new(m, "content", json_stringn(text.p ? text.p : "", text.n));
+        hbuf_free(&text);
+    }
+    size_t k;
+    json_t *call;
+    json_array_foreach(json_object_get(m, "tool_calls"), k, call)
+    {
+        json_t *fn = json_object_get(call, "function");
+        json_t *args = json_object_get(fn, "arguments");
+        json_t *obj = json_is_string(args) ? json_loads(json_string_value(args), 0, NULL) : NULL;
+        if (json_is_object(obj))
+            json_object_set_new(fn, "arguments", obj);
+        else
+            json_decref(obj);
+    }
+    return m;
+}
+
+/* messages: a non-empty array of messages, each as template_message reads it; rendered by the
+ * model's chat template (loader/chat_template.h) once the coordinator has one. */
 static int read_messages(hgen *g, json_t *req, perr *e)
 {
+    (void)g;
     json_t *m = json_object_get(req, "messages");
     if (!json_is_array(m))
         return bad(e, "'messages' must be an array of messages");
@@ -259,13 +310,11 @@ static int read_messages(hgen *g, json_t *req, perr *e)
     json_t *msg;
     json_array_foreach(m, i, msg)
     {
-        json_t *role = json_object_get(msg, "role"), *c = json_object_get(msg, "content");
-        if (!json_is_object(msg) || !json_is_string(role))
-            return bad(e, "'messages'[%zu] must be an object with a string 'role'", i);
-        if (c && !json_is_string(c) && !json_is_array(c) && !json_is_null(c))
-            return bad(e, "'messages'[%zu].content must be a string or an array of parts", i);
+        json_t *t = template_message(msg, i, e);
+        if (t == NULL)
+            return -1;
+        json_decref(t);
     }
-    (void)g;
     return bad(e, "this model has no chat template (tokenizer_config.json 'chat_template' or "
                   "chat_template.jinja in its directory): use /v1/completions");
 }
@@ -407,7 +456,7 @@ static void random_hex(char *out, size_t bytes)
 }
 
 /* One job per prompt and choice, sharing s's fields. */
-static int build_jobs(hgen *g, json_t *prompt, const char **texts, const Rekv__Control__Submit *s,
+static int build_jobs(hgen *g, const char **texts, const Rekv__Control__Submit *s,
                       uint32_t n, int seeded, uint64_t seed, perr *e)
 {
     g->n_jobs = g->n_prompts * (int)n;
@@ -422,9 +471,6 @@ static int build_jobs(hgen *g, json_t *prompt, const char **texts, const Rekv__C
     }
     char base[40];
     random_hex(base, 12);
-    int list = prompt && json_is_array(prompt) && g->n_prompts > 0 &&
-               (json_is_string(json_array_get(prompt, 0)) ||
-                json_is_array(json_array_get(prompt, 0)));
     for (int p = 0; p < g->n_prompts; p++)
         for (uint32_t i = 0; i < n; i++) {
             hjob *j = &g->jobs[p * (int)n + (int)i];
@@ -439,14 +485,11 @@ static int build_jobs(hgen *g, json_t *prompt, const char **texts, const Rekv__C
             j->index = p * (int)n + (int)i;
             snprintf(j->key, sizeof(j->key), "http-%s-%d", base, j->index);
             j->sub.client_key = j->key;
-            if (g->chat) {
-                j->sub.prompt_text = g->chat_prompt;
-            } else if (texts[p]) {
+            if (texts[p]) {
                 j->sub.prompt_text = (char *)texts[p];
             } else {
-                json_t *ids = list ? json_array_get(prompt, (size_t)p) : prompt;
                 j->sub.prompt_ids = g->prompt_ids[p];
-                j->sub.n_prompt_ids = json_array_size(ids);
+                j->sub.n_prompt_ids = g->prompt_n[p];
             }
         }
     return 0;
@@ -489,17 +532,15 @@ static int read_request(hgen *g, json_t *req, perr *e)
     if ((rc = read_common(g, req, &s, &n, &seeded, &seed, e)) || (rc = read_logprobs(g, req, e)))
         goto out;
     if (g->chat) {
-        if ((rc = read_messages(g, req, e)))
-            goto out;
-        g->n_prompts = 1;
         texts = calloc(1, sizeof(char *));
-        prompt = NULL;
+        if (texts == NULL || (rc = read_messages(g, req, e)))
+            goto out;
     } else if ((rc = read_prompts(g, prompt, &texts, e))) {
         goto out;
     }
     s.logprobs = g->want_lp;
     s.top_logprobs = g->top_lp;
-    if ((rc = build_jobs(g, prompt, texts, &s, n, seeded, seed, e)))
+    if ((rc = build_jobs(g, texts, &s, n, seeded, seed, e)))
         goto out;
     if (g->echo && (rc = echo_texts(g, texts, e)))
         goto out;
@@ -615,37 +656,44 @@ static void resend_quiet(hgen *g, int accepted_only)
     }
 }
 
-/* Submits every job and waits for each answer. 0, or an HTTP status with the message in e. */
+/* Submits every job and waits for each answer: 0 when all were accepted; SUBMIT_REFUSED with the
+ * first refusal's status and message in e (every answer is waited for, so that the jobs accepted
+ * beside a refused one are known, and cancelled by http_gen_finish); or the pump's reason to stop. */
+#define SUBMIT_REFUSED 1
 static int submit_all(hgen *g, perr *e)
 {
     rekv_err err = {0};
     for (int i = 0; i < g->n_jobs; i++)
-        if (send_submit(g, &g->jobs[i], &err))
-            return e->status = 500, snprintf(e->msg, sizeof(e->msg), "%s", err.msg), -1;
+        if (send_submit(g, &g->jobs[i], &err)) {
+            e->status = 500;
+            snprintf(e->msg, sizeof(e->msg), "%s", err.msg);
+            return SUBMIT_REFUSED;
+        }
     for (;;) {
         int waiting = 0;
         for (int i = 0; i < g->n_jobs; i++)
-            waiting += g->jobs[i].job == 0;
+            waiting += g->jobs[i].job == 0 && !g->jobs[i].refused;
         if (waiting == 0)
-            return 0;
+            return e->status ? SUBMIT_REFUSED : 0;
         Rekv__Control__Response *refused = NULL;
         int rc = pump(g, GEN_POLL_MS, &refused, NULL);
         if (refused) {
-            e->status = http_status_of_code(refused->code);
-            snprintf(e->msg, sizeof(e->msg), "%s", refused->error ? refused->error : "refused");
+            hjob *j = job_of_rq(g, refused->id);
+            j->refused = 1;
+            if (e->status == 0) {
+                e->status = http_status_of_code(refused->code);
+                snprintf(e->msg, sizeof(e->msg), "%s",
+                         refused->error ? refused->error : "refused");
+            }
             rekv__control__response__free_unpacked(refused, NULL);
-            return -1;
+            continue;
         }
-        if (rc == PUMP_GONE || rc == PUMP_STOP || rc == PUMP_ERR) {
-            e->status = rc == PUMP_STOP ? 503 : 500;
-            snprintf(e->msg, sizeof(e->msg), "%s",
-                     rc == PUMP_STOP ? "the server is shutting down" : "the client went away");
+        if (rc == PUMP_GONE || rc == PUMP_STOP || rc == PUMP_ERR)
             return rc;
-        }
         if (rc == PUMP_IDLE && ++g->silent >= GEN_RESEND_POLLS / 2) {
             g->silent = 0;
             for (int i = 0; i < g->n_jobs; i++)
-                if (g->jobs[i].job == 0)
+                if (g->jobs[i].job == 0 && !g->jobs[i].refused)
                     send_submit(g, &g->jobs[i], NULL);
         } else if (rc == PUMP_GOT) {
             g->silent = 0;
@@ -895,8 +943,8 @@ static void gen_free(hgen *g)
     }
     free(g->echo_text);
     free(g->prompt_ids);
+    free(g->prompt_n);
     free(g->stops);
-    free(g->chat_prompt);
     hbuf_free(&g->out);
     json_decref(g->req);
     free(g);
@@ -926,11 +974,13 @@ enum MHD_Result http_gen_answer(hreq *r)
     rekv_err err = {0};
     if ((g->ctl = http_ctl_open(h, &err)) == NULL)
         return http_error(r->conn, 500, NULL, NULL, "%s", err.msg);
-    if (submit_all(g, &e)) {
-        if (e.status == 500 && strcmp(e.msg, "the client went away") == 0)
-            return MHD_NO;
+    int rc = submit_all(g, &e);
+    if (rc == SUBMIT_REFUSED)
         return http_error(r->conn, e.status, NULL, NULL, "%s", e.msg);
-    }
+    if (rc == PUMP_STOP)
+        return http_error(r->conn, 503, NULL, NULL, "the server is shutting down");
+    if (rc)
+        return MHD_NO; /* the client went away: http_gen_finish cancels what was accepted */
     snprintf(g->id, sizeof(g->id), "%s%llu", g->chat ? "chatcmpl-" : "cmpl-",
              (unsigned long long)g->jobs[0].job);
     if (g->stream) {
@@ -940,9 +990,9 @@ enum MHD_Result http_gen_answer(hreq *r)
             return MHD_NO;
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-        enum MHD_Result rc = MHD_queue_response(r->conn, 200, resp);
+        enum MHD_Result ret = MHD_queue_response(r->conn, 200, resp);
         MHD_destroy_response(resp);
-        return rc;
+        return ret;
     }
     while (g->n_done < g->n_jobs) {
         hjob *j;

@@ -63,6 +63,9 @@ enum MHD_Result http_error(struct MHD_Connection *c, unsigned status, const char
     __attribute__((format(printf, 5, 6)));
 /* Queues j (stolen) as JSON with status. */
 enum MHD_Result http_json(struct MHD_Connection *c, unsigned status, json_t *j);
+/* The same with one more header (hname NULL: none). */
+enum MHD_Result http_json_hdr(struct MHD_Connection *c, unsigned status, json_t *j,
+                              const char *hname, const char *hval);
 /* The HTTP status for a coordinator's refusal. */
 unsigned http_status_of_code(Rekv__Control__Code code);
 

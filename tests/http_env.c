@@ -10,6 +10,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "tests/metrics_scrape.h"
@@ -17,10 +18,41 @@
 
 int hx_start(hx_env *x, const char *const *extra, int with_worker)
 {
-    memset(x, 0, sizeof(*x));
     const char *m = tu_shared(HX_MODEL_REL);
     if (m == NULL)
         return -1;
+    return hx_start_model(x, m, extra, with_worker);
+}
+
+const char *hx_chat_model(const char *dir, const char *name)
+{
+    static char path[4200];
+    char rel[512], src[4200], dst[8500];
+    snprintf(rel, sizeof(rel), "chat-templates/%s.jinja", name);
+    const char *tmpl = tu_shared(rel), *m = tu_shared("models/llama-tiny-py/config.json");
+    if (tmpl == NULL || m == NULL)
+        return NULL;
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    ck_assert_int_eq(mkdir(path, 0700), 0);
+    static const char *files[] = {"config.json", "merges.txt", "model.safetensors",
+                                  "special_tokens_map.json", "tokenizer_config.json", "vocab.json"};
+    char *abs = realpath("../shared/models/llama-tiny-py", NULL);
+    ck_assert_ptr_nonnull(abs);
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+        snprintf(src, sizeof(src), "%s/%s", abs, files[i]);
+        snprintf(dst, sizeof(dst), "%s/%s", path, files[i]);
+        ck_assert_int_eq(symlink(src, dst), 0);
+    }
+    free(abs);
+    char cmd[13000];
+    snprintf(cmd, sizeof(cmd), "cp '%s' '%s/chat_template.jinja'", tmpl, path);
+    tu_run_ok(cmd);
+    return path;
+}
+
+int hx_start_model(hx_env *x, const char *m, const char *const *extra, int with_worker)
+{
+    memset(x, 0, sizeof(*x));
     snprintf(x->model, sizeof(x->model), "%s", m);
     x->dir = tu_tmpdir();
     snprintf(x->ctl, sizeof(x->ctl), "ipc://%s/control", x->dir);

@@ -27,6 +27,12 @@ typedef struct hx_env {
  * NULL-terminated, may be NULL) and, when with_worker, a cpu worker, waiting until it serves.
  * Returns -1 when the model is missing (skipped, as tu_shared says). */
 int hx_start(hx_env *x, const char *const *extra, int with_worker);
+/* The same on another model (a path). */
+int hx_start_model(hx_env *x, const char *model, const char *const *extra, int with_worker);
+/* A model directory in dir: llama-tiny-py's files (linked) with the chat template of
+ * ../shared/chat-templates/<name>.jinja as chat_template.jinja; its path (static storage), or
+ * NULL when the files are missing (skipped, as tu_shared says). */
+const char *hx_chat_model(const char *dir, const char *name);
 void hx_start_worker(hx_env *x);
 void hx_stop(hx_env *x);
 

@@ -12,7 +12,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "tests/co_env.h"
 #include "tests/http_env.h"
+#include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
 
 static hx_env X;
@@ -298,6 +300,12 @@ START_TEST(choices_prompts_echo)
 }
 END_TEST
 
+
+
+
+
+
+
 static void expect(const char *method, const char *path, const char *headers, const char *body,
                    int status, const char *type)
 {
@@ -391,6 +399,44 @@ START_TEST(refusals)
     j = hx_post(X.port, C, "{\"prompt\": \"x\", \"max_tokens\": 2}", &st);
     ck_assert_int_eq(st, 200);
     json_decref(j);
+}
+END_TEST
+
+static Rekv__Control__Stats *stats(rekv_ctl *c, Rekv__Control__Response **keep)
+{
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    *keep = tu_ctl_call(c, &rq);
+    ck_assert_int_eq((*keep)->code, REKV__CONTROL__CODE__OK);
+    return (*keep)->stats;
+}
+
+/* A request the coordinator refuses in part (one prompt of two too long) is refused whole: the job
+ * accepted beside the refused one is cancelled, not left to run for nobody. */
+START_TEST(refused_request_cancels_the_rest)
+{
+    NEED_ENV();
+    rekv_ctl *c = hx_ctl(&X);
+    Rekv__Control__Response *keep;
+    Rekv__Control__Stats *s0 = stats(c, &keep);
+    uint64_t accepted0 = s0->accepted, cancelled0 = s0->cancelled;
+    rekv__control__response__free_unpacked(keep, NULL);
+    char big[2048] = "{\"max_tokens\": 500, \"prompt\": [\"The\", \"";
+    memset(big + strlen(big), 'a', 700);
+    strcat(big, "\"]}");
+    expect("POST", "/v1/completions", NULL, big, 400, "invalid_request_error");
+    for (;;) {
+        Rekv__Control__Stats *s1 = stats(c, &keep);
+        int done = s1->cancelled == cancelled0 + 1;
+        ck_assert_int_eq(s1->accepted, accepted0 + 1);
+        rekv__control__response__free_unpacked(keep, NULL);
+        if (done)
+            break;
+        usleep(10000);
+    }
+    rekv_ctl_close(c);
 }
 END_TEST
 
@@ -527,6 +573,35 @@ START_TEST(api_key_and_health)
 }
 END_TEST
 
+/* `rekv run --http` serves the API (its coordinator got the flags). */
+START_TEST(rekv_run_http)
+{
+    env e;
+    if (ct_env_open(&e))
+        return;
+    int port = ms_free_port();
+    char listen[64];
+    snprintf(listen, sizeof(listen), "127.0.0.1:%d", port);
+    const char *extra[] = {"--http", listen, "--served-model-name", "story", NULL};
+    pid_t pid = ct_rekv_run_start_args(&e, "64M", "4", NULL, extra);
+    hx_resp r;
+    for (;;) { /* ready: the coordinator listens; serving once its worker joined */
+        hx_request(port, "GET", "/health", NULL, NULL, &r);
+        int ok = r.status == 200;
+        hx_resp_free(&r);
+        if (ok)
+            break;
+        usleep(20000);
+    }
+    hx_request(port, "POST", "/v1/completions", NULL,
+               "{\"model\": \"story\", \"prompt\": [1, 5, 9], \"max_tokens\": 3}", &r);
+    ck_assert_msg(r.status == 200, "%d: %s", r.status, r.body);
+    hx_resp_free(&r);
+    ct_rekv_run_stop(pid);
+    ct_env_close(&e);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("http");
@@ -537,12 +612,14 @@ int main(void)
     tcase_add_test(tc, completion_matches_control);
     tcase_add_test(tc, choices_prompts_echo);
     tcase_add_test(tc, refusals);
+    tcase_add_test(tc, refused_request_cancels_the_rest);
     tcase_add_test(tc, disconnect_cancels_stream);
     tcase_add_test(tc, disconnect_cancels_request);
     suite_add_tcase(s, tc);
     TCase *ta = tcase_create("auth");
     tcase_set_timeout(ta, 60);
     tcase_add_test(ta, api_key_and_health);
+    tcase_add_test(ta, rekv_run_http);
     suite_add_tcase(s, ta);
     return tu_run_suite(s);
 }
