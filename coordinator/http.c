@@ -501,8 +501,11 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap)
     size_t n = strlen(msg);
     while (n && msg[n - 1] == '\n')
         msg[--n] = '\0';
+    /* a stream ended because its client went away (or the server stops) is ours, not news */
+    int level = strstr(msg, "application error generating response") ? REKV_LOG_DEBUG
+                                                                      : REKV_LOG_WARN;
     if (h->on_log)
-        h->on_log(h->log_ctx, REKV_LOG_WARN, msg);
+        h->on_log(h->log_ctx, level, msg);
 }
 
 /* ---------------------------------------------------------------- start, stop */
