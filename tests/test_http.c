@@ -573,6 +573,48 @@ START_TEST(api_key_and_health)
 }
 END_TEST
 
+/* A full queue (the coordinator's BUSY) is 429 with OpenAI's rate-limit error; the waiting
+ * request's client leaving cancels its queued job. */
+START_TEST(busy_is_429)
+{
+    const char *extra[] = {"--queue", "1", NULL};
+    hx_env y;
+    if (hx_start(&y, extra, 0))
+        return;
+    int fd = hx_connect(y.port);
+    const char *body = "{\"prompt\": \"The\", \"max_tokens\": 5}";
+    char req[512];
+    int n = snprintf(req, sizeof(req),
+                     "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n%s",
+                     strlen(body), body);
+    ck_assert_int_eq(send(fd, req, (size_t)n, MSG_NOSIGNAL), n);
+    rekv_ctl *c = hx_ctl(&y);
+    Rekv__Control__Response *keep;
+    for (;;) { /* queued: no worker runs it */
+        int queued = stats(c, &keep)->queued == 1;
+        rekv__control__response__free_unpacked(keep, NULL);
+        if (queued)
+            break;
+        usleep(10000);
+    }
+    hx_resp r;
+    hx_request(y.port, "POST", "/v1/completions", NULL, body, &r);
+    hx_expect_error(&r, 429, "rate_limit_error");
+    hx_resp_free(&r);
+    close(fd);
+    for (;;) {
+        Rekv__Control__Stats *st = stats(c, &keep);
+        int gone = st->queued == 0 && st->cancelled == 1;
+        rekv__control__response__free_unpacked(keep, NULL);
+        if (gone)
+            break;
+        usleep(10000);
+    }
+    rekv_ctl_close(c);
+    hx_stop(&y);
+}
+END_TEST
+
 /* `rekv run --http` serves the API (its coordinator got the flags). */
 START_TEST(rekv_run_http)
 {
@@ -620,6 +662,7 @@ int main(void)
     tcase_set_timeout(ta, 60);
     tcase_add_test(ta, api_key_and_health);
     tcase_add_test(ta, rekv_run_http);
+    tcase_add_test(ta, busy_is_429);
     suite_add_tcase(s, ta);
     return tu_run_suite(s);
 }
