@@ -573,6 +573,53 @@ START_TEST(api_key_and_health)
 }
 END_TEST
 
+/* curl, a client that is not ours: a stream (chunked, as HTTP/1.1 carries it) and a non-streaming
+ * answer agree, and an error's status is what curl reports. */
+START_TEST(curl_client)
+{
+    NEED_ENV();
+    if (system("command -v curl >/dev/null 2>&1") != 0) {
+        ck_assert_msg(!tu_ci(), "curl is not installed (CI=true)");
+        fprintf(stderr, "   skip: curl is not installed\n");
+        return;
+    }
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof(cmd),
+             "curl -sS -N http://127.0.0.1:%d/v1/completions -H 'Content-Type: application/json' "
+             "-d '{\"prompt\": \"Debian\", \"max_tokens\": 12, \"temperature\": 0, "
+             "\"stream\": true}'",
+             X.port);
+    ck_assert_int_eq(tu_run(cmd, &out), 0);
+    json_t *ev = sse_events(out);
+    char all[1024] = "";
+    size_t i;
+    json_t *e;
+    json_array_foreach(ev, i, e)
+        strcat(all, json_string_value(json_object_get(
+                        json_array_get(json_object_get(e, "choices"), 0), "text")));
+    json_decref(ev);
+    free(out);
+    snprintf(cmd, sizeof(cmd),
+             "curl -sS http://127.0.0.1:%d/v1/completions -H 'Content-Type: application/json' "
+             "-d '{\"prompt\": \"Debian\", \"max_tokens\": 12, \"temperature\": 0}'",
+             X.port);
+    ck_assert_int_eq(tu_run(cmd, &out), 0);
+    json_t *j = json_loads(out, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    ck_assert_str_eq(all, json_string_value(json_object_get(
+                              json_array_get(json_object_get(j, "choices"), 0), "text")));
+    json_decref(j);
+    free(out);
+    snprintf(cmd, sizeof(cmd),
+             "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/v1/completions "
+             "-d '{\"prompt\": \"x\", \"max_tokens\": 0}'",
+             X.port);
+    ck_assert_int_eq(tu_run(cmd, &out), 0);
+    ck_assert_str_eq(out, "400");
+    free(out);
+}
+END_TEST
+
 /* A full queue (the coordinator's BUSY) is 429 with OpenAI's rate-limit error; the waiting
  * request's client leaving cancels its queued job. */
 START_TEST(busy_is_429)
@@ -654,6 +701,7 @@ int main(void)
     tcase_add_test(tc, completion_matches_control);
     tcase_add_test(tc, choices_prompts_echo);
     tcase_add_test(tc, refusals);
+    tcase_add_test(tc, curl_client);
     tcase_add_test(tc, refused_request_cancels_the_rest);
     tcase_add_test(tc, disconnect_cancels_stream);
     tcase_add_test(tc, disconnect_cancels_request);
