@@ -1,9 +1,10 @@
 /* test_http.c — rekv-coordinator --http against real daemons (a coordinator and a cpu worker on
  * docs8L), spoken to in raw HTTP over a socket: completions non-streaming and streamed (tokens
  * identical to the same greedy job submitted over the control socket, as `rekv submit` does),
- * n choices with seeds, echo, /v1/models, /health, /tokenize and /detokenize, every refusal with
- * its status and OpenAI error object, Bearer authentication, and a client that goes away
- * cancelling its job (streaming and not). */
+ * n choices with seeds, echo, stop strings, logprobs (the control socket's values), /v1/models,
+ * /health, /tokenize and /detokenize, every refusal with its status and OpenAI error object, curl,
+ * a full queue's 429, Bearer authentication, `rekv run --http`, and a client that goes away
+ * cancelling its job (streaming, not, queued, and the rest of a request refused in part). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
@@ -305,6 +306,141 @@ END_TEST
 
 
 
+
+/* The text of choice 0 of a completions answer (malloc'd), and its finish_reason in fin. */
+static char *choice_text(json_t *j, char *fin, size_t nfin)
+{
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *t = json_object_get(c, "text");
+    if (t == NULL)
+        t = json_object_get(json_object_get(c, "message"), "content");
+    ck_assert_msg(json_is_string(t), "no text in the choice");
+    snprintf(fin, nfin, "%s", json_string_value(json_object_get(c, "finish_reason")));
+    return strdup(json_string_value(t));
+}
+
+/* The texts of a stream's chunks put together (completions' text or chat's delta content), and
+ * the last finish_reason. */
+static char *stream_text(const char *body, char *fin, size_t nfin)
+{
+    json_t *ev = sse_events(body);
+    size_t cap = 65536, n = 0;
+    char *all = calloc(1, cap);
+    size_t i;
+    json_t *e;
+    json_array_foreach(ev, i, e)
+    {
+        json_t *c = json_array_get(json_object_get(e, "choices"), 0);
+        if (c == NULL)
+            continue;
+        json_t *t = json_object_get(c, "text");
+        if (t == NULL)
+            t = json_object_get(json_object_get(c, "delta"), "content");
+        if (json_is_string(t)) {
+            ck_assert_uint_lt(n + json_string_length(t), cap);
+            memcpy(all + n, json_string_value(t), json_string_length(t));
+            n += json_string_length(t);
+        }
+        if (json_is_string(json_object_get(c, "finish_reason")))
+            snprintf(fin, nfin, "%s", json_string_value(json_object_get(c, "finish_reason")));
+    }
+    json_decref(ev);
+    return all;
+}
+
+/* Stop strings: the text ends before the first stop (which the text of the same job without it
+ * places), streamed and not, finish_reason "stop". */
+START_TEST(stop_strings)
+{
+    NEED_ENV();
+    int st;
+    char fin[32], body[1024];
+    json_t *j = hx_post(X.port, "/v1/completions",
+                        "{\"prompt\": \"The package\", \"max_tokens\": 40, \"temperature\": 0}", &st);
+    ck_assert_int_eq(st, 200);
+    char *full = choice_text(j, fin, sizeof(fin));
+    json_decref(j);
+    ck_assert_uint_ge(strlen(full), 20);
+    char stop[8];
+    snprintf(stop, sizeof(stop), "%.3s", full + 12);
+    size_t at = (size_t)(strstr(full, stop) - full);
+    snprintf(body, sizeof(body),
+             "{\"prompt\": \"The package\", \"max_tokens\": 40, \"temperature\": 0, "
+             "\"stop\": [\"zzzz\", \"%s\"]}",
+             stop);
+    j = hx_post(X.port, "/v1/completions", body, &st);
+    ck_assert_int_eq(st, 200);
+    char *t = choice_text(j, fin, sizeof(fin));
+    json_decref(j);
+    ck_assert_str_eq(fin, "stop");
+    ck_assert_uint_eq(strlen(t), at);
+    ck_assert_int_eq(strncmp(t, full, at), 0);
+    free(t);
+    snprintf(body, sizeof(body),
+             "{\"prompt\": \"The package\", \"max_tokens\": 40, \"temperature\": 0, "
+             "\"stop\": \"%s\", \"stream\": true}",
+             stop);
+    hx_resp r;
+    hx_request(X.port, "POST", "/v1/completions", NULL, body, &r);
+    ck_assert_int_eq(r.status, 200);
+    t = stream_text(r.body, fin, sizeof(fin));
+    ck_assert_str_eq(fin, "stop");
+    ck_assert_uint_eq(strlen(t), at);
+    ck_assert_int_eq(strncmp(t, full, at), 0);
+    free(t);
+    hx_resp_free(&r);
+    free(full);
+}
+END_TEST
+
+/* logprobs: one per token, the greedy token's the largest of its top list, and the same values
+ * the control socket records for the job. */
+START_TEST(completion_logprobs)
+{
+    NEED_ENV();
+    int st;
+    json_t *j = hx_post(X.port, "/v1/completions",
+                        "{\"prompt\": \"The package\", \"max_tokens\": 8, \"temperature\": 0, "
+                        "\"logprobs\": 3}",
+                        &st);
+    ck_assert_int_eq(st, 200);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *lp = json_object_get(c, "logprobs");
+    json_t *toks = json_object_get(lp, "tokens"), *tlp = json_object_get(lp, "token_logprobs"),
+           *top = json_object_get(lp, "top_logprobs"), *off = json_object_get(lp, "text_offset");
+    ck_assert_int_eq(json_array_size(toks), 8);
+    ck_assert_int_eq(json_array_size(tlp), 8);
+    ck_assert_int_eq(json_array_size(top), 8);
+    ck_assert_int_eq(json_array_size(off), 8);
+    char joined[512] = "";
+    rekv_ctl *ctl = hx_ctl(&X);
+    Rekv__Control__Response *r = tu_ctl_status(ctl, job_of(j));
+    ck_assert_int_eq(r->job->n_logprobs, 8);
+    for (size_t i = 0; i < 8; i++) {
+        double v = json_real_value(json_array_get(tlp, i));
+        ck_assert(v <= 0);
+        ck_assert_msg((float)v == r->job->logprobs[i], "token %zu: %g, the job's %g", i, v,
+                      (double)r->job->logprobs[i]);
+        json_t *ti = json_array_get(top, i);
+        ck_assert_uint_ge(json_object_size(ti), 1);
+        const char *k;
+        json_t *val;
+        double best = -1e30;
+        json_object_foreach(ti, k, val)
+        {
+            if (json_real_value(val) > best)
+                best = json_real_value(val);
+        }
+        ck_assert_msg(best == v, "token %zu: greedy %g, its top %g", i, v, best);
+        ck_assert_int_eq(json_integer_value(json_array_get(off, i)), strlen(joined));
+        strcat(joined, json_string_value(json_array_get(toks, i)));
+    }
+    ck_assert_str_eq(joined, json_string_value(json_object_get(c, "text")));
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(ctl);
+    json_decref(j);
+}
+END_TEST
 
 static void expect(const char *method, const char *path, const char *headers, const char *body,
                    int status, const char *type)
@@ -703,6 +839,8 @@ int main(void)
     tcase_add_test(tc, refusals);
     tcase_add_test(tc, curl_client);
     tcase_add_test(tc, refused_request_cancels_the_rest);
+    tcase_add_test(tc, stop_strings);
+    tcase_add_test(tc, completion_logprobs);
     tcase_add_test(tc, disconnect_cancels_stream);
     tcase_add_test(tc, disconnect_cancels_request);
     suite_add_tcase(s, tc);

@@ -1,7 +1,8 @@
 /* test_http_openai.c — the HTTP server checked by a client that is not ours: the official `openai`
  * npm package (tests/openai/check.mjs, run by /usr/bin/node) against a real coordinator and cpu
- * worker: models, completions streamed and not, n and seed, the error classes it maps our status
- * codes to, a Bearer key, chat's refusal without a template, and a stream it aborts. Its summary
+ * worker: models, completions streamed and not, n and seed, stop strings, logprobs, the error
+ * classes it maps our status codes to, a Bearer key, chat's refusal without a template, and a
+ * stream it aborts. Its summary
  * is then compared with the control socket's own record: the greedy completion's text is the
  * job's, and the aborted stream's job ends CANCELLED. Skipped (a failure under CI=true) without
  * node or without tests/openai/node_modules (`npm ci` in tests/openai; .ci/run does it). */

@@ -89,6 +89,35 @@ await check('chat without a template', async () => {
     (e) => e instanceof OpenAI.BadRequestError && /chat template/.test(e.message));
 });
 
+await check('stop strings', async () => {
+  const full = (await client.completions.create({ model, prompt, max_tokens: 40, temperature: 0 }))
+    .choices[0].text;
+  const stop = full.slice(12, 15);
+  const want = full.slice(0, full.indexOf(stop));
+  const c = await client.completions.create({ model, prompt, max_tokens: 40, temperature: 0, stop });
+  assert.equal(c.choices[0].text, want);
+  assert.equal(c.choices[0].finish_reason, 'stop');
+  const stream = await client.completions.create({
+    model, prompt, max_tokens: 40, temperature: 0, stop: [stop], stream: true,
+  });
+  let text = '';
+  for await (const chunk of stream) for (const ch of chunk.choices) text += ch.text;
+  assert.equal(text, want);
+});
+
+await check('completion logprobs', async () => {
+  const c = await client.completions.create({
+    model, prompt, max_tokens: 6, temperature: 0, logprobs: 2,
+  });
+  const lp = c.choices[0].logprobs;
+  assert.equal(lp.tokens.length, 6);
+  assert.equal(lp.tokens.join(''), c.choices[0].text);
+  for (let i = 0; i < 6; i++) {
+    assert.ok(lp.token_logprobs[i] <= 0);
+    assert.equal(Math.max(...Object.values(lp.top_logprobs[i])), lp.token_logprobs[i]);
+  }
+});
+
 await check('stream aborted', async () => {
   const ac = new AbortController();
   const stream = await client.completions.create(
