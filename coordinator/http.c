@@ -541,6 +541,26 @@ static unsigned conn_limit(uint32_t wanted)
     return n;
 }
 
+/* The model directory's chat template. One that cannot be used does not stop the server: chat
+ * requests are answered 400 with the reason, completions are served. */
+static void load_chat_template(struct rekv_http *h, const char *path)
+{
+    struct stat st;
+    snprintf(h->chat_why, sizeof(h->chat_why),
+             "this model has no chat template (tokenizer_config.json 'chat_template' or "
+             "chat_template.jinja in its directory): use /v1/completions");
+    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
+        return;
+    rekv_err err = {0};
+    if (rekv_chat_template_load_dir(path, &h->chat, &err) == 0)
+        return;
+    h->chat = NULL;
+    snprintf(h->chat_why, sizeof(h->chat_why), "the model's chat template cannot be used: %.600s",
+             err.msg);
+    if (h->on_log)
+        h->on_log(h->log_ctx, REKV_LOG_WARN, h->chat_why);
+}
+
 static int load_model(struct rekv_http *h, const rekv_http_config *cfg, rekv_err *err)
 {
     if (cfg->model_path == NULL) {
@@ -564,6 +584,8 @@ static int load_model(struct rekv_http *h, const rekv_http_config *cfg, rekv_err
         snprintf(h->model_name, sizeof(h->model_name), "%s", cfg->served_model_name);
     else
         model_name_of(cfg->model_path, h->model_name, sizeof(h->model_name));
+    if (rc == 0)
+        load_chat_template(h, cfg->model_path);
     return rc;
 }
 
@@ -635,6 +657,7 @@ void rekv_http_stop(rekv_http *h)
     if (h->zctx)
         zmq_ctx_term(h->zctx);
     rekv_tokenizer_free(h->tok);
+    rekv_chat_template_free(h->chat);
     free(h->control_endpoint);
     free(h->curve_server_key);
     free(h->api_key);

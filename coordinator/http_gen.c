@@ -296,27 +296,68 @@ static json_t *template_message(json_t *msg, size_t i, perr *e)
     return m;
 }
 
-/* messages: a non-empty array of messages, each as template_message reads it; rendered by the
- * model's chat template (loader/chat_template.h) once the coordinator has one. */
+/* messages: a non-empty array rendered with the model's chat template and tokenized here, without
+ * a BOS of the tokenizer's (the template writes its own, as HF's apply_chat_template does), into
+ * prompt 0's ids. */
 static int read_messages(hgen *g, json_t *req, perr *e)
 {
-    (void)g;
+    struct rekv_http *h = g->srv;
     json_t *m = json_object_get(req, "messages");
     if (!json_is_array(m))
         return bad(e, "'messages' must be an array of messages");
     if (json_array_size(m) == 0)
         return bad(e, "'messages' is empty");
+    json_t *msgs = json_array();
     size_t i;
     json_t *msg;
     json_array_foreach(m, i, msg)
     {
         json_t *t = template_message(msg, i, e);
-        if (t == NULL)
+        if (t == NULL) {
+            json_decref(msgs);
             return -1;
-        json_decref(t);
+        }
+        json_array_append_new(msgs, t);
     }
-    return bad(e, "this model has no chat template (tokenizer_config.json 'chat_template' or "
-                  "chat_template.jinja in its directory): use /v1/completions");
+    if (h->chat == NULL || h->tok == NULL) {
+        json_decref(msgs);
+        return bad(e, "%s", h->chat ? "the server has no tokenizer for chat" : h->chat_why);
+    }
+    json_t *tools = json_object_get(req, "tools");
+    if (tools && !json_is_null(tools) && !json_is_array(tools)) {
+        json_decref(msgs);
+        return bad(e, "'tools' must be an array");
+    }
+    int agp = 1;
+    if (opt_bool(req, "add_generation_prompt", &agp, e) < 0) {
+        json_decref(msgs);
+        return -1;
+    }
+    json_t *ctx = json_pack("{s:o, s:O, s:n, s:b}", "messages", msgs, "tools",
+                            tools ? tools : json_null(), "documents", "add_generation_prompt", agp);
+    json_t *kw = json_object_get(req, "chat_template_kwargs");
+    if (json_is_object(kw))
+        json_object_update(ctx, kw);
+    char *text = NULL;
+    rekv_err err = {0};
+    int rc = rekv_chat_template_render(h->chat, ctx, &text, &err);
+    json_decref(ctx);
+    if (rc)
+        return bad(e, "the chat template cannot render these messages: %s", err.msg);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    g->prompt_ids = calloc(1, sizeof(int32_t *));
+    g->prompt_n = calloc(1, sizeof(size_t));
+    g->n_prompts = 1;
+    rc = g->prompt_ids && g->prompt_n
+             ? rekv_tokenizer_encode(h->tok, text, strlen(text), -1, &ids, &n, &err)
+             : -ENOMEM;
+    free(text);
+    if (rc)
+        return bad(e, "the rendered conversation does not tokenize: %s", err.msg);
+    g->prompt_ids[0] = ids;
+    g->prompt_n[0] = n;
+    return 0;
 }
 
 /* Sampling, limits, stops, logprobs: the fields every job of the request shares. */

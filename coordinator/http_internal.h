@@ -11,6 +11,7 @@
 
 #include "coordinator/coordinator.h"
 #include "coordinator/http.h"
+#include "loader/chat_template.h"
 #include "loader/loader.h"
 
 struct rekv_http {
@@ -26,6 +27,8 @@ struct rekv_http {
     rekv_tokenizer *tok;       /* /tokenize, /detokenize, logprobs' token strings; NULL: none */
     int have_model;            /* mcfg is valid */
     rekv_model_config mcfg;    /* the context length (max_pos), bos/eos, vocab */
+    rekv_chat_template *chat;  /* the model's chat template; NULL: chat answers chat_why */
+    char chat_why[700];        /* why there is none (one line) */
     int64_t created;           /* start time (unix seconds), for /v1/models */
     void (*on_log)(void *ctx, int level, const char *msg);
     void *log_ctx;

@@ -3,7 +3,8 @@
  * identical to the same greedy job submitted over the control socket, as `rekv submit` does),
  * n choices with seeds, echo, stop strings, logprobs (the control socket's values), /v1/models,
  * /health, /tokenize and /detokenize, every refusal with its status and OpenAI error object, curl,
- * a full queue's 429, Bearer authentication, `rekv run --http`, and a client that goes away
+ * a full queue's 429, Bearer authentication, `rekv run --http`, chat (the prompt Jinja2 renders
+ * from the same messages; a template the renderer refuses), and a client that goes away
  * cancelling its job (streaming, not, queued, and the rest of a request refused in part). */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -442,6 +443,130 @@ START_TEST(completion_logprobs)
 }
 END_TEST
 
+/* Chat on a model directory with Qwen2.5's template: the prompt is what Jinja2 renders from the
+ * same messages (tokenized without a BOS), so the chat answer is the completion of those ids;
+ * streamed, the deltas put together are the same text; logprobs come in chat's shape. */
+START_TEST(chat_is_the_templates_prompt)
+{
+    char *dir = tu_tmpdir();
+    const char *model = hx_chat_model(dir, "Qwen-Qwen2.5-7B-Instruct");
+    hx_env y;
+    if (model == NULL || hx_start_model(&y, model, NULL, 1)) {
+        tu_rmrf(dir);
+        free(dir);
+        return;
+    }
+    const char *msgs = "[{\"role\": \"system\", \"content\": \"You are terse.\"}, "
+                       "{\"role\": \"user\", \"content\": \"Name a colour.\"}]";
+    char path[8600], cmd[20000], *rendered = NULL;
+    snprintf(path, sizeof(path), "%s/msgs.json", dir);
+    FILE *f = fopen(path, "w");
+    fputs(msgs, f);
+    fclose(f);
+    snprintf(cmd, sizeof(cmd),
+             "/usr/bin/python3 -c 'import json, sys\n"
+             "from jinja2.sandbox import ImmutableSandboxedEnvironment as E\n"
+             "t = E(trim_blocks=True, lstrip_blocks=True).from_string(open(sys.argv[1]).read())\n"
+             "sys.stdout.write(json.dumps(t.render(messages=json.load(open(sys.argv[2])), "
+             "add_generation_prompt=True, tools=None, bos_token=\"</s>\", eos_token=\"</s>\")))' "
+             "%s/chat_template.jinja %s",
+             model, path);
+    ck_assert_int_eq(tu_run(cmd, &rendered), 0);
+    char body[8192];
+    snprintf(body, sizeof(body), "{\"prompt\": %s, \"add_special_tokens\": false}", rendered);
+    free(rendered);
+    int st;
+    json_t *tk = hx_post(y.port, "/tokenize", body, &st);
+    ck_assert_int_eq(st, 200);
+    char *ids = json_dumps(json_object_get(tk, "tokens"), JSON_COMPACT);
+    json_decref(tk);
+    snprintf(body, sizeof(body), "{\"prompt\": %s, \"max_tokens\": 12, \"temperature\": 0}", ids);
+    free(ids);
+    char fin_a[32], fin_b[32], fin_c[32];
+    json_t *a = hx_post(y.port, "/v1/completions", body, &st);
+    ck_assert_int_eq(st, 200);
+    char *ta = choice_text(a, fin_a, sizeof(fin_a));
+
+    snprintf(body, sizeof(body),
+             "{\"model\": \"Qwen-Qwen2.5-7B-Instruct\", \"messages\": %s, \"max_tokens\": 12, "
+             "\"temperature\": 0, \"logprobs\": true, \"top_logprobs\": 2}",
+             msgs);
+    json_t *b = hx_post(y.port, "/v1/chat/completions", body, &st);
+    ck_assert_msg(st == 200, "chat: %d", st);
+    ck_assert_str_eq(json_string_value(json_object_get(b, "object")), "chat.completion");
+    char *tb = choice_text(b, fin_b, sizeof(fin_b));
+    ck_assert_str_eq(tb, ta);
+    ck_assert_str_eq(fin_b, fin_a);
+    json_t *ua = json_object_get(a, "usage"), *ub = json_object_get(b, "usage");
+    ck_assert_int_eq(json_integer_value(json_object_get(ua, "prompt_tokens")),
+                     json_integer_value(json_object_get(ub, "prompt_tokens")));
+    json_t *cb = json_array_get(json_object_get(b, "choices"), 0);
+    ck_assert_str_eq(
+        json_string_value(json_object_get(json_object_get(cb, "message"), "role")), "assistant");
+    json_t *content = json_object_get(json_object_get(cb, "logprobs"), "content");
+    ck_assert_int_eq(json_array_size(content),
+                     json_integer_value(json_object_get(ub, "completion_tokens")));
+    json_t *first = json_array_get(content, 0);
+    ck_assert(json_is_string(json_object_get(first, "token")));
+    ck_assert(json_is_array(json_object_get(first, "bytes")));
+    ck_assert_int_eq(json_array_size(json_object_get(first, "top_logprobs")), 2);
+
+    /* streamed */
+    snprintf(body, sizeof(body),
+             "{\"messages\": %s, \"max_tokens\": 12, \"temperature\": 0, \"stream\": true}",
+             msgs);
+    hx_resp r;
+    hx_request(y.port, "POST", "/v1/chat/completions", NULL, body, &r);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_ptr_nonnull(strstr(r.body, "\"role\":\"assistant\""));
+    ck_assert_ptr_nonnull(strstr(r.body, "\"object\":\"chat.completion.chunk\""));
+    char *tc = stream_text(r.body, fin_c, sizeof(fin_c));
+    ck_assert_str_eq(tc, ta);
+    ck_assert_str_eq(fin_c, fin_a);
+    hx_resp_free(&r);
+    free(ta), free(tb), free(tc);
+    json_decref(a), json_decref(b);
+    hx_stop(&y);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+/* A template the renderer refuses (a construct outside its subset) does not stop the server: chat
+ * is answered 400 naming the construct. */
+START_TEST(chat_template_refused)
+{
+    char *dir = tu_tmpdir();
+    const char *model = hx_chat_model(dir, "Qwen-Qwen2.5-7B-Instruct");
+    hx_env y;
+    if (model == NULL) {
+        tu_rmrf(dir);
+        free(dir);
+        return;
+    }
+    char path[8600];
+    snprintf(path, sizeof(path), "%s/chat_template.jinja", model);
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs("{% include 'other.jinja' %}", f);
+    fclose(f);
+    if (hx_start_model(&y, model, NULL, 0)) {
+        tu_rmrf(dir);
+        free(dir);
+        return;
+    }
+    hx_resp r;
+    hx_request(y.port, "POST", "/v1/chat/completions", NULL,
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", &r);
+    hx_expect_error(&r, 400, "invalid_request_error");
+    ck_assert_msg(strstr(r.body, "include"), "%s", r.body);
+    hx_resp_free(&r);
+    hx_stop(&y);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 static void expect(const char *method, const char *path, const char *headers, const char *body,
                    int status, const char *type)
 {
@@ -847,6 +972,11 @@ int main(void)
     TCase *ta = tcase_create("auth");
     tcase_set_timeout(ta, 60);
     tcase_add_test(ta, api_key_and_health);
+    TCase *tch = tcase_create("chat");
+    tcase_set_timeout(tch, 60);
+    tcase_add_test(tch, chat_is_the_templates_prompt);
+    tcase_add_test(tch, chat_template_refused);
+    suite_add_tcase(s, tch);
     tcase_add_test(ta, rekv_run_http);
     tcase_add_test(ta, busy_is_429);
     suite_add_tcase(s, ta);

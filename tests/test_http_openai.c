@@ -1,11 +1,12 @@
 /* test_http_openai.c — the HTTP server checked by a client that is not ours: the official `openai`
- * npm package (tests/openai/check.mjs, run by /usr/bin/node) against a real coordinator and cpu
- * worker: models, completions streamed and not, n and seed, stop strings, logprobs, the error
- * classes it maps our status codes to, a Bearer key, chat's refusal without a template, and a
- * stream it aborts. Its summary
- * is then compared with the control socket's own record: the greedy completion's text is the
- * job's, and the aborted stream's job ends CANCELLED. Skipped (a failure under CI=true) without
- * node or without tests/openai/node_modules (`npm ci` in tests/openai; .ci/run does it). */
+ * npm package (tests/openai/check.mjs, run by /usr/bin/node) against real coordinators and cpu
+ * workers: models, completions streamed and not, n and seed, stop strings, logprobs, the error
+ * classes it maps our status codes to, a Bearer key, chat's refusal without a template, chat with
+ * one (a second server: llama-tiny-py with Qwen2.5's template; streamed, logprobs, text parts),
+ * and a stream it aborts. Its summary is then compared with the control socket's own record: the
+ * greedy completion's and the chat's texts are their jobs', the aborted stream's job ends
+ * CANCELLED. Skipped (a failure under CI=true) without node or without tests/openai/node_modules
+ * (`npm ci` in tests/openai; .ci/run does it). */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,8 +43,15 @@ START_TEST(openai_client)
     fputs("sk-rekv-test\n", f);
     fclose(f);
     const char *extra[] = {"--api-key-file", key, NULL};
-    hx_env x;
-    if (hx_start(&x, extra, 1)) {
+    hx_env x, y;
+    const char *chat_model = hx_chat_model(dir, "Qwen-Qwen2.5-7B-Instruct");
+    if (chat_model == NULL || hx_start(&x, extra, 1)) {
+        tu_rmrf(dir);
+        free(dir);
+        return;
+    }
+    if (hx_start_model(&y, chat_model, NULL, 1)) {
+        hx_stop(&x);
         tu_rmrf(dir);
         free(dir);
         return;
@@ -52,8 +60,9 @@ START_TEST(openai_client)
     snprintf(log, sizeof(log), "%s/node.log", dir);
     snprintf(cmd, sizeof(cmd),
              "REKV_BASE_URL=http://127.0.0.1:%d/v1 REKV_MODEL=docs8L REKV_API_KEY=sk-rekv-test "
+             "REKV_CHAT_BASE_URL=http://127.0.0.1:%d/v1 REKV_CHAT_MODEL=Qwen-Qwen2.5-7B-Instruct "
              NODE " tests/openai/check.mjs 2>%s",
-             x.port, log);
+             x.port, y.port, log);
     char *out = NULL;
     int rc = tu_run(cmd, &out);
     char *err = tu_read_file(log, NULL);
@@ -98,8 +107,19 @@ START_TEST(openai_client)
         break;
     }
     rekv_ctl_close(c);
+
+    /* the chat answer is its job's text */
+    c = hx_ctl(&y);
+    job = strtoull(strrchr(json_string_value(json_object_get(sum, "chat_id")), '-') + 1, NULL, 10);
+    st.job = job;
+    r = tu_ctl_call(c, &rq);
+    ck_assert_int_eq(r->code, REKV__CONTROL__CODE__OK);
+    ck_assert_str_eq(r->job->text, json_string_value(json_object_get(sum, "chat_text")));
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
     json_decref(sum);
     free(out);
+    hx_stop(&y);
     hx_stop(&x);
     tu_rmrf(dir);
     free(dir);

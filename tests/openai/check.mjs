@@ -3,7 +3,8 @@
 // client returns; the last line printed is a JSON summary the C test compares with the control
 // socket's own record of the same jobs.
 //
-// Environment: REKV_BASE_URL (http://127.0.0.1:PORT/v1), REKV_MODEL, REKV_API_KEY.
+// Environment: REKV_BASE_URL (http://127.0.0.1:PORT/v1), REKV_MODEL, REKV_API_KEY; REKV_CHAT_BASE_URL
+// and REKV_CHAT_MODEL: a server whose model has a chat template (no API key).
 import assert from 'node:assert/strict';
 import OpenAI from 'openai';
 
@@ -116,6 +117,47 @@ await check('completion logprobs', async () => {
     assert.ok(lp.token_logprobs[i] <= 0);
     assert.equal(Math.max(...Object.values(lp.top_logprobs[i])), lp.token_logprobs[i]);
   }
+});
+
+const chat = new OpenAI({ baseURL: process.env.REKV_CHAT_BASE_URL, apiKey: 'none', maxRetries: 0 });
+const chatModel = process.env.REKV_CHAT_MODEL;
+const messages = [
+  { role: 'system', content: 'You are terse.' },
+  { role: 'user', content: [{ type: 'text', text: 'Name a colour.' }] },
+];
+
+await check('chat', async () => {
+  const c = await chat.chat.completions.create({
+    model: chatModel, messages, max_completion_tokens: 10, temperature: 0,
+    logprobs: true, top_logprobs: 2,
+  });
+  assert.equal(c.object, 'chat.completion');
+  const m = c.choices[0].message;
+  assert.equal(m.role, 'assistant');
+  assert.equal(c.choices[0].logprobs.content.length, c.usage.completion_tokens);
+  assert.equal(c.choices[0].logprobs.content[0].top_logprobs.length, 2);
+  summary.chat_id = c.id;
+  summary.chat_text = m.content;
+  const stream = await chat.chat.completions.create({
+    model: chatModel, messages, max_tokens: 10, temperature: 0, stream: true,
+    stream_options: { include_usage: true },
+  });
+  let text = '';
+  let role = null;
+  let usage = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const ch of chunk.choices) {
+      if (ch.delta.role) role = ch.delta.role;
+      text += ch.delta.content ?? '';
+    }
+  }
+  assert.equal(role, 'assistant');
+  assert.equal(text, m.content);
+  assert.equal(usage.completion_tokens, c.usage.completion_tokens);
+  await assert.rejects(
+    chat.chat.completions.create({ model: chatModel, messages: [] }),
+    (e) => e instanceof OpenAI.BadRequestError);
 });
 
 await check('stream aborted', async () => {
