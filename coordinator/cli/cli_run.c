@@ -54,7 +54,8 @@ static void run_usage(FILE *f)
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
             "                [--metrics-public] [--prefill-chunk N] [--ready-fd N]\n"
             "                [--http HOST:PORT [--http-public] [--api-key-file FILE]\n"
-            "                 [--served-model-name NAME]]\n"
+            "                 [--served-model-name NAME]] [--prefix-cache on|off]\n"
+            "                [--prefix-dir DIR]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
@@ -69,7 +70,10 @@ static void run_usage(FILE *f)
             "behaves like a GPU of SIZE bytes behind a link of G Gbit/s (see rekv-gpuworker).\n"
             "--push: the kvstore writes the KV rows into the worker's buffers (the push path).\n"
             "--metrics: the coordinator's Prometheus port, loopback only unless --metrics-public.\n"
-            "--http: the coordinator's OpenAI-compatible API (see rekv-coordinator --help).\n");
+            "--http: the coordinator's OpenAI-compatible API (see rekv-coordinator --help).\n"
+            "--prefix-cache on|off: jobs start from the KV the kvstore holds of their prompt's\n"
+            "longest cached prefix (default on); --prefix-dir DIR: the kvstore keeps that cache in\n"
+            "DIR across restarts (see rekv-kvstore --help).\n");
 }
 
 /* Starts c with a ready pipe (its read end in *ready); 0, or -1 with a message printed. */
@@ -203,6 +207,7 @@ typedef struct run_opts {
     const char *model, *backend, *dir, *mode, *cache, *host_bytes, *spill, *queue, *max_batch,
         *state_dir, *timeout, *bin_dir, *metrics, *chunk;
     const char *http, *api_key_file, *served_name; /* the coordinator's HTTP server */
+    const char *prefix_cache, *prefix_dir;          /* the worker's and the store's */
     const char *link_gbps, *link_lat, *devmem; /* the worker's emulation */
     int push, approximate, metrics_public, no_spill, http_public;
     long ready_fd; /* -1: none */
@@ -231,6 +236,8 @@ static int run_parse(int argc, char **argv, run_opts *o)
         {"http-public", no_argument, 0, 'w'},
         {"api-key-file", required_argument, 0, 'K'},
         {"served-model-name", required_argument, 0, 'N'},
+        {"prefix-cache", required_argument, 0, 'X'},
+        {"prefix-dir", required_argument, 0, 'Y'},
         {0, 0, 0, 0}};
     *o = (run_opts){.backend = "auto", .mode = "auto", .host_bytes = "256M", .queue = "256",
                     .max_batch = "64", .timeout = "30000", .ready_fd = -1};
@@ -262,6 +269,8 @@ static int run_parse(int argc, char **argv, run_opts *o)
         case 'w': o->http_public = 1; break;
         case 'K': o->api_key_file = optarg; break;
         case 'N': o->served_name = optarg; break;
+        case 'X': o->prefix_cache = optarg; break;
+        case 'Y': o->prefix_dir = optarg; break;
         case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o->chunk = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &o->ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
@@ -386,6 +395,12 @@ static void run_children_argv(const run_opts *o, const run_paths *p, child *ch)
         ARG(KV, "--no-spill");
     else if (o->spill) {
         ARG(KV, "--spill-bytes"); ARG(KV, o->spill);
+    }
+    if (o->prefix_dir) {
+        ARG(KV, "--prefix-dir"); ARG(KV, o->prefix_dir);
+    }
+    if (o->prefix_cache) {
+        ARG(WORKER, "--prefix-cache"); ARG(WORKER, o->prefix_cache);
     }
     if (o->push) { /* the store writes KV rows into the worker's buffers, on the worker's backend */
         /* the worker's kind: an emulated GPU is the cpu backend */
