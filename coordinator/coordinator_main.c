@@ -127,6 +127,27 @@ static int start_http(rekv_http_config *h, const rekv_coordinator_config *cfg,
     return 0;
 }
 
+/* --curve-secret-file: the 40-character Z85 secret key into key, its public key into pub; 0, or
+ * 1 with an ERROR logged. */
+static int read_curve_key(const char *path, char key[64], char pub[41])
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL || fread(key, 1, 40, f) != 40) {
+        rekv_log(REKV_LOG_ERROR, "%s: cannot read a 40-character Z85 key", path);
+        if (f)
+            fclose(f);
+        return 1;
+    }
+    fclose(f);
+    if (zmq_curve_public(pub, key) != 0) {
+        rekv_log(REKV_LOG_ERROR, "%s: not a Z85 CurveZMQ secret key", path);
+        return 1;
+    }
+    rekv_log(REKV_LOG_INFO, "CurveZMQ on tcp:// endpoints: clients need REKV_CURVE_SERVER_KEY=%s",
+             pub);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     rekv_log_init_from_env();
@@ -231,25 +252,10 @@ int main(int argc, char **argv)
     if (cfg.state_dir == NULL && getenv("STATE_DIRECTORY") && *getenv("STATE_DIRECTORY"))
         cfg.state_dir = getenv("STATE_DIRECTORY");
     char key[64] = {0}, curve_pub[41] = {0};
-    if (curve_file) {
-        FILE *f = fopen(curve_file, "r");
-        if (f == NULL || fread(key, 1, 40, f) != 40) {
-            rekv_log(REKV_LOG_ERROR, "%s: cannot read a 40-character Z85 key", curve_file);
-            if (f)
-                fclose(f);
-            return 1;
-        }
-        fclose(f);
+    if (curve_file && read_curve_key(curve_file, key, curve_pub))
+        return 1;
+    if (curve_file)
         cfg.curve_secret = key;
-        char pub[41];
-        if (zmq_curve_public(pub, key) != 0) {
-            rekv_log(REKV_LOG_ERROR, "%s: not a Z85 CurveZMQ secret key", curve_file);
-            return 1;
-        }
-        rekv_log(REKV_LOG_INFO, "CurveZMQ on tcp:// endpoints: clients need REKV_CURVE_SERVER_KEY=%s",
-                 pub);
-        snprintf(curve_pub, sizeof(curve_pub), "%s", pub);
-    }
     int sfd = rekv_daemon_stop_fd();
     if (sfd < 0) {
         rekv_log(REKV_LOG_ERROR, "stop eventfd: %s", strerror(-sfd));

@@ -151,6 +151,47 @@ static int parse_rope_scaling(const char *spec, rekv_rope_scaling *r)
     return 0;
 }
 
+/* synth's --rope-theta: a positive number; 0, or 2 with the usage error printed. */
+static int parse_theta(const char *v, float *out)
+{
+    char *end;
+    double t = strtod(v, &end);
+    if (v[0] == '\0' || *end != '\0' || !(t > 0) || t > 1e12)
+        return bad_usage("synth: --rope-theta: \"%s\" is not a positive number", v);
+    *out = (float)t;
+    return 0;
+}
+
+/* synth's --arch, --dtype and --seed (name says which) into s; 0, or 2 with the usage error. */
+static int parse_spec_word(const char *name, const char *v, rekv_synth_spec *s)
+{
+    if (strcmp(name, "arch") == 0) {
+        if (strcmp(v, "opt") == 0)
+            s->arch = REKV_ARCH_OPT;
+        else if (strcmp(v, "llama") == 0)
+            s->arch = REKV_ARCH_LLAMA;
+        else
+            return bad_usage("synth: --arch must be opt or llama, not \"%s\"", v);
+    } else if (strcmp(name, "dtype") == 0) {
+        if (strcmp(v, "f16") == 0)
+            s->dtype = REKV_DTYPE_F16;
+        else if (strcmp(v, "bf16") == 0)
+            s->dtype = REKV_DTYPE_BF16;
+        else if (strcmp(v, "f32") == 0)
+            s->dtype = REKV_DTYPE_F32;
+        else
+            return bad_usage("synth: --dtype must be f16, bf16 or f32, not \"%s\"", v);
+    } else {
+        char *end;
+        errno = 0;
+        unsigned long long seed = strtoull(v, &end, 0);
+        if (v[0] == '\0' || v[0] == '-' || *end != '\0' || errno != 0)
+            return bad_usage("synth: --seed: \"%s\" is not an unsigned integer", v);
+        s->seed = seed;
+    }
+    return 0;
+}
+
 static int cmd_synth(int argc, char **argv)
 {
     rekv_synth_spec s;
@@ -213,14 +254,10 @@ static int cmd_synth(int argc, char **argv)
         case O_QWEN2:
             lv.qwen2 = 1;
             break;
-        case O_ROPE_THETA: {
-            char *end;
-            double t = strtod(v, &end);
-            if (v[0] == '\0' || *end != '\0' || !(t > 0) || t > 1e12)
-                return bad_usage("synth: --rope-theta: \"%s\" is not a positive number", v);
-            lv.rope_theta = (float)t;
+        case O_ROPE_THETA:
+            if (parse_theta(v, &lv.rope_theta))
+                return 2;
             break;
-        }
         case O_ROPE_SCALING:
             if (parse_rope_scaling(v, &lv.rope_scaling) != 0)
                 return 2;
@@ -230,32 +267,11 @@ static int cmd_synth(int argc, char **argv)
             fputs(usage, stdout);
             return 0;
         case O_ARCH:
-            if (strcmp(v, "opt") == 0)
-                s.arch = REKV_ARCH_OPT;
-            else if (strcmp(v, "llama") == 0)
-                s.arch = REKV_ARCH_LLAMA;
-            else
-                return bad_usage("synth: --arch must be opt or llama, not \"%s\"", v);
-            break;
         case O_DTYPE:
-            if (strcmp(v, "f16") == 0)
-                s.dtype = REKV_DTYPE_F16;
-            else if (strcmp(v, "bf16") == 0)
-                s.dtype = REKV_DTYPE_BF16;
-            else if (strcmp(v, "f32") == 0)
-                s.dtype = REKV_DTYPE_F32;
-            else
-                return bad_usage("synth: --dtype must be f16, bf16 or f32, not \"%s\"", v);
+        case O_SEED:
+            if (parse_spec_word(o == O_ARCH ? "arch" : o == O_DTYPE ? "dtype" : "seed", v, &s))
+                return 2;
             break;
-        case O_SEED: {
-            char *end;
-            errno = 0;
-            unsigned long long seed = strtoull(v, &end, 0);
-            if (v[0] == '\0' || v[0] == '-' || *end != '\0' || errno != 0)
-                return bad_usage("synth: --seed: \"%s\" is not an unsigned integer", v);
-            s.seed = seed;
-            break;
-        }
         case O_LAYERS:
             field = &s.n_layers;
             break;

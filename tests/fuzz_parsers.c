@@ -643,6 +643,57 @@ fail:
     exit(2);
 }
 
+/* The chat-template seeds: a tokenizer_config.json of the subset's constructs, and the real
+ * templates of ../shared/chat-templates as chat_template.jinja. */
+static void chat_seeds(int mid, int big)
+{
+    seed *s = seed_add("chat-config", T_CHAT, K_JSON, "tokenizer_config.json", mid);
+    static const char chat_cfg[] =
+        "{\"bos_token\": {\"content\": \"<s>\"}, \"eos_token\": \"</s>\", \"chat_template\": "
+        "\"{%- macro m(x, y=2) %}{{ x ~ y }}{% endmacro %}{% set ns = namespace(n=0) %}"
+        "{{ bos_token }}{% for msg in messages if msg.role != 'x' %}{% set ns.n = ns.n + 1 %}"
+        "{{ loop.index }}{{ msg['content']|trim|upper }}{{ m(msg.role[1:]) }}{% if loop.last %}"
+        "{{ tools|tojson(indent=2) }}{{ (tools|map(attribute='type')|list)[::-1] }}{% endif %}"
+        "{%- endfor %}{{ ns.n ~ eos_token }}{{ 'a b'.split()|join(',') }}\"}";
+    write_file(path_in(s->dir, "tokenizer_config.json"), chat_cfg, strlen(chat_cfg));
+    seed_load(s);
+    struct dirent **names = NULL;
+    int n_names = scandir("../shared/chat-templates", &names, NULL, alphasort); /* a fixed order */
+    for (int k = 0; k < n_names; k++) {
+        const struct dirent *de = names[k];
+        size_t len = strlen(de->d_name);
+        if (len < 7 || strcmp(de->d_name + len - 6, ".jinja") != 0)
+            continue;
+        char name[64], p[PATH_MAX];
+        snprintf(name, sizeof(name), "chat-%.50s", de->d_name);
+        snprintf(p, sizeof(p), "../shared/chat-templates/%s", de->d_name);
+        s = seed_add(name, T_CHAT, K_TEXT, "chat_template.jinja", big);
+        copy_in(p, s->dir, "chat_template.jinja");
+        seed_load(s);
+    }
+    for (int k = 0; k < n_names; k++)
+        free(names[k]);
+    free(names);
+}
+
+/* Seeds of three of ../shared/gguf's files (copied), their headers mutated. */
+static void shared_gguf_seeds(int mid)
+{
+    static const char *const ggufs[] = {"llama-tiny-py-F16", "synth-llama-Q4_K_M",
+                                        "llama-tiny-py-Q4_0"};
+    for (size_t i = 0; i < sizeof(ggufs) / sizeof(ggufs[0]); i++) {
+        char name[64], p[PATH_MAX];
+        snprintf(p, sizeof(p), "../shared/gguf/%s.gguf", ggufs[i]);
+        if (!exists(p))
+            continue;
+        snprintf(name, sizeof(name), "shared-gguf-%d", (int)i);
+        seed *s = seed_add(name, T_GGUF, K_BINARY, "model.gguf", mid);
+        copy_in(p, s->dir, "model.gguf");
+        seed_load(s);
+        seed_gguf_header_only(s);
+    }
+}
+
 static void build_seeds(double scale)
 {
     int small = (int)(5000 * scale), mid = (int)(1500 * scale), big = (int)(400 * scale);
@@ -736,35 +787,7 @@ static void build_seeds(double scale)
     free(tj.p);
     free(b.p);
 
-    /* chat templates: a tokenizer_config.json of constructs, and the real templates of
-       ../shared/chat-templates as chat_template.jinja */
-    s = seed_add("chat-config", T_CHAT, K_JSON, "tokenizer_config.json", mid);
-    static const char chat_cfg[] =
-        "{\"bos_token\": {\"content\": \"<s>\"}, \"eos_token\": \"</s>\", \"chat_template\": "
-        "\"{%- macro m(x, y=2) %}{{ x ~ y }}{% endmacro %}{% set ns = namespace(n=0) %}"
-        "{{ bos_token }}{% for msg in messages if msg.role != 'x' %}{% set ns.n = ns.n + 1 %}"
-        "{{ loop.index }}{{ msg['content']|trim|upper }}{{ m(msg.role[1:]) }}{% if loop.last %}"
-        "{{ tools|tojson(indent=2) }}{{ (tools|map(attribute='type')|list)[::-1] }}{% endif %}"
-        "{%- endfor %}{{ ns.n ~ eos_token }}{{ 'a b'.split()|join(',') }}\"}";
-    write_file(path_in(s->dir, "tokenizer_config.json"), chat_cfg, strlen(chat_cfg));
-    seed_load(s);
-    struct dirent **names = NULL;
-    int n_names = scandir("../shared/chat-templates", &names, NULL, alphasort); /* a fixed order */
-    for (int k = 0; k < n_names; k++) {
-        const struct dirent *de = names[k];
-        size_t len = strlen(de->d_name);
-        if (len < 7 || strcmp(de->d_name + len - 6, ".jinja") != 0)
-            continue;
-        char name[64], p[PATH_MAX];
-        snprintf(name, sizeof(name), "chat-%.50s", de->d_name);
-        snprintf(p, sizeof(p), "../shared/chat-templates/%s", de->d_name);
-        s = seed_add(name, T_CHAT, K_TEXT, "chat_template.jinja", big);
-        copy_in(p, s->dir, "chat_template.jinja");
-        seed_load(s);
-    }
-    for (int k = 0; k < n_names; k++)
-        free(names[k]);
-    free(names);
+    chat_seeds(mid, big);
 
     /* the shared models, copied (never modified in place) */
     const char *dirs[2] = {sh_opt, sh_llama};
@@ -804,19 +827,7 @@ static void build_seeds(double scale)
         seed_load(s);
         s->prefix = 4096; /* the header and the start of the embeddings */
     }
-    static const char *const ggufs[] = {"llama-tiny-py-F16", "synth-llama-Q4_K_M",
-                                        "llama-tiny-py-Q4_0"};
-    for (size_t i = 0; i < sizeof(ggufs) / sizeof(ggufs[0]); i++) {
-        char name[64], p[PATH_MAX];
-        snprintf(p, sizeof(p), "../shared/gguf/%s.gguf", ggufs[i]);
-        if (!exists(p))
-            continue;
-        snprintf(name, sizeof(name), "shared-gguf-%d", (int)i);
-        s = seed_add(name, T_GGUF, K_BINARY, "model.gguf", mid);
-        copy_in(p, s->dir, "model.gguf");
-        seed_load(s);
-        seed_gguf_header_only(s);
-    }
+    shared_gguf_seeds(mid);
     if (exists(sh_tokbin)) {
         s = seed_add("shared-tokbin", T_TOKBIN, K_BINARY, "tokenizer.bin", big);
         copy_in(sh_tokbin, s->dir, "tokenizer.bin");

@@ -264,6 +264,56 @@ static int check(sjob *jobs, long i)
     return out;
 }
 
+/* What the run gives, as one JSON object on stdout (see the top of the file); returns the largest
+ * RSS change of the three daemons, in percent. */
+static double print_summary(const sjob *jobs, long n, long accepted, long lost, int kills,
+                            int stops, const long rss_warm[3], const long rss_end[3], uint64_t t0)
+{
+    long done = 0, cancelled = 0, failed = 0;
+    for (long k = 0; k < n; k++) {
+        done += jobs[k].ended == REKV__CONTROL__JOB_STATE__DONE + 1;
+        cancelled += jobs[k].ended == REKV__CONTROL__JOB_STATE__CANCELLED + 1;
+        failed += jobs[k].ended == REKV__CONTROL__JOB_STATE__FAILED + 1;
+    }
+    /* what the faults did: steps that failed and jobs re-queued (coordinator), bytes the last
+     * kvstore spilled and read back */
+    uint64_t steps_failed = 0, requeued = 0;
+    rekv_kv_stats kst = {0};
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    Rekv__Control__Response *sresp = call(&rq);
+    if (sresp && sresp->stats)
+        steps_failed = sresp->stats->steps_failed, requeued = sresp->stats->requeued;
+    if (sresp)
+        rekv__control__response__free_unpacked(sresp, NULL);
+    rekv_kvstore_client *kc = NULL;
+    rekv_err kerr = {0};
+    if (rekv_kvstore_client_connect(g_kv, NULL, 5000, &kc, &kerr) == 0) {
+        (void)rekv_kvstore_stats(kc, &kst, &kerr);
+        rekv_kvstore_client_close(kc);
+    }
+    static const char *const daemon[3] = {"coordinator", "worker", "kvstore"};
+    double pct[3], worst = 0;
+    printf("{\"submissions\":%ld,\"accepted\":%ld,\"done\":%ld,\"cancelled\":%ld,\"failed\":%ld,"
+           "\"lost\":%ld,\"run_twice\":%ld,\"wrong\":%ld,\"kills\":%d,\"stops\":%d,"
+           "\"steps_failed\":%llu,\"requeued\":%llu,\"kvstore_bytes_spilled\":%llu,"
+           "\"kvstore_bytes_read_back\":%llu,",
+           n, accepted, done, cancelled, failed, lost, n_twice, n_wrong, kills, stops,
+           (unsigned long long)steps_failed, (unsigned long long)requeued,
+           (unsigned long long)kst.bytes_spilled, (unsigned long long)kst.bytes_read_back);
+    for (int d = 0; d < 3; d++) {
+        pct[d] = rss_warm[d] > 0 ? 100.0 * (double)(rss_end[d] - rss_warm[d]) / (double)rss_warm[d]
+                                 : 0;
+        worst = pct[d] > worst ? pct[d] : worst;
+        printf("\"%s_rss_kb_warm\":%ld,\"%s_rss_kb_end\":%ld,\"%s_rss_change_pct\":%.2f,",
+               daemon[d], rss_warm[d], daemon[d], rss_end[d], daemon[d], pct[d]);
+    }
+    printf("\"wall_s\":%.1f}\n", (double)(rekv_now_ns() - t0) / 1e9);
+    return worst;
+}
+
 int main(int argc, char **argv)
 {
     long n = argc > 1 ? atol(argv[1]) : 10000;
@@ -372,48 +422,7 @@ int main(int argc, char **argv)
     rss_end[0] = tu_proc_status_kb(co, "VmRSS");
     rss_end[1] = tu_proc_status_kb(wk, "VmRSS");
     rss_end[2] = tu_proc_status_kb(kv, "VmRSS");
-    long done = 0, cancelled = 0, failed = 0;
-    for (long k = 0; k < n; k++) {
-        done += jobs[k].ended == REKV__CONTROL__JOB_STATE__DONE + 1;
-        cancelled += jobs[k].ended == REKV__CONTROL__JOB_STATE__CANCELLED + 1;
-        failed += jobs[k].ended == REKV__CONTROL__JOB_STATE__FAILED + 1;
-    }
-    /* what the faults did: steps that failed and jobs re-queued (coordinator), bytes the last
-     * kvstore spilled and read back */
-    uint64_t steps_failed = 0, requeued = 0;
-    rekv_kv_stats kst = {0};
-    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
-    rq.stats = &sr;
-    Rekv__Control__Response *sresp = call(&rq);
-    if (sresp && sresp->stats)
-        steps_failed = sresp->stats->steps_failed, requeued = sresp->stats->requeued;
-    if (sresp)
-        rekv__control__response__free_unpacked(sresp, NULL);
-    rekv_kvstore_client *kc = NULL;
-    rekv_err kerr = {0};
-    if (rekv_kvstore_client_connect(g_kv, NULL, 5000, &kc, &kerr) == 0) {
-        (void)rekv_kvstore_stats(kc, &kst, &kerr);
-        rekv_kvstore_client_close(kc);
-    }
-    static const char *const daemon[3] = {"coordinator", "worker", "kvstore"};
-    double pct[3], worst = 0;
-    printf("{\"submissions\":%ld,\"accepted\":%ld,\"done\":%ld,\"cancelled\":%ld,\"failed\":%ld,"
-           "\"lost\":%ld,\"run_twice\":%ld,\"wrong\":%ld,\"kills\":%d,\"stops\":%d,"
-           "\"steps_failed\":%llu,\"requeued\":%llu,\"kvstore_bytes_spilled\":%llu,"
-           "\"kvstore_bytes_read_back\":%llu,",
-           n, accepted, done, cancelled, failed, lost, n_twice, n_wrong, kills, stops,
-           (unsigned long long)steps_failed, (unsigned long long)requeued,
-           (unsigned long long)kst.bytes_spilled, (unsigned long long)kst.bytes_read_back);
-    for (int d = 0; d < 3; d++) {
-        pct[d] = rss_warm[d] > 0 ? 100.0 * (double)(rss_end[d] - rss_warm[d]) / (double)rss_warm[d]
-                                 : 0;
-        worst = pct[d] > worst ? pct[d] : worst;
-        printf("\"%s_rss_kb_warm\":%ld,\"%s_rss_kb_end\":%ld,\"%s_rss_change_pct\":%.2f,",
-               daemon[d], rss_warm[d], daemon[d], rss_end[d], daemon[d], pct[d]);
-    }
-    printf("\"wall_s\":%.1f}\n", (double)(rekv_now_ns() - t0) / 1e9);
+    double worst = print_summary(jobs, n, accepted, lost, kills, stops, rss_warm, rss_end, t0);
     rekv_ctl_close(g_c);
     stop(wk);
     stop(co);
