@@ -424,6 +424,10 @@ static int read_common(hgen *g, json_t *req, Rekv__Control__Submit *s, uint32_t 
         return bad(e, "'priority' is out of range");
     if (rc)
         s->priority = (int32_t)v;
+    int ignore_eos = 0; /* vLLM's extension: run to max_tokens past the model's EOS */
+    if (opt_bool(req, "ignore_eos", &ignore_eos, e) < 0)
+        return -1;
+    s->stop_at_eos = !ignore_eos;
     if (opt_bool(req, "stream", &g->stream, e) < 0)
         return -1;
     json_t *so = json_object_get(req, "stream_options");
