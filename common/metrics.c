@@ -1,9 +1,8 @@
-/* metrics.c — the Prometheus text-format builder and the non-blocking HTTP/1.1 scrape server
- * described in metrics.h. The server keeps a fixed table of connections, each a small state
- * machine: READ (collect the request, validated line by line as it arrives so garbage is answered
- * at once), WRITE (send the status line, headers and body), DRAIN (after the answer, shut down our
- * side and read what the client still sends until it closes, so that closing does not reset the
- * connection under an answer the client has not read yet — a "lingering close"). */
+/* metrics.c — the Prometheus text-format builder and the scrape server described in metrics.h.
+ * The server is libmicrohttpd in its external-polling mode: no thread of its own, one epoll fd
+ * the daemon's loop polls, and MHD_run from the loop's handle call, so the render callback runs
+ * in the loop's thread and reads its state as the rest of the loop does. HTTP itself (parsing,
+ * bounds, timeouts, closing without resetting an answer) is the library's. */
 #define _GNU_SOURCE
 #include "common/metrics.h"
 
@@ -17,9 +16,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#include <microhttpd.h>
 #include <zmq.h>
 
 #include "common/clock.h"
@@ -363,46 +364,12 @@ int rekv_metrics_histogram(rekv_metrics_buf *b, const char *name, const char *la
 
 /* ---------------------------------------------------------------- HTTP server */
 
-#define ACCEPTS_PER_CALL 64       /* bounds the work of one handle call */
-#define DRAIN_MS 1000             /* lingering close: how long we read after answering */
-#define DRAIN_MAX (64u << 10)     /* and how much */
-#define EMFILE_PAUSE_NS 100000000 /* out of fds: stop polling the listener this long */
-#define HEAD_MAX 512              /* status line and headers (and the short error bodies) */
-
-typedef enum conn_state {
-    CONN_FREE = 0, /* slot unused */
-    CONN_READ,     /* collecting the request */
-    CONN_WRITE,    /* sending the answer */
-    CONN_DRAIN,    /* answered, our side shut down: reading until the client closes */
-} conn_state;
-
-typedef struct conn {
-    conn_state state;
-    int fd;                             /* the connection; -1 while free */
-    size_t n_req;                       /* bytes in req */
-    size_t line;                        /* offset in req of the first line not yet parsed */
-    int have_request_line;              /* the request line was parsed */
-    int is_head;                        /* method HEAD: answer without the body */
-    int status;                         /* the answer decided while reading (405/404), 0: none */
-    char head[HEAD_MAX];                /* status line, headers, and for errors the body */
-    size_t n_head;                      /* bytes in head */
-    char *body;                         /* the 200 answer's body (malloc'd), else NULL */
-    size_t n_body;                      /* bytes of body to send */
-    size_t sent;                        /* bytes of head then body sent so far */
-    size_t drained;                     /* bytes read and dropped in DRAIN */
-    uint64_t deadline_ns;               /* monotonic: past it the connection is closed */
-    size_t content_length;              /* the 200 answer's Content-Length (HEAD sends no body) */
-    char req[REKV_METRICS_MAX_REQUEST]; /* the request bytes read so far (last: not cleared) */
-} conn;
-
 struct rekv_metrics_server {
-    int listen_fd;         /* the listening socket, non-blocking */
-    int port;              /* the port bound */
-    int max_conns;         /* connections at most (<= REKV_METRICS_MAX_CONNS) */
-    uint64_t timeout_ns;   /* request timeout, and answer timeout */
-    uint64_t accept_pause; /* monotonic ns until which the listener is not polled (EMFILE) */
-    int n_conns;           /* slots in use */
-    conn conns[REKV_METRICS_MAX_CONNS]; /* the table; state CONN_FREE marks a free slot */
+    struct MHD_Daemon *mhd;        /* libmicrohttpd, driven by the caller's loop (no threads) */
+    int epoll_fd;                  /* its epoll fd: the one fd the loop polls */
+    int port;                      /* the port bound */
+    rekv_metrics_render_fn render; /* set for the duration of a handle call */
+    void *ctx;
 };
 
 /* Splits "HOST:PORT", "[HOST]:PORT" or ":PORT" into host (empty for ":PORT") and port. */
@@ -465,11 +432,6 @@ static int addr_loopback(const struct sockaddr_storage *ss)
         return IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127);
     }
     return 0;
-}
-
-int rekv_metrics_server_create(const char *listen, rekv_metrics_server **out, rekv_err *err)
-{
-    return rekv_metrics_server_create_opts(listen, NULL, out, err);
 }
 
 int rekv_listen_tcp(const char *listen, int allow_remote, const char *what, const char *remote_hint,
@@ -540,6 +502,23 @@ int rekv_listen_tcp(const char *listen, int allow_remote, const char *what, cons
     return 0;
 }
 
+static enum MHD_Result on_scrape(void *cls, struct MHD_Connection *c, const char *url,
+                                 const char *method, const char *version, const char *upload,
+                                 size_t *upload_size, void **con_cls);
+
+int rekv_metrics_server_create(const char *listen, rekv_metrics_server **out, rekv_err *err)
+{
+    return rekv_metrics_server_create_opts(listen, NULL, out, err);
+}
+
+/* libmicrohttpd's messages: library code never prints. */
+static void mhd_quiet(void *cls, const char *fmt, va_list ap)
+{
+    (void)cls;
+    (void)fmt;
+    (void)ap;
+}
+
 int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_server_opts *opts,
                                     rekv_metrics_server **out, rekv_err *err)
 {
@@ -548,45 +527,48 @@ int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_serve
         (opts->max_conns < 0 || opts->max_conns > REKV_METRICS_MAX_CONNS || opts->timeout_ms < 0))
         return rekv_errf(err, -EINVAL, "metrics: max_conns must be 0..%d and timeout_ms >= 0",
                          REKV_METRICS_MAX_CONNS);
-    int fd = -1, bound_port = 0;
-    int rc = rekv_listen_tcp(listen, opts && opts->allow_remote, "metrics",
-                             "--metrics-public; scrapes are not authenticated", &fd, &bound_port,
-                             err);
-    if (rc)
-        return rc;
     rekv_metrics_server *s = calloc(1, sizeof(*s));
-    if (s == NULL) {
-        close(fd);
+    if (s == NULL)
         return rekv_errf(err, -ENOMEM, "metrics: out of memory");
+    int fd = -1;
+    int rc = rekv_listen_tcp(listen, opts && opts->allow_remote, "metrics",
+                             "--metrics-public; scrapes are not authenticated", &fd, &s->port,
+                             err);
+    if (rc) {
+        free(s);
+        return rc;
     }
-    s->listen_fd = fd;
-    s->port = bound_port;
-    s->max_conns = opts && opts->max_conns ? opts->max_conns : REKV_METRICS_MAX_CONNS;
-    s->timeout_ns = (uint64_t)(opts && opts->timeout_ms ? opts->timeout_ms : 5000) * 1000000ull;
-    for (int i = 0; i < REKV_METRICS_MAX_CONNS; i++)
-        s->conns[i].fd = -1;
+    int ms = opts && opts->timeout_ms ? opts->timeout_ms : 5000;
+    unsigned max_conns = (unsigned)(opts && opts->max_conns ? opts->max_conns
+                                                            : REKV_METRICS_MAX_CONNS);
+    /* external polling: the daemon's loop polls the epoll fd and calls handle (its thread renders,
+     * so render may read the loop's state without locks) */
+    s->mhd = MHD_start_daemon(
+        MHD_USE_EPOLL | MHD_USE_ERROR_LOG, 0, NULL, NULL, on_scrape, s,
+        MHD_OPTION_EXTERNAL_LOGGER, mhd_quiet, NULL, MHD_OPTION_LISTEN_SOCKET, fd,
+        MHD_OPTION_CONNECTION_LIMIT, max_conns, MHD_OPTION_CONNECTION_TIMEOUT,
+        (unsigned)((ms + 999) / 1000), MHD_OPTION_CONNECTION_MEMORY_LIMIT,
+        (size_t)(2 * REKV_METRICS_MAX_REQUEST), MHD_OPTION_END);
+    const union MHD_DaemonInfo *di =
+        s->mhd ? MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_EPOLL_FD) : NULL;
+    if (di == NULL) {
+        if (s->mhd)
+            MHD_stop_daemon(s->mhd);
+        else
+            close(fd);
+        free(s);
+        return rekv_errf(err, -EIO, "metrics: libmicrohttpd did not start on %s", listen);
+    }
+    s->epoll_fd = di->epoll_fd;
     *out = s;
     return 0;
-}
-
-static void conn_close(rekv_metrics_server *s, conn *c)
-{
-    close(c->fd);
-    free(c->body);
-    c->body = NULL;
-    c->fd = -1;
-    c->state = CONN_FREE;
-    s->n_conns--;
 }
 
 void rekv_metrics_server_free(rekv_metrics_server *s)
 {
     if (s == NULL)
         return;
-    for (int i = 0; i < REKV_METRICS_MAX_CONNS; i++)
-        if (s->conns[i].state != CONN_FREE)
-            conn_close(s, &s->conns[i]);
-    close(s->listen_fd);
+    MHD_stop_daemon(s->mhd); /* closes the connections and the listening socket */
     free(s);
 }
 
@@ -597,380 +579,104 @@ int rekv_metrics_server_port(const rekv_metrics_server *s)
 
 int rekv_metrics_server_conns(const rekv_metrics_server *s)
 {
-    return s->n_conns;
+    const union MHD_DaemonInfo *di =
+        MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+    return di ? (int)di->num_connections : 0;
 }
 
 int rekv_metrics_server_fds(const rekv_metrics_server *s, int *fds, short *events, int max)
 {
-    int n = 0;
-    if (n < max && rekv_now_ns() >= s->accept_pause) {
-        fds[n] = s->listen_fd;
-        events[n++] = ZMQ_POLLIN;
-    }
-    for (int i = 0; i < REKV_METRICS_MAX_CONNS && n < max; i++) {
-        const conn *c = &s->conns[i];
-        if (c->state == CONN_FREE)
-            continue;
-        fds[n] = c->fd;
-        events[n++] = c->state == CONN_WRITE ? ZMQ_POLLOUT : ZMQ_POLLIN;
-    }
-    return n;
+    if (max < 1)
+        return 0;
+    fds[0] = s->epoll_fd;
+    events[0] = ZMQ_POLLIN;
+    return 1;
 }
 
-static const char *reason(int status)
+/* A short answer (errors) or the exposition; every answer closes the connection. */
+static enum MHD_Result queue(struct MHD_Connection *c, unsigned status, char *body, size_t n,
+                             int must_free, const char *ctype)
 {
-    switch (status) {
-    case 200:
-        return "OK";
-    case 400:
-        return "Bad Request";
-    case 404:
-        return "Not Found";
-    case 405:
-        return "Method Not Allowed";
-    case 408:
-        return "Request Timeout";
-    case 431:
-        return "Request Header Fields Too Large";
-    case 503:
-        return "Service Unavailable";
-    default:
-        return "Internal Server Error";
+    struct MHD_Response *r = MHD_create_response_from_buffer(
+        n, body, must_free ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
+    if (r == NULL) {
+        if (must_free)
+            free(body);
+        return MHD_NO;
     }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+    if (status == MHD_HTTP_METHOD_NOT_ALLOWED)
+        MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, "GET, HEAD");
+    enum MHD_Result rc = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return rc;
 }
 
-/* Fills c->head with an error answer (a one-line text body) and switches to WRITE. */
-static void conn_answer_error(rekv_metrics_server *s, conn *c, int status)
+static enum MHD_Result error_answer(struct MHD_Connection *c, unsigned status)
 {
-    char body[64];
-    int nb = snprintf(body, sizeof(body), "%d %s\n", status, reason(status));
-    int n = snprintf(c->head, sizeof(c->head),
-                     "HTTP/1.1 %d %s\r\n"
-                     "Content-Type: text/plain; charset=utf-8\r\n"
-                     "Content-Length: %d\r\n"
-                     "%s"
-                     "Connection: close\r\n\r\n%s",
-                     status, reason(status), c->is_head ? 0 : nb,
-                     status == 405 ? "Allow: GET, HEAD\r\n" : "", c->is_head ? "" : body);
-    c->n_head = (size_t)n < sizeof(c->head) ? (size_t)n : sizeof(c->head) - 1;
-    c->n_body = 0;
-    c->sent = 0;
-    c->state = CONN_WRITE;
-    c->deadline_ns = rekv_now_ns() + s->timeout_ns;
+    static char not_found[] = "not found: the metrics are at /metrics\n";
+    static char not_allowed[] = "method not allowed: GET or HEAD /metrics\n";
+    static char failed[] = "the metrics could not be rendered\n";
+    static char malformed[] = "bad request\n";
+    char *b = status == 404   ? not_found
+              : status == 405 ? not_allowed
+              : status == 400 ? malformed
+                              : failed;
+    return queue(c, status, b, strlen(b), 0, "text/plain; charset=utf-8");
 }
 
-static void conn_answer_metrics(rekv_metrics_server *s, conn *c, rekv_metrics_render_fn render,
-                                void *ctx)
+static enum MHD_Result on_scrape(void *cls, struct MHD_Connection *c, const char *url,
+                                 const char *method, const char *version, const char *upload,
+                                 size_t *upload_size, void **con_cls)
 {
+    (void)version;
+    (void)upload;
+    rekv_metrics_server *s = cls;
+    if (*con_cls == NULL) {
+        /* answered on the first call, before any body is read */
+        *con_cls = s;
+        /* the absolute form (a proxy's "GET http://host:9464/metrics") names the same path */
+        if (strncasecmp(url, "http://", 7) == 0) {
+            url = strchr(url + 7, '/');
+            if (url == NULL)
+                return error_answer(c, 400);
+        }
+        if (strcmp(url, "/metrics") != 0)
+            return error_answer(c, 404);
+        if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0)
+            return error_answer(c, 405);
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        *upload_size = 0; /* a GET's body: ignored */
+        return MHD_YES;
+    }
     rekv_metrics_buf b;
     rekv_metrics_buf_init(&b);
-    if (render) {
-        int rc = render(ctx, &b);
-        if (rc < 0 || b.err) {
-            rekv_metrics_buf_free(&b);
-            conn_answer_error(s, c, 500);
-            return;
-        }
+    int rc = s->render ? s->render(s->ctx, &b) : -EIO;
+    if (rc < 0 || b.err) {
+        rekv_metrics_buf_free(&b);
+        return error_answer(c, 500);
     }
-    c->body = b.data; /* the text is ours now */
-    c->content_length = b.len;
-    c->n_body = c->is_head ? 0 : b.len;
+    char *text = b.data ? b.data : strdup("");
+    size_t n = b.data ? b.len : 0;
     b.data = NULL;
     rekv_metrics_buf_free(&b);
-    c->n_head = (size_t)snprintf(c->head, sizeof(c->head),
-                                 "HTTP/1.1 200 OK\r\n"
-                                 "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                                 "Content-Length: %zu\r\n"
-                                 "Cache-Control: no-store\r\n"
-                                 "Connection: close\r\n\r\n",
-                                 c->content_length);
-    c->sent = 0;
-    c->state = CONN_WRITE;
-    c->deadline_ns = rekv_now_ns() + s->timeout_ns;
-}
-
-/* RFC 9110 tchar. */
-static int is_tchar(unsigned char ch)
-{
-    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-           (ch && strchr("!#$%&'*+-.^_`|~", ch) != NULL);
-}
-
-/* Bytes a request line or header may carry (besides the line end): visible ASCII, space, tab,
- * and in header values obs-text. */
-static int line_bytes_ok(const char *p, size_t n, int request_line)
-{
-    for (size_t i = 0; i < n; i++) {
-        unsigned char ch = (unsigned char)p[i];
-        if (ch == '\t' && !request_line)
-            continue;
-        if (ch < 0x20 || ch == 0x7f || (ch >= 0x80 && request_line))
-            return 0;
-    }
-    return 1;
-}
-
-/* Parses "METHOD SP TARGET SP HTTP/1.x"; sets c->is_head and c->status (404/405 decided now,
- * answered when the headers end). Returns 0, or 400 when malformed. */
-static int parse_request_line(conn *c, const char *p, size_t n)
-{
-    const char *sp1 = memchr(p, ' ', n);
-    if (sp1 == NULL || sp1 == p || sp1 - p > 32)
-        return 400;
-    size_t nm = (size_t)(sp1 - p);
-    for (size_t i = 0; i < nm; i++)
-        if (!is_tchar((unsigned char)p[i]))
-            return 400;
-    const char *t = sp1 + 1, *end = p + n;
-    const char *sp2 = memchr(t, ' ', (size_t)(end - t));
-    if (sp2 == NULL || sp2 == t)
-        return 400;
-    size_t nv = (size_t)(end - sp2 - 1);
-    if (nv != 8 || (memcmp(sp2 + 1, "HTTP/1.1", 8) && memcmp(sp2 + 1, "HTTP/1.0", 8)))
-        return 400;
-    /* absolute-form (http://host/path): skip to the path */
-    size_t nt = (size_t)(sp2 - t);
-    static const char *const schemes[] = {"http://", "https://"};
-    for (int k = 0; k < 2; k++) {
-        size_t ns = strlen(schemes[k]);
-        if (nt >= ns && strncasecmp(t, schemes[k], ns) == 0) {
-            const char *slash = memchr(t + ns, '/', nt - ns);
-            if (slash == NULL)
-                return 400;
-            nt -= (size_t)(slash - t);
-            t = slash;
-            break;
-        }
-    }
-    if (t[0] != '/')
-        return 400;
-    for (size_t i = 0; i < nt; i++)
-        if (t[i] == '?' || t[i] == '#') {
-            nt = i;
-            break;
-        }
-    int get = nm == 3 && memcmp(p, "GET", 3) == 0;
-    c->is_head = nm == 4 && memcmp(p, "HEAD", 4) == 0;
-    int metrics = nt == 8 && memcmp(t, "/metrics", 8) == 0;
-    c->status = !metrics ? 404 : (get || c->is_head) ? 200 : 405;
-    return 0;
-}
-
-/* A header line "name: value". */
-static int header_ok(const char *p, size_t n)
-{
-    const char *colon = memchr(p, ':', n);
-    if (colon == NULL || colon == p)
-        return 0;
-    for (const char *q = p; q < colon; q++)
-        if (!is_tchar((unsigned char)*q))
-            return 0;
-    return 1;
-}
-
-/* Parses the complete lines received since last time. Returns the status to answer with once the
- * request is complete or known bad, 0 while more is needed. */
-static int conn_parse(conn *c)
-{
-    for (;;) {
-        const char *start = c->req + c->line;
-        size_t avail = c->n_req - c->line;
-        const char *nl = memchr(start, '\n', avail);
-        if (nl == NULL) {
-            /* a partial line: reject garbage now rather than at the size limit */
-            size_t n = avail && start[avail - 1] == '\r' ? avail - 1 : avail;
-            if (!line_bytes_ok(start, n, !c->have_request_line))
-                return 400;
-            return c->n_req == sizeof(c->req) ? 431 : 0;
-        }
-        size_t n = (size_t)(nl - start);
-        if (n && start[n - 1] == '\r')
-            n--;
-        c->line += (size_t)(nl - start) + 1;
-        if (!line_bytes_ok(start, n, !c->have_request_line))
-            return 400;
-        if (!c->have_request_line) {
-            if (n == 0) {
-                if (c->line > 4) /* a few empty lines before the request are tolerated */
-                    return 400;
-                continue;
-            }
-            int bad = parse_request_line(c, start, n);
-            if (bad)
-                return bad;
-            c->have_request_line = 1;
-            continue;
-        }
-        if (n == 0)
-            return c->status;
-        if (start[0] == ' ' || start[0] == '\t' || !header_ok(start, n))
-            return 400; /* obsolete line folding, or not a header */
-    }
-}
-
-/* Sends what the socket takes; switches to DRAIN (or closes) when all is sent. */
-static void conn_write(rekv_metrics_server *s, conn *c)
-{
-    while (c->state == CONN_WRITE) {
-        size_t total = c->n_head + c->n_body;
-        if (c->sent >= total) {
-            shutdown(c->fd, SHUT_WR);
-            c->state = CONN_DRAIN;
-            c->drained = 0;
-            uint64_t drain = (uint64_t)DRAIN_MS * 1000000ull;
-            c->deadline_ns = rekv_now_ns() + (drain < s->timeout_ns ? drain : s->timeout_ns);
-            return;
-        }
-        struct iovec iov[2];
-        int niov = 0;
-        if (c->sent < c->n_head)
-            iov[niov++] = (struct iovec){c->head + c->sent, c->n_head - c->sent};
-        size_t boff = c->sent > c->n_head ? c->sent - c->n_head : 0;
-        if (c->n_body > boff)
-            iov[niov++] = (struct iovec){c->body + boff, c->n_body - boff};
-        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
-        ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK)
-                conn_close(s, c);
-            return;
-        }
-        c->sent += (size_t)w;
-    }
-}
-
-/* Reads and drops what the client still sends after the answer; closes at its EOF. */
-static void conn_drain(rekv_metrics_server *s, conn *c)
-{
-    char scratch[4096];
-    for (;;) {
-        ssize_t r = recv(c->fd, scratch, sizeof(scratch), MSG_DONTWAIT);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-            return;
-        if (r <= 0 || (c->drained += (size_t)r) > DRAIN_MAX) {
-            conn_close(s, c);
-            return;
-        }
-    }
-}
-
-static void conn_read(rekv_metrics_server *s, conn *c, rekv_metrics_render_fn render, void *ctx)
-{
-    while (c->state == CONN_READ) {
-        ssize_t r = recv(c->fd, c->req + c->n_req, sizeof(c->req) - c->n_req, MSG_DONTWAIT);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-            return;
-        if (r <= 0) { /* the client went away before finishing its request */
-            conn_close(s, c);
-            return;
-        }
-        c->n_req += (size_t)r;
-        int status = conn_parse(c);
-        if (status == 200)
-            conn_answer_metrics(s, c, render, ctx);
-        else if (status)
-            conn_answer_error(s, c, status);
-    }
-    conn_write(s, c);
-    if (c->state == CONN_DRAIN)
-        conn_drain(s, c);
-}
-
-static void conn_io(rekv_metrics_server *s, conn *c, rekv_metrics_render_fn render, void *ctx)
-{
-    switch (c->state) {
-    case CONN_READ:
-        conn_read(s, c, render, ctx);
-        break;
-    case CONN_WRITE:
-        conn_write(s, c);
-        if (c->state == CONN_DRAIN)
-            conn_drain(s, c);
-        break;
-    case CONN_DRAIN:
-        conn_drain(s, c);
-        break;
-    case CONN_FREE:
-        break;
-    }
-}
-
-static void accept_some(rekv_metrics_server *s, rekv_metrics_render_fn render, void *ctx)
-{
-    static const char busy[] = "HTTP/1.1 503 Service Unavailable\r\n"
-                               "Content-Type: text/plain; charset=utf-8\r\n"
-                               "Content-Length: 24\r\n"
-                               "Connection: close\r\n\r\n"
-                               "503 Service Unavailable\n";
-    for (int k = 0; k < ACCEPTS_PER_CALL; k++) {
-        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO)
-                continue;
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-                s->accept_pause = rekv_now_ns() + EMFILE_PAUSE_NS;
-            return; /* EAGAIN, or nothing better to do */
-        }
-        if (s->n_conns >= s->max_conns) {
-            ssize_t w = send(fd, busy, sizeof(busy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-            (void)w; /* best effort */
-            close(fd);
-            continue;
-        }
-        conn *c = NULL;
-        for (int i = 0; i < REKV_METRICS_MAX_CONNS && c == NULL; i++)
-            if (s->conns[i].state == CONN_FREE)
-                c = &s->conns[i];
-        int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        memset(c, 0, offsetof(conn, req)); /* the request buffer needs no clearing */
-        c->fd = fd;
-        c->state = CONN_READ;
-        c->deadline_ns = rekv_now_ns() + s->timeout_ns;
-        s->n_conns++;
-        conn_read(s, c, render, ctx); /* the request is often there already */
-    }
+    return queue(c, 200, text, n, 1, "text/plain; version=0.0.4; charset=utf-8");
 }
 
 void rekv_metrics_server_handle(rekv_metrics_server *s, const int *fds, const short *revents, int n,
                                 rekv_metrics_render_fn render, void *ctx)
 {
-    int listener_ready = 0;
-    /* connections first: slots closed here are reused only by the accepts below, so an fd number
-     * in fds[] never reaches a connection it was not polled for */
-    for (int i = 0; i < n; i++) {
-        if (revents[i] == 0)
-            continue;
-        if (fds[i] == s->listen_fd) {
-            listener_ready = 1;
-            continue;
-        }
-        for (int k = 0; k < REKV_METRICS_MAX_CONNS; k++)
-            if (s->conns[k].state != CONN_FREE && s->conns[k].fd == fds[i]) {
-                conn_io(s, &s->conns[k], render, ctx);
-                break;
-            }
-    }
-    if (listener_ready)
-        accept_some(s, render, ctx);
-    uint64_t now = rekv_now_ns();
-    for (int k = 0; k < REKV_METRICS_MAX_CONNS; k++) {
-        conn *c = &s->conns[k];
-        if (c->state == CONN_FREE || now < c->deadline_ns)
-            continue;
-        if (c->state == CONN_READ && c->n_req > 0) {
-            conn_answer_error(s, c, 408); /* best effort; closed if it does not go out now */
-            conn_write(s, c);
-            if (c->state == CONN_WRITE)
-                conn_close(s, c);
-        } else {
-            conn_close(s, c);
-        }
-    }
+    (void)fds;
+    (void)revents;
+    (void)n;
+    /* whatever the poll said: libmicrohttpd's epoll knows what is ready, and its timeouts are due
+     * whether or not anything is */
+    s->render = render;
+    s->ctx = ctx;
+    MHD_run(s->mhd);
+    s->render = NULL;
+    s->ctx = NULL;
 }

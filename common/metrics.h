@@ -1,6 +1,6 @@
 /* metrics.h — Prometheus metrics for rekv's daemons (coordinator, kvstore, gpuworker): a builder
  * for the text exposition format (version 0.0.4) with counters, gauges and fixed-bucket
- * histograms, and a tiny HTTP/1.1 server that answers scrapes from inside a single-threaded
+ * histograms, and the scrape server (libmicrohttpd) that answers from inside a single-threaded
  * zmq_poll loop.
  *
  * Conventions every daemon follows: cumulative numbers are counters (_total) and rates are left to
@@ -8,14 +8,17 @@
  * rekv_metrics_latency_bounds. The server listens on loopback only unless its opts allow another
  * address (the daemons' --metrics-public), since it has no authentication.
  *
- * The server never blocks and never owns a thread: the loop asks it for the file descriptors to
- * poll (rekv_metrics_server_fds), adds them to its zmq_pollitem_t array as raw fds, and hands the
- * results back (rekv_metrics_server_handle), which accepts, reads and answers. Every response ends
- * the connection (Connection: close). Requests are bounded (REKV_METRICS_MAX_REQUEST bytes, else
- * 431), connections are bounded (extra ones are answered 503 at once, best effort, and closed),
- * and a connection that does not finish its request within the timeout is closed (408 when it sent
- * part of one). Answers: GET or HEAD /metrics -> 200 with the body render() builds; another path
- * -> 404; another method on /metrics -> 405; a malformed request -> 400; render failing -> 500.
+ * The server never blocks and never owns a thread: libmicrohttpd runs in its external-polling
+ * mode, the loop asks for the file descriptors to poll (rekv_metrics_server_fds: one, its epoll
+ * fd), adds them to its zmq_pollitem_t array as raw fds, and calls rekv_metrics_server_handle,
+ * which accepts, reads and answers (render runs there, in the loop's thread). Every response ends
+ * the connection (Connection: close). Requests are bounded (431 past about twice
+ * REKV_METRICS_MAX_REQUEST bytes, 414 for a request line), connections are bounded (past
+ * max_conns, new ones wait unaccepted until one closes), and a connection idle for the timeout
+ * (rounded up to whole seconds) is closed. Answers: GET or HEAD /metrics (also in the absolute
+ * form http://HOST/metrics) -> 200 with the body render() builds; another path -> 404; another
+ * method on /metrics -> 405; a malformed request -> 400 (what libmicrohttpd reads leniently is
+ * answered as it reads it); another HTTP version -> 505; render failing -> 500.
  *
  * Poll events here are ZeroMQ's bits (ZMQ_POLLIN, ZMQ_POLLOUT, ZMQ_POLLERR), as zmq_pollitem_t
  * carries them — not poll(2)'s, whose values differ.
@@ -116,11 +119,12 @@ int rekv_metrics_name_valid(const char *s);
 int rekv_listen_tcp(const char *listen, int allow_remote, const char *what, const char *remote_hint,
                     int *fd_out, int *port_out, rekv_err *err);
 
-/* Largest request (request line and headers) accepted; larger ones get 431 and are closed. */
+/* A request (request line and headers) of this size is always served; libmicrohttpd's buffer is
+ * twice it, and a request that does not fit gets 431 (414: the request line) and is closed. */
 #define REKV_METRICS_MAX_REQUEST 8192
-/* Most open connections; more are closed as soon as they are accepted. */
+/* Most open connections; more wait, unaccepted, until one closes. */
 #define REKV_METRICS_MAX_CONNS 32
-/* Size for the fds/events arrays: the listening socket and every connection. */
+/* Size for the fds/events arrays (rekv_metrics_server_fds fills one: kept for the callers). */
 #define REKV_METRICS_MAX_FDS (1 + REKV_METRICS_MAX_CONNS)
 
 /* Builds the body of a 200 answer. Returning a negative errno, or leaving buf->err set, answers
@@ -129,7 +133,7 @@ typedef int (*rekv_metrics_render_fn)(void *ctx, rekv_metrics_buf *buf);
 
 typedef struct rekv_metrics_server_opts {
     int max_conns;    /* open connections at most, 1..REKV_METRICS_MAX_CONNS; 0: the maximum */
-    int timeout_ms;   /* time a connection has to send its request, and then to take the answer;
+    int timeout_ms;   /* a connection idle this long (rounded up to whole seconds) is closed;
                        * 0: 5000 */
     int allow_remote; /* 1: any address; 0: only a loopback one (127.0.0.0/8, ::1), since anyone
                        * who reaches the port reads the metrics */
