@@ -1,13 +1,20 @@
 /* metrics.c — the Prometheus text-format builder and the scrape server described in metrics.h.
- * The server is libmicrohttpd in its external-polling mode: no thread of its own, one epoll fd
- * the daemon's loop polls, and MHD_run from the loop's handle call, so the render callback runs
- * in the loop's thread and reads its state as the rest of the loop does. HTTP itself (parsing,
- * bounds, timeouts, closing without resetting an answer) is the library's. */
+ * The server is libmicrohttpd with its own polling thread: HTTP itself (parsing, bounds,
+ * timeouts, oversized or slow requests, closing without resetting an answer) is the library's,
+ * and never waits on the daemon. The exposition is the daemon's state, which only its loop's
+ * thread may read: a scrape asks for it through an eventfd the loop polls (the one fd
+ * rekv_metrics_server_fds gives), the loop renders in rekv_metrics_server_handle and wakes the
+ * waiting scrapes, and a scrape the loop does not answer within the server's timeout gets 503.
+ * (libmicrohttpd's external-polling mode, driven from the loop, answered an oversized request
+ * only at its connection's timeout, and its select mode cannot take fds past FD_SETSIZE.) */
 #define _GNU_SOURCE
 #include "common/metrics.h"
 
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <time.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -365,11 +372,15 @@ int rekv_metrics_histogram(rekv_metrics_buf *b, const char *name, const char *la
 /* ---------------------------------------------------------------- HTTP server */
 
 struct rekv_metrics_server {
-    struct MHD_Daemon *mhd;        /* libmicrohttpd, driven by the caller's loop (no threads) */
-    int epoll_fd;                  /* its epoll fd: the one fd the loop polls */
-    int port;                      /* the port bound */
-    rekv_metrics_render_fn render; /* set for the duration of a handle call */
-    void *ctx;
+    struct MHD_Daemon *mhd; /* libmicrohttpd, on its own polling thread */
+    int port;               /* the port bound */
+    int wake_fd;            /* eventfd: a scrape asks the loop to render (the one fd it polls) */
+    int timeout_ms;         /* how long a scrape waits for the loop */
+    pthread_mutex_t mu;     /* guards what follows */
+    pthread_cond_t cv;
+    uint64_t asked, done;   /* renders asked for and made (a scrape waits until done >= its ask) */
+    char *text;             /* the last render (NULL: it failed) */
+    size_t len;
 };
 
 /* Splits "HOST:PORT", "[HOST]:PORT" or ":PORT" into host (empty for ":PORT") and port. */
@@ -541,25 +552,35 @@ int rekv_metrics_server_create_opts(const char *listen, const rekv_metrics_serve
     int ms = opts && opts->timeout_ms ? opts->timeout_ms : 5000;
     unsigned max_conns = (unsigned)(opts && opts->max_conns ? opts->max_conns
                                                             : REKV_METRICS_MAX_CONNS);
-    /* external polling: the daemon's loop polls the epoll fd and calls handle (its thread renders,
-     * so render may read the loop's state without locks) */
-    s->mhd = MHD_start_daemon(
-        MHD_USE_EPOLL | MHD_USE_ERROR_LOG, 0, NULL, NULL, on_scrape, s,
-        MHD_OPTION_EXTERNAL_LOGGER, mhd_quiet, NULL, MHD_OPTION_LISTEN_SOCKET, fd,
-        MHD_OPTION_CONNECTION_LIMIT, max_conns, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)((ms + 999) / 1000), MHD_OPTION_CONNECTION_MEMORY_LIMIT,
-        (size_t)(2 * REKV_METRICS_MAX_REQUEST), MHD_OPTION_END);
-    const union MHD_DaemonInfo *di =
-        s->mhd ? MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_EPOLL_FD) : NULL;
-    if (di == NULL) {
-        if (s->mhd)
-            MHD_stop_daemon(s->mhd);
-        else
-            close(fd);
+    s->timeout_ms = ms;
+    s->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    /* its own polling thread (poll: any fd number, and level-triggered — with epoll a request
+     * cut short by a half-close waited for the timeout); the connections bounded and timed out */
+    s->mhd = s->wake_fd < 0 ? NULL
+                            : MHD_start_daemon(
+                                  MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
+                                      MHD_USE_ERROR_LOG,
+                                  0, NULL, NULL, on_scrape, s, MHD_OPTION_EXTERNAL_LOGGER,
+                                  mhd_quiet, NULL, MHD_OPTION_LISTEN_SOCKET, fd,
+                                  MHD_OPTION_CONNECTION_LIMIT, max_conns,
+                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)((ms + 999) / 1000),
+                                  MHD_OPTION_CONNECTION_MEMORY_LIMIT,
+                                  (size_t)(2 * REKV_METRICS_MAX_REQUEST), MHD_OPTION_END);
+    if (s->mhd == NULL) {
+        close(fd);
+        if (s->wake_fd >= 0)
+            close(s->wake_fd);
+        pthread_cond_destroy(&s->cv);
+        pthread_mutex_destroy(&s->mu);
         free(s);
         return rekv_errf(err, -EIO, "metrics: libmicrohttpd did not start on %s", listen);
     }
-    s->epoll_fd = di->epoll_fd;
     *out = s;
     return 0;
 }
@@ -568,7 +589,11 @@ void rekv_metrics_server_free(rekv_metrics_server *s)
 {
     if (s == NULL)
         return;
-    MHD_stop_daemon(s->mhd); /* closes the connections and the listening socket */
+    MHD_stop_daemon(s->mhd); /* joins its thread; closes the connections and the listener */
+    close(s->wake_fd);
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s->text);
     free(s);
 }
 
@@ -588,7 +613,7 @@ int rekv_metrics_server_fds(const rekv_metrics_server *s, int *fds, short *event
 {
     if (max < 1)
         return 0;
-    fds[0] = s->epoll_fd;
+    fds[0] = s->wake_fd;
     events[0] = ZMQ_POLLIN;
     return 1;
 }
@@ -618,10 +643,12 @@ static enum MHD_Result error_answer(struct MHD_Connection *c, unsigned status)
     static char not_found[] = "not found: the metrics are at /metrics\n";
     static char not_allowed[] = "method not allowed: GET or HEAD /metrics\n";
     static char failed[] = "the metrics could not be rendered\n";
+    static char busy[] = "the daemon did not render its metrics in time\n";
     static char malformed[] = "bad request\n";
     char *b = status == 404   ? not_found
               : status == 405 ? not_allowed
               : status == 400 ? malformed
+              : status == 503 ? busy
                               : failed;
     return queue(c, status, b, strlen(b), 0, "text/plain; charset=utf-8");
 }
@@ -652,31 +679,60 @@ static enum MHD_Result on_scrape(void *cls, struct MHD_Connection *c, const char
         *upload_size = 0; /* a GET's body: ignored */
         return MHD_YES;
     }
-    rekv_metrics_buf b;
-    rekv_metrics_buf_init(&b);
-    int rc = s->render ? s->render(s->ctx, &b) : -EIO;
-    if (rc < 0 || b.err) {
-        rekv_metrics_buf_free(&b);
+    /* ask the loop for a render and wait for it (libmicrohttpd's thread: the daemon's state is
+     * the loop's alone) */
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += s->timeout_ms / 1000;
+    until.tv_nsec += (long)(s->timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L)
+        until.tv_sec++, until.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&s->mu);
+    uint64_t mine = ++s->asked, one = 1;
+    ssize_t w = write(s->wake_fd, &one, sizeof(one));
+    (void)w; /* a full counter is still readable: the loop wakes */
+    int rc = 0;
+    while (s->done < mine && rc == 0)
+        rc = pthread_cond_timedwait(&s->cv, &s->mu, &until);
+    int answered = s->done >= mine, ok = answered && s->text != NULL;
+    char *text = ok ? malloc(s->len + 1) : NULL;
+    size_t n = ok ? s->len : 0;
+    if (text)
+        memcpy(text, s->text, n);
+    pthread_mutex_unlock(&s->mu);
+    if (!answered)
+        return error_answer(c, 503); /* the loop did not answer in time */
+    if (text == NULL)
         return error_answer(c, 500);
-    }
-    char *text = b.data ? b.data : strdup("");
-    size_t n = b.data ? b.len : 0;
-    b.data = NULL;
-    rekv_metrics_buf_free(&b);
     return queue(c, 200, text, n, 1, "text/plain; version=0.0.4; charset=utf-8");
 }
 
 void rekv_metrics_server_handle(rekv_metrics_server *s, const int *fds, const short *revents, int n,
                                 rekv_metrics_render_fn render, void *ctx)
 {
-    (void)fds;
-    (void)revents;
-    (void)n;
-    /* whatever the poll said: libmicrohttpd's epoll knows what is ready, and its timeouts are due
-     * whether or not anything is */
-    s->render = render;
-    s->ctx = ctx;
-    MHD_run(s->mhd);
-    s->render = NULL;
-    s->ctx = NULL;
+    int asked = 0;
+    for (int i = 0; i < n; i++)
+        asked |= fds[i] == s->wake_fd && (revents[i] & ZMQ_POLLIN);
+    uint64_t count;
+    if (!asked || read(s->wake_fd, &count, sizeof(count)) != (ssize_t)sizeof(count))
+        return;
+    /* one render answers every scrape waiting now (in the loop's thread: it reads its state) */
+    rekv_metrics_buf b;
+    rekv_metrics_buf_init(&b);
+    int rc = render ? render(ctx, &b) : -EIO;
+    char *text = NULL;
+    size_t len = 0;
+    if (rc >= 0 && !b.err) {
+        text = b.data ? b.data : strdup("");
+        len = b.data ? b.len : 0;
+        b.data = NULL;
+    }
+    rekv_metrics_buf_free(&b);
+    pthread_mutex_lock(&s->mu);
+    free(s->text);
+    s->text = text;
+    s->len = len;
+    s->done = s->asked;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }

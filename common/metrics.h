@@ -1,24 +1,27 @@
 /* metrics.h — Prometheus metrics for rekv's daemons (coordinator, kvstore, gpuworker): a builder
  * for the text exposition format (version 0.0.4) with counters, gauges and fixed-bucket
- * histograms, and the scrape server (libmicrohttpd) that answers from inside a single-threaded
- * zmq_poll loop.
+ * histograms, and the scrape server (libmicrohttpd) for a daemon whose state its single-threaded
+ * zmq_poll loop alone reads.
  *
  * Conventions every daemon follows: cumulative numbers are counters (_total) and rates are left to
  * PromQL's rate(); what is true now is a gauge; latencies are histograms in seconds over
  * rekv_metrics_latency_bounds. The server listens on loopback only unless its opts allow another
  * address (the daemons' --metrics-public), since it has no authentication.
  *
- * The server never blocks and never owns a thread: libmicrohttpd runs in its external-polling
- * mode, the loop asks for the file descriptors to poll (rekv_metrics_server_fds: one, its epoll
- * fd), adds them to its zmq_pollitem_t array as raw fds, and calls rekv_metrics_server_handle,
- * which accepts, reads and answers (render runs there, in the loop's thread). Every response ends
+ * libmicrohttpd runs on its own thread (HTTP never waits on the daemon); the loop asks for the
+ * file descriptor to poll (rekv_metrics_server_fds: one eventfd, readable when a scrape waits for
+ * the exposition), adds it to its zmq_pollitem_t array as a raw fd, and calls
+ * rekv_metrics_server_handle, which renders (in the loop's thread, so render may read the loop's
+ * state without locks) and hands the text to every scrape waiting; a scrape the loop does not
+ * answer within the timeout gets 503. Every response ends
  * the connection (Connection: close). Requests are bounded (431 past about twice
  * REKV_METRICS_MAX_REQUEST bytes, 414 for a request line), connections are bounded (past
  * max_conns, new ones wait unaccepted until one closes), and a connection idle for the timeout
  * (rounded up to whole seconds) is closed. Answers: GET or HEAD /metrics (also in the absolute
  * form http://HOST/metrics) -> 200 with the body render() builds; another path -> 404; another
  * method on /metrics -> 405; a malformed request -> 400 (what libmicrohttpd reads leniently is
- * answered as it reads it); another HTTP version -> 505; render failing -> 500.
+ * answered as it reads it); another HTTP version -> 505; render failing -> 500; the loop not
+ * rendering within the timeout -> 503.
  *
  * Poll events here are ZeroMQ's bits (ZMQ_POLLIN, ZMQ_POLLOUT, ZMQ_POLLERR), as zmq_pollitem_t
  * carries them — not poll(2)'s, whose values differ.
