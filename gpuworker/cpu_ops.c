@@ -200,6 +200,17 @@ static inline __attribute__((always_inline)) void att_exp8(float *xs)
     memcpy(xs, &p, sizeof(p));
 }
 
+double cpu_cosine(const float *a, const float *b, int n)
+{
+    double ab = 0, aa = 0, bb = 0;
+    for (int i = 0; i < n; i++) {
+        ab += (double)a[i] * b[i];
+        aa += (double)a[i] * a[i];
+        bb += (double)b[i] * b[i];
+    }
+    return aa > 0 && bb > 0 ? ab / sqrt(aa * bb) : 0;
+}
+
 /* Built for AVX2 and for the baseline, picked at load (an ifunc): the same bits either way. */
 __attribute__((target_clones("avx2", "default"))) float cpu_softmax_exp(float *e, const float *s,
                                                                         int n, float *max)

@@ -75,6 +75,8 @@ float cpu_expf(float x);
  * unless NULL); e may be s. Returns their sum, in 8 lanes: t in lane t % 8, each lane in order,
  * then lanes 0..7 in order. */
 float cpu_softmax_exp(float *e, const float *s, int n, float *max);
+/* The cosine of a and b (n floats), summed in double in order; 0 when either is zero. */
+double cpu_cosine(const float *a, const float *b, int n);
 
 /* Causal attention of n_seqs sequences (kernels.h rekv_attn_seq: each one's new rows at
  * positions start..start+n-1 over its cache kv, kvlayout.h, in dtype dt, 16-bit rows widened

@@ -230,17 +230,6 @@ static int row_copy(rekv_pipeline *p, const range_ref *kr, uint8_t *buf, int h, 
     return rc;
 }
 
-static double cosine(const float *a, const float *b, int n)
-{
-    double ab = 0, aa = 0, bb = 0;
-    for (int i = 0; i < n; i++) {
-        ab += (double)a[i] * b[i];
-        aa += (double)a[i] * a[i];
-        bb += (double)b[i] * b[i];
-    }
-    return aa > 0 && bb > 0 ? ab / sqrt(aa * bb) : 0;
-}
-
 /* Layer 0 of a decode item: its device cache, filled once, then only appended to. */
 static int layer0_plan(rekv_pipeline *p, rekv_pseq *s, const range_ref *kr, rekv_attn_seq *d,
                        unit_io *io)
@@ -271,7 +260,7 @@ int rekv_clo_decide(const float *q, const float *label, const double *imp, doubl
     if (label != NULL) {
         double sim[group];
         for (int h = 0; h < group; h++)
-            sim[h] = cosine(q + (size_t)h * (size_t)head_dim, label + (size_t)h * (size_t)head_dim,
+            sim[h] = cpu_cosine(q + (size_t)h * (size_t)head_dim, label + (size_t)h * (size_t)head_dim,
                             head_dim);
         if (rekv_heads_aggregate(imp, sim, group) >= tau)
             return 0;

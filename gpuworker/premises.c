@@ -39,14 +39,6 @@ typedef struct pm_tap {
     int fail;
 } pm_tap;
 
-static double cosine(const float *a, const float *b, int n)
-{
-    double ab = 0, aa = 0, bb = 0;
-    for (int i = 0; i < n; i++)
-        ab += (double)a[i] * b[i], aa += (double)a[i] * a[i], bb += (double)b[i] * b[i];
-    return aa > 0 && bb > 0 ? ab / sqrt(aa * bb) : 0;
-}
-
 /* The partial vector of one head's row r (head_dim) through KV head g's A[:, cols] of layer l. */
 static void partial(const pm_tap *t, int l, int g, const float *r, float *out)
 {
@@ -131,17 +123,17 @@ static void pm_tap_layer(void *ctx, int l, const float *x, const float *h, const
         if (t->has_prev[l]) {
             double s = 0;
             for (int hh = 0; hh < nh; hh++)
-                s += cosine(q + (size_t)hh * hd, pq + (size_t)hh * hd, hd);
+                s += cpu_cosine(q + (size_t)hh * hd, pq + (size_t)hh * hd, hd);
             t->s_adj[l] += s / nh, t->n_adj[l]++;
         }
         memcpy(pq, q, sizeof(float) * (size_t)Q);
         t->has_prev[l] = 1;
         if (l > 0) {
-            t->s_in[l] += cosine(x, t->x_prev, H), t->n_in[l]++;
+            t->s_in[l] += cpu_cosine(x, t->x_prev, H), t->n_in[l]++;
             query_from(t, l, t->h_prev, t->qs);
             double s = 0;
             for (int hh = 0; hh < nh; hh++)
-                s += cosine(t->qs + (size_t)hh * hd, q + (size_t)hh * hd, hd);
+                s += cpu_cosine(t->qs + (size_t)hh * hd, q + (size_t)hh * hd, hd);
             t->s_spec[l] += s / nh, t->n_spec[l]++;
             if (t->len[l] > 0)
                 recall_step(t, l, q, h);

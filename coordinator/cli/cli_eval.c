@@ -317,6 +317,17 @@ static json_t *json_doubles(const double *v, int n)
     return a;
 }
 
+/* The mean of a premise's per-layer figure over the layers that have one. */
+static double layer_mean(const double *v, int n)
+{
+    double s = 0;
+    int k = 0;
+    for (int l = 0; l < n; l++)
+        if (!isnan(v[l]))
+            s += v[l], k++;
+    return k ? s / k : NAN;
+}
+
 /* The premises' figures per layer (premises.h), and their means over the layers that have one. */
 static json_t *eval_json_premises(const rekv_premises *pm)
 {
@@ -331,15 +342,11 @@ static json_t *eval_json_premises(const rekv_premises *pm)
              {"recall", pm->recall}};
     json_object_set_new(o, "steps", json_integer((json_int_t)pm->steps));
     for (size_t i = 0; o && i < sizeof(f) / sizeof(f[0]); i++) {
-        double s = 0;
-        int k = 0;
-        for (int l = 0; l < L; l++)
-            if (!isnan(f[i].v[l]))
-                s += f[i].v[l], k++;
         char mean[64];
         snprintf(mean, sizeof(mean), "%s_mean", f[i].name);
+        double m = layer_mean(f[i].v, L);
         json_object_set_new(o, f[i].name, json_doubles(f[i].v, L));
-        json_object_set_new(o, mean, k ? json_real(s / k) : json_null());
+        json_object_set_new(o, mean, isnan(m) ? json_null() : json_real(m));
     }
     return o;
 }
@@ -393,17 +400,6 @@ static int eval_print_json(const eval_opts *o, const eval_run *run, const rekv_m
     printf("%s\n", s);
     free(s);
     return 0;
-}
-
-/* The mean of a premise's per-layer figure over the layers that have one. */
-static double layer_mean(const double *v, int n)
-{
-    double s = 0;
-    int k = 0;
-    for (int l = 0; l < n; l++)
-        if (!isnan(v[l]))
-            s += v[l], k++;
-    return k ? s / k : NAN;
 }
 
 static void eval_print_text(const eval_opts *o, const eval_run *run, const eval_tally *t,
