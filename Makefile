@@ -30,7 +30,7 @@ CUDA ?= $(if $(and $(NVCC),$(CUDA_HOME)),1,0)
 BUILD ?= build
 export REKV_BUILD := $(BUILD)
 CC ?= cc
-PKGS := jansson libpcre2-8 libzmq liburing libprotobuf-c libsystemd libutf8proc libmicrohttpd
+PKGS := jansson libpcre2-8 libzmq liburing libprotobuf-c libsystemd libutf8proc libmicrohttpd hiredis msgpack
 # OpenBLAS and LAPACKE: headers only; loaded on first use (gpuworker/blas.h says why)
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) openblas 2>/dev/null)
 PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
