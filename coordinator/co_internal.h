@@ -103,6 +103,8 @@ typedef struct job {
     char finish_reason[16];  /* "length", "eos", "context", "cancelled" */
     char *error;             /* FAILED: one line (malloc'd) */
     uint32_t attempts;       /* starts on a worker */
+    uint32_t store_losses;   /* runs that ended on the worker's kvstore loss (CO_RUN_STORE_LOST).
+                              * Not journaled: a coordinator restart forgets them */
     int worker;              /* index in workers[] while RUNNING, else -1 */
     int kv_parts, act_parts; /* RUNNING on a hybrid worker: the KV:ACT pattern its sequence was
                               * made with, the one admission charges it at */
@@ -275,9 +277,15 @@ void co_jobs_report_ended(rekv_coordinator *co);
 /* A running job of w ended by the coordinator (Cancel, a stop): w is told to drop it now, ahead of
  * the Plans it holds that name it (worker.proto Drop); the caller also puts it in w->cancel. */
 void co_worker_drop(rekv_coordinator *co, worker *w, uint64_t id);
-/* counts: the attempt that ended counts toward max_attempts (0: the worker's kvstore was lost,
- * not the job's fault nor a worker crash; the next start replaces it) */
-void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts);
+/* How a run that is re-queued ended, which decides whether it used an attempt. */
+typedef enum co_run_end {
+    CO_RUN_FREE = 0,       /* an innocent bystander of a step another job's lost blocks failed */
+    CO_RUN_COUNTS = 1,     /* it counts toward max_attempts (its worker died, the step failed) */
+    CO_RUN_STORE_LOST = 2, /* the worker's kvstore was lost: the job's fault no more than the
+                            * worker's, so no attempt — but a store that dies under the same job
+                            * more than max_attempts times may be dying of it: the job fails */
+} co_run_end;
+void co_job_requeue(rekv_coordinator *co, job *j, const char *why, co_run_end how);
 /* The bytes tokens [from, to) of ids add to the decoded text of ids[0, to) (malloc'd into *out,
  * *n bytes): decode(ids[a, to)) less decode(ids[a, from)) for a few tokens of context a..from,
  * which the tokenizer makes equal to decoding all of them (co_jobs.c). 0 or -errno. */

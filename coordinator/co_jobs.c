@@ -539,13 +539,22 @@ static void journal_attempts(rekv_coordinator *co, const job *j);
 
 /* Puts a running job back in the queue after its worker died, or fails it after max_attempts.
  * A run that ended on the worker's kvstore loss does not count (the store comes back; the job
- * waits for an available worker). The attempts used are journaled, so a restart keeps them. A
+ * waits for an available worker) — up to max_attempts of them (co_run_end). The attempts used are
+ * journaled, so a restart keeps them. A
  * counted failure backs off before the next attempt — CO_RETRY_BASE_MS, doubling with each
  * attempt used, at most 64 times it — so that a cause that passes (room another job frees, a
  * disk an operator clears) is seen before the attempts are spent: a step failing on room used
  * to spend all three within milliseconds. Its status says so meanwhile. */
-void co_job_requeue(rekv_coordinator *co, job *j, const char *why, int counts)
+void co_job_requeue(rekv_coordinator *co, job *j, const char *why, co_run_end how)
 {
+    int counts = how == CO_RUN_COUNTS;
+    if (how == CO_RUN_STORE_LOST && ++j->store_losses > co->cfg.max_attempts) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s; the kvstore was lost under it %u times: given up", why,
+                 j->store_losses);
+        co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
+        return;
+    }
     if (!counts && j->attempts > 0)
         j->attempts--;
     else if (j->attempts >= co->cfg.max_attempts) {

@@ -51,7 +51,7 @@ static void worker_drop(rekv_coordinator *co, worker *w, const char *why)
     char msg[256];
     snprintf(msg, sizeof(msg), "worker %s %s", w->name, why);
     for (uint32_t i = 0; i < w->n_run; i++)
-        co_job_requeue(co, w->run[i], msg, 1);
+        co_job_requeue(co, w->run[i], msg, CO_RUN_COUNTS);
     if (w->n_run)
         co_event(co, REKV_CO_EVENT_WARN, "%s: %u jobs in flight re-queued", msg, w->n_run);
     else
@@ -509,9 +509,9 @@ static int ids_valid(const int32_t *ids, size_t n, uint32_t vocab, int32_t *bad)
 }
 
 /* Takes job k off w's batch (the worker is told to drop it at the next Plan) and re-queues it
- * (counts: as co_job_requeue). */
+ * (how: as co_job_requeue). */
 static void worker_requeue_at(rekv_coordinator *co, worker *w, uint32_t k, const char *why,
-                              int counts)
+                              co_run_end counts)
 {
     job *j = w->run[k];
     w->run[k] = w->run[--w->n_run];
@@ -576,7 +576,10 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             snprintf(why, sizeof(why), "worker %s: %s", w->name,
                      jp->error_msg && *jp->error_msg ? jp->error_msg : "the step failed");
             w->run[k] = w->run[--w->n_run];
-            co_job_requeue(co, j, why, !store_lost && !jp->uncounted);
+            co_job_requeue(co, j, why,
+                           store_lost      ? CO_RUN_STORE_LOST
+                           : jp->uncounted ? CO_RUN_FREE
+                                           : CO_RUN_COUNTS);
             failed_step = 1;
             continue;
         }
@@ -593,7 +596,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
                         (unsigned long long)j->id, why);
             co->worker_rejected++;
-            worker_requeue_at(co, w, k, why, 1);
+            worker_requeue_at(co, w, k, why, CO_RUN_COUNTS);
             continue;
         }
         for (size_t t = 0; t < jp->n_tokens && j->n_gen < j->max_new; t++) {
@@ -650,7 +653,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
                  (unsigned long long)p->step);
         co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
                     (unsigned long long)w->run[k]->id, why);
-        worker_requeue_at(co, w, k, why, 1);
+        worker_requeue_at(co, w, k, why, CO_RUN_COUNTS);
         failed_step = 1;
     }
     if (failed_step)
@@ -674,7 +677,7 @@ static void worker_availability(rekv_coordinator *co, worker *w, const char *una
         char why[320];
         snprintf(why, sizeof(why), "worker %s is unavailable: %s", w->name, u);
         while (w->n_run > 0)
-            worker_requeue_at(co, w, 0, why, 0);
+            worker_requeue_at(co, w, 0, why, CO_RUN_STORE_LOST);
     }
 }
 

@@ -2,7 +2,8 @@
  * and the count survives a kill -9 of the coordinator (journaled, replayed); a kvstore killed
  * with SIGKILL under running jobs and started again (as `rekv run` does, here driving `rekv run`
  * itself, whose worker rides the loss out) uses none: the jobs wait for the store and end with
- * rekv_generate's tokens and one attempt. With real daemons and sockets (tests/co_env.h); no step
+ * rekv_generate's tokens and one attempt — up to --max-attempts such losses a job; one more fails
+ * it. With real daemons and sockets (tests/co_env.h); no step
  * is timed, states and counts are waited for (Check's timeout is the guard). Model: stories260K. */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -200,6 +201,46 @@ START_TEST(store_loss_uses_no_attempt)
 }
 END_TEST
 
+/* A kvstore that dies under the same job again and again (as if the job crashed it): its first
+ * --max-attempts (3) losses use no attempt, the 4th fails the job, saying so, instead of running it
+ * (and crashing the store) for ever. */
+START_TEST(store_losses_are_limited)
+{
+    env e;
+    if (ct_env_open(&e))
+        return;
+    static tjob jobs[1];
+    ct_make_jobs(jobs, 1, 400, 512, 7);
+    jobs[0].gp.stop_at_eos = 0;
+    pid_t run = ct_rekv_run_start(&e, "64M", "8", "offload");
+    rekv_ctl *c = ct_ctl_open(e.ctl);
+    ct_wait_workers(c, 1);
+    ck_assert_int_eq(ct_submit_all(c, jobs, 1), 1);
+    for (int loss = 1; loss <= 4; loss++) {
+        uint64_t before = stats_requeued(c);
+        wait_some_tokens(c, jobs, 1);
+        pid_t kv = child_of(run, "rekv-kvstore");
+        ck_assert_int_gt(kv, 0);
+        kill(kv, SIGKILL);
+        Rekv__Control__JobState state = REKV__CONTROL__JOB_STATE__RUNNING;
+        while (stats_requeued(c) == before && state != REKV__CONTROL__JOB_STATE__FAILED)
+            job_attempts(c, jobs[0].id, &state), usleep(2000);
+        uint32_t a = job_attempts(c, jobs[0].id, &state);
+        fprintf(stderr, "   store loss %d: attempts %u, state %d\n", loss, a, (int)state);
+        ck_assert_uint_le(a, 1); /* the losses used none */
+        ck_assert_int_eq(state == REKV__CONTROL__JOB_STATE__FAILED, loss == 4);
+    }
+    Rekv__Control__Response *r = tu_ctl_status(c, jobs[0].id);
+    ck_assert_msg(strstr(r->job->error, "the kvstore was lost under it 4 times: given up"), "%s",
+                  r->job->error);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+    ct_rekv_run_stop(run);
+    ct_free_jobs(jobs, 1);
+    ct_env_close(&e);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("attempts");
@@ -207,6 +248,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, attempts_survive_coordinator_restart);
     tcase_add_test(tc, store_loss_uses_no_attempt);
+    tcase_add_test(tc, store_losses_are_limited);
     suite_add_tcase(s, tc);
     return s;
 }
