@@ -217,8 +217,9 @@ static int plan_prepare(worker *w, wk_plan *p)
 static void report_failed_step(worker *w, wk_plan *p, const rekv_err *serr)
 {
     int retry = wk_step_error_retry(w, serr->code, &p->lost);
-    /* a block lost on read-back (CRC mismatch, I/O error) is one sequence's: its job fails,
-     * the others' caches are intact and they run again */
+    /* a block lost on read-back (CRC mismatch, I/O error) is one sequence's: its job runs again
+     * from its prompt on a new sequence, using an attempt (it fails once they are spent: a disk
+     * that keeps failing); the others' caches are intact and they run again using none */
     uint64_t lost_seq = w->kv ? rekv_kvstore_client_take_lost_seq(w->kv) : 0, owner = 0;
     int scoped =
         !retry && lost_seq != 0 && rekv_batcher_job_of_store_seq(w->batch, lost_seq, &owner) == 0;
@@ -227,7 +228,9 @@ static void report_failed_step(worker *w, wk_plan *p, const rekv_err *serr)
         snprintf(p->other_msg, sizeof(p->other_msg),
                  "step %llu failed on job %llu's lost kvstore blocks; this job runs again", step,
                  (unsigned long long)owner);
-        rekv_log(REKV_LOG_ERROR, "step %llu failed (job %llu fails, the others run again): %s",
+        rekv_log(REKV_LOG_ERROR,
+                 "step %llu failed (job %llu runs again from its prompt, using an attempt; the "
+                 "others run again): %s",
                  step, (unsigned long long)owner, serr->msg);
     } else {
         rekv_log(retry ? REKV_LOG_WARN : REKV_LOG_ERROR, "step %llu failed (%s): %s", step,
@@ -243,7 +246,7 @@ static void report_failed_step(worker *w, wk_plan *p, const rekv_err *serr)
         j->job = ids[i];
         j->error = other ? -EAGAIN : serr->code;
         j->error_msg = other ? p->other_msg : (char *)serr->msg;
-        j->retry = other ? 1 : retry;
+        j->retry = scoped ? 1 : retry;
         j->uncounted = other;
         p->pp[p->n++] = j;
     }
