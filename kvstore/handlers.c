@@ -118,12 +118,15 @@ static int resolve_ranges(rekv_kvstore_server *s, Rekv__Kvstore__Range **ranges,
 
 /* ------------------------------------------------------------------ handlers */
 
-static int h_create(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__CreateSeq *m, kv_reply *r)
+static int h_create(rekv_kvstore_server *s, kv_client *c, kv_pending *p,
+                    Rekv__Kvstore__CreateSeq *m, kv_reply *r)
 {
     if (m->seq == KV_MAP_EMPTY)
         return srv_fail(r, -EINVAL, "sequence id %llu is reserved", (unsigned long long)m->seq);
     if (srv_seq_get(s, m->seq))
         return srv_fail(r, -EEXIST, "sequence %llu exists", (unsigned long long)m->seq);
+    if (m->prefix && srv_cache_fetch(s, p, m->prefix))
+        return WAIT; /* the remote tier is asked for what is not here: made when it answers */
     kv_seq *q = calloc(1, sizeof(*q));
     if (q)
         q->blocks = calloc(s->cfg.geometry.n_layers, sizeof(uint32_t *));
@@ -729,7 +732,7 @@ static int dispatch(rekv_kvstore_server *s, kv_pending *p, kv_reply *r, int *his
         memcpy(c->owner, owner, owner_len + 1);
     switch (q->body_case) {
     case REKV__KVSTORE__REQUEST__BODY_CREATE_SEQ:
-        return h_create(s, c, q->create_seq, r);
+        return h_create(s, c, p, q->create_seq, r);
     case REKV__KVSTORE__REQUEST__BODY_DROP_SEQ:
         return h_drop(s, c, q->drop_seq, r);
     case REKV__KVSTORE__REQUEST__BODY_APPEND:
@@ -755,7 +758,7 @@ static int dispatch(rekv_kvstore_server *s, kv_pending *p, kv_reply *r, int *his
     case REKV__KVSTORE__REQUEST__BODY_RELEASE:
         return srv_h_release(s, c, q->release, r);
     case REKV__KVSTORE__REQUEST__BODY_LOOKUP:
-        return srv_h_lookup(s, q->lookup, r);
+        return srv_h_lookup(s, p, q->lookup, r);
     case REKV__KVSTORE__REQUEST__BODY_PUBLISH:
         return srv_h_publish(s, q->publish, r);
     case REKV__KVSTORE__REQUEST__BODY_CLEAR_CACHE:

@@ -188,6 +188,10 @@ typedef struct rekv_kvstore_config {
      * a connection is dropped as it comes (common/conncap.h). 0: 1024; lowered to fit
      * RLIMIT_NOFILE */
     uint32_t max_clients;
+    /* The remote tier (kvstore/remote.c): redis://HOST:PORT[/DB] or unix:///PATH[?db=N]; NULL:
+     * none. Reads wait at most remote_timeout_ms (0: 50), entries live remote_ttl_s (0: 3600). */
+    const char *remote;
+    uint32_t remote_timeout_ms, remote_ttl_s;
 } rekv_kvstore_config;
 
 /* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1, push link latency

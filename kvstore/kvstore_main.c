@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/version.h"
 #include "kvstore/kvstore.h"
+#include "kvstore/remote.h"
 #include "loader/loader.h"
 
 static void usage(FILE *f)
@@ -26,8 +27,9 @@ static void usage(FILE *f)
                "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
                "         [--no-register-arena] [--ready-fd N] [--push-backend cpu|cuda|auto]\n"
                "         [--push-link-gbps G] [--push-link-latency-us U]\n"
-               "         [--metrics HOST:PORT [--metrics-public]] [--max-clients N] [--help]\n"
-               "         [--version]\n"
+               "         [--metrics HOST:PORT [--metrics-public]] [--max-clients N]\n"
+               "         [--remote redis://HOST:PORT[/DB] | unix:///PATH[?db=N]]\n"
+               "         [--remote-timeout-ms N] [--remote-ttl-s N] [--help] [--version]\n"
                "Sizes take K, M, G suffixes (powers of two). --prefix-dir: the prefix cache\n"
                "survives a restart (DIR/spill.rekv, DIR/index.rekv): a clean stop writes it to\n"
                "disk, a crash keeps what was there; each block is CRC32C-checked at the start.\n"
@@ -38,7 +40,12 @@ static void usage(FILE *f)
                "authenticated.\n"
                "At most --max-clients connections (1024, less under a low RLIMIT_NOFILE) are\n"
                "served; requests on more are answered EBUSY, and past twice as many a connection\n"
-               "is dropped as it comes.\n");
+               "is dropped as it comes.\n"
+               "--remote: a Redis (or Valkey) that replicas of the same model share: prefix\n"
+               "cache entries are written there in the background (SET with EX --remote-ttl-s,\n"
+               "default 3600) and read back on a miss here; a read waits at most\n"
+               "--remote-timeout-ms (default 50), and Redis down, slow or full costs a job only\n"
+               "the blocks it computes.\n");
 }
 
 static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -91,6 +98,9 @@ enum {
     O_METRICS,
     O_METRICS_PUBLIC,
     O_MAX_CLIENTS,
+    O_REMOTE,
+    O_REMOTE_TIMEOUT,
+    O_REMOTE_TTL,
     O_HELP,
     O_VERSION
 };
@@ -121,6 +131,9 @@ static const struct option opts[] = {
     {"metrics", required_argument, 0, O_METRICS},
     {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
     {"max-clients", required_argument, 0, O_MAX_CLIENTS},
+    {"remote", required_argument, 0, O_REMOTE},
+    {"remote-timeout-ms", required_argument, 0, O_REMOTE_TIMEOUT},
+    {"remote-ttl-s", required_argument, 0, O_REMOTE_TTL},
     {"help", no_argument, 0, O_HELP},
     {"version", no_argument, 0, O_VERSION},
     {0, 0, 0, 0},
@@ -134,6 +147,10 @@ static int parse_number(kv_args *a, int o, const char *arg)
     switch (o) {
     case O_MAX_CLIENTS:
         return rekv_parse_u32(arg, &a->cfg.max_clients) || a->cfg.max_clients == 0;
+    case O_REMOTE_TIMEOUT: /* 0 would be the library's default: refused */
+        return rekv_parse_u32(arg, &a->cfg.remote_timeout_ms) || a->cfg.remote_timeout_ms == 0;
+    case O_REMOTE_TTL:
+        return rekv_parse_u32(arg, &a->cfg.remote_ttl_s) || a->cfg.remote_ttl_s == 0;
     case O_HOST:
         return rekv_parse_size(arg, &a->host_bytes);
     case O_SPILL_BYTES:
@@ -187,6 +204,16 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
     case O_METRICS:
         a->cfg.metrics_listen = arg;
         break;
+    case O_REMOTE: {
+        kv_remote_url u;
+        rekv_err rerr = {0};
+        if (kv_remote_url_parse(arg, &u, &rerr) < 0) {
+            fprintf(stderr, "rekv-kvstore: %s\n", rerr.msg);
+            return 2;
+        }
+        a->cfg.remote = arg;
+        break;
+    }
     case O_METRICS_PUBLIC:
         a->cfg.metrics_public = 1;
         break;
@@ -215,6 +242,8 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
         a->cfg.no_register_arena = 1;
         break;
     case O_MAX_CLIENTS:
+    case O_REMOTE_TIMEOUT:
+    case O_REMOTE_TTL:
     case O_HOST:
     case O_SPILL_BYTES:
     case O_LAYERS:

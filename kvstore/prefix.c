@@ -19,12 +19,19 @@
  * the least recently used entry holding a cached block on disk first. Entries are touched deepest
  * first, so a chain is evicted from its end. An entry one of whose blocks only the cache holds but
  * a client still pins (through a sequence it dropped) or a parked request holds is not evicted
- * until they let go: a freed block must have no pins. */
+ * until they let go: a freed block must have no pins.
+ *
+ * With a remote tier (remote.c, --remote): each new entry is queued to be written to Redis, and a
+ * CreateSeq or Lookup whose chain stops at a key not held here first asks Redis for the keys that
+ * follow (srv_cache_fetch, the request parked until the answer or the timeout); what comes back
+ * intact is adopted as entries with blocks in the arena (srv_cache_adopt_host), and the request
+ * runs again and matches it like any local entry. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
+#include "kvstore/remote.h"
 #include "kvstore/server_internal.h"
 
 #define MAX_PREFIX_TOKENS (1u << 24)
@@ -303,6 +310,97 @@ static void reply_prefix(kv_reply *r, uint64_t blocks, uint64_t host, uint64_t d
     r->resp.prefix = &r->prefix;
 }
 
+/* ------------------------------------------------------------------ the remote tier */
+
+int srv_cache_fetch(rekv_kvstore_server *s, kv_pending *p, const Rekv__Kvstore__Prefix *px)
+{
+    if (s->remote == NULL || p == NULL || px == NULL || px->n_tokens > MAX_PREFIX_TOKENS ||
+        px->kv_parts > 1024 || px->act_parts > 1024)
+        return 0;
+    if (p->remote_asked) /* asked on an earlier run: wait for it, else answer from what is here */
+        return srv_remote_waiting(s, p);
+    p->remote_asked = 1;
+    size_t n = px->n_tokens / REKV_KV_BLOCK_TOKENS, nw = 0;
+    kv_remote_want *want = malloc(sizeof(*want) * (n ? n : 1));
+    if (want == NULL)
+        return 0;
+    uint64_t root = key_root(s, px->fingerprint), key = root, first = 0, n_kv = 0, n_act = 0;
+    for (size_t k = 0; k < n; k++) {
+        int kind = rekv_kv_next_block_type(n_kv, n_act, px->kv_parts, px->act_parts);
+        const uint32_t *tok = px->tokens + k * REKV_KV_BLOCK_TOKENS;
+        uint64_t next = key_chain(key, kind, tok);
+        if (k == 0)
+            first = next;
+        if (nw > 0 || ce_find(s, next, key, kind, tok) == NIL) { /* past the local run */
+            kv_remote_want *w = &want[nw++];
+            w->key = next;
+            w->parent = key;
+            w->kind = kind;
+            memcpy(w->tokens, tok, sizeof(w->tokens));
+        }
+        key = next;
+        if (kind == REKV_KV_BLOCK_KV)
+            n_kv++;
+        else
+            n_act++;
+    }
+    int rc = nw ? srv_remote_get(s, p, root, first, want, nw) : 0;
+    free(want);
+    return rc;
+}
+
+int srv_cache_adopt_host(rekv_kvstore_server *s, const kv_remote_want *w, const uint8_t *data,
+                         size_t layer_bytes)
+{
+    uint32_t L = s->cfg.geometry.n_layers, i, l;
+    if (kv_map_get(&s->cindex, w->key) != NULL)
+        return -EEXIST;
+    uint32_t *ids = malloc(sizeof(uint32_t) * L);
+    if (ids == NULL)
+        return -ENOMEM;
+    int rc = 0;
+    for (l = 0; l < L; l++) {
+        if ((rc = srv_block_new(s, &ids[l])) < 0)
+            break;
+        s->blocks[ids[l]].type = (uint8_t)w->kind;
+        if ((rc = srv_slot_take(s, ids[l])) < 0) { /* only free room: nothing is spilled for it */
+            srv_block_release_id(s, ids[l]);
+            break;
+        }
+    }
+    if (rc == 0 && (rc = ce_new(s, &i)) == 0 && (rc = kv_map_put(&s->cindex, w->key, i)) < 0)
+        ce_release(s, i);
+    if (rc < 0) {
+        for (uint32_t k = 0; k < l; k++) {
+            kv_slots_put(&s->hs, s->blocks[ids[k]].type, s->blocks[ids[k]].slot);
+            srv_block_release_id(s, ids[k]);
+        }
+        free(ids);
+        return rc;
+    }
+    kv_centry *e = &s->centries[i];
+    e->key = w->key;
+    e->parent = w->parent;
+    e->kind = (uint8_t)w->kind;
+    e->live = 1;
+    memcpy(e->tokens, w->tokens, sizeof(e->tokens));
+    for (l = 0; l < L; l++) {
+        kv_block *b = &s->blocks[ids[l]]; /* refs 1: the cache's */
+        b->state = BS_HOST;
+        b->layer = l;
+        b->centry = i;
+        memcpy(s->arena.slots + kv_slots_offset(&s->hs, b->slot), data + (size_t)l * layer_bytes,
+               layer_bytes);
+        e->ids[l] = ids[l];
+        s->host_n[w->kind]++;
+        srv_lru_update(s, ids[l], 0); /* the cache's list: spilled or evicted first */
+    }
+    s->ce_live++;
+    ce_touch(s, i);
+    free(ids);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ requests */
 
 int srv_cache_take(rekv_kvstore_server *s, kv_seq *q, Rekv__Kvstore__Prefix *px, kv_reply *r)
@@ -352,10 +450,12 @@ int srv_cache_take(rekv_kvstore_server *s, kv_seq *q, Rekv__Kvstore__Prefix *px,
     return 0;
 }
 
-int srv_h_lookup(rekv_kvstore_server *s, Rekv__Kvstore__Lookup *m, kv_reply *r)
+int srv_h_lookup(rekv_kvstore_server *s, kv_pending *p, Rekv__Kvstore__Lookup *m, kv_reply *r)
 {
     if (prefix_check(m->prefix, r) < 0)
         return 0;
+    if (srv_cache_fetch(s, p, m->prefix))
+        return 1; /* parked until Redis answers or the timeout passes */
     uint32_t *run;
     int64_t n = cache_match(s, m->prefix, &run);
     if (n < 0)
@@ -387,7 +487,8 @@ static int publishable(const rekv_kvstore_server *s, const kv_seq *q, uint32_t b
 /* Makes position b of q the entry of key (parent, tokens): every layer's block gains the cache's
  * reference. */
 static int publish_new(rekv_kvstore_server *s, const kv_seq *q, uint32_t b, uint64_t key,
-                       uint64_t parent, const uint32_t *tokens, uint32_t *out)
+                       uint64_t parent, const uint32_t *tokens, uint64_t root, uint64_t first,
+                       uint32_t *out)
 {
     uint32_t i;
     if (ce_new(s, &i) < 0)
@@ -412,6 +513,8 @@ static int publish_new(rekv_kvstore_server *s, const kv_seq *q, uint32_t b, uint
     ce_touch(s, i);
     for (uint32_t l = 0; l < s->cfg.geometry.n_layers; l++)
         srv_persist_block(s, e->ids[l]); /* those already on disk */
+    if (s->remote)
+        srv_remote_put(s, i, root, first);
     *out = i;
     return 0;
 }
@@ -431,7 +534,7 @@ int srv_h_publish(rekv_kvstore_server *s, Rekv__Kvstore__Publish *m, kv_reply *r
     uint32_t *run = malloc(sizeof(uint32_t) * (n ? n : 1));
     if (run == NULL)
         return srv_fail(r, -ENOMEM, "out of memory");
-    uint64_t key = key_root(s, px->fingerprint), added = 0, b = 0;
+    uint64_t root = key_root(s, px->fingerprint), key = root, first = 0, added = 0, b = 0;
     for (; b < n; b++) {
         const uint32_t *tok = px->tokens + b * REKV_KV_BLOCK_TOKENS;
         uint32_t id0 = q->blocks[0][b];
@@ -439,13 +542,15 @@ int srv_h_publish(rekv_kvstore_server *s, Rekv__Kvstore__Publish *m, kv_reply *r
             break;
         int kind = s->blocks[id0].type;
         uint64_t next = key_chain(key, kind, tok);
+        if (b == 0)
+            first = next;
         uint32_t i = ce_find(s, next, key, kind, tok);
         if (i == NIL && kv_map_get(&s->cindex, next) != NULL)
             break; /* a collision with another chain's entry: that one stays */
         /* already cached (this sequence's or another's copy): that entry stays */
         if (i == NIL) {
             if (!publishable(s, q, (uint32_t)b) ||
-                publish_new(s, q, (uint32_t)b, next, key, tok, &i) < 0)
+                publish_new(s, q, (uint32_t)b, next, key, tok, root, first, &i) < 0)
                 break;
             added++;
         }

@@ -23,6 +23,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "kvstore/remote.h"
 #include "kvstore/server_internal.h"
 
 const char *const srv_hist_names[H_COUNT] = {"plan",  "pin",         "append",
@@ -437,6 +438,8 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
     }
     if ((rc = loop_setup(s, err)) < 0)
         goto fail;
+    if (cfg->remote && (rc = srv_remote_open(s, err)) < 0) /* the remote tier's threads */
+        goto fail;
     *out = s;
     return 0;
 fail:
@@ -458,6 +461,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
         srv_send_reply(s, p->ident, p->ident_len, p->delim, &r.resp);
         srv_pending_free(p);
     }
+    srv_remote_close(s); /* its threads stop before what they were given goes */
     rekv_metrics_server_free(s->metrics);
     kv_spill_close(s->spill); /* waits for in-flight I/O before the arena goes */
     rekv_conncap_free(s->cap); /* before its socket: it stops the socket's monitor */

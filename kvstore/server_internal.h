@@ -113,11 +113,19 @@ typedef struct kv_pending {
     uint64_t misses;            /* blocks it had to read back */
     uint64_t waits, wait_bytes; /* a pin: blocks on disk or being read when it came */
     int runs;                   /* times it ran (parked requests run again) */
+    int remote_asked;           /* it asked the remote tier (remote.c) for its prefix */
+    uint64_t remote_job;        /* that read's id */
     struct kv_pending *next;
 } kv_pending;
 
 /* Log lines a fault can repeat per request or per block: srv_event_rl lets one a second through. */
-typedef enum { SRV_RL_SPILL_GROW, SRV_RL_SPILL_WRITE, SRV_RL_READ_BACK, SRV_RL_COUNT } srv_rl_site;
+typedef enum {
+    SRV_RL_SPILL_GROW,
+    SRV_RL_SPILL_WRITE,
+    SRV_RL_READ_BACK,
+    SRV_RL_REMOTE, /* remote.c */
+    SRV_RL_COUNT
+} srv_rl_site;
 
 struct rekv_kvstore_server {
     rekv_kvstore_config cfg; /* copy; strings below are owned copies */
@@ -179,6 +187,7 @@ struct rekv_kvstore_server {
      * the directory's lock; -1 / NULL when not */
     char *spill_path, *idx_path;
     int idx_fd, idx_lock;
+    struct kv_remote *remote; /* the remote tier (remote.c; --remote), NULL when none */
 };
 
 /* What stops an owner from dropping one of its sequences (srv_owned_seq_busy). */
@@ -271,7 +280,17 @@ int srv_cache_evictable(const rekv_kvstore_server *s, uint32_t i);
 void srv_cache_evict(rekv_kvstore_server *s, uint32_t i);
 /* CreateSeq's prefix: makes q start with the longest cached run of px's full blocks. */
 int srv_cache_take(rekv_kvstore_server *s, kv_seq *q, Rekv__Kvstore__Prefix *px, kv_reply *r);
-int srv_h_lookup(rekv_kvstore_server *s, Rekv__Kvstore__Lookup *m, kv_reply *r);
+/* p: the request (parked while the remote tier is asked) */
+int srv_h_lookup(rekv_kvstore_server *s, kv_pending *p, Rekv__Kvstore__Lookup *m, kv_reply *r);
+/* With a remote tier: asks it for px's full blocks past the local run, once per request p.
+ * 1 when p must wait (park it and run it again), 0 to answer from what is local. */
+int srv_cache_fetch(rekv_kvstore_server *s, kv_pending *p, const Rekv__Kvstore__Prefix *px);
+struct kv_remote_want;
+/* A position read back from the remote tier (w: its key, parent, kind and tokens, already
+ * checked): an entry whose blocks take free arena slots and get data's bytes, layer by layer
+ * (layer_bytes each). 0, or -EEXIST (already here), -ENOSPC (no free room), -ENOMEM. */
+int srv_cache_adopt_host(rekv_kvstore_server *s, const struct kv_remote_want *w,
+                         const uint8_t *data, size_t layer_bytes);
 int srv_h_publish(rekv_kvstore_server *s, Rekv__Kvstore__Publish *m, kv_reply *r);
 int srv_h_clear_cache(rekv_kvstore_server *s, kv_reply *r);
 /* A position read back from the index at start: its blocks on disk (file slot fslots[l] of layer

@@ -6,6 +6,7 @@
  * rekv_kvstore_*; README's "Metrics" section lists every one. */
 #include <stdio.h>
 
+#include "kvstore/remote.h"
 #include "kvstore/server_internal.h"
 
 /* The store's histograms keep [2^i, 2^(i+1)) ns buckets, i < REKV_KV_HIST_BUCKETS; Prometheus
@@ -162,5 +163,6 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
     rekv_metrics_histogram(b, "rekv_kvstore_spill_io_seconds", "op=\"write\"", &h);
     fold(&s->hist[H_SPILL_READ], &h);
     rekv_metrics_histogram(b, "rekv_kvstore_spill_io_seconds", "op=\"read\"", &h);
+    srv_remote_metrics(s, b); /* with --remote */
     return b->err;
 }

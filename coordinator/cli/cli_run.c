@@ -55,7 +55,8 @@ static void run_usage(FILE *f)
             "                [--metrics-public] [--prefill-chunk N] [--ready-fd N]\n"
             "                [--http HOST:PORT [--http-public] [--api-key-file FILE]\n"
             "                 [--served-model-name NAME]] [--prefix-cache on|off]\n"
-            "                [--prefix-dir DIR]\n"
+            "                [--prefix-dir DIR] [--remote URL [--remote-timeout-ms N]\n"
+            "                 [--remote-ttl-s N]]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
@@ -73,7 +74,9 @@ static void run_usage(FILE *f)
             "--http: the coordinator's OpenAI-compatible API (see rekv-coordinator --help).\n"
             "--prefix-cache on|off: jobs start from the KV the kvstore holds of their prompt's\n"
             "longest cached prefix (default on); --prefix-dir DIR: the kvstore keeps that cache in\n"
-            "DIR across restarts (see rekv-kvstore --help).\n");
+            "DIR across restarts (see rekv-kvstore --help).\n"
+            "--remote redis://HOST:PORT[/DB] | unix:///PATH[?db=N]: the kvstore shares its prefix\n"
+            "cache with other replicas of the model through that Redis (see rekv-kvstore --help).\n");
 }
 
 /* Starts c with a ready pipe (its read end in *ready); 0, or -1 with a message printed. */
@@ -208,6 +211,7 @@ typedef struct run_opts {
         *state_dir, *timeout, *bin_dir, *metrics, *chunk;
     const char *http, *api_key_file, *served_name; /* the coordinator's HTTP server */
     const char *prefix_cache, *prefix_dir;          /* the worker's and the store's */
+    const char *remote, *remote_timeout, *remote_ttl; /* the store's remote tier */
     const char *link_gbps, *link_lat, *devmem; /* the worker's emulation */
     int push, approximate, metrics_public, no_spill, http_public;
     long ready_fd; /* -1: none */
@@ -238,6 +242,9 @@ static int run_parse(int argc, char **argv, run_opts *o)
         {"served-model-name", required_argument, 0, 'N'},
         {"prefix-cache", required_argument, 0, 'X'},
         {"prefix-dir", required_argument, 0, 'Y'},
+        {"remote", required_argument, 0, 'r'},
+        {"remote-timeout-ms", required_argument, 0, 'o'},
+        {"remote-ttl-s", required_argument, 0, 'l'},
         {0, 0, 0, 0}};
     *o = (run_opts){.backend = "auto", .mode = "auto", .host_bytes = "256M", .queue = "256",
                     .max_batch = "64", .timeout = "30000", .ready_fd = -1};
@@ -271,6 +278,9 @@ static int run_parse(int argc, char **argv, run_opts *o)
         case 'N': o->served_name = optarg; break;
         case 'X': o->prefix_cache = optarg; break;
         case 'Y': o->prefix_dir = optarg; break;
+        case 'r': o->remote = optarg; break;
+        case 'o': if (cli_parse_int("remote-timeout-ms", optarg, 1, INT32_MAX, &v)) return 2; o->remote_timeout = optarg; break;
+        case 'l': if (cli_parse_int("remote-ttl-s", optarg, 1, INT32_MAX, &v)) return 2; o->remote_ttl = optarg; break;
         case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o->chunk = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &o->ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
@@ -398,6 +408,15 @@ static void run_children_argv(const run_opts *o, const run_paths *p, child *ch)
     }
     if (o->prefix_dir) {
         ARG(KV, "--prefix-dir"); ARG(KV, o->prefix_dir);
+    }
+    if (o->remote) {
+        ARG(KV, "--remote"); ARG(KV, o->remote);
+    }
+    if (o->remote_timeout) {
+        ARG(KV, "--remote-timeout-ms"); ARG(KV, o->remote_timeout);
+    }
+    if (o->remote_ttl) {
+        ARG(KV, "--remote-ttl-s"); ARG(KV, o->remote_ttl);
     }
     if (o->prefix_cache) {
         ARG(WORKER, "--prefix-cache"); ARG(WORKER, o->prefix_cache);

@@ -1,0 +1,339 @@
+/* test_remote.c — the kvstore's remote tier (issue 38): two complete rekv replicas on loopback
+ * (`rekv run`: each its own kvstore, worker and coordinator, offload mode, cpu backend,
+ * stories260K) and one Debian redis-server the test starts on a unix socket in a temp dir. A
+ * prompt replica A computed is served by replica B, whose own cache is empty, from Redis
+ * (JobStatus.cached_tokens: A's full blocks) with rekv_generate's tokens, as A's are; then the
+ * faults — a bit flipped in a stored value (its CRC32C refuses it: that block is computed),
+ * redis-server killed (kill -9) while B's jobs read from it, restarted empty (a miss, computed;
+ * both replicas reconnect and share again), `maxmemory` reached with noeviction (every write is
+ * refused with OOM; jobs go on) — and every job completes with the same tokens.
+ *
+ * redis-server missing: skipped (77), or failed when CI=true. The replicas read with
+ * --remote-timeout-ms 5000: on this loaded machine a read over the default 50 ms would turn an
+ * expected hit into a miss; the timeout itself is no assertion here. */
+#define _GNU_SOURCE
+#include <check.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <hiredis/hiredis.h>
+
+#include "coordinator/coordinator.h"
+#include "tests/co_env.h"
+#include "tests/testutil.h"
+
+/* ------------------------------------------------------------------ redis-server */
+
+typedef struct redis {
+    pid_t pid;
+    char sock[4200], url[4300];
+    const char *dir;
+} redis;
+
+static int have_redis(void)
+{
+    if (access("/usr/bin/redis-server", X_OK) == 0)
+        return 1;
+    ck_assert_msg(!tu_ci(), "redis-server is missing (CI=true): apt-get install redis-server");
+    fprintf(stderr, "test_remote: no /usr/bin/redis-server: skipped\n");
+    return 0;
+}
+
+static redisContext *redis_conn(const redis *r)
+{
+    struct timeval tv = {10, 0};
+    return redisConnectUnixWithTimeout(r->sock, tv);
+}
+
+/* A command's reply (the test fails on none). */
+static redisReply *redis_cmd(const redis *r, const char *fmt, ...)
+{
+    redisContext *c = redis_conn(r);
+    ck_assert_msg(c && !c->err, "connect to redis: %s", c ? c->errstr : "out of memory");
+    va_list ap;
+    va_start(ap, fmt);
+    redisReply *rp = redisvCommand(c, fmt, ap);
+    va_end(ap);
+    ck_assert_msg(rp != NULL, "redis: %s", c->errstr);
+    redisFree(c);
+    return rp;
+}
+
+/* Starts redis-server on r->sock (no TCP port, no persistence) and waits until it answers. */
+static void redis_start(redis *r)
+{
+    char log[4300];
+    snprintf(log, sizeof(log), "%s/redis.log", r->dir);
+    r->pid = fork();
+    ck_assert_int_ge(r->pid, 0);
+    if (r->pid == 0) {
+        freopen(log, "a", stdout);
+        execl("/usr/bin/redis-server", "redis-server", "--port", "0", "--unixsocket", r->sock,
+              "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", r->dir,
+              (char *)NULL);
+        _exit(127);
+    }
+    for (;;) { /* Check's timeout is the guard */
+        redisContext *c = redis_conn(r);
+        redisReply *rp = c && !c->err ? redisCommand(c, "PING") : NULL;
+        int up = rp && rp->type == REDIS_REPLY_STATUS;
+        if (rp)
+            freeReplyObject(rp);
+        if (c)
+            redisFree(c);
+        if (up)
+            return;
+        int st;
+        ck_assert_msg(waitpid(r->pid, &st, WNOHANG) == 0, "redis-server exited (see %s)", log);
+        usleep(10000);
+    }
+}
+
+static long long redis_int(const redis *r, const char *cmd)
+{
+    redisReply *rp = redis_cmd(r, cmd);
+    ck_assert_int_eq(rp->type, REDIS_REPLY_INTEGER);
+    long long v = rp->integer;
+    freeReplyObject(rp);
+    return v;
+}
+
+/* Waits until Redis holds at least n keys (the writer thread's SETs landed). */
+static void redis_wait_keys(const redis *r, long long n)
+{
+    while (redis_int(r, "DBSIZE") < n)
+        usleep(10000);
+}
+
+/* ------------------------------------------------------------------ replicas */
+
+/* A 40-token prompt of its own per salt, greedy, 8 new tokens: two full blocks (32 tokens). */
+static void make_job(tjob *j, const char *model, int salt)
+{
+    memset(j, 0, sizeof(*j));
+    j->n_prompt = 40;
+    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(salt + 1);
+    for (int i = 0; i < 40; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        j->prompt[i] = 1 + (int32_t)((x >> 33) % 500);
+    }
+    j->gp = (rekv_gen_params){.max_new_tokens = 8, .top_p = 1.0f};
+    ct_reference(j, 1, model);
+}
+
+/* Runs a copy of job j to its end (its tokens rekv_generate's) and returns its cached_tokens. */
+static uint32_t run_once(rekv_ctl *c, const tjob *proto)
+{
+    tjob j = *proto;
+    ck_assert_int_eq(ct_submit_all(c, &j, 1), 1);
+    ct_wait_and_check(c, &j, 1);
+    Rekv__Control__Response *r = tu_ctl_status(c, j.id);
+    uint32_t cached = r->job->cached_tokens;
+    rekv__control__response__free_unpacked(r, NULL);
+    return cached;
+}
+
+typedef struct replica {
+    env e;
+    pid_t run;
+    rekv_ctl *c;
+} replica;
+
+static int replica_start(replica *p, const redis *r)
+{
+    if (ct_env_open(&p->e))
+        return -1;
+    const char *extra[] = {"--remote", r->url, "--remote-timeout-ms", "5000", NULL};
+    p->run = ct_rekv_run_start_args(&p->e, "64M", "8", "offload", extra);
+    p->c = ct_ctl_open(p->e.ctl);
+    ct_wait_workers(p->c, 1);
+    return 0;
+}
+
+static void replica_stop(replica *p)
+{
+    rekv_ctl_close(p->c);
+    ck_assert_int_eq(ct_stop(p->run), 0);
+    ct_env_close(&p->e);
+}
+
+/* Two replicas and a redis in A's directory; 0, or -1 when the test is skipped. */
+static int setup(replica *a, replica *b, redis *r)
+{
+    if (!have_redis())
+        return -1;
+    memset(r, 0, sizeof(*r));
+    r->dir = tu_tmpdir();
+    snprintf(r->sock, sizeof(r->sock), "%s/redis.sock", r->dir);
+    snprintf(r->url, sizeof(r->url), "unix://%s", r->sock);
+    redis_start(r);
+    if (replica_start(a, r) < 0)
+        return -1;
+    if (replica_start(b, r) < 0)
+        return -1;
+    return 0;
+}
+
+static void teardown(replica *a, replica *b, redis *r)
+{
+    replica_stop(a);
+    replica_stop(b);
+    if (r->pid > 0)
+        tu_kill9(r->pid);
+    tu_rmrf(r->dir);
+    free((char *)r->dir);
+}
+
+/* The key of the second block of a chain Redis holds: "rekv:ROOT:{FIRST}:KEY" with KEY !=
+ * FIRST (the first block's KEY is its own tag). */
+static char *second_block_key(const redis *r)
+{
+    redisReply *rp = redis_cmd(r, "KEYS rekv:*");
+    ck_assert_int_eq(rp->type, REDIS_REPLY_ARRAY);
+    char *out = NULL;
+    for (size_t i = 0; i < rp->elements && out == NULL; i++) {
+        const char *k = rp->element[i]->str, *tag = strchr(k, '{'), *end = strrchr(k, ':');
+        ck_assert(tag && end && end > tag);
+        if (strncmp(tag + 1, end + 1, 16) != 0)
+            out = strdup(k);
+    }
+    freeReplyObject(rp);
+    ck_assert_ptr_nonnull(out);
+    return out;
+}
+
+/* ------------------------------------------------------------------ tests */
+
+/* B serves A's prefix from Redis with A's tokens; a flipped bit in a value is refused. */
+START_TEST(replica_reads_what_another_wrote)
+{
+    replica a, b;
+    redis r;
+    if (setup(&a, &b, &r) < 0)
+        return;
+    tjob j1, j2;
+    make_job(&j1, a.e.model, 1);
+    make_job(&j2, a.e.model, 2);
+    ck_assert_uint_eq(run_once(a.c, &j1), 0); /* nothing anywhere yet */
+    redis_wait_keys(&r, 2);                   /* its two full blocks, written through */
+    ck_assert_uint_eq(run_once(b.c, &j1), 32); /* B's cache was empty: both from Redis */
+
+    /* one bit of the second block's value flipped (past the header: the KV bytes) */
+    redisReply *rp = redis_cmd(&r, "FLUSHALL");
+    freeReplyObject(rp);
+    ck_assert_uint_eq(run_once(a.c, &j2), 0);
+    redis_wait_keys(&r, 2);
+    char *key = second_block_key(&r);
+    rp = redis_cmd(&r, "GETRANGE %s 200 200", key);
+    ck_assert_int_eq(rp->type, REDIS_REPLY_STRING);
+    ck_assert_int_eq((int)rp->len, 1);
+    char flipped = (char)(rp->str[0] ^ 0x10);
+    freeReplyObject(rp);
+    rp = redis_cmd(&r, "SETRANGE %s 200 %b", key, &flipped, (size_t)1);
+    freeReplyObject(rp);
+    free(key);
+    /* the first block is taken, the damaged second one computed: the same tokens */
+    ck_assert_uint_eq(run_once(b.c, &j2), 16);
+    teardown(&a, &b, &r);
+    ct_free_jobs(&j1, 1);
+    ct_free_jobs(&j2, 1);
+}
+END_TEST
+
+/* Runs prompts of salt from, from + 1, ... on A then on B until B takes one whole from Redis:
+ * both have reconnected (their backoff passed). Returns the next salt. */
+static int until_shared(replica *a, replica *b, const redis *r, int from)
+{
+    for (int salt = from;; salt++) { /* Check's timeout is the guard */
+        tjob j;
+        make_job(&j, a->e.model, salt);
+        long long keys = redis_int(r, "DBSIZE");
+        ck_assert_uint_eq(run_once(a->c, &j), 0);
+        /* A's writes land, or were dropped while it backed off: then the next prompt */
+        for (int k = 0; k < 100 && redis_int(r, "DBSIZE") < keys + 2; k++)
+            usleep(10000);
+        uint32_t got = redis_int(r, "DBSIZE") >= keys + 2 ? run_once(b->c, &j) : 0;
+        ct_free_jobs(&j, 1);
+        if (got == 32)
+            return salt + 1;
+    }
+}
+
+/* redis-server killed while B's jobs read from it, restarted empty, and full: every job ends
+ * with rekv_generate's tokens. */
+START_TEST(redis_faults_never_fail_a_job)
+{
+    replica a, b;
+    redis r;
+    if (setup(&a, &b, &r) < 0)
+        return;
+    enum { N = 12 };
+    static tjob jobs[N];
+    for (int i = 0; i < N; i++)
+        make_job(&jobs[i], a.e.model, 10 + i);
+    tjob old;
+    make_job(&old, a.e.model, 99);
+    /* A computes them all (their blocks written through), then B runs them while Redis dies */
+    ck_assert_int_eq(ct_submit_all(a.c, jobs, N), N);
+    ct_wait_and_check(a.c, jobs, N);
+    ck_assert_uint_eq(run_once(a.c, &old), 0);
+    redis_wait_keys(&r, 2 * N + 2);
+    ck_assert_int_eq(ct_submit_all(b.c, jobs, N), N);
+    tu_kill9(r.pid);
+    r.pid = 0;
+    ct_wait_and_check(b.c, jobs, N);
+
+    /* restarted empty: the prompt A computed before is not there any more; B computes it */
+    redis_start(&r);
+    ck_assert_uint_eq(run_once(b.c, &old), 0);
+    int salt = until_shared(&a, &b, &r, 100); /* and both share again once reconnected */
+
+    /* full: every SET refused with OOM; jobs go on and B computes what A could not store */
+    redisReply *rp = redis_cmd(&r, "FLUSHALL");
+    freeReplyObject(rp);
+    rp = redis_cmd(&r, "CONFIG SET maxmemory-policy noeviction");
+    freeReplyObject(rp);
+    rp = redis_cmd(&r, "CONFIG SET maxmemory 1");
+    freeReplyObject(rp);
+    tjob full;
+    make_job(&full, a.e.model, salt);
+    ck_assert_uint_eq(run_once(a.c, &full), 0);
+    for (;;) { /* A's two SETs were answered OOM (Redis counts them) */
+        rp = redis_cmd(&r, "INFO errorstats");
+        const char *oom = strstr(rp->str, "errorstat_OOM:count=");
+        int n = oom ? atoi(oom + strlen("errorstat_OOM:count=")) : 0;
+        freeReplyObject(rp);
+        if (n >= 2)
+            break;
+        usleep(10000);
+    }
+    ck_assert_int_eq(redis_int(&r, "DBSIZE"), 0);
+    ck_assert_uint_eq(run_once(b.c, &full), 0);
+    teardown(&a, &b, &r);
+    ct_free_jobs(jobs, N);
+    ct_free_jobs(&old, 1);
+    ct_free_jobs(&full, 1);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("remote");
+    TCase *tc = tcase_create("redis");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, replica_reads_what_another_wrote);
+    tcase_add_test(tc, redis_faults_never_fail_a_job);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(suite());
+}
