@@ -8,6 +8,12 @@
  * both replicas reconnect and share again), `maxmemory` reached with noeviction (every write is
  * refused with OOM; jobs go on) — and every job completes with the same tokens.
  *
+ * Below the replicas, the same against rekv-kvstore alone (tests/kvd.h, its client writing the
+ * blocks): the bytes a second store adopts are the first one's, a Lookup reads back too, a Redis
+ * that does not answer (SIGSTOP) costs a request its --remote-timeout-ms and no more (the store
+ * answers with what it holds), and the metrics port counts each of these; a bad --remote is a
+ * usage error.
+ *
  * redis-server missing: skipped (77), or failed when CI=true. The replicas read with
  * --remote-timeout-ms 5000: on this loaded machine a read over the default 50 ms would turn an
  * expected hit into a miss; the timeout itself is no assertion here. */
@@ -26,6 +32,8 @@
 
 #include "coordinator/coordinator.h"
 #include "tests/co_env.h"
+#include "tests/kvd.h"
+#include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
 
 /* ------------------------------------------------------------------ redis-server */
@@ -322,6 +330,153 @@ START_TEST(redis_faults_never_fail_a_job)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ rekv-kvstore alone */
+
+static int32_t T[64], U[64]; /* two prompts */
+
+static rekv_kv_prefix kpx(const int32_t *t, size_t n)
+{
+    return (rekv_kv_prefix){t, n, 0x5eedull, 0, 0};
+}
+
+static double metric(int port, const char *series)
+{
+    char *body = ms_scrape(port);
+    ck_assert_int_gt(ms_check_exposition(body, strlen(body)), 0);
+    double v = ms_value(body, series);
+    free(body);
+    ck_assert_msg(v == v, "no sample %s", series);
+    return v;
+}
+
+/* Blocks [0, n) of seq (both layers) hold what kvd_write_blocks wrote for sequence src, gen. */
+static void verify_as(rekv_kvstore_client *c, uint64_t seq, uint64_t n, uint64_t src, uint32_t gen)
+{
+    uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
+    rekv_kv_plan_block *pb = NULL;
+    size_t nb, cap = 0;
+    rekv_err err = {0};
+    for (uint32_t l = 0; l < 2; l++) {
+        rekv_kv_range rg = {seq, l, 0, n * 16};
+        ck_assert_msg(rekv_kvstore_plan(c, &rg, 1, 1, &pb, &nb, &cap, &err) == 0, "pin: %s",
+                      err.msg);
+        ck_assert_int_eq(nb, n);
+        for (size_t i = 0; i < nb; i++)
+            ck_assert_msg(kvd_check(arena + pb[i].offset, kvd_type_bytes(c, pb[i].type), src, l,
+                                    pb[i].block, gen),
+                          "layer %u block %llu is not the other store's", l,
+                          (unsigned long long)pb[i].block);
+        ck_assert_int_eq(rekv_kvstore_unpin(c, &rg, 1, NULL), 0);
+    }
+    free(pb);
+}
+
+static void kvd_remote(kvd *d, const redis *r, const char *timeout_ms, int port)
+{
+    char extra[4600];
+    snprintf(extra, sizeof(extra), "--remote %s --remote-timeout-ms %s --metrics 127.0.0.1:%d",
+             r->url, timeout_ms, port);
+    kvd_start(d, 64, extra, 0);
+}
+
+START_TEST(store_reads_back_bit_for_bit)
+{
+    if (!have_redis())
+        return;
+    redis r = {0};
+    r.dir = tu_tmpdir();
+    snprintf(r.sock, sizeof(r.sock), "%s/redis.sock", r.dir);
+    snprintf(r.url, sizeof(r.url), "unix://%s", r.sock);
+    redis_start(&r);
+    for (int i = 0; i < 64; i++) {
+        T[i] = 1000 + i * 7;
+        U[i] = 3000 + i * 11;
+    }
+    int px_port = ms_free_port(), py_port = ms_free_port();
+    kvd x, y;
+    kvd_remote(&x, &r, "5000", px_port);
+    rekv_kvstore_client *cx = kvd_client(&x);
+    rekv_err err = {0};
+    /* X: 40 tokens of T written and published: two full blocks (2 layers each) */
+    ck_assert_int_eq(rekv_kvstore_seq_create(cx, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(cx, 1, 40, 0, 0, NULL, NULL), 0);
+    kvd_write_blocks(cx, 1, 0, 2, 7);
+    rekv_kv_prefix p = kpx(T, 40);
+    ck_assert_msg(rekv_kvstore_publish(cx, 1, &p, NULL, &err) == 0, "publish: %s", err.msg);
+    redis_wait_keys(&r, 2);
+    ck_assert_int_eq(metric(px_port, "rekv_kvstore_remote_writes_total{result=\"written\"}"), 2);
+
+    /* Y, empty: a sequence made from T's prefix gets X's blocks, byte for byte */
+    kvd_remote(&y, &r, "5000", py_port);
+    rekv_kvstore_client *cy = kvd_client(&y);
+    rekv_kv_prefix_hit h;
+    p = kpx(T, 39);
+    ck_assert_msg(rekv_kvstore_seq_create_prefix(cy, 2, &p, &h, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(h.tokens, 32);
+    ck_assert_int_eq(h.host_blocks, 4);
+    verify_as(cy, 2, 2, 1, 7); /* what X's client wrote into X's sequence 1 */
+    ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_blocks_total{result=\"hit\"}"), 4);
+    ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_crc_errors_total"), 0);
+    ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_writes_total{result=\"queued\"}"), 0);
+
+    /* U published on X; Redis stopped: Y's Lookup of U answers after its timeout with nothing */
+    ck_assert_int_eq(rekv_kvstore_seq_create(cx, 3, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(cx, 3, 40, 0, 0, NULL, NULL), 0);
+    kvd_write_blocks(cx, 3, 0, 2, 9);
+    p = kpx(U, 40);
+    ck_assert_int_eq(rekv_kvstore_publish(cx, 3, &p, NULL, NULL), 0);
+    redis_wait_keys(&r, 4);
+    kvd z;
+    int pz_port = ms_free_port();
+    kvd_remote(&z, &r, "100", pz_port);
+    rekv_kvstore_client *cz = kvd_client(&z);
+    ck_assert_int_eq(kill(r.pid, SIGSTOP), 0);
+    p = kpx(U, 39);
+    ck_assert_int_eq(rekv_kvstore_lookup(cz, &p, &h, NULL), 0);
+    ck_assert_int_eq(h.tokens, 0);
+    ck_assert_int_ge(metric(pz_port, "rekv_kvstore_remote_timeouts_total") +
+                         metric(pz_port, "rekv_kvstore_remote_read_errors_total"),
+                     1);
+    ck_assert_int_eq(kill(r.pid, SIGCONT), 0);
+    /* answering again: a Lookup reads back too (its sequence then needs no read) */
+    for (;;) { /* Z's reconnection backoff passes (Check's timeout is the guard) */
+        ck_assert_int_eq(rekv_kvstore_lookup(cz, &p, &h, NULL), 0);
+        if (h.tokens == 32)
+            break;
+        usleep(20000);
+    }
+    ck_assert_msg(rekv_kvstore_seq_create_prefix(cz, 4, &p, &h, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(h.tokens, 32);
+    rekv_kvstore_client_close(cx);
+    rekv_kvstore_client_close(cy);
+    rekv_kvstore_client_close(cz);
+    kvd_stop(&x);
+    kvd_stop(&y);
+    kvd_stop(&z);
+    tu_kill9(r.pid);
+    tu_rmrf(r.dir);
+    free((char *)r.dir);
+}
+END_TEST
+
+START_TEST(bad_remote_is_a_usage_error)
+{
+    const char *bad[] = {"redis:/x", "rediss://h:1", "redis://h:0", "redis://h:1/x",
+                         "unix://rel/path", "unix:///p?db=x", "redis://u:p@h:1"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char cmd[512];
+        snprintf(cmd, sizeof(cmd),
+                 "%s --endpoint ipc:///nonexistent/kv --host-bytes 1M --layers 2 --kv-heads 2 "
+                 "--head-dim 32 --hidden 64 --remote '%s' 2>&1",
+                 tu_bin("rekv-kvstore"), bad[i]);
+        char *out = NULL;
+        int st = tu_run(cmd, &out);
+        ck_assert_msg(st == 2 && strstr(out, "--remote"), "%s: status %d: %s", bad[i], st, out);
+        free(out);
+    }
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("remote");
@@ -330,6 +485,11 @@ static Suite *suite(void)
     tcase_add_test(tc, replica_reads_what_another_wrote);
     tcase_add_test(tc, redis_faults_never_fail_a_job);
     suite_add_tcase(s, tc);
+    TCase *ts = tcase_create("store");
+    tcase_set_timeout(ts, 60);
+    tcase_add_test(ts, store_reads_back_bit_for_bit);
+    tcase_add_test(ts, bad_remote_is_a_usage_error);
+    suite_add_tcase(s, ts);
     return s;
 }
 
