@@ -590,6 +590,22 @@ static void job_apply(rekv_kvstore_server *s, get_job *j)
     }
 }
 
+/* Logs the threads' last failure when there were new ones (once a second at most). */
+static void log_errors(rekv_kvstore_server *s)
+{
+    kv_remote *r = s->remote;
+    uint64_t seen = atomic_load(&r->errors_seen);
+    if (seen == r->logged_errors)
+        return;
+    char msg[256];
+    pthread_mutex_lock(&r->mu);
+    snprintf(msg, sizeof(msg), "%s", r->last_err);
+    pthread_mutex_unlock(&r->mu);
+    srv_event_rl(s, SRV_RL_REMOTE, REKV_KV_EVENT_WARN,
+                 "remote: %s (jobs go on; the blocks are computed)", msg);
+    r->logged_errors = seen;
+}
+
 static void on_done(rekv_evloop *loop, void *ctx, short revents)
 {
     rekv_kvstore_server *s = ctx;
@@ -616,6 +632,7 @@ static void on_done(rekv_evloop *loop, void *ctx, short revents)
             }
         job_free(j);
     }
+    log_errors(s);
     if (any)
         srv_run_pending(s);
 }
@@ -636,22 +653,14 @@ static long on_timer(rekv_evloop *loop, void *ctx)
             r->timeouts++;
             any = 1;
         }
-    uint64_t seen = atomic_load(&r->errors_seen);
-    if (seen != r->logged_errors) {
-        char msg[256];
-        pthread_mutex_lock(&r->mu);
-        snprintf(msg, sizeof(msg), "%s", r->last_err);
-        pthread_mutex_unlock(&r->mu);
-        srv_event_rl(s, SRV_RL_REMOTE, REKV_KV_EVENT_WARN,
-                     "remote: %s (jobs go on; the blocks are computed)", msg);
-        r->logged_errors = seen;
-    }
+    log_errors(s);
     if (any)
         srv_run_pending(s); /* which may ask again: the deadlines below include those */
     for (get_job *j = r->inflight; j; j = j->lnext)
         if (!j->expired && (next == 0 || j->deadline_ns < next))
             next = j->deadline_ns;
-    return next ? (long)((next > now ? next - now : 0) / 1000000ull) + 1 : 1000;
+    long ms = next ? (long)((next > now ? next - now : 0) / 1000000ull) + 1 : 1000;
+    return ms < 1000 ? ms : 1000; /* at least once a second: the writer's failures are logged */
 }
 
 int srv_remote_open(rekv_kvstore_server *s, rekv_err *err)
