@@ -6,11 +6,14 @@
  * Data flow. Two threads, each with its own hiredis connection (blocking calls with
  * --remote-timeout-ms as the socket timeout), and the store's loop, which never waits for
  * either:
- *   write-through: a new entry (prefix.c publish_new) has every layer's bytes copied out of the
- *   arena into one value here on the loop, then queued (bounded: PUT_MAX_ITEMS values and
- *   PUT_MAX_BYTES; past either the value is dropped and counted); the writer thread sends them
- *   pipelined as SET key value EX ttl. A write Redis refuses (OOM under noeviction, ...) is
- *   counted and forgotten.
+ *   write-through: a new entry (prefix.c publish_new) whose blocks are all in memory is queued
+ *   with a hold and a reference on each block (so nothing spills, evicts or frees them), bounded
+ *   (PUT_MAX_ITEMS entries, held blocks at most PUT_MAX_BYTES and an eighth of the arena; past
+ *   either it is dropped and counted); the writer thread first copies each queued entry's bytes
+ *   out of the arena into its value (header, CRC32C) and hands the holds back through the
+ *   eventfd (the loop lets go of them), then sends the values pipelined as SET key value EX ttl.
+ *   The loop copies nothing. A write Redis refuses (OOM under noeviction, ...) is counted and
+ *   forgotten.
  *   read-back: a CreateSeq or Lookup whose chain stops at a key not held here (prefix.c
  *   srv_cache_fetch) queues one MGET of the keys that follow and parks; the reader thread sends
  *   it and hands the reply back through an eventfd the loop polls; the loop checks each value
@@ -50,13 +53,14 @@
 
 #include "common/clock.h"
 #include "common/crc32c.h"
+#include "common/log.h"
 #include "kvstore/remote.h"
 #include "kvstore/server_internal.h"
 
 #define REMOTE_MAGIC 0x52564b52u /* "RKVR" */
 #define REMOTE_VERSION 1
 #define PUT_MAX_ITEMS 4096
-#define PUT_MAX_BYTES (256ull << 20)
+#define PUT_MAX_BYTES (256ull << 20) /* and at most an eighth of the arena */
 #define PUT_PIPELINE 32
 #define GET_MAX_KEYS 256
 #define GET_MAX_BYTES (64ull << 20)
@@ -77,10 +81,22 @@ typedef struct remote_hdr {
 } remote_hdr;
 _Static_assert(sizeof(remote_hdr) == 112, "remote_hdr is a wire format");
 
+/* Blocks the loop holds (kv_block.holds) so that nothing spills, evicts or frees them before
+ * the writer thread has copied them: handed back to the loop, which lets go. */
+typedef struct put_hold {
+    struct put_hold *next;
+    size_t bytes; /* arena bytes held */
+    uint32_t n;
+    uint32_t ids[];
+} put_hold;
+
 typedef struct put_item {
     struct put_item *next;
     char key[KEY_LEN];
-    uint8_t *val;
+    remote_hdr hdr;      /* its crc is the writer's */
+    const uint8_t **src; /* [hdr.n_layers] each layer's block in the arena, held */
+    put_hold *hold;
+    uint8_t *val; /* the value, made by the writer */
     size_t len;
 } put_item;
 
@@ -110,9 +126,10 @@ struct kv_remote {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     put_item *put_head, *put_tail; /* to the writer */
-    size_t put_n, put_bytes;
+    size_t put_n;
     get_job *get_head, *get_tail; /* to the reader */
     get_job *done_head;           /* back to the loop */
+    put_hold *released;           /* copied: back to the loop */
     int stop;
     char last_err[256]; /* the threads' last failure, for the loop's log */
     pthread_t reader, writer;
@@ -122,6 +139,7 @@ struct kv_remote {
     get_job *inflight;           /* the loop's */
     uint64_t next_id;
     uint32_t n_waiting; /* of inflight, those not expired: the timer is set while any is */
+    size_t held_bytes;  /* arena bytes of the blocks queued writes hold */
     /* the loop's counters */
     uint64_t gets, hit_blocks, miss_blocks, read_bytes, timeouts, crc_errors, get_errors;
     uint64_t logged_errors;
@@ -251,6 +269,42 @@ static int conn_ensure(kv_remote *r, conn *cn)
 
 /* ------------------------------------------------------------------ the threads */
 
+static uint32_t value_crc(remote_hdr h, const uint8_t *payload, size_t n);
+
+/* Makes the values of items[0..n) from the arena and hands their holds back to the loop; an
+ * item whose value cannot be allocated is dropped (NULL in items). */
+static void copy_puts(kv_remote *r, put_item **items, int n)
+{
+    put_hold *back = NULL;
+    for (int i = 0; i < n; i++) {
+        put_item *it = items[i];
+        const remote_hdr *h = &it->hdr;
+        size_t lb = h->layer_bytes;
+        it->len = sizeof(*h) + (size_t)h->n_layers * lb;
+        if ((it->val = malloc(it->len)) != NULL) {
+            uint8_t *payload = it->val + sizeof(*h);
+            for (uint32_t l = 0; l < h->n_layers; l++)
+                memcpy(payload + (size_t)l * lb, it->src[l], lb);
+            it->hdr.crc = value_crc(*h, payload, (size_t)h->n_layers * lb);
+            memcpy(it->val, &it->hdr, sizeof(*h));
+        }
+        it->hold->next = back;
+        back = it->hold;
+        it->hold = NULL;
+    }
+    pthread_mutex_lock(&r->mu);
+    while (back) {
+        put_hold *h = back;
+        back = h->next;
+        h->next = r->released;
+        r->released = h;
+    }
+    uint64_t one = 1;
+    ssize_t wr = write(r->efd, &one, sizeof(one));
+    (void)wr;
+    pthread_mutex_unlock(&r->mu);
+}
+
 static void run_get(kv_remote *r, conn *cn, get_job *j)
 {
     if (rekv_now_ns() > j->deadline_ns) { /* its requests went on long ago: skip it */
@@ -331,16 +385,22 @@ static void run_puts(kv_remote *r, conn *cn, put_item **items, int n)
     }
     char ttl[16];
     snprintf(ttl, sizeof(ttl), "%u", r->ttl_s);
+    int sent = 0;
     for (int i = 0; i < n; i++) {
+        if (items[i]->val == NULL) {
+            atomic_fetch_add(&r->dropped, 1);
+            continue;
+        }
+        sent++;
         const char *argv[5] = {"SET", items[i]->key, (const char *)items[i]->val, "EX", ttl};
         size_t lens[5] = {3, strlen(items[i]->key), items[i]->len, 2, strlen(ttl)};
         redisAppendCommandArgv(cn->c, 5, argv, lens);
     }
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < sent; i++) {
         void *v = NULL;
         if (redisGetReply(cn->c, &v) != REDIS_OK) {
             note_error(r, "SET", cn->c->errstr);
-            atomic_fetch_add(&r->put_errors, (uint64_t)(n - i));
+            atomic_fetch_add(&r->put_errors, (uint64_t)(sent - i));
             conn_drop(r, cn);
             return;
         }
@@ -371,15 +431,16 @@ static void *writer_main(void *arg)
             put_item *it = r->put_head;
             r->put_head = it->next;
             r->put_n--;
-            r->put_bytes -= it->len;
             batch[n++] = it;
         }
         if (r->put_head == NULL)
             r->put_tail = NULL;
         pthread_mutex_unlock(&r->mu);
+        copy_puts(r, batch, n); /* first: the loop gets its blocks back before any network wait */
         run_puts(r, &cn, batch, n);
         for (int i = 0; i < n; i++) {
             free(batch[i]->val);
+            free(batch[i]->src);
             free(batch[i]);
         }
         pthread_mutex_lock(&r->mu);
@@ -420,38 +481,50 @@ void srv_remote_put(rekv_kvstore_server *s, uint32_t i, uint64_t root, uint64_t 
     kv_remote *r = s->remote;
     const kv_centry *e = &s->centries[i];
     uint32_t L = s->cfg.geometry.n_layers;
-    size_t lb = layer_bytes_of(s, e->kind), len = sizeof(remote_hdr) + (size_t)L * lb;
+    size_t lb = layer_bytes_of(s, e->kind), held = (size_t)L * lb;
+    size_t arena = (size_t)s->hs.n_big * s->hs.big_bytes;
     int resident = 1;
-    for (uint32_t l = 0; l < L; l++) {
-        uint8_t st = s->blocks[e->ids[l]].state;
-        resident &= st == BS_HOST || st == BS_SPILLING; /* the host copy is whole */
-    }
+    for (uint32_t l = 0; l < L; l++)
+        resident &= s->blocks[e->ids[l]].state == BS_HOST;
     pthread_mutex_lock(&r->mu);
-    int room = r->put_n < PUT_MAX_ITEMS && r->put_bytes + len <= PUT_MAX_BYTES;
+    int room = r->put_n < PUT_MAX_ITEMS;
     pthread_mutex_unlock(&r->mu);
+    /* what queued writes hold stays a small part of the arena: a slow Redis never takes the
+     * room running sequences need */
+    room &= r->held_bytes + held <= PUT_MAX_BYTES && r->held_bytes + held <= arena / 8;
     put_item *it = NULL;
     if (!resident || !room || remote_down(r) || (it = calloc(1, sizeof(*it))) == NULL ||
-        (it->val = malloc(len)) == NULL) {
+        (it->src = malloc(sizeof(*it->src) * L)) == NULL ||
+        (it->hold = malloc(sizeof(put_hold) + sizeof(uint32_t) * L)) == NULL) {
+        if (it)
+            free(it->src);
         free(it);
         atomic_fetch_add(&r->dropped, 1);
         return;
     }
-    remote_hdr h = {.magic = REMOTE_MAGIC,
-                    .version = REMOTE_VERSION,
-                    .kind = e->kind,
-                    .n_layers = L,
-                    .layer_bytes = (uint32_t)lb,
-                    .root = root,
-                    .key = e->key,
-                    .parent = e->parent};
-    memcpy(h.tokens, e->tokens, sizeof(h.tokens));
-    uint8_t *payload = it->val + sizeof(h);
-    for (uint32_t l = 0; l < L; l++)
-        memcpy(payload + (size_t)l * lb,
-               s->arena.slots + kv_slots_offset(&s->hs, s->blocks[e->ids[l]].slot), lb);
-    h.crc = value_crc(h, payload, (size_t)L * lb);
-    memcpy(it->val, &h, sizeof(h));
-    it->len = len;
+    it->hdr = (remote_hdr){.magic = REMOTE_MAGIC,
+                           .version = REMOTE_VERSION,
+                           .kind = e->kind,
+                           .n_layers = L,
+                           .layer_bytes = (uint32_t)lb,
+                           .root = root,
+                           .key = e->key,
+                           .parent = e->parent};
+    memcpy(it->hdr.tokens, e->tokens, sizeof(it->hdr.tokens));
+    it->hold->n = L;
+    it->hold->bytes = held;
+    for (uint32_t l = 0; l < L; l++) {
+        uint32_t id = e->ids[l];
+        it->src[l] = s->arena.slots + kv_slots_offset(&s->hs, s->blocks[id].slot);
+        it->hold->ids[l] = id;
+        /* a hold: not spilled until the writer has copied it; and a reference: not freed, even
+         * when the cache lets go of it and its sequence is dropped (which a hold alone would
+         * refuse) */
+        s->blocks[id].holds++;
+        s->blocks[id].refs++;
+        srv_lru_update(s, id, 0);
+    }
+    r->held_bytes += held;
     key_of(it->key, root, first, e->key);
     pthread_mutex_lock(&r->mu);
     if (r->put_tail)
@@ -460,7 +533,6 @@ void srv_remote_put(rekv_kvstore_server *s, uint32_t i, uint64_t root, uint64_t 
         r->put_head = it;
     r->put_tail = it;
     r->put_n++;
-    r->put_bytes += len;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     atomic_fetch_add(&r->queued, 1);
@@ -616,9 +688,22 @@ static void on_done(rekv_evloop *loop, void *ctx, short revents)
     s->now = rekv_now_ns();
     pthread_mutex_lock(&r->mu);
     get_job *done = r->done_head;
+    put_hold *rel = r->released;
     r->done_head = NULL;
+    r->released = NULL;
     pthread_mutex_unlock(&r->mu);
-    int any = done != NULL;
+    int any = done != NULL || rel != NULL;
+    while (rel) { /* the writer has copied them */
+        put_hold *h = rel;
+        rel = h->next;
+        for (uint32_t l = 0; l < h->n; l++) {
+            REKV_ASSERT(s->blocks[h->ids[l]].holds > 0);
+            s->blocks[h->ids[l]].holds--;
+            srv_block_unref(s, h->ids[l]); /* the last reference frees it */
+        }
+        r->held_bytes -= h->bytes;
+        free(h);
+    }
     while (done) {
         get_job *j = done;
         done = j->next;
@@ -715,11 +800,17 @@ void srv_remote_close(rekv_kvstore_server *s)
         r->inflight = j->lnext;
         job_free(j);
     }
-    while (r->put_head) {
+    while (r->put_head) { /* their holds go with the store */
         put_item *it = r->put_head;
         r->put_head = it->next;
-        free(it->val);
+        free(it->hold);
+        free(it->src);
         free(it);
+    }
+    while (r->released) {
+        put_hold *h = r->released;
+        r->released = h->next;
+        free(h);
     }
     if (r->efd >= 0) {
         if (r->efd_id > 0)

@@ -371,6 +371,24 @@ static void verify_as(rekv_kvstore_client *c, uint64_t seq, uint64_t n, uint64_t
     free(pb);
 }
 
+/* Every sequence dropped and the cache cleared: once the writer has let go of what it copied,
+ * every slot of c's arena is free (Check's timeout is the guard). */
+static void assert_all_back(rekv_kvstore_client *c)
+{
+    for (;;) {
+        ck_assert_int_eq(rekv_kvstore_cache_clear(c, NULL), 0);
+        rekv_kv_stats st;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_kvstore_stats(c, &st, &err) == 0, "stats: %s", err.msg);
+        ck_assert_int_eq(st.sequences, 0);
+        ck_assert_int_eq(st.pinned_blocks, 0);
+        if (st.host_kv + st.host_act + st.disk_kv + st.disk_act == 0 &&
+            st.free_slots == st.total_slots && st.prefix_entries == 0)
+            return;
+        usleep(10000);
+    }
+}
+
 static void kvd_remote(kvd *d, const redis *r, const char *timeout_ms, int port)
 {
     char extra[4600];
@@ -447,6 +465,13 @@ START_TEST(store_reads_back_bit_for_bit)
     }
     ck_assert_msg(rekv_kvstore_seq_create_prefix(cz, 4, &p, &h, &err) == 0, "%s", err.msg);
     ck_assert_int_eq(h.tokens, 32);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(cx, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(cx, 3, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(cy, 2, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(cz, 4, NULL), 0);
+    assert_all_back(cx);
+    assert_all_back(cy);
+    assert_all_back(cz);
     rekv_kvstore_client_close(cx);
     rekv_kvstore_client_close(cy);
     rekv_kvstore_client_close(cz);
