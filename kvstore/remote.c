@@ -16,8 +16,8 @@
  *   forgotten.
  *   read-back: a CreateSeq or Lookup whose chain stops at a key not held here (prefix.c
  *   srv_cache_fetch) queues one MGET of the keys that follow and parks; the reader thread sends
- *   it and hands the reply back through an eventfd the loop polls; the loop checks each value
- *   (header, CRC32C) in chain order, adopts the intact ones into free arena slots
+ *   it, checks each value (header, CRC32C) and hands the reply back through an eventfd the loop
+ *   polls; the loop adopts the intact ones, in chain order, into free arena slots
  *   (srv_cache_adopt_host) and runs the parked requests again, which then match them like any
  *   local entry. A deadline timer lets a request whose answer is later than --remote-timeout-ms
  *   go on with what is local (a late answer is still adopted, for the next request).
@@ -108,7 +108,11 @@ typedef struct get_job {
     size_t n;
     kv_remote_want *want;  /* [n] */
     char (*keys)[KEY_LEN]; /* [n] */
-    redisReply *reply;     /* the reader: an array of n, or NULL with err */
+    uint32_t n_layers;      /* the store's, and each kind's block bytes: what a value must have */
+    size_t layer_bytes[2];
+    redisReply *reply; /* the reader: an array of n, or NULL with err */
+    int *check;        /* [n] the reader's check of each value: 0 intact, 1 none (nil), -EBADMSG
+                        * (its CRC32C), -EPROTO (not this block's value) */
     int err;
 } get_job;
 
@@ -305,6 +309,26 @@ static void copy_puts(kv_remote *r, put_item **items, int n)
     pthread_mutex_unlock(&r->mu);
 }
 
+/* Whether v (len bytes) is the value job j asked for at position i, intact: 0, or -EBADMSG (its
+ * CRC32C) or -EPROTO (another block's header, or not one). */
+static int value_check(const get_job *j, size_t i, const uint8_t *v, size_t len)
+{
+    const kv_remote_want *w = &j->want[i];
+    remote_hdr h;
+    uint32_t L = j->n_layers;
+    size_t lb = j->layer_bytes[w->kind == REKV_KV_BLOCK_KV ? 0 : 1];
+    if (len != sizeof(h) + (size_t)L * lb)
+        return -EPROTO;
+    memcpy(&h, v, sizeof(h));
+    if (h.magic != REMOTE_MAGIC || h.version != REMOTE_VERSION || h.kind != w->kind ||
+        h.n_layers != L || h.layer_bytes != lb || h.root != j->root || h.key != w->key ||
+        h.parent != w->parent || memcmp(h.tokens, w->tokens, sizeof(h.tokens)) != 0)
+        return -EPROTO;
+    if (value_crc(h, v + sizeof(h), (size_t)L * lb) != h.crc)
+        return -EBADMSG;
+    return 0;
+}
+
 static void run_get(kv_remote *r, conn *cn, get_job *j)
 {
     if (rekv_now_ns() > j->deadline_ns) { /* its requests went on long ago: skip it */
@@ -345,6 +369,13 @@ static void run_get(kv_remote *r, conn *cn, get_job *j)
         return;
     }
     j->reply = rp;
+    for (size_t i = 0; i < j->n; i++) { /* checked here: the loop only copies what is intact */
+        const redisReply *v = rp->element[i];
+        j->check[i] = v->type == REDIS_REPLY_NIL ? 1
+                      : v->type == REDIS_REPLY_STRING
+                          ? value_check(j, i, (const uint8_t *)v->str, v->len)
+                          : -EPROTO;
+    }
 }
 
 static void *reader_main(void *arg)
@@ -544,6 +575,7 @@ static void job_free(get_job *j)
         freeReplyObject(j->reply);
     free(j->want);
     free(j->keys);
+    free(j->check);
     free(j);
 }
 
@@ -565,7 +597,7 @@ int srv_remote_get(rekv_kvstore_server *s, kv_pending *p, uint64_t root, uint64_
         n = cap;
     get_job *j = calloc(1, sizeof(*j));
     if (j == NULL || (j->want = malloc(sizeof(*want) * n)) == NULL ||
-        (j->keys = malloc(KEY_LEN * n)) == NULL) {
+        (j->keys = malloc(KEY_LEN * n)) == NULL || (j->check = calloc(n, sizeof(int))) == NULL) {
         if (j)
             job_free(j);
         return 0;
@@ -575,6 +607,9 @@ int srv_remote_get(rekv_kvstore_server *s, kv_pending *p, uint64_t root, uint64_
         key_of(j->keys[i], root, first, want[i].key);
     j->n = n;
     j->root = root;
+    j->n_layers = s->cfg.geometry.n_layers;
+    j->layer_bytes[0] = layer_bytes_of(s, REKV_KV_BLOCK_KV);
+    j->layer_bytes[1] = layer_bytes_of(s, REKV_KV_BLOCK_ACT);
     j->id = ++r->next_id;
     j->deadline_ns = rekv_now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
     if (r->n_waiting++ == 0) /* else an earlier deadline has the timer */
@@ -602,26 +637,6 @@ int srv_remote_waiting(const rekv_kvstore_server *s, const kv_pending *p)
     return 0; /* answered */
 }
 
-/* Whether v (len bytes) is the value of w under root, intact: 0, or -EBADMSG (its CRC32C) or
- * -EPROTO (another block's header, or not one). */
-static int value_check(const rekv_kvstore_server *s, const kv_remote_want *w, uint64_t root,
-                       const uint8_t *v, size_t len)
-{
-    remote_hdr h;
-    uint32_t L = s->cfg.geometry.n_layers;
-    size_t lb = layer_bytes_of(s, w->kind);
-    if (len != sizeof(h) + (size_t)L * lb)
-        return -EPROTO;
-    memcpy(&h, v, sizeof(h));
-    if (h.magic != REMOTE_MAGIC || h.version != REMOTE_VERSION || h.kind != w->kind ||
-        h.n_layers != L || h.layer_bytes != lb || h.root != root || h.key != w->key ||
-        h.parent != w->parent || memcmp(h.tokens, w->tokens, sizeof(h.tokens)) != 0)
-        return -EPROTO;
-    if (value_crc(h, v + sizeof(h), (size_t)L * lb) != h.crc)
-        return -EBADMSG;
-    return 0;
-}
-
 /* Adopts what job j brought, in chain order, up to the first position missing, damaged or with
  * no room. */
 static void job_apply(rekv_kvstore_server *s, get_job *j)
@@ -637,13 +652,11 @@ static void job_apply(rekv_kvstore_server *s, get_job *j)
     }
     for (size_t i = 0; i < j->n; i++) {
         const redisReply *v = j->reply->element[i];
-        if (v->type == REDIS_REPLY_NIL) { /* never written, expired or evicted */
+        int rc = j->check[i];
+        if (rc == 1) { /* never written, expired or evicted */
             r->miss_blocks += (uint64_t)(j->n - i) * L;
             return;
         }
-        int rc = v->type == REDIS_REPLY_STRING
-                     ? value_check(s, &j->want[i], j->root, (const uint8_t *)v->str, v->len)
-                     : -EPROTO;
         if (rc < 0) {
             r->crc_errors++;
             srv_event_rl(s, SRV_RL_REMOTE, REKV_KV_EVENT_WARN,
