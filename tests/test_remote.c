@@ -1,6 +1,6 @@
 /* test_remote.c — the kvstore's remote tier (issue 38): two complete rekv replicas on loopback
- * (`rekv run`: each its own kvstore, worker and coordinator, offload mode, cpu backend,
- * stories260K) and one Debian redis-server the test starts on a unix socket in a temp dir. A
+ * (`rekv run`: each its own kvstore, worker and coordinator, offload mode — and kvpr, whose
+ * activation blocks are a second chain of another kind — cpu backend, stories260K) and one Debian redis-server the test starts on a unix socket in a temp dir. A
  * prompt replica A computed is served by replica B, whose own cache is empty, from Redis
  * (JobStatus.cached_tokens: A's full blocks) with rekv_generate's tokens, as A's are; then the
  * faults — a bit flipped in a stored value (its CRC32C refuses it: that block is computed),
@@ -153,12 +153,12 @@ typedef struct replica {
     rekv_ctl *c;
 } replica;
 
-static int replica_start(replica *p, const redis *r)
+static int replica_start(replica *p, const redis *r, const char *mode)
 {
     if (ct_env_open(&p->e))
         return -1;
     const char *extra[] = {"--remote", r->url, "--remote-timeout-ms", "5000", NULL};
-    p->run = ct_rekv_run_start_args(&p->e, "64M", "8", "offload", extra);
+    p->run = ct_rekv_run_start_args(&p->e, "64M", "8", mode, extra);
     p->c = ct_ctl_open(p->e.ctl);
     ct_wait_workers(p->c, 1);
     return 0;
@@ -172,7 +172,7 @@ static void replica_stop(replica *p)
 }
 
 /* Two replicas and a redis in A's directory; 0, or -1 when the test is skipped. */
-static int setup(replica *a, replica *b, redis *r)
+static int setup(replica *a, replica *b, redis *r, const char *mode)
 {
     if (!have_redis())
         return -1;
@@ -181,9 +181,9 @@ static int setup(replica *a, replica *b, redis *r)
     snprintf(r->sock, sizeof(r->sock), "%s/redis.sock", r->dir);
     snprintf(r->url, sizeof(r->url), "unix://%s", r->sock);
     redis_start(r);
-    if (replica_start(a, r) < 0)
+    if (replica_start(a, r, mode) < 0)
         return -1;
-    if (replica_start(b, r) < 0)
+    if (replica_start(b, r, mode) < 0)
         return -1;
     return 0;
 }
@@ -218,12 +218,15 @@ static char *second_block_key(const redis *r)
 
 /* ------------------------------------------------------------------ tests */
 
+/* offload keeps KV blocks; kvpr KV and activation (ACT) blocks, two chains of two kinds */
+static const char *const modes[] = {"offload", "kvpr"};
+
 /* B serves A's prefix from Redis with A's tokens; a flipped bit in a value is refused. */
 START_TEST(replica_reads_what_another_wrote)
 {
     replica a, b;
     redis r;
-    if (setup(&a, &b, &r) < 0)
+    if (setup(&a, &b, &r, modes[_i]) < 0)
         return;
     tjob j1, j2;
     make_job(&j1, a.e.model, 1);
@@ -279,7 +282,7 @@ START_TEST(redis_faults_never_fail_a_job)
 {
     replica a, b;
     redis r;
-    if (setup(&a, &b, &r) < 0)
+    if (setup(&a, &b, &r, "offload") < 0)
         return;
     enum { N = 12 };
     static tjob jobs[N];
@@ -507,7 +510,7 @@ static Suite *suite(void)
     Suite *s = suite_create("remote");
     TCase *tc = tcase_create("redis");
     tcase_set_timeout(tc, 60);
-    tcase_add_test(tc, replica_reads_what_another_wrote);
+    tcase_add_loop_test(tc, replica_reads_what_another_wrote, 0, 2);
     tcase_add_test(tc, redis_faults_never_fail_a_job);
     suite_add_tcase(s, tc);
     TCase *ts = tcase_create("store");
