@@ -9,7 +9,8 @@
  * refused with OOM; jobs go on) — and every job completes with the same tokens.
  *
  * Below the replicas, the same against rekv-kvstore alone (tests/kvd.h, its client writing the
- * blocks): the bytes a second store adopts are the first one's, a Lookup reads back too, a Redis
+ * blocks; database 3 on the unix socket, and over TCP on loopback): the bytes a second store
+ * adopts are the first one's, a Lookup reads back too, a Redis
  * that does not answer (SIGSTOP) costs a request its --remote-timeout-ms and no more (the store
  * answers with what it holds), and the metrics port counts each of these; a bad --remote is a
  * usage error.
@@ -42,6 +43,8 @@ typedef struct redis {
     pid_t pid;
     char sock[4200], url[4300];
     const char *dir;
+    int port; /* also on 127.0.0.1:port when not 0 */
+    int db;   /* the database the test looks at */
 } redis;
 
 static int have_redis(void)
@@ -56,7 +59,13 @@ static int have_redis(void)
 static redisContext *redis_conn(const redis *r)
 {
     struct timeval tv = {10, 0};
-    return redisConnectUnixWithTimeout(r->sock, tv);
+    redisContext *c = redisConnectUnixWithTimeout(r->sock, tv);
+    if (c && !c->err && r->db) {
+        redisReply *rp = redisCommand(c, "SELECT %d", r->db);
+        if (rp)
+            freeReplyObject(rp);
+    }
+    return c;
 }
 
 /* A command's reply (the test fails on none). */
@@ -78,13 +87,15 @@ static void redis_start(redis *r)
 {
     char log[4300];
     snprintf(log, sizeof(log), "%s/redis.log", r->dir);
+    char port[16];
+    snprintf(port, sizeof(port), "%d", r->port);
     r->pid = fork();
     ck_assert_int_ge(r->pid, 0);
     if (r->pid == 0) {
         freopen(log, "a", stdout);
-        execl("/usr/bin/redis-server", "redis-server", "--port", "0", "--unixsocket", r->sock,
-              "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", r->dir,
-              (char *)NULL);
+        execl("/usr/bin/redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1",
+              "--unixsocket", r->sock, "--unixsocketperm", "700", "--save", "", "--appendonly",
+              "no", "--dir", r->dir, (char *)NULL);
         _exit(127);
     }
     for (;;) { /* Check's timeout is the guard */
@@ -404,10 +415,11 @@ START_TEST(store_reads_back_bit_for_bit)
 {
     if (!have_redis())
         return;
-    redis r = {0};
+    /* database 3, X and Y on the unix socket, Z over TCP */
+    redis r = {.port = ms_free_port(), .db = 3};
     r.dir = tu_tmpdir();
     snprintf(r.sock, sizeof(r.sock), "%s/redis.sock", r.dir);
-    snprintf(r.url, sizeof(r.url), "unix://%s", r.sock);
+    snprintf(r.url, sizeof(r.url), "unix://%s?db=3", r.sock);
     redis_start(&r);
     for (int i = 0; i < 64; i++) {
         T[i] = 1000 + i * 7;
@@ -449,7 +461,9 @@ START_TEST(store_reads_back_bit_for_bit)
     redis_wait_keys(&r, 4);
     kvd z;
     int pz_port = ms_free_port();
-    kvd_remote(&z, &r, "100", pz_port);
+    redis tcp = r;
+    snprintf(tcp.url, sizeof(tcp.url), "redis://127.0.0.1:%d/3", r.port);
+    kvd_remote(&z, &tcp, "100", pz_port);
     rekv_kvstore_client *cz = kvd_client(&z);
     ck_assert_int_eq(kill(r.pid, SIGSTOP), 0);
     p = kpx(U, 39);
