@@ -108,7 +108,7 @@ typedef struct get_job {
     size_t n;
     kv_remote_want *want;  /* [n] */
     char (*keys)[KEY_LEN]; /* [n] */
-    uint32_t n_layers;      /* the store's, and each kind's block bytes: what a value must have */
+    uint32_t n_layers;     /* the store's, and each kind's block bytes: what a value must have */
     size_t layer_bytes[2];
     redisReply *reply; /* the reader: an array of n, or NULL with err */
     int *check;        /* [n] the reader's check of each value: 0 intact, 1 none (nil), -EBADMSG
@@ -491,8 +491,7 @@ static void key_of(char *out, uint64_t root, uint64_t first, uint64_t key)
 
 static size_t layer_bytes_of(const rekv_kvstore_server *s, int kind)
 {
-    return kind == REKV_KV_BLOCK_KV ? s->arena.hdr->kv_block_bytes
-                                    : s->arena.hdr->act_block_bytes;
+    return kind == REKV_KV_BLOCK_KV ? s->arena.hdr->kv_block_bytes : s->arena.hdr->act_block_bytes;
 }
 
 static uint32_t value_crc(remote_hdr h, const uint8_t *payload, size_t n)
@@ -585,11 +584,11 @@ int srv_remote_get(rekv_kvstore_server *s, kv_pending *p, uint64_t root, uint64_
     kv_remote *r = s->remote;
     if (remote_down(r))
         return 0;
-    size_t entry = sizeof(remote_hdr) + (size_t)s->cfg.geometry.n_layers *
-                                            (s->arena.hdr->kv_block_bytes >
-                                                     s->arena.hdr->act_block_bytes
-                                                 ? s->arena.hdr->kv_block_bytes
-                                                 : s->arena.hdr->act_block_bytes);
+    size_t entry =
+        sizeof(remote_hdr) + (size_t)s->cfg.geometry.n_layers *
+                                 (s->arena.hdr->kv_block_bytes > s->arena.hdr->act_block_bytes
+                                      ? s->arena.hdr->kv_block_bytes
+                                      : s->arena.hdr->act_block_bytes);
     size_t cap = GET_MAX_BYTES / entry ? GET_MAX_BYTES / entry : 1;
     if (cap > GET_MAX_KEYS)
         cap = GET_MAX_KEYS;
@@ -659,9 +658,8 @@ static void job_apply(rekv_kvstore_server *s, get_job *j)
         }
         if (rc < 0) {
             r->crc_errors++;
-            srv_event_rl(s, SRV_RL_REMOTE, REKV_KV_EVENT_WARN,
-                         "remote: %s: %s; computed instead", j->keys[i],
-                         rc == -EBADMSG ? "CRC32C mismatch" : "not this block's value");
+            srv_event_rl(s, SRV_RL_REMOTE, REKV_KV_EVENT_WARN, "remote: %s: %s; computed instead",
+                         j->keys[i], rc == -EBADMSG ? "CRC32C mismatch" : "not this block's value");
             return;
         }
         rc = srv_cache_adopt_host(s, &j->want[i], (const uint8_t *)v->str + sizeof(remote_hdr),

@@ -1,19 +1,20 @@
 /* test_remote.c — the kvstore's remote tier (issue 38): two complete rekv replicas on loopback
- * (`rekv run`: each its own kvstore, worker and coordinator, offload mode — and kvpr, whose
- * activation blocks are a second chain of another kind — cpu backend, stories260K) and one Debian redis-server the test starts on a unix socket in a temp dir. A
- * prompt replica A computed is served by replica B, whose own cache is empty, from Redis
- * (JobStatus.cached_tokens: A's full blocks) with rekv_generate's tokens, as A's are; then the
- * faults — a bit flipped in a stored value (its CRC32C refuses it: that block is computed),
- * redis-server killed (kill -9) while B's jobs read from it, restarted empty (a miss, computed;
- * both replicas reconnect and share again), `maxmemory` reached with noeviction (every write is
- * refused with OOM; jobs go on) — and every job completes with the same tokens.
+ * (`rekv run`: each its own kvstore, worker and coordinator, cpu backend, stories260K; offload
+ * mode, and kvpr, whose activation blocks are a second chain of another kind) and one Debian
+ * redis-server the test starts on a unix socket in a temp dir. A prompt replica A computed is
+ * served by replica B, whose own cache is empty, from Redis (JobStatus.cached_tokens: A's full
+ * blocks) with rekv_generate's tokens, as A's are; then the faults — a bit flipped in a stored
+ * value (its CRC32C refuses it: that block is computed), redis-server killed (kill -9) while B's
+ * jobs read from it, restarted empty (a miss, computed; both replicas reconnect and share
+ * again), `maxmemory` reached with noeviction (every write is refused with OOM; jobs go on) —
+ * and every job completes with the same tokens.
  *
  * Below the replicas, the same against rekv-kvstore alone (tests/kvd.h, its client writing the
  * blocks; database 3 on the unix socket, and over TCP on loopback): the bytes a second store
- * adopts are the first one's, a Lookup reads back too, a Redis
- * that does not answer (SIGSTOP) costs a request its --remote-timeout-ms and no more (the store
- * answers with what it holds), and the metrics port counts each of these; a bad --remote is a
- * usage error.
+ * adopts are the first one's, a Lookup reads back too, a Redis that does not answer (SIGSTOP)
+ * costs a request its --remote-timeout-ms and no more (the store answers with what it holds),
+ * the metrics port counts each of these, and every slot comes back once the writes are done; a
+ * bad --remote is a usage error.
  *
  * redis-server missing: skipped (77), or failed when CI=true. The replicas read with
  * --remote-timeout-ms 5000: on this loaded machine a read over the default 50 ms would turn an
@@ -242,8 +243,8 @@ START_TEST(replica_reads_what_another_wrote)
     tjob j1, j2;
     make_job(&j1, a.e.model, 1);
     make_job(&j2, a.e.model, 2);
-    ck_assert_uint_eq(run_once(a.c, &j1), 0); /* nothing anywhere yet */
-    redis_wait_keys(&r, 2);                   /* its two full blocks, written through */
+    ck_assert_uint_eq(run_once(a.c, &j1), 0);  /* nothing anywhere yet */
+    redis_wait_keys(&r, 2);                    /* its two full blocks, written through */
     ck_assert_uint_eq(run_once(b.c, &j1), 32); /* B's cache was empty: both from Redis */
 
     /* one bit of the second block's value flipped (past the header: the KV bytes) */
@@ -503,7 +504,7 @@ END_TEST
 
 START_TEST(bad_remote_is_a_usage_error)
 {
-    const char *bad[] = {"redis:/x", "rediss://h:1", "redis://h:0", "redis://h:1/x",
+    const char *bad[] = {"redis:/x",        "rediss://h:1",   "redis://h:0",    "redis://h:1/x",
                          "unix://rel/path", "unix:///p?db=x", "redis://u:p@h:1"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         char cmd[512];
