@@ -452,6 +452,12 @@ START_TEST(store_reads_back_bit_for_bit)
     ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_blocks_total{result=\"hit\"}"), 4);
     ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_crc_errors_total"), 0);
     ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_writes_total{result=\"queued\"}"), 0);
+    /* the same tokens under another model's fingerprint: other keys, nothing to read */
+    p = (rekv_kv_prefix){T, 39, 0x5eedull + 1, 0, 0};
+    ck_assert_msg(rekv_kvstore_seq_create_prefix(cy, 5, &p, &h, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(h.tokens, 0);
+    ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_blocks_total{result=\"miss\"}"), 4);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(cy, 5, NULL), 0);
 
     /* U published on X; Redis stopped: Y's Lookup of U answers after its timeout with nothing */
     ck_assert_int_eq(rekv_kvstore_seq_create(cx, 3, NULL), 0);
