@@ -121,6 +121,7 @@ typedef struct conn {
     redisContext *c;
     uint64_t retry_ns;
     uint32_t backoff_ms;
+    int used; /* a command succeeded on c */
 } conn;
 
 struct kv_remote {
@@ -240,6 +241,22 @@ static void conn_drop(kv_remote *r, conn *cn)
     atomic_store(&r->down_until, cn->retry_ns);
 }
 
+/* After a failed command on cn (e: errno right after it): 1 when the server had closed a
+ * connection that worked before (Redis restarted, or its idle timeout), which is then closed for
+ * the caller to connect again at once and retry; else 0 (a timeout, a refused connection: the
+ * caller backs off). */
+static int conn_reopen(conn *cn, int e)
+{
+    int closed = cn->c->err == REDIS_ERR_EOF ||
+                 (cn->c->err == REDIS_ERR_IO && (e == EPIPE || e == ECONNRESET));
+    if (!cn->used || !closed)
+        return 0;
+    redisFree(cn->c);
+    cn->c = NULL;
+    cn->used = 0;
+    return 1;
+}
+
 /* 0 with a connection, else -ECONNREFUSED (backing off). */
 static int conn_ensure(kv_remote *r, conn *cn)
 {
@@ -335,8 +352,6 @@ static void run_get(kv_remote *r, conn *cn, get_job *j)
         j->err = -ETIMEDOUT;
         return;
     }
-    if ((j->err = conn_ensure(r, cn)) < 0)
-        return;
     const char **argv = malloc(sizeof(char *) * (j->n + 1));
     size_t *lens = malloc(sizeof(size_t) * (j->n + 1));
     if (argv == NULL || lens == NULL) {
@@ -351,9 +366,18 @@ static void run_get(kv_remote *r, conn *cn, get_job *j)
         argv[i + 1] = j->keys[i];
         lens[i + 1] = strlen(j->keys[i]);
     }
-    redisReply *rp = redisCommandArgv(cn->c, (int)j->n + 1, argv, lens);
+    redisReply *rp = NULL;
+    for (int tries = 0;; tries++) {
+        if ((j->err = conn_ensure(r, cn)) < 0)
+            break;
+        rp = redisCommandArgv(cn->c, (int)j->n + 1, argv, lens);
+        if (rp || tries > 0 || !conn_reopen(cn, errno))
+            break;
+    }
     free(argv);
     free(lens);
+    if (j->err < 0)
+        return;
     if (rp == NULL) { /* I/O error or the timeout: the connection is unusable */
         j->err = cn->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK)
                      ? -ETIMEDOUT
@@ -368,6 +392,7 @@ static void run_get(kv_remote *r, conn *cn, get_job *j)
         j->err = -EIO;
         return;
     }
+    cn->used = 1;
     j->reply = rp;
     for (size_t i = 0; i < j->n; i++) { /* checked here: the loop only copies what is intact */
         const redisReply *v = rp->element[i];
@@ -408,41 +433,53 @@ static void *reader_main(void *arg)
 }
 
 /* Sends items[0..n) pipelined; counts each as written or failed. */
+/* Sends the values of items[0..n) pipelined (a connection the server had closed is opened again
+ * once); counts each as written, failed or dropped. */
 static void run_puts(kv_remote *r, conn *cn, put_item **items, int n)
 {
-    if (conn_ensure(r, cn) < 0) {
-        atomic_fetch_add(&r->dropped, (uint64_t)n);
-        return;
-    }
     char ttl[16];
     snprintf(ttl, sizeof(ttl), "%u", r->ttl_s);
     int sent = 0;
-    for (int i = 0; i < n; i++) {
-        if (items[i]->val == NULL) {
-            atomic_fetch_add(&r->dropped, 1);
-            continue;
-        }
-        sent++;
-        const char *argv[5] = {"SET", items[i]->key, (const char *)items[i]->val, "EX", ttl};
-        size_t lens[5] = {3, strlen(items[i]->key), items[i]->len, 2, strlen(ttl)};
-        redisAppendCommandArgv(cn->c, 5, argv, lens);
-    }
-    for (int i = 0; i < sent; i++) {
-        void *v = NULL;
-        if (redisGetReply(cn->c, &v) != REDIS_OK) {
-            note_error(r, "SET", cn->c->errstr);
-            atomic_fetch_add(&r->put_errors, (uint64_t)(sent - i));
-            conn_drop(r, cn);
+    for (int i = 0; i < n; i++)
+        sent += items[i]->val != NULL;
+    atomic_fetch_add(&r->dropped, (uint64_t)(n - sent)); /* no memory for their values */
+    for (int tries = 0;; tries++) {
+        if (conn_ensure(r, cn) < 0) {
+            atomic_fetch_add(&r->dropped, (uint64_t)sent);
             return;
         }
-        redisReply *rp = v;
-        if (rp->type == REDIS_REPLY_ERROR) { /* OOM under noeviction, READONLY, ... */
-            note_error(r, "SET", rp->str);
-            atomic_fetch_add(&r->put_errors, 1);
-        } else {
-            atomic_fetch_add(&r->written, 1);
+        for (int i = 0; i < n; i++) {
+            if (items[i]->val == NULL)
+                continue;
+            const char *argv[5] = {"SET", items[i]->key, (const char *)items[i]->val, "EX", ttl};
+            size_t lens[5] = {3, strlen(items[i]->key), items[i]->len, 2, strlen(ttl)};
+            redisAppendCommandArgv(cn->c, 5, argv, lens);
         }
-        freeReplyObject(rp);
+        int again = 0;
+        for (int k = 0; k < sent && !again; k++) {
+            void *v = NULL;
+            if (redisGetReply(cn->c, &v) != REDIS_OK) {
+                if (k == 0 && tries == 0 && conn_reopen(cn, errno)) {
+                    again = 1; /* nothing of the batch went through: all of it again */
+                    break;
+                }
+                note_error(r, "SET", cn->c->errstr);
+                atomic_fetch_add(&r->put_errors, (uint64_t)(sent - k));
+                conn_drop(r, cn);
+                return;
+            }
+            cn->used = 1;
+            redisReply *rp = v;
+            if (rp->type == REDIS_REPLY_ERROR) { /* OOM under noeviction, READONLY, ... */
+                note_error(r, "SET", rp->str);
+                atomic_fetch_add(&r->put_errors, 1);
+            } else {
+                atomic_fetch_add(&r->written, 1);
+            }
+            freeReplyObject(rp);
+        }
+        if (!again)
+            return;
     }
 }
 
