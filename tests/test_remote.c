@@ -454,6 +454,9 @@ START_TEST(store_reads_back_bit_for_bit)
     verify_as(cy, 2, 2, 1, 7); /* what X's client wrote into X's sequence 1 */
     ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_blocks_total{result=\"hit\"}"), 4);
     ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_crc_errors_total"), 0);
+    char *body = ms_scrape(py_port); /* the remote tier's families, as Prometheus reads them */
+    ms_promtool(body);
+    free(body);
     ck_assert_int_eq(metric(py_port, "rekv_kvstore_remote_writes_total{result=\"queued\"}"), 0);
     /* the same tokens under another model's fingerprint: other keys, nothing to read */
     p = (rekv_kv_prefix){T, 39, 0x5eedull + 1, 0, 0};
