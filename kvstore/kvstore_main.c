@@ -44,8 +44,8 @@ static void usage(FILE *f)
                "--remote: a Redis (or Valkey) that replicas of the same model share: prefix\n"
                "cache entries are written there in the background (SET with EX --remote-ttl-s,\n"
                "default 3600) and read back on a miss here; a read waits at most\n"
-               "--remote-timeout-ms (default 50), and Redis down, slow or full costs a job only\n"
-               "the blocks it computes.\n");
+               "--remote-timeout-ms (default 50, at most 10000), and Redis down, slow or full\n"
+               "costs a job only the blocks it computes.\n");
 }
 
 static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -147,8 +147,10 @@ static int parse_number(kv_args *a, int o, const char *arg)
     switch (o) {
     case O_MAX_CLIENTS:
         return rekv_parse_u32(arg, &a->cfg.max_clients) || a->cfg.max_clients == 0;
-    case O_REMOTE_TIMEOUT: /* 0 would be the library's default: refused */
-        return rekv_parse_u32(arg, &a->cfg.remote_timeout_ms) || a->cfg.remote_timeout_ms == 0;
+    case O_REMOTE_TIMEOUT: /* 0 would be the library's default: refused; a parked request waits
+                            * this long, and a client gives up on the store after its own */
+        return rekv_parse_u32(arg, &a->cfg.remote_timeout_ms) || a->cfg.remote_timeout_ms == 0 ||
+               a->cfg.remote_timeout_ms > 10000;
     case O_REMOTE_TTL:
         return rekv_parse_u32(arg, &a->cfg.remote_ttl_s) || a->cfg.remote_ttl_s == 0;
     case O_HOST:
@@ -269,6 +271,7 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
     if (bad) {
         fprintf(stderr, "rekv-kvstore: --%s: bad value '%s'%s\n", name, arg,
                 o == O_LEASE                ? " (1 ms or more)"
+                : o == O_REMOTE_TIMEOUT     ? " (1 to 10000 ms)"
                 : o == O_HIGH || o == O_LOW ? " (a percentage, 1 to 100)"
                                             : "");
         return 2;

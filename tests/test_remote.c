@@ -529,6 +529,19 @@ START_TEST(bad_remote_is_a_usage_error)
         ck_assert_msg(st == 2 && strstr(out, "--remote"), "%s: status %d: %s", bad[i], st, out);
         free(out);
     }
+    const char *bad_ms[] = {"0", "10001", "x"}; /* a parked request waits at most 10 s */
+    for (size_t i = 0; i < sizeof(bad_ms) / sizeof(bad_ms[0]); i++) {
+        char cmd[512];
+        snprintf(cmd, sizeof(cmd),
+                 "%s --endpoint ipc:///nonexistent/kv --host-bytes 1M --layers 2 --kv-heads 2 "
+                 "--head-dim 32 --hidden 64 --remote redis://h:1 --remote-timeout-ms %s 2>&1",
+                 tu_bin("rekv-kvstore"), bad_ms[i]);
+        char *out = NULL;
+        int st = tu_run(cmd, &out);
+        ck_assert_msg(st == 2 && strstr(out, "--remote-timeout-ms"), "%s: status %d: %s",
+                      bad_ms[i], st, out);
+        free(out);
+    }
 }
 END_TEST
 

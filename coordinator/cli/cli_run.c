@@ -279,7 +279,7 @@ static int run_parse(int argc, char **argv, run_opts *o)
         case 'X': o->prefix_cache = optarg; break;
         case 'Y': o->prefix_dir = optarg; break;
         case 'r': o->remote = optarg; break;
-        case 'o': if (cli_parse_int("remote-timeout-ms", optarg, 1, INT32_MAX, &v)) return 2; o->remote_timeout = optarg; break;
+        case 'o': if (cli_parse_int("remote-timeout-ms", optarg, 1, 10000, &v)) return 2; o->remote_timeout = optarg; break;
         case 'l': if (cli_parse_int("remote-ttl-s", optarg, 1, INT32_MAX, &v)) return 2; o->remote_ttl = optarg; break;
         case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o->chunk = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &o->ready_fd)) return 2; break;
