@@ -16,6 +16,11 @@
  *   each daemon's RSS (kB) after warm-up (N/5 + N/4 submissions: past every restart, and past
  *     --keep-finished 1024 ends on the restarted coordinator) and at the end, once every job
  *     ended, and the change in percent.
+ * A failing spill tier: REKV_SOAK_SPILL_DIR puts the spill file on another file system, and
+ * REKV_SOAK_SPILL_FAIL / REKV_SOAK_SPILL_MEND are shell commands run at N/2 and 5 s later (the
+ * device under it failing every I/O, then mended); tests/bench/soak-vm.sh does that in a virtual
+ * machine on a device-mapper disk. The summary then also counts the store's spill write errors
+ * and read-back errors (of the last store: kill -9 at N/4 zeroes them).
  * Built with `make build/tests/bench/soak`; run from the repository root:
  *   REKV_BUILD=build build/tests/bench/soak [N] > soak.json
  * Exit status 0 when nothing was lost, run twice or wrong, and no daemon's RSS grew 10% or more. */
@@ -38,6 +43,7 @@
 #define N_PROMPTS 50
 
 static char g_dir[4096], g_ctl[4200], g_wrk[4200], g_kv[4200], g_state[4200], g_model[4096];
+static char g_spill[4096]; /* the spill tier's directory: g_dir, or REKV_SOAK_SPILL_DIR */
 
 static void die(const char *what)
 {
@@ -87,7 +93,7 @@ static pid_t start_kvstore(void)
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
     const char *a[] = {prog,          "--endpoint",  g_kv,  "--model",       g_model,
                        "--host-bytes",  "256K",        "--cache-dtype", "f32",
-                       "--spill-dir",   g_dir,         "--spill-bytes", "1M",   NULL};
+                       "--spill-dir",   g_spill,       "--spill-bytes", "1M",   NULL};
     return spawn("kvstore", a);
 }
 
@@ -135,6 +141,16 @@ typedef struct sjob {
 static rekv_ctl *g_c;
 static pid_t g_kv_pid;            /* the kvstore, for the SIGSTOP */
 static uint64_t g_kv_resume_ns;   /* when the stopped store gets SIGCONT (0: not stopped) */
+static uint64_t g_spill_mend_ns;  /* when REKV_SOAK_SPILL_MEND runs (0: not failing) */
+static int g_spill_faults;        /* REKV_SOAK_SPILL_FAIL runs */
+
+/* Runs a fault command (REKV_SOAK_SPILL_FAIL / _MEND); dies when it fails. */
+static void fault_cmd(const char *var)
+{
+    const char *cmd = getenv(var);
+    if (cmd && *cmd && system(cmd) != 0)
+        die(var);
+}
 
 /* The faults that run on a clock: a stopped kvstore continued once its time is up. Called from
  * every wait, so that a wait for jobs the stopped store holds up does not wait forever. */
@@ -143,6 +159,10 @@ static void tick_faults(void)
     if (g_kv_resume_ns && rekv_now_ns() >= g_kv_resume_ns) {
         kill(g_kv_pid, SIGCONT);
         g_kv_resume_ns = 0;
+    }
+    if (g_spill_mend_ns && rekv_now_ns() >= g_spill_mend_ns) {
+        fault_cmd("REKV_SOAK_SPILL_MEND");
+        g_spill_mend_ns = 0;
     }
 }
 static int32_t g_ref[N_PROMPTS][MAX_NEW];
@@ -299,10 +319,13 @@ static double print_summary(const sjob *jobs, long n, long accepted, long lost, 
     printf("{\"submissions\":%ld,\"accepted\":%ld,\"done\":%ld,\"cancelled\":%ld,\"failed\":%ld,"
            "\"lost\":%ld,\"run_twice\":%ld,\"wrong\":%ld,\"kills\":%d,\"stops\":%d,"
            "\"steps_failed\":%llu,\"requeued\":%llu,\"kvstore_bytes_spilled\":%llu,"
-           "\"kvstore_bytes_read_back\":%llu,",
+           "\"kvstore_bytes_read_back\":%llu,\"kvstore_spill_errors\":%llu,"
+           "\"kvstore_read_errors\":%llu,\"kvstore_crc_errors\":%llu,\"spill_faults\":%d,",
            n, accepted, done, cancelled, failed, lost, n_twice, n_wrong, kills, stops,
            (unsigned long long)steps_failed, (unsigned long long)requeued,
-           (unsigned long long)kst.bytes_spilled, (unsigned long long)kst.bytes_read_back);
+           (unsigned long long)kst.bytes_spilled, (unsigned long long)kst.bytes_read_back,
+           (unsigned long long)kst.spill_errors, (unsigned long long)kst.read_errors,
+           (unsigned long long)kst.crc_errors, g_spill_faults);
     for (int d = 0; d < 3; d++) {
         pct[d] = rss_warm[d] > 0 ? 100.0 * (double)(rss_end[d] - rss_warm[d]) / (double)rss_warm[d]
                                  : 0;
@@ -332,6 +355,8 @@ int main(int argc, char **argv)
     snprintf(g_wrk, sizeof(g_wrk), "ipc://%s/workers", g_dir);
     snprintf(g_kv, sizeof(g_kv), "ipc://%s/kv", g_dir);
     snprintf(g_state, sizeof(g_state), "%s/state", g_dir);
+    const char *spill = getenv("REKV_SOAK_SPILL_DIR");
+    snprintf(g_spill, sizeof(g_spill), "%s", spill && *spill ? spill : g_dir);
     uint64_t t0 = rekv_now_ns();
     pid_t kv = start_kvstore(), co = start_coordinator(), wk = start_worker();
     g_kv_pid = kv;
@@ -363,6 +388,11 @@ int main(int argc, char **argv)
             kill(kv, SIGSTOP);
             g_kv_resume_ns = rekv_now_ns() + 5000000000ull;
             stops++;
+        }
+        if (i == n / 2 && getenv("REKV_SOAK_SPILL_FAIL")) { /* every spill I/O fails for 5 s */
+            fault_cmd("REKV_SOAK_SPILL_FAIL");
+            g_spill_mend_ns = rekv_now_ns() + 5000000000ull;
+            g_spill_faults++;
         }
         if (i == n / 5) {
             kill9(co);
