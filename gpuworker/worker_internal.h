@@ -107,6 +107,7 @@ typedef struct worker {
     int stop_fd;                  /* SIGTERM/SIGINT (common/daemon.h) */
     int stopping;                 /* a stop arrived during a step: its kvstore requests aborted */
     int exit_code;                /* the program's, once the loop stops */
+    int device_lost;              /* a step failed -ENODEV (backend.h): the loop stops, exit 1 */
     rekv_metrics_server *metrics; /* the scrape port; NULL without --metrics */
     rekv_worker_metrics wm;       /* what it serves */
     wk_stepper stepper;           /* the step thread */
@@ -156,7 +157,8 @@ void wk_on_coordinator(rekv_evloop *loop, void *ctx, short revents);
 int wk_stepper_start(wk_stepper *st);
 void wk_stepper_stop(wk_stepper *st);
 /* Runs a Plan (taking msg): drops the cancelled, adds the joining, starts the step on the step
- * thread (1: it runs; wk_on_step_done reports it) or runs and reports it here (0). */
+ * thread (1: it runs; wk_on_step_done reports it) or runs and reports it here (0; 1 when the
+ * step lost the device and the loop stops). */
 int wk_plan_start(worker *w, Rekv__Worker__CoordMsg *msg);
 /* The loop's callback for the step thread's done fd: reports the step. */
 void wk_on_step_done(rekv_evloop *loop, void *ctx, short revents);

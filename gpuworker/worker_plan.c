@@ -8,7 +8,10 @@
  * Failures: a step that fails as a whole reports every job that was in it, each to be run again
  * (retry: the kvstore went away or had no room, the worker is stopping) or failed with the reason
  * (anything else); when the store names the sequence whose block failed to read back (a CRC
- * mismatch, an I/O error), that sequence's job alone fails and the others run again. SIGTERM
+ * mismatch, an I/O error), that sequence's job alone fails and the others run again. A step that
+ * lost the device (-ENODEV: a sticky CUDA error, which leaves the context corrupt) reports its
+ * jobs to run again and stops the loop: the worker exits 1 with the error logged, its supervisor
+ * (systemd, `rekv run`) starts it again, and the new process has a working device. SIGTERM
  * during a step aborts the step's kvstore requests (worker_main.c), so the worker stops within a
  * step's compute time whatever the store does. */
 #define _GNU_SOURCE
@@ -356,6 +359,15 @@ static void plan_finish(worker *w, const rekv_batch_event *ev, int n_ev, const r
     w->steps++;
     int lost = p->lost;
     plan_free(p);
+    if (serr->code == -ENODEV && !w->device_lost) {
+        /* every later step would fail the same way: only a new process gets the device back */
+        rekv_log(REKV_LOG_ERROR, "device lost, exiting so that the worker is restarted: %s",
+                 serr->msg);
+        w->device_lost = 1;
+        w->exit_code = 1;
+        rekv_evloop_stop(w->loop);
+        return;
+    }
     if (lost && !w->stopping)
         wk_kv_lose(w);
 }
@@ -389,7 +401,7 @@ int wk_plan_start(worker *w, Rekv__Worker__CoordMsg *msg)
         if (p->running > 0)
             rekv_batcher_step(w->batch, &ev, &n_ev, &serr);
         plan_finish(w, ev, n_ev, &serr);
-        return 0;
+        return w->device_lost;
     }
     pthread_mutex_lock(&st->mu);
     st->batch = w->batch;
@@ -417,6 +429,8 @@ void wk_on_step_done(rekv_evloop *loop, void *ctx, short revents)
     if (rc)
         rekv_errf(&serr, rc, "%s", st->err.msg);
     plan_finish(w, ev, n_ev, &serr);
+    if (w->device_lost)
+        return; /* the loop stops: nothing more is read */
     rekv_evloop_set_events(loop, w->sock_id, ZMQ_POLLIN);
     if (w->ahead && !w->stopping) /* read past the last Plan: the socket may hold nothing */
         wk_on_coordinator(loop, w, ZMQ_POLLIN);

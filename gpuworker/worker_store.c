@@ -136,7 +136,8 @@ void wk_kv_renew_due(worker *w)
 int wk_step_error_retry(worker *w, int code, int *lost)
 {
     *lost = 0;
-    if (w->stopping || code == -ECANCELED)
+    /* -ENODEV: the device is lost; the worker exits and its restart runs them (worker_plan.c) */
+    if (w->stopping || code == -ECANCELED || code == -ENODEV)
         return 1;
     if (w->kv && (rekv_kvstore_client_lost(w->kv) || code == -ETIMEDOUT || code == -EPIPE)) {
         *lost = 1;

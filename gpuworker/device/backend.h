@@ -22,7 +22,16 @@
  *
  * Errors: functions that can fail return 0 or a negative errno and fill a rekv_err. Asynchronous
  * work cannot report at enqueue time; a failure inside a task is kept by its stream and returned by
- * the next rekv_stream_sync. */
+ * the next rekv_stream_sync.
+ *
+ * Device lost: -ENODEV from stream_sync means the device is unusable for the rest of the process —
+ * on cuda a sticky error (an illegal address, a launch failure, ...: CUDA documents that the
+ * context is corrupt, every later call fails the same way, and only a new process gets a working
+ * device); the message names the CUDA error. Every later stream_sync fails so too. A program that
+ * sees it ends with a non-zero exit (the worker does, and its supervisor starts it again) instead
+ * of failing every later job on the broken context. The cpu backend loses its device only when a
+ * test asks (REKV_TEST_DEVICE_LOST, rekv_backend_cpu_create), so the programs' handling of the
+ * loss is tested without a GPU. */
 #ifndef REKV_GPUWORKER_DEVICE_BACKEND_H
 #define REKV_GPUWORKER_DEVICE_BACKEND_H
 
@@ -360,7 +369,11 @@ struct rekv_backend {
     void *ctx;
 };
 
-/* Creates the cpu backend. link may be NULL (no throttling). */
+/* Creates the cpu backend. link may be NULL (no throttling). For tests of what a program does when
+ * its device is lost: with REKV_TEST_DEVICE_LOST=N in the environment, the Nth stream_sync of a
+ * stream named "compute" (the pipeline's, synchronised at the end of every step) and every later
+ * stream_sync of any stream fail with -ENODEV, as a sticky CUDA error does; the work itself still
+ * runs. A value that is not a count from 1 fails the creation (-EINVAL). */
 int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, rekv_err *err);
 /* The cpu backend's table: every cpu stream shares it, so the cpu kernels launch their tasks
  * through its launch_host with only the stream in hand. */

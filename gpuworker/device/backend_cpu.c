@@ -517,6 +517,15 @@ static void count_host_sync(cpu_backend *be)
     pthread_mutex_unlock(&be->stats_mu);
 }
 
+/* REKV_TEST_DEVICE_LOST (rekv_backend_cpu_create): whether this sync finds the device lost. */
+static bool device_lost_at_sync(cpu_backend *be, const rekv_stream *s)
+{
+    if (be->lost_after > 0 && strcmp(s->name, "compute") == 0 &&
+        atomic_fetch_add(&be->compute_syncs, 1) + 1 >= be->lost_after)
+        atomic_store(&be->lost, true);
+    return atomic_load(&be->lost);
+}
+
 static int cpu_stream_sync(rekv_stream *s, rekv_err *err)
 {
     int rc = 0;
@@ -524,7 +533,15 @@ static int cpu_stream_sync(rekv_stream *s, rekv_err *err)
     pthread_mutex_lock(&s->mu);
     while (s->head != NULL || s->busy)
         pthread_cond_wait(&s->idle_cv, &s->mu);
-    if (s->err_code != 0) {
+    if (device_lost_at_sync(s->be, s)) {
+        /* as a sticky CUDA error: this failure replaces any other the stream kept */
+        rc = rekv_errf(err, -ENODEV,
+                       "cpu backend: stream %s: device lost (REKV_TEST_DEVICE_LOST=%ld, a test's "
+                       "stand-in for a sticky CUDA error)",
+                       s->name, s->be->lost_after);
+        s->err_code = 0;
+        s->err_msg[0] = '\0';
+    } else if (s->err_code != 0) {
         rc = rekv_errf(err, s->err_code, "%s", s->err_msg);
         s->err_code = 0;
         s->err_msg[0] = '\0';
@@ -833,9 +850,24 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
 int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, rekv_err *err)
 {
     *out = NULL;
+    long lost_after = 0;
+    const char *lost = getenv("REKV_TEST_DEVICE_LOST");
+    if (lost != NULL && *lost != '\0') {
+        char *end = NULL;
+        errno = 0;
+        lost_after = strtol(lost, &end, 10);
+        if (errno != 0 || *end != '\0' || lost_after < 1)
+            return rekv_errf(err, -EINVAL,
+                             "cpu backend: REKV_TEST_DEVICE_LOST=%s: expected the count of "
+                             "compute-stream syncs after which the device is lost (1 or more)",
+                             lost);
+    }
     cpu_backend *be = calloc(1, sizeof(*be));
     if (be == NULL)
         return rekv_errf(err, -ENOMEM, "cpu backend: out of memory");
+    be->lost_after = lost_after;
+    atomic_init(&be->compute_syncs, 0);
+    atomic_init(&be->lost, false);
     be->base.iface = &rekv_cpu_backend_iface;
     be->base.ctx = be;
     if (link)

@@ -8,7 +8,9 @@
  *
  * Errors: an enqueue that fails (a bad argument, a failed launch, a cuBLAS error) is kept by its
  * stream, first failure wins, and returned by the next stream_sync, with any error the CUDA
- * runtime reports there, as -EIO and the CUDA error string — the same contract as the cpu backend.
+ * runtime reports there, as -EIO and the CUDA error's name and string — the same contract as the
+ * cpu backend; a sticky error (cuda_error_is_sticky: the context is corrupt) as -ENODEV, device
+ * lost (backend.h), which the runtime then reports for every later call anyway.
  *
  * Copies: a call's pieces are coalesced into as few DMA operations as they allow; many small rows
  * from mapped host memory go as one gather kernel instead, and deferred copies always do
@@ -37,11 +39,13 @@
 #define CU_TRACE_MAX_SPANS (1u << 20)
 
 /* Under the backend's lock: a host function (deferred_fill) fails its stream from CUDA's callback
- * thread while the step thread may be failing the same stream at enqueue; the first one stays. */
+ * thread while the step thread may be failing the same stream at enqueue; the first one stays,
+ * unless a later one is the device's loss (-ENODEV), which replaces it: what a caller must do
+ * then (end the process) matters more than the first symptom (often a cuBLAS failure). */
 void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
 {
     pthread_mutex_lock(&s->be->mu);
-    if (s->err_code == 0) {
+    if (s->err_code == 0 || (code == -ENODEV && s->err_code != -ENODEV)) {
         s->err_code = code;
         va_list ap;
         va_start(ap, fmt);
@@ -51,12 +55,43 @@ void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
     pthread_mutex_unlock(&s->be->mu);
 }
 
+int cuda_error_is_sticky(cudaError_t e)
+{
+    /* the errors CUDA documents as "the process is left in an inconsistent state ... the process
+     * must be terminated and relaunched" (driver_types.h, CUDA 13.0); the newer ones by number,
+     * so that an older toolkit's header compiles too */
+    switch ((int)e) {
+    case cudaErrorECCUncorrectable:
+    case 226: /* cudaErrorContained */
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case 721: /* cudaErrorTensorMemoryLeak */
+    case 810: /* cudaErrorMpsClientTerminated */
+    case 911: /* cudaErrorExternalDevice */
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what)
 {
     if (e == cudaSuccess)
         return 0;
     cudaGetLastError(); /* kept by the stream: not left for another stream's launch check */
-    cuda_stream_fail(s, -EIO, "cuda stream %s: %s: %s", s->name, what, cudaGetErrorString(e));
+    if (cuda_error_is_sticky(e))
+        cuda_stream_fail(s, -ENODEV, "cuda stream %s: %s: %s (%s): device lost", s->name, what,
+                         cudaGetErrorName(e), cudaGetErrorString(e));
+    else
+        cuda_stream_fail(s, -EIO, "cuda stream %s: %s: %s (%s)", s->name, what,
+                         cudaGetErrorName(e), cudaGetErrorString(e));
     return 1;
 }
 

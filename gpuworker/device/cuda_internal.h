@@ -146,7 +146,11 @@ static inline void cuda_use_device(const cuda_backend *be)
 /* Keeps the first failure of a stream until its next stream_sync. */
 void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* Keeps a CUDA error as the stream's failure; returns 1 when there was one. */
+/* Whether e is one of the errors CUDA documents as sticky: the context is corrupt, every later
+ * call fails, only a new process gets a working device. */
+int cuda_error_is_sticky(cudaError_t e);
+/* Keeps a CUDA error as the stream's failure (-ENODEV for a sticky one: device lost, backend.h;
+ * -EIO otherwise, with the error's name); returns 1 when there was one. */
 int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what);
 /* Checks a kernel launch. */
 void cuda_launch_check(rekv_stream *s, const char *kernel);
