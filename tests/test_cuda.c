@@ -1402,6 +1402,68 @@ START_TEST(runtime_ipc_push)
 }
 END_TEST
 
+/* The recorder dies before its recorded work completes (test_ipc's dead_recorder_fails_the_wait,
+ * on cuda): a CUDA IPC event recorded by a dead process may never complete, so our stream's sync
+ * must not block for ever — it polls while the recorder (named in the event's page) lives and
+ * fails -EPIPE saying it died, again at every later sync (that stream stays blocked on the
+ * device), and destroying it returns; event_sync on the event returns; a new stream works. Should
+ * the driver complete the wait itself on the peer's death, the sync succeeds instead (said in the
+ * output): either way nothing hangs, which Check's timeout guards. */
+START_TEST(runtime_ipc_dead_recorder)
+{
+    rekv_err err = {0};
+    rekv_backend *be;
+    rekv_stream *s, *s2;
+    ck_assert_msg(rekv_backend_cuda_create(0, &be, &err) == 0, "%s", err.msg);
+    const rekv_backend_iface *bi = be->iface;
+    ck_assert_msg(bi->stream_create(be, "waiter", &s, &err) == 0, "%s", err.msg);
+    uint32_t *flag;
+    int flag_fd = peer_flag_create(&flag);
+    peer p;
+    peer_start(&p, ipc_peer_exe(), "cuda", flag_fd);
+    const size_t n = 1u << 20;
+    rekv_ipc_handle hb, he;
+    void *buf = bi->dev_alloc_shared(be, n, &hb, &err);
+    ck_assert_msg(buf != NULL, "%s", err.msg);
+    rekv_event *ev;
+    ck_assert_msg(bi->event_create_shared(be, &ev, &err) == 0, "%s", err.msg);
+    ck_assert_msg(bi->event_export(ev, &he, &err) == 0, "%s", err.msg);
+    peer_msg m = {PEER_PUSH_EVENT, 9, 60000, 0, n, hb, he, 0, ""};
+    peer_call(&p, &m); /* recorded, behind a minute of work */
+    bi->stream_wait_event(s, ev);
+    uint64_t t0 = rekv_now_ns();
+    peer_kill(&p);
+    rekv_err se = {0};
+    int rc = bi->stream_sync(s, &se);
+    double ms = (double)(rekv_now_ns() - t0) * 1e-6;
+    ck_assert_msg(rc == -EPIPE || rc == 0, "sync: %d: %s", rc, se.msg);
+    if (rc == -EPIPE) {
+        ck_assert_msg(strstr(se.msg, "died") != NULL, "%s", se.msg);
+        rekv_err_clear(&se);
+        ck_assert_int_eq(bi->stream_sync(s, &se), -EPIPE);
+        printf("   the wait noticed the death in %.0f ms\n", ms);
+    } else {
+        printf("   the driver released the wait on the peer's death (%.0f ms)\n", ms);
+    }
+    bi->event_sync(ev);
+    bi->stream_destroy(s);
+    /* the device and a new stream go on */
+    ck_assert_msg(bi->stream_create(be, "after", &s2, &err) == 0, "%s", err.msg);
+    uint8_t *dst = (uint8_t *)calloc(1, n);
+    ck_assert(dst != NULL);
+    rekv_copy_piece down = {dst, buf, n};
+    bi->copy_d2h(s2, &down, 1, REKV_XFER_KV);
+    ck_assert_msg(bi->stream_sync(s2, &err) == 0, "%s", err.msg);
+    free(dst);
+    bi->stream_destroy(s2);
+    bi->event_destroy(ev);
+    bi->dev_free(be, buf);
+    munmap(flag, PEER_FLAG_BYTES);
+    close(flag_fd);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ the pipeline */
 
 typedef tu_fixture fixture;
@@ -1827,6 +1889,7 @@ static Suite *suite(void)
     tcase_add_test(tr, runtime_deferred_gather);
     tcase_add_test(tr, runtime_graph);
     tcase_add_test(tr, runtime_ipc_push);
+    tcase_add_test(tr, runtime_ipc_dead_recorder);
     suite_add_tcase(s, tr);
     /* every mode against cpu: the longest case (~930 cuda pipelines), alone so that a device
      * call can run it by itself (CK_RUN_CASE=modes) */

@@ -93,7 +93,9 @@ typedef struct rekv_backend_stats {
  * any message. The header is common to every backend; the payload is the exporting backend's
  * own, and importers check the header before reading it, so a garbage, truncated or wrong-kind
  * handle is refused with a message, never used. Layout (host byte order, same machine only):
- *   cuda: payload = cudaIpcMemHandle_t or cudaIpcEventHandle_t (64 bytes each);
+ *   cuda: payload = cudaIpcMemHandle_t or cudaIpcEventHandle_t (64 bytes each); an event's extra
+ *         = {int32 pid, int32 fd, uint64 nonce} of a memfd page beside the event (ipc_memfd.h)
+ *         where each record writes its process, so that a waiter can tell a dead recorder;
  *   cpu:  payload = {int32 pid, int32 fd, uint64 nonce}: the exporter's memfd, opened through
  *         /proc/PID/fd/FD, whose name carries the nonce, so a handle whose process has exited or
  *         whose buffer was freed (the fd number reused) is refused, not mapped. */
@@ -109,7 +111,8 @@ typedef struct rekv_ipc_handle {
     uint16_t kind;        /* rekv_ipc_kind */
     char backend[8];      /* the exporting backend's name, NUL-padded: "cpu", "cuda" */
     uint64_t bytes;       /* REKV_IPC_MEM: the buffer's size; 0 for an event */
-    uint8_t reserved[40]; /* zero */
+    uint8_t extra[16];    /* the exporting backend's, beside the payload (above); else zero */
+    uint8_t reserved[24]; /* zero */
     uint8_t payload[64];  /* the exporting backend's (above) */
 } rekv_ipc_handle;
 #ifdef __cplusplus
@@ -244,8 +247,11 @@ typedef struct rekv_backend_iface {
      * wait's call*, in any process, so the producer records and then tells the consumer. When
      * records of one event are in flight on several streams at once, a wait may be released by a
      * later record's completion (cpu: a completion counter) — export events one producer stream
-     * records at a time. A waiter on a record whose process dies before completing it waits for
-     * ever (as its stream_sync does). */
+     * records at a time. A wait on a record whose process dies before completing it does not
+     * wait for ever: the waiting stream's next stream_sync fails -EPIPE, saying so (cpu: the
+     * stream's wait gives up, and the stream goes on; cuda: the sync polls while the recorder
+     * lives, and the device-side wait stays blocked, so that stream fails every later sync too —
+     * make a new one). */
     int (*event_create_shared)(rekv_backend *be, rekv_event **out, rekv_err *err);
     /* names an event from event_create_shared (or one imported: the same handle back); -EINVAL
      * for an event from event_create */

@@ -6,6 +6,7 @@
 #define REKV_DEVICE_BACKEND_CPU_INTERNAL_H
 
 #include "gpuworker/device/backend.h"
+#include "gpuworker/device/ipc_memfd.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -80,12 +81,9 @@ typedef struct cpu_ipc_map {
     rekv_ipc_handle handle; /* what event_export gives */
 } cpu_ipc_map;
 
-/* What a cpu handle's payload holds. */
-typedef struct cpu_ipc_payload {
-    int32_t pid;    /* the exporting process */
-    int32_t fd;     /* its memfd */
-    uint64_t nonce; /* in the memfd's name: rekv-dev-<nonce> or rekv-ev-<nonce>, 16 hex digits */
-} cpu_ipc_payload;
+/* What a cpu handle's payload holds: where its memfd is (ipc_memfd.h), named rekv-dev-<nonce>
+ * (a buffer) or rekv-ev-<nonce> (an event's page). */
+typedef rekv_ipc_memfd_ref cpu_ipc_payload;
 
 typedef struct cpu_backend {
     rekv_backend base;             /* iface and ctx (ctx points back here); first, so casts work */

@@ -11,7 +11,6 @@
 #include "gpuworker/device/backend_cpu_internal.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -23,13 +22,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/random.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "gpuworker/device/ipc_memfd.h"
 
 /* A flag wait re-reads the flag at least this often, for writers that store without waking the
  * futex (a plain store, another backend). */
@@ -204,17 +202,6 @@ void cpu_ipc_event_sync(rekv_event *ev)
 
 /* ---- sharing with other processes ---- */
 
-/* A random number naming one export, so that a handle whose fd number has since been reused for
- * something else is told apart. */
-static uint64_t ipc_nonce(void)
-{
-    static atomic_uint_fast64_t counter;
-    uint64_t n = 0;
-    if (getrandom(&n, sizeof(n), GRND_NONBLOCK) != (ssize_t)sizeof(n))
-        n = rekv_now_ns() ^ ((uint64_t)getpid() << 32);
-    return n ^ atomic_fetch_add(&counter, 0x9e3779b97f4a7c15ull);
-}
-
 static void ipc_handle_fill(rekv_ipc_handle *h, rekv_ipc_kind kind, uint64_t bytes, int fd,
                             uint64_t nonce)
 {
@@ -223,87 +210,13 @@ static void ipc_handle_fill(rekv_ipc_handle *h, rekv_ipc_kind kind, uint64_t byt
     memcpy(h->payload, &pl, sizeof(pl));
 }
 
-/* Opens the memfd a handle names, through /proc/PID/fd/FD, and checks that it is the one that
- * was exported (its name carries the nonce) and has the expected size. Returns the new fd or a
- * negative errno. */
+/* Opens the memfd a cpu handle names (ipc_memfd.h): the new fd or a negative errno. */
 static int ipc_open(const rekv_ipc_handle *h, const char *prefix, size_t len, const char *what,
                     rekv_err *err)
 {
     cpu_ipc_payload pl;
-    char path[64], want[64], link[256];
-    struct stat st;
-    int fd, rc;
-
     memcpy(&pl, h->payload, sizeof(pl));
-    if (pl.pid <= 0 || pl.fd < 0)
-        return rekv_errf(err, -EINVAL,
-                         "cpu backend: %s: the handle names no process (pid %d, fd %d)", what,
-                         (int)pl.pid, (int)pl.fd);
-    snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)pl.pid, (int)pl.fd);
-    fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) {
-        int e = errno;
-        if (kill(pl.pid, 0) != 0 && errno == ESRCH)
-            return rekv_errf(err, -ESRCH, "cpu backend: %s: the exporting process %d has exited",
-                             what, (int)pl.pid);
-        if (e == ENOENT)
-            return rekv_errf(err, -ENOENT,
-                             "cpu backend: %s: process %d no longer exports it (freed, or the "
-                             "process is exiting)",
-                             what, (int)pl.pid);
-        return rekv_errf(err, -e, "cpu backend: %s: cannot open %s (the exporter's memory): %s%s",
-                         what, path, strerror(e),
-                         e == EACCES ? " (another user's process, or one made undumpable)" : "");
-    }
-    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(path, link, sizeof(link) - 1);
-    link[n > 0 ? n : 0] = '\0';
-    int wn = snprintf(want, sizeof(want), "/memfd:%s%016llx", prefix, (unsigned long long)pl.nonce);
-    if (strncmp(link, want, (size_t)wn) != 0 || (link[wn] != '\0' && link[wn] != ' ')) {
-        rc = rekv_errf(err, -ESTALE,
-                       "cpu backend: %s: stale handle: fd %d of process %d is no longer what was "
-                       "exported (it is %s)",
-                       what, (int)pl.fd, (int)pl.pid, link[0] ? link : "unreadable");
-        goto out_close;
-    }
-    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != (uint64_t)len) {
-        rc = rekv_errf(err, -ESTALE,
-                       "cpu backend: %s: the exported memory has %lld bytes, the handle says %zu",
-                       what, (long long)st.st_size, len);
-        goto out_close;
-    }
-    return fd;
-
-out_close:
-    close(fd);
-    return rc;
-}
-
-/* A new memfd of len bytes named prefix + nonce, mapped shared. Returns the fd, or -errno. */
-static int ipc_create(const char *prefix, uint64_t nonce, size_t len, void **map, rekv_err *err)
-{
-    char name[64];
-    int fd, rc;
-    snprintf(name, sizeof(name), "%s%016llx", prefix, (unsigned long long)nonce);
-    fd = memfd_create(name, MFD_CLOEXEC);
-    if (fd < 0)
-        return rekv_errf(err, -errno, "cpu backend: memfd_create: %s", strerror(errno));
-    if (ftruncate(fd, (off_t)len) != 0) {
-        rc = rekv_errf(err, -errno, "cpu backend: cannot size shared memory to %zu bytes: %s", len,
-                       strerror(errno));
-        goto out_close;
-    }
-    *map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (*map == MAP_FAILED) {
-        rc = rekv_errf(err, -errno, "cpu backend: cannot map %zu bytes of shared memory: %s", len,
-                       strerror(errno));
-        goto out_close;
-    }
-    return fd;
-
-out_close:
-    close(fd);
-    return rc;
+    return rekv_ipc_memfd_open("cpu", &pl, prefix, len, what, err);
 }
 
 static void shared_add(cpu_backend *be, cpu_shared_buf *sb)
@@ -317,14 +230,14 @@ static void shared_add(cpu_backend *be, cpu_shared_buf *sb)
 void *cpu_dev_alloc_shared(rekv_backend *base, size_t bytes, rekv_ipc_handle *out, rekv_err *err)
 {
     cpu_backend *be = base->ctx;
-    uint64_t nonce = ipc_nonce();
+    uint64_t nonce = rekv_ipc_nonce();
     cpu_shared_buf *sb = calloc(1, sizeof(*sb));
     if (sb == NULL) {
         rekv_errf(err, -ENOMEM, "cpu backend: out of memory");
         return NULL;
     }
     sb->len = bytes ? bytes : 1; /* a unique pointer for zero bytes too, as dev_alloc */
-    sb->fd = ipc_create("rekv-dev-", nonce, sb->len, &sb->p, err);
+    sb->fd = rekv_ipc_memfd_create("cpu", "rekv-dev-", nonce, sb->len, &sb->p, err);
     if (sb->fd < 0) {
         free(sb);
         return NULL;
@@ -405,12 +318,12 @@ static rekv_event *ipc_event_new(cpu_backend *be, cpu_ipc_page *page, int fd,
 
 int cpu_event_create_shared(rekv_backend *base, rekv_event **out, rekv_err *err)
 {
-    uint64_t nonce = ipc_nonce();
+    uint64_t nonce = rekv_ipc_nonce();
     void *map = NULL;
     rekv_ipc_handle h;
 
     *out = NULL;
-    int fd = ipc_create("rekv-ev-", nonce, CPU_IPC_PAGE_BYTES, &map, err);
+    int fd = rekv_ipc_memfd_create("cpu", "rekv-ev-", nonce, CPU_IPC_PAGE_BYTES, &map, err);
     if (fd < 0)
         return fd;
     cpu_ipc_page *pg = map; /* zero-filled: nothing recorded, nothing completed */

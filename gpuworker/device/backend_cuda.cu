@@ -34,6 +34,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 /* Trace spans kept at most; later ones are counted as dropped. */
 #define CU_TRACE_MAX_SPANS (1u << 20)
@@ -358,10 +360,19 @@ static int cu_stream_sync(rekv_stream *s, rekv_err *err)
 {
     cuda_count_host_sync(s->be);
     cuda_use_device(s->be);
+    /* a wait on a dead process's record never completes: cudaStreamSynchronize would block for
+     * ever, so such a stream is polled first and, blocked for good, never waited on again */
+    if (s->peer_died || cuda_stream_live_wait(s) < 0) {
+        int rc = rekv_errf(err, -EPIPE, "%s", s->peer_msg);
+        s->err_code = 0;
+        s->err_msg[0] = '\0';
+        return rc;
+    }
     cudaError_t e = cudaStreamSynchronize(s->cs);
     if (e == cudaSuccess)
         e = cudaGetLastError();
     cuda_stream_check(s, e, "synchronize");
+    cuda_stream_waits_clear(s);
     if (e == cudaSuccess) {
         deferred_area_release(s, 0);
         s->gather.n_busy = 0; /* every gather has finished */
@@ -486,6 +497,14 @@ static void cu_stream_destroy(rekv_stream *s)
     }
     pthread_mutex_unlock(&be->mu);
     free(s->pend);
+    cuda_stream_waits_clear(s);
+    if (s->peer_died) {
+        /* blocked for good on a dead process's record: what its enqueued work would read is left
+         * allocated (a leak per dead peer), never freed under it */
+        cudaStreamDestroy(s->cs);
+        free(s);
+        return;
+    }
     if (s->gather.host != NULL) { /* idle: synchronised above */
         for (int i = 0; i < CU_GATHER_INFLIGHT; i++)
             cudaEventDestroy(s->gather.busy[i].ev);
@@ -513,18 +532,33 @@ static int cu_event_create(rekv_backend *base, rekv_event **out, rekv_err *err)
                          cudaGetErrorString(e));
     }
     ev->be = be;
+    ev->page_fd = -1;
+    ev->refs = 1;
     *out = ev;
     return 0;
 }
 
-static void cu_event_destroy(rekv_event *ev)
+void cuda_event_unref(rekv_event *ev)
 {
-    if (ev == NULL)
+    pthread_mutex_lock(&ev->be->mu);
+    int last = --ev->refs == 0;
+    pthread_mutex_unlock(&ev->be->mu);
+    if (!last)
         return;
     /* CUDA keeps an event alive until enqueued work that uses it has run */
     if (cudaEventDestroy(ev->ev) != cudaSuccess)
         cudaGetLastError(); /* as dev_free */
+    if (ev->page != NULL)
+        munmap(ev->page, CU_EV_PAGE_BYTES);
+    if (ev->page_fd >= 0)
+        close(ev->page_fd);
     free(ev);
+}
+
+static void cu_event_destroy(rekv_event *ev)
+{
+    if (ev != NULL)
+        cuda_event_unref(ev); /* a stream's pending wait may still poll it */
 }
 
 /* Only kernels and copies may be captured (backend.h): anything else enqueued during a capture
@@ -542,6 +576,7 @@ static void cu_event_record(rekv_event *ev, rekv_stream *s)
     if (cuda_refused_in_capture(s, "an event record"))
         return;
     cuda_use_device(s->be);
+    cuda_event_note_record(ev);
     cuda_stream_check(s, cudaEventRecord(ev->ev, s->cs), "event record");
 }
 
@@ -551,7 +586,8 @@ static void cu_stream_wait_event(rekv_stream *s, rekv_event *ev)
         return;
     cuda_use_device(s->be);
     /* an event never recorded is complete, as on the cpu backend */
-    cuda_stream_check(s, cudaStreamWaitEvent(s->cs, ev->ev, 0), "wait for event");
+    if (!cuda_stream_check(s, cudaStreamWaitEvent(s->cs, ev->ev, 0), "wait for event"))
+        cuda_stream_note_wait(s, ev);
 }
 
 static void cu_event_sync(rekv_event *ev)
@@ -560,7 +596,8 @@ static void cu_event_sync(rekv_event *ev)
      * next stream_sync */
     cuda_count_host_sync(ev->be);
     cuda_use_device(ev->be);
-    cudaEventSynchronize(ev->ev);
+    if (!cuda_event_live_sync(ev))
+        cudaEventSynchronize(ev->ev);
 }
 
 /* One cudaMemcpyAsync per piece; cudaMemcpyDefault lets UVA tell pinned, pageable and device

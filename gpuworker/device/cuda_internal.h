@@ -89,6 +89,13 @@ typedef struct cu_deferred_area {
     size_t n_retired;
 } cu_deferred_area;
 
+/* A stream's wait on a shared event that another process recorded (cu_stream_wait_event), kept
+ * until the stream's next sync, which polls it while its recorder lives (backend_cuda_ipc.cu). */
+typedef struct cu_shared_wait {
+    rekv_event *ev; /* holds a reference (backend_cuda_internal.h) */
+    int32_t pid;    /* the process of the record the wait orders against */
+} cu_shared_wait;
+
 typedef struct cuda_backend {
     rekv_backend base; /* iface, ctx (points back here); first, so casts work */
     int device;
@@ -132,6 +139,10 @@ struct rekv_stream {
     rekv_backend_stats captured; /* the copies' counters of the capture, for its graph */
     int pre_capture_code;        /* a failure pending at graph_begin, restored at graph_end */
     char pre_capture_msg[512];
+    cu_shared_wait *waits; /* waits on other processes' records since the last sync */
+    size_t n_waits, cap_waits;
+    int32_t peer_died; /* a recorder it waits on died first: blocked for good on the device */
+    char peer_msg[256];
 };
 
 /* Creates the runtime on device `device` (the module's backend_create, backend_cuda.h). */
