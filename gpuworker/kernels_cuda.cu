@@ -116,11 +116,14 @@ __device__ static float block_sum(float v, float *red)
     return t;
 }
 
-__global__ static void bias_kernel(float *y, const float *bias, size_t total, int n)
+/* y[r][c] += bias[c]: blocks over rows, threads over columns (no 64-bit modulo per element) */
+__global__ static void bias_kernel(float *y, const float *bias, int m, int n)
 {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x)
-        y[i] += bias[i % (size_t)n];
+    for (int r = blockIdx.x; r < m; r += gridDim.x) {
+        float *yr = y + (size_t)r * (size_t)n;
+        for (int c = threadIdx.x; c < n; c += blockDim.x)
+            yr[c] += bias[c];
+    }
 }
 
 /* The kernels' state of one stream: a cuBLAS handle of its own (a handle's workspace must not be
@@ -253,8 +256,7 @@ static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, re
     else
         cuda_launch_check(s, "linear");
     if (bias != NULL && st == CUBLAS_STATUS_SUCCESS) {
-        size_t total = (size_t)m * (size_t)n;
-        bias_kernel<<<ew_blocks(total), EW_THREADS, 0, s->cs>>>(y, bias, total, n);
+        bias_kernel<<<m < 65536 ? m : 65536, EW_THREADS, 0, s->cs>>>(y, bias, m, n);
         cuda_launch_check(s, "linear bias");
     }
     cuda_op_end(s, op);
@@ -300,12 +302,14 @@ static void k_norm(rekv_stream *s, float *out, const float *in, const float *w, 
 }
 
 /* One block per row; threads over (head, pair). f comes by value (about 1 KiB of the 4 KiB a
- * launch's arguments may take): no device copy of the table to keep or free. */
+ * launch's arguments may take): no device copy of the table to keep or free. The row's cos and
+ * sin of each pair are computed once, into shared memory, for all its heads: the double-precision
+ * cos/sin that match the cpu's cost half per row, not n_heads * half. */
 __global__ static void rope_kernel(float *x, const int32_t *pos, int n_heads, int head_dim,
                                    const rekv_rope_freqs f, int adjacent)
 {
     __shared__ int pi;
-    __shared__ float dyn[REKV_ROPE_MAX_PAIRS];
+    __shared__ float dyn[REKV_ROPE_MAX_PAIRS], cosv[REKV_ROPE_MAX_PAIRS], sinv[REKV_ROPE_MAX_PAIRS];
     if (threadIdx.x == 0)
         pi = pos[blockIdx.x]; /* mapped host memory: read once per block */
     __syncthreads();
@@ -319,14 +323,18 @@ __global__ static void rope_kernel(float *x, const int32_t *pos, int n_heads, in
         __syncthreads();
     }
     float p = (float)pi;
-    float *row = x + (size_t)blockIdx.x * (size_t)n_heads * (size_t)head_dim;
-    for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
-        int h = i / half, j = i % half;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
         /* as cpu_rope_table: the same angle; cos/sin in double rounded to float, those of glibc's
          * correctly rounded float functions; then the attention factor (1 but for YaRN) */
         float a = p * (is_dyn ? dyn[j] : f.inv_freq[j]);
-        float c = __fmul_rn((float)cos((double)a), f.attn_factor);
-        float sn = __fmul_rn((float)sin((double)a), f.attn_factor);
+        cosv[j] = __fmul_rn((float)cos((double)a), f.attn_factor);
+        sinv[j] = __fmul_rn((float)sin((double)a), f.attn_factor);
+    }
+    __syncthreads();
+    float *row = x + (size_t)blockIdx.x * (size_t)n_heads * (size_t)head_dim;
+    for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
+        int h = i / half, j = i % half;
+        float c = cosv[j], sn = sinv[j];
         float *v = row + (size_t)h * head_dim;
         float *pa = adjacent ? &v[2 * j] : &v[j];
         float *pb = adjacent ? &v[2 * j + 1] : &v[j + half];
@@ -458,7 +466,8 @@ static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int row
  * positions w, w + ATT_WARPS, ... of the block's range; a position's score is a warp dot product;
  * each warp keeps a running max, sum and output (lane-strided over head_dim), and the block then
  * merges its warps' partial softmaxes (attn_merge). Plain (attention_kernel): z is a slice of the
- * rows — rows z, z + ATT_ROW_SLICES, ... — each over its whole context. Split, flash-decoding
+ * rows — rows z, z + ATT_ROW_SLICES, ... — each over its whole context; one slice when every
+ * sequence has one row. Split, flash-decoding
  * style (attention_split_kernel, for decode batches too small to fill the device): every sequence
  * has one row and z is a chunk of its context; each block writes its unnormalised partial
  * (max, sum, output) and attention_combine_kernel merges the chunks. Shared: q [hd],
@@ -696,7 +705,9 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
         cuda_stream_check(s, cudaFreeAsync(part, s->cs), "attention scratch");
         return;
     }
-    dim3 grid((unsigned)n_heads, (unsigned)n_seqs, ATT_ROW_SLICES);
+    /* one row per sequence (decode): one block per (head, sequence) — slices would only find
+     * no row of theirs and exit */
+    dim3 grid((unsigned)n_heads, (unsigned)n_seqs, rows == n_seqs ? 1u : (unsigned)ATT_ROW_SLICES);
     ATT_LAUNCH(s, dt, attention_kernel, grid, shmem, out, q, seqs, n_heads, n_kv, head_dim, scale);
 }
 
@@ -779,12 +790,18 @@ static void k_head_proj(rekv_stream *s, float *out, float *const *out_rows, cons
             n_heads, group, hd, rk);
 }
 
-/* one block per (sequence, head); the partial query in shared memory, a thread per token */
+/* one block per (sequence, head); the partial query in shared memory, a thread per token. The
+ * descriptor is in mapped host memory: read once per block, not on every iteration (the stores to
+ * out may alias it, so the compiler would re-read it over PCIe) */
 __global__ static void spec_kernel(float *out, const float *q, const rekv_spec_seq *seqs,
                                    int n_heads, int group, int rk, float scale)
 {
     extern __shared__ float qs[];
-    const rekv_spec_seq *sq = &seqs[blockIdx.x / n_heads];
+    __shared__ rekv_spec_seq sd;
+    if (threadIdx.x == 0)
+        sd = seqs[blockIdx.x / n_heads];
+    __syncthreads();
+    const rekv_spec_seq *sq = &sd;
     int h = blockIdx.x % n_heads, n_kv = n_heads / group;
     for (int c = threadIdx.x; c < rk; c += blockDim.x)
         qs[c] = q[((size_t)sq->row * n_heads + h) * rk + c];

@@ -538,6 +538,57 @@ START_TEST(kernel_scatter_attention)
 }
 END_TEST
 
+/* A decode batch big enough to fill the device (96 sequences x 8 heads: more blocks than twice
+ * the multiprocessors of any GPU up to 384 of them), one row per sequence: the plain kernel, one
+ * block per (head, sequence) and no row slices (kernels_cuda.cu k_attention), against the cpu's,
+ * with contexts from 1 to ~900 and every cache dtype. */
+START_TEST(kernel_attention_decode_batch)
+{
+    backends_open();
+    enum { NS = 96, NH = 8, NKV = 2, HD = 128 };
+    static const rekv_dtype dts[] = {REKV_DTYPE_F32, REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    for (size_t di = 0; di < 3; di++) {
+        rekv_dtype dt = dts[di];
+        size_t es = rekv_dtype_size(dt), qd = (size_t)NH * HD;
+        rekv_attn_seq cpu_d[NS], *cu_d = meta(sizeof(rekv_attn_seq) * NS);
+        void *hkv[NS], *dkv[NS];
+        int max_ctx = 1;
+        for (int i = 0; i < NS; i++) {
+            int start = (i * 97) % 900;
+            size_t sz = rekv_kv_buffer_elems(NKV, HD, start + 1);
+            float *f = hrand(sz, 1);
+            hkv[i] = malloc(sz * es);
+            rekv_from_f32(hkv[i], f, dt, sz);
+            free(f);
+            dkv[i] = dev_from(hkv[i], sz * es);
+            cpu_d[i] = (rekv_attn_seq){hkv[i], start, 1, i, NULL};
+            cu_d[i] = (rekv_attn_seq){dkv[i], start, 1, i, NULL};
+            if (start + 1 > max_ctx)
+                max_ctx = start + 1;
+        }
+        float *q = hrand((size_t)NS * qd, 1), *out = malloc(sizeof(float) * NS * qd);
+        float *scores = malloc(sizeof(float) * max_ctx);
+        float *dq = dev_from(q, sizeof(float) * NS * qd), *dout = dev_zero(sizeof(float) * NS * qd);
+        rekv_cpu_kernels.attention(g_scpu, out, q, cpu_d, NS, NS, NH, NKV, HD, scores, dt);
+        sync_cpu();
+        rekv_kernels_of(g_cu)->attention(g_scu, dout, dq, cu_d, NS, NS, NH, NKV, HD, NULL, dt);
+        sync_cu();
+        char what[96];
+        snprintf(what, sizeof(what), "attention, decode batch of %d, %s cache", NS,
+                 rekv_dtype_name(dt));
+        expect_dev(what, dout, out, (size_t)NS * qd, KERNEL_TOL);
+        for (int i = 0; i < NS; i++) {
+            dev_free(dkv[i]);
+            free(hkv[i]);
+        }
+        dev_free(dq), dev_free(dout);
+        meta_free(cu_d);
+        free(q), free(out), free(scores);
+    }
+    backends_close();
+}
+END_TEST
+
 /* convert (cache dtype -> fp32, over pieces) and convert_out (fp32 -> cache dtype): exact. */
 /* infinigen's kernels: head_proj (to one buffer, and row by row through a device array of
  * pointers) and spec_scores over sequences of different lengths, against the cpu's */
@@ -1878,6 +1929,7 @@ static Suite *suite(void)
     tcase_add_test(tk, kernel_activation_add);
     tcase_add_test(tk, kernel_embed_gather);
     tcase_add_test(tk, kernel_scatter_attention);
+    tcase_add_test(tk, kernel_attention_decode_batch);
     tcase_add_test(tk, kernel_convert);
     tcase_add_test(tk, kernel_infinigen);
     tcase_add_test(tk, kernel_sample);
