@@ -207,7 +207,7 @@ static void orphans_sweep(rekv_kvstore_server *s)
 static void client_free(rekv_kvstore_server *s, kv_client *c)
 {
     if (s->pbe)
-        srv_client_drop_imports(s, c, NULL, 0);
+        srv_client_push_end(s, c);
     kv_map_free(&c->pins);
     free(c);
 }

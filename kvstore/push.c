@@ -1,14 +1,17 @@
 /* push.c — the kvstore server's push path (cfg.push_backend): the store copies KV rows from its
  * arena straight into a worker's device buffers, instead of the worker fetching them.
  *
- * The server holds a backend (its arena registered with it where the backend can) and one stream.
- * A Push imports the client's buffers and events once (kept per connection, keyed by the handle's
- * bytes), checks every piece (it must lie inside one block this connection pins, and inside the
- * buffer), and enqueues on that stream a wait on the client's wait event ("buffer free"), the
- * copies from the arena into the buffers, and a record of its done event ("pushed"); the reply
- * leaves once they are enqueued. Imports are dropped, after the stream has drained, on Release,
- * when the connection's lease expires (ZeroMQ does not report a disconnect; a silent connection is
- * a gone one), and on destroy. */
+ * The server holds a backend (its arena registered with it where the backend can) and a stream
+ * per connection, made at its first push. A Push imports the client's buffers and events once
+ * (kept per connection, keyed by the handle's bytes), checks every piece (it must lie inside one
+ * block this connection pins, and inside the buffer), and enqueues on the connection's stream a
+ * wait on the client's wait event ("buffer free"), the copies from the arena into the buffers,
+ * and a record of its done event ("pushed"); the reply leaves once they are enqueued. Imports are
+ * dropped, after the stream has drained, on Release, when the connection's lease expires (ZeroMQ
+ * does not report a disconnect; a silent connection is a gone one), and on destroy. A stream per
+ * connection, because a worker that dies with a "buffer free" record pending leaves the stream's
+ * wait blocked for good on cuda (backend.h): the drain then says so (-EPIPE) and the stream is
+ * dropped, and no other worker's pushes were queued behind it. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,7 +32,13 @@ void srv_client_drop_imports(rekv_kvstore_server *s, kv_client *c, ProtobufCBina
 {
     if (c->imports == NULL)
         return;
-    s->pbe->iface->stream_sync(s->pstream, NULL);
+    rekv_err e = {0};
+    if (c->pstream && s->pbe->iface->stream_sync(c->pstream, &e) == -EPIPE) {
+        /* its worker died with a record pending: the stream cannot run again */
+        srv_event(s, REKV_KV_EVENT_WARN, "push: %s; the connection gets a new stream", e.msg);
+        s->pbe->iface->stream_destroy(c->pstream);
+        c->pstream = NULL;
+    }
     kv_import **pp = &c->imports;
     while (*pp) {
         kv_import *im = *pp;
@@ -115,6 +124,12 @@ int srv_h_push(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Push *m, kv_
         return 0;
     if (m->done_event.len && (import_get(s, c, &m->done_event, 1, &done, r, "done event") || !done))
         return 0;
+    if (c->pstream == NULL) {
+        rekv_err e = {0};
+        int rc = s->pbe->iface->stream_create(s->pbe, "push", &c->pstream, &e);
+        if (rc < 0)
+            return srv_fail(r, rc, "push: %s", e.msg);
+    }
     rekv_copy_piece *pc = srv_reply_alloc(r, n, sizeof(*pc));
     if (pc == NULL)
         return srv_fail(r, -ENOMEM, "push: out of memory for %zu pieces", n);
@@ -157,12 +172,21 @@ int srv_h_push(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Push *m, kv_
     }
     const rekv_backend_iface *bi = s->pbe->iface;
     if (wait)
-        bi->stream_wait_event(s->pstream, wait->ev);
+        bi->stream_wait_event(c->pstream, wait->ev);
     if (n)
-        bi->copy_h2d(s->pstream, pc, n, REKV_XFER_KV);
+        bi->copy_h2d(c->pstream, pc, n, REKV_XFER_KV);
     if (done)
-        bi->event_record(done->ev, s->pstream);
+        bi->event_record(done->ev, c->pstream);
     return 0;
+}
+
+void srv_client_push_end(rekv_kvstore_server *s, kv_client *c)
+{
+    srv_client_drop_imports(s, c, NULL, 0);
+    if (c->pstream) {
+        s->pbe->iface->stream_destroy(c->pstream);
+        c->pstream = NULL;
+    }
 }
 
 int srv_h_release(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Release *m, kv_reply *r)
@@ -176,8 +200,8 @@ int srv_h_release(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Release *
 
 /* ------------------------------------------------------------------ setup and teardown */
 
-/* Sets up the push backend cfg->push_backend names, if any: the backend, its stream, the arena
- * registered with it where it can be. Called by create once the arena exists; on failure
+/* Sets up the push backend cfg->push_backend names, if any: the backend, the arena registered
+ * with it where it can be. Called by create once the arena exists; on failure
  * destroy undoes what was done. */
 int srv_push_open(rekv_kvstore_server *s, const rekv_kvstore_config *cfg, rekv_err *err)
 {
@@ -193,8 +217,6 @@ int srv_push_open(rekv_kvstore_server *s, const rekv_kvstore_config *cfg, rekv_e
                              "kvstore: the %s backend cannot import buffers to push to",
                              s->pbe->iface->name);
         }
-        if ((rc = s->pbe->iface->stream_create(s->pbe, "push", &s->pstream, err)))
-            return rc;
         if (s->pbe->iface->host_register && s->pbe->iface->host_unregister) {
             rekv_err e = {0};
             if (s->pbe->iface->host_register(s->pbe, s->arena.base, s->arena.bytes, &e) == 0)
@@ -212,13 +234,12 @@ int srv_push_open(rekv_kvstore_server *s, const rekv_kvstore_config *cfg, rekv_e
     return 0;
 }
 
-/* Imports unmapped, then the stream and the backend; destroy calls it before the arena goes. */
+/* Imports unmapped and streams destroyed, then the backend; destroy calls it before the arena
+ * goes. */
 void srv_push_close(rekv_kvstore_server *s)
 {
     for (kv_client *c = s->clients; c; c = c->next)
-        srv_client_drop_imports(s, c, NULL, 0);
-    if (s->pstream)
-        s->pbe->iface->stream_destroy(s->pstream);
+        srv_client_push_end(s, c);
     if (s->push_registered)
         s->pbe->iface->host_unregister(s->pbe, s->arena.base);
     rekv_backend_destroy(s->pbe);

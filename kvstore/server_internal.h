@@ -99,6 +99,9 @@ typedef struct kv_client {
     char owner[MAX_OWNER + 1]; /* the owner name its last request carried; "" for none */
     kv_import *imports;        /* the push path's imports for it */
     size_t n_imports;
+    rekv_stream *pstream; /* the push path's stream for it (its waits, copies, records), made at
+                             its first push: one per connection, so that a dead worker's pending
+                             wait blocks only its own (on cuda it never completes) */
     struct kv_client *next;
 } kv_client;
 
@@ -168,8 +171,7 @@ struct rekv_kvstore_server {
     uint64_t sequences_reclaimed; /* dropped by DropOwner or with their owner's lease */
     int orphans_left;             /* a dead owner's sequence was busy: sweep again at next check */
     rekv_kv_hist hist[H_COUNT];
-    rekv_backend *pbe;    /* push backend, or NULL */
-    rekv_stream *pstream; /* its stream: every push's wait, copies and record */
+    rekv_backend *pbe;    /* push backend, or NULL (each connection has its stream) */
     int push_registered;  /* the arena is registered with it (host_register) */
     rekv_metrics_server *metrics; /* the scrape port (server_metrics.c); NULL when none */
     /* the prefix cache (prefix.c) */
@@ -340,6 +342,8 @@ int srv_push_open(rekv_kvstore_server *s, const rekv_kvstore_config *cfg, rekv_e
 void srv_push_close(rekv_kvstore_server *s);
 void srv_client_drop_imports(rekv_kvstore_server *s, kv_client *c, ProtobufCBinaryData *handles,
                              size_t n);
+/* The connection is gone (its lease expired, or the store stops): its imports and its stream. */
+void srv_client_push_end(rekv_kvstore_server *s, kv_client *c);
 int srv_h_push(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Push *m, kv_reply *r);
 int srv_h_release(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Release *m, kv_reply *r);
 

@@ -305,12 +305,13 @@ void cuda_stream_waits_clear(rekv_stream *s)
     }
 }
 
-/* Sleeps between polls: from 20 us (a wait about to complete costs little) up to 1 ms. */
+/* Sleeps between polls: from 20 us, doubling up to 200 us — a push step's sync then ends at most
+ * ~0.2 ms after its last wait completes, for a few event queries per poll. */
 static void poll_nap(long *ns)
 {
     struct timespec ts = {0, *ns};
     nanosleep(&ts, NULL);
-    *ns = *ns * 2 > 1000000 ? 1000000 : *ns * 2;
+    *ns = *ns * 2 > 200000 ? 200000 : *ns * 2;
 }
 
 int cuda_stream_live_wait(rekv_stream *s)
