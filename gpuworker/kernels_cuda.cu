@@ -256,7 +256,8 @@ static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, re
     else
         cuda_launch_check(s, "linear");
     if (bias != NULL && st == CUBLAS_STATUS_SUCCESS) {
-        bias_kernel<<<m < 65536 ? m : 65536, EW_THREADS, 0, s->cs>>>(y, bias, m, n);
+        unsigned nb = m < 65536 ? (unsigned)m : 65536u;
+        bias_kernel<<<nb, EW_THREADS, 0, s->cs>>>(y, bias, m, n);
         cuda_launch_check(s, "linear bias");
     }
     cuda_op_end(s, op);

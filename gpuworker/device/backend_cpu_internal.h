@@ -110,10 +110,10 @@ typedef struct cpu_backend {
     char **stream_names;           /* [n_streams], every stream ever created (a trace track each) */
     size_t n_streams, cap_streams; /* names kept / allocated */
 
-    long lost_after;               /* REKV_TEST_DEVICE_LOST: the "compute" sync that loses the
-                                      device; 0: never */
-    atomic_long compute_syncs;     /* stream_syncs of "compute" streams so far */
-    atomic_bool lost;              /* the device is lost: every stream_sync fails (-ENODEV) */
+    long lost_after;           /* REKV_TEST_DEVICE_LOST: the "compute" sync that loses the
+                                  device; 0: never */
+    atomic_long compute_syncs; /* stream_syncs of "compute" streams so far */
+    atomic_bool lost;          /* the device is lost: every stream_sync fails (-ENODEV) */
 } cpu_backend;
 
 typedef enum cpu_task_type {

@@ -92,8 +92,8 @@ int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what)
         cuda_stream_fail(s, -ENODEV, "cuda stream %s: %s: %s (%s): device lost", s->name, what,
                          cudaGetErrorName(e), cudaGetErrorString(e));
     else
-        cuda_stream_fail(s, -EIO, "cuda stream %s: %s: %s (%s)", s->name, what,
-                         cudaGetErrorName(e), cudaGetErrorString(e));
+        cuda_stream_fail(s, -EIO, "cuda stream %s: %s: %s (%s)", s->name, what, cudaGetErrorName(e),
+                         cudaGetErrorString(e));
     return 1;
 }
 

@@ -59,8 +59,9 @@ int rekv_ipc_memfd_open(const char *backend, const rekv_ipc_memfd_ref *ref, cons
     int fd, rc;
 
     if (ref->pid <= 0 || ref->fd < 0)
-        return rekv_errf(err, -EINVAL, "%s backend: %s: the handle names no process (pid %d, fd %d)",
-                         backend, what, (int)ref->pid, (int)ref->fd);
+        return rekv_errf(err, -EINVAL,
+                         "%s backend: %s: the handle names no process (pid %d, fd %d)", backend,
+                         what, (int)ref->pid, (int)ref->fd);
     snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)ref->pid, (int)ref->fd);
     fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0) {
