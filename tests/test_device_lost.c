@@ -121,7 +121,7 @@ START_TEST(worker_exits_and_its_successor_finishes_the_jobs)
     /* its step's jobs went back to the queue: the loss came with jobs running */
     Rekv__Control__Response *r = ct_stats(c);
     ck_assert_uint_ge(r->stats->requeued, 1);
-    ck_assert_uint_eq(r->stats->done + r->stats->failed, 0);
+    ck_assert_uint_eq(r->stats->failed, 0); /* run again, not failed (a job may have ended) */
     rekv__control__response__free_unpacked(r, NULL);
 
     /* the supervisor's restart: a new w0 with a working device */
