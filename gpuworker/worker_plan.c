@@ -8,8 +8,8 @@
  * Failures: a step that fails as a whole reports every job that was in it, each to be run again
  * (retry: the kvstore went away or had no room, the worker is stopping) or failed with the reason
  * (anything else); when the store names the sequence whose block failed to read back (a CRC
- * mismatch, an I/O error), that sequence's job alone fails and the others run again. A step that
- * lost the device (-ENODEV: a sticky CUDA error, which leaves the context corrupt) reports its
+ * mismatch, an I/O error), that sequence's job runs again using an attempt, the others using
+ * none. A step that lost the device (-ENODEV: a sticky CUDA error, which leaves the context corrupt) reports its
  * jobs to run again and stops the loop: the worker exits 1 with the error logged, its supervisor
  * (systemd, `rekv run`) starts it again, and the new process has a working device. SIGTERM
  * during a step aborts the step's kvstore requests (worker_main.c), so the worker stops within a
