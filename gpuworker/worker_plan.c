@@ -9,11 +9,11 @@
  * (retry: the kvstore went away or had no room, the worker is stopping) or failed with the reason
  * (anything else); when the store names the sequence whose block failed to read back (a CRC
  * mismatch, an I/O error), that sequence's job runs again using an attempt, the others using
- * none. A step that lost the device (-ENODEV: a sticky CUDA error, which leaves the context corrupt) reports its
- * jobs to run again and stops the loop: the worker exits 1 with the error logged, its supervisor
- * (systemd, `rekv run`) starts it again, and the new process has a working device. SIGTERM
- * during a step aborts the step's kvstore requests (worker_main.c), so the worker stops within a
- * step's compute time whatever the store does. */
+ * none. A step that lost the device (-ENODEV: a sticky CUDA error, which leaves the context
+ * corrupt) reports its jobs to run again and stops the loop: the worker exits 1 with the error
+ * logged, its supervisor (systemd, `rekv run`) starts it again, and the new process has a working
+ * device. SIGTERM during a step aborts the step's kvstore requests (worker_main.c), so the worker
+ * stops within a step's compute time whatever the store does. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
