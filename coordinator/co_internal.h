@@ -154,6 +154,9 @@ typedef struct worker {
     co_plan_state plan;                /* the planner's state for this worker (co_plan.h) */
     int made_kv_parts, made_act_parts; /* hybrid: the pattern of the last jobs it was sent (for
                                         * the log line when it changes) */
+    /* its kvstore's prefix cache counters as it last said (StoreRoom prefix_*: lookups, hit
+     * tokens, hit blocks on host and on disk, evictions, bytes read back), for Stats */
+    uint64_t store_prefix[6];
 } worker;
 
 typedef struct reply {
@@ -204,6 +207,7 @@ struct rekv_coordinator {
     uint64_t progress_mark;    /* numbers the Progress messages (job.mark) */
     uint64_t steps_failed;     /* steps a worker reported failed as a whole, or never finished */
     uint64_t held_for_room;    /* jobs admission held back for kvstore room (once each) */
+    uint64_t prefix_priced;    /* starts priced less the prompt blocks a running job holds */
     uint64_t too_large;        /* jobs failed: their KV is larger than the whole store */
     rekv_ratelimit rl[CO_RL_COUNT];
     double rtt_sum, wstep_sum;

@@ -155,6 +155,7 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
     ps->offload_weights = h->offload_weights;
     ps->device_buffer_bytes = h->device_buffer_bytes;
     ps->device_tokens = h->device_tokens;
+    ps->prefix_cache = h->prefix_cache;
     ps->have_profile = 1;
 }
 

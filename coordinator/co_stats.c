@@ -14,8 +14,33 @@ static double tokens_per_s(rekv_coordinator *co)
            ((double)(co->rate_ns[newest] - co->rate_ns[oldest]) * 1e-9);
 }
 
+/* The prefix cache counters of the kvstores the workers use, each store (instance) once. */
+static void prefix_stats(const rekv_coordinator *co, Rekv__Control__PrefixCacheStats *ps)
+{
+    for (int i = 0; i < MAX_WORKERS; i++) {
+        const worker *w = &co->workers[i];
+        if (!w->active || w->plan.store_instance == 0)
+            continue;
+        int seen = 0;
+        for (int k = 0; k < i && !seen; k++)
+            seen = co->workers[k].active &&
+                   co->workers[k].plan.store_instance == w->plan.store_instance;
+        if (seen)
+            continue;
+        ps->stores++;
+        ps->lookups += w->store_prefix[0];
+        ps->hit_tokens += w->store_prefix[1];
+        ps->hit_host_blocks += w->store_prefix[2];
+        ps->hit_disk_blocks += w->store_prefix[3];
+        ps->evictions += w->store_prefix[4];
+        ps->hit_read_bytes += w->store_prefix[5];
+    }
+}
+
 void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
 {
+    Rekv__Control__PrefixCacheStats pcs = REKV__CONTROL__PREFIX_CACHE_STATS__INIT;
+    prefix_stats(co, &pcs);
     Rekv__Control__Stats s = REKV__CONTROL__STATS__INIT;
     s.queued = co->n_queue;
     s.running = co->n_running;
@@ -29,6 +54,7 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     s.worker_results_rejected = co->worker_rejected;
     s.steps_failed = co->steps_failed;
     s.jobs_held_for_room = co->held_for_room;
+    s.jobs_prefix_priced = co->prefix_priced;
     s.jobs_too_large = co->too_large;
     s.bad_requests = co->bad_requests;
     s.requeued = co->requeued;
@@ -38,6 +64,7 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     s.step_rtt_avg_s = co->steps ? co->rtt_sum / (double)co->steps : 0;
     s.worker_step_avg_s = co->steps ? co->wstep_sum / (double)co->steps : 0;
     s.queue_limit = co->cfg.queue_limit;
+    s.prefix_cache = &pcs;
     s.uptime_s = (double)(rekv_now_ns() - co->start_ns) * 1e-9;
     s.h2d_bytes_weights = co->counters[0];
     s.h2d_bytes_kv = co->counters[1];

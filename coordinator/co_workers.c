@@ -229,9 +229,55 @@ static uint64_t job_tokens(const worker *w, const job *j)
     return w->max_pos && t > w->max_pos ? w->max_pos : t;
 }
 
+/* Prompt tokens of job j (with the KV:ACT pattern kv:act) whose blocks running job r holds in
+ * the prefix cache: the leading full blocks of j's prompt — of its first n_prompt - 1 tokens, what
+ * the worker's sequence may take from the cache — equal to r's, as far as r holds them there:
+ * the prompt tokens r's sequence took from the cache (the worker says so after r's first step),
+ * or its whole prompt once r has made two tokens (a sequence publishes, before each step, the
+ * blocks earlier steps filled; the step that made r's first token filled its prompt's). */
+static uint32_t held_common(const job *j, int kv, int act, const job *r)
+{
+    if (r->kv_parts != kv || r->act_parts != act || r->prompt == NULL || j->prompt == NULL)
+        return 0;
+    uint32_t held = r->n_gen >= 2 ? r->n_prompt : r->cached_tokens, B = REKV_PLAN_BLOCK_TOKENS;
+    if (j->n_prompt == 0)
+        return 0;
+    if (held > j->n_prompt - 1)
+        held = j->n_prompt - 1;
+    uint32_t n = 0;
+    while (n + B <= held && memcmp(j->prompt + n, r->prompt + n, B * sizeof(int32_t)) == 0)
+        n += B;
+    return n;
+}
+
+/* Prompt tokens of job j whose blocks a job before it in w's batch (w->run[0, k)) holds in the
+ * prefix cache, at most `took` (what j's sequence took from the cache): those blocks are charged
+ * to that job, so each shared block is charged once. Only jobs of the same worker share (one
+ * model, one mode: the cache's keys), and only on a worker whose sequences take cached prefixes. */
+static uint32_t shared_before(const worker *w, uint32_t k, const job *j, int kv, int act,
+                              uint32_t took)
+{
+    uint32_t best = 0;
+    for (uint32_t i = 0; w->plan.prefix_cache && i < k; i++) {
+        uint32_t n = held_common(j, kv, act, w->run[i]);
+        best = n > best ? n : best;
+    }
+    return best < took ? best : took;
+}
+
+/* The kvstore bytes job j takes on w at its full length (pattern kv:act) less its first `shared`
+ * tokens' blocks, which another job holds (and is charged for). */
+static uint64_t job_price(const worker *w, const job *j, int kv, int act, uint32_t shared)
+{
+    uint64_t full = co_plan_job_store_bytes(&w->plan, job_tokens(w, j), kv, act);
+    uint64_t less = shared ? co_plan_job_store_bytes(&w->plan, shared, kv, act) : 0;
+    return full > less ? full - less : 0;
+}
+
 /* The kvstore bytes the running jobs of every worker on w's store (the same instance) will take
  * at their full length: what admission keeps for them, each at its own pattern (hybrid: the one
- * it was charged at and made with). */
+ * it was charged at and made with), a prompt block shared through the prefix cache once (the
+ * worker's word on what each sequence took from it, once its first step came back). */
 static uint64_t store_promised(rekv_coordinator *co, const worker *w)
 {
     uint64_t sum = 0;
@@ -239,9 +285,12 @@ static uint64_t store_promised(rekv_coordinator *co, const worker *w)
         const worker *v = &co->workers[i];
         if (!v->active || v->plan.store_instance != w->plan.store_instance)
             continue;
-        for (uint32_t k = 0; k < v->n_run; k++)
-            sum += co_plan_job_store_bytes(&v->plan, job_tokens(v, v->run[k]), v->run[k]->kv_parts,
-                                           v->run[k]->act_parts);
+        for (uint32_t k = 0; k < v->n_run; k++) {
+            const job *j = v->run[k];
+            uint32_t shared =
+                shared_before(v, k, j, j->kv_parts, j->act_parts, j->cached_tokens);
+            sum += job_price(v, j, j->kv_parts, j->act_parts, shared);
+        }
     }
     return sum;
 }
@@ -367,10 +416,18 @@ static int schedule_worker(rekv_coordinator *co, int wi)
             continue;
         }
         /* admission: the job's KV at its full length must fit the store beside what the
-         * running jobs will grow into; else it waits (first in line: nothing passes it) */
-        uint64_t need = co_plan_job_store_bytes(&w->plan, job_tokens(w, j), kv_parts, act_parts);
+         * running jobs will grow into; else it waits (first in line: nothing passes it). Its
+         * prompt blocks a running job holds in the prefix cache are that job's charge: the
+         * job's sequence takes them by reference, so it is priced at the rest (optimistic: the
+         * worker's word on what it took reprices it after its first step, and a store out of
+         * room fails the step, whose jobs run again — worker_store.c wk_step_error_retry). A
+         * job larger than the whole store alone fails at its full price: it must fit once the
+         * job it shares with has gone. */
+        uint64_t full = job_price(w, j, kv_parts, act_parts, 0);
+        uint32_t shared = shared_before(w, w->n_run, j, kv_parts, act_parts, UINT32_MAX);
+        uint64_t need = job_price(w, j, kv_parts, act_parts, shared);
         char why[256];
-        int fit = store_fits(w, job_tokens(w, j), need, 0, why, sizeof(why));
+        int fit = store_fits(w, job_tokens(w, j), full, 0, why, sizeof(why));
         if (fit < 0) {
             co->too_large++;
             co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", why);
@@ -384,6 +441,9 @@ static int schedule_worker(rekv_coordinator *co, int wi)
                      (int)(sizeof(j->waiting) - 32), why);
             break;
         }
+        if (shared)
+            co->prefix_priced++;
+        j->cached_tokens = 0; /* this start's, when the worker says */
         promised += need;
         j->kv_parts = kv_parts;
         j->act_parts = act_parts;
@@ -745,8 +805,17 @@ void co_handle_worker_msg(rekv_coordinator *co)
             worker_progress(co, w, m->progress, m->unavailable);
         worker_availability(co, w, m->unavailable);
     }
-    if ((w = worker_find(co, &id)) != NULL) /* its kvstore's room, for admission */
+    if ((w = worker_find(co, &id)) != NULL) { /* its kvstore's room, for admission */
         co_plan_store(&w->plan, m->store);
+        const Rekv__Worker__StoreRoom *r = m->store;
+        uint64_t px[6] = {0};
+        if (r) {
+            px[0] = r->prefix_lookups, px[1] = r->prefix_hit_tokens;
+            px[2] = r->prefix_hit_host_blocks, px[3] = r->prefix_hit_disk_blocks;
+            px[4] = r->prefix_evictions, px[5] = r->prefix_hit_read_bytes;
+        }
+        memcpy(w->store_prefix, px, sizeof(px));
+    }
     rekv__worker__worker_msg__free_unpacked(m, NULL);
 out:
     for (int i = 0; i < nf; i++)

@@ -133,6 +133,10 @@ void rekv_pipeline_config_defaults(rekv_pipeline_config *cfg);
 /* 1 when a pipeline of cfg has the store keep every token's attention input beside its K,V (the
  * activations in kvstore sequence id + 1): kvpr, and infinigen created with a split > 0. */
 int rekv_pipeline_keeps_act(const rekv_pipeline_config *cfg);
+/* 1 when a pipeline made with cfg starts its sequences from the kvstore's prefix cache
+ * (cfg->prefix_cache, in a mode and configuration that allow it: rekv_pseq_create_prefix), else
+ * 0. The worker tells the coordinator (Hello.prefix_cache), whose admission counts on it. */
+int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg);
 
 /* Per-layer counters of one step (or accumulated), exact. */
 typedef struct rekv_layer_counters {

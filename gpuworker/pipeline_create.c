@@ -415,17 +415,23 @@ fail:
 
 /* ------------------------------------------------------------------ the prefix cache */
 
-/* Whether s may start from cached blocks: nothing of its context may live on the device but what
- * the store's blocks give back (the device-resident part of an all-KV store — offload, kvpr's
- * K,V sequence — is copied from them); the approximate modes' device state, ACT_GPU and a device
- * part that would be rebuilt from activations (act, hybrid) are not. */
-static int prefix_ok(const rekv_pipeline *p, const rekv_pseq *s)
+/* Whether sequences may start from cached blocks: nothing of their context may live on the device
+ * but what the store's blocks give back (the device-resident part of an all-KV store — offload,
+ * kvpr's K,V sequence — is copied from them); the approximate modes' device state, ACT_GPU and a
+ * device part that would be rebuilt from activations (act, hybrid) are not. */
+int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
 {
-    if (!p->cfg.prefix_cache || p->info->store == REKV_STORE_NONE || p->info->approximate)
+    const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
+    if (!cfg->prefix_cache || mi->store == REKV_STORE_NONE || mi->approximate)
         return 0;
-    if (p->cfg.act_gpu_blocks > 0 && p->info->act_gpu)
+    if (cfg->act_gpu_blocks > 0 && mi->act_gpu)
         return 0;
-    return p->info->store == REKV_STORE_KV || s->dev_tokens == 0;
+    return mi->store == REKV_STORE_KV || cfg->device_tokens <= 0;
+}
+
+static int prefix_ok(const rekv_pipeline *p)
+{
+    return rekv_pipeline_takes_prefix(&p->cfg);
 }
 
 static rekv_kv_prefix prefix_of(const rekv_pipeline *p, const rekv_pseq *s, const int32_t *tok,
@@ -538,7 +544,7 @@ static int seq_alloc_stream(rekv_pipeline *p, rekv_pseq *s, const int32_t *promp
         return rc;
     s->id = p->next_id;
     p->next_id += 2;
-    if (prefix_ok(p, s)) {
+    if (prefix_ok(p)) {
         if ((s->toks = malloc(sizeof(int32_t) * (size_t)s->cap)) == NULL)
             return rekv_errf(err, -ENOMEM, "out of memory");
         if (prompt) /* kvpr's pair too */

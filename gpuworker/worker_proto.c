@@ -91,6 +91,7 @@ void wk_send_hello(worker *w)
     h.device_tokens = (uint32_t)pc->device_tokens;
     h.persist_np = pc->persist_np;
     h.split = pc->split > 0 ? (uint32_t)pc->split : 0;
+    h.prefix_cache = w->kv != NULL && rekv_pipeline_takes_prefix(pc);
     /* before the Assign: ask for it, with what the planner decides by beyond the above */
     h.ask = !w->assigned;
     h.device_tokens_asked = w->device_tokens;

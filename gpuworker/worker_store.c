@@ -17,7 +17,8 @@
 #include "common/log.h"
 #include "gpuworker/worker_internal.h"
 
-/* Takes the store's room from its Stats reply: the coordinator's admission prices jobs with it. */
+/* Takes the store's room from its Stats reply: the coordinator's admission prices jobs with it;
+ * and its prefix cache counters, which `rekv stats` shows. */
 static void kv_room_fetch(worker *w)
 {
     rekv_kv_stats st;
@@ -35,6 +36,12 @@ static void kv_room_fetch(worker *w)
     w->room.act_block_bytes = st.act_slot_bytes;
     w->room.spill_bytes = st.spill_bytes;
     w->room.spill_room_bytes = st.spill_room_bytes;
+    w->room.prefix_lookups = st.prefix_lookups; /* for `rekv stats` */
+    w->room.prefix_hit_tokens = st.prefix_hit_tokens;
+    w->room.prefix_hit_host_blocks = st.prefix_hit_host_blocks;
+    w->room.prefix_hit_disk_blocks = st.prefix_hit_disk_blocks;
+    w->room.prefix_evictions = st.prefix_evictions;
+    w->room.prefix_hit_read_bytes = st.prefix_hit_read_bytes;
     w->room_ns = rekv_now_ns();
 }
 

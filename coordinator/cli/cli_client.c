@@ -756,6 +756,7 @@ static json_t *stats_json(const Rekv__Control__Stats *s)
                         json_integer((json_int_t)s->worker_results_rejected));
     json_object_set_new(oj, "jobs_held_for_room", json_integer((json_int_t)s->jobs_held_for_room));
     json_object_set_new(oj, "jobs_too_large", json_integer((json_int_t)s->jobs_too_large));
+    json_object_set_new(oj, "jobs_prefix_priced", json_integer((json_int_t)s->jobs_prefix_priced));
     json_t *conns = json_object();
     const Rekv__Control__ConnStats *cs[2] = {s->control_connections, s->worker_connections};
     for (int i = 0; i < 2; i++)
@@ -767,6 +768,16 @@ static json_t *stats_json(const Rekv__Control__Stats *s)
                                           (json_int_t)cs[i]->busy, "shed",
                                           (json_int_t)cs[i]->shed));
     json_object_set_new(oj, "connections", conns);
+    const Rekv__Control__PrefixCacheStats *pc = s->prefix_cache;
+    if (pc) /* the kvstores' prefix caches (each store once) */
+        json_object_set_new(
+            oj, "prefix_cache",
+            json_pack("{s:i, s:I, s:I, s:{s:I, s:I}, s:I, s:I}", "stores", (int)pc->stores,
+                      "lookups", (json_int_t)pc->lookups, "hit_tokens",
+                      (json_int_t)pc->hit_tokens, "hit_blocks", "host",
+                      (json_int_t)pc->hit_host_blocks, "disk", (json_int_t)pc->hit_disk_blocks,
+                      "evictions", (json_int_t)pc->evictions, "hit_read_bytes",
+                      (json_int_t)pc->hit_read_bytes));
     json_t *ws = json_array();
     for (size_t i = 0; i < s->n_workers; i++) {
         const Rekv__Control__WorkerInfo *w = s->workers[i];
