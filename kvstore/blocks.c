@@ -271,6 +271,16 @@ static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
     int arc = fslot_alloc(s, !cached, &fslot);
     if (arc == -ENOSPC && cached)
         return srv_cache_evict_host(s); /* the spill file is full: a cached block just goes */
+    if (arc < 0 && cached) { /* the disk refused to grow the file: it stops caching, never
+                              * serving — spilling pauses as below, the cached block goes */
+        s->spill_errors++;
+        srv_event_rl(s, SRV_RL_SPILL_GROW, REKV_KV_EVENT_ERROR,
+                     "spill file cannot grow: %s; cached blocks are evicted, spilling paused",
+                     strerror(-arc));
+        s->spill_err = arc;
+        s->spill_err_ns = s->now;
+        return srv_cache_evict_host(s);
+    }
     if (arc == -ENOSPC && kv_spill_at_limit(s->spill) && kv_spill_slots_used(s->spill) > 0) {
         *why = "the spill file is full (--spill-bytes)";
         return arc;
@@ -292,7 +302,7 @@ static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
                             id, &crc);
     if (rc < 0) {
         kv_spill_slot_free(s->spill, fslot);
-        return 0;
+        return cached ? srv_cache_evict_host(s) : 0; /* a cached block goes instead */
     }
     lru_remove(s, id);
     b->state = BS_SPILLING;
