@@ -416,22 +416,30 @@ fail:
 /* ------------------------------------------------------------------ the prefix cache */
 
 /* Whether sequences may start from cached blocks: nothing of their context may live on the device
- * but what the store's blocks give back (the device-resident part of an all-KV store — offload,
- * kvpr's K,V sequence — is copied from them); the approximate modes' device state, ACT_GPU and a
- * device part that would be rebuilt from activations (act, hybrid) are not. */
+ * but what the store's KV blocks give back — resident's whole cache and the device-resident part
+ * of an all-KV store (offload, kvpr's K,V sequence) are copied from them. Not (they prefill): the
+ * approximate modes, whose device state (infinigen's partial keys, clo's head caches) is built as
+ * tokens are made; ACT_GPU and a device part that would be rebuilt from activations (act,
+ * hybrid), which would need the recomputation at sequence start. */
 int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
 {
     const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
-    if (!cfg->prefix_cache || mi->store == REKV_STORE_NONE || mi->approximate)
+    if (!cfg->prefix_cache || mi->approximate)
         return 0;
+    if (mi->store == REKV_STORE_NONE) /* resident: its cache loaded from the store's blocks */
+        return 1;
     if (cfg->act_gpu_blocks > 0 && mi->act_gpu)
         return 0;
     return mi->store == REKV_STORE_KV || cfg->device_tokens <= 0;
 }
 
+/* The pipeline's own rule: a store, and resident's cache in the store's dtype (its blocks copy
+ * as they are). */
 static int prefix_ok(const rekv_pipeline *p)
 {
-    return rekv_pipeline_takes_prefix(&p->cfg);
+    if (p->store == NULL || !rekv_pipeline_takes_prefix(&p->cfg))
+        return 0;
+    return p->info->store != REKV_STORE_NONE || p->geo.dtype == p->cfg.cache_dtype;
 }
 
 static rekv_kv_prefix prefix_of(const rekv_pipeline *p, const rekv_pseq *s, const int32_t *tok,
@@ -486,7 +494,8 @@ static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prom
     s->len = s->cached = (int)hit.tokens;
     s->published = s->len / REKV_KV_BLOCK_TOKENS;
     memcpy(s->toks, prompt, sizeof(int32_t) * (size_t)s->len);
-    if (s->len > 0 && s->dev_tokens > 0 && (rc = pl_prefix_fill_device(p, s, err))) {
+    int upto = s->dev_tokens < s->len ? s->dev_tokens : s->len;
+    if (upto > 0 && (rc = pl_prefix_fill_device(p, s->id, s->kv_dev, s->dev_tokens, upto, err))) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
         if (p->keep_act)
             rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);
@@ -504,6 +513,28 @@ void pl_prefix_publish(rekv_pipeline *p, rekv_pseq *s)
     if (p->keep_act) /* kvpr's activations */
         rekv_kvstore_publish(p->store, s->id + 1, &px, NULL, NULL);
     s->published = s->len / REKV_KV_BLOCK_TOKENS;
+}
+
+/* Resident's s from the cache's longest run of prompt's full blocks (all but its last token):
+ * a store sequence made from them for as long as their K,V are copied into s's device cache,
+ * then dropped (the store's references go with it; resident publishes nothing, its K,V never
+ * being in the store). */
+static int resident_take_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prompt,
+                                int n_prompt, rekv_err *err)
+{
+    int n = n_prompt - 1 < s->cap ? n_prompt - 1 : s->cap;
+    uint64_t id = p->next_id;
+    p->next_id += 2;
+    rekv_kv_prefix px = {prompt, n > 0 ? (size_t)n : 0, p->cfg.fingerprint, 1, 0};
+    rekv_kv_prefix_hit hit = {0};
+    int rc = rekv_kvstore_seq_create_prefix(p->store, id, &px, &hit, err);
+    if (rc)
+        return rc;
+    if (hit.tokens > 0 &&
+        (rc = pl_prefix_fill_device(p, id, s->kv, s->cap, (int)hit.tokens, err)) == 0)
+        s->len = s->cached = (int)hit.tokens;
+    int drc = rekv_kvstore_seq_drop(p->store, id, rc ? NULL : err);
+    return rc ? rc : drc;
 }
 
 int rekv_pseq_cached(const rekv_pseq *s)
@@ -592,6 +623,8 @@ int rekv_pseq_create_prefix(rekv_pipeline *p, int capacity, const int32_t *promp
     int rc = p->info->store != REKV_STORE_NONE ? seq_alloc_stream(p, s, prompt, n_prompt, err)
              : p->ops->seq_alloc               ? p->ops->seq_alloc(p, s, err)
                                                : 0;
+    if (rc == 0 && p->info->store == REKV_STORE_NONE && prompt && prefix_ok(p))
+        rc = resident_take_prefix(p, s, prompt, n_prompt, err);
     if (rc) {
         seq_free_device(p, s);
         free(s->toks);

@@ -421,9 +421,12 @@ void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *laye
  * a lost store, only costs later hits): as they fill (pl_store_prepare, before a step) and when
  * the sequence goes. */
 void pl_prefix_publish(rekv_pipeline *p, rekv_pseq *s);
-/* The prefix cache's device side: copies the device-resident part of a sequence that starts
- * from cached blocks (its first dev_tokens positions) from the arena. */
-int pl_prefix_fill_device(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
+/* The prefix cache's device side: copies the first `upto` positions of every layer of store
+ * sequence seq (blocks it took from the cache) from the arena into dev, a device KV buffer of
+ * `tokens` positions per layer (kvlayout.h, layers back to back): the device-resident part of a
+ * streaming sequence, or resident's whole cache. */
+int pl_prefix_fill_device(rekv_pipeline *p, uint64_t seq, uint8_t *dev, int tokens, int upto,
+                          rekv_err *err);
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it);
 void pl_store_pattern(const rekv_pipeline *p, const rekv_pseq *s, uint32_t *kv, uint32_t *act);

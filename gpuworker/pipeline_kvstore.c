@@ -6,7 +6,8 @@
  * buffer, activation rows into staging (or from ACT_GPU's device copy), the new rows back into the
  * arena; and push, where the store makes those KV copies itself (pipeline.c's opening). With the
  * prefix cache, a sequence records the tokens it appends (published when it goes), and one that
- * starts from cached blocks gets its device-resident part copied from them once. */
+ * starts from cached blocks gets its device-resident part (resident: its whole device cache)
+ * copied from them once. */
 #include "gpuworker/pipeline_internal.h"
 
 #include <errno.h>
@@ -158,17 +159,18 @@ static int plan_windows(rekv_pipeline *p, step *st, rekv_err *err)
     return 0;
 }
 
-int pl_prefix_fill_device(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+int pl_prefix_fill_device(rekv_pipeline *p, uint64_t seq, uint8_t *dev, int tokens, int upto,
+                          rekv_err *err)
 {
-    int L = p->c->n_layers, upto = s->dev_tokens < s->len ? s->dev_tokens : s->len;
+    int L = p->c->n_layers;
     size_t blk = rekv_kv_block_bytes(&p->geo);
-    size_t layer_bytes = rekv_kv_buffer_elems(p->geo.n_kv_heads, p->geo.head_dim, s->dev_tokens) *
+    size_t layer_bytes = rekv_kv_buffer_elems(p->geo.n_kv_heads, p->geo.head_dim, tokens) *
                          rekv_dtype_size(p->geo.dtype);
     rekv_kv_range *r = calloc((size_t)L, sizeof(*r));
     if (r == NULL)
         return rekv_errf(err, -ENOMEM, "out of memory");
     for (int l = 0; l < L; l++)
-        r[l] = (rekv_kv_range){s->id, (uint32_t)l, 0, (uint64_t)upto};
+        r[l] = (rekv_kv_range){seq, (uint32_t)l, 0, (uint64_t)upto};
     rekv_kv_plan_block *pb = NULL;
     size_t n = 0, cap = 0;
     int rc = rekv_kvstore_plan(p->store, r, (size_t)L, 1, &pb, &n, &cap, err), pinned = rc == 0;
@@ -178,7 +180,7 @@ int pl_prefix_fill_device(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
     if (rc == 0) {
         /* one layout everywhere (kvlayout.h): a store block is a block of the device part */
         for (size_t i = 0; i < n; i++)
-            pc[i] = (rekv_copy_piece){s->kv_dev + (size_t)pb[i].range * layer_bytes +
+            pc[i] = (rekv_copy_piece){dev + (size_t)pb[i].range * layer_bytes +
                                           (size_t)pb[i].block * blk,
                                       p->arena + pb[i].offset, blk};
         p->bi->copy_h2d(p->s_h2d, pc, n, REKV_XFER_KV);

@@ -4,7 +4,7 @@
  * rekv_generate's bit for bit — the same prompt twice, a prompt sharing a prefix with an earlier
  * one (diverging inside a block), a prompt that continues an earlier job's output (multi-turn),
  * with the device-resident part copied from the cached blocks, in act, hybrid and kvpr modes,
- * and with the cache off. At the end every block is back: after the jobs and the cache are dropped, every slot of
+ * resident's device cache loaded from blocks offload cached, and with the cache off. At the end every block is back: after the jobs and the cache are dropped, every slot of
  * the arena is free. */
 #include <check.h>
 #include <errno.h>
@@ -200,6 +200,54 @@ END_TEST
 START_TEST(kvpr_same_and_shared)
 {
     same_and_shared(REKV_MODE_KVPR, 8);
+}
+END_TEST
+
+/* Resident keeps its KV cache on the device and nothing in the store, so it publishes nothing:
+ * its jobs take the K,V blocks another mode's jobs cached on the same store, loaded into the
+ * device cache instead of prefilled. An offload pipeline beside it publishes. */
+START_TEST(resident_from_cached_blocks)
+{
+    env v;
+    if (!env_open(&v, REKV_MODE_RESIDENT, 1, 0))
+        return;
+    rekv_pipeline_config pc;
+    rekv_pipeline_config_defaults(&pc);
+    pc.mode = REKV_MODE_OFFLOAD;
+    pc.prefix_cache = 1;
+    rekv_pipeline *po;
+    rekv_batcher *bo;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_pipeline_create(v.f.e, v.f.be, v.f.store, &pc, &po, &err) == 0, "%s",
+                  err.msg);
+    ck_assert_msg(rekv_batcher_create(po, rekv_engine_config(v.f.e), 4, &bo, &err) == 0, "%s",
+                  err.msg);
+    int vocab = rekv_engine_config(v.f.e)->vocab;
+    int32_t a[70], c[55];
+    prompt_make(a, 70, 71, vocab);
+    memcpy(c, a, sizeof(int32_t) * 40);
+    prompt_make(c + 40, 15, 72, vocab);
+    result ra, rc, got;
+    reference(&v.f, a, 70, &ra);
+    reference(&v.f, c, 55, &rc);
+    run_job(v.b, 1, a, 70, &got); /* resident alone: nothing cached, nothing published */
+    ck_assert_int_eq(got.cached, 0);
+    assert_same(&got, &ra, "resident, first run");
+    run_job(v.b, 2, a, 70, &got);
+    ck_assert_int_eq(got.cached, 0);
+    run_job(bo, 3, a, 70, &got); /* offload publishes the prompt's blocks */
+    ck_assert_int_eq(got.cached, 0);
+    run_job(v.b, 4, a, 70, &got);
+    ck_assert_int_eq(got.cached, 64);
+    assert_same(&got, &ra, "resident, the same prompt from offload's blocks");
+    run_job(v.b, 5, c, 55, &got);
+    ck_assert_int_eq(got.cached, 32);
+    assert_same(&got, &rc, "resident, a shared prefix");
+    rekv_batcher_free(bo);
+    rekv_pipeline_free(po);
+    rekv_kv_stats st = store_stats(&v);
+    ck_assert_int_eq(st.prefix_hit_tokens, 96);
+    env_close(&v);
 }
 END_TEST
 
@@ -423,6 +471,7 @@ static Suite *suite(void)
     tcase_add_test(tc, act_same_and_shared);
     tcase_add_test(tc, hybrid_same_and_shared);
     tcase_add_test(tc, kvpr_same_and_shared);
+    tcase_add_test(tc, resident_from_cached_blocks);
     tcase_add_test(tc, offload_next_turn);
     tcase_add_test(tc, offload_published_as_filled);
     tcase_add_test(tc, offload_cache_off);
