@@ -56,6 +56,7 @@ const pl_mode_ops pl_mode_infinigen = {
     .free = ig_free,
     .seq_alloc = pl_ig_seq_alloc,
     .seq_free = pl_ig_seq_free,
+    .prefix_fill = pl_ig_prefix_fill,
     .step_prepare = pl_ig_prepare,
     .sparse = pl_ig_sparse,
     .recompute_rows = ig_recompute_rows,

@@ -417,14 +417,15 @@ fail:
 
 /* Whether sequences may start from cached blocks: nothing of their context may live on the device
  * but what the store's KV blocks give back — resident's whole cache and the device-resident part
- * of an all-KV store (offload, kvpr's K,V sequence) are copied from them. Not (they prefill): the
- * approximate modes, whose device state (infinigen's partial keys, clo's head caches) is built as
- * tokens are made; ACT_GPU and a device part that would be rebuilt from activations (act,
- * hybrid), which would need the recomputation at sequence start. */
+ * of an all-KV store (offload, kvpr's K,V sequence) are copied from them, and an approximate mode's
+ * per-token device state is rebuilt from them (ops->prefix_fill: infinigen's partial keys). Not
+ * (they prefill): clo, whose head caches are decisions made token by token; ACT_GPU and a device
+ * part that would be rebuilt from activations (act, hybrid), which would need the recomputation
+ * at sequence start. */
 int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
 {
     const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
-    if (!cfg->prefix_cache || mi->approximate)
+    if (!cfg->prefix_cache || (mi->approximate && pl_mode_ops_of(cfg->mode)->prefix_fill == NULL))
         return 0;
     if (mi->store == REKV_STORE_NONE) /* resident: its cache loaded from the store's blocks */
         return 1;
@@ -484,7 +485,10 @@ static int seq_create_prefix_pair(rekv_pipeline *p, rekv_pseq *s, rekv_kv_prefix
 static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prompt, int n_prompt,
                              rekv_err *err)
 {
-    int n = n_prompt - 1 < s->cap ? n_prompt - 1 : s->cap;
+    /* the last token's logits are computed; a mode that speculates (ops->sparse) runs a one-row
+     * step sparsely, so at least two are left to prefill, as without the cache */
+    int keep = p->ops->sparse ? 2 : 1;
+    int n = n_prompt - keep < s->cap ? n_prompt - keep : s->cap;
     rekv_kv_prefix px = prefix_of(p, s, prompt, n > 0 ? (size_t)n : 0);
     rekv_kv_prefix_hit hit = {0};
     int rc = p->keep_act ? seq_create_prefix_pair(p, s, px, &hit.tokens, err)
@@ -495,7 +499,11 @@ static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prom
     s->published = s->len / REKV_KV_BLOCK_TOKENS;
     memcpy(s->toks, prompt, sizeof(int32_t) * (size_t)s->len);
     int upto = s->dev_tokens < s->len ? s->dev_tokens : s->len;
-    if (upto > 0 && (rc = pl_prefix_fill_device(p, s->id, s->kv_dev, s->dev_tokens, upto, err))) {
+    if (upto > 0)
+        rc = pl_prefix_fill_device(p, s->id, s->kv_dev, s->dev_tokens, upto, err);
+    if (rc == 0 && s->len > 0 && p->ops->prefix_fill)
+        rc = p->ops->prefix_fill(p, s, err);
+    if (rc) {
         rekv_kvstore_seq_drop(p->store, s->id, NULL);
         if (p->keep_act)
             rekv_kvstore_seq_drop(p->store, s->id + 1, NULL);

@@ -355,6 +355,10 @@ typedef struct pl_mode_ops {
      * caches), after the streaming modes' common part; seq_free frees it, also part of it */
     int (*seq_alloc)(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
     void (*seq_free)(rekv_pipeline *p, rekv_pseq *s);
+    /* a sequence that starts from the prefix cache's blocks (its first len tokens, its store
+     * sequences made): the mode's per-token device state of those tokens, rebuilt from the
+     * blocks (infinigen's partial keys). NULL in an approximate mode: it prefills instead */
+    int (*prefix_fill)(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
     /* per step, once the step's buffers are sized: the mode's step memory (the speculation's) */
     int (*step_prepare)(rekv_pipeline *p, step *st, rekv_err *err);
     /* whether item i fetches sparsely at layers > 0 (the modes that speculate) */
@@ -458,6 +462,7 @@ float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
 int pl_ig_unit_begin(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
 int pl_ig_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
 void pl_ig_seq_free(rekv_pipeline *p, rekv_pseq *s);
+int pl_ig_prefix_fill(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
 int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
 /* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, with the
  * unit's speculated scores on the host: fn(job, j, scratch) for each batch index j of

@@ -4,7 +4,10 @@
  * rekv_generate's bit for bit — the same prompt twice, a prompt sharing a prefix with an earlier
  * one (diverging inside a block), a prompt that continues an earlier job's output (multi-turn),
  * with the device-resident part copied from the cached blocks, in act, hybrid and kvpr modes,
- * resident's device cache loaded from blocks offload cached, and with the cache off. At the end every block is back: after the jobs and the cache are dropped, every slot of
+ * resident's device cache loaded from blocks offload cached, infinigen with its cached tokens'
+ * partial keys rebuilt (against infinigen without the cache), and with the cache off. Not
+ * checked: clo and act/hybrid with a device part or ACT_GPU, which prefill (pipeline_create.c
+ * rekv_pipeline_takes_prefix says why). At the end every block is back: after the jobs and the cache are dropped, every slot of
  * the arena is free. */
 #include <check.h>
 #include <errno.h>
@@ -14,6 +17,7 @@
 
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
+#include "gpuworker/skew.h"
 #include "tests/fixture.h"
 #include "tests/testutil.h"
 
@@ -79,9 +83,9 @@ static void assert_same(const result *got, const result *want, const char *what)
 {
     ck_assert_msg(got->n == want->n, "%s: %d tokens, rekv_generate %d", what, got->n, want->n);
     ck_assert_msg(memcmp(got->ids, want->ids, sizeof(int32_t) * (size_t)got->n) == 0,
-                  "%s: tokens differ from rekv_generate's", what);
+                  "%s: tokens differ from the reference's", what);
     ck_assert_msg(memcmp(got->top, want->top, sizeof(float) * (size_t)got->n * TOP) == 0,
-                  "%s: logits differ from rekv_generate's (not bit for bit)", what);
+                  "%s: logits differ from the reference's (not bit for bit)", what);
 }
 
 typedef struct env {
@@ -247,6 +251,76 @@ START_TEST(resident_from_cached_blocks)
     rekv_pipeline_free(po);
     rekv_kv_stats st = store_stats(&v);
     ck_assert_int_eq(st.prefix_hit_tokens, 96);
+    env_close(&v);
+}
+END_TEST
+
+/* A pipeline of mode m on v's fixture and store, with the prefix cache or not, and its batcher;
+ * sk: the skew (the modes that speculate). */
+static void pipe_open(env *v, rekv_mode m, int prefix, const rekv_skew *sk, rekv_pipeline **p,
+                      rekv_batcher **b)
+{
+    rekv_pipeline_config pc;
+    rekv_pipeline_config_defaults(&pc);
+    pc.mode = m;
+    pc.prefix_cache = prefix;
+    pc.skew = sk;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_pipeline_create(v->f.e, v->f.be, v->f.store, &pc, p, &err) == 0, "%s",
+                  err.msg);
+    ck_assert_msg(rekv_batcher_create(*p, rekv_engine_config(v->f.e), 4, b, &err) == 0, "%s",
+                  err.msg);
+}
+
+/* InfiniGen speculates over each context token's partial key: a job from the cache gets those
+ * of its cached tokens rebuilt from their K rows, and then selects as without the cache — a real
+ * selection (the default cap: a fifth of the context fetched) — so its tokens and logits are
+ * the same mode's without the cache, bit for bit. */
+START_TEST(infinigen_same_and_shared)
+{
+    env v;
+    if (!env_open(&v, REKV_MODE_OFFLOAD, 0, 0)) /* the fixture and store; offload unused */
+        return;
+    rekv_skew sk;
+    tu_skew_calibrate(&v.f, &sk);
+    rekv_pipeline *p0, *p1;
+    rekv_batcher *b0, *b1;
+    pipe_open(&v, REKV_MODE_INFINIGEN, 0, &sk, &p0, &b0);
+    pipe_open(&v, REKV_MODE_INFINIGEN, 1, &sk, &p1, &b1);
+    int vocab = rekv_engine_config(v.f.e)->vocab;
+    int32_t a[70], c[55];
+    prompt_make(a, 70, 81, vocab);
+    memcpy(c, a, sizeof(int32_t) * 40);
+    prompt_make(c + 40, 15, 82, vocab);
+    result ra, rc, got;
+    run_job(b0, 1, a, 70, &ra); /* the cache off: the references */
+    run_job(b0, 2, c, 55, &rc);
+    ck_assert_int_eq(ra.cached + rc.cached, 0);
+    run_job(b1, 3, a, 70, &got);
+    ck_assert_int_eq(got.cached, 0);
+    assert_same(&got, &ra, "infinigen, first run");
+    run_job(b1, 4, a, 70, &got);
+    ck_assert_int_eq(got.cached, 64);
+    assert_same(&got, &ra, "infinigen, the same prompt from the cache");
+    run_job(b1, 5, c, 55, &got);
+    ck_assert_int_eq(got.cached, 32);
+    assert_same(&got, &rc, "infinigen, a shared prefix");
+    /* a's first 65 tokens: 64 are cached, but a one-row step would run sparsely, so the cache
+     * gives 48 and the first step prefills 17, as without the cache */
+    result rd;
+    run_job(b0, 6, a, 65, &rd);
+    run_job(b1, 7, a, 65, &got);
+    ck_assert_int_eq(got.cached, 48);
+    assert_same(&got, &rd, "infinigen, one token past the cached blocks");
+    uint64_t considered, selected;
+    rekv_pipeline_selected_fraction(rekv_pipeline_counters(p1, NULL),
+                                    rekv_engine_config(v.f.e)->n_layers, &considered, &selected);
+    ck_assert_uint_lt(selected, considered); /* it selected */
+    rekv_batcher_free(b1);
+    rekv_pipeline_free(p1);
+    rekv_batcher_free(b0);
+    rekv_pipeline_free(p0);
+    rekv_skew_free(&sk);
     env_close(&v);
 }
 END_TEST
@@ -472,6 +546,7 @@ static Suite *suite(void)
     tcase_add_test(tc, hybrid_same_and_shared);
     tcase_add_test(tc, kvpr_same_and_shared);
     tcase_add_test(tc, resident_from_cached_blocks);
+    tcase_add_test(tc, infinigen_same_and_shared);
     tcase_add_test(tc, offload_next_turn);
     tcase_add_test(tc, offload_published_as_filled);
     tcase_add_test(tc, offload_cache_off);
