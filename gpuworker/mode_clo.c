@@ -604,6 +604,9 @@ const pl_mode_ops pl_mode_clo = {
     .free = clo_mode_free,
     .seq_alloc = clo_mode_seq_alloc,
     .seq_free = clo_mode_seq_free,
+    /* from the cache, the partial keys; the caches start forgotten, as after a prefill (the
+     * rest of the prompt is one, at least two rows: pipeline_create.c seq_create_prefix) */
+    .prefix_fill = pl_ig_prefix_fill,
     .step_prepare = pl_ig_prepare,
     .sparse = clo_sparse,
     .unit_plan = clo_unit_plan,

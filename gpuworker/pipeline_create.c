@@ -418,10 +418,10 @@ fail:
 /* Whether sequences may start from cached blocks: nothing of their context may live on the device
  * but what the store's KV blocks give back — resident's whole cache and the device-resident part
  * of an all-KV store (offload, kvpr's K,V sequence) are copied from them, and an approximate mode's
- * per-token device state is rebuilt from them (ops->prefix_fill: infinigen's partial keys). Not
- * (they prefill): clo, whose head caches are decisions made token by token; ACT_GPU and a device
- * part that would be rebuilt from activations (act, hybrid), which would need the recomputation
- * at sequence start. */
+ * per-token device state is rebuilt from them (ops->prefix_fill: the partial keys of infinigen and
+ * clo; clo's head caches start forgotten, as after any prefill). Not (they prefill): ACT_GPU and a
+ * device part that would be rebuilt from activations (act, hybrid), which would need the
+ * recomputation at sequence start. */
 int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
 {
     const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);

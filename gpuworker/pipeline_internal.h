@@ -357,7 +357,8 @@ typedef struct pl_mode_ops {
     void (*seq_free)(rekv_pipeline *p, rekv_pseq *s);
     /* a sequence that starts from the prefix cache's blocks (its first len tokens, its store
      * sequences made): the mode's per-token device state of those tokens, rebuilt from the
-     * blocks (infinigen's partial keys). NULL in an approximate mode: it prefills instead */
+     * blocks (the partial keys of infinigen and clo). NULL in an approximate mode: it prefills
+     * instead */
     int (*prefix_fill)(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
     /* per step, once the step's buffers are sized: the mode's step memory (the speculation's) */
     int (*step_prepare)(rekv_pipeline *p, step *st, rekv_err *err);

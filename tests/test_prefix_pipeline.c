@@ -4,9 +4,9 @@
  * rekv_generate's bit for bit — the same prompt twice, a prompt sharing a prefix with an earlier
  * one (diverging inside a block), a prompt that continues an earlier job's output (multi-turn),
  * with the device-resident part copied from the cached blocks, in act, hybrid and kvpr modes,
- * resident's device cache loaded from blocks offload cached, infinigen with its cached tokens'
- * partial keys rebuilt (against infinigen without the cache), and with the cache off. Not
- * checked: clo and act/hybrid with a device part or ACT_GPU, which prefill (pipeline_create.c
+ * resident's device cache loaded from blocks offload cached, infinigen and clo with their cached
+ * tokens' partial keys rebuilt (against the same mode without the cache), and with the cache off.
+ * Not checked: act/hybrid with a device part or ACT_GPU, which prefill (pipeline_create.c
  * rekv_pipeline_takes_prefix says why). At the end every block is back: after the jobs and the cache are dropped, every slot of
  * the arena is free. */
 #include <check.h>
@@ -17,6 +17,7 @@
 
 #include "gpuworker/batcher.h"
 #include "gpuworker/pipeline.h"
+#include "gpuworker/heads.h"
 #include "gpuworker/skew.h"
 #include "tests/fixture.h"
 #include "tests/testutil.h"
@@ -257,14 +258,15 @@ END_TEST
 
 /* A pipeline of mode m on v's fixture and store, with the prefix cache or not, and its batcher;
  * sk: the skew (the modes that speculate). */
-static void pipe_open(env *v, rekv_mode m, int prefix, const rekv_skew *sk, rekv_pipeline **p,
-                      rekv_batcher **b)
+static void pipe_open(env *v, rekv_mode m, int prefix, const rekv_skew *sk, const rekv_heads *hp,
+                      rekv_pipeline **p, rekv_batcher **b)
 {
     rekv_pipeline_config pc;
     rekv_pipeline_config_defaults(&pc);
     pc.mode = m;
     pc.prefix_cache = prefix;
     pc.skew = sk;
+    pc.heads = hp;
     rekv_err err = {0};
     ck_assert_msg(rekv_pipeline_create(v->f.e, v->f.be, v->f.store, &pc, p, &err) == 0, "%s",
                   err.msg);
@@ -272,56 +274,77 @@ static void pipe_open(env *v, rekv_mode m, int prefix, const rekv_skew *sk, rekv
                   err.msg);
 }
 
-/* InfiniGen speculates over each context token's partial key: a job from the cache gets those
- * of its cached tokens rebuilt from their K rows, and then selects as without the cache — a real
- * selection (the default cap: a fifth of the context fetched) — so its tokens and logits are
- * the same mode's without the cache, bit for bit. */
-START_TEST(infinigen_same_and_shared)
+/* InfiniGen and clo speculate over each context token's partial key: a job from the cache gets
+ * those of its cached tokens rebuilt from their K rows, and then selects as without the cache —
+ * a real selection (the default cap: a fifth of the context fetched; clo's heads all hitting once
+ * their caches are built, so its labels decide) — so its tokens and logits are the same mode's
+ * without the cache, bit for bit. */
+static void speculating_same_and_shared(rekv_mode mode)
 {
     env v;
     if (!env_open(&v, REKV_MODE_OFFLOAD, 0, 0)) /* the fixture and store; offload unused */
         return;
     rekv_skew sk;
+    rekv_heads hp;
     tu_skew_calibrate(&v.f, &sk);
+    tu_heads_uniform(&v.f, 0, &hp);
     rekv_pipeline *p0, *p1;
     rekv_batcher *b0, *b1;
-    pipe_open(&v, REKV_MODE_INFINIGEN, 0, &sk, &p0, &b0);
-    pipe_open(&v, REKV_MODE_INFINIGEN, 1, &sk, &p1, &b1);
+    pipe_open(&v, mode, 0, &sk, &hp, &p0, &b0);
+    pipe_open(&v, mode, 1, &sk, &hp, &p1, &b1);
     int vocab = rekv_engine_config(v.f.e)->vocab;
-    int32_t a[70], c[55];
-    prompt_make(a, 70, 81, vocab);
-    memcpy(c, a, sizeof(int32_t) * 40);
-    prompt_make(c + 40, 15, 82, vocab);
+    /* contexts long enough that the selection chooses (clo: more tokens between the sink and
+     * the recent window than its top-k holds) */
+    int32_t a[200], c[150];
+    prompt_make(a, 200, 81, vocab);
+    memcpy(c, a, sizeof(int32_t) * 100);
+    prompt_make(c + 100, 50, 82, vocab);
     result ra, rc, got;
-    run_job(b0, 1, a, 70, &ra); /* the cache off: the references */
-    run_job(b0, 2, c, 55, &rc);
+    run_job(b0, 1, a, 200, &ra); /* the cache off: the references */
+    run_job(b0, 2, c, 150, &rc);
     ck_assert_int_eq(ra.cached + rc.cached, 0);
-    run_job(b1, 3, a, 70, &got);
+    run_job(b1, 3, a, 200, &got);
     ck_assert_int_eq(got.cached, 0);
-    assert_same(&got, &ra, "infinigen, first run");
-    run_job(b1, 4, a, 70, &got);
-    ck_assert_int_eq(got.cached, 64);
-    assert_same(&got, &ra, "infinigen, the same prompt from the cache");
-    run_job(b1, 5, c, 55, &got);
-    ck_assert_int_eq(got.cached, 32);
-    assert_same(&got, &rc, "infinigen, a shared prefix");
-    /* a's first 65 tokens: 64 are cached, but a one-row step would run sparsely, so the cache
-     * gives 48 and the first step prefills 17, as without the cache */
+    assert_same(&got, &ra, "first run");
+    run_job(b1, 4, a, 200, &got);
+    ck_assert_int_eq(got.cached, 192);
+    assert_same(&got, &ra, "the same prompt from the cache");
+    run_job(b1, 5, c, 150, &got);
+    ck_assert_int_eq(got.cached, 96);
+    assert_same(&got, &rc, "a shared prefix");
+    /* a's first 193 tokens: 192 are cached, but a one-row step would run sparsely, so the
+     * cache gives 176 and the first step prefills 17, as without the cache */
     result rd;
-    run_job(b0, 6, a, 65, &rd);
-    run_job(b1, 7, a, 65, &got);
-    ck_assert_int_eq(got.cached, 48);
-    assert_same(&got, &rd, "infinigen, one token past the cached blocks");
+    run_job(b0, 6, a, 193, &rd);
+    run_job(b1, 7, a, 193, &got);
+    ck_assert_int_eq(got.cached, 176);
+    assert_same(&got, &rd, "one token past the cached blocks");
     uint64_t considered, selected;
     rekv_pipeline_selected_fraction(rekv_pipeline_counters(p1, NULL),
                                     rekv_engine_config(v.f.e)->n_layers, &considered, &selected);
     ck_assert_uint_lt(selected, considered); /* it selected */
+    rekv_layer_counters tot;
+    rekv_pipeline_counters(p1, &tot);
+    if (rekv_mode_info_of(mode)->head_caches) /* clo's labels decided */
+        ck_assert_uint_gt(tot.head_hits, 0);
     rekv_batcher_free(b1);
     rekv_pipeline_free(p1);
     rekv_batcher_free(b0);
     rekv_pipeline_free(p0);
+    rekv_heads_free(&hp);
     rekv_skew_free(&sk);
     env_close(&v);
+}
+
+START_TEST(infinigen_same_and_shared)
+{
+    speculating_same_and_shared(REKV_MODE_INFINIGEN);
+}
+END_TEST
+
+START_TEST(clo_same_and_shared)
+{
+    speculating_same_and_shared(REKV_MODE_CLO);
 }
 END_TEST
 
@@ -547,6 +570,7 @@ static Suite *suite(void)
     tcase_add_test(tc, kvpr_same_and_shared);
     tcase_add_test(tc, resident_from_cached_blocks);
     tcase_add_test(tc, infinigen_same_and_shared);
+    tcase_add_test(tc, clo_same_and_shared);
     tcase_add_test(tc, offload_next_turn);
     tcase_add_test(tc, offload_published_as_filled);
     tcase_add_test(tc, offload_cache_off);
