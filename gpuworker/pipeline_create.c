@@ -417,11 +417,12 @@ fail:
 
 /* Whether sequences may start from cached blocks: nothing of their context may live on the device
  * but what the store's KV blocks give back — resident's whole cache and the device-resident part
- * of an all-KV store (offload, kvpr's K,V sequence) are copied from them, and an approximate mode's
- * per-token device state is rebuilt from them (ops->prefix_fill: the partial keys of infinigen and
- * clo; clo's head caches start forgotten, as after any prefill). Not (they prefill): ACT_GPU and a
- * device part that would be rebuilt from activations (act, hybrid), which would need the
- * recomputation at sequence start. */
+ * of an all-KV store (offload, kvpr's K,V sequence) and ACT_GPU's copy of the first ACT blocks
+ * are copied from them, and an approximate mode's per-token device state is rebuilt from them
+ * (ops->prefix_fill: the partial keys of infinigen and clo; clo's head caches start forgotten, as
+ * after any prefill). Not (they prefill): act and hybrid with a device part, whose K,V would be
+ * recomputed from the cached activations at sequence start, outside a step (with weights that
+ * may be streamed per layer). */
 int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
 {
     const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
@@ -429,8 +430,6 @@ int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
         return 0;
     if (mi->store == REKV_STORE_NONE) /* resident: its cache loaded from the store's blocks */
         return 1;
-    if (cfg->act_gpu_blocks > 0 && mi->act_gpu)
-        return 0;
     return mi->store == REKV_STORE_KV || cfg->device_tokens <= 0;
 }
 
@@ -481,7 +480,7 @@ static int seq_create_prefix_pair(rekv_pipeline *p, rekv_pseq *s, rekv_kv_prefix
 }
 
 /* Makes s's kvstore sequences from the cache's longest run of prompt's full blocks (all but its
- * last token), and its device part from them. */
+ * last token), and its device state from them: the device part, ACT_GPU's copy, the mode's. */
 static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prompt, int n_prompt,
                              rekv_err *err)
 {
@@ -501,6 +500,8 @@ static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prom
     int upto = s->dev_tokens < s->len ? s->dev_tokens : s->len;
     if (upto > 0)
         rc = pl_prefix_fill_device(p, s->id, s->kv_dev, s->dev_tokens, upto, err);
+    if (rc == 0 && s->len > 0 && s->act_dev)
+        rc = pl_prefix_fill_act(p, s, err);
     if (rc == 0 && s->len > 0 && p->ops->prefix_fill)
         rc = p->ops->prefix_fill(p, s, err);
     if (rc) {

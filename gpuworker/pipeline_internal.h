@@ -432,6 +432,9 @@ void pl_prefix_publish(rekv_pipeline *p, rekv_pseq *s);
  * streaming sequence, or resident's whole cache. */
 int pl_prefix_fill_device(rekv_pipeline *p, uint64_t seq, uint8_t *dev, int tokens, int upto,
                           rekv_err *err);
+/* ACT_GPU's device copy of a sequence that starts from cached blocks: its first ACT blocks
+ * (cfg.act_gpu_blocks per layer, in the sequence's order) among them, copied whole. */
+int pl_prefix_fill_act(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it);
 void pl_store_pattern(const rekv_pipeline *p, const rekv_pseq *s, uint32_t *kv, uint32_t *act);

@@ -196,6 +196,39 @@ int pl_prefix_fill_device(rekv_pipeline *p, uint64_t seq, uint8_t *dev, int toke
     return rc;
 }
 
+int pl_prefix_fill_act(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
+{
+    int L = p->c->n_layers, rc = 0;
+    uint64_t seq = p->keep_act ? s->id + 1 : s->id, n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
+    size_t blk = REKV_KV_BLOCK_TOKENS * (size_t)p->geo.hidden * rekv_dtype_size(p->geo.dtype);
+    rekv_kv_plan_block *pb = NULL;
+    size_t n = 0, cap = 0;
+    rekv_copy_piece *pc = calloc(n_gpu ? n_gpu : 1, sizeof(*pc));
+    if (pc == NULL)
+        return rekv_errf(err, -ENOMEM, "out of memory");
+    for (int l = 0; rc == 0 && l < L; l++) {
+        rekv_kv_range r = {seq, (uint32_t)l, 0, (uint64_t)s->len};
+        if ((rc = rekv_kvstore_plan(p->store, &r, 1, 1, &pb, &n, &cap, err)))
+            break;
+        uint64_t ord = 0; /* the blocks come in order; ACT_GPU holds the first ACT ones */
+        for (size_t i = 0; i < n && ord < n_gpu; i++)
+            if (pb[i].type == REKV_KV_BLOCK_ACT) {
+                size_t at = ((size_t)l * n_gpu + ord) * blk;
+                pc[ord++] = (rekv_copy_piece){s->act_dev + at,
+                                              p->arena + pb[i].offset +
+                                                  rekv_kv_act_offset(&p->geo, 0),
+                                              blk};
+            }
+        p->bi->copy_h2d(p->s_h2d, pc, (size_t)ord, REKV_XFER_ACT);
+        rc = p->bi->stream_sync(p->s_h2d, err);
+        int urc = rekv_kvstore_unpin(p->store, &r, 1, rc ? NULL : err);
+        rc = rc ? rc : urc;
+    }
+    free(pc);
+    free(pb);
+    return rc;
+}
+
 /* Appends the step's new tokens to the store and cuts the step into layer windows (pinned by
  * pl_window_pin). */
 int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err)

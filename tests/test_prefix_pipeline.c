@@ -6,8 +6,9 @@
  * with the device-resident part copied from the cached blocks, in act, hybrid and kvpr modes,
  * resident's device cache loaded from blocks offload cached, infinigen and clo with their cached
  * tokens' partial keys rebuilt (against the same mode without the cache), and with the cache off.
- * Not checked: act/hybrid with a device part or ACT_GPU, which prefill (pipeline_create.c
- * rekv_pipeline_takes_prefix says why). At the end every block is back: after the jobs and the cache are dropped, every slot of
+ * ACT_GPU's device copy taken from the cached blocks (act, hybrid, kvpr). Not checked: act and
+ * hybrid with a device part, which prefill (pipeline_create.c rekv_pipeline_takes_prefix says
+ * why). At the end every block is back: after the jobs and the cache are dropped, every slot of
  * the arena is free. */
 #include <check.h>
 #include <errno.h>
@@ -95,9 +96,9 @@ typedef struct env {
     rekv_batcher *b;
 } env;
 
-/* host_bytes 0: the fixture's 256 MiB arena */
-static int env_open_host(env *v, rekv_mode mode, int prefix, int device_tokens,
-                         uint64_t host_bytes)
+/* host_bytes 0: the fixture's 256 MiB arena; act_gpu: ACT_GPU's blocks per layer */
+static int env_open_cfg(env *v, rekv_mode mode, int prefix, int device_tokens, int act_gpu,
+                        uint64_t host_bytes)
 {
     const char *m = tu_shared(MODEL_REL);
     if (m == NULL)
@@ -109,12 +110,19 @@ static int env_open_host(env *v, rekv_mode mode, int prefix, int device_tokens,
     pc.prefix_cache = prefix;
     pc.device_tokens = device_tokens;
     pc.split = 20; /* kvpr: recomputes tokens [0, 20) from the cached activations */
+    pc.act_gpu_blocks = act_gpu;
     rekv_err err = {0};
     ck_assert_msg(rekv_pipeline_create(v->f.e, v->f.be, v->f.store, &pc, &v->p, &err) == 0, "%s",
                   err.msg);
     ck_assert_msg(rekv_batcher_create(v->p, rekv_engine_config(v->f.e), 4, &v->b, &err) == 0, "%s",
                   err.msg);
     return 1;
+}
+
+static int env_open_host(env *v, rekv_mode mode, int prefix, int device_tokens,
+                         uint64_t host_bytes)
+{
+    return env_open_cfg(v, mode, prefix, device_tokens, 0, host_bytes);
 }
 
 static int env_open(env *v, rekv_mode mode, int prefix, int device_tokens)
@@ -146,10 +154,10 @@ static rekv_kv_stats store_stats(env *v)
 }
 
 /* The same prompt twice, then one sharing its first 40 tokens (diverging inside block 2). */
-static void same_and_shared(rekv_mode mode, int device_tokens)
+static void same_and_shared_act(rekv_mode mode, int device_tokens, int act_gpu)
 {
     env v;
-    if (!env_open(&v, mode, 1, device_tokens))
+    if (!env_open_cfg(&v, mode, 1, device_tokens, act_gpu, 0))
         return;
     int vocab = rekv_engine_config(v.f.e)->vocab;
     int32_t a[70], c[55];
@@ -173,6 +181,11 @@ static void same_and_shared(rekv_mode mode, int device_tokens)
     ck_assert_int_eq(st.prefix_hit_tokens, 96 * seqs);
     ck_assert_int_eq(st.prefix_lookups, 3 * seqs);
     env_close(&v);
+}
+
+static void same_and_shared(rekv_mode mode, int device_tokens)
+{
+    same_and_shared_act(mode, device_tokens, 0);
 }
 
 START_TEST(offload_same_and_shared)
@@ -205,6 +218,17 @@ END_TEST
 START_TEST(kvpr_same_and_shared)
 {
     same_and_shared(REKV_MODE_KVPR, 8);
+}
+END_TEST
+
+/* ACT_GPU (the first 2 ACT blocks of every layer kept on the device) copied from the cached
+ * blocks: act, hybrid (whose pattern interleaves KV and ACT blocks) and kvpr (with a device part
+ * too). */
+START_TEST(act_gpu_same_and_shared)
+{
+    same_and_shared_act(REKV_MODE_ACT, 0, 2);
+    same_and_shared_act(REKV_MODE_HYBRID, 0, 2);
+    same_and_shared_act(REKV_MODE_KVPR, 8, 2);
 }
 END_TEST
 
@@ -568,6 +592,7 @@ static Suite *suite(void)
     tcase_add_test(tc, act_same_and_shared);
     tcase_add_test(tc, hybrid_same_and_shared);
     tcase_add_test(tc, kvpr_same_and_shared);
+    tcase_add_test(tc, act_gpu_same_and_shared);
     tcase_add_test(tc, resident_from_cached_blocks);
     tcase_add_test(tc, infinigen_same_and_shared);
     tcase_add_test(tc, clo_same_and_shared);
