@@ -230,20 +230,18 @@ static uint64_t job_tokens(const worker *w, const job *j)
 }
 
 /* Prompt tokens of job j (with the KV:ACT pattern kv:act) whose blocks running job r holds in
- * the prefix cache: the leading full blocks of j's prompt — of its first n_prompt - 1 tokens, what
- * the worker's sequence may take from the cache — equal to r's, as far as r holds them there:
- * the prompt tokens r's sequence took from the cache (the worker says so after r's first step),
- * or its whole prompt once r has made two tokens (a sequence publishes, before each step, the
- * blocks earlier steps filled; the step that made r's first token filled its prompt's). */
-static uint32_t held_common(const job *j, int kv, int act, const job *r)
+ * the prefix cache: the leading full blocks of j's first `limit` prompt tokens (what the worker's
+ * sequence may take from the cache) equal to r's, as far as r holds them there: the prompt
+ * tokens r's sequence took from the cache (the worker says so after r's first step), or its
+ * whole prompt once r has made two tokens (a sequence publishes, before each step, the blocks
+ * earlier steps filled; the step that made r's first token filled its prompt's). */
+static uint32_t held_common(const job *j, uint32_t limit, int kv, int act, const job *r)
 {
     if (r->kv_parts != kv || r->act_parts != act || r->prompt == NULL || j->prompt == NULL)
         return 0;
     uint32_t held = r->n_gen >= 2 ? r->n_prompt : r->cached_tokens, B = REKV_PLAN_BLOCK_TOKENS;
-    if (j->n_prompt == 0)
-        return 0;
-    if (held > j->n_prompt - 1)
-        held = j->n_prompt - 1;
+    if (held > limit)
+        held = limit;
     uint32_t n = 0;
     while (n + B <= held && memcmp(j->prompt + n, r->prompt + n, B * sizeof(int32_t)) == 0)
         n += B;
@@ -257,9 +255,12 @@ static uint32_t held_common(const job *j, int kv, int act, const job *r)
 static uint32_t shared_before(const worker *w, uint32_t k, const job *j, int kv, int act,
                               uint32_t took)
 {
-    uint32_t best = 0;
+    /* the worker leaves the prompt's last token to compute, and a mode that speculates two
+     * (gpuworker/pipeline_create.c seq_create_prefix) */
+    uint32_t keep = rekv_mode_info_of((rekv_mode)w->plan.mode)->speculates ? 2 : 1;
+    uint32_t best = 0, limit = j->n_prompt > keep ? j->n_prompt - keep : 0;
     for (uint32_t i = 0; w->plan.prefix_cache && i < k; i++) {
-        uint32_t n = held_common(j, kv, act, w->run[i]);
+        uint32_t n = held_common(j, limit, kv, act, w->run[i]);
         best = n > best ? n : best;
     }
     return best < took ? best : took;
