@@ -17,7 +17,7 @@ static int ig_create(rekv_pipeline *p, rekv_err *err)
 static size_t ig_recompute_rows(const rekv_pipeline *p, const step *st, int it)
 {
     const rekv_pseq *s = st->items[it].seq;
-    int ctx = s->len, dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
+    int ctx = s->len, dev = pl_dev_part(s, ctx);
     return p->keep_act && st->split[it] > 0
                ? (size_t)(st->split[it] < ctx - dev ? st->split[it] : ctx - dev)
                : 0;

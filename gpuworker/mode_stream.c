@@ -9,7 +9,7 @@
 
 static int dev_part(const rekv_pseq *s, int ctx)
 {
-    return s->dev_tokens < ctx ? s->dev_tokens : ctx;
+    return pl_dev_part(s, ctx);
 }
 
 /* act: every context token past the device part */

@@ -777,8 +777,10 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         rc = rekv_errf(err, -EDOM, "%s", REKV_NAN_LOGITS);
     if (rc == 0) {
         take_draws(&st);
-        for (int i = 0; i < n_items; i++)
+        for (int i = 0; i < n_items; i++) {
             items[i].seq->len += items[i].n_tokens;
+            items[i].seq->dev_stale = 0; /* the step filled it (pipeline_kvstore.c item_stores) */
+        }
         step_log(p);
     }
 out:

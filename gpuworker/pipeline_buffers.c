@@ -189,7 +189,7 @@ static void lower_splits(rekv_pipeline *p, step *st, size_t rows)
                 continue;
             }
             const rekv_pseq *s = st->items[i].seq;
-            int dev = s->dev_tokens < s->len ? s->dev_tokens : s->len;
+            int dev = pl_dev_part(s, s->len);
             /* a prefix split counts from the context's start, a selection's from none */
             st->split[i] = (p->info->split == REKV_SPLIT_PREFIX ? dev : 0) + (int)left;
             left = 0;

@@ -415,22 +415,18 @@ fail:
 
 /* ------------------------------------------------------------------ the prefix cache */
 
-/* Whether sequences may start from cached blocks: nothing of their context may live on the device
- * but what the store's KV blocks give back — resident's whole cache and the device-resident part
- * of an all-KV store (offload, kvpr's K,V sequence) and ACT_GPU's copy of the first ACT blocks
- * are copied from them, and an approximate mode's per-token device state is rebuilt from them
+/* Whether sequences may start from cached blocks: what of their context lives on the device must
+ * come from the store's blocks — resident's whole cache and the device-resident part of an all-KV
+ * store (offload, kvpr's K,V sequence, infinigen) and ACT_GPU's copy of the first ACT blocks are
+ * copied from them; act's and hybrid's device part is made by the sequence's next step, which
+ * makes the context whole (recomputing it from the cached activations) and keeps its first tokens
+ * (rekv_pseq.dev_stale); an approximate mode's per-token device state is rebuilt from them
  * (ops->prefix_fill: the partial keys of infinigen and clo; clo's head caches start forgotten, as
- * after any prefill). Not (they prefill): act and hybrid with a device part, whose K,V would be
- * recomputed from the cached activations at sequence start, outside a step (with weights that
- * may be streamed per layer). */
+ * after any prefill). Every mode may, then. */
 int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
 {
     const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
-    if (!cfg->prefix_cache || (mi->approximate && pl_mode_ops_of(cfg->mode)->prefix_fill == NULL))
-        return 0;
-    if (mi->store == REKV_STORE_NONE) /* resident: its cache loaded from the store's blocks */
-        return 1;
-    return mi->store == REKV_STORE_KV || cfg->device_tokens <= 0;
+    return cfg->prefix_cache && (!mi->approximate || pl_mode_ops_of(cfg->mode)->prefix_fill);
 }
 
 /* The pipeline's own rule: a store, and resident's cache in the store's dtype (its blocks copy
@@ -497,8 +493,12 @@ static int seq_create_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prom
     s->len = s->cached = (int)hit.tokens;
     s->published = s->len / REKV_KV_BLOCK_TOKENS;
     memcpy(s->toks, prompt, sizeof(int32_t) * (size_t)s->len);
+    /* the device part: copied from K,V blocks, or made by the next step from what it recomputes
+     * (a store that keeps activations for it: act, hybrid) */
     int upto = s->dev_tokens < s->len ? s->dev_tokens : s->len;
-    if (upto > 0)
+    if (upto > 0 && p->info->store != REKV_STORE_KV)
+        s->dev_stale = 1;
+    else if (upto > 0)
         rc = pl_prefix_fill_device(p, s->id, s->kv_dev, s->dev_tokens, upto, err);
     if (rc == 0 && s->len > 0 && s->act_dev)
         rc = pl_prefix_fill_act(p, s, err);

@@ -763,7 +763,7 @@ static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
     const rekv_model_config *c = p->c;
     int item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads;
     rekv_pseq *s = u->st->items[item].seq;
-    int len = s->len, dev = s->dev_tokens < len ? s->dev_tokens : len, rest = len - dev;
+    int len = s->len, dev = pl_dev_part(s, len), rest = len - dev;
     const float *scores = p->ig.host + u->st->ig_off[item];
     /* the device-resident part [0, dev) is attended whole, from the device; the selection is
      * among the tokens the link serves, [dev, len), on their own scores */
@@ -822,7 +822,7 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
     const rekv_model_config *c = p->c;
     int kvh = c->n_kv_heads, hd = c->head_dim, H = c->hidden;
     rekv_pseq *s = st->items[item].seq;
-    int len = s->len, dev = s->dev_tokens < len ? s->dev_tokens : len, rest = len - dev;
+    int len = s->len, dev = pl_dev_part(s, len), rest = len - dev;
     size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
     size_t vs = rekv_kv_v_shift(kvh, hd) * dsz, xrow = (size_t)H * dsz;
     int32_t *sel = io->sel[j], *votes = p->ig.sel;

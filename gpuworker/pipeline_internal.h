@@ -216,6 +216,9 @@ struct rekv_pseq {
     uint8_t *kv_dev;  /* the device-resident part: [n_layers] caches of dev_tokens positions
                          (kvlayout.h), cache dtype */
     int dev_tokens;   /* min(cfg.device_tokens, cap) */
+    int dev_stale;    /* the device part holds nothing yet: a sequence from the prefix cache whose
+                         device part is recomputed from activations (act, hybrid); its next step
+                         makes the context whole and keeps [0, dev_tokens) (item_stores) */
     float *pk;        /* infinigen, clo: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
     int kv_parts, act_parts; /* hybrid: the KV:ACT pattern of its blocks, the pipeline's when the
                                 sequence was made (a later rekv_pipeline_set_step leaves it) */
@@ -238,6 +241,12 @@ struct rekv_pseq {
     int cached;     /* prompt tokens taken from the cache when made */
     int published;  /* full blocks published so far (the cached ones count) */
 };
+
+/* The part of s's context of ctx tokens that the device part serves now: [0, return). */
+static inline int pl_dev_part(const rekv_pseq *s, int ctx)
+{
+    return s->dev_stale ? 0 : s->dev_tokens < ctx ? s->dev_tokens : ctx;
+}
 
 /* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
 _Static_assert(REKV_KV_BLOCK_TOKENS == REKV_KV_ROWS_PER_BLOCK, "one block size");

@@ -473,7 +473,7 @@ static int item_loads(rekv_pipeline *p, step *st, int item, int j, int layer, in
     rekv_layer_counters *cnt = &p->counters[layer];
     int ctx = s->len, l_split = kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : 0, rc;
     /* the device-resident part [0, dev): a device copy into the attention buffer */
-    int dev = s->dev_tokens < ctx ? s->dev_tokens : ctx;
+    int dev = pl_dev_part(s, ctx);
     if ((rc = pl_dev_part_load(p, s, layer, dj->kv, dev, io)))
         return rc;
     if (considered) /* what the link serves (layer 0, a prefill's context) */
@@ -524,7 +524,15 @@ static int item_stores(rekv_pipeline *p, step *st, int item, int layer, int b,
     const uint8_t *out = p->par[b].out_stage.p;
     uint64_t n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
     size_t gpu_layer_rows = (size_t)n_gpu * REKV_KV_BLOCK_TOKENS;
-    int rc;
+    int rc, dctx = s->dev_tokens < s->len ? s->dev_tokens : s->len;
+    /* a stale device part (pl_dev_part): the context this unit made whole in the attention
+     * buffer — fetched, recomputed — fills it, after the layer as the new rows */
+    for (int t0 = 0; s->dev_stale && t0 < dctx; t0 += REKV_KV_BLOCK_TOKENS)
+        if ((rc = pl_dev_part_store(p, s, layer, dj->kv, t0,
+                                    dctx - t0 < REKV_KV_BLOCK_TOKENS ? dctx - t0
+                                                                     : REKV_KV_BLOCK_TOKENS,
+                                    io)))
+            return rc;
     for (int i = 0; i < st->items[item].n_tokens;) {
         int t = s->len + i, r = st->row0[item] + i, in_blk = t % REKV_KV_BLOCK_TOKENS;
         int n = REKV_KV_BLOCK_TOKENS - in_blk;

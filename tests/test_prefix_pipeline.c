@@ -6,9 +6,8 @@
  * with the device-resident part copied from the cached blocks, in act, hybrid and kvpr modes,
  * resident's device cache loaded from blocks offload cached, infinigen and clo with their cached
  * tokens' partial keys rebuilt (against the same mode without the cache), and with the cache off.
- * ACT_GPU's device copy taken from the cached blocks (act, hybrid, kvpr). Not checked: act and
- * hybrid with a device part, which prefill (pipeline_create.c rekv_pipeline_takes_prefix says
- * why). At the end every block is back: after the jobs and the cache are dropped, every slot of
+ * ACT_GPU's device copy taken from the cached blocks (act, hybrid, kvpr), act's and hybrid's
+ * device part made by the first step from the cached activations. At the end every block is back: after the jobs and the cache are dropped, every slot of
  * the arena is free. */
 #include <check.h>
 #include <errno.h>
@@ -170,9 +169,14 @@ static void same_and_shared_act(rekv_mode mode, int device_tokens, int act_gpu)
     run_job(v.b, 1, a, 70, &got);
     ck_assert_int_eq(got.cached, 0);
     assert_same(&got, &ra, "first run");
+    rekv_pipeline_counters_reset(v.p);
     run_job(v.b, 2, a, 70, &got);
     ck_assert_int_eq(got.cached, 64); /* 4 full blocks of the 69 before the last token */
     assert_same(&got, &ra, "the same prompt again");
+    rekv_layer_counters tot;
+    rekv_pipeline_counters(v.p, &tot);
+    if (device_tokens) /* the device part, made from the cache, served the context */
+        ck_assert_uint_gt(tot.tokens_device, 0);
     run_job(v.b, 3, c, 55, &got);
     ck_assert_int_eq(got.cached, 32);
     assert_same(&got, &rc, "a shared prefix");
@@ -229,6 +233,17 @@ START_TEST(act_gpu_same_and_shared)
     same_and_shared_act(REKV_MODE_ACT, 0, 2);
     same_and_shared_act(REKV_MODE_HYBRID, 0, 2);
     same_and_shared_act(REKV_MODE_KVPR, 8, 2);
+}
+END_TEST
+
+/* Act's and hybrid's device part (the first 24 tokens' K,V on the device) is made by the first
+ * step of a job from the cache, which recomputes the context from the cached activations; then
+ * with ACT_GPU too. */
+START_TEST(act_device_part_same_and_shared)
+{
+    same_and_shared(REKV_MODE_ACT, 24);
+    same_and_shared(REKV_MODE_HYBRID, 24);
+    same_and_shared_act(REKV_MODE_HYBRID, 24, 2);
 }
 END_TEST
 
@@ -593,6 +608,7 @@ static Suite *suite(void)
     tcase_add_test(tc, hybrid_same_and_shared);
     tcase_add_test(tc, kvpr_same_and_shared);
     tcase_add_test(tc, act_gpu_same_and_shared);
+    tcase_add_test(tc, act_device_part_same_and_shared);
     tcase_add_test(tc, resident_from_cached_blocks);
     tcase_add_test(tc, infinigen_same_and_shared);
     tcase_add_test(tc, clo_same_and_shared);
