@@ -119,10 +119,11 @@ typedef struct rekv_pipeline_config {
                           their whole KV on the device. INFINITY (default): none */
     /* the kvstore's prefix cache (kvstore.proto Prefix): a sequence made with
        rekv_pseq_create_prefix starts from the longest cached run of its prompt's full blocks and
-       prefills only the rest; every sequence publishes its full blocks when freed. Modes whose
-       sequences keep nothing else of their context on the device (offload and kvpr, their
-       device part copied from the cached K,V; act and hybrid without a device part; none with
-       ACT_GPU); resident and the approximate modes start empty. 0 (default): off */
+       prefills only the rest; every sequence publishes its full blocks as they fill and when
+       freed. Every mode (rekv_pipeline_takes_prefix): what lives on the device comes from the
+       cached blocks — resident's cache, the device part, ACT_GPU's copy, the partial keys —
+       or, for act's and hybrid's device part, from the sequence's next step; resident, whose
+       cache is not in the store, publishes nothing. Needs a store. 0 (default): off */
     int prefix_cache;
     uint64_t fingerprint; /* the model's (rekv_engine_fingerprint) for the cache's keys; 0: the
                              pipeline computes it at creation when prefix_cache is on */
