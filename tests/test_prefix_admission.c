@@ -11,7 +11,8 @@
  * A, its status saying 192 prompt tokens came from the cache. With the worker's cache off, B
  * waits for A (held for room), as before. After both, `rekv stats` shows the store's prefix
  * counters: 2 lookups, 192 hit tokens, 60 host blocks (12 positions x 5 layers), none from disk,
- * no eviction, no bytes read back. */
+ * no eviction, no bytes read back; and with a spill tier, hits from disk and the bytes read back
+ * for them, as the store itself counts them. */
 #include <check.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -251,6 +252,92 @@ START_TEST(cache_off_full_price)
 }
 END_TEST
 
+/* Submits a job and waits for its end (DONE). */
+static void run_done(rekv_ctl *c, const int32_t *prompt, int n, int max_new)
+{
+    uint64_t id = submit(c, prompt, n, max_new);
+    int st;
+    while (!ended(st = job_state(c, id, NULL, NULL, NULL)))
+        usleep(2000);
+    ck_assert_int_eq(st, REKV__CONTROL__JOB_STATE__DONE);
+}
+
+/* The disk tier in `rekv stats`: an arena of 20 positions with a spill tier. Job A (64 tokens)
+ * publishes 4 positions; job F (300 tokens, nothing in common) pushes them to disk; job C shares
+ * A's 64 and takes them back. `rekv stats` then shows the store's own counters (read here from
+ * the store itself), hits on disk and bytes read back among them. */
+START_TEST(stats_show_disk_hits)
+{
+    env e;
+    if (ct_env_open(&e))
+        return;
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    const char *kargs[] = {prog,         "--endpoint", e.kv,          "--model",
+                           e.model,      "--host-bytes", "413696",    "--cache-dtype",
+                           "f32",        "--spill-dir", e.dir,        NULL};
+    pid_t kv = ct_spawn(kargs);
+    rekv_kvstore_client *k = ct_kv_open(&e);
+    pid_t co = ct_start_coordinator(&e, "64", "5000");
+    pid_t wk = ct_start_kv_worker(&e, "8", "w0");
+    rekv_ctl *c = ct_ctl_open(e.ctl);
+    ct_wait_workers(c, 1);
+    int32_t a[80], f[200];
+    uint64_t x = 17;
+    for (int i = 0; i < 200; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        f[i] = (int32_t)((x >> 33) % 512);
+        if (i < 80)
+            a[i] = (f[i] * 7 + 3) % 512;
+    }
+    run_done(c, a, 64, 1);
+    run_done(c, f, 200, 100);
+    run_done(c, a, 80, 1); /* C: A's 64 tokens, then 16 of its own */
+    rekv_kv_stats st;
+    ct_kv_stats(k, &st);
+    ck_assert_uint_eq(st.prefix_lookups, 3);
+    ck_assert_uint_eq(st.prefix_hit_tokens, 64);
+    ck_assert_uint_gt(st.prefix_hit_disk_blocks, 0);
+    ck_assert_uint_gt(st.prefix_hit_read_bytes, 0);
+    Rekv__Control__Response *r;
+    for (;;) { /* the worker's report after C's read-back (counters only grow) */
+        r = stats_when(c, 3);
+        if (r->stats->prefix_cache->hit_read_bytes >= st.prefix_hit_read_bytes)
+            break;
+        rekv__control__response__free_unpacked(r, NULL);
+        usleep(20000);
+    }
+    const Rekv__Control__PrefixCacheStats *pc = r->stats->prefix_cache;
+    ck_assert_uint_eq(pc->lookups, st.prefix_lookups);
+    ck_assert_uint_eq(pc->hit_tokens, st.prefix_hit_tokens);
+    ck_assert_uint_eq(pc->hit_host_blocks, st.prefix_hit_host_blocks);
+    ck_assert_uint_eq(pc->hit_disk_blocks, st.prefix_hit_disk_blocks);
+    ck_assert_uint_eq(pc->hit_host_blocks + pc->hit_disk_blocks, 4 * 5);
+    ck_assert_uint_eq(pc->evictions, st.prefix_evictions);
+    ck_assert_uint_eq(pc->hit_read_bytes, st.prefix_hit_read_bytes);
+    rekv__control__response__free_unpacked(r, NULL);
+
+    char cmd[8192], *out = NULL;
+    snprintf(cmd, sizeof(cmd), "%s stats --socket %s", tu_bin("rekv"), e.ctl);
+    ck_assert_int_eq(tu_run(cmd, &out), 0);
+    json_t *o = json_loads(out, 0, NULL);
+    ck_assert_msg(o != NULL, "rekv stats: not JSON: %s", out);
+    free(out);
+    json_t *p = json_object_get(o, "prefix_cache");
+    ck_assert_int_eq(geti(json_object_get(p, "hit_blocks"), "disk"),
+                     (json_int_t)st.prefix_hit_disk_blocks);
+    ck_assert_int_eq(geti(p, "hit_read_bytes"), (json_int_t)st.prefix_hit_read_bytes);
+    ck_assert_int_eq(geti(p, "evictions"), (json_int_t)st.prefix_evictions);
+    json_decref(o);
+    rekv_ctl_close(c);
+    rekv_kvstore_client_close(k);
+    ck_assert_int_eq(ct_stop(wk), 0);
+    ck_assert_int_eq(ct_stop(co), 0);
+    ck_assert_int_eq(ct_stop(kv), 0);
+    ct_env_close(&e);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("prefix_admission");
@@ -258,6 +345,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, shared_prefix_priced_once);
     tcase_add_test(tc, cache_off_full_price);
+    tcase_add_test(tc, stats_show_disk_hits);
     suite_add_tcase(s, tc);
     return s;
 }
