@@ -384,6 +384,41 @@ static void join_pattern(rekv_coordinator *co, worker *w, uint32_t room, uint64_
     free(first);
 }
 
+/* Admission of job j, the queue's first, into w's batch (pattern kv:act): its KV at its full
+ * length must fit the store beside what the running jobs will grow into (*promised, which an
+ * admitted job adds to); else it waits (first in line: nothing passes it). Its prompt blocks a
+ * running job holds in the prefix cache are that job's charge: the job's sequence takes them by
+ * reference, so it is priced at the rest (optimistic: the worker's word on what it took reprices
+ * it after its first step, and a store out of room fails the step, whose jobs run again —
+ * worker_store.c wk_step_error_retry). A job larger than the whole store alone fails at its full
+ * price: it must fit once the job it shares with has gone. 0 admitted, 1 it waits, -1 it failed. */
+static int admit(rekv_coordinator *co, worker *w, job *j, int kv, int act, uint64_t *promised)
+{
+    uint64_t full = job_price(w, j, kv, act, 0);
+    uint32_t shared = shared_before(w, w->n_run, j, kv, act, UINT32_MAX);
+    uint64_t need = job_price(w, j, kv, act, shared);
+    char why[256];
+    int fit = store_fits(w, job_tokens(w, j), full, 0, why, sizeof(why));
+    if (fit < 0) {
+        co->too_large++;
+        co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", why);
+        return -1;
+    }
+    if (need > 0 &&
+        (fit = store_fits(w, job_tokens(w, j), need, *promised, why, sizeof(why))) != 0) {
+        if (strncmp(j->waiting, "waiting for kvstore room", 24) != 0) /* first held */
+            co->held_for_room++;
+        snprintf(j->waiting, sizeof(j->waiting), "waiting for kvstore room: %.*s",
+                 (int)(sizeof(j->waiting) - 32), why);
+        return 1;
+    }
+    if (shared)
+        co->prefix_priced++;
+    j->cached_tokens = 0; /* this start's, when the worker says */
+    *promised += need;
+    return 0;
+}
+
 /* Sends worker wi its next Plan when it has work: joins from the queue, cancels. 1 when sent. */
 static int schedule_worker(rekv_coordinator *co, int wi)
 {
@@ -416,36 +451,11 @@ static int schedule_worker(rekv_coordinator *co, int wi)
             co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
             continue;
         }
-        /* admission: the job's KV at its full length must fit the store beside what the
-         * running jobs will grow into; else it waits (first in line: nothing passes it). Its
-         * prompt blocks a running job holds in the prefix cache are that job's charge: the
-         * job's sequence takes them by reference, so it is priced at the rest (optimistic: the
-         * worker's word on what it took reprices it after its first step, and a store out of
-         * room fails the step, whose jobs run again — worker_store.c wk_step_error_retry). A
-         * job larger than the whole store alone fails at its full price: it must fit once the
-         * job it shares with has gone. */
-        uint64_t full = job_price(w, j, kv_parts, act_parts, 0);
-        uint32_t shared = shared_before(w, w->n_run, j, kv_parts, act_parts, UINT32_MAX);
-        uint64_t need = job_price(w, j, kv_parts, act_parts, shared);
-        char why[256];
-        int fit = store_fits(w, job_tokens(w, j), full, 0, why, sizeof(why));
-        if (fit < 0) {
-            co->too_large++;
-            co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", why);
+        int adm = admit(co, w, j, kv_parts, act_parts, &promised);
+        if (adm < 0)
             continue;
-        }
-        if (need > 0 &&
-            (fit = store_fits(w, job_tokens(w, j), need, promised, why, sizeof(why))) != 0) {
-            if (strncmp(j->waiting, "waiting for kvstore room", 24) != 0) /* first held */
-                co->held_for_room++;
-            snprintf(j->waiting, sizeof(j->waiting), "waiting for kvstore room: %.*s",
-                     (int)(sizeof(j->waiting) - 32), why);
+        if (adm > 0)
             break;
-        }
-        if (shared)
-            co->prefix_priced++;
-        j->cached_tokens = 0; /* this start's, when the worker says */
-        promised += need;
         j->kv_parts = kv_parts;
         j->act_parts = act_parts;
         co_queue_remove(co, j);
