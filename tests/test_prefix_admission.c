@@ -12,7 +12,8 @@
  * waits for A (held for room), as before. After both, `rekv stats` shows the store's prefix
  * counters: 2 lookups, 192 hit tokens, 60 host blocks (12 positions x 5 layers), none from disk,
  * no eviction, no bytes read back; and with a spill tier, hits from disk and the bytes read back
- * for them, as the store itself counts them. */
+ * for them, as the store itself counts them. Admission is optimistic: a prefix gone from the cache
+ * when the worker makes the sequence makes the store refuse room, and the jobs run again. */
 #include <check.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -252,6 +253,65 @@ START_TEST(cache_off_full_price)
 }
 END_TEST
 
+/* Job id's tokens are rekv_generate's for its prompt (greedy, as submit() submits). */
+static void assert_generated(rekv_ctl *c, uint64_t id, const char *model, const int32_t *prompt,
+                             int n, int max_new)
+{
+    rekv_err err = {0};
+    rekv_model *m = NULL;
+    rekv_engine *e = NULL;
+    ck_assert_msg(rekv_model_open(model, &m, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(m, &e, &err) == 0, "%s", err.msg);
+    rekv_gen_params gp = {.max_new_tokens = max_new, .top_p = 1.0f};
+    rekv_gen_result g;
+    ck_assert_msg(rekv_generate(e, prompt, n, &gp, &g, &err) == 0, "%s", err.msg);
+    Rekv__Control__Response *r = tu_ctl_status(c, id);
+    ck_assert_int_eq((int)r->job->n_generated_ids, g.n);
+    ck_assert_msg(memcmp(r->job->generated_ids, g.ids, sizeof(int32_t) * (size_t)g.n) == 0,
+                  "job %llu: tokens differ from rekv_generate's", (unsigned long long)id);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv_gen_result_free(&g);
+    rekv_engine_free(e);
+    rekv_model_close(m);
+}
+
+/* Admission is optimistic: the prefix it counted on may be gone when the worker makes the
+ * sequence. Here the test clears the store's cache once A has published (A keeps its blocks, the
+ * cache forgets them): B is still priced as sharing A's prompt, but its sequence computes its
+ * own, so A and B together outgrow the arena. The store's refusal fails a step, whose jobs run
+ * again (held for room as at full price: the worker said B took nothing), and both finish. */
+START_TEST(lost_prefix_falls_back)
+{
+    run r;
+    if (!run_open(&r, "on"))
+        return;
+    int32_t a[N_PROMPT], b[N_PROMPT];
+    prompts(a, b);
+    uint64_t ja = submit(r.c, a, N_PROMPT, 200);
+    size_t gen = 0;
+    while (gen < 3) {
+        ck_assert_msg(!ended(job_state(r.c, ja, &gen, NULL, NULL)), "A ended early");
+        usleep(1000);
+    }
+    ck_assert_int_eq(rekv_kvstore_cache_clear(r.k, NULL), 0);
+    uint64_t jb = submit(r.c, b, N_PROMPT, 100);
+    int sa, sb;
+    while (!ended(sa = job_state(r.c, ja, NULL, NULL, NULL)) |
+           !ended(sb = job_state(r.c, jb, NULL, NULL, NULL)))
+        usleep(2000);
+    ck_assert_int_eq(sa, REKV__CONTROL__JOB_STATE__DONE);
+    ck_assert_int_eq(sb, REKV__CONTROL__JOB_STATE__DONE);
+    assert_generated(r.c, ja, r.e.model, a, N_PROMPT, 200);
+    assert_generated(r.c, jb, r.e.model, b, N_PROMPT, 100);
+    Rekv__Control__Response *s = ct_stats(r.c);
+    ck_assert_uint_ge(s->stats->jobs_prefix_priced, 1);
+    ck_assert_uint_ge(s->stats->requeued, 1);
+    ck_assert_uint_eq(s->stats->failed, 0);
+    rekv__control__response__free_unpacked(s, NULL);
+    run_close(&r);
+}
+END_TEST
+
 /* Submits a job and waits for its end (DONE). */
 static void run_done(rekv_ctl *c, const int32_t *prompt, int n, int max_new)
 {
@@ -346,6 +406,7 @@ static Suite *suite(void)
     tcase_add_test(tc, shared_prefix_priced_once);
     tcase_add_test(tc, cache_off_full_price);
     tcase_add_test(tc, stats_show_disk_hits);
+    tcase_add_test(tc, lost_prefix_falls_back);
     suite_add_tcase(s, tc);
     return s;
 }
