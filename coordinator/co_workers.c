@@ -288,8 +288,7 @@ static uint64_t store_promised(rekv_coordinator *co, const worker *w)
             continue;
         for (uint32_t k = 0; k < v->n_run; k++) {
             const job *j = v->run[k];
-            uint32_t shared =
-                shared_before(v, k, j, j->kv_parts, j->act_parts, j->cached_tokens);
+            uint32_t shared = shared_before(v, k, j, j->kv_parts, j->act_parts, j->cached_tokens);
             sum += job_price(v, j, j->kv_parts, j->act_parts, shared);
         }
     }

@@ -528,8 +528,8 @@ void pl_prefix_publish(rekv_pipeline *p, rekv_pseq *s)
  * a store sequence made from them for as long as their K,V are copied into s's device cache,
  * then dropped (the store's references go with it; resident publishes nothing, its K,V never
  * being in the store). */
-static int resident_take_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prompt,
-                                int n_prompt, rekv_err *err)
+static int resident_take_prefix(rekv_pipeline *p, rekv_pseq *s, const int32_t *prompt, int n_prompt,
+                                rekv_err *err)
 {
     int n = n_prompt - 1 < s->cap ? n_prompt - 1 : s->cap;
     uint64_t id = p->next_id;

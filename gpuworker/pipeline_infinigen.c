@@ -298,15 +298,16 @@ int pl_ig_prefix_fill(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
     if (T <= 0 || L < 2)
         return 0;
     uint8_t *raw = p->bi->dev_alloc(p->be, nblk * blk);
-    float *kf = p->geo.dtype != REKV_DTYPE_F32
-                    ? p->bi->dev_alloc(p->be, nblk * kel * sizeof(float))
-                    : NULL;
+    float *kf =
+        p->geo.dtype != REKV_DTYPE_F32 ? p->bi->dev_alloc(p->be, nblk * kel * sizeof(float)) : NULL;
     float **rows = p->bi->dev_alloc(p->be, nrows * sizeof(float *));
     float **host = malloc(nrows * sizeof(float *));
     int rc = 0;
     if (raw == NULL || rows == NULL || (p->geo.dtype != REKV_DTYPE_F32 && kf == NULL))
-        rc = rekv_errf(err, -ENOMEM, "out of device memory for the partial keys of %d cached "
-                       "tokens", T);
+        rc = rekv_errf(err, -ENOMEM,
+                       "out of device memory for the partial keys of %d cached "
+                       "tokens",
+                       T);
     else if (host == NULL)
         rc = rekv_errf(err, -ENOMEM, "out of memory");
     for (int l = 1; rc == 0 && l < L; l++) { /* layer 0 is never speculated: it keeps none */

@@ -214,10 +214,8 @@ int pl_prefix_fill_act(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
         for (size_t i = 0; i < n && ord < n_gpu; i++)
             if (pb[i].type == REKV_KV_BLOCK_ACT) {
                 size_t at = ((size_t)l * n_gpu + ord) * blk;
-                pc[ord++] = (rekv_copy_piece){s->act_dev + at,
-                                              p->arena + pb[i].offset +
-                                                  rekv_kv_act_offset(&p->geo, 0),
-                                              blk};
+                pc[ord++] = (rekv_copy_piece){
+                    s->act_dev + at, p->arena + pb[i].offset + rekv_kv_act_offset(&p->geo, 0), blk};
             }
         p->bi->copy_h2d(p->s_h2d, pc, (size_t)ord, REKV_XFER_ACT);
         rc = p->bi->stream_sync(p->s_h2d, err);
@@ -528,10 +526,9 @@ static int item_stores(rekv_pipeline *p, step *st, int item, int layer, int b,
     /* a stale device part (pl_dev_part): the context this unit made whole in the attention
      * buffer — fetched, recomputed — fills it, after the layer as the new rows */
     for (int t0 = 0; s->dev_stale && t0 < dctx; t0 += REKV_KV_BLOCK_TOKENS)
-        if ((rc = pl_dev_part_store(p, s, layer, dj->kv, t0,
-                                    dctx - t0 < REKV_KV_BLOCK_TOKENS ? dctx - t0
-                                                                     : REKV_KV_BLOCK_TOKENS,
-                                    io)))
+        if ((rc = pl_dev_part_store(
+                 p, s, layer, dj->kv, t0,
+                 dctx - t0 < REKV_KV_BLOCK_TOKENS ? dctx - t0 : REKV_KV_BLOCK_TOKENS, io)))
             return rc;
     for (int i = 0; i < st->items[item].n_tokens;) {
         int t = s->len + i, r = st->row0[item] + i, in_blk = t % REKV_KV_BLOCK_TOKENS;

@@ -80,11 +80,11 @@ static pid_t start_worker(env *e, const char *prefix_cache)
 {
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
-    const char *args[] = {prog,           "--model",      e->model,  "--coordinator", e->wrk,
-                          "--max-batch",  "8",            "--heartbeat-ms", "100", "--kvstore",
-                          e->kv,          "--mode",       "offload", "--backend",     "cpu",
-                          "--link-gbps",  "0.1",          "--prefix-cache", prefix_cache,
-                          "--name",       "w0",           NULL};
+    const char *args[] = {prog,          "--model", e->model,         "--coordinator", e->wrk,
+                          "--max-batch", "8",       "--heartbeat-ms", "100",           "--kvstore",
+                          e->kv,         "--mode",  "offload",        "--backend",     "cpu",
+                          "--link-gbps", "0.1",     "--prefix-cache", prefix_cache,    "--name",
+                          "w0",          NULL};
     return ct_spawn(args);
 }
 
@@ -101,8 +101,9 @@ static int run_open(run *r, const char *prefix_cache)
         return 0;
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
-    const char *kargs[] = {prog,     "--endpoint",    r->e.kv, "--model",    r->e.model,
-                           "--host-bytes", "741376", "--cache-dtype", "f32", "--no-spill", NULL};
+    const char *kargs[] = {prog,       "--endpoint",   r->e.kv,  "--model",
+                           r->e.model, "--host-bytes", "741376", "--cache-dtype",
+                           "f32",      "--no-spill",   NULL};
     r->kv = ct_spawn(kargs);
     r->k = ct_kv_open(&r->e);
     rekv_kv_stats kst;
@@ -333,9 +334,8 @@ START_TEST(stats_show_disk_hits)
         return;
     char prog[4096];
     snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
-    const char *kargs[] = {prog,         "--endpoint", e.kv,          "--model",
-                           e.model,      "--host-bytes", "413696",    "--cache-dtype",
-                           "f32",        "--spill-dir", e.dir,        NULL};
+    const char *kargs[] = {prog,     "--endpoint",    e.kv,  "--model",     e.model, "--host-bytes",
+                           "413696", "--cache-dtype", "f32", "--spill-dir", e.dir,   NULL};
     pid_t kv = ct_spawn(kargs);
     rekv_kvstore_client *k = ct_kv_open(&e);
     pid_t co = ct_start_coordinator(&e, "64", "5000");

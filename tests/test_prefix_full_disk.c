@@ -35,8 +35,8 @@ static void append(rekv_kvstore_client *c, uint64_t seq, uint64_t tokens)
 }
 
 /* Blocks [b0, b1) of seq hold what kvd_write_blocks wrote for sequence src (gen). */
-static void verify_as(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uint64_t b1,
-                      uint64_t src, uint32_t gen)
+static void verify_as(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uint64_t b1, uint64_t src,
+                      uint32_t gen)
 {
     uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
     rekv_kv_plan_block *pb = NULL;
@@ -44,14 +44,12 @@ static void verify_as(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uint64_
     rekv_err err = {0};
     for (uint32_t l = 0; l < 2; l++) {
         rekv_kv_range r = {seq, l, b0 * 16, b1 * 16};
-        ck_assert_msg(rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err) == 0, "pin: %s",
-                      err.msg);
+        ck_assert_msg(rekv_kvstore_plan(c, &r, 1, 1, &pb, &n, &cap, &err) == 0, "pin: %s", err.msg);
         for (size_t i = 0; i < n; i++)
             ck_assert_msg(kvd_check(arena + pb[i].offset, kvd_type_bytes(c, pb[i].type), src, l,
                                     pb[i].block, gen),
-                          "seq %llu layer %u block %llu is not seq %llu's",
-                          (unsigned long long)seq, l, (unsigned long long)pb[i].block,
-                          (unsigned long long)src);
+                          "seq %llu layer %u block %llu is not seq %llu's", (unsigned long long)seq,
+                          l, (unsigned long long)pb[i].block, (unsigned long long)src);
         ck_assert_int_eq(rekv_kvstore_unpin(c, &r, 1, NULL), 0);
     }
     free(pb);

@@ -7,8 +7,8 @@
  * resident's device cache loaded from blocks offload cached, infinigen and clo with their cached
  * tokens' partial keys rebuilt (against the same mode without the cache), and with the cache off.
  * ACT_GPU's device copy taken from the cached blocks (act, hybrid, kvpr), act's and hybrid's
- * device part made by the first step from the cached activations. At the end every block is back: after the jobs and the cache are dropped, every slot of
- * the arena is free. */
+ * device part made by the first step from the cached activations. At the end every block is back:
+ * after the jobs and the cache are dropped, every slot of the arena is free. */
 #include <check.h>
 #include <errno.h>
 #include <stdlib.h>
@@ -118,8 +118,7 @@ static int env_open_cfg(env *v, rekv_mode mode, int prefix, int device_tokens, i
     return 1;
 }
 
-static int env_open_host(env *v, rekv_mode mode, int prefix, int device_tokens,
-                         uint64_t host_bytes)
+static int env_open_host(env *v, rekv_mode mode, int prefix, int device_tokens, uint64_t host_bytes)
 {
     return env_open_cfg(v, mode, prefix, device_tokens, 0, host_bytes);
 }

@@ -773,11 +773,10 @@ static json_t *stats_json(const Rekv__Control__Stats *s)
         json_object_set_new(
             oj, "prefix_cache",
             json_pack("{s:i, s:I, s:I, s:{s:I, s:I}, s:I, s:I}", "stores", (int)pc->stores,
-                      "lookups", (json_int_t)pc->lookups, "hit_tokens",
-                      (json_int_t)pc->hit_tokens, "hit_blocks", "host",
-                      (json_int_t)pc->hit_host_blocks, "disk", (json_int_t)pc->hit_disk_blocks,
-                      "evictions", (json_int_t)pc->evictions, "hit_read_bytes",
-                      (json_int_t)pc->hit_read_bytes));
+                      "lookups", (json_int_t)pc->lookups, "hit_tokens", (json_int_t)pc->hit_tokens,
+                      "hit_blocks", "host", (json_int_t)pc->hit_host_blocks, "disk",
+                      (json_int_t)pc->hit_disk_blocks, "evictions", (json_int_t)pc->evictions,
+                      "hit_read_bytes", (json_int_t)pc->hit_read_bytes));
     json_t *ws = json_array();
     for (size_t i = 0; i < s->n_workers; i++) {
         const Rekv__Control__WorkerInfo *w = s->workers[i];
