@@ -192,6 +192,14 @@ typedef struct rekv_kvstore_config {
      * none. Reads wait at most remote_timeout_ms (0: 50), entries live remote_ttl_s (0: 3600). */
     const char *remote;
     uint32_t remote_timeout_ms, remote_ttl_s;
+    /* KV events for KV-aware routers (kvstore/events.h): the prefix cache's BlockStored,
+     * BlockRemoved and AllBlocksCleared published in vLLM's wire format on this ZeroMQ endpoint
+     * (tcp://HOST:PORT or ipc://PATH; bound when it has a wildcard or is ipc://, else connected,
+     * as vLLM does); NULL: none. kv_events_topic: the messages' topic (NULL: "", vLLM's default);
+     * kv_events_array: 1 for the positional events of vLLM before v0.26's tagged maps. */
+    const char *kv_events;
+    const char *kv_events_topic;
+    int kv_events_array;
 } rekv_kvstore_config;
 
 /* Fills the defaults above (lease 5000 ms, watermarks 90/80, signal_fd -1, push link latency

@@ -29,7 +29,9 @@ static void usage(FILE *f)
                "         [--push-link-gbps G] [--push-link-latency-us U]\n"
                "         [--metrics HOST:PORT [--metrics-public]] [--max-clients N]\n"
                "         [--remote redis://HOST:PORT[/DB] | unix:///PATH[?db=N]]\n"
-               "         [--remote-timeout-ms N] [--remote-ttl-s N] [--help] [--version]\n"
+               "         [--remote-timeout-ms N] [--remote-ttl-s N]\n"
+               "         [--kv-events tcp://HOST:PORT|ipc://PATH [--kv-events-topic T]\n"
+               "         [--kv-events-format map|array]] [--help] [--version]\n"
                "Sizes take K, M, G suffixes (powers of two). --prefix-dir: the prefix cache\n"
                "survives a restart (DIR/spill.rekv, DIR/index.rekv): a clean stop writes it to\n"
                "disk, a crash keeps what was there; each block is CRC32C-checked at the start.\n"
@@ -45,7 +47,12 @@ static void usage(FILE *f)
                "cache entries are written there in the background (SET with EX --remote-ttl-s,\n"
                "default 3600) and read back on a miss here; a read waits at most\n"
                "--remote-timeout-ms (default 50, at most 10000), and Redis down, slow or full\n"
-               "costs a job only the blocks it computes.\n");
+               "costs a job only the blocks it computes.\n"
+               "--kv-events publishes the prefix cache's blocks (BlockStored, BlockRemoved,\n"
+               "AllBlocksCleared) in vLLM's KV events format for KV-aware routers (llm-d,\n"
+               "Dynamo): bound when the endpoint has a wildcard (tcp://*:5557) or is ipc://,\n"
+               "else connected. --kv-events-format array: the positional events of vLLM before\n"
+               "v0.26, for subscribers that decode only those.\n");
 }
 
 static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -101,6 +108,9 @@ enum {
     O_REMOTE,
     O_REMOTE_TIMEOUT,
     O_REMOTE_TTL,
+    O_KV_EVENTS,
+    O_KV_EVENTS_TOPIC,
+    O_KV_EVENTS_FORMAT,
     O_HELP,
     O_VERSION
 };
@@ -134,6 +144,9 @@ static const struct option opts[] = {
     {"remote", required_argument, 0, O_REMOTE},
     {"remote-timeout-ms", required_argument, 0, O_REMOTE_TIMEOUT},
     {"remote-ttl-s", required_argument, 0, O_REMOTE_TTL},
+    {"kv-events", required_argument, 0, O_KV_EVENTS},
+    {"kv-events-topic", required_argument, 0, O_KV_EVENTS_TOPIC},
+    {"kv-events-format", required_argument, 0, O_KV_EVENTS_FORMAT},
     {"help", no_argument, 0, O_HELP},
     {"version", no_argument, 0, O_VERSION},
     {0, 0, 0, 0},
@@ -218,6 +231,17 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
     }
     case O_METRICS_PUBLIC:
         a->cfg.metrics_public = 1;
+        break;
+    case O_KV_EVENTS:
+        a->cfg.kv_events = arg;
+        bad = strncmp(arg, "tcp://", 6) && strncmp(arg, "ipc://", 6);
+        break;
+    case O_KV_EVENTS_TOPIC:
+        a->cfg.kv_events_topic = arg;
+        break;
+    case O_KV_EVENTS_FORMAT:
+        a->cfg.kv_events_array = strcmp(arg, "array") == 0;
+        bad = strcmp(arg, "map") && strcmp(arg, "array");
         break;
     case O_SPILL_DIR:
         a->cfg.spill_dir = arg;
@@ -385,6 +409,9 @@ static int serve(kv_args *a)
              rekv_dtype_name(cfg->geometry.dtype));
     if (cfg->metrics_listen)
         rekv_log(REKV_LOG_INFO, "metrics on %s (GET /metrics)", cfg->metrics_listen);
+    if (cfg->kv_events)
+        rekv_log(REKV_LOG_INFO, "KV events on %s (vLLM's format, %s events)", cfg->kv_events,
+                 cfg->kv_events_array ? "positional" : "tagged-map");
     rekv_daemon_ready(a->ready_fd);
     rc = rekv_kvstore_server_run(srv, &err);
     if (rc < 0)

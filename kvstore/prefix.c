@@ -167,6 +167,7 @@ void srv_cache_evict(rekv_kvstore_server *s, uint32_t i)
 {
     kv_centry *e = &s->centries[i];
     REKV_ASSERT(e->live && srv_cache_evictable(s, i)); /* a freed block has no pins */
+    srv_events_removed(s, i);
     ce_unlink(s, i);
     kv_map_del(&s->cindex, e->key);
     s->ce_live--;
@@ -515,6 +516,7 @@ static int publish_new(rekv_kvstore_server *s, const kv_seq *q, uint32_t b, uint
         srv_persist_block(s, e->ids[l]); /* those already on disk */
     if (s->remote)
         srv_remote_put(s, i, root, first);
+    srv_events_stored(s, i);
     *out = i;
     return 0;
 }
@@ -612,11 +614,14 @@ int srv_cache_adopt(rekv_kvstore_server *s, uint64_t key, uint64_t parent, int k
 
 int srv_h_clear_cache(rekv_kvstore_server *s, kv_reply *r)
 {
+    s->events_mute = 1; /* told as one AllBlocksCleared and what stays, not block by block */
     for (uint32_t i = s->ce_head, next; i != NIL; i = next) {
         next = s->centries[i].next;
         if (srv_cache_evictable(s, i)) /* else its pins' client lets go first */
             srv_cache_evict(s, i);
     }
+    s->events_mute = 0;
+    srv_events_announce(s);
     (void)r;
     return 0;
 }

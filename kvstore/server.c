@@ -211,6 +211,7 @@ static void before_sleep(rekv_evloop *loop, void *ctx)
     srv_spill_watermark(s);
     if (s->spill)
         (void)kv_spill_submit(s->spill);
+    srv_events_flush(s); /* the round's KV events, one batch */
 }
 
 /* The loop's entries, in the order a round takes them (see the top of the file). */
@@ -440,6 +441,15 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
         goto fail;
     if (cfg->remote && (rc = srv_remote_open(s, err)) < 0) /* the remote tier's threads */
         goto fail;
+    /* KV events: each subscriber, as it joins, is told AllBlocksCleared and what the store
+     * holds (a restarted store's router drops what it believed of the old one) */
+    if (cfg->kv_events &&
+        ((rc = kv_events_create(s->zctx, cfg->kv_events, cfg->kv_events_topic,
+                                cfg->kv_events_array ? KV_EVENTS_ARRAY : KV_EVENTS_MAP,
+                                &s->events, err)) < 0 ||
+         (rc = rekv_evloop_add_socket(s->loop, kv_events_socket(s->events), ZMQ_POLLIN,
+                                      srv_events_on_subscribe, s, err)) < 0))
+        goto fail;
     *out = s;
     return 0;
 fail:
@@ -465,6 +475,7 @@ void rekv_kvstore_server_destroy(rekv_kvstore_server *s)
     rekv_metrics_server_free(s->metrics);
     kv_spill_close(s->spill); /* waits for in-flight I/O before the arena goes */
     rekv_conncap_free(s->cap); /* before its socket: it stops the socket's monitor */
+    kv_events_free(s->events); /* before the context's term */
     if (s->zsock)
         zmq_close(s->zsock);
     if (s->zctx)

@@ -12,6 +12,7 @@
 #include "common/evloop.h"
 #include "common/metrics.h"
 #include "common/ratelimit.h"
+#include "kvstore/events.h"
 #include "kvstore/kv_internal.h"
 #include "proto/kvstore.pb-c.h"
 
@@ -190,6 +191,10 @@ struct rekv_kvstore_server {
     char *spill_path, *idx_path;
     int idx_fd, idx_lock;
     struct kv_remote *remote; /* the remote tier (remote.c; --remote), NULL when none */
+    /* KV events for routers (events.c; --kv-events): NULL when not published; events_mute while
+     * ClearCache evicts (one AllBlocksCleared tells it) */
+    kv_events *events;
+    int events_mute;
 };
 
 /* What stops an owner from dropping one of its sequences (srv_owned_seq_busy). */
@@ -311,6 +316,20 @@ void srv_persist_close(rekv_kvstore_server *s);
 void srv_persist_block(rekv_kvstore_server *s, uint32_t id);
 /* Logs that b's slot no longer holds it (before the slot can be reused). */
 void srv_persist_drop(rekv_kvstore_server *s, kv_block *b);
+
+/* ------------------------------------------------------------------ events.c */
+
+/* Entry i was published (its BlockStored) / is evicted (its BlockRemoved). */
+void srv_events_stored(rekv_kvstore_server *s, uint32_t i);
+void srv_events_removed(rekv_kvstore_server *s, uint32_t i);
+/* AllBlocksCleared, then every entry the cache holds, parents first: what a router must believe
+ * after a start (the cache kept on disk) or a ClearCache (what pins kept). */
+void srv_events_announce(rekv_kvstore_server *s);
+/* The publisher's socket is readable: a subscriber that joined gets the whole picture (an
+ * rekv_evloop_io_fn; ctx: the server). */
+void srv_events_on_subscribe(rekv_evloop *loop, void *ctx, short revents);
+/* Sends the round's events as one batch (the loop's before-sleep hook). */
+void srv_events_flush(rekv_kvstore_server *s);
 
 /* ------------------------------------------------------------------ leases.c */
 

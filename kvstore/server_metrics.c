@@ -148,6 +148,26 @@ int srv_metrics_render(void *ctx, rekv_metrics_buf *b)
     rekv_metrics_sample(b, "rekv_kvstore_spill_path_read_bytes_total", "path=\"ahead\"",
                         (double)s->read_ahead_bytes);
 
+    if (s->events) { /* --kv-events */
+        kv_events_counts ec;
+        kv_events_get_counts(s->events, &ec);
+        rekv_metrics_family(b, "rekv_kvstore_kv_events_total", "counter",
+                            "KV events told to routers (--kv-events), blocks for stored and "
+                            "removed, by type.");
+        rekv_metrics_sample(b, "rekv_kvstore_kv_events_total", "type=\"stored\"",
+                            (double)ec.stored);
+        rekv_metrics_sample(b, "rekv_kvstore_kv_events_total", "type=\"removed\"",
+                            (double)ec.removed);
+        rekv_metrics_sample(b, "rekv_kvstore_kv_events_total", "type=\"cleared\"",
+                            (double)ec.cleared);
+        rekv_metrics_family(b, "rekv_kvstore_kv_event_batches_total", "counter",
+                            "KV event batches, sent or dropped (a subscriber's queue full).");
+        rekv_metrics_sample(b, "rekv_kvstore_kv_event_batches_total", "outcome=\"sent\"",
+                            (double)ec.batches_sent);
+        rekv_metrics_sample(b, "rekv_kvstore_kv_event_batches_total", "outcome=\"dropped\"",
+                            (double)ec.batches_dropped);
+    }
+
     rekv_metrics_hist h;
     rekv_metrics_family(b, "rekv_kvstore_request_seconds", "histogram",
                         "Requests from receipt to reply (parked ones included), by kind.");

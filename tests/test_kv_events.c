@@ -1,0 +1,500 @@
+/* test_kv_events.c — the kvstore's KV events for routers (rekv-kvstore --kv-events,
+ * kvstore/events.c) against a real rekv-kvstore and a real ZeroMQ SUB socket: every message
+ * decoded by an independent decoder (tests/kv_events_decode.py, python3-msgpack, which also
+ * checks vLLM's wire format field by field), its sequence numbers consecutive, and the events
+ * replayed as a router replays them (BlockStored adds, BlockRemoved takes away, AllBlocksCleared
+ * empties) give exactly what the store holds: as many positions as its Stats says, each one's
+ * chain of parents and token ids a prefix its Lookup finds whole, and every published prompt's
+ * cached run found in the replay. Publishes, evictions in a small arena, ClearCache, a late
+ * subscriber and a restart over a kept prefix cache (--prefix-dir), over ipc:// (the store
+ * binds) and tcp:// (the store connects to a router's bound SUB, llm-d's centralized mode). */
+#include <check.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "kvstore/kvstore.h"
+#include "tests/kvd.h"
+#include "tests/testutil.h"
+
+#define FP 0x1234abcdull
+#define BT 16
+
+/* ------------------------------------------------------------------ the subscriber */
+
+typedef struct sub {
+    void *ctx, *sock;
+    char *raw; /* every message received: per frame, a 4-byte little-endian length, the bytes */
+    size_t n_raw, cap_raw;
+    size_t n_msgs;
+} sub;
+
+static void raw_add(sub *s, const void *p, size_t n)
+{
+    if (s->n_raw + n + 4 > s->cap_raw) {
+        s->cap_raw = (s->n_raw + n + 4) * 2;
+        s->raw = realloc(s->raw, s->cap_raw);
+        ck_assert_ptr_nonnull(s->raw);
+    }
+    uint32_t le = (uint32_t)n;
+    for (int i = 0; i < 4; i++)
+        s->raw[s->n_raw++] = (char)(le >> (8 * i));
+    memcpy(s->raw + s->n_raw, p, n);
+    s->n_raw += n;
+}
+
+/* A SUB socket subscribed to every topic: connected to endpoint, or bound when bind (its
+ * tcp:// endpoint then in bound_ep). */
+static void sub_open(sub *s, const char *endpoint, int bind, char *bound_ep, size_t len)
+{
+    memset(s, 0, sizeof(*s));
+    s->ctx = zmq_ctx_new();
+    s->sock = zmq_socket(s->ctx, ZMQ_SUB);
+    ck_assert_ptr_nonnull(s->sock);
+    int zero = 0;
+    zmq_setsockopt(s->sock, ZMQ_LINGER, &zero, sizeof(zero));
+    ck_assert_int_eq(zmq_setsockopt(s->sock, ZMQ_SUBSCRIBE, "", 0), 0);
+    if (bind) {
+        ck_assert_int_eq(zmq_bind(s->sock, endpoint), 0);
+        ck_assert_int_eq(zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, bound_ep, &len), 0);
+    } else {
+        ck_assert_int_eq(zmq_connect(s->sock, endpoint), 0);
+    }
+}
+
+static void sub_close(sub *s)
+{
+    zmq_close(s->sock);
+    zmq_ctx_term(s->ctx);
+    free(s->raw);
+}
+
+/* Receives one message (waiting for it: Check's timeout is the guard); 1 when its payload holds
+ * token tok as msgpack writes a uint32 (0xce, big-endian) — how the test knows a barrier block's
+ * BlockStored came. */
+static int sub_recv(sub *s, uint32_t tok)
+{
+    int found = 0;
+    for (int f = 0; f < 3; f++) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        ck_assert_int_ge(zmq_msg_recv(&m, s->sock, 0), 0);
+        ck_assert_int_eq(zmq_msg_more(&m), f < 2); /* three frames */
+        raw_add(s, zmq_msg_data(&m), zmq_msg_size(&m));
+        if (f == 2 && tok) {
+            uint8_t pat[5] = {0xce, tok >> 24, tok >> 16, tok >> 8, tok};
+            const uint8_t *d = zmq_msg_data(&m);
+            for (size_t i = 0; i + 5 <= zmq_msg_size(&m) && !found; i++)
+                found = memcmp(d + i, pat, 5) == 0;
+        }
+        zmq_msg_close(&m);
+    }
+    s->n_msgs++;
+    return found;
+}
+
+/* ------------------------------------------------------------------ the store's side */
+
+static int32_t T[512], U[512];
+
+static rekv_kv_prefix px(const int32_t *t, size_t n)
+{
+    return (rekv_kv_prefix){t, n, FP, 0, 0};
+}
+
+static rekv_kv_stats stats(rekv_kvstore_client *c)
+{
+    rekv_kv_stats st;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_kvstore_stats(c, &st, &err) == 0, "stats: %s", err.msg);
+    return st;
+}
+
+/* seq with the first n tokens of t written and published (its full blocks). */
+static void publish(rekv_kvstore_client *c, uint64_t seq, const int32_t *t, size_t n)
+{
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, seq, NULL), 0);
+    ck_assert_msg(rekv_kvstore_append(c, seq, n, 0, 0, NULL, &err) == 0, "append: %s", err.msg);
+    kvd_write_blocks(c, seq, 0, n / BT, 1);
+    rekv_kv_prefix p = px(t, n);
+    rekv_kv_prefix_hit h;
+    ck_assert_msg(rekv_kvstore_publish(c, seq, &p, &h, &err) == 0, "publish: %s", err.msg);
+}
+
+/* A barrier: a one-block prompt of its own published; returns once its BlockStored came, so
+ * that every event the store told before it came too (one connection keeps the order). */
+static void barrier(rekv_kvstore_client *c, sub *s)
+{
+    static uint32_t k;
+    int32_t b[BT];
+    uint32_t tok = 0x7b000000u + (++k) * BT;
+    for (int i = 0; i < BT; i++)
+        b[i] = (int32_t)(tok + (uint32_t)i);
+    publish(c, 90000 + k, b, BT);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 90000 + k, NULL), 0);
+    while (!sub_recv(s, tok))
+        ;
+}
+
+/* ------------------------------------------------------------------ the router's view */
+
+typedef struct pos {
+    uint64_t hash, parent;
+    int has_parent, live;
+    uint32_t tokens[BT];
+} pos;
+
+typedef struct view {
+    pos *p;
+    size_t n, cap;
+    size_t stored, removed, cleared; /* events replayed (blocks for the first two) */
+    size_t chains_whole;             /* view_check: held positions with every ancestor held */
+} view;
+
+static pos *view_find(view *v, uint64_t h)
+{
+    for (size_t i = 0; i < v->n; i++)
+        if (v->p[i].live && v->p[i].hash == h)
+            return &v->p[i];
+    return NULL;
+}
+
+static uint64_t hash_of(json_t *j)
+{
+    ck_assert_msg(json_is_string(j), "a hash is a decimal string");
+    return strtoull(json_string_value(j), NULL, 10);
+}
+
+static void view_apply(view *v, json_t *ev)
+{
+    const char *type = json_string_value(json_object_get(ev, "type"));
+    json_t *hashes = json_object_get(ev, "block_hashes"), *h;
+    size_t i;
+    if (strcmp(type, "AllBlocksCleared") == 0) {
+        v->n = 0;
+        v->cleared++;
+    } else if (strcmp(type, "BlockRemoved") == 0) {
+        json_array_foreach(hashes, i, h)
+        {
+            pos *p = view_find(v, hash_of(h));
+            ck_assert_msg(p != NULL, "BlockRemoved of a block never stored");
+            p->live = 0;
+            v->removed++;
+        }
+    } else {
+        json_t *par = json_object_get(ev, "parent_block_hash"), *toks;
+        toks = json_object_get(ev, "token_ids");
+        json_array_foreach(hashes, i, h)
+        {
+            ck_assert_msg(view_find(v, hash_of(h)) == NULL, "a block stored twice");
+            if (v->n == v->cap) {
+                v->cap = v->cap ? v->cap * 2 : 64;
+                v->p = realloc(v->p, v->cap * sizeof(pos));
+            }
+            pos *p = &v->p[v->n++];
+            p->hash = hash_of(h);
+            p->live = 1;
+            /* the first block's parent is the event's; each next block's, the block before */
+            p->has_parent = i > 0 || !json_is_null(par);
+            p->parent = i > 0 ? v->p[v->n - 2].hash : p->has_parent ? hash_of(par) : 0;
+            for (int t = 0; t < BT; t++)
+                p->tokens[t] = (uint32_t)json_integer_value(json_array_get(toks, i * BT + t));
+            v->stored++;
+        }
+    }
+}
+
+/* Decodes every message so far with the independent decoder and replays them from the first
+ * AllBlocksCleared (the whole picture each subscriber is told as it joins). */
+static void view_build(sub *s, view *v, const char *dir, int array)
+{
+    char path[4300], cmd[4500], *out = NULL;
+    snprintf(path, sizeof(path), "%s/messages.bin", dir);
+    FILE *f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_int_eq(fwrite(s->raw, 1, s->n_raw, f), s->n_raw);
+    fclose(f);
+    snprintf(cmd, sizeof(cmd), "/usr/bin/python3 tests/kv_events_decode.py %s%s 2>&1", path,
+             array ? " --array" : "");
+    int rc = tu_run(cmd, &out);
+    ck_assert_msg(rc == 0, "decoder: %s", out);
+    memset(v, 0, sizeof(*v));
+    size_t n_msgs = 0;
+    long long last_seq = -1;
+    int started = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+        json_error_t je;
+        json_t *m = json_loads(line, 0, &je);
+        ck_assert_msg(m != NULL, "decoder's JSON: %s", je.text);
+        long long seq = json_integer_value(json_object_get(m, "seq"));
+        ck_assert_msg(last_seq < 0 || seq == last_seq + 1,
+                      "sequence %lld after %lld: consecutive, none dropped", seq, last_seq);
+        last_seq = seq;
+        json_t *evs = json_object_get(m, "events"), *ev;
+        size_t i;
+        json_array_foreach(evs, i, ev)
+        {
+            started |=
+                strcmp(json_string_value(json_object_get(ev, "type")), "AllBlocksCleared") == 0;
+            if (started)
+                view_apply(v, ev);
+        }
+        json_decref(m);
+        n_msgs++;
+    }
+    ck_assert_int_eq(n_msgs, s->n_msgs);
+    ck_assert_msg(started, "no AllBlocksCleared: a subscriber is told one as it joins");
+    free(out);
+}
+
+static size_t view_live(const view *v)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < v->n; i++)
+        n += v->p[i].live;
+    return n;
+}
+
+/* The position of hash h the view knows, held or removed (the held one first). */
+static pos *view_find_any(view *v, uint64_t h)
+{
+    pos *p = view_find(v, h);
+    for (size_t i = v->n; p == NULL && i-- > 0;)
+        if (v->p[i].hash == h)
+            p = &v->p[i];
+    return p;
+}
+
+/* The view is what the store holds: its count is the store's; each held position's chain
+ * (parents up to one with none, each a block the events told) spells a prompt the store's Lookup
+ * finds up to the first block of it the events removed — the whole chain when none was. (The
+ * store evicts by its blocks' LRU, so a chain may lose a block before its children.) */
+static void view_check(view *v, rekv_kvstore_client *c)
+{
+    ck_assert_int_eq(view_live(v), stats(c).prefix_entries);
+    int32_t toks[64 * BT];
+    for (size_t i = 0; i < v->n; i++) {
+        if (!v->p[i].live)
+            continue;
+        pos *chain[64];
+        size_t depth = 0, held = 0;
+        for (pos *p = &v->p[i];; p = view_find_any(v, p->parent)) {
+            ck_assert_msg(p != NULL, "a block's parent was never told");
+            ck_assert_uint_lt(depth, 64);
+            chain[depth++] = p;
+            if (!p->has_parent)
+                break;
+        }
+        while (held < depth && chain[depth - 1 - held]->live)
+            held++;
+        for (size_t d = 0; d < depth; d++)
+            for (int t = 0; t < BT; t++)
+                toks[d * BT + t] = (int32_t)chain[depth - 1 - d]->tokens[t];
+        rekv_kv_prefix p = px(toks, depth * BT);
+        rekv_kv_prefix_hit h;
+        ck_assert_int_eq(rekv_kvstore_lookup(c, &p, &h, NULL), 0);
+        ck_assert_msg(h.blocks == held,
+                      "the events' chain of %zu blocks, %zu held from its root: the store finds "
+                      "%llu",
+                      depth, held, (unsigned long long)h.blocks);
+        v->chains_whole += held == depth;
+    }
+}
+
+/* The run of prompt t (n tokens) the view holds, root first: what a router would score. */
+static uint64_t view_match(view *v, const int32_t *t, size_t n)
+{
+    uint64_t k = 0;
+    pos *prev = NULL;
+    for (; k < n / BT; k++) {
+        pos *next = NULL;
+        for (size_t i = 0; i < v->n && next == NULL; i++) {
+            pos *p = &v->p[i];
+            if (p->live && (prev ? p->has_parent && p->parent == prev->hash : !p->has_parent) &&
+                memcmp(p->tokens, t + k * BT, sizeof(p->tokens)) == 0)
+                next = p;
+        }
+        if (next == NULL)
+            break;
+        prev = next;
+    }
+    return k;
+}
+
+static void check_prompt(view *v, rekv_kvstore_client *c, const int32_t *t, size_t n)
+{
+    rekv_kv_prefix p = px(t, n);
+    rekv_kv_prefix_hit h;
+    ck_assert_int_eq(rekv_kvstore_lookup(c, &p, &h, NULL), 0);
+    ck_assert_int_eq(view_match(v, t, n), h.blocks);
+}
+
+static void view_free(view *v)
+{
+    free(v->p);
+}
+
+static void tokens_init(void)
+{
+    for (int i = 0; i < 512; i++) {
+        T[i] = 1000 + i * 7;
+        U[i] = i < 32 ? T[i] : 500000 + i; /* shares T's first two blocks */
+    }
+}
+
+/* ------------------------------------------------------------------ the cases */
+
+/* ipc:// (the store binds). 24 slots, no spill tier: 12 positions of 2 layers. Published
+ * prompts, a shared prefix told once, evictions for a running sequence, ClearCache. */
+START_TEST(publish_evict_clear)
+{
+    tokens_init();
+    char *dir = tu_tmpdir(), ep[4200], extra[4400];
+    snprintf(ep, sizeof(ep), "ipc://%s/events.sock", dir);
+    snprintf(extra, sizeof(extra), "--no-spill --kv-events %s", ep);
+    kvd d;
+    kvd_start(&d, 24, extra, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    sub s;
+    sub_open(&s, ep, 0, NULL, 0);
+    view v;
+
+    publish(c, 1, T, 72); /* 4 full blocks and a partial one: 4 positions */
+    publish(c, 2, U, 64); /* T's first two blocks already cached: 2 new ones */
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 2, NULL), 0);
+    barrier(c, &s);
+    view_build(&s, &v, dir, 0);
+    ck_assert_int_eq(view_live(&v), 7); /* T's 4, U's 2, the barrier's 1 */
+    view_check(&v, c);
+    check_prompt(&v, c, T, 72);
+    check_prompt(&v, c, U, 64);
+    view_free(&v);
+
+    /* a running sequence of 9 positions: 18 slots, the 24 less what stays cached */
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_kvstore_seq_create(c, 3, NULL), 0);
+    ck_assert_msg(rekv_kvstore_append(c, 3, 9 * BT, 0, 0, NULL, &err) == 0, "%s", err.msg);
+    ck_assert_uint_gt(stats(c).prefix_evictions, 0);
+    barrier(c, &s);
+    view_build(&s, &v, dir, 0);
+    ck_assert_uint_gt(v.removed, 0);
+    view_check(&v, c);
+    ck_assert_uint_gt(v.chains_whole, 0);
+    check_prompt(&v, c, T, 72);
+    check_prompt(&v, c, U, 64);
+    view_free(&v);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 3, NULL), 0);
+
+    /* ClearCache: one AllBlocksCleared, then the barrier alone */
+    ck_assert_int_eq(rekv_kvstore_cache_clear(c, NULL), 0);
+    barrier(c, &s);
+    view_build(&s, &v, dir, 0);
+    ck_assert_uint_ge(v.cleared, 2); /* the one on joining, ClearCache's */
+    ck_assert_int_eq(view_live(&v), 1);
+    view_check(&v, c);
+    check_prompt(&v, c, T, 72);
+    view_free(&v);
+
+    sub_close(&s);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+/* A subscriber that joins late is told the whole picture, parents first. */
+START_TEST(late_subscriber_told_everything)
+{
+    tokens_init();
+    char *dir = tu_tmpdir(), ep[4200], extra[4400];
+    snprintf(ep, sizeof(ep), "ipc://%s/events.sock", dir);
+    snprintf(extra, sizeof(extra), "--kv-events %s --kv-events-format array", ep);
+    kvd d;
+    kvd_start(&d, 64, extra, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    publish(c, 1, U, 64);
+    publish(c, 2, T, 128); /* T's blocks 2.. are children of blocks U published */
+    sub s;
+    sub_open(&s, ep, 0, NULL, 0);
+    barrier(c, &s);
+    view v;
+    view_build(&s, &v, dir, 1);
+    ck_assert_int_eq(view_live(&v), 11);
+    view_check(&v, c);
+    check_prompt(&v, c, T, 128);
+    check_prompt(&v, c, U, 64);
+    view_free(&v);
+    sub_close(&s);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 2, NULL), 0);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+/* tcp://: the router binds, the store connects (llm-d's centralized mode); a restart over a kept
+ * prefix cache tells AllBlocksCleared and the blocks it kept, parents first. */
+START_TEST(restart_kept_cache_over_tcp)
+{
+    tokens_init();
+    char *dir = tu_tmpdir(), ep[256], extra[4600];
+    sub s;
+    sub_open(&s, "tcp://127.0.0.1:*", 1, ep, sizeof(ep));
+    snprintf(extra, sizeof(extra), "--prefix-dir %s --kv-events %s --kv-events-topic kv@a@m", dir,
+             ep);
+    kvd d;
+    kvd_start(&d, 64, extra, 0);
+    rekv_kvstore_client *c = kvd_client(&d);
+    publish(c, 1, T, 80);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
+    barrier(c, &s);
+    view v;
+    view_build(&s, &v, dir, 0);
+    ck_assert_int_eq(view_live(&v), 6);
+    view_check(&v, c);
+    view_free(&v);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d); /* a clean stop writes the cache to disk */
+
+    free(s.raw); /* the restarted store's messages alone */
+    s.raw = NULL;
+    s.n_raw = s.cap_raw = s.n_msgs = 0;
+    kvd_start(&d, 64, extra, 0);
+    c = kvd_client(&d);
+    barrier(c, &s);
+    view_build(&s, &v, dir, 0);
+    ck_assert_int_eq(view_live(&v), 7); /* the 6 kept, the barrier */
+    view_check(&v, c);
+    check_prompt(&v, c, T, 80);
+    view_free(&v);
+    rekv_kvstore_client_close(c);
+    kvd_stop(&d);
+    sub_close(&s);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("kv_events");
+    TCase *tc = tcase_create("events");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, publish_evict_clear);
+    tcase_add_test(tc, late_subscriber_told_everything);
+    tcase_add_test(tc, restart_kept_cache_over_tcp);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(suite());
+}
