@@ -166,6 +166,7 @@ void co_plan_store(co_plan_state *ps, const Rekv__Worker__StoreRoom *room)
     ps->store_kv_bytes = room ? room->kv_block_bytes : 0;
     ps->store_act_bytes = room ? room->act_block_bytes : 0;
     ps->store_spill_bytes = room ? room->spill_room_bytes : 0;
+    ps->store_busy_bytes = room ? room->host_busy_bytes : 0;
 }
 
 uint64_t co_plan_job_store_bytes(const co_plan_state *ps, uint64_t tokens, int kv_parts,

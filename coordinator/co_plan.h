@@ -39,6 +39,7 @@ typedef struct co_plan_state {
     uint64_t store_instance, store_host_bytes, store_kv_bytes, store_act_bytes;
     uint64_t store_spill_bytes; /* what admission counts on the store's spill tier */
     int prefix_cache; /* its sequences start from the store's prefix cache (Hello.prefix_cache) */
+    uint64_t store_busy_bytes;  /* the arena in use less what the prefix cache gives back */
 } co_plan_state;
 
 /* Takes the worker's word on its kvstore (NULL: it has none now). */

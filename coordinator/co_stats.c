@@ -130,10 +130,52 @@ void co_do_stats(rekv_coordinator *co, const rid *from, uint64_t rq)
     co_reply_add(co, from, &r, NULL);
 }
 
+/* The KV cache usage of the kvstores the workers keep their cache in, each store once (workers
+ * sharing one see the same instance): the arena's bytes in use less those of blocks only the
+ * prefix cache holds, over the arena's bytes — vLLM's kv_cache_usage_perc, which counts cached
+ * blocks no request holds as free. 0 with no store (resident workers keep their KV on the
+ * device, which the coordinator does not see). */
+static double kv_usage(const rekv_coordinator *co)
+{
+    double busy = 0, size = 0;
+    for (int i = 0; i < MAX_WORKERS; i++) {
+        const co_plan_state *ps = &co->workers[i].plan;
+        int seen = !co->workers[i].active || ps->store_host_bytes == 0;
+        for (int j = 0; j < i && !seen; j++)
+            seen = co->workers[j].active && co->workers[j].plan.store_host_bytes > 0 &&
+                   co->workers[j].plan.store_instance == ps->store_instance;
+        if (!seen) {
+            busy += (double)ps->store_busy_bytes;
+            size += (double)ps->store_host_bytes;
+        }
+    }
+    return size > 0 ? busy / size : 0;
+}
+
+/* The gauges the Gateway API Inference Extension's model-server protocol reads (its endpoint
+ * picker scrapes them for every model server: docs/proposals/003-model-server-protocol), named
+ * as vLLM names them, which the protocol lists and its vLLM defaults scrape: requests waiting
+ * (TotalQueuedRequests), running (TotalRunningRequests), KV cache usage as a fraction 0..1
+ * (KVCacheUtilization). rekv has no LoRA adapters: no vllm:lora_requests_info. */
+static void gie_metrics(rekv_coordinator *co, rekv_metrics_buf *b)
+{
+    rekv_metrics_family(b, "vllm:num_requests_waiting", "gauge",
+                        "Requests waiting to be processed (rekv_jobs{state=\"queued\"}).");
+    rekv_metrics_sample(b, "vllm:num_requests_waiting", NULL, (double)co->n_queue);
+    rekv_metrics_family(b, "vllm:num_requests_running", "gauge",
+                        "Requests running (rekv_jobs{state=\"running\"}).");
+    rekv_metrics_sample(b, "vllm:num_requests_running", NULL, (double)co->n_running);
+    rekv_metrics_family(b, "vllm:kv_cache_usage_perc", "gauge",
+                        "KV cache usage, 1 = full: the kvstores' arenas in use, less the blocks "
+                        "only the prefix cache holds.");
+    rekv_metrics_sample(b, "vllm:kv_cache_usage_perc", NULL, kv_usage(co));
+}
+
 /* The Prometheus exposition of what Stats reports (a rekv_metrics_render_fn). Families are
- * named rekv_*; what accumulates is a counter (_total) and rates are left to rate(): no tokens/s
- * here (Stats keeps its own for `rekv stats`); what is true now is a gauge; latencies are
- * histograms in seconds. README's "Metrics" section lists every family. */
+ * named rekv_* (beside them the vllm:* gauges routers read, gie_metrics); what accumulates is a
+ * counter (_total) and rates are left to rate(): no tokens/s here (Stats keeps its own for `rekv
+ * stats`); what is true now is a gauge; latencies are histograms in seconds. README's "Metrics"
+ * section lists every family. */
 int co_metrics_render(void *ctx, rekv_metrics_buf *b)
 {
     rekv_coordinator *co = ctx;
@@ -141,6 +183,7 @@ int co_metrics_render(void *ctx, rekv_metrics_buf *b)
     rekv_metrics_family(b, "rekv_jobs", "gauge", "Jobs now, by state (queued, running).");
     rekv_metrics_sample(b, "rekv_jobs", "state=\"queued\"", (double)co->n_queue);
     rekv_metrics_sample(b, "rekv_jobs", "state=\"running\"", (double)co->n_running);
+    gie_metrics(co, b);
 
     /* one sample each, no labels */
     const struct {

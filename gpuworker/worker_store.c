@@ -42,6 +42,7 @@ static void kv_room_fetch(worker *w)
     w->room.prefix_hit_disk_blocks = st.prefix_hit_disk_blocks;
     w->room.prefix_evictions = st.prefix_evictions;
     w->room.prefix_hit_read_bytes = st.prefix_hit_read_bytes;
+    w->room.host_busy_bytes = st.host_used_bytes - st.prefix_host_bytes;
     w->room_ns = rekv_now_ns();
 }
 

@@ -1007,6 +1007,7 @@ int rekv_kvstore_stats(rekv_kvstore_client *c, rekv_kv_stats *out, rekv_err *err
     out->prefix_published_blocks = s->prefix_published_blocks;
     out->prefix_cached_blocks = s->prefix_cached_blocks;
     out->prefix_entries = s->prefix_entries;
+    out->prefix_host_bytes = s->prefix_host_bytes;
     out->direct_io = s->direct_io;
     out->registered_arena = s->registered_arena;
     for (size_t i = 0; i < s->n_histograms && out->n_hists < 8; i++) {

@@ -693,6 +693,10 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->prefix_published_blocks = s->px_published;
     st->prefix_entries = s->ce_live;
     st->prefix_cached_blocks = s->ce_live * s->cfg.geometry.n_layers;
+    uint64_t cache_only = 0; /* the cache's list: resident, unpinned, only the cache holds them */
+    for (uint32_t id = s->cache_head; id != NIL; id = s->blocks[id].next)
+        cache_only += kv_slots_class_bytes(&s->hs, s->blocks[id].type);
+    st->prefix_host_bytes = cache_only;
     for (int i = 0; i < H_COUNT; i++) {
         Rekv__Kvstore__Histogram init = REKV__KVSTORE__HISTOGRAM__INIT;
         r->hists[i] = init;

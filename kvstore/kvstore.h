@@ -439,6 +439,7 @@ typedef struct rekv_kv_stats {
     uint64_t prefix_lookups, prefix_hit_tokens, prefix_hit_host_blocks, prefix_hit_disk_blocks;
     uint64_t prefix_evictions, prefix_hit_read_bytes, prefix_published_blocks;
     uint64_t prefix_cached_blocks, prefix_entries;
+    uint64_t prefix_host_bytes; /* arena bytes of blocks only the cache holds, evicted on demand */
     int direct_io, registered_arena;
     size_t n_hists;
     rekv_kv_hist hists[8];

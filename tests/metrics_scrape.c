@@ -236,7 +236,13 @@ int ms_promtool(const char *body)
     snprintf(cmd, sizeof(cmd), "promtool check metrics < '%s' 2>&1", path);
     char *out = NULL;
     int rc = tu_run(cmd, &out);
-    ck_assert_msg(rc == 0, "promtool check metrics: exit %d: %s", rc, out ? out : "");
+    /* exit 3 is lint alone; its colon rule (colons are for recording rules) is no fault in the
+     * vllm:* gauges the Gateway API Inference Extension reads by vLLM's names */
+    int colons_only = rc == 3 && out != NULL;
+    for (char *l = out ? strtok(out, "\n") : NULL; l; l = strtok(NULL, "\n"))
+        colons_only &= strncmp(l, "vllm:", 5) == 0 && strstr(l, "should not contain ':'") != NULL;
+    ck_assert_msg(rc == 0 || colons_only, "promtool check metrics: exit %d: %s", rc,
+                  out ? out : "");
     free(out);
     tu_rmrf(dir);
     free(dir);

@@ -7,17 +7,30 @@
  * chain of parents and token ids a prefix its Lookup finds whole, and every published prompt's
  * cached run found in the replay. Publishes, evictions in a small arena, ClearCache, a late
  * subscriber and a restart over a kept prefix cache (--prefix-dir), over ipc:// (the store
- * binds) and tcp:// (the store connects to a router's bound SUB, llm-d's centralized mode). */
+ * binds) and tcp:// (the store connects to a router's bound SUB, llm-d's centralized mode).
+ *
+ * And the gauges the Gateway API Inference Extension's endpoint picker scrapes (vLLM's names, on
+ * the coordinator's --metrics): `rekv run --kv-events --metrics` with a real worker, the
+ * requests waiting and running with the worker stopped (SIGSTOP: none ends) adding up to the
+ * jobs the test submitted, as the coordinator's Stats counts them, and the KV cache usage fraction
+ * equal to the store's own Stats: blocks only the prefix cache holds count as free (vLLM's
+ * kv_cache_usage_perc), a sequence's blocks as used. */
+#define _GNU_SOURCE
 #include <check.h>
 #include <jansson.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <zmq.h>
 
+#include "coordinator/coordinator.h"
 #include "kvstore/kvstore.h"
 #include "tests/kvd.h"
+#include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
+#define MODEL_REL "models/stories260K/stories260K.bin"
+#include "tests/co_env.h"
 
 #define FP 0x1234abcdull
 #define BT 16
@@ -482,6 +495,161 @@ START_TEST(restart_kept_cache_over_tcp)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ the gauges */
+
+/* The gpuworker `rekv run` (pid run) started: its child of that name. */
+static pid_t run_worker_pid(pid_t run)
+{
+    char path[64], comm[64], *kids;
+    snprintf(path, sizeof(path), "/proc/%d/task/%d/children", run, run);
+    kids = tu_read_file(path, NULL);
+    ck_assert_ptr_nonnull(kids);
+    pid_t found = 0;
+    for (char *t = strtok(kids, " \n"); t && !found; t = strtok(NULL, " \n")) {
+        snprintf(path, sizeof(path), "/proc/%s/comm", t);
+        char *c = tu_read_file(path, NULL);
+        if (c && sscanf(c, "%63s", comm) == 1 && strcmp(comm, "rekv-gpuworker") == 0)
+            found = (pid_t)atoi(t);
+        free(c);
+    }
+    free(kids);
+    ck_assert_int_gt(found, 0);
+    return found;
+}
+
+/* A scrape of the coordinator's port: well-formed, and each of the protocol's gauges typed so. */
+static char *scrape(int port)
+{
+    char *m = ms_scrape(port);
+    ms_check_exposition(m, strlen(m));
+    static const char *const g[] = {"vllm:num_requests_waiting", "vllm:num_requests_running",
+                                    "vllm:kv_cache_usage_perc"};
+    for (int i = 0; i < 3; i++) {
+        char line[128];
+        snprintf(line, sizeof(line), "# TYPE %s gauge\n", g[i]);
+        ck_assert_msg(strstr(m, line) != NULL, "no %s", line);
+    }
+    return m;
+}
+
+/* Scrapes until the usage gauge reads want (the worker tells the coordinator the store's room
+ * with its messages, refreshed every second: no deadline of our own). */
+static void wait_usage(int port, double want)
+{
+    for (;;) {
+        char *m = scrape(port);
+        double v = ms_value(m, "vllm:kv_cache_usage_perc");
+        free(m);
+        if (v == want)
+            return;
+        usleep(50000);
+    }
+}
+
+/* The store's KV usage as vLLM counts it, from its Stats: in use less the cache's own. */
+static double store_usage(rekv_kvstore_client *k)
+{
+    rekv_kv_stats st;
+    ct_kv_stats(k, &st);
+    return (double)(st.host_used_bytes - st.prefix_host_bytes) / (double)st.host_bytes;
+}
+
+START_TEST(router_gauges_and_run_events)
+{
+    env e;
+    if (ct_env_open(&e))
+        return;
+    int port = ms_free_port();
+    char ports[32], ep[4300];
+    snprintf(ports, sizeof(ports), "127.0.0.1:%d", port);
+    snprintf(ep, sizeof(ep), "ipc://%s/events.sock", e.dir);
+    const char *extra[] = {"--metrics",           ports,     "--kv-events", ep,
+                           "--worker-timeout-ms", "3600000", NULL};
+    pid_t run = ct_rekv_run_start_args(&e, "8M", "2", "offload", extra);
+    rekv_ctl *c = ct_ctl_open(e.ctl);
+    ct_wait_workers(c, 1);
+    rekv_kvstore_client *k = ct_kv_open(&e);
+    sub s;
+    sub_open(&s, ep, 0, NULL, 0);
+
+    /* a job's prompt published by the worker: two full blocks a router sees, root first */
+    static tjob a;
+    memset(&a, 0, sizeof(a));
+    a.n_prompt = 40;
+    for (int i = 0; i < 40; i++)
+        a.prompt[i] = 1 + (i * 37 + 5) % 500;
+    a.gp = (rekv_gen_params){.max_new_tokens = 8, .top_p = 1.0f};
+    ct_reference(&a, 1, e.model);
+    ck_assert_int_eq(ct_submit_all(c, &a, 1), 1);
+    ct_wait_and_check(c, &a, 1);
+    barrier(k, &s);
+    view v;
+    view_build(&s, &v, e.dir, 0);
+    rekv_kv_stats st;
+    ct_kv_stats(k, &st);
+    ck_assert_int_eq(view_live(&v), st.prefix_entries);
+    ck_assert_int_eq(view_match(&v, a.prompt, 32), 2);
+    view_free(&v);
+
+    /* the cache's blocks fill the arena but count as free; a sequence's count as used */
+    ck_assert_uint_gt(st.host_used_bytes, 0);
+    wait_usage(port, 0);
+    ck_assert_int_eq(rekv_kvstore_seq_create(k, 77, NULL), 0);
+    ck_assert_int_eq(rekv_kvstore_append(k, 77, 4 * BT, 0, 0, NULL, NULL), 0);
+    ct_kv_stats(k, &st);
+    rekv_kv_geometry g;
+    rekv_kvstore_client_geometry(k, &g);
+    double want = store_usage(k); /* 4 blocks in every layer */
+    ck_assert_double_eq(want, (double)(4 * g.n_layers * st.kv_slot_bytes) / (double)st.host_bytes);
+    wait_usage(port, want);
+    ck_assert_int_eq(rekv_kvstore_seq_drop(k, 77, NULL), 0);
+    wait_usage(port, 0);
+
+    /* the worker stopped: the coordinator gives it what its Plans can carry (one or two jobs,
+     * as the submissions meet its rounds), the rest wait; nothing ends while it is stopped */
+    pid_t wpid = run_worker_pid(run);
+    ck_assert_int_eq(kill(wpid, SIGSTOP), 0);
+    static tjob jobs[5];
+    ct_make_jobs(jobs, 5, 40, 512, 3);
+    ct_reference(jobs, 5, e.model);
+    ck_assert_int_eq(ct_submit_all(c, jobs, 5), 5);
+    for (;;) { /* a scrape between two equal Stats (admission only goes one way while stopped) */
+        Rekv__Control__Response *r0 = ct_stats(c);
+        char *m = scrape(port);
+        Rekv__Control__Response *r1 = ct_stats(c);
+        uint32_t run_n = r1->stats->running, queued = r1->stats->queued;
+        int same = r0->stats->running == run_n && r0->stats->queued == queued && run_n > 0;
+        rekv__control__response__free_unpacked(r0, NULL);
+        rekv__control__response__free_unpacked(r1, NULL);
+        if (same) {
+            ck_assert_uint_eq(run_n + queued, 5);
+            ck_assert_double_eq(ms_value(m, "vllm:num_requests_waiting"), queued);
+            ck_assert_double_eq(ms_value(m, "vllm:num_requests_running"), run_n);
+            ck_assert_double_eq(ms_value(m, "rekv_jobs{state=\"queued\"}"), queued);
+            ck_assert_double_eq(ms_value(m, "rekv_jobs{state=\"running\"}"), run_n);
+            ck_assert_int_ne(ms_promtool(m), 1);
+        }
+        free(m);
+        if (same)
+            break;
+    }
+    ck_assert_int_eq(kill(wpid, SIGCONT), 0);
+    ct_wait_and_check(c, jobs, 5);
+    char *m = scrape(port);
+    ck_assert_double_eq(ms_value(m, "vllm:num_requests_waiting"), 0);
+    ck_assert_double_eq(ms_value(m, "vllm:num_requests_running"), 0);
+    free(m);
+
+    ct_free_jobs(jobs, 5);
+    ct_free_jobs(&a, 1);
+    sub_close(&s);
+    rekv_kvstore_client_close(k);
+    rekv_ctl_close(c);
+    ct_rekv_run_stop(run);
+    ct_env_close(&e);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("kv_events");
@@ -490,6 +658,10 @@ static Suite *suite(void)
     tcase_add_test(tc, publish_evict_clear);
     tcase_add_test(tc, late_subscriber_told_everything);
     tcase_add_test(tc, restart_kept_cache_over_tcp);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("gauges");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, router_gauges_and_run_events);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -57,6 +57,7 @@ static void run_usage(FILE *f)
             "                 [--served-model-name NAME]] [--prefix-cache on|off]\n"
             "                [--prefix-dir DIR] [--remote URL [--remote-timeout-ms N]\n"
             "                 [--remote-ttl-s N]]\n"
+            "                [--kv-events ENDPOINT [--kv-events-topic T]]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
@@ -76,7 +77,10 @@ static void run_usage(FILE *f)
             "longest cached prefix (default on); --prefix-dir DIR: the kvstore keeps that cache in\n"
             "DIR across restarts (see rekv-kvstore --help).\n"
             "--remote redis://HOST:PORT[/DB] | unix:///PATH[?db=N]: the kvstore shares its prefix\n"
-            "cache with other replicas of the model through that Redis (see rekv-kvstore --help).\n");
+            "cache with other replicas of the model through that Redis (see rekv-kvstore --help).\n"
+            "--kv-events tcp://*:5557: the kvstore publishes what its prefix cache holds in\n"
+            "vLLM's KV events format for KV-aware routers (llm-d, Dynamo; see rekv-kvstore\n"
+            "--help); --kv-events-topic: their topic (llm-d reads kv@POD@MODEL).\n");
 }
 
 /* Starts c with a ready pipe (its read end in *ready); 0, or -1 with a message printed. */
@@ -212,6 +216,7 @@ typedef struct run_opts {
     const char *http, *api_key_file, *served_name; /* the coordinator's HTTP server */
     const char *prefix_cache, *prefix_dir;          /* the worker's and the store's */
     const char *remote, *remote_timeout, *remote_ttl; /* the store's remote tier */
+    const char *kv_events, *kv_events_topic;        /* the store's KV events for routers */
     const char *link_gbps, *link_lat, *devmem; /* the worker's emulation */
     int push, approximate, metrics_public, no_spill, http_public;
     long ready_fd; /* -1: none */
@@ -245,6 +250,8 @@ static int run_parse(int argc, char **argv, run_opts *o)
         {"remote", required_argument, 0, 'r'},
         {"remote-timeout-ms", required_argument, 0, 'o'},
         {"remote-ttl-s", required_argument, 0, 'l'},
+        {"kv-events", required_argument, 0, 'E'},
+        {"kv-events-topic", required_argument, 0, 'G'},
         {0, 0, 0, 0}};
     *o = (run_opts){.backend = "auto", .mode = "auto", .host_bytes = "256M", .queue = "256",
                     .max_batch = "64", .timeout = "30000", .ready_fd = -1};
@@ -281,6 +288,8 @@ static int run_parse(int argc, char **argv, run_opts *o)
         case 'r': o->remote = optarg; break;
         case 'o': if (cli_parse_int("remote-timeout-ms", optarg, 1, 10000, &v)) return 2; o->remote_timeout = optarg; break;
         case 'l': if (cli_parse_int("remote-ttl-s", optarg, 1, INT32_MAX, &v)) return 2; o->remote_ttl = optarg; break;
+        case 'E': o->kv_events = optarg; break;
+        case 'G': o->kv_events_topic = optarg; break;
         case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o->chunk = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &o->ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
@@ -420,6 +429,12 @@ static void run_children_argv(const run_opts *o, const run_paths *p, child *ch)
     }
     if (o->prefix_cache) {
         ARG(WORKER, "--prefix-cache"); ARG(WORKER, o->prefix_cache);
+    }
+    if (o->kv_events) {
+        ARG(KV, "--kv-events"); ARG(KV, o->kv_events);
+    }
+    if (o->kv_events_topic) {
+        ARG(KV, "--kv-events-topic"); ARG(KV, o->kv_events_topic);
     }
     if (o->push) { /* the store writes KV rows into the worker's buffers, on the worker's backend */
         /* the worker's kind: an emulated GPU is the cpu backend */
