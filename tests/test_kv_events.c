@@ -222,7 +222,7 @@ static void view_apply(view *v, json_t *ev)
 
 /* Decodes every message so far with the independent decoder and replays them from the first
  * AllBlocksCleared (the whole picture each subscriber is told as it joins). */
-static void view_build(sub *s, view *v, const char *dir, int array)
+static void view_build(sub *s, view *v, const char *dir, int array, const char *topic)
 {
     char path[4300], cmd[4500], *out = NULL;
     snprintf(path, sizeof(path), "%s/messages.bin", dir);
@@ -243,6 +243,7 @@ static void view_build(sub *s, view *v, const char *dir, int array)
         json_t *m = json_loads(line, 0, &je);
         ck_assert_msg(m != NULL, "decoder's JSON: %s", je.text);
         long long seq = json_integer_value(json_object_get(m, "seq"));
+        ck_assert_str_eq(json_string_value(json_object_get(m, "topic")), topic);
         ck_assert_msg(last_seq < 0 || seq == last_seq + 1,
                       "sequence %lld after %lld: consecutive, none dropped", seq, last_seq);
         last_seq = seq;
@@ -367,7 +368,8 @@ START_TEST(publish_evict_clear)
     tokens_init();
     char *dir = tu_tmpdir(), ep[4200], extra[4400];
     snprintf(ep, sizeof(ep), "ipc://%s/events.sock", dir);
-    snprintf(extra, sizeof(extra), "--no-spill --kv-events %s", ep);
+    int port = ms_free_port();
+    snprintf(extra, sizeof(extra), "--no-spill --kv-events %s --metrics 127.0.0.1:%d", ep, port);
     kvd d;
     kvd_start(&d, 24, extra, 0);
     rekv_kvstore_client *c = kvd_client(&d);
@@ -380,7 +382,7 @@ START_TEST(publish_evict_clear)
     ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
     ck_assert_int_eq(rekv_kvstore_seq_drop(c, 2, NULL), 0);
     barrier(c, &s);
-    view_build(&s, &v, dir, 0);
+    view_build(&s, &v, dir, 0, "");
     ck_assert_int_eq(view_live(&v), 7); /* T's 4, U's 2, the barrier's 1 */
     view_check(&v, c);
     check_prompt(&v, c, T, 72);
@@ -393,7 +395,7 @@ START_TEST(publish_evict_clear)
     ck_assert_msg(rekv_kvstore_append(c, 3, 9 * BT, 0, 0, NULL, &err) == 0, "%s", err.msg);
     ck_assert_uint_gt(stats(c).prefix_evictions, 0);
     barrier(c, &s);
-    view_build(&s, &v, dir, 0);
+    view_build(&s, &v, dir, 0, "");
     ck_assert_uint_gt(v.removed, 0);
     view_check(&v, c);
     ck_assert_uint_gt(v.chains_whole, 0);
@@ -405,11 +407,20 @@ START_TEST(publish_evict_clear)
     /* ClearCache: one AllBlocksCleared, then the barrier alone */
     ck_assert_int_eq(rekv_kvstore_cache_clear(c, NULL), 0);
     barrier(c, &s);
-    view_build(&s, &v, dir, 0);
+    view_build(&s, &v, dir, 0, "");
     ck_assert_uint_ge(v.cleared, 2); /* the one on joining, ClearCache's */
     ck_assert_int_eq(view_live(&v), 1);
     view_check(&v, c);
     check_prompt(&v, c, T, 72);
+    /* the store's own counts: blocks told, batches sent, none dropped */
+    char *m = ms_scrape(port);
+    ms_check_exposition(m, strlen(m));
+    ck_assert_double_ge(ms_value(m, "rekv_kvstore_kv_events_total{type=\"stored\"}"), v.stored);
+    ck_assert_double_ge(ms_value(m, "rekv_kvstore_kv_events_total{type=\"cleared\"}"), 2);
+    ck_assert_double_ge(ms_value(m, "rekv_kvstore_kv_event_batches_total{outcome=\"sent\"}"),
+                        s.n_msgs);
+    ck_assert_double_eq(ms_value(m, "rekv_kvstore_kv_event_batches_total{outcome=\"dropped\"}"), 0);
+    free(m);
     view_free(&v);
 
     sub_close(&s);
@@ -436,7 +447,7 @@ START_TEST(late_subscriber_told_everything)
     sub_open(&s, ep, 0, NULL, 0);
     barrier(c, &s);
     view v;
-    view_build(&s, &v, dir, 1);
+    view_build(&s, &v, dir, 1, "");
     ck_assert_int_eq(view_live(&v), 11);
     view_check(&v, c);
     check_prompt(&v, c, T, 128);
@@ -469,7 +480,7 @@ START_TEST(restart_kept_cache_over_tcp)
     ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
     barrier(c, &s);
     view v;
-    view_build(&s, &v, dir, 0);
+    view_build(&s, &v, dir, 0, "kv@a@m");
     ck_assert_int_eq(view_live(&v), 6);
     view_check(&v, c);
     view_free(&v);
@@ -482,7 +493,7 @@ START_TEST(restart_kept_cache_over_tcp)
     kvd_start(&d, 64, extra, 0);
     c = kvd_client(&d);
     barrier(c, &s);
-    view_build(&s, &v, dir, 0);
+    view_build(&s, &v, dir, 0, "kv@a@m");
     ck_assert_int_eq(view_live(&v), 7); /* the 6 kept, the barrier */
     view_check(&v, c);
     check_prompt(&v, c, T, 80);
@@ -584,7 +595,7 @@ START_TEST(router_gauges_and_run_events)
     ct_wait_and_check(c, &a, 1);
     barrier(k, &s);
     view v;
-    view_build(&s, &v, e.dir, 0);
+    view_build(&s, &v, e.dir, 0, "");
     rekv_kv_stats st;
     ct_kv_stats(k, &st);
     ck_assert_int_eq(view_live(&v), st.prefix_entries);
