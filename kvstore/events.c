@@ -50,7 +50,9 @@
 #include "kvstore/events.h"
 #include "kvstore/server_internal.h"
 
-#define EV_HWM 100000 /* vLLM's default hwm */
+#define EV_HWM 100000              /* vLLM's default hwm */
+#define REPLAY_BATCHES 10000       /* vLLM's default buffer_steps */
+#define REPLAY_BYTES (64ull << 20) /* and at most this much of them */
 
 /* The packers' writer: a failed write (out of memory) marks the buffer's owner. */
 typedef struct ev_out {
@@ -66,6 +68,13 @@ static int ev_write(void *data, const char *buf, size_t len)
     *o->oom = 1;
     return -1;
 }
+
+/* A batch kept for replay: its sequence number and payload (malloc'd). */
+typedef struct ev_kept {
+    uint64_t seq;
+    char *data;
+    size_t len;
+} ev_kept;
 
 /* The event being gathered: consecutive blocks of one chain (stored), or removals. */
 enum { OPEN_NONE = 0, OPEN_STORED, OPEN_REMOVED };
@@ -87,6 +96,9 @@ struct kv_events {
     uint64_t seq; /* the next batch's sequence number */
     int oom;      /* an allocation failed this batch: it is dropped whole */
     kv_events_counts counts;
+    void *replay;  /* ROUTER answering replay requests, or NULL */
+    ev_kept *kept; /* [REPLAY_BATCHES] ring of the last batches, oldest at kept_head */
+    size_t kept_head, n_kept, kept_bytes;
 };
 
 /* ------------------------------------------------------------------ encoding */
@@ -238,6 +250,30 @@ static void batch_reset(kv_events *ev)
     ev->oom = 0;
 }
 
+/* Keeps a copy of the payload for replay; the oldest batches go past REPLAY_BATCHES or
+ * REPLAY_BYTES. */
+static void ev_keep(kv_events *ev, uint64_t seq, msgpack_sbuffer *pay)
+{
+    while (ev->n_kept > 0 &&
+           (ev->n_kept == REPLAY_BATCHES || ev->kept_bytes + pay->size > REPLAY_BYTES)) {
+        ev_kept *o = &ev->kept[ev->kept_head];
+        ev->kept_bytes -= o->len;
+        free(o->data);
+        ev->kept_head = (ev->kept_head + 1) % REPLAY_BATCHES;
+        ev->n_kept--;
+    }
+    if (pay->size > REPLAY_BYTES)
+        return; /* too big to keep: a replay will not have it */
+    char *copy = malloc(pay->size);
+    if (copy == NULL)
+        return;
+    memcpy(copy, pay->data, pay->size);
+    ev_kept *k = &ev->kept[(ev->kept_head + ev->n_kept) % REPLAY_BATCHES];
+    *k = (ev_kept){seq, copy, pay->size};
+    ev->kept_bytes += pay->size;
+    ev->n_kept++;
+}
+
 void kv_events_flush(kv_events *ev)
 {
     ev_close(ev);
@@ -266,6 +302,8 @@ void kv_events_flush(kv_events *ev)
     for (int i = 0; i < 8; i++)
         be[i] = (uint8_t)(seq >> (56 - 8 * i));
     /* ZeroMQ takes a message's frames all or none: EAGAIN can only come on the first */
+    if (!bad && ev->replay) /* kept sent or not: a subscriber that saw the gap asks for it */
+        ev_keep(ev, seq, &pay);
     if (bad || pay.data == NULL ||
         zmq_send(ev->sock, ev->topic, strlen(ev->topic), ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
         zmq_send(ev->sock, be, sizeof(be), ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
@@ -355,12 +393,101 @@ fail:
     return rc;
 }
 
+/* ------------------------------------------------------------------ replay */
+
+static void be64(uint8_t *out, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        out[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+
+/* One frame of a reply to client id (more: frames follow). */
+static int replay_send(kv_events *ev, const void *p, size_t n, int more)
+{
+    return zmq_send(ev->replay, p, n, ZMQ_DONTWAIT | (more ? ZMQ_SNDMORE : 0)) < 0 ? -1 : 0;
+}
+
+/* vLLM's replay (ZmqEventPublisher._service_replay, v0.26): a request is [identity, "", start
+ * (8 bytes, big-endian)]; the answer, each kept batch from start on as [identity, "", topic,
+ * seq, payload], then [identity, "", "", -1 (8 bytes), ""]. A malformed request is dropped. */
+static void replay_one(kv_events *ev)
+{
+    uint8_t fr[3][256];
+    int len[3], n = 0, more = 1;
+    while (more) {
+        int r = zmq_recv(ev->replay, fr[n < 3 ? n : 2], sizeof(fr[0]), ZMQ_DONTWAIT);
+        if (r < 0)
+            return;
+        if (n < 3)
+            len[n] = r;
+        n++;
+        size_t ml = sizeof(more);
+        if (zmq_getsockopt(ev->replay, ZMQ_RCVMORE, &more, &ml) < 0)
+            return;
+    }
+    if (n != 3 || len[0] > (int)sizeof(fr[0]) || len[1] != 0 || len[2] != 8)
+        return;
+    uint64_t start = 0;
+    for (int i = 0; i < 8; i++)
+        start = start << 8 | fr[2][i];
+    size_t tl = strlen(ev->topic);
+    for (size_t k = 0; k < ev->n_kept; k++) {
+        const ev_kept *b = &ev->kept[(ev->kept_head + k) % REPLAY_BATCHES];
+        uint8_t seq[8];
+        be64(seq, b->seq);
+        if (b->seq >= start && (replay_send(ev, fr[0], (size_t)len[0], 1) ||
+                                replay_send(ev, "", 0, 1) || replay_send(ev, ev->topic, tl, 1) ||
+                                replay_send(ev, seq, 8, 1) || replay_send(ev, b->data, b->len, 0)))
+            return; /* the client is gone, or its queue full: it asks again */
+    }
+    uint8_t end[8];
+    be64(end, UINT64_MAX); /* -1, signed */
+    (void)(replay_send(ev, fr[0], (size_t)len[0], 1) || replay_send(ev, "", 0, 1) ||
+           replay_send(ev, "", 0, 1) || replay_send(ev, end, 8, 1) || replay_send(ev, "", 0, 0));
+}
+
+void kv_events_replay_serve(kv_events *ev)
+{
+    int evs = 0;
+    size_t el = sizeof(evs);
+    while (zmq_getsockopt(ev->replay, ZMQ_EVENTS, &evs, &el) == 0 && (evs & ZMQ_POLLIN))
+        replay_one(ev);
+}
+
+void *kv_events_replay_socket(kv_events *ev)
+{
+    return ev->replay;
+}
+
+int kv_events_replay_open(kv_events *ev, void *zctx, const char *endpoint, rekv_err *err)
+{
+    ev->kept = calloc(REPLAY_BATCHES, sizeof(ev_kept));
+    ev->replay = ev->kept ? zmq_socket(zctx, ZMQ_ROUTER) : NULL;
+    if (ev->replay == NULL)
+        return rekv_errf(err, -ENOMEM, "kvstore: kv events replay socket: out of memory");
+    int zero = 0, hwm = REPLAY_BATCHES + 1; /* a whole replay fits a client's queue */
+    zmq_setsockopt(ev->replay, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(ev->replay, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    mode_t old = umask(077);
+    int brc = zmq_bind(ev->replay, endpoint);
+    umask(old);
+    if (brc < 0)
+        return rekv_errf(err, -zmq_errno(), "kvstore: --kv-events-replay %s: %s", endpoint,
+                         zmq_strerror(zmq_errno()));
+    return 0;
+}
+
 void kv_events_free(kv_events *ev)
 {
     if (ev == NULL)
         return;
     if (ev->sock)
         zmq_close(ev->sock);
+    if (ev->replay)
+        zmq_close(ev->replay);
+    for (size_t k = 0; ev->kept && k < ev->n_kept; k++)
+        free(ev->kept[(ev->kept_head + k) % REPLAY_BATCHES].data);
+    free(ev->kept);
     msgpack_sbuffer_destroy(&ev->evbuf);
     free(ev->hashes);
     free(ev->tokens);
@@ -436,8 +563,20 @@ void srv_events_on_subscribe(rekv_evloop *loop, void *ctx, short revents)
         srv_events_announce(s); /* sent with this round's batch */
 }
 
+void srv_events_on_replay(rekv_evloop *loop, void *ctx, short revents)
+{
+    rekv_kvstore_server *s = ctx;
+    (void)loop;
+    (void)revents;
+    kv_events_replay_serve(s->events);
+}
+
 void srv_events_flush(rekv_kvstore_server *s)
 {
-    if (s->events)
-        kv_events_flush(s->events);
+    if (s->events == NULL)
+        return;
+    /* a subscriber that came since the poll gets its picture before this batch can reach it */
+    if (kv_events_subscribed(s->events))
+        srv_events_announce(s);
+    kv_events_flush(s->events);
 }

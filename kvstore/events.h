@@ -44,6 +44,13 @@ void kv_events_flush(kv_events *ev);
 int kv_events_subscribed(kv_events *ev);
 /* The ZeroMQ socket, for the loop to poll for subscriptions. */
 void *kv_events_socket(kv_events *ev);
+/* vLLM's replay socket (ZeroMQ ROUTER, bound on endpoint): the last 10,000 batches (vLLM's
+ * buffer_steps; at most 64 MiB of them) kept, sent again from a sequence number on request. */
+int kv_events_replay_open(kv_events *ev, void *zctx, const char *endpoint, rekv_err *err);
+void *kv_events_replay_socket(kv_events *ev);
+/* Answers the replay requests waiting (never waits: a reply a client cannot take is cut short,
+ * the client asks again). */
+void kv_events_replay_serve(kv_events *ev);
 /* Marks this batch lost (something could not be told): it is dropped at the flush, its sequence
  * number spent. */
 void kv_events_lose(kv_events *ev);

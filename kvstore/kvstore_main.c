@@ -31,7 +31,8 @@ static void usage(FILE *f)
                "         [--remote redis://HOST:PORT[/DB] | unix:///PATH[?db=N]]\n"
                "         [--remote-timeout-ms N] [--remote-ttl-s N]\n"
                "         [--kv-events tcp://HOST:PORT|ipc://PATH [--kv-events-topic T]\n"
-               "         [--kv-events-format map|array]] [--help] [--version]\n"
+               "         [--kv-events-format map|array] [--kv-events-replay ENDPOINT]]\n"
+               "         [--help] [--version]\n"
                "Sizes take K, M, G suffixes (powers of two). --prefix-dir: the prefix cache\n"
                "survives a restart (DIR/spill.rekv, DIR/index.rekv): a clean stop writes it to\n"
                "disk, a crash keeps what was there; each block is CRC32C-checked at the start.\n"
@@ -52,7 +53,8 @@ static void usage(FILE *f)
                "AllBlocksCleared) in vLLM's KV events format for KV-aware routers (llm-d,\n"
                "Dynamo): bound when the endpoint has a wildcard (tcp://*:5557) or is ipc://,\n"
                "else connected. --kv-events-format array: the positional events of vLLM before\n"
-               "v0.26, for subscribers that decode only those.\n");
+               "v0.26, for subscribers that decode only those. --kv-events-replay: vLLM's replay\n"
+               "socket (ZeroMQ ROUTER, bound): the last 10,000 batches sent again on request.\n");
 }
 
 static void on_event(void *ctx, rekv_kv_event lvl, const char *msg)
@@ -111,6 +113,7 @@ enum {
     O_KV_EVENTS,
     O_KV_EVENTS_TOPIC,
     O_KV_EVENTS_FORMAT,
+    O_KV_EVENTS_REPLAY,
     O_HELP,
     O_VERSION
 };
@@ -147,6 +150,7 @@ static const struct option opts[] = {
     {"kv-events", required_argument, 0, O_KV_EVENTS},
     {"kv-events-topic", required_argument, 0, O_KV_EVENTS_TOPIC},
     {"kv-events-format", required_argument, 0, O_KV_EVENTS_FORMAT},
+    {"kv-events-replay", required_argument, 0, O_KV_EVENTS_REPLAY},
     {"help", no_argument, 0, O_HELP},
     {"version", no_argument, 0, O_VERSION},
     {0, 0, 0, 0},
@@ -239,6 +243,10 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
     case O_KV_EVENTS_TOPIC:
         a->cfg.kv_events_topic = arg;
         break;
+    case O_KV_EVENTS_REPLAY:
+        a->cfg.kv_events_replay = arg;
+        bad = strncmp(arg, "tcp://", 6) && strncmp(arg, "ipc://", 6);
+        break;
     case O_KV_EVENTS_FORMAT:
         a->cfg.kv_events_array = strcmp(arg, "array") == 0;
         bad = strcmp(arg, "map") && strcmp(arg, "array");
@@ -308,6 +316,10 @@ static int parse_option(kv_args *a, int o, const char *name, const char *arg)
 static int check_args(const kv_args *a)
 {
     uint32_t high = a->cfg.high_pct; /* given, or rekv_kvstore_config_defaults' */
+    if (a->cfg.kv_events_replay && a->cfg.kv_events == NULL) {
+        fprintf(stderr, "rekv-kvstore: --kv-events-replay replays --kv-events: give both\n");
+        return 2;
+    }
     if (a->low_given && a->cfg.low_pct > high) {
         fprintf(stderr, "rekv-kvstore: --low-pct %u is above --high-pct %u%s\n", a->cfg.low_pct,
                 high, a->high_given ? "" : " (the default)");

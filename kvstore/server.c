@@ -450,6 +450,11 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
          (rc = rekv_evloop_add_socket(s->loop, kv_events_socket(s->events), ZMQ_POLLIN,
                                       srv_events_on_subscribe, s, err)) < 0))
         goto fail;
+    if (cfg->kv_events && cfg->kv_events_replay &&
+        ((rc = kv_events_replay_open(s->events, s->zctx, cfg->kv_events_replay, err)) < 0 ||
+         (rc = rekv_evloop_add_socket(s->loop, kv_events_replay_socket(s->events), ZMQ_POLLIN,
+                                      srv_events_on_replay, s, err)) < 0))
+        goto fail;
     *out = s;
     return 0;
 fail:

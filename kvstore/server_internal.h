@@ -328,6 +328,8 @@ void srv_events_announce(rekv_kvstore_server *s);
 /* The publisher's socket is readable: a subscriber that joined gets the whole picture (an
  * rekv_evloop_io_fn; ctx: the server). */
 void srv_events_on_subscribe(rekv_evloop *loop, void *ctx, short revents);
+/* The replay socket is readable: answers the requests (an rekv_evloop_io_fn). */
+void srv_events_on_replay(rekv_evloop *loop, void *ctx, short revents);
 /* Sends the round's events as one batch (the loop's before-sleep hook). */
 void srv_events_flush(rekv_kvstore_server *s);
 

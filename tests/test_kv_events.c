@@ -42,6 +42,7 @@ typedef struct sub {
     char *raw; /* every message received: per frame, a 4-byte little-endian length, the bytes */
     size_t n_raw, cap_raw;
     size_t n_msgs;
+    int cleared; /* a message held "AllBlocksCleared" (the picture told on joining) */
 } sub;
 
 static void raw_add(sub *s, const void *p, size_t n)
@@ -85,8 +86,9 @@ static void sub_close(sub *s)
 }
 
 /* Receives one message (waiting for it: Check's timeout is the guard); 1 when its payload holds
- * token tok as msgpack writes a uint32 (0xce, big-endian) — how the test knows a barrier block's
- * BlockStored came. */
+ * token tok as msgpack writes a uint32 (0xce, big-endian) and an AllBlocksCleared came before or
+ * with it — how the test knows a barrier block's BlockStored came after the picture the
+ * subscriber is told on joining (a batch may reach it just before that picture). */
 static int sub_recv(sub *s, uint32_t tok)
 {
     int found = 0;
@@ -101,11 +103,50 @@ static int sub_recv(sub *s, uint32_t tok)
             const uint8_t *d = zmq_msg_data(&m);
             for (size_t i = 0; i + 5 <= zmq_msg_size(&m) && !found; i++)
                 found = memcmp(d + i, pat, 5) == 0;
+            s->cleared |= memmem(d, zmq_msg_size(&m), "AllBlocksCleared", 16) != NULL;
         }
         zmq_msg_close(&m);
     }
     s->n_msgs++;
-    return found;
+    return found && s->cleared;
+}
+
+/* vLLM's replay (--kv-events-replay): a DEALER asks for every batch from the first one s
+ * received; the store's answer, up to its end marker, is byte for byte what s received. */
+static void replay_check(sub *s, const char *endpoint)
+{
+    ck_assert_uint_ge(s->n_raw, 16);
+    uint32_t tl = (uint8_t)s->raw[0] | (uint8_t)s->raw[1] << 8; /* the first topic's length */
+    const char *first_seq = s->raw + 4 + tl + 4;                /* its sequence number */
+    void *d = zmq_socket(s->ctx, ZMQ_DEALER);
+    int zero = 0;
+    zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof(zero));
+    ck_assert_int_eq(zmq_connect(d, endpoint), 0);
+    ck_assert_int_eq(zmq_send(d, "", 0, ZMQ_SNDMORE), 0);
+    ck_assert_int_eq(zmq_send(d, first_seq, 8, 0), 8);
+    sub r = {0};
+    for (int end = 0; !end;) {
+        zmq_msg_t m[5];
+        int n = 0;
+        for (int more = 1; more; n++) {
+            ck_assert_int_lt(n, 5);
+            zmq_msg_init(&m[n]);
+            ck_assert_int_ge(zmq_msg_recv(&m[n], d, 0), 0);
+            more = zmq_msg_more(&m[n]);
+        }
+        ck_assert_int_eq(n, 4); /* "", topic, seq, payload; the end: "", "", -1, "" */
+        ck_assert_int_eq(zmq_msg_size(&m[0]), 0);
+        ck_assert_int_eq(zmq_msg_size(&m[2]), 8);
+        end = memcmp(zmq_msg_data(&m[2]), "\xff\xff\xff\xff\xff\xff\xff\xff", 8) == 0;
+        for (int f = 1; f < 4 && !end; f++)
+            raw_add(&r, zmq_msg_data(&m[f]), zmq_msg_size(&m[f]));
+        for (int f = 0; f < n; f++)
+            zmq_msg_close(&m[f]);
+    }
+    zmq_close(d);
+    ck_assert_uint_eq(r.n_raw, s->n_raw);
+    ck_assert_int_eq(memcmp(r.raw, s->raw, s->n_raw), 0);
+    free(r.raw);
 }
 
 /* ------------------------------------------------------------------ the store's side */
@@ -431,13 +472,16 @@ START_TEST(publish_evict_clear)
 }
 END_TEST
 
-/* A subscriber that joins late is told the whole picture, parents first. */
+/* A subscriber that joins late is told the whole picture, parents first; vLLM's replay socket
+ * sends it all again. */
 START_TEST(late_subscriber_told_everything)
 {
     tokens_init();
-    char *dir = tu_tmpdir(), ep[4200], extra[4400];
+    char *dir = tu_tmpdir(), ep[1024], rep[1024], extra[2200];
     snprintf(ep, sizeof(ep), "ipc://%s/events.sock", dir);
-    snprintf(extra, sizeof(extra), "--kv-events %s --kv-events-format array", ep);
+    snprintf(rep, sizeof(rep), "ipc://%s/replay.sock", dir);
+    snprintf(extra, sizeof(extra), "--kv-events %s --kv-events-format array --kv-events-replay %s",
+             ep, rep);
     kvd d;
     kvd_start(&d, 64, extra, 0);
     rekv_kvstore_client *c = kvd_client(&d);
@@ -453,6 +497,7 @@ START_TEST(late_subscriber_told_everything)
     check_prompt(&v, c, T, 128);
     check_prompt(&v, c, U, 64);
     view_free(&v);
+    replay_check(&s, rep);
     sub_close(&s);
     ck_assert_int_eq(rekv_kvstore_seq_drop(c, 1, NULL), 0);
     ck_assert_int_eq(rekv_kvstore_seq_drop(c, 2, NULL), 0);
@@ -490,6 +535,7 @@ START_TEST(restart_kept_cache_over_tcp)
     free(s.raw); /* the restarted store's messages alone */
     s.raw = NULL;
     s.n_raw = s.cap_raw = s.n_msgs = 0;
+    s.cleared = 0;
     kvd_start(&d, 64, extra, 0);
     c = kvd_client(&d);
     barrier(c, &s);
