@@ -36,9 +36,13 @@
  * would hold a wrong picture, and a PUB socket drops what is sent before a subscription arrives
  * (ZeroMQ's slow joiner). The XPUB sees each subscription (XPUB_VERBOSE): the store then tells
  * AllBlocksCleared and every block it holds, parents first, to every subscriber — each of them
- * ends with the store's picture, and the first batch a subscriber sees starts with
- * AllBlocksCleared. vLLM's answer to the same problem is its replay socket, which rekv has not:
- * the whole picture is what a replay of everything would give. */
+ * ends with the store's picture (a batch sent as the subscription arrives may reach it just
+ * before). vLLM's answer to lost batches is its replay socket, which rekv also has
+ * (--kv-events-replay, the end of the file): a ROUTER that sends the last batches again.
+ *
+ * The store evicts by its blocks' LRU, so a chain may lose a block before its children: a
+ * BlockRemoved of a parent whose children stay. A router matching a prompt from its first block
+ * stops there, as the store's Lookup does. */
 #include <errno.h>
 #include <msgpack.h>
 #include <stdlib.h>

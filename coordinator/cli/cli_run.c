@@ -57,7 +57,8 @@ static void run_usage(FILE *f)
             "                 [--served-model-name NAME]] [--prefix-cache on|off]\n"
             "                [--prefix-dir DIR] [--remote URL [--remote-timeout-ms N]\n"
             "                 [--remote-ttl-s N]]\n"
-            "                [--kv-events ENDPOINT [--kv-events-topic T]]\n"
+            "                [--kv-events ENDPOINT [--kv-events-topic T]\n"
+            "                 [--kv-events-replay ENDPOINT]]\n"
             "Starts the kvstore, a gpuworker and the coordinator on ipc sockets in DIR (default\n"
             "$XDG_RUNTIME_DIR/rekv or /run/rekv: where `rekv submit` looks) and serves until\n"
             "Ctrl-C. The journal lives in --state-dir (default DIR/state). --mode: auto (default:\n"
@@ -80,7 +81,8 @@ static void run_usage(FILE *f)
             "cache with other replicas of the model through that Redis (see rekv-kvstore --help).\n"
             "--kv-events tcp://*:5557: the kvstore publishes what its prefix cache holds in\n"
             "vLLM's KV events format for KV-aware routers (llm-d, Dynamo; see rekv-kvstore\n"
-            "--help); --kv-events-topic: their topic (llm-d reads kv@POD@MODEL).\n");
+            "--help); --kv-events-topic: their topic (llm-d reads kv@POD@MODEL);\n"
+            "--kv-events-replay tcp://*:5558: vLLM's replay socket for them.\n");
 }
 
 /* Starts c with a ready pipe (its read end in *ready); 0, or -1 with a message printed. */
@@ -216,7 +218,7 @@ typedef struct run_opts {
     const char *http, *api_key_file, *served_name; /* the coordinator's HTTP server */
     const char *prefix_cache, *prefix_dir;          /* the worker's and the store's */
     const char *remote, *remote_timeout, *remote_ttl; /* the store's remote tier */
-    const char *kv_events, *kv_events_topic;        /* the store's KV events for routers */
+    const char *kv_events, *kv_events_topic, *kv_events_replay; /* the store's, for routers */
     const char *link_gbps, *link_lat, *devmem; /* the worker's emulation */
     int push, approximate, metrics_public, no_spill, http_public;
     long ready_fd; /* -1: none */
@@ -252,6 +254,7 @@ static int run_parse(int argc, char **argv, run_opts *o)
         {"remote-ttl-s", required_argument, 0, 'l'},
         {"kv-events", required_argument, 0, 'E'},
         {"kv-events-topic", required_argument, 0, 'G'},
+        {"kv-events-replay", required_argument, 0, 'J'},
         {0, 0, 0, 0}};
     *o = (run_opts){.backend = "auto", .mode = "auto", .host_bytes = "256M", .queue = "256",
                     .max_batch = "64", .timeout = "30000", .ready_fd = -1};
@@ -290,6 +293,7 @@ static int run_parse(int argc, char **argv, run_opts *o)
         case 'l': if (cli_parse_int("remote-ttl-s", optarg, 1, INT32_MAX, &v)) return 2; o->remote_ttl = optarg; break;
         case 'E': o->kv_events = optarg; break;
         case 'G': o->kv_events_topic = optarg; break;
+        case 'J': o->kv_events_replay = optarg; break;
         case 'c': if (cli_parse_int("prefill-chunk", optarg, 0, INT32_MAX, &v)) return 2; o->chunk = optarg; break;
         case 'R': if (cli_parse_int("ready-fd", optarg, 0, INT32_MAX, &o->ready_fd)) return 2; break;
         case 'h': run_usage(stdout); return 0;
@@ -435,6 +439,9 @@ static void run_children_argv(const run_opts *o, const run_paths *p, child *ch)
     }
     if (o->kv_events_topic) {
         ARG(KV, "--kv-events-topic"); ARG(KV, o->kv_events_topic);
+    }
+    if (o->kv_events_replay) {
+        ARG(KV, "--kv-events-replay"); ARG(KV, o->kv_events_replay);
     }
     if (o->push) { /* the store writes KV rows into the worker's buffers, on the worker's backend */
         /* the worker's kind: an emulated GPU is the cpu backend */
