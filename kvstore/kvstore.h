@@ -196,7 +196,7 @@ typedef struct rekv_kvstore_config {
      * BlockRemoved and AllBlocksCleared published in vLLM's wire format on this ZeroMQ endpoint
      * (tcp://HOST:PORT or ipc://PATH; bound when it has a wildcard or is ipc://, else connected,
      * as vLLM does); NULL: none. kv_events_topic: the messages' topic (NULL: "", vLLM's default);
-     * kv_events_array: 1 for the positional events of vLLM before v0.26's tagged maps.
+     * kv_events_array: 1 for the positional events of vLLM before its tagged maps (#42892).
      * kv_events_replay: vLLM's replay ROUTER socket, bound there (NULL: none). */
     const char *kv_events;
     const char *kv_events_replay;
