@@ -52,9 +52,9 @@ static void usage(FILE *f)
                "--kv-events publishes the prefix cache's blocks (BlockStored, BlockRemoved,\n"
                "AllBlocksCleared) in vLLM's KV events format for KV-aware routers (llm-d,\n"
                "Dynamo): bound when the endpoint has a wildcard (tcp://*:5557) or is ipc://,\n"
-               "else connected. Events are tagged maps, as vLLM v0.26 sends them; --kv-events-\n"
-               "format array: the positional events of vLLM before its PR #42892, for\n"
-               "subscribers that decode only those. --kv-events-replay: vLLM's replay\n"
+               "else connected. Events are tagged maps, as vLLM v0.26 sends them;\n"
+               "--kv-events-format array: the positional events of vLLM before its PR #42892,\n"
+               "for subscribers that decode only those. --kv-events-replay: vLLM's replay\n"
                "socket (ZeroMQ ROUTER, bound): the last 10,000 batches sent again on request.\n");
 }
 
