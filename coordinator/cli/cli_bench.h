@@ -4,6 +4,7 @@
 #define REKV_COORDINATOR_CLI_BENCH_H
 
 #include <stddef.h>
+#include <sys/types.h>
 
 #include "common/err.h"
 #include "gpuworker/device/backend.h"
@@ -14,6 +15,29 @@
 int cli_bench_forward(int argc, char **argv);
 /* `rekv bench decode`: every mode's decode on the same prompts (cli_bench_decode.c) */
 int cli_bench_decode(int argc, char **argv);
+
+/* `rekv bench http`: the same jobs over the HTTP API and the control socket (cli_bench_http.c) */
+int cli_bench_http(int argc, char **argv);
+
+/* The serving benchmarks' private trio (cli_bench_trio.c): `rekv run ARGS --dir D --ready-fd F`
+ * in a forked child, D a new temporary directory (removed by cli_trio_stop). */
+typedef struct cli_trio {
+    pid_t pid; /* the `rekv run` child; 0: none */
+    char dir[4096];
+} cli_trio;
+
+/* 0 once the trio says READY; else -1 with a message naming "rekv bench BENCH" printed and
+ * whatever started stopped. args: NULL-terminated, without "rekv run", --dir and --ready-fd. */
+int cli_trio_start(cli_trio *t, const char *bench, const char *const *args);
+void cli_trio_stop(cli_trio *t);
+/* The pid of the trio's daemon PROG ("rekv-coordinator", "rekv-gpuworker", "rekv-kvstore");
+ * 0 when none runs. */
+pid_t cli_trio_child(const cli_trio *t, const char *prog);
+/* A process's CPU time so far (user + system, all its threads) in seconds; -1 where /proc cannot
+ * tell. */
+double cli_proc_cpu_s(pid_t pid);
+/* Removes a directory tree; 0, or -1 with a message printed. */
+int cli_rm_tree(const char *dir);
 
 /* The process's peak resident memory (VmHWM) in bytes, 0 where /proc cannot tell; reset makes
  * the next peak count from now (writing 5 to /proc/self/clear_refs: 0, or -errno where the kernel

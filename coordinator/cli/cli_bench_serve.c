@@ -31,12 +31,12 @@
 #include "common/daemon.h"
 #include "common/mode.h"
 #include "coordinator/cli/cli.h"
+#include "coordinator/cli/cli_bench.h"
 #include "coordinator/cli/cli_daemon.h"
 #include "coordinator/coordinator.h"
 #include "gpuworker/device/backend.h"
 #include "loader/loader.h"
 
-#define START_TIMEOUT_MS 120000
 #define SILENCE_MS 300000   /* no event at all this long: the run is stuck */
 /* Stats.running is polled every 2 ms (one request in flight): a step takes longer, and a peak
  * of admitted jobs lasts as many steps as they decode, so the poll sees it */
@@ -77,62 +77,23 @@ typedef struct serve_result {
 
 /* ---------------------------------------------------------------- the private trio */
 
-typedef struct trio {
-    pid_t pid;
-    char dir[4096];
-} trio;
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+/* `rekv run` with the bench's options for one mode (cli_trio_start); 0 when it says READY, else
+ * -1 with a message printed and whatever started stopped. */
+static int trio_start(cli_trio *t, const serve_opts *o, const char *mode)
 {
-    (void)sb, (void)flag, (void)ftw;
-    return remove(path) == 0 || errno == ENOENT ? 0 : -1;
-}
-
-static void trio_stop(trio *t)
-{
-    if (t->pid > 0) {
-        kill(t->pid, SIGTERM);
-        while (waitpid(t->pid, NULL, 0) < 0 && errno == EINTR)
-            ;
-        t->pid = 0;
-    }
-    if (t->dir[0] && nftw(t->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
-        fprintf(stderr, "rekv: could not remove %s: %s\n", t->dir, strerror(errno));
-    t->dir[0] = '\0';
-}
-
-/* `rekv run` (cli_run in a forked child, as cli_remote.c does) in a new temporary directory; 0
- * when it says READY, else -1 with a message printed and whatever started stopped. */
-static int trio_start(trio *t, const serve_opts *o, const char *mode)
-{
-    memset(t, 0, sizeof(*t));
-    const char *tmp = getenv("TMPDIR");
-    snprintf(t->dir, sizeof(t->dir), "%s/rekv-bench.XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (mkdtemp(t->dir) == NULL) {
-        fprintf(stderr, "rekv bench serve: %s: %s\n", t->dir, strerror(errno));
-        t->dir[0] = '\0';
-        return -1;
-    }
-    int pfd[2];
-    if (pipe2(pfd, O_CLOEXEC) < 0) {
-        fprintf(stderr, "rekv bench serve: pipe: %s\n", strerror(errno));
-        trio_stop(t);
-        return -1;
-    }
-    char fd[16], batch[32], queue[32];
-    snprintf(fd, sizeof(fd), "%d", pfd[1]);
+    char batch[32], queue[32];
     snprintf(batch, sizeof(batch), "%ld", o->max_batch);
     snprintf(queue, sizeof(queue), "%ld", o->n_jobs + 1);
-    char *argv[32];
+    const char *argv[32];
     int n = 0;
-#define ARG(s) (argv[n++] = (char *)(s))
-    ARG("rekv run"); ARG("--model"); ARG(o->model); ARG("--dir"); ARG(t->dir);
+#define ARG(s) (argv[n++] = (s))
+    ARG("--model"); ARG(o->model);
     ARG("--mode"); ARG(mode); ARG("--backend"); ARG(o->backend);
     ARG("--host-bytes"); ARG(o->arena); ARG("--max-batch"); ARG(batch);
     if (o->spill) {
         ARG("--spill-bytes"); ARG(o->spill);
     }
-    ARG("--queue"); ARG(queue); ARG("--ready-fd"); ARG(fd);
+    ARG("--queue"); ARG(queue);
     if (o->link_gbps) {
         ARG("--link-gbps"); ARG(o->link_gbps);
     }
@@ -141,36 +102,8 @@ static int trio_start(trio *t, const serve_opts *o, const char *mode)
     }
     argv[n] = NULL;
 #undef ARG
-    fflush(NULL);
-    pid_t parent = getpid(), p = fork();
-    if (p < 0) {
-        fprintf(stderr, "rekv bench serve: fork: %s\n", strerror(errno));
-        close(pfd[0]);
-        close(pfd[1]);
-        trio_stop(t);
-        return -1;
-    }
-    if (p == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM); /* the trio lives no longer than the bench */
-        if (getppid() != parent)
-            _exit(1);
-        close(pfd[0]);
-        setenv("REKV_LOG", "warn", 0);
-        _exit(cli_run(n, argv));
-    }
-    close(pfd[1]);
-    t->pid = p;
-    char buf[16] = {0};
-    struct pollfd pf = {pfd[0], POLLIN, 0};
-    int r;
-    do
-        r = poll(&pf, 1, START_TIMEOUT_MS);
-    while (r < 0 && errno == EINTR);
-    ssize_t got = r > 0 ? read(pfd[0], buf, sizeof(buf) - 1) : 0;
-    close(pfd[0]);
-    if (got <= 0 || strncmp(buf, "READY", 5) != 0) {
-        fprintf(stderr, "rekv bench serve: the trio in mode %s did not start (see above)\n", mode);
-        trio_stop(t);
+    if (cli_trio_start(t, "serve", argv)) {
+        fprintf(stderr, "rekv bench serve: (mode %s)\n", mode);
         return -1;
     }
     return 0;
@@ -652,14 +585,14 @@ int cli_bench_serve(int argc, char **argv)
         goto out;
     uint64_t failed = 0;
     for (int mi = 0; mi < o.n_modes; mi++) {
-        trio t;
+        cli_trio t;
         serve_result res;
         char ep[4200];
         if (trio_start(&t, &o, o.modes[mi]))
             goto out;
         snprintf(ep, sizeof(ep), "ipc://%s/control", t.dir);
         int r = serve_run(&o, ep, prompts, long_ids, &res);
-        trio_stop(&t);
+        cli_trio_stop(&t);
         if (r)
             goto out;
         failed += res.failed;
