@@ -404,7 +404,9 @@ static void serve_usage(FILE *f)
             "N + 1, so that the arena is what limits). --prefill-chunk: the coordinator's cap\n"
             "(rekv run --prefill-chunk; 0: whole prompts). --spill-bytes: the store's spill tier\n"
             "(rekv run --spill-bytes; 0: none, so that the arena alone is the room admission\n"
-            "counts; default: the filesystem's). Exit 1 when a job failed.\n");
+            "counts; default: the filesystem's). Exit 1 when a job failed.\n"
+            "--workload chat|system: the prefix cache's workloads instead, cache on against off\n"
+            "(`rekv bench serve --workload chat --help`).\n");
 }
 
 /* --modes: a trio per mode; 0, or -1 with the one it cannot run named. */
@@ -559,6 +561,9 @@ static void serve_print(const serve_opts *o, const rekv_model_config *cfg, json_
 
 int cli_bench_serve(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++) /* the prefix cache's workloads: cli_bench_prefix.c */
+        if (strncmp(argv[i], "--workload", 10) == 0)
+            return cli_bench_serve_workload(argc, argv);
     serve_opts o;
     int rc = serve_parse(argc, argv, &o);
     if (rc != CLI_PARSED)
