@@ -1,7 +1,8 @@
 /* test_bench_http.c — `rekv bench http` as a user runs it (issue 36's benchmark), tiny: the real
  * rekv starting its private trio with --http, 4 streaming HTTP clients and the same 4 jobs over
- * the control socket. Asserts the JSON's shape and counts — every job done both ways, the same
- * tokens (no mismatch), bytes received, the CPU and TTFT fields present — never a time. */
+ * the control socket, two rounds. Asserts the JSON's shape and counts — every job done both ways,
+ * the same generated ids and texts as the first control run's (no mismatch), bytes received, the
+ * CPU and TTFT fields present — never a time. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +36,12 @@ static void check_way(json_t *w, int rounds)
     ck_assert_int_eq(geti(w, "jobs_failed"), 0);
     ck_assert_int_eq(geti(w, "tokens"), CLIENTS * NEW * rounds);
     ck_assert(json_object_get(w, "first_error") == NULL);
+    /* the same generated ids and texts as the first control run's, job for job */
+    json_t *mm = json_object_get(w, "mismatches");
+    ck_assert_int_eq(geti(mm, "jobs"), 0);
+    ck_assert_int_eq(geti(mm, "ids"), 0);
+    ck_assert_int_eq(geti(mm, "texts"), 0);
+    ck_assert(json_object_get(w, "first_mismatch") == NULL);
     ck_assert(getr(w, "tokens_per_s") > 0);
     ck_assert(getr(w, "coordinator_cpu_s") >= 0);
     ck_assert(getr(w, "worker_cpu_per_token_s") >= 0);

@@ -3,11 +3,14 @@
  * ways side by side: N streaming clients of the OpenAI API (POST /v1/completions, stream: true,
  * real HTTP/1.1 over TCP sockets, one connection each, written here on plain sockets and poll,
  * chunked transfer decoding and server-sent events), and the same N jobs over the control socket
- * (the protobuf client the CLI uses, one socket, every job streamed). Greedy, EOS ignored: the
- * two ways' texts and token counts must be identical (mismatches, exit 1 otherwise). Times are
+ * (the protobuf client the CLI uses, one socket, every job streamed). Greedy, EOS ignored: every
+ * run's jobs must match the first control run's (mismatches, exit 1 otherwise) in their generated
+ * ids — an HTTP job's read back over the control socket by its id (the answer's "cmpl-JOB") — and
+ * in their text as the client got it (over HTTP, the reference's bytes as the server serves them:
+ * invalid UTF-8 as U+FFFD). Times are
  * taken here as the bytes arrive: TTFT from the request (the HTTP client's connect, the control
  * client's Submit) to the first event carrying text (HTTP: the first SSE chunk with text; control:
- * the first StreamEvent with tokens); the inter-event gaps. CPU per token: the coordinator's and
+ * the first StreamEvent with text); the gaps between events with text. CPU per token: the coordinator's and
  * the worker's CPU time (/proc/PID/stat, all threads) over each way's run divided by its tokens —
  * the HTTP server runs inside the coordinator, so over the HTTP run the coordinator's CPU is the
  * server's own. Prints one JSON object. */
@@ -49,6 +52,9 @@ typedef struct hrec {
     uint64_t tokens;          /* control: tokens streamed; HTTP: usage.completion_tokens */
     char *text;               /* the generated text, as the events brought it */
     size_t text_len;
+    int32_t *ids;             /* the generated ids: control, the events'; HTTP, its job's Status */
+    size_t n_ids;
+    uint64_t job;             /* HTTP: the coordinator's job, from the answer's id "cmpl-JOB" */
     int done, failed;
 } hrec;
 
@@ -59,6 +65,9 @@ typedef struct hway {
     double wall_s, co_cpu_s, wk_cpu_s;
     uint64_t tokens, done, failed, bytes;
     char first_error[256];
+    /* job runs that differ from the reference: in anything, in their ids, in their texts */
+    uint64_t mismatches, id_mismatches, text_mismatches;
+    char first_mismatch[512];
 } hway;
 
 static int text_append(hrec *r, const char *p, size_t n)
@@ -91,7 +100,8 @@ static void on_text(hway *w, hrec *r, const char *p, size_t n, uint64_t t)
 
 static void set_error(hway *w, hrec *r, const char *fmt, const char *what)
 {
-    r->failed = 1;
+    if (r)
+        r->failed = 1;
     if (!w->first_error[0])
         snprintf(w->first_error, sizeof(w->first_error), fmt, what);
 }
@@ -139,6 +149,16 @@ static void ctl_on_reply(hway *w, hrec *recs, const uint64_t *rids, long n,
     if (end > j->tokens) {
         if (ev->has_text)
             on_text(w, j, (const char *)ev->text.data, ev->text.len, t);
+        int32_t *ids = realloc(j->ids, sizeof(int32_t) * (size_t)end);
+        if (ids == NULL || ev->offset > j->tokens) {
+            set_error(w, j, "control: %s", ids ? "a gap in the stream" : "out of memory");
+            if (ids)
+                j->ids = ids;
+        } else {
+            j->ids = ids;
+            memcpy(ids + ev->offset, ev->tokens, sizeof(int32_t) * ev->n_tokens);
+            j->n_ids = (size_t)end;
+        }
         j->tokens = end;
     }
     if (ev->done) {
@@ -266,6 +286,10 @@ static void http_on_data(hway *w, hconn *h, hrec *r, const char *data, uint64_t 
         set_error(w, r, "http: an event that is not JSON: %.200s", data);
         return;
     }
+    const char *id = json_string_value(json_object_get(j, "id"));
+    unsigned long long job;
+    if (r->job == 0 && id && sscanf(id, "cmpl-%llu", &job) == 1)
+        r->job = job;
     json_t *e = json_object_get(j, "error");
     if (e)
         set_error(w, r, "http: %s", json_string_value(json_object_get(e, "message")));
@@ -479,6 +503,12 @@ static json_t *way_json(hway *w)
         json_object_set_new(o, "bytes", json_integer((json_int_t)w->bytes));
     if (w->first_error[0])
         json_object_set_new(o, "first_error", json_string(w->first_error));
+    json_object_set_new(o, "mismatches",
+                        json_pack("{s:I, s:I, s:I}", "jobs", (json_int_t)w->mismatches, "ids",
+                                  (json_int_t)w->id_mismatches, "texts",
+                                  (json_int_t)w->text_mismatches));
+    if (w->first_mismatch[0])
+        json_object_set_new(o, "first_mismatch", json_string(w->first_mismatch));
     return o;
 }
 
@@ -497,10 +527,10 @@ static void http_usage(FILE *f)
             "clients of POST /v1/completions, and all N over the control socket. R rounds\n"
             "(default 1), the ways alternating first. Prints one JSON object: each way's\n"
             "tokens/s, TTFT and inter-event latency p50/p90/p99 (taken here), the\n"
-            "coordinator's and the worker's CPU time per token (/proc), the texts that differ\n"
-            "between the ways (mismatches), the TTFT ratios and the HTTP run's coordinator\n"
-            "CPU over the worker's. The model needs a tokenizer. Exit 1 on a mismatch or a\n"
-            "failed job.\n");
+            "coordinator's and the worker's CPU time per token (/proc), the jobs whose ids or\n"
+            "texts differ from the first control run's (mismatches), the TTFT ratios and the\n"
+            "HTTP run's coordinator CPU over the worker's. The model needs a tokenizer. Exit 1\n"
+            "on a mismatch or a failed job.\n");
 }
 
 static int http_parse(int argc, char **argv, http_opts *o)
@@ -585,14 +615,106 @@ static void recs_reset(hrec *recs, long n)
 {
     for (long i = 0; i < n; i++) {
         free(recs[i].text);
+        free(recs[i].ids);
         recs[i] = (hrec){.ttft_s = -1};
     }
 }
 
-/* One way's run of the jobs (http: 1) with the daemons' CPU time around it; the texts and counts
- * of recs against ref (the first control run's): the jobs that differ. -1 when it could not run. */
-static long run_way(int http, const http_opts *o, const char *ep, int port, pid_t co, pid_t wk,
-                    int32_t *const *prompts, hrec *recs, const hrec *ref, hway *w)
+/* The HTTP jobs' generated ids, from their Status over the control socket; 0 or -1. */
+static int http_ids(const char *ep, hrec *recs, long n, hway *w)
+{
+    rekv_err err = {0};
+    rekv_ctl *c = NULL;
+    if (rekv_ctl_connect(ep, NULL, &c, &err)) {
+        fprintf(stderr, "rekv bench http: %s\n", err.msg);
+        return -1;
+    }
+    for (long i = 0; i < n; i++) {
+        Rekv__Control__StatusRequest sr = REKV__CONTROL__STATUS_REQUEST__INIT;
+        sr.job = recs[i].job;
+        Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+        rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+        rq.status = &sr;
+        Rekv__Control__Response *r = NULL;
+        if (recs[i].job == 0 || rekv_ctl_call(c, &rq, 10000, &r, &err) ||
+            r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
+            set_error(w, &recs[i], "http: no status for the job of answer %s",
+                      recs[i].job ? "cmpl-JOB" : "without an id");
+        } else if ((recs[i].ids = malloc(sizeof(int32_t) * (r->job->n_generated_ids + 1)))) {
+            memcpy(recs[i].ids, r->job->generated_ids, sizeof(int32_t) * r->job->n_generated_ids);
+            recs[i].n_ids = r->job->n_generated_ids;
+        }
+        if (r)
+            rekv__control__response__free_unpacked(r, NULL);
+    }
+    rekv_ctl_close(c);
+    return 0;
+}
+
+/* The text an HTTP client of the server gets for these bytes: each byte that does not start a
+ * valid UTF-8 character becomes U+FFFD (coordinator/http_gen.c, jstr: a byte-level model may make
+ * any bytes). *out: malloc'd. */
+static int utf8_as_served(const char *s, size_t n, char **out, size_t *out_len)
+{
+    char *b = malloc(3 * n + 1);
+    size_t m = 0;
+    if (b == NULL)
+        return -ENOMEM;
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        size_t len = c < 0x80 ? 1 : c >= 0xF0 && c < 0xF8 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 ? 2 : 0;
+        json_t *t = len && i + len <= n ? json_stringn(s + i, len) : NULL;
+        if (t) {
+            memcpy(b + m, s + i, len);
+            m += len, i += len;
+            json_decref(t);
+        } else {
+            memcpy(b + m, "\xEF\xBF\xBD", 3);
+            m += 3, i++;
+        }
+    }
+    *out = b, *out_len = m;
+    return 0;
+}
+
+/* Job i of this run (q) against the reference (r, the first control run's): the same ids, and the
+ * same text as its client gets it (http: the reference's text as served). Notes the first
+ * difference. */
+static void compare(hway *w, int http, long i, const hrec *r, const hrec *q)
+{
+    char *rt = r->text;
+    size_t rn = r->text_len, at = 0;
+    if (http && utf8_as_served(r->text ? r->text : "", r->text_len, &rt, &rn)) {
+        set_error(w, NULL, "%s", "out of memory");
+        return;
+    }
+    int ids = r->n_ids != q->n_ids || (r->n_ids && memcmp(r->ids, q->ids, sizeof(int32_t) * r->n_ids));
+    while (at < rn && at < q->text_len && rt[at] == q->text[at])
+        at++;
+    int text = r->tokens != q->tokens || rn != q->text_len || at != rn;
+    w->mismatches += ids || text;
+    w->id_mismatches += ids;
+    w->text_mismatches += text;
+    if ((ids || text) && !w->first_mismatch[0]) {
+        char a[40] = "", b[40] = ""; /* the differing bytes, in hex: they may not be UTF-8 */
+        for (size_t k = at; k < at + 8 && k < rn; k++)
+            snprintf(a + 2 * (k - at), 3, "%02x", (unsigned char)rt[k]);
+        for (size_t k = at; k < at + 8 && k < q->text_len; k++)
+            snprintf(b + 2 * (k - at), 3, "%02x", (unsigned char)q->text[k]);
+        snprintf(w->first_mismatch, sizeof(w->first_mismatch),
+                 "job %ld: ids %s; the reference %llu tokens, %zu bytes, this run %llu tokens, %zu "
+                 "bytes; from byte %zu the reference has %s, this run %s",
+                 i, ids ? "differ" : "equal", (unsigned long long)r->tokens, rn,
+                 (unsigned long long)q->tokens, q->text_len, at, a, b);
+    }
+    if (http)
+        free(rt);
+}
+
+/* One way's run of the jobs (http: 1) with the daemons' CPU time around it, then each job against
+ * ref (the first control run's; NULL: none). 0, or -1 when it could not run. */
+static int run_way(int http, const http_opts *o, const char *ep, int port, pid_t co, pid_t wk,
+                   int32_t *const *prompts, hrec *recs, const hrec *ref, hway *w)
 {
     long n = o->clients;
     recs_reset(recs, n);
@@ -600,19 +722,16 @@ static long run_way(int http, const http_opts *o, const char *ep, int port, pid_
     int rc = http ? http_run(o, n, port, prompts, recs, w) : ctl_run(o, n, ep, prompts, recs, w);
     w->co_cpu_s += cli_proc_cpu_s(co) - c0;
     w->wk_cpu_s += cli_proc_cpu_s(wk) - k0;
-    if (rc)
+    if (rc || (http && http_ids(ep, recs, n, w)))
         return -1;
-    long mism = 0;
     for (long i = 0; i < n; i++) {
         w->done++;
         w->failed += recs[i].failed;
         w->tokens += recs[i].tokens;
-        const hrec *r = ref ? &ref[i] : NULL;
-        if (r && (r->tokens != recs[i].tokens || r->text_len != recs[i].text_len ||
-                  (r->text_len && memcmp(r->text, recs[i].text, r->text_len) != 0)))
-            mism++;
+        if (ref)
+            compare(w, http, i, &ref[i], &recs[i]);
     }
-    return mism;
+    return 0;
 }
 
 static int way_alloc(hway *w, size_t n_ttft, size_t n_gaps)
@@ -644,7 +763,7 @@ static int wait_port(int port)
 
 /* Runs every round against the started trio; fills the two ways and the mismatches; 0 or -1. */
 static int http_rounds(const http_opts *o, const cli_trio *t, int port, int32_t *const *prompts,
-                       hway *ctl, hway *web, long *mism)
+                       hway *ctl, hway *web)
 {
     char ep[4200];
     snprintf(ep, sizeof(ep), "ipc://%s/control", t->dir);
@@ -674,18 +793,14 @@ static int http_rounds(const http_opts *o, const cli_trio *t, int port, int32_t 
                         "model needs a tokenizer to compare the ways\n");
         goto out;
     }
-    *mism = 0;
     for (long r = 0; r < o->rounds; r++) {
         /* round 0: control (the reference, above), then HTTP; then each way first in turn */
         int order[2] = {r % 2 ? 1 : 0, r % 2 ? 0 : 1};
         for (int k = 0; k < 2; k++) {
             if (r == 0 && order[k] == 0)
                 continue;
-            long m = run_way(order[k], o, ep, port, co, wk, prompts, recs, ref,
-                             order[k] ? web : ctl);
-            if (m < 0)
+            if (run_way(order[k], o, ep, port, co, wk, prompts, recs, ref, order[k] ? web : ctl))
                 goto out;
-            *mism += m;
         }
     }
     rc = 0;
@@ -702,7 +817,7 @@ out:
 }
 
 static void http_print(const http_opts *o, const rekv_model_config *cfg, hway *ctl, hway *web,
-                       long mism)
+                       uint64_t mism)
 {
     double c50 = pct(ctl->ttft, ctl->n_ttft, 50), c90 = pct(ctl->ttft, ctl->n_ttft, 90);
     double h50 = pct(web->ttft, web->n_ttft, 50), h90 = pct(web->ttft, web->n_ttft, 90);
@@ -751,7 +866,6 @@ int cli_bench_http(int argc, char **argv)
     int32_t **prompts = calloc((size_t)o.clients, sizeof(*prompts));
     hway ctl = {0}, web = {0};
     size_t nt = (size_t)(o.clients * o.rounds), ng = nt * (size_t)o.max_new;
-    long mism = 0;
     uint64_t x = 4242; /* the same prompts run after run */
     int oom = !prompts || way_alloc(&ctl, nt, ng) || way_alloc(&web, nt, ng);
     for (long i = 0; !oom && i < o.clients; i++) {
@@ -770,14 +884,16 @@ int cli_bench_http(int argc, char **argv)
         fprintf(stderr, "rekv bench http: no free loopback port\n");
         goto out;
     }
-    int r = http_trio(&t, &o, port) ? -1 : http_rounds(&o, &t, port, prompts, &ctl, &web, &mism);
+    int r = http_trio(&t, &o, port) ? -1 : http_rounds(&o, &t, port, prompts, &ctl, &web);
     cli_trio_stop(&t);
     if (r)
         goto out;
+    uint64_t mism = ctl.mismatches + web.mismatches;
     http_print(&o, &cfg, &ctl, &web, mism);
     if (mism || ctl.failed || web.failed)
-        fprintf(stderr, "rekv bench http: %ld job%s differ between the ways, %llu failed\n", mism,
-                mism == 1 ? "" : "s", (unsigned long long)(ctl.failed + web.failed));
+        fprintf(stderr, "rekv bench http: %llu job%s differ from the first control run, %llu "
+                "failed\n", (unsigned long long)mism, mism == 1 ? "" : "s",
+                (unsigned long long)(ctl.failed + web.failed));
     rc = mism || ctl.failed || web.failed ? 1 : 0;
 out:
     if (prompts)
