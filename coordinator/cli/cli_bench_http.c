@@ -521,7 +521,8 @@ static void http_usage(FILE *f)
             "                       [--max-new-tokens G] [--rounds R] [--mode MODE]\n"
             "                       [--arena SIZE] [--backend cpu|cuda|auto] [--json]\n"
             "Starts one private kvstore (--host-bytes SIZE, default 64M), worker and\n"
-            "coordinator with --http on a free loopback port (`rekv run`, prefix cache off),\n"
+            "coordinator with --http on a free loopback port (`rekv run`, prefix cache off;\n"
+            "--mode: the worker's, default rekv run's auto; the report names the one it ran),\n"
             "and runs the same N jobs (default 64) of S random prompt tokens (default 64) and\n"
             "G new tokens (default 32; greedy, EOS ignored) two ways: N concurrent streaming\n"
             "clients of POST /v1/completions, and all N over the control socket. R rounds\n"
@@ -761,9 +762,28 @@ static int wait_port(int port)
     return -1;
 }
 
+/* The mode the trio's worker runs in, from the coordinator's Stats ("" when it cannot tell). */
+static void worker_mode(const char *ep, char *mode, size_t len)
+{
+    rekv_err err = {0};
+    rekv_ctl *c = NULL;
+    Rekv__Control__StatsRequest sr = REKV__CONTROL__STATS_REQUEST__INIT;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATS;
+    rq.stats = &sr;
+    Rekv__Control__Response *r = NULL;
+    mode[0] = '\0';
+    if (rekv_ctl_connect(ep, NULL, &c, &err) == 0 && rekv_ctl_call(c, &rq, 10000, &r, &err) == 0 &&
+        r->body_case == REKV__CONTROL__RESPONSE__BODY_STATS && r->stats->n_workers > 0)
+        snprintf(mode, len, "%s", r->stats->workers[0]->mode);
+    if (r)
+        rekv__control__response__free_unpacked(r, NULL);
+    rekv_ctl_close(c);
+}
+
 /* Runs every round against the started trio; fills the two ways and the mismatches; 0 or -1. */
 static int http_rounds(const http_opts *o, const cli_trio *t, int port, int32_t *const *prompts,
-                       hway *ctl, hway *web)
+                       hway *ctl, hway *web, char *mode, size_t mode_len)
 {
     char ep[4200];
     snprintf(ep, sizeof(ep), "ipc://%s/control", t->dir);
@@ -803,6 +823,7 @@ static int http_rounds(const http_opts *o, const cli_trio *t, int port, int32_t 
                 goto out;
         }
     }
+    worker_mode(ep, mode, mode_len);
     rc = 0;
 out:
     if (ref)
@@ -817,7 +838,7 @@ out:
 }
 
 static void http_print(const http_opts *o, const rekv_model_config *cfg, hway *ctl, hway *web,
-                       uint64_t mism)
+                       uint64_t mism, const char *mode)
 {
     double c50 = pct(ctl->ttft, ctl->n_ttft, 50), c90 = pct(ctl->ttft, ctl->n_ttft, 90);
     double h50 = pct(web->ttft, web->n_ttft, 50), h90 = pct(web->ttft, web->n_ttft, 90);
@@ -826,7 +847,7 @@ static void http_print(const http_opts *o, const rekv_model_config *cfg, hway *c
     json_t *out = json_pack(
         "{s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i}, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:I, s:f, "
         "s:f, s:f, s:f}",
-        "bench", "http", "backend", o->backend, "mode", o->mode ? o->mode : "(rekv run's)",
+        "bench", "http", "backend", o->backend, "mode", mode,
         "model", "layers", cfg->n_layers, "hidden", cfg->hidden, "vocab", cfg->vocab, "max_pos",
         cfg->max_pos, "arena", o->arena, "clients", (json_int_t)o->clients, "prompt_len",
         (json_int_t)o->prompt_len, "max_new_tokens", (json_int_t)o->max_new, "rounds",
@@ -879,17 +900,18 @@ int cli_bench_http(int argc, char **argv)
         goto out;
     }
     int port = free_port();
+    char mode[64] = "";
     cli_trio t;
     if (port <= 0) {
         fprintf(stderr, "rekv bench http: no free loopback port\n");
         goto out;
     }
-    int r = http_trio(&t, &o, port) ? -1 : http_rounds(&o, &t, port, prompts, &ctl, &web);
+    int r = http_trio(&t, &o, port) ? -1 : http_rounds(&o, &t, port, prompts, &ctl, &web, mode, sizeof(mode));
     cli_trio_stop(&t);
     if (r)
         goto out;
     uint64_t mism = ctl.mismatches + web.mismatches;
-    http_print(&o, &cfg, &ctl, &web, mism);
+    http_print(&o, &cfg, &ctl, &web, mism, mode);
     if (mism || ctl.failed || web.failed)
         fprintf(stderr, "rekv bench http: %llu job%s differ from the first control run, %llu "
                 "failed\n", (unsigned long long)mism, mism == 1 ? "" : "s",

@@ -9,21 +9,16 @@
  * to its end), which also counts a job re-queued after a failed step (requeued > 0) as still
  * running, since a re-run streams only the tokens not sent yet. --long-prompt L submits one more job of an
  * L-token prompt once half the tokens are out, and compares the other jobs' ITL p99 before it
- * with theirs while it runs (prefill included). Prints one JSON object. */
+ * with theirs while it runs (prefill included). Prints one JSON object. The trio is started by
+ * cli_bench_trio.c; --workload chat|system runs the prefix cache's workloads (cli_bench_prefix.c). */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <fcntl.h>
-#include <ftw.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <math.h>
-#include <poll.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 #include <zmq.h>
 
