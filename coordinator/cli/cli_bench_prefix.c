@@ -45,7 +45,7 @@
 #include "kvstore/kvstore.h"
 #include "loader/loader.h"
 
-#define BLOCK 16 /* the kvstore's block: the cache's unit */
+#define BLOCK REKV_KV_BLOCK_TOKENS /* the cache's unit: a block of the kvstore (16 tokens) */
 #define SILENCE_MS 300000
 
 enum { RUN_OFF, RUN_HOST, RUN_DISK, N_RUNKINDS };
@@ -181,14 +181,16 @@ static void pf_on_reply(pf_run *run, preq *rs, int n, const Rekv__Control__Respo
     int i = 0;
     while (i < n && rs[i].rid != r->id)
         i++;
-    if (i == n || rs[i].done)
+    if (i == n)
         return;
     preq *q = &rs[i];
-    if (r->code != REKV__CONTROL__CODE__OK || r->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
-        if (r->code == REKV__CONTROL__CODE__OK) {
-            q->job = r->submitted->job;
-            return;
-        }
+    if (r->code == REKV__CONTROL__CODE__OK && r->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
+        q->job = r->submitted->job; /* the job pf_status asks for */
+        return;
+    }
+    if (q->done)
+        return;
+    if (r->code != REKV__CONTROL__CODE__OK) {
         pf_error(run, q, r->error ? r->error : rekv_ctl_code_name(r->code));
         q->done = 1, (*ended)++;
         return;
