@@ -566,6 +566,19 @@ static void gemm_run(float *y, const float *x, const void *w, rekv_dtype wt, int
     cpu_pool_run(gemm_job_chunk, &g, g.chunks, threads);
 }
 
+void cpu_gemm_rowinv_f32_cols(float *y, int ldy, const float *x, const float *w, int m, int n,
+                              int k)
+{
+    wmat W = wmat_of(w, REKV_DTYPE_F32, n, k, 0);
+#if defined(__x86_64__)
+    if (have_avx2()) {
+        gemm_avx2(y, x, &W, m, 0, n, ldy);
+        return;
+    }
+#endif
+    gemm_portable(y, x, &W, m, 0, n, ldy);
+}
+
 void cpu_gemm_rowinv(float *y, const float *x, const void *w, rekv_dtype wt, const float *bias,
                      int m, int n, int k)
 {

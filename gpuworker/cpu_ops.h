@@ -24,6 +24,11 @@ void cpu_gemm_rowinv_tiled(float *y, const float *x, const void *w, rekv_dtype w
                            const float *bias, int m, int n, int k);
 void cpu_gemm_rowinv_tiled_portable(float *y, const float *x, const void *w, rekv_dtype wt, int m,
                                     int n, int k);
+/* cpu_gemm_rowinv's products over n row-major fp32 weight rows on the calling thread alone,
+ * no bias, into y with row stride ldy: the kernel cpu_qgemm_rowinv runs on each tile of weight
+ * rows it has dequantized, so a quantized matrix gives the bits of its fp32 dequantization. */
+void cpu_gemm_rowinv_f32_cols(float *y, int ldy, const float *x, const float *w, int m, int n,
+                              int k);
 /* w [n][k] in dtype wt from row-major into the tile layout, in place (each whole block of 8 rows
  * interleaved in chunks of 8 elements, then its rows' k % 8 tails; the n % 8 rows past the last
  * block stay as they are: the same bytes, permuted); cpu_tile_unpack undoes it. scratch: memory

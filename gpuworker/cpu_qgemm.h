@@ -1,16 +1,25 @@
-/* cpu_qgemm.h — the cpu backend's reference GEMM over quantized weights (GGUF block formats). */
+/* cpu_qgemm.h — the cpu backend's GEMM over quantized weights (GGUF block formats), and its plain
+ * reference. */
 #ifndef REKV_GPUWORKER_CPU_QGEMM_H
 #define REKV_GPUWORKER_CPU_QGEMM_H
 
+#include <stddef.h>
 #include <stdint.h>
 
-/* y[m][n] = x[m][k] · W[n][k]^T with W's rows stored in a GGUF tensor type (loader/gguf.h's
- * rekv_ggml_type: Q8_0, Q4_0, Q4_K, Q6_K, or F32/F16/BF16), each row k elements in whole blocks.
- * Every output element is cpu_gemm_rowinv's dot product, in its order, over the row's dequantized
- * values: the same bits as cpu_gemm_rowinv on the dequantized fp32 matrix, whatever m and
- * whichever rows share the call. Returns 0, -ENOTSUP for a type it cannot read, -EINVAL when k is
- * not whole blocks, -ENOMEM. */
+/* y[m][n] = x[m][k] · W[n][k]^T (+ bias[n] when not NULL) with W's rows stored in a GGUF block
+ * type (loader/gguf.h's rekv_ggml_type: Q8_0, Q4_0, Q4_K, Q6_K; F32/F16/BF16 too), each row k
+ * elements in whole blocks. Every output element is cpu_gemm_rowinv's dot product, in its order,
+ * over the row's dequantized values (ggml's): the same bits as cpu_gemm_rowinv on the dequantized
+ * fp32 matrix, whatever m, whichever rows share the call, whatever the threads. Threaded on
+ * cpu_gemm's pool. Returns 0, -ENOTSUP for a type it cannot read, -EINVAL when k is not whole
+ * blocks (memory short for its per-thread scratch, it goes a block at a time instead). */
+int cpu_qgemm_rowinv(float *y, const float *x, const void *w, uint32_t type, const float *bias,
+                     int m, int n, int k);
+/* The same products, plain C, one thread, a row at a time: the oracle the fast path is checked
+ * against (tests/test_gguf_qgemm.c). No bias. */
 int cpu_qgemm_rowinv_ref(float *y, const float *x, const void *w, uint32_t type, int m, int n,
                          int k);
+/* Bytes of one row of k elements (whole blocks) in the type; 0 for a type rekv does not know. */
+size_t cpu_qgemm_row_bytes(uint32_t type, int k);
 
 #endif

@@ -5,7 +5,9 @@
 
 #include <stddef.h>
 
+#include "common/log.h"
 #include "gpuworker/cpu_ops.h"
+#include "gpuworker/cpu_qgemm.h"
 #include "gpuworker/gpuworker.h"
 
 /* One decoder layer's weights; NULL where the architecture has none. Shapes as in
@@ -46,7 +48,18 @@ struct rekv_engine {
     int tiled;
     layer_w *layers;  /* [n_layers], each layer's tensors packed in layer_mem[l] */
     void **layer_mem; /* [n_layers] blocks of layer_bytes */
-    size_t layer_bytes;
+    size_t layer_bytes; /* the largest layer's (a quantized file may mix block types by layer) */
+    size_t layers_bytes; /* every layer's tensors, summed */
+    size_t embed_bytes, head_bytes; /* embed's and an untied lm_head's bytes, as held */
+    /* The matrices kept in GGUF blocks as the file holds them (rekv_tensor.qtype: Q8_0, Q4_0,
+     * Q4_K, Q6_K), each with its block type, [n_qmats]; NULL when none. They stay row-major
+     * (never tiled), and rekv_engine_gemm multiplies with them through cpu_qgemm_rowinv; embed's
+     * rows are dequantized as they are looked up. The other matrices are in wdtype. */
+    struct rekv_qmat {
+        const void *w;
+        uint32_t type;
+    } *qmats;
+    int n_qmats;
     /* scratch, grown on demand to the largest batch seen (T token rows) */
     size_t cap_rows;
     float *x;                   /* [T][hidden] residual stream */
@@ -72,16 +85,34 @@ struct rekv_engine {
     void *tap_ctx;
 };
 
+/* The GGUF block type of w, one of e's matrices, or 0 when it is in e->wdtype. */
+static inline uint32_t rekv_engine_qtype(const rekv_engine *e, const void *w)
+{
+    for (int i = 0; i < e->n_qmats; i++)
+        if (e->qmats[i].w == w)
+            return e->qmats[i].type;
+    return 0;
+}
+
 /* The GEMM's layout of w, one of e's matrices: tiled (1) or row-major (0). */
 static inline int rekv_engine_w_tiled(const rekv_engine *e, const void *w)
 {
-    return e->tiled && w != e->embed;
+    return e->tiled && w != e->embed && rekv_engine_qtype(e, w) == 0;
 }
 
-/* y = x·w^T (+ bias) over one of e's matrices, in the layout e keeps it. */
+/* y = x·w^T (+ bias) over one of e's matrices, by its type (quantized blocks: cpu_qgemm_rowinv;
+ * wdtype: cpu_gemm_rowinv) and in the layout e keeps it. Every path gives the bits of the fp32
+ * GEMM over the matrix's fp32 values. */
 static inline void rekv_engine_gemm(const rekv_engine *e, float *y, const float *x, const void *w,
                                     const float *bias, int m, int n, int k)
 {
+    uint32_t qt = rekv_engine_qtype(e, w);
+    if (qt) {
+        /* the type and the row length were checked at load: nothing left to refuse */
+        int rc = cpu_qgemm_rowinv(y, x, w, qt, bias, m, n, k);
+        REKV_ASSERT(rc == 0);
+        return;
+    }
     (rekv_engine_w_tiled(e, w) ? cpu_gemm_rowinv_tiled : cpu_gemm_rowinv)(y, x, w, e->wdtype, bias,
                                                                           m, n, k);
 }

@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/engine_internal.h"
+#include "loader/gguf.h"
 
 struct rekv_seq {
     rekv_engine *e;
@@ -28,7 +29,9 @@ struct rekv_seq {
 static void convert_into(void *dst, const rekv_tensor *t, rekv_dtype wt)
 {
     size_t n = (size_t)rekv_tensor_numel(t);
-    if (t->dtype == wt)
+    if (t->qtype) /* GGUF blocks, kept as the file has them */
+        memcpy(dst, t->data, t->nbytes);
+    else if (t->dtype == wt)
         memcpy(dst, t->data, n * rekv_dtype_size(wt));
     else
         rekv_to_f32(dst, t->data, t->dtype, n);
@@ -38,7 +41,7 @@ static void convert_into(void *dst, const rekv_tensor *t, rekv_dtype wt)
  * (engine_internal.h: tiled). */
 static void tile(void *dst, const rekv_tensor *t, rekv_dtype wt, int *rc)
 {
-    if (dst == NULL || *rc)
+    if (dst == NULL || *rc || t->qtype) /* quantized blocks stay row-major */
         return;
     REKV_ASSERT(t->ndim == 2 && t->shape[0] <= INT32_MAX && t->shape[1] <= INT32_MAX);
     void *scratch = malloc(cpu_tile_scratch_bytes(wt, (int)t->shape[1]) + 1);
@@ -50,13 +53,33 @@ static void tile(void *dst, const rekv_tensor *t, rekv_dtype wt, int *rc)
     free(scratch);
 }
 
+/* The bytes t takes in dtype wt (quantized blocks: as they are). */
+static size_t held_bytes(const rekv_tensor *t, rekv_dtype wt)
+{
+    return t->qtype ? t->nbytes : (size_t)rekv_tensor_numel(t) * rekv_dtype_size(wt);
+}
+
+/* Notes dst, just copied from t, among e's quantized matrices when t is one; -ENOMEM. */
+static void note_qmat(rekv_engine *e, const void *dst, const rekv_tensor *t, int *rc)
+{
+    if (dst == NULL || *rc || t->qtype == 0)
+        return;
+    struct rekv_qmat *q = realloc(e->qmats, sizeof(*q) * (size_t)(e->n_qmats + 1));
+    if (q == NULL) {
+        *rc = -ENOMEM;
+        return;
+    }
+    e->qmats = q;
+    q[e->n_qmats++] = (struct rekv_qmat){dst, t->qtype};
+}
+
 /* t converted into a malloc'd copy; t's pages of m's file mapping then leave memory (one copy
  * of the weights in the process, not two). */
 static void *to_wdtype(const rekv_model *m, const rekv_tensor *t, rekv_dtype wt, int *rc)
 {
     if (t == NULL || *rc)
         return NULL;
-    void *p = malloc((size_t)rekv_tensor_numel(t) * rekv_dtype_size(wt) + 1);
+    void *p = malloc(held_bytes(t, wt) + 1);
     if (p == NULL) {
         *rc = -ENOMEM;
         return NULL;
@@ -72,13 +95,14 @@ typedef struct wpack {
     char *base;
     size_t off;
     const rekv_model *m;
+    rekv_engine *e; /* where a quantized matrix is noted */
 } wpack;
 
 static void *place(wpack *p, const rekv_tensor *t, rekv_dtype dt)
 {
     if (t == NULL)
         return NULL;
-    size_t bytes = (size_t)rekv_tensor_numel(t) * rekv_dtype_size(dt);
+    size_t bytes = held_bytes(t, dt);
     void *dst = p->base ? p->base + p->off : NULL;
     p->off += (bytes + 63) & ~(size_t)63;
     if (dst) {
@@ -93,6 +117,8 @@ static void *place_mat(wpack *p, const rekv_tensor *t, rekv_dtype wt, int *rc)
 {
     void *dst = place(p, t, wt);
     tile(dst, t, wt, rc);
+    if (p->e)
+        note_qmat(p->e, dst, t, rc);
     return dst;
 }
 
@@ -157,27 +183,35 @@ int rekv_engine_untile(rekv_engine *e, rekv_err *err)
         void *w[7];
         int n[7], k[7], nm = tiled_mats(e, l, w, n, k);
         for (int j = 0; j < nm; j++)
-            cpu_tile_unpack(w[j], e->wdtype, n[j], k[j], scratch);
+            if (rekv_engine_qtype(e, w[j]) == 0) /* quantized blocks were never tiled */
+                cpu_tile_unpack(w[j], e->wdtype, n[j], k[j], scratch);
     }
     free(scratch);
     e->tiled = 0;
     return 0;
 }
 
-/* The dtype the engine keeps its matrices in: the file's, when every matrix has the same one. */
+/* The dtype the engine keeps its matrices in: the file's, when every matrix has the same one.
+ * Quantized matrices (kept as blocks) do not count; when all are, F32 (unused). */
 static rekv_dtype weight_dtype(const rekv_weights *w, int n_layers)
 {
     const rekv_tensor *ts[] = {w->embed_tokens, w->project_in, w->project_out, w->lm_head};
-    rekv_dtype d = w->embed_tokens->dtype;
-    for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++)
-        if (ts[i] && ts[i]->dtype != d)
-            return REKV_DTYPE_F32;
-    for (int l = 0; l < n_layers; l++) {
-        const rekv_layer_weights *s = &w->layers[l];
-        const rekv_tensor *m[] = {s->wq, s->wk, s->wv, s->wo, s->w1, s->w2, s->w3};
-        for (size_t i = 0; i < sizeof(m) / sizeof(m[0]); i++)
-            if (m[i] && m[i]->dtype != d)
+    int have = 0;
+    rekv_dtype d = REKV_DTYPE_F32;
+    for (int l = -1; l < n_layers; l++) {
+        const rekv_layer_weights *s = l >= 0 ? &w->layers[l] : NULL;
+        const rekv_tensor *lm[] = {s ? s->wq : NULL, s ? s->wk : NULL, s ? s->wv : NULL,
+                                   s ? s->wo : NULL, s ? s->w1 : NULL, s ? s->w2 : NULL,
+                                   s ? s->w3 : NULL};
+        const rekv_tensor *const *m = l < 0 ? ts : lm;
+        int nm = l < 0 ? 4 : 7;
+        for (int i = 0; i < nm; i++) {
+            if (m[i] == NULL || m[i]->qtype)
+                continue;
+            if (have && m[i]->dtype != d)
                 return REKV_DTYPE_F32;
+            d = m[i]->dtype, have = 1;
+        }
     }
     return d;
 }
@@ -191,6 +225,7 @@ void rekv_engine_free(rekv_engine *e)
             free(e->layer_mem[l]);
     free(e->layer_mem);
     free(e->layers);
+    free(e->qmats);
     if (e->lm_head != e->embed)
         free(e->lm_head);
     free(e->embed);
@@ -232,6 +267,9 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
         rc = -ENOMEM;
     rekv_dtype wt = e->wdtype = weight_dtype(w, e->c.n_layers);
     e->embed = to_wdtype(m, w->embed_tokens, wt, &rc);
+    note_qmat(e, e->embed, w->embed_tokens, &rc);
+    if (rc == 0)
+        e->embed_bytes = held_bytes(w->embed_tokens, wt);
     e->pos_embed = to_wdtype(m, w->embed_positions, REKV_DTYPE_F32, &rc);
     e->project_in = to_wdtype(m, w->project_in, wt, &rc);
     tile(e->project_in, w->project_in, wt, &rc);
@@ -244,24 +282,33 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     } else {
         e->lm_head = to_wdtype(m, w->lm_head, wt, &rc);
         tile(e->lm_head, w->lm_head, wt, &rc);
+        note_qmat(e, e->lm_head, w->lm_head, &rc);
+        if (rc == 0)
+            e->head_bytes = held_bytes(w->lm_head, wt);
     }
     e->tiled = 1;
     e->layer_mem = calloc((size_t)e->c.n_layers, sizeof(void *));
     if (e->layer_mem == NULL)
         rc = -ENOMEM;
+    /* every layer's block as large as the largest (a quantized file may mix block types by
+     * layer), so that a pipeline handles each the same */
     for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
-        wpack size = {NULL, 0, NULL};
+        wpack size = {NULL, 0, NULL, NULL};
         load_layer(&size, &w->layers[l], &e->layers[l], wt, &rc);
+        e->layer_bytes = size.off > e->layer_bytes ? size.off : e->layer_bytes;
+        e->layers_bytes += size.off;
+    }
+    for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
         /* whole pages of their own: a pipeline that streams the layers page-locks each block
          * (host_register), and CUDA refuses a block whose first or last page another has */
-        size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = (size.off + page) / page * page;
-        wpack pk = {aligned_alloc(page, bytes), 0, m};
+        size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        size_t bytes = (e->layer_bytes + page) / page * page;
+        wpack pk = {aligned_alloc(page, bytes), 0, m, e};
         if (pk.base == NULL) {
             rc = -ENOMEM;
             break;
         }
         e->layer_mem[l] = pk.base;
-        e->layer_bytes = size.off; /* the same for every layer */
         load_layer(&pk, &w->layers[l], &e->layers[l], wt, &rc);
     }
     e->scores = malloc(sizeof(float) * (size_t)e->c.max_pos);
@@ -288,11 +335,9 @@ rekv_dtype rekv_engine_weight_dtype(const rekv_engine *e)
 size_t rekv_engine_weight_bytes(const rekv_engine *e)
 {
     const rekv_model_config *c = &e->c;
-    size_t w = rekv_dtype_size(e->wdtype), V = (size_t)c->vocab, E = (size_t)c->embed_dim;
+    size_t w = rekv_dtype_size(e->wdtype), E = (size_t)c->embed_dim;
     size_t H = (size_t)c->hidden;
-    size_t b = e->layer_bytes * (size_t)c->n_layers + V * E * w;
-    if (e->lm_head != e->embed)
-        b += V * E * w;
+    size_t b = e->layers_bytes + e->embed_bytes + e->head_bytes;
     if (e->project_in)
         b += 2 * H * E * w; /* project_in and project_out */
     if (e->pos_embed)
@@ -304,7 +349,7 @@ size_t rekv_engine_step_weight_bytes(const rekv_engine *e)
 {
     const rekv_model_config *c = &e->c;
     size_t w = rekv_dtype_size(e->wdtype), E = (size_t)c->embed_dim;
-    size_t b = e->layer_bytes * (size_t)c->n_layers + (size_t)c->vocab * E * w;
+    size_t b = e->layers_bytes + (e->lm_head == e->embed ? e->embed_bytes : e->head_bytes);
     return e->project_out ? b + (size_t)c->hidden * E * w : b;
 }
 
@@ -479,10 +524,17 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
     for (int b = 0; b < n_items; b++)
         for (int i = 0; i < items[b].n_tokens; i++, row++) {
             e->pos[row] = items[b].seq->len + i;
-            rekv_to_f32((e->project_in ? e->h : e->x) + row * E,
-                        (const char *)e->embed +
-                            (size_t)items[b].tokens[i] * E * rekv_dtype_size(e->wdtype),
-                        e->wdtype, (size_t)E);
+            float *dst = (e->project_in ? e->h : e->x) + row * E;
+            size_t tok = (size_t)items[b].tokens[i];
+            uint32_t qt = rekv_engine_qtype(e, e->embed);
+            if (qt) /* the row's blocks, dequantized as ggml's get_rows does */
+                (void)rekv_ggml_dequant_row(qt,
+                                            (const char *)e->embed +
+                                                tok * cpu_qgemm_row_bytes(qt, (int)E),
+                                            (uint64_t)E, dst);
+            else
+                rekv_to_f32(dst, (const char *)e->embed + tok * E * rekv_dtype_size(e->wdtype),
+                            e->wdtype, (size_t)E);
         }
     if (e->project_in)
         rekv_engine_gemm(e, e->x, e->h, e->project_in, NULL, (int)T, H, E);

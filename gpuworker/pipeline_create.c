@@ -365,6 +365,11 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     int rc = create_check(be, store, cfg, err);
     if (rc)
         return rc;
+    if (e->n_qmats) /* its kernels take one weight dtype per model (rekv_engine.wdtype) */
+        return rekv_errf(err, -ENOTSUP,
+                         "pipeline: quantized (GGUF Q8_0/Q4_0/Q4_K/Q6_K) weights run on the "
+                         "reference engine only (rekv bench forward, rekv eval); not yet in the "
+                         "pipeline");
     rekv_pipeline *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");

@@ -49,6 +49,13 @@ const char *rekv_ggml_type_name(uint32_t type);
 void rekv_ggml_type_block(uint32_t type, uint32_t *block_elems, uint32_t *block_bytes);
 /* 1 when rekv_gguf_dequant can turn the type into float32. */
 int rekv_ggml_type_dequantizable(uint32_t type);
+/* 1 for the block types a model's matrices may keep (Q8_0, Q4_0, Q4_K, Q6_K): the engine
+ * multiplies with them as they are stored (rekv_tensor.qtype). */
+static inline int rekv_gguf_matrix_type(uint32_t type)
+{
+    return type == REKV_GGML_Q8_0 || type == REKV_GGML_Q4_0 || type == REKV_GGML_Q4_K ||
+           type == REKV_GGML_Q6_K;
+}
 
 /* ---------------------------------------------------------------- metadata */
 

@@ -11,8 +11,9 @@
  *
  * Not loaded, each refused naming what: other architectures, mixture-of-experts llama files
  * (llama.expert_count), rope scaling other than linear and rope_freqs (read_rope_scaling), partial
- * rotary dims, attention biases, and (in this version) quantized weights — those are to stay quantized into the GEMM,
- * never widened at load. */
+ * rotary dims, attention biases, and block types other than Q8_0, Q4_0, Q4_K and Q6_K. Those four
+ * stay quantized (rekv_tensor.qtype): the engine keeps the blocks and dequantizes inside its GEMM
+ * (gpuworker/cpu_qgemm.c), never widening a whole matrix at load. */
 #define _GNU_SOURCE
 #include "loader/gguf.h"
 
@@ -281,11 +282,24 @@ static const rekv_tensor *find(lookup *lk, const char *name, int64_t d0, int64_t
                                lk->g->path, name, got, keys, (long long)d0, (long long)d1);
         return NULL;
     }
-    if (t->type != REKV_GGML_F32 && t->type != REKV_GGML_F16 && t->type != REKV_GGML_BF16) {
+    int plain = t->type == REKV_GGML_F32 || t->type == REKV_GGML_F16 || t->type == REKV_GGML_BF16;
+    if (!plain && !(d1 >= 0 && rekv_gguf_matrix_type(t->type))) {
         char up[16];
         lk->rc = rekv_errf(lk->err, -ENOTSUP,
-                           "%s: tensor \"%s\": %s weights are not supported yet; F16/BF16/F32 are",
-                           lk->g->path, name, type_upper(t->type, up, sizeof(up)));
+                           "%s: tensor \"%s\": %s %s are not supported; %s are", lk->g->path,
+                           name, type_upper(t->type, up, sizeof(up)),
+                           d1 >= 0 ? "weights" : "vectors",
+                           d1 >= 0 ? "F32/F16/BF16/Q8_0/Q4_0/Q4_K/Q6_K" : "F32/F16/BF16");
+        return NULL;
+    }
+    uint32_t be, bb;
+    rekv_ggml_type_block(t->type, &be, &bb);
+    if (t->ne[0] % be != 0) {
+        char up[16];
+        lk->rc = rekv_errf(lk->err, -EINVAL,
+                           "%s: tensor \"%s\": rows of %llu elements are not whole %s blocks of %u",
+                           lk->g->path, name, (unsigned long long)t->ne[0],
+                           type_upper(t->type, up, sizeof(up)), be);
         return NULL;
     }
     return &lk->owned[t - lk->g->tensors];
@@ -343,9 +357,9 @@ static void map_weights(lookup *lk, const rekv_model_config *c, rekv_weights *w)
 }
 
 /* rekv_tensor descriptors for every GGUF tensor, names copied into the same allocation (one
- * free). Shapes are reversed: GGUF's ne[0] is the fastest dim, rekv's shape[ndim - 1]. A type
- * other than F16/BF16 is labelled F32: only descriptors find() accepted (F32/F16/BF16) are ever
- * handed out. */
+ * free). Shapes are reversed: GGUF's ne[0] is the fastest dim, rekv's shape[ndim - 1]. A block
+ * type the engine multiplies with keeps it in qtype (labelled F32: it dequantizes to fp32); any
+ * other type is labelled F32 too, but only descriptors find() accepted are ever handed out. */
 static rekv_tensor *describe(const rekv_gguf *g)
 {
     size_t names = 0;
@@ -364,6 +378,7 @@ static rekv_tensor *describe(const rekv_gguf *g)
         ts[i].dtype = t->type == REKV_GGML_BF16  ? REKV_DTYPE_BF16
                       : t->type == REKV_GGML_F16 ? REKV_DTYPE_F16
                                                  : REKV_DTYPE_F32;
+        ts[i].qtype = rekv_gguf_matrix_type(t->type) ? t->type : 0;
         ts[i].ndim = t->n_dims;
         for (int d = 0; d < t->n_dims; d++)
             ts[i].shape[d] = (int64_t)t->ne[t->n_dims - 1 - d];

@@ -157,6 +157,10 @@ typedef struct rekv_tensor {
     int64_t shape[REKV_MAX_DIMS]; /* row-major; shape[ndim-1] varies fastest */
     const void *data;             /* points into a read-only mmap */
     size_t nbytes;
+    /* 0, or the GGUF block type (loader/gguf.h's rekv_ggml_type: Q8_0, Q4_0, Q4_K, Q6_K) of a
+     * matrix whose data are quantized blocks, each row shape[ndim-1] elements in whole blocks;
+     * dtype is then F32, meaning only "dequantizes to fp32" */
+    uint32_t qtype;
 } rekv_tensor;
 
 static inline int64_t rekv_tensor_numel(const rekv_tensor *t)

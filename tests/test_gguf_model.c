@@ -74,8 +74,8 @@ START_TEST(config_as_llama_cpp_reads_it)
     ck_assert_int_eq(c.pad_id, jint(t, "pad"));
     ck_assert_int_eq(c.add_bos, json_is_true(json_object_get(t, "add_bos")));
     rekv_gguf_close(g);
-    /* the whole model: F16 files load with every tensor in place, quantized ones are refused
-     * naming the type (they are to stay quantized into the GEMM, not be widened at load) */
+    /* the whole model: F16 files load with every tensor in place, quantized ones too, their
+     * matrices kept in their blocks (qtype), never widened at load */
     rekv_model *model = NULL;
     int rc = rekv_model_open(path, &model, &err);
     if (strstr(k_files[_i], "F16") != NULL) {
@@ -88,12 +88,20 @@ START_TEST(config_as_llama_cpp_reads_it)
         ck_assert_int_eq(model->weights.layers[0].w2->shape[1], c.ffn);
         ck_assert_ptr_ne(model->weights.lm_head, model->weights.embed_tokens);
         rekv_model_close(model);
-    } else {
-        char want[64];
-        const char *q = strrchr(k_files[_i], '-') + 1;
-        snprintf(want, sizeof(want), "%.4s weights are not supported yet; F16/BF16/F32 are", q);
-        ck_assert_int_eq(rc, -ENOTSUP);
-        ck_assert_msg(strstr(err.msg, want) != NULL, "\"%s\" should say \"%s\"", err.msg, want);
+    } else { /* quantized: loaded, every matrix keeping its GGUF block type */
+        ck_assert_msg(rc == 0, "%s", err.msg);
+        json_t *ts = json_object_get(ref, "tensors");
+        const rekv_tensor *mats[] = {model->weights.embed_tokens, model->weights.lm_head,
+                                     model->weights.layers[0].wq, model->weights.layers[0].w2};
+        for (size_t i = 0; i < sizeof(mats) / sizeof(mats[0]); i++) {
+            const char *want =
+                json_string_value(json_object_get(json_object_get(ts, mats[i]->name), "type"));
+            ck_assert_ptr_nonnull(want);
+            ck_assert_uint_ne(mats[i]->qtype, 0);
+            ck_assert_str_eq(rekv_ggml_type_name(mats[i]->qtype), want);
+        }
+        ck_assert_uint_eq(model->weights.layers[0].attn_norm_w->qtype, 0);
+        rekv_model_close(model);
     }
     json_decref(ref);
 }
@@ -198,8 +206,8 @@ static int line_has(const char *out, const char *const *pieces)
     return 0;
 }
 
-/* rekv-loader inspect lists a GGUF's metadata and tensors (type, dims, bytes), and says why a
- * quantized file cannot be loaded yet without failing. */
+/* rekv-loader inspect lists a GGUF's metadata and tensors (type, dims, bytes), and loads a
+ * quantized file's weights. */
 /* The last logits of a prompt of 40 tokens through the model at path (the engine, cpu). */
 static void last_logits(const char *path, float *out)
 {
@@ -298,7 +306,7 @@ START_TEST(inspect_lists_metadata_and_tensors)
         {"  blk.0.ffn_down.weight ", " q4_K ", " [768, 256] ", " 110592 bytes", NULL},
         {"tensors: 39", NULL},
         {"  layers ", " 4", NULL},
-        {"weights: not loadable yet:", "Q4_K weights are not supported yet", NULL}};
+        {"weights: every tensor the config needs is present", NULL}};
     for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++)
         ck_assert_msg(line_has(out, want[i]), "no line with \"%s\"... in:\n%s", want[i][0],
                       tu_log_end(out));

@@ -2,7 +2,8 @@
  * weights: for every matrix of every file of ../shared/gguf (Q8_0, Q4_0, Q4_K, Q6_K, F16), its
  * products equal, bit for bit, the engine's GEMM (cpu_gemm_rowinv) on the matrix dequantized to
  * fp32 (whose logits test_gguf_forward checks against llama.cpp), and each row of x gets the same
- * bits alone as in a call with others. */
+ * bits alone as in a call with others; and the engine's fast path (cpu_qgemm_rowinv) gives the
+ * reference's bits on 1 and 2 threads, with 7 rows and with one. */
 #define _GNU_SOURCE
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/cpu_qgemm.h"
@@ -19,7 +20,7 @@ static const char *const k_files[] = {
     "synth-llama-Q8_0",  "synth-llama-Q4_K_M", "synth-llama-Q4_0",
 };
 #define N_FILES (sizeof(k_files) / sizeof(k_files[0]))
-#define M 3
+#define M 7 /* a row tile of 4 and one of 3 in the fast path */
 
 START_TEST(matches_fp32_gemm_on_dequantized)
 {
@@ -53,8 +54,23 @@ START_TEST(matches_fp32_gemm_on_dequantized)
         for (int i = 0; i < M * n; i++)
             ck_assert_msg(memcmp(&yq[i], &yf[i], 4) == 0, "%s %s (%s): y[%d] %.9g, fp32 GEMM %.9g",
                           k_files[_i], t->name, rekv_ggml_type_name(t->type), i, yq[i], yf[i]);
+        /* the engine's path (cpu_qgemm_rowinv: AVX2 dequantization into cpu_gemm's tiles, on
+         * the pool): the same bits with all rows, on 1 and on 2 threads */
+        for (int th = 1; th <= 2; th++) {
+            int was = cpu_gemm_set_threads(th);
+            memset(yf, 0, (size_t)M * n * sizeof(float));
+            ck_assert_int_eq(cpu_qgemm_rowinv(yf, x, t->data, t->type, NULL, M, n, k), 0);
+            cpu_gemm_set_threads(was);
+            for (int i = 0; i < M * n; i++)
+                ck_assert_msg(memcmp(&yq[i], &yf[i], 4) == 0,
+                              "%s %s (%s), %d threads: y[%d] %.9g, reference %.9g", k_files[_i],
+                              t->name, rekv_ggml_type_name(t->type), th, i, yf[i], yq[i]);
+        }
         for (int r = 0; r < M; r++) { /* a row alone: the same bits */
             ck_assert_int_eq(cpu_qgemm_rowinv_ref(y1, x + (size_t)r * k, t->data, t->type, 1, n, k),
+                             0);
+            ck_assert_mem_eq(y1, yq + (size_t)r * n, (size_t)n * sizeof(float));
+            ck_assert_int_eq(cpu_qgemm_rowinv(y1, x + (size_t)r * k, t->data, t->type, NULL, 1, n, k),
                              0);
             ck_assert_mem_eq(y1, yq + (size_t)r * n, (size_t)n * sizeof(float));
         }
@@ -79,6 +95,11 @@ START_TEST(refuses_what_it_cannot_read)
     ck_assert_int_eq(cpu_qgemm_rowinv_ref(y, x, w, REKV_GGML_Q8_0, 1, 1, 48), -EINVAL);
     ck_assert_int_eq(cpu_qgemm_rowinv_ref(y, x, w, REKV_GGML_Q8_0, 1, 2, 32), 0);
     ck_assert(y[0] == 0 && y[1] == 0);
+    ck_assert_int_eq(cpu_qgemm_rowinv(y, x, w, REKV_GGML_Q5_K, NULL, 1, 1, 256), -ENOTSUP);
+    ck_assert_int_eq(cpu_qgemm_rowinv(y, x, w, REKV_GGML_Q8_0, NULL, 1, 1, 48), -EINVAL);
+    float b[2] = {1, 2};
+    ck_assert_int_eq(cpu_qgemm_rowinv(y, x, w, REKV_GGML_Q8_0, b, 1, 2, 32), 0);
+    ck_assert(y[0] == 1 && y[1] == 2);
 }
 END_TEST
 
