@@ -630,7 +630,7 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
         .kv_dim = rekv_config_kv_dim(cfg),
         .n_layers = cfg->n_layers,
         .layer_params = rekv_config_layer_params(cfg),
-        .weight_elem_bytes = (double)rekv_dtype_size(cfg->dtype),
+        .weight_elem_bytes = rekv_config_weight_elem_bytes(cfg),
     };
 }
 

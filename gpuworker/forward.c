@@ -345,6 +345,11 @@ size_t rekv_engine_weight_bytes(const rekv_engine *e)
     return b + 2 * H * sizeof(float); /* the final norm */
 }
 
+double rekv_engine_weight_elem_bytes(const rekv_engine *e)
+{
+    return e->n_qmats ? rekv_config_weight_elem_bytes(&e->c) : (double)rekv_dtype_size(e->wdtype);
+}
+
 size_t rekv_engine_step_weight_bytes(const rekv_engine *e)
 {
     const rekv_model_config *c = &e->c;

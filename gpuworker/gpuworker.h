@@ -34,6 +34,10 @@ const rekv_model_config *rekv_engine_config(const rekv_engine *e);
 rekv_dtype rekv_engine_weight_dtype(const rekv_engine *e);
 /* Bytes of all its weights as held (what a device holds when they are resident). */
 size_t rekv_engine_weight_bytes(const rekv_engine *e);
+/* Bytes per weight of the layers' matrices as the engine holds them: the weight dtype's size, or
+ * with quantized matrices the file's (rekv_config_weight_elem_bytes) — what the planner prices an
+ * offloaded layer by. */
+double rekv_engine_weight_elem_bytes(const rekv_engine *e);
 /* Bytes of the weights one decode step reads whole: every layer, the lm_head and the output
  * projection (not the embedding tables, of which it reads only its tokens' rows). */
 size_t rekv_engine_step_weight_bytes(const rekv_engine *e);

@@ -323,14 +323,15 @@ static int pf_measure_link(rekv_backend *be, rekv_stream *s, void *host, void *d
 
 /* ---------------------------------------------------------------- measure */
 
-/* One layer's weights as the engine holds them: matrices in the file's dtype, vectors in fp32. */
+/* One layer's weights as the engine holds them: matrices in the file's dtype (or quantized
+ * blocks), vectors in fp32. */
 static double pf_layer_weight_bytes(const rekv_model_config *c)
 {
     double H = c->hidden, Q = rekv_config_q_dim(c), KV = rekv_config_kv_dim(c), F = c->ffn;
     double m = rekv_config_layer_params(c);
     double norms = (c->norm_bias ? 4 : 2) * H;
     double bias = (c->qkv_bias ? Q + 2 * KV : 0) + (c->o_bias ? H : 0) + (c->ffn_bias ? F + H : 0);
-    return m * (double)rekv_dtype_size(c->dtype) + (norms + bias) * sizeof(float);
+    return m * rekv_config_weight_elem_bytes(c) + (norms + bias) * sizeof(float);
 }
 
 /* Token counts for a fitted model whose cost is per_tok s per token plus lat: the largest makes

@@ -388,6 +388,19 @@ static rekv_tensor *describe(const rekv_gguf *g)
     return ts;
 }
 
+/* The bytes of every layer's matrices as the file stores them (quantized: their blocks). */
+static double layer_matrix_bytes(const rekv_model_config *c, const rekv_weights *w)
+{
+    double b = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        const rekv_layer_weights *s = &w->layers[l];
+        const rekv_tensor *m[] = {s->wq, s->wk, s->wv, s->wo, s->w1, s->w2, s->w3};
+        for (size_t i = 0; i < sizeof(m) / sizeof(m[0]); i++)
+            b += m[i] ? (double)m[i]->nbytes : 0;
+    }
+    return b;
+}
+
 int rekv_model_open_gguf(const char *path, rekv_model **out, rekv_err *err)
 {
     *out = NULL;
@@ -413,6 +426,8 @@ int rekv_model_open_gguf(const char *path, rekv_model **out, rekv_err *err)
     map_weights(&lk, &m->config, &m->weights);
     if ((rc = lk.rc))
         goto fail;
+    m->config.weight_elem_bytes = layer_matrix_bytes(&m->config, &m->weights) /
+                                  (rekv_config_layer_params(&m->config) * m->config.n_layers);
     /* the model keeps the mapping (rekv_model_close unmaps it, rekv_model_release advises on it);
      * the parsed metadata goes */
     m->map = (void *)g->map;

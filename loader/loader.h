@@ -96,6 +96,9 @@ typedef struct rekv_model_config {
     int pad_id;       /* -1 when none */
     int add_bos;      /* the tokenizer prepends bos_id to every prompt */
     rekv_dtype dtype; /* dtype of the stored weights */
+    /* bytes per weight of the layers' matrices as the file stores them, 0 = rekv_dtype_size(dtype);
+     * a GGUF file sets it (quantized blocks: Q4_K 0.5625, a Q4_K_M mix a little more) */
+    double weight_elem_bytes;
 } rekv_model_config;
 
 /* Whether tok ends a sequence: one of the config's EOS ids (eos_id alone when the list is empty,
@@ -120,6 +123,13 @@ static inline double rekv_config_layer_params(const rekv_model_config *c)
     double H = c->hidden, F = c->ffn;
     return 2 * H * rekv_config_q_dim(c) + 2 * H * rekv_config_kv_dim(c) +
            (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
+}
+
+/* Bytes per weight of the layers' matrices as held: what the planner prices an offloaded layer's
+ * weights by (rekv_config_layer_params of them). */
+static inline double rekv_config_weight_elem_bytes(const rekv_model_config *c)
+{
+    return c->weight_elem_bytes > 0 ? c->weight_elem_bytes : (double)rekv_dtype_size(c->dtype);
 }
 
 /* RoPE's per-pair frequencies, computed on the host once per model (rekv_rope_freqs_init) and read

@@ -1,11 +1,14 @@
-/* test_gguf_forward.c — F16 GGUF models run end to end against llama.cpp's own outputs on them
+/* test_gguf_forward.c — GGUF models run end to end against llama.cpp's own outputs on them
  * (the ref.json files of ../shared/gguf, README section 5):
  * - teacher-forced: each case's prompt, then llama.cpp's greedy ids fed one at a time; at every
  *   step each of llama.cpp's top-5 logits within llama_top5_logit_abs, rekv's argmax equal to
  *   llama.cpp's pick wherever its margin exceeds llama_greedy_gate, and the exact tier (rekv's
  *   fp32 against the float64 forward pass on the same weights: f64_top5_logit_abs, and the argmax
  *   wherever the f64 top-1/top-2 gap exceeds f64_greedy_gate);
- * - the perplexity texts' first chunks scored by the README's protocol against chunk_nll_sum;
+ * - the same for the quantized files (Q8_0, Q4_0, Q4_K_M with Q6_K), run with their weights
+ *   kept quantized;
+ * - the perplexity texts' first chunks scored by the README's protocol against chunk_nll_sum, for
+ *   every file;
  * - F32 and BF16 GGUFs (the F16 file's matrices rewritten): the F32 copy gives the F16 file's
  *   logits bit for bit (both are the fp32 widening), and a BF16 file those of an F32 file holding
  *   the same bf16-rounded values;
@@ -35,10 +38,8 @@ typedef struct fixture {
     int vocab;
 } fixture;
 
-/* Opens ../shared/gguf/NAME.gguf, or with dequant_dir its copy there with every matrix
- * dequantized to F32 by the loader (how a quantized file's numbers are checked until the engine
- * keeps quantized weights: cpu_qgemm_rowinv_ref gives these bits, test_gguf_qgemm). */
-static int fixture_open_as(const char *name, fixture *f, const char *dequant_dir)
+/* Opens ../shared/gguf/NAME.gguf as a model and an engine (0: the file is missing). */
+static int fixture_open(const char *name, fixture *f)
 {
     char rel[256];
     snprintf(rel, sizeof(rel), "gguf/%s.gguf", name);
@@ -47,8 +48,6 @@ static int fixture_open_as(const char *name, fixture *f, const char *dequant_dir
     const char *rpath = tu_shared(rel);
     if (f->path == NULL || rpath == NULL)
         return 0;
-    if (dequant_dir != NULL)
-        f->path = tg_rewrite(f->path, NULL, 0, TG_DEQUANT_F32, dequant_dir);
     f->ref = json_load_file(rpath, 0, NULL);
     ck_assert_ptr_nonnull(f->ref);
     rekv_err err = {0};
@@ -56,11 +55,6 @@ static int fixture_open_as(const char *name, fixture *f, const char *dequant_dir
     ck_assert_msg(rekv_engine_create(f->model, &f->eng, &err) == 0, "%s", err.msg);
     f->vocab = f->model->config.vocab;
     return 1;
-}
-
-static int fixture_open(const char *name, fixture *f)
-{
-    return fixture_open_as(name, f, NULL);
 }
 
 static void fixture_close(fixture *f)
@@ -172,32 +166,32 @@ START_TEST(teacher_forced_top5)
 }
 END_TEST
 
-/* The quantized files' weights, dequantized exactly as ggml does, in rekv's fp32 engine: within
- * each file's llama.cpp tolerance (llama.cpp also rounds the activations to 8 bits) and at the
- * exact tier against the float64 pass on the same weights. */
+/* The quantized files run as they are (the engine keeps their blocks and dequantizes inside its
+ * GEMM, cpu_qgemm.c): within each file's llama.cpp tolerance (llama.cpp also rounds the
+ * activations to 8 bits) and at the exact tier against the float64 pass on the same weights.
+ * test_gguf_quant checks these are the bits of the files' fp32 dequantization. */
 static const char *const k_quant_files[] = {"llama-tiny-py-Q8_0", "llama-tiny-py-Q4_0",
                                             "synth-llama-Q8_0", "synth-llama-Q4_K_M",
                                             "synth-llama-Q4_0"};
+#define N_QUANT (sizeof(k_quant_files) / sizeof(k_quant_files[0]))
 
-START_TEST(quantized_files_dequantized)
+START_TEST(quantized_files)
 {
-    char *dir = tu_tmpdir();
     fixture f = {0};
-    if (fixture_open_as(k_quant_files[_i], &f, dir)) {
+    if (fixture_open(k_quant_files[_i], &f)) {
+        ck_assert_uint_ne(f.model->weights.layers[0].wq->qtype, 0);
         teacher_forced(&f, k_quant_files[_i]);
         fixture_close(&f);
     }
-    tu_rmrf(dir);
-    free(dir);
 }
 END_TEST
 
 /* The first chunks of both perplexity texts, scored as llama-perplexity does (README section 3):
  * tokens[128c .. 128c+127] with the first replaced by BOS, positions 64..126 scored. */
-START_TEST(perplexity_chunks)
+static void perplexity(const char *name)
 {
     fixture f = {0};
-    if (!fixture_open(k_files[_i], &f))
+    if (!fixture_open(name, &f))
         return;
     double t_chunk = tol(&f, "llama_chunk_mean_nll_abs"),
            t_chunk64 = tol(&f, "f64_chunk_mean_nll_abs");
@@ -242,6 +236,17 @@ START_TEST(perplexity_chunks)
     }
     free(logits);
     fixture_close(&f);
+}
+
+START_TEST(perplexity_chunks)
+{
+    perplexity(k_files[_i]);
+}
+END_TEST
+
+START_TEST(perplexity_chunks_quantized)
+{
+    perplexity(k_quant_files[_i]);
 }
 END_TEST
 
@@ -342,9 +347,9 @@ Suite *gguf_forward_suite(void)
     TCase *tc = tcase_create("f16");
     tcase_set_timeout(tc, 60);
     tcase_add_loop_test(tc, teacher_forced_top5, 0, N_FILES);
-    tcase_add_loop_test(tc, quantized_files_dequantized, 0,
-                        sizeof(k_quant_files) / sizeof(k_quant_files[0]));
+    tcase_add_loop_test(tc, quantized_files, 0, N_QUANT);
     tcase_add_loop_test(tc, perplexity_chunks, 0, N_FILES);
+    tcase_add_loop_test(tc, perplexity_chunks_quantized, 0, N_QUANT);
     tcase_add_loop_test(tc, cli_generate_from_text, 0, N_FILES);
     tcase_add_loop_test(tc, f32_and_bf16_files, 0, N_FILES);
     suite_add_tcase(s, tc);

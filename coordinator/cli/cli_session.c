@@ -91,7 +91,7 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
         prof.t_load_w = 0;
     rekv_plan_model pm;
     rekv_plan_model_from_config(c, &pm);
-    pm.weight_elem_bytes = (double)rekv_dtype_size(rekv_engine_weight_dtype(e));
+    pm.weight_elem_bytes = rekv_engine_weight_elem_bytes(e);
     rekv_mode_pick mp;
     /* infinigen at the prior f, as a served worker's first pick, with the split it would run */
     rekv_plan_approx ap = {.infinigen_recompute = 1};
