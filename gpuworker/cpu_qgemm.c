@@ -94,11 +94,12 @@ size_t cpu_qgemm_row_bytes(uint32_t type, int k)
  * gnu11 allows contraction), so each value is gguf_quant.c's two roundings. */
 #define DEQ_FN __attribute__((target("avx2,f16c")))
 
-static inline float f16_at(const uint8_t *p)
+/* F16C's conversion: exact, as rekv_f16_to_f32 is, without its call per block. */
+__attribute__((target("f16c"), always_inline)) static inline float f16_at(const uint8_t *p)
 {
     uint16_t h;
     memcpy(&h, p, 2);
-    return rekv_f16_to_f32(h);
+    return _cvtsh_ss(h);
 }
 
 DEQ_FN static void deq8_q8_0(const uint8_t *b, uint64_t nb, float *y)
@@ -208,6 +209,18 @@ static int have_avx2(void)
 {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 }
+
+typedef void (*deq_fn)(const uint8_t *b, uint64_t nb, float *y);
+
+static deq_fn deq_of(uint32_t type)
+{
+    return type == REKV_GGML_Q8_0   ? deq8_q8_0
+           : type == REKV_GGML_Q4_0 ? deq8_q4_0
+           : type == REKV_GGML_Q4_K ? deq8_q4_k
+           : type == REKV_GGML_Q6_K ? deq8_q6_k
+                                    : NULL;
+}
+
 #endif
 
 /* rows weight rows of k elements (row_bytes apart) from src, dequantized into dst [rows][k]. */
@@ -216,12 +229,7 @@ static void deq_rows(uint32_t type, const uint8_t *src, size_t row_bytes, int ro
 {
 #if defined(__x86_64__)
     if (have_avx2()) {
-        void (*f)(const uint8_t *, uint64_t, float *) =
-            type == REKV_GGML_Q8_0   ? deq8_q8_0
-            : type == REKV_GGML_Q4_0 ? deq8_q4_0
-            : type == REKV_GGML_Q4_K ? deq8_q4_k
-            : type == REKV_GGML_Q6_K ? deq8_q6_k
-                                     : NULL;
+        deq_fn f = deq_of(type);
         if (f) {
             uint64_t nb = (uint64_t)k / (type == REKV_GGML_Q4_K || type == REKV_GGML_Q6_K ? 256 : 32);
             for (int r = 0; r < rows; r++)

@@ -3,7 +3,9 @@
  * shapes, and the GEMM alone (rekv's with fp32 and fp16 weights beside OpenBLAS), measured in the
  * same run; the one-row GEMM's GB/s over weights that are not in cache, in the engine's tile
  * layout and row-major, beside a plain read of as many bytes (issue 42: decode at one row is
- * bound by the memory), and the process's peak resident memory. Prints one JSON object. */
+ * bound by the memory) and the same over quantized blocks (Q8_0, Q4_0, Q4_K, Q6_K), the weight
+ * bytes a decode step reads per second (f16 or a quantized GGUF's blocks, as held), and the
+ * process's peak resident memory. Prints one JSON object. */
 #include <getopt.h>
 #include <jansson.h>
 #include <stdint.h>
@@ -19,7 +21,9 @@
 #include "coordinator/cli/cli_bench.h"
 #include "gpuworker/blas.h"
 #include "gpuworker/cpu_ops.h"
+#include "gpuworker/cpu_qgemm.h"
 #include "gpuworker/gpuworker.h"
+#include "loader/gguf.h"
 #include "loader/loader.h"
 
 /* GFLOP/s at y[m][n] = x[m][k]·W[n][k]^T — the shape a linear layer runs — of OpenBLAS (sgemm,
@@ -186,6 +190,66 @@ static json_t *gemv_bandwidth(int n, int k)
     return o;
 }
 
+/* ------------------------------------------------------------------ quantized one-row GEMM */
+
+/* The one-row GEMM over quantized weights (cpu_qgemm_rowinv) at shape [n][k], as many weights
+ * as gemv_bandwidth's f16 copies (GEMV_BYTES of f16), in random blocks with sane scales: GB/s of
+ * the blocks read and billions of weights per second, medians of GEMV_REPS passes, one entry per
+ * type (Q8_0, Q4_0, Q4_K, Q6_K); NULL when out of memory or k is not whole blocks. */
+static json_t *gemv_quant(int n, int k)
+{
+    static const uint32_t types[] = {REKV_GGML_Q8_0, REKV_GGML_Q4_0, REKV_GGML_Q4_K,
+                                     REKV_GGML_Q6_K};
+    size_t per = (size_t)n * (size_t)k;
+    int n_w = (int)((GEMV_BYTES + per * 2 - 1) / (per * 2));
+    float *x = malloc(sizeof(float) * (size_t)k), *y = malloc(sizeof(float) * (size_t)n);
+    json_t *arr = json_array();
+    for (int i = 0; x && i < k; i++)
+        x[i] = (float)(i % 7) * 0.1f;
+    for (size_t ti = 0; x && y && arr && ti < sizeof(types) / sizeof(types[0]); ti++) {
+        uint32_t be, bb;
+        rekv_ggml_type_block(types[ti], &be, &bb);
+        if ((size_t)k % be)
+            continue;
+        size_t row = cpu_qgemm_row_bytes(types[ti], k), bytes = row * (size_t)n;
+        size_t all = bytes * (size_t)n_w, blocks = all / bb;
+        uint8_t *w = malloc(all);
+        if (w == NULL)
+            break;
+        uint32_t r = 1;
+        for (size_t i = 0; i < all; i++)
+            w[i] = (uint8_t)((r = r * 1103515245u + 12345u) >> 16);
+        uint16_t d = rekv_f32_to_f16(0.01f);
+        size_t d_at = types[ti] == REKV_GGML_Q6_K ? 208 : 0; /* the f16 scale(s) of a block */
+        for (size_t b = 0; b < blocks; b++) {
+            memcpy(w + b * bb + d_at, &d, 2);
+            if (types[ti] == REKV_GGML_Q4_K) /* dmin */
+                memcpy(w + b * bb + 2, &d, 2);
+        }
+        double t[GEMV_REPS + 1];
+        for (int rep = 0; rep <= GEMV_REPS; rep++) { /* the first warms up */
+            uint64_t t0 = rekv_now_ns();
+            for (int c = 0; c < n_w; c++)
+                (void)cpu_qgemm_rowinv(y, x, w + (size_t)c * bytes, types[ti], NULL, 1, n, k);
+            t[rep] = (double)(rekv_now_ns() - t0) * 1e-9;
+        }
+        free(w);
+        qsort(t + 1, GEMV_REPS, sizeof(double), cmp_double);
+        double sec = t[1 + GEMV_REPS / 2];
+        json_array_append_new(arr, json_pack("{s:s, s:I, s:f, s:f}", "type",
+                                             rekv_ggml_type_name(types[ti]), "bytes",
+                                             (json_int_t)all, "gbps", (double)all / sec * 1e-9,
+                                             "gweights_per_s",
+                                             (double)per * n_w / sec * 1e-9));
+    }
+    free(x), free(y);
+    if (arr && json_array_size(arr) == 0) {
+        json_decref(arr);
+        return NULL;
+    }
+    return arr;
+}
+
 typedef struct forward_opts {
     const char *model_path;
     const char *batches; /* "1,2,4": the batch sizes */
@@ -205,7 +269,8 @@ static void forward_usage(FILE *f)
                "the GEMM alone (ffn x hidden, the batch's and the prefill's rows): rekv's\n"
                "with fp32 and fp16 weights next to OpenBLAS, medians of 5, same run; the\n"
                "one-row f16 GEMM's GB/s over 256 MiB of weights, tiled and row-major,\n"
-               "next to a plain read of the same bytes (gemv_f16); the peak resident\n"
+               "next to a plain read of the same bytes (gemv_f16), and over as many\n"
+               "quantized weights (gemv_quant: Q8_0, Q4_0, Q4_K, Q6_K); the peak resident\n"
                "memory. --threads: the GEMM's threads (default: the online cpus);\n"
                "--row-major: the engine's weights as the file has them, not in the\n"
                "GEMM's tile layout (the same bits; to measure what the layout gives).\n");
@@ -333,6 +398,11 @@ static int forward_batch(rekv_engine *eng, const rekv_model_config *cfg, int B, 
                      "blas_gflops_prefill_shape", sg_pre, "blas_gflops_decode_shape", sg_dec,
                      "prefill_vs_blas", pre_gf / sg_pre, "decode_vs_blas", dec_gf / sg_dec, "gemm",
                      gemm);
+    /* each decode step reads every weight once, whatever the batch: the bytes as held (f16, or
+     * a quantized file's blocks) over the step's time */
+    json_object_set_new(*run, "decode_weight_gbps",
+                        json_real((double)rekv_engine_step_weight_bytes(eng) * (double)steps /
+                                  dec_s * 1e-9));
     return 0;
 }
 
@@ -395,8 +465,14 @@ int cli_bench_forward(int argc, char **argv)
         "decode_steps", (int)o.steps, "sgemm_gflops_1024", peak, "rekv_gemm_threads",
         cpu_gemm_threads(), "blas_threads", g_blas->get_num_threads(), "runs", runs);
     json_object_set_new(out, "weights_layout", json_string(o.row_major ? "row-major" : "tiled"));
+    json_object_set_new(out, "weight_elem_bytes", json_real(rekv_engine_weight_elem_bytes(eng)));
+    json_object_set_new(out, "step_weight_bytes",
+                        json_integer((json_int_t)rekv_engine_step_weight_bytes(eng)));
     json_object_set_new(out, "peak_rss_bytes", json_integer((json_int_t)rss));
     json_object_set_new(out, "gemv_f16", gemv);
+    json_t *gq = gemv_quant(cfg->ffn, cfg->hidden);
+    if (gq)
+        json_object_set_new(out, "gemv_quant", gq);
     char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", s);
     free(s);
