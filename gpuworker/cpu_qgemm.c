@@ -4,11 +4,12 @@
  * The weights stay in their GGUF blocks in memory (a Q4_K matrix holds 0.5625 bytes a weight,
  * ~0.28 of its f16 bytes). A call dequantizes a tile of weight rows at a time — ggml's exact
  * values (loader/gguf_quant.c's, or the AVX2 versions here, which make the same products with no
- * fused multiply-add) — into a small fp32 scratch of its thread (kept per thread), and runs cpu_gemm.c's own tile
- * kernel (cpu_gemm_rowinv_f32_cols) over it: every output element is cpu_gemm_rowinv's dot
- * product in its fixed order over the row's dequantized values, so a quantized model's products
- * are, bit for bit, those of the fp32 engine on its dequantized weights, whatever the rows, the
- * company and the threads (tests/test_gguf_qgemm.c, tests/test_gguf_quant.c).
+ * fused multiply-add) — into a small fp32 scratch of its thread (kept per thread), and runs
+ * cpu_gemm.c's own tile kernel (cpu_gemm_rowinv_f32_cols) over it: every output element is
+ * cpu_gemm_rowinv's dot product in its fixed order over the row's dequantized values, so a
+ * quantized model's products are, bit for bit, those of the fp32 engine on its dequantized weights,
+ * whatever the rows, the company and the threads (tests/test_gguf_qgemm.c,
+ * tests/test_gguf_quant.c).
  *
  * Why dequantize the weights rather than round the activations to 8-bit blocks as llama.cpp's
  * vec_dot does: the fp32 products stay exact (llama.cpp's ggml rounding moves the synthetic
@@ -160,7 +161,8 @@ DEQ_FN static void deq8_q4_k(const uint8_t *b, uint64_t nb, float *y)
                     for (int e = 0; e < 2; e++) {
                         __m128i qq = e ? _mm_srli_si128(v, 8) : v;
                         __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(qq));
-                        _mm256_storeu_ps(y + 16 * c + 8 * e, _mm256_sub_ps(_mm256_mul_ps(dv, f), mv));
+                        _mm256_storeu_ps(y + 16 * c + 8 * e,
+                                         _mm256_sub_ps(_mm256_mul_ps(dv, f), mv));
                     }
                 }
                 y += 32;
@@ -186,15 +188,15 @@ DEQ_FN static void deq8_q6_k(const uint8_t *b, uint64_t nb, float *y)
                 __m256i q[4] = {
                     _mm256_or_si256(_mm256_and_si256(a, m4),
                                     _mm256_slli_epi32(_mm256_and_si256(h, m3), 4)),
-                    _mm256_or_si256(_mm256_and_si256(c, m4),
-                                    _mm256_slli_epi32(
-                                        _mm256_and_si256(_mm256_srli_epi32(h, 2), m3), 4)),
-                    _mm256_or_si256(_mm256_srli_epi32(a, 4),
-                                    _mm256_slli_epi32(
-                                        _mm256_and_si256(_mm256_srli_epi32(h, 4), m3), 4)),
-                    _mm256_or_si256(_mm256_srli_epi32(c, 4),
-                                    _mm256_slli_epi32(
-                                        _mm256_and_si256(_mm256_srli_epi32(h, 6), m3), 4))};
+                    _mm256_or_si256(
+                        _mm256_and_si256(c, m4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), m3), 4)),
+                    _mm256_or_si256(
+                        _mm256_srli_epi32(a, 4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), m3), 4)),
+                    _mm256_or_si256(
+                        _mm256_srli_epi32(c, 4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 6), m3), 4))};
                 for (int g = 0; g < 4; g++) {
                     __m256 ds = _mm256_set1_ps(d * sc[is + 2 * g]);
                     __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], off));
@@ -231,7 +233,8 @@ static void deq_rows(uint32_t type, const uint8_t *src, size_t row_bytes, int ro
     if (have_avx2()) {
         deq_fn f = deq_of(type);
         if (f) {
-            uint64_t nb = (uint64_t)k / (type == REKV_GGML_Q4_K || type == REKV_GGML_Q6_K ? 256 : 32);
+            uint64_t nb =
+                (uint64_t)k / (type == REKV_GGML_Q4_K || type == REKV_GGML_Q6_K ? 256 : 32);
             for (int r = 0; r < rows; r++)
                 f(src + (size_t)r * row_bytes, nb, dst + (size_t)r * k);
             return;

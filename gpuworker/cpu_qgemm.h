@@ -6,6 +6,22 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/dtype.h"
+
+/* A GGUF block type where a kernel takes a weight dtype (kernels.h: linear, embed): the cpu
+ * kernels read such weights through cpu_qgemm_rowinv and rekv_ggml_dequant_row. Only the cpu
+ * backend's kernels know it (rekv_pipeline_create refuses quantized weights elsewhere). */
+#define CPU_QGEMM_WT_BASE 0x100u
+static inline rekv_dtype cpu_qgemm_wt(uint32_t type)
+{
+    return (rekv_dtype)(CPU_QGEMM_WT_BASE | type);
+}
+/* The block type a weight dtype carries, 0 for a plain dtype. */
+static inline uint32_t cpu_qgemm_wt_type(rekv_dtype wt)
+{
+    return (uint32_t)wt >= CPU_QGEMM_WT_BASE ? (uint32_t)wt - CPU_QGEMM_WT_BASE : 0;
+}
+
 /* y[m][n] = x[m][k] · W[n][k]^T (+ bias[n] when not NULL) with W's rows stored in a GGUF block
  * type (loader/gguf.h's rekv_ggml_type: Q8_0, Q4_0, Q4_K, Q6_K; F32/F16/BF16 too), each row k
  * elements in whole blocks. Every output element is cpu_gemm_rowinv's dot product, in its order,

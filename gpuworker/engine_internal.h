@@ -26,6 +26,9 @@ typedef struct layer_w {
     void *w3;                        /* [ffn][hidden] */
 } layer_w;
 
+/* A layer's matrices, as indices into rekv_engine.lqt. */
+enum { LQT_WQ, LQT_WK, LQT_WV, LQT_WO, LQT_W1, LQT_W2, LQT_W3, LQT_N };
+
 /* The weights are held in the model file's dtype (matrices) — an f16 model takes half the memory
  * of its fp32 widening and moves half the bytes — and every GEMM widens them exactly, so results
  * are those of the fp32 widening. */
@@ -48,18 +51,16 @@ struct rekv_engine {
     int tiled;
     layer_w *layers;  /* [n_layers], each layer's tensors packed in layer_mem[l] */
     void **layer_mem; /* [n_layers] blocks of layer_bytes */
-    size_t layer_bytes; /* the largest layer's (a quantized file may mix block types by layer) */
+    size_t layer_bytes;  /* the largest layer's (a quantized file may mix block types by layer) */
     size_t layers_bytes; /* every layer's tensors, summed */
     size_t embed_bytes, head_bytes; /* embed's and an untied lm_head's bytes, as held */
-    /* The matrices kept in GGUF blocks as the file holds them (rekv_tensor.qtype: Q8_0, Q4_0,
-     * Q4_K, Q6_K), each with its block type, [n_qmats]; NULL when none. They stay row-major
-     * (never tiled), and rekv_engine_gemm multiplies with them through cpu_qgemm_rowinv; embed's
-     * rows are dequantized as they are looked up. The other matrices are in wdtype. */
-    struct rekv_qmat {
-        const void *w;
-        uint32_t type;
-    } *qmats;
-    int n_qmats;
+    /* Matrices kept in GGUF blocks as the file holds them (rekv_tensor.qtype: Q8_0, Q4_0, Q4_K,
+     * Q6_K): their block types, 0 for a matrix in wdtype. Such a matrix stays row-major (never
+     * tiled); rekv_engine_gemm, and the cpu kernels' linear (a wdtype of cpu_qgemm_wt), multiply
+     * with it through cpu_qgemm_rowinv; embed's rows are dequantized as they are looked up. */
+    uint32_t (*lqt)[LQT_N];     /* [n_layers][LQT_*] */
+    uint32_t embed_qt, head_qt; /* head_qt == embed_qt when tied */
+    int n_qmats;                /* quantized matrices in all (0: none) */
     /* scratch, grown on demand to the largest batch seen (T token rows) */
     size_t cap_rows;
     float *x;                   /* [T][hidden] residual stream */
@@ -85,13 +86,29 @@ struct rekv_engine {
     void *tap_ctx;
 };
 
-/* The GGUF block type of w, one of e's matrices, or 0 when it is in e->wdtype. */
+/* The GGUF block type of w, one of e's own matrices, or 0 when it is in e->wdtype. */
 static inline uint32_t rekv_engine_qtype(const rekv_engine *e, const void *w)
 {
-    for (int i = 0; i < e->n_qmats; i++)
-        if (e->qmats[i].w == w)
-            return e->qmats[i].type;
+    if (e->n_qmats == 0 || w == NULL)
+        return 0;
+    if (w == e->embed)
+        return e->embed_qt;
+    if (w == e->lm_head)
+        return e->head_qt;
+    for (int l = 0; l < e->c.n_layers; l++) {
+        const layer_w *L = &e->layers[l];
+        const void *m[LQT_N] = {L->wq, L->wk, L->wv, L->wo, L->w1, L->w2, L->w3};
+        for (int i = 0; i < LQT_N; i++)
+            if (m[i] == w)
+                return e->lqt[l][i];
+    }
     return 0;
+}
+
+/* The weight dtype a kernel is given for a matrix of block type qt (0: e->wdtype). */
+static inline rekv_dtype rekv_engine_wt(const rekv_engine *e, uint32_t qt)
+{
+    return qt ? cpu_qgemm_wt(qt) : e->wdtype;
 }
 
 /* The GEMM's layout of w, one of e's matrices: tiled (1) or row-major (0). */

@@ -98,6 +98,12 @@ static void fp_tensor(fp_state *f, const void *p, size_t n)
 /* One of e's matrices [n][k], by its row-major bytes whatever its layout. */
 static void fp_matrix(fp_state *f, const rekv_engine *e, const void *w, size_t n, size_t k)
 {
+    uint32_t qt = rekv_engine_qtype(e, w);
+    if (qt) { /* quantized blocks, row-major: their bytes, and the type they are read as */
+        fp_add(f, &qt, sizeof(qt));
+        fp_tensor(f, w, cpu_qgemm_row_bytes(qt, (int)k) * n);
+        return;
+    }
     fp_src s = {w, w != NULL && rekv_engine_w_tiled(e, w), (int)n, (int)k,
                 rekv_dtype_size(e->wdtype)};
     fp_src_tensor(f, &s, n * k * s.es);

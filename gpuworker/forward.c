@@ -59,18 +59,13 @@ static size_t held_bytes(const rekv_tensor *t, rekv_dtype wt)
     return t->qtype ? t->nbytes : (size_t)rekv_tensor_numel(t) * rekv_dtype_size(wt);
 }
 
-/* Notes dst, just copied from t, among e's quantized matrices when t is one; -ENOMEM. */
-static void note_qmat(rekv_engine *e, const void *dst, const rekv_tensor *t, int *rc)
+/* t's block type (0: a plain dtype), counted among e's quantized matrices. */
+static uint32_t note_qt(rekv_engine *e, const rekv_tensor *t)
 {
-    if (dst == NULL || *rc || t->qtype == 0)
-        return;
-    struct rekv_qmat *q = realloc(e->qmats, sizeof(*q) * (size_t)(e->n_qmats + 1));
-    if (q == NULL) {
-        *rc = -ENOMEM;
-        return;
-    }
-    e->qmats = q;
-    q[e->n_qmats++] = (struct rekv_qmat){dst, t->qtype};
+    if (t == NULL || t->qtype == 0)
+        return 0;
+    e->n_qmats++;
+    return t->qtype;
 }
 
 /* t converted into a malloc'd copy; t's pages of m's file mapping then leave memory (one copy
@@ -95,7 +90,6 @@ typedef struct wpack {
     char *base;
     size_t off;
     const rekv_model *m;
-    rekv_engine *e; /* where a quantized matrix is noted */
 } wpack;
 
 static void *place(wpack *p, const rekv_tensor *t, rekv_dtype dt)
@@ -117,8 +111,6 @@ static void *place_mat(wpack *p, const rekv_tensor *t, rekv_dtype wt, int *rc)
 {
     void *dst = place(p, t, wt);
     tile(dst, t, wt, rc);
-    if (p->e)
-        note_qmat(p->e, dst, t, rc);
     return dst;
 }
 
@@ -225,7 +217,7 @@ void rekv_engine_free(rekv_engine *e)
             free(e->layer_mem[l]);
     free(e->layer_mem);
     free(e->layers);
-    free(e->qmats);
+    free(e->lqt);
     if (e->lm_head != e->embed)
         free(e->lm_head);
     free(e->embed);
@@ -267,7 +259,7 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
         rc = -ENOMEM;
     rekv_dtype wt = e->wdtype = weight_dtype(w, e->c.n_layers);
     e->embed = to_wdtype(m, w->embed_tokens, wt, &rc);
-    note_qmat(e, e->embed, w->embed_tokens, &rc);
+    e->embed_qt = e->head_qt = note_qt(e, w->embed_tokens);
     if (rc == 0)
         e->embed_bytes = held_bytes(w->embed_tokens, wt);
     e->pos_embed = to_wdtype(m, w->embed_positions, REKV_DTYPE_F32, &rc);
@@ -282,18 +274,25 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     } else {
         e->lm_head = to_wdtype(m, w->lm_head, wt, &rc);
         tile(e->lm_head, w->lm_head, wt, &rc);
-        note_qmat(e, e->lm_head, w->lm_head, &rc);
+        e->head_qt = note_qt(e, w->lm_head);
         if (rc == 0)
             e->head_bytes = held_bytes(w->lm_head, wt);
     }
     e->tiled = 1;
     e->layer_mem = calloc((size_t)e->c.n_layers, sizeof(void *));
-    if (e->layer_mem == NULL)
+    e->lqt = calloc((size_t)e->c.n_layers, sizeof(*e->lqt));
+    if (e->layer_mem == NULL || e->lqt == NULL)
         rc = -ENOMEM;
+    for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
+        const rekv_layer_weights *s = &w->layers[l];
+        const rekv_tensor *mt[LQT_N] = {s->wq, s->wk, s->wv, s->wo, s->w1, s->w2, s->w3};
+        for (int i = 0; i < LQT_N; i++)
+            e->lqt[l][i] = note_qt(e, mt[i]);
+    }
     /* every layer's block as large as the largest (a quantized file may mix block types by
      * layer), so that a pipeline handles each the same */
     for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
-        wpack size = {NULL, 0, NULL, NULL};
+        wpack size = {NULL, 0, NULL};
         load_layer(&size, &w->layers[l], &e->layers[l], wt, &rc);
         e->layer_bytes = size.off > e->layer_bytes ? size.off : e->layer_bytes;
         e->layers_bytes += size.off;
@@ -303,7 +302,7 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
          * (host_register), and CUDA refuses a block whose first or last page another has */
         size_t page = (size_t)sysconf(_SC_PAGESIZE);
         size_t bytes = (e->layer_bytes + page) / page * page;
-        wpack pk = {aligned_alloc(page, bytes), 0, m, e};
+        wpack pk = {aligned_alloc(page, bytes), 0, m};
         if (pk.base == NULL) {
             rc = -ENOMEM;
             break;
@@ -531,12 +530,11 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
             e->pos[row] = items[b].seq->len + i;
             float *dst = (e->project_in ? e->h : e->x) + row * E;
             size_t tok = (size_t)items[b].tokens[i];
-            uint32_t qt = rekv_engine_qtype(e, e->embed);
+            uint32_t qt = e->embed_qt;
             if (qt) /* the row's blocks, dequantized as ggml's get_rows does */
-                (void)rekv_ggml_dequant_row(qt,
-                                            (const char *)e->embed +
-                                                tok * cpu_qgemm_row_bytes(qt, (int)E),
-                                            (uint64_t)E, dst);
+                (void)rekv_ggml_dequant_row(
+                    qt, (const char *)e->embed + tok * cpu_qgemm_row_bytes(qt, (int)E), (uint64_t)E,
+                    dst);
             else
                 rekv_to_f32(dst, (const char *)e->embed + tok * E * rekv_dtype_size(e->wdtype),
                             e->wdtype, (size_t)E);

@@ -7,8 +7,10 @@
 #include "common/dtype.h"
 #include "common/log.h"
 #include "gpuworker/cpu_ops.h"
+#include "gpuworker/cpu_qgemm.h"
 #include "gpuworker/gpuworker.h"
 #include "gpuworker/kernels.h"
+#include "loader/gguf.h"
 
 /* the most threads the sample kernel shares its rows with */
 #define CPU_SAMPLE_MAX_THREADS 64
@@ -30,8 +32,12 @@ typedef struct linear_args {
 static void run_linear(void *p)
 {
     linear_args *a = p;
-    (a->tiled ? cpu_gemm_rowinv_tiled : cpu_gemm_rowinv)(a->y, a->x, a->w, a->wt, a->bias, a->m,
-                                                         a->n, a->k);
+    uint32_t qt = cpu_qgemm_wt_type(a->wt); /* quantized blocks: the engine checked the type */
+    if (qt)
+        (void)cpu_qgemm_rowinv(a->y, a->x, a->w, qt, a->bias, a->m, a->n, a->k);
+    else
+        (a->tiled ? cpu_gemm_rowinv_tiled : cpu_gemm_rowinv)(a->y, a->x, a->w, a->wt, a->bias, a->m,
+                                                             a->n, a->k);
 }
 
 static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
@@ -150,12 +156,15 @@ typedef struct embed_args {
 static void run_embed(void *p)
 {
     embed_args *a = p;
-    size_t es = rekv_dtype_size(a->tt);
+    uint32_t qt = cpu_qgemm_wt_type(a->tt); /* quantized rows: dequantized, as ggml's get_rows */
+    size_t rb = qt ? cpu_qgemm_row_bytes(qt, a->e) : (size_t)a->e * rekv_dtype_size(a->tt);
     for (int i = 0; i < a->m; i++) {
         float *row = a->x + (size_t)i * a->e;
-        if (a->table)
-            rekv_to_f32(row, (const char *)a->table + (size_t)a->tokens[i] * a->e * es, a->tt,
-                        (size_t)a->e);
+        const char *src = a->table ? (const char *)a->table + (size_t)a->tokens[i] * rb : NULL;
+        if (src && qt)
+            (void)rekv_ggml_dequant_row(qt, src, (uint64_t)a->e, row);
+        else if (src)
+            rekv_to_f32(row, src, a->tt, (size_t)a->e);
         if (a->pos_table) {
             const float *pr = a->pos_table + (size_t)(a->pos[i] + a->pos_offset) * a->e;
             for (int j = 0; j < a->e; j++)

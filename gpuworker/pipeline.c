@@ -163,9 +163,11 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
 }
 
 void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,
-               int tileable, const float *bias, int m, int n, int k)
+               uint32_t qt, int tileable, const float *bias, int m, int n, int k)
 {
-    if (tileable && p->e->tiled) {
+    if (qt) {
+        p->k->linear(s, y, x, w, cpu_qgemm_wt(qt), bias, m, n, k);
+    } else if (tileable && p->e->tiled) {
         /* a backend without the tile layout untiled the engine (rekv_pipeline_create) */
         REKV_ASSERT(p->k->linear_tiled != NULL);
         p->k->linear_tiled(s, y, x, w, p->e->wdtype, bias, m, n, k);
@@ -187,6 +189,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     int F = c->ffn, nb = st->g_begin[g + 1] - st->g_begin[g];
     float *x = gb->x.p, *h = gb->h.p, *q = gb->q.p, *kk = gb->k.p, *vv = gb->v.p;
     float *att = gb->att.p, *f1 = gb->f1.p, *f3 = gb->f3.p;
+    const uint32_t *qt = p->e->lqt[layer];
     size_t n = (size_t)T * (size_t)H;
     if (c->pre_norm) {
         k->norm(s, h, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
@@ -194,9 +197,9 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    pl_linear(p, s, q, h, L->wq, 1, L->bq, T, Q, H);
-    pl_linear(p, s, kk, h, L->wk, 1, L->bk, T, KV, H);
-    pl_linear(p, s, vv, h, L->wv, 1, L->bv, T, KV, H);
+    pl_linear(p, s, q, h, L->wq, qt[LQT_WQ], 1, L->bq, T, Q, H);
+    pl_linear(p, s, kk, h, L->wk, qt[LQT_WK], 1, L->bk, T, KV, H);
+    pl_linear(p, s, vv, h, L->wv, qt[LQT_WV], 1, L->bv, T, KV, H);
     if (c->rope != REKV_ROPE_NONE) {
         k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, &p->e->rope, c->rope);
         k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, &p->e->rope, c->rope);
@@ -215,7 +218,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the new rows are ready to leave, and attention has read the buffers */
         p->bi->event_record(p->ev_out[b], s);
-    pl_linear(p, s, h, att, L->wo, 1, L->bo, T, H, Q);
+    pl_linear(p, s, h, att, L->wo, qt[LQT_WO], 1, L->bo, T, H, Q);
     k->add(s, x, h, n);
     if (!c->pre_norm)
         k->norm(s, x, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
@@ -225,14 +228,14 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    pl_linear(p, s, f1, h, L->w1, 1, L->b1, T, F, H);
+    pl_linear(p, s, f1, h, L->w1, qt[LQT_W1], 1, L->b1, T, F, H);
     if (L->w3) {
-        pl_linear(p, s, f3, h, L->w3, 1, NULL, T, F, H);
+        pl_linear(p, s, f3, h, L->w3, qt[LQT_W3], 1, NULL, T, F, H);
         k->activation(s, f1, f3, (size_t)T * (size_t)F, c->act);
     } else {
         k->activation(s, f1, NULL, (size_t)T * (size_t)F, c->act);
     }
-    pl_linear(p, s, h, f1, L->w2, 1, L->b2, T, H, F);
+    pl_linear(p, s, h, f1, L->w2, qt[LQT_W2], 1, L->b2, T, H, F);
     k->add(s, x, h, n);
     if (!c->pre_norm)
         k->norm(s, x, x, L->ffn_norm_w, L->ffn_norm_b, T, H, c->norm_eps);
@@ -497,14 +500,15 @@ static void step_embed(rekv_pipeline *p, const step *st)
         gbatch *gb = &p->gb[g];
         int T = st->g_rows[g];
         if (p->d_proj_in) {
-            k->embed(sc, gb->h.p, p->d_embed, p->e->wdtype, st->tok[g], NULL, NULL, 0, T, E);
-            pl_linear(p, sc, gb->x.p, gb->h.p, p->d_proj_in, 1, NULL, T, H, E);
+            k->embed(sc, gb->h.p, p->d_embed, rekv_engine_wt(p->e, p->e->embed_qt), st->tok[g],
+                     NULL, NULL, 0, T, E);
+            pl_linear(p, sc, gb->x.p, gb->h.p, p->d_proj_in, 0, 1, NULL, T, H, E);
             if (p->d_pos)
                 k->embed(sc, gb->x.p, NULL, p->e->wdtype, st->tok[g], p->d_pos, st->pos[g], 2, T,
                          H);
         } else {
-            k->embed(sc, gb->x.p, p->d_embed, p->e->wdtype, st->tok[g], p->d_pos, st->pos[g], 2, T,
-                     E);
+            k->embed(sc, gb->x.p, p->d_embed, rekv_engine_wt(p->e, p->e->embed_qt), st->tok[g],
+                     p->d_pos, st->pos[g], 2, T, E);
         }
     }
 }
@@ -583,10 +587,10 @@ static void unit_recompute(rekv_pipeline *p, const unit_run *u)
         k->convert(sc, io->conv_act.v, io->conv_act.n, p->cfg.cache_dtype);
         if (p->cfg.offload_weights)
             p->bi->stream_wait_event(sc, p->ev_wkv[u->wb]);
-        pl_linear(p, sc, p->kr.p, p->act_f32.p, W->wk, 1, W->bk, io->n_act, rekv_config_kv_dim(c),
-                  c->hidden);
-        pl_linear(p, sc, p->vr.p, p->act_f32.p, W->wv, 1, W->bv, io->n_act, rekv_config_kv_dim(c),
-                  c->hidden);
+        pl_linear(p, sc, p->kr.p, p->act_f32.p, W->wk, p->e->lqt[u->layer][LQT_WK], 1, W->bk,
+                  io->n_act, rekv_config_kv_dim(c), c->hidden);
+        pl_linear(p, sc, p->vr.p, p->act_f32.p, W->wv, p->e->lqt[u->layer][LQT_WV], 1, W->bv,
+                  io->n_act, rekv_config_kv_dim(c), c->hidden);
         if (c->rope != REKV_ROPE_NONE)
             k->rope(sc, p->kr.p, io->act_pos, io->n_act, c->n_kv_heads, c->head_dim, &p->e->rope,
                     c->rope);
@@ -692,10 +696,11 @@ static int step_head(rekv_pipeline *p, step *st, rekv_err *err)
         if (p->d_fnorm_w)
             k->norm(sc, rows, rows, p->d_fnorm_w, p->d_fnorm_b, nb, H, c->norm_eps);
         if (p->d_proj_out) {
-            pl_linear(p, sc, gb->q.p, rows, p->d_proj_out, 1, NULL, nb, E, H);
+            pl_linear(p, sc, gb->q.p, rows, p->d_proj_out, 0, 1, NULL, nb, E, H);
             rows = gb->q.p;
         }
-        pl_linear(p, sc, gb->logits.p, rows, p->d_head, !p->head_tied, NULL, nb, c->vocab, E);
+        pl_linear(p, sc, gb->logits.p, rows, p->d_head, p->e->head_qt, !p->head_tied, NULL, nb,
+                  c->vocab, E);
         if ((rc = head_back(p, st, g, sc, err)))
             return rc;
     }

@@ -16,31 +16,48 @@
 #include "common/crc32c.h"
 #include "common/log.h"
 
-/* A layer's tensor slots and sizes, in load order (N_LAYER_TENSORS, pipeline_internal.h). */
-static void layer_tensors(const rekv_engine *e, layer_w *L, void ***slots, size_t *bytes)
+/* Bytes of matrix `which` (LQT_*, [n][k]) of layer l as the engine holds it (quantized: its
+ * blocks); l < 0: the most any layer's takes (a quantized file may mix block types by layer). */
+static size_t mat_bytes(const rekv_engine *e, int l, int which, size_t n, size_t k)
+{
+    size_t most = 0;
+    for (int i = l < 0 ? 0 : l; i < (l < 0 ? e->c.n_layers : l + 1); i++) {
+        uint32_t qt = e->lqt[i][which];
+        size_t b = qt ? cpu_qgemm_row_bytes(qt, (int)k) * n : n * k * rekv_dtype_size(e->wdtype);
+        most = b > most ? b : most;
+    }
+    return most;
+}
+
+/* A layer's tensor slots and sizes, in load order (N_LAYER_TENSORS, pipeline_internal.h): layer
+ * l's sizes, or with l < 0 the most any layer's takes. */
+static void layer_tensors(const rekv_engine *e, int l, layer_w *L, void ***slots, size_t *bytes)
 {
     const rekv_model_config *c = &e->c;
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
-    size_t KV = (size_t)rekv_config_kv_dim(c), F = (size_t)c->ffn;
-    size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float); /* matrices, vectors */
+    size_t KV = (size_t)rekv_config_kv_dim(c), F = (size_t)c->ffn, f = sizeof(float);
+    size_t wk = mat_bytes(e, l, LQT_WK, KV, H), wv = mat_bytes(e, l, LQT_WV, KV, H);
+    size_t wq = mat_bytes(e, l, LQT_WQ, Q, H), wo = mat_bytes(e, l, LQT_WO, H, Q);
+    size_t w1 = mat_bytes(e, l, LQT_W1, F, H), w3 = mat_bytes(e, l, LQT_W3, F, H);
+    size_t w2 = mat_bytes(e, l, LQT_W2, H, F);
     void **s[N_LAYER_TENSORS] = {
         &L->wk, &L->bk, &L->wv,          &L->bv,          &L->wq,         &L->bq,
         &L->wo, &L->bo, &L->attn_norm_w, &L->attn_norm_b, &L->ffn_norm_w, &L->ffn_norm_b,
         &L->w1, &L->b1, &L->w3,          &L->w2,          &L->b2};
-    size_t n[N_LAYER_TENSORS] = {KV * H * w, KV * f, KV * H * w, KV * f,    Q * H * w, Q * f,
-                                 H * Q * w,  H * f,  H * f,      H * f,     H * f,     H * f,
-                                 F * H * w,  F * f,  F * H * w,  H * F * w, H * f};
+    size_t n[N_LAYER_TENSORS] = {wk,    KV * f, wv,    KV * f, wq,    Q * f, wo, H * f, H * f,
+                                 H * f, H * f,  H * f, w1,     F * f, w3,    w2, H * f};
     memcpy(slots, s, sizeof(s));
     memcpy(bytes, n, sizeof(n));
 }
 
-/* Points dst's fields into mem laid out in load order, for the tensors src has. Returns bytes. */
+/* Points dst's fields into mem laid out in load order, for the tensors src has, each slot as large
+ * as any layer's. Returns bytes. */
 static size_t layer_layout(const rekv_engine *e, const layer_w *src, layer_w *dst, char *mem)
 {
     void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
     size_t n[N_LAYER_TENSORS], off = 0;
-    layer_tensors(e, (layer_w *)src, ss, n);
-    layer_tensors(e, dst, ds, n);
+    layer_tensors(e, -1, (layer_w *)src, ss, n);
+    layer_tensors(e, -1, dst, ds, n);
     for (int i = 0; i < N_LAYER_TENSORS; i++) {
         if (*ss[i] == NULL) {
             *ds[i] = NULL;
@@ -60,8 +77,10 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
     size_t n[N_LAYER_TENSORS], bytes = 0;
     rekv_copy_piece pieces[N_LAYER_TENSORS];
     size_t np = 0;
-    layer_tensors(p->e, (layer_w *)src, ss, n);
-    layer_tensors(p->e, dst, ds, n);
+    int l = (int)(src - p->e->layers); /* src is the engine's layer l */
+    REKV_ASSERT(l >= 0 && l < p->c->n_layers);
+    layer_tensors(p->e, l, (layer_w *)src, ss, n);
+    layer_tensors(p->e, l, dst, ds, n);
     for (int i = from; i < to; i++)
         if (*ss[i]) {
             pieces[np++] = (rekv_copy_piece){*ds[i], *ss[i], n[i]};
@@ -113,7 +132,7 @@ void rekv_pipeline_free(rekv_pipeline *p)
         for (int l = 0; l < p->c->n_layers; l++) {
             void **ds[N_LAYER_TENSORS];
             size_t n[N_LAYER_TENSORS];
-            layer_tensors(p->e, &p->dev_layers[l], ds, n);
+            layer_tensors(p->e, l, &p->dev_layers[l], ds, n);
             for (int i = 0; i < N_LAYER_TENSORS; i++)
                 if (*ds[i] && p->adopted == NULL)
                     p->bi->dev_free(p->be, *ds[i]);
@@ -302,19 +321,19 @@ static int upload_weights(rekv_pipeline *p, rekv_err *err)
     rekv_backend *be = p->be;
     const rekv_model_config *c = p->c;
     int rc = 0;
-    size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
+    size_t E = (size_t)c->embed_dim, H = (size_t)c->hidden;
     size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
     if (p->bi->dev_adopt != NULL && (p->adopted = calloc(7 + (size_t)c->n_layers * N_LAYER_TENSORS,
                                                          sizeof(*p->adopted))) == NULL)
         rc = -ENOMEM;
-    p->d_embed = dev_copy(p, e->embed, V * E * w, &rc);
+    p->d_embed = dev_copy(p, e->embed, e->embed_bytes, &rc);
     p->d_pos = dev_copy(p, e->pos_embed, ((size_t)c->max_pos + 2) * H * f, &rc);
     p->d_proj_in = dev_copy(p, e->project_in, H * E * w, &rc);
     p->d_proj_out = dev_copy(p, e->project_out, E * H * w, &rc);
     p->d_fnorm_w = dev_copy(p, e->final_norm_w, H * f, &rc);
     p->d_fnorm_b = dev_copy(p, e->final_norm_b, H * f, &rc);
     p->head_tied = e->lm_head == e->embed;
-    p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, V * E * w, &rc);
+    p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, e->head_bytes, &rc);
     if (rc == 0 && p->cfg.offload_weights && p->bi->host_register && p->bi->host_unregister) {
         /* the layers stream from the engine's blocks every step: page-locked where the backend
          * can, so the copies are DMA at the link's speed and overlap compute (best effort: a
@@ -348,8 +367,8 @@ static int upload_weights(rekv_pipeline *p, rekv_err *err)
         for (int l = 0; l < c->n_layers && rc == 0; l++) {
             void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
             size_t n[N_LAYER_TENSORS];
-            layer_tensors(e, &e->layers[l], ss, n);
-            layer_tensors(e, &p->dev_layers[l], ds, n);
+            layer_tensors(e, l, &e->layers[l], ss, n);
+            layer_tensors(e, l, &p->dev_layers[l], ds, n);
             for (int i = 0; i < N_LAYER_TENSORS && rc == 0; i++)
                 *ds[i] = dev_copy(p, *ss[i], n[i], &rc);
         }
@@ -365,11 +384,13 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     int rc = create_check(be, store, cfg, err);
     if (rc)
         return rc;
-    if (e->n_qmats) /* its kernels take one weight dtype per model (rekv_engine.wdtype) */
+    /* quantized matrices go to the kernels as cpu_qgemm_wt: only the cpu kernels read them, and
+     * infinigen's speculation widens W_Q by the engine's one dtype */
+    if (e->n_qmats && (strcmp(be->iface->name, "cpu") != 0 || cfg->mode == REKV_MODE_INFINIGEN))
         return rekv_errf(err, -ENOTSUP,
-                         "pipeline: quantized (GGUF Q8_0/Q4_0/Q4_K/Q6_K) weights run on the "
-                         "reference engine only (rekv bench forward, rekv eval); not yet in the "
-                         "pipeline");
+                         "pipeline: quantized (GGUF Q8_0/Q4_0/Q4_K/Q6_K) weights run on the cpu "
+                         "backend, in every mode but infinigen (not yet: %s)",
+                         cfg->mode == REKV_MODE_INFINIGEN ? "infinigen" : be->iface->name);
     rekv_pipeline *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");

@@ -467,7 +467,7 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
     if (p->ig.fold) {
         k->linear(s, qp, h, il->wp, REKV_DTYPE_F32, il->bp, T, nh * rk, H);
     } else {
-        pl_linear(p, s, q, h, il->wp, 1, il->bp, T, rekv_config_q_dim(c), H);
+        pl_linear(p, s, q, h, il->wp, 0, 1, il->bp, T, rekv_config_q_dim(c), H);
         if (c->rope != REKV_ROPE_NONE)
             k->rope(s, q, st->pos[g], T, nh, hd, &p->e->rope, c->rope);
         k->head_proj(s, qp, NULL, q, il->a, T, nh, group, hd, rk);

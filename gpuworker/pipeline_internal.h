@@ -397,9 +397,11 @@ const pl_mode_ops *pl_mode_ops_of(rekv_mode m);
 /* pipeline.c */
 /* A linear layer over one of the engine's matrices (w: that matrix, or its copy on the device), in
  * the layout the engine keeps it: tiled where the engine tiles (tileable: the matrix is one the
- * engine may tile — all but a head tied to embed) and the kernels read that layout. */
+ * engine may tile — all but a head tied to embed) and the kernels read that layout. qt: the
+ * matrix's GGUF block type (rekv_engine.lqt, embed_qt, head_qt), 0 when it is in wdtype; a
+ * quantized matrix is row-major and goes to the kernels' linear as cpu_qgemm_wt(qt). */
 void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,
-               int tileable, const float *bias, int m, int n, int k);
+               uint32_t qt, int tileable, const float *bias, int m, int n, int k);
 
 /* pipeline_buffers.c */
 int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem);

@@ -285,9 +285,8 @@ static const rekv_tensor *find(lookup *lk, const char *name, int64_t d0, int64_t
     int plain = t->type == REKV_GGML_F32 || t->type == REKV_GGML_F16 || t->type == REKV_GGML_BF16;
     if (!plain && !(d1 >= 0 && rekv_gguf_matrix_type(t->type))) {
         char up[16];
-        lk->rc = rekv_errf(lk->err, -ENOTSUP,
-                           "%s: tensor \"%s\": %s %s are not supported; %s are", lk->g->path,
-                           name, type_upper(t->type, up, sizeof(up)),
+        lk->rc = rekv_errf(lk->err, -ENOTSUP, "%s: tensor \"%s\": %s %s are not supported; %s are",
+                           lk->g->path, name, type_upper(t->type, up, sizeof(up)),
                            d1 >= 0 ? "weights" : "vectors",
                            d1 >= 0 ? "F32/F16/BF16/Q8_0/Q4_0/Q4_K/Q6_K" : "F32/F16/BF16");
         return NULL;

@@ -70,8 +70,8 @@ START_TEST(matches_fp32_gemm_on_dequantized)
             ck_assert_int_eq(cpu_qgemm_rowinv_ref(y1, x + (size_t)r * k, t->data, t->type, 1, n, k),
                              0);
             ck_assert_mem_eq(y1, yq + (size_t)r * n, (size_t)n * sizeof(float));
-            ck_assert_int_eq(cpu_qgemm_rowinv(y1, x + (size_t)r * k, t->data, t->type, NULL, 1, n, k),
-                             0);
+            ck_assert_int_eq(
+                cpu_qgemm_rowinv(y1, x + (size_t)r * k, t->data, t->type, NULL, 1, n, k), 0);
             ck_assert_mem_eq(y1, yq + (size_t)r * n, (size_t)n * sizeof(float));
         }
         free(x);

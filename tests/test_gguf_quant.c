@@ -9,12 +9,16 @@
  *   f64_greedy_gate, the same pick) makes the pick certain (../shared/gguf/README.md section 5):
  *   all 48 for llama-tiny-py;
  * - the weights are held at their quantized size (the engine's bytes are the file's blocks, a
- *   fraction of the F16 file's), and the planner prices offloaded layers by those bytes.
+ *   fraction of the F16 file's), and the planner prices offloaded layers by those bytes;
+ * - the decode pipeline on the cpu backend, every exact mode, weights resident or offloaded, gives
+ *   the engine's bits, and an offloaded step moves exactly the file's bytes for its layers.
  * The files come from ../shared/gguf; with CI=true a missing one fails the test. */
 #define _GNU_SOURCE
 #include "coordinator/planner.h"
 #include "gpuworker/gpuworker.h"
 #include "loader/gguf.h"
+#include "gpuworker/pipeline.h"
+#include "tests/fixture.h"
 #include "tests/gguf_edit.h"
 #include "tests/testutil.h"
 
@@ -25,8 +29,7 @@
 #include <string.h>
 
 static const char *const k_files[] = {"llama-tiny-py-Q8_0", "llama-tiny-py-Q4_0",
-                                      "synth-llama-Q8_0", "synth-llama-Q4_K_M",
-                                      "synth-llama-Q4_0"};
+                                      "synth-llama-Q8_0", "synth-llama-Q4_K_M", "synth-llama-Q4_0"};
 #define N_FILES (sizeof(k_files) / sizeof(k_files[0]))
 
 typedef struct run {
@@ -126,8 +129,8 @@ START_TEST(bits_of_fp32_dequantization)
     ck_assert_uint_eq(f.m->weights.layers[0].w1->qtype, 0);
     float *lf = case0_logits(&f, ref, &rows_f);
     /* the F32 copy holds 4 bytes a weight; the quantized engine at most 8.5 bits */
-    ck_assert_msg(q_bytes * 3 < rekv_engine_weight_bytes(f.e), "quantized engine %zu bytes, F32 %zu",
-                  q_bytes, rekv_engine_weight_bytes(f.e));
+    ck_assert_msg(q_bytes * 3 < rekv_engine_weight_bytes(f.e),
+                  "quantized engine %zu bytes, F32 %zu", q_bytes, rekv_engine_weight_bytes(f.e));
     run_close(&f);
     ck_assert_int_eq(rows, rows_f);
     for (size_t i = 0; i < (size_t)rows * (size_t)f.vocab; i++)
@@ -233,8 +236,8 @@ START_TEST(greedy_ids_past_the_gate)
             if (!(margin > gate || (gap > gate64 && f64_pick == greedy[st])))
                 break;
             int32_t pick = rekv_argmax(logits, r.vocab);
-            ck_assert_msg(pick == greedy[st], "%s case %zu step %d: %d, llama.cpp %d",
-                          k_files[_i], ci, st, pick, greedy[st]);
+            ck_assert_msg(pick == greedy[st], "%s case %zu step %d: %d, llama.cpp %d", k_files[_i],
+                          ci, st, pick, greedy[st]);
             same++;
             forward(&r, s, &pick, 1, 0, logits);
         }
@@ -300,10 +303,12 @@ START_TEST(weights_held_and_priced_quantized)
     run_open(path, &q);
     run_open(path16, &h);
     size_t nt, file_b = file_tensor_bytes(path, &nt), eb = rekv_engine_weight_bytes(q.e);
-    ck_assert_msg(eb >= file_b && eb <= file_b + 64 * nt, "%s: engine %zu bytes, file's tensors %zu",
-                  k_files[_i], eb, file_b);
+    ck_assert_msg(eb >= file_b && eb <= file_b + 64 * nt,
+                  "%s: engine %zu bytes, file's tensors %zu", k_files[_i], eb, file_b);
     double ratio = (double)eb / (double)rekv_engine_weight_bytes(h.e);
-    double want = strstr(k_files[_i], "Q8_0") ? 34.0 / 64 : strstr(k_files[_i], "Q4_0") ? 18.0 / 64 : 0;
+    double want = strstr(k_files[_i], "Q8_0")   ? 34.0 / 64
+                  : strstr(k_files[_i], "Q4_0") ? 18.0 / 64
+                                                : 0;
     printf("  %s: %zu weight bytes, %.3f of the F16 file's\n", k_files[_i], eb, ratio);
     if (want > 0) /* the norms (F32) and a Q6_K output move it a little */
         ck_assert_msg(fabs(ratio - want) < 0.05, "%s: ratio %.3f, blocks alone %.3f", k_files[_i],
@@ -337,6 +342,87 @@ START_TEST(weights_held_and_priced_quantized)
 }
 END_TEST
 
+/* The decode pipeline on the cpu backend with the file's weights quantized: every exact mode,
+ * weights resident or offloaded, gives the reference engine's logits bit for bit (prefill and
+ * three decode steps), and an offloaded decode step moves exactly the file's bytes for its layers
+ * (blk.* tensors: quantized blocks and F32 norms) — what the planner prices. */
+static const char *const k_pipe_files[] = {"synth-llama-Q4_K_M", "llama-tiny-py-Q4_0"};
+
+START_TEST(pipeline_modes_same_bits)
+{
+    json_t *ref;
+    const char *path = shared_file(k_pipe_files[_i], &ref);
+    if (path == NULL)
+        return;
+    tu_fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    run r = {f.m, f.e, f.m->config.vocab};
+    int rows;
+    float *want = case0_logits(&r, ref, &rows);
+    int np, ng;
+    int32_t *prompt = ids_of(json_object_get(gen_case(ref, 0), "prompt"), &np);
+    int32_t *greedy = ids_of(json_object_get(gen_case(ref, 0), "greedy"), &ng);
+    size_t V = (size_t)r.vocab;
+    double layer_bytes = 0; /* every blk.* tensor of the file */
+    rekv_gguf *g;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_gguf_open(path, &g, &err) == 0, "%s", err.msg);
+    for (size_t i = 0; i < g->n_tensors; i++)
+        if (strncmp(g->tensors[i].name, "blk.", 4) == 0)
+            layer_bytes += (double)g->tensors[i].nbytes;
+    rekv_gguf_close(g);
+    static const struct {
+        rekv_mode mode;
+        int offload_weights, split;
+    } modes[] = {{REKV_MODE_RESIDENT, 0, 0}, {REKV_MODE_RESIDENT, 1, 0}, {REKV_MODE_OFFLOAD, 1, 0},
+                 {REKV_MODE_KVPR, 1, 20},    {REKV_MODE_ACT, 0, 0},      {REKV_MODE_HYBRID, 1, 0}};
+    float *got = malloc(V * sizeof(float));
+    for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++) {
+        rekv_pipeline_config cfg;
+        rekv_pipeline_config_defaults(&cfg);
+        cfg.mode = modes[mi].mode;
+        cfg.offload_weights = modes[mi].offload_weights;
+        cfg.split = modes[mi].split;
+        cfg.kv_parts = cfg.act_parts = 1;
+        rekv_pipeline *pl;
+        ck_assert_msg(rekv_pipeline_create(f.e, f.be,
+                                           cfg.mode == REKV_MODE_RESIDENT ? NULL : f.store, &cfg,
+                                           &pl, &err) == 0,
+                      "%s", err.msg);
+        rekv_pseq *sq;
+        ck_assert_msg(rekv_pseq_create(pl, np + 4, &sq, &err) == 0, "%s", err.msg);
+        for (int st = 0; st < 4; st++) {
+            rekv_pipe_item it = {.seq = sq,
+                                 .tokens = st ? &greedy[st - 1] : prompt,
+                                 .n_tokens = st ? 1 : np,
+                                 .logits = got};
+            if (st == 1)
+                rekv_pipeline_counters_reset(pl);
+            ck_assert_msg(rekv_pipeline_step(pl, &it, 1, &err) == 0, "%s", err.msg);
+            const float *w = want + (size_t)(np - 1 + st) * V;
+            ck_assert_msg(memcmp(got, w, V * sizeof(float)) == 0,
+                          "%s, mode %d%s, step %d: logits differ from the engine's",
+                          k_pipe_files[_i], (int)cfg.mode, cfg.offload_weights ? " offloaded" : "",
+                          st);
+        }
+        rekv_layer_counters tot;
+        rekv_pipeline_counters(pl, &tot);
+        double moved = (double)tot.h2d_bytes[REKV_XFER_WEIGHTS] / 3; /* per decode step */
+        ck_assert_msg(moved == (cfg.offload_weights ? layer_bytes : 0),
+                      "mode %d: %.0f weight bytes a step, the file's layers %.0f", (int)cfg.mode,
+                      moved, layer_bytes);
+        rekv_pseq_free(sq);
+        rekv_pipeline_free(pl);
+    }
+    free(got);
+    free(want);
+    free(prompt);
+    free(greedy);
+    tu_fixture_close(&f);
+    json_decref(ref);
+}
+END_TEST
+
 Suite *gguf_quant_suite(void);
 Suite *gguf_quant_suite(void)
 {
@@ -347,6 +433,8 @@ Suite *gguf_quant_suite(void)
     tcase_add_loop_test(tc, prefill_decode_batch_same_bits, 0, N_FILES);
     tcase_add_loop_test(tc, greedy_ids_past_the_gate, 0, N_FILES);
     tcase_add_loop_test(tc, weights_held_and_priced_quantized, 0, N_FILES);
+    tcase_add_loop_test(tc, pipeline_modes_same_bits, 0,
+                        sizeof(k_pipe_files) / sizeof(k_pipe_files[0]));
     suite_add_tcase(s, tc);
     return s;
 }

@@ -239,8 +239,7 @@ static json_t *gemv_quant(int n, int k)
         json_array_append_new(arr, json_pack("{s:s, s:I, s:f, s:f}", "type",
                                              rekv_ggml_type_name(types[ti]), "bytes",
                                              (json_int_t)all, "gbps", (double)all / sec * 1e-9,
-                                             "gweights_per_s",
-                                             (double)per * n_w / sec * 1e-9));
+                                             "gweights_per_s", (double)per * n_w / sec * 1e-9));
     }
     free(x), free(y);
     if (arr && json_array_size(arr) == 0) {
@@ -400,9 +399,9 @@ static int forward_batch(rekv_engine *eng, const rekv_model_config *cfg, int B, 
                      gemm);
     /* each decode step reads every weight once, whatever the batch: the bytes as held (f16, or
      * a quantized file's blocks) over the step's time */
-    json_object_set_new(*run, "decode_weight_gbps",
-                        json_real((double)rekv_engine_step_weight_bytes(eng) * (double)steps /
-                                  dec_s * 1e-9));
+    json_object_set_new(
+        *run, "decode_weight_gbps",
+        json_real((double)rekv_engine_step_weight_bytes(eng) * (double)steps / dec_s * 1e-9));
     return 0;
 }
 
