@@ -162,11 +162,16 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
     return d;
 }
 
+rekv_dtype pl_wt(const rekv_pipeline *p, uint32_t qt)
+{
+    return qt == 0 ? p->e->wdtype : p->q_f16 ? REKV_DTYPE_F16 : cpu_qgemm_wt(qt);
+}
+
 void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,
                uint32_t qt, int tileable, const float *bias, int m, int n, int k)
 {
     if (qt) {
-        p->k->linear(s, y, x, w, cpu_qgemm_wt(qt), bias, m, n, k);
+        p->k->linear(s, y, x, w, pl_wt(p, qt), bias, m, n, k);
     } else if (tileable && p->e->tiled) {
         /* a backend without the tile layout untiled the engine (rekv_pipeline_create) */
         REKV_ASSERT(p->k->linear_tiled != NULL);
@@ -500,15 +505,15 @@ static void step_embed(rekv_pipeline *p, const step *st)
         gbatch *gb = &p->gb[g];
         int T = st->g_rows[g];
         if (p->d_proj_in) {
-            k->embed(sc, gb->h.p, p->d_embed, rekv_engine_wt(p->e, p->e->embed_qt), st->tok[g],
-                     NULL, NULL, 0, T, E);
+            k->embed(sc, gb->h.p, p->d_embed, pl_wt(p, p->e->embed_qt), st->tok[g], NULL, NULL, 0,
+                     T, E);
             pl_linear(p, sc, gb->x.p, gb->h.p, p->d_proj_in, 0, 1, NULL, T, H, E);
             if (p->d_pos)
                 k->embed(sc, gb->x.p, NULL, p->e->wdtype, st->tok[g], p->d_pos, st->pos[g], 2, T,
                          H);
         } else {
-            k->embed(sc, gb->x.p, p->d_embed, rekv_engine_wt(p->e, p->e->embed_qt), st->tok[g],
-                     p->d_pos, st->pos[g], 2, T, E);
+            k->embed(sc, gb->x.p, p->d_embed, pl_wt(p, p->e->embed_qt), st->tok[g], p->d_pos,
+                     st->pos[g], 2, T, E);
         }
     }
 }

@@ -15,6 +15,7 @@
 #include "common/clock.h"
 #include "common/crc32c.h"
 #include "common/log.h"
+#include "loader/gguf.h"
 
 /* Bytes of matrix `which` (LQT_*, [n][k]) of layer l as the engine holds it (quantized: its
  * blocks); l < 0: the most any layer's takes (a quantized file may mix block types by layer). */
@@ -115,6 +116,54 @@ static void *dev_copy(rekv_pipeline *p, const void *src, size_t bytes, int *rc)
     rekv_copy_piece pc = {d, src, bytes};
     p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_WEIGHTS);
     return d;
+}
+
+/* A quantized matrix [n][k] of block type qt on a device whose kernels cannot read the blocks
+ * (cuda): dequantized on the host (ggml's values), rounded to f16 and copied — the simple correct
+ * path, cuda's linear taking f16 weights; the blocks' savings are lost on the device (f16 bytes
+ * there). Only where the device's memory is not the host's (no dev_adopt: h is freed here). */
+static void *dev_copy_f16(rekv_pipeline *p, const void *src, uint32_t qt, size_t n, size_t k,
+                          int *rc)
+{
+    if (src == NULL || *rc)
+        return NULL;
+    REKV_ASSERT(p->bi->dev_adopt == NULL);
+    size_t rb = cpu_qgemm_row_bytes(qt, (int)k);
+    uint16_t *h = malloc(n * k * sizeof(uint16_t));
+    float *row = malloc(k * sizeof(float));
+    void *d = NULL;
+    if (h == NULL || row == NULL) {
+        *rc = -ENOMEM;
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            (void)rekv_ggml_dequant_row(qt, (const uint8_t *)src + i * rb, (uint64_t)k, row);
+            rekv_from_f32(h + i * k, row, REKV_DTYPE_F16, k);
+        }
+        d = dev_copy(p, h, n * k * sizeof(uint16_t), rc);
+        if (d && p->bi->stream_sync(p->s_h2d, NULL)) /* the copy has read h once it is done */
+            *rc = -EIO;
+    }
+    free(h);
+    free(row);
+    return d;
+}
+
+/* Slot i of layer_tensors' load order as one of the layer's matrices: its LQT_* index and
+ * [n][k]; 0 for a vector. */
+static int slot_matrix(const rekv_model_config *c, int i, int *which, size_t *n, size_t *k)
+{
+    size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
+    size_t KV = (size_t)rekv_config_kv_dim(c), F = (size_t)c->ffn;
+    static const int idx[N_LAYER_TENSORS] = {LQT_WK + 1, 0, LQT_WV + 1, 0,          LQT_WQ + 1, 0,
+                                             LQT_WO + 1, 0, 0,          0,          0,          0,
+                                             LQT_W1 + 1, 0, LQT_W3 + 1, LQT_W2 + 1, 0};
+    if (idx[i] == 0)
+        return 0;
+    *which = idx[i] - 1;
+    size_t dims[LQT_N][2] = {{Q, H}, {KV, H}, {KV, H}, {H, Q}, {F, H}, {H, F}, {F, H}};
+    *n = dims[*which][0];
+    *k = dims[*which][1];
+    return 1;
 }
 
 void rekv_pipeline_free(rekv_pipeline *p)
@@ -321,19 +370,22 @@ static int upload_weights(rekv_pipeline *p, rekv_err *err)
     rekv_backend *be = p->be;
     const rekv_model_config *c = p->c;
     int rc = 0;
-    size_t E = (size_t)c->embed_dim, H = (size_t)c->hidden;
+    size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
     size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
     if (p->bi->dev_adopt != NULL && (p->adopted = calloc(7 + (size_t)c->n_layers * N_LAYER_TENSORS,
                                                          sizeof(*p->adopted))) == NULL)
         rc = -ENOMEM;
-    p->d_embed = dev_copy(p, e->embed, e->embed_bytes, &rc);
+    p->d_embed = p->q_f16 && e->embed_qt ? dev_copy_f16(p, e->embed, e->embed_qt, V, E, &rc)
+                                         : dev_copy(p, e->embed, e->embed_bytes, &rc);
     p->d_pos = dev_copy(p, e->pos_embed, ((size_t)c->max_pos + 2) * H * f, &rc);
     p->d_proj_in = dev_copy(p, e->project_in, H * E * w, &rc);
     p->d_proj_out = dev_copy(p, e->project_out, E * H * w, &rc);
     p->d_fnorm_w = dev_copy(p, e->final_norm_w, H * f, &rc);
     p->d_fnorm_b = dev_copy(p, e->final_norm_b, H * f, &rc);
     p->head_tied = e->lm_head == e->embed;
-    p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, e->head_bytes, &rc);
+    p->d_head = p->head_tied             ? p->d_embed
+                : p->q_f16 && e->head_qt ? dev_copy_f16(p, e->lm_head, e->head_qt, V, E, &rc)
+                                         : dev_copy(p, e->lm_head, e->head_bytes, &rc);
     if (rc == 0 && p->cfg.offload_weights && p->bi->host_register && p->bi->host_unregister) {
         /* the layers stream from the engine's blocks every step: page-locked where the backend
          * can, so the copies are DMA at the link's speed and overlap compute (best effort: a
@@ -369,8 +421,14 @@ static int upload_weights(rekv_pipeline *p, rekv_err *err)
             size_t n[N_LAYER_TENSORS];
             layer_tensors(e, l, &e->layers[l], ss, n);
             layer_tensors(e, l, &p->dev_layers[l], ds, n);
-            for (int i = 0; i < N_LAYER_TENSORS && rc == 0; i++)
-                *ds[i] = dev_copy(p, *ss[i], n[i], &rc);
+            for (int i = 0; i < N_LAYER_TENSORS && rc == 0; i++) {
+                int which;
+                size_t mn, mk;
+                uint32_t qt =
+                    p->q_f16 && slot_matrix(c, i, &which, &mn, &mk) ? e->lqt[l][which] : 0;
+                *ds[i] =
+                    qt ? dev_copy_f16(p, *ss[i], qt, mn, mk, &rc) : dev_copy(p, *ss[i], n[i], &rc);
+            }
         }
     }
     if (rc)
@@ -384,13 +442,17 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     int rc = create_check(be, store, cfg, err);
     if (rc)
         return rc;
-    /* quantized matrices go to the kernels as cpu_qgemm_wt: only the cpu kernels read them, and
-     * infinigen's speculation widens W_Q by the engine's one dtype */
-    if (e->n_qmats && (strcmp(be->iface->name, "cpu") != 0 || cfg->mode == REKV_MODE_INFINIGEN))
+    /* quantized matrices go to the cpu kernels as cpu_qgemm_wt (they read the blocks); another
+     * backend gets them widened to f16 at upload, resident only (offloaded, the blocks would
+     * need a dequantizing kernel); infinigen's speculation widens W_Q by the engine's dtype */
+    int q_f16 = e->n_qmats && strcmp(be->iface->name, "cpu") != 0;
+    if (e->n_qmats && (cfg->mode == REKV_MODE_INFINIGEN || (q_f16 && cfg->offload_weights)))
         return rekv_errf(err, -ENOTSUP,
-                         "pipeline: quantized (GGUF Q8_0/Q4_0/Q4_K/Q6_K) weights run on the cpu "
-                         "backend, in every mode but infinigen (not yet: %s)",
-                         cfg->mode == REKV_MODE_INFINIGEN ? "infinigen" : be->iface->name);
+                         "pipeline: quantized (GGUF Q8_0/Q4_0/Q4_K/Q6_K) weights: not yet %s",
+                         cfg->mode == REKV_MODE_INFINIGEN
+                             ? "in infinigen"
+                             : "offloaded on this backend (its kernels get them as f16, "
+                               "widened once at upload)");
     rekv_pipeline *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
@@ -400,6 +462,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->page_locked = -1;
     p->bi = be->iface;
     p->k = rekv_kernels_of(be);
+    p->q_f16 = q_f16;
     pl_graph_init(p);
     p->store = store;
     /* read-ahead of the next layer window; REKV_READ_AHEAD=0 turns it off (for benchmarks) */

@@ -155,6 +155,8 @@ struct rekv_pipeline {
     void *d_embed, *d_proj_in, *d_proj_out, *d_head; /* matrices, in the engine's wdtype */
     float *d_pos, *d_fnorm_w, *d_fnorm_b;
     int head_tied;
+    int q_f16; /* quantized matrices were widened to f16 at upload (rekv_engine.lqt): a backend
+                  whose kernels do not read GGUF blocks (cuda); resident weights only */
     gbatch gb[MAX_GPU_BATCHES];
     parity par[2];
     dbuf act_f32;        /* recomputation input rows [n][hidden] fp32 */
@@ -399,9 +401,12 @@ const pl_mode_ops *pl_mode_ops_of(rekv_mode m);
  * the layout the engine keeps it: tiled where the engine tiles (tileable: the matrix is one the
  * engine may tile — all but a head tied to embed) and the kernels read that layout. qt: the
  * matrix's GGUF block type (rekv_engine.lqt, embed_qt, head_qt), 0 when it is in wdtype; a
- * quantized matrix is row-major and goes to the kernels' linear as cpu_qgemm_wt(qt). */
+ * quantized matrix is row-major and goes to the kernels' linear as pl_wt(p, qt). */
 void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,
                uint32_t qt, int tileable, const float *bias, int m, int n, int k);
+/* The weight dtype the kernels get for a matrix of block type qt: cpu_qgemm_wt(qt), F16 where
+ * the upload widened it (q_f16), the engine's wdtype for qt 0. */
+rekv_dtype pl_wt(const rekv_pipeline *p, uint32_t qt);
 
 /* pipeline_buffers.c */
 int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem);
