@@ -89,11 +89,15 @@ START_TEST(compose_config)
                         "(deploy/debian-test-packages.txt installs the latter)\n");
         return;
     }
-    char cmd[512], *out = NULL;
-    snprintf(cmd, sizeof(cmd), "%s -f deploy/docker-compose.yml config -q 2>&1", tool);
-    int rc = tu_run(cmd, &out);
-    ck_assert_msg(rc == 0, "%s config rejects deploy/docker-compose.yml:\n%s", tool, out);
-    free(out);
+    static const char *const files[] = {"deploy/docker-compose.yml",
+                                         "deploy/docker-compose.replicas.yml"};
+    for (int i = 0; i < 2; i++) {
+        char cmd[512], *out = NULL;
+        snprintf(cmd, sizeof(cmd), "%s -f %s config -q 2>&1", tool, files[i]);
+        int rc = tu_run(cmd, &out);
+        ck_assert_msg(rc == 0, "%s config rejects %s:\n%s", tool, files[i], out);
+        free(out);
+    }
 }
 END_TEST
 
