@@ -1,8 +1,10 @@
 /* dtype.c — see dtype.h. */
 #include "common/dtype.h"
+#include "common/log.h"
 
 #include <errno.h>
 #include <math.h>
+#include <strings.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -17,8 +19,29 @@ const char *rekv_dtype_name(rekv_dtype t)
         return "F16";
     case REKV_DTYPE_BF16:
         return "BF16";
+    case REKV_DTYPE_I8:
+        return "INT8";
+    case REKV_DTYPE_I4:
+        return "INT4";
     }
     return "?";
+}
+
+int rekv_cache_dtype_parse(const char *s, rekv_dtype *out)
+{
+    static const struct {
+        const char *name;
+        rekv_dtype t;
+    } names[] = {{"f32", REKV_DTYPE_F32},
+                 {"f16", REKV_DTYPE_F16},
+                 {"int8", REKV_DTYPE_I8},
+                 {"int4", REKV_DTYPE_I4}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcasecmp(s, names[i].name) == 0) {
+            *out = names[i].t;
+            return 0;
+        }
+    return -EINVAL;
 }
 
 int rekv_dtype_parse(const char *s, rekv_dtype *out)
@@ -127,6 +150,9 @@ void rekv_to_f32(float *dst, const void *src, rekv_dtype t, size_t n)
             dst[i] = rekv_bf16_to_f32(s[i]);
         break;
     }
+    case REKV_DTYPE_I8:
+    case REKV_DTYPE_I4: /* by rows only: rekv_kv_row_to_f32 */
+        REKV_ASSERT(!"rekv_to_f32 of a quantized dtype");
     }
 }
 
@@ -148,5 +174,90 @@ void rekv_from_f32(void *dst, const float *src, rekv_dtype t, size_t n)
             d[i] = rekv_f32_to_bf16(src[i]);
         break;
     }
+    case REKV_DTYPE_I8:
+    case REKV_DTYPE_I4: /* by rows only: rekv_kv_row_from_f32 */
+        REKV_ASSERT(!"rekv_from_f32 of a quantized dtype");
+    }
+}
+
+/* ------------------------------------------------------------ quantized KV rows (dtype.h) */
+
+size_t rekv_kv_row_bytes(rekv_dtype t, int hd)
+{
+    size_t n = (size_t)hd, groups = n / (size_t)rekv_kvq_group(hd);
+    switch (t) {
+    case REKV_DTYPE_I8:
+        return n + 2 * groups;
+    case REKV_DTYPE_I4:
+        return n / 2 + 2 * groups;
+    default:
+        return n * rekv_dtype_size(t);
+    }
+}
+
+/* A group's scale: f16(amax / qmax), saturated at f16's largest finite value. */
+static uint16_t kvq_scale(const float *x, int n, float qmax)
+{
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    float s = amax / qmax;
+    return s >= 65504.0f ? (uint16_t)0x7bffu : rekv_f32_to_f16(s);
+}
+
+/* x's code at scale s in [-qmax, qmax]: rint (half to even, the default rounding mode) */
+static inline int kvq_code(float x, float s, float qmax)
+{
+    if (s == 0.0f)
+        return 0;
+    float q = rintf(x / s);
+    return q > qmax ? (int)qmax : q < -qmax ? -(int)qmax : (int)q;
+}
+
+void rekv_kv_row_from_f32(void *dst, const float *src, rekv_dtype t, int hd)
+{
+    if (!rekv_dtype_quantized(t)) {
+        rekv_from_f32(dst, src, t, (size_t)hd);
+        return;
+    }
+    int gs = rekv_kvq_group(hd), q4 = t == REKV_DTYPE_I4;
+    float qmax = q4 ? 7.0f : 127.0f;
+    uint8_t *codes = dst, *scales = codes + (q4 ? hd / 2 : hd);
+    for (int g = 0; g < hd / gs; g++) {
+        const float *x = src + (size_t)g * (size_t)gs;
+        uint16_t sh = kvq_scale(x, gs, qmax);
+        float s = rekv_f16_to_f32(sh);
+        memcpy(scales + 2 * g, &sh, 2);
+        for (int i = 0; i < gs; i++) {
+            int c = kvq_code(x[i], s, qmax), e = g * gs + i;
+            if (!q4)
+                codes[e] = (uint8_t)(int8_t)c;
+            else if (e % 2 == 0)
+                codes[e / 2] = (uint8_t)(c + 8);
+            else
+                codes[e / 2] |= (uint8_t)((c + 8) << 4);
+        }
+    }
+}
+
+void rekv_kv_row_to_f32(float *dst, const void *src, rekv_dtype t, int hd)
+{
+    if (!rekv_dtype_quantized(t)) {
+        rekv_to_f32(dst, src, t, (size_t)hd);
+        return;
+    }
+    int gs = rekv_kvq_group(hd), q4 = t == REKV_DTYPE_I4;
+    const uint8_t *codes = src, *scales = codes + (q4 ? hd / 2 : hd);
+    for (int g = 0; g < hd / gs; g++) {
+        uint16_t sh;
+        memcpy(&sh, scales + 2 * g, 2);
+        float s = rekv_f16_to_f32(sh);
+        for (int i = 0; i < gs; i++) {
+            int e = g * gs + i;
+            int c = q4 ? (int)((codes[e / 2] >> (4 * (e % 2))) & 0xfu) - 8 : (int8_t)codes[e];
+            dst[e] = (float)c * s;
+        }
     }
 }

@@ -10,14 +10,67 @@ typedef enum rekv_dtype {
     REKV_DTYPE_F32 = 0,
     REKV_DTYPE_F16 = 1,
     REKV_DTYPE_BF16 = 2,
+    /* KV cache only (--cache-dtype int8|int4): rows quantized group-wise, see rekv_kv_row_bytes */
+    REKV_DTYPE_I8 = 3,
+    REKV_DTYPE_I4 = 4,
 } rekv_dtype;
 
-static inline size_t rekv_dtype_size(rekv_dtype t) { return t == REKV_DTYPE_F32 ? 4 : 2; }
+/* Bytes of one element; 0 for the quantized cache dtypes, which have no whole bytes per element
+ * (their sizes are rekv_kv_row_bytes'). */
+static inline size_t rekv_dtype_size(rekv_dtype t)
+{
+    return t == REKV_DTYPE_F32 ? 4 : t == REKV_DTYPE_F16 || t == REKV_DTYPE_BF16 ? 2 : 0;
+}
 
-/* "F32", "F16", "BF16" (safetensors spelling). */
+static inline int rekv_dtype_quantized(rekv_dtype t)
+{
+    return t == REKV_DTYPE_I8 || t == REKV_DTYPE_I4;
+}
+
+/* "F32", "F16", "BF16" (safetensors spelling), "INT8", "INT4". */
 const char *rekv_dtype_name(rekv_dtype t);
 /* Parses the safetensors spelling; returns 0 or -EINVAL. */
 int rekv_dtype_parse(const char *s, rekv_dtype *out);
+/* Parses a --cache-dtype value: f32, f16, int8 or int4 (either case); returns 0 or -EINVAL. */
+int rekv_cache_dtype_parse(const char *s, rekv_dtype *out);
+
+/* The KV cache's rows. A row is the hd elements of one K or V head at one position; rows are the
+ * unit every KV buffer is cut in (gpuworker/kvlayout.h), so a buffer's byte offsets are row index
+ * times rekv_kv_row_bytes. f32/f16: the elements. int8/int4 (quantized when a row is made):
+ * group-wise over the row, REKV_KVQ_GROUP elements a group (the whole row when hd is not a
+ * multiple), each group's codes and then its f16 scales, all inside the row:
+ *   int8: codes c = clamp(rint(x / s), -127, 127) as int8, s = f16(max|x| / 127), x' = c * s
+ *   int4: codes c = clamp(rint(x / s), -7, 7) + 8 as nibbles (element 2i low, 2i+1 high),
+ *         s = f16(max|x| / 7), x' = (c - 8) * s
+ * rint rounds half to even; f16() rounds to nearest even and saturates at 65504 (so |x| past
+ * 127 * 65504 for int8, 7 * 65504 for int4, clips); a group of zeros has s = 0 and codes 0; every
+ * product and quotient is one fp32 operation (tests/kv_quant_ref.py is the same in numpy). The
+ * choice of the group and of symmetric codes is measured in the report of issue 39. */
+#define REKV_KVQ_GROUP 32
+/* Elements per quantization group of a row of hd elements. */
+static inline int rekv_kvq_group(int hd) { return hd % REKV_KVQ_GROUP == 0 ? REKV_KVQ_GROUP : hd; }
+/* Bytes of one row of hd elements in cache dtype t (hd even for int4). */
+size_t rekv_kv_row_bytes(rekv_dtype t, int hd);
+/* Bytes of n elements of a KV buffer of rows of hd elements (n a multiple of hd). */
+static inline size_t rekv_kv_bytes(rekv_dtype t, int hd, size_t n)
+{
+    return n / (size_t)hd * rekv_kv_row_bytes(t, hd);
+}
+/* Bytes per K or V element in cache dtype t with rows of hd, scales included (what the link and the
+ * arena carry per element: the planner's price; 4, 2, 1.0625 int8 and 0.5625 int4 at hd 32). */
+static inline double rekv_kv_elem_bytes(rekv_dtype t, int hd)
+{
+    return (double)rekv_kv_row_bytes(t, hd) / (double)hd;
+}
+/* The dtype activation (ACT) blocks are kept in beside a cache of dtype t: t, or f16 for the
+ * quantized caches (activations feed GEMMs, so they are never quantized). */
+static inline rekv_dtype rekv_act_dtype(rekv_dtype t)
+{
+    return rekv_dtype_quantized(t) ? REKV_DTYPE_F16 : t;
+}
+/* One row of hd fp32 elements into cache dtype t at dst (rekv_kv_row_bytes bytes), and back. */
+void rekv_kv_row_from_f32(void *dst, const float *src, rekv_dtype t, int hd);
+void rekv_kv_row_to_f32(float *dst, const void *src, rekv_dtype t, int hd);
 
 static inline float rekv_bf16_to_f32(uint16_t h)
 {

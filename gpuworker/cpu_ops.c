@@ -108,14 +108,14 @@ void cpu_activation(float *a, const float *b, size_t n, rekv_act act)
     }
 }
 
-/* The row at element index i of a cache in dtype dt as fp32: the row itself, or widened into buf.
- */
+/* The row at element index i of a cache in dtype dt as fp32: the row itself, or widened into buf
+ * (an int8/int4 row dequantized: one row at a time, never a copy of the context). */
 static inline const float *cache_row(const void *kv, size_t i, int hd, rekv_dtype dt, float *buf)
 {
-    const void *r = (const char *)kv + i * rekv_dtype_size(dt);
+    const void *r = (const char *)kv + rekv_kv_off(i, hd, rekv_kv_row_bytes(dt, hd));
     if (dt == REKV_DTYPE_F32)
         return r;
-    rekv_to_f32(buf, r, dt, (size_t)hd);
+    rekv_kv_row_to_f32(buf, r, dt, hd);
     return buf;
 }
 

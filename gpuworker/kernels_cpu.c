@@ -193,8 +193,9 @@ typedef struct scatter_args {
 static void run_scatter(void *p)
 {
     scatter_args *a = p;
-    size_t hd = (size_t)a->hd, es = rekv_dtype_size(a->dt);
-    size_t vs = rekv_kv_v_shift(a->n_kv, a->hd) * es;
+    /* a row is quantized here, as it is made (int8/int4: rekv_kv_row_from_f32's scheme) */
+    size_t hd = (size_t)a->hd, rb = rekv_kv_row_bytes(a->dt, a->hd);
+    size_t vs = rekv_kv_off(rekv_kv_v_shift(a->n_kv, a->hd), a->hd, rb);
     for (int r = 0; r < a->rows; r++) {
         char *kv = a->seqs[a->row_seq[r]].kv;
         for (int g = 0; g < a->n_kv; g++) {
@@ -202,10 +203,10 @@ static void run_scatter(void *p)
                 a->head_pos ? a->head_pos[(size_t)r * (size_t)a->n_kv + (size_t)g] : a->row_pos[r];
             if (slot < 0)
                 continue;
-            size_t dst = rekv_kv_row(a->n_kv, a->hd, g, slot) * es;
+            size_t dst = rekv_kv_off(rekv_kv_row(a->n_kv, a->hd, g, slot), a->hd, rb);
             size_t src = ((size_t)r * (size_t)a->n_kv + (size_t)g) * hd;
-            rekv_from_f32(kv + dst, a->k + src, a->dt, hd);
-            rekv_from_f32(kv + dst + vs, a->v + src, a->dt, hd);
+            rekv_kv_row_from_f32(kv + dst, a->k + src, a->dt, a->hd);
+            rekv_kv_row_from_f32(kv + dst + vs, a->v + src, a->dt, a->hd);
         }
     }
 }

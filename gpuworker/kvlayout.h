@@ -39,4 +39,18 @@ REKV_KVL_FN size_t rekv_kv_buffer_elems(int n_kv, int head_dim, int tokens)
     return blocks * 2 * rekv_kv_v_shift(n_kv, head_dim);
 }
 
+/* Byte offset of the row at element index i (a multiple of head_dim, as rekv_kv_row gives) in a
+ * buffer whose rows take row_bytes (rekv_kv_row_bytes: a quantized row holds its codes and scales,
+ * so byte offsets go by rows, never by elements). */
+REKV_KVL_FN size_t rekv_kv_off(size_t i, int head_dim, size_t row_bytes)
+{
+    return i / (size_t)head_dim * row_bytes;
+}
+
+/* Bytes of a buffer holding positions 0..tokens-1 (whole blocks) of rows of row_bytes. */
+REKV_KVL_FN size_t rekv_kv_buffer_bytes(int n_kv, int head_dim, int tokens, size_t row_bytes)
+{
+    return rekv_kv_off(rekv_kv_buffer_elems(n_kv, head_dim, tokens), head_dim, row_bytes);
+}
+
 #endif

@@ -137,7 +137,7 @@ static int clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     int L = c->n_layers, nkv = c->n_kv_heads, hd = c->head_dim;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), total = 0;
+    size_t rb = p->kv_rowb, total = 0;
     int k = (int)ceil((double)p->cfg.max_fraction * s->cap),
         whole = s->cap - REKV_HEADS_SINK - REKV_HEADS_RECENT;
     s->hc_off = calloc((size_t)L, sizeof(size_t));
@@ -151,10 +151,10 @@ static int clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
         int slots = s->hc_k[l] + REKV_HEADS_SINK + RING;
         s->clo_slots = slots > s->clo_slots ? slots : s->clo_slots;
         s->hc_off[l] = total;
-        total += rekv_kv_buffer_elems(nkv, hd, slots) * dsz;
+        total += rekv_kv_buffer_bytes(nkv, hd, slots, rb);
     }
     s->clo0_len = -1;
-    s->clo0 = p->bi->dev_alloc(p->be, rekv_kv_buffer_elems(nkv, hd, s->cap) * dsz);
+    s->clo0 = p->bi->dev_alloc(p->be, rekv_kv_buffer_bytes(nkv, hd, s->cap, rb));
     if (total)
         s->hc = p->bi->dev_alloc(p->be, total);
     s->label = calloc((size_t)L * (size_t)c->n_heads * (size_t)hd, sizeof(float));
@@ -205,14 +205,14 @@ static int row_pieces(const rekv_pipeline *p, const range_ref *kr, uint8_t *buf,
 {
     const rekv_model_config *c = p->c;
     int kvh = c->n_kv_heads, hd = c->head_dim;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
-    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
+    size_t row = p->kv_rowb;
+    size_t vs = rekv_kv_off(rekv_kv_v_shift(kvh, hd), hd, row);
     const rekv_kv_plan_block *blk = pl_block_at(p, kr, t);
     if (blk == NULL)
         return -EPROTO;
     const uint8_t *src =
-        p->arena + blk->offset + rekv_kv_row(kvh, hd, h, t % REKV_KV_BLOCK_TOKENS) * dsz;
-    uint8_t *dst = buf + rekv_kv_row(kvh, hd, h, j) * dsz;
+        p->arena + blk->offset + rekv_kv_off(rekv_kv_row(kvh, hd, h, t % REKV_KV_BLOCK_TOKENS), hd, row);
+    uint8_t *dst = buf + rekv_kv_off(rekv_kv_row(kvh, hd, h, j), hd, row);
     out[0] = (rekv_copy_piece){dst, src, row};
     out[1] = (rekv_copy_piece){dst + vs, src + vs, row};
     return 0;
@@ -235,7 +235,7 @@ static int layer0_plan(rekv_pipeline *p, rekv_pseq *s, const range_ref *kr, rekv
                        unit_io *io)
 {
     int kvh = p->c->n_kv_heads, rc = 0;
-    size_t row = (size_t)p->c->head_dim * rekv_dtype_size(p->cfg.cache_dtype);
+    size_t row = p->kv_rowb;
     rekv_layer_counters *cnt = &p->counters[0];
     if (s->clo0_len != s->len) {
         for (int t = 0; t < s->len; t++)
@@ -381,8 +381,8 @@ static int clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer,
         return layer0_plan(p, s, kr, d, io);
     int nkv = c->n_kv_heads, hd = c->head_dim;
     int len = s->len, K = s->hc_k[layer], ring0 = K + REKV_HEADS_SINK, S = ring0 + RING, rc = 0;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
-    size_t vs = rekv_kv_v_shift(nkv, hd) * dsz;
+    size_t row = p->kv_rowb;
+    size_t vs = rekv_kv_off(rekv_kv_v_shift(nkv, hd), hd, row);
     uint8_t *buf = s->hc + s->hc_off[layer];
     int32_t *klen = s->klen + (size_t)layer * (size_t)nkv, *skip = io->clo->skip[j];
     const uint8_t *persist = p->clo.persist + (size_t)layer * (size_t)nkv;
@@ -416,8 +416,8 @@ static int clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer,
              * ring slot before this unit's new row takes it */
             if (RESERVE(&io->d2d_kv, 2))
                 return -ENOMEM;
-            const uint8_t *src = buf + rekv_kv_row(nkv, hd, g, slot) * dsz;
-            uint8_t *dst = buf + rekv_kv_row(nkv, hd, g, K - middle) * dsz;
+            const uint8_t *src = buf + rekv_kv_off(rekv_kv_row(nkv, hd, g, slot), hd, row);
+            uint8_t *dst = buf + rekv_kv_off(rekv_kv_row(nkv, hd, g, K - middle), hd, row);
             io->d2d_kv.v[io->d2d_kv.n++] = (rekv_copy_piece){dst, src, row};
             io->d2d_kv.v[io->d2d_kv.n++] = (rekv_copy_piece){dst + vs, src + vs, row};
         }
@@ -510,7 +510,7 @@ static void clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
  * a unit's decisions failed. */
 static int clo_step_done(rekv_pipeline *p, step *st, rekv_err *err)
 {
-    size_t row = (size_t)p->c->head_dim * rekv_dtype_size(p->cfg.cache_dtype);
+    size_t row = p->kv_rowb;
     int rc = 0;
     for (clo_unit *cu = st->clo_units; cu != NULL; cu = cu->next) {
         rekv_layer_counters *cnt = &p->counters[cu->layer];

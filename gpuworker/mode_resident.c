@@ -10,7 +10,7 @@ static int resident_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     size_t n = (size_t)c->n_layers * rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->cap);
-    s->kv = p->bi->dev_alloc(p->be, n * rekv_dtype_size(p->cfg.cache_dtype));
+    s->kv = p->bi->dev_alloc(p->be, rekv_kv_off(n, c->head_dim, p->kv_rowb));
     if (s->kv == NULL)
         return rekv_errf(err, -ENOMEM, "out of device memory for a KV cache of %d tokens", s->cap);
     return 0;

@@ -143,7 +143,7 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
     if (d == NULL)
         return NULL;
     const rekv_model_config *c = p->c;
-    size_t off = 0, dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    size_t off = 0, rb = p->kv_rowb;
     for (int j = 0; j < n; j++) {
         rekv_pipe_item *it = &st->items[st->g_begin[g] + j];
         rekv_pseq *s = it->seq;
@@ -153,10 +153,10 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
         d[j].skip = NULL;
         if (p->info->store == REKV_STORE_NONE) { /* resident: its own cache, in place */
             d[j].kv = s->kv + (size_t)layer *
-                                  rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->cap) * dsz;
+                                  rekv_kv_buffer_bytes(c->n_kv_heads, c->head_dim, s->cap, rb);
         } else {
             d[j].kv = (uint8_t *)p->par[b].attn_kv.p + off;
-            off += rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->len + it->n_tokens) * dsz;
+            off += rekv_kv_buffer_bytes(c->n_kv_heads, c->head_dim, s->len + it->n_tokens, rb);
         }
     }
     return d;
@@ -213,7 +213,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     if (store) { /* the attention input leaves for the arena (K, V leave from the attention
                     buffer, once scattered into it) */
         p->bi->stream_wait_event(s, p->ev_out_free[b]);
-        k->convert_out(s, p->par[b].out_stage.p, h, (size_t)T * (size_t)H, cdt);
+        k->convert_out(s, p->par[b].out_stage.p, h, (size_t)T * (size_t)H, rekv_act_dtype(cdt));
     }
     if (io->pk_rows)
         k->head_proj(s, NULL, io->pk_rows, kk, p->ig.layers[layer].a, T, c->n_kv_heads, 1,
@@ -589,7 +589,7 @@ static void unit_recompute(rekv_pipeline *p, const unit_run *u)
     p->bi->stream_wait_event(sc, p->ev_attn_free[b]);
     if (io->n_act) {
         p->bi->stream_wait_event(sc, p->ev_act[b]);
-        k->convert(sc, io->conv_act.v, io->conv_act.n, p->cfg.cache_dtype);
+        k->convert(sc, io->conv_act.v, io->conv_act.n, rekv_act_dtype(p->cfg.cache_dtype));
         if (p->cfg.offload_weights)
             p->bi->stream_wait_event(sc, p->ev_wkv[u->wb]);
         pl_linear(p, sc, p->kr.p, p->act_f32.p, W->wk, p->e->lqt[u->layer][LQT_WK], 1, W->bk,

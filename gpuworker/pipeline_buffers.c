@@ -158,7 +158,7 @@ static int recompute_buffers(rekv_pipeline *p, size_t rows)
 {
     const rekv_model_config *c = p->c;
     size_t H = (size_t)c->hidden, KV = (size_t)rekv_config_kv_dim(c), f = sizeof(float);
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    size_t dsz = p->act_esz;
     return pl_dbuf_ensure(p, &p->par[0].act_stage, rows * H * dsz) |
            pl_dbuf_ensure(p, &p->par[1].act_stage, rows * H * dsz) |
            pl_dbuf_ensure(p, &p->act_f32, rows * H * f) | pl_dbuf_ensure(p, &p->kr, rows * KV * f) |
@@ -250,7 +250,6 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
     size_t W = (size_t)(c->hidden > c->embed_dim ? c->hidden : c->embed_dim);
     size_t Q = (size_t)rekv_config_q_dim(c), KV = (size_t)rekv_config_kv_dim(c);
     size_t F = (size_t)c->ffn, H = (size_t)c->hidden, f = sizeof(float);
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
     size_t max_kv_g = 0, max_rows = 0, max_ctx = 1;
     int rc = 0;
     for (int g = 0; g < st->n_g; g++) {
@@ -286,15 +285,16 @@ int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
     if (p->info->store != REKV_STORE_NONE) {
         for (int b = 0; b < 2; b++) {
             parity *pr = &p->par[b];
+            size_t kvb = rekv_kv_off(max_kv_g, c->head_dim, p->kv_rowb);
             if (p->cfg.push) { /* shared with the store, which writes the KV rows */
                 rekv_err e = {0};
-                int src = dbuf_ensure_shared(p, &pr->attn_kv, &p->h_attn_kv[b], max_kv_g * dsz, &e);
+                int src = dbuf_ensure_shared(p, &pr->attn_kv, &p->h_attn_kv[b], kvb, &e);
                 if (src)
                     return rekv_errf(err, src, "step: push attention buffers: %s", e.msg);
             } else {
-                rc |= pl_dbuf_ensure(p, &pr->attn_kv, max_kv_g * dsz);
+                rc |= pl_dbuf_ensure(p, &pr->attn_kv, kvb);
             }
-            rc |= pl_dbuf_ensure(p, &pr->out_stage, max_rows * H * dsz);
+            rc |= pl_dbuf_ensure(p, &pr->out_stage, max_rows * H * p->act_esz);
         }
     }
     if (rc)

@@ -269,8 +269,9 @@ static int create_check(rekv_backend *be, rekv_kvstore_client *store,
         return rekv_errf(err, -EINVAL, "pipeline: mode %s needs a kvstore", mi->name);
     if (cfg->gpu_batches < 1 || cfg->gpu_batches > MAX_GPU_BATCHES)
         return rekv_errf(err, -EINVAL, "pipeline: gpu batches must be 1..%d", MAX_GPU_BATCHES);
-    if (cfg->cache_dtype != REKV_DTYPE_F32 && cfg->cache_dtype != REKV_DTYPE_F16)
-        return rekv_errf(err, -EINVAL, "pipeline: the cache dtype must be F32 or F16");
+    if (cfg->cache_dtype != REKV_DTYPE_F32 && cfg->cache_dtype != REKV_DTYPE_F16 &&
+        !rekv_dtype_quantized(cfg->cache_dtype))
+        return rekv_errf(err, -EINVAL, "pipeline: the cache dtype must be F32, F16, INT8 or INT4");
     int rc;
     if (ops->check && (rc = ops->check(cfg, err)))
         return rc;
@@ -469,6 +470,8 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     const char *ra = getenv("REKV_READ_AHEAD");
     p->read_ahead = ra == NULL || strcmp(ra, "0") != 0;
     p->cfg = *cfg;
+    p->kv_rowb = rekv_kv_row_bytes(cfg->cache_dtype, e->c.head_dim);
+    p->act_esz = rekv_dtype_size(rekv_act_dtype(cfg->cache_dtype));
     if (p->cfg.prefix_cache && p->cfg.fingerprint == 0)
         p->cfg.fingerprint = rekv_engine_fingerprint(e);
     p->info = rekv_mode_info_of(cfg->mode);
@@ -649,10 +652,9 @@ static int seq_alloc_stream(rekv_pipeline *p, rekv_pseq *s, const int32_t *promp
                             rekv_err *err)
 {
     const rekv_model_config *c = p->c;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
     if (p->cfg.act_gpu_blocks > 0 && p->info->act_gpu) {
         size_t n = (size_t)c->n_layers * (size_t)p->cfg.act_gpu_blocks * REKV_KV_BLOCK_TOKENS *
-                   (size_t)c->hidden * dsz;
+                   (size_t)c->hidden * p->act_esz;
         s->act_dev = p->bi->dev_alloc(p->be, n);
         if (s->act_dev == NULL)
             return rekv_errf(err, -ENOMEM, "out of device memory for %d ACT blocks per layer",
@@ -661,7 +663,7 @@ static int seq_alloc_stream(rekv_pipeline *p, rekv_pseq *s, const int32_t *promp
     s->dev_tokens = p->cfg.device_tokens < s->cap ? p->cfg.device_tokens : s->cap;
     if (s->dev_tokens > 0) {
         size_t n = (size_t)c->n_layers *
-                   rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, s->dev_tokens) * dsz;
+                   rekv_kv_buffer_bytes(c->n_kv_heads, c->head_dim, s->dev_tokens, p->kv_rowb);
         s->kv_dev = p->bi->dev_alloc(p->be, n);
         if (s->kv_dev == NULL)
             return rekv_errf(err, -ENOMEM,

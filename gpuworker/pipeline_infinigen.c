@@ -701,8 +701,8 @@ int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *bu
 {
     const rekv_model_config *c = p->c;
     int kvh = c->n_kv_heads, hd = c->head_dim;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
-    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz;
+    size_t row = p->kv_rowb;
+    size_t vs = rekv_kv_off(rekv_kv_v_shift(kvh, hd), hd, row);
     const rekv_kv_plan_block *kb = pl_block_at(p, kr, len);
     if (kb == NULL)
         return -EPROTO;
@@ -711,9 +711,9 @@ int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *bu
     for (int half = 0; half < 2; half++)
         for (int h = 0; h < kvh; h++)
             io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
-                p->arena + kb->offset + rekv_kv_row(kvh, hd, h, len % REKV_KV_BLOCK_TOKENS) * dsz +
+                p->arena + kb->offset + rekv_kv_off(rekv_kv_row(kvh, hd, h, len % REKV_KV_BLOCK_TOKENS), hd, row) +
                     (half ? vs : 0),
-                (uint8_t *)buf + rekv_kv_row(kvh, hd, h, slot) * dsz + (half ? vs : 0), row};
+                (uint8_t *)buf + rekv_kv_off(rekv_kv_row(kvh, hd, h, slot), hd, row) + (half ? vs : 0), row};
     return 0;
 }
 
@@ -824,8 +824,8 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
     int kvh = c->n_kv_heads, hd = c->head_dim, H = c->hidden;
     rekv_pseq *s = st->items[item].seq;
     int len = s->len, dev = pl_dev_part(s, len), rest = len - dev;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), row = (size_t)hd * dsz;
-    size_t vs = rekv_kv_v_shift(kvh, hd) * dsz, xrow = (size_t)H * dsz;
+    size_t row = p->kv_rowb;
+    size_t vs = rekv_kv_off(rekv_kv_v_shift(kvh, hd), hd, row), xrow = (size_t)H * p->act_esz;
     int32_t *sel = io->sel[j], *votes = p->ig.sel;
     int m = io->sel_m[j];
     /* keep_act: the tokens recomputed, rows n_act0.. of the unit's recomputation, in position
@@ -889,8 +889,8 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
                     rc = -EPROTO;
                     goto out;
                 }
-                size_t so = rekv_kv_row(kvh, hd, hh, (dev + t) % REKV_KV_BLOCK_TOKENS) * dsz;
-                size_t doff = rekv_kv_row(kvh, hd, hh, dev + jj) * dsz;
+                size_t so = rekv_kv_off(rekv_kv_row(kvh, hd, hh, (dev + t) % REKV_KV_BLOCK_TOKENS), hd, row);
+                size_t doff = rekv_kv_off(rekv_kv_row(kvh, hd, hh, dev + jj), hd, row);
                 io->h2d_kv.v[io->h2d_kv.n++] =
                     (rekv_copy_piece){buf + doff + (half ? vs : 0),
                                       p->arena + blk->offset + so + (half ? vs : 0), row};

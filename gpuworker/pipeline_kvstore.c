@@ -164,8 +164,8 @@ int pl_prefix_fill_device(rekv_pipeline *p, uint64_t seq, uint8_t *dev, int toke
 {
     int L = p->c->n_layers;
     size_t blk = rekv_kv_block_bytes(&p->geo);
-    size_t layer_bytes = rekv_kv_buffer_elems(p->geo.n_kv_heads, p->geo.head_dim, tokens) *
-                         rekv_dtype_size(p->geo.dtype);
+    size_t layer_bytes = rekv_kv_buffer_bytes((int)p->geo.n_kv_heads, (int)p->geo.head_dim,
+                                              tokens, p->kv_rowb);
     rekv_kv_range *r = calloc((size_t)L, sizeof(*r));
     if (r == NULL)
         return rekv_errf(err, -ENOMEM, "out of memory");
@@ -200,7 +200,7 @@ int pl_prefix_fill_act(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
 {
     int L = p->c->n_layers, rc = 0;
     uint64_t seq = p->keep_act ? s->id + 1 : s->id, n_gpu = (uint64_t)p->cfg.act_gpu_blocks;
-    size_t blk = REKV_KV_BLOCK_TOKENS * (size_t)p->geo.hidden * rekv_dtype_size(p->geo.dtype);
+    size_t blk = REKV_KV_BLOCK_TOKENS * (size_t)p->geo.hidden * p->act_esz;
     rekv_kv_plan_block *pb = NULL;
     size_t n = 0, cap = 0;
     rekv_copy_piece *pc = calloc(n_gpu ? n_gpu : 1, sizeof(*pc));
@@ -338,10 +338,10 @@ static uint64_t act_ordinal(const rekv_pipeline *p, act_counter *c, size_t b)
  * piece (adjacent ones merge), a part of one a piece per head of K and V, all at one stride (one
  * strided copy). Returns the bytes, 0 when out of memory. */
 static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, int in_blk, int n,
-                              int kvh, int hd, size_t dsz)
+                              int kvh, size_t rowb)
 {
-    size_t head = REKV_KV_BLOCK_TOKENS * (size_t)hd * dsz; /* one head's rows */
-    size_t row0 = (size_t)in_blk * (size_t)hd * dsz, bytes = (size_t)n * (size_t)hd * dsz;
+    size_t head = REKV_KV_BLOCK_TOKENS * rowb; /* one head's rows */
+    size_t row0 = (size_t)in_blk * rowb, bytes = (size_t)n * rowb;
     int np = n == REKV_KV_BLOCK_TOKENS ? 1 : 2 * kvh;
     if (RESERVE(l, (size_t)np))
         return 0;
@@ -358,21 +358,20 @@ static size_t block_rows_copy(piece_list *l, uint8_t *dst, const uint8_t *src, i
 static uint8_t *dev_layer(const rekv_pipeline *p, const rekv_pseq *s, int layer)
 {
     const rekv_kv_geometry *g = &p->geo;
-    return s->kv_dev + (size_t)layer *
-                           rekv_kv_buffer_elems(g->n_kv_heads, g->head_dim, s->dev_tokens) *
-                           rekv_dtype_size(p->cfg.cache_dtype);
+    return s->kv_dev + (size_t)layer * rekv_kv_buffer_bytes((int)g->n_kv_heads, (int)g->head_dim,
+                                                            s->dev_tokens, p->kv_rowb);
 }
 
 int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *buf, int dev,
                      unit_io *io)
 {
     int kvh = (int)p->geo.n_kv_heads, hd = (int)p->geo.head_dim;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    size_t rb = p->kv_rowb;
     const uint8_t *kv_dev = dev > 0 ? dev_layer(p, s, layer) : NULL;
     for (int t0 = 0; t0 < dev; t0 += REKV_KV_BLOCK_TOKENS) {
         int n = dev - t0 < REKV_KV_BLOCK_TOKENS ? dev - t0 : REKV_KV_BLOCK_TOKENS;
-        size_t row = rekv_kv_row(kvh, hd, 0, t0) * dsz;
-        if (block_rows_copy(&io->d2d_kv, buf + row, kv_dev + row, 0, n, kvh, hd, dsz) == 0)
+        size_t row = rekv_kv_off(rekv_kv_row(kvh, hd, 0, t0), hd, rb);
+        if (block_rows_copy(&io->d2d_kv, buf + row, kv_dev + row, 0, n, kvh, rb) == 0)
             return -ENOMEM;
     }
     p->counters[layer].tokens_device += (uint64_t)dev;
@@ -385,11 +384,11 @@ int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uin
     if (t >= s->dev_tokens)
         return 0;
     int kvh = (int)p->geo.n_kv_heads, hd = (int)p->geo.head_dim;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    size_t rb = p->kv_rowb;
     int in_blk = t % REKV_KV_BLOCK_TOKENS, m = s->dev_tokens - t < n ? s->dev_tokens - t : n;
-    size_t row = rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
-    if (block_rows_copy(&io->d2d_new, dev_layer(p, s, layer) + row, buf + row, in_blk, m, kvh, hd,
-                        dsz) == 0)
+    size_t row = rekv_kv_off(rekv_kv_row(kvh, hd, 0, t - in_blk), hd, rb);
+    if (block_rows_copy(&io->d2d_new, dev_layer(p, s, layer) + row, buf + row, in_blk, m, kvh,
+                        rb) == 0)
         return -ENOMEM;
     return 0;
 }
@@ -424,7 +423,7 @@ static int act_rows_load(rekv_pipeline *p, const rekv_pseq *s, int j, int layer,
                          const uint8_t *base, uint64_t ord, int t0, int n, unit_io *io)
 {
     const rekv_kv_geometry *geo = &p->geo;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
+    size_t dsz = p->act_esz, H = geo->hidden;
     size_t gpu_layer_rows = (size_t)p->cfg.act_gpu_blocks * REKV_KV_BLOCK_TOKENS;
     int in_blk = t0 % REKV_KV_BLOCK_TOKENS, kvh = (int)geo->n_kv_heads;
     uint8_t *act_stage = p->par[b].act_stage.p;
@@ -465,7 +464,7 @@ static int item_loads(rekv_pipeline *p, step *st, int item, int j, int layer, in
 {
     const rekv_kv_geometry *geo = &p->geo;
     int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim, kvpr = p->keep_act;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype);
+    size_t rb = p->kv_rowb;
     rekv_pseq *s = st->items[item].seq;
     const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
     rekv_layer_counters *cnt = &p->counters[layer];
@@ -494,8 +493,8 @@ static int item_loads(rekv_pipeline *p, step *st, int item, int j, int layer, in
                 return rc;
         } else {
             /* straight into the attention buffer: the block's layout and dtype */
-            uint8_t *dst = (uint8_t *)dj->kv + rekv_kv_row(kvh, hd, 0, t0 - in_blk) * dsz;
-            size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, hd, dsz);
+            uint8_t *dst = (uint8_t *)dj->kv + rekv_kv_off(rekv_kv_row(kvh, hd, 0, t0 - in_blk), hd, rb);
+            size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, rb);
             if (bytes == 0)
                 return -ENOMEM;
             cnt->h2d_bytes[REKV_XFER_KV] += bytes;
@@ -515,7 +514,7 @@ static int item_stores(rekv_pipeline *p, step *st, int item, int layer, int b,
 {
     const rekv_kv_geometry *geo = &p->geo;
     int L = p->c->n_layers, kvh = (int)geo->n_kv_heads, hd = (int)geo->head_dim, kvpr = p->keep_act;
-    size_t dsz = rekv_dtype_size(p->cfg.cache_dtype), H = geo->hidden;
+    size_t dsz = p->act_esz, rb = p->kv_rowb, H = geo->hidden;
     rekv_pseq *s = st->items[item].seq;
     const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
     rekv_layer_counters *cnt = &p->counters[layer];
@@ -547,9 +546,9 @@ static int item_stores(rekv_pipeline *p, step *st, int item, int layer, int b,
             return rc;
         if (kb) {
             const uint8_t *src =
-                (const uint8_t *)dj->kv + rekv_kv_row(kvh, hd, 0, t - in_blk) * dsz;
+                (const uint8_t *)dj->kv + rekv_kv_off(rekv_kv_row(kvh, hd, 0, t - in_blk), hd, rb);
             size_t bytes =
-                block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n, kvh, hd, dsz);
+                block_rows_copy(&io->d2h_kv, p->arena + kb->offset, src, in_blk, n, kvh, rb);
             if (bytes == 0)
                 return -ENOMEM;
             cnt->d2h_bytes[REKV_XFER_KV] += bytes;

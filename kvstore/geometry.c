@@ -1,4 +1,6 @@
-/* geometry.c — block sizes and in-block offsets of the KV and ACT blocks (DESIGN.md, Blocks). */
+/* geometry.c — block sizes and in-block offsets of the KV and ACT blocks (DESIGN.md, Blocks). A KV
+ * block's bytes are its rows' real size (rekv_kv_row_bytes: an int8/int4 row holds its codes and
+ * scales); ACT blocks are in rekv_act_dtype (16-bit beside a quantized cache). */
 #include <errno.h>
 
 #include "kvstore/kvstore.h"
@@ -14,8 +16,14 @@ int rekv_kv_geometry_init(rekv_kv_geometry *g, uint32_t n_layers, uint32_t n_kv_
                          n_layers, n_kv_heads, head_dim, hidden);
     if (n_layers > 4096 || n_kv_heads > 4096 || head_dim > 4096 || hidden > 1u << 20)
         return rekv_errf(err, -EINVAL, "kvstore geometry: sizes out of range");
-    if (cache_dtype != REKV_DTYPE_F16 && cache_dtype != REKV_DTYPE_F32)
-        return rekv_errf(err, -EINVAL, "kvstore geometry: cache dtype must be f16 or f32");
+    if (cache_dtype != REKV_DTYPE_F16 && cache_dtype != REKV_DTYPE_F32 &&
+        !rekv_dtype_quantized(cache_dtype))
+        return rekv_errf(err, -EINVAL,
+                         "kvstore geometry: cache dtype must be f16, f32, int8 or int4");
+    if (cache_dtype == REKV_DTYPE_I4 && head_dim % 2 != 0)
+        return rekv_errf(err, -EINVAL, "kvstore geometry: an int4 cache needs an even head dim, "
+                                       "not %u",
+                         head_dim);
     g->n_layers = n_layers;
     g->n_kv_heads = n_kv_heads;
     g->head_dim = head_dim;
@@ -36,17 +44,17 @@ int rekv_kv_geometry_from_config(const rekv_model_config *cfg, rekv_dtype cache_
 
 size_t rekv_kv_block_bytes(const rekv_kv_geometry *g)
 {
-    return 2 * (size_t)g->n_kv_heads * g->block_tokens * g->head_dim * rekv_dtype_size(g->dtype);
+    return 2 * (size_t)g->n_kv_heads * g->block_tokens * rekv_kv_row_bytes(g->dtype, (int)g->head_dim);
 }
 
 size_t rekv_kv_act_block_bytes(const rekv_kv_geometry *g)
 {
-    return (size_t)g->block_tokens * g->hidden * rekv_dtype_size(g->dtype);
+    return (size_t)g->block_tokens * g->hidden * rekv_dtype_size(rekv_act_dtype(g->dtype));
 }
 
 size_t rekv_kv_k_offset(const rekv_kv_geometry *g, uint32_t kv_head, uint32_t token)
 {
-    return (((size_t)kv_head * g->block_tokens + token) * g->head_dim) * rekv_dtype_size(g->dtype);
+    return ((size_t)kv_head * g->block_tokens + token) * rekv_kv_row_bytes(g->dtype, (int)g->head_dim);
 }
 
 size_t rekv_kv_v_offset(const rekv_kv_geometry *g, uint32_t kv_head, uint32_t token)
@@ -56,7 +64,7 @@ size_t rekv_kv_v_offset(const rekv_kv_geometry *g, uint32_t kv_head, uint32_t to
 
 size_t rekv_kv_act_offset(const rekv_kv_geometry *g, uint32_t token)
 {
-    return (size_t)token * g->hidden * rekv_dtype_size(g->dtype);
+    return (size_t)token * g->hidden * rekv_dtype_size(rekv_act_dtype(g->dtype));
 }
 
 rekv_kv_block_type rekv_kv_next_block_type(uint64_t n_kv, uint64_t n_act, uint32_t kv_parts,

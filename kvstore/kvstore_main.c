@@ -23,7 +23,7 @@ static void usage(FILE *f)
     fprintf(f, "usage: rekv-kvstore --endpoint ipc:///path --host-bytes N [--spill-dir DIR]\n"
                "         [--spill-bytes N] [--no-spill] [--prefix-dir DIR]\n"
                "         [--model PATH | --layers N --kv-heads K\n"
-               "         --head-dim D --hidden H] [--cache-dtype f16|f32] [--huge-pages]\n"
+               "         --head-dim D --hidden H] [--cache-dtype f16|f32|int8|int4] [--huge-pages]\n"
                "         [--lease-ms N] [--fd-socket PATH] [--high-pct P] [--low-pct P]\n"
                "         [--no-register-arena] [--ready-fd N] [--push-backend cpu|cuda|auto]\n"
                "         [--push-link-gbps G] [--push-link-latency-us U]\n"
@@ -360,12 +360,9 @@ static int parse_args(kv_args *a, int argc, char **argv)
 static int geometry_of(kv_args *a)
 {
     rekv_dtype cd;
-    if (strcmp(a->dtype, "f16") == 0 || strcmp(a->dtype, "F16") == 0)
-        cd = REKV_DTYPE_F16;
-    else if (strcmp(a->dtype, "f32") == 0 || strcmp(a->dtype, "F32") == 0)
-        cd = REKV_DTYPE_F32;
-    else {
-        fprintf(stderr, "rekv-kvstore: --cache-dtype must be f16 or f32\n");
+    if (rekv_cache_dtype_parse(a->dtype, &cd) != 0) {
+        fprintf(stderr, "rekv-kvstore: --cache-dtype %s: expected f16, f32, int8 or int4\n",
+                a->dtype);
         return 2;
     }
     rekv_err err = {0};

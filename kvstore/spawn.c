@@ -62,7 +62,7 @@ static void exec_daemon(const rekv_kvstore_config *cfg, int ready_fd)
     argv[a++] = "--kv-heads", argv[a++] = NUM(2, g->n_kv_heads);
     argv[a++] = "--head-dim", argv[a++] = NUM(3, g->head_dim);
     argv[a++] = "--hidden", argv[a++] = NUM(4, g->hidden);
-    argv[a++] = "--cache-dtype", argv[a++] = g->dtype == REKV_DTYPE_F16 ? "f16" : "f32";
+    argv[a++] = "--cache-dtype", argv[a++] = rekv_dtype_name(g->dtype);
     argv[a++] = "--ready-fd", argv[a++] = NUM(5, fd);
     if (cfg->lease_ms)
         argv[a++] = "--lease-ms", argv[a++] = NUM(6, cfg->lease_ms);

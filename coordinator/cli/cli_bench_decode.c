@@ -453,7 +453,7 @@ static void decode_yardsticks(const rekv_engine *eng, const decode_opts *o, cons
     if (!rekv_mode_streams(sp->mode) && !r->cfg.offload_weights && ref->dp->copy_gbps > 0 &&
         measured > 0) {
         double kv_row = 2.0 * cfg->n_layers * rekv_config_kv_dim(cfg) *
-                        (double)rekv_dtype_size(r->cfg.cache_dtype),
+                        rekv_kv_elem_bytes(r->cfg.cache_dtype, cfg->head_dim),
                bytes = 0;
         for (long k = 0; k + 1 < N; k++)
             bytes += (double)rekv_engine_step_weight_bytes(eng) + (double)B * (S + k + 1) * kv_row;

@@ -28,7 +28,7 @@ static void step_setup(const rekv_cost_profile *in, const rekv_model_config *c,
         prof->t_load_w = 0;
     rekv_plan_model pm;
     rekv_plan_model_from_config(c, &pm);
-    rekv_plan_shape(&pm, batch, ctx, (double)rekv_dtype_size(cache_dtype), offload_weights, sh);
+    rekv_plan_shape(&pm, batch, ctx, rekv_kv_elem_bytes(cache_dtype, c->head_dim), offload_weights, sh);
 }
 
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
@@ -60,7 +60,7 @@ int cli_plan_alg1(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype
     rekv_profile_to_cost(pf, cache_dtype, &prof);
     if (!offload_weights)
         prof.t_load_w = 0;
-    double dsz = (double)rekv_dtype_size(cache_dtype);
+    double dsz = rekv_kv_elem_bytes(cache_dtype, c->head_dim);
     double layer_w = offload_weights ? pf->layer_weight_bytes : 0;
     double blocks = (double)batch * ((ctx + REKV_PLAN_BLOCK_TOKENS - 1) / REKV_PLAN_BLOCK_TOKENS);
     rekv_hybrid_params hp;

@@ -7,6 +7,7 @@
  * and stops them in order: coordinator (no new work), worker, kvstore. */
 #define _GNU_SOURCE
 #include "coordinator/cli/cli_daemon.h"
+#include "common/dtype.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -49,7 +50,7 @@ static void run_usage(FILE *f)
 {
     fprintf(f,
             "usage: rekv run --model PATH [--backend auto|cpu|cuda] [--dir DIR] [--mode MODE]\n"
-            "                [--host-bytes N] [--spill-bytes N] [--cache-dtype f16|f32]\n"
+            "                [--host-bytes N] [--spill-bytes N] [--cache-dtype f16|f32|int8|int4]\n"
             "                [--queue N] [--max-batch N] [--state-dir DIR] [--approximate]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
             "                [--metrics-public] [--prefill-chunk N] [--ready-fd N]\n"
@@ -65,7 +66,8 @@ static void run_usage(FILE *f)
             "the worker picks, see rekv-gpuworker --help) or resident|offload|kvpr|act|hybrid|\n"
             "infinigen|clo. --approximate: let the coordinator choose an approximate mode (infinigen)\n"
             "for --mode auto; its tokens may differ from resident's.\n"
-            "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu.\n"
+            "--cache-dtype: the kvstore's cache dtype; default f16 on a GPU, f32 (exact) on cpu;\n"
+            "  int8/int4 quantize K,V per row (docs/design/engine.md).\n"
             "--spill-bytes: the kvstore's spill tier ($TMPDIR, else /var/tmp) holds at most N\n"
             "bytes; 0: no spill tier, the arena (--host-bytes) is all the room; default: what the\n"
             "filesystem has.\n"
@@ -316,8 +318,9 @@ static int run_check(run_opts *o)
         fprintf(stderr, "rekv run: --backend %s: expected auto, cpu or cuda\n", o->backend);
         return 2;
     }
-    if (o->cache && strcmp(o->cache, "f16") != 0 && strcmp(o->cache, "f32") != 0) {
-        fprintf(stderr, "rekv run: --cache-dtype %s: expected f16 or f32\n", o->cache);
+    rekv_dtype cache_v;
+    if (o->cache && rekv_cache_dtype_parse(o->cache, &cache_v) != 0) {
+        fprintf(stderr, "rekv run: --cache-dtype %s: expected f16, f32, int8 or int4\n", o->cache);
         return 2;
     }
     rekv_mode mode_v;

@@ -63,7 +63,7 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
         rekv_plan_model_from_config(c, &pm);
         cfg->persist_np =
             rekv_plan_persist_np(&prof, &pm, c->head_dim, batch, ctx, cfg->max_fraction,
-                                 (double)rekv_dtype_size(cfg->cache_dtype));
+                                 rekv_kv_elem_bytes(cfg->cache_dtype, c->head_dim));
     }
     return 0;
 }
@@ -96,14 +96,14 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
     /* infinigen at the prior f, as a served worker's first pick, with the split it would run */
     rekv_plan_approx ap = {.infinigen_recompute = 1};
     if ((rc = rekv_plan_pick_mode(&prof, &pm, batch, ctx_max,
-                                  (double)rekv_dtype_size(cfg->cache_dtype), room,
+                                  rekv_kv_elem_bytes(cfg->cache_dtype, c->head_dim), room,
                                   cfg->offload_weights, approximate ? &ap : NULL, &mp, err)))
         return rc;
     cfg->mode = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
     /* the device part a served worker in this mode is assigned (co_plan_assign) */
     cfg->device_tokens =
         (int)rekv_plan_device_tokens(&pm, c->head_dim, cfg->mode, batch, ctx_max,
-                                     (double)rekv_dtype_size(cfg->cache_dtype), room, -1);
+                                     rekv_kv_elem_bytes(cfg->cache_dtype, c->head_dim), room, -1);
     if (rekv_mode_info_of(cfg->mode)->split == REKV_SPLIT_SELECTED)
         cfg->split = (int)mp.costs[REKV_TECH_INFINIGEN].kvpr_l;
     if (why) {
@@ -289,12 +289,8 @@ static int parse_pipeline_word(int c, const char *arg, cli_pipeline_opts *o)
         return 1;
     }
     case CLI_OPT_CACHE_DTYPE:
-        if (strcmp(arg, "f16") == 0)
-            o->cfg.cache_dtype = REKV_DTYPE_F16;
-        else if (strcmp(arg, "f32") == 0)
-            o->cfg.cache_dtype = REKV_DTYPE_F32;
-        else {
-            fprintf(stderr, "rekv: --cache-dtype: expected f16 or f32\n");
+        if (rekv_cache_dtype_parse(arg, &o->cfg.cache_dtype) != 0) {
+            fprintf(stderr, "rekv: --cache-dtype %s: expected f16, f32, int8 or int4\n", arg);
             return -1;
         }
         return 1;

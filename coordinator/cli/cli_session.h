@@ -76,7 +76,7 @@ enum {
     "                        infinigen: recompute up to L of a layer's fetched tokens (whole\n"    \
     "                        layers: the first L; selecting ones: those most KV heads chose)\n"    \
     "  --ratio KV:ACT        hybrid: block pattern (default: HybridServe Algorithm 1)\n"           \
-    "  --cache-dtype f16|f32 host cache dtype (default f32: exact)\n"                              \
+    "  --cache-dtype f16|f32|int8|int4 host cache dtype (default f32: exact)\n"                    \
     "  --act-gpu-blocks N    keep each sequence's first N ACT blocks on the device (ACT_GPU)\n"    \
     "  --device-tokens N     keep each sequence's first N tokens' K,V on the device too, and\n"    \
     "                        move only the rest of its context (the streaming exact modes)\n"      \
