@@ -182,6 +182,12 @@ void rekv_from_f32(void *dst, const float *src, rekv_dtype t, size_t n)
 
 /* ------------------------------------------------------------ quantized KV rows (dtype.h) */
 
+#ifndef REKV_KVQ_GROUP
+#define REKV_KVQ_GROUP 32 /* chosen by measurement: docs/design/engine.md, issue 39's report */
+#endif
+
+int rekv_kvq_group(int hd) { return hd % REKV_KVQ_GROUP == 0 ? REKV_KVQ_GROUP : hd; }
+
 size_t rekv_kv_row_bytes(rekv_dtype t, int hd)
 {
     size_t n = (size_t)hd, groups = n / (size_t)rekv_kvq_group(hd);

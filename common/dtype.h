@@ -46,9 +46,8 @@ int rekv_cache_dtype_parse(const char *s, rekv_dtype *out);
  * 127 * 65504 for int8, 7 * 65504 for int4, clips); a group of zeros has s = 0 and codes 0; every
  * product and quotient is one fp32 operation (tests/kv_quant_ref.py is the same in numpy). The
  * choice of the group and of symmetric codes is measured in the report of issue 39. */
-#define REKV_KVQ_GROUP 32
-/* Elements per quantization group of a row of hd elements. */
-static inline int rekv_kvq_group(int hd) { return hd % REKV_KVQ_GROUP == 0 ? REKV_KVQ_GROUP : hd; }
+/* Elements per quantization group of a row of hd elements: 32, or hd where 32 does not divide it. */
+int rekv_kvq_group(int hd);
 /* Bytes of one row of hd elements in cache dtype t (hd even for int4). */
 size_t rekv_kv_row_bytes(rekv_dtype t, int hd);
 /* Bytes of n elements of a KV buffer of rows of hd elements (n a multiple of hd). */
@@ -62,11 +61,13 @@ static inline double rekv_kv_elem_bytes(rekv_dtype t, int hd)
 {
     return (double)rekv_kv_row_bytes(t, hd) / (double)hd;
 }
-/* The dtype activation (ACT) blocks are kept in beside a cache of dtype t: t, or f16 for the
- * quantized caches (activations feed GEMMs, so they are never quantized). */
+/* The dtype activation (ACT) blocks are kept in beside a cache of dtype t: t, or f32 for the
+ * quantized caches. Activations feed GEMMs, so they are never quantized; and kept in fp32, the
+ * K,V that kvpr, act and hybrid recompute from them are resident's bit for bit, so their codes
+ * are too (16-bit activations would move a few codes by one, as an f16 cache moves logits). */
 static inline rekv_dtype rekv_act_dtype(rekv_dtype t)
 {
-    return rekv_dtype_quantized(t) ? REKV_DTYPE_F16 : t;
+    return rekv_dtype_quantized(t) ? REKV_DTYPE_F32 : t;
 }
 /* One row of hd fp32 elements into cache dtype t at dst (rekv_kv_row_bytes bytes), and back. */
 void rekv_kv_row_from_f32(void *dst, const float *src, rekv_dtype t, int hd);

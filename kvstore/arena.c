@@ -47,11 +47,9 @@ int kv_arena_create(kv_arena *a, uint64_t host_bytes, const rekv_kv_geometry *g,
     if (notice && notice_len)
         notice[0] = '\0';
     uint64_t kvb = rekv_kv_block_bytes(g), actb = rekv_kv_act_block_bytes(g);
-    uint64_t slot = round_up(kvb > actb ? kvb : actb, KV_PAGE);
-    uint64_t small = round_up(kvb < actb ? kvb : actb, KV_PAGE);
-    uint64_t per_big = slot / small > 64 ? 64 : slot / small; /* as kv_slots_init */
-    if (per_big == 1)
-        small = slot;
+    uint64_t slot, small;
+    uint32_t per_big;
+    kv_slots_sizes(kvb, actb, &slot, &small, &per_big);
     uint64_t bytes = host_bytes;
     int fd = -1;
     if (huge) {

@@ -71,6 +71,10 @@ typedef struct kv_slots {
 
 /* Carves data_bytes into slots for blocks of kv_bytes and act_bytes; 0 or -ENOMEM. */
 int kv_slots_init(kv_slots *sl, uint64_t data_bytes, uint64_t kv_bytes, uint64_t act_bytes);
+/* The slot classes of blocks of kv_bytes and act_bytes: big slots of *big bytes, each one block of
+ * the larger type or *per_big small slots of *small bytes (kv_slots_init's and the arena's). */
+void kv_slots_sizes(uint64_t kv_bytes, uint64_t act_bytes, uint64_t *big, uint64_t *small,
+                    uint32_t *per_big);
 void kv_slots_destroy(kv_slots *sl);
 /* 1 when blocks of type take small slots. */
 int kv_slots_is_small(const kv_slots *sl, int type);

@@ -7,7 +7,8 @@
  * Small blocks go first to split slots that have room, so big slots stay whole; a split slot whose
  * last small block goes is whole again. A slot number names a small slot: big * per_big + j (a big
  * block has j = 0), so it lies at big * big_bytes + j * small_bytes. With equal sizes (per_big 1)
- * this is the single-class arena it was. */
+ * this is the single-class arena it was. Where the larger type is not a whole number of the smaller
+ * (kv_slots_sizes), a big slot may be n + 1 small ones, one big block wasting the rest. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,17 +19,28 @@
 
 static uint64_t page_up(uint64_t x) { return (x + KV_PAGE - 1) / KV_PAGE * KV_PAGE; }
 
+void kv_slots_sizes(uint64_t kv_bytes, uint64_t act_bytes, uint64_t *big, uint64_t *small,
+                    uint32_t *per_big)
+{
+    uint64_t kb = page_up(kv_bytes), ab = page_up(act_bytes);
+    uint64_t l = kb > ab ? kb : ab, s = kb < ab ? kb : ab, n = l / s;
+    if (n > 64)
+        n = 64; /* one used-mask word per big slot; the rest of it is left over */
+    /* where the larger block is not a whole number of smaller ones (an int4 KV block beside a
+     * 16-bit ACT block: 0.56 of it), a big slot of n + 1 small ones may waste less than a big
+     * slot of the larger block's size holding n: the one whose blocks waste the smaller share */
+    if (l % s != 0 && n < 64 && (double)((n + 1) * s) / (double)l < (double)l / (double)(n * s))
+        l = ++n * s;
+    *big = l;
+    *small = n == 1 ? l : s;
+    *per_big = (uint32_t)n;
+}
+
 int kv_slots_init(kv_slots *sl, uint64_t data_bytes, uint64_t kv_bytes, uint64_t act_bytes)
 {
     memset(sl, 0, sizeof(*sl));
     uint64_t kb = page_up(kv_bytes), ab = page_up(act_bytes);
-    sl->big_bytes = kb > ab ? kb : ab;
-    sl->small_bytes = kb < ab ? kb : ab;
-    sl->per_big = (uint32_t)(sl->big_bytes / sl->small_bytes);
-    if (sl->per_big > 64)
-        sl->per_big = 64; /* one used-mask word per big slot; the rest of it is left over */
-    if (sl->per_big == 1)
-        sl->small_bytes = sl->big_bytes;
+    kv_slots_sizes(kv_bytes, act_bytes, &sl->big_bytes, &sl->small_bytes, &sl->per_big);
     sl->small_type = kb < ab ? REKV_KV_BLOCK_KV : REKV_KV_BLOCK_ACT;
     uint64_t n = data_bytes / sl->big_bytes;
     if (n * sl->per_big > UINT32_MAX - 1)
