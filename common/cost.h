@@ -67,12 +67,23 @@ static inline double rekv_cost_fwd_rate_at(const rekv_cost_profile *p, double ro
     return rows > 0 && p->fwd_gemm.b > 0 && t > 0 ? rows / t : rekv_cost_fwd_rate(p);
 }
 
+/* Bytes per activation element beside a KV cache of kv_elem bytes per K or V element, scales
+ * included (common/dtype.h: rekv_kv_elem_bytes, rekv_act_dtype): the cache's own for f32 and f16,
+ * fp32 beside an int8 or int4 cache — whose elements take under 2 bytes (1 + 2/group, 0.5 +
+ * 2/group), which is how a price tells them. */
+static inline double rekv_cost_act_elem_bytes(double kv_elem)
+{
+    return kv_elem < 2.0 ? 4.0 : kv_elem;
+}
+
 /* Device bytes a streaming step's buffers take per context token of a GPU batch
- * (gpuworker/pipeline.c): K and V and the activation row in the cache dtype (elem bytes) in both
- * parities' buffers, plus the fp32 recomputation input and K,V. */
+ * (gpuworker/pipeline.c): K and V in the cache dtype (elem bytes) and the activation row
+ * (rekv_cost_act_elem_bytes) in both parities' buffers, plus the fp32 recomputation input and
+ * K,V. */
 static inline double rekv_cost_stream_token_bytes(double hidden, double kv_dim, double elem)
 {
-    return 2.0 * (2.0 * kv_dim + hidden) * elem + 4.0 * hidden + 8.0 * kv_dim;
+    return 2.0 * (2.0 * kv_dim * elem + hidden * rekv_cost_act_elem_bytes(elem)) + 4.0 * hidden +
+           8.0 * kv_dim;
 }
 
 /* The device-resident part (gpuworker/pipeline.h cfg.device_tokens) a worker keeps for each of

@@ -55,7 +55,7 @@ void rekv_plan_kvpr_eval(const rekv_cost_profile *prof, const rekv_kvpr_params *
 {
     double b = (double)p->b, h = (double)p->hidden, kv = (double)p->kv_dim, pe = p->elem_bytes;
     out->l = l;
-    out->bytes_x = b * (double)l * h * pe;                  /* Eq. 6 */
+    out->bytes_x = b * (double)l * h * rekv_cost_act_elem_bytes(pe); /* Eq. 6 */
     out->bytes_kv = 2.0 * b * (double)(p->s - l) * kv * pe; /* Eq. 7, K and V rows of kv_dim */
     out->flops = 2.0 * b * (double)l * h * (2.0 * kv); /* Eq. 9: X[b*l, h] x W_KV[h, 2*kv_dim] */
     out->t_recomp = out->flops / prof->gemm_flops;     /* Eq. 10 */
@@ -100,7 +100,8 @@ static double kvpr_kink(const rekv_cost_profile *prof, const rekv_kvpr_params *p
     double alpha =
         4.0 * b * (double)p->hidden * (double)p->kv_dim / prof->gemm_flops;   /* s per token */
     double beta = 2.0 * b * (double)p->kv_dim * p->elem_bytes / prof->h2d_bw; /* s per token */
-    double gamma = b * (double)p->hidden * p->elem_bytes / prof->h2d_bw;      /* s per token */
+    double gamma = b * (double)p->hidden * rekv_cost_act_elem_bytes(p->elem_bytes) /
+                   prof->h2d_bw; /* s per token */
     double c_link =
         link_time(prof, p->weight_bytes) + 2.0 * prof->h2d_latency + beta * (double)p->s;
     double c_fwd = fwd_time(prof, p);
@@ -459,7 +460,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     moved.s -= dev;
     const rekv_kvpr_params *p = &moved;
     double tokens = (double)p->b * (double)p->s;             /* context tokens of the batch */
-    double x_row = (double)p->hidden * p->elem_bytes;        /* bytes of one token's X */
+    double x_row = (double)p->hidden * rekv_cost_act_elem_bytes(p->elem_bytes); /* one X */
     double kv_row = 2.0 * (double)p->kv_dim * p->elem_bytes; /* bytes of one token's K and V */
     double flops_tok = 4.0 * (double)p->hidden * (double)p->kv_dim; /* Eq. 9 per token */
     double x_bytes = 0, kv_bytes = 0, recomp = 0, spec = 0;
@@ -656,7 +657,7 @@ void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, i
 {
     memset(hp, 0, sizeof(*hp));
     hp->kv_block_bytes = 2.0 * (double)kv_dim * elem_bytes * REKV_PLAN_BLOCK_TOKENS;
-    hp->act_block_bytes = (double)hidden * elem_bytes * REKV_PLAN_BLOCK_TOKENS;
+    hp->act_block_bytes = (double)hidden * rekv_cost_act_elem_bytes(elem_bytes) * REKV_PLAN_BLOCK_TOKENS;
     hp->n_layers = n_layers;
     hp->weight_bytes = layer_weight_bytes * n_layers;
     hp->host_bytes = hp->weight_bytes + blocks * hp->kv_block_bytes * n_layers;

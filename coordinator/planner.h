@@ -47,7 +47,8 @@ typedef struct rekv_kvpr_params {
     int64_t b;         /* sequences in the batch */
     int64_t hidden;    /* h: activation row width, elements (the layer input X) */
     int64_t kv_dim;    /* width of one K row (and of one V row), elements: n_kv_heads*head_dim */
-    double elem_bytes; /* p: bytes per element of X and K/V on the link (2 fp16, 4 fp32) */
+    double elem_bytes; /* p: bytes per K/V element on the link, scales included (2 fp16, 4 fp32,
+                          rekv_kv_elem_bytes int8/int4); X: rekv_cost_act_elem_bytes of it */
     double fwd_flops;  /* the layer's forward pass for the new tokens, FLOP (rekv_step_shape) */
     double attn_flops; /* of fwd_flops, the attention's (Q.K^T and P.V over the context), priced
                           at the profile's attention rate where it has one */

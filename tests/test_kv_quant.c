@@ -14,7 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/cost.h"
 #include "common/dtype.h"
+#include "coordinator/planner.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/kvlayout.h"
 #include "tests/fixture.h"
@@ -357,6 +359,40 @@ START_TEST(int4_arena_bytes_per_token)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- the planner's prices */
+
+/* The planner prices an int8/int4 KV row at its real bytes (codes and scales) and activations at
+ * fp32 beside it: OPT-6.7B's shape (hidden 4096, 32 heads of 128) */
+START_TEST(planner_prices_real_bytes)
+{
+    const int64_t H = 4096, KV = 4096;
+    double f16 = rekv_kv_elem_bytes(REKV_DTYPE_F16, 128), i8 = rekv_kv_elem_bytes(REKV_DTYPE_I8, 128),
+           i4 = rekv_kv_elem_bytes(REKV_DTYPE_I4, 128);
+    ck_assert(f16 == 2.0 && i8 == 1.0625 && i4 == 0.5625); /* 128 + 8 and 64 + 8 bytes a row */
+    rekv_hybrid_params hp;
+    rekv_plan_hybrid_params_for_batch(&hp, H, KV, 32, i4, 0, 64);
+    ck_assert(hp.kv_block_bytes == 2.0 * KV * 0.5625 * REKV_PLAN_BLOCK_TOKENS);
+    ck_assert(hp.act_block_bytes == (double)H * 4.0 * REKV_PLAN_BLOCK_TOKENS);
+    rekv_plan_hybrid_params_for_batch(&hp, H, KV, 32, f16, 0, 64);
+    ck_assert(hp.kv_block_bytes == 2.0 * KV * 2.0 * REKV_PLAN_BLOCK_TOKENS);
+    ck_assert(hp.act_block_bytes == (double)H * 2.0 * REKV_PLAN_BLOCK_TOKENS);
+    /* a kvpr split: the KV suffix moves at the real bytes, so int4 moves 0.28x f16's; the split
+     * recomputes nothing where a K+V row is cheaper than an fp32 activation row */
+    rekv_cost_profile prof = {.h2d_bw = 25e9, .gemm_flops = 50e12};
+    rekv_kvpr_params p = {.s = 2048, .b = 8, .hidden = H, .kv_dim = KV, .elem_bytes = f16};
+    rekv_kvpr_split a, b;
+    rekv_plan_kvpr_eval(&prof, &p, 0, &a);
+    p.elem_bytes = i4;
+    rekv_plan_kvpr_eval(&prof, &p, 0, &b);
+    ck_assert_msg(b.bytes_kv <= 0.3 * a.bytes_kv, "%g vs %g", b.bytes_kv, a.bytes_kv);
+    rekv_plan_kvpr_eval(&prof, &p, 100, &b);
+    ck_assert(b.bytes_x == 8.0 * 100 * H * 4.0);
+    rekv_err err = {0};
+    ck_assert_int_eq(rekv_plan_kvpr_solve(&prof, &p, &b, &err), 0);
+    ck_assert_int_eq(b.l, 0);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- bad input */
 
 START_TEST(unknown_dtype_refused)
@@ -404,6 +440,7 @@ int main(void)
     tcase_add_test(tc, kernel_codes_equal_numpy);
     tcase_add_test(tc, unknown_dtype_refused);
     tcase_add_test(tc, int4_arena_bytes_per_token);
+    tcase_add_test(tc, planner_prices_real_bytes);
     suite_add_tcase(s, tc);
     TCase *run = tcase_create("modes");
     tcase_set_timeout(run, 120);
