@@ -182,25 +182,6 @@ void rekv_from_f32(void *dst, const float *src, rekv_dtype t, size_t n)
 
 /* ------------------------------------------------------------ quantized KV rows (dtype.h) */
 
-#ifndef REKV_KVQ_GROUP
-#define REKV_KVQ_GROUP 32 /* chosen by measurement: docs/design/engine.md, issue 39's report */
-#endif
-
-int rekv_kvq_group(int hd) { return hd % REKV_KVQ_GROUP == 0 ? REKV_KVQ_GROUP : hd; }
-
-size_t rekv_kv_row_bytes(rekv_dtype t, int hd)
-{
-    size_t n = (size_t)hd, groups = n / (size_t)rekv_kvq_group(hd);
-    switch (t) {
-    case REKV_DTYPE_I8:
-        return n + 2 * groups;
-    case REKV_DTYPE_I4:
-        return n / 2 + 2 * groups;
-    default:
-        return n * rekv_dtype_size(t);
-    }
-}
-
 /* A group's scale: f16(amax / qmax), saturated at f16's largest finite value. */
 static uint16_t kvq_scale(const float *x, int n, float qmax)
 {
@@ -260,10 +241,17 @@ void rekv_kv_row_to_f32(float *dst, const void *src, rekv_dtype t, int hd)
         uint16_t sh;
         memcpy(&sh, scales + 2 * g, 2);
         float s = rekv_f16_to_f32(sh);
-        for (int i = 0; i < gs; i++) {
-            int e = g * gs + i;
-            int c = q4 ? (int)((codes[e / 2] >> (4 * (e % 2))) & 0xfu) - 8 : (int8_t)codes[e];
-            dst[e] = (float)c * s;
+        float *d = dst + (size_t)g * (size_t)gs;
+        if (q4) { /* gs is even: a group's codes are whole bytes */
+            const uint8_t *c = codes + (size_t)g * (size_t)gs / 2;
+            for (int i = 0; i < gs / 2; i++) {
+                d[2 * i] = (float)((int)(c[i] & 0xfu) - 8) * s;
+                d[2 * i + 1] = (float)((int)(c[i] >> 4) - 8) * s;
+            }
+        } else {
+            const int8_t *c = (const int8_t *)codes + (size_t)g * (size_t)gs;
+            for (int i = 0; i < gs; i++)
+                d[i] = (float)c[i] * s;
         }
     }
 }

@@ -34,6 +34,14 @@ static int hello_profile(const Rekv__Worker__Hello *h, rekv_cost_profile *out)
     return c->h2d_bw > 0 && c->gemm_flops > 0 ? 0 : -EINVAL;
 }
 
+/* Bytes per cached K or V element as a Hello reports them: its row's bytes over the head's width
+ * (an int8/int4 row holds its scales too), or cache_elem_bytes from a worker that sends no row. */
+static double hello_elem_bytes(const Rekv__Worker__Hello *h)
+{
+    return h->cache_row_bytes && h->head_dim ? (double)h->cache_row_bytes / (double)h->head_dim
+                                             : (double)h->cache_elem_bytes;
+}
+
 /* The model's shape as a Hello reports it. */
 static rekv_plan_model hello_model(const Rekv__Worker__Hello *h)
 {
@@ -66,7 +74,7 @@ static rekv_mode pick_mode(const Rekv__Worker__Hello *h, int *split, char *reaso
     /* approximate modes only when the user allowed them; f is the prior: a worker asking for
      * its mode has run no step yet (its measured fraction, co_plan_state, comes later) */
     rekv_plan_approx ap = {.infinigen_recompute = 1};
-    if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, h->cache_elem_bytes,
+    if (rekv_plan_pick_mode(&prof, &pm, h->max_batch, h->max_pos, hello_elem_bytes(h),
                             h->device_kv_room, h->offload_weights, h->approximate ? &ap : NULL, &mp,
                             &e)) {
         snprintf(reason, reason_len, "%.400s", e.msg);
@@ -117,14 +125,14 @@ int co_plan_assign(const Rekv__Worker__Hello *h, co_assign *out)
     /* what its pipeline keeps on the device, at its largest batch and the model's context */
     rekv_plan_model pm = hello_model(h);
     out->device_tokens = (int)rekv_plan_device_tokens(&pm, h->head_dim, out->mode, h->max_batch,
-                                                      h->max_pos, h->cache_elem_bytes,
+                                                      h->max_pos, hello_elem_bytes(h),
                                                       h->device_kv_room, h->device_tokens_asked);
     const rekv_mode_info *mi = rekv_mode_info_of(out->mode);
     if (mi->head_caches) {
         rekv_cost_profile prof;
         hello_profile(h, &prof); /* none measured: no link limits N_p (INFINITY) */
         out->persist_np = rekv_plan_persist_np(&prof, &pm, h->head_dim, h->max_batch, h->max_pos,
-                                               h->fetch_cap, h->cache_elem_bytes);
+                                               h->fetch_cap, hello_elem_bytes(h));
     }
     size_t n = strlen(out->reason);
     snprintf(out->reason + n, len - n, "; device part %d tokens%s", out->device_tokens,
@@ -150,7 +158,7 @@ void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h)
     ps->kv_dim = h->kv_dim;
     ps->q_dim = h->q_dim;
     ps->n_layers = h->n_layers;
-    ps->elem_bytes = h->cache_elem_bytes;
+    ps->elem_bytes = hello_elem_bytes(h);
     ps->layer_params = h->layer_params;
     ps->offload_weights = h->offload_weights;
     ps->device_buffer_bytes = h->device_buffer_bytes;

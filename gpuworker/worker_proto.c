@@ -74,9 +74,10 @@ void wk_send_hello(worker *w)
     h.hidden = (uint32_t)w->mc->hidden;
     h.kv_dim = (uint32_t)rekv_config_kv_dim(w->mc);
     h.n_layers = (uint32_t)w->mc->n_layers;
-    /* whole bytes on the wire: an int8/int4 cache is priced at its activations' size (the
-     * coordinator's planner does not price quantized KV rows yet; the local runs' does) */
+    /* whole bytes per element for older coordinators (an int8/int4 cache: its activations');
+     * the planner prices KV rows by cache_row_bytes */
     h.cache_elem_bytes = (uint32_t)rekv_dtype_size(rekv_act_dtype(w->pc.cache_dtype));
+    h.cache_row_bytes = (uint32_t)rekv_kv_row_bytes(w->pc.cache_dtype, w->mc->head_dim);
     h.offload_weights = w->pc.offload_weights;
     h.device_buffer_bytes = w->device_buffer_bytes;
     {

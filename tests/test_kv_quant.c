@@ -16,6 +16,7 @@
 
 #include "common/cost.h"
 #include "common/dtype.h"
+#include "coordinator/co_plan.h"
 #include "coordinator/planner.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/kvlayout.h"
@@ -390,6 +391,26 @@ START_TEST(planner_prices_real_bytes)
     rekv_err err = {0};
     ck_assert_int_eq(rekv_plan_kvpr_solve(&prof, &p, &b, &err), 0);
     ck_assert_int_eq(b.l, 0);
+    /* the coordinator's: a worker's Hello says its row's bytes (an older one, whole elements) */
+    Rekv__Worker__CostProfile cp = REKV__WORKER__COST_PROFILE__INIT;
+    cp.h2d_bw = 2e9;
+    cp.gemm_flops = 1e12;
+    Rekv__Worker__Hello h = REKV__WORKER__HELLO__INIT;
+    h.mode = (char *)"offload";
+    h.profile = &cp;
+    h.hidden = h.kv_dim = h.q_dim = 4096;
+    h.n_layers = 32;
+    h.head_dim = 128;
+    h.cache_elem_bytes = 4;
+    h.cache_row_bytes = (uint32_t)rekv_kv_row_bytes(REKV_DTYPE_I4, 128);
+    h.layer_params = 12ull * 4096 * 4096;
+    co_plan_state ps;
+    co_plan_init(&ps, &h);
+    ck_assert(ps.elem_bytes == 0.5625);
+    h.cache_row_bytes = 0;
+    h.cache_elem_bytes = 2;
+    co_plan_init(&ps, &h);
+    ck_assert(ps.elem_bytes == 2.0);
 }
 END_TEST
 
