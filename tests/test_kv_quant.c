@@ -9,6 +9,7 @@
  * dtype is refused with a clear error by the parser, the store and the CLI. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -414,6 +415,38 @@ START_TEST(planner_prices_real_bytes)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- side by side in one bench */
+
+/* rekv bench decode runs offload at the process's cache dtype and at int4 (RUN:DTYPE) side by
+ * side: each run reports its dtype, and int4's KV bytes per token are f32's times the rows' ratio
+ * (stories260K's head dim 8: a row of 4 code bytes and one f16 scale, 6 bytes, against 32). */
+START_TEST(bench_side_by_side)
+{
+    const char *model = tu_shared("models/stories260K/stories260K.bin");
+    if (model == NULL)
+        return;
+    char *cmd = NULL, *out = NULL;
+    ck_assert_int_gt(asprintf(&cmd,
+                              "%s bench decode --model %s --batch 2 --prompt-len 48 --gen-len 4 "
+                              "--modes offload,offload:int4 --json",
+                              tu_bin("rekv"), model),
+                     0);
+    ck_assert_int_eq(tu_run(cmd, &out), 0);
+    json_error_t jerr;
+    json_t *j = json_loads(out, 0, &jerr), *modes = json_object_get(j, "modes");
+    ck_assert_msg(j != NULL && json_array_size(modes) == 2, "%s", out);
+    json_t *f = json_array_get(modes, 0), *q = json_array_get(modes, 1);
+    ck_assert_str_eq(json_string_value(json_object_get(f, "cache_dtype")), "F32");
+    ck_assert_str_eq(json_string_value(json_object_get(q, "cache_dtype")), "INT4");
+    double bf = json_number_value(json_object_get(f, "h2d_kv_bytes_per_token")),
+           bq = json_number_value(json_object_get(q, "h2d_kv_bytes_per_token"));
+    ck_assert_msg(bf > 0 && bq * 32 == bf * 6, "int4 %g KV bytes per token, f32 %g", bq, bf);
+    json_decref(j);
+    free(cmd);
+    free(out);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- bad input */
 
 START_TEST(unknown_dtype_refused)
@@ -462,6 +495,7 @@ int main(void)
     tcase_add_test(tc, unknown_dtype_refused);
     tcase_add_test(tc, int4_arena_bytes_per_token);
     tcase_add_test(tc, planner_prices_real_bytes);
+    tcase_add_test(tc, bench_side_by_side);
     suite_add_tcase(s, tc);
     TCase *run = tcase_create("modes");
     tcase_set_timeout(run, 120);

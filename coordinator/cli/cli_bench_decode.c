@@ -186,9 +186,11 @@ static void predict_run(const rekv_profile *pf, const rekv_model_config *c, cons
 
 enum { MAX_RUNS = 16 };
 
-/* One run of --modes, as given: "kvpr", "kvpr@300", "offload+push", "auto". */
+/* One run of --modes, as given: "kvpr", "kvpr@300", "offload+push", "auto", "offload:int4". */
 typedef struct decode_spec {
     rekv_mode mode; /* "auto": the planner's pick, once made */
+    int has_dtype;  /* "RUN:DTYPE": this run's cache dtype (else --cache-dtype's) */
+    rekv_dtype dtype;
     int push;       /* "MODE+push": this run pushes (--push: every streaming run does) */
     int split;      /* "kvpr@L": this run's split; -1: --split's, or the planner's */
     int is_auto;    /* "auto": the planner picks the mode and the device part */
@@ -219,7 +221,8 @@ static void decode_usage(FILE *f)
                "measured in the same run (from pinned, kvstore-arena and pageable memory)\n"
                "and the busy fractions of compute and link. kvpr@L runs kvpr with split L\n"
                "(e.g. --modes kvpr,kvpr@300,kvpr@450 against the planner's), infinigen@L\n"
-               "infinigen recomputing up to L of what it fetches. auto runs what\n"
+               "infinigen recomputing up to L of what it fetches; RUN:DTYPE runs with\n"
+               "that cache dtype (offload,offload:int4 side by side). auto runs what\n"
                "a served worker with --mode auto would: the mode the planner prices\n"
                "cheapest, with each sequence's first tokens kept on the device where the\n"
                "device has room for them but not for the whole cache (--device-memory on\n"
@@ -236,8 +239,8 @@ static void decode_usage(FILE *f)
                "offload,kvpr@300 writes t.offload.json and t.kvpr@300.json)\n");
 }
 
-/* --modes: the runs, each MODE, kvpr@SPLIT, infinigen@SPLIT or auto, optionally +push; 0, or -1
- * with the one it cannot run named. */
+/* --modes: the runs, each MODE, kvpr@SPLIT, infinigen@SPLIT or auto, optionally +push, then
+ * optionally :DTYPE (its cache dtype); 0, or -1 with the one it cannot run named. */
 static int decode_parse_runs(const char *modes, decode_opts *o)
 {
     char *mdup = strdup(modes), *save = NULL;
@@ -246,8 +249,16 @@ static int decode_parse_runs(const char *modes, decode_opts *o)
         decode_spec *sp = &o->runs[o->n_runs < MAX_RUNS ? o->n_runs : MAX_RUNS - 1];
         char run_name[96];
         snprintf(run_name, sizeof(run_name), "%s", t);
+        char *colon = strchr(t, ':');
+        int bad = 0;
+        sp->has_dtype = colon != NULL;
+        if (colon) {
+            *colon = '\0';
+            bad |= rekv_cache_dtype_parse(colon + 1, &sp->dtype) != 0;
+        }
         char *plus = strchr(t, '+'), *at = strchr(t, '@'), *end = NULL;
-        int push = plus != NULL && strcmp(plus, "+push") == 0, bad = plus && !push;
+        int push = plus != NULL && strcmp(plus, "+push") == 0;
+        bad |= plus && !push;
         if (plus)
             *plus = '\0';
         long split = -1;
@@ -264,8 +275,8 @@ static int decode_parse_runs(const char *modes, decode_opts *o)
             (at && rekv_mode_info_of(sp->mode)->split == REKV_SPLIT_NONE)) {
             fprintf(stderr,
                     "rekv bench decode: --modes: unknown or too many runs (\"%s\"; MODE, "
-                    "kvpr@SPLIT, infinigen@SPLIT or auto, each optionally +push, at most %d; "
-                    "resident never pushes)\n",
+                    "kvpr@SPLIT, infinigen@SPLIT or auto, each optionally +push and :f32, :f16, "
+                    ":int8 or :int4, at most %d; resident never pushes)\n",
                     run_name, MAX_RUNS);
             free(mdup);
             return -1;
@@ -396,6 +407,8 @@ static int decode_run_all(rekv_engine *eng, decode_opts *o, int32_t *const *prom
             run.trace = trace;
         }
         cli_peak_rss_reset(); /* the run's own peak where the kernel allows */
+        if (sp->has_dtype)
+            run.cfg.cache_dtype = sp->dtype;
         if (sp->is_auto) {    /* what a served worker with --mode auto would run as */
             if (cli_session_auto(eng, &run, (int)o->B, (int)(o->S + o->N), o->approximate, &run.cfg,
                                  sp->why, sizeof(sp->why), &err)) {
@@ -517,6 +530,7 @@ static json_t *decode_run_json(const rekv_engine *eng, const decode_opts *o, int
                   (json_int_t)r->counters.tokens_fetched);
     json_object_set_new(m, "push", json_boolean(sp->push));
     json_object_set_new(m, "run", json_string(sp->name));
+    json_object_set_new(m, "cache_dtype", json_string(rekv_dtype_name(r->cfg.cache_dtype)));
     json_object_set_new(m, "peak_rss_bytes", json_integer((json_int_t)r->peak_rss));
     if (sp->is_auto)
         json_object_set_new(m, "auto", json_string(sp->why));
@@ -547,7 +561,7 @@ static json_t *decode_run_json(const rekv_engine *eng, const decode_opts *o, int
         json_object_set_new(m, "head_misses", json_integer((json_int_t)(hm - hits)));
         json_object_set_new(m, "hit_ratio", json_real(hm ? (double)hits / (double)hm : 0.0));
     }
-    if (ref->resident >= 0)
+    if (ref->resident >= 0 && r->cfg.cache_dtype == res[ref->resident].cfg.cache_dtype)
         json_object_set_new(m, "tokens_match_resident",
                             json_boolean(memcmp(r->tokens, res[ref->resident].tokens,
                                                 sizeof(int32_t) * (size_t)B * N) == 0));
@@ -616,6 +630,9 @@ static void decode_print(const rekv_engine *eng, const decode_opts *o, int32_t *
         /* the yardsticks, by name: offload is the baseline (README's ratios), resident the
          * reference of every exact mode's tokens; a run that failed is neither */
         if (res[i].error[0])
+            continue;
+        /* the yardsticks run at --cache-dtype: a RUN:DTYPE run is measured against them */
+        if (o->runs[i].has_dtype && o->runs[i].dtype != o->po.cfg.cache_dtype)
             continue;
         if (o->runs[i].mode == REKV_MODE_OFFLOAD && (ref.offload_tps == 0 || !o->runs[i].push))
             ref.offload_tps = (double)o->B * (o->N - 1) / res[i].decode_s; /* pull's when both */
