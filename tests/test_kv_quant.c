@@ -301,6 +301,51 @@ START_TEST(modes_match_resident_gqa64)
 }
 END_TEST
 
+/* Quantized blocks spilled to disk and read back, a step in layer windows (the batch's KV 4x an
+ * arena of 28 slots): offload and kvpr over int4 still give resident's logits bit for bit. */
+START_TEST(spilled_blocks_read_back_exact)
+{
+    const char *path = tu_shared("models/stories260K/stories260K.bin");
+    if (path == NULL)
+        return;
+    enum { B = 4, STEPS = 50 };
+    int lens[B] = {20, 9, 33, 14};
+    int32_t *prompts[B];
+    tu_fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_I4, NULL);
+    for (int b = 0; b < B; b++) {
+        prompts[b] = malloc(sizeof(int32_t) * (size_t)lens[b]);
+        for (int i = 0; i < lens[b]; i++)
+            prompts[b][i] = (int32_t)((b * 131 + i * 17) % f.m->config.vocab);
+    }
+    size_t n = (size_t)(STEPS + 1) * B * (size_t)f.m->config.vocab;
+    rekv_pipeline_config cfg;
+    limit_config(REKV_MODE_RESIDENT, REKV_DTYPE_I4, 0, NULL, NULL, &cfg);
+    float *ref = run_mode(&f, &cfg, B, lens, prompts, STEPS);
+    tu_fixture_close(&f);
+    static const rekv_mode modes[] = {REKV_MODE_OFFLOAD, REKV_MODE_KVPR};
+    for (size_t m = 0; m < 2; m++) {
+        tu_fixture_open_host(&f, path, REKV_DTYPE_I4, NULL, 4096 + 28 * 4096);
+        limit_config(modes[m], REKV_DTYPE_I4, 0, NULL, NULL, &cfg);
+        cfg.gpu_batches = 4; /* a unit is one sequence's layer: it fits beside the next window */
+        float *got = run_mode(&f, &cfg, B, lens, prompts, STEPS);
+        ck_assert_msg(memcmp(got, ref, n * sizeof(float)) == 0,
+                      "%s over int4 on a small arena: the logits differ from resident's",
+                      rekv_mode_name(modes[m]));
+        rekv_kv_stats ks;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_kvstore_stats(f.store, &ks, &err) == 0, "%s", err.msg);
+        ck_assert_msg(ks.bytes_spilled > 0 && ks.bytes_read_back > 0, "%s: nothing spilled",
+                      rekv_mode_name(modes[m]));
+        free(got);
+        tu_fixture_close(&f);
+    }
+    free(ref);
+    for (int b = 0; b < B; b++)
+        free(prompts[b]);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- bytes in the arena */
 
 /* The store's used bytes per token of one offloaded sequence of n tokens (whole blocks). */
@@ -501,6 +546,7 @@ int main(void)
     tcase_set_timeout(run, 120);
     tcase_add_test(run, modes_match_resident_stories);
     tcase_add_test(run, modes_match_resident_gqa64);
+    tcase_add_test(run, spilled_blocks_read_back_exact);
     suite_add_tcase(s, run);
     return tu_run_suite(s);
 }
