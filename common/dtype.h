@@ -51,13 +51,17 @@ int rekv_cache_dtype_parse(const char *s, rekv_dtype *out);
  * finest group that keeps int4 within 0.3x f16's bytes. Per-channel K (KIVI) groups across
  * positions: a row could neither be quantized when it is made nor stand alone in the layout. */
 #define REKV_KVQ_GROUP 32
-/* Elements per quantization group of a row of hd elements: 32, or hd where 32 does not divide it. */
-static inline int rekv_kvq_group(int hd) { return hd % REKV_KVQ_GROUP == 0 ? REKV_KVQ_GROUP : hd; }
+/* Elements per quantization group of a row of hd elements: 32, or hd where 32 does not divide it.
+ */
+static inline int rekv_kvq_group(int hd)
+{
+    return hd % REKV_KVQ_GROUP == 0 ? REKV_KVQ_GROUP : hd;
+}
 /* Bytes of one row of hd elements in cache dtype t (hd even for int4). */
 static inline size_t rekv_kv_row_bytes(rekv_dtype t, int hd)
 {
     size_t n = (size_t)hd, groups = n / (size_t)rekv_kvq_group(hd);
-    return t == REKV_DTYPE_I8 ? n + 2 * groups
+    return t == REKV_DTYPE_I8   ? n + 2 * groups
            : t == REKV_DTYPE_I4 ? n / 2 + 2 * groups
                                 : n * rekv_dtype_size(t);
 }

@@ -18,7 +18,7 @@ typedef struct co_plan_state {
     int mode;               /* rekv_mode of the worker (its storage layout; fixed) */
     rekv_cost_profile prof; /* as measured by the worker */
     uint32_t hidden, kv_dim, q_dim, n_layers;
-    double elem_bytes; /* bytes per K or V element, scales included (hello_elem_bytes) */
+    double elem_bytes;     /* bytes per K or V element, scales included (hello_elem_bytes) */
     uint64_t layer_params; /* weights of one layer, elements */
     int offload_weights;
     uint64_t device_buffer_bytes; /* the worker's room for a step's buffers; 0: no limit */

@@ -657,7 +657,8 @@ void rekv_plan_hybrid_params_for_batch(rekv_hybrid_params *hp, int64_t hidden, i
 {
     memset(hp, 0, sizeof(*hp));
     hp->kv_block_bytes = 2.0 * (double)kv_dim * elem_bytes * REKV_PLAN_BLOCK_TOKENS;
-    hp->act_block_bytes = (double)hidden * rekv_cost_act_elem_bytes(elem_bytes) * REKV_PLAN_BLOCK_TOKENS;
+    hp->act_block_bytes =
+        (double)hidden * rekv_cost_act_elem_bytes(elem_bytes) * REKV_PLAN_BLOCK_TOKENS;
     hp->n_layers = n_layers;
     hp->weight_bytes = layer_weight_bytes * n_layers;
     hp->host_bytes = hp->weight_bytes + blocks * hp->kv_block_bytes * n_layers;

@@ -210,8 +210,8 @@ static int row_pieces(const rekv_pipeline *p, const range_ref *kr, uint8_t *buf,
     const rekv_kv_plan_block *blk = pl_block_at(p, kr, t);
     if (blk == NULL)
         return -EPROTO;
-    const uint8_t *src =
-        p->arena + blk->offset + rekv_kv_off(rekv_kv_row(kvh, hd, h, t % REKV_KV_BLOCK_TOKENS), hd, row);
+    const uint8_t *src = p->arena + blk->offset +
+                         rekv_kv_off(rekv_kv_row(kvh, hd, h, t % REKV_KV_BLOCK_TOKENS), hd, row);
     uint8_t *dst = buf + rekv_kv_off(rekv_kv_row(kvh, hd, h, j), hd, row);
     out[0] = (rekv_copy_piece){dst, src, row};
     out[1] = (rekv_copy_piece){dst + vs, src + vs, row};

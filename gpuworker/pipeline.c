@@ -152,8 +152,8 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
         d[j].row0 = st->row0[st->g_begin[g] + j];
         d[j].skip = NULL;
         if (p->info->store == REKV_STORE_NONE) { /* resident: its own cache, in place */
-            d[j].kv = s->kv + (size_t)layer *
-                                  rekv_kv_buffer_bytes(c->n_kv_heads, c->head_dim, s->cap, rb);
+            d[j].kv = s->kv +
+                      (size_t)layer * rekv_kv_buffer_bytes(c->n_kv_heads, c->head_dim, s->cap, rb);
         } else {
             d[j].kv = (uint8_t *)p->par[b].attn_kv.p + off;
             off += rekv_kv_buffer_bytes(c->n_kv_heads, c->head_dim, s->len + it->n_tokens, rb);

@@ -711,9 +711,12 @@ int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *bu
     for (int half = 0; half < 2; half++)
         for (int h = 0; h < kvh; h++)
             io->d2h_kv.v[io->d2h_kv.n++] = (rekv_copy_piece){
-                p->arena + kb->offset + rekv_kv_off(rekv_kv_row(kvh, hd, h, len % REKV_KV_BLOCK_TOKENS), hd, row) +
+                p->arena + kb->offset +
+                    rekv_kv_off(rekv_kv_row(kvh, hd, h, len % REKV_KV_BLOCK_TOKENS), hd, row) +
                     (half ? vs : 0),
-                (uint8_t *)buf + rekv_kv_off(rekv_kv_row(kvh, hd, h, slot), hd, row) + (half ? vs : 0), row};
+                (uint8_t *)buf + rekv_kv_off(rekv_kv_row(kvh, hd, h, slot), hd, row) +
+                    (half ? vs : 0),
+                row};
     return 0;
 }
 
@@ -889,7 +892,8 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
                     rc = -EPROTO;
                     goto out;
                 }
-                size_t so = rekv_kv_off(rekv_kv_row(kvh, hd, hh, (dev + t) % REKV_KV_BLOCK_TOKENS), hd, row);
+                size_t so = rekv_kv_off(rekv_kv_row(kvh, hd, hh, (dev + t) % REKV_KV_BLOCK_TOKENS),
+                                        hd, row);
                 size_t doff = rekv_kv_off(rekv_kv_row(kvh, hd, hh, dev + jj), hd, row);
                 io->h2d_kv.v[io->h2d_kv.n++] =
                     (rekv_copy_piece){buf + doff + (half ? vs : 0),

@@ -140,8 +140,8 @@ struct rekv_pipeline {
     rekv_kv_geometry geo;
     uint8_t *arena;
     rekv_pipeline_config cfg;
-    size_t kv_rowb;  /* bytes of one K or V row in the cache dtype (rekv_kv_row_bytes) */
-    size_t act_esz;  /* bytes of one activation element (rekv_act_dtype of the cache dtype) */
+    size_t kv_rowb; /* bytes of one K or V row in the cache dtype (rekv_kv_row_bytes) */
+    size_t act_esz; /* bytes of one activation element (rekv_act_dtype of the cache dtype) */
     const rekv_mode_info *info;    /* cfg.mode's properties (common/mode.h) */
     const struct pl_mode_ops *ops; /* cfg.mode's functions (pl_mode_ops_of) */
     int keep_act; /* rekv_pipeline_keeps_act(cfg) at creation: sequence id + 1 holds activations */

@@ -493,7 +493,8 @@ static int item_loads(rekv_pipeline *p, step *st, int item, int j, int layer, in
                 return rc;
         } else {
             /* straight into the attention buffer: the block's layout and dtype */
-            uint8_t *dst = (uint8_t *)dj->kv + rekv_kv_off(rekv_kv_row(kvh, hd, 0, t0 - in_blk), hd, rb);
+            uint8_t *dst =
+                (uint8_t *)dj->kv + rekv_kv_off(rekv_kv_row(kvh, hd, 0, t0 - in_blk), hd, rb);
             size_t bytes = block_rows_copy(&io->h2d_kv, dst, base, in_blk, n, kvh, rb);
             if (bytes == 0)
                 return -ENOMEM;

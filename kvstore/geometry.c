@@ -21,8 +21,9 @@ int rekv_kv_geometry_init(rekv_kv_geometry *g, uint32_t n_layers, uint32_t n_kv_
         return rekv_errf(err, -EINVAL,
                          "kvstore geometry: cache dtype must be f16, f32, int8 or int4");
     if (cache_dtype == REKV_DTYPE_I4 && head_dim % 2 != 0)
-        return rekv_errf(err, -EINVAL, "kvstore geometry: an int4 cache needs an even head dim, "
-                                       "not %u",
+        return rekv_errf(err, -EINVAL,
+                         "kvstore geometry: an int4 cache needs an even head dim, "
+                         "not %u",
                          head_dim);
     g->n_layers = n_layers;
     g->n_kv_heads = n_kv_heads;
@@ -44,7 +45,8 @@ int rekv_kv_geometry_from_config(const rekv_model_config *cfg, rekv_dtype cache_
 
 size_t rekv_kv_block_bytes(const rekv_kv_geometry *g)
 {
-    return 2 * (size_t)g->n_kv_heads * g->block_tokens * rekv_kv_row_bytes(g->dtype, (int)g->head_dim);
+    return 2 * (size_t)g->n_kv_heads * g->block_tokens *
+           rekv_kv_row_bytes(g->dtype, (int)g->head_dim);
 }
 
 size_t rekv_kv_act_block_bytes(const rekv_kv_geometry *g)
@@ -54,7 +56,8 @@ size_t rekv_kv_act_block_bytes(const rekv_kv_geometry *g)
 
 size_t rekv_kv_k_offset(const rekv_kv_geometry *g, uint32_t kv_head, uint32_t token)
 {
-    return ((size_t)kv_head * g->block_tokens + token) * rekv_kv_row_bytes(g->dtype, (int)g->head_dim);
+    return ((size_t)kv_head * g->block_tokens + token) *
+           rekv_kv_row_bytes(g->dtype, (int)g->head_dim);
 }
 
 size_t rekv_kv_v_offset(const rekv_kv_geometry *g, uint32_t kv_head, uint32_t token)

@@ -259,8 +259,8 @@ static void check_modes(const char *path, rekv_dtype dt)
                                  mi->name, rekv_dtype_name(dt), dev, k, (double)got[k],
                                  (double)ref[k]);
             }
-            ck_assert_msg(worst < 1e-5, "%s, %s cache: logits differ by %g",
-                          mi->name, rekv_dtype_name(dt), worst);
+            ck_assert_msg(worst < 1e-5, "%s, %s cache: logits differ by %g", mi->name,
+                          rekv_dtype_name(dt), worst);
             free(got);
         }
     free(ref);
@@ -374,9 +374,9 @@ static double arena_bytes_per_token(const char *path, rekv_dtype dt, int n)
     ck_assert_uint_eq(after.host_kv - before.host_kv,
                       (uint64_t)f.m->config.n_layers * (uint64_t)(n / REKV_KV_BLOCK_TOKENS));
     /* a block's bytes are its real size: K and V rows of codes and scales */
-    ck_assert_uint_eq(after.kv_slot_bytes,
-                      2ull * (uint64_t)f.m->config.n_kv_heads * REKV_KV_BLOCK_TOKENS *
-                          rekv_kv_row_bytes(dt, f.m->config.head_dim));
+    ck_assert_uint_eq(after.kv_slot_bytes, 2ull * (uint64_t)f.m->config.n_kv_heads *
+                                               REKV_KV_BLOCK_TOKENS *
+                                               rekv_kv_row_bytes(dt, f.m->config.head_dim));
     double per = (double)(after.host_used_bytes - before.host_used_bytes) / n;
     rekv_pseq_free(s);
     rekv_pipeline_free(p);
@@ -413,8 +413,8 @@ END_TEST
 START_TEST(planner_prices_real_bytes)
 {
     const int64_t H = 4096, KV = 4096;
-    double f16 = rekv_kv_elem_bytes(REKV_DTYPE_F16, 128), i8 = rekv_kv_elem_bytes(REKV_DTYPE_I8, 128),
-           i4 = rekv_kv_elem_bytes(REKV_DTYPE_I4, 128);
+    double f16 = rekv_kv_elem_bytes(REKV_DTYPE_F16, 128),
+           i8 = rekv_kv_elem_bytes(REKV_DTYPE_I8, 128), i4 = rekv_kv_elem_bytes(REKV_DTYPE_I4, 128);
     ck_assert(f16 == 2.0 && i8 == 1.0625 && i4 == 0.5625); /* 128 + 8 and 64 + 8 bytes a row */
     rekv_hybrid_params hp;
     rekv_plan_hybrid_params_for_batch(&hp, H, KV, 32, i4, 0, 64);
@@ -507,11 +507,12 @@ START_TEST(unknown_dtype_refused)
     ck_assert_int_eq(rekv_kv_geometry_init(&g, 2, 2, 7, 14, REKV_DTYPE_I4, &err), -EINVAL);
     ck_assert_msg(strstr(err.msg, "even head dim") != NULL, "%s", err.msg);
     char *cmd = NULL, *out = NULL;
-    ck_assert_int_gt(asprintf(&cmd,
-                              "%s --endpoint ipc:///nonexistent/x --host-bytes 1M --layers 2 --kv-heads 2 "
-                              "--head-dim 8 --hidden 16 --cache-dtype int3 2>&1",
-                              tu_bin("rekv-kvstore")),
-                     0);
+    ck_assert_int_gt(
+        asprintf(&cmd,
+                 "%s --endpoint ipc:///nonexistent/x --host-bytes 1M --layers 2 --kv-heads 2 "
+                 "--head-dim 8 --hidden 16 --cache-dtype int3 2>&1",
+                 tu_bin("rekv-kvstore")),
+        0);
     ck_assert_int_eq(tu_run(cmd, &out), 2);
     ck_assert_msg(strstr(out, "--cache-dtype int3: expected f16, f32, int8 or int4") != NULL, "%s",
                   out);

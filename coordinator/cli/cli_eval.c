@@ -210,7 +210,8 @@ static int eval_windows(eval_run *runs, const int32_t *ids, size_t n, long prefi
                         rekv_err *err)
 {
     const rekv_pipeline_config *pc = rekv_pipeline_get_config(runs[0].ses.p);
-    uint64_t kv_row = 2ull * (uint64_t)cfg->n_kv_heads * rekv_kv_row_bytes(pc->cache_dtype, cfg->head_dim);
+    uint64_t kv_row =
+        2ull * (uint64_t)cfg->n_kv_heads * rekv_kv_row_bytes(pc->cache_dtype, cfg->head_dim);
     int rc;
     for (size_t s = 0;;) {
         t->windows++;

@@ -28,7 +28,8 @@ static void step_setup(const rekv_cost_profile *in, const rekv_model_config *c,
         prof->t_load_w = 0;
     rekv_plan_model pm;
     rekv_plan_model_from_config(c, &pm);
-    rekv_plan_shape(&pm, batch, ctx, rekv_kv_elem_bytes(cache_dtype, c->head_dim), offload_weights, sh);
+    rekv_plan_shape(&pm, batch, ctx, rekv_kv_elem_bytes(cache_dtype, c->head_dim), offload_weights,
+                    sh);
 }
 
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,

@@ -50,8 +50,9 @@ static void run_usage(FILE *f)
 {
     fprintf(f,
             "usage: rekv run --model PATH [--backend auto|cpu|cuda] [--dir DIR] [--mode MODE]\n"
-            "                [--host-bytes N] [--spill-bytes N] [--cache-dtype f16|f32|int8|int4]\n"
-            "                [--queue N] [--max-batch N] [--state-dir DIR] [--approximate]\n"
+            "                [--host-bytes N] [--spill-bytes N]\n"
+            "                [--cache-dtype f16|f32|int8|int4] [--queue N] [--max-batch N]\n"
+            "                [--state-dir DIR] [--approximate]\n"
             "                [--worker-timeout-ms N] [--bin-dir DIR] [--metrics HOST:PORT]\n"
             "                [--metrics-public] [--prefill-chunk N] [--ready-fd N]\n"
             "                [--http HOST:PORT [--http-public] [--api-key-file FILE]\n"
