@@ -223,7 +223,7 @@ static float *run_mode(tu_fixture *f, const rekv_pipeline_config *cfg, int B, co
 static void check_modes(const char *path, rekv_dtype dt)
 {
     tu_fixture f;
-    tu_fixture_open(&f, path, dt, NULL);
+    tu_fixture_open(&f, path, dt, "cpu"); /* a store that can push */
     rekv_skew sk;
     rekv_heads hp;
     tu_skew_calibrate(&f, &sk);
@@ -243,21 +243,25 @@ static void check_modes(const char *path, rekv_dtype dt)
     limit_config(REKV_MODE_RESIDENT, dt, 0, &sk, &hp, &cfg);
     float *ref = run_mode(&f, &cfg, B, lens, prompts, STEPS);
     for (int m = 0; m < REKV_MODE_COUNT; m++)
-        for (int dev = 0; dev <= 20; dev += 20) {
+        for (int dev = 0; dev <= 40; dev += 20) {
             const rekv_mode_info *mi = rekv_mode_info_of((rekv_mode)m);
-            if (dev && !mi->device_part && !mi->act_gpu)
+            /* 20: a device part; 40: none, the store pushing the KV rows (the exact streaming
+             * modes) */
+            if ((dev == 20 && !mi->device_part && !mi->act_gpu) ||
+                (dev == 40 && (mi->store == REKV_STORE_NONE || mi->approximate)))
                 continue;
-            limit_config((rekv_mode)m, dt, dev, &sk, &hp, &cfg);
+            limit_config((rekv_mode)m, dt, dev == 20 ? dev : 0, &sk, &hp, &cfg);
+            cfg.push = dev == 40;
             float *got = run_mode(&f, &cfg, B, lens, prompts, STEPS);
             double worst = 0;
             for (size_t k = 0; k < n; k++) {
                 if (mi->head_caches) /* the same rows in another order */
                     worst = fmax(worst, fabs((double)got[k] - ref[k]) / (1 + fabs((double)ref[k])));
                 else if (memcmp(&got[k], &ref[k], sizeof(float)) != 0)
-                    ck_abort_msg("%s, %s cache (device part %d): logit %zu is %.9g, resident's "
-                                 "%.9g",
-                                 mi->name, rekv_dtype_name(dt), dev, k, (double)got[k],
-                                 (double)ref[k]);
+                    ck_abort_msg("%s, %s cache (%s): logit %zu is %.9g, resident's %.9g",
+                                 mi->name, rekv_dtype_name(dt),
+                                 dev == 40 ? "pushed" : dev ? "device part 20" : "pulled", k,
+                                 (double)got[k], (double)ref[k]);
             }
             ck_assert_msg(worst < 1e-5, "%s, %s cache: logits differ by %g", mi->name,
                           rekv_dtype_name(dt), worst);
