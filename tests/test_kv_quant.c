@@ -252,6 +252,7 @@ static void check_modes(const char *path, rekv_dtype dt)
                 continue;
             limit_config((rekv_mode)m, dt, dev == 20 ? dev : 0, &sk, &hp, &cfg);
             cfg.push = dev == 40;
+            const char *how = cfg.push ? "pushed" : dev ? "device part 20" : "pulled";
             float *got = run_mode(&f, &cfg, B, lens, prompts, STEPS);
             double worst = 0;
             for (size_t k = 0; k < n; k++) {
@@ -259,9 +260,8 @@ static void check_modes(const char *path, rekv_dtype dt)
                     worst = fmax(worst, fabs((double)got[k] - ref[k]) / (1 + fabs((double)ref[k])));
                 else if (memcmp(&got[k], &ref[k], sizeof(float)) != 0)
                     ck_abort_msg("%s, %s cache (%s): logit %zu is %.9g, resident's %.9g",
-                                 mi->name, rekv_dtype_name(dt),
-                                 dev == 40 ? "pushed" : dev ? "device part 20" : "pulled", k,
-                                 (double)got[k], (double)ref[k]);
+                                 mi->name, rekv_dtype_name(dt), how, k, (double)got[k],
+                                 (double)ref[k]);
             }
             ck_assert_msg(worst < 1e-5, "%s, %s cache: logits differ by %g", mi->name,
                           rekv_dtype_name(dt), worst);
