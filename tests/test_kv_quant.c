@@ -259,9 +259,8 @@ static void check_modes(const char *path, rekv_dtype dt)
                 if (mi->head_caches) /* the same rows in another order */
                     worst = fmax(worst, fabs((double)got[k] - ref[k]) / (1 + fabs((double)ref[k])));
                 else if (memcmp(&got[k], &ref[k], sizeof(float)) != 0)
-                    ck_abort_msg("%s, %s cache (%s): logit %zu is %.9g, resident's %.9g",
-                                 mi->name, rekv_dtype_name(dt), how, k, (double)got[k],
-                                 (double)ref[k]);
+                    ck_abort_msg("%s, %s cache (%s): logit %zu is %.9g, resident's %.9g", mi->name,
+                                 rekv_dtype_name(dt), how, k, (double)got[k], (double)ref[k]);
             }
             ck_assert_msg(worst < 1e-5, "%s, %s cache: logits differ by %g", mi->name,
                           rekv_dtype_name(dt), worst);
