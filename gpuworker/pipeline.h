@@ -75,7 +75,7 @@ typedef struct rekv_pipeline_config {
                                 the same values, fewer bytes; created with 0 it keeps none and
                                 recomputes nothing, whatever a step's split */
     int kv_parts, act_parts; /* hybrid: block pattern kv:act, e.g. 1:1 (the caller picks it) */
-    rekv_dtype cache_dtype;  /* host cache dtype: F32 (exact) or F16 */
+    rekv_dtype cache_dtype;  /* host cache dtype: F32 (exact), F16, INT8 or INT4 */
     int act_gpu_blocks;      /* ACT_GPU (HybridServe): each sequence's first N ACT blocks per
                                 layer are also kept on the device, so their activations never
                                 cross the link again (act, hybrid, kvpr); 0: none */

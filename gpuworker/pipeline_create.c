@@ -519,11 +519,15 @@ fail:
  * makes the context whole (recomputing it from the cached activations) and keeps its first tokens
  * (rekv_pseq.dev_stale); an approximate mode's per-token device state is rebuilt from them
  * (ops->prefix_fill: the partial keys of infinigen and clo; clo's head caches start forgotten, as
- * after any prefill). Every mode may, then. */
+ * after any prefill). Every mode may, then — but an approximate mode over an int8/int4 cache
+ * does not: its prefix_fill widens the cached K rows with the convert kernel, which reads whole
+ * elements, not quantized rows. */
 int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
 {
     const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
-    return cfg->prefix_cache && (!mi->approximate || pl_mode_ops_of(cfg->mode)->prefix_fill);
+    return cfg->prefix_cache &&
+           (!mi->approximate ||
+            (pl_mode_ops_of(cfg->mode)->prefix_fill && !rekv_dtype_quantized(cfg->cache_dtype)));
 }
 
 /* The pipeline's own rule: a store, and resident's cache in the store's dtype (its blocks copy
