@@ -16,6 +16,8 @@ cat > "$W/in-vm.sh" <<'IN'
 set -eu
 N=$1
 DEV=/dev/mapper/rekv-soak
+modprobe virtio_blk 2>/dev/null || true
+for _ in $(seq 100); do [ -b /dev/vda ] && break; sleep 0.1; done
 SIZE=$(blockdev --getsz /dev/vda)
 modprobe dm_mod
 dmsetup create rekv-soak --table "0 $SIZE linear /dev/vda 0"
