@@ -40,6 +40,7 @@
 #include "common/progress.h"
 #include "gpuworker/device/backend.h"
 #include "gpuworker/gpuworker.h"
+#include "gpuworker/kv_pool.h"
 #include "kvstore/kvstore.h"
 
 typedef enum rekv_schedule {
@@ -109,6 +110,15 @@ typedef struct rekv_pipeline_config {
                              fetch then overlapping only other GPU batches' compute;
                              -1 (default): the mode's — infinigen 1, clo 0 (CLO tests a
                              head's own query, as its paper does) */
+    size_t kv_pool_bytes; /* InfiniGen §4.4's pool limit: the most bytes of one sequence's K,V
+                             kept per selecting layer (> 0) together, at the cache dtype's row
+                             size — limit / ((n_layers - 1) * 2 * n_kv * row) entries per
+                             (layer, KV head), at least one block (16). Past it each new entry
+                             evicts one (kv_pool_policy), never selected or attended again; the
+                             evicted rows stay in the store (masked, not reclaimed). Layer 0,
+                             fetched whole, is not pooled. infinigen only, no device part; a
+                             step of several tokens must fit the pool. 0 (default): no limit */
+    rekv_kv_pool_policy kv_pool_policy; /* the victim: REKV_KV_POOL_COUNTER (default) or _FIFO */
     /* clo */
     const struct rekv_heads *heads; /* the model's head profile (gpuworker/heads.h; not owned,
                                        kept for the pipeline's life); required by clo */
@@ -181,6 +191,9 @@ int rekv_pseq_create_prefix(rekv_pipeline *p, int capacity, const int32_t *promp
 int rekv_pseq_cached(const rekv_pseq *s);
 void rekv_pseq_free(rekv_pseq *s);
 int rekv_pseq_len(const rekv_pseq *s);
+/* infinigen with cfg.kv_pool_bytes: s's KV pool (which entries remain, their counters; pool
+ * layer * n_kv + head), for reading; NULL without one. */
+const rekv_kv_pool *rekv_pseq_kv_pool(const rekv_pseq *s);
 /* 1 when the kvstore sequence store_seq holds this sequence's cache (kvpr: its K,V or its
  * activations), else 0 (resident: never). Maps a store's rekv_kvstore_client_take_lost_seq to
  * the sequence that lost blocks. */

@@ -280,6 +280,11 @@ static int create_check(rekv_backend *be, rekv_kvstore_client *store,
                          "pipeline: ACT blocks on the device (%d) are for the exact modes that "
                          "recompute (act, hybrid, kvpr), not %s",
                          cfg->act_gpu_blocks, mi->name);
+    if (cfg->kv_pool_bytes > 0 && cfg->mode != REKV_MODE_INFINIGEN)
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: a KV pool limit (InfiniGen's, %zu bytes) is for infinigen, "
+                         "not %s",
+                         cfg->kv_pool_bytes, mi->name);
     if (cfg->device_tokens < 0 ||
         (cfg->device_tokens > 0 && mi->store != REKV_STORE_NONE && !mi->device_part))
         return rekv_errf(err, -EINVAL,

@@ -34,7 +34,14 @@
  * ranks its tokens by the sum over its query group of each head's softmax of the speculated
  * scores (the attention the group would give them; rekv_ig_select says why), and takes its top m
  * (lowest position first on ties). With one query head per KV head the two are the same order.
- * REKV_SELECT_RANDOM takes as many at random, REKV_SELECT_ALL all of them. */
+ * REKV_SELECT_RANDOM takes as many at random, REKV_SELECT_ALL all of them.
+ *
+ * The KV pool limit (cfg.kv_pool_bytes, §4.4; kv_pool.h): each (sequence, layer > 0, KV head)
+ * keeps at most a limit of entries; the selection sees only those (ig_select_pooled), counts
+ * what it prefetched, and each new token's entry evicts one once the pool is full. The evicted
+ * rows are masked, not reclaimed: they stay in the store and the partial key cache (rekv's
+ * blocks of 16 tokens may be shared with the prefix cache, which must not be overwritten), so
+ * the limit bounds what is attended and fetched, not the store's bytes. */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -46,6 +53,34 @@
 #include "gpuworker/skew.h"
 
 /* ------------------------------------------------------------------ create / free */
+
+/* cfg.kv_pool_bytes as entries per (layer > 0, KV head) into ig.pool_limit (0: none). The pool
+ * covers the selecting layers only: layer 0 is fetched and attended whole every step, so its
+ * counters would all rise together and name no victim. */
+static int ig_pool_limit(rekv_pipeline *p, int queries, rekv_err *err)
+{
+    const rekv_model_config *c = p->c;
+    size_t bytes = p->cfg.kv_pool_bytes;
+    p->ig.pool_limit = 0;
+    if (bytes == 0)
+        return 0;
+    if (queries || p->cfg.device_tokens > 0 || c->n_layers < 2)
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: a KV pool limit is infinigen's, with no device-resident part "
+                         "and more than one layer");
+    if ((unsigned)p->cfg.kv_pool_policy > REKV_KV_POOL_FIFO)
+        return rekv_errf(err, -EINVAL, "pipeline: unknown KV pool policy %d",
+                         (int)p->cfg.kv_pool_policy);
+    size_t entry = (size_t)(c->n_layers - 1) * 2 * (size_t)c->n_kv_heads * p->kv_rowb;
+    if (bytes / entry < REKV_KV_BLOCK_TOKENS)
+        return rekv_errf(err, -EINVAL,
+                         "pipeline: a KV pool of %zu bytes holds less than one block (%d tokens "
+                         "of layers 1..%d: %zu bytes)",
+                         bytes, REKV_KV_BLOCK_TOKENS, c->n_layers - 1,
+                         (size_t)REKV_KV_BLOCK_TOKENS * entry);
+    p->ig.pool_limit = bytes / entry > (size_t)c->max_pos ? c->max_pos : (int)(bytes / entry);
+    return 0;
+}
 
 /* The speculation's weights for every layer; queries: the speculation also copies whole queries
  * to the host (clo's similarity test), so the partial query weight is never folded. */
@@ -72,6 +107,9 @@ int pl_ig_create(rekv_pipeline *p, int queries, rekv_err *err)
                          (double)p->cfg.alpha, (double)p->cfg.max_fraction);
     int L = c->n_layers, nkv = c->n_kv_heads, hd = c->head_dim, rk = sk->rk, nh = c->n_heads;
     int group = nh / nkv, Q = rekv_config_q_dim(c), H = c->hidden;
+    int rc = ig_pool_limit(p, queries, err);
+    if (rc)
+        return rc;
     p->ig.rk = rk;
     /* whole queries need W_Q itself, not the folded partial weight */
     p->ig.queries = queries;
@@ -80,7 +118,6 @@ int pl_ig_create(rekv_pipeline *p, int queries, rekv_err *err)
     float *ac = malloc(sizeof(float) * (size_t)nkv * (size_t)hd * (size_t)rk);
     float *wq = NULL, *wp = NULL, *bp = NULL, *at = NULL, *wt = NULL;
     size_t wdsz = rekv_dtype_size(p->e->wdtype);
-    int rc = 0;
     if (p->ig.layers == NULL || ac == NULL)
         goto nomem;
     if (p->ig.fold) {
@@ -345,6 +382,9 @@ int pl_ig_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
     if (s->pk == NULL)
         return rekv_errf(err, -ENOMEM, "out of device memory for the partial keys of %d tokens",
                          s->cap);
+    if (p->ig.pool_limit > 0)
+        return rekv_kv_pool_init(&s->pool, p->c->n_layers * p->c->n_kv_heads, s->cap,
+                                 p->ig.pool_limit, p->cfg.kv_pool_policy, err);
     return 0;
 }
 
@@ -353,6 +393,18 @@ void pl_ig_seq_free(rekv_pipeline *p, rekv_pseq *s)
     if (s->pk)
         p->bi->dev_free(p->be, s->pk);
     s->pk = NULL;
+    rekv_kv_pool_free(&s->pool);
+}
+
+const rekv_kv_pool *rekv_pseq_kv_pool(const rekv_pseq *s)
+{
+    return s->pool.count ? &s->pool : NULL;
+}
+
+/* The selection scratch's extra rows per token with a KV pool: each KV head's live positions */
+static size_t ig_pool_lists(const rekv_pipeline *p)
+{
+    return p->ig.pool_limit > 0 ? (size_t)p->c->n_kv_heads : 0;
 }
 
 /* The step's speculation memory: each sparse item's scores at st->ig_off[i]. */
@@ -365,6 +417,15 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
         return rekv_errf(err, -ENOMEM, "step: out of memory");
     size_t total = 0, max_rows = 0, max_len = 1;
     for (int i = 0; i < st->n_items; i++) {
+        const rekv_pseq *s = st->items[i].seq;
+        /* a whole step attends every token: it must find them all still in the pool */
+        if (s->pool.count && !p->ops->sparse(p, st, i) &&
+            s->len + st->items[i].n_tokens > s->pool.limit)
+            return rekv_errf(err, -EINVAL,
+                             "step: %d tokens after %d do not fit the KV pool of %d tokens (a "
+                             "step of several tokens attends them all; past the pool's limit "
+                             "only decode steps)",
+                             st->items[i].n_tokens, s->len, s->pool.limit);
         st->ig_off[i] = SIZE_MAX;
         if (p->ops->sparse(p, st, i)) {
             st->ig_off[i] = total;
@@ -406,7 +467,8 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     }
     /* per thread of the unit's selection (pl_ig_unit_select): rekv_ig_select's scratch, then the
      * scores of the tokens past a device-resident part */
-    size_t need = max_len * (size_t)(c->n_kv_heads + 1 + nh) * (size_t)cpu_gemm_threads();
+    size_t need =
+        max_len * (size_t)(c->n_kv_heads + 1 + nh + ig_pool_lists(p)) * (size_t)cpu_gemm_threads();
     if (need > p->ig.scratch_cap) {
         float *sc = realloc(p->ig.scratch, need * sizeof(float));
         if (sc != NULL)
@@ -758,6 +820,54 @@ int pl_ig_unit_run(const pl_unit_job *u, int n)
     return 0;
 }
 
+/* ig_select_one with a KV pool (no device part): each KV head selects among the entries still in
+ * its pool — the scores of its query group gathered at the live positions, the selection mapped
+ * back to positions (ascending, as slots want) — the selected entries' counters go up, and then
+ * each pool makes room for the new token's entry, evicting as its policy says. The prefetch
+ * comes first as in the paper (the victim may be attended this step, its last); the new entry
+ * is attended from its slot whatever happens. With nothing evicted yet the scores are used as
+ * they are: the selection is the pool-less one bit for bit. */
+static int ig_select_pooled(const pl_unit_job *u, int j, float *scratch, uint64_t key)
+{
+    rekv_pipeline *p = u->p;
+    const rekv_model_config *c = p->c;
+    int item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads, group = nh / kvh;
+    rekv_pseq *s = u->st->items[item].seq;
+    rekv_kv_pool *kp = &s->pool;
+    int len = s->len, base = u->layer * kvh, n = len - kp->n_gone[base];
+    const float *scores = p->ig.host + u->st->ig_off[item];
+    int32_t *sel = ((unit_io *)u->ctx)->sel[j];
+    int m;
+    if (n < len) {
+        float *sub = scratch + (size_t)(kvh + 1) * (size_t)len;
+        int32_t *live = (int32_t *)(sub + (size_t)nh * (size_t)len); /* [kvh][len] */
+        for (int g = 0; g < kvh; g++)
+            rekv_kv_pool_live(kp, base + g, len, live + (size_t)g * (size_t)len);
+        for (int h = 0; h < nh; h++) {
+            const int32_t *lg = live + (size_t)(h / group) * (size_t)len;
+            const float *sh = scores + (size_t)h * (size_t)len;
+            for (int i = 0; i < n; i++)
+                sub[(size_t)h * (size_t)n + (size_t)i] = sh[lg[i]];
+        }
+        m = rekv_ig_select(sub, nh, kvh, n, p->cfg.alpha, p->cfg.max_fraction, p->cfg.select, key,
+                           sel, scratch);
+        /* [kvh][n] indices -> [kvh][len] positions, in place: from the last head and slot down,
+         * every write lands at or past what is still to be read */
+        for (int g = kvh - 1; g >= 0; g--)
+            for (int jj = m - 1; jj >= 0; jj--)
+                sel[(size_t)g * (size_t)len + (size_t)jj] =
+                    live[(size_t)g * (size_t)len + (size_t)sel[(size_t)g * (size_t)n + (size_t)jj]];
+    } else {
+        m = rekv_ig_select(scores, nh, kvh, len, p->cfg.alpha, p->cfg.max_fraction, p->cfg.select,
+                           key, sel, scratch);
+    }
+    for (int g = 0; g < kvh; g++) {
+        rekv_kv_pool_touch(kp, base + g, sel + (size_t)g * (size_t)len, m);
+        rekv_kv_pool_admit(kp, base + g, len, NULL);
+    }
+    return m;
+}
+
 /* The selection of batch item j of a unit (layer > 0), a pure function of its speculated scores
  * (~0.3 ms per sequence and layer on a 7B model: on a GPU machine the host's part of a step). */
 static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
@@ -780,6 +890,10 @@ static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
     }
     uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
                    ((uint64_t)u->layer << 32) ^ (uint64_t)len;
+    if (s->pool.count) { /* no device part with a pool: rest = len */
+        io->sel_m[j] = ig_select_pooled(u, j, scratch, key);
+        return;
+    }
     io->sel_m[j] = rest > 0
                        ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
                                         p->cfg.select, key, io->sel[j], scratch)
@@ -804,7 +918,7 @@ int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
         if ((io->sel[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)kvh * len)) == NULL)
             return -ENOMEM;
         items[n++] = j;
-        size_t need = len * (size_t)(kvh + 1 + c->n_heads);
+        size_t need = len * (size_t)(kvh + 1 + c->n_heads + ig_pool_lists(p));
         per = need > per ? need : per;
     }
     if (n > 0) /* the unit's scores on the host: the step thread waits (clo's decisions do not) */

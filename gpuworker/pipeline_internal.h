@@ -13,6 +13,7 @@
 
 #include "gpuworker/engine_internal.h"
 #include "gpuworker/kernels.h"
+#include "gpuworker/kv_pool.h"
 #include "gpuworker/pipeline.h"
 
 /* ------------------------------------------------------------------ small helpers */
@@ -124,10 +125,13 @@ typedef struct ig_state {
     rekv_event *ev_read[MAX_GPU_BATCHES]; /* clo: batch g's last decisions have read them (the
                                              host copies may take the next layer's) */
     float *scratch;                       /* rekv_ig_select's, [(n_kv + 1) * len], then the scores
-                                             past the device part, [n_heads][len] */
+                                             past the device part (or the pool's live ones),
+                                             [n_heads][len], then with a KV pool each KV
+                                             head's live positions, [n_kv][len] (int32) */
     size_t scratch_cap;                   /* floats */
     int32_t *sel;                         /* its selection, [n_kv * len] (len as scratch's), then
                                              each token's votes [len] (pl_ig_item_plan) */
+    int pool_limit; /* cfg.kv_pool_bytes as entries per (layer > 0, KV head); 0: no pool */
 } ig_state;
 
 struct rekv_pipeline {
@@ -224,6 +228,8 @@ struct rekv_pseq {
                          device part is recomputed from activations (act, hybrid); its next step
                          makes the context whole and keeps [0, dev_tokens) (item_stores) */
     float *pk;        /* infinigen, clo: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
+    rekv_kv_pool pool; /* infinigen with cfg.kv_pool_bytes: which entries of each (layer > 0, KV
+                          head) are still in the pool (kv_pool.h); zero (count NULL) otherwise */
     int kv_parts, act_parts; /* hybrid: the KV:ACT pattern of its blocks, the pipeline's when the
                                 sequence was made (a later rekv_pipeline_set_step leaves it) */
     /* clo (mode_clo.c): layer 0's whole cache and, per layer > 0, a head cache

@@ -277,6 +277,12 @@ static void eval_json_selection(json_t *o, const rekv_pipeline *p, const rekv_mo
     json_object_set_new(o, "partial_columns",
                         json_pack("[i, i]", pc->skew->rk, pc->skew->head_dim));
     json_object_set_new(o, "layer_fetched_fraction", fr);
+    if (pc->kv_pool_bytes > 0) { /* InfiniGen's pool limit, and whose entries it evicts */
+        json_object_set_new(o, "kv_pool_bytes", json_integer((json_int_t)pc->kv_pool_bytes));
+        json_object_set_new(
+            o, "kv_pool_policy",
+            json_string(pc->kv_pool_policy == REKV_KV_POOL_FIFO ? "fifo" : "counter"));
+    }
 }
 
 /* clo's knobs and its head cache: hits and misses, and per layer and KV head the hit ratio. */

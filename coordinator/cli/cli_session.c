@@ -301,6 +301,14 @@ static int parse_pipeline_word(int c, const char *arg, cli_pipeline_opts *o)
         }
         o->backend = arg;
         return 1;
+    case CLI_OPT_KV_POOL_POLICY:
+        if (strcmp(arg, "counter") == 0 || strcmp(arg, "fifo") == 0)
+            o->cfg.kv_pool_policy = arg[0] == 'c' ? REKV_KV_POOL_COUNTER : REKV_KV_POOL_FIFO;
+        else {
+            fprintf(stderr, "rekv: --kv-pool-policy: expected counter or fifo\n");
+            return -1;
+        }
+        return 1;
     case CLI_OPT_SELECT:
         if (strcmp(arg, "speculate") == 0)
             o->cfg.select = REKV_SELECT_SPECULATE;
@@ -410,6 +418,15 @@ int cli_parse_pipeline_opt(int c, const char *arg, cli_pipeline_opts *o)
         return cli_parse_link(&o->link, "link-latency-us", arg) ? -1 : 1;
     case CLI_OPT_DEVICE_MEMORY:
         return cli_parse_link(&o->link, "device-memory", arg) ? -1 : 1;
+    case CLI_OPT_KV_POOL_BYTES: {
+        uint64_t v;
+        if (rekv_parse_size(arg, &v) || v == 0 || v > SIZE_MAX) {
+            fprintf(stderr, "rekv: --kv-pool-bytes: expected a byte count > 0 (K, M, G)\n");
+            return -1;
+        }
+        o->cfg.kv_pool_bytes = (size_t)v;
+        return 1;
+    }
     }
     int r = parse_pipeline_word(c, arg, o);
     return r ? r : parse_pipeline_number(c, arg, o);

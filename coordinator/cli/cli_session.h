@@ -37,6 +37,8 @@ enum {
     CLI_OPT_ETA,
     CLI_OPT_POWER,
     CLI_OPT_PERSIST_NP,
+    CLI_OPT_KV_POOL_BYTES,
+    CLI_OPT_KV_POOL_POLICY,
 };
 
 #define CLI_PIPELINE_OPTIONS                                                                       \
@@ -62,6 +64,8 @@ enum {
         {"eta", required_argument, 0, CLI_OPT_ETA},                                                \
         {"power", required_argument, 0, CLI_OPT_POWER},                                            \
         {"persist-np", required_argument, 0, CLI_OPT_PERSIST_NP},                                  \
+        {"kv-pool-bytes", required_argument, 0, CLI_OPT_KV_POOL_BYTES},                            \
+        {"kv-pool-policy", required_argument, 0, CLI_OPT_KV_POOL_POLICY},                          \
     {                                                                                              \
         "device-memory", required_argument, 0, CLI_OPT_DEVICE_MEMORY                               \
     }
@@ -94,9 +98,9 @@ enum {
     "  --select speculate|random|all  infinigen: which tokens (random: as many, at random, to\n"   \
     "                        compare; all: every token, resident's results)\n"                     \
     "  --partial-ratio R     infinigen: skewed columns the speculation uses (default 0.3)\n"       \
-    "  --lookahead 1|0       infinigen, clo: speculate at the layer before (1, InfiniGen's:\n"    \
-    "                        the fetch overlaps it; layer 1 always from its own input) or\n"      \
-    "                        from the layer's own input (0, clo's default: a better guess)\n"     \
+    "  --lookahead 1|0       infinigen, clo: speculate at the layer before (1, InfiniGen's:\n"     \
+    "                        the fetch overlaps it; layer 1 always from its own input) or\n"       \
+    "                        from the layer's own input (0, clo's default: a better guess)\n"      \
     "  --skew FILE           infinigen, clo: the skew `rekv skew` wrote (default: made once "      \
     "from\n"                                                                                       \
     "                        a sample the model generates, cached in $XDG_CACHE_HOME/rekv)\n"      \
@@ -104,7 +108,12 @@ enum {
     "  --power P             clo: thresholds from importance^P (default 2; CLO Eq. 7-9)\n"         \
     "  --persist-np auto|N   clo: N_p of Eq. 12, the heads per layer whose misses the link\n"      \
     "                        serves; harder heads keep their whole KV on the device (default\n"    \
-    "                        auto: from the measured link and forward rate)\n"
+    "                        auto: from the measured link and forward rate)\n"                     \
+    "  --kv-pool-bytes SIZE  infinigen: at most SIZE bytes (K, M, G) of each sequence's K,V\n"     \
+    "                        per layers 1.. (InfiniGen's pool limit); past it a new token\n"       \
+    "                        evicts one, never attended again (default: no limit)\n"               \
+    "  --kv-pool-policy counter|fifo  infinigen: the victim — the least prefetched (counter,\n"  \
+    "                        the paper's) or the oldest (fifo)\n"
 
 typedef struct cli_pipeline_opts {
     rekv_pipeline_config cfg; /* split / kv_parts < 0: chosen by cli_session_choose */

@@ -1,0 +1,78 @@
+/* kv_pool.c — InfiniGen's KV cache pool bookkeeping (kv_pool.h says what and why). The pools are
+ * small ([layers][KV heads][capacity] bytes twice) and scanned whole: a victim is one pass over a
+ * pool's positions, as cheap as the selection's own pass over the scores. */
+#include "gpuworker/kv_pool.h"
+
+#include <errno.h>
+#include <stdlib.h>
+
+int rekv_kv_pool_init(rekv_kv_pool *kp, int n_pools, int cap, int limit, rekv_kv_pool_policy policy,
+                      rekv_err *err)
+{
+    *kp = (rekv_kv_pool){0};
+    if (n_pools < 1 || cap < 1 || limit < 1 ||
+        (policy != REKV_KV_POOL_COUNTER && policy != REKV_KV_POOL_FIFO))
+        return rekv_errf(err, -EINVAL, "kv pool: %d pools of %d positions, limit %d, policy %d",
+                         n_pools, cap, limit, (int)policy);
+    size_t n = (size_t)n_pools * (size_t)cap;
+    kp->count = calloc(n, 1);
+    kp->gone = calloc(n, 1);
+    kp->n_gone = calloc((size_t)n_pools, sizeof(int));
+    if (kp->count == NULL || kp->gone == NULL || kp->n_gone == NULL) {
+        rekv_kv_pool_free(kp);
+        return rekv_errf(err, -ENOMEM, "kv pool: out of memory");
+    }
+    kp->n_pools = n_pools, kp->cap = cap, kp->limit = limit, kp->policy = policy;
+    return 0;
+}
+
+void rekv_kv_pool_free(rekv_kv_pool *kp)
+{
+    free(kp->count);
+    free(kp->gone);
+    free(kp->n_gone);
+    *kp = (rekv_kv_pool){0};
+}
+
+int rekv_kv_pool_live(const rekv_kv_pool *kp, int pool, int len, int32_t *live)
+{
+    const uint8_t *gone = kp->gone + (size_t)pool * (size_t)kp->cap;
+    int n = 0;
+    for (int t = 0; t < len; t++) {
+        live[n] = t;
+        n += !gone[t];
+    }
+    return n;
+}
+
+void rekv_kv_pool_touch(rekv_kv_pool *kp, int pool, const int32_t *pos, int m)
+{
+    uint8_t *cnt = kp->count + (size_t)pool * (size_t)kp->cap;
+    for (int j = 0; j < m; j++)
+        if (++cnt[pos[j]] == REKV_KV_POOL_COUNT_MAX)
+            for (int t = 0; t < kp->cap; t++) /* saturated: the pool's ranks kept, halved */
+                cnt[t] >>= 1;
+}
+
+int rekv_kv_pool_admit(rekv_kv_pool *kp, int pool, int len, int32_t *victims)
+{
+    size_t o = (size_t)pool * (size_t)kp->cap;
+    uint8_t *cnt = kp->count + o, *gone = kp->gone + o;
+    int n = 0;
+    while (len - kp->n_gone[pool] + 1 > kp->limit) {
+        int v = -1;
+        for (int t = 0; t < len; t++) /* the first live one, or the least counted (first on ties) */
+            if (!gone[t] && (v < 0 || (kp->policy == REKV_KV_POOL_COUNTER && cnt[t] < cnt[v])))
+                v = t;
+        if (v < 0) /* limit < 1: refused at init */
+            break;
+        gone[v] = 1;
+        kp->n_gone[pool]++;
+        if (victims)
+            victims[n] = v;
+        n++;
+    }
+    if (len < kp->cap)
+        cnt[len] = 0, gone[len] = 0;
+    return n;
+}
