@@ -60,10 +60,15 @@ int rekv_kv_pool_admit(rekv_kv_pool *kp, int pool, int len, int32_t *victims)
     uint8_t *cnt = kp->count + o, *gone = kp->gone + o;
     int n = 0;
     while (len - kp->n_gone[pool] + 1 > kp->limit) {
-        int v = -1;
-        for (int t = 0; t < len; t++) /* the first live one, or the least counted (first on ties) */
-            if (!gone[t] && (v < 0 || (kp->policy == REKV_KV_POOL_COUNTER && cnt[t] < cnt[v])))
-                v = t;
+        /* counter: among the older half of the live entries (the newer ones have had no time to
+         * be prefetched), the least counted, the first on ties; fifo: the first live one */
+        int v = -1, half = (len - kp->n_gone[pool] + 1) / 2;
+        for (int t = 0, r = 0; t < len && r < half; t++)
+            if (!gone[t]) {
+                if (v < 0 || (kp->policy == REKV_KV_POOL_COUNTER && cnt[t] < cnt[v]))
+                    v = t;
+                r++;
+            }
         if (v < 0) /* limit < 1: refused at init */
             break;
         gone[v] = 1;

@@ -3,8 +3,10 @@
 runs it), written from the paper's §4.4 text, not from rekv's C code: "the pool manager increments
 a counter for each prefetched KV entry and selects a victim with the smallest count in the KV
 cache pool. If any counter becomes saturated, all the counter values are reduced by half." FIFO
-"simply evicts the oldest residing token". rekv's choices where the text is silent: 8-bit counters
-(saturated at 255, halved by a shift), ties to the oldest entry, a new entry's count 0.
+"simply evicts the oldest residing token". The counter's candidates are the older half of the
+residing entries, as the authors' code takes them (snu-comparch/InfiniGen, kv_cache_mask: "avoid
+evicting recently added ones"). rekv's choices where both are silent: 8-bit counters (saturated at
+255, halved by a shift), ties to the oldest entry, a new entry's count 0, the half rounded up.
 
   kv_pool_ref.py TRACE_JSON
     TRACE_JSON: {"policy": "counter"|"fifo", "limit": L, "len0": N, "steps": [[i, ...], ...]}:
@@ -32,7 +34,8 @@ def main():
                 count //= 2
         victims = []
         while len(pos) + 1 > limit:
-            v = 0 if tr["policy"] == "fifo" else int(np.argmin(count))  # argmin: the first
+            half = (len(pos) + 1) // 2  # the older half of the residing entries
+            v = 0 if tr["policy"] == "fifo" else int(np.argmin(count[:half]))  # argmin: the first
             victims.append(int(pos[v]))
             pos, count = np.delete(pos, v), np.delete(count, v)
         pos = np.append(pos, tr["len0"] + k)

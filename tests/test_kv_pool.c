@@ -1,8 +1,9 @@
 /* test_kv_pool.c — InfiniGen's memory-limited KV cache pool (OSDI'24 §4.4; gpuworker/kv_pool.c
  * and its use in pipeline_infinigen.c, `--kv-pool-bytes`):
  *   - the victims of the counter policy and of FIFO on fixed selection traces (saturation and
- *     halving, a prompt longer than the pool, ties) equal an independent numpy model's
- *     (tests/kv_pool_ref.py, written from the paper's text);
+ *     halving, the older-half candidates, a prompt longer than the pool, ties) equal an
+ *     independent numpy model's (tests/kv_pool_ref.py, written from the paper's text and the
+ *     authors' code);
  *   - in a pipeline (stories260K, a real kvstore, cpu backend) the pool of every (sequence,
  *     layer > 0, KV head) never holds more than its limit, layer 0 is not pooled, and a decode
  *     step selecting every token fetches exactly the pool's live entries — the evicted ones
