@@ -109,9 +109,9 @@ enum {
     "  --persist-np auto|N   clo: N_p of Eq. 12, the heads per layer whose misses the link\n"      \
     "                        serves; harder heads keep their whole KV on the device (default\n"    \
     "                        auto: from the measured link and forward rate)\n"                     \
-    "  --kv-pool-bytes SIZE  infinigen: at most SIZE bytes (K, M, G) of each sequence's K,V\n"     \
-    "                        per layers 1.. (InfiniGen's pool limit); past it a new token\n"       \
-    "                        evicts one, never attended again (default: no limit)\n"               \
+    "  --kv-pool-bytes SIZE  infinigen: keep at most SIZE bytes (K, M, G) of each sequence's\n"    \
+    "                        K,V of layers 1.. (InfiniGen's pool limit; layer 0 stays whole);\n"   \
+    "                        past it each new token evicts one, never attended again\n"            \
     "  --kv-pool-policy counter|fifo  infinigen: the victim — the least prefetched (counter,\n"  \
     "                        the paper's) or the oldest (fifo)\n"
 
