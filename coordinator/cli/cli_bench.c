@@ -1,7 +1,7 @@
 /* cli_bench.c — `rekv bench`: benchmarks that print one JSON object. Times mean something as ratios
  * measured in the same run, so every benchmark measures its baseline alongside. This file picks
  * the benchmark; each lives in a file of its own (cli_bench_forward.c, cli_bench_decode.c,
- * cli_bench_serve.c, cli_bench_http.c, and the kvstore's in kvstore/bench.c). */
+ * cli_bench_serve.c, cli_bench_http.c, cli_bench_remote.c, and the kvstore's in kvstore/bench.c). */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -45,6 +45,7 @@ int cli_bench(int argc, char **argv)
                    {"decode", cli_bench_decode},
                    {"serve", cli_bench_serve},
                    {"http", cli_bench_http},
+                   {"remote", cli_bench_remote},
                    {"kvstore", rekv_kvstore_bench_main}};
     for (size_t i = 0; argc >= 2 && i < sizeof(benches) / sizeof(benches[0]); i++)
         if (strcmp(argv[1], benches[i].name) == 0) {
@@ -56,7 +57,7 @@ int cli_bench(int argc, char **argv)
     if (argc >= 2 && !help)
         fprintf(stderr, "%s: unknown benchmark '%s'\n", argv[0], argv[1]);
     fprintf(help ? stdout : stderr,
-            "usage: rekv bench forward|decode|serve|http|kvstore [options] --json\n"
+            "usage: rekv bench forward|decode|serve|http|remote|kvstore [options] --json\n"
             "Run `rekv bench BENCH --help` for a benchmark's options.\n");
     return help ? 0 : 2;
 }

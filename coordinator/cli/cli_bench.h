@@ -22,6 +22,10 @@ int cli_bench_http(int argc, char **argv);
 /* `rekv bench serve --workload chat|system`: the prefix cache on against off (cli_bench_prefix.c) */
 int cli_bench_serve_workload(int argc, char **argv);
 
+/* `rekv bench remote`: two replicas sharing through a Redis against sharing nothing
+ * (cli_bench_remote.c) */
+int cli_bench_remote(int argc, char **argv);
+
 /* The serving benchmarks' private trio (cli_bench_trio.c): `rekv run ARGS --dir D --ready-fd F`
  * in a forked child, D a new temporary directory (removed by cli_trio_stop). */
 typedef struct cli_trio {
