@@ -612,12 +612,12 @@ static long rm_print(const rm_opts *o, const rekv_model_config *cfg, const rm_ru
     double tl = ttft_pct(&runs[RUN_LOCAL], REP_B, 50), tr = ttft_pct(&runs[RUN_REMOTE], REP_B, 50);
     double sl = runs[RUN_LOCAL].step_avg_s[REP_A], sr = runs[RUN_REMOTE].step_avg_s[REP_A];
     json_t *out = json_pack(
-        "{s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:s, s:I, s:{s:I, s:I, s:I}, "
+        "{s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:I, s:I, s:{s:I, s:I, s:I}, "
         "s:o, s:I, s:{s:o, s:o, s:o, s:o}}",
         "bench", "remote", "backend", o->backend, "mode", "offload", "model", "layers",
         cfg->n_layers, "hidden", cfg->hidden, "heads", cfg->n_heads, "kv_heads", cfg->n_kv_heads,
         "vocab", cfg->vocab, "max_pos", cfg->max_pos, "arena", o->arena, "remote_timeout_ms",
-        o->timeout_ms, "max_new_tokens", (json_int_t)o->max_new, "workload_shape", "pairs",
+        (json_int_t)atol(o->timeout_ms), "max_new_tokens", (json_int_t)o->max_new, "workload_shape", "pairs",
         (json_int_t)o->pairs, "system_len", (json_int_t)o->sys_len, "question_len",
         (json_int_t)o->q_len, "runs", arr, "mismatches", (json_int_t)mism_all, "goals",
         "ttft_b_p50_remote_over_local", goal(tl > 0 ? tr / tl : 0, 0.30),
