@@ -453,12 +453,101 @@ __global__ static void scatter_kernel(const float *k, const float *v, const int3
     }
 }
 
+/* Elements per quantization group of a row of hd (rekv_kvq_group's rule, for the device). */
+__host__ __device__ __forceinline__ static int kvq_group(int hd)
+{
+    return hd % REKV_KVQ_GROUP == 0 ? REKV_KVQ_GROUP : hd;
+}
+
+/* Quantizes one row of hd fp32 elements x into dst (int8/int4, common/dtype.h's row format), the
+ * warp together: codes and scales bit for bit rekv_kv_row_from_f32's. Per group, amax is a max
+ * (order-free; NaN ignored as the cpu's `a > amax` does), s = f16(amax / qmax) saturated at 65504
+ * (__float2half_rn rounds to nearest even, as rekv_f32_to_f16), a code rint(x / s) clamped, half
+ * to even (rintf); each quotient is one IEEE division (__fdiv_rn, whatever the flags). */
+__device__ static void kvq_row_warp(uint8_t *dst, const float *x, int hd, int q4)
+{
+    int lane = threadIdx.x & 31, gs = kvq_group(hd);
+    float qmax = q4 ? 7.0f : 127.0f;
+    uint8_t *scales = dst + (q4 ? hd / 2 : hd);
+    for (int g = 0; g < hd / gs; g++) {
+        const float *xg = x + (size_t)g * gs;
+        float amax = 0.0f;
+        for (int i = lane; i < gs; i += 32) {
+            float a = fabsf(xg[i]);
+            amax = a > amax ? a : amax;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float b = __shfl_xor_sync(0xffffffffu, amax, o);
+            amax = b > amax ? b : amax;
+        }
+        float sq = __fdiv_rn(amax, qmax);
+        unsigned short sh =
+            sq >= 65504.0f ? (unsigned short)0x7bffu : __half_as_ushort(__float2half_rn(sq));
+        float s = __half2float(__ushort_as_half(sh));
+        if (lane == 0) { /* byte stores: a row's scales need not be 2-aligned */
+            scales[2 * g] = (uint8_t)(sh & 0xffu);
+            scales[2 * g + 1] = (uint8_t)(sh >> 8);
+        }
+        /* lane i makes element i (int8) or the byte of elements 2i, 2i + 1 (int4) */
+        for (int i = lane; i < (q4 ? gs / 2 : gs); i += 32) {
+            int n = q4 ? 2 : 1, c[2] = {0, 0};
+            for (int u = 0; u < n && s != 0.0f; u++) {
+                float q = rintf(__fdiv_rn(xg[n * i + u], s));
+                c[u] = q > qmax ? (int)qmax : q < -qmax ? -(int)qmax : (int)q;
+            }
+            if (q4)
+                dst[((size_t)g * gs) / 2 + i] = (uint8_t)((c[0] + 8) | ((c[1] + 8) << 4));
+            else
+                dst[(size_t)g * gs + i] = (uint8_t)(int8_t)c[0];
+        }
+    }
+}
+
+/* The quantized scatter: one block per row r, a warp per (kv head, K or V) row, written to the
+ * slot's row at row index times rb bytes (rows, never elements: kvlayout.h's rekv_kv_off). */
+__global__ static void scatter_q_kernel(const float *k, const float *v, const int32_t *row_seq,
+                                        const int32_t *row_pos, const int32_t *head_pos,
+                                        const rekv_attn_seq *seqs, int n_kv, int hd, int q4,
+                                        size_t rb)
+{
+    __shared__ uint8_t *kv;
+    __shared__ int p;
+    if (threadIdx.x == 0) {
+        kv = (uint8_t *)seqs[row_seq[blockIdx.x]].kv;
+        p = head_pos ? -1 : row_pos[blockIdx.x];
+    }
+    __syncthreads();
+    int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    size_t src0 = (size_t)blockIdx.x * (size_t)n_kv * (size_t)hd;
+    for (int w = warp; w < 2 * n_kv; w += warps) {
+        int g = w >> 1, is_v = w & 1;
+        int slot = head_pos ? head_pos[(size_t)blockIdx.x * (size_t)n_kv + (size_t)g] : p;
+        if (slot < 0)
+            continue;
+        /* rekv_kv_row with head_dim 1 is the row's index */
+        size_t row = rekv_kv_row(n_kv, 1, g, slot) + (is_v ? rekv_kv_v_shift(n_kv, 1) : 0);
+        kvq_row_warp(kv + row * rb, (is_v ? v : k) + src0 + (size_t)g * hd, hd, q4);
+    }
+}
+
 static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int rows,
                          const int32_t *row_seq, const int32_t *row_pos, const int32_t *head_pos,
                          const rekv_attn_seq *seqs, int n_kv, int head_dim, rekv_dtype dt)
 {
     if (rows <= 0 || n_kv <= 0 || head_dim <= 0)
         return;
+    if (rekv_dtype_quantized(dt)) {
+        int q4 = dt == REKV_DTYPE_I4;
+        if (q4 && head_dim % 2 != 0) { /* two codes a byte: a row is whole bytes */
+            cuda_stream_fail(s, -EINVAL,
+                             "cuda stream %s: kv_scatter: an INT4 row of odd head_dim %d", s->name,
+                             head_dim);
+            return;
+        }
+        KLAUNCH(s, "kv_scatter", scatter_q_kernel, rows, ROW_THREADS, 0, k, v, row_seq, row_pos,
+                head_pos, seqs, n_kv, head_dim, q4, rekv_kv_row_bytes(dt, head_dim));
+        return;
+    }
     KLAUNCH(s, "kv_scatter", scatter_kernel, rows, ROW_THREADS, 0, k, v, row_seq, row_pos, head_pos,
             seqs, n_kv, head_dim, (int)dt);
 }
@@ -474,23 +563,42 @@ static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int row
  * (max, sum, output) and attention_combine_kernel merges the chunks. Shared: q [hd],
  * acc [ATT_WARPS][hd], m and l [ATT_WARPS] each. */
 
-/* The warp's pass over positions t0 + warp, t0 + warp + ATT_WARPS, ... < t1 of kv head kvh. */
+/* Element j of a cache row at row (its first byte) of head dim hd, widened to fp32 exactly:
+ * int8/int4 dequantized in place, the group's f16 scale times the code in one fp32 multiply as
+ * rekv_kv_row_to_f32 does (__fmul_rn: never contracted into the caller's sums), so the values
+ * are the cpu attention's bit for bit; no dequantized copy of the context is made. */
+template <int DT> __device__ __forceinline__ static float kv_elem(const uint8_t *row, int j, int hd)
+{
+    if (DT == REKV_DTYPE_I8 || DT == REKV_DTYPE_I4) {
+        int q4 = DT == REKV_DTYPE_I4;
+        const uint8_t *sc = row + (q4 ? hd / 2 : hd) + 2 * (j / kvq_group(hd));
+        float s = __half2float(__ushort_as_half((unsigned short)(sc[0] | (sc[1] << 8))));
+        int c = q4 ? (int)((row[j >> 1] >> (4 * (j & 1))) & 0xfu) - 8 : (int)(int8_t)row[j];
+        return __fmul_rn((float)c, s);
+    }
+    return load_as_f32(row, j, DT);
+}
+
+/* The warp's pass over positions t0 + warp, t0 + warp + ATT_WARPS, ... < t1 of kv head kvh; rows
+ * of rb bytes (rekv_kv_row_bytes). */
 template <int DT>
-__device__ static void attn_warp_pass(const float *qs, const void *kv, int n_kv, int hd, int kvh,
-                                      int t0, int t1, float scale, float &m, float &l, float *acc)
+__device__ static void attn_warp_pass(const float *qs, const void *kv, int n_kv, int hd, size_t rb,
+                                      int kvh, int t0, int t1, float scale, float &m, float &l,
+                                      float *acc)
 {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    size_t vs = rekv_kv_v_shift(n_kv, hd);
+    size_t vs = rekv_kv_v_shift(n_kv, 1) * rb; /* bytes from a K row to its V row */
     m = -INFINITY;
     l = 0;
 #pragma unroll
     for (int c = 0; c < ATT_MAX_PER_LANE; c++)
         acc[c] = 0;
     for (int t = t0 + warp; t < t1; t += ATT_WARPS) {
-        size_t row = rekv_kv_row(n_kv, hd, kvh, t);
+        /* rekv_kv_row with head_dim 1 is the row's index */
+        const uint8_t *row = (const uint8_t *)kv + rekv_kv_row(n_kv, 1, kvh, t) * rb;
         float d = 0;
         for (int j = lane; j < hd; j += 32)
-            d += qs[j] * load_as_f32(kv, row + j, DT);
+            d += qs[j] * kv_elem<DT>(row, j, hd);
         for (int o = 16; o > 0; o >>= 1)
             d += __shfl_xor_sync(0xffffffffu, d, o);
         d *= scale;
@@ -501,7 +609,7 @@ __device__ static void attn_warp_pass(const float *qs, const void *kv, int n_kv,
         for (int c = 0; c < ATT_MAX_PER_LANE; c++) {
             int j = c * 32 + lane;
             if (j < hd)
-                acc[c] = acc[c] * corr + p * load_as_f32(kv, vs + row + j, DT);
+                acc[c] = acc[c] * corr + p * kv_elem<DT>(row + vs, j, hd);
         }
         m = m_new;
     }
@@ -549,7 +657,7 @@ __device__ static void attn_merge(float *accs, float *ms, float *ls, int hd, flo
 template <int DT>
 __global__ static void __launch_bounds__(ATT_WARPS * 32)
     attention_kernel(float *out, const float *q, const rekv_attn_seq *seqs, int n_heads, int n_kv,
-                     int hd, float scale)
+                     int hd, size_t rb, float scale)
 {
     extern __shared__ float sh[];
     float *qs = sh, *accs = sh + hd, *ms = accs + ATT_WARPS * hd, *ls = ms + ATT_WARPS;
@@ -567,8 +675,8 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
             qs[j] = qh[j];
         __syncthreads();
         float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
-        attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, kvh, sq.skip ? sq.skip[kvh] : 0, sq.start + i + 1,
-                           scale, m, l, acc);
+        attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, sq.skip ? sq.skip[kvh] : 0,
+                           sq.start + i + 1, scale, m, l, acc);
         attn_merge(accs, ms, ls, hd, m, l, acc, out + r * qd + (size_t)h * hd, 1, &mx, &sum);
     }
 }
@@ -583,7 +691,7 @@ __device__ __forceinline__ static float *attn_partial(float *part, size_t r, int
 template <int DT>
 __global__ static void __launch_bounds__(ATT_WARPS * 32)
     attention_split_kernel(float *part, const float *q, const rekv_attn_seq *seqs, int n_heads,
-                           int n_kv, int hd, float scale)
+                           int n_kv, int hd, size_t rb, float scale)
 {
     extern __shared__ float sh[];
     float *qs = sh, *accs = sh + hd, *ms = accs + ATT_WARPS * hd, *ls = ms + ATT_WARPS;
@@ -614,7 +722,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         qs[j] = qh[j];
     __syncthreads();
     float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
-    attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, kvh, t0, t1, scale, m, l, acc);
+    attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, t0, t1, scale, m, l, acc);
     attn_merge(accs, ms, ls, hd, m, l, acc, pp + 2, 0, &mx, &sum);
     if (threadIdx.x == 0) {
         pp[0] = mx;
@@ -656,6 +764,12 @@ __global__ static void attention_combine_kernel(float *out, const float *part, i
         else if ((dt) == REKV_DTYPE_BF16)                                                          \
             KLAUNCH(s, "attention", kernel<REKV_DTYPE_BF16>, grid, ATT_WARPS * 32, shmem,          \
                     __VA_ARGS__);                                                                  \
+        else if ((dt) == REKV_DTYPE_I8)                                                            \
+            KLAUNCH(s, "attention", kernel<REKV_DTYPE_I8>, grid, ATT_WARPS * 32, shmem,            \
+                    __VA_ARGS__);                                                                  \
+        else if ((dt) == REKV_DTYPE_I4)                                                            \
+            KLAUNCH(s, "attention", kernel<REKV_DTYPE_I4>, grid, ATT_WARPS * 32, shmem,            \
+                    __VA_ARGS__);                                                                  \
         else                                                                                       \
             KLAUNCH(s, "attention", kernel<REKV_DTYPE_F32>, grid, ATT_WARPS * 32, shmem,           \
                     __VA_ARGS__);                                                                  \
@@ -680,6 +794,12 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
                          s->name, n_seqs);
         return;
     }
+    if (dt == REKV_DTYPE_I4 && head_dim % 2 != 0) {
+        cuda_stream_fail(s, -EINVAL, "cuda stream %s: attention over INT4 rows of odd head_dim %d",
+                         s->name, head_dim);
+        return;
+    }
+    size_t rb = rekv_kv_row_bytes(dt, head_dim);
     size_t shmem = sizeof(float) * ((size_t)head_dim * (1 + ATT_WARPS) + 2 * ATT_WARPS);
     float scale = 1.0f / sqrtf((float)head_dim);
     /* a decode batch (one row per sequence) of fewer blocks than fill the device twice: split
@@ -700,7 +820,7 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
             return;
         dim3 grid((unsigned)n_heads, (unsigned)n_seqs, (unsigned)splits);
         ATT_LAUNCH(s, dt, attention_split_kernel, grid, shmem, part, q, seqs, n_heads, n_kv,
-                   head_dim, scale);
+                   head_dim, rb, scale);
         KLAUNCH(s, "attention", attention_combine_kernel, dim3((unsigned)rows, (unsigned)n_heads),
                 128, 0, out, part, n_heads, splits, head_dim);
         cuda_stream_check(s, cudaFreeAsync(part, s->cs), "attention scratch");
@@ -709,7 +829,8 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
     /* one row per sequence (decode): one block per (head, sequence) — slices would only find
      * no row of theirs and exit */
     dim3 grid((unsigned)n_heads, (unsigned)n_seqs, rows == n_seqs ? 1u : (unsigned)ATT_ROW_SLICES);
-    ATT_LAUNCH(s, dt, attention_kernel, grid, shmem, out, q, seqs, n_heads, n_kv, head_dim, scale);
+    ATT_LAUNCH(s, dt, attention_kernel, grid, shmem, out, q, seqs, n_heads, n_kv, head_dim, rb,
+               scale);
 }
 
 /* One block per piece (the piece read once, through shared memory), threads over its elements. */
@@ -723,9 +844,20 @@ __global__ static void convert_kernel(const rekv_convert_piece *pieces, int dtyp
         pc.dst[i] = load_as_f32(pc.src, i, dtype);
 }
 
+/* convert and convert_out take whole elements: a quantized row is read and written by rows only
+ * (kv_scatter, attention), as on cpu (rekv_to_f32 / rekv_from_f32 refuse them) */
+static int convert_refuses(rekv_stream *s, const char *what, rekv_dtype dtype)
+{
+    if (!rekv_dtype_quantized(dtype))
+        return 0;
+    cuda_stream_fail(s, -EINVAL, "cuda stream %s: %s of %s elements (quantized rows: by rows only)",
+                     s->name, what, rekv_dtype_name(dtype));
+    return 1;
+}
+
 static void k_convert(rekv_stream *s, const rekv_convert_piece *pieces, size_t n, rekv_dtype dtype)
 {
-    if (n == 0)
+    if (n == 0 || convert_refuses(s, "convert", dtype))
         return;
     /* grid.x may be up to 2^31 - 1; launch in chunks anyway so that the index stays an int */
     for (size_t off = 0; off < n; off += 1u << 30) {
@@ -736,7 +868,7 @@ static void k_convert(rekv_stream *s, const rekv_convert_piece *pieces, size_t n
 
 static void k_convert_out(rekv_stream *s, void *dst, const float *src, size_t n, rekv_dtype dtype)
 {
-    if (n == 0)
+    if (n == 0 || convert_refuses(s, "convert_out", dtype))
         return;
     KLAUNCH(s, "convert_out", convert_out_kernel, ew_blocks(n), EW_THREADS, 0, dst, src, n,
             (int)dtype);

@@ -293,11 +293,6 @@ static int create_check(rekv_backend *be, rekv_kvstore_client *store,
                          cfg->device_tokens, mi->name);
     if (rekv_kernels_of(be) == NULL)
         return rekv_errf(err, -EINVAL, "pipeline: backend %s has no kernels", be->iface->name);
-    /* the cuda kernels do not read or write quantized rows yet */
-    if (rekv_dtype_quantized(cfg->cache_dtype) && strcmp(be->iface->name, "cpu") != 0)
-        return rekv_errf(err, -ENOTSUP,
-                         "pipeline: an %s KV cache runs on the cpu backend only, not %s",
-                         rekv_dtype_name(cfg->cache_dtype), be->iface->name);
     if (cfg->push && mi->store == REKV_STORE_NONE)
         return rekv_errf(err, -EINVAL, "pipeline: push needs a mode that streams the KV cache");
     if (cfg->push && !rekv_backend_has_ipc(be))
