@@ -19,7 +19,10 @@
  *   rekv_rope_freqs_at does, in double.
  * - attention: one block per (head, sequence, row slice); the block's warps split the context,
  *   each keeps an online softmax, and the block merges them (flash-decoding's split, within a
- *   block). The `scores` scratch is not used.
+ *   block). The `scores` scratch is not used. int8/int4 rows are dequantized as they are read
+ *   (kv_elem), never copied out widened.
+ * - kv_scatter: rows stored in the cache dtype; int8/int4 quantized by a warp per row
+ *   (kvq_row_warp), the cpu's codes and scales bit for bit.
  * - sample: one block per row, rekv_sample_drawn by radix selection and prefix sums in fixed
  *   point (below), so only the chosen ids and any top logits cross back.
  * - the rest: element- or row-parallel; one block per row where a row reads mapped metadata, read
