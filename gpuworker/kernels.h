@@ -138,6 +138,17 @@ typedef struct rekv_kernel_iface {
      * (cuda): a pipeline there makes the engine's weights row-major (rekv_engine_untile). */
     void (*linear_tiled)(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
                          const float *bias, int m, int n, int k);
+    /* The attention's input projection as one GEMM: w is a layer's W_Q, W_K, W_V concatenated
+     * by rows ([n_heads + 2 n_kv heads][head_dim][k] in dtype wt, row-major), bias their biases
+     * likewise (fp32, NULL: none). q ([m][n_heads * head_dim]), k and v ([m][n_kv * head_dim])
+     * get what linear would put there for each matrix, bias added, and q and k are then rotated
+     * as rope does (pos, f, style; REKV_ROPE_NONE: not rotated): three linears and two ropes in
+     * one GEMM and one kernel. NULL where the backend runs those separately (cpu: the reference,
+     * whose matrices stay apart); the pipeline concatenates a layer's matrices at upload only
+     * for a backend that has it (pipeline_create.c, pl_qkv_pack). */
+    void (*qkv)(rekv_stream *s, float *q, float *k, float *v, const float *x, const void *w,
+                rekv_dtype wt, const float *bias, int m, int kdim, int n_heads, int n_kv,
+                int head_dim, const int32_t *pos, const rekv_rope_freqs *f, rekv_rope style);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

@@ -11,6 +11,9 @@
  *   (tensor cores). Then a bias kernel. Not row-invariant like cpu_gemm.c, so bits may depend on
  *   batching; results agree with the cpu reference within fp32 rounding (fp32 weights) or the
  *   16-bit rounding of x (16-bit weights).
+ * - qkv: a layer's W_Q, W_K, W_V concatenated at upload (pipeline_create.c) make one GEMM as
+ *   linear's, into a per-stream scratch; one kernel then adds the bias, rotates q and k (RoPE, as
+ *   rope) and writes the three parts apart: no bias kernel, no rope launches, x rounded once.
  * - norm: one block per row, two-pass LayerNorm as cpu_norm does, reductions in shared memory.
  * - rope: the engine's frequency table (rekv_rope_freqs, made once on the host) passed by value
  *   as the kernel's argument, so the angles are cpu_rope_table's bit for bit; cos/sin in double
@@ -129,13 +132,19 @@ __global__ static void bias_kernel(float *y, const float *bias, int m, int n)
     }
 }
 
+/* A per-stream device scratch buffer (stream-ordered allocation, grown on demand). */
+typedef struct cu_scratch {
+    void *p;
+    size_t cap; /* bytes */
+} cu_scratch;
+
 /* The kernels' state of one stream: a cuBLAS handle of its own (a handle's workspace must not be
- * shared by concurrent streams) bound to the stream, and linear's input scratch. */
+ * shared by concurrent streams) bound to the stream, and the GEMMs' scratch. */
 enum { CU_SCRATCH_RETIRED = 48 };
 typedef struct cu_kstate {
     cublasHandle_t blas; /* bound to the stream; full fp32 products (no TF32) */
-    void *xh;            /* linear with 16-bit weights: x rounded to the weights' dtype */
-    size_t xh_cap;       /* bytes (stream-ordered allocation, grown on demand) */
+    cu_scratch xh;       /* a GEMM with 16-bit weights: x rounded to the weights' dtype */
+    cu_scratch yqkv;     /* qkv: the fused projection's output before its split */
     /* outgrown scratch, kept until the stream goes: a captured graph may still use one (growth
      * by 5/4 from a few KiB: 48 cover any size; past that the oldest is freed) */
     void *retired[CU_SCRATCH_RETIRED];
@@ -146,8 +155,10 @@ typedef struct cu_kstate {
 static void kstate_free(void *p)
 {
     cu_kstate *k = (cu_kstate *)p;
-    if (k->xh != NULL)
-        cudaFree(k->xh);
+    if (k->xh.p != NULL)
+        cudaFree(k->xh.p);
+    if (k->yqkv.p != NULL)
+        cudaFree(k->yqkv.p);
     for (int i = 0; i < k->n_retired; i++)
         cudaFree(k->retired[i]);
     cublasDestroy(k->blas);
@@ -187,16 +198,16 @@ static cu_kstate *kstate(rekv_stream *s)
     return k;
 }
 
-/* k->xh holds at least bytes. An outgrown buffer is kept until the stream is destroyed, since a
- * graph captured with it may launch again; growing inside a capture would make the graph own the
- * buffer, so it fails the capture instead (the step then runs uncaptured, and grows). 0, or
- * -ENOMEM / -ENOTSUP with the stream failed. */
-static int stream_scratch(rekv_stream *s, cu_kstate *k, size_t bytes)
+/* sc (one of k's scratch buffers) holds at least bytes. An outgrown buffer is kept until the
+ * stream is destroyed, since a graph captured with it may launch again; growing inside a capture
+ * would make the graph own the buffer, so it fails the capture instead (the step then runs
+ * uncaptured, and grows). 0, or -ENOMEM / -ENOTSUP with the stream failed. */
+static int stream_scratch(rekv_stream *s, cu_kstate *k, cu_scratch *sc, size_t bytes)
 {
-    if (bytes <= k->xh_cap)
+    if (bytes <= sc->cap)
         return 0;
     if (s->capturing) {
-        cuda_stream_fail(s, -ENOTSUP, "cuda stream %s: linear's scratch must grow inside a capture",
+        cuda_stream_fail(s, -ENOTSUP, "cuda stream %s: a GEMM's scratch must grow inside a capture",
                          s->name);
         return -ENOTSUP;
     }
@@ -210,16 +221,48 @@ static int stream_scratch(rekv_stream *s, cu_kstate *k, size_t bytes)
                          s->name, want, cudaGetErrorString(e));
         return -ENOMEM;
     }
-    if (k->xh != NULL) {
+    if (sc->p != NULL) {
         if (k->n_retired == CU_SCRATCH_RETIRED) {
             cudaFreeAsync(k->retired[0], s->cs);
             memmove(k->retired, k->retired + 1, sizeof(void *) * (CU_SCRATCH_RETIRED - 1));
             k->n_retired--;
         }
-        k->retired[k->n_retired++] = k->xh;
+        k->retired[k->n_retired++] = sc->p;
     }
-    k->xh = p;
-    k->xh_cap = want;
+    sc->p = p;
+    sc->cap = want;
+    return 0;
+}
+
+/* y[m][n] = x[m][k] · w[n][k]^T in fp32 (no bias), enqueued on s: fp32 weights by cublasSgemm;
+ * 16-bit weights with x rounded to their dtype (ks->xh), products on tensor cores, fp32 sums.
+ * 0, or -1 with the stream failed. */
+static int gemm(rekv_stream *s, cu_kstate *ks, float *y, const float *x, const void *w,
+                rekv_dtype wt, int m, int n, int k)
+{
+    const float one = 1.0f, zero = 0.0f;
+    /* cuBLAS is column-major: row-major y[m][n] is y^T (n x m, ld n) = op_T(w) · x, where w's
+     * rows [n][k] are a k x n matrix (ld k), transposed to n x k, and x is k x m (ld k) */
+    cublasStatus_t st;
+    if (wt == REKV_DTYPE_F32) {
+        st = cublasSgemm(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, (const float *)w, k, x,
+                         k, &zero, y, n);
+    } else {
+        size_t xe = (size_t)m * (size_t)k;
+        if (stream_scratch(s, ks, &ks->xh, xe * 2) != 0)
+            return -1;
+        convert_out_kernel<<<ew_blocks(xe), EW_THREADS, 0, s->cs>>>(ks->xh.p, x, xe, (int)wt);
+        cuda_launch_check(s, "linear x");
+        cudaDataType dt = wt == REKV_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
+        st = cublasGemmEx(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, dt, k, ks->xh.p, dt,
+                          k, &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        cuda_stream_fail(s, -EIO, "cuda stream %s: %s GEMM (m %d, n %d, k %d): %s", s->name,
+                         rekv_dtype_name(wt), m, n, k, cublasGetStatusString(st));
+        return -1;
+    }
+    cuda_launch_check(s, "linear");
     return 0;
 }
 
@@ -232,33 +275,8 @@ static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, re
     cu_kstate *ks = kstate(s);
     if (ks == NULL)
         return;
-    const float one = 1.0f, zero = 0.0f;
     long op = cuda_op_begin(s, CU_OP_COMPUTE, "linear");
-    /* cuBLAS is column-major: row-major y[m][n] is y^T (n x m, ld n) = op_T(w) · x, where w's
-     * rows [n][k] are a k x n matrix (ld k), transposed to n x k, and x is k x m (ld k) */
-    cublasStatus_t st;
-    if (wt == REKV_DTYPE_F32) {
-        st = cublasSgemm(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, (const float *)w, k, x,
-                         k, &zero, y, n);
-    } else {
-        /* 16-bit weights: x rounded to the same dtype, products on tensor cores, fp32 sums */
-        size_t xe = (size_t)m * (size_t)k;
-        if (stream_scratch(s, ks, xe * 2) != 0) {
-            cuda_op_end(s, op);
-            return;
-        }
-        convert_out_kernel<<<ew_blocks(xe), EW_THREADS, 0, s->cs>>>(ks->xh, x, xe, (int)wt);
-        cuda_launch_check(s, "linear x");
-        cudaDataType dt = wt == REKV_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
-        st = cublasGemmEx(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, dt, k, ks->xh, dt,
-                          k, &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    }
-    if (st != CUBLAS_STATUS_SUCCESS)
-        cuda_stream_fail(s, -EIO, "cuda stream %s: %s GEMM (m %d, n %d, k %d): %s", s->name,
-                         rekv_dtype_name(wt), m, n, k, cublasGetStatusString(st));
-    else
-        cuda_launch_check(s, "linear");
-    if (bias != NULL && st == CUBLAS_STATUS_SUCCESS) {
+    if (gemm(s, ks, y, x, w, wt, m, n, k) == 0 && bias != NULL) {
         unsigned nb = m < 65536 ? (unsigned)m : 65536u;
         bias_kernel<<<nb, EW_THREADS, 0, s->cs>>>(y, bias, m, n);
         cuda_launch_check(s, "linear bias");
@@ -305,6 +323,43 @@ static void k_norm(rekv_stream *s, float *out, const float *in, const float *w, 
     KLAUNCH(s, "norm", norm_kernel, m, ROW_THREADS, 0, out, in, w, b, d, eps);
 }
 
+/* A row's cos and sin of each pair at position pi into cosv, sinv ([f.half], shared), as
+ * cpu_rope_table makes them: the same angle; cos/sin in double rounded to float, those of glibc's
+ * correctly rounded float functions; then the attention factor (1 but for YaRN). Dynamic NTK past
+ * the original length computes the row's own frequencies (rekv_rope_freqs_at) into dyn. Called by
+ * every thread of the block; cosv, sinv are ready when it returns. */
+__device__ static void rope_row_table(int pi, const rekv_rope_freqs &f, int head_dim, float *dyn,
+                                      float *cosv, float *sinv)
+{
+    int half = head_dim / 2, is_dyn = pi >= f.dyn_from;
+    if (is_dyn) {
+        double L = (double)pi + 1, O = f.dyn_from;
+        double base = f.theta * pow(f.dyn_factor * L / O - (f.dyn_factor - 1),
+                                    (double)head_dim / (head_dim - 2));
+        for (int j = threadIdx.x; j < half; j += blockDim.x)
+            dyn[j] = (float)(1.0 / pow(base, (double)(2 * j) / (double)head_dim));
+        __syncthreads();
+    }
+    float p = (float)pi;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        float a = p * (is_dyn ? dyn[j] : f.inv_freq[j]);
+        cosv[j] = __fmul_rn((float)cos((double)a), f.attn_factor);
+        sinv[j] = __fmul_rn((float)sin((double)a), f.attn_factor);
+    }
+    __syncthreads();
+}
+
+/* Pair i of a row of heads ([heads][head_dim], i over heads * half): its two elements' offsets in
+ * the row, and its pair index j (adjacent: 2j, 2j+1; else j, j + half). */
+__device__ __forceinline__ static int rope_pair_at(int i, int head_dim, int adjacent, int *a,
+                                                   int *b)
+{
+    int half = head_dim / 2, h = i / half, j = i % half;
+    *a = h * head_dim + (adjacent ? 2 * j : j);
+    *b = h * head_dim + (adjacent ? 2 * j + 1 : j + half);
+    return j;
+}
+
 /* One block per row; threads over (head, pair). f comes by value (about 1 KiB of the 4 KiB a
  * launch's arguments may take): no device copy of the table to keep or free. The row's cos and
  * sin of each pair are computed once, into shared memory, for all its heads: the double-precision
@@ -317,34 +372,13 @@ __global__ static void rope_kernel(float *x, const int32_t *pos, int n_heads, in
     if (threadIdx.x == 0)
         pi = pos[blockIdx.x]; /* mapped host memory: read once per block */
     __syncthreads();
-    int half = head_dim / 2, is_dyn = pi >= f.dyn_from;
-    if (is_dyn) { /* dynamic NTK past the original length: the row's table (rekv_rope_freqs_at) */
-        double L = (double)pi + 1, O = f.dyn_from;
-        double base = f.theta * pow(f.dyn_factor * L / O - (f.dyn_factor - 1),
-                                    (double)head_dim / (head_dim - 2));
-        for (int j = threadIdx.x; j < half; j += blockDim.x)
-            dyn[j] = (float)(1.0 / pow(base, (double)(2 * j) / (double)head_dim));
-        __syncthreads();
-    }
-    float p = (float)pi;
-    for (int j = threadIdx.x; j < half; j += blockDim.x) {
-        /* as cpu_rope_table: the same angle; cos/sin in double rounded to float, those of glibc's
-         * correctly rounded float functions; then the attention factor (1 but for YaRN) */
-        float a = p * (is_dyn ? dyn[j] : f.inv_freq[j]);
-        cosv[j] = __fmul_rn((float)cos((double)a), f.attn_factor);
-        sinv[j] = __fmul_rn((float)sin((double)a), f.attn_factor);
-    }
-    __syncthreads();
+    rope_row_table(pi, f, head_dim, dyn, cosv, sinv);
     float *row = x + (size_t)blockIdx.x * (size_t)n_heads * (size_t)head_dim;
-    for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
-        int h = i / half, j = i % half;
-        float c = cosv[j], sn = sinv[j];
-        float *v = row + (size_t)h * head_dim;
-        float *pa = adjacent ? &v[2 * j] : &v[j];
-        float *pb = adjacent ? &v[2 * j + 1] : &v[j + half];
-        float x0 = *pa, x1 = *pb;
-        *pa = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-        *pb = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+    for (int i = threadIdx.x; i < n_heads * (head_dim / 2); i += blockDim.x) {
+        int ia, ib, j = rope_pair_at(i, head_dim, adjacent, &ia, &ib);
+        float c = cosv[j], sn = sinv[j], x0 = row[ia], x1 = row[ib];
+        row[ia] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        row[ib] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
     }
 }
 
@@ -362,6 +396,89 @@ static void k_rope(rekv_stream *s, float *x, const int32_t *pos, int m, int n_he
     }
     KLAUNCH(s, "rope", rope_kernel, m, ROW_THREADS, 0, x, pos, n_heads, head_dim, *f,
             style == REKV_ROPE_ADJACENT);
+}
+
+/* qkv's split: one block per row of the fused projection's output y ([m][nq + 2 nkv] fp32): the
+ * bias added as bias_kernel adds it, q's and k's heads rotated as rope_kernel rotates them (the
+ * same table, the same arithmetic), and the three parts written where three linears and two ropes
+ * put them — the bias and RoPE passes of the unfused path, and their launches, folded into the
+ * one pass that must copy the parts apart anyway. */
+__global__ static void qkv_split_kernel(float *q, float *k, float *v, const float *y,
+                                        const float *bias, const int32_t *pos, int n_heads,
+                                        int n_kv, int head_dim, const rekv_rope_freqs f, int style)
+{
+    __shared__ int pi;
+    __shared__ float dyn[REKV_ROPE_MAX_PAIRS], cosv[REKV_ROPE_MAX_PAIRS], sinv[REKV_ROPE_MAX_PAIRS];
+    size_t r = blockIdx.x;
+    int nq = n_heads * head_dim, nkv = n_kv * head_dim, w = nq + 2 * nkv;
+    const float *yr = y + r * (size_t)w;
+    float *qr = q + r * (size_t)nq, *kr = k + r * (size_t)nkv, *vr = v + r * (size_t)nkv;
+    for (int j = threadIdx.x; j < nkv; j += blockDim.x) /* v: never rotated */
+        vr[j] = bias ? yr[nq + nkv + j] + bias[nq + nkv + j] : yr[nq + nkv + j];
+    if (style == REKV_ROPE_NONE) {
+        for (int j = threadIdx.x; j < nq + nkv; j += blockDim.x) {
+            float t = bias ? yr[j] + bias[j] : yr[j];
+            if (j < nq)
+                qr[j] = t;
+            else
+                kr[j - nq] = t;
+        }
+        return;
+    }
+    if (threadIdx.x == 0)
+        pi = pos[blockIdx.x]; /* mapped host memory: read once per block */
+    __syncthreads();
+    rope_row_table(pi, f, head_dim, dyn, cosv, sinv);
+    int half = head_dim / 2, adjacent = style == REKV_ROPE_ADJACENT;
+    for (int i = threadIdx.x; i < (n_heads + n_kv) * half; i += blockDim.x) {
+        int is_k = i >= n_heads * half, ia, ib;
+        int j = rope_pair_at(is_k ? i - n_heads * half : i, head_dim, adjacent, &ia, &ib);
+        int at = is_k ? nq : 0; /* the part's first column in y and bias */
+        float *out = is_k ? kr : qr;
+        float x0 = yr[at + ia], x1 = yr[at + ib];
+        if (bias) {
+            x0 += bias[at + ia];
+            x1 += bias[at + ib];
+        }
+        float c = cosv[j], sn = sinv[j];
+        out[ia] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        out[ib] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+    }
+}
+
+/* kernels.h's qkv: one GEMM over the concatenated matrices into the stream's scratch, then the
+ * split (bias, RoPE, the three parts) — a convert (16-bit weights), a GEMM and one kernel where
+ * the unfused path runs three of each, three bias kernels and two ropes. */
+static void k_qkv(rekv_stream *s, float *q, float *k, float *v, const float *x, const void *w,
+                  rekv_dtype wt, const float *bias, int m, int kdim, int n_heads, int n_kv,
+                  int head_dim, const int32_t *pos, const rekv_rope_freqs *f, rekv_rope style)
+{
+    if (m <= 0 || n_heads <= 0 || n_kv <= 0 || head_dim <= 0)
+        return;
+    if (style != REKV_ROPE_NONE && (head_dim > 512 || f->half * 2 != head_dim)) {
+        cuda_stream_fail(s, -EINVAL,
+                         "cuda stream %s: qkv's rope with head_dim %d (> 512, or not the table's "
+                         "%d)",
+                         s->name, head_dim, 2 * f->half);
+        return;
+    }
+    cuda_use_device(s->be);
+    cu_kstate *ks = kstate(s);
+    if (ks == NULL)
+        return;
+    int n = (n_heads + 2 * n_kv) * head_dim;
+    if (stream_scratch(s, ks, &ks->yqkv, sizeof(float) * (size_t)m * (size_t)n) != 0)
+        return;
+    float *y = (float *)ks->yqkv.p;
+    long op = cuda_op_begin(s, CU_OP_COMPUTE, "qkv");
+    if (gemm(s, ks, y, x, w, wt, m, n, kdim) == 0) {
+        rekv_rope_freqs none{}; /* without RoPE f may be NULL; the kernel reads no table */
+        qkv_split_kernel<<<m, ROW_THREADS, 0, s->cs>>>(
+            q, k, v, y, bias, pos, n_heads, n_kv, head_dim, style == REKV_ROPE_NONE ? none : *f,
+            (int)style);
+        cuda_launch_check(s, "qkv split");
+    }
+    cuda_op_end(s, op);
 }
 
 __global__ static void act_kernel(float *a, const float *b, size_t n, int act)
@@ -1237,6 +1354,7 @@ static const rekv_kernel_iface cuda_kernels = {
     k_spec_scores, /* spec_scores */
     k_sample,      /* sample */
     NULL,          /* linear_tiled: cuBLAS reads row-major weights */
+    k_qkv,         /* qkv */
 };
 
 /* ------------------------------------------------------------------ the object's entry point */

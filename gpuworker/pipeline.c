@@ -202,12 +202,18 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    pl_linear(p, s, q, h, L->wq, qt[LQT_WQ], 1, L->bq, T, Q, H);
-    pl_linear(p, s, kk, h, L->wk, qt[LQT_WK], 1, L->bk, T, KV, H);
-    pl_linear(p, s, vv, h, L->wv, qt[LQT_WV], 1, L->bv, T, KV, H);
-    if (c->rope != REKV_ROPE_NONE) {
-        k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, &p->e->rope, c->rope);
-        k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, &p->e->rope, c->rope);
+    const struct pl_qkv *fq = p->qkv ? &p->qkv[layer] : NULL;
+    if (fq && fq->w && fq->w == L->wq) { /* resident, concatenated at upload: one GEMM */
+        k->qkv(s, q, kk, vv, h, fq->w, fq->wt, fq->b, T, H, c->n_heads, c->n_kv_heads, c->head_dim,
+               st->pos[g], &p->e->rope, c->rope);
+    } else {
+        pl_linear(p, s, q, h, L->wq, qt[LQT_WQ], 1, L->bq, T, Q, H);
+        pl_linear(p, s, kk, h, L->wk, qt[LQT_WK], 1, L->bk, T, KV, H);
+        pl_linear(p, s, vv, h, L->wv, qt[LQT_WV], 1, L->bv, T, KV, H);
+        if (c->rope != REKV_ROPE_NONE) {
+            k->rope(s, q, st->pos[g], T, c->n_heads, c->head_dim, &p->e->rope, c->rope);
+            k->rope(s, kk, st->pos[g], T, c->n_kv_heads, c->head_dim, &p->e->rope, c->rope);
+        }
     }
     rekv_dtype cdt = p->cfg.cache_dtype;
     if (store) { /* the attention input leaves for the arena (K, V leave from the attention

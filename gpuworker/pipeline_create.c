@@ -166,6 +166,117 @@ static int slot_matrix(const rekv_model_config *c, int i, int *which, size_t *n,
     return 1;
 }
 
+/* ------------------------------------------------------------------ the fused Q,K,V projection */
+
+/* The first N_QKV_TENSORS slots of the load order (layer_tensors) are W_K, b_K, W_V, b_V, W_Q,
+ * b_Q: what a fused layer keeps in its two allocations (struct pl_qkv) instead of six. */
+enum { N_QKV_TENSORS = 6 };
+
+int pl_qkv_dtype(const rekv_engine *e, int l, int q_f16, rekv_dtype *wt)
+{
+    static const int mats[3] = {LQT_WQ, LQT_WK, LQT_WV};
+    for (int i = 0; i < 3; i++) {
+        uint32_t qt = e->lqt[l][mats[i]];
+        if (qt && !q_f16) /* the cpu kernels read blocks: nothing to concatenate them into */
+            return 0;
+        rekv_dtype d = qt ? REKV_DTYPE_F16 : e->wdtype;
+        if (i > 0 && d != *wt)
+            return 0;
+        *wt = d;
+    }
+    return 1;
+}
+
+/* Matrix w ([n][k], the engine's: blocks of type qt, or wdtype in the engine's layout) into dst
+ * row-major in wt. scratch: k floats and cpu_tile_scratch_bytes(wdtype, k). */
+static void pack_part(const rekv_engine *e, void *dst, const void *w, uint32_t qt, rekv_dtype wt,
+                      size_t n, size_t k, float *row, void *scratch)
+{
+    if (qt) {
+        size_t rb = cpu_qgemm_row_bytes(qt, (int)k);
+        for (size_t i = 0; i < n; i++) {
+            (void)rekv_ggml_dequant_row(qt, (const uint8_t *)w + i * rb, (uint64_t)k, row);
+            rekv_from_f32((uint8_t *)dst + i * k * rekv_dtype_size(wt), row, wt, k);
+        }
+        return;
+    }
+    REKV_ASSERT(wt == e->wdtype);
+    memcpy(dst, w, n * k * rekv_dtype_size(wt));
+    if (rekv_engine_w_tiled(e, w))
+        cpu_tile_unpack(dst, wt, (int)n, (int)k, scratch);
+}
+
+int pl_qkv_pack(const rekv_engine *e, int l, rekv_dtype wt, void *w, float *b)
+{
+    const rekv_model_config *c = &e->c;
+    const layer_w *L = &e->layers[l];
+    size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
+    size_t KV = (size_t)rekv_config_kv_dim(c), es = rekv_dtype_size(wt);
+    const void *m[3] = {L->wq, L->wk, L->wv}, *bs[3] = {L->bq, L->bk, L->bv};
+    const int which[3] = {LQT_WQ, LQT_WK, LQT_WV};
+    size_t rows[3] = {Q, KV, KV}, at = 0;
+    float *row = malloc(H * sizeof(float));
+    void *scratch = malloc(cpu_tile_scratch_bytes(e->wdtype, (int)H) + 1);
+    if (row == NULL || scratch == NULL) {
+        free(row);
+        free(scratch);
+        return -ENOMEM;
+    }
+    for (int i = 0; i < 3; i++) {
+        pack_part(e, (uint8_t *)w + at * H * es, m[i], e->lqt[l][which[i]], wt, rows[i], H, row,
+                  scratch);
+        if (b && bs[i])
+            memcpy(b + at, bs[i], rows[i] * sizeof(float));
+        else if (b)
+            memset(b + at, 0, rows[i] * sizeof(float));
+        at += rows[i];
+    }
+    free(row);
+    free(scratch);
+    return 0;
+}
+
+/* Layer l of the resident weights fused (kernels.h qkv): its W_Q, W_K, W_V packed on the host and
+ * copied into one device matrix (biases into one vector), dev_layers' six pointers set into them
+ * so that every other reader (the recomputation's K and V, infinigen's W_Q) finds its matrix
+ * where it looks. 0 (layers that cannot be fused are left to the per-tensor copies) or -ENOMEM. */
+static int upload_qkv(rekv_pipeline *p, int l)
+{
+    const rekv_engine *e = p->e;
+    const rekv_model_config *c = p->c;
+    const layer_w *L = &e->layers[l];
+    rekv_dtype wt;
+    if (p->qkv == NULL || !pl_qkv_dtype(e, l, p->q_f16, &wt))
+        return 0;
+    size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
+    size_t KV = (size_t)rekv_config_kv_dim(c), n = Q + 2 * KV, es = rekv_dtype_size(wt);
+    int has_b = L->bq || L->bk || L->bv, rc = 0;
+    void *hw = malloc(n * H * es);
+    float *hb = has_b ? malloc(n * sizeof(float)) : NULL;
+    struct pl_qkv *f = &p->qkv[l];
+    if (hw == NULL || (has_b && hb == NULL) || (rc = pl_qkv_pack(e, l, wt, hw, hb)) ||
+        (f->w = p->bi->dev_alloc(p->be, n * H * es)) == NULL ||
+        (has_b && (f->b = p->bi->dev_alloc(p->be, n * sizeof(float))) == NULL)) {
+        rc = -ENOMEM;
+    } else {
+        rekv_copy_piece pc[2] = {{f->w, hw, n * H * es}, {f->b, hb, n * sizeof(float)}};
+        p->bi->copy_h2d(p->s_h2d, pc, has_b ? 2 : 1, REKV_XFER_WEIGHTS);
+        if (p->bi->stream_sync(p->s_h2d, NULL)) /* the copies have read hw, hb once done */
+            rc = -EIO;
+        f->wt = wt;
+        layer_w *d = &p->dev_layers[l];
+        d->wq = f->w;
+        d->wk = (uint8_t *)f->w + Q * H * es;
+        d->wv = (uint8_t *)f->w + (Q + KV) * H * es;
+        d->bq = L->bq ? f->b : NULL;
+        d->bk = L->bk ? f->b + Q : NULL;
+        d->bv = L->bv ? f->b + Q + KV : NULL;
+    }
+    free(hw);
+    free(hb);
+    return rc;
+}
+
 void rekv_pipeline_free(rekv_pipeline *p)
 {
     if (p == NULL)
@@ -182,12 +293,18 @@ void rekv_pipeline_free(rekv_pipeline *p)
             void **ds[N_LAYER_TENSORS];
             size_t n[N_LAYER_TENSORS];
             layer_tensors(p->e, l, &p->dev_layers[l], ds, n);
-            for (int i = 0; i < N_LAYER_TENSORS; i++)
+            struct pl_qkv *f = p->qkv ? &p->qkv[l] : NULL;
+            for (int i = f && f->w ? N_QKV_TENSORS : 0; i < N_LAYER_TENSORS; i++)
                 if (*ds[i] && p->adopted == NULL)
                     p->bi->dev_free(p->be, *ds[i]);
+            if (f && f->w)
+                p->bi->dev_free(p->be, f->w);
+            if (f && f->b)
+                p->bi->dev_free(p->be, f->b);
         }
         free(p->dev_layers);
     }
+    free(p->qkv);
     for (int i = 0; i < p->n_adopted; i++)
         p->bi->dev_unadopt(p->be, p->adopted[i].p, p->adopted[i].bytes);
     free(p->adopted);
@@ -420,14 +537,21 @@ static int upload_weights(rekv_pipeline *p, rekv_err *err)
         }
     } else if (rc == 0) {
         p->dev_layers = calloc((size_t)c->n_layers, sizeof(layer_w));
-        if (p->dev_layers == NULL)
+        /* W_Q, W_K, W_V as one matrix where the kernels can take it (one GEMM, kernels.h qkv);
+         * not where the device adopts the engine's own copies (they stay apart, the cpu
+         * reference's) */
+        if (p->k->qkv && p->bi->dev_adopt == NULL)
+            p->qkv = calloc((size_t)c->n_layers, sizeof(*p->qkv));
+        if (p->dev_layers == NULL || (p->k->qkv && p->bi->dev_adopt == NULL && p->qkv == NULL))
             rc = -ENOMEM;
         for (int l = 0; l < c->n_layers && rc == 0; l++) {
             void **ss[N_LAYER_TENSORS], **ds[N_LAYER_TENSORS];
             size_t n[N_LAYER_TENSORS];
             layer_tensors(e, l, &e->layers[l], ss, n);
             layer_tensors(e, l, &p->dev_layers[l], ds, n);
-            for (int i = 0; i < N_LAYER_TENSORS && rc == 0; i++) {
+            rc = upload_qkv(p, l);
+            int fused = p->qkv && p->qkv[l].w;
+            for (int i = fused ? N_QKV_TENSORS : 0; i < N_LAYER_TENSORS && rc == 0; i++) {
                 int which;
                 size_t mn, mk;
                 uint32_t qt =

@@ -42,6 +42,7 @@ enum {
     OP_HEAD_PROJ,
     OP_SPEC,
     OP_SAMPLE,
+    OP_QKV,
     OP_H2D, /* the copies: kernels and copies are what a graph may hold */
     OP_D2H,
     OP_D2D,
@@ -333,6 +334,28 @@ static void r_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_
         a->rows = rows, a->scratch = scratch, a->n = n, a->vocab = vocab;
 }
 
+typedef struct a_qkv {
+    float *q, *k, *v;
+    const float *x, *bias;
+    const void *w;
+    const int32_t *pos;
+    const rekv_rope_freqs *f; /* the engine's, as a_rope's */
+    rekv_dtype wt;
+    rekv_rope style;
+    int m, kdim, n_heads, n_kv, head_dim;
+} a_qkv;
+
+static void r_qkv(rekv_stream *s, float *q, float *k, float *v, const float *x, const void *w,
+                  rekv_dtype wt, const float *bias, int m, int kdim, int n_heads, int n_kv,
+                  int head_dim, const int32_t *pos, const rekv_rope_freqs *f, rekv_rope style)
+{
+    a_qkv *a = rec_add(OP_QKV, s, NULL, sizeof(*a));
+    if (a)
+        a->q = q, a->k = k, a->v = v, a->x = x, a->w = w, a->wt = wt, a->bias = bias, a->m = m,
+        a->kdim = kdim, a->n_heads = n_heads, a->n_kv = n_kv, a->head_dim = head_dim, a->pos = pos,
+        a->f = f, a->style = style;
+}
+
 const rekv_kernel_iface pl_rec_kernels = {
     .linear = r_linear,
     .norm = r_norm,
@@ -349,6 +372,7 @@ const rekv_kernel_iface pl_rec_kernels = {
     .spec_scores = r_spec_scores,
     .sample = r_sample,
     .linear_tiled = r_linear_tiled,
+    .qkv = r_qkv,
 };
 
 /* ------------------------------------------------------------------ the stream operations' */
@@ -539,6 +563,12 @@ static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, 
             const a_sample *a = arg;
             k->sample(s, a->ids, a->top_ids, a->top_vals, a->lp, a->logits, a->rows, a->n, a->vocab,
                       a->scratch);
+            break;
+        }
+        case OP_QKV: {
+            const a_qkv *a = arg;
+            k->qkv(s, a->q, a->k, a->v, a->x, a->w, a->wt, a->bias, a->m, a->kdim, a->n_heads,
+                   a->n_kv, a->head_dim, a->pos, a->f, a->style);
             break;
         }
         case OP_H2D:

@@ -157,6 +157,14 @@ struct rekv_pipeline {
     rekv_event *ev_wkv[2], *ev_wall[2], *ev_wfree[2];
     layer_w *dev_layers; /* resident weights: [n_layers] device copies; NULL when offloaded */
     layer_w wbuf[2];     /* offloaded weights: two device layer buffers */
+    /* resident weights on a backend whose kernels have qkv: per layer, W_Q, W_K, W_V (and their
+     * biases) concatenated on the device (pl_qkv_pack), dev_layers' wq..bv pointing into them;
+     * w NULL for a layer left apart (its three matrices' dtypes differ). NULL: none fused */
+    struct pl_qkv {
+        void *w;  /* [q_dim + 2 kv_dim][hidden] in wt */
+        float *b; /* [q_dim + 2 kv_dim], zeros for a missing bias; NULL: no biases */
+        rekv_dtype wt;
+    } * qkv;
     void *wbuf_mem[2];
     void *d_embed, *d_proj_in, *d_proj_out, *d_head; /* matrices, in the engine's wdtype */
     float *d_pos, *d_fnorm_w, *d_fnorm_b;
@@ -415,6 +423,17 @@ void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x,
 /* The weight dtype the kernels get for a matrix of block type qt: cpu_qgemm_wt(qt), F16 where
  * the upload widened it (q_f16), the engine's wdtype for qt 0. */
 rekv_dtype pl_wt(const rekv_pipeline *p, uint32_t qt);
+
+/* pipeline_create.c */
+/* Whether layer l's W_Q, W_K, W_V reach the kernels in one dtype (each as pl_wt gives it, q_f16
+ * as the pipeline's): 1 with *wt that dtype, so they can be one matrix; 0 when they differ or a
+ * quantized one would reach the kernels as blocks (cpu). */
+int pl_qkv_dtype(const rekv_engine *e, int l, int q_f16, rekv_dtype *wt);
+/* Layer l's W_Q, W_K, W_V concatenated by rows into w ([q_dim + 2 kv_dim][hidden] in wt, from
+ * pl_qkv_dtype; row-major whatever the engine's layout; quantized ones dequantized as ggml does
+ * and rounded to wt), and when b is not NULL their biases into b ([q_dim + 2 kv_dim] fp32, zeros
+ * for a matrix without). 0 or -ENOMEM. */
+int pl_qkv_pack(const rekv_engine *e, int l, rekv_dtype wt, void *w, float *b);
 
 /* pipeline_buffers.c */
 int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem);
