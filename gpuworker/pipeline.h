@@ -178,6 +178,9 @@ const rekv_pipeline_config *rekv_pipeline_get_config(const rekv_pipeline *p);
  * from pageable memory, far below the link's speed), -1 nothing to lock or a backend that does
  * not lock (cpu). */
 int rekv_pipeline_page_locked(const rekv_pipeline *p);
+/* How many layers project Q, K, V as one GEMM over matrices concatenated at upload (the cuda
+ * kernels' qkv, resident weights): 0 on the cpu backend and with weights offloaded. */
+int rekv_pipeline_fused_layers(const rekv_pipeline *p);
 
 /* A sequence of up to `capacity` tokens; its cache lives where the mode says. */
 int rekv_pseq_create(rekv_pipeline *p, int capacity, rekv_pseq **out, rekv_err *err);

@@ -236,6 +236,14 @@ int pl_qkv_pack(const rekv_engine *e, int l, rekv_dtype wt, void *w, float *b)
     return 0;
 }
 
+int rekv_pipeline_fused_layers(const rekv_pipeline *p)
+{
+    int n = 0;
+    for (int l = 0; p->qkv && l < p->c->n_layers; l++)
+        n += p->qkv[l].w != NULL && p->dev_layers && p->dev_layers[l].wq == p->qkv[l].w;
+    return n;
+}
+
 /* Layer l of the resident weights fused (kernels.h qkv): its W_Q, W_K, W_V packed on the host and
  * copied into one device matrix (biases into one vector), dev_layers' six pointers set into them
  * so that every other reader (the recomputation's K and V, infinigen's W_Q) finds its matrix

@@ -2037,6 +2037,163 @@ START_TEST(pipeline_graph)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ the fused Q,K,V projection */
+
+/* qkv (one GEMM over W_Q, W_K, W_V concatenated, then bias, split and RoPE in one kernel) against
+ * the cpu's three linears and two ropes, in every weight dtype, with and without biases, every
+ * RoPE style, GQA and MHA, head_dim 2..128. Tolerances: linear's (RoPE rotates each error pair,
+ * which keeps its size). */
+START_TEST(kernel_qkv)
+{
+    backends_open();
+    static const int shapes[][5] = {/* m, k (hidden), n_heads, n_kv, head_dim */
+                                    {1, 64, 4, 4, 16},
+                                    {7, 256, 8, 2, 32},
+                                    {33, 160, 5, 1, 128},
+                                    {130, 96, 2, 2, 2}};
+    static const rekv_dtype dts[] = {REKV_DTYPE_F32, REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    for (size_t di = 0; di < 3; di++)
+        for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++)
+            for (int with_bias = 0; with_bias < 2; with_bias++)
+                for (int style = REKV_ROPE_NONE; style <= REKV_ROPE_ADJACENT; style++) {
+                    rekv_dtype dt = dts[di];
+                    int m = shapes[si][0], k = shapes[si][1], nh = shapes[si][2];
+                    int nkv = shapes[si][3], hd = shapes[si][4];
+                    size_t Q = (size_t)nh * hd, KV = (size_t)nkv * hd, n = Q + 2 * KV;
+                    size_t es = rekv_dtype_size(dt);
+                    rekv_model_config c = {.head_dim = hd, .rope_theta = 10000.0f};
+                    rekv_rope_freqs f;
+                    ck_assert_int_eq(rekv_rope_freqs_init(&f, &c, NULL), 0);
+                    float *x = hrand((size_t)m * k, 1), *wf = hrand(n * (size_t)k, 1);
+                    float *b = with_bias ? hrand(n, 1) : NULL;
+                    void *w = malloc(n * (size_t)k * es);
+                    if (dt == REKV_DTYPE_F32)
+                        memcpy(w, wf, n * (size_t)k * es);
+                    else
+                        rekv_from_f32(w, wf, dt, n * (size_t)k);
+                    int32_t *pos = malloc(sizeof(int32_t) * m), *dpos = meta(sizeof(int32_t) * m);
+                    for (int i = 0; i < m; i++)
+                        pos[i] = dpos[i] = i < 2 ? i : irand(4096);
+                    float *q = malloc(sizeof(float) * m * Q), *kk = malloc(sizeof(float) * m * KV);
+                    float *v = malloc(sizeof(float) * m * KV);
+                    const uint8_t *wb = w;
+                    rekv_cpu_kernels.linear(g_scpu, q, x, wb, dt, b, m, (int)Q, k);
+                    rekv_cpu_kernels.linear(g_scpu, kk, x, wb + Q * k * es, dt, b ? b + Q : NULL, m,
+                                            (int)KV, k);
+                    rekv_cpu_kernels.linear(g_scpu, v, x, wb + (Q + KV) * k * es, dt,
+                                            b ? b + Q + KV : NULL, m, (int)KV, k);
+                    if (style != REKV_ROPE_NONE) {
+                        rekv_cpu_kernels.rope(g_scpu, q, pos, m, nh, hd, &f, (rekv_rope)style);
+                        rekv_cpu_kernels.rope(g_scpu, kk, pos, m, nkv, hd, &f, (rekv_rope)style);
+                    }
+                    sync_cpu();
+                    float *dx = dev_from(x, sizeof(float) * (size_t)m * k);
+                    void *dw = dev_from(w, n * (size_t)k * es);
+                    float *db = dev_from(b, sizeof(float) * n);
+                    float *dq = dev_zero(sizeof(float) * m * Q);
+                    float *dk = dev_zero(sizeof(float) * m * KV);
+                    float *dv = dev_zero(sizeof(float) * m * KV);
+                    rekv_kernels_of(g_cu)->qkv(g_scu, dq, dk, dv, dx, dw, dt, db, m, k, nh, nkv, hd,
+                                               dpos, &f, (rekv_rope)style);
+                    sync_cu();
+                    double tol = dt == REKV_DTYPE_F32 ? KERNEL_TOL : KERNEL_TOL_16BIT(dt, k);
+                    const char *sn[] = {"no rope", "rope half", "rope adjacent"};
+                    char what[160];
+                    snprintf(what, sizeof(what),
+                             "qkv %s m %d k %d heads %d/%d hd %d%s, %s: ", rekv_dtype_name(dt), m,
+                             k, nh, nkv, hd, with_bias ? " + bias" : "", sn[style]);
+                    size_t wl = strlen(what);
+                    snprintf(what + wl, sizeof(what) - wl, "q");
+                    expect_dev(what, dq, q, m * Q, tol);
+                    snprintf(what + wl, sizeof(what) - wl, "k");
+                    expect_dev(what, dk, kk, m * KV, tol);
+                    snprintf(what + wl, sizeof(what) - wl, "v");
+                    expect_dev(what, dv, v, m * KV, tol);
+                    dev_free(dx), dev_free(dw), dev_free(db), dev_free(dq), dev_free(dk);
+                    dev_free(dv);
+                    meta_free(dpos);
+                    free(x), free(wf), free(b), free(w), free(pos), free(q), free(kk), free(v);
+                }
+    backends_close();
+}
+END_TEST
+
+/* A resident cuda pipeline takes the fused projection on every layer (pl_qkv_pack at upload),
+ * and its logits are the cpu reference's within the weights' tolerance: Qwen2-style attention
+ * (biases and RoPE, GQA) in f16 and bf16, OPT (biases, no RoPE), and a GGUF Q8_0 model, whose
+ * matrices are dequantized and rounded to f16 at upload (one more f16 rounding than the cpu's
+ * exact blocks, like the input's: twice the f16 tolerance). Offloaded weights stay unfused. */
+/* quantized: weights that cuda cannot offload (its kernels get them widened once, at upload) */
+static void check_qkv_pipeline(const char *path, double tol, int quantized)
+{
+    fixture f;
+    tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
+    enum { B = 3, STEPS = 3 };
+    int V = f.m->config.vocab, lens[B] = {5, 40, 17};
+    int32_t *prompts[B];
+    for (int i = 0; i < B; i++) {
+        prompts[i] = malloc(sizeof(int32_t) * (size_t)lens[i]);
+        for (int t = 0; t < lens[i]; t++)
+            prompts[i][t] = irand(V);
+    }
+    size_t nl = (size_t)(STEPS + 1) * B * V;
+    float *ref = malloc(sizeof(float) * nl), *got = malloc(sizeof(float) * nl);
+    int32_t *tokens = malloc(sizeof(int32_t) * STEPS * B);
+    rekv_backend *cpu, *cu;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_backend_cpu_create(NULL, &cpu, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_backend_cuda_create(0, &cu, &err) == 0, "%s", err.msg);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    for (int ow = 0; ow < (quantized ? 1 : 2); ow++) {
+        cfg.offload_weights = ow;
+        rekv_pipeline *p;
+        ck_assert_msg(rekv_pipeline_create(f.e, cu, NULL, &cfg, &p, &err) == 0, "%s", err.msg);
+        int fused = rekv_pipeline_fused_layers(p);
+        ck_assert_msg(fused == (ow ? 0 : f.m->config.n_layers), "%s%s: %d of %d layers fused", path,
+                      ow ? " offloaded" : "", fused, f.m->config.n_layers);
+        rekv_pipeline_free(p);
+        pipe_run(&f, cpu, &cfg, B, lens, prompts, STEPS, NULL, tokens, ref);
+        pipe_run(&f, cu, &cfg, B, lens, prompts, STEPS, tokens, NULL, got);
+        char name[4300];
+        snprintf(name, sizeof(name), "%s%s: fused qkv logits", path, ow ? " offloaded" : "");
+        expect_close(name, got, ref, nl, tol);
+    }
+    rekv_backend_destroy(cu);
+    rekv_backend_destroy(cpu);
+    free(ref), free(got), free(tokens);
+    for (int i = 0; i < B; i++)
+        free(prompts[i]);
+    tu_fixture_close(&f);
+}
+
+START_TEST(pipeline_qkv_fused)
+{
+    static const rekv_synth_spec specs[] = {
+        {REKV_ARCH_LLAMA, 2, 128, 8, 2, 256, 300, 1100, REKV_DTYPE_F16, 21, 0},
+        {REKV_ARCH_LLAMA, 2, 128, 8, 2, 256, 300, 1100, REKV_DTYPE_BF16, 22, 0},
+        {REKV_ARCH_OPT, 2, 64, 4, 4, 128, 300, 1100, REKV_DTYPE_F16, 23, 1},
+    };
+    char *dir = tu_tmpdir();
+    for (size_t i = 0; i < sizeof(specs) / sizeof(specs[0]); i++) {
+        char path[4200];
+        snprintf(path, sizeof(path), "%s/m%zu", dir, i);
+        rekv_err err = {0};
+        rekv_synth_llama qwen = {.qwen2 = 1};
+        ck_assert_msg(rekv_synth_write_llama(&specs[i],
+                                             specs[i].arch == REKV_ARCH_LLAMA ? &qwen : NULL, path,
+                                             NULL, NULL, &err) == 0,
+                      "%s", err.msg);
+        check_qkv_pipeline(path, logit_tol(specs[i].dtype), 0);
+    }
+    tu_rmrf(dir);
+    free(dir);
+    const char *q8 = tu_shared("gguf/synth-llama-Q8_0.gguf");
+    if (q8 != NULL)
+        check_qkv_pipeline(q8, 2 * LOGIT_TOL_F16, 1);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("cuda");
@@ -2083,6 +2240,12 @@ static Suite *suite(void)
     tcase_set_timeout(tq, 600);
     tcase_add_test(tq, pipeline_kv_quant);
     suite_add_tcase(s, tq);
+    /* the fused Q,K,V projection (issue 40), alone: CK_RUN_CASE=qkv */
+    TCase *tf = tcase_create("qkv");
+    tcase_set_timeout(tf, 300);
+    tcase_add_test(tf, kernel_qkv);
+    tcase_add_test(tf, pipeline_qkv_fused);
+    suite_add_tcase(s, tf);
     return s;
 }
 

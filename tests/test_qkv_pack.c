@@ -215,9 +215,18 @@ static void check_fused_forward(const char *path)
 
 START_TEST(fused_projection_is_the_reference)
 {
-    check_fused_forward(OPT_TINY);
-    check_fused_forward(LLAMA_TINY);
-    check_fused_forward(GGUF_F16);
+    check_fused_forward(OPT_TINY);   /* biases, no RoPE */
+    check_fused_forward(LLAMA_TINY); /* RoPE, GQA */
+    check_fused_forward(GGUF_F16);   /* 16-bit matrices */
+    /* Qwen2's attention: biases and RoPE, the split's both halves at once */
+    rekv_synth_spec spec = {REKV_ARCH_LLAMA, 2, 128, 8, 2, 256, 300, 1100, REKV_DTYPE_BF16, 5, 0};
+    rekv_synth_llama qwen = {.qwen2 = 1};
+    char *dir = tu_tmpdir();
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write_llama(&spec, &qwen, dir, NULL, NULL, &err) == 0, "%s", err.msg);
+    check_fused_forward(dir);
+    tu_rmrf(dir);
+    free(dir);
 }
 END_TEST
 
