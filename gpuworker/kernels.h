@@ -149,6 +149,14 @@ typedef struct rekv_kernel_iface {
     void (*qkv)(rekv_stream *s, float *q, float *k, float *v, const float *x, const void *w,
                 rekv_dtype wt, const float *bias, int m, int kdim, int n_heads, int n_kv,
                 int head_dim, const int32_t *pos, const rekv_rope_freqs *f, rekv_rope style);
+    /* The bias of the linear before them folded into the next pass, so that it costs no pass
+     * of its own: a[r][c] = act(a[r][c] + bias[c]) (* b[r][c] for gated SiLU), and x[r][c] +=
+     * y[r][c] + bias[c] (the residual add), m rows of width n — what linear with the bias and
+     * then activation or add give, the same sums in the same order. NULL where linear adds the
+     * bias (cpu); the pipeline folds biases only where both exist. */
+    void (*bias_activation)(rekv_stream *s, float *a, const float *bias, const float *b, int m,
+                            int n, rekv_act act);
+    void (*bias_add)(rekv_stream *s, float *x, const float *y, const float *bias, int m, int n);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

@@ -481,20 +481,22 @@ static void k_qkv(rekv_stream *s, float *q, float *k, float *v, const float *x, 
     cuda_op_end(s, op);
 }
 
+/* act (rekv_act) of v, gated SiLU's gate g (NULL: none) */
+__device__ __forceinline__ static float act_of(float v, const float *g, size_t i, int act)
+{
+    if (act == REKV_ACT_RELU)
+        return v > 0 ? v : 0;
+    if (act == REKV_ACT_GELU)
+        return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    float sv = v / (1.0f + expf(-v));
+    return g ? sv * g[i] : sv;
+}
+
 __global__ static void act_kernel(float *a, const float *b, size_t n, int act)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float v = a[i];
-        if (act == REKV_ACT_RELU) {
-            a[i] = v > 0 ? v : 0;
-        } else if (act == REKV_ACT_GELU) {
-            a[i] = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-        } else {
-            float sv = v / (1.0f + expf(-v));
-            a[i] = b ? sv * b[i] : sv;
-        }
-    }
+         i += (size_t)gridDim.x * blockDim.x)
+        a[i] = act_of(a[i], b, i, act);
 }
 
 static void k_activation(rekv_stream *s, float *x, const float *b, size_t n, rekv_act act)
@@ -516,6 +518,45 @@ static void k_add(rekv_stream *s, float *x, const float *y, size_t n)
     if (n == 0)
         return;
     KLAUNCH(s, "add", add_kernel, ew_blocks(n), EW_THREADS, 0, x, y, n);
+}
+
+/* The bias of the linear before them folded into the activation and the residual add (kernels.h
+ * bias_activation, bias_add): blocks over rows, threads over columns, as bias_kernel, whose pass
+ * they replace; the same sums in the same order as the bias kernel then the plain kernel. */
+__global__ static void bias_act_kernel(float *a, const float *bias, const float *b, int m, int n,
+                                       int act)
+{
+    for (int r = blockIdx.x; r < m; r += gridDim.x) {
+        size_t at = (size_t)r * (size_t)n;
+        for (int c = threadIdx.x; c < n; c += blockDim.x)
+            a[at + c] = act_of(a[at + c] + bias[c], b, at + c, act);
+    }
+}
+
+__global__ static void bias_add_kernel(float *x, const float *y, const float *bias, int m, int n)
+{
+    for (int r = blockIdx.x; r < m; r += gridDim.x) {
+        size_t at = (size_t)r * (size_t)n;
+        for (int c = threadIdx.x; c < n; c += blockDim.x)
+            x[at + c] += y[at + c] + bias[c];
+    }
+}
+
+static void k_bias_activation(rekv_stream *s, float *a, const float *bias, const float *b, int m,
+                              int n, rekv_act act)
+{
+    if (m <= 0 || n <= 0)
+        return;
+    unsigned nb = m < 65536 ? (unsigned)m : 65536u;
+    KLAUNCH(s, "activation", bias_act_kernel, nb, EW_THREADS, 0, a, bias, b, m, n, (int)act);
+}
+
+static void k_bias_add(rekv_stream *s, float *x, const float *y, const float *bias, int m, int n)
+{
+    if (m <= 0 || n <= 0)
+        return;
+    unsigned nb = m < 65536 ? (unsigned)m : 65536u;
+    KLAUNCH(s, "add", bias_add_kernel, nb, EW_THREADS, 0, x, y, bias, m, n);
 }
 
 __global__ static void embed_kernel(float *x, const void *table, int tdtype, const int32_t *tokens,
@@ -1339,22 +1380,24 @@ static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_
 /* ------------------------------------------------------------------ the table */
 
 static const rekv_kernel_iface cuda_kernels = {
-    k_linear,      /* linear */
-    k_norm,        /* norm */
-    k_rope,        /* rope */
-    k_activation,  /* activation */
-    k_add,         /* add */
-    k_embed,       /* embed */
-    k_kv_scatter,  /* kv_scatter */
-    k_attention,   /* attention */
-    k_convert,     /* convert */
-    k_convert_out, /* convert_out */
-    k_gather_rows, /* gather_rows */
-    k_head_proj,   /* head_proj */
-    k_spec_scores, /* spec_scores */
-    k_sample,      /* sample */
-    NULL,          /* linear_tiled: cuBLAS reads row-major weights */
-    k_qkv,         /* qkv */
+    k_linear,          /* linear */
+    k_norm,            /* norm */
+    k_rope,            /* rope */
+    k_activation,      /* activation */
+    k_add,             /* add */
+    k_embed,           /* embed */
+    k_kv_scatter,      /* kv_scatter */
+    k_attention,       /* attention */
+    k_convert,         /* convert */
+    k_convert_out,     /* convert_out */
+    k_gather_rows,     /* gather_rows */
+    k_head_proj,       /* head_proj */
+    k_spec_scores,     /* spec_scores */
+    k_sample,          /* sample */
+    NULL,              /* linear_tiled: cuBLAS reads row-major weights */
+    k_qkv,             /* qkv */
+    k_bias_activation, /* bias_activation */
+    k_bias_add,        /* bias_add */
 };
 
 /* ------------------------------------------------------------------ the object's entry point */

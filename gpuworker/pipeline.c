@@ -181,6 +181,22 @@ void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x,
     }
 }
 
+/* A linear's bias, unless the kernels fold it into the pass after the linear (p->fold_bias). */
+static const float *fold(const rekv_pipeline *p, const void *bias)
+{
+    return p->fold_bias ? NULL : bias;
+}
+
+/* x += h (m rows of width n) on the compute stream, with the bias of the linear that made h when
+ * the kernels fold it here (fold). */
+static void residual_add(rekv_pipeline *p, float *x, const float *h, const void *bias, int m, int n)
+{
+    if (p->fold_bias && bias)
+        p->k->bias_add(p->s_compute, x, h, bias, m, n);
+    else
+        p->k->add(p->s_compute, x, h, (size_t)m * (size_t)n);
+}
+
 /* One layer for the rows of batch g (the same operations, in the same order, as forward.c).
  * io: where kv_scatter puts the new rows (kv_pos) and their partial keys (pk_rows). */
 static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const layer_w *L,
@@ -229,8 +245,8 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the new rows are ready to leave, and attention has read the buffers */
         p->bi->event_record(p->ev_out[b], s);
-    pl_linear(p, s, h, att, L->wo, qt[LQT_WO], 1, L->bo, T, H, Q);
-    k->add(s, x, h, n);
+    pl_linear(p, s, h, att, L->wo, qt[LQT_WO], 1, fold(p, L->bo), T, H, Q);
+    residual_add(p, x, h, L->bo, T, H);
     if (!c->pre_norm)
         k->norm(s, x, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
     if (c->pre_norm) {
@@ -239,15 +255,15 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         rekv_copy_piece pc = {h, x, n * sizeof(float)};
         p->bi->copy_d2d(s, &pc, 1);
     }
-    pl_linear(p, s, f1, h, L->w1, qt[LQT_W1], 1, L->b1, T, F, H);
-    if (L->w3) {
+    pl_linear(p, s, f1, h, L->w1, qt[LQT_W1], 1, fold(p, L->b1), T, F, H);
+    if (L->w3)
         pl_linear(p, s, f3, h, L->w3, qt[LQT_W3], 1, NULL, T, F, H);
-        k->activation(s, f1, f3, (size_t)T * (size_t)F, c->act);
-    } else {
-        k->activation(s, f1, NULL, (size_t)T * (size_t)F, c->act);
-    }
-    pl_linear(p, s, h, f1, L->w2, qt[LQT_W2], 1, L->b2, T, H, F);
-    k->add(s, x, h, n);
+    if (p->fold_bias && L->b1)
+        k->bias_activation(s, f1, L->b1, L->w3 ? f3 : NULL, T, F, c->act);
+    else
+        k->activation(s, f1, L->w3 ? f3 : NULL, (size_t)T * (size_t)F, c->act);
+    pl_linear(p, s, h, f1, L->w2, qt[LQT_W2], 1, fold(p, L->b2), T, H, F);
+    residual_add(p, x, h, L->b2, T, H);
     if (!c->pre_norm)
         k->norm(s, x, x, L->ffn_norm_w, L->ffn_norm_b, T, H, c->norm_eps);
 }

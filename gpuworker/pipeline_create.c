@@ -601,6 +601,7 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->bi = be->iface;
     p->k = rekv_kernels_of(be);
     p->q_f16 = q_f16;
+    p->fold_bias = p->k && p->k->bias_activation && p->k->bias_add;
     pl_graph_init(p);
     p->store = store;
     /* read-ahead of the next layer window; REKV_READ_AHEAD=0 turns it off (for benchmarks) */

@@ -43,6 +43,8 @@ enum {
     OP_SPEC,
     OP_SAMPLE,
     OP_QKV,
+    OP_BIAS_ACT,
+    OP_BIAS_ADD,
     OP_H2D, /* the copies: kernels and copies are what a graph may hold */
     OP_D2H,
     OP_D2D,
@@ -356,6 +358,28 @@ static void r_qkv(rekv_stream *s, float *q, float *k, float *v, const float *x, 
         a->f = f, a->style = style;
 }
 
+typedef struct a_bias_op {
+    float *x;
+    const float *y, *bias, *b;
+    int m, n;
+    rekv_act act;
+} a_bias_op;
+
+static void r_bias_activation(rekv_stream *s, float *a, const float *bias, const float *b, int m,
+                              int n, rekv_act act)
+{
+    a_bias_op *r = rec_add(OP_BIAS_ACT, s, NULL, sizeof(*r));
+    if (r)
+        r->x = a, r->bias = bias, r->b = b, r->m = m, r->n = n, r->act = act;
+}
+
+static void r_bias_add(rekv_stream *s, float *x, const float *y, const float *bias, int m, int n)
+{
+    a_bias_op *r = rec_add(OP_BIAS_ADD, s, NULL, sizeof(*r));
+    if (r)
+        r->x = x, r->y = y, r->bias = bias, r->m = m, r->n = n;
+}
+
 const rekv_kernel_iface pl_rec_kernels = {
     .linear = r_linear,
     .norm = r_norm,
@@ -373,6 +397,8 @@ const rekv_kernel_iface pl_rec_kernels = {
     .sample = r_sample,
     .linear_tiled = r_linear_tiled,
     .qkv = r_qkv,
+    .bias_activation = r_bias_activation,
+    .bias_add = r_bias_add,
 };
 
 /* ------------------------------------------------------------------ the stream operations' */
@@ -569,6 +595,16 @@ static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, 
             const a_qkv *a = arg;
             k->qkv(s, a->q, a->k, a->v, a->x, a->w, a->wt, a->bias, a->m, a->kdim, a->n_heads,
                    a->n_kv, a->head_dim, a->pos, a->f, a->style);
+            break;
+        }
+        case OP_BIAS_ACT: {
+            const a_bias_op *a = arg;
+            k->bias_activation(s, a->x, a->bias, a->b, a->m, a->n, a->act);
+            break;
+        }
+        case OP_BIAS_ADD: {
+            const a_bias_op *a = arg;
+            k->bias_add(s, a->x, a->y, a->bias, a->m, a->n);
             break;
         }
         case OP_H2D:

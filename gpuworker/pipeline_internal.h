@@ -160,6 +160,9 @@ struct rekv_pipeline {
     /* resident weights on a backend whose kernels have qkv: per layer, W_Q, W_K, W_V (and their
      * biases) concatenated on the device (pl_qkv_pack), dev_layers' wq..bv pointing into them;
      * w NULL for a layer left apart (its three matrices' dtypes differ). NULL: none fused */
+    /* the kernels fold linear's bias into the next pass (bias_activation, bias_add: cuda); read
+     * from the real table at creation, since a recorded step's table has every op */
+    int fold_bias;
     struct pl_qkv {
         void *w;  /* [q_dim + 2 kv_dim][hidden] in wt */
         float *b; /* [q_dim + 2 kv_dim], zeros for a missing bias; NULL: no biases */

@@ -2118,12 +2118,55 @@ START_TEST(kernel_qkv)
 }
 END_TEST
 
-/* A resident cuda pipeline takes the fused projection on every layer (pl_qkv_pack at upload),
- * and its logits are the cpu reference's within the weights' tolerance: Qwen2-style attention
+/* Biases folded into the next pass: bias_activation and bias_add against the cpu's bias added
+ * after the GEMM's sum (as its linear adds it) then activation or the residual add (what a
+ * pipeline's OPT layers run as; pipeline_qkv_fused runs them in whole models). */
+START_TEST(kernel_bias_fold)
+{
+    backends_open();
+    static const int shapes[][2] = {{1, 1}, {7, 300}, {130, 64}, {3, 5000}};
+    static const rekv_act acts[] = {REKV_ACT_RELU, REKV_ACT_GELU, REKV_ACT_SILU};
+    static const char *names[] = {"relu", "gelu", "gated silu", "the residual add"};
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++)
+        for (int ai = 0; ai < 4; ai++) {
+            int m = shapes[si][0], n = shapes[si][1];
+            size_t e = (size_t)m * n;
+            float *y = hrand(e, 3), *b = hrand((size_t)n, 1), *g = hrand(e, 1);
+            float *x0 = hrand(e, 2), *want = malloc(sizeof(float) * e);
+            float *xc = malloc(sizeof(float) * e);
+            for (size_t i = 0; i < e; i++)
+                want[i] = y[i] + b[i % (size_t)n];
+            memcpy(xc, x0, sizeof(float) * e);
+            if (ai < 3)
+                rekv_cpu_kernels.activation(g_scpu, want, ai == 2 ? g : NULL, e, acts[ai]);
+            else
+                rekv_cpu_kernels.add(g_scpu, xc, want, e); /* xc = x0 + (y + b) */
+            sync_cpu();
+            float *dy = dev_from(y, sizeof(float) * e), *db = dev_from(b, sizeof(float) * n);
+            float *dg = dev_from(g, sizeof(float) * e), *dx = dev_from(x0, sizeof(float) * e);
+            if (ai < 3)
+                rekv_kernels_of(g_cu)->bias_activation(g_scu, dy, db, ai == 2 ? dg : NULL, m, n,
+                                                       acts[ai]);
+            else
+                rekv_kernels_of(g_cu)->bias_add(g_scu, dx, dy, db, m, n);
+            sync_cu();
+            char what[96];
+            snprintf(what, sizeof(what), "bias folded into %s, m %d n %d", names[ai], m, n);
+            expect_dev(what, ai < 3 ? dy : dx, ai < 3 ? want : xc, e, KERNEL_TOL);
+            dev_free(dy), dev_free(db), dev_free(dg), dev_free(dx);
+            free(y), free(b), free(g), free(x0), free(want), free(xc);
+        }
+    backends_close();
+}
+END_TEST
+
+/* A resident cuda pipeline takes the fused projection on every layer (pl_qkv_pack at upload), and
+ * OPT's other biases folded into the activation and residual adds (offloaded too), and its logits
+ * are the cpu reference's within the weights' tolerance: Qwen2-style attention
  * (biases and RoPE, GQA) in f16 and bf16, OPT (biases, no RoPE), and a GGUF Q8_0 model, whose
  * matrices are dequantized and rounded to f16 at upload (one more f16 rounding than the cpu's
- * exact blocks, like the input's: twice the f16 tolerance). Offloaded weights stay unfused. */
-/* quantized: weights that cuda cannot offload (its kernels get them widened once, at upload) */
+ * exact blocks, like the input's: twice the f16 tolerance). Offloaded weights stay unfused.
+ * quantized: weights that cuda cannot offload (its kernels get them widened once, at upload). */
 static void check_qkv_pipeline(const char *path, double tol, int quantized)
 {
     fixture f;
@@ -2244,6 +2287,7 @@ static Suite *suite(void)
     TCase *tf = tcase_create("qkv");
     tcase_set_timeout(tf, 300);
     tcase_add_test(tf, kernel_qkv);
+    tcase_add_test(tf, kernel_bias_fold);
     tcase_add_test(tf, pipeline_qkv_fused);
     suite_add_tcase(s, tf);
     return s;

@@ -10,9 +10,11 @@
  * - the contract k_qkv implements — one GEMM over the packed matrix, then per row bias, split and
  *   RoPE — emulated on the cpu gives the reference's three linears and two ropes bit for bit (the
  *   cpu GEMM computes each element in a fixed order whatever the other columns, and adds the bias
- *   after the sum, as the split kernel does).
+ *   after the sum, as the split kernel does);
+ * - the other biases folded into the pass after their linear (cuda's bias_activation, bias_add)
+ *   give, on the reference's terms, the bits of the linear with its bias then that pass.
  * The cuda kernel itself is checked against the cpu backend in test_cuda (kernel_qkv,
- * pipeline_qkv_fused) on a GPU. */
+ * kernel_bias_fold, pipeline_qkv_fused) on a GPU. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -230,6 +232,52 @@ START_TEST(fused_projection_is_the_reference)
 }
 END_TEST
 
+/* The other biases folded into the pass after their linear (cuda's bias_activation, bias_add): on
+ * the reference's terms a GEMM without its bias, then the bias added in that pass, gives what the
+ * GEMM with its bias then the pass gives, bit for bit — the cpu GEMM adds the bias after the sum,
+ * as the folded kernels do. OPT's W_1 (ReLU) and W_O, W_2 (residual adds), every layer. */
+START_TEST(bias_fold_is_the_reference)
+{
+    opened o;
+    open_model(&o, OPT_TINY);
+    const rekv_model_config *c = &o.e->c;
+    int T = 5, H = c->hidden, F = c->ffn;
+    size_t nf = (size_t)T * F, nh = (size_t)T * H;
+    float *x = malloc(sizeof(float) * T * (size_t)(F > H ? F : H));
+    float *a = malloc(sizeof(float) * nf), *b = malloc(sizeof(float) * nf);
+    float *r0 = malloc(sizeof(float) * nh), *r1 = malloc(sizeof(float) * nh);
+    for (size_t i = 0; i < (size_t)T * (size_t)(F > H ? F : H); i++)
+        x[i] = 2 * frand();
+    for (int l = 0; l < c->n_layers; l++) {
+        const layer_w *L = &o.e->layers[l];
+        ck_assert(L->b1 && L->bo && L->b2);
+        rekv_engine_gemm(o.e, a, x, L->w1, L->b1, T, F, H);
+        cpu_activation(a, NULL, nf, c->act);
+        rekv_engine_gemm(o.e, b, x, L->w1, NULL, T, F, H);
+        for (size_t i = 0; i < nf; i++)
+            b[i] = b[i] + ((const float *)L->b1)[i % (size_t)F];
+        cpu_activation(b, NULL, nf, c->act);
+        ck_assert_msg(memcmp(a, b, sizeof(float) * nf) == 0, "layer %d: b_1 folded differs", l);
+        const void *w[2] = {L->wo, L->w2}, *bs[2] = {L->bo, L->b2};
+        int k[2] = {rekv_config_q_dim(c), F};
+        for (int j = 0; j < 2; j++) {
+            for (size_t i = 0; i < nh; i++)
+                r0[i] = r1[i] = x[i];
+            rekv_engine_gemm(o.e, a, x, w[j], bs[j], T, H, k[j]);
+            for (size_t i = 0; i < nh; i++) /* add(x, h) */
+                r0[i] += a[i];
+            rekv_engine_gemm(o.e, b, x, w[j], NULL, T, H, k[j]);
+            for (size_t i = 0; i < nh; i++) /* bias_add(x, h, bias) */
+                r1[i] += b[i] + ((const float *)bs[j])[i % (size_t)H];
+            ck_assert_msg(memcmp(r0, r1, sizeof(float) * nh) == 0, "layer %d: %s folded differs", l,
+                          j ? "b_2" : "b_O");
+        }
+    }
+    free(x), free(a), free(b), free(r0), free(r1);
+    close_model(&o);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("qkv_pack");
@@ -238,6 +286,7 @@ static Suite *suite(void)
     tcase_add_test(tc, pack_rows_are_the_files);
     tcase_add_test(tc, pack_quantized);
     tcase_add_test(tc, fused_projection_is_the_reference);
+    tcase_add_test(tc, bias_fold_is_the_reference);
     suite_add_tcase(s, tc);
     return s;
 }
