@@ -1,7 +1,8 @@
 /* pipeline_create.c — what a pipeline and a sequence own, and the weights' place on the device:
  * rekv_pipeline_create/free (the kvstore's arena and geometry, streams, events, the model's
- * tensors on the device: each layer resident, or, with weights offloaded, two device buffers in
- * load order that each step refills by pl_copy_layer) and rekv_pseq_create/free (a resident KV
+ * tensors on the device: each layer resident — its W_Q, W_K, W_V as one matrix where the kernels
+ * have qkv (pl_qkv_pack) — or, with weights offloaded, two device buffers in load order that each
+ * step refills by pl_copy_layer) and rekv_pseq_create/free (a resident KV
  * cache, ACT_GPU's device copy, the kvstore sequences; with the prefix cache, a sequence made from
  * its prompt's cached blocks and its full blocks published when it goes). */
 #include "gpuworker/pipeline_internal.h"
