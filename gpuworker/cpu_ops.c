@@ -55,7 +55,7 @@ void cpu_rope_table(float *cos_t, float *sin_t, const int *pos, int m, const rek
     float dyn[REKV_ROPE_MAX_PAIRS];
     for (int i = 0; i < m; i++) {
         const float *inv_freq = f->inv_freq;
-        if (pos[i] >= f->dyn_from) { /* dynamic NTK past the original length */
+        if (pos[i] >= f->dyn_from || pos[i] >= f->long_from) { /* dynamic NTK, longrope's long */
             rekv_rope_freqs_at(f, pos[i], dyn);
             inv_freq = dyn;
         }
@@ -331,14 +331,16 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
         int tend = sq->start + r0 + (q0 + nb - 1) / group + 1; /* the batch's longest context */
         const float *qv[nb];
         float *ov[nb];
-        int nctx[nb];
+        int nctx[nb], lo[nb];
         for (int k = 0; k < nb; k++) {
             int r = r0 + (q0 + k) / group, h = g * group + (q0 + k) % group;
             qv[k] = a->q + ((size_t)(sq->row0 + r)) * qd + (size_t)h * hd;
             ov[k] = a->out + ((size_t)(sq->row0 + r)) * qd + (size_t)h * hd;
             nctx[k] = sq->start + r + 1; /* causal: positions 0..start+r */
+            /* a sliding window: positions start+r-W+1..start+r (the softmax's lanes from lo) */
+            lo[k] = sq->window > 0 && nctx[k] - sq->window > t0 ? nctx[k] - sq->window : t0;
         }
-        for (int t = t0; t < tend; t += ATT_TILE) {
+        for (int t = lo[0]; t < tend; t += ATT_TILE) { /* lo[0]: the batch's first key */
             int nt = tend - t < ATT_TILE ? tend - t : ATT_TILE;
 #if defined(__x86_64__)
             if (avx2)
@@ -363,15 +365,15 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
             }
         }
         for (int k = 0; k < nb; k++) {
-            float *sc = scores + (size_t)k * tend + t0;
-            float sum = cpu_softmax_exp(sc, sc, nctx[k] - t0, NULL);
+            float *sc = scores + (size_t)k * tend + lo[k];
+            float sum = cpu_softmax_exp(sc, sc, nctx[k] - lo[k], NULL);
             inv[k] = 1.0f / sum;
             memset(ov[k], 0, sizeof(float) * (size_t)hd);
         }
-        for (int t = t0; t < tend; t++) {
+        for (int t = lo[0]; t < tend; t++) {
             const float *vt = cache_row(sq->kv, rekv_kv_row(n_kv, hd, g, t) + vs, hd, a->dt, buf);
             for (int k = 0; k < nb; k++) {
-                if (t >= nctx[k])
+                if (t >= nctx[k] || t < lo[k])
                     continue;
                 float p = scores[(size_t)k * tend + t] * inv[k];
                 float *oh = ov[k];

@@ -472,7 +472,7 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
         rekv_seq *s = items[b].seq;
         int m = items[b].n_tokens;
         cache_store(s, layer, e->k + (size_t)row * KV, e->v + (size_t)row * KV, m, s->len);
-        sq[b] = (rekv_attn_seq){layer_cache(s, layer), s->len, m, row, NULL};
+        sq[b] = (rekv_attn_seq){layer_cache(s, layer), s->len, m, row, NULL, c->sliding_window};
         row += m;
     }
     cpu_attention(e->att, e->q, sq, n_items, c->n_heads, c->n_kv_heads, c->head_dim, REKV_DTYPE_F32,

@@ -28,6 +28,9 @@ typedef struct rekv_attn_seq {
     int row0;            /* index of the sequence's first row in the stacked q/out matrices */
     const int32_t *skip; /* [n_kv] slots not attended, from slot 0, per KV head (memory the
                             device reads, like this struct); NULL: none */
+    int window;          /* 0: none; W: the query at position p attends slots p - W + 1 .. p
+                            only (the model's sliding window; slot == position, so not with
+                            infinigen's or clo's selections) */
 } rekv_attn_seq;
 
 /* A run of elements converted from a cache dtype into fp32: dst[i] = (float)src[i]. */

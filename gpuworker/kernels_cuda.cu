@@ -342,7 +342,9 @@ __device__ static void rope_row_table(int pi, const rekv_rope_freqs &f, int head
     }
     float p = (float)pi;
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
-        float a = p * (is_dyn ? dyn[j] : f.inv_freq[j]);
+        /* as cpu_rope_table: the same angle (LongRoPE's long table from long_from on); cos/sin
+         * in double rounded to float; then the attention factor (1 but for YaRN, LongRoPE) */
+        float a = p * (is_dyn ? dyn[j] : pi >= f.long_from ? f.long_inv_freq[j] : f.inv_freq[j]);
         cosv[j] = __fmul_rn((float)cos((double)a), f.attn_factor);
         sinv[j] = __fmul_rn((float)sin((double)a), f.attn_factor);
     }
@@ -815,6 +817,13 @@ __device__ static void attn_merge(float *accs, float *ms, float *ls, int hd, flo
     *sum_out = sum;
 }
 
+/* The first slot the query at position pos attends: after clo's skip, within the window. */
+__device__ __forceinline__ static int attn_first(const rekv_attn_seq &sq, int kvh, int pos)
+{
+    int first = sq.skip ? sq.skip[kvh] : 0;
+    return sq.window > 0 && pos + 1 - sq.window > first ? pos + 1 - sq.window : first;
+}
+
 template <int DT>
 __global__ static void __launch_bounds__(ATT_WARPS * 32)
     attention_kernel(float *out, const float *q, const rekv_attn_seq *seqs, int n_heads, int n_kv,
@@ -836,7 +845,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
             qs[j] = qh[j];
         __syncthreads();
         float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
-        attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, sq.skip ? sq.skip[kvh] : 0,
+        attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, attn_first(sq, kvh, sq.start + i),
                            sq.start + i + 1, scale, m, l, acc);
         attn_merge(accs, ms, ls, hd, m, l, acc, out + r * qd + (size_t)h * hd, 1, &mx, &sum);
     }
@@ -861,7 +870,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         sq = seqs[blockIdx.y];
     __syncthreads();
     int h = blockIdx.x, kvh = h / (n_heads / n_kv), z = blockIdx.z, splits = gridDim.z;
-    int base = sq.skip ? sq.skip[kvh] : 0;
+    int base = attn_first(sq, kvh, sq.start);
     int n_ctx = sq.start + 1; /* the sequence's one row; slots base..start attended */
     int chunk = (n_ctx - base + splits - 1) / splits;
     if (chunk < ATT_MIN_CHUNK)

@@ -151,6 +151,7 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
         d[j].n = it->n_tokens;
         d[j].row0 = st->row0[st->g_begin[g] + j];
         d[j].skip = NULL;
+        d[j].window = c->sliding_window; /* slot == position here; infinigen, clo refuse one */
         if (p->info->store == REKV_STORE_NONE) { /* resident: its own cache, in place */
             d[j].kv = s->kv +
                       (size_t)layer * rekv_kv_buffer_bytes(c->n_kv_heads, c->head_dim, s->cap, rb);

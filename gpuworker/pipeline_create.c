@@ -592,6 +592,13 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
                              ? "in infinigen"
                              : "offloaded on this backend (its kernels get them as f16, "
                                "widened once at upload)");
+    /* a sliding window masks by position; their attention buffers hold selected tokens */
+    if (e->c.sliding_window > 0 && (cfg->mode == REKV_MODE_INFINIGEN || cfg->mode == REKV_MODE_CLO))
+        return rekv_errf(err, -ENOTSUP,
+                         "pipeline: mode %s cannot honour the model's sliding window of %d "
+                         "positions (its selection picks tokens by score, not by position); use "
+                         "an exact mode",
+                         rekv_mode_name(cfg->mode), e->c.sliding_window);
     rekv_pipeline *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");

@@ -1,4 +1,5 @@
-/* config.c — HuggingFace config.json → rekv_model_config, for the OPT and Llama families.
+/* config.c — HuggingFace config.json → rekv_model_config, for the OPT and Llama families (Llama,
+ * Mistral, Qwen2, Phi-3: Phi-3's fused qkv_proj and gate_up_proj are split by model.c).
  *
  * Every field the forward pass depends on is read and checked; a missing required field, a wrong
  * type or an unsupported feature (an unknown rope_scaling type or activation) is an error naming
@@ -143,6 +144,74 @@ static int rope_num(json_t *rs, const char *path, const char *key, double def, d
     return 0;
 }
 
+/* rope_scaling's short_factor or long_factor: one positive number per pair of head_dim. */
+static int rope_factors(json_t *rs, const char *path, const char *key, int half, float *out,
+                        rekv_err *err)
+{
+    json_t *v = json_object_get(rs, key);
+    if (v == NULL || json_is_null(v))
+        return rekv_errf(err, -EINVAL, "%s: required field \"rope_scaling.%s\" is missing", path,
+                         key);
+    if (!json_is_array(v) || json_array_size(v) != (size_t)half)
+        return rekv_errf(
+            err, -EINVAL,
+            "%s: field \"rope_scaling.%s\" must be a list of %d numbers (head_dim / 2)", path, key,
+            half);
+    for (int j = 0; j < half; j++) {
+        json_t *x = json_array_get(v, (size_t)j);
+        if (!json_is_number(x) || !(json_number_value(x) > 0) || !isfinite(json_number_value(x)))
+            return rekv_errf(err, -EINVAL,
+                             "%s: field \"rope_scaling.%s\"[%d] must be a positive number", path,
+                             key, j);
+        out[j] = (float)json_number_value(x);
+    }
+    return 0;
+}
+
+/* LongRoPE (Phi-3, as HF's _compute_longrope_parameters reads it): the original length from the
+ * config's top level (Phi-3 keeps it there; Phi3Config's default 4096), else rope_scaling's, else
+ * max_position_embeddings; with a top-level original the factor is max_pos / original, as HF. */
+static int parse_longrope(json_t *root, json_t *rs, const char *path, rekv_model_config *c,
+                          rekv_err *err)
+{
+    rekv_rope_scaling *s = &c->rope_scaling;
+    int rc, half = c->head_dim / 2, phi3 = strcmp(get_str(root, "model_type"), "phi3") == 0;
+    int top = json_object_get(root, "original_max_position_embeddings") != NULL;
+    double orig = c->max_pos;
+    s->type = REKV_ROPE_SCALING_LONGROPE;
+    if ((rc = rope_factors(rs, path, "short_factor", half, s->freq_factors, err)) ||
+        (rc = rope_factors(rs, path, "long_factor", half, s->long_factors, err)) ||
+        (rc = rope_num(rs, path, "attention_factor", 0, &s->attention_factor, err)) ||
+        (rc = rope_num(rs, path, "original_max_position_embeddings", phi3 ? 4096 : c->max_pos,
+                       &orig, err)))
+        return rc;
+    if (top) {
+        int o;
+        if ((rc = get_int(root, path, "original_max_position_embeddings", LLONG_MIN, 1, BIG, &o,
+                          err)))
+            return rc;
+        orig = o;
+    }
+    if (orig < 1 || orig > BIG || orig != floor(orig))
+        return rekv_errf(err, -EINVAL,
+                         "%s: field \"original_max_position_embeddings\" = %g must be a positive "
+                         "integer",
+                         path, orig);
+    s->original_max_pos = (int)orig;
+    if ((rc = rope_num(rs, path, "factor", 1, &s->factor, err)))
+        return rc;
+    if (top || phi3)
+        s->factor = (double)c->max_pos / orig;
+    if (s->factor <= 0)
+        return rekv_errf(err, -EINVAL, "%s: field \"rope_scaling.factor\" = %g must be positive",
+                         path, s->factor);
+    rekv_rope_freqs f;
+    rekv_err e2 = {0};
+    if ((rc = rekv_rope_freqs_init(&f, c, &e2)))
+        return rekv_errf(err, rc, "%s: %s", path, e2.msg);
+    return 0;
+}
+
 /* rope_scaling (or transformers 5's rope_parameters) → c->rope_scaling, checked by
  * rekv_rope_freqs_init as every config is; extends max_pos where the scaling's point is a longer
  * context than max_position_embeddings states (dynamic: factor x it; yarn: factor x the original).
@@ -179,6 +248,8 @@ static int parse_rope_scaling(json_t *root, const char *path, rekv_model_config 
     s->truncate = tr == NULL || json_is_null(tr) || json_is_true(tr);
     if (strcmp(type, "default") == 0)
         return 0;
+    if (strcmp(type, "longrope") == 0 || strcmp(type, "su") == 0) /* "su": Phi-3's first name */
+        return parse_longrope(root, rs, path, c, err);
     if (strcmp(type, "linear") == 0)
         s->type = REKV_ROPE_SCALING_LINEAR;
     else if (strcmp(type, "dynamic") == 0)
@@ -190,7 +261,7 @@ static int parse_rope_scaling(json_t *root, const char *path, rekv_model_config 
     else
         return rekv_errf(err, -ENOTSUP,
                          "%s: rope_scaling.rope_type \"%s\" is not supported (default, linear, "
-                         "dynamic, llama3, yarn)",
+                         "dynamic, llama3, yarn, longrope)",
                          path, type);
     int llama3 = s->type == REKV_ROPE_SCALING_LLAMA3, yarn = s->type == REKV_ROPE_SCALING_YARN;
     if ((rc = rope_num(rs, path, "factor", NAN, &s->factor, err)) ||
@@ -293,14 +364,25 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
     const char *act = get_str(root, "hidden_act");
     if (act != NULL && strcmp(act, "silu") != 0)
         return rekv_errf(err, -ENOTSUP, "%s: hidden_act \"%s\" is not supported (silu)", path, act);
-    /* Attention here is full; a sliding window only matters beyond its length, so the usable
-     * context is capped at the window rather than silently computing something else. */
-    int window = 0, use_window = !qwen2;
+    /* Mistral and Phi-3 always window when sliding_window is set; HF's Llama never does (it has
+     * no such field); Qwen2 only with use_sliding_window, and only the layers from
+     * max_window_layers on: a mix of windowed and full layers is refused. A window at least as long
+     * as the context never masks anything: kept as none, so that the modes that cannot honour a
+     * window (infinigen, clo) stay open to such models. */
+    int window = 0, full_layers = 0;
+    int use_window = strcmp(type, "mistral") == 0 || strcmp(type, "phi3") == 0;
     if ((rc = get_int(root, path, "sliding_window", 0, 0, BIG, &window, err)) ||
-        (qwen2 && (rc = get_bool(root, path, "use_sliding_window", 0, &use_window, err))))
+        (qwen2 && (rc = get_bool(root, path, "use_sliding_window", 0, &use_window, err))) ||
+        (qwen2 && (rc = get_int(root, path, "max_window_layers", 28, 0, BIG, &full_layers, err))))
         return rc;
-    if (use_window && window > 0 && window < c->max_pos)
-        c->max_pos = window;
+    if (use_window && full_layers >= c->n_layers)
+        use_window = 0;
+    c->sliding_window = use_window && window > 0 && window < c->max_pos ? window : 0;
+    if (c->sliding_window && full_layers > 0)
+        return rekv_errf(err, -ENOTSUP,
+                         "%s: a sliding window on some layers only (max_window_layers %d of %d) is "
+                         "not supported",
+                         path, full_layers, c->n_layers);
     return 0;
 }
 
@@ -353,12 +435,12 @@ int rekv_config_load_hf(const char *path, rekv_model_config *c, rekv_err *err)
     if (strcmp(type, "opt") == 0)
         rc = parse_opt(root, path, c, err);
     else if (strcmp(type, "llama") == 0 || strcmp(type, "mistral") == 0 ||
-             strcmp(type, "qwen2") == 0)
+             strcmp(type, "qwen2") == 0 || strcmp(type, "phi3") == 0)
         rc = parse_llama(root, path, type, c, err);
     else
         rc = rekv_errf(err, -ENOTSUP,
-                       "%s: model_type \"%s\" is not supported (opt, llama, mistral, qwen2)", path,
-                       type);
+                       "%s: model_type \"%s\" is not supported (opt, llama, mistral, qwen2, phi3)",
+                       path, type);
     if (rc)
         goto out;
     if ((rc = get_int(root, path, "bos_token_id", -1, -1, c->vocab - 1, &c->bos_id, err)) ||

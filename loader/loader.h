@@ -39,6 +39,8 @@ typedef enum rekv_rope_scaling_type {
     REKV_ROPE_SCALING_LLAMA3 = 3,  /* Llama 3.1: low frequencies / factor, a smooth band between */
     REKV_ROPE_SCALING_YARN = 4,    /* YaRN: ramp between interpolation and extrapolation, mscale */
     REKV_ROPE_SCALING_FACTORS = 5, /* explicit per-pair divisors (GGUF's rope_freqs.weight) */
+    REKV_ROPE_SCALING_LONGROPE = 6, /* Phi-3: per-pair short/long divisors, the long ones from
+                                       original_max_pos on; an attention factor */
 } rekv_rope_scaling_type;
 
 #define REKV_ROPE_MAX_PAIRS 256 /* head_dim <= 512 */
@@ -55,7 +57,11 @@ typedef struct rekv_rope_scaling {
     double mscale, mscale_all_dim; /* yarn (DeepSeek form): 0 when absent */
     double attention_factor;       /* yarn: cos/sin multiplier; 0 when absent (then computed) */
     int truncate;                  /* yarn: floor/ceil the ramp bounds (HF default 1) */
-    float freq_factors[REKV_ROPE_MAX_PAIRS]; /* FACTORS: inv_freq[j] = theta^(-2j/d) / freq_factors[j] */
+    /* FACTORS: inv_freq[j] = theta^(-2j/d) / freq_factors[j]; LONGROPE: HF's short_factor */
+    float freq_factors[REKV_ROPE_MAX_PAIRS];
+    /* LONGROPE: HF's long_factor, for positions from original_max_pos on; factor is then
+     * max_pos / original_max_pos (HF's), attention_factor 0 when absent (then computed) */
+    float long_factors[REKV_ROPE_MAX_PAIRS];
 } rekv_rope_scaling;
 
 typedef enum rekv_act {
@@ -78,6 +84,8 @@ typedef struct rekv_model_config {
     int ffn;        /* FFN inner width */
     int vocab;
     int max_pos;    /* context length the model supports */
+    int sliding_window; /* 0: full attention; W: a position attends to itself and the W - 1 before
+                           it (Mistral, Phi-3: HF's kv > q - W) */
     int embed_dim;  /* OPT word_embed_proj_dim; == hidden when there is no project_in/out */
     float norm_eps;
     float rope_theta;
@@ -142,13 +150,17 @@ typedef struct rekv_rope_freqs {
     float inv_freq[REKV_ROPE_MAX_PAIRS]; /* [half]: radians per position step */
     float attn_factor;
     int dyn_from;      /* dynamic: original_max_pos; INT_MAX otherwise */
+    int long_from;     /* longrope: original_max_pos (positions from it use long_inv_freq);
+                          INT_MAX otherwise */
+    float long_inv_freq[REKV_ROPE_MAX_PAIRS]; /* longrope: [half] */
     double dyn_factor; /* dynamic: rope_scaling.factor */
     double theta;      /* dynamic: rope_theta */
 } rekv_rope_freqs;
 
 /* Fills f from the config's rope_theta, head_dim and rope_scaling; -EINVAL names a bad field. */
 int rekv_rope_freqs_init(rekv_rope_freqs *f, const rekv_model_config *c, rekv_err *err);
-/* The frequencies of position pos: f->inv_freq, or dynamic NTK's for length pos + 1. */
+/* The frequencies of position pos: f->inv_freq, dynamic NTK's for length pos + 1, or longrope's
+ * long table from its original length on. */
 void rekv_rope_freqs_at(const rekv_rope_freqs *f, int pos, float *inv_freq);
 /* The name of a scaling type as HF's rope_type spells it ("none" for NONE). */
 const char *rekv_rope_scaling_name(rekv_rope_scaling_type t);
@@ -307,6 +319,9 @@ typedef struct rekv_synth_llama {
     float rope_theta;               /* 0: 10000 */
     rekv_rope_scaling rope_scaling; /* written as config.json's rope_scaling unless type NONE */
     int qwen2; /* model_type qwen2: q/k/v projections with biases (Qwen2.5's attention) */
+    int phi3;  /* model_type phi3: qkv_proj and gate_up_proj fused as HF's Phi3 stores them, each
+                  the concatenation of the plain Llama's tensors of the same seed */
+    int sliding_window; /* written as config.json's sliding_window when > 0 */
 } rekv_synth_llama;
 
 /* Writes a HF-format directory (config.json + model.safetensors) with deterministic weights scaled

@@ -68,6 +68,8 @@ typedef struct lookup {
     const char *const *prefixes;
     rekv_err *err;
     int rc;
+    rekv_tensor *parts; /* descriptors of fused tensors' parts (the model's owned array) */
+    size_t n_parts, cap_parts;
 } lookup;
 
 static const rekv_tensor *find(lookup *lk, const char *name, int64_t d0, int64_t d1, int optional)
@@ -145,6 +147,47 @@ static void map_opt(lookup *lk, const rekv_model_config *c, rekv_weights *w)
     }
 }
 
+/* Whether the checkpoint has a tensor of that name (under any prefix). */
+static int has(const lookup *lk, const char *name)
+{
+    char full[512];
+    for (const char *const *p = lk->prefixes; *p; p++) {
+        snprintf(full, sizeof(full), "%s%s", *p, name);
+        if (rekv_safetensors_find(lk->st, full) != NULL)
+            return 1;
+    }
+    return 0;
+}
+
+/* A fused [sum rows[i]][cols] matrix (Phi-3's qkv_proj, gate_up_proj) as n row-blocks, in order:
+ * descriptors of the same dtype pointing into the fused tensor's mapped rows, so nothing is
+ * copied and the engine sees the plain Llama's Q/K/V and gate/up. */
+static void find_split(lookup *lk, const char *name, const int64_t *rows, int n, int64_t cols,
+                       const rekv_tensor **out)
+{
+    int64_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += rows[i];
+    const rekv_tensor *t = find(lk, name, total, cols, 0);
+    if (t == NULL)
+        return;
+    if (t->qtype != 0 || lk->n_parts + (size_t)n > lk->cap_parts) {
+        lk->rc =
+            rekv_errf(lk->err, -EINVAL, "%s: tensor \"%s\" cannot be split", lk->path, t->name);
+        return;
+    }
+    size_t row_bytes = t->nbytes / (size_t)total, off = 0;
+    for (int i = 0; i < n; i++) {
+        rekv_tensor *p = &lk->parts[lk->n_parts++];
+        *p = *t;
+        p->shape[0] = rows[i];
+        p->data = (const char *)t->data + off;
+        p->nbytes = row_bytes * (size_t)rows[i];
+        off += p->nbytes;
+        out[i] = p;
+    }
+}
+
 static void map_llama(lookup *lk, const rekv_model_config *c, rekv_weights *w)
 {
     int64_t H = c->hidden, F = c->ffn, V = c->vocab;
@@ -157,14 +200,29 @@ static void map_llama(lookup *lk, const rekv_model_config *c, rekv_weights *w)
 #define T(field, suffix, d0, d1)                                                                   \
     (snprintf(n, sizeof(n), "layers.%d.%s", l, suffix), lw->field = find(lk, n, d0, d1, 0))
         T(attn_norm_w, "input_layernorm.weight", H, -1);
-        T(wq, "self_attn.q_proj.weight", Q, H);
-        T(wk, "self_attn.k_proj.weight", KV, H);
-        T(wv, "self_attn.v_proj.weight", KV, H);
+        /* Phi-3 fuses Q, K, V (in that order) and gate, up: split where the fused one is */
+        snprintf(n, sizeof(n), "layers.%d.self_attn.qkv_proj.weight", l);
+        if (has(lk, n)) {
+            const rekv_tensor *qkv[3];
+            find_split(lk, n, (const int64_t[]){Q, KV, KV}, 3, H, qkv);
+            lw->wq = qkv[0], lw->wk = qkv[1], lw->wv = qkv[2];
+        } else {
+            T(wq, "self_attn.q_proj.weight", Q, H);
+            T(wk, "self_attn.k_proj.weight", KV, H);
+            T(wv, "self_attn.v_proj.weight", KV, H);
+        }
         T(wo, "self_attn.o_proj.weight", H, Q);
         T(ffn_norm_w, "post_attention_layernorm.weight", H, -1);
-        T(w1, "mlp.gate_proj.weight", F, H);
+        snprintf(n, sizeof(n), "layers.%d.mlp.gate_up_proj.weight", l);
+        if (has(lk, n)) {
+            const rekv_tensor *gu[2];
+            find_split(lk, n, (const int64_t[]){F, F}, 2, H, gu);
+            lw->w1 = gu[0], lw->w3 = gu[1];
+        } else {
+            T(w1, "mlp.gate_proj.weight", F, H);
+            T(w3, "mlp.up_proj.weight", F, H);
+        }
         T(w2, "mlp.down_proj.weight", H, F);
-        T(w3, "mlp.up_proj.weight", F, H);
         if (c->qkv_bias) {
             T(bq, "self_attn.q_proj.bias", Q, -1);
             T(bk, "self_attn.k_proj.bias", KV, -1);
@@ -217,14 +275,24 @@ int rekv_model_open_hf(const char *dir, rekv_model **out, rekv_err *err)
     static const char *const opt_prefixes[] = {"model.decoder.", "decoder.", NULL};
     static const char *const llama_prefixes[] = {"model.", NULL};
     static const char *const head_prefixes[] = {"", NULL};
-    lookup lk = {m->st, dir, c->arch == REKV_ARCH_OPT ? opt_prefixes : llama_prefixes, err, 0};
+    const char *const *prefixes = c->arch == REKV_ARCH_OPT ? opt_prefixes : llama_prefixes;
+    lookup lk = {m->st, dir, prefixes, err, 0, NULL, 0, 0};
+    if (c->arch == REKV_ARCH_LLAMA) { /* room for every layer's fused parts (Phi-3) */
+        lk.cap_parts = (size_t)c->n_layers * 5;
+        m->owned = lk.parts = calloc(lk.cap_parts, sizeof(rekv_tensor));
+        if (m->owned == NULL) {
+            rc = rekv_errf(err, -ENOMEM, "%s: out of memory", dir);
+            goto fail;
+        }
+    }
     if (c->arch == REKV_ARCH_OPT)
         map_opt(&lk, c, &m->weights);
     else
         map_llama(&lk, c, &m->weights);
+    m->n_owned = lk.n_parts;
     if ((rc = lk.rc))
         goto fail;
-    lookup head = {m->st, dir, head_prefixes, err, 0};
+    lookup head = {m->st, dir, head_prefixes, err, 0, NULL, 0, 0};
     const rekv_tensor *lm = find(&head, "lm_head.weight", c->vocab, c->embed_dim, c->tied_head);
     if ((rc = head.rc))
         goto fail;

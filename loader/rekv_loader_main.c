@@ -2,7 +2,8 @@
  *
  *   rekv-loader synth --arch opt|llama --layers N --hidden H --heads A [--kv-heads K] --ffn F
  *                     --vocab V [--max-pos P] [--dtype f16|bf16|f32] [--seed S] [--tied|--untied]
- *                     [--rope-theta T] [--rope-scaling TYPE[:KEY=VALUE,...]] [--qwen2] OUTDIR
+ *                     [--rope-theta T] [--rope-scaling TYPE[:KEY=VALUE,...]] [--qwen2|--phi3]
+ *                     [--sliding-window W] OUTDIR
  *   rekv-loader inspect PATH   (a HF directory, a .safetensors file or index, a llama2.c .bin,
  *                               a .gguf file)
  *
@@ -35,13 +36,18 @@ static const char usage[] =
     "commands:\n"
     "  synth --arch opt|llama --layers N --hidden H --heads A [--kv-heads K] --ffn F --vocab V\n"
     "        [--max-pos P] [--dtype f16|bf16|f32] [--seed S] [--tied|--untied]\n"
-    "        [--rope-theta T] [--rope-scaling TYPE[:KEY=VALUE,...]] [--qwen2] OUTDIR\n"
+    "        [--rope-theta T] [--rope-scaling TYPE[:KEY=VALUE,...]] [--qwen2|--phi3]\n"
+    "        [--sliding-window W] OUTDIR\n"
     "      Writes a synthetic HuggingFace model (config.json + model.safetensors) with\n"
     "      deterministic weights. Defaults: --kv-heads A, --max-pos 2048, --dtype f16, --seed 0,\n"
     "      OPT tied and Llama untied output head. Llama only: --rope-theta (10000),\n"
     "      --rope-scaling linear|dynamic|llama3|yarn with config.json's rope_scaling fields\n"
     "      (e.g. llama3:factor=8,low_freq_factor=1,high_freq_factor=4,\n"
-    "      original_max_position_embeddings=8192), --qwen2 (model_type qwen2: q/k/v biases).\n"
+    "      original_max_position_embeddings=8192; longrope:original_max_position_embeddings=N\n"
+    "      writes generated short/long factors, Phi-3 only), --qwen2 (model_type qwen2: q/k/v\n"
+    "      biases), --phi3 (model_type phi3: fused qkv_proj and gate_up_proj holding the plain\n"
+    "      Llama's weights of the same seed), --sliding-window W (config.json's sliding_window;\n"
+    "      a plain Llama becomes model_type mistral, as HF's Llama has no window).\n"
     "  inspect PATH\n"
     "      Prints the configuration and every tensor of a HuggingFace directory, a .safetensors\n"
     "      file or index, a llama2.c .bin checkpoint, or a GGUF file (its metadata too), with\n"
@@ -117,12 +123,13 @@ static int parse_rope_scaling(const char *spec, rekv_rope_scaling *r)
     if (kv)
         *kv++ = '\0';
     rekv_rope_scaling_type t;
-    for (t = REKV_ROPE_SCALING_LINEAR; t <= REKV_ROPE_SCALING_YARN; t++)
-        if (strcmp(buf, rekv_rope_scaling_name(t)) == 0)
+    for (t = REKV_ROPE_SCALING_LINEAR; t <= REKV_ROPE_SCALING_LONGROPE; t++)
+        if (t != REKV_ROPE_SCALING_FACTORS && strcmp(buf, rekv_rope_scaling_name(t)) == 0)
             break;
-    if (t > REKV_ROPE_SCALING_YARN)
+    if (t > REKV_ROPE_SCALING_LONGROPE)
         return bad_usage(
-            "synth: --rope-scaling: type \"%s\" is not linear, dynamic, llama3 or yarn", buf);
+            "synth: --rope-scaling: type \"%s\" is not linear, dynamic, llama3, yarn or longrope",
+            buf);
     r->type = t;
     for (char *save = NULL, *item = kv ? strtok_r(kv, ",", &save) : NULL; item;
          item = strtok_r(NULL, ",", &save)) {
@@ -140,7 +147,7 @@ static int parse_rope_scaling(const char *spec, rekv_rope_scaling *r)
                 break;
         if (i < sizeof(keys) / sizeof(keys[0]))
             *(double *)((char *)r + keys[i].off) = x;
-        else if (strcmp(item, "original_max_position_embeddings") == 0 && x == floor(x) &&
+        else if (strcmp(item, "original_max_position_embeddings") == 0 && x == floor(x) && x >= 1 &&
                  x <= 1 << 30)
             r->original_max_pos = (int)x;
         else if (strcmp(item, "truncate") == 0 && (x == 0 || x == 1))
@@ -218,6 +225,8 @@ static int cmd_synth(int argc, char **argv)
         O_ROPE_THETA,
         O_ROPE_SCALING,
         O_QWEN2,
+        O_PHI3,
+        O_WINDOW,
         O_HELP
     };
     static const struct option opts[] = {{"arch", required_argument, 0, O_ARCH},
@@ -235,6 +244,8 @@ static int cmd_synth(int argc, char **argv)
                                          {"rope-theta", required_argument, 0, O_ROPE_THETA},
                                          {"rope-scaling", required_argument, 0, O_ROPE_SCALING},
                                          {"qwen2", no_argument, 0, O_QWEN2},
+                                         {"phi3", no_argument, 0, O_PHI3},
+                                         {"sliding-window", required_argument, 0, O_WINDOW},
                                          {"help", no_argument, 0, O_HELP},
                                          {0, 0, 0, 0}};
     int o;
@@ -253,6 +264,12 @@ static int cmd_synth(int argc, char **argv)
             break;
         case O_QWEN2:
             lv.qwen2 = 1;
+            break;
+        case O_PHI3:
+            lv.phi3 = 1;
+            break;
+        case O_WINDOW:
+            field = &lv.sliding_window;
             break;
         case O_ROPE_THETA:
             if (parse_theta(v, &lv.rope_theta))

@@ -13,7 +13,12 @@
  * rotates each position p with the base for length p + 1 (the length when p is the newest token,
  * which is what HF computes for every decoded token): a key never changes once cached, and
  * results do not depend on batching, chunking or recomputation — what rekv's exact modes need.
- * Below the original length the table is plain RoPE's, as in HF. */
+ * Below the original length the table is plain RoPE's, as in HF.
+ *
+ * LongRoPE (Phi-3) switches from its short factors to its long ones past the original length; HF
+ * switches the whole forward on its length, so again a cached key would be rotated one way and a
+ * fresh one another. rekv switches by position, as for dynamic NTK: position p takes the long
+ * factors when p + 1 > original_max_pos, which is what HF does for every decoded token. */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -36,6 +41,8 @@ const char *rekv_rope_scaling_name(rekv_rope_scaling_type t)
         return "yarn";
     case REKV_ROPE_SCALING_FACTORS:
         return "factors";
+    case REKV_ROPE_SCALING_LONGROPE:
+        return "longrope";
     }
     return "unknown";
 }
@@ -101,6 +108,24 @@ static void yarn_table(rekv_rope_freqs *f, const rekv_rope_scaling *s, double th
     f->attn_factor = (float)a;
 }
 
+/* LongRoPE (Phi-3; HF's _compute_longrope_parameters): inv_freq[j] = 1 / (ext[j] theta^(2j/d)),
+ * ext the short factors below the original length and the long ones from it on; cos and sin times
+ * attention_factor, by default sqrt(1 + ln(s) / ln(original)) for s = factor > 1 (HF: max_pos /
+ * original), whichever table is in use. */
+static void longrope_table(rekv_rope_freqs *f, const rekv_rope_scaling *s, double theta, int d)
+{
+    for (int j = 0; j < f->half; j++) {
+        double base = pair_base(theta, j, d);
+        f->inv_freq[j] = (float)(1.0 / ((double)s->freq_factors[j] * base));
+        f->long_inv_freq[j] = (float)(1.0 / ((double)s->long_factors[j] * base));
+    }
+    double a = s->attention_factor;
+    if (a <= 0)
+        a = s->factor > 1 ? sqrt(1 + log(s->factor) / log((double)s->original_max_pos)) : 1.0;
+    f->attn_factor = (float)a;
+    f->long_from = s->original_max_pos;
+}
+
 /* The fields a type reads, checked here too so that a config built by code (GGUF, synth) gets the
  * same one-line errors as config.json does. */
 static int check(const rekv_rope_scaling *s, const rekv_model_config *c, rekv_err *err)
@@ -120,6 +145,14 @@ static int check(const rekv_rope_scaling *s, const rekv_model_config *c, rekv_er
                          s->factor);
     if (s->type == REKV_ROPE_SCALING_LINEAR)
         return 0;
+    if (s->type == REKV_ROPE_SCALING_LONGROPE)
+        for (int j = 0; j < c->head_dim / 2; j++)
+            if (!(s->freq_factors[j] > 0) || !isfinite(s->freq_factors[j]) ||
+                !(s->long_factors[j] > 0) || !isfinite(s->long_factors[j]))
+                return rekv_errf(err, -EINVAL,
+                                 "rope_scaling (longrope): short_factor[%d] = %g and "
+                                 "long_factor[%d] = %g must be positive",
+                                 j, (double)s->freq_factors[j], j, (double)s->long_factors[j]);
     if (s->original_max_pos <= 0)
         return rekv_errf(
             err, -EINVAL,
@@ -169,6 +202,7 @@ int rekv_rope_freqs_init(rekv_rope_freqs *f, const rekv_model_config *c, rekv_er
     f->half = d / 2;
     f->attn_factor = 1.0f;
     f->dyn_from = INT_MAX;
+    f->long_from = INT_MAX;
     f->theta = c->rope_theta;
     double theta = c->rope_theta;
     switch (s->type) {
@@ -196,6 +230,9 @@ int rekv_rope_freqs_init(rekv_rope_freqs *f, const rekv_model_config *c, rekv_er
     case REKV_ROPE_SCALING_YARN:
         yarn_table(f, s, theta, d);
         break;
+    case REKV_ROPE_SCALING_LONGROPE:
+        longrope_table(f, s, theta, d);
+        break;
     default:
         return rekv_errf(err, -EINVAL, "rope_scaling: unknown type %d", (int)s->type);
     }
@@ -204,6 +241,10 @@ int rekv_rope_freqs_init(rekv_rope_freqs *f, const rekv_model_config *c, rekv_er
 
 void rekv_rope_freqs_at(const rekv_rope_freqs *f, int pos, float *inv_freq)
 {
+    if (pos >= f->long_from) {
+        memcpy(inv_freq, f->long_inv_freq, sizeof(float) * (size_t)f->half);
+        return;
+    }
     if (pos < f->dyn_from) {
         memcpy(inv_freq, f->inv_freq, sizeof(float) * (size_t)f->half);
         return;

@@ -33,6 +33,12 @@ typedef struct synth_tensor {
     int ndim;
     int64_t shape[2];
     synth_init init;
+    /* the tensor's rows are the rows of nparts generated tensors in order, part i being tensor
+     * index ti[i] (its place in the plain Llama's list) of rows[i] rows: 1 part but for Phi-3's
+     * fused ones, so a fused tensor holds exactly the plain Llama's Q, K, V or gate, up */
+    int nparts;
+    uint64_t ti[3];
+    int64_t rows[3];
 } synth_tensor;
 
 typedef struct synth_list {
@@ -77,7 +83,36 @@ static int list_add(synth_list *l, synth_init init, int ndim, int64_t d0, int64_
     t->shape[0] = d0;
     t->shape[1] = d1;
     t->init = init;
+    t->nparts = 1;
+    t->ti[0] = l->n - 1;
+    t->rows[0] = d0;
     return 0;
+}
+
+/* Phi-3's layout of a plain Llama list: each layer's q, k, v weights become one qkv_proj and its
+ * gate, up one gate_up_proj (HF's Phi3 names and order), every other tensor kept. */
+static void fuse_phi3(synth_list *l)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < l->n; i++) {
+        synth_tensor t = l->t[i];
+        const char *q = strstr(t.name, "self_attn.q_proj.weight");
+        const char *g = strstr(t.name, "mlp.gate_proj.weight");
+        int n = q ? 3 : g ? 2 : 1;
+        if (n > 1) {
+            for (int k = 1; k < n; k++) {
+                t.ti[k] = l->t[i + (size_t)k].ti[0];
+                t.rows[k] = l->t[i + (size_t)k].shape[0];
+                t.shape[0] += t.rows[k];
+            }
+            t.nparts = n;
+            strcpy(q ? strstr(t.name, "q_proj") : strstr(t.name, "gate_proj"),
+                   q ? "qkv_proj.weight" : "gate_up_proj.weight");
+            i += (size_t)n - 1;
+        }
+        l->t[o++] = t;
+    }
+    l->n = o;
 }
 
 static int build_opt(const rekv_synth_spec *s, synth_list *l)
@@ -139,9 +174,10 @@ static int build_llama(const rekv_synth_spec *s, const rekv_synth_llama *x, synt
     return rc ? -ENOMEM : 0;
 }
 
-/* Fills out[0..n) with elements [first, first + n) of tensor t (index ti). */
-static void synth_fill(const rekv_synth_spec *s, const synth_tensor *t, uint64_t ti, uint64_t first,
-                       float *out, size_t n)
+/* Fills out[0..n) with elements [first, first + n) of generated tensor index ti, of t's init and
+ * width. */
+static void synth_fill_one(const rekv_synth_spec *s, const synth_tensor *t, uint64_t ti,
+                           uint64_t first, float *out, size_t n)
 {
     uint64_t key = synth_tensor_key(s->seed, ti);
     float amp;
@@ -182,6 +218,22 @@ static void synth_fill(const rekv_synth_spec *s, const synth_tensor *t, uint64_t
     }
 }
 
+/* Fills out[0..n) with elements [first, first + n) of t, part by part. */
+static void synth_fill(const rekv_synth_spec *s, const synth_tensor *t, uint64_t first, float *out,
+                       size_t n)
+{
+    uint64_t cols = (uint64_t)(t->ndim == 2 ? t->shape[1] : 1), off = 0;
+    for (int p = 0; p < t->nparts && n > 0; p++) {
+        uint64_t len = (uint64_t)t->rows[p] * cols;
+        if (first < off + len) {
+            size_t k = first + n <= off + len ? n : (size_t)(off + len - first);
+            synth_fill_one(s, t, t->ti[p], first - off, out, k);
+            out += k, first += k, n -= k;
+        }
+        off += len;
+    }
+}
+
 static int spec_check(const rekv_synth_spec *s, const rekv_synth_llama *x, rekv_synth_spec *norm,
                       const char *outdir, rekv_err *err)
 {
@@ -208,9 +260,14 @@ static int spec_check(const rekv_synth_spec *s, const rekv_synth_llama *x, rekv_
                          "%s: synth: OPT has no grouped-query attention (kv-heads "
                          "must equal heads)",
                          outdir);
-    if (s->arch == REKV_ARCH_OPT &&
-        (x->rope_scaling.type != REKV_ROPE_SCALING_NONE || x->qwen2 || x->rope_theta != 0))
-        return rekv_errf(err, -EINVAL, "%s: synth: OPT has no RoPE (rope options are Llama's)",
+    if (x->phi3 && x->qwen2)
+        return rekv_errf(err, -EINVAL, "%s: synth: --phi3 and --qwen2 are two families", outdir);
+    if (x->rope_scaling.type == REKV_ROPE_SCALING_LONGROPE && !x->phi3)
+        return rekv_errf(err, -EINVAL, "%s: synth: longrope is written for --phi3 models", outdir);
+    if (s->arch == REKV_ARCH_OPT && (x->rope_scaling.type != REKV_ROPE_SCALING_NONE || x->qwen2 ||
+                                     x->phi3 || x->rope_theta != 0 || x->sliding_window != 0))
+        return rekv_errf(err, -EINVAL,
+                         "%s: synth: OPT has no RoPE (rope, family and window options are Llama's)",
                          outdir);
     if (s->arch == REKV_ARCH_LLAMA) { /* the checks the loader will make, made before writing */
         rekv_model_config c = {.head_dim = s->hidden / s->n_heads,
@@ -243,6 +300,23 @@ static int spec_check(const rekv_synth_spec *s, const rekv_synth_llama *x, rekv_
     return 0;
 }
 
+/* LongRoPE's factors for a synthetic Phi-3 unless given (factor == 0 means not): short ones a
+ * little above 1, long ones rising to factor = max_pos / original on the low frequencies, the
+ * shape of Phi-3's published lists; factor set as HF computes it. */
+static void longrope_factors(rekv_rope_scaling *r, int half, int max_pos)
+{
+    if (r->original_max_pos > 0)
+        r->factor = (double)max_pos / r->original_max_pos;
+    if (r->freq_factors[0] > 0)
+        return;
+    double top = r->factor > 1 ? r->factor : 1;
+    for (int j = 0; j < half; j++) {
+        double x = half > 1 ? (double)j / (half - 1) : 0;
+        r->freq_factors[j] = (float)(1.0 + 0.05 * x);
+        r->long_factors[j] = (float)(1.0 + (top - 1.0) * x * x);
+    }
+}
+
 static const char *torch_dtype_name(rekv_dtype d)
 {
     return d == REKV_DTYPE_F32 ? "float32" : d == REKV_DTYPE_F16 ? "float16" : "bfloat16";
@@ -250,7 +324,7 @@ static const char *torch_dtype_name(rekv_dtype d)
 
 /* The rope and Qwen2 fields of a Llama's config.json, as HF writes them (rope_scaling's fields
  * by type: those HF's _compute_*_parameters read). */
-static int llama_extras(const rekv_synth_llama *x, json_t *c)
+static int llama_extras(const rekv_synth_llama *x, int half, json_t *c)
 {
     const rekv_rope_scaling *r = &x->rope_scaling;
     int rc = 0;
@@ -260,6 +334,33 @@ static int llama_extras(const rekv_synth_llama *x, json_t *c)
         rc |= json_object_set_new(c, "model_type", json_string("qwen2"));
         rc |= json_object_set_new(c, "architectures", json_pack("[s]", "Qwen2ForCausalLM"));
         rc |= json_object_del(c, "attention_bias"); /* Qwen2's biases come with the type */
+        if (x->sliding_window > 0) {                /* every layer windowed */
+            rc |= json_object_set_new(c, "use_sliding_window", json_true());
+            rc |= json_object_set_new(c, "max_window_layers", json_integer(0));
+        }
+    } else if (x->phi3) {
+        rc |= json_object_set_new(c, "model_type", json_string("phi3"));
+        rc |= json_object_set_new(c, "architectures", json_pack("[s]", "Phi3ForCausalLM"));
+        rc |= json_object_del(c, "attention_bias"); /* Phi3Config has neither */
+        rc |= json_object_del(c, "mlp_bias");
+    } else if (x->sliding_window > 0) { /* HF's Llama has no window; Mistral's is always on */
+        rc |= json_object_set_new(c, "model_type", json_string("mistral"));
+        rc |= json_object_set_new(c, "architectures", json_pack("[s]", "MistralForCausalLM"));
+    }
+    if (x->sliding_window > 0)
+        rc |= json_object_set_new(c, "sliding_window", json_integer(x->sliding_window));
+    if (r->type == REKV_ROPE_SCALING_LONGROPE) { /* as Phi-3's config.json */
+        json_t *sf = json_array(), *lf = json_array();
+        for (int j = 0; j < half; j++) {
+            rc |= json_array_append_new(sf, json_real(r->freq_factors[j]));
+            rc |= json_array_append_new(lf, json_real(r->long_factors[j]));
+        }
+        rc |= json_object_set_new(c, "original_max_position_embeddings",
+                                  json_integer(r->original_max_pos));
+        rc |= json_object_set_new(
+            c, "rope_scaling",
+            json_pack("{s:s,s:o,s:o}", "type", "longrope", "short_factor", sf, "long_factor", lf));
+        return rc;
     }
     if (r->type == REKV_ROPE_SCALING_NONE)
         return rc;
@@ -318,7 +419,8 @@ static int write_config(const rekv_synth_spec *s, const rekv_synth_llama *x, con
                       "attention_bias", 0, "mlp_bias", 0, "bos_token_id", 1, "eos_token_id", 2,
                       "use_cache", 1, "torch_dtype", torch_dtype_name(s->dtype));
     }
-    if (c == NULL || (s->arch == REKV_ARCH_LLAMA && llama_extras(x, c) != 0)) {
+    if (c == NULL ||
+        (s->arch == REKV_ARCH_LLAMA && llama_extras(x, s->hidden / s->n_heads / 2, c) != 0)) {
         json_decref(c);
         return rekv_errf(err, -ENOMEM, "%s: out of memory", path);
     }
@@ -354,7 +456,10 @@ int rekv_synth_write_llama(const rekv_synth_spec *spec, const rekv_synth_llama *
                            const char *outdir, rekv_progress_fn progress, void *arg, rekv_err *err)
 {
     static const rekv_synth_llama plain;
-    const rekv_synth_llama *x = llama ? llama : &plain;
+    rekv_synth_llama xl = llama ? *llama : plain;
+    const rekv_synth_llama *x = &xl;
+    if (xl.rope_scaling.type == REKV_ROPE_SCALING_LONGROPE && spec->n_heads > 0)
+        longrope_factors(&xl.rope_scaling, spec->hidden / spec->n_heads / 2, spec->max_pos);
     rekv_synth_spec s;
     int rc = spec_check(spec, x, &s, outdir, err);
     if (rc < 0)
@@ -378,6 +483,8 @@ int rekv_synth_write_llama(const rekv_synth_spec *spec, const rekv_synth_llama *
         goto out;
     }
     rc = s.arch == REKV_ARCH_OPT ? build_opt(&s, &l) : build_llama(&s, x, &l);
+    if (rc == 0 && x->phi3)
+        fuse_phi3(&l);
     f32 = malloc(SYNTH_CHUNK_ELEMS * sizeof(float));
     conv = malloc(SYNTH_CHUNK_ELEMS * rekv_dtype_size(s.dtype));
     if (rc < 0 || f32 == NULL || conv == NULL) {
@@ -401,7 +508,7 @@ int rekv_synth_write_llama(const rekv_synth_spec *spec, const rekv_synth_llama *
         uint64_t numel = (uint64_t)t->shape[0] * (uint64_t)(t->ndim == 2 ? t->shape[1] : 1);
         for (uint64_t e = 0; e < numel; e += SYNTH_CHUNK_ELEMS) {
             size_t n = numel - e < SYNTH_CHUNK_ELEMS ? (size_t)(numel - e) : SYNTH_CHUNK_ELEMS;
-            synth_fill(&s, t, i, e, f32, n);
+            synth_fill(&s, t, e, f32, n);
             rekv_from_f32(conv, f32, s.dtype, n);
             rc = rekv_st_writer_write(w, conv, n * rekv_dtype_size(s.dtype), err);
             if (rc < 0)

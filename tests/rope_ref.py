@@ -2,18 +2,24 @@
 """rope_ref.py - an independent reference for rekv's RoPE scaling (tests/test_rope.c runs it).
 
 Written from the published formulas (HF transformers' modeling_rope_utils: default, linear,
-dynamic NTK, llama3 and YaRN; the YaRN paper, arXiv 2309.00071), in numpy float64, reading the
-same config.json that rekv reads. Nothing here comes from rekv's C code.
+dynamic NTK, llama3, YaRN and LongRoPE; the YaRN paper, arXiv 2309.00071; the LongRoPE paper,
+arXiv 2402.13753, as Phi-3 configures it), in numpy float64, reading the same config.json that
+rekv reads. Nothing here comes from rekv's C code.
 
   rope_ref.py freqs CONFIG_JSON POS...
       {"attention_factor": a, "inv_freq": [[...] per POS]}: the inverse frequency of each pair at
       each position (they differ only for dynamic NTK past the original length).
   rope_ref.py forward MODEL_DIR TOKEN...
-      {"logits": [[...] per token]}: a float64 forward of the Llama/Qwen2 model in MODEL_DIR
-      (config.json, one F32 model.safetensors) over the tokens at positions 0, 1, ...
+      {"logits": [[...] per token]}: a float64 forward of the Llama/Mistral/Qwen2/Phi-3 model in
+      MODEL_DIR (config.json, one F32 model.safetensors) over the tokens at positions 0, 1, ...:
+      Phi-3's fused qkv_proj / gate_up_proj split here by rows, and the sliding window (Mistral,
+      Phi-3, Qwen2 with use_sliding_window) as HF's mask: key k visible to query q when
+      q - W < k <= q.
 
 Dynamic NTK: HF recomputes one table per forward from the current length; rekv (and this
 reference) rotates position p with the base for length p + 1, which is HF's table for every
+decoded token. LongRoPE likewise: HF takes the long factors for a whole forward whose length
+passes the original one; here position p takes them when p + 1 > original, HF's choice for every
 decoded token. Angles are rounded as HF rounds them (inv_freq held in float32, the product
 position * inv_freq in float32); everything else is float64."""
 import json
@@ -48,7 +54,7 @@ def inv_freq_at(cfg, pos):
     base = default_inv_freq(theta, d)
     if kind == "default":
         return base, 1.0
-    factor = float(rs["factor"])
+    factor = float(rs.get("factor") or 0)
     if kind == "linear":
         # positions divided by factor, i.e. every frequency divided by it
         return base / factor, 1.0
@@ -98,6 +104,21 @@ def inv_freq_at(cfg, pos):
         ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
         keep = 1 - ramp  # weight of the unscaled (extrapolated) frequency
         return base / factor * (1 - keep) + base * keep, float(att)
+    if kind in ("longrope", "su"):
+        # LongRoPE: inv_freq[j] = 1 / (ext[j] * theta^(2j/d)), ext = short_factor up to the
+        # original length, long_factor past it; attention factor sqrt(1 + ln s / ln L0) where
+        # s = max_position_embeddings / L0 (Phi-3 keeps L0 at the config's top level)
+        l0 = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+        if cfg.get("original_max_position_embeddings"):
+            scale = cfg["max_position_embeddings"] / l0
+        else:
+            l0 = l0 or cfg["max_position_embeddings"]
+            scale = rs.get("factor") or 1.0
+        att = rs.get("attention_factor")
+        if att is None:
+            att = math.sqrt(1 + math.log(scale) / math.log(l0)) if scale > 1 else 1.0
+        ext = np.array(rs["long_factor"] if pos + 1 > l0 else rs["short_factor"], dtype=np.float64)
+        return 1.0 / (ext * theta ** (np.arange(0, d, 2, dtype=np.float64) / d)), float(att)
     raise SystemExit("rope_ref.py: unknown rope type %r" % kind)
 
 
@@ -128,9 +149,38 @@ def rotate(x, cos, sin):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def sliding_window(cfg):
+    """HF's window of the model, or None: Mistral and Phi-3 take sliding_window as it is, Qwen2
+    only with use_sliding_window (and, here, every layer windowed), Llama has none."""
+    kind = cfg.get("model_type")
+    if kind in ("mistral", "phi3") or (kind == "qwen2" and cfg.get("use_sliding_window")):
+        return cfg.get("sliding_window")
+    return None
+
+
+def split_fused(w, cfg):
+    """Phi-3's qkv_proj rows are q, k, v; gate_up_proj's gate, up (HF's Phi3 chunks them so)."""
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
+    d = head_dim(cfg)
+    for name in list(w):
+        if name.endswith("self_attn.qkv_proj.weight"):
+            a = w.pop(name)
+            p = name[: -len("qkv_proj.weight")]
+            w[p + "q_proj.weight"] = a[: nh * d]
+            w[p + "k_proj.weight"] = a[nh * d : (nh + nkv) * d]
+            w[p + "v_proj.weight"] = a[(nh + nkv) * d :]
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            a = w.pop(name)
+            p = name[: -len("gate_up_proj.weight")]
+            f = a.shape[0] // 2
+            w[p + "gate_proj.weight"], w[p + "up_proj.weight"] = a[:f], a[f:]
+    return w
+
+
 def forward(model_dir, tokens):
     cfg = json.load(open(model_dir + "/config.json"))
-    w = load_safetensors(model_dir + "/model.safetensors")
+    w = split_fused(load_safetensors(model_dir + "/model.safetensors"), cfg)
     T, nh = len(tokens), cfg["num_attention_heads"]
     nkv = cfg.get("num_key_value_heads") or nh
     d = head_dim(cfg)
@@ -146,6 +196,9 @@ def forward(model_dir, tokens):
     cos, sin = cos[:, None, :], sin[:, None, :]
     x = w["model.embed_tokens.weight"][tokens]
     mask = np.triu(np.full((T, T), -np.inf), 1)
+    win = sliding_window(cfg)
+    if win:  # query q sees keys k with q - win < k <= q
+        mask = mask + np.tril(np.full((T, T), -np.inf), -win)
     for l in range(cfg["num_hidden_layers"]):
         p = "model.layers.%d." % l
 

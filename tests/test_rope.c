@@ -532,8 +532,7 @@ START_TEST(bad_rope_scaling_names_the_field)
         int code;
         const char *needle;
     } bad[] = {
-        {"{\"rope_type\":\"longrope\",\"factor\":4}", -ENOTSUP,
-         "rope_scaling.rope_type \"longrope\""},
+        {"{\"rope_type\":\"mrope\",\"factor\":4}", -ENOTSUP, "rope_scaling.rope_type \"mrope\""},
         {"{\"factor\":4}", -EINVAL, "rope_scaling.rope_type"},
         {"{\"rope_type\":\"linear\"}", -EINVAL, "\"rope_scaling.factor\" is missing"},
         {"{\"rope_type\":\"linear\",\"factor\":\"4\"}", -EINVAL, "\"rope_scaling.factor\" must be"},
