@@ -120,6 +120,8 @@ uint64_t rekv_engine_fingerprint(const rekv_engine *e)
     fp_add(&f, &c->rope_theta, sizeof(c->rope_theta));
     if (c->rope_scaling.type != REKV_ROPE_SCALING_NONE) /* the rotation the calibration saw */
         fp_add(&f, &e->rope, sizeof(e->rope));          /* (zeroed padding: rekv_rope_freqs_init) */
+    if (c->sliding_window > 0) /* K,V past the first layer depend on it; none keeps old values */
+        fp_add(&f, &c->sliding_window, sizeof(c->sliding_window));
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c), F = (size_t)c->ffn;
     size_t KV = (size_t)rekv_config_kv_dim(c), f4 = sizeof(float);
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim;

@@ -317,13 +317,18 @@ START_TEST(window_past_context_is_full_attention)
 }
 END_TEST
 
-/* The pipeline's kernels (cpu backend) in resident and the exact streaming modes (offload, act:
- * the KV fetched or recomputed whole, the window a mask), a prompt of 50 in one chunk then
- * decode steps, on a Phi-3 with a window of 12 and LongRoPE past 32: forward.c's logits bit for
- * bit at every step. */
+/* The pipeline's kernels (cpu backend) in resident and the exact streaming modes (offload, with
+ * and without a device-resident part, act, kvpr, hybrid: the KV fetched or recomputed whole, the
+ * window a mask), a prompt of 50 in one chunk then decode steps, on a Phi-3 with a window of 12 and
+ * LongRoPE past 32: forward.c's logits bit for bit at every step. */
 START_TEST(pipeline_window_matches_forward)
 {
-    static const rekv_mode modes[] = {REKV_MODE_RESIDENT, REKV_MODE_OFFLOAD, REKV_MODE_ACT};
+    static const struct {
+        rekv_mode mode;
+        int split, kv_parts, act_parts, device_tokens;
+    } modes[] = {{REKV_MODE_RESIDENT, 0, 0, 0, 0}, {REKV_MODE_OFFLOAD, 0, 0, 0, 0},
+                 {REKV_MODE_OFFLOAD, 0, 0, 0, 16}, {REKV_MODE_ACT, 0, 0, 0, 0},
+                 {REKV_MODE_KVPR, 20, 0, 0, 0},    {REKV_MODE_HYBRID, 0, 1, 1, 0}};
     char *dir = tu_tmpdir(), mdir[600];
     synth(dir, "m", 128,
           "--phi3 --sliding-window 12 --rope-scaling longrope:original_max_position_embeddings=32");
@@ -338,12 +343,16 @@ START_TEST(pipeline_window_matches_forward)
         rekv_err err = {0};
         rekv_pipeline_config cfg;
         rekv_pipeline_config_defaults(&cfg);
-        cfg.mode = modes[mi];
+        cfg.mode = modes[mi].mode;
+        cfg.split = modes[mi].split;
+        cfg.kv_parts = modes[mi].kv_parts;
+        cfg.act_parts = modes[mi].act_parts;
+        cfg.device_tokens = modes[mi].device_tokens;
         rekv_pipeline *p;
         ck_assert_msg(rekv_pipeline_create(f.e, f.be,
-                                           modes[mi] == REKV_MODE_RESIDENT ? NULL : f.store, &cfg,
+                                           cfg.mode == REKV_MODE_RESIDENT ? NULL : f.store, &cfg,
                                            &p, &err) == 0,
-                      "%s", err.msg);
+                      "%s: %s", rekv_mode_name(cfg.mode), err.msg);
         rekv_pseq *ps;
         rekv_seq *s;
         ck_assert_msg(rekv_pseq_create(p, LEN + STEPS, &ps, &err) == 0, "%s", err.msg);
@@ -358,8 +367,9 @@ START_TEST(pipeline_window_matches_forward)
             rekv_batch_item it = {s, tok, n, 0, lf};
             ck_assert_msg(rekv_engine_forward(f.e, &it, 1, &err) == 0, "%s", err.msg);
             ck_assert_msg(memcmp(lp, lf, sizeof(lp)) == 0,
-                          "mode %s, step %d: the pipeline and forward.c differ",
-                          rekv_mode_name(modes[mi]), step);
+                          "mode %s (device tokens %d), step %d: the pipeline and forward.c "
+                          "differ",
+                          rekv_mode_name(cfg.mode), cfg.device_tokens, step);
             next = rekv_argmax(lf, V);
         }
         rekv_seq_free(s);
@@ -385,12 +395,14 @@ START_TEST(pipeline_window_matches_forward)
 }
 END_TEST
 
-/* LongRoPE switches tables by position, so how a sequence is cut never matters: the prompt at
- * once, a token at a time and two uneven chunks across the original length give the same bits. */
+/* LongRoPE switches tables by position and the window masks by position, so how a sequence is
+ * cut never matters: the prompt at once, a token at a time and two uneven chunks across the
+ * original length and the window give the same bits. */
 START_TEST(longrope_does_not_depend_on_chunking)
 {
     char *dir = tu_tmpdir(), mdir[600];
-    synth(dir, "m", 128, "--phi3 --rope-scaling longrope:original_max_position_embeddings=16");
+    synth(dir, "m", 128,
+          "--phi3 --sliding-window 10 --rope-scaling longrope:original_max_position_embeddings=16");
     snprintf(mdir, sizeof(mdir), "%s/m", dir);
     rekv_err err = {0};
     rekv_model *m = NULL;
