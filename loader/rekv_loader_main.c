@@ -374,6 +374,8 @@ static void print_config(const rekv_model_config *c)
     printf("  ffn             %d\n", c->ffn);
     printf("  vocab           %d\n", c->vocab);
     printf("  max_pos         %d\n", c->max_pos);
+    if (c->sliding_window > 0)
+        printf("  sliding_window  %d\n", c->sliding_window);
     printf("  embed_dim       %d\n", c->embed_dim);
     printf("  norm_eps        %g\n", (double)c->norm_eps);
     printf("  rope            %s (theta %g)\n", (unsigned)c->rope < 3 ? rope[c->rope] : "?",
