@@ -375,13 +375,30 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
         (qwen2 && (rc = get_bool(root, path, "use_sliding_window", 0, &use_window, err))) ||
         (qwen2 && (rc = get_int(root, path, "max_window_layers", 28, 0, BIG, &full_layers, err))))
         return rc;
-    if (use_window && full_layers >= c->n_layers)
+    /* transformers' explicit per-layer list, where a config has one, decides which layers */
+    json_t *lt = json_object_get(root, "layer_types");
+    if (lt != NULL && !json_is_null(lt)) {
+        size_t i, sliding = 0;
+        json_t *x;
+        if (!json_is_array(lt) || json_array_size(lt) != (size_t)c->n_layers)
+            return rekv_errf(err, -EINVAL,
+                             "%s: field \"layer_types\" must be a list of %d layer types", path,
+                             c->n_layers);
+        json_array_foreach(lt, i, x)
+        {
+            if (json_is_string(x) && strcmp(json_string_value(x), "sliding_attention") == 0)
+                sliding++;
+        }
+        use_window = use_window && sliding > 0;
+        full_layers = sliding == (size_t)c->n_layers ? 0 : c->n_layers - (int)sliding;
+    } else if (use_window && full_layers >= c->n_layers) {
         use_window = 0;
+    }
     c->sliding_window = use_window && window > 0 && window < c->max_pos ? window : 0;
     if (c->sliding_window && full_layers > 0)
         return rekv_errf(err, -ENOTSUP,
-                         "%s: a sliding window on some layers only (max_window_layers %d of %d) is "
-                         "not supported",
+                         "%s: a sliding window on some layers only (%d of %d layers full, by "
+                         "max_window_layers or layer_types) is not supported",
                          path, full_layers, c->n_layers);
     return 0;
 }

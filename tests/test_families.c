@@ -466,7 +466,12 @@ START_TEST(bad_family_fields_name_the_field)
          "\"partial_rotary_factor\""},
         {"\"model_type\":\"qwen2\",\"use_sliding_window\":true,\"sliding_window\":16,"
          "\"max_window_layers\":1",
-         -ENOTSUP, "max_window_layers 1 of 2"},
+         -ENOTSUP, "1 of 2 layers full"},
+        {"\"model_type\":\"mistral\",\"sliding_window\":16,\"layer_types\":[\"full_attention\","
+         "\"sliding_attention\"]",
+         -ENOTSUP, "1 of 2 layers full"},
+        {"\"model_type\":\"mistral\",\"sliding_window\":16,\"layer_types\":[\"full_attention\"]",
+         -EINVAL, "\"layer_types\" must be a list of 2"},
         {"\"model_type\":\"mistral\",\"sliding_window\":-4", -EINVAL, "\"sliding_window\""},
     };
     char *dir = tu_tmpdir(), path[512], text[2048];
@@ -493,6 +498,14 @@ START_TEST(bad_family_fields_name_the_field)
     ck_assert_int_eq(rekv_config_load_hf(path, &c, NULL), 0);
     ck_assert_int_eq(c.sliding_window, 0);
     ck_assert_int_eq(c.max_pos, 128);
+    /* Qwen2's per-layer list windowing every layer: a window */
+    write_text(path, "{\"model_type\":\"qwen2\",\"hidden_size\":64,\"num_hidden_layers\":2,"
+                     "\"intermediate_size\":96,\"num_attention_heads\":4,\"vocab_size\":100,"
+                     "\"max_position_embeddings\":128,\"sliding_window\":16,"
+                     "\"use_sliding_window\":true,\"layer_types\":[\"sliding_attention\","
+                     "\"sliding_attention\"]}");
+    ck_assert_int_eq(rekv_config_load_hf(path, &c, NULL), 0);
+    ck_assert_int_eq(c.sliding_window, 16);
     tu_rmrf(dir);
     free(dir);
 }
