@@ -77,6 +77,11 @@ int wk_kv_connect(worker *w, rekv_err *err)
             return 1;
         rekv_err_clear(err);
     }
+    if (crc == -EINTR) { /* a signal cut a wait on a store that does not answer (hung) */
+        struct pollfd sp = {w->stop_fd, POLLIN, 0};
+        if (poll(&sp, 1, 0) > 0) /* it was the stop: asked to stop, not a failure */
+            return 1;
+    }
     if (crc)
         return crc;
     rekv_kvstore_client_set_stop_fd(kv, w->stop_fd);

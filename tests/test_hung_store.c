@@ -8,7 +8,8 @@
  * a new worker of the same name serves every job with rekv_generate's tokens. Waits have no
  * deadline of their own: Check's timeout is the guard, and the old per-sequence wait (jobs × the
  * store timeout) outlasts it. A worker started against a store that is not there yet says so,
- * naming the endpoint, instead of waiting in silence. Model: stories260K. */
+ * naming the endpoint, instead of waiting in silence, and one whose store hung before it came stops
+ * on SIGTERM during that first connect. Model: stories260K. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -294,6 +295,55 @@ START_TEST(worker_says_it_waits_for_the_store)
 }
 END_TEST
 
+/* A worker started against a kvstore that is already hung (SIGSTOPped before the worker came:
+ * its socket accepts, the arena never comes), with a store timeout of ten minutes: SIGTERM during
+ * that first connect ends the worker cleanly — exit 0, no ERROR — long before the timeout
+ * (Check's 60 s guard). */
+START_TEST(worker_first_connect_to_hung_store_stops)
+{
+    env e;
+    if (ct_env_open(&e))
+        return;
+    char kv_log[4300], wk_log[4300], prog[4096];
+    snprintf(kv_log, sizeof(kv_log), "%s/kvstore.log", e.dir);
+    snprintf(wk_log, sizeof(wk_log), "%s/worker.log", e.dir);
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-kvstore"));
+    const char *kargs[] = {prog,  "--endpoint",    e.kv,  "--model",    e.model, "--host-bytes",
+                           "64M", "--cache-dtype", "f32", "--no-spill", NULL};
+    pid_t kv = tu_spawn(kargs, kv_log, NULL);
+    ck_assert_msg(kv > 0, "rekv-kvstore exited at start");
+    kill(kv, SIGSTOP);
+    pid_t co = ct_start_coordinator(&e, "64", "600000");
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    const char *args[] = {prog,        "--model",  e.model,   "--coordinator",
+                          e.wrk,       "--name",   "w0",      "--backend",
+                          "cpu",       "--mode",   "offload", "--kvstore",
+                          e.kv,        "--kvstore-timeout-ms", "600000", NULL};
+    pid_t wk = fork(); /* not tu_spawn: it is not ready, and must not be */
+    ck_assert_int_ge(wk, 0);
+    if (wk == 0) {
+        int fd = open(wk_log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (fd < 0 || dup2(fd, 2) < 0)
+            _exit(126);
+        execv(prog, (char *const *)args);
+        _exit(127);
+    }
+    /* its first connect waits for the arena the stopped store never sends (the line before it
+     * is the model's fingerprint; a moment more to be inside the wait) */
+    while (!tu_file_has(wk_log, "the model's fingerprint is"))
+        usleep(20000);
+    usleep(300000);
+    int st = tu_stop(wk);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker status %d: %s", st,
+                  log_end(wk_log));
+    ck_assert_msg(!tu_file_has(wk_log, "ERROR"), "a stop is no error: %s", log_end(wk_log));
+    kill(kv, SIGCONT);
+    ck_assert_int_eq(tu_stop(co), 0);
+    ck_assert_int_eq(tu_stop(kv), 0);
+    ct_env_close(&e);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("hung_store");
@@ -307,6 +357,7 @@ static Suite *suite(void)
     tcase_add_test(tc, worker_store_hangs);
     tcase_add_test(tc, worker_idle_stops_while_store_hangs);
     tcase_add_test(tc, worker_says_it_waits_for_the_store);
+    tcase_add_test(tc, worker_first_connect_to_hung_store_stops);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -25,8 +25,8 @@ mkfs.ext4 -q $DEV
 mkdir -p /mnt/spill
 mount -o errors=continue $DEV /mnt/spill
 export REKV_SOAK_SPILL_DIR=/mnt/spill
-export REKV_SOAK_SPILL_FAIL="dmsetup suspend rekv-soak && dmsetup load rekv-soak --table '0 $SIZE error' && dmsetup resume rekv-soak"
-export REKV_SOAK_SPILL_MEND="dmsetup suspend rekv-soak && dmsetup load rekv-soak --table '0 $SIZE linear /dev/vda 0' && dmsetup resume rekv-soak"
+export REKV_SOAK_SPILL_FAIL="dmsetup suspend --nolockfs --noflush rekv-soak && dmsetup load rekv-soak --table '0 $SIZE error' && dmsetup resume rekv-soak"
+export REKV_SOAK_SPILL_MEND="dmsetup suspend --nolockfs --noflush rekv-soak && dmsetup load rekv-soak --table '0 $SIZE linear /dev/vda 0' && dmsetup resume rekv-soak"
 rc=0
 REKV_BUILD=build build/tests/bench/soak "$N" > /rekv-out/soak.json || rc=$?
 [ "$rc" -eq 0 ] || tail -20 /tmp/rekv-soak.*/*.log 2>/dev/null || true
