@@ -40,8 +40,8 @@ static void run_steps(rekv_plan_scales *sc, double pcie_f, double compute_f, int
         rekv_plan_scaled_profile(&g_prof, sc, &now);
         ck_assert_int_eq(rekv_plan_kvpr_choose(&now, &p, &ch, NULL), 0);
         rekv_plan_kvpr_eval(&g_prof, &p, ch.l, &truth); /* what the step costs, unscaled */
-        rekv_plan_scales_observe(sc, truth.t_link * pcie_f, ch.t_link,
-                                 truth.t_compute * compute_f, ch.t_compute);
+        rekv_plan_scales_observe(sc, truth.t_link * pcie_f, ch.t_link, truth.t_compute * compute_f,
+                                 ch.t_compute);
         *l = ch.l;
     }
 }
