@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include "common/err.h"
+#include "coordinator/coordinator.h"
 #include "gpuworker/device/backend.h"
 #include "gpuworker/gpuworker.h"
 #include "kvstore/kvstore.h"
@@ -45,6 +46,16 @@ pid_t cli_trio_child(const cli_trio *t, const char *prog);
 double cli_proc_cpu_s(pid_t pid);
 /* Removes a directory tree; 0, or -1 with a message printed. */
 int cli_rm_tree(const char *dir);
+/* qsort's comparison of doubles, ascending. */
+int cli_cmp_double(const void *a, const void *b);
+/* The nearest-rank percentile p (0..100) of v[0..n), sorting v; 0 when n is 0. */
+double cli_percentile(double *v, size_t n, double p);
+/* A finished job's generated ids (malloc'd into *out, *n_out of them) and its prompt tokens from
+ * the prefix cache, from its Status on c; 0, or -1 with "rekv bench BENCH: Status: ..." printed. */
+int cli_job_answer(rekv_ctl *c, const char *bench, uint64_t job, int32_t **out,
+                   uint32_t *n_out, uint32_t *cached);
+/* The configuration of the model at path (any model rekv loads); 0, or 1 with the error printed. */
+int cli_model_config(const char *path, rekv_model_config *cfg);
 
 /* The process's peak resident memory (VmHWM) in bytes, 0 where /proc cannot tell; reset makes
  * the next peak count from now (writing 5 to /proc/self/clear_refs: 0, or -errno where the kernel

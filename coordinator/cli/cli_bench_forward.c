@@ -76,12 +76,6 @@ static double blas_gflops(int m, int n, int k, double min_s)
     return gemm_gflops(GEMM_BLAS, m, n, k, min_s);
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* rekv's GEMM (fp32 and fp16 weights) next to OpenBLAS at one shape: each measured five times in
  * a row, medians, with a pause before each: both libraries keep their worker threads spinning a
  * while after a call, and one's spinning threads slow the other's (up to 3x when they alternate
@@ -97,7 +91,7 @@ static json_t *gemm_compare(int m, int n, int k)
             g[i][r] = gemm_gflops((gemm_impl)i, m, n, k, 0.05);
     }
     for (int i = 0; i < 3; i++)
-        qsort(g[i], REPS, sizeof(double), cmp_double);
+        qsort(g[i], REPS, sizeof(double), cli_cmp_double);
     double b = g[GEMM_BLAS][REPS / 2], f = g[GEMM_REKV_F32][REPS / 2],
            h = g[GEMM_REKV_F16][REPS / 2];
     return json_pack("{s:i, s:i, s:i, s:s, s:f, s:f, s:f, s:f, s:f}", "rows", m, "n", n, "k", k,
@@ -178,7 +172,7 @@ static json_t *gemv_bandwidth(int n, int k)
                 t[i][r] = gemv_pass(i, rm, tl, n_w, per, x, y, n, k);
         double g[3];
         for (int i = 0; i < 3; i++) {
-            qsort(t[i], GEMV_REPS, sizeof(double), cmp_double);
+            qsort(t[i], GEMV_REPS, sizeof(double), cli_cmp_double);
             g[i] = (double)all / t[i][GEMV_REPS / 2] * 1e-9;
         }
         o = json_pack("{s:i, s:i, s:I, s:i, s:f, s:f, s:f, s:f, s:f}", "n", n, "k", k, "bytes",
@@ -234,7 +228,7 @@ static json_t *gemv_quant(int n, int k)
             t[rep] = (double)(rekv_now_ns() - t0) * 1e-9;
         }
         free(w);
-        qsort(t + 1, GEMV_REPS, sizeof(double), cmp_double);
+        qsort(t + 1, GEMV_REPS, sizeof(double), cli_cmp_double);
         double sec = t[1 + GEMV_REPS / 2];
         json_array_append_new(arr, json_pack("{s:s, s:I, s:f, s:f}", "type",
                                              rekv_ggml_type_name(types[ti]), "bytes",

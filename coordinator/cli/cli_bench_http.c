@@ -470,22 +470,6 @@ out:
 
 /* ---------------------------------------------------------------- the report */
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Nearest-rank percentile of v[0..n) (sorted here); 0 when n is 0. */
-static double pct(double *v, size_t n, double p)
-{
-    if (n == 0)
-        return 0;
-    qsort(v, n, sizeof(*v), cmp_double);
-    size_t k = (size_t)ceil(p / 100.0 * (double)n);
-    return v[k ? k - 1 : 0];
-}
-
 static json_t *way_json(hway *w)
 {
     double tok = w->tokens ? (double)w->tokens : 1;
@@ -494,9 +478,9 @@ static json_t *way_json(hway *w)
         "jobs_done", (json_int_t)(w->done - w->failed), "jobs_failed", (json_int_t)w->failed,
         "tokens", (json_int_t)w->tokens, "wall_s", w->wall_s, "tokens_per_s",
         w->wall_s > 0 ? (double)w->tokens / w->wall_s : 0.0, "ttft_s", "p50",
-        pct(w->ttft, w->n_ttft, 50), "p90", pct(w->ttft, w->n_ttft, 90), "p99",
-        pct(w->ttft, w->n_ttft, 99), "itl_s", "p50", pct(w->gaps, w->n_gaps, 50), "p90",
-        pct(w->gaps, w->n_gaps, 90), "p99", pct(w->gaps, w->n_gaps, 99), "coordinator_cpu_s",
+        cli_percentile(w->ttft, w->n_ttft, 50), "p90", cli_percentile(w->ttft, w->n_ttft, 90), "p99",
+        cli_percentile(w->ttft, w->n_ttft, 99), "itl_s", "p50", cli_percentile(w->gaps, w->n_gaps, 50), "p90",
+        cli_percentile(w->gaps, w->n_gaps, 90), "p99", cli_percentile(w->gaps, w->n_gaps, 99), "coordinator_cpu_s",
         w->co_cpu_s, "worker_cpu_s", w->wk_cpu_s, "coordinator_cpu_per_token_s",
         w->co_cpu_s / tok, "worker_cpu_per_token_s", w->wk_cpu_s / tok);
     if (w->bytes)
@@ -840,8 +824,8 @@ out:
 static void http_print(const http_opts *o, const rekv_model_config *cfg, hway *ctl, hway *web,
                        uint64_t mism, const char *mode)
 {
-    double c50 = pct(ctl->ttft, ctl->n_ttft, 50), c90 = pct(ctl->ttft, ctl->n_ttft, 90);
-    double h50 = pct(web->ttft, web->n_ttft, 50), h90 = pct(web->ttft, web->n_ttft, 90);
+    double c50 = cli_percentile(ctl->ttft, ctl->n_ttft, 50), c90 = cli_percentile(ctl->ttft, ctl->n_ttft, 90);
+    double h50 = cli_percentile(web->ttft, web->n_ttft, 50), h90 = cli_percentile(web->ttft, web->n_ttft, 90);
     double wk = web->tokens ? web->wk_cpu_s / (double)web->tokens : 0;
     double co = web->tokens ? web->co_cpu_s / (double)web->tokens : 0;
     json_t *out = json_pack(
@@ -870,14 +854,9 @@ int cli_bench_http(int argc, char **argv)
     int rc = http_parse(argc, argv, &o);
     if (rc != CLI_PARSED)
         return rc;
-    rekv_err err = {0};
-    rekv_model *model = NULL;
-    if (rekv_model_open(o.model, &model, &err)) {
-        fprintf(stderr, "rekv: %s\n", err.msg);
+    rekv_model_config cfg;
+    if (cli_model_config(o.model, &cfg))
         return 1;
-    }
-    rekv_model_config cfg = model->config;
-    rekv_model_close(model);
     if (o.prompt_len + o.max_new > cfg.max_pos) {
         fprintf(stderr, "rekv bench http: prompt + max-new-tokens exceeds the context (%d)\n",
                 cfg.max_pos);

@@ -185,7 +185,7 @@ static void pf_on_reply(pf_run *run, preq *rs, int n, const Rekv__Control__Respo
         return;
     preq *q = &rs[i];
     if (r->code == REKV__CONTROL__CODE__OK && r->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
-        q->job = r->submitted->job; /* the job pf_status asks for */
+        q->job = r->submitted->job; /* the job whose answer is read */
         return;
     }
     if (q->done)
@@ -206,30 +206,6 @@ static void pf_on_reply(pf_run *run, preq *rs, int n, const Rekv__Control__Respo
                                  ? r->event->error
                                  : rekv_ctl_state_name(r->event->state));
     }
-}
-
-/* A finished request's answer and cached prompt tokens, from its job's status. */
-static int pf_status(rekv_ctl *c, preq *q)
-{
-    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
-    s.job = q->job;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
-    rq.status = &s;
-    Rekv__Control__Response *r = NULL;
-    rekv_err err = {0};
-    int rc = -1;
-    if (rekv_ctl_call(c, &rq, 10000, &r, &err) || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
-        fprintf(stderr, "rekv bench serve: Status: %s\n", r ? rekv_ctl_code_name(r->code) : err.msg);
-    } else if ((q->out = malloc(sizeof(int32_t) * (r->job->n_generated_ids + 1))) != NULL) {
-        memcpy(q->out, r->job->generated_ids, sizeof(int32_t) * r->job->n_generated_ids);
-        q->n_out = (uint32_t)r->job->n_generated_ids;
-        q->cached = r->job->cached_tokens;
-        rc = 0;
-    }
-    if (r)
-        rekv__control__response__free_unpacked(r, NULL);
-    return rc;
 }
 
 /* Submits rs[0..n) at once, streams them to their ends, then reads their answers; 0 or -1. */
@@ -263,7 +239,7 @@ static int pf_wave(rekv_ctl *c, const pf_opts *o, pf_run *run, preq *rs, int n, 
     if (o) /* the workload's waves count in the run's time and tokens; a warm-up's do not */
         run->wall_s += (double)(rekv_now_ns() - t0) * 1e-9;
     for (int i = 0; i < n; i++) {
-        if (!rs[i].failed && pf_status(c, &rs[i]))
+        if (!rs[i].failed && cli_job_answer(c, "serve", rs[i].job, &rs[i].out, &rs[i].n_out, &rs[i].cached))
             return -1;
         if (o)
             run->tokens += rs[i].n_out, run->failed += rs[i].failed;
@@ -381,12 +357,6 @@ out:
 
 /* ---------------------------------------------------------------- the report */
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Nearest-rank percentile p of the TTFTs of the run's requests in waves [w0, w1). */
 static double ttft_pct(const pf_run *run, int w0, int w1, double p)
 {
@@ -395,12 +365,7 @@ static double ttft_pct(const pf_run *run, int w0, int w1, double p)
     for (int i = 0; v && i < run->n_reqs; i++)
         if (run->reqs[i].wave >= w0 && run->reqs[i].wave < w1 && run->reqs[i].ttft_s >= 0)
             v[n++] = run->reqs[i].ttft_s;
-    double r = 0;
-    if (n) {
-        qsort(v, n, sizeof(*v), cmp_double);
-        size_t k = (size_t)ceil(p / 100.0 * (double)n);
-        r = v[k ? k - 1 : 0];
-    }
+    double r = v ? cli_percentile(v, n, p) : 0;
     free(v);
     return r;
 }
@@ -670,14 +635,9 @@ int cli_bench_serve_workload(int argc, char **argv)
     int rc = pf_parse(argc, argv, &o);
     if (rc != CLI_PARSED)
         return rc;
-    rekv_err err = {0};
-    rekv_model *model = NULL;
-    if (rekv_model_open(o.model, &model, &err)) {
-        fprintf(stderr, "rekv: %s\n", err.msg);
+    rekv_model_config cfg;
+    if (cli_model_config(o.model, &cfg))
         return 1;
-    }
-    rekv_model_config cfg = model->config;
-    rekv_model_close(model);
     long longest = o.chat ? o.turns * o.user_len + (o.turns - 1) * o.max_new + o.max_new
                           : o.sys_len + o.q_len + o.max_new;
     if (longest > cfg.max_pos) {

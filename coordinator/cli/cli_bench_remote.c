@@ -315,30 +315,6 @@ static int rm_submit(rekv_ctl *c, const rreq *q, long max_new, uint64_t *rid, re
     return rekv_ctl_send(c, &rq, rid, err);
 }
 
-/* A finished job's answer and cached prompt tokens; 0 or -1 with a message printed. */
-static int rm_status(rekv_ctl *c, uint64_t job, rreq *q)
-{
-    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
-    s.job = job;
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
-    rq.status = &s;
-    Rekv__Control__Response *r = NULL;
-    rekv_err err = {0};
-    int rc = -1;
-    if (rekv_ctl_call(c, &rq, 10000, &r, &err) || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
-        fprintf(stderr, "rekv bench remote: Status: %s\n", r ? rekv_ctl_code_name(r->code) : err.msg);
-    } else if ((q->out = malloc(sizeof(int32_t) * (r->job->n_generated_ids + 1))) != NULL) {
-        memcpy(q->out, r->job->generated_ids, sizeof(int32_t) * r->job->n_generated_ids);
-        q->n_out = (uint32_t)r->job->n_generated_ids;
-        q->cached = r->job->cached_tokens;
-        rc = 0;
-    }
-    if (r)
-        rekv__control__response__free_unpacked(r, NULL);
-    return rc;
-}
-
 /* Runs q to its end on c (killing kill, when given, right after the Submit): its TTFT, answer and
  * cached tokens; a job that fails is marked, not an error. 0, or -1 with a message printed. */
 static int rm_request(rekv_ctl *c, rreq *q, long max_new, redis_srv *kill, rm_run *run)
@@ -382,7 +358,7 @@ static int rm_request(rekv_ctl *c, rreq *q, long max_new, redis_srv *kill, rm_ru
         }
         rekv__control__response__free_unpacked(r, NULL);
     }
-    return q->failed ? 0 : rm_status(c, job, q);
+    return q->failed ? 0 : cli_job_answer(c, "remote", job, &q->out, &q->n_out, &q->cached);
 }
 
 /* The coordinator's steps and mean worker step time so far; 0 or -1 with a message printed. */
@@ -523,12 +499,6 @@ out:
 
 /* ---------------------------------------------------------------- the report */
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Nearest-rank percentile p of the TTFTs of replica rep's requests. */
 static double ttft_pct(const rm_run *run, int rep, double p)
 {
@@ -537,12 +507,7 @@ static double ttft_pct(const rm_run *run, int rep, double p)
     for (int i = rep; v && i < run->n; i += 2)
         if (run->reqs[i].ttft_s >= 0)
             v[n++] = run->reqs[i].ttft_s;
-    double r = 0;
-    if (n) {
-        qsort(v, n, sizeof(*v), cmp_double);
-        size_t k = (size_t)ceil(p / 100.0 * (double)n);
-        r = v[k ? k - 1 : 0];
-    }
+    double r = v ? cli_percentile(v, n, p) : 0;
     free(v);
     return r;
 }
@@ -711,14 +676,9 @@ int cli_bench_remote(int argc, char **argv)
     char redis_bin[4096];
     if (redis_find(o.redis_bin, redis_bin, sizeof(redis_bin)))
         return 1;
-    rekv_err err = {0};
-    rekv_model *model = NULL;
-    if (rekv_model_open(o.model, &model, &err)) {
-        fprintf(stderr, "rekv: %s\n", err.msg);
+    rekv_model_config cfg;
+    if (cli_model_config(o.model, &cfg))
         return 1;
-    }
-    rekv_model_config cfg = model->config;
-    rekv_model_close(model);
     if (o.sys_len + o.q_len + o.max_new > cfg.max_pos) {
         fprintf(stderr, "rekv bench remote: a request (%ld tokens with its answer) exceeds the "
                         "context (%d)\n", o.sys_len + o.q_len + o.max_new, cfg.max_pos);

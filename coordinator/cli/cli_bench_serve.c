@@ -106,29 +106,13 @@ static int trio_start(cli_trio *t, const serve_opts *o, const char *mode)
 
 /* ---------------------------------------------------------------- one mode's run */
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Nearest-rank percentile of v[0..n) (sorted here); 0 when n is 0. */
-static double percentile(double *v, size_t n, double p)
-{
-    if (n == 0)
-        return 0;
-    qsort(v, n, sizeof(*v), cmp_double);
-    size_t k = (size_t)ceil(p / 100.0 * (double)n);
-    return v[k ? k - 1 : 0];
-}
-
 static double itl_p99(const itl_sample *s, size_t n, int phase, double *tmp)
 {
     size_t m = 0;
     for (size_t i = 0; i < n; i++)
         if (phase < 0 || s[i].phase == phase)
             tmp[m++] = s[i].s;
-    return percentile(tmp, m, 99);
+    return cli_percentile(tmp, m, 99);
 }
 
 static int send_submit(rekv_ctl *c, sjob *j, const int32_t *ids, int n_ids, long max_new,
@@ -280,11 +264,11 @@ static void serve_summarise(const serve_opts *o, serve_state *st, serve_result *
         if (st->jobs[i].ttft_s >= 0)
             st->tmp[m++] = st->jobs[i].ttft_s;
     }
-    res->ttft_p50 = percentile(st->tmp, m, 50);
-    res->ttft_p99 = percentile(st->tmp, m, 99);
+    res->ttft_p50 = cli_percentile(st->tmp, m, 50);
+    res->ttft_p99 = cli_percentile(st->tmp, m, 99);
     for (size_t i = 0; i < st->n_samples; i++)
         st->tmp[i] = st->samples[i].s;
-    res->itl_p50 = percentile(st->tmp, st->n_samples, 50);
+    res->itl_p50 = cli_percentile(st->tmp, st->n_samples, 50);
     res->itl_p99 = itl_p99(st->samples, st->n_samples, -1, st->tmp);
     if (o->long_prompt > 0) {
         sjob *lj = &st->jobs[o->n_jobs];

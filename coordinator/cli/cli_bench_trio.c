@@ -1,12 +1,14 @@
-/* cli_bench_trio.c — the private trio of the serving benchmarks (`rekv bench serve`, `rekv bench
- * http`): `rekv run` (cli_run in a forked child, as cli_remote.c does) in a new temporary
- * directory, given the bench's options, ready once it says READY; and the trio's daemons' CPU
- * time, read from /proc, for the benchmarks that divide it by the tokens they made. */
+/* cli_bench_trio.c — the private trio of the serving benchmarks (`rekv bench serve`, `http`,
+ * `remote`): `rekv run` (cli_run in a forked child, as cli_remote.c does) in a new temporary
+ * directory, given the bench's options, ready once it says READY; the trio's daemons' CPU time,
+ * read from /proc, for the benchmarks that divide it by the tokens they made; and what the
+ * benchmarks share besides: percentiles, a finished job's answer, a model's configuration. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <math.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -167,3 +169,57 @@ double cli_proc_cpu_s(pid_t pid)
 {
     return pid > 0 ? proc_cpu_s(pid, NULL, NULL, 0) : -1;
 }
+
+int cli_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+double cli_percentile(double *v, size_t n, double p)
+{
+    if (n == 0)
+        return 0;
+    qsort(v, n, sizeof(*v), cli_cmp_double);
+    size_t k = (size_t)ceil(p / 100.0 * (double)n);
+    return v[k ? k - 1 : 0];
+}
+
+int cli_job_answer(rekv_ctl *c, const char *bench, uint64_t job, int32_t **out, uint32_t *n_out,
+                   uint32_t *cached)
+{
+    Rekv__Control__StatusRequest s = REKV__CONTROL__STATUS_REQUEST__INIT;
+    s.job = job;
+    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
+    rq.body_case = REKV__CONTROL__REQUEST__BODY_STATUS;
+    rq.status = &s;
+    Rekv__Control__Response *r = NULL;
+    rekv_err err = {0};
+    int rc = -1;
+    if (rekv_ctl_call(c, &rq, 10000, &r, &err) || r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
+        fprintf(stderr, "rekv bench %s: Status: %s\n", bench,
+                r ? rekv_ctl_code_name(r->code) : err.msg);
+    } else if ((*out = malloc(sizeof(int32_t) * (r->job->n_generated_ids + 1))) != NULL) {
+        memcpy(*out, r->job->generated_ids, sizeof(int32_t) * r->job->n_generated_ids);
+        *n_out = (uint32_t)r->job->n_generated_ids;
+        *cached = r->job->cached_tokens;
+        rc = 0;
+    }
+    if (r)
+        rekv__control__response__free_unpacked(r, NULL);
+    return rc;
+}
+
+int cli_model_config(const char *path, rekv_model_config *cfg)
+{
+    rekv_err err = {0};
+    rekv_model *model = NULL;
+    if (rekv_model_open(path, &model, &err)) {
+        fprintf(stderr, "rekv: %s\n", err.msg);
+        return 1;
+    }
+    *cfg = model->config;
+    rekv_model_close(model);
+    return 0;
+}
+
