@@ -269,6 +269,40 @@ START_TEST(replica_reads_what_another_wrote)
 }
 END_TEST
 
+/* kill -9 of replica A — its `rekv run` and each of its daemons — once A's prefix is in Redis:
+ * B, whose cache is empty, still serves that prefix from Redis with A's tokens. */
+START_TEST(replica_killed_its_prefix_stays)
+{
+    replica a, b;
+    redis r;
+    if (setup(&a, &b, &r, "offload") < 0)
+        return;
+    tjob j;
+    make_job(&j, a.e.model, 3);
+    ck_assert_uint_eq(run_once(a.c, &j), 0);
+    redis_wait_keys(&r, 2);
+    char path[64], line[512];
+    snprintf(path, sizeof(path), "/proc/%d/task/%d/children", (int)a.run, (int)a.run);
+    FILE *f = fopen(path, "r"); /* A's daemons: SIGKILL, not the SIGTERM rekv run's death sends */
+    ck_assert_ptr_nonnull(f);
+    int killed = 0;
+    if (fgets(line, sizeof(line), f))
+        for (char *t = strtok(line, " \n"); t; t = strtok(NULL, " \n"))
+            killed += kill((pid_t)atoi(t), SIGKILL) == 0;
+    fclose(f);
+    ck_assert_int_eq(killed, 3);
+    tu_kill9(a.run);
+    rekv_ctl_close(a.c);
+    ck_assert_uint_eq(run_once(b.c, &j), 32); /* from Redis, with rekv_generate's tokens */
+    replica_stop(&b);
+    tu_kill9(r.pid);
+    tu_rmrf(r.dir);
+    free((char *)r.dir);
+    ct_env_close(&a.e);
+    ct_free_jobs(&j, 1);
+}
+END_TEST
+
 /* Runs prompts of salt from, from + 1, ... on A then on B until B takes one whole from Redis:
  * both have reconnected (their backoff passed). Returns the next salt. */
 static int until_shared(replica *a, replica *b, const redis *r, int from)
@@ -550,6 +584,7 @@ static Suite *suite(void)
     Suite *s = suite_create("remote");
     TCase *tc = tcase_create("redis");
     tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, replica_killed_its_prefix_stays);
     tcase_add_loop_test(tc, replica_reads_what_another_wrote, 0, 2);
     tcase_add_test(tc, redis_faults_never_fail_a_job);
     suite_add_tcase(s, tc);
