@@ -11,7 +11,7 @@ N=${1:-2000}
 cd "$(dirname "$0")/../.."
 make -s build/tests/bench/soak >/dev/null
 W=$(mktemp -d)
-trap 'rm -rf "$W"' EXIT
+trap '[ "${keep:-0}" = 1 ] || rm -rf "$W"' EXIT
 cat > "$W/in-vm.sh" <<'IN'
 set -eu
 N=$1
@@ -29,13 +29,17 @@ export REKV_SOAK_SPILL_FAIL="dmsetup suspend --nolockfs --noflush rekv-soak && d
 export REKV_SOAK_SPILL_MEND="dmsetup suspend --nolockfs --noflush rekv-soak && dmsetup load rekv-soak --table '0 $SIZE linear /dev/vda 0' && dmsetup resume rekv-soak"
 rc=0
 REKV_BUILD=build build/tests/bench/soak "$N" > /rekv-out/soak.json || rc=$?
-[ "$rc" -eq 0 ] || tail -20 /tmp/rekv-soak.*/*.log 2>/dev/null || true
+[ "$rc" -eq 0 ] || cp /tmp/rekv-soak.*/*.log /rekv-out/ 2>/dev/null || true
 exit "$rc"
 IN
 rc=0
 REKV_VM_TIMEOUT=${REKV_VM_TIMEOUT:-1800} tests/vm.sh "$W" --disk 256 -- bash "$W/in-vm.sh" "$N" || rc=$?
 [ "$rc" -eq 0 ] || { echo "soak-vm: the machine did not run (exit $rc)" >&2; exit "$rc"; }
 rc=$(cat "$W/out/rc" 2>/dev/null || echo 1)
-[ "$rc" -eq 0 ] || tail -40 "$W/out/log" >&2
+if [ "$rc" -ne 0 ]; then
+    keep=1
+    tail -40 "$W/out/log" >&2
+    echo "soak-vm: the daemons' logs are kept in $W/out" >&2
+fi
 cat "$W/out/soak.json" 2>/dev/null
 exit "$rc"
