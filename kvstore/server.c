@@ -304,6 +304,49 @@ static void spill_event_cb(void *ctx, rekv_kv_event lvl, const char *msg)
     srv_event(s, lvl, "%s", msg);
 }
 
+/* The fd-passing socket (the arena's memfd to each client), owner-only; 0 or -errno. */
+static int listen_fd_socket(rekv_kvstore_server *s, rekv_err *err)
+{
+    int rc;
+    if ((rc = unlink_stale_socket(s->fd_path, err)) < 0)
+        return rc;
+    s->fd_listen = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s->fd_listen < 0)
+        return rekv_errf(err, -errno, "kvstore: socket: %s", strerror(errno));
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", s->fd_path);
+    mode_t old = umask(077);
+    int brc = bind(s->fd_listen, (struct sockaddr *)&sa, sizeof(sa));
+    umask(old);
+    if (brc < 0 || listen(s->fd_listen, 64) < 0) {
+        rc = rekv_errf(err, -errno, "kvstore: bind %s: %s", s->fd_path, strerror(errno));
+        close(s->fd_listen);
+        s->fd_listen = -1;
+        return rc;
+    }
+    return 0;
+}
+
+/* KV events (--kv-events): each subscriber, as it joins, is told AllBlocksCleared and what the
+ * store holds (a restarted store's router drops what it believed of the old one); the replay
+ * socket when asked for. 0 or -errno. */
+static int events_setup(rekv_kvstore_server *s, const rekv_kvstore_config *cfg, rekv_err *err)
+{
+    int rc;
+    if ((rc = kv_events_create(s->zctx, cfg->kv_events, cfg->kv_events_topic,
+                               cfg->kv_events_array ? KV_EVENTS_ARRAY : KV_EVENTS_MAP, &s->events,
+                               err)) < 0 ||
+        (rc = rekv_evloop_add_socket(s->loop, kv_events_socket(s->events), ZMQ_POLLIN,
+                                     srv_events_on_subscribe, s, err)) < 0)
+        return rc;
+    if (cfg->kv_events_replay &&
+        ((rc = kv_events_replay_open(s->events, s->zctx, cfg->kv_events_replay, err)) < 0 ||
+         (rc = rekv_evloop_add_socket(s->loop, kv_events_replay_socket(s->events), ZMQ_POLLIN,
+                                      srv_events_on_replay, s, err)) < 0))
+        return rc;
+    return 0;
+}
+
 int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_server **out,
                                rekv_err *err)
 {
@@ -411,26 +454,7 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
         goto fail;
     if ((rc = rekv_evloop_create(&s->loop, err)) < 0)
         goto fail;
-    /* fd-passing socket */
-    if ((rc = unlink_stale_socket(s->fd_path, err)) < 0)
-        goto fail;
-    s->fd_listen = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (s->fd_listen < 0) {
-        rc = rekv_errf(err, -errno, "kvstore: socket: %s", strerror(errno));
-        goto fail;
-    }
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", s->fd_path);
-    mode_t old = umask(077);
-    int brc = bind(s->fd_listen, (struct sockaddr *)&sa, sizeof(sa));
-    umask(old);
-    if (brc < 0 || listen(s->fd_listen, 64) < 0) {
-        rc = rekv_errf(err, -errno, "kvstore: bind %s: %s", s->fd_path, strerror(errno));
-        close(s->fd_listen);
-        s->fd_listen = -1;
-        goto fail;
-    }
-    if ((rc = bind_router(s, err)) < 0)
+    if ((rc = listen_fd_socket(s, err)) < 0 || (rc = bind_router(s, err)) < 0)
         goto fail;
     if (cfg->metrics_listen) {
         rekv_metrics_server_opts mo = {.allow_remote = cfg->metrics_public};
@@ -441,19 +465,7 @@ int rekv_kvstore_server_create(const rekv_kvstore_config *cfg, rekv_kvstore_serv
         goto fail;
     if (cfg->remote && (rc = srv_remote_open(s, err)) < 0) /* the remote tier's threads */
         goto fail;
-    /* KV events: each subscriber, as it joins, is told AllBlocksCleared and what the store
-     * holds (a restarted store's router drops what it believed of the old one) */
-    if (cfg->kv_events &&
-        ((rc = kv_events_create(s->zctx, cfg->kv_events, cfg->kv_events_topic,
-                                cfg->kv_events_array ? KV_EVENTS_ARRAY : KV_EVENTS_MAP,
-                                &s->events, err)) < 0 ||
-         (rc = rekv_evloop_add_socket(s->loop, kv_events_socket(s->events), ZMQ_POLLIN,
-                                      srv_events_on_subscribe, s, err)) < 0))
-        goto fail;
-    if (cfg->kv_events && cfg->kv_events_replay &&
-        ((rc = kv_events_replay_open(s->events, s->zctx, cfg->kv_events_replay, err)) < 0 ||
-         (rc = rekv_evloop_add_socket(s->loop, kv_events_replay_socket(s->events), ZMQ_POLLIN,
-                                      srv_events_on_replay, s, err)) < 0))
+    if (cfg->kv_events && (rc = events_setup(s, cfg, err)) < 0)
         goto fail;
     *out = s;
     return 0;
