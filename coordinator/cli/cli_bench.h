@@ -54,6 +54,11 @@ double cli_percentile(double *v, size_t n, double p);
  * the prefix cache, from its Status on c; 0, or -1 with "rekv bench BENCH: Status: ..." printed. */
 int cli_job_answer(rekv_ctl *c, const char *bench, uint64_t job, int32_t **out,
                    uint32_t *n_out, uint32_t *cached);
+/* The next reply on c (*r, to free with rekv__control__response__free_unpacked; *at, when it came:
+ * monotonic ns), waiting as long as the coordinator is not silent for CLI_BENCH_SILENCE_MS (then
+ * the run is stuck); 0, or -1 with "rekv bench BENCH: ..." printed. */
+#define CLI_BENCH_SILENCE_MS 300000
+int cli_bench_recv(rekv_ctl *c, const char *bench, Rekv__Control__Response **r, uint64_t *at);
 /* The configuration of the model at path (any model rekv loads); 0, or 1 with the error printed. */
 int cli_model_config(const char *path, rekv_model_config *cfg);
 

@@ -182,7 +182,7 @@ static int ctl_run(const http_opts *o, long n, const char *ep, int32_t *const *p
         fprintf(stderr, "rekv bench http: %s\n", rids ? err.msg : "out of memory");
         goto out;
     }
-    uint64_t t0 = rekv_now_ns(), last = t0;
+    uint64_t t0 = rekv_now_ns();
     for (long i = 0; i < n; i++) {
         recs[i].t_start = rekv_now_ns();
         if (ctl_submit(c, prompts[i], o, i, &rids[i], &err)) {
@@ -193,16 +193,9 @@ static int ctl_run(const http_opts *o, long n, const char *ep, int32_t *const *p
     long ended = 0;
     while (ended < n) {
         Rekv__Control__Response *r = NULL;
-        int rr = rekv_ctl_recv(c, 100, &r, &err);
-        uint64_t t = rekv_now_ns();
-        if (rr == -ETIMEDOUT && t - last < (uint64_t)SILENCE_MS * 1000000ull)
-            continue;
-        if (rr) {
-            fprintf(stderr, "rekv bench http: control: %s\n",
-                    rr == -ETIMEDOUT ? "nothing from the coordinator for too long" : err.msg);
+        uint64_t t;
+        if (cli_bench_recv(c, "http", &r, &t))
             goto out;
-        }
-        last = t;
         ctl_on_reply(w, recs, rids, n, r, t, &ended);
         rekv__control__response__free_unpacked(r, NULL);
     }

@@ -46,7 +46,6 @@
 #include "loader/loader.h"
 
 #define BLOCK REKV_KV_BLOCK_TOKENS /* the cache's unit: a block of the kvstore (16 tokens) */
-#define SILENCE_MS 300000
 
 enum { RUN_OFF, RUN_HOST, RUN_DISK, N_RUNKINDS };
 static const char *const run_names[N_RUNKINDS] = {"off", "host", "disk"};
@@ -212,7 +211,7 @@ static void pf_on_reply(pf_run *run, preq *rs, int n, const Rekv__Control__Respo
 static int pf_wave(rekv_ctl *c, const pf_opts *o, pf_run *run, preq *rs, int n, long max_new)
 {
     rekv_err err = {0};
-    uint64_t t0 = rekv_now_ns(), last = t0;
+    uint64_t t0 = rekv_now_ns();
     for (int i = 0; i < n; i++) {
         rs[i].t_submit = rekv_now_ns();
         if (pf_submit(c, rs[i].prompt, rs[i].n_prompt, max_new, &rs[i].rid, &err)) {
@@ -223,16 +222,9 @@ static int pf_wave(rekv_ctl *c, const pf_opts *o, pf_run *run, preq *rs, int n, 
     int ended = 0;
     while (ended < n) {
         Rekv__Control__Response *r = NULL;
-        int rr = rekv_ctl_recv(c, 100, &r, &err);
-        uint64_t t = rekv_now_ns();
-        if (rr == -ETIMEDOUT && t - last < (uint64_t)SILENCE_MS * 1000000ull)
-            continue;
-        if (rr) {
-            fprintf(stderr, "rekv bench serve: %s\n",
-                    rr == -ETIMEDOUT ? "nothing from the coordinator for too long" : err.msg);
+        uint64_t t;
+        if (cli_bench_recv(c, "serve", &r, &t))
             return -1;
-        }
-        last = t;
         pf_on_reply(run, rs, n, r, t, &ended);
         rekv__control__response__free_unpacked(r, NULL);
     }

@@ -51,7 +51,6 @@
 #include "loader/loader.h"
 
 #define BLOCK REKV_KV_BLOCK_TOKENS
-#define SILENCE_MS 300000
 #define REDIS_START_MS 10000
 #define KEYS_WAIT_MS 60000 /* a dropped write (a full queue) would hold the wait: give up then */
 #define WARM_LEN 40        /* the warm-up job's prompt: two whole blocks, written by both */
@@ -320,7 +319,7 @@ static int rm_submit(rekv_ctl *c, const rreq *q, long max_new, uint64_t *rid, re
 static int rm_request(rekv_ctl *c, rreq *q, long max_new, redis_srv *kill, rm_run *run)
 {
     rekv_err err = {0};
-    uint64_t rid = 0, job = 0, t0 = rekv_now_ns(), last = t0;
+    uint64_t rid = 0, job = 0, t0 = rekv_now_ns();
     if (rm_submit(c, q, max_new, &rid, &err)) {
         fprintf(stderr, "rekv bench remote: %s\n", err.msg);
         return -1;
@@ -329,16 +328,9 @@ static int rm_request(rekv_ctl *c, rreq *q, long max_new, redis_srv *kill, rm_ru
         redis_stop(kill);
     for (int done = 0; !done;) {
         Rekv__Control__Response *r = NULL;
-        int rr = rekv_ctl_recv(c, 100, &r, &err);
-        uint64_t t = rekv_now_ns();
-        if (rr == -ETIMEDOUT && t - last < (uint64_t)SILENCE_MS * 1000000ull)
-            continue;
-        if (rr) {
-            fprintf(stderr, "rekv bench remote: %s\n",
-                    rr == -ETIMEDOUT ? "nothing from the coordinator for too long" : err.msg);
+        uint64_t t;
+        if (cli_bench_recv(c, "remote", &r, &t))
             return -1;
-        }
-        last = t;
         if (r->id != rid) { /* not this job's (nothing else is asked on c meanwhile) */
             rekv__control__response__free_unpacked(r, NULL);
             continue;

@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/cli_bench.h"
 #include "coordinator/cli/cli_daemon.h"
@@ -208,6 +209,23 @@ int cli_job_answer(rekv_ctl *c, const char *bench, uint64_t job, int32_t **out, 
     if (r)
         rekv__control__response__free_unpacked(r, NULL);
     return rc;
+}
+
+int cli_bench_recv(rekv_ctl *c, const char *bench, Rekv__Control__Response **r, uint64_t *at)
+{
+    uint64_t since = rekv_now_ns();
+    for (;;) {
+        rekv_err err = {0};
+        int rc = rekv_ctl_recv(c, 100, r, &err);
+        *at = rekv_now_ns();
+        if (rc == 0)
+            return 0;
+        if (rc != -ETIMEDOUT || *at - since >= (uint64_t)CLI_BENCH_SILENCE_MS * 1000000ull) {
+            fprintf(stderr, "rekv bench %s: %s\n", bench,
+                    rc == -ETIMEDOUT ? "nothing from the coordinator for too long" : err.msg);
+            return -1;
+        }
+    }
 }
 
 int cli_model_config(const char *path, rekv_model_config *cfg)
