@@ -75,10 +75,13 @@ static void check_workload(const char *workload, const char *shape, int requests
     free(count);
 }
 
-/* Two conversations of three turns: 20 new tokens a turn, 8-token answers. */
+/* Two conversations of three turns, each opening with 40 tokens of its own history: 20 new
+ * tokens a turn, 8-token answers. */
 START_TEST(chat_hits_are_the_shareable_blocks)
 {
-    check_workload("chat", "--conversations 2 --turns 3 --user-len 20 --max-new-tokens 8", 6);
+    check_workload("chat",
+                   "--conversations 2 --turns 3 --history-len 40 --user-len 20 --max-new-tokens 8",
+                   6);
 }
 END_TEST
 

@@ -53,7 +53,7 @@ static const char *const run_names[N_RUNKINDS] = {"off", "host", "disk"};
 typedef struct pf_opts {
     const char *model, *backend, *arena, *mode, *link_gbps, *out_file;
     int chat; /* 1: chat, 0: system */
-    long convs, turns, user_len, sys_len, q_len, questions, max_new;
+    long convs, turns, user_len, hist_len, sys_len, q_len, questions, max_new;
     int runs[N_RUNKINDS], n_runs;
 } pf_opts;
 
@@ -88,15 +88,16 @@ static int wave_size(const pf_opts *o) { return (int)(o->chat ? o->convs : 1); }
 static int make_prompt(const pf_opts *o, int vocab, int w, int c, const preq *prev, preq *r)
 {
     long fresh = o->chat ? o->user_len : o->q_len;
-    long base = o->chat ? (prev ? prev->n_prompt + prev->n_out : 0) : o->sys_len;
+    long base = o->chat ? (prev ? prev->n_prompt + prev->n_out : o->hist_len) : o->sys_len;
     r->prompt = malloc(sizeof(int32_t) * (size_t)(base + fresh));
     if (r->prompt == NULL)
         return -ENOMEM;
     if (o->chat && prev) {
         memcpy(r->prompt, prev->prompt, sizeof(int32_t) * prev->n_prompt);
         memcpy(r->prompt + prev->n_prompt, prev->out, sizeof(int32_t) * prev->n_out);
-    } else if (!o->chat) {
-        uint64_t x = 777; /* the shared system prompt */
+    } else {
+        uint64_t x = o->chat ? 424243ull * (uint64_t)(c + 1) /* the conversation's own history */
+                             : 777;                          /* the shared system prompt */
         cli_random_tokens(&x, r->prompt, (size_t)base, vocab);
     }
     uint64_t x = 1000003ull * (uint64_t)(c + 1) + 7919ull * (uint64_t)(w + 1);
@@ -451,12 +452,13 @@ static void pf_usage(FILE *f)
             "usage: rekv bench serve --workload chat|system --model PATH [--runs off,host,disk]\n"
             "                        [--mode MODE] [--arena SIZE] [--backend B] [--link-gbps G]\n"
             "                        [--max-new-tokens G] [--workload-out FILE] [--json]\n"
-            "  chat:   [--conversations C] [--turns T] [--user-len U]\n"
+            "  chat:   [--conversations C] [--turns T] [--user-len U] [--history-len H]\n"
             "  system: [--questions Q] [--system-len P] [--question-len L]\n"
             "The prefix cache off against on, each run on a private trio (`rekv run --mode MODE`,\n"
             "default offload; --host-bytes SIZE, default 256M). chat: C conversations (default\n"
             "4) of T turns (10), each turn's prompt the previous prompt + its answer + U new\n"
-            "tokens (64), turns in waves; system: Q questions (8), one at a time, each a P-token\n"
+            "tokens (64), the first turn's an H-token history of its own (1024) + U, turns in\n"
+            "waves; system: Q questions (8), one at a time, each a P-token\n"
             "prompt shared by all (2048) + L tokens of its own (100). G new tokens a request\n"
             "(chat 32, system 16; greedy, EOS ignored). Runs: off (--prefix-cache off), host\n"
             "(on; hits from host memory), disk (on, --prefix-dir, the trio restarted before each\n"
@@ -496,12 +498,14 @@ static int pf_parse(int argc, char **argv, pf_opts *o)
         {"arena", required_argument, 0, 'a'},      {"backend", required_argument, 0, 'b'},
         {"link-gbps", required_argument, 0, 'l'},  {"max-new-tokens", required_argument, 0, 'g'},
         {"conversations", required_argument, 0, 'C'}, {"turns", required_argument, 0, 'T'},
-        {"user-len", required_argument, 0, 'U'},   {"questions", required_argument, 0, 'Q'},
+        {"user-len", required_argument, 0, 'U'},   {"history-len", required_argument, 0, 'H'},
+        {"questions", required_argument, 0, 'Q'},
         {"system-len", required_argument, 0, 'P'}, {"question-len", required_argument, 0, 'L'},
         {"workload-out", required_argument, 0, 'o'}, {"json", no_argument, 0, 'j'},
         {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
     *o = (pf_opts){.backend = "cpu", .arena = "256M", .mode = "offload", .convs = 4, .turns = 10,
-                   .user_len = 64, .sys_len = 2048, .q_len = 100, .questions = 8, .max_new = -1};
+                   .user_len = 64, .hist_len = 1024, .sys_len = 2048, .q_len = 100, .questions = 8,
+                   .max_new = -1};
     const char *workload = NULL, *runs = "off,host,disk";
     rekv_link_config link_check = REKV_LINK_NONE;
     rekv_mode mv;
@@ -521,6 +525,7 @@ static int pf_parse(int argc, char **argv, pf_opts *o)
         case 'C': if (cli_parse_int("conversations", optarg, 1, 1000, &o->convs)) return 2; break;
         case 'T': if (cli_parse_int("turns", optarg, 1, 1000, &o->turns)) return 2; break;
         case 'U': if (cli_parse_int("user-len", optarg, 1, 1 << 20, &o->user_len)) return 2; break;
+        case 'H': if (cli_parse_int("history-len", optarg, 0, 1 << 20, &o->hist_len)) return 2; break;
         case 'Q': if (cli_parse_int("questions", optarg, 1, 1000, &o->questions)) return 2; break;
         case 'P': if (cli_parse_int("system-len", optarg, 0, 1 << 20, &o->sys_len)) return 2; break;
         case 'L': if (cli_parse_int("question-len", optarg, 1, 1 << 20, &o->q_len)) return 2; break;
@@ -587,9 +592,10 @@ static long pf_print(const pf_opts *o, const rekv_model_config *cfg, const pf_ru
         "runs", arr, "mismatches", (json_int_t)mism);
     if (o->chat)
         json_object_set_new(out, "workload_shape",
-                            json_pack("{s:I, s:I, s:I}", "conversations", (json_int_t)o->convs,
+                            json_pack("{s:I, s:I, s:I, s:I}", "conversations", (json_int_t)o->convs,
                                       "turns", (json_int_t)o->turns, "user_len",
-                                      (json_int_t)o->user_len));
+                                      (json_int_t)o->user_len, "history_len",
+                                      (json_int_t)o->hist_len));
     else
         json_object_set_new(out, "workload_shape",
                             json_pack("{s:I, s:I, s:I}", "questions", (json_int_t)o->questions,
