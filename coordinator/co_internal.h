@@ -171,6 +171,7 @@ typedef struct reply {
 struct rekv_coordinator {
     rekv_coordinator_config cfg;
     char control_ep[4200], worker_ep[4200];
+    char inproc_ep[64]; /* the control ROUTER's in-process endpoint (the HTTP server's) */
     char control_path[4200], worker_path[4200]; /* ipc socket files, "" otherwise */
     void *zctx, *ctl, *wrk;
     rekv_conncap *ctl_cap, *wrk_cap; /* connection counts of ctl and wrk (common/conncap.h) */

@@ -434,6 +434,8 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         rc = rekv_errf(err, -errno, "zmq context: %s", zmq_strerror(errno));
         goto fail;
     }
+    /* the HTTP server's connection threads each hold a DEALER in this context (inproc) */
+    zmq_ctx_set(co->zctx, ZMQ_MAX_SOCKETS, 65536);
     if ((rc = ipc_prepare(co->control_ep, co->control_path, sizeof(co->control_path), err)) ||
         (rc = ipc_prepare(co->worker_ep, co->worker_path, sizeof(co->worker_path), err)) ||
         /* the control socket is the group's (its directory decides who reaches it: a user's
@@ -443,6 +445,13 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
                           err)) ||
         (rc = bind_router(co, &co->wrk, &co->wrk_cap, co->worker_ep, co->worker_path, 0600, err)))
         goto fail;
+    /* in-process clients: no CurveZMQ (inproc runs no handshake) and no connection cap (the
+     * HTTP server caps its own connections) */
+    snprintf(co->inproc_ep, sizeof(co->inproc_ep), "inproc://rekv-control-%p", (void *)co);
+    if (zmq_bind(co->ctl, co->inproc_ep) != 0) {
+        rc = rekv_errf(err, -errno, "%s: bind: %s", co->inproc_ep, zmq_strerror(errno));
+        goto fail;
+    }
     rekv_metrics_hist *hists[] = {&co->h_ttft, &co->h_itl, &co->h_queue, &co->h_step,
                                   &co->h_step_rtt};
     for (size_t i = 0; i < sizeof(hists) / sizeof(*hists); i++)
@@ -465,6 +474,11 @@ const char *rekv_coordinator_control_endpoint(const rekv_coordinator *co)
 {
     return co->control_ep;
 }
+const char *rekv_coordinator_inproc_endpoint(const rekv_coordinator *co)
+{
+    return co->inproc_ep;
+}
+void *rekv_coordinator_zctx(const rekv_coordinator *co) { return co->zctx; }
 const char *rekv_coordinator_worker_endpoint(const rekv_coordinator *co)
 {
     return co->worker_ep;

@@ -128,6 +128,11 @@ void rekv_coordinator_destroy(rekv_coordinator *co);
 /* The endpoints actually bound (with the defaults filled in). */
 const char *rekv_coordinator_control_endpoint(const rekv_coordinator *co);
 const char *rekv_coordinator_worker_endpoint(const rekv_coordinator *co);
+/* The control socket's in-process endpoint and the ZeroMQ context it lives in: a client in the
+ * coordinator's own process (the HTTP server) reaches it there without a socket or I/O-thread hop
+ * per message. Clients of it must close before rekv_coordinator_destroy. */
+const char *rekv_coordinator_inproc_endpoint(const rekv_coordinator *co);
+void *rekv_coordinator_zctx(const rekv_coordinator *co);
 
 /* ---------------------------------------------------------------- client */
 

@@ -100,21 +100,13 @@ static int read_api_key(const char *path, char *key, size_t n)
     return 0;
 }
 
-/* The HTTP server, a client of the control endpoint just bound (a wildcard tcp:// address is
- * reached on loopback). */
+/* The HTTP server, a client of the control socket through its in-process endpoint (a message
+ * per streamed token: no socket and no I/O thread between the two). */
 static int start_http(rekv_http_config *h, const rekv_coordinator_config *cfg,
-                      rekv_coordinator *co, const char *curve_pub, rekv_http **out)
+                      rekv_coordinator *co, rekv_http **out)
 {
-    char ep[4200];
-    const char *bound = rekv_coordinator_control_endpoint(co);
-    if (strncmp(bound, "tcp://*:", 8) == 0)
-        snprintf(ep, sizeof(ep), "tcp://127.0.0.1:%s", bound + 8);
-    else if (strncmp(bound, "tcp://0.0.0.0:", 14) == 0)
-        snprintf(ep, sizeof(ep), "tcp://127.0.0.1:%s", bound + 14);
-    else
-        snprintf(ep, sizeof(ep), "%s", bound);
-    h->control_endpoint = ep;
-    h->curve_server_key = strncmp(ep, "tcp://", 6) == 0 && *curve_pub ? curve_pub : NULL;
+    h->control_endpoint = rekv_coordinator_inproc_endpoint(co);
+    h->zctx = rekv_coordinator_zctx(co);
     h->model_path = cfg->model_path;
     h->on_log = on_http_log;
     rekv_err err = {0};
@@ -278,7 +270,7 @@ int main(int argc, char **argv)
              rekv_coordinator_control_endpoint(co), rekv_coordinator_worker_endpoint(co),
              cfg.queue_limit, cfg.state_dir ? cfg.state_dir : "off");
     rekv_http *http = NULL;
-    if (hcfg.listen && start_http(&hcfg, &cfg, co, curve_pub, &http)) {
+    if (hcfg.listen && start_http(&hcfg, &cfg, co, &http)) {
         rekv_coordinator_destroy(co);
         close(sfd);
         return 1;

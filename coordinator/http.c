@@ -611,12 +611,14 @@ int rekv_http_start(const rekv_http_config *cfg, rekv_http **out, rekv_err *err)
     }
     if ((rc = load_model(h, cfg, err)))
         goto fail;
-    if ((h->zctx = zmq_ctx_new()) == NULL) {
+    h->own_zctx = cfg->zctx == NULL;
+    if ((h->zctx = cfg->zctx ? cfg->zctx : zmq_ctx_new()) == NULL) {
         rc = rekv_errf(err, -errno, "http: zmq context: %s", zmq_strerror(errno));
         goto fail;
     }
     /* sockets beyond select's FD_SETSIZE are fine: the per-connection threads poll */
-    zmq_ctx_set(h->zctx, ZMQ_MAX_SOCKETS, 65536);
+    if (h->own_zctx)
+        zmq_ctx_set(h->zctx, ZMQ_MAX_SOCKETS, 65536);
     if ((rc = rekv_listen_tcp(cfg->listen, cfg->allow_remote, "http",
                               "--http-public; put an --api-key-file on it", &fd, &h->port, err)))
         goto fail;
@@ -654,7 +656,7 @@ void rekv_http_stop(rekv_http *h)
         /* the listening socket is ours: MHD_stop_daemon closes it */
         MHD_stop_daemon(h->mhd);
     }
-    if (h->zctx)
+    if (h->zctx && h->own_zctx)
         zmq_ctx_term(h->zctx);
     rekv_tokenizer_free(h->tok);
     rekv_chat_template_free(h->chat);

@@ -32,6 +32,8 @@ typedef struct rekv_http_config {
     int allow_remote;              /* --http-public: a non-loopback address is allowed */
     const char *api_key;           /* Bearer token every request but /health must carry; NULL */
     const char *control_endpoint;  /* the coordinator's control socket, as bound */
+    void *zctx;                    /* the ZeroMQ context to reach it in (the coordinator's, for
+                                    * its inproc:// endpoint); NULL: a private one */
     const char *curve_server_key;  /* its Z85 public key when tcp:// with CurveZMQ, else NULL */
     const char *model_path;        /* --model: the tokenizer, the context length, the name */
     const char *served_model_name; /* NULL: --model's base name (a file's without extension) */

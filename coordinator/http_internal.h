@@ -19,6 +19,7 @@ struct rekv_http {
     int port;
     atomic_int stopping;       /* set by rekv_http_stop: waits end, streams close */
     void *zctx;                /* one ZeroMQ context for every request's DEALER */
+    int own_zctx;              /* zctx is ours to end (not the coordinator's) */
     char *control_endpoint;    /* strdup'd */
     char *curve_server_key;    /* strdup'd, or NULL */
     char *api_key;             /* strdup'd, or NULL */
