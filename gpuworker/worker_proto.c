@@ -84,7 +84,8 @@ void wk_send_hello(worker *w)
         const rekv_model_config *c = w->mc;
         h.layer_params = (uint64_t)rekv_config_layer_params(c);
         h.q_dim = (uint32_t)rekv_config_q_dim(c);
-        h.weight_elem_bytes = (uint32_t)rekv_dtype_size(c->dtype);
+        h.weight_elem_bytes = w->eng ? rekv_engine_weight_elem_bytes(w->eng)
+                                     : rekv_config_weight_elem_bytes(c);
     }
     h.device_kv_room = w->device_kv_room;
     h.kvstore = w->kv != NULL;

@@ -326,6 +326,35 @@ START_TEST(clo_built_with_assigned_np)
 }
 END_TEST
 
+/* A worker holding quantized weights (llama.cpp's Q4_0 GGUF: 18 bytes a block of 32) reports
+ * their real bytes per element in its Hello, what the coordinator's planner prices an offloaded
+ * layer by — not its config's integer dtype size. */
+START_TEST(hello_reports_quantized_weight_bytes)
+{
+    const char *gguf = tu_shared("gguf/synth-llama-Q4_0.gguf");
+    if (gguf == NULL)
+        return;
+    env e;
+    env_open(&e);
+    fake f;
+    fake_open(&f, e.wrk);
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    const char *args[] = {prog,        "--model",   gguf,        "--coordinator", e.wrk,
+                          "--backend", "cpu",       "--name",    "q4",            "--mode",
+                          "resident",  "--max-batch", MAX_BATCH, "--heartbeat-ms", "100", NULL};
+    pid_t w = tu_spawn(args, e.log, NULL);
+    ck_assert_msg(w > 0, "rekv-gpuworker: %s", tu_log_end(e.log));
+    Rekv__Worker__WorkerMsg *m = fake_hello(&f);
+    ck_assert_msg(fabs(m->hello->weight_elem_bytes - 18.0 / 32.0) < 0.02,
+                  "the Hello prices a Q4_0 weight at %g bytes", m->hello->weight_elem_bytes);
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    ck_assert_int_eq(tu_stop(w), 0);
+    fake_close(&f);
+    env_close(&e);
+}
+END_TEST
+
 /* A worker refuses an Assign of another mode than its --mode asked, and stops. */
 START_TEST(explicit_mode_refuses_another)
 {
@@ -569,6 +598,7 @@ static Suite *suite(void)
     tcase_add_test(tc, explicit_mode_built_as_assigned);
     tcase_add_test(tc, clo_built_with_assigned_np);
     tcase_add_test(tc, explicit_mode_refuses_another);
+    tcase_add_test(tc, hello_reports_quantized_weight_bytes);
     tcase_add_test(tc, assign_while_kvstore_gone);
     tcase_add_test(tc, coordinator_assigns_device_part);
     tcase_add_test(tc, coordinator_refuses_unknown_mode);
