@@ -11,6 +11,7 @@
 #include <limits.h>
 #include <math.h>
 #include <string.h>
+#include <unistd.h>
 
 /* Reads an integer field; missing → def (or an error when def < 0 means required). */
 static int get_int(json_t *root, const char *path, const char *key, long long def, long long lo,
@@ -431,6 +432,65 @@ static int parse_eos_ids(json_t *root, const char *path, rekv_model_config *c, r
     return 0;
 }
 
+/* Adds id to c's EOS list unless there already; the first id becomes eos_id when there was none. */
+static int add_eos_id(rekv_model_config *c, int id, const char *path, rekv_err *err)
+{
+    for (int i = 0; i < c->n_eos_ids; i++)
+        if (c->eos_ids[i] == id)
+            return 0;
+    if (c->n_eos_ids == REKV_MAX_EOS)
+        return rekv_errf(err, -EINVAL, "%s: field \"eos_token_id\": more than %d end ids in all",
+                         path, REKV_MAX_EOS);
+    c->eos_ids[c->n_eos_ids++] = id;
+    if (c->eos_id < 0)
+        c->eos_id = id;
+    return 0;
+}
+
+/* generation_config.json beside config.json: its eos_token_id (an integer or a list) joins the
+ * config's, as vLLM and HF's generate take the union — the chat models end turns there (Gemma-2-it:
+ * config 1, generation_config [1, 107] with 107 <end_of_turn>; Qwen2.5-Instruct adds 151643). No
+ * file, or no field, adds nothing; a bad one is an error naming it. */
+static int merge_generation_config(const char *config_path, rekv_model_config *c, rekv_err *err)
+{
+    char gpath[4096];
+    const char *slash = strrchr(config_path, '/');
+    int dirlen = slash ? (int)(slash - config_path) : 1;
+    snprintf(gpath, sizeof(gpath), "%.*s/generation_config.json", dirlen,
+             slash ? config_path : ".");
+    json_error_t jerr;
+    json_t *root = json_load_file(gpath, 0, &jerr);
+    if (root == NULL) {
+        if (access(gpath, F_OK) != 0)
+            return 0;
+        return rekv_errf(err, -EINVAL, "%s: %s (line %d)", gpath, jerr.text, jerr.line);
+    }
+    int rc = 0;
+    json_t *v = json_is_object(root) ? json_object_get(root, "eos_token_id") : NULL;
+    if (!json_is_object(root)) {
+        rc = rekv_errf(err, -EINVAL, "%s: not a JSON object", gpath);
+    } else if (v == NULL || json_is_null(v)) {
+        rc = 0;
+    } else if (json_is_integer(v) || json_is_array(v)) {
+        size_t n = json_is_array(v) ? json_array_size(v) : 1;
+        for (size_t i = 0; i < n && rc == 0; i++) {
+            json_t *x = json_is_array(v) ? json_array_get(v, i) : v;
+            json_int_t id = json_is_integer(x) ? json_integer_value(x) : -1;
+            if (id < 0 || id >= c->vocab)
+                rc = rekv_errf(err, -EINVAL,
+                               "%s: field \"eos_token_id\" must be ids below vocab_size %d",
+                               gpath, c->vocab);
+            else
+                rc = add_eos_id(c, (int)id, gpath, err);
+        }
+    } else {
+        rc = rekv_errf(err, -EINVAL, "%s: field \"eos_token_id\" must be an integer or a list",
+                       gpath);
+    }
+    json_decref(root);
+    return rc;
+}
+
 int rekv_config_load_hf(const char *path, rekv_model_config *c, rekv_err *err)
 {
     json_error_t jerr;
@@ -463,7 +523,8 @@ int rekv_config_load_hf(const char *path, rekv_model_config *c, rekv_err *err)
     if ((rc = get_int(root, path, "bos_token_id", -1, -1, c->vocab - 1, &c->bos_id, err)) ||
         (rc = get_int(root, path, "eos_token_id", -1, -1, c->vocab - 1, &c->eos_id, err)) ||
         (rc = get_int(root, path, "pad_token_id", -1, -1, c->vocab - 1, &c->pad_id, err)) ||
-        (rc = parse_eos_ids(root, path, c, err)))
+        (rc = parse_eos_ids(root, path, c, err)) ||
+        (rc = merge_generation_config(path, c, err)))
         goto out;
     /* Qwen2's tokenizer adds no BOS; OPT's and Llama's do (tokenizer_config.json may override). */
     c->add_bos = strcmp(type, "qwen2") != 0 && c->bos_id >= 0;

@@ -117,6 +117,33 @@ static int read_token_ids(const rekv_gguf *g, rekv_model_config *c, rekv_err *er
                              g->path, keys[i], (long long)v, c->vocab);
         *dst[i] = (int)v;
     }
+    /* every id that ends a turn stops generation, as llama.cpp's llama_vocab_is_eog: EOS, and
+     * the chat models' end-of-turn (Gemma's <end_of_turn>, Llama 3's <|eot_id|>) and
+     * end-of-message ids */
+    static const char *const ends[] = {"tokenizer.ggml.eot_token_id",
+                                       "tokenizer.ggml.eom_token_id"};
+    c->n_eos_ids = 0;
+    if (c->eos_id >= 0)
+        c->eos_ids[c->n_eos_ids++] = c->eos_id;
+    for (int i = 0; i < 2; i++) {
+        int64_t v;
+        if (rekv_gguf_kv_find(g, ends[i]) == NULL)
+            continue;
+        int rc = rekv_gguf_get_i64(g, ends[i], &v, err);
+        if (rc)
+            return rc;
+        if (v < 0 || v >= c->vocab)
+            return rekv_errf(err, -EINVAL,
+                             "%s: metadata \"%s\" = %lld is outside the vocabulary [0, %d)",
+                             g->path, ends[i], (long long)v, c->vocab);
+        int seen = 0;
+        for (int j = 0; j < c->n_eos_ids; j++)
+            seen |= c->eos_ids[j] == (int)v;
+        if (!seen)
+            c->eos_ids[c->n_eos_ids++] = (int)v;
+        if (c->eos_id < 0)
+            c->eos_id = (int)v;
+    }
     /* llama.cpp's default: SentencePiece vocabularies add BOS, BPE ones do not */
     const char *model;
     size_t n;
