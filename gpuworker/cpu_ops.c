@@ -105,7 +105,26 @@ void cpu_activation(float *a, const float *b, size_t n, rekv_act act)
             a[i] = b ? s * b[i] : s;
         }
         break;
+    case REKV_ACT_GELU_TANH: /* PyTorch's approximate="tanh": sqrt(2/pi) (x + 0.044715 x^3) */
+        for (size_t i = 0; i < n; i++) {
+            float x = a[i], inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+            float g = 0.5f * x * (1.0f + tanhf(inner));
+            a[i] = b ? g * b[i] : g;
+        }
+        break;
     }
+}
+
+void cpu_scale(float *x, size_t n, float a)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] *= a;
+}
+
+void cpu_softcap(float *x, size_t n, float cap)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = tanhf(x[i] / cap) * cap;
 }
 
 /* The row at element index i of a cache in dtype dt as fp32: the row itself, or widened into buf
@@ -323,7 +342,8 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
 {
     int hd = a->hd, n_kv = a->n_kv, group = a->n_heads / a->n_kv;
     size_t qd = (size_t)a->n_heads * (size_t)hd, vs = rekv_kv_v_shift(n_kv, hd);
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = sq->scale > 0 ? sq->scale : 1.0f / sqrtf((float)hd);
+    float softcap = sq->softcap;
     int t0 = sq->skip ? sq->skip[g] : 0;
     float kt[hd * ATT_TILE], buf[hd], inv[cap];
     for (int q0 = 0; q0 < nq; q0 += cap) {
@@ -362,6 +382,9 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
                 float *sc = scores + (size_t)k * tend + t;
                 for (int tt = 0; tt < nt; tt++)
                     sc[tt] = acc[tt / 8][tt % 8] * scale;
+                if (softcap > 0) /* Gemma-2: tanh(s / c) * c, as HF's eager attention */
+                    for (int tt = 0; tt < nt; tt++)
+                        sc[tt] = tanhf(sc[tt] / softcap) * softcap;
             }
         }
         for (int k = 0; k < nb; k++) {

@@ -69,8 +69,13 @@ void cpu_rope_table(float *cos_t, float *sin_t, const int *pos, int m, const rek
 void cpu_rope(float *x, const float *cos_t, const float *sin_t, int m, int n_heads, int head_dim,
               rekv_rope style);
 
-/* In place: relu / gelu (erf) / silu over n elements; gate variant: a[i] = silu(a[i]) * b[i]. */
+/* In place: relu / gelu (erf) / silu / gelu (tanh) over n elements; gated (b not NULL, silu and
+ * tanh gelu): a[i] = act(a[i]) * b[i]. */
 void cpu_activation(float *a, const float *b, size_t n, rekv_act act);
+/* x[i] *= a over n elements. */
+void cpu_scale(float *x, size_t n, float a);
+/* x[i] = cap * tanh(x[i] / cap) over n elements (Gemma-2's soft-capping, as HF computes it). */
+void cpu_softcap(float *x, size_t n, float cap);
 
 /* e^x as the cpu attention's softmax computes it (x <= 0 there): Cephes' expf in multiplies and
  * adds only, so vector lanes give the same bits; within 2 ulp of exp over [-87, 88], 0 below -87

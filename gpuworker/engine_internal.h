@@ -24,6 +24,8 @@ typedef struct layer_w {
     void *w1, *b1;                   /* [ffn][hidden], [ffn] */
     void *w2, *b2;                   /* [hidden][ffn], [hidden] */
     void *w3;                        /* [ffn][hidden] */
+    void *post_attn_norm_w;          /* Gemma-2: [hidden] fp32, or NULL */
+    void *post_ffn_norm_w;           /* Gemma-2: [hidden] fp32, or NULL */
 } layer_w;
 
 /* A layer's matrices, as indices into rekv_engine.lqt. */

@@ -122,6 +122,11 @@ uint64_t rekv_engine_fingerprint(const rekv_engine *e)
         fp_add(&f, &e->rope, sizeof(e->rope));          /* (zeroed padding: rekv_rope_freqs_init) */
     if (c->sliding_window > 0) /* K,V past the first layer depend on it; none keeps old values */
         fp_add(&f, &c->sliding_window, sizeof(c->sliding_window));
+    if (c->norm_add_one) { /* Gemma's forward (its norms are in the weights below, 1 added) */
+        float g[] = {c->embed_scale, c->attn_scale, c->attn_softcap, c->final_softcap,
+                     (float)c->act, (float)c->post_norms, (float)c->window_even_layers};
+        fp_add(&f, g, sizeof(g));
+    }
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c), F = (size_t)c->ffn;
     size_t KV = (size_t)rekv_config_kv_dim(c), f4 = sizeof(float);
     size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim;
@@ -150,6 +155,10 @@ uint64_t rekv_engine_fingerprint(const rekv_engine *e)
                 fp_matrix(&f, e, t[i].p, t[i].n, t[i].k);
             else
                 fp_tensor(&f, t[i].p, t[i].n * f4);
+        }
+        if (L->post_attn_norm_w) { /* Gemma-2's; absent, the others' values stay as they were */
+            fp_tensor(&f, L->post_attn_norm_w, H * f4);
+            fp_tensor(&f, L->post_ffn_norm_w, H * f4);
         }
     }
     uint32_t lo = (uint32_t)(f.mix ^ (f.mix >> 32));

@@ -1,4 +1,6 @@
-/* forward.c — the reference forward pass (cpu, fp32 compute) for the OPT and Llama families.
+/* forward.c — the reference forward pass (cpu, fp32 compute) for the OPT and Llama families
+ * (Gemma's and Gemma-2's departures from Llama included: scaled embeddings, (1 + w) norms, GeGLU,
+ * post-norms, soft-capping, windows on alternate layers).
  *
  * One call processes a batch of sequences with any number of new tokens each. Token rows of all
  * sequences are stacked into one [T][hidden] matrix so every projection is a single GEMM; only
@@ -114,10 +116,30 @@ static void *place_mat(wpack *p, const rekv_tensor *t, rekv_dtype wt, int *rc)
     return dst;
 }
 
-static void load_layer(wpack *p, const rekv_layer_weights *s, layer_w *d, rekv_dtype wt, int *rc)
+/* Gemma's RMSNorm multiplies by (1 + w), the 1 added to the fp32 weight (HF: 1.0 +
+ * weight.float()): done once here, so that every backend's norm multiplies by what it holds. */
+static void add_one(float *w, const rekv_tensor *t, int add)
+{
+    if (w == NULL || !add)
+        return;
+    for (int64_t i = 0, n = rekv_tensor_numel(t); i < n; i++)
+        w[i] += 1.0f;
+}
+
+/* A norm's weight, placed (in fp32) and made a factor. */
+static void *place_norm(wpack *p, const rekv_tensor *t, int add)
+{
+    void *w = place(p, t, REKV_DTYPE_F32);
+    add_one(w, t, add);
+    return w;
+}
+
+static void load_layer(wpack *p, const rekv_layer_weights *s, layer_w *d, rekv_dtype wt,
+                       int norm_add_one, int *rc)
 {
     const rekv_dtype f = REKV_DTYPE_F32;
-    d->attn_norm_w = place(p, s->attn_norm_w, f);
+    const int a1 = norm_add_one;
+    d->attn_norm_w = place_norm(p, s->attn_norm_w, a1);
     d->attn_norm_b = place(p, s->attn_norm_b, f);
     d->wq = place_mat(p, s->wq, wt, rc);
     d->bq = place(p, s->bq, f);
@@ -127,13 +149,15 @@ static void load_layer(wpack *p, const rekv_layer_weights *s, layer_w *d, rekv_d
     d->bv = place(p, s->bv, f);
     d->wo = place_mat(p, s->wo, wt, rc);
     d->bo = place(p, s->bo, f);
-    d->ffn_norm_w = place(p, s->ffn_norm_w, f);
+    d->ffn_norm_w = place_norm(p, s->ffn_norm_w, a1);
     d->ffn_norm_b = place(p, s->ffn_norm_b, f);
     d->w1 = place_mat(p, s->w1, wt, rc);
     d->b1 = place(p, s->b1, f);
     d->w2 = place_mat(p, s->w2, wt, rc);
     d->b2 = place(p, s->b2, f);
     d->w3 = place_mat(p, s->w3, wt, rc);
+    d->post_attn_norm_w = place_norm(p, s->post_attn_norm_w, a1);
+    d->post_ffn_norm_w = place_norm(p, s->post_ffn_norm_w, a1);
 }
 
 /* The tiled matrices of one layer (or, for l < 0, the model's own) with their shapes. */
@@ -268,6 +292,7 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
     e->project_out = to_wdtype(m, w->project_out, wt, &rc);
     tile(e->project_out, w->project_out, wt, &rc);
     e->final_norm_w = to_wdtype(m, w->final_norm_w, REKV_DTYPE_F32, &rc);
+    add_one(e->final_norm_w, w->final_norm_w, e->c.norm_add_one);
     e->final_norm_b = to_wdtype(m, w->final_norm_b, REKV_DTYPE_F32, &rc);
     if (w->lm_head == w->embed_tokens) {
         e->lm_head = e->embed;
@@ -293,7 +318,7 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
      * layer), so that a pipeline handles each the same */
     for (int l = 0; l < e->c.n_layers && rc == 0; l++) {
         wpack size = {NULL, 0, NULL};
-        load_layer(&size, &w->layers[l], &e->layers[l], wt, &rc);
+        load_layer(&size, &w->layers[l], &e->layers[l], wt, e->c.norm_add_one, &rc);
         e->layer_bytes = size.off > e->layer_bytes ? size.off : e->layer_bytes;
         e->layers_bytes += size.off;
     }
@@ -308,7 +333,7 @@ int rekv_engine_create(const rekv_model *m, rekv_engine **out, rekv_err *err)
             break;
         }
         e->layer_mem[l] = pk.base;
-        load_layer(&pk, &w->layers[l], &e->layers[l], wt, &rc);
+        load_layer(&pk, &w->layers[l], &e->layers[l], wt, e->c.norm_add_one, &rc);
     }
     e->scores = malloc(sizeof(float) * (size_t)e->c.max_pos);
     if (rc == 0 && e->scores == NULL)
@@ -472,7 +497,13 @@ static void attention_block(rekv_engine *e, const layer_w *L, int layer, rekv_ba
         rekv_seq *s = items[b].seq;
         int m = items[b].n_tokens;
         cache_store(s, layer, e->k + (size_t)row * KV, e->v + (size_t)row * KV, m, s->len);
-        sq[b] = (rekv_attn_seq){layer_cache(s, layer), s->len, m, row, NULL, c->sliding_window};
+        sq[b] = (rekv_attn_seq){.kv = layer_cache(s, layer),
+                                .start = s->len,
+                                .n = m,
+                                .row0 = row,
+                                .window = rekv_config_window(c, layer),
+                                .scale = c->attn_scale,
+                                .softcap = c->attn_softcap};
         row += m;
     }
     cpu_attention(e->att, e->q, sq, n_items, c->n_heads, c->n_kv_heads, c->head_dim, REKV_DTYPE_F32,
@@ -539,6 +570,8 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
                 rekv_to_f32(dst, (const char *)e->embed + tok * E * rekv_dtype_size(e->wdtype),
                             e->wdtype, (size_t)E);
         }
+    if (c->embed_scale != 0) /* Gemma: the embeddings times sqrt(hidden) */
+        cpu_scale(e->project_in ? e->h : e->x, T * (size_t)E, c->embed_scale);
     if (e->project_in)
         rekv_engine_gemm(e, e->x, e->h, e->project_in, NULL, (int)T, H, E);
     if (e->pos_embed)
@@ -556,6 +589,8 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         else
             memcpy(e->h, e->x, n * sizeof(float));
         attention_block(e, L, l, items, n_items, (int)T);
+        if (L->post_attn_norm_w) /* Gemma-2: the attention's output normalised, then added */
+            cpu_norm(e->h, e->h, L->post_attn_norm_w, NULL, (int)T, H, c->norm_eps);
         add_into(e->x, e->h, n);
         if (!c->pre_norm)
             cpu_norm(e->x, e->x, L->attn_norm_w, L->attn_norm_b, (int)T, H, c->norm_eps);
@@ -564,6 +599,8 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         else
             memcpy(e->h, e->x, n * sizeof(float));
         ffn_block(e, L, (int)T);
+        if (L->post_ffn_norm_w)
+            cpu_norm(e->h, e->h, L->post_ffn_norm_w, NULL, (int)T, H, c->norm_eps);
         add_into(e->x, e->h, n);
         if (!c->pre_norm)
             cpu_norm(e->x, e->x, L->ffn_norm_w, L->ffn_norm_b, (int)T, H, c->norm_eps);
@@ -592,12 +629,16 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
     /* one GEMM for every row, so the head's weights are read once per step, not once per item */
     if (n_items == 1) {
         rekv_engine_gemm(e, items[0].logits, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+        if (c->final_softcap > 0) /* Gemma-2 */
+            cpu_softcap(items[0].logits, n_out * (size_t)c->vocab, c->final_softcap);
         return 0;
     }
     float *all = malloc(sizeof(float) * n_out * (size_t)c->vocab);
     if (all == NULL)
         return rekv_errf(err, -ENOMEM, "forward: out of memory for %zu rows of logits", n_out);
     rekv_engine_gemm(e, all, hin, e->lm_head, NULL, (int)n_out, c->vocab, E);
+    if (c->final_softcap > 0)
+        cpu_softcap(all, n_out * (size_t)c->vocab, c->final_softcap);
     size_t r = 0;
     for (int b = 0; b < n_items; b++) {
         size_t rows = items[b].all_logits ? (size_t)items[b].n_tokens : 1;

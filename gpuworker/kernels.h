@@ -29,8 +29,12 @@ typedef struct rekv_attn_seq {
     const int32_t *skip; /* [n_kv] slots not attended, from slot 0, per KV head (memory the
                             device reads, like this struct); NULL: none */
     int window;          /* 0: none; W: the query at position p attends slots p - W + 1 .. p
-                            only (the model's sliding window; slot == position, so not with
+                            only (the layer's sliding window; slot == position, so not with
                             infinigen's or clo's selections) */
+    float scale;         /* the scores' scale; 0: 1/sqrt(head_dim) (Gemma-2: its
+                            query_pre_attn_scalar^-0.5) */
+    float softcap;       /* 0: none; c: each scaled score s becomes c * tanh(s / c) before the
+                            softmax (Gemma-2's attn_logit_softcapping) */
 } rekv_attn_seq;
 
 /* A run of elements converted from a cache dtype into fp32: dst[i] = (float)src[i]. */
@@ -84,7 +88,7 @@ typedef struct rekv_kernel_iface {
      * frequencies and the cos/sin factor (loader.h, rekv_rope_freqs) */
     void (*rope)(rekv_stream *s, float *x, const int32_t *pos, int m, int n_heads, int head_dim,
                  const rekv_rope_freqs *f, rekv_rope style);
-    /* a = act(a) (* b for gated SiLU) over n elements */
+    /* a = act(a) (* b for the gated ones: SiLU, tanh GELU) over n elements */
     void (*activation)(rekv_stream *s, float *a, const float *b, size_t n, rekv_act act);
     /* x += y over n elements */
     void (*add)(rekv_stream *s, float *x, const float *y, size_t n);
@@ -160,6 +164,10 @@ typedef struct rekv_kernel_iface {
     void (*bias_activation)(rekv_stream *s, float *a, const float *bias, const float *b, int m,
                             int n, rekv_act act);
     void (*bias_add)(rekv_stream *s, float *x, const float *y, const float *bias, int m, int n);
+    /* x *= a over n elements (Gemma's embeddings times sqrt(hidden)) */
+    void (*scale)(rekv_stream *s, float *x, size_t n, float a);
+    /* x = cap * tanh(x / cap) over n elements (Gemma-2's final_logit_softcapping) */
+    void (*softcap)(rekv_stream *s, float *x, size_t n, float cap);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

@@ -413,6 +413,36 @@ static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_
     LAUNCH(s, "sample", run_sample, a);
 }
 
+typedef struct scale_args {
+    float *x;
+    size_t n;
+    float a;
+} scale_args;
+
+static void run_scale(void *p)
+{
+    scale_args *a = p;
+    cpu_scale(a->x, a->n, a->a);
+}
+
+static void run_softcap(void *p)
+{
+    scale_args *a = p;
+    cpu_softcap(a->x, a->n, a->a);
+}
+
+static void k_scale(rekv_stream *s, float *x, size_t n, float f)
+{
+    scale_args a = {x, n, f};
+    LAUNCH(s, "scale", run_scale, a);
+}
+
+static void k_softcap(rekv_stream *s, float *x, size_t n, float cap)
+{
+    scale_args a = {x, n, cap};
+    LAUNCH(s, "softcap", run_softcap, a);
+}
+
 const rekv_kernel_iface rekv_cpu_kernels = {
     .linear = k_linear,
     .norm = k_norm,
@@ -429,4 +459,6 @@ const rekv_kernel_iface rekv_cpu_kernels = {
     .spec_scores = k_spec_scores,
     .sample = k_sample,
     .linear_tiled = k_linear_tiled,
+    .scale = k_scale,
+    .softcap = k_softcap,
 };

@@ -151,7 +151,10 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
         d[j].n = it->n_tokens;
         d[j].row0 = st->row0[st->g_begin[g] + j];
         d[j].skip = NULL;
-        d[j].window = c->sliding_window; /* slot == position here; infinigen, clo refuse one */
+        /* slot == position here; infinigen, clo refuse a window */
+        d[j].window = rekv_config_window(c, layer);
+        d[j].scale = c->attn_scale;
+        d[j].softcap = c->attn_softcap;
         if (p->info->store == REKV_STORE_NONE) { /* resident: its own cache, in place */
             d[j].kv = s->kv +
                       (size_t)layer * rekv_kv_buffer_bytes(c->n_kv_heads, c->head_dim, s->cap, rb);
@@ -246,8 +249,14 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the new rows are ready to leave, and attention has read the buffers */
         p->bi->event_record(p->ev_out[b], s);
-    pl_linear(p, s, h, att, L->wo, qt[LQT_WO], 1, fold(p, L->bo), T, H, Q);
-    residual_add(p, x, h, L->bo, T, H);
+    if (L->post_attn_norm_w) { /* Gemma-2: normalised before the add, so the bias is not folded */
+        pl_linear(p, s, h, att, L->wo, qt[LQT_WO], 1, L->bo, T, H, Q);
+        k->norm(s, h, h, L->post_attn_norm_w, NULL, T, H, c->norm_eps);
+        residual_add(p, x, h, NULL, T, H);
+    } else {
+        pl_linear(p, s, h, att, L->wo, qt[LQT_WO], 1, fold(p, L->bo), T, H, Q);
+        residual_add(p, x, h, L->bo, T, H);
+    }
     if (!c->pre_norm)
         k->norm(s, x, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
     if (c->pre_norm) {
@@ -263,8 +272,14 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         k->bias_activation(s, f1, L->b1, L->w3 ? f3 : NULL, T, F, c->act);
     else
         k->activation(s, f1, L->w3 ? f3 : NULL, (size_t)T * (size_t)F, c->act);
-    pl_linear(p, s, h, f1, L->w2, qt[LQT_W2], 1, fold(p, L->b2), T, H, F);
-    residual_add(p, x, h, L->b2, T, H);
+    if (L->post_ffn_norm_w) {
+        pl_linear(p, s, h, f1, L->w2, qt[LQT_W2], 1, L->b2, T, H, F);
+        k->norm(s, h, h, L->post_ffn_norm_w, NULL, T, H, c->norm_eps);
+        residual_add(p, x, h, NULL, T, H);
+    } else {
+        pl_linear(p, s, h, f1, L->w2, qt[LQT_W2], 1, fold(p, L->b2), T, H, F);
+        residual_add(p, x, h, L->b2, T, H);
+    }
     if (!c->pre_norm)
         k->norm(s, x, x, L->ffn_norm_w, L->ffn_norm_b, T, H, c->norm_eps);
 }
@@ -530,6 +545,8 @@ static void step_embed(rekv_pipeline *p, const step *st)
         if (p->d_proj_in) {
             k->embed(sc, gb->h.p, p->d_embed, pl_wt(p, p->e->embed_qt), st->tok[g], NULL, NULL, 0,
                      T, E);
+            if (p->c->embed_scale != 0)
+                k->scale(sc, gb->h.p, (size_t)T * (size_t)E, p->c->embed_scale);
             pl_linear(p, sc, gb->x.p, gb->h.p, p->d_proj_in, 0, 1, NULL, T, H, E);
             if (p->d_pos)
                 k->embed(sc, gb->x.p, NULL, p->e->wdtype, st->tok[g], p->d_pos, st->pos[g], 2, T,
@@ -537,6 +554,8 @@ static void step_embed(rekv_pipeline *p, const step *st)
         } else {
             k->embed(sc, gb->x.p, p->d_embed, pl_wt(p, p->e->embed_qt), st->tok[g], p->d_pos,
                      st->pos[g], 2, T, E);
+            if (p->c->embed_scale != 0) /* Gemma */
+                k->scale(sc, gb->x.p, (size_t)T * (size_t)E, p->c->embed_scale);
         }
     }
 }
@@ -729,6 +748,8 @@ static int step_head(rekv_pipeline *p, step *st, rekv_err *err)
         }
         pl_linear(p, sc, gb->logits.p, rows, p->d_head, p->e->head_qt, !p->head_tied, NULL, nb,
                   c->vocab, E);
+        if (c->final_softcap > 0) /* Gemma-2 */
+            k->softcap(sc, gb->logits.p, (size_t)nb * (size_t)c->vocab, c->final_softcap);
         if ((rc = head_back(p, st, g, sc, err)))
             return rc;
     }

@@ -45,9 +45,11 @@ static void layer_tensors(const rekv_engine *e, int l, layer_w *L, void ***slots
     void **s[N_LAYER_TENSORS] = {
         &L->wk, &L->bk, &L->wv,          &L->bv,          &L->wq,         &L->bq,
         &L->wo, &L->bo, &L->attn_norm_w, &L->attn_norm_b, &L->ffn_norm_w, &L->ffn_norm_b,
-        &L->w1, &L->b1, &L->w3,          &L->w2,          &L->b2};
-    size_t n[N_LAYER_TENSORS] = {wk,    KV * f, wv,    KV * f, wq,    Q * f, wo, H * f, H * f,
-                                 H * f, H * f,  H * f, w1,     F * f, w3,    w2, H * f};
+        &L->w1, &L->b1, &L->w3,          &L->w2,          &L->b2,
+        &L->post_attn_norm_w, &L->post_ffn_norm_w};
+    size_t n[N_LAYER_TENSORS] = {wk,    KV * f, wv,    KV * f, wq,    Q * f, wo,
+                                 H * f, H * f,  H * f, H * f,  H * f, w1,    F * f,
+                                 w3,    w2,     H * f, H * f,  H * f};
     memcpy(slots, s, sizeof(s));
     memcpy(bytes, n, sizeof(n));
 }
@@ -599,6 +601,14 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
                          "positions (its selection picks tokens by score, not by position); use "
                          "an exact mode",
                          rekv_mode_name(cfg->mode), e->c.sliding_window);
+    /* Gemma's ops: a backend whose kernel table lacks one cannot run the model */
+    const rekv_kernel_iface *kt = rekv_kernels_of(be);
+    if (kt && ((e->c.embed_scale != 0 && kt->scale == NULL) ||
+               (e->c.final_softcap > 0 && kt->softcap == NULL)))
+        return rekv_errf(err, -ENOTSUP,
+                         "pipeline: the %s backend's kernels have no %s (Gemma's); run the model "
+                         "on the cpu backend",
+                         be->iface->name, kt->scale == NULL ? "scale" : "softcap");
     rekv_pipeline *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");

@@ -45,6 +45,8 @@ enum {
     OP_QKV,
     OP_BIAS_ACT,
     OP_BIAS_ADD,
+    OP_SCALE,
+    OP_SOFTCAP,
     OP_H2D, /* the copies: kernels and copies are what a graph may hold */
     OP_D2H,
     OP_D2D,
@@ -380,6 +382,26 @@ static void r_bias_add(rekv_stream *s, float *x, const float *y, const float *bi
         r->x = x, r->y = y, r->bias = bias, r->m = m, r->n = n;
 }
 
+typedef struct a_scale {
+    float *x;
+    size_t n;
+    float a;
+} a_scale; /* scale's factor or softcap's cap */
+
+static void r_scale(rekv_stream *s, float *x, size_t n, float f)
+{
+    a_scale *a = rec_add(OP_SCALE, s, NULL, sizeof(*a));
+    if (a)
+        a->x = x, a->n = n, a->a = f;
+}
+
+static void r_softcap(rekv_stream *s, float *x, size_t n, float cap)
+{
+    a_scale *a = rec_add(OP_SOFTCAP, s, NULL, sizeof(*a));
+    if (a)
+        a->x = x, a->n = n, a->a = cap;
+}
+
 const rekv_kernel_iface pl_rec_kernels = {
     .linear = r_linear,
     .norm = r_norm,
@@ -399,6 +421,8 @@ const rekv_kernel_iface pl_rec_kernels = {
     .qkv = r_qkv,
     .bias_activation = r_bias_activation,
     .bias_add = r_bias_add,
+    .scale = r_scale,
+    .softcap = r_softcap,
 };
 
 /* ------------------------------------------------------------------ the stream operations' */
@@ -605,6 +629,12 @@ static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, 
         case OP_BIAS_ADD: {
             const a_bias_op *a = arg;
             k->bias_add(s, a->x, a->y, a->bias, a->m, a->n);
+            break;
+        }
+        case OP_SCALE:
+        case OP_SOFTCAP: {
+            const a_scale *a = arg;
+            (h->op == OP_SCALE ? k->scale : k->softcap)(s, a->x, a->n, a->a);
             break;
         }
         case OP_H2D:

@@ -274,7 +274,7 @@ _Static_assert(REKV_KV_BLOCK_TOKENS == REKV_KV_ROWS_PER_BLOCK, "one block size")
 
 /* A layer's tensors in load order — W_K and W_V (with biases) first, so recomputation can start
  * before the rest arrives (KVPR §3.3). N_KV_TENSORS: how many of them are the K/V group. */
-enum { N_LAYER_TENSORS = 17, N_KV_TENSORS = 4 };
+enum { N_LAYER_TENSORS = 19, N_KV_TENSORS = 4 };
 
 /* ------------------------------------------------------------------ one step */
 

@@ -516,7 +516,7 @@ static int pf_measure_attn(pf_run *r, rekv_err *err)
     float *dsc = dout ? pf_dev(m, (size_t)cap * c->n_heads * B * sizeof(float)) : NULL;
     rekv_attn_seq seqs[PF_ATTN_BATCH];
     for (int i = 0; i < B; i++)
-        seqs[i] = (rekv_attn_seq){dkv + i * seq_stride, S, 1, i, NULL, 0};
+        seqs[i] = (rekv_attn_seq){dkv + i * seq_stride, S, 1, i, NULL, 0, 0, 0};
     rekv_attn_seq *dseqs = dsc ? pf_upload(m, s, seqs, sizeof(seqs), err) : NULL;
     if (!dseqs)
         return err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
@@ -533,7 +533,7 @@ static int pf_measure_attn(pf_run *r, rekv_err *err)
     float *dq2 = hq2 ? pf_upload(m, s, hq2, (size_t)n * Q * sizeof(float), err) : NULL;
     float *dout2 = dq2 ? pf_dev(m, (size_t)n * Q * sizeof(float)) : NULL;
     float *dsc2 = dout2 ? pf_dev(m, (size_t)cap * c->n_heads * n * sizeof(float)) : NULL;
-    rekv_attn_seq chunk = {dkv, start, n, 0, NULL, 0};
+    rekv_attn_seq chunk = {dkv, start, n, 0, NULL, 0, 0, 0};
     rekv_attn_seq *dchunk = dsc2 ? pf_upload(m, s, &chunk, sizeof(chunk), err) : NULL;
     if (!dchunk)
         return err && err->code ? err->code : rekv_errf(err, -ENOMEM, "profile: out of memory");
@@ -584,7 +584,7 @@ static int pf_kv_bufs_alloc(pf_run *r, int nmax, const int *ng, pf_kv_bufs *b, r
     void *dkvb =
         b->dzero ? pf_dev(m, rekv_kv_buffer_elems(c->n_kv_heads, c->head_dim, nmax) * sizeof(float))
                  : NULL;
-    rekv_attn_seq hseq = {dkvb, 0, 0, 0, NULL, 0};
+    rekv_attn_seq hseq = {dkvb, 0, 0, 0, NULL, 0, 0, 0};
     b->dseq = dkvb ? pf_upload(m, s, &hseq, sizeof(hseq), err) : NULL;
     /* the convert piece of every T_kv_gen sample (dtype-agnostic) */
     rekv_convert_piece hconv[PF_FIT_SAMPLES];

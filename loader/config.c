@@ -1,5 +1,6 @@
 /* config.c — HuggingFace config.json → rekv_model_config, for the OPT and Llama families (Llama,
- * Mistral, Qwen2, Phi-3: Phi-3's fused qkv_proj and gate_up_proj are split by model.c).
+ * Mistral, Qwen2, Phi-3: Phi-3's fused qkv_proj and gate_up_proj are split by model.c; Gemma and
+ * Gemma-2), and generation_config.json's end ids.
  *
  * Every field the forward pass depends on is read and checked; a missing required field, a wrong
  * type or an unsupported feature (an unknown rope_scaling type or activation) is an error naming
@@ -312,59 +313,11 @@ static int parse_rope_scaling(json_t *root, const char *path, rekv_model_config 
     return 0;
 }
 
-static int parse_llama(json_t *root, const char *path, const char *type, rekv_model_config *c,
-                       rekv_err *err)
+/* The window of Mistral, Qwen2 and Phi-3 (every layer, or none). */
+static int parse_window(json_t *root, const char *path, const char *type, rekv_model_config *c,
+                        rekv_err *err)
 {
-    int rc;
-    int qwen2 = strcmp(type, "qwen2") == 0;
-    c->arch = REKV_ARCH_LLAMA;
-    c->rope = REKV_ROPE_HALF;
-    c->act = REKV_ACT_SILU;
-    c->pre_norm = 1;
-    c->final_norm = 1;
-    c->norm_bias = 0;
-    if ((rc = get_int(root, path, "hidden_size", LLONG_MIN, 1, BIG, &c->hidden, err)) ||
-        (rc = get_int(root, path, "num_hidden_layers", LLONG_MIN, 1, 100000, &c->n_layers, err)) ||
-        (rc = get_int(root, path, "intermediate_size", LLONG_MIN, 1, BIG, &c->ffn, err)) ||
-        (rc = get_int(root, path, "num_attention_heads", LLONG_MIN, 1, 100000, &c->n_heads, err)) ||
-        (rc = get_int(root, path, "num_key_value_heads", c->n_heads, 1, 100000, &c->n_kv_heads,
-                      err)) ||
-        (rc = get_int(root, path, "vocab_size", LLONG_MIN, 1, BIG, &c->vocab, err)) ||
-        (rc =
-             get_int(root, path, "max_position_embeddings", LLONG_MIN, 1, BIG, &c->max_pos, err)) ||
-        (rc = get_float(root, path, "rms_norm_eps", 1e-6, &c->norm_eps, err)) ||
-        (rc = get_float(root, path, "rope_theta", 10000.0, &c->rope_theta, err)) ||
-        (rc = get_bool(root, path, "tie_word_embeddings", 0, &c->tied_head, err)) ||
-        (rc = get_bool(root, path, "attention_bias", qwen2, &c->qkv_bias, err)) ||
-        (rc = get_bool(root, path, "mlp_bias", 0, &c->ffn_bias, err)))
-        return rc;
-    if (c->hidden % c->n_heads != 0 && json_object_get(root, "head_dim") == NULL)
-        return rekv_errf(err, -EINVAL,
-                         "%s: hidden_size %d is not a multiple of num_attention_heads %d", path,
-                         c->hidden, c->n_heads);
-    if ((rc = get_int(root, path, "head_dim", c->hidden / c->n_heads, 2, 512, &c->head_dim, err)))
-        return rc;
-    if (c->head_dim % 2 != 0)
-        return rekv_errf(err, -EINVAL, "%s: head_dim %d must be even for RoPE", path, c->head_dim);
-    if (c->n_heads % c->n_kv_heads != 0)
-        return rekv_errf(err, -EINVAL,
-                         "%s: num_attention_heads %d is not a multiple of num_key_value_heads %d",
-                         path, c->n_heads, c->n_kv_heads);
-    /* Qwen2 has q/k/v biases but none on o_proj; Llama's attention_bias covers o_proj too. */
-    c->o_bias = qwen2 ? 0 : c->qkv_bias;
-    c->embed_dim = c->hidden;
-    /* RoPE over part of each head (Phi, GPT-NeoX style) would need the kernels' rotation split */
-    json_t *prf = json_object_get(root, "partial_rotary_factor");
-    if (prf != NULL && !json_is_null(prf) && (!json_is_number(prf) || json_number_value(prf) != 1))
-        return rekv_errf(err, -ENOTSUP,
-                         "%s: field \"partial_rotary_factor\" other than 1 is not "
-                         "supported",
-                         path);
-    if ((rc = parse_rope_scaling(root, path, c, err)))
-        return rc;
-    const char *act = get_str(root, "hidden_act");
-    if (act != NULL && strcmp(act, "silu") != 0)
-        return rekv_errf(err, -ENOTSUP, "%s: hidden_act \"%s\" is not supported (silu)", path, act);
+    int rc, qwen2 = strcmp(type, "qwen2") == 0;
     /* Mistral and Phi-3 always window when sliding_window is set; HF's Llama never does (it has
      * no such field); Qwen2 only with use_sliding_window, and only the layers from
      * max_window_layers on: a mix of windowed and full layers is refused. A window at least as long
@@ -402,6 +355,144 @@ static int parse_llama(json_t *root, const char *path, const char *type, rekv_mo
                          "max_window_layers or layer_types) is not supported",
                          path, full_layers, c->n_layers);
     return 0;
+}
+
+/* The fields every Llama-like family shares (Llama, Mistral, Qwen2, Phi-3, Gemma). */
+static int parse_llama(json_t *root, const char *path, const char *type, rekv_model_config *c,
+                       rekv_err *err)
+{
+    int rc;
+    int qwen2 = strcmp(type, "qwen2") == 0, gemma = strncmp(type, "gemma", 5) == 0;
+    c->arch = REKV_ARCH_LLAMA;
+    c->rope = REKV_ROPE_HALF;
+    c->act = REKV_ACT_SILU;
+    c->pre_norm = 1;
+    c->final_norm = 1;
+    c->norm_bias = 0;
+    if ((rc = get_int(root, path, "hidden_size", LLONG_MIN, 1, BIG, &c->hidden, err)) ||
+        (rc = get_int(root, path, "num_hidden_layers", LLONG_MIN, 1, 100000, &c->n_layers, err)) ||
+        (rc = get_int(root, path, "intermediate_size", LLONG_MIN, 1, BIG, &c->ffn, err)) ||
+        (rc = get_int(root, path, "num_attention_heads", LLONG_MIN, 1, 100000, &c->n_heads, err)) ||
+        (rc = get_int(root, path, "num_key_value_heads", c->n_heads, 1, 100000, &c->n_kv_heads,
+                      err)) ||
+        (rc = get_int(root, path, "vocab_size", LLONG_MIN, 1, BIG, &c->vocab, err)) ||
+        (rc =
+             get_int(root, path, "max_position_embeddings", LLONG_MIN, 1, BIG, &c->max_pos, err)) ||
+        (rc = get_float(root, path, "rms_norm_eps", 1e-6, &c->norm_eps, err)) ||
+        (rc = get_float(root, path, "rope_theta", 10000.0, &c->rope_theta, err)) ||
+        /* HF's GemmaConfig and Gemma2Config tie by default */
+        (rc = get_bool(root, path, "tie_word_embeddings", gemma, &c->tied_head, err)) ||
+        (rc = get_bool(root, path, "attention_bias", qwen2, &c->qkv_bias, err)) ||
+        (rc = get_bool(root, path, "mlp_bias", 0, &c->ffn_bias, err)))
+        return rc;
+    if (!gemma && c->hidden % c->n_heads != 0 && json_object_get(root, "head_dim") == NULL)
+        return rekv_errf(err, -EINVAL,
+                         "%s: hidden_size %d is not a multiple of num_attention_heads %d", path,
+                         c->hidden, c->n_heads);
+    /* Gemma's config classes default head_dim to 256 whatever the width */
+    if ((rc = get_int(root, path, "head_dim", gemma ? 256 : c->hidden / c->n_heads, 2, 512,
+                      &c->head_dim, err)))
+        return rc;
+    if (c->head_dim % 2 != 0)
+        return rekv_errf(err, -EINVAL, "%s: head_dim %d must be even for RoPE", path, c->head_dim);
+    if (c->n_heads % c->n_kv_heads != 0)
+        return rekv_errf(err, -EINVAL,
+                         "%s: num_attention_heads %d is not a multiple of num_key_value_heads %d",
+                         path, c->n_heads, c->n_kv_heads);
+    /* Qwen2 has q/k/v biases but none on o_proj; Llama's attention_bias covers o_proj too. */
+    c->o_bias = qwen2 ? 0 : c->qkv_bias;
+    c->embed_dim = c->hidden;
+    /* RoPE over part of each head (Phi, GPT-NeoX style) would need the kernels' rotation split */
+    json_t *prf = json_object_get(root, "partial_rotary_factor");
+    if (prf != NULL && !json_is_null(prf) && (!json_is_number(prf) || json_number_value(prf) != 1))
+        return rekv_errf(err, -ENOTSUP,
+                         "%s: field \"partial_rotary_factor\" other than 1 is not "
+                         "supported",
+                         path);
+    if ((rc = parse_rope_scaling(root, path, c, err)))
+        return rc;
+    if (gemma) /* its activation and window are parse_gemma's */
+        return 0;
+    const char *act = get_str(root, "hidden_act");
+    if (act != NULL && strcmp(act, "silu") != 0)
+        return rekv_errf(err, -ENOTSUP, "%s: hidden_act \"%s\" is not supported (silu)", path, act);
+    return parse_window(root, path, type, c, err);
+}
+
+/* A soft-capping field of Gemma-2: absent → def (HF's default), null → none (0). */
+static int get_softcap(json_t *root, const char *path, const char *key, double def, float *out,
+                       rekv_err *err)
+{
+    json_t *v = json_object_get(root, key);
+    if (v != NULL && json_is_null(v)) {
+        *out = 0;
+        return 0;
+    }
+    return get_float(root, path, key, def, out, err);
+}
+
+/* Gemma and Gemma-2 (HF's GemmaConfig, Gemma2Config) past the Llama fields: GeGLU with the
+ * tanh GELU (hidden_activation; absent: HF's gelu_pytorch_tanh — hidden_act is ignored, as HF
+ * does), (1 + w) norms, embeddings times sqrt(hidden_size) in the model's dtype; Gemma-2 also the
+ * four norms of a layer, the attention scale query_pre_attn_scalar^-0.5, soft-capped attention
+ * scores and logits, and a window on the even layers (HF: is_sliding = not layer_idx % 2). */
+static int parse_gemma(json_t *root, const char *path, int gemma2, rekv_model_config *c,
+                       rekv_err *err)
+{
+    int rc;
+    json_t *ha = json_object_get(root, "hidden_activation");
+    const char *act = json_is_string(ha) ? json_string_value(ha) : NULL;
+    if (ha != NULL && !json_is_null(ha) && act == NULL)
+        return rekv_errf(err, -EINVAL, "%s: field \"hidden_activation\" must be a string", path);
+    if (act != NULL && strcmp(act, "gelu_pytorch_tanh") != 0 && strcmp(act, "gelu_new") != 0)
+        return rekv_errf(err, -ENOTSUP,
+                         "%s: hidden_activation \"%s\" is not supported (gelu_pytorch_tanh)", path,
+                         act);
+    c->act = REKV_ACT_GELU_TANH;
+    c->norm_add_one = 1;
+    c->embed_scale = (float)sqrt((double)c->hidden);
+    if (!gemma2)
+        return 0;
+    c->post_norms = 1;
+    float qs;
+    int window;
+    if ((rc = get_float(root, path, "query_pre_attn_scalar", 256, &qs, err)) ||
+        (rc = get_softcap(root, path, "attn_logit_softcapping", 50.0, &c->attn_softcap, err)) ||
+        (rc = get_softcap(root, path, "final_logit_softcapping", 30.0, &c->final_softcap, err)) ||
+        (rc = get_int(root, path, "sliding_window", 4096, 1, BIG, &window, err)))
+        return rc;
+    c->attn_scale = (float)(1.0 / sqrt((double)qs));
+    json_t *lt = json_object_get(root, "layer_types"); /* transformers 4.5x writes it */
+    if (lt != NULL && !json_is_null(lt)) {
+        if (!json_is_array(lt) || json_array_size(lt) != (size_t)c->n_layers)
+            return rekv_errf(err, -EINVAL,
+                             "%s: field \"layer_types\" must be a list of %d layer types", path,
+                             c->n_layers);
+        for (int l = 0; l < c->n_layers; l++) {
+            const char *t = json_string_value(json_array_get(lt, (size_t)l));
+            const char *want = l % 2 == 0 ? "sliding_attention" : "full_attention";
+            if (t == NULL || strcmp(t, want) != 0)
+                return rekv_errf(err, -ENOTSUP,
+                                 "%s: field \"layer_types\"[%d] is not \"%s\": only Gemma-2's "
+                                 "alternation (sliding on the even layers) is supported",
+                                 path, l, want);
+        }
+    }
+    /* as for the other families, a window no shorter than the context is none */
+    c->sliding_window = window < c->max_pos ? window : 0;
+    c->window_even_layers = c->sliding_window > 0;
+    return 0;
+}
+
+/* HF's normalizer: sqrt(hidden_size) as a tensor of the model's dtype (bf16: sqrt(3072) = 55.43
+ * becomes 55.5), by which rekv's fp32 embeddings are then multiplied. */
+static void round_embed_scale(rekv_model_config *c)
+{
+    if (c->embed_scale == 0 || c->dtype == REKV_DTYPE_F32)
+        return;
+    uint16_t h;
+    rekv_from_f32(&h, &c->embed_scale, c->dtype, 1);
+    rekv_to_f32(&c->embed_scale, &h, c->dtype, 1);
 }
 
 /* Every id of eos_token_id (an integer or a list: Llama 3.x Instruct ends turns with <|eot_id|>,
@@ -514,9 +605,14 @@ int rekv_config_load_hf(const char *path, rekv_model_config *c, rekv_err *err)
     else if (strcmp(type, "llama") == 0 || strcmp(type, "mistral") == 0 ||
              strcmp(type, "qwen2") == 0 || strcmp(type, "phi3") == 0)
         rc = parse_llama(root, path, type, c, err);
-    else
+    else if (strcmp(type, "gemma") == 0 || strcmp(type, "gemma2") == 0) {
+        rc = parse_llama(root, path, type, c, err);
+        if (rc == 0)
+            rc = parse_gemma(root, path, strcmp(type, "gemma2") == 0, c, err);
+    } else
         rc = rekv_errf(err, -ENOTSUP,
-                       "%s: model_type \"%s\" is not supported (opt, llama, mistral, qwen2, phi3)",
+                       "%s: model_type \"%s\" is not supported (opt, llama, mistral, qwen2, phi3, "
+                       "gemma, gemma2)",
                        path, type);
     if (rc)
         goto out;
@@ -534,6 +630,7 @@ int rekv_config_load_hf(const char *path, rekv_model_config *c, rekv_err *err)
         c->dtype = REKV_DTYPE_F16;
     else if (td && strcmp(td, "bfloat16") == 0)
         c->dtype = REKV_DTYPE_BF16;
+    round_embed_scale(c);
 out:
     json_decref(root);
     return rc;

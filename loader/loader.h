@@ -68,6 +68,8 @@ typedef enum rekv_act {
     REKV_ACT_RELU = 0,
     REKV_ACT_GELU = 1, /* exact erf GELU */
     REKV_ACT_SILU = 2, /* with a gate: SwiGLU */
+    REKV_ACT_GELU_TANH = 3, /* tanh-approximated GELU (PyTorch's approximate="tanh"); with a gate:
+                               Gemma's GeGLU, gelu(gate) * up */
 } rekv_act;
 
 #define REKV_MAX_EOS 8 /* end-of-sequence ids a config may list */
@@ -90,6 +92,18 @@ typedef struct rekv_model_config {
     float norm_eps;
     float rope_theta;
     rekv_rope_scaling rope_scaling; /* type NONE: plain RoPE */
+    int window_even_layers; /* 1: sliding_window applies to the even layers only, the odd ones
+                               attend in full (Gemma-2); rekv_config_window says per layer */
+    /* Gemma (model_type gemma, gemma2): all 0 for the other families */
+    float embed_scale;   /* 0: none; else the embeddings times it (sqrt(hidden) in the model's
+                            dtype, as HF's normalizer) */
+    int norm_add_one;    /* RMSNorm's weights are offsets: the norm multiplies by (1 + w), in fp32;
+                            the engine adds the 1 when it loads them */
+    int post_norms;      /* Gemma-2: the attention's and the FFN's outputs are normalised before
+                            the residual add (post_attn_norm_w, post_ffn_norm_w) */
+    float attn_scale;    /* 0: 1/sqrt(head_dim); Gemma-2: query_pre_attn_scalar^-0.5 */
+    float attn_softcap;  /* 0: none; c: scores = c * tanh(scores / c) before the mask */
+    float final_softcap; /* 0: none; c: logits = c * tanh(logits / c) */
     int pre_norm;     /* OPT do_layer_norm_before; always 1 for Llama */
     int final_norm;   /* a norm before the head (absent in post-norm OPT such as OPT-350m) */
     int tied_head;    /* lm_head shares embed_tokens */
@@ -121,6 +135,18 @@ static inline int rekv_config_is_eos(const rekv_model_config *c, int tok)
     return 0;
 }
 
+/* The sliding window of layer l (0: full attention there). */
+static inline int rekv_config_window(const rekv_model_config *c, int l)
+{
+    return c->window_even_layers && l % 2 != 0 ? 0 : c->sliding_window;
+}
+
+/* Whether the FFN is gated (a third matrix, up_proj: SwiGLU, GeGLU). */
+static inline int rekv_config_gated(const rekv_model_config *c)
+{
+    return c->act == REKV_ACT_SILU || c->act == REKV_ACT_GELU_TANH;
+}
+
 /* kv_dim = n_kv_heads * head_dim; q_dim = n_heads * head_dim. */
 static inline int rekv_config_kv_dim(const rekv_model_config *c) { return c->n_kv_heads * c->head_dim; }
 static inline int rekv_config_q_dim(const rekv_model_config *c) { return c->n_heads * c->head_dim; }
@@ -130,7 +156,7 @@ static inline double rekv_config_layer_params(const rekv_model_config *c)
 {
     double H = c->hidden, F = c->ffn;
     return 2 * H * rekv_config_q_dim(c) + 2 * H * rekv_config_kv_dim(c) +
-           (c->act == REKV_ACT_SILU ? 3 : 2) * H * F;
+           (rekv_config_gated(c) ? 3 : 2) * H * F;
 }
 
 /* Bytes per weight of the layers' matrices as held: what the planner prices an offloaded layer's
@@ -165,7 +191,8 @@ void rekv_rope_freqs_at(const rekv_rope_freqs *f, int pos, float *inv_freq);
 /* The name of a scaling type as HF's rope_type spells it ("none" for NONE). */
 const char *rekv_rope_scaling_name(rekv_rope_scaling_type t);
 
-/* Parses a HuggingFace config.json (OPT, Llama, Mistral, Qwen2), validating every field. */
+/* Parses a HuggingFace config.json (OPT, Llama, Mistral, Qwen2, Phi-3, Gemma, Gemma-2), validating
+ * every field; generation_config.json beside it adds its eos_token_id. */
 int rekv_config_load_hf(const char *config_json_path, rekv_model_config *out, rekv_err *err);
 
 /* ---------------------------------------------------------------- safetensors */
@@ -234,6 +261,9 @@ typedef struct rekv_layer_weights {
     const rekv_tensor *w1, *b1; /* OPT fc1 / Llama gate_proj: [ffn][hidden], [ffn] */
     const rekv_tensor *w2, *b2; /* OPT fc2 / Llama down_proj: [hidden][ffn], [hidden] */
     const rekv_tensor *w3;      /* Llama up_proj: [ffn][hidden]; NULL for OPT */
+    /* Gemma-2: post_attention_layernorm, post_feedforward_layernorm ([hidden]); NULL otherwise
+     * (Gemma-2's pre_feedforward_layernorm is ffn_norm_w) */
+    const rekv_tensor *post_attn_norm_w, *post_ffn_norm_w;
 } rekv_layer_weights;
 
 typedef struct rekv_weights {
@@ -322,6 +352,10 @@ typedef struct rekv_synth_llama {
     int phi3;  /* model_type phi3: qkv_proj and gate_up_proj fused as HF's Phi3 stores them, each
                   the concatenation of the plain Llama's tensors of the same seed */
     int sliding_window; /* written as config.json's sliding_window when > 0 */
+    int gemma;    /* 1: model_type gemma (GeGLU, (1 + w) norms stored as offsets near 0, scaled
+                     embeddings); 2: gemma2 (also the post-norms, soft-capping at HF's defaults 50
+                     and 30, query_pre_attn_scalar hidden / heads, the window on even layers) */
+    int head_dim; /* 0: hidden / heads; else config.json's head_dim */
 } rekv_synth_llama;
 
 /* Writes a HF-format directory (config.json + model.safetensors) with deterministic weights scaled

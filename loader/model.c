@@ -212,7 +212,13 @@ static void map_llama(lookup *lk, const rekv_model_config *c, rekv_weights *w)
             T(wv, "self_attn.v_proj.weight", KV, H);
         }
         T(wo, "self_attn.o_proj.weight", H, Q);
-        T(ffn_norm_w, "post_attention_layernorm.weight", H, -1);
+        if (c->post_norms) { /* Gemma-2: its post_attention_layernorm is the attention's own */
+            T(post_attn_norm_w, "post_attention_layernorm.weight", H, -1);
+            T(ffn_norm_w, "pre_feedforward_layernorm.weight", H, -1);
+            T(post_ffn_norm_w, "post_feedforward_layernorm.weight", H, -1);
+        } else {
+            T(ffn_norm_w, "post_attention_layernorm.weight", H, -1);
+        }
         snprintf(n, sizeof(n), "layers.%d.mlp.gate_up_proj.weight", l);
         if (has(lk, n)) {
             const rekv_tensor *gu[2];

@@ -36,8 +36,8 @@ static const char usage[] =
     "commands:\n"
     "  synth --arch opt|llama --layers N --hidden H --heads A [--kv-heads K] --ffn F --vocab V\n"
     "        [--max-pos P] [--dtype f16|bf16|f32] [--seed S] [--tied|--untied]\n"
-    "        [--rope-theta T] [--rope-scaling TYPE[:KEY=VALUE,...]] [--qwen2|--phi3]\n"
-    "        [--sliding-window W] OUTDIR\n"
+    "        [--rope-theta T] [--rope-scaling TYPE[:KEY=VALUE,...]]\n"
+    "        [--qwen2|--phi3|--gemma|--gemma2] [--head-dim D] [--sliding-window W] OUTDIR\n"
     "      Writes a synthetic HuggingFace model (config.json + model.safetensors) with\n"
     "      deterministic weights. Defaults: --kv-heads A, --max-pos 2048, --dtype f16, --seed 0,\n"
     "      OPT tied and Llama untied output head. Llama only: --rope-theta (10000),\n"
@@ -47,7 +47,10 @@ static const char usage[] =
     "      writes generated short/long factors, Phi-3 only), --qwen2 (model_type qwen2: q/k/v\n"
     "      biases), --phi3 (model_type phi3: fused qkv_proj and gate_up_proj holding the plain\n"
     "      Llama's weights of the same seed), --sliding-window W (config.json's sliding_window;\n"
-    "      a plain Llama becomes model_type mistral, as HF's Llama has no window).\n"
+    "      a plain Llama becomes model_type mistral, as HF's Llama has no window), --gemma\n"
+    "      (model_type gemma: GeGLU, (1 + w) norms, scaled embeddings, tied head), --gemma2\n"
+    "      (model_type gemma2: also the four norms of a layer, soft-capping, the window on the\n"
+    "      even layers; query_pre_attn_scalar hidden/heads), --head-dim D (hidden/heads).\n"
     "  inspect PATH\n"
     "      Prints the configuration and every tensor of a HuggingFace directory, a .safetensors\n"
     "      file or index, a llama2.c .bin checkpoint, or a GGUF file (its metadata too), with\n"
@@ -227,6 +230,9 @@ static int cmd_synth(int argc, char **argv)
         O_QWEN2,
         O_PHI3,
         O_WINDOW,
+        O_GEMMA,
+        O_GEMMA2,
+        O_HEAD_DIM,
         O_HELP
     };
     static const struct option opts[] = {{"arch", required_argument, 0, O_ARCH},
@@ -246,6 +252,9 @@ static int cmd_synth(int argc, char **argv)
                                          {"qwen2", no_argument, 0, O_QWEN2},
                                          {"phi3", no_argument, 0, O_PHI3},
                                          {"sliding-window", required_argument, 0, O_WINDOW},
+                                         {"gemma", no_argument, 0, O_GEMMA},
+                                         {"gemma2", no_argument, 0, O_GEMMA2},
+                                         {"head-dim", required_argument, 0, O_HEAD_DIM},
                                          {"help", no_argument, 0, O_HELP},
                                          {0, 0, 0, 0}};
     int o;
@@ -270,6 +279,15 @@ static int cmd_synth(int argc, char **argv)
             break;
         case O_WINDOW:
             field = &lv.sliding_window;
+            break;
+        case O_GEMMA:
+        case O_GEMMA2:
+            if (lv.gemma)
+                return bad_usage("synth: --gemma and --gemma2 are two families");
+            lv.gemma = o == O_GEMMA ? 1 : 2;
+            break;
+        case O_HEAD_DIM:
+            field = &lv.head_dim;
             break;
         case O_ROPE_THETA:
             if (parse_theta(v, &lv.rope_theta))
@@ -335,7 +353,7 @@ static int cmd_synth(int argc, char **argv)
         return bad_usage("synth: --layers, --hidden, --heads, --ffn and --vocab are required");
     if (outdir == NULL)
         return bad_usage("synth: no output directory given");
-    s.tied_head = tied >= 0 ? tied : s.arch == REKV_ARCH_OPT;
+    s.tied_head = tied >= 0 ? tied : s.arch == REKV_ARCH_OPT || lv.gemma; /* HF's defaults */
     rekv_err err = {0};
     rekv_progress pr;
     rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, 0), "rekv-loader synth",
@@ -363,7 +381,7 @@ static void print_config(const rekv_model_config *c)
 {
     static const char *const arch[] = {"opt", "llama"};
     static const char *const rope[] = {"none", "half", "adjacent"};
-    static const char *const act[] = {"relu", "gelu", "silu"};
+    static const char *const act[] = {"relu", "gelu", "silu", "gelu_tanh"};
     printf("config:\n");
     printf("  arch            %s\n", (unsigned)c->arch < 2 ? arch[c->arch] : "?");
     printf("  layers          %d\n", c->n_layers);
@@ -387,7 +405,15 @@ static void print_config(const rekv_model_config *c)
                rekv_rope_scaling_name(rs->type), rs->factor, rs->original_max_pos,
                rs->low_freq_factor, rs->high_freq_factor, rs->beta_fast, rs->beta_slow,
                rs->attention_factor);
-    printf("  activation      %s\n", (unsigned)c->act < 3 ? act[c->act] : "?");
+    printf("  activation      %s%s\n", (unsigned)c->act < 4 ? act[c->act] : "?",
+           rekv_config_gated(c) ? " (gated)" : "");
+    if (c->window_even_layers)
+        printf("  window_layers   even\n");
+    if (c->norm_add_one)
+        printf("  gemma           embed_scale %g, norms (1 + w), post_norms %d, attn_scale %g, "
+               "attn_softcap %g, final_softcap %g\n",
+               (double)c->embed_scale, c->post_norms, (double)c->attn_scale,
+               (double)c->attn_softcap, (double)c->final_softcap);
     printf("  pre_norm        %d\n", c->pre_norm);
     printf("  final_norm      %d\n", c->final_norm);
     printf("  tied_head       %d\n", c->tied_head);

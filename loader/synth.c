@@ -3,9 +3,10 @@
  * Weights are a pure function of (seed, tensor index, element index) through splitmix64, so any
  * element can be recomputed on its own and a model of any size streams out in fixed-size chunks
  * without ever being held in memory. Scales keep activations in range through many layers:
- * linear weights are uniform in ±gain/sqrt(fan_in), norm weights are near 1, biases are small, and
- * embeddings (and an untied lm_head) are roughly normal with std 2/sqrt(hidden) clamped to
- * [0.02, 1], which puts the logits at a std of about 2 after the final norm. */
+ * linear weights are uniform in ±gain/sqrt(fan_in), norm weights are near 1 (Gemma's, offsets from
+ * 1, near 0), biases are small, and embeddings (and an untied lm_head) are roughly normal with std
+ * 2/sqrt(hidden) clamped to [0.02, 1], which puts the logits at a std of about 2 after the final
+ * norm. */
 #define _GNU_SOURCE
 #include "loader/loader.h"
 
@@ -22,10 +23,11 @@
 #define SYNTH_GAIN 1.0f
 
 typedef enum synth_init {
-    SYNTH_LINEAR = 0, /* uniform ±gain/sqrt(fan_in) */
-    SYNTH_NORM_W = 1, /* 1 + uniform ±0.1 */
-    SYNTH_BIAS = 2,   /* uniform ±0.02 */
-    SYNTH_EMBED = 3,  /* approximately normal, std from the hidden size */
+    SYNTH_LINEAR = 0,   /* uniform ±gain/sqrt(fan_in) */
+    SYNTH_NORM_W = 1,   /* 1 + uniform ±0.1 */
+    SYNTH_BIAS = 2,     /* uniform ±0.02 */
+    SYNTH_EMBED = 3,    /* approximately normal, std from the hidden size */
+    SYNTH_NORM_OFF = 4, /* uniform ±0.1: Gemma's norm weights, offsets from 1 */
 } synth_init;
 
 typedef struct synth_tensor {
@@ -147,13 +149,14 @@ static int build_opt(const rekv_synth_spec *s, synth_list *l)
 static int build_llama(const rekv_synth_spec *s, const rekv_synth_llama *x, synth_list *l)
 {
     int64_t H = s->hidden, F = s->ffn, V = s->vocab;
-    int64_t hd = s->hidden / s->n_heads;
+    int64_t hd = x->head_dim > 0 ? x->head_dim : s->hidden / s->n_heads;
     int64_t qd = s->n_heads * hd, kvd = s->n_kv_heads * hd;
+    synth_init nw = x->gemma ? SYNTH_NORM_OFF : SYNTH_NORM_W;
     int rc = 0;
     rc |= list_add(l, SYNTH_EMBED, 2, V, H, "model.embed_tokens.weight");
     for (int i = 0; i < s->n_layers && rc == 0; i++) {
         const char *p = "model.layers";
-        rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "%s.%d.input_layernorm.weight", p, i);
+        rc |= list_add(l, nw, 1, H, 0, "%s.%d.input_layernorm.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, qd, H, "%s.%d.self_attn.q_proj.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, kvd, H, "%s.%d.self_attn.k_proj.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, kvd, H, "%s.%d.self_attn.v_proj.weight", p, i);
@@ -163,12 +166,17 @@ static int build_llama(const rekv_synth_spec *s, const rekv_synth_llama *x, synt
             rc |= list_add(l, SYNTH_BIAS, 1, kvd, 0, "%s.%d.self_attn.v_proj.bias", p, i);
         }
         rc |= list_add(l, SYNTH_LINEAR, 2, H, qd, "%s.%d.self_attn.o_proj.weight", p, i);
-        rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "%s.%d.post_attention_layernorm.weight", p, i);
+        rc |= list_add(l, nw, 1, H, 0, "%s.%d.post_attention_layernorm.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, F, H, "%s.%d.mlp.gate_proj.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, F, H, "%s.%d.mlp.up_proj.weight", p, i);
         rc |= list_add(l, SYNTH_LINEAR, 2, H, F, "%s.%d.mlp.down_proj.weight", p, i);
+        if (x->gemma == 2) { /* Gemma-2's other two: its post_attention_layernorm is the
+                                attention's output norm, pre_feedforward the FFN's input norm */
+            rc |= list_add(l, nw, 1, H, 0, "%s.%d.pre_feedforward_layernorm.weight", p, i);
+            rc |= list_add(l, nw, 1, H, 0, "%s.%d.post_feedforward_layernorm.weight", p, i);
+        }
     }
-    rc |= list_add(l, SYNTH_NORM_W, 1, H, 0, "model.norm.weight");
+    rc |= list_add(l, nw, 1, H, 0, "model.norm.weight");
     if (!s->tied_head)
         rc |= list_add(l, SYNTH_EMBED, 2, V, H, "lm_head.weight");
     return rc ? -ENOMEM : 0;
@@ -186,6 +194,7 @@ static void synth_fill_one(const rekv_synth_spec *s, const synth_tensor *t, uint
         amp = SYNTH_GAIN / sqrtf((float)t->shape[1]);
         break;
     case SYNTH_NORM_W:
+    case SYNTH_NORM_OFF:
         amp = 0.1f;
         break;
     case SYNTH_BIAS:
@@ -260,17 +269,24 @@ static int spec_check(const rekv_synth_spec *s, const rekv_synth_llama *x, rekv_
                          "%s: synth: OPT has no grouped-query attention (kv-heads "
                          "must equal heads)",
                          outdir);
-    if (x->phi3 && x->qwen2)
-        return rekv_errf(err, -EINVAL, "%s: synth: --phi3 and --qwen2 are two families", outdir);
+    if (x->phi3 + x->qwen2 + (x->gemma > 0) > 1)
+        return rekv_errf(err, -EINVAL, "%s: synth: --phi3, --qwen2 and --gemma are three families",
+                         outdir);
+    if (x->gemma == 1 && x->sliding_window != 0)
+        return rekv_errf(err, -EINVAL, "%s: synth: Gemma has no window (Gemma-2 has)", outdir);
+    if (x->head_dim != 0 && (x->head_dim < 2 || x->head_dim % 2 != 0 || x->head_dim > 512))
+        return rekv_errf(err, -EINVAL, "%s: synth: head_dim %d must be even, from 2 to 512", outdir,
+                         x->head_dim);
     if (x->rope_scaling.type == REKV_ROPE_SCALING_LONGROPE && !x->phi3)
         return rekv_errf(err, -EINVAL, "%s: synth: longrope is written for --phi3 models", outdir);
-    if (s->arch == REKV_ARCH_OPT && (x->rope_scaling.type != REKV_ROPE_SCALING_NONE || x->qwen2 ||
-                                     x->phi3 || x->rope_theta != 0 || x->sliding_window != 0))
+    if (s->arch == REKV_ARCH_OPT &&
+        (x->rope_scaling.type != REKV_ROPE_SCALING_NONE || x->qwen2 || x->phi3 || x->gemma ||
+         x->head_dim || x->rope_theta != 0 || x->sliding_window != 0))
         return rekv_errf(err, -EINVAL,
                          "%s: synth: OPT has no RoPE (rope, family and window options are Llama's)",
                          outdir);
     if (s->arch == REKV_ARCH_LLAMA) { /* the checks the loader will make, made before writing */
-        rekv_model_config c = {.head_dim = s->hidden / s->n_heads,
+        rekv_model_config c = {.head_dim = x->head_dim > 0 ? x->head_dim : s->hidden / s->n_heads,
                                .rope_theta = x->rope_theta > 0 ? x->rope_theta : 10000.0f,
                                .rope_scaling = x->rope_scaling};
         /* HF's dynamic reads max_position_embeddings; yarn defaults to it */
@@ -322,6 +338,29 @@ static const char *torch_dtype_name(rekv_dtype d)
     return d == REKV_DTYPE_F32 ? "float32" : d == REKV_DTYPE_F16 ? "float16" : "bfloat16";
 }
 
+/* Gemma's and Gemma-2's fields (HF's GemmaConfig, Gemma2Config); the head_dim is the Llama's. */
+static int gemma_extras(const rekv_synth_llama *x, json_t *c)
+{
+    int two = x->gemma == 2, rc = 0;
+    json_int_t hidden = json_integer_value(json_object_get(c, "hidden_size"));
+    json_int_t heads = json_integer_value(json_object_get(c, "num_attention_heads"));
+    rc |= json_object_set_new(c, "model_type", json_string(two ? "gemma2" : "gemma"));
+    rc |= json_object_set_new(c, "architectures",
+                              json_pack("[s]", two ? "Gemma2ForCausalLM" : "GemmaForCausalLM"));
+    rc |= json_object_set_new(c, "hidden_act", json_string("gelu_pytorch_tanh"));
+    rc |= json_object_set_new(c, "hidden_activation", json_string("gelu_pytorch_tanh"));
+    rc |= json_object_del(c, "mlp_bias"); /* GemmaConfig has none */
+    if (!two)
+        return rc;
+    rc |= json_object_set_new(c, "query_pre_attn_scalar", json_integer(hidden / heads));
+    rc |= json_object_set_new(c, "attn_logit_softcapping", json_real(50.0));
+    rc |= json_object_set_new(c, "final_logit_softcapping", json_real(30.0));
+    rc |= json_object_set_new(c, "sliding_window",
+                              json_integer(x->sliding_window > 0 ? x->sliding_window : 4096));
+    rc |= json_object_set_new(c, "cache_implementation", json_string("hybrid"));
+    return rc;
+}
+
 /* The rope and Qwen2 fields of a Llama's config.json, as HF writes them (rope_scaling's fields
  * by type: those HF's _compute_*_parameters read). */
 static int llama_extras(const rekv_synth_llama *x, int half, json_t *c)
@@ -330,7 +369,9 @@ static int llama_extras(const rekv_synth_llama *x, int half, json_t *c)
     int rc = 0;
     if (x->rope_theta > 0)
         rc |= json_object_set_new(c, "rope_theta", json_real(x->rope_theta));
-    if (x->qwen2) {
+    if (x->gemma) {
+        rc |= gemma_extras(x, c);
+    } else if (x->qwen2) {
         rc |= json_object_set_new(c, "model_type", json_string("qwen2"));
         rc |= json_object_set_new(c, "architectures", json_pack("[s]", "Qwen2ForCausalLM"));
         rc |= json_object_del(c, "attention_bias"); /* Qwen2's biases come with the type */
@@ -347,7 +388,7 @@ static int llama_extras(const rekv_synth_llama *x, int half, json_t *c)
         rc |= json_object_set_new(c, "model_type", json_string("mistral"));
         rc |= json_object_set_new(c, "architectures", json_pack("[s]", "MistralForCausalLM"));
     }
-    if (x->sliding_window > 0)
+    if (x->sliding_window > 0 && !x->gemma)
         rc |= json_object_set_new(c, "sliding_window", json_integer(x->sliding_window));
     if (r->type == REKV_ROPE_SCALING_LONGROPE) { /* as Phi-3's config.json */
         json_t *sf = json_array(), *lf = json_array();
@@ -395,6 +436,7 @@ static int write_config(const rekv_synth_spec *s, const rekv_synth_llama *x, con
                         rekv_err *err)
 {
     json_t *c;
+    int hd = x->head_dim > 0 ? x->head_dim : s->hidden / s->n_heads;
     if (s->arch == REKV_ARCH_OPT) {
         c = json_pack(
             "{s:[s],s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:b,s:i,s:s,s:b,s:b,s:i,s:i,s:i,"
@@ -413,14 +455,13 @@ static int write_config(const rekv_synth_spec *s, const rekv_synth_llama *x, con
                       "architectures", "LlamaForCausalLM", "model_type", "llama", "vocab_size",
                       s->vocab, "hidden_size", s->hidden, "intermediate_size", s->ffn,
                       "num_hidden_layers", s->n_layers, "num_attention_heads", s->n_heads,
-                      "num_key_value_heads", s->n_kv_heads, "head_dim", s->hidden / s->n_heads,
+                      "num_key_value_heads", s->n_kv_heads, "head_dim", hd,
                       "max_position_embeddings", s->max_pos, "rms_norm_eps", 1e-5, "rope_theta",
                       10000.0, "hidden_act", "silu", "tie_word_embeddings", s->tied_head ? 1 : 0,
                       "attention_bias", 0, "mlp_bias", 0, "bos_token_id", 1, "eos_token_id", 2,
                       "use_cache", 1, "torch_dtype", torch_dtype_name(s->dtype));
     }
-    if (c == NULL ||
-        (s->arch == REKV_ARCH_LLAMA && llama_extras(x, s->hidden / s->n_heads / 2, c) != 0)) {
+    if (c == NULL || (s->arch == REKV_ARCH_LLAMA && llama_extras(x, hd / 2, c) != 0)) {
         json_decref(c);
         return rekv_errf(err, -ENOMEM, "%s: out of memory", path);
     }
@@ -459,7 +500,9 @@ int rekv_synth_write_llama(const rekv_synth_spec *spec, const rekv_synth_llama *
     rekv_synth_llama xl = llama ? *llama : plain;
     const rekv_synth_llama *x = &xl;
     if (xl.rope_scaling.type == REKV_ROPE_SCALING_LONGROPE && spec->n_heads > 0)
-        longrope_factors(&xl.rope_scaling, spec->hidden / spec->n_heads / 2, spec->max_pos);
+        longrope_factors(&xl.rope_scaling,
+                         (xl.head_dim > 0 ? xl.head_dim : spec->hidden / spec->n_heads) / 2,
+                         spec->max_pos);
     rekv_synth_spec s;
     int rc = spec_check(spec, x, &s, outdir, err);
     if (rc < 0)

@@ -307,7 +307,7 @@ START_TEST(attention_fixed_order)
                     for (int g = 0; g < nkv; g++)
                         skip[i][g] = with_skip ? irand(seqs_sn[i][0] + 1) : 0;
                     sq[i] = (rekv_attn_seq){
-                        kv, seqs_sn[i][0], seqs_sn[i][1], rows, with_skip ? skip[i] : NULL, 0};
+                        kv, seqs_sn[i][0], seqs_sn[i][1], rows, with_skip ? skip[i] : NULL, 0, 0, 0};
                     rows += seqs_sn[i][1];
                     ctx = len > ctx ? len : ctx;
                 }

@@ -503,8 +503,8 @@ static void scatter_attention_case(int set, rekv_dtype dt, int nh, int nkv, int 
         sz[i] = rekv_kv_buffer_bytes(nkv, hd, starts[i] + ns[i] + 5, rb);
         hkv[i] = kv_host_rand(dt, hd, sz[i]);
         dkv[i] = dev_from(hkv[i], sz[i]);
-        cpu_d[i] = (rekv_attn_seq){hkv[i], starts[i], ns[i], rows, NULL, 0};
-        cu_d[i] = (rekv_attn_seq){dkv[i], starts[i], ns[i], rows, NULL, 0};
+        cpu_d[i] = (rekv_attn_seq){hkv[i], starts[i], ns[i], rows, NULL, 0, 0, 0};
+        cu_d[i] = (rekv_attn_seq){dkv[i], starts[i], ns[i], rows, NULL, 0, 0, 0};
         if (ns[i] == 1 && i % 2 == 1) { /* clo: each KV head skips its first slots */
             int32_t *skip = meta(sizeof(int32_t) * (size_t)nkv);
             for (int g = 0; g < nkv; g++)
@@ -626,8 +626,8 @@ static void attention_decode_batch(const rekv_dtype *dts, size_t n_dts)
             size_t sz = rekv_kv_buffer_bytes(NKV, HD, start + 1, rb);
             hkv[i] = kv_host_rand(dt, HD, sz);
             dkv[i] = dev_from(hkv[i], sz);
-            cpu_d[i] = (rekv_attn_seq){hkv[i], start, 1, i, NULL, 0};
-            cu_d[i] = (rekv_attn_seq){dkv[i], start, 1, i, NULL, 0};
+            cpu_d[i] = (rekv_attn_seq){hkv[i], start, 1, i, NULL, 0, 0, 0};
+            cu_d[i] = (rekv_attn_seq){dkv[i], start, 1, i, NULL, 0, 0, 0};
             if (start + 1 > max_ctx)
                 max_ctx = start + 1;
         }

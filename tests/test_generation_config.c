@@ -165,10 +165,9 @@ START_TEST(gguf_eot_id_stops_greedy)
     int eos = m->config.eos_id;
     rekv_engine_free(e);
     rekv_model_close(m);
-    tg_edit ed[2] = {{.key = "tokenizer.ggml.eot_token_id", .type = REKV_GGUF_U32,
-                      .u = (uint32_t)stop_tok},
-                     {.key = "tokenizer.ggml.eom_token_id", .type = REKV_GGUF_U32,
-                      .u = (uint32_t)unused}};
+    tg_edit ed[2] = {
+        {.key = "tokenizer.ggml.eot_token_id", .type = REKV_GGUF_U32, .u = (uint32_t)stop_tok},
+        {.key = "tokenizer.ggml.eom_token_id", .type = REKV_GGUF_U32, .u = (uint32_t)unused}};
     const char *path = tg_rewrite(src, ed, 2, -1, dir);
     ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
     ck_assert_int_eq(m->config.eos_id, eos);

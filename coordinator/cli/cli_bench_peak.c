@@ -134,7 +134,7 @@ int cli_bench_measure_device(rekv_backend *be, const rekv_engine *eng, int rows,
                    .wt = wt,
                    .rows = rows < DEVICE_GEMM_ROWS ? rows : DEVICE_GEMM_ROWS};
     int shapes[7][2] = {{Q, H}, {KV, H}, {KV, H}, {H, Q}, {F, H}, {H, F}, {F, H}};
-    g.n_shapes = c->act == REKV_ACT_SILU ? 7 : 6;
+    g.n_shapes = rekv_config_gated(c) ? 7 : 6;
     memcpy(g.shape, shapes, sizeof(shapes));
     size_t big = (size_t)(F > Q ? F : Q), wide = big > (size_t)H ? big : (size_t)H;
     size_t ws = rekv_dtype_size(wt), w_elems = (size_t)H * big; /* the largest of the shapes */
