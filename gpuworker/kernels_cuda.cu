@@ -483,13 +483,18 @@ static void k_qkv(rekv_stream *s, float *q, float *k, float *v, const float *x, 
     cuda_op_end(s, op);
 }
 
-/* act (rekv_act) of v, gated SiLU's gate g (NULL: none) */
+/* act (rekv_act) of v, the gated ones' (SiLU, tanh GELU) gate g (NULL: none) */
 __device__ __forceinline__ static float act_of(float v, const float *g, size_t i, int act)
 {
     if (act == REKV_ACT_RELU)
         return v > 0 ? v : 0;
     if (act == REKV_ACT_GELU)
         return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    if (act == REKV_ACT_GELU_TANH) { /* PyTorch's approximate="tanh", as cpu_activation */
+        float inner = 0.7978845608028654f * (v + 0.044715f * (v * v * v));
+        float gv = 0.5f * v * (1.0f + tanhf(inner));
+        return g ? gv * g[i] : gv;
+    }
     float sv = v / (1.0f + expf(-v));
     return g ? sv * g[i] : sv;
 }
@@ -520,6 +525,28 @@ static void k_add(rekv_stream *s, float *x, const float *y, size_t n)
     if (n == 0)
         return;
     KLAUNCH(s, "add", add_kernel, ew_blocks(n), EW_THREADS, 0, x, y, n);
+}
+
+/* Gemma's element-wise ops (kernels.h scale, softcap): x *= a; x = cap * tanh(x / cap) */
+__global__ static void scale_kernel(float *x, size_t n, float a, int softcap)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        x[i] = softcap ? tanhf(x[i] / a) * a : x[i] * a;
+}
+
+static void k_scale(rekv_stream *s, float *x, size_t n, float a)
+{
+    if (n == 0)
+        return;
+    KLAUNCH(s, "scale", scale_kernel, ew_blocks(n), EW_THREADS, 0, x, n, a, 0);
+}
+
+static void k_softcap(rekv_stream *s, float *x, size_t n, float cap)
+{
+    if (n == 0)
+        return;
+    KLAUNCH(s, "softcap", scale_kernel, ew_blocks(n), EW_THREADS, 0, x, n, cap, 1);
 }
 
 /* The bias of the linear before them folded into the activation and the residual add (kernels.h
@@ -746,8 +773,8 @@ template <int DT> __device__ __forceinline__ static float kv_elem(const uint8_t 
  * of rb bytes (rekv_kv_row_bytes). */
 template <int DT>
 __device__ static void attn_warp_pass(const float *qs, const void *kv, int n_kv, int hd, size_t rb,
-                                      int kvh, int t0, int t1, float scale, float &m, float &l,
-                                      float *acc)
+                                      int kvh, int t0, int t1, float scale, float cap, float &m,
+                                      float &l, float *acc)
 {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     size_t vs = rekv_kv_v_shift(n_kv, 1) * rb; /* bytes from a K row to its V row */
@@ -765,6 +792,8 @@ __device__ static void attn_warp_pass(const float *qs, const void *kv, int n_kv,
         for (int o = 16; o > 0; o >>= 1)
             d += __shfl_xor_sync(0xffffffffu, d, o);
         d *= scale;
+        if (cap > 0) /* Gemma-2's soft-capped scores, as cpu_attention */
+            d = tanhf(d / cap) * cap;
         float m_new = fmaxf(m, d);
         float corr = expf(m - m_new), p = expf(d - m_new);
         l = l * corr + p;
@@ -846,7 +875,8 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         __syncthreads();
         float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
         attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, attn_first(sq, kvh, sq.start + i),
-                           sq.start + i + 1, scale, m, l, acc);
+                           sq.start + i + 1, sq.scale > 0 ? sq.scale : scale, sq.softcap, m, l,
+                           acc);
         attn_merge(accs, ms, ls, hd, m, l, acc, out + r * qd + (size_t)h * hd, 1, &mx, &sum);
     }
 }
@@ -892,7 +922,8 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         qs[j] = qh[j];
     __syncthreads();
     float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
-    attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, t0, t1, scale, m, l, acc);
+    attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, t0, t1, sq.scale > 0 ? sq.scale : scale,
+                       sq.softcap, m, l, acc);
     attn_merge(accs, ms, ls, hd, m, l, acc, pp + 2, 0, &mx, &sum);
     if (threadIdx.x == 0) {
         pp[0] = mx;
@@ -971,7 +1002,7 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
     }
     size_t rb = rekv_kv_row_bytes(dt, head_dim);
     size_t shmem = sizeof(float) * ((size_t)head_dim * (1 + ATT_WARPS) + 2 * ATT_WARPS);
-    float scale = 1.0f / sqrtf((float)head_dim);
+    float scale = 1.0f / sqrtf((float)head_dim); /* unless a descriptor has its own */
     /* a decode batch (one row per sequence) of fewer blocks than fill the device twice: split
      * each context into chunks (at least ATT_MIN_CHUNK positions each, decided per sequence) */
     int blocks = n_heads * n_seqs, fill = 2 * s->be->sms;
@@ -1407,6 +1438,8 @@ static const rekv_kernel_iface cuda_kernels = {
     k_qkv,             /* qkv */
     k_bias_activation, /* bias_activation */
     k_bias_add,        /* bias_add */
+    k_scale,           /* scale */
+    k_softcap,         /* softcap */
 };
 
 /* ------------------------------------------------------------------ the object's entry point */

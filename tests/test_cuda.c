@@ -3,13 +3,14 @@
  * (kv_scatter's codes and scales) byte for byte; copies, events, host functions, counters, busy
  * times, the trace and error reporting; and the decode pipeline in every mode (resident, offload,
  * kvpr, act, hybrid; weights resident or offloaded; both schedules; one or two GPU batches; fp32
- * and fp16 caches; int8 and int4 caches in resident and offload) on synthetic OPT and Llama models,
- * whose logits must match the cpu backend's in the same configuration within 1e-3 (16-bit weights
- * and quantized caches: the wider bounds below) and whose greedy tokens must be the cpu's (a step
- * is fed the cpu's tokens, so one near-tie cannot derail the rest of a run; a near-tie is the only
- * excuse for a different token). The backend comes from librekv_cuda.so beside the build's
- * programs, loaded as they load it (gpuworker/device/backend_cuda.h); an object that does not load
- * fails the test. Skipped (exit 77) when the build has no CUDA or the machine has no CUDA device.
+ * and fp16 caches; int8 and int4 caches in resident and offload) on synthetic OPT, Llama, Gemma and
+ * Gemma-2 models, whose logits must match the cpu backend's in the same configuration within 1e-3
+ * (16-bit weights and quantized caches: the wider bounds below) and whose greedy tokens must be
+ * the cpu's (a step is fed the cpu's tokens, so one near-tie cannot derail the rest of a run; a
+ * near-tie is the only excuse for a different token). The backend comes from librekv_cuda.so
+ * beside the build's programs, loaded as they load it (gpuworker/device/backend_cuda.h); an object
+ * that does not load fails the test. Skipped (exit 77) when the build has no CUDA or the machine
+ * has no CUDA device.
  */
 #include <stdio.h>
 
@@ -2237,6 +2238,117 @@ START_TEST(pipeline_qkv_fused)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ Gemma's ops */
+
+/* The tanh GELU (plain and gated: GeGLU), scale (Gemma's embeddings) and softcap (Gemma-2's
+ * logits) against the cpu kernels. */
+START_TEST(kernel_gemma_ops)
+{
+    backends_open();
+    size_t n = 100003;
+    for (int gated = 0; gated < 2; gated++) {
+        float *a = hrand(n, 6), *g = gated ? hrand(n, 2) : NULL;
+        float *da = dev_from(a, sizeof(float) * n), *dg = dev_from(g, sizeof(float) * n);
+        rekv_cpu_kernels.activation(g_scpu, a, g, n, REKV_ACT_GELU_TANH);
+        sync_cpu();
+        rekv_kernels_of(g_cu)->activation(g_scu, da, dg, n, REKV_ACT_GELU_TANH);
+        sync_cu();
+        expect_dev(gated ? "gelu_tanh * gate" : "gelu_tanh", da, a, n, KERNEL_TOL);
+        dev_free(da), dev_free(dg);
+        free(a), free(g);
+    }
+    for (int cap = 0; cap < 2; cap++) {
+        float *x = hrand(n, 40), f = cap ? 30.0f : 48.0f;
+        float *dx = dev_from(x, sizeof(float) * n);
+        (cap ? rekv_cpu_kernels.softcap : rekv_cpu_kernels.scale)(g_scpu, x, n, f);
+        sync_cpu();
+        (cap ? rekv_kernels_of(g_cu)->softcap : rekv_kernels_of(g_cu)->scale)(g_scu, dx, n, f);
+        sync_cu();
+        expect_dev(cap ? "softcap" : "scale", dx, x, n, cap ? KERNEL_TOL : 0);
+        dev_free(dx);
+        free(x);
+    }
+    backends_close();
+}
+END_TEST
+
+/* Attention with Gemma-2's descriptor fields — its own scale, soft-capped scores (a cap that
+ * bites), a window on some sequences — in a prefill batch (the row kernel) and a decode batch
+ * (the split kernel), head_dim 48 (not a power of two), against the cpu. */
+START_TEST(kernel_attention_gemma)
+{
+    backends_open();
+    enum { NS = 6, NH = 4, NKV = 2, HD = 48 };
+    static const int starts[NS] = {0, 17, 40, 5, 90, 300}, ns[NS] = {9, 1, 12, 1, 30, 4};
+    rekv_dtype dt = REKV_DTYPE_F32;
+    size_t rb = rekv_kv_row_bytes(dt, HD), qd = (size_t)NH * HD;
+    for (int decode = 0; decode < 2; decode++) {
+        rekv_attn_seq cpu_d[NS], *cu_d = meta(sizeof(rekv_attn_seq) * NS);
+        void *hkv[NS], *dkv[NS];
+        int rows = 0, max_ctx = 1;
+        for (int i = 0; i < NS; i++) {
+            int n = decode ? 1 : ns[i], len = starts[i] + n;
+            size_t sz = rekv_kv_buffer_bytes(NKV, HD, len, rb);
+            hkv[i] = kv_host_rand(dt, HD, sz);
+            dkv[i] = dev_from(hkv[i], sz);
+            cpu_d[i] = (rekv_attn_seq){.kv = hkv[i],
+                                       .start = starts[i],
+                                       .n = n,
+                                       .row0 = rows,
+                                       .window = i % 2 == 0 ? 7 : 0,
+                                       .scale = 0.3f,
+                                       .softcap = 0.9f};
+            cu_d[i] = cpu_d[i];
+            cu_d[i].kv = dkv[i];
+            rows += n;
+            max_ctx = len > max_ctx ? len : max_ctx;
+        }
+        float *q = hrand((size_t)rows * qd, 2), *out = malloc(sizeof(float) * rows * qd);
+        float *scores = malloc(sizeof(float) * max_ctx);
+        float *dq = dev_from(q, sizeof(float) * rows * qd);
+        float *dout = dev_zero(sizeof(float) * rows * qd);
+        rekv_cpu_kernels.attention(g_scpu, out, q, cpu_d, NS, rows, NH, NKV, HD, scores, dt);
+        sync_cpu();
+        rekv_kernels_of(g_cu)->attention(g_scu, dout, dq, cu_d, NS, rows, NH, NKV, HD, NULL, dt);
+        sync_cu();
+        expect_dev(decode ? "gemma-2 attention, decode" : "gemma-2 attention, prefill", dout, out,
+                   (size_t)rows * qd, KERNEL_TOL);
+        for (int i = 0; i < NS; i++) {
+            dev_free(dkv[i]);
+            free(hkv[i]);
+        }
+        dev_free(dq), dev_free(dout);
+        meta_free(cu_d);
+        free(q), free(out), free(scores);
+    }
+    backends_close();
+}
+END_TEST
+
+/* Every mode on cuda against the cpu on a synthetic Gemma-2 (its window of 8 on the even layers,
+ * head_dim 48, f16 weights) and a Gemma (bf16). */
+START_TEST(pipeline_gemma)
+{
+    static const rekv_synth_spec specs[] = {
+        {REKV_ARCH_LLAMA, 3, 64, 4, 2, 160, 300, 1100, REKV_DTYPE_F16, 14, 1},
+        {REKV_ARCH_LLAMA, 2, 64, 4, 2, 160, 300, 1100, REKV_DTYPE_BF16, 15, 1},
+    };
+    rekv_synth_llama x[2] = {{.gemma = 2, .sliding_window = 8, .head_dim = 48}, {.gemma = 1}};
+    char *dir = tu_tmpdir();
+    for (size_t i = 0; i < 2; i++) {
+        char path[4200];
+        snprintf(path, sizeof(path), "%s/g%zu", dir, i);
+        rekv_err err = {0};
+        ck_assert_msg(rekv_synth_write_llama(&specs[i], &x[i], path, NULL, NULL, &err) == 0, "%s",
+                      err.msg);
+        int lens4[] = {5, 33, 16, 70};
+        check_pipeline(path, REKV_DTYPE_F32, lens4, 4, 3, 0);
+    }
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("cuda");
@@ -2290,6 +2402,13 @@ static Suite *suite(void)
     tcase_add_test(tf, kernel_bias_fold);
     tcase_add_test(tf, pipeline_qkv_fused);
     suite_add_tcase(s, tf);
+    /* Gemma's and Gemma-2's ops, alone: CK_RUN_CASE=gemma */
+    TCase *tg = tcase_create("gemma");
+    tcase_set_timeout(tg, 600);
+    tcase_add_test(tg, kernel_gemma_ops);
+    tcase_add_test(tg, kernel_attention_gemma);
+    tcase_add_test(tg, pipeline_gemma);
+    suite_add_tcase(s, tg);
     return s;
 }
 
