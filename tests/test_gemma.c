@@ -248,6 +248,76 @@ START_TEST(pipeline_gemma2_matches_forward)
 }
 END_TEST
 
+/* A pipeline's logits over a prompt then greedy decode steps (forward.c's tokens fed back). */
+static void pipe_logits(tu_fixture *f, const rekv_pipeline_config *cfg, const int32_t *prompt,
+                        int len, int steps, float *out)
+{
+    rekv_err err = {0};
+    rekv_pipeline *p;
+    ck_assert_msg(rekv_pipeline_create(f->e, f->be,
+                                       cfg->mode == REKV_MODE_RESIDENT ? NULL : f->store, cfg, &p,
+                                       &err) == 0,
+                  "%s: %s", rekv_mode_name(cfg->mode), err.msg);
+    rekv_pseq *ps;
+    ck_assert_msg(rekv_pseq_create(p, len + steps, &ps, &err) == 0, "%s", err.msg);
+    int32_t next = 0;
+    for (int step = 0; step <= steps; step++) {
+        rekv_pipe_item pi = {.seq = ps,
+                             .tokens = step == 0 ? prompt : &next,
+                             .n_tokens = step == 0 ? len : 1,
+                             .logits = out + (size_t)step * V};
+        ck_assert_msg(rekv_pipeline_step(p, &pi, 1, &err) == 0, "%s", err.msg);
+        next = rekv_argmax(out + (size_t)step * V, V);
+    }
+    rekv_pseq_free(ps);
+    rekv_pipeline_free(p);
+}
+
+/* Without a window in reach (sliding_window past the context), infinigen takes Gemma-2 too: at
+ * its exact limit (every token selected) its logits are forward.c's bit for bit, the scale and
+ * the soft-cap applied to the selected rows as to the whole cache. */
+START_TEST(infinigen_exact_limit_gemma2)
+{
+    char *dir = tu_tmpdir(), mdir[600];
+    synth(dir, "m", 2, "--gemma2");
+    set_field(dir, "m", "attn_logit_softcapping", "0.5");
+    set_field(dir, "m", "final_logit_softcapping", "3.0");
+    snprintf(mdir, sizeof(mdir), "%s/m", dir);
+    tu_fixture f;
+    tu_fixture_open(&f, mdir, REKV_DTYPE_F32, NULL);
+    ck_assert_int_eq(f.m->config.sliding_window, 0); /* 4096 past 128 positions: none */
+    rekv_skew sk;
+    tu_skew_calibrate(&f, &sk);
+    enum { LEN = 40, STEPS = 4 };
+    int32_t prompt[LEN];
+    for (int i = 0; i < LEN; i++)
+        prompt[i] = (int32_t)((i * 31 + 5) % V);
+    static float ref[(STEPS + 1) * V], got[(STEPS + 1) * V];
+    rekv_err err = {0};
+    rekv_seq *s;
+    ck_assert_int_eq(rekv_seq_create(f.e, LEN + STEPS, &s, &err), 0);
+    int32_t next = 0;
+    for (int step = 0; step <= STEPS; step++) { /* forward.c's, as the pipeline feeds back */
+        rekv_batch_item it = {s, step == 0 ? prompt : &next, step == 0 ? LEN : 1, 0,
+                              ref + (size_t)step * V};
+        ck_assert_msg(rekv_engine_forward(f.e, &it, 1, &err) == 0, "%s", err.msg);
+        next = rekv_argmax(ref + (size_t)step * V, V);
+    }
+    rekv_seq_free(s);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = REKV_MODE_INFINIGEN;
+    cfg.skew = &sk;
+    cfg.select = REKV_SELECT_ALL;
+    pipe_logits(&f, &cfg, prompt, LEN, STEPS, got);
+    ck_assert_msg(memcmp(ref, got, sizeof(ref)) == 0, "infinigen's logits differ from forward.c's");
+    rekv_skew_free(&sk);
+    tu_fixture_close(&f);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* The window masks by position and nothing else depends on the cut: the prompt at once, a token
  * at a time and two uneven chunks across the window give Gemma-2 the same bits. */
 START_TEST(gemma2_does_not_depend_on_chunking)
@@ -358,6 +428,7 @@ static Suite *suite(void)
     tcase_add_test(tc, gemma_logits_match_reference);
     tcase_add_test(tc, gemma2_config_fields);
     tcase_add_test(tc, pipeline_gemma2_matches_forward);
+    tcase_add_test(tc, infinigen_exact_limit_gemma2);
     tcase_add_test(tc, gemma2_does_not_depend_on_chunking);
     tcase_add_test(tc, bad_gemma_fields_name_the_field);
     suite_add_tcase(s, tc);
