@@ -478,8 +478,10 @@ static int parse_gemma(json_t *root, const char *path, int gemma2, rekv_model_co
                                  path, l, want);
         }
     }
-    /* as for the other families, a window no shorter than the context is none */
-    c->sliding_window = window < c->max_pos ? window : 0;
+    /* null: HF's None, no window; as for the other families, one no shorter than the context is
+     * none */
+    json_t *sw = json_object_get(root, "sliding_window");
+    c->sliding_window = (sw != NULL && json_is_null(sw)) || window >= c->max_pos ? 0 : window;
     c->window_even_layers = c->sliding_window > 0;
     return 0;
 }

@@ -161,6 +161,11 @@ START_TEST(gemma2_config_fields)
     ck_assert_float_eq(c.final_softcap, 30.0f);
     ck_assert_int_eq(rekv_config_window(&c, 0), 12);
     ck_assert_int_eq(rekv_config_window(&c, 1), 0);
+    /* a null window is HF's None: none on any layer */
+    set_field(dir, "g", "sliding_window", "null");
+    ck_assert_msg(rekv_config_load_hf(path, &c, &err) == 0, "%s", err.msg);
+    ck_assert_int_eq(rekv_config_window(&c, 0), 0);
+    ck_assert_int_eq(c.window_even_layers, 0);
     /* bf16: HF's normalizer sqrt(3072) = 55.43 is 55.5 in the model's dtype */
     set_field(dir, "g", "hidden_size", "3072");
     set_field(dir, "g", "torch_dtype", "\"bfloat16\"");
