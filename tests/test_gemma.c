@@ -180,9 +180,8 @@ END_TEST
 
 /* The pipeline's kernels (cpu backend) in resident and the exact streaming modes (offload, with
  * and without a device-resident part, act, kvpr, hybrid), a prompt of 30 in one chunk then decode
- * steps, on Gemma-2 with a window of 8 on its even layers and caps that bite: forward.c's logits
- * bit for bit at every step. Infinigen and clo cannot honour the window: refused. */
-START_TEST(pipeline_gemma2_matches_forward)
+ * steps on f's model: forward.c's logits bit for bit at every step. */
+static void modes_match_forward(tu_fixture *f, const char *name)
 {
     static const struct {
         rekv_mode mode;
@@ -190,13 +189,6 @@ START_TEST(pipeline_gemma2_matches_forward)
     } modes[] = {{REKV_MODE_RESIDENT, 0, 0, 0, 0}, {REKV_MODE_OFFLOAD, 0, 0, 0, 0},
                  {REKV_MODE_OFFLOAD, 0, 0, 0, 16}, {REKV_MODE_ACT, 0, 0, 0, 0},
                  {REKV_MODE_KVPR, 20, 0, 0, 0},    {REKV_MODE_HYBRID, 0, 1, 1, 0}};
-    char *dir = tu_tmpdir(), mdir[600];
-    synth(dir, "m", 3, "--gemma2 --sliding-window 8");
-    set_field(dir, "m", "attn_logit_softcapping", "0.5");
-    set_field(dir, "m", "final_logit_softcapping", "3.0");
-    snprintf(mdir, sizeof(mdir), "%s/m", dir);
-    tu_fixture f;
-    tu_fixture_open(&f, mdir, REKV_DTYPE_F32, NULL);
     enum { LEN = 30, STEPS = 5 };
     int32_t prompt[LEN];
     for (int i = 0; i < LEN; i++)
@@ -211,14 +203,14 @@ START_TEST(pipeline_gemma2_matches_forward)
         cfg.act_parts = modes[mi].act_parts;
         cfg.device_tokens = modes[mi].device_tokens;
         rekv_pipeline *p;
-        ck_assert_msg(rekv_pipeline_create(f.e, f.be,
-                                           cfg.mode == REKV_MODE_RESIDENT ? NULL : f.store, &cfg,
+        ck_assert_msg(rekv_pipeline_create(f->e, f->be,
+                                           cfg.mode == REKV_MODE_RESIDENT ? NULL : f->store, &cfg,
                                            &p, &err) == 0,
                       "%s: %s", rekv_mode_name(cfg.mode), err.msg);
         rekv_pseq *ps;
         rekv_seq *s;
         ck_assert_msg(rekv_pseq_create(p, LEN + STEPS, &ps, &err) == 0, "%s", err.msg);
-        ck_assert_int_eq(rekv_seq_create(f.e, LEN + STEPS, &s, &err), 0);
+        ck_assert_int_eq(rekv_seq_create(f->e, LEN + STEPS, &s, &err), 0);
         float lp[V], lf[V];
         int32_t next = 0;
         for (int step = 0; step <= STEPS; step++) {
@@ -227,27 +219,51 @@ START_TEST(pipeline_gemma2_matches_forward)
             rekv_pipe_item pi = {.seq = ps, .tokens = tok, .n_tokens = n, .logits = lp};
             ck_assert_msg(rekv_pipeline_step(p, &pi, 1, &err) == 0, "%s", err.msg);
             rekv_batch_item it = {s, tok, n, 0, lf};
-            ck_assert_msg(rekv_engine_forward(f.e, &it, 1, &err) == 0, "%s", err.msg);
+            ck_assert_msg(rekv_engine_forward(f->e, &it, 1, &err) == 0, "%s", err.msg);
             ck_assert_msg(memcmp(lp, lf, sizeof(lp)) == 0,
-                          "mode %s (device tokens %d), step %d: the pipeline and forward.c differ",
-                          rekv_mode_name(cfg.mode), cfg.device_tokens, step);
+                          "%s, mode %s (device tokens %d), step %d: the pipeline and forward.c "
+                          "differ",
+                          name, rekv_mode_name(cfg.mode), cfg.device_tokens, step);
             next = rekv_argmax(lf, V);
         }
         rekv_seq_free(s);
         rekv_pseq_free(ps);
         rekv_pipeline_free(p);
     }
-    static const rekv_mode refused[] = {REKV_MODE_INFINIGEN, REKV_MODE_CLO};
-    for (int i = 0; i < 2; i++) {
-        rekv_err err = {0};
-        rekv_pipeline_config cfg;
-        rekv_pipeline_config_defaults(&cfg);
-        cfg.mode = refused[i];
-        rekv_pipeline *p = NULL;
-        ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -ENOTSUP);
-        ck_assert_msg(strstr(err.msg, "sliding window") != NULL, "%s", err.msg);
+}
+
+/* Every exact mode on Gemma-2 with a window of 8 on its even layers and caps that bite (f32 and
+ * f16 weights) and on Gemma (f16); infinigen and clo cannot honour the window: refused. */
+START_TEST(pipeline_gemma_matches_forward)
+{
+    static const struct {
+        const char *name, *opts;
+    } models[] = {{"gemma2", "--gemma2 --sliding-window 8"},
+                  {"gemma2-f16", "--gemma2 --sliding-window 8 --dtype f16"},
+                  {"gemma-f16", "--gemma --dtype f16"}};
+    char *dir = tu_tmpdir(), mdir[600];
+    for (size_t i = 0; i < sizeof(models) / sizeof(models[0]); i++) {
+        synth(dir, models[i].name, 3, models[i].opts);
+        if (strstr(models[i].opts, "--gemma2")) {
+            set_field(dir, models[i].name, "attn_logit_softcapping", "0.5");
+            set_field(dir, models[i].name, "final_logit_softcapping", "3.0");
+        }
+        snprintf(mdir, sizeof(mdir), "%s/%s", dir, models[i].name);
+        tu_fixture f;
+        tu_fixture_open(&f, mdir, REKV_DTYPE_F32, NULL);
+        modes_match_forward(&f, models[i].name);
+        static const rekv_mode refused[] = {REKV_MODE_INFINIGEN, REKV_MODE_CLO};
+        for (int r = 0; r < 2 && f.m->config.sliding_window > 0; r++) {
+            rekv_err err = {0};
+            rekv_pipeline_config cfg;
+            rekv_pipeline_config_defaults(&cfg);
+            cfg.mode = refused[r];
+            rekv_pipeline *p = NULL;
+            ck_assert_int_eq(rekv_pipeline_create(f.e, f.be, f.store, &cfg, &p, &err), -ENOTSUP);
+            ck_assert_msg(strstr(err.msg, "sliding window") != NULL, "%s", err.msg);
+        }
+        tu_fixture_close(&f);
     }
-    tu_fixture_close(&f);
     tu_rmrf(dir);
     free(dir);
 }
@@ -432,7 +448,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, gemma_logits_match_reference);
     tcase_add_test(tc, gemma2_config_fields);
-    tcase_add_test(tc, pipeline_gemma2_matches_forward);
+    tcase_add_test(tc, pipeline_gemma_matches_forward);
     tcase_add_test(tc, infinigen_exact_limit_gemma2);
     tcase_add_test(tc, gemma2_does_not_depend_on_chunking);
     tcase_add_test(tc, bad_gemma_fields_name_the_field);
