@@ -339,6 +339,62 @@ START_TEST(infinigen_exact_limit_gemma2)
 }
 END_TEST
 
+/* Resident decode steps that take only draws back run as recorded graphs (pipeline_graph.c): the
+ * recording replays Gemma's scale and softcap kernels, so a graphed run draws the same tokens with
+ * the same log-probabilities (the soft-capped logits') as a run that takes its logits back and is
+ * never graphed. */
+START_TEST(graphed_steps_keep_gemma_ops)
+{
+    char *dir = tu_tmpdir(), mdir[600];
+    synth(dir, "m", 2, "--gemma2 --sliding-window 8");
+    set_field(dir, "m", "final_logit_softcapping", "3.0");
+    snprintf(mdir, sizeof(mdir), "%s/m", dir);
+    tu_fixture f;
+    tu_fixture_open(&f, mdir, REKV_DTYPE_F32, NULL);
+    enum { LEN = 12, STEPS = 8 };
+    int32_t prompt[LEN], tok[2][STEPS + 1];
+    float lp[2][STEPS + 1], logits[V];
+    uint64_t graphed[2];
+    for (int i = 0; i < LEN; i++)
+        prompt[i] = (int32_t)((i * 41 + 7) % V);
+    for (int r = 0; r < 2; r++) { /* run 0: logits too (never graphed); run 1: draws only */
+        rekv_err err = {0};
+        rekv_pipeline_config cfg;
+        rekv_pipeline_config_defaults(&cfg);
+        rekv_pipeline *p;
+        ck_assert_msg(rekv_pipeline_create(f.e, f.be, NULL, &cfg, &p, &err) == 0, "%s", err.msg);
+        rekv_pseq *ps;
+        ck_assert_msg(rekv_pseq_create(p, LEN + STEPS + 1, &ps, &err) == 0, "%s", err.msg);
+        rekv_sampler greedy;
+        rekv_sampler_init(&greedy, 0, 0, 1, 0);
+        for (int step = 0; step <= STEPS; step++) {
+            rekv_pipe_item it = {.seq = ps,
+                                 .tokens = step ? &tok[r][step - 1] : prompt,
+                                 .n_tokens = step ? 1 : LEN,
+                                 .logits = r == 0 ? logits : NULL,
+                                 .smp = &greedy,
+                                 .token = &tok[r][step],
+                                 .logprob = &lp[r][step]};
+            ck_assert_msg(rekv_pipeline_step(p, &it, 1, &err) == 0, "%s", err.msg);
+        }
+        graphed[r] = rekv_pipeline_graph_steps(p, NULL);
+        rekv_pseq_free(ps);
+        rekv_pipeline_free(p);
+    }
+    ck_assert_uint_eq(graphed[0], 0);
+    ck_assert_uint_gt(graphed[1], 0);
+    for (int step = 0; step <= STEPS; step++) {
+        ck_assert_int_eq(tok[1][step], tok[0][step]);
+        ck_assert_msg(memcmp(&lp[1][step], &lp[0][step], sizeof(float)) == 0,
+                      "step %d: log-probability %.9g graphed, %.9g not", step, (double)lp[1][step],
+                      (double)lp[0][step]);
+    }
+    tu_fixture_close(&f);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* The window masks by position and nothing else depends on the cut: the prompt at once, a token
  * at a time and two uneven chunks across the window give Gemma-2 the same bits. */
 START_TEST(gemma2_does_not_depend_on_chunking)
@@ -450,6 +506,7 @@ static Suite *suite(void)
     tcase_add_test(tc, gemma2_config_fields);
     tcase_add_test(tc, pipeline_gemma_matches_forward);
     tcase_add_test(tc, infinigen_exact_limit_gemma2);
+    tcase_add_test(tc, graphed_steps_keep_gemma_ops);
     tcase_add_test(tc, gemma2_does_not_depend_on_chunking);
     tcase_add_test(tc, bad_gemma_fields_name_the_field);
     suite_add_tcase(s, tc);
