@@ -1,8 +1,9 @@
 /* test_gemma.c — Gemma and Gemma-2: synthetic models (rekv-loader synth --gemma / --gemma2) against
  * the independent float64 reference tests/gemma_ref.py (HF's published formulas: scaled
  * embeddings, (1 + w) norms, GeGLU with the tanh GELU, Gemma-2's four norms per layer,
- * query_pre_attn_scalar, soft-capped scores and logits, the window on the even layers), and the
- * pipeline's kernels in resident and the exact streaming modes against forward.c, bit for bit. */
+ * query_pre_attn_scalar, soft-capped scores and logits, the window on the even layers); the
+ * pipeline's kernels in resident and the exact streaming modes, infinigen at its exact limit and
+ * resident steps replayed as graphs, against forward.c bit for bit; chunking; bad config fields. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <jansson.h>
