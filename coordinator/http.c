@@ -1,14 +1,16 @@
-/* http.c — the HTTP server of rekv-coordinator (http.h): libmicrohttpd's daemon, one thread per
- * connection; routing, Bearer authentication, the request body (bounded: 413 past
- * REKV_HTTP_MAX_BODY, refused from its Content-Length before it is read), OpenAI's error objects,
- * and the small endpoints (/v1/models, /health, /tokenize, /detokenize). Completions and chat are
- * http_gen.c.
+/* http.c — the HTTP server of rekv-coordinator (http.h): libmicrohttpd's daemon, routing, Bearer
+ * authentication, the request body (bounded: 413 past REKV_HTTP_MAX_BODY, refused from its
+ * Content-Length before it is read), OpenAI's error objects, and the small endpoints
+ * (/v1/models, /health, /tokenize, /detokenize). Completions and chat are http_gen.c; the thread
+ * that talks to the coordinator is http_bridge.c.
  *
- * Threads: libmicrohttpd's listening thread accepts (at most max_connections at once; more are
- * closed at accept) and gives each connection a thread of its own, in which every callback here
- * runs. A request that waits on the coordinator blocks only its own connection's thread, and an
- * idle or slow client only its own; nothing is shared between requests but the read-only
- * tokenizer and model config, and the ZeroMQ context (thread-safe). */
+ * Threads: two, however many connections. libmicrohttpd's one polling thread (epoll) accepts (at
+ * most max_connections at once; more are closed at accept), reads and writes every connection
+ * and runs every callback here, none of which blocks: a request that waits on the coordinator
+ * (completions, chat, /health) is handed to the bridge thread and its connection suspended until
+ * the bridge resumes it. An idle or slow client costs a socket in the epoll set, not a thread.
+ * Shared between the two: srv->mu (the requests the bridge works for), the read-only tokenizer and
+ * model config. */
 #define _GNU_SOURCE
 #include "coordinator/http_internal.h"
 
@@ -142,43 +144,6 @@ unsigned http_status_of_code(Rekv__Control__Code code)
     }
 }
 
-/* ---------------------------------------------------------------- the coordinator */
-
-rekv_ctl *http_ctl_open(struct rekv_http *h, rekv_err *err)
-{
-    rekv_ctl *c = NULL;
-    if (rekv_ctl_connect_in(h->zctx, h->control_endpoint, h->curve_server_key, &c, err))
-        return NULL;
-    return c;
-}
-
-int http_ctl_call(struct rekv_http *h, rekv_ctl *c, Rekv__Control__Request *rq,
-                  Rekv__Control__Response **resp, rekv_err *err)
-{
-    /* a coordinator busy with a long journal sync answers late, never never: resend (the same
-     * request id, so a late first answer is taken as well) until it answers or we stop */
-    for (;;) {
-        int rc = rekv_ctl_call(c, rq, 5000, resp, err);
-        if (rc != -ETIMEDOUT)
-            return rc;
-        if (atomic_load(&h->stopping))
-            return rc;
-        rekv_err_clear(err);
-    }
-}
-
-int http_client_gone(int fd)
-{
-    struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
-    if (fd < 0 || poll(&p, 1, 0) <= 0)
-        return 0;
-    if (p.revents & (POLLERR | POLLHUP | POLLRDHUP | POLLNVAL))
-        return 1;
-    char ch;
-    ssize_t n = recv(fd, &ch, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-}
-
 /* ---------------------------------------------------------------- small endpoints */
 
 static enum MHD_Result answer_models(hreq *r)
@@ -192,35 +157,53 @@ static enum MHD_Result answer_models(hreq *r)
     return http_json(r->conn, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
 }
 
+/* /health asks the coordinator through the bridge: the connection waits suspended (5 s at most:
+ * a health check that waits is itself the answer). */
 static enum MHD_Result answer_health(hreq *r)
 {
-    rekv_err err = {0};
-    rekv_ctl *c = http_ctl_open(r->srv, &err);
-    if (c == NULL)
-        return http_error(r->conn, 500, NULL, NULL, "%s", err.msg);
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    Rekv__Control__HealthRequest hr = REKV__CONTROL__HEALTH_REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_HEALTH;
-    rq.health = &hr;
-    Rekv__Control__Response *resp = NULL;
-    /* one try: a health check that waits is itself the answer */
-    int rc = rekv_ctl_call(c, &rq, 5000, &resp, &err);
-    rekv_ctl_close(c);
-    if (rc)
-        return http_error(r->conn, 503, NULL, NULL, "the coordinator does not answer: %s",
-                          err.msg);
-    enum MHD_Result ret;
-    if (resp->body_case != REKV__CONTROL__RESPONSE__BODY_HEALTH || !resp->health->serving ||
-        resp->health->workers == 0)
+    hgen *g = calloc(1, sizeof(*g));
+    hjob *j = calloc(1, sizeof(*j));
+    if (g == NULL || j == NULL) {
+        free(g);
+        free(j);
+        return MHD_NO;
+    }
+    g->srv = r->srv;
+    g->conn = r->conn;
+    g->kind = HG_HEALTH;
+    g->fd = -1;
+    g->jobs = j;
+    g->n_jobs = 1;
+    j->g = g;
+    r->gen = g;
+    if (http_bridge_submit(g))
+        return http_error(r->conn, 503, NULL, NULL, "the server is shutting down");
+    r->pending = 1;
+    return MHD_YES;
+}
+
+static enum MHD_Result health_continue(hreq *r)
+{
+    hgen *g = r->gen;
+    struct rekv_http *h = r->srv;
+    pthread_mutex_lock(&h->mu);
+    enum MHD_Result ret = MHD_YES;
+    if (atomic_load(&h->stopping))
+        ret = http_error(r->conn, 503, NULL, NULL, "the server is shutting down");
+    else if (http_gen_wait(g))
+        ret = MHD_YES;
+    else if (!g->health_replied)
+        ret = http_error(r->conn, 503, NULL, NULL, "the coordinator does not answer: %s",
+                         g->health_err);
+    else if (!g->health_serving || g->health_workers == 0)
         ret = http_error(r->conn, 503, NULL, NULL, "no worker is serving (%u connected)",
-                         resp->body_case == REKV__CONTROL__RESPONSE__BODY_HEALTH
-                             ? resp->health->workers
-                             : 0);
+                         g->health_workers);
     else
         ret = http_json(r->conn, 200,
-                        json_pack("{s:s, s:i}", "status", "ok", "workers",
-                                  (int)resp->health->workers));
-    rekv__control__response__free_unpacked(resp, NULL);
+                        json_pack("{s:s, s:i}", "status", "ok", "workers", (int)g->health_workers));
+    if (!g->suspended)
+        r->pending = 0;
+    pthread_mutex_unlock(&h->mu);
     return ret;
 }
 
@@ -449,6 +432,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         *con_cls = r;
         return request_begin(r, url, method);
     }
+    if (r->pending) /* resumed by the bridge */
+        return r->route == HR_HEALTH ? health_continue(r) : http_gen_continue(r);
     if (*upload_size) {
         size_t n = *upload_size;
         *upload_size = 0;
@@ -528,7 +513,7 @@ static void model_name_of(const char *path, char *out, size_t n)
 }
 
 /* Connections at most: wanted (0: 4096) within what the open-file limit leaves (each connection
- * is a socket, and a request in flight one more for its DEALER). */
+ * is a socket; half the room, so that the coordinator's own files and workers always fit). */
 static unsigned conn_limit(uint32_t wanted)
 {
     unsigned n = wanted ? wanted : 4096;
@@ -598,6 +583,8 @@ int rekv_http_start(const rekv_http_config *cfg, rekv_http **out, rekv_err *err)
     int rc, fd = -1;
     h->on_log = cfg->on_log;
     h->log_ctx = cfg->ctx;
+    pthread_mutex_init(&h->mu, NULL);
+    h->have_mu = 1;
     h->created = (int64_t)time(NULL);
     h->control_endpoint = strdup(cfg->control_endpoint);
     h->curve_server_key = cfg->curve_server_key ? strdup(cfg->curve_server_key) : NULL;
@@ -611,28 +598,35 @@ int rekv_http_start(const rekv_http_config *cfg, rekv_http **out, rekv_err *err)
     }
     if ((rc = load_model(h, cfg, err)))
         goto fail;
+    json_t *mj = json_string(h->model_name);
+    char *mjs = mj ? json_dumps(mj, JSON_ENCODE_ANY) : NULL;
+    json_decref(mj);
+    if (mjs == NULL || strlen(mjs) >= sizeof(h->model_json)) {
+        free(mjs);
+        rc = rekv_errf(err, -EINVAL, "http: the served model name is not valid UTF-8 text");
+        goto fail;
+    }
+    snprintf(h->model_json, sizeof(h->model_json), "%s", mjs);
+    free(mjs);
     h->own_zctx = cfg->zctx == NULL;
     if ((h->zctx = cfg->zctx ? cfg->zctx : zmq_ctx_new()) == NULL) {
         rc = rekv_errf(err, -errno, "http: zmq context: %s", zmq_strerror(errno));
         goto fail;
     }
-    /* sockets beyond select's FD_SETSIZE are fine: the per-connection threads poll */
-    if (h->own_zctx)
-        zmq_ctx_set(h->zctx, ZMQ_MAX_SOCKETS, 65536);
+    if ((rc = http_bridge_start(h, err)))
+        goto fail;
     if ((rc = rekv_listen_tcp(cfg->listen, cfg->allow_remote, "http",
                               "--http-public; put an --api-key-file on it", &fd, &h->port, err)))
         goto fail;
     unsigned limit = conn_limit(cfg->max_connections);
     h->mhd = MHD_start_daemon(
-        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-            MHD_USE_ITC | MHD_USE_ERROR_LOG,
+        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
+            MHD_USE_ERROR_LOG,
         0, NULL, NULL, on_request, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h,
         MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_LIMIT, limit,
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)(cfg->timeout_s ? cfg->timeout_s : 60),
         MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
-        /* thousands of idle connections are thousands of threads: small stacks */
-        MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512u << 10), MHD_OPTION_CONNECTION_MEMORY_LIMIT,
-        (size_t)(64u << 10), MHD_OPTION_END);
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(64u << 10), MHD_OPTION_END);
     if (h->mhd == NULL) {
         close(fd);
         rc = rekv_errf(err, -EIO, "http: libmicrohttpd did not start on %s", cfg->listen);
@@ -651,11 +645,17 @@ void rekv_http_stop(rekv_http *h)
 {
     if (h == NULL)
         return;
+    /* every suspended connection resumed first (libmicrohttpd must have none when it stops) */
+    if (h->have_mu)
+        http_bridge_drain(h);
     atomic_store(&h->stopping, 1);
     if (h->mhd) {
         /* the listening socket is ours: MHD_stop_daemon closes it */
         MHD_stop_daemon(h->mhd);
     }
+    http_bridge_stop(h); /* its DEALER closes before the context ends */
+    if (h->have_mu)
+        pthread_mutex_destroy(&h->mu);
     if (h->zctx && h->own_zctx)
         zmq_ctx_term(h->zctx);
     rekv_tokenizer_free(h->tok);

@@ -1,16 +1,17 @@
 /* http_gen.c — POST /v1/completions and /v1/chat/completions: an OpenAI request read into one
  * Submit per job (n prompts x n choices), the jobs submitted over the control socket with
  * stream set, and their StreamEvents turned into the answer: one JSON object when they end, or
- * server-sent events as they come (a chunk per event, the usage chunk with
+ * server-sent events as they come (a chunk per job with news, the usage chunk with
  * stream_options.include_usage, then "data: [DONE]").
  *
- * Data flow (all in the request's connection thread): the access handler parses and submits, then
- * either waits for every job to end (non-streaming) or hands libmicrohttpd a reader that waits for
- * the next event each time it is asked for bytes (streaming). Both waits poll the DEALER and the
- * client's socket together, so a client that closes ends its request at once; the request-completed
- * notification (http_gen_finish) then cancels what still runs. A Submit or subscription that hears
- * nothing for a while is sent again with the same client key and stream_from at the tokens already
- * had: the coordinator answers with the same job, never a second one. */
+ * Data flow (libmicrohttpd's one polling thread; http_bridge.c talks to the coordinator): the
+ * access handler parses the request and hands it to the bridge, which sends the Submits; the
+ * connection is suspended until every Submit has its answer. Then a refusal is answered, a stream
+ * is given a reader, and a non-streaming request waits (suspended) for its jobs' ends. The reader
+ * formats what the bridge brought since it last looked and, with nothing to give, suspends the
+ * connection until the bridge resumes it. Nothing here blocks. The request-completed
+ * notification (http_gen_finish) hands the request back to the bridge, which cancels what still
+ * runs; the bridge also cancels at once when it sees the client's socket close. */
 #define _GNU_SOURCE
 #include "coordinator/http_internal.h"
 
@@ -24,65 +25,6 @@
 #include <zmq.h>
 
 #include "common/clock.h"
-
-/* ms a wait polls before it looks at the stop flag; and how many silent polls before a job's
- * Submit is sent again (a subscription lost to a coordinator restart is renewed) */
-#define GEN_POLL_MS 1000
-#define GEN_RESEND_POLLS 10
-
-typedef struct hjob {
-    Rekv__Control__Submit sub; /* as sent (prompt fields point into the request's JSON) */
-    char key[64];              /* its client key */
-    uint64_t rq;               /* the Submit's request id: its reply and events carry it */
-    uint64_t job;              /* the coordinator's id once accepted, else 0 */
-    uint32_t prompt_tokens;
-    int prompt;                /* index of its prompt */
-    int index;                 /* its choice index */
-    uint32_t next;             /* generated tokens had (the next event's expected offset) */
-    int done;
-    Rekv__Control__JobState state;
-    char finish[32]; /* the coordinator's finish_reason */
-    char *error;     /* FAILED: why (malloc'd) */
-    hbuf text;       /* the generated text's bytes */
-    size_t text_sent; /* bytes of text already streamed */
-    hbuf lp;          /* [next] float: each token's log-probability (with logprobs) */
-    hbuf top_ids;     /* [next][top_logprobs] int32 */
-    hbuf top_vals;    /* [next][top_logprobs] float */
-    hbuf ids;         /* [next] int32: the generated ids */
-    size_t lp_sent;   /* tokens whose logprobs were streamed */
-    int refused;      /* the coordinator refused its Submit */
-    int echo_sent;    /* stream: the echoed prompt went out */
-    int role_sent;    /* chat stream: the first delta (role) went out */
-    int end_sent;     /* stream: its finish_reason went out */
-} hjob;
-
-typedef struct hgen {
-    struct rekv_http *srv;
-    rekv_ctl *ctl;
-    int fd; /* the client's socket, watched while waiting; -1: not watched */
-    int chat;
-    int stream, include_usage;
-    int echo;
-    int want_lp;             /* logprobs asked for */
-    uint32_t top_lp;         /* top logprobs per token */
-    json_t *req;             /* the request's JSON (the Submits point into it) */
-    char **stops;            /* [n_stops] into req */
-    size_t n_stops;
-    char **echo_text;        /* [n_prompts] echo: each prompt's text (malloc'd) */
-    int32_t **prompt_ids;    /* [n_prompts] id prompts (malloc'd), else NULL */
-    size_t *prompt_n;        /* [n_prompts] their lengths */
-    int n_prompts;
-    hjob *jobs;
-    int n_jobs, n_done;
-    char id[48];
-    int64_t created;
-    hbuf out;       /* stream: SSE bytes not yet given to libmicrohttpd */
-    size_t out_off; /* of out, bytes given */
-    int ended;      /* stream: [DONE] written */
-    int silent;     /* polls in a row without a message */
-} hgen;
-
-enum { PUMP_GOT = 1, PUMP_IDLE = 0, PUMP_GONE = -1, PUMP_STOP = -2, PUMP_ERR = -3 };
 
 /* ---------------------------------------------------------------- text */
 
@@ -526,6 +468,7 @@ static int build_jobs(hgen *g, const char **texts, const Rekv__Control__Submit *
                 j->sub.sampling->seed = seed + i;
             else
                 getrandom(&j->sub.sampling->seed, sizeof(uint64_t), 0);
+            j->g = g;
             j->prompt = p;
             j->index = p * (int)n + (int)i;
             snprintf(j->key, sizeof(j->key), "http-%s-%d", base, j->index);
@@ -594,27 +537,9 @@ out:
     return rc;
 }
 
-/* ---------------------------------------------------------------- talking to the coordinator */
+/* ---------------------------------------------------------------- what the bridge brings */
 
-static int send_submit(hgen *g, hjob *j, rekv_err *err)
-{
-    Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-    rq.body_case = REKV__CONTROL__REQUEST__BODY_SUBMIT;
-    rq.submit = &j->sub;
-    rq.id = j->rq; /* 0 the first time: a fresh id; again: the same one */
-    j->sub.stream_from = j->next;
-    return rekv_ctl_send(g->ctl, &rq, &j->rq, err);
-}
-
-static hjob *job_of_rq(hgen *g, uint64_t id)
-{
-    for (int i = 0; i < g->n_jobs; i++)
-        if (g->jobs[i].rq == id)
-            return &g->jobs[i];
-    return NULL;
-}
-
-static void take_event(hgen *g, hjob *j, const Rekv__Control__StreamEvent *ev)
+void http_gen_take_event(hgen *g, hjob *j, const Rekv__Control__StreamEvent *ev)
 {
     size_t n = ev->n_tokens;
     if (ev->offset == j->next && n) {
@@ -643,125 +568,6 @@ static void take_event(hgen *g, hjob *j, const Rekv__Control__StreamEvent *ev)
         snprintf(j->finish, sizeof(j->finish), "%s", ev->finish_reason ? ev->finish_reason : "");
         if (ev->error && *ev->error)
             j->error = strdup(ev->error);
-    }
-}
-
-/* Waits up to ms for one message from the coordinator (or the client going away) and takes it.
- * A refusal of a Submit is left in *refused (the response; the caller frees it). */
-static int pump(hgen *g, int ms, Rekv__Control__Response **refused, hjob **touched)
-{
-    struct rekv_http *h = g->srv;
-    if (atomic_load(&h->stopping))
-        return PUMP_STOP;
-    zmq_pollitem_t it[2] = {{rekv_ctl_socket(g->ctl), 0, ZMQ_POLLIN, 0},
-                            {NULL, g->fd, ZMQ_POLLIN, 0}};
-    int r = zmq_poll(it, g->fd >= 0 ? 2 : 1, ms);
-    if (r < 0 && errno != EINTR)
-        return PUMP_ERR;
-    if (g->fd >= 0 && (it[1].revents & (ZMQ_POLLIN | ZMQ_POLLERR))) {
-        if (http_client_gone(g->fd))
-            return PUMP_GONE;
-        g->fd = -1; /* a pipelined request's bytes: its socket cannot tell us more now */
-    }
-    if (!(it[0].revents & ZMQ_POLLIN))
-        return PUMP_IDLE;
-    Rekv__Control__Response *resp = NULL;
-    rekv_err err = {0};
-    if (rekv_ctl_recv(g->ctl, 0, &resp, &err))
-        return PUMP_IDLE;
-    hjob *j = job_of_rq(g, resp->id);
-    if (touched)
-        *touched = j;
-    if (j == NULL) {
-        rekv__control__response__free_unpacked(resp, NULL);
-        return PUMP_GOT;
-    }
-    if (resp->code != REKV__CONTROL__CODE__OK) {
-        if (j->job == 0 && refused && *refused == NULL) {
-            *refused = resp;
-            return PUMP_GOT;
-        }
-    } else if (resp->body_case == REKV__CONTROL__RESPONSE__BODY_SUBMITTED) {
-        j->job = resp->submitted->job;
-        j->prompt_tokens = resp->submitted->prompt_tokens;
-    } else if (resp->body_case == REKV__CONTROL__RESPONSE__BODY_EVENT) {
-        take_event(g, j, resp->event);
-    }
-    rekv__control__response__free_unpacked(resp, NULL);
-    return PUMP_GOT;
-}
-
-/* Sends Submits again for jobs that heard nothing for a while (same key: the same job). */
-static void resend_quiet(hgen *g, int accepted_only)
-{
-    for (int i = 0; i < g->n_jobs; i++) {
-        hjob *j = &g->jobs[i];
-        if (!j->done && (!accepted_only || j->job))
-            send_submit(g, j, NULL);
-    }
-}
-
-/* Submits every job and waits for each answer: 0 when all were accepted; SUBMIT_REFUSED with the
- * first refusal's status and message in e (every answer is waited for, so that the jobs accepted
- * beside a refused one are known, and cancelled by http_gen_finish); or the pump's reason to stop. */
-#define SUBMIT_REFUSED 1
-static int submit_all(hgen *g, perr *e)
-{
-    rekv_err err = {0};
-    for (int i = 0; i < g->n_jobs; i++)
-        if (send_submit(g, &g->jobs[i], &err)) {
-            e->status = 500;
-            snprintf(e->msg, sizeof(e->msg), "%s", err.msg);
-            return SUBMIT_REFUSED;
-        }
-    for (;;) {
-        int waiting = 0;
-        for (int i = 0; i < g->n_jobs; i++)
-            waiting += g->jobs[i].job == 0 && !g->jobs[i].refused;
-        if (waiting == 0)
-            return e->status ? SUBMIT_REFUSED : 0;
-        Rekv__Control__Response *refused = NULL;
-        int rc = pump(g, GEN_POLL_MS, &refused, NULL);
-        if (refused) {
-            hjob *j = job_of_rq(g, refused->id);
-            j->refused = 1;
-            if (e->status == 0) {
-                e->status = http_status_of_code(refused->code);
-                snprintf(e->msg, sizeof(e->msg), "%s",
-                         refused->error ? refused->error : "refused");
-            }
-            rekv__control__response__free_unpacked(refused, NULL);
-            continue;
-        }
-        if (rc == PUMP_GONE || rc == PUMP_STOP || rc == PUMP_ERR)
-            return rc;
-        if (rc == PUMP_IDLE && ++g->silent >= GEN_RESEND_POLLS / 2) {
-            g->silent = 0;
-            for (int i = 0; i < g->n_jobs; i++)
-                if (g->jobs[i].job == 0 && !g->jobs[i].refused)
-                    send_submit(g, &g->jobs[i], NULL);
-        } else if (rc == PUMP_GOT) {
-            g->silent = 0;
-        }
-    }
-}
-
-/* Waits for the next message for any job: PUMP_GOT (with *touched), or a reason to stop. */
-static int wait_event(hgen *g, hjob **touched)
-{
-    for (;;) {
-        *touched = NULL;
-        int rc = pump(g, GEN_POLL_MS, NULL, touched);
-        if (rc == PUMP_GOT) {
-            g->silent = 0;
-            return rc;
-        }
-        if (rc != PUMP_IDLE)
-            return rc;
-        if (++g->silent >= GEN_RESEND_POLLS) {
-            g->silent = 0;
-            resend_quiet(g, 1);
-        }
     }
 }
 
@@ -874,7 +680,57 @@ static json_t *chunk(hgen *g, json_t *choices)
                      (json_int_t)g->created, "model", g->srv->model_name, "choices", choices);
 }
 
-/* The chunk for what j got since its last one (whole UTF-8 characters only until it ends). */
+/* s[0..n) as a JSON string, quoted, onto b: what jstr and json_dumps would write (invalid UTF-8
+ * as U+FFFD), without building a json_t per token. */
+static void json_quote(hbuf *b, const char *s, size_t n)
+{
+    static const char hex[] = "0123456789abcdef";
+    hbuf_put(b, "\"", 1);
+    size_t run = 0; /* bytes copied as they are, from s + i - run */
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        size_t len = c < 0x80 ? 1 : c >= 0xC2 && c < 0xE0 ? 2 : c >= 0xE0 && c < 0xF0 ? 3
+                                                          : c >= 0xF0 && c < 0xF5 ? 4 : 0;
+        int ok = len && i + len <= n;
+        for (size_t k = 1; ok && k < len; k++)
+            ok = ((unsigned char)s[i + k] & 0xC0) == 0x80;
+        if (ok && len == 3) { /* no overlong forms, no surrogates */
+            unsigned v = (c & 0x0Fu) << 12 | ((unsigned char)s[i + 1] & 0x3Fu) << 6;
+            ok = v >= 0x800 && (v < 0xD800 || v > 0xDFFF);
+        } else if (ok && len == 4) {
+            unsigned v = (c & 0x07u) << 18 | ((unsigned char)s[i + 1] & 0x3Fu) << 12;
+            ok = v >= 0x10000 && v <= 0x10FFFF;
+        }
+        const char *esc = NULL;
+        char u[7];
+        if (!ok)
+            esc = "\xEF\xBF\xBD";
+        else if (c == '"')
+            esc = "\\\"";
+        else if (c == '\\')
+            esc = "\\\\";
+        else if (c < 0x20) {
+            esc = c == '\n' ? "\\n" : c == '\t' ? "\\t" : c == '\r' ? "\\r" : c == '\b' ? "\\b"
+                  : c == '\f' ? "\\f" : u;
+            memcpy(u, "\\u00", 4);
+            u[4] = hex[c >> 4], u[5] = hex[c & 15], u[6] = '\0';
+        }
+        if (esc == NULL) {
+            run += len;
+            i += len;
+            continue;
+        }
+        hbuf_put(b, s + i - run, run);
+        run = 0;
+        hbuf_put(b, esc, strlen(esc));
+        i += ok ? len : 1;
+    }
+    hbuf_put(b, s + n - run, run);
+    hbuf_put(b, "\"", 1);
+}
+
+/* The chunk for what j got since its last one (whole UTF-8 characters only until it ends),
+ * written by hand (its shape is fixed; only logprobs go through jansson). */
 static void stream_job(hgen *g, hjob *j)
 {
     if (j->end_sent)
@@ -890,37 +746,59 @@ static void stream_job(hgen *g, hjob *j)
                           : j->text_sent + utf8_whole((const unsigned char *)j->text.p +
                                                           j->text_sent,
                                                       j->text.n - j->text_sent);
-    hbuf text = {0};
-    if (g->echo && !j->echo_sent)
-        hbuf_printf(&text, "%s", g->echo_text[j->prompt]);
+    const char *echo = g->echo && !j->echo_sent ? g->echo_text[j->prompt] : "";
     j->echo_sent = 1;
-    hbuf_put(&text, j->text.p ? j->text.p + j->text_sent : "", upto - j->text_sent);
-    size_t text_at = j->text_sent;
-    j->text_sent = upto;
+    size_t text_at = j->text_sent, n_text = upto - j->text_sent;
     size_t lp_to = j->next;
     int first_chat = g->chat && !j->role_sent;
-    if (text.n == 0 && !j->done && !first_chat && lp_to == j->lp_sent) {
-        hbuf_free(&text);
+    if (n_text == 0 && !*echo && !j->done && !first_chat && lp_to == j->lp_sent)
         return;
+    char *lp = NULL;
+    if (g->want_lp && lp_to > j->lp_sent) {
+        json_t *l = logprobs_json(g, j, j->lp_sent, lp_to, text_at);
+        lp = l ? json_dumps(l, JSON_COMPACT) : NULL;
+        json_decref(l);
     }
-    json_t *lp = g->want_lp && lp_to > j->lp_sent ? logprobs_json(g, j, j->lp_sent, lp_to, text_at)
-                                                  : json_null();
     j->lp_sent = lp_to;
-    json_t *fin = j->done ? json_string(finish_of(j)) : json_null();
-    json_t *c;
-    if (g->chat) {
-        json_t *delta = json_pack("{s:o}", "content", jstr(text.p ? text.p : "", text.n));
-        if (first_chat)
-            json_object_set_new(delta, "role", json_string("assistant"));
-        j->role_sent = 1;
-        c = json_pack("{s:i, s:o, s:o, s:o}", "index", j->index, "delta", delta, "logprobs", lp,
-                      "finish_reason", fin);
+    hbuf *o = &g->out;
+    if (g->chunk_head.n == 0) /* what every chunk of the request opens with, made once */
+        hbuf_printf(&g->chunk_head,
+                    "data: {\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":%s,"
+                    "\"choices\":[{\"index\":",
+                    g->id, g->chat ? "chat.completion.chunk" : "text_completion",
+                    (long long)g->created, g->srv->model_json);
+    hbuf_put(o, g->chunk_head.p, g->chunk_head.n);
+    char idx[16];
+    int il = snprintf(idx, sizeof(idx), "%d,", j->index);
+    hbuf_put(o, idx, (size_t)il);
+    const char *field = g->chat ? "\"delta\":{\"content\":" : "\"text\":";
+    hbuf_put(o, field, strlen(field));
+    if (*echo) { /* the echo and the text as one string */
+        hbuf t = {0};
+        hbuf_put(&t, echo, strlen(echo));
+        hbuf_put(&t, j->text.p ? j->text.p + text_at : "", n_text);
+        json_quote(o, t.p, t.n);
+        hbuf_free(&t);
     } else {
-        c = json_pack("{s:i, s:o, s:o, s:o}", "index", j->index, "text",
-                      jstr(text.p ? text.p : "", text.n), "logprobs", lp, "finish_reason", fin);
+        json_quote(o, j->text.p ? j->text.p + text_at : "", n_text);
     }
-    hbuf_free(&text);
-    sse(g, chunk(g, json_pack("[o]", c)));
+    j->text_sent = upto;
+    if (g->chat && first_chat)
+        hbuf_put(o, ",\"role\":\"assistant\"}", 20);
+    else if (g->chat)
+        hbuf_put(o, "}", 1);
+    j->role_sent = 1;
+    hbuf_put(o, ",\"logprobs\":", 12);
+    if (lp)
+        hbuf_put(o, lp, strlen(lp));
+    else
+        hbuf_put(o, "null", 4);
+    hbuf_put(o, ",\"finish_reason\":", 17);
+    free(lp);
+    if (j->done)
+        hbuf_printf(o, "\"%s\"}]}\n\n", finish_of(j));
+    else
+        hbuf_put(o, "null}]}\n\n", 9);
     j->end_sent = j->done;
 }
 
@@ -935,10 +813,14 @@ static void stream_end(hgen *g)
     g->ended = 1;
 }
 
+/* libmicrohttpd asks for bytes: what the bridge brought, formatted; nothing yet suspends the
+ * connection (the bridge resumes it when its jobs have more). */
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     (void)pos;
     hgen *g = cls;
+    pthread_mutex_lock(&g->srv->mu);
+    ssize_t ret;
     for (;;) {
         if (g->out_off < g->out.n) {
             size_t n = g->out.n - g->out_off;
@@ -946,31 +828,72 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
                 n = max;
             memcpy(buf, g->out.p + g->out_off, n);
             g->out_off += n;
-            return (ssize_t)n;
+            ret = (ssize_t)n;
+            break;
         }
         g->out.n = g->out_off = 0;
-        if (g->ended)
-            return MHD_CONTENT_READER_END_OF_STREAM;
+        if (g->ended) {
+            ret = MHD_CONTENT_READER_END_OF_STREAM;
+            break;
+        }
+        if (atomic_load(&g->srv->stopping) || g->gone) {
+            ret = MHD_CONTENT_READER_END_WITH_ERROR; /* http_gen_finish: the bridge cancels */
+            break;
+        }
+        for (int i = 0; i < g->n_jobs; i++)
+            if (g->jobs[i].dirty) {
+                g->jobs[i].dirty = 0;
+                stream_job(g, &g->jobs[i]);
+            }
+        if (g->out.n)
+            continue;
         if (g->n_done == g->n_jobs) {
             stream_end(g);
             continue;
         }
-        hjob *j = NULL;
-        int rc = wait_event(g, &j);
-        if (rc != PUMP_GOT)
-            return MHD_CONTENT_READER_END_WITH_ERROR; /* gone or stopping: http_gen_finish */
-        if (j)
-            stream_job(g, j);
+        if (http_gen_wait(g)) {
+            ret = 0;
+            break;
+        }
     }
+    pthread_mutex_unlock(&g->srv->mu);
+    return ret;
 }
 
 /* ---------------------------------------------------------------- entry points */
 
-static void gen_free(hgen *g)
+int http_gen_ready(const hgen *g)
+{
+    if (atomic_load(&g->srv->stopping) || g->gone)
+        return 1;
+    if (g->kind == HG_HEALTH)
+        return g->health_done;
+    switch (g->phase) {
+    case PH_SUBMIT: return g->n_answered == g->n_jobs;
+    case PH_WAIT: return g->n_done == g->n_jobs;
+    default:
+        if (g->out_off < g->out.n || g->n_done == g->n_jobs)
+            return 1;
+        for (int i = 0; i < g->n_jobs; i++)
+            if (g->jobs[i].dirty)
+                return 1;
+        return 0;
+    }
+}
+
+int http_gen_wait(hgen *g)
+{
+    if (http_gen_ready(g))
+        return 0;
+    g->suspended = 1;
+    MHD_suspend_connection(g->conn);
+    return 1;
+}
+
+void http_gen_free(hgen *g)
 {
     if (g == NULL)
         return;
-    rekv_ctl_close(g->ctl);
     for (int i = 0; g->jobs && i < g->n_jobs; i++) {
         hjob *j = &g->jobs[i];
         free(j->error);
@@ -991,6 +914,7 @@ static void gen_free(hgen *g)
     free(g->prompt_n);
     free(g->stops);
     hbuf_free(&g->out);
+    hbuf_free(&g->chunk_head);
     json_decref(g->req);
     free(g);
 }
@@ -1003,6 +927,8 @@ enum MHD_Result http_gen_answer(hreq *r)
         return MHD_NO;
     r->gen = g;
     g->srv = h;
+    g->conn = r->conn;
+    g->kind = HG_GEN;
     g->fd = r->fd;
     g->chat = r->route == HR_CHAT;
     g->created = (int64_t)time(NULL);
@@ -1016,33 +942,44 @@ enum MHD_Result http_gen_answer(hreq *r)
     perr e = {0};
     if (read_request(g, g->req, &e))
         return http_error(r->conn, e.status, NULL, e.code, "%s", e.msg);
-    rekv_err err = {0};
-    if ((g->ctl = http_ctl_open(h, &err)) == NULL)
-        return http_error(r->conn, 500, NULL, NULL, "%s", err.msg);
-    int rc = submit_all(g, &e);
-    if (rc == SUBMIT_REFUSED)
-        return http_error(r->conn, e.status, NULL, NULL, "%s", e.msg);
-    if (rc == PUMP_STOP)
+    g->phase = PH_SUBMIT;
+    if (http_bridge_submit(g))
         return http_error(r->conn, 503, NULL, NULL, "the server is shutting down");
-    if (rc)
-        return MHD_NO; /* the client went away: http_gen_finish cancels what was accepted */
-    snprintf(g->id, sizeof(g->id), "%s%llu", g->chat ? "chatcmpl-" : "cmpl-",
-             (unsigned long long)g->jobs[0].job);
-    if (g->stream) {
-        struct MHD_Response *resp =
-            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, g, NULL);
-        if (resp == NULL)
-            return MHD_NO;
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-        enum MHD_Result ret = MHD_queue_response(r->conn, 200, resp);
-        MHD_destroy_response(resp);
-        return ret;
-    }
-    while (g->n_done < g->n_jobs) {
-        hjob *j;
-        if (wait_event(g, &j) != PUMP_GOT)
-            return MHD_NO; /* gone or stopping: http_gen_finish cancels */
+    r->pending = 1; /* suspended: the bridge resumes it when every Submit has its answer */
+    return MHD_YES;
+}
+
+/* A waiting request's connection was resumed: its answer (or stream) if it has one, else it waits
+ * again. Under mu. */
+static enum MHD_Result gen_continue(hreq *r, hgen *g)
+{
+    struct rekv_http *h = r->srv;
+    if (atomic_load(&h->stopping))
+        return http_error(r->conn, 503, NULL, NULL, "the server is shutting down");
+    if (g->gone)
+        return MHD_NO; /* http_gen_finish: the bridge has cancelled what was accepted */
+    if (http_gen_wait(g))
+        return MHD_YES;
+    if (g->phase == PH_SUBMIT) {
+        if (g->refuse_status)
+            return http_error(r->conn, g->refuse_status, NULL, NULL, "%s", g->refuse_msg);
+        snprintf(g->id, sizeof(g->id), "%s%llu", g->chat ? "chatcmpl-" : "cmpl-",
+                 (unsigned long long)g->jobs[0].job);
+        if (g->stream) {
+            g->phase = PH_STREAM;
+            struct MHD_Response *resp =
+                MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, g, NULL);
+            if (resp == NULL)
+                return MHD_NO;
+            MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+            MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+            enum MHD_Result ret = MHD_queue_response(r->conn, 200, resp);
+            MHD_destroy_response(resp);
+            return ret;
+        }
+        g->phase = PH_WAIT;
+        if (http_gen_wait(g))
+            return MHD_YES;
     }
     for (int i = 0; i < g->n_jobs; i++)
         if (g->jobs[i].state == REKV__CONTROL__JOB_STATE__FAILED)
@@ -1052,26 +989,23 @@ enum MHD_Result http_gen_answer(hreq *r)
     return http_json(r->conn, 200, answer_json(g));
 }
 
+enum MHD_Result http_gen_continue(hreq *r)
+{
+    hgen *g = r->gen;
+    pthread_mutex_lock(&r->srv->mu);
+    enum MHD_Result ret = gen_continue(r, g);
+    if (!g->suspended)
+        r->pending = 0; /* answered (or closing): later calls have nothing to do */
+    pthread_mutex_unlock(&r->srv->mu);
+    return ret;
+}
+
 void http_gen_finish(hreq *r, int completed_ok)
 {
     hgen *g = r->gen;
     r->gen = NULL;
-    if (g->ctl && !atomic_load(&g->srv->stopping) && !(completed_ok && g->n_done == g->n_jobs)) {
-        /* the client went away (or the answer failed): its jobs stop now, not at max_tokens */
-        for (int i = 0; i < g->n_jobs; i++) {
-            hjob *j = &g->jobs[i];
-            if (j->job == 0 || j->done)
-                continue;
-            Rekv__Control__Request rq = REKV__CONTROL__REQUEST__INIT;
-            Rekv__Control__Cancel c = REKV__CONTROL__CANCEL__INIT;
-            c.job = j->job;
-            rq.body_case = REKV__CONTROL__REQUEST__BODY_CANCEL;
-            rq.cancel = &c;
-            Rekv__Control__Response *resp = NULL;
-            rekv_err err = {0};
-            if (http_ctl_call(g->srv, g->ctl, &rq, &resp, &err) == 0)
-                rekv__control__response__free_unpacked(resp, NULL);
-        }
-    }
-    gen_free(g);
+    if (g->registered)
+        http_bridge_finish(g, completed_ok); /* the bridge cancels what runs, and frees it */
+    else
+        http_gen_free(g);
 }
