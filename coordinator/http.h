@@ -2,16 +2,19 @@
  * and /v1/chat/completions (server-sent events with "stream": true), GET /v1/models, GET /health,
  * POST /tokenize and /detokenize, on libmicrohttpd.
  *
- * The server is a second client of the same coordinator, not a second coordinator: it runs in
- * libmicrohttpd's threads (one per connection, so that a request may block on the coordinator
- * while others go on) and speaks only the control protocol, over a DEALER per request to the
- * control endpoint, so an HTTP job is journaled, admitted, streamed and cancelled exactly as a
- * `rekv submit` one, and the coordinator's single-threaded loop is untouched. Each job carries a
- * random client key, so that a Submit the server sends again (no reply in time) is one job.
+ * The server is a second client of the same coordinator, not a second coordinator: it speaks only
+ * the control protocol, over one DEALER to the control endpoint for every request, so an HTTP job
+ * is journaled, admitted, streamed and cancelled exactly as a `rekv submit` one, and the
+ * coordinator's single-threaded loop is untouched. Two threads, however many connections:
+ * libmicrohttpd's polling thread (epoll) for every connection, whose callbacks never block (a
+ * request waiting on the coordinator has its connection suspended), and a bridge thread that owns
+ * the DEALER, routes the coordinator's replies and stream events to their requests and resumes
+ * their connections. Each job carries a random client key, so that a Submit the server sends
+ * again (no reply in time) is one job.
  *
  * A request whose client goes away (the connection closed while its job runs, streaming or not)
- * cancels its jobs: the thread that waits on the coordinator also watches the connection, and
- * libmicrohttpd's request-completed notification cancels whatever is still running.
+ * cancels its jobs: the bridge watches each running request's socket, and libmicrohttpd's
+ * request-completed notification cancels whatever is still running.
  *
  * Library code: 0 or a negative errno with a rekv_err; events go through the log callback. */
 #ifndef REKV_COORDINATOR_HTTP_H
