@@ -181,8 +181,9 @@ static void send_cancel(struct hbridge *b, uint64_t job, uint64_t rqid)
     rq.cancel = &c;
     rq.id = rqid;
     uint64_t id = 0;
-    if (rekv_ctl_send(b->ctl, &rq, &id, NULL) != 0 || rqid != 0)
-        return; /* a first one that did not go out is sent again with the others' resends */
+    rekv_ctl_send(b->ctl, &rq, &id, NULL); /* one that did not go out is resent as if lost */
+    if (rqid != 0 || id == 0)
+        return; /* a resend: already in the list */
     if (b->n_cancels == b->cap_cancels) {
         size_t cap = b->cap_cancels ? 2 * b->cap_cancels : 16;
         hcancel *t = realloc(b->cancels, cap * sizeof(*t));
