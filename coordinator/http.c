@@ -113,22 +113,37 @@ enum MHD_Result http_json_hdr(struct MHD_Connection *c, unsigned status, json_t 
     return rc;
 }
 
-enum MHD_Result http_error(struct MHD_Connection *c, unsigned status, const char *type,
-                           const char *code, const char *fmt, ...)
+static json_t *error_obj_v(unsigned status, const char *type, const char *code, const char *fmt,
+                           va_list ap)
 {
     char msg[1200];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
     if (type == NULL)
         type = status == 401   ? "authentication_error"
                : status == 404 ? "not_found_error"
                : status == 429 ? "rate_limit_error"
                : status >= 500 ? "server_error"
                                : "invalid_request_error";
-    json_t *e = json_pack("{s:{s:s, s:s, s:n, s:o}}", "error", "message", msg, "type", type,
-                          "param", "code", code ? json_string(code) : json_null());
+    return json_pack("{s:{s:s, s:s, s:n, s:o}}", "error", "message", msg, "type", type, "param",
+                     "code", code ? json_string(code) : json_null());
+}
+
+json_t *http_error_obj(unsigned status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    json_t *e = error_obj_v(status, NULL, NULL, fmt, ap);
+    va_end(ap);
+    return e;
+}
+
+enum MHD_Result http_error(struct MHD_Connection *c, unsigned status, const char *type,
+                           const char *code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    json_t *e = error_obj_v(status, type, code, fmt, ap);
+    va_end(ap);
     return http_json(c, status, e);
 }
 
@@ -186,25 +201,28 @@ static enum MHD_Result health_continue(hreq *r)
 {
     hgen *g = r->gen;
     struct rekv_http *h = r->srv;
+    unsigned status = 503;
+    json_t *j = NULL;
+    /* the answer is made under mu and queued after (http_internal.h: hanswer) */
     pthread_mutex_lock(&h->mu);
-    enum MHD_Result ret = MHD_YES;
     if (atomic_load(&h->stopping))
-        ret = http_error(r->conn, 503, NULL, NULL, "the server is shutting down");
+        j = http_error_obj(503, "the server is shutting down");
     else if (http_gen_wait(g))
-        ret = MHD_YES;
+        j = NULL;
     else if (!g->health_replied)
-        ret = http_error(r->conn, 503, NULL, NULL, "the coordinator does not answer: %s",
-                         g->health_err);
+        j = http_error_obj(503, "the coordinator does not answer: %s", g->health_err);
     else if (!g->health_serving || g->health_workers == 0)
-        ret = http_error(r->conn, 503, NULL, NULL, "no worker is serving (%u connected)",
-                         g->health_workers);
-    else
-        ret = http_json(r->conn, 200,
-                        json_pack("{s:s, s:i}", "status", "ok", "workers", (int)g->health_workers));
-    if (!g->suspended)
-        r->pending = 0;
+        j = http_error_obj(503, "no worker is serving (%u connected)", g->health_workers);
+    else {
+        status = 200;
+        j = json_pack("{s:s, s:i}", "status", "ok", "workers", (int)g->health_workers);
+    }
+    int waiting = g->suspended;
     pthread_mutex_unlock(&h->mu);
-    return ret;
+    if (waiting)
+        return MHD_YES;
+    r->pending = 0;
+    return http_json(r->conn, status, j);
 }
 
 /* The request body as a JSON object, or NULL after queueing the 400. */

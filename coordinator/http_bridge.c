@@ -244,9 +244,8 @@ static void unwatch(struct hbridge *b, hgen *g)
     g->watched = 0;
 }
 
-/* The queue: new requests' Submits go out, ended ones are looked at in this round's end. The
- * queue is in order, so an ended request's socket leaves the epoll set before a later request
- * on a socket of the same number joins it. */
+/* The queue: new requests' Submits go out (and their sockets are watched: under mu, so before an
+ * end that would close them), ended ones are looked at in this round's end. */
 static void take_queue(struct hbridge *b)
 {
     while (b->q_head) {
@@ -266,8 +265,6 @@ static void take_queue(struct hbridge *b)
             }
         }
         g->want_new = 0;
-        if (g->want_finish)
-            unwatch(b, g);
         touch(b, g);
     }
 }
@@ -572,6 +569,9 @@ void http_bridge_finish(hgen *g, int completed_ok)
 {
     struct rekv_http *h = g->srv;
     pthread_mutex_lock(&h->mu);
+    /* its socket leaves the epoll set now, before libmicrohttpd closes it (and the number is
+     * reused for another connection) */
+    unwatch(h->bridge, g);
     g->want_finish = 1;
     g->completed_ok = completed_ok;
     enqueue(h->bridge, g);
@@ -582,15 +582,26 @@ void http_bridge_finish(hgen *g, int completed_ok)
 void http_bridge_drain(struct rekv_http *h)
 {
     struct hbridge *b = h->bridge;
+    if (b == NULL)
+        return;
+    /* the waiting connections' resumes are made after mu is let go, as the bridge's are */
+    struct MHD_Connection **resume = NULL;
+    size_t n = 0, cap = 0;
     pthread_mutex_lock(&h->mu);
     atomic_store(&h->stopping, 1);
-    for (hgen *g = b ? b->all : NULL; g; g = g->next)
+    for (hgen *g = b->all; g; g = g->next)
         if (g->suspended) {
             g->suspended = 0;
-            MHD_resume_connection(g->conn);
+            if (grow(&resume, n, &cap) == 0)
+                resume[n++] = g->conn;
+            else
+                MHD_resume_connection(g->conn); /* out of memory: now, under mu */
         }
     pthread_mutex_unlock(&h->mu);
-    if (b == NULL || !b->started)
+    for (size_t i = 0; i < n; i++)
+        MHD_resume_connection(resume[i]);
+    free(resume);
+    if (!b->started)
         return;
     while (atomic_load(&b->resuming)) /* a round's resumes, begun before stopping */
         usleep(1000);

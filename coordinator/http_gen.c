@@ -949,54 +949,70 @@ enum MHD_Result http_gen_answer(hreq *r)
     return MHD_YES;
 }
 
-/* A waiting request's connection was resumed: its answer (or stream) if it has one, else it waits
+/* What a resumed request does next, decided under mu and done after it (http_error_obj). */
+enum { GN_WAIT = 0, GN_CLOSE, GN_JSON, GN_STREAM };
+
+/* A waiting request's connection was resumed: its answer (*j, *status), its stream, or it waits
  * again. Under mu. */
-static enum MHD_Result gen_continue(hreq *r, hgen *g)
+static int gen_continue(hreq *r, hgen *g, unsigned *status, json_t **j)
 {
-    struct rekv_http *h = r->srv;
-    if (atomic_load(&h->stopping))
-        return http_error(r->conn, 503, NULL, NULL, "the server is shutting down");
+    *status = 503;
+    if (atomic_load(&r->srv->stopping))
+        return *j = http_error_obj(503, "the server is shutting down"), GN_JSON;
     if (g->gone)
-        return MHD_NO; /* http_gen_finish: the bridge has cancelled what was accepted */
+        return GN_CLOSE; /* http_gen_finish: the bridge has cancelled what was accepted */
     if (http_gen_wait(g))
-        return MHD_YES;
+        return GN_WAIT;
     if (g->phase == PH_SUBMIT) {
-        if (g->refuse_status)
-            return http_error(r->conn, g->refuse_status, NULL, NULL, "%s", g->refuse_msg);
+        if (g->refuse_status) {
+            *status = g->refuse_status;
+            return *j = http_error_obj(g->refuse_status, "%s", g->refuse_msg), GN_JSON;
+        }
         snprintf(g->id, sizeof(g->id), "%s%llu", g->chat ? "chatcmpl-" : "cmpl-",
                  (unsigned long long)g->jobs[0].job);
         if (g->stream) {
             g->phase = PH_STREAM;
-            struct MHD_Response *resp =
-                MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, g, NULL);
-            if (resp == NULL)
-                return MHD_NO;
-            MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
-            MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-            enum MHD_Result ret = MHD_queue_response(r->conn, 200, resp);
-            MHD_destroy_response(resp);
-            return ret;
+            return GN_STREAM;
         }
         g->phase = PH_WAIT;
         if (http_gen_wait(g))
-            return MHD_YES;
+            return GN_WAIT;
     }
+    *status = 500;
     for (int i = 0; i < g->n_jobs; i++)
         if (g->jobs[i].state == REKV__CONTROL__JOB_STATE__FAILED)
-            return http_error(r->conn, 500, NULL, NULL, "job %llu failed: %s",
-                              (unsigned long long)g->jobs[i].job,
-                              g->jobs[i].error ? g->jobs[i].error : "(no reason given)");
-    return http_json(r->conn, 200, answer_json(g));
+            return *j = http_error_obj(500, "job %llu failed: %s",
+                                       (unsigned long long)g->jobs[i].job,
+                                       g->jobs[i].error ? g->jobs[i].error : "(no reason given)"),
+                   GN_JSON;
+    *status = 200;
+    *j = answer_json(g);
+    return GN_JSON;
 }
 
 enum MHD_Result http_gen_continue(hreq *r)
 {
     hgen *g = r->gen;
+    unsigned status;
+    json_t *j = NULL;
     pthread_mutex_lock(&r->srv->mu);
-    enum MHD_Result ret = gen_continue(r, g);
-    if (!g->suspended)
-        r->pending = 0; /* answered (or closing): later calls have nothing to do */
+    int next = gen_continue(r, g, &status, &j);
     pthread_mutex_unlock(&r->srv->mu);
+    if (next == GN_WAIT)
+        return MHD_YES;
+    r->pending = 0; /* answered (or closing): later calls have nothing to do */
+    if (next == GN_CLOSE)
+        return MHD_NO;
+    if (next == GN_JSON)
+        return http_json(r->conn, status, j);
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, g, NULL);
+    if (resp == NULL)
+        return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    enum MHD_Result ret = MHD_queue_response(r->conn, 200, resp);
+    MHD_destroy_response(resp);
     return ret;
 }
 

@@ -162,6 +162,10 @@ enum { HR_NONE = 0, HR_COMPLETIONS, HR_CHAT, HR_MODELS, HR_HEALTH, HR_TOKENIZE, 
 enum MHD_Result http_error(struct MHD_Connection *c, unsigned status, const char *type,
                            const char *code, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
+/* The same error object, not queued (an answer made under srv->mu, queued after: libmicrohttpd
+ * calls the content reader, which takes mu, holding a response's mutex, so no call that takes a
+ * response's mutex is made under mu). */
+json_t *http_error_obj(unsigned status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Queues j (stolen) as JSON with status. */
 enum MHD_Result http_json(struct MHD_Connection *c, unsigned status, json_t *j);
 /* The same with one more header (hname NULL: none). */
