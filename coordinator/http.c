@@ -486,12 +486,13 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
 {
     (void)cls;
     (void)conn;
+    (void)toe; /* however it ended, jobs that have not are cancelled */
     hreq *r = *con_cls;
     if (r == NULL)
         return;
     *con_cls = NULL;
     if (r->gen)
-        http_gen_finish(r, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
+        http_gen_finish(r);
     hbuf_free(&r->body);
     free(r);
 }

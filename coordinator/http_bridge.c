@@ -565,7 +565,7 @@ int http_bridge_submit(hgen *g)
     return 0;
 }
 
-void http_bridge_finish(hgen *g, int completed_ok)
+void http_bridge_finish(hgen *g)
 {
     struct rekv_http *h = g->srv;
     pthread_mutex_lock(&h->mu);
@@ -573,7 +573,6 @@ void http_bridge_finish(hgen *g, int completed_ok)
      * reused for another connection) */
     unwatch(h->bridge, g);
     g->want_finish = 1;
-    g->completed_ok = completed_ok;
     enqueue(h->bridge, g);
     pthread_mutex_unlock(&h->mu);
     wake(h->bridge);

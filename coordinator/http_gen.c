@@ -1016,12 +1016,12 @@ enum MHD_Result http_gen_continue(hreq *r)
     return ret;
 }
 
-void http_gen_finish(hreq *r, int completed_ok)
+void http_gen_finish(hreq *r)
 {
     hgen *g = r->gen;
     r->gen = NULL;
     if (g->registered)
-        http_bridge_finish(g, completed_ok); /* the bridge cancels what runs, and frees it */
+        http_bridge_finish(g); /* the bridge cancels what runs, and frees it */
     else
         http_gen_free(g);
 }

@@ -146,7 +146,7 @@ typedef struct hgen {
     char health_err[200];
     /* the bridge's own */
     int registered;          /* handed to the bridge (its callbacks no longer free it) */
-    int want_new, want_finish, completed_ok; /* what its queue entry asks */
+    int want_new, want_finish; /* what its queue entry asks */
     int queued, touched, watched;            /* in the queue, in this round's touched list,
                                               * its fd in the bridge's epoll set */
     struct hgen *qnext;      /* the bridge's queue of requests to take up */
@@ -178,10 +178,10 @@ unsigned http_status_of_code(Rekv__Control__Code code);
  * r->pending, at each call of the access handler (the bridge resumed the connection). */
 enum MHD_Result http_gen_answer(hreq *r);
 enum MHD_Result http_gen_continue(hreq *r);
-/* The request ended (libmicrohttpd's request-completed notification; completed_ok: its answer
- * went out whole): hands it back to the bridge, which cancels its unfinished jobs unless they
- * ended (or the server stops) and frees it. */
-void http_gen_finish(hreq *r, int completed_ok);
+/* The request ended (libmicrohttpd's request-completed notification, however it ended): hands it
+ * back to the bridge, which cancels its jobs that have not ended (unless the server stops) and
+ * frees it. */
+void http_gen_finish(hreq *r);
 /* Frees g (its callbacks, before it was handed over; the bridge, after). */
 void http_gen_free(hgen *g);
 /* A StreamEvent for j (under mu). */
@@ -199,7 +199,7 @@ int http_bridge_start(struct rekv_http *h, rekv_err *err);
  * the server stops (g stays the caller's). */
 int http_bridge_submit(hgen *g);
 /* g's request ended (from libmicrohttpd's completion notification). */
-void http_bridge_finish(hgen *g, int completed_ok);
+void http_bridge_finish(hgen *g);
 /* rekv_http_stop's first half: every waiting connection is resumed (to its 503 or its stream's
  * end) and given a moment to go out; nothing is suspended after it. */
 void http_bridge_drain(struct rekv_http *h);
