@@ -434,8 +434,6 @@ int rekv_coordinator_create(const rekv_coordinator_config *cfg, rekv_coordinator
         rc = rekv_errf(err, -errno, "zmq context: %s", zmq_strerror(errno));
         goto fail;
     }
-    /* the HTTP server's connection threads each hold a DEALER in this context (inproc) */
-    zmq_ctx_set(co->zctx, ZMQ_MAX_SOCKETS, 65536);
     if ((rc = ipc_prepare(co->control_ep, co->control_path, sizeof(co->control_path), err)) ||
         (rc = ipc_prepare(co->worker_ep, co->worker_path, sizeof(co->worker_path), err)) ||
         /* the control socket is the group's (its directory decides who reaches it: a user's

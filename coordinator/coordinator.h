@@ -142,9 +142,9 @@ typedef struct rekv_ctl rekv_ctl;
  * server's Z85 public key for a CurveZMQ tcp endpoint, else NULL. */
 int rekv_ctl_connect(const char *endpoint, const char *curve_server_key, rekv_ctl **out,
                      rekv_err *err);
-/* The same in the caller's ZeroMQ context (zctx NULL: a private one), for a process that opens
- * many short-lived clients (the HTTP server: one per request) without a context and its I/O
- * thread each. rekv_ctl_close leaves a caller's context alone. */
+/* The same in the caller's ZeroMQ context (zctx NULL: a private one): the HTTP server's bridge
+ * reaches the coordinator's inproc:// endpoint in the coordinator's own context this way.
+ * rekv_ctl_close leaves a caller's context alone. */
 int rekv_ctl_connect_in(void *zctx, const char *endpoint, const char *curve_server_key,
                         rekv_ctl **out, rekv_err *err);
 void rekv_ctl_close(rekv_ctl *c);
