@@ -3,8 +3,8 @@
  * is read back by another instead of computed again — LMCache's Redis backend, for rekv's
  * chain keys.
  *
- * Data flow. Two threads, each with its own hiredis connection (blocking calls with
- * --remote-timeout-ms as the socket timeout), and the store's loop, which never waits for
+ * Data flow. Two threads, each with its own hiredis connections (one per node, blocking calls
+ * with --remote-timeout-ms as the socket timeout), and the store's loop, which never waits for
  * either:
  *   write-through: a new entry (prefix.c publish_new) whose blocks are all in memory is queued
  *   with a hold and a reference on each block (so nothing spills, evicts or frees them), bounded
@@ -12,8 +12,10 @@
  *   either it is dropped and counted); the writer thread first copies each queued entry's bytes
  *   out of the arena into its value (header, CRC32C) and hands the holds back through the
  *   eventfd (the loop lets go of them), then sends the values pipelined as SET key value EX ttl.
- *   The loop copies nothing. A write Redis refuses (OOM under noeviction, ...) is counted and
- *   forgotten.
+ *   The loop copies nothing; the writer copies each value once, into the SET command it writes
+ *   to the socket itself (past hiredis's output buffer), and runs at SCHED_IDLE, so that its
+ *   copies, CRC and sends take only CPU time nothing else wants — a step's above all. A write
+ *   Redis refuses (OOM under noeviction, ...) is counted and forgotten.
  *   read-back: a CreateSeq or Lookup whose chain stops at a key not held here (prefix.c
  *   srv_cache_fetch) queues one MGET of the keys that follow and parks; the reader thread sends
  *   it, checks each value (header, CRC32C) and hands the reply back through an eventfd the loop
@@ -32,6 +34,14 @@
  * refuses a multi-key command across slots). The cost: a popular first block (a shared system
  * prompt) puts all its continuations on one node.
  *
+ * Redis Cluster: each thread keeps a map of the 16384 slots to nodes (CRC16 of the hash tag),
+ * asked with CLUSTER SLOTS when --remote's node connects (a Redis without cluster support says
+ * no: every slot is that node's) and again after a MOVED answer, with a connection per node. A
+ * MOVED answer moves its slot and the command goes again to the node named; an ASK answer (a
+ * slot being migrated) sends it there once, after ASKING. At most MAX_REDIRECTS redirects per
+ * command, and none past --remote-timeout-ms. A read's keys share one slot (checked); a write
+ * batch goes to each node its items' slots name, pipelined per node.
+ *
  * Values: a remote_hdr (magic, version, kind, layers, bytes per layer, root, key, parent, the
  * 16 token ids, CRC32C of header and payload with the crc field zeroed), then every layer's
  * block bytes, layer 0 first — the arena's layout of a block, host byte order (replicas share an
@@ -45,7 +55,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -67,6 +81,10 @@
 #define BACKOFF_MIN_MS 100
 #define BACKOFF_MAX_MS 5000
 #define KEY_LEN 64
+#define MAX_NODES 64 /* a cluster's masters one thread talks to */
+#define N_SLOTS 16384
+#define MAX_REDIRECTS 5
+#define SLOTS_REFRESH_MS 1000
 
 typedef struct remote_hdr {
     uint32_t magic;
@@ -96,9 +114,16 @@ typedef struct put_item {
     remote_hdr hdr;      /* its crc is the writer's */
     const uint8_t **src; /* [hdr.n_layers] each layer's block in the arena, held */
     put_hold *hold;
-    uint8_t *val; /* the value, made by the writer */
+    uint8_t *cmd; /* the writer's: the SET command as sent (RESP), the value inside */
     size_t len;
+    int state;   /* the writer's: PUT_PENDING until answered (or given up) */
+    int node;    /* where it goes next (its slot's node, or a redirect's) */
+    int ask;     /* the last answer was ASK: once to node, after ASKING */
+    int round;   /* the last round that sent it */
 } put_item;
+
+enum { PUT_PENDING, PUT_DONE };
+enum { REDIR_MOVED = 1, REDIR_ASK };
 
 typedef struct get_job {
     struct get_job *next;  /* the reader's queue, then the done list */
@@ -116,13 +141,31 @@ typedef struct get_job {
     int err;
 } get_job;
 
-/* One thread's connection: reconnects after a backoff. */
+/* One thread's connection to one node: reconnects after a backoff. */
 typedef struct conn {
     redisContext *c;
     uint64_t retry_ns;
     uint32_t backoff_ms;
     int used; /* a command succeeded on c */
 } conn;
+
+/* A Redis node a thread talks to: node 0 is --remote's URL; the others a cluster's, named by
+ * CLUSTER SLOTS or by a MOVED or ASK answer (TCP, database 0). */
+typedef struct node {
+    char host[256]; /* "" and port 0: node 0 on a unix socket */
+    int port;
+    conn cn;
+} node;
+
+/* One thread's nodes, and the node of each cluster slot: node 0 for every slot until a cluster
+ * says otherwise (CLUSTER SLOTS when node 0 connects, a MOVED answer), so that a Redis without
+ * cluster support is node 0 alone. */
+typedef struct route {
+    int n;
+    node nodes[MAX_NODES];
+    uint8_t slot[N_SLOTS]; /* slot -> index in nodes */
+    uint64_t refreshed_ns; /* when CLUSTER SLOTS last answered */
+} route;
 
 struct kv_remote {
     kv_remote_url url;
@@ -150,6 +193,7 @@ struct kv_remote {
     uint64_t logged_errors;
     /* the threads' */
     _Atomic uint64_t queued, written, dropped, put_errors, errors_seen;
+    _Atomic uint64_t moved, asked; /* a cluster's redirects followed */
 };
 
 /* ------------------------------------------------------------------ URL */
@@ -241,14 +285,14 @@ static void conn_drop(kv_remote *r, conn *cn)
     atomic_store(&r->down_until, cn->retry_ns);
 }
 
-/* After a failed command on cn (e: errno right after it): 1 when the server had closed a
- * connection that worked before (Redis restarted, or its idle timeout), which is then closed for
- * the caller to connect again at once and retry; else 0 (a timeout, a refused connection: the
- * caller backs off). */
+/* After a failed command on cn (e: errno right after it, or what our own send returned): 1 when
+ * the server had closed a connection that worked before (Redis restarted, or its idle timeout),
+ * which is then closed for the caller to connect again at once and retry; else 0 (a timeout, a
+ * refused connection: the caller backs off). */
 static int conn_reopen(conn *cn, int e)
 {
     int closed = cn->c->err == REDIS_ERR_EOF ||
-                 (cn->c->err == REDIS_ERR_IO && (e == EPIPE || e == ECONNRESET));
+                 ((cn->c->err == REDIS_ERR_IO || cn->c->err == 0) && (e == EPIPE || e == ECONNRESET));
     if (!cn->used || !closed)
         return 0;
     redisFree(cn->c);
@@ -257,21 +301,91 @@ static int conn_reopen(conn *cn, int e)
     return 1;
 }
 
-/* 0 with a connection, else -ECONNREFUSED (backing off). */
-static int conn_ensure(kv_remote *r, conn *cn)
+/* Redis Cluster's slot of a key: CRC16 (XMODEM, as Redis's crc16.c) of its hash tag — what lies
+ * between its first '{' and the next '}' when that is not empty — else of the whole key, mod
+ * 16384. Every key of one chain has the chain's first block as its tag: one slot. */
+static uint16_t key_slot(const char *key)
 {
+    const char *o = strchr(key, '{'), *c = o ? strchr(o + 1, '}') : NULL;
+    const char *p = c && c > o + 1 ? o + 1 : key;
+    size_t n = c && c > o + 1 ? (size_t)(c - p) : strlen(key);
+    uint16_t crc = 0;
+    for (size_t i = 0; i < n; i++) {
+        crc ^= (uint16_t)((uint8_t)p[i] << 8);
+        for (int b = 0; b < 8; b++)
+            crc = crc & 0x8000 ? (uint16_t)((crc << 1) ^ 0x1021) : (uint16_t)(crc << 1);
+    }
+    return crc & (N_SLOTS - 1);
+}
+
+/* The index of node host (hn bytes):port in rt, added when new; -1 when the table is full. Node
+ * 0, --remote's own, matches when it is that TCP address. */
+static int node_of(route *rt, const char *host, size_t hn, int port)
+{
+    for (int k = 0; k < rt->n; k++)
+        if (rt->nodes[k].port == port && strlen(rt->nodes[k].host) == hn &&
+            memcmp(rt->nodes[k].host, host, hn) == 0)
+            return k;
+    if (rt->n == MAX_NODES || hn == 0 || hn >= sizeof(rt->nodes[0].host))
+        return -1;
+    node *nd = &rt->nodes[rt->n];
+    memset(nd, 0, sizeof(*nd));
+    memcpy(nd->host, host, hn);
+    nd->port = port;
+    return rt->n++;
+}
+
+/* Fills rt's slot map from CLUSTER SLOTS on node k's connection. A Redis without cluster support
+ * answers an error: every slot stays node 0's. A failed call leaves the map as it was (the
+ * connection's next command finds out). */
+static void slots_refresh(route *rt, int k)
+{
+    redisReply *rp = redisCommand(rt->nodes[k].cn.c, "CLUSTER SLOTS");
+    if (rp && rp->type == REDIS_REPLY_ARRAY) {
+        for (size_t i = 0; i < rp->elements; i++) {
+            const redisReply *e = rp->element[i], *m;
+            if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+                e->element[0]->type != REDIS_REPLY_INTEGER ||
+                e->element[1]->type != REDIS_REPLY_INTEGER ||
+                (m = e->element[2])->type != REDIS_REPLY_ARRAY || m->elements < 2 ||
+                m->element[0]->type != REDIS_REPLY_STRING ||
+                m->element[1]->type != REDIS_REPLY_INTEGER)
+                continue;
+            long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+            const char *host = m->element[0]->str; /* "": the node asked */
+            size_t hn = m->element[0]->len;
+            if (hn == 0)
+                host = rt->nodes[k].host, hn = strlen(host);
+            int to = node_of(rt, host, hn, (int)m->element[1]->integer);
+            for (long long s = lo < 0 ? 0 : lo; to >= 0 && s <= hi && s < N_SLOTS; s++)
+                rt->slot[s] = (uint8_t)to;
+        }
+        rt->refreshed_ns = rekv_now_ns();
+    }
+    if (rp)
+        freeReplyObject(rp);
+}
+
+/* 0 with a connection to node k, else -ECONNREFUSED (backing off). Node 0 is --remote's URL (a
+ * unix socket possibly, its database SELECTed); after it connects, the slot map is asked for. */
+static int conn_ensure(kv_remote *r, route *rt, int k)
+{
+    conn *cn = &rt->nodes[k].cn;
     if (cn->c)
         return 0;
     if (rekv_now_ns() < cn->retry_ns)
         return -ECONNREFUSED;
-    cn->c = r->url.is_unix ? redisConnectUnixWithTimeout(r->url.path, r->tv)
-                           : redisConnectWithTimeout(r->url.host, r->url.port, r->tv);
+    if (k == 0)
+        cn->c = r->url.is_unix ? redisConnectUnixWithTimeout(r->url.path, r->tv)
+                               : redisConnectWithTimeout(r->url.host, r->url.port, r->tv);
+    else
+        cn->c = redisConnectWithTimeout(rt->nodes[k].host, rt->nodes[k].port, r->tv);
     if (cn->c == NULL || cn->c->err || redisSetTimeout(cn->c, r->tv) != REDIS_OK) {
         note_error(r, "connect", cn->c ? cn->c->errstr : "out of memory");
         conn_drop(r, cn);
         return -ECONNREFUSED;
     }
-    if (r->url.db) {
+    if (k == 0 && r->url.db) {
         redisReply *rp = redisCommand(cn->c, "SELECT %d", r->url.db);
         int ok = rp && rp->type == REDIS_REPLY_STATUS;
         if (!ok)
@@ -285,29 +399,144 @@ static int conn_ensure(kv_remote *r, conn *cn)
     }
     cn->backoff_ms = 0;
     atomic_store(&r->down_until, 0);
+    if (k == 0)
+        slots_refresh(rt, 0);
     return 0;
+}
+
+/* A thread's route: node 0 is --remote's URL, every slot its. */
+static route *route_new(const kv_remote *r)
+{
+    route *rt = calloc(1, sizeof(*rt));
+    if (rt == NULL)
+        return NULL;
+    rt->n = 1;
+    if (!r->url.is_unix) {
+        snprintf(rt->nodes[0].host, sizeof(rt->nodes[0].host), "%s", r->url.host);
+        rt->nodes[0].port = r->url.port;
+    }
+    return rt;
+}
+
+static void route_free(route *rt)
+{
+    for (int k = 0; rt && k < rt->n; k++)
+        if (rt->nodes[k].cn.c)
+            redisFree(rt->nodes[k].cn.c);
+    free(rt);
+}
+
+/* Whether rp is a cluster's redirect ("MOVED 3999 127.0.0.1:6381", "ASK ..."): REDIR_MOVED or
+ * REDIR_ASK with the slot and the node it names (added to rt; an empty host is from's, the node
+ * that answered), else 0 (also for a node the table has no room for). */
+static int redirect_of(route *rt, const redisReply *rp, int from, int *slot, int *to)
+{
+    if (rp->type != REDIS_REPLY_ERROR)
+        return 0;
+    int kind = strncmp(rp->str, "MOVED ", 6) == 0 ? REDIR_MOVED
+               : strncmp(rp->str, "ASK ", 4) == 0 ? REDIR_ASK
+                                                  : 0;
+    if (kind == 0)
+        return 0;
+    const char *p = rp->str + (kind == REDIR_MOVED ? 6 : 4), *colon;
+    char *end;
+    long s = strtol(p, &end, 10);
+    if (end == p || *end != ' ' || s < 0 || s >= N_SLOTS || (colon = strrchr(end, ':')) == NULL)
+        return 0;
+    const char *host = end + 1;
+    long port = strtol(colon + 1, &end, 10);
+    if (port < 1 || port > 65535 || *end)
+        return 0;
+    size_t hn = (size_t)(colon - host);
+    if (hn == 0)
+        host = rt->nodes[from].host, hn = strlen(host);
+    if ((*to = node_of(rt, host, hn, (int)port)) < 0)
+        return 0;
+    *slot = (int)s;
+    return kind;
+}
+
+/* A MOVED: slot lives on node to from now on. */
+static void on_moved(kv_remote *r, route *rt, int slot, int to)
+{
+    rt->slot[slot] = (uint8_t)to;
+    atomic_fetch_add(&r->moved, 1);
+}
+
+/* After a MOVED from node to: the rest of the map is asked for again (at most every
+ * SLOTS_REFRESH_MS: a resharding moves many slots, and one answer tells all). */
+static void refresh_after_moved(kv_remote *r, route *rt, int to)
+{
+    if (rekv_now_ns() - rt->refreshed_ns > (uint64_t)SLOTS_REFRESH_MS * 1000000ull &&
+        conn_ensure(r, rt, to) == 0)
+        slots_refresh(rt, to);
+}
+
+/* argv on node k (after ASKING when asking), the connection opened again once when the server
+ * had closed it: the reply, or NULL with *err -ECONNREFUSED (no connection: backing off),
+ * -ETIMEDOUT or -EIO (the connection dropped). */
+static redisReply *node_command(kv_remote *r, route *rt, int k, int asking, int argc,
+                                const char **argv, const size_t *lens, const char *what, int *err)
+{
+    conn *cn = &rt->nodes[k].cn;
+    for (int tries = 0;; tries++) {
+        if ((*err = conn_ensure(r, rt, k)) < 0)
+            return NULL;
+        void *rp = NULL, *ok = NULL;
+        if (asking) {
+            redisAppendCommand(cn->c, "ASKING");
+            redisAppendCommandArgv(cn->c, argc, argv, lens);
+            if (redisGetReply(cn->c, &ok) == REDIS_OK && redisGetReply(cn->c, &rp) != REDIS_OK)
+                rp = NULL;
+            if (ok)
+                freeReplyObject(ok);
+        } else {
+            rp = redisCommandArgv(cn->c, argc, argv, lens);
+        }
+        if (rp) {
+            cn->used = 1;
+            return rp;
+        }
+        if (tries > 0 || !conn_reopen(cn, errno))
+            break;
+    }
+    *err = cn->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT
+                                                                                    : -EIO;
+    note_error(r, what, cn->c->errstr);
+    conn_drop(r, cn);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------ the threads */
 
 static uint32_t value_crc(remote_hdr h, const uint8_t *payload, size_t n);
 
-/* Makes the values of items[0..n) from the arena and hands their holds back to the loop; an
- * item whose value cannot be allocated is dropped (NULL in items). */
+/* Makes the SET commands of items[0..n) from the arena — the RESP bytes as sent, the value
+ * (header, CRC32C, every layer's block) copied once, into its place in the command — and hands
+ * their holds back to the loop; an item whose command cannot be allocated is dropped (cmd
+ * NULL). */
 static void copy_puts(kv_remote *r, put_item **items, int n)
 {
     put_hold *back = NULL;
+    char ttl[16];
+    int tn = snprintf(ttl, sizeof(ttl), "%u", r->ttl_s);
     for (int i = 0; i < n; i++) {
         put_item *it = items[i];
         const remote_hdr *h = &it->hdr;
-        size_t lb = h->layer_bytes;
-        it->len = sizeof(*h) + (size_t)h->n_layers * lb;
-        if ((it->val = malloc(it->len)) != NULL) {
-            uint8_t *payload = it->val + sizeof(*h);
+        size_t lb = h->layer_bytes, vlen = sizeof(*h) + (size_t)h->n_layers * lb;
+        char pre[160], post[48];
+        int pn = snprintf(pre, sizeof(pre), "*5\r\n$3\r\nSET\r\n$%zu\r\n%s\r\n$%zu\r\n",
+                          strlen(it->key), it->key, vlen);
+        int qn = snprintf(post, sizeof(post), "\r\n$2\r\nEX\r\n$%d\r\n%s\r\n", tn, ttl);
+        it->len = (size_t)pn + vlen + (size_t)qn;
+        if ((it->cmd = malloc(it->len)) != NULL) {
+            uint8_t *val = it->cmd + pn, *payload = val + sizeof(*h);
             for (uint32_t l = 0; l < h->n_layers; l++)
                 memcpy(payload + (size_t)l * lb, it->src[l], lb);
             it->hdr.crc = value_crc(*h, payload, (size_t)h->n_layers * lb);
-            memcpy(it->val, &it->hdr, sizeof(*h));
+            memcpy(it->cmd, pre, (size_t)pn);
+            memcpy(val, &it->hdr, sizeof(*h));
+            memcpy(val + vlen, post, (size_t)qn);
         }
         it->hold->next = back;
         back = it->hold;
@@ -346,12 +575,21 @@ static int value_check(const get_job *j, size_t i, const uint8_t *v, size_t len)
     return 0;
 }
 
-static void run_get(kv_remote *r, conn *cn, get_job *j)
+/* j's MGET on the node of its keys' slot (one: they share the chain's hash tag), following a
+ * cluster's MOVED and ASK answers while within j's deadline. */
+static void run_get(kv_remote *r, route *rt, get_job *j)
 {
     if (rekv_now_ns() > j->deadline_ns) { /* its requests went on long ago: skip it */
         j->err = -ETIMEDOUT;
         return;
     }
+    int slot = key_slot(j->keys[0]);
+    for (size_t i = 1; i < j->n; i++)
+        if (key_slot(j->keys[i]) != slot) { /* a cluster would refuse it: CROSSSLOT */
+            note_error(r, "MGET", "keys of more than one hash slot");
+            j->err = -EINVAL;
+            return;
+        }
     const char **argv = malloc(sizeof(char *) * (j->n + 1));
     size_t *lens = malloc(sizeof(size_t) * (j->n + 1));
     if (argv == NULL || lens == NULL) {
@@ -367,32 +605,33 @@ static void run_get(kv_remote *r, conn *cn, get_job *j)
         lens[i + 1] = strlen(j->keys[i]);
     }
     redisReply *rp = NULL;
-    for (int tries = 0;; tries++) {
-        if ((j->err = conn_ensure(r, cn)) < 0)
+    int k = rt->slot[slot], asking = 0, s, to, kind;
+    for (int hops = 0;; hops++) {
+        rp = node_command(r, rt, k, asking, (int)j->n + 1, argv, lens, "MGET", &j->err);
+        if (rp == NULL || (kind = redirect_of(rt, rp, k, &s, &to)) == 0 ||
+            hops == MAX_REDIRECTS || rekv_now_ns() > j->deadline_ns)
             break;
-        rp = redisCommandArgv(cn->c, (int)j->n + 1, argv, lens);
-        if (rp || tries > 0 || !conn_reopen(cn, errno))
-            break;
+        freeReplyObject(rp);
+        rp = NULL;
+        if (kind == REDIR_MOVED) {
+            on_moved(r, rt, s, to);
+            refresh_after_moved(r, rt, to);
+        } else {
+            atomic_fetch_add(&r->asked, 1);
+        }
+        asking = kind == REDIR_ASK;
+        k = to;
     }
     free(argv);
     free(lens);
-    if (j->err < 0)
+    if (rp == NULL)
         return;
-    if (rp == NULL) { /* I/O error or the timeout: the connection is unusable */
-        j->err = cn->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK)
-                     ? -ETIMEDOUT
-                     : -EIO;
-        note_error(r, "MGET", cn->c->errstr);
-        conn_drop(r, cn);
-        return;
-    }
     if (rp->type != REDIS_REPLY_ARRAY || rp->elements != j->n) {
         note_error(r, "MGET", rp->type == REDIS_REPLY_ERROR ? rp->str : "not an array of values");
         freeReplyObject(rp);
         j->err = -EIO;
         return;
     }
-    cn->used = 1;
     j->reply = rp;
     for (size_t i = 0; i < j->n; i++) { /* checked here: the loop only copies what is intact */
         const redisReply *v = rp->element[i];
@@ -406,7 +645,7 @@ static void run_get(kv_remote *r, conn *cn, get_job *j)
 static void *reader_main(void *arg)
 {
     kv_remote *r = arg;
-    conn cn = {0};
+    route *rt = route_new(r);
     pthread_mutex_lock(&r->mu);
     while (!r->stop) {
         get_job *j = r->get_head;
@@ -418,7 +657,10 @@ static void *reader_main(void *arg)
         if (r->get_head == NULL)
             r->get_tail = NULL;
         pthread_mutex_unlock(&r->mu);
-        run_get(r, &cn, j);
+        if (rt)
+            run_get(r, rt, j);
+        else
+            j->err = -ENOMEM;
         pthread_mutex_lock(&r->mu);
         j->next = r->done_head; /* the loop applies them in any order: each stands alone */
         r->done_head = j;
@@ -427,67 +669,151 @@ static void *reader_main(void *arg)
         (void)wr; /* a full counter is still readable */
     }
     pthread_mutex_unlock(&r->mu);
-    if (cn.c)
-        redisFree(cn.c);
+    route_free(rt);
     return NULL;
 }
 
-/* Sends items[0..n) pipelined; counts each as written or failed. */
-/* Sends the values of items[0..n) pipelined (a connection the server had closed is opened again
- * once); counts each as written, failed or dropped. */
-static void run_puts(kv_remote *r, conn *cn, put_item **items, int n)
+/* Writes all of p[0..n) to fd: 0, or a negative errno (-EAGAIN: the send timeout). */
+static int send_all(int fd, const uint8_t *p, size_t n)
 {
-    char ttl[16];
-    snprintf(ttl, sizeof(ttl), "%u", r->ttl_s);
-    int sent = 0;
-    for (int i = 0; i < n; i++)
-        sent += items[i]->val != NULL;
-    atomic_fetch_add(&r->dropped, (uint64_t)(n - sent)); /* no memory for their values */
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return w < 0 ? -errno : -EIO;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* One round's writes to node k: the items pending for it (each after ASKING when the last answer
+ * was ASK), pipelined, then their answers — OK is written, MOVED or ASK sends it on to the next
+ * round (within the deadline), another error (OOM under noeviction, ...) is failed. The commands
+ * go straight to the socket: hiredis would copy each twice (formatting, its output buffer) and
+ * move what is left of its buffer after every partial write, which for a batch of values of a
+ * hundred KB each costs more than the value itself. A connection the server had closed is opened
+ * again once; one failing otherwise fails what is left. */
+static void puts_to_node(kv_remote *r, route *rt, int k, put_item **items, int n, int round,
+                         uint64_t deadline_ns)
+{
+    static const char asking[] = "*1\r\n$6\r\nASKING\r\n";
+    conn *cn = &rt->nodes[k].cn;
+    int moved_to = -1, answered = 0, e = 0;
     for (int tries = 0;; tries++) {
-        if (conn_ensure(r, cn) < 0) {
-            atomic_fetch_add(&r->dropped, (uint64_t)sent);
+        if (conn_ensure(r, rt, k) < 0) {
+            for (int i = 0; i < n; i++)
+                if (items[i]->state == PUT_PENDING && items[i]->node == k) {
+                    items[i]->state = PUT_DONE;
+                    atomic_fetch_add(&r->dropped, 1);
+                }
             return;
         }
-        for (int i = 0; i < n; i++) {
-            if (items[i]->val == NULL)
+        for (int i = 0; i < n && e == 0; i++) {
+            const put_item *it = items[i];
+            if (it->state != PUT_PENDING || it->node != k || it->round >= round)
                 continue;
-            const char *argv[5] = {"SET", items[i]->key, (const char *)items[i]->val, "EX", ttl};
-            size_t lens[5] = {3, strlen(items[i]->key), items[i]->len, 2, strlen(ttl)};
-            redisAppendCommandArgv(cn->c, 5, argv, lens);
+            if (it->ask)
+                e = send_all(cn->c->fd, (const uint8_t *)asking, sizeof(asking) - 1);
+            if (e == 0)
+                e = send_all(cn->c->fd, it->cmd, it->len);
         }
-        int again = 0;
-        for (int k = 0; k < sent && !again; k++) {
-            void *v = NULL;
-            if (redisGetReply(cn->c, &v) != REDIS_OK) {
-                if (k == 0 && tries == 0 && conn_reopen(cn, errno)) {
-                    again = 1; /* nothing of the batch went through: all of it again */
-                    break;
-                }
-                note_error(r, "SET", cn->c->errstr);
-                atomic_fetch_add(&r->put_errors, (uint64_t)(sent - k));
-                conn_drop(r, cn);
-                return;
-            }
+        for (int i = 0; i < n && e == 0; i++) {
+            put_item *it = items[i];
+            if (it->state != PUT_PENDING || it->node != k || it->round >= round)
+                continue;
+            void *v = NULL, *ok = NULL;
+            if (it->ask && redisGetReply(cn->c, &ok) != REDIS_OK)
+                e = errno ? -errno : -EIO;
+            if (ok)
+                freeReplyObject(ok);
+            if (e == 0 && redisGetReply(cn->c, &v) != REDIS_OK)
+                e = errno ? -errno : -EIO;
+            if (e)
+                break;
             cn->used = 1;
+            answered = 1;
+            it->round = round;
             redisReply *rp = v;
-            if (rp->type == REDIS_REPLY_ERROR) { /* OOM under noeviction, READONLY, ... */
+            int s, to, kind = redirect_of(rt, rp, k, &s, &to);
+            if (kind && round < MAX_REDIRECTS && rekv_now_ns() < deadline_ns) {
+                it->node = to;
+                it->ask = kind == REDIR_ASK;
+                if (kind == REDIR_MOVED) {
+                    on_moved(r, rt, s, to);
+                    moved_to = to;
+                } else {
+                    atomic_fetch_add(&r->asked, 1);
+                }
+            } else if (rp->type == REDIS_REPLY_ERROR) {
                 note_error(r, "SET", rp->str);
                 atomic_fetch_add(&r->put_errors, 1);
+                it->state = PUT_DONE;
             } else {
                 atomic_fetch_add(&r->written, 1);
+                it->state = PUT_DONE;
             }
             freeReplyObject(rp);
         }
-        if (!again)
-            return;
+        if (e == 0)
+            break;
+        if (!answered && tries == 0 && conn_reopen(cn, -e)) {
+            e = 0; /* nothing of the batch went through: all of it again */
+            continue;
+        }
+        note_error(r, "SET", cn->c->err ? cn->c->errstr : strerror(-e));
+        for (int i = 0; i < n; i++)
+            if (items[i]->state == PUT_PENDING && items[i]->node == k &&
+                items[i]->round < round) {
+                items[i]->state = PUT_DONE;
+                atomic_fetch_add(&r->put_errors, 1);
+            }
+        conn_drop(r, cn);
+        break;
     }
+    if (moved_to >= 0)
+        refresh_after_moved(r, rt, moved_to);
+}
+
+/* Sends the commands of items[0..n) to the nodes of their keys' slots, in rounds: a round sends
+ * each node its items pipelined; a cluster's MOVED or ASK answer sends an item again in the next
+ * round, up to MAX_REDIRECTS times and within --remote-timeout-ms. Counts each as written, failed
+ * or dropped. */
+static void run_puts(kv_remote *r, route *rt, put_item **items, int n)
+{
+    uint64_t deadline_ns = rekv_now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
+    for (int i = 0; i < n; i++) {
+        put_item *it = items[i];
+        it->state = it->cmd ? PUT_PENDING : PUT_DONE;
+        if (it->cmd == NULL) /* no memory for its command */
+            atomic_fetch_add(&r->dropped, 1);
+        it->node = rt->slot[key_slot(it->key)];
+        it->ask = 0;
+        it->round = -1;
+    }
+    for (int round = 0; round <= MAX_REDIRECTS; round++)
+        for (int i = 0; i < n; i++)
+            if (items[i]->state == PUT_PENDING && items[i]->round < round)
+                puts_to_node(r, rt, items[i]->node, items, n, round, deadline_ns);
+    for (int i = 0; i < n; i++)
+        if (items[i]->state == PUT_PENDING) {
+            note_error(r, "SET", "redirected too often");
+            atomic_fetch_add(&r->put_errors, 1);
+        }
 }
 
 static void *writer_main(void *arg)
 {
     kv_remote *r = arg;
-    conn cn = {0};
+    route *rt = route_new(r);
     put_item *batch[PUT_PIPELINE];
+    /* Background work: the copies, CRC32C and sends yield the CPU to anything else (a step
+     * above all). Lowering one's own policy needs no privilege; where it fails, nice is all. */
+    struct sched_param sp = {0};
+    if (pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp) != 0 &&
+        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19) != 0)
+        note_error(r, "writer", "could not lower its priority");
     pthread_mutex_lock(&r->mu);
     while (!r->stop) {
         if (r->put_head == NULL) {
@@ -505,17 +831,19 @@ static void *writer_main(void *arg)
             r->put_tail = NULL;
         pthread_mutex_unlock(&r->mu);
         copy_puts(r, batch, n); /* first: the loop gets its blocks back before any network wait */
-        run_puts(r, &cn, batch, n);
+        if (rt)
+            run_puts(r, rt, batch, n);
+        else
+            atomic_fetch_add(&r->dropped, (uint64_t)n);
         for (int i = 0; i < n; i++) {
-            free(batch[i]->val);
+            free(batch[i]->cmd);
             free(batch[i]->src);
             free(batch[i]);
         }
         pthread_mutex_lock(&r->mu);
     }
     pthread_mutex_unlock(&r->mu);
-    if (cn.c)
-        redisFree(cn.c);
+    route_free(rt);
     return NULL;
 }
 
@@ -908,6 +1236,12 @@ void srv_remote_metrics(const rekv_kvstore_server *s, rekv_metrics_buf *b)
         {"rekv_kvstore_remote_timeouts_total", NULL,
          "Reads not answered within --remote-timeout-ms (their requests went on without them).",
          (double)r->timeouts},
+        {"rekv_kvstore_remote_redirects_total", "kind=\"moved\"",
+         "Redis Cluster redirects followed: MOVED (the slot's node learnt) and ASK (a slot "
+         "being migrated).",
+         (double)atomic_load(&r->moved)},
+        {"rekv_kvstore_remote_redirects_total", "kind=\"ask\"", NULL,
+         (double)atomic_load(&r->asked)},
         {"rekv_kvstore_remote_crc_errors_total", NULL,
          "Values read back and refused: a CRC32C mismatch, or a header not the block's.",
          (double)r->crc_errors},
