@@ -605,6 +605,7 @@ static void run_get(kv_remote *r, route *rt, get_job *j)
         lens[i + 1] = strlen(j->keys[i]);
     }
     redisReply *rp = NULL;
+    conn_ensure(r, rt, 0); /* a first connection asks for the slot map before anything is sent */
     int k = rt->slot[slot], asking = 0, s, to, kind;
     for (int hops = 0;; hops++) {
         rp = node_command(r, rt, k, asking, (int)j->n + 1, argv, lens, "MGET", &j->err);
@@ -783,6 +784,7 @@ static void puts_to_node(kv_remote *r, route *rt, int k, put_item **items, int n
 static void run_puts(kv_remote *r, route *rt, put_item **items, int n)
 {
     uint64_t deadline_ns = rekv_now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
+    conn_ensure(r, rt, 0); /* a first connection asks for the slot map before anything is sent */
     for (int i = 0; i < n; i++) {
         put_item *it = items[i];
         it->state = it->cmd ? PUT_PENDING : PUT_DONE;
