@@ -1156,6 +1156,8 @@ int srv_remote_open(rekv_kvstore_server *s, rekv_err *err)
     if ((rc = pthread_create(&r->writer, NULL, writer_main, r)) != 0)
         return rekv_errf(err, -rc, "kvstore: remote writer thread: %s", strerror(rc));
     r->n_threads = 2;
+    pthread_setname_np(r->reader, "rekv-kv-rread"); /* in top -H and perf: a name is all */
+    pthread_setname_np(r->writer, "rekv-kv-rwrite");
     return 0;
 }
 

@@ -12,13 +12,18 @@
  * lookups misses, locally and in Redis. Every request makes --max-new-tokens G tokens (greedy,
  * EOS ignored).
  *
- * Runs, each on fresh trios (and a fresh Redis):
+ * Runs, each on fresh trios (and a fresh Redis); the first three --repeat R times over,
+ * interleaved (local, remote, remote-idle, local, ...: a change of the machine's load falls on each
+ * kind alike), then kill:
  *   local   no --remote: nothing is shared; B computes each system prompt again. The reference.
  *   remote  both with --remote unix://...: B reads A's blocks from Redis (JobStatus.cached_tokens;
  *           Redis's own keyspace_hits beside). Before each of B's requests the bench waits until
  *           Redis holds every block written so far (DBSIZE against the distinct whole blocks of
  *           the prompts and answers, counted from the token lists: A's write-through is
  *           asynchronous, and "a prefix computed by A" means one A has finished writing).
+ *   remote-idle  as remote, with redis-server at SCHED_IDLE: a Redis sharing the replica's
+ *           cores takes only CPU time the step leaves (as an operator co-locating one should
+ *           run it). Its step ratio is reported beside remote's, both honest.
  *   kill    as remote, and redis-server is killed (SIGKILL) right after B's request of pair
  *           P/2 is submitted: that job and every later one go on without Redis.
  * Reported: B's TTFT p50 remote / local (goal <= 0.30); jobs failed in every run (goal 0); A's
@@ -32,6 +37,7 @@
 #include <getopt.h>
 #include <jansson.h>
 #include <math.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,13 +62,13 @@
 #define WARM_LEN 40        /* the warm-up job's prompt: two whole blocks, written by both */
 #define WARM_BLOCKS ((WARM_LEN + 1 - 1) / BLOCK)
 
-enum { RUN_LOCAL, RUN_REMOTE, RUN_KILL, N_RUNS };
-static const char *const run_names[N_RUNS] = {"local", "remote", "kill"};
+enum { RUN_LOCAL, RUN_REMOTE, RUN_REMOTE_IDLE, RUN_KILL, N_KINDS };
+static const char *const run_names[N_KINDS] = {"local", "remote", "remote-idle", "kill"};
 enum { REP_A, REP_B };
 
 typedef struct rm_opts {
     const char *model, *backend, *arena, *redis_bin, *timeout_ms;
-    long pairs, sys_len, q_len, max_new;
+    long pairs, sys_len, q_len, max_new, repeat;
 } rm_opts;
 
 typedef struct rreq {
@@ -162,7 +168,7 @@ static void redis_stop(redis_srv *r)
 
 /* Starts redis-server in a new temporary directory, on a unix socket there, and waits until it
  * answers PING; 0, or -1 with a message printed (its log named) and nothing left running. */
-static int redis_start(redis_srv *r, const char *bin)
+static int redis_start(redis_srv *r, const char *bin, int idle)
 {
     memset(r, 0, sizeof(*r));
     const char *tmp = getenv("TMPDIR");
@@ -191,6 +197,9 @@ static int redis_start(redis_srv *r, const char *bin)
         int fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
         if (fd >= 0)
             dup2(fd, 1), dup2(fd, 2);
+        struct sched_param sp = {0}; /* remote-idle: CPU time only when nothing else wants it */
+        if (idle && sched_setscheduler(0, SCHED_IDLE, &sp) != 0)
+            _exit(126);
         execl(bin, "redis-server", "--port", "0", "--unixsocket", r->sock, "--unixsocketperm",
               "700", "--save", "", "--appendonly", "no", "--dir", r->dir, (char *)NULL);
         _exit(127);
@@ -462,7 +471,7 @@ static int rm_one_run(const rm_opts *o, int vocab, const char *redis_bin, rm_run
     for (int i = 0; i < run->n; i++)
         if (make_prompt(o, vocab, i, &run->reqs[i]))
             goto oom;
-    if (run->kind != RUN_LOCAL && redis_start(&rs, redis_bin))
+    if (run->kind != RUN_LOCAL && redis_start(&rs, redis_bin, run->kind == RUN_REMOTE_IDLE))
         goto out;
     for (int k = 0; k < 2; k++)
         if (rm_replica(o, vocab, run->kind != RUN_LOCAL ? rs.url : NULL, &t[k], &c[k], run))
@@ -491,17 +500,39 @@ out:
 
 /* ---------------------------------------------------------------- the report */
 
-/* Nearest-rank percentile p of the TTFTs of replica rep's requests. */
-static double ttft_pct(const rm_run *run, int rep, double p)
+/* Nearest-rank percentile p of the TTFTs of replica rep's requests in runs[0..nr) of kind
+ * (every kind when kind < 0). */
+static double ttft_pct_of(const rm_run *runs, int nr, int kind, int rep, double p)
 {
-    double *v = malloc(sizeof(double) * (size_t)(run->n + 1));
-    size_t n = 0;
-    for (int i = rep; v && i < run->n; i += 2)
-        if (run->reqs[i].ttft_s >= 0)
-            v[n++] = run->reqs[i].ttft_s;
+    size_t cap = 1, n = 0;
+    for (int k = 0; k < nr; k++)
+        cap += (size_t)runs[k].n;
+    double *v = malloc(sizeof(double) * cap);
+    for (int k = 0; v && k < nr; k++)
+        for (int i = rep; (kind < 0 || runs[k].kind == kind) && i < runs[k].n; i += 2)
+            if (runs[k].reqs[i].ttft_s >= 0)
+                v[n++] = runs[k].reqs[i].ttft_s;
     double r = v ? cli_percentile(v, n, p) : 0;
     free(v);
     return r;
+}
+
+static double ttft_pct(const rm_run *run, int rep, double p)
+{
+    return ttft_pct_of(run, 1, -1, rep, p);
+}
+
+/* Replica A's mean step time over the runs of kind: all their steps together. */
+static double step_avg_of(const rm_run *runs, int nr, int kind)
+{
+    double t = 0;
+    uint64_t n = 0;
+    for (int k = 0; k < nr; k++)
+        if (runs[k].kind == kind) {
+            t += runs[k].step_avg_s[REP_A] * (double)runs[k].steps[REP_A];
+            n += runs[k].steps[REP_A];
+        }
+    return n ? t / (double)n : 0;
 }
 
 static uint64_t cached_sum(const rm_run *run, int rep)
@@ -523,12 +554,12 @@ static long mismatches(const rm_run *ref, const rm_run *run)
     return m;
 }
 
-static json_t *run_json(const rm_run *run, long mism)
+static json_t *run_json(const rm_run *run, int repeat, long mism)
 {
     json_t *j = json_pack(
-        "{s:s, s:i, s:I, s:I, s:I, s:f, s:{s:f, s:f}, s:{s:f, s:f}, s:I, s:I, s:{s:f, s:f}, "
+        "{s:s, s:i, s:i, s:I, s:I, s:I, s:f, s:{s:f, s:f}, s:{s:f, s:f}, s:I, s:I, s:{s:f, s:f}, "
         "s:{s:I, s:I}}",
-        "run", run_names[run->kind], "requests", run->n, "tokens", (json_int_t)run->tokens,
+        "run", run_names[run->kind], "repeat", repeat, "requests", run->n, "tokens", (json_int_t)run->tokens,
         "jobs_failed", (json_int_t)run->failed, "mismatches", (json_int_t)mism, "wall_s",
         run->wall_s, "ttft_a_s", "p50", ttft_pct(run, REP_A, 50), "p90", ttft_pct(run, REP_A, 90),
         "ttft_b_s", "p50", ttft_pct(run, REP_B, 50), "p90", ttft_pct(run, REP_B, 90),
@@ -555,31 +586,39 @@ static json_t *goal(double value, double limit)
     return json_pack("{s:f, s:f, s:b}", "value", value, "goal", limit, "met", value <= limit);
 }
 
-/* Prints the report; returns the failures' count (jobs failed, answers differing from local's). */
-static long rm_print(const rm_opts *o, const rekv_model_config *cfg, const rm_run *runs)
+/* Prints the report of runs[0..nr) (runs[0] local: the answers' reference; the kill run last);
+ * returns the failures' count (jobs failed, answers differing from local's). */
+static long rm_print(const rm_opts *o, const rekv_model_config *cfg, const rm_run *runs, int nr)
 {
     json_t *arr = json_array();
     long bad = 0, mism_all = 0;
-    for (int k = 0; k < N_RUNS; k++) {
-        long m = mismatches(&runs[RUN_LOCAL], &runs[k]);
+    for (int k = 0; k < nr; k++) {
+        long m = mismatches(&runs[0], &runs[k]);
         mism_all += m;
         bad += (long)runs[k].failed;
-        json_array_append_new(arr, run_json(&runs[k], m));
+        json_array_append_new(arr, run_json(&runs[k], k / 3, m));
     }
-    double tl = ttft_pct(&runs[RUN_LOCAL], REP_B, 50), tr = ttft_pct(&runs[RUN_REMOTE], REP_B, 50);
-    double sl = runs[RUN_LOCAL].step_avg_s[REP_A], sr = runs[RUN_REMOTE].step_avg_s[REP_A];
+    /* each kind over all its repeats, which interleave: a change of the machine's load falls
+     * on every kind alike */
+    double tl = ttft_pct_of(runs, nr, RUN_LOCAL, REP_B, 50);
+    double tr = ttft_pct_of(runs, nr, RUN_REMOTE, REP_B, 50);
+    double sl = step_avg_of(runs, nr, RUN_LOCAL), sr = step_avg_of(runs, nr, RUN_REMOTE);
+    double si = step_avg_of(runs, nr, RUN_REMOTE_IDLE);
     json_t *out = json_pack(
-        "{s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:I, s:I, s:{s:I, s:I, s:I}, "
-        "s:o, s:I, s:{s:o, s:o, s:o, s:o}}",
+        "{s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:I, s:I, s:I, s:{s:I, s:I, s:I}, "
+        "s:o, s:I, s:{s:f, s:f, s:f}, s:{s:o, s:o, s:o, s:o, s:o}}",
         "bench", "remote", "backend", o->backend, "mode", "offload", "model", "layers",
         cfg->n_layers, "hidden", cfg->hidden, "heads", cfg->n_heads, "kv_heads", cfg->n_kv_heads,
         "vocab", cfg->vocab, "max_pos", cfg->max_pos, "arena", o->arena, "remote_timeout_ms",
-        (json_int_t)atol(o->timeout_ms), "max_new_tokens", (json_int_t)o->max_new, "workload_shape", "pairs",
+        (json_int_t)atol(o->timeout_ms), "max_new_tokens", (json_int_t)o->max_new, "repeat",
+        (json_int_t)o->repeat, "workload_shape", "pairs",
         (json_int_t)o->pairs, "system_len", (json_int_t)o->sys_len, "question_len",
-        (json_int_t)o->q_len, "runs", arr, "mismatches", (json_int_t)mism_all, "goals",
-        "ttft_b_p50_remote_over_local", goal(tl > 0 ? tr / tl : 0, 0.30),
-        "step_avg_a_remote_over_local", goal(sl > 0 ? sr / sl : 0, 1.05), "jobs_failed_kill",
-        goal((double)runs[RUN_KILL].failed, 0), "mismatches", goal((double)mism_all, 0));
+        (json_int_t)o->q_len, "runs", arr, "mismatches", (json_int_t)mism_all, "step_avg_a_s",
+        "local", sl, "remote", sr, "remote_idle", si, "goals", "ttft_b_p50_remote_over_local",
+        goal(tl > 0 ? tr / tl : 0, 0.30), "step_avg_a_remote_over_local",
+        goal(sl > 0 ? sr / sl : 0, 1.05), "step_avg_a_remote_idle_over_local",
+        goal(sl > 0 ? si / sl : 0, 1.05), "jobs_failed_kill", goal((double)runs[nr - 1].failed, 0),
+        "mismatches", goal((double)mism_all, 0));
     char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", s);
     free(s);
@@ -599,20 +638,24 @@ static void rm_usage(FILE *f)
     fprintf(f,
             "usage: rekv bench remote --model PATH [--pairs N] [--system-len P] [--question-len L]\n"
             "                         [--max-new-tokens G] [--arena SIZE] [--backend B]\n"
-            "                         [--remote-timeout-ms MS] [--redis-server PATH] [--json]\n"
+            "                         [--remote-timeout-ms MS] [--redis-server PATH] [--repeat R]\n"
+            "                         [--json]\n"
             "Two replicas (private trios: `rekv run --mode offload`, the prefix cache on,\n"
             "--host-bytes SIZE, default 256M) and one redis-server started here (a unix socket\n"
             "in a temporary directory, no persistence; PATH's, or --redis-server). N pairs\n"
             "(default 8), one request at a time: a P-token system prompt of the pair's own\n"
             "(2048) + L tokens (100) asked on replica A, then the same system prompt + other L\n"
-            "tokens on replica B; G new tokens each (16; greedy, EOS ignored). Three runs on\n"
-            "fresh replicas: local (no --remote: nothing shared), remote (both --remote\n"
+            "tokens on replica B; G new tokens each (16; greedy, EOS ignored). Runs on fresh\n"
+            "replicas: local (no --remote: nothing shared), remote (both --remote\n"
             "unix://SOCKET --remote-timeout-ms MS, default 1000: B reads A's blocks from Redis),\n"
-            "kill (as remote, redis-server killed with SIGKILL right after B's request of pair\n"
-            "N/2 is submitted). Prints one JSON object: per run the TTFT on A and B, the prompt\n"
+            "remote-idle (as remote, redis-server at SCHED_IDLE: how to co-locate it with a\n"
+            "replica), those three R times over (default 1), interleaved; then kill (as remote,\n"
+            "redis-server killed with SIGKILL right after B's request of pair N/2 is\n"
+            "submitted). Prints one JSON object: per run the TTFT on A and B, the prompt\n"
             "tokens each took from its cache, each worker's mean step time over the workload,\n"
             "Redis's keyspace hits and misses; the goals: B's TTFT p50 remote / local <= 0.30,\n"
-            "A's mean step time remote / local <= 1.05 (A's every lookup misses), no job failed\n"
+            "A's mean step time remote / local and remote-idle / local <= 1.05 (A's every\n"
+            "lookup misses; each kind's steps over all repeats), no job failed\n"
             "in the kill run, no answer differing from the local run's. Exit 1 when a job failed\n"
             "or an answer differs.\n");
 }
@@ -625,9 +668,10 @@ static int rm_parse(int argc, char **argv, rm_opts *o)
         {"max-new-tokens", required_argument, 0, 'g'}, {"arena", required_argument, 0, 'a'},
         {"backend", required_argument, 0, 'b'},        {"remote-timeout-ms", required_argument, 0, 't'},
         {"redis-server", required_argument, 0, 'r'},   {"json", no_argument, 0, 'j'},
+        {"repeat", required_argument, 0, 'R'},
         {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
     *o = (rm_opts){.backend = "cpu", .arena = "256M", .timeout_ms = "1000", .pairs = 8,
-                   .sys_len = 2048, .q_len = 100, .max_new = 16};
+                   .sys_len = 2048, .q_len = 100, .max_new = 16, .repeat = 1};
     uint64_t bytes;
     long v;
     int c;
@@ -643,6 +687,7 @@ static int rm_parse(int argc, char **argv, rm_opts *o)
         case 'b': o->backend = optarg; break;
         case 't': if (cli_parse_int("remote-timeout-ms", optarg, 1, 10000, &v)) return 2; o->timeout_ms = optarg; break;
         case 'r': o->redis_bin = optarg; break;
+        case 'R': if (cli_parse_int("repeat", optarg, 1, 100, &o->repeat)) return 2; break;
         case 'j': break; /* JSON is the only output */
         case 'h': rm_usage(stdout); return 0;
         default: rm_usage(stderr); return 2;
@@ -676,23 +721,28 @@ int cli_bench_remote(int argc, char **argv)
                         "context (%d)\n", o.sys_len + o.q_len + o.max_new, cfg.max_pos);
         return 2;
     }
-    rm_run runs[N_RUNS];
-    memset(runs, 0, sizeof(runs));
+    /* local, remote, remote-idle, repeat times over; then kill */
+    int nr = (int)o.repeat * 3 + 1, done = 0;
+    rm_run *runs = calloc((size_t)nr, sizeof(*runs));
+    if (runs == NULL) {
+        fprintf(stderr, "rekv bench remote: out of memory\n");
+        return 1;
+    }
     rc = 1;
-    int done = 0;
-    for (; done < N_RUNS; done++) {
-        runs[done].kind = done;
+    for (; done < nr; done++) {
+        runs[done].kind = done == nr - 1 ? RUN_KILL : done % 3;
         if (rm_one_run(&o, cfg.vocab, redis_bin, &runs[done])) {
             done++;
             goto out;
         }
     }
-    rc = rm_print(&o, &cfg, runs) ? 1 : 0;
+    rc = rm_print(&o, &cfg, runs, nr) ? 1 : 0;
 out:
     for (int k = 0; k < done; k++) {
         for (int i = 0; i < runs[k].n && runs[k].reqs; i++)
             free(runs[k].reqs[i].prompt), free(runs[k].reqs[i].out);
         free(runs[k].reqs);
     }
+    free(runs);
     return rc;
 }
