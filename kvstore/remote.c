@@ -383,6 +383,14 @@ static int conn_ensure(kv_remote *r, route *rt, int k)
     if (cn->c == NULL || cn->c->err || redisSetTimeout(cn->c, r->tv) != REDIS_OK) {
         note_error(r, "connect", cn->c ? cn->c->errstr : "out of memory");
         conn_drop(r, cn);
+        /* a cluster's master gone (failed over, or removed): another node knows who has its
+         * slots now */
+        for (int j = 0; j < rt->n; j++)
+            if (j != k && rt->nodes[j].cn.c && rekv_now_ns() - rt->refreshed_ns >
+                                                   (uint64_t)SLOTS_REFRESH_MS * 1000000ull) {
+                slots_refresh(rt, j);
+                break;
+            }
         return -ECONNREFUSED;
     }
     if (k == 0 && r->url.db) {
@@ -605,7 +613,8 @@ static void run_get(kv_remote *r, route *rt, get_job *j)
         lens[i + 1] = strlen(j->keys[i]);
     }
     redisReply *rp = NULL;
-    conn_ensure(r, rt, 0); /* a first connection asks for the slot map before anything is sent */
+    if (rt->refreshed_ns == 0) /* a first connection asks for the slot map, before routing */
+        conn_ensure(r, rt, 0);
     int k = rt->slot[slot], asking = 0, s, to, kind;
     for (int hops = 0;; hops++) {
         rp = node_command(r, rt, k, asking, (int)j->n + 1, argv, lens, "MGET", &j->err);
@@ -784,7 +793,8 @@ static void puts_to_node(kv_remote *r, route *rt, int k, put_item **items, int n
 static void run_puts(kv_remote *r, route *rt, put_item **items, int n)
 {
     uint64_t deadline_ns = rekv_now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
-    conn_ensure(r, rt, 0); /* a first connection asks for the slot map before anything is sent */
+    if (rt->refreshed_ns == 0) /* a first connection asks for the slot map, before routing */
+        conn_ensure(r, rt, 0);
     for (int i = 0; i < n; i++) {
         put_item *it = items[i];
         it->state = it->cmd ? PUT_PENDING : PUT_DONE;

@@ -1,8 +1,8 @@
 /* test_bench_remote.c — `rekv bench remote` (issue 38's benchmark), tiny: two real replicas
  * (`rekv run`, a small synthetic llama) and Debian's redis-server, started by the bench, through
- * its four runs — local (nothing shared), remote (both replicas --remote on one Redis),
- * remote-idle (the same with redis-server at SCHED_IDLE), kill
- * (redis-server killed with SIGKILL under one of B's jobs). Asserts counts only, never a time:
+ * its four runs — local (nothing shared), remote (both replicas --remote on one Redis), kill
+ * (redis-server killed with SIGKILL under one of B's jobs), steps (three trios given the same
+ * prompts: no Redis, a Redis, a Redis at SCHED_IDLE). Asserts counts only, never a time:
  * every job done in every run with the local run's tokens (the bench's mismatch count, and its exit
  * code), replica B taking prompt tokens from its cache only where a Redis shares A's blocks
  * (none in the local run, where each of B's system prompts is new to it; some in the remote
@@ -66,8 +66,8 @@ START_TEST(shared_prefixes_and_a_killed_redis_keep_the_tokens)
     ck_assert_msg(rc == 0 && o != NULL, "%s: exit %d: %s", cmd, rc, out);
     ck_assert_int_eq(geti(o, "mismatches"), 0);
     ck_assert_int_eq(json_array_size(json_object_get(o, "runs")), 4);
-    const char *names[] = {"local", "remote", "remote-idle", "kill"};
-    for (int i = 0; i < 4; i++) {
+    const char *names[] = {"local", "remote", "kill"};
+    for (int i = 0; i < 3; i++) {
         json_t *r = run_named(o, names[i]);
         ck_assert_int_eq(geti(r, "requests"), 4);
         ck_assert_int_eq(geti(r, "jobs_failed"), 0);
@@ -77,13 +77,18 @@ START_TEST(shared_prefixes_and_a_killed_redis_keep_the_tokens)
     }
     /* nothing shared: each of B's system prompts is new to it */
     ck_assert_int_eq(geti(run_named(o, "local"), "b_cached_tokens"), 0);
-    for (int i = 1; i <= 2; i++) { /* remote, and remote-idle: Redis at SCHED_IDLE shares too */
-        json_t *remote = run_named(o, names[i]);
-        ck_assert_int_gt(geti(remote, "b_cached_tokens"), 0);
-        ck_assert_int_gt(geti(json_object_get(remote, "redis"), "keyspace_hits"), 0);
-    }
+    json_t *remote = run_named(o, "remote");
+    ck_assert_int_gt(geti(remote, "b_cached_tokens"), 0);
+    ck_assert_int_gt(geti(json_object_get(remote, "redis"), "keyspace_hits"), 0);
     /* killed under B's request of pair 1 (request 3); every job still done, above */
     ck_assert_int_eq(geti(run_named(o, "kill"), "redis_killed_at_request"), 3);
+    /* steps: A's two prompts on each of three trios (no Redis; Redis; Redis at SCHED_IDLE), every
+     * answer the local run's */
+    json_t *st = run_named(o, "steps");
+    ck_assert_int_eq(geti(st, "requests"), 6);
+    ck_assert_int_eq(geti(st, "jobs_failed"), 0);
+    ck_assert_int_eq(geti(st, "mismatches"), 0);
+    ck_assert_int_eq(geti(st, "tokens"), 24);
     json_decref(o);
     free(out);
 }

@@ -13,6 +13,10 @@
  * the same first block are answered ASK and follow it; once the slot is the other node's, Y's read
  * of the new block is answered MOVED and follows it — each counted, each block intact.
  *
+ * And two complete replicas (`rekv run`, stories260K) on two nodes of the same kind of cluster:
+ * six prompts replica A computed, replica B — its cache empty — serves from the cluster (each
+ * job's cached_tokens: A's full blocks) with rekv_generate's tokens.
+ *
  * redis-server, or a redis-cli with --cluster, missing: skipped, or failed when CI=true. */
 #define _GNU_SOURCE
 #include <check.h>
@@ -30,18 +34,21 @@
 
 #include <hiredis/hiredis.h>
 
+#include "coordinator/coordinator.h"
+#include "tests/co_env.h"
 #include "tests/kvd.h"
 #include "tests/metrics_scrape.h"
 #include "tests/testutil.h"
 
-#define N_NODES 3
+#define MAX_NODES 6
 #define N_CHAINS 6
 
 typedef struct cluster {
     char *dir;
-    int port[N_NODES];
-    pid_t pid[N_NODES];
-    char id[N_NODES][48];
+    int n;
+    int port[MAX_NODES];
+    pid_t pid[MAX_NODES];
+    char id[MAX_NODES][48];
 } cluster;
 
 static int have_cluster_tools(void)
@@ -128,7 +135,7 @@ static long long node_int(int port, const char *cmd)
 static long long cluster_keys(const cluster *cl)
 {
     long long n = 0;
-    for (int i = 0; i < N_NODES; i++)
+    for (int i = 0; i < cl->n; i++)
         n += node_int(cl->port[i], "DBSIZE");
     return n;
 }
@@ -139,13 +146,15 @@ static void cluster_wait_keys(const cluster *cl, long long n)
         usleep(10000);
 }
 
-/* Starts three cluster-enabled redis-servers, forms them into one cluster with redis-cli and
- * waits until every node says cluster_state:ok. */
-static void cluster_start(cluster *cl)
+/* Starts n cluster-enabled redis-servers (a node is taken as failed after 1 s unseen), forms
+ * them into one cluster of n / (replicas + 1) masters with redis-cli and waits until every node
+ * says cluster_state:ok and knows every slot's owner. */
+static void cluster_start(cluster *cl, int n, int replicas)
 {
     memset(cl, 0, sizeof(*cl));
     cl->dir = tu_tmpdir();
-    for (int i = 0; i < N_NODES; i++) {
+    cl->n = n;
+    for (int i = 0; i < cl->n; i++) {
         cl->port[i] = cluster_port();
         char port[16], dir[4200], conf[4300], log[4300];
         snprintf(port, sizeof(port), "%d", cl->port[i]);
@@ -158,12 +167,13 @@ static void cluster_start(cluster *cl)
         if (cl->pid[i] == 0) {
             freopen(log, "a", stdout);
             execl("/usr/bin/redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1",
-                  "--cluster-enabled", "yes", "--cluster-config-file", conf, "--save", "",
+                  "--cluster-enabled", "yes", "--cluster-config-file", conf,
+                  "--cluster-node-timeout", "1000", "--save", "",
                   "--appendonly", "no", "--dir", dir, (char *)NULL);
             _exit(127);
         }
     }
-    for (int i = 0; i < N_NODES; i++)
+    for (int i = 0; i < cl->n; i++)
         for (;;) { /* each answers PING (Check's timeout is the guard) */
             redisContext *c = node_conn(cl->port[i]);
             redisReply *rp = c && !c->err ? redisCommand(c, "PING") : NULL;
@@ -180,14 +190,15 @@ static void cluster_start(cluster *cl)
             usleep(10000);
         }
     char cmd[1024], *out = NULL;
-    snprintf(cmd, sizeof(cmd),
-             "redis-cli --cluster create 127.0.0.1:%d 127.0.0.1:%d 127.0.0.1:%d "
-             "--cluster-replicas 0 --cluster-yes 2>&1",
-             cl->port[0], cl->port[1], cl->port[2]);
+    int len = snprintf(cmd, sizeof(cmd), "redis-cli --cluster create");
+    for (int i = 0; i < n; i++)
+        len += snprintf(cmd + len, sizeof(cmd) - (size_t)len, " 127.0.0.1:%d", cl->port[i]);
+    snprintf(cmd + len, sizeof(cmd) - (size_t)len, " --cluster-replicas %d --cluster-yes 2>&1",
+             replicas);
     int st = tu_run(cmd, &out);
     ck_assert_msg(st == 0, "%s: status %d: %s", cmd, st, out);
     free(out);
-    for (int i = 0; i < N_NODES; i++) {
+    for (int i = 0; i < cl->n; i++) {
         for (;;) {
             redisReply *rp = node_cmd(cl->port[i], "CLUSTER INFO");
             int ok = rp->type == REDIS_REPLY_STRING && strstr(rp->str, "cluster_state:ok");
@@ -202,10 +213,12 @@ static void cluster_start(cluster *cl)
         freeReplyObject(rp);
     }
     /* and every node knows every slot's owner */
-    for (int i = 0; i < N_NODES; i++)
+    for (int i = 0; i < cl->n; i++)
         for (;;) {
             redisReply *rp = node_cmd(cl->port[i], "CLUSTER INFO");
-            int ok = strstr(rp->str, "cluster_slots_ok:16384") && strstr(rp->str, "cluster_known_nodes:3");
+            char known[64];
+            snprintf(known, sizeof(known), "cluster_known_nodes:%d\r", n);
+            int ok = strstr(rp->str, "cluster_slots_ok:16384") && strstr(rp->str, known);
             freeReplyObject(rp);
             if (ok)
                 break;
@@ -215,7 +228,7 @@ static void cluster_start(cluster *cl)
 
 static void cluster_stop(cluster *cl)
 {
-    for (int i = 0; i < N_NODES; i++)
+    for (int i = 0; i < cl->n; i++)
         if (cl->pid[i] > 0)
             tu_kill9(cl->pid[i]);
     tu_rmrf(cl->dir);
@@ -227,7 +240,7 @@ static void cluster_stop(cluster *cl)
 static void new_chain(const cluster *cl, char **before, size_t nb, int *slot, int *node)
 {
     *slot = -1;
-    for (int i = 0; i < N_NODES; i++) {
+    for (int i = 0; i < cl->n; i++) {
         redisReply *rp = node_cmd(cl->port[i], "KEYS rekv:*");
         ck_assert_int_eq(rp->type, REDIS_REPLY_ARRAY);
         for (size_t k = 0; k < rp->elements; k++) {
@@ -253,7 +266,7 @@ static char **all_keys(const cluster *cl, size_t *n)
 {
     char **v = NULL;
     *n = 0;
-    for (int i = 0; i < N_NODES; i++) {
+    for (int i = 0; i < cl->n; i++) {
         redisReply *rp = node_cmd(cl->port[i], "KEYS rekv:*");
         v = realloc(v, sizeof(char *) * (*n + rp->elements + 1));
         for (size_t k = 0; k < rp->elements; k++)
@@ -347,7 +360,7 @@ START_TEST(two_stores_share_through_a_cluster)
     if (!have_cluster_tools())
         return;
     cluster cl;
-    cluster_start(&cl);
+    cluster_start(&cl, 3, 0);
     for (int i = 0; i < N_CHAINS + 2; i++)
         for (int t = 0; t < 40; t++)
             P[i][t] = 100 + 37 * i + 3 * t;
@@ -370,7 +383,7 @@ START_TEST(two_stores_share_through_a_cluster)
     }
     ck_assert_int_eq(metric(py, HITS), 2 * 2 * N_CHAINS); /* blocks x layers */
     int holding = 0;
-    for (int i = 0; i < N_NODES; i++)
+    for (int i = 0; i < cl.n; i++)
         holding += node_int(cl.port[i], "DBSIZE") > 0;
     ck_assert_int_ge(holding, 2);
     ck_assert_int_eq(metric(px, MOVED), 0);
@@ -384,7 +397,7 @@ START_TEST(two_stores_share_through_a_cluster)
     cluster_wait_keys(&cl, 2 * N_CHAINS + 2);
     int slot = -1, s = 0;
     new_chain(&cl, before, nb, &slot, &s);
-    int d = (s + 1) % N_NODES;
+    int d = (s + 1) % cl.n;
     node_ok(cl.port[d], "CLUSTER SETSLOT %d IMPORTING %s", slot, cl.id[s]);
     node_ok(cl.port[s], "CLUSTER SETSLOT %d MIGRATING %s", slot, cl.id[d]);
     redisReply *rp = node_cmd(cl.port[s], "CLUSTER GETKEYSINSLOT %d 100", slot);
@@ -409,7 +422,7 @@ START_TEST(two_stores_share_through_a_cluster)
 
     /* the slot is d's: Y's map still says s, whose MOVED sends its read of the eighth's second
      * block to d (the first is Y's own since the seventh) */
-    for (int i = 0; i < N_NODES; i++)
+    for (int i = 0; i < cl.n; i++)
         node_ok(cl.port[i], "CLUSTER SETSLOT %d NODE %s", slot, cl.id[d]);
     double moved0 = metric(py, MOVED);
     ck_assert_uint_eq(read_back(cy, 151, N_CHAINS + 1), 32);
@@ -429,12 +442,97 @@ START_TEST(two_stores_share_through_a_cluster)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ replicas */
+
+/* A 40-token prompt of its own per salt, greedy, 8 new tokens: two full blocks (32 tokens). */
+static void make_job(tjob *j, const char *model, int salt)
+{
+    memset(j, 0, sizeof(*j));
+    j->n_prompt = 40;
+    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(salt + 1);
+    for (int i = 0; i < 40; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        j->prompt[i] = 1 + (int32_t)((x >> 33) % 500);
+    }
+    j->gp = (rekv_gen_params){.max_new_tokens = 8, .top_p = 1.0f};
+    ct_reference(j, 1, model);
+}
+
+/* Runs a copy of job j to its end (its tokens rekv_generate's) and returns its cached_tokens. */
+static uint32_t run_once(rekv_ctl *c, const tjob *proto)
+{
+    tjob j = *proto;
+    ck_assert_int_eq(ct_submit_all(c, &j, 1), 1);
+    ct_wait_and_check(c, &j, 1);
+    Rekv__Control__Response *r = tu_ctl_status(c, j.id);
+    uint32_t cached = r->job->cached_tokens;
+    rekv__control__response__free_unpacked(r, NULL);
+    return cached;
+}
+
+typedef struct replica {
+    env e;
+    pid_t run;
+    rekv_ctl *c;
+} replica;
+
+static void replica_start(replica *p, int node_port)
+{
+    ck_assert_int_eq(ct_env_open(&p->e), 0);
+    char url[64];
+    snprintf(url, sizeof(url), "redis://127.0.0.1:%d", node_port);
+    const char *extra[] = {"--remote", url, "--remote-timeout-ms", "5000", NULL};
+    p->run = ct_rekv_run_start_args(&p->e, "64M", "8", "offload", extra);
+    p->c = ct_ctl_open(p->e.ctl);
+    ct_wait_workers(p->c, 1);
+}
+
+static void replica_stop(replica *p)
+{
+    rekv_ctl_close(p->c);
+    ck_assert_int_eq(ct_stop(p->run), 0);
+    ct_env_close(&p->e);
+}
+
+/* Two complete replicas (`rekv run`, stories260K) on two nodes of the cluster: each prompt A
+ * computed, B — its own cache empty — serves from the cluster (its two full blocks cached) with
+ * rekv_generate's tokens, as A's are; the chains lie on more than one node. */
+START_TEST(two_replicas_share_prefixes_through_a_cluster)
+{
+    if (!have_cluster_tools())
+        return;
+    cluster cl;
+    cluster_start(&cl, 3, 0);
+    replica a, b;
+    replica_start(&a, cl.port[0]);
+    replica_start(&b, cl.port[2]);
+    enum { N = 6 };
+    static tjob jobs[N];
+    for (int i = 0; i < N; i++) {
+        make_job(&jobs[i], a.e.model, 20 + i);
+        ck_assert_uint_eq(run_once(a.c, &jobs[i]), 0);
+        cluster_wait_keys(&cl, 2 * (i + 1)); /* its two full blocks, written through */
+    }
+    for (int i = 0; i < N; i++)
+        ck_assert_uint_eq(run_once(b.c, &jobs[i]), 32);
+    int holding = 0;
+    for (int i = 0; i < cl.n; i++)
+        holding += node_int(cl.port[i], "DBSIZE") > 0;
+    ck_assert_int_ge(holding, 2);
+    replica_stop(&a);
+    replica_stop(&b);
+    cluster_stop(&cl);
+    ct_free_jobs(jobs, N);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("remote_cluster");
     TCase *tc = tcase_create("cluster");
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, two_stores_share_through_a_cluster);
+    tcase_add_test(tc, two_replicas_share_prefixes_through_a_cluster);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -12,24 +12,24 @@
  * lookups misses, locally and in Redis. Every request makes --max-new-tokens G tokens (greedy,
  * EOS ignored).
  *
- * Runs, each on fresh trios (and a fresh Redis); the first three --repeat R times over,
- * interleaved (local, remote, remote-idle, local, ...: a change of the machine's load falls on each
- * kind alike), then kill:
+ * Runs, each on fresh trios (and a fresh Redis):
  *   local   no --remote: nothing is shared; B computes each system prompt again. The reference.
  *   remote  both with --remote unix://...: B reads A's blocks from Redis (JobStatus.cached_tokens;
  *           Redis's own keyspace_hits beside). Before each of B's requests the bench waits until
  *           Redis holds every block written so far (DBSIZE against the distinct whole blocks of
  *           the prompts and answers, counted from the token lists: A's write-through is
  *           asynchronous, and "a prefix computed by A" means one A has finished writing).
- *   remote-idle  as remote, with redis-server at SCHED_IDLE: a Redis sharing the replica's
- *           cores takes only CPU time the step leaves (as an operator co-locating one should
- *           run it). Its step ratio is reported beside remote's, both honest.
  *   kill    as remote, and redis-server is killed (SIGKILL) right after B's request of pair
  *           P/2 is submitted: that job and every later one go on without Redis.
- * Reported: B's TTFT p50 remote / local (goal <= 0.30); jobs failed in every run (goal 0); A's
- * mean step time (the coordinator's worker_step_avg_s over the workload's steps) remote / local,
- * the steps of a replica whose every lookup misses while its blocks are written through (goal <=
- * 1.05). Every answer must equal the local run's: mismatches are counted, and the exit code is 1
+ *   steps   three trios side by side (rm_steps_run): no --remote, --remote on a Redis at normal
+ *           priority, --remote on a Redis at SCHED_IDLE (as an operator sharing a replica's cores
+ *           with Redis should run it), the same prompts (A's) in turn, every lookup missing. The
+ *           step-time goal is measured here rather than between the runs above: those run minutes
+ *           apart on a machine whose load changes, and B's work differs between them.
+ * Reported: B's TTFT p50 remote / local (goal <= 0.30); jobs failed in every run (goal 0); the
+ * mean step time (the coordinator's worker_step_avg_s over the workload's steps) of each remote
+ * trio of the steps run over the local one's: the steps of a replica whose every lookup misses
+ * while its blocks are written through (goal <= 1.05, with Redis at either priority). Every answer must equal the local run's: mismatches are counted, and the exit code is 1
  * on any, or on a failed job. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -62,13 +62,15 @@
 #define WARM_LEN 40        /* the warm-up job's prompt: two whole blocks, written by both */
 #define WARM_BLOCKS ((WARM_LEN + 1 - 1) / BLOCK)
 
-enum { RUN_LOCAL, RUN_REMOTE, RUN_REMOTE_IDLE, RUN_KILL, N_KINDS };
-static const char *const run_names[N_KINDS] = {"local", "remote", "remote-idle", "kill"};
+enum { RUN_LOCAL, RUN_REMOTE, RUN_KILL, RUN_STEPS, N_RUNS };
+static const char *const run_names[N_RUNS] = {"local", "remote", "kill", "steps"};
 enum { REP_A, REP_B };
+/* the steps run's trios: no --remote; --remote on a Redis at normal priority; at SCHED_IDLE */
+enum { S_LOCAL, S_REMOTE, S_IDLE, N_S };
 
 typedef struct rm_opts {
     const char *model, *backend, *arena, *redis_bin, *timeout_ms;
-    long pairs, sys_len, q_len, max_new, repeat;
+    long pairs, sys_len, q_len, max_new;
 } rm_opts;
 
 typedef struct rreq {
@@ -81,8 +83,8 @@ typedef struct rreq {
 typedef struct rm_run {
     int kind, n, killed_before; /* killed_before: the request redis-server was killed under */
     rreq *reqs;                 /* [n]: request i on replica i % 2 */
-    double wall_s, step_avg_s[2];
-    uint64_t tokens, failed, steps[2], waits_timed_out;
+    double wall_s, step_avg_s[N_S]; /* [REP_A, REP_B], or the steps run's [N_S] */
+    uint64_t tokens, failed, steps[N_S], waits_timed_out;
     long long redis_hits, redis_misses, redis_keys; /* -1: not asked (local) or Redis gone */
     char first_error[256];
 } rm_run;
@@ -166,8 +168,8 @@ static void redis_stop(redis_srv *r)
     r->dir[0] = '\0';
 }
 
-/* Starts redis-server in a new temporary directory, on a unix socket there, and waits until it
- * answers PING; 0, or -1 with a message printed (its log named) and nothing left running. */
+/* Starts redis-server in a new temporary directory, on a unix socket there (at SCHED_IDLE when
+ * idle: CPU time only when nothing else wants it), and waits until it answers PING; 0, or -1 with a message printed (its log named) and nothing left running. */
 static int redis_start(redis_srv *r, const char *bin, int idle)
 {
     memset(r, 0, sizeof(*r));
@@ -197,7 +199,7 @@ static int redis_start(redis_srv *r, const char *bin, int idle)
         int fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
         if (fd >= 0)
             dup2(fd, 1), dup2(fd, 2);
-        struct sched_param sp = {0}; /* remote-idle: CPU time only when nothing else wants it */
+        struct sched_param sp = {0};
         if (idle && sched_setscheduler(0, SCHED_IDLE, &sp) != 0)
             _exit(126);
         execl(bin, "redis-server", "--port", "0", "--unixsocket", r->sock, "--unixsocketperm",
@@ -281,11 +283,10 @@ static long long keys_written(const rm_run *run, int upto)
     return keys;
 }
 
-/* Waits until Redis holds what requests [0, upto] wrote (at most KEYS_WAIT_MS; counted when it
- * gives up). */
-static void wait_keys(const redis_srv *r, rm_run *run, int upto)
+/* Waits until Redis holds want keys (at most KEYS_WAIT_MS; counted when it gives up). */
+static void wait_dbsize(const redis_srv *r, rm_run *run, long long want)
 {
-    long long want = keys_written(run, upto), have = -1;
+    long long have = -1;
     redisContext *c = redis_conn(r);
     uint64_t t0 = rekv_now_ns();
     while (c && (have = redis_int(c, "DBSIZE")) >= 0 && have < want &&
@@ -295,6 +296,12 @@ static void wait_keys(const redis_srv *r, rm_run *run, int upto)
         run->waits_timed_out++;
     if (c)
         redisFree(c);
+}
+
+/* Waits until Redis holds what requests [0, upto] wrote. */
+static void wait_keys(const redis_srv *r, rm_run *run, int upto)
+{
+    wait_dbsize(r, run, keys_written(run, upto));
 }
 
 /* ---------------------------------------------------------------- one request */
@@ -471,7 +478,7 @@ static int rm_one_run(const rm_opts *o, int vocab, const char *redis_bin, rm_run
     for (int i = 0; i < run->n; i++)
         if (make_prompt(o, vocab, i, &run->reqs[i]))
             goto oom;
-    if (run->kind != RUN_LOCAL && redis_start(&rs, redis_bin, run->kind == RUN_REMOTE_IDLE))
+    if (run->kind != RUN_LOCAL && redis_start(&rs, redis_bin, 0))
         goto out;
     for (int k = 0; k < 2; k++)
         if (rm_replica(o, vocab, run->kind != RUN_LOCAL ? rs.url : NULL, &t[k], &c[k], run))
@@ -498,41 +505,88 @@ out:
     return rc;
 }
 
+/* The steps run: three trios at once — S_LOCAL without --remote, S_REMOTE and S_IDLE each with a
+ * Redis of its own, at normal priority and at SCHED_IDLE — given the same prompts (A's of the
+ * workload, each system prompt new: every lookup misses, in the cache and in Redis), one request
+ * at a time in turn, the order rotating with the pair. Each does the same work in the same minutes,
+ * so a change of the machine's load falls on the three alike. After each request of a remote trio
+ * the bench waits until its Redis holds what it wrote: write-through work that outlasts the
+ * request is charged to no other trio's steps. 0, or -1 with a message printed. */
+static int rm_steps_run(const rm_opts *o, int vocab, const char *redis_bin, rm_run *run)
+{
+    cli_trio t[N_S] = {{0}, {0}, {0}};
+    rekv_ctl *c[N_S] = {NULL, NULL, NULL};
+    redis_srv rs[2] = {{0}, {0}}; /* S_REMOTE's, S_IDLE's */
+    uint64_t steps0[N_S];
+    double avg0[N_S];
+    long long want[2] = {WARM_BLOCKS, WARM_BLOCKS};
+    int rc = -1;
+    run->n = (int)o->pairs * N_S; /* request p * N_S + k: pair p's A prompt on trio k */
+    run->killed_before = -1;
+    run->redis_hits = run->redis_misses = run->redis_keys = -1;
+    if ((run->reqs = calloc((size_t)run->n, sizeof(*run->reqs))) == NULL)
+        goto oom;
+    for (int i = 0; i < run->n; i++)
+        if (make_prompt(o, vocab, i / N_S * 2 + REP_A, &run->reqs[i]))
+            goto oom;
+    if (redis_start(&rs[0], redis_bin, 0) || redis_start(&rs[1], redis_bin, 1))
+        goto out;
+    for (int k = 0; k < N_S; k++)
+        if (rm_replica(o, vocab, k == S_LOCAL ? NULL : rs[k - 1].url, &t[k], &c[k], run) ||
+            rm_steps(c[k], &steps0[k], &avg0[k]))
+            goto out;
+    uint64_t t0 = rekv_now_ns();
+    for (int p = 0; p < o->pairs; p++)
+        for (int j = 0; j < N_S; j++) {
+            int k = (p + j) % N_S;
+            rreq *q = &run->reqs[p * N_S + k];
+            if (rm_request(c[k], q, o->max_new, NULL, run))
+                goto out;
+            run->tokens += q->n_out;
+            run->failed += (uint64_t)q->failed;
+            if (k != S_LOCAL) {
+                want[k - 1] += written_blocks(q);
+                wait_dbsize(&rs[k - 1], run, want[k - 1]);
+            }
+        }
+    run->wall_s = (double)(rekv_now_ns() - t0) * 1e-9;
+    for (int k = 0; k < N_S; k++) {
+        uint64_t s;
+        double a;
+        if (rm_steps(c[k], &s, &a))
+            goto out;
+        run->steps[k] = s - steps0[k];
+        run->step_avg_s[k] = run->steps[k] ? (a * (double)s - avg0[k] * (double)steps0[k]) /
+                                                 (double)run->steps[k]
+                                           : 0;
+    }
+    rc = 0;
+    goto out;
+oom:
+    fprintf(stderr, "rekv bench remote: out of memory\n");
+out:
+    for (int k = 0; k < N_S; k++) {
+        rekv_ctl_close(c[k]);
+        cli_trio_stop(&t[k]);
+    }
+    redis_stop(&rs[0]);
+    redis_stop(&rs[1]);
+    return rc;
+}
+
 /* ---------------------------------------------------------------- the report */
 
-/* Nearest-rank percentile p of the TTFTs of replica rep's requests in runs[0..nr) of kind
- * (every kind when kind < 0). */
-static double ttft_pct_of(const rm_run *runs, int nr, int kind, int rep, double p)
+/* Nearest-rank percentile p of the TTFTs of replica rep's requests. */
+static double ttft_pct(const rm_run *run, int rep, double p)
 {
-    size_t cap = 1, n = 0;
-    for (int k = 0; k < nr; k++)
-        cap += (size_t)runs[k].n;
-    double *v = malloc(sizeof(double) * cap);
-    for (int k = 0; v && k < nr; k++)
-        for (int i = rep; (kind < 0 || runs[k].kind == kind) && i < runs[k].n; i += 2)
-            if (runs[k].reqs[i].ttft_s >= 0)
-                v[n++] = runs[k].reqs[i].ttft_s;
+    double *v = malloc(sizeof(double) * (size_t)(run->n + 1));
+    size_t n = 0;
+    for (int i = rep; v && i < run->n; i += 2)
+        if (run->reqs[i].ttft_s >= 0)
+            v[n++] = run->reqs[i].ttft_s;
     double r = v ? cli_percentile(v, n, p) : 0;
     free(v);
     return r;
-}
-
-static double ttft_pct(const rm_run *run, int rep, double p)
-{
-    return ttft_pct_of(run, 1, -1, rep, p);
-}
-
-/* Replica A's mean step time over the runs of kind: all their steps together. */
-static double step_avg_of(const rm_run *runs, int nr, int kind)
-{
-    double t = 0;
-    uint64_t n = 0;
-    for (int k = 0; k < nr; k++)
-        if (runs[k].kind == kind) {
-            t += runs[k].step_avg_s[REP_A] * (double)runs[k].steps[REP_A];
-            n += runs[k].steps[REP_A];
-        }
-    return n ? t / (double)n : 0;
 }
 
 static uint64_t cached_sum(const rm_run *run, int rep)
@@ -543,23 +597,41 @@ static uint64_t cached_sum(const rm_run *run, int rep)
     return s;
 }
 
-/* The answers of run that differ from ref's (the same request's). */
+/* The answers of run that differ from ref's (the same request's; for the steps run, A's of the
+ * pair). */
 static long mismatches(const rm_run *ref, const rm_run *run)
 {
     long m = 0;
-    for (int i = 0; i < run->n && i < ref->n; i++) {
-        const rreq *a = &ref->reqs[i], *b = &run->reqs[i];
+    for (int i = 0; i < run->n; i++) {
+        int r = run->kind == RUN_STEPS ? i / N_S * 2 + REP_A : i;
+        if (r >= ref->n)
+            break;
+        const rreq *a = &ref->reqs[r], *b = &run->reqs[i];
         m += a->n_out != b->n_out || (a->n_out && memcmp(a->out, b->out, sizeof(int32_t) * a->n_out));
     }
     return m;
 }
 
-static json_t *run_json(const rm_run *run, int repeat, long mism)
+static json_t *steps_json(const rm_run *run, long mism)
 {
+    return json_pack("{s:s, s:i, s:I, s:I, s:I, s:f, s:{s:f, s:f, s:f}, s:{s:I, s:I, s:I}}", "run",
+                     run_names[run->kind], "requests", run->n, "tokens", (json_int_t)run->tokens,
+                     "jobs_failed", (json_int_t)run->failed, "mismatches", (json_int_t)mism,
+                     "wall_s", run->wall_s, "step_avg_s", "local", run->step_avg_s[S_LOCAL],
+                     "remote", run->step_avg_s[S_REMOTE], "remote_idle",
+                     run->step_avg_s[S_IDLE], "steps", "local", (json_int_t)run->steps[S_LOCAL],
+                     "remote", (json_int_t)run->steps[S_REMOTE], "remote_idle",
+                     (json_int_t)run->steps[S_IDLE]);
+}
+
+static json_t *run_json(const rm_run *run, long mism)
+{
+    if (run->kind == RUN_STEPS)
+        return steps_json(run, mism);
     json_t *j = json_pack(
-        "{s:s, s:i, s:i, s:I, s:I, s:I, s:f, s:{s:f, s:f}, s:{s:f, s:f}, s:I, s:I, s:{s:f, s:f}, "
+        "{s:s, s:i, s:I, s:I, s:I, s:f, s:{s:f, s:f}, s:{s:f, s:f}, s:I, s:I, s:{s:f, s:f}, "
         "s:{s:I, s:I}}",
-        "run", run_names[run->kind], "repeat", repeat, "requests", run->n, "tokens", (json_int_t)run->tokens,
+        "run", run_names[run->kind], "requests", run->n, "tokens", (json_int_t)run->tokens,
         "jobs_failed", (json_int_t)run->failed, "mismatches", (json_int_t)mism, "wall_s",
         run->wall_s, "ttft_a_s", "p50", ttft_pct(run, REP_A, 50), "p90", ttft_pct(run, REP_A, 90),
         "ttft_b_s", "p50", ttft_pct(run, REP_B, 50), "p90", ttft_pct(run, REP_B, 90),
@@ -586,39 +658,33 @@ static json_t *goal(double value, double limit)
     return json_pack("{s:f, s:f, s:b}", "value", value, "goal", limit, "met", value <= limit);
 }
 
-/* Prints the report of runs[0..nr) (runs[0] local: the answers' reference; the kill run last);
- * returns the failures' count (jobs failed, answers differing from local's). */
-static long rm_print(const rm_opts *o, const rekv_model_config *cfg, const rm_run *runs, int nr)
+/* Prints the report; returns the failures' count (jobs failed, answers differing from local's). */
+static long rm_print(const rm_opts *o, const rekv_model_config *cfg, const rm_run *runs)
 {
     json_t *arr = json_array();
     long bad = 0, mism_all = 0;
-    for (int k = 0; k < nr; k++) {
-        long m = mismatches(&runs[0], &runs[k]);
+    for (int k = 0; k < N_RUNS; k++) {
+        long m = mismatches(&runs[RUN_LOCAL], &runs[k]);
         mism_all += m;
         bad += (long)runs[k].failed;
-        json_array_append_new(arr, run_json(&runs[k], k / 3, m));
+        json_array_append_new(arr, run_json(&runs[k], m));
     }
-    /* each kind over all its repeats, which interleave: a change of the machine's load falls
-     * on every kind alike */
-    double tl = ttft_pct_of(runs, nr, RUN_LOCAL, REP_B, 50);
-    double tr = ttft_pct_of(runs, nr, RUN_REMOTE, REP_B, 50);
-    double sl = step_avg_of(runs, nr, RUN_LOCAL), sr = step_avg_of(runs, nr, RUN_REMOTE);
-    double si = step_avg_of(runs, nr, RUN_REMOTE_IDLE);
+    double tl = ttft_pct(&runs[RUN_LOCAL], REP_B, 50), tr = ttft_pct(&runs[RUN_REMOTE], REP_B, 50);
+    const double *st = runs[RUN_STEPS].step_avg_s;
+    double sl = st[S_LOCAL], sr = st[S_REMOTE], si = st[S_IDLE];
     json_t *out = json_pack(
-        "{s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:I, s:I, s:I, s:{s:I, s:I, s:I}, "
-        "s:o, s:I, s:{s:f, s:f, s:f}, s:{s:o, s:o, s:o, s:o, s:o}}",
+        "{s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:I, s:I, s:{s:I, s:I, s:I}, "
+        "s:o, s:I, s:{s:o, s:o, s:o, s:o, s:o}}",
         "bench", "remote", "backend", o->backend, "mode", "offload", "model", "layers",
         cfg->n_layers, "hidden", cfg->hidden, "heads", cfg->n_heads, "kv_heads", cfg->n_kv_heads,
         "vocab", cfg->vocab, "max_pos", cfg->max_pos, "arena", o->arena, "remote_timeout_ms",
-        (json_int_t)atol(o->timeout_ms), "max_new_tokens", (json_int_t)o->max_new, "repeat",
-        (json_int_t)o->repeat, "workload_shape", "pairs",
+        (json_int_t)atol(o->timeout_ms), "max_new_tokens", (json_int_t)o->max_new, "workload_shape", "pairs",
         (json_int_t)o->pairs, "system_len", (json_int_t)o->sys_len, "question_len",
-        (json_int_t)o->q_len, "runs", arr, "mismatches", (json_int_t)mism_all, "step_avg_a_s",
-        "local", sl, "remote", sr, "remote_idle", si, "goals", "ttft_b_p50_remote_over_local",
-        goal(tl > 0 ? tr / tl : 0, 0.30), "step_avg_a_remote_over_local",
-        goal(sl > 0 ? sr / sl : 0, 1.05), "step_avg_a_remote_idle_over_local",
-        goal(sl > 0 ? si / sl : 0, 1.05), "jobs_failed_kill", goal((double)runs[nr - 1].failed, 0),
-        "mismatches", goal((double)mism_all, 0));
+        (json_int_t)o->q_len, "runs", arr, "mismatches", (json_int_t)mism_all, "goals",
+        "ttft_b_p50_remote_over_local", goal(tl > 0 ? tr / tl : 0, 0.30),
+        "step_avg_remote_over_local", goal(sl > 0 ? sr / sl : 0, 1.05),
+        "step_avg_remote_idle_over_local", goal(sl > 0 ? si / sl : 0, 1.05), "jobs_failed_kill",
+        goal((double)runs[RUN_KILL].failed, 0), "mismatches", goal((double)mism_all, 0));
     char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", s);
     free(s);
@@ -638,26 +704,25 @@ static void rm_usage(FILE *f)
     fprintf(f,
             "usage: rekv bench remote --model PATH [--pairs N] [--system-len P] [--question-len L]\n"
             "                         [--max-new-tokens G] [--arena SIZE] [--backend B]\n"
-            "                         [--remote-timeout-ms MS] [--redis-server PATH] [--repeat R]\n"
-            "                         [--json]\n"
+            "                         [--remote-timeout-ms MS] [--redis-server PATH] [--json]\n"
             "Two replicas (private trios: `rekv run --mode offload`, the prefix cache on,\n"
             "--host-bytes SIZE, default 256M) and one redis-server started here (a unix socket\n"
             "in a temporary directory, no persistence; PATH's, or --redis-server). N pairs\n"
             "(default 8), one request at a time: a P-token system prompt of the pair's own\n"
             "(2048) + L tokens (100) asked on replica A, then the same system prompt + other L\n"
-            "tokens on replica B; G new tokens each (16; greedy, EOS ignored). Runs on fresh\n"
-            "replicas: local (no --remote: nothing shared), remote (both --remote\n"
+            "tokens on replica B; G new tokens each (16; greedy, EOS ignored). Four runs on\n"
+            "fresh replicas: local (no --remote: nothing shared), remote (both --remote\n"
             "unix://SOCKET --remote-timeout-ms MS, default 1000: B reads A's blocks from Redis),\n"
-            "remote-idle (as remote, redis-server at SCHED_IDLE: how to co-locate it with a\n"
-            "replica), those three R times over (default 1), interleaved; then kill (as remote,\n"
-            "redis-server killed with SIGKILL right after B's request of pair N/2 is\n"
-            "submitted). Prints one JSON object: per run the TTFT on A and B, the prompt\n"
-            "tokens each took from its cache, each worker's mean step time over the workload,\n"
-            "Redis's keyspace hits and misses; the goals: B's TTFT p50 remote / local <= 0.30,\n"
-            "A's mean step time remote / local and remote-idle / local <= 1.05 (A's every\n"
-            "lookup misses; each kind's steps over all repeats), no job failed\n"
-            "in the kill run, no answer differing from the local run's. Exit 1 when a job failed\n"
-            "or an answer differs.\n");
+            "kill (as remote, redis-server killed with SIGKILL right after B's request of pair\n"
+            "N/2 is submitted), steps (three trios given A's prompts in turn: no --remote,\n"
+            "--remote on a redis-server at normal priority, --remote on one at SCHED_IDLE;\n"
+            "after each request the bench waits for its writes to land). Prints one JSON\n"
+            "object: per run the TTFT on A and B, the prompt tokens each took from its cache,\n"
+            "each worker's mean step time over the workload, Redis's keyspace hits and misses;\n"
+            "the goals: B's TTFT p50 remote / local <= 0.30, the steps run's mean step time\n"
+            "remote / local <= 1.05 at either Redis priority (every lookup misses), no job\n"
+            "failed in the kill run, no answer differing from the local run's. Exit 1 when a\n"
+            "job failed or an answer differs.\n");
 }
 
 static int rm_parse(int argc, char **argv, rm_opts *o)
@@ -668,10 +733,9 @@ static int rm_parse(int argc, char **argv, rm_opts *o)
         {"max-new-tokens", required_argument, 0, 'g'}, {"arena", required_argument, 0, 'a'},
         {"backend", required_argument, 0, 'b'},        {"remote-timeout-ms", required_argument, 0, 't'},
         {"redis-server", required_argument, 0, 'r'},   {"json", no_argument, 0, 'j'},
-        {"repeat", required_argument, 0, 'R'},
         {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
     *o = (rm_opts){.backend = "cpu", .arena = "256M", .timeout_ms = "1000", .pairs = 8,
-                   .sys_len = 2048, .q_len = 100, .max_new = 16, .repeat = 1};
+                   .sys_len = 2048, .q_len = 100, .max_new = 16};
     uint64_t bytes;
     long v;
     int c;
@@ -687,7 +751,6 @@ static int rm_parse(int argc, char **argv, rm_opts *o)
         case 'b': o->backend = optarg; break;
         case 't': if (cli_parse_int("remote-timeout-ms", optarg, 1, 10000, &v)) return 2; o->timeout_ms = optarg; break;
         case 'r': o->redis_bin = optarg; break;
-        case 'R': if (cli_parse_int("repeat", optarg, 1, 100, &o->repeat)) return 2; break;
         case 'j': break; /* JSON is the only output */
         case 'h': rm_usage(stdout); return 0;
         default: rm_usage(stderr); return 2;
@@ -721,28 +784,24 @@ int cli_bench_remote(int argc, char **argv)
                         "context (%d)\n", o.sys_len + o.q_len + o.max_new, cfg.max_pos);
         return 2;
     }
-    /* local, remote, remote-idle, repeat times over; then kill */
-    int nr = (int)o.repeat * 3 + 1, done = 0;
-    rm_run *runs = calloc((size_t)nr, sizeof(*runs));
-    if (runs == NULL) {
-        fprintf(stderr, "rekv bench remote: out of memory\n");
-        return 1;
-    }
+    rm_run runs[N_RUNS];
+    memset(runs, 0, sizeof(runs));
     rc = 1;
-    for (; done < nr; done++) {
-        runs[done].kind = done == nr - 1 ? RUN_KILL : done % 3;
-        if (rm_one_run(&o, cfg.vocab, redis_bin, &runs[done])) {
+    int done = 0;
+    for (; done < N_RUNS; done++) {
+        runs[done].kind = done;
+        if ((done == RUN_STEPS ? rm_steps_run : rm_one_run)(&o, cfg.vocab, redis_bin,
+                                                           &runs[done])) {
             done++;
             goto out;
         }
     }
-    rc = rm_print(&o, &cfg, runs, nr) ? 1 : 0;
+    rc = rm_print(&o, &cfg, runs) ? 1 : 0;
 out:
     for (int k = 0; k < done; k++) {
         for (int i = 0; i < runs[k].n && runs[k].reqs; i++)
             free(runs[k].reqs[i].prompt), free(runs[k].reqs[i].out);
         free(runs[k].reqs);
     }
-    free(runs);
     return rc;
 }
