@@ -442,6 +442,96 @@ START_TEST(two_stores_share_through_a_cluster)
 }
 END_TEST
 
+/* The master that holds a key (after one chain was written: its slot's). */
+static int master_holding(const cluster *cl)
+{
+    for (int i = 0; i < cl->n; i++) {
+        redisReply *rp = node_cmd(cl->port[i], "ROLE");
+        int master = rp->type == REDIS_REPLY_ARRAY && rp->elements > 0 &&
+                     strcmp(rp->element[0]->str, "master") == 0;
+        freeReplyObject(rp);
+        if (master && node_int(cl->port[i], "DBSIZE") > 0)
+            return i;
+    }
+    ck_abort_msg("no master holds a key");
+    return -1;
+}
+
+/* A master killed (kill -9) and failed over to its replica: Y, whose slot map named the dead
+ * master, asks another node for the map when it cannot reach it, and reads the chain from the
+ * promoted replica. */
+START_TEST(a_failed_over_master_is_found_again)
+{
+    if (!have_cluster_tools())
+        return;
+    cluster cl;
+    cluster_start(&cl, 6, 1); /* three masters, a replica each */
+    for (int t = 0; t < 40; t++)
+        P[0][t] = 100 + 3 * t, P[1][t] = 900 + 5 * t;
+    int px = ms_free_port(), py = ms_free_port();
+    kvd x, y;
+    kvd_cluster(&x, cl.port[0], px);
+    kvd_cluster(&y, cl.port[1], py);
+    rekv_kvstore_client *cx = kvd_client(&x), *cy = kvd_client(&y);
+    publish(cx, 1, 0, 0, 7);
+    while (metric(px, WRITTEN) < 2)
+        usleep(10000);
+    int m = master_holding(&cl);
+    publish(cx, 2, 1, 0, 8);
+    while (metric(px, WRITTEN) < 4)
+        usleep(10000);
+    ck_assert_uint_eq(read_back(cy, 102, 1), 32); /* Y has its map now */
+
+    /* the master of chain 0's slot dies; its replica (holding the two keys) takes over */
+    int rep_i = -1;
+    for (int i = 0; i < cl.n && rep_i < 0; i++) {
+        redisReply *rp = node_cmd(cl.port[i], "ROLE");
+        if (strcmp(rp->element[0]->str, "slave") == 0 && rp->element[2]->integer == cl.port[m])
+            rep_i = i;
+        freeReplyObject(rp);
+    }
+    ck_assert_int_ge(rep_i, 0);
+    while (node_int(cl.port[rep_i], "DBSIZE") < 2) /* replicated */
+        usleep(10000);
+    tu_kill9(cl.pid[m]);
+    cl.pid[m] = 0;
+    for (;;) { /* Check's timeout is the guard: failover after the 1 s node timeout */
+        redisReply *rp = node_cmd(cl.port[rep_i], "ROLE");
+        int master = strcmp(rp->element[0]->str, "master") == 0;
+        freeReplyObject(rp);
+        if (master)
+            break;
+        usleep(20000);
+    }
+    for (int i = 0; i < cl.n; i++)
+        while (i != m) {
+            redisReply *rp = node_cmd(cl.port[i], "CLUSTER INFO");
+            int ok = strstr(rp->str, "cluster_state:ok") != NULL;
+            freeReplyObject(rp);
+            if (ok)
+                break;
+            usleep(20000);
+        }
+    /* Y's first tries go to the dead master (refused: the store answers what it holds, and backs
+     * off); then the promoted replica answers */
+    uint64_t seq = 200;
+    for (;; seq++) {
+        uint64_t got = read_back(cy, seq, 0);
+        if (got == 32)
+            break;
+        ck_assert_uint_eq(got, 0);
+        ck_assert_int_eq(rekv_kvstore_seq_drop(cy, seq, NULL), 0);
+        usleep(50000);
+    }
+    verify_as(cy, seq, 0, 2, 1, 7);
+    rekv_kvstore_client_close(cx);
+    rekv_kvstore_client_close(cy);
+    kvd_stop(&x);
+    kvd_stop(&y);
+    cluster_stop(&cl);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ replicas */
 
 /* A 40-token prompt of its own per salt, greedy, 8 new tokens: two full blocks (32 tokens). */
@@ -533,6 +623,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, two_stores_share_through_a_cluster);
     tcase_add_test(tc, two_replicas_share_prefixes_through_a_cluster);
+    tcase_add_test(tc, a_failed_over_master_is_found_again);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -508,7 +508,7 @@ out:
 /* The steps run: three trios at once — S_LOCAL without --remote, S_REMOTE and S_IDLE each with a
  * Redis of its own, at normal priority and at SCHED_IDLE — given the same prompts (A's of the
  * workload, each system prompt new: every lookup misses, in the cache and in Redis), one request
- * at a time in turn, the order rotating with the pair. Each does the same work in the same minutes,
+ * at a time in turn, the order going through the six permutations pair by pair. Each does the same work in the same minutes,
  * so a change of the machine's load falls on the three alike. After each request of a remote trio
  * the bench waits until its Redis holds what it wrote: write-through work that outlasts the
  * request is charged to no other trio's steps. 0, or -1 with a message printed. */
@@ -535,10 +535,14 @@ static int rm_steps_run(const rm_opts *o, int vocab, const char *redis_bin, rm_r
         if (rm_replica(o, vocab, k == S_LOCAL ? NULL : rs[k - 1].url, &t[k], &c[k], run) ||
             rm_steps(c[k], &steps0[k], &avg0[k]))
             goto out;
+    /* the six orders in turn: over six pairs each trio goes first, second and last twice and
+     * follows each other trio three times (what one leaves behind falls on each alike) */
+    static const int order[6][N_S] = {{0, 1, 2}, {1, 2, 0}, {2, 0, 1},
+                                      {0, 2, 1}, {2, 1, 0}, {1, 0, 2}};
     uint64_t t0 = rekv_now_ns();
     for (int p = 0; p < o->pairs; p++)
         for (int j = 0; j < N_S; j++) {
-            int k = (p + j) % N_S;
+            int k = order[p % 6][j];
             rreq *q = &run->reqs[p * N_S + k];
             if (rm_request(c[k], q, o->max_new, NULL, run))
                 goto out;
