@@ -116,10 +116,10 @@ typedef struct put_item {
     put_hold *hold;
     uint8_t *cmd; /* the writer's: the SET command as sent (RESP), the value inside */
     size_t len;
-    int state;   /* the writer's: PUT_PENDING until answered (or given up) */
-    int node;    /* where it goes next (its slot's node, or a redirect's) */
-    int ask;     /* the last answer was ASK: once to node, after ASKING */
-    int round;   /* the last round that sent it */
+    int state; /* the writer's: PUT_PENDING until answered (or given up) */
+    int node;  /* where it goes next (its slot's node, or a redirect's) */
+    int ask;   /* the last answer was ASK: once to node, after ASKING */
+    int round; /* the last round that sent it */
 } put_item;
 
 enum { PUT_PENDING, PUT_DONE };
@@ -291,8 +291,8 @@ static void conn_drop(kv_remote *r, conn *cn)
  * refused connection: the caller backs off). */
 static int conn_reopen(conn *cn, int e)
 {
-    int closed = cn->c->err == REDIS_ERR_EOF ||
-                 ((cn->c->err == REDIS_ERR_IO || cn->c->err == 0) && (e == EPIPE || e == ECONNRESET));
+    int closed = cn->c->err == REDIS_ERR_EOF || ((cn->c->err == REDIS_ERR_IO || cn->c->err == 0) &&
+                                                 (e == EPIPE || e == ECONNRESET));
     if (!cn->used || !closed)
         return 0;
     redisFree(cn->c);
@@ -386,8 +386,8 @@ static int conn_ensure(kv_remote *r, route *rt, int k)
         /* a cluster's master gone (failed over, or removed): another node knows who has its
          * slots now */
         for (int j = 0; j < rt->n; j++)
-            if (j != k && rt->nodes[j].cn.c && rekv_now_ns() - rt->refreshed_ns >
-                                                   (uint64_t)SLOTS_REFRESH_MS * 1000000ull) {
+            if (j != k && rt->nodes[j].cn.c &&
+                rekv_now_ns() - rt->refreshed_ns > (uint64_t)SLOTS_REFRESH_MS * 1000000ull) {
                 slots_refresh(rt, j);
                 break;
             }
@@ -508,8 +508,8 @@ static redisReply *node_command(kv_remote *r, route *rt, int k, int asking, int 
         if (tries > 0 || !conn_reopen(cn, errno))
             break;
     }
-    *err = cn->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT
-                                                                                    : -EIO;
+    *err =
+        cn->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK) ? -ETIMEDOUT : -EIO;
     note_error(r, what, cn->c->errstr);
     conn_drop(r, cn);
     return NULL;
@@ -618,8 +618,8 @@ static void run_get(kv_remote *r, route *rt, get_job *j)
     int k = rt->slot[slot], asking = 0, s, to, kind;
     for (int hops = 0;; hops++) {
         rp = node_command(r, rt, k, asking, (int)j->n + 1, argv, lens, "MGET", &j->err);
-        if (rp == NULL || (kind = redirect_of(rt, rp, k, &s, &to)) == 0 ||
-            hops == MAX_REDIRECTS || rekv_now_ns() > j->deadline_ns)
+        if (rp == NULL || (kind = redirect_of(rt, rp, k, &s, &to)) == 0 || hops == MAX_REDIRECTS ||
+            rekv_now_ns() > j->deadline_ns)
             break;
         freeReplyObject(rp);
         rp = NULL;
@@ -774,8 +774,7 @@ static void puts_to_node(kv_remote *r, route *rt, int k, put_item **items, int n
         }
         note_error(r, "SET", cn->c->err ? cn->c->errstr : strerror(-e));
         for (int i = 0; i < n; i++)
-            if (items[i]->state == PUT_PENDING && items[i]->node == k &&
-                items[i]->round < round) {
+            if (items[i]->state == PUT_PENDING && items[i]->node == k && items[i]->round < round) {
                 items[i]->state = PUT_DONE;
                 atomic_fetch_add(&r->put_errors, 1);
             }

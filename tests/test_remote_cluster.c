@@ -13,6 +13,10 @@
  * the same first block are answered ASK and follow it; once the slot is the other node's, Y's read
  * of the new block is answered MOVED and follows it — each counted, each block intact.
  *
+ * A master killed (kill -9) in a cluster of three masters with a replica each: once its replica
+ * has taken over, a store whose slot map still named the dead master reads the chain from the
+ * promoted replica (it asks another node for the map when one cannot be reached).
+ *
  * And two complete replicas (`rekv run`, stories260K) on two nodes of the same kind of cluster:
  * six prompts replica A computed, replica B — its cache empty — serves from the cluster (each
  * job's cached_tokens: A's full blocks) with rekv_generate's tokens.
@@ -168,8 +172,8 @@ static void cluster_start(cluster *cl, int n, int replicas)
             freopen(log, "a", stdout);
             execl("/usr/bin/redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1",
                   "--cluster-enabled", "yes", "--cluster-config-file", conf,
-                  "--cluster-node-timeout", "1000", "--save", "",
-                  "--appendonly", "no", "--dir", dir, (char *)NULL);
+                  "--cluster-node-timeout", "1000", "--save", "", "--appendonly", "no", "--dir",
+                  dir, (char *)NULL);
             _exit(127);
         }
     }
@@ -300,8 +304,8 @@ static rekv_kv_prefix kpx(const int32_t *t, size_t n)
 }
 
 /* Blocks [b0, b1) of seq (both layers) hold what kvd_write_blocks wrote for sequence src, gen. */
-static void verify_as(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uint64_t b1,
-                      uint64_t src, uint32_t gen)
+static void verify_as(rekv_kvstore_client *c, uint64_t seq, uint64_t b0, uint64_t b1, uint64_t src,
+                      uint32_t gen)
 {
     uint8_t *arena = rekv_kvstore_client_arena(c, NULL);
     rekv_kv_plan_block *pb = NULL;
