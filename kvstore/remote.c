@@ -701,10 +701,10 @@ static int send_all(int fd, const uint8_t *p, size_t n)
 /* One round's writes to node k: the items pending for it (each after ASKING when the last answer
  * was ASK), pipelined, then their answers — OK is written, MOVED or ASK sends it on to the next
  * round (within the deadline), another error (OOM under noeviction, ...) is failed. The commands
- * go straight to the socket: hiredis would copy each twice (formatting, its output buffer) and
- * move what is left of its buffer after every partial write, which for a batch of values of a
- * hundred KB each costs more than the value itself. A connection the server had closed is opened
- * again once; one failing otherwise fails what is left. */
+ * go straight to the socket: hiredis would copy each value twice more (formatting, then its output
+ * buffer) — two copies of the batch where the arena's is the one needed, megabytes per entry at a
+ * real model's geometry — and move what is left of its buffer after a partial write. A connection
+ * the server had closed is opened again once; one failing otherwise fails what is left. */
 static void puts_to_node(kv_remote *r, route *rt, int k, put_item **items, int n, int round,
                          uint64_t deadline_ns)
 {
