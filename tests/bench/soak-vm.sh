@@ -29,7 +29,10 @@ export REKV_SOAK_SPILL_FAIL="dmsetup suspend --nolockfs --noflush rekv-soak && d
 export REKV_SOAK_SPILL_MEND="dmsetup suspend --nolockfs --noflush rekv-soak && dmsetup load rekv-soak --table '0 $SIZE linear /dev/vda 0' && dmsetup resume rekv-soak"
 rc=0
 REKV_BUILD=build build/tests/bench/soak "$N" > /rekv-out/soak.json || rc=$?
-[ "$rc" -eq 0 ] || cp /tmp/rekv-soak.*/*.log /rekv-out/ 2>/dev/null || true
+if [ "$rc" -ne 0 ]; then # the daemons' logs and the kernel's (ext4's view of the failing disk)
+    cp /tmp/rekv-soak.*/*.log /rekv-out/ 2>/dev/null || true
+    dmesg > /rekv-out/dmesg.log 2>/dev/null || true
+fi
 exit "$rc"
 IN
 rc=0

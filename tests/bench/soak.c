@@ -457,7 +457,11 @@ int main(int argc, char **argv)
     stop(wk);
     stop(co);
     stop(kv);
-    tu_rmrf(g_dir);
+    int bad = lost || n_twice || n_wrong || worst >= 10.0;
+    if (bad) /* the daemons' logs are what explains it: kept */
+        fprintf(stderr, "soak: the daemons' logs are kept in %s\n", g_dir);
+    else
+        tu_rmrf(g_dir);
     free(jobs);
-    return lost || n_twice || n_wrong || worst >= 10.0 ? 1 : 0;
+    return bad ? 1 : 0;
 }
