@@ -27,6 +27,8 @@
  * dropped it: no output); the tokens are the same. */
 #define CO_PLANS_OUT 2
 #define CO_RETRY_BASE_MS 100 /* a failed attempt's first backoff (co_job_requeue) */
+#define CO_ROOM_WAITS_MAX 64 /* runs a job may lose to the kvstore's room (CO_RUN_ROOM): backing
+                              * off up to 64 times the base, minutes of waiting */
 #define MAX_SUBS 4  /* stream subscribers per job */
 #define MAX_RID 256 /* ZeroMQ routing ids are at most 255 bytes */
 #define READ_BATCH                                                                                 \
@@ -105,6 +107,7 @@ typedef struct job {
     uint32_t attempts;       /* starts on a worker */
     uint32_t store_losses;   /* runs that ended on the worker's kvstore loss (CO_RUN_STORE_LOST).
                               * Not journaled: a coordinator restart forgets them */
+    uint32_t room_waits;     /* runs that ended on the kvstore's room (CO_RUN_ROOM); the same */
     int worker;              /* index in workers[] while RUNNING, else -1 */
     int kv_parts, act_parts; /* RUNNING on a hybrid worker: the KV:ACT pattern its sequence was
                               * made with, the one admission charges it at */
@@ -289,6 +292,9 @@ typedef enum co_run_end {
     CO_RUN_STORE_LOST = 2, /* the worker's kvstore was lost: the job's fault no more than the
                             * worker's, so no attempt — but a store that dies under the same job
                             * more than max_attempts times may be dying of it: the job fails */
+    CO_RUN_ROOM = 3,       /* the kvstore had no room (-ENOMEM, -ENOSPC) for a job admission let
+                            * run: other jobs or a failing spill tier hold it, which passes; no
+                            * attempt, but it backs off, and fails after CO_ROOM_WAITS_MAX */
 } co_run_end;
 void co_job_requeue(rekv_coordinator *co, job *j, const char *why, co_run_end how);
 /* The bytes tokens [from, to) of ids add to the decoded text of ids[0, to) (malloc'd into *out,

@@ -539,12 +539,14 @@ static void journal_attempts(rekv_coordinator *co, const job *j);
 
 /* Puts a running job back in the queue after its worker died, or fails it after max_attempts.
  * A run that ended on the worker's kvstore loss does not count (the store comes back; the job
- * waits for an available worker) — up to max_attempts of them (co_run_end). The attempts used are
- * journaled, so a restart keeps them. A
- * counted failure backs off before the next attempt — CO_RETRY_BASE_MS, doubling with each
- * attempt used, at most 64 times it — so that a cause that passes (room another job frees, a
- * disk an operator clears) is seen before the attempts are spent: a step failing on room used
- * to spend all three within milliseconds. Its status says so meanwhile. */
+ * waits for an available worker) — up to max_attempts of them (co_run_end); nor one that ended
+ * on the store's room (CO_RUN_ROOM: other jobs free it, a failing spill tier makes admission
+ * price the arena alone) — up to CO_ROOM_WAITS_MAX of them. The attempts used are journaled, so
+ * a restart keeps them. A counted failure, and a room one, backs off before the next run —
+ * CO_RETRY_BASE_MS, doubling with each attempt used (room wait), at most 64 times it — so that a
+ * cause that passes (room another job frees, a disk an operator clears) is seen before the
+ * attempts are spent: a step failing on room used to spend all three within milliseconds, and
+ * with the spill tier failing 100 of them within minutes. Its status says so meanwhile. */
 void co_job_requeue(rekv_coordinator *co, job *j, const char *why, co_run_end how)
 {
     int counts = how == CO_RUN_COUNTS;
@@ -552,6 +554,13 @@ void co_job_requeue(rekv_coordinator *co, job *j, const char *why, co_run_end ho
         char msg[512];
         snprintf(msg, sizeof(msg), "%s; the kvstore was lost under it %u times: given up", why,
                  j->store_losses);
+        co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
+        return;
+    }
+    if (how == CO_RUN_ROOM && ++j->room_waits > CO_ROOM_WAITS_MAX) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s; the kvstore had no room for it %u times: given up", why,
+                 j->room_waits);
         co_job_end(co, j, REKV__CONTROL__JOB_STATE__FAILED, "", msg);
         return;
     }
@@ -564,13 +573,21 @@ void co_job_requeue(rekv_coordinator *co, job *j, const char *why, co_run_end ho
         return;
     }
     j->retry_at_ns = 0;
-    if (counts && j->attempts > 0) {
-        uint32_t shift = j->attempts - 1 < 6 ? j->attempts - 1 : 6;
+    uint32_t waits = counts ? j->attempts : how == CO_RUN_ROOM ? j->room_waits : 0;
+    if (waits > 0) {
+        uint32_t shift = waits - 1 < 6 ? waits - 1 : 6;
         uint64_t ms = (uint64_t)CO_RETRY_BASE_MS << shift;
         j->retry_at_ns = rekv_now_ns() + ms * 1000000ull;
-        snprintf(j->waiting, sizeof(j->waiting), "attempt %u of %u failed; retrying in %llu ms: %.*s",
-                 j->attempts, co->cfg.max_attempts, (unsigned long long)ms,
-                 (int)(sizeof(j->waiting) - 64), why);
+        if (counts)
+            snprintf(j->waiting, sizeof(j->waiting),
+                     "attempt %u of %u failed; retrying in %llu ms: %.*s", j->attempts,
+                     co->cfg.max_attempts, (unsigned long long)ms,
+                     (int)(sizeof(j->waiting) - 64), why);
+        else
+            snprintf(j->waiting, sizeof(j->waiting),
+                     "waiting for kvstore room (%u of %u); retrying in %llu ms: %.*s",
+                     j->room_waits, CO_ROOM_WAITS_MAX, (unsigned long long)ms,
+                     (int)(sizeof(j->waiting) - 64), why);
     }
     co->n_running--;
     j->worker = -1;

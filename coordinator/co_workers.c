@@ -12,6 +12,7 @@
  * (name_claim). */
 #include "coordinator/co_internal.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -646,9 +647,14 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
             snprintf(why, sizeof(why), "worker %s: %s", w->name,
                      jp->error_msg && *jp->error_msg ? jp->error_msg : "the step failed");
             w->run[k] = w->run[--w->n_run];
+            /* no room in the store (-ENOMEM, -ENOSPC: worker_store.c's retried codes) is not
+             * the job's doing: admission let it run, and other jobs or a failing spill tier
+             * hold the room for now */
+            int room = jp->error == -ENOMEM || jp->error == -ENOSPC;
             co_job_requeue(co, j, why,
                            store_lost      ? CO_RUN_STORE_LOST
                            : jp->uncounted ? CO_RUN_FREE
+                           : room          ? CO_RUN_ROOM
                                            : CO_RUN_COUNTS);
             failed_step = 1;
             continue;

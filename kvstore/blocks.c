@@ -6,7 +6,8 @@
  * a read-back) or the arena is above the high watermark, and DISK -> LOADING -> HOST when a Plan
  * asks for it (handlers.c starts the read). A block used while its spill is in flight keeps its
  * host copy; one freed while its I/O is in flight is released when the I/O completes. A failed
- * write keeps the block in memory and pauses spilling for a second; a failed read, or one whose
+ * write keeps the block in memory and stops spilling until a probe write succeeds (the tier
+ * fails: spill_failing); a full disk pauses spilling for a second; a failed read, or one whose
  * CRC32C does not match, leaves the block on disk with a sticky error. Each batch of completions
  * runs the parked requests again.
  *
@@ -233,23 +234,51 @@ static int fslot_alloc(rekv_kvstore_server *s, int for_seq, uint32_t *fslot)
     return arc;
 }
 
+/* Whether a failure to grow the spill file is the disk's room (full, a quota, a size limit: it
+ * passes as files shrink; spilling pauses) rather than the tier failing. */
+static int grow_is_room(int rc)
+{
+    return rc == -ENOSPC || rc == -EDQUOT || rc == -EFBIG;
+}
+
+/* The spill tier failed (what: the operation, rc its -errno): spilling stops until a probe write
+ * succeeds (srv_spill_probe). Said once, when it starts failing; later failures are counted. */
+static void spill_failing(rekv_kvstore_server *s, int rc, const char *what)
+{
+    s->spill_errors++;
+    if (s->spill_fail)
+        return;
+    s->spill_fail = rc;
+    s->spill_probe_ns = s->now;
+    snprintf(s->spill_fail_why, sizeof(s->spill_fail_why), "the spill tier is failing (%s: %s)",
+             what, strerror(-rc));
+    srv_event(s, REKV_KV_EVENT_ERROR,
+              "%s: %s; spilling stopped, the %llu-byte arena serves alone (admission is told the "
+              "spill tier has no room) until a probe write, once a second, succeeds",
+              what, strerror(-rc), (unsigned long long)s->hs.n_big * s->hs.big_bytes);
+}
+
 /* Starts spilling a block that may be spilled: first the blocks only the prefix cache holds (a
- * cached block the spill tier cannot take — none, paused, full — is evicted instead: its room is
- * free at once), then
- * the running sequences' from the spilled-first end (keep_ahead: unless read-ahead wants it).
- * 1 started (or evicted), 0 nothing to spill, <0 cannot. */
+ * cached block the spill tier cannot take — none, paused, failing, full — is evicted instead:
+ * its room is free at once), then the running sequences' from the spilled-first end
+ * (keep_ahead: unless read-ahead wants it). 1 started (or evicted), 0 nothing to spill, <0
+ * cannot. */
 static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
 {
     int cached = s->cache_head != NIL;
-    /* no spill tier, or spilling paused by a failure: a cached block just goes (a full queue is
-     * waited for, below: it drains) */
-    int can_spill = s->spill != NULL &&
+    /* no spill tier, spilling paused by a full disk or the tier failing: a cached block just
+     * goes (a full queue is waited for, below: it drains) */
+    int can_spill = s->spill != NULL && !s->spill_fail &&
                     (s->spill_err == 0 || s->now - s->spill_err_ns >= 1000000000ull);
     if (cached && !can_spill)
         return srv_cache_evict_host(s);
     if (s->spill == NULL) {
         *why = "the arena is full and there is no spill tier";
         return -ENOMEM;
+    }
+    if (s->spill_fail) {
+        *why = s->spill_fail_why;
+        return s->spill_fail;
     }
     if (s->spill_err != 0) {
         if (s->now - s->spill_err_ns < 1000000000ull) {
@@ -271,30 +300,26 @@ static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
     int arc = fslot_alloc(s, !cached, &fslot);
     if (arc == -ENOSPC && cached)
         return srv_cache_evict_host(s); /* the spill file is full: a cached block just goes */
-    if (arc < 0 && cached) { /* the disk refused to grow the file: it stops caching, never
-                              * serving — spilling pauses as below, the cached block goes */
-        s->spill_errors++;
-        srv_event_rl(s, SRV_RL_SPILL_GROW, REKV_KV_EVENT_ERROR,
-                     "spill file cannot grow: %s; cached blocks are evicted, spilling paused",
-                     strerror(-arc));
-        s->spill_err = arc;
-        s->spill_err_ns = s->now;
-        return srv_cache_evict_host(s);
-    }
     if (arc == -ENOSPC && kv_spill_at_limit(s->spill) && kv_spill_slots_used(s->spill) > 0) {
         *why = "the spill file is full (--spill-bytes)";
         return arc;
     }
+    if (arc < 0 && !grow_is_room(arc)) { /* EIO, a read-only file system: the tier fails */
+        spill_failing(s, arc, "spill file cannot grow");
+        *why = s->spill_fail_why;
+        return cached ? srv_cache_evict_host(s) : arc;
+    }
     if (arc < 0) {
-        /* the filesystem refused to grow the spill file: same as a failed write */
+        /* the disk is full: spilling pauses (a second, or until a slot is freed); a cached block
+         * goes, a running sequence's stays in memory */
         s->spill_errors++;
         srv_event_rl(s, SRV_RL_SPILL_GROW, REKV_KV_EVENT_ERROR,
-                     "spill file cannot grow: %s; blocks stay in memory, spilling paused",
-                     strerror(-arc));
+                     "spill file cannot grow: %s; %s, spilling paused", strerror(-arc),
+                     cached ? "cached blocks are evicted" : "blocks stay in memory");
         s->spill_err = arc;
         s->spill_err_ns = s->now;
         *why = strerror(-arc);
-        return arc;
+        return cached ? srv_cache_evict_host(s) : arc;
     }
     kv_block *b = &s->blocks[id];
     uint32_t crc = 0;
@@ -312,6 +337,47 @@ static int spill_one(rekv_kvstore_server *s, const char **why, int keep_ahead)
     s->spills_in_flight++;
     s->spilling_n[b->type]++;
     return 1;
+}
+
+/* A probe's tag: block ids are 32 bits. */
+#define PROBE_TAG UINT64_MAX
+
+void srv_spill_probe(rekv_kvstore_server *s)
+{
+    if (s->spill == NULL || !s->spill_fail || s->spill_probing ||
+        s->now - s->spill_probe_ns < 1000000000ull ||
+        kv_spill_in_flight(s->spill) >= kv_spill_depth(s->spill))
+        return;
+    s->spill_probe_ns = s->now;
+    uint32_t fslot;
+    if (kv_spill_slot_probe(s->spill, &fslot) < 0) /* the file cannot grow: still failing */
+        return;
+    /* a page of the arena's first slot (whatever it holds) to a slot nothing uses */
+    if (kv_spill_write(s->spill, 0, fslot, 4096, PROBE_TAG, NULL) < 0) {
+        kv_spill_slot_bad(s->spill, fslot);
+        return;
+    }
+    s->spill_probing = 1;
+    s->spill_probe_slot = fslot;
+}
+
+/* A probe write completed with res: the tier works again (its slots whose writes failed come back
+ * into use), or still fails. */
+static void probe_done(rekv_kvstore_server *s, int res)
+{
+    s->spill_probing = 0;
+    if (res < 0) {
+        kv_spill_slot_bad(s->spill, s->spill_probe_slot);
+        return;
+    }
+    kv_spill_slot_free(s->spill, s->spill_probe_slot);
+    size_t back = kv_spill_slots_revive(s->spill);
+    srv_event(s, REKV_KV_EVENT_INFO,
+              "the spill tier works again (a probe write succeeded after %s): spilling resumes, "
+              "%zu file slots whose writes failed are back in use",
+              strerror(-s->spill_fail), back);
+    s->spill_fail = 0;
+    s->spill_err = 0;
 }
 
 int srv_ensure_room(rekv_kvstore_server *s, const uint64_t need[2], char *why, size_t why_len)
@@ -374,7 +440,8 @@ void srv_cache_flush(rekv_kvstore_server *s)
     for (;;) {
         const char *why;
         s->now = rekv_now_ns();
-        while (s->cache_head != NIL && s->spill_err == 0 && spill_one(s, &why, 0) > 0)
+        while (s->cache_head != NIL && s->spill_err == 0 && !s->spill_fail &&
+               spill_one(s, &why, 0) > 0)
             flushed++; /* a cached block the tier cannot take (full) is evicted instead */
         kv_spill_submit(s->spill);
         if (s->spills_in_flight == 0)
@@ -498,6 +565,10 @@ void srv_on_completions(rekv_kvstore_server *s)
     while ((n = kv_spill_reap(s->spill, d, 64, 0)) > 0) {
         any = 1;
         for (int i = 0; i < n; i++) {
+            if (d[i].tag == PROBE_TAG) {
+                probe_done(s, d[i].res);
+                continue;
+            }
             uint32_t id = (uint32_t)d[i].tag;
             kv_block *b = &s->blocks[id];
             size_t bytes = srv_blk_bytes(s, b);
@@ -514,13 +585,8 @@ void srv_on_completions(rekv_kvstore_server *s)
                     srv_block_release_id(s, id);
                 } else if (d[i].res < 0) {
                     kv_spill_slot_bad(s->spill, b->fslot);
-                    b->state = BS_HOST;
-                    s->spill_errors++;
-                    srv_event_rl(s, SRV_RL_SPILL_WRITE, REKV_KV_EVENT_ERROR,
-                                 "spill write failed: %s; block kept in memory, spilling paused",
-                                 strerror(-d[i].res));
-                    s->spill_err = d[i].res;
-                    s->spill_err_ns = s->now;
+                    b->state = BS_HOST; /* kept in memory */
+                    spill_failing(s, d[i].res, "spill write failed");
                     srv_lru_update(s, id, 1);
                 } else if (b->touched || b->pins || b->holds) {
                     fslot_put(s, b->fslot);

@@ -254,10 +254,11 @@ static int h_free(rekv_kvstore_server *s, kv_client *c, Rekv__Kvstore__Free *m, 
 }
 
 /* Bytes the spill tier can still take (spill.c kv_spill_room: --spill-bytes less what it holds,
- * never more than the filesystem's free space now plus what the file holds unused). */
+ * never more than the filesystem's free space now plus what the file holds unused); none while
+ * it fails (blocks.c spill_failing: nothing is spilled until a probe write succeeds). */
 static uint64_t spill_room(const rekv_kvstore_server *s)
 {
-    return kv_spill_room(s->spill);
+    return s->spill_fail ? 0 : kv_spill_room(s->spill);
 }
 
 static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *r)
@@ -294,7 +295,7 @@ static int h_append(rekv_kvstore_server *s, Rekv__Kvstore__Append *m, kv_reply *
      * needs only its window resident, so the append must not need all layers at once) */
     int fresh = rc < 0;
     if (rc < 0) {
-        if (s->spill == NULL || s->spill_err != 0)
+        if (s->spill == NULL || s->spill_err != 0 || s->spill_fail)
             return srv_fail(r, -ENOMEM, "append %llu tokens to sequence %llu: %s",
                             (unsigned long long)m->n_tokens, (unsigned long long)m->seq, why);
         uint64_t want = (need_t[0] + need_t[1]) * s->hs.big_bytes, room = spill_room(s);
@@ -660,7 +661,9 @@ static int h_stats(rekv_kvstore_server *s, kv_reply *r)
     st->pin_wait_bytes = s->pin_wait_bytes;
     st->read_ahead_blocks = s->read_ahead_blocks;
     st->read_ahead_bytes = s->read_ahead_bytes;
-    st->spill_room_bytes = s->spill == NULL ? 0 : st->spill_used_bytes + spill_room(s);
+    /* a failing tier can take nothing more: admission prices the arena alone */
+    st->spill_room_bytes =
+        s->spill == NULL || s->spill_fail ? 0 : st->spill_used_bytes + spill_room(s);
     uint64_t pinned = 0;
     for (uint32_t i = 0; i < s->n_block_ids; i++)
         if (s->blocks[i].state != BS_UNUSED && s->blocks[i].pins > 0)

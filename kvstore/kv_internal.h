@@ -132,10 +132,16 @@ unsigned kv_spill_in_flight(const kv_spill *sp);
 unsigned kv_spill_depth(const kv_spill *sp);
 
 /* File slots: alloc returns -ENOSPC when max_bytes is used up. A slot whose write failed is marked
- * bad and never handed out again (it lies where the filesystem refused to grow the file). */
+ * bad: not handed out (nor counted as room) until kv_spill_slots_revive, which the caller runs
+ * once a write succeeds again (a device mended: a slot that is truly bad fails again and is
+ * marked again); it returns how many came back. */
 int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot);
 void kv_spill_slot_free(kv_spill *sp, uint32_t fslot);
 void kv_spill_slot_bad(kv_spill *sp, uint32_t fslot);
+size_t kv_spill_slots_revive(kv_spill *sp);
+/* A file slot to try the tier with: one whose write failed (back to bad or free after the
+ * try), else a new one (kv_spill_slot_alloc). */
+int kv_spill_slot_probe(kv_spill *sp, uint32_t *fslot);
 uint64_t kv_spill_slots_used(const kv_spill *sp);
 /* Takes the file slots used[0..n) as in use (a named file's slots that hold blocks kept from
  * before a restart); every other slot below the highest is free. Once, before any alloc. */

@@ -209,6 +209,7 @@ static void before_sleep(rekv_evloop *loop, void *ctx)
     s->now = rekv_now_ns();
     srv_ahead_pump(s);
     srv_spill_watermark(s);
+    srv_spill_probe(s);
     if (s->spill)
         (void)kv_spill_submit(s->spill);
     srv_events_flush(s); /* the round's KV events, one batch */

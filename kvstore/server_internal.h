@@ -158,8 +158,18 @@ struct rekv_kvstore_server {
     uint32_t spills_in_flight, reads_in_flight;
     uint32_t spilling_n[2]; /* of the spills in flight, by block type */
     rekv_ratelimit rl[SRV_RL_COUNT]; /* srv_event_rl's limits */
-    int spill_err;         /* last spill write failure; spilling paused while set */
+    int spill_err;         /* the disk was full (the file could not grow): spilling paused a
+                            * second, or until a file slot is freed */
     uint64_t spill_err_ns; /* when it happened */
+    /* The spill tier fails (a write, or growing the file, failed other than for room: EIO, a file
+     * system gone read-only): -errno, 0 when it works. Nothing is spilled, the arena serves (a
+     * cached block is evicted instead), admission is told the tier has no room (Stats), and
+     * once a second a probe write (srv_spill_probe) tries it; the first that succeeds ends it. */
+    int spill_fail;
+    char spill_fail_why[160]; /* spill_one's reason while failing */
+    uint64_t spill_probe_ns;  /* the last probe's start */
+    int spill_probing;        /* a probe write is in flight, to file slot spill_probe_slot */
+    uint32_t spill_probe_slot;
     uint64_t now;          /* ns, refreshed by each of the loop's callbacks */
     uint32_t *scratch; /* resolved block ids of the current request */
     size_t cap_scratch;
@@ -262,6 +272,8 @@ void srv_block_unref(rekv_kvstore_server *s, uint32_t id);
  * 0: they fit now; 1: wait for spills; <0 with *why: impossible. */
 int srv_ensure_room(rekv_kvstore_server *s, const uint64_t need[2], char *why, size_t why_len);
 void srv_spill_watermark(rekv_kvstore_server *s);
+/* While the spill tier fails: a probe write once a second (called every round). */
+void srv_spill_probe(rekv_kvstore_server *s);
 /* At a clean stop with --prefix-dir: writes every resident block only the prefix cache holds to
  * the spill tier (logged in the index as each write completes) while it has room, and waits for
  * the writes. */

@@ -4,7 +4,8 @@
  * open); when registering the arena is refused (RLIMIT_MEMLOCK), a pool of registered, aligned
  * bounce buffers; when even that is refused, plain reads and writes from the arena. O_DIRECT when the filesystem takes it, buffered I/O otherwise.
  * When io_uring itself is unavailable, operations run synchronously and complete through the same
- * eventfd, so the caller's loop does not change. */
+ * eventfd, so the caller's loop does not change. A test hook, REKV_TEST_SPILL_FAIL=FILE, fails
+ * every write and growth of the file with EIO while FILE exists (a device failing under it). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -61,12 +62,24 @@ struct kv_spill {
     size_t n_fs_free, fs_free_cap;
     uint64_t fs_next;         /* next never-used file slot */
     uint64_t fs_max;          /* file slots allowed */
-    uint64_t fs_bad;          /* slots lost to failed writes */
+    uint32_t *fs_bad;         /* slots whose write failed: out of use until the tier works again
+                               * (kv_spill_slots_revive), a fault that passes costs no room */
+    size_t n_fs_bad, fs_bad_cap;
     uint64_t fs_alloc;        /* file slots backed by fallocate'd space */
     int no_falloc;            /* the filesystem has no fallocate: writes extend the file */
     kv_spill_done *sync_done; /* [depth] completions of synchronous fallback ops */
     unsigned n_sync_done;
+    char *fault_file;         /* REKV_TEST_SPILL_FAIL (a test's): while this file exists, every
+                               * write and growth of the spill file fails with EIO */
 };
+
+/* Whether the test hook REKV_TEST_SPILL_FAIL fails this write or growth: the device under the
+ * file failing writes (as ext4 does once it aborts its journal on a failed device), for the
+ * tests that run without a virtual machine (tests/test_spill_failing.c). */
+static int spill_fault(const kv_spill *sp)
+{
+    return sp->fault_file != NULL && access(sp->fault_file, F_OK) == 0;
+}
 
 static void spill_event(kv_spill *sp, rekv_kv_event lvl, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -282,6 +295,13 @@ int kv_spill_open(const kv_spill_config *cfg, kv_spill **out, rekv_err *err)
     if (rc < 0)
         goto fail;
     (void)spill_setup_ring(sp);
+    const char *fault = getenv("REKV_TEST_SPILL_FAIL");
+    if (fault && *fault) {
+        sp->fault_file = strdup(fault);
+        spill_event(sp, REKV_KV_EVENT_WARN,
+                    "spill: test hook REKV_TEST_SPILL_FAIL=%s: writes fail while that file exists",
+                    fault);
+    }
     *out = sp;
     return 0;
 fail:
@@ -309,6 +329,8 @@ void kv_spill_close(kv_spill *sp)
     free(sp->op_free);
     free(sp->sync_done);
     free(sp->fs_free);
+    free(sp->fs_bad);
+    free(sp->fault_file);
     free(sp);
 }
 
@@ -361,11 +383,14 @@ int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot)
         int rc = 0;
         for (;;) {
             off_t off = (off_t)(sp->fs_alloc * sp->cfg.slot_bytes);
-            if (fallocate(sp->fd, 0, off, (off_t)(want * sp->cfg.slot_bytes)) == 0) {
+            if (spill_fault(sp)) {
+                rc = -EIO;
+            } else if (fallocate(sp->fd, 0, off, (off_t)(want * sp->cfg.slot_bytes)) == 0) {
                 sp->fs_alloc += want;
                 break;
+            } else {
+                rc = -errno;
             }
-            rc = -errno;
             if (rc == -EINVAL && sp->direct) {
                 spill_drop_direct(sp);
                 if (!sp->direct)
@@ -399,13 +424,37 @@ void kv_spill_slot_free(kv_spill *sp, uint32_t fslot)
 
 void kv_spill_slot_bad(kv_spill *sp, uint32_t fslot)
 {
-    (void)fslot;
-    sp->fs_bad++;
+    if (sp->n_fs_bad == sp->fs_bad_cap) {
+        size_t ncap = sp->fs_bad_cap ? sp->fs_bad_cap * 2 : 64;
+        uint32_t *n = realloc(sp->fs_bad, ncap * sizeof(*n));
+        if (n == NULL)
+            return; /* the slot is lost to reuse, nothing else */
+        sp->fs_bad = n;
+        sp->fs_bad_cap = ncap;
+    }
+    sp->fs_bad[sp->n_fs_bad++] = fslot;
+}
+
+size_t kv_spill_slots_revive(kv_spill *sp)
+{
+    size_t n = sp->n_fs_bad;
+    while (sp->n_fs_bad > 0)
+        kv_spill_slot_free(sp, sp->fs_bad[--sp->n_fs_bad]);
+    return n;
+}
+
+int kv_spill_slot_probe(kv_spill *sp, uint32_t *fslot)
+{
+    if (sp->n_fs_bad > 0) {
+        *fslot = sp->fs_bad[--sp->n_fs_bad];
+        return 0;
+    }
+    return kv_spill_slot_alloc(sp, fslot);
 }
 
 uint64_t kv_spill_slots_used(const kv_spill *sp)
 {
-    return sp->fs_next - sp->n_fs_free - sp->fs_bad;
+    return sp->fs_next - sp->n_fs_free - sp->n_fs_bad;
 }
 
 int kv_spill_at_limit(const kv_spill *sp)
@@ -416,8 +465,9 @@ int kv_spill_at_limit(const kv_spill *sp)
 uint64_t kv_spill_room(const kv_spill *sp)
 {
     uint64_t slot = sp->cfg.slot_bytes;
-    /* the limit less the slots in use (as before: slots lost to failed writes are not counted) */
-    uint64_t used = kv_spill_slots_used(sp);
+    /* the limit less the slots in use and those out of use since their write failed (not room
+     * while the tier fails: counted as room, admission priced jobs on slots nothing can use) */
+    uint64_t used = kv_spill_slots_used(sp) + sp->n_fs_bad;
     uint64_t by_limit = sp->fs_max > used ? (sp->fs_max - used) * slot : 0;
     /* the disk: its free space now (another file may have taken it) plus what the file already
      * holds and does not use (reserved ahead by fallocate, or freed slots) */
@@ -514,6 +564,15 @@ static int spill_queue(kv_spill *sp, int is_read, uint64_t host_off, uint32_t fs
     uint8_t *src = slot_addr(sp, host_off);
     if (!is_read && crc)
         *crc = rekv_crc32c(0, src, len);
+    if (!is_read && spill_fault(sp)) { /* completes at once, failed, like a synchronous op */
+        kv_spill_done *d = &sp->sync_done[sp->n_sync_done++];
+        *d = (kv_spill_done){.tag = tag, .res = -EIO, .is_read = 0};
+        sp->op_free[sp->n_op_free++] = idx;
+        uint64_t one = 1;
+        ssize_t w = write(sp->efd, &one, sizeof(one));
+        (void)w;
+        return 0;
+    }
     if (!sp->have_ring) {
         spill_sync(sp, op, idx);
         return 0;
