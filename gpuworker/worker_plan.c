@@ -255,6 +255,12 @@ static void report_failed_step(worker *w, wk_plan *p, const rekv_err *serr)
     }
     free(ids);
     rekv_batcher_clear(w->batch);
+    /* no room in the store: what admission priced the jobs on changed (a spill tier that started
+     * failing has none); this Progress carries the room as it is now, not up to a second old */
+    if (w->kv && (serr->code == -ENOMEM || serr->code == -ENOSPC)) {
+        w->room_ns = 0;
+        wk_kv_room_due(w);
+    }
 }
 
 /* A report per event of the step: its token (with the top logits it asked for), its finish. */
