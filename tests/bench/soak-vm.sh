@@ -33,6 +33,13 @@ if [ "$rc" -ne 0 ]; then # the daemons' logs and the kernel's (ext4's view of th
     cp /tmp/rekv-soak.*/*.log /rekv-out/ 2>/dev/null || true
     dmesg > /rekv-out/dmesg.log 2>/dev/null || true
 fi
+# ext4 may abort its journal on the error table (then every later spill write fails, mended or
+# not) or ride it out, depending on whether a journal commit fell in the 5 s: say which
+if dmesg | grep -q "Remounting filesystem read-only"; then
+    echo "soak-vm: ext4 aborted its journal: the spill file system stayed read-only" > /rekv-out/ext4
+else
+    echo "soak-vm: ext4 rode the failure out: the spill file system came back" > /rekv-out/ext4
+fi
 exit "$rc"
 IN
 rc=0
@@ -44,5 +51,6 @@ if [ "$rc" -ne 0 ]; then
     tail -40 "$W/out/log" >&2
     echo "soak-vm: the daemons' logs are kept in $W/out" >&2
 fi
+cat "$W/out/ext4" >&2 2>/dev/null || true
 cat "$W/out/soak.json" 2>/dev/null
 exit "$rc"
