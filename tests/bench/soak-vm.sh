@@ -35,7 +35,7 @@ if [ "$rc" -ne 0 ]; then # the daemons' logs and the kernel's (ext4's view of th
 fi
 # ext4 may abort its journal on the error table (then every later spill write fails, mended or
 # not) or ride it out, depending on whether a journal commit fell in the 5 s: say which
-if dmesg | grep -q "Remounting filesystem read-only"; then
+if dmesg 2>/dev/null | grep "Remounting filesystem read-only" >/dev/null; then
     echo "soak-vm: ext4 aborted its journal: the spill file system stayed read-only" > /rekv-out/ext4
 else
     echo "soak-vm: ext4 rode the failure out: the spill file system came back" > /rekv-out/ext4
