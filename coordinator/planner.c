@@ -633,6 +633,9 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
         .layer_params = rekv_config_layer_params(cfg),
         .weight_elem_bytes = rekv_config_weight_elem_bytes(cfg),
     };
+    for (int l = 0; l < cfg->n_layers; l++)
+        if (rekv_config_window(cfg, l) > 0)
+            out->window = rekv_config_window(cfg, l), out->windowed_layers++;
 }
 
 void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cache_elem_bytes,
@@ -640,6 +643,12 @@ void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cach
 {
     double q = (double)m->q_dim, params = m->layer_params;
     *out = (rekv_step_shape){0};
+    if (m->window > 0 && m->windowed_layers > 0 && m->n_layers > 0) {
+        /* the mean layer's context: a windowed layer fetches (and attends) only the blocks of
+         * its window (pipeline_kvstore.c, pl_window_lo) */
+        int64_t w = s < m->window + 15 ? s : m->window + 15, nw = m->windowed_layers;
+        s = (nw * w + (m->n_layers - nw) * s + m->n_layers / 2) / m->n_layers;
+    }
     out->kv = (rekv_kvpr_params){
         .s = s, .b = b, .hidden = m->hidden, .kv_dim = m->kv_dim, .elem_bytes = cache_elem_bytes};
     out->kv.weight_bytes = weights_offloaded ? params * m->weight_elem_bytes : 0.0;

@@ -378,6 +378,9 @@ typedef struct rekv_plan_model {
     int n_layers;
     double layer_params;      /* weight elements of one decoder layer (biases and norms left out) */
     double weight_elem_bytes; /* bytes per weight element as the worker holds them */
+    int64_t window;           /* sliding window W of the windowed layers (0: none); a streaming
+                                 mode fetches at most W + 15 tokens of theirs (whole blocks) */
+    int windowed_layers;      /* how many of the n_layers have it */
 } rekv_plan_model;
 
 void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *out);
@@ -443,7 +446,8 @@ double rekv_plan_persist_np(const rekv_cost_profile *prof, const rekv_plan_model
                             int64_t head_dim, int64_t batch, int64_t ctx, double fetch_cap,
                             double cache_elem_bytes);
 
-/* Fills a step shape for one layer of m: batch b, context s tokens, cache elements of
+/* Fills a step shape for one layer of m: batch b, context s tokens (the mean layer's: a windowed
+ * layer's min(s, window + 15), the whole blocks a streaming mode fetches), cache elements of
  * cache_elem_bytes, one new token per sequence; kv.weight_bytes is the layer's weights when
  * weights_offloaded, else 0. The hybrid fields are left 0 for the caller; infinigen's are m's
  * depth and query width, and f = REKV_PLAN_INFINIGEN_PRIOR. */

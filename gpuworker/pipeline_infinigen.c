@@ -986,7 +986,7 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
     io->n_act = n_act0 + r;
     int rc = 0;
     uint8_t *buf = d->kv;
-    if ((rc = pl_dev_part_load(p, s, layer, buf, dev, io)))
+    if ((rc = pl_dev_part_load(p, s, layer, buf, 0, dev, io)))
         goto out;
     if (RESERVE(&io->h2d_kv, 2 * (size_t)kvh * (size_t)m)) {
         rc = -ENOMEM;

@@ -269,6 +269,20 @@ static inline int pl_dev_part(const rekv_pseq *s, int ctx)
     return s->dev_stale ? 0 : s->dev_tokens < ctx ? s->dev_tokens : ctx;
 }
 
+/* The first position (rounded down to its 16-token block) that a step's queries at `layer` can
+ * attend, for s's next step: the layer's sliding window W reaches back from the first query
+ * (position s->len) to s->len - W + 1; 0 without a window. The streaming modes fetch, recompute
+ * and pin nothing before it (the attention kernels read no key before it either, so the buffer's
+ * slots below it are never read). A stale device part takes the whole context (item_stores
+ * fills it from the attention buffer), once. */
+static inline int pl_window_lo(const rekv_model_config *c, const rekv_pseq *s, int layer)
+{
+    int w = rekv_config_window(c, layer), lo = s->len - w + 1;
+    if (w <= 0 || lo <= 0 || s->dev_stale)
+        return 0;
+    return lo - lo % REKV_KV_BLOCK_TOKENS;
+}
+
 /* the device's KV buffers have the store's block layout (kvlayout.h), so blocks copy whole */
 _Static_assert(REKV_KV_BLOCK_TOKENS == REKV_KV_ROWS_PER_BLOCK, "one block size");
 
@@ -288,10 +302,11 @@ int pl_graph_begin(rekv_pipeline *p, const rekv_pipe_item *items, int n);
 int pl_graph_end(rekv_pipeline *p, int issue, rekv_err *err);
 
 /* What the kvstore plan says about one (item, layer): where its blocks are. The plan's blocks of
- * a range [0, end) come in order, so block b of the range is blocks[first + b]. */
+ * a range [b0 * 16, end) come in order, so the sequence's block b is blocks[first + b - b0]. */
 typedef struct range_ref {
-    size_t first; /* index into the plan of the range's block 0 */
+    size_t first; /* index into the plan of the range's block b0 */
     size_t count;
+    size_t b0; /* the range's first block: 0, or where a sliding window starts (pl_window_lo) */
 } range_ref;
 
 typedef struct step {
@@ -459,12 +474,13 @@ size_t pl_copy_layer(rekv_pipeline *p, rekv_stream *s, const layer_w *src, layer
 
 /* pipeline_kvstore.c */
 const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r, int token);
-/* The device-resident part of s, positions [0, dev), of layer into slots [0, dev) of the attention
- * buffer buf (io->d2d_kv), counted as tokens_device; and new rows at positions [t, t + n) of buf
+/* The device-resident part of s, positions [lo, dev) (lo a block's first: 0, or where a sliding
+ * window starts), of layer into the same slots of the attention buffer buf (io->d2d_kv), counted
+ * as tokens_device; and new rows at positions [t, t + n) of buf
  * (within one block) into the part where they are below s->dev_tokens (io->d2d_new). 0 or
  * -ENOMEM. */
-int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *buf, int dev,
-                     unit_io *io);
+int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *buf, int lo,
+                     int dev, unit_io *io);
 int pl_dev_part_store(rekv_pipeline *p, const rekv_pseq *s, int layer, const uint8_t *buf, int t,
                       int n, unit_io *io);
 void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *layer);

@@ -14,11 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The plan's block holding `token` of range r, or NULL past its end. */
+/* The plan's block holding `token` of range r, or NULL outside it. */
 const rekv_kv_plan_block *pl_block_at(const rekv_pipeline *p, const range_ref *r, int token)
 {
     size_t b = (size_t)token / REKV_KV_BLOCK_TOKENS;
-    return b < r->count ? &p->plan[r->first + b] : NULL;
+    return b >= r->b0 && b - r->b0 < r->count ? &p->plan[r->first + b - r->b0] : NULL;
 }
 
 /* Unit u of the step in schedule order: batch g, layer. */
@@ -31,8 +31,12 @@ void pl_unit_at(const rekv_pipeline *p, const step *st, int u, int *g, int *laye
         *g = u / L, *layer = u % L;
 }
 
-/* The step's ranges unit by unit: for each item of the unit's batch its (sequence, layer) [0, end),
- * and kvpr's activation sequence beside it. */
+/* The step's ranges unit by unit: for each item of the unit's batch its (sequence, layer)
+ * [lo, end), and kvpr's activation sequence beside it. lo is where the layer's sliding window
+ * starts (pl_window_lo), so the store pins (and reads back from its spill tier) no block behind
+ * it; 0 without a window, and with ACT_GPU, whose device copy is indexed by the ordinal of a
+ * sequence's ACT blocks counted from its first (act_ordinal: the blocks before lo are only
+ * counted, never copied). */
 static int store_ranges(rekv_pipeline *p, step *st)
 {
     int L = p->c->n_layers, kvpr = p->keep_act, U = L * st->n_g;
@@ -49,9 +53,10 @@ static int store_ranges(rekv_pipeline *p, step *st)
         for (int it = st->g_begin[g]; it < st->g_begin[g + 1]; it++) {
             rekv_pseq *s = st->items[it].seq;
             uint64_t end = (uint64_t)s->len + (uint64_t)st->items[it].n_tokens;
-            r[i++] = (rekv_kv_range){s->id, (uint32_t)l, 0, end};
+            uint64_t lo = p->cfg.act_gpu_blocks > 0 ? 0 : (uint64_t)pl_window_lo(p->c, s, l);
+            r[i++] = (rekv_kv_range){s->id, (uint32_t)l, lo, end};
             if (kvpr)
-                r[i++] = (rekv_kv_range){s->id + 1, (uint32_t)l, 0, end};
+                r[i++] = (rekv_kv_range){s->id + 1, (uint32_t)l, lo, end};
         }
     }
     st->unit_r0[U] = i;
@@ -287,13 +292,14 @@ int pl_window_pin(rekv_pipeline *p, step *st, int w, rekv_err *err)
                 size_t first = bi;
                 while (bi < p->plan_n && p->plan[bi].range == r - r0)
                     bi++;
-                range_ref ref = {first, bi - first};
+                uint64_t end = st->ranges[r].token_end;
+                range_ref ref = {first, bi - first,
+                                 st->ranges[r].token_begin / REKV_KV_BLOCK_TOKENS};
                 if (a)
                     st->act_ref[item * L + l] = ref;
                 else
                     st->kv_ref[item * L + l] = ref;
-                uint64_t end = st->ranges[r].token_end;
-                if (ref.count != (end + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS)
+                if (ref.count != (end + REKV_KV_BLOCK_TOKENS - 1) / REKV_KV_BLOCK_TOKENS - ref.b0)
                     return rekv_errf(err, -EPROTO,
                                      "pipeline: the kvstore's plan for sequence %llu layer "
                                      "%d has %zu blocks for %llu tokens",
@@ -362,19 +368,21 @@ static uint8_t *dev_layer(const rekv_pipeline *p, const rekv_pseq *s, int layer)
                                                             s->dev_tokens, p->kv_rowb);
 }
 
-int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *buf, int dev,
-                     unit_io *io)
+int pl_dev_part_load(rekv_pipeline *p, const rekv_pseq *s, int layer, uint8_t *buf, int lo,
+                     int dev, unit_io *io)
 {
     int kvh = (int)p->geo.n_kv_heads, hd = (int)p->geo.head_dim;
     size_t rb = p->kv_rowb;
-    const uint8_t *kv_dev = dev > 0 ? dev_layer(p, s, layer) : NULL;
-    for (int t0 = 0; t0 < dev; t0 += REKV_KV_BLOCK_TOKENS) {
+    const uint8_t *kv_dev = dev > lo ? dev_layer(p, s, layer) : NULL;
+    if (lo >= dev)
+        return 0;
+    for (int t0 = lo; t0 < dev; t0 += REKV_KV_BLOCK_TOKENS) {
         int n = dev - t0 < REKV_KV_BLOCK_TOKENS ? dev - t0 : REKV_KV_BLOCK_TOKENS;
         size_t row = rekv_kv_off(rekv_kv_row(kvh, hd, 0, t0), hd, rb);
         if (block_rows_copy(&io->d2d_kv, buf + row, kv_dev + row, 0, n, kvh, rb) == 0)
             return -ENOMEM;
     }
-    p->counters[layer].tokens_device += (uint64_t)dev;
+    p->counters[layer].tokens_device += (uint64_t)(dev - lo);
     return 0;
 }
 
@@ -454,11 +462,12 @@ static int act_rows_load(rekv_pipeline *p, const rekv_pseq *s, int j, int layer,
     return 0;
 }
 
-/* The context loads of item (batch index j) at one layer, whole: the device-resident part [0, dev)
- * copied on the device, then each block of [dev, ctx) — activation rows to recompute from (ACT
- * blocks, the split's [dev, split) where activations are kept) or K,V rows straight into the
- * attention buffer. considered: count what the link serves as tokens_considered (the modes that
- * select, at a layer or step they fetch whole). */
+/* The context loads of item (batch index j) at one layer, whole — from where its sliding window
+ * starts (pl_window_lo; 0 without one): the device-resident part's [lo, dev) copied on the device,
+ * then each block of [max(lo, dev), ctx) — activation rows to recompute from (ACT blocks, the
+ * split's [dev, split) where activations are kept) or K,V rows straight into the attention buffer.
+ * considered: count what the link serves as tokens_considered (the modes that select, at a layer
+ * or step they fetch whole). */
 static int item_loads(rekv_pipeline *p, step *st, int item, int j, int layer, int b,
                       const rekv_attn_seq *dj, int considered, unit_io *io, act_counter *ac)
 {
@@ -469,14 +478,14 @@ static int item_loads(rekv_pipeline *p, step *st, int item, int j, int layer, in
     const range_ref *kr = &st->kv_ref[item * L + layer], *ar = &st->act_ref[item * L + layer];
     rekv_layer_counters *cnt = &p->counters[layer];
     int ctx = s->len, l_split = kvpr ? (st->split[item] < ctx ? st->split[item] : ctx) : 0, rc;
-    /* the device-resident part [0, dev): a device copy into the attention buffer */
-    int dev = pl_dev_part(s, ctx);
-    if ((rc = pl_dev_part_load(p, s, layer, dj->kv, dev, io)))
+    /* the device-resident part [lo, dev): a device copy into the attention buffer */
+    int dev = pl_dev_part(s, ctx), lo = pl_window_lo(p->c, s, layer);
+    if ((rc = pl_dev_part_load(p, s, layer, dj->kv, lo, dev, io)))
         return rc;
     if (considered) /* what the link serves (layer 0, a prefill's context) */
         cnt->tokens_considered += (uint64_t)(ctx - dev);
-    /* the rest: walk the blocks of the range [dev, ctx) */
-    for (int t0 = dev; t0 < ctx;) {
+    /* the rest: walk the blocks of the range [max(lo, dev), ctx) */
+    for (int t0 = lo > dev ? lo : dev; t0 < ctx;) {
         int use_act = kvpr && t0 < l_split;
         const rekv_kv_plan_block *blk = pl_block_at(p, use_act ? ar : kr, t0);
         if (blk == NULL)

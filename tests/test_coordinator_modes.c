@@ -174,7 +174,7 @@ START_TEST(coordinator_assigns_worker_mode)
     h.weight_elem_bytes = 2;
     h.layer_params = 2ull * 4096 * 4096 * 2 + 2ull * 4096 * 16384;
     double kv = 2.0 * 4096 * 2 * 64 * 544 * 32; /* the whole batch's KV cache, bytes */
-    rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
+    rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2, 0, 0};
     rekv_cost_profile prof = {.h2d_bw = 25e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
     /* a room the cache does not fit, too small for a device-resident part beside a step's
      * buffers (0.1875 of the cache), and one that holds a part */
@@ -270,7 +270,7 @@ START_TEST(coordinator_assigns_infinigen_only_when_allowed)
     /* the cache does not fit, nor a device-resident part beside a step's buffers; the partial
      * keys (fp32, 0.3 of this fp16 cache) and a step's attention buffers (0.0625) do */
     h.device_kv_room = 0.38 * (2.0 * 4096 * 2 * 64 * 544 * 32);
-    rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2};
+    rekv_plan_model pm = {4096, 4096, 4096, 32, (double)h.layer_params, 2, 0, 0};
     rekv_cost_profile prof = {.h2d_bw = 2e9, .h2d_latency = 5e-6, .gemm_flops = 300e12};
     rekv_mode_pick exact;
     ck_assert_int_eq(

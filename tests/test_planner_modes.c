@@ -447,7 +447,7 @@ START_TEST(test_co_plan_selected_fraction)
     ck_assert(pa.keeps_act);
     ck_assert_int_eq(co_plan_step(&pa, jobs, ctx, NULL, 2, 0, 0, &sp, mb_job, mb_index), 1);
     rekv_step_shape sh;
-    rekv_plan_model pm = {1024, 1024, 1024, 8, 12.0 * 1024 * 1024, 2};
+    rekv_plan_model pm = {1024, 1024, 1024, 8, 12.0 * 1024 * 1024, 2, 0, 0};
     rekv_plan_shape(&pm, 2, 1024, 2, 0, &sh);
     sh.infinigen_split = -1;
     rekv_step_cost want;

@@ -1,0 +1,251 @@
+/* test_window_fetch.c — a layer with a sliding window W moves only its window: in each streaming
+ * mode (offload, act, kvpr, hybrid; with a device-resident part and ACT_GPU too) a step whose
+ * first query is at position C serves a windowed layer exactly the tokens of
+ * [C - W + 1, C + n) rounded out to whole 16-token blocks — fetched over the link, recomputed from
+ * activations or copied from the device part, as the pipeline's per-layer counters count them, and
+ * never one before — while a layer without a window is served its whole context; the tokens and
+ * logits stay resident's bit for bit. Over a Mistral-style model (every layer windowed) and a
+ * Gemma-2-style one (the even layers only), two sequences batched in one step (one past the
+ * window, one inside it), a chunked prompt, and decode steps that slide the window across a block
+ * boundary. The planner prices a windowed layer's context as min(context, W + 15). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coordinator/planner.h"
+#include "gpuworker/gpuworker.h"
+#include "gpuworker/pipeline.h"
+#include "loader/loader.h"
+#include "tests/fixture.h"
+#include "tests/testutil.h"
+
+enum {
+    V = 256,
+    W = 20, /* not a multiple of 16: the window's start is rounded down to its block */
+    LAYERS = 4,
+    CHUNK = 40,  /* sequence A's prompt comes in two chunks: 40, then 30 tokens */
+    LEN_A = 70,  /* past the window */
+    LEN_B = 9,   /* inside it: served whole */
+    DECODE = 14, /* A's context 70..83: its windowed layers' first block moves from 48 to 64 */
+    STEPS = 2 + DECODE,
+    BLK = 16,
+};
+
+/* A synthetic 4-layer Llama-family model (hidden 64, 4 heads over 2 KV heads, head_dim 16, fp32,
+ * seed 7) with extra rekv-loader synth options, into dir/name. */
+static void synth(const char *dir, const char *name, const char *opts)
+{
+    char *cmd = NULL;
+    ck_assert_int_gt(asprintf(&cmd,
+                              "%s synth --arch llama --layers %d --hidden 64 --heads 4 "
+                              "--kv-heads 2 --ffn 128 --vocab %d --dtype f32 --seed 7 "
+                              "--max-pos 128 %s %s/%s >/dev/null",
+                              tu_bin("rekv-loader"), LAYERS, V, opts, dir, name),
+                     0);
+    tu_run_ok(cmd);
+    free(cmd);
+}
+
+/* What the brief of the window asks, written here on its own: the first position a step's
+ * queries at layer l can attend when the first of them is at position ctx, rounded down to its
+ * block; 0 without a window at l. */
+static int window_first(const rekv_model_config *c, int l, int ctx)
+{
+    int w = rekv_config_window(c, l);
+    if (w <= 0 || ctx - w + 1 <= 0)
+        return 0;
+    return (ctx - w + 1) / BLK * BLK;
+}
+
+/* The schedule: item 0 is sequence A, item 1 sequence B; step k's tokens of each (a prompt chunk,
+ * else the token resident chose at the step before). */
+typedef struct run_log {
+    float logits[STEPS][2][V];
+    int32_t next[STEPS][2];
+} run_log;
+
+static const int32_t *step_tokens(const int32_t *pa, const int32_t *pb, const run_log *ref,
+                                  int step, int item, int *n)
+{
+    if (item == 0 && step == 0)
+        return *n = CHUNK, pa;
+    if (item == 0 && step == 1)
+        return *n = LEN_A - CHUNK, pa + CHUNK;
+    if (item == 1 && step == 0)
+        return *n = LEN_B, pb;
+    *n = 1;
+    return &ref->next[step - 1][item];
+}
+
+typedef struct mode_case {
+    rekv_mode mode;
+    int split, kv_parts, act_parts, device_tokens, act_gpu_blocks;
+} mode_case;
+
+/* Runs the schedule through one pipeline. ref NULL: resident, recording into out (its logits and
+ * greedy tokens); else a streaming mode fed ref's tokens, whose logits must be ref's bit for bit
+ * and whose per-layer counters must show each layer served exactly its window's blocks. */
+static void run_mode(tu_fixture *f, const char *model, const mode_case *mc, const run_log *ref,
+                     run_log *out)
+{
+    const rekv_model_config *c = &f->m->config;
+    static int32_t pa[LEN_A], pb[LEN_B];
+    for (int i = 0; i < LEN_A; i++)
+        pa[i] = (int32_t)((i * 53 + 3) % V);
+    for (int i = 0; i < LEN_B; i++)
+        pb[i] = (int32_t)((i * 31 + 7) % V);
+    rekv_err err = {0};
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    cfg.mode = mc->mode;
+    cfg.split = mc->split;
+    cfg.kv_parts = mc->kv_parts;
+    cfg.act_parts = mc->act_parts;
+    cfg.device_tokens = mc->device_tokens;
+    cfg.act_gpu_blocks = mc->act_gpu_blocks;
+    rekv_pipeline *p;
+    ck_assert_msg(rekv_pipeline_create(f->e, f->be, ref ? f->store : NULL, &cfg, &p, &err) == 0,
+                  "%s: %s", rekv_mode_name(cfg.mode), err.msg);
+    rekv_pseq *ps[2];
+    for (int i = 0; i < 2; i++)
+        ck_assert_msg(rekv_pseq_create(p, LEN_A + DECODE + 2, &ps[i], &err) == 0, "%s", err.msg);
+    const run_log *toks = ref ? ref : out;
+    size_t kv_row = 2 * (size_t)c->n_kv_heads * (size_t)c->head_dim * sizeof(float);
+    int ctx[2] = {0, 0};
+    for (int step = 0; step < STEPS; step++) {
+        float lg[2][V];
+        rekv_pipe_item pi[2];
+        for (int i = 0; i < 2; i++) {
+            int n;
+            const int32_t *t = step_tokens(pa, pb, toks, step, i, &n);
+            pi[i] = (rekv_pipe_item){.seq = ps[i], .tokens = t, .n_tokens = n, .logits = lg[i]};
+        }
+        rekv_pipeline_counters_reset(p);
+        ck_assert_msg(rekv_pipeline_step(p, pi, 2, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < 2; i++) {
+            if (ref == NULL) {
+                memcpy(out->logits[step][i], lg[i], sizeof(lg[i]));
+                out->next[step][i] = rekv_argmax(lg[i], V);
+            } else {
+                ck_assert_msg(memcmp(lg[i], ref->logits[step][i], sizeof(lg[i])) == 0,
+                              "%s, mode %s (device tokens %d, ACT_GPU %d), step %d, sequence "
+                              "%d: the logits differ from resident's",
+                              model, rekv_mode_name(mc->mode), mc->device_tokens,
+                              mc->act_gpu_blocks, step, i);
+            }
+        }
+        const rekv_layer_counters *lc = rekv_pipeline_counters(p, NULL);
+        for (int l = 0; ref && l < LAYERS; l++) {
+            uint64_t want = 0;
+            for (int i = 0; i < 2; i++)
+                want += (uint64_t)(ctx[i] - window_first(c, l, ctx[i]));
+            uint64_t got = lc[l].tokens_fetched + lc[l].tokens_recomputed + lc[l].tokens_device;
+            ck_assert_msg(got == want,
+                          "%s, mode %s (device tokens %d, ACT_GPU %d), step %d (contexts %d, %d), "
+                          "layer %d (window %d): served %llu context tokens (fetched %llu, "
+                          "recomputed %llu, device %llu), the window's blocks hold %llu",
+                          model, rekv_mode_name(mc->mode), mc->device_tokens, mc->act_gpu_blocks,
+                          step, ctx[0], ctx[1], l, rekv_config_window(c, l),
+                          (unsigned long long)got, (unsigned long long)lc[l].tokens_fetched,
+                          (unsigned long long)lc[l].tokens_recomputed,
+                          (unsigned long long)lc[l].tokens_device, (unsigned long long)want);
+            /* the link carries the fetched rows and nothing else of K,V */
+            ck_assert_uint_eq(lc[l].h2d_bytes[REKV_XFER_KV], lc[l].tokens_fetched * kv_row);
+            if (mc->act_gpu_blocks == 0) /* ... and the recomputed rows' activations */
+                ck_assert_uint_eq(lc[l].h2d_bytes[REKV_XFER_ACT],
+                                  lc[l].tokens_recomputed * (uint64_t)c->hidden * sizeof(float));
+        }
+        for (int i = 0; i < 2; i++)
+            ctx[i] += pi[i].n_tokens;
+    }
+    for (int i = 0; i < 2; i++)
+        rekv_pseq_free(ps[i]);
+    rekv_pipeline_free(p);
+}
+
+static void window_fetch_model(const char *opts, const char *name, int windowed_layers)
+{
+    static const mode_case modes[] = {
+        {REKV_MODE_OFFLOAD, 0, 0, 0, 0, 0}, {REKV_MODE_OFFLOAD, 0, 0, 0, 64, 0},
+        {REKV_MODE_ACT, 0, 0, 0, 0, 0},     {REKV_MODE_ACT, 0, 0, 0, 0, 2},
+        {REKV_MODE_KVPR, 56, 0, 0, 0, 0},   {REKV_MODE_KVPR, 56, 0, 0, 32, 0},
+        {REKV_MODE_HYBRID, 0, 1, 1, 0, 0},  {REKV_MODE_HYBRID, 0, 1, 1, 64, 0},
+    };
+    char *dir = tu_tmpdir(), mdir[600];
+    synth(dir, name, opts);
+    snprintf(mdir, sizeof(mdir), "%s/%s", dir, name);
+    tu_fixture f;
+    tu_fixture_open(&f, mdir, REKV_DTYPE_F32, NULL);
+    int n = 0;
+    for (int l = 0; l < LAYERS; l++)
+        n += rekv_config_window(&f.m->config, l) == W;
+    ck_assert_int_eq(n, windowed_layers);
+    run_log *ref = calloc(1, sizeof(*ref));
+    ck_assert_ptr_nonnull(ref);
+    static const mode_case resident = {REKV_MODE_RESIDENT, 0, 0, 0, 0, 0};
+    run_mode(&f, name, &resident, NULL, ref);
+    for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++)
+        run_mode(&f, name, &modes[i], ref, NULL);
+    free(ref);
+    tu_fixture_close(&f);
+    tu_rmrf(dir);
+    free(dir);
+}
+
+/* Mistral: every layer windowed. */
+START_TEST(mistral_fetches_only_the_window)
+{
+    window_fetch_model("--sliding-window 20", "mistral", LAYERS);
+}
+END_TEST
+
+/* Gemma-2: the even layers windowed, the odd ones served whole. */
+START_TEST(gemma2_fetches_only_the_even_layers_window)
+{
+    window_fetch_model("--gemma2 --sliding-window 20", "gemma2", LAYERS / 2);
+}
+END_TEST
+
+/* The planner prices the mean layer: a windowed one at min(context, W + 15) tokens. */
+START_TEST(planner_prices_the_window)
+{
+    rekv_model_config c;
+    memset(&c, 0, sizeof(c));
+    c.hidden = 64, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 16, c.ffn = 128;
+    c.n_layers = LAYERS, c.vocab = V, c.sliding_window = W;
+    rekv_plan_model m;
+    rekv_step_shape sh;
+    rekv_plan_model_from_config(&c, &m);
+    rekv_plan_shape(&m, 1, 1000, 2, 0, &sh);
+    ck_assert_int_eq(sh.kv.s, W + 15); /* every layer windowed */
+    rekv_plan_shape(&m, 1, 30, 2, 0, &sh);
+    ck_assert_int_eq(sh.kv.s, 30); /* inside the window: the whole context */
+    c.window_even_layers = 1;
+    rekv_plan_model_from_config(&c, &m);
+    rekv_plan_shape(&m, 1, 1000, 2, 0, &sh);
+    ck_assert_int_eq(sh.kv.s, 518); /* half the layers windowed: (2 * 35 + 2 * 1000) / 4, rounded */
+    c.sliding_window = 0;
+    rekv_plan_model_from_config(&c, &m);
+    rekv_plan_shape(&m, 1, 1000, 2, 0, &sh);
+    ck_assert_int_eq(sh.kv.s, 1000);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("window_fetch");
+    TCase *tc = tcase_create("window_fetch");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, mistral_fetches_only_the_window);
+    tcase_add_test(tc, gemma2_fetches_only_the_even_layers_window);
+    tcase_add_test(tc, planner_prices_the_window);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    return tu_run_suite(suite());
+}
