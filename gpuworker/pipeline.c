@@ -846,6 +846,9 @@ out:
             rekv_errf(err, urc, "%s", uerr.msg);
         }
     }
+    /* after the unpin, so the blocks it frees are nobody's pins */
+    for (int i = 0; rc == 0 && i < n_items; i++)
+        pl_window_drop(p, items[i].seq);
     pl_smem_free(&st.mem);
     return rc;
 }

@@ -260,6 +260,8 @@ struct rekv_pseq {
        by pl_store_prepare), published when it is freed; NULL when off */
     int32_t *toks;
     int cached;     /* prompt tokens taken from the cache when made */
+    int dropped;    /* blocks [0, dropped) of every layer freed in the store: behind the sliding
+                       window of every layer (pl_window_drop) */
     int published;  /* full blocks published so far (the cached ones count) */
 };
 
@@ -501,6 +503,7 @@ int pl_store_prepare(rekv_pipeline *p, step *st, rekv_err *err);
 size_t pl_item_recompute_rows(const rekv_pipeline *p, const step *st, int it);
 void pl_store_pattern(const rekv_pipeline *p, const rekv_pseq *s, uint32_t *kv, uint32_t *act);
 int pl_window_pin(rekv_pipeline *p, step *st, int w, rekv_err *err);
+void pl_window_drop(rekv_pipeline *p, rekv_pseq *s);
 int pl_window_unpin(rekv_pipeline *p, step *st, rekv_err *err);
 int pl_unit_act_alloc(rekv_pipeline *p, step *st, int g, int slots, unit_io *io);
 int pl_item_plan_whole(rekv_pipeline *p, step *st, int item, int j, int layer, int b,

@@ -310,6 +310,30 @@ int pl_window_pin(rekv_pipeline *p, step *st, int w, rekv_err *err)
     return 0;
 }
 
+/* After a step of s: frees in the store the blocks wholly behind the sliding window of every
+ * layer, which no later step reads (s->len only grows; pl_window_lo) — none while a layer has no
+ * window. Not where anything else reads them: the prefix cache (its blocks are published as they
+ * fill, and shared), ACT_GPU (its ordinals count a sequence's ACT blocks from its first). A
+ * failure keeps them, which only costs the store's room. */
+void pl_window_drop(rekv_pipeline *p, rekv_pseq *s)
+{
+    if (s->toks || p->cfg.act_gpu_blocks > 0 || p->info->store == REKV_STORE_NONE)
+        return;
+    int L = p->c->n_layers, lo = s->len;
+    for (int l = 0; l < L; l++) {
+        int w = pl_window_lo(p->c, s, l);
+        lo = w < lo ? w : lo;
+    }
+    int b = lo / REKV_KV_BLOCK_TOKENS;
+    if (b <= s->dropped)
+        return;
+    if (rekv_kvstore_free(p->store, s->id, 0, (uint32_t)L, (uint64_t)s->dropped, (uint64_t)b,
+                          NULL) == 0 &&
+        (!p->keep_act || rekv_kvstore_free(p->store, s->id + 1, 0, (uint32_t)L,
+                                           (uint64_t)s->dropped, (uint64_t)b, NULL) == 0))
+        s->dropped = b;
+}
+
 /* Unpins the pinned window, if any; a window of several is done until the next step's sweep, so
  * the store spills it first. */
 int pl_window_unpin(rekv_pipeline *p, step *st, rekv_err *err)

@@ -7,7 +7,9 @@
  * logits stay resident's bit for bit. Over a Mistral-style model (every layer windowed) and a
  * Gemma-2-style one (the even layers only), two sequences batched in one step (one past the
  * window, one inside it), a chunked prompt, and decode steps that slide the window across a block
- * boundary. The planner prices a windowed layer's context as min(context, W + 15). */
+ * boundary. The store frees the blocks behind every layer's window as it passes them (Mistral:
+ * every layer windowed; Gemma-2 keeps them all). The planner prices a windowed layer's context as
+ * min(context, W + 15). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
@@ -84,6 +86,33 @@ typedef struct mode_case {
     int split, kv_parts, act_parts, device_tokens, act_gpu_blocks;
 } mode_case;
 
+/* After a step that left the two sequences at contexts ctx: the store holds every block of
+ * theirs but those wholly behind the window of every layer (freed as the window passes; a model
+ * with an unwindowed layer, and ACT_GPU, whose device copy counts ACT blocks from the first,
+ * keep them all) — of both of kvpr's sequences (K,V and activations). */
+static void check_store_blocks(tu_fixture *f, const char *model, const mode_case *mc,
+                               const int *ctx, int step)
+{
+    const rekv_model_config *c = &f->m->config;
+    uint64_t want = 0;
+    for (int i = 0; i < 2; i++) {
+        int behind = mc->act_gpu_blocks ? 0 : ctx[i];
+        for (int l = 0; l < LAYERS; l++)
+            behind = window_first(c, l, ctx[i]) < behind ? window_first(c, l, ctx[i]) : behind;
+        want += (uint64_t)((ctx[i] + BLK - 1) / BLK - behind / BLK);
+    }
+    want *= (uint64_t)LAYERS * (mc->mode == REKV_MODE_KVPR ? 2 : 1);
+    rekv_kv_stats ks;
+    rekv_err err = {0};
+    ck_assert_msg(rekv_kvstore_stats(f->store, &ks, &err) == 0, "%s", err.msg);
+    uint64_t got = ks.host_kv + ks.host_act + ks.disk_kv + ks.disk_act;
+    ck_assert_msg(got == want,
+                  "%s, mode %s (ACT_GPU %d), after step %d (contexts %d, %d): the store holds "
+                  "%llu blocks, want %llu",
+                  model, rekv_mode_name(mc->mode), mc->act_gpu_blocks, step, ctx[0], ctx[1],
+                  (unsigned long long)got, (unsigned long long)want);
+}
+
 /* Runs the schedule through one pipeline. ref NULL: resident, recording into out (its logits and
  * greedy tokens); else a streaming mode fed ref's tokens, whose logits must be ref's bit for bit
  * and whose per-layer counters must show each layer served exactly its window's blocks. */
@@ -159,6 +188,8 @@ static void run_mode(tu_fixture *f, const char *model, const mode_case *mc, cons
         }
         for (int i = 0; i < 2; i++)
             ctx[i] += pi[i].n_tokens;
+        if (ref)
+            check_store_blocks(f, model, mc, ctx, step);
     }
     for (int i = 0; i < 2; i++)
         rekv_pseq_free(ps[i]);
