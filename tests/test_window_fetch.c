@@ -196,7 +196,9 @@ static void run_mode(tu_fixture *f, const char *model, const mode_case *mc, cons
     rekv_pipeline_free(p);
 }
 
-static void window_fetch_model(const char *opts, const char *name, int windowed_layers)
+/* host_bytes: the store's arena (0: the fixture's 256 MiB). */
+static void window_fetch_model(const char *opts, const char *name, int windowed_layers,
+                               uint64_t host_bytes)
 {
     static const mode_case modes[] = {
         {REKV_MODE_OFFLOAD, 0, 0, 0, 0, 0}, {REKV_MODE_OFFLOAD, 0, 0, 0, 64, 0},
@@ -208,7 +210,7 @@ static void window_fetch_model(const char *opts, const char *name, int windowed_
     synth(dir, name, opts);
     snprintf(mdir, sizeof(mdir), "%s/%s", dir, name);
     tu_fixture f;
-    tu_fixture_open(&f, mdir, REKV_DTYPE_F32, NULL);
+    tu_fixture_open_host(&f, mdir, REKV_DTYPE_F32, NULL, host_bytes ? host_bytes : 256ull << 20);
     int n = 0;
     for (int l = 0; l < LAYERS; l++)
         n += rekv_config_window(&f.m->config, l) == W;
@@ -219,6 +221,14 @@ static void window_fetch_model(const char *opts, const char *name, int windowed_
     run_mode(&f, name, &resident, NULL, ref);
     for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++)
         run_mode(&f, name, &modes[i], ref, NULL);
+    if (host_bytes) { /* the arena was small enough: blocks went to disk and came back */
+        rekv_kv_stats ks;
+        rekv_err err = {0};
+        ck_assert_msg(rekv_kvstore_stats(f.store, &ks, &err) == 0, "%s", err.msg);
+        ck_assert_msg(ks.bytes_spilled > 0 && ks.bytes_read_back > 0,
+                      "spilled %llu bytes, read back %llu", (unsigned long long)ks.bytes_spilled,
+                      (unsigned long long)ks.bytes_read_back);
+    }
     free(ref);
     tu_fixture_close(&f);
     tu_rmrf(dir);
@@ -228,14 +238,22 @@ static void window_fetch_model(const char *opts, const char *name, int windowed_
 /* Mistral: every layer windowed. */
 START_TEST(mistral_fetches_only_the_window)
 {
-    window_fetch_model("--sliding-window 20", "mistral", LAYERS);
+    window_fetch_model("--sliding-window 20", "mistral", LAYERS, 0);
+}
+END_TEST
+
+/* The same through a store whose arena holds less than a step's blocks: steps pinned in layer
+ * windows, blocks spilled and read back — from where each layer's window starts. */
+START_TEST(mistral_window_through_a_small_arena)
+{
+    window_fetch_model("--sliding-window 20", "mistral", LAYERS, 64 << 10);
 }
 END_TEST
 
 /* Gemma-2: the even layers windowed, the odd ones served whole. */
 START_TEST(gemma2_fetches_only_the_even_layers_window)
 {
-    window_fetch_model("--gemma2 --sliding-window 20", "gemma2", LAYERS / 2);
+    window_fetch_model("--gemma2 --sliding-window 20", "gemma2", LAYERS / 2, 0);
 }
 END_TEST
 
@@ -271,6 +289,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, mistral_fetches_only_the_window);
     tcase_add_test(tc, gemma2_fetches_only_the_even_layers_window);
+    tcase_add_test(tc, mistral_window_through_a_small_arena);
     tcase_add_test(tc, planner_prices_the_window);
     suite_add_tcase(s, tc);
     return s;
