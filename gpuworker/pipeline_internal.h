@@ -275,12 +275,12 @@ static inline int pl_dev_part(const rekv_pseq *s, int ctx)
  * attend, for s's next step: the layer's sliding window W reaches back from the first query
  * (position s->len) to s->len - W + 1; 0 without a window. The streaming modes fetch, recompute
  * and pin nothing before it (the attention kernels read no key before it either, so the buffer's
- * slots below it are never read). A stale device part takes the whole context (item_stores
- * fills it from the attention buffer), once. */
+ * slots below it are never read), and as s->len only grows no later step reads below it: a stale
+ * device part filled from the attention buffer (item_stores) holds garbage there, never read. */
 static inline int pl_window_lo(const rekv_model_config *c, const rekv_pseq *s, int layer)
 {
     int w = rekv_config_window(c, layer), lo = s->len - w + 1;
-    if (w <= 0 || lo <= 0 || s->dev_stale)
+    if (w <= 0 || lo <= 0)
         return 0;
     return lo - lo % REKV_KV_BLOCK_TOKENS;
 }

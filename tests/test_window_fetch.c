@@ -257,6 +257,99 @@ START_TEST(gemma2_fetches_only_the_even_layers_window)
 }
 END_TEST
 
+/* Logits of prompt then `steps` greedy tokens (resident's, in want; NULL: record them there)
+ * through a pipeline of cfg: a first sequence over `first` (published to the prefix cache when
+ * freed), then one over prompt made with rekv_pseq_create_prefix, which must start from the
+ * cache. */
+enum { PX_LEN = 70, PX_STEPS = 6 };
+static void prefix_run(tu_fixture *f, const rekv_pipeline_config *cfg, const int32_t *first,
+                       const int32_t *prompt, float (*want)[V], float (*out)[V])
+{
+    rekv_err err = {0};
+    rekv_pipeline *p;
+    int resident = cfg->mode == REKV_MODE_RESIDENT;
+    ck_assert_msg(rekv_pipeline_create(f->e, f->be, resident ? NULL : f->store, cfg, &p, &err) == 0,
+                  "%s: %s", rekv_mode_name(cfg->mode), err.msg);
+    rekv_pseq *s;
+    float lg[V];
+    if (!resident) { /* the first sequence fills the cache */
+        ck_assert_msg(rekv_pseq_create(p, PX_LEN + 1, &s, &err) == 0, "%s", err.msg);
+        rekv_pipe_item pi = {.seq = s, .tokens = first, .n_tokens = PX_LEN, .logits = lg};
+        ck_assert_msg(rekv_pipeline_step(p, &pi, 1, &err) == 0, "%s", err.msg);
+        rekv_pseq_free(s);
+    }
+    ck_assert_msg(rekv_pseq_create_prefix(p, PX_LEN + PX_STEPS, prompt, PX_LEN, &s, &err) == 0,
+                  "%s", err.msg);
+    int at = rekv_pseq_len(s);
+    if (!resident)
+        ck_assert_int_ge(at, 48); /* the shared blocks came from the cache */
+    int32_t next = 0;
+    for (int step = 0; step <= PX_STEPS; step++) {
+        rekv_pipe_item pi = {.seq = s,
+                             .tokens = step ? &next : prompt + at,
+                             .n_tokens = step ? 1 : PX_LEN - at,
+                             .logits = out[step]};
+        ck_assert_msg(rekv_pipeline_step(p, &pi, 1, &err) == 0, "%s", err.msg);
+        if (want)
+            ck_assert_msg(memcmp(out[step], want[step], sizeof(out[step])) == 0,
+                          "mode %s (device tokens %d, ACT_GPU %d) from the prefix cache (%d "
+                          "tokens), step %d: the logits differ from resident's",
+                          rekv_mode_name(cfg->mode), cfg->device_tokens, cfg->act_gpu_blocks, at,
+                          step);
+        next = rekv_argmax(want ? want[step] : out[step], V);
+    }
+    rekv_pseq_free(s);
+    rekv_pipeline_free(p);
+}
+
+/* A sequence that starts from the prefix cache's blocks (shared with the sequence that made
+ * them, so never freed: the cache keeps every block) takes the window as any other: resident's
+ * logits in every streaming mode, with a device part made from the cached blocks (offload, kvpr)
+ * or by the first step from the cached activations (act, hybrid: the whole context once), and
+ * ACT_GPU's copy. */
+START_TEST(prefix_cache_keeps_the_window_exact)
+{
+    static const mode_case modes[] = {
+        {REKV_MODE_OFFLOAD, 0, 0, 0, 0, 0}, {REKV_MODE_OFFLOAD, 0, 0, 0, 32, 0},
+        {REKV_MODE_ACT, 0, 0, 0, 0, 0},     {REKV_MODE_ACT, 0, 0, 0, 32, 0},
+        {REKV_MODE_ACT, 0, 0, 0, 0, 2},     {REKV_MODE_KVPR, 56, 0, 0, 32, 0},
+        {REKV_MODE_HYBRID, 0, 1, 1, 32, 0},
+    };
+    char *dir = tu_tmpdir(), mdir[600];
+    synth(dir, "mistral", "--sliding-window 20");
+    snprintf(mdir, sizeof(mdir), "%s/mistral", dir);
+    tu_fixture f;
+    tu_fixture_open(&f, mdir, REKV_DTYPE_F32, NULL);
+    int32_t first[PX_LEN], prompt[PX_LEN];
+    for (int i = 0; i < PX_LEN; i++) { /* the same first 52 tokens, then apart */
+        first[i] = (int32_t)((i * 53 + 3) % V);
+        prompt[i] = i < 52 ? first[i] : (int32_t)((i * 29 + 11) % V);
+    }
+    float(*want)[V] = calloc(PX_STEPS + 1, sizeof(*want));
+    float(*out)[V] = calloc(PX_STEPS + 1, sizeof(*out));
+    ck_assert(want && out);
+    rekv_pipeline_config cfg;
+    rekv_pipeline_config_defaults(&cfg);
+    prefix_run(&f, &cfg, first, prompt, NULL, want);
+    for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++) {
+        rekv_pipeline_config_defaults(&cfg);
+        cfg.mode = modes[i].mode;
+        cfg.split = modes[i].split;
+        cfg.kv_parts = modes[i].kv_parts;
+        cfg.act_parts = modes[i].act_parts;
+        cfg.device_tokens = modes[i].device_tokens;
+        cfg.act_gpu_blocks = modes[i].act_gpu_blocks;
+        cfg.prefix_cache = 1;
+        prefix_run(&f, &cfg, first, prompt, want, out);
+    }
+    free(want);
+    free(out);
+    tu_fixture_close(&f);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* The planner prices the mean layer: a windowed one at min(context, W + 15) tokens. */
 START_TEST(planner_prices_the_window)
 {
@@ -290,6 +383,7 @@ static Suite *suite(void)
     tcase_add_test(tc, mistral_fetches_only_the_window);
     tcase_add_test(tc, gemma2_fetches_only_the_even_layers_window);
     tcase_add_test(tc, mistral_window_through_a_small_arena);
+    tcase_add_test(tc, prefix_cache_keeps_the_window_exact);
     tcase_add_test(tc, planner_prices_the_window);
     suite_add_tcase(s, tc);
     return s;
