@@ -42,15 +42,16 @@ static double hello_elem_bytes(const Rekv__Worker__Hello *h)
                                              : (double)h->cache_elem_bytes;
 }
 
-/* The model's shape as a Hello reports it. */
-static rekv_plan_model hello_model(const Rekv__Worker__Hello *h)
+rekv_plan_model co_plan_hello_model(const Rekv__Worker__Hello *h)
 {
     return (rekv_plan_model){.hidden = h->hidden,
                              .q_dim = h->q_dim,
                              .kv_dim = h->kv_dim,
                              .n_layers = (int)h->n_layers,
                              .layer_params = (double)h->layer_params,
-                             .weight_elem_bytes = h->weight_elem_bytes};
+                             .weight_elem_bytes = h->weight_elem_bytes,
+                             .window = h->window,
+                             .windowed_layers = (int)h->windowed_layers};
 }
 
 /* Mode "auto": the planner's pick (rekv_plan_pick_mode), infinigen's layer-0 split into *split,
@@ -64,7 +65,7 @@ static rekv_mode pick_mode(const Rekv__Worker__Hello *h, int *split, char *reaso
         return REKV_MODE_RESIDENT;
     }
     rekv_cost_profile prof;
-    rekv_plan_model pm = hello_model(h);
+    rekv_plan_model pm = co_plan_hello_model(h);
     rekv_mode_pick mp;
     rekv_err e = {0};
     if (hello_profile(h, &prof)) {
@@ -123,7 +124,7 @@ int co_plan_assign(const Rekv__Worker__Hello *h, co_assign *out)
         snprintf(out->reason, len, "the mode it was started with");
     }
     /* what its pipeline keeps on the device, at its largest batch and the model's context */
-    rekv_plan_model pm = hello_model(h);
+    rekv_plan_model pm = co_plan_hello_model(h);
     out->device_tokens = (int)rekv_plan_device_tokens(&pm, h->head_dim, out->mode, h->max_batch,
                                                       h->max_pos, hello_elem_bytes(h),
                                                       h->device_kv_room, h->device_tokens_asked);

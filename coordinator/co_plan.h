@@ -92,6 +92,8 @@ typedef struct co_assign {
  * context, the device part as the operator asked where the Hello says so. 0, or -EINVAL (reason
  * says why) for a mode that is not one. */
 int co_plan_assign(const Rekv__Worker__Hello *h, co_assign *out);
+/* The model's shape as a Hello reports it (what the planner prices the worker's steps with). */
+rekv_plan_model co_plan_hello_model(const Rekv__Worker__Hello *h);
 
 /* Takes the worker's Hello: profile, shape, mode. */
 void co_plan_init(co_plan_state *ps, const Rekv__Worker__Hello *h);

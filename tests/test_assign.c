@@ -355,6 +355,49 @@ START_TEST(hello_reports_quantized_weight_bytes)
 }
 END_TEST
 
+/* A worker of a Gemma-2-style model (a window on the even layers) says its window in its Hello,
+ * and the coordinator's planner model made from that Hello is the one the config gives (the
+ * planner prices a windowed layer's context as its window's blocks). */
+START_TEST(hello_reports_the_window)
+{
+    env e;
+    env_open(&e);
+    fake f;
+    fake_open(&f, e.wrk);
+    char model[4300];
+    snprintf(model, sizeof(model), "%s/gemma2", e.dir);
+    const rekv_synth_spec sp = {REKV_ARCH_LLAMA, 4, 64, 4, 2, 128, 256, 256, REKV_DTYPE_F32, 3, 0};
+    const rekv_synth_llama ll = {.gemma = 2, .sliding_window = 32};
+    rekv_err err = {0};
+    ck_assert_msg(rekv_synth_write_llama(&sp, &ll, model, NULL, NULL, &err) == 0, "%s", err.msg);
+    char prog[4096];
+    snprintf(prog, sizeof(prog), "%s", tu_bin("rekv-gpuworker"));
+    const char *args[] = {prog,        "--model",   model,       "--coordinator", e.wrk,
+                          "--backend", "cpu",       "--name",    "g2",            "--mode",
+                          "resident",  "--max-batch", MAX_BATCH, "--heartbeat-ms", "100", NULL};
+    pid_t w = tu_spawn(args, e.log, NULL);
+    ck_assert_msg(w > 0, "rekv-gpuworker: %s", tu_log_end(e.log));
+    Rekv__Worker__WorkerMsg *m = fake_hello(&f);
+    ck_assert_uint_eq(m->hello->window, 32);
+    ck_assert_uint_eq(m->hello->windowed_layers, 2);
+    rekv_model *rm = NULL;
+    rekv_engine *eng = NULL;
+    ck_assert_msg(rekv_model_open(model, &rm, &err) == 0 && rekv_engine_create(rm, &eng, &err) == 0,
+                  "%s", err.msg);
+    rekv_plan_model want;
+    rekv_plan_model_from_config(rekv_engine_config(eng), &want);
+    rekv_plan_model got = co_plan_hello_model(m->hello);
+    ck_assert_int_eq(got.window, want.window);
+    ck_assert_int_eq(got.windowed_layers, want.windowed_layers);
+    rekv_engine_free(eng);
+    rekv_model_close(rm);
+    rekv__worker__worker_msg__free_unpacked(m, NULL);
+    ck_assert_int_eq(tu_stop(w), 0);
+    fake_close(&f);
+    env_close(&e);
+}
+END_TEST
+
 /* A worker refuses an Assign of another mode than its --mode asked, and stops. */
 START_TEST(explicit_mode_refuses_another)
 {
@@ -599,6 +642,7 @@ static Suite *suite(void)
     tcase_add_test(tc, clo_built_with_assigned_np);
     tcase_add_test(tc, explicit_mode_refuses_another);
     tcase_add_test(tc, hello_reports_quantized_weight_bytes);
+    tcase_add_test(tc, hello_reports_the_window);
     tcase_add_test(tc, assign_while_kvstore_gone);
     tcase_add_test(tc, coordinator_assigns_device_part);
     tcase_add_test(tc, coordinator_refuses_unknown_mode);
