@@ -219,6 +219,12 @@ START_TEST(test_pick_infinigen)
     ck_assert(ex.tech < REKV_TECH_COUNT);
     ck_assert_int_eq(ap.tech, REKV_TECH_INFINIGEN);
     ck_assert(ap.infinigen_fits && ap.infinigen_fraction == REKV_PLAN_INFINIGEN_PRIOR);
+    /* the same model with a sliding window (which infinigen refuses): an exact pick */
+    rekv_plan_model win = optm;
+    rekv_mode_pick wp;
+    win.window = 256, win.windowed_layers = win.n_layers;
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &win, 64, 544, 2, room, 0, &prior, &wp, NULL), 0);
+    ck_assert(!wp.approximate && wp.tech < REKV_TECH_COUNT);
     for (int t = 0; t < REKV_TECH_COUNT; t++) /* the exact prices do not change */
         ck_assert(ex.costs[t].t_step == ap.costs[t].t_step);
     ck_assert(ex.costs[REKV_TECH_INFINIGEN].t_step == 0);
