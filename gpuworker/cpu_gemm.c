@@ -33,7 +33,10 @@
  * rows interleaved in chunks of 8 elements — row r's elements 8c..8c+7 at (8c * 8 + r * 8) of
  * its block, then each row's k % 8 tail, rows past the last whole block as they were — so a tile
  * reads one sequential stream. The layout is a permutation within each block: the same bytes,
- * the same elements multiplied in the same order, the same bits as the row-major matrix. */
+ * the same elements multiplied in the same order, the same bits as the row-major matrix. With
+ * many rows (a prefill) the tiles are 3 rows x 4 weight rows, half a block, and each such group
+ * is copied contiguous into a buffer of the thread's once per block of rows (group_copy says
+ * why), so the model still holds one copy of its weights, the packed one. */
 #include "gpuworker/cpu_ops.h"
 
 #include <math.h>
@@ -165,25 +168,38 @@ static inline float finish(const float l[8], const float *a, const char *tl, rek
     return s;
 }
 
-/* One tile: MR rows of x (from x, row stride k) against the NR weight rows from column j of W,
- * all in one layout and, in the tile layout, in one block (j and NR keep them so), written to
- * y[r * ldy + c] for the nc <= NR columns that exist; a missing column reads column j again and is
- * dropped. Within the tile the rows' chunks, chunk strides and tails are evenly spaced, so the
- * setup is one pointer computation, not one per row. MR and NR are constants where this is
- * inlined, so the accumulators live in registers: with at least as many rows as weight rows the
- * NR widened weight vectors stay in registers and x is read from memory, else the MR x vectors
- * stay and the weights stream (a row alone: eight weight rows per pass, each read once — in the
- * tile layout one sequential stream). */
-AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, int j,
+/* NR weight rows as a tile reads them: the first row's first chunk of 8 elements at w0, the next
+ * chunk every cs bytes, the next row's rstep bytes on; the rows' k % 8 tails at t0, tstep apart.
+ * A tile's weight rows are evenly spaced in either layout (and in a group's copy, group_copy), so
+ * its setup is one pointer computation, not one per row. */
+typedef struct wpanel {
+    const char *w0, *t0;
+    size_t cs, rstep, tstep;
+} wpanel;
+
+static inline wpanel panel_of(const wmat *W, int j)
+{
+    wpanel P = {w_chunk0(W, j), w_tail(W, j), 8 * W->es, (size_t)W->k * W->es,
+                (size_t)W->k * W->es};
+    if (j < W->split) /* rows 8 elements apart in each chunk of 64, tails k % 8 apart */
+        P.cs = 64 * W->es, P.rstep = 8 * W->es, P.tstep = (size_t)(W->k - W->k8) * W->es;
+    return P;
+}
+
+/* One tile: MR rows of x (from x, row stride k) against the NR weight rows of panel P (all in
+ * one layout and, in the tile layout, in one block: the callers' j and NR keep them so), written
+ * to y[r * ldy + c] for the nc <= NR columns that exist; a missing column reads column 0 again and
+ * is dropped. MR and NR are constants where this is inlined, so the accumulators live in
+ * registers: with at least as many rows as weight rows the NR widened weight vectors stay in
+ * registers and x is read from memory, else the MR x vectors stay and the weights stream (a row
+ * alone: eight weight rows per pass, each read once — in the tile layout one sequential
+ * stream). */
+AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, const wpanel *P,
                            const rekv_dtype wt, int nc, const int MR, const int NR)
 {
     int k = W->k, k8 = W->k8;
-    size_t es = rekv_dtype_size(wt), cs, rstep, tstep;
-    const char *w0 = w_chunk0(W, j), *t0 = w_tail(W, j);
-    if (j < W->split) /* rows 8 elements apart in each chunk of 64, tails k % 8 apart */
-        cs = 64 * es, rstep = 8 * es, tstep = (size_t)(k - k8) * es;
-    else
-        cs = 8 * es, rstep = tstep = (size_t)k * es;
+    size_t cs = P->cs, rstep = P->rstep, tstep = P->tstep;
+    const char *w0 = P->w0, *t0 = P->t0;
     const char *wc[8];
     const float *xr[4];
     __m256 acc[4][8];
@@ -242,38 +258,69 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, int
 AVX2_INLINE void rows_avx2(float *y, int ldy, const float *x, const wmat *W, const rekv_dtype wt,
                            int j0, int j1, const int MR, const int NR)
 {
-    for (int j = j0; j < j1; j += NR)
-        tile_avx2(y + j, ldy, x, W, j, wt, j1 - j < NR ? j1 - j : NR, MR, NR);
+    for (int j = j0; j < j1; j += NR) {
+        wpanel P = panel_of(W, j);
+        tile_avx2(y + j, ldy, x, W, &P, wt, j1 - j < NR ? j1 - j : NR, MR, NR);
+    }
 }
 
-/* The rows left after the whole tiles of MR rows (fewer than MR), against columns [j, j + nc) of
- * one layout in one tile of the same NR. */
-AVX2_INLINE void left_avx2(float *y, int ldy, const float *x, const wmat *W, int j,
+/* The rows left after the whole tiles of MR rows (fewer than MR), against the nc columns of
+ * panel P in one tile of the same NR. */
+AVX2_INLINE void left_avx2(float *y, int ldy, const float *x, const wmat *W, const wpanel *P,
                            const rekv_dtype wt, int left, int nc, const int MR, const int NR)
 {
     if (left == 1)
-        tile_avx2(y, ldy, x, W, j, wt, nc, 1, NR);
+        tile_avx2(y, ldy, x, W, P, wt, nc, 1, NR);
     else if (left == 2 && MR > 2)
-        tile_avx2(y, ldy, x, W, j, wt, nc, 2, NR);
+        tile_avx2(y, ldy, x, W, P, wt, nc, 2, NR);
     else if (left == 3 && MR > 3)
-        tile_avx2(y, ldy, x, W, j, wt, nc, 3, NR);
+        tile_avx2(y, ldy, x, W, P, wt, nc, 3, NR);
+}
+
+/* A group of 4 weight rows of the tile layout (half a block) is every other cache line at f16
+ * (one line of each 128-byte chunk of the block), which maps it to half of L1's sets: at a long k
+ * it does not stay in L1 from one tile of rows to the next (the down projection, k = ffn, ran
+ * ~10% below row-major, with 26% more L1 misses). With many rows, each group is copied once per
+ * block of rows into the calling thread's buffer (gemm_run's), contiguous — chunks of 4 rows x 8
+ * elements after one another — and every tile of the block reads it there: a copy of 4 x k
+ * elements against up to 16 tiles' work (BLIS's packed panel, here a permutation within the
+ * panel). The elements and their order are unchanged: the same bits. */
+enum { GROUP_COPY_MIN_ROWS = 8 };
+
+static size_t group_bytes(const wmat *W)
+{
+    return 4 * (size_t)W->k8 * W->es;
+}
+
+/* P (4 rows of a tiled block) copied contiguous into buf; returns the copy's panel. */
+AVX2_INLINE wpanel group_copy(char *buf, const wmat *W, const wpanel *P, const rekv_dtype wt)
+{
+    size_t es = rekv_dtype_size(wt), line = 4 * 8 * es;
+    const char *src = P->w0;
+    for (int t = 0; t < W->k8; t += 8, src += P->cs)
+        memcpy(buf + (size_t)(t / 8) * line, src, line);
+    return (wpanel){buf, P->t0, line, 8 * es, P->tstep};
 }
 
 /* y[m][j0..j1) (row stride ldy) over columns of one layout in tiles of MR x NR, the rows in
  * blocks that stay in cache while the weights stream; the rows left after the last whole tile
- * take each group of NR columns while it is in cache, so the weights stream from memory once. */
+ * take each group of NR columns while it is in cache, so the weights stream from memory once.
+ * buf (the tile layout's 3 x 4 tiles, or NULL): each group is copied there first (group_copy). */
 AVX2_INLINE void blocks_avx2(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
-                             int j0, int j1, int ldy, const int MR, const int NR)
+                             int j0, int j1, int ldy, const int MR, const int NR, char *buf)
 {
     int k = W->k, mm = m - m % MR, MB = 16 * MR;
     for (int i0 = 0; i0 < mm; i0 += MB) {
         int i1 = i0 + MB < mm ? i0 + MB : mm, last = i1 == mm;
         for (int j = j0; j < j1; j += NR) {
             int nc = j1 - j < NR ? j1 - j : NR;
+            wpanel P = panel_of(W, j);
+            if (buf && nc == NR)
+                P = group_copy(buf, W, &P, wt);
             for (int i = i0; i < i1; i += MR)
-                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, W, j, wt, nc, MR, NR);
+                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, W, &P, wt, nc, MR, NR);
             if (last)
-                left_avx2(y + (size_t)mm * ldy + j, ldy, x + (size_t)mm * k, W, j, wt, m - mm, nc,
+                left_avx2(y + (size_t)mm * ldy + j, ldy, x + (size_t)mm * k, W, &P, wt, m - mm, nc,
                           MR, NR);
         }
     }
@@ -287,12 +334,12 @@ AVX2_INLINE void blocks_avx2(float *y, const float *x, const wmat *W, const rekv
  * a small batch) go with no work spent on missing ones: 1 x 8 (one sequential stream in the tile
  * layout), 2 x 6 or 2 x 4, 3 x 4. */
 AVX2_INLINE void gemm_avx2_body(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
-                                int j0, int j1, int ldy)
+                                int j0, int j1, int ldy, char *buf)
 {
     int s = W->split < j0 ? j0 : W->split > j1 ? j1 : W->split;
     if (j0 < s) {
         if (m >= 3)
-            blocks_avx2(y, x, W, wt, m, j0, s, ldy, 3, 4);
+            blocks_avx2(y, x, W, wt, m, j0, s, ldy, 3, 4, buf);
         else if (m == 2)
             rows_avx2(y, ldy, x, W, wt, j0, s, 2, 4);
         else
@@ -310,20 +357,20 @@ AVX2_INLINE void gemm_avx2_body(float *y, const float *x, const wmat *W, const r
             rows_avx2(y, ldy, x, W, wt, s, j1, 3, 4);
             break;
         default:
-            blocks_avx2(y, x, W, wt, m, s, j1, ldy, 4, 3);
+            blocks_avx2(y, x, W, wt, m, s, j1, ldy, 4, 3, NULL);
         }
     }
 }
 
 AVX2_FN static void gemm_avx2(float *y, const float *x, const wmat *W, int m, int j0, int j1,
-                              int ldy)
+                              int ldy, char *buf)
 {
     if (W->wt == REKV_DTYPE_F16)
-        gemm_avx2_body(y, x, W, REKV_DTYPE_F16, m, j0, j1, ldy);
+        gemm_avx2_body(y, x, W, REKV_DTYPE_F16, m, j0, j1, ldy, buf);
     else if (W->wt == REKV_DTYPE_BF16)
-        gemm_avx2_body(y, x, W, REKV_DTYPE_BF16, m, j0, j1, ldy);
+        gemm_avx2_body(y, x, W, REKV_DTYPE_BF16, m, j0, j1, ldy, buf);
     else
-        gemm_avx2_body(y, x, W, REKV_DTYPE_F32, m, j0, j1, ldy);
+        gemm_avx2_body(y, x, W, REKV_DTYPE_F32, m, j0, j1, ldy, buf);
 }
 
 static int have_avx2(void)
@@ -333,18 +380,19 @@ static int have_avx2(void)
 }
 #endif
 
-/* One call's work, split by output columns into chunks; bias is added per chunk. */
+/* One call's work, split by output columns into chunks; bias is added per chunk. gbuf: a
+ * group_bytes buffer per thread slot for the tile layout's group copies, or NULL (none). */
 typedef struct gemm_job {
     float *y;
     const float *x;
     wmat W;
     const float *bias;
+    char *gbuf;
     int m, n, chunks;
 } gemm_job;
 
 static void gemm_job_chunk(void *arg, int p, int slot)
 {
-    (void)slot;
     const gemm_job *g = arg;
     /* chunk boundaries on multiples of 24 columns (whole tiles of 3, 4, 6 and 8, and whole
      * blocks of the tile layout): speed only */
@@ -354,7 +402,8 @@ static void gemm_job_chunk(void *arg, int p, int slot)
         return;
 #if defined(__x86_64__)
     if (have_avx2())
-        gemm_avx2(g->y, g->x, &g->W, g->m, j0, j1, g->n);
+        gemm_avx2(g->y, g->x, &g->W, g->m, j0, j1, g->n,
+                  g->gbuf ? g->gbuf + (size_t)slot * group_bytes(&g->W) : NULL);
     else
 #endif
         gemm_portable(g->y, g->x, &g->W, g->m, j0, j1, g->n);
@@ -553,17 +602,22 @@ void cpu_pool_run(void (*fn)(void *arg, int chunk, int slot), void *arg, int chu
 static void gemm_run(float *y, const float *x, const void *w, rekv_dtype wt, int tiled,
                      const float *bias, int m, int n, int k)
 {
-    gemm_job g = {y, x, wmat_of(w, wt, n, k, tiled), bias, m, n, 1};
+    gemm_job g = {y, x, wmat_of(w, wt, n, k, tiled), bias, NULL, m, n, 1};
     int threads = cpu_gemm_threads();
     g.chunks = threads * GEMM_CHUNKS_PER_THREAD;
     if (g.chunks > n / 24)
         g.chunks = n / 24; /* at least a few tiles of columns each */
-    if (threads < 2 || g.chunks < 2 || (double)m * n * k < CPU_POOL_MIN_MACS) {
-        g.chunks = 1; /* one chunk: the rows stream the weights once */
+    if (threads < 2 || g.chunks < 2 || (double)m * n * k < CPU_POOL_MIN_MACS)
+        g.chunks = 1, threads = 1; /* one chunk: the rows stream the weights once */
+    /* a buffer per thread for the group copies (blocks_avx2); without it the groups are read in
+     * place, the same bits */
+    if (g.W.split > 0 && m >= GROUP_COPY_MIN_ROWS)
+        g.gbuf = malloc((size_t)threads * group_bytes(&g.W));
+    if (g.chunks == 1)
         gemm_job_chunk(&g, 0, 0);
-        return;
-    }
-    cpu_pool_run(gemm_job_chunk, &g, g.chunks, threads);
+    else
+        cpu_pool_run(gemm_job_chunk, &g, g.chunks, threads);
+    free(g.gbuf);
 }
 
 void cpu_gemm_rowinv_f32_cols(float *y, int ldy, const float *x, const float *w, int m, int n,
@@ -572,7 +626,7 @@ void cpu_gemm_rowinv_f32_cols(float *y, int ldy, const float *x, const float *w,
     wmat W = wmat_of(w, REKV_DTYPE_F32, n, k, 0);
 #if defined(__x86_64__)
     if (have_avx2()) {
-        gemm_avx2(y, x, &W, m, 0, n, ldy);
+        gemm_avx2(y, x, &W, m, 0, n, ldy, NULL);
         return;
     }
 #endif
