@@ -38,15 +38,70 @@ typedef struct decode_result {
     double
         selected; /* infinigen's selected fraction f (rekv_pipeline_selected_fraction), 0: none */
     int32_t *tokens; /* [gen_len][batch] */
-    /* each decode step's compute busy and link (h2d) busy time, s: [gen_len - 1][2] */
+    /* each decode step's compute busy and link (h2d) busy time, s, and the split it ran at:
+     * [gen_len - 1][3] */
     double *step;
-    rekv_pipeline_config cfg;
+    rekv_pipeline_config cfg;    /* its split: the last step's */
+    int split_first;             /* the split the run started at (the planner's before any step) */
     char backend[16];            /* the backend it ran on */
     int has_store;               /* the kvstore's counters over the decode steps: */
     rekv_kv_stats ks0, ks1;      /* at their start and end */
     unsigned long long peak_rss; /* bytes: the process's peak over its steps (cli_peak_rss_bytes) */
     char error[1024];            /* why the run failed, as rekv_err says it ("": it did not) */
 } decode_result;
+
+/* A run whose split the planner chose (kvpr, infinigen keeping activations; not kvpr@L nor
+ * --split) has it chosen again before each decode step (cli_plan_split) from the profile as the
+ * run's steps so far corrected it: each step's compute and link busy times against that step's
+ * corrected price (rekv_plan_scales_observe), as a served worker's planner corrects its profile
+ * and picks each step's split (co_plan_observe, co_plan_step). So a split whose recomputation
+ * measures slower than its price moves towards offload's within the run, where the profile alone
+ * kept it for the whole run (issue 42 item 3). */
+typedef struct online_split {
+    int on;
+    rekv_cost_profile prof; /* the cached profile, priced for the run's cache dtype */
+    rekv_plan_scales sc;
+    rekv_step_cost pred; /* the next step at its split, priced by the corrected profile */
+} online_split;
+
+static int online_split_open(online_split *os, const rekv_model_config *c,
+                             const cli_pipeline_opts *po, const rekv_pipeline_config *cfg,
+                             rekv_err *err)
+{
+    memset(os, 0, sizeof(*os));
+    os->sc = (rekv_plan_scales){1, 1};
+    if (po->cfg.split >= 0 || rekv_mode_info_of(cfg->mode)->split == REKV_SPLIT_NONE ||
+        !rekv_pipeline_keeps_act(cfg))
+        return 0;
+    rekv_profile pf;
+    int rc = rekv_profile_get(c, po->backend, &po->link, NULL, 0, &pf, NULL, err);
+    if (rc)
+        return rc;
+    rekv_profile_to_cost(&pf, cfg->cache_dtype, &os->prof);
+    os->on = 1;
+    return 0;
+}
+
+/* Before a decode step of B sequences at context ctx: the split from the corrected profile, set
+ * on the pipeline when it changes, and the step's price at it (f: infinigen's fetched fraction). */
+static int online_split_step(online_split *os, rekv_pipeline *p, const rekv_model_config *c,
+                             rekv_pipeline_config *cfg, int B, int ctx, double f, rekv_err *err)
+{
+    rekv_cost_profile now;
+    rekv_plan_scaled_profile(&os->prof, &os->sc, &now);
+    int split, rc;
+    if ((rc = cli_plan_split(&now, c, cfg, B, ctx, f, &split, err)))
+        return rc;
+    if (split != cfg->split) {
+        rekv_step_params sp = {split, cfg->kv_parts >= 0 ? cfg->kv_parts : 1,
+                               cfg->act_parts >= 0 ? cfg->act_parts : 1, cfg->gpu_batches,
+                               cfg->schedule};
+        if ((rc = rekv_pipeline_set_step(p, &sp, err)))
+            return rc;
+        cfg->split = split;
+    }
+    return cli_plan_predict_step(&now, c, cfg, B, ctx, f, &os->pred, err);
+}
 
 /* One mode's run: N steps (the prefill, then N - 1 decode steps), reported to pr as done + 1 ..
  * done + N; note names the run. */
@@ -59,8 +114,11 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     int rc;
     out->cfg = po->cfg;
     out->cfg.mode = mode;
-    if ((rc = cli_session_choose(c, po->backend, &po->link, B, S, &out->cfg, err)))
+    online_split os;
+    if ((rc = cli_session_choose(c, po->backend, &po->link, B, S, &out->cfg, err)) ||
+        (rc = online_split_open(&os, c, po, &out->cfg, err)))
         return rc;
+    out->split_first = out->cfg.split;
     cli_session ses;
     if ((rc = cli_session_open(&ses, eng, po, &out->cfg, B, S + N, err)))
         return rc;
@@ -68,7 +126,7 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     rekv_pseq **seqs = calloc((size_t)B, sizeof(*seqs));
     rekv_pipe_item *items = calloc((size_t)B, sizeof(*items));
     out->tokens = malloc(sizeof(int32_t) * (size_t)B * (size_t)N);
-    out->step = calloc((size_t)(N - 1) * 2, sizeof(double));
+    out->step = calloc((size_t)(N - 1) * 3, sizeof(double));
     if (!seqs || !items || !out->tokens || !out->step) {
         rc = rekv_errf(err, -ENOMEM, "out of memory");
         goto out;
@@ -106,13 +164,22 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
                                         .n_tokens = 1,
                                         .smp = &greedy,
                                         .token = &out->tokens[(size_t)(step + 1) * B + b]};
+        double f = rekv_pipeline_selected_fraction(rekv_pipeline_counters(ses.p, NULL), c->n_layers,
+                                                   NULL, NULL);
+        if (os.on && (rc = online_split_step(&os, ses.p, c, &out->cfg, B, S + step,
+                                             f > 0 ? f : REKV_PLAN_INFINIGEN_PRIOR, err)))
+            goto out;
         rekv_backend_stats b0, b1;
         ses.be->iface->stats(ses.be, &b0);
         if ((rc = rekv_pipeline_step(ses.p, items, B, err)))
             goto out;
         ses.be->iface->stats(ses.be, &b1);
-        out->step[(size_t)step * 2] = b1.compute_busy_s - b0.compute_busy_s;
-        out->step[(size_t)step * 2 + 1] = b1.h2d_busy_s - b0.h2d_busy_s;
+        double *st = out->step + (size_t)step * 3;
+        st[0] = b1.compute_busy_s - b0.compute_busy_s;
+        st[1] = b1.h2d_busy_s - b0.h2d_busy_s;
+        st[2] = out->cfg.split;
+        if (os.on)
+            rekv_plan_scales_observe(&os.sc, st[1], os.pred.t_pcie, st[0], os.pred.t_compute);
         out->host_syncs += b1.host_syncs - b0.host_syncs;
         rekv_progress_update(pr, done + (uint64_t)step + 2, note);
     }
@@ -164,12 +231,14 @@ static void predict_run(const rekv_profile *pf, const rekv_model_config *c, cons
     rekv_profile_to_cost(pf, r->cfg.cache_dtype, &prof);
     double f = r->selected > 0 ? r->selected : REKV_PLAN_INFINIGEN_PRIOR;
     double plain = 0, online = 0;
+    rekv_pipeline_config at = r->cfg;
     for (int k = 0; k < N - 1; k++) {
-        const double *st = r->step + (size_t)k * 2; /* compute, link busy */
+        const double *st = r->step + (size_t)k * 3; /* compute, link busy, split */
         rekv_step_cost p0, p1;
         rekv_plan_scaled_profile(&prof, &sc, &now);
-        if (cli_plan_predict_step(&prof, c, &r->cfg, B, S + k, f > 1 ? 1 : f, &p0, NULL) ||
-            cli_plan_predict_step(&now, c, &r->cfg, B, S + k, f > 1 ? 1 : f, &p1, NULL))
+        at.split = (int)st[2];
+        if (cli_plan_predict_step(&prof, c, &at, B, S + k, f > 1 ? 1 : f, &p0, NULL) ||
+            cli_plan_predict_step(&now, c, &at, B, S + k, f > 1 ? 1 : f, &p1, NULL))
             return;
         plain += p0.t_step;
         online += p1.t_step;
@@ -221,7 +290,10 @@ static void decode_usage(FILE *f)
                "measured in the same run (from pinned, kvstore-arena and pageable memory)\n"
                "and the busy fractions of compute and link. kvpr@L runs kvpr with split L\n"
                "(e.g. --modes kvpr,kvpr@300,kvpr@450 against the planner's), infinigen@L\n"
-               "infinigen recomputing up to L of what it fetches; RUN:DTYPE runs with\n"
+               "infinigen recomputing up to L of what it fetches. The planner's split is\n"
+               "chosen again before each decode step from the profile as the run's steps\n"
+               "corrected it, as a served worker's planner does (split_first: the one it\n"
+               "started at, split: the last step's); RUN:DTYPE runs with\n"
                "that cache dtype (offload,offload:int4 side by side). auto runs what\n"
                "a served worker with --mode auto would: the mode the planner prices\n"
                "cheapest, with each sequence's first tokens kept on the device where the\n"
@@ -409,7 +481,7 @@ static int decode_run_all(rekv_engine *eng, decode_opts *o, int32_t *const *prom
         cli_peak_rss_reset(); /* the run's own peak where the kernel allows */
         if (sp->has_dtype)
             run.cfg.cache_dtype = sp->dtype;
-        if (sp->is_auto) {    /* what a served worker with --mode auto would run as */
+        if (sp->is_auto) { /* what a served worker with --mode auto would run as */
             if (cli_session_auto(eng, &run, (int)o->B, (int)(o->S + o->N), o->approximate, &run.cfg,
                                  sp->why, sizeof(sp->why), &err)) {
                 decode_failed(o, i, &res[i], err.msg);
@@ -551,8 +623,10 @@ static json_t *decode_run_json(const rekv_engine *eng, const decode_opts *o, int
     decode_yardsticks(eng, o, sp, r, ref, h2d, measured, m);
     if (ref->offload_tps > 0)
         json_object_set_new(m, "ratio_vs_offload", json_real(tps / ref->offload_tps));
-    if (rekv_pipeline_keeps_act(&r->cfg))
+    if (rekv_pipeline_keeps_act(&r->cfg)) {
         json_object_set_new(m, "split", json_integer(r->cfg.split));
+        json_object_set_new(m, "split_first", json_integer(r->split_first));
+    }
     if (rekv_mode_info_of(sp->mode)->store == REKV_STORE_PATTERN)
         json_object_set_new(m, "ratio", json_pack("[i, i]", r->cfg.kv_parts, r->cfg.act_parts));
     if (rekv_mode_info_of(sp->mode)->head_caches) {

@@ -32,14 +32,52 @@ static void step_setup(const rekv_cost_profile *in, const rekv_model_config *c,
                     sh);
 }
 
+/* cli_plan_kvpr with the profile given as the planner prices it (corrected or not). */
+static int plan_kvpr(const rekv_cost_profile *measured, const rekv_model_config *c,
+                     rekv_dtype cache_dtype, int offload_weights, int batch, int ctx,
+                     rekv_kvpr_split *out, rekv_err *err)
+{
+    rekv_cost_profile prof;
+    rekv_step_shape sh;
+    step_setup(measured, c, cache_dtype, offload_weights, batch, ctx, &prof, &sh);
+    return rekv_plan_kvpr_choose(&prof, &sh.kv, out, err);
+}
+
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
                   int offload_weights, int batch, int ctx, rekv_kvpr_split *out, rekv_err *err)
 {
-    rekv_cost_profile measured, prof;
+    rekv_cost_profile measured;
     rekv_profile_to_cost(pf, cache_dtype, &measured);
-    rekv_step_shape sh;
-    step_setup(&measured, c, cache_dtype, offload_weights, batch, ctx, &prof, &sh);
-    return rekv_plan_kvpr_choose(&prof, &sh.kv, out, err);
+    return plan_kvpr(&measured, c, cache_dtype, offload_weights, batch, ctx, out, err);
+}
+
+int cli_plan_split(const rekv_cost_profile *prof, const rekv_model_config *c,
+                   const rekv_pipeline_config *cfg, int batch, int ctx, double f, int *split,
+                   rekv_err *err)
+{
+    const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
+    if (mi == NULL)
+        return rekv_errf(err, -EINVAL, "mode %d is not a mode", (int)cfg->mode);
+    int rc;
+    if (mi->split == REKV_SPLIT_SELECTED) { /* layer 0's, as the planner prices it */
+        rekv_pipeline_config at = *cfg;
+        rekv_step_cost sc;
+        at.split = -1;
+        if ((rc = cli_plan_predict_step(prof, c, &at, batch, ctx, f, &sc, err)))
+            return rc;
+        *split = (int)sc.kvpr_l;
+        return 0;
+    }
+    if (mi->split == REKV_SPLIT_NONE)
+        return rekv_errf(err, -EINVAL, "%s has no split", rekv_mode_name(cfg->mode));
+    /* what moves: the context past the device-resident part */
+    int dev = cfg->device_tokens < ctx ? cfg->device_tokens : ctx;
+    rekv_kvpr_split sp;
+    if ((rc = plan_kvpr(prof, c, cfg->cache_dtype, cfg->offload_weights, batch, ctx - dev, &sp,
+                        err)))
+        return rc;
+    *split = dev + (int)sp.l;
+    return 0;
 }
 
 int cli_plan_hybrid(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,

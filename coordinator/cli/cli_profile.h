@@ -15,6 +15,16 @@ int cli_profile(int argc, char **argv);
 int cli_plan_kvpr(const rekv_profile *pf, const rekv_model_config *c, rekv_dtype cache_dtype,
                   int offload_weights, int batch, int ctx, rekv_kvpr_split *out, rekv_err *err);
 
+/* The split the planner gives cfg's mode for a decode step of `batch` sequences of `ctx` tokens,
+ * with prof (rekv_profile_to_cost of the profile, corrected or not): kvpr's device part plus
+ * rekv_plan_kvpr_choose's l over the rest; infinigen's layer 0 split at the fetched fraction f.
+ * cli_session_choose takes it from the profile as measured; `rekv bench decode` again before
+ * each decode step from the profile as the run's steps corrected it, as a served worker's
+ * planner does. -EINVAL for a mode without a split. */
+int cli_plan_split(const rekv_cost_profile *prof, const rekv_model_config *c,
+                   const rekv_pipeline_config *cfg, int batch, int ctx, double f, int *split,
+                   rekv_err *err);
+
 /* Hybrid's pattern for a decode step of `batch` sequences of `ctx` tokens, the first
  * device_tokens of each kept on the device: rekv_plan_hybrid_pattern, the fastest pattern by the
  * step model. */

@@ -34,24 +34,13 @@ int cli_session_choose(const rekv_model_config *c, const char *backend,
     int rc = rekv_profile_get(c, backend, link, NULL, 0, &pf, NULL, err);
     if (rc)
         return rc;
-    /* what moves: the context past the device-resident part */
-    int dev = cfg->device_tokens < ctx ? cfg->device_tokens : ctx, moved = ctx - dev;
-    if (need_split && mi->split == REKV_SPLIT_SELECTED) { /* layer 0's, as the planner prices */
+    int dev = cfg->device_tokens < ctx ? cfg->device_tokens : ctx;
+    if (need_split) {
         rekv_cost_profile prof;
         rekv_profile_to_cost(&pf, cfg->cache_dtype, &prof);
-        rekv_pipeline_config at = *cfg;
-        rekv_step_cost sc;
-        at.split = -1;
-        if ((rc = cli_plan_predict_step(&prof, c, &at, batch, ctx, REKV_PLAN_INFINIGEN_PRIOR, &sc,
-                                        err)))
+        if ((rc = cli_plan_split(&prof, c, cfg, batch, ctx, REKV_PLAN_INFINIGEN_PRIOR, &cfg->split,
+                                 err)))
             return rc;
-        cfg->split = (int)sc.kvpr_l;
-    } else if (need_split) {
-        rekv_kvpr_split sp;
-        if ((rc = cli_plan_kvpr(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch, moved, &sp,
-                                err)))
-            return rc;
-        cfg->split = dev + (int)sp.l;
     }
     if (need_ratio && (rc = cli_plan_hybrid(&pf, c, cfg->cache_dtype, cfg->offload_weights, batch,
                                             ctx, dev, &cfg->kv_parts, &cfg->act_parts, err)))
