@@ -4,7 +4,8 @@
  * and a row's bits do not depend on how many rows share the call, which rows they are, or the
  * thread count — the row-invariance the exact modes' recomputation and continuous batching stand
  * on. Shapes cross the 48-row blocks (the copy is made again for each), leave rows after the
- * last whole tile, and have k % 8 tails and a partial last block of weight rows. */
+ * last whole tile, and have k % 8 tails and a partial last block of weight rows; their groups of
+ * 4 weight rows are over the 12 KiB from which they are copied, but for one shape under it. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -73,9 +74,10 @@ START_TEST(prefill_rows_same_bits)
     for (int threads = 1; threads <= 2; threads++) {
         cpu_gemm_set_threads(threads);
         for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
-            check_rows(dts[i % 3], ms[i], 203, 181); /* a partial block, a k % 8 tail */
-        check_rows(REKV_DTYPE_F16, 130, 1024, 704);  /* the pool splits the columns */
-        check_rows(REKV_DTYPE_BF16, 52, 96, 8);      /* k a single chunk, no tail */
+            /* a partial block, a k % 8 tail; groups of 4 x 1544 x 2 and 4 x 776 x 4 bytes */
+            check_rows(dts[i % 3], ms[i], 203, dts[i % 3] == REKV_DTYPE_F32 ? 781 : 1549);
+        check_rows(REKV_DTYPE_F16, 130, 1024, 2053); /* the pool splits the columns */
+        check_rows(REKV_DTYPE_BF16, 52, 96, 8);      /* k a single chunk, no tail: no copy */
     }
     cpu_gemm_set_threads(prev);
 }
