@@ -201,12 +201,12 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, con
     size_t cs = P->cs, rstep = P->rstep, tstep = P->tstep;
     const char *w0 = P->w0, *t0 = P->t0;
     const char *wc[8];
-    const float *xr[6];
-    __m256 acc[6][8];
+    const float *xr[4];
+    __m256 acc[4][8];
 #pragma GCC unroll 8
     for (int c = 0; c < NR; c++)
         wc[c] = w0 + (size_t)(c < nc ? c : 0) * rstep;
-#pragma GCC unroll 6
+#pragma GCC unroll 4
     for (int r = 0; r < MR; r++) {
         xr[r] = x + (size_t)r * k;
 #pragma GCC unroll 8
@@ -220,7 +220,7 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, con
 #pragma GCC unroll 8
             for (int c = 0; c < NR; c++)
                 b[c] = load_w8(wc[c] + off, wt);
-#pragma GCC unroll 6
+#pragma GCC unroll 4
             for (int r = 0; r < MR; r++) {
                 __m256 a = _mm256_loadu_ps(xr[r] + t);
 #pragma GCC unroll 8
@@ -228,14 +228,14 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, con
                     acc[r][c] = _mm256_fmadd_ps(a, b[c], acc[r][c]);
             }
         } else {
-            __m256 a[6];
-#pragma GCC unroll 6
+            __m256 a[4];
+#pragma GCC unroll 4
             for (int r = 0; r < MR; r++)
                 a[r] = _mm256_loadu_ps(xr[r] + t);
 #pragma GCC unroll 8
             for (int c = 0; c < NR; c++) {
                 __m256 b = load_w8(wc[c] + off, wt);
-#pragma GCC unroll 6
+#pragma GCC unroll 4
                 for (int r = 0; r < MR; r++)
                     acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
             }
@@ -243,8 +243,8 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, con
     }
     /* all lanes to memory first: no accumulator may live across a call (it would be spilled
      * inside the loop too) */
-    float l[6][8][8];
-#pragma GCC unroll 6
+    float l[4][8][8];
+#pragma GCC unroll 4
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 8
         for (int c = 0; c < NR; c++)
@@ -275,10 +275,6 @@ AVX2_INLINE void left_avx2(float *y, int ldy, const float *x, const wmat *W, con
         tile_avx2(y, ldy, x, W, P, wt, nc, 2, NR);
     else if (left == 3 && MR > 3)
         tile_avx2(y, ldy, x, W, P, wt, nc, 3, NR);
-    else if (left == 4 && MR > 4)
-        tile_avx2(y, ldy, x, W, P, wt, nc, 4, NR);
-    else if (left == 5 && MR > 5)
-        tile_avx2(y, ldy, x, W, P, wt, nc, 5, NR);
 }
 
 /* A group of 4 weight rows of the tile layout (half a block) is every other cache line at f16
@@ -316,8 +312,7 @@ AVX2_INLINE wpanel group_copy(char *buf, const wmat *W, const wpanel *P, const r
 AVX2_INLINE void blocks_avx2(float *y, const float *x, const wmat *W, const rekv_dtype wt, int m,
                              int j0, int j1, int ldy, const int MR, const int NR, char *buf)
 {
-    /* a block of rows stays in L2 (48 or 64 rows: 540 or 720 KB of x at k = 2816) */
-    int k = W->k, mm = m - m % MR, MB = (MR > 4 ? 8 : 16) * MR;
+    int k = W->k, mm = m - m % MR, MB = 16 * MR;
     for (int i0 = 0; i0 < mm; i0 += MB) {
         int i1 = i0 + MB < mm ? i0 + MB : mm, last = i1 == mm;
         for (int j = j0; j < j1; j += NR) {
@@ -381,49 +376,10 @@ AVX2_FN static void gemm_avx2(float *y, const float *x, const wmat *W, int m, in
         gemm_avx2_body(y, x, W, REKV_DTYPE_F32, m, j0, j1, ldy, buf);
 }
 
-/* With AVX-512 (its 32 vector registers; the vectors stay 8 lanes wide, the same operations),
- * the tiled columns of 6 rows or more go in tiles of 6 rows x 4 weight rows: 24 accumulators,
- * each widened weight vector used 6 times where the 3 x 4 tile used it 3 times — half the
- * weight loads and widenings per multiply-add. The same dot products: the same bits. */
-#define AVX512_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
-
-AVX512_FN static void gemm_avx512_tiled(float *y, const float *x, const wmat *W, int m, int j0,
-                                        int j1, int ldy, char *buf)
-{
-    if (W->wt == REKV_DTYPE_F16)
-        blocks_avx2(y, x, W, REKV_DTYPE_F16, m, j0, j1, ldy, 6, 4, buf);
-    else if (W->wt == REKV_DTYPE_BF16)
-        blocks_avx2(y, x, W, REKV_DTYPE_BF16, m, j0, j1, ldy, 6, 4, buf);
-    else
-        blocks_avx2(y, x, W, REKV_DTYPE_F32, m, j0, j1, ldy, 6, 4, buf);
-}
-
 static int have_avx2(void)
 {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
-}
-
-static atomic_int g_avx512_allowed = 1; /* cpu_gemm_set_avx512 */
-
-static int have_avx512(void)
-{
-    return atomic_load_explicit(&g_avx512_allowed, memory_order_relaxed) && have_avx2() &&
-           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-}
-
-/* Columns [j0, j1) of y: the tiled ones in 6-row tiles where AVX-512 allows, the rest (and all
- * without it) by gemm_avx2. */
-static void gemm_x86(float *y, const float *x, const wmat *W, int m, int j0, int j1, int ldy,
-                     char *buf)
-{
-    int s = W->split < j0 ? j0 : W->split > j1 ? j1 : W->split;
-    if (m >= 6 && j0 < s && have_avx512()) {
-        gemm_avx512_tiled(y, x, W, m, j0, s, ldy, buf);
-        j0 = s;
-    }
-    if (j0 < j1)
-        gemm_avx2(y, x, W, m, j0, j1, ldy, buf);
 }
 #endif
 
@@ -449,8 +405,8 @@ static void gemm_job_chunk(void *arg, int p, int slot)
         return;
 #if defined(__x86_64__)
     if (have_avx2())
-        gemm_x86(g->y, g->x, &g->W, g->m, j0, j1, g->n,
-                 g->gbuf ? g->gbuf + (size_t)slot * group_bytes(&g->W) : NULL);
+        gemm_avx2(g->y, g->x, &g->W, g->m, j0, j1, g->n,
+                  g->gbuf ? g->gbuf + (size_t)slot * group_bytes(&g->W) : NULL);
     else
 #endif
         gemm_portable(g->y, g->x, &g->W, g->m, j0, j1, g->n);
@@ -581,16 +537,6 @@ static int pool_grow(int n)
         g_pool.workers++;
     }
     return g_pool.workers;
-}
-
-int cpu_gemm_set_avx512(int on)
-{
-#if defined(__x86_64__)
-    return atomic_exchange(&g_avx512_allowed, on != 0);
-#else
-    (void)on;
-    return 0;
-#endif
 }
 
 int cpu_gemm_set_threads(int n)

@@ -44,9 +44,6 @@ void cpu_tile_unpack(void *w, rekv_dtype wt, int n, int k, void *scratch);
  * cpu_gemm_threads: the threads a large call would use now; cpu_gemm_pool_chunks: the column
  * chunks the pool's workers have computed so far (tests check the threads did take part). */
 int cpu_gemm_set_threads(int n);
-/* Whether the GEMM may use its AVX-512 tiles where the cpu has them (the default, on); returns
- * the previous setting. The bits never depend on it (tests turn it off to check that). */
-int cpu_gemm_set_avx512(int on);
 int cpu_gemm_threads(void);
 unsigned long cpu_gemm_pool_chunks(void);
 /* Runs fn(arg, c, slot) once for every chunk c in [0, chunks) on the caller and the pool's workers,

@@ -65,17 +65,14 @@ static void check_rows(rekv_dtype dt, int m, int n, int k)
 }
 
 /* Row counts around the copy's threshold and the 48-row blocks, at one thread and two (the
- * pool's column chunks each copy into their own thread's buffer), with and without the AVX-512
- * tiles. */
+ * pool's column chunks each copy into their own thread's buffer). */
 START_TEST(prefill_rows_same_bits)
 {
     static const rekv_dtype dts[] = {REKV_DTYPE_F16, REKV_DTYPE_BF16, REKV_DTYPE_F32};
     static const int ms[] = {8, 9, 16, 47, 48, 49, 100, 146};
-    int prev = cpu_gemm_set_threads(1), prev512 = cpu_gemm_set_avx512(1);
-    for (int run = 0; run < 4; run++) {
-        int threads = 1 + run % 2;
+    int prev = cpu_gemm_set_threads(1);
+    for (int threads = 1; threads <= 2; threads++) {
         cpu_gemm_set_threads(threads);
-        cpu_gemm_set_avx512(run < 2); /* where the cpu has it: its 6-row tiles, then AVX2's */
         for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++)
             /* a partial block, a k % 8 tail; groups of 4 x 1544 x 2 and 4 x 776 x 4 bytes */
             check_rows(dts[i % 3], ms[i], 203, dts[i % 3] == REKV_DTYPE_F32 ? 781 : 1549);
@@ -83,7 +80,6 @@ START_TEST(prefill_rows_same_bits)
         check_rows(REKV_DTYPE_BF16, 52, 96, 8);      /* k a single chunk, no tail: no copy */
     }
     cpu_gemm_set_threads(prev);
-    cpu_gemm_set_avx512(prev512);
 }
 END_TEST
 
