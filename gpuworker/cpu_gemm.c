@@ -195,10 +195,13 @@ static inline wpanel panel_of(const wmat *W, int j)
  * alone: eight weight rows per pass, each read once — in the tile layout one sequential
  * stream). */
 AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, const wpanel *P,
-                           const rekv_dtype wt, int nc, const int MR, const int NR)
+                           const rekv_dtype wt, int nc, const int MR, const int NR, const int TL)
 {
     int k = W->k, k8 = W->k8;
-    size_t cs = P->cs, rstep = P->rstep, tstep = P->tstep;
+    /* TL: P is in the tile layout, its strides known here, so the weight rows are one pointer
+     * and constant offsets (no register for each: the one-row tile's eight pointers spilled) */
+    size_t es = rekv_dtype_size(wt), cs = TL ? 64 * es : P->cs, rstep = TL ? 8 * es : P->rstep;
+    size_t tstep = P->tstep;
     const char *w0 = P->w0, *t0 = P->t0;
     const char *wc[8];
     const float *xr[4];
@@ -256,11 +259,14 @@ AVX2_INLINE void tile_avx2(float *y, int ldy, const float *x, const wmat *W, con
 
 /* MR rows (x, y at row 0) against columns [j0, j1) of one layout, NR at a time. */
 AVX2_INLINE void rows_avx2(float *y, int ldy, const float *x, const wmat *W, const rekv_dtype wt,
-                           int j0, int j1, const int MR, const int NR)
+                           int j0, int j1, const int MR, const int NR, const int TL)
 {
     for (int j = j0; j < j1; j += NR) {
         wpanel P = panel_of(W, j);
-        tile_avx2(y + j, ldy, x, W, &P, wt, j1 - j < NR ? j1 - j : NR, MR, NR);
+        if (j1 - j >= NR) /* nc a constant: the weight rows at constant offsets */
+            tile_avx2(y + j, ldy, x, W, &P, wt, NR, MR, NR, TL);
+        else
+            tile_avx2(y + j, ldy, x, W, &P, wt, j1 - j, MR, NR, TL);
     }
 }
 
@@ -270,11 +276,11 @@ AVX2_INLINE void left_avx2(float *y, int ldy, const float *x, const wmat *W, con
                            const rekv_dtype wt, int left, int nc, const int MR, const int NR)
 {
     if (left == 1)
-        tile_avx2(y, ldy, x, W, P, wt, nc, 1, NR);
+        tile_avx2(y, ldy, x, W, P, wt, nc, 1, NR, 0);
     else if (left == 2 && MR > 2)
-        tile_avx2(y, ldy, x, W, P, wt, nc, 2, NR);
+        tile_avx2(y, ldy, x, W, P, wt, nc, 2, NR, 0);
     else if (left == 3 && MR > 3)
-        tile_avx2(y, ldy, x, W, P, wt, nc, 3, NR);
+        tile_avx2(y, ldy, x, W, P, wt, nc, 3, NR, 0);
 }
 
 /* A group of 4 weight rows of the tile layout (half a block) is every other cache line at f16
@@ -321,7 +327,8 @@ AVX2_INLINE void blocks_avx2(float *y, const float *x, const wmat *W, const rekv
             if (buf && nc == NR)
                 P = group_copy(buf, W, &P, wt);
             for (int i = i0; i < i1; i += MR)
-                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, W, &P, wt, nc, MR, NR);
+                tile_avx2(y + (size_t)i * ldy + j, ldy, x + (size_t)i * k, W, &P, wt, nc, MR, NR,
+                          0);
             if (last)
                 left_avx2(y + (size_t)mm * ldy + j, ldy, x + (size_t)mm * k, W, &P, wt, m - mm, nc,
                           MR, NR);
@@ -344,20 +351,20 @@ AVX2_INLINE void gemm_avx2_body(float *y, const float *x, const wmat *W, const r
         if (m >= 3)
             blocks_avx2(y, x, W, wt, m, j0, s, ldy, 3, 4, buf);
         else if (m == 2)
-            rows_avx2(y, ldy, x, W, wt, j0, s, 2, 4);
+            rows_avx2(y, ldy, x, W, wt, j0, s, 2, 4, 1);
         else
-            rows_avx2(y, ldy, x, W, wt, j0, s, 1, 8);
+            rows_avx2(y, ldy, x, W, wt, j0, s, 1, 8, 1);
     }
     if (s < j1) {
         switch (m) {
         case 1:
-            rows_avx2(y, ldy, x, W, wt, s, j1, 1, 8);
+            rows_avx2(y, ldy, x, W, wt, s, j1, 1, 8, 0);
             break;
         case 2:
-            rows_avx2(y, ldy, x, W, wt, s, j1, 2, 6);
+            rows_avx2(y, ldy, x, W, wt, s, j1, 2, 6, 0);
             break;
         case 3:
-            rows_avx2(y, ldy, x, W, wt, s, j1, 3, 4);
+            rows_avx2(y, ldy, x, W, wt, s, j1, 3, 4, 0);
             break;
         default:
             blocks_avx2(y, x, W, wt, m, s, j1, ldy, 4, 3, NULL);
