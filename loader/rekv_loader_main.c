@@ -202,6 +202,70 @@ static int parse_spec_word(const char *name, const char *v, rekv_synth_spec *s)
     return 0;
 }
 
+/* synth's options (file scope: cmd_synth's switch is long enough) */
+enum {
+    O_ARCH = 1000,
+    O_DTYPE,
+    O_SEED,
+    O_LAYERS,
+    O_HIDDEN,
+    O_HEADS,
+    O_KV_HEADS,
+    O_FFN,
+    O_VOCAB,
+    O_MAX_POS,
+    O_TIED,
+    O_UNTIED,
+    O_ROPE_THETA,
+    O_ROPE_SCALING,
+    O_QWEN2,
+    O_PHI3,
+    O_WINDOW,
+    O_GEMMA,
+    O_GEMMA2,
+    O_HEAD_DIM,
+    O_HELP
+};
+static const struct option synth_opts[] = {{"arch", required_argument, 0, O_ARCH},
+                                           {"dtype", required_argument, 0, O_DTYPE},
+                                           {"seed", required_argument, 0, O_SEED},
+                                           {"layers", required_argument, 0, O_LAYERS},
+                                           {"hidden", required_argument, 0, O_HIDDEN},
+                                           {"heads", required_argument, 0, O_HEADS},
+                                           {"kv-heads", required_argument, 0, O_KV_HEADS},
+                                           {"ffn", required_argument, 0, O_FFN},
+                                           {"vocab", required_argument, 0, O_VOCAB},
+                                           {"max-pos", required_argument, 0, O_MAX_POS},
+                                           {"tied", no_argument, 0, O_TIED},
+                                           {"untied", no_argument, 0, O_UNTIED},
+                                           {"rope-theta", required_argument, 0, O_ROPE_THETA},
+                                           {"rope-scaling", required_argument, 0, O_ROPE_SCALING},
+                                           {"qwen2", no_argument, 0, O_QWEN2},
+                                           {"phi3", no_argument, 0, O_PHI3},
+                                           {"sliding-window", required_argument, 0, O_WINDOW},
+                                           {"gemma", no_argument, 0, O_GEMMA},
+                                           {"gemma2", no_argument, 0, O_GEMMA2},
+                                           {"head-dim", required_argument, 0, O_HEAD_DIM},
+                                           {"help", no_argument, 0, O_HELP},
+                                           {0, 0, 0, 0}};
+
+/* The int field of s or lv that option o sets, or NULL. */
+static int *synth_int_field(int o, rekv_synth_spec *s, rekv_synth_llama *lv)
+{
+    switch (o) {
+    case O_LAYERS: return &s->n_layers;
+    case O_HIDDEN: return &s->hidden;
+    case O_HEADS: return &s->n_heads;
+    case O_KV_HEADS: return &s->n_kv_heads;
+    case O_FFN: return &s->ffn;
+    case O_VOCAB: return &s->vocab;
+    case O_MAX_POS: return &s->max_pos;
+    case O_WINDOW: return &lv->sliding_window;
+    case O_HEAD_DIM: return &lv->head_dim;
+    default: return NULL;
+    }
+}
+
 static int cmd_synth(int argc, char **argv)
 {
     rekv_synth_spec s;
@@ -212,57 +276,12 @@ static int cmd_synth(int argc, char **argv)
     s.dtype = REKV_DTYPE_F16;
     s.max_pos = 2048;
     int tied = -1;
-    enum {
-        O_ARCH = 1000,
-        O_DTYPE,
-        O_SEED,
-        O_LAYERS,
-        O_HIDDEN,
-        O_HEADS,
-        O_KV_HEADS,
-        O_FFN,
-        O_VOCAB,
-        O_MAX_POS,
-        O_TIED,
-        O_UNTIED,
-        O_ROPE_THETA,
-        O_ROPE_SCALING,
-        O_QWEN2,
-        O_PHI3,
-        O_WINDOW,
-        O_GEMMA,
-        O_GEMMA2,
-        O_HEAD_DIM,
-        O_HELP
-    };
-    static const struct option opts[] = {{"arch", required_argument, 0, O_ARCH},
-                                         {"dtype", required_argument, 0, O_DTYPE},
-                                         {"seed", required_argument, 0, O_SEED},
-                                         {"layers", required_argument, 0, O_LAYERS},
-                                         {"hidden", required_argument, 0, O_HIDDEN},
-                                         {"heads", required_argument, 0, O_HEADS},
-                                         {"kv-heads", required_argument, 0, O_KV_HEADS},
-                                         {"ffn", required_argument, 0, O_FFN},
-                                         {"vocab", required_argument, 0, O_VOCAB},
-                                         {"max-pos", required_argument, 0, O_MAX_POS},
-                                         {"tied", no_argument, 0, O_TIED},
-                                         {"untied", no_argument, 0, O_UNTIED},
-                                         {"rope-theta", required_argument, 0, O_ROPE_THETA},
-                                         {"rope-scaling", required_argument, 0, O_ROPE_SCALING},
-                                         {"qwen2", no_argument, 0, O_QWEN2},
-                                         {"phi3", no_argument, 0, O_PHI3},
-                                         {"sliding-window", required_argument, 0, O_WINDOW},
-                                         {"gemma", no_argument, 0, O_GEMMA},
-                                         {"gemma2", no_argument, 0, O_GEMMA2},
-                                         {"head-dim", required_argument, 0, O_HEAD_DIM},
-                                         {"help", no_argument, 0, O_HELP},
-                                         {0, 0, 0, 0}};
     int o;
     optind = 1;
     opterr = 0; /* our own one-line message */
-    while ((o = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, ":h", synth_opts, NULL)) != -1) {
         const char *v = optarg;
-        int *field = NULL;
+        int *field = synth_int_field(o, &s, &lv);
         long long x;
         switch (o) {
         case O_TIED:
@@ -277,17 +296,11 @@ static int cmd_synth(int argc, char **argv)
         case O_PHI3:
             lv.phi3 = 1;
             break;
-        case O_WINDOW:
-            field = &lv.sliding_window;
-            break;
         case O_GEMMA:
         case O_GEMMA2:
             if (lv.gemma)
                 return bad_usage("synth: --gemma and --gemma2 are two families");
             lv.gemma = o == O_GEMMA ? 1 : 2;
-            break;
-        case O_HEAD_DIM:
-            field = &lv.head_dim;
             break;
         case O_ROPE_THETA:
             if (parse_theta(v, &lv.rope_theta))
@@ -307,35 +320,15 @@ static int cmd_synth(int argc, char **argv)
             if (parse_spec_word(o == O_ARCH ? "arch" : o == O_DTYPE ? "dtype" : "seed", v, &s))
                 return 2;
             break;
-        case O_LAYERS:
-            field = &s.n_layers;
-            break;
-        case O_HIDDEN:
-            field = &s.hidden;
-            break;
-        case O_HEADS:
-            field = &s.n_heads;
-            break;
-        case O_KV_HEADS:
-            field = &s.n_kv_heads;
-            break;
-        case O_FFN:
-            field = &s.ffn;
-            break;
-        case O_VOCAB:
-            field = &s.vocab;
-            break;
-        case O_MAX_POS:
-            field = &s.max_pos;
-            break;
         case ':':
             return bad_usage("synth: option %s needs a value", argv[optind - 1]);
         default:
-            return bad_usage("synth: unknown option %s", argv[optind - 1]);
+            if (field == NULL)
+                return bad_usage("synth: unknown option %s", argv[optind - 1]);
         }
         if (field != NULL) {
             const char *name = "";
-            for (const struct option *q = opts; q->name; q++)
+            for (const struct option *q = synth_opts; q->name; q++)
                 if (q->val == o)
                     name = q->name;
             if (parse_ll(name, v, 1, 1 << 30, &x) < 0)

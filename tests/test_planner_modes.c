@@ -194,6 +194,28 @@ START_TEST(test_device_part)
 }
 END_TEST
 
+/* A model with a sliding window (which infinigen refuses at pipeline creation) gets an exact pick
+ * where the same model without one gets infinigen (test_pick_infinigen's first case). */
+START_TEST(test_pick_windowed_exact)
+{
+    rekv_model_config opt = tp_opt_6_7b;
+    rekv_plan_model optm, win;
+    rekv_plan_model_from_config(&opt, &optm);
+    double kv = 2.0 * 4096 * 2 * 64 * 544 * 32;
+    rekv_cost_profile slow = {.h2d_bw = 2e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
+    rekv_plan_approx prior = {0};
+    rekv_mode_pick ap, wp;
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &optm, 64, 544, 2, 0.38 * kv, 0, &prior, &ap, NULL),
+                     0);
+    ck_assert_int_eq(ap.tech, REKV_TECH_INFINIGEN);
+    win = optm;
+    win.window = 256, win.windowed_layers = win.n_layers;
+    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &win, 64, 544, 2, 0.38 * kv, 0, &prior, &wp, NULL),
+                     0);
+    ck_assert(!wp.approximate && wp.tech < REKV_TECH_COUNT);
+}
+END_TEST
+
 /* InfiniGen is approximate: rekv_plan_pick_mode prices it only when allowed, and picks it only
  * when it is strictly cheaper than every exact technique — on a slow link at a small fraction f,
  * never when it is not allowed, never at f = 1 (the same bytes as KV, plus the speculation), and
@@ -219,12 +241,6 @@ START_TEST(test_pick_infinigen)
     ck_assert(ex.tech < REKV_TECH_COUNT);
     ck_assert_int_eq(ap.tech, REKV_TECH_INFINIGEN);
     ck_assert(ap.infinigen_fits && ap.infinigen_fraction == REKV_PLAN_INFINIGEN_PRIOR);
-    /* the same model with a sliding window (which infinigen refuses): an exact pick */
-    rekv_plan_model win = optm;
-    rekv_mode_pick wp;
-    win.window = 256, win.windowed_layers = win.n_layers;
-    ck_assert_int_eq(rekv_plan_pick_mode(&slow, &win, 64, 544, 2, room, 0, &prior, &wp, NULL), 0);
-    ck_assert(!wp.approximate && wp.tech < REKV_TECH_COUNT);
     for (int t = 0; t < REKV_TECH_COUNT; t++) /* the exact prices do not change */
         ck_assert(ex.costs[t].t_step == ap.costs[t].t_step);
     ck_assert(ex.costs[REKV_TECH_INFINIGEN].t_step == 0);
@@ -673,6 +689,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_device_part);
     tcase_add_test(tc, test_co_plan_device_part);
     tcase_add_test(tc, test_pick_infinigen);
+    tcase_add_test(tc, test_pick_windowed_exact);
     tcase_add_test(tc, test_co_plan_device_room);
     tcase_add_test(tc, test_co_plan_selected_fraction);
     tcase_add_test(tc, test_co_plan_observe_own_prediction);
