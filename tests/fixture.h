@@ -163,4 +163,38 @@ static inline size_t tu_device_use(tu_fixture *f, const rekv_pipeline_config *cf
     return tot - fr;
 }
 
+/* The engine's logits of tok[0..T) (vocabulary V) do not depend on how the prompt is cut: the
+ * prompt at once, a token at a time, and two chunks at cut give the same bits. */
+static inline void tu_forward_cut_invariant(rekv_engine *e, const int32_t *tok, int T, int V,
+                                            int cut)
+{
+    rekv_err err = {0};
+    size_t n = (size_t)T * (size_t)V;
+    float *all = malloc(n * sizeof(float)), *one = malloc(n * sizeof(float)),
+          *two = malloc(n * sizeof(float));
+    ck_assert(all && one && two);
+    rekv_seq *a, *b, *c;
+    ck_assert_int_eq(rekv_seq_create(e, T, &a, &err), 0);
+    ck_assert_int_eq(rekv_seq_create(e, T, &b, &err), 0);
+    ck_assert_int_eq(rekv_seq_create(e, T, &c, &err), 0);
+    rekv_batch_item it = {a, tok, T, 1, all};
+    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
+    for (int i = 0; i < T; i++) {
+        it = (rekv_batch_item){b, tok + i, 1, 1, one + (size_t)i * V};
+        ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
+    }
+    it = (rekv_batch_item){c, tok, cut, 1, two};
+    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
+    it = (rekv_batch_item){c, tok + cut, T - cut, 1, two + (size_t)cut * V};
+    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
+    ck_assert_msg(memcmp(all, one, n * sizeof(float)) == 0, "prefill and decode differ");
+    ck_assert_msg(memcmp(all, two, n * sizeof(float)) == 0, "one chunk and two differ");
+    rekv_seq_free(a);
+    rekv_seq_free(b);
+    rekv_seq_free(c);
+    free(all);
+    free(one);
+    free(two);
+}
+
 #endif

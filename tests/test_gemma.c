@@ -410,26 +410,7 @@ START_TEST(gemma2_does_not_depend_on_chunking)
     ck_assert_msg(rekv_engine_create(m, &e, &err) == 0, "%s", err.msg);
     enum { T = 40 };
     int32_t *tok = tokens(T);
-    static float all[T * V], one[T * V], two[T * V];
-    rekv_seq *a, *b, *c;
-    ck_assert_int_eq(rekv_seq_create(e, T, &a, &err), 0);
-    ck_assert_int_eq(rekv_seq_create(e, T, &b, &err), 0);
-    ck_assert_int_eq(rekv_seq_create(e, T, &c, &err), 0);
-    rekv_batch_item it = {a, tok, T, 1, all};
-    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
-    for (int i = 0; i < T; i++) {
-        it = (rekv_batch_item){b, tok + i, 1, 1, one + (size_t)i * V};
-        ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
-    }
-    it = (rekv_batch_item){c, tok, 11, 1, two};
-    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
-    it = (rekv_batch_item){c, tok + 11, T - 11, 1, two + 11 * V};
-    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
-    ck_assert_msg(memcmp(all, one, sizeof(all)) == 0, "prefill and decode differ");
-    ck_assert_msg(memcmp(all, two, sizeof(all)) == 0, "one chunk and two differ");
-    rekv_seq_free(a);
-    rekv_seq_free(b);
-    rekv_seq_free(c);
+    tu_forward_cut_invariant(e, tok, T, V, 11);
     free(tok);
     rekv_engine_free(e);
     rekv_model_close(m);

@@ -339,26 +339,7 @@ START_TEST(dynamic_does_not_depend_on_chunking)
     int32_t tok[T];
     for (int i = 0; i < T; i++)
         tok[i] = (int32_t)((i * 31 + 5) % V);
-    static float all[T * V], one[T * V], two[T * V];
-    rekv_seq *a, *b, *c;
-    ck_assert_int_eq(rekv_seq_create(e, T, &a, &err), 0);
-    ck_assert_int_eq(rekv_seq_create(e, T, &b, &err), 0);
-    ck_assert_int_eq(rekv_seq_create(e, T, &c, &err), 0);
-    rekv_batch_item it = {a, tok, T, 1, all};
-    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
-    for (int i = 0; i < T; i++) {
-        it = (rekv_batch_item){b, tok + i, 1, 1, one + (size_t)i * V};
-        ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
-    }
-    it = (rekv_batch_item){c, tok, 37, 1, two};
-    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
-    it = (rekv_batch_item){c, tok + 37, T - 37, 1, two + 37 * V};
-    ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
-    ck_assert_msg(memcmp(all, one, sizeof(all)) == 0, "prefill and decode differ");
-    ck_assert_msg(memcmp(all, two, sizeof(all)) == 0, "one chunk and two differ");
-    rekv_seq_free(a);
-    rekv_seq_free(b);
-    rekv_seq_free(c);
+    tu_forward_cut_invariant(e, tok, T, V, 37);
     rekv_engine_free(e);
     rekv_model_close(m);
     tu_rmrf(dir);
