@@ -92,24 +92,9 @@ static Suite *suite(void)
 
 int main(void)
 {
-    /* no ck_ calls here, outside a test: mkdtemp rather than tu_tmpdir */
-    const char *base = getenv("TMPDIR");
     char dir[2048];
-    snprintf(dir, sizeof(dir), "%s/rekv-test.XXXXXX", base && *base ? base : "/tmp");
-    if (mkdtemp(dir) == NULL) {
-        perror("test_bench_decode: mkdtemp");
-        return 1;
-    }
-    snprintf(g_model, sizeof(g_model), "%s/deep", dir);
-    snprintf(g_cmd, sizeof(g_cmd),
-             "%s synth --arch opt --layers 8 --hidden 64 --heads 4 --ffn 128 --vocab 300 "
-             "--max-pos 256 --dtype f16 --seed 5 %s >/dev/null",
-             tu_bin("rekv-loader"), g_model);
-    int rc = 1;
-    if (system(g_cmd) != 0)
-        fprintf(stderr, "test_bench_decode: %s failed\n", g_cmd);
-    else
-        rc = tu_run_suite(suite());
-    tu_rmrf(dir);
-    return rc;
+    return tu_run_suite_synth(suite,
+                              "--arch opt --layers 8 --hidden 64 --heads 4 --ffn 128 --vocab 300 "
+                              "--max-pos 256 --dtype f16 --seed 5",
+                              dir, sizeof(dir), g_model, sizeof(g_model));
 }

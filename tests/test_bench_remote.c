@@ -118,24 +118,8 @@ static Suite *suite(void)
 
 int main(void)
 {
-    /* no ck_ calls here, outside a test: mkdtemp rather than tu_tmpdir */
-    const char *base = getenv("TMPDIR");
-    char cmd[8192];
-    snprintf(g_dir, sizeof(g_dir), "%s/rekv-test.XXXXXX", base && *base ? base : "/tmp");
-    if (mkdtemp(g_dir) == NULL) {
-        perror("test_bench_remote: mkdtemp");
-        return 1;
-    }
-    snprintf(g_model, sizeof(g_model), "%s/m", g_dir);
-    snprintf(cmd, sizeof(cmd),
-             "%s synth --arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 300 "
-             "--max-pos 512 --dtype f16 --seed 5 %s >/dev/null",
-             tu_bin("rekv-loader"), g_model);
-    int rc = 1;
-    if (system(cmd) != 0)
-        fprintf(stderr, "test_bench_remote: %s failed\n", cmd);
-    else
-        rc = tu_run_suite(suite());
-    tu_rmrf(g_dir);
-    return rc;
+    return tu_run_suite_synth(suite,
+                              "--arch llama --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 300 "
+                              "--max-pos 512 --dtype f16 --seed 5",
+                              g_dir, sizeof(g_dir), g_model, sizeof(g_model));
 }

@@ -189,24 +189,9 @@ static Suite *suite(void)
 
 int main(void)
 {
-    /* no ck_ calls here, outside a test: mkdtemp rather than tu_tmpdir */
-    const char *base = getenv("TMPDIR");
-    char dir[2048], cmd[8192];
-    snprintf(dir, sizeof(dir), "%s/rekv-test.XXXXXX", base && *base ? base : "/tmp");
-    if (mkdtemp(dir) == NULL) {
-        perror("test_bench_serve: mkdtemp");
-        return 1;
-    }
-    snprintf(g_model, sizeof(g_model), "%s/m", dir);
-    snprintf(cmd, sizeof(cmd),
-             "%s synth --arch opt --layers 2 --hidden 64 --heads 4 --ffn 128 --vocab 300 "
-             "--max-pos 256 --dtype f16 --seed 5 %s >/dev/null",
-             tu_bin("rekv-loader"), g_model);
-    int rc = 1;
-    if (system(cmd) != 0)
-        fprintf(stderr, "test_bench_serve: %s failed\n", cmd);
-    else
-        rc = tu_run_suite(suite());
-    tu_rmrf(dir);
-    return rc;
+    char dir[2048];
+    return tu_run_suite_synth(suite,
+                              "--arch opt --layers 2 --hidden 64 --heads 4 "
+                              "--ffn 128 --vocab 300 --max-pos 256 --dtype f16 --seed 5",
+                              dir, sizeof(dir), g_model, sizeof(g_model));
 }

@@ -57,6 +57,28 @@ int tu_run_suite(Suite *s)
     return failed == 0 ? 0 : 1;
 }
 
+int tu_run_suite_synth(Suite *(*suite)(void), const char *synth_args, char *dir, size_t dir_n,
+                       char *model, size_t model_n)
+{
+    const char *base = getenv("TMPDIR");
+    snprintf(dir, dir_n, "%s/rekv-test.XXXXXX", base && *base ? base : "/tmp");
+    if (mkdtemp(dir) == NULL) {
+        perror("mkdtemp");
+        return 1;
+    }
+    snprintf(model, model_n, "%s/m", dir);
+    char cmd[8192];
+    snprintf(cmd, sizeof(cmd), "%s synth %s %s >/dev/null", tu_bin("rekv-loader"), synth_args,
+             model);
+    int rc = 1;
+    if (system(cmd) != 0)
+        fprintf(stderr, "%s failed\n", cmd);
+    else
+        rc = tu_run_suite(suite());
+    tu_rmrf(dir);
+    return rc;
+}
+
 char *tu_tmpdir(void)
 {
     const char *base = getenv("TMPDIR");

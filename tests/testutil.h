@@ -14,6 +14,12 @@ const char *tu_shared(const char *rel);
  * environment picks the output (CK_VERBOSITY; CK_LOG_FILE_NAME=- adds a line as each case ends);
  * stdout is line-buffered. */
 int tu_run_suite(Suite *s);
+/* main() of a test program whose cases share one synthetic model: makes a fresh temporary
+ * directory into dir (dir_n bytes; mkdtemp, as no ck_ call may run outside a test), writes
+ * `rekv-loader synth SYNTH_ARGS` into dir/m (its path into model), runs suite() and removes the
+ * directory; returns the exit code (1 when the model could not be made). */
+int tu_run_suite_synth(Suite *(*suite)(void), const char *synth_args, char *dir, size_t dir_n,
+                       char *model, size_t model_n);
 
 /* A fresh private temporary directory (mkdtemp under $TMPDIR or /tmp); removed by tu_rmrf. */
 char *tu_tmpdir(void);
