@@ -156,6 +156,30 @@ void ct_wait_and_check(rekv_ctl *c, tjob *jobs, int n)
     }
 }
 
+void ct_make_salted_job(tjob *j, const char *model, int salt)
+{
+    memset(j, 0, sizeof(*j));
+    j->n_prompt = 40;
+    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(salt + 1);
+    for (int i = 0; i < 40; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        j->prompt[i] = 1 + (int32_t)((x >> 33) % 500);
+    }
+    j->gp = (rekv_gen_params){.max_new_tokens = 8, .top_p = 1.0f};
+    ct_reference(j, 1, model);
+}
+
+uint32_t ct_run_cached(rekv_ctl *c, const tjob *proto)
+{
+    tjob j = *proto;
+    ck_assert_int_eq(ct_submit_all(c, &j, 1), 1);
+    ct_wait_and_check(c, &j, 1);
+    Rekv__Control__Response *r = tu_ctl_status(c, j.id);
+    uint32_t cached = r->job->cached_tokens;
+    rekv__control__response__free_unpacked(r, NULL);
+    return cached;
+}
+
 pid_t ct_spawn(const char *const *args)
 {
     int pfd[2];

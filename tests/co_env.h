@@ -38,6 +38,13 @@ int ct_submit_all(rekv_ctl *c, tjob *jobs, int n);
  * No deadline of its own (Check's timeout is the guard): load makes it slower, never red. */
 void ct_wait_and_check(rekv_ctl *c, tjob *jobs, int n);
 
+/* Job j: a 40-token prompt of its own per salt (two full cache blocks), greedy, 8 new tokens, its
+ * reference from model. */
+void ct_make_salted_job(tjob *j, const char *model, int salt);
+/* Runs a copy of job proto to its end (its tokens checked against the reference) and returns its
+ * cached_tokens: the prompt tokens it took from the prefix cache. */
+uint32_t ct_run_cached(rekv_ctl *c, const tjob *proto);
+
 /* Starts a program with --ready-fd and waits for READY. */
 pid_t ct_spawn(const char *const *args);
 

@@ -133,32 +133,6 @@ static void redis_wait_keys(const redis *r, long long n)
 
 /* ------------------------------------------------------------------ replicas */
 
-/* A 40-token prompt of its own per salt, greedy, 8 new tokens: two full blocks (32 tokens). */
-static void make_job(tjob *j, const char *model, int salt)
-{
-    memset(j, 0, sizeof(*j));
-    j->n_prompt = 40;
-    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(salt + 1);
-    for (int i = 0; i < 40; i++) {
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        j->prompt[i] = 1 + (int32_t)((x >> 33) % 500);
-    }
-    j->gp = (rekv_gen_params){.max_new_tokens = 8, .top_p = 1.0f};
-    ct_reference(j, 1, model);
-}
-
-/* Runs a copy of job j to its end (its tokens rekv_generate's) and returns its cached_tokens. */
-static uint32_t run_once(rekv_ctl *c, const tjob *proto)
-{
-    tjob j = *proto;
-    ck_assert_int_eq(ct_submit_all(c, &j, 1), 1);
-    ct_wait_and_check(c, &j, 1);
-    Rekv__Control__Response *r = tu_ctl_status(c, j.id);
-    uint32_t cached = r->job->cached_tokens;
-    rekv__control__response__free_unpacked(r, NULL);
-    return cached;
-}
-
 typedef struct replica {
     env e;
     pid_t run;
@@ -241,16 +215,16 @@ START_TEST(replica_reads_what_another_wrote)
     if (setup(&a, &b, &r, modes[_i]) < 0)
         return;
     tjob j1, j2;
-    make_job(&j1, a.e.model, 1);
-    make_job(&j2, a.e.model, 2);
-    ck_assert_uint_eq(run_once(a.c, &j1), 0);  /* nothing anywhere yet */
-    redis_wait_keys(&r, 2);                    /* its two full blocks, written through */
-    ck_assert_uint_eq(run_once(b.c, &j1), 32); /* B's cache was empty: both from Redis */
+    ct_make_salted_job(&j1, a.e.model, 1);
+    ct_make_salted_job(&j2, a.e.model, 2);
+    ck_assert_uint_eq(ct_run_cached(a.c, &j1), 0);  /* nothing anywhere yet */
+    redis_wait_keys(&r, 2);                         /* its two full blocks, written through */
+    ck_assert_uint_eq(ct_run_cached(b.c, &j1), 32); /* B's cache was empty: both from Redis */
 
     /* one bit of the second block's value flipped (past the header: the KV bytes) */
     redisReply *rp = redis_cmd(&r, "FLUSHALL");
     freeReplyObject(rp);
-    ck_assert_uint_eq(run_once(a.c, &j2), 0);
+    ck_assert_uint_eq(ct_run_cached(a.c, &j2), 0);
     redis_wait_keys(&r, 2);
     char *key = second_block_key(&r);
     rp = redis_cmd(&r, "GETRANGE %s 200 200", key);
@@ -262,7 +236,7 @@ START_TEST(replica_reads_what_another_wrote)
     freeReplyObject(rp);
     free(key);
     /* the first block is taken, the damaged second one computed: the same tokens */
-    ck_assert_uint_eq(run_once(b.c, &j2), 16);
+    ck_assert_uint_eq(ct_run_cached(b.c, &j2), 16);
     teardown(&a, &b, &r);
     ct_free_jobs(&j1, 1);
     ct_free_jobs(&j2, 1);
@@ -278,8 +252,8 @@ START_TEST(replica_killed_its_prefix_stays)
     if (setup(&a, &b, &r, "offload") < 0)
         return;
     tjob j;
-    make_job(&j, a.e.model, 3);
-    ck_assert_uint_eq(run_once(a.c, &j), 0);
+    ct_make_salted_job(&j, a.e.model, 3);
+    ck_assert_uint_eq(ct_run_cached(a.c, &j), 0);
     redis_wait_keys(&r, 2);
     char path[64], line[512];
     snprintf(path, sizeof(path), "/proc/%d/task/%d/children", (int)a.run, (int)a.run);
@@ -293,7 +267,7 @@ START_TEST(replica_killed_its_prefix_stays)
     ck_assert_int_eq(killed, 3);
     tu_kill9(a.run);
     rekv_ctl_close(a.c);
-    ck_assert_uint_eq(run_once(b.c, &j), 32); /* from Redis, with rekv_generate's tokens */
+    ck_assert_uint_eq(ct_run_cached(b.c, &j), 32); /* from Redis, with rekv_generate's tokens */
     replica_stop(&b);
     tu_kill9(r.pid);
     tu_rmrf(r.dir);
@@ -309,13 +283,13 @@ static int until_shared(replica *a, replica *b, const redis *r, int from)
 {
     for (int salt = from;; salt++) { /* Check's timeout is the guard */
         tjob j;
-        make_job(&j, a->e.model, salt);
+        ct_make_salted_job(&j, a->e.model, salt);
         long long keys = redis_int(r, "DBSIZE");
-        ck_assert_uint_eq(run_once(a->c, &j), 0);
+        ck_assert_uint_eq(ct_run_cached(a->c, &j), 0);
         /* A's writes land, or were dropped while it backed off: then the next prompt */
         for (int k = 0; k < 100 && redis_int(r, "DBSIZE") < keys + 2; k++)
             usleep(10000);
-        uint32_t got = redis_int(r, "DBSIZE") >= keys + 2 ? run_once(b->c, &j) : 0;
+        uint32_t got = redis_int(r, "DBSIZE") >= keys + 2 ? ct_run_cached(b->c, &j) : 0;
         ct_free_jobs(&j, 1);
         if (got == 32)
             return salt + 1;
@@ -333,13 +307,13 @@ START_TEST(redis_faults_never_fail_a_job)
     enum { N = 12 };
     static tjob jobs[N];
     for (int i = 0; i < N; i++)
-        make_job(&jobs[i], a.e.model, 10 + i);
+        ct_make_salted_job(&jobs[i], a.e.model, 10 + i);
     tjob old;
-    make_job(&old, a.e.model, 99);
+    ct_make_salted_job(&old, a.e.model, 99);
     /* A computes them all (their blocks written through), then B runs them while Redis dies */
     ck_assert_int_eq(ct_submit_all(a.c, jobs, N), N);
     ct_wait_and_check(a.c, jobs, N);
-    ck_assert_uint_eq(run_once(a.c, &old), 0);
+    ck_assert_uint_eq(ct_run_cached(a.c, &old), 0);
     redis_wait_keys(&r, 2 * N + 2);
     ck_assert_int_eq(ct_submit_all(b.c, jobs, N), N);
     tu_kill9(r.pid);
@@ -348,7 +322,7 @@ START_TEST(redis_faults_never_fail_a_job)
 
     /* restarted empty: the prompt A computed before is not there any more; B computes it */
     redis_start(&r);
-    ck_assert_uint_eq(run_once(b.c, &old), 0);
+    ck_assert_uint_eq(ct_run_cached(b.c, &old), 0);
     int salt = until_shared(&a, &b, &r, 100); /* and both share again once reconnected */
 
     /* full: every SET refused with OOM; jobs go on and B computes what A could not store */
@@ -359,8 +333,8 @@ START_TEST(redis_faults_never_fail_a_job)
     rp = redis_cmd(&r, "CONFIG SET maxmemory 1");
     freeReplyObject(rp);
     tjob full;
-    make_job(&full, a.e.model, salt);
-    ck_assert_uint_eq(run_once(a.c, &full), 0);
+    ct_make_salted_job(&full, a.e.model, salt);
+    ck_assert_uint_eq(ct_run_cached(a.c, &full), 0);
     for (;;) { /* A's two SETs were answered OOM (Redis counts them) */
         rp = redis_cmd(&r, "INFO errorstats");
         const char *oom = strstr(rp->str, "errorstat_OOM:count=");
@@ -371,7 +345,7 @@ START_TEST(redis_faults_never_fail_a_job)
         usleep(10000);
     }
     ck_assert_int_eq(redis_int(&r, "DBSIZE"), 0);
-    ck_assert_uint_eq(run_once(b.c, &full), 0);
+    ck_assert_uint_eq(ct_run_cached(b.c, &full), 0);
     teardown(&a, &b, &r);
     ct_free_jobs(jobs, N);
     ct_free_jobs(&old, 1);

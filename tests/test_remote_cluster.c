@@ -538,32 +538,6 @@ END_TEST
 
 /* ------------------------------------------------------------------ replicas */
 
-/* A 40-token prompt of its own per salt, greedy, 8 new tokens: two full blocks (32 tokens). */
-static void make_job(tjob *j, const char *model, int salt)
-{
-    memset(j, 0, sizeof(*j));
-    j->n_prompt = 40;
-    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(salt + 1);
-    for (int i = 0; i < 40; i++) {
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        j->prompt[i] = 1 + (int32_t)((x >> 33) % 500);
-    }
-    j->gp = (rekv_gen_params){.max_new_tokens = 8, .top_p = 1.0f};
-    ct_reference(j, 1, model);
-}
-
-/* Runs a copy of job j to its end (its tokens rekv_generate's) and returns its cached_tokens. */
-static uint32_t run_once(rekv_ctl *c, const tjob *proto)
-{
-    tjob j = *proto;
-    ck_assert_int_eq(ct_submit_all(c, &j, 1), 1);
-    ct_wait_and_check(c, &j, 1);
-    Rekv__Control__Response *r = tu_ctl_status(c, j.id);
-    uint32_t cached = r->job->cached_tokens;
-    rekv__control__response__free_unpacked(r, NULL);
-    return cached;
-}
-
 typedef struct replica {
     env e;
     pid_t run;
@@ -603,12 +577,12 @@ START_TEST(two_replicas_share_prefixes_through_a_cluster)
     enum { N = 6 };
     static tjob jobs[N];
     for (int i = 0; i < N; i++) {
-        make_job(&jobs[i], a.e.model, 20 + i);
-        ck_assert_uint_eq(run_once(a.c, &jobs[i]), 0);
+        ct_make_salted_job(&jobs[i], a.e.model, 20 + i);
+        ck_assert_uint_eq(ct_run_cached(a.c, &jobs[i]), 0);
         cluster_wait_keys(&cl, 2 * (i + 1)); /* its two full blocks, written through */
     }
     for (int i = 0; i < N; i++)
-        ck_assert_uint_eq(run_once(b.c, &jobs[i]), 32);
+        ck_assert_uint_eq(ct_run_cached(b.c, &jobs[i]), 32);
     int holding = 0;
     for (int i = 0; i < cl.n; i++)
         holding += node_int(cl.port[i], "DBSIZE") > 0;

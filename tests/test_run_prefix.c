@@ -25,18 +25,6 @@ static void make_job(tjob *j, const char *model)
     ct_reference(j, 1, model);
 }
 
-/* Runs a copy of job j to its end (checked against rekv_generate) and returns its cached_tokens. */
-static uint32_t run_once(rekv_ctl *c, const tjob *proto)
-{
-    tjob j = *proto;
-    ck_assert_int_eq(ct_submit_all(c, &j, 1), 1);
-    ct_wait_and_check(c, &j, 1);
-    Rekv__Control__Response *r = tu_ctl_status(c, j.id);
-    uint32_t cached = r->job->cached_tokens;
-    rekv__control__response__free_unpacked(r, NULL);
-    return cached;
-}
-
 START_TEST(prompt_again_and_after_restart)
 {
     env e;
@@ -51,15 +39,15 @@ START_TEST(prompt_again_and_after_restart)
     pid_t run = ct_rekv_run_start_args(&e, "64M", "8", "offload", extra);
     rekv_ctl *c = ct_ctl_open(e.ctl);
     ct_wait_workers(c, 1);
-    ck_assert_uint_eq(run_once(c, &job), 0);  /* nothing cached yet */
-    ck_assert_uint_eq(run_once(c, &job), 32); /* its two full blocks */
+    ck_assert_uint_eq(ct_run_cached(c, &job), 0);  /* nothing cached yet */
+    ck_assert_uint_eq(ct_run_cached(c, &job), 32); /* its two full blocks */
     rekv_ctl_close(c);
     ck_assert_int_eq(ct_stop(run), 0);
 
     run = ct_rekv_run_start_args(&e, "64M", "8", "offload", extra); /* the same --prefix-dir */
     c = ct_ctl_open(e.ctl);
     ct_wait_workers(c, 1);
-    ck_assert_uint_eq(run_once(c, &job), 32); /* kept across the restart */
+    ck_assert_uint_eq(ct_run_cached(c, &job), 32); /* kept across the restart */
     rekv_ctl_close(c);
     ck_assert_int_eq(ct_stop(run), 0);
 
@@ -67,7 +55,7 @@ START_TEST(prompt_again_and_after_restart)
     run = ct_rekv_run_start_args(&e, "64M", "8", "offload", off);
     c = ct_ctl_open(e.ctl);
     ct_wait_workers(c, 1);
-    ck_assert_uint_eq(run_once(c, &job), 0);
+    ck_assert_uint_eq(ct_run_cached(c, &job), 0);
     rekv_ctl_close(c);
     ck_assert_int_eq(ct_stop(run), 0);
     ct_free_jobs(&job, 1);
