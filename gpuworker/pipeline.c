@@ -201,6 +201,23 @@ static void residual_add(rekv_pipeline *p, float *x, const float *h, const void 
         p->k->add(p->s_compute, x, h, (size_t)m * (size_t)n);
 }
 
+/* x += in (T x K) projected by w (+ bias b) into h (T x N): the attention's output projection
+ * and the FFN's down projection. A layer with a post-norm (Gemma-2) normalises h before the add,
+ * so its bias goes in the projection, never folded into the add. */
+static void project_add(rekv_pipeline *p, rekv_stream *s, float *x, float *h, const float *in,
+                        const void *w, uint32_t qt, const void *b, const float *post_norm_w, int T,
+                        int N, int K)
+{
+    if (post_norm_w) {
+        pl_linear(p, s, h, in, w, qt, 1, b, T, N, K);
+        p->k->norm(s, h, h, post_norm_w, NULL, T, N, p->c->norm_eps);
+        residual_add(p, x, h, NULL, T, N);
+    } else {
+        pl_linear(p, s, h, in, w, qt, 1, fold(p, b), T, N, K);
+        residual_add(p, x, h, b, T, N);
+    }
+}
+
 /* One layer for the rows of batch g (the same operations, in the same order, as forward.c).
  * io: where kv_scatter puts the new rows (kv_pos) and their partial keys (pk_rows). */
 static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const layer_w *L,
@@ -249,14 +266,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
     k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the new rows are ready to leave, and attention has read the buffers */
         p->bi->event_record(p->ev_out[b], s);
-    if (L->post_attn_norm_w) { /* Gemma-2: normalised before the add, so the bias is not folded */
-        pl_linear(p, s, h, att, L->wo, qt[LQT_WO], 1, L->bo, T, H, Q);
-        k->norm(s, h, h, L->post_attn_norm_w, NULL, T, H, c->norm_eps);
-        residual_add(p, x, h, NULL, T, H);
-    } else {
-        pl_linear(p, s, h, att, L->wo, qt[LQT_WO], 1, fold(p, L->bo), T, H, Q);
-        residual_add(p, x, h, L->bo, T, H);
-    }
+    project_add(p, s, x, h, att, L->wo, qt[LQT_WO], L->bo, L->post_attn_norm_w, T, H, Q);
     if (!c->pre_norm)
         k->norm(s, x, x, L->attn_norm_w, L->attn_norm_b, T, H, c->norm_eps);
     if (c->pre_norm) {
@@ -272,14 +282,7 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         k->bias_activation(s, f1, L->b1, L->w3 ? f3 : NULL, T, F, c->act);
     else
         k->activation(s, f1, L->w3 ? f3 : NULL, (size_t)T * (size_t)F, c->act);
-    if (L->post_ffn_norm_w) {
-        pl_linear(p, s, h, f1, L->w2, qt[LQT_W2], 1, L->b2, T, H, F);
-        k->norm(s, h, h, L->post_ffn_norm_w, NULL, T, H, c->norm_eps);
-        residual_add(p, x, h, NULL, T, H);
-    } else {
-        pl_linear(p, s, h, f1, L->w2, qt[LQT_W2], 1, fold(p, L->b2), T, H, F);
-        residual_add(p, x, h, L->b2, T, H);
-    }
+    project_add(p, s, x, h, f1, L->w2, qt[LQT_W2], L->b2, L->post_ffn_norm_w, T, H, F);
     if (!c->pre_norm)
         k->norm(s, x, x, L->ffn_norm_w, L->ffn_norm_b, T, H, c->norm_eps);
 }
