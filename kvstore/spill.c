@@ -409,30 +409,28 @@ int kv_spill_slot_alloc(kv_spill *sp, uint32_t *fslot)
     return 0;
 }
 
+/* Appends fslot to a growing list of file slots (first: its first capacity). */
+static void slot_list_push(uint32_t **list, size_t *n, size_t *cap, size_t first, uint32_t fslot)
+{
+    if (*n == *cap) {
+        size_t ncap = *cap ? *cap * 2 : first;
+        uint32_t *l = realloc(*list, ncap * sizeof(*l));
+        if (l == NULL)
+            return; /* the slot is lost to reuse, nothing else */
+        *list = l;
+        *cap = ncap;
+    }
+    (*list)[(*n)++] = fslot;
+}
+
 void kv_spill_slot_free(kv_spill *sp, uint32_t fslot)
 {
-    if (sp->n_fs_free == sp->fs_free_cap) {
-        size_t ncap = sp->fs_free_cap ? sp->fs_free_cap * 2 : 256;
-        uint32_t *n = realloc(sp->fs_free, ncap * sizeof(*n));
-        if (n == NULL)
-            return; /* the slot is lost to reuse, nothing else */
-        sp->fs_free = n;
-        sp->fs_free_cap = ncap;
-    }
-    sp->fs_free[sp->n_fs_free++] = fslot;
+    slot_list_push(&sp->fs_free, &sp->n_fs_free, &sp->fs_free_cap, 256, fslot);
 }
 
 void kv_spill_slot_bad(kv_spill *sp, uint32_t fslot)
 {
-    if (sp->n_fs_bad == sp->fs_bad_cap) {
-        size_t ncap = sp->fs_bad_cap ? sp->fs_bad_cap * 2 : 64;
-        uint32_t *n = realloc(sp->fs_bad, ncap * sizeof(*n));
-        if (n == NULL)
-            return; /* the slot is lost to reuse, nothing else */
-        sp->fs_bad = n;
-        sp->fs_bad_cap = ncap;
-    }
-    sp->fs_bad[sp->n_fs_bad++] = fslot;
+    slot_list_push(&sp->fs_bad, &sp->n_fs_bad, &sp->fs_bad_cap, 64, fslot);
 }
 
 size_t kv_spill_slots_revive(kv_spill *sp)
