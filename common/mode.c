@@ -31,12 +31,14 @@ static const rekv_mode_info modes[REKV_MODE_COUNT] = {
                              .store = REKV_STORE_KV,
                              .split = REKV_SPLIT_SELECTED,
                              .device_part = 1,
-                             .speculates = 1},
+                             .speculates = 1,
+                             .selects = 1},
     [REKV_MODE_CLO] = {.name = "clo",
                        .approximate = 1,
                        .store = REKV_STORE_KV,
                        .speculates = 1,
-                       .head_caches = 1},
+                       .head_caches = 1,
+                       .selects = 1},
 };
 
 const rekv_mode_info *rekv_mode_info_of(rekv_mode m)

@@ -56,6 +56,8 @@ typedef struct rekv_mode_info {
                           close (needs the model's head profile; counts hits and misses) */
     int layer_windows; /* a step whose blocks do not fit the kvstore's arena runs in layer
                           windows (else the whole step is pinned at once) */
+    int selects;       /* its attention buffers hold the tokens a selection picks, not positions:
+                          it cannot honour a model's sliding window */
 } rekv_mode_info;
 
 /* The properties of m, or NULL for anything that is not a mode. */

@@ -698,10 +698,9 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
     if ((rc = rekv_plan_hybrid_pattern(prof, &shape, 0, &kvp, &actp, NULL, err)))
         return rc;
     out->hybrid_kv_fraction = shape.hybrid_kv_fraction = (double)kvp / (kvp + actp);
-    /* infinigen's buffers hold selections, not positions: it refuses a windowed model
-     * (pipeline.c), so it is never priced for one */
+    /* a windowed model: not infinigen where it cannot honour the window (pipeline_create.c) */
     if ((rc = rekv_plan_choose(prof, &shape, &out->tech, out->costs, err)) || !approx ||
-        m->window > 0)
+        (m->window > 0 && rekv_mode_info_of(REKV_MODE_INFINIGEN)->selects))
         return rc;
     /* approximate modes allowed: infinigen, at the measured f (else the prior), must be strictly
      * cheaper than the best exact technique, and its partial keys must fit on the device */

@@ -594,8 +594,8 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
                              ? "in infinigen"
                              : "offloaded on this backend (its kernels get them as f16, "
                                "widened once at upload)");
-    /* a sliding window masks by position; their attention buffers hold selected tokens */
-    if (e->c.sliding_window > 0 && (cfg->mode == REKV_MODE_INFINIGEN || cfg->mode == REKV_MODE_CLO))
+    /* a sliding window masks by position */
+    if (e->c.sliding_window > 0 && rekv_mode_info_of(cfg->mode)->selects)
         return rekv_errf(err, -ENOTSUP,
                          "pipeline: mode %s cannot honour the model's sliding window of %d "
                          "positions (its selection picks tokens by score, not by position); use "
