@@ -633,9 +633,9 @@ void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *
         .layer_params = rekv_config_layer_params(cfg),
         .weight_elem_bytes = rekv_config_weight_elem_bytes(cfg),
     };
-    for (int l = 0; l < cfg->n_layers; l++)
-        if (rekv_config_window(cfg, l) > 0)
-            out->window = rekv_config_window(cfg, l), out->windowed_layers++;
+    int window;
+    out->windowed_layers = rekv_config_windowed_layers(cfg, &window);
+    out->window = window;
 }
 
 void rekv_plan_shape(const rekv_plan_model *m, int64_t b, int64_t s, double cache_elem_bytes,

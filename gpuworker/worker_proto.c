@@ -86,9 +86,9 @@ void wk_send_hello(worker *w)
         h.q_dim = (uint32_t)rekv_config_q_dim(c);
         h.weight_elem_bytes = w->eng ? rekv_engine_weight_elem_bytes(w->eng)
                                      : rekv_config_weight_elem_bytes(c);
-        for (int l = 0; l < c->n_layers; l++) /* as rekv_plan_model_from_config counts them */
-            if (rekv_config_window(c, l) > 0)
-                h.window = (uint32_t)rekv_config_window(c, l), h.windowed_layers++;
+        int window;
+        h.windowed_layers = (uint32_t)rekv_config_windowed_layers(c, &window);
+        h.window = (uint32_t)window;
     }
     h.device_kv_room = w->device_kv_room;
     h.kvstore = w->kv != NULL;

@@ -141,6 +141,17 @@ static inline int rekv_config_window(const rekv_model_config *c, int l)
     return c->window_even_layers && l % 2 != 0 ? 0 : c->sliding_window;
 }
 
+/* How many layers have a window (0: none), and into *window its size (one size for all). */
+static inline int rekv_config_windowed_layers(const rekv_model_config *c, int *window)
+{
+    int n = 0;
+    *window = 0;
+    for (int l = 0; l < c->n_layers; l++)
+        if (rekv_config_window(c, l) > 0)
+            *window = rekv_config_window(c, l), n++;
+    return n;
+}
+
 /* Whether the FFN is gated (a third matrix, up_proj: SwiGLU, GeGLU). */
 static inline int rekv_config_gated(const rekv_model_config *c)
 {
