@@ -5,6 +5,8 @@
 #ifndef REKV_TESTS_FIXTURE_H
 #define REKV_TESTS_FIXTURE_H
 
+#include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -195,6 +197,25 @@ static inline void tu_forward_cut_invariant(rekv_engine *e, const int32_t *tok, 
     free(all);
     free(one);
     free(two);
+}
+
+/* The largest |got - want| over rows x cols, want a JSON array of rows of numbers (a NaN counts
+ * as the largest); the largest |want| into *scale where scale is not NULL. */
+static inline double tu_max_abs_error(const float *got, json_t *want, int rows, int cols,
+                                      double *scale)
+{
+    double worst = 0, big = 0;
+    for (int i = 0; i < rows; i++)
+        for (int v = 0; v < cols; v++) {
+            double w =
+                json_number_value(json_array_get(json_array_get(want, (size_t)i), (size_t)v));
+            double d = fabs((double)got[(size_t)i * cols + v] - w);
+            worst = d > worst || isnan(d) ? d : worst;
+            big = fabs(w) > big ? fabs(w) : big;
+        }
+    if (scale)
+        *scale = big;
+    return worst;
 }
 
 #endif

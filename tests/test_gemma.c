@@ -100,14 +100,7 @@ static double vs_reference(const char *dir, const char *name, int T)
     json_t *ref = json_loads(out, 0, &jerr), *rl = json_object_get(ref, "logits");
     ck_assert_msg(ref != NULL, "%s", jerr.text);
     ck_assert_int_eq((int)json_array_size(rl), T);
-    double worst = 0;
-    for (int i = 0; i < T; i++)
-        for (int v = 0; v < V; v++) {
-            double want =
-                json_number_value(json_array_get(json_array_get(rl, (size_t)i), (size_t)v));
-            double d = fabs((double)lg[(size_t)i * V + v] - want);
-            worst = d > worst || isnan(d) ? d : worst;
-        }
+    double worst = tu_max_abs_error(lg, rl, T, V, NULL);
     printf("   %-24s %d positions: max |logit error| %.3g\n", name, T, worst);
     json_decref(ref);
     free(out);

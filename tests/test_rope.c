@@ -269,15 +269,7 @@ static double logits_vs_reference(const char *dir, const synth_case *sc)
     ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
     json_t *ref = run_ref(args), *rl = json_object_get(ref, "logits");
     ck_assert_int_eq((int)json_array_size(rl), T);
-    double worst = 0, scale = 0;
-    for (int i = 0; i < T; i++)
-        for (int v = 0; v < V; v++) {
-            double want =
-                json_number_value(json_array_get(json_array_get(rl, (size_t)i), (size_t)v));
-            double d = fabs((double)lg[(size_t)i * V + v] - want);
-            worst = d > worst || isnan(d) ? d : worst;
-            scale = fabs(want) > scale ? fabs(want) : scale;
-        }
+    double scale, worst = tu_max_abs_error(lg, rl, T, V, &scale);
     printf("   %-16s max_pos %d (original %d), %d positions: max |logit error| %.3g (logits up to "
            "%.3g)\n",
            sc->name, m->config.max_pos,
