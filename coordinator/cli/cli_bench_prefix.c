@@ -51,7 +51,7 @@ enum { RUN_OFF, RUN_HOST, RUN_DISK, N_RUNKINDS };
 static const char *const run_names[N_RUNKINDS] = {"off", "host", "disk"};
 
 typedef struct pf_opts {
-    const char *model, *backend, *arena, *mode, *link_gbps, *out_file;
+    const char *model, *backend, *arena, *mode, *link_gbps, *out_file, *cache_dtype;
     int chat; /* 1: chat, 0: system */
     long convs, turns, user_len, hist_len, sys_len, q_len, questions, max_new;
     int runs[N_RUNKINDS], n_runs;
@@ -152,6 +152,10 @@ static int pf_trio(cli_trio *t, const pf_opts *o, int kind, const char *prefix_d
     if (o->link_gbps) {
         a[n++] = "--link-gbps";
         a[n++] = o->link_gbps;
+    }
+    if (o->cache_dtype) {
+        a[n++] = "--cache-dtype";
+        a[n++] = o->cache_dtype;
     }
     a[n] = NULL;
     return cli_trio_start(t, "serve", a);
@@ -451,7 +455,8 @@ static void pf_usage(FILE *f)
     fprintf(f,
             "usage: rekv bench serve --workload chat|system --model PATH [--runs off,host,disk]\n"
             "                        [--mode MODE] [--arena SIZE] [--backend B] [--link-gbps G]\n"
-            "                        [--max-new-tokens G] [--workload-out FILE] [--json]\n"
+            "                        [--max-new-tokens G] [--cache-dtype f32|f16|int8|int4]\n"
+            "                        [--workload-out FILE] [--json]\n"
             "  chat:   [--conversations C] [--turns T] [--user-len U] [--history-len H]\n"
             "  system: [--questions Q] [--system-len P] [--question-len L]\n"
             "The prefix cache off against on, each run on a private trio (`rekv run --mode MODE`,\n"
@@ -468,7 +473,8 @@ static void pf_usage(FILE *f)
             "workload's shareable tokens (whole 16-token blocks an earlier wave wrote, counted\n"
             "from the token lists), the ratios to off. Exit 1 when a job failed, an answer\n"
             "differs from the off run's, or a cache-on run's hits differ from the shareable\n"
-            "count. --workload-out: every request's tokens and cached count, JSON lines.\n");
+            "count. --workload-out: every request's tokens and cached count, JSON lines.\n"
+            "--cache-dtype: the trio's (`rekv run --cache-dtype`; default the backend's).\n");
 }
 
 static int pf_parse_runs(const char *s, pf_opts *o)
@@ -502,6 +508,7 @@ static int pf_parse(int argc, char **argv, pf_opts *o)
         {"questions", required_argument, 0, 'Q'},
         {"system-len", required_argument, 0, 'P'}, {"question-len", required_argument, 0, 'L'},
         {"workload-out", required_argument, 0, 'o'}, {"json", no_argument, 0, 'j'},
+        {"cache-dtype", required_argument, 0, 'D'},
         {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
     *o = (pf_opts){.backend = "cpu", .arena = "256M", .mode = "offload", .convs = 4, .turns = 10,
                    .user_len = 64, .hist_len = 1024, .sys_len = 2048, .q_len = 100, .questions = 8,
@@ -530,6 +537,7 @@ static int pf_parse(int argc, char **argv, pf_opts *o)
         case 'P': if (cli_parse_int("system-len", optarg, 0, 1 << 20, &o->sys_len)) return 2; break;
         case 'L': if (cli_parse_int("question-len", optarg, 1, 1 << 20, &o->q_len)) return 2; break;
         case 'o': o->out_file = optarg; break;
+        case 'D': o->cache_dtype = optarg; break;
         case 'j': break; /* JSON is the only output */
         case 'h': pf_usage(stdout); return 0;
         default: pf_usage(stderr); return 2;
@@ -581,12 +589,12 @@ static long pf_print(const pf_opts *o, const rekv_model_config *cfg, const pf_ru
     }
     int W = n_waves(o);
     json_t *out = json_pack(
-        "{s:s, s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:I, s:I, s:I, s:f, s:o, "
-        "s:I}",
+        "{s:s, s:s, s:s, s:s, s:{s:i, s:i, s:i, s:i, s:i, s:i}, s:s, s:s, s:I, s:I, s:I, s:f, "
+        "s:o, s:I}",
         "bench", "serve", "workload", o->chat ? "chat" : "system", "backend", o->backend, "mode",
         o->mode, "model", "layers", cfg->n_layers, "hidden", cfg->hidden, "heads", cfg->n_heads,
         "kv_heads", cfg->n_kv_heads, "vocab", cfg->vocab, "max_pos", cfg->max_pos, "arena",
-        o->arena, "max_new_tokens", (json_int_t)o->max_new, "prompt_tokens",
+        o->arena, "cache_dtype", o->cache_dtype ? o->cache_dtype : "default", "max_new_tokens", (json_int_t)o->max_new, "prompt_tokens",
         (json_int_t)first.prompt, "shareable_tokens", (json_int_t)first.share,
         "shareable_fraction", first.prompt ? (double)first.share / (double)first.prompt : 0.0,
         "runs", arr, "mismatches", (json_int_t)mism);
