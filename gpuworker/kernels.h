@@ -104,6 +104,15 @@ typedef struct rekv_kernel_iface {
     void (*kv_scatter)(rekv_stream *s, const float *k, const float *v, int rows,
                        const int32_t *row_seq, const int32_t *row_pos, const int32_t *head_pos,
                        const rekv_attn_seq *seqs, int n_kv, int head_dim, rekv_dtype dt);
+    /* kv_scatter's K half backwards: k[r][g * head_dim + j] = element j of KV head g's K row at
+     * slot row_pos[r] of seqs[row_seq[r]]'s buffer (dtype dt), widened to fp32 exactly as
+     * attention reads it (int8/int4 dequantized); row_seq NULL: every row from seqs[0]; row_pos
+     * NULL: row r from slot r. A K row as the cache holds it, for what is derived from it
+     * (infinigen's partial keys), so that the same token gives the same bits from a new row and
+     * from a cached block. */
+    void (*kv_gather)(rekv_stream *s, float *k, int rows, const int32_t *row_seq,
+                      const int32_t *row_pos, const rekv_attn_seq *seqs, int n_kv, int head_dim,
+                      rekv_dtype dt);
     /* causal attention of every sequence's new rows over its buffer (dtype dt, widened exactly);
      * q/out [rows][n_heads*hd] fp32, rows the sum of the sequences' n; scores: device scratch of
      * max(start + n) floats. The cuda backend splits the contexts of a small decode batch over

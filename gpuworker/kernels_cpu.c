@@ -219,6 +219,37 @@ static void k_kv_scatter(rekv_stream *s, const float *k, const float *v, int row
     LAUNCH(s, "kv_scatter", run_scatter, a);
 }
 
+typedef struct gather_k_args {
+    float *k;
+    int rows;
+    const int32_t *row_seq, *row_pos;
+    const rekv_attn_seq *seqs;
+    int n_kv, hd;
+    rekv_dtype dt;
+} gather_k_args;
+
+static void run_gather_k(void *p)
+{
+    gather_k_args *a = p;
+    size_t hd = (size_t)a->hd, rb = rekv_kv_row_bytes(a->dt, a->hd);
+    for (int r = 0; r < a->rows; r++) {
+        const char *kv = a->seqs[a->row_seq ? a->row_seq[r] : 0].kv;
+        int slot = a->row_pos ? a->row_pos[r] : r;
+        for (int g = 0; g < a->n_kv; g++)
+            rekv_kv_row_to_f32(a->k + ((size_t)r * (size_t)a->n_kv + (size_t)g) * hd,
+                               kv + rekv_kv_off(rekv_kv_row(a->n_kv, a->hd, g, slot), a->hd, rb),
+                               a->dt, a->hd);
+    }
+}
+
+static void k_kv_gather(rekv_stream *s, float *k, int rows, const int32_t *row_seq,
+                        const int32_t *row_pos, const rekv_attn_seq *seqs, int n_kv, int head_dim,
+                        rekv_dtype dt)
+{
+    gather_k_args a = {k, rows, row_seq, row_pos, seqs, n_kv, head_dim, dt};
+    LAUNCH(s, "kv_gather", run_gather_k, a);
+}
+
 typedef struct attn_args {
     float *out;
     const float *q;
@@ -451,6 +482,7 @@ const rekv_kernel_iface rekv_cpu_kernels = {
     .add = k_add,
     .embed = k_embed,
     .kv_scatter = k_kv_scatter,
+    .kv_gather = k_kv_gather,
     .attention = k_attention,
     .convert = k_convert,
     .convert_out = k_convert_out,

@@ -769,6 +769,19 @@ template <int DT> __device__ __forceinline__ static float kv_elem(const uint8_t 
     return load_as_f32(row, j, DT);
 }
 
+/* kv_gather: one block per row r, its threads over the row's n_kv * hd K elements, widened by
+ * kv_elem as attention reads them. */
+template <int DT>
+__global__ static void gather_k_kernel(float *k, const int32_t *row_seq, const int32_t *row_pos,
+                                       const rekv_attn_seq *seqs, int n_kv, int hd, size_t rb)
+{
+    const uint8_t *kv = (const uint8_t *)seqs[row_seq ? row_seq[blockIdx.x] : 0].kv;
+    int slot = row_pos ? row_pos[blockIdx.x] : (int)blockIdx.x;
+    float *out = k + (size_t)blockIdx.x * (size_t)n_kv * (size_t)hd;
+    for (int i = threadIdx.x; i < n_kv * hd; i += blockDim.x) /* rekv_kv_row with head_dim 1: */
+        out[i] = kv_elem<DT>(kv + rekv_kv_row(n_kv, 1, i / hd, slot) * rb, i % hd, hd); /* a row */
+}
+
 /* The warp's pass over positions t0 + warp, t0 + warp + ATT_WARPS, ... < t1 of kv head kvh; rows
  * of rb bytes (rekv_kv_row_bytes). */
 template <int DT>
@@ -957,24 +970,33 @@ __global__ static void attention_combine_kernel(float *out, const float *part, i
     }
 }
 
-#define ATT_LAUNCH(s, dt, kernel, grid, shmem, ...)                                                \
+/* kernel<DT> for cache dtype dt, launched as KLAUNCH does */
+#define DT_LAUNCH(s, name, dt, kernel, grid, threads, shmem, ...)                                  \
     do {                                                                                           \
         if ((dt) == REKV_DTYPE_F16)                                                                \
-            KLAUNCH(s, "attention", kernel<REKV_DTYPE_F16>, grid, ATT_WARPS * 32, shmem,           \
-                    __VA_ARGS__);                                                                  \
+            KLAUNCH(s, name, kernel<REKV_DTYPE_F16>, grid, threads, shmem, __VA_ARGS__);          \
         else if ((dt) == REKV_DTYPE_BF16)                                                          \
-            KLAUNCH(s, "attention", kernel<REKV_DTYPE_BF16>, grid, ATT_WARPS * 32, shmem,          \
-                    __VA_ARGS__);                                                                  \
+            KLAUNCH(s, name, kernel<REKV_DTYPE_BF16>, grid, threads, shmem, __VA_ARGS__);         \
         else if ((dt) == REKV_DTYPE_I8)                                                            \
-            KLAUNCH(s, "attention", kernel<REKV_DTYPE_I8>, grid, ATT_WARPS * 32, shmem,            \
-                    __VA_ARGS__);                                                                  \
+            KLAUNCH(s, name, kernel<REKV_DTYPE_I8>, grid, threads, shmem, __VA_ARGS__);           \
         else if ((dt) == REKV_DTYPE_I4)                                                            \
-            KLAUNCH(s, "attention", kernel<REKV_DTYPE_I4>, grid, ATT_WARPS * 32, shmem,            \
-                    __VA_ARGS__);                                                                  \
+            KLAUNCH(s, name, kernel<REKV_DTYPE_I4>, grid, threads, shmem, __VA_ARGS__);           \
         else                                                                                       \
-            KLAUNCH(s, "attention", kernel<REKV_DTYPE_F32>, grid, ATT_WARPS * 32, shmem,           \
-                    __VA_ARGS__);                                                                  \
+            KLAUNCH(s, name, kernel<REKV_DTYPE_F32>, grid, threads, shmem, __VA_ARGS__);          \
     } while (0)
+
+#define ATT_LAUNCH(s, dt, kernel, grid, shmem, ...)                                                \
+    DT_LAUNCH(s, "attention", dt, kernel, grid, ATT_WARPS * 32, shmem, __VA_ARGS__)
+
+static void k_kv_gather(rekv_stream *s, float *k, int rows, const int32_t *row_seq,
+                        const int32_t *row_pos, const rekv_attn_seq *seqs, int n_kv, int head_dim,
+                        rekv_dtype dt)
+{
+    if (rows <= 0 || n_kv <= 0 || head_dim <= 0)
+        return;
+    DT_LAUNCH(s, "kv_gather", dt, gather_k_kernel, rows, ROW_THREADS, 0, k, row_seq, row_pos, seqs,
+              n_kv, head_dim, rekv_kv_row_bytes(dt, head_dim));
+}
 
 static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_attn_seq *seqs,
                         int n_seqs, int rows, int n_heads, int n_kv, int head_dim, float *scores,
@@ -1427,6 +1449,7 @@ static const rekv_kernel_iface cuda_kernels = {
     k_add,             /* add */
     k_embed,           /* embed */
     k_kv_scatter,      /* kv_scatter */
+    k_kv_gather,       /* kv_gather */
     k_attention,       /* attention */
     k_convert,         /* convert */
     k_convert_out,     /* convert_out */

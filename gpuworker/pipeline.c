@@ -258,11 +258,18 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         p->bi->stream_wait_event(s, p->ev_out_free[b]);
         k->convert_out(s, p->par[b].out_stage.p, h, (size_t)T * (size_t)H, rekv_act_dtype(cdt));
     }
-    if (io->pk_rows)
-        k->head_proj(s, NULL, io->pk_rows, kk, p->ig.layers[layer].a, T, c->n_kv_heads, 1,
+    const int32_t *slots = io->kv_pos ? io->kv_pos : st->pos[g];
+    k->kv_scatter(s, kk, vv, T, st->row_seq[g], slots, NULL, d, c->n_kv_heads, c->head_dim, cdt);
+    if (io->pk_rows) { /* the partial keys, of the K rows as the cache holds them: a cached
+                          block's rebuild them the same (pl_ig_prefix_fill) */
+        const float *kc = kk;
+        if (cdt != REKV_DTYPE_F32) { /* read back widened into vv, free once scattered */
+            k->kv_gather(s, vv, T, st->row_seq[g], slots, d, c->n_kv_heads, c->head_dim, cdt);
+            kc = vv;
+        }
+        k->head_proj(s, NULL, io->pk_rows, kc, p->ig.layers[layer].a, T, c->n_kv_heads, 1,
                      c->head_dim, p->ig.rk);
-    k->kv_scatter(s, kk, vv, T, st->row_seq[g], io->kv_pos ? io->kv_pos : st->pos[g], NULL, d,
-                  c->n_kv_heads, c->head_dim, cdt);
+    }
     k->attention(s, att, q, d, nb, T, c->n_heads, c->n_kv_heads, c->head_dim, p->scores.p, cdt);
     if (store) /* the new rows are ready to leave, and attention has read the buffers */
         p->bi->event_record(p->ev_out[b], s);

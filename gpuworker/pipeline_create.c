@@ -670,15 +670,12 @@ fail:
  * makes the context whole (recomputing it from the cached activations) and keeps its first tokens
  * (rekv_pseq.dev_stale); an approximate mode's per-token device state is rebuilt from them
  * (ops->prefix_fill: the partial keys of infinigen and clo; clo's head caches start forgotten, as
- * after any prefill). Every mode may, then — but an approximate mode over an int8/int4 cache
- * does not: its prefix_fill widens the cached K rows with the convert kernel, which reads whole
- * elements, not quantized rows. */
+ * after any prefill). Every mode may, then, in every cache dtype: a partial key is made from
+ * its K row as the cache holds it, new or cached (kv_gather). */
 int rekv_pipeline_takes_prefix(const rekv_pipeline_config *cfg)
 {
     const rekv_mode_info *mi = rekv_mode_info_of(cfg->mode);
-    return cfg->prefix_cache &&
-           (!mi->approximate ||
-            (pl_mode_ops_of(cfg->mode)->prefix_fill && !rekv_dtype_quantized(cfg->cache_dtype)));
+    return cfg->prefix_cache && (!mi->approximate || pl_mode_ops_of(cfg->mode)->prefix_fill);
 }
 
 /* The pipeline's own rule: a store, and resident's cache in the store's dtype (its blocks copy

@@ -35,6 +35,7 @@ enum {
     OP_ADD,
     OP_EMBED,
     OP_SCATTER,
+    OP_KV_GATHER,
     OP_ATTN,
     OP_CONVERT,
     OP_CONVERT_OUT,
@@ -224,6 +225,24 @@ static void r_kv_scatter(rekv_stream *s, const float *k, const float *v, int row
         a->seqs = seqs, a->rows = rows, a->n_kv = n_kv, a->head_dim = head_dim, a->dt = dt;
 }
 
+typedef struct a_kv_gather {
+    float *k;
+    const int32_t *row_seq, *row_pos;
+    const rekv_attn_seq *seqs;
+    int rows, n_kv, head_dim;
+    rekv_dtype dt;
+} a_kv_gather;
+
+static void r_kv_gather(rekv_stream *s, float *k, int rows, const int32_t *row_seq,
+                        const int32_t *row_pos, const rekv_attn_seq *seqs, int n_kv, int head_dim,
+                        rekv_dtype dt)
+{
+    a_kv_gather *a = rec_add(OP_KV_GATHER, s, NULL, sizeof(*a));
+    if (a)
+        a->k = k, a->row_seq = row_seq, a->row_pos = row_pos, a->seqs = seqs, a->rows = rows,
+        a->n_kv = n_kv, a->head_dim = head_dim, a->dt = dt;
+}
+
 typedef struct a_attn {
     float *out;
     const float *q;
@@ -410,6 +429,7 @@ const rekv_kernel_iface pl_rec_kernels = {
     .add = r_add,
     .embed = r_embed,
     .kv_scatter = r_kv_scatter,
+    .kv_gather = r_kv_gather,
     .attention = r_attention,
     .convert = r_convert,
     .convert_out = r_convert_out,
@@ -575,6 +595,12 @@ static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, 
             const a_scatter *a = arg;
             k->kv_scatter(s, a->k, a->v, a->rows, a->row_seq, a->row_pos, a->head_pos, a->seqs,
                           a->n_kv, a->head_dim, a->dt);
+            break;
+        }
+        case OP_KV_GATHER: {
+            const a_kv_gather *a = arg;
+            k->kv_gather(s, a->k, a->rows, a->row_seq, a->row_pos, a->seqs, a->n_kv, a->head_dim,
+                         a->dt);
             break;
         }
         case OP_ATTN: {

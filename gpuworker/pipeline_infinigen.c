@@ -275,16 +275,17 @@ static float *pk_at(const rekv_pipeline *p, const rekv_pseq *s, int layer, int p
 /* ------------------------------------------------------------------ the prefix cache */
 
 /* Layer l's partial keys of s's first s->len tokens from the K rows of its store blocks (taken
- * from the prefix cache): the blocks copied whole into raw (kvlayout.h: K of head g is a
- * [16][hd] run), widened into kf where the cache dtype is not fp32, and each (block, head) run
- * projected as layer_compute projects a new row (head_proj, the same sums per element). rows:
- * device array of [n_kv][len] destinations. */
-static int ig_prefix_layer(rekv_pipeline *p, rekv_pseq *s, int l, uint8_t *raw, float *kf,
-                           float **rows, rekv_err *err)
+ * from the prefix cache): the blocks copied whole into raw, a buffer in the KV layout
+ * (kvlayout.h) that desc (device memory) describes, their K rows read back widened (kv_gather,
+ * as the attention reads them) into kf ([len][n_kv][hd]) and projected as layer_compute projects
+ * a new row's (the same kernels on the same values: the same bits). rows: device array of the
+ * len destinations. */
+static int ig_prefix_layer(rekv_pipeline *p, rekv_pseq *s, int l, uint8_t *raw,
+                           const rekv_attn_seq *desc, float *kf, float **rows, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
-    int nkv = c->n_kv_heads, hd = c->head_dim, rk = p->ig.rk, T = s->len;
-    size_t blk = rekv_kv_block_bytes(&p->geo), kel = (size_t)nkv * 16 * (size_t)hd;
+    int nkv = c->n_kv_heads, hd = c->head_dim, T = s->len;
+    size_t blk = rekv_kv_block_bytes(&p->geo);
     rekv_kv_range r = {s->id, (uint32_t)l, 0, (uint64_t)T};
     rekv_kv_plan_block *pb = NULL;
     size_t n = 0, cap = 0;
@@ -292,35 +293,21 @@ static int ig_prefix_layer(rekv_pipeline *p, rekv_pseq *s, int l, uint8_t *raw, 
     if (rc)
         return rc;
     rekv_copy_piece *pc = calloc(n ? n : 1, sizeof(*pc));
-    rekv_convert_piece *cv = calloc(n ? n : 1, sizeof(*cv));
-    if (pc == NULL || cv == NULL)
+    if (pc == NULL)
         rc = rekv_errf(err, -ENOMEM, "out of memory");
-    for (size_t i = 0; rc == 0 && i < n; i++) {
+    for (size_t i = 0; rc == 0 && i < n; i++)
         pc[i] = (rekv_copy_piece){raw + (size_t)pb[i].block * blk, p->arena + pb[i].offset, blk};
-        cv[i] = (rekv_convert_piece){kf + (size_t)pb[i].block * kel,
-                                     raw + (size_t)pb[i].block * blk, (uint32_t)kel};
-    }
     if (rc == 0) {
         p->bi->copy_h2d(p->s_h2d, pc, n, REKV_XFER_KV);
         rc = p->bi->stream_sync(p->s_h2d, err);
     }
     int urc = rekv_kvstore_unpin(p->store, &r, 1, rc ? NULL : err);
     rc = rc ? rc : urc;
-    if (rc == 0 && p->geo.dtype != REKV_DTYPE_F32)
-        p->k->convert(p->s_compute, cv, n, p->geo.dtype);
-    const float *kb = p->geo.dtype != REKV_DTYPE_F32 ? kf : NULL;
-    for (int b = 0; rc == 0 && b * 16 < T; b++)
-        for (int g = 0; g < nkv; g++) {
-            const float *in = kb ? kb + (size_t)b * kel + (size_t)g * 16 * (size_t)hd
-                                 : (const float *)(raw + (size_t)b * blk) + (size_t)g * 16 * hd;
-            int m = T - b * 16 < 16 ? T - b * 16 : 16;
-            p->k->head_proj(p->s_compute, NULL, rows + (size_t)g * (size_t)T + (size_t)b * 16, in,
-                            p->ig.layers[l].a + (size_t)g * (size_t)hd * (size_t)rk, m, 1, 1, hd,
-                            rk);
-        }
-    if (rc == 0) /* raw and kf are the next layer's */
-        rc = p->bi->stream_sync(p->s_compute, err);
-    free(cv);
+    if (rc == 0) {
+        p->k->kv_gather(p->s_compute, kf, T, NULL, NULL, desc, nkv, hd, p->geo.dtype);
+        p->k->head_proj(p->s_compute, NULL, rows, kf, p->ig.layers[l].a, T, nkv, 1, hd, p->ig.rk);
+        rc = p->bi->stream_sync(p->s_compute, err); /* raw and kf are the next layer's */
+    }
     free(pc);
     free(pb);
     return rc;
@@ -329,34 +316,39 @@ static int ig_prefix_layer(rekv_pipeline *p, rekv_pseq *s, int l, uint8_t *raw, 
 int pl_ig_prefix_fill(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
-    int L = c->n_layers, nkv = c->n_kv_heads, rk = p->ig.rk, T = s->len;
+    int L = c->n_layers, nkv = c->n_kv_heads, T = s->len;
     size_t nblk = ((size_t)T + 15) / 16, blk = rekv_kv_block_bytes(&p->geo);
-    size_t kel = (size_t)nkv * 16 * (size_t)c->head_dim, nrows = (size_t)nkv * (size_t)T;
     if (T <= 0 || L < 2)
         return 0;
     uint8_t *raw = p->bi->dev_alloc(p->be, nblk * blk);
-    float *kf =
-        p->geo.dtype != REKV_DTYPE_F32 ? p->bi->dev_alloc(p->be, nblk * kel * sizeof(float)) : NULL;
-    float **rows = p->bi->dev_alloc(p->be, nrows * sizeof(float *));
-    float **host = malloc(nrows * sizeof(float *));
+    float *kf = p->bi->dev_alloc(p->be, (size_t)T * (size_t)nkv * (size_t)c->head_dim * sizeof(float));
+    float **rows = p->bi->dev_alloc(p->be, (size_t)T * sizeof(float *));
+    rekv_attn_seq *desc = p->bi->dev_alloc(p->be, sizeof(*desc));
+    float **host = malloc((size_t)T * sizeof(float *));
+    rekv_attn_seq whole = {.kv = raw}; /* the buffer's positions 0..T-1 */
     int rc = 0;
-    if (raw == NULL || rows == NULL || (p->geo.dtype != REKV_DTYPE_F32 && kf == NULL))
+    if (raw == NULL || kf == NULL || rows == NULL || desc == NULL)
         rc = rekv_errf(err, -ENOMEM,
                        "out of device memory for the partial keys of %d cached "
                        "tokens",
                        T);
     else if (host == NULL)
         rc = rekv_errf(err, -ENOMEM, "out of memory");
+    if (rc == 0) {
+        rekv_copy_piece pc = {desc, &whole, sizeof(whole)};
+        p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_KV);
+    }
     for (int l = 1; rc == 0 && l < L; l++) { /* layer 0 is never speculated: it keeps none */
-        for (int g = 0; g < nkv; g++)
-            for (int t = 0; t < T; t++)
-                host[(size_t)g * (size_t)T + (size_t)t] = pk_at(p, s, l, t) + (size_t)g * rk;
-        rekv_copy_piece pc = {rows, host, nrows * sizeof(float *)};
+        for (int t = 0; t < T; t++)
+            host[t] = pk_at(p, s, l, t);
+        rekv_copy_piece pc = {rows, host, (size_t)T * sizeof(float *)};
         p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_KV);
         if ((rc = p->bi->stream_sync(p->s_h2d, err)) == 0)
-            rc = ig_prefix_layer(p, s, l, raw, kf, rows, err);
+            rc = ig_prefix_layer(p, s, l, raw, desc, kf, rows, err);
     }
     free(host);
+    if (desc)
+        p->bi->dev_free(p->be, desc);
     if (rows)
         p->bi->dev_free(p->be, rows);
     if (kf)

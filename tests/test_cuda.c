@@ -561,6 +561,18 @@ static void scatter_attention_case(int set, rekv_dtype dt, int nh, int nkv, int 
     snprintf(what, sizeof(what), "attention (%s) %s cache, %d/%d heads, hd %d",
              set ? "decode, split" : "mixed", rekv_dtype_name(dt), nh, nkv, hd);
     expect_dev(what, dout, out, (size_t)rows * qd, KERNEL_TOL);
+    if (hp == NULL) { /* kv_gather reads the scattered K rows back, widened: the cpu's exactly */
+        float *kg = malloc(sizeof(float) * rows * kvd), *dkg = dev_zero(sizeof(float) * rows * kvd);
+        rekv_cpu_kernels.kv_gather(g_scpu, kg, rows, rs, rp, cpu_d, nkv, hd, dt);
+        sync_cpu();
+        rekv_kernels_of(g_cu)->kv_gather(g_scu, dkg, rows, drs, drp, cu_d, nkv, hd, dt);
+        sync_cu();
+        snprintf(what, sizeof(what), "kv_gather %s cache, %d KV heads, hd %d", rekv_dtype_name(dt),
+                 nkv, hd);
+        expect_dev(what, dkg, kg, (size_t)rows * kvd, 0);
+        dev_free(dkg);
+        free(kg);
+    }
     for (int i = 0; i < NS; i++) {
         dev_free(dkv[i]);
         free(hkv[i]);

@@ -95,17 +95,19 @@ typedef struct env {
     rekv_batcher *b;
 } env;
 
-/* host_bytes 0: the fixture's 256 MiB arena; act_gpu: ACT_GPU's blocks per layer */
-static int env_open_cfg(env *v, rekv_mode mode, int prefix, int device_tokens, int act_gpu,
-                        uint64_t host_bytes)
+/* host_bytes 0: the fixture's 256 MiB arena; act_gpu: ACT_GPU's blocks per layer; cache: the
+ * store's and the pipeline's cache dtype */
+static int env_open_dt(env *v, rekv_mode mode, int prefix, int device_tokens, int act_gpu,
+                       uint64_t host_bytes, rekv_dtype cache)
 {
     const char *m = tu_shared(MODEL_REL);
     if (m == NULL)
         return 0;
-    tu_fixture_open_host(&v->f, m, REKV_DTYPE_F32, NULL, host_bytes ? host_bytes : 256ull << 20);
+    tu_fixture_open_host(&v->f, m, cache, NULL, host_bytes ? host_bytes : 256ull << 20);
     rekv_pipeline_config pc;
     rekv_pipeline_config_defaults(&pc);
     pc.mode = mode;
+    pc.cache_dtype = cache;
     pc.prefix_cache = prefix;
     pc.device_tokens = device_tokens;
     pc.split = 20; /* kvpr: recomputes tokens [0, 20) from the cached activations */
@@ -116,6 +118,12 @@ static int env_open_cfg(env *v, rekv_mode mode, int prefix, int device_tokens, i
     ck_assert_msg(rekv_batcher_create(v->p, rekv_engine_config(v->f.e), 4, &v->b, &err) == 0, "%s",
                   err.msg);
     return 1;
+}
+
+static int env_open_cfg(env *v, rekv_mode mode, int prefix, int device_tokens, int act_gpu,
+                        uint64_t host_bytes)
+{
+    return env_open_dt(v, mode, prefix, device_tokens, act_gpu, host_bytes, REKV_DTYPE_F32);
 }
 
 static int env_open_host(env *v, rekv_mode mode, int prefix, int device_tokens, uint64_t host_bytes)
@@ -302,6 +310,7 @@ static void pipe_open(env *v, rekv_mode m, int prefix, const rekv_skew *sk, cons
     rekv_pipeline_config pc;
     rekv_pipeline_config_defaults(&pc);
     pc.mode = m;
+    pc.cache_dtype = rekv_pipeline_get_config(v->p)->cache_dtype; /* the store's */
     pc.prefix_cache = prefix;
     pc.skew = sk;
     pc.heads = hp;
@@ -316,11 +325,12 @@ static void pipe_open(env *v, rekv_mode m, int prefix, const rekv_skew *sk, cons
  * those of its cached tokens rebuilt from their K rows, and then selects as without the cache —
  * a real selection (the default cap: a fifth of the context fetched; clo's heads all hitting once
  * their caches are built, so its labels decide) — so its tokens and logits are the same mode's
- * without the cache, bit for bit. */
-static void speculating_same_and_shared(rekv_mode mode)
+ * without the cache, bit for bit, in every cache dtype (a partial key is made from the K row as
+ * the cache holds it, new or cached). */
+static void speculating_same_and_shared(rekv_mode mode, rekv_dtype cache)
 {
-    env v;
-    if (!env_open(&v, REKV_MODE_OFFLOAD, 0, 0)) /* the fixture and store; offload unused */
+    env v; /* the fixture and store; its offload pipeline unused */
+    if (!env_open_dt(&v, REKV_MODE_OFFLOAD, 0, 0, 0, 0, cache))
         return;
     rekv_skew sk;
     rekv_heads hp;
@@ -374,15 +384,18 @@ static void speculating_same_and_shared(rekv_mode mode)
     env_close(&v);
 }
 
+static const rekv_dtype cache_dtypes[] = {REKV_DTYPE_F32, REKV_DTYPE_F16, REKV_DTYPE_I8,
+                                           REKV_DTYPE_I4};
+
 START_TEST(infinigen_same_and_shared)
 {
-    speculating_same_and_shared(REKV_MODE_INFINIGEN);
+    speculating_same_and_shared(REKV_MODE_INFINIGEN, cache_dtypes[_i]);
 }
 END_TEST
 
 START_TEST(clo_same_and_shared)
 {
-    speculating_same_and_shared(REKV_MODE_CLO);
+    speculating_same_and_shared(REKV_MODE_CLO, cache_dtypes[_i]);
 }
 END_TEST
 
@@ -609,8 +622,8 @@ static Suite *suite(void)
     tcase_add_test(tc, act_gpu_same_and_shared);
     tcase_add_test(tc, act_device_part_same_and_shared);
     tcase_add_test(tc, resident_from_cached_blocks);
-    tcase_add_test(tc, infinigen_same_and_shared);
-    tcase_add_test(tc, clo_same_and_shared);
+    tcase_add_loop_test(tc, infinigen_same_and_shared, 0, 4);
+    tcase_add_loop_test(tc, clo_same_and_shared, 0, 4);
     tcase_add_test(tc, offload_next_turn);
     tcase_add_test(tc, offload_published_as_filled);
     tcase_add_test(tc, offload_cache_off);
