@@ -718,7 +718,10 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
     }
     /* every job of the step gets a word in its Progress (worker.proto); one without is lost on
      * the worker (a step that failed and did not say so): it runs again, never stays RUNNING.
-     * Jobs joining in a later Plan are not of this step. */
+     * Jobs joining in a later Plan are not of this step. A worker that lost its kvstore between
+     * steps dropped its batch with the store and refuses the Plan that crossed its word
+     * (wk_refuse_plan: it names only the Plan's joins): that loss, like one under a step, uses
+     * no attempt. */
     for (uint32_t k = 0; k < w->n_run;) {
         if (w->run[k]->mark == mark || w->run[k]->join_step > p->step) {
             k++;
@@ -729,7 +732,7 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
                  (unsigned long long)p->step);
         co_event_rl(co, CO_RL_WORKER_REPLY, REKV_CO_EVENT_WARN, "job %llu: %s",
                     (unsigned long long)w->run[k]->id, why);
-        worker_requeue_at(co, w, k, why, CO_RUN_COUNTS);
+        worker_requeue_at(co, w, k, why, store_lost ? CO_RUN_STORE_LOST : CO_RUN_COUNTS);
         failed_step = 1;
     }
     if (failed_step)

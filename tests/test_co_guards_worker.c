@@ -202,6 +202,56 @@ START_TEST(two_plans_out)
 }
 END_TEST
 
+/* ---------------------------------------------------------------- a store lost between steps */
+
+/* A worker whose kvstore went between two steps dropped its batch with the store and refuses the
+ * Plan that crossed its word (wk_refuse_plan): the Progress names none of the running jobs and
+ * says it is unavailable. Such a job runs again without using an attempt, as after a loss under a
+ * step (was: "did not report it", an attempt used, so a few store crashes could fail a job). */
+START_TEST(store_lost_between_steps)
+{
+    env e;
+    cg_env_start(&e, NULL);
+    rekv_ctl *c = cg_ctl_open(e.ctl);
+    fake f;
+    cg_fake_welcomed(&f, e.wrk, 2, 512);
+
+    uint64_t a = cg_submit_ok(c, 4, 0);
+    Rekv__Worker__CoordMsg *p1 = cg_fake_plan(&f), *p2 = cg_fake_plan(&f);
+    ck_assert_msg(p1 && p2, "the second Plan did not come before the first's Progress");
+    ck_assert_uint_eq(p1->plan->n_join, 1);
+    int32_t t[] = {42};
+    cg_fake_progress(&f, p1->plan->step, a, t, 1, 0, 0); /* a runs on */
+    Rekv__Worker__Progress pr = REKV__WORKER__PROGRESS__INIT; /* step 2 refused: no job */
+    pr.step = p2->plan->step;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
+    m.progress = &pr;
+    m.unavailable = "its kvstore at ipc:///nowhere is gone; reconnecting";
+    cg_fake_send(&f, &m);
+    Rekv__Control__Response *r = NULL;
+    for (int tries = 0; tries < 2000; tries++) { /* Check's timeout is the guard */
+        if (r)
+            rekv__control__response__free_unpacked(r, NULL);
+        r = cg_stats(c);
+        if (r->stats->requeued > 0)
+            break;
+        usleep(5000);
+    }
+    ck_assert_uint_eq(r->stats->requeued, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    r = tu_ctl_status(c, a);
+    ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__QUEUED);
+    ck_assert_uint_eq(r->job->attempts, 0); /* the loss used none */
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv__worker__coord_msg__free_unpacked(p1, NULL);
+    rekv__worker__coord_msg__free_unpacked(p2, NULL);
+    cg_fake_close(&f);
+    rekv_ctl_close(c);
+    cg_env_stop(&e);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- log flood */
 
 /* A coordinator that got a worker's Hello and died before its Welcome: the next one knows the
@@ -249,6 +299,7 @@ static Suite *suite(void)
     tcase_add_test(tc, hello_validated);
     tcase_add_test(tc, out_of_vocab_tokens_refused);
     tcase_add_test(tc, two_plans_out);
+    tcase_add_test(tc, store_lost_between_steps);
     tcase_add_test(tc, gpuworker_hello_lost_with_its_coordinator);
     suite_add_tcase(s, tc);
     return s;
