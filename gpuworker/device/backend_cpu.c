@@ -122,6 +122,10 @@ static void run_copy(rekv_stream *s, cpu_task *t)
     if (dir != CPU_COPY_D2D)
         pthread_mutex_lock(&be->links[dir].mu);
     uint64_t start = rekv_now_ns();
+    if (throttled) { /* the link's own time (cpu_link): when it and the stream were ready */
+        uint64_t ready = s->vt > t->enq_ns ? s->vt : t->enq_ns;
+        start = ready > be->links[dir].free_ns ? ready : be->links[dir].free_ns;
+    }
     for (size_t i = 0; i < t->u.copy.n; i++)
         if (pieces[i].bytes > 0)
             memmove(pieces[i].dst, pieces[i].src, pieces[i].bytes);
@@ -129,11 +133,12 @@ static void run_copy(rekv_stream *s, cpu_task *t)
     if (throttled) {
         double dur_ns = be->link.latency_us * 1e3 + (double)t->u.copy.bytes * 8.0 / be->link.gbps;
         uint64_t due = start + (uint64_t)(dur_ns > 0 ? dur_ns : 0);
-        if (end < due) {
+        if (end < due)
             sleep_until_ns(due);
-            end = due;
-        }
+        end = due;
+        be->links[dir].free_ns = due;
     }
+    s->vt = end;
     if (dir != CPU_COPY_D2D)
         pthread_mutex_unlock(&be->links[dir].mu);
 
@@ -165,6 +170,7 @@ static void run_host(rekv_stream *s, cpu_task *t)
     uint64_t start = rekv_now_ns();
     t->u.host.fn(t->u.host.arg);
     uint64_t end = rekv_now_ns();
+    s->vt = end;
     if (t->timed) {
         pthread_mutex_lock(&be->stats_mu);
         be->stats.compute_busy_s += (double)(end - start) * 1e-9;
@@ -178,6 +184,7 @@ static void run_record(rekv_stream *s, cpu_task *t)
     cpu_backend *be = s->be;
     pthread_mutex_lock(&be->ev_mu);
     t->u.comp->done = true;
+    t->u.comp->done_ns = s->vt;
     completion_unref_locked(t->u.comp);
     pthread_cond_broadcast(&be->ev_cv);
     pthread_mutex_unlock(&be->ev_mu);
@@ -190,6 +197,8 @@ static void run_wait(rekv_stream *s, cpu_task *t)
     pthread_mutex_lock(&be->ev_mu);
     while (!t->u.comp->done)
         pthread_cond_wait(&be->ev_cv, &be->ev_mu);
+    if (t->u.comp->done_ns > s->vt)
+        s->vt = t->u.comp->done_ns;
     completion_unref_locked(t->u.comp);
     pthread_mutex_unlock(&be->ev_mu);
     uint64_t end = rekv_now_ns();
@@ -232,11 +241,13 @@ static void *stream_main(void *arg)
         case CPU_TASK_IPC_RECORD:
             cpu_run_ipc_record(s, t);
             break;
-        case CPU_TASK_IPC_WAIT:
+        case CPU_TASK_IPC_WAIT: /* another process's time: when the wait returned */
             cpu_run_ipc_wait(s, t);
+            s->vt = rekv_now_ns();
             break;
         case CPU_TASK_FLAG_WAIT:
             cpu_run_flag_wait(s, t);
+            s->vt = rekv_now_ns();
             break;
         case CPU_TASK_FLAG_WRITE:
             cpu_run_flag_write(s, t);
@@ -288,6 +299,7 @@ void cpu_task_push(rekv_stream *s, cpu_task *t)
     }
     if (g != NULL) /* it runs (an event must complete), but the capture is void */
         g->refused = true;
+    t->enq_ns = rekv_now_ns();
     if (s->tail)
         s->tail->next = t;
     else

@@ -26,9 +26,19 @@
 enum { CPU_LINK_H2D = 0, CPU_LINK_D2H = 1, CPU_LINKS = 2 };
 
 /* One direction of the emulated link. Its mutex is held for the whole of a copy, which is what
- * serialises concurrent copies of the same direction and shares the bandwidth between streams. */
+ * serialises concurrent copies of the same direction and shares the bandwidth between streams.
+ *
+ * The link is a DMA engine, not a CPU: an emulated copy starts when the link is free and its
+ * stream has reached it (the stream's virtual time, rekv_stream.vt: its previous copy's end, the
+ * completion of what it waited for, the enqueue), not when the stream's thread next gets a CPU.
+ * On a machine whose cores the compute holds (the GEMM pool), the thread would otherwise wait for
+ * the layer's compute to end before starting the next layer's copy, and the link would sit idle
+ * that long every layer: weights offloaded at batch 1 showed the link 83% busy where the copies
+ * queued back to back. A copy the thread starts late ends at its due time if that is still to
+ * come (it sleeps), else at once; the bytes are always moved before the copy's completion. */
 typedef struct cpu_link {
     pthread_mutex_t mu; /* held while a copy occupies this direction */
+    uint64_t free_ns;   /* under mu: when the last emulated copy's transfer ends */
 } cpu_link;
 
 /* One span of the trace: a task that ran on a stream. */
@@ -46,6 +56,7 @@ typedef struct cpu_span {
 typedef struct cpu_completion {
     int refs;  /* the event (while it points here) + record and wait tasks holding it */
     bool done; /* the recorded work has finished */
+    uint64_t done_ns; /* the recording stream's virtual time then (cpu_link) */
 } cpu_completion;
 
 /* A device buffer in a memfd mapping instead of the heap: exported (dev_alloc_shared; the memfd
@@ -138,6 +149,7 @@ typedef struct cpu_task {
     struct cpu_task *next; /* FIFO link */
     cpu_task_type type;    /* which member of u is valid */
     bool timed;            /* enqueued while timing or tracing: adds to the busy times */
+    uint64_t enq_ns;       /* when it was queued (cpu_task_push) */
     size_t payload_bytes;  /* of payload[] (a graph's copy of the task copies them too) */
     union {
         struct {
@@ -184,6 +196,8 @@ struct rekv_stream {
     int err_code;           /* first failure since the last stream_sync, 0 when none */
     char err_msg[512];      /* its message, one line */
     rekv_graph *capture;    /* graph_begin: tasks go here instead of the FIFO; NULL when not */
+    uint64_t vt;            /* the thread's own: when its last task ended, in the emulated
+                               link's time (cpu_link) */
 };
 
 /* A graph: the kernels and copies a capture kept, queued again (copies) by each launch. */
