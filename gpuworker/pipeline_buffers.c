@@ -102,16 +102,21 @@ int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem)
     return 0;
 }
 
+/* Grows b to hold bytes, a quarter more where the device has room for it (a buffer that grows
+ * with the context is not made again every step), else exactly. Its contents are not kept: every
+ * such buffer is a step's own, sized while the streams are idle, so the old one goes first and
+ * the two are never on the device at once. */
 int pl_dbuf_ensure(rekv_pipeline *p, dbuf *b, size_t bytes)
 {
     if (bytes <= b->cap)
         return 0;
+    pl_dbuf_free(p, b);
     size_t want = bytes + bytes / 4;
     void *n = p->bi->dev_alloc(p->be, want);
     if (n == NULL)
+        n = p->bi->dev_alloc(p->be, want = bytes);
+    if (n == NULL)
         return -ENOMEM;
-    if (b->p)
-        p->bi->dev_free(p->be, b->p);
     b->p = n;
     b->cap = want;
     return 0;
@@ -200,15 +205,16 @@ static void lower_splits(rekv_pipeline *p, step *st, size_t rows)
 /* The recomputation's buffers for a step whose GPU batches recompute at most *rows context rows.
  * Where the device cannot hold them and the split is the pipeline's choice (kvpr, infinigen with
  * a split: the modes whose store keeps K,V beside the activations), the rows are seven eighths of
- * the most that fit (bisection) — found once: later steps keep to them, act_rows_cap — and the
- * step's split is lowered to them. 0, or -ENOMEM. */
+ * the most that fit (bisection) — found once: later steps keep to them, act_rows_cap, unless the
+ * device holds no longer even those (the step's other buffers grew with the context: the cap is
+ * found again, lower) — and the step's split is lowered to them. 0, or -ENOMEM. */
 static int recompute_fit(rekv_pipeline *p, step *st, size_t *rows)
 {
     int lowerable = p->keep_act;
     size_t want = *rows, r = want;
     if (lowerable && p->act_rows_cap > 0 && r > p->act_rows_cap)
         r = p->act_rows_cap;
-    else if (recompute_buffers(p, r) != 0) {
+    if (recompute_buffers(p, r) != 0) {
         if (!lowerable)
             return -ENOMEM;
         /* the most rows that fit, to within 1/64: lo fits (0: nothing does), hi does not; the
@@ -228,7 +234,7 @@ static int recompute_fit(rekv_pipeline *p, step *st, size_t *rows)
         r = lo - lo / 8;
         if (r == 0 || recompute_buffers(p, r) != 0)
             return -ENOMEM;
-        if (p->act_rows_cap == 0)
+        if (p->act_rows_cap == 0 || r < p->act_rows_cap)
             rekv_log(REKV_LOG_WARN,
                      "pipeline: the device holds the recomputation of %zu context rows per GPU "
                      "batch, not the %zu the split asks; the rest come as K,V (the same values, "
@@ -242,9 +248,22 @@ static int recompute_fit(rekv_pipeline *p, step *st, size_t *rows)
     return 0;
 }
 
-/* Sizes every buffer for this step but the recomputation's (pl_ensure_recompute); called while the
- * streams are idle. */
+static int ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err);
+
+/* Sizes every buffer for this step but the recomputation's (pl_ensure_recompute, which sizes those
+ * in what is left); called while the streams are idle. Where they do not fit beside the
+ * recomputation's buffers of an earlier step (they grow with the context; those took what was
+ * left then), those are freed first: pl_ensure_recompute makes them again, lowering the split to
+ * what fits now (a longer context used to fail its step where offload still ran). */
 int pl_ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    if (ensure_buffers(p, st, NULL) == 0)
+        return 0;
+    pl_recompute_free(p);
+    return ensure_buffers(p, st, err);
+}
+
+static int ensure_buffers(rekv_pipeline *p, step *st, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     size_t W = (size_t)(c->hidden > c->embed_dim ? c->hidden : c->embed_dim);

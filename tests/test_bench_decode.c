@@ -79,6 +79,25 @@ START_TEST(every_mode_failing_exits_1)
 }
 END_TEST
 
+/* kvpr over a slow link on a device its recomputation's buffers fill (pipeline_buffers.c): as the
+ * context grows a step's other buffers must grow too, and the recomputation gives way (its split
+ * lowered to what still fits) instead of the step failing — offload ran where kvpr died, and at
+ * 4 MiB both died of buffers grown a quarter past their need beside the old ones. */
+START_TEST(recomputation_gives_way_as_the_context_grows)
+{
+    json_t *o = bench("--device-memory 5M --link-gbps 0.4 --gen-len 50 --modes kvpr,offload", 0);
+    for (size_t i = 0; i < 2; i++) {
+        json_t *m = run_of(o, i);
+        ck_assert_msg(json_object_get(m, "error") == NULL, "%s failed: %s",
+                      json_string_value(json_object_get(m, "run")),
+                      json_string_value(json_object_get(m, "error")));
+        ck_assert(json_number_value(json_object_get(m, "decode_tokens_per_s")) > 0);
+    }
+    ck_assert_int_gt(json_integer_value(json_object_get(run_of(o, 0), "split_first")), 0);
+    json_decref(o);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("bench_decode");
@@ -86,6 +105,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, failing_mode_reported_others_run);
     tcase_add_test(tc, every_mode_failing_exits_1);
+    tcase_add_test(tc, recomputation_gives_way_as_the_context_grows);
     suite_add_tcase(s, tc);
     return s;
 }
