@@ -513,6 +513,11 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         return rekv_errf(err, -EINVAL, "planner: step_cost: unknown technique %d", (int)tech);
     }
     step_times(prof, p, x_bytes, kv_bytes, recomp, spec, out);
+    /* act's and hybrid's recomputed tokens: all of them must fit the device's buffers */
+    double share = tokens > 0 ? recomp / flops_tok / tokens : 0;
+    if (shape->act_room_fraction > 0 && (tech == REKV_TECH_ACT || tech == REKV_TECH_HYBRID) &&
+        share > shape->act_room_fraction + 1e-9)
+        out->t_step = INFINITY;
     return 0;
 }
 
@@ -693,10 +698,14 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
                     &shape);
     shape.device_tokens = out->device_tokens = rekv_plan_device_tokens(
         m, 0, REKV_MODE_OFFLOAD, b, s_max, cache_elem_bytes, device_kv_bytes, -1);
-    /* hybrid at the pattern it would run */
+    /* act and hybrid as far as the device holds their recomputation; hybrid at the pattern it
+     * would run */
+    shape.act_room_fraction = rekv_plan_act_room_fraction(m, b, s_max, shape.device_tokens,
+                                                          cache_elem_bytes, device_kv_bytes);
     int kvp, actp, rc;
     if ((rc = rekv_plan_hybrid_pattern(prof, &shape, 0, &kvp, &actp, NULL, err)))
         return rc;
+    out->hybrid_kv_parts = kvp, out->hybrid_act_parts = actp;
     out->hybrid_kv_fraction = shape.hybrid_kv_fraction = (double)kvp / (kvp + actp);
     /* a windowed model: not infinigen where it cannot honour the window (pipeline_create.c) */
     if ((rc = rekv_plan_choose(prof, &shape, &out->tech, out->costs, err)) || !approx ||
@@ -740,6 +749,20 @@ int rekv_plan_pick_mode(const rekv_cost_profile *prof, const rekv_plan_model *m,
         out->device_tokens = ig_dev;
     }
     return 0;
+}
+
+double rekv_plan_act_room_fraction(const rekv_plan_model *m, int64_t b, int64_t s_max,
+                                   int64_t device_tokens, double elem, double room)
+{
+    if (!(room > 0) || b < 1 || s_max <= device_tokens || !(elem > 0))
+        return 0;
+    double att = 4.0 * (double)m->kv_dim * elem; /* K and V, both parities */
+    double rec = rekv_cost_stream_token_bytes((double)m->hidden, (double)m->kv_dim, elem) - att;
+    double dev = 2.0 * (double)m->kv_dim * elem * m->n_layers * (double)device_tokens;
+    double rows = (room - (double)b * ((double)s_max * att + dev)) / rec;
+    double share = rows / ((double)b * (double)(s_max - device_tokens));
+    share *= 7.0 / 8.0;
+    return share >= 7.0 / 8.0 ? 0 : share > 1e-9 ? share : 1e-9;
 }
 
 /* ---------------------------------------------------------------- what a worker is built with */

@@ -251,6 +251,12 @@ typedef struct rekv_step_shape {
                                 * rekv_plan_shape's), < 0: the planner's choice */
     int n_layers;              /* layers of the step (>= 1): layer 0 fetches the whole context */
     int64_t q_dim;             /* query row width, elements (the partial query's width) */
+    /* act, hybrid: the share of the moved context (kv.s - device_tokens, and ACT_GPU's) whose
+     * recomputation the device's buffers hold beside the step's attention buffers
+     * (rekv_plan_act_room_fraction). Their recomputed tokens are not lowered as kvpr's split is
+     * (the store keeps no K,V of them): one that recomputes more cannot run, and is priced
+     * t_step = INFINITY. 0: no limit */
+    double act_room_fraction;
 } rekv_step_shape;
 
 typedef struct rekv_step_cost {
@@ -340,6 +346,7 @@ typedef struct rekv_mode_pick {
     int resident;              /* the whole KV cache fits in device memory: nothing moves */
     rekv_technique tech;       /* otherwise the technique priced cheapest */
     double hybrid_kv_fraction; /* hybrid's KV share, of its pattern (rekv_plan_hybrid_pattern) */
+    int hybrid_kv_parts, hybrid_act_parts; /* that pattern, k:a (within the device's room) */
     double kv_bytes;           /* the KV cache of b sequences of s_max tokens, all layers */
     /* one layer of a decode step at s_max / 2 tokens: the exact techniques, then
      * [REKV_TECH_INFINIGEN] when approximate modes were allowed (else zero) */
@@ -384,6 +391,15 @@ typedef struct rekv_plan_model {
 } rekv_plan_model;
 
 void rekv_plan_model_from_config(const rekv_model_config *cfg, rekv_plan_model *out);
+
+/* rekv_step_shape.act_room_fraction of b sequences of up to s_max tokens, device_tokens of each
+ * on the device, cache elements of elem bytes, on a device with room bytes for its KV cache and a
+ * step's buffers (rekv_backend_kv_room; <= 0: no limit): the recomputation rows left once the
+ * attention buffers (both parities, the whole context) and the device part are placed, over the
+ * moved context; 0 where the device holds the recomputation of all of it, else an eighth less, as
+ * the pipeline keeps an eighth back where it lowers a split (pipeline_buffers.c). */
+double rekv_plan_act_room_fraction(const rekv_plan_model *m, int64_t b, int64_t s_max,
+                                   int64_t device_tokens, double elem, double room);
 
 /* Picks the mode for a worker serving up to b sequences of up to s_max tokens: resident when their
  * whole KV cache (cache_elem_bytes per element, K and V, every layer) fits in device_kv_bytes (the

@@ -141,6 +141,40 @@ START_TEST(test_pick_mode)
 }
 END_TEST
 
+/* act's and hybrid's recomputed tokens cannot be lowered as kvpr's split is (the store keeps no
+ * K,V of them): on a device whose room holds the attention buffers and the recomputation of only
+ * half the context, act is never picked (priced INFINITY) and hybrid's pattern recomputes at most
+ * that share (less an eighth); with room for all of it, nothing changes. A slow link, so that
+ * recomputation pays. (Was: a hybrid of 2:3 on such a device failed its steps where offload ran.) */
+START_TEST(test_pick_mode_act_room)
+{
+    rekv_model_config opt = tp_opt_6_7b;
+    rekv_plan_model m;
+    rekv_plan_model_from_config(&opt, &m);
+    rekv_cost_profile pr = {.h2d_bw = 2e9, .gemm_flops = 300e12, .h2d_latency = 5e-6};
+    double att = 64.0 * 544 * 4 * 4096 * 2, stream = rekv_cost_stream_token_bytes(4096, 4096, 2);
+    double rec_all = 64.0 * 544 * stream - att;
+    rekv_mode_pick full, half;
+    /* room for every buffer, no device part: the recomputation of the whole context fits */
+    ck_assert(rekv_plan_act_room_fraction(&m, 64, 544, 0, 2, att + rec_all) == 0);
+    ck_assert_int_eq(rekv_plan_pick_mode(&pr, &m, 64, 544, 2, att + rec_all, 0, NULL, &full, NULL),
+                     0);
+    ck_assert(!full.resident && full.device_tokens == 0);
+    ck_assert_msg(full.hybrid_kv_fraction < 0.5 || full.tech == REKV_TECH_ACT,
+                  "recomputation does not pay here: the test shows nothing");
+    double share = rekv_plan_act_room_fraction(&m, 64, 544, 0, 2, att + rec_all / 2);
+    ck_assert(fabs(share - 0.5 * 7 / 8) < 1e-9);
+    ck_assert_int_eq(
+        rekv_plan_pick_mode(&pr, &m, 64, 544, 2, att + rec_all / 2, 0, NULL, &half, NULL), 0);
+    ck_assert(half.tech != REKV_TECH_ACT && isinf(half.costs[REKV_TECH_ACT].t_step));
+    ck_assert_msg(1 - half.hybrid_kv_fraction <= share + 1e-9, "hybrid %d:%d recomputes %.3f > %.3f",
+                  half.hybrid_kv_parts, half.hybrid_act_parts, 1 - half.hybrid_kv_fraction, share);
+    ck_assert(half.hybrid_kv_fraction ==
+              (double)half.hybrid_kv_parts / (half.hybrid_kv_parts + half.hybrid_act_parts));
+    ck_assert(isfinite(half.costs[half.tech].t_step));
+}
+END_TEST
+
 /* The device-resident part: every exact technique moves and recomputes only the context past it
  * (the same bytes and FLOP as a context that much shorter, the forward pass's attention still
  * over the whole context), KVPR's split counts from the context's start, infinigen ignores it,
@@ -686,6 +720,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_choose);
     tcase_add_test(tc, test_pick_mode);
+    tcase_add_test(tc, test_pick_mode_act_room);
     tcase_add_test(tc, test_device_part);
     tcase_add_test(tc, test_co_plan_device_part);
     tcase_add_test(tc, test_pick_infinigen);

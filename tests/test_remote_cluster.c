@@ -72,12 +72,19 @@ static int have_cluster_tools(void)
     return 0;
 }
 
-/* A port free on 127.0.0.1 whose cluster bus port (+10000) is free too. */
-static int cluster_port(void)
+/* A port free on 127.0.0.1 whose cluster bus port (+10000) is free too, neither of them one of
+ * the n nodes already picked (taken) nor their bus ports. */
+static int cluster_port(const int *taken, int n)
 {
     for (;;) {
-        int p = ms_free_port();
+        int p = ms_free_port(), clash = 0;
         if (p + 10000 > 65535)
+            continue;
+        /* nor the port or cluster bus of a node already picked (not yet listening: a random
+         * pick could be one's bus port, and that node then fails to start) */
+        for (int i = 0; i < n; i++)
+            clash |= p == taken[i] || p == taken[i] + 10000 || p + 10000 == taken[i];
+        if (clash)
             continue;
         int fd = socket(AF_INET, SOCK_STREAM, 0);
         struct sockaddr_in a = {.sin_family = AF_INET,
@@ -159,7 +166,7 @@ static void cluster_start(cluster *cl, int n, int replicas)
     cl->dir = tu_tmpdir();
     cl->n = n;
     for (int i = 0; i < cl->n; i++) {
-        cl->port[i] = cluster_port();
+        cl->port[i] = cluster_port(cl->port, i);
         char port[16], dir[4200], conf[4300], log[4300];
         snprintf(port, sizeof(port), "%d", cl->port[i]);
         snprintf(dir, sizeof(dir), "%s/%d", cl->dir, cl->port[i]);

@@ -89,6 +89,8 @@ int cli_session_auto(rekv_engine *e, const cli_pipeline_opts *po, int batch, int
                                   cfg->offload_weights, approximate ? &ap : NULL, &mp, err)))
         return rc;
     cfg->mode = mp.resident ? REKV_MODE_RESIDENT : rekv_plan_tech_mode(mp.tech);
+    if (cfg->mode == REKV_MODE_HYBRID) /* the pattern it was priced at, within the device */
+        cfg->kv_parts = mp.hybrid_kv_parts, cfg->act_parts = mp.hybrid_act_parts;
     /* the device part a served worker in this mode is assigned (co_plan_assign) */
     cfg->device_tokens =
         (int)rekv_plan_device_tokens(&pm, c->head_dim, cfg->mode, batch, ctx_max,
