@@ -230,13 +230,14 @@ void cg_fake_progress(fake *f, uint64_t step, uint64_t job, const int32_t *token
 }
 
 /* Answers step's Plan with a Progress that names no job. */
-static void fake_reply_empty(fake *f, uint64_t step)
+void cg_fake_no_job(fake *f, uint64_t step, const char *unavailable)
 {
     Rekv__Worker__Progress p = REKV__WORKER__PROGRESS__INIT;
     p.step = step;
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
     m.progress = &p;
+    m.unavailable = (char *)unavailable;
     cg_fake_send(f, &m);
 }
 
@@ -245,7 +246,7 @@ void cg_fake_empty(fake *f)
     Rekv__Worker__CoordMsg *cm = cg_fake_plan(f);
     ck_assert_msg(cm != NULL, "no Plan");
     ck_assert_uint_eq(cm->plan->n_join, 0);
-    fake_reply_empty(f, cm->plan->step);
+    cg_fake_no_job(f, cm->plan->step, NULL);
     rekv__worker__coord_msg__free_unpacked(cm, NULL);
 }
 
@@ -258,7 +259,7 @@ Rekv__Worker__CoordMsg *cg_fake_plan_join(fake *f, uint64_t job, int *cancelled)
             *cancelled += cm->plan->cancel[i] == job;
         if (cm->plan->n_join > 0)
             return cm;
-        fake_reply_empty(f, cm->plan->step);
+        cg_fake_no_job(f, cm->plan->step, NULL);
         rekv__worker__coord_msg__free_unpacked(cm, NULL);
     }
 }

@@ -57,6 +57,10 @@ Rekv__Worker__CoordMsg *cg_fake_plan(fake *f);
 void cg_fake_progress(fake *f, uint64_t step, uint64_t job, const int32_t *tokens, size_t n,
                       int finished, uint32_t k);
 
+/* Answers step with a Progress naming no job; unavailable (WorkerMsg.unavailable): NULL, or what
+ * a worker whose kvstore is gone says. */
+void cg_fake_no_job(fake *f, uint64_t step, const char *unavailable);
+
 /* Reads the next Plan, which must join nothing, and answers it with a Progress naming no job
  * (what a worker says of a step whose jobs the coordinator no longer runs there). */
 void cg_fake_empty(fake *f);

@@ -37,6 +37,15 @@ static json_t *run_of(json_t *o, size_t i)
     return m;
 }
 
+/* Run m ran: no error, and a decode rate. */
+static void assert_ran(json_t *m)
+{
+    ck_assert_msg(json_object_get(m, "error") == NULL, "%s failed: %s",
+                  json_string_value(json_object_get(m, "run")),
+                  json_string_value(json_object_get(m, "error")));
+    ck_assert(json_number_value(json_object_get(m, "decode_tokens_per_s")) > 0);
+}
+
 /* 8 layers of a 64-wide OPT, 8 sequences of 203 tokens: resident's fp32 KV cache is 6.6 MB, more
  * than a 5 MiB device; offload and kvpr hold two layers' worth. */
 START_TEST(failing_mode_reported_others_run)
@@ -51,10 +60,7 @@ START_TEST(failing_mode_reported_others_run)
     ck_assert(json_object_get(res, "decode_tokens_per_s") == NULL);
     for (size_t i = 1; i < 3; i++) {
         json_t *m = run_of(o, i);
-        ck_assert_msg(json_object_get(m, "error") == NULL, "%s failed: %s",
-                      json_string_value(json_object_get(m, "run")),
-                      json_string_value(json_object_get(m, "error")));
-        ck_assert(json_number_value(json_object_get(m, "decode_tokens_per_s")) > 0);
+        assert_ran(m);
         ck_assert(json_integer_value(json_object_get(m, "peak_rss_bytes")) > 0);
         /* no resident to compare with; offload, which ran, is kvpr's baseline */
         ck_assert(json_object_get(m, "tokens_match_resident") == NULL);
@@ -86,13 +92,8 @@ END_TEST
 START_TEST(recomputation_gives_way_as_the_context_grows)
 {
     json_t *o = bench("--device-memory 5M --link-gbps 0.4 --gen-len 50 --modes kvpr,offload", 0);
-    for (size_t i = 0; i < 2; i++) {
-        json_t *m = run_of(o, i);
-        ck_assert_msg(json_object_get(m, "error") == NULL, "%s failed: %s",
-                      json_string_value(json_object_get(m, "run")),
-                      json_string_value(json_object_get(m, "error")));
-        ck_assert(json_number_value(json_object_get(m, "decode_tokens_per_s")) > 0);
-    }
+    for (size_t i = 0; i < 2; i++)
+        assert_ran(run_of(o, i));
     ck_assert_int_gt(json_integer_value(json_object_get(run_of(o, 0), "split_first")), 0);
     json_decref(o);
 }

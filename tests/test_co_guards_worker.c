@@ -172,12 +172,7 @@ START_TEST(two_plans_out)
     ck_assert_uint_eq(p3->plan->step, p2->plan->step + 1);
     ck_assert_uint_eq(p3->plan->n_join, 1);
     ck_assert_uint_eq(p3->plan->join[0]->job, b);
-    Rekv__Worker__Progress pr = REKV__WORKER__PROGRESS__INIT; /* step 2: no job */
-    pr.step = p2->plan->step;
-    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
-    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
-    m.progress = &pr;
-    cg_fake_send(&f, &m);
+    cg_fake_no_job(&f, p2->plan->step, NULL); /* step 2: no job */
     int32_t u[] = {43};
     cg_fake_progress(&f, p3->plan->step, b, u, 1, 1, 0);
     for (int i = 0; i < 2; i++) {
@@ -222,13 +217,8 @@ START_TEST(store_lost_between_steps)
     ck_assert_uint_eq(p1->plan->n_join, 1);
     int32_t t[] = {42};
     cg_fake_progress(&f, p1->plan->step, a, t, 1, 0, 0); /* a runs on */
-    Rekv__Worker__Progress pr = REKV__WORKER__PROGRESS__INIT; /* step 2 refused: no job */
-    pr.step = p2->plan->step;
-    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
-    m.body_case = REKV__WORKER__WORKER_MSG__BODY_PROGRESS;
-    m.progress = &pr;
-    m.unavailable = "its kvstore at ipc:///nowhere is gone; reconnecting";
-    cg_fake_send(&f, &m);
+    /* step 2 refused: no job */
+    cg_fake_no_job(&f, p2->plan->step, "its kvstore at ipc:///nowhere is gone; reconnecting");
     Rekv__Control__Response *r = NULL;
     for (int tries = 0; tries < 2000; tries++) { /* Check's timeout is the guard */
         if (r)
