@@ -2,7 +2,9 @@
  * (the cpu backend's emulated --device-memory) too small for resident's whole KV cache but big
  * enough for the streaming modes' layer buffers. The failing run's entry carries its error, the
  * others still run and report (exit 0); when every run fails, each says why and the exit is 1.
- * Every run that ran reports its peak resident memory. Asserts the JSON's shape, never a time. */
+ * Every run that ran reports its peak resident memory. A device the recomputation fills keeps
+ * running as the context grows; a yardstick the run left no room for is lost, not the run.
+ * Asserts the JSON's shape, never a time. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -99,6 +101,47 @@ START_TEST(recomputation_gives_way_as_the_context_grows)
 }
 END_TEST
 
+/* Offload on a device of `bytes`: its JSON, whether it ran or not (exit 0 or 1). */
+static json_t *offload_on(long bytes)
+{
+    char extra[128];
+    snprintf(extra, sizeof(extra), "--device-memory %ld --modes offload", bytes);
+    snprintf(g_cmd, sizeof(g_cmd),
+             "%s bench decode --model %s --backend cpu --batch 8 --prompt-len 200 "
+             "--prefill-chunk 16 --gen-len 3 --json %s",
+             tu_bin("rekv"), g_model, extra);
+    char *out = NULL;
+    int rc = tu_run(g_cmd, &out);
+    ck_assert_msg(rc == 0 || rc == 1, "%s: exit %d: %s", g_cmd, rc, out);
+    json_t *o = json_loads(out, 0, NULL);
+    ck_assert_msg(o != NULL, "not JSON: %s", out);
+    free(out);
+    return o;
+}
+
+/* The link's peak is a yardstick measured after the run, with copies in what device memory the
+ * run left: on the smallest device offload runs on (found to within 1 KiB) none is left, and the
+ * peak is lost — said in link_peak.error — not the run (was: the run's result too, "the kvstore's
+ * arena is too small to measure"). */
+START_TEST(link_peak_lost_not_the_run)
+{
+    long lo = 1l << 20, hi = 8l << 20; /* offload fails on lo (above), runs on hi */
+    while (hi - lo > 1024) {
+        long mid = lo + (hi - lo) / 2;
+        json_t *o = offload_on(mid);
+        int ran = json_object_get(run_of(o, 0), "error") == NULL;
+        json_decref(o);
+        *(ran ? &hi : &lo) = mid;
+    }
+    json_t *o = offload_on(hi);
+    assert_ran(run_of(o, 0));
+    const char *why = json_string_value(json_object_get(json_object_get(o, "link_peak"), "error"));
+    ck_assert_msg(why && strstr(why, "too small"), "on %ld bytes, link_peak: %s", hi,
+                  json_dumps(json_object_get(o, "link_peak"), 0));
+    json_decref(o);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("bench_decode");
@@ -107,6 +150,7 @@ static Suite *suite(void)
     tcase_add_test(tc, failing_mode_reported_others_run);
     tcase_add_test(tc, every_mode_failing_exits_1);
     tcase_add_test(tc, recomputation_gives_way_as_the_context_grows);
+    tcase_add_test(tc, link_peak_lost_not_the_run);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -74,6 +74,8 @@ int cli_peak_rss_reset(void);
 typedef struct link_peak {
     double arena_gbps, pinned_gbps, pageable_gbps;
     size_t bytes;
+    char error[1024]; /* why it could not be measured ("" when it was): the yardstick is lost, not
+                        the run (a device the run filled has no room left for its copies) */
 } link_peak;
 
 int cli_bench_measure_link(rekv_backend *be, rekv_kvstore_client *store, link_peak *out,

@@ -200,9 +200,14 @@ static int run_decode(rekv_engine *eng, const cli_pipeline_opts *po, rekv_mode m
     out->gathered = bst.h2d_gathered;
     if (po->trace) /* this run's own file (decode_run_all names it) */
         rc = ses.be->iface->trace_write(ses.be, po->trace, err);
-    if (rc == 0 && link && ses.store)
-        rc = cli_bench_measure_link(ses.be, ses.store, link, err);
-    if (rc == 0 && dev) { /* a yardstick: a device too small for it loses it, not the run */
+    if (rc == 0 && link && ses.store) { /* yardsticks: one that cannot be measured is lost, not
+                                            the run */
+        rekv_err lerr = {0};
+        link->error[0] = '\0';
+        if (cli_bench_measure_link(ses.be, ses.store, link, &lerr))
+            snprintf(link->error, sizeof(link->error), "%s", lerr.msg);
+    }
+    if (rc == 0 && dev) {
         rekv_err derr = {0};
         if (cli_bench_measure_device(ses.be, eng, B * chunk, dev, &derr))
             snprintf(dev->error, sizeof(dev->error), "%s", derr.msg);
@@ -502,7 +507,7 @@ static int decode_run_all(rekv_engine *eng, decode_opts *o, int32_t *const *prom
             decode_failed(o, i, &res[i], err.msg);
             continue;
         }
-        *have_lp |= measure;
+        *have_lp |= measure && !lp->error[0]; /* else a later run tries again */
         have_dp = 1;
         ok++;
     }
@@ -516,6 +521,7 @@ typedef struct decode_refs {
     int resident;           /* the resident run, -1: none */
     const rekv_profile *pf; /* this machine's profile, NULL: none */
     const link_peak *lp;    /* NULL: not measured */
+    const char *lp_error;   /* why not, where a run tried ("": none did) */
     const device_peak *dp;
 } decode_refs;
 
@@ -685,7 +691,9 @@ static json_t *decode_report(const rekv_engine *eng, const decode_opts *o, json_
                                       (json_int_t)dp->copy_bytes, "copy_gbps", dp->copy_gbps,
                                       "gemm_rows", dp->gemm_rows, "gemm_flops_per_s",
                                       dp->gemm_flops));
-    if (ref->lp)
+    if (!ref->lp && ref->lp_error[0])
+        json_object_set_new(out, "link_peak", json_pack("{s:s}", "error", ref->lp_error));
+    else if (ref->lp)
         json_object_set_new(out, "link_peak",
                             json_pack("{s:I, s:f, s:f, s:f}", "copy_bytes",
                                       (json_int_t)ref->lp->bytes, "h2d_gbps_pinned",
@@ -699,7 +707,7 @@ static void decode_print(const rekv_engine *eng, const decode_opts *o, int32_t *
                          const decode_result *res, const link_peak *lp, int have_lp,
                          const device_peak *dp)
 {
-    decode_refs ref = {.resident = -1, .lp = have_lp ? lp : NULL, .dp = dp};
+    decode_refs ref = {.resident = -1, .lp = have_lp ? lp : NULL, .lp_error = lp->error, .dp = dp};
     for (int i = 0; i < o->n_runs; i++) {
         /* the yardsticks, by name: offload is the baseline (README's ratios), resident the
          * reference of every exact mode's tokens; a run that failed is neither */
