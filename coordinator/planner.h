@@ -346,7 +346,8 @@ typedef struct rekv_mode_pick {
     int resident;              /* the whole KV cache fits in device memory: nothing moves */
     rekv_technique tech;       /* otherwise the technique priced cheapest */
     double hybrid_kv_fraction; /* hybrid's KV share, of its pattern (rekv_plan_hybrid_pattern) */
-    int hybrid_kv_parts, hybrid_act_parts; /* that pattern, k:a (within the device's room) */
+    int hybrid_kv_parts;       /* that pattern's k of k:a (within the device's room) */
+    int hybrid_act_parts;      /* and its a */
     double kv_bytes;           /* the KV cache of b sequences of s_max tokens, all layers */
     /* one layer of a decode step at s_max / 2 tokens: the exact techniques, then
      * [REKV_TECH_INFINIGEN] when approximate modes were allowed (else zero) */

@@ -321,7 +321,8 @@ int pl_ig_prefix_fill(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
     if (T <= 0 || L < 2)
         return 0;
     uint8_t *raw = p->bi->dev_alloc(p->be, nblk * blk);
-    float *kf = p->bi->dev_alloc(p->be, (size_t)T * (size_t)nkv * (size_t)c->head_dim * sizeof(float));
+    float *kf =
+        p->bi->dev_alloc(p->be, (size_t)T * (size_t)nkv * (size_t)c->head_dim * sizeof(float));
     float **rows = p->bi->dev_alloc(p->be, (size_t)T * sizeof(float *));
     rekv_attn_seq *desc = p->bi->dev_alloc(p->be, sizeof(*desc));
     float **host = malloc((size_t)T * sizeof(float *));

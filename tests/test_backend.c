@@ -679,7 +679,8 @@ START_TEST(link_is_a_dma_engine)
     free(all);
     ck_assert_msg(fabs(c[1].start - c[0].end) < SPAN_EPS_US,
                   "a gap on the link between two queued copies: "
-                  "[%.3f, %.3f] then [%.3f, %.3f] us", c[0].start, c[0].end, c[1].start, c[1].end);
+                  "[%.3f, %.3f] then [%.3f, %.3f] us",
+                  c[0].start, c[0].end, c[1].start, c[1].end);
     ck_assert_msg(c[2].start >= busy.end - SPAN_EPS_US && busy.end > 0,
                   "a copy began at %.3f us, before what it waited for ended (%.3f us)", c[2].start,
                   busy.end);

@@ -145,7 +145,7 @@ END_TEST
  * K,V of them): on a device whose room holds the attention buffers and the recomputation of only
  * half the context, act is never picked (priced INFINITY) and hybrid's pattern recomputes at most
  * that share (less an eighth); with room for all of it, nothing changes. A slow link, so that
- * recomputation pays. (Was: a hybrid of 2:3 on such a device failed its steps where offload ran.) */
+ * recomputation pays (was: a hybrid of 2:3 on such a device failed its steps where offload ran). */
 START_TEST(test_pick_mode_act_room)
 {
     rekv_model_config opt = tp_opt_6_7b;
@@ -167,8 +167,9 @@ START_TEST(test_pick_mode_act_room)
     ck_assert_int_eq(
         rekv_plan_pick_mode(&pr, &m, 64, 544, 2, att + rec_all / 2, 0, NULL, &half, NULL), 0);
     ck_assert(half.tech != REKV_TECH_ACT && isinf(half.costs[REKV_TECH_ACT].t_step));
-    ck_assert_msg(1 - half.hybrid_kv_fraction <= share + 1e-9, "hybrid %d:%d recomputes %.3f > %.3f",
-                  half.hybrid_kv_parts, half.hybrid_act_parts, 1 - half.hybrid_kv_fraction, share);
+    ck_assert_msg(1 - half.hybrid_kv_fraction <= share + 1e-9,
+                  "hybrid %d:%d recomputes %.3f > %.3f", half.hybrid_kv_parts,
+                  half.hybrid_act_parts, 1 - half.hybrid_kv_fraction, share);
     ck_assert(half.hybrid_kv_fraction ==
               (double)half.hybrid_kv_parts / (half.hybrid_kv_parts + half.hybrid_act_parts));
     ck_assert(isfinite(half.costs[half.tech].t_step));

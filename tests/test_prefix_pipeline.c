@@ -385,7 +385,7 @@ static void speculating_same_and_shared(rekv_mode mode, rekv_dtype cache)
 }
 
 static const rekv_dtype cache_dtypes[] = {REKV_DTYPE_F32, REKV_DTYPE_F16, REKV_DTYPE_I8,
-                                           REKV_DTYPE_I4};
+                                          REKV_DTYPE_I4};
 
 START_TEST(infinigen_same_and_shared)
 {

@@ -54,8 +54,8 @@ typedef struct cpu_span {
  * re-recording the event, or destroying it, never changes what an already enqueued wait waits
  * for. Fields are protected by cpu_backend.ev_mu. */
 typedef struct cpu_completion {
-    int refs;  /* the event (while it points here) + record and wait tasks holding it */
-    bool done; /* the recorded work has finished */
+    int refs;         /* the event (while it points here) + record and wait tasks holding it */
+    bool done;        /* the recorded work has finished */
     uint64_t done_ns; /* the recording stream's virtual time then (cpu_link) */
 } cpu_completion;
 
