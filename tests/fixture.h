@@ -199,6 +199,61 @@ static inline void tu_forward_cut_invariant(rekv_engine *e, const int32_t *tok, 
     free(two);
 }
 
+/* The pipeline's kernels (cpu backend) on f's model, in resident and the exact streaming modes
+ * (offload with and without a device-resident part of 16 tokens, act, kvpr at split 20, hybrid
+ * 1:1), against forward.c bit for bit at every step: the prompt (len tokens) in one chunk, then
+ * `steps` greedy decode steps over a vocabulary of V. what names the model in a failure. */
+static inline void tu_pipeline_matches_forward(tu_fixture *f, const char *what,
+                                               const int32_t *prompt, int len, int steps, int V)
+{
+    static const struct {
+        rekv_mode mode;
+        int split, kv_parts, act_parts, device_tokens;
+    } modes[] = {{REKV_MODE_RESIDENT, 0, 0, 0, 0}, {REKV_MODE_OFFLOAD, 0, 0, 0, 0},
+                 {REKV_MODE_OFFLOAD, 0, 0, 0, 16}, {REKV_MODE_ACT, 0, 0, 0, 0},
+                 {REKV_MODE_KVPR, 20, 0, 0, 0},    {REKV_MODE_HYBRID, 0, 1, 1, 0}};
+    float *lp = malloc(sizeof(float) * (size_t)V), *lf = malloc(sizeof(float) * (size_t)V);
+    ck_assert(lp && lf);
+    for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++) {
+        rekv_err err = {0};
+        rekv_pipeline_config cfg;
+        rekv_pipeline_config_defaults(&cfg);
+        cfg.mode = modes[mi].mode;
+        cfg.split = modes[mi].split;
+        cfg.kv_parts = modes[mi].kv_parts;
+        cfg.act_parts = modes[mi].act_parts;
+        cfg.device_tokens = modes[mi].device_tokens;
+        rekv_pipeline *p;
+        ck_assert_msg(rekv_pipeline_create(f->e, f->be,
+                                           cfg.mode == REKV_MODE_RESIDENT ? NULL : f->store, &cfg,
+                                           &p, &err) == 0,
+                      "%s: %s", rekv_mode_name(cfg.mode), err.msg);
+        rekv_pseq *ps;
+        rekv_seq *s;
+        ck_assert_msg(rekv_pseq_create(p, len + steps, &ps, &err) == 0, "%s", err.msg);
+        ck_assert_int_eq(rekv_seq_create(f->e, len + steps, &s, &err), 0);
+        int32_t next = 0;
+        for (int k = 0; k <= steps; k++) {
+            const int32_t *tok = k == 0 ? prompt : &next;
+            int n = k == 0 ? len : 1;
+            rekv_pipe_item pi = {.seq = ps, .tokens = tok, .n_tokens = n, .logits = lp};
+            ck_assert_msg(rekv_pipeline_step(p, &pi, 1, &err) == 0, "%s", err.msg);
+            rekv_batch_item it = {s, tok, n, 0, lf};
+            ck_assert_msg(rekv_engine_forward(f->e, &it, 1, &err) == 0, "%s", err.msg);
+            ck_assert_msg(memcmp(lp, lf, sizeof(float) * (size_t)V) == 0,
+                          "%s, mode %s (device tokens %d), step %d: the pipeline and forward.c "
+                          "differ",
+                          what, rekv_mode_name(cfg.mode), cfg.device_tokens, k);
+            next = rekv_argmax(lf, V);
+        }
+        rekv_seq_free(s);
+        rekv_pseq_free(ps);
+        rekv_pipeline_free(p);
+    }
+    free(lp);
+    free(lf);
+}
+
 /* The largest |got - want| over rows x cols, want a JSON array of rows of numbers (a NaN counts
  * as the largest); the largest |want| into *scale where scale is not NULL. */
 static inline double tu_max_abs_error(const float *got, json_t *want, int rows, int cols,

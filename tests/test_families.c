@@ -316,12 +316,6 @@ END_TEST
  * LongRoPE past 32: forward.c's logits bit for bit at every step. */
 START_TEST(pipeline_window_matches_forward)
 {
-    static const struct {
-        rekv_mode mode;
-        int split, kv_parts, act_parts, device_tokens;
-    } modes[] = {{REKV_MODE_RESIDENT, 0, 0, 0, 0}, {REKV_MODE_OFFLOAD, 0, 0, 0, 0},
-                 {REKV_MODE_OFFLOAD, 0, 0, 0, 16}, {REKV_MODE_ACT, 0, 0, 0, 0},
-                 {REKV_MODE_KVPR, 20, 0, 0, 0},    {REKV_MODE_HYBRID, 0, 1, 1, 0}};
     char *dir = tu_tmpdir(), mdir[600];
     synth(dir, "m", 128,
           "--phi3 --sliding-window 12 --rope-scaling longrope:original_max_position_embeddings=32");
@@ -332,43 +326,7 @@ START_TEST(pipeline_window_matches_forward)
     int32_t prompt[LEN];
     for (int i = 0; i < LEN; i++)
         prompt[i] = (int32_t)((i * 53 + 3) % V);
-    for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++) {
-        rekv_err err = {0};
-        rekv_pipeline_config cfg;
-        rekv_pipeline_config_defaults(&cfg);
-        cfg.mode = modes[mi].mode;
-        cfg.split = modes[mi].split;
-        cfg.kv_parts = modes[mi].kv_parts;
-        cfg.act_parts = modes[mi].act_parts;
-        cfg.device_tokens = modes[mi].device_tokens;
-        rekv_pipeline *p;
-        ck_assert_msg(rekv_pipeline_create(f.e, f.be,
-                                           cfg.mode == REKV_MODE_RESIDENT ? NULL : f.store, &cfg,
-                                           &p, &err) == 0,
-                      "%s: %s", rekv_mode_name(cfg.mode), err.msg);
-        rekv_pseq *ps;
-        rekv_seq *s;
-        ck_assert_msg(rekv_pseq_create(p, LEN + STEPS, &ps, &err) == 0, "%s", err.msg);
-        ck_assert_int_eq(rekv_seq_create(f.e, LEN + STEPS, &s, &err), 0);
-        float lp[V], lf[V];
-        int32_t next = 0;
-        for (int step = 0; step <= STEPS; step++) {
-            const int32_t *tok = step == 0 ? prompt : &next;
-            int n = step == 0 ? LEN : 1;
-            rekv_pipe_item pi = {.seq = ps, .tokens = tok, .n_tokens = n, .logits = lp};
-            ck_assert_msg(rekv_pipeline_step(p, &pi, 1, &err) == 0, "%s", err.msg);
-            rekv_batch_item it = {s, tok, n, 0, lf};
-            ck_assert_msg(rekv_engine_forward(f.e, &it, 1, &err) == 0, "%s", err.msg);
-            ck_assert_msg(memcmp(lp, lf, sizeof(lp)) == 0,
-                          "mode %s (device tokens %d), step %d: the pipeline and forward.c "
-                          "differ",
-                          rekv_mode_name(cfg.mode), cfg.device_tokens, step);
-            next = rekv_argmax(lf, V);
-        }
-        rekv_seq_free(s);
-        rekv_pseq_free(ps);
-        rekv_pipeline_free(p);
-    }
+    tu_pipeline_matches_forward(&f, "phi3 window 12", prompt, LEN, STEPS, V);
     /* infinigen's and clo's selections are not positions: refused, naming the mode */
     static const rekv_mode refused[] = {REKV_MODE_INFINIGEN, REKV_MODE_CLO};
     for (int i = 0; i < 2; i++) {
