@@ -463,7 +463,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     double x_row = (double)p->hidden * rekv_cost_act_elem_bytes(p->elem_bytes); /* one X */
     double kv_row = 2.0 * (double)p->kv_dim * p->elem_bytes; /* bytes of one token's K and V */
     double flops_tok = 4.0 * (double)p->hidden * (double)p->kv_dim; /* Eq. 9 per token */
-    double x_bytes = 0, kv_bytes = 0, recomp = 0, spec = 0;
+    double x_bytes = 0, kv_bytes = 0, recomp = 0, spec = 0, rebuilt = 0; /* tokens recomputed */
     *out = (rekv_step_cost){.kvpr_l = -1};
 
     switch (tech) {
@@ -482,7 +482,8 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     }
     case REKV_TECH_ACT:
         x_bytes = tokens * x_row;
-        recomp = tokens * flops_tok;
+        rebuilt = tokens;
+        recomp = rebuilt * flops_tok;
         break;
     case REKV_TECH_HYBRID: {
         double gpu = fmin((double)shape->act_gpu_tokens, tokens);
@@ -490,7 +491,8 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
         double kv_tok = round(shape->hybrid_kv_fraction * host);
         x_bytes = (host - kv_tok) * x_row;
         kv_bytes = kv_tok * kv_row;
-        recomp = (host - kv_tok + gpu) * flops_tok;
+        rebuilt = host - kv_tok + gpu;
+        recomp = rebuilt * flops_tok;
         break;
     }
     case REKV_TECH_INFINIGEN: { /* the mean layer: layer 0 fetches all, the others f (planner.h) */
@@ -514,9 +516,7 @@ int rekv_plan_step_cost(const rekv_cost_profile *prof, const rekv_step_shape *sh
     }
     step_times(prof, p, x_bytes, kv_bytes, recomp, spec, out);
     /* act's and hybrid's recomputed tokens: all of them must fit the device's buffers */
-    double share = tokens > 0 ? recomp / flops_tok / tokens : 0;
-    if (shape->act_room_fraction > 0 && (tech == REKV_TECH_ACT || tech == REKV_TECH_HYBRID) &&
-        share > shape->act_room_fraction + 1e-9)
+    if (shape->act_room_fraction > 0 && rebuilt > (shape->act_room_fraction + 1e-9) * tokens)
         out->t_step = INFINITY;
     return 0;
 }
@@ -761,8 +761,10 @@ double rekv_plan_act_room_fraction(const rekv_plan_model *m, int64_t b, int64_t 
     double dev = 2.0 * (double)m->kv_dim * elem * m->n_layers * (double)device_tokens;
     double rows = (room - (double)b * ((double)s_max * att + dev)) / rec;
     double share = rows / ((double)b * (double)(s_max - device_tokens));
+    if (share >= 1)
+        return 0;
     share *= 7.0 / 8.0;
-    return share >= 7.0 / 8.0 ? 0 : share > 1e-9 ? share : 1e-9;
+    return share > 1e-9 ? share : 1e-9;
 }
 
 /* ---------------------------------------------------------------- what a worker is built with */
