@@ -594,8 +594,8 @@ static long pf_print(const pf_opts *o, const rekv_model_config *cfg, const pf_ru
         "bench", "serve", "workload", o->chat ? "chat" : "system", "backend", o->backend, "mode",
         o->mode, "model", "layers", cfg->n_layers, "hidden", cfg->hidden, "heads", cfg->n_heads,
         "kv_heads", cfg->n_kv_heads, "vocab", cfg->vocab, "max_pos", cfg->max_pos, "arena",
-        o->arena, "cache_dtype", o->cache_dtype ? o->cache_dtype : "default", "max_new_tokens", (json_int_t)o->max_new, "prompt_tokens",
-        (json_int_t)first.prompt, "shareable_tokens", (json_int_t)first.share,
+        o->arena, "cache_dtype", o->cache_dtype ? o->cache_dtype : "default", "max_new_tokens",
+        (json_int_t)o->max_new, "prompt_tokens", (json_int_t)first.prompt, "shareable_tokens", (json_int_t)first.share,
         "shareable_fraction", first.prompt ? (double)first.share / (double)first.prompt : 0.0,
         "runs", arr, "mismatches", (json_int_t)mism);
     if (o->chat)
