@@ -278,10 +278,10 @@ static float *pk_at(const rekv_pipeline *p, const rekv_pseq *s, int layer, int p
  * from the prefix cache): the blocks copied whole into raw, a buffer in the KV layout
  * (kvlayout.h) that desc (device memory) describes, their K rows read back widened (kv_gather,
  * as the attention reads them) into kf ([len][n_kv][hd]) and projected as layer_compute projects
- * a new row's (the same kernels on the same values: the same bits). rows: device array of the
- * len destinations. */
+ * a new row's (the same kernels on the same values: the same bits), into the layer's partial keys
+ * of positions 0..len-1 (consecutive rows of the cache). */
 static int ig_prefix_layer(rekv_pipeline *p, rekv_pseq *s, int l, uint8_t *raw,
-                           const rekv_attn_seq *desc, float *kf, float **rows, rekv_err *err)
+                           const rekv_attn_seq *desc, float *kf, rekv_err *err)
 {
     const rekv_model_config *c = p->c;
     int nkv = c->n_kv_heads, hd = c->head_dim, T = s->len;
@@ -305,7 +305,8 @@ static int ig_prefix_layer(rekv_pipeline *p, rekv_pseq *s, int l, uint8_t *raw,
     rc = rc ? rc : urc;
     if (rc == 0) {
         p->k->kv_gather(p->s_compute, kf, T, NULL, NULL, desc, nkv, hd, p->geo.dtype);
-        p->k->head_proj(p->s_compute, NULL, rows, kf, p->ig.layers[l].a, T, nkv, 1, hd, p->ig.rk);
+        p->k->head_proj(p->s_compute, pk_at(p, s, l, 0), NULL, kf, p->ig.layers[l].a, T, nkv, 1,
+                        hd, p->ig.rk);
         rc = p->bi->stream_sync(p->s_compute, err); /* raw and kf are the next layer's */
     }
     free(pc);
@@ -323,35 +324,23 @@ int pl_ig_prefix_fill(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
     uint8_t *raw = p->bi->dev_alloc(p->be, nblk * blk);
     float *kf =
         p->bi->dev_alloc(p->be, (size_t)T * (size_t)nkv * (size_t)c->head_dim * sizeof(float));
-    float **rows = p->bi->dev_alloc(p->be, (size_t)T * sizeof(float *));
     rekv_attn_seq *desc = p->bi->dev_alloc(p->be, sizeof(*desc));
-    float **host = malloc((size_t)T * sizeof(float *));
     rekv_attn_seq whole = {.kv = raw}; /* the buffer's positions 0..T-1 */
     int rc = 0;
-    if (raw == NULL || kf == NULL || rows == NULL || desc == NULL)
+    if (raw == NULL || kf == NULL || desc == NULL)
         rc = rekv_errf(err, -ENOMEM,
                        "out of device memory for the partial keys of %d cached "
                        "tokens",
                        T);
-    else if (host == NULL)
-        rc = rekv_errf(err, -ENOMEM, "out of memory");
     if (rc == 0) {
         rekv_copy_piece pc = {desc, &whole, sizeof(whole)};
         p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_KV);
+        rc = p->bi->stream_sync(p->s_h2d, err);
     }
-    for (int l = 1; rc == 0 && l < L; l++) { /* layer 0 is never speculated: it keeps none */
-        for (int t = 0; t < T; t++)
-            host[t] = pk_at(p, s, l, t);
-        rekv_copy_piece pc = {rows, host, (size_t)T * sizeof(float *)};
-        p->bi->copy_h2d(p->s_h2d, &pc, 1, REKV_XFER_KV);
-        if ((rc = p->bi->stream_sync(p->s_h2d, err)) == 0)
-            rc = ig_prefix_layer(p, s, l, raw, desc, kf, rows, err);
-    }
-    free(host);
+    for (int l = 1; rc == 0 && l < L; l++) /* layer 0 is never speculated: it keeps none */
+        rc = ig_prefix_layer(p, s, l, raw, desc, kf, err);
     if (desc)
         p->bi->dev_free(p->be, desc);
-    if (rows)
-        p->bi->dev_free(p->be, rows);
     if (kf)
         p->bi->dev_free(p->be, kf);
     if (raw)
