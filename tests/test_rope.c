@@ -341,13 +341,13 @@ END_TEST
 
 /* ---------------------------------------------------------------- the pipeline's kernels */
 
-/* The decode pipeline on the cpu backend (the kernels' rope, not forward.c's) in resident mode and
- * in act mode (every K recomputed from activations, rotated at its cached position) gives the
- * reference forward's logits bit for bit, for dynamic NTK and YaRN past the original length. */
+/* The decode pipeline on the cpu backend (the kernels' rope, not forward.c's) in resident and the
+ * exact streaming modes — act among them: every K recomputed from activations, rotated at its
+ * cached position (tu_pipeline_matches_forward) — gives the reference forward's logits bit for bit,
+ * for dynamic NTK and YaRN past the original length. */
 START_TEST(pipeline_matches_forward)
 {
     static const char *const scalings[] = {"dynamic:factor=8", "yarn:factor=8"};
-    static const rekv_mode modes[] = {REKV_MODE_RESIDENT, REKV_MODE_ACT};
     char *dir = tu_tmpdir(), *cmd = NULL, mdir[512];
     snprintf(mdir, sizeof(mdir), "%s/m%d", dir, _i);
     ck_assert_int_gt(asprintf(&cmd,
@@ -364,39 +364,7 @@ START_TEST(pipeline_matches_forward)
     int32_t prompt[LEN];
     for (int i = 0; i < LEN; i++)
         prompt[i] = (int32_t)((i * 53 + 3) % V);
-    for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++) {
-        rekv_err err = {0};
-        rekv_pipeline_config cfg;
-        rekv_pipeline_config_defaults(&cfg);
-        cfg.mode = modes[mi];
-        rekv_pipeline *p;
-        ck_assert_msg(rekv_pipeline_create(f.e, f.be,
-                                           modes[mi] == REKV_MODE_RESIDENT ? NULL : f.store, &cfg,
-                                           &p, &err) == 0,
-                      "%s", err.msg);
-        rekv_pseq *ps;
-        rekv_seq *s;
-        ck_assert_msg(rekv_pseq_create(p, LEN + STEPS, &ps, &err) == 0, "%s", err.msg);
-        ck_assert_int_eq(rekv_seq_create(f.e, LEN + STEPS, &s, &err), 0);
-        float lp[V], lf[V];
-        int32_t next = 0;
-        for (int step = 0; step <= STEPS; step++) {
-            const int32_t *tok = step == 0 ? prompt : &next;
-            int n = step == 0 ? LEN : 1;
-            rekv_pipe_item pi = {.seq = ps, .tokens = tok, .n_tokens = n, .logits = lp};
-            ck_assert_msg(rekv_pipeline_step(p, &pi, 1, &err) == 0, "%s", err.msg);
-            rekv_batch_item it = {s, tok, n, 0, lf};
-            ck_assert_msg(rekv_engine_forward(f.e, &it, 1, &err) == 0, "%s", err.msg);
-            ck_assert_msg(memcmp(lp, lf, sizeof(lp)) == 0,
-                          "%s, mode %s, step %d: the pipeline "
-                          "and forward.c differ",
-                          scalings[_i], rekv_mode_name(modes[mi]), step);
-            next = rekv_argmax(lf, V);
-        }
-        rekv_seq_free(s);
-        rekv_pseq_free(ps);
-        rekv_pipeline_free(p);
-    }
+    tu_pipeline_matches_forward(&f, scalings[_i], prompt, LEN, STEPS, V);
     tu_fixture_close(&f);
     tu_rmrf(dir);
     free(dir);
