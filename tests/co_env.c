@@ -403,3 +403,12 @@ Rekv__Control__Response *ct_stats(rekv_ctl *c)
     rq.stats = &sr;
     return tu_ctl_call(c, &rq);
 }
+
+uint64_t ct_worker_spill_room(rekv_ctl *c)
+{
+    Rekv__Control__Response *r = ct_stats(c);
+    ck_assert_uint_eq(r->stats->n_workers, 1);
+    uint64_t room = r->stats->workers[0]->store_spill_room_bytes;
+    rekv__control__response__free_unpacked(r, NULL);
+    return room;
+}

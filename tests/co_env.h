@@ -98,5 +98,7 @@ void ct_rekv_run_stop(pid_t pid);
 
 /* The coordinator's Stats (free with rekv__control__response__free_unpacked). */
 Rekv__Control__Response *ct_stats(rekv_ctl *c);
+/* The spill room the coordinator's admission counts on its one worker's kvstore (rekv stats). */
+uint64_t ct_worker_spill_room(rekv_ctl *c);
 
 #endif

@@ -37,15 +37,6 @@ static void check_one_attempt(rekv_ctl *c, const tjob *jobs, int n)
     }
 }
 
-/* The spill room the coordinator's admission counts for the one worker's store (rekv stats). */
-static uint64_t admission_spill_room(rekv_ctl *c)
-{
-    Rekv__Control__Response *r = ct_stats(c);
-    ck_assert_uint_eq(r->stats->n_workers, 1);
-    uint64_t room = r->stats->workers[0]->store_spill_room_bytes;
-    rekv__control__response__free_unpacked(r, NULL);
-    return room;
-}
 
 /* An arena of 63 blocks and a spill tier of 256: 32 jobs of up to 25 blocks each spill when it
  * works. The tier fails from the start: its first growth fails, the store stops spilling, its
@@ -92,7 +83,7 @@ START_TEST(spill_tier_failing_serves_from_arena)
     ck_assert_uint_gt(kst.spill_errors, 0); /* the failing tier was met */
     ck_assert_uint_eq(kst.bytes_spilled, 0);
     ck_assert_uint_eq(kst.spill_room_bytes, 0); /* still failing: no room to price */
-    while (admission_spill_room(c) != 0) /* the worker's next read of the room tells it */
+    while (ct_worker_spill_room(c) != 0) /* the worker's next read of the room tells it */
         usleep(20000);
 
     ck_assert_int_eq(unlink(fail), 0); /* mended */
@@ -100,7 +91,7 @@ START_TEST(spill_tier_failing_serves_from_arena)
         usleep(20000);
         ct_kv_stats(k, &kst);
     } while (kst.spill_room_bytes == 0);
-    while (admission_spill_room(c) == 0)
+    while (ct_worker_spill_room(c) == 0)
         usleep(20000);
     ck_assert_int_eq(ct_submit_all(c, b, N_JOBS), N_JOBS);
     ct_wait_and_check(c, b, N_JOBS);

@@ -58,16 +58,6 @@ static void fill(const char *dir, size_t n)
  * kvstore room: ... spill") instead of starting into a disk that cannot hold both; both finish
  * with rekv_generate's tokens and no step fails. Reporting --spill-bytes (the old rule) admits
  * both at once. */
-/* What the coordinator's admission counts on the one worker's kvstore spill tier (rekv stats). */
-static uint64_t worker_spill_room(rekv_ctl *c)
-{
-    Rekv__Control__Response *r = ct_stats(c);
-    ck_assert_uint_eq(r->stats->n_workers, 1);
-    uint64_t room = r->stats->workers[0]->store_spill_room_bytes;
-    rekv__control__response__free_unpacked(r, NULL);
-    return room;
-}
-
 START_TEST(spill_room_is_free_space)
 {
     env e;
@@ -106,7 +96,7 @@ START_TEST(spill_room_is_free_space)
     pid_t wk = ct_start_kv_worker(&e, "8", "w0");
     rekv_ctl *c = ct_ctl_open(e.ctl);
     ct_wait_workers(c, 1);
-    ck_assert_uint_eq(worker_spill_room(c), before); /* what the worker read at connect */
+    ck_assert_uint_eq(ct_worker_spill_room(c), before); /* what the worker read at connect */
     /* the other file comes after the worker connected: it reads the room again between steps */
     fill(dir, 176 * 4096);
     ct_kv_stats(k, &kst);
@@ -114,7 +104,7 @@ START_TEST(spill_room_is_free_space)
     struct statvfs v;
     ck_assert_int_eq(statvfs(dir, &v), 0);
     ck_assert_uint_eq(kst.spill_room_bytes, (uint64_t)v.f_bavail * v.f_frsize);
-    while (worker_spill_room(c) != before - 176 * 4096) /* Check's timeout is the guard */
+    while (ct_worker_spill_room(c) != before - 176 * 4096) /* Check's timeout is the guard */
         usleep(20000);
     ck_assert_int_eq(ct_submit_all(c, &ab[0], 1), 1);
     for (;;) { /* A runs: it fits arena and what is left of the disk */
