@@ -63,7 +63,8 @@ struct rekv_engine {
     uint32_t (*lqt)[LQT_N];     /* [n_layers][LQT_*] */
     uint32_t embed_qt, head_qt; /* head_qt == embed_qt when tied */
     int n_qmats;                /* quantized matrices in all (0: none) */
-    /* scratch, grown on demand to the largest batch seen (T token rows) */
+    /* scratch, grown on demand to the largest pass seen (T token rows: at most forward.c's
+     * FWD_ROWS, but for a call with a tap) */
     size_t cap_rows;
     float *x;                   /* [T][hidden] residual stream */
     float *h;                   /* [T][max(hidden, embed_dim)] normalised input */

@@ -525,10 +525,20 @@ static void ffn_block(rekv_engine *e, const layer_w *L, int T)
     rekv_engine_gemm(e, e->h, e->f1, L->w2, L->b2, T, H, F);
 }
 
+static int forward_pass(rekv_engine *e, rekv_batch_item *items, int n_items, size_t T,
+                        rekv_err *err);
+
+/* Rows a forward pass holds (llama.cpp's default micro-batch): a longer batch runs as passes of at
+ * most this many, in order, so the scratch is sized by the pass, not by the batch (8 prompts of
+ * 512 tokens: 24 MB of activations on a 1024-wide model, not 190). The bits are the same: a row's
+ * products never depend on the other rows (cpu_gemm.c), and its attention reads the cache rows
+ * before it, which the earlier passes wrote. A tap (skew, heads, premises) sees every row of a
+ * call at once, so a call with one runs as one pass. */
+enum { FWD_ROWS = 512 };
+
 int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err)
 {
     const rekv_model_config *c = &e->c;
-    int H = c->hidden, E = c->embed_dim;
     size_t T = 0;
     if (n_items <= 0)
         return rekv_errf(err, -EINVAL, "forward: empty batch");
@@ -551,6 +561,48 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
                 return rekv_errf(err, -EINVAL, "forward: a sequence appears twice in one batch");
         T += (size_t)it->n_tokens;
     }
+    if (T <= FWD_ROWS || e->tap)
+        return forward_pass(e, items, n_items, T, err);
+    /* passes of FWD_ROWS rows across the items in order; an item's logits come from the pass with
+     * its last token (every pass's rows of an all_logits item) */
+    rekv_batch_item sub[n_items];
+    int len0[n_items];
+    for (int j = 0; j < n_items; j++)
+        len0[j] = items[j].seq->len;
+    int b = 0, done = 0; /* item b's first done tokens have run */
+    while (b < n_items) {
+        int n = 0, room = FWD_ROWS;
+        for (int j = b, from = done; j < n_items && room > 0; j++, from = 0) {
+            const rekv_batch_item *it = &items[j];
+            int take = it->n_tokens - from < room ? it->n_tokens - from : room;
+            int last = from + take == it->n_tokens;
+            sub[n++] = (rekv_batch_item){
+                it->seq, it->tokens + from, take, it->all_logits,
+                it->all_logits ? it->logits + (size_t)from * (size_t)c->vocab
+                               : last ? it->logits : NULL};
+            room -= take;
+            if (last)
+                b = j + 1, done = 0;
+            else
+                done = from + take;
+        }
+        int rc = forward_pass(e, sub, n, FWD_ROWS - (size_t)room, err);
+        if (rc) { /* out of memory: every sequence as it was */
+            for (int j = 0; j < n_items; j++)
+                rekv_seq_truncate(items[j].seq, len0[j]);
+            return rc;
+        }
+    }
+    return 0;
+}
+
+/* One pass over T rows (checked by rekv_engine_forward); an item whose logits is NULL gets
+ * none (an earlier pass of a longer prompt). */
+static int forward_pass(rekv_engine *e, rekv_batch_item *items, int n_items, size_t T,
+                        rekv_err *err)
+{
+    const rekv_model_config *c = &e->c;
+    int H = c->hidden, E = c->embed_dim;
     if (reserve(e, T))
         return rekv_errf(err, -ENOMEM, "forward: out of memory for a batch of %zu tokens", T);
 
@@ -613,12 +665,14 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
     row = 0;
     for (int b = 0; b < n_items; b++) {
         int m = items[b].n_tokens;
-        int first = items[b].all_logits ? 0 : m - 1;
+        int first = items[b].logits == NULL ? m : items[b].all_logits ? 0 : m - 1;
         memmove(e->x + n_out * H, e->x + (row + (size_t)first) * H,
                 sizeof(float) * (size_t)(m - first) * H);
         n_out += (size_t)(m - first);
         row += (size_t)m;
     }
+    if (n_out == 0)
+        return 0;
     if (e->final_norm_w)
         cpu_norm(e->x, e->x, e->final_norm_w, e->final_norm_b, (int)n_out, H, c->norm_eps);
     const float *hin = e->x;
@@ -641,6 +695,8 @@ int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rek
         cpu_softcap(all, n_out * (size_t)c->vocab, c->final_softcap);
     size_t r = 0;
     for (int b = 0; b < n_items; b++) {
+        if (items[b].logits == NULL)
+            continue;
         size_t rows = items[b].all_logits ? (size_t)items[b].n_tokens : 1;
         memcpy(items[b].logits, all + r * c->vocab, sizeof(float) * rows * (size_t)c->vocab);
         r += rows;

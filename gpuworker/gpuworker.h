@@ -58,8 +58,9 @@ typedef struct rekv_batch_item {
     float *logits;         /* out: [n_tokens][vocab] or [vocab], fp32 */
 } rekv_batch_item;
 
-/* Runs one forward step over a batch of sequences (each sequence at most once per batch). Fails
- * without touching any cache when a token id is out of range or a sequence would exceed its
+/* Runs one forward step over a batch of sequences (each sequence at most once per batch); a batch
+ * of more than 512 new tokens runs as passes of at most 512 (the same bits, a pass's scratch).
+ * Fails without touching any cache when a token id is out of range or a sequence would exceed its
  * capacity (-E2BIG, "... longer than the context ..."). */
 int rekv_engine_forward(rekv_engine *e, rekv_batch_item *items, int n_items, rekv_err *err);
 

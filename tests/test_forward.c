@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpuworker/engine_internal.h"
 #include "gpuworker/gpuworker.h"
 #include "loader/loader.h"
 #include "tests/testutil.h"
@@ -254,6 +255,57 @@ START_TEST(consistency_synthetic_models)
 }
 END_TEST
 
+/* A batch longer than a pass holds (forward.c's FWD_ROWS, 512 rows) runs as passes that cut
+ * through its prompts: the scratch stays at one pass's rows, and every item's logits are those of
+ * the same prompt run alone in one pass, bit for bit (an all_logits item's every row too). */
+START_TEST(long_batches_run_in_passes)
+{
+    static const rekv_synth_spec spec = {REKV_ARCH_LLAMA, 2, 64, 4, 2, 160, 300, 1024,
+                                         REKV_DTYPE_F16, 7, 0};
+    char *dir = tu_tmpdir(), path[4200];
+    snprintf(path, sizeof(path), "%s/m", dir);
+    rekv_err err = {0};
+    rekv_model *m = NULL;
+    rekv_engine *e = NULL;
+    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_model_open(path, &m, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_engine_create(m, &e, &err) == 0, "%s", err.msg);
+    int V = m->config.vocab, lens[] = {300, 450, 500, 7}, all[] = {0, 1, 0, 0}, n = 4;
+    rekv_seq *seqs[4];
+    rekv_batch_item items[4];
+    int32_t *toks[4];
+    float *lg[4];
+    for (int s = 0; s < n; s++) {
+        toks[s] = random_ids(lens[s], V, 40 + (uint64_t)s);
+        lg[s] = malloc(sizeof(float) * (size_t)(all[s] ? lens[s] : 1) * (size_t)V);
+        ck_assert_int_eq(rekv_seq_create(e, lens[s], &seqs[s], &err), 0);
+        items[s] = (rekv_batch_item){seqs[s], toks[s], lens[s], all[s], lg[s]};
+    }
+    ck_assert_msg(rekv_engine_forward(e, items, n, &err) == 0, "%s", err.msg);
+    ck_assert_msg(e->cap_rows <= 512, "the scratch holds %zu rows for a batch of 1257", e->cap_rows);
+    for (int s = 0; s < n; s++) {
+        ck_assert_int_eq(rekv_seq_len(seqs[s]), lens[s]);
+        size_t nl = (size_t)(all[s] ? lens[s] : 1) * (size_t)V;
+        float *one = malloc(sizeof(float) * nl);
+        rekv_seq *alone;
+        ck_assert_int_eq(rekv_seq_create(e, lens[s], &alone, &err), 0);
+        rekv_batch_item it = {alone, toks[s], lens[s], all[s], one};
+        ck_assert_msg(rekv_engine_forward(e, &it, 1, &err) == 0, "%s", err.msg);
+        ck_assert_msg(memcmp(one, lg[s], sizeof(float) * nl) == 0,
+                      "item %d (%d tokens): batched in passes vs alone differ", s, lens[s]);
+        rekv_seq_free(alone);
+        free(one);
+        rekv_seq_free(seqs[s]);
+        free(toks[s]);
+        free(lg[s]);
+    }
+    rekv_engine_free(e);
+    rekv_model_close(m);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* Bad input: out-of-range ids and contexts are refused without touching the cache. */
 START_TEST(forward_rejects_bad_batches)
 {
@@ -433,6 +485,7 @@ static Suite *suite(void)
     tcase_add_test(tc, consistency_shared_models);
     tcase_add_test(tc, consistency_synthetic_models);
     tcase_add_test(tc, forward_rejects_bad_batches);
+    tcase_add_test(tc, long_batches_run_in_passes);
     tcase_add_test(tc, sampling);
     tcase_add_test(tc, sampling_follows_definition);
     suite_add_tcase(s, tc);
