@@ -334,7 +334,8 @@ static void qgemm_chunk(void *arg, int p, int slot)
         chunk_unbuffered(g, j0, j1);
     for (int j = j0; j < j1 && buf; j += g->tile) {
         int nr = j1 - j < g->tile ? j1 - j : g->tile;
-        cpu_qgemm_dequant_rows(g->type, g->w + (size_t)j * g->row_bytes, g->row_bytes, nr, g->k, buf);
+        cpu_qgemm_dequant_rows(g->type, g->w + (size_t)j * g->row_bytes, g->row_bytes, nr, g->k,
+                               buf);
         cpu_gemm_rowinv_f32_cols(g->y + j, g->n, g->x, buf, g->m, nr, g->k);
     }
     if (g->bias)

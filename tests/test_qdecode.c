@@ -28,8 +28,7 @@
 static const char *const k_files[] = {"llama-tiny-py-Q8_0", "llama-tiny-py-Q4_0",
                                       "synth-llama-Q8_0", "synth-llama-Q4_K_M", "synth-llama-Q4_0"};
 #define N_FILES (sizeof(k_files) / sizeof(k_files[0]))
-static const uint32_t k_types[] = {REKV_GGML_Q8_0, REKV_GGML_Q4_0, REKV_GGML_Q4_K,
-                                   REKV_GGML_Q6_K};
+static const uint32_t k_types[] = {REKV_GGML_Q8_0, REKV_GGML_Q4_0, REKV_GGML_Q4_K, REKV_GGML_Q6_K};
 #define N_TYPES (sizeof(k_types) / sizeof(k_types[0]))
 
 static uint32_t g_rng = 12345u;
