@@ -11,11 +11,13 @@
  *   (tensor cores). Then a bias kernel. Not row-invariant like cpu_gemm.c, so bits may depend on
  *   batching; results agree with the cpu reference within fp32 rounding (fp32 weights) or the
  *   16-bit rounding of x (16-bit weights). Quantized weights (GGUF Q8_0, Q4_0, Q4_K, Q6_K, kept
- *   in their blocks on the device): a kernel decodes a chunk of the matrix's rows (gguf_block.h,
- *   the decoding the cpu shares) into a per-stream f16 scratch, and the f16 GEMM runs on it —
- *   within the 16-bit rounding of x and of the weights. One path for every m: a fused
- *   dequantizing GEMV would read a decode step's weights once at their quantized size instead of
- *   writing and reading them again in f16, and is the next step once this one has run on a GPU.
+ *   in their blocks on the device), decoded with gguf_block.h, the decoding the cpu shares: up
+ *   to 4 rows (a decode step's batch) by a fused dequantizing GEMV, a warp per weight row, each
+ *   weight decoded in registers and used for every row, so the blocks are read once at their
+ *   quantized size (fp32 x, exact weights: within fp32 rounding of the cpu); more rows by a kernel
+ *   that decodes a chunk of the matrix's rows into a per-stream f16 scratch for the f16 GEMM
+ *   (tensor cores; within the 16-bit rounding of x and of the weights), whose writing and
+ *   rereading of the matrix in f16 a prefill's many rows pay for.
  * - qkv: a layer's W_Q, W_K, W_V concatenated at upload (pipeline_create.c) make one GEMM as
  *   linear's, into a per-stream scratch; one kernel then adds the bias, rotates q and k (RoPE, as
  *   rope) and writes the three parts apart: no bias kernel, no rope launches, x rounded once.
@@ -259,14 +261,43 @@ __global__ static void dequant_kernel(__half *dst, const uint8_t *w, uint32_t qt
 }
 
 /* A quantized GEMM dequantizes at most this many weights at a time into the stream's scratch (32
- * MiB of f16): an output head of 128K rows would otherwise want a GiB of it. */
-enum { Q_CHUNK_WEIGHTS = 1 << 24 };
+ * MiB of f16): an output head of 128K rows would otherwise want a GiB of it. Up to QGEMV_MAX_M
+ * rows of x go to qgemv_kernel instead. */
+enum { Q_CHUNK_WEIGHTS = 1 << 24, QGEMV_MAX_M = 4, QGEMV_WARPS = 8 };
+
+/* A decode step's quantized linear, fused: y[r][j] = x[r] · w[j] for m <= QGEMV_MAX_M rows, one
+ * warp per weight row j, its lanes over the row's weights; each weight is decoded once, in
+ * registers, and used for every row of x — the blocks are read once at their quantized size and
+ * nothing is written but y (the dequantizing path writes and rereads the matrix in f16). x stays
+ * fp32 and the weights exact, so the sums differ from the cpu's only in their order. */
+__global__ static void qgemv_kernel(float *y, const float *x, const uint8_t *w, uint32_t qt,
+                                    size_t row_bytes, int m, int n, int k)
+{
+    int lane = threadIdx.x & 31, j = blockIdx.x * QGEMV_WARPS + (threadIdx.x >> 5);
+    if (j >= n) /* a whole warp leaves: the shuffles below never miss a lane */
+        return;
+    const uint8_t *row = w + (size_t)j * row_bytes;
+    float acc[QGEMV_MAX_M] = {0};
+    for (int i = lane; i < k; i += 32) {
+        float v = rekv_qb_at(qt, row, i);
+        for (int r = 0; r < QGEMV_MAX_M; r++)
+            if (r < m)
+                acc[r] += x[(size_t)r * k + i] * v;
+    }
+    for (int r = 0; r < QGEMV_MAX_M; r++) {
+        float t = acc[r];
+        for (int o = 16; o > 0; o >>= 1)
+            t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (lane == 0 && r < m)
+            y[(size_t)r * n + j] = t;
+    }
+}
 
 /* y[m][n] = x[m][k] · w[n][k]^T in fp32 (no bias), enqueued on s: fp32 weights by cublasSgemm;
  * 16-bit weights with x rounded to their dtype (ks->xh), products on tensor cores, fp32 sums;
- * quantized weights (cpu_qgemm_wt) as f16 ones, x rounded to f16 once and the matrix dequantized
- * a chunk of rows at a time into ks->wh, each chunk's GEMM writing its columns of y.
- * 0, or -1 with the stream failed. */
+ * quantized weights (cpu_qgemm_wt): a few rows by qgemv_kernel, more as f16 weights, x rounded to
+ * f16 once and the matrix dequantized a chunk of rows at a time into ks->wh, each chunk's GEMM
+ * writing its columns of y. 0, or -1 with the stream failed. */
 static int gemm(rekv_stream *s, cu_kstate *ks, float *y, const float *x, const void *w,
                 rekv_dtype wt, int m, int n, int k)
 {
@@ -282,7 +313,11 @@ static int gemm(rekv_stream *s, cu_kstate *ks, float *y, const float *x, const v
     /* cuBLAS is column-major: row-major y[m][n] is y^T (n x m, ld n) = op_T(w) · x, where w's
      * rows [n][k] are a k x n matrix (ld k), transposed to n x k, and x is k x m (ld k) */
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
-    if (wt == REKV_DTYPE_F32) {
+    if (qt && m <= QGEMV_MAX_M) {
+        unsigned blocks = (unsigned)((n + QGEMV_WARPS - 1) / QGEMV_WARPS);
+        qgemv_kernel<<<blocks, 32 * QGEMV_WARPS, 0, s->cs>>>(y, x, (const uint8_t *)w, qt,
+                                                             (size_t)k / be * bb, m, n, k);
+    } else if (wt == REKV_DTYPE_F32) {
         st = cublasSgemm(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, (const float *)w, k, x,
                          k, &zero, y, n);
     } else {

@@ -2407,14 +2407,17 @@ static uint8_t *qrand(uint32_t type, int n, int k, size_t *bytes)
     return w;
 }
 
-/* linear over each quantized type: the cpu multiplies the exact blocks (cpu_qgemm.c), cuda
- * decodes them into f16 and runs the f16 GEMM on x rounded to f16; one row (decode), a few, many,
- * and a matrix of more weights than one chunk of cuda's scratch (its rows in three chunks). */
+/* linear over each quantized type: the cpu multiplies the exact blocks (cpu_qgemm.c); cuda runs
+ * up to 4 rows through its fused dequantizing GEMV (fp32 x, exact weights) and more through the
+ * f16 GEMM on the blocks decoded into f16, x rounded to f16 — one bound for both, the wider
+ * path's. Shapes: one row, 4 (the GEMV's most), 7, 64 and 130 rows, and a matrix of more weights
+ * than one chunk of cuda's f16 scratch (its rows in two chunks) by both paths. */
 START_TEST(kernel_linear_quant)
 {
     backends_open();
-    static const int shapes[][3] = {{1, 33, 256},     {7, 300, 512},   {64, 17, 256},
-                                    {130, 1000, 256}, {1, 4500, 4096}, {3, 4500, 4096}};
+    static const int shapes[][3] = {{1, 33, 256},   {4, 300, 512},    {7, 300, 512},
+                                    {64, 17, 256},  {130, 1000, 256}, {1, 4500, 4096},
+                                    {5, 4500, 4096}};
     for (size_t ti = 0; ti < sizeof(k_qtypes) / sizeof(k_qtypes[0]); ti++)
         for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
             uint32_t type = k_qtypes[ti];
