@@ -3,8 +3,9 @@
  *
  * The weights stay in their GGUF blocks in memory (a Q4_K matrix holds 0.5625 bytes a weight,
  * ~0.28 of its f16 bytes). A call dequantizes a tile of weight rows at a time — ggml's exact
- * values (loader/gguf_quant.c's, or the AVX2 versions here, which make the same products with no
- * fused multiply-add) — into a small fp32 scratch of its thread (kept per thread), and runs
+ * values (loader/gguf_block.h's, the decoding the cuda kernels share, or the AVX2 versions here,
+ * which make the same products with no fused multiply-add and are checked against it,
+ * tests/test_qdecode.c) — into a small fp32 scratch of its thread (kept per thread), and runs
  * cpu_gemm.c's own tile kernel (cpu_gemm_rowinv_f32_cols) over it: every output element is
  * cpu_gemm_rowinv's dot product in its fixed order over the row's dequantized values, so a
  * quantized model's products are, bit for bit, those of the fp32 engine on its dequantized weights,
@@ -30,6 +31,7 @@
 #include "common/dtype.h"
 #include "gpuworker/cpu_ops.h"
 #include "loader/gguf.h"
+#include "loader/gguf_block.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -132,29 +134,16 @@ DEQ_FN static void deq8_q4_0(const uint8_t *b, uint64_t nb, float *y)
     }
 }
 
-/* gguf_quant.c's k4_scale_min. */
-static void k4_sm(int j, const uint8_t *q, uint8_t *sc, uint8_t *m)
-{
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
-}
-
 DEQ_FN static void deq8_q4_k(const uint8_t *b, uint64_t nb, float *y)
 {
     const __m128i lo4 = _mm_set1_epi8(0x0F);
     for (uint64_t i = 0; i < nb; i++, b += 144) {
-        float d = f16_at(b), dmin = f16_at(b + 2);
-        const uint8_t *scales = b + 4, *q = b + 16;
+        const uint8_t *q = b + 16;
         for (int j = 0; j < 8; j += 2, q += 32) {
             for (int h = 0; h < 2; h++) { /* sub-block j + h: low nibbles, then high */
-                uint8_t sc, m;
-                k4_sm(j + h, scales, &sc, &m);
-                __m256 dv = _mm256_set1_ps(d * sc), mv = _mm256_set1_ps(dmin * m);
+                float d1, m1;
+                rekv_qb_q4_k_sub(b, j + h, &d1, &m1);
+                __m256 dv = _mm256_set1_ps(d1), mv = _mm256_set1_ps(m1);
                 for (int c = 0; c < 2; c++) {
                     __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * c));
                     v = _mm_and_si128(h ? _mm_srli_epi16(v, 4) : v, lo4);
@@ -225,10 +214,10 @@ static deq_fn deq_of(uint32_t type)
 
 #endif
 
-/* rows weight rows of k elements (row_bytes apart) from src, dequantized into dst [rows][k]. */
-static void deq_rows(uint32_t type, const uint8_t *src, size_t row_bytes, int rows, int k,
-                     float *dst)
+void cpu_qgemm_dequant_rows(uint32_t type, const void *w, size_t row_bytes, int rows, int k,
+                            float *dst)
 {
+    const uint8_t *src = (const uint8_t *)w;
 #if defined(__x86_64__)
     if (have_avx2()) {
         deq_fn f = deq_of(type);
@@ -345,7 +334,8 @@ static void qgemm_chunk(void *arg, int p, int slot)
         chunk_unbuffered(g, j0, j1);
     for (int j = j0; j < j1 && buf; j += g->tile) {
         int nr = j1 - j < g->tile ? j1 - j : g->tile;
-        deq_rows(g->type, g->w + (size_t)j * g->row_bytes, g->row_bytes, nr, g->k, buf);
+        cpu_qgemm_dequant_rows(g->type, g->w + (size_t)j * g->row_bytes, g->row_bytes, nr, g->k,
+                               buf);
         cpu_gemm_rowinv_f32_cols(g->y + j, g->n, g->x, buf, g->m, nr, g->k);
     }
     if (g->bias)

@@ -8,9 +8,10 @@
 
 #include "common/dtype.h"
 
-/* A GGUF block type where a kernel takes a weight dtype (kernels.h: linear, embed): the cpu
- * kernels read such weights through cpu_qgemm_rowinv and rekv_ggml_dequant_row. Only the cpu
- * backend's kernels know it (rekv_pipeline_create refuses quantized weights elsewhere). */
+/* A GGUF block type where a kernel takes a weight dtype (kernels.h: linear, embed, qkv): the
+ * matrix stays in its blocks on every backend. The cpu kernels read such weights through
+ * cpu_qgemm_rowinv and rekv_ggml_dequant_row; the cuda kernels decode the blocks on the device
+ * (loader/gguf_block.h) into an f16 scratch for cuBLAS (kernels_cuda.cu). */
 #define CPU_QGEMM_WT_BASE 0x100u
 static inline rekv_dtype cpu_qgemm_wt(uint32_t type)
 {
@@ -35,6 +36,11 @@ int cpu_qgemm_rowinv(float *y, const float *x, const void *w, uint32_t type, con
  * against (tests/test_gguf_qgemm.c). No bias. */
 int cpu_qgemm_rowinv_ref(float *y, const float *x, const void *w, uint32_t type, int m, int n,
                          int k);
+/* rows weight rows of k elements (whole blocks, row_bytes apart) at w dequantized into dst
+ * ([rows][k] fp32) as the GEMM decodes its tiles — AVX2 where the cpu has it, else
+ * loader/gguf_block.h's decoders: ggml's values either way (tests/test_qdecode.c). */
+void cpu_qgemm_dequant_rows(uint32_t type, const void *w, size_t row_bytes, int rows, int k,
+                            float *dst);
 /* Bytes of one row of k elements (whole blocks) in the type; 0 for a type rekv does not know. */
 size_t cpu_qgemm_row_bytes(uint32_t type, int k);
 

@@ -2,9 +2,10 @@
  * a stream of the device runtime (device/backend.h) and runs in stream order, on device pointers.
  * On the cpu backend they are the fp32 reference (cpu_ops.h) run as tasks on its stream threads
  * (kernels_cpu.c); on cuda, cuBLAS and CUDA kernels (kernels_cuda.cu). Activations are fp32 in
- * device memory; weight matrices are in the model file's dtype (f32, f16 or bf16), vectors (norms,
- * biases) in fp32. Arrays passed by pointer (positions, descriptors) are device memory and must
- * stay valid until the kernel has run. */
+ * device memory; weight matrices are in the model file's dtype (f32, f16 or bf16, or a GGUF
+ * file's quantized blocks, cpu_qgemm_wt), vectors (norms, biases) in fp32. Arrays passed by
+ * pointer (positions, descriptors) are device memory and must stay valid until the kernel has
+ * run. */
 #ifndef REKV_GPUWORKER_KERNELS_H
 #define REKV_GPUWORKER_KERNELS_H
 
@@ -73,11 +74,13 @@ typedef struct rekv_sample_lp {
 } rekv_sample_lp;
 
 typedef struct rekv_kernel_iface {
-    /* y[m][n] = x[m][k] · w[n][k]^T (+ bias), w in dtype wt (f32, f16 or bf16), accumulated in
-     * fp32. On the cpu backend every element is computed in a fixed order whatever rows share the
-     * call, and 16-bit weights are widened exactly (cpu_gemm.c), so results never depend on
+    /* y[m][n] = x[m][k] · w[n][k]^T (+ bias), w in dtype wt (f32, f16 or bf16, or GGUF blocks:
+     * cpu_qgemm_wt, decoded inside the GEMM), accumulated in fp32. On the cpu backend every
+     * element is computed in a fixed order whatever rows share the call, and 16-bit and
+     * quantized weights are widened exactly (cpu_gemm.c, cpu_qgemm.c), so results never depend on
      * batching: recomputed K,V equal the originals and a sequence's tokens do not depend on its
-     * batch. The cuda backend rounds x to wt for 16-bit weights (tensor cores) and uses cuBLAS. */
+     * batch. The cuda backend rounds x to wt for 16-bit weights (tensor cores) and uses cuBLAS;
+     * quantized weights it decodes into f16 first, and rounds x to f16. */
     void (*linear)(rekv_stream *s, float *y, const float *x, const void *w, rekv_dtype wt,
                    const float *bias, int m, int n, int k);
     /* out = LayerNorm (b != NULL) or RMSNorm of m rows of width d */
@@ -92,9 +95,9 @@ typedef struct rekv_kernel_iface {
     void (*activation)(rekv_stream *s, float *a, const float *b, size_t n, rekv_act act);
     /* x += y over n elements */
     void (*add)(rekv_stream *s, float *x, const float *y, size_t n);
-    /* x[i] = table[tokens[i]] (width e, table in dtype tt, widened) for m rows (skipped when
-     * table is NULL); then, when pos_table, x[i] += pos_table[pos[i] + pos_offset] (width e, fp32)
-     * — OPT's learned positions */
+    /* x[i] = table[tokens[i]] (width e, table in dtype tt, widened; quantized rows decoded to
+     * ggml's values) for m rows (skipped when table is NULL); then, when pos_table, x[i] +=
+     * pos_table[pos[i] + pos_offset] (width e, fp32) — OPT's learned positions */
     void (*embed)(rekv_stream *s, float *x, const void *table, rekv_dtype tt, const int32_t *tokens,
                   const float *pos_table, const int32_t *pos, int pos_offset, int m, int e);
     /* writes fp32 rows of K and V ([rows][n_kv*head_dim]) into sequences' buffers in dtype dt

@@ -10,7 +10,14 @@
  *   weights' dtype into a per-stream scratch, then cublasGemmEx with fp32 accumulation and output
  *   (tensor cores). Then a bias kernel. Not row-invariant like cpu_gemm.c, so bits may depend on
  *   batching; results agree with the cpu reference within fp32 rounding (fp32 weights) or the
- *   16-bit rounding of x (16-bit weights).
+ *   16-bit rounding of x (16-bit weights). Quantized weights (GGUF Q8_0, Q4_0, Q4_K, Q6_K, kept
+ *   in their blocks on the device), decoded with gguf_block.h, the decoding the cpu shares: up
+ *   to 4 rows (a decode step's batch) by a fused dequantizing GEMV, a warp per weight row, each
+ *   weight decoded in registers and used for every row, so the blocks are read once at their
+ *   quantized size (fp32 x, exact weights: within fp32 rounding of the cpu); more rows by a kernel
+ *   that decodes a chunk of the matrix's rows into a per-stream f16 scratch for the f16 GEMM
+ *   (tensor cores; within the 16-bit rounding of x and of the weights), whose writing and
+ *   rereading of the matrix in f16 a prefill's many rows pay for.
  * - qkv: a layer's W_Q, W_K, W_V concatenated at upload (pipeline_create.c) make one GEMM as
  *   linear's, into a per-stream scratch; one kernel then adds the bias, rotates q and k (RoPE, as
  *   rope) and writes the three parts apart: no bias kernel, no rope launches, x rounded once.
@@ -28,6 +35,7 @@
  *   (kvq_row_warp), the cpu's codes and scales bit for bit.
  * - sample: one block per row, rekv_sample_drawn by radix selection and prefix sums in fixed
  *   point (below), so only the chosen ids and any top logits cross back.
+ * - embed: a row's lookups as they are stored; quantized tables decode only the looked-up rows.
  * - the rest: element- or row-parallel; one block per row where a row reads mapped metadata, read
  *   once per block through shared memory.
  *
@@ -47,7 +55,9 @@
 
 extern "C" {
 #include "common/dtype.h"
+#include "gpuworker/cpu_qgemm.h"
 #include "gpuworker/kernels.h"
+#include "loader/gguf_block.h"
 }
 
 enum { EW_THREADS = 256, ROW_THREADS = 256, ATT_WARPS = 8, ATT_ROW_SLICES = 16 };
@@ -144,6 +154,7 @@ enum { CU_SCRATCH_RETIRED = 48 };
 typedef struct cu_kstate {
     cublasHandle_t blas; /* bound to the stream; full fp32 products (no TF32) */
     cu_scratch xh;       /* a GEMM with 16-bit weights: x rounded to the weights' dtype */
+    cu_scratch wh;       /* a GEMM with quantized weights: a chunk of their rows in f16 */
     cu_scratch yqkv;     /* qkv: the fused projection's output before its split */
     /* outgrown scratch, kept until the stream goes: a captured graph may still use one (growth
      * by 5/4 from a few KiB: 48 cover any size; past that the oldest is freed) */
@@ -157,6 +168,8 @@ static void kstate_free(void *p)
     cu_kstate *k = (cu_kstate *)p;
     if (k->xh.p != NULL)
         cudaFree(k->xh.p);
+    if (k->wh.p != NULL)
+        cudaFree(k->wh.p);
     if (k->yqkv.p != NULL)
         cudaFree(k->yqkv.p);
     for (int i = 0; i < k->n_retired; i++)
@@ -234,32 +247,112 @@ static int stream_scratch(rekv_stream *s, cu_kstate *k, cu_scratch *sc, size_t b
     return 0;
 }
 
+/* Rows of a quantized matrix dequantized into f16 (dst [rows][k]): w's rows of k weights in whole
+ * blocks of type qt, row_bytes apart; each weight gguf_block.h's value (ggml's), rounded to
+ * nearest even. Threads over a row's weights (x), rows over y. */
+__global__ static void dequant_kernel(__half *dst, const uint8_t *w, uint32_t qt, size_t row_bytes,
+                                      int rows, int k)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= k)
+        return;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y)
+        dst[(size_t)r * k + i] = __float2half_rn(rekv_qb_at(qt, w + (size_t)r * row_bytes, i));
+}
+
+/* A quantized GEMM dequantizes at most this many weights at a time into the stream's scratch (32
+ * MiB of f16): an output head of 128K rows would otherwise want a GiB of it. Up to QGEMV_MAX_M
+ * rows of x go to qgemv_kernel instead. */
+enum { Q_CHUNK_WEIGHTS = 1 << 24, QGEMV_MAX_M = 4, QGEMV_WARPS = 8 };
+
+/* A decode step's quantized linear, fused: y[r][j] = x[r] · w[j] for m <= QGEMV_MAX_M rows, one
+ * warp per weight row j, its lanes over the row's weights; each weight is decoded once, in
+ * registers, and used for every row of x — the blocks are read once at their quantized size and
+ * nothing is written but y (the dequantizing path writes and rereads the matrix in f16). x stays
+ * fp32 and the weights exact, so the sums differ from the cpu's only in their order. */
+__global__ static void qgemv_kernel(float *y, const float *x, const uint8_t *w, uint32_t qt,
+                                    size_t row_bytes, int m, int n, int k)
+{
+    int lane = threadIdx.x & 31, j = blockIdx.x * QGEMV_WARPS + (threadIdx.x >> 5);
+    if (j >= n) /* a whole warp leaves: the shuffles below never miss a lane */
+        return;
+    const uint8_t *row = w + (size_t)j * row_bytes;
+    float acc[QGEMV_MAX_M] = {0};
+    for (int i = lane; i < k; i += 32) {
+        float v = rekv_qb_at(qt, row, i);
+        for (int r = 0; r < QGEMV_MAX_M; r++)
+            if (r < m)
+                acc[r] += x[(size_t)r * k + i] * v;
+    }
+    for (int r = 0; r < QGEMV_MAX_M; r++) {
+        float t = acc[r];
+        for (int o = 16; o > 0; o >>= 1)
+            t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (lane == 0 && r < m)
+            y[(size_t)r * n + j] = t;
+    }
+}
+
 /* y[m][n] = x[m][k] · w[n][k]^T in fp32 (no bias), enqueued on s: fp32 weights by cublasSgemm;
- * 16-bit weights with x rounded to their dtype (ks->xh), products on tensor cores, fp32 sums.
- * 0, or -1 with the stream failed. */
+ * 16-bit weights with x rounded to their dtype (ks->xh), products on tensor cores, fp32 sums;
+ * quantized weights (cpu_qgemm_wt): a few rows by qgemv_kernel, more as f16 weights, x rounded to
+ * f16 once and the matrix dequantized a chunk of rows at a time into ks->wh, each chunk's GEMM
+ * writing its columns of y. 0, or -1 with the stream failed. */
 static int gemm(rekv_stream *s, cu_kstate *ks, float *y, const float *x, const void *w,
                 rekv_dtype wt, int m, int n, int k)
 {
     const float one = 1.0f, zero = 0.0f;
+    uint32_t qt = cpu_qgemm_wt_type(wt), be = 0, bb = 0;
+    if (qt && (!rekv_qb_geometry(qt, &be, &bb) || k % (int)be != 0)) {
+        cuda_stream_fail(s, -EINVAL,
+                         "cuda stream %s: linear over GGUF type %u with k %d (not whole blocks "
+                         "of a type the kernels read)",
+                         s->name, qt, k);
+        return -1;
+    }
     /* cuBLAS is column-major: row-major y[m][n] is y^T (n x m, ld n) = op_T(w) · x, where w's
      * rows [n][k] are a k x n matrix (ld k), transposed to n x k, and x is k x m (ld k) */
-    cublasStatus_t st;
-    if (wt == REKV_DTYPE_F32) {
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    if (qt && m <= QGEMV_MAX_M) {
+        unsigned blocks = (unsigned)((n + QGEMV_WARPS - 1) / QGEMV_WARPS);
+        qgemv_kernel<<<blocks, 32 * QGEMV_WARPS, 0, s->cs>>>(y, x, (const uint8_t *)w, qt,
+                                                             (size_t)k / be * bb, m, n, k);
+    } else if (wt == REKV_DTYPE_F32) {
         st = cublasSgemm(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, (const float *)w, k, x,
                          k, &zero, y, n);
     } else {
+        rekv_dtype xt = qt ? REKV_DTYPE_F16 : wt;
         size_t xe = (size_t)m * (size_t)k;
         if (stream_scratch(s, ks, &ks->xh, xe * 2) != 0)
             return -1;
-        convert_out_kernel<<<ew_blocks(xe), EW_THREADS, 0, s->cs>>>(ks->xh.p, x, xe, (int)wt);
+        convert_out_kernel<<<ew_blocks(xe), EW_THREADS, 0, s->cs>>>(ks->xh.p, x, xe, (int)xt);
         cuda_launch_check(s, "linear x");
-        cudaDataType dt = wt == REKV_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
-        st = cublasGemmEx(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, dt, k, ks->xh.p, dt,
-                          k, &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        cudaDataType dt = xt == REKV_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
+        size_t rb = (size_t)k / (be ? be : 1) * bb;
+        int chunk = qt ? (int)(Q_CHUNK_WEIGHTS / k > 0 ? Q_CHUNK_WEIGHTS / k : 1) : n;
+        chunk = chunk < n ? chunk : n;
+        if (qt && stream_scratch(s, ks, &ks->wh, (size_t)chunk * (size_t)k * 2) != 0)
+            return -1;
+        for (int j = 0; j < n && st == CUBLAS_STATUS_SUCCESS; j += chunk) {
+            int nc = n - j < chunk ? n - j : chunk;
+            const void *wc = w;
+            if (qt) {
+                dim3 grid((unsigned)((k + EW_THREADS - 1) / EW_THREADS),
+                          (unsigned)(nc < 65535 ? nc : 65535));
+                dequant_kernel<<<grid, EW_THREADS, 0, s->cs>>>(
+                    (__half *)ks->wh.p, (const uint8_t *)w + (size_t)j * rb, qt, rb, nc, k);
+                cuda_launch_check(s, "linear dequant");
+                wc = ks->wh.p;
+            }
+            st = cublasGemmEx(ks->blas, CUBLAS_OP_T, CUBLAS_OP_N, nc, m, k, &one, wc, dt, k,
+                              ks->xh.p, dt, k, &zero, y + j, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT);
+        }
     }
     if (st != CUBLAS_STATUS_SUCCESS) {
         cuda_stream_fail(s, -EIO, "cuda stream %s: %s GEMM (m %d, n %d, k %d): %s", s->name,
-                         rekv_dtype_name(wt), m, n, k, cublasGetStatusString(st));
+                         qt ? "quantized" : rekv_dtype_name(wt), m, n, k,
+                         cublasGetStatusString(st));
         return -1;
     }
     cuda_launch_check(s, "linear");
@@ -588,9 +681,11 @@ static void k_bias_add(rekv_stream *s, float *x, const float *y, const float *bi
     KLAUNCH(s, "add", bias_add_kernel, nb, EW_THREADS, 0, x, y, bias, m, n);
 }
 
-__global__ static void embed_kernel(float *x, const void *table, int tdtype, const int32_t *tokens,
-                                    const float *pos_table, const int32_t *pos, int pos_offset,
-                                    int e)
+/* One block per row; a quantized table (qt: its GGUF type, rb: a row's bytes) has only the
+ * looked-up rows decoded (gguf_block.h: ggml's values, as the cpu's lookup gives them). */
+__global__ static void embed_kernel(float *x, const void *table, int tdtype, uint32_t qt, size_t rb,
+                                    const int32_t *tokens, const float *pos_table,
+                                    const int32_t *pos, int pos_offset, int e)
 {
     __shared__ int tok, ps;
     if (threadIdx.x == 0) {
@@ -601,7 +696,9 @@ __global__ static void embed_kernel(float *x, const void *table, int tdtype, con
     float *row = x + (size_t)blockIdx.x * e;
     const float *pr = pos_table ? pos_table + (size_t)ps * e : NULL;
     for (int j = threadIdx.x; j < e; j += blockDim.x) {
-        float v = table ? load_as_f32(table, (size_t)tok * e + j, tdtype) : row[j];
+        float v = !table ? row[j]
+                  : qt   ? rekv_qb_at(qt, (const uint8_t *)table + (size_t)tok * rb, j)
+                         : load_as_f32(table, (size_t)tok * e + j, tdtype);
         if (pr)
             v += pr[j];
         row[j] = v;
@@ -614,8 +711,17 @@ static void k_embed(rekv_stream *s, float *x, const void *table, rekv_dtype tt,
 {
     if (m <= 0 || e <= 0 || (table == NULL && pos_table == NULL))
         return;
-    KLAUNCH(s, "embed", embed_kernel, m, ROW_THREADS, 0, x, table, (int)tt, tokens, pos_table, pos,
-            pos_offset, e);
+    uint32_t qt = cpu_qgemm_wt_type(tt), be = 0, bb = 0;
+    if (qt && (!rekv_qb_geometry(qt, &be, &bb) || e % (int)be != 0)) {
+        cuda_stream_fail(s, -EINVAL,
+                         "cuda stream %s: embed over GGUF type %u with width %d (not whole "
+                         "blocks of a type the kernels read)",
+                         s->name, qt, e);
+        return;
+    }
+    size_t rb = qt ? (size_t)e / be * bb : 0;
+    KLAUNCH(s, "embed", embed_kernel, m, ROW_THREADS, 0, x, table, (int)tt, qt, rb, tokens,
+            pos_table, pos, pos_offset, e);
 }
 
 /* One block per row r: its K and V heads go to seqs[row_seq[r]] at position row_pos[r], stored in

@@ -168,7 +168,7 @@ static rekv_attn_seq *unit_seqs(rekv_pipeline *p, step *st, int g, int layer, in
 
 rekv_dtype pl_wt(const rekv_pipeline *p, uint32_t qt)
 {
-    return qt == 0 ? p->e->wdtype : p->q_f16 ? REKV_DTYPE_F16 : cpu_qgemm_wt(qt);
+    return qt == 0 ? p->e->wdtype : cpu_qgemm_wt(qt);
 }
 
 void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,

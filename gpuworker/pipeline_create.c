@@ -16,7 +16,6 @@
 #include "common/clock.h"
 #include "common/crc32c.h"
 #include "common/log.h"
-#include "loader/gguf.h"
 
 /* Bytes of matrix `which` (LQT_*, [n][k]) of layer l as the engine holds it (quantized: its
  * blocks); l < 0: the most any layer's takes (a quantized file may mix block types by layer). */
@@ -25,7 +24,7 @@ static size_t mat_bytes(const rekv_engine *e, int l, int which, size_t n, size_t
     size_t most = 0;
     for (int i = l < 0 ? 0 : l; i < (l < 0 ? e->c.n_layers : l + 1); i++) {
         uint32_t qt = e->lqt[i][which];
-        size_t b = qt ? cpu_qgemm_row_bytes(qt, (int)k) * n : n * k * rekv_dtype_size(e->wdtype);
+        size_t b = pl_wt_bytes(qt ? cpu_qgemm_wt(qt) : e->wdtype, n, k);
         most = b > most ? b : most;
     }
     return most;
@@ -121,68 +120,24 @@ static void *dev_copy(rekv_pipeline *p, const void *src, size_t bytes, int *rc)
     return d;
 }
 
-/* A quantized matrix [n][k] of block type qt on a device whose kernels cannot read the blocks
- * (cuda): dequantized on the host (ggml's values), rounded to f16 and copied — the simple correct
- * path, cuda's linear taking f16 weights; the blocks' savings are lost on the device (f16 bytes
- * there). Only where the device's memory is not the host's (no dev_adopt: h is freed here). */
-static void *dev_copy_f16(rekv_pipeline *p, const void *src, uint32_t qt, size_t n, size_t k,
-                          int *rc)
-{
-    if (src == NULL || *rc)
-        return NULL;
-    REKV_ASSERT(p->bi->dev_adopt == NULL);
-    size_t rb = cpu_qgemm_row_bytes(qt, (int)k);
-    uint16_t *h = malloc(n * k * sizeof(uint16_t));
-    float *row = malloc(k * sizeof(float));
-    void *d = NULL;
-    if (h == NULL || row == NULL) {
-        *rc = -ENOMEM;
-    } else {
-        for (size_t i = 0; i < n; i++) {
-            (void)rekv_ggml_dequant_row(qt, (const uint8_t *)src + i * rb, (uint64_t)k, row);
-            rekv_from_f32(h + i * k, row, REKV_DTYPE_F16, k);
-        }
-        d = dev_copy(p, h, n * k * sizeof(uint16_t), rc);
-        if (d && p->bi->stream_sync(p->s_h2d, NULL)) /* the copy has read h once it is done */
-            *rc = -EIO;
-    }
-    free(h);
-    free(row);
-    return d;
-}
-
-/* Slot i of layer_tensors' load order as one of the layer's matrices: its LQT_* index and
- * [n][k]; 0 for a vector. */
-static int slot_matrix(const rekv_model_config *c, int i, int *which, size_t *n, size_t *k)
-{
-    size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
-    size_t KV = (size_t)rekv_config_kv_dim(c), F = (size_t)c->ffn;
-    static const int idx[N_LAYER_TENSORS] = {LQT_WK + 1, 0, LQT_WV + 1, 0,          LQT_WQ + 1, 0,
-                                             LQT_WO + 1, 0, 0,          0,          0,          0,
-                                             LQT_W1 + 1, 0, LQT_W3 + 1, LQT_W2 + 1, 0};
-    if (idx[i] == 0)
-        return 0;
-    *which = idx[i] - 1;
-    size_t dims[LQT_N][2] = {{Q, H}, {KV, H}, {KV, H}, {H, Q}, {F, H}, {H, F}, {F, H}};
-    *n = dims[*which][0];
-    *k = dims[*which][1];
-    return 1;
-}
-
 /* ------------------------------------------------------------------ the fused Q,K,V projection */
 
 /* The first N_QKV_TENSORS slots of the load order (layer_tensors) are W_K, b_K, W_V, b_V, W_Q,
  * b_Q: what a fused layer keeps in its two allocations (struct pl_qkv) instead of six. */
 enum { N_QKV_TENSORS = 6 };
 
-int pl_qkv_dtype(const rekv_engine *e, int l, int q_f16, rekv_dtype *wt)
+size_t pl_wt_bytes(rekv_dtype wt, size_t n, size_t k)
+{
+    uint32_t qt = cpu_qgemm_wt_type(wt);
+    return qt ? cpu_qgemm_row_bytes(qt, (int)k) * n : n * k * rekv_dtype_size(wt);
+}
+
+int pl_qkv_dtype(const rekv_engine *e, int l, rekv_dtype *wt)
 {
     static const int mats[3] = {LQT_WQ, LQT_WK, LQT_WV};
     for (int i = 0; i < 3; i++) {
         uint32_t qt = e->lqt[l][mats[i]];
-        if (qt && !q_f16) /* the cpu kernels read blocks: nothing to concatenate them into */
-            return 0;
-        rekv_dtype d = qt ? REKV_DTYPE_F16 : e->wdtype;
+        rekv_dtype d = qt ? cpu_qgemm_wt(qt) : e->wdtype;
         if (i > 0 && d != *wt)
             return 0;
         *wt = d;
@@ -190,22 +145,15 @@ int pl_qkv_dtype(const rekv_engine *e, int l, int q_f16, rekv_dtype *wt)
     return 1;
 }
 
-/* Matrix w ([n][k], the engine's: blocks of type qt, or wdtype in the engine's layout) into dst
- * row-major in wt. scratch: k floats and cpu_tile_scratch_bytes(wdtype, k). */
+/* Matrix w ([n][k], the engine's: blocks of type qt, row-major, or wdtype in the engine's
+ * layout) into dst row-major in wt (pl_qkv_dtype's: the matrix's own). scratch:
+ * cpu_tile_scratch_bytes(wdtype, k). */
 static void pack_part(const rekv_engine *e, void *dst, const void *w, uint32_t qt, rekv_dtype wt,
-                      size_t n, size_t k, float *row, void *scratch)
+                      size_t n, size_t k, void *scratch)
 {
-    if (qt) {
-        size_t rb = cpu_qgemm_row_bytes(qt, (int)k);
-        for (size_t i = 0; i < n; i++) {
-            (void)rekv_ggml_dequant_row(qt, (const uint8_t *)w + i * rb, (uint64_t)k, row);
-            rekv_from_f32((uint8_t *)dst + i * k * rekv_dtype_size(wt), row, wt, k);
-        }
-        return;
-    }
-    REKV_ASSERT(wt == e->wdtype);
-    memcpy(dst, w, n * k * rekv_dtype_size(wt));
-    if (rekv_engine_w_tiled(e, w))
+    REKV_ASSERT(wt == (qt ? cpu_qgemm_wt(qt) : e->wdtype));
+    memcpy(dst, w, pl_wt_bytes(wt, n, k));
+    if (!qt && rekv_engine_w_tiled(e, w))
         cpu_tile_unpack(dst, wt, (int)n, (int)k, scratch);
 }
 
@@ -214,27 +162,22 @@ int pl_qkv_pack(const rekv_engine *e, int l, rekv_dtype wt, void *w, float *b)
     const rekv_model_config *c = &e->c;
     const layer_w *L = &e->layers[l];
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
-    size_t KV = (size_t)rekv_config_kv_dim(c), es = rekv_dtype_size(wt);
+    size_t KV = (size_t)rekv_config_kv_dim(c);
     const void *m[3] = {L->wq, L->wk, L->wv}, *bs[3] = {L->bq, L->bk, L->bv};
     const int which[3] = {LQT_WQ, LQT_WK, LQT_WV};
     size_t rows[3] = {Q, KV, KV}, at = 0;
-    float *row = malloc(H * sizeof(float));
     void *scratch = malloc(cpu_tile_scratch_bytes(e->wdtype, (int)H) + 1);
-    if (row == NULL || scratch == NULL) {
-        free(row);
-        free(scratch);
+    if (scratch == NULL)
         return -ENOMEM;
-    }
     for (int i = 0; i < 3; i++) {
-        pack_part(e, (uint8_t *)w + at * H * es, m[i], e->lqt[l][which[i]], wt, rows[i], H, row,
-                  scratch);
+        pack_part(e, (uint8_t *)w + pl_wt_bytes(wt, at, H), m[i], e->lqt[l][which[i]], wt,
+                  rows[i], H, scratch);
         if (b && bs[i])
             memcpy(b + at, bs[i], rows[i] * sizeof(float));
         else if (b)
             memset(b + at, 0, rows[i] * sizeof(float));
         at += rows[i];
     }
-    free(row);
     free(scratch);
     return 0;
 }
@@ -257,28 +200,28 @@ static int upload_qkv(rekv_pipeline *p, int l)
     const rekv_model_config *c = p->c;
     const layer_w *L = &e->layers[l];
     rekv_dtype wt;
-    if (p->qkv == NULL || !pl_qkv_dtype(e, l, p->q_f16, &wt))
+    if (p->qkv == NULL || !pl_qkv_dtype(e, l, &wt))
         return 0;
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
-    size_t KV = (size_t)rekv_config_kv_dim(c), n = Q + 2 * KV, es = rekv_dtype_size(wt);
+    size_t KV = (size_t)rekv_config_kv_dim(c), n = Q + 2 * KV, wb = pl_wt_bytes(wt, n, H);
     int has_b = L->bq || L->bk || L->bv, rc = 0;
-    void *hw = malloc(n * H * es);
+    void *hw = malloc(wb);
     float *hb = has_b ? malloc(n * sizeof(float)) : NULL;
     struct pl_qkv *f = &p->qkv[l];
     if (hw == NULL || (has_b && hb == NULL) || (rc = pl_qkv_pack(e, l, wt, hw, hb)) ||
-        (f->w = p->bi->dev_alloc(p->be, n * H * es)) == NULL ||
+        (f->w = p->bi->dev_alloc(p->be, wb)) == NULL ||
         (has_b && (f->b = p->bi->dev_alloc(p->be, n * sizeof(float))) == NULL)) {
         rc = -ENOMEM;
     } else {
-        rekv_copy_piece pc[2] = {{f->w, hw, n * H * es}, {f->b, hb, n * sizeof(float)}};
+        rekv_copy_piece pc[2] = {{f->w, hw, wb}, {f->b, hb, n * sizeof(float)}};
         p->bi->copy_h2d(p->s_h2d, pc, has_b ? 2 : 1, REKV_XFER_WEIGHTS);
         if (p->bi->stream_sync(p->s_h2d, NULL)) /* the copies have read hw, hb once done */
             rc = -EIO;
         f->wt = wt;
         layer_w *d = &p->dev_layers[l];
         d->wq = f->w;
-        d->wk = (uint8_t *)f->w + Q * H * es;
-        d->wv = (uint8_t *)f->w + (Q + KV) * H * es;
+        d->wk = (uint8_t *)f->w + pl_wt_bytes(wt, Q, H);
+        d->wv = (uint8_t *)f->w + pl_wt_bytes(wt, Q + KV, H);
         d->bq = L->bq ? f->b : NULL;
         d->bk = L->bk ? f->b + Q : NULL;
         d->bv = L->bv ? f->b + Q + KV : NULL;
@@ -504,22 +447,19 @@ static int upload_weights(rekv_pipeline *p, rekv_err *err)
     rekv_backend *be = p->be;
     const rekv_model_config *c = p->c;
     int rc = 0;
-    size_t V = (size_t)c->vocab, E = (size_t)c->embed_dim, H = (size_t)c->hidden;
+    size_t E = (size_t)c->embed_dim, H = (size_t)c->hidden;
     size_t w = rekv_dtype_size(e->wdtype), f = sizeof(float);
     if (p->bi->dev_adopt != NULL && (p->adopted = calloc(7 + (size_t)c->n_layers * N_LAYER_TENSORS,
                                                          sizeof(*p->adopted))) == NULL)
         rc = -ENOMEM;
-    p->d_embed = p->q_f16 && e->embed_qt ? dev_copy_f16(p, e->embed, e->embed_qt, V, E, &rc)
-                                         : dev_copy(p, e->embed, e->embed_bytes, &rc);
+    p->d_embed = dev_copy(p, e->embed, e->embed_bytes, &rc); /* quantized: its blocks */
     p->d_pos = dev_copy(p, e->pos_embed, ((size_t)c->max_pos + 2) * H * f, &rc);
     p->d_proj_in = dev_copy(p, e->project_in, H * E * w, &rc);
     p->d_proj_out = dev_copy(p, e->project_out, E * H * w, &rc);
     p->d_fnorm_w = dev_copy(p, e->final_norm_w, H * f, &rc);
     p->d_fnorm_b = dev_copy(p, e->final_norm_b, H * f, &rc);
     p->head_tied = e->lm_head == e->embed;
-    p->d_head = p->head_tied             ? p->d_embed
-                : p->q_f16 && e->head_qt ? dev_copy_f16(p, e->lm_head, e->head_qt, V, E, &rc)
-                                         : dev_copy(p, e->lm_head, e->head_bytes, &rc);
+    p->d_head = p->head_tied ? p->d_embed : dev_copy(p, e->lm_head, e->head_bytes, &rc);
     if (rc == 0 && p->cfg.offload_weights && p->bi->host_register && p->bi->host_unregister) {
         /* the layers stream from the engine's blocks every step: page-locked where the backend
          * can, so the copies are DMA at the link's speed and overlap compute (best effort: a
@@ -562,14 +502,8 @@ static int upload_weights(rekv_pipeline *p, rekv_err *err)
             layer_tensors(e, l, &p->dev_layers[l], ds, n);
             rc = upload_qkv(p, l);
             int fused = p->qkv && p->qkv[l].w;
-            for (int i = fused ? N_QKV_TENSORS : 0; i < N_LAYER_TENSORS && rc == 0; i++) {
-                int which;
-                size_t mn, mk;
-                uint32_t qt =
-                    p->q_f16 && slot_matrix(c, i, &which, &mn, &mk) ? e->lqt[l][which] : 0;
-                *ds[i] =
-                    qt ? dev_copy_f16(p, *ss[i], qt, mn, mk, &rc) : dev_copy(p, *ss[i], n[i], &rc);
-            }
+            for (int i = fused ? N_QKV_TENSORS : 0; i < N_LAYER_TENSORS && rc == 0; i++)
+                *ds[i] = dev_copy(p, *ss[i], n[i], &rc); /* quantized: their blocks */
         }
     }
     if (rc)
@@ -583,17 +517,13 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     int rc = create_check(be, store, cfg, err);
     if (rc)
         return rc;
-    /* quantized matrices go to the cpu kernels as cpu_qgemm_wt (they read the blocks); another
-     * backend gets them widened to f16 at upload, resident only (offloaded, the blocks would
-     * need a dequantizing kernel); infinigen's speculation widens W_Q by the engine's dtype */
-    int q_f16 = e->n_qmats && strcmp(be->iface->name, "cpu") != 0;
-    if (e->n_qmats && (cfg->mode == REKV_MODE_INFINIGEN || (q_f16 && cfg->offload_weights)))
+    /* quantized matrices stay in their blocks on every backend, resident or offloaded: the
+     * kernels get them as cpu_qgemm_wt and decode them in the GEMM; infinigen's speculation
+     * widens W_Q by the engine's dtype */
+    if (e->n_qmats && cfg->mode == REKV_MODE_INFINIGEN)
         return rekv_errf(err, -ENOTSUP,
-                         "pipeline: quantized (GGUF Q8_0/Q4_0/Q4_K/Q6_K) weights: not yet %s",
-                         cfg->mode == REKV_MODE_INFINIGEN
-                             ? "in infinigen"
-                             : "offloaded on this backend (its kernels get them as f16, "
-                               "widened once at upload)");
+                         "pipeline: quantized (GGUF Q8_0/Q4_0/Q4_K/Q6_K) weights: not yet in "
+                         "infinigen");
     /* a sliding window masks by position */
     if (e->c.sliding_window > 0 && rekv_mode_info_of(cfg->mode)->selects)
         return rekv_errf(err, -ENOTSUP,
@@ -618,7 +548,6 @@ int rekv_pipeline_create(rekv_engine *e, rekv_backend *be, rekv_kvstore_client *
     p->page_locked = -1;
     p->bi = be->iface;
     p->k = rekv_kernels_of(be);
-    p->q_f16 = q_f16;
     p->fold_bias = p->k && p->k->bias_activation && p->k->bias_add;
     pl_graph_init(p);
     p->store = store;

@@ -172,8 +172,6 @@ struct rekv_pipeline {
     void *d_embed, *d_proj_in, *d_proj_out, *d_head; /* matrices, in the engine's wdtype */
     float *d_pos, *d_fnorm_w, *d_fnorm_b;
     int head_tied;
-    int q_f16; /* quantized matrices were widened to f16 at upload (rekv_engine.lqt): a backend
-                  whose kernels do not read GGUF blocks (cuda); resident weights only */
     gbatch gb[MAX_GPU_BATCHES];
     parity par[2];
     dbuf act_f32;        /* recomputation input rows [n][hidden] fp32 */
@@ -440,20 +438,23 @@ const pl_mode_ops *pl_mode_ops_of(rekv_mode m);
  * quantized matrix is row-major and goes to the kernels' linear as pl_wt(p, qt). */
 void pl_linear(const rekv_pipeline *p, rekv_stream *s, float *y, const float *x, const void *w,
                uint32_t qt, int tileable, const float *bias, int m, int n, int k);
-/* The weight dtype the kernels get for a matrix of block type qt: cpu_qgemm_wt(qt), F16 where
- * the upload widened it (q_f16), the engine's wdtype for qt 0. */
+/* The weight dtype the kernels get for a matrix of block type qt: cpu_qgemm_wt(qt) (its blocks,
+ * on every backend), the engine's wdtype for qt 0. */
 rekv_dtype pl_wt(const rekv_pipeline *p, uint32_t qt);
 
 /* pipeline_create.c */
-/* Whether layer l's W_Q, W_K, W_V reach the kernels in one dtype (each as pl_wt gives it, q_f16
- * as the pipeline's): 1 with *wt that dtype, so they can be one matrix; 0 when they differ or a
- * quantized one would reach the kernels as blocks (cpu). */
-int pl_qkv_dtype(const rekv_engine *e, int l, int q_f16, rekv_dtype *wt);
+/* Whether layer l's W_Q, W_K, W_V reach the kernels in one dtype (each as pl_wt gives it: the
+ * engine's wdtype, or one GGUF block type for all three): 1 with *wt that dtype, so they can be
+ * one matrix; 0 when they differ. */
+int pl_qkv_dtype(const rekv_engine *e, int l, rekv_dtype *wt);
 /* Layer l's W_Q, W_K, W_V concatenated by rows into w ([q_dim + 2 kv_dim][hidden] in wt, from
- * pl_qkv_dtype; row-major whatever the engine's layout; quantized ones dequantized as ggml does
- * and rounded to wt), and when b is not NULL their biases into b ([q_dim + 2 kv_dim] fp32, zeros
- * for a matrix without). 0 or -ENOMEM. */
+ * pl_qkv_dtype: pl_wt_bytes(wt, q_dim + 2 kv_dim, hidden) bytes; row-major whatever the
+ * engine's layout; quantized ones as their blocks, a row's blocks being whole), and when b is not
+ * NULL their biases into b ([q_dim + 2 kv_dim] fp32, zeros for a matrix without). 0 or
+ * -ENOMEM. */
 int pl_qkv_pack(const rekv_engine *e, int l, rekv_dtype wt, void *w, float *b);
+/* Bytes of n rows of k weights in wt (pl_wt's): a plain dtype's, or a GGUF type's blocks. */
+size_t pl_wt_bytes(rekv_dtype wt, size_t n, size_t k);
 
 /* pipeline_buffers.c */
 int pl_reserve_bytes(void **v, size_t *cap, size_t need, size_t elem);

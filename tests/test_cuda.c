@@ -32,11 +32,13 @@ int main(void)
 
 #include "common/clock.h"
 #include "common/dtype.h"
+#include "gpuworker/cpu_qgemm.h"
 #include "gpuworker/device/backend_cuda.h"
 #include "gpuworker/heads.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/pipeline.h"
 #include "gpuworker/skew.h"
+#include "loader/gguf.h"
 #include "tests/ipc_peer.h"
 #include "tests/fixture.h"
 #include "tests/testutil.h"
@@ -50,6 +52,10 @@ int main(void)
  * the sum errs by about u sqrt(k / 27) rms. The bound is ~8 of those. */
 #define KERNEL_TOL_16BIT(dt, k)                                                                    \
     (1.5 * ((dt) == REKV_DTYPE_F16 ? 0x1p-11 : 0x1p-8) * sqrt((double)(k)))
+/* Quantized (GGUF) weights: cuda decodes them into f16 for the GEMM, so each product has the
+ * weight's f16 rounding beside the input's, which the cpu's exact blocks have neither of: twice
+ * the f16 bound (the two roundings' errors add, at most). */
+#define KERNEL_TOL_QUANT(k) (2 * KERNEL_TOL_16BIT(REKV_DTYPE_F16, k))
 /* logits: emulated on cpu with the input rounding (session 19, the prompts pipeline_modes draws
  * and 40 other seeds) the worst normalised error was 2.1e-3 for f16, 0.0277 for bf16 */
 #define LOGIT_TOL_F16 5e-3
@@ -60,6 +66,15 @@ static double logit_tol(rekv_dtype weights)
     return weights == REKV_DTYPE_F32   ? LOGIT_TOL
            : weights == REKV_DTYPE_F16 ? LOGIT_TOL_F16
                                        : LOGIT_TOL_BF16;
+}
+
+/* A model's logit bound on cuda: its weights' dtype's, or for quantized matrices (a GGUF file's
+ * blocks, fewer than 2 bytes a weight) twice f16's, as KERNEL_TOL_QUANT doubles the kernel's. */
+static double model_logit_tol(const rekv_model_config *c, rekv_dtype weights)
+{
+    if (c->weight_elem_bytes > 0 && c->weight_elem_bytes < 2)
+        return 2 * LOGIT_TOL_F16;
+    return logit_tol(weights);
 }
 
 static rekv_backend *g_cu, *g_cpu;
@@ -1734,7 +1749,7 @@ static void check_pipeline(const char *path, rekv_dtype cache, const int *lens, 
                              path, rekv_dtype_name(cache), rekv_mode_name(cfg.mode),
                              ow ? "+offload-weights" : "", sched ? "column" : "row", G, cfg.split,
                              cfg.kv_parts, cfg.act_parts, cfg.act_gpu_blocks, cfg.device_tokens);
-                    double tol = logit_tol(rekv_engine_weight_dtype(f.e));
+                    double tol = model_logit_tol(&f.m->config, rekv_engine_weight_dtype(f.e));
                     if (rekv_dtype_quantized(cache) && tol < LOGIT_TOL_KVQ)
                         tol = LOGIT_TOL_KVQ;
                     expect_close(name, got, ref, nl, tol);
@@ -2177,10 +2192,10 @@ END_TEST
  * OPT's other biases folded into the activation and residual adds (offloaded too), and its logits
  * are the cpu reference's within the weights' tolerance: Qwen2-style attention
  * (biases and RoPE, GQA) in f16 and bf16, OPT (biases, no RoPE), and a GGUF Q8_0 model, whose
- * matrices are dequantized and rounded to f16 at upload (one more f16 rounding than the cpu's
- * exact blocks, like the input's: twice the f16 tolerance). Offloaded weights stay unfused.
- * quantized: weights that cuda cannot offload (its kernels get them widened once, at upload). */
-static void check_qkv_pipeline(const char *path, double tol, int quantized)
+ * W_Q, W_K, W_V are fused as their blocks and decoded into f16 in the GEMM (one more f16 rounding
+ * than the cpu's exact blocks, like the input's: twice the f16 tolerance). Offloaded weights stay
+ * unfused. */
+static void check_qkv_pipeline(const char *path, double tol)
 {
     fixture f;
     tu_fixture_open(&f, path, REKV_DTYPE_F32, NULL);
@@ -2201,7 +2216,7 @@ static void check_qkv_pipeline(const char *path, double tol, int quantized)
     ck_assert_msg(rekv_backend_cuda_create(0, &cu, &err) == 0, "%s", err.msg);
     rekv_pipeline_config cfg;
     rekv_pipeline_config_defaults(&cfg);
-    for (int ow = 0; ow < (quantized ? 1 : 2); ow++) {
+    for (int ow = 0; ow < 2; ow++) {
         cfg.offload_weights = ow;
         rekv_pipeline *p;
         ck_assert_msg(rekv_pipeline_create(f.e, cu, NULL, &cfg, &p, &err) == 0, "%s", err.msg);
@@ -2240,13 +2255,13 @@ START_TEST(pipeline_qkv_fused)
                                              specs[i].arch == REKV_ARCH_LLAMA ? &qwen : NULL, path,
                                              NULL, NULL, &err) == 0,
                       "%s", err.msg);
-        check_qkv_pipeline(path, logit_tol(specs[i].dtype), 0);
+        check_qkv_pipeline(path, logit_tol(specs[i].dtype));
     }
     tu_rmrf(dir);
     free(dir);
     const char *q8 = tu_shared("gguf/synth-llama-Q8_0.gguf");
     if (q8 != NULL)
-        check_qkv_pipeline(q8, 2 * LOGIT_TOL_F16, 1);
+        check_qkv_pipeline(q8, 2 * LOGIT_TOL_F16);
 }
 END_TEST
 
@@ -2361,6 +2376,137 @@ START_TEST(pipeline_gemma)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ quantized (GGUF) weights */
+
+static const uint32_t k_qtypes[] = {REKV_GGML_Q8_0, REKV_GGML_Q4_0, REKV_GGML_Q4_K, REKV_GGML_Q6_K};
+
+/* n rows of k weights (whole blocks) of a GGUF type: random codes, scales and mins, the f16
+ * scales set so that every weight lies in [-1, 1] (as hrand's do); malloc'd, *bytes its size. */
+static uint8_t *qrand(uint32_t type, int n, int k, size_t *bytes)
+{
+    uint32_t be, bb;
+    rekv_ggml_type_block(type, &be, &bb);
+    *bytes = cpu_qgemm_row_bytes(type, k) * (size_t)n;
+    uint8_t *w = malloc(*bytes);
+    ck_assert(w != NULL && be > 0 && k % (int)be == 0);
+    for (size_t i = 0; i < *bytes; i++)
+        w[i] = (uint8_t)irand(256);
+    /* the largest |code| times the largest scale: Q8_0 128, Q4_0 8, Q4_K 15 * 63 (and a min of
+     * up to 63 * dmin), Q6_K 32 * 128 */
+    float d = type == REKV_GGML_Q8_0   ? 1.0f / 128
+              : type == REKV_GGML_Q4_0 ? 1.0f / 8
+              : type == REKV_GGML_Q4_K ? 1.0f / (15 * 63)
+                                       : 1.0f / (32 * 128);
+    uint16_t dh = rekv_f32_to_f16(d), mh = rekv_f32_to_f16(1.0f / 63);
+    size_t d_at = type == REKV_GGML_Q6_K ? 208 : 0;
+    for (size_t b = 0; b < *bytes / bb; b++) {
+        memcpy(w + b * bb + d_at, &dh, 2);
+        if (type == REKV_GGML_Q4_K)
+            memcpy(w + b * bb + 2, &mh, 2);
+    }
+    return w;
+}
+
+/* linear over each quantized type: the cpu multiplies the exact blocks (cpu_qgemm.c); cuda runs
+ * up to 4 rows through its fused dequantizing GEMV (fp32 x, exact weights) and more through the
+ * f16 GEMM on the blocks decoded into f16, x rounded to f16 — one bound for both, the wider
+ * path's. Shapes: one row, 4 (the GEMV's most), 7, 64 and 130 rows, and a matrix of more weights
+ * than one chunk of cuda's f16 scratch (its rows in two chunks) by both paths. */
+START_TEST(kernel_linear_quant)
+{
+    backends_open();
+    static const int shapes[][3] = {{1, 33, 256},   {4, 300, 512},    {7, 300, 512},
+                                    {64, 17, 256},  {130, 1000, 256}, {1, 4500, 4096},
+                                    {5, 4500, 4096}};
+    for (size_t ti = 0; ti < sizeof(k_qtypes) / sizeof(k_qtypes[0]); ti++)
+        for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+            uint32_t type = k_qtypes[ti];
+            int m = shapes[si][0], n = shapes[si][1], k = shapes[si][2];
+            size_t wb;
+            uint8_t *w = qrand(type, n, k, &wb);
+            float *x = hrand((size_t)m * k, 1), *b = hrand((size_t)n, 1);
+            float *y = malloc(sizeof(float) * (size_t)m * n);
+            rekv_cpu_kernels.linear(g_scpu, y, x, w, cpu_qgemm_wt(type), b, m, n, k);
+            sync_cpu();
+            float *dx = dev_from(x, sizeof(float) * (size_t)m * k);
+            void *dw = dev_from(w, wb);
+            float *db = dev_from(b, sizeof(float) * (size_t)n);
+            float *dy = dev_zero(sizeof(float) * (size_t)m * n);
+            rekv_kernels_of(g_cu)->linear(g_scu, dy, dx, dw, cpu_qgemm_wt(type), db, m, n, k);
+            sync_cu();
+            char what[96];
+            snprintf(what, sizeof(what), "linear %s weights m %d n %d k %d",
+                     rekv_ggml_type_name(type), m, n, k);
+            expect_dev(what, dy, y, (size_t)m * n, KERNEL_TOL_QUANT(k));
+            dev_free(dx), dev_free(dw), dev_free(db), dev_free(dy);
+            free(x), free(w), free(b), free(y);
+        }
+    backends_close();
+}
+END_TEST
+
+/* embed over a quantized table: only the looked-up rows decoded, to ggml's values — the cpu's
+ * bits exactly (both decode with loader/gguf_block.h, no fused multiply-add), with and without
+ * learned positions added. */
+START_TEST(kernel_embed_quant)
+{
+    backends_open();
+    int V = 50, P = 60, e = 512, m = 7;
+    float *ptab = hrand((size_t)P * e, 1);
+    float *dptab = dev_from(ptab, sizeof(float) * P * e);
+    int32_t *tok = malloc(sizeof(int32_t) * m), *pos = malloc(sizeof(int32_t) * m);
+    int32_t *dtok = meta(sizeof(int32_t) * m), *dpos = meta(sizeof(int32_t) * m);
+    for (int i = 0; i < m; i++) {
+        tok[i] = dtok[i] = irand(V);
+        pos[i] = dpos[i] = irand(P - 2);
+    }
+    for (size_t ti = 0; ti < sizeof(k_qtypes) / sizeof(k_qtypes[0]); ti++)
+        for (int variant = 0; variant < 2; variant++) { /* table; table + positions */
+            uint32_t type = k_qtypes[ti];
+            size_t tb;
+            uint8_t *table = qrand(type, V, e, &tb);
+            void *dtable = dev_from(table, tb);
+            float *x = hrand((size_t)m * e, 1);
+            float *dx = dev_from(x, sizeof(float) * m * e);
+            const float *pt = variant ? ptab : NULL;
+            rekv_cpu_kernels.embed(g_scpu, x, table, cpu_qgemm_wt(type), tok, pt, pos, 2, m, e);
+            sync_cpu();
+            rekv_kernels_of(g_cu)->embed(g_scu, dx, dtable, cpu_qgemm_wt(type), dtok,
+                                         variant ? dptab : NULL, dpos, 2, m, e);
+            sync_cu();
+            char what[48];
+            snprintf(what, sizeof(what), "embed %s variant %d", rekv_ggml_type_name(type), variant);
+            expect_dev(what, dx, x, (size_t)m * e, 0);
+            dev_free(dx), dev_free(dtable);
+            free(x), free(table);
+        }
+    dev_free(dptab);
+    meta_free(dtok), meta_free(dpos);
+    free(tok), free(pos), free(ptab);
+    backends_close();
+}
+END_TEST
+
+/* Quantized GGUF models through the pipeline on cuda, their matrices kept in their blocks on the
+ * device: resident and offload, weights resident and offloaded (the blocks streamed each step),
+ * both schedules, one and two GPU batches (check_pipeline's first two modes), against the cpu in
+ * the same configuration, within twice f16's logit bound: Q8_0, Q4_0 with a Q6_K output head
+ * (llama-tiny-py), Q4_K_M (Q4_K with Q6_K attn_v and ffn_down in two layers, and the head). */
+START_TEST(pipeline_quant)
+{
+    static const char *const files[] = {"gguf/synth-llama-Q8_0.gguf",
+                                        "gguf/llama-tiny-py-Q4_0.gguf",
+                                        "gguf/synth-llama-Q4_K_M.gguf"};
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+        const char *path = tu_shared(files[i]);
+        if (path == NULL)
+            continue;
+        int lens[] = {5, 33, 16, 70};
+        check_pipeline(path, REKV_DTYPE_F32, lens, 4, 3, 2);
+    }
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("cuda");
@@ -2421,6 +2567,14 @@ static Suite *suite(void)
     tcase_add_test(tg, kernel_attention_gemma);
     tcase_add_test(tg, pipeline_gemma);
     suite_add_tcase(s, tg);
+    /* quantized GGUF weights kept in their blocks on the device (issue 43), alone:
+     * CK_RUN_CASE=quant */
+    TCase *tqw = tcase_create("quant");
+    tcase_set_timeout(tqw, 300);
+    tcase_add_test(tqw, kernel_linear_quant);
+    tcase_add_test(tqw, kernel_embed_quant);
+    tcase_add_test(tqw, pipeline_quant);
+    suite_add_tcase(s, tqw);
     return s;
 }
 

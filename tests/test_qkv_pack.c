@@ -5,8 +5,8 @@
  * - the packed matrix's rows are the model file's W_Q, W_K, W_V rows (read from a second,
  *   independent open of the file), row-major although the cpu engine tiles its matrices, and the
  *   packed bias is the file's b_Q, b_K, b_V (zeros where a model has none);
- * - quantized matrices (GGUF Q8_0) are packed as the resident upload widens them (ggml's values
- *   rounded to f16), and only where the kernels take f16 (pl_qkv_dtype);
+ * - quantized matrices (GGUF Q8_0) are packed as their blocks, the file's bytes (the kernels
+ *   decode them on every backend);
  * - the contract k_qkv implements — one GEMM over the packed matrix, then per row bias, split and
  *   RoPE — emulated on the cpu gives the reference's three linears and two ropes bit for bit (the
  *   cpu GEMM computes each element in a fixed order whatever the other columns, and adds the bias
@@ -60,31 +60,19 @@ static void close_model(opened *o)
     rekv_model_close(o->src);
 }
 
-/* Row r of tensor t ([n][k]) as fp32: widened, or for quantized blocks ggml's values rounded to
- * f16 (what the upload gives cuda) and widened back. */
+/* Row r of tensor t ([n][k]) as fp32, widened. */
 static void tensor_row(const rekv_tensor *t, size_t r, size_t k, float *out)
 {
-    if (t->qtype) {
-        size_t rb = t->nbytes / (size_t)t->shape[0];
-        ck_assert_int_eq(
-            rekv_ggml_dequant_row(t->qtype, (const uint8_t *)t->data + r * rb, (uint64_t)k, out),
-            0);
-        uint16_t *h = malloc(k * sizeof(uint16_t));
-        rekv_from_f32(h, out, REKV_DTYPE_F16, k);
-        rekv_to_f32(out, h, REKV_DTYPE_F16, k);
-        free(h);
-        return;
-    }
     rekv_to_f32(out, (const uint8_t *)t->data + r * k * rekv_dtype_size(t->dtype), t->dtype, k);
 }
 
 /* Every layer of the model at path packed and compared with the file's tensors, row by row: in
- * the engine's dtype, or f16 for quantized matrices widened at upload (q_f16). */
-static void check_pack(const char *path, int q_f16)
+ * the engine's dtype, or for quantized matrices (all of block type qt) their blocks. */
+static void check_pack(const char *path, uint32_t qt)
 {
     opened o;
     open_model(&o, path);
-    rekv_dtype want_wt = q_f16 ? REKV_DTYPE_F16 : o.e->wdtype;
+    rekv_dtype want_wt = qt ? cpu_qgemm_wt(qt) : o.e->wdtype;
     const rekv_model_config *c = &o.e->c;
     size_t H = (size_t)c->hidden, Q = (size_t)rekv_config_q_dim(c);
     size_t KV = (size_t)rekv_config_kv_dim(c), n = Q + 2 * KV;
@@ -92,18 +80,26 @@ static void check_pack(const char *path, int q_f16)
     float *b = malloc(n * sizeof(float));
     for (int l = 0; l < c->n_layers; l++) {
         rekv_dtype wt = REKV_DTYPE_F32;
-        ck_assert_msg(pl_qkv_dtype(o.e, l, q_f16, &wt) == 1, "%s layer %d: not fusable", path, l);
+        ck_assert_msg(pl_qkv_dtype(o.e, l, &wt) == 1, "%s layer %d: not fusable", path, l);
         ck_assert_msg(wt == want_wt, "%s layer %d: packed as %s, not %s", path, l,
                       rekv_dtype_name(wt), rekv_dtype_name(want_wt));
-        size_t es = rekv_dtype_size(wt);
-        uint8_t *w = malloc(n * H * es);
+        uint8_t *w = malloc(pl_wt_bytes(wt, n, H));
         ck_assert_int_eq(pl_qkv_pack(o.e, l, wt, w, b), 0);
         const rekv_layer_weights *s = &o.src->weights.layers[l];
         const rekv_tensor *mats[3] = {s->wq, s->wk, s->wv}, *bs[3] = {s->bq, s->bk, s->bv};
         size_t rows[3] = {Q, KV, KV}, at = 0;
         for (int i = 0; i < 3; i++) {
             for (size_t r = 0; r < rows[i]; r++) {
-                rekv_to_f32(got, w + (at + r) * H * es, wt, H);
+                const uint8_t *pr = w + pl_wt_bytes(wt, at + r, H);
+                if (qt) { /* the file's blocks, byte for byte */
+                    size_t rb = pl_wt_bytes(wt, 1, H);
+                    ck_assert_uint_eq(mats[i]->qtype, qt);
+                    ck_assert_msg(memcmp(pr, (const uint8_t *)mats[i]->data + r * rb, rb) == 0,
+                                  "%s layer %d: packed row %zu is not W_%c's row %zu", path, l,
+                                  at + r, "QKV"[i], r);
+                    continue;
+                }
+                rekv_to_f32(got, pr, wt, H);
                 tensor_row(mats[i], r, H, want);
                 ck_assert_msg(memcmp(got, want, H * sizeof(float)) == 0,
                               "%s layer %d: packed row %zu is not W_%c's row %zu", path, l, at + r,
@@ -135,16 +131,11 @@ START_TEST(pack_rows_are_the_files)
 }
 END_TEST
 
-/* Quantized: never packed for the cpu kernels (they read the blocks), packed as f16 where the
- * upload widens them (cuda). */
+/* Quantized: packed as their blocks, which every backend's kernels decode (the cpu never fuses;
+ * cuda's qkv takes them as linear does). */
 START_TEST(pack_quantized)
 {
-    opened o;
-    open_model(&o, GGUF_Q8);
-    rekv_dtype wt;
-    ck_assert_int_eq(pl_qkv_dtype(o.e, 0, 0, &wt), 0);
-    close_model(&o);
-    check_pack(GGUF_Q8, 1);
+    check_pack(GGUF_Q8, REKV_GGML_Q8_0);
 }
 END_TEST
 
@@ -191,7 +182,7 @@ static void check_fused_forward(const char *path)
         rekv_engine_gemm(o.e, k0, x, L->wk, L->bk, T, (int)KV, (int)H);
         rekv_engine_gemm(o.e, v0, x, L->wv, L->bv, T, (int)KV, (int)H);
         rekv_dtype wt;
-        ck_assert_int_eq(pl_qkv_dtype(o.e, l, 0, &wt), 1);
+        ck_assert_int_eq(pl_qkv_dtype(o.e, l, &wt), 1);
         void *w = malloc(n * H * rekv_dtype_size(wt));
         ck_assert_int_eq(pl_qkv_pack(o.e, l, wt, w, b), 0);
         cpu_gemm_rowinv(y, x, w, wt, NULL, T, (int)n, (int)H);
