@@ -115,6 +115,7 @@ typedef struct job {
     uint64_t start_ns;       /* last start (monotonic) */
     uint64_t end_ns;         /* end (monotonic); 0 while unfinished */
     double queued_s;         /* acceptance to first start; < 0 until started */
+    double first_token_s;    /* acceptance to the first generated token; < 0 until it came */
     uint32_t timed;          /* tokens whose latency went into the TTFT/inter-token histograms:
                               * a re-run's tokens below it were seen before and are not timed */
     uint64_t last_token_ns;  /* when the last timed token came (monotonic); 0: none yet */

@@ -63,6 +63,7 @@ job *co_job_new(rekv_coordinator *co, uint64_t id)
     j->worker = -1;
     j->queued_pos = -1;
     j->queued_s = -1;
+    j->first_token_s = -1;
     j->hnext = co->hash[id % HASH_BUCKETS];
     co->hash[id % HASH_BUCKETS] = j;
     if (id >= co->next_id)
@@ -637,6 +638,7 @@ void co_status_fill(const job *j, Rekv__Control__JobStatus *s)
     s->waiting = j->state == REKV__CONTROL__JOB_STATE__QUEUED ? (char *)j->waiting : "";
     uint64_t now = rekv_now_ns();
     s->queued_s = j->queued_s >= 0 ? j->queued_s : 0;
+    s->first_token_s = j->first_token_s >= 0 ? j->first_token_s : 0;
     if (j->start_ns)
         s->run_s = (double)((j->end_ns ? j->end_ns : now) - j->start_ns) * 1e-9;
 }
@@ -814,6 +816,7 @@ int co_replay_fn(void *ctx, const Rekv__Control__JournalRecord *rec)
         j->attempts = s->attempts;
         j->priority = s->priority;
         j->queued_s = s->queued_s;
+        j->first_token_s = s->first_token_s > 0 ? s->first_token_s : -1;
         j->accepted_at = rec->accepted_at;
         j->state = s->state;
         snprintf(j->finish_reason, sizeof(j->finish_reason), "%s",

@@ -683,6 +683,8 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
                 if (j->timed == 0) {
                     double ttft = co_realtime_s() - j->accepted_at;
                     rekv_metrics_hist_observe(&co->h_ttft, ttft > 0 ? ttft : 0);
+                    if (j->first_token_s < 0)
+                        j->first_token_s = ttft > 0 ? ttft : 0;
                 } else {
                     /* the first of a Progress's tokens takes the whole gap, the others 0 */
                     rekv_metrics_hist_observe(&co->h_itl, (double)(now - j->last_token_ns) * 1e-9);

@@ -2,7 +2,8 @@
  * rekv starting its private trio with --http, 4 streaming HTTP clients and the same 4 jobs over
  * the control socket, two rounds. Asserts the JSON's shape and counts — every job done both ways,
  * the same generated ids and texts as the first control run's (no mismatch), bytes received, the
- * CPU and TTFT fields present — never a time. */
+ * CPU and TTFT fields present, every job's TTFT split by the coordinator's first_token_s — never
+ * a time. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,6 +46,12 @@ static void check_way(json_t *w, int rounds)
     ck_assert(getr(w, "tokens_per_s") > 0);
     ck_assert(getr(w, "coordinator_cpu_s") >= 0);
     ck_assert(getr(w, "worker_cpu_per_token_s") >= 0);
+    /* every job's TTFT split: the coordinator's own (JobStatus.first_token_s) and the rest */
+    json_t *sp = json_object_get(w, "ttft_split_s");
+    ck_assert_msg(json_is_object(sp), "no ttft_split_s");
+    ck_assert_int_eq(geti(sp, "jobs"), CLIENTS * rounds);
+    ck_assert(getr(json_object_get(sp, "coordinator"), "p50") > 0);
+    ck_assert(json_is_real(json_object_get(json_object_get(sp, "added"), "p50")));
     const char *lat[] = {"ttft_s", "itl_s"};
     for (int k = 0; k < 2; k++) {
         json_t *l = json_object_get(w, lat[k]);
@@ -77,6 +84,7 @@ START_TEST(http_and_control_agree)
     ck_assert(getr(o, "ttft_p50_ratio") > 0);
     ck_assert(getr(o, "ttft_p90_ratio") > 0);
     ck_assert(json_is_real(json_object_get(o, "server_cpu_over_worker_cpu")));
+    ck_assert(json_is_real(json_object_get(o, "ttft_http_extra_share")));
     json_decref(o);
     free(out);
 }

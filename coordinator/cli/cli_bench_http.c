@@ -10,7 +10,11 @@
  * invalid UTF-8 as U+FFFD). Times are
  * taken here as the bytes arrive: TTFT from the request (the HTTP client's connect, the control
  * client's Submit) to the first event carrying text (HTTP: the first SSE chunk with text; control:
- * the first StreamEvent with text); the gaps between events with text. CPU per token: the coordinator's and
+ * the first StreamEvent with text); the gaps between events with text. Each job's TTFT is also split
+ * into the coordinator's own (JobStatus.first_token_s: acceptance to the first token reaching it,
+ * which the scheduling of N prompts at once makes vary run to run) and what the way to and from
+ * the client added to it (the rest), so that the ways compare on what differs between them.
+ * CPU per token: the coordinator's and
  * the worker's CPU time (/proc/PID/stat, all threads) over each way's run divided by its tokens —
  * the HTTP server runs inside the coordinator, so over the HTTP run the coordinator's CPU is the
  * server's own. Prints one JSON object. */
@@ -54,7 +58,9 @@ typedef struct hrec {
     size_t text_len;
     int32_t *ids;             /* the generated ids: control, the events'; HTTP, its job's Status */
     size_t n_ids;
-    uint64_t job;             /* HTTP: the coordinator's job, from the answer's id "cmpl-JOB" */
+    uint64_t job;             /* the coordinator's job: HTTP from the answer's id "cmpl-JOB",
+                               * control from its events */
+    double co_ttft_s;         /* the job's first_token_s, as the coordinator saw it (-1: none) */
     int done, failed;
 } hrec;
 
@@ -62,6 +68,10 @@ typedef struct hrec {
 typedef struct hway {
     double *ttft, *gaps; /* samples */
     size_t n_ttft, n_gaps, cap_gaps;
+    /* per job with both: the coordinator's TTFT, and what the way added to it (the client's
+     * TTFT less the coordinator's: the request's way in, the first token's way out) */
+    double *co_ttft, *added;
+    size_t n_added;
     double wall_s, co_cpu_s, wk_cpu_s;
     uint64_t tokens, done, failed, bytes;
     char first_error[256];
@@ -145,6 +155,7 @@ static void ctl_on_reply(hway *w, hrec *recs, const uint64_t *rids, long n,
     if (r->body_case != REKV__CONTROL__RESPONSE__BODY_EVENT)
         return; /* the SubmitReply */
     const Rekv__Control__StreamEvent *ev = r->event;
+    j->job = ev->job;
     uint64_t end = (uint64_t)ev->offset + ev->n_tokens;
     if (end > j->tokens) {
         if (ev->has_text)
@@ -476,6 +487,14 @@ static json_t *way_json(hway *w)
         cli_percentile(w->gaps, w->n_gaps, 90), "p99", cli_percentile(w->gaps, w->n_gaps, 99), "coordinator_cpu_s",
         w->co_cpu_s, "worker_cpu_s", w->wk_cpu_s, "coordinator_cpu_per_token_s",
         w->co_cpu_s / tok, "worker_cpu_per_token_s", w->wk_cpu_s / tok);
+    if (w->n_added)
+        json_object_set_new(
+            o, "ttft_split_s",
+            json_pack("{s:I, s:{s:f, s:f}, s:{s:f, s:f}}", "jobs", (json_int_t)w->n_added,
+                      "coordinator", "p50", cli_percentile(w->co_ttft, w->n_added, 50), "p90",
+                      cli_percentile(w->co_ttft, w->n_added, 90), "added", "p50",
+                      cli_percentile(w->added, w->n_added, 50), "p90",
+                      cli_percentile(w->added, w->n_added, 90)));
     if (w->bytes)
         json_object_set_new(o, "bytes", json_integer((json_int_t)w->bytes));
     if (w->first_error[0])
@@ -594,12 +613,13 @@ static void recs_reset(hrec *recs, long n)
     for (long i = 0; i < n; i++) {
         free(recs[i].text);
         free(recs[i].ids);
-        recs[i] = (hrec){.ttft_s = -1};
+        recs[i] = (hrec){.ttft_s = -1, .co_ttft_s = -1};
     }
 }
 
-/* The HTTP jobs' generated ids, from their Status over the control socket; 0 or -1. */
-static int http_ids(const char *ep, hrec *recs, long n, hway *w)
+/* Each job's Status over the control socket: its first_token_s, and an HTTP job's generated ids
+ * (http: 1); 0 or -1. */
+static int job_status(int http, const char *ep, hrec *recs, long n, hway *w)
 {
     rekv_err err = {0};
     rekv_ctl *c = NULL;
@@ -616,11 +636,16 @@ static int http_ids(const char *ep, hrec *recs, long n, hway *w)
         Rekv__Control__Response *r = NULL;
         if (recs[i].job == 0 || rekv_ctl_call(c, &rq, 10000, &r, &err) ||
             r->body_case != REKV__CONTROL__RESPONSE__BODY_JOB) {
-            set_error(w, &recs[i], "http: no status for the job of answer %s",
-                      recs[i].job ? "cmpl-JOB" : "without an id");
-        } else if ((recs[i].ids = malloc(sizeof(int32_t) * (r->job->n_generated_ids + 1)))) {
-            memcpy(recs[i].ids, r->job->generated_ids, sizeof(int32_t) * r->job->n_generated_ids);
-            recs[i].n_ids = r->job->n_generated_ids;
+            set_error(w, &recs[i], "%s: no status for its job",
+                      http ? "http" : "control");
+        } else {
+            if (r->job->first_token_s > 0)
+                recs[i].co_ttft_s = r->job->first_token_s;
+            if (http && (recs[i].ids = malloc(sizeof(int32_t) * (r->job->n_generated_ids + 1)))) {
+                memcpy(recs[i].ids, r->job->generated_ids,
+                       sizeof(int32_t) * r->job->n_generated_ids);
+                recs[i].n_ids = r->job->n_generated_ids;
+            }
         }
         if (r)
             rekv__control__response__free_unpacked(r, NULL);
@@ -700,9 +725,13 @@ static int run_way(int http, const http_opts *o, const char *ep, int port, pid_t
     int rc = http ? http_run(o, n, port, prompts, recs, w) : ctl_run(o, n, ep, prompts, recs, w);
     w->co_cpu_s += cli_proc_cpu_s(co) - c0;
     w->wk_cpu_s += cli_proc_cpu_s(wk) - k0;
-    if (rc || (http && http_ids(ep, recs, n, w)))
+    if (rc || job_status(http, ep, recs, n, w))
         return -1;
     for (long i = 0; i < n; i++) {
+        if (recs[i].ttft_s >= 0 && recs[i].co_ttft_s >= 0 && w->co_ttft) {
+            w->co_ttft[w->n_added] = recs[i].co_ttft_s;
+            w->added[w->n_added++] = recs[i].ttft_s - recs[i].co_ttft_s;
+        }
         w->done++;
         w->failed += recs[i].failed;
         w->tokens += recs[i].tokens;
@@ -717,8 +746,15 @@ static int way_alloc(hway *w, size_t n_ttft, size_t n_gaps)
     memset(w, 0, sizeof(*w));
     w->ttft = malloc(sizeof(double) * (n_ttft + 1));
     w->gaps = malloc(sizeof(double) * (n_gaps + 1));
+    w->co_ttft = malloc(sizeof(double) * (n_ttft + 1));
+    w->added = malloc(sizeof(double) * (n_ttft + 1));
     w->cap_gaps = n_gaps;
-    return w->ttft && w->gaps ? 0 : -ENOMEM;
+    return w->ttft && w->gaps && w->co_ttft && w->added ? 0 : -ENOMEM;
+}
+
+static void way_free(hway *w)
+{
+    free(w->ttft), free(w->gaps), free(w->co_ttft), free(w->added);
 }
 
 /* Waits until the HTTP port takes connections (the coordinator binds it as it starts). */
@@ -809,8 +845,7 @@ out:
         recs_reset(recs, n);
     free(ref);
     free(recs);
-    free(warm.ttft);
-    free(warm.gaps);
+    way_free(&warm);
     return rc;
 }
 
@@ -835,6 +870,14 @@ static void http_print(const http_opts *o, const rekv_model_config *cfg, hway *c
             ? ((double)web->tokens / web->wall_s) / ((double)ctl->tokens / ctl->wall_s)
             : 0.0,
         "server_cpu_over_worker_cpu", wk > 0 ? co / wk : 0.0);
+    /* the TTFT HTTP adds beyond what the control socket adds, both over the coordinator's own
+     * (which the scheduling of 64 prompts at once makes vary run to run), as a share of the
+     * control socket's TTFT */
+    if (ctl->n_added && web->n_added && c50 > 0)
+        json_object_set_new(out, "ttft_http_extra_share",
+                            json_real((cli_percentile(web->added, web->n_added, 50) -
+                                       cli_percentile(ctl->added, ctl->n_added, 50)) /
+                                      c50));
     char *s = json_dumps(out, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
     printf("%s\n", s);
     free(s);
@@ -894,6 +937,7 @@ out:
         for (long i = 0; i < o.clients; i++)
             free(prompts[i]);
     free(prompts);
-    free(ctl.ttft), free(ctl.gaps), free(web.ttft), free(web.gaps);
+    way_free(&ctl);
+    way_free(&web);
     return rc;
 }

@@ -46,6 +46,8 @@ static json_t *status_json(const Rekv__Control__JobStatus *s)
     json_object_set_new(o, "priority", json_integer(s->priority));
     json_object_set_new(o, "queued_s", json_real(s->queued_s));
     json_object_set_new(o, "run_s", json_real(s->run_s));
+    if (s->first_token_s > 0)
+        json_object_set_new(o, "first_token_s", json_real(s->first_token_s));
     if (s->waiting && *s->waiting)
         json_object_set_new(o, "waiting", json_string(s->waiting));
     if (s->n_logprobs > 0) {
