@@ -497,13 +497,9 @@ static void clo_unit_run(void *arg)
  * enqueues and goes on: the device waits, not the CPU (CLO §4.4). */
 static void clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
 {
-    rekv_stream *sh = p->s_h2d;
     char name[40]; /* a trace shows each unit's decisions, then the bytes they fetched */
     snprintf(name, sizeof(name), "clo decisions L%d", cu->layer);
-    p->bi->stream_wait_event(sh, p->ig.ev[cu->g]);
-    p->bi->launch_host(sh, name, clo_unit_run, cu, 0);
-    p->bi->copy_h2d_deferred(sh, cu->pieces, &cu->n_pieces, cu->max_pieces, REKV_XFER_KV);
-    p->bi->event_record(p->ig.ev_read[cu->g], sh);
+    pl_ig_decide(p, cu->g, name, clo_unit_run, cu, cu->pieces, &cu->n_pieces, cu->max_pieces);
 }
 
 /* After the step's work has finished: the decisions' counts into the layers' counters; 0, or how
