@@ -481,7 +481,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
             return rekv_errf(err, -ENOMEM, "step: out of host memory for clo's queries");
         }
     }
-    /* per thread of the unit's selection (pl_ig_unit_select): rekv_ig_select's scratch, then the
+    /* per thread of the unit's selection (ig_unit_select): rekv_ig_select's scratch, then the
      * scores of the tokens past a device-resident part */
     size_t need =
         max_len * (size_t)(c->n_kv_heads + 1 + nh + ig_pool_lists(p)) * (size_t)cpu_gemm_threads();
