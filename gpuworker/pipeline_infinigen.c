@@ -24,8 +24,9 @@
  *
  * The step thread selects itself — waiting for ev[g] when it plans the unit, as before the host
  * function — where what it enqueues depends on the selection (st->ig_wait, ig_step_waits): with
- * push (the store is sent the rows to write), with KVPR within the selection (below: which
- * tokens a unit recomputes sets its GEMMs' size, an argument fixed at enqueue) and on a device
+ * push (the store is sent the rows to write), with KVPR within the selection on an MHA model
+ * (below: which tokens a unit recomputes sets its GEMMs' size, an argument fixed at enqueue; on
+ * GQA no selected token is ever recomputed, so a split does not make it wait) and on a device
  * that cannot read the arena itself (no deferred copy, or a cuda arena not page-locked). Either
  * way the selection and the rows are the same, bit for bit.
  *
@@ -409,15 +410,18 @@ static size_t ig_pool_lists(const rekv_pipeline *p)
 
 /* Whether infinigen's step thread selects (st->ig_wait), waiting for each selecting unit's
  * scores, because what it enqueues depends on the selection: push (the store is sent the rows),
- * KVPR within the selection (how many rows the unit recomputes, the GEMMs' size) or a device that
- * cannot read the arena itself (copy_h2d_deferred; on cuda the arena registered). Else the h2d
- * stream selects. */
+ * KVPR within the selection (how many rows the unit recomputes, the GEMMs' size; only where a
+ * token's activation row can be fewer bytes than its selected K,V rows, ig_recompute_pick: MHA,
+ * never GQA) or a device that cannot read the arena itself (copy_h2d_deferred; on cuda the arena
+ * registered). Else the h2d stream selects. */
 static int ig_step_waits(const rekv_pipeline *p, const step *st)
 {
+    const rekv_model_config *c = p->c;
     if (p->cfg.push || p->bi->copy_h2d_deferred == NULL ||
         (p->store != NULL && p->bi->host_register != NULL && !p->arena_registered))
         return 1;
-    for (int i = 0; p->keep_act && i < st->n_items; i++)
+    int recomputes = p->keep_act && 2 * c->n_kv_heads * c->head_dim > c->hidden;
+    for (int i = 0; recomputes && i < st->n_items; i++)
         if (st->ig_off[i] != SIZE_MAX && st->split[i] > 0)
             return 1;
     return 0;

@@ -6,8 +6,8 @@
  *     streams at its end, each stream's failures being read by its own sync alone — and never
  *     within the step: clo's decisions and infinigen's selection run on the h2d stream, behind the
  *     speculation's event (pipeline_infinigen.c);
- *   - infinigen where the plan needs the selection (push, KVPR within the selection) still waits
- *     once per selecting unit, as it says;
+ *   - infinigen where the plan needs the selection (push, KVPR within the selection on an MHA
+ *     model) still waits once per selecting unit, as it says; on GQA a split does not;
  * and that infinigen's tokens did not move with its selection: selecting every token equals
  * resident bit for bit, and the selection made on the stream gives the same logits and counters,
  * bit for bit, as the one the step thread makes (push; a split, whose recomputed rows carry the
@@ -40,17 +40,23 @@ typedef struct run {
 } run;
 
 /* A synthetic MHA model (4 heads: a token's activation row is worth recomputing when 3 or 4 of
- * them selected it), its store (which can push), skew and a head profile (importance 0.5: clo's
+ * them selected it) */
+static const rekv_synth_spec g_mha = {REKV_ARCH_OPT, 3, 64, 4, 4, 128, 300, 1100, REKV_DTYPE_F16,
+                                      21, 1};
+/* and a GQA one (8 heads, 2 KV heads: an activation row is as wide as a token's K,V of all its
+ * heads, so no selected token is ever recomputed) */
+static const rekv_synth_spec g_gqa = {REKV_ARCH_LLAMA, 3, 64, 8, 2, 160, 300, 1100,
+                                      REKV_DTYPE_F16,  22, 0};
+
+/* spec's model, its store (which can push), skew and a head profile (importance 0.5: clo's
  * heads both hit and miss). */
-static void env_open(env *x)
+static void env_open(env *x, const rekv_synth_spec *sp)
 {
-    static const rekv_synth_spec spec = {REKV_ARCH_OPT,  3,  64, 4, 4, 128, 300, 1100,
-                                         REKV_DTYPE_F16, 21, 1};
     rekv_err err = {0};
     char path[4200];
     x->dir = tu_tmpdir();
     snprintf(path, sizeof(path), "%s/m", x->dir);
-    ck_assert_msg(rekv_synth_write(&spec, path, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_synth_write(sp, path, &err) == 0, "%s", err.msg);
     tu_fixture_open(&x->f, path, REKV_DTYPE_F32, "cpu");
     tu_skew_calibrate(&x->f, &x->sk);
     tu_heads_uniform(&x->f, 0.5, &x->hp);
@@ -59,7 +65,7 @@ static void env_open(env *x)
         x->prompts[b] = malloc(sizeof(int32_t) * (size_t)g_lens[b]);
         for (int i = 0; i < g_lens[b]; i++) {
             r = r * 6364136223846793005ull + 1442695040888963407ull;
-            x->prompts[b][i] = (int32_t)((r >> 33) % (uint64_t)spec.vocab);
+            x->prompts[b][i] = (int32_t)((r >> 33) % (uint64_t)sp->vocab);
         }
     }
 }
@@ -174,7 +180,7 @@ static const rekv_schedule g_scheds[] = {REKV_SCHED_ROW, REKV_SCHED_COLUMN};
 START_TEST(decode_step_waits)
 {
     env x;
-    env_open(&x);
+    env_open(&x, &g_mha);
     int L = x.f.m->config.n_layers;
     struct {
         const char *name;
@@ -211,7 +217,7 @@ END_TEST
 START_TEST(infinigen_tokens_unchanged)
 {
     env x;
-    env_open(&x);
+    env_open(&x, &g_mha);
     for (int G = 1; G <= 2; G++)
         for (size_t si = 0; si < 2; si++) {
             rekv_pipeline_config cfg;
@@ -266,6 +272,35 @@ START_TEST(infinigen_tokens_unchanged)
 }
 END_TEST
 
+/* KVPR within the selection on GQA: the split recomputes layer 0's [0, split) as kvpr does and
+ * never a selected token, so the selection stays on the stream — no wait of its own — with the
+ * step thread's bits (push) */
+START_TEST(gqa_split_does_not_wait)
+{
+    env x;
+    env_open(&x, &g_gqa);
+    for (int G = 1; G <= 2; G++)
+        for (size_t si = 0; si < 2; si++) {
+            rekv_pipeline_config cfg;
+            char what[96];
+            run r, push;
+            config(&x, REKV_MODE_INFINIGEN, G, g_scheds[si], &cfg);
+            cfg.split = 40;
+            do_run(&x, &cfg, &r);
+            expect_syncs(&r, 3, "GQA infinigen with a split", G, g_scheds[si]);
+            ck_assert_uint_gt(r.layers[0].tokens_recomputed, 0);
+            for (int l = 1; l < x.f.m->config.n_layers; l++)
+                ck_assert_uint_eq(r.layers[l].tokens_recomputed, 0);
+            cfg.push = 1;
+            do_run(&x, &cfg, &push);
+            snprintf(what, sizeof(what), "GQA, a split, %d GPU batches, schedule %zu", G, si);
+            expect_same(&x, &r, &push, 1, what);
+            run_free(&r), run_free(&push);
+        }
+    env_close(&x);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("step_waits");
@@ -273,6 +308,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, decode_step_waits);
     tcase_add_test(tc, infinigen_tokens_unchanged);
+    tcase_add_test(tc, gqa_split_does_not_wait);
     suite_add_tcase(s, tc);
     return s;
 }
