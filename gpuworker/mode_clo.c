@@ -493,8 +493,9 @@ static void clo_unit_run(void *arg)
 
 /* On the h2d stream, after the unit's planned copies: once batch g's speculation is on the host,
  * the decisions (a host function), then the misses' rows (a copy whose pieces the decisions
- * wrote); ev_read[g] frees the host copies of the scores for the next layer's. The step thread
- * enqueues and goes on: the device waits, not the CPU (CLO §4.4). */
+ * wrote); ev_read[g], once the decisions ran, frees the host copies of the scores for the next
+ * layer's (pl_ig_decide). The step thread enqueues and goes on: the device waits, not the CPU
+ * (CLO §4.4). */
 static void clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
 {
     char name[40]; /* a trace shows each unit's decisions, then the bytes they fetched */

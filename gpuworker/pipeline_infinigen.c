@@ -17,8 +17,8 @@
  * pool; the KV pool's counters), writes the selected rows' copies and each sequence's new-row
  * slot (the descriptor's start and kv_scatter's slot, memory the kernels read later in stream
  * order), then a deferred copy (copy_h2d_deferred; on cuda the gather kernel over the registered
- * arena) that moves those rows, and ev_read[g], which frees the host copy of the scores for the
- * next layer's. The compute stream waits for that as for any unit's loads: the fetch of layer i
+ * arena) that moves those rows; ev_read[g], recorded between the two, frees the host copy of the
+ * scores for the next layer's. The compute stream waits for that as for any unit's loads: the fetch of layer i
  * overlaps layer i-1's attention and FFN, and the selection's CPU time overlaps the device's work
  * instead of the step thread's enqueueing.
  *
@@ -1064,8 +1064,9 @@ void pl_ig_decide(rekv_pipeline *p, int g, const char *name, rekv_host_fn fn, vo
     rekv_stream *sh = p->s_h2d;
     p->bi->stream_wait_event(sh, p->ig.ev[g]);
     p->bi->launch_host(sh, name, fn, arg, 0);
-    p->bi->copy_h2d_deferred(sh, pieces, n, max, REKV_XFER_KV);
+    /* the scores are read: the next layer's speculation need not wait for these rows' copy */
     p->bi->event_record(p->ig.ev_read[g], sh);
+    p->bi->copy_h2d_deferred(sh, pieces, n, max, REKV_XFER_KV);
 }
 
 void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io)

@@ -568,7 +568,8 @@ void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io);
 int pl_ig_step_done(rekv_pipeline *p, step *st, rekv_err *err);
 /* On the h2d stream, after a unit's planned copies: once batch g's speculated scores are on the
  * host, fn(arg) as a host function (name labels it) that writes pieces[0..*n) (at most max), then
- * those rows' copy (copy_h2d_deferred); ig.ev_read[g] then frees the scores' host copies. */
+ * those rows' copy (copy_h2d_deferred); ig.ev_read[g], recorded once fn has run, frees the
+ * scores' host copies. */
 void pl_ig_decide(rekv_pipeline *p, int g, const char *name, rekv_host_fn fn, void *arg,
                   const rekv_copy_piece *pieces, const size_t *n, size_t max);
 /* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, with the
