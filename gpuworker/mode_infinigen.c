@@ -5,7 +5,7 @@
  * within the split; layer 0 and prefill fetch whole, recomputing [device part, split) when
  * activations are kept (kvpr's path). The selection itself runs on the h2d stream, so the step
  * thread never waits for the speculation (unit_fetch, step_done: pipeline_infinigen.c), except
- * where the plan needs it (push, a split: st->ig_wait). */
+ * where the plan needs it (push, a split on an MHA model: st->ig_wait). */
 #include <errno.h>
 
 #include "gpuworker/pipeline_internal.h"

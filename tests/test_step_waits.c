@@ -1,7 +1,8 @@
 /* test_step_waits.c — how often a decode step blocks the step thread on the device (the backend's
  * host_syncs: every stream_sync and event_sync), on the cpu backend with a real kvstore process,
  * for every mode that streams or keeps its cache, GPU batches 1 and 2, both schedules:
- *   - a resident step waits once: for the compute stream, where the sampled tokens come back;
+ *   - a resident step waits once: for the compute stream, where the sampled tokens come back
+ *     (with its weights offloaded, for the h2d stream too);
  *   - a streaming step (offload, kvpr, clo, infinigen) three times: the drain of its three
  *     streams at its end, each stream's failures being read by its own sync alone — and never
  *     within the step: clo's decisions and infinigen's selection run on the h2d stream, behind the
@@ -185,15 +186,20 @@ START_TEST(decode_step_waits)
     struct {
         const char *name;
         rekv_mode mode;
-        int split, push;
-        uint64_t waits; /* besides the drain, per selecting unit */
+        int split, push, offload_w;
+        uint64_t drain, waits; /* the streams synced at the end; per selecting unit */
     } m[] = {
-        {"resident", REKV_MODE_RESIDENT, 0, 0, 0}, {"offload", REKV_MODE_OFFLOAD, 0, 0, 0},
-        {"kvpr", REKV_MODE_KVPR, 30, 0, 0},        {"clo", REKV_MODE_CLO, 0, 0, 0},
-        {"infinigen", REKV_MODE_INFINIGEN, 0, 0, 0},
+        /* resident: the compute stream; with its weights offloaded h2d too; the others: h2d,
+         * compute, d2h */
+        {"resident", REKV_MODE_RESIDENT, 0, 0, 0, 1, 0},
+        {"resident, weights offloaded", REKV_MODE_RESIDENT, 0, 0, 1, 2, 0},
+        {"offload", REKV_MODE_OFFLOAD, 0, 0, 0, 3, 0},
+        {"kvpr", REKV_MODE_KVPR, 30, 0, 0, 3, 0},
+        {"clo", REKV_MODE_CLO, 0, 0, 0, 3, 0},
+        {"infinigen", REKV_MODE_INFINIGEN, 0, 0, 0, 3, 0},
         /* the step thread's own selection, where the plan needs it */
-        {"infinigen with push", REKV_MODE_INFINIGEN, 0, 1, 1},
-        {"infinigen with a split", REKV_MODE_INFINIGEN, 40, 0, 1},
+        {"infinigen with push", REKV_MODE_INFINIGEN, 0, 1, 0, 3, 1},
+        {"infinigen with a split", REKV_MODE_INFINIGEN, 40, 0, 0, 3, 1},
     };
     for (int G = 1; G <= 2; G++)
         for (size_t si = 0; si < 2; si++)
@@ -202,12 +208,11 @@ START_TEST(decode_step_waits)
                 config(&x, m[i].mode, G, g_scheds[si], &cfg);
                 cfg.split = m[i].split;
                 cfg.push = m[i].push;
+                cfg.offload_weights = m[i].offload_w;
                 run r;
                 do_run(&x, &cfg, &r);
-                /* resident: the compute stream; the others: h2d, compute, d2h */
-                uint64_t drain = m[i].mode == REKV_MODE_RESIDENT ? 1 : 3;
-                expect_syncs(&r, drain + m[i].waits * (uint64_t)(L - 1) * (uint64_t)G, m[i].name,
-                             G, g_scheds[si]);
+                expect_syncs(&r, m[i].drain + m[i].waits * (uint64_t)(L - 1) * (uint64_t)G,
+                             m[i].name, G, g_scheds[si]);
                 run_free(&r);
             }
     env_close(&x);
