@@ -493,17 +493,14 @@ static void clo_unit_run(void *arg)
 
 /* On the h2d stream, after the unit's planned copies: once batch g's speculation is on the host,
  * the decisions (a host function), then the misses' rows (a copy whose pieces the decisions
- * wrote); ev_read[g] frees the host copies of the scores for the next layer's. The step thread
- * enqueues and goes on: the device waits, not the CPU (CLO §4.4). */
+ * wrote); ev_read[g], once the decisions ran, frees the host copies of the scores for the next
+ * layer's (pl_ig_decide). The step thread enqueues and goes on: the device waits, not the CPU
+ * (CLO §4.4). */
 static void clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
 {
-    rekv_stream *sh = p->s_h2d;
     char name[40]; /* a trace shows each unit's decisions, then the bytes they fetched */
     snprintf(name, sizeof(name), "clo decisions L%d", cu->layer);
-    p->bi->stream_wait_event(sh, p->ig.ev[cu->g]);
-    p->bi->launch_host(sh, name, clo_unit_run, cu, 0);
-    p->bi->copy_h2d_deferred(sh, cu->pieces, &cu->n_pieces, cu->max_pieces, REKV_XFER_KV);
-    p->bi->event_record(p->ig.ev_read[cu->g], sh);
+    pl_ig_decide(p, cu->g, name, clo_unit_run, cu, cu->pieces, &cu->n_pieces, cu->max_pieces);
 }
 
 /* After the step's work has finished: the decisions' counts into the layers' counters; 0, or how

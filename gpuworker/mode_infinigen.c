@@ -3,7 +3,9 @@
  * clo shares the speculation); here is how a unit of infinigen plans — at layers > 0 a decode row
  * fetches the rows its KV heads selected, packed into slots, and recomputes the most-chosen of them
  * within the split; layer 0 and prefill fetch whole, recomputing [device part, split) when
- * activations are kept (kvpr's path). */
+ * activations are kept (kvpr's path). The selection itself runs on the h2d stream, so the step
+ * thread never waits for the speculation (unit_fetch, step_done: pipeline_infinigen.c), except
+ * where the plan needs it (push, a split on an MHA model: st->ig_wait). */
 #include <errno.h>
 
 #include "gpuworker/pipeline_internal.h"
@@ -27,7 +29,7 @@ static int ig_unit_plan(rekv_pipeline *p, step *st, int g, int layer, int b, rek
                         unit_io *io)
 {
     int rc = pl_ig_unit_begin(p, st, g, layer, io), L = p->c->n_layers;
-    if (rc || (layer > 0 && (rc = pl_ig_unit_select(p, st, g, layer, io))))
+    if (rc || (layer > 0 && (rc = pl_ig_unit_prepare(p, st, g, layer, d, io))))
         return rc;
     /* selected rows recomputed within the split go to each head's own slot */
     if ((rc = pl_unit_act_alloc(p, st, g, p->keep_act, io)))
@@ -61,4 +63,6 @@ const pl_mode_ops pl_mode_infinigen = {
     .sparse = pl_ig_sparse,
     .recompute_rows = ig_recompute_rows,
     .unit_plan = ig_unit_plan,
+    .unit_fetch = pl_ig_unit_fetch,
+    .step_done = pl_ig_step_done,
 };

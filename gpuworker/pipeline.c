@@ -259,6 +259,10 @@ static void layer_compute(rekv_pipeline *p, step *st, int g, int layer, const la
         k->convert_out(s, p->par[b].out_stage.p, h, (size_t)T * (size_t)H, rekv_act_dtype(cdt));
     }
     const int32_t *slots = io->kv_pos ? io->kv_pos : st->pos[g];
+    if (io->ig) /* infinigen: also at their positions, where their stores read them (the slots
+                   the selection gives them are decided on the h2d stream) */
+        k->kv_scatter(s, kk, vv, T, st->row_seq[g], st->pos[g], NULL, d, c->n_kv_heads,
+                      c->head_dim, cdt);
     k->kv_scatter(s, kk, vv, T, st->row_seq[g], slots, NULL, d, c->n_kv_heads, c->head_dim, cdt);
     if (io->pk_rows) { /* the partial keys, of the K rows as the cache holds them: a cached
                           block's rebuild them the same (pl_ig_prefix_fill) */
@@ -827,10 +831,14 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
         int grc = pl_graph_end(p, rc == 0, rc ? NULL : err);
         rc = rc ? rc : grc;
     }
-    /* every enqueued task refers to step memory: wait for all of it, whatever happened */
-    int r1 = p->bi->stream_sync(p->s_h2d, rc ? NULL : err);
+    /* every enqueued task refers to step memory: wait for all of it, whatever happened — on
+     * each stream the step used, as a stream's failures are read by its sync alone (so a
+     * streaming step waits three times where the tokens need one: the compute stream's). h2d
+     * carries a step's loads (the store's rows, offloaded weights), d2h its stores. */
+    int streams = p->info->store != REKV_STORE_NONE;
+    int r1 = streams || p->cfg.offload_weights ? p->bi->stream_sync(p->s_h2d, rc ? NULL : err) : 0;
     int r2 = p->bi->stream_sync(p->s_compute, rc ? NULL : err);
-    int r3 = p->bi->stream_sync(p->s_d2h, rc ? NULL : err);
+    int r3 = streams ? p->bi->stream_sync(p->s_d2h, rc ? NULL : err) : 0;
     if (rc == 0)
         rc = r1 ? r1 : r2 ? r2 : r3;
     if (p->ops->step_done) {

@@ -9,16 +9,34 @@
  * the attention input, then — before it waits for layer i-1's own KV — the partial query of layer
  * i from it (a partial weight W_Q·A[:, cols] for models without RoPE; for RoPE models the full
  * query of layer i, rotated, then A[:, cols]), scores it against layer i's partial keys
- * (spec_scores), copies the scores to the host and records ev[g]. When the step thread plans unit
- * (layer i, g) it waits for ev[g] — by then the compute stream has the rest of layer i-1 queued,
- * so the device stays busy — selects per KV head the tokens to fetch (ig_select) and enqueues only
- * their rows: the fetch of layer i overlaps layer i-1's attention and FFN.
+ * (spec_scores), copies the scores to the host and records ev[g]. The step thread never waits for
+ * them (CLO's "GPU-centric synchronisation", mode_clo.c, in the same structure): it plans unit
+ * (layer i, g) with what does not depend on the selection — the device part's copy, the new row's
+ * stores, the descriptors — and enqueues on the h2d stream, behind a wait for ev[g], a host
+ * function (pl_ig_unit_fetch) that selects per KV head the tokens to fetch (rekv_ig_select, on the
+ * pool; the KV pool's counters), writes the selected rows' copies and each sequence's new-row
+ * slot (the descriptor's start and kv_scatter's slot, memory the kernels read later in stream
+ * order), then a deferred copy (copy_h2d_deferred; on cuda the gather kernel over the registered
+ * arena) that moves those rows; ev_read[g], recorded between the two, frees the host copy of the
+ * scores for the next layer's. The compute stream waits for that as for any unit's loads: the fetch of layer i
+ * overlaps layer i-1's attention and FFN, and the selection's CPU time overlaps the device's work
+ * instead of the step thread's enqueueing.
  *
- * The selected rows are packed: the sequence's attention buffer holds, in slot j of KV head g,
- * the j-th selected token of head g (tokens ascending), and the new row goes in slot m. Keys carry
- * their RoPE already, so attention over slots is attention over the selected tokens; with every
- * token selected the slots are the positions and the bits are resident's. The new row still
- * leaves for the arena at its true position. Layer 0 and prefill steps fetch everything.
+ * The step thread selects itself — waiting for ev[g] when it plans the unit, as before the host
+ * function — where what it enqueues depends on the selection (st->ig_wait, ig_step_waits): with
+ * push (the store is sent the rows to write), with KVPR within the selection on an MHA model
+ * (below: which tokens a unit recomputes sets its GEMMs' size, an argument fixed at enqueue; on
+ * GQA no selected token is ever recomputed, so a split does not make it wait) and on a device
+ * that cannot read the arena itself (no deferred copy, or a cuda arena not page-locked). Either
+ * way the selection and the rows are the same, bit for bit.
+ *
+ * The selected rows are packed: the sequence's attention buffer holds, in slot dev + j of KV head
+ * g, the j-th selected token of head g (tokens ascending), and the new row goes in slot dev + m.
+ * Keys carry their RoPE already, so attention over slots is attention over the selected tokens;
+ * with every token selected the slots are the positions and the bits are resident's. The new row
+ * is also written at its position (layer_compute's second kv_scatter), from where it leaves for
+ * the arena and the device part: the stores are enqueued before the selection is made, so their
+ * source cannot be its slot. Layer 0 and prefill steps fetch everything.
  *
  * KVPR within the selection (cfg.split > 0, issue 14): the store keeps every token's attention
  * input beside its K,V, as for kvpr. A layer fetched whole recomputes [device part, split) as kvpr
@@ -44,6 +62,7 @@
  * the limit bounds what is attended and fetched, not the store's bytes. */
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -389,6 +408,25 @@ static size_t ig_pool_lists(const rekv_pipeline *p)
     return p->ig.pool_limit > 0 ? (size_t)p->c->n_kv_heads : 0;
 }
 
+/* Whether infinigen's step thread selects (st->ig_wait), waiting for each selecting unit's
+ * scores, because what it enqueues depends on the selection: push (the store is sent the rows),
+ * KVPR within the selection (how many rows the unit recomputes, the GEMMs' size; only where a
+ * token's activation row can be fewer bytes than its selected K,V rows, ig_recompute_pick: MHA,
+ * never GQA) or a device that cannot read the arena itself (copy_h2d_deferred; on cuda the arena
+ * registered). Else the h2d stream selects. */
+static int ig_step_waits(const rekv_pipeline *p, const step *st)
+{
+    const rekv_model_config *c = p->c;
+    if (p->cfg.push || p->bi->copy_h2d_deferred == NULL ||
+        (p->store != NULL && p->bi->host_register != NULL && !p->arena_registered))
+        return 1;
+    int recomputes = p->keep_act && 2 * c->n_kv_heads * c->head_dim > c->hidden;
+    for (int i = 0; recomputes && i < st->n_items; i++)
+        if (st->ig_off[i] != SIZE_MAX && st->split[i] > 0)
+            return 1;
+    return 0;
+}
+
 /* The step's speculation memory: each sparse item's scores at st->ig_off[i]. */
 int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
 {
@@ -447,7 +485,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
             return rekv_errf(err, -ENOMEM, "step: out of host memory for clo's queries");
         }
     }
-    /* per thread of the unit's selection (pl_ig_unit_select): rekv_ig_select's scratch, then the
+    /* per thread of the unit's selection (ig_unit_select): rekv_ig_select's scratch, then the
      * scores of the tokens past a device-resident part */
     size_t need =
         max_len * (size_t)(c->n_kv_heads + 1 + nh + ig_pool_lists(p)) * (size_t)cpu_gemm_threads();
@@ -465,10 +503,11 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     for (int g = 0; g < st->n_g; g++) {
         int erc = 0;
         if ((p->ig.ev[g] == NULL && (erc = p->bi->event_create(p->be, &p->ig.ev[g], err))) ||
-            (p->ig.queries && p->ig.ev_read[g] == NULL &&
+            (p->ig.ev_read[g] == NULL &&
              (erc = p->bi->event_create(p->be, &p->ig.ev_read[g], err))))
             return erc;
     }
+    st->ig_wait = ig_step_waits(p, st);
     return 0;
 }
 
@@ -534,10 +573,9 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
             hi = end;
     }
     k->spec_scores(s, p->ig.scores.p, qp, sq, n, nh, group, rk, 1.0f / sqrtf((float)hd));
-    /* whole queries (clo): the host copies are free once the last layer's decisions have read
-     * them (on the h2d stream: the step thread does not wait for them) */
-    if (p->ig.queries)
-        p->bi->stream_wait_event(s, p->ig.ev_read[g]);
+    /* the host copies are free once the last layer's decisions have read them (on the h2d
+     * stream: the step thread does not wait for them) */
+    p->bi->stream_wait_event(s, p->ig.ev_read[g]);
     rekv_copy_piece pc = {p->ig.host + lo, (float *)p->ig.scores.p + lo, (hi - lo) * sizeof(float)};
     p->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
     if (p->ig.queries) { /* and the queries, for clo's similarity test */
@@ -818,7 +856,7 @@ static int ig_select_pooled(const pl_unit_job *u, int j, float *scratch, uint64_
     rekv_kv_pool *kp = &s->pool;
     int len = s->len, base = u->layer * kvh, n = len - kp->n_gone[base];
     const float *scores = p->ig.host + u->st->ig_off[item];
-    int32_t *sel = ((unit_io *)u->ctx)->sel[j];
+    int32_t *sel = ((ig_unit *)u->ctx)->sel[j];
     int m;
     if (n < len) {
         float *sub = scratch + (size_t)(kvh + 1) * (size_t)len;
@@ -855,7 +893,7 @@ static int ig_select_pooled(const pl_unit_job *u, int j, float *scratch, uint64_
 static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
 {
     rekv_pipeline *p = u->p;
-    unit_io *io = u->ctx;
+    ig_unit *iu = u->ctx;
     const rekv_model_config *c = p->c;
     int item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads;
     rekv_pseq *s = u->st->items[item].seq;
@@ -873,49 +911,196 @@ static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
     uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
                    ((uint64_t)u->layer << 32) ^ (uint64_t)len;
     if (s->pool.count) { /* no device part with a pool: rest = len */
-        io->sel_m[j] = ig_select_pooled(u, j, scratch, key);
+        iu->sel_m[j] = ig_select_pooled(u, j, scratch, key);
         return;
     }
-    io->sel_m[j] = rest > 0
+    iu->sel_m[j] = rest > 0
                        ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
-                                        p->cfg.select, key, io->sel[j], scratch)
+                                        p->cfg.select, key, iu->sel[j], scratch)
                        : 0;
 }
 
-int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
+/* The unit's selection, every sparse item's, on the pool (its scores on the host). */
+static int ig_unit_select(ig_unit *iu)
+{
+    pl_unit_job u = {iu->p, iu->st, iu->g0, iu->layer, iu, iu->items, iu->per, ig_select_one};
+    return pl_ig_unit_run(&u, iu->n);
+}
+
+/* The most tokens per KV head rekv_ig_select takes of `rest` (its count, capped) */
+static int ig_most(const rekv_pipeline *p, int rest)
+{
+    int cap = (int)((double)p->cfg.max_fraction * rest);
+    if (p->cfg.select == REKV_SELECT_ALL || cap > rest)
+        return rest;
+    return cap < 1 ? (rest < 1 ? rest : 1) : cap;
+}
+
+int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_seq *d,
+                       unit_io *io)
 {
     const rekv_model_config *c = p->c;
     int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, kvh = c->n_kv_heads;
-    int *items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
-    io->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
-    io->sel_m = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
-    if (items == NULL || io->sel == NULL || io->sel_m == NULL)
+    int L = c->n_layers;
+    io->ig = NULL;
+    for (int j = 0; j < nb; j++)
+        n += pl_ig_sparse(p, st, g0 + j);
+    if (n == 0)
+        return 0;
+    ig_unit *iu = pl_smem_alloc(&st->mem, sizeof(*iu));
+    if (iu == NULL)
         return -ENOMEM;
-    size_t per = 0; /* rekv_ig_select's scratch, then the scores past a device-resident part */
+    *iu = (ig_unit){.p = p, .st = st, .g = g, .g0 = g0, .layer = layer, .d = d,
+                    .kv_pos = io->kv_pos};
+    iu->items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)n);
+    iu->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
+    iu->sel_m = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
+    if (iu->items == NULL || iu->sel == NULL || iu->sel_m == NULL)
+        return -ENOMEM;
+    size_t pieces = 0;
     for (int j = 0; j < nb; j++) {
-        io->sel[j] = NULL;
+        iu->sel[j] = NULL;
+        iu->sel_m[j] = 0;
         if (!pl_ig_sparse(p, st, g0 + j))
             continue;
-        size_t len = (size_t)st->items[g0 + j].seq->len;
-        if ((io->sel[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)kvh * len)) == NULL)
+        const rekv_pseq *s = st->items[g0 + j].seq;
+        int len = s->len, dev = pl_dev_part(s, len);
+        if ((iu->sel[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)kvh * (size_t)len)) ==
+            NULL)
             return -ENOMEM;
-        items[n++] = j;
-        size_t need = len * (size_t)(kvh + 1 + c->n_heads + ig_pool_lists(p));
-        per = need > per ? need : per;
+        /* rekv_ig_select's scratch, then the scores past a device-resident part */
+        size_t need = (size_t)len * (size_t)(kvh + 1 + c->n_heads + ig_pool_lists(p));
+        iu->per = need > iu->per ? need : iu->per;
+        pieces += 2 * (size_t)kvh * (size_t)ig_most(p, len - dev);
+        /* on the stream the selection may fetch from any block past the device part */
+        const range_ref *kr = &st->kv_ref[(g0 + j) * L + layer];
+        for (int t = dev; !st->ig_wait && t < len;
+             t += REKV_KV_BLOCK_TOKENS - t % REKV_KV_BLOCK_TOKENS)
+            if (pl_block_at(p, kr, t) == NULL)
+                return -EPROTO;
+        iu->items[iu->n++] = j;
     }
-    if (n > 0) /* the unit's scores on the host: the step thread waits (clo's decisions do not) */
-        p->bi->event_sync(p->ig.ev[g]);
-    pl_unit_job u = {p, st, g0, layer, io, items, per, ig_select_one};
-    return pl_ig_unit_run(&u, n);
+    if (!st->ig_wait) {
+        iu->max_pieces = pieces;
+        if ((iu->pieces = pl_smem_alloc(&st->mem, sizeof(rekv_copy_piece) * pieces)) == NULL)
+            return -ENOMEM;
+    }
+    iu->next = st->ig_units;
+    st->ig_units = iu;
+    io->ig = iu;
+    if (!st->ig_wait)
+        return 0;
+    p->bi->event_sync(p->ig.ev[g]); /* the unit's scores on the host: the step thread waits */
+    return ig_unit_select(iu);
 }
 
-/* Unit (layer > 0) of sparse item `item` (index j in its batch), selected by
- * pl_ig_unit_select: appends the selected rows' copies into slots 0..m-1 of the item's
- * attention buffer and the new row's copy from slot m to the arena; sets d->start = m and the new
- * row's slot in io->kv_pos. ar (keep_act: the item's activations, else NULL): the tokens
- * ig_recompute_pick takes come as activation rows into parity b's staging and are recomputed
- * into the slots of the heads that selected them (io->act_slot); the new row's activation is
- * stored beside its K,V. */
+/* Item j of unit iu, selected: the copies of its selected rows from the arena into slots dev,
+ * dev + 1, .. of its attention buffer (K rows, then V rows: runs stay adjacent) into out (room
+ * for 2 n_kv m pieces), and the new row's slot after them (d->start, kv_pos) — the layout the
+ * file's opening comment describes; the counts into iu. Tokens recomputed (votes[t] <= -2:
+ * pl_ig_item_plan's, with r of them) are not copied: each head that chose one gets its row's
+ * slot in act_slot. Returns the pieces written, or -EPROTO. */
+static long ig_item_rows(ig_unit *iu, int j, const int32_t *votes, int r, int32_t *act_slot,
+                         rekv_copy_piece *out)
+{
+    rekv_pipeline *p = iu->p;
+    const rekv_model_config *c = p->c;
+    int item = iu->g0 + j, kvh = c->n_kv_heads, hd = c->head_dim;
+    const rekv_pseq *s = iu->st->items[item].seq;
+    int len = s->len, dev = pl_dev_part(s, len), rest = len - dev, m = iu->sel_m[j];
+    const range_ref *kr = &iu->st->kv_ref[item * c->n_layers + iu->layer];
+    const int32_t *sel = iu->sel[j];
+    rekv_attn_seq *d = &iu->d[j];
+    uint8_t *buf = d->kv;
+    size_t row = p->kv_rowb, vs = rekv_kv_off(rekv_kv_v_shift(kvh, hd), hd, row);
+    long n = 0;
+    for (int half = 0; half < 2; half++)
+        for (int hh = 0; hh < kvh; hh++)
+            for (int jj = 0; jj < m; jj++) {
+                int t = sel[(size_t)hh * (size_t)rest + (size_t)jj];
+                if (r > 0 && votes[t] <= -2) { /* recomputed: this head's slot for its row */
+                    act_slot[(size_t)(-2 - votes[t]) * (size_t)kvh + (size_t)hh] = dev + jj;
+                    continue;
+                }
+                const rekv_kv_plan_block *blk = pl_block_at(p, kr, dev + t);
+                if (blk == NULL)
+                    return -EPROTO;
+                size_t so = rekv_kv_off(rekv_kv_row(kvh, hd, hh, (dev + t) % REKV_KV_BLOCK_TOKENS),
+                                        hd, row);
+                size_t doff = rekv_kv_off(rekv_kv_row(kvh, hd, hh, dev + jj), hd, row);
+                out[n++] = (rekv_copy_piece){buf + doff + (half ? vs : 0),
+                                             p->arena + blk->offset + so + (half ? vs : 0), row};
+            }
+    d->start = dev + m;
+    iu->kv_pos[d->row0] = dev + m;
+    iu->rows += (uint64_t)n / 2;
+    iu->tokens += (uint64_t)m;
+    return n;
+}
+
+/* The host function: the unit's selection on the pool, then each item's rows and slots. */
+static void ig_unit_run(void *arg)
+{
+    ig_unit *iu = arg;
+    int rc = ig_unit_select(iu), kvh = iu->p->c->n_kv_heads;
+    for (int i = 0; rc == 0 && i < iu->n; i++) {
+        int j = iu->items[i];
+        if (iu->n_pieces + 2 * (size_t)kvh * (size_t)iu->sel_m[j] > iu->max_pieces) {
+            rc = -EOVERFLOW;
+            break;
+        }
+        long k = ig_item_rows(iu, j, NULL, 0, NULL, iu->pieces + iu->n_pieces);
+        if (k < 0)
+            rc = (int)k;
+        else
+            iu->n_pieces += (size_t)k;
+    }
+    iu->rc = rc;
+}
+
+void pl_ig_decide(rekv_pipeline *p, int g, const char *name, rekv_host_fn fn, void *arg,
+                  const rekv_copy_piece *pieces, const size_t *n, size_t max)
+{
+    rekv_stream *sh = p->s_h2d;
+    p->bi->stream_wait_event(sh, p->ig.ev[g]);
+    p->bi->launch_host(sh, name, fn, arg, 0);
+    /* the scores are read: the next layer's speculation need not wait for these rows' copy */
+    p->bi->event_record(p->ig.ev_read[g], sh);
+    p->bi->copy_h2d_deferred(sh, pieces, n, max, REKV_XFER_KV);
+}
+
+void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io)
+{
+    ig_unit *iu = io->ig;
+    if (iu == NULL || iu->st->ig_wait) /* no selection, or one the plan made */
+        return;
+    char name[40]; /* a trace shows each unit's selection, then the bytes it fetched */
+    snprintf(name, sizeof(name), "infinigen selection L%d", iu->layer);
+    pl_ig_decide(p, iu->g, name, ig_unit_run, iu, iu->pieces, &iu->n_pieces, iu->max_pieces);
+}
+
+int pl_ig_step_done(rekv_pipeline *p, step *st, rekv_err *err)
+{
+    int rc = 0;
+    for (ig_unit *iu = st->ig_units; iu != NULL; iu = iu->next) {
+        rekv_layer_counters *cnt = &p->counters[iu->layer];
+        cnt->h2d_bytes[REKV_XFER_KV] += iu->rows * 2 * p->kv_rowb;
+        cnt->tokens_fetched += iu->tokens;
+        if (iu->rc && rc == 0)
+            rc = rekv_errf(err, iu->rc, "step: infinigen's selection at layer %d failed (%s)",
+                           iu->layer, iu->rc == -ENOMEM ? "out of memory" : "a bad plan");
+    }
+    return rc;
+}
+
+/* Unit (layer > 0) of sparse item `item` (index j in its batch), its selection's memory made by
+ * pl_ig_unit_prepare: the device part's copy, the new row's stores — from its position, where
+ * layer_compute puts it besides its slot — and the attention's descriptor with the new row in
+ * slot dev (d->start; io->kv_pos) until the selection moves it past the selected rows. With
+ * st->ig_wait the selection is made: its rows' copies go into io->h2d_kv, and with ar (keep_act:
+ * the item's activations, else NULL) the tokens ig_recompute_pick takes come as activation rows
+ * into parity b's staging and are recomputed into the slots of the heads that selected them
+ * (io->act_slot); the new row's activation is stored beside its K,V. */
 int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                     const range_ref *ar, int b, rekv_attn_seq *d, unit_io *io)
 {
@@ -923,10 +1108,10 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
     int kvh = c->n_kv_heads, hd = c->head_dim, H = c->hidden;
     rekv_pseq *s = st->items[item].seq;
     int len = s->len, dev = pl_dev_part(s, len), rest = len - dev;
-    size_t row = p->kv_rowb;
-    size_t vs = rekv_kv_off(rekv_kv_v_shift(kvh, hd), hd, row), xrow = (size_t)H * p->act_esz;
-    int32_t *sel = io->sel[j], *votes = p->ig.sel;
-    int m = io->sel_m[j];
+    size_t row = p->kv_rowb, xrow = (size_t)H * p->act_esz;
+    ig_unit *iu = io->ig;
+    int32_t *sel = iu->sel[j], *votes = p->ig.sel;
+    int m = iu->sel_m[j]; /* 0 until selected, unless st->ig_wait */
     /* keep_act: the tokens recomputed, rows n_act0.. of the unit's recomputation, in position
      * order (adjacent ones one copy); votes[t] becomes the row's index */
     int r = 0, n_act0 = io->n_act;
@@ -966,66 +1151,41 @@ int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, cons
             io->act_slot[(size_t)ri * (size_t)kvh + (size_t)hh] = -1;
     }
     io->n_act = n_act0 + r;
-    int rc = 0;
     uint8_t *buf = d->kv;
-    if ((rc = pl_dev_part_load(p, s, layer, buf, 0, dev, io)))
-        goto out;
-    if (RESERVE(&io->h2d_kv, 2 * (size_t)kvh * (size_t)m)) {
-        rc = -ENOMEM;
-        goto out;
+    int rc = pl_dev_part_load(p, s, layer, buf, 0, dev, io);
+    if (rc)
+        return rc;
+    d->start = dev;
+    io->kv_pos[d->row0] = dev;
+    if (st->ig_wait) {
+        if (RESERVE(&io->h2d_kv, 2 * (size_t)kvh * (size_t)m))
+            return -ENOMEM;
+        long n = ig_item_rows(iu, j, votes, r, io->act_slot, io->h2d_kv.v + io->h2d_kv.n);
+        if (n < 0)
+            return (int)n;
+        io->h2d_kv.n += (size_t)n;
     }
-    uint64_t fetched = 0;                /* K,V row pairs */
-    for (int half = 0; half < 2; half++) /* K rows, then V rows: runs stay adjacent */
-        for (int hh = 0; hh < kvh; hh++)
-            for (int jj = 0; jj < m; jj++) {
-                int t = sel[(size_t)hh * (size_t)rest + (size_t)jj];
-                if (r > 0 && votes[t] <= -2) { /* recomputed: this head's slot for its row */
-                    io->act_slot[(size_t)(-2 - votes[t]) * (size_t)kvh + (size_t)hh] = dev + jj;
-                    continue;
-                }
-                const rekv_kv_plan_block *blk = pl_block_at(p, kr, dev + t);
-                if (blk == NULL) {
-                    rc = -EPROTO;
-                    goto out;
-                }
-                size_t so = rekv_kv_off(rekv_kv_row(kvh, hd, hh, (dev + t) % REKV_KV_BLOCK_TOKENS),
-                                        hd, row);
-                size_t doff = rekv_kv_off(rekv_kv_row(kvh, hd, hh, dev + jj), hd, row);
-                io->h2d_kv.v[io->h2d_kv.n++] =
-                    (rekv_copy_piece){buf + doff + (half ? vs : 0),
-                                      p->arena + blk->offset + so + (half ? vs : 0), row};
-                fetched += (uint64_t)half;
-            }
-    /* the new row: slot dev + m -> its true position in the arena; and into the device part
-     * while the context is shorter than it (then dev = len, m = 0: the slot is the position) */
-    if ((rc = pl_ig_new_row_store(p, kr, buf, len, dev + m, io)) ||
+    /* the new row, from its position -> the arena; and into the device part while the context
+     * is shorter than it (then dev = len: no selection) */
+    if ((rc = pl_ig_new_row_store(p, kr, buf, len, len, io)) ||
         (rc = pl_dev_part_store(p, s, layer, buf, len, 1, io)))
-        goto out;
+        return rc;
     rekv_layer_counters *cnt = &p->counters[layer];
     if (ar != NULL) { /* and its activation (the attention input, in the output staging) */
         const rekv_kv_plan_block *ab = pl_block_at(p, ar, len);
-        if (ab == NULL) {
-            rc = -EPROTO;
-            goto out;
-        }
-        if (RESERVE(&io->d2h_act, 1)) {
-            rc = -ENOMEM;
-            goto out;
-        }
+        if (ab == NULL)
+            return -EPROTO;
+        if (RESERVE(&io->d2h_act, 1))
+            return -ENOMEM;
         io->d2h_act.v[io->d2h_act.n++] = (rekv_copy_piece){
             p->arena + ab->offset +
                 rekv_kv_act_offset(&p->geo, (uint32_t)(len % REKV_KV_BLOCK_TOKENS)),
             (uint8_t *)p->par[b].out_stage.p + (size_t)d->row0 * xrow, xrow};
         cnt->d2h_bytes[REKV_XFER_ACT] += xrow;
     }
-    d->start = dev + m;
-    io->kv_pos[d->row0] = dev + m;
-    cnt->h2d_bytes[REKV_XFER_KV] += fetched * 2 * row;
     cnt->h2d_bytes[REKV_XFER_ACT] += (uint64_t)r * xrow;
     cnt->d2h_bytes[REKV_XFER_KV] += 2 * (uint64_t)kvh * row;
-    cnt->tokens_fetched += (uint64_t)m;
     cnt->tokens_recomputed += (uint64_t)r;
     cnt->tokens_considered += (uint64_t)rest;
-out:
-    return rc;
+    return 0;
 }

@@ -118,19 +118,21 @@ typedef struct ig_state {
     size_t host_cap;
     int fold;         /* the partial query weight is W_Q·A[:, cols] (infinigen without RoPE) */
     int queries;      /* the speculation also copies each sparse item's whole query to the host
-                         (qhost) and waits for its readers (ev_read): clo's similarity test */
+                         (qhost): clo's similarity test */
     float *qhost;     /* clo: each sparse item's speculated query, [n_items][q_dim] (host) */
     size_t qhost_cap; /* floats */
     rekv_event *ev[MAX_GPU_BATCHES];      /* batch g's scores have reached the host */
-    rekv_event *ev_read[MAX_GPU_BATCHES]; /* clo: batch g's last decisions have read them (the
+    rekv_event *ev_read[MAX_GPU_BATCHES]; /* batch g's last decisions (clo's, infinigen's
+                                             selection) have read them on the h2d stream (the
                                              host copies may take the next layer's) */
-    float *scratch;                       /* rekv_ig_select's, [(n_kv + 1) * len], then the scores
+    float *scratch;                       /* per thread of the pool: rekv_ig_select's,
+                                             [(n_kv + 1) * len], then the scores
                                              past the device part (or the pool's live ones),
                                              [n_heads][len], then with a KV pool each KV
                                              head's live positions, [n_kv][len] (int32) */
     size_t scratch_cap;                   /* floats */
-    int32_t *sel;                         /* its selection, [n_kv * len] (len as scratch's), then
-                                             each token's votes [len] (pl_ig_item_plan) */
+    int32_t *sel;                         /* each token's votes [len] (pl_ig_item_plan, when
+                                             it recomputes within the selection) */
     int pool_limit; /* cfg.kv_pool_bytes as entries per (layer > 0, KV head); 0: no pool */
 } ig_state;
 
@@ -330,6 +332,9 @@ typedef struct step {
     size_t *ig_off;             /* infinigen: [n_items] offset of the item's speculated
                                    scores, SIZE_MAX when it fetches densely */
     struct clo_unit *clo_units; /* clo: the units decided on the h2d stream, newest first */
+    struct ig_unit *ig_units;   /* infinigen: the units that select, newest first */
+    int ig_wait;                /* infinigen: the step thread selects, waiting for the scores
+                                   (pl_ig_prepare says when); else the h2d stream does */
     int32_t *picks[MAX_GPU_BATCHES]; /* batch g's draws copied back: ids [items of batch], top
                                         ids, top logits (n_top of each drawing item), the
                                         log-sum-exps; NULL none */
@@ -353,8 +358,8 @@ typedef struct unit_io {
     int32_t *kv_pos; /* infinigen: [rows] where kv_scatter puts each new row (its slot), or NULL:
                         at its position */
     float **pk_rows; /* infinigen: [rows] where each new row's partial key goes, or NULL */
-    int32_t **sel;   /* infinigen: [batch items] each sparse item's selection, [n_kv][len] */
-    int *sel_m;      /* infinigen: its tokens per KV head (pl_ig_unit_select) */
+    struct ig_unit *ig; /* infinigen: the unit's selection (a layer > 0 with sparse items), or
+                           NULL; then the new rows also go at their positions (layer_compute) */
     struct clo_unit *clo; /* clo: the unit's decisions, made on the h2d stream (or NULL) */
 } unit_io;
 
@@ -382,6 +387,28 @@ typedef struct clo_unit {
     int rc;                        /* 0, or how the decisions failed */
     struct clo_unit *next;         /* the step's list */
 } clo_unit;
+
+/* infinigen: one unit's (layer > 0) selection, made once its speculated scores are on the host —
+ * by a host function on the h2d stream, so the step thread never waits for them (pl_ig_unit_fetch),
+ * or by the step thread itself where the plan needs the selection (st->ig_wait). In step memory;
+ * its counts reach the counters after the step (pl_ig_step_done). */
+typedef struct ig_unit {
+    rekv_pipeline *p;
+    step *st;
+    int g, g0, layer;
+    int n;                   /* sparse items */
+    int *items;              /* [n] their indices in the batch */
+    int32_t **sel;           /* [batch items] each sparse item's selection, [n_kv][len] */
+    int *sel_m;              /* [batch items] its tokens per KV head */
+    rekv_attn_seq *d;        /* the unit's descriptors: the selection sets each d[j].start */
+    int32_t *kv_pos;         /* the unit's io->kv_pos: the selection sets each new row's slot */
+    size_t per;              /* scratch floats per thread */
+    rekv_copy_piece *pieces; /* the selected rows, for copy_h2d_deferred (not st->ig_wait) */
+    size_t n_pieces, max_pieces;
+    uint64_t rows, tokens;   /* the selection's counts: K,V row pairs fetched, tokens per head */
+    int rc;                  /* 0, or how the selection failed */
+    struct ig_unit *next;    /* the step's list */
+} ig_unit;
 
 /* ------------------------------------------------------------------ the modes' table */
 
@@ -533,7 +560,19 @@ int pl_ig_unit_begin(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
 int pl_ig_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
 void pl_ig_seq_free(rekv_pipeline *p, rekv_pseq *s);
 int pl_ig_prefix_fill(rekv_pipeline *p, rekv_pseq *s, rekv_err *err);
-int pl_ig_unit_select(rekv_pipeline *p, step *st, int g, int layer, unit_io *io);
+/* Unit (layer > 0) of batch g with descriptors d: its selection's memory (io->ig), when it has
+ * sparse items; with st->ig_wait the selection itself, after waiting for the scores. */
+int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_seq *d,
+                       unit_io *io);
+/* The unit_fetch and step_done entries of infinigen's mode table. */
+void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io);
+int pl_ig_step_done(rekv_pipeline *p, step *st, rekv_err *err);
+/* On the h2d stream, after a unit's planned copies: once batch g's speculated scores are on the
+ * host, fn(arg) as a host function (name labels it) that writes pieces[0..*n) (at most max), then
+ * those rows' copy (copy_h2d_deferred); ig.ev_read[g], recorded once fn has run, frees the
+ * scores' host copies. */
+void pl_ig_decide(rekv_pipeline *p, int g, const char *name, rekv_host_fn fn, void *arg,
+                  const rekv_copy_piece *pieces, const size_t *n, size_t max);
 /* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, with the
  * unit's speculated scores on the host: fn(job, j, scratch) for each batch index j of
  * items[0..n), scratch its thread's per floats of p->ig.scratch. 0, or -ENOMEM when not even one
@@ -542,7 +581,7 @@ typedef struct pl_unit_job {
     rekv_pipeline *p;
     step *st;
     int g0, layer;
-    void *ctx; /* the caller's: infinigen's unit_io, clo's clo_unit */
+    void *ctx; /* the caller's: infinigen's ig_unit, clo's clo_unit */
     const int *items;
     size_t per;
     void (*fn)(const struct pl_unit_job *job, int j, float *scratch);
