@@ -550,160 +550,177 @@ static int r_stream_sync(rekv_stream *s, rekv_err *err)
 
 /* ------------------------------------------------------------------ replay */
 
+/* A recorded kernel launch (an op before OP_H2D), issued through the real kernel table. */
+static void issue_kernel(const rekv_kernel_iface *k, const rec_hdr *h, const void *arg)
+{
+    rekv_stream *s = h->s;
+    switch (h->op) {
+    case OP_LINEAR: {
+        const a_linear *a = arg;
+        (a->tiled ? k->linear_tiled : k->linear)(s, a->y, a->x, a->w, a->wt, a->bias, a->m,
+                                                 a->n, a->k);
+        break;
+    }
+    case OP_NORM: {
+        const a_norm *a = arg;
+        k->norm(s, a->out, a->in, a->w, a->b, a->m, a->d, a->eps);
+        break;
+    }
+    case OP_ROPE: {
+        const a_rope *a = arg;
+        k->rope(s, a->x, a->pos, a->m, a->n_heads, a->head_dim, a->f, a->style);
+        break;
+    }
+    case OP_ACT: {
+        const a_act *a = arg;
+        k->activation(s, a->x, a->b, a->n, a->act);
+        break;
+    }
+    case OP_ADD: {
+        const a_add *a = arg;
+        k->add(s, a->x, a->y, a->n);
+        break;
+    }
+    case OP_EMBED: {
+        const a_embed *a = arg;
+        k->embed(s, a->x, a->table, a->tt, a->tokens, a->pos_table, a->pos, a->pos_offset, a->m,
+                 a->e);
+        break;
+    }
+    case OP_SCATTER: {
+        const a_scatter *a = arg;
+        k->kv_scatter(s, a->k, a->v, a->rows, a->row_seq, a->row_pos, a->head_pos, a->seqs,
+                      a->n_kv, a->head_dim, a->dt);
+        break;
+    }
+    case OP_KV_GATHER: {
+        const a_kv_gather *a = arg;
+        k->kv_gather(s, a->k, a->rows, a->row_seq, a->row_pos, a->seqs, a->n_kv, a->head_dim,
+                     a->dt);
+        break;
+    }
+    case OP_ATTN: {
+        const a_attn *a = arg;
+        k->attention(s, a->out, a->q, a->seqs, a->n_seqs, a->rows, a->n_heads, a->n_kv,
+                     a->head_dim, a->scores, a->dt);
+        break;
+    }
+    case OP_CONVERT: {
+        const a_convert *a = arg;
+        k->convert(s, a->pieces, a->n, a->dtype);
+        break;
+    }
+    case OP_CONVERT_OUT: {
+        const a_convert_out *a = arg;
+        k->convert_out(s, a->dst, a->src, a->n, a->dtype);
+        break;
+    }
+    case OP_GATHER: {
+        const a_gather *a = arg;
+        k->gather_rows(s, a->dst, a->src, a->idx, a->n, a->w);
+        break;
+    }
+    case OP_HEAD_PROJ: {
+        const a_head_proj *a = arg;
+        k->head_proj(s, a->out, a->out_rows, a->in, a->a, a->rows, a->n_heads, a->group, a->hd,
+                     a->rk);
+        break;
+    }
+    case OP_SPEC: {
+        const a_spec *a = arg;
+        k->spec_scores(s, a->out, a->q, a->seqs, a->n, a->n_heads, a->group, a->rk, a->scale);
+        break;
+    }
+    case OP_SAMPLE: {
+        const a_sample *a = arg;
+        k->sample(s, a->ids, a->top_ids, a->top_vals, a->lp, a->logits, a->rows, a->n, a->vocab,
+                  a->scratch);
+        break;
+    }
+    case OP_QKV: {
+        const a_qkv *a = arg;
+        k->qkv(s, a->q, a->k, a->v, a->x, a->w, a->wt, a->bias, a->m, a->kdim, a->n_heads,
+               a->n_kv, a->head_dim, a->pos, a->f, a->style);
+        break;
+    }
+    case OP_BIAS_ACT: {
+        const a_bias_op *a = arg;
+        k->bias_activation(s, a->x, a->bias, a->b, a->m, a->n, a->act);
+        break;
+    }
+    case OP_BIAS_ADD: {
+        const a_bias_op *a = arg;
+        k->bias_add(s, a->x, a->y, a->bias, a->m, a->n);
+        break;
+    }
+    case OP_SCALE:
+    case OP_SOFTCAP: {
+        const a_scale *a = arg;
+        (h->op == OP_SCALE ? k->scale : k->softcap)(s, a->x, a->n, a->a);
+        break;
+    }
+    }
+}
+
+/* A recorded copy, host function, event or flag (OP_H2D and after), issued through the real
+ * backend. */
+static void issue_stream_op(const rekv_backend_iface *bi, const rec_hdr *h, const void *arg)
+{
+    rekv_stream *s = h->s;
+    switch (h->op) {
+    case OP_H2D:
+    case OP_D2H:
+    case OP_D2D: {
+        const a_copy *a = arg;
+        const rekv_copy_piece *pc = (const rekv_copy_piece *)(a + 1);
+        if (h->op == OP_H2D)
+            bi->copy_h2d(s, pc, a->n, a->kind);
+        else if (h->op == OP_D2H)
+            bi->copy_d2h(s, pc, a->n, a->kind);
+        else
+            bi->copy_d2d(s, pc, a->n);
+        break;
+    }
+    case OP_HOST: {
+        const a_host *a = arg;
+        bi->launch_host(s, a->name, a->fn, a->arg_bytes ? (const void *)(a + 1) : a->arg,
+                        a->arg_bytes);
+        break;
+    }
+    case OP_H2D_DEFERRED: {
+        const a_deferred *a = arg;
+        bi->copy_h2d_deferred(s, a->pieces, a->n, a->max, a->kind);
+        break;
+    }
+    case OP_RECORD:
+        bi->event_record((rekv_event *)h->obj, s);
+        break;
+    case OP_WAIT:
+        bi->stream_wait_event(s, (rekv_event *)h->obj);
+        break;
+    case OP_WAIT_FLAG: {
+        const a_flag *a = arg;
+        bi->stream_wait_flag(s, a->flag, a->value);
+        break;
+    }
+    case OP_WRITE_FLAG: {
+        const a_flag *a = arg;
+        bi->stream_write_flag(s, a->flag, a->value);
+        break;
+    }
+    }
+}
+
 /* Issues the recorded calls, in order, through the real kernel table and backend. */
 static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, const pl_log *l)
 {
     for (size_t at = 0; at < l->len;) {
         const rec_hdr *h = (const rec_hdr *)(l->p + at);
-        const void *arg = h + 1;
-        rekv_stream *s = h->s;
         at += sizeof(*h) + h->bytes;
-        switch (h->op) {
-        case OP_LINEAR: {
-            const a_linear *a = arg;
-            (a->tiled ? k->linear_tiled : k->linear)(s, a->y, a->x, a->w, a->wt, a->bias, a->m,
-                                                     a->n, a->k);
-            break;
-        }
-        case OP_NORM: {
-            const a_norm *a = arg;
-            k->norm(s, a->out, a->in, a->w, a->b, a->m, a->d, a->eps);
-            break;
-        }
-        case OP_ROPE: {
-            const a_rope *a = arg;
-            k->rope(s, a->x, a->pos, a->m, a->n_heads, a->head_dim, a->f, a->style);
-            break;
-        }
-        case OP_ACT: {
-            const a_act *a = arg;
-            k->activation(s, a->x, a->b, a->n, a->act);
-            break;
-        }
-        case OP_ADD: {
-            const a_add *a = arg;
-            k->add(s, a->x, a->y, a->n);
-            break;
-        }
-        case OP_EMBED: {
-            const a_embed *a = arg;
-            k->embed(s, a->x, a->table, a->tt, a->tokens, a->pos_table, a->pos, a->pos_offset, a->m,
-                     a->e);
-            break;
-        }
-        case OP_SCATTER: {
-            const a_scatter *a = arg;
-            k->kv_scatter(s, a->k, a->v, a->rows, a->row_seq, a->row_pos, a->head_pos, a->seqs,
-                          a->n_kv, a->head_dim, a->dt);
-            break;
-        }
-        case OP_KV_GATHER: {
-            const a_kv_gather *a = arg;
-            k->kv_gather(s, a->k, a->rows, a->row_seq, a->row_pos, a->seqs, a->n_kv, a->head_dim,
-                         a->dt);
-            break;
-        }
-        case OP_ATTN: {
-            const a_attn *a = arg;
-            k->attention(s, a->out, a->q, a->seqs, a->n_seqs, a->rows, a->n_heads, a->n_kv,
-                         a->head_dim, a->scores, a->dt);
-            break;
-        }
-        case OP_CONVERT: {
-            const a_convert *a = arg;
-            k->convert(s, a->pieces, a->n, a->dtype);
-            break;
-        }
-        case OP_CONVERT_OUT: {
-            const a_convert_out *a = arg;
-            k->convert_out(s, a->dst, a->src, a->n, a->dtype);
-            break;
-        }
-        case OP_GATHER: {
-            const a_gather *a = arg;
-            k->gather_rows(s, a->dst, a->src, a->idx, a->n, a->w);
-            break;
-        }
-        case OP_HEAD_PROJ: {
-            const a_head_proj *a = arg;
-            k->head_proj(s, a->out, a->out_rows, a->in, a->a, a->rows, a->n_heads, a->group, a->hd,
-                         a->rk);
-            break;
-        }
-        case OP_SPEC: {
-            const a_spec *a = arg;
-            k->spec_scores(s, a->out, a->q, a->seqs, a->n, a->n_heads, a->group, a->rk, a->scale);
-            break;
-        }
-        case OP_SAMPLE: {
-            const a_sample *a = arg;
-            k->sample(s, a->ids, a->top_ids, a->top_vals, a->lp, a->logits, a->rows, a->n, a->vocab,
-                      a->scratch);
-            break;
-        }
-        case OP_QKV: {
-            const a_qkv *a = arg;
-            k->qkv(s, a->q, a->k, a->v, a->x, a->w, a->wt, a->bias, a->m, a->kdim, a->n_heads,
-                   a->n_kv, a->head_dim, a->pos, a->f, a->style);
-            break;
-        }
-        case OP_BIAS_ACT: {
-            const a_bias_op *a = arg;
-            k->bias_activation(s, a->x, a->bias, a->b, a->m, a->n, a->act);
-            break;
-        }
-        case OP_BIAS_ADD: {
-            const a_bias_op *a = arg;
-            k->bias_add(s, a->x, a->y, a->bias, a->m, a->n);
-            break;
-        }
-        case OP_SCALE:
-        case OP_SOFTCAP: {
-            const a_scale *a = arg;
-            (h->op == OP_SCALE ? k->scale : k->softcap)(s, a->x, a->n, a->a);
-            break;
-        }
-        case OP_H2D:
-        case OP_D2H:
-        case OP_D2D: {
-            const a_copy *a = arg;
-            const rekv_copy_piece *pc = (const rekv_copy_piece *)(a + 1);
-            if (h->op == OP_H2D)
-                bi->copy_h2d(s, pc, a->n, a->kind);
-            else if (h->op == OP_D2H)
-                bi->copy_d2h(s, pc, a->n, a->kind);
-            else
-                bi->copy_d2d(s, pc, a->n);
-            break;
-        }
-        case OP_HOST: {
-            const a_host *a = arg;
-            bi->launch_host(s, a->name, a->fn, a->arg_bytes ? (const void *)(a + 1) : a->arg,
-                            a->arg_bytes);
-            break;
-        }
-        case OP_H2D_DEFERRED: {
-            const a_deferred *a = arg;
-            bi->copy_h2d_deferred(s, a->pieces, a->n, a->max, a->kind);
-            break;
-        }
-        case OP_RECORD:
-            bi->event_record((rekv_event *)h->obj, s);
-            break;
-        case OP_WAIT:
-            bi->stream_wait_event(s, (rekv_event *)h->obj);
-            break;
-        case OP_WAIT_FLAG: {
-            const a_flag *a = arg;
-            bi->stream_wait_flag(s, a->flag, a->value);
-            break;
-        }
-        case OP_WRITE_FLAG: {
-            const a_flag *a = arg;
-            bi->stream_write_flag(s, a->flag, a->value);
-            break;
-        }
-        }
+        if (h->op < OP_H2D)
+            issue_kernel(k, h, h + 1);
+        else
+            issue_stream_op(bi, h, h + 1);
     }
 }
 
