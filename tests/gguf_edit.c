@@ -5,6 +5,8 @@
 #include "tests/gguf_edit.h"
 
 #include <check.h>
+#include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,4 +208,28 @@ const char *tg_rewrite(const char *src, const tg_edit *edits, size_t n_edits, in
     free(kvs.p);
     rekv_gguf_close(g);
     return out;
+}
+
+void tg_check_llama_checksums(const char *file, const char *name, uint32_t type,
+                              const json_t *r, const float *y, uint64_t numel)
+{
+    const char *tn = rekv_ggml_type_name(type);
+    json_t *first8 = json_object_get(r, "first8");
+    ck_assert_msg(first8 != NULL, "%s %s: no checksums in the reference", file, name);
+    for (size_t k = 0; k < 8 && k < numel; k++) {
+        float want = (float)json_number_value(json_array_get(first8, k));
+        ck_assert_msg(y[k] == want, "%s %s (%s): first8[%zu] = %.9g, llama.cpp %.9g", file, name,
+                      tn, k, y[k], want);
+    }
+    double sum = 0, sumsq = 0;
+    for (uint64_t k = 0; k < numel; k++) {
+        sum += y[k];
+        sumsq += (double)y[k] * y[k];
+    }
+    double want_sum = json_number_value(json_object_get(r, "sum"));
+    double want_sq = json_number_value(json_object_get(r, "sumsq"));
+    ck_assert_msg(fabs(sum - want_sum) <= 1e-6, "%s %s (%s): sum %.12g, llama.cpp %.12g", file,
+                  name, tn, sum, want_sum);
+    ck_assert_msg(fabs(sumsq - want_sq) <= 1e-9 * fabs(want_sq),
+                  "%s %s (%s): sumsq %.15g, llama.cpp %.15g", file, name, tn, sumsq, want_sq);
 }

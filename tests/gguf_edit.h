@@ -1,8 +1,11 @@
-/* gguf_edit.h — test helper: a GGUF file rewritten with its metadata edited and, optionally, its
- * F16 tensors converted to another dtype (tests/test_gguf_model.c, tests/test_gguf_forward.c). */
+/* gguf_edit.h — test helpers for GGUF files: one rewritten with its metadata edited and,
+ * optionally, its F16 tensors converted to another dtype (tests/test_gguf_model.c,
+ * tests/test_gguf_forward.c); a tensor's dequantized values against llama.cpp's checksums
+ * (tests/test_gguf.c, tests/test_qdecode.c). */
 #ifndef REKV_TESTS_GGUF_EDIT_H
 #define REKV_TESTS_GGUF_EDIT_H
 
+#include <jansson.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -35,5 +38,11 @@ enum {
  * returns that path (static storage). Fails the calling test on any error. */
 const char *tg_rewrite(const char *src, const tg_edit *edits, size_t n_edits, int convert,
                        const char *dir);
+
+/* y, the numel values of tensor `name` of `file` dequantized (ggml type `type`), against r, its
+ * entry in ../shared/gguf's ref.json (llama.cpp's first8 exactly, sum within 1e-6, sumsq within
+ * 1e-9 relative). Fails the calling test naming the file, tensor and type. */
+void tg_check_llama_checksums(const char *file, const char *name, uint32_t type,
+                              const json_t *r, const float *y, uint64_t numel);
 
 #endif

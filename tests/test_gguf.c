@@ -5,6 +5,7 @@
  * field at fault (and a truncation at every byte of a whole file, none of which may crash). */
 #define _GNU_SOURCE
 #include "loader/gguf.h"
+#include "tests/gguf_edit.h"
 #include "tests/testutil.h"
 
 #include <errno.h>
@@ -86,24 +87,7 @@ START_TEST(shared_dequant_checksums)
         ck_assert_ptr_nonnull(y);
         rekv_err err = {0};
         ck_assert_msg(rekv_gguf_dequant(t, 0, t->numel, y, &err) == 0, "%s", err.msg);
-        json_t *first8 = json_object_get(r, "first8");
-        for (size_t k = 0; k < 8 && k < t->numel; k++) {
-            float want = (float)json_number_value(json_array_get(first8, k));
-            ck_assert_msg(y[k] == want, "%s %s: first8[%zu] = %.9g, llama.cpp %.9g", k_files[_i],
-                          t->name, k, y[k], want);
-        }
-        double sum = 0, sumsq = 0;
-        for (uint64_t k = 0; k < t->numel; k++) {
-            sum += y[k];
-            sumsq += (double)y[k] * y[k];
-        }
-        double want_sum = json_number_value(json_object_get(r, "sum"));
-        double want_sq = json_number_value(json_object_get(r, "sumsq"));
-        ck_assert_msg(fabs(sum - want_sum) <= 1e-6, "%s %s (%s): sum %.12g, llama.cpp %.12g",
-                      k_files[_i], t->name, rekv_ggml_type_name(t->type), sum, want_sum);
-        ck_assert_msg(fabs(sumsq - want_sq) <= 1e-9 * fabs(want_sq),
-                      "%s %s (%s): sumsq %.15g, llama.cpp %.15g", k_files[_i], t->name,
-                      rekv_ggml_type_name(t->type), sumsq, want_sq);
+        tg_check_llama_checksums(k_files[_i], t->name, t->type, r, y, t->numel);
         free(y);
     }
     json_decref(ref);

@@ -17,6 +17,7 @@
 #include "gpuworker/cpu_qgemm.h"
 #include "loader/gguf.h"
 #include "loader/gguf_block.h"
+#include "tests/gguf_edit.h"
 #include "tests/testutil.h"
 
 #include <jansson.h>
@@ -98,23 +99,7 @@ START_TEST(shared_tensors)
         ck_assert_ptr_nonnull(y);
         check_decoders(t->type, t->data, rows, k, y, t->name);
         json_t *r = json_object_get(tensors, t->name);
-        json_t *first8 = json_object_get(r, "first8");
-        for (size_t i = 0; i < 8; i++) {
-            float want = (float)json_number_value(json_array_get(first8, i));
-            ck_assert_msg(y[i] == want, "%s %s: first8[%zu] = %.9g, llama.cpp %.9g", k_files[_i],
-                          t->name, i, y[i], want);
-        }
-        double sum = 0, sumsq = 0;
-        for (uint64_t i = 0; i < t->numel; i++) {
-            sum += y[i];
-            sumsq += (double)y[i] * y[i];
-        }
-        double want_sum = json_number_value(json_object_get(r, "sum"));
-        double want_sq = json_number_value(json_object_get(r, "sumsq"));
-        ck_assert_msg(fabs(sum - want_sum) <= 1e-6, "%s %s: sum %.12g, llama.cpp %.12g",
-                      k_files[_i], t->name, sum, want_sum);
-        ck_assert_msg(fabs(sumsq - want_sq) <= 1e-9 * fabs(want_sq),
-                      "%s %s: sumsq %.15g, llama.cpp %.15g", k_files[_i], t->name, sumsq, want_sq);
+        tg_check_llama_checksums(k_files[_i], t->name, t->type, r, y, t->numel);
         free(y);
     }
     ck_assert_msg(types_seen != 0, "%s: no quantized tensor", k_files[_i]);
