@@ -146,6 +146,10 @@ typedef struct worker {
     uint64_t claim_ns;     /* when; 0: none pending */
     uint32_t out;          /* Plans sent whose Progress is not back: at most CO_PLANS_OUT */
     uint64_t step;         /* number of the last Plan sent; the oldest out is step - out + 1 */
+    uint64_t store_lost_upto; /* the last Plan out when the worker said its kvstore was lost: it
+                               * dropped its batch with the store, so a Progress up to that step
+                               * missing a job lost it with the store — even one that comes once
+                               * the store is back (0: none) */
     uint64_t plan_sent_ns[CO_PLANS_OUT]; /* when Plan s went out, at s % CO_PLANS_OUT */
     uint64_t progress_ns;                /* when its last Progress came */
     co_plan_pred pred[CO_PLANS_OUT]; /* the planner's prediction for Plan s, at s % CO_PLANS_OUT */

@@ -602,7 +602,7 @@ static uint64_t step_could_start(const worker *w, uint64_t s)
 static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker__Progress *p,
                             const char *unavailable)
 {
-    int store_lost = unavailable && *unavailable;
+    int store_lost = (unavailable && *unavailable) || p->step <= w->store_lost_upto;
     if (w->out == 0 || p->step != w->step - w->out + 1)
         return; /* stale: from before a reset */
     uint64_t mark = ++co->progress_mark;
@@ -722,8 +722,8 @@ static void worker_progress(rekv_coordinator *co, worker *w, const Rekv__Worker_
      * the worker (a step that failed and did not say so): it runs again, never stays RUNNING.
      * Jobs joining in a later Plan are not of this step. A worker that lost its kvstore between
      * steps dropped its batch with the store and refuses the Plan that crossed its word
-     * (wk_refuse_plan: it names only the Plan's joins): that loss, like one under a step, uses
-     * no attempt. */
+     * (wk_refuse_plan: it names only the Plan's joins) or, its store back by then, runs it
+     * without them (store_lost_upto): that loss, like one under a step, uses no attempt. */
     for (uint32_t k = 0; k < w->n_run;) {
         if (w->run[k]->mark == mark || w->run[k]->join_step > p->step) {
             k++;
@@ -754,6 +754,8 @@ static void worker_availability(rekv_coordinator *co, worker *w, const char *una
     else
         co_event(co, REKV_CO_EVENT_INFO, "worker %s is available again", w->name);
     snprintf(w->unavailable, sizeof(w->unavailable), "%s", u);
+    if (*u && w->out > 0) /* the Plans out will report the batch it dropped with its store */
+        w->store_lost_upto = w->step;
     if (*u && w->out == 0) {
         char why[320];
         snprintf(why, sizeof(why), "worker %s is unavailable: %s", w->name, u);

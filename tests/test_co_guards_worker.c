@@ -242,6 +242,58 @@ START_TEST(store_lost_between_steps)
 }
 END_TEST
 
+/* The same loss, but the store comes back before the worker reads the Plan that crossed its word:
+ * it says it is unavailable, then available again, then runs that Plan without the job it dropped
+ * with the store. The job goes back to the queue as a store loss (no attempt), as when the Plan is
+ * refused (was: "did not report it", an attempt — test_attempts store_losses_are_limited failed
+ * when its kill landed so). With --max-attempts 1 an attempt used would fail the job. */
+START_TEST(store_back_before_the_plan)
+{
+    env e;
+    /* one attempt: a loss that used it fails the job at once */
+    static const char *const one[] = {"--max-attempts", "1", NULL};
+    cg_env_start(&e, one);
+    rekv_ctl *c = cg_ctl_open(e.ctl);
+    fake f;
+    cg_fake_welcomed(&f, e.wrk, 2, 512);
+
+    uint64_t a = cg_submit_ok(c, 4, 0);
+    Rekv__Worker__CoordMsg *p1 = cg_fake_plan(&f), *p2 = cg_fake_plan(&f);
+    ck_assert_msg(p1 && p2, "the second Plan did not come before the first's Progress");
+    int32_t t[] = {42};
+    cg_fake_progress(&f, p1->plan->step, a, t, 1, 0, 0); /* a runs on */
+    Rekv__Worker__Heartbeat hb = REKV__WORKER__HEARTBEAT__INIT;
+    Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
+    m.body_case = REKV__WORKER__WORKER_MSG__BODY_HEARTBEAT;
+    m.heartbeat = &hb;
+    m.unavailable = "its kvstore at ipc:///nowhere is gone; reconnecting";
+    cg_fake_send(&f, &m); /* the store lost between steps, the batch with it */
+    m.unavailable = "";
+    cg_fake_send(&f, &m); /* back before the Plan is read */
+    cg_fake_no_job(&f, p2->plan->step, NULL); /* step 2 ran without a */
+    Rekv__Control__Response *r = NULL;
+    for (int tries = 0; tries < 2000; tries++) { /* Check's timeout is the guard */
+        if (r)
+            rekv__control__response__free_unpacked(r, NULL);
+        r = cg_stats(c);
+        if (r->stats->requeued > 0)
+            break;
+        usleep(5000);
+    }
+    ck_assert_uint_eq(r->stats->requeued, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+    r = tu_ctl_status(c, a);
+    /* the loss used no attempt: with one allowed, one used would have failed the job */
+    ck_assert_msg(r->job->state != REKV__CONTROL__JOB_STATE__FAILED, "failed: %s", r->job->error);
+    rekv__control__response__free_unpacked(r, NULL);
+    rekv__worker__coord_msg__free_unpacked(p1, NULL);
+    rekv__worker__coord_msg__free_unpacked(p2, NULL);
+    cg_fake_close(&f);
+    rekv_ctl_close(c);
+    cg_env_stop(&e);
+}
+END_TEST
+
 /* ---------------------------------------------------------------- log flood */
 
 /* A coordinator that got a worker's Hello and died before its Welcome: the next one knows the
@@ -290,6 +342,7 @@ static Suite *suite(void)
     tcase_add_test(tc, out_of_vocab_tokens_refused);
     tcase_add_test(tc, two_plans_out);
     tcase_add_test(tc, store_lost_between_steps);
+    tcase_add_test(tc, store_back_before_the_plan);
     tcase_add_test(tc, gpuworker_hello_lost_with_its_coordinator);
     suite_add_tcase(s, tc);
     return s;
