@@ -199,6 +199,37 @@ END_TEST
 
 /* ---------------------------------------------------------------- a store lost between steps */
 
+/* Job a submitted and joined by the fake worker's first Plan, which reports a token for it; the
+ * second Plan is out. *p1, *p2: the two Plans (the caller frees them). */
+static uint64_t a_runs_with_a_plan_out(rekv_ctl *c, fake *f, Rekv__Worker__CoordMsg **p1,
+                                       Rekv__Worker__CoordMsg **p2)
+{
+    uint64_t a = cg_submit_ok(c, 4, 0);
+    *p1 = cg_fake_plan(f);
+    *p2 = cg_fake_plan(f);
+    ck_assert_msg(*p1 && *p2, "the second Plan did not come before the first's Progress");
+    ck_assert_uint_eq((*p1)->plan->n_join, 1);
+    int32_t t[] = {42};
+    cg_fake_progress(f, (*p1)->plan->step, a, t, 1, 0, 0); /* a runs on */
+    return a;
+}
+
+/* Waits for the coordinator to put a job back (Check's timeout is the guard): exactly one. */
+static void requeued_once(rekv_ctl *c)
+{
+    Rekv__Control__Response *r = NULL;
+    for (int tries = 0; tries < 2000; tries++) {
+        if (r)
+            rekv__control__response__free_unpacked(r, NULL);
+        r = cg_stats(c);
+        if (r->stats->requeued > 0)
+            break;
+        usleep(5000);
+    }
+    ck_assert_uint_eq(r->stats->requeued, 1);
+    rekv__control__response__free_unpacked(r, NULL);
+}
+
 /* A worker whose kvstore went between two steps dropped its batch with the store and refuses the
  * Plan that crossed its word (wk_refuse_plan): the Progress names none of the running jobs and
  * says it is unavailable. Such a job runs again without using an attempt, as after a loss under a
@@ -210,27 +241,12 @@ START_TEST(store_lost_between_steps)
     rekv_ctl *c = cg_ctl_open(e.ctl);
     fake f;
     cg_fake_welcomed(&f, e.wrk, 2, 512);
-
-    uint64_t a = cg_submit_ok(c, 4, 0);
-    Rekv__Worker__CoordMsg *p1 = cg_fake_plan(&f), *p2 = cg_fake_plan(&f);
-    ck_assert_msg(p1 && p2, "the second Plan did not come before the first's Progress");
-    ck_assert_uint_eq(p1->plan->n_join, 1);
-    int32_t t[] = {42};
-    cg_fake_progress(&f, p1->plan->step, a, t, 1, 0, 0); /* a runs on */
+    Rekv__Worker__CoordMsg *p1, *p2;
+    uint64_t a = a_runs_with_a_plan_out(c, &f, &p1, &p2);
     /* step 2 refused: no job */
     cg_fake_no_job(&f, p2->plan->step, "its kvstore at ipc:///nowhere is gone; reconnecting");
-    Rekv__Control__Response *r = NULL;
-    for (int tries = 0; tries < 2000; tries++) { /* Check's timeout is the guard */
-        if (r)
-            rekv__control__response__free_unpacked(r, NULL);
-        r = cg_stats(c);
-        if (r->stats->requeued > 0)
-            break;
-        usleep(5000);
-    }
-    ck_assert_uint_eq(r->stats->requeued, 1);
-    rekv__control__response__free_unpacked(r, NULL);
-    r = tu_ctl_status(c, a);
+    requeued_once(c);
+    Rekv__Control__Response *r = tu_ctl_status(c, a);
     ck_assert_int_eq(r->job->state, REKV__CONTROL__JOB_STATE__QUEUED);
     ck_assert_uint_eq(r->job->attempts, 0); /* the loss used none */
     rekv__control__response__free_unpacked(r, NULL);
@@ -256,12 +272,8 @@ START_TEST(store_back_before_the_plan)
     rekv_ctl *c = cg_ctl_open(e.ctl);
     fake f;
     cg_fake_welcomed(&f, e.wrk, 2, 512);
-
-    uint64_t a = cg_submit_ok(c, 4, 0);
-    Rekv__Worker__CoordMsg *p1 = cg_fake_plan(&f), *p2 = cg_fake_plan(&f);
-    ck_assert_msg(p1 && p2, "the second Plan did not come before the first's Progress");
-    int32_t t[] = {42};
-    cg_fake_progress(&f, p1->plan->step, a, t, 1, 0, 0); /* a runs on */
+    Rekv__Worker__CoordMsg *p1, *p2;
+    uint64_t a = a_runs_with_a_plan_out(c, &f, &p1, &p2);
     Rekv__Worker__Heartbeat hb = REKV__WORKER__HEARTBEAT__INIT;
     Rekv__Worker__WorkerMsg m = REKV__WORKER__WORKER_MSG__INIT;
     m.body_case = REKV__WORKER__WORKER_MSG__BODY_HEARTBEAT;
@@ -271,18 +283,8 @@ START_TEST(store_back_before_the_plan)
     m.unavailable = "";
     cg_fake_send(&f, &m); /* back before the Plan is read */
     cg_fake_no_job(&f, p2->plan->step, NULL); /* step 2 ran without a */
-    Rekv__Control__Response *r = NULL;
-    for (int tries = 0; tries < 2000; tries++) { /* Check's timeout is the guard */
-        if (r)
-            rekv__control__response__free_unpacked(r, NULL);
-        r = cg_stats(c);
-        if (r->stats->requeued > 0)
-            break;
-        usleep(5000);
-    }
-    ck_assert_uint_eq(r->stats->requeued, 1);
-    rekv__control__response__free_unpacked(r, NULL);
-    r = tu_ctl_status(c, a);
+    requeued_once(c);
+    Rekv__Control__Response *r = tu_ctl_status(c, a);
     /* the loss used no attempt: with one allowed, one used would have failed the job */
     ck_assert_msg(r->job->state != REKV__CONTROL__JOB_STATE__FAILED, "failed: %s", r->job->error);
     rekv__control__response__free_unpacked(r, NULL);
