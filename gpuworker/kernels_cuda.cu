@@ -151,9 +151,31 @@ typedef struct cu_scratch {
 /* The kernels' state of one stream: a cuBLAS handle of its own (a handle's workspace must not be
  * shared by concurrent streams) bound to the stream, and the GEMMs' scratch. */
 enum { CU_SCRATCH_RETIRED = 48 };
+
+/* A GEMM's input in 16 bits without a conversion pass (issue 40). A linear with 16-bit weights
+ * reads x rounded to their dtype from the stream's xh. The kernels whose output feeds GEMMs —
+ * norm, activation, attention — write it there too, rounded as the conversion rounds it
+ * (store_from_f32), and tag it: whose fp32 values xh holds (src, n elements, dtype) and the
+ * stream's enqueue count then (rekv_stream.enq). A GEMM whose x is the tagged values, with nothing
+ * enqueued on the stream since but GEMMs that read them, takes xh as it is: no convert kernel and
+ * the same bits. Anything else in between (a kernel that may write x, a copy, a wait for another
+ * stream's work) leaves the tag stale and the GEMM converts as before, tagging its own
+ * conversion, so that unfused Q, K and V (or gate and up) share one. The producers write the
+ * dtype of the stream's last GEMM's input, nothing when that was fp32 (fp32 weights, a quantized
+ * GEMV) or there was none yet. The residual stream and the
+ * GEMMs' outputs stay fp32: the rounding is the one the GEMM's input always had. */
+typedef struct cu_x16 {
+    const float *src; /* NULL: xh holds nothing named */
+    size_t n;
+    int dtype;
+    uint64_t enq;
+} cu_x16;
+
 typedef struct cu_kstate {
     cublasHandle_t blas; /* bound to the stream; full fp32 products (no TF32) */
     cu_scratch xh;       /* a GEMM with 16-bit weights: x rounded to the weights' dtype */
+    cu_x16 x16;          /* what xh holds */
+    int x16_dtype;       /* the dtype of the stream's last GEMM's input; 0: fp32, or none yet */
     cu_scratch wh;       /* a GEMM with quantized weights: a chunk of their rows in f16 */
     cu_scratch yqkv;     /* qkv: the fused projection's output before its split */
     /* outgrown scratch, kept until the stream goes: a captured graph may still use one (growth
@@ -247,6 +269,51 @@ static int stream_scratch(rekv_stream *s, cu_kstate *k, cu_scratch *sc, size_t b
     return 0;
 }
 
+/* Where a kernel about to write n fp32 values writes them in 16 bits as well (ks->xh), in dtype
+ * *dt; NULL when the stream has run no 16-bit GEMM yet, or xh would have to grow inside a capture
+ * (stream_scratch). Whatever xh held is no longer named. */
+static void *x16_claim(rekv_stream *s, size_t n, int *dt)
+{
+    cu_kstate *ks = (cu_kstate *)s->kstate;
+    if (ks == NULL || ks->x16_dtype == 0 || n == 0)
+        return NULL;
+    ks->x16.src = NULL;
+    if (n * 2 > ks->xh.cap && (s->capturing || stream_scratch(s, ks, &ks->xh, n * 2) != 0))
+        return NULL;
+    *dt = ks->x16_dtype;
+    return ks->xh.p;
+}
+
+/* After the launch of the kernel that claimed xh: it holds src's n values, as of now. */
+static void x16_tag(rekv_stream *s, const float *src, size_t n, int dt)
+{
+    cu_kstate *ks = (cu_kstate *)s->kstate;
+    ks->x16 = cu_x16{src, n, dt, cuda_enq_now(s)};
+}
+
+/* Whether [a, a + an) and [b, b + bn) (bytes) overlap */
+static int spans_overlap(const void *a, size_t an, const void *b, size_t bn)
+{
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return x < y + bn && y < x + an;
+}
+
+/* After an op that read the tagged x and wrote only the n_out spans outs[i] (bytes): the tag
+ * still names x as of now, unless an output overlapped it. */
+static void x16_keep(rekv_stream *s, const float *x, void *const *outs, const size_t *n_out,
+                     int n)
+{
+    cu_kstate *ks = (cu_kstate *)s->kstate;
+    if (ks == NULL || ks->x16.src == NULL || ks->x16.src != x)
+        return;
+    for (int i = 0; i < n; i++)
+        if (outs[i] != NULL && spans_overlap(outs[i], n_out[i], x, ks->x16.n * sizeof(float))) {
+            ks->x16.src = NULL;
+            return;
+        }
+    ks->x16.enq = cuda_enq_now(s);
+}
+
 /* Rows of a quantized matrix dequantized into f16 (dst [rows][k]): w's rows of k weights in whole
  * blocks of type qt, row_bytes apart; each weight gguf_block.h's value (ggml's), rounded to
  * nearest even. Threads over a row's weights (x), rows over y. */
@@ -313,6 +380,7 @@ static int gemm(rekv_stream *s, cu_kstate *ks, float *y, const float *x, const v
     /* cuBLAS is column-major: row-major y[m][n] is y^T (n x m, ld n) = op_T(w) · x, where w's
      * rows [n][k] are a k x n matrix (ld k), transposed to n x k, and x is k x m (ld k) */
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    ks->x16_dtype = 0; /* unless x goes in 16 bits (below) */
     if (qt && m <= QGEMV_MAX_M) {
         unsigned blocks = (unsigned)((n + QGEMV_WARPS - 1) / QGEMV_WARPS);
         qgemv_kernel<<<blocks, 32 * QGEMV_WARPS, 0, s->cs>>>(y, x, (const uint8_t *)w, qt,
@@ -323,10 +391,16 @@ static int gemm(rekv_stream *s, cu_kstate *ks, float *y, const float *x, const v
     } else {
         rekv_dtype xt = qt ? REKV_DTYPE_F16 : wt;
         size_t xe = (size_t)m * (size_t)k;
-        if (stream_scratch(s, ks, &ks->xh, xe * 2) != 0)
-            return -1;
-        convert_out_kernel<<<ew_blocks(xe), EW_THREADS, 0, s->cs>>>(ks->xh.p, x, xe, (int)xt);
-        cuda_launch_check(s, "linear x");
+        const cu_x16 *t = &ks->x16;
+        ks->x16_dtype = (int)xt;
+        if (!(t->src == x && t->n == xe && t->dtype == (int)xt && t->enq == cuda_enq_now(s))) {
+            ks->x16.src = NULL;
+            if (stream_scratch(s, ks, &ks->xh, xe * 2) != 0)
+                return -1;
+            convert_out_kernel<<<ew_blocks(xe), EW_THREADS, 0, s->cs>>>(ks->xh.p, x, xe, (int)xt);
+            cuda_launch_check(s, "linear x");
+            x16_tag(s, x, xe, (int)xt); /* for the next GEMM of the same x */
+        }
         cudaDataType dt = xt == REKV_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
         size_t rb = (size_t)k / (be ? be : 1) * bb;
         int chunk = qt ? (int)(Q_CHUNK_WEIGHTS / k > 0 ? Q_CHUNK_WEIGHTS / k : 1) : n;
@@ -375,10 +449,13 @@ static void k_linear(rekv_stream *s, float *y, const float *x, const void *w, re
         cuda_launch_check(s, "linear bias");
     }
     cuda_op_end(s, op);
+    void *out = y;
+    size_t ob = sizeof(float) * (size_t)m * (size_t)n;
+    x16_keep(s, x, &out, &ob, 1); /* it wrote y alone */
 }
 
 __global__ static void norm_kernel(float *out, const float *in, const float *w, const float *b,
-                                   int d, float eps)
+                                   int d, float eps, void *o16, int dt16)
 {
     __shared__ float red[ROW_THREADS / 32];
     const float *x = in + (size_t)blockIdx.x * d;
@@ -396,15 +473,23 @@ __global__ static void norm_kernel(float *out, const float *in, const float *w, 
         var = block_sum(var, red) / (float)d;
         float inv = 1.0f / sqrtf(var + eps);
         /* each thread writes only what it read, after both reductions: out may equal in */
-        for (int j = threadIdx.x; j < d; j += blockDim.x)
-            y[j] = (x[j] - mean) * inv * w[j] + b[j];
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
+            float v = (x[j] - mean) * inv * w[j] + b[j];
+            y[j] = v;
+            if (o16 != NULL) /* x16_claim: the next GEMM's input */
+                store_from_f32(o16, (size_t)blockIdx.x * d + j, v, dt16);
+        }
     } else {
         float ss = 0;
         for (int j = threadIdx.x; j < d; j += blockDim.x)
             ss += x[j] * x[j];
         float inv = 1.0f / sqrtf(block_sum(ss, red) / (float)d + eps);
-        for (int j = threadIdx.x; j < d; j += blockDim.x)
-            y[j] = w[j] * (x[j] * inv);
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
+            float v = w[j] * (x[j] * inv);
+            y[j] = v;
+            if (o16 != NULL)
+                store_from_f32(o16, (size_t)blockIdx.x * d + j, v, dt16);
+        }
     }
 }
 
@@ -413,7 +498,12 @@ static void k_norm(rekv_stream *s, float *out, const float *in, const float *w, 
 {
     if (m <= 0 || d <= 0)
         return;
-    KLAUNCH(s, "norm", norm_kernel, m, ROW_THREADS, 0, out, in, w, b, d, eps);
+    int dt16 = 0;
+    size_t n = (size_t)m * (size_t)d;
+    void *o16 = x16_claim(s, n, &dt16);
+    KLAUNCH(s, "norm", norm_kernel, m, ROW_THREADS, 0, out, in, w, b, d, eps, o16, dt16);
+    if (o16 != NULL)
+        x16_tag(s, out, n, dt16);
 }
 
 /* A row's cos and sin of each pair at position pi into cosv, sinv ([f.half], shared), as
@@ -574,6 +664,10 @@ static void k_qkv(rekv_stream *s, float *q, float *k, float *v, const float *x, 
         cuda_launch_check(s, "qkv split");
     }
     cuda_op_end(s, op);
+    size_t qb = sizeof(float) * (size_t)m * (size_t)head_dim, ys = qb / head_dim * n;
+    void *outs[4] = {q, k, v, y};
+    size_t ob[4] = {qb * n_heads, qb * n_kv, qb * n_kv, ys};
+    x16_keep(s, x, outs, ob, 4); /* it wrote q, k, v and its scratch alone */
 }
 
 /* act (rekv_act) of v, the gated ones' (SiLU, tanh GELU) gate g (NULL: none) */
@@ -592,18 +686,28 @@ __device__ __forceinline__ static float act_of(float v, const float *g, size_t i
     return g ? sv * g[i] : sv;
 }
 
-__global__ static void act_kernel(float *a, const float *b, size_t n, int act)
+__global__ static void act_kernel(float *a, const float *b, size_t n, int act, void *o16,
+                                  int dt16)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        a[i] = act_of(a[i], b, i, act);
+         i += (size_t)gridDim.x * blockDim.x) {
+        float v = act_of(a[i], b, i, act);
+        a[i] = v;
+        if (o16 != NULL) /* x16_claim: the down projection's input */
+            store_from_f32(o16, i, v, dt16);
+    }
 }
 
 static void k_activation(rekv_stream *s, float *x, const float *b, size_t n, rekv_act act)
 {
     if (n == 0)
         return;
-    KLAUNCH(s, "activation", act_kernel, ew_blocks(n), EW_THREADS, 0, x, b, n, (int)act);
+    int dt16 = 0;
+    void *o16 = x16_claim(s, n, &dt16);
+    KLAUNCH(s, "activation", act_kernel, ew_blocks(n), EW_THREADS, 0, x, b, n, (int)act, o16,
+            dt16);
+    if (o16 != NULL)
+        x16_tag(s, x, n, dt16);
 }
 
 __global__ static void add_kernel(float *x, const float *y, size_t n)
@@ -646,12 +750,16 @@ static void k_softcap(rekv_stream *s, float *x, size_t n, float cap)
  * bias_activation, bias_add): blocks over rows, threads over columns, as bias_kernel, whose pass
  * they replace; the same sums in the same order as the bias kernel then the plain kernel. */
 __global__ static void bias_act_kernel(float *a, const float *bias, const float *b, int m, int n,
-                                       int act)
+                                       int act, void *o16, int dt16)
 {
     for (int r = blockIdx.x; r < m; r += gridDim.x) {
         size_t at = (size_t)r * (size_t)n;
-        for (int c = threadIdx.x; c < n; c += blockDim.x)
-            a[at + c] = act_of(a[at + c] + bias[c], b, at + c, act);
+        for (int c = threadIdx.x; c < n; c += blockDim.x) {
+            float v = act_of(a[at + c] + bias[c], b, at + c, act);
+            a[at + c] = v;
+            if (o16 != NULL)
+                store_from_f32(o16, at + c, v, dt16);
+        }
     }
 }
 
@@ -670,7 +778,13 @@ static void k_bias_activation(rekv_stream *s, float *a, const float *bias, const
     if (m <= 0 || n <= 0)
         return;
     unsigned nb = m < 65536 ? (unsigned)m : 65536u;
-    KLAUNCH(s, "activation", bias_act_kernel, nb, EW_THREADS, 0, a, bias, b, m, n, (int)act);
+    int dt16 = 0;
+    size_t ne = (size_t)m * (size_t)n;
+    void *o16 = x16_claim(s, ne, &dt16);
+    KLAUNCH(s, "activation", bias_act_kernel, nb, EW_THREADS, 0, a, bias, b, m, n, (int)act, o16,
+            dt16);
+    if (o16 != NULL)
+        x16_tag(s, a, ne, dt16);
 }
 
 static void k_bias_add(rekv_stream *s, float *x, const float *y, const float *bias, int m, int n)
@@ -931,7 +1045,7 @@ __device__ static void attn_warp_pass(const float *qs, const void *kv, int n_kv,
  * when normalise, else left with *mx and *sum for a later merge. */
 __device__ static void attn_merge(float *accs, float *ms, float *ls, int hd, float m, float l,
                                   const float *acc, float *o, int normalise, float *mx_out,
-                                  float *sum_out)
+                                  float *sum_out, void *o16, size_t i16, int dt16)
 {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
@@ -960,6 +1074,8 @@ __device__ static void attn_merge(float *accs, float *ms, float *ls, int hd, flo
         for (int w = 0; w < ATT_WARPS; w++)
             v += accs[w * hd + j] * wt[w];
         o[j] = v * inv;
+        if (o16 != NULL) /* x16_claim: the output projection's input, element i16 + j */
+            store_from_f32(o16, i16 + j, v * inv, dt16);
     }
     *mx_out = mx;
     *sum_out = sum;
@@ -975,7 +1091,7 @@ __device__ __forceinline__ static int attn_first(const rekv_attn_seq &sq, int kv
 template <int DT>
 __global__ static void __launch_bounds__(ATT_WARPS * 32)
     attention_kernel(float *out, const float *q, const rekv_attn_seq *seqs, int n_heads, int n_kv,
-                     int hd, size_t rb, float scale)
+                     int hd, size_t rb, float scale, void *o16, int dt16)
 {
     extern __shared__ float sh[];
     float *qs = sh, *accs = sh + hd, *ms = accs + ATT_WARPS * hd, *ls = ms + ATT_WARPS;
@@ -996,7 +1112,8 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
         attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, attn_first(sq, kvh, sq.start + i),
                            sq.start + i + 1, sq.scale > 0 ? sq.scale : scale, sq.softcap, m, l,
                            acc);
-        attn_merge(accs, ms, ls, hd, m, l, acc, out + r * qd + (size_t)h * hd, 1, &mx, &sum);
+        attn_merge(accs, ms, ls, hd, m, l, acc, out + r * qd + (size_t)h * hd, 1, &mx, &sum, o16,
+                   r * qd + (size_t)h * hd, dt16);
     }
 }
 
@@ -1043,7 +1160,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
     float m, l, acc[ATT_MAX_PER_LANE], mx, sum;
     attn_warp_pass<DT>(qs, sq.kv, n_kv, hd, rb, kvh, t0, t1, sq.scale > 0 ? sq.scale : scale,
                        sq.softcap, m, l, acc);
-    attn_merge(accs, ms, ls, hd, m, l, acc, pp + 2, 0, &mx, &sum);
+    attn_merge(accs, ms, ls, hd, m, l, acc, pp + 2, 0, &mx, &sum, NULL, 0, 0);
     if (threadIdx.x == 0) {
         pp[0] = mx;
         pp[1] = sum;
@@ -1052,7 +1169,7 @@ __global__ static void __launch_bounds__(ATT_WARPS * 32)
 
 /* Block (row r, head h): merges the chunks' partials (chunk 0 is never empty: a finite max). */
 __global__ static void attention_combine_kernel(float *out, const float *part, int n_heads,
-                                                int splits, int hd)
+                                                int splits, int hd, void *o16, int dt16)
 {
     size_t r = blockIdx.x;
     int h = blockIdx.y;
@@ -1066,13 +1183,16 @@ __global__ static void attention_combine_kernel(float *out, const float *part, i
         if (p0[z * stride] != -INFINITY)
             sum += p0[z * stride + 1] * expf(p0[z * stride] - mx);
     float inv = sum > 0 ? 1.0f / sum : 0.0f; /* nothing attended: zeros, as on cpu */
-    float *o = out + (r * (size_t)n_heads + (size_t)h) * hd;
+    size_t o0 = (r * (size_t)n_heads + (size_t)h) * hd;
+    float *o = out + o0;
     for (int j = threadIdx.x; j < hd; j += blockDim.x) {
         float v = 0;
         for (int z = 0; z < splits; z++)
             if (p0[z * stride] != -INFINITY)
                 v += p0[z * stride + 2 + j] * expf(p0[z * stride] - mx);
         o[j] = v * inv;
+        if (o16 != NULL)
+            store_from_f32(o16, o0 + j, v * inv, dt16);
     }
 }
 
@@ -1150,16 +1270,27 @@ static void k_attention(rekv_stream *s, float *out, const float *q, const rekv_a
         dim3 grid((unsigned)n_heads, (unsigned)n_seqs, (unsigned)splits);
         ATT_LAUNCH(s, dt, attention_split_kernel, grid, shmem, part, q, seqs, n_heads, n_kv,
                    head_dim, rb, scale);
+        int dt16 = 0;
+        size_t no = (size_t)rows * (size_t)n_heads * (size_t)head_dim;
+        void *o16 = x16_claim(s, no, &dt16);
         KLAUNCH(s, "attention", attention_combine_kernel, dim3((unsigned)rows, (unsigned)n_heads),
-                128, 0, out, part, n_heads, splits, head_dim);
+                128, 0, out, part, n_heads, splits, head_dim, o16, dt16);
+        if (o16 != NULL)
+            x16_tag(s, out, no, dt16);
         cuda_stream_check(s, cudaFreeAsync(part, s->cs), "attention scratch");
+        x16_keep(s, out, NULL, NULL, 0); /* the free wrote nothing */
         return;
     }
     /* one row per sequence (decode): one block per (head, sequence) — slices would only find
      * no row of theirs and exit */
     dim3 grid((unsigned)n_heads, (unsigned)n_seqs, rows == n_seqs ? 1u : (unsigned)ATT_ROW_SLICES);
+    int dt16 = 0;
+    size_t no = (size_t)rows * (size_t)n_heads * (size_t)head_dim;
+    void *o16 = x16_claim(s, no, &dt16);
     ATT_LAUNCH(s, dt, attention_kernel, grid, shmem, out, q, seqs, n_heads, n_kv, head_dim, rb,
-               scale);
+               scale, o16, dt16);
+    if (o16 != NULL)
+        x16_tag(s, out, no, dt16);
 }
 
 /* One block per piece (the piece read once, through shared memory), threads over its elements. */

@@ -2407,6 +2407,162 @@ static uint8_t *qrand(uint32_t type, int n, int k, size_t *bytes)
     return w;
 }
 
+/* ------------------------------------------------------------------ 16-bit GEMM input */
+
+/* Device results a and b (n floats) are the same bits. */
+static void expect_same_bits(const char *what, const float *a, const float *b, size_t n)
+{
+    float *ha = host_from(a, sizeof(float) * n), *hb = host_from(b, sizeof(float) * n);
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(memcmp(&ha[i], &hb[i], sizeof(float)) == 0,
+                      "%s: element %zu of %zu: %.9g, where %.9g", what, i, n, ha[i], hb[i]);
+    free(ha), free(hb);
+}
+
+/* Whether device results a and b (n floats) differ somewhere */
+static int dev_differ(const float *a, const float *b, size_t n)
+{
+    float *ha = host_from(a, sizeof(float) * n), *hb = host_from(b, sizeof(float) * n);
+    int d = memcmp(ha, hb, sizeof(float) * n) != 0;
+    free(ha), free(hb);
+    return d;
+}
+
+/* The GEMM's 16-bit input written by the kernel that makes it (issue 40, kernels_cuda.cu cu_x16):
+ * a linear with 16-bit weights right after a norm, an activation or the attention (split and
+ * plain) reads the copy they wrote — the same bits as the conversion it replaces, checked against
+ * the same calls with an exact `scale` by 1 in between, which makes the linear convert — and never
+ * a stale one: a kernel (add) or a copy into x between the two, or a capture's start, makes the
+ * linear convert what x holds then. Against cpu, the norm's linear within the 16-bit bound. */
+START_TEST(kernel_x16_input)
+{
+    backends_open();
+    const rekv_kernel_iface *K = rekv_kernels_of(g_cu);
+    enum { M = 9, D = 320, N = 200, NS = 4, NH = 4, NKV = 2, HD = 80 };
+    static const rekv_dtype dts[] = {REKV_DTYPE_F16, REKV_DTYPE_BF16};
+    size_t nx = (size_t)M * D, ny = (size_t)M * N;
+    for (size_t di = 0; di < 2; di++) {
+        rekv_dtype dt = dts[di];
+        float *x = hrand(nx, 3), *nw = hrand(D, 1), *z = hrand(nx, 1), *g = hrand(nx, 2);
+        float *w = hrand((size_t)N * D, 1);
+        uint16_t *wh = malloc(sizeof(uint16_t) * (size_t)N * D);
+        rekv_from_f32(wh, w, dt, (size_t)N * D);
+        float *dx = dev_from(x, sizeof(float) * nx), *dnw = dev_from(nw, sizeof(float) * D);
+        float *dz = dev_from(z, sizeof(float) * nx), *dg = dev_from(g, sizeof(float) * nx);
+        void *dW = dev_from(wh, sizeof(uint16_t) * (size_t)N * D);
+        float *dh = dev_zero(sizeof(float) * nx), *ya = dev_zero(sizeof(float) * ny);
+        float *yb = dev_zero(sizeof(float) * ny), *yc = dev_zero(sizeof(float) * ny);
+        char what[96];
+        /* the stream's first 16-bit GEMM: from now on its producers write dt */
+        K->linear(g_scu, ya, dx, dW, dt, NULL, M, N, D);
+        /* norm -> linear, the copy against the conversion; and against cpu */
+        K->norm(g_scu, dh, dx, dnw, NULL, M, D, 1e-5f);
+        K->linear(g_scu, ya, dh, dW, dt, NULL, M, N, D);
+        K->linear(g_scu, yc, dh, dW, dt, NULL, M, N, D); /* a second GEMM of the same x */
+        K->norm(g_scu, dh, dx, dnw, NULL, M, D, 1e-5f);
+        K->scale(g_scu, dh, nx, 1.0f);
+        K->linear(g_scu, yb, dh, dW, dt, NULL, M, N, D);
+        sync_cu();
+        snprintf(what, sizeof(what), "%s: norm -> linear", rekv_dtype_name(dt));
+        expect_same_bits(what, ya, yb, ny);
+        expect_same_bits(what, yc, yb, ny);
+        float *hh = malloc(sizeof(float) * nx), *hy = malloc(sizeof(float) * ny);
+        rekv_cpu_kernels.norm(g_scpu, hh, x, nw, NULL, M, D, 1e-5f);
+        rekv_cpu_kernels.linear(g_scpu, hy, hh, wh, dt, NULL, M, N, D);
+        sync_cpu();
+        expect_dev(what, ya, hy, ny, KERNEL_TOL_16BIT(dt, D));
+        /* a kernel writes x in between: the linear sees its result, not the norm's */
+        K->norm(g_scu, dh, dx, dnw, NULL, M, D, 1e-5f);
+        K->add(g_scu, dh, dz, nx);
+        K->linear(g_scu, yc, dh, dW, dt, NULL, M, N, D);
+        K->norm(g_scu, dh, dx, dnw, NULL, M, D, 1e-5f);
+        K->add(g_scu, dh, dz, nx);
+        K->scale(g_scu, dh, nx, 1.0f);
+        K->linear(g_scu, yb, dh, dW, dt, NULL, M, N, D);
+        sync_cu();
+        snprintf(what, sizeof(what), "%s: norm, add -> linear", rekv_dtype_name(dt));
+        expect_same_bits(what, yc, yb, ny);
+        ck_assert_msg(dev_differ(yc, ya, ny), "%s: the add changed nothing", what);
+        /* a copy into x in between */
+        K->norm(g_scu, dh, dx, dnw, NULL, M, D, 1e-5f);
+        rekv_copy_piece pc = {dh, dz, sizeof(float) * nx};
+        g_cu->iface->copy_d2d(g_scu, &pc, 1);
+        K->linear(g_scu, yc, dh, dW, dt, NULL, M, N, D);
+        K->scale(g_scu, dz, nx, 1.0f);
+        K->linear(g_scu, yb, dz, dW, dt, NULL, M, N, D);
+        sync_cu();
+        snprintf(what, sizeof(what), "%s: norm, copy -> linear", rekv_dtype_name(dt));
+        expect_same_bits(what, yc, yb, ny);
+        /* a capture begins in between: the graph's linear converts (the norm is not the
+         * graph's) */
+        rekv_err err = {0};
+        rekv_graph *gr = NULL;
+        K->norm(g_scu, dh, dx, dnw, NULL, M, D, 1e-5f);
+        ck_assert_msg(g_cu->iface->graph_begin(g_scu, &err) == 0, "%s", err.msg);
+        K->linear(g_scu, yc, dh, dW, dt, NULL, M, N, D);
+        ck_assert_msg(g_cu->iface->graph_end(g_scu, &gr, &err) == 0, "%s", err.msg);
+        K->add(g_scu, dh, dz, nx); /* x changes, then the graph runs */
+        g_cu->iface->graph_launch(g_scu, gr);
+        K->scale(g_scu, dh, nx, 1.0f);
+        K->linear(g_scu, yb, dh, dW, dt, NULL, M, N, D);
+        sync_cu();
+        g_cu->iface->graph_destroy(gr);
+        snprintf(what, sizeof(what), "%s: norm, capture -> linear", rekv_dtype_name(dt));
+        expect_same_bits(what, yc, yb, ny);
+        /* activation (gated) -> linear */
+        float *da = dev_zero(sizeof(float) * nx);
+        rekv_copy_piece pa = {da, dz, sizeof(float) * nx};
+        g_cu->iface->copy_d2d(g_scu, &pa, 1);
+        K->activation(g_scu, da, dg, nx, REKV_ACT_SILU);
+        K->linear(g_scu, ya, da, dW, dt, NULL, M, N, D);
+        g_cu->iface->copy_d2d(g_scu, &pa, 1);
+        K->activation(g_scu, da, dg, nx, REKV_ACT_SILU);
+        K->scale(g_scu, da, nx, 1.0f);
+        K->linear(g_scu, yb, da, dW, dt, NULL, M, N, D);
+        sync_cu();
+        snprintf(what, sizeof(what), "%s: activation -> linear", rekv_dtype_name(dt));
+        expect_same_bits(what, ya, yb, ny);
+        /* attention -> linear: a decode batch (split: few blocks) and two rows a sequence */
+        for (int rows_each = 1; rows_each <= 2; rows_each++) {
+            size_t rb = rekv_kv_row_bytes(REKV_DTYPE_F16, HD);
+            rekv_attn_seq *cu_d = meta(sizeof(rekv_attn_seq) * NS);
+            void *hkv[NS], *dkv[NS];
+            for (int i = 0; i < NS; i++) {
+                int start = 100 + 37 * i;
+                size_t sz = rekv_kv_buffer_bytes(NKV, HD, start + rows_each, rb);
+                hkv[i] = kv_host_rand(REKV_DTYPE_F16, HD, sz);
+                dkv[i] = dev_from(hkv[i], sz);
+                cu_d[i] = (rekv_attn_seq){dkv[i], start, rows_each, i * rows_each, NULL, 0, 0, 0};
+            }
+            int rows = NS * rows_each; /* <= M: ya holds rows x N */
+            float *q = hrand((size_t)rows * NH * HD, 1);
+            float *dq = dev_from(q, sizeof(float) * (size_t)rows * NH * HD);
+            K->attention(g_scu, dh, dq, cu_d, NS, rows, NH, NKV, HD, NULL, REKV_DTYPE_F16);
+            K->linear(g_scu, ya, dh, dW, dt, NULL, rows, N, D);
+            K->attention(g_scu, dh, dq, cu_d, NS, rows, NH, NKV, HD, NULL, REKV_DTYPE_F16);
+            K->scale(g_scu, dh, (size_t)rows * D, 1.0f);
+            K->linear(g_scu, yb, dh, dW, dt, NULL, rows, N, D);
+            sync_cu();
+            snprintf(what, sizeof(what), "%s: attention (%d rows a sequence) -> linear",
+                     rekv_dtype_name(dt), rows_each);
+            expect_same_bits(what, ya, yb, (size_t)rows * N);
+            for (int i = 0; i < NS; i++) {
+                dev_free(dkv[i]);
+                free(hkv[i]);
+            }
+            dev_free(dq);
+            meta_free(cu_d);
+            free(q);
+        }
+        dev_free(da), dev_free(dx), dev_free(dnw), dev_free(dz), dev_free(dg), dev_free(dW);
+        dev_free(dh), dev_free(ya), dev_free(yb), dev_free(yc);
+        free(x), free(nw), free(z), free(g), free(w), free(wh), free(hh), free(hy);
+    }
+    backends_close();
+}
+END_TEST
+
+
 /* linear over each quantized type: the cpu multiplies the exact blocks (cpu_qgemm.c); cuda runs
  * up to 4 rows through its fused dequantizing GEMV (fp32 x, exact weights) and more through the
  * f16 GEMM on the blocks decoded into f16, x rounded to f16 — one bound for both, the wider
@@ -2567,6 +2723,11 @@ static Suite *suite(void)
     tcase_add_test(tg, kernel_attention_gemma);
     tcase_add_test(tg, pipeline_gemma);
     suite_add_tcase(s, tg);
+    /* a GEMM's 16-bit input written by the kernel before it (issue 40), alone: CK_RUN_CASE=x16 */
+    TCase *tx = tcase_create("x16");
+    tcase_set_timeout(tx, 300);
+    tcase_add_test(tx, kernel_x16_input);
+    suite_add_tcase(s, tx);
     /* quantized GGUF weights kept in their blocks on the device (issue 43), alone:
      * CK_RUN_CASE=quant */
     TCase *tqw = tcase_create("quant");

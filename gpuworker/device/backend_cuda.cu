@@ -85,6 +85,7 @@ int cuda_error_is_sticky(cudaError_t e)
 
 int cuda_stream_check(rekv_stream *s, cudaError_t e, const char *what)
 {
+    cuda_enq_count(s);
     if (e == cudaSuccess)
         return 0;
     cudaGetLastError(); /* kept by the stream: not left for another stream's launch check */
@@ -407,6 +408,7 @@ static int cu_graph_begin(rekv_stream *s, rekv_err *err)
         return rekv_errf(err, -EIO, "cuda stream %s: capture: %s", s->name, cudaGetErrorString(e));
     }
     s->capturing = 1;
+    cuda_enq_count(s); /* nothing tagged before the capture is the graph's */
     memset(&s->captured, 0, sizeof(s->captured));
     /* a failure pending from before: kept aside, so that the capture's own are told apart */
     s->pre_capture_code = s->err_code;
@@ -440,6 +442,7 @@ static int cu_graph_end(rekv_stream *s, rekv_graph **out, rekv_err *err)
     cudaGraph_t graph = NULL;
     cudaError_t e = cudaStreamEndCapture(s->cs, &graph);
     s->capturing = 0;
+    cuda_enq_count(s);
     int failed = s->err_code;
     char why[512];
     snprintf(why, sizeof(why), "%s", failed ? s->err_msg : "");

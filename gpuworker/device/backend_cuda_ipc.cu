@@ -402,6 +402,7 @@ void cuda_stream_wait_flag(rekv_stream *s, const uint32_t *flag, uint32_t value)
         return;
     snprintf(label, sizeof(label), "wait flag >= %u", (unsigned)value);
     long op = cuda_op_begin(s, CU_OP_WAIT, label);
+    cuda_enq_count(s);
     if (be->wait_value32 == NULL ||
         be->wait_value32(s->cs, d, value, be->wait_flags) != CUDA_SUCCESS) {
         flag_wait_kernel<<<1, 1, 0, s->cs>>>((const volatile uint32_t *)(uintptr_t)d, value);
@@ -421,6 +422,7 @@ void cuda_stream_write_flag(rekv_stream *s, uint32_t *flag, uint32_t value)
     if (flag_device_ptr(s, flag, "write flag", &d) < 0)
         return;
     /* the default flags fence the stream's earlier writes before the store */
+    cuda_enq_count(s);
     if (be->write_value32 == NULL ||
         be->write_value32(s->cs, d, value, CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
         flag_write_kernel<<<1, 1, 0, s->cs>>>((volatile uint32_t *)(uintptr_t)d, value);

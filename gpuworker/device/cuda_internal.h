@@ -143,7 +143,23 @@ struct rekv_stream {
     size_t n_waits, cap_waits;
     int32_t peer_died; /* a recorder it waits on died first: blocked for good on the device */
     char peer_msg[256];
+    /* operations enqueued so far: every cuda_stream_check (each enqueue checks its call) and
+     * cuda_launch_check counts one, as do a capture's begin and end (more counted than enqueued
+     * is harmless). The kernels' 16-bit GEMM input is tagged with it (kernels_cuda.cu cu_x16):
+     * a tag whose count is still the stream's has had nothing enqueued after it. Atomic: a host
+     * function's check may run on CUDA's thread. */
+    uint64_t enq;
 };
+
+/* s->enq now, and one more enqueued */
+static inline uint64_t cuda_enq_now(rekv_stream *s)
+{
+    return __atomic_load_n(&s->enq, __ATOMIC_RELAXED);
+}
+static inline void cuda_enq_count(rekv_stream *s)
+{
+    __atomic_add_fetch(&s->enq, 1, __ATOMIC_RELAXED);
+}
 
 /* Creates the runtime on device `device` (the module's backend_create, backend_cuda.h). */
 int cuda_backend_create(int device, rekv_backend **out, rekv_err *err);
