@@ -32,7 +32,7 @@ static void *meta_alloc(meta_arena *a, size_t bytes)
     uint8_t *p = rekv_host_alloc(a->be, cap);
     if (p == NULL)
         return NULL;
-    a->chunks[a->n++] = (meta_chunk){p, cap, bytes};
+    a->chunks[a->n++] = (meta_chunk){p, cap, bytes, NULL};
     a->cur = a->n - 1;
     memset(p, 0, bytes);
     return p;
@@ -47,8 +47,11 @@ static void meta_reset(meta_arena *a)
 
 void pl_meta_free(meta_arena *a)
 {
-    for (size_t i = 0; i < a->n; i++)
+    for (size_t i = 0; i < a->n; i++) {
         rekv_host_free(a->be, a->chunks[i].p);
+        if (a->chunks[i].dev)
+            a->be->iface->dev_free(a->be, a->chunks[i].dev);
+    }
     free(a->chunks);
     memset(a, 0, sizeof(*a));
 }

@@ -18,7 +18,18 @@
  * capture the backend refuses (cuBLAS or the driver may refuse one) turns graphs off for the
  * pipeline, with a warning; the step's calls then run as recorded. Either way the same calls run
  * in the same order, so a graph changes no bit (tests/test_pipeline.c graph_steps). REKV_GRAPHS=0
- * turns graphs off, for benchmarks (`rekv bench decode` reports graph_steps per mode). */
+ * turns graphs off, for benchmarks (`rekv bench decode` reports graph_steps per mode).
+ *
+ * The metadata once per step (issue 40): kernels read the step's metadata (positions, descriptors,
+ * sampling rows) from the arena's host memory, pinned and mapped on cuda, over the link. A graph
+ * instead begins with one copy of the arena's chunks in use to a device copy of each (meta_chunk
+ * dev), and its kernels are issued with their metadata arguments pointing there (log_to_device:
+ * the arguments a kernel reads, never those it writes, such as the sampled tokens the host takes
+ * back). By the end of the step's recording the host has written all of it, and a graph holds no
+ * host function that could write more, so the copy is what the kernels would have read. A step
+ * issued call by call (a shape seen once) reads the host memory as before. Pointers inside the
+ * metadata stay as written: a resident step's point at device buffers (the KV, partial keys),
+ * never back into the arena (clo's skip lists would, and clo never runs as a graph). */
 #include "gpuworker/pipeline_internal.h"
 
 #include <errno.h>
@@ -711,6 +722,125 @@ static void issue_stream_op(const rekv_backend_iface *bi, const rec_hdr *h, cons
     }
 }
 
+/* ------------------------------------------------------------------ the metadata on the device */
+
+/* ptr's place in the device copy of the arena's chunk that holds it (in use), or ptr */
+static const void *meta_dev(const meta_arena *a, const void *ptr)
+{
+    const uint8_t *q = ptr;
+    for (size_t i = 0; q != NULL && i < a->n; i++) {
+        const meta_chunk *c = &a->chunks[i];
+        if (c->dev != NULL && q >= c->p && q < c->p + c->used)
+            return (const uint8_t *)c->dev + (q - c->p);
+    }
+    return ptr;
+}
+
+#define TO_DEV(a, field) ((field) = (__typeof__(field))meta_dev((a), (field)))
+
+/* out: the recording l with each kernel's metadata arguments — what it reads — in the arena's
+ * device copies. -ENOMEM. */
+static int log_to_device(const pl_log *l, pl_log *out, const meta_arena *m)
+{
+    if (pl_reserve_bytes((void **)&out->p, &out->cap, l->len, 1))
+        return -ENOMEM;
+    memcpy(out->p, l->p, l->len);
+    out->len = l->len;
+    for (size_t at = 0; at < out->len;) {
+        rec_hdr *h = (rec_hdr *)(out->p + at);
+        void *arg = h + 1;
+        at += sizeof(*h) + h->bytes;
+        switch (h->op) {
+        case OP_ROPE:
+            TO_DEV(m, ((a_rope *)arg)->pos);
+            break;
+        case OP_EMBED:
+            TO_DEV(m, ((a_embed *)arg)->tokens);
+            TO_DEV(m, ((a_embed *)arg)->pos);
+            break;
+        case OP_SCATTER: {
+            a_scatter *a = arg;
+            TO_DEV(m, a->row_seq), TO_DEV(m, a->row_pos), TO_DEV(m, a->head_pos);
+            TO_DEV(m, a->seqs);
+            break;
+        }
+        case OP_KV_GATHER: {
+            a_kv_gather *a = arg;
+            TO_DEV(m, a->row_seq), TO_DEV(m, a->row_pos), TO_DEV(m, a->seqs);
+            break;
+        }
+        case OP_ATTN:
+            TO_DEV(m, ((a_attn *)arg)->seqs);
+            break;
+        case OP_CONVERT:
+            TO_DEV(m, ((a_convert *)arg)->pieces);
+            break;
+        case OP_GATHER:
+            TO_DEV(m, ((a_gather *)arg)->idx);
+            break;
+        case OP_HEAD_PROJ:
+            TO_DEV(m, ((a_head_proj *)arg)->out_rows);
+            break;
+        case OP_SPEC:
+            TO_DEV(m, ((a_spec *)arg)->seqs);
+            break;
+        case OP_SAMPLE:
+            TO_DEV(m, ((a_sample *)arg)->rows);
+            break;
+        case OP_QKV:
+            TO_DEV(m, ((a_qkv *)arg)->pos);
+            break;
+        }
+    }
+    return 0;
+}
+
+/* The copy of the arena's chunks in use to their device copies (made here on first use) into
+ * p->gr.meta_copy; -ENOMEM when one cannot be made (the step then reads the host memory). */
+static int meta_copy_make(rekv_pipeline *p)
+{
+    meta_arena *a = &p->meta;
+    const rekv_backend_iface *bi = p->gr.real_bi;
+    p->gr.n_meta_copy = 0;
+    for (size_t i = 0; i < a->n; i++) {
+        meta_chunk *c = &a->chunks[i];
+        if (c->used == 0)
+            continue;
+        if (c->dev == NULL && (c->dev = bi->dev_alloc(p->be, c->cap)) == NULL)
+            return -ENOMEM;
+        if (pl_reserve_bytes((void **)&p->gr.meta_copy, &p->gr.cap_meta_copy,
+                             p->gr.n_meta_copy + 1, sizeof(rekv_copy_piece)))
+            return -ENOMEM;
+        p->gr.meta_copy[p->gr.n_meta_copy++] = (rekv_copy_piece){c->dev, c->p, c->used};
+    }
+    return 0;
+}
+
+static uint64_t meta_copy_bytes(const rekv_pipeline *p)
+{
+    uint64_t b = 0;
+    for (size_t i = 0; i < p->gr.n_meta_copy; i++)
+        b += p->gr.meta_copy[i].bytes;
+    return b;
+}
+
+/* Whether the arena's chunks in use are those the graph copies. */
+static int meta_copy_same(const rekv_pipeline *p)
+{
+    const meta_arena *a = &p->meta;
+    size_t k = 0;
+    for (size_t i = 0; i < a->n; i++) {
+        const meta_chunk *c = &a->chunks[i];
+        if (c->used == 0)
+            continue;
+        if (k == p->gr.n_meta_copy || p->gr.meta_copy[k].src != c->p ||
+            p->gr.meta_copy[k].bytes != c->used)
+            return 0;
+        k++;
+    }
+    return k == p->gr.n_meta_copy;
+}
+
 /* Issues the recorded calls, in order, through the real kernel table and backend. */
 static void log_issue(const rekv_kernel_iface *k, const rekv_backend_iface *bi, const pl_log *l)
 {
@@ -774,8 +904,9 @@ void pl_graph_free(rekv_pipeline *p)
 {
     if (p->gr.graph && p->gr.real_bi)
         p->gr.real_bi->graph_destroy(p->gr.graph);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < PL_LOGS; i++)
         free(p->gr.log[i].p);
+    free(p->gr.meta_copy);
 }
 
 int pl_graph_begin(rekv_pipeline *p, const rekv_pipe_item *items, int n)
@@ -811,17 +942,21 @@ int pl_graph_end(rekv_pipeline *p, int issue, rekv_err *err)
         return 0;
     if (rec->failed)
         return rekv_errf(err, -ENOMEM, "step: out of memory recording its work");
-    if (p->gr.graph && log_equal(rec, glog)) {
+    if (p->gr.graph && log_equal(rec, glog) && meta_copy_same(p)) {
         bi->graph_launch(sc, p->gr.graph);
         p->gr.steps++;
+        p->gr.meta_bytes += meta_copy_bytes(p);
         return 0;
     }
-    if (log_equal(rec, last) && log_capturable(rec, sc)) {
+    pl_log *dlog = &p->gr.log[PL_LOG_DEV];
+    if (log_equal(rec, last) && log_capturable(rec, sc) && meta_copy_make(p) == 0 &&
+        log_to_device(rec, dlog, &p->meta) == 0) {
         rekv_err gerr = {0};
         rekv_graph *g = NULL;
         int rc = bi->graph_begin(sc, &gerr);
         if (rc == 0) {
-            log_issue(k, bi, rec);
+            bi->copy_h2d(sc, p->gr.meta_copy, p->gr.n_meta_copy, REKV_XFER_OTHER);
+            log_issue(k, bi, dlog);
             rc = bi->graph_end(sc, &g, &gerr);
         }
         if (rc == 0) {
@@ -832,6 +967,7 @@ int pl_graph_end(rekv_pipeline *p, int issue, rekv_err *err)
             bi->graph_launch(sc, g);
             p->gr.steps++;
             p->gr.captures++;
+            p->gr.meta_bytes += meta_copy_bytes(p);
             return 0;
         }
         p->gr.off = 1;

@@ -30,6 +30,7 @@ typedef struct dbuf {
 typedef struct meta_chunk {
     uint8_t *p;
     size_t cap, used;
+    void *dev; /* its device copy for graphed steps (pipeline_graph.c), cap bytes; NULL until one */
 } meta_chunk;
 
 typedef struct meta_arena {
@@ -69,7 +70,9 @@ typedef struct pl_log {
     size_t len, cap;
     int failed; /* out of memory, or a stream synchronised meanwhile */
 } pl_log;
-enum { PL_LOG_STEP, PL_LOG_LAST, PL_LOG_GRAPH };
+/* this step's recording, the last step's, the graph's, and the one issued with its metadata on
+ * the device */
+enum { PL_LOG_STEP, PL_LOG_LAST, PL_LOG_GRAPH, PL_LOG_DEV, PL_LOGS };
 
 /* ------------------------------------------------------------------ the pipeline */
 
@@ -212,8 +215,13 @@ struct rekv_pipeline {
         rekv_backend_iface bi; /* the backend with its stream operations recorded */
         const rekv_backend_iface *real_bi;
         const rekv_kernel_iface *real_k;
-        pl_log log[3];     /* PL_LOG_*: this step's recording, the last step's, the graph's */
+        pl_log log[PL_LOGS];
         rekv_graph *graph; /* NULL until a recording repeats */
+        /* the graph's first call: the metadata's copy to the device (chunk by chunk, their
+         * bytes in use then), so that a later step launches it only with the same in use */
+        rekv_copy_piece *meta_copy;
+        size_t n_meta_copy, cap_meta_copy;
+        uint64_t meta_bytes; /* metadata copied to the device by graphed steps */
         int off;           /* the backend refused a capture */
         uint64_t steps, captures;
     } gr;

@@ -706,7 +706,10 @@ END_TEST
  * captured and launched as a graph, and later steps that repeat it launch the graph, with the
  * tokens of a run that is never graphed (its items take their logits back); a sequence leaving
  * the batch changes the step, which then runs call by call until it repeats and is captured
- * anew. Nothing else may break the repetition (a buffer growing with the context did). */
+ * anew. Nothing else may break the repetition (a buffer growing with the context did). A graphed
+ * step copies its metadata to the device once, and its kernels read that copy: one copy more
+ * than the same step call by call, the same bytes each step of a batch (the tokens being the
+ * ungraphed run's says the kernels found the copy's positions, tokens and descriptors). */
 START_TEST(graph_steps)
 {
     rekv_synth_spec spec = {REKV_ARCH_OPT, 3, 64, 4, 4, 128, 300, 256, REKV_DTYPE_F32, 21, 1};
@@ -719,6 +722,7 @@ START_TEST(graph_steps)
     cfg.mode = REKV_MODE_RESIDENT;
     int32_t tok[2][STEPS + 1][B];
     uint64_t gsteps[2], captures[2], graphed[2][STEPS + 1], back[2][STEPS + 1];
+    uint64_t meta[2][STEPS + 1], copies[2][STEPS + 1];
     float *logits = malloc(sizeof(float) * (STEPS + 1) * B * V);
     for (int r = 0; r < 2; r++) { /* run 0: logits too (never graphed); run 1: draws only */
         rekv_pipeline *pl = NULL;
@@ -750,6 +754,8 @@ START_TEST(graph_steps)
             f.be->iface->stats(f.be, &b1);
             graphed[r][step] = rekv_pipeline_graph_steps(pl, NULL) - before;
             back[r][step] = b1.d2h_bytes[REKV_XFER_OTHER] - b0.d2h_bytes[REKV_XFER_OTHER];
+            meta[r][step] = b1.h2d_bytes[REKV_XFER_OTHER] - b0.h2d_bytes[REKV_XFER_OTHER];
+            copies[r][step] = b1.h2d_copies - b0.h2d_copies;
         }
         gsteps[r] = rekv_pipeline_graph_steps(pl, &captures[r]);
         for (int i = 0; i < B; i++)
@@ -771,6 +777,18 @@ START_TEST(graph_steps)
     ck_assert_uint_eq(back[1][STEPS], back[1][LEAVE + 1]);
     ck_assert_uint_eq(back[1][STEPS], 4 * (B - 1));
     ck_assert_uint_eq(gsteps[1], STEPS - 2);
+    for (int step = 2; step <= STEPS; step++) {
+        int g = graphed[1][step] != 0;
+        ck_assert_msg(copies[1][step] == copies[0][step] + (uint64_t)g,
+                      "step %d (graphed %d): %llu copies to the device, the ungraphed run %llu", step,
+                      g, (unsigned long long)copies[1][step], (unsigned long long)copies[0][step]);
+        ck_assert_msg(g ? meta[1][step] > meta[0][step] : meta[1][step] == meta[0][step],
+                      "step %d (graphed %d): %llu bytes to the device, the ungraphed run %llu", step,
+                      g, (unsigned long long)meta[1][step], (unsigned long long)meta[0][step]);
+    }
+    /* the metadata of a batch is the same bytes every step */
+    ck_assert_uint_eq(meta[1][STEPS] - meta[0][STEPS], meta[1][LEAVE + 2] - meta[0][LEAVE + 2]);
+    ck_assert_uint_eq(meta[1][LEAVE] - meta[0][LEAVE], meta[1][2] - meta[0][2]);
     free(logits);
     synth_fixture_close(&f, mdir);
 }
