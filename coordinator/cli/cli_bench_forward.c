@@ -328,11 +328,10 @@ static int forward_parse(int argc, char **argv, forward_opts *o)
     return CLI_PARSED;
 }
 
-/* Batch size B: a prefill of S tokens per sequence, then `steps` decode steps, timed, with
- * OpenBLAS and the GEMM alone at the same shapes; its entry of "runs" in *run. Progress steps
- * base + 1 .. base + steps + 1. 0, or -1 with a message printed. */
+/* Batch size B: a prefill of S tokens per sequence, then `steps` decode steps, timed into
+ * *pre_s, *dec_s. Progress steps base + 1 .. base + steps + 1. 0, or -1 with a message printed. */
 static int forward_batch(rekv_engine *eng, const rekv_model_config *cfg, int B, int S, long steps,
-                         rekv_progress *pr, uint64_t base, json_t **run)
+                         rekv_progress *pr, uint64_t base, double *pre_s, double *dec_s)
 {
     rekv_err err = {0};
     rekv_seq **seqs = calloc((size_t)B, sizeof(*seqs));
@@ -373,7 +372,18 @@ static int forward_batch(rekv_engine *eng, const rekv_model_config *cfg, int B, 
         fprintf(stderr, "rekv: %s\n", err.msg);
         return -1;
     }
-    double pre_s = (double)(t1 - t0) * 1e-9, dec_s = (double)(t2 - t1) * 1e-9;
+    *pre_s = (double)(t1 - t0) * 1e-9;
+    *dec_s = (double)(t2 - t1) * 1e-9;
+    return 0;
+}
+
+/* Batch size B's entry of "runs": its times (forward_batch) in tokens/s and GFLOP/s, beside
+ * OpenBLAS and the GEMM alone at the same shapes (after every forward pass: OpenBLAS's buffers
+ * stay resident, and are not the engine's memory). */
+static json_t *forward_run(rekv_engine *eng, const rekv_model_config *cfg, int B, int S, long steps,
+                           double pre_s, double dec_s)
+{
+    json_t *run;
     double ctx_pre = (double)B * S * (S + 1) / 2;
     double ctx_dec = (double)B * ((double)steps * S + (double)steps * (steps + 1) / 2);
     double pre_gf = rekv_engine_flops(eng, (double)B * S, ctx_pre, B) / pre_s * 1e-9;
@@ -385,7 +395,7 @@ static int forward_batch(rekv_engine *eng, const rekv_model_config *cfg, int B, 
     /* the GEMM alone at that shape, at the decode step's rows and the prefill's */
     json_t *gemm = json_pack("[o, o]", gemm_compare(B, cfg->ffn, cfg->hidden),
                              gemm_compare(B * S, cfg->ffn, cfg->hidden));
-    *run = json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:o}", "batch", B,
+    run = json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:o}", "batch", B,
                      "prefill_tokens_per_s", (double)B * S / pre_s, "decode_tokens_per_s",
                      (double)B * steps / dec_s, "prefill_gflops", pre_gf, "decode_gflops", dec_gf,
                      "blas_gflops_prefill_shape", sg_pre, "blas_gflops_decode_shape", sg_dec,
@@ -394,9 +404,9 @@ static int forward_batch(rekv_engine *eng, const rekv_model_config *cfg, int B, 
     /* each decode step reads every weight once, whatever the batch: the bytes as held (f16, or
      * a quantized file's blocks) over the step's time */
     json_object_set_new(
-        *run, "decode_weight_gbps",
+        run, "decode_weight_gbps",
         json_real((double)rekv_engine_step_weight_bytes(eng) * (double)steps / dec_s * 1e-9));
-    return 0;
+    return run;
 }
 
 int cli_bench_forward(int argc, char **argv)
@@ -429,23 +439,33 @@ int cli_bench_forward(int argc, char **argv)
                 cfg->max_pos);
         goto out;
     }
-    double peak = blas_gflops(1024, 1024, 1024, 0.5);
     /* progress: each batch size's prefill and decode steps */
     rekv_progress pr;
     rekv_progress_begin(&pr, stderr, rekv_progress_style_for(stderr, o.json), "rekv bench forward",
                         "steps", (uint64_t)n_bs * (uint64_t)(o.steps + 1));
-    for (int bi = 0; bi < n_bs; bi++) {
-        json_t *run;
-        if (bs[bi] <= 0)
-            continue;
-        if (forward_batch(eng, cfg, bs[bi], (int)o.prompt_len, o.steps, &pr,
-                          (uint64_t)bi * (uint64_t)(o.steps + 1), &run))
-            goto out;
-        json_array_append_new(runs, run);
+    double *secs = calloc(2 * (size_t)n_bs, sizeof(double));
+    if (secs == NULL) {
+        rekv_progress_end(&pr);
+        fprintf(stderr, "rekv: out of memory\n");
+        goto out;
     }
+    for (int bi = 0; bi < n_bs; bi++)
+        if (bs[bi] > 0 && forward_batch(eng, cfg, bs[bi], (int)o.prompt_len, o.steps, &pr,
+                                        (uint64_t)bi * (uint64_t)(o.steps + 1), &secs[2 * bi],
+                                        &secs[2 * bi + 1])) {
+            free(secs);
+            goto out;
+        }
     rekv_progress_end(&pr);
-    /* the peak of the model's load and the forward passes, before gemv_bandwidth's buffers */
+    /* the peak of the model's load and the forward passes: the engine's, before any comparison's
+     * buffers (OpenBLAS keeps its own once it has run) */
     unsigned long long rss = cli_peak_rss_bytes();
+    for (int bi = 0; bi < n_bs; bi++)
+        if (bs[bi] > 0)
+            json_array_append_new(runs, forward_run(eng, cfg, bs[bi], (int)o.prompt_len, o.steps,
+                                                    secs[2 * bi], secs[2 * bi + 1]));
+    free(secs);
+    double peak = blas_gflops(1024, 1024, 1024, 0.5);
     json_t *gemv = gemv_bandwidth(cfg->ffn, cfg->hidden);
     if (gemv == NULL) {
         fprintf(stderr, "rekv: out of memory for the one-row GEMM's weights\n");
