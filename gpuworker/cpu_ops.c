@@ -277,11 +277,12 @@ typedef struct att_call {
     int cap; /* queries whose scores a slot holds at once */
 } att_call;
 
-/* kt[j * ATT_TILE + tt] = element j of KV head g's K row at position t + tt, widened; 0 past nt */
+/* kt[j * ATT_TILE + tt] = element j of KV head g's K row at position t + tt, widened, for tt <
+ * w (a multiple of 8, at most ATT_TILE); 0 past nt */
 static void att_tile_portable(float *kt, const void *kv, rekv_dtype dt, int n_kv, int hd, int g,
-                              int t, int nt, float *buf)
+                              int t, int nt, float *buf, int w)
 {
-    for (int tt = 0; tt < ATT_TILE; tt++) {
+    for (int tt = 0; tt < w; tt++) {
         const float *kr =
             tt < nt ? cache_row(kv, rekv_kv_row(n_kv, hd, g, t + tt), hd, dt, buf) : NULL;
         for (int j = 0; j < hd; j++)
@@ -293,14 +294,15 @@ static void att_tile_portable(float *kt, const void *kv, rekv_dtype dt, int n_kv
 /* The same in 8x8 transposes in registers (an fp16 cache widened by F16C, exactly). */
 __attribute__((target("avx2,f16c"))) static void att_tile_avx2(float *kt, const void *kv,
                                                                rekv_dtype dt, int n_kv, int hd,
-                                                               int g, int t, int nt, float *buf)
+                                                               int g, int t, int nt, float *buf,
+                                                               int w)
 {
     if ((dt != REKV_DTYPE_F32 && dt != REKV_DTYPE_F16) || hd % 8 != 0) {
-        att_tile_portable(kt, kv, dt, n_kv, hd, g, t, nt, buf);
+        att_tile_portable(kt, kv, dt, n_kv, hd, g, t, nt, buf, w);
         return;
     }
     size_t es = rekv_dtype_size(dt);
-    for (int t8 = 0; t8 < ATT_TILE; t8 += 8) {
+    for (int t8 = 0; t8 < w; t8 += 8) {
         const char *row[8];
         for (int i = 0; i < 8; i++)
             row[i] =
@@ -364,10 +366,10 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
             int nt = tend - t < ATT_TILE ? tend - t : ATT_TILE;
 #if defined(__x86_64__)
             if (avx2)
-                att_tile_avx2(kt, sq->kv, a->dt, n_kv, hd, g, t, nt, buf);
+                att_tile_avx2(kt, sq->kv, a->dt, n_kv, hd, g, t, nt, buf, ATT_TILE);
             else
 #endif
-                att_tile_portable(kt, sq->kv, a->dt, n_kv, hd, g, t, nt, buf);
+                att_tile_portable(kt, sq->kv, a->dt, n_kv, hd, g, t, nt, buf, ATT_TILE);
             for (int k = 0; k < nb; k++) {
                 att_v8 acc[ATT_TILE / 8] = {0}; /* key tt in lane tt % 8 of acc[tt / 8] */
                 for (int j = 0; j < hd; j++) {
@@ -432,6 +434,112 @@ __attribute__((target("avx2,f16c"))) static void att_unit_avx2(const att_call *a
 }
 #endif
 
+/* A decode row (sq->n == 1): the queries of KV heads ga..gb-1 ((gb - ga) * group of them, at most
+ * cap), block by block of the cache across the heads: a block's K rows of those heads lie together,
+ * and so do its V rows (kvlayout.h), where att_unit_body reads one head's 16 rows of a block and
+ * jumps to the next block — per head, runs of 16 rows 2 n_kv runs apart, on which the hardware's
+ * prefetchers start cold again and again (a decode step's attention read its cache at ~6 GB/s on
+ * this 2-core machine, where the same bytes block by block read at ~18 GB/s). Every query's
+ * numbers are att_unit_body's: each score the same sequential sum over the head dimension (a
+ * key's lane of its block's tile), the same softmax over the same slots, each output the sum over
+ * t ascending. */
+static inline __attribute__((always_inline)) void att_sweep_body(const att_call *a,
+                                                                 const rekv_attn_seq *sq, int ga,
+                                                                 int gb, float *scores, int avx2)
+{
+    enum { B = REKV_KV_ROWS_PER_BLOCK };
+    int hd = a->hd, n_kv = a->n_kv, group = a->n_heads / a->n_kv, nq = (gb - ga) * group;
+    size_t qd = (size_t)a->n_heads * (size_t)hd, vs = rekv_kv_v_shift(n_kv, hd);
+    float scale = sq->scale > 0 ? sq->scale : 1.0f / sqrtf((float)hd);
+    float softcap = sq->softcap;
+    int tend = sq->start + 1, first = tend; /* the row's context: positions 0..start */
+    float kt[hd * ATT_TILE], buf[hd], inv[nq];
+    const float *qv[nq];
+    float *ov[nq];
+    int lo[nq];
+    for (int k = 0; k < nq; k++) {
+        int g = ga + k / group, h = g * group + k % group, t0 = sq->skip ? sq->skip[g] : 0;
+        qv[k] = a->q + (size_t)sq->row0 * qd + (size_t)h * hd;
+        ov[k] = a->out + (size_t)sq->row0 * qd + (size_t)h * hd;
+        lo[k] = sq->window > 0 && tend - sq->window > t0 ? tend - sq->window : t0;
+        first = lo[k] < first ? lo[k] : first;
+    }
+    for (int tb = first - first % B; tb < tend; tb += B) {
+        int nt = tend - tb < B ? tend - tb : B;
+        for (int g = ga; g < gb; g++) {
+            int k0 = (g - ga) * group;
+            if (tb + nt <= lo[k0]) /* the block is before the head's first slot */
+                continue;
+#if defined(__x86_64__)
+            if (avx2)
+                att_tile_avx2(kt, sq->kv, a->dt, n_kv, hd, g, tb, nt, buf, B);
+            else
+#endif
+                att_tile_portable(kt, sq->kv, a->dt, n_kv, hd, g, tb, nt, buf, B);
+            for (int k = k0; k < k0 + group; k++) {
+                att_v8 acc[B / 8] = {0}; /* key tt in lane tt % 8 of acc[tt / 8] */
+                for (int j = 0; j < hd; j++) {
+                    float qj = qv[k][j];
+                    for (int i = 0; i < B / 8; i++) {
+                        att_v8 kv;
+                        memcpy(&kv, kt + j * ATT_TILE + 8 * i, sizeof(kv));
+                        acc[i] += qj * kv;
+                    }
+                }
+                float *sc = scores + (size_t)k * tend + tb;
+                for (int tt = 0; tt < nt; tt++)
+                    sc[tt] = acc[tt / 8][tt % 8] * scale;
+                if (softcap > 0)
+                    for (int tt = 0; tt < nt; tt++)
+                        sc[tt] = tanhf(sc[tt] / softcap) * softcap;
+            }
+        }
+    }
+    for (int k = 0; k < nq; k++) {
+        float *sc = scores + (size_t)k * tend + lo[k];
+        inv[k] = 1.0f / cpu_softmax_exp(sc, sc, tend - lo[k], NULL);
+        memset(ov[k], 0, sizeof(float) * (size_t)hd);
+    }
+    for (int tb = first - first % B; tb < tend; tb += B)
+        for (int g = ga; g < gb; g++) {
+            int k0 = (g - ga) * group, t1 = tb + B < tend ? tb + B : tend;
+            for (int t = tb > lo[k0] ? tb : lo[k0]; t < t1; t++) {
+                const float *vt =
+                    cache_row(sq->kv, rekv_kv_row(n_kv, hd, g, t) + vs, hd, a->dt, buf);
+                for (int k = k0; k < k0 + group; k++) {
+                    float p = scores[(size_t)k * tend + t] * inv[k];
+                    float *oh = ov[k];
+                    int j = 0;
+                    for (; j + 8 <= hd; j += 8) {
+                        att_v8 o, v;
+                        memcpy(&o, oh + j, sizeof(o));
+                        memcpy(&v, vt + j, sizeof(v));
+                        o += p * v;
+                        memcpy(oh + j, &o, sizeof(o));
+                    }
+                    for (; j < hd; j++)
+                        oh[j] += p * vt[j];
+                }
+            }
+        }
+}
+
+static void att_sweep_portable(const att_call *a, const rekv_attn_seq *sq, int ga, int gb,
+                               float *scores)
+{
+    att_sweep_body(a, sq, ga, gb, scores, 0);
+}
+
+#if defined(__x86_64__)
+/* the same in AVX2's 8 lanes (no FMA), as att_unit_avx2 */
+__attribute__((target("avx2,f16c"))) static void att_sweep_avx2(const att_call *a,
+                                                                const rekv_attn_seq *sq, int ga,
+                                                                int gb, float *scores)
+{
+    att_sweep_body(a, sq, ga, gb, scores, 1);
+}
+#endif
+
 static void att_chunk(void *arg, int c, int slot)
 {
     const att_call *a = arg;
@@ -441,19 +549,31 @@ static void att_chunk(void *arg, int c, int slot)
     float *scores = a->scratch + (size_t)slot * a->slot_floats;
     void (*unit)(const att_call *, const rekv_attn_seq *, int, int, int, float *, int) =
         att_unit_portable;
+    void (*sweep)(const att_call *, const rekv_attn_seq *, int, int, float *) =
+        att_sweep_portable;
 #if defined(__x86_64__)
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
         unit = att_unit_avx2;
+        sweep = att_sweep_avx2;
+    }
 #endif
-    int i = 0;
-    for (int u = u0; u < u1; u++) {
+    int i = 0, heads = a->cap / group; /* the KV heads whose scores a sweep's scratch holds */
+    for (int u = u0; u < u1;) {
         while (u >= a->first[i + 1])
             i++;
         const rekv_attn_seq *sq = &a->seqs[i];
         int blocks = (sq->n + a->rows_per_unit - 1) / a->rows_per_unit, local = u - a->first[i];
         int g = local / blocks, r0 = local % blocks * a->rows_per_unit;
+        if (sq->n == 1 && heads > 0) { /* a decode row: its heads in this chunk, swept */
+            int gb = g + heads < a->n_kv ? g + heads : a->n_kv;
+            gb = gb - g > u1 - u ? g + (u1 - u) : gb;
+            sweep(a, sq, g, gb, scores);
+            u += gb - g;
+            continue;
+        }
         int rows = sq->n - r0 < a->rows_per_unit ? sq->n - r0 : a->rows_per_unit;
         unit(a, sq, g, r0, rows * group, scores, a->cap);
+        u++;
     }
 }
 
@@ -523,7 +643,13 @@ void cpu_attention(float *out, const float *q, const rekv_attn_seq *seqs, int n_
                   .dt = dt};
     if (a.units == 0)
         return;
-    int threads = pool_split(macs, a.units, &a.chunks);
+    int threads = pool_split(macs, a.units, &a.chunks), decode = 1;
+    for (int i = 0; i < n_seqs; i++)
+        decode &= seqs[i].n == 1;
+    /* decode rows: chunks of 8 heads or more, which each sweep together (att_sweep_body); still a
+     * chunk a thread at least */
+    if (decode && threads > 1 && a.chunks > a.units / 8)
+        a.chunks = a.units / 8 > threads ? a.units / 8 : threads < a.units ? threads : a.units;
     a.cap = (int)(ATT_SLOT_FLOATS / (size_t)ctx);
     a.cap = a.cap < 1 ? 1 : a.cap > ATT_QUERIES ? ATT_QUERIES : a.cap;
     a.slot_floats = (size_t)a.cap * (size_t)ctx;

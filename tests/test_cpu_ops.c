@@ -230,7 +230,8 @@ START_TEST(gemm_rowinv_threads_same_bits)
 END_TEST
 
 /* The attention as cpu_ops.h defines it, one query at a time: a key's score the sequential sum over
- * the head dimension, the softmax's sum in 8 lanes, the output the sequential sum over t. */
+ * the head dimension (times the scale, then the soft-cap), the softmax's sum in 8 lanes over the
+ * slots from the skip or the window's first on, the output the sequential sum over t. */
 static void attention_ref(float *out, const float *q, const rekv_attn_seq *sq, int n_heads,
                           int n_kv, int hd, rekv_dtype dt)
 {
@@ -241,6 +242,9 @@ static void attention_ref(float *out, const float *q, const rekv_attn_seq *sq, i
     for (int i = 0; i < sq->n; i++)
         for (int h = 0; h < n_heads; h++) {
             int g = h / group, t0 = sq->skip ? sq->skip[g] : 0, n_ctx = sq->start + i + 1;
+            if (sq->window > 0 && n_ctx - sq->window > t0)
+                t0 = n_ctx - sq->window;
+            float scale = sq->scale > 0 ? sq->scale : 1.0f / sqrtf((float)hd);
             const float *qh = q + (size_t)(sq->row0 + i) * qd + (size_t)h * hd;
             float *oh = out + (size_t)(sq->row0 + i) * qd + (size_t)h * hd, mx = -INFINITY, sum = 0;
             for (int t = t0; t < n_ctx; t++) {
@@ -250,7 +254,9 @@ static void attention_ref(float *out, const float *q, const rekv_attn_seq *sq, i
                 float d = 0;
                 for (int j = 0; j < hd; j++)
                     d += qh[j] * k[j];
-                sc[t] = d * (1.0f / sqrtf((float)hd));
+                sc[t] = d * scale;
+                if (sq->softcap > 0)
+                    sc[t] = tanhf(sc[t] / sq->softcap) * sq->softcap;
                 mx = sc[t] > mx ? sc[t] : mx;
             }
             float lane[8] = {0};
@@ -276,21 +282,25 @@ static void attention_ref(float *out, const float *q, const rekv_attn_seq *sq, i
 }
 
 /* cpu_attention against the one-query-at-a-time definition, bit for bit: MHA and GQA (groups
- * past ATT_QUERIES too), head_dim off the vector width, f32 and f16 caches, decode rows, prompts
- * and chunks after a context, skipped slots, a context long enough that a thread's scratch holds
- * fewer queries than a unit has, one thread and two (until the pool's workers took part), and each
- * sequence alone against all in one call. */
+ * past ATT_QUERIES too), head_dim off the vector width, f32 and f16 caches, decode rows (swept
+ * block by block across heads: short and long contexts, a batch of them alone in a call), prompts
+ * and chunks after a context, skipped slots, a sliding window with a scale and a soft-cap of its
+ * own (Gemma-2's), a context long enough that a thread's scratch holds fewer queries than a unit
+ * has, one thread and two (until the pool's workers took part), and each sequence alone against
+ * all in one call. */
 START_TEST(attention_fixed_order)
 {
     static const int shapes[][3] = {{4, 4, 16}, {8, 2, 20}, {6, 3, 8}, {32, 1, 8}, {2, 2, 64}};
     /* start, n */
-    static const int seqs_sn[][2] = {{100, 1}, {0, 37}, {50, 20}, {0, 1}, {17, 3}, {20000, 16}};
+    static const int seqs_sn[][2] = {{100, 1}, {0, 37}, {50, 20}, {0, 1},
+                                     {17, 3},  {20000, 16}, {1000, 1}, {15, 1}};
     static const rekv_dtype dts[] = {REKV_DTYPE_F32, REKV_DTYPE_F16};
     enum { NS = sizeof(seqs_sn) / sizeof(seqs_sn[0]) };
     unsigned long chunks0 = cpu_gemm_pool_chunks();
     for (size_t sh = 0; sh < sizeof(shapes) / sizeof(shapes[0]); sh++)
         for (int d = 0; d < 2; d++)
-            for (int with_skip = 0; with_skip < 2; with_skip++) {
+            for (int variant = 0; variant < 3; variant++) { /* none, skip, window */
+                int with_skip = variant == 1, window = variant == 2 ? 40 : 0;
                 int nh = shapes[sh][0], nkv = shapes[sh][1], hd = shapes[sh][2];
                 rekv_dtype dt = dts[d];
                 size_t qd = (size_t)nh * hd, es = rekv_dtype_size(dt);
@@ -306,8 +316,14 @@ START_TEST(attention_fixed_order)
                     free(f);
                     for (int g = 0; g < nkv; g++)
                         skip[i][g] = with_skip ? irand(seqs_sn[i][0] + 1) : 0;
-                    sq[i] = (rekv_attn_seq){
-                        kv, seqs_sn[i][0], seqs_sn[i][1], rows, with_skip ? skip[i] : NULL, 0, 0, 0};
+                    sq[i] = (rekv_attn_seq){kv,
+                                            seqs_sn[i][0],
+                                            seqs_sn[i][1],
+                                            rows,
+                                            with_skip ? skip[i] : NULL,
+                                            window,
+                                            window ? 0.3f : 0,
+                                            window ? 2.5f : 0};
                     rows += seqs_sn[i][1];
                     ctx = len > ctx ? len : ctx;
                 }
@@ -324,17 +340,32 @@ START_TEST(attention_fixed_order)
                         memset(out, 0xff, sizeof(float) * rows * qd);
                         cpu_attention(out, q, sq, NS, nh, nkv, hd, dt, scores);
                         ck_assert_msg(memcmp(out, ref, sizeof(float) * rows * qd) == 0,
-                                      "heads %d/%d hd %d %s skip %d, %d threads: differs", nh, nkv,
-                                      hd, rekv_dtype_name(dt), with_skip, t);
+                                      "heads %d/%d hd %d %s variant %d, %d threads: differs", nh,
+                                      nkv, hd, rekv_dtype_name(dt), variant, t);
                     }
                     for (int i = 0; i < NS; i++) { /* alone in a call */
                         memset(out, 0xff, sizeof(float) * rows * qd);
                         cpu_attention(out, q, &sq[i], 1, nh, nkv, hd, dt, scores);
                         size_t o = (size_t)sq[i].row0 * qd, n = (size_t)sq[i].n * qd;
                         ck_assert_msg(memcmp(out + o, ref + o, sizeof(float) * n) == 0,
-                                      "heads %d/%d hd %d %s: sequence %d alone differs", nh, nkv,
-                                      hd, rekv_dtype_name(dt), i);
+                                      "heads %d/%d hd %d %s variant %d: sequence %d alone differs",
+                                      nh, nkv, hd, rekv_dtype_name(dt), variant, i);
                     }
+                    /* the decode rows alone in one call (every unit a sweep) */
+                    rekv_attn_seq dec[NS];
+                    int nd = 0;
+                    for (int i = 0; i < NS; i++)
+                        if (sq[i].n == 1)
+                            dec[nd++] = sq[i];
+                    memset(out, 0xff, sizeof(float) * rows * qd);
+                    cpu_attention(out, q, dec, nd, nh, nkv, hd, dt, scores);
+                    for (int i = 0; i < nd; i++)
+                        ck_assert_msg(memcmp(out + (size_t)dec[i].row0 * qd,
+                                             ref + (size_t)dec[i].row0 * qd,
+                                             sizeof(float) * qd) == 0,
+                                      "heads %d/%d hd %d %s variant %d, %d threads: decode row "
+                                      "%d of %d differs",
+                                      nh, nkv, hd, rekv_dtype_name(dt), variant, t, i, nd);
                 }
                 for (int i = 0; i < NS; i++)
                     free(sq[i].kv);
