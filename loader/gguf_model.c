@@ -212,6 +212,12 @@ int rekv_gguf_config(const rekv_gguf *g, rekv_model_config *out, rekv_err *err)
         (rc = get_dim(g, "llama.context_length", -1, &c.max_pos, err)) ||
         (rc = read_vocab(g, &c, err)))
         return rc;
+    /* every block has tensors of its own: a count past them names no model (and would size the
+     * layer table by a number the file never backs) */
+    if ((size_t)c.n_layers > g->n_tensors)
+        return rekv_errf(err, -EINVAL,
+                         "%s: metadata \"llama.block_count\" = %d, but the file holds %zu tensors",
+                         g->path, c.n_layers, g->n_tensors);
     if (c.hidden % c.n_heads != 0 && rekv_gguf_kv_find(g, "llama.attention.key_length") == NULL)
         return rekv_errf(err, -EINVAL,
                          "%s: metadata \"llama.embedding_length\" %d is not a multiple of "

@@ -175,6 +175,9 @@ START_TEST(bad_metadata_named)
                    "(llama.block_count) says 3 layers");
     e = (tg_edit){.key = "llama.block_count", .type = REKV_GGUF_U32, .u = 5};
     expect_refused(&e, EINVAL, "tensor \"blk.4.attn_norm.weight\" is missing");
+    /* found by the fuzzer at a larger scale: a count that would size the layer table at 150 GB */
+    e = (tg_edit){.key = "llama.block_count", .type = REKV_GGUF_U32, .u = 740000000};
+    expect_refused(&e, EINVAL, "\"llama.block_count\" = 740000000, but the file holds");
     e = (tg_edit){.key = "llama.vocab_size", .type = REKV_GGUF_U32, .u = 4000};
     expect_refused(&e, EINVAL, "\"tokenizer.ggml.tokens\" has 4096 tokens, but the vocabulary");
     e = (tg_edit){.key = "llama.block_count", .type = -1};
