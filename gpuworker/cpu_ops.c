@@ -335,6 +335,62 @@ __attribute__((target("avx2,f16c"))) static void att_tile_avx2(float *kt, const 
 }
 #endif
 
+/* The tile of keys t.. (nt of them, w lanes) of KV head g: att_tile_avx2 or att_tile_portable */
+static inline __attribute__((always_inline)) void att_tile(float *kt, const att_call *a,
+                                                           const rekv_attn_seq *sq, int g, int t,
+                                                           int nt, float *buf, int w, int avx2)
+{
+#if defined(__x86_64__)
+    if (avx2) {
+        att_tile_avx2(kt, sq->kv, a->dt, a->n_kv, a->hd, g, t, nt, buf, w);
+        return;
+    }
+#else
+    (void)avx2;
+#endif
+    att_tile_portable(kt, sq->kv, a->dt, a->n_kv, a->hd, g, t, nt, buf, w);
+}
+
+/* Query q's scores of the tile's nt keys into sc: in lane tt % 8 of acc[tt / 8] key tt's sequential
+ * sum over the head dimension, times the scale, then the soft-cap (Gemma-2: tanh(s / c) * c, as
+ * HF's eager attention). */
+static inline __attribute__((always_inline)) void att_scores(float *sc, const float *kt,
+                                                             const float *q, int hd, int w, int nt,
+                                                             float scale, float softcap)
+{
+    att_v8 acc[ATT_TILE / 8] = {0};
+    for (int j = 0; j < hd; j++) {
+        float qj = q[j];
+#pragma GCC unroll 8
+        for (int i = 0; i < w / 8; i++) {
+            att_v8 kv;
+            memcpy(&kv, kt + j * ATT_TILE + 8 * i, sizeof(kv));
+            acc[i] += qj * kv;
+        }
+    }
+    for (int tt = 0; tt < nt; tt++)
+        sc[tt] = acc[tt / 8][tt % 8] * scale;
+    if (softcap > 0)
+        for (int tt = 0; tt < nt; tt++)
+            sc[tt] = tanhf(sc[tt] / softcap) * softcap;
+}
+
+/* oh[j] += p * vt[j], 8 lanes at a time (two SSE halves without AVX2) */
+static inline __attribute__((always_inline)) void att_axpy(float *oh, const float *vt, float p,
+                                                           int hd)
+{
+    int j = 0;
+    for (; j + 8 <= hd; j += 8) {
+        att_v8 o, v;
+        memcpy(&o, oh + j, sizeof(o));
+        memcpy(&v, vt + j, sizeof(v));
+        o += p * v;
+        memcpy(oh + j, &o, sizeof(o));
+    }
+    for (; j < hd; j++)
+        oh[j] += p * vt[j];
+}
+
 /* Unit queries k0..k0+nq-1 of rows r0.. of sequence sq, KV head g: query k is row r0 + k / group,
  * head g * group + k % group. */
 static inline __attribute__((always_inline)) void att_unit_body(const att_call *a,
@@ -364,30 +420,10 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
         }
         for (int t = lo[0]; t < tend; t += ATT_TILE) { /* lo[0]: the batch's first key */
             int nt = tend - t < ATT_TILE ? tend - t : ATT_TILE;
-#if defined(__x86_64__)
-            if (avx2)
-                att_tile_avx2(kt, sq->kv, a->dt, n_kv, hd, g, t, nt, buf, ATT_TILE);
-            else
-#endif
-                att_tile_portable(kt, sq->kv, a->dt, n_kv, hd, g, t, nt, buf, ATT_TILE);
-            for (int k = 0; k < nb; k++) {
-                att_v8 acc[ATT_TILE / 8] = {0}; /* key tt in lane tt % 8 of acc[tt / 8] */
-                for (int j = 0; j < hd; j++) {
-                    float qj = qv[k][j];
-#pragma GCC unroll 8
-                    for (int i = 0; i < ATT_TILE / 8; i++) {
-                        att_v8 kv;
-                        memcpy(&kv, kt + j * ATT_TILE + 8 * i, sizeof(kv));
-                        acc[i] += qj * kv;
-                    }
-                }
-                float *sc = scores + (size_t)k * tend + t;
-                for (int tt = 0; tt < nt; tt++)
-                    sc[tt] = acc[tt / 8][tt % 8] * scale;
-                if (softcap > 0) /* Gemma-2: tanh(s / c) * c, as HF's eager attention */
-                    for (int tt = 0; tt < nt; tt++)
-                        sc[tt] = tanhf(sc[tt] / softcap) * softcap;
-            }
+            att_tile(kt, a, sq, g, t, nt, buf, ATT_TILE, avx2);
+            for (int k = 0; k < nb; k++)
+                att_scores(scores + (size_t)k * tend + t, kt, qv[k], hd, ATT_TILE, nt, scale,
+                           softcap);
         }
         for (int k = 0; k < nb; k++) {
             float *sc = scores + (size_t)k * tend + lo[k];
@@ -400,18 +436,7 @@ static inline __attribute__((always_inline)) void att_unit_body(const att_call *
             for (int k = 0; k < nb; k++) {
                 if (t >= nctx[k] || t < lo[k])
                     continue;
-                float p = scores[(size_t)k * tend + t] * inv[k];
-                float *oh = ov[k];
-                int j = 0;
-                for (; j + 8 <= hd; j += 8) { /* 8 lanes (two SSE halves without AVX2) */
-                    att_v8 o, v;
-                    memcpy(&o, oh + j, sizeof(o));
-                    memcpy(&v, vt + j, sizeof(v));
-                    o += p * v;
-                    memcpy(oh + j, &o, sizeof(o));
-                }
-                for (; j < hd; j++)
-                    oh[j] += p * vt[j];
+                att_axpy(ov[k], vt, scores[(size_t)k * tend + t] * inv[k], hd);
             }
         }
     }
@@ -470,29 +495,9 @@ static inline __attribute__((always_inline)) void att_sweep_body(const att_call 
             int k0 = (g - ga) * group;
             if (tb + nt <= lo[k0]) /* the block is before the head's first slot */
                 continue;
-#if defined(__x86_64__)
-            if (avx2)
-                att_tile_avx2(kt, sq->kv, a->dt, n_kv, hd, g, tb, nt, buf, B);
-            else
-#endif
-                att_tile_portable(kt, sq->kv, a->dt, n_kv, hd, g, tb, nt, buf, B);
-            for (int k = k0; k < k0 + group; k++) {
-                att_v8 acc[B / 8] = {0}; /* key tt in lane tt % 8 of acc[tt / 8] */
-                for (int j = 0; j < hd; j++) {
-                    float qj = qv[k][j];
-                    for (int i = 0; i < B / 8; i++) {
-                        att_v8 kv;
-                        memcpy(&kv, kt + j * ATT_TILE + 8 * i, sizeof(kv));
-                        acc[i] += qj * kv;
-                    }
-                }
-                float *sc = scores + (size_t)k * tend + tb;
-                for (int tt = 0; tt < nt; tt++)
-                    sc[tt] = acc[tt / 8][tt % 8] * scale;
-                if (softcap > 0)
-                    for (int tt = 0; tt < nt; tt++)
-                        sc[tt] = tanhf(sc[tt] / softcap) * softcap;
-            }
+            att_tile(kt, a, sq, g, tb, nt, buf, B, avx2);
+            for (int k = k0; k < k0 + group; k++)
+                att_scores(scores + (size_t)k * tend + tb, kt, qv[k], hd, B, nt, scale, softcap);
         }
     }
     for (int k = 0; k < nq; k++) {
@@ -506,20 +511,8 @@ static inline __attribute__((always_inline)) void att_sweep_body(const att_call 
             for (int t = tb > lo[k0] ? tb : lo[k0]; t < t1; t++) {
                 const float *vt =
                     cache_row(sq->kv, rekv_kv_row(n_kv, hd, g, t) + vs, hd, a->dt, buf);
-                for (int k = k0; k < k0 + group; k++) {
-                    float p = scores[(size_t)k * tend + t] * inv[k];
-                    float *oh = ov[k];
-                    int j = 0;
-                    for (; j + 8 <= hd; j += 8) {
-                        att_v8 o, v;
-                        memcpy(&o, oh + j, sizeof(o));
-                        memcpy(&v, vt + j, sizeof(v));
-                        o += p * v;
-                        memcpy(oh + j, &o, sizeof(o));
-                    }
-                    for (; j < hd; j++)
-                        oh[j] += p * vt[j];
-                }
+                for (int k = k0; k < k0 + group; k++)
+                    att_axpy(ov[k], vt, scores[(size_t)k * tend + t] * inv[k], hd);
             }
         }
 }
