@@ -497,7 +497,8 @@ int rekv_safetensors_open(const char *path, rekv_safetensors **out, rekv_err *er
     if (rc < 0)
         goto fail;
 
-    qsort(st->tensors, st->n, sizeof(*st->tensors), tensor_name_cmp);
+    if (st->n > 1) /* a file of no tensors has no list (qsort takes none, even of 0) */
+        qsort(st->tensors, st->n, sizeof(*st->tensors), tensor_name_cmp);
     for (size_t i = 1; i < st->n; i++) {
         if (strcmp(st->tensors[i - 1].name, st->tensors[i].name) == 0) {
             rc = rekv_errf(err, -EINVAL, "%s: tensor %s appears in more than one shard", resolved,

@@ -719,6 +719,17 @@ static void build_seeds(double scale)
     s = seed_add("st-mixed", T_ST, K_SAFETENSORS, "mixed.safetensors", small);
     gen_mixed_st(path_in(s->dir, "mixed.safetensors"));
     seed_load(s);
+    /* metadata and no tensor at all: valid, and empty (its tensor list was sorted from NULL) */
+    s = seed_add("st-empty", T_ST, K_SAFETENSORS, "empty.safetensors", mid);
+    {
+        static const char hdr[] = "{\"__metadata__\": {\"format\": \"pt\"}}";
+        uint8_t b[8 + sizeof(hdr) - 1];
+        for (int i = 0; i < 8; i++)
+            b[i] = (uint8_t)((uint64_t)(sizeof(hdr) - 1) >> (8 * i));
+        memcpy(b + 8, hdr, sizeof(hdr) - 1);
+        write_file(path_in(s->dir, "empty.safetensors"), b, sizeof(b));
+    }
+    seed_load(s);
 
     /* HF directories: config.json or model.safetensors mutated, the other one valid */
     s = seed_add("hf-opt-config", T_MODEL, K_JSON, "config.json", small);
