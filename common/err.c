@@ -13,6 +13,11 @@ int rekv_errf(rekv_err *err, int code, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
     va_end(ap);
+    /* one line whatever the message quotes (a parser's excerpt of a file or a request, a name
+     * read from one): a control byte becomes '?' */
+    for (char *c = err->msg; *c; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7f)
+            *c = '?';
     return code;
 }
 

@@ -831,6 +831,9 @@ START_TEST(test_malformed_bpe)
         "\"Sequence\", \"normalizers\": [{\"type\": \"NFC\"}, {\"type\": \"NFKC_CF\"}]}}",
         "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}}, \"normalizer\": {\"type\": "
         "\"Sequence\", \"normalizers\": {\"type\": \"NFC\"}}}",
+        /* a bad escape before a line break and a control byte: the parser's message quotes them
+         * (found by fuzz_parsers); an error is still one line */
+        "{\"model\": \"\\\n\x01\"}",
     };
     for (size_t i = 0; i < sizeof(bad_tj) / sizeof(bad_tj[0]); i++) {
         write_file(tj, bad_tj[i], strlen(bad_tj[i]));
@@ -839,6 +842,9 @@ START_TEST(test_malformed_bpe)
         ck_assert_msg(rekv_tokenizer_load_hf_json(tj, &tok, &err) < 0, "loaded %s", bad_tj[i]);
         ck_assert_ptr_null(tok);
         ck_assert_msg(strstr(err.msg, tj) != NULL, "message \"%s\" lacks the path", err.msg);
+        for (const char *c = err.msg; *c; c++)
+            ck_assert_msg((unsigned char)*c >= 0x20 && *c != 0x7f,
+                          "message of %s holds control byte %#x", bad_tj[i], (unsigned char)*c);
     }
     rekv_err_clear(&err);
     ck_assert_int_eq(rekv_tokenizer_load_hf_json("/nonexistent/tokenizer.json", &tok, &err),
