@@ -14,9 +14,12 @@ int rekv_errf(rekv_err *err, int code, const char *fmt, ...)
     vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
     va_end(ap);
     /* one line whatever the message quotes (a parser's excerpt of a file or a request, a name
-     * read from one): a control byte becomes '?' */
+     * read from one, a template's raise_exception): a line break or tab becomes a space, any
+     * other control byte '?' */
     for (char *c = err->msg; *c; c++)
-        if ((unsigned char)*c < 0x20 || *c == 0x7f)
+        if (*c == '\n' || *c == '\r' || *c == '\t')
+            *c = ' ';
+        else if ((unsigned char)*c < 0x20 || *c == 0x7f)
             *c = '?';
     return code;
 }

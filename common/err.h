@@ -15,7 +15,7 @@ typedef struct rekv_err {
 
 /* Records the failure (only the first one is kept, so the innermost cause wins) and returns code,
  * so that `return rekv_errf(err, -EINVAL, "%s: bad header", path);` reads naturally: one line,
- * every control byte of the formatted text (a newline or a tab quoted from bad input) made '?'.
+ * whatever the formatted text quotes (a line break or tab made a space, any other control byte '?').
  * err may be NULL. code must be negative. */
 int rekv_errf(rekv_err *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 

@@ -19,10 +19,7 @@ int ct_render_errf(ct_state *st, const ct_node *at, int code, const char *fmt, .
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    for (char *c = msg; *c; c++) /* one line, whatever raise_exception's message holds */
-        if (*c == '\n' || *c == '\r')
-            *c = ' ';
+    va_end(ap); /* rekv_errf makes it one line, whatever raise_exception's message holds */
     if (at)
         return rekv_errf(st->err, code, "chat template %d:%d: %s", at->line, at->col, msg);
     return rekv_errf(st->err, code, "chat template: %s", msg);
