@@ -816,14 +816,6 @@ static int meta_copy_make(rekv_pipeline *p)
     return 0;
 }
 
-static uint64_t meta_copy_bytes(const rekv_pipeline *p)
-{
-    uint64_t b = 0;
-    for (size_t i = 0; i < p->gr.n_meta_copy; i++)
-        b += p->gr.meta_copy[i].bytes;
-    return b;
-}
-
 /* Whether the arena's chunks in use are those the graph copies. */
 static int meta_copy_same(const rekv_pipeline *p)
 {
@@ -945,7 +937,6 @@ int pl_graph_end(rekv_pipeline *p, int issue, rekv_err *err)
     if (p->gr.graph && log_equal(rec, glog) && meta_copy_same(p)) {
         bi->graph_launch(sc, p->gr.graph);
         p->gr.steps++;
-        p->gr.meta_bytes += meta_copy_bytes(p);
         return 0;
     }
     pl_log *dlog = &p->gr.log[PL_LOG_DEV];
@@ -967,7 +958,6 @@ int pl_graph_end(rekv_pipeline *p, int issue, rekv_err *err)
             bi->graph_launch(sc, g);
             p->gr.steps++;
             p->gr.captures++;
-            p->gr.meta_bytes += meta_copy_bytes(p);
             return 0;
         }
         p->gr.off = 1;

@@ -221,7 +221,6 @@ struct rekv_pipeline {
          * bytes in use then), so that a later step launches it only with the same in use */
         rekv_copy_piece *meta_copy;
         size_t n_meta_copy, cap_meta_copy;
-        uint64_t meta_bytes; /* metadata copied to the device by graphed steps */
         int off;           /* the backend refused a capture */
         uint64_t steps, captures;
     } gr;
