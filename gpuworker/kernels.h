@@ -54,6 +54,50 @@ typedef struct rekv_spec_seq {
     size_t out;      /* its scores: out + this, [n_heads][len] */
 } rekv_spec_seq;
 
+/* infinigen: which context tokens a decode step fetches per (sequence, layer > 0, KV head) */
+typedef enum rekv_select {
+    REKV_SELECT_SPECULATE = 0, /* InfiniGen: speculated score > max - alpha, the count averaged
+                                  over the KV heads, capped at max_fraction of the context */
+    REKV_SELECT_RANDOM = 1,    /* as many tokens as SPECULATE would take, chosen at random (a
+                                  baseline for rekv eval, never for serving) */
+    REKV_SELECT_ALL = 2,       /* every token (the exact limit: resident's tokens bit for bit) */
+} rekv_select;
+
+/* One sequence of infinigen's selection on the device (ig_select): where its scores are, what it
+ * selects among, and where the selection goes. Memory the device reads and writes (host_alloc on
+ * cuda: the host reads sel and *m after the step). */
+typedef struct rekv_ig_seq {
+    size_t scores;          /* its speculated scores: scores + this, [n_heads][len] */
+    float *scratch;         /* device memory: rekv_ig_scratch_floats(len, n_heads, n_kv) floats */
+    int len;                /* context tokens */
+    int dev;                /* [0, dev) is attended whole from the device: it selects among
+                               [dev, len) */
+    uint64_t key;           /* REKV_SELECT_RANDOM's draw */
+    int32_t *sel;           /* [n_kv][len - dev]: KV head g's m tokens, as offsets past dev,
+                               ascending, from g * (len - dev) */
+    int *m;                 /* the tokens each KV head takes */
+    const uint64_t *blocks; /* [block] the arena offset of the layer's block b (t / 16), read
+                               from b = dev / 16 */
+    void *kv;               /* its attention buffer (kvlayout.h): the j-th token head g selected
+                               goes to slot dev + j */
+    int *start;             /* set to dev + m: its descriptor's start (rekv_attn_seq) */
+    int32_t *slot;          /* set to dev + m: its new row's slot (kv_scatter's row_pos) */
+} rekv_ig_seq;
+
+/* What every sequence of a selection shares. */
+typedef struct rekv_ig_shape {
+    int n_heads, n_kv, head_dim;
+    size_t row_bytes;          /* a K or V row of the cache (rekv_kv_row_bytes) */
+    float alpha, max_fraction; /* rekv_ig_select's */
+    rekv_select how;
+} rekv_ig_shape;
+
+/* ig_select's scratch per sequence */
+static inline size_t rekv_ig_scratch_floats(int len, int n_heads, int n_kv)
+{
+    return (size_t)(n_kv + 1 + n_heads) * (size_t)len + 3 * (size_t)n_heads;
+}
+
 /* One row of a draw on the device (sample): a sampler's parameters and the number it drew
  * (gpuworker.h: rekv_sampler_draw, rekv_sample_drawn), and the top logits to report. */
 typedef struct rekv_sample_row {
@@ -180,6 +224,20 @@ typedef struct rekv_kernel_iface {
     void (*scale)(rekv_stream *s, float *x, size_t n, float a);
     /* x = cap * tanh(x / cap) over n elements (Gemma-2's final_logit_softcapping) */
     void (*softcap)(rekv_stream *s, float *x, size_t n, float cap);
+    /* infinigen's selection on the device (pipeline_infinigen.c), so that no host function
+     * stands between a layer's speculation and its fetch: for each of n sequences, rekv_ig_select's
+     * count m and each KV head's top m tokens of [dev, len) by its query group's summed softmax
+     * of the speculated scores (lowest position first on ties; or m at random, or all, as
+     * shape->how says) into sel and *m, and *start = *slot = dev + m; then the selected rows'
+     * copies for copy_h2d_listed: pieces[0..*n_pieces), sequence by sequence, K rows then V rows,
+     * head by head, token by token, each from arena (where the device reads the kvstore's arena:
+     * rekv_host_mapped) plus its block's offset and row, to its slot in kv. pieces: room for
+     * 2 n_kv m rows of every sequence; shape is read at the call. The cpu backend runs
+     * rekv_ig_select (the step thread's selection, bit for bit); cuda the same steps with its own
+     * exponential and sums, so a near-tie may rank otherwise. NULL: not on this backend. */
+    void (*ig_select)(rekv_stream *s, const float *scores, const rekv_ig_seq *seqs, int n,
+                      const rekv_ig_shape *shape, const uint8_t *arena, rekv_copy_piece *pieces,
+                      size_t *n_pieces);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

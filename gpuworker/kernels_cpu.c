@@ -10,6 +10,7 @@
 #include "gpuworker/cpu_qgemm.h"
 #include "gpuworker/gpuworker.h"
 #include "gpuworker/kernels.h"
+#include "gpuworker/pipeline.h"
 #include "loader/gguf.h"
 
 /* the most threads the sample kernel shares its rows with */
@@ -474,6 +475,76 @@ static void k_softcap(rekv_stream *s, float *x, size_t n, float cap)
     LAUNCH(s, "softcap", run_softcap, a);
 }
 
+typedef struct ig_args {
+    const float *scores;
+    const rekv_ig_seq *seqs;
+    int n;
+    rekv_ig_shape shape;
+    const uint8_t *arena;
+    rekv_copy_piece *pieces;
+    size_t *n_pieces;
+} ig_args;
+
+/* sequence j's selection: rekv_ig_select on its scores past dev */
+static void ig_seq(void *arg, int j, int slot)
+{
+    (void)slot;
+    const ig_args *a = arg;
+    const rekv_ig_seq *q = &a->seqs[j];
+    const rekv_ig_shape *sh = &a->shape;
+    int nh = sh->n_heads, rest = q->len - q->dev;
+    const float *sc = a->scores + q->scores;
+    if (rest <= 0) {
+        *q->m = 0;
+        return;
+    }
+    if (q->dev > 0) { /* the scores of [dev, len), head by head, after rekv_ig_select's scratch */
+        float *sub = q->scratch + (size_t)(sh->n_kv + 1) * (size_t)q->len;
+        for (int h = 0; h < nh; h++)
+            memcpy(sub + (size_t)h * (size_t)rest, sc + (size_t)h * (size_t)q->len + q->dev,
+                   sizeof(float) * (size_t)rest);
+        sc = sub;
+    }
+    *q->m = rekv_ig_select(sc, nh, sh->n_kv, rest, sh->alpha, sh->max_fraction, sh->how, q->key,
+                           q->sel, q->scratch);
+}
+
+static void run_ig_select(void *p)
+{
+    ig_args *a = p;
+    const rekv_ig_shape *sh = &a->shape;
+    int kvh = sh->n_kv, hd = sh->head_dim;
+    size_t row = sh->row_bytes, vs = rekv_kv_off(rekv_kv_v_shift(kvh, hd), hd, row), n = 0;
+    cpu_pool_run(ig_seq, a, a->n, a->n > 1 ? cpu_gemm_threads() : 1);
+    for (int j = 0; j < a->n; j++) {
+        const rekv_ig_seq *q = &a->seqs[j];
+        int m = *q->m, rest = q->len - q->dev;
+        for (int half = 0; half < 2; half++)
+            for (int g = 0; g < kvh; g++)
+                for (int i = 0; i < m; i++) {
+                    int t = q->dev + q->sel[(size_t)g * (size_t)rest + (size_t)i];
+                    size_t so =
+                        rekv_kv_off(rekv_kv_row(kvh, hd, g, t % REKV_KV_ROWS_PER_BLOCK), hd, row);
+                    size_t dof = rekv_kv_off(rekv_kv_row(kvh, hd, g, q->dev + i), hd, row);
+                    a->pieces[n++] = (rekv_copy_piece){
+                        (uint8_t *)q->kv + dof + (half ? vs : 0),
+                        a->arena + q->blocks[t / REKV_KV_ROWS_PER_BLOCK] + so + (half ? vs : 0),
+                        row};
+                }
+        *q->start = q->dev + m;
+        *q->slot = q->dev + m;
+    }
+    *a->n_pieces = n;
+}
+
+static void k_ig_select(rekv_stream *s, const float *scores, const rekv_ig_seq *seqs, int n,
+                        const rekv_ig_shape *shape, const uint8_t *arena, rekv_copy_piece *pieces,
+                        size_t *n_pieces)
+{
+    ig_args a = {scores, seqs, n, *shape, arena, pieces, n_pieces};
+    LAUNCH(s, "ig_select", run_ig_select, a);
+}
+
 const rekv_kernel_iface rekv_cpu_kernels = {
     .linear = k_linear,
     .norm = k_norm,
@@ -493,4 +564,5 @@ const rekv_kernel_iface rekv_cpu_kernels = {
     .linear_tiled = k_linear_tiled,
     .scale = k_scale,
     .softcap = k_softcap,
+    .ig_select = k_ig_select,
 };

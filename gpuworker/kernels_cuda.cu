@@ -1676,6 +1676,216 @@ static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_
             rows, vocab);
 }
 
+/* ------------------------------------------------------------------ infinigen's selection */
+
+/* The selection on the device (kernels.h ig_select) follows rekv_ig_select (pipeline_infinigen.c)
+ * in three kernels, with nothing between them on the host:
+ *   - ig_stats_kernel, a block per (sequence, query head): the head's largest score over
+ *     [dev, len), the sum of its exponentials, its tokens above the largest minus alpha;
+ *   - ig_pick_kernel, a block per (sequence, KV head): the count m (the heads' counts averaged,
+ *     capped, as every block of the sequence computes it alike), the group's summed softmax, its
+ *     top m by sample's radix selection (set_select: lowest position first on ties), written in
+ *     position order by a prefix sum over the threads' runs; or m at random (rekv_ig_select's
+ *     Floyd sample and splitmix draws, the cpu's positions exactly), or all;
+ *   - ig_rows_kernel, a block per sequence: its rows' copies after the earlier sequences' (their
+ *     m read back in stream order), in ig_select's order, for the listed gather after it.
+ * Scratch per sequence (rekv_ig_scratch_floats): the group sums [n_kv][len - dev] from 0, the
+ * heads' statistics (largest, 1 / sum, count) from (n_kv + 1 + n_heads) * len. The exponentials
+ * are expf's, not the cpu's polynomial, and the sums are in another order, so a sum within an
+ * ulp or so of the m-th may rank otherwise than on cpu. */
+enum { IG_THREADS = 1024 };
+
+__device__ static float block_max(float v, float *red)
+{
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads(); /* red may still be read from a previous call */
+    if (lane == 0)
+        red[warp] = v;
+    __syncthreads();
+    float t = red[0];
+    for (int i = 1; i < nw; i++)
+        t = fmaxf(t, red[i]);
+    return t;
+}
+
+__device__ static float *ig_stats_at(const rekv_ig_seq &q, int n_heads, int n_kv, int h)
+{
+    return q.scratch + (size_t)(n_kv + 1 + n_heads) * (size_t)q.len + 3 * (size_t)h;
+}
+
+__global__ static void __launch_bounds__(IG_THREADS)
+    ig_stats_kernel(const float *scores, const rekv_ig_seq *seqs, int n_heads, int n_kv,
+                    float alpha)
+{
+    __shared__ rekv_ig_seq q; /* mapped host memory: read once per block */
+    __shared__ float red[32];
+    if (threadIdx.x == 0)
+        q = seqs[blockIdx.x / n_heads];
+    __syncthreads();
+    int h = blockIdx.x % n_heads, len = q.len, rest = len - q.dev;
+    if (rest <= 0)
+        return;
+    const float *sh = scores + q.scores + (size_t)h * len + q.dev;
+    float mx = -INFINITY, sum = 0, cnt = 0;
+    for (int t = threadIdx.x; t < rest; t += blockDim.x)
+        mx = fmaxf(mx, sh[t]);
+    mx = block_max(mx, red);
+    for (int t = threadIdx.x; t < rest; t += blockDim.x) {
+        sum += expf(sh[t] - mx);
+        cnt += sh[t] > mx - alpha;
+    }
+    sum = block_sum(sum, red);
+    cnt = block_sum(cnt, red); /* exact: a count below 2^24 */
+    if (threadIdx.x == 0) {
+        float *st = ig_stats_at(q, n_heads, n_kv, h);
+        st[0] = mx;
+        st[1] = 1.0f / sum;
+        st[2] = cnt;
+    }
+}
+
+__device__ static uint64_t ig_splitmix(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+__global__ static void __launch_bounds__(IG_THREADS)
+    ig_pick_kernel(const float *scores, const rekv_ig_seq *seqs, rekv_ig_shape shape)
+{
+    __shared__ rekv_ig_seq q;
+    __shared__ unsigned long long hist[256], sh[34];
+    __shared__ int m_sh;
+    int nkv = shape.n_kv, nh = shape.n_heads, group = nh / nkv;
+    if (threadIdx.x == 0)
+        q = seqs[blockIdx.x / nkv];
+    __syncthreads();
+    int g = blockIdx.x % nkv, len = q.len, rest = len - q.dev;
+    if (threadIdx.x == 0) {
+        int m = rest > 0 ? rest : 0;
+        if (rest > 0 && shape.how != REKV_SELECT_ALL) {
+            double counted = 0;
+            for (int h = 0; h < nh; h++) {
+                float c = ig_stats_at(q, nh, nkv, h)[2];
+                counted += c > 0 ? c : 1;
+            }
+            m = (int)llround(counted / nh);
+            int cap = (int)((double)shape.max_fraction * rest);
+            m = m > cap ? cap : m;
+            m = m < 1 ? 1 : m > rest ? rest : m;
+        }
+        m_sh = m;
+        if (g == 0) {
+            *q.m = m;
+            *q.start = q.dev + m;
+            *q.slot = q.dev + m;
+        }
+    }
+    __syncthreads();
+    int m = m_sh;
+    if (rest <= 0)
+        return;
+    int32_t *sel = q.sel + (size_t)g * rest;
+    float *comb = q.scratch + (size_t)g * rest;
+    int chunk = (rest + (int)blockDim.x - 1) / (int)blockDim.x;
+    int lo = min(rest, (int)threadIdx.x * chunk), hi = min(rest, lo + chunk);
+    unsigned long long mine = 0, total;
+    if (shape.how == REKV_SELECT_ALL) {
+        for (int t = threadIdx.x; t < rest; t += blockDim.x)
+            sel[t] = t;
+        return;
+    }
+    if (shape.how == REKV_SELECT_RANDOM) { /* Floyd's sample, marked in comb, read in order */
+        for (int t = threadIdx.x; t < rest; t += blockDim.x)
+            comb[t] = 0;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint64_t x = q.key ^ ((uint64_t)g * 0x2545f4914f6cdd1dull);
+            for (int j = rest - m; j < rest; j++) {
+                int t = (int)(ig_splitmix(&x) % (uint64_t)(j + 1));
+                comb[comb[t] != 0 ? j : t] = 1;
+            }
+        }
+        __syncthreads();
+        for (int i = lo; i < hi; i++)
+            mine += comb[i] != 0;
+        unsigned long long at = block_scan(mine, &total, sh);
+        for (int i = lo; i < hi; i++)
+            if (comb[i] != 0)
+                sel[at++] = i;
+        return;
+    }
+    const float *s0 = scores + q.scores + q.dev; /* the group's summed softmax, head by head */
+    for (int t = threadIdx.x; t < rest; t += blockDim.x) {
+        float acc = 0;
+        for (int j = 0; j < group; j++) {
+            int h = g * group + j;
+            const float *st = ig_stats_at(q, nh, nkv, h);
+            float e = expf(s0[(size_t)h * len + t] - st[0]) * st[1];
+            acc = j == 0 ? e : acc + e;
+        }
+        comb[t] = acc;
+    }
+    __syncthreads();
+    const sample_set all = {0, ~0ull, 0};
+    auto one = [](uint32_t) -> unsigned long long { return 1; };
+    sample_set top = set_select(comb, lo, hi, all, (unsigned long long)m, one, hist, sh);
+    set_walk(comb, lo, hi, top, [&](int, uint32_t) { mine++; });
+    unsigned long long at = block_scan(mine, &total, sh);
+    set_walk(comb, lo, hi, top, [&](int i, uint32_t) { sel[at++] = i; });
+}
+
+__global__ static void ig_rows_kernel(const rekv_ig_seq *seqs, int n, rekv_ig_shape shape,
+                                      const uint8_t *arena, rekv_copy_piece *pieces,
+                                      size_t *n_pieces)
+{
+    __shared__ rekv_ig_seq q;
+    __shared__ size_t off;
+    __shared__ int m;
+    int j = blockIdx.x, nkv = shape.n_kv, hd = shape.head_dim;
+    if (threadIdx.x == 0) {
+        q = seqs[j];
+        size_t o = 0;
+        for (int i = 0; i < j; i++)
+            o += 2 * (size_t)nkv * (size_t)*seqs[i].m;
+        off = o;
+        m = *q.m;
+        if (j == n - 1)
+            *n_pieces = o + 2 * (size_t)nkv * (size_t)m;
+    }
+    __syncthreads();
+    int rest = q.len - q.dev;
+    size_t row = shape.row_bytes, vs = rekv_kv_off(rekv_kv_v_shift(nkv, hd), hd, row);
+    size_t per = (size_t)nkv * (size_t)m;
+    for (size_t k = threadIdx.x; k < 2 * per; k += blockDim.x) {
+        size_t half = k >= per ? vs : 0, r = k % per;
+        int g = (int)(r / (size_t)m), i = (int)(r % (size_t)m);
+        int t = q.dev + q.sel[(size_t)g * rest + i];
+        size_t so = rekv_kv_off(rekv_kv_row(nkv, hd, g, t % REKV_KV_ROWS_PER_BLOCK), hd, row);
+        size_t dof = rekv_kv_off(rekv_kv_row(nkv, hd, g, q.dev + i), hd, row);
+        pieces[off + k] =
+            rekv_copy_piece{(uint8_t *)q.kv + dof + half,
+                            arena + q.blocks[t / REKV_KV_ROWS_PER_BLOCK] + so + half, row};
+    }
+}
+
+static void k_ig_select(rekv_stream *s, const float *scores, const rekv_ig_seq *seqs, int n,
+                        const rekv_ig_shape *shape, const uint8_t *arena, rekv_copy_piece *pieces,
+                        size_t *n_pieces)
+{
+    if (n <= 0)
+        return;
+    KLAUNCH(s, "ig_stats", ig_stats_kernel, n * shape->n_heads, IG_THREADS, 0, scores, seqs,
+            shape->n_heads, shape->n_kv, shape->alpha);
+    KLAUNCH(s, "ig_pick", ig_pick_kernel, n * shape->n_kv, IG_THREADS, 0, scores, seqs, *shape);
+    KLAUNCH(s, "ig_rows", ig_rows_kernel, n, ROW_THREADS, 0, seqs, n, *shape, arena, pieces,
+            n_pieces);
+}
+
 /* ------------------------------------------------------------------ the table */
 
 static const rekv_kernel_iface cuda_kernels = {
@@ -1700,6 +1910,7 @@ static const rekv_kernel_iface cuda_kernels = {
     k_bias_add,        /* bias_add */
     k_scale,           /* scale */
     k_softcap,         /* softcap */
+    k_ig_select,       /* ig_select */
 };
 
 /* ------------------------------------------------------------------ the object's entry point */

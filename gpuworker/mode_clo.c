@@ -500,7 +500,8 @@ static void clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
 {
     char name[40]; /* a trace shows each unit's decisions, then the bytes they fetched */
     snprintf(name, sizeof(name), "clo decisions L%d", cu->layer);
-    pl_ig_decide(p, cu->g, name, clo_unit_run, cu, cu->pieces, &cu->n_pieces, cu->max_pieces);
+    pl_ig_decide(p, cu->g, cu->layer, name, clo_unit_run, cu, cu->pieces, &cu->n_pieces,
+                 cu->max_pieces);
 }
 
 /* After the step's work has finished: the decisions' counts into the layers' counters; 0, or how

@@ -3,9 +3,10 @@
  * clo shares the speculation); here is how a unit of infinigen plans — at layers > 0 a decode row
  * fetches the rows its KV heads selected, packed into slots, and recomputes the most-chosen of them
  * within the split; layer 0 and prefill fetch whole, recomputing [device part, split) when
- * activations are kept (kvpr's path). The selection itself runs on the h2d stream, so the step
- * thread never waits for the speculation (unit_fetch, step_done: pipeline_infinigen.c), except
- * where the plan needs it (push, a split on an MHA model: st->ig_wait). */
+ * activations are kept (kvpr's path). The selection itself is a kernel on the h2d stream (the
+ * device's own, ig_select), so neither the step thread nor the device waits for the host
+ * (unit_fetch, step_done: pipeline_infinigen.c), except where the plan needs it (push, a split
+ * on an MHA model, a KV pool: st->ig_wait). */
 #include <errno.h>
 
 #include "gpuworker/pipeline_internal.h"

@@ -40,6 +40,7 @@
 #include "common/progress.h"
 #include "gpuworker/device/backend.h"
 #include "gpuworker/gpuworker.h"
+#include "gpuworker/kernels.h"
 #include "gpuworker/kv_pool.h"
 #include "kvstore/kvstore.h"
 
@@ -47,15 +48,6 @@ typedef enum rekv_schedule {
     REKV_SCHED_ROW = 0,    /* each GPU batch through all layers (latency) */
     REKV_SCHED_COLUMN = 1, /* each layer over all GPU batches (throughput; weights loaded once) */
 } rekv_schedule;
-
-/* infinigen: which context tokens a decode step fetches per (sequence, layer > 0, KV head) */
-typedef enum rekv_select {
-    REKV_SELECT_SPECULATE = 0, /* InfiniGen: speculated score > max - alpha, the count averaged
-                                  over the KV heads, capped at max_fraction of the context */
-    REKV_SELECT_RANDOM = 1,    /* as many tokens as SPECULATE would take, chosen at random (a
-                                  baseline for rekv eval, never for serving) */
-    REKV_SELECT_ALL = 2,       /* every token (the exact limit: resident's tokens bit for bit) */
-} rekv_select;
 
 struct rekv_skew;
 struct rekv_heads;
@@ -162,6 +154,11 @@ typedef struct rekv_layer_counters {
                                    the layers and steps that select; other modes: 0) */
     uint64_t head_hits;         /* clo: (sequence, KV head) steps that reused their top-k */
     uint64_t head_misses;       /* ... and that fetched a new one */
+    uint64_t host_decisions;    /* units (layer, GPU batch) whose fetch a stream held for the
+                                   host's decisions (clo's, a host function on the h2d stream):
+                                   the device waiting for the CPU. infinigen's selection is a
+                                   kernel on the device (0 here), or the step thread's own where
+                                   the plan needs it (a blocking wait, host_syncs) */
 } rekv_layer_counters;
 
 typedef struct rekv_pipeline rekv_pipeline;

@@ -402,6 +402,10 @@ static int attach_store(rekv_pipeline *p, rekv_kvstore_client *store, rekv_err *
         else
             not_page_locked(p, "the kvstore arena", bytes, err);
     }
+    /* the device's selections (infinigen's ig_select) write its rows' sources as it reads them */
+    p->arena_dev = p->bi->host_register == NULL || p->arena_registered
+                       ? rekv_host_mapped(p->be, p->arena)
+                       : NULL;
     rekv_kvstore_client_geometry(store, &p->geo);
     if (p->geo.n_layers != (uint32_t)c->n_layers || p->geo.n_kv_heads != (uint32_t)c->n_kv_heads ||
         p->geo.head_dim != (uint32_t)c->head_dim || p->geo.hidden != (uint32_t)c->hidden ||

@@ -880,6 +880,7 @@ void pl_graph_init(rekv_pipeline *p)
     p->gr.bi.copy_d2d = r_copy_d2d;
     p->gr.bi.copy_h2d_deferred = p->bi->copy_h2d_deferred ? r_copy_h2d_deferred : NULL;
     p->gr.bi.launch_host = r_launch_host;
+    p->gr.bi.copy_h2d_listed = NULL; /* infinigen's alone: never in a recorded (resident) step */
     p->gr.bi.event_record = r_event_record;
     p->gr.bi.stream_wait_event = r_stream_wait_event;
     p->gr.bi.stream_wait_flag = r_stream_wait_flag;

@@ -9,26 +9,29 @@
  * the attention input, then — before it waits for layer i-1's own KV — the partial query of layer
  * i from it (a partial weight W_Q·A[:, cols] for models without RoPE; for RoPE models the full
  * query of layer i, rotated, then A[:, cols]), scores it against layer i's partial keys
- * (spec_scores), copies the scores to the host and records ev[g]. The step thread never waits for
- * them (CLO's "GPU-centric synchronisation", mode_clo.c, in the same structure): it plans unit
- * (layer i, g) with what does not depend on the selection — the device part's copy, the new row's
- * stores, the descriptors — and enqueues on the h2d stream, behind a wait for ev[g], a host
- * function (pl_ig_unit_fetch) that selects per KV head the tokens to fetch (rekv_ig_select, on the
- * pool; the KV pool's counters), writes the selected rows' copies and each sequence's new-row
- * slot (the descriptor's start and kv_scatter's slot, memory the kernels read later in stream
- * order), then a deferred copy (copy_h2d_deferred; on cuda the gather kernel over the registered
- * arena) that moves those rows; ev_read[g], recorded between the two, frees the host copy of the
- * scores for the next layer's. The compute stream waits for that as for any unit's loads: the fetch of layer i
- * overlaps layer i-1's attention and FFN, and the selection's CPU time overlaps the device's work
- * instead of the step thread's enqueueing.
+ * (spec_scores) and records ev[g]. Neither the step thread nor the device waits for the host
+ * (CLO's "GPU-centric synchronisation", mode_clo.c, taken one step further: clo's decisions are
+ * still a host function): the step thread plans unit (layer i, g) with what does not depend on
+ * the selection — the device part's copy, the new row's stores, the descriptors — and enqueues
+ * on the h2d stream, behind a wait for ev[g], the ig_select kernel (pl_ig_unit_fetch; kernels.h)
+ * that selects per KV head the tokens to fetch (rekv_ig_select's count and ranking: on cpu that
+ * function itself, on cuda the same steps in three kernels), writes each sequence's new-row slot
+ * (the descriptor's start and kv_scatter's slot, memory the kernels read later in stream order)
+ * and the selected rows' copies, then the listed copy (copy_h2d_listed; on cuda the gather kernel
+ * reading the registered arena through its mapping, with the list the kernel wrote) that moves
+ * those rows; ev_read[g], recorded between the two, lets the next layer's speculation overwrite
+ * the scores. The compute stream waits for that as for any unit's loads: the fetch of layer i
+ * overlaps layer i-1's attention and FFN, and nothing of it crosses back to the host but the
+ * counts, read after the step (pl_ig_step_done).
  *
- * The step thread selects itself — waiting for ev[g] when it plans the unit, as before the host
- * function — where what it enqueues depends on the selection (st->ig_wait, ig_step_waits): with
- * push (the store is sent the rows to write), with KVPR within the selection on an MHA model
- * (below: which tokens a unit recomputes sets its GEMMs' size, an argument fixed at enqueue; on
- * GQA no selected token is ever recomputed, so a split does not make it wait) and on a device
- * that cannot read the arena itself (no deferred copy, or a cuda arena not page-locked). Either
- * way the selection and the rows are the same, bit for bit.
+ * The step thread selects itself — the scores copied to the host, waiting for ev[g] when it plans
+ * the unit — where what it enqueues depends on the selection or the selection on the host's state
+ * (st->ig_wait, ig_step_waits): with push (the store is sent the rows to write), with KVPR within
+ * the selection on an MHA model (below: which tokens a unit recomputes sets its GEMMs' size, an
+ * argument fixed at enqueue; on GQA no selected token is ever recomputed, so a split does not make
+ * it wait), with a KV pool (its counters and victims are the host's) and on a device that cannot
+ * select or read the arena itself (no ig_select kernel or listed copy, or a cuda arena not
+ * page-locked). On cpu the selection and the rows are the same either way, bit for bit.
  *
  * The selected rows are packed: the sequence's attention buffer holds, in slot dev + j of KV head
  * g, the j-th selected token of head g (tokens ascending), and the new row goes in slot dev + m.
@@ -265,6 +268,7 @@ void pl_ig_free(rekv_pipeline *p)
     pl_dbuf_free(p, &p->ig.q);
     pl_dbuf_free(p, &p->ig.qp);
     pl_dbuf_free(p, &p->ig.scores);
+    pl_dbuf_free(p, &p->ig.sscr);
     if (p->ig.host)
         rekv_host_free(p->be, p->ig.host);
     if (p->ig.qhost)
@@ -412,13 +416,14 @@ static size_t ig_pool_lists(const rekv_pipeline *p)
  * scores, because what it enqueues depends on the selection: push (the store is sent the rows),
  * KVPR within the selection (how many rows the unit recomputes, the GEMMs' size; only where a
  * token's activation row can be fewer bytes than its selected K,V rows, ig_recompute_pick: MHA,
- * never GQA) or a device that cannot read the arena itself (copy_h2d_deferred; on cuda the arena
- * registered). Else the h2d stream selects. */
+ * never GQA), a KV pool (its counters are the host's) or a device that cannot select and read
+ * the arena itself (the ig_select kernel and copy_h2d_listed; on cuda the arena registered).
+ * Else the device selects. */
 static int ig_step_waits(const rekv_pipeline *p, const step *st)
 {
     const rekv_model_config *c = p->c;
-    if (p->cfg.push || p->bi->copy_h2d_deferred == NULL ||
-        (p->store != NULL && p->bi->host_register != NULL && !p->arena_registered))
+    if (p->cfg.push || p->ig.pool_limit > 0 || p->k->ig_select == NULL ||
+        p->bi->copy_h2d_listed == NULL || p->arena_dev == NULL)
         return 1;
     int recomputes = p->keep_act && 2 * c->n_kv_heads * c->head_dim > c->hidden;
     for (int i = 0; recomputes && i < st->n_items; i++)
@@ -433,9 +438,10 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     const rekv_model_config *c = p->c;
     int nh = c->n_heads, rk = p->ig.rk;
     st->ig_off = pl_smem_alloc(&st->mem, sizeof(size_t) * (size_t)st->n_items);
-    if (st->ig_off == NULL)
+    st->ig_scr = pl_smem_alloc(&st->mem, sizeof(size_t) * (size_t)st->n_items);
+    if (st->ig_off == NULL || st->ig_scr == NULL)
         return rekv_errf(err, -ENOMEM, "step: out of memory");
-    size_t total = 0, max_rows = 0, max_len = 1;
+    size_t total = 0, max_rows = 0, max_len = 1, scr = 0;
     for (int i = 0; i < st->n_items; i++) {
         const rekv_pseq *s = st->items[i].seq;
         /* a whole step attends every token: it must find them all still in the pool */
@@ -450,6 +456,8 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
         if (p->ops->sparse(p, st, i)) {
             st->ig_off[i] = total;
             total += (size_t)nh * (size_t)st->items[i].seq->len;
+            st->ig_scr[i] = scr;
+            scr += rekv_ig_scratch_floats(st->items[i].seq->len, nh, c->n_kv_heads);
             if ((size_t)st->items[i].seq->len > max_len)
                 max_len = (size_t)st->items[i].seq->len;
         }
@@ -460,6 +468,9 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     int rc = pl_dbuf_ensure(p, &p->ig.qp, max_rows * (size_t)nh * (size_t)rk * sizeof(float)) |
              pl_dbuf_ensure(p, &p->ig.hn, max_rows * (size_t)c->hidden * sizeof(float)) |
              pl_dbuf_ensure(p, &p->ig.scores, (total ? total : 1) * sizeof(float));
+    st->ig_wait = ig_step_waits(p, st);
+    if (!st->ig_wait && !p->ig.queries)
+        rc |= pl_dbuf_ensure(p, &p->ig.sscr, (scr ? scr : 1) * sizeof(float));
     if (!p->ig.fold)
         rc |= pl_dbuf_ensure(p, &p->ig.q, max_rows * (size_t)rekv_config_q_dim(c) * sizeof(float));
     if (rc)
@@ -507,7 +518,6 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
              (erc = p->bi->event_create(p->be, &p->ig.ev_read[g], err))))
             return erc;
     }
-    st->ig_wait = ig_step_waits(p, st);
     return 0;
 }
 
@@ -572,12 +582,15 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
         if (end > hi)
             hi = end;
     }
-    k->spec_scores(s, p->ig.scores.p, qp, sq, n, nh, group, rk, 1.0f / sqrtf((float)hd));
-    /* the host copies are free once the last layer's decisions have read them (on the h2d
-     * stream: the step thread does not wait for them) */
+    /* the scores and their host copies are free once the last layer's decisions have read them
+     * (on the h2d stream: the step thread does not wait for them) */
     p->bi->stream_wait_event(s, p->ig.ev_read[g]);
-    rekv_copy_piece pc = {p->ig.host + lo, (float *)p->ig.scores.p + lo, (hi - lo) * sizeof(float)};
-    p->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
+    k->spec_scores(s, p->ig.scores.p, qp, sq, n, nh, group, rk, 1.0f / sqrtf((float)hd));
+    if (st->ig_wait || p->ig.queries) { /* the host decides: the scores go there */
+        rekv_copy_piece pc = {p->ig.host + lo, (float *)p->ig.scores.p + lo,
+                              (hi - lo) * sizeof(float)};
+        p->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
+    }
     if (p->ig.queries) { /* and the queries, for clo's similarity test */
         size_t Qd = (size_t)rekv_config_q_dim(c);
         for (int j = 0; j < nb; j++) {
@@ -888,6 +901,13 @@ static int ig_select_pooled(const pl_unit_job *u, int j, float *scratch, uint64_
     return m;
 }
 
+/* REKV_SELECT_RANDOM's draw for (item, layer) at a context of len */
+static uint64_t ig_key(const rekv_pipeline *p, int item, int layer, int len)
+{
+    return p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)layer << 32) ^
+           (uint64_t)len;
+}
+
 /* The selection of batch item j of a unit (layer > 0), a pure function of its speculated scores
  * (~0.3 ms per sequence and layer on a 7B model: on a GPU machine the host's part of a step). */
 static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
@@ -908,8 +928,7 @@ static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
                    sizeof(float) * (size_t)rest);
         scores = sub;
     }
-    uint64_t key = p->cfg.select_seed ^ ((uint64_t)item * 0x9e3779b97f4a7c15ull) ^
-                   ((uint64_t)u->layer << 32) ^ (uint64_t)len;
+    uint64_t key = ig_key(p, item, u->layer, len);
     if (s->pool.count) { /* no device part with a pool: rest = len */
         iu->sel_m[j] = ig_select_pooled(u, j, scratch, key);
         return;
@@ -955,7 +974,10 @@ int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_s
     iu->items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)n);
     iu->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
     iu->sel_m = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
-    if (iu->items == NULL || iu->sel == NULL || iu->sel_m == NULL)
+    if (!st->ig_wait)
+        iu->seqs = pl_smem_alloc(&st->mem, sizeof(rekv_ig_seq) * (size_t)n);
+    if (iu->items == NULL || iu->sel == NULL || iu->sel_m == NULL ||
+        (!st->ig_wait && iu->seqs == NULL))
         return -ENOMEM;
     size_t pieces = 0;
     for (int j = 0; j < nb; j++) {
@@ -972,12 +994,29 @@ int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_s
         size_t need = (size_t)len * (size_t)(kvh + 1 + c->n_heads + ig_pool_lists(p));
         iu->per = need > iu->per ? need : iu->per;
         pieces += 2 * (size_t)kvh * (size_t)ig_most(p, len - dev);
-        /* on the stream the selection may fetch from any block past the device part */
-        const range_ref *kr = &st->kv_ref[(g0 + j) * L + layer];
-        for (int t = dev; !st->ig_wait && t < len;
-             t += REKV_KV_BLOCK_TOKENS - t % REKV_KV_BLOCK_TOKENS)
-            if (pl_block_at(p, kr, t) == NULL)
-                return -EPROTO;
+        if (!st->ig_wait) { /* the device's selection may fetch from any block past dev */
+            int item = g0 + j;
+            const range_ref *kr = &st->kv_ref[item * L + layer];
+            uint64_t *blocks = pl_smem_alloc(
+                &st->mem, sizeof(uint64_t) * (size_t)(len / REKV_KV_BLOCK_TOKENS + 1));
+            if (blocks == NULL)
+                return -ENOMEM;
+            for (int t = dev; t < len; t += REKV_KV_BLOCK_TOKENS - t % REKV_KV_BLOCK_TOKENS) {
+                const rekv_kv_plan_block *kb = pl_block_at(p, kr, t);
+                if (kb == NULL)
+                    return -EPROTO;
+                blocks[t / REKV_KV_BLOCK_TOKENS] = kb->offset;
+            }
+            /* the descriptor's fields are set once the unit's plan has made them (unit_fetch) */
+            iu->seqs[iu->n] = (rekv_ig_seq){.scores = st->ig_off[item],
+                                            .scratch = (float *)p->ig.sscr.p + st->ig_scr[item],
+                                            .len = len,
+                                            .dev = dev,
+                                            .key = ig_key(p, item, layer, len),
+                                            .sel = iu->sel[j],
+                                            .m = &iu->sel_m[j],
+                                            .blocks = blocks};
+        }
         iu->items[iu->n++] = j;
     }
     if (!st->ig_wait) {
@@ -1038,30 +1077,11 @@ static long ig_item_rows(ig_unit *iu, int j, const int32_t *votes, int r, int32_
     return n;
 }
 
-/* The host function: the unit's selection on the pool, then each item's rows and slots. */
-static void ig_unit_run(void *arg)
-{
-    ig_unit *iu = arg;
-    int rc = ig_unit_select(iu), kvh = iu->p->c->n_kv_heads;
-    for (int i = 0; rc == 0 && i < iu->n; i++) {
-        int j = iu->items[i];
-        if (iu->n_pieces + 2 * (size_t)kvh * (size_t)iu->sel_m[j] > iu->max_pieces) {
-            rc = -EOVERFLOW;
-            break;
-        }
-        long k = ig_item_rows(iu, j, NULL, 0, NULL, iu->pieces + iu->n_pieces);
-        if (k < 0)
-            rc = (int)k;
-        else
-            iu->n_pieces += (size_t)k;
-    }
-    iu->rc = rc;
-}
-
-void pl_ig_decide(rekv_pipeline *p, int g, const char *name, rekv_host_fn fn, void *arg,
+void pl_ig_decide(rekv_pipeline *p, int g, int layer, const char *name, rekv_host_fn fn, void *arg,
                   const rekv_copy_piece *pieces, const size_t *n, size_t max)
 {
     rekv_stream *sh = p->s_h2d;
+    p->counters[layer].host_decisions++;
     p->bi->stream_wait_event(sh, p->ig.ev[g]);
     p->bi->launch_host(sh, name, fn, arg, 0);
     /* the scores are read: the next layer's speculation need not wait for these rows' copy */
@@ -1074,23 +1094,38 @@ void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io)
     ig_unit *iu = io->ig;
     if (iu == NULL || iu->st->ig_wait) /* no selection, or one the plan made */
         return;
-    char name[40]; /* a trace shows each unit's selection, then the bytes it fetched */
-    snprintf(name, sizeof(name), "infinigen selection L%d", iu->layer);
-    pl_ig_decide(p, iu->g, name, ig_unit_run, iu, iu->pieces, &iu->n_pieces, iu->max_pieces);
+    const rekv_model_config *c = p->c;
+    for (int i = 0; i < iu->n; i++) { /* where the plan put each item's buffer and new row */
+        rekv_attn_seq *d = &iu->d[iu->items[i]];
+        iu->seqs[i].kv = d->kv;
+        iu->seqs[i].start = &d->start;
+        iu->seqs[i].slot = &iu->kv_pos[d->row0];
+    }
+    rekv_ig_shape shape = {c->n_heads,   c->n_kv_heads,       c->head_dim,  p->kv_rowb,
+                           p->cfg.alpha, p->cfg.max_fraction, p->cfg.select};
+    rekv_stream *sh = p->s_h2d;
+    p->bi->stream_wait_event(sh, p->ig.ev[iu->g]);
+    p->k->ig_select(sh, p->ig.scores.p, iu->seqs, iu->n, &shape, p->arena_dev, iu->pieces,
+                    &iu->n_pieces);
+    /* the scores are read: the next layer's speculation need not wait for these rows' copy */
+    p->bi->event_record(p->ig.ev_read[iu->g], sh);
+    p->bi->copy_h2d_listed(sh, iu->pieces, &iu->n_pieces, iu->max_pieces, REKV_XFER_KV);
 }
 
 int pl_ig_step_done(rekv_pipeline *p, step *st, rekv_err *err)
 {
-    int rc = 0;
+    (void)err; /* the device's selection fails its stream, which the step's drain reports */
     for (ig_unit *iu = st->ig_units; iu != NULL; iu = iu->next) {
         rekv_layer_counters *cnt = &p->counters[iu->layer];
+        for (int i = 0; !st->ig_wait && i < iu->n; i++) { /* what the device selected */
+            int m = iu->sel_m[iu->items[i]];
+            iu->rows += (uint64_t)p->c->n_kv_heads * (uint64_t)m;
+            iu->tokens += (uint64_t)m;
+        }
         cnt->h2d_bytes[REKV_XFER_KV] += iu->rows * 2 * p->kv_rowb;
         cnt->tokens_fetched += iu->tokens;
-        if (iu->rc && rc == 0)
-            rc = rekv_errf(err, iu->rc, "step: infinigen's selection at layer %d failed (%s)",
-                           iu->layer, iu->rc == -ENOMEM ? "out of memory" : "a bad plan");
     }
-    return rc;
+    return 0;
 }
 
 /* Unit (layer > 0) of sparse item `item` (index j in its batch), its selection's memory made by

@@ -117,6 +117,7 @@ typedef struct ig_state {
     dbuf q;           /* [T][q_dim] the full speculative query (RoPE models) */
     dbuf qp;          /* [T][n_heads][rk] the partial query */
     dbuf scores;      /* every sparse item's speculated scores, [n_heads][len] at ig_off */
+    dbuf sscr;        /* the ig_select kernel's scratch, rekv_ig_scratch_floats at ig_scr */
     float *host;      /* their host copy (rekv_host_alloc), host_cap floats */
     size_t host_cap;
     int fold;         /* the partial query weight is W_Q·A[:, cols] (infinigen without RoPE) */
@@ -127,7 +128,8 @@ typedef struct ig_state {
     rekv_event *ev[MAX_GPU_BATCHES];      /* batch g's scores have reached the host */
     rekv_event *ev_read[MAX_GPU_BATCHES]; /* batch g's last decisions (clo's, infinigen's
                                              selection) have read them on the h2d stream (the
-                                             host copies may take the next layer's) */
+                                             scores and their host copies may take the next
+                                             layer's) */
     float *scratch;                       /* per thread of the pool: rekv_ig_select's,
                                              [(n_kv + 1) * len], then the scores
                                              past the device part (or the pool's live ones),
@@ -148,6 +150,8 @@ struct rekv_pipeline {
     rekv_kvstore_client *store;
     rekv_kv_geometry geo;
     uint8_t *arena;
+    const uint8_t *arena_dev; /* where the device reads the arena (rekv_host_mapped); NULL: it
+                                 cannot (not page-locked on cuda), or no store */
     rekv_pipeline_config cfg;
     size_t kv_rowb; /* bytes of one K or V row in the cache dtype (rekv_kv_row_bytes) */
     size_t act_esz; /* bytes of one activation element (rekv_act_dtype of the cache dtype) */
@@ -338,10 +342,13 @@ typedef struct step {
     int *split;                 /* [n_items] context tokens recomputed (kvpr) */
     size_t *ig_off;             /* infinigen: [n_items] offset of the item's speculated
                                    scores, SIZE_MAX when it fetches densely */
+    size_t *ig_scr;             /* infinigen: [n_items] offset of the item's scratch in ig.sscr
+                                   (the device's selection) */
     struct clo_unit *clo_units; /* clo: the units decided on the h2d stream, newest first */
     struct ig_unit *ig_units;   /* infinigen: the units that select, newest first */
     int ig_wait;                /* infinigen: the step thread selects, waiting for the scores
-                                   (pl_ig_prepare says when); else the h2d stream does */
+                                   (pl_ig_prepare says when); else the device does, on the h2d
+                                   stream (the ig_select kernel) */
     int32_t *picks[MAX_GPU_BATCHES]; /* batch g's draws copied back: ids [items of batch], top
                                         ids, top logits (n_top of each drawing item), the
                                         log-sum-exps; NULL none */
@@ -395,10 +402,11 @@ typedef struct clo_unit {
     struct clo_unit *next;         /* the step's list */
 } clo_unit;
 
-/* infinigen: one unit's (layer > 0) selection, made once its speculated scores are on the host —
- * by a host function on the h2d stream, so the step thread never waits for them (pl_ig_unit_fetch),
- * or by the step thread itself where the plan needs the selection (st->ig_wait). In step memory;
- * its counts reach the counters after the step (pl_ig_step_done). */
+/* infinigen: one unit's (layer > 0) selection — by the device on the h2d stream (the ig_select
+ * kernel behind the speculation's event: pl_ig_unit_fetch), or by the step thread itself, once
+ * the speculated scores are on the host, where the plan needs the selection (st->ig_wait). In
+ * step memory, which the device reads and writes; its counts reach the counters after the step
+ * (pl_ig_step_done). */
 typedef struct ig_unit {
     rekv_pipeline *p;
     step *st;
@@ -410,10 +418,10 @@ typedef struct ig_unit {
     rekv_attn_seq *d;        /* the unit's descriptors: the selection sets each d[j].start */
     int32_t *kv_pos;         /* the unit's io->kv_pos: the selection sets each new row's slot */
     size_t per;              /* scratch floats per thread */
-    rekv_copy_piece *pieces; /* the selected rows, for copy_h2d_deferred (not st->ig_wait) */
+    rekv_ig_seq *seqs;       /* [n] the kernel's sequences (not st->ig_wait) */
+    rekv_copy_piece *pieces; /* the selected rows, for copy_h2d_listed (not st->ig_wait) */
     size_t n_pieces, max_pieces;
     uint64_t rows, tokens;   /* the selection's counts: K,V row pairs fetched, tokens per head */
-    int rc;                  /* 0, or how the selection failed */
     struct ig_unit *next;    /* the step's list */
 } ig_unit;
 
@@ -574,11 +582,12 @@ int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_s
 /* The unit_fetch and step_done entries of infinigen's mode table. */
 void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io);
 int pl_ig_step_done(rekv_pipeline *p, step *st, rekv_err *err);
-/* On the h2d stream, after a unit's planned copies: once batch g's speculated scores are on the
- * host, fn(arg) as a host function (name labels it) that writes pieces[0..*n) (at most max), then
- * those rows' copy (copy_h2d_deferred); ig.ev_read[g], recorded once fn has run, frees the
- * scores' host copies. */
-void pl_ig_decide(rekv_pipeline *p, int g, const char *name, rekv_host_fn fn, void *arg,
+/* clo's decisions for unit (layer, g), on the h2d stream after the unit's planned copies: once
+ * batch g's speculated scores are on the host, fn(arg) as a host function (name labels it) that
+ * writes pieces[0..*n) (at most max), then those rows' copy (copy_h2d_deferred); ig.ev_read[g],
+ * recorded once fn has run, frees the scores and their host copies. Counted in the layer's
+ * host_decisions: the stream waits for the host. */
+void pl_ig_decide(rekv_pipeline *p, int g, int layer, const char *name, rekv_host_fn fn, void *arg,
                   const rekv_copy_piece *pieces, const size_t *n, size_t max);
 /* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, with the
  * unit's speculated scores on the host: fn(job, j, scratch) for each batch index j of

@@ -2562,7 +2562,6 @@ START_TEST(kernel_x16_input)
 }
 END_TEST
 
-
 /* linear over each quantized type: the cpu multiplies the exact blocks (cpu_qgemm.c); cuda runs
  * up to 4 rows through its fused dequantizing GEMV (fp32 x, exact weights) and more through the
  * f16 GEMM on the blocks decoded into f16, x rounded to f16 — one bound for both, the wider
@@ -2663,6 +2662,212 @@ START_TEST(pipeline_quant)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ infinigen's selection */
+
+/* The pieces ig_select must have written for sequence q whose selection is sel (m per KV head),
+ * checked one by one from out (its 2 n_kv m pieces): K rows then V rows, head by head, token by
+ * token, from the token's block in the arena to slot dev + i of kv. */
+static void expect_ig_rows(const char *what, const rekv_ig_seq *q, const int32_t *sel, int m,
+                           const rekv_ig_shape *sh, const uint8_t *arena,
+                           const rekv_copy_piece *out)
+{
+    int nkv = sh->n_kv, hd = sh->head_dim, rest = q->len - q->dev;
+    size_t row = sh->row_bytes, vs = rekv_kv_off(rekv_kv_v_shift(nkv, hd), hd, row), k = 0;
+    for (int half = 0; half < 2; half++)
+        for (int g = 0; g < nkv; g++)
+            for (int i = 0; i < m; i++, k++) {
+                int t = q->dev + sel[(size_t)g * rest + i];
+                const uint8_t *src = arena + q->blocks[t / REKV_KV_ROWS_PER_BLOCK] +
+                                     rekv_kv_off(rekv_kv_row(nkv, hd, g, t % 16), hd, row) +
+                                     (half ? vs : 0);
+                uint8_t *dst = (uint8_t *)q->kv +
+                               rekv_kv_off(rekv_kv_row(nkv, hd, g, q->dev + i), hd, row) +
+                               (half ? vs : 0);
+                ck_assert_msg(out[k].src == src && out[k].dst == dst && out[k].bytes == row,
+                              "%s: piece %zu (half %d, KV head %d, token %d) is not its row's",
+                              what, k, half, g, t);
+            }
+}
+
+/* ig_select on cuda against the cpu's (rekv_ig_select's bits): three sequences (one with a
+ * device-resident part), two KV heads of four query heads, each way of selecting. The count m,
+ * the random and the whole selections, the descriptors' start and the new rows' slots must be
+ * the cpu's exactly; the speculated top m may differ only at tokens whose summed probability,
+ * computed here in double, is within 1e-5 of the m-th (cuda's exponential and sums are its
+ * own); and each backend's pieces are the rows of its own selection, in order. */
+START_TEST(kernel_ig_select)
+{
+    backends_open();
+    enum { N = 3, NH = 8, NKV = 2, HD = 64, GROUP = NH / NKV };
+    const int lens[N] = {40, 300, 1000}, devs[N] = {0, 16, 0};
+    rekv_ig_shape shape = {NH, NKV, HD, HD * sizeof(float), 1.0f, 0.3f, REKV_SELECT_SPECULATE};
+    size_t total = 0, off[N], room = 0;
+    for (int j = 0; j < N; j++) {
+        off[j] = total;
+        total += (size_t)NH * lens[j];
+        room += 2 * (size_t)NKV * (size_t)(lens[j] - devs[j]);
+    }
+    float *sc = hrand(total, 3), *dsc = dev_from(sc, sizeof(float) * total);
+    uint8_t *arena = malloc(1 << 20), *kv = malloc(1 << 20);
+    rekv_ig_seq hq[N], *dq = meta(sizeof(rekv_ig_seq) * N);
+    int32_t *hsel[N], *dsel[N];
+    int *hm = calloc(N, sizeof(int)), *dm = meta(sizeof(int) * N);
+    int *hstart = calloc(N, sizeof(int)), *dstart = meta(sizeof(int) * N);
+    int32_t *hslot = calloc(N, sizeof(int32_t)), *dslot = meta(sizeof(int32_t) * N);
+    rekv_copy_piece *hp = malloc(sizeof(*hp) * room), *dp = meta(sizeof(*dp) * room);
+    size_t *hn = malloc(sizeof(size_t)), *dn = meta(sizeof(size_t));
+    float *hscr[N], *dscr[N];
+    uint64_t *blocks[N];
+    ck_assert(arena && kv && hm && hstart && hslot && hp && hn);
+    for (int j = 0; j < N; j++) {
+        size_t nsel = (size_t)NKV * lens[j], nscr = rekv_ig_scratch_floats(lens[j], NH, NKV);
+        int nb = lens[j] / 16 + 1;
+        hsel[j] = calloc(nsel, sizeof(int32_t));
+        dsel[j] = meta(sizeof(int32_t) * nsel);
+        hscr[j] = calloc(nscr, sizeof(float));
+        dscr[j] = dev_zero(sizeof(float) * nscr);
+        blocks[j] = meta(sizeof(uint64_t) * nb);
+        ck_assert(hsel[j] && hscr[j]);
+        for (int b = 0; b < nb; b++) /* blocks scattered over the arena */
+            blocks[j][b] = (uint64_t)((b * 37 + j * 11) % 64) * 2 * NKV * 16 * HD * sizeof(float);
+        uint64_t key = 0x1234567ull * (uint64_t)(j + 1);
+        hq[j] = (rekv_ig_seq){off[j], hscr[j],   lens[j], devs[j],    key,      hsel[j],
+                              &hm[j], blocks[j], kv,      &hstart[j], &hslot[j]};
+        dq[j] = (rekv_ig_seq){off[j], dscr[j],   lens[j], devs[j],    key,      dsel[j],
+                              &dm[j], blocks[j], kv,      &dstart[j], &dslot[j]};
+    }
+    static const rekv_select hows[] = {REKV_SELECT_SPECULATE, REKV_SELECT_RANDOM, REKV_SELECT_ALL};
+    static const char *names[] = {"speculate", "random", "all"};
+    for (int w = 0; w < 3; w++) {
+        shape.how = hows[w];
+        rekv_cpu_kernels.ig_select(g_scpu, sc, hq, N, &shape, arena, hp, hn);
+        sync_cpu();
+        rekv_kernels_of(g_cu)->ig_select(g_scu, dsc, dq, N, &shape, arena, dp, dn);
+        sync_cu();
+        size_t k = 0;
+        for (int j = 0; j < N; j++) {
+            int rest = lens[j] - devs[j], m = hm[j];
+            char what[64];
+            snprintf(what, sizeof(what), "%s, sequence %d", names[w], j);
+            ck_assert_msg(dm[j] == m, "%s: cuda takes %d tokens per KV head, cpu %d", what, dm[j],
+                          m);
+            ck_assert_msg(dstart[j] == devs[j] + m && dslot[j] == devs[j] + m &&
+                              hstart[j] == devs[j] + m && hslot[j] == devs[j] + m,
+                          "%s: start and slot are not dev + m", what);
+            ck_assert(m >= 1 && m <= rest);
+            for (int g = 0; g < NKV; g++) {
+                const int32_t *a = dsel[j] + (size_t)g * rest, *b = hsel[j] + (size_t)g * rest;
+                for (int i = 1; i < m; i++)
+                    ck_assert_msg(a[i - 1] < a[i], "%s: head %d's tokens not ascending", what, g);
+                if (hows[w] != REKV_SELECT_SPECULATE) {
+                    ck_assert_msg(memcmp(a, b, sizeof(int32_t) * (size_t)m) == 0,
+                                  "%s: KV head %d selected other tokens than on cpu", what, g);
+                    continue;
+                }
+                /* the group's summed softmax in double, and its m-th largest */
+                double *p = calloc((size_t)rest, sizeof(double)),
+                       *srt = malloc(sizeof(double) * rest);
+                for (int h = g * GROUP; h < (g + 1) * GROUP; h++) {
+                    const float *sh = sc + off[j] + (size_t)h * lens[j] + devs[j];
+                    double mx = -INFINITY, sum = 0;
+                    for (int t = 0; t < rest; t++)
+                        mx = sh[t] > mx ? sh[t] : mx;
+                    for (int t = 0; t < rest; t++)
+                        sum += exp((double)sh[t] - mx);
+                    for (int t = 0; t < rest; t++)
+                        p[t] += exp((double)sh[t] - mx) / sum;
+                }
+                memcpy(srt, p, sizeof(double) * rest);
+                for (int i = 0; i < m; i++) /* partial selection sort: the m largest first */
+                    for (int t = i + 1; t < rest; t++)
+                        if (srt[t] > srt[i]) {
+                            double x = srt[i];
+                            srt[i] = srt[t];
+                            srt[t] = x;
+                        }
+                double kth = srt[m - 1];
+                char *in_a = calloc((size_t)rest, 1), *in_b = calloc((size_t)rest, 1);
+                for (int i = 0; i < m; i++)
+                    in_a[a[i]] = 1, in_b[b[i]] = 1;
+                for (int t = 0; t < rest; t++)
+                    ck_assert_msg(in_a[t] == in_b[t] || fabs(p[t] - kth) <= 1e-5 * kth,
+                                  "%s: KV head %d: token %d (probability %.9g, the %d-th %.9g) "
+                                  "selected on %s only",
+                                  what, g, devs[j] + t, p[t], m, kth, in_a[t] ? "cuda" : "cpu");
+                free(p), free(srt), free(in_a), free(in_b);
+            }
+            expect_ig_rows(what, &dq[j], dsel[j], m, &shape, arena, dp + k);
+            expect_ig_rows(what, &hq[j], hsel[j], m, &shape, arena, hp + k);
+            k += 2 * (size_t)NKV * (size_t)m;
+        }
+        ck_assert_uint_eq(*dn, k);
+        ck_assert_uint_eq(*hn, k);
+    }
+    for (int j = 0; j < N; j++) {
+        free(hsel[j]), meta_free(dsel[j]), free(hscr[j]), dev_free(dscr[j]);
+        meta_free(blocks[j]);
+    }
+    meta_free(dq), meta_free(dm), meta_free(dstart), meta_free(dslot), meta_free(dp);
+    meta_free(dn);
+    free(hm), free(hstart), free(hslot), free(hp), free(hn), free(sc), free(arena), free(kv);
+    dev_free(dsc);
+    backends_close();
+}
+END_TEST
+
+/* copy_h2d_listed: a list in host_alloc memory, its sources where the device reads a registered
+ * range (host_mapped), moved by the gather kernel with no host function; rows of 0 bytes move
+ * nothing, a count past max is cut to max, and the bytes, the copy and the rows are counted at
+ * the stream's sync. */
+START_TEST(runtime_listed_gather)
+{
+    backends_open();
+    rekv_err err = {0};
+    const rekv_backend_iface *bi = g_cu->iface;
+    enum { N = 2000, ROW = 192 };
+    size_t hb = 4u << 20, db = (size_t)N * ROW;
+    uint8_t *host = aligned_alloc(4096, hb), *want = calloc(1, db);
+    ck_assert(host && want);
+    for (size_t i = 0; i < hb; i++)
+        host[i] = (uint8_t)((i * 2654435761u) >> 13);
+    ck_assert_msg(bi->host_register(g_cu, host, hb, &err) == 0, "%s", err.msg);
+    const uint8_t *mapped = rekv_host_mapped(g_cu, host);
+    ck_assert(mapped != NULL);
+    ck_assert(rekv_host_mapped(g_cu, want) == NULL); /* not registered */
+    uint8_t *dev = dev_zero(db);
+    rekv_copy_piece *list = meta(sizeof(*list) * N);
+    size_t *n = meta(sizeof(size_t)), total = 0, rows = 0, max = N - 100;
+    uint64_t x = 11;
+    for (size_t i = 0; i < N; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        size_t so = (size_t)((x >> 24) % (hb / ROW)) * ROW, bytes = i % 7 == 3 ? 0 : ROW;
+        list[i] = (rekv_copy_piece){dev + (N - 1 - i) * ROW, mapped + so, bytes};
+        if (i < max) {
+            memcpy(want + (N - 1 - i) * ROW, host + so, bytes);
+            total += bytes;
+            rows += bytes > 0;
+        }
+    }
+    *n = N; /* more than max: cut */
+    bi->stats_reset(g_cu);
+    bi->copy_h2d_listed(g_scu, list, n, max, REKV_XFER_KV);
+    sync_cu();
+    rekv_backend_stats st;
+    bi->stats(g_cu, &st);
+    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total);
+    ck_assert_uint_eq(st.h2d_copies, 1);
+    ck_assert_uint_eq(st.h2d_gathered, rows);
+    uint8_t *back = host_from(dev, db);
+    ck_assert_msg(memcmp(back, want, db) == 0, "the listed gather copied other bytes");
+    free(back);
+    meta_free(list), meta_free(n);
+    dev_free(dev);
+    bi->host_unregister(g_cu, host);
+    free(host), free(want);
+    backends_close();
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("cuda");
@@ -2728,6 +2933,13 @@ static Suite *suite(void)
     tcase_set_timeout(tx, 300);
     tcase_add_test(tx, kernel_x16_input);
     suite_add_tcase(s, tx);
+    /* infinigen's selection on the device and the gather it drives (issue 44), alone:
+     * CK_RUN_CASE=ig */
+    TCase *ti = tcase_create("ig");
+    tcase_set_timeout(ti, 300);
+    tcase_add_test(ti, kernel_ig_select);
+    tcase_add_test(ti, runtime_listed_gather);
+    suite_add_tcase(s, ti);
     /* quantized GGUF weights kept in their blocks on the device (issue 43), alone:
      * CK_RUN_CASE=quant */
     TCase *tqw = tcase_create("quant");

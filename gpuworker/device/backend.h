@@ -298,6 +298,22 @@ typedef struct rekv_backend_iface {
     int (*graph_end)(rekv_stream *s, rekv_graph **out, rekv_err *err);
     void (*graph_launch)(rekv_stream *s, rekv_graph *g);
     void (*graph_destroy)(rekv_graph *g);
+
+    /* optional: a host->device gather whose list a kernel earlier on s wrote (infinigen's
+     * selection on the device, kernels.h ig_select): when the stream reaches it, *n pieces (at
+     * most max; more fail the stream on cpu, are cut to max on cuda) from pieces[0]; pieces of 0
+     * bytes move nothing. pieces and n are host_alloc memory (the device writes and reads them
+     * through the mapping; the caller keeps them until the stream's next stream_sync) and each
+     * source is where the device reads host_register'd memory (host_mapped), so that on cuda the
+     * gather kernel runs with no host function before it. Counted as one copy, its bytes when
+     * the stream has reached it (cpu) or at its stream's next stream_sync (cuda). NULL: not
+     * supported. */
+    void (*copy_h2d_listed)(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                            size_t max, rekv_xfer_kind kind);
+    /* optional: where the device reads host memory host_register registered (p inside a
+     * registered range; cuda: the mapping's device address), or NULL when p is in none. NULL:
+     * the device reads host memory at its own address (cpu). */
+    const void *(*host_mapped)(rekv_backend *be, const void *p);
 } rekv_backend_iface;
 
 /* Checks a copy before a backend enqueues it (dir: "h2d", "d2h" or "d2d"): 0 with *bytes the
@@ -402,6 +418,13 @@ static inline int rekv_backend_has_ipc(const rekv_backend *be)
 static inline int rekv_backend_has_flags(const rekv_backend *be)
 {
     return be->iface->stream_wait_flag && be->iface->stream_write_flag;
+}
+
+/* Where be's device reads host memory p (registered with host_register where the backend has
+ * it): the backend's host_mapped, or p itself; NULL where p is not registered. */
+static inline const void *rekv_host_mapped(rekv_backend *be, const void *p)
+{
+    return be->iface->host_mapped ? be->iface->host_mapped(be, p) : p;
 }
 
 #endif

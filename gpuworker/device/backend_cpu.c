@@ -836,6 +836,8 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
     .copy_d2h = cpu_copy_d2h,
     .copy_d2d = cpu_copy_d2d,
     .copy_h2d_deferred = cpu_copy_h2d_deferred,
+    /* the device's memory is the host's: a list a kernel wrote is read as a deferred one is */
+    .copy_h2d_listed = cpu_copy_h2d_deferred,
     .launch_host = cpu_launch_host,
     .stats = cpu_stats,
     .stats_reset = cpu_stats_reset,

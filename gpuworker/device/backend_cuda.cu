@@ -378,6 +378,7 @@ static int cu_stream_sync(rekv_stream *s, rekv_err *err)
         deferred_area_release(s, 0);
         s->gather.n_busy = 0; /* every gather has finished */
     }
+    cuda_listed_resolve(s, e == cudaSuccess && s->err_code == 0);
     stream_resolve(s); /* ops whose events cannot be read (after a fault) are dropped */
     int rc = 0;
     if (s->err_code != 0) {
@@ -500,6 +501,7 @@ static void cu_stream_destroy(rekv_stream *s)
     }
     pthread_mutex_unlock(&be->mu);
     free(s->pend);
+    free(s->listed);
     cuda_stream_waits_clear(s);
     if (s->peer_died) {
         /* blocked for good on a dead process's record: what its enqueued work would read is left
@@ -938,6 +940,8 @@ static const rekv_backend_iface cuda_iface = {
     cu_graph_end,             /* graph_end */
     cu_graph_launch,          /* graph_launch */
     cu_graph_destroy,         /* graph_destroy */
+    cuda_copy_h2d_listed,     /* copy_h2d_listed */
+    cuda_host_mapped,         /* host_mapped */
 };
 
 int cuda_backend_create(int device, rekv_backend **out, rekv_err *err)

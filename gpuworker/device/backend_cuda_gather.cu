@@ -31,19 +31,16 @@ enum {
  * function that filled it found) and the rows from d + 1. */
 #define CU_GATHER_COUNTED ((size_t)-1)
 
-__global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
+/* Rows [0, n) of a gather, row i's descriptor desc(i). */
+template <class D> __device__ static void gather_rows(D desc, size_t n)
 {
-    if (n == CU_GATHER_COUNTED) {
-        n = d[0].bytes;
-        d++;
-    }
     const unsigned full = 0xffffffffu, lane = threadIdx.x & 31u;
     size_t warp = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     size_t warps = ((size_t)gridDim.x * blockDim.x) >> 5;
     for (size_t g0 = warp * 32; g0 < n; g0 += warps * 32) {
         cu_gather_desc my = {NULL, NULL, 0};
         if (g0 + lane < n)
-            my = d[g0 + lane];
+            my = desc(g0 + lane);
         unsigned cnt = n - g0 < 32 ? (unsigned)(n - g0) : 32u;
         for (unsigned j = 0; j < cnt; j++) {
             const char *src =
@@ -65,6 +62,27 @@ __global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
                     dst[i] = src[i];
         }
     }
+}
+
+__global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
+{
+    if (n == CU_GATHER_COUNTED) {
+        n = d[0].bytes;
+        d++;
+    }
+    gather_rows([=](size_t i) { return d[i]; }, n);
+}
+
+/* copy_h2d_listed's: the list as a kernel before it left it, cut to max */
+__global__ static void listed_kernel(const rekv_copy_piece *p, const size_t *n, size_t max)
+{
+    size_t k = *n < max ? *n : max;
+    gather_rows(
+        [=](size_t i) {
+            rekv_copy_piece q = p[i];
+            return cu_gather_desc{(const char *)q.src, (char *)q.dst, q.bytes};
+        },
+        k);
 }
 
 /* host_register's ranges as they are now, to match rows against without holding the lock (one
@@ -387,4 +405,68 @@ void cuda_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const
     else
         gather_kernel_launch(s, a->dev, max, CU_GATHER_COUNTED);
     cuda_op_end(s, op);
+}
+/* ------------------------------------------------------------------ listed gathers */
+
+void cuda_copy_h2d_listed(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                          size_t max, rekv_xfer_kind kind)
+{
+    if (cuda_refused_in_capture(s, "a listed copy"))
+        return;
+    if (pieces == NULL || n == NULL || (unsigned)kind >= REKV_XFER_KINDS) {
+        cuda_stream_fail(s, -EINVAL,
+                         "stream %s: a listed copy needs its pieces, their count and a kind",
+                         s->name);
+        return;
+    }
+    if (s->n_listed == s->cap_listed) {
+        size_t cap = s->cap_listed ? 2 * s->cap_listed : 16;
+        cu_listed *l = (cu_listed *)realloc(s->listed, cap * sizeof(*l));
+        if (l == NULL) {
+            cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a listed copy", s->name);
+            return;
+        }
+        s->listed = l;
+        s->cap_listed = cap;
+    }
+    cuda_use_device(s->be);
+    long op = cuda_op_begin(s, CU_OP_H2D, "h2d listed gather");
+    size_t groups = (max + 31) / 32, per_block = CU_GATHER_THREADS / 32;
+    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)s->be->sms * 2;
+    unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
+    listed_kernel<<<blocks ? blocks : 1, CU_GATHER_THREADS, 0, s->cs>>>(pieces, n, max);
+    cuda_launch_check(s, "listed gather");
+    s->listed[s->n_listed++] = (cu_listed){pieces, n, max, kind};
+    cuda_op_end(s, op);
+}
+
+void cuda_listed_resolve(rekv_stream *s, int ran)
+{
+    cuda_backend *be = s->be;
+    for (size_t i = 0; ran && i < s->n_listed; i++) {
+        const cu_listed *l = &s->listed[i];
+        size_t k = *l->n < l->max ? *l->n : l->max, bytes = 0, rows = 0;
+        for (size_t j = 0; j < k; j++) {
+            bytes += l->pieces[j].bytes;
+            rows += l->pieces[j].bytes > 0;
+        }
+        pthread_mutex_lock(&be->mu);
+        be->stats.h2d_bytes[l->kind] += bytes;
+        be->stats.h2d_copies++;
+        be->stats.h2d_gathered += rows;
+        pthread_mutex_unlock(&be->mu);
+    }
+    s->n_listed = 0;
+}
+
+const void *cuda_host_mapped(rekv_backend *base, const void *p)
+{
+    cuda_backend *be = cuda_backend_of(base);
+    cu_host_reg stack[CU_GATHER_STACK_REGS];
+    size_t n_regs, hint = 0;
+    cu_host_reg *regs = regs_snapshot(be, stack, &n_regs);
+    const void *d = reg_device_addr(regs, n_regs, &hint, p, 1);
+    if (regs != stack)
+        free(regs);
+    return d;
 }

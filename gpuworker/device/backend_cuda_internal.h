@@ -62,6 +62,14 @@ int cuda_gather_launch(rekv_stream *s, long lo, size_t n);
 void cuda_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
                             size_t max, rekv_xfer_kind kind);
 
+/* The interface's copy_h2d_listed and host_mapped. */
+void cuda_copy_h2d_listed(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                          size_t max, rekv_xfer_kind kind);
+const void *cuda_host_mapped(rekv_backend *base, const void *p);
+/* At a stream_sync: counts the listed gathers since the last one, when the stream ran them (ran;
+ * else they are forgotten, as a failed stream's work is). */
+void cuda_listed_resolve(rekv_stream *s, int ran);
+
 /* ---- backend_cuda_ipc.cu: the interface's sharing and flag entries ---- */
 
 void *cuda_dev_alloc_shared(rekv_backend *base, size_t bytes, rekv_ipc_handle *out, rekv_err *err);

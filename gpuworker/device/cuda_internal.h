@@ -89,6 +89,14 @@ typedef struct cu_deferred_area {
     size_t n_retired;
 } cu_deferred_area;
 
+/* A gather whose list a kernel wrote (copy_h2d_listed), counted at its stream's next sync. */
+typedef struct cu_listed {
+    const rekv_copy_piece *pieces; /* host_alloc memory, read by the host at the sync */
+    const size_t *n;
+    size_t max;
+    rekv_xfer_kind kind;
+} cu_listed;
+
 /* A stream's wait on a shared event that another process recorded (cu_stream_wait_event), kept
  * until the stream's next sync, which polls it while its recorder lives (backend_cuda_ipc.cu). */
 typedef struct cu_shared_wait {
@@ -135,6 +143,8 @@ struct rekv_stream {
     char err_msg[512];
     cu_gather_ring gather;
     cu_deferred_area deferred;
+    cu_listed *listed; /* listed gathers since the last sync */
+    size_t n_listed, cap_listed;
     int capturing;               /* between graph_begin and graph_end (CUDA stream capture) */
     rekv_backend_stats captured; /* the copies' counters of the capture, for its graph */
     int pre_capture_code;        /* a failure pending at graph_begin, restored at graph_end */
