@@ -98,6 +98,37 @@ static inline size_t rekv_ig_scratch_floats(int len, int n_heads, int n_kv)
     return (size_t)(n_kv + 1 + n_heads) * (size_t)len + 3 * (size_t)n_heads;
 }
 
+/* One sequence of clo's decisions on the device (clo_decide) at a layer > 0 (mode_clo.c): its
+ * speculation, its state and where the decisions go. */
+typedef struct rekv_clo_seq {
+    size_t scores;          /* its speculated scores: scores + this, [n_heads][len] */
+    const float *q;         /* its speculated queries, [n_heads][head_dim] (device) */
+    float *label;           /* [n_heads][head_dim] each query head's label, the query its KV
+                               head's top-k was chosen for (device memory the decisions keep) */
+    int32_t *klen;          /* [n_kv] each KV head's cached tokens, -1: none (the plan reads it,
+                               and sets a persistent head's) */
+    int len, K;             /* context tokens; the top-k region's slots */
+    float *scratch;         /* device memory: rekv_ig_scratch_floats(len, n_heads, n_kv) floats */
+    int32_t *head_k;        /* out, [n_kv]: 0 a hit, k a miss, -1 a persistent head */
+    int32_t *sel;           /* out, [n_kv][K]: a miss's k tokens, as offsets past the sink,
+                               ascending */
+    int32_t *skip;          /* out, [n_kv]: K - klen, the attention's skip (a persistent head's
+                               is the plan's) */
+    const uint64_t *blocks; /* [block] the arena offset of the layer's block b (t / 16) */
+    void *kv;               /* its head cache at the layer: a miss's j-th token of k goes to
+                               slot K - k + j */
+} rekv_clo_seq;
+
+/* What every sequence of clo's decisions shares (one layer's). */
+typedef struct rekv_clo_shape {
+    int n_heads, n_kv, head_dim;
+    size_t row_bytes;       /* a K or V row of the cache */
+    float frac;             /* a miss fetches round(frac * len) tokens (at most K and the middle) */
+    const double *imp;      /* [n_heads] the query heads' importances (device) */
+    const double *tau;      /* [n_kv] the KV heads' reuse thresholds (device) */
+    const uint8_t *persist; /* [n_kv] the persistent heads (device) */
+} rekv_clo_shape;
+
 /* One row of a draw on the device (sample): a sampler's parameters and the number it drew
  * (gpuworker.h: rekv_sampler_draw, rekv_sample_drawn), and the top logits to report. */
 typedef struct rekv_sample_row {
@@ -238,6 +269,21 @@ typedef struct rekv_kernel_iface {
     void (*ig_select)(rekv_stream *s, const float *scores, const rekv_ig_seq *seqs, int n,
                       const rekv_ig_shape *shape, const uint8_t *arena, rekv_copy_piece *pieces,
                       size_t *n_pieces);
+    /* clo's decisions on the device (mode_clo.c), so that no host function stands between a
+     * layer's speculation and its fetch: for each of n sequences and each KV head g that is not
+     * persistent, rekv_clo_decide — a hit when the group's similarity of its queries to their
+     * labels (Eq. 10, importances imp) reaches tau[g] (head_k[g] = 0), else a miss: its top k
+     * tokens between the sink and the recent window by the group's summed softmax into sel
+     * (head_k[g] = k), its queries the labels, klen[g] = k — then skip[g] = K - klen[g]; and a
+     * miss's rows' copies for copy_h2d_listed: pieces[0..*n_pieces), sequence by sequence, head by
+     * head, token by token, each K row then V row, from arena (rekv_host_mapped) plus its block's
+     * offset to slot K - k + j of kv. pieces: room for 2 k of every KV head; shape is read at the
+     * call. The cpu backend runs rekv_clo_decide (the host's decisions, bit for bit); cuda the
+     * same steps with its own exponential and sums (a near-tie may rank otherwise; the
+     * similarities in double, as the host's). NULL: not on this backend. */
+    void (*clo_decide)(rekv_stream *s, const float *scores, const rekv_clo_seq *seqs, int n,
+                       const rekv_clo_shape *shape, const uint8_t *arena, rekv_copy_piece *pieces,
+                       size_t *n_pieces);
 } rekv_kernel_iface;
 
 extern const rekv_kernel_iface rekv_cpu_kernels;

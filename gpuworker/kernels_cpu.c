@@ -9,6 +9,7 @@
 #include "gpuworker/cpu_ops.h"
 #include "gpuworker/cpu_qgemm.h"
 #include "gpuworker/gpuworker.h"
+#include "gpuworker/heads.h"
 #include "gpuworker/kernels.h"
 #include "gpuworker/pipeline.h"
 #include "loader/gguf.h"
@@ -545,6 +546,79 @@ static void k_ig_select(rekv_stream *s, const float *scores, const rekv_ig_seq *
     LAUNCH(s, "ig_select", run_ig_select, a);
 }
 
+typedef struct clo_args {
+    const float *scores;
+    const rekv_clo_seq *seqs;
+    int n;
+    rekv_clo_shape shape;
+    const uint8_t *arena;
+    rekv_copy_piece *pieces;
+    size_t *n_pieces;
+} clo_args;
+
+/* sequence j's decisions, head by head: rekv_clo_decide (reads the state only) */
+static void clo_seq(void *arg, int j, int slot)
+{
+    (void)slot;
+    const clo_args *a = arg;
+    const rekv_clo_seq *q = &a->seqs[j];
+    const rekv_clo_shape *sh = &a->shape;
+    int nkv = sh->n_kv, group = sh->n_heads / nkv, hd = sh->head_dim, len = q->len;
+    for (int g = 0; g < nkv; g++) {
+        size_t h0 = (size_t)g * (size_t)group;
+        q->head_k[g] =
+            sh->persist[g]
+                ? -1
+                : rekv_clo_decide(
+                      q->q + h0 * (size_t)hd, q->klen[g] >= 0 ? q->label + h0 * (size_t)hd : NULL,
+                      sh->imp + h0, sh->tau[g], group, hd, a->scores + q->scores + h0 * (size_t)len,
+                      len, sh->frac, q->K, q->scratch, q->sel + (size_t)g * (size_t)q->K);
+    }
+}
+
+/* The decisions on the pool, then each sequence's state and its misses' rows, in order. */
+static void run_clo_decide(void *p)
+{
+    clo_args *a = p;
+    const rekv_clo_shape *sh = &a->shape;
+    int nkv = sh->n_kv, hd = sh->head_dim, group = sh->n_heads / nkv;
+    size_t row = sh->row_bytes, vs = rekv_kv_off(rekv_kv_v_shift(nkv, hd), hd, row), n = 0;
+    cpu_pool_run(clo_seq, a, a->n, a->n > 1 ? cpu_gemm_threads() : 1);
+    for (int j = 0; j < a->n; j++) {
+        const rekv_clo_seq *q = &a->seqs[j];
+        for (int g = 0; g < nkv; g++) {
+            int k = q->head_k[g];
+            if (k < 0) /* persistent: the plan's */
+                continue;
+            for (int i = 0; i < k; i++) {
+                int t = REKV_HEADS_SINK + q->sel[(size_t)g * (size_t)q->K + (size_t)i];
+                const uint8_t *src =
+                    a->arena + q->blocks[t / REKV_KV_ROWS_PER_BLOCK] +
+                    rekv_kv_off(rekv_kv_row(nkv, hd, g, t % REKV_KV_ROWS_PER_BLOCK), hd, row);
+                uint8_t *dst =
+                    (uint8_t *)q->kv + rekv_kv_off(rekv_kv_row(nkv, hd, g, q->K - k + i), hd, row);
+                a->pieces[n++] = (rekv_copy_piece){dst, src, row};
+                a->pieces[n++] = (rekv_copy_piece){dst + vs, src + vs, row};
+            }
+            if (k > 0) { /* a miss: its queries are the labels */
+                size_t h0 = (size_t)g * (size_t)group * (size_t)hd;
+                memcpy(q->label + h0, q->q + h0, sizeof(float) * (size_t)group * (size_t)hd);
+                q->klen[g] = k;
+            }
+            q->skip[g] = q->K - q->klen[g];
+        }
+    }
+    *a->n_pieces = n;
+}
+
+static void k_clo_decide(rekv_stream *s, const float *scores, const rekv_clo_seq *seqs, int n,
+                         const rekv_clo_shape *shape, const uint8_t *arena, rekv_copy_piece *pieces,
+                         size_t *n_pieces)
+{
+    clo_args a = {scores, seqs, n, *shape, arena, pieces, n_pieces};
+    LAUNCH(s, "clo_decide", run_clo_decide, a);
+}
+
 const rekv_kernel_iface rekv_cpu_kernels = {
     .linear = k_linear,
     .norm = k_norm,
@@ -565,4 +639,5 @@ const rekv_kernel_iface rekv_cpu_kernels = {
     .scale = k_scale,
     .softcap = k_softcap,
     .ig_select = k_ig_select,
+    .clo_decide = k_clo_decide,
 };

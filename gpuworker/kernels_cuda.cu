@@ -56,6 +56,7 @@
 extern "C" {
 #include "common/dtype.h"
 #include "gpuworker/cpu_qgemm.h"
+#include "gpuworker/heads.h"
 #include "gpuworker/kernels.h"
 #include "loader/gguf_block.h"
 }
@@ -116,8 +117,9 @@ __global__ static void convert_out_kernel(void *dst, const float *src, size_t n,
         store_from_f32(dst, i, src[i], dtype);
 }
 
-/* Sum over the block; every thread gets the result. red: blockDim.x / 32 floats of shared. */
-__device__ static float block_sum(float v, float *red)
+/* Sum over the block (float or double); every thread gets the result. red: blockDim.x / 32 of
+ * shared. */
+template <class T> __device__ static T block_sum(T v, T *red)
 {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
     for (int o = 16; o > 0; o >>= 1)
@@ -126,7 +128,7 @@ __device__ static float block_sum(float v, float *red)
     if (lane == 0)
         red[warp] = v;
     __syncthreads();
-    float t = 0;
+    T t = 0;
     for (int i = 0; i < nw; i++)
         t += red[i];
     return t;
@@ -1886,6 +1888,195 @@ static void k_ig_select(rekv_stream *s, const float *scores, const rekv_ig_seq *
             n_pieces);
 }
 
+/* ------------------------------------------------------------------ clo's decisions */
+
+/* clo's decisions on the device (kernels.h clo_decide) follow rekv_clo_decide (mode_clo.c) in two
+ * kernels, with nothing between them on the host:
+ *   - clo_decide_kernel, a block per (sequence, KV head): a persistent head is left to the plan;
+ *     else, with a label, the group's query/label cosines in double and Eq. 10's aggregate against
+ *     tau (a hit: nothing moves); a miss: each head's softmax over the context, the group's sum
+ *     over the middle [sink, len - recent) into scratch (g * len on), its top k by the sampler's
+ *     radix selection (lowest position first on ties) in position order, the queries as labels;
+ *   - clo_rows_kernel, a block per sequence: the misses' rows after the earlier sequences' (their
+ *     head_k read back in stream order), each token's K row then its V row.
+ * The exponentials are expf's and the sums in another order than the cpu's, so a token within
+ * rounding of the k-th may rank otherwise; the cosines and the aggregate are the host's doubles
+ * (a sum in another order: a similarity within an ulp of tau may decide otherwise). */
+enum { CLO_THREADS = 1024, CLO_MAX_GROUP = 64, CLO_MAX_KV = 256 };
+
+__global__ static void __launch_bounds__(CLO_THREADS)
+    clo_decide_kernel(const float *scores, const rekv_clo_seq *seqs, rekv_clo_shape shape)
+{
+    __shared__ rekv_clo_seq q; /* mapped host memory: read once per block */
+    __shared__ double redd[32], sim[CLO_MAX_GROUP];
+    __shared__ float red[32], st_max[CLO_MAX_GROUP], st_inv[CLO_MAX_GROUP];
+    __shared__ unsigned long long hist[256], sh[34];
+    __shared__ int klen, hit, persist;
+    int nkv = shape.n_kv, nh = shape.n_heads, group = nh / nkv, hd = shape.head_dim;
+    int g = blockIdx.x % nkv;
+    if (threadIdx.x == 0) {
+        q = seqs[blockIdx.x / nkv];
+        persist = shape.persist[g];
+        klen = q.klen[g];
+    }
+    __syncthreads();
+    if (persist) {
+        if (threadIdx.x == 0)
+            q.head_k[g] = -1;
+        return;
+    }
+    int len = q.len, K = q.K;
+    size_t h0 = (size_t)g * (size_t)group;
+    if (klen >= 0) { /* Eq. 10 over the group's cosines, as rekv_heads_aggregate */
+        for (int j = 0; j < group; j++) {
+            const float *a = q.q + (h0 + j) * hd, *b = q.label + (h0 + j) * hd;
+            double ab = 0, aa = 0, bb = 0;
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+                ab += (double)a[i] * b[i];
+                aa += (double)a[i] * a[i];
+                bb += (double)b[i] * b[i];
+            }
+            ab = block_sum(ab, redd);
+            aa = block_sum(aa, redd);
+            bb = block_sum(bb, redd);
+            if (threadIdx.x == 0)
+                sim[j] = aa > 0 && bb > 0 ? ab / sqrt(aa * bb) : 0;
+        }
+        if (threadIdx.x == 0) {
+            const double *imp = shape.imp + h0;
+            double num = 0, den = 0, w_all = 0, agg;
+            int bad = 0;
+            for (int j = 0; j < group; j++)
+                w_all += imp[j];
+            for (int j = 0; j < group && !bad; j++) {
+                double w = w_all > 0 ? imp[j] : 1;
+                if (w == 0)
+                    continue;
+                if (!(sim[j] > 0))
+                    bad = 1;
+                num += w;
+                den += w / sim[j];
+            }
+            agg = bad ? -1 : den > 0 ? num / den : -1;
+            hit = agg >= shape.tau[g];
+        }
+    } else if (threadIdx.x == 0) {
+        hit = 0;
+    }
+    __syncthreads();
+    if (hit) {
+        if (threadIdx.x == 0) {
+            q.head_k[g] = 0;
+            q.skip[g] = K - klen;
+        }
+        return;
+    }
+    int middle = len - REKV_HEADS_SINK - REKV_HEADS_RECENT;
+    int k = (int)llround((double)shape.frac * len);
+    k = k > K ? K : k;
+    k = k > middle ? middle : k;
+    k = k < 1 ? 1 : k;
+    const float *s0 = scores + q.scores + h0 * (size_t)len;
+    for (int j = 0; j < group; j++) { /* each head's softmax over the whole context */
+        const float *sj = s0 + (size_t)j * len;
+        float mx = -INFINITY, sum = 0;
+        for (int t = threadIdx.x; t < len; t += blockDim.x)
+            mx = fmaxf(mx, sj[t]);
+        mx = block_max(mx, red);
+        for (int t = threadIdx.x; t < len; t += blockDim.x)
+            sum += expf(sj[t] - mx);
+        sum = block_sum(sum, red);
+        if (threadIdx.x == 0)
+            st_max[j] = mx, st_inv[j] = 1.0f / sum;
+    }
+    __syncthreads();
+    float *comb = q.scratch + (size_t)g * (size_t)len; /* the middle's group sums */
+    for (int t = threadIdx.x; t < middle; t += blockDim.x) {
+        float acc = 0;
+        for (int j = 0; j < group; j++) {
+            float e = expf(s0[(size_t)j * len + REKV_HEADS_SINK + t] - st_max[j]) * st_inv[j];
+            acc = j == 0 ? e : acc + e;
+        }
+        comb[t] = acc;
+    }
+    __syncthreads();
+    int chunk = (middle + (int)blockDim.x - 1) / (int)blockDim.x;
+    int lo = min(middle, (int)threadIdx.x * chunk), hi = min(middle, lo + chunk);
+    const sample_set all = {0, ~0ull, 0};
+    auto one = [](uint32_t) -> unsigned long long { return 1; };
+    sample_set top = set_select(comb, lo, hi, all, (unsigned long long)k, one, hist, sh);
+    unsigned long long mine = 0, total;
+    set_walk(comb, lo, hi, top, [&](int, uint32_t) { mine++; });
+    unsigned long long at = block_scan(mine, &total, sh);
+    int32_t *sel = q.sel + (size_t)g * K;
+    set_walk(comb, lo, hi, top, [&](int i, uint32_t) { sel[at++] = i; });
+    float *label = q.label + h0 * hd; /* read above: every thread is past the cosines */
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x)
+        label[i] = q.q[h0 * hd + i];
+    if (threadIdx.x == 0) {
+        q.head_k[g] = k;
+        q.klen[g] = k;
+        q.skip[g] = K - k;
+    }
+}
+
+__global__ static void clo_rows_kernel(const rekv_clo_seq *seqs, int n, rekv_clo_shape shape,
+                                       const uint8_t *arena, rekv_copy_piece *pieces,
+                                       size_t *n_pieces)
+{
+    __shared__ rekv_clo_seq q;
+    __shared__ size_t base[CLO_MAX_KV];
+    __shared__ int32_t ks[CLO_MAX_KV];
+    int j = blockIdx.x, nkv = shape.n_kv, hd = shape.head_dim;
+    if (threadIdx.x == 0) {
+        q = seqs[j];
+        size_t o = 0;
+        for (int i = 0; i < j; i++)
+            for (int g = 0; g < nkv; g++)
+                o += seqs[i].head_k[g] > 0 ? 2 * (size_t)seqs[i].head_k[g] : 0;
+        for (int g = 0; g < nkv; g++) {
+            ks[g] = q.head_k[g] > 0 ? q.head_k[g] : 0;
+            base[g] = o;
+            o += 2 * (size_t)ks[g];
+        }
+        if (j == n - 1)
+            *n_pieces = o;
+    }
+    __syncthreads();
+    size_t row = shape.row_bytes, vs = rekv_kv_off(rekv_kv_v_shift(nkv, hd), hd, row);
+    for (int g = 0; g < nkv; g++)
+        for (int i = threadIdx.x; i < ks[g]; i += blockDim.x) {
+            int t = REKV_HEADS_SINK + q.sel[(size_t)g * q.K + i];
+            const uint8_t *src =
+                arena + q.blocks[t / REKV_KV_ROWS_PER_BLOCK] +
+                rekv_kv_off(rekv_kv_row(nkv, hd, g, t % REKV_KV_ROWS_PER_BLOCK), hd, row);
+            uint8_t *dst =
+                (uint8_t *)q.kv + rekv_kv_off(rekv_kv_row(nkv, hd, g, q.K - ks[g] + i), hd, row);
+            pieces[base[g] + 2 * (size_t)i] = rekv_copy_piece{dst, src, row};
+            pieces[base[g] + 2 * (size_t)i + 1] = rekv_copy_piece{dst + vs, src + vs, row};
+        }
+}
+
+static void k_clo_decide(rekv_stream *s, const float *scores, const rekv_clo_seq *seqs, int n,
+                         const rekv_clo_shape *shape, const uint8_t *arena, rekv_copy_piece *pieces,
+                         size_t *n_pieces)
+{
+    if (n <= 0)
+        return;
+    int group = shape->n_heads / shape->n_kv;
+    if (group > CLO_MAX_GROUP || shape->n_kv > CLO_MAX_KV) {
+        cuda_stream_fail(s, -ENOTSUP,
+                         "clo_decide: %d query heads a KV head, %d KV heads (at most "
+                         "%d and %d)",
+                         group, shape->n_kv, CLO_MAX_GROUP, CLO_MAX_KV);
+        return;
+    }
+    KLAUNCH(s, "clo_decide", clo_decide_kernel, n * shape->n_kv, CLO_THREADS, 0, scores, seqs,
+            *shape);
+    KLAUNCH(s, "clo_rows", clo_rows_kernel, n, ROW_THREADS, 0, seqs, n, *shape, arena, pieces,
+            n_pieces);
+}
+
 /* ------------------------------------------------------------------ the table */
 
 static const rekv_kernel_iface cuda_kernels = {
@@ -1911,6 +2102,7 @@ static const rekv_kernel_iface cuda_kernels = {
     k_scale,           /* scale */
     k_softcap,         /* softcap */
     k_ig_select,       /* ig_select */
+    k_clo_decide,      /* clo_decide */
 };
 
 /* ------------------------------------------------------------------ the object's entry point */

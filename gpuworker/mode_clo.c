@@ -12,8 +12,8 @@
  *     The attention kernel reads it in place: start = clo_slots - 1 and skip[g] = K - k_g (the
  *     slots of head g before its top-k are left out), so a hit moves nothing and a miss writes
  *     the fetched rows straight into their slots (the paper's "no redundant copy").
- * On the host: each query head's label (the query its KV head's top-k was chosen for) and each KV
- * head's k_g.
+ * Also on the device, each query head's label (the query its KV head's top-k was chosen for);
+ * each KV head's k_g in memory the host reads too (the plan: a fresh cache, persistent heads).
  *
  * A decode step, per (sequence, layer > 0, KV head g): the similarity of each query head of the
  * group to its label (cosine of the query the speculation computed — by default layer i's own,
@@ -36,19 +36,20 @@
  * unit's loads, i.e. before the new row overwrites it), so such a head attends the whole context
  * and moves nothing; its steps count neither as hits nor misses.
  *
- * GPU-centric synchronisation (§4.4): the step thread never waits for the speculation. What
- * the plan knows when the unit is planned (a fresh cache's sink and ring, persistent heads, the
- * new row's store, the attention's descriptor) is enqueued then (clo_item_plan); what depends
- * on the speculated scores goes on the h2d stream behind a wait for them (clo_unit_fetch): a
- * host function makes the unit's decisions — similarity and a miss's top-k for its sequences
- * together on the pool (clo_decide, reading the state), then each sequence's copies, labels, k's
- * and the attention's skip (clo_item_decided) — and a deferred copy (copy_h2d_deferred) moves
- * the rows they name, which the compute stream waits for as for any unit's loads. On cuda that
- * copy is the backend's gather kernel reading the registered arena (zero-copy, §4.3), so the
- * device waits on events and the CPU only decides: the paper's transfer threads are the host
- * function, its flags the stream order. The decisions' counts reach the counters after the step
- * (clo_step_done). The speculated scores are computed every step for every head (the miss
- * cannot wait for them); the paper computes them on a miss only. */
+ * GPU-centric synchronisation (§4.4), one step further: neither the step thread nor the device
+ * waits for the host. What the plan knows when the unit is planned (a fresh cache's sink and
+ * ring, persistent heads, the new row's store, the attention's descriptor) is enqueued then
+ * (clo_item_plan); what depends on the speculation goes on the h2d stream behind a wait for it
+ * (clo_unit_fetch): the clo_decide kernel (kernels.h; on cpu rekv_clo_decide for the unit's
+ * sequences together on the pool, on cuda the same steps as kernels) makes the unit's decisions
+ * — similarity and a miss's top-k — and writes each sequence's labels, k's, the attention's skip
+ * and the misses' rows' copies, and a listed copy (copy_h2d_listed) moves those rows, which the
+ * compute stream waits for as for any unit's loads. On cuda that copy is the backend's gather
+ * kernel reading the registered arena (zero-copy, §4.3) from the list the decisions wrote, so
+ * the device waits only on events: the paper's decisions and transfer threads are kernels, its
+ * flags the stream order. The decisions' counts reach the counters after the step
+ * (clo_step_done, from each head's k). The speculated scores are computed every step for every head
+ * (the miss cannot wait for them); the paper computes them on a miss only. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -81,15 +82,17 @@ static int clo_create(rekv_pipeline *p, rekv_err *err)
                          "pipeline: clo needs eta in (-1, 1], a power > 0 and N_p >= 0");
     if (p->cfg.push)
         return rekv_errf(err, -ENOTSUP, "pipeline: clo fetches by pull only");
-    if (p->bi->copy_h2d_deferred == NULL ||
-        (p->store != NULL && p->bi->host_register != NULL && !p->arena_registered))
+    if (p->bi->copy_h2d_listed == NULL || p->k->clo_decide == NULL ||
+        (p->store != NULL && p->arena_dev == NULL))
         return rekv_errf(err, -ENOTSUP,
-                         "pipeline: clo fetches the rows its decisions name with the device's own "
-                         "reads of the kvstore arena, which the %s backend %s",
+                         "pipeline: clo decides on the device and fetches the rows its decisions "
+                         "name with the device's own reads of the kvstore arena, which the %s "
+                         "backend %s",
                          p->bi->name,
-                         p->bi->copy_h2d_deferred ? "could not page-lock (raise the locked-memory "
-                                                    "limit: ulimit -l, systemd LimitMEMLOCK)"
-                                                  : "cannot do");
+                         p->bi->copy_h2d_listed && p->k->clo_decide
+                             ? "could not page-lock (raise the locked-memory limit: ulimit -l, "
+                               "systemd LimitMEMLOCK)"
+                             : "cannot do");
     int L = c->n_layers, nh = c->n_heads, nkv = c->n_kv_heads, group = nh / nkv;
     p->clo.tau = malloc(sizeof(double) * (size_t)L * (size_t)nkv);
     p->clo.imp = malloc(sizeof(double) * (size_t)L * (size_t)nh);
@@ -112,11 +115,29 @@ static int clo_create(rekv_pipeline *p, rekv_err *err)
             rekv_heads_persistent(hp, l, p->cfg.eta, p->cfg.power, REKV_HEADS_EPSILON,
                                   p->cfg.persist_np, p->clo.persist + (size_t)l * (size_t)nkv);
     }
-    return 0;
+    /* the decisions' constants on the device, which decides */
+    size_t bt = sizeof(double) * (size_t)L * (size_t)nkv,
+           bi = sizeof(double) * (size_t)L * (size_t)nh, bp = (size_t)L * (size_t)nkv;
+    p->clo.tau_dev = p->bi->dev_alloc(p->be, bt);
+    p->clo.imp_dev = p->bi->dev_alloc(p->be, bi);
+    p->clo.persist_dev = p->bi->dev_alloc(p->be, bp);
+    if (p->clo.tau_dev == NULL || p->clo.imp_dev == NULL || p->clo.persist_dev == NULL)
+        return rekv_errf(err, -ENOMEM, "pipeline: out of device memory");
+    rekv_copy_piece pc[3] = {{p->clo.tau_dev, p->clo.tau, bt},
+                             {p->clo.imp_dev, p->clo.imp, bi},
+                             {p->clo.persist_dev, p->clo.persist, bp}};
+    p->bi->copy_h2d(p->s_h2d, pc, 3, REKV_XFER_WEIGHTS);
+    return p->bi->stream_sync(p->s_h2d, err);
 }
 
 static void clo_free(rekv_pipeline *p)
 {
+    if (p->clo.tau_dev)
+        p->bi->dev_free(p->be, p->clo.tau_dev);
+    if (p->clo.imp_dev)
+        p->bi->dev_free(p->be, p->clo.imp_dev);
+    if (p->clo.persist_dev)
+        p->bi->dev_free(p->be, p->clo.persist_dev);
     free(p->clo.tau);
     free(p->clo.imp);
     free(p->clo.persist);
@@ -157,8 +178,8 @@ static int clo_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
     s->clo0 = p->bi->dev_alloc(p->be, rekv_kv_buffer_bytes(nkv, hd, s->cap, rb));
     if (total)
         s->hc = p->bi->dev_alloc(p->be, total);
-    s->label = calloc((size_t)L * (size_t)c->n_heads * (size_t)hd, sizeof(float));
-    s->klen = malloc(sizeof(int32_t) * (size_t)L * (size_t)nkv);
+    s->label = p->bi->dev_alloc(p->be, sizeof(float) * (size_t)L * (size_t)c->n_heads * (size_t)hd);
+    s->klen = rekv_host_alloc(p->be, sizeof(int32_t) * (size_t)L * (size_t)nkv);
     if (s->clo0 == NULL || (total && s->hc == NULL) || s->label == NULL || s->klen == NULL)
         return rekv_errf(err, -ENOMEM, "out of memory for the clo caches of %d tokens", s->cap);
     for (int l = 0; l < L; l++)
@@ -174,8 +195,9 @@ static void clo_seq_free(rekv_pipeline *p, rekv_pseq *s)
         p->bi->dev_free(p->be, s->hc);
     free(s->hc_off);
     free(s->hc_k);
-    free(s->label);
-    free(s->klen);
+    if (s->label)
+        p->bi->dev_free(p->be, s->label);
+    rekv_host_free(p->be, s->klen);
 }
 
 /* Whether item i uses the head caches at layers > 0: a decode row past sink + recent window. */
@@ -278,52 +300,19 @@ int rekv_clo_decide(const float *q, const float *label, const double *imp, doubl
     return k;
 }
 
-/* The decisions of batch item j of a unit (layer > 0), per KV head that is not persistent
- * (rekv_clo_decide): a hit (head_k[g] = 0) or a miss and its top-k (head_k[g] = k, the tokens'
- * offsets past the sink in sel[g * K ..]; the unit's head_k[j] and sel[j]); persistent heads -1.
- * Reads the state only. scratch: 2 len floats. */
-static void clo_decide(const pl_unit_job *u, int j, float *scratch)
-{
-    const rekv_pipeline *p = u->p;
-    const step *st = u->st;
-    const clo_unit *cu = u->ctx;
-    int item = u->g0 + j, layer = u->layer;
-    int32_t *sel = cu->sel[j], *head_k = cu->head_k[j];
-    const rekv_model_config *c = p->c;
-    const rekv_pseq *s = st->items[item].seq;
-    int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
-    int len = s->len, K = s->hc_k[layer];
-    const int32_t *klen = s->klen + (size_t)layer * (size_t)nkv;
-    const uint8_t *persist = p->clo.persist + (size_t)layer * (size_t)nkv;
-    const float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
-    const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
-    const float *scores = p->ig.host + st->ig_off[item];
-    for (int g = 0; g < nkv; g++) {
-        size_t h0 = (size_t)g * (size_t)group;
-        head_k[g] =
-            persist[g] ? -1
-                       : rekv_clo_decide(q + h0 * (size_t)hd,
-                                         klen[g] >= 0 ? label + h0 * (size_t)hd : NULL,
-                                         p->clo.imp + (size_t)layer * (size_t)nh + h0,
-                                         p->clo.tau[(size_t)layer * (size_t)nkv + (size_t)g], group,
-                                         hd, scores + h0 * (size_t)len, len, p->cfg.max_fraction, K,
-                                         scratch, sel + (size_t)g * (size_t)K);
-    }
-}
-
-/* Unit (layer > 0) of batch g: its decisions' memory, when it has sparse items (io->clo). The
- * plan must hold every block of their contexts, which the decisions may fetch from. */
+/* Unit (layer > 0) of batch g: its decisions' memory, when it has sparse items (io->clo): the
+ * kernel's sequences, their outputs, and each one's blocks, which the decisions may fetch from
+ * (the plan must hold every block of their contexts). */
 static int clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_io *io)
 {
-    int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, nkv = p->c->n_kv_heads;
-    int L = p->c->n_layers;
-    size_t per = 0, pieces = 0;
+    const rekv_model_config *c = p->c;
+    int g0 = st->g_begin[g], nb = st->g_begin[g + 1] - g0, n = 0, nkv = c->n_kv_heads;
+    int L = c->n_layers, nh = c->n_heads, hd = c->head_dim;
+    size_t pieces = 0, Qd = (size_t)rekv_config_q_dim(c);
     for (int j = 0; j < nb; j++)
         if (clo_sparse(p, st, g0 + j)) {
-            const rekv_pseq *s = st->items[g0 + j].seq;
             n++;
-            per = 2 * (size_t)s->len > per ? 2 * (size_t)s->len : per;
-            pieces += 2 * (size_t)nkv * (size_t)s->hc_k[layer];
+            pieces += 2 * (size_t)nkv * (size_t)st->items[g0 + j].seq->hc_k[layer];
         }
     io->clo = NULL;
     if (n == 0)
@@ -331,35 +320,51 @@ static int clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_i
     clo_unit *cu = pl_smem_alloc(&st->mem, sizeof(*cu));
     if (cu == NULL)
         return -ENOMEM;
-    *cu = (clo_unit){.p = p, .st = st, .g = g, .g0 = g0, .layer = layer, .per = per};
+    *cu = (clo_unit){.g = g, .layer = layer, .max_pieces = pieces};
     cu->items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)n);
-    cu->sel = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
-    cu->head_k = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
-    cu->skip = pl_smem_alloc(&st->mem, sizeof(int32_t *) * (size_t)nb);
-    cu->rows0 = pl_smem_alloc(&st->mem, sizeof(uint64_t) * (size_t)nb);
-    cu->kr = pl_smem_alloc(&st->mem, sizeof(range_ref *) * (size_t)nb);
+    cu->at = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
+    cu->seqs = pl_smem_alloc(&st->mem, sizeof(rekv_clo_seq) * (size_t)n);
+    cu->rows0 = pl_smem_alloc(&st->mem, sizeof(uint64_t) * (size_t)n);
     cu->pieces = pl_smem_alloc(&st->mem, sizeof(rekv_copy_piece) * pieces);
-    cu->max_pieces = pieces;
-    cu->g_hits = pl_smem_alloc(&st->mem, 2 * sizeof(uint64_t) * (size_t)nkv);
-    cu->g_misses = cu->g_hits ? cu->g_hits + nkv : NULL;
-    if (cu->items == NULL || cu->sel == NULL || cu->head_k == NULL || cu->skip == NULL ||
-        cu->rows0 == NULL || cu->kr == NULL || cu->pieces == NULL || cu->g_hits == NULL)
+    if (cu->items == NULL || cu->at == NULL || cu->seqs == NULL || cu->rows0 == NULL ||
+        cu->pieces == NULL)
         return -ENOMEM;
     for (int j = 0; j < nb; j++) {
-        if (!clo_sparse(p, st, g0 + j))
+        int item = g0 + j;
+        cu->at[j] = -1;
+        if (!clo_sparse(p, st, item))
             continue;
-        const rekv_pseq *s = st->items[g0 + j].seq;
-        const range_ref *kr = &st->kv_ref[(g0 + j) * L + layer];
-        for (int t = 0; t < s->len; t += REKV_KV_BLOCK_TOKENS)
-            if (pl_block_at(p, kr, t) == NULL)
-                return -EPROTO;
-        cu->kr[j] = kr;
-        cu->sel[j] =
-            pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv * (size_t)s->hc_k[layer]);
-        cu->head_k[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
-        cu->skip[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv);
-        if (cu->sel[j] == NULL || cu->head_k[j] == NULL || cu->skip[j] == NULL)
+        rekv_pseq *s = st->items[item].seq;
+        const range_ref *kr = &st->kv_ref[item * L + layer];
+        int len = s->len, K = s->hc_k[layer];
+        uint64_t *blocks =
+            pl_smem_alloc(&st->mem, sizeof(uint64_t) * (size_t)(len / REKV_KV_BLOCK_TOKENS + 1));
+        int32_t *outs = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)nkv * (size_t)(K + 2));
+        if (blocks == NULL || outs == NULL)
             return -ENOMEM;
+        for (int t = 0; t < len; t += REKV_KV_BLOCK_TOKENS) {
+            const rekv_kv_plan_block *kb = pl_block_at(p, kr, t);
+            if (kb == NULL)
+                return -EPROTO;
+            blocks[t / REKV_KV_BLOCK_TOKENS] = kb->offset;
+        }
+        cu->seqs[cu->n] =
+            (rekv_clo_seq){.scores = st->ig_off[item],
+                           .q = (const float *)p->ig.q.p + (size_t)st->last[g][j] * Qd,
+                           .label = s->label + (size_t)layer * (size_t)nh * (size_t)hd,
+                           .klen = s->klen + (size_t)layer * (size_t)nkv,
+                           .len = len,
+                           .K = K,
+                           .scratch = (float *)p->ig.sscr.p + st->ig_scr[item],
+                           .head_k = outs,
+                           .skip = outs + nkv,
+                           .sel = outs + 2 * nkv,
+                           .blocks = blocks,
+                           .kv = s->hc + s->hc_off[layer]};
+        cu->rows0[cu->n] = 0;
+        for (int h = 0; h < nkv; h++) /* counted as nothing unless the decisions run */
+            outs[h] = -1;
+        cu->at[j] = cu->n;
         cu->items[cu->n++] = j;
     }
     cu->next = st->clo_units;
@@ -384,7 +389,8 @@ static int clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer,
     size_t row = p->kv_rowb;
     size_t vs = rekv_kv_off(rekv_kv_v_shift(nkv, hd), hd, row);
     uint8_t *buf = s->hc + s->hc_off[layer];
-    int32_t *klen = s->klen + (size_t)layer * (size_t)nkv, *skip = io->clo->skip[j];
+    int32_t *klen = s->klen + (size_t)layer * (size_t)nkv;
+    int32_t *skip = io->clo->seqs[io->clo->at[j]].skip;
     const uint8_t *persist = p->clo.persist + (size_t)layer * (size_t)nkv;
     uint64_t rows = 0;
     int fresh = klen[0] < 0;
@@ -426,7 +432,7 @@ static int clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer,
     }
     if ((rc = pl_ig_new_row_store(p, kr, buf, len, slot, io)))
         return rc;
-    io->clo->rows0[j] = rows;
+    io->clo->rows0[io->clo->at[j]] = rows;
     d->kv = buf;
     d->start = S - 1;
     d->skip = skip;
@@ -436,96 +442,59 @@ static int clo_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer,
     return 0;
 }
 
-/* Batch item j of unit cu, once decided (on the h2d stream): each head's hit or miss — a miss's
- * rows into cu->pieces, its queries the labels — and the attention's skip. */
-static int clo_item_decided(clo_unit *cu, int j)
-{
-    rekv_pipeline *p = cu->p;
-    const rekv_model_config *c = p->c;
-    int item = cu->g0 + j, layer = cu->layer;
-    rekv_pseq *s = cu->st->items[item].seq;
-    int nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, group = nh / nkv;
-    int K = s->hc_k[layer], rc;
-    uint8_t *buf = s->hc + s->hc_off[layer];
-    int32_t *klen = s->klen + (size_t)layer * (size_t)nkv, *skip = cu->skip[j];
-    float *label = s->label + (size_t)layer * (size_t)nh * (size_t)hd;
-    const float *q = p->ig.qhost + (size_t)item * (size_t)rekv_config_q_dim(c);
-    const int32_t *head_k = cu->head_k[j], *sel = cu->sel[j];
-    uint64_t rows = cu->rows0[j];
-    for (int g = 0; g < nkv; g++) {
-        if (head_k[g] < 0) /* persistent: planned */
-            continue;
-        if (head_k[g] == 0) {
-            cu->g_hits[g]++;
-        } else {
-            cu->g_misses[g]++;
-            int k = head_k[g];
-            if (cu->n_pieces + 2 * (size_t)k > cu->max_pieces)
-                return -EOVERFLOW;
-            for (int jj = 0; jj < k; jj++, cu->n_pieces += 2)
-                if ((rc = row_pieces(p, cu->kr[j], buf, g,
-                                     REKV_HEADS_SINK + sel[(size_t)g * (size_t)K + jj], K - k + jj,
-                                     cu->pieces + cu->n_pieces)))
-                    return rc;
-            memcpy(label + (size_t)g * (size_t)group * (size_t)hd,
-                   q + (size_t)g * (size_t)group * (size_t)hd,
-                   sizeof(float) * (size_t)group * (size_t)hd);
-            klen[g] = k;
-            rows += (uint64_t)k;
-        }
-        skip[g] = K - klen[g];
-    }
-    cu->rows += rows;
-    cu->tokens_fetched += rows / (uint64_t)nkv;
-    return 0;
-}
-
-/* The host function: the unit's decisions on the pool, then each item's copies planned. */
-static void clo_unit_run(void *arg)
-{
-    clo_unit *cu = arg;
-    pl_unit_job u = {cu->p, cu->st, cu->g0, cu->layer, cu, cu->items, cu->per, clo_decide};
-    int rc = pl_ig_unit_run(&u, cu->n);
-    for (int i = 0; rc == 0 && i < cu->n; i++)
-        rc = clo_item_decided(cu, cu->items[i]);
-    cu->rc = rc;
-}
-
-/* On the h2d stream, after the unit's planned copies: once batch g's speculation is on the host,
- * the decisions (a host function), then the misses' rows (a copy whose pieces the decisions
- * wrote); ev_read[g], once the decisions ran, frees the host copies of the scores for the next
- * layer's (pl_ig_decide). The step thread enqueues and goes on: the device waits, not the CPU
- * (CLO §4.4). */
+/* On the h2d stream, after the unit's planned copies: once batch g's speculation is done, the
+ * decisions (the clo_decide kernel), then the misses' rows (a copy whose pieces the decisions
+ * wrote); ev_read[g], once the decisions ran, lets the next layer's speculation overwrite the
+ * scores and queries. The step thread enqueues and goes on, and the device waits for nothing on
+ * the host (CLO §4.4, one step further: the paper's decisions are the CPU's). */
 static void clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
 {
-    char name[40]; /* a trace shows each unit's decisions, then the bytes they fetched */
-    snprintf(name, sizeof(name), "clo decisions L%d", cu->layer);
-    pl_ig_decide(p, cu->g, cu->layer, name, clo_unit_run, cu, cu->pieces, &cu->n_pieces,
-                 cu->max_pieces);
+    const rekv_model_config *c = p->c;
+    size_t L = (size_t)cu->layer;
+    rekv_clo_shape shape = {c->n_heads,
+                            c->n_kv_heads,
+                            c->head_dim,
+                            p->kv_rowb,
+                            p->cfg.max_fraction,
+                            p->clo.imp_dev + L * (size_t)c->n_heads,
+                            p->clo.tau_dev + L * (size_t)c->n_kv_heads,
+                            p->clo.persist_dev + L * (size_t)c->n_kv_heads};
+    rekv_stream *sh = p->s_h2d;
+    p->bi->stream_wait_event(sh, p->ig.ev[cu->g]);
+    p->k->clo_decide(sh, p->ig.scores.p, cu->seqs, cu->n, &shape, p->arena_dev, cu->pieces,
+                     &cu->n_pieces);
+    p->bi->event_record(p->ig.ev_read[cu->g], sh);
+    p->bi->copy_h2d_listed(sh, cu->pieces, &cu->n_pieces, cu->max_pieces, REKV_XFER_KV);
 }
 
-/* After the step's work has finished: the decisions' counts into the layers' counters; 0, or how
- * a unit's decisions failed. */
+/* After the step's work has finished: the decisions' counts into the layers' counters. */
 static int clo_step_done(rekv_pipeline *p, step *st, rekv_err *err)
 {
-    size_t row = p->kv_rowb;
-    int rc = 0;
+    (void)err; /* the device's decisions fail their stream, which the step's drain reports */
+    int nkv = p->c->n_kv_heads;
     for (clo_unit *cu = st->clo_units; cu != NULL; cu = cu->next) {
         rekv_layer_counters *cnt = &p->counters[cu->layer];
-        cnt->h2d_bytes[REKV_XFER_KV] += cu->rows * 2 * row;
-        cnt->tokens_fetched += cu->tokens_fetched;
-        for (int g = 0; g < p->c->n_kv_heads; g++) {
-            size_t at = (size_t)cu->layer * (size_t)p->c->n_kv_heads + (size_t)g;
-            cnt->head_hits += cu->g_hits[g];
-            cnt->head_misses += cu->g_misses[g];
-            p->clo.hits[at] += cu->g_hits[g];
-            p->clo.misses[at] += cu->g_misses[g];
+        uint64_t rows = 0;
+        for (int i = 0; i < cu->n; i++) {
+            const int32_t *head_k = cu->seqs[i].head_k;
+            uint64_t r = cu->rows0[i];
+            for (int g = 0; g < nkv; g++) {
+                size_t at = (size_t)cu->layer * (size_t)nkv + (size_t)g;
+                if (head_k[g] == 0) {
+                    cnt->head_hits++;
+                    p->clo.hits[at]++;
+                } else if (head_k[g] > 0) {
+                    cnt->head_misses++;
+                    p->clo.misses[at]++;
+                    r += (uint64_t)head_k[g];
+                }
+            }
+            rows += r;
+            cnt->tokens_fetched += r / (uint64_t)nkv;
         }
-        if (cu->rc && rc == 0)
-            rc = rekv_errf(err, cu->rc, "step: clo's decisions at layer %d failed (%s)", cu->layer,
-                           cu->rc == -ENOMEM ? "out of memory" : "a bad plan");
+        cnt->h2d_bytes[REKV_XFER_KV] += rows * 2 * p->kv_rowb;
     }
-    return rc;
+    return 0;
 }
 
 int rekv_pipeline_head_cache_counts(const rekv_pipeline *p, const uint64_t **hits,

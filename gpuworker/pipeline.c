@@ -97,7 +97,6 @@ const rekv_layer_counters *rekv_pipeline_counters(const rekv_pipeline *p, rekv_l
             t->tokens_considered += c->tokens_considered;
             t->head_hits += c->head_hits;
             t->head_misses += c->head_misses;
-            t->host_decisions += c->host_decisions;
         }
     }
     return p->counters;
@@ -790,7 +789,6 @@ static void step_log(rekv_pipeline *p)
         d.tokens_considered -= p->logged.tokens_considered;
         d.head_hits -= p->logged.head_hits;
         d.head_misses -= p->logged.head_misses;
-        d.host_decisions -= p->logged.host_decisions;
         log[p->n_steps++] = d;
     }
     p->logged = now;

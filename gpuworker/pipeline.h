@@ -154,11 +154,6 @@ typedef struct rekv_layer_counters {
                                    the layers and steps that select; other modes: 0) */
     uint64_t head_hits;         /* clo: (sequence, KV head) steps that reused their top-k */
     uint64_t head_misses;       /* ... and that fetched a new one */
-    uint64_t host_decisions;    /* units (layer, GPU batch) whose fetch a stream held for the
-                                   host's decisions (clo's, a host function on the h2d stream):
-                                   the device waiting for the CPU. infinigen's selection is a
-                                   kernel on the device (0 here), or the step thread's own where
-                                   the plan needs it (a blocking wait, host_syncs) */
 } rekv_layer_counters;
 
 typedef struct rekv_pipeline rekv_pipeline;

@@ -63,7 +63,6 @@ enum {
     OP_D2H,
     OP_D2D,
     OP_HOST, /* the rest run in order but are never captured */
-    OP_H2D_DEFERRED,
     OP_RECORD,
     OP_WAIT,
     OP_WAIT_FLAG,
@@ -489,21 +488,6 @@ static void r_copy_d2d(rekv_stream *s, const rekv_copy_piece *pc, size_t n)
     rec_copy(OP_D2D, s, pc, n, REKV_XFER_OTHER);
 }
 
-typedef struct a_deferred {
-    const rekv_copy_piece *pieces; /* read when the copy runs, so the pointers are the call */
-    const size_t *n;
-    size_t max;
-    rekv_xfer_kind kind;
-} a_deferred;
-
-static void r_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
-                                size_t max, rekv_xfer_kind kind)
-{
-    a_deferred *a = rec_add(OP_H2D_DEFERRED, s, NULL, sizeof(*a));
-    if (a)
-        a->pieces = pieces, a->n = n, a->max = max, a->kind = kind;
-}
-
 typedef struct a_host {
     const char *name;
     rekv_host_fn fn;
@@ -698,11 +682,6 @@ static void issue_stream_op(const rekv_backend_iface *bi, const rec_hdr *h, cons
                         a->arg_bytes);
         break;
     }
-    case OP_H2D_DEFERRED: {
-        const a_deferred *a = arg;
-        bi->copy_h2d_deferred(s, a->pieces, a->n, a->max, a->kind);
-        break;
-    }
     case OP_RECORD:
         bi->event_record((rekv_event *)h->obj, s);
         break;
@@ -878,7 +857,6 @@ void pl_graph_init(rekv_pipeline *p)
     p->gr.bi.copy_h2d = r_copy_h2d;
     p->gr.bi.copy_d2h = r_copy_d2h;
     p->gr.bi.copy_d2d = r_copy_d2d;
-    p->gr.bi.copy_h2d_deferred = p->bi->copy_h2d_deferred ? r_copy_h2d_deferred : NULL;
     p->gr.bi.launch_host = r_launch_host;
     p->gr.bi.copy_h2d_listed = NULL; /* infinigen's alone: never in a recorded (resident) step */
     p->gr.bi.event_record = r_event_record;

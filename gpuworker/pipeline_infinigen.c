@@ -271,8 +271,6 @@ void pl_ig_free(rekv_pipeline *p)
     pl_dbuf_free(p, &p->ig.sscr);
     if (p->ig.host)
         rekv_host_free(p->be, p->ig.host);
-    if (p->ig.qhost)
-        rekv_host_free(p->be, p->ig.qhost);
     for (int g = 0; g < MAX_GPU_BATCHES; g++) {
         if (p->ig.ev[g])
             p->bi->event_destroy(p->ig.ev[g]);
@@ -468,8 +466,8 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     int rc = pl_dbuf_ensure(p, &p->ig.qp, max_rows * (size_t)nh * (size_t)rk * sizeof(float)) |
              pl_dbuf_ensure(p, &p->ig.hn, max_rows * (size_t)c->hidden * sizeof(float)) |
              pl_dbuf_ensure(p, &p->ig.scores, (total ? total : 1) * sizeof(float));
-    st->ig_wait = ig_step_waits(p, st);
-    if (!st->ig_wait && !p->ig.queries)
+    st->ig_wait = !p->ig.queries && ig_step_waits(p, st); /* clo: always the device */
+    if (!st->ig_wait)
         rc |= pl_dbuf_ensure(p, &p->ig.sscr, (scr ? scr : 1) * sizeof(float));
     if (!p->ig.fold)
         rc |= pl_dbuf_ensure(p, &p->ig.q, max_rows * (size_t)rekv_config_q_dim(c) * sizeof(float));
@@ -483,17 +481,6 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
         if (p->ig.host == NULL) {
             p->ig.host_cap = 0;
             return rekv_errf(err, -ENOMEM, "step: out of host memory for infinigen's scores");
-        }
-    }
-    size_t qneed = p->ig.queries ? (size_t)st->n_items * (size_t)rekv_config_q_dim(c) : 0;
-    if (qneed > p->ig.qhost_cap) {
-        if (p->ig.qhost)
-            rekv_host_free(p->be, p->ig.qhost);
-        p->ig.qhost_cap = qneed + qneed / 4;
-        p->ig.qhost = rekv_host_alloc(p->be, p->ig.qhost_cap * sizeof(float));
-        if (p->ig.qhost == NULL) {
-            p->ig.qhost_cap = 0;
-            return rekv_errf(err, -ENOMEM, "step: out of host memory for clo's queries");
         }
     }
     /* per thread of the unit's selection (ig_unit_select): rekv_ig_select's scratch, then the
@@ -538,8 +525,9 @@ int pl_ig_lookahead(const rekv_pipeline *p, int layer)
 }
 
 /* On the compute stream, with batch g's residual stream in gb->x at the input of layer - lookahead:
- * the speculated scores of layer `layer` for the batch's sparse items, copied to the host; records
- * ig.ev[g]. The query's input is that layer's attention input (InfiniGen §3.3: consecutive layers'
+ * the speculated scores of layer `layer` for the batch's sparse items (copied to the host where the
+ * step thread selects, st->ig_wait), and clo's whole queries (ig.q); records ig.ev[g]. The query's
+ * input is that layer's attention input (InfiniGen §3.3: consecutive layers'
  * attention inputs are alike; with lookahead 0 it is layer `layer`'s own). */
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
 {
@@ -551,6 +539,9 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
     int group = nh / c->n_kv_heads, H = c->hidden;
     const float *h = p->gb[g].x.p;
     float *qp = p->ig.qp.p;
+    /* the scores and queries are free once the last layer's decisions have read them (on the
+     * h2d stream: the step thread does not wait for them) */
+    p->bi->stream_wait_event(s, p->ig.ev_read[g]);
     if (c->pre_norm) {
         const ig_layer *nl = &p->ig.layers[layer - pl_ig_lookahead(p, layer)];
         k->norm(s, p->ig.hn.p, h, nl->norm_w, nl->norm_b, T, H, c->norm_eps);
@@ -582,25 +573,11 @@ int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer)
         if (end > hi)
             hi = end;
     }
-    /* the scores and their host copies are free once the last layer's decisions have read them
-     * (on the h2d stream: the step thread does not wait for them) */
-    p->bi->stream_wait_event(s, p->ig.ev_read[g]);
     k->spec_scores(s, p->ig.scores.p, qp, sq, n, nh, group, rk, 1.0f / sqrtf((float)hd));
-    if (st->ig_wait || p->ig.queries) { /* the host decides: the scores go there */
+    if (st->ig_wait) { /* the step thread selects: the scores go to the host */
         rekv_copy_piece pc = {p->ig.host + lo, (float *)p->ig.scores.p + lo,
                               (hi - lo) * sizeof(float)};
         p->bi->copy_d2h(s, &pc, 1, REKV_XFER_OTHER);
-    }
-    if (p->ig.queries) { /* and the queries, for clo's similarity test */
-        size_t Qd = (size_t)rekv_config_q_dim(c);
-        for (int j = 0; j < nb; j++) {
-            int i = st->g_begin[g] + j;
-            if (st->ig_off[i] == SIZE_MAX)
-                continue;
-            rekv_copy_piece pq = {p->ig.qhost + (size_t)i * Qd, q + (size_t)st->last[g][j] * Qd,
-                                  Qd * sizeof(float)};
-            p->bi->copy_d2h(s, &pq, 1, REKV_XFER_OTHER);
-        }
     }
     p->bi->event_record(p->ig.ev[g], s);
     return 0;
@@ -1075,18 +1052,6 @@ static long ig_item_rows(ig_unit *iu, int j, const int32_t *votes, int r, int32_
     iu->rows += (uint64_t)n / 2;
     iu->tokens += (uint64_t)m;
     return n;
-}
-
-void pl_ig_decide(rekv_pipeline *p, int g, int layer, const char *name, rekv_host_fn fn, void *arg,
-                  const rekv_copy_piece *pieces, const size_t *n, size_t max)
-{
-    rekv_stream *sh = p->s_h2d;
-    p->counters[layer].host_decisions++;
-    p->bi->stream_wait_event(sh, p->ig.ev[g]);
-    p->bi->launch_host(sh, name, fn, arg, 0);
-    /* the scores are read: the next layer's speculation need not wait for these rows' copy */
-    p->bi->event_record(p->ig.ev_read[g], sh);
-    p->bi->copy_h2d_deferred(sh, pieces, n, max, REKV_XFER_KV);
 }
 
 void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io)

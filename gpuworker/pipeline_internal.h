@@ -114,17 +114,15 @@ typedef struct ig_state {
     ig_layer *layers; /* [n_layers]; layer 0 is never speculated (only its norm is kept) */
     int rk;           /* partial columns per KV head */
     dbuf hn;          /* [T][hidden] the speculation's input (an attention input) */
-    dbuf q;           /* [T][q_dim] the full speculative query (RoPE models) */
+    dbuf q;           /* [T][q_dim] the full speculative query (RoPE models; clo) */
     dbuf qp;          /* [T][n_heads][rk] the partial query */
     dbuf scores;      /* every sparse item's speculated scores, [n_heads][len] at ig_off */
     dbuf sscr;        /* the ig_select kernel's scratch, rekv_ig_scratch_floats at ig_scr */
     float *host;      /* their host copy (rekv_host_alloc), host_cap floats */
     size_t host_cap;
-    int fold;         /* the partial query weight is W_Q·A[:, cols] (infinigen without RoPE) */
-    int queries;      /* the speculation also copies each sparse item's whole query to the host
-                         (qhost): clo's similarity test */
-    float *qhost;     /* clo: each sparse item's speculated query, [n_items][q_dim] (host) */
-    size_t qhost_cap; /* floats */
+    int fold;    /* the partial query weight is W_Q·A[:, cols] (infinigen without RoPE) */
+    int queries; /* the speculation keeps each sparse item's whole query in q (clo's
+                    similarity test), so the partial query weight is never folded */
     rekv_event *ev[MAX_GPU_BATCHES];      /* batch g's scores have reached the host */
     rekv_event *ev_read[MAX_GPU_BATCHES]; /* batch g's last decisions (clo's, infinigen's
                                              selection) have read them on the h2d stream (the
@@ -234,6 +232,8 @@ struct rekv_pipeline {
         double *imp;             /* [n_layers][n_heads] query head importance (Eq. 10's weights) */
         uint8_t *persist;        /* [n_layers][n_kv] the KV head keeps its whole KV (Eq. 13) */
         uint64_t *hits, *misses; /* [n_layers][n_kv] rekv_pipeline_head_cache_counts' */
+        double *tau_dev, *imp_dev; /* device copies of tau, imp and persist, which the */
+        uint8_t *persist_dev;      /* decisions read (clo_decide) */
     } clo;
 };
 
@@ -255,8 +255,8 @@ struct rekv_pseq {
     int kv_parts, act_parts; /* hybrid: the KV:ACT pattern of its blocks, the pipeline's when the
                                 sequence was made (a later rekv_pipeline_set_step leaves it) */
     /* clo (mode_clo.c): layer 0's whole cache and, per layer > 0, a head cache
-     * (kvlayout.h) on the device; on the host each query head's label and each KV head's cached
-     * top-k count (-1: not built) */
+     * (kvlayout.h) on the device, with each query head's label; each KV head's cached top-k count
+     * (-1: not built) in memory both read and write (host_alloc) */
     uint8_t *clo0; /* layer 0: cap positions, valid below clo0_len (-1: not filled) */
     int clo0_len;
     uint8_t *hc;    /* layers > 0's head caches, back to back */
@@ -265,8 +265,9 @@ struct rekv_pseq {
                        whole middle of the context (cap - sink - recent) in a layer with a
                        persistent head */
     int clo_slots;  /* the largest head cache's positions (hc_k + sink + recent + 1) */
-    float *label;   /* [n_layers][n_heads][head_dim] */
-    int32_t *klen;  /* [n_layers][n_kv] */
+    float *label;   /* [n_layers][n_heads][head_dim] (device) */
+    int32_t *klen;  /* [n_layers][n_kv] (host_alloc: the plan reads and sets it, the decisions
+                       write it) */
     /* the prefix cache (cfg.prefix_cache): the tokens it holds, [cap] ([0, len) valid; recorded
        by pl_store_prepare), published when it is freed; NULL when off */
     int32_t *toks;
@@ -377,29 +378,21 @@ typedef struct unit_io {
     struct clo_unit *clo; /* clo: the unit's decisions, made on the h2d stream (or NULL) */
 } unit_io;
 
-/* clo: what one unit (layer > 0) decides once its speculation is on the host — on the h2d stream,
- * as a host function, so the step thread never waits for it (mode_clo.c). Prepared in step
- * memory when the unit is planned; the decisions' results are folded into the counters after
- * the step. */
+/* clo: one unit's (layer > 0) decisions, made by the device on the h2d stream (the clo_decide
+ * kernel behind the speculation's event, mode_clo.c). Prepared in step memory, which the device
+ * reads and writes, when the unit is planned; the decisions' counts reach the counters after the
+ * step. */
 typedef struct clo_unit {
-    rekv_pipeline *p;
-    step *st;
-    int g, g0, layer;
-    int n;            /* sparse items */
-    int *items;       /* [n] their indices in the batch */
-    int32_t **sel;    /* [batch items] a miss's top-k, [n_kv][hc_k] offsets past the sink */
-    int32_t **head_k; /* [batch items][n_kv] a miss's k, 0 for a hit, -1 for a persistent head */
-    int32_t **skip;   /* [batch items] the attention's skip (d->skip), filled by the decisions */
-    uint64_t *rows0;  /* [batch items] rows the plan fetched already (a fresh cache, persistent
-                         heads) */
-    const range_ref **kr;    /* [batch items] where the item's blocks of the layer are */
-    size_t per;              /* scratch floats per thread */
-    rekv_copy_piece *pieces; /* the misses' rows, for copy_h2d_deferred */
+    int g, layer;
+    int n;                   /* sparse items */
+    int *items;              /* [n] their indices in the batch */
+    int *at;                 /* [batch items] the index in seqs of a sparse one */
+    rekv_clo_seq *seqs;      /* [n] the kernel's sequences */
+    uint64_t *rows0;         /* [n] rows the plan fetched already (a fresh cache, persistent
+                                heads) */
+    rekv_copy_piece *pieces; /* the misses' rows, for copy_h2d_listed */
     size_t n_pieces, max_pieces;
-    uint64_t rows, tokens_fetched; /* the decisions' counts: rows fetched, tokens */
-    uint64_t *g_hits, *g_misses;   /* [n_kv] each KV head's hits and misses */
-    int rc;                        /* 0, or how the decisions failed */
-    struct clo_unit *next;         /* the step's list */
+    struct clo_unit *next; /* the step's list */
 } clo_unit;
 
 /* infinigen: one unit's (layer > 0) selection — by the device on the h2d stream (the ig_select
@@ -459,7 +452,8 @@ typedef struct pl_mode_ops {
      * modes' */
     int (*unit_plan)(rekv_pipeline *p, step *st, int g, int layer, int b, rekv_attn_seq *d,
                      unit_io *io);
-    /* fetch: on the h2d stream after the unit's planned copies (clo's deferred decisions) */
+    /* fetch: on the h2d stream after the unit's planned copies (clo's decisions, infinigen's
+     * selection: kernels and the listed copy of their rows) */
     void (*unit_fetch)(rekv_pipeline *p, const unit_io *io);
     /* once the step's streams are idle, whatever happened (clo: the decisions' counts) */
     int (*step_done)(rekv_pipeline *p, step *st, rekv_err *err);
@@ -566,8 +560,8 @@ int pl_ig_speculates(const rekv_pipeline *p, const step *st, int g, int layer);
 /* How many layers ahead layer `layer`'s speculation runs: cfg.lookahead, but 0 for layer 1 —
  * layer 0 changes the residual stream far more than any later layer (on docs8L its FFN output is
  * ~10x the embedding: layer 0's and 1's inputs at cosine -0.05..-0.01, later pairs 0.94..0.98),
- * so layer 1 is speculated from its own input; its fetch then waits for layer 0 (pipeline_infinigen.c
- * says what that costs and saves). */
+ * so layer 1 is speculated from its own input; its fetch then waits for layer 0
+ * (pipeline_infinigen.c says what that costs and saves). */
 int pl_ig_lookahead(const rekv_pipeline *p, int layer);
 int pl_ig_speculate(rekv_pipeline *p, step *st, int g, int layer);
 float **pl_ig_pk_rows(rekv_pipeline *p, step *st, int g, int layer, int *rc);
@@ -582,22 +576,15 @@ int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_s
 /* The unit_fetch and step_done entries of infinigen's mode table. */
 void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io);
 int pl_ig_step_done(rekv_pipeline *p, step *st, rekv_err *err);
-/* clo's decisions for unit (layer, g), on the h2d stream after the unit's planned copies: once
- * batch g's speculated scores are on the host, fn(arg) as a host function (name labels it) that
- * writes pieces[0..*n) (at most max), then those rows' copy (copy_h2d_deferred); ig.ev_read[g],
- * recorded once fn has run, frees the scores and their host copies. Counted in the layer's
- * host_decisions: the stream waits for the host. */
-void pl_ig_decide(rekv_pipeline *p, int g, int layer, const char *name, rekv_host_fn fn, void *arg,
-                  const rekv_copy_piece *pieces, const size_t *n, size_t max);
-/* A unit's per-sequence host work (infinigen's selection, clo's decisions) on the pool, with the
- * unit's speculated scores on the host: fn(job, j, scratch) for each batch index j of
+/* A unit's per-sequence host work (infinigen's selection by the step thread) on the pool, with
+ * the unit's speculated scores on the host: fn(job, j, scratch) for each batch index j of
  * items[0..n), scratch its thread's per floats of p->ig.scratch. 0, or -ENOMEM when not even one
  * thread's scratch fits. */
 typedef struct pl_unit_job {
     rekv_pipeline *p;
     step *st;
     int g0, layer;
-    void *ctx; /* the caller's: infinigen's ig_unit, clo's clo_unit */
+    void *ctx; /* the caller's: infinigen's ig_unit */
     const int *items;
     size_t per;
     void (*fn)(const struct pl_unit_job *job, int j, float *scratch);

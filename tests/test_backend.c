@@ -918,11 +918,12 @@ START_TEST(bad_copy_is_reported_by_sync)
 }
 END_TEST
 
-/* A deferred copy's list, written by a host function on the stream (as clo's decisions are). */
+/* A listed copy's list, written by a kernel on the stream (as infinigen's selection and clo's
+ * decisions are; on cpu a kernel is a task on the stream). */
 typedef struct defer_list {
     rekv_copy_piece pieces[4];
     size_t n;
-    rekv_copy_piece write[4]; /* what the host function writes */
+    rekv_copy_piece write[4]; /* what the kernel writes */
     size_t write_n;
 } defer_list;
 
@@ -933,10 +934,10 @@ static void defer_fill(void *arg)
     l->n = l->write_n;
 }
 
-/* copy_h2d_deferred copies the pieces its stream's earlier work wrote — not those there at
+/* copy_h2d_listed copies the pieces its stream's earlier work wrote — not those there at
  * enqueue — counted when it runs; a list longer than its room or with a NULL piece fails the
  * stream. Every blocking call counts in host_syncs, nothing else does. */
-START_TEST(deferred_copy_reads_its_list_when_it_runs)
+START_TEST(listed_copy_reads_its_list_when_it_runs)
 {
     rekv_backend *be = make_backend(0, 0);
     rekv_stream *s = make_stream(be, "kv-in");
@@ -952,7 +953,7 @@ START_TEST(deferred_copy_reads_its_list_when_it_runs)
     l.write_n = 2;
     launch(be, s, "hold", (kern_arg){.g = &g});
     be->iface->launch_host(s, "decide", defer_fill, &l, 0);
-    be->iface->copy_h2d_deferred(s, l.pieces, &l.n, 4, REKV_XFER_KV);
+    be->iface->copy_h2d_listed(s, l.pieces, &l.n, 4, REKV_XFER_KV);
     rekv_backend_stats st;
     be->iface->stats(be, &st);
     ck_assert_uint_eq(st.h2d_copies, 0);
@@ -971,14 +972,14 @@ START_TEST(deferred_copy_reads_its_list_when_it_runs)
     memset(dst, 0, sizeof(dst));
     l.write_n = 3;
     be->iface->launch_host(s, "decide", defer_fill, &l, 0);
-    be->iface->copy_h2d_deferred(s, l.pieces, &l.n, 2, REKV_XFER_KV);
+    be->iface->copy_h2d_listed(s, l.pieces, &l.n, 2, REKV_XFER_KV);
     ck_assert_int_eq(be->iface->stream_sync(s, &err), -EINVAL);
     ck_assert_msg(strstr(err.msg, "kv-in") && strstr(err.msg, "room for 2"), "message: %s",
                   err.msg);
     l.write[1].src = NULL;
     l.write_n = 2;
     be->iface->launch_host(s, "decide", defer_fill, &l, 0);
-    be->iface->copy_h2d_deferred(s, l.pieces, &l.n, 4, REKV_XFER_KV);
+    be->iface->copy_h2d_listed(s, l.pieces, &l.n, 4, REKV_XFER_KV);
     rekv_err_clear(&err);
     ck_assert_int_eq(be->iface->stream_sync(s, &err), -EINVAL);
     ck_assert_msg(strstr(err.msg, "NULL"), "message: %s", err.msg);
@@ -1143,7 +1144,7 @@ static Suite *backend_suite(void)
     tcase_add_test(tc, copy_overlaps_kernel);
     tcase_add_test(tc, trace_is_chrome_json);
     tcase_add_test(tc, bad_copy_is_reported_by_sync);
-    tcase_add_test(tc, deferred_copy_reads_its_list_when_it_runs);
+    tcase_add_test(tc, listed_copy_reads_its_list_when_it_runs);
     tcase_add_test(tc, device_memory_emulation);
     tcase_add_test(tc, copy_coalesce);
     tcase_add_test(tc, link_options_parse);

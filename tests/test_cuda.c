@@ -1234,115 +1234,69 @@ START_TEST(runtime_gather)
 }
 END_TEST
 
-/* copy_h2d_deferred: the pieces a host function on the stream writes (clo's decisions), gathered
- * on the device from registered memory when the stream reaches them, counted then; many enqueued
- * back to back (a clo step's units, each with room for every row it could fetch) never block the
- * caller, a larger one included; a piece from memory the device cannot map fails the stream, and
- * a capture refuses the copy. */
-typedef struct deferred_arg {
-    rekv_copy_piece *list, *write;
-    size_t *n, write_n;
-} deferred_arg;
-
-static void deferred_write(void *arg)
-{
-    deferred_arg *a = (deferred_arg *)arg;
-    memcpy(a->list, a->write, a->write_n * sizeof(rekv_copy_piece));
-    *a->n = a->write_n;
-}
-
-START_TEST(runtime_deferred_gather)
+/* Gathers enqueued back to back never block the caller: a step's worth of listed copies (64
+ * units, each with room for every row it could fetch, the last for more), their sources found by
+ * host_mapped among more registered ranges than a gather keeps on its stack (offloaded weights
+ * register one per layer), counted at the sync; plain gathers (the pieces known at enqueue), two
+ * steps of 100 with a stream_sync after each, block nobody but that sync — neither the ring's room
+ * nor its finished slices (let go without a wait); a capture refuses a listed copy. */
+START_TEST(runtime_gathers_never_block)
 {
     backends_open();
     rekv_err err = {0};
     const rekv_backend_iface *bi = g_cu->iface;
     rekv_stream *s;
-    ck_assert_msg(bi->stream_create(g_cu, "deferred", &s, &err) == 0, "%s", err.msg);
-    enum { N = 3000, ROW = 256 };
+    ck_assert_msg(bi->stream_create(g_cu, "gathers", &s, &err) == 0, "%s", err.msg);
+    enum { N = 3000, ROW = 256, R = 64, K = 40, EXTRA = 80 };
     size_t hb = 8u << 20, db = (size_t)N * ROW;
-    uint8_t *host = aligned_alloc(4096, hb), *plain = malloc(hb), *want = calloc(1, db),
-            *back = malloc(db), *zero = calloc(1, db);
-    rekv_copy_piece *list = malloc(sizeof(*list) * N), *write = malloc(sizeof(*write) * N);
-    size_t n = 0;
-    ck_assert(host && plain && want && back && zero && list && write);
+    uint8_t *host = aligned_alloc(4096, hb), *want = calloc(1, db), *zero = calloc(1, db);
+    ck_assert(host && want && zero);
     for (size_t i = 0; i < hb; i++)
-        host[i] = plain[i] = (uint8_t)((i * 2654435761u) >> 11);
-    ck_assert_msg(bi->host_register(g_cu, host, hb, &err) == 0, "%s", err.msg);
-    /* more registered ranges than a gather once looked through (16; offloaded weights register
-     * one per layer): the arena's rows must still be found */
-    enum { EXTRA = 80 }; /* past the 64 a gather copies on its stack, too */
+        host[i] = (uint8_t)((i * 2654435761u) >> 11);
     void *extra[EXTRA];
-    for (int i = 0; i < EXTRA; i++) {
+    for (int i = 0; i < EXTRA; i++) { /* registered before the arena: it is found past them */
         extra[i] = aligned_alloc(4096, 4096);
         ck_assert(extra[i] != NULL);
         ck_assert_msg(bi->host_register(g_cu, extra[i], 4096, &err) == 0, "%s", err.msg);
     }
+    ck_assert_msg(bi->host_register(g_cu, host, hb, &err) == 0, "%s", err.msg);
+    const uint8_t *mapped = rekv_host_mapped(g_cu, host);
+    ck_assert(mapped != NULL);
     uint8_t *dev = bi->dev_alloc(g_cu, db);
     ck_assert(dev != NULL);
+    rekv_copy_piece *lists = meta(sizeof(rekv_copy_piece) * R * K),
+                    *writes = malloc(sizeof(rekv_copy_piece) * R * K);
+    size_t *ns = meta(sizeof(size_t) * R), total = 0;
+    ck_assert(writes != NULL);
     uint64_t x = 5;
-    size_t m = N - 17, total = 0; /* fewer than its room */
-    for (size_t i = 0; i < m; i++) {
+    for (size_t i = 0; i < R * K; i++) {
         x = x * 6364136223846793005ull + 1442695040888963407ull;
-        size_t so = (size_t)((x >> 24) % (hb / ROW)) * ROW, bytes = ROW - 16 * (i % 3);
-        write[i] = (rekv_copy_piece){dev + (N - 1 - i) * ROW, host + so, bytes};
-        memcpy(want + (N - 1 - i) * ROW, host + so, bytes);
-        total += bytes;
+        size_t so = (size_t)((x >> 24) % (hb / ROW)) * ROW;
+        lists[i] = (rekv_copy_piece){dev + i * ROW, mapped + so, ROW};
+        writes[i] = (rekv_copy_piece){dev + i * ROW, host + so, ROW};
+        memcpy(want + i * ROW, host + so, ROW);
+        total += ROW;
     }
     rekv_copy_piece clear = {dev, zero, db};
     bi->copy_h2d(s, &clear, 1, REKV_XFER_OTHER);
     ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
     bi->stats_reset(g_cu);
-    deferred_arg a = {list, write, &n, m};
-    bi->launch_host(s, "decide", deferred_write, &a, sizeof(a));
-    bi->copy_h2d_deferred(s, list, &n, N, REKV_XFER_KV);
-    rekv_copy_piece down = {back, dev, db};
-    bi->copy_d2h(s, &down, 1, REKV_XFER_OTHER);
-    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
-    ck_assert_msg(memcmp(back, want, db) == 0, "the deferred gather copied other bytes");
+    for (int r = 0; r < R; r++) {
+        ns[r] = K;
+        bi->copy_h2d_listed(s, lists + r * K, &ns[r], r == R - 1 ? 4 * N : N, REKV_XFER_KV);
+    }
     rekv_backend_stats st;
     bi->stats(g_cu, &st);
-    ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total);
-    ck_assert_uint_eq(st.h2d_gathered, m);
-    /* a step's worth: R copies of K rows, each with room for N (64 x 3001 descriptors held at
-     * once), the last with room for 4N */
-    enum { R = 64, K = 40 };
-    rekv_copy_piece *lists = malloc(sizeof(*lists) * R * K),
-                    *writes = malloc(sizeof(*writes) * R * K);
-    size_t ns[R];
-    deferred_arg as[R];
-    ck_assert(lists && writes);
-    memset(want, 0, db);
-    total = 0;
-    for (size_t i = 0; i < R * K; i++) {
-        x = x * 6364136223846793005ull + 1442695040888963407ull;
-        size_t so = (size_t)((x >> 24) % (hb / ROW)) * ROW;
-        writes[i] = (rekv_copy_piece){dev + i * ROW, host + so, ROW};
-        memcpy(want + i * ROW, host + so, ROW);
-        total += ROW;
-    }
-    bi->copy_h2d(s, &clear, 1, REKV_XFER_OTHER);
+    ck_assert_msg(st.host_syncs == 0, "enqueueing %d listed gathers blocked the caller %llu times",
+                  R, (unsigned long long)st.host_syncs);
     ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
-    bi->stats_reset(g_cu);
-    for (int r = 0; r < R; r++) {
-        ns[r] = 0;
-        as[r] = (deferred_arg){lists + r * K, writes + r * K, &ns[r], K};
-        bi->launch_host(s, "decide", deferred_write, &as[r], sizeof(as[r]));
-        bi->copy_h2d_deferred(s, lists + r * K, &ns[r], r == R - 1 ? 4 * N : N, REKV_XFER_KV);
-    }
-    bi->stats(g_cu, &st);
-    ck_assert_msg(st.host_syncs == 0,
-                  "enqueueing %d deferred gathers blocked the caller %llu times", R,
-                  (unsigned long long)st.host_syncs);
-    bi->copy_d2h(s, &down, 1, REKV_XFER_OTHER);
-    ck_assert_msg(bi->stream_sync(s, &err) == 0, "%s", err.msg);
-    ck_assert_msg(memcmp(back, want, db) == 0, "the deferred gathers copied other bytes");
+    uint8_t *back = host_from(dev, db);
+    ck_assert_msg(memcmp(back, want, db) == 0, "the listed gathers copied other bytes");
+    free(back);
     bi->stats(g_cu, &st);
     ck_assert_uint_eq(st.h2d_bytes[REKV_XFER_KV], total);
     ck_assert_uint_eq(st.h2d_gathered, R * K);
-    ck_assert_uint_eq(st.host_syncs, 1);
-    /* plain gathers (the pieces known at enqueue) likewise: two steps' worth of 100 each, a
-     * stream_sync after each step, block nobody but that sync — neither the ring's room nor its
-     * finished slices (let go without a wait) */
+    ck_assert_uint_eq(st.h2d_copies, R);
     bi->stats_reset(g_cu);
     for (int step = 0; step < 2; step++) {
         for (int r = 0; r < 100; r++)
@@ -1355,17 +1309,9 @@ START_TEST(runtime_deferred_gather)
     }
     bi->stats(g_cu, &st);
     ck_assert_uint_eq(st.h2d_gathered, 2 * 100 * K);
-    free(lists), free(writes);
-    /* unregistered memory */
-    write[5].src = plain;
-    bi->launch_host(s, "decide", deferred_write, &a, sizeof(a));
-    bi->copy_h2d_deferred(s, list, &n, N, REKV_XFER_KV);
-    rekv_err_clear(&err);
-    ck_assert_int_eq(bi->stream_sync(s, &err), -EINVAL);
-    ck_assert_msg(strstr(err.msg, "page-locked") != NULL, "%s", err.msg);
     /* in a capture */
     ck_assert_msg(bi->graph_begin(s, &err) == 0, "%s", err.msg);
-    bi->copy_h2d_deferred(s, list, &n, N, REKV_XFER_KV);
+    bi->copy_h2d_listed(s, lists, &ns[0], N, REKV_XFER_KV);
     rekv_graph *gr = NULL;
     rekv_err_clear(&err);
     ck_assert_int_ne(bi->graph_end(s, &gr, &err), 0);
@@ -1379,7 +1325,8 @@ START_TEST(runtime_deferred_gather)
     }
     bi->dev_free(g_cu, dev);
     bi->stream_destroy(s);
-    free(host), free(plain), free(want), free(back), free(zero), free(list), free(write);
+    meta_free(lists), meta_free(ns);
+    free(host), free(want), free(zero), free(writes);
     backends_close();
 }
 END_TEST
@@ -1910,8 +1857,9 @@ START_TEST(pipeline_infinigen_gather)
 END_TEST
 
 /* clo on cuda: with every head missing every step and a top-k of the whole context, resident's
- * logits (up to the summation order); the misses' rows come by the deferred gather (the
- * decisions on the h2d stream); and a clo step blocks its caller as often as an offload step. */
+ * logits (up to the summation order); the misses' rows come by the listed gather (the
+ * decisions a kernel on the h2d stream); and a clo step blocks its caller as often as an offload
+ * step. */
 START_TEST(pipeline_clo)
 {
     const char *path = tu_shared("models/stories260K/stories260K.bin");
@@ -2664,6 +2612,54 @@ END_TEST
 
 /* ------------------------------------------------------------------ infinigen's selection */
 
+/* The summed probabilities of a KV head's query group, sc its scores ([group][len]; each head's
+ * softmax over the whole context) at positions [from, from + n), in double: the ranking
+ * ig_select and clo_decide approximate. */
+static double *group_probs_d(const float *sc, int len, int group, int from, int n)
+{
+    double *p = calloc((size_t)n, sizeof(double));
+    ck_assert(p != NULL);
+    for (int h = 0; h < group; h++) {
+        const float *sh = sc + (size_t)h * len;
+        double mx = -INFINITY, sum = 0;
+        for (int t = 0; t < len; t++)
+            mx = sh[t] > mx ? sh[t] : mx;
+        for (int t = 0; t < len; t++)
+            sum += exp((double)sh[t] - mx);
+        for (int t = 0; t < n; t++)
+            p[t] += exp((double)sh[from + t] - mx) / sum;
+    }
+    return p;
+}
+
+/* a and b, two selections of m of n positions (ascending), differ only at positions whose
+ * probability p is within 1e-5 of the m-th largest */
+static void expect_same_top(const char *what, const int32_t *a, const int32_t *b, int m,
+                            const double *p, int n)
+{
+    double *srt = malloc(sizeof(double) * (size_t)n);
+    char *in_a = calloc((size_t)n, 1), *in_b = calloc((size_t)n, 1);
+    ck_assert(srt && in_a && in_b);
+    memcpy(srt, p, sizeof(double) * (size_t)n);
+    for (int i = 0; i < m; i++) /* partial selection sort: the m largest first */
+        for (int t = i + 1; t < n; t++)
+            if (srt[t] > srt[i]) {
+                double x = srt[i];
+                srt[i] = srt[t];
+                srt[t] = x;
+            }
+    double kth = srt[m - 1];
+    for (int i = 0; i < m; i++) {
+        ck_assert_msg(i == 0 || a[i - 1] < a[i], "%s: cuda's tokens not ascending", what);
+        in_a[a[i]] = 1, in_b[b[i]] = 1;
+    }
+    for (int t = 0; t < n; t++)
+        ck_assert_msg(in_a[t] == in_b[t] || fabs(p[t] - kth) <= 1e-5 * kth,
+                      "%s: token %d (probability %.9g, the %d-th %.9g) selected on %s only", what,
+                      t, p[t], m, kth, in_a[t] ? "cuda" : "cpu");
+    free(srt), free(in_a), free(in_b);
+}
+
 /* The pieces ig_select must have written for sequence q whose selection is sel (m per KV head),
  * checked one by one from out (its 2 n_kv m pieces): K rows then V rows, head by head, token by
  * token, from the token's block in the arena to slot dev + i of kv. */
@@ -2764,37 +2760,10 @@ START_TEST(kernel_ig_select)
                                   "%s: KV head %d selected other tokens than on cpu", what, g);
                     continue;
                 }
-                /* the group's summed softmax in double, and its m-th largest */
-                double *p = calloc((size_t)rest, sizeof(double)),
-                       *srt = malloc(sizeof(double) * rest);
-                for (int h = g * GROUP; h < (g + 1) * GROUP; h++) {
-                    const float *sh = sc + off[j] + (size_t)h * lens[j] + devs[j];
-                    double mx = -INFINITY, sum = 0;
-                    for (int t = 0; t < rest; t++)
-                        mx = sh[t] > mx ? sh[t] : mx;
-                    for (int t = 0; t < rest; t++)
-                        sum += exp((double)sh[t] - mx);
-                    for (int t = 0; t < rest; t++)
-                        p[t] += exp((double)sh[t] - mx) / sum;
-                }
-                memcpy(srt, p, sizeof(double) * rest);
-                for (int i = 0; i < m; i++) /* partial selection sort: the m largest first */
-                    for (int t = i + 1; t < rest; t++)
-                        if (srt[t] > srt[i]) {
-                            double x = srt[i];
-                            srt[i] = srt[t];
-                            srt[t] = x;
-                        }
-                double kth = srt[m - 1];
-                char *in_a = calloc((size_t)rest, 1), *in_b = calloc((size_t)rest, 1);
-                for (int i = 0; i < m; i++)
-                    in_a[a[i]] = 1, in_b[b[i]] = 1;
-                for (int t = 0; t < rest; t++)
-                    ck_assert_msg(in_a[t] == in_b[t] || fabs(p[t] - kth) <= 1e-5 * kth,
-                                  "%s: KV head %d: token %d (probability %.9g, the %d-th %.9g) "
-                                  "selected on %s only",
-                                  what, g, devs[j] + t, p[t], m, kth, in_a[t] ? "cuda" : "cpu");
-                free(p), free(srt), free(in_a), free(in_b);
+                double *p = group_probs_d(sc + off[j] + (size_t)g * GROUP * lens[j], lens[j], GROUP,
+                                          devs[j], rest);
+                expect_same_top(what, a, b, m, p, rest);
+                free(p);
             }
             expect_ig_rows(what, &dq[j], dsel[j], m, &shape, arena, dp + k);
             expect_ig_rows(what, &hq[j], hsel[j], m, &shape, arena, hp + k);
@@ -2810,6 +2779,156 @@ START_TEST(kernel_ig_select)
     meta_free(dq), meta_free(dm), meta_free(dstart), meta_free(dslot), meta_free(dp);
     meta_free(dn);
     free(hm), free(hstart), free(hslot), free(hp), free(hn), free(sc), free(arena), free(kv);
+    dev_free(dsc);
+    backends_close();
+}
+END_TEST
+
+/* clo_decide on cuda against the cpu's (rekv_clo_decide's bits): three sequences — nothing cached
+ * (every head misses), labels near the queries (hits), labels at random (misses) — with KV head
+ * 1 persistent. Hits, misses, k, klen and skip must be the cpu's exactly (a persistent head's
+ * skip untouched), the labels the misses' queries, the top k the cpu's up to near-ties (in
+ * double, as kernel_ig_select), and each backend's pieces the rows of its own selection. */
+START_TEST(kernel_clo_decide)
+{
+    backends_open();
+    enum { N = 3, NH = 8, NKV = 2, HD = 32, GROUP = NH / NKV, SINK = REKV_HEADS_SINK };
+    const int lens[N] = {100, 300, 700}, Ks[N] = {40, 100, 150};
+    size_t total = 0, off[N], room = 0, row = HD * sizeof(float);
+    for (int j = 0; j < N; j++) {
+        off[j] = total;
+        total += (size_t)NH * lens[j];
+        room += 2 * (size_t)NKV * (size_t)Ks[j];
+    }
+    float *sc = hrand(total, 3), *dsc = dev_from(sc, sizeof(float) * total);
+    double imp[NH], tau[NKV] = {0.9, 0.9};
+    uint8_t persist[NKV] = {0, 1};
+    for (int h = 0; h < NH; h++)
+        imp[h] = 0.2 + 0.1 * h;
+    rekv_clo_shape hsh = {NH, NKV, HD, row, 0.25f, imp, tau, persist};
+    rekv_clo_shape dsh = {NH,
+                          NKV,
+                          HD,
+                          row,
+                          0.25f,
+                          dev_from(imp, sizeof(imp)),
+                          dev_from(tau, sizeof(tau)),
+                          dev_from(persist, sizeof(persist))};
+    uint8_t *arena = malloc(1 << 20), *kv = malloc(1 << 20);
+    rekv_clo_seq hq[N], *dq = meta(sizeof(rekv_clo_seq) * N);
+    float *q[N], *lab[N], *dlab[N], *hscr[N], *dscr[N];
+    int32_t *hout[N], *dout[N], *hklen[N], *dklen[N];
+    uint64_t *blocks[N];
+    rekv_copy_piece *hp = malloc(sizeof(*hp) * room), *dp = meta(sizeof(*dp) * room);
+    size_t *hn = malloc(sizeof(size_t)), *dn = meta(sizeof(size_t));
+    ck_assert(arena && kv && hp && hn);
+    for (int j = 0; j < N; j++) {
+        int len = lens[j], K = Ks[j], nb = len / 16 + 1;
+        size_t nq = (size_t)NH * HD, nscr = rekv_ig_scratch_floats(len, NH, NKV);
+        q[j] = hrand(nq, 1);
+        lab[j] = malloc(sizeof(float) * nq);
+        for (size_t i = 0; i < nq; i++) /* sequence 1: near the queries; 2: at random */
+            lab[j][i] = j == 1 ? q[j][i] + frand(0.05f) : frand(1);
+        dlab[j] = dev_from(lab[j], sizeof(float) * nq);
+        hklen[j] = malloc(sizeof(int32_t) * NKV);
+        dklen[j] = meta(sizeof(int32_t) * NKV);
+        for (int g = 0; g < NKV; g++)
+            hklen[j][g] = dklen[j][g] = j == 0 ? -1 : g == 1 ? K : 20;
+        size_t nout = (size_t)NKV * (size_t)(K + 2);
+        hout[j] = malloc(sizeof(int32_t) * nout);
+        dout[j] = meta(sizeof(int32_t) * nout);
+        for (size_t i = 0; i < nout; i++)
+            hout[j][i] = dout[j][i] = 777; /* a persistent head's skip stays */
+        hscr[j] = calloc(nscr, sizeof(float));
+        dscr[j] = dev_zero(sizeof(float) * nscr);
+        blocks[j] = meta(sizeof(uint64_t) * nb);
+        for (int b = 0; b < nb; b++)
+            blocks[j][b] = (uint64_t)((b * 29 + j * 7) % 64) * 2 * NKV * 16 * row;
+        hq[j] = (rekv_clo_seq){off[j],    q[j],    lab[j],  hklen[j],          len,
+                               K,         hscr[j], hout[j], hout[j] + 2 * NKV, hout[j] + NKV,
+                               blocks[j], kv};
+        dq[j] = (rekv_clo_seq){off[j],
+                               dev_from(q[j], sizeof(float) * nq),
+                               dlab[j],
+                               dklen[j],
+                               len,
+                               K,
+                               dscr[j],
+                               dout[j],
+                               dout[j] + 2 * NKV,
+                               dout[j] + NKV,
+                               blocks[j],
+                               kv};
+    }
+    rekv_cpu_kernels.clo_decide(g_scpu, sc, hq, N, &hsh, arena, hp, hn);
+    sync_cpu();
+    rekv_kernels_of(g_cu)->clo_decide(g_scu, dsc, dq, N, &dsh, arena, dp, dn);
+    sync_cu();
+    size_t k_at = 0;
+    int hits = 0, misses = 0;
+    for (int j = 0; j < N; j++) {
+        int len = lens[j], K = Ks[j], middle = len - SINK - REKV_HEADS_RECENT;
+        char what[64];
+        for (int g = 0; g < NKV; g++) {
+            int k = hout[j][g];
+            snprintf(what, sizeof(what), "sequence %d, KV head %d", j, g);
+            ck_assert_msg(dout[j][g] == k, "%s: cuda decided %d, cpu %d", what, dout[j][g], k);
+            ck_assert_msg(dklen[j][g] == hklen[j][g], "%s: klen %d, cpu %d", what, dklen[j][g],
+                          hklen[j][g]);
+            ck_assert_msg(dout[j][NKV + g] == hout[j][NKV + g], "%s: skip %d, cpu %d", what,
+                          dout[j][NKV + g], hout[j][NKV + g]);
+            float *l = host_from(dlab[j] + (size_t)g * GROUP * HD, sizeof(float) * GROUP * HD);
+            ck_assert_msg(
+                memcmp(l, k > 0 ? q[j] + (size_t)g * GROUP * HD : lab[j] + (size_t)g * GROUP * HD,
+                       sizeof(float) * GROUP * HD) == 0,
+                "%s: the labels are not %s", what, k > 0 ? "the miss's queries" : "as they were");
+            free(l);
+            if (g == 1) {
+                ck_assert_int_eq(k, -1);
+                ck_assert_int_eq(dout[j][NKV + g], 777);
+                continue;
+            }
+            hits += k == 0, misses += k > 0;
+            if (k <= 0)
+                continue;
+            double *p =
+                group_probs_d(sc + off[j] + (size_t)g * GROUP * len, len, GROUP, SINK, middle);
+            expect_same_top(what, dout[j] + 2 * NKV + (size_t)g * K,
+                            hout[j] + 2 * NKV + (size_t)g * K, k, p, middle);
+            free(p);
+        }
+        /* each backend's rows: its own selection's, head by head, K then V per token */
+        for (int side = 0; side < 2; side++) {
+            const rekv_clo_seq *sq = side ? &dq[j] : &hq[j];
+            const rekv_copy_piece *pc = side ? dp : hp;
+            size_t at = k_at, vs = (size_t)NKV * 16 * row;
+            for (int g = 0; g < NKV; g++)
+                for (int i = 0; i < (sq->head_k[g] > 0 ? sq->head_k[g] : 0); i++, at += 2) {
+                    int t = SINK + sq->sel[(size_t)g * K + i], kk = sq->head_k[g];
+                    const uint8_t *src = arena + blocks[j][t / 16] +
+                                         rekv_kv_off(rekv_kv_row(NKV, HD, g, t % 16), HD, row);
+                    uint8_t *dst = kv + rekv_kv_off(rekv_kv_row(NKV, HD, g, K - kk + i), HD, row);
+                    ck_assert_msg(pc[at].src == src && pc[at].dst == dst &&
+                                      pc[at + 1].src == src + vs && pc[at + 1].dst == dst + vs &&
+                                      pc[at].bytes == row && pc[at + 1].bytes == row,
+                                  "sequence %d, %s: the rows of head %d's token %d", j,
+                                  side ? "cuda" : "cpu", g, t);
+                }
+            if (side)
+                k_at = at;
+        }
+    }
+    ck_assert_msg(hits > 0 && misses > 0, "%d hits, %d misses: both wanted", hits, misses);
+    ck_assert_uint_eq(*dn, k_at);
+    ck_assert_uint_eq(*hn, k_at);
+    for (int j = 0; j < N; j++) {
+        dev_free((void *)dq[j].q), dev_free(dlab[j]), dev_free(dscr[j]);
+        meta_free(dklen[j]), meta_free(dout[j]), meta_free(blocks[j]);
+        free(q[j]), free(lab[j]), free(hklen[j]), free(hout[j]), free(hscr[j]);
+    }
+    dev_free((void *)dsh.imp), dev_free((void *)dsh.tau), dev_free((void *)dsh.persist);
+    meta_free(dq), meta_free(dp), meta_free(dn);
+    free(hp), free(hn), free(sc), free(arena), free(kv);
     dev_free(dsc);
     backends_close();
 }
@@ -2891,7 +3010,7 @@ static Suite *suite(void)
     tcase_set_timeout(tr, 300);
     tcase_add_test(tr, runtime_copies_events);
     tcase_add_test(tr, runtime_gather);
-    tcase_add_test(tr, runtime_deferred_gather);
+    tcase_add_test(tr, runtime_gathers_never_block);
     tcase_add_test(tr, runtime_graph);
     tcase_add_test(tr, runtime_ipc_push);
     tcase_add_test(tr, runtime_ipc_dead_recorder);
@@ -2933,11 +3052,12 @@ static Suite *suite(void)
     tcase_set_timeout(tx, 300);
     tcase_add_test(tx, kernel_x16_input);
     suite_add_tcase(s, tx);
-    /* infinigen's selection on the device and the gather it drives (issue 44), alone:
-     * CK_RUN_CASE=ig */
+    /* infinigen's selection and clo's decisions on the device and the gather they drive (issue
+     * 44), alone: CK_RUN_CASE=ig */
     TCase *ti = tcase_create("ig");
     tcase_set_timeout(ti, 300);
     tcase_add_test(ti, kernel_ig_select);
+    tcase_add_test(ti, kernel_clo_decide);
     tcase_add_test(ti, runtime_listed_gather);
     suite_add_tcase(s, ti);
     /* quantized GGUF weights kept in their blocks on the device (issue 43), alone:

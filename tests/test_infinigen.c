@@ -1098,13 +1098,14 @@ START_TEST(clo_step_thread_never_waits)
 }
 END_TEST
 
-/* The step thread enqueues a whole clo step before the device has run its loads (as test_ipc
- * shows for push): a backend whose streams each wait on a gate from their first operation of the
- * step, which only the step thread's first blocking call opens. For clo that call is the drain at
- * the step's end, by when every selecting unit's decisions are enqueued; for infinigen too (its
- * selection runs on the h2d stream as well). (The cpu kernels reach the streams through the cpu
- * table itself, so a stream may run kernels before its first operation through this one: the
- * embedding, a speculation — never a unit's loads or decisions, which come through it.) */
+/* The step thread enqueues a whole clo or infinigen step before the device has run its loads (as
+ * test_ipc shows for push): a backend whose streams each wait on a gate from their first
+ * operation of the step, which only the step thread's first blocking call opens. That call is the
+ * drain at the step's end, by when every selecting unit's decisions (clo_decide, ig_select) and
+ * the listed copy of the rows they name are enqueued. (The cpu kernels reach the streams through
+ * the cpu table itself, so a stream may run kernels before its first operation through this one:
+ * the embedding, a speculation — never a unit's loads, which come through it, and its decisions
+ * come after a wait for the speculation, which does too.) */
 static struct {
     const rekv_backend_iface *real;
     int armed, gated, opened, decisions, at_open;
@@ -1154,8 +1155,6 @@ static void gated_launch_host(rekv_stream *s, const char *name, rekv_host_fn fn,
                               size_t arg_bytes)
 {
     gate_stream(s);
-    if (g_gate.armed && strncmp(name, "clo decisions", 13) == 0)
-        g_gate.decisions++;
     g_gate.real->launch_host(s, name, fn, arg, arg_bytes);
 }
 
@@ -1177,11 +1176,13 @@ static void gated_d2d(rekv_stream *s, const rekv_copy_piece *pc, size_t n)
     g_gate.real->copy_d2d(s, pc, n);
 }
 
-static void gated_deferred(rekv_stream *s, const rekv_copy_piece *pc, const size_t *n, size_t max,
-                           rekv_xfer_kind kind)
+static void gated_listed(rekv_stream *s, const rekv_copy_piece *pc, const size_t *n, size_t max,
+                         rekv_xfer_kind kind)
 {
     gate_stream(s);
-    g_gate.real->copy_h2d_deferred(s, pc, n, max, kind);
+    if (g_gate.armed) /* a selecting unit's rows, after its decisions */
+        g_gate.decisions++;
+    g_gate.real->copy_h2d_listed(s, pc, n, max, kind);
 }
 
 static void gated_record(rekv_event *ev, rekv_stream *s)
@@ -1221,7 +1222,7 @@ START_TEST(clo_step_enqueued_before_the_device_runs)
     bi.copy_h2d = gated_h2d;
     bi.copy_d2h = gated_d2h;
     bi.copy_d2d = gated_d2d;
-    bi.copy_h2d_deferred = gated_deferred;
+    bi.copy_h2d_listed = gated_listed;
     bi.event_record = gated_record;
     bi.stream_wait_event = gated_wait_event;
     bi.stream_sync = gated_stream_sync;
@@ -1252,13 +1253,9 @@ START_TEST(clo_step_enqueued_before_the_device_runs)
             g_gate.armed = 0;
         }
         ck_assert(g_gate.gated && g_gate.opened);
-        if (mode == 0) {
-            ck_assert_str_eq(g_gate.first_block, "stream_sync");
-            ck_assert_int_eq(g_gate.at_open, (c->n_layers - 1) * G);
-            ck_assert_int_eq(g_gate.decisions, (c->n_layers - 1) * G);
-        } else { /* infinigen's selection, on the h2d stream as clo's decisions */
-            ck_assert_str_eq(g_gate.first_block, "stream_sync");
-        }
+        ck_assert_str_eq(g_gate.first_block, "stream_sync");
+        ck_assert_int_eq(g_gate.at_open, (c->n_layers - 1) * G);
+        ck_assert_int_eq(g_gate.decisions, (c->n_layers - 1) * G);
         for (int i = 0; i < B; i++)
             rekv_pseq_free(seqs[i]);
         rekv_pipeline_free(p);
@@ -1270,9 +1267,9 @@ START_TEST(clo_step_enqueued_before_the_device_runs)
 END_TEST
 
 /* A killed kvstore does not hang a clo step's device-side waits (issue 13): a backend whose
- * deferred copy (the rows the decisions name) first runs, on the same stream, a kill of the store
- * — so the decisions, their copy and the attention all run after the store is gone. They need
- * nothing from it (the arena stays mapped), so the step's device work completes — every head
+ * listed copy (the rows the decisions name) first runs, on the same stream, a kill of the store
+ * — so the rows' copies, the attention and later units' decisions run after the store is gone. They
+ * need nothing from it (the arena stays mapped), so the step's device work completes — every head
  * decided, as in the step before — and the step then fails on the store's lost connection, with
  * a message; freeing the sequences and the pipeline returns. A hang fails the test by its
  * timeout. */
@@ -1289,12 +1286,12 @@ static void kill_store(void *arg)
     }
 }
 
-static void deferred_after_kill(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
-                                size_t max, rekv_xfer_kind kind)
+static void listed_after_kill(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                              size_t max, rekv_xfer_kind kind)
 {
     if (g_kill_pid > 0)
         g_real_bi->launch_host(s, "kill the kvstore", kill_store, NULL, 0);
-    g_real_bi->copy_h2d_deferred(s, pieces, n, max, kind);
+    g_real_bi->copy_h2d_listed(s, pieces, n, max, kind);
 }
 
 START_TEST(clo_store_killed_mid_step)
@@ -1306,7 +1303,7 @@ START_TEST(clo_store_killed_mid_step)
     const rekv_model_config *c = &f.m->config;
     rekv_backend_iface bi = *f.be->iface;
     g_real_bi = f.be->iface;
-    bi.copy_h2d_deferred = deferred_after_kill;
+    bi.copy_h2d_listed = listed_after_kill;
     f.be->iface = &bi;
     rekv_pipeline_config cfg;
     clo_config(&x, &cfg);

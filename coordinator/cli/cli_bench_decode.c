@@ -635,7 +635,6 @@ static json_t *decode_run_json(const rekv_engine *eng, const decode_opts *o, int
     }
     if (rekv_mode_info_of(sp->mode)->store == REKV_STORE_PATTERN)
         json_object_set_new(m, "ratio", json_pack("[i, i]", r->cfg.kv_parts, r->cfg.act_parts));
-    json_object_set_new(m, "host_decisions", json_integer((json_int_t)r->counters.host_decisions));
     if (rekv_mode_info_of(sp->mode)->head_caches) {
         uint64_t hits = r->counters.head_hits, hm = hits + r->counters.head_misses;
         json_object_set_new(m, "head_hits", json_integer((json_int_t)hits));

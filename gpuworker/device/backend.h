@@ -196,14 +196,17 @@ typedef struct rekv_backend_iface {
     void (*copy_h2d)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind);
     void (*copy_d2h)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n, rekv_xfer_kind kind);
     void (*copy_d2d)(rekv_stream *s, const rekv_copy_piece *pieces, size_t n);
-    /* optional: a host->device copy whose pieces are read when it runs, not at enqueue — earlier
-     * work on s writes them (a host function deciding what to fetch): *n pieces (at most max)
-     * from pieces[0], in host memory that stays valid until the copy completes. Counted when it
-     * runs, as one copy. On cuda every piece's source must be in host_register'd memory (a host
-     * function translates the list and the gather kernel reads the rows through the mapping) or
-     * the stream fails, and a capture that sees one fails. NULL: not supported. */
-    void (*copy_h2d_deferred)(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
-                              size_t max, rekv_xfer_kind kind);
+    /* optional: a host->device gather whose list a kernel earlier on s wrote (infinigen's
+     * selection and clo's decisions on the device, kernels.h): when the stream reaches it, *n
+     * pieces (at most max; more fail the stream on cpu, are cut to max on cuda) from pieces[0];
+     * pieces of 0 bytes move nothing. pieces and n are host_alloc memory (the device writes and
+     * reads them through the mapping; the caller keeps them until the stream's next stream_sync)
+     * and each source is where the device reads host_register'd memory (host_mapped), so that on
+     * cuda the gather kernel runs with no host function before it. Counted as one copy, its bytes
+     * when the stream has reached it (cpu) or at its stream's next stream_sync (cuda). NULL: not
+     * supported. */
+    void (*copy_h2d_listed)(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                            size_t max, rekv_xfer_kind kind);
 
     /* cpu backend: runs fn(copy of arg) on the stream; name labels the trace span. The cuda
      * backend runs host functions with cudaLaunchHostFunc. */
@@ -299,17 +302,6 @@ typedef struct rekv_backend_iface {
     void (*graph_launch)(rekv_stream *s, rekv_graph *g);
     void (*graph_destroy)(rekv_graph *g);
 
-    /* optional: a host->device gather whose list a kernel earlier on s wrote (infinigen's
-     * selection on the device, kernels.h ig_select): when the stream reaches it, *n pieces (at
-     * most max; more fail the stream on cpu, are cut to max on cuda) from pieces[0]; pieces of 0
-     * bytes move nothing. pieces and n are host_alloc memory (the device writes and reads them
-     * through the mapping; the caller keeps them until the stream's next stream_sync) and each
-     * source is where the device reads host_register'd memory (host_mapped), so that on cuda the
-     * gather kernel runs with no host function before it. Counted as one copy, its bytes when
-     * the stream has reached it (cpu) or at its stream's next stream_sync (cuda). NULL: not
-     * supported. */
-    void (*copy_h2d_listed)(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
-                            size_t max, rekv_xfer_kind kind);
     /* optional: where the device reads host memory host_register registered (p inside a
      * registered range; cuda: the mapping's device address), or NULL when p is in none. NULL:
      * the device reads host memory at its own address (cpu). */

@@ -107,7 +107,7 @@ static void run_copy(rekv_stream *s, cpu_task *t)
         pieces = t->u.copy.later;
         t->u.copy.n = *t->u.copy.later_n;
         if (t->u.copy.n > t->u.copy.later_max) {
-            cpu_stream_fail(s, -EINVAL, "stream %s: a deferred copy of %zu pieces (room for %zu)",
+            cpu_stream_fail(s, -EINVAL, "stream %s: a listed copy of %zu pieces (room for %zu)",
                             s->name, t->u.copy.n, t->u.copy.later_max);
             return;
         }
@@ -351,12 +351,12 @@ static void cpu_copy_d2d(rekv_stream *s, const rekv_copy_piece *pieces, size_t n
     copy_enqueue(s, CPU_COPY_D2D, pieces, n, REKV_XFER_OTHER);
 }
 
-static void cpu_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
-                                  size_t max, rekv_xfer_kind kind)
+static void cpu_copy_h2d_listed(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
+                                size_t max, rekv_xfer_kind kind)
 {
     if (pieces == NULL || n == NULL || (unsigned)kind >= REKV_XFER_KINDS) {
         cpu_stream_fail(s, -EINVAL,
-                        "stream %s: a deferred copy needs its pieces, their count and a kind",
+                        "stream %s: a listed copy needs its pieces, their count and a kind",
                         s->name);
         return;
     }
@@ -835,9 +835,7 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
     .copy_h2d = cpu_copy_h2d,
     .copy_d2h = cpu_copy_d2h,
     .copy_d2d = cpu_copy_d2d,
-    .copy_h2d_deferred = cpu_copy_h2d_deferred,
-    /* the device's memory is the host's: a list a kernel wrote is read as a deferred one is */
-    .copy_h2d_listed = cpu_copy_h2d_deferred,
+    .copy_h2d_listed = cpu_copy_h2d_listed,
     .launch_host = cpu_launch_host,
     .stats = cpu_stats,
     .stats_reset = cpu_stats_reset,

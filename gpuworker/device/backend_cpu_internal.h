@@ -157,7 +157,7 @@ typedef struct cpu_task {
             rekv_xfer_kind kind; /* counted per kind for h2d and d2h */
             size_t n;            /* pieces in payload, as rekv_copy_piece[n] */
             size_t bytes;        /* sum of the pieces' bytes */
-            /* deferred (copy_h2d_deferred): the pieces are *later_n at later, read when the
+            /* listed (copy_h2d_listed): the pieces are *later_n at later, read when the
              * task runs (n and bytes are then set from them); NULL otherwise */
             const rekv_copy_piece *later;
             const size_t *later_n;

@@ -13,7 +13,7 @@
  * lost (backend.h), which the runtime then reports for every later call anyway.
  *
  * Copies: a call's pieces are coalesced into as few DMA operations as they allow; many small rows
- * from mapped host memory go as one gather kernel instead, and deferred copies always do
+ * from mapped host memory go as one gather kernel instead, and listed copies always do
  * (backend_cuda_gather.cu).
  *
  * Stats and trace: byte and copy counters are exact and counted at enqueue. Busy times are
@@ -40,8 +40,8 @@
 /* Trace spans kept at most; later ones are counted as dropped. */
 #define CU_TRACE_MAX_SPANS (1u << 20)
 
-/* Under the backend's lock: a host function (deferred_fill) fails its stream from CUDA's callback
- * thread while the step thread may be failing the same stream at enqueue; the first one stays,
+/* Under the backend's lock: a host function may fail its stream from CUDA's callback thread
+ * while the step thread may be failing the same stream at enqueue; the first one stays,
  * unless a later one is the device's loss (-ENODEV), which replaces it: what a caller must do
  * then (end the process) matters more than the first symptom (often a cuBLAS failure). */
 void cuda_stream_fail(rekv_stream *s, int code, const char *fmt, ...)
@@ -342,21 +342,6 @@ void cuda_count_host_sync(cuda_backend *be)
     pthread_mutex_unlock(&be->mu);
 }
 
-/* Frees s's retired deferred areas, and with all its current one; s must be idle. */
-static void deferred_area_release(rekv_stream *s, int all)
-{
-    cu_deferred_area *a = &s->deferred;
-    for (size_t i = 0; i < a->n_retired; i++)
-        cudaFreeHost(a->retired[i]);
-    free(a->retired);
-    a->retired = NULL;
-    a->n_retired = 0;
-    if (all && a->host != NULL) {
-        cudaFreeHost(a->host);
-        *a = (cu_deferred_area){0};
-    }
-}
-
 static int cu_stream_sync(rekv_stream *s, rekv_err *err)
 {
     cuda_count_host_sync(s->be);
@@ -374,10 +359,8 @@ static int cu_stream_sync(rekv_stream *s, rekv_err *err)
         e = cudaGetLastError();
     cuda_stream_check(s, e, "synchronize");
     cuda_stream_waits_clear(s);
-    if (e == cudaSuccess) {
-        deferred_area_release(s, 0);
+    if (e == cudaSuccess)
         s->gather.n_busy = 0; /* every gather has finished */
-    }
     cuda_listed_resolve(s, e == cudaSuccess && s->err_code == 0);
     stream_resolve(s); /* ops whose events cannot be read (after a fault) are dropped */
     int rc = 0;
@@ -515,7 +498,6 @@ static void cu_stream_destroy(rekv_stream *s)
             cudaEventDestroy(s->gather.busy[i].ev);
         cudaFreeHost(s->gather.host);
     }
-    deferred_area_release(s, 1); /* idle, or failed for good: nothing reads it any more */
     if (s->kstate_free != NULL)
         s->kstate_free(s->kstate); /* the stream is idle: synchronised above */
     cudaStreamDestroy(s->cs);
@@ -916,7 +898,7 @@ static const rekv_backend_iface cuda_iface = {
     cu_copy_h2d,              /* copy_h2d */
     cu_copy_d2h,              /* copy_d2h */
     cu_copy_d2d,              /* copy_d2d */
-    cuda_copy_h2d_deferred,   /* copy_h2d_deferred */
+    cuda_copy_h2d_listed,     /* copy_h2d_listed */
     cu_launch_host,           /* launch_host */
     cu_stats,                 /* stats */
     cu_stats_reset,           /* stats_reset */
@@ -940,7 +922,6 @@ static const rekv_backend_iface cuda_iface = {
     cu_graph_end,             /* graph_end */
     cu_graph_launch,          /* graph_launch */
     cu_graph_destroy,         /* graph_destroy */
-    cuda_copy_h2d_listed,     /* copy_h2d_listed */
     cuda_host_mapped,         /* host_mapped */
 };
 

@@ -1,13 +1,13 @@
 /* backend_cuda_gather.cu — the cuda runtime's gathers: an h2d copy of many small rows from mapped
- * host memory as one kernel, and deferred copies (copy_h2d_deferred), whose pieces a host function
- * reads when the stream reaches them.
+ * host memory as one kernel, and listed copies (copy_h2d_listed), whose pieces a kernel before them
+ * wrote.
  *
  * Where an h2d call is many small rows from host memory that host_register mapped (infinigen's and
  * clo's selected tokens from the kvstore arena: thousands of rows of a few hundred bytes, each a
  * DMA of microseconds), a gather kernel reads the rows through the mapping instead of a DMA per
  * row — one launch, its row list in a per-stream ring of mapped pinned memory (issue 13's
- * zero-copy gather); a deferred copy's list, written by a host function when the stream reaches
- * it, in a per-stream area (cu_deferred_area). copy_enqueue (backend_cuda.cu) asks
+ * zero-copy gather); a listed copy's list is where the kernel that wrote it left it (issue 44: no
+ * host function between a decision and its rows). copy_enqueue (backend_cuda.cu) asks
  * cuda_gather_prepare whether a copy goes this way. */
 #include "gpuworker/device/backend_cuda_internal.h"
 
@@ -26,10 +26,6 @@ enum {
     CU_GATHER_THREADS = 256,
     CU_GATHER_STACK_REGS = 64 /* registered ranges a gather copies on the stack (more: heap) */
 };
-
-/* n == CU_GATHER_COUNTED: a deferred gather's slice, its row count in d[0].bytes (what the host
- * function that filled it found) and the rows from d + 1. */
-#define CU_GATHER_COUNTED ((size_t)-1)
 
 /* Rows [0, n) of a gather, row i's descriptor desc(i). */
 template <class D> __device__ static void gather_rows(D desc, size_t n)
@@ -66,10 +62,6 @@ template <class D> __device__ static void gather_rows(D desc, size_t n)
 
 __global__ static void gather_kernel(const cu_gather_desc *d, size_t n)
 {
-    if (n == CU_GATHER_COUNTED) {
-        n = d[0].bytes;
-        d++;
-    }
     gather_rows([=](size_t i) { return d[i]; }, n);
 }
 
@@ -222,22 +214,21 @@ static long gather_slice(rekv_stream *s, size_t n)
     return (long)lo;
 }
 
-/* Launches the gather of rows (at most) whose descriptors are d (n: their count, or
- * CU_GATHER_COUNTED). */
-static void gather_kernel_launch(rekv_stream *s, const cu_gather_desc *d, size_t rows, size_t n)
+/* The blocks a gather of at most rows rows takes: a warp per 32 rows, two blocks per SM at most */
+static unsigned gather_blocks(const rekv_stream *s, size_t rows)
 {
     size_t groups = (rows + 31) / 32, per_block = CU_GATHER_THREADS / 32;
     size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)s->be->sms * 2;
     unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
-    gather_kernel<<<blocks ? blocks : 1, CU_GATHER_THREADS, 0, s->cs>>>(d, n);
-    cuda_launch_check(s, "gather");
+    return blocks ? blocks : 1;
 }
 
 /* The launch and the ring's bookkeeping of a gather of n rows whose descriptors are at slice lo.
  * Returns 1 (done, or the stream failed). */
 int cuda_gather_launch(rekv_stream *s, long lo, size_t n)
 {
-    gather_kernel_launch(s, s->gather.dev + lo, n, n);
+    gather_kernel<<<gather_blocks(s, n), CU_GATHER_THREADS, 0, s->cs>>>(s->gather.dev + lo, n);
+    cuda_launch_check(s, "gather");
     cu_gather_ring *g = &s->gather;
     if (cuda_stream_check(s, cudaEventRecord(g->busy[g->n_busy].ev, s->cs), "gather ring"))
         return 1;
@@ -293,119 +284,6 @@ int cuda_gather_prepare(rekv_stream *s, const rekv_copy_run *runs, size_t nr, si
     return mapped;
 }
 
-/* A deferred gather (copy_h2d_deferred): a host function fills the stream's deferred area when
- * the stream reaches it — each piece's source through the mapping, the count first — and counts
- * it; the kernel after it copies. */
-typedef struct cu_deferred {
-    rekv_stream *s;
-    const rekv_copy_piece *pieces;
-    const size_t *n;
-    size_t max;
-    cu_gather_desc *d; /* the area: room for max + 1 descriptors */
-    rekv_xfer_kind kind;
-} cu_deferred;
-
-static void CUDART_CB deferred_fill(void *arg)
-{
-    cu_deferred *x = (cu_deferred *)arg;
-    rekv_stream *s = x->s;
-    cuda_backend *be = s->be;
-    size_t n = *x->n, bytes = 0, rows = 0, n_regs, hint = 0;
-    x->d[0].bytes = 0;
-    cu_host_reg stack[CU_GATHER_STACK_REGS];
-    cu_host_reg *regs = regs_snapshot(be, stack, &n_regs);
-    int failed = n > x->max;
-    if (failed)
-        cuda_stream_fail(s, -EINVAL, "stream %s: a deferred copy of %zu pieces (room for %zu)",
-                         s->name, n, x->max);
-    for (size_t i = 0; !failed && i < n; i++) {
-        const rekv_copy_piece *pc = &x->pieces[i];
-        if (pc->bytes == 0) /* nothing to move, as on cpu */
-            continue;
-        const char *src = reg_device_addr(regs, n_regs, &hint, pc->src, pc->bytes);
-        if (src == NULL || pc->dst == NULL) {
-            cuda_stream_fail(s, -EINVAL,
-                             "stream %s: a deferred copy's piece %zu is not from page-locked, "
-                             "mapped host memory (host_register)",
-                             s->name, i);
-            failed = 1;
-            rows = 0;
-        } else {
-            x->d[1 + rows++] = (cu_gather_desc){src, (char *)pc->dst, pc->bytes};
-            bytes += pc->bytes;
-        }
-    }
-    if (regs != stack)
-        free(regs);
-    x->d[0].bytes = rows; /* the kernel copies these: none after a failure */
-    if (!failed) {        /* counted as on cpu: a copy, even of nothing */
-        pthread_mutex_lock(&be->mu);
-        be->stats.h2d_bytes[x->kind] += bytes;
-        be->stats.h2d_copies++;
-        be->stats.h2d_gathered += rows;
-        pthread_mutex_unlock(&be->mu);
-    }
-    free(x);
-}
-
-/* Makes s's deferred area hold n descriptors (cu_deferred_area): a larger one replaces it, twice
- * the size asked, and the old one is retired. 0, or -1 with the stream failed. */
-static int deferred_area_fit(rekv_stream *s, size_t n)
-{
-    cu_deferred_area *a = &s->deferred;
-    if (a->host != NULL && n <= a->cap)
-        return 0;
-    void **r = (void **)realloc(a->retired, (a->n_retired + 1) * sizeof(*r));
-    if (r == NULL) {
-        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a deferred copy", s->name);
-        return -1;
-    }
-    a->retired = r;
-    cu_gather_desc *h;
-    const cu_gather_desc *d;
-    if (desc_alloc(2 * n, &h, &d)) {
-        cuda_stream_fail(s, -ENOMEM, "stream %s: no pinned memory for a deferred gather's %zu rows",
-                         s->name, n);
-        return -1;
-    }
-    if (a->host != NULL)
-        a->retired[a->n_retired++] = a->host;
-    a->host = h;
-    a->dev = d;
-    a->cap = 2 * n;
-    return 0;
-}
-
-void cuda_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
-                            size_t max, rekv_xfer_kind kind)
-{
-    if (cuda_refused_in_capture(s, "a deferred copy"))
-        return;
-    if (pieces == NULL || n == NULL || (unsigned)kind >= REKV_XFER_KINDS) {
-        cuda_stream_fail(s, -EINVAL,
-                         "stream %s: a deferred copy needs its pieces, their count and a kind",
-                         s->name);
-        return;
-    }
-    cu_deferred *x = (cu_deferred *)malloc(sizeof(*x));
-    if (x == NULL) {
-        cuda_stream_fail(s, -ENOMEM, "stream %s: out of memory for a deferred copy", s->name);
-        return;
-    }
-    cuda_use_device(s->be);
-    if (deferred_area_fit(s, max + 1)) {
-        free(x);
-        return;
-    }
-    cu_deferred_area *a = &s->deferred;
-    *x = (cu_deferred){s, pieces, n, max, a->host, kind};
-    long op = cuda_op_begin(s, CU_OP_H2D, "h2d deferred gather");
-    if (cuda_stream_check(s, cudaLaunchHostFunc(s->cs, deferred_fill, x), "deferred copy"))
-        free(x);
-    else
-        gather_kernel_launch(s, a->dev, max, CU_GATHER_COUNTED);
-    cuda_op_end(s, op);
-}
 /* ------------------------------------------------------------------ listed gathers */
 
 void cuda_copy_h2d_listed(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
@@ -431,10 +309,7 @@ void cuda_copy_h2d_listed(rekv_stream *s, const rekv_copy_piece *pieces, const s
     }
     cuda_use_device(s->be);
     long op = cuda_op_begin(s, CU_OP_H2D, "h2d listed gather");
-    size_t groups = (max + 31) / 32, per_block = CU_GATHER_THREADS / 32;
-    size_t grid = (groups + per_block - 1) / per_block, grid_max = (size_t)s->be->sms * 2;
-    unsigned blocks = (unsigned)(grid < grid_max ? grid : grid_max);
-    listed_kernel<<<blocks ? blocks : 1, CU_GATHER_THREADS, 0, s->cs>>>(pieces, n, max);
+    listed_kernel<<<gather_blocks(s, max), CU_GATHER_THREADS, 0, s->cs>>>(pieces, n, max);
     cuda_launch_check(s, "listed gather");
     s->listed[s->n_listed++] = (cu_listed){pieces, n, max, kind};
     cuda_op_end(s, op);

@@ -1,7 +1,7 @@
 /* backend_cuda_internal.h — what the cuda runtime's three files share beyond cuda_internal.h (which
  * the engine's kernels share too): the event, and the functions one file calls in another.
  * backend_cuda.cu holds streams, events, graphs, memory, copies, stats and the interface table;
- * backend_cuda_gather.cu the gather kernel and deferred copies; backend_cuda_ipc.cu shared
+ * backend_cuda_gather.cu the gather kernels and listed copies; backend_cuda_ipc.cu shared
  * buffers and events and the flags in host memory. Nothing outside them includes it. */
 #ifndef REKV_GPUWORKER_DEVICE_BACKEND_CUDA_INTERNAL_H
 #define REKV_GPUWORKER_DEVICE_BACKEND_CUDA_INTERNAL_H
@@ -58,10 +58,6 @@ int cuda_gather_prepare(rekv_stream *s, const rekv_copy_run *runs, size_t nr, si
 /* The launch and the ring's bookkeeping of a gather of n rows whose descriptors are at slice lo.
  * Returns 1 (done, or the stream failed). */
 int cuda_gather_launch(rekv_stream *s, long lo, size_t n);
-/* The interface's copy_h2d_deferred. */
-void cuda_copy_h2d_deferred(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
-                            size_t max, rekv_xfer_kind kind);
-
 /* The interface's copy_h2d_listed and host_mapped. */
 void cuda_copy_h2d_listed(rekv_stream *s, const rekv_copy_piece *pieces, const size_t *n,
                           size_t max, rekv_xfer_kind kind);

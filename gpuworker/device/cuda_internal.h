@@ -75,20 +75,6 @@ typedef struct cu_gather_ring {
     int n_busy;
 } cu_gather_ring;
 
-/* A stream's deferred gathers' descriptors (copy_h2d_deferred): one area of mapped pinned memory
- * that each deferred gather's host function fills when the stream reaches it. The stream runs its
- * work in order, so the kernel that read the area has finished before the next host function
- * writes it: the area needs room for the largest deferred gather alone, and enqueueing one never
- * waits. A larger one replaces it; the old is retired, freed once the stream is idle (the gathers
- * enqueued before may still read it). */
-typedef struct cu_deferred_area {
-    cu_gather_desc *host; /* NULL until the stream's first deferred gather */
-    const cu_gather_desc *dev;
-    size_t cap;     /* descriptors it holds */
-    void **retired; /* replaced areas (host pointers), freed at the next stream_sync */
-    size_t n_retired;
-} cu_deferred_area;
-
 /* A gather whose list a kernel wrote (copy_h2d_listed), counted at its stream's next sync. */
 typedef struct cu_listed {
     const rekv_copy_piece *pieces; /* host_alloc memory, read by the host at the sync */
@@ -142,7 +128,6 @@ struct rekv_stream {
     int err_code;                      /* first failure since the last stream_sync, 0 when none */
     char err_msg[512];
     cu_gather_ring gather;
-    cu_deferred_area deferred;
     cu_listed *listed; /* listed gathers since the last sync */
     size_t n_listed, cap_listed;
     int capturing;               /* between graph_begin and graph_end (CUDA stream capture) */
