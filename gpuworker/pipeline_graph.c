@@ -859,6 +859,7 @@ void pl_graph_init(rekv_pipeline *p)
     p->gr.bi.copy_d2d = r_copy_d2d;
     p->gr.bi.launch_host = r_launch_host;
     p->gr.bi.copy_h2d_listed = NULL; /* infinigen's alone: never in a recorded (resident) step */
+    p->gr.bi.streams_sync = NULL;    /* a recorded step's syncs are stream_sync's */
     p->gr.bi.event_record = r_event_record;
     p->gr.bi.stream_wait_event = r_stream_wait_event;
     p->gr.bi.stream_wait_flag = r_stream_wait_flag;

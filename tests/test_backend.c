@@ -998,6 +998,45 @@ START_TEST(listed_copy_reads_its_list_when_it_runs)
 }
 END_TEST
 
+/* streams_sync: the streams' work waited for as one blocking call (one host sync); the first
+ * failure in the order given is returned with its message, and every stream's failures are
+ * cleared, as stream_sync clears them. */
+START_TEST(streams_sync_is_one_wait)
+{
+    rekv_backend *be = make_backend(0, 0);
+    rekv_stream *s[3] = {make_stream(be, "h2d"), make_stream(be, "compute"),
+                         make_stream(be, "d2h")};
+    uint8_t src[64] = {1, 2, 3}, dst[64] = {0};
+    rekv_copy_piece pc = {dst, src, sizeof(src)}, bad = {dst, NULL, 8};
+    size_t one = 1;
+    gate g;
+    gate_init(&g);
+    launch(be, s[1], "hold", (kern_arg){.g = &g});
+    be->iface->copy_h2d(s[0], &pc, 1, REKV_XFER_KV);
+    be->iface->stats_reset(be);
+    gate_open(&g);
+    rekv_err err = {0};
+    ck_assert_int_eq(be->iface->streams_sync(s, 3, &err), 0);
+    ck_assert_int_eq(dst[2], 3);
+    rekv_backend_stats st;
+    be->iface->stats(be, &st);
+    ck_assert_uint_eq(st.host_syncs, 1);
+    /* compute's failure and d2h's: compute's is reported, both cleared */
+    be->iface->copy_h2d_listed(s[1], &bad, &one, 1, REKV_XFER_KV);
+    be->iface->copy_h2d_listed(s[2], &pc, &one, 0, REKV_XFER_KV);
+    ck_assert_int_eq(be->iface->streams_sync(s, 3, &err), -EINVAL);
+    ck_assert_msg(strstr(err.msg, "compute") && strstr(err.msg, "NULL"), "message: %s", err.msg);
+    rekv_err_clear(&err);
+    ck_assert_int_eq(be->iface->streams_sync(s, 3, &err), 0);
+    be->iface->stats(be, &st);
+    ck_assert_uint_eq(st.host_syncs, 3);
+    gate_free(&g);
+    for (int i = 0; i < 3; i++)
+        be->iface->stream_destroy(s[i]);
+    rekv_backend_destroy(be);
+}
+END_TEST
+
 /* Applies runs row by row, as a DMA engine would. */
 static void apply_runs(const rekv_copy_run *r, size_t n)
 {
@@ -1145,6 +1184,7 @@ static Suite *backend_suite(void)
     tcase_add_test(tc, trace_is_chrome_json);
     tcase_add_test(tc, bad_copy_is_reported_by_sync);
     tcase_add_test(tc, listed_copy_reads_its_list_when_it_runs);
+    tcase_add_test(tc, streams_sync_is_one_wait);
     tcase_add_test(tc, device_memory_emulation);
     tcase_add_test(tc, copy_coalesce);
     tcase_add_test(tc, link_options_parse);

@@ -1203,6 +1203,12 @@ static int gated_stream_sync(rekv_stream *s, rekv_err *err)
     return g_gate.real->stream_sync(s, err);
 }
 
+static int gated_streams_sync(rekv_stream *const *s, int n, rekv_err *err)
+{
+    gate_open_by("stream_sync");
+    return g_gate.real->streams_sync(s, n, err);
+}
+
 static void gated_event_sync(rekv_event *ev)
 {
     gate_open_by("event_sync");
@@ -1226,6 +1232,7 @@ START_TEST(clo_step_enqueued_before_the_device_runs)
     bi.event_record = gated_record;
     bi.stream_wait_event = gated_wait_event;
     bi.stream_sync = gated_stream_sync;
+    bi.streams_sync = gated_streams_sync;
     bi.event_sync = gated_event_sync;
     f.be->iface = &bi;
     enum { B = 2, G = 2 };

@@ -538,10 +538,10 @@ static bool device_lost_at_sync(cpu_backend *be, const rekv_stream *s)
     return atomic_load(&be->lost);
 }
 
-static int cpu_stream_sync(rekv_stream *s, rekv_err *err)
+/* stream_sync's wait and report, not counted */
+static int stream_drain(rekv_stream *s, rekv_err *err)
 {
     int rc = 0;
-    count_host_sync(s->be);
     pthread_mutex_lock(&s->mu);
     while (s->head != NULL || s->busy)
         pthread_cond_wait(&s->idle_cv, &s->mu);
@@ -559,6 +559,24 @@ static int cpu_stream_sync(rekv_stream *s, rekv_err *err)
         s->err_msg[0] = '\0';
     }
     pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+static int cpu_stream_sync(rekv_stream *s, rekv_err *err)
+{
+    count_host_sync(s->be);
+    return stream_drain(s, err);
+}
+
+static int cpu_streams_sync(rekv_stream *const *s, int n, rekv_err *err)
+{
+    int rc = 0;
+    if (n > 0)
+        count_host_sync(s[0]->be);
+    for (int i = 0; i < n; i++) {
+        int r = stream_drain(s[i], rc ? NULL : err);
+        rc = rc ? rc : r;
+    }
     return rc;
 }
 
@@ -857,6 +875,7 @@ const rekv_backend_iface rekv_cpu_backend_iface = {
     .mem_info = cpu_mem_info,
     .dev_adopt = cpu_dev_adopt,
     .dev_unadopt = cpu_dev_unadopt,
+    .streams_sync = cpu_streams_sync,
 };
 
 int rekv_backend_cpu_create(const rekv_link_config *link, rekv_backend **out, rekv_err *err)

@@ -342,9 +342,9 @@ void cuda_count_host_sync(cuda_backend *be)
     pthread_mutex_unlock(&be->mu);
 }
 
-static int cu_stream_sync(rekv_stream *s, rekv_err *err)
+/* stream_sync's wait and report, not counted */
+static int stream_drain(rekv_stream *s, rekv_err *err)
 {
-    cuda_count_host_sync(s->be);
     cuda_use_device(s->be);
     /* a wait on a dead process's record never completes: cudaStreamSynchronize would block for
      * ever, so such a stream is polled first and, blocked for good, never waited on again */
@@ -368,6 +368,24 @@ static int cu_stream_sync(rekv_stream *s, rekv_err *err)
         rc = rekv_errf(err, s->err_code, "%s", s->err_msg);
         s->err_code = 0;
         s->err_msg[0] = '\0';
+    }
+    return rc;
+}
+
+static int cu_stream_sync(rekv_stream *s, rekv_err *err)
+{
+    cuda_count_host_sync(s->be);
+    return stream_drain(s, err);
+}
+
+static int cu_streams_sync(rekv_stream *const *s, int n, rekv_err *err)
+{
+    int rc = 0;
+    if (n > 0)
+        cuda_count_host_sync(s[0]->be);
+    for (int i = 0; i < n; i++) {
+        int r = stream_drain(s[i], rc ? NULL : err);
+        rc = rc ? rc : r;
     }
     return rc;
 }
@@ -923,6 +941,7 @@ static const rekv_backend_iface cuda_iface = {
     cu_graph_launch,          /* graph_launch */
     cu_graph_destroy,         /* graph_destroy */
     cuda_host_mapped,         /* host_mapped */
+    cu_streams_sync,          /* streams_sync */
 };
 
 int cuda_backend_create(int device, rekv_backend **out, rekv_err *err)
