@@ -82,6 +82,15 @@ typedef struct rekv_ig_seq {
                                goes to slot dev + j */
     int *start;             /* set to dev + m: its descriptor's start (rekv_attn_seq) */
     int32_t *slot;          /* set to dev + m: its new row's slot (kv_scatter's row_pos) */
+    /* InfiniGen's KV pool (kv_pool.h), with dev = 0; count NULL: none. The layer's pools, one per
+     * KV head: counters and evicted flags [n_kv][cap] and evictions [n_kv], memory the device
+     * reads and writes. Each KV head selects among its live positions only (sel then names
+     * positions), its selected entries' counters go up and it admits the new token, evicting as
+     * the policy says (rekv_kv_pool_touch, rekv_kv_pool_admit). */
+    uint8_t *count, *gone;
+    int *n_gone;
+    int cap, limit;
+    int policy; /* rekv_kv_pool_policy */
 } rekv_ig_seq;
 
 /* What every sequence of a selection shares. */
@@ -92,10 +101,11 @@ typedef struct rekv_ig_shape {
     rekv_select how;
 } rekv_ig_shape;
 
-/* ig_select's scratch per sequence */
+/* ig_select's scratch per sequence: the group sums and one more row, the scores a pool leaves
+ * ([n_heads][len]), the pool's live positions ([n_kv][len]), the heads' statistics */
 static inline size_t rekv_ig_scratch_floats(int len, int n_heads, int n_kv)
 {
-    return (size_t)(n_kv + 1 + n_heads) * (size_t)len + 3 * (size_t)n_heads;
+    return (size_t)(2 * n_kv + 1 + n_heads) * (size_t)len + 3 * (size_t)n_heads;
 }
 
 /* One sequence of clo's decisions on the device (clo_decide) at a layer > 0 (mode_clo.c): its

@@ -486,28 +486,13 @@ typedef struct ig_args {
     size_t *n_pieces;
 } ig_args;
 
-/* sequence j's selection: rekv_ig_select on its scores past dev */
+/* sequence j's selection (rekv_ig_select_seq: past its device part, or among its pool's live
+ * entries) */
 static void ig_seq(void *arg, int j, int slot)
 {
     (void)slot;
     const ig_args *a = arg;
-    const rekv_ig_seq *q = &a->seqs[j];
-    const rekv_ig_shape *sh = &a->shape;
-    int nh = sh->n_heads, rest = q->len - q->dev;
-    const float *sc = a->scores + q->scores;
-    if (rest <= 0) {
-        *q->m = 0;
-        return;
-    }
-    if (q->dev > 0) { /* the scores of [dev, len), head by head, after rekv_ig_select's scratch */
-        float *sub = q->scratch + (size_t)(sh->n_kv + 1) * (size_t)q->len;
-        for (int h = 0; h < nh; h++)
-            memcpy(sub + (size_t)h * (size_t)rest, sc + (size_t)h * (size_t)q->len + q->dev,
-                   sizeof(float) * (size_t)rest);
-        sc = sub;
-    }
-    *q->m = rekv_ig_select(sc, nh, sh->n_kv, rest, sh->alpha, sh->max_fraction, sh->how, q->key,
-                           q->sel, q->scratch);
+    rekv_ig_select_seq(a->scores, &a->seqs[j], &a->shape);
 }
 
 static void run_ig_select(void *p)

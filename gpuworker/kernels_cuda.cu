@@ -58,6 +58,7 @@ extern "C" {
 #include "gpuworker/cpu_qgemm.h"
 #include "gpuworker/heads.h"
 #include "gpuworker/kernels.h"
+#include "gpuworker/kv_pool.h"
 #include "loader/gguf_block.h"
 }
 
@@ -1680,21 +1681,29 @@ static void k_sample(rekv_stream *s, int32_t *ids, int32_t *top_ids, float *top_
 
 /* ------------------------------------------------------------------ infinigen's selection */
 
-/* The selection on the device (kernels.h ig_select) follows rekv_ig_select (pipeline_infinigen.c)
- * in three kernels, with nothing between them on the host:
- *   - ig_stats_kernel, a block per (sequence, query head): the head's largest score over
- *     [dev, len), the sum of its exponentials, its tokens above the largest minus alpha;
+/* The selection on the device (kernels.h ig_select) follows rekv_ig_select_seq
+ * (pipeline_infinigen.c) in kernels, with nothing between them on the host:
+ *   - ig_live_kernel, a block per (sequence, KV head), for a sequence with a KV pool: the head's
+ *     live positions in order (a prefix sum over the threads' runs) and its query group's scores
+ *     gathered there — what the others select among;
+ *   - ig_stats_kernel, a block per (sequence, query head): the head's largest score, the sum of
+ *     its exponentials, its tokens above the largest minus alpha;
  *   - ig_pick_kernel, a block per (sequence, KV head): the count m (the heads' counts averaged,
  *     capped, as every block of the sequence computes it alike), the group's summed softmax, its
  *     top m by sample's radix selection (set_select: lowest position first on ties), written in
  *     position order by a prefix sum over the threads' runs; or m at random (rekv_ig_select's
  *     Floyd sample and splitmix draws, the cpu's positions exactly), or all;
+ *   - ig_pool_kernel, a block per (sequence, KV head) with a pool: the selected entries' counters
+ *     up (at most one saturates, the first in order: the halving lands between the increments
+ *     before it and after it, as rekv_kv_pool_touch's), then the new token admitted, each victim
+ *     the least counted (or the oldest) of the older half of the live entries (rekv_kv_pool_admit);
  *   - ig_rows_kernel, a block per sequence: its rows' copies after the earlier sequences' (their
  *     m read back in stream order), in ig_select's order, for the listed gather after it.
- * Scratch per sequence (rekv_ig_scratch_floats): the group sums [n_kv][len - dev] from 0, the
- * heads' statistics (largest, 1 / sum, count) from (n_kv + 1 + n_heads) * len. The exponentials
- * are expf's, not the cpu's polynomial, and the sums are in another order, so a sum within an
- * ulp or so of the m-th may rank otherwise than on cpu. */
+ * Scratch per sequence (rekv_ig_scratch_floats): the group sums [n_kv][len] from 0, the gathered
+ * scores [n_heads][len] from (n_kv + 1) len, the live positions [n_kv][len] from (n_kv + 1 +
+ * n_heads) len, the heads' statistics (largest, 1 / sum, count) from (2 n_kv + 1 + n_heads) len.
+ * The exponentials are expf's, not the cpu's polynomial, and the sums are in another order, so a
+ * sum within an ulp or so of the m-th may rank otherwise than on cpu. */
 enum { IG_THREADS = 1024 };
 
 __device__ static float block_max(float v, float *red)
@@ -1712,24 +1721,89 @@ __device__ static float block_max(float v, float *red)
     return t;
 }
 
-__device__ static float *ig_stats_at(const rekv_ig_seq &q, int n_heads, int n_kv, int h)
+/* A sequence of the selection as a block sees it: its descriptor and what it selects among. */
+typedef struct ig_view {
+    rekv_ig_seq q;
+    int span; /* the tokens selected among: len - dev, or a pool's live ones */
+} ig_view;
+
+/* Thread 0 reads sequence j's descriptor (mapped host memory: once per block); every thread
+ * returns with it. */
+__device__ static void ig_view_load(ig_view *v, const rekv_ig_seq *seqs, int j)
 {
-    return q.scratch + (size_t)(n_kv + 1 + n_heads) * (size_t)q.len + 3 * (size_t)h;
+    if (threadIdx.x == 0) {
+        v->q = seqs[j];
+        v->span = v->q.count ? v->q.len - v->q.n_gone[0] : v->q.len - v->q.dev;
+    }
+    __syncthreads();
+}
+
+__device__ static float *ig_sub(const ig_view &v, int n_kv)
+{
+    return v.q.scratch + (size_t)(n_kv + 1) * (size_t)v.q.len;
+}
+
+__device__ static int32_t *ig_live(const ig_view &v, int n_heads, int n_kv, int g)
+{
+    return (int32_t *)(v.q.scratch + (size_t)(n_kv + 1 + n_heads) * (size_t)v.q.len) +
+           (size_t)g * (size_t)v.q.len;
+}
+
+__device__ static float *ig_stats_at(const ig_view &v, int n_heads, int n_kv, int h)
+{
+    return v.q.scratch + (size_t)(2 * n_kv + 1 + n_heads) * (size_t)v.q.len + 3 * (size_t)h;
+}
+
+/* Head h's scores selected among (span of them): past the device part, or gathered */
+__device__ static const float *ig_row(const float *scores, const ig_view &v, int n_kv, int h)
+{
+    if (v.q.count)
+        return ig_sub(v, n_kv) + (size_t)h * (size_t)v.span;
+    return scores + v.q.scores + (size_t)h * (size_t)v.q.len + v.q.dev;
+}
+
+__global__ static void __launch_bounds__(IG_THREADS)
+    ig_live_kernel(const float *scores, const rekv_ig_seq *seqs, int n_heads, int n_kv)
+{
+    __shared__ ig_view v;
+    __shared__ unsigned long long sh[34];
+    int g = blockIdx.x % n_kv, group = n_heads / n_kv;
+    ig_view_load(&v, seqs, blockIdx.x / n_kv);
+    if (v.q.count == NULL)
+        return;
+    int len = v.q.len, chunk = (len + (int)blockDim.x - 1) / (int)blockDim.x;
+    int lo = min(len, (int)threadIdx.x * chunk), hi = min(len, lo + chunk);
+    const uint8_t *gone = v.q.gone + (size_t)g * (size_t)v.q.cap;
+    int32_t *live = ig_live(v, n_heads, n_kv, g);
+    unsigned long long mine = 0, total;
+    for (int t = lo; t < hi; t++)
+        mine += !gone[t];
+    unsigned long long at = block_scan(mine, &total, sh);
+    for (int t = lo; t < hi; t++)
+        if (!gone[t])
+            live[at++] = t;
+    __syncthreads();
+    for (int j = 0; j < group; j++) {
+        int h = g * group + j;
+        const float *s = scores + v.q.scores + (size_t)h * (size_t)len;
+        float *sub = ig_sub(v, n_kv) + (size_t)h * (size_t)v.span;
+        for (int i = threadIdx.x; i < v.span; i += blockDim.x)
+            sub[i] = s[live[i]];
+    }
 }
 
 __global__ static void __launch_bounds__(IG_THREADS)
     ig_stats_kernel(const float *scores, const rekv_ig_seq *seqs, int n_heads, int n_kv,
                     float alpha)
 {
-    __shared__ rekv_ig_seq q; /* mapped host memory: read once per block */
+    __shared__ ig_view v;
     __shared__ float red[32];
-    if (threadIdx.x == 0)
-        q = seqs[blockIdx.x / n_heads];
-    __syncthreads();
-    int h = blockIdx.x % n_heads, len = q.len, rest = len - q.dev;
+    int h = blockIdx.x % n_heads;
+    ig_view_load(&v, seqs, blockIdx.x / n_heads);
+    int rest = v.span;
     if (rest <= 0)
         return;
-    const float *sh = scores + q.scores + (size_t)h * len + q.dev;
+    const float *sh = ig_row(scores, v, n_kv, h);
     float mx = -INFINITY, sum = 0, cnt = 0;
     for (int t = threadIdx.x; t < rest; t += blockDim.x)
         mx = fmaxf(mx, sh[t]);
@@ -1741,7 +1815,7 @@ __global__ static void __launch_bounds__(IG_THREADS)
     sum = block_sum(sum, red);
     cnt = block_sum(cnt, red); /* exact: a count below 2^24 */
     if (threadIdx.x == 0) {
-        float *st = ig_stats_at(q, n_heads, n_kv, h);
+        float *st = ig_stats_at(v, n_heads, n_kv, h);
         st[0] = mx;
         st[1] = 1.0f / sum;
         st[2] = cnt;
@@ -1759,20 +1833,18 @@ __device__ static uint64_t ig_splitmix(uint64_t *x)
 __global__ static void __launch_bounds__(IG_THREADS)
     ig_pick_kernel(const float *scores, const rekv_ig_seq *seqs, rekv_ig_shape shape)
 {
-    __shared__ rekv_ig_seq q;
+    __shared__ ig_view v;
     __shared__ unsigned long long hist[256], sh[34];
     __shared__ int m_sh;
-    int nkv = shape.n_kv, nh = shape.n_heads, group = nh / nkv;
-    if (threadIdx.x == 0)
-        q = seqs[blockIdx.x / nkv];
-    __syncthreads();
-    int g = blockIdx.x % nkv, len = q.len, rest = len - q.dev;
+    int nkv = shape.n_kv, nh = shape.n_heads, group = nh / nkv, g = blockIdx.x % nkv;
+    ig_view_load(&v, seqs, blockIdx.x / nkv);
+    int rest = v.span;
     if (threadIdx.x == 0) {
         int m = rest > 0 ? rest : 0;
         if (rest > 0 && shape.how != REKV_SELECT_ALL) {
             double counted = 0;
             for (int h = 0; h < nh; h++) {
-                float c = ig_stats_at(q, nh, nkv, h)[2];
+                float c = ig_stats_at(v, nh, nkv, h)[2];
                 counted += c > 0 ? c : 1;
             }
             m = (int)llround(counted / nh);
@@ -1782,23 +1854,25 @@ __global__ static void __launch_bounds__(IG_THREADS)
         }
         m_sh = m;
         if (g == 0) {
-            *q.m = m;
-            *q.start = q.dev + m;
-            *q.slot = q.dev + m;
+            *v.q.m = m;
+            *v.q.start = v.q.dev + m;
+            *v.q.slot = v.q.dev + m;
         }
     }
     __syncthreads();
     int m = m_sh;
     if (rest <= 0)
         return;
-    int32_t *sel = q.sel + (size_t)g * rest;
-    float *comb = q.scratch + (size_t)g * rest;
+    /* token i of the span is position live[i] with a pool, else offset i past dev */
+    int32_t *sel = v.q.sel + (size_t)g * (size_t)(v.q.len - v.q.dev);
+    const int32_t *live = v.q.count ? ig_live(v, nh, nkv, g) : NULL;
+    float *comb = v.q.scratch + (size_t)g * (size_t)rest;
     int chunk = (rest + (int)blockDim.x - 1) / (int)blockDim.x;
     int lo = min(rest, (int)threadIdx.x * chunk), hi = min(rest, lo + chunk);
     unsigned long long mine = 0, total;
     if (shape.how == REKV_SELECT_ALL) {
         for (int t = threadIdx.x; t < rest; t += blockDim.x)
-            sel[t] = t;
+            sel[t] = live ? live[t] : t;
         return;
     }
     if (shape.how == REKV_SELECT_RANDOM) { /* Floyd's sample, marked in comb, read in order */
@@ -1806,7 +1880,7 @@ __global__ static void __launch_bounds__(IG_THREADS)
             comb[t] = 0;
         __syncthreads();
         if (threadIdx.x == 0) {
-            uint64_t x = q.key ^ ((uint64_t)g * 0x2545f4914f6cdd1dull);
+            uint64_t x = v.q.key ^ ((uint64_t)g * 0x2545f4914f6cdd1dull);
             for (int j = rest - m; j < rest; j++) {
                 int t = (int)(ig_splitmix(&x) % (uint64_t)(j + 1));
                 comb[comb[t] != 0 ? j : t] = 1;
@@ -1818,16 +1892,15 @@ __global__ static void __launch_bounds__(IG_THREADS)
         unsigned long long at = block_scan(mine, &total, sh);
         for (int i = lo; i < hi; i++)
             if (comb[i] != 0)
-                sel[at++] = i;
+                sel[at++] = live ? live[i] : i;
         return;
     }
-    const float *s0 = scores + q.scores + q.dev; /* the group's summed softmax, head by head */
-    for (int t = threadIdx.x; t < rest; t += blockDim.x) {
+    for (int t = threadIdx.x; t < rest; t += blockDim.x) { /* the group's summed softmax */
         float acc = 0;
         for (int j = 0; j < group; j++) {
             int h = g * group + j;
-            const float *st = ig_stats_at(q, nh, nkv, h);
-            float e = expf(s0[(size_t)h * len + t] - st[0]) * st[1];
+            const float *st = ig_stats_at(v, nh, nkv, h);
+            float e = expf(ig_row(scores, v, nkv, h)[t] - st[0]) * st[1];
             acc = j == 0 ? e : acc + e;
         }
         comb[t] = acc;
@@ -1838,7 +1911,81 @@ __global__ static void __launch_bounds__(IG_THREADS)
     sample_set top = set_select(comb, lo, hi, all, (unsigned long long)m, one, hist, sh);
     set_walk(comb, lo, hi, top, [&](int, uint32_t) { mine++; });
     unsigned long long at = block_scan(mine, &total, sh);
-    set_walk(comb, lo, hi, top, [&](int i, uint32_t) { sel[at++] = i; });
+    set_walk(comb, lo, hi, top, [&](int i, uint32_t) { sel[at++] = live ? live[i] : i; });
+}
+
+__global__ static void __launch_bounds__(IG_THREADS)
+    ig_pool_kernel(const rekv_ig_seq *seqs, int n_kv)
+{
+    __shared__ ig_view v;
+    __shared__ unsigned long long sh[34], best;
+    __shared__ int first, m, n_gone;
+    int g = blockIdx.x % n_kv;
+    ig_view_load(&v, seqs, blockIdx.x / n_kv);
+    if (v.q.count == NULL)
+        return;
+    int len = v.q.len, cap = v.q.cap;
+    uint8_t *cnt = v.q.count + (size_t)g * (size_t)cap, *gone = v.q.gone + (size_t)g * (size_t)cap;
+    const int32_t *sel = v.q.sel + (size_t)g * (size_t)len;
+    if (threadIdx.x == 0) {
+        m = *v.q.m;
+        first = m;
+        n_gone = v.q.n_gone[g];
+    }
+    __syncthreads();
+    /* touch: the first entry in order to reach the maximum halves every counter; none after it
+     * can reach it again (127 + 1) */
+    for (int j = threadIdx.x; j < m; j += blockDim.x)
+        if (cnt[sel[j]] == REKV_KV_POOL_COUNT_MAX - 1)
+            atomicMin(&first, j);
+    __syncthreads();
+    for (int j = threadIdx.x; j < m && j <= first; j += blockDim.x)
+        cnt[sel[j]]++;
+    __syncthreads();
+    if (first < m) {
+        for (int t = threadIdx.x; t < cap; t += blockDim.x)
+            cnt[t] >>= 1;
+        __syncthreads();
+        for (int j = first + 1 + (int)threadIdx.x; j < m; j += blockDim.x)
+            cnt[sel[j]]++;
+        __syncthreads();
+    }
+    /* admit: evict until the live entries and the new one fit; each victim the least counted of
+     * the older half of the live ones, the first on ties (fifo: the first) */
+    int chunk = (len + (int)blockDim.x - 1) / (int)blockDim.x;
+    int lo = min(len, (int)threadIdx.x * chunk), hi = min(len, lo + chunk);
+    while (len - n_gone + 1 > v.q.limit) {
+        unsigned long long mine = 0, total, key = ~0ull;
+        int half = (len - n_gone + 1) / 2;
+        for (int t = lo; t < hi; t++)
+            mine += !gone[t];
+        unsigned long long rank = block_scan(mine, &total, sh);
+        for (int t = lo; t < hi && rank < (unsigned long long)half; t++)
+            if (!gone[t]) {
+                unsigned long long k =
+                    ((v.q.policy == REKV_KV_POOL_COUNTER ? (unsigned long long)cnt[t] : 0) << 32) |
+                    (unsigned)t;
+                key = k < key ? k : key;
+                rank++;
+            }
+        if (threadIdx.x == 0)
+            best = ~0ull;
+        __syncthreads();
+        atomicMin(&best, key);
+        __syncthreads();
+        if (best == ~0ull) /* no live entry: limit < 1, refused at init */
+            break;
+        if (threadIdx.x == 0) {
+            gone[(int)(best & 0xffffffffu)] = 1;
+            n_gone++;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        v.q.n_gone[g] = n_gone;
+        if (len < cap)
+            cnt[len] = 0, gone[len] = 0;
+    }
 }
 
 __global__ static void ig_rows_kernel(const rekv_ig_seq *seqs, int n, rekv_ig_shape shape,
@@ -1881,9 +2028,17 @@ static void k_ig_select(rekv_stream *s, const float *scores, const rekv_ig_seq *
 {
     if (n <= 0)
         return;
-    KLAUNCH(s, "ig_stats", ig_stats_kernel, n * shape->n_heads, IG_THREADS, 0, scores, seqs,
-            shape->n_heads, shape->n_kv, shape->alpha);
-    KLAUNCH(s, "ig_pick", ig_pick_kernel, n * shape->n_kv, IG_THREADS, 0, scores, seqs, *shape);
+    int pooled = 0; /* the descriptors are host memory, read here as the device will */
+    for (int j = 0; j < n; j++)
+        pooled |= seqs[j].count != NULL;
+    int nh = shape->n_heads, nkv = shape->n_kv;
+    if (pooled)
+        KLAUNCH(s, "ig_live", ig_live_kernel, n * nkv, IG_THREADS, 0, scores, seqs, nh, nkv);
+    KLAUNCH(s, "ig_stats", ig_stats_kernel, n * nh, IG_THREADS, 0, scores, seqs, nh, nkv,
+            shape->alpha);
+    KLAUNCH(s, "ig_pick", ig_pick_kernel, n * nkv, IG_THREADS, 0, scores, seqs, *shape);
+    if (pooled)
+        KLAUNCH(s, "ig_pool", ig_pool_kernel, n * nkv, IG_THREADS, 0, seqs, nkv);
     KLAUNCH(s, "ig_rows", ig_rows_kernel, n, ROW_THREADS, 0, seqs, n, *shape, arena, pieces,
             n_pieces);
 }

@@ -5,32 +5,36 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
-int rekv_kv_pool_init(rekv_kv_pool *kp, int n_pools, int cap, int limit, rekv_kv_pool_policy policy,
-                      rekv_err *err)
+/* one block: the evictions' counts, then the counters, then the evicted flags */
+size_t rekv_kv_pool_bytes(int n_pools, int cap)
+{
+    return (size_t)n_pools * (sizeof(int) + 2 * (size_t)cap);
+}
+
+int rekv_kv_pool_init(rekv_kv_pool *kp, void *mem, int n_pools, int cap, int limit,
+                      rekv_kv_pool_policy policy, rekv_err *err)
 {
     *kp = (rekv_kv_pool){0};
     if (n_pools < 1 || cap < 1 || limit < 1 ||
         (policy != REKV_KV_POOL_COUNTER && policy != REKV_KV_POOL_FIFO))
         return rekv_errf(err, -EINVAL, "kv pool: %d pools of %d positions, limit %d, policy %d",
                          n_pools, cap, limit, (int)policy);
-    size_t n = (size_t)n_pools * (size_t)cap;
-    kp->count = calloc(n, 1);
-    kp->gone = calloc(n, 1);
-    kp->n_gone = calloc((size_t)n_pools, sizeof(int));
-    if (kp->count == NULL || kp->gone == NULL || kp->n_gone == NULL) {
-        rekv_kv_pool_free(kp);
+    size_t bytes = rekv_kv_pool_bytes(n_pools, cap), n = (size_t)n_pools * (size_t)cap;
+    if (mem == NULL && (mem = kp->own = malloc(bytes)) == NULL)
         return rekv_errf(err, -ENOMEM, "kv pool: out of memory");
-    }
+    memset(mem, 0, bytes);
+    kp->n_gone = mem;
+    kp->count = (uint8_t *)mem + (size_t)n_pools * sizeof(int);
+    kp->gone = kp->count + n;
     kp->n_pools = n_pools, kp->cap = cap, kp->limit = limit, kp->policy = policy;
     return 0;
 }
 
 void rekv_kv_pool_free(rekv_kv_pool *kp)
 {
-    free(kp->count);
-    free(kp->gone);
-    free(kp->n_gone);
+    free(kp->own);
     *kp = (rekv_kv_pool){0};
 }
 

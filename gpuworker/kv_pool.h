@@ -10,9 +10,10 @@
  * kv_cache_mask: candidates [0, i/2), "avoid evicting recently added ones"): an entry just
  * admitted has a count of 0 and, with every entry a candidate, goes before it could be
  * prefetched — on docs8L that cost +12…18% NLL at a pool of 80% (FIFO: +0.01%). An evicted token is
- * never selected again (pipeline_infinigen.c gives the selection only the live positions). Pure
- * host memory, no backend: the pipeline keeps one per sequence, and tests/test_kv_pool.c checks the
- * victims against tests/kv_pool_ref.py. */
+ * never selected again (pipeline_infinigen.c gives the selection only the live positions). Plain
+ * memory, no backend: the pipeline keeps one per sequence in memory the device reads and writes
+ * too (its selection kernel, kernels.h ig_select, follows these functions), and
+ * tests/test_kv_pool.c checks the victims against tests/kv_pool_ref.py. */
 #ifndef REKV_GPUWORKER_KV_POOL_H
 #define REKV_GPUWORKER_KV_POOL_H
 
@@ -37,11 +38,15 @@ typedef struct rekv_kv_pool {
     uint8_t *count; /* [n_pools][cap] prefetch counters */
     uint8_t *gone;  /* [n_pools][cap] 1: evicted */
     int *n_gone;    /* [n_pools] evicted so far */
+    void *own;      /* the memory rekv_kv_pool_free frees (NULL: the caller's) */
 } rekv_kv_pool;
 
-/* 0 or -EINVAL / -ENOMEM with err set. */
-int rekv_kv_pool_init(rekv_kv_pool *kp, int n_pools, int cap, int limit, rekv_kv_pool_policy policy,
-                      rekv_err *err);
+/* Bytes of the state of n_pools pools of cap positions (rekv_kv_pool_init's mem). */
+size_t rekv_kv_pool_bytes(int n_pools, int cap);
+/* mem: rekv_kv_pool_bytes(n_pools, cap) of the caller's, zeroed here and kept by the caller past
+ * rekv_kv_pool_free; or NULL: the pool allocates its own. 0 or -EINVAL / -ENOMEM with err set. */
+int rekv_kv_pool_init(rekv_kv_pool *kp, void *mem, int n_pools, int cap, int limit,
+                      rekv_kv_pool_policy policy, rekv_err *err);
 void rekv_kv_pool_free(rekv_kv_pool *kp);
 /* The positions of [0, len) still in pool `pool`, ascending, into live (room for len); returns
  * how many. */

@@ -6,7 +6,7 @@
  * activations are kept (kvpr's path). The selection itself is a kernel on the h2d stream (the
  * device's own, ig_select), so neither the step thread nor the device waits for the host
  * (unit_fetch, step_done: pipeline_infinigen.c), except where the plan needs it (push, a split
- * on an MHA model, a KV pool: st->ig_wait). */
+ * on an MHA model: st->ig_wait). */
 #include <errno.h>
 
 #include "gpuworker/pipeline_internal.h"

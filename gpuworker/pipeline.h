@@ -266,6 +266,12 @@ size_t rekv_ig_partial_key_bytes(const rekv_model_config *c, int rk, int cap);
  * (n_kv + 1) * len floats. */
 int rekv_ig_select(const float *scores, int n_heads, int n_kv, int len, float alpha,
                    float max_fraction, rekv_select how, uint64_t key, int32_t *sel, float *scratch);
+/* One sequence's whole selection as the ig_select kernel makes it (kernels.h rekv_ig_seq): among
+ * [dev, len) of its scores (scores + q->scores), or with a KV pool among each KV head's live
+ * positions, the pools then touched and the new token admitted; sel and *q->m set (also
+ * returned). q->scratch: rekv_ig_scratch_floats(len, ...) floats. The cpu kernel's and the step
+ * thread's selection, so the two are the same bits. */
+int rekv_ig_select_seq(const float *scores, const rekv_ig_seq *q, const rekv_ig_shape *sh);
 /* clo's decision for one (sequence, layer, KV head) at a decode step (mode_clo.c), a pure
  * function. q, label: [group][head_dim] the group's queries now and when the head's top-k was
  * chosen (label NULL: nothing cached yet, a miss); imp: [group] the query heads' importances

@@ -29,9 +29,9 @@
  * (st->ig_wait, ig_step_waits): with push (the store is sent the rows to write), with KVPR within
  * the selection on an MHA model (below: which tokens a unit recomputes sets its GEMMs' size, an
  * argument fixed at enqueue; on GQA no selected token is ever recomputed, so a split does not make
- * it wait), with a KV pool (its counters and victims are the host's) and on a device that cannot
- * select or read the arena itself (no ig_select kernel or listed copy, or a cuda arena not
- * page-locked). On cpu the selection and the rows are the same either way, bit for bit.
+ * it wait) and on a device that cannot select or read the arena itself (no ig_select kernel or
+ * listed copy, or a cuda arena not page-locked). On cpu the selection and the rows are the same
+ * either way, bit for bit.
  *
  * The selected rows are packed: the sequence's attention buffer holds, in slot dev + j of KV head
  * g, the j-th selected token of head g (tokens ascending), and the new row goes in slot dev + m.
@@ -59,7 +59,8 @@
  *
  * The KV pool limit (cfg.kv_pool_bytes, §4.4; kv_pool.h): each (sequence, layer > 0, KV head)
  * keeps at most a limit of entries; the selection sees only those (ig_select_pooled), counts
- * what it prefetched, and each new token's entry evicts one once the pool is full. The evicted
+ * what it prefetched, and each new token's entry evicts one once the pool is full — on the
+ * device too (the pools are host_alloc memory; the cuda kernels follow kv_pool.c). The evicted
  * rows are masked, not reclaimed: they stay in the store and the partial key cache (rekv's
  * blocks of 16 tokens may be shared with the prefix cache, which must not be overwritten), so
  * the limit bounds what is attended and fetched, not the store's bytes. */
@@ -385,9 +386,13 @@ int pl_ig_seq_alloc(rekv_pipeline *p, rekv_pseq *s, rekv_err *err)
     if (s->pk == NULL)
         return rekv_errf(err, -ENOMEM, "out of device memory for the partial keys of %d tokens",
                          s->cap);
-    if (p->ig.pool_limit > 0)
-        return rekv_kv_pool_init(&s->pool, p->c->n_layers * p->c->n_kv_heads, s->cap,
-                                 p->ig.pool_limit, p->cfg.kv_pool_policy, err);
+    if (p->ig.pool_limit > 0) { /* in memory the device's selection reads and writes */
+        int n = p->c->n_layers * p->c->n_kv_heads;
+        if ((s->pool_mem = rekv_host_alloc(p->be, rekv_kv_pool_bytes(n, s->cap))) == NULL)
+            return rekv_errf(err, -ENOMEM, "out of memory for the KV pool of %d tokens", s->cap);
+        return rekv_kv_pool_init(&s->pool, s->pool_mem, n, s->cap, p->ig.pool_limit,
+                                 p->cfg.kv_pool_policy, err);
+    }
     return 0;
 }
 
@@ -397,6 +402,8 @@ void pl_ig_seq_free(rekv_pipeline *p, rekv_pseq *s)
         p->bi->dev_free(p->be, s->pk);
     s->pk = NULL;
     rekv_kv_pool_free(&s->pool);
+    rekv_host_free(p->be, s->pool_mem);
+    s->pool_mem = NULL;
 }
 
 const rekv_kv_pool *rekv_pseq_kv_pool(const rekv_pseq *s)
@@ -404,24 +411,18 @@ const rekv_kv_pool *rekv_pseq_kv_pool(const rekv_pseq *s)
     return s->pool.count ? &s->pool : NULL;
 }
 
-/* The selection scratch's extra rows per token with a KV pool: each KV head's live positions */
-static size_t ig_pool_lists(const rekv_pipeline *p)
-{
-    return p->ig.pool_limit > 0 ? (size_t)p->c->n_kv_heads : 0;
-}
-
 /* Whether infinigen's step thread selects (st->ig_wait), waiting for each selecting unit's
  * scores, because what it enqueues depends on the selection: push (the store is sent the rows),
  * KVPR within the selection (how many rows the unit recomputes, the GEMMs' size; only where a
  * token's activation row can be fewer bytes than its selected K,V rows, ig_recompute_pick: MHA,
- * never GQA), a KV pool (its counters are the host's) or a device that cannot select and read
+ * never GQA) or a device that cannot select and read
  * the arena itself (the ig_select kernel and copy_h2d_listed; on cuda the arena registered).
  * Else the device selects. */
 static int ig_step_waits(const rekv_pipeline *p, const step *st)
 {
     const rekv_model_config *c = p->c;
-    if (p->cfg.push || p->ig.pool_limit > 0 || p->k->ig_select == NULL ||
-        p->bi->copy_h2d_listed == NULL || p->arena_dev == NULL)
+    if (p->cfg.push || p->k->ig_select == NULL || p->bi->copy_h2d_listed == NULL ||
+        p->arena_dev == NULL)
         return 1;
     int recomputes = p->keep_act && 2 * c->n_kv_heads * c->head_dim > c->hidden;
     for (int i = 0; recomputes && i < st->n_items; i++)
@@ -486,7 +487,7 @@ int pl_ig_prepare(rekv_pipeline *p, step *st, rekv_err *err)
     /* per thread of the unit's selection (ig_unit_select): rekv_ig_select's scratch, then the
      * scores of the tokens past a device-resident part */
     size_t need =
-        max_len * (size_t)(c->n_kv_heads + 1 + nh + ig_pool_lists(p)) * (size_t)cpu_gemm_threads();
+        rekv_ig_scratch_floats((int)max_len, nh, c->n_kv_heads) * (size_t)cpu_gemm_threads();
     if (need > p->ig.scratch_cap) {
         float *sc = realloc(p->ig.scratch, need * sizeof(float));
         if (sc != NULL)
@@ -830,37 +831,32 @@ int pl_ig_unit_run(const pl_unit_job *u, int n)
     return 0;
 }
 
-/* ig_select_one with a KV pool (no device part): each KV head selects among the entries still in
- * its pool — the scores of its query group gathered at the live positions, the selection mapped
- * back to positions (ascending, as slots want) — the selected entries' counters go up, and then
- * each pool makes room for the new token's entry, evicting as its policy says. The prefetch
- * comes first as in the paper (the victim may be attended this step, its last); the new entry
- * is attended from its slot whatever happens. With nothing evicted yet the scores are used as
- * they are: the selection is the pool-less one bit for bit. */
-static int ig_select_pooled(const pl_unit_job *u, int j, float *scratch, uint64_t key)
+/* With a KV pool (no device part): each KV head selects among the entries still in its pool —
+ * the scores of its query group gathered at the live positions, the selection mapped back to
+ * positions (ascending, as slots want) — the selected entries' counters go up, and then each pool
+ * makes room for the new token's entry, evicting as its policy says. The prefetch comes first as
+ * in the paper (the victim may be attended this step, its last); the new entry is attended from
+ * its slot whatever happens. With nothing evicted yet the scores are used as they are: the
+ * selection is the pool-less one bit for bit. */
+static int ig_select_pooled(const float *scores, const rekv_ig_seq *q, const rekv_ig_shape *sh)
 {
-    rekv_pipeline *p = u->p;
-    const rekv_model_config *c = p->c;
-    int item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads, group = nh / kvh;
-    rekv_pseq *s = u->st->items[item].seq;
-    rekv_kv_pool *kp = &s->pool;
-    int len = s->len, base = u->layer * kvh, n = len - kp->n_gone[base];
-    const float *scores = p->ig.host + u->st->ig_off[item];
-    int32_t *sel = ((ig_unit *)u->ctx)->sel[j];
-    int m;
+    int nh = sh->n_heads, kvh = sh->n_kv, group = nh / kvh, len = q->len, n = len - q->n_gone[0];
+    rekv_kv_pool kp = {kvh,      q->cap,  q->limit,  (rekv_kv_pool_policy)q->policy,
+                       q->count, q->gone, q->n_gone, NULL}; /* the layer's pools */
+    int32_t *sel = q->sel, m;
     if (n < len) {
-        float *sub = scratch + (size_t)(kvh + 1) * (size_t)len;
+        float *sub = q->scratch + (size_t)(kvh + 1) * (size_t)len;
         int32_t *live = (int32_t *)(sub + (size_t)nh * (size_t)len); /* [kvh][len] */
         for (int g = 0; g < kvh; g++)
-            rekv_kv_pool_live(kp, base + g, len, live + (size_t)g * (size_t)len);
+            rekv_kv_pool_live(&kp, g, len, live + (size_t)g * (size_t)len);
         for (int h = 0; h < nh; h++) {
             const int32_t *lg = live + (size_t)(h / group) * (size_t)len;
-            const float *sh = scores + (size_t)h * (size_t)len;
+            const float *s = scores + (size_t)h * (size_t)len;
             for (int i = 0; i < n; i++)
-                sub[(size_t)h * (size_t)n + (size_t)i] = sh[lg[i]];
+                sub[(size_t)h * (size_t)n + (size_t)i] = s[lg[i]];
         }
-        m = rekv_ig_select(sub, nh, kvh, n, p->cfg.alpha, p->cfg.max_fraction, p->cfg.select, key,
-                           sel, scratch);
+        m = rekv_ig_select(sub, nh, kvh, n, sh->alpha, sh->max_fraction, sh->how, q->key, sel,
+                           q->scratch);
         /* [kvh][n] indices -> [kvh][len] positions, in place: from the last head and slot down,
          * every write lands at or past what is still to be read */
         for (int g = kvh - 1; g >= 0; g--)
@@ -868,14 +864,35 @@ static int ig_select_pooled(const pl_unit_job *u, int j, float *scratch, uint64_
                 sel[(size_t)g * (size_t)len + (size_t)jj] =
                     live[(size_t)g * (size_t)len + (size_t)sel[(size_t)g * (size_t)n + (size_t)jj]];
     } else {
-        m = rekv_ig_select(scores, nh, kvh, len, p->cfg.alpha, p->cfg.max_fraction, p->cfg.select,
-                           key, sel, scratch);
+        m = rekv_ig_select(scores, nh, kvh, len, sh->alpha, sh->max_fraction, sh->how, q->key, sel,
+                           q->scratch);
     }
     for (int g = 0; g < kvh; g++) {
-        rekv_kv_pool_touch(kp, base + g, sel + (size_t)g * (size_t)len, m);
-        rekv_kv_pool_admit(kp, base + g, len, NULL);
+        rekv_kv_pool_touch(&kp, g, sel + (size_t)g * (size_t)len, m);
+        rekv_kv_pool_admit(&kp, g, len, NULL);
     }
     return m;
+}
+
+int rekv_ig_select_seq(const float *scores, const rekv_ig_seq *q, const rekv_ig_shape *sh)
+{
+    int nh = sh->n_heads, len = q->len, rest = len - q->dev;
+    const float *sc = scores + q->scores;
+    if (q->count != NULL) /* no device part with a pool: rest = len */
+        return *q->m = ig_select_pooled(sc, q, sh);
+    if (rest <= 0)
+        return *q->m = 0;
+    /* the device-resident part [0, dev) is attended whole, from the device; the selection is
+     * among the tokens the link serves, [dev, len), on their own scores */
+    if (q->dev > 0) {
+        float *sub = q->scratch + (size_t)(sh->n_kv + 1) * (size_t)len;
+        for (int h = 0; h < nh; h++)
+            memcpy(sub + (size_t)h * (size_t)rest, sc + (size_t)h * (size_t)len + q->dev,
+                   sizeof(float) * (size_t)rest);
+        sc = sub;
+    }
+    return *q->m = rekv_ig_select(sc, nh, sh->n_kv, rest, sh->alpha, sh->max_fraction, sh->how,
+                                  q->key, q->sel, q->scratch);
 }
 
 /* REKV_SELECT_RANDOM's draw for (item, layer) at a context of len */
@@ -885,35 +902,48 @@ static uint64_t ig_key(const rekv_pipeline *p, int item, int layer, int len)
            (uint64_t)len;
 }
 
-/* The selection of batch item j of a unit (layer > 0), a pure function of its speculated scores
- * (~0.3 ms per sequence and layer on a 7B model: on a GPU machine the host's part of a step). */
+static rekv_ig_shape ig_shape(const rekv_pipeline *p)
+{
+    const rekv_model_config *c = p->c;
+    return (rekv_ig_shape){c->n_heads,   c->n_kv_heads,       c->head_dim,  p->kv_rowb,
+                           p->cfg.alpha, p->cfg.max_fraction, p->cfg.select};
+}
+
+/* Sequence `item`'s selection at a unit of layer `layer`: its scores' offset, its key, its pool's
+ * layer (with one) and where the selection goes (sel, m); the caller sets the scratch and, for
+ * the kernel, where the rows go. */
+static rekv_ig_seq ig_seq_of(const rekv_pipeline *p, const step *st, int item, int layer,
+                             int32_t *sel, int *m)
+{
+    const rekv_pseq *s = st->items[item].seq;
+    int len = s->len;
+    rekv_ig_seq q = {.scores = st->ig_off[item],
+                     .len = len,
+                     .dev = pl_dev_part(s, len),
+                     .key = ig_key(p, item, layer, len),
+                     .sel = sel,
+                     .m = m};
+    if (s->pool.count) {
+        size_t base = (size_t)layer * (size_t)p->c->n_kv_heads;
+        q.count = s->pool.count + base * (size_t)s->pool.cap;
+        q.gone = s->pool.gone + base * (size_t)s->pool.cap;
+        q.n_gone = s->pool.n_gone + base;
+        q.cap = s->pool.cap;
+        q.limit = s->pool.limit;
+        q.policy = (int)s->pool.policy;
+    }
+    return q;
+}
+
+/* The selection of batch item j of a unit (layer > 0) by the step thread, a pure function of its
+ * speculated scores on the host (~0.3 ms per sequence and layer on a 7B model). */
 static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
 {
-    rekv_pipeline *p = u->p;
     ig_unit *iu = u->ctx;
-    const rekv_model_config *c = p->c;
-    int item = u->g0 + j, nh = c->n_heads, kvh = c->n_kv_heads;
-    rekv_pseq *s = u->st->items[item].seq;
-    int len = s->len, dev = pl_dev_part(s, len), rest = len - dev;
-    const float *scores = p->ig.host + u->st->ig_off[item];
-    /* the device-resident part [0, dev) is attended whole, from the device; the selection is
-     * among the tokens the link serves, [dev, len), on their own scores */
-    if (dev > 0 && rest > 0) {
-        float *sub = scratch + (size_t)(kvh + 1) * (size_t)len;
-        for (int h = 0; h < nh; h++)
-            memcpy(sub + (size_t)h * (size_t)rest, scores + (size_t)h * (size_t)len + (size_t)dev,
-                   sizeof(float) * (size_t)rest);
-        scores = sub;
-    }
-    uint64_t key = ig_key(p, item, u->layer, len);
-    if (s->pool.count) { /* no device part with a pool: rest = len */
-        iu->sel_m[j] = ig_select_pooled(u, j, scratch, key);
-        return;
-    }
-    iu->sel_m[j] = rest > 0
-                       ? rekv_ig_select(scores, nh, kvh, rest, p->cfg.alpha, p->cfg.max_fraction,
-                                        p->cfg.select, key, iu->sel[j], scratch)
-                       : 0;
+    rekv_ig_seq q = ig_seq_of(u->p, u->st, u->g0 + j, u->layer, iu->sel[j], &iu->sel_m[j]);
+    rekv_ig_shape sh = ig_shape(u->p);
+    q.scratch = scratch;
+    rekv_ig_select_seq(u->p->ig.host, &q, &sh);
 }
 
 /* The unit's selection, every sparse item's, on the pool (its scores on the host). */
@@ -967,8 +997,7 @@ int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_s
         if ((iu->sel[j] = pl_smem_alloc(&st->mem, sizeof(int32_t) * (size_t)kvh * (size_t)len)) ==
             NULL)
             return -ENOMEM;
-        /* rekv_ig_select's scratch, then the scores past a device-resident part */
-        size_t need = (size_t)len * (size_t)(kvh + 1 + c->n_heads + ig_pool_lists(p));
+        size_t need = rekv_ig_scratch_floats(len, c->n_heads, kvh); /* the step thread's */
         iu->per = need > iu->per ? need : iu->per;
         pieces += 2 * (size_t)kvh * (size_t)ig_most(p, len - dev);
         if (!st->ig_wait) { /* the device's selection may fetch from any block past dev */
@@ -985,14 +1014,10 @@ int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_s
                 blocks[t / REKV_KV_BLOCK_TOKENS] = kb->offset;
             }
             /* the descriptor's fields are set once the unit's plan has made them (unit_fetch) */
-            iu->seqs[iu->n] = (rekv_ig_seq){.scores = st->ig_off[item],
-                                            .scratch = (float *)p->ig.sscr.p + st->ig_scr[item],
-                                            .len = len,
-                                            .dev = dev,
-                                            .key = ig_key(p, item, layer, len),
-                                            .sel = iu->sel[j],
-                                            .m = &iu->sel_m[j],
-                                            .blocks = blocks};
+            rekv_ig_seq *q = &iu->seqs[iu->n];
+            *q = ig_seq_of(p, st, item, layer, iu->sel[j], &iu->sel_m[j]);
+            q->scratch = (float *)p->ig.sscr.p + st->ig_scr[item];
+            q->blocks = blocks;
         }
         iu->items[iu->n++] = j;
     }
@@ -1059,15 +1084,13 @@ void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io)
     ig_unit *iu = io->ig;
     if (iu == NULL || iu->st->ig_wait) /* no selection, or one the plan made */
         return;
-    const rekv_model_config *c = p->c;
     for (int i = 0; i < iu->n; i++) { /* where the plan put each item's buffer and new row */
         rekv_attn_seq *d = &iu->d[iu->items[i]];
         iu->seqs[i].kv = d->kv;
         iu->seqs[i].start = &d->start;
         iu->seqs[i].slot = &iu->kv_pos[d->row0];
     }
-    rekv_ig_shape shape = {c->n_heads,   c->n_kv_heads,       c->head_dim,  p->kv_rowb,
-                           p->cfg.alpha, p->cfg.max_fraction, p->cfg.select};
+    rekv_ig_shape shape = ig_shape(p);
     rekv_stream *sh = p->s_h2d;
     p->bi->stream_wait_event(sh, p->ig.ev[iu->g]);
     p->k->ig_select(sh, p->ig.scores.p, iu->seqs, iu->n, &shape, p->arena_dev, iu->pieces,

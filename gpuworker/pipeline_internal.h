@@ -252,6 +252,7 @@ struct rekv_pseq {
     float *pk;        /* infinigen, clo: partial keys [n_layers][cap][n_kv][rk] fp32 (device) */
     rekv_kv_pool pool; /* infinigen with cfg.kv_pool_bytes: which entries of each (layer > 0, KV
                           head) are still in the pool (kv_pool.h); zero (count NULL) otherwise */
+    void *pool_mem;    /* its state, host_alloc memory: the device's selection updates it */
     int kv_parts, act_parts; /* hybrid: the KV:ACT pattern of its blocks, the pipeline's when the
                                 sequence was made (a later rekv_pipeline_set_step leaves it) */
     /* clo (mode_clo.c): layer 0's whole cache and, per layer > 0, a head cache

@@ -36,6 +36,7 @@ int main(void)
 #include "gpuworker/device/backend_cuda.h"
 #include "gpuworker/heads.h"
 #include "gpuworker/kernels.h"
+#include "gpuworker/kv_pool.h"
 #include "gpuworker/pipeline.h"
 #include "gpuworker/skew.h"
 #include "loader/gguf.h"
@@ -2685,17 +2686,19 @@ static void expect_ig_rows(const char *what, const rekv_ig_seq *q, const int32_t
             }
 }
 
-/* ig_select on cuda against the cpu's (rekv_ig_select's bits): three sequences (one with a
- * device-resident part), two KV heads of four query heads, each way of selecting. The count m,
- * the random and the whole selections, the descriptors' start and the new rows' slots must be
- * the cpu's exactly; the speculated top m may differ only at tokens whose summed probability,
- * computed here in double, is within 1e-5 of the m-th (cuda's exponential and sums are its
- * own); and each backend's pieces are the rows of its own selection, in order. */
+/* ig_select on cuda against the cpu's (rekv_ig_select_seq's bits): four sequences — one with a
+ * device-resident part, one with a KV pool that has evicted a hundred entries of each KV head
+ * and will evict one more — two KV heads of four query heads, each way of selecting (the pool
+ * reset before each). The count m, the random and the whole selections, the descriptors' start
+ * and the new rows' slots must be the cpu's exactly; the speculated top m may differ only at
+ * tokens whose summed probability, computed here in double, is within 1e-5 of the m-th (cuda's
+ * exponential and sums are its own); where the selections agree the pool's counters, evictions
+ * and victims must too; and each backend's pieces are the rows of its own selection, in order. */
 START_TEST(kernel_ig_select)
 {
     backends_open();
-    enum { N = 3, NH = 8, NKV = 2, HD = 64, GROUP = NH / NKV };
-    const int lens[N] = {40, 300, 1000}, devs[N] = {0, 16, 0};
+    enum { N = 4, NH = 8, NKV = 2, HD = 64, GROUP = NH / NKV, POOL = 3, CAP = 600, GONE = 100 };
+    const int lens[N] = {40, 300, 1000, 500}, devs[N] = {0, 16, 0, 0}, limit = 400;
     rekv_ig_shape shape = {NH, NKV, HD, HD * sizeof(float), 1.0f, 0.3f, REKV_SELECT_SPECULATE};
     size_t total = 0, off[N], room = 0;
     for (int j = 0; j < N; j++) {
@@ -2714,7 +2717,24 @@ START_TEST(kernel_ig_select)
     size_t *hn = malloc(sizeof(size_t)), *dn = meta(sizeof(size_t));
     float *hscr[N], *dscr[N];
     uint64_t *blocks[N];
-    ck_assert(arena && kv && hm && hstart && hslot && hp && hn);
+    /* the pool: counters and evicted flags [NKV][CAP], evictions [NKV]; its state before */
+    size_t pb = 2 * (size_t)NKV * CAP + sizeof(int) * NKV;
+    uint8_t *pool0 = malloc(pb), *hpool = malloc(pb), *dpool = meta(pb);
+    ck_assert(arena && kv && hm && hstart && hslot && hp && hn && pool0 && hpool);
+    int *gone0 = (int *)(pool0 + 2 * (size_t)NKV * CAP);
+    for (int g = 0; g < NKV; g++) {
+        uint8_t *cnt = pool0 + (size_t)g * CAP, *gone = pool0 + (size_t)(NKV + g) * CAP;
+        for (int t = 0; t < CAP; t++)
+            cnt[t] = (uint8_t)irand(200), gone[t] = 0;
+        cnt[17 + g] = REKV_KV_POOL_COUNT_MAX - 1; /* two about to saturate */
+        cnt[250 + g] = REKV_KV_POOL_COUNT_MAX - 1;
+        for (int k = 0; k < GONE;) { /* a hundred evicted, elsewhere for each head */
+            int t = irand(lens[POOL]);
+            if (!gone[t] && t != 17 + g && t != 250 + g)
+                gone[t] = 1, k++;
+        }
+        gone0[g] = GONE;
+    }
     for (int j = 0; j < N; j++) {
         size_t nsel = (size_t)NKV * lens[j], nscr = rekv_ig_scratch_floats(lens[j], NH, NKV);
         int nb = lens[j] / 16 + 1;
@@ -2727,22 +2747,49 @@ START_TEST(kernel_ig_select)
         for (int b = 0; b < nb; b++) /* blocks scattered over the arena */
             blocks[j][b] = (uint64_t)((b * 37 + j * 11) % 64) * 2 * NKV * 16 * HD * sizeof(float);
         uint64_t key = 0x1234567ull * (uint64_t)(j + 1);
-        hq[j] = (rekv_ig_seq){off[j], hscr[j],   lens[j], devs[j],    key,      hsel[j],
-                              &hm[j], blocks[j], kv,      &hstart[j], &hslot[j]};
-        dq[j] = (rekv_ig_seq){off[j], dscr[j],   lens[j], devs[j],    key,      dsel[j],
-                              &dm[j], blocks[j], kv,      &dstart[j], &dslot[j]};
+        hq[j] = (rekv_ig_seq){.scores = off[j],
+                              .scratch = hscr[j],
+                              .len = lens[j],
+                              .dev = devs[j],
+                              .key = key,
+                              .sel = hsel[j],
+                              .m = &hm[j],
+                              .blocks = blocks[j],
+                              .kv = kv,
+                              .start = &hstart[j],
+                              .slot = &hslot[j]};
+        dq[j] = (rekv_ig_seq){.scores = off[j],
+                              .scratch = dscr[j],
+                              .len = lens[j],
+                              .dev = devs[j],
+                              .key = key,
+                              .sel = dsel[j],
+                              .m = &dm[j],
+                              .blocks = blocks[j],
+                              .kv = kv,
+                              .start = &dstart[j],
+                              .slot = &dslot[j]};
+    }
+    uint8_t *pools[2] = {hpool, dpool};
+    rekv_ig_seq *pq[2] = {&hq[POOL], &dq[POOL]};
+    for (int side = 0; side < 2; side++) {
+        pq[side]->count = pools[side];
+        pq[side]->gone = pools[side] + (size_t)NKV * CAP;
+        pq[side]->n_gone = (int *)(pools[side] + 2 * (size_t)NKV * CAP);
+        pq[side]->cap = CAP, pq[side]->limit = limit, pq[side]->policy = REKV_KV_POOL_COUNTER;
     }
     static const rekv_select hows[] = {REKV_SELECT_SPECULATE, REKV_SELECT_RANDOM, REKV_SELECT_ALL};
     static const char *names[] = {"speculate", "random", "all"};
     for (int w = 0; w < 3; w++) {
         shape.how = hows[w];
+        memcpy(hpool, pool0, pb), memcpy(dpool, pool0, pb);
         rekv_cpu_kernels.ig_select(g_scpu, sc, hq, N, &shape, arena, hp, hn);
         sync_cpu();
         rekv_kernels_of(g_cu)->ig_select(g_scu, dsc, dq, N, &shape, arena, dp, dn);
         sync_cu();
         size_t k = 0;
         for (int j = 0; j < N; j++) {
-            int rest = lens[j] - devs[j], m = hm[j];
+            int rest = lens[j] - devs[j], m = hm[j], same = 1;
             char what[64];
             snprintf(what, sizeof(what), "%s, sequence %d", names[w], j);
             ck_assert_msg(dm[j] == m, "%s: cuda takes %d tokens per KV head, cpu %d", what, dm[j],
@@ -2750,21 +2797,50 @@ START_TEST(kernel_ig_select)
             ck_assert_msg(dstart[j] == devs[j] + m && dslot[j] == devs[j] + m &&
                               hstart[j] == devs[j] + m && hslot[j] == devs[j] + m,
                           "%s: start and slot are not dev + m", what);
-            ck_assert(m >= 1 && m <= rest);
+            ck_assert(m >= 1 && m <= rest - (j == POOL ? GONE : 0));
             for (int g = 0; g < NKV; g++) {
                 const int32_t *a = dsel[j] + (size_t)g * rest, *b = hsel[j] + (size_t)g * rest;
-                for (int i = 1; i < m; i++)
-                    ck_assert_msg(a[i - 1] < a[i], "%s: head %d's tokens not ascending", what, g);
+                const uint8_t *gone = pool0 + (size_t)(NKV + g) * CAP;
+                for (int i = 0; i < m; i++)
+                    ck_assert_msg((i == 0 || a[i - 1] < a[i]) && (j != POOL || !gone[a[i]]),
+                                  "%s: head %d's tokens not ascending, or one evicted", what, g);
+                same &= memcmp(a, b, sizeof(int32_t) * (size_t)m) == 0;
                 if (hows[w] != REKV_SELECT_SPECULATE) {
-                    ck_assert_msg(memcmp(a, b, sizeof(int32_t) * (size_t)m) == 0,
-                                  "%s: KV head %d selected other tokens than on cpu", what, g);
+                    ck_assert_msg(same, "%s: KV head %d selected other tokens than on cpu", what,
+                                  g);
                     continue;
                 }
-                double *p = group_probs_d(sc + off[j] + (size_t)g * GROUP * lens[j], lens[j], GROUP,
-                                          devs[j], rest);
+                /* the group's summed softmax over what it selects among, in double, by
+                 * position (0 where evicted) */
+                const float *gs = sc + off[j] + (size_t)g * GROUP * lens[j];
+                double *p = calloc((size_t)rest, sizeof(double));
+                ck_assert(p != NULL);
+                if (j == POOL) {
+                    int n = lens[j] - GONE, *live = malloc(sizeof(int) * (size_t)n), i = 0;
+                    float *sub = malloc(sizeof(float) * (size_t)GROUP * n);
+                    for (int t = 0; t < lens[j]; t++)
+                        if (!gone[t])
+                            live[i++] = t;
+                    for (int h = 0; h < GROUP; h++)
+                        for (i = 0; i < n; i++)
+                            sub[(size_t)h * n + i] = gs[(size_t)h * lens[j] + live[i]];
+                    double *pl = group_probs_d(sub, n, GROUP, 0, n);
+                    for (i = 0; i < n; i++)
+                        p[live[i]] = pl[i];
+                    free(pl), free(sub), free(live);
+                } else {
+                    double *pd = group_probs_d(gs, lens[j], GROUP, devs[j], rest);
+                    memcpy(p, pd, sizeof(double) * (size_t)rest);
+                    free(pd);
+                }
                 expect_same_top(what, a, b, m, p, rest);
                 free(p);
             }
+            if (j == POOL && same) /* the pool moved alike */
+                ck_assert_msg(memcmp(hpool, dpool, pb) == 0,
+                              "%s: the pool's counters or evictions differ from the cpu's", what);
+            if (j == POOL) /* the new entry fits: an eviction past the hundred */
+                ck_assert_int_eq(pq[0]->n_gone[0], lens[POOL] + 1 - limit);
             expect_ig_rows(what, &dq[j], dsel[j], m, &shape, arena, dp + k);
             expect_ig_rows(what, &hq[j], hsel[j], m, &shape, arena, hp + k);
             k += 2 * (size_t)NKV * (size_t)m;
@@ -2777,8 +2853,9 @@ START_TEST(kernel_ig_select)
         meta_free(blocks[j]);
     }
     meta_free(dq), meta_free(dm), meta_free(dstart), meta_free(dslot), meta_free(dp);
-    meta_free(dn);
+    meta_free(dn), meta_free(dpool);
     free(hm), free(hstart), free(hslot), free(hp), free(hn), free(sc), free(arena), free(kv);
+    free(pool0), free(hpool);
     dev_free(dsc);
     backends_close();
 }

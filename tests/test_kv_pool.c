@@ -45,7 +45,7 @@ static void check_trace(rekv_kv_pool_policy policy, int limit, int len0, int ste
     rekv_kv_pool kp;
     rekv_err err = {0};
     /* two pools: the second one is never touched and must not feel the first's halving */
-    ck_assert_msg(rekv_kv_pool_init(&kp, 2, cap, limit, policy, &err) == 0, "%s", err.msg);
+    ck_assert_msg(rekv_kv_pool_init(&kp, NULL, 2, cap, limit, policy, &err) == 0, "%s", err.msg);
     char *dir = tu_tmpdir(), path[4200], *cmd = NULL, *out = NULL;
     snprintf(path, sizeof(path), "%s/trace.json", dir);
     json_t *jsteps = json_array();

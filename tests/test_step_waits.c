@@ -8,11 +8,12 @@
  *     (clo_decide, ig_select), and the rows they name move by a copy whose list they wrote
  *     (copy_h2d_listed), so the device does not wait for the host either;
  *   - infinigen where the plan needs the selection (push, KVPR within the selection on an MHA
- *     model, a KV pool) still waits once per selecting unit, as it says; on GQA a split does not;
+ *     model) still waits once per selecting unit, as it says; on GQA a split does not, nor does a
+ *     KV pool (its counters and victims are updated on the device too);
  * and that infinigen's tokens did not move with its selection: selecting every token equals
  * resident bit for bit, and the selection the device makes gives the same logits and counters,
  * bit for bit, as the one the step thread makes (push; a split, whose recomputed rows carry the
- * same values). */
+ * same values; a KV pool that evicts). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -198,7 +199,7 @@ START_TEST(decode_step_waits)
         /* the step thread's own selection, where the plan needs it */
         {"infinigen with push", REKV_MODE_INFINIGEN, 0, 1, 0, 0, 1},
         {"infinigen with a split", REKV_MODE_INFINIGEN, 40, 0, 0, 0, 1},
-        {"infinigen with a KV pool", REKV_MODE_INFINIGEN, 0, 0, 0, 1, 1},
+        {"infinigen with a KV pool", REKV_MODE_INFINIGEN, 0, 0, 0, 1, 0},
     };
     const rekv_model_config *c = &x.f.m->config;
     for (int G = 1; G <= 2; G++)
@@ -230,7 +231,7 @@ START_TEST(infinigen_tokens_unchanged)
         for (size_t si = 0; si < 2; si++) {
             rekv_pipeline_config cfg;
             char what[96];
-            run ref, all, sel, push, split;
+            run ref, all, sel, push, split, pool, pool_push;
             /* every token selected: resident's bits */
             config(&x, REKV_MODE_RESIDENT, G, g_scheds[si], &cfg);
             do_run(&x, &cfg, &ref);
@@ -260,7 +261,21 @@ START_TEST(infinigen_tokens_unchanged)
             for (int l = 1; l < x.f.m->config.n_layers; l++)
                 recomputed += split.layers[l].tokens_recomputed;
             ck_assert_msg(recomputed > 0, "the split recomputed no selected token");
+            /* a KV pool one token past the longest prompt (a prefill attends every token): the
+             * longest sequence evicts from its second decode step on, and the counters and
+             * victims move on the device as on the step thread */
+            const rekv_model_config *c = &x.f.m->config;
+            cfg.split = 0;
+            cfg.kv_pool_bytes = (size_t)(g_lens[2] + 1) * (size_t)(c->n_layers - 1) * 2 *
+                                (size_t)c->n_kv_heads * (size_t)c->head_dim * sizeof(float);
+            do_run(&x, &cfg, &pool);
+            cfg.push = 1;
+            do_run(&x, &cfg, &pool_push);
+            snprintf(what, sizeof(what), "a KV pool's selection, %d GPU batches, schedule %zu", G,
+                     si);
+            expect_same(&x, &pool_push, &pool, 1, what);
             run_free(&ref), run_free(&all), run_free(&sel), run_free(&push), run_free(&split);
+            run_free(&pool), run_free(&pool_push);
         }
     env_close(&x);
 }
