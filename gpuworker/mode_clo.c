@@ -94,52 +94,55 @@ static int clo_create(rekv_pipeline *p, rekv_err *err)
                                "systemd LimitMEMLOCK)"
                              : "cannot do");
     int L = c->n_layers, nh = c->n_heads, nkv = c->n_kv_heads, group = nh / nkv;
-    p->clo.tau = malloc(sizeof(double) * (size_t)L * (size_t)nkv);
-    p->clo.imp = malloc(sizeof(double) * (size_t)L * (size_t)nh);
+    size_t bt = sizeof(double) * (size_t)L * (size_t)nkv,
+           bi = sizeof(double) * (size_t)L * (size_t)nh, bp = (size_t)L * (size_t)nkv;
+    double *tau = malloc(bt); /* computed here, kept on the device */
     p->clo.persist = calloc((size_t)L * (size_t)nkv, 1);
     p->clo.hits = calloc((size_t)L * (size_t)nkv, sizeof(uint64_t));
     p->clo.misses = calloc((size_t)L * (size_t)nkv, sizeof(uint64_t));
-    if (p->clo.tau == NULL || p->clo.imp == NULL || p->clo.persist == NULL || p->clo.hits == NULL ||
-        p->clo.misses == NULL)
+    if (tau == NULL || p->clo.persist == NULL || p->clo.hits == NULL || p->clo.misses == NULL) {
+        free(tau);
         return rekv_errf(err, -ENOMEM, "pipeline: out of memory");
-    memcpy(p->clo.imp, hp->importance, sizeof(double) * (size_t)L * (size_t)nh);
+    }
     for (int l = 0; l < L; l++) {
         for (int g = 0; g < nkv; g++) {
             double imax = 0;
             for (int h = g * group; h < (g + 1) * group; h++)
                 imax = fmax(imax, hp->importance[(size_t)l * (size_t)nh + (size_t)h]);
-            p->clo.tau[(size_t)l * (size_t)nkv + (size_t)g] =
+            tau[(size_t)l * (size_t)nkv + (size_t)g] =
                 rekv_heads_tau(imax, p->cfg.eta, p->cfg.power);
         }
         if (l > 0) /* layer 0 stays on the device whole anyway */
             rekv_heads_persistent(hp, l, p->cfg.eta, p->cfg.power, REKV_HEADS_EPSILON,
                                   p->cfg.persist_np, p->clo.persist + (size_t)l * (size_t)nkv);
     }
-    /* the decisions' constants on the device, which decides */
-    size_t bt = sizeof(double) * (size_t)L * (size_t)nkv,
-           bi = sizeof(double) * (size_t)L * (size_t)nh, bp = (size_t)L * (size_t)nkv;
-    p->clo.tau_dev = p->bi->dev_alloc(p->be, bt);
-    p->clo.imp_dev = p->bi->dev_alloc(p->be, bi);
+    /* the decisions' constants on the device, which decides: tau, the profile's importances as
+     * they are, the persistent heads (the plan reads those on the host too) */
+    p->clo.tau = p->bi->dev_alloc(p->be, bt);
+    p->clo.imp = p->bi->dev_alloc(p->be, bi);
     p->clo.persist_dev = p->bi->dev_alloc(p->be, bp);
-    if (p->clo.tau_dev == NULL || p->clo.imp_dev == NULL || p->clo.persist_dev == NULL)
-        return rekv_errf(err, -ENOMEM, "pipeline: out of device memory");
-    rekv_copy_piece pc[3] = {{p->clo.tau_dev, p->clo.tau, bt},
-                             {p->clo.imp_dev, p->clo.imp, bi},
-                             {p->clo.persist_dev, p->clo.persist, bp}};
-    p->bi->copy_h2d(p->s_h2d, pc, 3, REKV_XFER_WEIGHTS);
-    return p->bi->stream_sync(p->s_h2d, err);
+    int rc = 0;
+    if (p->clo.tau == NULL || p->clo.imp == NULL || p->clo.persist_dev == NULL) {
+        rc = rekv_errf(err, -ENOMEM, "pipeline: out of device memory");
+    } else {
+        rekv_copy_piece pc[3] = {{p->clo.tau, tau, bt},
+                                 {p->clo.imp, hp->importance, bi},
+                                 {p->clo.persist_dev, p->clo.persist, bp}};
+        p->bi->copy_h2d(p->s_h2d, pc, 3, REKV_XFER_WEIGHTS);
+        rc = p->bi->stream_sync(p->s_h2d, err);
+    }
+    free(tau);
+    return rc;
 }
 
 static void clo_free(rekv_pipeline *p)
 {
-    if (p->clo.tau_dev)
-        p->bi->dev_free(p->be, p->clo.tau_dev);
-    if (p->clo.imp_dev)
-        p->bi->dev_free(p->be, p->clo.imp_dev);
+    if (p->clo.tau)
+        p->bi->dev_free(p->be, p->clo.tau);
+    if (p->clo.imp)
+        p->bi->dev_free(p->be, p->clo.imp);
     if (p->clo.persist_dev)
         p->bi->dev_free(p->be, p->clo.persist_dev);
-    free(p->clo.tau);
-    free(p->clo.imp);
     free(p->clo.persist);
     free(p->clo.hits);
     free(p->clo.misses);
@@ -321,13 +324,11 @@ static int clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_i
     if (cu == NULL)
         return -ENOMEM;
     *cu = (clo_unit){.g = g, .layer = layer, .max_pieces = pieces};
-    cu->items = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)n);
     cu->at = pl_smem_alloc(&st->mem, sizeof(int) * (size_t)nb);
     cu->seqs = pl_smem_alloc(&st->mem, sizeof(rekv_clo_seq) * (size_t)n);
     cu->rows0 = pl_smem_alloc(&st->mem, sizeof(uint64_t) * (size_t)n);
     cu->pieces = pl_smem_alloc(&st->mem, sizeof(rekv_copy_piece) * pieces);
-    if (cu->items == NULL || cu->at == NULL || cu->seqs == NULL || cu->rows0 == NULL ||
-        cu->pieces == NULL)
+    if (cu->at == NULL || cu->seqs == NULL || cu->rows0 == NULL || cu->pieces == NULL)
         return -ENOMEM;
     for (int j = 0; j < nb; j++) {
         int item = g0 + j;
@@ -364,8 +365,7 @@ static int clo_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, unit_i
         cu->rows0[cu->n] = 0;
         for (int h = 0; h < nkv; h++) /* counted as nothing unless the decisions run */
             outs[h] = -1;
-        cu->at[j] = cu->n;
-        cu->items[cu->n++] = j;
+        cu->at[j] = cu->n++;
     }
     cu->next = st->clo_units;
     st->clo_units = cu;
@@ -456,8 +456,8 @@ static void clo_unit_fetch(rekv_pipeline *p, clo_unit *cu)
                             c->head_dim,
                             p->kv_rowb,
                             p->cfg.max_fraction,
-                            p->clo.imp_dev + L * (size_t)c->n_heads,
-                            p->clo.tau_dev + L * (size_t)c->n_kv_heads,
+                            p->clo.imp + L * (size_t)c->n_heads,
+                            p->clo.tau + L * (size_t)c->n_kv_heads,
                             p->clo.persist_dev + L * (size_t)c->n_kv_heads};
     rekv_stream *sh = p->s_h2d;
     p->bi->stream_wait_event(sh, p->ig.ev[cu->g]);

@@ -810,27 +810,6 @@ static int ig_recompute_pick(int32_t *votes, int rest, int kvh, int hd, int hidd
     return r;
 }
 
-static void unit_job_chunk(void *arg, int chunk, int slot)
-{
-    const pl_unit_job *u = arg;
-    u->fn(u, u->items[chunk], u->p->ig.scratch + (size_t)slot * u->per);
-}
-
-int pl_ig_unit_run(const pl_unit_job *u, int n)
-{
-    if (n == 0)
-        return 0;
-    /* each thread's scratch (pl_ig_prepare sized it for the threads there were then) */
-    size_t fit = u->per ? u->p->ig.scratch_cap / u->per : 0;
-    int threads = cpu_gemm_threads();
-    if ((size_t)threads > fit)
-        threads = (int)fit;
-    if (threads == 0)
-        return -ENOMEM;
-    cpu_pool_run(unit_job_chunk, (void *)u, n, threads);
-    return 0;
-}
-
 /* With a KV pool (no device part): each KV head selects among the entries still in its pool —
  * the scores of its query group gathered at the live positions, the selection mapped back to
  * positions (ascending, as slots want) — the selected entries' counters go up, and then each pool
@@ -935,22 +914,34 @@ static rekv_ig_seq ig_seq_of(const rekv_pipeline *p, const step *st, int item, i
     return q;
 }
 
-/* The selection of batch item j of a unit (layer > 0) by the step thread, a pure function of its
- * speculated scores on the host (~0.3 ms per sequence and layer on a 7B model). */
-static void ig_select_one(const pl_unit_job *u, int j, float *scratch)
+/* The pool's chunk of a unit's selection by the step thread: batch item iu->items[chunk], a pure
+ * function of its speculated scores on the host (~0.3 ms per sequence and layer on a 7B model),
+ * with its thread's scratch. */
+static void ig_select_chunk(void *arg, int chunk, int slot)
 {
-    ig_unit *iu = u->ctx;
-    rekv_ig_seq q = ig_seq_of(u->p, u->st, u->g0 + j, u->layer, iu->sel[j], &iu->sel_m[j]);
-    rekv_ig_shape sh = ig_shape(u->p);
-    q.scratch = scratch;
-    rekv_ig_select_seq(u->p->ig.host, &q, &sh);
+    ig_unit *iu = arg;
+    int j = iu->items[chunk];
+    rekv_ig_seq q = ig_seq_of(iu->p, iu->st, iu->g0 + j, iu->layer, iu->sel[j], &iu->sel_m[j]);
+    rekv_ig_shape sh = ig_shape(iu->p);
+    q.scratch = iu->p->ig.scratch + (size_t)slot * iu->per;
+    rekv_ig_select_seq(iu->p->ig.host, &q, &sh);
 }
 
-/* The unit's selection, every sparse item's, on the pool (its scores on the host). */
+/* The unit's selection, every sparse item's, on the pool (its scores on the host). 0, or -ENOMEM
+ * when not even one thread's scratch fits. */
 static int ig_unit_select(ig_unit *iu)
 {
-    pl_unit_job u = {iu->p, iu->st, iu->g0, iu->layer, iu, iu->items, iu->per, ig_select_one};
-    return pl_ig_unit_run(&u, iu->n);
+    if (iu->n == 0)
+        return 0;
+    /* each thread's scratch (pl_ig_prepare sized it for the threads there were then) */
+    size_t fit = iu->per ? iu->p->ig.scratch_cap / iu->per : 0;
+    int threads = cpu_gemm_threads();
+    if ((size_t)threads > fit)
+        threads = (int)fit;
+    if (threads == 0)
+        return -ENOMEM;
+    cpu_pool_run(ig_select_chunk, iu, iu->n, threads);
+    return 0;
 }
 
 /* The most tokens per KV head rekv_ig_select takes of `rest` (its count, capped) */

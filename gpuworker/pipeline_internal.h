@@ -228,12 +228,13 @@ struct rekv_pipeline {
     } gr;
     ig_state ig;                 /* infinigen, and clo's speculation */
     struct {                     /* clo (mode_clo.c) */
-        double *tau;             /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9) */
-        double *imp;             /* [n_layers][n_heads] query head importance (Eq. 10's weights) */
+        double *tau;             /* [n_layers][n_kv] reuse threshold of each KV head (Eq. 7-9;
+                                    device: the decisions read it) */
+        double *imp;             /* [n_layers][n_heads] query head importance (Eq. 10's weights;
+                                    device) */
         uint8_t *persist;        /* [n_layers][n_kv] the KV head keeps its whole KV (Eq. 13) */
+        uint8_t *persist_dev;    /* ... its device copy, for the decisions */
         uint64_t *hits, *misses; /* [n_layers][n_kv] rekv_pipeline_head_cache_counts' */
-        double *tau_dev, *imp_dev; /* device copies of tau, imp and persist, which the */
-        uint8_t *persist_dev;      /* decisions read (clo_decide) */
     } clo;
 };
 
@@ -386,7 +387,6 @@ typedef struct unit_io {
 typedef struct clo_unit {
     int g, layer;
     int n;                   /* sparse items */
-    int *items;              /* [n] their indices in the batch */
     int *at;                 /* [batch items] the index in seqs of a sparse one */
     rekv_clo_seq *seqs;      /* [n] the kernel's sequences */
     uint64_t *rows0;         /* [n] rows the plan fetched already (a fresh cache, persistent
@@ -577,20 +577,6 @@ int pl_ig_unit_prepare(rekv_pipeline *p, step *st, int g, int layer, rekv_attn_s
 /* The unit_fetch and step_done entries of infinigen's mode table. */
 void pl_ig_unit_fetch(rekv_pipeline *p, const unit_io *io);
 int pl_ig_step_done(rekv_pipeline *p, step *st, rekv_err *err);
-/* A unit's per-sequence host work (infinigen's selection by the step thread) on the pool, with
- * the unit's speculated scores on the host: fn(job, j, scratch) for each batch index j of
- * items[0..n), scratch its thread's per floats of p->ig.scratch. 0, or -ENOMEM when not even one
- * thread's scratch fits. */
-typedef struct pl_unit_job {
-    rekv_pipeline *p;
-    step *st;
-    int g0, layer;
-    void *ctx; /* the caller's: infinigen's ig_unit */
-    const int *items;
-    size_t per;
-    void (*fn)(const struct pl_unit_job *job, int j, float *scratch);
-} pl_unit_job;
-int pl_ig_unit_run(const pl_unit_job *job, int n);
 int pl_ig_item_plan(rekv_pipeline *p, step *st, int item, int j, int layer, const range_ref *kr,
                     const range_ref *ar, int b, rekv_attn_seq *d, unit_io *io);
 int pl_ig_new_row_store(rekv_pipeline *p, const range_ref *kr, const uint8_t *buf, int len,
