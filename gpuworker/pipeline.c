@@ -683,21 +683,6 @@ static void unit_stores(rekv_pipeline *p, const unit_run *u)
     p->bi->event_record(p->ev_attn_free[b], sd);
 }
 
-/* The work of streams s[0..n) waited for as one blocking call (streams_sync where the backend
- * has it, else a stream_sync each; a stream's failures are read by its sync alone): the first
- * failure, or 0. */
-static int streams_wait(rekv_pipeline *p, rekv_stream *const *s, int n, rekv_err *err)
-{
-    if (p->bi->streams_sync)
-        return p->bi->streams_sync(s, n, err);
-    int rc = 0;
-    for (int i = 0; i < n; i++) {
-        int r = p->bi->stream_sync(s[i], rc ? NULL : err);
-        rc = rc ? rc : r;
-    }
-    return rc;
-}
-
 /* Unit number un of the step in schedule order: the next layer window where this one ends, the
  * mode's plan (streaming modes), the loads, the speculation for the next layer, the
  * recomputation, the layer, the stores. */
@@ -712,7 +697,7 @@ static int unit_step(rekv_pipeline *p, step *st, int un, int *w_loads, rekv_err 
     if (streams && st->win >= 0 && un == st->win_u0[st->win + 1]) {
         int next = st->win + 1;
         rekv_stream *all[3] = {p->s_h2d, p->s_compute, p->s_d2h};
-        if ((rc = streams_wait(p, all, 3, err)) || (rc = pl_window_unpin(p, st, err)) ||
+        if ((rc = p->bi->streams_sync(all, 3, err)) || (rc = pl_window_unpin(p, st, err)) ||
             (rc = pl_window_pin(p, st, next, err)))
             return rc;
     }
@@ -847,7 +832,7 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     }
     /* every enqueued task refers to step memory: wait for all of it, whatever happened — on
      * each stream the step used (a stream's failures are read by its sync alone), as one
-     * blocking call where the backend has it: the step's one wait. h2d carries a step's loads
+     * blocking call: the step's one wait. h2d carries a step's loads
      * (the store's rows, offloaded weights), d2h its stores. */
     int streams = p->info->store != REKV_STORE_NONE, n_used = 0;
     rekv_stream *used[3];
@@ -856,7 +841,7 @@ int rekv_pipeline_step(rekv_pipeline *p, rekv_pipe_item *items, int n_items, rek
     used[n_used++] = p->s_compute;
     if (streams)
         used[n_used++] = p->s_d2h;
-    int rs = streams_wait(p, used, n_used, rc ? NULL : err);
+    int rs = p->bi->streams_sync(used, n_used, rc ? NULL : err);
     if (rc == 0)
         rc = rs;
     if (p->ops->step_done) {

@@ -543,6 +543,11 @@ static int r_stream_sync(rekv_stream *s, rekv_err *err)
     return rekv_errf(err, -EPROTO, "pipeline: a stream synchronised while a step was recorded");
 }
 
+static int r_streams_sync(rekv_stream *const *s, int n, rekv_err *err)
+{
+    return r_stream_sync(n > 0 ? s[0] : NULL, err);
+}
+
 /* ------------------------------------------------------------------ replay */
 
 /* A recorded kernel launch (an op before OP_H2D), issued through the real kernel table. */
@@ -859,12 +864,12 @@ void pl_graph_init(rekv_pipeline *p)
     p->gr.bi.copy_d2d = r_copy_d2d;
     p->gr.bi.launch_host = r_launch_host;
     p->gr.bi.copy_h2d_listed = NULL; /* infinigen's alone: never in a recorded (resident) step */
-    p->gr.bi.streams_sync = NULL;    /* a recorded step's syncs are stream_sync's */
     p->gr.bi.event_record = r_event_record;
     p->gr.bi.stream_wait_event = r_stream_wait_event;
     p->gr.bi.stream_wait_flag = r_stream_wait_flag;
     p->gr.bi.stream_write_flag = r_stream_write_flag;
     p->gr.bi.stream_sync = r_stream_sync;
+    p->gr.bi.streams_sync = r_streams_sync;
     p->gr.real_bi = p->bi;
     p->gr.real_k = p->k;
     /* REKV_GRAPHS=0 launches every step call by call (to measure what the graphs give) */

@@ -306,9 +306,9 @@ typedef struct rekv_backend_iface {
      * registered range; cuda: the mapping's device address), or NULL when p is in none. NULL:
      * the device reads host memory at its own address (cpu). */
     const void *(*host_mapped)(rekv_backend *be, const void *p);
-    /* optional: stream_sync of s[0..n) as one blocking call (one host sync): waits until the work
-     * of each has finished and returns the first failure in that order (with its message; each
-     * stream's failures are cleared, as stream_sync clears them). NULL: a stream_sync each. */
+    /* stream_sync of s[0..n) as one blocking call (one host sync): waits until the work of each
+     * has finished and returns the first failure in that order (with its message; each stream's
+     * failures are cleared, as stream_sync clears them). */
     int (*streams_sync)(rekv_stream *const *s, int n, rekv_err *err);
 } rekv_backend_iface;
 
